@@ -1,0 +1,85 @@
+//! Annotation and label keys, built once from a configurable domain.
+//!
+//! All keys carry the contract version (`<domain>/v1.<name>`), so a future incompatible
+//! format can live beside this one during an upgrade.
+
+use crate::{CONTRACT_VERSION, DEFAULT_DOMAIN};
+
+/// Every key gpushare reads or writes, for one domain.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Keys {
+    /// Pod: index of the GPU the extender chose (decimal).
+    pub gpu_index: String,
+    /// Pod: UUID of that GPU, from the node's inventory (empty when the node published none).
+    pub gpu_uuid: String,
+    /// Pod: GiB the whole pod holds on its GPU (decimal).
+    pub pod_gib: String,
+    /// Pod: JSON list of the containers that asked for GPU memory, in kubelet's admission order.
+    pub containers: String,
+    /// Pod: RFC 3339 time of the bind decision.
+    pub bind_time: String,
+    /// Pod: `"true"` once the device plugin has allocated every container, else `"false"`.
+    pub assigned: String,
+    /// Pod: comma-separated names of the containers the device plugin has allocated so far.
+    pub allocated: String,
+    /// Node: JSON list of [`crate::GpuInfo`], published by the device plugin.
+    pub node_gpus: String,
+    /// Node label: number of GPUs the device plugin found.
+    pub node_gpu_count: String,
+}
+
+impl Keys {
+    /// Keys under `domain` (for example `gpushare.example.com`).
+    pub fn new(domain: &str) -> Self {
+        let key = |name: &str| format!("{domain}/{CONTRACT_VERSION}.{name}");
+        Self {
+            gpu_index: key("gpu-index"),
+            gpu_uuid: key("gpu-uuid"),
+            pod_gib: key("pod-gib"),
+            containers: key("containers"),
+            bind_time: key("bind-time"),
+            assigned: key("assigned"),
+            allocated: key("allocated"),
+            node_gpus: key("gpus"),
+            node_gpu_count: format!("{domain}/gpu-count"),
+        }
+    }
+
+    /// The keys of the allocation decision itself, which only the extender may write.
+    /// Values a user set on these before bind are ignored and overwritten.
+    pub fn allocation_keys(&self) -> [&str; 7] {
+        [
+            &self.gpu_index,
+            &self.gpu_uuid,
+            &self.pod_gib,
+            &self.containers,
+            &self.bind_time,
+            &self.assigned,
+            &self.allocated,
+        ]
+    }
+}
+
+impl Default for Keys {
+    fn default() -> Self {
+        Self::new(DEFAULT_DOMAIN)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn keys_are_versioned_under_the_domain() {
+        let keys = Keys::new("gpu.acme.io");
+        assert_eq!(keys.gpu_index, "gpu.acme.io/v1.gpu-index");
+        assert_eq!(keys.node_gpus, "gpu.acme.io/v1.gpus");
+        assert_eq!(keys.node_gpu_count, "gpu.acme.io/gpu-count");
+        assert!(
+            keys.allocation_keys()
+                .iter()
+                .all(|k| k.starts_with("gpu.acme.io/v1."))
+        );
+    }
+}

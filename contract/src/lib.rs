@@ -1,0 +1,40 @@
+//! The contract between gpushare's two programs, and between them and the user's pod.
+//!
+//! ```text
+//!   device plugin ──(node annotation  <domain>/v1.gpus, label <domain>/gpu-count)──▶ extender
+//!   extender      ──(pod annotations on the Binding: gpu index/uuid, containers)───▶ device plugin
+//!   device plugin ──(pod annotations <domain>/v1.allocated, <domain>/v1.assigned)──▶ extender
+//!   device plugin ──(container env NVIDIA_VISIBLE_DEVICES, GPUSHARE_*)─────────────▶ application
+//! ```
+//!
+//! Everything either side writes or reads lives here, so the two programs cannot drift apart:
+//! the annotation keys ([`Keys`]), the node's GPU inventory ([`GpuInfo`]), the allocation the
+//! extender records on a pod ([`PodAllocation`]), the environment handed to a container
+//! ([`env`]), and how a pod's GPU-memory request is read from its spec ([`request`]).
+//!
+//! The unit is the GiB: the device plugin advertises one device per whole GiB of a GPU
+//! (`floor(bytes / 2^30)`), and pods ask for whole GiB.
+
+pub mod allocation;
+pub mod env;
+pub mod inventory;
+pub mod keys;
+pub mod request;
+
+pub use allocation::{AllocationError, PodAllocation};
+pub use inventory::{GpuInfo, InventoryError};
+pub use keys::Keys;
+pub use request::{ContainerRequest, PodRequest, RequestError, pod_request};
+
+/// The extended resource pods ask for, in whole GiB of GPU memory.
+pub const DEFAULT_RESOURCE: &str = "example.com/gpu-mem";
+/// The domain under which gpushare's annotations and labels live.
+pub const DEFAULT_DOMAIN: &str = "gpushare.example.com";
+/// The label key an admin sets on nodes that take part.
+pub const DEFAULT_NODE_LABEL_KEY: &str = "gpushare";
+/// The label value an admin sets on nodes that take part.
+pub const DEFAULT_NODE_LABEL_VALUE: &str = "true";
+/// Version of the annotation contract; part of every annotation key.
+pub const CONTRACT_VERSION: &str = "v1";
+/// The largest request, in GiB, a single container may make. Anything larger is a typo.
+pub const MAX_GIB: u64 = 4096;
