@@ -1,0 +1,661 @@
+//! The moving parts: two watches feeding the state, one scheduling loop (one pod at a time, as
+//! kube-scheduler's `scheduleOne`), and a bind task per placed pod so binds overlap with the
+//! next cycles.
+
+use std::collections::HashSet;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Mutex, MutexGuard};
+use std::time::{Duration, Instant};
+
+use anyhow::Context as _;
+use futures::{StreamExt, future};
+use k8s_openapi::api::core::v1::{
+    Binding, Event, EventSource, Node, ObjectReference, Pod, PodCondition,
+};
+use k8s_openapi::apimachinery::pkg::apis::meta::v1::{ObjectMeta, Time};
+use k8s_openapi::jiff::Timestamp;
+use kube::api::{Patch, PatchParams, PostParams};
+use kube::runtime::WatchStreamExt;
+use kube::runtime::watcher::{self, Event as WatchEvent};
+use kube::{Api, Resource};
+use rand::SeedableRng;
+use rand::rngs::StdRng;
+use tokio::sync::{Notify, Semaphore, oneshot};
+use tokio::task::{JoinHandle, JoinSet};
+use tokio_util::sync::CancellationToken;
+use tracing::{debug, info, warn};
+
+use super::SchedulerConfig;
+use super::extender::HttpExtender;
+use super::framework::{self, extender_score, fit_error_message, select_host};
+use super::state::{FailureKind, Popped, QueueConfig, State, pod_key};
+use super::stats::StatsRecorder;
+use super::wire::ExtenderBindingArgs;
+
+/// How long `start` waits for the first list of Pods and Nodes.
+const SYNC_TIMEOUT: Duration = Duration::from_secs(30);
+/// Upstream truncates event notes to this many bytes.
+const EVENT_MESSAGE_LIMIT: usize = 1024;
+
+/// Everything the tasks share.
+pub struct Shared {
+    pub config: SchedulerConfig,
+    client: kube::Client,
+    extenders: Vec<HttpExtender>,
+    state: Mutex<State>,
+    wake: Notify,
+    pub stats: StatsRecorder,
+    binds: Arc<Semaphore>,
+    pub cancel: CancellationToken,
+    rng: Mutex<StdRng>,
+    event_seq: AtomicU64,
+}
+
+/// A pod assumed on a node, waiting for its bind.
+struct BindJob {
+    popped: Popped,
+    host: String,
+}
+
+/// How a scheduling cycle ended without a node.
+enum CycleFailure {
+    Unschedulable(String),
+    Error(String),
+}
+
+impl Shared {
+    /// The state is only mutated synchronously; a panic while holding it would be a bug already
+    /// reported by the panicking task, so the lock is taken over rather than poisoning the driver.
+    fn state(&self) -> MutexGuard<'_, State> {
+        self.state.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    pub fn pending_reason(&self, key: &str) -> Option<String> {
+        self.state().reasons.get(key).cloned()
+    }
+}
+
+pub async fn start(
+    client: kube::Client,
+    config: SchedulerConfig,
+) -> anyhow::Result<(Arc<Shared>, Vec<JoinHandle<()>>)> {
+    let stats = StatsRecorder::default();
+    let extenders = config
+        .extenders
+        .iter()
+        .cloned()
+        .map(|c| HttpExtender::new(c, stats.clone()))
+        .collect();
+    let rng = match config.seed {
+        Some(seed) => StdRng::seed_from_u64(seed),
+        None => StdRng::from_os_rng(),
+    };
+    let shared = Arc::new(Shared {
+        state: Mutex::new(State::new(QueueConfig {
+            scheduler_name: config.scheduler_name.clone(),
+            backoff_initial: config.backoff_initial,
+            backoff_max: config.backoff_max,
+            unschedulable_retry: config.unschedulable_retry,
+        })),
+        binds: Arc::new(Semaphore::new(config.parallel_binds.max(1))),
+        config,
+        client: client.clone(),
+        extenders,
+        wake: Notify::new(),
+        stats,
+        cancel: CancellationToken::new(),
+        rng: Mutex::new(rng),
+        event_seq: AtomicU64::new(0),
+    });
+
+    let (pods_synced, pods_ready) = oneshot::channel();
+    let (nodes_synced, nodes_ready) = oneshot::channel();
+    let mut tasks = vec![
+        tokio::spawn(watch_nodes(
+            shared.clone(),
+            Api::all(client.clone()),
+            nodes_synced,
+        )),
+        tokio::spawn(watch_pods(shared.clone(), Api::all(client), pods_synced)),
+    ];
+    let synced = tokio::time::timeout(SYNC_TIMEOUT, async {
+        nodes_ready
+            .await
+            .context("node watch ended before listing")?;
+        pods_ready.await.context("pod watch ended before listing")
+    })
+    .await;
+    let failure = match synced {
+        Ok(Ok(())) => None,
+        Ok(Err(error)) => Some(error),
+        Err(_) => Some(anyhow::anyhow!(
+            "the API server did not list Pods and Nodes within {SYNC_TIMEOUT:?}"
+        )),
+    };
+    if let Some(error) = failure {
+        shared.cancel.cancel();
+        for task in tasks {
+            task.abort();
+        }
+        return Err(error.context("starting the scheduler driver"));
+    }
+    tasks.push(tokio::spawn(schedule_loop(shared.clone())));
+    info!(scheduler = %shared.config.scheduler_name, extenders = shared.extenders.len(), "scheduler driver started");
+    Ok((shared, tasks))
+}
+
+// ---- Watches ----
+
+async fn watch_pods(shared: Arc<Shared>, api: Api<Pod>, synced: oneshot::Sender<()>) {
+    let mut synced = Some(synced);
+    let mut listing: Option<HashSet<String>> = None;
+    let stream = watcher(api);
+    futures::pin_mut!(stream);
+    loop {
+        let event = tokio::select! {
+            _ = shared.cancel.cancelled() => return,
+            event = stream.next() => event,
+        };
+        let Some(event) = event else { return };
+        let now = Instant::now();
+        let mut state = shared.state();
+        match event {
+            Err(error) => {
+                warn!(%error, "pod watch failed; retrying");
+                continue;
+            }
+            Ok(WatchEvent::Init) => listing = Some(HashSet::new()),
+            Ok(WatchEvent::InitApply(pod)) => {
+                if let Some(seen) = listing.as_mut() {
+                    seen.insert(pod_key(&pod));
+                }
+                state.apply_pod(pod);
+            }
+            Ok(WatchEvent::InitDone) => {
+                if let Some(seen) = listing.take() {
+                    state.retain_pods(&seen);
+                }
+                state.move_all_to_active_or_backoff(now);
+                if let Some(tx) = synced.take() {
+                    let _ = tx.send(());
+                }
+            }
+            Ok(WatchEvent::Apply(pod)) => {
+                if state.apply_pod(pod) {
+                    // A pod finished and freed its node's resources.
+                    state.move_all_to_active_or_backoff(now);
+                }
+            }
+            Ok(WatchEvent::Delete(pod)) => {
+                state.delete_pod(&pod_key(&pod));
+                state.move_all_to_active_or_backoff(now);
+            }
+        }
+        drop(state);
+        shared.wake.notify_one();
+    }
+}
+
+async fn watch_nodes(shared: Arc<Shared>, api: Api<Node>, synced: oneshot::Sender<()>) {
+    let mut synced = Some(synced);
+    let mut listing: Option<HashSet<String>> = None;
+    let stream = watcher(api);
+    futures::pin_mut!(stream);
+    loop {
+        let event = tokio::select! {
+            _ = shared.cancel.cancelled() => return,
+            event = stream.next() => event,
+        };
+        let Some(event) = event else { return };
+        let now = Instant::now();
+        let mut state = shared.state();
+        match event {
+            Err(error) => {
+                warn!(%error, "node watch failed; retrying");
+                continue;
+            }
+            Ok(WatchEvent::Init) => listing = Some(HashSet::new()),
+            Ok(WatchEvent::InitApply(node)) => {
+                if let Some(seen) = listing.as_mut() {
+                    seen.insert(node.metadata.name.clone().unwrap_or_default());
+                }
+                state.apply_node(node);
+            }
+            Ok(WatchEvent::InitDone) => {
+                if let Some(seen) = listing.take() {
+                    state.retain_nodes(&seen);
+                }
+                state.move_all_to_active_or_backoff(now);
+                if let Some(tx) = synced.take() {
+                    let _ = tx.send(());
+                }
+            }
+            Ok(WatchEvent::Apply(node)) => {
+                state.apply_node(node);
+                state.move_all_to_active_or_backoff(now);
+            }
+            Ok(WatchEvent::Delete(node)) => {
+                state.delete_node(node.metadata.name.as_deref().unwrap_or_default());
+            }
+        }
+        drop(state);
+        shared.wake.notify_one();
+    }
+}
+
+fn watcher<K>(
+    api: Api<K>,
+) -> impl futures::Stream<Item = Result<WatchEvent<K>, watcher::Error>> + Send
+where
+    K: Resource + Clone + serde::de::DeserializeOwned + std::fmt::Debug + Send + 'static,
+{
+    watcher::watcher(api, watcher::Config::default()).default_backoff()
+}
+
+// ---- Scheduling loop ----
+
+async fn schedule_loop(shared: Arc<Shared>) {
+    let mut binds: JoinSet<()> = JoinSet::new();
+    loop {
+        while let Some(done) = binds.try_join_next() {
+            if let Err(error) = done
+                && error.is_panic()
+            {
+                tracing::error!(%error, "bind task panicked");
+            }
+        }
+        let next = {
+            let mut state = shared.state();
+            state.flush(Instant::now());
+            state.pop_active().ok_or_else(|| state.next_deadline())
+        };
+        match next {
+            Ok(popped) => {
+                let job = tokio::select! {
+                    _ = shared.cancel.cancelled() => break,
+                    job = schedule_one(&shared, popped) => job,
+                };
+                if let Some(job) = job {
+                    binds.spawn(bind_job(shared.clone(), job));
+                }
+            }
+            Err(deadline) => {
+                let sleep = async {
+                    match deadline {
+                        Some(at) => tokio::time::sleep_until(at.into()).await,
+                        None => future::pending().await,
+                    }
+                };
+                tokio::select! {
+                    _ = shared.cancel.cancelled() => break,
+                    _ = shared.wake.notified() => {}
+                    _ = sleep => {}
+                }
+            }
+        }
+    }
+    binds.shutdown().await;
+}
+
+/// One scheduling cycle; returns the bind to start when the pod was assumed on a node.
+async fn schedule_one(shared: &Arc<Shared>, popped: Popped) -> Option<BindJob> {
+    let started = Instant::now();
+    let outcome = find_host(shared, &popped.pod).await;
+    {
+        let mut stats = shared.stats.lock();
+        stats.cycles += 1;
+        stats.cycle_latencies.push(started.elapsed());
+        match &outcome {
+            Ok(_) => stats.assumed += 1,
+            Err(CycleFailure::Unschedulable(_)) => stats.unschedulable += 1,
+            Err(CycleFailure::Error(_)) => stats.scheduling_errors += 1,
+        }
+    }
+    match outcome {
+        Ok(host) => {
+            debug!(pod = %popped.key, node = %host, "assumed pod on node");
+            shared
+                .state()
+                .assume(&popped, &host)
+                .then_some(BindJob { popped, host })
+        }
+        Err(CycleFailure::Unschedulable(message)) => {
+            fail(shared, &popped, FailureKind::Unschedulable, message).await;
+            None
+        }
+        Err(CycleFailure::Error(message)) => {
+            fail(shared, &popped, FailureKind::Error, message).await;
+            None
+        }
+    }
+}
+
+/// Filters, extenders, scoring: `schedulePod`.
+async fn find_host(shared: &Shared, pod: &Pod) -> Result<String, CycleFailure> {
+    let Some(filtered) = shared.state().filter(pod) else {
+        return Err(CycleFailure::Error(framework::reasons::NO_NODES.to_owned()));
+    };
+    let num_all = filtered.num_all_nodes;
+    let mut statuses = filtered.statuses;
+    let mut feasible = filtered.feasible;
+    let unschedulable = |statuses: &std::collections::BTreeMap<String, Vec<String>>| {
+        CycleFailure::Unschedulable(fit_error_message(num_all, statuses.values()))
+    };
+    if feasible.is_empty() {
+        return Err(unschedulable(&statuses));
+    }
+
+    // findNodesThatPassExtenders
+    for extender in &shared.extenders {
+        if feasible.is_empty() {
+            break;
+        }
+        let Some(verb) = extender.filter_verb() else {
+            continue;
+        };
+        if !extender.is_interested(pod) {
+            continue;
+        }
+        let nodes: Vec<_> = feasible.iter().map(|c| c.node.clone()).collect();
+        let outcome = match extender.filter(verb, pod, &nodes).await {
+            Ok(outcome) => outcome,
+            Err(error) if extender.config.ignorable => {
+                info!(extender = %extender.config.url_prefix, %error, "skipping extender as it returned error and has ignorable flag set");
+                continue;
+            }
+            Err(error) => return Err(CycleFailure::Error(error.to_string())),
+        };
+        for (node, reason) in &outcome.failed_and_unresolvable {
+            statuses
+                .entry(node.clone())
+                .or_default()
+                .push(reason.clone());
+        }
+        for (node, reason) in &outcome.failed {
+            if !outcome.failed_and_unresolvable.contains_key(node) {
+                statuses
+                    .entry(node.clone())
+                    .or_default()
+                    .push(reason.clone());
+            }
+        }
+        feasible = outcome
+            .passed
+            .iter()
+            .filter_map(|&i| feasible.get(i).cloned())
+            .collect();
+    }
+    if feasible.is_empty() {
+        return Err(unschedulable(&statuses));
+    }
+    if let [only] = feasible.as_slice() {
+        return Ok(only.name.clone());
+    }
+
+    // prioritizeNodes: default scores plus every interested extender's, concurrently.
+    let nodes: Vec<_> = feasible.iter().map(|c| c.node.clone()).collect();
+    let calls = shared.extenders.iter().filter_map(|extender| {
+        let verb = extender.prioritize_verb()?;
+        extender.is_interested(pod).then(|| {
+            let nodes = &nodes;
+            async move { (extender, extender.prioritize(verb, pod, nodes).await) }
+        })
+    });
+    let mut scores: Vec<(String, i64)> =
+        feasible.iter().map(|c| (c.name.clone(), c.score)).collect();
+    for (extender, result) in future::join_all(calls).await {
+        match result {
+            Ok(priorities) => {
+                for priority in priorities {
+                    if let Some(entry) = scores.iter_mut().find(|(n, _)| *n == priority.host) {
+                        entry.1 += extender_score(priority.score, extender.config.weight);
+                    }
+                }
+            }
+            // Upstream: "Prioritization errors from extender can be ignored".
+            Err(error) => {
+                debug!(extender = %extender.config.url_prefix, %error, "extender prioritize failed; no score given by this extender");
+            }
+        }
+    }
+    let mut rng = shared.rng.lock().unwrap_or_else(|p| p.into_inner());
+    select_host(&scores, &mut *rng)
+        .map(str::to_owned)
+        .ok_or_else(|| CycleFailure::Error("empty priorityList".to_owned()))
+}
+
+/// A failed attempt: requeue, then tell the user (Event + PodScheduled condition).
+async fn fail(shared: &Arc<Shared>, popped: &Popped, kind: FailureKind, message: String) {
+    let pod = shared.state().record_failure(
+        &popped.key,
+        &popped.uid,
+        kind,
+        popped.move_seq,
+        &message,
+        Instant::now(),
+    );
+    shared.wake.notify_one();
+    let Some(pod) = pod else { return };
+    info!(pod = %popped.key, reason = %message, "unable to schedule pod");
+    emit_event(
+        shared,
+        &pod,
+        "Warning",
+        "FailedScheduling",
+        "Scheduling",
+        &message,
+    );
+    let reason = match kind {
+        FailureKind::Unschedulable => "Unschedulable",
+        FailureKind::Error => "SchedulerError",
+    };
+    update_pod_scheduled(shared, &pod, reason, &message).await;
+}
+
+// ---- Binding ----
+
+async fn bind_job(shared: Arc<Shared>, job: BindJob) {
+    let Ok(_permit) = shared.binds.clone().acquire_owned().await else {
+        return;
+    };
+    shared.stats.bind_started();
+    let started = Instant::now();
+    let result = bind(&shared, &job.popped.pod, &job.host).await;
+    shared
+        .stats
+        .bind_finished(started.elapsed(), result.is_ok());
+    let BindJob { popped, host } = job;
+    match result {
+        Ok(()) => {
+            shared.state().bound(&popped.key, &popped.uid);
+            info!(pod = %popped.key, node = %host, "bound pod");
+            let (namespace, name) = popped.key.split_once('/').unwrap_or(("", &popped.key));
+            emit_event(
+                &shared,
+                &popped.pod,
+                "Normal",
+                "Scheduled",
+                "Binding",
+                &format!("Successfully assigned {namespace}/{name} to {host}"),
+            );
+        }
+        Err(message) => {
+            warn!(pod = %popped.key, node = %host, error = %message, "bind failed; requeueing");
+            {
+                let now = Instant::now();
+                let mut state = shared.state();
+                state.forget(&popped.key, &popped.uid, &host);
+                // Freed (assumed) resources: like upstream's AssignedPodDelete move request.
+                state.move_all_to_active_or_backoff(now);
+            }
+            fail(&shared, &popped, FailureKind::Error, message).await;
+        }
+    }
+}
+
+/// Extender bind (first binder interested in the pod; ignorable failures fall through), else the
+/// API's `pods/binding` as the DefaultBinder does.
+async fn bind(shared: &Shared, pod: &Pod, host: &str) -> Result<(), String> {
+    let namespace = pod.metadata.namespace.clone().unwrap_or_default();
+    let name = pod.metadata.name.clone().unwrap_or_default();
+    for extender in &shared.extenders {
+        let Some(verb) = extender.bind_verb() else {
+            continue;
+        };
+        if !extender.is_interested(pod) {
+            continue;
+        }
+        let args = ExtenderBindingArgs {
+            pod_name: name.clone(),
+            pod_namespace: namespace.clone(),
+            pod_uid: pod.metadata.uid.clone().unwrap_or_default(),
+            node: host.to_owned(),
+        };
+        match extender.bind(verb, &args).await {
+            Err(error) if extender.config.ignorable => {
+                info!(extender = %extender.config.url_prefix, %error, "skipping extender in bind as it returned error and has ignorable flag set");
+            }
+            result => return result.map_err(|e| e.to_string()),
+        }
+    }
+    let binding = Binding {
+        metadata: ObjectMeta {
+            name: Some(name.clone()),
+            namespace: Some(namespace.clone()),
+            uid: pod.metadata.uid.clone(),
+            ..ObjectMeta::default()
+        },
+        target: ObjectReference {
+            kind: Some("Node".to_owned()),
+            name: Some(host.to_owned()),
+            ..ObjectReference::default()
+        },
+    };
+    let api: Api<Pod> = Api::namespaced(shared.client.clone(), &namespace);
+    api.create_subresource::<_, serde_json::Value>(
+        "binding",
+        &name,
+        &PostParams::default(),
+        &binding,
+    )
+    .await
+    .map(|_| ())
+    .map_err(kube_message)
+}
+
+fn kube_message(error: kube::Error) -> String {
+    match error {
+        kube::Error::Api(status) => status.message,
+        other => other.to_string(),
+    }
+}
+
+// ---- Reporting to the user ----
+
+/// Sets `PodScheduled=False` with `reason`/`message` (skipped when already so), via pods/status.
+async fn update_pod_scheduled(shared: &Shared, pod: &Pod, reason: &str, message: &str) {
+    let conditions = pod
+        .status
+        .as_ref()
+        .and_then(|s| s.conditions.clone())
+        .unwrap_or_default();
+    let existing = conditions.iter().find(|c| c.type_ == "PodScheduled");
+    if existing.is_some_and(|c| {
+        c.status == "False"
+            && c.reason.as_deref() == Some(reason)
+            && c.message.as_deref() == Some(message)
+    }) {
+        return;
+    }
+    let now = Time(Timestamp::now());
+    let transition = existing
+        .filter(|c| c.status == "False")
+        .and_then(|c| c.last_transition_time.clone())
+        .unwrap_or(now);
+    let condition = PodCondition {
+        type_: "PodScheduled".to_owned(),
+        status: "False".to_owned(),
+        reason: Some(reason.to_owned()),
+        message: Some(message.to_owned()),
+        last_transition_time: Some(transition),
+        ..PodCondition::default()
+    };
+    // A merge patch replaces the whole list, so send every condition with ours replaced.
+    let mut updated: Vec<PodCondition> = conditions
+        .into_iter()
+        .filter(|c| c.type_ != "PodScheduled")
+        .collect();
+    updated.push(condition);
+    let patch = serde_json::json!({ "status": { "conditions": updated } });
+    let namespace = pod.metadata.namespace.as_deref().unwrap_or("default");
+    let name = pod.metadata.name.as_deref().unwrap_or_default();
+    let api: Api<Pod> = Api::namespaced(shared.client.clone(), namespace);
+    if let Err(error) = api
+        .patch_status(name, &PatchParams::default(), &Patch::Merge(&patch))
+        .await
+    {
+        warn!(pod = %format!("{namespace}/{name}"), %error, "could not update the PodScheduled condition");
+    }
+}
+
+fn truncate(message: &str, limit: usize) -> String {
+    if message.len() <= limit {
+        return message.to_owned();
+    }
+    const SUFFIX: &str = " ...";
+    let mut end = limit - SUFFIX.len();
+    while !message.is_char_boundary(end) {
+        end -= 1;
+    }
+    format!("{}{SUFFIX}", &message[..end])
+}
+
+/// Posts a core/v1 Event about `pod` without holding up scheduling.
+fn emit_event(shared: &Shared, pod: &Pod, type_: &str, reason: &str, action: &str, message: &str) {
+    let namespace = pod
+        .metadata
+        .namespace
+        .clone()
+        .unwrap_or_else(|| "default".to_owned());
+    let pod_name = pod.metadata.name.clone().unwrap_or_default();
+    let now = Timestamp::now();
+    let unique =
+        now.as_nanosecond() as u128 + u128::from(shared.event_seq.fetch_add(1, Ordering::Relaxed));
+    let component = shared.config.scheduler_name.clone();
+    let event = Event {
+        metadata: ObjectMeta {
+            name: Some(format!("{pod_name}.{unique:x}")),
+            namespace: Some(namespace.clone()),
+            ..ObjectMeta::default()
+        },
+        involved_object: ObjectReference {
+            api_version: Some("v1".to_owned()),
+            kind: Some("Pod".to_owned()),
+            name: Some(pod_name.clone()),
+            namespace: Some(namespace.clone()),
+            uid: pod.metadata.uid.clone(),
+            resource_version: pod.metadata.resource_version.clone(),
+            ..ObjectReference::default()
+        },
+        reason: Some(reason.to_owned()),
+        message: Some(truncate(message, EVENT_MESSAGE_LIMIT)),
+        type_: Some(type_.to_owned()),
+        action: Some(action.to_owned()),
+        source: Some(EventSource {
+            component: Some(component.clone()),
+            host: None,
+        }),
+        reporting_component: Some(component.clone()),
+        reporting_instance: Some(component),
+        first_timestamp: Some(Time(now)),
+        last_timestamp: Some(Time(now)),
+        count: Some(1),
+        ..Event::default()
+    };
+    let api: Api<Event> = Api::namespaced(shared.client.clone(), &namespace);
+    tokio::spawn(async move {
+        if let Err(error) = api.create(&PostParams::default(), &event).await {
+            warn!(pod = %format!("{namespace}/{pod_name}"), %error, "could not record event");
+        }
+    });
+}

@@ -1,0 +1,300 @@
+//! One configured HTTP extender, called the way `HTTPExtender` in kube-scheduler calls it.
+//!
+//! `POST {urlPrefix}/{verb}` with a JSON body and `Content-Type: application/json` over a pooled
+//! keep-alive HTTP/1.1 client; any status other than 200 is an error and the body is discarded;
+//! each call is bounded by the extender's `httpTimeout`. Error texts follow upstream's so the
+//! messages a test reads in `FailedScheduling` are those a real cluster would show.
+
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use http_body_util::{BodyExt, Full};
+use hyper::body::Bytes;
+use hyper_util::client::legacy::Client;
+use hyper_util::client::legacy::connect::HttpConnector;
+use hyper_util::rt::TokioExecutor;
+use k8s_openapi::api::core::v1::{Node, Pod};
+use k8s_openapi::apimachinery::pkg::apis::meta::v1::ListMeta;
+
+use super::ExtenderConfig;
+use super::framework::pod_uses_any;
+use super::stats::{Call, StatsRecorder};
+use super::wire::{self, ExtenderArgs, ExtenderBindingArgs, HostPriority, NodeList};
+
+/// Why a call to an extender failed; the `Display` text is what upstream would report.
+#[derive(Debug, thiserror::Error)]
+pub enum ExtenderError {
+    /// The request body could not be encoded.
+    #[error("encoding the request for {url}: {source}")]
+    Encode {
+        url: String,
+        #[source]
+        source: serde_json::Error,
+    },
+    /// The URL prefix is not a valid URL.
+    #[error("invalid extender URL {url}: {source}")]
+    Url {
+        url: String,
+        #[source]
+        source: http::Error,
+    },
+    /// Connecting or transferring failed.
+    #[error("Post \"{url}\": {message}")]
+    Transport { url: String, message: String },
+    /// The call did not finish within `httpTimeout`.
+    #[error(
+        "Post \"{url}\": context deadline exceeded (Client.Timeout exceeded while awaiting headers)"
+    )]
+    Timeout { url: String },
+    /// The extender answered with a status other than 200.
+    #[error("failed {verb} with extender at URL {url}, code {code}")]
+    Status {
+        verb: String,
+        url: String,
+        code: u16,
+    },
+    /// The answer was not the expected JSON.
+    #[error("decoding the {verb} answer of {url}: {source}")]
+    Decode {
+        verb: String,
+        url: String,
+        #[source]
+        source: wire::DecodeError,
+    },
+    /// The extender reported an error in its answer (`Error` field).
+    #[error("{0}")]
+    Reported(String),
+    /// A filter answer named a node that was not in the request.
+    #[error(
+        "extender {url:?} claims a filtered node {node:?} which is not found in the input node list"
+    )]
+    UnknownNode { url: String, node: String },
+}
+
+/// The outcome of a successful filter call.
+#[derive(Debug, Default)]
+pub struct FilterOutcome {
+    /// Indexes into the node slice that was sent, in the extender's order.
+    pub passed: Vec<usize>,
+    pub failed: wire::FailedNodesMap,
+    pub failed_and_unresolvable: wire::FailedNodesMap,
+}
+
+/// A configured extender plus its HTTP client.
+pub struct HttpExtender {
+    pub config: ExtenderConfig,
+    client: Client<HttpConnector, Full<Bytes>>,
+    stats: StatsRecorder,
+}
+
+impl HttpExtender {
+    pub fn new(config: ExtenderConfig, stats: StatsRecorder) -> Self {
+        let mut connector = HttpConnector::new();
+        connector.set_nodelay(true);
+        let client = Client::builder(TokioExecutor::new())
+            .pool_idle_timeout(Duration::from_secs(90))
+            .build(connector);
+        HttpExtender {
+            config,
+            client,
+            stats,
+        }
+    }
+
+    /// `IsInterested`: every pod when no managed resources are configured, else only pods whose
+    /// containers or init containers request or limit one of them.
+    pub fn is_interested(&self, pod: &Pod) -> bool {
+        self.config.managed_resources.is_empty()
+            || pod_uses_any(pod, &self.config.managed_resources)
+    }
+
+    pub fn filter_verb(&self) -> Option<&str> {
+        self.config.filter_verb.as_deref().filter(|v| !v.is_empty())
+    }
+
+    pub fn prioritize_verb(&self) -> Option<&str> {
+        self.config
+            .prioritize_verb
+            .as_deref()
+            .filter(|v| !v.is_empty())
+    }
+
+    pub fn bind_verb(&self) -> Option<&str> {
+        self.config.bind_verb.as_deref().filter(|v| !v.is_empty())
+    }
+
+    fn args(&self, pod: &Pod, nodes: &[Arc<Node>]) -> ExtenderArgs {
+        let names = || {
+            nodes
+                .iter()
+                .map(|n| n.metadata.name.clone().unwrap_or_default())
+                .collect()
+        };
+        if self.config.node_cache_capable {
+            ExtenderArgs {
+                pod: pod.clone(),
+                nodes: None,
+                node_names: Some(names()),
+            }
+        } else {
+            ExtenderArgs {
+                pod: pod.clone(),
+                nodes: Some(NodeList {
+                    metadata: ListMeta::default(),
+                    items: nodes.iter().map(|n| (**n).clone()).collect(),
+                }),
+                node_names: None,
+            }
+        }
+    }
+
+    /// `Filter`: which of `nodes` the extender keeps, and why it rejected the others.
+    pub async fn filter(
+        &self,
+        verb: &str,
+        pod: &Pod,
+        nodes: &[Arc<Node>],
+    ) -> Result<FilterOutcome, ExtenderError> {
+        let url = self.url(verb);
+        let args = self.args(pod, nodes);
+        let body = self.send(Call::Filter, verb, &args).await?;
+        let result = wire::decode_filter_result(&body).map_err(|source| ExtenderError::Decode {
+            verb: verb.to_owned(),
+            url: url.clone(),
+            source,
+        })?;
+        if !result.error.is_empty() {
+            return Err(ExtenderError::Reported(result.error));
+        }
+        let index_of = |name: &str| {
+            nodes
+                .iter()
+                .position(|n| n.metadata.name.as_deref() == Some(name))
+                .ok_or_else(|| ExtenderError::UnknownNode {
+                    url: url.clone(),
+                    node: name.to_owned(),
+                })
+        };
+        let passed =
+            if let (true, Some(names)) = (self.config.node_cache_capable, &result.node_names) {
+                names
+                    .iter()
+                    .map(|n| index_of(n))
+                    .collect::<Result<Vec<_>, _>>()?
+            } else if let Some(list) = &result.nodes {
+                list.items
+                    .iter()
+                    .map(|n| index_of(n.metadata.name.as_deref().unwrap_or_default()))
+                    .collect::<Result<Vec<_>, _>>()?
+            } else {
+                Vec::new()
+            };
+        Ok(FilterOutcome {
+            passed,
+            failed: result.failed_nodes,
+            failed_and_unresolvable: result.failed_and_unresolvable_nodes,
+        })
+    }
+
+    /// `Prioritize`: the extender's 0..=10 scores.
+    pub async fn prioritize(
+        &self,
+        verb: &str,
+        pod: &Pod,
+        nodes: &[Arc<Node>],
+    ) -> Result<Vec<HostPriority>, ExtenderError> {
+        let args = self.args(pod, nodes);
+        let body = self.send(Call::Prioritize, verb, &args).await?;
+        wire::decode_host_priorities(&body).map_err(|source| ExtenderError::Decode {
+            verb: verb.to_owned(),
+            url: self.url(verb),
+            source,
+        })
+    }
+
+    /// `Bind`: asks the extender to bind the pod.
+    pub async fn bind(&self, verb: &str, args: &ExtenderBindingArgs) -> Result<(), ExtenderError> {
+        let body = self.send(Call::Bind, verb, args).await?;
+        let result =
+            wire::decode_binding_result(&body).map_err(|source| ExtenderError::Decode {
+                verb: verb.to_owned(),
+                url: self.url(verb),
+                source,
+            })?;
+        if result.error.is_empty() {
+            Ok(())
+        } else {
+            Err(ExtenderError::Reported(result.error))
+        }
+    }
+
+    fn url(&self, verb: &str) -> String {
+        format!("{}/{verb}", self.config.url_prefix.trim_end_matches('/'))
+    }
+
+    async fn send<T: serde::Serialize>(
+        &self,
+        call: Call,
+        verb: &str,
+        args: &T,
+    ) -> Result<Bytes, ExtenderError> {
+        let url = self.url(verb);
+        let body = serde_json::to_vec(args).map_err(|source| ExtenderError::Encode {
+            url: url.clone(),
+            source,
+        })?;
+        let request = http::Request::post(&url)
+            .header(http::header::CONTENT_TYPE, "application/json")
+            .body(Full::new(Bytes::from(body)))
+            .map_err(|source| ExtenderError::Url {
+                url: url.clone(),
+                source,
+            })?;
+        let started = Instant::now();
+        let exchange = async {
+            let response =
+                self.client
+                    .request(request)
+                    .await
+                    .map_err(|e| ExtenderError::Transport {
+                        url: url.clone(),
+                        message: error_chain(&e),
+                    })?;
+            let status = response.status();
+            if status != http::StatusCode::OK {
+                return Err(ExtenderError::Status {
+                    verb: verb.to_owned(),
+                    url: url.clone(),
+                    code: status.as_u16(),
+                });
+            }
+            let collected =
+                response
+                    .into_body()
+                    .collect()
+                    .await
+                    .map_err(|e| ExtenderError::Transport {
+                        url: url.clone(),
+                        message: error_chain(&e),
+                    })?;
+            Ok(collected.to_bytes())
+        };
+        let result = match tokio::time::timeout(self.config.http_timeout, exchange).await {
+            Ok(result) => result,
+            Err(_) => Err(ExtenderError::Timeout { url: url.clone() }),
+        };
+        self.stats.call(call, started.elapsed(), result.is_ok());
+        result
+    }
+}
+
+fn error_chain(error: &dyn std::error::Error) -> String {
+    let mut message = error.to_string();
+    let mut source = error.source();
+    while let Some(cause) = source {
+        message.push_str(": ");
+        message.push_str(&cause.to_string());
+        source = cause.source();
+    }
+    message
+}

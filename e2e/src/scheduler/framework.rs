@@ -1,0 +1,850 @@
+//! The parts of kube-scheduler's default profile that decide where a pod may go, as pure functions.
+//!
+//! A real cluster rejects a node before any extender sees it when the node is cordoned, tainted,
+//! unready, does not match the pod's node selector/affinity, or lacks room for the pod's requests
+//! (cpu, memory, and every extended resource such as `example.com/gpu-mem`). The extender only
+//! sees what survives. Reproducing these filters (in upstream's plugin order, stopping at the first
+//! failing plugin per node, with upstream's reason strings) is what makes our end-to-end tests see
+//! the same extender traffic and the same `FailedScheduling` messages a real cluster would produce.
+//!
+//! Scoring approximates the default score plugins that differ between nodes in our clusters:
+//! `NodeResourcesFit` (LeastAllocated on cpu and memory) and `NodeResourcesBalancedAllocation`,
+//! both weight 1, on a 0..=100 scale. Extender scores are added on top, scaled by
+//! `weight * (MaxNodeScore / MaxExtenderPriority)`.
+
+use std::collections::BTreeMap;
+
+use k8s_openapi::api::core::v1::{
+    Container, Node, NodeSelectorRequirement, NodeSelectorTerm, Pod, Taint, Toleration,
+};
+use k8s_openapi::apimachinery::pkg::api::resource::Quantity;
+use rand::Rng;
+
+/// `framework.MaxNodeScore`.
+pub const MAX_NODE_SCORE: i64 = 100;
+/// Request assumed for a container without a cpu request when scoring (`DefaultMilliCPURequest`).
+pub const DEFAULT_MILLI_CPU_REQUEST: i128 = 100;
+/// Request assumed for a container without a memory request when scoring (200 MiB).
+pub const DEFAULT_MEMORY_REQUEST: i128 = 200 * 1024 * 1024;
+
+pub const CPU: &str = "cpu";
+pub const MEMORY: &str = "memory";
+pub const EPHEMERAL_STORAGE: &str = "ephemeral-storage";
+pub const PODS: &str = "pods";
+
+/// Upstream's reason strings (what users read in `FailedScheduling`).
+pub mod reasons {
+    pub const UNSCHEDULABLE: &str = "node(s) were unschedulable";
+    pub const NODE_AFFINITY: &str = "node(s) didn't match Pod's node affinity/selector";
+    pub const TOO_MANY_PODS: &str = "Too many pods";
+    pub const NO_NODES: &str = "no nodes available to schedule pods";
+}
+
+const TAINT_NOT_READY: &str = "node.kubernetes.io/not-ready";
+const TAINT_UNSCHEDULABLE: &str = "node.kubernetes.io/unschedulable";
+
+/// An amount of a resource in thousandths of its unit (millicores for cpu, milli-bytes for memory),
+/// so every quantity compares exactly, as `resource.Quantity` does.
+pub type Milli = i128;
+
+/// Resource name → amount in milli-units.
+pub type Resources = BTreeMap<String, Milli>;
+
+/// Parses a Kubernetes quantity ("100m", "1.5Gi", "4", "1e3") into milli-units, rounding up.
+pub fn parse_quantity(text: &str) -> Option<Milli> {
+    let text = text.trim();
+    let (negative, text) = match text.strip_prefix('-') {
+        Some(rest) => (true, rest),
+        None => (false, text.strip_prefix('+').unwrap_or(text)),
+    };
+    let number_end = text
+        .find(|c: char| !(c.is_ascii_digit() || c == '.'))
+        .unwrap_or(text.len());
+    let (number, suffix) = text.split_at(number_end);
+    let (whole, fraction) = number.split_once('.').unwrap_or((number, ""));
+    if whole.is_empty() && fraction.is_empty() {
+        return None;
+    }
+    // value = digits * 10^(-fraction.len()) * multiplier
+    let digits: i128 = format!("{whole}{fraction}").parse().ok()?;
+    let mut exponent10: i32 = -i32::try_from(fraction.len()).ok()?;
+    let mut binary: u32 = 0;
+    match suffix {
+        "" => {}
+        "n" => exponent10 -= 9,
+        "u" => exponent10 -= 6,
+        "m" => exponent10 -= 3,
+        "k" => exponent10 += 3,
+        "M" => exponent10 += 6,
+        "G" => exponent10 += 9,
+        "T" => exponent10 += 12,
+        "P" => exponent10 += 15,
+        "E" => exponent10 += 18,
+        "Ki" => binary = 10,
+        "Mi" => binary = 20,
+        "Gi" => binary = 30,
+        "Ti" => binary = 40,
+        "Pi" => binary = 50,
+        "Ei" => binary = 60,
+        other => {
+            let exp = other.strip_prefix(['e', 'E'])?;
+            exponent10 += exp.parse::<i32>().ok()?;
+        }
+    }
+    exponent10 += 3; // to milli-units
+    let mut value = digits.checked_mul(1i128.checked_shl(binary)?)?;
+    if exponent10 >= 0 {
+        value = value.checked_mul(10i128.checked_pow(u32::try_from(exponent10).ok()?)?)?;
+    } else {
+        let divisor = 10i128.checked_pow(u32::try_from(-exponent10).ok()?)?;
+        value = (value + divisor - 1) / divisor;
+    }
+    Some(if negative { -value } else { value })
+}
+
+fn quantities(map: Option<&BTreeMap<String, Quantity>>) -> Resources {
+    map.into_iter()
+        .flatten()
+        .filter_map(|(name, q)| Some((name.clone(), parse_quantity(&q.0)?)))
+        .collect()
+}
+
+fn add_into(total: &mut Resources, more: &Resources) {
+    for (name, amount) in more {
+        *total.entry(name.clone()).or_default() += amount;
+    }
+}
+
+fn max_into(total: &mut Resources, other: &Resources) {
+    for (name, amount) in other {
+        let entry = total.entry(name.clone()).or_default();
+        *entry = (*entry).max(*amount);
+    }
+}
+
+/// A container's requests; a limit without a request counts as the request, as API defaulting does.
+fn container_requests(container: &Container, non_zero: bool) -> Resources {
+    let resources = container.resources.as_ref();
+    let mut requests = quantities(resources.and_then(|r| r.requests.as_ref()));
+    for (name, amount) in quantities(resources.and_then(|r| r.limits.as_ref())) {
+        requests.entry(name).or_insert(amount);
+    }
+    if non_zero {
+        // An absent request counts the default; an explicit zero stays zero, as upstream.
+        requests
+            .entry(CPU.to_owned())
+            .or_insert(DEFAULT_MILLI_CPU_REQUEST);
+        requests
+            .entry(MEMORY.to_owned())
+            .or_insert(DEFAULT_MEMORY_REQUEST * 1000);
+    }
+    requests
+}
+
+/// The pod's effective requests, as `resource.PodRequests`: the sum of app containers (plus
+/// sidecars, i.e. restartable init containers) against the largest init container step, plus
+/// overhead. With `non_zero`, containers without cpu/memory requests count the scoring defaults.
+pub fn pod_requests(pod: &Pod, non_zero: bool) -> Resources {
+    let Some(spec) = pod.spec.as_ref() else {
+        return Resources::new();
+    };
+    let mut total = Resources::new();
+    for container in &spec.containers {
+        add_into(&mut total, &container_requests(container, non_zero));
+    }
+    let mut sidecars = Resources::new();
+    let mut init_max = Resources::new();
+    for container in spec.init_containers.iter().flatten() {
+        let requests = container_requests(container, non_zero);
+        let step = if container.restart_policy.as_deref() == Some("Always") {
+            add_into(&mut total, &requests);
+            add_into(&mut sidecars, &requests);
+            sidecars.clone()
+        } else {
+            let mut step = requests;
+            add_into(&mut step, &sidecars);
+            step
+        };
+        max_into(&mut init_max, &step);
+    }
+    max_into(&mut total, &init_max);
+    // Pod-level resources (when set) replace the container aggregate for the resources they name.
+    let pod_level = quantities(spec.resources.as_ref().and_then(|r| r.requests.as_ref()));
+    for (name, amount) in pod_level {
+        if name == CPU || name == MEMORY {
+            total.insert(name, amount);
+        }
+    }
+    add_into(&mut total, &quantities(spec.overhead.as_ref()));
+    total
+}
+
+/// Whether a pod requests (or limits) any of `names`: `HTTPExtender.IsInterested` for a non-empty
+/// `managedResources` list.
+pub fn pod_uses_any(pod: &Pod, names: &[String]) -> bool {
+    let Some(spec) = pod.spec.as_ref() else {
+        return false;
+    };
+    spec.containers
+        .iter()
+        .chain(spec.init_containers.iter().flatten())
+        .filter_map(|c| c.resources.as_ref())
+        .any(|r| {
+            r.requests
+                .iter()
+                .chain(r.limits.iter())
+                .flat_map(|m| m.keys())
+                .any(|k| names.contains(k))
+        })
+}
+
+/// What is already placed on a node: pods bound to it (and not terminal) plus pods assumed there.
+#[derive(Clone, Debug, Default, PartialEq)]
+pub struct NodeUsage {
+    pub requested: Resources,
+    /// cpu and memory with the scoring defaults for containers that request none.
+    pub non_zero_cpu: Milli,
+    pub non_zero_memory: Milli,
+    pub pods: usize,
+}
+
+/// What one pod contributes to a [`NodeUsage`].
+#[derive(Clone, Debug, Default, PartialEq)]
+pub struct PodUsage {
+    pub requested: Resources,
+    pub non_zero_cpu: Milli,
+    pub non_zero_memory: Milli,
+}
+
+impl PodUsage {
+    pub fn of(pod: &Pod) -> Self {
+        let non_zero = pod_requests(pod, true);
+        PodUsage {
+            requested: pod_requests(pod, false),
+            non_zero_cpu: non_zero.get(CPU).copied().unwrap_or_default(),
+            non_zero_memory: non_zero.get(MEMORY).copied().unwrap_or_default(),
+        }
+    }
+}
+
+impl NodeUsage {
+    pub fn add(&mut self, pod: &PodUsage) {
+        add_into(&mut self.requested, &pod.requested);
+        self.non_zero_cpu += pod.non_zero_cpu;
+        self.non_zero_memory += pod.non_zero_memory;
+        self.pods += 1;
+    }
+
+    pub fn remove(&mut self, pod: &PodUsage) {
+        for (name, amount) in &pod.requested {
+            if let Some(entry) = self.requested.get_mut(name) {
+                *entry -= amount;
+                if *entry == 0 {
+                    self.requested.remove(name);
+                }
+            }
+        }
+        self.non_zero_cpu -= pod.non_zero_cpu;
+        self.non_zero_memory -= pod.non_zero_memory;
+        self.pods = self.pods.saturating_sub(1);
+    }
+}
+
+/// A node's allocatable resources, parsed once per node update.
+pub fn allocatable(node: &Node) -> Resources {
+    quantities(node.status.as_ref().and_then(|s| s.allocatable.as_ref()))
+}
+
+fn is_ready(node: &Node) -> bool {
+    node.status
+        .as_ref()
+        .and_then(|s| s.conditions.as_ref())
+        .into_iter()
+        .flatten()
+        .any(|c| c.type_ == "Ready" && c.status == "True")
+}
+
+/// `v1helper.TolerationsTolerateTaint` for one toleration.
+fn tolerates(toleration: &Toleration, taint: &Taint) -> bool {
+    if let Some(effect) = toleration.effect.as_deref().filter(|e| !e.is_empty())
+        && effect != taint.effect
+    {
+        return false;
+    }
+    if let Some(key) = toleration.key.as_deref().filter(|k| !k.is_empty())
+        && key != taint.key
+    {
+        return false;
+    }
+    match toleration.operator.as_deref().unwrap_or("Equal") {
+        "Exists" => true,
+        "" | "Equal" => {
+            toleration.value.as_deref().unwrap_or("") == taint.value.as_deref().unwrap_or("")
+        }
+        _ => false,
+    }
+}
+
+fn pod_tolerates(pod: &Pod, taint: &Taint) -> bool {
+    pod.spec
+        .as_ref()
+        .and_then(|s| s.tolerations.as_ref())
+        .into_iter()
+        .flatten()
+        .any(|t| tolerates(t, taint))
+}
+
+/// The taints the scheduler sees: the node's own, plus the not-ready taint the node lifecycle
+/// controller would add to a node whose Ready condition is not True (our in-process cluster has no
+/// such controller).
+fn effective_taints(node: &Node) -> Vec<Taint> {
+    let mut taints: Vec<Taint> = node
+        .spec
+        .as_ref()
+        .and_then(|s| s.taints.clone())
+        .unwrap_or_default();
+    if !is_ready(node) && !taints.iter().any(|t| t.key == TAINT_NOT_READY) {
+        taints.push(Taint {
+            key: TAINT_NOT_READY.to_owned(),
+            effect: "NoSchedule".to_owned(),
+            ..Taint::default()
+        });
+    }
+    taints
+}
+
+fn label<'a>(node: &'a Node, key: &str) -> Option<&'a str> {
+    node.metadata
+        .labels
+        .as_ref()
+        .and_then(|l| l.get(key))
+        .map(String::as_str)
+}
+
+fn requirement_matches(req: &NodeSelectorRequirement, value: Option<&str>) -> bool {
+    let values = req.values.as_deref().unwrap_or_default();
+    let number = |v: &str| v.parse::<i64>().ok();
+    match req.operator.as_str() {
+        "In" => value.is_some_and(|v| values.iter().any(|x| x == v)),
+        "NotIn" => value.is_none_or(|v| !values.iter().any(|x| x == v)),
+        "Exists" => value.is_some(),
+        "DoesNotExist" => value.is_none(),
+        "Gt" | "Lt" => {
+            let (Some(actual), [bound]) = (value.and_then(number), values) else {
+                return false;
+            };
+            let Some(bound) = number(bound) else {
+                return false;
+            };
+            if req.operator == "Gt" {
+                actual > bound
+            } else {
+                actual < bound
+            }
+        }
+        _ => false,
+    }
+}
+
+fn term_matches(term: &NodeSelectorTerm, node: &Node) -> bool {
+    let expressions = term.match_expressions.as_deref().unwrap_or_default();
+    let fields = term.match_fields.as_deref().unwrap_or_default();
+    if expressions.is_empty() && fields.is_empty() {
+        return false;
+    }
+    expressions
+        .iter()
+        .all(|r| requirement_matches(r, label(node, &r.key)))
+        && fields.iter().all(|r| {
+            r.key == "metadata.name" && requirement_matches(r, node.metadata.name.as_deref())
+        })
+}
+
+/// `NodeAffinity` filter: `spec.nodeSelector` and required node affinity.
+fn matches_node_affinity(pod: &Pod, node: &Node) -> bool {
+    let Some(spec) = pod.spec.as_ref() else {
+        return true;
+    };
+    let selector_ok = spec
+        .node_selector
+        .iter()
+        .flatten()
+        .all(|(k, v)| label(node, k) == Some(v.as_str()));
+    let required = spec
+        .affinity
+        .as_ref()
+        .and_then(|a| a.node_affinity.as_ref())
+        .and_then(|a| {
+            a.required_during_scheduling_ignored_during_execution
+                .as_ref()
+        });
+    let affinity_ok = required.is_none_or(|sel| {
+        sel.node_selector_terms
+            .iter()
+            .any(|term| term_matches(term, node))
+    });
+    selector_ok && affinity_ok
+}
+
+/// `NodeResourcesFit` filter: every reason the pod does not fit (empty = fits).
+pub fn insufficient(
+    requests: &Resources,
+    allocatable: &Resources,
+    usage: &NodeUsage,
+) -> Vec<String> {
+    let mut reasons = Vec::new();
+    // A node that does not publish `pods` (only hand-written fixtures do that) is not limited.
+    if let Some(allowed) = allocatable.get(PODS)
+        && i128::try_from(usage.pods + 1).unwrap_or(i128::MAX) * 1000 > *allowed
+    {
+        reasons.push(reasons::TOO_MANY_PODS.to_owned());
+    }
+    if requests.values().all(|v| *v == 0) {
+        return reasons;
+    }
+    let free = |name: &str| {
+        allocatable.get(name).copied().unwrap_or_default()
+            - usage.requested.get(name).copied().unwrap_or_default()
+    };
+    for name in [CPU, MEMORY, EPHEMERAL_STORAGE] {
+        let want = requests.get(name).copied().unwrap_or_default();
+        if want > 0 && want > free(name) {
+            reasons.push(format!("Insufficient {name}"));
+        }
+    }
+    for (name, want) in requests {
+        if [CPU, MEMORY, EPHEMERAL_STORAGE, PODS].contains(&name.as_str()) || *want == 0 {
+            continue;
+        }
+        if *want > free(name) {
+            reasons.push(format!("Insufficient {name}"));
+        }
+    }
+    reasons
+}
+
+/// Runs the default profile's filters for one node, in upstream's order, stopping at the first
+/// plugin that rejects. Returns the rejection reasons (empty = the node is feasible).
+pub fn filter_node(
+    pod: &Pod,
+    requests: &Resources,
+    node: &Node,
+    allocatable: &Resources,
+    usage: &NodeUsage,
+) -> Vec<String> {
+    // NodeUnschedulable
+    let cordoned = node
+        .spec
+        .as_ref()
+        .and_then(|s| s.unschedulable)
+        .unwrap_or(false);
+    if cordoned {
+        let taint = Taint {
+            key: TAINT_UNSCHEDULABLE.to_owned(),
+            effect: "NoSchedule".to_owned(),
+            ..Taint::default()
+        };
+        if !pod_tolerates(pod, &taint) {
+            return vec![reasons::UNSCHEDULABLE.to_owned()];
+        }
+    }
+    // TaintToleration
+    let untolerated = effective_taints(node).into_iter().find(|taint| {
+        (taint.effect == "NoSchedule" || taint.effect == "NoExecute") && !pod_tolerates(pod, taint)
+    });
+    if let Some(taint) = untolerated {
+        return vec![format!(
+            "node(s) had untolerated taint {{{}: {}}}",
+            taint.key,
+            taint.value.as_deref().unwrap_or("")
+        )];
+    }
+    // NodeAffinity
+    if !matches_node_affinity(pod, node) {
+        return vec![reasons::NODE_AFFINITY.to_owned()];
+    }
+    // NodeResourcesFit
+    insufficient(requests, allocatable, usage)
+}
+
+/// How many feasible nodes the scheduler looks for before it stops filtering
+/// (`numFeasibleNodesToFind` with the default adaptive percentage).
+pub fn num_feasible_nodes_to_find(all_nodes: usize) -> usize {
+    const MIN_FEASIBLE_NODES_TO_FIND: usize = 100;
+    if all_nodes < MIN_FEASIBLE_NODES_TO_FIND {
+        return all_nodes;
+    }
+    let percentage = 50usize.saturating_sub(all_nodes / 125).max(5);
+    (all_nodes * percentage / 100).max(MIN_FEASIBLE_NODES_TO_FIND)
+}
+
+/// `NodeResourcesFit` LeastAllocated (cpu, memory, weight 1 each) plus
+/// `NodeResourcesBalancedAllocation`, for a pod with `pod_usage` on a node with `usage`.
+pub fn default_score(allocatable: &Resources, usage: &NodeUsage, pod_usage: &PodUsage) -> i64 {
+    let capacity = |name: &str| allocatable.get(name).copied().unwrap_or_default();
+    let least = |requested: Milli, capacity: Milli| -> i64 {
+        if capacity <= 0 || requested > capacity {
+            return 0;
+        }
+        i64::try_from((capacity - requested) * i128::from(MAX_NODE_SCORE) / capacity).unwrap_or(0)
+    };
+    let cpu_score = least(usage.non_zero_cpu + pod_usage.non_zero_cpu, capacity(CPU));
+    let memory_score = least(
+        usage.non_zero_memory + pod_usage.non_zero_memory,
+        capacity(MEMORY),
+    );
+    let least_allocated = (cpu_score + memory_score) / 2;
+
+    let fraction = |name: &str| -> Option<f64> {
+        let cap = capacity(name);
+        if cap <= 0 {
+            return None;
+        }
+        let requested = usage.requested.get(name).copied().unwrap_or_default()
+            + pod_usage.requested.get(name).copied().unwrap_or_default();
+        Some((requested as f64 / cap as f64).min(1.0))
+    };
+    let balanced = match (fraction(CPU), fraction(MEMORY)) {
+        (Some(cpu), Some(memory)) => {
+            let std = (cpu - memory).abs() / 2.0;
+            ((1.0 - std) * MAX_NODE_SCORE as f64) as i64
+        }
+        _ => MAX_NODE_SCORE,
+    };
+    least_allocated + balanced
+}
+
+/// An extender's prioritize score on the scheduler's scale.
+pub fn extender_score(score: i64, weight: i64) -> i64 {
+    score
+        .saturating_mul(weight)
+        .saturating_mul(MAX_NODE_SCORE / crate::scheduler::wire::MAX_EXTENDER_PRIORITY)
+}
+
+/// `selectHost`: the highest total; ties broken uniformly at random by reservoir sampling.
+pub fn select_host<'a, R: Rng + ?Sized>(
+    scores: &'a [(String, i64)],
+    rng: &mut R,
+) -> Option<&'a str> {
+    let mut best: Option<(&str, i64)> = None;
+    let mut ties = 0u32;
+    for (name, score) in scores {
+        match best {
+            Some((_, top)) if *score < top => {}
+            Some((_, top)) if *score == top => {
+                ties += 1;
+                if rng.random_range(0..ties) == 0 {
+                    best = Some((name, *score));
+                }
+            }
+            _ => {
+                best = Some((name, *score));
+                ties = 1;
+            }
+        }
+    }
+    best.map(|(name, _)| name)
+}
+
+/// The message of kube-scheduler's `FitError`: "0/3 nodes are available: 1 Insufficient cpu,
+/// 2 node(s) didn't match Pod's node affinity/selector." Each reason of each node is counted; the
+/// "count reason" strings are sorted as strings, as upstream's `sort.Strings` does.
+pub fn fit_error_message<'a>(
+    num_all_nodes: usize,
+    node_reasons: impl IntoIterator<Item = &'a Vec<String>>,
+) -> String {
+    let mut histogram: BTreeMap<&str, usize> = BTreeMap::new();
+    for reasons in node_reasons {
+        for reason in reasons {
+            *histogram.entry(reason.as_str()).or_default() += 1;
+        }
+    }
+    let mut parts: Vec<String> = histogram
+        .into_iter()
+        .map(|(reason, count)| format!("{count} {reason}"))
+        .collect();
+    parts.sort();
+    let mut message = format!("0/{num_all_nodes} nodes are available:");
+    if !parts.is_empty() {
+        message.push_str(&format!(" {}.", parts.join(", ")));
+    }
+    message
+}
+
+#[cfg(test)]
+#[allow(clippy::unwrap_used)] // a test that cannot unwrap has failed
+mod tests {
+    use super::*;
+    use crate::fixtures::{node, pod};
+    use k8s_openapi::api::core::v1::{NodeSpec, PodSpec};
+    use rand::SeedableRng;
+    use rand::rngs::StdRng;
+
+    const GPU: &str = "example.com/gpu-mem";
+
+    #[test]
+    fn quantities_parse_to_milli_units() {
+        assert_eq!(parse_quantity("100m"), Some(100));
+        assert_eq!(parse_quantity("4"), Some(4000));
+        assert_eq!(parse_quantity("0.5"), Some(500));
+        assert_eq!(parse_quantity("1.5Gi"), Some(3 * (1 << 29) * 1000));
+        assert_eq!(parse_quantity("32Gi"), Some(32 * (1i128 << 30) * 1000));
+        assert_eq!(parse_quantity("2k"), Some(2_000_000));
+        assert_eq!(parse_quantity("1e3"), Some(1_000_000));
+        assert_eq!(
+            parse_quantity("1n"),
+            Some(1),
+            "rounds up like Quantity.MilliValue"
+        );
+        assert_eq!(parse_quantity(""), None);
+        assert_eq!(parse_quantity("lots"), None);
+        assert_eq!(parse_quantity("1Xi"), None);
+    }
+
+    #[test]
+    fn limits_count_as_requests_and_init_containers_take_the_max() {
+        // gpu_mem sets a limit only; API defaulting would copy it to requests.
+        let p = pod("a")
+            .gpu_mem(4)
+            .container("side", 2)
+            .init_container("init", 5)
+            .build();
+        assert_eq!(pod_requests(&p, false).get(GPU), Some(&6000));
+        let p = pod("b").gpu_mem(4).init_container("init", 7).build();
+        assert_eq!(pod_requests(&p, false).get(GPU), Some(&7000));
+    }
+
+    #[test]
+    fn sidecars_add_to_the_sum() {
+        let mut p = pod("a")
+            .gpu_mem(4)
+            .init_container("sidecar", 2)
+            .init_container("init", 5)
+            .build();
+        if let Some(spec) = p.spec.as_mut() {
+            spec.init_containers.as_mut().unwrap()[0].restart_policy = Some("Always".into());
+        }
+        // app 4 + sidecar 2 = 6; the init step is 5 + sidecar 2 = 7.
+        assert_eq!(pod_requests(&p, false).get(GPU), Some(&7000));
+    }
+
+    #[test]
+    fn non_zero_requests_default_cpu_and_memory() {
+        let p = pod("a").build();
+        let r = pod_requests(&p, true);
+        assert_eq!(r.get(CPU), Some(&DEFAULT_MILLI_CPU_REQUEST));
+        assert_eq!(r.get(MEMORY), Some(&(DEFAULT_MEMORY_REQUEST * 1000)));
+        assert!(pod_requests(&p, false).is_empty());
+    }
+
+    #[test]
+    fn interest_follows_managed_resources() {
+        let managed = vec![GPU.to_owned()];
+        assert!(pod_uses_any(&pod("a").gpu_mem(1).build(), &managed));
+        assert!(pod_uses_any(
+            &pod("a").init_container("i", 1).build(),
+            &managed
+        ));
+        assert!(!pod_uses_any(&pod("a").cpu("1").build(), &managed));
+    }
+
+    fn check(p: &Pod, n: &Node, usage: &NodeUsage) -> Vec<String> {
+        filter_node(p, &pod_requests(p, false), n, &allocatable(n), usage)
+    }
+
+    #[test]
+    fn resource_fit_counts_what_the_node_already_carries() {
+        let n = node("n1").gpus(&[8, 8]).build();
+        let p = pod("a").gpu_mem(4).cpu("2").build();
+        assert!(check(&p, &n, &NodeUsage::default()).is_empty());
+
+        let mut usage = NodeUsage::default();
+        usage.add(&PodUsage::of(&pod("b").gpu_mem(14).cpu("7").build()));
+        assert_eq!(
+            check(&p, &n, &usage),
+            ["Insufficient cpu", "Insufficient example.com/gpu-mem"]
+        );
+        assert_eq!(
+            check(
+                &pod("big").gpu_mem(17).build(),
+                &node("n2").gpus(&[16]).build(),
+                &NodeUsage::default()
+            ),
+            ["Insufficient example.com/gpu-mem"]
+        );
+        assert_eq!(
+            check(
+                &pod("c").gpu_mem(1).build(),
+                &node("plain").build(),
+                &NodeUsage::default()
+            ),
+            ["Insufficient example.com/gpu-mem"],
+            "a node without the extended resource has none of it"
+        );
+    }
+
+    #[test]
+    fn too_many_pods() {
+        let n = node("n1").build();
+        let usage = NodeUsage {
+            pods: 110,
+            ..NodeUsage::default()
+        };
+        assert_eq!(
+            check(&pod("a").build(), &n, &usage),
+            [reasons::TOO_MANY_PODS]
+        );
+    }
+
+    #[test]
+    fn cordoned_unready_and_unselected_nodes_are_rejected_first() {
+        let mut cordoned = node("n1").gpus(&[8]).build();
+        cordoned.spec = Some(NodeSpec {
+            unschedulable: Some(true),
+            ..NodeSpec::default()
+        });
+        let p = pod("a").gpu_mem(100).build();
+        assert_eq!(
+            check(&p, &cordoned, &NodeUsage::default()),
+            [reasons::UNSCHEDULABLE]
+        );
+
+        let mut unready = node("n2").gpus(&[8]).build();
+        if let Some(conditions) = unready.status.as_mut().and_then(|s| s.conditions.as_mut()) {
+            conditions[0].status = "False".into();
+        }
+        assert_eq!(
+            check(&p, &unready, &NodeUsage::default()),
+            ["node(s) had untolerated taint {node.kubernetes.io/not-ready: }"]
+        );
+
+        let mut selective = pod("b").gpu_mem(1).build();
+        if let Some(spec) = selective.spec.as_mut() {
+            spec.node_selector = Some([("gpushare".to_owned(), "true".to_owned())].into());
+        }
+        let labelled = node("n3").gpushare().gpus(&[8]).build();
+        let unlabelled = node("n4").gpus(&[8]).build();
+        assert!(check(&selective, &labelled, &NodeUsage::default()).is_empty());
+        assert_eq!(
+            check(&selective, &unlabelled, &NodeUsage::default()),
+            [reasons::NODE_AFFINITY]
+        );
+    }
+
+    #[test]
+    fn tolerations_match_like_upstream() {
+        let taint = Taint {
+            key: "gpu".into(),
+            value: Some("yes".into()),
+            effect: "NoSchedule".into(),
+            ..Taint::default()
+        };
+        let exists = Toleration {
+            key: Some("gpu".into()),
+            operator: Some("Exists".into()),
+            ..Toleration::default()
+        };
+        let wrong_value = Toleration {
+            key: Some("gpu".into()),
+            value: Some("no".into()),
+            ..Toleration::default()
+        };
+        let wrong_effect = Toleration {
+            operator: Some("Exists".into()),
+            effect: Some("NoExecute".into()),
+            ..Toleration::default()
+        };
+        assert!(tolerates(&exists, &taint));
+        assert!(!tolerates(&wrong_value, &taint));
+        assert!(!tolerates(&wrong_effect, &taint));
+        let p = Pod {
+            spec: Some(PodSpec {
+                tolerations: Some(vec![exists]),
+                ..PodSpec::default()
+            }),
+            ..Pod::default()
+        };
+        assert!(pod_tolerates(&p, &taint));
+    }
+
+    #[test]
+    fn fit_error_message_matches_kube_scheduler() {
+        let statuses = [
+            vec!["Insufficient example.com/gpu-mem".to_owned()],
+            vec!["no GPU with 8 GiB free".to_owned()],
+            vec!["no GPU with 8 GiB free".to_owned()],
+        ];
+        assert_eq!(
+            fit_error_message(3, statuses.iter()),
+            "0/3 nodes are available: 1 Insufficient example.com/gpu-mem, 2 no GPU with 8 GiB free."
+        );
+        let both = [vec![
+            "Insufficient cpu".to_owned(),
+            "Insufficient memory".to_owned(),
+        ]];
+        assert_eq!(
+            fit_error_message(1, both.iter()),
+            "0/1 nodes are available: 1 Insufficient cpu, 1 Insufficient memory."
+        );
+        assert_eq!(fit_error_message(2, [].iter()), "0/2 nodes are available:");
+    }
+
+    #[test]
+    fn extender_scores_are_scaled_by_weight_times_ten() {
+        assert_eq!(extender_score(10, 1), 100);
+        assert_eq!(extender_score(3, 5), 150);
+        assert_eq!(extender_score(7, 0), 0);
+    }
+
+    #[test]
+    fn least_allocated_prefers_the_emptier_node() {
+        let n = node("n1").build();
+        let p = PodUsage::of(&pod("a").cpu("1").build());
+        let mut busy = NodeUsage::default();
+        busy.add(&PodUsage::of(&pod("b").cpu("6").build()));
+        let alloc = allocatable(&n);
+        assert!(
+            default_score(&alloc, &NodeUsage::default(), &p) > default_score(&alloc, &busy, &p)
+        );
+    }
+
+    #[test]
+    fn select_host_takes_the_best_and_breaks_ties_at_random() {
+        let mut rng = StdRng::seed_from_u64(7);
+        let scores = vec![
+            ("a".to_owned(), 5),
+            ("b".to_owned(), 9),
+            ("c".to_owned(), 1),
+        ];
+        assert_eq!(select_host(&scores, &mut rng), Some("b"));
+        assert_eq!(select_host(&[], &mut rng), None);
+
+        let tied = vec![
+            ("a".to_owned(), 5),
+            ("b".to_owned(), 5),
+            ("c".to_owned(), 5),
+        ];
+        let mut seen = std::collections::BTreeSet::new();
+        for _ in 0..200 {
+            seen.extend(select_host(&tied, &mut rng));
+        }
+        assert_eq!(seen.len(), 3, "every tied node is picked some of the time");
+
+        let again = |seed| {
+            let mut rng = StdRng::seed_from_u64(seed);
+            (0..20)
+                .map(|_| select_host(&tied, &mut rng).map(str::to_owned))
+                .collect::<Vec<_>>()
+        };
+        assert_eq!(again(42), again(42), "a seed makes placements reproducible");
+    }
+
+    #[test]
+    fn feasible_nodes_to_find_is_adaptive_above_100_nodes() {
+        assert_eq!(num_feasible_nodes_to_find(5), 5);
+        assert_eq!(num_feasible_nodes_to_find(99), 99);
+        assert_eq!(num_feasible_nodes_to_find(200), 100);
+        assert_eq!(num_feasible_nodes_to_find(1000), 420);
+        assert_eq!(num_feasible_nodes_to_find(10_000), 500);
+    }
+}

@@ -1,0 +1,136 @@
+//! Criterion benchmarks of the pure allocation core: what the extender does per scheduling
+//! cycle (filter and prioritize over every candidate node), per bind (decide + book), and
+//! once at start-up (rebuild the view from every pod's annotations).
+//!
+//! ```sh
+//! cargo bench -p gpushare-perf --bench allocator
+//! ```
+
+use std::collections::BTreeMap;
+use std::hint::black_box;
+
+use criterion::{BenchmarkId, Criterion, criterion_group, criterion_main};
+use gpushare_allocator::{Cluster, Gpu, PodId, PodPlacement, Policy, Request};
+use gpushare_contract::{ContainerRequest, Keys, PodAllocation};
+
+const GPUS_PER_NODE: u32 = 8;
+const GPU_GIB: u64 = 32;
+const PODS_PER_GPU: u64 = 10;
+
+/// `nodes` nodes × 8 GPUs × 32 GiB, each GPU holding 10 pods of 2 GiB (12 GiB free).
+fn busy_cluster(nodes: usize) -> (Cluster, Vec<String>) {
+    let names: Vec<String> = (0..nodes).map(|n| format!("node-{n:05}")).collect();
+    let node_list = names.iter().map(|name| {
+        let gpus = (0..GPUS_PER_NODE)
+            .map(|index| Gpu {
+                index,
+                uuid: format!("GPU-{name}-{index}"),
+                model: "bench".into(),
+                total_gib: GPU_GIB,
+                healthy: true,
+            })
+            .collect();
+        (name.clone(), gpus, true)
+    });
+    let pods = names.iter().flat_map(|name| {
+        (0..GPUS_PER_NODE).flat_map(move |gpu| {
+            (0..PODS_PER_GPU).map(move |p| {
+                (
+                    PodId(format!("{name}-{gpu}-{p}")),
+                    name.clone(),
+                    PodPlacement { gpu, pod_gib: 2, pending: vec![], assigned: true },
+                )
+            })
+        })
+    });
+    (Cluster::rebuild(node_list, pods), names)
+}
+
+fn filter_and_prioritize(c: &mut Criterion) {
+    let request = Request { pod_gib: 4, containers: vec![4] };
+    let mut group = c.benchmark_group("filter");
+    for nodes in [100, 1_000, 5_000] {
+        let (cluster, names) = busy_cluster(nodes);
+        group.bench_with_input(BenchmarkId::from_parameter(nodes), &names, |b, names| {
+            b.iter(|| names.iter().filter(|name| cluster.fit(name, black_box(&request)).is_ok()).count())
+        });
+    }
+    group.finish();
+    let mut group = c.benchmark_group("prioritize");
+    for nodes in [100, 1_000, 5_000] {
+        let (cluster, names) = busy_cluster(nodes);
+        group.bench_with_input(BenchmarkId::from_parameter(nodes), &names, |b, names| {
+            b.iter(|| {
+                names.iter().map(|name| u32::from(cluster.score(name, black_box(&request), Policy::Binpack))).sum::<u32>()
+            })
+        });
+    }
+    group.finish();
+}
+
+fn bind_decision(c: &mut Criterion) {
+    let (mut cluster, names) = busy_cluster(5_000);
+    let request = Request { pod_gib: 4, containers: vec![4] };
+    let node = names[2_500].clone();
+    let uid = PodId("bench-pod".into());
+    c.bench_function("bind decision (reserve + release) at 5000 nodes", |b| {
+        b.iter(|| {
+            let placement = cluster.reserve(uid.clone(), &node, black_box(&request), Policy::Binpack);
+            cluster.release(&uid);
+            placement.is_ok()
+        })
+    });
+}
+
+fn rebuild_from_annotations(c: &mut Criterion) {
+    let keys = Keys::default();
+    // 5,000 nodes × 10 pods = 50,000 pods' annotation maps, as the pod watch delivers them.
+    let pods: Vec<(String, String, BTreeMap<String, String>)> = (0..50_000u32)
+        .map(|p| {
+            let allocation = PodAllocation {
+                gpu_index: p % GPUS_PER_NODE,
+                gpu_uuid: format!("GPU-{p}"),
+                pod_gib: 2,
+                containers: vec![ContainerRequest { name: "main".into(), gib: 2, init: false }],
+                bind_time: "2026-11-22T10:00:00Z".into(),
+                assigned: true,
+                allocated: vec!["main".into()],
+            };
+            (format!("uid-{p}"), format!("node-{:05}", p / 10), allocation.to_annotations(&keys))
+        })
+        .collect();
+    let nodes: Vec<(String, Vec<Gpu>, bool)> = (0..5_000)
+        .map(|n| {
+            let gpus = (0..GPUS_PER_NODE)
+                .map(|index| Gpu { index, uuid: String::new(), model: String::new(), total_gib: GPU_GIB, healthy: true })
+                .collect();
+            (format!("node-{n:05}"), gpus, true)
+        })
+        .collect();
+    c.bench_function("rebuild view from 50000 pods' annotations", |b| {
+        b.iter(|| {
+            let placements = pods.iter().filter_map(|(uid, node, annotations)| {
+                let allocation = PodAllocation::from_annotations(&keys, annotations).ok()??;
+                let pending = allocation.pending_containers().map(|c| c.gib).collect();
+                Some((
+                    PodId(uid.clone()),
+                    node.clone(),
+                    PodPlacement {
+                        gpu: allocation.gpu_index,
+                        pod_gib: allocation.pod_gib,
+                        pending,
+                        assigned: allocation.assigned,
+                    },
+                ))
+            });
+            Cluster::rebuild(nodes.iter().cloned(), placements).pod_count()
+        })
+    });
+}
+
+criterion_group! {
+    name = benches;
+    config = Criterion::default().sample_size(20);
+    targets = filter_and_prioritize, bind_decision, rebuild_from_annotations
+}
+criterion_main!(benches);
