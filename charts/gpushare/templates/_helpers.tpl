@@ -1,0 +1,125 @@
+{{/* Chart name, overridable. */}}
+{{- define "gpushare.name" -}}
+{{- default .Chart.Name .Values.nameOverride | trunc 63 | trimSuffix "-" }}
+{{- end }}
+
+{{/* Release-scoped base name: the release name if it already contains the chart name. */}}
+{{- define "gpushare.fullname" -}}
+{{- if .Values.fullnameOverride }}
+{{- .Values.fullnameOverride | trunc 63 | trimSuffix "-" }}
+{{- else }}
+{{- $name := default .Chart.Name .Values.nameOverride }}
+{{- if contains $name .Release.Name }}
+{{- .Release.Name | trunc 63 | trimSuffix "-" }}
+{{- else }}
+{{- printf "%s-%s" .Release.Name $name | trunc 63 | trimSuffix "-" }}
+{{- end }}
+{{- end }}
+{{- end }}
+
+{{- define "gpushare.chart" -}}
+{{- printf "%s-%s" .Chart.Name .Chart.Version | replace "+" "_" | trunc 63 | trimSuffix "-" }}
+{{- end }}
+
+{{/* Names of the three components. */}}
+{{- define "gpushare.extender.fullname" -}}
+{{- printf "%s-extender" (include "gpushare.fullname" .) | trunc 63 | trimSuffix "-" }}
+{{- end }}
+{{- define "gpushare.scheduler.fullname" -}}
+{{- printf "%s-scheduler" (include "gpushare.fullname" .) | trunc 63 | trimSuffix "-" }}
+{{- end }}
+{{- define "gpushare.devicePlugin.fullname" -}}
+{{- printf "%s-device-plugin" (include "gpushare.fullname" .) | trunc 63 | trimSuffix "-" }}
+{{- end }}
+{{- define "gpushare.webhook.fullname" -}}
+{{- printf "%s-webhook" (include "gpushare.fullname" .) | trunc 63 | trimSuffix "-" }}
+{{- end }}
+
+{{/* Labels on every object. Call with (dict "ctx" $ "component" "extender"). */}}
+{{- define "gpushare.labels" -}}
+helm.sh/chart: {{ include "gpushare.chart" .ctx }}
+{{ include "gpushare.selectorLabels" . }}
+app.kubernetes.io/version: {{ .ctx.Chart.AppVersion | quote }}
+app.kubernetes.io/managed-by: {{ .ctx.Release.Service }}
+app.kubernetes.io/part-of: gpushare
+{{- end }}
+
+{{/* Labels that select a component's pods; never change them between upgrades. */}}
+{{- define "gpushare.selectorLabels" -}}
+app.kubernetes.io/name: {{ include "gpushare.name" .ctx }}
+app.kubernetes.io/instance: {{ .ctx.Release.Name }}
+app.kubernetes.io/component: {{ .component }}
+{{- end }}
+
+{{/* image reference; the tag defaults to the chart's appVersion. Call with (dict "image" .Values.x.image "ctx" $). */}}
+{{- define "gpushare.image" -}}
+{{- printf "%s:%s" .image.repository (default .ctx.Chart.AppVersion .image.tag) }}
+{{- end }}
+
+{{/* kube-scheduler image tag: values, or the cluster's own vMAJOR.MINOR.0. */}}
+{{- define "gpushare.scheduler.imageTag" -}}
+{{- if .Values.scheduler.image.tag }}
+{{- .Values.scheduler.image.tag }}
+{{- else }}
+{{- printf "v%s.%s.0" (regexReplaceAll "[^0-9]" .Capabilities.KubeVersion.Major "") (regexReplaceAll "[^0-9]" .Capabilities.KubeVersion.Minor "") }}
+{{- end }}
+{{- end }}
+
+{{/* The participation label as key=value, for flags. */}}
+{{- define "gpushare.nodeLabel" -}}
+{{- printf "%s=%s" .Values.nodeLabel.key .Values.nodeLabel.value }}
+{{- end }}
+
+{{/* True when the chart runs its own scheduler (and the webhook routing pods to it). */}}
+{{- define "gpushare.dedicated" -}}
+{{- if eq .Values.scheduler.mode "dedicated" }}true{{ end }}
+{{- end }}
+
+{{/* The webhook runs only with the dedicated scheduler: it routes pods to it. */}}
+{{- define "gpushare.webhookEnabled" -}}
+{{- if and (include "gpushare.dedicated" .) .Values.webhook.enabled }}true{{ end }}
+{{- end }}
+
+{{/* The extender's URL as kube-scheduler calls it. */}}
+{{- define "gpushare.extenderUrlPrefix" -}}
+{{- printf "http://%s.%s.svc:%v%s" (include "gpushare.extender.fullname" .) .Release.Namespace .Values.extender.port .Values.extender.prefix }}
+{{- end }}
+
+{{/* Fail early on values that cannot work. */}}
+{{- define "gpushare.validate" -}}
+{{- if not (has .Values.scheduler.mode (list "dedicated" "default-scheduler")) }}
+{{- fail (printf "scheduler.mode must be \"dedicated\" or \"default-scheduler\", not %q" .Values.scheduler.mode) }}
+{{- end }}
+{{- if not (has .Values.policy (list "binpack" "spread")) }}
+{{- fail (printf "policy must be \"binpack\" or \"spread\", not %q" .Values.policy) }}
+{{- end }}
+{{- if not (has .Values.devicePlugin.gpuBackend (list "nvml" "simulated")) }}
+{{- fail (printf "devicePlugin.gpuBackend must be \"nvml\" or \"simulated\", not %q" .Values.devicePlugin.gpuBackend) }}
+{{- end }}
+{{- end }}
+
+{{/* The KubeSchedulerConfiguration of the dedicated scheduler. */}}
+{{- define "gpushare.scheduler.config" -}}
+apiVersion: kubescheduler.config.k8s.io/v1
+kind: KubeSchedulerConfiguration
+leaderElection:
+  leaderElect: true
+  resourceLock: leases
+  resourceName: {{ include "gpushare.scheduler.fullname" . }}
+  resourceNamespace: {{ .Release.Namespace }}
+profiles:
+  - schedulerName: {{ .Values.scheduler.schedulerName }}
+extenders:
+  - urlPrefix: {{ include "gpushare.extenderUrlPrefix" . }}
+    filterVerb: filter
+    prioritizeVerb: prioritize
+    bindVerb: bind
+    weight: {{ .Values.scheduler.extender.weight }}
+    enableHTTPS: false
+    nodeCacheCapable: true
+    httpTimeout: {{ .Values.scheduler.extender.httpTimeout }}
+    ignorable: {{ .Values.scheduler.extender.ignorable }}
+    managedResources:
+      - name: {{ .Values.resourceName }}
+        ignoredByScheduler: false
+{{- end }}

@@ -1,0 +1,30 @@
+# syntax=docker/dockerfile:1.7
+# gpushare-device-plugin: the per-node kubelet device plugin.
+# Build from the repository root:
+#   docker build -f docker/device-plugin.Dockerfile -t gpushare-device-plugin:0.1.0 .
+# The kubelet API is compiled from .proto with protox (pure Rust): no protoc needed.
+
+ARG RUST_IMAGE=rust:1-bookworm
+
+FROM ${RUST_IMAGE} AS builder
+WORKDIR /src
+COPY . .
+RUN --mount=type=cache,target=/usr/local/cargo/registry \
+    --mount=type=cache,target=/usr/local/cargo/git \
+    --mount=type=cache,target=/src/target \
+    cargo build --release --locked -p gpushare-device-plugin \
+    && install -D -m 0755 target/release/gpushare-device-plugin /out/gpushare-device-plugin
+
+# glibc with dlopen, which NVML needs: libnvidia-ml.so.1 is not in the image, the NVIDIA
+# container runtime injects it (NVIDIA_VISIBLE_DEVICES=all, NVIDIA_DRIVER_CAPABILITIES=utility).
+# Root image variant: kubelet's device plugin directory and socket belong to root. The chart
+# runs it as uid 0 without privileges or capabilities.
+FROM gcr.io/distroless/cc-debian12
+LABEL org.opencontainers.image.title="gpushare-device-plugin" \
+      org.opencontainers.image.description="kubelet device plugin advertising GPU memory in GiB and pinning containers to their GPU" \
+      org.opencontainers.image.licenses="Apache-2.0"
+COPY --from=builder /out/gpushare-device-plugin /usr/local/bin/gpushare-device-plugin
+ENV NVIDIA_VISIBLE_DEVICES=all \
+    NVIDIA_DRIVER_CAPABILITIES=utility
+EXPOSE 9400
+ENTRYPOINT ["/usr/local/bin/gpushare-device-plugin"]

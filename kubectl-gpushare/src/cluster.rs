@@ -1,0 +1,190 @@
+//! Talking to the cluster: connect through the usual kubeconfig, read nodes and pods, probe
+//! the extender. Every failure says where it tried to go and what to check.
+
+use std::path::Path;
+use std::time::Duration;
+
+use http_body_util::{BodyExt as _, Empty};
+use hyper::body::Bytes;
+use hyper_util::client::legacy::Client as HttpClient;
+use hyper_util::rt::TokioExecutor;
+use k8s_openapi::api::apps::v1::Deployment;
+use k8s_openapi::api::core::v1::{Node, Pod};
+use kube::api::{Api, ListParams};
+use kube::config::{KubeConfigOptions, Kubeconfig};
+
+use crate::doctor::{Install, SchedulerDeployment};
+
+/// How long one probe of the extender may take.
+const PROBE_TIMEOUT: Duration = Duration::from_secs(5);
+
+/// Why the cluster could not be read.
+#[derive(Debug, thiserror::Error)]
+pub enum Error {
+    /// The kubeconfig could not be loaded.
+    #[error("cannot load a kubeconfig{}: {source}; check KUBECONFIG or pass --kubeconfig", path.as_deref().map(|p| format!(" from {p}")).unwrap_or_default())]
+    Config {
+        /// the file given with --kubeconfig, if any
+        path: Option<String>,
+        /// the cause
+        #[source]
+        source: Box<dyn std::error::Error + Send + Sync>,
+    },
+    /// The API server did not answer.
+    #[error("cannot reach the cluster at {url}: {source}; check KUBECONFIG")]
+    Unreachable {
+        /// the API server URL from the kubeconfig
+        url: String,
+        /// the cause
+        #[source]
+        source: kube::Error,
+    },
+    /// The API server answered with an error (e.g. forbidden).
+    #[error("the cluster at {url} refused to {what}: {source}")]
+    Refused {
+        /// the API server URL
+        url: String,
+        /// what was attempted
+        what: String,
+        /// the API error
+        #[source]
+        source: kube::Error,
+    },
+}
+
+/// A connected client and the URL it talks to.
+#[derive(Clone)]
+pub struct Cluster {
+    client: kube::Client,
+    url: String,
+}
+
+impl Cluster {
+    /// Connects through `kubeconfig` or, without one, the usual inference (KUBECONFIG,
+    /// ~/.kube/config, in-cluster).
+    pub async fn connect(kubeconfig: Option<&Path>) -> Result<Self, Error> {
+        let config_error = |source: Box<dyn std::error::Error + Send + Sync>| Error::Config {
+            path: kubeconfig.map(|p| p.display().to_string()),
+            source,
+        };
+        let config = match kubeconfig {
+            Some(path) => {
+                let file = Kubeconfig::read_from(path).map_err(|e| config_error(Box::new(e)))?;
+                kube::Config::from_custom_kubeconfig(file, &KubeConfigOptions::default())
+                    .await
+                    .map_err(|e| config_error(Box::new(e)))?
+            }
+            None => kube::Config::infer()
+                .await
+                .map_err(|e| config_error(Box::new(e)))?,
+        };
+        let url = config.cluster_url.to_string();
+        let client = kube::Client::try_from(config).map_err(|e| config_error(Box::new(e)))?;
+        Ok(Self { client, url })
+    }
+
+    /// The underlying client.
+    pub fn client(&self) -> &kube::Client {
+        &self.client
+    }
+
+    fn classify(&self, what: &str, source: kube::Error) -> Error {
+        match source {
+            kube::Error::Api(_) => Error::Refused {
+                url: self.url.clone(),
+                what: what.to_owned(),
+                source,
+            },
+            source => Error::Unreachable {
+                url: self.url.clone(),
+                source,
+            },
+        }
+    }
+
+    /// Every node.
+    pub async fn nodes(&self) -> Result<Vec<Node>, Error> {
+        Api::<Node>::all(self.client.clone())
+            .list(&ListParams::default())
+            .await
+            .map(|list| list.items)
+            .map_err(|e| self.classify("list nodes", e))
+    }
+
+    /// Every pod in every namespace.
+    pub async fn pods(&self) -> Result<Vec<Pod>, Error> {
+        Api::<Pod>::all(self.client.clone())
+            .list(&ListParams::default())
+            .await
+            .map(|list| list.items)
+            .map_err(|e| self.classify("list pods", e))
+    }
+
+    /// The chart's scheduler Deployments in the install namespace.
+    pub async fn scheduler_deployments(
+        &self,
+        install: &Install,
+    ) -> Result<Vec<SchedulerDeployment>, String> {
+        let params = ListParams::default()
+            .labels("app.kubernetes.io/name=gpushare,app.kubernetes.io/component=scheduler");
+        let list = Api::<Deployment>::namespaced(self.client.clone(), &install.namespace)
+            .list(&params)
+            .await
+            .map_err(|e| e.to_string())?;
+        Ok(list
+            .items
+            .into_iter()
+            .map(|d| SchedulerDeployment {
+                name: d.metadata.name.unwrap_or_default(),
+                ready: d.status.and_then(|s| s.ready_replicas).unwrap_or(0),
+                desired: d.spec.and_then(|s| s.replicas).unwrap_or(1),
+            })
+            .collect())
+    }
+
+    /// GETs the extender's `/healthz` through the API server's service proxy.
+    pub async fn extender_health_via_proxy(&self, install: &Install) -> Result<String, String> {
+        let path = format!(
+            "/api/v1/namespaces/{}/services/{}:http/proxy/healthz",
+            install.namespace, install.extender_service
+        );
+        let request = http::Request::get(&path)
+            .body(Vec::new())
+            .map_err(|e| e.to_string())?;
+        match tokio::time::timeout(PROBE_TIMEOUT, self.client.request_text(request)).await {
+            Ok(Ok(_)) => Ok(format!("through the API server proxy {path}")),
+            Ok(Err(e)) => Err(format!("GET {path}: {e}")),
+            Err(_) => Err(format!("GET {path}: no answer within {PROBE_TIMEOUT:?}")),
+        }
+    }
+}
+
+/// GETs `<base>/healthz` directly (e.g. through `kubectl port-forward`).
+pub async fn extender_health_direct(base: &str) -> Result<String, String> {
+    let url = format!("{}/healthz", base.trim_end_matches('/'));
+    let uri: http::Uri = url.parse().map_err(|e| format!("bad URL {url}: {e}"))?;
+    let client: HttpClient<_, Empty<Bytes>> =
+        HttpClient::builder(TokioExecutor::new()).build_http();
+    let call = async {
+        let response = client.get(uri).await.map_err(|e| e.to_string())?;
+        let status = response.status();
+        let body = response
+            .into_body()
+            .collect()
+            .await
+            .map_err(|e| e.to_string())?
+            .to_bytes();
+        if status.is_success() {
+            Ok(format!("GET {url}: {status}"))
+        } else {
+            Err(format!(
+                "GET {url}: {status} {}",
+                String::from_utf8_lossy(&body).trim()
+            ))
+        }
+    };
+    match tokio::time::timeout(PROBE_TIMEOUT, call).await {
+        Ok(result) => result.map_err(|e| format!("GET {url}: {e}")),
+        Err(_) => Err(format!("GET {url}: no answer within {PROBE_TIMEOUT:?}")),
+    }
+}

@@ -1,0 +1,271 @@
+//! Who holds how much GPU memory where, computed from nodes and pods alone.
+//!
+//! Both `top` and `doctor` read the cluster the way the extender does: a node's GPUs come
+//! from the device plugin's inventory annotation (or, before it is published, capacity split
+//! evenly over the GPU-count label), and a pod's place from the allocation annotations the
+//! extender wrote when it bound the pod. A pod that asks for the resource and is bound but
+//! carries no allocation was placed without the extender: it is counted as *pending*,
+//! because no GPU was chosen for it.
+
+use std::collections::BTreeMap;
+
+use gpushare_contract::{GpuInfo, Keys, PodAllocation, inventory, pod_request};
+use k8s_openapi::api::core::v1::{Node, Pod};
+
+/// What to read: the resource name, the annotation domain and the participation label.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Settings {
+    /// Extended resource pods ask for, e.g. `example.com/gpu-mem`.
+    pub resource: String,
+    /// Annotation and label keys under the configured domain.
+    pub keys: Keys,
+    /// Label key admins set on participating nodes.
+    pub label_key: String,
+    /// Its value.
+    pub label_value: String,
+}
+
+impl Default for Settings {
+    fn default() -> Self {
+        Self {
+            resource: gpushare_contract::DEFAULT_RESOURCE.to_owned(),
+            keys: Keys::default(),
+            label_key: gpushare_contract::DEFAULT_NODE_LABEL_KEY.to_owned(),
+            label_value: gpushare_contract::DEFAULT_NODE_LABEL_VALUE.to_owned(),
+        }
+    }
+}
+
+/// One GPU and what is placed on it.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct GpuUsage {
+    /// Index on the node.
+    pub index: u32,
+    /// Product name, empty when unknown.
+    pub model: String,
+    /// UUID, empty when unknown.
+    pub uuid: String,
+    /// GiB of memory.
+    pub total_gib: u64,
+    /// GiB held by pods the extender placed here.
+    pub allocated_gib: u64,
+    /// False when the device plugin reported the GPU unusable.
+    pub healthy: bool,
+}
+
+/// Where one pod's GPU memory is.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct PodUsage {
+    /// Namespace.
+    pub namespace: String,
+    /// Name.
+    pub name: String,
+    /// GPU index, or `None` when bound without an allocation (pending).
+    pub gpu: Option<u32>,
+    /// GiB it holds (or asks for, when pending).
+    pub gib: u64,
+    /// The scheduler that bound it.
+    pub scheduler: String,
+}
+
+/// One node's GPUs and pods.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct NodeUsage {
+    /// Node name.
+    pub name: String,
+    /// Internal IP, empty when the node reports none.
+    pub ip: String,
+    /// Its GPUs, by index.
+    pub gpus: Vec<GpuUsage>,
+    /// Its GPU pods, by namespace and name.
+    pub pods: Vec<PodUsage>,
+    /// How the GPU list was obtained.
+    pub source: GpuSource,
+}
+
+/// Where a node's GPU list came from.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum GpuSource {
+    /// The device plugin's inventory annotation.
+    Inventory,
+    /// Capacity split over the GPU-count label (no inventory yet).
+    Capacity,
+    /// The inventory annotation is present but unreadable (the message says why).
+    BadInventory(String),
+    /// Neither inventory nor capacity.
+    None,
+}
+
+impl NodeUsage {
+    /// GiB of pods bound here without an allocation.
+    pub fn pending_gib(&self) -> u64 {
+        self.pods
+            .iter()
+            .filter(|p| p.gpu.is_none())
+            .map(|p| p.gib)
+            .sum()
+    }
+
+    /// Total GiB of all GPUs.
+    pub fn total_gib(&self) -> u64 {
+        self.gpus.iter().map(|g| g.total_gib).sum()
+    }
+
+    /// GiB allocated on GPUs plus pending.
+    pub fn allocated_gib(&self) -> u64 {
+        self.gpus.iter().map(|g| g.allocated_gib).sum::<u64>() + self.pending_gib()
+    }
+}
+
+/// True when the node takes part or looks like it should: labelled, or advertising the
+/// resource, or carrying an inventory.
+pub fn is_gpu_node(node: &Node, settings: &Settings) -> bool {
+    is_labelled(node, settings)
+        || capacity_gib(node, &settings.resource).is_some_and(|gib| gib > 0)
+        || node_annotation(node, &settings.keys.node_gpus).is_some()
+}
+
+/// True when the node carries the participation label.
+pub fn is_labelled(node: &Node, settings: &Settings) -> bool {
+    node.metadata
+        .labels
+        .as_ref()
+        .and_then(|labels| labels.get(&settings.label_key))
+        .is_some_and(|v| v == &settings.label_value)
+}
+
+/// The node's capacity of `resource` in whole GiB, if it advertises any.
+pub fn capacity_gib(node: &Node, resource: &str) -> Option<u64> {
+    let quantity = node.status.as_ref()?.capacity.as_ref()?.get(resource)?;
+    quantity.0.trim().parse().ok()
+}
+
+fn node_annotation<'a>(node: &'a Node, key: &str) -> Option<&'a str> {
+    node.metadata
+        .annotations
+        .as_ref()?
+        .get(key)
+        .map(String::as_str)
+}
+
+/// True unless the pod has finished (its GPU memory is free again).
+pub fn is_active(pod: &Pod) -> bool {
+    let phase = pod.status.as_ref().and_then(|s| s.phase.as_deref());
+    !matches!(phase, Some("Succeeded") | Some("Failed"))
+}
+
+fn node_gpus(node: &Node, settings: &Settings) -> (Vec<GpuInfo>, GpuSource) {
+    if let Some(text) = node_annotation(node, &settings.keys.node_gpus) {
+        return match inventory::decode(text) {
+            Ok(gpus) => (gpus, GpuSource::Inventory),
+            Err(err) => (Vec::new(), GpuSource::BadInventory(err.to_string())),
+        };
+    }
+    let Some(capacity) = capacity_gib(node, &settings.resource).filter(|&c| c > 0) else {
+        return (Vec::new(), GpuSource::None);
+    };
+    let count = node
+        .metadata
+        .labels
+        .as_ref()
+        .and_then(|labels| labels.get(&settings.keys.node_gpu_count))
+        .and_then(|v| v.trim().parse::<u32>().ok())
+        .filter(|&c| c > 0)
+        .unwrap_or(1);
+    let gpus = (0..count)
+        .map(|index| GpuInfo {
+            index,
+            uuid: String::new(),
+            model: String::new(),
+            mem_gib: capacity / u64::from(count),
+            healthy: true,
+            numa_node: None,
+        })
+        .collect();
+    (gpus, GpuSource::Capacity)
+}
+
+fn internal_ip(node: &Node) -> String {
+    let addresses = node.status.as_ref().and_then(|s| s.addresses.as_deref());
+    let addresses = addresses.unwrap_or_default();
+    addresses
+        .iter()
+        .find(|a| a.type_ == "InternalIP")
+        .or_else(|| addresses.first())
+        .map(|a| a.address.clone())
+        .unwrap_or_default()
+}
+
+/// The usage of every GPU node, sorted by name. Pods not asking for the resource, not
+/// bound, or finished are ignored.
+pub fn cluster_usage(nodes: &[Node], pods: &[Pod], settings: &Settings) -> Vec<NodeUsage> {
+    let mut by_node: BTreeMap<String, NodeUsage> = BTreeMap::new();
+    for node in nodes.iter().filter(|n| is_gpu_node(n, settings)) {
+        let Some(name) = node.metadata.name.clone() else {
+            continue;
+        };
+        let (gpus, source) = node_gpus(node, settings);
+        let gpus = gpus
+            .into_iter()
+            .map(|gpu| GpuUsage {
+                index: gpu.index,
+                model: gpu.model,
+                uuid: gpu.uuid,
+                total_gib: gpu.mem_gib,
+                allocated_gib: 0,
+                healthy: gpu.healthy,
+            })
+            .collect();
+        by_node.insert(
+            name.clone(),
+            NodeUsage {
+                name,
+                ip: internal_ip(node),
+                gpus,
+                pods: Vec::new(),
+                source,
+            },
+        );
+    }
+    for pod in pods.iter().filter(|p| is_active(p)) {
+        let Some(spec) = pod.spec.as_ref() else {
+            continue;
+        };
+        let Some(usage) = spec.node_name.as_ref().and_then(|n| by_node.get_mut(n)) else {
+            continue;
+        };
+        let Ok(Some(request)) = pod_request(pod, &settings.resource) else {
+            continue;
+        };
+        let annotations = pod.metadata.annotations.clone().unwrap_or_default();
+        let allocation = PodAllocation::from_annotations(&settings.keys, &annotations)
+            .ok()
+            .flatten();
+        let (gpu, gib) = match allocation {
+            Some(a) => match usage.gpus.iter_mut().find(|g| g.index == a.gpu_index) {
+                Some(gpu) => {
+                    gpu.allocated_gib += a.pod_gib;
+                    (Some(a.gpu_index), a.pod_gib)
+                }
+                None => (None, a.pod_gib),
+            },
+            None => (None, request.pod_gib),
+        };
+        usage.pods.push(PodUsage {
+            namespace: pod.metadata.namespace.clone().unwrap_or_default(),
+            name: pod.metadata.name.clone().unwrap_or_default(),
+            gpu,
+            gib,
+            scheduler: spec
+                .scheduler_name
+                .clone()
+                .unwrap_or_else(|| "default-scheduler".to_owned()),
+        });
+    }
+    let mut nodes: Vec<NodeUsage> = by_node.into_values().collect();
+    for node in &mut nodes {
+        node.pods
+            .sort_by(|a, b| (&a.namespace, &a.name).cmp(&(&b.namespace, &b.name)));
+    }
+    nodes
+}

@@ -1,0 +1,124 @@
+//! `top` and `doctor` output over fixed objects, compared with files in `tests/golden/`.
+
+#![allow(clippy::unwrap_used)] // a test failing on unexpected data is the point
+
+mod common;
+
+use gpushare_e2e::fixtures::{node, pod};
+use k8s_openapi::api::core::v1::PodStatus;
+use kubectl_gpushare::doctor::{self, Install, Level, SchedulerDeployment, Snapshot};
+use kubectl_gpushare::render::{render_top, render_top_details};
+use kubectl_gpushare::usage::{Settings, cluster_usage};
+
+fn install() -> Install {
+    Install {
+        namespace: "kube-system".into(),
+        extender_service: "gpushare-extender".into(),
+        scheduler_name: "gpushare-scheduler".into(),
+    }
+}
+
+#[test]
+fn top_golden() {
+    let (nodes, pods) = common::cluster();
+    let usage = cluster_usage(&nodes, &pods, &Settings::default());
+    common::assert_golden("top.txt", &render_top(&usage));
+}
+
+#[test]
+fn top_details_golden() {
+    let (nodes, pods) = common::cluster();
+    let usage = cluster_usage(&nodes, &pods, &Settings::default());
+    common::assert_golden("top-details.txt", &render_top_details(&usage));
+}
+
+#[test]
+fn usage_counts_allocated_pending_and_skips_finished_pods() {
+    let (nodes, mut pods) = common::cluster();
+    let mut done = common::placed(pod("done").gpu_mem(10).on_node("n1"), 0, 10).build();
+    done.status = Some(PodStatus {
+        phase: Some("Succeeded".into()),
+        ..Default::default()
+    });
+    pods.push(done);
+    let usage = cluster_usage(&nodes, &pods, &Settings::default());
+    let names: Vec<_> = usage.iter().map(|n| n.name.as_str()).collect();
+    assert_eq!(names, ["n1", "n2", "n3", "n4"]);
+    let n1 = &usage[0];
+    assert_eq!(n1.gpus[0].allocated_gib, 4);
+    assert_eq!(n1.gpus[1].allocated_gib, 8);
+    assert_eq!(n1.pending_gib(), 2);
+    assert_eq!((n1.allocated_gib(), n1.total_gib()), (14, 32));
+    // Capacity-only node: 32 GiB split over the 2 GPUs of the count label.
+    let n2 = &usage[1];
+    assert_eq!(
+        n2.gpus.iter().map(|g| g.total_gib).collect::<Vec<_>>(),
+        [16, 16]
+    );
+    assert_eq!(n2.gpus[1].allocated_gib, 6);
+}
+
+#[test]
+fn unhealthy_gpus_are_marked() {
+    let nodes = vec![node("n1").gpushare().gpus(&[16, 16]).unhealthy(1).build()];
+    let text = render_top(&cluster_usage(&nodes, &[], &Settings::default()));
+    assert!(text.contains("0/16*"), "{text}");
+    assert!(text.contains("unhealthy GPU"), "{text}");
+}
+
+#[test]
+fn doctor_golden_and_findings() {
+    let (nodes, pods) = common::cluster();
+    let snapshot = Snapshot {
+        nodes,
+        pods,
+        extender: Some(Ok("GET http://127.0.0.1:39999/healthz: 200 OK".into())),
+        schedulers: Some(Ok(vec![SchedulerDeployment {
+            name: "gpushare-scheduler".into(),
+            ready: 1,
+            desired: 1,
+        }])),
+    };
+    let findings = doctor::diagnose(&snapshot, &Settings::default(), &install());
+    let text = doctor::render(&findings);
+    common::assert_golden("doctor.txt", &text);
+    let fails: Vec<_> = findings
+        .iter()
+        .filter(|f| f.level == Level::Fail)
+        .map(|f| f.message.as_str())
+        .collect();
+    assert!(
+        fails
+            .iter()
+            .any(|m| m.starts_with("pod default/c on node n1")),
+        "{text}"
+    );
+    assert!(
+        fails.iter().any(|m| m.starts_with("node n4 is labelled")),
+        "{text}"
+    );
+    assert!(
+        findings
+            .iter()
+            .any(|f| f.level == Level::Warn && f.message.starts_with("node n3 advertises")),
+        "{text}"
+    );
+}
+
+#[test]
+fn doctor_on_a_healthy_install_has_no_failure() {
+    let nodes = vec![node("n1").gpushare().gpus(&[16]).build()];
+    let pods = vec![common::placed(pod("a").gpu_mem(4).on_node("n1"), 0, 4).build()];
+    let snapshot = Snapshot {
+        nodes,
+        pods,
+        extender: Some(Ok("via proxy".into())),
+        schedulers: Some(Ok(vec![])),
+    };
+    let findings = doctor::diagnose(&snapshot, &Settings::default(), &install());
+    assert!(
+        findings.iter().all(|f| f.level == Level::Ok),
+        "{}",
+        doctor::render(&findings)
+    );
+}
