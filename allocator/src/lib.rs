@@ -1,1 +1,172 @@
-//! Being written.
+//! The pure allocation core of gpushare: which GPU of which node a pod's GPU memory goes to.
+//!
+//! The extender feeds this crate what its watches see (nodes with their GPUs, pods with the
+//! allocation annotations the extender wrote at bind) and asks it three questions on the
+//! scheduling path: does a pod *fit* a node, how good is the node (*score*), and, at bind,
+//! which GPU gets the pod (*reserve*, which decides and books in one step so two binds can
+//! never take the same memory). Nothing here knows about kube, HTTP, gRPC or NVML, so every
+//! rule is testable with plain values, and rebuilding the whole state from annotations after
+//! a restart is the same code path as following the watch.
+//!
+//! ```text
+//!   Cluster
+//!    ├─ node "n1"  (eligible: labelled gpushare=true; present: seen in the node watch)
+//!    │   ├─ GPU 0  total 16 GiB, used 12 ──┐ used = Σ pod_gib of the pods on it
+//!    │   ├─ GPU 1  total 24 GiB, used  4   │ free = total − used (saturating)
+//!    │   ├─ pods   uid → PodPlacement { gpu, pod_gib, pending container sizes, assigned }
+//!    │   └─ pending (size GiB, gpu) → count  ◀── the twin rule reads this
+//!    └─ node "n2" …
+//!   pod index: uid → node   (remove_pod / release without knowing the node)
+//! ```
+//!
+//! **The twin rule.** At `Allocate` the device plugin learns only "a container wants N GiB";
+//! it must work out which pending pod that container belongs to, and so which GPU to pin it
+//! to. It can do that without locks or guesses only if, on each node, every container still
+//! waiting for device allocation that has the same size sits on the same GPU. So when a new
+//! pod has a container of a size that is already pending on the node, the pod is pinned to
+//! that GPU (and refused, retryably, if the GPU has no room). Sizes with no pending twin may
+//! go to any GPU. All containers of one pod share one GPU.
+//!
+//! **No over-commit.** [`Cluster::reserve`] never books a GPU beyond its memory. What the
+//! watch reports ([`Cluster::upsert_pod`]) is the truth and is kept even when it collides
+//! (for instance two pods' annotations after an outage); such a GPU shows as full, and all
+//! arithmetic saturates instead of going negative.
+//!
+//! **Cost.** Per node, `fit` and `score` are O(GPUs) with no allocation: per-GPU used totals
+//! are kept up to date on every change, and the pending-size map is only consulted for the
+//! (few) container sizes of the pod being placed.
+
+#![cfg_attr(test, allow(clippy::unwrap_used))]
+
+mod cluster;
+mod unfit;
+
+use std::fmt;
+
+pub use cluster::{Cluster, GpuUsage, Node};
+pub use unfit::{Refusal, Unfit};
+
+/// A pod's identity: its UID, so a pod recreated under the same name is a different pod.
+#[derive(Debug, Clone, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub struct PodId(pub String);
+
+impl PodId {
+    /// The UID as a string.
+    pub fn as_str(&self) -> &str {
+        &self.0
+    }
+}
+
+impl fmt::Display for PodId {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(&self.0)
+    }
+}
+
+impl From<&str> for PodId {
+    fn from(uid: &str) -> Self {
+        Self(uid.to_owned())
+    }
+}
+
+impl From<String> for PodId {
+    fn from(uid: String) -> Self {
+        Self(uid)
+    }
+}
+
+/// One GPU of a node, as its inventory describes it.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Gpu {
+    /// Index on the node (NVML index).
+    pub index: u32,
+    /// UUID (`GPU-…`), empty when the node published no inventory.
+    pub uuid: String,
+    /// Product name, for people.
+    pub model: String,
+    /// Whole GiB of memory.
+    pub total_gib: u64,
+    /// False while the GPU must not receive new pods.
+    pub healthy: bool,
+}
+
+/// What a pod asks for.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Request {
+    /// GiB the pod holds on its GPU.
+    pub pod_gib: u64,
+    /// GiB of each container that will ask the device plugin for memory, in admission order.
+    pub containers: Vec<u64>,
+}
+
+/// Where a pod sits, as recorded in its annotations (or booked by [`Cluster::reserve`]).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct PodPlacement {
+    /// Index of the GPU holding the pod.
+    pub gpu: u32,
+    /// GiB the pod holds on that GPU.
+    pub pod_gib: u64,
+    /// Sizes (GiB) of the pod's containers still waiting for device allocation.
+    pub pending: Vec<u64>,
+    /// True once the device plugin has allocated every container; `pending` is then ignored.
+    pub assigned: bool,
+}
+
+impl PodPlacement {
+    /// Sizes of containers still waiting for the device plugin.
+    pub fn pending_sizes(&self) -> &[u64] {
+        if self.assigned { &[] } else { &self.pending }
+    }
+}
+
+/// The outcome of a successful [`Cluster::reserve`].
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Placement {
+    /// The node.
+    pub node: String,
+    /// Index of the chosen GPU.
+    pub gpu: u32,
+    /// UUID of the chosen GPU (empty when unknown).
+    pub uuid: String,
+    /// GiB booked on it.
+    pub pod_gib: u64,
+}
+
+/// How to choose among nodes and GPUs that fit.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub enum Policy {
+    /// Fill the fullest nodes and GPUs first, keeping whole GPUs free for large pods.
+    #[default]
+    Binpack,
+    /// Spread pods over the emptiest nodes and GPUs, for less contention.
+    Spread,
+}
+
+impl fmt::Display for Policy {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(match self {
+            Policy::Binpack => "binpack",
+            Policy::Spread => "spread",
+        })
+    }
+}
+
+/// A policy name that is neither `binpack` nor `spread`.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[error("unknown placement policy {0:?}: use \"binpack\" or \"spread\"")]
+pub struct UnknownPolicy(pub String);
+
+impl std::str::FromStr for Policy {
+    type Err = UnknownPolicy;
+
+    fn from_str(s: &str) -> Result<Self, Self::Err> {
+        match s.trim().to_ascii_lowercase().as_str() {
+            "binpack" => Ok(Policy::Binpack),
+            "spread" => Ok(Policy::Spread),
+            _ => Err(UnknownPolicy(s.to_owned())),
+        }
+    }
+}
+
+/// The highest score [`Cluster::score`] gives (kube-scheduler's `MaxExtenderPriority`).
+pub const MAX_SCORE: u8 = 10;

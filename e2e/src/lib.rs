@@ -7,9 +7,12 @@
 //! - [`kubelet`]: registers device plugins over a real unix socket and admits pods as kubelet
 //!   does.
 //! - [`fixtures`]: builders for nodes and pods shared by every test.
+//! - [`cluster`]: the whole system — our real binaries as child processes on simulated GPUs —
+//!   started, faulted and stopped in one place, for the scenarios, the demo and the load harness.
 //! - [`tools`]: installs kubectl and helm from the project's own script, for tests that need them.
 
 pub mod apiserver;
+pub mod cluster;
 pub mod fixtures;
 pub mod kubelet;
 pub mod scheduler;

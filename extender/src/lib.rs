@@ -1,1 +1,200 @@
-//! Being written.
+//! gpushare's kube-scheduler HTTP extender: filter, prioritize and bind pods by GPU memory on
+//! one GPU, not by the node-wide sum kube-scheduler sees.
+//!
+//! ```text
+//!  kube-scheduler ──POST {prefix}/filter, /prioritize, /bind──▶ api (axum handlers)
+//!                                                                 │ read / short write lock
+//!  API server ──watch Nodes, Pods──▶ watch ──apply──▶ view::View ─┤ (allocator::Cluster inside)
+//!  API server ◀──POST pods/{name}/binding (annotations = decision)─┘ kube_io::Binder
+//!  API server ◀──Events (background task, bounded queue)──────────── kube_io::record_events
+//! ```
+//!
+//! Why this shape: every decision is made by the pure allocator on an in-memory view that the
+//! watches keep current, so `filter` and `prioritize` never call the API server. `bind`
+//! decides and books the GPU under a short lock (a reservation, counted at once), then writes
+//! the decision and the bind as ONE API write: a Binding whose annotations the API server
+//! copies onto the pod. A failed write releases the reservation; the watched pod replaces it
+//! when it arrives. After a restart the view is rebuilt from the pods' annotations before the
+//! extender answers (`/readyz` stays 503 until then).
+
+#![cfg_attr(test, allow(clippy::unwrap_used))]
+
+pub mod api;
+pub mod config;
+pub mod kube_io;
+pub mod metrics;
+pub mod server;
+pub mod view;
+pub mod watch;
+pub mod wire;
+
+use std::future::Future;
+use std::sync::Arc;
+
+use prometheus_client::registry::Registry;
+use tokio::net::TcpListener;
+use tokio::task::JoinHandle;
+use tokio_util::sync::CancellationToken;
+
+pub use api::{AppState, NOT_SYNCED, router};
+pub use config::{Config, LogFormat};
+pub use kube_io::{BindError, Binder, BindingTarget, EventSink, KubeBinder};
+pub use view::{Settings, View};
+
+/// Why the extender stopped.
+#[derive(Debug, thiserror::Error)]
+pub enum Error {
+    /// No kube client could be configured.
+    #[error("cannot configure a Kubernetes client: {0}")]
+    Client(#[source] kube::Error),
+    /// The listen address could not be bound.
+    #[error("cannot listen on {addr}: {source}")]
+    Listen {
+        /// the address
+        addr: std::net::SocketAddr,
+        /// the cause
+        #[source]
+        source: std::io::Error,
+    },
+    /// The HTTP server failed.
+    #[error("HTTP server failed: {0}")]
+    Serve(#[source] std::io::Error),
+    /// The TLS certificate or key could not be loaded.
+    #[error(transparent)]
+    Tls(#[from] server::TlsError),
+    /// Only one of --tls-cert and --tls-key was given.
+    #[error("--tls-cert and --tls-key must be given together")]
+    TlsIncomplete,
+    /// A background task ended although it should run until shutdown.
+    #[error("the {0} task ended unexpectedly")]
+    TaskEnded(&'static str),
+}
+
+/// Runs the extender with the standard kube client configuration until `shutdown` resolves.
+pub async fn run(
+    config: Config,
+    shutdown: impl Future<Output = ()> + Send + 'static,
+) -> Result<(), Error> {
+    let client = kube::Client::try_default().await.map_err(Error::Client)?;
+    let listener = TcpListener::bind(config.listen)
+        .await
+        .map_err(|source| Error::Listen {
+            addr: config.listen,
+            source,
+        })?;
+    serve(config, client, listener, shutdown).await
+}
+
+/// Runs the extender on an already bound listener with a given client (tests bind
+/// 127.0.0.1:0 and pass the in-process API server's client). Ends on `shutdown`, gracefully,
+/// or with an error when a supervised task dies.
+pub async fn serve(
+    config: Config,
+    client: kube::Client,
+    listener: TcpListener,
+    shutdown: impl Future<Output = ()> + Send + 'static,
+) -> Result<(), Error> {
+    let tls = match (&config.tls_cert, &config.tls_key) {
+        (Some(cert), Some(key)) => Some(server::tls_acceptor(cert, key)?),
+        (None, None) => None,
+        _ => return Err(Error::TlsIncomplete),
+    };
+    let settings = Settings::new(&config.resource, &config.domain, &config.node_label);
+    let (events, event_rx) = EventSink::channel();
+    let state = AppState::new(
+        settings,
+        config.policy,
+        Arc::new(KubeBinder::new(client.clone())),
+        events,
+        Registry::default(),
+    );
+    let app = router(state.clone(), &config.prefix);
+    let addr = listener.local_addr().map_err(Error::Serve)?;
+    let scheme = if tls.is_some() { "https" } else { "http" };
+    tracing::info!(%addr, %scheme, prefix = %config.prefix, policy = %config.policy, "listening on {addr}");
+
+    let stop = CancellationToken::new();
+    let mut server = Supervised(tokio::spawn(server::serve_http(
+        listener,
+        app,
+        tls,
+        stop.clone(),
+    )));
+    let mut nodes = Supervised(tokio::spawn(watch::watch_nodes(
+        client.clone(),
+        state.clone(),
+    )));
+    let mut pods = Supervised(tokio::spawn(watch::watch_pods(client.clone(), state)));
+    let _recorder = Supervised(tokio::spawn(kube_io::record_events(client, event_rx)));
+
+    let result = tokio::select! {
+        () = shutdown => {
+            tracing::info!("shutting down");
+            Ok(())
+        }
+        _ = &mut server.0 => Err(Error::TaskEnded("HTTP server")),
+        _ = &mut nodes.0 => Err(Error::TaskEnded("node watch")),
+        _ = &mut pods.0 => Err(Error::TaskEnded("pod watch")),
+    };
+    stop.cancel();
+    if result.is_ok() {
+        // Let in-flight requests finish (graceful shutdown of the server).
+        let _ = (&mut server.0).await;
+    }
+    if let Err(error) = &result {
+        tracing::error!(%error, "extender stopping");
+    }
+    result
+}
+
+/// A spawned task aborted when its owner goes away, so dropping [`serve`]'s future stops
+/// everything it started.
+struct Supervised<T>(JoinHandle<T>);
+
+impl<T> Drop for Supervised<T> {
+    fn drop(&mut self) {
+        self.0.abort();
+    }
+}
+
+/// Resolves on SIGTERM or ctrl-c, whichever comes first.
+pub async fn shutdown_signal() {
+    let ctrl_c = async {
+        if let Err(error) = tokio::signal::ctrl_c().await {
+            tracing::error!(%error, "cannot listen for ctrl-c");
+            std::future::pending::<()>().await;
+        }
+    };
+    #[cfg(unix)]
+    let terminate = async {
+        match tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate()) {
+            Ok(mut signal) => {
+                signal.recv().await;
+            }
+            Err(error) => {
+                tracing::error!(%error, "cannot listen for SIGTERM");
+                std::future::pending::<()>().await;
+            }
+        }
+    };
+    #[cfg(not(unix))]
+    let terminate = std::future::pending::<()>();
+    tokio::select! {
+        () = ctrl_c => {}
+        () = terminate => {}
+    }
+}
+
+/// Installs the tracing subscriber: `RUST_LOG` filter (default `info`), text or JSON lines.
+pub fn init_tracing(format: LogFormat) {
+    use tracing_subscriber::EnvFilter;
+    let filter = EnvFilter::try_from_default_env().unwrap_or_else(|_| EnvFilter::new("info"));
+    let builder = tracing_subscriber::fmt().with_env_filter(filter);
+    let installed = match format {
+        LogFormat::Text => builder.try_init(),
+        LogFormat::Json => builder.json().try_init(),
+    };
+    if let Err(error) = installed {
+        eprintln!("tracing already initialised: {error}");
+    }
+}

@@ -1,0 +1,723 @@
+//! The cluster model and its decisions: see the crate documentation for the picture.
+
+use std::collections::{BTreeMap, HashMap};
+
+use crate::{Gpu, Placement, PodId, PodPlacement, Policy, Refusal, Request, Unfit};
+
+/// One GPU and the memory booked on it.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct GpuUsage {
+    /// The GPU as the inventory describes it.
+    pub gpu: Gpu,
+    /// GiB booked by pods on it; may exceed the total when the watch reports a collision.
+    pub used_gib: u64,
+}
+
+impl GpuUsage {
+    /// GiB still free (zero when over-booked).
+    pub fn free_gib(&self) -> u64 {
+        self.gpu.total_gib.saturating_sub(self.used_gib)
+    }
+}
+
+/// One node: its GPUs and the pods placed on them.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct Node {
+    /// Seen in the node watch (a node known only through its pods is not present).
+    present: bool,
+    /// Carries the participation label.
+    eligible: bool,
+    /// Sorted by index, unique indices.
+    gpus: Vec<GpuUsage>,
+    pods: HashMap<PodId, PodPlacement>,
+    /// (container size, gpu index) → number of pending containers of that size on that GPU.
+    pending: BTreeMap<(u64, u32), u32>,
+}
+
+impl Node {
+    /// Whether the node is in the node watch.
+    pub fn is_present(&self) -> bool {
+        self.present
+    }
+
+    /// Whether the node carries the participation label.
+    pub fn is_eligible(&self) -> bool {
+        self.eligible
+    }
+
+    /// The GPUs, sorted by index.
+    pub fn gpus(&self) -> &[GpuUsage] {
+        &self.gpus
+    }
+
+    /// The pods placed on this node.
+    pub fn pods(&self) -> impl Iterator<Item = (&PodId, &PodPlacement)> {
+        self.pods.iter()
+    }
+
+    /// Number of pending containers per (size, GPU): what the twin rule reads.
+    pub fn pending(&self) -> impl Iterator<Item = (u64, u32, u32)> + '_ {
+        self.pending
+            .iter()
+            .map(|(&(size, gpu), &count)| (size, gpu, count))
+    }
+
+    fn position(&self, gpu: u32) -> Option<usize> {
+        self.gpus.binary_search_by_key(&gpu, |g| g.gpu.index).ok()
+    }
+
+    fn book(&mut self, placement: &PodPlacement) {
+        if let Some(pos) = self.position(placement.gpu) {
+            let usage = &mut self.gpus[pos];
+            usage.used_gib = usage.used_gib.saturating_add(placement.pod_gib);
+        }
+        for &size in placement.pending_sizes() {
+            *self.pending.entry((size, placement.gpu)).or_default() += 1;
+        }
+    }
+
+    fn unbook(&mut self, placement: &PodPlacement) {
+        if let Some(pos) = self.position(placement.gpu) {
+            let usage = &mut self.gpus[pos];
+            usage.used_gib = usage.used_gib.saturating_sub(placement.pod_gib);
+        }
+        for &size in placement.pending_sizes() {
+            let key = (size, placement.gpu);
+            if let Some(count) = self.pending.get_mut(&key) {
+                *count = count.saturating_sub(1);
+                if *count == 0 {
+                    self.pending.remove(&key);
+                }
+            }
+        }
+    }
+
+    /// Recomputes every derived total from the pods (after the GPU list changed).
+    fn rebook(&mut self) {
+        for usage in &mut self.gpus {
+            usage.used_gib = 0;
+        }
+        self.pending.clear();
+        let pods: Vec<PodPlacement> = self.pods.values().cloned().collect();
+        for placement in &pods {
+            self.book(placement);
+        }
+    }
+
+    /// The GPU (position in `gpus`) the pod would get, or why it fits nowhere.
+    /// O(GPUs + container sizes × pending entries of that size); never allocates on success.
+    fn decide(&self, request: &Request, policy: Policy) -> Result<usize, Unfit> {
+        if !self.present {
+            return Err(Unfit::UnknownNode);
+        }
+        if !self.eligible {
+            return Err(Unfit::NotEligible);
+        }
+        if self.gpus.is_empty() {
+            return Err(Unfit::NoGpus);
+        }
+        let need = request.pod_gib;
+        if let Some((gpu, size)) = self.pin(request)? {
+            let Some(pos) = self.position(gpu) else {
+                return Err(Unfit::TwinBlocked {
+                    size,
+                    gpu,
+                    need,
+                    free: 0,
+                    healthy: false,
+                });
+            };
+            let usage = &self.gpus[pos];
+            if usage.gpu.healthy && usage.free_gib() >= need {
+                return Ok(pos);
+            }
+            return Err(Unfit::TwinBlocked {
+                size,
+                gpu,
+                need,
+                free: usage.free_gib(),
+                healthy: usage.gpu.healthy,
+            });
+        }
+        let mut best: Option<(usize, u64)> = None;
+        let mut largest_free: Option<(u32, u64)> = None;
+        let mut largest_total = 0;
+        for (pos, usage) in self.gpus.iter().enumerate() {
+            if !usage.gpu.healthy {
+                continue;
+            }
+            let free = usage.free_gib();
+            largest_total = largest_total.max(usage.gpu.total_gib);
+            if largest_free.is_none_or(|(_, most)| free > most) {
+                largest_free = Some((usage.gpu.index, free));
+            }
+            if free < need {
+                continue;
+            }
+            let better = match (best, policy) {
+                (None, _) => true,
+                (Some((_, chosen)), Policy::Binpack) => free < chosen,
+                (Some((_, chosen)), Policy::Spread) => free > chosen,
+            };
+            if better {
+                best = Some((pos, free));
+            }
+        }
+        if let Some((pos, _)) = best {
+            return Ok(pos);
+        }
+        match largest_free {
+            None => Err(Unfit::AllUnhealthy {
+                count: self.gpus.len(),
+            }),
+            Some(_) if largest_total < need => Err(Unfit::TooLarge {
+                need,
+                largest_total,
+            }),
+            Some((gpu, largest_free)) => Err(Unfit::Busy {
+                need,
+                largest_free,
+                gpu,
+            }),
+        }
+    }
+
+    /// The GPU the twin rule pins `request` to, with the container size that pins it.
+    fn pin(&self, request: &Request) -> Result<Option<(u32, u64)>, Unfit> {
+        if self.pending.is_empty() {
+            return Ok(None);
+        }
+        let mut pin: Option<(u32, u64)> = None;
+        for &size in &request.containers {
+            for &(_, gpu) in self
+                .pending
+                .range((size, 0)..=(size, u32::MAX))
+                .map(|(k, _)| k)
+            {
+                match pin {
+                    None => pin = Some((gpu, size)),
+                    Some((pinned, first_size)) if pinned != gpu => {
+                        return Err(Unfit::TwinConflict {
+                            first_size,
+                            first_gpu: pinned,
+                            second_size: size,
+                            second_gpu: gpu,
+                        });
+                    }
+                    Some(_) => {}
+                }
+            }
+        }
+        Ok(pin)
+    }
+
+    /// Healthy GiB in all and booked on this node.
+    fn healthy_totals(&self) -> (u64, u64) {
+        self.gpus
+            .iter()
+            .filter(|usage| usage.gpu.healthy)
+            .fold((0, 0), |(total, used), usage| {
+                (
+                    total.saturating_add(usage.gpu.total_gib),
+                    used.saturating_add(usage.used_gib.min(usage.gpu.total_gib)),
+                )
+            })
+    }
+}
+
+/// Every node's GPUs and the pods booked on them.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct Cluster {
+    nodes: HashMap<String, Node>,
+    /// Which node each pod is on.
+    pod_nodes: HashMap<PodId, String>,
+}
+
+impl Cluster {
+    /// An empty cluster.
+    pub fn new() -> Self {
+        Self::default()
+    }
+
+    /// Builds the state from scratch, as after a restart: the same as applying each node and
+    /// pod in turn, in any order.
+    pub fn rebuild(
+        nodes: impl IntoIterator<Item = (String, Vec<Gpu>, bool)>,
+        pods: impl IntoIterator<Item = (PodId, String, PodPlacement)>,
+    ) -> Self {
+        let mut cluster = Self::new();
+        for (name, gpus, eligible) in nodes {
+            cluster.set_node(&name, gpus, eligible);
+        }
+        for (uid, node, placement) in pods {
+            cluster.upsert_pod(uid, &node, placement);
+        }
+        cluster
+    }
+
+    /// Adds or updates a node from the node watch. Bookings of pods already on it are kept
+    /// and recounted against the new GPU list.
+    pub fn set_node(&mut self, name: &str, mut gpus: Vec<Gpu>, eligible: bool) {
+        gpus.sort_by_key(|gpu| gpu.index);
+        gpus.dedup_by_key(|gpu| gpu.index);
+        let node = self.nodes.entry(name.to_owned()).or_default();
+        node.present = true;
+        node.eligible = eligible;
+        let unchanged = node.gpus.len() == gpus.len()
+            && node
+                .gpus
+                .iter()
+                .zip(&gpus)
+                .all(|(old, new)| old.gpu == *new);
+        if unchanged {
+            return;
+        }
+        node.gpus = gpus
+            .into_iter()
+            .map(|gpu| GpuUsage { gpu, used_gib: 0 })
+            .collect();
+        node.rebook();
+    }
+
+    /// Forgets a node that left the node watch. Its pods stay booked (they are deleted
+    /// through the pod watch) so that order of events does not matter.
+    pub fn remove_node(&mut self, name: &str) {
+        let Some(node) = self.nodes.get_mut(name) else {
+            return;
+        };
+        if node.pods.is_empty() {
+            self.nodes.remove(name);
+        } else {
+            *node = Node {
+                pods: std::mem::take(&mut node.pods),
+                ..Node::default()
+            };
+        }
+    }
+
+    /// Records a pod as the watch reports it (annotations on a bound pod). Idempotent;
+    /// replaces any earlier booking of the same pod, including a reservation. Never refuses:
+    /// the watch is the truth, even when it over-books a GPU.
+    pub fn upsert_pod(&mut self, uid: PodId, node: &str, placement: PodPlacement) {
+        if let Some(old_node) = self.pod_nodes.get(&uid)
+            && old_node == node
+            && self
+                .nodes
+                .get(node)
+                .and_then(|n| n.pods.get(&uid))
+                .is_some_and(|old| *old == placement)
+        {
+            return;
+        }
+        self.remove_pod(&uid);
+        let entry = self.nodes.entry(node.to_owned()).or_default();
+        entry.book(&placement);
+        entry.pods.insert(uid.clone(), placement);
+        self.pod_nodes.insert(uid, node.to_owned());
+    }
+
+    /// Forgets a pod (deleted, or finished: Succeeded/Failed). Returns its last placement.
+    pub fn remove_pod(&mut self, uid: &PodId) -> Option<(String, PodPlacement)> {
+        let node_name = self.pod_nodes.remove(uid)?;
+        let node = self.nodes.get_mut(&node_name)?;
+        let placement = node.pods.remove(uid)?;
+        node.unbook(&placement);
+        if !node.present && node.pods.is_empty() {
+            self.nodes.remove(&node_name);
+        }
+        Some((node_name, placement))
+    }
+
+    /// Undoes a [`Cluster::reserve`] whose bind failed. Same as [`Cluster::remove_pod`].
+    pub fn release(&mut self, uid: &PodId) -> Option<(String, PodPlacement)> {
+        self.remove_pod(uid)
+    }
+
+    /// Decides the GPU for a pod being bound to `node` and books it, in one step.
+    pub fn reserve(
+        &mut self,
+        uid: PodId,
+        node_name: &str,
+        request: &Request,
+        policy: Policy,
+    ) -> Result<Placement, Refusal> {
+        if let Some((node, placement)) = self.pod(&uid) {
+            return Err(Refusal::AlreadyPlaced {
+                node: node.to_owned(),
+                gpu: placement.gpu,
+            });
+        }
+        let node = self.nodes.get_mut(node_name).ok_or(Unfit::UnknownNode)?;
+        let pos = node.decide(request, policy)?;
+        let gpu = &node.gpus[pos].gpu;
+        let result = Placement {
+            node: node_name.to_owned(),
+            gpu: gpu.index,
+            uuid: gpu.uuid.clone(),
+            pod_gib: request.pod_gib,
+        };
+        let placement = PodPlacement {
+            gpu: gpu.index,
+            pod_gib: request.pod_gib,
+            pending: request.containers.clone(),
+            assigned: false,
+        };
+        node.book(&placement);
+        node.pods.insert(uid.clone(), placement);
+        self.pod_nodes.insert(uid, node_name.to_owned());
+        Ok(result)
+    }
+
+    /// Whether `request` fits `node` now: one healthy GPU with enough free memory that the
+    /// twin rule allows.
+    pub fn fit(&self, node: &str, request: &Request) -> Result<(), Unfit> {
+        let node = self.nodes.get(node).ok_or(Unfit::UnknownNode)?;
+        node.decide(request, Policy::Binpack).map(|_| ())
+    }
+
+    /// How good `node` is for `request`, 0..=[`crate::MAX_SCORE`]; 0 when it does not fit.
+    ///
+    /// The node's healthy GPU memory in use after placing the pod, as a fraction, weighs
+    /// three quarters; the chosen GPU's fraction in use after placing weighs one quarter
+    /// (so among equally full nodes the one with the snugger GPU wins). Binpack scores that
+    /// fullness, spread its complement.
+    pub fn score(&self, node: &str, request: &Request, policy: Policy) -> u8 {
+        let Some(node) = self.nodes.get(node) else {
+            return 0;
+        };
+        let Ok(pos) = node.decide(request, policy) else {
+            return 0;
+        };
+        let (total, used) = node.healthy_totals();
+        let usage = &node.gpus[pos];
+        let fraction = |used: u64, total: u64| {
+            if total == 0 {
+                1.0
+            } else {
+                (used.saturating_add(request.pod_gib) as f64 / total as f64).min(1.0)
+            }
+        };
+        let full =
+            0.75 * fraction(used, total) + 0.25 * fraction(usage.used_gib, usage.gpu.total_gib);
+        let score = match policy {
+            Policy::Binpack => full,
+            Policy::Spread => 1.0 - full,
+        };
+        // In 0..=10 by construction; the cast cannot truncate.
+        (score * f64::from(crate::MAX_SCORE))
+            .round()
+            .clamp(0.0, f64::from(crate::MAX_SCORE)) as u8
+    }
+
+    /// The GPU `request` would get on `node` under `policy`, without booking it.
+    pub fn choose_gpu(&self, node: &str, request: &Request, policy: Policy) -> Result<u32, Unfit> {
+        let node = self.nodes.get(node).ok_or(Unfit::UnknownNode)?;
+        let pos = node.decide(request, policy)?;
+        Ok(node.gpus[pos].gpu.index)
+    }
+
+    /// A node by name (present or known only through its pods).
+    pub fn node(&self, name: &str) -> Option<&Node> {
+        self.nodes.get(name)
+    }
+
+    /// Every node, in no particular order.
+    pub fn nodes(&self) -> impl Iterator<Item = (&str, &Node)> {
+        self.nodes.iter().map(|(name, node)| (name.as_str(), node))
+    }
+
+    /// A pod's node and placement.
+    pub fn pod(&self, uid: &PodId) -> Option<(&str, &PodPlacement)> {
+        let node = self.pod_nodes.get(uid)?;
+        let placement = self.nodes.get(node)?.pods.get(uid)?;
+        Some((node.as_str(), placement))
+    }
+
+    /// Number of pods booked.
+    pub fn pod_count(&self) -> usize {
+        self.pod_nodes.len()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn gpu(index: u32, total_gib: u64) -> Gpu {
+        Gpu {
+            index,
+            uuid: format!("GPU-{index}"),
+            model: "Tesla T4".into(),
+            total_gib,
+            healthy: true,
+        }
+    }
+
+    fn request(gib: u64) -> Request {
+        Request {
+            pod_gib: gib,
+            containers: vec![gib],
+        }
+    }
+
+    fn running(gpu: u32, gib: u64) -> PodPlacement {
+        PodPlacement {
+            gpu,
+            pod_gib: gib,
+            pending: vec![gib],
+            assigned: true,
+        }
+    }
+
+    /// Four 16 GiB GPUs with 12, 8, 4 and 16 GiB free.
+    fn design_doc_node() -> Cluster {
+        let mut cluster = Cluster::new();
+        cluster.set_node("n1", (0..4).map(|i| gpu(i, 16)).collect(), true);
+        cluster.upsert_pod("a".into(), "n1", running(0, 4));
+        cluster.upsert_pod("b".into(), "n1", running(1, 8));
+        cluster.upsert_pod("c".into(), "n1", running(2, 12));
+        cluster
+    }
+
+    #[test]
+    fn design_doc_example_binpacks_onto_the_gpu_with_8_free() {
+        let cluster = design_doc_node();
+        let free: Vec<u64> = cluster
+            .node("n1")
+            .unwrap()
+            .gpus()
+            .iter()
+            .map(GpuUsage::free_gib)
+            .collect();
+        assert_eq!(free, vec![12, 8, 4, 16]);
+        assert_eq!(
+            cluster.choose_gpu("n1", &request(8), Policy::Binpack),
+            Ok(1)
+        );
+        assert_eq!(cluster.choose_gpu("n1", &request(8), Policy::Spread), Ok(3));
+        let mut cluster = cluster;
+        let placed = cluster
+            .reserve("p".into(), "n1", &request(8), Policy::Binpack)
+            .unwrap();
+        assert_eq!((placed.gpu, placed.uuid.as_str()), (1, "GPU-1"));
+        assert_eq!(cluster.node("n1").unwrap().gpus()[1].free_gib(), 0);
+    }
+
+    #[test]
+    fn mixed_gpu_sizes_use_each_gpus_own_total() {
+        let mut cluster = Cluster::new();
+        cluster.set_node("n1", vec![gpu(0, 16), gpu(1, 24)], true);
+        assert_eq!(
+            cluster.choose_gpu("n1", &request(20), Policy::Binpack),
+            Ok(1)
+        );
+        assert_eq!(
+            cluster.choose_gpu("n1", &request(10), Policy::Binpack),
+            Ok(0)
+        );
+        assert_eq!(
+            cluster.fit("n1", &request(30)),
+            Err(Unfit::TooLarge {
+                need: 30,
+                largest_total: 24
+            })
+        );
+        assert!(
+            cluster
+                .fit("n1", &request(30))
+                .unwrap_err()
+                .is_unresolvable()
+        );
+        cluster.upsert_pod("a".into(), "n1", running(1, 20));
+        let err = cluster.fit("n1", &request(20)).unwrap_err();
+        assert_eq!(
+            err.to_string(),
+            "needs 20 GiB on one GPU; largest free is 16 GiB (GPU 0)"
+        );
+        assert!(!err.is_unresolvable());
+    }
+
+    #[test]
+    fn unhealthy_gpus_are_skipped() {
+        let mut cluster = Cluster::new();
+        let mut sick = gpu(0, 24);
+        sick.healthy = false;
+        cluster.set_node("n1", vec![sick.clone(), gpu(1, 8)], true);
+        assert_eq!(cluster.choose_gpu("n1", &request(4), Policy::Spread), Ok(1));
+        assert!(matches!(
+            cluster.fit("n1", &request(16)),
+            Err(Unfit::TooLarge {
+                largest_total: 8,
+                ..
+            })
+        ));
+        cluster.set_node("n1", vec![sick], true);
+        assert_eq!(
+            cluster.fit("n1", &request(1)),
+            Err(Unfit::AllUnhealthy { count: 1 })
+        );
+    }
+
+    #[test]
+    fn unknown_unlabelled_and_empty_nodes_are_unresolvable() {
+        let mut cluster = Cluster::new();
+        assert_eq!(cluster.fit("ghost", &request(1)), Err(Unfit::UnknownNode));
+        cluster.set_node("plain", vec![gpu(0, 16)], false);
+        assert_eq!(cluster.fit("plain", &request(1)), Err(Unfit::NotEligible));
+        // Capacity fallback is the caller's: a node with no inventory and no capacity has no GPUs.
+        cluster.set_node("bare", vec![], true);
+        assert_eq!(cluster.fit("bare", &request(1)), Err(Unfit::NoGpus));
+        for node in ["ghost", "plain", "bare"] {
+            assert!(
+                cluster
+                    .fit(node, &request(1))
+                    .unwrap_err()
+                    .is_unresolvable()
+            );
+            assert_eq!(cluster.score(node, &request(1), Policy::Binpack), 0);
+        }
+    }
+
+    #[test]
+    fn capacity_fallback_gpus_work_without_uuids() {
+        // What the extender builds from capacity 32 and gpu-count 2 when no inventory exists.
+        let mut cluster = Cluster::new();
+        let fallback = |index| Gpu {
+            index,
+            uuid: String::new(),
+            model: String::new(),
+            total_gib: 16,
+            healthy: true,
+        };
+        cluster.set_node("n1", vec![fallback(0), fallback(1)], true);
+        let placed = cluster
+            .reserve("a".into(), "n1", &request(16), Policy::Binpack)
+            .unwrap();
+        assert_eq!((placed.gpu, placed.uuid.as_str()), (0, ""));
+        cluster.upsert_pod("a".into(), "n1", running(0, 16));
+        assert_eq!(
+            cluster.choose_gpu("n1", &request(16), Policy::Binpack),
+            Ok(1)
+        );
+    }
+
+    #[test]
+    fn twin_rule_pins_equal_sizes_to_one_gpu() {
+        let mut cluster = Cluster::new();
+        cluster.set_node("n1", vec![gpu(0, 16), gpu(1, 16)], true);
+        cluster
+            .reserve("a".into(), "n1", &request(4), Policy::Spread)
+            .unwrap();
+        // Spread would pick the empty GPU 1, but a 4 GiB container waits on GPU 0.
+        assert_eq!(cluster.choose_gpu("n1", &request(4), Policy::Spread), Ok(0));
+        // A 6 GiB pod has no twin: spread is free to choose.
+        assert_eq!(cluster.choose_gpu("n1", &request(6), Policy::Spread), Ok(1));
+        // Fill GPU 0: the next 4 GiB pod must wait for "a" to start.
+        cluster
+            .reserve("b".into(), "n1", &request(12), Policy::Binpack)
+            .unwrap();
+        let err = cluster.fit("n1", &request(4)).unwrap_err();
+        assert_eq!(
+            err.to_string(),
+            "a 4 GiB container is still waiting for device allocation on GPU 0, which has no room (pod needs 4 GiB, 0 GiB free); retry once it starts"
+        );
+        assert!(!err.is_unresolvable());
+        // Once "a" is allocated the pin goes away.
+        cluster.upsert_pod("a".into(), "n1", running(0, 4));
+        assert_eq!(
+            cluster.choose_gpu("n1", &request(4), Policy::Binpack),
+            Ok(1)
+        );
+    }
+
+    #[test]
+    fn twin_pins_on_two_gpus_conflict() {
+        let mut cluster = Cluster::new();
+        cluster.set_node("n1", vec![gpu(0, 16), gpu(1, 16)], true);
+        let pending = |gpu, gib| PodPlacement {
+            assigned: false,
+            ..running(gpu, gib)
+        };
+        cluster.upsert_pod("a".into(), "n1", pending(0, 2));
+        cluster.upsert_pod("c".into(), "n1", pending(1, 3));
+        let both = Request {
+            pod_gib: 5,
+            containers: vec![2, 3],
+        };
+        assert!(matches!(
+            cluster.fit("n1", &both),
+            Err(Unfit::TwinConflict { .. })
+        ));
+    }
+
+    #[test]
+    fn collisions_from_the_watch_saturate() {
+        let mut cluster = Cluster::new();
+        cluster.set_node("n1", vec![gpu(0, 16)], true);
+        cluster.upsert_pod("a".into(), "n1", running(0, 12));
+        cluster.upsert_pod("b".into(), "n1", running(0, 12));
+        let gpu0 = &cluster.node("n1").unwrap().gpus()[0];
+        assert_eq!((gpu0.used_gib, gpu0.free_gib()), (24, 0));
+        assert!(
+            cluster
+                .reserve("c".into(), "n1", &request(1), Policy::Binpack)
+                .is_err()
+        );
+        cluster.remove_pod(&"a".into());
+        assert_eq!(cluster.node("n1").unwrap().gpus()[0].free_gib(), 4);
+    }
+
+    #[test]
+    fn reserve_release_and_idempotent_upsert() {
+        let mut cluster = Cluster::new();
+        cluster.set_node("n1", vec![gpu(0, 16)], true);
+        cluster
+            .reserve("a".into(), "n1", &request(4), Policy::Binpack)
+            .unwrap();
+        assert!(matches!(
+            cluster.reserve("a".into(), "n1", &request(4), Policy::Binpack),
+            Err(Refusal::AlreadyPlaced { gpu: 0, .. })
+        ));
+        cluster.release(&"a".into());
+        assert_eq!(cluster.pod_count(), 0);
+        assert_eq!(cluster.node("n1").unwrap().gpus()[0].used_gib, 0);
+        assert_eq!(cluster.node("n1").unwrap().pending().count(), 0);
+        cluster.upsert_pod("a".into(), "n1", running(0, 4));
+        cluster.upsert_pod("a".into(), "n1", running(0, 4));
+        assert_eq!(cluster.node("n1").unwrap().gpus()[0].used_gib, 4);
+    }
+
+    #[test]
+    fn pods_before_nodes_and_removed_nodes_keep_their_bookings() {
+        let mut cluster = Cluster::new();
+        cluster.upsert_pod("a".into(), "n1", running(1, 4));
+        assert_eq!(cluster.fit("n1", &request(1)), Err(Unfit::UnknownNode));
+        cluster.set_node("n1", vec![gpu(0, 8), gpu(1, 8)], true);
+        assert_eq!(cluster.node("n1").unwrap().gpus()[1].used_gib, 4);
+        cluster.remove_node("n1");
+        assert_eq!(cluster.fit("n1", &request(1)), Err(Unfit::UnknownNode));
+        cluster.remove_pod(&"a".into());
+        assert!(cluster.node("n1").is_none());
+    }
+
+    #[test]
+    fn scores_prefer_fuller_nodes_under_binpack() {
+        let mut cluster = Cluster::new();
+        cluster.set_node("empty", vec![gpu(0, 16)], true);
+        cluster.set_node("half", vec![gpu(0, 16)], true);
+        cluster.upsert_pod("a".into(), "half", running(0, 8));
+        let req = request(4);
+        let (empty, half) = (
+            cluster.score("empty", &req, Policy::Binpack),
+            cluster.score("half", &req, Policy::Binpack),
+        );
+        assert!(half > empty, "{half} > {empty}");
+        let (empty, half) = (
+            cluster.score("empty", &req, Policy::Spread),
+            cluster.score("half", &req, Policy::Spread),
+        );
+        assert!(empty > half, "{empty} > {half}");
+        cluster.upsert_pod("b".into(), "half", running(0, 4));
+        assert_eq!(cluster.score("half", &req, Policy::Binpack), 10);
+    }
+}

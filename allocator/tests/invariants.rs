@@ -1,0 +1,169 @@
+//! Property tests: whatever sequence of binds, failed binds, deletions and device
+//! allocations happens, no GPU is over-committed, the twin rule holds, and rebuilding from
+//! the placements (as after a restart) gives the same state as following the events.
+
+#![allow(clippy::unwrap_used)]
+
+use std::collections::{BTreeMap, BTreeSet};
+
+use gpushare_allocator::{Cluster, Gpu, PodId, PodPlacement, Policy, Request};
+use proptest::prelude::*;
+
+#[derive(Debug, Clone)]
+enum Op {
+    Reserve {
+        pod: u8,
+        node: u8,
+        containers: Vec<u64>,
+        spread: bool,
+    },
+    Release {
+        pod: u8,
+    },
+    Remove {
+        pod: u8,
+    },
+    /// The device plugin allocated the pod's first pending container.
+    AllocateOne {
+        pod: u8,
+    },
+    /// The device plugin allocated every container.
+    MarkAssigned {
+        pod: u8,
+    },
+    SetHealth {
+        node: u8,
+        gpu: u8,
+        healthy: bool,
+    },
+}
+
+fn op() -> impl Strategy<Value = Op> {
+    prop_oneof![
+        4 => (0..16u8, 0..3u8, prop::collection::vec(1..=6u64, 1..3), any::<bool>()).prop_map(
+            |(pod, node, containers, spread)| Op::Reserve { pod, node, containers, spread }
+        ),
+        1 => (0..16u8).prop_map(|pod| Op::Release { pod }),
+        1 => (0..16u8).prop_map(|pod| Op::Remove { pod }),
+        2 => (0..16u8).prop_map(|pod| Op::AllocateOne { pod }),
+        1 => (0..16u8).prop_map(|pod| Op::MarkAssigned { pod }),
+        1 => (0..3u8, 0..3u8, any::<bool>()).prop_map(|(node, gpu, healthy)| Op::SetHealth { node, gpu, healthy }),
+    ]
+}
+
+fn node_name(node: u8) -> String {
+    format!("n{node}")
+}
+
+/// Three nodes: 2×8, 16+24, 3×12 GiB.
+fn initial_nodes() -> BTreeMap<String, Vec<Gpu>> {
+    let gpu = |index, total_gib| Gpu {
+        index,
+        uuid: format!("GPU-{index}"),
+        model: String::new(),
+        total_gib,
+        healthy: true,
+    };
+    BTreeMap::from([
+        (node_name(0), vec![gpu(0, 8), gpu(1, 8)]),
+        (node_name(1), vec![gpu(0, 16), gpu(1, 24)]),
+        (node_name(2), vec![gpu(0, 12), gpu(1, 12), gpu(2, 12)]),
+    ])
+}
+
+fn check(cluster: &Cluster, nodes: &BTreeMap<String, Vec<Gpu>>) -> Result<(), TestCaseError> {
+    for (name, node) in cluster.nodes() {
+        for usage in node.gpus() {
+            prop_assert!(
+                usage.used_gib <= usage.gpu.total_gib,
+                "{name} GPU {} over-committed: {} > {}",
+                usage.gpu.index,
+                usage.used_gib,
+                usage.gpu.total_gib
+            );
+        }
+        let mut gpus_by_size: BTreeMap<u64, BTreeSet<u32>> = BTreeMap::new();
+        for (_, placement) in node.pods() {
+            for &size in placement.pending_sizes() {
+                gpus_by_size.entry(size).or_default().insert(placement.gpu);
+            }
+        }
+        for (size, gpus) in gpus_by_size {
+            prop_assert!(
+                gpus.len() == 1,
+                "{name}: pending {size} GiB containers on GPUs {gpus:?}"
+            );
+        }
+    }
+    let pods: Vec<(PodId, String, PodPlacement)> = cluster
+        .nodes()
+        .flat_map(|(name, node)| {
+            node.pods()
+                .map(move |(uid, placement)| (uid.clone(), name.to_owned(), placement.clone()))
+        })
+        .collect();
+    let rebuilt = Cluster::rebuild(
+        nodes
+            .iter()
+            .map(|(name, gpus)| (name.clone(), gpus.clone(), true)),
+        pods.into_iter().rev(),
+    );
+    prop_assert_eq!(&rebuilt, cluster);
+    Ok(())
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig::with_cases(256))]
+
+    #[test]
+    fn never_over_commits_and_keeps_the_twin_rule(ops in prop::collection::vec(op(), 1..80)) {
+        let mut nodes = initial_nodes();
+        let mut cluster = Cluster::rebuild(
+            nodes.iter().map(|(name, gpus)| (name.clone(), gpus.clone(), true)),
+            [],
+        );
+        for op in ops {
+            match op {
+                Op::Reserve { pod, node, containers, spread } => {
+                    let request = Request { pod_gib: containers.iter().sum(), containers };
+                    let policy = if spread { Policy::Spread } else { Policy::Binpack };
+                    let name = node_name(node);
+                    let fits = cluster.fit(&name, &request);
+                    let uid = PodId(pod.to_string());
+                    let already = cluster.pod(&uid).is_some();
+                    let result = cluster.reserve(uid, &name, &request, policy);
+                    // fit and reserve agree (unless the pod already holds a place).
+                    prop_assert_eq!(fits.is_ok() && !already, result.is_ok(), "{:?} vs {:?}", fits, result);
+                }
+                Op::Release { pod } => {
+                    cluster.release(&PodId(pod.to_string()));
+                }
+                Op::Remove { pod } => {
+                    cluster.remove_pod(&PodId(pod.to_string()));
+                }
+                Op::AllocateOne { pod } | Op::MarkAssigned { pod } => {
+                    let uid = PodId(pod.to_string());
+                    if let Some((node, placement)) = cluster.pod(&uid) {
+                        let (node, mut placement) = (node.to_owned(), placement.clone());
+                        if matches!(op, Op::MarkAssigned { .. }) || placement.pending.len() <= 1 {
+                            placement.assigned = true;
+                        } else {
+                            placement.pending.remove(0);
+                        }
+                        cluster.upsert_pod(uid, &node, placement);
+                    }
+                }
+                Op::SetHealth { node, gpu, healthy } => {
+                    let name = node_name(node);
+                    if let Some(gpus) = nodes.get_mut(&name)
+                        && let Some(g) = gpus.get_mut(usize::from(gpu))
+                    {
+                        g.healthy = healthy;
+                        cluster.set_node(&name, gpus.clone(), true);
+                    }
+                }
+            }
+            check(&cluster, &nodes)?;
+        }
+    }
+}

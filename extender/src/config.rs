@@ -1,0 +1,85 @@
+//! Command-line and environment configuration.
+
+use std::net::SocketAddr;
+use std::path::PathBuf;
+
+use clap::Parser;
+use gpushare_allocator::Policy;
+use gpushare_contract::{DEFAULT_DOMAIN, DEFAULT_RESOURCE};
+
+/// How logs are written.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, clap::ValueEnum)]
+pub enum LogFormat {
+    /// Human-readable lines.
+    #[default]
+    Text,
+    /// One JSON object per line.
+    Json,
+}
+
+/// The extender's configuration. Every flag can also be set through its environment variable.
+#[derive(Debug, Clone, Parser)]
+#[command(name = "gpushare-extender", version, about)]
+pub struct Config {
+    /// Address to serve the extender, health and metrics endpoints on.
+    #[arg(long, env = "GPUSHARE_LISTEN", default_value = "0.0.0.0:39999")]
+    pub listen: SocketAddr,
+    /// URL prefix of the extender verbs (the `urlPrefix` path in KubeSchedulerConfiguration).
+    #[arg(long, env = "GPUSHARE_PREFIX", default_value = "/gpushare-scheduler")]
+    pub prefix: String,
+    /// The extended resource pods ask for, in GiB.
+    #[arg(long, env = "GPUSHARE_RESOURCE", default_value = DEFAULT_RESOURCE)]
+    pub resource: String,
+    /// Label (`key=value`) of the nodes that take part.
+    #[arg(long, env = "GPUSHARE_NODE_LABEL", default_value = "gpushare=true")]
+    pub node_label: String,
+    /// Domain of gpushare's annotations and labels.
+    #[arg(long, env = "GPUSHARE_DOMAIN", default_value = DEFAULT_DOMAIN)]
+    pub domain: String,
+    /// How to choose among nodes and GPUs that fit: binpack or spread.
+    #[arg(long, env = "GPUSHARE_POLICY", default_value = "binpack")]
+    pub policy: Policy,
+    /// PEM certificate chain; with --tls-key, serve HTTPS.
+    #[arg(long, env = "GPUSHARE_TLS_CERT", requires = "tls_key")]
+    pub tls_cert: Option<PathBuf>,
+    /// PEM private key for --tls-cert.
+    #[arg(long, env = "GPUSHARE_TLS_KEY", requires = "tls_cert")]
+    pub tls_key: Option<PathBuf>,
+    /// Log format.
+    #[arg(long, env = "GPUSHARE_LOG_FORMAT", value_enum, default_value = "text")]
+    pub log_format: LogFormat,
+}
+
+impl Default for Config {
+    fn default() -> Self {
+        Self {
+            listen: SocketAddr::from(([0, 0, 0, 0], 39999)),
+            prefix: "/gpushare-scheduler".to_owned(),
+            resource: DEFAULT_RESOURCE.to_owned(),
+            node_label: "gpushare=true".to_owned(),
+            domain: DEFAULT_DOMAIN.to_owned(),
+            policy: Policy::Binpack,
+            tls_cert: None,
+            tls_key: None,
+            log_format: LogFormat::Text,
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn defaults_match_the_flags() {
+        let parsed = Config::try_parse_from(["gpushare-extender"]).unwrap();
+        let default = Config::default();
+        assert_eq!(parsed.listen, default.listen);
+        assert_eq!(parsed.prefix, default.prefix);
+        assert_eq!(parsed.policy, default.policy);
+        let spread = Config::try_parse_from(["x", "--policy", "spread"]).unwrap();
+        assert_eq!(spread.policy, Policy::Spread);
+        assert!(Config::try_parse_from(["x", "--policy", "random"]).is_err());
+        assert!(Config::try_parse_from(["x", "--tls-cert", "c.pem"]).is_err());
+    }
+}

@@ -1,0 +1,190 @@
+//! The extender's writes to the API server: the Binding (on the bind path) and pod Events
+//! (off it, from a background task with a bounded queue, so events never slow a bind).
+
+use std::collections::BTreeMap;
+
+use futures::future::BoxFuture;
+use k8s_openapi::api::core::v1::{Binding, ObjectReference, Pod};
+use k8s_openapi::apimachinery::pkg::apis::meta::v1::ObjectMeta;
+use kube::api::{Api, PostParams};
+use kube::runtime::events::{Event, EventType, Recorder, Reporter};
+use tokio::sync::mpsc;
+
+/// A Binding to write: the pod, its target node and the allocation annotations.
+#[derive(Debug, Clone)]
+pub struct BindingTarget {
+    /// Pod namespace.
+    pub namespace: String,
+    /// Pod name.
+    pub name: String,
+    /// Pod UID (the API server refuses the Binding if the pod was recreated).
+    pub uid: String,
+    /// Target node.
+    pub node: String,
+    /// Annotations the API server copies onto the pod.
+    pub annotations: BTreeMap<String, String>,
+}
+
+/// Why a Binding write failed.
+#[derive(Debug, thiserror::Error)]
+pub enum BindError {
+    /// The API server refused it.
+    #[error("API server refused the binding ({code} {reason}): {message}")]
+    Refused {
+        /// HTTP status
+        code: u16,
+        /// machine-readable reason
+        reason: String,
+        /// human-readable message
+        message: String,
+    },
+    /// The request did not get an answer.
+    #[error("binding request failed: {0}")]
+    Transport(#[source] kube::Error),
+}
+
+/// Writes Bindings. The kube implementation is [`KubeBinder`]; tests inject their own.
+pub trait Binder: Send + Sync + 'static {
+    /// Writes one Binding.
+    fn bind(&self, target: BindingTarget) -> BoxFuture<'_, Result<(), BindError>>;
+}
+
+/// Posts `pods/binding` through a kube client: one API write per bind.
+#[derive(Clone)]
+pub struct KubeBinder {
+    client: kube::Client,
+}
+
+impl KubeBinder {
+    /// A binder using `client`.
+    pub fn new(client: kube::Client) -> Self {
+        Self { client }
+    }
+}
+
+impl Binder for KubeBinder {
+    fn bind(&self, target: BindingTarget) -> BoxFuture<'_, Result<(), BindError>> {
+        Box::pin(async move {
+            let binding = Binding {
+                metadata: ObjectMeta {
+                    name: Some(target.name.clone()),
+                    namespace: Some(target.namespace.clone()),
+                    uid: Some(target.uid.clone()),
+                    annotations: Some(target.annotations),
+                    ..ObjectMeta::default()
+                },
+                target: ObjectReference {
+                    api_version: Some("v1".to_owned()),
+                    kind: Some("Node".to_owned()),
+                    name: Some(target.node),
+                    ..ObjectReference::default()
+                },
+            };
+            let pods: Api<Pod> = Api::namespaced(self.client.clone(), &target.namespace);
+            // The answer is a Status on a real API server; we need nothing from it.
+            pods.create_subresource::<_, serde_json::Value>(
+                "binding",
+                &target.name,
+                &PostParams::default(),
+                &binding,
+            )
+            .await
+            .map(|_| ())
+            .map_err(|error| match error {
+                kube::Error::Api(status) => BindError::Refused {
+                    code: status.code,
+                    reason: status.reason.clone(),
+                    message: status.message.clone(),
+                },
+                other => BindError::Transport(other),
+            })
+        })
+    }
+}
+
+/// An event about a pod, queued for the background recorder.
+#[derive(Debug, Clone)]
+pub struct PodEvent {
+    /// Pod namespace.
+    pub namespace: String,
+    /// Pod name.
+    pub name: String,
+    /// Pod UID.
+    pub uid: String,
+    /// Warning rather than Normal.
+    pub warning: bool,
+    /// Short PascalCase reason (`GpuAssigned`, `GpuBindRefused`…).
+    pub reason: &'static str,
+    /// The message people read.
+    pub note: String,
+}
+
+/// Where handlers drop events; never blocks. Events beyond the queue's room are dropped
+/// (and logged): they are for people, not for correctness.
+#[derive(Debug, Clone)]
+pub struct EventSink {
+    tx: Option<mpsc::Sender<PodEvent>>,
+}
+
+/// Events the queue holds before new ones are dropped.
+pub const EVENT_QUEUE: usize = 1024;
+
+impl EventSink {
+    /// A sink that drops everything (tests of handlers).
+    pub fn disabled() -> Self {
+        Self { tx: None }
+    }
+
+    /// A sink and the receiver a recorder task drains.
+    pub fn channel() -> (Self, mpsc::Receiver<PodEvent>) {
+        let (tx, rx) = mpsc::channel(EVENT_QUEUE);
+        (Self { tx: Some(tx) }, rx)
+    }
+
+    /// Queues an event without waiting.
+    pub fn send(&self, event: PodEvent) {
+        if let Some(tx) = &self.tx
+            && let Err(error) = tx.try_send(event)
+        {
+            tracing::debug!(%error, "event queue full or closed; event dropped");
+        }
+    }
+}
+
+/// Publishes queued events until the queue closes.
+pub async fn record_events(client: kube::Client, mut rx: mpsc::Receiver<PodEvent>) {
+    let reporter = Reporter {
+        controller: "gpushare-extender".to_owned(),
+        instance: std::env::var("POD_NAME").ok(),
+    };
+    let recorder = Recorder::new(client, reporter);
+    while let Some(event) = rx.recv().await {
+        let reference = ObjectReference {
+            api_version: Some("v1".to_owned()),
+            kind: Some("Pod".to_owned()),
+            namespace: Some(event.namespace.clone()),
+            name: Some(event.name.clone()),
+            uid: Some(event.uid.clone()),
+            ..ObjectReference::default()
+        };
+        let published = recorder
+            .publish(
+                &Event {
+                    type_: if event.warning {
+                        EventType::Warning
+                    } else {
+                        EventType::Normal
+                    },
+                    reason: event.reason.to_owned(),
+                    note: Some(event.note),
+                    action: "Binding".to_owned(),
+                    secondary: None,
+                },
+                &reference,
+            )
+            .await;
+        if let Err(error) = published {
+            tracing::warn!(pod = %format_args!("{}/{}", event.namespace, event.name), %error, "cannot publish event");
+        }
+    }
+}

@@ -1,0 +1,82 @@
+//! The extender's Prometheus metrics, registered in a registry the caller passes in.
+
+use prometheus_client::encoding::EncodeLabelSet;
+use prometheus_client::metrics::counter::Counter;
+use prometheus_client::metrics::family::Family;
+use prometheus_client::metrics::gauge::Gauge;
+use prometheus_client::metrics::histogram::{Histogram, exponential_buckets};
+use prometheus_client::registry::Registry;
+
+/// Labels of a per-verb metric.
+#[derive(Debug, Clone, PartialEq, Eq, Hash, EncodeLabelSet)]
+pub struct VerbLabels {
+    /// filter, prioritize, bind, inspect.
+    pub verb: &'static str,
+}
+
+/// Labels of a bind outcome.
+#[derive(Debug, Clone, PartialEq, Eq, Hash, EncodeLabelSet)]
+pub struct BindLabels {
+    /// bound, already_bound, not_synced, pod_not_found, pod_recreated, no_request,
+    /// unfit, conflict, api_error.
+    pub reason: &'static str,
+}
+
+/// Every metric the extender exports.
+#[derive(Debug, Clone)]
+pub struct Metrics {
+    /// Requests by verb.
+    pub requests: Family<VerbLabels, Counter>,
+    /// Request handling time by verb, in seconds.
+    pub latency: Family<VerbLabels, Histogram>,
+    /// Bind outcomes by reason.
+    pub binds: Family<BindLabels, Counter>,
+    /// Reservations awaiting confirmation by the pod watch.
+    pub reservations: Gauge,
+}
+
+impl Metrics {
+    /// Creates the metrics and registers them under `gpushare_extender_` in `registry`.
+    pub fn register(registry: &mut Registry) -> Self {
+        let metrics = Self {
+            requests: Family::default(),
+            latency: Family::new_with_constructor(|| {
+                Histogram::new(exponential_buckets(0.000_025, 4.0, 10))
+            }),
+            binds: Family::default(),
+            reservations: Gauge::default(),
+        };
+        let sub = registry.sub_registry_with_prefix("gpushare_extender");
+        sub.register(
+            "requests",
+            "Extender requests by verb",
+            metrics.requests.clone(),
+        );
+        sub.register(
+            "request_duration_seconds",
+            "Time to answer an extender request, by verb",
+            metrics.latency.clone(),
+        );
+        sub.register("binds", "Bind outcomes by reason", metrics.binds.clone());
+        sub.register(
+            "reservations",
+            "GPU memory reservations made at bind and not yet seen in the pod watch",
+            metrics.reservations.clone(),
+        );
+        metrics
+    }
+
+    /// Counts a request and its duration.
+    pub fn observe(&self, verb: &'static str, started: std::time::Instant) {
+        let labels = VerbLabels { verb };
+        self.requests.get_or_create(&labels).inc();
+        self.latency
+            .get_or_create(&labels)
+            .observe(started.elapsed().as_secs_f64());
+    }
+
+    /// Counts a bind outcome.
+    pub fn bind(&self, reason: &'static str) {
+        self.binds.get_or_create(&BindLabels { reason }).inc();
+    }
+}

@@ -1,0 +1,158 @@
+//! The HTTP accept loop. Not `axum::serve`: connections here are owned by a `JoinSet`, so
+//! dropping the server (a test "killing" the extender) ends every connection with it, and a
+//! shutdown lets in-flight requests finish before closing. With a certificate and key the
+//! same loop serves HTTPS (rustls; the handshake runs in the connection's task, so a slow
+//! client cannot stall the accept loop).
+
+use std::path::Path;
+use std::sync::Arc;
+use std::time::Duration;
+
+use axum::Router;
+use hyper_util::rt::{TokioExecutor, TokioIo};
+use hyper_util::server::conn::auto::Builder;
+use hyper_util::server::graceful::GracefulShutdown;
+use hyper_util::service::TowerToHyperService;
+use tokio::net::TcpListener;
+use tokio::task::JoinSet;
+use tokio_rustls::TlsAcceptor;
+use tokio_rustls::rustls;
+use tokio_rustls::rustls::pki_types::pem::PemObject;
+use tokio_rustls::rustls::pki_types::{CertificateDer, PrivateKeyDer};
+use tokio_util::sync::CancellationToken;
+
+/// Why the TLS configuration could not be loaded.
+#[derive(Debug, thiserror::Error)]
+pub enum TlsError {
+    /// A file could not be read.
+    #[error("cannot read {path}: {source}")]
+    Read {
+        /// the file
+        path: String,
+        /// the cause
+        #[source]
+        source: std::io::Error,
+    },
+    /// A file is not the PEM expected.
+    #[error("{path} holds no usable PEM {what}: {detail}")]
+    Pem {
+        /// the file
+        path: String,
+        /// certificate or private key
+        what: &'static str,
+        /// the parser's complaint
+        detail: String,
+    },
+    /// rustls refused the certificate and key.
+    #[error("certificate and key do not make a TLS configuration: {0}")]
+    Config(#[source] rustls::Error),
+}
+
+/// Loads a PEM certificate chain and private key into a TLS acceptor (HTTP/2 and HTTP/1.1).
+pub fn tls_acceptor(cert: &Path, key: &Path) -> Result<TlsAcceptor, TlsError> {
+    let read = |path: &Path| {
+        std::fs::read(path).map_err(|source| TlsError::Read {
+            path: path.display().to_string(),
+            source,
+        })
+    };
+    let pem_error = |path: &Path, what, detail: String| TlsError::Pem {
+        path: path.display().to_string(),
+        what,
+        detail,
+    };
+    let cert_pem = read(cert)?;
+    let certs: Vec<CertificateDer<'static>> = CertificateDer::pem_slice_iter(&cert_pem)
+        .collect::<Result<_, _>>()
+        .map_err(|e| pem_error(cert, "certificate", e.to_string()))?;
+    if certs.is_empty() {
+        return Err(pem_error(
+            cert,
+            "certificate",
+            "no CERTIFICATE block".to_owned(),
+        ));
+    }
+    let key_pem = read(key)?;
+    let key_der = PrivateKeyDer::from_pem_slice(&key_pem)
+        .map_err(|e| pem_error(key, "private key", e.to_string()))?;
+    let provider = Arc::new(rustls::crypto::ring::default_provider());
+    let mut config = rustls::ServerConfig::builder_with_provider(provider)
+        .with_safe_default_protocol_versions()
+        .map_err(TlsError::Config)?
+        .with_no_client_auth()
+        .with_single_cert(certs, key_der)
+        .map_err(TlsError::Config)?;
+    config.alpn_protocols = vec![b"h2".to_vec(), b"http/1.1".to_vec()];
+    Ok(TlsAcceptor::from(Arc::new(config)))
+}
+
+/// How long a shutdown waits for in-flight requests.
+const DRAIN: Duration = Duration::from_secs(10);
+
+/// Serves `app` on `listener` (over TLS when `tls` is given) until `stop` is cancelled,
+/// then drains.
+pub async fn serve_http(
+    listener: TcpListener,
+    app: Router,
+    tls: Option<TlsAcceptor>,
+    stop: CancellationToken,
+) {
+    let graceful = GracefulShutdown::new();
+    let builder = Builder::new(TokioExecutor::new());
+    let mut connections = JoinSet::new();
+    loop {
+        tokio::select! {
+            () = stop.cancelled() => break,
+            accepted = listener.accept() => {
+                let (stream, peer) = match accepted {
+                    Ok(accepted) => accepted,
+                    Err(error) => {
+                        // Out of file descriptors and the like: back off instead of spinning.
+                        tracing::warn!(%error, "accept failed");
+                        tokio::time::sleep(Duration::from_millis(50)).await;
+                        continue;
+                    }
+                };
+                let service = TowerToHyperService::new(app.clone());
+                match &tls {
+                    None => {
+                        let connection = builder
+                            .serve_connection(TokioIo::new(stream), service)
+                            .into_owned();
+                        let connection = graceful.watch(connection);
+                        connections.spawn(async move {
+                            if let Err(error) = connection.await {
+                                tracing::debug!(%peer, %error, "connection ended with an error");
+                            }
+                        });
+                    }
+                    Some(acceptor) => {
+                        let (acceptor, builder) = (acceptor.clone(), builder.clone());
+                        let watcher = graceful.watcher();
+                        connections.spawn(async move {
+                            let stream = match acceptor.accept(stream).await {
+                                Ok(stream) => stream,
+                                Err(error) => {
+                                    tracing::debug!(%peer, %error, "TLS handshake failed");
+                                    return;
+                                }
+                            };
+                            let connection = builder
+                                .serve_connection(TokioIo::new(stream), service)
+                                .into_owned();
+                            if let Err(error) = watcher.watch(connection).await {
+                                tracing::debug!(%peer, %error, "connection ended with an error");
+                            }
+                        });
+                    }
+                }
+            }
+            Some(_) = connections.join_next(), if !connections.is_empty() => {}
+        }
+    }
+    drop(listener);
+    tokio::select! {
+        () = graceful.shutdown() => {}
+        () = tokio::time::sleep(DRAIN) => tracing::warn!("requests still in flight after {DRAIN:?}; closing"),
+    }
+}

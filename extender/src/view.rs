@@ -1,0 +1,673 @@
+//! The extender's picture of the cluster: the allocator state plus what bind needs to know
+//! about pods, fed by the node and pod watches and by bind's own reservations.
+//!
+//! Why reservations: between our Binding write and the watch delivering the bound pod, the
+//! memory must already count, or a second bind could take it. A reservation is booked in the
+//! allocator at the decision, replaced by the watched pod (same UID) when it arrives, and
+//! released at once if the write fails. On a relist (restart, watch expiry) the allocator is
+//! rebuilt from the listed pods and the reservations still in flight are booked on top.
+
+use std::collections::HashMap;
+
+use gpushare_allocator::{Cluster, Gpu, PodId, PodPlacement, Request};
+use gpushare_contract::{Keys, PodAllocation, PodRequest, RequestError, inventory, pod_request};
+use k8s_openapi::api::core::v1::{Node, Pod};
+
+/// What the view needs to read nodes and pods.
+#[derive(Debug, Clone)]
+pub struct Settings {
+    /// The extended resource pods ask for (`example.com/gpu-mem`).
+    pub resource: String,
+    /// Annotation and label keys.
+    pub keys: Keys,
+    /// Participation label key.
+    pub label_key: String,
+    /// Participation label value.
+    pub label_value: String,
+}
+
+impl Settings {
+    /// Settings for `resource`, annotation `domain` and participation label `key=value`.
+    pub fn new(resource: &str, domain: &str, node_label: &str) -> Self {
+        let (label_key, label_value) = match node_label.split_once('=') {
+            Some((key, value)) => (key.trim().to_owned(), value.trim().to_owned()),
+            None => (node_label.trim().to_owned(), "true".to_owned()),
+        };
+        Self {
+            resource: resource.to_owned(),
+            keys: Keys::new(domain),
+            label_key,
+            label_value,
+        }
+    }
+}
+
+/// A pod the extender cares about: it asks for the resource or carries an allocation.
+#[derive(Debug, Clone)]
+pub struct CachedPod {
+    /// The pod's UID.
+    pub uid: PodId,
+    /// `spec.nodeName`, once bound.
+    pub node_name: Option<String>,
+    /// What it asks for, as read from its spec.
+    pub request: Result<Option<PodRequest>, RequestError>,
+    /// The allocation recorded in its annotations, if readable.
+    pub allocation: Option<PodAllocation>,
+    /// True while its allocation annotations cannot be read (warned once).
+    pub bad_annotations: bool,
+}
+
+impl CachedPod {
+    /// The allocator's form of the request.
+    pub fn allocator_request(&self) -> Result<Option<Request>, RequestError> {
+        self.request.clone().map(|r| r.map(|r| to_request(&r)))
+    }
+}
+
+/// The allocator's form of a pod request.
+pub fn to_request(request: &PodRequest) -> Request {
+    Request {
+        pod_gib: request.pod_gib,
+        containers: request.containers.iter().map(|c| c.gib).collect(),
+    }
+}
+
+/// Whether a reservation's Binding write is still under way.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum ReservationState {
+    /// The Binding is being written.
+    InFlight,
+    /// The Binding was written; waiting for the watch to show the bound pod.
+    Bound,
+}
+
+/// Memory booked by bind, not yet confirmed by the pod watch.
+#[derive(Debug, Clone)]
+pub struct Reservation {
+    /// Pod namespace.
+    pub namespace: String,
+    /// Pod name.
+    pub name: String,
+    /// Target node.
+    pub node: String,
+    /// What was booked.
+    pub placement: PodPlacement,
+    /// Write progress.
+    pub state: ReservationState,
+}
+
+/// Something the watch saw that the pod's owner should hear about.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct PodWarning {
+    /// Pod namespace.
+    pub namespace: String,
+    /// Pod name.
+    pub name: String,
+    /// Pod UID.
+    pub uid: String,
+    /// What is wrong.
+    pub message: String,
+}
+
+/// The cluster as the extender sees it.
+#[derive(Debug)]
+pub struct View {
+    settings: Settings,
+    /// The allocation state.
+    pub cluster: Cluster,
+    /// GPUs and eligibility of every node in the node watch, for rebuilds.
+    nodes: HashMap<String, (Vec<Gpu>, bool)>,
+    /// Pods we care about, by namespace and name.
+    pods: HashMap<(String, String), CachedPod>,
+    /// Namespace and name of those pods, by UID.
+    pod_keys: HashMap<PodId, (String, String)>,
+    /// Bookings made by bind that the watch has not confirmed yet.
+    reservations: HashMap<PodId, Reservation>,
+    nodes_synced: bool,
+    pods_synced: bool,
+}
+
+impl View {
+    /// An empty, unsynced view.
+    pub fn new(settings: Settings) -> Self {
+        Self {
+            settings,
+            cluster: Cluster::new(),
+            nodes: HashMap::new(),
+            pods: HashMap::new(),
+            pod_keys: HashMap::new(),
+            reservations: HashMap::new(),
+            nodes_synced: false,
+            pods_synced: false,
+        }
+    }
+
+    /// The settings the view reads objects with.
+    pub fn settings(&self) -> &Settings {
+        &self.settings
+    }
+
+    /// True once both watches have listed everything.
+    pub fn is_synced(&self) -> bool {
+        self.nodes_synced && self.pods_synced
+    }
+
+    /// Marks the node watch as listed.
+    pub fn set_nodes_synced(&mut self) {
+        self.nodes_synced = true;
+    }
+
+    /// Marks the pod watch as listed.
+    pub fn set_pods_synced(&mut self) {
+        self.pods_synced = true;
+    }
+
+    /// A cached pod by namespace and name.
+    pub fn pod(&self, namespace: &str, name: &str) -> Option<&CachedPod> {
+        self.pods.get(&(namespace.to_owned(), name.to_owned()))
+    }
+
+    /// Namespace and name of a pod by UID (watched or reserved).
+    pub fn pod_key(&self, uid: &PodId) -> Option<(&str, &str)> {
+        self.pod_keys
+            .get(uid)
+            .map(|(ns, name)| (ns.as_str(), name.as_str()))
+            .or_else(|| {
+                self.reservations
+                    .get(uid)
+                    .map(|r| (r.namespace.as_str(), r.name.as_str()))
+            })
+    }
+
+    /// A reservation by UID.
+    pub fn reservation(&self, uid: &PodId) -> Option<&Reservation> {
+        self.reservations.get(uid)
+    }
+
+    /// Number of reservations awaiting the watch.
+    pub fn reservation_count(&self) -> usize {
+        self.reservations.len()
+    }
+
+    /// Records a reservation that [`Cluster::reserve`] just booked.
+    pub fn add_reservation(&mut self, uid: PodId, reservation: Reservation) {
+        self.reservations.insert(uid, reservation);
+    }
+
+    /// Marks a reservation's Binding as written. False if the watch already replaced it.
+    pub fn confirm_reservation(&mut self, uid: &PodId) -> bool {
+        match self.reservations.get_mut(uid) {
+            Some(reservation) => {
+                reservation.state = ReservationState::Bound;
+                true
+            }
+            None => false,
+        }
+    }
+
+    /// Undoes a reservation whose Binding write failed. False when there was none left (the
+    /// watch already showed the pod, so the write did land).
+    pub fn release_reservation(&mut self, uid: &PodId) -> bool {
+        if self.reservations.remove(uid).is_some() {
+            self.cluster.release(uid);
+            true
+        } else {
+            false
+        }
+    }
+
+    /// Applies a node from the node watch.
+    pub fn apply_node(&mut self, node: &Node) {
+        let Some(name) = node.metadata.name.as_deref() else {
+            return;
+        };
+        let (gpus, eligible) = self.read_node(node);
+        self.cluster.set_node(name, gpus.clone(), eligible);
+        self.nodes.insert(name.to_owned(), (gpus, eligible));
+    }
+
+    /// Applies a node deletion.
+    pub fn delete_node(&mut self, node: &Node) {
+        if let Some(name) = node.metadata.name.as_deref() {
+            self.nodes.remove(name);
+            self.cluster.remove_node(name);
+        }
+    }
+
+    /// Replaces every node with a fresh list (after the watch relisted).
+    pub fn replace_nodes(&mut self, nodes: &[Node]) {
+        let listed: std::collections::HashSet<&str> = nodes
+            .iter()
+            .filter_map(|n| n.metadata.name.as_deref())
+            .collect();
+        let gone: Vec<String> = self
+            .nodes
+            .keys()
+            .filter(|name| !listed.contains(name.as_str()))
+            .cloned()
+            .collect();
+        for name in gone {
+            self.nodes.remove(&name);
+            self.cluster.remove_node(&name);
+        }
+        for node in nodes {
+            self.apply_node(node);
+        }
+        self.nodes_synced = true;
+    }
+
+    /// GPUs and eligibility of a node: the inventory annotation, or else capacity split
+    /// evenly over the `gpu-count` label (1 when absent).
+    fn read_node(&self, node: &Node) -> (Vec<Gpu>, bool) {
+        let name = node.metadata.name.as_deref().unwrap_or_default();
+        let eligible = node
+            .metadata
+            .labels
+            .as_ref()
+            .and_then(|labels| labels.get(&self.settings.label_key))
+            .is_some_and(|value| *value == self.settings.label_value);
+        if let Some(text) = node
+            .metadata
+            .annotations
+            .as_ref()
+            .and_then(|a| a.get(&self.settings.keys.node_gpus))
+        {
+            match inventory::decode(text) {
+                Ok(gpus) => {
+                    let gpus = gpus
+                        .into_iter()
+                        .map(|g| Gpu {
+                            index: g.index,
+                            uuid: g.uuid,
+                            model: g.model,
+                            total_gib: g.mem_gib,
+                            healthy: g.healthy,
+                        })
+                        .collect();
+                    return (gpus, eligible);
+                }
+                Err(error) => tracing::warn!(
+                    node = %name,
+                    %error,
+                    "cannot read the GPU inventory annotation; falling back to capacity"
+                ),
+            }
+        }
+        let capacity = node
+            .status
+            .as_ref()
+            .and_then(|s| s.capacity.as_ref())
+            .and_then(|c| c.get(&self.settings.resource))
+            .and_then(|q| q.0.trim().parse::<u64>().ok())
+            .unwrap_or(0);
+        if capacity == 0 {
+            return (Vec::new(), eligible);
+        }
+        let count = node
+            .metadata
+            .labels
+            .as_ref()
+            .and_then(|labels| labels.get(&self.settings.keys.node_gpu_count))
+            .and_then(|v| v.trim().parse::<u32>().ok())
+            .filter(|&n| n > 0)
+            .unwrap_or(1);
+        let gpus = (0..count)
+            .map(|index| Gpu {
+                index,
+                uuid: String::new(),
+                model: String::new(),
+                total_gib: capacity / u64::from(count),
+                healthy: true,
+            })
+            .collect();
+        (gpus, eligible)
+    }
+
+    /// Applies a pod from the pod watch. Returns a warning for the pod's owner when its
+    /// allocation annotations became unreadable.
+    pub fn apply_pod(&mut self, pod: &Pod) -> Option<PodWarning> {
+        let (Some(namespace), Some(name), Some(uid)) = (
+            pod.metadata.namespace.as_deref(),
+            pod.metadata.name.as_deref(),
+            pod.metadata.uid.as_deref(),
+        ) else {
+            return None;
+        };
+        let uid = PodId::from(uid);
+        let key = (namespace.to_owned(), name.to_owned());
+        // A pod recreated under the same name is a different pod.
+        if let Some(old) = self.pods.get(&key)
+            && old.uid != uid
+        {
+            let old_uid = old.uid.clone();
+            self.forget_pod(&key, &old_uid);
+        }
+        let request = pod_request(pod, &self.settings.resource);
+        let annotations = pod.metadata.annotations.as_ref();
+        let has_index = annotations.is_some_and(|a| a.contains_key(&self.settings.keys.gpu_index));
+        if matches!(request, Ok(None)) && !has_index {
+            // Not ours (anymore).
+            self.forget_pod(&key, &uid);
+            return None;
+        }
+        let finished = pod
+            .status
+            .as_ref()
+            .and_then(|s| s.phase.as_deref())
+            .is_some_and(|phase| phase == "Succeeded" || phase == "Failed");
+        let node_name = pod
+            .spec
+            .as_ref()
+            .and_then(|s| s.node_name.clone())
+            .filter(|n| !n.is_empty());
+        let was_bad = self.pods.get(&key).is_some_and(|p| p.bad_annotations);
+        let mut warning = None;
+        let (allocation, bad_annotations) = match annotations
+            .map(|a| PodAllocation::from_annotations(&self.settings.keys, a))
+        {
+            None | Some(Ok(None)) => (None, false),
+            Some(Ok(Some(allocation))) => (Some(allocation), false),
+            Some(Err(error)) => {
+                if !was_bad {
+                    let message = format!(
+                        "gpushare allocation annotations of pod {namespace}/{name} cannot be read: {error}"
+                    );
+                    tracing::error!(pod = %format_args!("{namespace}/{name}"), %uid, %error, "unreadable allocation annotations");
+                    warning = Some(PodWarning {
+                        namespace: namespace.to_owned(),
+                        name: name.to_owned(),
+                        uid: uid.to_string(),
+                        message,
+                    });
+                }
+                (None, true)
+            }
+        };
+
+        if finished {
+            self.cluster.remove_pod(&uid);
+            self.reservations.remove(&uid);
+        } else if let Some(node) = node_name.as_deref() {
+            let placement = match (&allocation, annotations) {
+                (Some(allocation), _) => Some(PodPlacement {
+                    gpu: allocation.gpu_index,
+                    pod_gib: allocation.pod_gib,
+                    pending: allocation.pending_containers().map(|c| c.gib).collect(),
+                    assigned: allocation.assigned,
+                }),
+                (None, Some(annotations)) if bad_annotations => {
+                    self.salvage(annotations, namespace, name)
+                }
+                _ => None,
+            };
+            match placement {
+                Some(placement) => {
+                    self.cluster.upsert_pod(uid.clone(), node, placement);
+                    self.reservations.remove(&uid);
+                }
+                None if !self.reservations.contains_key(&uid) => {
+                    if self.cluster.pod(&uid).is_none() && !bad_annotations {
+                        tracing::warn!(
+                            pod = %format_args!("{namespace}/{name}"),
+                            node = %node,
+                            "pod asking for GPU memory is bound without a gpushare allocation; its memory is not accounted"
+                        );
+                    }
+                    self.cluster.remove_pod(&uid);
+                }
+                None => {}
+            }
+        }
+        // A pending pod (no node yet) keeps any reservation: the watch has not caught up.
+
+        self.pod_keys.insert(uid.clone(), key.clone());
+        self.pods.insert(
+            key,
+            CachedPod {
+                uid,
+                node_name,
+                request,
+                allocation,
+                bad_annotations,
+            },
+        );
+        warning
+    }
+
+    /// What an unreadable allocation still tells: the GPU and size, when those parse.
+    fn salvage(
+        &self,
+        annotations: &std::collections::BTreeMap<String, String>,
+        namespace: &str,
+        name: &str,
+    ) -> Option<PodPlacement> {
+        let keys = &self.settings.keys;
+        let gpu = annotations.get(&keys.gpu_index)?.trim().parse::<u32>().ok();
+        let pod_gib = annotations
+            .get(&keys.pod_gib)
+            .and_then(|v| v.trim().parse::<u64>().ok());
+        match (gpu, pod_gib) {
+            (Some(gpu), Some(pod_gib)) => Some(PodPlacement {
+                gpu,
+                pod_gib,
+                pending: Vec::new(),
+                assigned: true,
+            }),
+            _ => {
+                tracing::error!(
+                    pod = %format_args!("{namespace}/{name}"),
+                    "pod's gpu-index or pod-gib annotation is unreadable: its GPU memory is NOT accounted and may be over-committed"
+                );
+                None
+            }
+        }
+    }
+
+    /// Applies a pod deletion.
+    pub fn delete_pod(&mut self, pod: &Pod) {
+        let (Some(namespace), Some(name), Some(uid)) = (
+            pod.metadata.namespace.as_deref(),
+            pod.metadata.name.as_deref(),
+            pod.metadata.uid.as_deref(),
+        ) else {
+            return;
+        };
+        self.forget_pod(&(namespace.to_owned(), name.to_owned()), &PodId::from(uid));
+    }
+
+    fn forget_pod(&mut self, key: &(String, String), uid: &PodId) {
+        if self.pods.get(key).is_some_and(|p| p.uid == *uid) {
+            self.pods.remove(key);
+        }
+        self.pod_keys.remove(uid);
+        self.reservations.remove(uid);
+        self.cluster.remove_pod(uid);
+    }
+
+    /// Replaces every pod with a fresh list (after the watch relisted) and rebuilds the
+    /// allocator from it. Reservations still being written are kept; confirmed ones whose
+    /// pod is gone are dropped.
+    pub fn replace_pods(&mut self, pods: &[Pod]) -> Vec<PodWarning> {
+        let reservations = std::mem::take(&mut self.reservations);
+        self.pods.clear();
+        self.pod_keys.clear();
+        self.cluster = Cluster::rebuild(
+            self.nodes
+                .iter()
+                .map(|(name, (gpus, eligible))| (name.clone(), gpus.clone(), *eligible)),
+            [],
+        );
+        let warnings = pods.iter().filter_map(|pod| self.apply_pod(pod)).collect();
+        for (uid, reservation) in reservations {
+            let watched = self.cluster.pod(&uid).is_some();
+            let alive = self
+                .pods
+                .get(&(reservation.namespace.clone(), reservation.name.clone()))
+                .is_some_and(|p| p.uid == uid);
+            if watched || !(alive || reservation.state == ReservationState::InFlight) {
+                continue;
+            }
+            self.cluster.upsert_pod(
+                uid.clone(),
+                &reservation.node,
+                reservation.placement.clone(),
+            );
+            self.reservations.insert(uid, reservation);
+        }
+        self.pods_synced = true;
+        warnings
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use gpushare_e2e::fixtures::{node, pod};
+
+    fn view() -> View {
+        View::new(Settings::new(
+            gpushare_contract::DEFAULT_RESOURCE,
+            gpushare_contract::DEFAULT_DOMAIN,
+            "gpushare=true",
+        ))
+    }
+
+    fn with_uid(mut pod: Pod, uid: &str) -> Pod {
+        pod.metadata.uid = Some(uid.to_owned());
+        pod
+    }
+
+    fn allocated(name: &str, uid: &str, gpu: u32, gib: u64) -> Pod {
+        let keys = Keys::default();
+        let mut builder = pod(name).gpu_mem(gib).on_node("n1");
+        for (k, v) in [
+            (keys.gpu_index.clone(), gpu.to_string()),
+            (keys.pod_gib.clone(), gib.to_string()),
+            (
+                keys.containers.clone(),
+                format!(r#"[{{"name":"main","gib":{gib}}}]"#),
+            ),
+            (keys.assigned.clone(), "false".to_owned()),
+        ] {
+            builder = builder.annotation(&k, &v);
+        }
+        with_uid(builder.build(), uid)
+    }
+
+    fn used(view: &View, gpu: usize) -> u64 {
+        view.cluster.node("n1").unwrap().gpus()[gpu].used_gib
+    }
+
+    #[test]
+    fn capacity_fallback_splits_over_the_gpu_count() {
+        let mut view = view();
+        view.apply_node(&node("n1").gpushare().capacity_only(32, 2).build());
+        let gpus = view.cluster.node("n1").unwrap().gpus();
+        assert_eq!(gpus.len(), 2);
+        assert!(
+            gpus.iter()
+                .all(|g| g.gpu.total_gib == 16 && g.gpu.uuid.is_empty())
+        );
+        view.apply_node(&node("n2").capacity_only(8, 0).build());
+        assert!(!view.cluster.node("n2").unwrap().is_eligible());
+    }
+
+    #[test]
+    fn finished_and_deleted_pods_free_their_memory() {
+        let mut view = view();
+        view.apply_node(&node("n1").gpushare().gpus(&[16]).build());
+        let mut p = allocated("a", "u1", 0, 4);
+        view.apply_pod(&p);
+        assert_eq!(used(&view, 0), 4);
+        p.status = Some(k8s_openapi::api::core::v1::PodStatus {
+            phase: Some("Succeeded".into()),
+            ..Default::default()
+        });
+        view.apply_pod(&p);
+        assert_eq!(used(&view, 0), 0);
+        let q = allocated("b", "u2", 0, 6);
+        view.apply_pod(&q);
+        view.delete_pod(&q);
+        assert_eq!(used(&view, 0), 0);
+        assert!(view.pod("default", "b").is_none());
+    }
+
+    #[test]
+    fn a_recreated_pod_replaces_the_old_uid() {
+        let mut view = view();
+        view.apply_node(&node("n1").gpushare().gpus(&[16]).build());
+        view.apply_pod(&allocated("a", "old", 0, 4));
+        view.apply_pod(&with_uid(pod("a").gpu_mem(4).build(), "new"));
+        assert_eq!(used(&view, 0), 0);
+        assert_eq!(view.pod("default", "a").unwrap().uid, PodId::from("new"));
+    }
+
+    #[test]
+    fn unreadable_containers_still_count_and_warn_once() {
+        let keys = Keys::default();
+        let mut view = view();
+        view.apply_node(&node("n1").gpushare().gpus(&[16]).build());
+        let mut p = allocated("a", "u1", 0, 4);
+        p.metadata
+            .annotations
+            .as_mut()
+            .unwrap()
+            .insert(keys.containers.clone(), "{broken".into());
+        let warning = view.apply_pod(&p).unwrap();
+        assert!(warning.message.contains("default/a"), "{}", warning.message);
+        assert_eq!(used(&view, 0), 4);
+        assert!(view.apply_pod(&p).is_none());
+    }
+
+    #[test]
+    fn relist_keeps_in_flight_reservations_and_drops_orphans() {
+        let mut view = view();
+        view.replace_nodes(&[node("n1").gpushare().gpus(&[16]).build()]);
+        let pending = with_uid(pod("a").gpu_mem(4).build(), "ua");
+        view.replace_pods(std::slice::from_ref(&pending));
+        let request = Request {
+            pod_gib: 4,
+            containers: vec![4],
+        };
+        for (uid, name, state) in [
+            ("ua", "a", ReservationState::InFlight),
+            ("ub", "b", ReservationState::Bound),
+        ] {
+            let placed = view
+                .cluster
+                .reserve(
+                    uid.into(),
+                    "n1",
+                    &request,
+                    gpushare_allocator::Policy::Binpack,
+                )
+                .unwrap();
+            view.add_reservation(
+                uid.into(),
+                Reservation {
+                    namespace: "default".into(),
+                    name: name.into(),
+                    node: "n1".into(),
+                    placement: PodPlacement {
+                        gpu: placed.gpu,
+                        pod_gib: 4,
+                        pending: vec![4],
+                        assigned: false,
+                    },
+                    state,
+                },
+            );
+        }
+        assert_eq!(used(&view, 0), 8);
+        // "b" is gone from the new list and its bind was confirmed: dropped. "a" is in flight.
+        view.replace_pods(&[pending]);
+        assert_eq!(used(&view, 0), 4);
+        assert!(view.reservation(&"ua".into()).is_some());
+        assert!(view.reservation(&"ub".into()).is_none());
+        assert!(view.is_synced());
+        // The watch shows "a" bound with its allocation: the reservation is replaced.
+        view.apply_pod(&allocated("a", "ua", 0, 4));
+        assert_eq!(view.reservation_count(), 0);
+        assert_eq!(used(&view, 0), 4);
+    }
+}

@@ -1,0 +1,121 @@
+//! kube-scheduler's extender protocol (`k8s.io/kube-scheduler/extender/v1`), as sent on the wire.
+//!
+//! The Go structs carry no JSON tags, so keys are the Go field names (`Pod`, `NodeNames`,
+//! `FailedNodes`…); Go decodes our answers case-insensitively, and we accept camelCase
+//! aliases too. Unknown fields are ignored, wrong types are rejected.
+//!
+//! Node objects in the `Nodes` form are kept as raw JSON: we read only `metadata.name` and
+//! hand passing nodes back verbatim, so a 5,000-node filter does not build 5,000 `Node`s.
+
+use std::borrow::Cow;
+use std::collections::BTreeMap;
+
+use k8s_openapi::api::core::v1::Pod;
+use serde::{Deserialize, Serialize};
+use serde_json::value::RawValue;
+
+/// `ExtenderArgs`: the body of `filter` and `prioritize`.
+#[derive(Debug, Deserialize)]
+pub struct ExtenderArgs<'a> {
+    /// The pod being scheduled.
+    #[serde(rename = "Pod", alias = "pod", default)]
+    pub pod: Option<Pod>,
+    /// Candidate nodes as objects (`nodeCacheCapable: false`).
+    #[serde(rename = "Nodes", alias = "nodes", default, borrow)]
+    pub nodes: Option<RawNodeList<'a>>,
+    /// Candidate node names (`nodeCacheCapable: true`).
+    #[serde(rename = "NodeNames", alias = "nodeNames", default, borrow)]
+    pub node_names: Option<Vec<Cow<'a, str>>>,
+}
+
+/// A `NodeList` whose items stay raw JSON.
+#[derive(Debug, Deserialize, Serialize)]
+pub struct RawNodeList<'a> {
+    /// The list items, verbatim.
+    #[serde(default, borrow)]
+    pub items: Vec<&'a RawValue>,
+}
+
+#[derive(Deserialize)]
+struct NameOnly<'a> {
+    #[serde(default, borrow)]
+    metadata: MetaName<'a>,
+}
+
+#[derive(Default, Deserialize)]
+struct MetaName<'a> {
+    #[serde(default, borrow)]
+    name: Option<Cow<'a, str>>,
+}
+
+/// `metadata.name` of a raw node object, if it has one.
+pub fn raw_node_name<'a>(node: &'a RawValue) -> Option<Cow<'a, str>> {
+    serde_json::from_str::<NameOnly<'a>>(node.get())
+        .ok()
+        .and_then(|n| n.metadata.name)
+}
+
+/// The node list in an answer: `{"metadata":{},"items":[…]}`.
+#[derive(Debug, Serialize)]
+pub struct RawNodeListOut<'a> {
+    /// Always empty.
+    pub metadata: BTreeMap<String, String>,
+    /// The passing nodes, verbatim.
+    pub items: Vec<&'a RawValue>,
+}
+
+/// `ExtenderFilterResult`.
+#[derive(Debug, Default, Serialize)]
+pub struct ExtenderFilterResult<'a> {
+    /// Passing nodes as objects, when they were sent as objects.
+    #[serde(rename = "Nodes")]
+    pub nodes: Option<RawNodeListOut<'a>>,
+    /// Passing node names, when names were sent.
+    #[serde(rename = "NodeNames")]
+    pub node_names: Option<Vec<Cow<'a, str>>>,
+    /// Nodes that may fit later, with the reason.
+    #[serde(rename = "FailedNodes")]
+    pub failed_nodes: BTreeMap<Cow<'a, str>, String>,
+    /// Nodes that will not fit as things stand, with the reason.
+    #[serde(rename = "FailedAndUnresolvableNodes")]
+    pub failed_and_unresolvable_nodes: BTreeMap<Cow<'a, str>, String>,
+    /// Set when the whole call failed; kube-scheduler then retries the pod.
+    #[serde(rename = "Error")]
+    pub error: String,
+}
+
+/// One element of `HostPriorityList`.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct HostPriority {
+    /// Node name.
+    #[serde(rename = "Host")]
+    pub host: String,
+    /// 0..=10.
+    #[serde(rename = "Score")]
+    pub score: i64,
+}
+
+/// `ExtenderBindingArgs`.
+#[derive(Debug, Clone, Deserialize)]
+pub struct ExtenderBindingArgs {
+    /// Pod name.
+    #[serde(rename = "PodName", alias = "podName")]
+    pub pod_name: String,
+    /// Pod namespace.
+    #[serde(rename = "PodNamespace", alias = "podNamespace")]
+    pub pod_namespace: String,
+    /// Pod UID.
+    #[serde(rename = "PodUID", alias = "podUID", alias = "podUid")]
+    pub pod_uid: String,
+    /// Target node.
+    #[serde(rename = "Node", alias = "node")]
+    pub node: String,
+}
+
+/// `ExtenderBindingResult`: empty `Error` means bound.
+#[derive(Debug, Default, Clone, Serialize, Deserialize)]
+pub struct ExtenderBindingResult {
+    /// Why the bind failed, or empty.
+    #[serde(rename = "Error", default)]
+    pub error: String,
+}

@@ -1,0 +1,508 @@
+//! The extender's HTTP handlers on a state built directly (no API server): the captured
+//! kube-scheduler requests, the design-doc example, refusals and their reasons.
+
+#![allow(clippy::unwrap_used)]
+
+mod common;
+
+use std::sync::atomic::Ordering;
+
+use axum::http::StatusCode;
+use common::{PREFIX, bind_body, call, call_raw, fixture, harness};
+use gpushare_contract::{ContainerRequest, Keys, PodAllocation};
+use gpushare_e2e::fixtures::{node, pod};
+use k8s_openapi::api::core::v1::Pod;
+use serde_json::{Value, json};
+
+const FIXTURE_UID: &str = "647c79bc-629b-49c7-a3dd-034bd088a0ab";
+
+/// A pod already bound to `node`, holding `gib` on GPU `gpu`, as the watch shows it.
+fn bound(name: &str, node_name: &str, gpu: u32, gib: u64, assigned: bool) -> Pod {
+    let allocation = PodAllocation {
+        gpu_index: gpu,
+        gpu_uuid: format!("GPU-{node_name}-{gpu}"),
+        pod_gib: gib,
+        containers: vec![ContainerRequest {
+            name: "main".into(),
+            gib,
+            init: false,
+        }],
+        bind_time: "2026-11-22T10:00:00Z".into(),
+        assigned,
+        allocated: if assigned {
+            vec!["main".into()]
+        } else {
+            vec![]
+        },
+    };
+    let mut builder = pod(name).gpu_mem(gib).on_node(node_name);
+    for (k, v) in allocation.to_annotations(&Keys::default()) {
+        builder = builder.annotation(&k, &v);
+    }
+    builder.build()
+}
+
+/// The pod inside the captured requests (gpu-pod-3, 4 GiB).
+fn fixture_pod() -> Pod {
+    let args: Value = serde_json::from_str(&fixture("filter-request-nodenames.json")).unwrap();
+    serde_json::from_value(args["Pod"].clone()).unwrap()
+}
+
+/// node-a: one empty 16 GiB GPU; node-b: one 8 GiB GPU with 6 GiB taken.
+fn fixture_cluster() -> common::Harness {
+    harness(
+        vec![
+            node("node-a").gpushare().gpus(&[16]).build(),
+            node("node-b").gpushare().gpus(&[8]).build(),
+        ],
+        vec![fixture_pod(), bound("busy", "node-b", 0, 6, true)],
+    )
+}
+
+#[tokio::test]
+async fn captured_filter_by_names_is_answered_with_names() {
+    let h = fixture_cluster();
+    let (status, answer) = call(
+        &h.app,
+        "POST",
+        &format!("{PREFIX}/filter"),
+        &fixture("filter-request-nodenames.json"),
+    )
+    .await;
+    assert_eq!(status, StatusCode::OK);
+    assert_eq!(answer["NodeNames"], json!(["node-a"]));
+    assert_eq!(answer["Nodes"], Value::Null);
+    assert_eq!(
+        answer["FailedNodes"]["node-b"],
+        "needs 4 GiB on one GPU; largest free is 2 GiB (GPU 0)"
+    );
+    assert_eq!(answer["Error"], "");
+}
+
+#[tokio::test]
+async fn captured_filter_by_objects_is_answered_with_the_full_objects() {
+    let h = fixture_cluster();
+    let request = fixture("filter-request-nodes.json");
+    let (status, answer) = call(&h.app, "POST", &format!("{PREFIX}/filter"), &request).await;
+    assert_eq!(status, StatusCode::OK);
+    let sent: Value = serde_json::from_str(&request).unwrap();
+    let items = answer["Nodes"]["items"].as_array().unwrap();
+    assert_eq!(items.len(), 1);
+    // Passed back verbatim, every field kube-scheduler sent.
+    assert_eq!(items[0], sent["Nodes"]["items"][0]);
+    assert_eq!(answer["NodeNames"], Value::Null);
+    assert!(
+        answer["FailedNodes"]["node-b"]
+            .as_str()
+            .unwrap()
+            .contains("largest free is 2 GiB")
+    );
+}
+
+#[tokio::test]
+async fn captured_prioritize_scores_every_node() {
+    let h = fixture_cluster();
+    let (status, answer) = call(
+        &h.app,
+        "POST",
+        &format!("{PREFIX}/prioritize"),
+        &fixture("prioritize-request.json"),
+    )
+    .await;
+    assert_eq!(status, StatusCode::OK);
+    let list = answer.as_array().unwrap();
+    assert_eq!(list.len(), 2);
+    assert_eq!(list[0]["Host"], "node-a");
+    assert!(list[0]["Score"].as_i64().unwrap() > 0);
+    // node-b cannot take the pod.
+    assert_eq!(list[1], json!({"Host": "node-b", "Score": 0}));
+}
+
+#[tokio::test]
+async fn captured_bind_writes_one_binding_with_the_decision() {
+    let h = fixture_cluster();
+    let (status, answer) = call(
+        &h.app,
+        "POST",
+        &format!("{PREFIX}/bind"),
+        &fixture("bind-request.json"),
+    )
+    .await;
+    assert_eq!(status, StatusCode::OK);
+    assert_eq!(answer["Error"], "");
+    let calls = h.binder.calls();
+    assert_eq!(calls.len(), 1);
+    let keys = Keys::default();
+    let binding = &calls[0];
+    assert_eq!(
+        (
+            binding.name.as_str(),
+            binding.uid.as_str(),
+            binding.node.as_str()
+        ),
+        ("gpu-pod-3", FIXTURE_UID, "node-a")
+    );
+    let allocation = PodAllocation::from_annotations(&keys, &binding.annotations)
+        .unwrap()
+        .unwrap();
+    assert_eq!(allocation.gpu_index, 0);
+    assert_eq!(allocation.gpu_uuid, "GPU-node-a-0");
+    assert_eq!(allocation.pod_gib, 4);
+    assert!(!allocation.assigned);
+    assert_eq!(allocation.containers[0].name, "c");
+    // Counted at once, before any watch.
+    let view = h.state.view();
+    assert_eq!(view.cluster.node("node-a").unwrap().gpus()[0].used_gib, 4);
+    assert_eq!(view.reservation_count(), 1);
+}
+
+#[tokio::test]
+async fn design_doc_example_binds_to_the_gpu_with_8_free() {
+    // Four 16 GiB GPUs with 12, 8, 4 and 16 GiB free.
+    let h = harness(
+        vec![node("n1").gpushare().gpus(&[16, 16, 16, 16]).build()],
+        vec![
+            bound("a", "n1", 0, 4, true),
+            bound("b", "n1", 1, 8, true),
+            bound("c", "n1", 2, 12, true),
+            pod("p").gpu_mem(8).build(),
+        ],
+    );
+    let (_, answer) = call(
+        &h.app,
+        "POST",
+        &format!("{PREFIX}/bind"),
+        &bind_body("p", "uid-p", "n1"),
+    )
+    .await;
+    assert_eq!(answer["Error"], "");
+    let calls = h.binder.calls();
+    assert_eq!(calls[0].annotations[&Keys::default().gpu_index], "1");
+}
+
+#[tokio::test]
+async fn malformed_json_is_a_400_naming_the_problem() {
+    let h = fixture_cluster();
+    for verb in ["filter", "prioritize", "bind"] {
+        let (status, answer) =
+            call(&h.app, "POST", &format!("{PREFIX}/{verb}"), "{\"Pod\": ").await;
+        assert_eq!(status, StatusCode::BAD_REQUEST, "{verb}");
+        let message = answer["error"].as_str().unwrap();
+        assert!(
+            message.contains(&format!("malformed {verb} request body")),
+            "{message}"
+        );
+    }
+    // Wrong types are refused too.
+    let (status, _) = call(
+        &h.app,
+        "POST",
+        &format!("{PREFIX}/filter"),
+        r#"{"NodeNames": 5}"#,
+    )
+    .await;
+    assert_eq!(status, StatusCode::BAD_REQUEST);
+}
+
+#[tokio::test]
+async fn unknown_and_unlabelled_nodes_fail_unresolvably_with_reasons() {
+    let h = harness(
+        vec![
+            node("n1").gpushare().gpus(&[16]).build(),
+            node("plain").gpus(&[16]).build(),
+            node("small").gpushare().gpus(&[2]).build(),
+        ],
+        vec![pod("p").gpu_mem(4).build()],
+    );
+    let mut args =
+        serde_json::from_str::<Value>(&fixture("filter-request-nodenames.json")).unwrap();
+    args["NodeNames"] = json!(["n1", "ghost", "plain", "small"]);
+    let (_, answer) = call(
+        &h.app,
+        "POST",
+        &format!("{PREFIX}/filter"),
+        &args.to_string(),
+    )
+    .await;
+    assert_eq!(answer["NodeNames"], json!(["n1"]));
+    let unresolvable = &answer["FailedAndUnresolvableNodes"];
+    assert_eq!(
+        unresolvable["ghost"],
+        "node ghost is unknown to the gpushare extender"
+    );
+    assert!(
+        unresolvable["plain"]
+            .as_str()
+            .unwrap()
+            .contains("gpushare=true")
+    );
+    assert!(
+        unresolvable["small"]
+            .as_str()
+            .unwrap()
+            .contains("largest healthy GPU has 2 GiB")
+    );
+    assert_eq!(answer["FailedNodes"], json!({}));
+}
+
+#[tokio::test]
+async fn pods_without_the_resource_pass_untouched_and_score_zero() {
+    let h = fixture_cluster();
+    let mut args = serde_json::from_str::<Value>(&fixture("filter-request-nodes.json")).unwrap();
+    args["Pod"]["spec"]["containers"][0]["resources"] = json!({});
+    let (_, answer) = call(
+        &h.app,
+        "POST",
+        &format!("{PREFIX}/filter"),
+        &args.to_string(),
+    )
+    .await;
+    assert_eq!(answer["Nodes"]["items"], args["Nodes"]["items"]);
+    let (_, scores) = call(
+        &h.app,
+        "POST",
+        &format!("{PREFIX}/prioritize"),
+        &args.to_string(),
+    )
+    .await;
+    assert_eq!(
+        scores,
+        json!([{"Host": "node-a", "Score": 0}, {"Host": "node-b", "Score": 0}])
+    );
+}
+
+#[tokio::test]
+async fn a_malformed_quantity_fails_every_node_with_the_pods_name() {
+    let h = fixture_cluster();
+    let mut args =
+        serde_json::from_str::<Value>(&fixture("filter-request-nodenames.json")).unwrap();
+    args["Pod"]["spec"]["containers"][0]["resources"]["limits"]["example.com/gpu-mem"] =
+        json!("4.5");
+    let (status, answer) = call(
+        &h.app,
+        "POST",
+        &format!("{PREFIX}/filter"),
+        &args.to_string(),
+    )
+    .await;
+    assert_eq!(status, StatusCode::OK);
+    assert_eq!(answer["NodeNames"], json!([]));
+    for name in ["node-a", "node-b"] {
+        let reason = answer["FailedAndUnresolvableNodes"][name].as_str().unwrap();
+        assert!(
+            reason.contains("default/gpu-pod-3") && reason.contains("4.5"),
+            "{reason}"
+        );
+    }
+    assert_eq!(answer["Error"], "");
+}
+
+#[tokio::test]
+async fn unsynced_view_answers_error_and_readyz_is_503() {
+    let h = fixture_cluster();
+    let unsynced = common::harness(vec![], vec![]);
+    // A fresh state that never listed: build one by hand.
+    let state = gpushare_extender::AppState::new(
+        gpushare_extender::Settings::new(
+            "example.com/gpu-mem",
+            "gpushare.example.com",
+            "gpushare=true",
+        ),
+        gpushare_allocator::Policy::Binpack,
+        unsynced.binder.clone(),
+        gpushare_extender::EventSink::disabled(),
+        prometheus_client::registry::Registry::default(),
+    );
+    let app = gpushare_extender::router(state, PREFIX);
+    let (status, _) = call(&app, "GET", "/readyz", "").await;
+    assert_eq!(status, StatusCode::SERVICE_UNAVAILABLE);
+    let (_, answer) = call(
+        &app,
+        "POST",
+        &format!("{PREFIX}/filter"),
+        &fixture("filter-request-nodenames.json"),
+    )
+    .await;
+    assert_eq!(answer["Error"], gpushare_extender::NOT_SYNCED);
+    let (_, answer) = call(
+        &app,
+        "POST",
+        &format!("{PREFIX}/bind"),
+        &fixture("bind-request.json"),
+    )
+    .await;
+    assert_eq!(answer["Error"], gpushare_extender::NOT_SYNCED);
+    let (status, _) = call(&h.app, "GET", "/readyz", "").await;
+    assert_eq!(status, StatusCode::OK);
+}
+
+#[tokio::test]
+async fn failed_binding_write_is_an_error_and_releases_the_reservation() {
+    let h = fixture_cluster();
+    h.binder.fail.store(true, Ordering::SeqCst);
+    let (status, answer) = call(
+        &h.app,
+        "POST",
+        &format!("{PREFIX}/bind"),
+        &fixture("bind-request.json"),
+    )
+    .await;
+    assert_eq!(status, StatusCode::OK);
+    let error = answer["Error"].as_str().unwrap();
+    assert!(
+        error.contains("gpu-pod-3") && error.contains("500"),
+        "{error}"
+    );
+    {
+        let view = h.state.view();
+        assert_eq!(view.cluster.node("node-a").unwrap().gpus()[0].used_gib, 0);
+        assert_eq!(view.reservation_count(), 0);
+    }
+    // A retry after the failure writes again, and succeeds.
+    h.binder.fail.store(false, Ordering::SeqCst);
+    let (_, answer) = call(
+        &h.app,
+        "POST",
+        &format!("{PREFIX}/bind"),
+        &fixture("bind-request.json"),
+    )
+    .await;
+    assert_eq!(answer["Error"], "");
+    assert_eq!(h.binder.calls().len(), 2);
+}
+
+#[tokio::test]
+async fn retried_bind_after_success_writes_nothing_more() {
+    let h = fixture_cluster();
+    for _ in 0..2 {
+        let (_, answer) = call(
+            &h.app,
+            "POST",
+            &format!("{PREFIX}/bind"),
+            &fixture("bind-request.json"),
+        )
+        .await;
+        assert_eq!(answer["Error"], "");
+    }
+    assert_eq!(h.binder.calls().len(), 1);
+    // Elsewhere is refused: the pod holds memory on node-a.
+    let (_, answer) = call(
+        &h.app,
+        "POST",
+        &format!("{PREFIX}/bind"),
+        &bind_body("gpu-pod-3", FIXTURE_UID, "node-b"),
+    )
+    .await;
+    assert!(answer["Error"].as_str().unwrap().contains("node-a"));
+}
+
+#[tokio::test]
+async fn unknown_or_recreated_pods_are_not_bound() {
+    let h = fixture_cluster();
+    let (_, answer) = call(
+        &h.app,
+        "POST",
+        &format!("{PREFIX}/bind"),
+        &bind_body("nobody", "uid-x", "node-a"),
+    )
+    .await;
+    assert_eq!(answer["Error"], "pod default/nobody (uid uid-x) not found");
+    let (_, answer) = call(
+        &h.app,
+        "POST",
+        &format!("{PREFIX}/bind"),
+        &bind_body("gpu-pod-3", "old-uid", "node-a"),
+    )
+    .await;
+    assert!(
+        answer["Error"].as_str().unwrap().contains("was recreated"),
+        "{answer}"
+    );
+    assert!(h.binder.calls().is_empty());
+    assert_eq!(h.state.view().reservation_count(), 0);
+}
+
+#[tokio::test]
+async fn pod_deleted_before_bind_is_an_error() {
+    let h = fixture_cluster();
+    h.state.view_mut().delete_pod(&fixture_pod());
+    let (_, answer) = call(
+        &h.app,
+        "POST",
+        &format!("{PREFIX}/bind"),
+        &fixture("bind-request.json"),
+    )
+    .await;
+    assert!(answer["Error"].as_str().unwrap().contains("not found"));
+    assert_eq!(h.state.view().cluster.pod_count(), 1);
+}
+
+#[tokio::test]
+async fn concurrent_binds_never_over_commit() {
+    // 2×16 GiB: room for eight 4 GiB pods; 64 try. No device plugin runs here, so every
+    // bound pod stays pending and the twin rule keeps all 4 GiB pods on one GPU: four fit.
+    let pods = (0..64)
+        .map(|i| pod(&format!("p{i}")).gpu_mem(4).build())
+        .collect();
+    let h = harness(vec![node("n1").gpushare().gpus(&[16, 16]).build()], pods);
+    let mut tasks = Vec::new();
+    for i in 0..64 {
+        let app = h.app.clone();
+        tasks.push(tokio::spawn(async move {
+            let body = bind_body(&format!("p{i}"), &format!("uid-p{i}"), "n1");
+            call(&app, "POST", &format!("{PREFIX}/bind"), &body).await.1
+        }));
+    }
+    let mut ok = 0;
+    for task in tasks {
+        let answer = task.await.unwrap();
+        match answer["Error"].as_str().unwrap() {
+            "" => ok += 1,
+            reason => assert!(reason.contains("n1") && reason.contains("GiB"), "{reason}"),
+        }
+    }
+    assert_eq!(ok, 4);
+    assert_eq!(h.binder.calls().len(), 4);
+    let view = h.state.view();
+    for usage in view.cluster.node("n1").unwrap().gpus() {
+        assert!(usage.used_gib <= usage.gpu.total_gib);
+    }
+}
+
+#[tokio::test]
+async fn inspect_metrics_and_health() {
+    let h = fixture_cluster();
+    call(
+        &h.app,
+        "POST",
+        &format!("{PREFIX}/bind"),
+        &fixture("bind-request.json"),
+    )
+    .await;
+    let (status, all) = call(&h.app, "GET", &format!("{PREFIX}/inspect"), "").await;
+    assert_eq!(status, StatusCode::OK);
+    assert_eq!(all["nodes"].as_array().unwrap().len(), 2);
+    let (_, node_a) = call(&h.app, "GET", &format!("{PREFIX}/inspect/node-a"), "").await;
+    let gpu = &node_a["gpus"][0];
+    assert_eq!(
+        (gpu["totalGiB"].as_u64(), gpu["usedGiB"].as_u64()),
+        (Some(16), Some(4))
+    );
+    assert_eq!(gpu["pods"][0]["name"], "gpu-pod-3");
+    assert_eq!(gpu["pods"][0]["uid"], FIXTURE_UID);
+    assert_eq!(gpu["pods"][0]["reserved"], true);
+    let (status, _) = call(&h.app, "GET", &format!("{PREFIX}/inspect/ghost"), "").await;
+    assert_eq!(status, StatusCode::NOT_FOUND);
+    let (status, content_type, body) = call_raw(&h.app, "GET", "/metrics", "").await;
+    assert_eq!(status, StatusCode::OK);
+    assert!(
+        content_type.starts_with("application/openmetrics-text"),
+        "{content_type}"
+    );
+    assert!(
+        body.contains("gpushare_extender_binds_total{reason=\"bound\"} 1"),
+        "{body}"
+    );
+    assert!(body.contains("gpushare_extender_reservations 1"), "{body}");
+    assert_eq!(call(&h.app, "GET", "/healthz", "").await.0, StatusCode::OK);
+}

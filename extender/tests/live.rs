@@ -1,0 +1,558 @@
+//! The extender, run in-process as in production (watches, HTTP on 127.0.0.1:0, Binding
+//! writes), against gpushare-e2e's in-process API server.
+
+#![allow(clippy::unwrap_used)]
+
+use std::collections::{BTreeMap, BTreeSet};
+use std::net::SocketAddr;
+use std::time::Duration;
+
+use anyhow::Context;
+use gpushare_contract::{Keys, PodAllocation};
+use gpushare_e2e::apiserver::{ApiServer, Verb};
+use gpushare_e2e::fixtures::{node, pod};
+use gpushare_extender::{Config, serve};
+use http_body_util::{BodyExt, Full};
+use hyper::body::Bytes;
+use hyper_util::client::legacy::Client;
+use hyper_util::client::legacy::connect::HttpConnector;
+use hyper_util::rt::TokioExecutor;
+use k8s_openapi::api::core::v1::{Node, Pod};
+use kube::Api;
+use kube::api::{DeleteParams, ListParams};
+use serde_json::{Value, json};
+use tokio::task::JoinHandle;
+
+const PREFIX: &str = "/gpushare-scheduler";
+
+/// A running extender; dropping it kills it (its task and every connection).
+struct Extender {
+    addr: SocketAddr,
+    task: JoinHandle<Result<(), gpushare_extender::Error>>,
+    http: Client<HttpConnector, Full<Bytes>>,
+}
+
+impl Drop for Extender {
+    fn drop(&mut self) {
+        self.task.abort();
+    }
+}
+
+impl Extender {
+    async fn start(client: kube::Client) -> anyhow::Result<Self> {
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await?;
+        let addr = listener.local_addr()?;
+        let config = Config {
+            listen: addr,
+            ..Config::default()
+        };
+        let task = tokio::spawn(serve(config, client, listener, std::future::pending()));
+        let http = Client::builder(TokioExecutor::new()).build_http();
+        let extender = Self { addr, task, http };
+        let deadline = tokio::time::Instant::now() + Duration::from_secs(20);
+        loop {
+            if extender.get("/readyz").await.map(|(s, _)| s) == Ok(200) {
+                return Ok(extender);
+            }
+            anyhow::ensure!(
+                tokio::time::Instant::now() < deadline,
+                "extender never became ready"
+            );
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+    }
+
+    async fn request(
+        &self,
+        method: &str,
+        path: &str,
+        body: String,
+    ) -> Result<(u16, Value), String> {
+        let request = hyper::Request::builder()
+            .method(method)
+            .uri(format!("http://{}{path}", self.addr))
+            .header("content-type", "application/json")
+            .body(Full::new(Bytes::from(body)))
+            .map_err(|e| e.to_string())?;
+        let response = self
+            .http
+            .request(request)
+            .await
+            .map_err(|e| e.to_string())?;
+        let status = response.status().as_u16();
+        let bytes = response
+            .into_body()
+            .collect()
+            .await
+            .map_err(|e| e.to_string())?
+            .to_bytes();
+        let value = serde_json::from_slice(&bytes)
+            .unwrap_or_else(|_| Value::String(String::from_utf8_lossy(&bytes).into_owned()));
+        Ok((status, value))
+    }
+
+    async fn get(&self, path: &str) -> Result<(u16, Value), String> {
+        self.request("GET", path, String::new()).await
+    }
+
+    /// Binds; the extender's `Error` ("" = bound), or the transport error.
+    async fn bind(&self, pod: &Pod, node: &str) -> Result<String, String> {
+        let body = json!({
+            "PodName": pod.metadata.name,
+            "PodNamespace": pod.metadata.namespace,
+            "PodUID": pod.metadata.uid,
+            "Node": node,
+        });
+        let (status, answer) = self
+            .request("POST", &format!("{PREFIX}/bind"), body.to_string())
+            .await?;
+        assert_eq!(status, 200, "{answer}");
+        Ok(answer["Error"].as_str().unwrap_or_default().to_owned())
+    }
+
+    async fn filter(&self, pod: &Pod, nodes: &[&str]) -> Value {
+        let body = json!({"Pod": pod, "Nodes": null, "NodeNames": nodes});
+        let (status, answer) = self
+            .request("POST", &format!("{PREFIX}/filter"), body.to_string())
+            .await
+            .unwrap();
+        assert_eq!(status, 200);
+        answer
+    }
+
+    /// Waits until inspect shows no reservation left (the watch caught up with every bind).
+    async fn settled(&self) -> anyhow::Result<()> {
+        let deadline = tokio::time::Instant::now() + Duration::from_secs(20);
+        loop {
+            let (_, all) = self
+                .get(&format!("{PREFIX}/inspect"))
+                .await
+                .map_err(anyhow::Error::msg)?;
+            let reserved = all.to_string().contains("\"reserved\":true");
+            if !reserved {
+                return Ok(());
+            }
+            anyhow::ensure!(
+                tokio::time::Instant::now() < deadline,
+                "reservations never confirmed: {all}"
+            );
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+    }
+}
+
+/// GiB booked per (node, GPU) according to the pods' annotations in the API server.
+async fn booked(client: &kube::Client) -> anyhow::Result<BTreeMap<(String, u32), u64>> {
+    let keys = Keys::default();
+    let pods = Api::<Pod>::all(client.clone())
+        .list(&ListParams::default())
+        .await?;
+    let mut booked = BTreeMap::new();
+    for pod in pods {
+        let (Some(node), Some(annotations)) =
+            (pod.spec.and_then(|s| s.node_name), pod.metadata.annotations)
+        else {
+            continue;
+        };
+        if let Some(allocation) = PodAllocation::from_annotations(&keys, &annotations)? {
+            *booked.entry((node, allocation.gpu_index)).or_default() += allocation.pod_gib;
+        }
+    }
+    Ok(booked)
+}
+
+async fn assert_no_over_commit(client: &kube::Client) -> anyhow::Result<()> {
+    let keys = Keys::default();
+    let mut totals = BTreeMap::new();
+    for node in Api::<Node>::all(client.clone())
+        .list(&ListParams::default())
+        .await?
+    {
+        let name = node.metadata.name.clone().unwrap_or_default();
+        if let Some(text) = node
+            .metadata
+            .annotations
+            .as_ref()
+            .and_then(|a| a.get(&keys.node_gpus))
+        {
+            for gpu in gpushare_contract::inventory::decode(text)? {
+                totals.insert((name.clone(), gpu.index), gpu.mem_gib);
+            }
+        }
+    }
+    for (key, used) in booked(client).await? {
+        let total = totals.get(&key).copied().context("pod on an unknown GPU")?;
+        anyhow::ensure!(
+            used <= total,
+            "GPU {key:?} over-committed: {used} > {total}"
+        );
+    }
+    Ok(())
+}
+
+async fn create_pods(client: &kube::Client, sizes: &[u64]) -> anyhow::Result<Vec<Pod>> {
+    let mut pods = Vec::new();
+    for (i, &gib) in sizes.iter().enumerate() {
+        pods.push(pod(&format!("p{i}")).gpu_mem(gib).create(client).await?);
+    }
+    Ok(pods)
+}
+
+#[tokio::test]
+async fn bind_writes_once_and_the_watch_confirms() -> anyhow::Result<()> {
+    let server = ApiServer::start().await?;
+    let client = server.client();
+    node("n1")
+        .gpushare()
+        .gpus(&[12, 16])
+        .create(&client)
+        .await?;
+    let mut pods = create_pods(&client, &[4]).await?;
+    // Design-doc style: GPU 1 has 8 free, GPU 0 has 12: binpack chooses GPU 1.
+    pod("big")
+        .gpu_mem(8)
+        .on_node("n1")
+        .annotation(&Keys::default().gpu_index, "1")
+        .annotation(&Keys::default().pod_gib, "8")
+        .annotation(&Keys::default().containers, r#"[{"name":"main","gib":8}]"#)
+        .annotation(&Keys::default().assigned, "true")
+        .create(&client)
+        .await?;
+    let extender = Extender::start(client.clone()).await?;
+    let p = pods.remove(0);
+    let answer = extender.filter(&p, &["n1", "ghost"]).await;
+    assert_eq!(answer["NodeNames"], json!(["n1"]));
+    assert_eq!(
+        answer["FailedAndUnresolvableNodes"]["ghost"],
+        "node ghost is unknown to the gpushare extender"
+    );
+
+    server.stats().reset();
+    assert_eq!(
+        extender.bind(&p, "n1").await.map_err(anyhow::Error::msg)?,
+        ""
+    );
+    assert_eq!(server.stats().count(Verb::Create, "pods/binding"), 1);
+    assert_eq!(server.stats().writes(), 1);
+    let stored = Api::<Pod>::namespaced(client.clone(), "default")
+        .get("p0")
+        .await?;
+    assert_eq!(stored.spec.unwrap().node_name.as_deref(), Some("n1"));
+    let allocation =
+        PodAllocation::from_annotations(&Keys::default(), &stored.metadata.annotations.unwrap())?
+            .unwrap();
+    assert_eq!(
+        (
+            allocation.gpu_index,
+            allocation.gpu_uuid.as_str(),
+            allocation.pod_gib
+        ),
+        (1, "GPU-n1-1", 4)
+    );
+    extender.settled().await?;
+    // The decision is told to people as a pod Event, off the bind path.
+    let events: Api<k8s_openapi::api::events::v1::Event> =
+        Api::namespaced(client.clone(), "default");
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(20);
+    loop {
+        let notes: Vec<String> = events
+            .list(&ListParams::default())
+            .await?
+            .into_iter()
+            .filter(|e| e.reason.as_deref() == Some("GpuAssigned"))
+            .filter_map(|e| e.note)
+            .collect();
+        if notes
+            .iter()
+            .any(|n| n == "Assigned GPU 1 (GPU-n1-1) 4 GiB on node n1")
+        {
+            break;
+        }
+        anyhow::ensure!(
+            tokio::time::Instant::now() < deadline,
+            "no GpuAssigned event: {notes:?}"
+        );
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    // A retry of the same bind succeeds without a second write.
+    assert_eq!(
+        extender.bind(&p, "n1").await.map_err(anyhow::Error::msg)?,
+        ""
+    );
+    assert_eq!(server.stats().writes(), 1);
+    Ok(())
+}
+
+async fn burst(sizes: &[u64], gpus: &[u64]) -> anyhow::Result<(usize, ApiServer)> {
+    let server = ApiServer::start().await?;
+    let client = server.client();
+    node("n1").gpushare().gpus(gpus).create(&client).await?;
+    let pods = create_pods(&client, sizes).await?;
+    let extender = std::sync::Arc::new(Extender::start(client.clone()).await?);
+    server.stats().reset();
+    let mut tasks = Vec::new();
+    for p in pods {
+        let extender = extender.clone();
+        tasks.push(tokio::spawn(async move { extender.bind(&p, "n1").await }));
+    }
+    let mut bound = 0;
+    for task in tasks {
+        match task.await?.map_err(anyhow::Error::msg)?.as_str() {
+            "" => bound += 1,
+            reason => anyhow::ensure!(
+                reason.contains("n1") && reason.contains("GiB"),
+                "vague refusal: {reason}"
+            ),
+        }
+    }
+    assert_eq!(
+        server.stats().count(Verb::Create, "pods/binding"),
+        bound as u64
+    );
+    assert_eq!(server.stats().writes(), bound as u64);
+    assert_no_over_commit(&client).await?;
+    Ok((bound, server))
+}
+
+#[tokio::test]
+async fn sixty_four_concurrent_binds_with_room_for_all() -> anyhow::Result<()> {
+    let (bound, _server) = burst(&[4; 64], &[256, 256]).await?;
+    assert_eq!(bound, 64);
+    Ok(())
+}
+
+#[tokio::test]
+async fn sixty_four_concurrent_binds_without_room() -> anyhow::Result<()> {
+    // Sizes 1..=8: 288 GiB asked, 32 GiB there.
+    let sizes: Vec<u64> = (0..64).map(|i| i % 8 + 1).collect();
+    let (bound, _server) = burst(&sizes, &[16, 16]).await?;
+    assert!(bound > 0 && bound < 64, "{bound}");
+    Ok(())
+}
+
+#[tokio::test]
+async fn restart_mid_burst_does_not_over_commit() -> anyhow::Result<()> {
+    let server = ApiServer::start().await?;
+    let client = server.client();
+    node("n1")
+        .gpushare()
+        .gpus(&[16, 16])
+        .create(&client)
+        .await?;
+    let sizes: Vec<u64> = (0..40).map(|i| i % 5 + 1).collect();
+    let pods = create_pods(&client, &sizes).await?;
+    server.faults().set_latency(Duration::from_millis(5));
+    let first = std::sync::Arc::new(Extender::start(client.clone()).await?);
+    let mut tasks = Vec::new();
+    for p in &pods[..20] {
+        let (extender, p) = (first.clone(), p.clone());
+        tasks.push(tokio::spawn(async move { extender.bind(&p, "n1").await }));
+    }
+    // Kill it while binds are in flight: once the first Binding landed.
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(20);
+    while server.stats().count(Verb::Create, "pods/binding") == 0 {
+        anyhow::ensure!(
+            tokio::time::Instant::now() < deadline,
+            "no bind ever landed"
+        );
+        tokio::time::sleep(Duration::from_millis(1)).await;
+    }
+    for task in &tasks {
+        task.abort();
+    }
+    drop(first);
+    for task in tasks {
+        let _ = task.await;
+    }
+    let second = Extender::start(client.clone()).await?;
+    let mut tasks = Vec::new();
+    let second = std::sync::Arc::new(second);
+    for p in &pods {
+        let (extender, p) = (second.clone(), p.clone());
+        tasks.push(tokio::spawn(async move { extender.bind(&p, "n1").await }));
+    }
+    for task in tasks {
+        let _ = task.await?;
+    }
+    server.faults().clear();
+    assert_no_over_commit(&client).await?;
+    let bound = booked(&client).await?.values().sum::<u64>();
+    assert!(bound > 0);
+    Ok(())
+}
+
+#[tokio::test]
+async fn recreated_pod_is_not_confused_with_the_old_one() -> anyhow::Result<()> {
+    let server = ApiServer::start().await?;
+    let client = server.client();
+    node("n1").gpushare().gpus(&[16]).create(&client).await?;
+    let old = pod("same").gpu_mem(4).create(&client).await?;
+    let extender = Extender::start(client.clone()).await?;
+    let pods: Api<Pod> = Api::namespaced(client.clone(), "default");
+    pods.delete("same", &DeleteParams::default()).await?;
+    let new = pod("same").gpu_mem(4).create(&client).await?;
+    assert_ne!(old.metadata.uid, new.metadata.uid);
+    // Until the watch shows the new pod, the old UID may still be cached: the API server
+    // refuses the stale Binding (UID precondition) and the reservation is released.
+    let answer = extender
+        .bind(&old, "n1")
+        .await
+        .map_err(anyhow::Error::msg)?;
+    assert!(!answer.is_empty());
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(20);
+    loop {
+        let answer = extender
+            .bind(&new, "n1")
+            .await
+            .map_err(anyhow::Error::msg)?;
+        if answer.is_empty() {
+            break;
+        }
+        anyhow::ensure!(
+            tokio::time::Instant::now() < deadline,
+            "new pod never bound: {answer}"
+        );
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    let answer = extender
+        .bind(&old, "n1")
+        .await
+        .map_err(anyhow::Error::msg)?;
+    assert!(
+        answer.contains("was recreated") || answer.contains("not found"),
+        "{answer}"
+    );
+    extender.settled().await?;
+    let booked = booked(&client).await?;
+    assert_eq!(booked.get(&("n1".to_owned(), 0)), Some(&4));
+    Ok(())
+}
+
+#[tokio::test]
+async fn pod_deleted_between_filter_and_bind_releases_the_reservation() -> anyhow::Result<()> {
+    let server = ApiServer::start().await?;
+    let client = server.client();
+    node("n1").gpushare().gpus(&[8]).create(&client).await?;
+    let gone = pod("gone").gpu_mem(8).create(&client).await?;
+    let next = pod("next").gpu_mem(8).create(&client).await?;
+    let extender = Extender::start(client.clone()).await?;
+    assert_eq!(
+        extender.filter(&gone, &["n1"]).await["NodeNames"],
+        json!(["n1"])
+    );
+    Api::<Pod>::namespaced(client.clone(), "default")
+        .delete("gone", &DeleteParams::default())
+        .await?;
+    let answer = extender
+        .bind(&gone, "n1")
+        .await
+        .map_err(anyhow::Error::msg)?;
+    assert!(answer.contains("gone"), "{answer}");
+    // The whole GPU is free again for the next pod.
+    assert_eq!(
+        extender
+            .bind(&next, "n1")
+            .await
+            .map_err(anyhow::Error::msg)?,
+        ""
+    );
+    Ok(())
+}
+
+#[tokio::test]
+async fn api_server_500_on_binding_is_an_error_and_releases() -> anyhow::Result<()> {
+    let server = ApiServer::start().await?;
+    let client = server.client();
+    node("n1").gpushare().gpus(&[8]).create(&client).await?;
+    let p = pod("p").gpu_mem(8).create(&client).await?;
+    let extender = Extender::start(client.clone()).await?;
+    server.faults().set_error_rate(Verb::Create, 1.0, 500);
+    let answer = extender.bind(&p, "n1").await.map_err(anyhow::Error::msg)?;
+    assert!(
+        answer.contains("500") && answer.contains("default/p"),
+        "{answer}"
+    );
+    let (_, inspect) = extender
+        .get(&format!("{PREFIX}/inspect/n1"))
+        .await
+        .map_err(anyhow::Error::msg)?;
+    assert_eq!(inspect["gpus"][0]["usedGiB"], 0);
+    server.faults().clear();
+    assert_eq!(
+        extender.bind(&p, "n1").await.map_err(anyhow::Error::msg)?,
+        ""
+    );
+    let names: BTreeSet<String> = booked(&client)
+        .await?
+        .keys()
+        .map(|(n, _)| n.clone())
+        .collect();
+    assert_eq!(names, BTreeSet::from(["n1".to_owned()]));
+    Ok(())
+}
+
+#[tokio::test]
+async fn serves_https_with_a_given_certificate() -> anyhow::Result<()> {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    use tokio_rustls::rustls;
+    use tokio_rustls::rustls::pki_types::pem::PemObject;
+    use tokio_rustls::rustls::pki_types::{CertificateDer, ServerName};
+
+    let server = ApiServer::start().await?;
+    let dir = format!("{}/tests/fixtures/tls", env!("CARGO_MANIFEST_DIR"));
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await?;
+    let addr = listener.local_addr()?;
+    let config = Config {
+        listen: addr,
+        tls_cert: Some(format!("{dir}/cert.pem").into()),
+        tls_key: Some(format!("{dir}/key.pem").into()),
+        ..Config::default()
+    };
+    let task = tokio::spawn(serve(
+        config,
+        server.client(),
+        listener,
+        std::future::pending(),
+    ));
+
+    let mut roots = rustls::RootCertStore::empty();
+    for cert in CertificateDer::pem_file_iter(format!("{dir}/cert.pem"))? {
+        roots.add(cert?)?;
+    }
+    let provider = std::sync::Arc::new(rustls::crypto::ring::default_provider());
+    let client_config = rustls::ClientConfig::builder_with_provider(provider)
+        .with_safe_default_protocol_versions()?
+        .with_root_certificates(roots)
+        .with_no_client_auth();
+    let connector = tokio_rustls::TlsConnector::from(std::sync::Arc::new(client_config));
+    let tcp = tokio::net::TcpStream::connect(addr).await?;
+    let mut tls = connector
+        .connect(ServerName::try_from("localhost")?, tcp)
+        .await?;
+    tls.write_all(b"GET /healthz HTTP/1.1\r\nHost: localhost\r\nConnection: close\r\n\r\n")
+        .await?;
+    let mut response = String::new();
+    tls.read_to_string(&mut response).await?;
+    assert!(response.starts_with("HTTP/1.1 200"), "{response}");
+    task.abort();
+    Ok(())
+}
+
+#[tokio::test]
+async fn a_bad_certificate_path_stops_startup_with_a_clear_error() -> anyhow::Result<()> {
+    let server = ApiServer::start().await?;
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await?;
+    let config = Config {
+        tls_cert: Some("/nonexistent/cert.pem".into()),
+        tls_key: Some("/nonexistent/key.pem".into()),
+        ..Config::default()
+    };
+    let error = serve(config, server.client(), listener, std::future::pending())
+        .await
+        .unwrap_err();
+    assert!(
+        error.to_string().contains("/nonexistent/cert.pem"),
+        "{error}"
+    );
+    Ok(())
+}
