@@ -140,6 +140,11 @@ impl Process {
         let _ = self.child.kill().await;
     }
 
+    /// The OS process id, while the process has not been reaped (for reading `/proc/<pid>`).
+    pub fn id(&self) -> Option<u32> {
+        self.child.id()
+    }
+
     /// Whether the process is still running.
     pub fn is_running(&mut self) -> bool {
         matches!(self.child.try_wait(), Ok(None))
@@ -324,6 +329,30 @@ impl TestCluster {
         self.dir.path()
     }
 
+    /// The last `lines` lines of each of our binaries' logs, for a failing test to print.
+    pub fn log_tail(&self, lines: usize) -> String {
+        let mut out = String::new();
+        let Ok(entries) = std::fs::read_dir(self.dir.path()) else {
+            return out;
+        };
+        let mut logs: Vec<PathBuf> = entries
+            .flatten()
+            .map(|entry| entry.path())
+            .filter(|path| path.extension().is_some_and(|ext| ext == "log"))
+            .collect();
+        logs.sort();
+        for log in logs {
+            let text = std::fs::read_to_string(&log).unwrap_or_default();
+            let tail: Vec<&str> = text.lines().rev().take(lines).collect();
+            out.push_str(&format!("==> {} <==\n", log.display()));
+            for line in tail.iter().rev() {
+                out.push_str(line);
+                out.push('\n');
+            }
+        }
+        out
+    }
+
     async fn add_node(&mut self, name: &str, gpus: &[u64], labelled: bool) -> anyhow::Result<()> {
         let mut builder = node(name);
         if labelled {
@@ -335,7 +364,7 @@ impl TestCluster {
         let health_file = self.dir.path().join(format!("{name}-unhealthy-gpus"));
         std::fs::write(&health_file, "")?;
         let kubelet =
-            KubeletDriver::start(&plugin_dir, name, self.client.clone(), self.spec.admission.clone()).await?;
+            KubeletDriver::start(&plugin_dir, name, self.client.clone(), self.spec.admission).await?;
         let mut sim = SimNode {
             name: name.to_owned(),
             gpus: gpus.to_vec(),

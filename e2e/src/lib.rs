@@ -9,11 +9,13 @@
 //! - [`fixtures`]: builders for nodes and pods shared by every test.
 //! - [`cluster`]: the whole system — our real binaries as child processes on simulated GPUs —
 //!   started, faulted and stopped in one place, for the scenarios, the demo and the load harness.
+//! - [`scenarios`]: the user stories, written once, run here and on a real cluster.
 //! - [`tools`]: installs kubectl and helm from the project's own script, for tests that need them.
 
 pub mod apiserver;
 pub mod cluster;
 pub mod fixtures;
 pub mod kubelet;
+pub mod scenarios;
 pub mod scheduler;
 pub mod tools;

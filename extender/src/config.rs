@@ -48,6 +48,24 @@ pub struct Config {
     /// Log format.
     #[arg(long, env = "GPUSHARE_LOG_FORMAT", value_enum, default_value = "text")]
     pub log_format: LogFormat,
+    /// Serve the mutating admission webhook that routes GPU pods to the gpushare scheduler.
+    #[arg(long, env = "GPUSHARE_WEBHOOK_ENABLED", default_value_t = false, action = clap::ArgAction::Set)]
+    pub webhook_enabled: bool,
+    /// HTTPS address of the admission webhook (TLS made and rotated by the extender itself).
+    #[arg(long, env = "GPUSHARE_WEBHOOK_LISTEN", default_value = "0.0.0.0:9443")]
+    pub webhook_listen: SocketAddr,
+    /// Service name the webhook certificate is issued for (`<service>.<namespace>.svc`).
+    #[arg(long, env = "GPUSHARE_WEBHOOK_SERVICE", default_value = "gpushare-extender")]
+    pub webhook_service: String,
+    /// Namespace of that Service (the extender's own namespace in the chart).
+    #[arg(long, env = "POD_NAMESPACE", default_value = "kube-system")]
+    pub namespace: String,
+    /// MutatingWebhookConfiguration whose caBundle the extender keeps current; empty: none.
+    #[arg(long, env = "GPUSHARE_WEBHOOK_CONFIGURATION", default_value = "")]
+    pub webhook_configuration: String,
+    /// schedulerName the webhook sets on pods that ask for the resource.
+    #[arg(long, env = "GPUSHARE_SCHEDULER_NAME", default_value = gpushare_admission::DEFAULT_SCHEDULER_NAME)]
+    pub scheduler_name: String,
 }
 
 impl Default for Config {
@@ -62,6 +80,12 @@ impl Default for Config {
             tls_cert: None,
             tls_key: None,
             log_format: LogFormat::Text,
+            webhook_enabled: false,
+            webhook_listen: SocketAddr::from(([0, 0, 0, 0], 9443)),
+            webhook_service: "gpushare-extender".to_owned(),
+            namespace: "kube-system".to_owned(),
+            webhook_configuration: String::new(),
+            scheduler_name: gpushare_admission::DEFAULT_SCHEDULER_NAME.to_owned(),
         }
     }
 }
@@ -81,5 +105,8 @@ mod tests {
         assert_eq!(spread.policy, Policy::Spread);
         assert!(Config::try_parse_from(["x", "--policy", "random"]).is_err());
         assert!(Config::try_parse_from(["x", "--tls-cert", "c.pem"]).is_err());
+        assert!(!parsed.webhook_enabled);
+        let webhook = Config::try_parse_from(["x", "--webhook-enabled", "true"]).unwrap();
+        assert!(webhook.webhook_enabled);
     }
 }

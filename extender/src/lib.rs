@@ -30,6 +30,7 @@ pub mod wire;
 
 use std::future::Future;
 use std::sync::Arc;
+use std::time::Duration;
 
 use prometheus_client::registry::Registry;
 use tokio::net::TcpListener;
@@ -125,7 +126,19 @@ pub async fn serve(
         state.clone(),
     )));
     let mut pods = Supervised(tokio::spawn(watch::watch_pods(client.clone(), state)));
-    let _recorder = Supervised(tokio::spawn(kube_io::record_events(client, event_rx)));
+    let _recorder = Supervised(tokio::spawn(kube_io::record_events(client.clone(), event_rx)));
+    let mut webhook = match config.webhook_enabled {
+        true => Some(Supervised(tokio::spawn(serve_webhook(config.clone(), client, stop.clone())))),
+        false => None,
+    };
+    let webhook_ended = async {
+        match webhook.as_mut() {
+            Some(task) => {
+                let _ = (&mut task.0).await;
+            }
+            None => std::future::pending().await,
+        }
+    };
 
     let result = tokio::select! {
         () = shutdown => {
@@ -135,6 +148,7 @@ pub async fn serve(
         _ = &mut server.0 => Err(Error::TaskEnded("HTTP server")),
         _ = &mut nodes.0 => Err(Error::TaskEnded("node watch")),
         _ = &mut pods.0 => Err(Error::TaskEnded("pod watch")),
+        () = webhook_ended => Err(Error::TaskEnded("admission webhook")),
     };
     stop.cancel();
     if result.is_ok() {
@@ -145,6 +159,29 @@ pub async fn serve(
         tracing::error!(%error, "extender stopping");
     }
     result
+}
+
+/// Serves the mutating admission webhook over HTTPS with a certificate the extender makes
+/// and rotates itself, keeping the MutatingWebhookConfiguration's caBundle current.
+async fn serve_webhook(config: Config, client: kube::Client, stop: CancellationToken) {
+    use gpushare_admission::{AdmissionState, CaBundlePatcher, CertConfig, CertRotator};
+    let rotator = match CertRotator::new(CertConfig::new(&config.webhook_service, &config.namespace)) {
+        Ok(rotator) => rotator,
+        Err(error) => {
+            tracing::error!(%error, "cannot create the admission webhook's certificate");
+            return;
+        }
+    };
+    let patcher = (!config.webhook_configuration.is_empty())
+        .then(|| CaBundlePatcher::new(client, config.webhook_configuration.clone()));
+    tokio::spawn(rotator.clone().run(patcher, Duration::from_secs(3600), stop.clone().cancelled_owned()));
+    let router = gpushare_admission::router(AdmissionState::new(&config.resource, &config.scheduler_name));
+    tracing::info!(addr = %config.webhook_listen, "admission webhook listening");
+    if let Err(error) =
+        gpushare_admission::serve_tls(config.webhook_listen, router, rotator, stop.cancelled_owned()).await
+    {
+        tracing::error!(%error, "admission webhook stopped");
+    }
 }
 
 /// A spawned task aborted when its owner goes away, so dropping [`serve`]'s future stops

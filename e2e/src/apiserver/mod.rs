@@ -1,0 +1,332 @@
+//! An in-process Kubernetes API server for the objects gpushare touches.
+//!
+//! Why not a mock: gpushare's correctness depends on the API server's rules — optimistic
+//! concurrency (409 on a stale resourceVersion), the Binding subresource refusing a second
+//! bind, watches that expire (410) and must be relisted, status written only through
+//! `/status`. A mock that answers "200 OK" to everything lets a test pass that would fail
+//! against a cluster. This server is a real HTTP server that speaks the real wire protocol
+//! (JSON bodies, `metav1.Status` errors, newline-delimited watch streams) and enforces those
+//! rules, so kube-rs clients, kube-runtime watchers and a real `kubectl` work against it.
+//!
+//! ```text
+//!  kube::Client / kubectl ──HTTP──▶ axum fallback ──▶ faults (latency, errors) ──▶ handlers
+//!                                                                                │
+//!                    watch streams ◀── history of changes ◀── store (one resourceVersion)
+//! ```
+//!
+//! Served: core/v1 `pods` (+ `status`, `binding`), `nodes` (+ `status`), `events`,
+//! `namespaces` (synthetic, read-only); `events.k8s.io/v1` `events`;
+//! `coordination.k8s.io/v1` `leases`; the discovery documents kubectl reads; `Table`
+//! renderings of gets, lists and watches for `kubectl get`.
+//!
+//! Graceful pod deletion: deleting a pod that is bound to a node with a grace period > 0
+//! (from the request, else the pod's `terminationGracePeriodSeconds`, defaulted to 30) first
+//! sets `deletionTimestamp`/`deletionGracePeriodSeconds` (a MODIFIED event), then removes the
+//! pod after `min(grace, 2s)` — there is no kubelet here to confirm. A delete with
+//! `gracePeriodSeconds=0`, of an unbound pod, or of a pod in a terminal phase removes it at
+//! once. A pod with finalizers is only marked; it goes once an update empties its finalizers.
+
+mod discovery;
+mod handlers;
+mod objects;
+mod patch;
+mod resources;
+mod selector;
+mod status;
+mod store;
+mod table;
+mod watch;
+
+use std::collections::HashMap;
+use std::net::SocketAddr;
+use std::path::Path;
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use rand::rngs::StdRng;
+use rand::{Rng, SeedableRng};
+use tokio::task::JoinHandle;
+use tokio_util::sync::CancellationToken;
+
+use self::store::Store;
+
+/// The kind of request, as Kubernetes' audit and RBAC name them.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum Verb {
+    Get,
+    List,
+    Watch,
+    Create,
+    Update,
+    Patch,
+    Delete,
+}
+
+/// A running API server. Serves until [`ApiServer::shutdown`] or drop.
+pub struct ApiServer {
+    addr: SocketAddr,
+    faults: Faults,
+    stats: Stats,
+    cancel: CancellationToken,
+    task: Option<JoinHandle<()>>,
+}
+
+/// Shared by every request handler.
+#[derive(Clone)]
+pub(crate) struct App {
+    pub store: Arc<Store>,
+    pub faults: Faults,
+    pub stats: Stats,
+    pub cancel: CancellationToken,
+}
+
+impl ApiServer {
+    /// Binds 127.0.0.1 on a free port and serves until shutdown or drop.
+    pub async fn start() -> anyhow::Result<ApiServer> {
+        Self::start_on(SocketAddr::from(([127, 0, 0, 1], 0))).await
+    }
+
+    /// Binds `addr` and serves until shutdown or drop.
+    pub async fn start_on(addr: SocketAddr) -> anyhow::Result<ApiServer> {
+        let listener = tokio::net::TcpListener::bind(addr)
+            .await
+            .map_err(|err| anyhow::anyhow!("binding the API server to {addr}: {err}"))?;
+        let addr = listener.local_addr()?;
+        let store = Arc::new(Store::new());
+        let faults = Faults::new(store.clone());
+        let stats = Stats::default();
+        let cancel = CancellationToken::new();
+        let app = App {
+            store,
+            faults: faults.clone(),
+            stats: stats.clone(),
+            cancel: cancel.clone(),
+        };
+        let router = handlers::router(app);
+        let shutdown = cancel.clone().cancelled_owned();
+        let task = tokio::spawn(async move {
+            if let Err(err) = axum::serve(listener, router)
+                .with_graceful_shutdown(shutdown)
+                .await
+            {
+                tracing::error!(error = %err, "API server stopped with an error");
+            }
+        });
+        tracing::debug!(%addr, "API server listening");
+        Ok(ApiServer {
+            addr,
+            faults,
+            stats,
+            cancel,
+            task: Some(task),
+        })
+    }
+
+    /// `http://127.0.0.1:PORT`.
+    pub fn url(&self) -> String {
+        format!("http://{}", self.addr)
+    }
+
+    pub fn addr(&self) -> SocketAddr {
+        self.addr
+    }
+
+    /// A plain `kube::Client` for [`ApiServer::url`], built as any program would build one
+    /// from a `kube::Config`. Must be called inside a Tokio runtime (the client spawns its
+    /// request buffer there).
+    pub fn client(&self) -> kube::Client {
+        let uri = http::Uri::try_from(self.url())
+            .unwrap_or_else(|_| http::Uri::from_static("http://127.0.0.1"));
+        let config = kube::Config::new(uri);
+        match kube::Client::try_from(config) {
+            Ok(client) => client,
+            // Building a client for a plain-http URL with no credentials cannot fail; if
+            // kube ever changes that, tests must fail loudly rather than talk to nothing.
+            Err(err) => panic!("building a kube client for {}: {err}", self.url()),
+        }
+    }
+
+    /// A kubeconfig for this server: plain http, a user without credentials, current-context set.
+    pub fn kubeconfig_yaml(&self) -> String {
+        format!(
+            "apiVersion: v1
+kind: Config
+clusters:
+- name: kubesim
+  cluster:
+    server: {url}
+contexts:
+- name: kubesim
+  context:
+    cluster: kubesim
+    user: kubesim
+    namespace: default
+current-context: kubesim
+users:
+- name: kubesim
+  user: {{}}
+preferences: {{}}
+",
+            url = self.url()
+        )
+    }
+
+    pub fn write_kubeconfig(&self, path: &Path) -> std::io::Result<()> {
+        std::fs::write(path, self.kubeconfig_yaml())
+    }
+
+    pub fn faults(&self) -> Faults {
+        self.faults.clone()
+    }
+
+    pub fn stats(&self) -> Stats {
+        self.stats.clone()
+    }
+
+    /// Stops serving: open watches end, in-flight requests finish, the port is released.
+    pub async fn shutdown(mut self) {
+        self.cancel.cancel();
+        if let Some(task) = self.task.take() {
+            // Keep-alive connections of clients that linger must not hold shutdown forever.
+            let _ = tokio::time::timeout(Duration::from_secs(5), task).await;
+        }
+    }
+}
+
+impl Drop for ApiServer {
+    fn drop(&mut self) {
+        self.cancel.cancel();
+    }
+}
+
+/// Fault injection, shared by every request. Cheap to clone.
+#[derive(Clone)]
+pub struct Faults {
+    inner: Arc<Mutex<FaultState>>,
+    drop_watches: Arc<tokio::sync::watch::Sender<u64>>,
+    store: Arc<Store>,
+}
+
+struct FaultState {
+    latency: Duration,
+    errors: HashMap<Verb, (f64, u16)>,
+    rng: StdRng,
+}
+
+impl Faults {
+    fn new(store: Arc<Store>) -> Self {
+        let (drop_watches, _) = tokio::sync::watch::channel(0);
+        Self {
+            inner: Arc::new(Mutex::new(FaultState {
+                latency: Duration::ZERO,
+                errors: HashMap::new(),
+                // Seeded: a failing run can be replayed.
+                rng: StdRng::seed_from_u64(0x6770_7573_6861_7265),
+            })),
+            drop_watches: Arc::new(drop_watches),
+            store,
+        }
+    }
+
+    fn state(&self) -> std::sync::MutexGuard<'_, FaultState> {
+        self.inner
+            .lock()
+            .unwrap_or_else(|poison| poison.into_inner())
+    }
+
+    /// Delay added before every request is handled.
+    pub fn set_latency(&self, d: Duration) {
+        self.state().latency = d;
+    }
+
+    /// Answers `rate` (0.0..=1.0) of the requests with `verb` with `status` as a real
+    /// `metav1.Status` (429 carries `Retry-After: 1`). A rate of 0 removes the fault.
+    pub fn set_error_rate(&self, verb: Verb, rate: f64, status: u16) {
+        let mut state = self.state();
+        if rate <= 0.0 {
+            state.errors.remove(&verb);
+        } else {
+            state.errors.insert(verb, (rate.min(1.0), status));
+        }
+    }
+
+    /// Ends every open watch stream now (as an API server restart or a load balancer would).
+    pub fn drop_watches(&self) {
+        self.drop_watches.send_modify(|generation| *generation += 1);
+    }
+
+    /// Forgets history: a watch from any older resourceVersion gets a 410 Expired event.
+    pub fn compact(&self) {
+        self.store.write(store::Inner::compact);
+    }
+
+    /// No latency, no errors.
+    pub fn clear(&self) {
+        let mut state = self.state();
+        state.latency = Duration::ZERO;
+        state.errors.clear();
+    }
+
+    pub(crate) fn latency(&self) -> Duration {
+        self.state().latency
+    }
+
+    /// The status code to fail this request with, if the dice say so.
+    pub(crate) fn draw_error(&self, verb: Verb) -> Option<u16> {
+        let mut state = self.state();
+        let (rate, status) = *state.errors.get(&verb)?;
+        (state.rng.random::<f64>() < rate).then_some(status)
+    }
+
+    pub(crate) fn drop_signal(&self) -> tokio::sync::watch::Receiver<u64> {
+        self.drop_watches.subscribe()
+    }
+}
+
+/// Request counters. Cheap to clone.
+#[derive(Clone, Default)]
+pub struct Stats {
+    counts: Arc<Mutex<HashMap<(Verb, String), u64>>>,
+}
+
+impl Stats {
+    fn counts(&self) -> std::sync::MutexGuard<'_, HashMap<(Verb, String), u64>> {
+        self.counts
+            .lock()
+            .unwrap_or_else(|poison| poison.into_inner())
+    }
+
+    pub(crate) fn record(&self, verb: Verb, resource: &str) {
+        *self
+            .counts()
+            .entry((verb, resource.to_owned()))
+            .or_default() += 1;
+    }
+
+    /// Requests seen so far with `verb` on `resource` ("pods", "nodes", "events", "leases",
+    /// "pods/binding", "pods/status", "nodes/status"), failed ones included.
+    pub fn count(&self, verb: Verb, resource: &str) -> u64 {
+        self.counts()
+            .get(&(verb, resource.to_owned()))
+            .copied()
+            .unwrap_or(0)
+    }
+
+    /// Create + Update + Patch + Delete requests on every resource except events.
+    pub fn writes(&self) -> u64 {
+        self.counts()
+            .iter()
+            .filter(|((verb, resource), _)| {
+                matches!(
+                    verb,
+                    Verb::Create | Verb::Update | Verb::Patch | Verb::Delete
+                ) && resource.as_str() != "events"
+            })
+            .map(|(_, n)| n)
+            .sum()
+    }
+
+    pub fn reset(&self) {
+        self.counts().clear();
+    }
+}

@@ -1,0 +1,120 @@
+//! The resources this server knows, and the facts about each that the protocol depends on:
+//! plural, kind, group/version, scope, and which fields a field selector may name.
+
+/// One served resource type.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub(crate) enum Kind {
+    Pod,
+    Node,
+    /// Core v1 `Event`.
+    Event,
+    /// `events.k8s.io/v1` `Event`: a separate store, as the two APIs have different shapes.
+    EventV1,
+    Lease,
+}
+
+impl Kind {
+    pub const ALL: [Kind; 5] = [
+        Kind::Pod,
+        Kind::Node,
+        Kind::Event,
+        Kind::EventV1,
+        Kind::Lease,
+    ];
+
+    pub fn plural(self) -> &'static str {
+        match self {
+            Kind::Pod => "pods",
+            Kind::Node => "nodes",
+            Kind::Event | Kind::EventV1 => "events",
+            Kind::Lease => "leases",
+        }
+    }
+
+    pub fn kind(self) -> &'static str {
+        match self {
+            Kind::Pod => "Pod",
+            Kind::Node => "Node",
+            Kind::Event | Kind::EventV1 => "Event",
+            Kind::Lease => "Lease",
+        }
+    }
+
+    pub fn api_version(self) -> &'static str {
+        match self {
+            Kind::Pod | Kind::Node | Kind::Event => "v1",
+            Kind::EventV1 => "events.k8s.io/v1",
+            Kind::Lease => "coordination.k8s.io/v1",
+        }
+    }
+
+    pub fn namespaced(self) -> bool {
+        !matches!(self, Kind::Node)
+    }
+
+    /// Whether the resource has a `status` subresource.
+    pub fn has_status(self) -> bool {
+        matches!(self, Kind::Pod | Kind::Node)
+    }
+
+    /// The resource under `group/version` with this plural, if served.
+    pub fn lookup(group_version: &str, plural: &str) -> Option<Kind> {
+        match (group_version, plural) {
+            ("v1", "pods") => Some(Kind::Pod),
+            ("v1", "nodes") => Some(Kind::Node),
+            ("v1", "events") => Some(Kind::Event),
+            ("events.k8s.io/v1", "events") => Some(Kind::EventV1),
+            ("coordination.k8s.io/v1", "leases") => Some(Kind::Lease),
+            _ => None,
+        }
+    }
+
+    /// Fields a field selector may name, as the real server's field-label conversion allows.
+    pub fn selectable_fields(self) -> &'static [&'static str] {
+        match self {
+            Kind::Pod => &[
+                "metadata.name",
+                "metadata.namespace",
+                "spec.nodeName",
+                "spec.restartPolicy",
+                "spec.schedulerName",
+                "spec.serviceAccountName",
+                "spec.hostNetwork",
+                "status.phase",
+                "status.podIP",
+                "status.nominatedNodeName",
+            ],
+            Kind::Node => &["metadata.name", "spec.unschedulable"],
+            Kind::Event => &[
+                "metadata.name",
+                "metadata.namespace",
+                "involvedObject.kind",
+                "involvedObject.namespace",
+                "involvedObject.name",
+                "involvedObject.uid",
+                "involvedObject.apiVersion",
+                "involvedObject.resourceVersion",
+                "involvedObject.fieldPath",
+                "reason",
+                "reportingComponent",
+                "source",
+                "type",
+            ],
+            Kind::EventV1 => &[
+                "metadata.name",
+                "metadata.namespace",
+                "regarding.kind",
+                "regarding.namespace",
+                "regarding.name",
+                "regarding.uid",
+                "regarding.apiVersion",
+                "regarding.resourceVersion",
+                "regarding.fieldPath",
+                "reason",
+                "reportingController",
+                "type",
+            ],
+            Kind::Lease => &["metadata.name", "metadata.namespace"],
+        }
+    }
+}

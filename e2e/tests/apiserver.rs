@@ -1,0 +1,785 @@
+//! The in-process API server is strict where the real one is: these tests pin that down with
+//! an ordinary kube client, so every other test built on it can be trusted.
+
+use std::collections::BTreeMap;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::time::Duration;
+
+use futures::{StreamExt, TryStreamExt};
+use gpushare_e2e::apiserver::{ApiServer, Verb};
+use gpushare_e2e::fixtures::{node, pod};
+use k8s_openapi::api::coordination::v1::Lease;
+use k8s_openapi::api::core::v1::{Binding, Event, Node, ObjectReference, Pod};
+use k8s_openapi::apimachinery::pkg::apis::meta::v1::ObjectMeta;
+use kube::api::{
+    Api, DeleteParams, ListParams, Patch, PatchParams, PostParams, WatchEvent, WatchParams,
+};
+use kube::runtime::{WatchStreamExt, reflector, watcher};
+use serde_json::json;
+
+const DEADLINE: Duration = Duration::from_secs(10);
+
+/// Waits until `check` holds, failing the test after [`DEADLINE`].
+async fn eventually<F, Fut>(what: &str, mut check: F)
+where
+    F: FnMut() -> Fut,
+    Fut: std::future::Future<Output = bool>,
+{
+    let deadline = tokio::time::Instant::now() + DEADLINE;
+    loop {
+        if check().await {
+            return;
+        }
+        assert!(
+            tokio::time::Instant::now() < deadline,
+            "timed out waiting for {what}"
+        );
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+}
+
+fn api_error(err: kube::Error) -> (u16, String) {
+    match err {
+        kube::Error::Api(status) => (status.code, status.reason.clone()),
+        other => panic!("expected an API error, got {other:?}"),
+    }
+}
+
+fn binding(pod: &str, node: &str, uid: Option<&str>, annotations: &[(&str, &str)]) -> Binding {
+    Binding {
+        metadata: ObjectMeta {
+            name: Some(pod.to_owned()),
+            uid: uid.map(str::to_owned),
+            annotations: Some(
+                annotations
+                    .iter()
+                    .map(|(k, v)| ((*k).to_owned(), (*v).to_owned()))
+                    .collect(),
+            ),
+            ..Default::default()
+        },
+        target: ObjectReference {
+            kind: Some("Node".to_owned()),
+            name: Some(node.to_owned()),
+            ..Default::default()
+        },
+    }
+}
+
+async fn bind(pods: &Api<Pod>, b: &Binding) -> Result<serde_json::Value, kube::Error> {
+    let name = b.metadata.name.clone().unwrap_or_default();
+    pods.create_subresource("binding", &name, &PostParams::default(), b)
+        .await
+}
+
+#[tokio::test]
+async fn crud_is_strict_about_versions_names_and_existence() {
+    let server = ApiServer::start().await.unwrap();
+    let client = server.client();
+    let pods: Api<Pod> = Api::default_namespaced(client.clone());
+
+    let created = pod("a").gpu_mem(4).create(&client).await.unwrap();
+    let meta = &created.metadata;
+    assert!(meta.uid.is_some() && meta.creation_timestamp.is_some());
+    assert_eq!(created.status.unwrap().phase.as_deref(), Some("Pending"));
+
+    // Create twice: 409 AlreadyExists.
+    let again = pod("a").create(&client).await.unwrap_err();
+    let err = again.downcast::<kube::Error>().unwrap();
+    assert_eq!(api_error(err), (409, "AlreadyExists".to_owned()));
+
+    // Missing: 404 NotFound, parsed by kube.
+    assert_eq!(
+        api_error(pods.get("nope").await.unwrap_err()),
+        (404, "NotFound".to_owned())
+    );
+
+    // Update with the current version works and bumps it; the old version is then stale.
+    let mut first = pods.get("a").await.unwrap();
+    let mut second = first.clone();
+    first.metadata.labels = Some(BTreeMap::from([("x".to_owned(), "1".to_owned())]));
+    let updated = pods
+        .replace("a", &PostParams::default(), &first)
+        .await
+        .unwrap();
+    assert_ne!(
+        updated.metadata.resource_version,
+        second.metadata.resource_version
+    );
+    assert_eq!(updated.metadata.uid, second.metadata.uid);
+    second.metadata.labels = Some(BTreeMap::from([("x".to_owned(), "2".to_owned())]));
+    let stale = pods
+        .replace("a", &PostParams::default(), &second)
+        .await
+        .unwrap_err();
+    assert_eq!(api_error(stale), (409, "Conflict".to_owned()));
+
+    // The main resource ignores status; /status changes only status.
+    let mut running = pods.get("a").await.unwrap();
+    running.status.as_mut().unwrap().phase = Some("Running".to_owned());
+    let ignored = pods
+        .replace("a", &PostParams::default(), &running)
+        .await
+        .unwrap();
+    assert_eq!(ignored.status.unwrap().phase.as_deref(), Some("Pending"));
+    let status_patch = json!({"status": {"phase": "Running"}, "metadata": {"labels": {"y": "1"}}});
+    let via_status = pods
+        .patch_status("a", &PatchParams::default(), &Patch::Merge(&status_patch))
+        .await
+        .unwrap();
+    assert_eq!(via_status.status.unwrap().phase.as_deref(), Some("Running"));
+    assert!(!via_status.metadata.labels.unwrap().contains_key("y"));
+
+    // Pod spec is immutable apart from a few fields: binding by patching nodeName fails.
+    let rebind = json!({"spec": {"nodeName": "n1"}});
+    let err = pods
+        .patch("a", &PatchParams::default(), &Patch::Merge(&rebind))
+        .await
+        .unwrap_err();
+    assert_eq!(api_error(err), (422, "Invalid".to_owned()));
+
+    // Validation: bad name, no containers.
+    let mut bad = pod("Bad_Name").build();
+    let err = pods.create(&PostParams::default(), &bad).await.unwrap_err();
+    assert_eq!(api_error(err), (422, "Invalid".to_owned()));
+    bad.metadata.name = Some("ok".to_owned());
+    bad.spec.as_mut().unwrap().containers.clear();
+    let err = pods.create(&PostParams::default(), &bad).await.unwrap_err();
+    assert_eq!(api_error(err), (422, "Invalid".to_owned()));
+
+    // Nodes are cluster-scoped and keep their status on create.
+    let n = node("n1")
+        .gpushare()
+        .gpus(&[16])
+        .create(&client)
+        .await
+        .unwrap();
+    assert!(
+        n.status
+            .unwrap()
+            .capacity
+            .unwrap()
+            .contains_key("example.com/gpu-mem")
+    );
+    let nodes: Api<Node> = Api::all(client.clone());
+    assert_eq!(
+        nodes
+            .list(&ListParams::default())
+            .await
+            .unwrap()
+            .items
+            .len(),
+        1
+    );
+    server.shutdown().await;
+}
+
+#[tokio::test]
+async fn binding_is_one_shot_and_copies_annotations() {
+    let server = ApiServer::start().await.unwrap();
+    let client = server.client();
+    let pods: Api<Pod> = Api::default_namespaced(client.clone());
+    let created = pod("a").gpu_mem(4).create(&client).await.unwrap();
+    let uid = created.metadata.uid.clone().unwrap();
+
+    // Wrong uid precondition: 409 and nothing changes.
+    let err = bind(&pods, &binding("a", "n1", Some("not-the-uid"), &[]))
+        .await
+        .unwrap_err();
+    assert_eq!(api_error(err), (409, "Conflict".to_owned()));
+    assert!(
+        pods.get("a")
+            .await
+            .unwrap()
+            .spec
+            .unwrap()
+            .node_name
+            .is_none()
+    );
+
+    let status = bind(
+        &pods,
+        &binding("a", "n1", Some(&uid), &[("example.com/gpu", "0")]),
+    )
+    .await
+    .unwrap();
+    assert_eq!(status["status"], "Success");
+    let bound = pods.get("a").await.unwrap();
+    assert_eq!(bound.spec.unwrap().node_name.as_deref(), Some("n1"));
+    assert_eq!(bound.metadata.annotations.unwrap()["example.com/gpu"], "0");
+    let conditions = bound.status.unwrap().conditions.unwrap();
+    assert!(
+        conditions
+            .iter()
+            .any(|c| c.type_ == "PodScheduled" && c.status == "True")
+    );
+
+    // A second bind is refused.
+    let err = bind(&pods, &binding("a", "n2", None, &[]))
+        .await
+        .unwrap_err();
+    assert_eq!(api_error(err), (409, "Conflict".to_owned()));
+    // A missing pod: 404.
+    let err = bind(&pods, &binding("ghost", "n1", None, &[]))
+        .await
+        .unwrap_err();
+    assert_eq!(api_error(err), (404, "NotFound".to_owned()));
+
+    let stats = server.stats();
+    assert_eq!(stats.count(Verb::Create, "pods/binding"), 4);
+    assert_eq!(stats.count(Verb::Create, "pods"), 1);
+    server.shutdown().await;
+}
+
+#[tokio::test]
+async fn selectors_filter_lists() {
+    let server = ApiServer::start().await.unwrap();
+    let client = server.client();
+    let pods: Api<Pod> = Api::all(client.clone());
+    pod("a").on_node("n1").create(&client).await.unwrap();
+    pod("b").on_node("n2").create(&client).await.unwrap();
+    pod("c").create(&client).await.unwrap();
+    pod("d")
+        .namespace("other")
+        .on_node("n1")
+        .create(&client)
+        .await
+        .unwrap();
+    let running = json!({"status": {"phase": "Running"}});
+    Api::<Pod>::default_namespaced(client.clone())
+        .patch_status("b", &PatchParams::default(), &Patch::Merge(&running))
+        .await
+        .unwrap();
+    let label = json!({"metadata": {"labels": {"app": "web", "tier": "fe"}}});
+    Api::<Pod>::default_namespaced(client.clone())
+        .patch("c", &PatchParams::default(), &Patch::Merge(&label))
+        .await
+        .unwrap();
+
+    let names = |lp: ListParams| {
+        let pods = pods.clone();
+        async move {
+            let mut names: Vec<String> = pods
+                .list(&lp)
+                .await
+                .unwrap()
+                .items
+                .into_iter()
+                .map(|p| p.metadata.name.unwrap())
+                .collect();
+            names.sort();
+            names
+        }
+    };
+    assert_eq!(
+        names(ListParams::default().fields("spec.nodeName=n1")).await,
+        ["a", "d"]
+    );
+    assert_eq!(
+        names(ListParams::default().fields("status.phase=Running")).await,
+        ["b"]
+    );
+    assert_eq!(
+        names(ListParams::default().fields("spec.nodeName=")).await,
+        ["c"]
+    );
+    assert_eq!(
+        names(ListParams::default().fields("spec.nodeName!=,metadata.namespace=default")).await,
+        ["a", "b"]
+    );
+    assert_eq!(
+        names(ListParams::default().labels("app in (web,db),tier")).await,
+        ["c"]
+    );
+    assert_eq!(
+        names(ListParams::default().labels("!app")).await,
+        ["a", "b", "d"]
+    );
+    assert_eq!(
+        names(ListParams::default().labels("app!=web")).await,
+        ["a", "b", "d"]
+    );
+
+    // An unsupported field is a 400, as upstream.
+    let err = pods
+        .list(&ListParams::default().fields("spec.bogus=1"))
+        .await
+        .unwrap_err();
+    assert_eq!(api_error(err).0, 400);
+
+    // Paging: limit + continue walk everything exactly once.
+    let first = pods.list(&ListParams::default().limit(3)).await.unwrap();
+    assert_eq!(first.items.len(), 3);
+    let token = first.metadata.continue_.clone().unwrap();
+    let rest = pods
+        .list(&ListParams::default().limit(3).continue_token(&token))
+        .await
+        .unwrap();
+    assert_eq!(rest.items.len(), 1);
+    assert!(rest.metadata.continue_.is_none());
+    server.shutdown().await;
+}
+
+#[tokio::test]
+async fn patches_merge_strategic_json_and_refuse_stale_versions() {
+    let server = ApiServer::start().await.unwrap();
+    let client = server.client();
+    let pods: Api<Pod> = Api::default_namespaced(client.clone());
+    let created = pod("a")
+        .annotation("keep", "me")
+        .create(&client)
+        .await
+        .unwrap();
+    let pp = PatchParams::default();
+
+    let merge = json!({"metadata": {"annotations": {"m": "1"}}});
+    let out = pods.patch("a", &pp, &Patch::Merge(&merge)).await.unwrap();
+    let annotations = out.metadata.annotations.unwrap();
+    assert_eq!(
+        (annotations["keep"].as_str(), annotations["m"].as_str()),
+        ("me", "1")
+    );
+
+    let strategic = json!({"metadata": {"annotations": {"s": "2", "keep": null}}});
+    let out = pods
+        .patch("a", &pp, &Patch::Strategic(&strategic))
+        .await
+        .unwrap();
+    let annotations = out.metadata.annotations.unwrap();
+    assert!(!annotations.contains_key("keep") && annotations["s"] == "2");
+
+    // Strategic merge of conditions by type on /status.
+    let conditions = json!({"status": {"conditions": [
+        {"type": "Ready", "status": "False"}, {"type": "Initialized", "status": "True"}]}});
+    pods.patch_status("a", &pp, &Patch::Strategic(&conditions))
+        .await
+        .unwrap();
+    let ready = json!({"status": {"conditions": [{"type": "Ready", "status": "True"}]}});
+    let out = pods
+        .patch_status("a", &pp, &Patch::Strategic(&ready))
+        .await
+        .unwrap();
+    let conditions = out.status.unwrap().conditions.unwrap();
+    assert_eq!(conditions.len(), 2);
+    assert!(
+        conditions
+            .iter()
+            .any(|c| c.type_ == "Ready" && c.status == "True")
+    );
+
+    let json_patch: json_patch::Patch = serde_json::from_value(json!([
+        {"op": "add", "path": "/metadata/annotations/j", "value": "3"}
+    ]))
+    .unwrap();
+    let out = pods
+        .patch("a", &pp, &Patch::<()>::Json(json_patch))
+        .await
+        .unwrap();
+    assert_eq!(out.metadata.annotations.unwrap()["j"], "3");
+
+    // A patch that carries a stale resourceVersion: 409.
+    let stale = json!({"metadata": {
+        "resourceVersion": created.metadata.resource_version.unwrap(),
+        "annotations": {"late": "x"}}});
+    let err = pods
+        .patch("a", &pp, &Patch::Merge(&stale))
+        .await
+        .unwrap_err();
+    assert_eq!(api_error(err), (409, "Conflict".to_owned()));
+    // Server-side apply is not offered: 415.
+    let apply = json!({"apiVersion": "v1", "kind": "Pod", "metadata": {"name": "a"}});
+    let err = pods
+        .patch("a", &PatchParams::apply("test"), &Patch::Apply(&apply))
+        .await
+        .unwrap_err();
+    assert_eq!(api_error(err), (415, "UnsupportedMediaType".to_owned()));
+    server.shutdown().await;
+}
+
+#[tokio::test]
+async fn faults_and_stats() {
+    let server = ApiServer::start().await.unwrap();
+    let client = server.client();
+    let pods: Api<Pod> = Api::default_namespaced(client.clone());
+    let faults = server.faults();
+    let stats = server.stats();
+
+    faults.set_error_rate(Verb::Get, 1.0, 500);
+    let err = pods.get("a").await.unwrap_err();
+    assert_eq!(api_error(err), (500, "InternalError".to_owned()));
+    faults.clear();
+
+    // 429 carries Retry-After, which kube's default client honours by retrying: the create
+    // succeeds once the fault is lifted. (With rate 1.0 and no clear, kube retries 15 times
+    // with exponential backoff — minutes — so tests wanting a hard failure use 500.)
+    faults.set_error_rate(Verb::Create, 1.0, 429);
+    let retrying = tokio::spawn({
+        let client = client.clone();
+        async move { pod("a").create(&client).await }
+    });
+    eventually("a retried create", || async {
+        stats.count(Verb::Create, "pods") >= 2
+    })
+    .await;
+    faults.clear();
+    retrying.await.unwrap().unwrap();
+    pods.delete("a", &DeleteParams::default()).await.unwrap();
+
+    faults.set_latency(Duration::from_millis(200));
+    let started = std::time::Instant::now();
+    pod("a").create(&client).await.unwrap();
+    // The latency is a delay the request cannot skip, not a performance measurement.
+    assert!(started.elapsed() >= Duration::from_millis(200));
+    faults.clear();
+
+    stats.reset();
+    let created = pod("b").create(&client).await.unwrap();
+    pods.patch(
+        "b",
+        &PatchParams::default(),
+        &Patch::Merge(&json!({"metadata": {"labels": {"a": "b"}}})),
+    )
+    .await
+    .unwrap();
+    pods.replace("b", &PostParams::default(), &pods.get("b").await.unwrap())
+        .await
+        .unwrap();
+    pods.delete("b", &DeleteParams::default()).await.unwrap();
+    let events: Api<Event> = Api::default_namespaced(client.clone());
+    events
+        .create(
+            &PostParams::default(),
+            &Event {
+                metadata: ObjectMeta {
+                    name: Some("b.1".into()),
+                    ..Default::default()
+                },
+                involved_object: ObjectReference {
+                    name: created.metadata.name.clone(),
+                    ..Default::default()
+                },
+                reason: Some("Test".into()),
+                ..Default::default()
+            },
+        )
+        .await
+        .unwrap();
+    assert_eq!(stats.count(Verb::Create, "pods"), 1);
+    assert_eq!(stats.count(Verb::Get, "pods"), 1);
+    assert_eq!(stats.count(Verb::Create, "events"), 1);
+    assert_eq!(stats.writes(), 4);
+    let found = events
+        .list(&ListParams::default().fields("involvedObject.name=b"))
+        .await
+        .unwrap();
+    assert_eq!(found.items.len(), 1);
+    server.shutdown().await;
+}
+
+#[tokio::test]
+async fn leases_and_events_v1() {
+    let server = ApiServer::start().await.unwrap();
+    let client = server.client();
+    let leases: Api<Lease> = Api::namespaced(client.clone(), "kube-system");
+    let lease: Lease = serde_json::from_value(json!({
+        "metadata": {"name": "gpushare-extender"},
+        "spec": {"holderIdentity": "a", "leaseDurationSeconds": 15}
+    }))
+    .unwrap();
+    let created = leases.create(&PostParams::default(), &lease).await.unwrap();
+    let mut taken = created.clone();
+    taken.spec.as_mut().unwrap().holder_identity = Some("b".into());
+    leases
+        .replace("gpushare-extender", &PostParams::default(), &taken)
+        .await
+        .unwrap();
+    // A second contender with the old version loses.
+    let mut late = created;
+    late.spec.as_mut().unwrap().holder_identity = Some("c".into());
+    let err = leases
+        .replace("gpushare-extender", &PostParams::default(), &late)
+        .await
+        .unwrap_err();
+    assert_eq!(api_error(err), (409, "Conflict".to_owned()));
+
+    let recorder_events: Api<k8s_openapi::api::events::v1::Event> =
+        Api::default_namespaced(client.clone());
+    let event: k8s_openapi::api::events::v1::Event = serde_json::from_value(json!({
+        "metadata": {"name": "a.17f"},
+        "eventTime": "2026-01-01T00:00:00.000000Z",
+        "reason": "Bound", "action": "Binding", "type": "Normal",
+        "reportingController": "gpushare", "reportingInstance": "x",
+        "regarding": {"kind": "Pod", "name": "a", "namespace": "default"}
+    }))
+    .unwrap();
+    recorder_events
+        .create(&PostParams::default(), &event)
+        .await
+        .unwrap();
+    let found = recorder_events
+        .list(&ListParams::default().fields("regarding.name=a"))
+        .await
+        .unwrap();
+    assert_eq!(found.items.len(), 1);
+    server.shutdown().await;
+}
+
+#[tokio::test]
+async fn raw_watch_replays_filters_and_expires() {
+    let server = ApiServer::start().await.unwrap();
+    let client = server.client();
+    let pods: Api<Pod> = Api::default_namespaced(client.clone());
+    let start = pods
+        .list(&ListParams::default())
+        .await
+        .unwrap()
+        .metadata
+        .resource_version
+        .unwrap();
+    pod("a").create(&client).await.unwrap();
+    pod("b").create(&client).await.unwrap();
+    bind(&pods, &binding("b", "n1", None, &[])).await.unwrap();
+
+    // From `start`: history replays; the field selector turns the bind of b into ADDED.
+    let wp = WatchParams {
+        bookmarks: false,
+        ..WatchParams::default()
+    }
+    .fields("spec.nodeName=n1")
+    .timeout(5);
+    let mut stream = pods.watch(&wp, &start).await.unwrap().boxed();
+    match stream.try_next().await.unwrap() {
+        Some(WatchEvent::Added(p)) => assert_eq!(p.metadata.name.as_deref(), Some("b")),
+        other => panic!("expected ADDED b, got {other:?}"),
+    }
+    // Deleting b (bound, so graceful) stays visible as MODIFIED and then DELETED.
+    pods.delete("b", &DeleteParams::default()).await.unwrap();
+    match stream.try_next().await.unwrap() {
+        Some(WatchEvent::Modified(p)) => assert!(p.metadata.deletion_timestamp.is_some()),
+        other => panic!("expected MODIFIED b, got {other:?}"),
+    }
+    match stream.try_next().await.unwrap() {
+        Some(WatchEvent::Deleted(p)) => assert_eq!(p.metadata.name.as_deref(), Some("b")),
+        other => panic!("expected DELETED b, got {other:?}"),
+    }
+    drop(stream);
+
+    // After compaction, the old version is 410 Expired, delivered as an ERROR event.
+    server.faults().compact();
+    let wp = WatchParams {
+        bookmarks: false,
+        ..WatchParams::default()
+    };
+    let mut stream = pods.watch(&wp, &start).await.unwrap().boxed();
+    match stream.try_next().await.unwrap() {
+        Some(WatchEvent::Error(status)) => {
+            assert_eq!((status.code, status.reason.as_str()), (410, "Expired"));
+        }
+        other => panic!("expected a 410 ERROR event, got {other:?}"),
+    }
+    assert!(stream.try_next().await.unwrap().is_none());
+    server.shutdown().await;
+}
+
+#[tokio::test]
+async fn watch_sends_bookmarks_and_ends_on_timeout_and_drop() {
+    let server = ApiServer::start().await.unwrap();
+    let client = server.client();
+    let pods: Api<Pod> = Api::default_namespaced(client.clone());
+    let created = pod("a").create(&client).await.unwrap();
+    let rv = created.metadata.resource_version.unwrap();
+
+    let wp = WatchParams {
+        bookmarks: true,
+        ..WatchParams::default()
+    }
+    .timeout(5);
+    let mut stream = pods.watch(&wp, &rv).await.unwrap().boxed();
+    match stream.try_next().await.unwrap() {
+        Some(WatchEvent::Bookmark(b)) => assert_eq!(b.metadata.resource_version, rv),
+        other => panic!("expected a BOOKMARK, got {other:?}"),
+    }
+    server.faults().drop_watches();
+    let rest: Vec<_> = stream.collect().await;
+    assert!(
+        rest.iter()
+            .all(|e| matches!(e, Ok(WatchEvent::Bookmark(_))))
+    );
+
+    // Without a version: the current state first, as synthetic ADDED events.
+    let wp = WatchParams {
+        bookmarks: false,
+        ..WatchParams::default()
+    }
+    .timeout(1);
+    let events: Vec<_> = pods.watch(&wp, "0").await.unwrap().collect().await;
+    assert!(
+        matches!(events.as_slice(), [Ok(WatchEvent::Added(p))] if p.metadata.name.as_deref() == Some("a"))
+    );
+    server.shutdown().await;
+}
+
+#[tokio::test]
+async fn graceful_delete_marks_then_removes() {
+    let server = ApiServer::start().await.unwrap();
+    let client = server.client();
+    let pods: Api<Pod> = Api::default_namespaced(client.clone());
+    pod("bound").on_node("n1").create(&client).await.unwrap();
+    pod("pending").create(&client).await.unwrap();
+
+    // Unbound pod: gone at once.
+    pods.delete("pending", &DeleteParams::default())
+        .await
+        .unwrap();
+    assert_eq!(api_error(pods.get("pending").await.unwrap_err()).0, 404);
+
+    // Bound pod: marked first, removed after the (capped) grace.
+    let marked = pods
+        .delete("bound", &DeleteParams::default())
+        .await
+        .unwrap();
+    let marked = marked.left().unwrap();
+    assert!(marked.metadata.deletion_timestamp.is_some());
+    assert_eq!(marked.metadata.deletion_grace_period_seconds, Some(30));
+    assert!(
+        pods.get("bound")
+            .await
+            .unwrap()
+            .metadata
+            .deletion_timestamp
+            .is_some()
+    );
+    eventually("the pod to go", || async {
+        pods.get_opt("bound").await.unwrap().is_none()
+    })
+    .await;
+
+    // gracePeriodSeconds=0 removes a bound pod at once; a uid precondition is honoured.
+    let p = pod("now").on_node("n1").create(&client).await.unwrap();
+    let wrong = DeleteParams {
+        preconditions: Some(kube::api::Preconditions {
+            uid: Some("other".into()),
+            resource_version: None,
+        }),
+        ..DeleteParams::default()
+    };
+    assert_eq!(
+        api_error(pods.delete("now", &wrong).await.unwrap_err()).0,
+        409
+    );
+    let right = DeleteParams {
+        preconditions: Some(kube::api::Preconditions {
+            uid: p.metadata.uid.clone(),
+            resource_version: None,
+        }),
+        ..DeleteParams::default().grace_period(0)
+    };
+    pods.delete("now", &right).await.unwrap();
+    assert!(pods.get_opt("now").await.unwrap().is_none());
+    server.shutdown().await;
+}
+
+/// kube-runtime's watcher (list + watch) survives compaction and dropped watches: it gets
+/// 410, relists, and its store converges on the server's state.
+#[tokio::test(flavor = "multi_thread")]
+async fn reflector_recovers_from_compaction() {
+    let server = ApiServer::start().await.unwrap();
+    let client = server.client();
+    let pods: Api<Pod> = Api::default_namespaced(client.clone());
+    pod("a").create(&client).await.unwrap();
+    pod("c").create(&client).await.unwrap();
+
+    let (reader, writer) = reflector::store::<Pod>();
+    let expired = Arc::new(AtomicUsize::new(0));
+    let seen_expired = expired.clone();
+    let stream = watcher(pods.clone(), watcher::Config::default())
+        .default_backoff()
+        .inspect(move |event| {
+            if let Err(watcher::Error::WatchError(status)) = event
+                && status.code == 410
+            {
+                seen_expired.fetch_add(1, Ordering::SeqCst);
+            }
+        })
+        .reflect(writer)
+        .applied_objects();
+    let task = tokio::spawn(stream.for_each(|_| async {}));
+
+    let names = || {
+        let mut names: Vec<String> = reader
+            .state()
+            .iter()
+            .map(|p| p.metadata.name.clone().unwrap())
+            .collect();
+        names.sort();
+        names
+    };
+    eventually("the initial list", || async { names() == ["a", "c"] }).await;
+
+    // Keep the watcher from re-watching while history moves on and is compacted.
+    let faults = server.faults();
+    faults.set_error_rate(Verb::Watch, 1.0, 500);
+    faults.drop_watches();
+    pod("b").create(&client).await.unwrap();
+    pods.delete("a", &DeleteParams::default()).await.unwrap();
+    pods.patch(
+        "c",
+        &PatchParams::default(),
+        &Patch::Merge(&json!({"metadata": {"labels": {"v": "2"}}})),
+    )
+    .await
+    .unwrap();
+    faults.compact();
+    let stats = server.stats();
+    let watches = stats.count(Verb::Watch, "pods");
+    eventually("a failed re-watch", || async {
+        stats.count(Verb::Watch, "pods") > watches
+    })
+    .await;
+    faults.clear();
+
+    eventually("the store to converge", || async {
+        names() == ["b", "c"]
+            && reader
+                .get(&reflector::ObjectRef::new("c").within("default"))
+                .is_some_and(|c| {
+                    c.metadata
+                        .labels
+                        .as_ref()
+                        .is_some_and(|l| l.get("v").is_some_and(|v| v == "2"))
+                })
+    })
+    .await;
+    assert!(
+        expired.load(Ordering::SeqCst) >= 1,
+        "the watcher saw 410 Expired"
+    );
+    assert!(stats.count(Verb::List, "pods") >= 2, "the watcher relisted");
+
+    // And it keeps following live changes.
+    pod("d").create(&client).await.unwrap();
+    eventually("live changes", || async { names() == ["b", "c", "d"] }).await;
+    task.abort();
+    server.shutdown().await;
+}
+
+/// The streaming-list mode (sendInitialEvents) works too.
+#[tokio::test(flavor = "multi_thread")]
+async fn streaming_list_watcher() {
+    let server = ApiServer::start().await.unwrap();
+    let client = server.client();
+    let nodes: Api<Node> = Api::all(client.clone());
+    node("n1").create(&client).await.unwrap();
+    let (reader, writer) = reflector::store::<Node>();
+    let stream = watcher(nodes, watcher::Config::default().streaming_lists())
+        .default_backoff()
+        .reflect(writer)
+        .applied_objects();
+    let task = tokio::spawn(stream.for_each(|_| async {}));
+    eventually("n1", || async { reader.state().len() == 1 }).await;
+    node("n2").create(&client).await.unwrap();
+    eventually("n2", || async { reader.state().len() == 2 }).await;
+    task.abort();
+    server.shutdown().await;
+}
