@@ -1,1 +1,372 @@
-//! Being written.
+//! gpushare's kubelet device plugin: GPU memory as a countable resource, and the link
+//! between the extender's decision and the container.
+//!
+//! ```text
+//!              ┌──────────── gpushare-device-plugin ────────────┐
+//!   NVML / sim │ backend ──▶ inventory (watch) ──▶ node::publish ├──▶ Node annotation (extender reads)
+//!              │                 │                               │
+//!   kubelet ◀──┤ server: socket, │ ListAndWatch (1 device / GiB) │
+//!   (gRPC)     │ register,       ▼                               │
+//!              │ re-register   service::Allocate ◀── pods cache ◀┼─── watch pods on this node
+//!              │                  │  env NVIDIA_VISIBLE_DEVICES  │
+//!              │                  └──▶ marks (background patch) ─┼──▶ pod annotations
+//!              └─────────────────────────────────────────────────┘
+//! ```
+//!
+//! kubelet only knows "N devices of `example.com/gpu-mem`"; the extender already chose a GPU
+//! for the pod and wrote it on the pod. At `Allocate` the plugin finds the pod waiting for N
+//! GiB in its watch cache ([`pods`], [`matching`]) and returns that GPU's UUID as
+//! `NVIDIA_VISIBLE_DEVICES`. Everything host-specific (the socket directory, the GPUs) is a
+//! parameter, so the whole plugin runs in tests against a fake kubelet in a temp dir.
+
+use std::future::Future;
+use std::net::SocketAddr;
+use std::path::PathBuf;
+use std::sync::Arc;
+use std::sync::atomic::AtomicBool;
+use std::time::Duration;
+
+use gpushare_contract::{DEFAULT_DOMAIN, DEFAULT_RESOURCE, Keys};
+use gpushare_proto::DEFAULT_DEVICE_PLUGIN_DIR;
+use prometheus_client::registry::Registry;
+use tokio::sync::watch;
+use tokio::task::JoinHandle;
+use tokio_util::sync::CancellationToken;
+
+pub mod backend;
+pub mod devices;
+pub mod matching;
+pub mod metrics;
+pub mod node;
+pub mod pods;
+pub mod server;
+pub mod service;
+
+use backend::{BackendError, GpuBackend, nvml::NvmlBackend, simulated::SimulatedBackend};
+use metrics::Metrics;
+use pods::PodCache;
+use service::PluginState;
+
+/// Where GPUs come from.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
+pub enum BackendKind {
+    /// Real GPUs through NVML.
+    Nvml,
+    /// GPUs from `--simulate-gpus`.
+    Simulated,
+}
+
+/// Log output format.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
+pub enum LogFormat {
+    /// Human-readable lines.
+    Text,
+    /// One JSON object per line.
+    Json,
+}
+
+/// Command line and environment configuration.
+#[derive(Debug, Clone, clap::Parser)]
+#[command(name = "gpushare-device-plugin", version, about)]
+pub struct Config {
+    /// The node this plugin runs on (usually from the downward API).
+    #[arg(long, env = "NODE_NAME")]
+    pub node_name: String,
+    /// kubelet's device plugin directory (holds kubelet.sock).
+    #[arg(long, env = "DEVICE_PLUGIN_DIR", default_value = DEFAULT_DEVICE_PLUGIN_DIR)]
+    pub device_plugin_dir: PathBuf,
+    /// Where GPUs come from.
+    #[arg(long, env = "GPU_BACKEND", value_enum, default_value_t = BackendKind::Nvml)]
+    pub gpu_backend: BackendKind,
+    /// Sizes in GiB of simulated GPUs, e.g. `16,16,24` (with `--gpu-backend simulated`).
+    #[arg(long, env = "SIMULATE_GPUS", value_delimiter = ',', default_value = "")]
+    pub simulate_gpus: Vec<String>,
+    /// File listing comma-separated indices of unhealthy simulated GPUs; polled every 200 ms.
+    #[arg(long, env = "SIMULATE_HEALTH_FILE")]
+    pub simulate_health_file: Option<PathBuf>,
+    /// The extended resource to advertise.
+    #[arg(long, env = "RESOURCE_NAME", default_value = DEFAULT_RESOURCE)]
+    pub resource: String,
+    /// Domain of gpushare's annotations and labels.
+    #[arg(long, env = "GPUSHARE_DOMAIN", default_value = DEFAULT_DOMAIN)]
+    pub domain: String,
+    /// Address for /healthz, /readyz and /metrics.
+    #[arg(long, env = "METRICS_LISTEN", default_value = "0.0.0.0:9400")]
+    pub metrics_listen: SocketAddr,
+    /// Log format.
+    #[arg(long, env = "LOG_FORMAT", value_enum, default_value_t = LogFormat::Text)]
+    pub log_format: LogFormat,
+    /// How long Allocate waits for the pod watch to show the pod kubelet is admitting.
+    #[arg(long, env = "PENDING_POD_WAIT_MS", default_value_t = 3000)]
+    pub pending_pod_wait_ms: u64,
+}
+
+/// Why the plugin stopped.
+#[derive(Debug, thiserror::Error)]
+pub enum Error {
+    /// The configuration is unusable.
+    #[error("invalid configuration: {0}")]
+    Config(String),
+    /// The GPUs could not be listed or watched.
+    #[error(transparent)]
+    Backend(#[from] BackendError),
+    /// No Kubernetes client could be built.
+    #[error("cannot build a Kubernetes client (in-cluster service account or KUBECONFIG): {0}")]
+    Kube(#[source] kube::Error),
+    /// The metrics address could not be bound.
+    #[error("cannot listen on {addr} for metrics: {source}")]
+    MetricsBind {
+        /// the address
+        addr: SocketAddr,
+        /// the cause
+        #[source]
+        source: std::io::Error,
+    },
+    /// The plugin socket could not be created.
+    #[error(
+        "cannot create the plugin socket {path}: {source}; is --device-plugin-dir kubelet's device plugin directory and writable?"
+    )]
+    Socket {
+        /// the socket path
+        path: PathBuf,
+        /// the cause
+        #[source]
+        source: std::io::Error,
+    },
+    /// A supervised task ended before shutdown.
+    #[error("the {0} task ended unexpectedly")]
+    TaskEnded(&'static str),
+    /// A supervised task panicked.
+    #[error("the {task} task crashed: {source}")]
+    TaskCrashed {
+        /// which task
+        task: &'static str,
+        /// the panic
+        #[source]
+        source: tokio::task::JoinError,
+    },
+}
+
+/// `Result` with this crate's [`Error`].
+pub type Result<T, E = Error> = std::result::Result<T, E>;
+
+impl Config {
+    fn simulated_sizes(&self) -> Result<Vec<u64>> {
+        self.simulate_gpus
+            .iter()
+            .map(|s| s.trim())
+            .filter(|s| !s.is_empty())
+            .map(|s| {
+                s.parse::<u64>().ok().filter(|&gib| gib > 0).ok_or_else(|| {
+                    Error::Config(format!(
+                        "--simulate-gpus: {s:?} is not a size in GiB (write e.g. 16,16,24)"
+                    ))
+                })
+            })
+            .collect()
+    }
+
+    fn backend(&self) -> Result<Arc<dyn GpuBackend>> {
+        Ok(match self.gpu_backend {
+            BackendKind::Nvml => Arc::new(NvmlBackend::new()?),
+            BackendKind::Simulated => Arc::new(SimulatedBackend::new(
+                &self.node_name,
+                self.simulated_sizes()?,
+                self.simulate_health_file.clone(),
+            )),
+        })
+    }
+}
+
+/// Sets up logging (`RUST_LOG`, default `info`) in the chosen format. For `main` only.
+pub fn init_tracing(format: LogFormat) {
+    let filter = tracing_subscriber::EnvFilter::try_from_default_env()
+        .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info"));
+    let builder = tracing_subscriber::fmt().with_env_filter(filter);
+    match format {
+        LogFormat::Text => builder.init(),
+        LogFormat::Json => builder.json().init(),
+    }
+}
+
+/// Resolves on SIGTERM or ctrl-c.
+pub async fn shutdown_signal() {
+    let ctrl_c = async {
+        if let Err(err) = tokio::signal::ctrl_c().await {
+            tracing::error!(error = %err, "cannot listen for ctrl-c");
+            std::future::pending::<()>().await;
+        }
+    };
+    let term = async {
+        match tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate()) {
+            Ok(mut signal) => {
+                signal.recv().await;
+            }
+            Err(err) => {
+                tracing::error!(error = %err, "cannot listen for SIGTERM");
+                std::future::pending::<()>().await;
+            }
+        }
+    };
+    tokio::select! {
+        () = ctrl_c => {}
+        () = term => {}
+    }
+    tracing::info!("shutting down");
+}
+
+/// Runs the plugin with a client found the standard way (in-cluster or `KUBECONFIG`)
+/// until `shutdown` resolves.
+pub async fn run(
+    config: Config,
+    shutdown: impl Future<Output = ()> + Send + 'static,
+) -> Result<()> {
+    // GPUs first: a node without a driver should say so, not complain about kubeconfig.
+    let backend = config.backend()?;
+    let client = kube::Client::try_default().await.map_err(Error::Kube)?;
+    run_inner(config, backend, client, shutdown).await
+}
+
+/// Runs the plugin against `client` until `shutdown` resolves: serves the plugin socket,
+/// registers (and re-registers) with kubelet, publishes the node's GPUs, answers Allocate.
+pub async fn run_with_client(
+    config: Config,
+    client: kube::Client,
+    shutdown: impl Future<Output = ()> + Send + 'static,
+) -> Result<()> {
+    let backend = config.backend()?;
+    run_inner(config, backend, client, shutdown).await
+}
+
+async fn run_inner(
+    config: Config,
+    backend: Arc<dyn GpuBackend>,
+    client: kube::Client,
+    shutdown: impl Future<Output = ()> + Send + 'static,
+) -> Result<()> {
+    if config.node_name.trim().is_empty() {
+        return Err(Error::Config("--node-name (NODE_NAME) is empty".into()));
+    }
+    let token = CancellationToken::new();
+    let _stop_all = token.clone().drop_guard();
+    {
+        let token = token.clone();
+        tokio::spawn(async move {
+            tokio::select! {
+                () = shutdown => token.cancel(),
+                () = token.cancelled() => {}
+            }
+        });
+    }
+
+    let keys = Keys::new(&config.domain);
+    let gpus = backend.gpus()?;
+    for gpu in &gpus {
+        tracing::info!(gpu = gpu.index, uuid = %gpu.uuid, model = %gpu.model, mem_gib = gpu.mem_gib, numa = ?gpu.numa_node, "found GPU");
+    }
+    let mut registry = Registry::default();
+    let metrics = Metrics::new(&mut registry);
+    metrics
+        .gpus
+        .set(i64::try_from(gpus.len()).unwrap_or(i64::MAX));
+    let inventory: node::Inventory = watch::Sender::new(Arc::new(gpus));
+
+    let listener = metrics::bind(config.metrics_listen)
+        .await
+        .map_err(|source| Error::MetricsBind {
+            addr: config.metrics_listen,
+            source,
+        })?;
+    let ready = Arc::new(AtomicBool::new(false));
+    let pods = PodCache::start(
+        client.clone(),
+        &config.node_name,
+        keys.clone(),
+        metrics.clone(),
+        token.clone(),
+    );
+    let state = Arc::new(PluginState {
+        node: config.node_name.clone(),
+        resource: config.resource.clone(),
+        inventory: inventory.clone(),
+        pods,
+        metrics: metrics.clone(),
+        pending_wait: Duration::from_millis(config.pending_pod_wait_ms),
+    });
+
+    let tasks: Vec<(&'static str, JoinHandle<Result<()>>)> = vec![
+        (
+            "device plugin server",
+            tokio::spawn(server::serve_and_register(
+                state,
+                config.device_plugin_dir.clone(),
+                ready.clone(),
+                token.clone(),
+            )),
+        ),
+        (
+            "GPU health",
+            tokio::spawn({
+                let (inventory, metrics, token) =
+                    (inventory.clone(), metrics.clone(), token.clone());
+                async move { Ok(node::watch_health(backend, inventory, metrics, token).await?) }
+            }),
+        ),
+        (
+            "inventory publisher",
+            tokio::spawn({
+                let (node, rx, token) = (
+                    config.node_name.clone(),
+                    inventory.subscribe(),
+                    token.clone(),
+                );
+                async move {
+                    node::publish(client, node, keys, rx, metrics, token).await;
+                    Ok(())
+                }
+            }),
+        ),
+        (
+            "metrics server",
+            tokio::spawn({
+                let token = token.clone();
+                async move {
+                    metrics::serve(listener, Arc::new(registry), ready, token)
+                        .await
+                        .map_err(|source| Error::MetricsBind {
+                            addr: config.metrics_listen,
+                            source,
+                        })
+                }
+            }),
+        ),
+    ];
+    supervise(tasks, token).await
+}
+
+/// Waits for the first task to end; anything but a clean end after shutdown is an error.
+/// Then stops the others and waits for them.
+async fn supervise(
+    tasks: Vec<(&'static str, JoinHandle<Result<()>>)>,
+    token: CancellationToken,
+) -> Result<()> {
+    let (names, handles): (Vec<_>, Vec<_>) = tasks.into_iter().unzip();
+    let (first, index, rest) = futures::future::select_all(handles).await;
+    let name = names[index];
+    let outcome = match first {
+        Ok(Ok(())) if token.is_cancelled() => Ok(()),
+        Ok(Ok(())) => Err(Error::TaskEnded(name)),
+        Ok(Err(err)) => Err(err),
+        Err(source) => Err(Error::TaskCrashed { task: name, source }),
+    };
+    if let Err(err) = &outcome {
+        tracing::error!(task = name, error = %err, "stopping the plugin");
+    }
+    token.cancel();
+    for handle in rest {
+        if let Ok(Err(err)) = handle.await {
+            tracing::warn!(error = %err, "task failed during shutdown");
+        }
+    }
+    outcome
+}

@@ -1,1 +1,23 @@
-//! Being written.
+//! The kubelet device plugin API (`v1beta1`), generated from `proto/deviceplugin/v1beta1/api.proto`.
+//!
+//! Both sides live here: the device plugin serves [`v1beta1::device_plugin_server`] and calls
+//! [`v1beta1::registration_client`]; the test kubelet in `e2e` does the opposite. Keeping the
+//! generated code in one crate means the plugin and its fake kubelet cannot disagree about
+//! the wire format.
+
+/// Messages and services of `k8s.io/kubelet/pkg/apis/deviceplugin/v1beta1`.
+#[allow(missing_docs, clippy::all, clippy::pedantic)]
+pub mod v1beta1 {
+    tonic::include_proto!("v1beta1");
+}
+
+/// The API version a plugin sends in its `RegisterRequest`.
+pub const VERSION: &str = "v1beta1";
+/// The file name of kubelet's registration socket inside the device plugin directory.
+pub const KUBELET_SOCKET: &str = "kubelet.sock";
+/// `Device.health` of a usable device.
+pub const HEALTHY: &str = "Healthy";
+/// `Device.health` of a device that must not be handed out.
+pub const UNHEALTHY: &str = "Unhealthy";
+/// Where kubelet looks for device plugin sockets on a node.
+pub const DEFAULT_DEVICE_PLUGIN_DIR: &str = "/var/lib/kubelet/device-plugins/";

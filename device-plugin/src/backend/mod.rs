@@ -1,0 +1,50 @@
+//! Where the GPUs come from: NVML on a real node, a simulation in tests and demos.
+//!
+//! The rest of the plugin sees GPUs only through [`GpuBackend`], so every path above it
+//! (devices, Allocate, inventory publishing, health) runs unchanged on a laptop without a GPU.
+//! Health is reported as changes (`index`, `healthy`) from a blocking watch loop, because
+//! NVML's event API is blocking; the loop runs on a blocking thread and stops when asked.
+
+use std::sync::atomic::AtomicBool;
+
+use gpushare_contract::GpuInfo;
+
+pub mod nvml;
+pub mod simulated;
+
+/// Why the GPUs could not be listed or watched.
+#[derive(Debug, thiserror::Error)]
+pub enum BackendError {
+    /// NVML could not be loaded or initialised (no driver, no `libnvidia-ml.so`).
+    #[error(
+        "cannot initialise NVML ({0}); is the NVIDIA driver installed and libnvidia-ml.so.1 visible to this container? Use --gpu-backend simulated to run without GPUs"
+    )]
+    NvmlInit(#[source] nvml_wrapper::error::NvmlError),
+    /// An NVML query failed.
+    #[error("NVML {what} failed: {source}")]
+    Nvml {
+        /// the query
+        what: String,
+        /// the NVML error
+        #[source]
+        source: nvml_wrapper::error::NvmlError,
+    },
+    /// The simulated backend was chosen without any GPU sizes.
+    #[error("--gpu-backend simulated needs --simulate-gpus, e.g. --simulate-gpus 16,16,24")]
+    NoSimulatedGpus,
+}
+
+/// A source of GPUs and their health.
+pub trait GpuBackend: Send + Sync + 'static {
+    /// The GPUs on this node, all healthy, sorted by index. Called once at start.
+    fn gpus(&self) -> Result<Vec<GpuInfo>, BackendError>;
+
+    /// Blocks, calling `report(index, healthy)` whenever a GPU's health changes, until `stop`
+    /// is set (checked at least every second). Returns early only on an error that makes
+    /// further health checking impossible.
+    fn watch_health(
+        &self,
+        stop: &AtomicBool,
+        report: &mut dyn FnMut(u32, bool),
+    ) -> Result<(), BackendError>;
+}

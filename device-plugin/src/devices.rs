@@ -1,0 +1,70 @@
+//! GPUs as kubelet sees them: one device per whole GiB.
+//!
+//! GPU `GPU-abc` with 16 GiB becomes devices `GPU-abc-0` … `GPU-abc-15`. The IDs are only
+//! tokens for kubelet's accounting (a container asking for 4 GiB gets 4 of them); which GPU
+//! the container really uses is decided by the extender's annotation, not by which tokens
+//! kubelet happened to pick.
+
+use std::collections::HashMap;
+
+use gpushare_contract::GpuInfo;
+use gpushare_proto::v1beta1::{Device, NumaNode, TopologyInfo};
+use gpushare_proto::{HEALTHY, UNHEALTHY};
+
+/// The ID of slot `slot` of the GPU `uuid`.
+pub fn device_id(uuid: &str, slot: u64) -> String {
+    format!("{uuid}-{slot}")
+}
+
+/// Every device of every GPU, health and NUMA node taken from the GPU.
+pub fn device_list(gpus: &[GpuInfo]) -> Vec<Device> {
+    gpus.iter()
+        .flat_map(|gpu| {
+            (0..gpu.mem_gib).map(move |slot| Device {
+                id: device_id(&gpu.uuid, slot),
+                health: if gpu.healthy { HEALTHY } else { UNHEALTHY }.to_owned(),
+                topology: gpu.numa_node.map(|id| TopologyInfo {
+                    nodes: vec![NumaNode { id }],
+                }),
+            })
+        })
+        .collect()
+}
+
+/// Maps each device ID back to the index of its GPU.
+pub fn device_index(gpus: &[GpuInfo]) -> HashMap<String, u32> {
+    gpus.iter()
+        .flat_map(|gpu| (0..gpu.mem_gib).map(move |slot| (device_id(&gpu.uuid, slot), gpu.index)))
+        .collect()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn gpu(index: u32, mem_gib: u64, healthy: bool) -> GpuInfo {
+        GpuInfo {
+            index,
+            uuid: format!("GPU-{index}"),
+            model: String::new(),
+            mem_gib,
+            healthy,
+            numa_node: (index == 1).then_some(1),
+        }
+    }
+
+    #[test]
+    fn one_device_per_gib_with_gpu_health_and_numa() {
+        let gpus = [gpu(0, 2, true), gpu(1, 3, false)];
+        let devices = device_list(&gpus);
+        let ids: Vec<_> = devices.iter().map(|d| d.id.as_str()).collect();
+        assert_eq!(ids, ["GPU-0-0", "GPU-0-1", "GPU-1-0", "GPU-1-1", "GPU-1-2"]);
+        assert_eq!(devices[0].health, HEALTHY);
+        assert!(devices[0].topology.is_none());
+        assert_eq!(devices[4].health, UNHEALTHY);
+        assert_eq!(devices[4].topology.as_ref().unwrap().nodes[0].id, 1);
+        let index = device_index(&gpus);
+        assert_eq!(index["GPU-1-2"], 1);
+        assert!(!index.contains_key("GPU-0-2"));
+    }
+}

@@ -1,0 +1,414 @@
+//! Which pod an `Allocate` call is for — pure decisions, no kube or tonic.
+//!
+//! kubelet's `Allocate` names device IDs, not pods. What we know is the size: a container
+//! request of N devices is N GiB. So we look, among the pods bound to this node that carry
+//! the extender's allocation and are not yet fully allocated, for a pending container of N GiB:
+//! oldest bind first, then containers in admission order (init containers first).
+//!
+//! That may pick a *twin* — another pod waiting for the same size — rather than the pod
+//! kubelet is actually admitting. It does not matter for correctness: the extender never
+//! lets two pending containers of the same size on one node sit on different GPUs (the twin
+//! rule), so any match names the right GPU. Only the bookkeeping (`allocated`/`assigned`
+//! marks) may land on the twin; [`plan_reconcile`] moves it back once kubelet starts the
+//! real pod.
+//!
+//! ```text
+//!   Allocate(4 devices) ──▶ find_pending(views, node, 4) ──▶ pod B / container "main" ──▶ GPU 1
+//!   pod A Running, unmarked + pod B marked, Pending ──▶ plan_reconcile ──▶ marks move B → A
+//! ```
+
+use std::cmp::Ordering;
+
+use gpushare_contract::{ContainerRequest, PodAllocation};
+
+/// What the plugin knows of one pod: its place and its allocation (with our own unsaved
+/// marks already applied).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct PodView {
+    /// `namespace/name`.
+    pub key: String,
+    /// The pod's UID.
+    pub uid: String,
+    /// `spec.nodeName`.
+    pub node: Option<String>,
+    /// `status.phase`.
+    pub phase: Option<String>,
+    /// Whether the pod has a deletion timestamp.
+    pub deleting: bool,
+    /// The extender's allocation, with our marks.
+    pub allocation: PodAllocation,
+}
+
+/// The plugin's progress marks on a pod: the annotations it owns.
+#[derive(Debug, Clone, PartialEq, Eq, Default)]
+pub struct Marks {
+    /// Containers allocated so far.
+    pub allocated: Vec<String>,
+    /// True once every container is allocated.
+    pub assigned: bool,
+}
+
+impl PodView {
+    /// The marks currently on this view.
+    pub fn marks(&self) -> Marks {
+        Marks {
+            allocated: self.allocation.allocated.clone(),
+            assigned: self.allocation.assigned,
+        }
+    }
+
+    /// Replaces the marks.
+    pub fn set_marks(&mut self, marks: &Marks) {
+        self.allocation.allocated = marks.allocated.clone();
+        self.allocation.assigned = marks.assigned;
+    }
+
+    /// Records `container` as allocated; sets `assigned` once every container is.
+    pub fn mark_allocated(&mut self, container: &str) {
+        let alloc = &mut self.allocation;
+        if !alloc.allocated.iter().any(|name| name == container) {
+            alloc.allocated.push(container.to_owned());
+        }
+        alloc.assigned = alloc
+            .containers
+            .iter()
+            .all(|c| alloc.allocated.iter().any(|name| name == &c.name));
+    }
+
+    fn bound_to(&self, node: &str) -> bool {
+        self.node.as_deref() == Some(node)
+    }
+
+    fn finished(&self) -> bool {
+        matches!(self.phase.as_deref(), Some("Succeeded" | "Failed"))
+    }
+
+    fn running(&self) -> bool {
+        self.phase.as_deref() == Some("Running")
+    }
+
+    /// Still waiting for Allocate calls: bound here, alive, not fully allocated.
+    fn waiting_on(&self, node: &str) -> bool {
+        self.bound_to(node) && !self.deleting && !self.finished() && !self.allocation.assigned
+    }
+}
+
+/// Oldest bind first; unparsable bind times last; then by key, so the order is total.
+fn by_bind_time(a: &PodView, b: &PodView) -> Ordering {
+    let time = |view: &PodView| view.allocation.bind_time.parse::<jiff::Timestamp>().ok();
+    match (time(a), time(b)) {
+        (Some(x), Some(y)) => x.cmp(&y),
+        (Some(_), None) => Ordering::Less,
+        (None, Some(_)) => Ordering::Greater,
+        (None, None) => Ordering::Equal,
+    }
+    .then_with(|| a.key.cmp(&b.key))
+}
+
+/// The pod and container an Allocate of `gib` devices on `node` is for: the first pending
+/// container of exactly that size, oldest bind first. Returns the index into `views`.
+pub fn find_pending<'a>(
+    views: &'a [PodView],
+    node: &str,
+    gib: u64,
+) -> Option<(usize, &'a ContainerRequest)> {
+    let mut candidates: Vec<usize> = (0..views.len())
+        .filter(|&i| views[i].waiting_on(node))
+        .collect();
+    candidates.sort_by(|&a, &b| by_bind_time(&views[a], &views[b]));
+    candidates.into_iter().find_map(|i| {
+        views[i]
+            .allocation
+            .pending_containers()
+            .find(|c| c.gib == gib)
+            .map(|c| (i, c))
+    })
+}
+
+/// The devices to suggest to kubelet: `must_include` first, then devices of `gpu` (when
+/// known), then any others, `size` in all. `gpu_of` maps a device ID to its GPU index.
+pub fn preferred_devices(
+    available: &[String],
+    must_include: &[String],
+    size: usize,
+    gpu: Option<u32>,
+    gpu_of: impl Fn(&str) -> Option<u32>,
+) -> Vec<String> {
+    let mut chosen: Vec<String> = Vec::with_capacity(size);
+    let push = |id: &String, chosen: &mut Vec<String>| {
+        if chosen.len() < size && !chosen.contains(id) {
+            chosen.push(id.clone());
+        }
+    };
+    for id in must_include {
+        push(id, &mut chosen);
+    }
+    if let Some(gpu) = gpu {
+        for id in available.iter().filter(|id| gpu_of(id) == Some(gpu)) {
+            push(id, &mut chosen);
+        }
+    }
+    for id in available {
+        push(id, &mut chosen);
+    }
+    chosen
+}
+
+/// Fixes the marks after kubelet started a pod whose Allocate calls marked a twin.
+///
+/// A pod on `node` that is Running but not `assigned` had all its containers allocated
+/// (kubelet does not start a pod otherwise), so each of its unmarked containers was answered
+/// by an Allocate call that marked a same-sized container of some other pod instead. For
+/// each such container of N GiB, one N GiB mark is taken off another pod here that is not
+/// Running (the most recently bound first), and the running pod is marked in full. That keeps
+/// the invariant Allocate relies on: for every size, the containers still marked pending are
+/// exactly the Allocate calls still to come. Returns the new marks of every pod changed
+/// (index into `views`), and applies them to `views`.
+pub fn plan_reconcile(views: &mut [PodView], node: &str) -> Vec<(usize, Marks)> {
+    let mut changed = std::collections::BTreeSet::new();
+    let mut running: Vec<usize> = (0..views.len())
+        .filter(|&i| {
+            let view = &views[i];
+            view.bound_to(node) && view.running() && !view.deleting && !view.allocation.assigned
+        })
+        .collect();
+    running.sort_by(|&a, &b| by_bind_time(&views[a], &views[b]));
+    for target in running {
+        let missing: Vec<u64> = views[target]
+            .allocation
+            .containers
+            .iter()
+            .filter(|c| !views[target].allocation.allocated.contains(&c.name))
+            .map(|c| c.gib)
+            .collect();
+        for gib in missing {
+            let marked_container = |view: &PodView| {
+                view.allocation
+                    .containers
+                    .iter()
+                    .find(|c| c.gib == gib && view.allocation.allocated.contains(&c.name))
+                    .map(|c| c.name.clone())
+            };
+            let mut twins: Vec<usize> = (0..views.len())
+                .filter(|&i| {
+                    let view = &views[i];
+                    i != target
+                        && view.bound_to(node)
+                        && !view.running()
+                        && !view.finished()
+                        && marked_container(view).is_some()
+                })
+                .collect();
+            // The most recently bound twin is the least likely to have been admitted itself.
+            twins.sort_by(|&a, &b| by_bind_time(&views[b], &views[a]));
+            let Some(&twin) = twins.first() else {
+                continue;
+            };
+            if let Some(name) = marked_container(&views[twin]) {
+                let alloc = &mut views[twin].allocation;
+                alloc.allocated.retain(|n| *n != name);
+                alloc.assigned = false;
+                changed.insert(twin);
+            }
+        }
+        let all: Vec<String> = views[target]
+            .allocation
+            .containers
+            .iter()
+            .map(|c| c.name.clone())
+            .collect();
+        views[target].set_marks(&Marks {
+            allocated: all,
+            assigned: true,
+        });
+        changed.insert(target);
+    }
+    changed.into_iter().map(|i| (i, views[i].marks())).collect()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn view(name: &str, bind_second: u32, containers: &[(&str, u64, bool)]) -> PodView {
+        PodView {
+            key: format!("default/{name}"),
+            uid: format!("uid-{name}"),
+            node: Some("n1".into()),
+            phase: Some("Pending".into()),
+            deleting: false,
+            allocation: PodAllocation {
+                gpu_index: 0,
+                gpu_uuid: "GPU-0".into(),
+                pod_gib: containers.iter().map(|c| c.1).sum(),
+                containers: containers
+                    .iter()
+                    .map(|&(name, gib, init)| ContainerRequest {
+                        name: name.into(),
+                        gib,
+                        init,
+                    })
+                    .collect(),
+                bind_time: format!("2026-11-22T10:00:{bind_second:02}Z"),
+                assigned: false,
+                allocated: vec![],
+            },
+        }
+    }
+
+    fn found(views: &[PodView], gib: u64) -> Option<(String, String)> {
+        find_pending(views, "n1", gib).map(|(i, c)| (views[i].key.clone(), c.name.clone()))
+    }
+
+    #[test]
+    fn picks_the_oldest_bind_with_a_container_of_that_size() {
+        let views = vec![
+            view("young", 30, &[("main", 4, false)]),
+            view("old", 10, &[("main", 4, false)]),
+            view("other", 0, &[("main", 2, false)]),
+        ];
+        assert_eq!(
+            found(&views, 4),
+            Some(("default/old".into(), "main".into()))
+        );
+        assert_eq!(
+            found(&views, 2),
+            Some(("default/other".into(), "main".into()))
+        );
+        assert_eq!(found(&views, 3), None);
+    }
+
+    #[test]
+    fn precise_bind_times_order_correctly() {
+        let mut early = view("early", 0, &[("main", 4, false)]);
+        early.allocation.bind_time = "2026-11-22T10:00:05.5Z".into();
+        let late = view("late", 6, &[("main", 4, false)]);
+        let views = vec![late, early];
+        assert_eq!(found(&views, 4).unwrap().0, "default/early");
+    }
+
+    #[test]
+    fn skips_other_nodes_deleted_finished_and_assigned_pods() {
+        let mut elsewhere = view("elsewhere", 0, &[("main", 4, false)]);
+        elsewhere.node = Some("n2".into());
+        let mut deleting = view("deleting", 1, &[("main", 4, false)]);
+        deleting.deleting = true;
+        let mut done = view("done", 2, &[("main", 4, false)]);
+        done.phase = Some("Succeeded".into());
+        let mut assigned = view("assigned", 3, &[("main", 4, false)]);
+        assigned.mark_allocated("main");
+        let views = vec![elsewhere, deleting, done, assigned];
+        assert_eq!(found(&views, 4), None);
+        let mut views = views;
+        views.push(view("fresh", 9, &[("main", 4, false)]));
+        assert_eq!(found(&views, 4).unwrap().0, "default/fresh");
+    }
+
+    #[test]
+    fn walks_containers_in_order_and_skips_allocated_ones() {
+        let mut pod = view(
+            "p",
+            0,
+            &[("init", 4, true), ("a", 4, false), ("b", 2, false)],
+        );
+        assert_eq!(found(std::slice::from_ref(&pod), 4).unwrap().1, "init");
+        pod.mark_allocated("init");
+        assert_eq!(found(std::slice::from_ref(&pod), 4).unwrap().1, "a");
+        pod.mark_allocated("a");
+        assert!(!pod.allocation.assigned);
+        pod.mark_allocated("b");
+        assert!(pod.allocation.assigned);
+        assert_eq!(found(std::slice::from_ref(&pod), 4), None);
+    }
+
+    #[test]
+    fn preferred_devices_stay_on_the_chosen_gpu() {
+        let ids = |v: &[&str]| v.iter().map(|s| (*s).to_owned()).collect::<Vec<_>>();
+        let gpu_of = |id: &str| id.split('-').nth(1).and_then(|g| g.parse().ok());
+        let available = ids(&["G-0-0", "G-0-1", "G-1-0", "G-1-1", "G-1-2"]);
+        assert_eq!(
+            preferred_devices(&available, &[], 2, Some(1), gpu_of),
+            ids(&["G-1-0", "G-1-1"])
+        );
+        // must_include first, then the GPU, then anything to fill.
+        assert_eq!(
+            preferred_devices(&available, &ids(&["G-0-1"]), 5, Some(1), gpu_of),
+            ids(&["G-0-1", "G-1-0", "G-1-1", "G-1-2", "G-0-0"])
+        );
+        // No known pod: kubelet's own pick, the first N.
+        assert_eq!(
+            preferred_devices(&available, &[], 3, None, gpu_of),
+            ids(&["G-0-0", "G-0-1", "G-1-0"])
+        );
+        assert!(preferred_devices(&available, &[], 0, Some(0), gpu_of).is_empty());
+    }
+
+    #[test]
+    fn reconcile_moves_marks_from_a_pending_twin_to_the_running_pod() {
+        let mut running = view("a", 20, &[("main", 4, false)]);
+        running.phase = Some("Running".into());
+        let mut twin = view("b", 10, &[("main", 4, false)]);
+        twin.mark_allocated("main");
+        let unrelated = view("c", 5, &[("main", 8, false)]);
+        let mut views = vec![running, twin, unrelated];
+        let changes = plan_reconcile(&mut views, "n1");
+        assert_eq!(changes.len(), 2);
+        assert_eq!(changes[1], (1, Marks::default()));
+        assert_eq!(
+            changes[0],
+            (
+                0,
+                Marks {
+                    allocated: vec!["main".into()],
+                    assigned: true
+                }
+            )
+        );
+        assert!(views[0].allocation.assigned);
+        // Now b waits again and a later Allocate(4) finds it.
+        assert_eq!(found(&views, 4).unwrap().0, "default/b");
+        assert!(plan_reconcile(&mut views, "n1").is_empty());
+    }
+
+    #[test]
+    fn reconcile_moves_only_the_missing_sizes() {
+        // m (init 2, main 1) runs; its init was marked on itself, its main's Allocate(1)
+        // marked p. q carries a legitimate 2 GiB mark made for someone else.
+        let mut m = view("m", 10, &[("init", 2, true), ("main", 1, false)]);
+        m.phase = Some("Running".into());
+        m.mark_allocated("init");
+        let mut p = view("p", 20, &[("main", 1, false)]);
+        p.mark_allocated("main");
+        let mut q = view("q", 30, &[("init", 2, true), ("main", 1, false)]);
+        q.mark_allocated("init");
+        let mut views = vec![m, p, q];
+        let changes = plan_reconcile(&mut views, "n1");
+        let changed: Vec<usize> = changes.iter().map(|c| c.0).collect();
+        assert_eq!(changed, [0, 1]);
+        assert!(views[0].allocation.assigned);
+        assert!(views[1].allocation.allocated.is_empty());
+        assert_eq!(
+            views[2].allocation.allocated,
+            ["init"],
+            "q keeps its 2 GiB mark"
+        );
+        // Exactly one 1 GiB container waits again (p's), and q's main.
+        assert_eq!(found(&views, 1).unwrap().0, "default/p");
+    }
+
+    #[test]
+    fn reconcile_marks_a_running_pod_without_a_twin() {
+        let mut running = view("a", 20, &[("main", 4, false)]);
+        running.phase = Some("Running".into());
+        let mut wrong_size = view("b", 10, &[("main", 8, false)]);
+        wrong_size.mark_allocated("main");
+        let mut views = vec![running, wrong_size];
+        let changes = plan_reconcile(&mut views, "n1");
+        assert_eq!(changes.len(), 1);
+        assert_eq!(changes[0].0, 0);
+        assert!(
+            views[1].allocation.assigned,
+            "the 8 GiB pod keeps its marks"
+        );
+    }
+}

@@ -1,0 +1,419 @@
+//! The node's pods, as the plugin needs them to answer `Allocate` without an API call.
+//!
+//! A reflector watches only the pods bound to this node (`spec.nodeName=<node>`); every
+//! decision reads that local store. On top of it sits an *overlay* of the marks this plugin
+//! has decided but the API server may not show yet (`allocated`, `assigned`): an Allocate
+//! that marks a container is visible to the very next Allocate, even before our patch has
+//! round-tripped through the watch. The overlay entry is dropped once the store shows the
+//! same marks and no write is outstanding.
+//!
+//! Writes happen in one background worker, in decision order, with retries, so an Allocate
+//! answers in microseconds and never waits for the API server. The worker always writes the
+//! *latest* marks of a pod, so a slow write can never overwrite a newer decision.
+//!
+//! Reconcile runs on every pod event and every two seconds: see
+//! [`crate::matching::plan_reconcile`] for how marks that landed on a same-sized twin are
+//! moved back to the pod kubelet actually started.
+
+use std::collections::{HashMap, HashSet};
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, Mutex, MutexGuard};
+use std::time::Duration;
+
+use futures::StreamExt;
+use gpushare_contract::{ContainerRequest, Keys, PodAllocation};
+use k8s_openapi::api::core::v1::Pod;
+use kube::api::{Patch, PatchParams};
+use kube::runtime::reflector::{self, Store};
+use kube::runtime::{WatchStreamExt, watcher};
+use kube::{Api, Client};
+use tokio::sync::{mpsc, watch};
+use tokio_util::sync::CancellationToken;
+
+use crate::matching::{self, Marks, PodView};
+use crate::metrics::Metrics;
+
+/// How often reconcile runs without pod events.
+pub const RECONCILE_PERIOD: Duration = Duration::from_secs(2);
+/// Attempts for one pod patch before waiting for the next reconcile.
+const PATCH_ATTEMPTS: u32 = 6;
+
+/// Why no container could be claimed.
+#[derive(Debug)]
+pub enum ClaimError<E> {
+    /// No pod bound here waits for a container of this many GiB.
+    NoPendingPod {
+        /// the size asked for
+        gib: u64,
+    },
+    /// A pod matched, but `check` refused it.
+    Rejected(E),
+}
+
+/// One container matched to an Allocate request.
+#[derive(Debug, Clone)]
+pub struct Claim<T> {
+    /// `namespace/name` of the pod.
+    pub pod: String,
+    /// The container.
+    pub container: ContainerRequest,
+    /// The pod's allocation, as recorded by the extender.
+    pub allocation: PodAllocation,
+    /// What `check` returned for it.
+    pub checked: T,
+}
+
+#[derive(Debug)]
+struct Overlay {
+    namespace: String,
+    name: String,
+    marks: Marks,
+    /// Not yet written to the API server.
+    dirty: bool,
+}
+
+/// The node-scoped pod cache with our pending marks.
+pub struct PodCache {
+    node: String,
+    keys: Keys,
+    store: Store<Pod>,
+    synced: AtomicBool,
+    overlay: Mutex<HashMap<String, Overlay>>,
+    changes: watch::Sender<u64>,
+    patches: mpsc::UnboundedSender<String>,
+}
+
+impl std::fmt::Debug for PodCache {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("PodCache")
+            .field("node", &self.node)
+            .finish_non_exhaustive()
+    }
+}
+
+impl PodCache {
+    /// Starts watching the pods bound to `node`, the patch worker and the reconcile loop;
+    /// all stop on `shutdown`.
+    pub fn start(
+        client: Client,
+        node: &str,
+        keys: Keys,
+        metrics: Metrics,
+        shutdown: CancellationToken,
+    ) -> Arc<Self> {
+        let (store, writer) = reflector::store();
+        let (patches, patch_rx) = mpsc::unbounded_channel();
+        let cache = Arc::new(Self {
+            node: node.to_owned(),
+            keys,
+            store,
+            synced: AtomicBool::new(false),
+            overlay: Mutex::new(HashMap::new()),
+            changes: watch::Sender::new(0),
+            patches,
+        });
+        let api: Api<Pod> = Api::all(client.clone());
+        let config = watcher::Config::default().fields(&format!("spec.nodeName={node}"));
+        let stream = reflector::reflector(writer, watcher(api, config).default_backoff());
+        tokio::spawn(cache.clone().watch_pods(stream, shutdown.clone()));
+        tokio::spawn(
+            cache
+                .clone()
+                .patch_worker(client, patch_rx, metrics, shutdown.clone()),
+        );
+        tokio::spawn(cache.clone().reconcile_loop(shutdown));
+        cache
+    }
+
+    async fn watch_pods(
+        self: Arc<Self>,
+        stream: impl futures::Stream<Item = Result<watcher::Event<Pod>, watcher::Error>>,
+        shutdown: CancellationToken,
+    ) {
+        let mut stream = std::pin::pin!(stream);
+        loop {
+            let item = tokio::select! {
+                () = shutdown.cancelled() => return,
+                item = stream.next() => item,
+            };
+            match item {
+                Some(Ok(event)) => {
+                    if matches!(event, watcher::Event::InitDone) {
+                        self.synced.store(true, Ordering::Relaxed);
+                    }
+                    self.changes.send_modify(|n| *n += 1);
+                }
+                Some(Err(err)) => {
+                    tracing::warn!(node = %self.node, error = %err, "pod watch failed; retrying");
+                }
+                None => return,
+            }
+        }
+    }
+
+    fn lock(&self) -> MutexGuard<'_, HashMap<String, Overlay>> {
+        // A poisoned lock only means another thread panicked mid-update of plain data.
+        self.overlay
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner)
+    }
+
+    /// Pods bound here that carry an allocation, with our marks applied, and the marks as
+    /// the API server has them.
+    fn views(&self, overlay: &HashMap<String, Overlay>) -> (Vec<PodView>, HashMap<String, Marks>) {
+        let mut views = Vec::new();
+        let mut stored = HashMap::new();
+        for pod in self.store.state() {
+            let node = pod.spec.as_ref().and_then(|spec| spec.node_name.clone());
+            if node.as_deref() != Some(self.node.as_str()) {
+                continue;
+            }
+            let Some(annotations) = pod.metadata.annotations.as_ref() else {
+                continue;
+            };
+            let key = gpushare_contract::request::pod_key(&pod);
+            let allocation = match PodAllocation::from_annotations(&self.keys, annotations) {
+                Ok(Some(allocation)) => allocation,
+                Ok(None) => continue,
+                Err(err) => {
+                    tracing::debug!(pod = %key, error = %err, "ignoring pod with unreadable allocation annotations");
+                    continue;
+                }
+            };
+            let uid = pod.metadata.uid.clone().unwrap_or_default();
+            let mut view = PodView {
+                key,
+                uid: uid.clone(),
+                node,
+                phase: pod.status.as_ref().and_then(|status| status.phase.clone()),
+                deleting: pod.metadata.deletion_timestamp.is_some(),
+                allocation,
+            };
+            stored.insert(uid.clone(), view.marks());
+            if let Some(entry) = overlay.get(&uid) {
+                view.set_marks(&entry.marks);
+            }
+            views.push(view);
+        }
+        (views, stored)
+    }
+
+    fn record(&self, overlay: &mut HashMap<String, Overlay>, view: &PodView, marks: Marks) {
+        let (namespace, name) = view.key.split_once('/').unwrap_or(("default", &view.key));
+        overlay.insert(
+            view.uid.clone(),
+            Overlay {
+                namespace: namespace.to_owned(),
+                name: name.to_owned(),
+                marks,
+                dirty: true,
+            },
+        );
+        // The worker only ends at shutdown; a failed send then loses nothing we need.
+        let _ = self.patches.send(view.uid.clone());
+    }
+
+    /// Matches each size in `sizes` (one per container request) to a pending container,
+    /// runs `check` on it, and marks it allocated. All or nothing: if one size has no match
+    /// or `check` refuses, nothing is marked.
+    pub fn try_claim<T, E>(
+        &self,
+        sizes: &[u64],
+        mut check: impl FnMut(&PodView, &ContainerRequest) -> Result<T, E>,
+    ) -> Result<Vec<Claim<T>>, ClaimError<E>> {
+        let mut overlay = self.lock();
+        let (mut views, _) = self.views(&overlay);
+        let mut claims = Vec::with_capacity(sizes.len());
+        let mut changed = Vec::new();
+        for &gib in sizes {
+            let Some((index, container)) = matching::find_pending(&views, &self.node, gib) else {
+                return Err(ClaimError::NoPendingPod { gib });
+            };
+            let container = container.clone();
+            let checked = check(&views[index], &container).map_err(ClaimError::Rejected)?;
+            claims.push(Claim {
+                pod: views[index].key.clone(),
+                container: container.clone(),
+                allocation: views[index].allocation.clone(),
+                checked,
+            });
+            views[index].mark_allocated(&container.name);
+            if !changed.contains(&index) {
+                changed.push(index);
+            }
+        }
+        for index in changed {
+            let marks = views[index].marks();
+            self.record(&mut overlay, &views[index], marks);
+        }
+        Ok(claims)
+    }
+
+    /// Like [`Self::try_claim`], but when no pod waits for a size yet, waits up to `wait`
+    /// for the watch to bring one (kubelet may see a pod a moment before we do).
+    pub async fn claim<T, E>(
+        &self,
+        sizes: &[u64],
+        mut check: impl FnMut(&PodView, &ContainerRequest) -> Result<T, E>,
+        wait: Duration,
+    ) -> Result<Vec<Claim<T>>, ClaimError<E>> {
+        let deadline = tokio::time::Instant::now() + wait;
+        let mut changes = self.changes.subscribe();
+        loop {
+            changes.borrow_and_update();
+            match self.try_claim(sizes, &mut check) {
+                Err(ClaimError::NoPendingPod { gib }) => {
+                    let changed = tokio::time::timeout_at(deadline, changes.changed()).await;
+                    if !matches!(changed, Ok(Ok(()))) {
+                        return Err(ClaimError::NoPendingPod { gib });
+                    }
+                }
+                other => return other,
+            }
+        }
+    }
+
+    /// The GPU index of the pod an Allocate of `gib` devices would be matched to, waiting
+    /// up to `wait` for the watch to bring one.
+    pub async fn preview(&self, gib: u64, wait: Duration) -> Option<u32> {
+        let deadline = tokio::time::Instant::now() + wait;
+        let mut changes = self.changes.subscribe();
+        loop {
+            changes.borrow_and_update();
+            let found = {
+                let overlay = self.lock();
+                let (views, _) = self.views(&overlay);
+                matching::find_pending(&views, &self.node, gib)
+                    .map(|(i, _)| views[i].allocation.gpu_index)
+            };
+            if found.is_some() {
+                return found;
+            }
+            let changed = tokio::time::timeout_at(deadline, changes.changed()).await;
+            if !matches!(changed, Ok(Ok(()))) {
+                return None;
+            }
+        }
+    }
+
+    /// Fixes marks of running pods (see [`matching::plan_reconcile`]), re-queues unwritten
+    /// marks and forgets overlay entries the API server has caught up with.
+    pub fn reconcile(&self) {
+        let mut overlay = self.lock();
+        let (mut views, stored) = self.views(&overlay);
+        for (index, marks) in matching::plan_reconcile(&mut views, &self.node) {
+            tracing::info!(pod = %views[index].key, allocated = ?marks.allocated, assigned = marks.assigned, "reconciled allocation marks");
+            self.record(&mut overlay, &views[index], marks);
+        }
+        let synced = self.synced.load(Ordering::Relaxed);
+        let present: HashSet<&String> = stored.keys().collect();
+        overlay.retain(|uid, entry| {
+            if !present.contains(uid) {
+                return !synced;
+            }
+            if entry.dirty {
+                let _ = self.patches.send(uid.clone());
+                return true;
+            }
+            stored.get(uid) != Some(&entry.marks)
+        });
+    }
+
+    async fn reconcile_loop(self: Arc<Self>, shutdown: CancellationToken) {
+        let mut changes = self.changes.subscribe();
+        let mut tick = tokio::time::interval(RECONCILE_PERIOD);
+        loop {
+            tokio::select! {
+                () = shutdown.cancelled() => return,
+                changed = changes.changed() => if changed.is_err() { return },
+                _ = tick.tick() => {}
+            }
+            self.reconcile();
+        }
+    }
+
+    /// The latest unwritten marks of `uid`, marked as being written.
+    fn take_dirty(&self, uid: &str) -> Option<(String, String, Marks)> {
+        let mut overlay = self.lock();
+        let entry = overlay.get_mut(uid)?;
+        if !entry.dirty {
+            return None;
+        }
+        entry.dirty = false;
+        Some((
+            entry.namespace.clone(),
+            entry.name.clone(),
+            entry.marks.clone(),
+        ))
+    }
+
+    fn set_dirty(&self, uid: &str) {
+        if let Some(entry) = self.lock().get_mut(uid) {
+            entry.dirty = true;
+        }
+    }
+
+    fn forget(&self, uid: &str) {
+        self.lock().remove(uid);
+    }
+
+    async fn patch_worker(
+        self: Arc<Self>,
+        client: Client,
+        mut queue: mpsc::UnboundedReceiver<String>,
+        metrics: Metrics,
+        shutdown: CancellationToken,
+    ) {
+        loop {
+            let uid = tokio::select! {
+                () = shutdown.cancelled() => return,
+                uid = queue.recv() => match uid { Some(uid) => uid, None => return },
+            };
+            let Some((namespace, name, marks)) = self.take_dirty(&uid) else {
+                continue;
+            };
+            let api: Api<Pod> = Api::namespaced(client.clone(), &namespace);
+            let patch = serde_json::json!({
+                "metadata": {
+                    "annotations": {
+                        self.keys.allocated.as_str(): marks.allocated.join(","),
+                        self.keys.assigned.as_str(): marks.assigned.to_string(),
+                    }
+                }
+            });
+            let mut attempt = 0;
+            loop {
+                match api
+                    .patch(&name, &PatchParams::default(), &Patch::Merge(&patch))
+                    .await
+                {
+                    Ok(_) => {
+                        Metrics::patch(&metrics.pod_patches, true);
+                        tracing::debug!(pod = %format!("{namespace}/{name}"), allocated = ?marks.allocated, assigned = marks.assigned, "wrote allocation marks");
+                        break;
+                    }
+                    Err(kube::Error::Api(status)) if status.code == 404 => {
+                        Metrics::patch(&metrics.pod_patches, false);
+                        self.forget(&uid);
+                        break;
+                    }
+                    Err(err) => {
+                        Metrics::patch(&metrics.pod_patches, false);
+                        attempt += 1;
+                        if attempt >= PATCH_ATTEMPTS {
+                            tracing::error!(pod = %format!("{namespace}/{name}"), error = %err, "cannot write allocation marks; will retry at the next reconcile");
+                            self.set_dirty(&uid);
+                            break;
+                        }
+                        tracing::warn!(pod = %format!("{namespace}/{name}"), error = %err, attempt, "writing allocation marks failed; retrying");
+                        let backoff = Duration::from_millis(100 << attempt);
+                        tokio::select! {
+                            () = shutdown.cancelled() => return,
+                            () = tokio::time::sleep(backoff) => {}
+                        }
+                    }
+                }
+            }
+        }
+    }
+}

@@ -1,0 +1,220 @@
+//! Shared setup: an in-process API server, the test kubelet in a temp dir, and the plugin
+//! running in-process over real unix sockets.
+
+#![allow(dead_code)]
+
+use std::path::{Path, PathBuf};
+use std::time::Duration;
+
+use anyhow::Context as _;
+use clap::Parser as _;
+use gpushare_contract::{ContainerRequest, DEFAULT_RESOURCE, Keys, PodAllocation};
+use gpushare_device_plugin::Config;
+use gpushare_e2e::apiserver::ApiServer;
+use gpushare_e2e::kubelet::{AdmissionOrder, KubeletDriver};
+use k8s_openapi::api::core::v1::{Node, Pod};
+use kube::{Api, Client};
+use tempfile::TempDir;
+use tokio::task::JoinHandle;
+use tokio_util::sync::CancellationToken;
+
+pub const NODE: &str = "n1";
+pub const RESOURCE: &str = DEFAULT_RESOURCE;
+pub const WAIT: Duration = Duration::from_secs(20);
+
+/// The simulated UUID of GPU `index` on [`NODE`].
+pub fn uuid(index: u32) -> String {
+    format!("GPU-sim-{NODE}-{index}")
+}
+
+pub struct Plugin {
+    pub stop: CancellationToken,
+    pub task: JoinHandle<gpushare_device_plugin::Result<()>>,
+}
+
+impl Plugin {
+    /// Starts the plugin in-process with simulated GPUs of `gpus` GiB.
+    pub fn start(
+        client: Client,
+        dir: &Path,
+        health: &Path,
+        gpus: &[u64],
+    ) -> anyhow::Result<Plugin> {
+        let sizes = gpus
+            .iter()
+            .map(u64::to_string)
+            .collect::<Vec<_>>()
+            .join(",");
+        let config = Config::try_parse_from([
+            "gpushare-device-plugin",
+            "--node-name",
+            NODE,
+            "--device-plugin-dir",
+            &dir.display().to_string(),
+            "--gpu-backend",
+            "simulated",
+            "--simulate-gpus",
+            &sizes,
+            "--simulate-health-file",
+            &health.display().to_string(),
+            "--metrics-listen",
+            "127.0.0.1:0",
+            "--pending-pod-wait-ms",
+            "2000",
+        ])?;
+        let stop = CancellationToken::new();
+        let task = tokio::spawn(gpushare_device_plugin::run_with_client(
+            config,
+            client,
+            stop.clone().cancelled_owned(),
+        ));
+        Ok(Plugin { stop, task })
+    }
+
+    pub async fn stop(self) -> anyhow::Result<()> {
+        self.stop.cancel();
+        tokio::time::timeout(WAIT, self.task).await???;
+        Ok(())
+    }
+}
+
+pub struct Cluster {
+    pub server: ApiServer,
+    pub client: Client,
+    pub dir: TempDir,
+    pub health_dir: TempDir,
+    pub kubelet: Option<KubeletDriver>,
+    pub plugin: Option<Plugin>,
+}
+
+impl Cluster {
+    /// API server + node; the kubelet (when `order` is given) and the plugin with `gpus`.
+    pub async fn start(gpus: &[u64], order: Option<AdmissionOrder>) -> anyhow::Result<Cluster> {
+        let server = ApiServer::start().await?;
+        let client = server.client();
+        gpushare_e2e::fixtures::node(NODE)
+            .gpushare()
+            .create(&client)
+            .await?;
+        let dir = tempfile::tempdir()?;
+        let health_dir = tempfile::tempdir()?;
+        let kubelet = match order {
+            Some(order) => {
+                Some(KubeletDriver::start(dir.path(), NODE, client.clone(), order).await?)
+            }
+            None => None,
+        };
+        let mut cluster = Cluster {
+            server,
+            client: client.clone(),
+            dir,
+            health_dir,
+            kubelet,
+            plugin: None,
+        };
+        cluster.plugin = Some(Plugin::start(
+            client,
+            cluster.dir.path(),
+            &cluster.health_file(),
+            gpus,
+        )?);
+        if let Some(kubelet) = &cluster.kubelet {
+            kubelet.wait_registered(RESOURCE, WAIT).await?;
+        }
+        Ok(cluster)
+    }
+
+    pub fn kubelet(&self) -> &KubeletDriver {
+        self.kubelet.as_ref().expect("this cluster runs a kubelet")
+    }
+
+    pub fn health_file(&self) -> PathBuf {
+        self.health_dir.path().join("unhealthy")
+    }
+
+    pub fn plugin_socket(&self) -> PathBuf {
+        self.dir
+            .path()
+            .join(gpushare_device_plugin::server::SOCKET_NAME)
+    }
+
+    pub fn set_unhealthy(&self, indices: &str) -> anyhow::Result<()> {
+        std::fs::write(self.health_file(), indices).context("writing the health file")
+    }
+
+    pub async fn node(&self) -> anyhow::Result<Node> {
+        Ok(Api::<Node>::all(self.client.clone()).get(NODE).await?)
+    }
+
+    pub async fn pod(&self, name: &str) -> anyhow::Result<Pod> {
+        Ok(Api::<Pod>::namespaced(self.client.clone(), "default")
+            .get(name)
+            .await?)
+    }
+
+    pub async fn stop(mut self) -> anyhow::Result<()> {
+        if let Some(plugin) = self.plugin.take() {
+            plugin.stop().await?;
+        }
+        if let Some(kubelet) = self.kubelet.take() {
+            kubelet.shutdown().await;
+        }
+        self.server.shutdown().await;
+        Ok(())
+    }
+}
+
+/// The allocation annotations the extender would write: GPU `gpu`, these containers
+/// (`(name, gib, init)`), bound `second` seconds into the test's timeline.
+pub fn allocation(
+    gpu: u32,
+    containers: &[(&str, u64, bool)],
+    second: u32,
+) -> Vec<(String, String)> {
+    let containers: Vec<ContainerRequest> = containers
+        .iter()
+        .map(|&(name, gib, init)| ContainerRequest {
+            name: name.to_owned(),
+            gib,
+            init,
+        })
+        .collect();
+    let app: u64 = containers.iter().filter(|c| !c.init).map(|c| c.gib).sum();
+    let init = containers
+        .iter()
+        .filter(|c| c.init)
+        .map(|c| c.gib)
+        .max()
+        .unwrap_or(0);
+    PodAllocation {
+        gpu_index: gpu,
+        gpu_uuid: uuid(gpu),
+        pod_gib: app.max(init),
+        containers,
+        bind_time: format!("2026-11-22T10:{:02}:{:02}Z", second / 60, second % 60),
+        assigned: false,
+        allocated: vec![],
+    }
+    .to_annotations(&Keys::default())
+    .into_iter()
+    .collect()
+}
+
+/// Polls `cond` every 50 ms until it holds or `timeout` passes.
+pub async fn eventually<F, Fut>(timeout: Duration, what: &str, mut cond: F) -> anyhow::Result<()>
+where
+    F: FnMut() -> Fut,
+    Fut: std::future::Future<Output = anyhow::Result<bool>>,
+{
+    let deadline = tokio::time::Instant::now() + timeout;
+    loop {
+        if cond().await? {
+            return Ok(());
+        }
+        anyhow::ensure!(
+            tokio::time::Instant::now() < deadline,
+            "timed out after {timeout:?} waiting for {what}"
+        );
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+}

@@ -1,0 +1,210 @@
+//! The plugin's gRPC API called directly over its unix socket (no kubelet): bad input and
+//! refusals come back as clear gRPC errors, and Allocate never lists pods.
+
+mod common;
+
+use std::time::Duration;
+
+use common::{Cluster, NODE, WAIT, allocation, eventually, uuid};
+use gpushare_contract::env;
+use gpushare_e2e::apiserver::Verb;
+use gpushare_e2e::fixtures::pod;
+use gpushare_proto::v1beta1::device_plugin_client::DevicePluginClient;
+use gpushare_proto::v1beta1::{
+    AllocateRequest, ContainerAllocateRequest, ContainerPreferredAllocationRequest, Empty,
+    PreferredAllocationRequest,
+};
+use tonic::Code;
+use tonic::transport::Channel;
+
+async fn client(cluster: &Cluster) -> anyhow::Result<DevicePluginClient<Channel>> {
+    let socket = cluster.plugin_socket();
+    eventually(WAIT, "the plugin socket", || async { Ok(socket.exists()) }).await?;
+    let channel = gpushare_device_plugin::server::connect(&socket).await?;
+    Ok(DevicePluginClient::new(channel))
+}
+
+fn ids(gpu: u32, slots: std::ops::Range<u64>) -> Vec<String> {
+    slots.map(|slot| format!("{}-{slot}", uuid(gpu))).collect()
+}
+
+fn allocate(devices: Vec<String>) -> AllocateRequest {
+    AllocateRequest {
+        container_requests: vec![ContainerAllocateRequest {
+            devices_ids: devices,
+        }],
+    }
+}
+
+#[tokio::test]
+async fn bad_requests_get_clear_errors() -> anyhow::Result<()> {
+    let cluster = Cluster::start(&[16, 16], None).await?;
+    let mut plugin = client(&cluster).await?;
+
+    let options = plugin
+        .get_device_plugin_options(Empty {})
+        .await?
+        .into_inner();
+    assert!(options.get_preferred_allocation_available && !options.pre_start_required);
+
+    let err = plugin.allocate(allocate(vec![])).await.unwrap_err();
+    assert_eq!(err.code(), Code::InvalidArgument);
+    assert!(
+        err.message().contains("asks for no devices"),
+        "{}",
+        err.message()
+    );
+
+    let err = plugin
+        .allocate(allocate(vec!["GPU-nope-0".into(), ids(0, 0..1)[0].clone()]))
+        .await
+        .unwrap_err();
+    assert_eq!(err.code(), Code::InvalidArgument);
+    assert!(
+        err.message().contains("GPU-nope-0") && !err.message().contains(&uuid(0)),
+        "{}",
+        err.message()
+    );
+
+    let err = plugin.allocate(allocate(ids(0, 0..4))).await.unwrap_err();
+    assert_eq!(err.code(), Code::FailedPrecondition);
+    assert!(
+        err.message().contains("no pod bound to node n1 is waiting for a 4 GiB example.com/gpu-mem allocation; was it scheduled by the gpushare extender?"),
+        "{}",
+        err.message()
+    );
+
+    // Preferred allocation never fails: with no pod to go by, kubelet's own pick.
+    let available: Vec<String> = ids(0, 0..3).into_iter().chain(ids(1, 0..3)).collect();
+    let preferred = plugin
+        .get_preferred_allocation(PreferredAllocationRequest {
+            container_requests: vec![ContainerPreferredAllocationRequest {
+                available_device_i_ds: available.clone(),
+                must_include_device_i_ds: vec![],
+                allocation_size: 2,
+            }],
+        })
+        .await?
+        .into_inner();
+    assert_eq!(
+        preferred.container_responses[0].device_i_ds,
+        available[..2].to_vec()
+    );
+    cluster.stop().await
+}
+
+#[tokio::test]
+async fn allocate_answers_from_the_watch_cache_and_refuses_broken_gpus() -> anyhow::Result<()> {
+    let cluster = Cluster::start(&[16, 16], None).await?;
+    let mut plugin = client(&cluster).await?;
+    for (name, gpu, second) in [("a", 1, 1), ("b", 1, 2), ("c", 0, 3)] {
+        let mut builder = pod(name).gpu_mem(3).on_node(NODE);
+        for (k, v) in allocation(gpu, &[("main", 3, false)], second) {
+            builder = builder.annotation(&k, &v);
+        }
+        builder.create(&cluster.client).await?;
+    }
+    // The uuid in the annotation must be ours.
+    let mut wrong = pod("wrong").gpu_mem(5).on_node(NODE);
+    for (k, v) in allocation(0, &[("main", 5, false)], 4) {
+        let v = if v == uuid(0) {
+            "GPU-elsewhere".to_owned()
+        } else {
+            v
+        };
+        wrong = wrong.annotation(&k, &v);
+    }
+    wrong.create(&cluster.client).await?;
+
+    // Preferred allocation steers kubelet to the oldest waiting pod's GPU (a → GPU 1).
+    let available: Vec<String> = ids(0, 0..16).into_iter().chain(ids(1, 0..16)).collect();
+    let preferred = plugin
+        .get_preferred_allocation(PreferredAllocationRequest {
+            container_requests: vec![ContainerPreferredAllocationRequest {
+                available_device_i_ds: available,
+                must_include_device_i_ds: vec![],
+                allocation_size: 3,
+            }],
+        })
+        .await?
+        .into_inner();
+    // The pods may not have reached the plugin's cache yet; then the answer is the first 3.
+    let first = &preferred.container_responses[0].device_i_ds;
+    assert_eq!(first.len(), 3);
+
+    let lists_before = cluster.server.stats().count(Verb::List, "pods");
+    // Three 3 GiB Allocates: a and b (GPU 1, oldest first), then c (GPU 0).
+    let mut got = Vec::new();
+    for slot in 0..3u64 {
+        let response = plugin
+            .allocate(allocate(ids(0, slot * 3..slot * 3 + 3)))
+            .await?
+            .into_inner();
+        let env = &response.container_responses[0].envs;
+        got.push(env[env::NVIDIA_VISIBLE_DEVICES].clone());
+        assert_eq!(env[env::CONTAINER_GIB], "3");
+        assert_eq!(env[env::GPU_TOTAL_GIB], "16");
+    }
+    assert_eq!(got, [uuid(1), uuid(1), uuid(0)]);
+    // No fourth 3 GiB container waits.
+    let err = plugin.allocate(allocate(ids(0, 9..12))).await.unwrap_err();
+    assert_eq!(err.code(), Code::FailedPrecondition);
+
+    let err = plugin.allocate(allocate(ids(0, 0..5))).await.unwrap_err();
+    assert_eq!(err.code(), Code::FailedPrecondition);
+    assert!(
+        err.message().contains("GPU-elsewhere") && err.message().contains("default/wrong"),
+        "{}",
+        err.message()
+    );
+    assert_eq!(
+        cluster.server.stats().count(Verb::List, "pods"),
+        lists_before
+    );
+
+    // A pod on a GPU that turned unhealthy is refused as unavailable.
+    let mut late = pod("late").gpu_mem(2).on_node(NODE);
+    for (k, v) in allocation(1, &[("main", 2, false)], 5) {
+        late = late.annotation(&k, &v);
+    }
+    late.create(&cluster.client).await?;
+    cluster.set_unhealthy("1")?;
+    let mut devices = plugin.list_and_watch(Empty {}).await?.into_inner();
+    tokio::time::timeout(WAIT, async {
+        while let Some(list) = devices.message().await? {
+            if list
+                .devices
+                .iter()
+                .any(|d| d.health == gpushare_proto::UNHEALTHY)
+            {
+                return anyhow::Ok(());
+            }
+        }
+        anyhow::bail!("ListAndWatch ended")
+    })
+    .await??;
+    let err = plugin.allocate(allocate(ids(0, 0..2))).await.unwrap_err();
+    assert_eq!(err.code(), Code::Unavailable);
+    assert!(
+        err.message().contains("unhealthy") && err.message().contains("default/late"),
+        "{}",
+        err.message()
+    );
+
+    // Shutdown ends ListAndWatch streams and removes the socket.
+    let socket = cluster.plugin_socket();
+    let Cluster {
+        plugin: p, server, ..
+    } = cluster;
+    if let Some(p) = p {
+        p.stop().await?;
+    }
+    let ended = tokio::time::timeout(Duration::from_secs(5), devices.message()).await?;
+    assert!(
+        matches!(ended, Ok(None) | Err(_)),
+        "the stream must end at shutdown"
+    );
+    assert!(!socket.exists());
+    server.shutdown().await;
+    Ok(())
+}
