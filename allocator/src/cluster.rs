@@ -375,19 +375,12 @@ impl Cluster {
         node.decide(request, Policy::Binpack).map(|_| ())
     }
 
-    /// How good `node` is for `request`, 0..=[`crate::MAX_SCORE`]; 0 when it does not fit.
-    ///
-    /// The node's healthy GPU memory in use after placing the pod, as a fraction, weighs
-    /// three quarters; the chosen GPU's fraction in use after placing weighs one quarter
-    /// (so among equally full nodes the one with the snugger GPU wins). Binpack scores that
-    /// fullness, spread its complement.
-    pub fn score(&self, node: &str, request: &Request, policy: Policy) -> u8 {
-        let Some(node) = self.nodes.get(node) else {
-            return 0;
-        };
-        let Ok(pos) = node.decide(request, policy) else {
-            return 0;
-        };
+    /// How full `node` would be after placing `request`, in 0.0..=1.0; `None` when it does
+    /// not fit. The node's healthy GPU memory in use weighs three quarters, the chosen GPU's
+    /// one quarter (so among equally full nodes the one with the snugger GPU wins).
+    pub fn fullness(&self, node: &str, request: &Request, policy: Policy) -> Option<f64> {
+        let node = self.nodes.get(node)?;
+        let pos = node.decide(request, policy).ok()?;
         let (total, used) = node.healthy_totals();
         let usage = &node.gpus[pos];
         let fraction = |used: u64, total: u64| {
@@ -397,16 +390,55 @@ impl Cluster {
                 (used.saturating_add(request.pod_gib) as f64 / total as f64).min(1.0)
             }
         };
-        let full =
-            0.75 * fraction(used, total) + 0.25 * fraction(usage.used_gib, usage.gpu.total_gib);
+        Some(0.75 * fraction(used, total) + 0.25 * fraction(usage.used_gib, usage.gpu.total_gib))
+    }
+
+    /// How good `node` is for `request` on its own, 0..=[`crate::MAX_SCORE`]; 0 when it does
+    /// not fit. Binpack scores fullness after placing, spread its complement.
+    pub fn score(&self, node: &str, request: &Request, policy: Policy) -> u8 {
+        let Some(full) = self.fullness(node, request, policy) else {
+            return 0;
+        };
         let score = match policy {
             Policy::Binpack => full,
             Policy::Spread => 1.0 - full,
         };
-        // In 0..=10 by construction; the cast cannot truncate.
-        (score * f64::from(crate::MAX_SCORE))
-            .round()
-            .clamp(0.0, f64::from(crate::MAX_SCORE)) as u8
+        to_score(score)
+    }
+
+    /// Scores for a set of candidate nodes, relative to each other: the best fitting node
+    /// gets [`crate::MAX_SCORE`], the worst fitting one 1, the rest in proportion; nodes that
+    /// do not fit get 0.
+    ///
+    /// Why relative: kube-scheduler only takes 0..=10 from an extender. Absolute fullness
+    /// rounds to the same score on nearly empty nodes (3 GiB and 2 GiB used of 64 both
+    /// round to 1), and the scheduler's own spreading scores then decide — fragmenting GPUs.
+    /// Ranking among the candidates keeps the packing preference decisive at any fill level.
+    pub fn scores(&self, nodes: &[&str], request: &Request, policy: Policy) -> Vec<u8> {
+        let goodness: Vec<Option<f64>> = nodes
+            .iter()
+            .map(|node| {
+                self.fullness(node, request, policy)
+                    .map(|full| match policy {
+                        Policy::Binpack => full,
+                        Policy::Spread => 1.0 - full,
+                    })
+            })
+            .collect();
+        let (low, high) = goodness
+            .iter()
+            .flatten()
+            .fold((f64::MAX, f64::MIN), |(low, high), g| {
+                (low.min(*g), high.max(*g))
+            });
+        goodness
+            .iter()
+            .map(|g| match g {
+                None => 0,
+                Some(_) if high - low < 1e-9 => crate::MAX_SCORE,
+                Some(g) => 1 + to_score((g - low) / (high - low) * 0.9),
+            })
+            .collect()
     }
 
     /// The GPU `request` would get on `node` under `policy`, without booking it.
@@ -720,4 +752,12 @@ mod tests {
         cluster.upsert_pod("b".into(), "half", running(0, 4));
         assert_eq!(cluster.score("half", &req, Policy::Binpack), 10);
     }
+}
+
+/// 0.0..=1.0 to 0..=[`crate::MAX_SCORE`], rounded.
+fn to_score(value: f64) -> u8 {
+    // Clamped to 0..=10 first, so the cast cannot truncate.
+    (value * f64::from(crate::MAX_SCORE))
+        .round()
+        .clamp(0.0, f64::from(crate::MAX_SCORE)) as u8
 }

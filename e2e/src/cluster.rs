@@ -40,7 +40,10 @@ pub struct Binaries {
 /// Builds (if needed) and finds our binaries. `GPUSHARE_BIN_DIR` points at prebuilt ones.
 pub fn binaries() -> anyhow::Result<Binaries> {
     static BUILT: OnceLock<Result<Binaries, String>> = OnceLock::new();
-    BUILT.get_or_init(|| build_binaries().map_err(|e| format!("{e:#}"))).clone().map_err(anyhow::Error::msg)
+    BUILT
+        .get_or_init(|| build_binaries().map_err(|e| format!("{e:#}")))
+        .clone()
+        .map_err(anyhow::Error::msg)
 }
 
 fn build_binaries() -> anyhow::Result<Binaries> {
@@ -55,23 +58,40 @@ fn build_binaries() -> anyhow::Result<Binaries> {
     let exe = std::env::current_exe().context("locating the running executable")?;
     let profile_dir = exe
         .ancestors()
-        .find(|dir| matches!(dir.file_name().and_then(|n| n.to_str()), Some("debug" | "release")))
+        .find(|dir| {
+            matches!(
+                dir.file_name().and_then(|n| n.to_str()),
+                Some("debug" | "release")
+            )
+        })
         .context("the running executable is not under a cargo target/<profile> folder")?
         .to_path_buf();
     let target_dir = profile_dir.parent().context("target dir")?;
     let release = profile_dir.ends_with("release");
     let cargo = std::env::var_os("CARGO").unwrap_or_else(|| "cargo".into());
-    let workspace = Path::new(env!("CARGO_MANIFEST_DIR")).parent().context("workspace root")?;
+    let workspace = Path::new(env!("CARGO_MANIFEST_DIR"))
+        .parent()
+        .context("workspace root")?;
     let mut build = std::process::Command::new(cargo);
     build
         .current_dir(workspace)
-        .args(["build", "--quiet", "--bins", "-p", "gpushare-extender", "-p", "gpushare-device-plugin"])
+        .args([
+            "build",
+            "--quiet",
+            "--bins",
+            "-p",
+            "gpushare-extender",
+            "-p",
+            "gpushare-device-plugin",
+        ])
         .arg("--target-dir")
         .arg(target_dir);
     if release {
         build.arg("--release");
     }
-    let status = build.status().context("running cargo build for our binaries")?;
+    let status = build
+        .status()
+        .context("running cargo build for our binaries")?;
     if !status.success() {
         bail!("cargo build of gpushare-extender and gpushare-device-plugin failed ({status})");
     }
@@ -109,27 +129,49 @@ pub struct Process {
 }
 
 impl Process {
-    fn spawn(name: &str, program: &Path, args: &[String], kubeconfig: &Path, log: &Path) -> anyhow::Result<Self> {
-        let log_file = std::fs::OpenOptions::new().create(true).append(true).open(log)?;
+    fn spawn(
+        name: &str,
+        program: &Path,
+        args: &[String],
+        kubeconfig: &Path,
+        log: &Path,
+    ) -> anyhow::Result<Self> {
+        let log_file = std::fs::OpenOptions::new()
+            .create(true)
+            .append(true)
+            .open(log)?;
         let child = Command::new(program)
             .args(args)
             .env("KUBECONFIG", kubeconfig)
-            .env("RUST_LOG", std::env::var("GPUSHARE_E2E_LOG").unwrap_or_else(|_| "info".into()))
+            .env(
+                "RUST_LOG",
+                std::env::var("GPUSHARE_E2E_LOG").unwrap_or_else(|_| "info".into()),
+            )
             .stdin(Stdio::null())
             .stdout(Stdio::from(log_file.try_clone()?))
             .stderr(Stdio::from(log_file))
             .kill_on_drop(true)
             .spawn()
             .with_context(|| format!("starting {}", program.display()))?;
-        Ok(Self { name: name.to_owned(), child })
+        Ok(Self {
+            name: name.to_owned(),
+            child,
+        })
     }
 
     /// Asks the process to stop (SIGTERM) and waits up to 5 s, then kills it.
     pub async fn stop(mut self) {
         if let Some(pid) = self.child.id() {
-            let _ = Command::new("kill").arg("-TERM").arg(pid.to_string()).status().await;
+            let _ = Command::new("kill")
+                .arg("-TERM")
+                .arg(pid.to_string())
+                .status()
+                .await;
         }
-        if tokio::time::timeout(Duration::from_secs(5), self.child.wait()).await.is_err() {
+        if tokio::time::timeout(Duration::from_secs(5), self.child.wait())
+            .await
+            .is_err()
+        {
             tracing::warn!(process = %self.name, "did not stop on SIGTERM; killing");
             let _ = self.child.kill().await;
         }
@@ -162,16 +204,24 @@ pub struct Extender {
 
 impl Extender {
     /// Starts the extender and waits until `/readyz` answers 200.
-    pub async fn start(bin: &Binaries, kubeconfig: &Path, log: &Path, extra: &[String]) -> anyhow::Result<Self> {
+    pub async fn start(
+        bin: &Binaries,
+        kubeconfig: &Path,
+        log: &Path,
+        extra: &[String],
+    ) -> anyhow::Result<Self> {
         let port = free_port()?;
         let mut args = vec!["--listen".to_owned(), format!("127.0.0.1:{port}")];
         args.extend_from_slice(extra);
-        let mut process = Process::spawn("gpushare-extender", &bin.extender, &args, kubeconfig, log)?;
+        let mut process =
+            Process::spawn("gpushare-extender", &bin.extender, &args, kubeconfig, log)?;
         let base_url = format!("http://127.0.0.1:{port}");
         let addr: SocketAddr = format!("127.0.0.1:{port}").parse()?;
-        let ready = wait_for("the extender to become ready", Duration::from_secs(30), || async {
-            matches!(http_get(addr, "/readyz").await, Ok((200, _))).then_some(())
-        })
+        let ready = wait_for(
+            "the extender to become ready",
+            Duration::from_secs(30),
+            || async { matches!(http_get(addr, "/readyz").await, Ok((200, _))).then_some(()) },
+        )
         .await;
         if ready.is_err() && !process.is_running() {
             bail!("gpushare-extender exited at start; see {}", log.display());
@@ -210,8 +260,14 @@ pub async fn http_get(addr: SocketAddr, path: &str) -> anyhow::Result<(u16, Stri
         .nth(1)
         .and_then(|code| code.parse().ok())
         .context("malformed HTTP answer")?;
-    let body = text.split_once("\r\n\r\n").map(|(_, body)| body).unwrap_or_default();
-    let body = if text.to_ascii_lowercase().contains("transfer-encoding: chunked") {
+    let body = text
+        .split_once("\r\n\r\n")
+        .map(|(_, body)| body)
+        .unwrap_or_default();
+    let body = if text
+        .to_ascii_lowercase()
+        .contains("transfer-encoding: chunked")
+    {
         dechunk(body)
     } else {
         body.to_owned()
@@ -222,7 +278,9 @@ pub async fn http_get(addr: SocketAddr, path: &str) -> anyhow::Result<(u16, Stri
 fn dechunk(mut body: &str) -> String {
     let mut out = String::new();
     while let Some((size, rest)) = body.split_once("\r\n") {
-        let Ok(size) = usize::from_str_radix(size.trim(), 16) else { break };
+        let Ok(size) = usize::from_str_radix(size.trim(), 16) else {
+            break;
+        };
         if size == 0 || rest.len() < size {
             break;
         }
@@ -260,7 +318,10 @@ impl ClusterSpec {
     /// One labelled node per entry, GPUs of the given sizes.
     pub fn labelled(nodes: &[(&str, &[u64])]) -> Self {
         Self {
-            nodes: nodes.iter().map(|(name, gpus)| ((*name).to_owned(), gpus.to_vec(), true)).collect(),
+            nodes: nodes
+                .iter()
+                .map(|(name, gpus)| ((*name).to_owned(), gpus.to_vec(), true))
+                .collect(),
             admission: AdmissionOrder::CreationTime,
             extender_args: Vec::new(),
         }
@@ -364,7 +425,8 @@ impl TestCluster {
         let health_file = self.dir.path().join(format!("{name}-unhealthy-gpus"));
         std::fs::write(&health_file, "")?;
         let kubelet =
-            KubeletDriver::start(&plugin_dir, name, self.client.clone(), self.spec.admission).await?;
+            KubeletDriver::start(&plugin_dir, name, self.client.clone(), self.spec.admission)
+                .await?;
         let mut sim = SimNode {
             name: name.to_owned(),
             gpus: gpus.to_vec(),
@@ -374,7 +436,9 @@ impl TestCluster {
             health_file,
         };
         sim.plugin = Some(self.spawn_plugin(&sim)?);
-        sim.kubelet.wait_registered(RESOURCE, Duration::from_secs(30)).await?;
+        sim.kubelet
+            .wait_registered(RESOURCE, Duration::from_secs(30))
+            .await?;
         let total: u64 = gpus.iter().sum();
         let nodes: Api<Node> = Api::all(self.client.clone());
         wait_for(&format!("node {name} to advertise {total} GiB"), Duration::from_secs(30), || {
@@ -402,19 +466,38 @@ impl TestCluster {
             "--metrics-listen".to_owned(),
             format!("127.0.0.1:{}", free_port()?),
         ];
-        let log = self.dir.path().join(format!("device-plugin-{}.log", sim.name));
-        Process::spawn("gpushare-device-plugin", &self.binaries.device_plugin, &args, &self.kubeconfig, &log)
+        let log = self
+            .dir
+            .path()
+            .join(format!("device-plugin-{}.log", sim.name));
+        Process::spawn(
+            "gpushare-device-plugin",
+            &self.binaries.device_plugin,
+            &args,
+            &self.kubeconfig,
+            &log,
+        )
     }
 
     async fn start_extender(&mut self) -> anyhow::Result<()> {
         let log = self.dir.path().join("extender.log");
-        let extender = Extender::start(&self.binaries, &self.kubeconfig, &log, &self.spec.extender_args).await?;
+        let extender = Extender::start(
+            &self.binaries,
+            &self.kubeconfig,
+            &log,
+            &self.spec.extender_args,
+        )
+        .await?;
         self.extender = Some(extender);
         Ok(())
     }
 
     async fn start_scheduler(&mut self) -> anyhow::Result<()> {
-        let prefix = self.extender.as_ref().context("extender not started")?.url_prefix();
+        let prefix = self
+            .extender
+            .as_ref()
+            .context("extender not started")?
+            .url_prefix();
         let config = SchedulerConfig {
             extenders: vec![ExtenderConfig::gpushare(&prefix)],
             backoff_initial: Duration::from_millis(50),
@@ -428,7 +511,9 @@ impl TestCluster {
 
     /// The running extender.
     pub fn extender(&self) -> anyhow::Result<&Extender> {
-        self.extender.as_ref().context("the extender is not running")
+        self.extender
+            .as_ref()
+            .context("the extender is not running")
     }
 
     /// Kills the extender (as a crash would) and starts a fresh one on the same port-less
@@ -451,17 +536,19 @@ impl TestCluster {
             plugin.stop().await;
         }
         let sim = self.nodes.get(node).context("no such node")?;
+        let before = sim.kubelet.registrations(RESOURCE);
         let plugin = self.spawn_plugin(sim)?;
         let sim = self.nodes.get_mut(node).context("no such node")?;
         sim.plugin = Some(plugin);
-        sim.kubelet.wait_registered(RESOURCE, Duration::from_secs(30)).await
+        wait_reregistered(&sim.kubelet, before).await
     }
 
     /// Restarts a node's kubelet (its socket removed and recreated); the plugin re-registers.
     pub async fn restart_kubelet(&mut self, node: &str) -> anyhow::Result<()> {
         let sim = self.nodes.get_mut(node).context("no such node")?;
+        let before = sim.kubelet.registrations(RESOURCE);
         sim.kubelet.restart().await?;
-        sim.kubelet.wait_registered(RESOURCE, Duration::from_secs(30)).await
+        wait_reregistered(&sim.kubelet, before).await
     }
 
     /// Marks GPUs of a node unhealthy in the simulated backend (empty: all healthy again).
@@ -474,28 +561,47 @@ impl TestCluster {
 
     /// A pod as the API server has it now.
     pub async fn pod(&self, namespace: &str, name: &str) -> anyhow::Result<Pod> {
-        Ok(Api::<Pod>::namespaced(self.client.clone(), namespace).get(name).await?)
+        Ok(Api::<Pod>::namespaced(self.client.clone(), namespace)
+            .get(name)
+            .await?)
     }
 
     /// Waits until a pod reaches `phase`.
-    pub async fn wait_phase(&self, namespace: &str, name: &str, phase: &str, timeout: Duration) -> anyhow::Result<Pod> {
+    pub async fn wait_phase(
+        &self,
+        namespace: &str,
+        name: &str,
+        phase: &str,
+        timeout: Duration,
+    ) -> anyhow::Result<Pod> {
         let pods: Api<Pod> = Api::namespaced(self.client.clone(), namespace);
-        wait_for(&format!("pod {namespace}/{name} to be {phase}"), timeout, || {
-            let pods = pods.clone();
-            async move {
-                let pod = pods.get(name).await.ok()?;
-                (pod.status.as_ref()?.phase.as_deref() == Some(phase)).then_some(pod)
-            }
-        })
+        wait_for(
+            &format!("pod {namespace}/{name} to be {phase}"),
+            timeout,
+            || {
+                let pods = pods.clone();
+                async move {
+                    let pod = pods.get(name).await.ok()?;
+                    (pod.status.as_ref()?.phase.as_deref() == Some(phase)).then_some(pod)
+                }
+            },
+        )
         .await
     }
 
     /// Why the scheduler left a pod pending, once it has said so.
-    pub async fn wait_pending_reason(&self, namespace: &str, name: &str, timeout: Duration) -> anyhow::Result<String> {
+    pub async fn wait_pending_reason(
+        &self,
+        namespace: &str,
+        name: &str,
+        timeout: Duration,
+    ) -> anyhow::Result<String> {
         let scheduler = self.scheduler.as_ref().context("scheduler not running")?;
-        wait_for(&format!("a pending reason for {namespace}/{name}"), timeout, || async {
-            scheduler.pending_reason(namespace, name)
-        })
+        wait_for(
+            &format!("a pending reason for {namespace}/{name}"),
+            timeout,
+            || async { scheduler.pending_reason(namespace, name) },
+        )
         .await
     }
 
@@ -517,7 +623,30 @@ impl TestCluster {
     }
 }
 
+/// Waits until the device plugin registered again (after `before` registrations) and
+/// listed healthy devices.
+async fn wait_reregistered(kubelet: &KubeletDriver, before: u64) -> anyhow::Result<()> {
+    kubelet
+        .wait_until(
+            Duration::from_secs(30),
+            "the device plugin to register again",
+            |k| {
+                k.registrations(RESOURCE) > before
+                    && k.registered_resources().iter().any(|r| r == RESOURCE)
+                    && k.devices(RESOURCE).iter().any(|(_, healthy)| *healthy)
+            },
+        )
+        .await
+}
+
 /// `status.allocatable[RESOURCE]` of a node, in GiB.
 pub fn node_allocatable(node: &Node) -> Option<u64> {
-    node.status.as_ref()?.allocatable.as_ref()?.get(RESOURCE)?.0.parse().ok()
+    node.status
+        .as_ref()?
+        .allocatable
+        .as_ref()?
+        .get(RESOURCE)?
+        .0
+        .parse()
+        .ok()
 }

@@ -108,7 +108,12 @@ impl Shared {
 /// What kubelet's node status manager does with device plugin lists: the node's capacity of
 /// each resource is its plugin's device count, allocatable the healthy ones. Patched on the
 /// `nodes/status` subresource whenever a list changes.
-async fn sync_node_capacity(shared: Arc<Shared>, client: Client, node: String, stop: CancellationToken) {
+async fn sync_node_capacity(
+    shared: Arc<Shared>,
+    client: Client,
+    node: String,
+    stop: CancellationToken,
+) {
     let nodes: Api<k8s_openapi::api::core::v1::Node> = Api::all(client);
     let mut changes = shared.changes.subscribe();
     let mut written: BTreeMap<String, (usize, usize)> = BTreeMap::new();
@@ -119,20 +124,37 @@ async fn sync_node_capacity(shared: Arc<Shared>, client: Client, node: String, s
             .iter()
             .filter(|(_, plugin)| plugin.listed)
             .map(|(resource, plugin)| {
-                let healthy = plugin.devices.iter().filter(|(_, healthy)| *healthy).count();
+                let healthy = plugin
+                    .devices
+                    .iter()
+                    .filter(|(_, healthy)| *healthy)
+                    .count();
                 (resource.clone(), (plugin.devices.len(), healthy))
             })
             .collect();
-        let stale: BTreeMap<_, _> = wanted.iter().filter(|(r, v)| written.get(*r) != Some(v)).collect();
+        let stale: BTreeMap<_, _> = wanted
+            .iter()
+            .filter(|(r, v)| written.get(*r) != Some(v))
+            .collect();
         if !stale.is_empty() {
-            let capacity: serde_json::Map<_, _> =
-                stale.iter().map(|(r, (total, _))| ((*r).clone(), total.to_string().into())).collect();
-            let allocatable: serde_json::Map<_, _> =
-                stale.iter().map(|(r, (_, healthy))| ((*r).clone(), healthy.to_string().into())).collect();
-            let patch = serde_json::json!({"status": {"capacity": capacity, "allocatable": allocatable}});
-            match nodes.patch_status(&node, &PatchParams::default(), &Patch::Merge(&patch)).await {
+            let capacity: serde_json::Map<_, _> = stale
+                .iter()
+                .map(|(r, (total, _))| ((*r).clone(), total.to_string().into()))
+                .collect();
+            let allocatable: serde_json::Map<_, _> = stale
+                .iter()
+                .map(|(r, (_, healthy))| ((*r).clone(), healthy.to_string().into()))
+                .collect();
+            let patch =
+                serde_json::json!({"status": {"capacity": capacity, "allocatable": allocatable}});
+            match nodes
+                .patch_status(&node, &PatchParams::default(), &Patch::Merge(&patch))
+                .await
+            {
                 Ok(_) => written.extend(stale.into_iter().map(|(r, v)| (r.clone(), *v))),
-                Err(error) => tracing::warn!(%node, %error, "node capacity update failed; retrying"),
+                Err(error) => {
+                    tracing::warn!(%node, %error, "node capacity update failed; retrying")
+                }
             }
         }
         tokio::select! {
@@ -320,7 +342,12 @@ impl KubeletDriver {
         });
         let registration = serve_registration(shared.clone()).await?;
         let stop = CancellationToken::new();
-        tokio::spawn(sync_node_capacity(shared.clone(), client.clone(), node_name.to_owned(), stop.clone()));
+        tokio::spawn(sync_node_capacity(
+            shared.clone(),
+            client.clone(),
+            node_name.to_owned(),
+            stop.clone(),
+        ));
         let admission = tokio::spawn(
             Admission {
                 shared: shared.clone(),

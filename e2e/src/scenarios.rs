@@ -63,13 +63,22 @@ pub const START_TIMEOUT: Duration = Duration::from_secs(60);
 /// Creates a pod asking for `gib` GiB in its `main` container.
 pub async fn create_gpu_pod(h: &impl Harness, name: &str, gib: u64) -> anyhow::Result<Pod> {
     let pod = h.prepare(pod(name).namespace(h.namespace()).gpu_mem(gib).build());
-    Ok(Api::<Pod>::namespaced(h.client(), h.namespace()).create(&PostParams::default(), &pod).await?)
+    Ok(Api::<Pod>::namespaced(h.client(), h.namespace())
+        .create(&PostParams::default(), &pod)
+        .await?)
 }
 
 /// Deletes a pod at once (grace 0) and waits until it is gone.
 pub async fn delete_pod(h: &impl Harness, name: &str) -> anyhow::Result<()> {
     let pods: Api<Pod> = Api::namespaced(h.client(), h.namespace());
-    pods.delete(name, &DeleteParams { grace_period_seconds: Some(0), ..DeleteParams::default() }).await?;
+    pods.delete(
+        name,
+        &DeleteParams {
+            grace_period_seconds: Some(0),
+            ..DeleteParams::default()
+        },
+    )
+    .await?;
     wait_for(&format!("pod {name} to be gone"), START_TIMEOUT, || {
         let pods = pods.clone();
         async move { pods.get_opt(name).await.ok()?.is_none().then_some(()) }
@@ -92,8 +101,17 @@ pub async fn wait_running(h: &impl Harness, name: &str) -> anyhow::Result<Pod> {
         Ok(pod) => Ok(pod),
         Err(error) => {
             let pod = pods.get(name).await.ok();
-            let why = pod.as_ref().map(|p| format!("phase {}, {}", phase(p), scheduling_message(p).unwrap_or_default()));
-            Err(error.context(format!("pod {name}: {}", why.unwrap_or_else(|| "gone".into()))))
+            let why = pod.as_ref().map(|p| {
+                format!(
+                    "phase {}, {}",
+                    phase(p),
+                    scheduling_message(p).unwrap_or_default()
+                )
+            });
+            Err(error.context(format!(
+                "pod {name}: {}",
+                why.unwrap_or_else(|| "gone".into())
+            )))
         }
     }
 }
@@ -102,16 +120,23 @@ pub async fn wait_running(h: &impl Harness, name: &str) -> anyhow::Result<Pod> {
 /// (the `PodScheduled=False` condition's message, as `kubectl describe` shows it).
 pub async fn wait_unschedulable(h: &impl Harness, name: &str) -> anyhow::Result<String> {
     let pods: Api<Pod> = Api::namespaced(h.client(), h.namespace());
-    wait_for(&format!("a reason why pod {name} is pending"), START_TIMEOUT, || {
-        let pods = pods.clone();
-        async move { scheduling_message(&pods.get(name).await.ok()?) }
-    })
+    wait_for(
+        &format!("a reason why pod {name} is pending"),
+        START_TIMEOUT,
+        || {
+            let pods = pods.clone();
+            async move { scheduling_message(&pods.get(name).await.ok()?) }
+        },
+    )
     .await
 }
 
 /// The pod's phase ("" if none yet).
 pub fn phase(pod: &Pod) -> &str {
-    pod.status.as_ref().and_then(|s| s.phase.as_deref()).unwrap_or_default()
+    pod.status
+        .as_ref()
+        .and_then(|s| s.phase.as_deref())
+        .unwrap_or_default()
 }
 
 /// The `PodScheduled=False` message, if the scheduler set one.
@@ -128,8 +153,12 @@ pub fn scheduling_message(pod: &Pod) -> Option<String> {
 /// The allocation the extender recorded on a pod.
 pub fn allocation(pod: &Pod) -> anyhow::Result<PodAllocation> {
     let annotations = pod.metadata.annotations.clone().unwrap_or_default();
-    PodAllocation::from_annotations(&Keys::default(), &annotations)?
-        .with_context(|| format!("pod {} carries no gpushare allocation", pod.metadata.name.as_deref().unwrap_or("?")))
+    PodAllocation::from_annotations(&Keys::default(), &annotations)?.with_context(|| {
+        format!(
+            "pod {} carries no gpushare allocation",
+            pod.metadata.name.as_deref().unwrap_or("?")
+        )
+    })
 }
 
 /// Every running container that asked for GPU memory sees exactly its pod's GPU.
@@ -138,7 +167,10 @@ pub async fn check_pinned(h: &impl Harness, pod: &Pod) -> anyhow::Result<()> {
     let alloc = allocation(pod)?;
     for container in &alloc.containers {
         let env = h.container_env(name, &container.name).await?;
-        let visible = env.get(env::NVIDIA_VISIBLE_DEVICES).map(String::as_str).unwrap_or_default();
+        let visible = env
+            .get(env::NVIDIA_VISIBLE_DEVICES)
+            .map(String::as_str)
+            .unwrap_or_default();
         ensure!(
             !alloc.gpu_uuid.is_empty() && visible == alloc.gpu_uuid,
             "pod {name} container {}: NVIDIA_VISIBLE_DEVICES={visible:?} but the pod is on GPU {} ({})",
@@ -158,34 +190,56 @@ pub async fn check_pinned(h: &impl Harness, pod: &Pod) -> anyhow::Result<()> {
 
 /// GiB in use per (node, GPU index), from every active pod's annotations, checked against
 /// each GPU's size from the node inventory. Returns the usage table.
-pub async fn check_no_overcommit(client: &Client) -> anyhow::Result<BTreeMap<(String, u32), (u64, u64)>> {
+pub async fn check_no_overcommit(
+    client: &Client,
+) -> anyhow::Result<BTreeMap<(String, u32), (u64, u64)>> {
     let keys = Keys::default();
-    let nodes = Api::<Node>::all(client.clone()).list(&ListParams::default()).await?;
+    let nodes = Api::<Node>::all(client.clone())
+        .list(&ListParams::default())
+        .await?;
     let mut usage: BTreeMap<(String, u32), (u64, u64)> = BTreeMap::new();
     for node in &nodes.items {
         let name = node.metadata.name.clone().unwrap_or_default();
-        let Some(text) = node.metadata.annotations.as_ref().and_then(|a| a.get(&keys.node_gpus)) else {
+        let Some(text) = node
+            .metadata
+            .annotations
+            .as_ref()
+            .and_then(|a| a.get(&keys.node_gpus))
+        else {
             continue;
         };
         for gpu in inventory::decode(text)? {
             usage.insert((name.clone(), gpu.index), (0, gpu.mem_gib));
         }
     }
-    let pods = Api::<Pod>::all(client.clone()).list(&ListParams::default()).await?;
+    let pods = Api::<Pod>::all(client.clone())
+        .list(&ListParams::default())
+        .await?;
     for pod in &pods.items {
         if matches!(phase(pod), "Succeeded" | "Failed") {
             continue;
         }
-        let (Some(node), Ok(alloc)) = (pod.spec.as_ref().and_then(|s| s.node_name.clone()), allocation(pod)) else {
+        let (Some(node), Ok(alloc)) = (
+            pod.spec.as_ref().and_then(|s| s.node_name.clone()),
+            allocation(pod),
+        ) else {
             continue;
         };
         let entry = usage
             .get_mut(&(node.clone(), alloc.gpu_index))
-            .with_context(|| format!("pod placed on unknown GPU {} of node {node}", alloc.gpu_index))?;
+            .with_context(|| {
+                format!(
+                    "pod placed on unknown GPU {} of node {node}",
+                    alloc.gpu_index
+                )
+            })?;
         entry.0 += alloc.pod_gib;
     }
     for ((node, gpu), (used, total)) in &usage {
-        ensure!(used <= total, "GPU {gpu} of node {node} is over-committed: {used} GiB of {total} GiB");
+        ensure!(
+            used <= total,
+            "GPU {gpu} of node {node} is over-committed: {used} GiB of {total} GiB"
+        );
     }
     Ok(usage)
 }
@@ -203,8 +257,13 @@ pub struct NotebookOutcome {
 
 /// The classic story on a node with one GPU of 14–16 GiB: three pods × 4 GiB share it, a
 /// fourth waits with a reason, and starts once one of the three is deleted.
-pub async fn notebook(h: &impl Harness, narrator: &impl Narrator) -> anyhow::Result<NotebookOutcome> {
-    narrator.say("Three notebooks each ask for 4 GiB of GPU memory (example.com/gpu-mem: 4).").await;
+pub async fn notebook(
+    h: &impl Harness,
+    narrator: &impl Narrator,
+) -> anyhow::Result<NotebookOutcome> {
+    narrator
+        .say("Three notebooks each ask for 4 GiB of GPU memory (example.com/gpu-mem: 4).")
+        .await;
     for i in 1..=3 {
         create_gpu_pod(h, &format!("notebook-{i}"), 4).await?;
     }
@@ -216,27 +275,46 @@ pub async fn notebook(h: &impl Harness, narrator: &impl Narrator) -> anyhow::Res
         sharing.push((format!("notebook-{i}"), alloc.gpu_index, alloc.gpu_uuid));
     }
     ensure!(
-        sharing.iter().all(|(_, gpu, uuid)| (*gpu, uuid) == (sharing[0].1, &sharing[0].2)),
+        sharing
+            .iter()
+            .all(|(_, gpu, uuid)| (*gpu, uuid) == (sharing[0].1, &sharing[0].2)),
         "the three notebooks should share one GPU: {sharing:?}"
     );
-    narrator.say(&format!("All three run on the same GPU ({}); each container sees only that GPU.", sharing[0].2)).await;
+    narrator
+        .say(&format!(
+            "All three run on the same GPU ({}); each container sees only that GPU.",
+            sharing[0].2
+        ))
+        .await;
     narrator.show().await;
 
-    narrator.say("A fourth notebook asks for 4 GiB: 12 GiB are taken, so it cannot fit.").await;
+    narrator
+        .say("A fourth notebook asks for 4 GiB: 12 GiB are taken, so it cannot fit.")
+        .await;
     create_gpu_pod(h, "notebook-4", 4).await?;
     let pending_reason = wait_unschedulable(h, "notebook-4").await?;
-    narrator.say(&format!("notebook-4 stays Pending: {pending_reason}")).await;
+    narrator
+        .say(&format!("notebook-4 stays Pending: {pending_reason}"))
+        .await;
     narrator.show().await;
 
-    narrator.say("Delete notebook-1: its 4 GiB come free.").await;
+    narrator
+        .say("Delete notebook-1: its 4 GiB come free.")
+        .await;
     delete_pod(h, "notebook-1").await?;
     let fourth = wait_running(h, "notebook-4").await?;
     check_pinned(h, &fourth).await?;
     let fourth_gpu = allocation(&fourth)?.gpu_index;
-    narrator.say("notebook-4 is running now, on the GPU notebook-1 left.").await;
+    narrator
+        .say("notebook-4 is running now, on the GPU notebook-1 left.")
+        .await;
     narrator.show().await;
     check_no_overcommit(&h.client()).await?;
-    Ok(NotebookOutcome { sharing, pending_reason, fourth_gpu })
+    Ok(NotebookOutcome {
+        sharing,
+        pending_reason,
+        fourth_gpu,
+    })
 }
 
 /// The in-process cluster as a harness: container environments come from the kubelet
@@ -250,7 +328,11 @@ impl Harness for TestCluster {
         "default"
     }
 
-    async fn container_env(&self, pod: &str, container: &str) -> anyhow::Result<BTreeMap<String, String>> {
+    async fn container_env(
+        &self,
+        pod: &str,
+        container: &str,
+    ) -> anyhow::Result<BTreeMap<String, String>> {
         self.nodes
             .values()
             .find_map(|node| node.kubelet.container_env("default", pod, container))
@@ -271,20 +353,28 @@ pub struct RealCluster {
 impl RealCluster {
     /// Connects through the standard kubeconfig and creates the scenario namespace.
     pub async fn connect(namespace: &str) -> anyhow::Result<Self> {
-        let client = Client::try_default().await.context("connecting with KUBECONFIG")?;
+        let client = Client::try_default()
+            .await
+            .context("connecting with KUBECONFIG")?;
         let namespaces: Api<k8s_openapi::api::core::v1::Namespace> = Api::all(client.clone());
         let ns = serde_json::from_value(serde_json::json!({"metadata": {"name": namespace}}))?;
         if let Err(error) = namespaces.create(&PostParams::default(), &ns).await {
             tracing::info!(%error, namespace, "namespace exists or cannot be created");
         }
         let image = std::env::var("GPUSHARE_E2E_IMAGE").unwrap_or_else(|_| "busybox:1.36".into());
-        Ok(Self { client, namespace: namespace.to_owned(), image })
+        Ok(Self {
+            client,
+            namespace: namespace.to_owned(),
+            image,
+        })
     }
 
     /// Deletes the scenario namespace.
     pub async fn cleanup(self) -> anyhow::Result<()> {
         let namespaces: Api<k8s_openapi::api::core::v1::Namespace> = Api::all(self.client.clone());
-        namespaces.delete(&self.namespace, &DeleteParams::default()).await?;
+        namespaces
+            .delete(&self.namespace, &DeleteParams::default())
+            .await?;
         Ok(())
     }
 }
@@ -300,7 +390,11 @@ impl Harness for RealCluster {
 
     fn prepare(&self, mut pod: Pod) -> Pod {
         if let Some(spec) = pod.spec.as_mut() {
-            for container in spec.containers.iter_mut().chain(spec.init_containers.iter_mut().flatten()) {
+            for container in spec
+                .containers
+                .iter_mut()
+                .chain(spec.init_containers.iter_mut().flatten())
+            {
                 container.image = Some(self.image.clone());
                 container.command = Some(vec!["sh".into(), "-c".into(), "env; sleep 3600".into()]);
             }
@@ -308,9 +402,16 @@ impl Harness for RealCluster {
         pod
     }
 
-    async fn container_env(&self, pod: &str, container: &str) -> anyhow::Result<BTreeMap<String, String>> {
+    async fn container_env(
+        &self,
+        pod: &str,
+        container: &str,
+    ) -> anyhow::Result<BTreeMap<String, String>> {
         let pods: Api<Pod> = Api::namespaced(self.client.clone(), &self.namespace);
-        let params = LogParams { container: Some(container.to_owned()), ..LogParams::default() };
+        let params = LogParams {
+            container: Some(container.to_owned()),
+            ..LogParams::default()
+        };
         let log = pods.logs(pod, &params).await?;
         let env: BTreeMap<String, String> = log
             .lines()
@@ -325,12 +426,19 @@ impl Harness for RealCluster {
 }
 
 /// Counts pods per (node, GPU) among `names`, for assertions about packing.
-pub async fn placements(h: &impl Harness, names: &[String]) -> anyhow::Result<HashMap<String, (String, u32)>> {
+pub async fn placements(
+    h: &impl Harness,
+    names: &[String],
+) -> anyhow::Result<HashMap<String, (String, u32)>> {
     let pods: Api<Pod> = Api::namespaced(h.client(), h.namespace());
     let mut out = HashMap::new();
     for name in names {
         let pod = pods.get(name).await?;
-        let node = pod.spec.as_ref().and_then(|s| s.node_name.clone()).unwrap_or_default();
+        let node = pod
+            .spec
+            .as_ref()
+            .and_then(|s| s.node_name.clone())
+            .unwrap_or_default();
         out.insert(name.clone(), (node, allocation(&pod)?.gpu_index));
     }
     Ok(out)

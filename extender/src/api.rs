@@ -256,13 +256,17 @@ async fn prioritize(State(state): State<AppState>, body: Bytes) -> Response {
                 .ok()
                 .flatten()
                 .filter(|_| view.is_synced());
-            let scores: Vec<HostPriority> = candidates
+            let names: Vec<&str> = candidates.iter().map(|(name, _)| &**name).collect();
+            let raw = match &request {
+                Some(request) => view.cluster.scores(&names, request, state.inner.policy),
+                None => vec![0; names.len()],
+            };
+            let scores: Vec<HostPriority> = names
                 .iter()
-                .map(|(name, _)| HostPriority {
-                    host: name.to_string(),
-                    score: request.as_ref().map_or(0, |request| {
-                        i64::from(view.cluster.score(name, request, state.inner.policy))
-                    }),
+                .zip(raw)
+                .map(|(name, score)| HostPriority {
+                    host: (*name).to_owned(),
+                    score: i64::from(score),
                 })
                 .collect();
             drop(view);

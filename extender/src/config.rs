@@ -55,7 +55,11 @@ pub struct Config {
     #[arg(long, env = "GPUSHARE_WEBHOOK_LISTEN", default_value = "0.0.0.0:9443")]
     pub webhook_listen: SocketAddr,
     /// Service name the webhook certificate is issued for (`<service>.<namespace>.svc`).
-    #[arg(long, env = "GPUSHARE_WEBHOOK_SERVICE", default_value = "gpushare-extender")]
+    #[arg(
+        long,
+        env = "GPUSHARE_WEBHOOK_SERVICE",
+        default_value = "gpushare-extender"
+    )]
     pub webhook_service: String,
     /// Namespace of that Service (the extender's own namespace in the chart).
     #[arg(long, env = "POD_NAMESPACE", default_value = "kube-system")]

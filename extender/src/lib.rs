@@ -126,9 +126,16 @@ pub async fn serve(
         state.clone(),
     )));
     let mut pods = Supervised(tokio::spawn(watch::watch_pods(client.clone(), state)));
-    let _recorder = Supervised(tokio::spawn(kube_io::record_events(client.clone(), event_rx)));
+    let _recorder = Supervised(tokio::spawn(kube_io::record_events(
+        client.clone(),
+        event_rx,
+    )));
     let mut webhook = match config.webhook_enabled {
-        true => Some(Supervised(tokio::spawn(serve_webhook(config.clone(), client, stop.clone())))),
+        true => Some(Supervised(tokio::spawn(serve_webhook(
+            config.clone(),
+            client,
+            stop.clone(),
+        )))),
         false => None,
     };
     let webhook_ended = async {
@@ -165,20 +172,33 @@ pub async fn serve(
 /// and rotates itself, keeping the MutatingWebhookConfiguration's caBundle current.
 async fn serve_webhook(config: Config, client: kube::Client, stop: CancellationToken) {
     use gpushare_admission::{AdmissionState, CaBundlePatcher, CertConfig, CertRotator};
-    let rotator = match CertRotator::new(CertConfig::new(&config.webhook_service, &config.namespace)) {
-        Ok(rotator) => rotator,
-        Err(error) => {
-            tracing::error!(%error, "cannot create the admission webhook's certificate");
-            return;
-        }
-    };
+    let rotator =
+        match CertRotator::new(CertConfig::new(&config.webhook_service, &config.namespace)) {
+            Ok(rotator) => rotator,
+            Err(error) => {
+                tracing::error!(%error, "cannot create the admission webhook's certificate");
+                return;
+            }
+        };
     let patcher = (!config.webhook_configuration.is_empty())
         .then(|| CaBundlePatcher::new(client, config.webhook_configuration.clone()));
-    tokio::spawn(rotator.clone().run(patcher, Duration::from_secs(3600), stop.clone().cancelled_owned()));
-    let router = gpushare_admission::router(AdmissionState::new(&config.resource, &config.scheduler_name));
+    tokio::spawn(rotator.clone().run(
+        patcher,
+        Duration::from_secs(3600),
+        stop.clone().cancelled_owned(),
+    ));
+    let router = gpushare_admission::router(AdmissionState::new(
+        &config.resource,
+        &config.scheduler_name,
+    ));
     tracing::info!(addr = %config.webhook_listen, "admission webhook listening");
-    if let Err(error) =
-        gpushare_admission::serve_tls(config.webhook_listen, router, rotator, stop.cancelled_owned()).await
+    if let Err(error) = gpushare_admission::serve_tls(
+        config.webhook_listen,
+        router,
+        rotator,
+        stop.cancelled_owned(),
+    )
+    .await
     {
         tracing::error!(%error, "admission webhook stopped");
     }

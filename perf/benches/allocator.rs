@@ -38,7 +38,12 @@ fn busy_cluster(nodes: usize) -> (Cluster, Vec<String>) {
                 (
                     PodId(format!("{name}-{gpu}-{p}")),
                     name.clone(),
-                    PodPlacement { gpu, pod_gib: 2, pending: vec![], assigned: true },
+                    PodPlacement {
+                        gpu,
+                        pod_gib: 2,
+                        pending: vec![],
+                        assigned: true,
+                    },
                 )
             })
         })
@@ -47,12 +52,20 @@ fn busy_cluster(nodes: usize) -> (Cluster, Vec<String>) {
 }
 
 fn filter_and_prioritize(c: &mut Criterion) {
-    let request = Request { pod_gib: 4, containers: vec![4] };
+    let request = Request {
+        pod_gib: 4,
+        containers: vec![4],
+    };
     let mut group = c.benchmark_group("filter");
     for nodes in [100, 1_000, 5_000] {
         let (cluster, names) = busy_cluster(nodes);
         group.bench_with_input(BenchmarkId::from_parameter(nodes), &names, |b, names| {
-            b.iter(|| names.iter().filter(|name| cluster.fit(name, black_box(&request)).is_ok()).count())
+            b.iter(|| {
+                names
+                    .iter()
+                    .filter(|name| cluster.fit(name, black_box(&request)).is_ok())
+                    .count()
+            })
         });
     }
     group.finish();
@@ -61,7 +74,12 @@ fn filter_and_prioritize(c: &mut Criterion) {
         let (cluster, names) = busy_cluster(nodes);
         group.bench_with_input(BenchmarkId::from_parameter(nodes), &names, |b, names| {
             b.iter(|| {
-                names.iter().map(|name| u32::from(cluster.score(name, black_box(&request), Policy::Binpack))).sum::<u32>()
+                names
+                    .iter()
+                    .map(|name| {
+                        u32::from(cluster.score(name, black_box(&request), Policy::Binpack))
+                    })
+                    .sum::<u32>()
             })
         });
     }
@@ -70,12 +88,16 @@ fn filter_and_prioritize(c: &mut Criterion) {
 
 fn bind_decision(c: &mut Criterion) {
     let (mut cluster, names) = busy_cluster(5_000);
-    let request = Request { pod_gib: 4, containers: vec![4] };
+    let request = Request {
+        pod_gib: 4,
+        containers: vec![4],
+    };
     let node = names[2_500].clone();
     let uid = PodId("bench-pod".into());
     c.bench_function("bind decision (reserve + release) at 5000 nodes", |b| {
         b.iter(|| {
-            let placement = cluster.reserve(uid.clone(), &node, black_box(&request), Policy::Binpack);
+            let placement =
+                cluster.reserve(uid.clone(), &node, black_box(&request), Policy::Binpack);
             cluster.release(&uid);
             placement.is_ok()
         })
@@ -91,18 +113,32 @@ fn rebuild_from_annotations(c: &mut Criterion) {
                 gpu_index: p % GPUS_PER_NODE,
                 gpu_uuid: format!("GPU-{p}"),
                 pod_gib: 2,
-                containers: vec![ContainerRequest { name: "main".into(), gib: 2, init: false }],
+                containers: vec![ContainerRequest {
+                    name: "main".into(),
+                    gib: 2,
+                    init: false,
+                }],
                 bind_time: "2026-11-22T10:00:00Z".into(),
                 assigned: true,
                 allocated: vec!["main".into()],
             };
-            (format!("uid-{p}"), format!("node-{:05}", p / 10), allocation.to_annotations(&keys))
+            (
+                format!("uid-{p}"),
+                format!("node-{:05}", p / 10),
+                allocation.to_annotations(&keys),
+            )
         })
         .collect();
     let nodes: Vec<(String, Vec<Gpu>, bool)> = (0..5_000)
         .map(|n| {
             let gpus = (0..GPUS_PER_NODE)
-                .map(|index| Gpu { index, uuid: String::new(), model: String::new(), total_gib: GPU_GIB, healthy: true })
+                .map(|index| Gpu {
+                    index,
+                    uuid: String::new(),
+                    model: String::new(),
+                    total_gib: GPU_GIB,
+                    healthy: true,
+                })
                 .collect();
             (format!("node-{n:05}"), gpus, true)
         })

@@ -105,13 +105,21 @@ pub struct Shape {
 impl Shape {
     /// `nodes` nodes of `gpus` GPUs of `gib` each.
     pub fn uniform(nodes: usize, gpus: usize, gib: u64) -> Self {
-        Self { nodes: vec![vec![gib; gpus]; nodes] }
+        Self {
+            nodes: vec![vec![gib; gpus]; nodes],
+        }
     }
 
     /// Nodes alternating between GPUs of `a` and `b` GiB; each node has both kinds.
     pub fn mixed(nodes: usize, gpus: usize, a: u64, b: u64) -> Self {
-        let node = |offset: usize| (0..gpus).map(|g| if (g + offset) % 2 == 0 { a } else { b }).collect();
-        Self { nodes: (0..nodes).map(node).collect() }
+        let node = |offset: usize| {
+            (0..gpus)
+                .map(|g| if (g + offset) % 2 == 0 { a } else { b })
+                .collect()
+        };
+        Self {
+            nodes: (0..nodes).map(node).collect(),
+        }
     }
 
     /// All GPU memory of the cluster.
@@ -198,7 +206,10 @@ pub fn replay(shape: &Shape, events: &[Event], strategy: Strategy) -> Outcome {
                 }
             }
             Event::Arrive { id, gib } => {
-                let request = Request { pod_gib: gib, containers: vec![gib] };
+                let request = Request {
+                    pod_gib: gib,
+                    containers: vec![gib],
+                };
                 let Some(node) = choose_node(&cluster, &names, &request, strategy) else {
                     return Outcome {
                         placed,
@@ -218,7 +229,12 @@ pub fn replay(shape: &Shape, events: &[Event], strategy: Strategy) -> Outcome {
                 cluster.upsert_pod(
                     uid,
                     node,
-                    PodPlacement { gpu: placement.gpu, pod_gib: gib, pending: vec![], assigned: true },
+                    PodPlacement {
+                        gpu: placement.gpu,
+                        pod_gib: gib,
+                        pending: vec![],
+                        assigned: true,
+                    },
                 );
                 used += gib;
                 sizes.insert(id, gib);
@@ -226,23 +242,58 @@ pub fn replay(shape: &Shape, events: &[Event], strategy: Strategy) -> Outcome {
             }
         }
     }
-    Outcome { placed, utilization: used as f64 / total, first_failure_gib: None }
+    Outcome {
+        placed,
+        utilization: used as f64 / total,
+        first_failure_gib: None,
+    }
 }
 
-fn choose_node<'a>(cluster: &Cluster, names: &'a [String], request: &Request, strategy: Strategy) -> Option<&'a str> {
-    let fitting = names.iter().filter(|name| cluster.fit(name, request).is_ok());
+fn choose_node<'a>(
+    cluster: &Cluster,
+    names: &'a [String],
+    request: &Request,
+    strategy: Strategy,
+) -> Option<&'a str> {
+    let fitting: Vec<&str> = names
+        .iter()
+        .map(String::as_str)
+        .filter(|name| cluster.fit(name, request).is_ok())
+        .collect();
+    // kube-scheduler breaks ties at random; the first node stands in for that here, the same
+    // for every strategy.
+    let best = |scores: Vec<u64>| {
+        let top = scores.iter().copied().max()?;
+        scores.iter().position(|s| *s == top).map(|i| fitting[i])
+    };
     match strategy {
-        Strategy::Ours => fitting.max_by_key(|name| (cluster.score(name, request, Policy::Binpack), std::cmp::Reverse(*name))),
-        Strategy::SpreadSpread => {
-            fitting.max_by_key(|name| (cluster.score(name, request, Policy::Spread), std::cmp::Reverse(*name)))
-        }
-        Strategy::Classic => fitting.max_by_key(|name| (node_free_gib(cluster, name), std::cmp::Reverse(*name))),
+        Strategy::Ours => best(
+            cluster
+                .scores(&fitting, request, Policy::Binpack)
+                .into_iter()
+                .map(u64::from)
+                .collect(),
+        ),
+        Strategy::SpreadSpread => best(
+            cluster
+                .scores(&fitting, request, Policy::Spread)
+                .into_iter()
+                .map(u64::from)
+                .collect(),
+        ),
+        Strategy::Classic => best(
+            fitting
+                .iter()
+                .map(|name| node_free_gib(cluster, name))
+                .collect(),
+        ),
     }
-    .map(String::as_str)
 }
 
 fn node_free_gib(cluster: &Cluster, name: &str) -> u64 {
-    cluster.node(name).map_or(0, |node| node.gpus().iter().map(|gpu| gpu.free_gib()).sum())
+    cluster
+        .node(name)
+        .map_or(0, |node| node.gpus().iter().map(|gpu| gpu.free_gib()).sum())
 }
 
 /// The offline yardstick: the longest prefix of the arrivals that best-fit-decreasing packs
@@ -292,9 +343,16 @@ mod tests {
 
     #[test]
     fn same_seed_same_trace() {
-        let spec = TraceSpec { departure_probability: 0.3, ..TraceSpec::standard(200, 7) };
+        let spec = TraceSpec {
+            departure_probability: 0.3,
+            ..TraceSpec::standard(200, 7)
+        };
         assert_eq!(generate(&spec), generate(&spec));
-        assert!(generate(&spec).iter().any(|e| matches!(e, Event::Depart { .. })));
+        assert!(
+            generate(&spec)
+                .iter()
+                .any(|e| matches!(e, Event::Depart { .. }))
+        );
     }
 
     #[test]
@@ -304,7 +362,10 @@ mod tests {
         for strategy in Strategy::ALL {
             let outcome = replay(&shape, &events, strategy);
             assert!(outcome.utilization <= 1.0, "{strategy:?}: {outcome:?}");
-            assert!(outcome.first_failure_gib.is_some(), "500 pods cannot fit 128 GiB");
+            assert!(
+                outcome.first_failure_gib.is_some(),
+                "500 pods cannot fit 128 GiB"
+            );
         }
     }
 

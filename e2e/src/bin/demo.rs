@@ -42,21 +42,38 @@ impl Narrator for Printer {
 }
 
 async fn table(client: &Client) -> anyhow::Result<String> {
-    let nodes = Api::<Node>::all(client.clone()).list(&ListParams::default()).await?.items;
-    let pods = Api::<Pod>::all(client.clone()).list(&ListParams::default()).await?.items;
-    Ok(render_top_details(&cluster_usage(&nodes, &pods, &Settings::default())))
+    let nodes = Api::<Node>::all(client.clone())
+        .list(&ListParams::default())
+        .await?
+        .items;
+    let pods = Api::<Pod>::all(client.clone())
+        .list(&ListParams::default())
+        .await?
+        .items;
+    Ok(render_top_details(&cluster_usage(
+        &nodes,
+        &pods,
+        &Settings::default(),
+    )))
 }
 
 #[tokio::main]
 async fn main() -> anyhow::Result<()> {
     let started = Instant::now();
     println!("gpushare demo: GPU memory shared between pods, on an in-process Kubernetes cluster.");
-    println!("Building and starting: API server, gpushare-extender, gpushare-device-plugin on node");
-    println!("gpu-node-1 (labelled gpushare=true, one simulated 15 GiB GPU), kubelet, kube-scheduler driver.\n");
+    println!(
+        "Building and starting: API server, gpushare-extender, gpushare-device-plugin on node"
+    );
+    println!(
+        "gpu-node-1 (labelled gpushare=true, one simulated 15 GiB GPU), kubelet, kube-scheduler driver.\n"
+    );
     let cluster = TestCluster::start(ClusterSpec::labelled(&[("gpu-node-1", &[15])]))
         .await
         .context("starting the in-process cluster")?;
-    let printer = Printer { client: cluster.client.clone(), started };
+    let printer = Printer {
+        client: cluster.client.clone(),
+        started,
+    };
     printer.say("Cluster ready.").await;
     let outcome = notebook(&cluster, &printer).await;
     if outcome.is_err() {

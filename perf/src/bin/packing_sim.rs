@@ -23,10 +23,19 @@ struct Args {
     #[arg(long, env = "SIM_GPU_GIB", default_value_t = 16)]
     gpu_gib: u64,
     /// GiB of the two GPU kinds in the mixed cluster.
-    #[arg(long, env = "SIM_MIXED_GIB", value_delimiter = ',', default_value = "16,24")]
+    #[arg(
+        long,
+        env = "SIM_MIXED_GIB",
+        value_delimiter = ',',
+        default_value = "16,24"
+    )]
     mixed_gib: Vec<u64>,
     /// Request sizes and weights, `GIB:WEIGHT,…`.
-    #[arg(long, env = "SIM_SIZES", default_value = "1:20,2:25,4:25,8:15,12:8,16:7")]
+    #[arg(
+        long,
+        env = "SIM_SIZES",
+        default_value = "1:20,2:25,4:25,8:15,12:8,16:7"
+    )]
     sizes: String,
     /// Probability a running pod leaves before each arrival (the churn trace).
     #[arg(long, env = "SIM_DEPARTURES", default_value_t = 0.3)]
@@ -54,28 +63,51 @@ fn main() -> anyhow::Result<()> {
         anyhow::bail!("--mixed-gib takes two sizes, e.g. 16,24");
     };
     let shapes = [
-        (format!("uniform {}×{}×{} GiB", args.nodes, args.gpus, args.gpu_gib), Shape::uniform(args.nodes, args.gpus, args.gpu_gib)),
-        (format!("mixed {}×{}×({a}|{b}) GiB", args.nodes, args.gpus), Shape::mixed(args.nodes, args.gpus, a, b)),
+        (
+            format!("uniform {}×{}×{} GiB", args.nodes, args.gpus, args.gpu_gib),
+            Shape::uniform(args.nodes, args.gpus, args.gpu_gib),
+        ),
+        (
+            format!("mixed {}×{}×({a}|{b}) GiB", args.nodes, args.gpus),
+            Shape::mixed(args.nodes, args.gpus, a, b),
+        ),
     ];
-    println!("sizes (GiB:weight) {}; {} seeds; numbers are means over seeds", args.sizes, args.seeds);
-    println!("utilization = share of cluster GPU memory in use at the first pod that fit nowhere\n");
+    println!(
+        "sizes (GiB:weight) {}; {} seeds; numbers are means over seeds",
+        args.sizes, args.seeds
+    );
+    println!(
+        "utilization = share of cluster GPU memory in use at the first pod that fit nowhere\n"
+    );
     for (label, shape) in &shapes {
         // Enough arrivals to fill the cluster several times over.
         let arrivals = (shape.total_gib() as usize).max(64);
-        for (trace_name, departures) in [("arrivals only", 0.0), ("with departures", args.departures)] {
+        for (trace_name, departures) in
+            [("arrivals only", 0.0), ("with departures", args.departures)]
+        {
             println!("{label}, {trace_name}:");
-            println!("  {:<36} {:>12} {:>12}", "strategy", "utilization", "pods placed");
+            println!(
+                "  {:<36} {:>12} {:>12}",
+                "strategy", "utilization", "pods placed"
+            );
             let traces: Vec<Vec<Event>> = (0..args.seeds)
                 .map(|seed| {
-                    generate(&TraceSpec { sizes: sizes.clone(), arrivals, departure_probability: departures, seed })
+                    generate(&TraceSpec {
+                        sizes: sizes.clone(),
+                        arrivals,
+                        departure_probability: departures,
+                        seed,
+                    })
                 })
                 .collect();
             for strategy in Strategy::ALL {
-                let outcomes: Vec<Outcome> = traces.iter().map(|t| replay(shape, t, strategy)).collect();
+                let outcomes: Vec<Outcome> =
+                    traces.iter().map(|t| replay(shape, t, strategy)).collect();
                 print_row(strategy.name(), &outcomes);
             }
             if departures == 0.0 {
-                let outcomes: Vec<Outcome> = traces.iter().map(|t| offline_bound(shape, t)).collect();
+                let outcomes: Vec<Outcome> =
+                    traces.iter().map(|t| offline_bound(shape, t)).collect();
                 print_row("offline bound (best-fit decreasing)", &outcomes);
             }
             println!();

@@ -1,0 +1,183 @@
+//! Load harness: gpushare's REAL binaries, driven at cluster scale on the in-process control
+//! plane of `gpushare-e2e`, and a report of what they cost.
+//!
+//! ```sh
+//! cargo run --release -p gpushare-perf --bin load
+//! cargo run --release -p gpushare-perf --bin load -- --nodes 1000 --bound-pods 10000 --skip-allocate
+//! ```
+//!
+//! Two phases, each on its own API server:
+//! 1. **extender** — thousands of nodes and bound pods, the extender started on them (time to
+//!    list and rebuild), then pending pods driven through filter → prioritize → bind exactly
+//!    as kube-scheduler calls an extender: per-verb latency, binds/s, API writes per bind, RSS.
+//! 2. **device plugin** — the plugin on simulated GPUs, a node full of pods waiting for their
+//!    allocation, and kubelet's `Allocate` calls one at a time: latency, API calls per Allocate.
+//!
+//! The binaries are built (if needed) with the same profile as this harness, so a `--release`
+//! run measures release binaries. Their logs go to `--log-dir` (default: a temp dir removed at
+//! exit, kept and named when a phase fails); `GPUSHARE_E2E_LOG` sets their `RUST_LOG`.
+
+#[path = "../load/allocate.rs"]
+mod allocate;
+#[path = "../load/extender.rs"]
+mod extender;
+#[path = "../load/report.rs"]
+mod report;
+
+use std::path::PathBuf;
+
+use anyhow::Context;
+use clap::Parser;
+use tracing_subscriber::EnvFilter;
+
+use report::{figure, section};
+
+/// Drives gpushare's real extender and device plugin at scale and prints what they cost.
+#[derive(Debug, Parser)]
+#[command(version, about)]
+struct Args {
+    /// Nodes labelled gpushare=true (extender phase).
+    #[arg(long, env = "LOAD_NODES", default_value_t = 5000)]
+    nodes: usize,
+    /// GPUs per node.
+    #[arg(long, env = "LOAD_GPUS", default_value_t = 8)]
+    gpus: u32,
+    /// GiB per GPU.
+    #[arg(long, env = "LOAD_GPU_GIB", default_value_t = 32)]
+    gpu_gib: u64,
+    /// Pods already bound (1–2 GiB, with allocation annotations) before the extender starts.
+    #[arg(long, env = "LOAD_BOUND_PODS", default_value_t = 50_000)]
+    bound_pods: usize,
+    /// Pending pods (1–4 GiB) driven through filter → prioritize → bind.
+    #[arg(long, env = "LOAD_PODS", default_value_t = 2000)]
+    pods: usize,
+    /// Node names per filter call; 0 sends every node (worst case).
+    #[arg(long, env = "LOAD_FILTER_NODES", default_value_t = 0)]
+    filter_nodes: usize,
+    /// Pods in flight at once during the drive.
+    #[arg(long, env = "LOAD_CONCURRENCY", default_value_t = 16)]
+    concurrency: usize,
+    /// API creates in flight at once during set-up.
+    #[arg(long, env = "LOAD_SETUP_CONCURRENCY", default_value_t = 32)]
+    setup_concurrency: usize,
+    /// Pods allocated by the device plugin, one Allocate each (device plugin phase).
+    #[arg(long, env = "LOAD_ALLOCATE_PODS", default_value_t = 1000)]
+    allocate_pods: usize,
+    /// Skip the extender phase.
+    #[arg(long, env = "LOAD_SKIP_EXTENDER", default_value_t = false)]
+    skip_extender: bool,
+    /// Skip the device plugin phase.
+    #[arg(long, env = "LOAD_SKIP_ALLOCATE", default_value_t = false)]
+    skip_allocate: bool,
+    /// Where the binaries' logs and kubeconfigs go, kept after the run; default: a temp dir.
+    #[arg(long, env = "LOAD_LOG_DIR")]
+    log_dir: Option<PathBuf>,
+}
+
+#[tokio::main]
+async fn main() -> anyhow::Result<()> {
+    // Our own diagnostics only; the report is on stdout.
+    tracing_subscriber::fmt()
+        .with_env_filter(
+            EnvFilter::try_from_default_env().unwrap_or_else(|_| EnvFilter::new("warn")),
+        )
+        .with_writer(std::io::stderr)
+        .init();
+    let args = Args::parse();
+    let extender_cfg = extender::Config {
+        nodes: args.nodes,
+        gpus: args.gpus,
+        gpu_gib: args.gpu_gib,
+        bound_pods: args.bound_pods,
+        pods: args.pods,
+        filter_nodes: args.filter_nodes,
+        concurrency: args.concurrency,
+        setup_concurrency: args.setup_concurrency,
+    };
+    let allocate_cfg = allocate::Config {
+        pods: args.allocate_pods,
+        setup_concurrency: args.setup_concurrency.max(1),
+    };
+    if !args.skip_extender {
+        extender_cfg.validate()?;
+    }
+
+    let (log_dir, temp) = match &args.log_dir {
+        Some(dir) => {
+            std::fs::create_dir_all(dir).with_context(|| format!("creating {}", dir.display()))?;
+            (dir.clone(), None)
+        }
+        None => {
+            let temp = tempfile::Builder::new()
+                .prefix("gpushare-load-")
+                .tempdir()?;
+            (temp.path().to_owned(), Some(temp))
+        }
+    };
+
+    print_configuration(&args, &extender_cfg);
+    let bins = tokio::task::spawn_blocking(gpushare_e2e::cluster::binaries)
+        .await
+        .context("building the binaries")??;
+
+    let result = async {
+        if !args.skip_extender {
+            extender::run(&extender_cfg, &bins, &log_dir).await?;
+        }
+        if !args.skip_allocate {
+            allocate::run(&allocate_cfg, &bins, &log_dir).await?;
+        }
+        anyhow::Ok(())
+    }
+    .await;
+    if let Err(err) = result {
+        // Keep the logs of a failed run for whoever reads the error.
+        let kept = temp.map_or(log_dir, tempfile::TempDir::keep);
+        return Err(err.context(format!("load run failed; logs in {}", kept.display())));
+    }
+    println!();
+    Ok(())
+}
+
+fn print_configuration(args: &Args, extender_cfg: &extender::Config) {
+    println!("gpushare load harness");
+    section("configuration");
+    let profile = if cfg!(debug_assertions) {
+        "debug"
+    } else {
+        "release"
+    };
+    figure("build profile (harness and binaries)", profile);
+    figure(
+        "machine cores",
+        std::thread::available_parallelism().map_or(0, |n| n.get()),
+    );
+    if args.skip_extender {
+        figure("extender phase", "skipped");
+    } else {
+        figure(
+            "nodes",
+            format!(
+                "{} (gpushare=true, {} GPUs × {} GiB)",
+                args.nodes, args.gpus, args.gpu_gib
+            ),
+        );
+        figure(
+            "bound pods (1–2 GiB, allocation annotations)",
+            args.bound_pods,
+        );
+        figure("pending pods (1–4 GiB)", args.pods);
+        figure("pods in flight", args.concurrency);
+        figure("filter NodeNames", extender_cfg.filter_description());
+    }
+    if args.skip_allocate {
+        figure("device plugin phase", "skipped");
+    } else {
+        figure("Allocate pods (1–8 GiB, twin rule)", args.allocate_pods);
+    }
+    figure("set-up creates in flight", args.setup_concurrency);
+    match &args.log_dir {
+        Some(dir) => figure("binaries' logs", dir.display()),
+        None => figure("binaries' logs", "temp dir (removed at exit)"),
+    }
+}

@@ -1,0 +1,660 @@
+//! Phase 1: the real `gpushare-extender` under the load kube-scheduler puts on it.
+//!
+//! ```text
+//!  set-up:  N nodes (gpushare=true, G GPUs) + M pods already bound, with allocation annotations
+//!  start:   gpushare-extender lists both and rebuilds its view  ──▶ time to /readyz, RSS
+//!  drive:   P pending pods, C in flight, each: filter(NodeNames) → prioritize → bind
+//!           ──▶ latency per verb (exact percentiles), binds/s, API writes per bind, peak RSS
+//! ```
+//!
+//! The calls are what kube-scheduler sends to an extender configured as our chart configures
+//! it (`nodeCacheCapable: true`): JSON bodies built from `gpushare_e2e::scheduler::wire`, with
+//! PascalCase keys, over pooled keep-alive connections. Latency is the HTTP round trip only —
+//! request encoding and answer decoding on our side are outside the timer — but everything
+//! (the in-process API server, this driver and the extender) shares the machine's cores, so
+//! the figures are an upper bound for the extender alone.
+//!
+//! Before driving, the harness waits until the extender's pod watch has delivered the last
+//! pending pod (a bind with a wrong UID answers "recreated" rather than "not found" once it
+//! has), so no bind is refused only because the watch lagged behind our set-up.
+
+use std::collections::{BTreeMap, HashMap, VecDeque};
+use std::net::SocketAddr;
+use std::path::Path;
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use anyhow::{Context, anyhow, bail};
+use futures::{StreamExt, TryStreamExt};
+use gpushare_contract::{ContainerRequest, Keys, PodAllocation};
+use gpushare_e2e::apiserver::{ApiServer, Verb};
+use gpushare_e2e::cluster::{Binaries, Extender, http_get, wait_for};
+use gpushare_e2e::fixtures::{PodBuilder, node, pod};
+use gpushare_e2e::scheduler::wire::{self, ExtenderArgs, ExtenderBindingArgs};
+use http_body_util::{BodyExt, Full};
+use hyper::body::Bytes;
+use hyper_util::client::legacy::Client;
+use hyper_util::client::legacy::connect::HttpConnector;
+use hyper_util::rt::TokioExecutor;
+use k8s_openapi::api::core::v1::Pod;
+
+use crate::report::{Latencies, figure, proc_memory, ratio, secs, section};
+
+/// Namespace of every pod this phase creates.
+const NAMESPACE: &str = "default";
+/// Largest GiB of an already-bound pod (sizes are 1..=this).
+const MAX_BOUND_GIB: u64 = 2;
+/// Largest GiB of a pending pod (sizes are 1..=this).
+const MAX_PENDING_GIB: u64 = 4;
+/// kube-scheduler's default `httpTimeout` for an extender call.
+const CALL_TIMEOUT: Duration = Duration::from_secs(30);
+/// How many refusal or error messages the report quotes.
+const QUOTED: usize = 3;
+/// Scheduling attempts per pod: kube-scheduler requeues a pod whose bind was refused.
+const MAX_ATTEMPTS: u32 = 5;
+
+/// What phase 1 builds and drives.
+#[derive(Debug, Clone)]
+pub struct Config {
+    /// Nodes labelled `gpushare=true`.
+    pub nodes: usize,
+    /// GPUs per node.
+    pub gpus: u32,
+    /// GiB per GPU.
+    pub gpu_gib: u64,
+    /// Pods already bound (with allocation annotations) before the extender starts.
+    pub bound_pods: usize,
+    /// Pending pods driven through filter → prioritize → bind.
+    pub pods: usize,
+    /// Node names per filter call; 0 = every node.
+    pub filter_nodes: usize,
+    /// Pods in flight at once during the drive.
+    pub concurrency: usize,
+    /// API creates in flight at once during set-up.
+    pub setup_concurrency: usize,
+}
+
+impl Config {
+    /// Refuses configurations that would over-commit a GPU or cannot run at all.
+    pub fn validate(&self) -> anyhow::Result<()> {
+        if self.nodes == 0 || self.gpus == 0 || self.concurrency == 0 || self.setup_concurrency == 0
+        {
+            bail!("--nodes, --gpus, --concurrency and --setup-concurrency must be at least 1");
+        }
+        let per_node = self.bound_pods.div_ceil(self.nodes);
+        let per_gpu = u64::try_from(per_node.div_ceil(self.gpus as usize)).unwrap_or(u64::MAX);
+        if per_gpu.saturating_mul(MAX_BOUND_GIB) > self.gpu_gib {
+            bail!(
+                "--bound-pods {} on {} nodes puts up to {per_gpu} pods of up to {MAX_BOUND_GIB} GiB on one \
+                 {} GiB GPU; raise --gpu-gib or --nodes, or lower --bound-pods",
+                self.bound_pods,
+                self.nodes,
+                self.gpu_gib
+            );
+        }
+        if self.gpu_gib < MAX_PENDING_GIB {
+            bail!(
+                "--gpu-gib must be at least {MAX_PENDING_GIB}: pending pods ask for up to {MAX_PENDING_GIB} GiB"
+            );
+        }
+        Ok(())
+    }
+
+    /// Which node names a filter call carries, for the report.
+    pub fn filter_description(&self) -> String {
+        if self.filter_nodes == 0 || self.filter_nodes >= self.nodes {
+            format!(
+                "all {} nodes per call (worst case; kube-scheduler sends its feasible subset)",
+                self.nodes
+            )
+        } else {
+            format!(
+                "{} of {} nodes per call, a rotating window (like kube-scheduler's percentageOfNodesToScore)",
+                self.filter_nodes, self.nodes
+            )
+        }
+    }
+}
+
+fn node_name(i: usize) -> String {
+    format!("load-node-{i:05}")
+}
+
+/// Bound pod `i`: spread round-robin over the nodes, then over each node's GPUs, 1–2 GiB,
+/// carrying the annotations the extender and the device plugin would have left.
+fn bound_pod(i: usize, cfg: &Config, keys: &Keys, bind_time: &str) -> PodBuilder {
+    let node = node_name(i % cfg.nodes);
+    let slot = i / cfg.nodes;
+    let gpu = u32::try_from(slot % cfg.gpus as usize).unwrap_or(0);
+    let gib = 1 + (i as u64 % MAX_BOUND_GIB);
+    let allocation = PodAllocation {
+        gpu_index: gpu,
+        // The UUID the node fixture publishes for this GPU.
+        gpu_uuid: format!("GPU-{node}-{gpu}"),
+        pod_gib: gib,
+        containers: vec![ContainerRequest {
+            name: "main".to_owned(),
+            gib,
+            init: false,
+        }],
+        bind_time: bind_time.to_owned(),
+        assigned: true,
+        allocated: vec!["main".to_owned()],
+    };
+    allocation.to_annotations(keys).iter().fold(
+        pod(&format!("bound-{i:06}")).gpu_mem(gib).on_node(&node),
+        |builder, (k, v)| builder.annotation(k, v),
+    )
+}
+
+/// Runs phase 1 and prints its section of the report.
+pub async fn run(cfg: &Config, bins: &Binaries, log_dir: &Path) -> anyhow::Result<()> {
+    section("extender (real gpushare-extender, in-process API server)");
+    let api = ApiServer::start().await?;
+    let client = api.client();
+    let kubeconfig = log_dir.join("extender-kubeconfig");
+    api.write_kubeconfig(&kubeconfig)?;
+
+    // Set-up.
+    let gpus = vec![cfg.gpu_gib; cfg.gpus as usize];
+    let started = Instant::now();
+    futures::stream::iter(
+        (0..cfg.nodes).map(|i| node(&node_name(i)).gpushare().gpus(&gpus).create(&client)),
+    )
+    .buffer_unordered(cfg.setup_concurrency)
+    .try_for_each(|_| async { Ok(()) })
+    .await?;
+    figure("set-up: nodes created", secs(started.elapsed()));
+
+    let keys = Keys::default();
+    let bind_time = jiff::Timestamp::now().to_string();
+    let started = Instant::now();
+    futures::stream::iter(
+        (0..cfg.bound_pods).map(|i| bound_pod(i, cfg, &keys, &bind_time).create(&client)),
+    )
+    .buffer_unordered(cfg.setup_concurrency)
+    .try_for_each(|_| async { Ok(()) })
+    .await?;
+    figure("set-up: bound pods created", secs(started.elapsed()));
+
+    // Start: list + rebuild.
+    let log = log_dir.join("extender.log");
+    let started = Instant::now();
+    let extender = Extender::start(bins, &kubeconfig, &log, &[]).await?;
+    figure(
+        "extender start → ready (list + rebuild)",
+        secs(started.elapsed()),
+    );
+    let pid = extender.process.id();
+    figure("extender RSS when ready", proc_memory(pid, "VmRSS"));
+
+    // Pending pods, created after the start so they reach the extender through its watch.
+    let started = Instant::now();
+    let pending: Vec<Pod> = futures::stream::iter((0..cfg.pods).map(|i| {
+        pod(&format!("pending-{i:05}"))
+            .gpu_mem(1 + i as u64 % MAX_PENDING_GIB)
+            .create(&client)
+    }))
+    .buffered(cfg.setup_concurrency)
+    .try_collect()
+    .await?;
+    figure("set-up: pending pods created", secs(started.elapsed()));
+
+    let http = Http::new(extender.url_prefix());
+    if let Some(last) = newest(&pending) {
+        wait_until_watched(&http, last, &node_name(0)).await?;
+    }
+
+    // Drive.
+    let addr: SocketAddr = extender
+        .base_url
+        .trim_start_matches("http://")
+        .parse()
+        .context("the extender's address")?;
+    let stats = api.stats();
+    let outcomes_before = bind_outcomes(addr).await;
+    let writes_before = stats.writes();
+    let bindings_before = stats.count(Verb::Create, "pods/binding");
+    let reads_before = api_reads(&api);
+    let drive = Arc::new(Drive::new(
+        http,
+        pending,
+        (0..cfg.nodes).map(node_name).collect(),
+        cfg.filter_nodes,
+    ));
+    let started = Instant::now();
+    let workers: Vec<_> = (0..cfg.concurrency)
+        .map(|_| tokio::spawn(drive.clone().worker()))
+        .collect();
+    let mut tally = Tally::default();
+    for worker in workers {
+        tally.merge(worker.await.context("a drive worker panicked")?);
+    }
+    let elapsed = started.elapsed();
+    let writes = stats.writes() - writes_before;
+    let bindings = stats.count(Verb::Create, "pods/binding") - bindings_before;
+    let reads = api_reads(&api) - reads_before;
+    let outcomes = bind_outcomes(addr).await;
+
+    figure(
+        "drive: pods scheduled",
+        format!("{} of {}", tally.bound, cfg.pods),
+    );
+    figure("drive: wall time", secs(elapsed));
+    figure(
+        "binds per second",
+        format!(
+            "{:.1} /s",
+            tally.bound as f64 / elapsed.as_secs_f64().max(f64::EPSILON)
+        ),
+    );
+    tally.filter.clone().summary().print("filter");
+    tally.prioritize.clone().summary().print("prioritize");
+    tally.bind.clone().summary().print("bind");
+    figure(
+        "API writes per bind (events excluded)",
+        ratio(writes, tally.bound),
+    );
+    figure("API creates of pods/binding", bindings);
+    figure("API reads (get/list pods, nodes) in drive", reads);
+    figure(
+        "bind refusals (pod requeued, up to 5 tries)",
+        tally.refusals.len(),
+    );
+    figure(
+        "bind outcomes (extender metrics, drive)",
+        describe_outcomes(&outcomes_before, &outcomes),
+    );
+    for message in tally.refusals.iter().take(QUOTED) {
+        figure("  refused", message);
+    }
+    figure("cycles where no node passed filter", tally.unfit);
+    figure("pods left unscheduled", tally.unscheduled);
+    figure("call errors", tally.errors.len());
+    for message in tally.errors.iter().take(QUOTED) {
+        figure("  error", message);
+    }
+    figure("extender peak RSS (VmHWM)", proc_memory(pid, "VmHWM"));
+    figure("extender RSS after load (VmRSS)", proc_memory(pid, "VmRSS"));
+
+    extender.process.stop().await;
+    api.shutdown().await;
+    Ok(())
+}
+
+/// GET and LIST requests on pods and nodes so far: what the extender reads besides its watches.
+fn api_reads(api: &ApiServer) -> u64 {
+    let stats = api.stats();
+    [Verb::Get, Verb::List]
+        .iter()
+        .flat_map(|verb| ["pods", "nodes"].map(|resource| stats.count(*verb, resource)))
+        .sum()
+}
+
+/// The pod with the highest resourceVersion: once a watch has delivered it, it has delivered
+/// every pod created before.
+fn newest(pods: &[Pod]) -> Option<&Pod> {
+    pods.iter().max_by_key(|pod| {
+        pod.metadata
+            .resource_version
+            .as_deref()
+            .and_then(|rv| rv.parse::<u64>().ok())
+            .unwrap_or(0)
+    })
+}
+
+/// Waits until the extender's watch knows `last`: a bind with a UID that is not the pod's is
+/// refused as "not found" before, and as "recreated" after. Nothing is written either way.
+async fn wait_until_watched(http: &Http, last: &Pod, node: &str) -> anyhow::Result<()> {
+    let probe = ExtenderBindingArgs {
+        pod_name: last.metadata.name.clone().unwrap_or_default(),
+        pod_namespace: last.metadata.namespace.clone().unwrap_or_default(),
+        pod_uid: "load-harness-probe-not-the-pods-uid".to_owned(),
+        node: node.to_owned(),
+    };
+    let body = serde_json::to_vec(&probe)?;
+    let body = &body;
+    wait_for(
+        "the extender's watch to deliver the last pending pod",
+        Duration::from_secs(120),
+        || async move {
+            let (_, answer) = http.post("bind", body.clone()).await.ok()?;
+            let result = wire::decode_binding_result(&answer).ok()?;
+            (!result.error.is_empty() && !result.error.contains("not found")).then_some(())
+        },
+    )
+    .await
+}
+
+/// `gpushare_extender_binds_total` by reason, from the extender's `/metrics`.
+async fn bind_outcomes(addr: SocketAddr) -> BTreeMap<String, u64> {
+    let Ok((200, text)) = http_get(addr, "/metrics").await else {
+        return BTreeMap::new();
+    };
+    text.lines()
+        .filter_map(|line| {
+            let rest = line.strip_prefix("gpushare_extender_binds_total{")?;
+            let (labels, value) = rest.split_once("} ")?;
+            let reason = labels
+                .split(',')
+                .find_map(|label| label.strip_prefix("reason=\""))?
+                .trim_end_matches('"');
+            let value = value.split_whitespace().next()?.parse::<f64>().ok()?;
+            // Counters are whole numbers.
+            Some((reason.to_owned(), value as u64))
+        })
+        .collect()
+}
+
+/// `bound=1998 unfit=2`: the change of each reason between two scrapes.
+fn describe_outcomes(before: &BTreeMap<String, u64>, after: &BTreeMap<String, u64>) -> String {
+    let parts: Vec<String> = after
+        .iter()
+        .filter_map(|(reason, n)| {
+            let delta = n.saturating_sub(before.get(reason).copied().unwrap_or(0));
+            (delta > 0).then(|| format!("{reason}={delta}"))
+        })
+        .collect();
+    if parts.is_empty() {
+        "none".to_owned()
+    } else {
+        parts.join(" ")
+    }
+}
+
+/// A keep-alive HTTP/1.1 client for the extender's verbs.
+struct Http {
+    client: Client<HttpConnector, Full<Bytes>>,
+    prefix: String,
+}
+
+impl Http {
+    fn new(prefix: String) -> Self {
+        let mut connector = HttpConnector::new();
+        connector.set_nodelay(true);
+        let client = Client::builder(TokioExecutor::new())
+            .pool_idle_timeout(Duration::from_secs(90))
+            .build(connector);
+        Self { client, prefix }
+    }
+
+    /// `POST {prefix}/{verb}` with a JSON body; the round-trip time and the answer body.
+    async fn post(&self, verb: &str, body: Vec<u8>) -> anyhow::Result<(Duration, Bytes)> {
+        let url = format!("{}/{verb}", self.prefix);
+        let request = http::Request::post(&url)
+            .header(http::header::CONTENT_TYPE, "application/json")
+            .body(Full::new(Bytes::from(body)))?;
+        let started = Instant::now();
+        let exchange = async {
+            let response = self.client.request(request).await?;
+            let status = response.status();
+            let body = response.into_body().collect().await?.to_bytes();
+            anyhow::Ok((status, body))
+        };
+        let (status, answer) = tokio::time::timeout(CALL_TIMEOUT, exchange)
+            .await
+            .map_err(|_| anyhow!("POST {url}: no answer within {CALL_TIMEOUT:?}"))?
+            .with_context(|| format!("POST {url}"))?;
+        let took = started.elapsed();
+        if status != http::StatusCode::OK {
+            bail!(
+                "POST {url} answered {status}: {}",
+                String::from_utf8_lossy(&answer)
+            );
+        }
+        Ok((took, answer))
+    }
+}
+
+/// The drive: pending pods handed out one at a time to `concurrency` workers; a pod whose
+/// bind was refused goes to the back of the queue, as kube-scheduler requeues it.
+struct Drive {
+    http: Http,
+    pods: Vec<Pod>,
+    names: Vec<String>,
+    filter_nodes: usize,
+    /// Pod index and attempts so far.
+    queue: Mutex<VecDeque<(usize, u32)>>,
+    /// Scheduling cycles started, for rotating the filter window.
+    cycles: AtomicUsize,
+}
+
+/// What one worker saw.
+#[derive(Default)]
+struct Tally {
+    filter: Latencies,
+    prioritize: Latencies,
+    bind: Latencies,
+    bound: u64,
+    /// Cycles in which no node passed filter.
+    unfit: u64,
+    /// Pods given up on (out of attempts, or a call failed).
+    unscheduled: u64,
+    refusals: Vec<String>,
+    errors: Vec<String>,
+}
+
+impl Tally {
+    fn merge(&mut self, other: Tally) {
+        self.filter.extend(other.filter);
+        self.prioritize.extend(other.prioritize);
+        self.bind.extend(other.bind);
+        self.bound += other.bound;
+        self.unfit += other.unfit;
+        self.unscheduled += other.unscheduled;
+        self.refusals.extend(other.refusals);
+        self.errors.extend(other.errors);
+    }
+}
+
+impl Drive {
+    fn new(http: Http, pods: Vec<Pod>, names: Vec<String>, filter_nodes: usize) -> Self {
+        let queue = (0..pods.len()).map(|i| (i, 0)).collect();
+        Self {
+            http,
+            pods,
+            names,
+            filter_nodes,
+            queue: Mutex::new(queue),
+            cycles: AtomicUsize::new(0),
+        }
+    }
+
+    fn queue(&self) -> std::sync::MutexGuard<'_, VecDeque<(usize, u32)>> {
+        self.queue
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner)
+    }
+
+    /// The node names of scheduling cycle `cycle`.
+    fn candidates(&self, cycle: usize) -> Vec<String> {
+        let n = self.names.len();
+        if self.filter_nodes == 0 || self.filter_nodes >= n {
+            return self.names.clone();
+        }
+        let start = cycle.wrapping_mul(self.filter_nodes) % n;
+        self.names
+            .iter()
+            .cycle()
+            .skip(start)
+            .take(self.filter_nodes)
+            .cloned()
+            .collect()
+    }
+
+    async fn worker(self: Arc<Self>) -> Tally {
+        let mut tally = Tally::default();
+        loop {
+            let next = self.queue().pop_front();
+            let Some((index, attempts)) = next else { break };
+            let Some(pod) = self.pods.get(index) else {
+                break;
+            };
+            let cycle = self.cycles.fetch_add(1, Ordering::Relaxed);
+            match self.schedule(cycle, pod, &mut tally).await {
+                Ok(true) => {}
+                Ok(false) if attempts + 1 < MAX_ATTEMPTS => {
+                    self.queue().push_back((index, attempts + 1))
+                }
+                Ok(false) => tally.unscheduled += 1,
+                Err(err) => {
+                    tally.unscheduled += 1;
+                    tally.errors.push(format!("{err:#}"));
+                }
+            }
+        }
+        tally
+    }
+
+    /// One scheduling cycle, as kube-scheduler runs it with our extender configured; whether
+    /// the pod was bound.
+    async fn schedule(&self, cycle: usize, pod: &Pod, tally: &mut Tally) -> anyhow::Result<bool> {
+        let name = pod.metadata.name.clone().unwrap_or_default();
+        let args = ExtenderArgs {
+            pod: pod.clone(),
+            nodes: None,
+            node_names: Some(self.candidates(cycle)),
+        };
+        let (took, answer) = self.http.post("filter", serde_json::to_vec(&args)?).await?;
+        tally.filter.push(took);
+        let filtered = wire::decode_filter_result(&answer)?;
+        if !filtered.error.is_empty() {
+            bail!("filter of pod {name}: {}", filtered.error);
+        }
+        let passed = filtered.node_names.unwrap_or_default();
+        let Some(first) = passed.first() else {
+            tally.unfit += 1;
+            return Ok(false);
+        };
+        // kube-scheduler asks for scores only when there is a choice to make.
+        let node = if passed.len() > 1 {
+            let args = ExtenderArgs {
+                pod: pod.clone(),
+                nodes: None,
+                node_names: Some(passed.clone()),
+            };
+            let (took, answer) = self
+                .http
+                .post("prioritize", serde_json::to_vec(&args)?)
+                .await?;
+            tally.prioritize.push(took);
+            let scores = wire::decode_host_priorities(&answer)?;
+            best_node(&passed, &scores).to_owned()
+        } else {
+            first.clone()
+        };
+        let args = ExtenderBindingArgs {
+            pod_name: name,
+            pod_namespace: pod
+                .metadata
+                .namespace
+                .clone()
+                .unwrap_or_else(|| NAMESPACE.to_owned()),
+            pod_uid: pod.metadata.uid.clone().unwrap_or_default(),
+            node,
+        };
+        let (took, answer) = self.http.post("bind", serde_json::to_vec(&args)?).await?;
+        tally.bind.push(took);
+        let result = wire::decode_binding_result(&answer)?;
+        if result.error.is_empty() {
+            tally.bound += 1;
+            Ok(true)
+        } else {
+            tally.refusals.push(result.error);
+            Ok(false)
+        }
+    }
+}
+
+/// The highest-scored of `passed`; ties go to the node sent first. Unscored nodes score 0.
+fn best_node<'a>(passed: &'a [String], scores: &[wire::HostPriority]) -> &'a str {
+    let by_host: HashMap<&str, i64> = scores.iter().map(|h| (h.host.as_str(), h.score)).collect();
+    let mut best: Option<(&str, i64)> = None;
+    for host in passed {
+        let score = by_host.get(host.as_str()).copied().unwrap_or(0);
+        if best.is_none_or(|(_, top)| score > top) {
+            best = Some((host, score));
+        }
+    }
+    best.map_or("", |(host, _)| host)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn cfg() -> Config {
+        Config {
+            nodes: 10,
+            gpus: 8,
+            gpu_gib: 32,
+            bound_pods: 100,
+            pods: 10,
+            filter_nodes: 0,
+            concurrency: 2,
+            setup_concurrency: 2,
+        }
+    }
+
+    #[test]
+    fn best_node_prefers_score_then_order() {
+        let passed = vec!["a".to_owned(), "b".to_owned(), "c".to_owned()];
+        let host = |h: &str, score| wire::HostPriority {
+            host: h.to_owned(),
+            score,
+        };
+        assert_eq!(
+            best_node(&passed, &[host("a", 3), host("b", 7), host("c", 7)]),
+            "b"
+        );
+        assert_eq!(best_node(&passed, &[]), "a");
+    }
+
+    #[test]
+    fn bound_pods_never_overcommit_a_gpu() {
+        let cfg = cfg();
+        cfg.validate().unwrap();
+        let keys = Keys::default();
+        let mut used: HashMap<(String, u32), u64> = HashMap::new();
+        for i in 0..cfg.bound_pods {
+            let pod = bound_pod(i, &cfg, &keys, "2026-01-01T00:00:00Z").build();
+            let node = pod.spec.as_ref().unwrap().node_name.clone().unwrap();
+            let alloc =
+                PodAllocation::from_annotations(&keys, pod.metadata.annotations.as_ref().unwrap())
+                    .unwrap()
+                    .unwrap();
+            assert!(alloc.assigned);
+            *used.entry((node, alloc.gpu_index)).or_default() += alloc.pod_gib;
+        }
+        assert!(used.values().all(|&gib| gib <= cfg.gpu_gib));
+        assert!(
+            Config {
+                bound_pods: 10_000,
+                ..cfg
+            }
+            .validate()
+            .is_err()
+        );
+    }
+
+    #[test]
+    fn candidate_windows_rotate() {
+        let names: Vec<String> = (0..5).map(node_name).collect();
+        let http = || Http::new("http://127.0.0.1:1".to_owned());
+        let drive = Drive::new(http(), Vec::new(), names.clone(), 2);
+        assert_eq!(drive.candidates(2), [node_name(4), node_name(0)]);
+        assert_eq!(
+            Drive::new(http(), Vec::new(), names, 0).candidates(7).len(),
+            5
+        );
+    }
+
+    #[test]
+    fn outcome_deltas() {
+        let before = BTreeMap::from([("bound".to_owned(), 1), ("unfit".to_owned(), 2)]);
+        let after = BTreeMap::from([("bound".to_owned(), 11), ("unfit".to_owned(), 2)]);
+        assert_eq!(describe_outcomes(&before, &after), "bound=10");
+        assert_eq!(describe_outcomes(&after, &after), "none");
+    }
+}
