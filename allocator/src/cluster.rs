@@ -471,6 +471,14 @@ impl Cluster {
     }
 }
 
+/// 0.0..=1.0 to 0..=[`crate::MAX_SCORE`], rounded.
+fn to_score(value: f64) -> u8 {
+    // Clamped to 0..=10 first, so the cast cannot truncate.
+    (value * f64::from(crate::MAX_SCORE))
+        .round()
+        .clamp(0.0, f64::from(crate::MAX_SCORE)) as u8
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -752,12 +760,34 @@ mod tests {
         cluster.upsert_pod("b".into(), "half", running(0, 4));
         assert_eq!(cluster.score("half", &req, Policy::Binpack), 10);
     }
-}
 
-/// 0.0..=1.0 to 0..=[`crate::MAX_SCORE`], rounded.
-fn to_score(value: f64) -> u8 {
-    // Clamped to 0..=10 first, so the cast cannot truncate.
-    (value * f64::from(crate::MAX_SCORE))
-        .round()
-        .clamp(0.0, f64::from(crate::MAX_SCORE)) as u8
+    #[test]
+    fn relative_scores_keep_packing_decisive_on_nearly_empty_nodes() {
+        let mut cluster = Cluster::new();
+        for name in ["a", "b", "c", "full"] {
+            cluster.set_node(
+                name,
+                vec![gpu(0, 16), gpu(1, 16), gpu(2, 16), gpu(3, 16)],
+                true,
+            );
+        }
+        cluster.upsert_pod("p1".into(), "a", running(0, 3));
+        cluster.upsert_pod("p2".into(), "b", running(0, 2));
+        for index in 0..4 {
+            cluster.upsert_pod(format!("f{index}").into(), "full", running(index, 16));
+        }
+        let req = request(1);
+        // Absolute scores cannot tell a (3 GiB used of 64) from b (2 GiB used).
+        assert_eq!(
+            cluster.score("a", &req, Policy::Binpack),
+            cluster.score("b", &req, Policy::Binpack)
+        );
+        let scores = cluster.scores(&["a", "b", "c", "full"], &req, Policy::Binpack);
+        assert_eq!(scores[0], 10, "the fullest node that fits wins: {scores:?}");
+        assert!(scores[1] > scores[2] && scores[2] >= 1, "{scores:?}");
+        assert_eq!(scores[3], 0, "a node that does not fit scores 0");
+        let spread = cluster.scores(&["a", "b", "c"], &req, Policy::Spread);
+        assert_eq!(spread[2], 10, "spread prefers the emptiest: {spread:?}");
+        assert_eq!(cluster.scores(&["c"], &req, Policy::Binpack), vec![10]);
+    }
 }

@@ -114,7 +114,7 @@ impl Shape {
     pub fn mixed(nodes: usize, gpus: usize, a: u64, b: u64) -> Self {
         let node = |offset: usize| {
             (0..gpus)
-                .map(|g| if (g + offset) % 2 == 0 { a } else { b })
+                .map(|g| if (g + offset).is_multiple_of(2) { a } else { b })
                 .collect()
         };
         Self {

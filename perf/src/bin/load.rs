@@ -116,6 +116,10 @@ async fn main() -> anyhow::Result<()> {
     };
 
     print_configuration(&args, &extender_cfg);
+    if args.skip_extender && args.skip_allocate {
+        println!();
+        return Ok(());
+    }
     let bins = tokio::task::spawn_blocking(gpushare_e2e::cluster::binaries)
         .await
         .context("building the binaries")??;
