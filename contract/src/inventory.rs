@@ -8,7 +8,10 @@
 //! Each GPU carries its own size: nodes with mixed GPUs are normal. `healthy: false` means
 //! the device plugin saw a critical XID on it; the extender places nothing new there.
 
+use k8s_openapi::api::core::v1::Node;
 use serde::{Deserialize, Serialize};
+
+use crate::Keys;
 
 /// One GPU as the device plugin sees it.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
@@ -63,6 +66,46 @@ pub fn decode(text: &str) -> Result<Vec<GpuInfo>, InventoryError> {
     Ok(gpus)
 }
 
+/// The node's inventory annotation, if it has one: `None` without, `Some(Err)` when unreadable.
+pub fn from_node(node: &Node, keys: &Keys) -> Option<Result<Vec<GpuInfo>, InventoryError>> {
+    let text = node.metadata.annotations.as_ref()?.get(&keys.node_gpus)?;
+    Some(decode(text))
+}
+
+/// A node's GPUs from its capacity of `resource` alone, for a node whose device plugin has
+/// not published an inventory: capacity split evenly over the `gpu-count` label (one GPU when
+/// the label is absent), healthy, with no UUID. Empty when the node advertises none.
+pub fn from_capacity(node: &Node, keys: &Keys, resource: &str) -> Vec<GpuInfo> {
+    let capacity = node
+        .status
+        .as_ref()
+        .and_then(|status| status.capacity.as_ref())
+        .and_then(|capacity| capacity.get(resource))
+        .and_then(|quantity| quantity.0.trim().parse::<u64>().ok())
+        .unwrap_or(0);
+    if capacity == 0 {
+        return Vec::new();
+    }
+    let count = node
+        .metadata
+        .labels
+        .as_ref()
+        .and_then(|labels| labels.get(&keys.node_gpu_count))
+        .and_then(|value| value.trim().parse::<u32>().ok())
+        .filter(|&count| count > 0)
+        .unwrap_or(1);
+    (0..count)
+        .map(|index| GpuInfo {
+            index,
+            uuid: String::new(),
+            model: String::new(),
+            mem_gib: capacity / u64::from(count),
+            healthy: true,
+            numa_node: None,
+        })
+        .collect()
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -102,5 +145,29 @@ mod tests {
         assert_eq!(gib_from_bytes((16 << 30) - 1), 15);
         // A "16 GB" T4 reports 15360 MiB.
         assert_eq!(gib_from_bytes(15360 << 20), 15);
+    }
+
+    #[test]
+    fn capacity_fallback_splits_evenly_over_the_gpu_count_label() {
+        use k8s_openapi::apimachinery::pkg::api::resource::Quantity;
+        let keys = Keys::default();
+        let mut node = Node::default();
+        assert!(from_node(&node, &keys).is_none());
+        assert!(from_capacity(&node, &keys, "example.com/gpu-mem").is_empty());
+        node.status = Some(k8s_openapi::api::core::v1::NodeStatus {
+            capacity: Some([("example.com/gpu-mem".to_owned(), Quantity("32".into()))].into()),
+            ..Default::default()
+        });
+        assert_eq!(from_capacity(&node, &keys, "example.com/gpu-mem").len(), 1);
+        node.metadata.labels = Some([(keys.node_gpu_count.clone(), "2".to_owned())].into());
+        let gpus = from_capacity(&node, &keys, "example.com/gpu-mem");
+        assert_eq!(
+            gpus.iter()
+                .map(|g| (g.index, g.mem_gib))
+                .collect::<Vec<_>>(),
+            vec![(0, 16), (1, 16)]
+        );
+        node.metadata.annotations = Some([(keys.node_gpus.clone(), encode(&[gpu(0, 24)]))].into());
+        assert_eq!(from_node(&node, &keys).unwrap().unwrap(), vec![gpu(0, 24)]);
     }
 }

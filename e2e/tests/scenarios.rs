@@ -95,6 +95,37 @@ async fn settle(
     Ok((running, pending))
 }
 
+/// Creates pods one at a time, each once the previous one is bound: a stream of arrivals.
+/// (In a burst, kube-scheduler scores the next pod before the previous bind reached the
+/// extender, as the real one does; a stream shows the packing policy itself.)
+async fn create_stream(
+    cluster: &TestCluster,
+    prefix: &str,
+    sizes: &[u64],
+) -> anyhow::Result<Vec<String>> {
+    let pods: Api<Pod> = Api::namespaced(cluster.client.clone(), "default");
+    let mut names = Vec::new();
+    for (i, gib) in sizes.iter().enumerate() {
+        let name = format!("{prefix}-{i}-{gib}g");
+        create_gpu_pod(cluster, &name, *gib).await?;
+        wait_for(
+            &format!("{name} to be bound"),
+            Duration::from_secs(60),
+            || {
+                let pods = pods.clone();
+                let name = name.clone();
+                async move {
+                    let pod = pods.get(&name).await.ok()?;
+                    pod.spec.as_ref()?.node_name.as_ref().map(|_| ())
+                }
+            },
+        )
+        .await?;
+        names.push(name);
+    }
+    Ok(names)
+}
+
 async fn create_all(
     cluster: &TestCluster,
     prefix: &str,
@@ -160,7 +191,7 @@ async fn two_nodes_mixed_stream_packs_nodes_and_keeps_whole_gpus_free() -> anyho
         ClusterSpec::labelled(&[("node-a", &[16, 16, 16, 16]), ("node-b", &[16, 16, 16, 16])]);
     with_cluster(spec, async |cluster| {
         // 40 GiB of small and medium pods: less than one node holds.
-        let small = create_all(cluster, "small", &[1, 2, 4, 8, 3, 2, 1, 6, 5, 8]).await?;
+        let small = create_stream(cluster, "small", &[1, 2, 4, 8, 3, 2, 1, 6, 5, 8]).await?;
         let (running, pending) = settle(cluster, &small).await?;
         assert!(pending.is_empty(), "all fit: {pending:?}");
         let where_ = placements(&*cluster, &small).await?;

@@ -10,7 +10,9 @@
 use std::collections::HashMap;
 
 use gpushare_allocator::{Cluster, Gpu, PodId, PodPlacement, Request};
-use gpushare_contract::{Keys, PodAllocation, PodRequest, RequestError, inventory, pod_request};
+use gpushare_contract::{
+    GpuInfo, Keys, PodAllocation, PodRequest, RequestError, inventory, pod_request,
+};
 use k8s_openapi::api::core::v1::{Node, Pod};
 
 /// What the view needs to read nodes and pods.
@@ -266,61 +268,24 @@ impl View {
             .as_ref()
             .and_then(|labels| labels.get(&self.settings.label_key))
             .is_some_and(|value| *value == self.settings.label_value);
-        if let Some(text) = node
-            .metadata
-            .annotations
-            .as_ref()
-            .and_then(|a| a.get(&self.settings.keys.node_gpus))
-        {
-            match inventory::decode(text) {
-                Ok(gpus) => {
-                    let gpus = gpus
-                        .into_iter()
-                        .map(|g| Gpu {
-                            index: g.index,
-                            uuid: g.uuid,
-                            model: g.model,
-                            total_gib: g.mem_gib,
-                            healthy: g.healthy,
-                        })
-                        .collect();
-                    return (gpus, eligible);
-                }
-                Err(error) => tracing::warn!(
-                    node = %name,
-                    %error,
-                    "cannot read the GPU inventory annotation; falling back to capacity"
-                ),
-            }
+        let to_gpu = |g: GpuInfo| Gpu {
+            index: g.index,
+            uuid: g.uuid,
+            model: g.model,
+            total_gib: g.mem_gib,
+            healthy: g.healthy,
+        };
+        match inventory::from_node(node, &self.settings.keys) {
+            Some(Ok(gpus)) => return (gpus.into_iter().map(to_gpu).collect(), eligible),
+            Some(Err(error)) => tracing::warn!(
+                node = %name,
+                %error,
+                "cannot read the GPU inventory annotation; falling back to capacity"
+            ),
+            None => {}
         }
-        let capacity = node
-            .status
-            .as_ref()
-            .and_then(|s| s.capacity.as_ref())
-            .and_then(|c| c.get(&self.settings.resource))
-            .and_then(|q| q.0.trim().parse::<u64>().ok())
-            .unwrap_or(0);
-        if capacity == 0 {
-            return (Vec::new(), eligible);
-        }
-        let count = node
-            .metadata
-            .labels
-            .as_ref()
-            .and_then(|labels| labels.get(&self.settings.keys.node_gpu_count))
-            .and_then(|v| v.trim().parse::<u32>().ok())
-            .filter(|&n| n > 0)
-            .unwrap_or(1);
-        let gpus = (0..count)
-            .map(|index| Gpu {
-                index,
-                uuid: String::new(),
-                model: String::new(),
-                total_gib: capacity / u64::from(count),
-                healthy: true,
-            })
-            .collect();
-        (gpus, eligible)
+        let gpus = inventory::from_capacity(node, &self.settings.keys, &self.settings.resource);
+        (gpus.into_iter().map(to_gpu).collect(), eligible)
     }
 
     /// Applies a pod from the pod watch. Returns a warning for the pod's owner when its

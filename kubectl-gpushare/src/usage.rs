@@ -155,34 +155,14 @@ pub fn is_active(pod: &Pod) -> bool {
 }
 
 fn node_gpus(node: &Node, settings: &Settings) -> (Vec<GpuInfo>, GpuSource) {
-    if let Some(text) = node_annotation(node, &settings.keys.node_gpus) {
-        return match inventory::decode(text) {
-            Ok(gpus) => (gpus, GpuSource::Inventory),
-            Err(err) => (Vec::new(), GpuSource::BadInventory(err.to_string())),
-        };
+    match inventory::from_node(node, &settings.keys) {
+        Some(Ok(gpus)) => (gpus, GpuSource::Inventory),
+        Some(Err(err)) => (Vec::new(), GpuSource::BadInventory(err.to_string())),
+        None => match inventory::from_capacity(node, &settings.keys, &settings.resource) {
+            gpus if gpus.is_empty() => (Vec::new(), GpuSource::None),
+            gpus => (gpus, GpuSource::Capacity),
+        },
     }
-    let Some(capacity) = capacity_gib(node, &settings.resource).filter(|&c| c > 0) else {
-        return (Vec::new(), GpuSource::None);
-    };
-    let count = node
-        .metadata
-        .labels
-        .as_ref()
-        .and_then(|labels| labels.get(&settings.keys.node_gpu_count))
-        .and_then(|v| v.trim().parse::<u32>().ok())
-        .filter(|&c| c > 0)
-        .unwrap_or(1);
-    let gpus = (0..count)
-        .map(|index| GpuInfo {
-            index,
-            uuid: String::new(),
-            model: String::new(),
-            mem_gib: capacity / u64::from(count),
-            healthy: true,
-            numa_node: None,
-        })
-        .collect();
-    (gpus, GpuSource::Capacity)
 }
 
 fn internal_ip(node: &Node) -> String {
