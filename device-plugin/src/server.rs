@@ -22,11 +22,10 @@ use gpushare_proto::v1beta1::RegisterRequest;
 use gpushare_proto::v1beta1::device_plugin_server::DevicePluginServer;
 use gpushare_proto::v1beta1::registration_client::RegistrationClient;
 use gpushare_proto::{KUBELET_SOCKET, VERSION};
-use hyper_util::rt::TokioIo;
-use tokio::net::{UnixListener, UnixStream};
+use tokio::net::UnixListener;
 use tokio_stream::wrappers::UnixListenerStream;
 use tokio_util::sync::CancellationToken;
-use tonic::transport::{Channel, Endpoint, Server, Uri};
+use tonic::transport::Server;
 
 use crate::Error;
 use crate::service::{GpuMemService, PluginState, options};
@@ -56,16 +55,7 @@ fn remove_socket(path: &Path) {
 }
 
 /// A gRPC channel over the unix socket at `path`.
-pub async fn connect(path: &Path) -> Result<Channel, tonic::transport::Error> {
-    let path = path.to_owned();
-    // The URI is required by the API but ignored: the connector dials the socket.
-    Endpoint::from_static("http://[::]:50051")
-        .connect_with_connector(tower::service_fn(move |_: Uri| {
-            let path = path.clone();
-            async move { Ok::<_, std::io::Error>(TokioIo::new(UnixStream::connect(path).await?)) }
-        }))
-        .await
-}
+pub use gpushare_proto::connect_unix as connect;
 
 /// Why one registration attempt failed.
 #[derive(Debug, thiserror::Error)]

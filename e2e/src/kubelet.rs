@@ -33,7 +33,6 @@ use gpushare_proto::v1beta1::{
     DevicePluginOptions, Empty, PreferredAllocationRequest, RegisterRequest,
 };
 use gpushare_proto::{HEALTHY, KUBELET_SOCKET, VERSION};
-use hyper_util::rt::TokioIo;
 use k8s_openapi::api::core::v1::{Container, Pod};
 use kube::api::{Patch, PatchParams};
 use kube::runtime::reflector::{self, Store};
@@ -42,12 +41,12 @@ use kube::{Api, Client};
 use rand::SeedableRng;
 use rand::rngs::StdRng;
 use rand::seq::SliceRandom;
-use tokio::net::{UnixListener, UnixStream};
+use tokio::net::UnixListener;
 use tokio::sync::watch;
 use tokio::task::JoinHandle;
 use tokio_stream::wrappers::UnixListenerStream;
 use tokio_util::sync::CancellationToken;
-use tonic::transport::{Channel, Endpoint, Server, Uri};
+use tonic::transport::{Channel, Server};
 use tonic::{Request, Response, Status};
 
 /// The order in which pods seen in one sweep are admitted.
@@ -165,16 +164,7 @@ async fn sync_node_capacity(
     }
 }
 
-/// A gRPC channel over the unix socket at `path`.
-async fn connect(path: &Path) -> Result<Channel, tonic::transport::Error> {
-    let path = path.to_owned();
-    Endpoint::from_static("http://[::]:50051")
-        .connect_with_connector(tower::service_fn(move |_: Uri| {
-            let path = path.clone();
-            async move { Ok::<_, std::io::Error>(TokioIo::new(UnixStream::connect(path).await?)) }
-        }))
-        .await
-}
+use gpushare_proto::connect_unix as connect;
 
 struct RegistrationService {
     shared: Arc<Shared>,

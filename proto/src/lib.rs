@@ -21,3 +21,21 @@ pub const HEALTHY: &str = "Healthy";
 pub const UNHEALTHY: &str = "Unhealthy";
 /// Where kubelet looks for device plugin sockets on a node.
 pub const DEFAULT_DEVICE_PLUGIN_DIR: &str = "/var/lib/kubelet/device-plugins/";
+
+/// A gRPC channel over the unix socket at `path`: how kubelet dials a plugin and a plugin
+/// dials kubelet.
+pub async fn connect_unix(
+    path: &std::path::Path,
+) -> Result<tonic::transport::Channel, tonic::transport::Error> {
+    let path = path.to_owned();
+    // The URI is required by the API but ignored: the connector dials the socket.
+    tonic::transport::Endpoint::from_static("http://[::]:50051")
+        .connect_with_connector(tower::service_fn(move |_: tonic::transport::Uri| {
+            let path = path.clone();
+            async move {
+                let stream = tokio::net::UnixStream::connect(path).await?;
+                Ok::<_, std::io::Error>(hyper_util::rt::TokioIo::new(stream))
+            }
+        }))
+        .await
+}

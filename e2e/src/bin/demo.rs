@@ -14,7 +14,7 @@
 use std::time::Instant;
 
 use anyhow::Context;
-use gpushare_e2e::cluster::{ClusterSpec, TestCluster};
+use gpushare_e2e::cluster::{ClusterSpec, TestCluster, binaries};
 use gpushare_e2e::scenarios::{Narrator, notebook};
 use k8s_openapi::api::core::v1::{Node, Pod};
 use kube::Client;
@@ -66,6 +66,13 @@ async fn main() -> anyhow::Result<()> {
     );
     println!(
         "gpu-node-1 (labelled gpushare=true, one simulated 15 GiB GPU), kubelet, kube-scheduler driver.\n"
+    );
+    tokio::task::spawn_blocking(binaries)
+        .await?
+        .context("building gpushare-extender and gpushare-device-plugin")?;
+    println!(
+        "[{:>5.1}s] Binaries built.",
+        started.elapsed().as_secs_f64()
     );
     let cluster = TestCluster::start(ClusterSpec::labelled(&[("gpu-node-1", &[15])]))
         .await
