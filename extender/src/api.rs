@@ -402,6 +402,15 @@ fn decide(
     if !view.is_synced() {
         return Err(("not_synced", NOT_SYNCED.to_owned()));
     }
+    if let Some(wait) = view.bind_hold() {
+        return Err((
+            "starting",
+            format!(
+                "extender just started; binds resume in {} ms, once binds sent by a previous instance have landed",
+                wait.as_millis()
+            ),
+        ));
+    }
     let node = args.node.as_str();
     let uid = PodId::from(args.pod_uid.as_str());
     let Some(cached) = view.pod(&args.pod_namespace, &args.pod_name) else {

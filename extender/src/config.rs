@@ -48,6 +48,10 @@ pub struct Config {
     /// Log format.
     #[arg(long, env = "GPUSHARE_LOG_FORMAT", value_enum, default_value = "text")]
     pub log_format: LogFormat,
+    /// After start-up, binds wait this long (ms) for Bindings a previous instance sent just
+    /// before it stopped to show up in the watch, so their GPU memory is not handed out twice.
+    #[arg(long, env = "GPUSHARE_BIND_GRACE_MS", default_value_t = 2000)]
+    pub bind_grace_ms: u64,
     /// Serve the mutating admission webhook that routes GPU pods to the gpushare scheduler.
     #[arg(long, env = "GPUSHARE_WEBHOOK_ENABLED", default_value_t = false, action = clap::ArgAction::Set)]
     pub webhook_enabled: bool,
@@ -84,6 +88,7 @@ impl Default for Config {
             tls_cert: None,
             tls_key: None,
             log_format: LogFormat::Text,
+            bind_grace_ms: 2000,
             webhook_enabled: false,
             webhook_listen: SocketAddr::from(([0, 0, 0, 0], 9443)),
             webhook_service: "gpushare-extender".to_owned(),

@@ -109,6 +109,9 @@ pub async fn serve(
         events,
         Registry::default(),
     );
+    state
+        .view_mut()
+        .set_bind_grace(Duration::from_millis(config.bind_grace_ms));
     let app = router(state.clone(), &config.prefix);
     let addr = listener.local_addr().map_err(Error::Serve)?;
     let scheme = if tls.is_some() { "https" } else { "http" };

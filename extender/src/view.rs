@@ -8,6 +8,7 @@
 //! rebuilt from the listed pods and the reservations still in flight are booked on top.
 
 use std::collections::HashMap;
+use std::time::{Duration, Instant};
 
 use gpushare_allocator::{Cluster, Gpu, PodId, PodPlacement, Request};
 use gpushare_contract::{
@@ -127,6 +128,10 @@ pub struct View {
     reservations: HashMap<PodId, Reservation>,
     nodes_synced: bool,
     pods_synced: bool,
+    /// When both watches had first listed everything.
+    synced_at: Option<Instant>,
+    /// How long after that binds are refused (see [`View::bind_hold`]).
+    bind_grace: Duration,
 }
 
 impl View {
@@ -141,6 +146,8 @@ impl View {
             reservations: HashMap::new(),
             nodes_synced: false,
             pods_synced: false,
+            synced_at: None,
+            bind_grace: Duration::ZERO,
         }
     }
 
@@ -157,11 +164,36 @@ impl View {
     /// Marks the node watch as listed.
     pub fn set_nodes_synced(&mut self) {
         self.nodes_synced = true;
+        self.mark_synced_at();
     }
 
     /// Marks the pod watch as listed.
     pub fn set_pods_synced(&mut self) {
         self.pods_synced = true;
+        self.mark_synced_at();
+    }
+
+    fn mark_synced_at(&mut self) {
+        if self.is_synced() && self.synced_at.is_none() {
+            self.synced_at = Some(Instant::now());
+        }
+    }
+
+    /// Sets how long binds wait after the first sync (see [`View::bind_hold`]).
+    pub fn set_bind_grace(&mut self, grace: Duration) {
+        self.bind_grace = grace;
+    }
+
+    /// How much longer binds must wait after start-up, if at all.
+    ///
+    /// Why: an extender killed in the middle of a bind may have sent a Binding that the API
+    /// server applies only after this instance listed the pods. Until such a late write shows
+    /// up in the watch, its GPU memory looks free, and binding into it could over-commit the
+    /// GPU. Holding binds for a short grace after the first sync lets those writes land.
+    /// Filter and prioritize are not held: only bind books memory.
+    pub fn bind_hold(&self) -> Option<Duration> {
+        let since = self.synced_at?.elapsed();
+        (since < self.bind_grace).then(|| self.bind_grace - since)
     }
 
     /// A cached pod by namespace and name.
@@ -255,7 +287,7 @@ impl View {
         for node in nodes {
             self.apply_node(node);
         }
-        self.nodes_synced = true;
+        self.set_nodes_synced();
     }
 
     /// GPUs and eligibility of a node: the inventory annotation, or else capacity split
@@ -479,7 +511,7 @@ impl View {
             );
             self.reservations.insert(uid, reservation);
         }
-        self.pods_synced = true;
+        self.set_pods_synced();
         warnings
     }
 }

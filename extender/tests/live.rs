@@ -40,10 +40,16 @@ impl Drop for Extender {
 
 impl Extender {
     async fn start(client: kube::Client) -> anyhow::Result<Self> {
+        Self::start_with_grace(client, 0).await
+    }
+
+    /// Starts an extender that holds binds for `bind_grace_ms` after its first sync.
+    async fn start_with_grace(client: kube::Client, bind_grace_ms: u64) -> anyhow::Result<Self> {
         let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await?;
         let addr = listener.local_addr()?;
         let config = Config {
             listen: addr,
+            bind_grace_ms,
             ..Config::default()
         };
         let task = tokio::spawn(serve(config, client, listener, std::future::pending()));
@@ -364,12 +370,30 @@ async fn restart_mid_burst_does_not_over_commit() -> anyhow::Result<()> {
     for task in tasks {
         let _ = task.await;
     }
-    let second = Extender::start(client.clone()).await?;
+    // The new instance holds binds briefly after it synced, so Bindings the killed one sent
+    // can land first; kube-scheduler retries, and so do these binds.
+    let second = Extender::start_with_grace(client.clone(), 300).await?;
+    let held = second
+        .bind(&pods[39], "n1")
+        .await
+        .map_err(anyhow::Error::msg)?;
+    assert!(
+        held.contains("just started"),
+        "binds are held after start: {held}"
+    );
     let mut tasks = Vec::new();
     let second = std::sync::Arc::new(second);
     for p in &pods {
         let (extender, p) = (second.clone(), p.clone());
-        tasks.push(tokio::spawn(async move { extender.bind(&p, "n1").await }));
+        tasks.push(tokio::spawn(async move {
+            loop {
+                let answer = extender.bind(&p, "n1").await?;
+                if !answer.contains("just started") {
+                    return Ok::<_, String>(answer);
+                }
+                tokio::time::sleep(Duration::from_millis(50)).await;
+            }
+        }));
     }
     for task in tasks {
         let _ = task.await?;
