@@ -63,6 +63,10 @@ struct Args {
     /// Pods allocated by the device plugin, one Allocate each (device plugin phase).
     #[arg(long, env = "LOAD_ALLOCATE_PODS", default_value_t = 1000)]
     allocate_pods: usize,
+    /// GiB of each of the plugin's 8 simulated GPUs (one device per GiB); raised when the
+    /// Allocate pods would not fit.
+    #[arg(long, env = "LOAD_ALLOCATE_GPU_GIB", default_value_t = 1024)]
+    allocate_gpu_gib: u64,
     /// Skip the extender phase.
     #[arg(long, env = "LOAD_SKIP_EXTENDER", default_value_t = false)]
     skip_extender: bool,
@@ -96,6 +100,7 @@ async fn main() -> anyhow::Result<()> {
     };
     let allocate_cfg = allocate::Config {
         pods: args.allocate_pods,
+        gpu_gib: args.allocate_gpu_gib,
         setup_concurrency: args.setup_concurrency.max(1),
     };
     if !args.skip_extender {

@@ -45,8 +45,6 @@ const NODE: &str = "load-gpu-node";
 const KUBELET_NODE: &str = "nobody";
 /// Simulated GPUs; pods of s GiB go to GPU s-1, so sizes are 1..=GPUS.
 const GPUS: u64 = 8;
-/// Smallest simulated GPU; grown when the pods would not fit.
-const MIN_GPU_GIB: u64 = 1024;
 /// How many error messages the report quotes.
 const QUOTED: usize = 3;
 
@@ -55,6 +53,8 @@ const QUOTED: usize = 3;
 pub struct Config {
     /// Pods allocated, one Allocate each.
     pub pods: usize,
+    /// GiB of each simulated GPU (raised when the pods would not fit): one device per GiB.
+    pub gpu_gib: u64,
     /// API creates in flight at once during set-up.
     pub setup_concurrency: usize,
 }
@@ -64,13 +64,10 @@ fn size(i: usize) -> u64 {
     1 + i as u64 % GPUS
 }
 
-/// Every GPU the same size, large enough for its pods and the sentinel.
-fn gpu_gib(pods: usize) -> u64 {
+/// GiB every GPU needs to hold its pods and the sentinel (an upper bound).
+fn needed_gpu_gib(pods: usize) -> u64 {
     let per_gpu = u64::try_from(pods).unwrap_or(u64::MAX).div_ceil(GPUS);
-    per_gpu
-        .saturating_mul(GPUS)
-        .saturating_add(GPUS + 1)
-        .max(MIN_GPU_GIB)
+    per_gpu.saturating_mul(GPUS).saturating_add(GPUS + 1)
 }
 
 /// A pod bound to [`NODE`] whose allocation the device plugin has not made yet.
@@ -127,7 +124,8 @@ pub async fn run(cfg: &Config, bins: &Binaries, log_dir: &Path) -> anyhow::Resul
         AdmissionOrder::CreationTime,
     )
     .await?;
-    let gib = gpu_gib(cfg.pods);
+    let gib = needed_gpu_gib(cfg.pods).max(cfg.gpu_gib);
+    figure("simulated GPUs", format!("{GPUS} × {gib} GiB"));
     let mut plugin = spawn_plugin(
         bins,
         &plugin_dir,
@@ -388,7 +386,7 @@ mod tests {
     #[test]
     fn sizes_follow_the_twin_rule_and_fit() {
         let pods = 1000;
-        let gib = gpu_gib(pods);
+        let gib = needed_gpu_gib(pods);
         let mut used = [0u64; GPUS as usize];
         for i in 0..pods {
             used[gpu_of(size(i)) as usize] += size(i);
@@ -399,6 +397,6 @@ mod tests {
             (1..=GPUS).map(gpu_of).collect::<Vec<_>>(),
             [0, 1, 2, 3, 4, 5, 6, 7]
         );
-        assert!(gpu_gib(100_000) >= 100_000);
+        assert!(needed_gpu_gib(100_000) >= 100_000);
     }
 }
