@@ -3,7 +3,7 @@
 //! is rebuilt from one consistent list, never from half of one.
 
 use futures::{Stream, StreamExt};
-use k8s_openapi::api::core::v1::{Node, Pod};
+use k8s_openapi::api::core::v1::{Container, Node, NodeStatus, Pod, PodSpec, PodStatus};
 use kube::Api;
 use kube::runtime::WatchStreamExt;
 use kube::runtime::watcher::{self, Event};
@@ -15,7 +15,10 @@ use crate::view::PodWarning;
 /// Follows Nodes until the stream ends (it ends only if the watcher gives up).
 pub async fn watch_nodes(client: kube::Client, state: AppState) {
     let api: Api<Node> = Api::all(client);
-    let stream = watcher::watcher(api, watcher::Config::default()).default_backoff();
+    let (resource, domain) = watched_names(&state);
+    let stream = watcher::watcher(api, watcher::Config::default())
+        .default_backoff()
+        .modify(move |node| trim_node(node, &resource, &domain));
     follow(
         stream,
         "nodes",
@@ -37,7 +40,10 @@ pub async fn watch_nodes(client: kube::Client, state: AppState) {
 /// Follows Pods until the stream ends (it ends only if the watcher gives up).
 pub async fn watch_pods(client: kube::Client, state: AppState) {
     let api: Api<Pod> = Api::all(client);
-    let stream = watcher::watcher(api, watcher::Config::default()).default_backoff();
+    let (_, domain) = watched_names(&state);
+    let stream = watcher::watcher(api, watcher::Config::default())
+        .default_backoff()
+        .modify(move |pod| trim_pod(pod, &domain));
     let warn = |warnings: Vec<PodWarning>| {
         for warning in warnings {
             state.events().send(PodEvent {
@@ -73,6 +79,78 @@ pub async fn watch_pods(client: kube::Client, state: AppState) {
     .await;
 }
 
+/// The resource name and the annotation domain prefix (`<domain>/`) the view reads.
+fn watched_names(state: &AppState) -> (String, String) {
+    let view = state.view();
+    let settings = view.settings();
+    let domain = settings
+        .keys
+        .gpu_index
+        .split_once('/')
+        .map(|(domain, _)| format!("{domain}/"))
+        .unwrap_or_default();
+    (settings.resource.clone(), domain)
+}
+
+/// Keeps only what the view reads of a Pod: name, namespace, UID, gpushare's annotations,
+/// node name, the containers' names, resources and restart policies, and the phase.
+///
+/// Why: a relist of a large cluster is buffered until it is complete, and a full Pod is
+/// several KiB (managed fields, env, volumes, status); at 50,000 pods that alone is hundreds
+/// of MiB held at once.
+fn trim_pod(pod: &mut Pod, domain: &str) {
+    let metadata = &mut pod.metadata;
+    metadata.managed_fields = None;
+    metadata.labels = None;
+    metadata.owner_references = None;
+    if let Some(annotations) = metadata.annotations.as_mut() {
+        annotations.retain(|key, _| key.starts_with(domain));
+    }
+    let trim_container = |c: &mut Container| Container {
+        name: std::mem::take(&mut c.name),
+        resources: c.resources.take(),
+        restart_policy: c.restart_policy.take(),
+        ..Container::default()
+    };
+    if let Some(spec) = pod.spec.as_mut() {
+        *spec = PodSpec {
+            node_name: spec.node_name.take(),
+            containers: spec.containers.iter_mut().map(trim_container).collect(),
+            init_containers: spec
+                .init_containers
+                .as_mut()
+                .map(|init| init.iter_mut().map(trim_container).collect()),
+            ..PodSpec::default()
+        };
+    }
+    if let Some(status) = pod.status.as_mut() {
+        *status = PodStatus {
+            phase: status.phase.take(),
+            ..PodStatus::default()
+        };
+    }
+}
+
+/// Keeps only what the view reads of a Node: name, labels, gpushare's annotations and the
+/// capacity of the resource (the fallback when no inventory is published).
+fn trim_node(node: &mut Node, resource: &str, domain: &str) {
+    node.metadata.managed_fields = None;
+    if let Some(annotations) = node.metadata.annotations.as_mut() {
+        annotations.retain(|key, _| key.starts_with(domain));
+    }
+    node.spec = None;
+    if let Some(status) = node.status.as_mut() {
+        let capacity = status.capacity.take().map(|mut capacity| {
+            capacity.retain(|key, _| key == resource);
+            capacity
+        });
+        *status = NodeStatus {
+            capacity,
+            ..NodeStatus::default()
+        };
+    }
+}
+
 async fn follow<K, S, F>(stream: S, what: &'static str, mut apply: F)
 where
     S: Stream<Item = Result<Event<K>, watcher::Error>>,
@@ -85,5 +163,65 @@ where
             Ok(event) => apply(event, &mut buffer),
             Err(error) => tracing::warn!(watch = what, %error, "watch error; retrying"),
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::collections::BTreeMap;
+
+    #[test]
+    fn trimming_keeps_what_the_view_reads() {
+        let mut pod: Pod = serde_json::from_value(serde_json::json!({
+            "metadata": {
+                "name": "p", "namespace": "ns", "uid": "u1",
+                "labels": {"app": "x"},
+                "annotations": {"gpushare.example.com/v1.gpu-index": "1", "kubectl.kubernetes.io/last-applied-configuration": "{…}"},
+                "managedFields": [{"manager": "kubectl"}]
+            },
+            "spec": {
+                "nodeName": "n1",
+                "containers": [{"name": "main", "image": "img", "env": [{"name": "A", "value": "1"}],
+                    "resources": {"limits": {"example.com/gpu-mem": "4"}}}],
+                "initContainers": [{"name": "init", "image": "img", "restartPolicy": "Always"}],
+                "volumes": [{"name": "v", "emptyDir": {}}]
+            },
+            "status": {"phase": "Running", "podIP": "10.0.0.1"}
+        }))
+        .unwrap();
+        trim_pod(&mut pod, "gpushare.example.com/");
+        let annotations: BTreeMap<_, _> = pod.metadata.annotations.clone().unwrap();
+        assert_eq!(
+            annotations.keys().collect::<Vec<_>>(),
+            vec!["gpushare.example.com/v1.gpu-index"]
+        );
+        assert!(pod.metadata.labels.is_none() && pod.metadata.managed_fields.is_none());
+        let spec = pod.spec.as_ref().unwrap();
+        assert_eq!(spec.node_name.as_deref(), Some("n1"));
+        assert!(
+            spec.volumes.is_none()
+                && spec.containers[0].image.is_none()
+                && spec.containers[0].env.is_none()
+        );
+        assert!(spec.containers[0].resources.is_some());
+        assert_eq!(
+            spec.init_containers.as_ref().unwrap()[0]
+                .restart_policy
+                .as_deref(),
+            Some("Always")
+        );
+        assert_eq!(
+            pod.status.as_ref().unwrap().phase.as_deref(),
+            Some("Running")
+        );
+        assert!(pod.status.as_ref().unwrap().pod_ip.is_none());
+        assert_eq!(
+            gpushare_contract::pod_request(&pod, "example.com/gpu-mem")
+                .unwrap()
+                .unwrap()
+                .pod_gib,
+            4
+        );
     }
 }
