@@ -10,7 +10,7 @@ use kube::runtime::watcher::{self, Event};
 
 use crate::api::AppState;
 use crate::kube_io::PodEvent;
-use crate::view::PodWarning;
+use crate::view::{PodFacts, PodWarning};
 
 /// Follows Nodes until the stream ends (it ends only if the watcher gives up).
 pub async fn watch_nodes(client: kube::Client, state: AppState) {
@@ -56,26 +56,34 @@ pub async fn watch_pods(client: kube::Client, state: AppState) {
             });
         }
     };
-    follow(stream, "pods", |event, buffer: &mut Vec<Pod>| match event {
-        Event::Init => buffer.clear(),
-        Event::InitApply(pod) => buffer.push(pod),
-        Event::InitDone => {
-            let pods = std::mem::take(buffer);
-            let warnings = {
-                let mut view = state.view_mut();
-                let warnings = view.replace_pods(&pods);
-                let synced = view.is_synced();
-                tracing::info!(pods = pods.len(), ready = synced, "pod watch synced");
-                warnings
-            };
-            warn(warnings);
-        }
-        Event::Apply(pod) => {
-            let warning = state.view_mut().apply_pod(&pod);
-            warn(warning.into_iter().collect());
-        }
-        Event::Delete(pod) => state.view_mut().delete_pod(&pod),
-    })
+    let settings = state.view().settings().clone();
+    follow(
+        stream,
+        "pods",
+        |event, buffer: &mut Vec<PodFacts>| match event {
+            Event::Init => buffer.clear(),
+            Event::InitApply(pod) => buffer.extend(
+                PodFacts::read(&pod, &settings).filter(|facts| facts.concerns_gpushare(&settings)),
+            ),
+            Event::InitDone => {
+                let pods = std::mem::take(buffer);
+                let count = pods.len();
+                let warnings = {
+                    let mut view = state.view_mut();
+                    let warnings = view.replace_pod_facts(pods);
+                    let synced = view.is_synced();
+                    tracing::info!(pods = count, ready = synced, "pod watch synced");
+                    warnings
+                };
+                warn(warnings);
+            }
+            Event::Apply(pod) => {
+                let warning = state.view_mut().apply_pod(&pod);
+                warn(warning.into_iter().collect());
+            }
+            Event::Delete(pod) => state.view_mut().delete_pod(&pod),
+        },
+    )
     .await;
 }
 
@@ -151,10 +159,10 @@ fn trim_node(node: &mut Node, resource: &str, domain: &str) {
     }
 }
 
-async fn follow<K, S, F>(stream: S, what: &'static str, mut apply: F)
+async fn follow<K, B, S, F>(stream: S, what: &'static str, mut apply: F)
 where
     S: Stream<Item = Result<Event<K>, watcher::Error>>,
-    F: FnMut(Event<K>, &mut Vec<K>),
+    F: FnMut(Event<K>, &mut Vec<B>),
 {
     let mut stream = std::pin::pin!(stream);
     let mut buffer = Vec::new();

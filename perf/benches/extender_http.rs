@@ -1,0 +1,121 @@
+//! Criterion benchmarks of the extender's filter and prioritize handlers as kube-scheduler
+//! calls them: a real request body (the captured v1.36 pod, `NodeNames` form) through the axum
+//! router, JSON parse to JSON answer, on a synced view of N nodes × 8 GPUs × 32 GiB with 10
+//! pods per GPU. No network: this is the extender's own cost per call.
+//!
+//! ```sh
+//! cargo bench -p gpushare-perf --bench extender_http
+//! ```
+
+use std::hint::black_box;
+use std::sync::Arc;
+
+use axum::body::{Body, to_bytes};
+use axum::http::Request;
+use criterion::{BenchmarkId, Criterion, criterion_group, criterion_main};
+use futures::future::BoxFuture;
+use gpushare_allocator::{PodId, PodPlacement, Policy};
+use gpushare_e2e::fixtures::node;
+use gpushare_extender::{AppState, BindError, Binder, BindingTarget, EventSink, Settings, router};
+use prometheus_client::registry::Registry;
+use tower::ServiceExt;
+
+const PREFIX: &str = "/gpushare-scheduler";
+/// The pod kube-scheduler v1.36 sent (captured), asking for 4 GiB.
+const CAPTURED: &str = include_str!("../../extender/tests/fixtures/filter-request-nodenames.json");
+
+/// Filter and prioritize never bind.
+struct NoBinder;
+
+impl Binder for NoBinder {
+    fn bind(&self, _target: BindingTarget) -> BoxFuture<'_, Result<(), BindError>> {
+        Box::pin(async { Ok(()) })
+    }
+}
+
+fn state(nodes: usize) -> (AppState, Vec<String>) {
+    let (events, _rx) = EventSink::channel();
+    let settings = Settings::new(
+        gpushare_contract::DEFAULT_RESOURCE,
+        gpushare_contract::DEFAULT_DOMAIN,
+        "gpushare=true",
+    );
+    let state = AppState::new(
+        settings,
+        Policy::Binpack,
+        Arc::new(NoBinder),
+        events,
+        Registry::default(),
+    );
+    let names: Vec<String> = (0..nodes).map(|n| format!("node-{n:05}")).collect();
+    let objects: Vec<_> = names
+        .iter()
+        .map(|name| node(name).gpushare().gpus(&[32; 8]).build())
+        .collect();
+    {
+        let mut view = state.view_mut();
+        view.replace_nodes(&objects);
+        view.replace_pods(&[]);
+        for name in &names {
+            for gpu in 0..8 {
+                for p in 0..10 {
+                    let placement = PodPlacement {
+                        gpu,
+                        pod_gib: 2,
+                        pending: vec![],
+                        assigned: true,
+                    };
+                    view.cluster
+                        .upsert_pod(PodId(format!("{name}-{gpu}-{p}")), name, placement);
+                }
+            }
+        }
+    }
+    (state, names)
+}
+
+fn body(names: &[String]) -> Vec<u8> {
+    let mut args: serde_json::Value =
+        serde_json::from_str(CAPTURED).expect("the captured request is JSON");
+    args["NodeNames"] = serde_json::json!(names);
+    serde_json::to_vec(&args).expect("serializable")
+}
+
+fn handlers(c: &mut Criterion) {
+    let runtime = tokio::runtime::Builder::new_current_thread()
+        .build()
+        .expect("a runtime");
+    for verb in ["filter", "prioritize"] {
+        let mut group = c.benchmark_group(format!("http {verb} (NodeNames)"));
+        for nodes in [100, 1_000, 5_000] {
+            let (state, names) = state(nodes);
+            let app = router(state, PREFIX);
+            let body = body(&names);
+            group.bench_with_input(BenchmarkId::from_parameter(nodes), &body, |b, body| {
+                b.iter(|| {
+                    runtime.block_on(async {
+                        let request = Request::post(format!("{PREFIX}/{verb}"))
+                            .header("content-type", "application/json")
+                            .body(Body::from(body.clone()))
+                            .expect("a request");
+                        let response = app.clone().oneshot(request).await.expect("infallible");
+                        black_box(
+                            to_bytes(response.into_body(), usize::MAX)
+                                .await
+                                .expect("a body")
+                                .len(),
+                        )
+                    })
+                })
+            });
+        }
+        group.finish();
+    }
+}
+
+criterion_group! {
+    name = benches;
+    config = Criterion::default().sample_size(20);
+    targets = handlers
+}
+criterion_main!(benches);
