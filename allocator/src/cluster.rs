@@ -1,6 +1,10 @@
 //! The cluster model and its decisions: see the crate documentation for the picture.
 
-use std::collections::{BTreeMap, HashMap};
+use std::collections::BTreeMap;
+
+// Node and pod lookups are on the scheduling hot path (one per candidate node per cycle);
+// the keys are our own cluster's names, so a fast non-DoS-resistant hash is the right trade.
+use rustc_hash::FxHashMap as HashMap;
 
 use crate::{Gpu, Placement, PodId, PodPlacement, Policy, Refusal, Request, Unfit};
 

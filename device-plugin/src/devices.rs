@@ -5,8 +5,6 @@
 //! the container really uses is decided by the extender's annotation, not by which tokens
 //! kubelet happened to pick.
 
-use std::collections::HashMap;
-
 use gpushare_contract::GpuInfo;
 use gpushare_proto::v1beta1::{Device, NumaNode, TopologyInfo};
 use gpushare_proto::{HEALTHY, UNHEALTHY};
@@ -31,11 +29,15 @@ pub fn device_list(gpus: &[GpuInfo]) -> Vec<Device> {
         .collect()
 }
 
-/// Maps each device ID back to the index of its GPU.
-pub fn device_index(gpus: &[GpuInfo]) -> HashMap<String, u32> {
+/// The index of the GPU a device ID belongs to, read from the ID itself (`<uuid>-<slot>`,
+/// slot within the GPU's GiB); `None` for an ID we never advertised. Parsing instead of a map
+/// of every device keeps `Allocate` free of work proportional to the node's memory.
+pub fn gpu_of(gpus: &[GpuInfo], id: &str) -> Option<u32> {
+    let (uuid, slot) = id.rsplit_once('-')?;
+    let slot: u64 = slot.parse().ok()?;
     gpus.iter()
-        .flat_map(|gpu| (0..gpu.mem_gib).map(move |slot| (device_id(&gpu.uuid, slot), gpu.index)))
-        .collect()
+        .find(|gpu| gpu.uuid == uuid && slot < gpu.mem_gib)
+        .map(|gpu| gpu.index)
 }
 
 #[cfg(test)]
@@ -63,8 +65,10 @@ mod tests {
         assert!(devices[0].topology.is_none());
         assert_eq!(devices[4].health, UNHEALTHY);
         assert_eq!(devices[4].topology.as_ref().unwrap().nodes[0].id, 1);
-        let index = device_index(&gpus);
-        assert_eq!(index["GPU-1-2"], 1);
-        assert!(!index.contains_key("GPU-0-2"));
+        assert_eq!(gpu_of(&gpus, "GPU-1-2"), Some(1));
+        assert_eq!(gpu_of(&gpus, "GPU-0-1"), Some(0));
+        for unknown in ["GPU-0-2", "GPU-7-0", "GPU-0", "GPU-0-x", "", "GPU-0--1"] {
+            assert_eq!(gpu_of(&gpus, unknown), None, "{unknown}");
+        }
     }
 }

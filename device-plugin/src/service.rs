@@ -218,7 +218,6 @@ impl GpuMemService {
     ) -> Result<AllocateResponse, AllocateError> {
         let state = &self.state;
         let gpus = state.inventory.borrow().clone();
-        let known = devices::device_index(&gpus);
         let mut sizes = Vec::with_capacity(request.container_requests.len());
         for (position, container) in request.container_requests.iter().enumerate() {
             if container.devices_ids.is_empty() {
@@ -227,7 +226,7 @@ impl GpuMemService {
             let unknown: Vec<String> = container
                 .devices_ids
                 .iter()
-                .filter(|id| !known.contains_key(id.as_str()))
+                .filter(|id| devices::gpu_of(&gpus, id).is_none())
                 .cloned()
                 .collect();
             if !unknown.is_empty() {
@@ -307,7 +306,6 @@ impl DevicePlugin for GpuMemService {
         request: Request<PreferredAllocationRequest>,
     ) -> Result<Response<PreferredAllocationResponse>, Status> {
         let gpus = self.state.inventory.borrow().clone();
-        let known = devices::device_index(&gpus);
         let mut container_responses = Vec::new();
         for container in &request.into_inner().container_requests {
             let size = usize::try_from(container.allocation_size).unwrap_or(0);
@@ -320,7 +318,7 @@ impl DevicePlugin for GpuMemService {
                     &container.must_include_device_i_ds,
                     size,
                     gpu,
-                    |id| known.get(id).copied(),
+                    |id| devices::gpu_of(&gpus, id),
                 ),
             });
         }

@@ -265,7 +265,7 @@ async fn prioritize(State(state): State<AppState>, body: Bytes) -> Response {
                 .iter()
                 .zip(raw)
                 .map(|(name, score)| HostPriority {
-                    host: (*name).to_owned(),
+                    host: name,
                     score: i64::from(score),
                 })
                 .collect();

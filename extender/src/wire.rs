@@ -86,10 +86,10 @@ pub struct ExtenderFilterResult<'a> {
 
 /// One element of `HostPriorityList`.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
-pub struct HostPriority {
+pub struct HostPriority<'a> {
     /// Node name.
     #[serde(rename = "Host")]
-    pub host: String,
+    pub host: &'a str,
     /// 0..=10.
     #[serde(rename = "Score")]
     pub score: i64,
