@@ -83,7 +83,8 @@ impl PodView {
         matches!(self.phase.as_deref(), Some("Succeeded" | "Failed"))
     }
 
-    fn running(&self) -> bool {
+    /// Whether kubelet reports the pod Running.
+    pub fn running(&self) -> bool {
         self.phase.as_deref() == Some("Running")
     }
 
@@ -164,12 +165,25 @@ pub fn preferred_devices(
 /// the invariant Allocate relies on: for every size, the containers still marked pending are
 /// exactly the Allocate calls still to come. Returns the new marks of every pod changed
 /// (index into `views`), and applies them to `views`.
-pub fn plan_reconcile(views: &mut [PodView], node: &str) -> Vec<(usize, Marks)> {
+///
+/// Only pods for which `settled` holds are fixed: kubelet writes a pod's Running status a
+/// moment after admitting it, so right after a pod starts, a twin that is "not Running" may
+/// in fact be admitted already, and taking its mark would leave a later Allocate with
+/// nothing to match. The caller passes pods that have been Running for a while.
+pub fn plan_reconcile(
+    views: &mut [PodView],
+    node: &str,
+    settled: impl Fn(&PodView) -> bool,
+) -> Vec<(usize, Marks)> {
     let mut changed = std::collections::BTreeSet::new();
     let mut running: Vec<usize> = (0..views.len())
         .filter(|&i| {
             let view = &views[i];
-            view.bound_to(node) && view.running() && !view.deleting && !view.allocation.assigned
+            view.bound_to(node)
+                && view.running()
+                && !view.deleting
+                && !view.allocation.assigned
+                && settled(view)
         })
         .collect();
     running.sort_by(|&a, &b| by_bind_time(&views[a], &views[b]));
@@ -351,7 +365,7 @@ mod tests {
         twin.mark_allocated("main");
         let unrelated = view("c", 5, &[("main", 8, false)]);
         let mut views = vec![running, twin, unrelated];
-        let changes = plan_reconcile(&mut views, "n1");
+        let changes = plan_reconcile(&mut views, "n1", |_| true);
         assert_eq!(changes.len(), 2);
         assert_eq!(changes[1], (1, Marks::default()));
         assert_eq!(
@@ -367,7 +381,7 @@ mod tests {
         assert!(views[0].allocation.assigned);
         // Now b waits again and a later Allocate(4) finds it.
         assert_eq!(found(&views, 4).unwrap().0, "default/b");
-        assert!(plan_reconcile(&mut views, "n1").is_empty());
+        assert!(plan_reconcile(&mut views, "n1", |_| true).is_empty());
     }
 
     #[test]
@@ -382,7 +396,7 @@ mod tests {
         let mut q = view("q", 30, &[("init", 2, true), ("main", 1, false)]);
         q.mark_allocated("init");
         let mut views = vec![m, p, q];
-        let changes = plan_reconcile(&mut views, "n1");
+        let changes = plan_reconcile(&mut views, "n1", |_| true);
         let changed: Vec<usize> = changes.iter().map(|c| c.0).collect();
         assert_eq!(changed, [0, 1]);
         assert!(views[0].allocation.assigned);
@@ -403,7 +417,7 @@ mod tests {
         let mut wrong_size = view("b", 10, &[("main", 8, false)]);
         wrong_size.mark_allocated("main");
         let mut views = vec![running, wrong_size];
-        let changes = plan_reconcile(&mut views, "n1");
+        let changes = plan_reconcile(&mut views, "n1", |_| true);
         assert_eq!(changes.len(), 1);
         assert_eq!(changes[0].0, 0);
         assert!(

@@ -35,6 +35,9 @@ use crate::metrics::Metrics;
 
 /// How often reconcile runs without pod events.
 pub const RECONCILE_PERIOD: Duration = Duration::from_secs(2);
+/// How long a pod must have been seen Running before its marks are reconciled (kubelet's
+/// status writes lag its admissions; see [`matching::plan_reconcile`]).
+pub const RECONCILE_AFTER_RUNNING: Duration = Duration::from_secs(5);
 /// Attempts for one pod patch before waiting for the next reconcile.
 const PATCH_ATTEMPTS: u32 = 6;
 
@@ -79,6 +82,12 @@ pub struct PodCache {
     store: Store<Pod>,
     synced: AtomicBool,
     overlay: Mutex<HashMap<String, Overlay>>,
+    /// Pods already read, by UID, with the resourceVersion they were read at: each Allocate
+    /// looks at every pod on the node, and re-reading unchanged annotations each time would
+    /// make Allocate cost grow with the node's pod count.
+    parsed: Mutex<HashMap<String, (String, Option<PodView>)>>,
+    /// When each pod was first seen Running.
+    running_since: Mutex<HashMap<String, std::time::Instant>>,
     changes: watch::Sender<u64>,
     patches: mpsc::UnboundedSender<String>,
 }
@@ -109,6 +118,8 @@ impl PodCache {
             store,
             synced: AtomicBool::new(false),
             overlay: Mutex::new(HashMap::new()),
+            parsed: Mutex::new(HashMap::new()),
+            running_since: Mutex::new(HashMap::new()),
             changes: watch::Sender::new(0),
             patches,
         });
@@ -163,31 +174,32 @@ impl PodCache {
     fn views(&self, overlay: &HashMap<String, Overlay>) -> (Vec<PodView>, HashMap<String, Marks>) {
         let mut views = Vec::new();
         let mut stored = HashMap::new();
-        for pod in self.store.state() {
-            let node = pod.spec.as_ref().and_then(|spec| spec.node_name.clone());
-            if node.as_deref() != Some(self.node.as_str()) {
-                continue;
-            }
-            let Some(annotations) = pod.metadata.annotations.as_ref() else {
-                continue;
-            };
-            let key = gpushare_contract::request::pod_key(&pod);
-            let allocation = match PodAllocation::from_annotations(&self.keys, annotations) {
-                Ok(Some(allocation)) => allocation,
-                Ok(None) => continue,
-                Err(err) => {
-                    tracing::debug!(pod = %key, error = %err, "ignoring pod with unreadable allocation annotations");
-                    continue;
+        let mut parsed = self
+            .parsed
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner);
+        let pods = self.store.state();
+        // Forget pods that left the store, so the cache stays the size of the node.
+        if parsed.len() > pods.len() {
+            let live: std::collections::HashSet<&str> = pods
+                .iter()
+                .filter_map(|pod| pod.metadata.uid.as_deref())
+                .collect();
+            parsed.retain(|uid, _| live.contains(uid.as_str()));
+        }
+        for pod in &pods {
+            let uid = pod.metadata.uid.clone().unwrap_or_default();
+            let version = pod.metadata.resource_version.clone().unwrap_or_default();
+            let view = match parsed.get(&uid) {
+                Some((seen, view)) if *seen == version => view.clone(),
+                _ => {
+                    let view = self.read_view(pod);
+                    parsed.insert(uid.clone(), (version, view.clone()));
+                    view
                 }
             };
-            let uid = pod.metadata.uid.clone().unwrap_or_default();
-            let mut view = PodView {
-                key,
-                uid: uid.clone(),
-                node,
-                phase: pod.status.as_ref().and_then(|status| status.phase.clone()),
-                deleting: pod.metadata.deletion_timestamp.is_some(),
-                allocation,
+            let Some(mut view) = view else {
+                continue;
             };
             stored.insert(uid.clone(), view.marks());
             if let Some(entry) = overlay.get(&uid) {
@@ -196,6 +208,31 @@ impl PodCache {
             views.push(view);
         }
         (views, stored)
+    }
+
+    /// A pod bound here with a readable allocation, as the matching logic sees it.
+    fn read_view(&self, pod: &Pod) -> Option<PodView> {
+        let node = pod.spec.as_ref().and_then(|spec| spec.node_name.clone());
+        if node.as_deref() != Some(self.node.as_str()) {
+            return None;
+        }
+        let annotations = pod.metadata.annotations.as_ref()?;
+        let key = gpushare_contract::request::pod_key(pod);
+        let allocation = match PodAllocation::from_annotations(&self.keys, annotations) {
+            Ok(allocation) => allocation?,
+            Err(err) => {
+                tracing::debug!(pod = %key, error = %err, "ignoring pod with unreadable allocation annotations");
+                return None;
+            }
+        };
+        Some(PodView {
+            key,
+            uid: pod.metadata.uid.clone().unwrap_or_default(),
+            node,
+            phase: pod.status.as_ref().and_then(|status| status.phase.clone()),
+            deleting: pod.metadata.deletion_timestamp.is_some(),
+            allocation,
+        })
     }
 
     fn record(&self, overlay: &mut HashMap<String, Overlay>, view: &PodView, marks: Marks) {
@@ -301,7 +338,25 @@ impl PodCache {
     pub fn reconcile(&self) {
         let mut overlay = self.lock();
         let (mut views, stored) = self.views(&overlay);
-        for (index, marks) in matching::plan_reconcile(&mut views, &self.node) {
+        let settled = {
+            let mut since = self
+                .running_since
+                .lock()
+                .unwrap_or_else(std::sync::PoisonError::into_inner);
+            let now = std::time::Instant::now();
+            since.retain(|uid, _| views.iter().any(|v| v.uid == *uid && v.running()));
+            for view in views.iter().filter(|v| v.running()) {
+                since.entry(view.uid.clone()).or_insert(now);
+            }
+            since
+                .iter()
+                .filter(|(_, at)| now.duration_since(**at) >= RECONCILE_AFTER_RUNNING)
+                .map(|(uid, _)| uid.clone())
+                .collect::<HashSet<String>>()
+        };
+        let plan =
+            matching::plan_reconcile(&mut views, &self.node, |view| settled.contains(&view.uid));
+        for (index, marks) in plan {
             tracing::info!(pod = %views[index].key, allocated = ?marks.allocated, assigned = marks.assigned, "reconciled allocation marks");
             self.record(&mut overlay, &views[index], marks);
         }
