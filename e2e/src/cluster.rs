@@ -73,6 +73,27 @@ fn build_binaries() -> anyhow::Result<Binaries> {
         .parent()
         .context("workspace root")?;
     let mut build = std::process::Command::new(cargo);
+    // `cargo run` / `cargo test` hand their child the package's CARGO_* variables; some
+    // crates read such variables at compile time, so passing them on would make this
+    // nested build rebuild what a plain `cargo build` already built.
+    for (name, _) in std::env::vars_os() {
+        let name = name.to_string_lossy();
+        let from_runner = [
+            "CARGO_PKG_",
+            "CARGO_MANIFEST_",
+            "CARGO_BIN_",
+            "CARGO_CRATE_",
+        ]
+        .iter()
+        .any(|prefix| name.starts_with(prefix))
+            || matches!(
+                &*name,
+                "CARGO_PRIMARY_PACKAGE" | "CARGO_TARGET_TMPDIR" | "OUT_DIR"
+            );
+        if from_runner {
+            build.env_remove(&*name);
+        }
+    }
     build
         .current_dir(workspace)
         .args([
@@ -129,7 +150,9 @@ pub struct Process {
 }
 
 impl Process {
-    fn spawn(
+    /// Starts `program` with `args`, `KUBECONFIG` set and its output appended to `log`;
+    /// `RUST_LOG` comes from `GPUSHARE_E2E_LOG` (default `info`).
+    pub fn spawn(
         name: &str,
         program: &Path,
         args: &[String],

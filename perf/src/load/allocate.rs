@@ -17,25 +17,21 @@
 //! created before it).
 
 use std::path::{Path, PathBuf};
-use std::process::Stdio;
 use std::time::{Duration, Instant};
 
 use anyhow::{Context, bail};
 use futures::{StreamExt, TryStreamExt};
 use gpushare_contract::{ContainerRequest, GpuInfo, Keys, PodAllocation, inventory};
 use gpushare_e2e::apiserver::{ApiServer, Verb};
-use gpushare_e2e::cluster::{Binaries, RESOURCE, free_port, wait_for};
+use gpushare_e2e::cluster::{Binaries, Process, RESOURCE, free_port, wait_for};
 use gpushare_e2e::fixtures::{PodBuilder, node, pod};
 use gpushare_e2e::kubelet::{AdmissionOrder, KubeletDriver};
 use gpushare_proto::KUBELET_SOCKET;
 use gpushare_proto::v1beta1::device_plugin_client::DevicePluginClient;
 use gpushare_proto::v1beta1::{AllocateRequest, ContainerAllocateRequest};
-use hyper_util::rt::TokioIo;
 use k8s_openapi::api::core::v1::Node;
 use kube::Api;
-use tokio::net::UnixStream;
-use tokio::process::{Child, Command};
-use tonic::transport::{Channel, Endpoint, Uri};
+use tonic::transport::Channel;
 
 use crate::report::{Latencies, figure, proc_memory, ratio, secs, section};
 
@@ -126,7 +122,7 @@ pub async fn run(cfg: &Config, bins: &Binaries, log_dir: &Path) -> anyhow::Resul
     .await?;
     let gib = needed_gpu_gib(cfg.pods).max(cfg.gpu_gib);
     figure("simulated GPUs", format!("{GPUS} × {gib} GiB"));
-    let mut plugin = spawn_plugin(
+    let plugin = spawn_plugin(
         bins,
         &plugin_dir,
         gib,
@@ -136,7 +132,7 @@ pub async fn run(cfg: &Config, bins: &Binaries, log_dir: &Path) -> anyhow::Resul
     let pid = plugin.id();
     let result = measure(cfg, &api, &kubelet, &plugin_dir, pid).await;
     kubelet.shutdown().await;
-    let _ = plugin.kill().await;
+    plugin.crash().await;
     api.shutdown().await;
     result
 }
@@ -334,12 +330,7 @@ fn plugin_socket(dir: &Path) -> anyhow::Result<PathBuf> {
 
 /// A gRPC channel over the unix socket at `path`, as kubelet dials a plugin.
 async fn connect(path: &Path) -> anyhow::Result<Channel> {
-    let path = path.to_owned();
-    Endpoint::from_static("http://[::]:50051")
-        .connect_with_connector(tower::service_fn(move |_: Uri| {
-            let path = path.clone();
-            async move { Ok::<_, std::io::Error>(TokioIo::new(UnixStream::connect(path).await?)) }
-        }))
+    gpushare_proto::connect_unix(path)
         .await
         .context("connecting to the device plugin's socket")
 }
@@ -351,32 +342,27 @@ fn spawn_plugin(
     gpu_gib: u64,
     kubeconfig: &Path,
     log: &Path,
-) -> anyhow::Result<Child> {
+) -> anyhow::Result<Process> {
     let sizes = vec![gpu_gib.to_string(); GPUS as usize].join(",");
-    let log_file = std::fs::OpenOptions::new()
-        .create(true)
-        .append(true)
-        .open(log)?;
-    Command::new(&bins.device_plugin)
-        .arg("--node-name")
-        .arg(NODE)
-        .arg("--device-plugin-dir")
-        .arg(dir)
-        .args(["--gpu-backend", "simulated", "--simulate-gpus", &sizes])
-        .arg("--metrics-listen")
-        .arg(format!("127.0.0.1:{}", free_port()?))
-        .env("KUBECONFIG", kubeconfig)
-        // Same knob as the e2e cluster's children.
-        .env(
-            "RUST_LOG",
-            std::env::var("GPUSHARE_E2E_LOG").unwrap_or_else(|_| "info".into()),
-        )
-        .stdin(Stdio::null())
-        .stdout(Stdio::from(log_file.try_clone()?))
-        .stderr(Stdio::from(log_file))
-        .kill_on_drop(true)
-        .spawn()
-        .with_context(|| format!("starting {}", bins.device_plugin.display()))
+    let args = [
+        "--node-name".to_owned(),
+        NODE.to_owned(),
+        "--device-plugin-dir".to_owned(),
+        dir.display().to_string(),
+        "--gpu-backend".to_owned(),
+        "simulated".to_owned(),
+        "--simulate-gpus".to_owned(),
+        sizes,
+        "--metrics-listen".to_owned(),
+        format!("127.0.0.1:{}", free_port()?),
+    ];
+    Process::spawn(
+        "gpushare-device-plugin",
+        &bins.device_plugin,
+        &args,
+        kubeconfig,
+        log,
+    )
 }
 
 #[cfg(test)]
