@@ -26,17 +26,12 @@ where
     F: FnMut() -> Fut,
     Fut: std::future::Future<Output = bool>,
 {
-    let deadline = tokio::time::Instant::now() + DEADLINE;
-    loop {
-        if check().await {
-            return;
-        }
-        assert!(
-            tokio::time::Instant::now() < deadline,
-            "timed out waiting for {what}"
-        );
-        tokio::time::sleep(Duration::from_millis(20)).await;
-    }
+    let holds = || {
+        let check = check();
+        async move { check.await.then_some(()) }
+    };
+    let waited = gpushare_e2e::cluster::wait_for(what, DEADLINE, holds).await;
+    waited.unwrap_or_else(|error| panic!("{error}"));
 }
 
 fn api_error(err: kube::Error) -> (u16, String) {
