@@ -111,12 +111,12 @@ pub async fn start(
     let (pods_synced, pods_ready) = oneshot::channel();
     let (nodes_synced, nodes_ready) = oneshot::channel();
     let mut tasks = vec![
-        tokio::spawn(watch_nodes(
+        tokio::spawn(watch::<Node>(
             shared.clone(),
             Api::all(client.clone()),
             nodes_synced,
         )),
-        tokio::spawn(watch_pods(shared.clone(), Api::all(client), pods_synced)),
+        tokio::spawn(watch::<Pod>(shared.clone(), Api::all(client), pods_synced)),
     ];
     let synced = tokio::time::timeout(SYNC_TIMEOUT, async {
         nodes_ready
@@ -146,57 +146,69 @@ pub async fn start(
 
 // ---- Watches ----
 
-async fn watch_pods(shared: Arc<Shared>, api: Api<Pod>, synced: oneshot::Sender<()>) {
-    let mut synced = Some(synced);
-    let mut listing: Option<HashSet<String>> = None;
-    let stream = watcher(api);
-    futures::pin_mut!(stream);
-    loop {
-        let event = tokio::select! {
-            _ = shared.cancel.cancelled() => return,
-            event = stream.next() => event,
-        };
-        let Some(event) = event else { return };
-        let now = Instant::now();
-        let mut state = shared.state();
-        match event {
-            Err(error) => {
-                warn!(%error, "pod watch failed; retrying");
-                continue;
-            }
-            Ok(WatchEvent::Init) => listing = Some(HashSet::new()),
-            Ok(WatchEvent::InitApply(pod)) => {
-                if let Some(seen) = listing.as_mut() {
-                    seen.insert(pod_key(&pod));
-                }
-                state.apply_pod(pod);
-            }
-            Ok(WatchEvent::InitDone) => {
-                if let Some(seen) = listing.take() {
-                    state.retain_pods(&seen);
-                }
-                state.move_all_to_active_or_backoff(now);
-                if let Some(tx) = synced.take() {
-                    let _ = tx.send(());
-                }
-            }
-            Ok(WatchEvent::Apply(pod)) => {
-                if state.apply_pod(pod) {
-                    // A pod finished and freed its node's resources.
-                    state.move_all_to_active_or_backoff(now);
-                }
-            }
-            Ok(WatchEvent::Delete(pod)) => {
-                state.delete_pod(&pod_key(&pod));
-                state.move_all_to_active_or_backoff(now);
-            }
+/// How the state takes in one kind of watched object.
+trait Watched:
+    Resource + Clone + serde::de::DeserializeOwned + std::fmt::Debug + Send + 'static
+{
+    /// For logs.
+    const KIND: &'static str;
+    /// The state's key of the object.
+    fn key(&self) -> String;
+    /// An add or update; `now` is when it arrived.
+    fn apply(self, state: &mut State, now: Instant);
+    /// A deletion.
+    fn delete(&self, state: &mut State, now: Instant);
+    /// After a (re)list: forget every object the list did not contain.
+    fn retain(state: &mut State, listed: &HashSet<String>);
+}
+
+impl Watched for Pod {
+    const KIND: &'static str = "pod";
+
+    fn key(&self) -> String {
+        pod_key(self)
+    }
+
+    fn apply(self, state: &mut State, now: Instant) {
+        if state.apply_pod(self) {
+            // A pod finished and freed its node's resources.
+            state.move_all_to_active_or_backoff(now);
         }
-        drop(state);
-        shared.wake.notify_one();
+    }
+
+    fn delete(&self, state: &mut State, now: Instant) {
+        state.delete_pod(&pod_key(self));
+        state.move_all_to_active_or_backoff(now);
+    }
+
+    fn retain(state: &mut State, listed: &HashSet<String>) {
+        state.retain_pods(listed);
     }
 }
 
-async fn watch_nodes(shared: Arc<Shared>, api: Api<Node>, synced: oneshot::Sender<()>) {
+impl Watched for Node {
+    const KIND: &'static str = "node";
+
+    fn key(&self) -> String {
+        self.metadata.name.clone().unwrap_or_default()
+    }
+
+    fn apply(self, state: &mut State, now: Instant) {
+        state.apply_node(self);
+        state.move_all_to_active_or_backoff(now);
+    }
+
+    fn delete(&self, state: &mut State, _now: Instant) {
+        state.delete_node(self.metadata.name.as_deref().unwrap_or_default());
+    }
+
+    fn retain(state: &mut State, listed: &HashSet<String>) {
+        state.retain_nodes(listed);
+    }
+}
+
+/// Feeds one watch into the state until cancelled; `synced` fires after the first list.
+async fn watch<K: Watched>(shared: Arc<Shared>, api: Api<K>, synced: oneshot::Sender<()>) {
     let mut synced = Some(synced);
     let mut listing: Option<HashSet<String>> = None;
     let stream = watcher(api);
@@ -211,32 +223,27 @@ async fn watch_nodes(shared: Arc<Shared>, api: Api<Node>, synced: oneshot::Sende
         let mut state = shared.state();
         match event {
             Err(error) => {
-                warn!(%error, "node watch failed; retrying");
+                warn!(%error, kind = K::KIND, "watch failed; retrying");
                 continue;
             }
             Ok(WatchEvent::Init) => listing = Some(HashSet::new()),
-            Ok(WatchEvent::InitApply(node)) => {
+            Ok(WatchEvent::InitApply(object)) => {
                 if let Some(seen) = listing.as_mut() {
-                    seen.insert(node.metadata.name.clone().unwrap_or_default());
+                    seen.insert(object.key());
                 }
-                state.apply_node(node);
+                object.apply(&mut state, now);
             }
             Ok(WatchEvent::InitDone) => {
                 if let Some(seen) = listing.take() {
-                    state.retain_nodes(&seen);
+                    K::retain(&mut state, &seen);
                 }
                 state.move_all_to_active_or_backoff(now);
                 if let Some(tx) = synced.take() {
                     let _ = tx.send(());
                 }
             }
-            Ok(WatchEvent::Apply(node)) => {
-                state.apply_node(node);
-                state.move_all_to_active_or_backoff(now);
-            }
-            Ok(WatchEvent::Delete(node)) => {
-                state.delete_node(node.metadata.name.as_deref().unwrap_or_default());
-            }
+            Ok(WatchEvent::Apply(object)) => object.apply(&mut state, now),
+            Ok(WatchEvent::Delete(object)) => object.delete(&mut state, now),
         }
         drop(state);
         shared.wake.notify_one();
