@@ -1,6 +1,7 @@
 //! The cluster model and its decisions: see the crate documentation for the picture.
 
 use std::collections::BTreeMap;
+use std::sync::Arc;
 
 // Node and pod lookups are on the scheduling hot path (one per candidate node per cycle);
 // the keys are our own cluster's names, so a fast non-DoS-resistant hash is the right trade.
@@ -232,9 +233,10 @@ impl Node {
 /// Every node's GPUs and the pods booked on them.
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
 pub struct Cluster {
-    nodes: HashMap<String, Node>,
+    /// Keyed by a shared name, so the per-pod index below holds a pointer, not a copy.
+    nodes: HashMap<Arc<str>, Node>,
     /// Which node each pod is on.
-    pod_nodes: HashMap<PodId, String>,
+    pod_nodes: HashMap<PodId, Arc<str>>,
 }
 
 impl Cluster {
@@ -264,7 +266,7 @@ impl Cluster {
     pub fn set_node(&mut self, name: &str, mut gpus: Vec<Gpu>, eligible: bool) {
         gpus.sort_by_key(|gpu| gpu.index);
         gpus.dedup_by_key(|gpu| gpu.index);
-        let node = self.nodes.entry(name.to_owned()).or_default();
+        let node = self.nodes.entry(name.into()).or_default();
         node.present = true;
         node.eligible = eligible;
         let unchanged = node.gpus.len() == gpus.len()
@@ -304,7 +306,7 @@ impl Cluster {
     /// the watch is the truth, even when it over-books a GPU.
     pub fn upsert_pod(&mut self, uid: PodId, node: &str, placement: PodPlacement) {
         if let Some(old_node) = self.pod_nodes.get(&uid)
-            && old_node == node
+            && **old_node == *node
             && self
                 .nodes
                 .get(node)
@@ -314,14 +316,33 @@ impl Cluster {
             return;
         }
         self.remove_pod(&uid);
-        let entry = self.nodes.entry(node.to_owned()).or_default();
+        let name = self.node_name(node);
+        let entry = self.nodes.entry(name.clone()).or_default();
         entry.book(&placement);
         entry.pods.insert(uid.clone(), placement);
-        self.pod_nodes.insert(uid, node.to_owned());
+        self.pod_nodes.insert(uid, name);
+    }
+
+    /// The shared name of `node`: the map's own key when the node is known, else a new one.
+    pub fn node_name(&self, node: &str) -> Arc<str> {
+        self.nodes
+            .get_key_value(node)
+            .map_or_else(|| node.into(), |(name, _)| name.clone())
+    }
+
+    /// Forgets every pod but keeps the nodes, as before replaying a fresh pod list; nodes
+    /// known only through their pods go too.
+    pub fn forget_pods(&mut self) {
+        self.pod_nodes.clear();
+        self.nodes.retain(|_, node| node.present);
+        for node in self.nodes.values_mut() {
+            node.pods.clear();
+            node.rebook();
+        }
     }
 
     /// Forgets a pod (deleted, or finished: Succeeded/Failed). Returns its last placement.
-    pub fn remove_pod(&mut self, uid: &PodId) -> Option<(String, PodPlacement)> {
+    pub fn remove_pod(&mut self, uid: &PodId) -> Option<(Arc<str>, PodPlacement)> {
         let node_name = self.pod_nodes.remove(uid)?;
         let node = self.nodes.get_mut(&node_name)?;
         let placement = node.pods.remove(uid)?;
@@ -333,7 +354,7 @@ impl Cluster {
     }
 
     /// Undoes a [`Cluster::reserve`] whose bind failed. Same as [`Cluster::remove_pod`].
-    pub fn release(&mut self, uid: &PodId) -> Option<(String, PodPlacement)> {
+    pub fn release(&mut self, uid: &PodId) -> Option<(Arc<str>, PodPlacement)> {
         self.remove_pod(uid)
     }
 
@@ -351,6 +372,7 @@ impl Cluster {
                 gpu: placement.gpu,
             });
         }
+        let name = self.node_name(node_name);
         let node = self.nodes.get_mut(node_name).ok_or(Unfit::UnknownNode)?;
         let pos = node.decide(request, policy)?;
         let gpu = &node.gpus[pos].gpu;
@@ -368,7 +390,7 @@ impl Cluster {
         };
         node.book(&placement);
         node.pods.insert(uid.clone(), placement);
-        self.pod_nodes.insert(uid, node_name.to_owned());
+        self.pod_nodes.insert(uid, name);
         Ok(result)
     }
 
@@ -459,14 +481,14 @@ impl Cluster {
 
     /// Every node, in no particular order.
     pub fn nodes(&self) -> impl Iterator<Item = (&str, &Node)> {
-        self.nodes.iter().map(|(name, node)| (name.as_str(), node))
+        self.nodes.iter().map(|(name, node)| (&**name, node))
     }
 
     /// A pod's node and placement.
     pub fn pod(&self, uid: &PodId) -> Option<(&str, &PodPlacement)> {
         let node = self.pod_nodes.get(uid)?;
         let placement = self.nodes.get(node)?.pods.get(uid)?;
-        Some((node.as_str(), placement))
+        Some((&**node, placement))
     }
 
     /// Number of pods booked.
@@ -545,6 +567,23 @@ mod tests {
             .unwrap();
         assert_eq!((placed.gpu, placed.uuid.as_str()), (1, "GPU-1"));
         assert_eq!(cluster.node("n1").unwrap().gpus()[1].free_gib(), 0);
+    }
+
+    #[test]
+    fn forgetting_pods_keeps_the_nodes_and_frees_their_gpus() {
+        let mut cluster = design_doc_node();
+        // A pod on a node the node watch has not shown: the node exists only through it.
+        cluster.upsert_pod("x".into(), "ghost", running(0, 4));
+        cluster.forget_pods();
+        assert_eq!(cluster.pod_count(), 0);
+        assert!(cluster.node("ghost").is_none());
+        let node = cluster.node("n1").unwrap();
+        assert!(node.is_present() && node.pods().next().is_none());
+        assert!(node.gpus().iter().all(|gpu| gpu.used_gib == 0));
+        // The shared name handed to pods is the node map's own.
+        let name = cluster.node_name("n1");
+        cluster.upsert_pod("a".into(), &name, running(0, 4));
+        assert_eq!(cluster.pod(&"a".into()).map(|(node, _)| node), Some("n1"));
     }
 
     #[test]

@@ -42,13 +42,17 @@ mod cluster;
 mod unfit;
 
 use std::fmt;
+use std::sync::Arc;
 
 pub use cluster::{Cluster, GpuUsage, Node};
 pub use unfit::{Refusal, Unfit};
 
 /// A pod's identity: its UID, so a pod recreated under the same name is a different pod.
+///
+/// Shared, not copied: the same UID keys the extender's pod index, the node's pods and the
+/// pod-to-node index, so one allocation serves all three (at 50,000 pods that is megabytes).
 #[derive(Debug, Clone, PartialEq, Eq, Hash, PartialOrd, Ord)]
-pub struct PodId(pub String);
+pub struct PodId(Arc<str>);
 
 impl PodId {
     /// The UID as a string.
@@ -65,13 +69,13 @@ impl fmt::Display for PodId {
 
 impl From<&str> for PodId {
     fn from(uid: &str) -> Self {
-        Self(uid.to_owned())
+        Self(uid.into())
     }
 }
 
 impl From<String> for PodId {
     fn from(uid: String) -> Self {
-        Self(uid)
+        Self(uid.into())
     }
 }
 

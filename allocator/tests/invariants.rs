@@ -129,20 +129,20 @@ proptest! {
                     let policy = if spread { Policy::Spread } else { Policy::Binpack };
                     let name = node_name(node);
                     let fits = cluster.fit(&name, &request);
-                    let uid = PodId(pod.to_string());
+                    let uid = PodId::from(pod.to_string());
                     let already = cluster.pod(&uid).is_some();
                     let result = cluster.reserve(uid, &name, &request, policy);
                     // fit and reserve agree (unless the pod already holds a place).
                     prop_assert_eq!(fits.is_ok() && !already, result.is_ok(), "{:?} vs {:?}", fits, result);
                 }
                 Op::Release { pod } => {
-                    cluster.release(&PodId(pod.to_string()));
+                    cluster.release(&PodId::from(pod.to_string()));
                 }
                 Op::Remove { pod } => {
-                    cluster.remove_pod(&PodId(pod.to_string()));
+                    cluster.remove_pod(&PodId::from(pod.to_string()));
                 }
                 Op::AllocateOne { pod } | Op::MarkAssigned { pod } => {
-                    let uid = PodId(pod.to_string());
+                    let uid = PodId::from(pod.to_string());
                     if let Some((node, placement)) = cluster.pod(&uid) {
                         let (node, mut placement) = (node.to_owned(), placement.clone());
                         if matches!(op, Op::MarkAssigned { .. }) || placement.pending.len() <= 1 {

@@ -429,7 +429,9 @@ fn decide(
         ));
     }
     let bound_to = cached.node_name.clone();
-    let request = cached.allocator_request();
+    let request = cached
+        .pending_request()
+        .map(|r| r.map(|(request, read)| (request, read.containers.clone())));
     // Retries: the same pod already placed.
     if let Some((placed_on, _)) = view.cluster.pod(&uid) {
         let placed_on = placed_on.to_owned();
@@ -455,7 +457,7 @@ fn decide(
             format!("pod {pod_key} is already bound to node {bound_to}"),
         ));
     }
-    let request = match request {
+    let (request, containers) = match request {
         Ok(Some(request)) => request,
         Ok(None) => {
             return Err((
@@ -467,13 +469,6 @@ fn decide(
             ));
         }
         Err(error) => return Err(("no_request", error.to_string())),
-    };
-    let containers = match view.pod(&args.pod_namespace, &args.pod_name) {
-        Some(cached) => match &cached.request {
-            Ok(Some(r)) => r.containers.clone(),
-            _ => Vec::new(),
-        },
-        None => Vec::new(),
     };
     let placement = view
         .cluster

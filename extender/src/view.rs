@@ -6,8 +6,15 @@
 //! allocator at the decision, replaced by the watched pod (same UID) when it arrives, and
 //! released at once if the write fails. On a relist (restart, watch expiry) the allocator is
 //! rebuilt from the listed pods and the reservations still in flight are booked on top.
+//!
+//! Why the pod records are so spare: at 50,000 pods every byte per pod is 50 KB of the
+//! extender's memory. A pod is kept as its `namespace/name` (one shared string), its UID
+//! (shared with the allocator's indexes), its node (the allocator's own node name) and, only
+//! while it waits to be bound, its request. Its allocation lives in the allocator alone. The
+//! `view-memory` instrument in `perf/` measures the bytes per pod.
 
-use std::collections::HashMap;
+use std::collections::{BTreeMap, HashMap};
+use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use gpushare_allocator::{Cluster, Gpu, PodId, PodPlacement, Request};
@@ -45,25 +52,54 @@ impl Settings {
     }
 }
 
+/// What the view keeps of a pod's request for GPU memory.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Ask {
+    /// The pod asks for none of the resource.
+    Nothing,
+    /// The pod asks (or its request is unreadable) and is bound: bind never reads the
+    /// details again, so they are not kept.
+    Bound,
+    /// The pod waits to be bound: what bind will place, or why its request cannot be read.
+    Pending(Box<Result<PodRequest, RequestError>>),
+}
+
+impl Ask {
+    /// The request as read, reduced to what the view keeps for a pod on `node`.
+    fn new(request: Result<Option<PodRequest>, RequestError>, bound: bool) -> Self {
+        match request {
+            Ok(None) => Ask::Nothing,
+            _ if bound => Ask::Bound,
+            Ok(Some(request)) => Ask::Pending(Box::new(Ok(request))),
+            Err(error) => Ask::Pending(Box::new(Err(error))),
+        }
+    }
+}
+
 /// A pod the extender cares about: it asks for the resource or carries an allocation.
 #[derive(Debug, Clone)]
 pub struct CachedPod {
     /// The pod's UID.
     pub uid: PodId,
-    /// `spec.nodeName`, once bound.
-    pub node_name: Option<String>,
-    /// What it asks for, as read from its spec.
-    pub request: Result<Option<PodRequest>, RequestError>,
-    /// The allocation recorded in its annotations, if readable.
-    pub allocation: Option<PodAllocation>,
+    /// `spec.nodeName`, once bound (the allocator's shared node name).
+    pub node_name: Option<Arc<str>>,
+    /// What it asks for.
+    pub ask: Ask,
     /// True while its allocation annotations cannot be read (warned once).
     pub bad_annotations: bool,
 }
 
 impl CachedPod {
-    /// The allocator's form of the request.
-    pub fn allocator_request(&self) -> Result<Option<Request>, RequestError> {
-        self.request.clone().map(|r| r.map(|r| to_request(&r)))
+    /// The pending pod's request, in the allocator's form and as read: `Ok(None)` for a pod
+    /// that asks for nothing, or that is bound already.
+    pub fn pending_request(&self) -> Result<Option<(Request, &PodRequest)>, RequestError> {
+        match &self.ask {
+            Ask::Nothing | Ask::Bound => Ok(None),
+            Ask::Pending(request) => match request.as_ref() {
+                Ok(request) => Ok(Some((to_request(request), request))),
+                Err(error) => Err(error.clone()),
+            },
+        }
     }
 }
 
@@ -112,66 +148,110 @@ pub struct PodWarning {
     pub message: String,
 }
 
+/// The index key of a pod: `namespace/name` (neither may contain a slash).
+fn pod_key(namespace: &str, name: &str) -> String {
+    format!("{namespace}/{name}")
+}
+
+/// Namespace and name back out of a [`pod_key`].
+fn split_key(key: &str) -> (&str, &str) {
+    key.split_once('/').unwrap_or(("", key))
+}
+
+/// What a pod's gpushare allocation annotations say.
+#[derive(Debug, Clone)]
+enum AllocationFacts {
+    /// There are none (no GPU index).
+    Absent,
+    /// Where the pod sits.
+    Readable(PodPlacement),
+    /// They are there but cannot be read: why, and the GPU and size if those still parse.
+    Unreadable {
+        error: String,
+        salvaged: Option<PodPlacement>,
+    },
+}
+
+impl AllocationFacts {
+    fn read(keys: &Keys, annotations: Option<&BTreeMap<String, String>>) -> Self {
+        let Some(annotations) = annotations else {
+            return Self::Absent;
+        };
+        match PodAllocation::from_annotations(keys, annotations) {
+            Ok(None) => Self::Absent,
+            Ok(Some(allocation)) => Self::Readable(PodPlacement {
+                gpu: allocation.gpu_index,
+                pod_gib: allocation.pod_gib,
+                pending: allocation.pending_containers().map(|c| c.gib).collect(),
+                assigned: allocation.assigned,
+            }),
+            Err(error) => {
+                let gpu = annotations
+                    .get(&keys.gpu_index)
+                    .and_then(|v| v.trim().parse::<u32>().ok());
+                let pod_gib = annotations
+                    .get(&keys.pod_gib)
+                    .and_then(|v| v.trim().parse::<u64>().ok());
+                Self::Unreadable {
+                    error: error.to_string(),
+                    salvaged: gpu.zip(pod_gib).map(|(gpu, pod_gib)| PodPlacement {
+                        gpu,
+                        pod_gib,
+                        pending: Vec::new(),
+                        assigned: true,
+                    }),
+                }
+            }
+        }
+    }
+}
+
 /// What the view reads of a pod, taken out of the watched object at once.
 ///
 /// Why: a relist is buffered until it is complete, and even a trimmed `Pod` is kilobytes of
-/// mostly empty fields; these facts are a few hundred bytes, so a relist of 50,000 pods stays
-/// small. Pods that neither ask for the resource nor carry an allocation are not read at all.
+/// mostly empty fields; these facts are the few hundred bytes the view keeps anyway, so a
+/// relist of 50,000 pods stays small. Pods that neither ask for the resource nor carry an
+/// allocation are not read at all.
 #[derive(Debug, Clone)]
 pub struct PodFacts {
-    namespace: String,
-    name: String,
-    uid: String,
-    node_name: Option<String>,
+    /// `namespace/name`.
+    key: Arc<str>,
+    uid: PodId,
+    node_name: Option<Box<str>>,
     finished: bool,
-    request: Result<Option<PodRequest>, RequestError>,
-    /// Only gpushare's annotations.
-    annotations: Option<std::collections::BTreeMap<String, String>>,
+    ask: Ask,
+    allocation: AllocationFacts,
 }
 
 impl PodFacts {
     /// Reads a pod; `None` without namespace, name or UID.
     pub fn read(pod: &Pod, settings: &Settings) -> Option<Self> {
         let metadata = &pod.metadata;
-        let domain = settings
-            .keys
-            .gpu_index
-            .split_once('/')
-            .map_or("", |(domain, _)| domain);
-        let annotations = metadata.annotations.as_ref().map(|annotations| {
-            annotations
-                .iter()
-                .filter(|(key, _)| key.split_once('/').is_some_and(|(d, _)| d == domain))
-                .map(|(key, value)| (key.clone(), value.clone()))
-                .collect()
-        });
+        let node_name: Option<Box<str>> = pod
+            .spec
+            .as_ref()
+            .and_then(|s| s.node_name.as_deref())
+            .filter(|n| !n.is_empty())
+            .map(Box::from);
+        let key = pod_key(metadata.namespace.as_deref()?, metadata.name.as_deref()?);
         Some(Self {
-            namespace: metadata.namespace.clone()?,
-            name: metadata.name.clone()?,
-            uid: metadata.uid.clone()?,
-            node_name: pod
-                .spec
-                .as_ref()
-                .and_then(|s| s.node_name.clone())
-                .filter(|n| !n.is_empty()),
+            key: key.into(),
+            uid: PodId::from(metadata.uid.as_deref()?),
             finished: pod
                 .status
                 .as_ref()
                 .and_then(|s| s.phase.as_deref())
                 .is_some_and(|phase| phase == "Succeeded" || phase == "Failed"),
-            request: pod_request(pod, &settings.resource),
-            annotations,
+            ask: Ask::new(pod_request(pod, &settings.resource), node_name.is_some()),
+            node_name,
+            allocation: AllocationFacts::read(&settings.keys, metadata.annotations.as_ref()),
         })
     }
 
     /// Whether the view keeps this pod at all: it asks for the resource or carries an
     /// allocation (a pod that dropped both must still be applied, to be forgotten).
-    pub fn concerns_gpushare(&self, settings: &Settings) -> bool {
-        !matches!(self.request, Ok(None))
-            || self
-                .annotations
-                .as_ref()
-                .is_some_and(|a| a.contains_key(&settings.keys.gpu_index))
+    pub fn concerns_gpushare(&self) -> bool {
+        self.ask != Ask::Nothing || !matches!(self.allocation, AllocationFacts::Absent)
     }
 }
 
@@ -179,14 +259,12 @@ impl PodFacts {
 #[derive(Debug)]
 pub struct View {
     settings: Settings,
-    /// The allocation state.
+    /// The allocation state, nodes included (a relist of pods rebuilds it from them).
     pub cluster: Cluster,
-    /// GPUs and eligibility of every node in the node watch, for rebuilds.
-    nodes: HashMap<String, (Vec<Gpu>, bool)>,
-    /// Pods we care about, by namespace and name.
-    pods: HashMap<(String, String), CachedPod>,
-    /// Namespace and name of those pods, by UID.
-    pod_keys: HashMap<PodId, (String, String)>,
+    /// Pods we care about, by `namespace/name`.
+    pods: HashMap<Arc<str>, CachedPod>,
+    /// The `namespace/name` of those pods, by UID (the same shared string).
+    pod_keys: HashMap<PodId, Arc<str>>,
     /// Bookings made by bind that the watch has not confirmed yet.
     reservations: HashMap<PodId, Reservation>,
     nodes_synced: bool,
@@ -203,7 +281,6 @@ impl View {
         Self {
             settings,
             cluster: Cluster::new(),
-            nodes: HashMap::new(),
             pods: HashMap::new(),
             pod_keys: HashMap::new(),
             reservations: HashMap::new(),
@@ -261,14 +338,14 @@ impl View {
 
     /// A cached pod by namespace and name.
     pub fn pod(&self, namespace: &str, name: &str) -> Option<&CachedPod> {
-        self.pods.get(&(namespace.to_owned(), name.to_owned()))
+        self.pods.get(pod_key(namespace, name).as_str())
     }
 
     /// Namespace and name of a pod by UID (watched or reserved).
     pub fn pod_key(&self, uid: &PodId) -> Option<(&str, &str)> {
         self.pod_keys
             .get(uid)
-            .map(|(ns, name)| (ns.as_str(), name.as_str()))
+            .map(|key| split_key(key))
             .or_else(|| {
                 self.reservations
                     .get(uid)
@@ -319,14 +396,12 @@ impl View {
             return;
         };
         let (gpus, eligible) = self.read_node(node);
-        self.cluster.set_node(name, gpus.clone(), eligible);
-        self.nodes.insert(name.to_owned(), (gpus, eligible));
+        self.cluster.set_node(name, gpus, eligible);
     }
 
     /// Applies a node deletion.
     pub fn delete_node(&mut self, node: &Node) {
         if let Some(name) = node.metadata.name.as_deref() {
-            self.nodes.remove(name);
             self.cluster.remove_node(name);
         }
     }
@@ -337,14 +412,13 @@ impl View {
             .iter()
             .filter_map(|n| n.metadata.name.as_deref())
             .collect();
-        let gone: Vec<String> = self
-            .nodes
-            .keys()
-            .filter(|name| !listed.contains(name.as_str()))
-            .cloned()
+        let gone: Vec<Arc<str>> = self
+            .cluster
+            .nodes()
+            .filter(|(name, node)| node.is_present() && !listed.contains(name))
+            .map(|(name, _)| self.cluster.node_name(name))
             .collect();
         for name in gone {
-            self.nodes.remove(&name);
             self.cluster.remove_node(&name);
         }
         for node in nodes {
@@ -392,18 +466,13 @@ impl View {
     /// Applies what the watch saw of a pod (see [`PodFacts`]).
     pub fn apply_facts(&mut self, facts: PodFacts) -> Option<PodWarning> {
         let PodFacts {
-            namespace,
-            name,
+            key,
             uid,
             node_name,
             finished,
-            request,
-            annotations,
+            ask,
+            allocation,
         } = facts;
-        let (namespace, name) = (namespace.as_str(), name.as_str());
-        let annotations = annotations.as_ref();
-        let uid = PodId::from(uid);
-        let key = (namespace.to_owned(), name.to_owned());
         // A pod recreated under the same name is a different pod.
         if let Some(old) = self.pods.get(&key)
             && old.uid != uid
@@ -411,51 +480,46 @@ impl View {
             let old_uid = old.uid.clone();
             self.forget_pod(&key, &old_uid);
         }
-        let has_index = annotations.is_some_and(|a| a.contains_key(&self.settings.keys.gpu_index));
-        if matches!(request, Ok(None)) && !has_index {
+        if ask == Ask::Nothing && matches!(allocation, AllocationFacts::Absent) {
             // Not ours (anymore).
             self.forget_pod(&key, &uid);
             return None;
         }
+        let (namespace, name) = split_key(&key);
         let was_bad = self.pods.get(&key).is_some_and(|p| p.bad_annotations);
+        let bad_annotations = matches!(allocation, AllocationFacts::Unreadable { .. });
         let mut warning = None;
-        let (allocation, bad_annotations) = match annotations
-            .map(|a| PodAllocation::from_annotations(&self.settings.keys, a))
+        if let AllocationFacts::Unreadable { error, .. } = &allocation
+            && !was_bad
         {
-            None | Some(Ok(None)) => (None, false),
-            Some(Ok(Some(allocation))) => (Some(allocation), false),
-            Some(Err(error)) => {
-                if !was_bad {
-                    let message = format!(
-                        "gpushare allocation annotations of pod {namespace}/{name} cannot be read: {error}"
-                    );
-                    tracing::error!(pod = %format_args!("{namespace}/{name}"), %uid, %error, "unreadable allocation annotations");
-                    warning = Some(PodWarning {
-                        namespace: namespace.to_owned(),
-                        name: name.to_owned(),
-                        uid: uid.to_string(),
-                        message,
-                    });
-                }
-                (None, true)
-            }
-        };
+            let message = format!(
+                "gpushare allocation annotations of pod {namespace}/{name} cannot be read: {error}"
+            );
+            tracing::error!(pod = %key, %uid, %error, "unreadable allocation annotations");
+            warning = Some(PodWarning {
+                namespace: namespace.to_owned(),
+                name: name.to_owned(),
+                uid: uid.to_string(),
+                message,
+            });
+        }
 
+        let node_name = node_name.map(|node| self.cluster.node_name(&node));
         if finished {
             self.cluster.remove_pod(&uid);
             self.reservations.remove(&uid);
         } else if let Some(node) = node_name.as_deref() {
-            let placement = match (&allocation, annotations) {
-                (Some(allocation), _) => Some(PodPlacement {
-                    gpu: allocation.gpu_index,
-                    pod_gib: allocation.pod_gib,
-                    pending: allocation.pending_containers().map(|c| c.gib).collect(),
-                    assigned: allocation.assigned,
-                }),
-                (None, Some(annotations)) if bad_annotations => {
-                    self.salvage(annotations, namespace, name)
+            let placement = match allocation {
+                AllocationFacts::Readable(placement) => Some(placement),
+                AllocationFacts::Unreadable { salvaged: None, .. } => {
+                    tracing::error!(
+                        pod = %key,
+                        "pod's gpu-index or pod-gib annotation is unreadable: its GPU memory is NOT accounted and may be over-committed"
+                    );
+                    None
                 }
-                _ => None,
+                AllocationFacts::Unreadable { salvaged, .. } => salvaged,
+                AllocationFacts::Absent => None,
             };
             match placement {
                 Some(placement) => {
@@ -465,7 +529,7 @@ impl View {
                 None if !self.reservations.contains_key(&uid) => {
                     if self.cluster.pod(&uid).is_none() && !bad_annotations {
                         tracing::warn!(
-                            pod = %format_args!("{namespace}/{name}"),
+                            pod = %key,
                             node = %node,
                             "pod asking for GPU memory is bound without a gpushare allocation; its memory is not accounted"
                         );
@@ -483,41 +547,11 @@ impl View {
             CachedPod {
                 uid,
                 node_name,
-                request,
-                allocation,
+                ask,
                 bad_annotations,
             },
         );
         warning
-    }
-
-    /// What an unreadable allocation still tells: the GPU and size, when those parse.
-    fn salvage(
-        &self,
-        annotations: &std::collections::BTreeMap<String, String>,
-        namespace: &str,
-        name: &str,
-    ) -> Option<PodPlacement> {
-        let keys = &self.settings.keys;
-        let gpu = annotations.get(&keys.gpu_index)?.trim().parse::<u32>().ok();
-        let pod_gib = annotations
-            .get(&keys.pod_gib)
-            .and_then(|v| v.trim().parse::<u64>().ok());
-        match (gpu, pod_gib) {
-            (Some(gpu), Some(pod_gib)) => Some(PodPlacement {
-                gpu,
-                pod_gib,
-                pending: Vec::new(),
-                assigned: true,
-            }),
-            _ => {
-                tracing::error!(
-                    pod = %format_args!("{namespace}/{name}"),
-                    "pod's gpu-index or pod-gib annotation is unreadable: its GPU memory is NOT accounted and may be over-committed"
-                );
-                None
-            }
-        }
     }
 
     /// Applies a pod deletion.
@@ -529,10 +563,10 @@ impl View {
         ) else {
             return;
         };
-        self.forget_pod(&(namespace.to_owned(), name.to_owned()), &PodId::from(uid));
+        self.forget_pod(&pod_key(namespace, name), &PodId::from(uid));
     }
 
-    fn forget_pod(&mut self, key: &(String, String), uid: &PodId) {
+    fn forget_pod(&mut self, key: &str, uid: &PodId) {
         if self.pods.get(key).is_some_and(|p| p.uid == *uid) {
             self.pods.remove(key);
         }
@@ -557,12 +591,7 @@ impl View {
         let reservations = std::mem::take(&mut self.reservations);
         self.pods.clear();
         self.pod_keys.clear();
-        self.cluster = Cluster::rebuild(
-            self.nodes
-                .iter()
-                .map(|(name, (gpus, eligible))| (name.clone(), gpus.clone(), *eligible)),
-            [],
-        );
+        self.cluster.forget_pods();
         let warnings = pods
             .into_iter()
             .filter_map(|facts| self.apply_facts(facts))
@@ -571,7 +600,7 @@ impl View {
             let watched = self.cluster.pod(&uid).is_some();
             let alive = self
                 .pods
-                .get(&(reservation.namespace.clone(), reservation.name.clone()))
+                .get(pod_key(&reservation.namespace, &reservation.name).as_str())
                 .is_some_and(|p| p.uid == uid);
             if watched || !(alive || reservation.state == ReservationState::InFlight) {
                 continue;

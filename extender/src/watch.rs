@@ -62,9 +62,8 @@ pub async fn watch_pods(client: kube::Client, state: AppState) {
         "pods",
         |event, buffer: &mut Vec<PodFacts>| match event {
             Event::Init => buffer.clear(),
-            Event::InitApply(pod) => buffer.extend(
-                PodFacts::read(&pod, &settings).filter(|facts| facts.concerns_gpushare(&settings)),
-            ),
+            Event::InitApply(pod) => buffer
+                .extend(PodFacts::read(&pod, &settings).filter(|facts| facts.concerns_gpushare())),
             Event::InitDone => {
                 let pods = std::mem::take(buffer);
                 let count = pods.len();

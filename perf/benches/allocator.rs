@@ -36,7 +36,7 @@ fn busy_cluster(nodes: usize) -> (Cluster, Vec<String>) {
         (0..GPUS_PER_NODE).flat_map(move |gpu| {
             (0..PODS_PER_GPU).map(move |p| {
                 (
-                    PodId(format!("{name}-{gpu}-{p}")),
+                    PodId::from(format!("{name}-{gpu}-{p}")),
                     name.clone(),
                     PodPlacement {
                         gpu,
@@ -93,7 +93,7 @@ fn bind_decision(c: &mut Criterion) {
         containers: vec![4],
     };
     let node = names[2_500].clone();
-    let uid = PodId("bench-pod".into());
+    let uid = PodId::from("bench-pod");
     c.bench_function("bind decision (reserve + release) at 5000 nodes", |b| {
         b.iter(|| {
             let placement =
@@ -149,7 +149,7 @@ fn rebuild_from_annotations(c: &mut Criterion) {
                 let allocation = PodAllocation::from_annotations(&keys, annotations).ok()??;
                 let pending = allocation.pending_containers().map(|c| c.gib).collect();
                 Some((
-                    PodId(uid.clone()),
+                    PodId::from(uid.clone()),
                     node.clone(),
                     PodPlacement {
                         gpu: allocation.gpu_index,

@@ -65,8 +65,11 @@ fn state(nodes: usize) -> (AppState, Vec<String>) {
                         pending: vec![],
                         assigned: true,
                     };
-                    view.cluster
-                        .upsert_pod(PodId(format!("{name}-{gpu}-{p}")), name, placement);
+                    view.cluster.upsert_pod(
+                        PodId::from(format!("{name}-{gpu}-{p}")),
+                        name,
+                        placement,
+                    );
                 }
             }
         }

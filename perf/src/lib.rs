@@ -14,7 +14,12 @@
 //! Strategies compared side by side:
 //! - **ours**: nodes scored by the extender's binpack score, GPU binpack inside the node;
 //! - **classic**: GPU binpack inside the node, but nodes chosen by kube-scheduler's default
-//!   least-allocated spreading (the classic extender had no node scoring);
+//!   least-allocated spreading (the classic extender had no node scoring). kube-scheduler
+//!   scores CPU and memory, not the extended resource, so two variants bracket it: nodes
+//!   ranked by free GPU memory (pods whose CPU/memory requests grow with their GPU memory:
+//!   the most even spreading, classic's best case), and a random feasible node (pods with
+//!   equal CPU/memory requests: every node ties on GPU memory, and kube-scheduler breaks
+//!   ties at random);
 //! - **spread/spread**: the extender's spread policy on both levels;
 //! - **offline bound**: best-fit-decreasing over the whole arrival trace (knows the future),
 //!   as a yardstick for what any online policy could reach.
@@ -22,6 +27,8 @@
 use gpushare_allocator::{Cluster, Gpu, PodId, PodPlacement, Policy, Request};
 use rand::rngs::StdRng;
 use rand::{Rng, SeedableRng};
+
+pub mod workload;
 
 /// One event of a trace.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -157,21 +164,30 @@ fn node_name(n: usize) -> String {
 pub enum Strategy {
     /// gpushare: binpack node score, binpack GPU.
     Ours,
-    /// Classic gpushare: least-allocated node (kube-scheduler default), binpack GPU.
+    /// Classic gpushare: least-allocated node by GPU memory, binpack GPU.
     Classic,
+    /// Classic gpushare when kube-scheduler's CPU/memory scores tie: a random feasible node,
+    /// binpack GPU.
+    ClassicRandom,
     /// Spread node score, spread GPU.
     SpreadSpread,
 }
 
 impl Strategy {
     /// All online strategies, in the order the report prints them.
-    pub const ALL: [Strategy; 3] = [Strategy::Ours, Strategy::Classic, Strategy::SpreadSpread];
+    pub const ALL: [Strategy; 4] = [
+        Strategy::Ours,
+        Strategy::Classic,
+        Strategy::ClassicRandom,
+        Strategy::SpreadSpread,
+    ];
 
     /// Name in the report.
     pub fn name(self) -> &'static str {
         match self {
             Strategy::Ours => "gpushare (binpack/binpack)",
             Strategy::Classic => "classic (least-allocated/binpack)",
+            Strategy::ClassicRandom => "classic (cpu/mem tie: random/binpack)",
             Strategy::SpreadSpread => "spread/spread",
         }
     }
@@ -197,10 +213,12 @@ pub fn replay(shape: &Shape, events: &[Event], strategy: Strategy) -> Outcome {
     let mut used = 0u64;
     let mut sizes = std::collections::HashMap::new();
     let mut placed = 0;
+    // kube-scheduler's tie-break for ClassicRandom; seeded so a replay is repeatable.
+    let mut rng = StdRng::seed_from_u64(events.len() as u64);
     for event in events {
         match *event {
             Event::Depart { id } => {
-                let uid = PodId(id.to_string());
+                let uid = PodId::from(id.to_string());
                 if cluster.remove_pod(&uid).is_some() {
                     used -= sizes.remove(&id).unwrap_or(0);
                 }
@@ -210,7 +228,7 @@ pub fn replay(shape: &Shape, events: &[Event], strategy: Strategy) -> Outcome {
                     pod_gib: gib,
                     containers: vec![gib],
                 };
-                let Some(node) = choose_node(&cluster, &names, &request, strategy) else {
+                let Some(node) = choose_node(&cluster, &names, &request, strategy, &mut rng) else {
                     return Outcome {
                         placed,
                         utilization: used as f64 / total,
@@ -219,9 +237,9 @@ pub fn replay(shape: &Shape, events: &[Event], strategy: Strategy) -> Outcome {
                 };
                 let policy = match strategy {
                     Strategy::SpreadSpread => Policy::Spread,
-                    Strategy::Ours | Strategy::Classic => Policy::Binpack,
+                    Strategy::Ours | Strategy::Classic | Strategy::ClassicRandom => Policy::Binpack,
                 };
-                let uid = PodId(id.to_string());
+                let uid = PodId::from(id.to_string());
                 let Ok(placement) = cluster.reserve(uid.clone(), node, &request, policy) else {
                     continue;
                 };
@@ -254,6 +272,7 @@ fn choose_node<'a>(
     names: &'a [String],
     request: &Request,
     strategy: Strategy,
+    rng: &mut StdRng,
 ) -> Option<&'a str> {
     let fitting: Vec<&str> = names
         .iter()
@@ -287,6 +306,9 @@ fn choose_node<'a>(
                 .map(|name| node_free_gib(cluster, name))
                 .collect(),
         ),
+        Strategy::ClassicRandom => {
+            (!fitting.is_empty()).then(|| fitting[rng.random_range(0..fitting.len())])
+        }
     }
 }
 

@@ -21,11 +21,12 @@ use std::time::{Duration, Instant};
 
 use anyhow::{Context, bail};
 use futures::{StreamExt, TryStreamExt};
-use gpushare_contract::{ContainerRequest, GpuInfo, Keys, PodAllocation, inventory};
+use gpushare_contract::{GpuInfo, Keys, inventory};
 use gpushare_e2e::apiserver::{ApiServer, Verb};
 use gpushare_e2e::cluster::{Binaries, Process, RESOURCE, free_port, wait_for};
-use gpushare_e2e::fixtures::{PodBuilder, node, pod};
+use gpushare_e2e::fixtures::{PodBuilder, node};
 use gpushare_e2e::kubelet::{AdmissionOrder, KubeletDriver};
+use gpushare_perf::workload::{Placed, allocated_pod};
 use gpushare_proto::KUBELET_SOCKET;
 use gpushare_proto::v1beta1::device_plugin_client::DevicePluginClient;
 use gpushare_proto::v1beta1::{AllocateRequest, ContainerAllocateRequest};
@@ -75,29 +76,18 @@ fn pending_pod(
     keys: &Keys,
     bind_time: &str,
 ) -> PodBuilder {
-    let allocation = PodAllocation {
-        gpu_index: gpu,
-        gpu_uuid: gpus
-            .iter()
-            .find(|g| g.index == gpu)
-            .map(|g| g.uuid.clone())
-            .unwrap_or_default(),
-        pod_gib: gib,
-        containers: vec![ContainerRequest {
-            name: "main".to_owned(),
-            gib,
-            init: false,
-        }],
-        bind_time: bind_time.to_owned(),
-        assigned: false,
-        allocated: Vec::new(),
-    };
-    allocation
-        .to_annotations(keys)
+    let uuid = gpus
         .iter()
-        .fold(pod(name).gpu_mem(gib).on_node(NODE), |builder, (k, v)| {
-            builder.annotation(k, v)
-        })
+        .find(|g| g.index == gpu)
+        .map(|g| g.uuid.clone())
+        .unwrap_or_default();
+    let placed = Placed {
+        node: NODE,
+        gpu,
+        uuid: &uuid,
+        gib,
+    };
+    allocated_pod(name, &placed, false, keys, bind_time)
 }
 
 /// Runs phase 2 and prints its section of the report.

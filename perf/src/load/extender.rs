@@ -27,11 +27,12 @@ use std::time::{Duration, Instant};
 
 use anyhow::{Context, anyhow, bail};
 use futures::{StreamExt, TryStreamExt};
-use gpushare_contract::{ContainerRequest, Keys, PodAllocation};
+use gpushare_contract::Keys;
 use gpushare_e2e::apiserver::{ApiServer, Verb};
 use gpushare_e2e::cluster::{Binaries, Extender, http_get, wait_for};
-use gpushare_e2e::fixtures::{PodBuilder, node, pod};
+use gpushare_e2e::fixtures::{node, pod};
 use gpushare_e2e::scheduler::wire::{self, ExtenderArgs, ExtenderBindingArgs};
+use gpushare_perf::workload::{MAX_BOUND_GIB, bound_pod, node_name};
 use http_body_util::{BodyExt, Full};
 use hyper::body::Bytes;
 use hyper_util::client::legacy::Client;
@@ -43,8 +44,6 @@ use crate::report::{Latencies, figure, proc_memory, ratio, secs, section};
 
 /// Namespace of every pod this phase creates.
 const NAMESPACE: &str = "default";
-/// Largest GiB of an already-bound pod (sizes are 1..=this).
-const MAX_BOUND_GIB: u64 = 2;
 /// Largest GiB of a pending pod (sizes are 1..=this).
 const MAX_PENDING_GIB: u64 = 4;
 /// kube-scheduler's default `httpTimeout` for an extender call.
@@ -118,37 +117,6 @@ impl Config {
     }
 }
 
-fn node_name(i: usize) -> String {
-    format!("load-node-{i:05}")
-}
-
-/// Bound pod `i`: spread round-robin over the nodes, then over each node's GPUs, 1–2 GiB,
-/// carrying the annotations the extender and the device plugin would have left.
-fn bound_pod(i: usize, cfg: &Config, keys: &Keys, bind_time: &str) -> PodBuilder {
-    let node = node_name(i % cfg.nodes);
-    let slot = i / cfg.nodes;
-    let gpu = u32::try_from(slot % cfg.gpus as usize).unwrap_or(0);
-    let gib = 1 + (i as u64 % MAX_BOUND_GIB);
-    let allocation = PodAllocation {
-        gpu_index: gpu,
-        // The UUID the node fixture publishes for this GPU.
-        gpu_uuid: format!("GPU-{node}-{gpu}"),
-        pod_gib: gib,
-        containers: vec![ContainerRequest {
-            name: "main".to_owned(),
-            gib,
-            init: false,
-        }],
-        bind_time: bind_time.to_owned(),
-        assigned: true,
-        allocated: vec!["main".to_owned()],
-    };
-    allocation.to_annotations(keys).iter().fold(
-        pod(&format!("bound-{i:06}")).gpu_mem(gib).on_node(&node),
-        |builder, (k, v)| builder.annotation(k, v),
-    )
-}
-
 /// Runs phase 1 and prints its section of the report.
 pub async fn run(cfg: &Config, bins: &Binaries, log_dir: &Path) -> anyhow::Result<()> {
     section("extender (real gpushare-extender, in-process API server)");
@@ -172,7 +140,8 @@ pub async fn run(cfg: &Config, bins: &Binaries, log_dir: &Path) -> anyhow::Resul
     let bind_time = jiff::Timestamp::now().to_string();
     let started = Instant::now();
     futures::stream::iter(
-        (0..cfg.bound_pods).map(|i| bound_pod(i, cfg, &keys, &bind_time).create(&client)),
+        (0..cfg.bound_pods)
+            .map(|i| bound_pod(i, cfg.nodes, cfg.gpus, &keys, &bind_time).create(&client)),
     )
     .buffer_unordered(cfg.setup_concurrency)
     .try_for_each(|_| async { Ok(()) })
@@ -638,12 +607,14 @@ mod tests {
         let keys = Keys::default();
         let mut used: HashMap<(String, u32), u64> = HashMap::new();
         for i in 0..cfg.bound_pods {
-            let pod = bound_pod(i, &cfg, &keys, "2026-01-01T00:00:00Z").build();
+            let pod = bound_pod(i, cfg.nodes, cfg.gpus, &keys, "2026-01-01T00:00:00Z").build();
             let node = pod.spec.as_ref().unwrap().node_name.clone().unwrap();
-            let alloc =
-                PodAllocation::from_annotations(&keys, pod.metadata.annotations.as_ref().unwrap())
-                    .unwrap()
-                    .unwrap();
+            let alloc = gpushare_contract::PodAllocation::from_annotations(
+                &keys,
+                pod.metadata.annotations.as_ref().unwrap(),
+            )
+            .unwrap()
+            .unwrap();
             assert!(alloc.assigned);
             *used.entry((node, alloc.gpu_index)).or_default() += alloc.pod_gib;
         }

@@ -1,7 +1,7 @@
-//! The load harness runs end to end on a tiny cluster and prints every figure of its report.
+//! The measuring binaries run on tiny configurations and print every figure of their reports.
 //!
-//! No timing is asserted: this proves the harness still drives the real binaries (so the
-//! numbers of a full run mean something), not how fast they are.
+//! No timing or byte count is asserted: this proves the instruments still drive the real code
+//! (so the numbers of a full run mean something), not how fast or small it is.
 
 use std::process::Command;
 
@@ -123,4 +123,36 @@ fn skip_flags_skip_phases() {
     assert_eq!(value(&stdout, "extender phase"), Some("skipped"));
     assert_eq!(value(&stdout, "device plugin phase"), Some("skipped"));
     assert!(value(&stdout, "filter p50").is_none());
+}
+
+#[test]
+fn tiny_run_measures_a_view_that_holds_the_pods() {
+    let output = Command::new(env!("CARGO_BIN_EXE_view-memory"))
+        .args(["--nodes", "10", "--pods", "200"])
+        .output()
+        .expect("running the view-memory binary");
+    let report = String::from_utf8_lossy(&output.stdout);
+    assert!(
+        output.status.success(),
+        "view-memory failed ({}):\n{report}\n{}",
+        output.status,
+        String::from_utf8_lossy(&output.stderr)
+    );
+    for label in [
+        "view with nodes only",
+        "relist buffer (pod facts), at its fullest",
+        "view with nodes and pods",
+        "heap peak (whole run)",
+    ] {
+        let figure = value(&report, label).unwrap_or_else(|| panic!("no {label:?} in:\n{report}"));
+        assert!(figure.ends_with("MiB"), "{label}: {figure}");
+    }
+    // Zero bytes per pod would mean the pods were never read into the view.
+    for label in ["per pod in the view", "per pod in the relist buffer"] {
+        let bytes: u64 = value(&report, label)
+            .and_then(|v| v.trim_end_matches('B').trim().parse().ok())
+            .unwrap_or_else(|| panic!("no {label:?} in:\n{report}"));
+        assert!(bytes > 0, "{label}: {bytes} B\n{report}");
+    }
+    assert!(report.contains("200 bound pods"), "{report}");
 }

@@ -1,0 +1,135 @@
+//! Memory instrument: how many bytes the extender's cluster view holds for N nodes and M
+//! bound pods, and how high the heap peaks while a relist of them is buffered and swapped in.
+//!
+//! ```sh
+//! cargo run --release -p gpushare-perf --bin view-memory
+//! cargo run --release -p gpushare-perf --bin view-memory -- --nodes 500 --pods 5000 --profile
+//! ```
+//!
+//! It runs the extender's own code path for a start-up list, in process and without the API
+//! server: each pod is built as the load harness creates it, read into the compact facts the
+//! pod watch buffers ([`PodFacts::read`]), and the buffer handed to
+//! [`View::replace_pod_facts`]. The heap is counted by dhat's allocator, so the figures are
+//! bytes asked of the allocator (live and peak), not RSS: the load harness reports the real
+//! process's RSS, which adds the runtime, the HTTP stack and allocator slack.
+//!
+//! With `--profile`, dhat also writes `dhat-heap.json` (open it in dhat's viewer) naming the
+//! code that holds the bytes.
+
+use clap::Parser;
+use gpushare_contract::{DEFAULT_DOMAIN, DEFAULT_RESOURCE, Keys};
+use gpushare_e2e::fixtures::node;
+use gpushare_extender::view::PodFacts;
+use gpushare_extender::{Settings, View};
+use gpushare_perf::workload::{bound_pod, node_name};
+
+#[global_allocator]
+static HEAP: dhat::Alloc = dhat::Alloc;
+
+/// Measures the heap the extender's cluster view holds at cluster scale.
+#[derive(Debug, Parser)]
+#[command(version, about)]
+struct Args {
+    /// Nodes labelled gpushare=true.
+    #[arg(long, default_value_t = 5000)]
+    nodes: usize,
+    /// GPUs per node.
+    #[arg(long, default_value_t = 8)]
+    gpus: u32,
+    /// GiB per GPU.
+    #[arg(long, default_value_t = 32)]
+    gpu_gib: u64,
+    /// Bound pods, 1–2 GiB each, with allocation annotations.
+    #[arg(long, default_value_t = 50_000)]
+    pods: usize,
+    /// Also write dhat-heap.json with the allocation sites (slower).
+    #[arg(long)]
+    profile: bool,
+}
+
+fn mib(bytes: usize) -> String {
+    format!("{:.1} MiB", bytes as f64 / (1024.0 * 1024.0))
+}
+
+fn main() -> anyhow::Result<()> {
+    let args = Args::parse();
+    let _profiler = if args.profile {
+        dhat::Profiler::new_heap()
+    } else {
+        dhat::Profiler::builder().testing().build()
+    };
+    let live = || dhat::HeapStats::get().curr_bytes;
+
+    let settings = Settings::new(DEFAULT_RESOURCE, DEFAULT_DOMAIN, "gpushare=true");
+    let mut view = View::new(settings.clone());
+    let before = live();
+
+    let gpus = vec![args.gpu_gib; args.gpus as usize];
+    let nodes: Vec<_> = (0..args.nodes)
+        .map(|i| node(&node_name(i)).gpushare().gpus(&gpus).build())
+        .collect();
+    view.replace_nodes(&nodes);
+    drop(nodes);
+    let with_nodes = live();
+
+    let keys = Keys::default();
+    let bind_time = "2026-01-01T00:00:00Z";
+    let buffer: Vec<PodFacts> = (0..args.pods)
+        .filter_map(|i| {
+            let mut pod = bound_pod(i, args.nodes, args.gpus, &keys, bind_time).build();
+            // What the API server assigns: a UUID-shaped UID.
+            pod.metadata.uid = Some(format!("{:08x}-0000-4000-8000-{i:012x}", i));
+            PodFacts::read(&pod, &settings).filter(|facts| facts.concerns_gpushare())
+        })
+        .collect();
+    let buffered = live() - with_nodes;
+    let warnings = view.replace_pod_facts(buffer);
+    anyhow::ensure!(warnings.is_empty(), "unexpected warnings: {warnings:?}");
+    anyhow::ensure!(
+        view.cluster.pod_count() == args.pods,
+        "the view booked {} of {} pods",
+        view.cluster.pod_count(),
+        args.pods
+    );
+    let with_pods = live();
+    let stats = dhat::HeapStats::get();
+
+    let pods = args.pods.max(1);
+    println!(
+        "extender view: {} nodes × {} GPUs, {} bound pods",
+        args.nodes, args.gpus, args.pods
+    );
+    println!(
+        "  {:<44} {:>12}",
+        "view with nodes only",
+        mib(with_nodes - before)
+    );
+    println!(
+        "  {:<44} {:>12}",
+        "relist buffer (pod facts), at its fullest",
+        mib(buffered)
+    );
+    println!(
+        "  {:<44} {:>12}",
+        "view with nodes and pods",
+        mib(with_pods - before)
+    );
+    println!(
+        "  {:<44} {:>10} B",
+        "per pod in the view",
+        (with_pods - with_nodes) / pods
+    );
+    println!(
+        "  {:<44} {:>10} B",
+        "per pod in the relist buffer",
+        buffered / pods
+    );
+    println!(
+        "  {:<44} {:>12}",
+        "heap peak (whole run)",
+        mib(stats.max_bytes)
+    );
+    println!("  {:<44} {:>12}", "live allocations now", stats.curr_blocks);
+    drop(view);
+    Ok(())
+}

@@ -1,0 +1,76 @@
+//! The cluster the load harness and the memory instrument build: node names and the
+//! already-bound pods, with the annotations the extender and the device plugin leave behind.
+
+use gpushare_contract::{ContainerRequest, Keys, PodAllocation};
+use gpushare_e2e::fixtures::{PodBuilder, pod};
+
+/// Largest GiB of an already-bound pod (sizes are 1..=this).
+pub const MAX_BOUND_GIB: u64 = 2;
+
+/// Name of node `i`.
+pub fn node_name(i: usize) -> String {
+    format!("load-node-{i:05}")
+}
+
+/// Bound pod `i`: spread round-robin over `nodes` nodes, then over each node's `gpus` GPUs,
+/// 1–2 GiB, carrying the annotations the extender and the device plugin would have left.
+pub fn bound_pod(i: usize, nodes: usize, gpus: u32, keys: &Keys, bind_time: &str) -> PodBuilder {
+    let node = node_name(i % nodes.max(1));
+    let slot = i / nodes.max(1);
+    let gpu = u32::try_from(slot % gpus.max(1) as usize).unwrap_or(0);
+    let gib = 1 + (i as u64 % MAX_BOUND_GIB);
+    // The UUID the node fixture publishes for this GPU.
+    let uuid = format!("GPU-{node}-{gpu}");
+    let placed = Placed {
+        node: &node,
+        gpu,
+        uuid: &uuid,
+        gib,
+    };
+    allocated_pod(&format!("bound-{i:06}"), &placed, true, keys, bind_time)
+}
+
+/// Where a pod of one `main` container was placed.
+#[derive(Debug, Clone, Copy)]
+pub struct Placed<'a> {
+    /// Node name.
+    pub node: &'a str,
+    /// GPU index.
+    pub gpu: u32,
+    /// GPU UUID.
+    pub uuid: &'a str,
+    /// GiB asked for and held.
+    pub gib: u64,
+}
+
+/// A pod of one `main` container bound as `placed`, with the extender's allocation
+/// annotations; `allocated` adds the device plugin's mark (the container got its GPU).
+pub fn allocated_pod(
+    name: &str,
+    placed: &Placed<'_>,
+    allocated: bool,
+    keys: &Keys,
+    bind_time: &str,
+) -> PodBuilder {
+    let allocation = PodAllocation {
+        gpu_index: placed.gpu,
+        gpu_uuid: placed.uuid.to_owned(),
+        pod_gib: placed.gib,
+        containers: vec![ContainerRequest {
+            name: "main".to_owned(),
+            gib: placed.gib,
+            init: false,
+        }],
+        bind_time: bind_time.to_owned(),
+        assigned: allocated,
+        allocated: if allocated {
+            vec!["main".to_owned()]
+        } else {
+            Vec::new()
+        },
+    };
+    allocation.to_annotations(keys).iter().fold(
+        pod(name).gpu_mem(placed.gib).on_node(placed.node),
+        |builder, (k, v)| builder.annotation(k, v),
+    )
+}
