@@ -3,16 +3,20 @@
 //! router, JSON parse to JSON answer, on a synced view of N nodes × 8 GPUs × 32 GiB with 10
 //! pods per GPU. No network: this is the extender's own cost per call.
 //!
+//! Criterion reports means; the targets are tails, so after the criterion groups a second
+//! pass times 2,000 single calls of each verb at 5,000 nodes and prints p50 / p99 / max.
+//!
 //! ```sh
 //! cargo bench -p gpushare-perf --bench extender_http
 //! ```
 
 use std::hint::black_box;
 use std::sync::Arc;
+use std::time::{Duration, Instant};
 
 use axum::body::{Body, to_bytes};
 use axum::http::Request;
-use criterion::{BenchmarkId, Criterion, criterion_group, criterion_main};
+use criterion::{BenchmarkId, Criterion, criterion_group};
 use futures::future::BoxFuture;
 use gpushare_allocator::{PodId, PodPlacement, Policy};
 use gpushare_e2e::fixtures::node;
@@ -84,10 +88,29 @@ fn body(names: &[String]) -> Vec<u8> {
     serde_json::to_vec(&args).expect("serializable")
 }
 
-fn handlers(c: &mut Criterion) {
-    let runtime = tokio::runtime::Builder::new_current_thread()
+/// One call of `verb` through the router, JSON in to JSON out; the answer's length.
+fn call(runtime: &tokio::runtime::Runtime, app: &axum::Router, verb: &str, body: &[u8]) -> usize {
+    runtime.block_on(async {
+        let request = Request::post(format!("{PREFIX}/{verb}"))
+            .header("content-type", "application/json")
+            .body(Body::from(body.to_vec()))
+            .expect("a request");
+        let response = app.clone().oneshot(request).await.expect("infallible");
+        to_bytes(response.into_body(), usize::MAX)
+            .await
+            .expect("a body")
+            .len()
+    })
+}
+
+fn runtime() -> tokio::runtime::Runtime {
+    tokio::runtime::Builder::new_current_thread()
         .build()
-        .expect("a runtime");
+        .expect("a runtime")
+}
+
+fn handlers(c: &mut Criterion) {
+    let runtime = runtime();
     for verb in ["filter", "prioritize"] {
         let mut group = c.benchmark_group(format!("http {verb} (NodeNames)"));
         for nodes in [100, 1_000, 5_000] {
@@ -95,24 +118,42 @@ fn handlers(c: &mut Criterion) {
             let app = router(state, PREFIX);
             let body = body(&names);
             group.bench_with_input(BenchmarkId::from_parameter(nodes), &body, |b, body| {
-                b.iter(|| {
-                    runtime.block_on(async {
-                        let request = Request::post(format!("{PREFIX}/{verb}"))
-                            .header("content-type", "application/json")
-                            .body(Body::from(body.clone()))
-                            .expect("a request");
-                        let response = app.clone().oneshot(request).await.expect("infallible");
-                        black_box(
-                            to_bytes(response.into_body(), usize::MAX)
-                                .await
-                                .expect("a body")
-                                .len(),
-                        )
-                    })
-                })
+                b.iter(|| black_box(call(&runtime, &app, verb, body)))
             });
         }
         group.finish();
+    }
+}
+
+/// Exact p50 / p99 / max of single calls at 5,000 nodes (a handful of calls when run as a
+/// test, i.e. without `--bench`).
+fn tail_latency() {
+    let calls = if std::env::args().any(|a| a == "--bench") {
+        2_000
+    } else {
+        5
+    };
+    let runtime = runtime();
+    let (state, names) = state(5_000);
+    let app = router(state, PREFIX);
+    let body = body(&names);
+    println!("single-call latency at 5,000 nodes, {calls} calls each (exact percentiles)");
+    for verb in ["filter", "prioritize"] {
+        let mut times: Vec<Duration> = (0..calls)
+            .map(|_| {
+                let started = Instant::now();
+                black_box(call(&runtime, &app, verb, &body));
+                started.elapsed()
+            })
+            .collect();
+        times.sort_unstable();
+        let at = |q: f64| times[((times.len() - 1) as f64 * q).round() as usize];
+        println!(
+            "  http {verb:<10} p50 {:>9.3?}  p99 {:>9.3?}  max {:>9.3?}",
+            at(0.50),
+            at(0.99),
+            at(1.0)
+        );
     }
 }
 
@@ -121,4 +162,9 @@ criterion_group! {
     config = Criterion::default().sample_size(20);
     targets = handlers
 }
-criterion_main!(benches);
+
+fn main() {
+    benches();
+    Criterion::default().configure_from_args().final_summary();
+    tail_latency();
+}

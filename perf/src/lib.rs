@@ -24,7 +24,13 @@
 //! - **offline bound**: best-fit-decreasing over the whole arrival trace (knows the future),
 //!   as a yardstick for what any online policy could reach.
 
+use std::collections::HashMap;
+
 use gpushare_allocator::{Cluster, Gpu, PodId, PodPlacement, Policy, Request};
+use gpushare_e2e::scheduler::framework::{
+    CPU, DEFAULT_MEMORY_REQUEST, DEFAULT_MILLI_CPU_REQUEST, MEMORY, Milli, NodeUsage, PodUsage,
+    Resources, default_score, extender_score, select_host,
+};
 use rand::rngs::StdRng;
 use rand::{Rng, SeedableRng};
 
@@ -159,39 +165,117 @@ fn node_name(n: usize) -> String {
     format!("node-{n:05}")
 }
 
-/// A way of choosing node and GPU.
+/// A way of choosing node and GPU. Every strategy picks its node the way kube-scheduler
+/// does: its default scores (`NodeResourcesFit` LeastAllocated on CPU and memory,
+/// `NodeResourcesBalancedAllocation`) plus the extender's score × weight × 10 when the
+/// extender prioritizes, highest total wins, ties broken at random.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Strategy {
-    /// gpushare: binpack node score, binpack GPU.
+    /// gpushare: binpack prioritize scores, GPU binpack at bind.
     Ours,
-    /// Classic gpushare: least-allocated node by GPU memory, binpack GPU.
+    /// The classic extender: filter and bind only (GPU binpack at bind), no prioritize, so
+    /// kube-scheduler's own spreading alone picks the node.
     Classic,
-    /// Classic gpushare when kube-scheduler's CPU/memory scores tie: a random feasible node,
-    /// binpack GPU.
-    ClassicRandom,
-    /// Spread node score, spread GPU.
+    /// The spread policy: spread prioritize scores, GPU spread at bind.
     SpreadSpread,
 }
 
 impl Strategy {
     /// All online strategies, in the order the report prints them.
-    pub const ALL: [Strategy; 4] = [
-        Strategy::Ours,
-        Strategy::Classic,
-        Strategy::ClassicRandom,
-        Strategy::SpreadSpread,
-    ];
+    pub const ALL: [Strategy; 3] = [Strategy::Ours, Strategy::Classic, Strategy::SpreadSpread];
 
     /// Name in the report.
     pub fn name(self) -> &'static str {
         match self {
             Strategy::Ours => "gpushare (binpack/binpack)",
-            Strategy::Classic => "classic (least-allocated/binpack)",
-            Strategy::ClassicRandom => "classic (cpu/mem tie: random/binpack)",
+            Strategy::Classic => "classic (no prioritize/binpack)",
             Strategy::SpreadSpread => "spread/spread",
         }
     }
+
+    /// The policy of the extender's prioritize (none for classic) and bind.
+    fn policies(self) -> (Option<Policy>, Policy) {
+        match self {
+            Strategy::Ours => (Some(Policy::Binpack), Policy::Binpack),
+            Strategy::Classic => (None, Policy::Binpack),
+            Strategy::SpreadSpread => (Some(Policy::Spread), Policy::Spread),
+        }
+    }
 }
+
+/// What GPU pods ask of CPU and memory: it decides kube-scheduler's own node scores.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum PodProfile {
+    /// No CPU or memory requests: kube-scheduler scores each pod as 100m CPU and 200 MiB,
+    /// so its LeastAllocated spreading prefers the node with the fewest pods.
+    NoRequests,
+    /// CPU and memory in proportion to GPU memory (`milli_cpu` and `memory_mib` per GiB):
+    /// LeastAllocated then prefers the node with the least GPU memory in use.
+    Proportional {
+        /// CPU per GiB of GPU memory, in millicores.
+        milli_cpu: u64,
+        /// Memory per GiB of GPU memory, in MiB.
+        memory_mib: u64,
+    },
+}
+
+impl PodProfile {
+    /// 250m CPU and 2 GiB of memory per GiB of GPU memory.
+    pub const PROPORTIONAL: PodProfile = PodProfile::Proportional {
+        milli_cpu: 250,
+        memory_mib: 2048,
+    };
+
+    /// Name in the report.
+    pub fn name(self) -> String {
+        match self {
+            PodProfile::NoRequests => "pods request no CPU/memory".to_owned(),
+            PodProfile::Proportional {
+                milli_cpu,
+                memory_mib,
+            } => format!("pods request {milli_cpu}m CPU + {memory_mib} MiB per GPU GiB"),
+        }
+    }
+
+    fn usage(self, gib: u64) -> PodUsage {
+        const MIB: Milli = 1024 * 1024 * 1000;
+        match self {
+            PodProfile::NoRequests => PodUsage {
+                requested: Resources::new(),
+                non_zero_cpu: DEFAULT_MILLI_CPU_REQUEST,
+                non_zero_memory: DEFAULT_MEMORY_REQUEST * 1000,
+            },
+            PodProfile::Proportional {
+                milli_cpu,
+                memory_mib,
+            } => {
+                let cpu = Milli::from(milli_cpu) * Milli::from(gib);
+                let memory = Milli::from(memory_mib) * Milli::from(gib) * MIB;
+                PodUsage {
+                    requested: Resources::from([
+                        (CPU.to_owned(), cpu),
+                        (MEMORY.to_owned(), memory),
+                    ]),
+                    non_zero_cpu: cpu,
+                    non_zero_memory: memory,
+                }
+            }
+        }
+    }
+}
+
+/// How kube-scheduler sees each simulated node: 64 cores and 512 GiB allocatable (room for
+/// every pod's CPU and memory, so GPU memory is what runs out).
+fn node_allocatable() -> Resources {
+    const GIB: Milli = 1 << 30;
+    Resources::from([
+        (CPU.to_owned(), 64 * 1000),
+        (MEMORY.to_owned(), 512 * GIB * 1000),
+    ])
+}
+
+/// The extender's prioritize weight, as the chart configures it.
+pub const EXTENDER_WEIGHT: i64 = 1;
 
 /// What a replay reached.
 #[derive(Debug, Clone, PartialEq)]
@@ -206,21 +290,31 @@ pub struct Outcome {
 }
 
 /// Replays `events` on `shape` with `strategy`, stopping at the first pod that fits nowhere.
-pub fn replay(shape: &Shape, events: &[Event], strategy: Strategy) -> Outcome {
+/// `seed` drives kube-scheduler's random tie-break.
+pub fn replay(
+    shape: &Shape,
+    events: &[Event],
+    strategy: Strategy,
+    profile: PodProfile,
+    seed: u64,
+) -> Outcome {
     let mut cluster = shape.cluster();
     let names: Vec<String> = (0..shape.nodes.len()).map(node_name).collect();
+    let allocatable = node_allocatable();
+    let mut usage = vec![NodeUsage::default(); names.len()];
+    let mut rng = StdRng::seed_from_u64(seed);
+    let (prioritize, bind_policy) = strategy.policies();
     let total = shape.total_gib() as f64;
     let mut used = 0u64;
-    let mut sizes = std::collections::HashMap::new();
+    let mut running: HashMap<u64, (usize, u64, PodUsage)> = HashMap::new();
     let mut placed = 0;
-    // kube-scheduler's tie-break for ClassicRandom; seeded so a replay is repeatable.
-    let mut rng = StdRng::seed_from_u64(events.len() as u64);
     for event in events {
         match *event {
             Event::Depart { id } => {
-                let uid = PodId::from(id.to_string());
-                if cluster.remove_pod(&uid).is_some() {
-                    used -= sizes.remove(&id).unwrap_or(0);
+                if let Some((node, gib, pod)) = running.remove(&id) {
+                    cluster.remove_pod(&PodId::from(id.to_string()));
+                    usage[node].remove(&pod);
+                    used -= gib;
                 }
             }
             Event::Arrive { id, gib } => {
@@ -228,25 +322,45 @@ pub fn replay(shape: &Shape, events: &[Event], strategy: Strategy) -> Outcome {
                     pod_gib: gib,
                     containers: vec![gib],
                 };
-                let Some(node) = choose_node(&cluster, &names, &request, strategy, &mut rng) else {
+                let pod = profile.usage(gib);
+                // Filter: the extender keeps nodes where one GPU has room.
+                let fitting: Vec<usize> = (0..names.len())
+                    .filter(|&n| cluster.fit(&names[n], &request).is_ok())
+                    .collect();
+                let fitting_names: Vec<&str> = fitting.iter().map(|&n| &*names[n]).collect();
+                let extender = prioritize
+                    .filter(|_| fitting.len() > 1)
+                    .map(|policy| cluster.scores(&fitting_names, &request, policy));
+                let totals: Vec<(String, i64)> = fitting
+                    .iter()
+                    .enumerate()
+                    .map(|(i, &n)| {
+                        let own = default_score(&allocatable, &usage[n], &pod);
+                        let theirs = extender.as_ref().map_or(0, |scores| {
+                            extender_score(i64::from(scores[i]), EXTENDER_WEIGHT)
+                        });
+                        (n.to_string(), own + theirs)
+                    })
+                    .collect();
+                let Some(node) =
+                    select_host(&totals, &mut rng).and_then(|n| n.parse::<usize>().ok())
+                else {
                     return Outcome {
                         placed,
                         utilization: used as f64 / total,
                         first_failure_gib: Some(gib),
                     };
                 };
-                let policy = match strategy {
-                    Strategy::SpreadSpread => Policy::Spread,
-                    Strategy::Ours | Strategy::Classic | Strategy::ClassicRandom => Policy::Binpack,
-                };
                 let uid = PodId::from(id.to_string());
-                let Ok(placement) = cluster.reserve(uid.clone(), node, &request, policy) else {
+                let Ok(placement) =
+                    cluster.reserve(uid.clone(), &names[node], &request, bind_policy)
+                else {
                     continue;
                 };
                 // The device plugin allocates at once in this simulation: no pending twins.
                 cluster.upsert_pod(
                     uid,
-                    node,
+                    &names[node],
                     PodPlacement {
                         gpu: placement.gpu,
                         pod_gib: gib,
@@ -254,8 +368,9 @@ pub fn replay(shape: &Shape, events: &[Event], strategy: Strategy) -> Outcome {
                         assigned: true,
                     },
                 );
+                usage[node].add(&pod);
+                running.insert(id, (node, gib, pod));
                 used += gib;
-                sizes.insert(id, gib);
                 placed += 1;
             }
         }
@@ -265,57 +380,6 @@ pub fn replay(shape: &Shape, events: &[Event], strategy: Strategy) -> Outcome {
         utilization: used as f64 / total,
         first_failure_gib: None,
     }
-}
-
-fn choose_node<'a>(
-    cluster: &Cluster,
-    names: &'a [String],
-    request: &Request,
-    strategy: Strategy,
-    rng: &mut StdRng,
-) -> Option<&'a str> {
-    let fitting: Vec<&str> = names
-        .iter()
-        .map(String::as_str)
-        .filter(|name| cluster.fit(name, request).is_ok())
-        .collect();
-    // kube-scheduler breaks ties at random; the first node stands in for that here, the same
-    // for every strategy.
-    let best = |scores: Vec<u64>| {
-        let top = scores.iter().copied().max()?;
-        scores.iter().position(|s| *s == top).map(|i| fitting[i])
-    };
-    match strategy {
-        Strategy::Ours => best(
-            cluster
-                .scores(&fitting, request, Policy::Binpack)
-                .into_iter()
-                .map(u64::from)
-                .collect(),
-        ),
-        Strategy::SpreadSpread => best(
-            cluster
-                .scores(&fitting, request, Policy::Spread)
-                .into_iter()
-                .map(u64::from)
-                .collect(),
-        ),
-        Strategy::Classic => best(
-            fitting
-                .iter()
-                .map(|name| node_free_gib(cluster, name))
-                .collect(),
-        ),
-        Strategy::ClassicRandom => {
-            (!fitting.is_empty()).then(|| fitting[rng.random_range(0..fitting.len())])
-        }
-    }
-}
-
-fn node_free_gib(cluster: &Cluster, name: &str) -> u64 {
-    cluster
-        .node(name)
-        .map_or(0, |node| node.gpus().iter().map(|gpu| gpu.free_gib()).sum())
 }
 
 /// The offline yardstick: the longest prefix of the arrivals that best-fit-decreasing packs
@@ -382,12 +446,14 @@ mod tests {
         let shape = Shape::uniform(4, 2, 16);
         let events = generate(&TraceSpec::standard(500, 1));
         for strategy in Strategy::ALL {
-            let outcome = replay(&shape, &events, strategy);
-            assert!(outcome.utilization <= 1.0, "{strategy:?}: {outcome:?}");
-            assert!(
-                outcome.first_failure_gib.is_some(),
-                "500 pods cannot fit 128 GiB"
-            );
+            for profile in [PodProfile::NoRequests, PodProfile::PROPORTIONAL] {
+                let outcome = replay(&shape, &events, strategy, profile, 1);
+                assert!(outcome.utilization <= 1.0, "{strategy:?}: {outcome:?}");
+                assert!(
+                    outcome.first_failure_gib.is_some(),
+                    "500 pods cannot fit 128 GiB"
+                );
+            }
         }
     }
 
@@ -400,8 +466,25 @@ mod tests {
             Event::Arrive { id: 1, gib: 8 },
             Event::Arrive { id: 2, gib: 16 },
         ];
-        assert_eq!(replay(&shape, &events, Strategy::Ours).placed, 3);
-        assert_eq!(replay(&shape, &events, Strategy::Classic).placed, 2);
+        for seed in 0..8 {
+            let placed =
+                |strategy, profile| replay(&shape, &events, strategy, profile, seed).placed;
+            for profile in [PodProfile::NoRequests, PodProfile::PROPORTIONAL] {
+                assert_eq!(
+                    placed(Strategy::Ours, profile),
+                    3,
+                    "{profile:?}, seed {seed}"
+                );
+            }
+            // LeastAllocated sees the 8 GiB pod's CPU and memory and puts the second pod on
+            // the empty node. (Without requests, 100m of 64 cores truncates to the same
+            // score on both nodes and the random tie-break decides.)
+            assert_eq!(
+                placed(Strategy::Classic, PodProfile::PROPORTIONAL),
+                2,
+                "seed {seed}"
+            );
+        }
     }
 
     #[test]

@@ -23,6 +23,7 @@ const FIGURES: &[&str] = &[
     "prioritize p99",
     "bind p50",
     "bind p99",
+    "extender's own time per call (its histogram)",
     "API writes per bind (events excluded)",
     "API creates of pods/binding",
     "API reads (get/list pods, nodes) in drive",

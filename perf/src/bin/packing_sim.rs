@@ -7,7 +7,10 @@
 //! ```
 
 use clap::Parser;
-use gpushare_perf::{Event, Outcome, Shape, Strategy, TraceSpec, generate, offline_bound, replay};
+use gpushare_perf::{
+    EXTENDER_WEIGHT, Event, Outcome, PodProfile, Shape, Strategy, TraceSpec, generate,
+    offline_bound, replay,
+};
 
 /// Replays GPU-memory requests through gpushare's allocation core and compares strategies.
 #[derive(Debug, Parser)]
@@ -76,8 +79,9 @@ fn main() -> anyhow::Result<()> {
         "sizes (GiB:weight) {}; {} seeds; numbers are means over seeds",
         args.sizes, args.seeds
     );
+    println!("utilization = share of cluster GPU memory in use at the first pod that fit nowhere");
     println!(
-        "utilization = share of cluster GPU memory in use at the first pod that fit nowhere\n"
+        "nodes chosen as kube-scheduler does: default scores + extender score × {EXTENDER_WEIGHT} (chart weight) × 10, random tie-break\n"
     );
     for (label, shape) in &shapes {
         // Enough arrivals to fill the cluster several times over.
@@ -87,7 +91,7 @@ fn main() -> anyhow::Result<()> {
         {
             println!("{label}, {trace_name}:");
             println!(
-                "  {:<36} {:>12} {:>12}",
+                "    {:<36} {:>12} {:>12}",
                 "strategy", "utilization", "pods placed"
             );
             let traces: Vec<Vec<Event>> = (0..args.seeds)
@@ -100,10 +104,16 @@ fn main() -> anyhow::Result<()> {
                     })
                 })
                 .collect();
-            for strategy in Strategy::ALL {
-                let outcomes: Vec<Outcome> =
-                    traces.iter().map(|t| replay(shape, t, strategy)).collect();
-                print_row(strategy.name(), &outcomes);
+            for profile in [PodProfile::NoRequests, PodProfile::PROPORTIONAL] {
+                println!("  {}", profile.name());
+                for strategy in Strategy::ALL {
+                    let outcomes: Vec<Outcome> = traces
+                        .iter()
+                        .zip(0..)
+                        .map(|(trace, seed)| replay(shape, trace, strategy, profile, seed))
+                        .collect();
+                    print_row(strategy.name(), &outcomes);
+                }
             }
             if departures == 0.0 {
                 let outcomes: Vec<Outcome> =
@@ -120,5 +130,8 @@ fn print_row(name: &str, outcomes: &[Outcome]) {
     let n = outcomes.len().max(1) as f64;
     let utilization = outcomes.iter().map(|o| o.utilization).sum::<f64>() / n;
     let placed = outcomes.iter().map(|o| o.placed as f64).sum::<f64>() / n;
-    println!("  {name:<36} {:>11.1}% {placed:>12.0}", utilization * 100.0);
+    println!(
+        "    {name:<36} {:>11.1}% {placed:>12.0}",
+        utilization * 100.0
+    );
 }

@@ -189,6 +189,7 @@ pub async fn run(cfg: &Config, bins: &Binaries, log_dir: &Path) -> anyhow::Resul
     // Drive.
     let stats = api.stats();
     let outcomes_before = bind_outcomes(addr).await;
+    let handled_before = handler_seconds(addr).await;
     let writes_before = stats.writes();
     let bindings_before = stats.count(Verb::Create, "pods/binding");
     let reads_before = api_reads(&api);
@@ -211,6 +212,7 @@ pub async fn run(cfg: &Config, bins: &Binaries, log_dir: &Path) -> anyhow::Resul
     let bindings = stats.count(Verb::Create, "pods/binding") - bindings_before;
     let reads = api_reads(&api) - reads_before;
     let outcomes = bind_outcomes(addr).await;
+    let handled = handler_seconds(addr).await;
 
     figure(
         "drive: pods scheduled",
@@ -232,6 +234,10 @@ pub async fn run(cfg: &Config, bins: &Binaries, log_dir: &Path) -> anyhow::Resul
     tally.filter.clone().summary().print("filter");
     tally.prioritize.clone().summary().print("prioritize");
     tally.bind.clone().summary().print("bind");
+    figure(
+        "extender's own time per call (its histogram)",
+        describe_handler_time(&handled_before, &handled),
+    );
     figure(
         "API writes per bind (events excluded)",
         ratio(writes, tally.bound),
@@ -334,6 +340,62 @@ async fn bind_outcomes(addr: SocketAddr) -> BTreeMap<String, u64> {
             Some((reason.to_owned(), value as u64))
         })
         .collect()
+}
+
+/// `gpushare_extender_request_duration_seconds` sum and count by verb, from `/metrics`: the
+/// time the extender spent in each handler, without transport or the caller's queueing.
+async fn handler_seconds(addr: SocketAddr) -> BTreeMap<String, (f64, f64)> {
+    match http_get(addr, "/metrics").await {
+        Ok((200, text)) => parse_handler_seconds(&text),
+        _ => BTreeMap::new(),
+    }
+}
+
+/// The sums and counts of the extender's request-duration histogram in an OpenMetrics text.
+fn parse_handler_seconds(text: &str) -> BTreeMap<String, (f64, f64)> {
+    let mut verbs: BTreeMap<String, (f64, f64)> = BTreeMap::new();
+    for line in text.lines() {
+        let Some(rest) = line.strip_prefix("gpushare_extender_request_duration_seconds_") else {
+            continue;
+        };
+        let Some((kind, rest)) = rest.split_once("{verb=\"") else {
+            continue;
+        };
+        let Some((verb, value)) = rest.split_once("\"} ") else {
+            continue;
+        };
+        let Some(value) = value.split_whitespace().next().and_then(|v| v.parse().ok()) else {
+            continue;
+        };
+        let entry = verbs.entry(verb.to_owned()).or_default();
+        match kind {
+            "sum" => entry.0 = value,
+            "count" => entry.1 = value,
+            _ => {}
+        }
+    }
+    verbs
+}
+
+/// `filter 0.912 ms, prioritize …`: mean handler time per verb between two scrapes.
+fn describe_handler_time(
+    before: &BTreeMap<String, (f64, f64)>,
+    after: &BTreeMap<String, (f64, f64)>,
+) -> String {
+    let parts: Vec<String> = ["filter", "prioritize", "bind"]
+        .iter()
+        .filter_map(|verb| {
+            let (sum, count) = after.get(*verb)?;
+            let (sum0, count0) = before.get(*verb).copied().unwrap_or_default();
+            let calls = count - count0;
+            (calls > 0.0).then(|| format!("{verb} {:.3} ms", (sum - sum0) / calls * 1e3))
+        })
+        .collect();
+    if parts.is_empty() {
+        "unavailable".to_owned()
+    } else {
+        format!("mean {}", parts.join(", "))
+    }
 }
 
 /// `bound=1998 unfit=2`: the change of each reason between two scrapes.
@@ -639,6 +701,30 @@ mod tests {
             Drive::new(http(), Vec::new(), names, 0).candidates(7).len(),
             5
         );
+    }
+
+    #[test]
+    fn handler_time_from_the_extenders_own_metrics() {
+        let mut registry = prometheus_client::registry::Registry::default();
+        let metrics = gpushare_extender::metrics::Metrics::register(&mut registry);
+        let mut encoded = String::new();
+        prometheus_client::encoding::text::encode(&mut encoded, &registry).unwrap();
+        let before = parse_handler_seconds(&encoded);
+        metrics.observe("filter", Instant::now() - Duration::from_millis(3));
+        metrics.observe("filter", Instant::now() - Duration::from_millis(1));
+        let mut encoded = String::new();
+        prometheus_client::encoding::text::encode(&mut encoded, &registry).unwrap();
+        let after = parse_handler_seconds(&encoded);
+        assert_eq!(after["filter"].1, 2.0, "{encoded}");
+        let text = describe_handler_time(&before, &after);
+        let mean: f64 = text
+            .strip_prefix("mean filter ")
+            .and_then(|t| t.strip_suffix(" ms"))
+            .and_then(|t| t.parse().ok())
+            .unwrap_or_else(|| panic!("{text}"));
+        // At least the 3 ms and 1 ms the two calls were started before.
+        assert!((2.0..1000.0).contains(&mean), "{text}");
+        assert_eq!(describe_handler_time(&after, &after), "unavailable");
     }
 
     #[test]
