@@ -10,18 +10,37 @@ use rustc_hash::FxHashMap as HashMap;
 use crate::{Gpu, Placement, PodId, PodPlacement, Policy, Refusal, Request, Unfit};
 
 /// One GPU and the memory booked on it.
+///
+/// Why the private copies of index, size and health: the decision loop reads those three and
+/// `used_gib` for every GPU of every candidate node (40,000 GPUs at 5,000 nodes). Kept together
+/// in a 32-byte record, with the descriptive inventory (UUID, model) behind a pointer, a node's
+/// eight GPUs fill four cache lines instead of ten; with a cold cache the 5,000-node filter
+/// took twice as long the other way.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct GpuUsage {
     /// The GPU as the inventory describes it.
-    pub gpu: Gpu,
+    pub gpu: Arc<Gpu>,
     /// GiB booked by pods on it; may exceed the total when the watch reports a collision.
     pub used_gib: u64,
+    total_gib: u64,
+    index: u32,
+    healthy: bool,
 }
 
 impl GpuUsage {
+    fn new(gpu: Gpu) -> Self {
+        Self {
+            used_gib: 0,
+            total_gib: gpu.total_gib,
+            index: gpu.index,
+            healthy: gpu.healthy,
+            gpu: Arc::new(gpu),
+        }
+    }
+
     /// GiB still free (zero when over-booked).
     pub fn free_gib(&self) -> u64 {
-        self.gpu.total_gib.saturating_sub(self.used_gib)
+        self.total_gib.saturating_sub(self.used_gib)
     }
 }
 
@@ -68,7 +87,7 @@ impl Node {
     }
 
     fn position(&self, gpu: u32) -> Option<usize> {
-        self.gpus.binary_search_by_key(&gpu, |g| g.gpu.index).ok()
+        self.gpus.binary_search_by_key(&gpu, |g| g.index).ok()
     }
 
     fn book(&mut self, placement: &PodPlacement) {
@@ -133,7 +152,7 @@ impl Node {
                 });
             };
             let usage = &self.gpus[pos];
-            if usage.gpu.healthy && usage.free_gib() >= need {
+            if usage.healthy && usage.free_gib() >= need {
                 return Ok(pos);
             }
             return Err(Unfit::TwinBlocked {
@@ -141,20 +160,20 @@ impl Node {
                 gpu,
                 need,
                 free: usage.free_gib(),
-                healthy: usage.gpu.healthy,
+                healthy: usage.healthy,
             });
         }
         let mut best: Option<(usize, u64)> = None;
         let mut largest_free: Option<(u32, u64)> = None;
         let mut largest_total = 0;
         for (pos, usage) in self.gpus.iter().enumerate() {
-            if !usage.gpu.healthy {
+            if !usage.healthy {
                 continue;
             }
             let free = usage.free_gib();
-            largest_total = largest_total.max(usage.gpu.total_gib);
+            largest_total = largest_total.max(usage.total_gib);
             if largest_free.is_none_or(|(_, most)| free > most) {
-                largest_free = Some((usage.gpu.index, free));
+                largest_free = Some((usage.index, free));
             }
             if free < need {
                 continue;
@@ -220,11 +239,11 @@ impl Node {
     fn healthy_totals(&self) -> (u64, u64) {
         self.gpus
             .iter()
-            .filter(|usage| usage.gpu.healthy)
+            .filter(|usage| usage.healthy)
             .fold((0, 0), |(total, used), usage| {
                 (
-                    total.saturating_add(usage.gpu.total_gib),
-                    used.saturating_add(usage.used_gib.min(usage.gpu.total_gib)),
+                    total.saturating_add(usage.total_gib),
+                    used.saturating_add(usage.used_gib.min(usage.total_gib)),
                 )
             })
     }
@@ -274,14 +293,11 @@ impl Cluster {
                 .gpus
                 .iter()
                 .zip(&gpus)
-                .all(|(old, new)| old.gpu == *new);
+                .all(|(old, new)| *old.gpu == *new);
         if unchanged {
             return;
         }
-        node.gpus = gpus
-            .into_iter()
-            .map(|gpu| GpuUsage { gpu, used_gib: 0 })
-            .collect();
+        node.gpus = gpus.into_iter().map(GpuUsage::new).collect();
         node.rebook();
     }
 
@@ -416,7 +432,7 @@ impl Cluster {
                 (used.saturating_add(request.pod_gib) as f64 / total as f64).min(1.0)
             }
         };
-        Some(0.75 * fraction(used, total) + 0.25 * fraction(usage.used_gib, usage.gpu.total_gib))
+        Some(0.75 * fraction(used, total) + 0.25 * fraction(usage.used_gib, usage.total_gib))
     }
 
     /// How good `node` is for `request` on its own, 0..=[`crate::MAX_SCORE`]; 0 when it does
@@ -471,7 +487,7 @@ impl Cluster {
     pub fn choose_gpu(&self, node: &str, request: &Request, policy: Policy) -> Result<u32, Unfit> {
         let node = self.nodes.get(node).ok_or(Unfit::UnknownNode)?;
         let pos = node.decide(request, policy)?;
-        Ok(node.gpus[pos].gpu.index)
+        Ok(node.gpus[pos].index)
     }
 
     /// A node by name (present or known only through its pods).
