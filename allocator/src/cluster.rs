@@ -285,7 +285,12 @@ impl Cluster {
     pub fn set_node(&mut self, name: &str, mut gpus: Vec<Gpu>, eligible: bool) {
         gpus.sort_by_key(|gpu| gpu.index);
         gpus.dedup_by_key(|gpu| gpu.index);
-        let node = self.nodes.entry(name.into()).or_default();
+        if !self.nodes.contains_key(name) {
+            self.nodes.insert(name.into(), Node::default());
+        }
+        let Some(node) = self.nodes.get_mut(name) else {
+            return;
+        };
         node.present = true;
         node.eligible = eligible;
         let unchanged = node.gpus.len() == gpus.len()
@@ -388,7 +393,10 @@ impl Cluster {
                 gpu: placement.gpu,
             });
         }
-        let name = self.node_name(node_name);
+        let name = match self.nodes.get_key_value(node_name) {
+            Some((name, _)) => name.clone(),
+            None => return Err(Unfit::UnknownNode.into()),
+        };
         let node = self.nodes.get_mut(node_name).ok_or(Unfit::UnknownNode)?;
         let pos = node.decide(request, policy)?;
         let gpu = &node.gpus[pos].gpu;
@@ -588,18 +596,36 @@ mod tests {
     #[test]
     fn forgetting_pods_keeps_the_nodes_and_frees_their_gpus() {
         let mut cluster = design_doc_node();
-        // A pod on a node the node watch has not shown: the node exists only through it.
+        // A container still waiting for the device plugin: the twin rule's pending count.
+        let waiting = PodPlacement {
+            assigned: false,
+            ..running(3, 4)
+        };
+        cluster.upsert_pod("w".into(), "n1", waiting);
+        assert!(cluster.node("n1").unwrap().pending().next().is_some());
+        // A pod on a node the node watch has not shown, and a node deleted with a pod on it:
+        // both exist only through their pods.
         cluster.upsert_pod("x".into(), "ghost", running(0, 4));
+        cluster.set_node("gone", vec![gpu(0, 16)], true);
+        cluster.upsert_pod("y".into(), "gone", running(0, 4));
+        cluster.remove_node("gone");
+        assert!(cluster.node("gone").is_some_and(|node| !node.is_present()));
+
         cluster.forget_pods();
         assert_eq!(cluster.pod_count(), 0);
-        assert!(cluster.node("ghost").is_none());
+        assert!(cluster.node("ghost").is_none() && cluster.node("gone").is_none());
         let node = cluster.node("n1").unwrap();
         assert!(node.is_present() && node.pods().next().is_none());
+        assert!(node.pending().next().is_none());
         assert!(node.gpus().iter().all(|gpu| gpu.used_gib == 0));
         // The shared name handed to pods is the node map's own.
         let name = cluster.node_name("n1");
         cluster.upsert_pod("a".into(), &name, running(0, 4));
         assert_eq!(cluster.pod(&"a".into()).map(|(node, _)| node), Some("n1"));
+        assert!(std::ptr::eq(
+            cluster.node_name("n1").as_ptr(),
+            name.as_ptr()
+        ));
     }
 
     #[test]

@@ -65,7 +65,8 @@ pub enum Ask {
 }
 
 impl Ask {
-    /// The request as read, reduced to what the view keeps for a pod on `node`.
+    /// The request as read, reduced to what the view keeps for a pod that is (or is not yet)
+    /// `bound`.
     fn new(request: Result<Option<PodRequest>, RequestError>, bound: bool) -> Self {
         match request {
             Ok(None) => Ask::Nothing,
@@ -473,6 +474,16 @@ impl View {
             ask,
             allocation,
         } = facts;
+        // Keep sharing the strings already held: an update of a known pod would otherwise
+        // leave the indexes holding two copies of its name and UID.
+        let key = self
+            .pods
+            .get_key_value(&key)
+            .map_or(key, |(known, _)| known.clone());
+        let uid = self
+            .pod_keys
+            .get_key_value(&uid)
+            .map_or(uid, |(known, _)| known.clone());
         // A pod recreated under the same name is a different pod.
         if let Some(old) = self.pods.get(&key)
             && old.uid != uid
@@ -504,7 +515,6 @@ impl View {
             });
         }
 
-        let node_name = node_name.map(|node| self.cluster.node_name(&node));
         if finished {
             self.cluster.remove_pod(&uid);
             self.reservations.remove(&uid);
@@ -541,6 +551,8 @@ impl View {
         }
         // A pending pod (no node yet) keeps any reservation: the watch has not caught up.
 
+        // Taken after the booking, so a node first known through this pod shares its name too.
+        let node_name = node_name.map(|node| self.cluster.node_name(&node));
         self.pod_keys.insert(uid.clone(), key.clone());
         self.pods.insert(
             key,
@@ -701,20 +713,77 @@ mod tests {
     }
 
     #[test]
-    fn unreadable_containers_still_count_and_warn_once() {
-        let keys = Keys::default();
+    fn updates_keep_sharing_one_name_and_one_uid() {
         let mut view = view();
         view.apply_node(&node("n1").gpushare().gpus(&[16]).build());
-        let mut p = allocated("a", "u1", 0, 4);
-        p.metadata
-            .annotations
-            .as_mut()
-            .unwrap()
-            .insert(keys.containers.clone(), "{broken".into());
-        let warning = view.apply_pod(&p).unwrap();
-        assert!(warning.message.contains("default/a"), "{}", warning.message);
-        assert_eq!(used(&view, 0), 4);
-        assert!(view.apply_pod(&p).is_none());
+        let p = allocated("a", "u1", 0, 4);
+        view.apply_pod(&p);
+        view.apply_pod(&p);
+        let (key, cached) = view.pods.get_key_value("default/a").unwrap();
+        let (uid, indexed_key) = view.pod_keys.get_key_value(&cached.uid).unwrap();
+        assert!(Arc::ptr_eq(key, indexed_key));
+        assert!(std::ptr::eq(uid.as_str(), cached.uid.as_str()));
+        let node_name = cached.node_name.as_ref().unwrap();
+        assert!(std::ptr::eq(
+            node_name.as_ptr(),
+            view.cluster.node_name("n1").as_ptr()
+        ));
+    }
+
+    #[test]
+    fn node_relists_drop_missing_nodes_and_pod_relists_their_ghosts() {
+        let mut view = view();
+        view.replace_nodes(&[
+            node("n1").gpushare().gpus(&[16]).build(),
+            node("n2").gpushare().gpus(&[16]).build(),
+        ]);
+        let on_n2 = {
+            let mut p = allocated("b", "u2", 0, 4);
+            p.spec.as_mut().unwrap().node_name = Some("n2".into());
+            p
+        };
+        view.replace_pods(&[allocated("a", "u1", 0, 4), on_n2.clone()]);
+        // n2 leaves the node list while its pod is still there: it stays, not present, with
+        // the pod's memory booked until the pod goes.
+        view.replace_nodes(&[node("n1").gpushare().gpus(&[16]).build()]);
+        assert!(view.cluster.node("n2").is_some_and(|n| !n.is_present()));
+        view.replace_pods(std::slice::from_ref(&on_n2));
+        assert!(view.cluster.node("n2").is_some_and(|n| !n.is_present()));
+        assert_eq!(view.cluster.pod_count(), 1);
+        assert!(view.pod("default", "a").is_none());
+        // Once its pod is gone too, so is the node.
+        view.replace_pods(&[]);
+        assert!(view.cluster.node("n2").is_none());
+        assert!(view.cluster.node("n1").is_some_and(|n| n.is_present()));
+    }
+
+    #[test]
+    fn unreadable_annotations_warn_once_and_count_what_can_be_salvaged() {
+        let keys = Keys::default();
+        // (annotation broken, its value, GiB still booked, text the warning names)
+        let cases = [
+            (keys.containers.clone(), "{broken", 4, "default/a"),
+            (keys.gpu_index.clone(), "first", 0, "first"),
+        ];
+        for (key, value, booked, named) in cases {
+            let mut view = view();
+            view.apply_node(&node("n1").gpushare().gpus(&[16]).build());
+            let mut p = allocated("a", "u1", 0, 4);
+            p.metadata
+                .annotations
+                .as_mut()
+                .unwrap()
+                .insert(key.clone(), value.into());
+            let warning = view.apply_pod(&p).unwrap();
+            assert!(
+                warning.message.contains(named),
+                "{key}: {}",
+                warning.message
+            );
+            assert_eq!(used(&view, 0), booked, "{key}");
+            assert!(view.pod("default", "a").unwrap().bad_annotations);
+            assert!(view.apply_pod(&p).is_none(), "{key}: warned twice");
+        }
     }
 
     #[test]

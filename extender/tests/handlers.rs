@@ -42,6 +42,18 @@ fn bound(name: &str, node_name: &str, gpu: u32, gib: u64, assigned: bool) -> Pod
     builder.build()
 }
 
+/// The captured bind request (gpu-pod-3 to node-a), answered.
+async fn captured_bind(h: &common::Harness) -> Value {
+    call(
+        &h.app,
+        "POST",
+        &format!("{PREFIX}/bind"),
+        &fixture("bind-request.json"),
+    )
+    .await
+    .1
+}
+
 /// The pod inside the captured requests (gpu-pod-3, 4 GiB).
 fn fixture_pod() -> Pod {
     let args: Value = serde_json::from_str(&fixture("filter-request-nodenames.json")).unwrap();
@@ -360,13 +372,7 @@ async fn failed_binding_write_is_an_error_and_releases_the_reservation() {
     }
     // A retry after the failure writes again, and succeeds.
     h.binder.fail.store(false, Ordering::SeqCst);
-    let (_, answer) = call(
-        &h.app,
-        "POST",
-        &format!("{PREFIX}/bind"),
-        &fixture("bind-request.json"),
-    )
-    .await;
+    let answer = captured_bind(&h).await;
     assert_eq!(answer["Error"], "");
     assert_eq!(h.binder.calls().len(), 2);
 }
@@ -375,13 +381,7 @@ async fn failed_binding_write_is_an_error_and_releases_the_reservation() {
 async fn retried_bind_after_success_writes_nothing_more() {
     let h = fixture_cluster();
     for _ in 0..2 {
-        let (_, answer) = call(
-            &h.app,
-            "POST",
-            &format!("{PREFIX}/bind"),
-            &fixture("bind-request.json"),
-        )
-        .await;
+        let answer = captured_bind(&h).await;
         assert_eq!(answer["Error"], "");
     }
     assert_eq!(h.binder.calls().len(), 1);
@@ -423,16 +423,26 @@ async fn unknown_or_recreated_pods_are_not_bound() {
 }
 
 #[tokio::test]
+async fn a_pod_bound_without_an_allocation_is_not_bound_again() {
+    let h = fixture_cluster();
+    // The watch shows the pod bound to node-b by someone else, with no gpushare decision.
+    let mut bypassed = fixture_pod();
+    bypassed.spec.as_mut().unwrap().node_name = Some("node-b".into());
+    h.state.view_mut().apply_pod(&bypassed);
+    let answer = captured_bind(&h).await;
+    assert_eq!(
+        answer["Error"],
+        "pod default/gpu-pod-3 is already bound to node node-b"
+    );
+    assert!(h.binder.calls().is_empty());
+    assert_eq!(h.state.view().reservation_count(), 0);
+}
+
+#[tokio::test]
 async fn pod_deleted_before_bind_is_an_error() {
     let h = fixture_cluster();
     h.state.view_mut().delete_pod(&fixture_pod());
-    let (_, answer) = call(
-        &h.app,
-        "POST",
-        &format!("{PREFIX}/bind"),
-        &fixture("bind-request.json"),
-    )
-    .await;
+    let answer = captured_bind(&h).await;
     assert!(answer["Error"].as_str().unwrap().contains("not found"));
     assert_eq!(h.state.view().cluster.pod_count(), 1);
 }

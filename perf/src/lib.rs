@@ -15,11 +15,10 @@
 //! - **ours**: nodes scored by the extender's binpack score, GPU binpack inside the node;
 //! - **classic**: GPU binpack inside the node, but nodes chosen by kube-scheduler's default
 //!   least-allocated spreading (the classic extender had no node scoring). kube-scheduler
-//!   scores CPU and memory, not the extended resource, so two variants bracket it: nodes
-//!   ranked by free GPU memory (pods whose CPU/memory requests grow with their GPU memory:
-//!   the most even spreading, classic's best case), and a random feasible node (pods with
-//!   equal CPU/memory requests: every node ties on GPU memory, and kube-scheduler breaks
-//!   ties at random);
+//!   scores CPU and memory, not the extended resource, so what it spreads depends on the
+//!   pods' requests (see [`PodProfile`]): with requests proportional to GPU memory it spreads
+//!   GPU memory evenly; without requests it counts each pod as 100m / 200 MiB, whose integer
+//!   scores mostly tie, so the pick among feasible nodes is close to random;
 //! - **spread/spread**: the extender's spread policy on both levels;
 //! - **offline bound**: best-fit-decreasing over the whole arrival trace (knows the future),
 //!   as a yardstick for what any online policy could reach.
@@ -206,8 +205,9 @@ impl Strategy {
 /// What GPU pods ask of CPU and memory: it decides kube-scheduler's own node scores.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum PodProfile {
-    /// No CPU or memory requests: kube-scheduler scores each pod as 100m CPU and 200 MiB,
-    /// so its LeastAllocated spreading prefers the node with the fewest pods.
+    /// No CPU or memory requests: kube-scheduler scores each pod as 100m CPU and 200 MiB, so
+    /// LeastAllocated leans toward the node with the fewest pods; on 64-core nodes a few pods
+    /// more or less truncate to the same integer score, and the random tie-break decides.
     NoRequests,
     /// CPU and memory in proportion to GPU memory (`milli_cpu` and `memory_mib` per GiB):
     /// LeastAllocated then prefers the node with the least GPU memory in use.

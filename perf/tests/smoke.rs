@@ -149,7 +149,11 @@ fn tiny_run_measures_a_view_that_holds_the_pods() {
         assert!(figure.ends_with("MiB"), "{label}: {figure}");
     }
     // Zero bytes per pod would mean the pods were never read into the view.
-    for label in ["per pod in the view", "per pod in the relist buffer"] {
+    for label in [
+        "per pod in the view",
+        "per pod in the relist buffer",
+        "per pod after every pod's next watch event",
+    ] {
         let bytes: u64 = value(&report, label)
             .and_then(|v| v.trim_end_matches('B').trim().parse().ok())
             .unwrap_or_else(|| panic!("no {label:?} in:\n{report}"));

@@ -74,13 +74,14 @@ fn main() -> anyhow::Result<()> {
 
     let keys = Keys::default();
     let bind_time = "2026-01-01T00:00:00Z";
+    let build = |i: usize| {
+        let mut pod = bound_pod(i, args.nodes, args.gpus, &keys, bind_time).build();
+        // What the API server assigns: a UUID-shaped UID.
+        pod.metadata.uid = Some(format!("{:08x}-0000-4000-8000-{i:012x}", i));
+        pod
+    };
     let buffer: Vec<PodFacts> = (0..args.pods)
-        .filter_map(|i| {
-            let mut pod = bound_pod(i, args.nodes, args.gpus, &keys, bind_time).build();
-            // What the API server assigns: a UUID-shaped UID.
-            pod.metadata.uid = Some(format!("{:08x}-0000-4000-8000-{i:012x}", i));
-            PodFacts::read(&pod, &settings).filter(|facts| facts.concerns_gpushare())
-        })
+        .filter_map(|i| PodFacts::read(&build(i), &settings).filter(|f| f.concerns_gpushare()))
         .collect();
     let buffered = live() - with_nodes;
     let warnings = view.replace_pod_facts(buffer);
@@ -92,6 +93,13 @@ fn main() -> anyhow::Result<()> {
         args.pods
     );
     let with_pods = live();
+    // Every pod's next watch event (as when the device plugin marks it): the view must not
+    // end up holding a second copy of anything.
+    for i in 0..args.pods {
+        let warning = view.apply_pod(&build(i));
+        anyhow::ensure!(warning.is_none(), "unexpected warning: {warning:?}");
+    }
+    let after_updates = live();
     let stats = dhat::HeapStats::get();
 
     let pods = args.pods.max(1);
@@ -118,6 +126,11 @@ fn main() -> anyhow::Result<()> {
         "  {:<44} {:>10} B",
         "per pod in the view",
         (with_pods - with_nodes) / pods
+    );
+    println!(
+        "  {:<44} {:>10} B",
+        "per pod after every pod's next watch event",
+        after_updates.saturating_sub(with_nodes) / pods
     );
     println!(
         "  {:<44} {:>10} B",
