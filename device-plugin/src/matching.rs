@@ -18,6 +18,7 @@
 //! ```
 
 use std::cmp::Ordering;
+use std::sync::Arc;
 
 use gpushare_contract::{ContainerRequest, PodAllocation};
 
@@ -94,29 +95,39 @@ impl PodView {
     }
 }
 
-/// Oldest bind first; unparsable bind times last; then by key, so the order is total.
-fn by_bind_time(a: &PodView, b: &PodView) -> Ordering {
-    let time = |view: &PodView| view.allocation.bind_time.parse::<jiff::Timestamp>().ok();
-    match (time(a), time(b)) {
-        (Some(x), Some(y)) => x.cmp(&y),
-        (Some(_), None) => Ordering::Less,
-        (None, Some(_)) => Ordering::Greater,
-        (None, None) => Ordering::Equal,
+/// Sorts `indices` into `views` oldest bind first; unparsable bind times last; then by key,
+/// so the order is total. Each bind time is parsed once (a comparator that parses would
+/// parse each time n log n times, and Allocate sorts every waiting pod on the node).
+fn sort_by_bind_time(views: &[Arc<PodView>], indices: &mut [usize]) {
+    let mut keyed: Vec<(Option<jiff::Timestamp>, usize)> = indices
+        .iter()
+        .map(|&i| (views[i].allocation.bind_time.parse().ok(), i))
+        .collect();
+    keyed.sort_by(|(time_a, a), (time_b, b)| {
+        match (time_a, time_b) {
+            (Some(x), Some(y)) => x.cmp(y),
+            (Some(_), None) => Ordering::Less,
+            (None, Some(_)) => Ordering::Greater,
+            (None, None) => Ordering::Equal,
+        }
+        .then_with(|| views[*a].key.cmp(&views[*b].key))
+    });
+    for (slot, (_, index)) in indices.iter_mut().zip(keyed) {
+        *slot = index;
     }
-    .then_with(|| a.key.cmp(&b.key))
 }
 
 /// The pod and container an Allocate of `gib` devices on `node` is for: the first pending
 /// container of exactly that size, oldest bind first. Returns the index into `views`.
 pub fn find_pending<'a>(
-    views: &'a [PodView],
+    views: &'a [Arc<PodView>],
     node: &str,
     gib: u64,
 ) -> Option<(usize, &'a ContainerRequest)> {
     let mut candidates: Vec<usize> = (0..views.len())
         .filter(|&i| views[i].waiting_on(node))
         .collect();
-    candidates.sort_by(|&a, &b| by_bind_time(&views[a], &views[b]));
+    sort_by_bind_time(views, &mut candidates);
     candidates.into_iter().find_map(|i| {
         views[i]
             .allocation
@@ -171,7 +182,7 @@ pub fn preferred_devices(
 /// in fact be admitted already, and taking its mark would leave a later Allocate with
 /// nothing to match. The caller passes pods that have been Running for a while.
 pub fn plan_reconcile(
-    views: &mut [PodView],
+    views: &mut [Arc<PodView>],
     node: &str,
     settled: impl Fn(&PodView) -> bool,
 ) -> Vec<(usize, Marks)> {
@@ -186,7 +197,7 @@ pub fn plan_reconcile(
                 && settled(view)
         })
         .collect();
-    running.sort_by(|&a, &b| by_bind_time(&views[a], &views[b]));
+    sort_by_bind_time(views, &mut running);
     for target in running {
         let missing: Vec<u64> = views[target]
             .allocation
@@ -214,12 +225,13 @@ pub fn plan_reconcile(
                 })
                 .collect();
             // The most recently bound twin is the least likely to have been admitted itself.
-            twins.sort_by(|&a, &b| by_bind_time(&views[b], &views[a]));
+            sort_by_bind_time(views, &mut twins);
+            twins.reverse();
             let Some(&twin) = twins.first() else {
                 continue;
             };
             if let Some(name) = marked_container(&views[twin]) {
-                let alloc = &mut views[twin].allocation;
+                let alloc = &mut Arc::make_mut(&mut views[twin]).allocation;
                 alloc.allocated.retain(|n| *n != name);
                 alloc.assigned = false;
                 changed.insert(twin);
@@ -231,7 +243,7 @@ pub fn plan_reconcile(
             .iter()
             .map(|c| c.name.clone())
             .collect();
-        views[target].set_marks(&Marks {
+        Arc::make_mut(&mut views[target]).set_marks(&Marks {
             allocated: all,
             assigned: true,
         });
@@ -270,8 +282,13 @@ mod tests {
         }
     }
 
-    fn found(views: &[PodView], gib: u64) -> Option<(String, String)> {
-        find_pending(views, "n1", gib).map(|(i, c)| (views[i].key.clone(), c.name.clone()))
+    fn shared(views: Vec<PodView>) -> Vec<Arc<PodView>> {
+        views.into_iter().map(Arc::new).collect()
+    }
+
+    fn found<V: Clone + Into<Arc<PodView>>>(views: &[V], gib: u64) -> Option<(String, String)> {
+        let views: Vec<Arc<PodView>> = views.iter().cloned().map(Into::into).collect();
+        find_pending(&views, "n1", gib).map(|(i, c)| (views[i].key.clone(), c.name.clone()))
     }
 
     #[test]
@@ -364,7 +381,7 @@ mod tests {
         let mut twin = view("b", 10, &[("main", 4, false)]);
         twin.mark_allocated("main");
         let unrelated = view("c", 5, &[("main", 8, false)]);
-        let mut views = vec![running, twin, unrelated];
+        let mut views = shared(vec![running, twin, unrelated]);
         let changes = plan_reconcile(&mut views, "n1", |_| true);
         assert_eq!(changes.len(), 2);
         assert_eq!(changes[1], (1, Marks::default()));
@@ -395,7 +412,7 @@ mod tests {
         p.mark_allocated("main");
         let mut q = view("q", 30, &[("init", 2, true), ("main", 1, false)]);
         q.mark_allocated("init");
-        let mut views = vec![m, p, q];
+        let mut views = shared(vec![m, p, q]);
         let changes = plan_reconcile(&mut views, "n1", |_| true);
         let changed: Vec<usize> = changes.iter().map(|c| c.0).collect();
         assert_eq!(changed, [0, 1]);
@@ -416,7 +433,7 @@ mod tests {
         running.phase = Some("Running".into());
         let mut wrong_size = view("b", 10, &[("main", 8, false)]);
         wrong_size.mark_allocated("main");
-        let mut views = vec![running, wrong_size];
+        let mut views = shared(vec![running, wrong_size]);
         let changes = plan_reconcile(&mut views, "n1", |_| true);
         assert_eq!(changes.len(), 1);
         assert_eq!(changes[0].0, 0);

@@ -75,6 +75,10 @@ struct Overlay {
     dirty: bool,
 }
 
+/// A pod as last read: the resourceVersion it was read at, and its view (`None` when it is
+/// not bound here or carries no readable allocation).
+type ParsedPod = (String, Option<Arc<PodView>>);
+
 /// The node-scoped pod cache with our pending marks.
 pub struct PodCache {
     node: String,
@@ -85,7 +89,7 @@ pub struct PodCache {
     /// Pods already read, by UID, with the resourceVersion they were read at: each Allocate
     /// looks at every pod on the node, and re-reading unchanged annotations each time would
     /// make Allocate cost grow with the node's pod count.
-    parsed: Mutex<HashMap<String, (String, Option<PodView>)>>,
+    parsed: Mutex<HashMap<String, ParsedPod>>,
     /// When each pod was first seen Running.
     running_since: Mutex<HashMap<String, std::time::Instant>>,
     changes: watch::Sender<u64>,
@@ -169,11 +173,30 @@ impl PodCache {
             .unwrap_or_else(std::sync::PoisonError::into_inner)
     }
 
-    /// Pods bound here that carry an allocation, with our marks applied, and the marks as
-    /// the API server has them.
-    fn views(&self, overlay: &HashMap<String, Overlay>) -> (Vec<PodView>, HashMap<String, Marks>) {
-        let mut views = Vec::new();
+    /// Pods bound here that carry an allocation, with our marks applied.
+    fn views(&self, overlay: &HashMap<String, Overlay>) -> Vec<Arc<PodView>> {
+        self.collect_views(overlay, None)
+    }
+
+    /// [`Self::views`], and the marks as the API server has them, by UID.
+    fn views_and_stored(
+        &self,
+        overlay: &HashMap<String, Overlay>,
+    ) -> (Vec<Arc<PodView>>, HashMap<String, Marks>) {
         let mut stored = HashMap::new();
+        let views = self.collect_views(overlay, Some(&mut stored));
+        (views, stored)
+    }
+
+    /// Why shared views: Allocate runs this over every pod on the node (1,000 in the load
+    /// harness); a cache hit costs a reference count, and only views our unsaved marks
+    /// change are copied.
+    fn collect_views(
+        &self,
+        overlay: &HashMap<String, Overlay>,
+        mut stored: Option<&mut HashMap<String, Marks>>,
+    ) -> Vec<Arc<PodView>> {
+        let mut views = Vec::new();
         let mut parsed = self
             .parsed
             .lock()
@@ -188,26 +211,30 @@ impl PodCache {
             parsed.retain(|uid, _| live.contains(uid.as_str()));
         }
         for pod in &pods {
-            let uid = pod.metadata.uid.clone().unwrap_or_default();
-            let version = pod.metadata.resource_version.clone().unwrap_or_default();
-            let view = match parsed.get(&uid) {
-                Some((seen, view)) if *seen == version => view.clone(),
+            let uid = pod.metadata.uid.as_deref().unwrap_or_default();
+            let version = pod.metadata.resource_version.as_deref().unwrap_or_default();
+            let view = match parsed.get(uid) {
+                Some((seen, view)) if seen == version => view.clone(),
                 _ => {
-                    let view = self.read_view(pod);
-                    parsed.insert(uid.clone(), (version, view.clone()));
+                    let view = self.read_view(pod).map(Arc::new);
+                    parsed.insert(uid.to_owned(), (version.to_owned(), view.clone()));
                     view
                 }
             };
             let Some(mut view) = view else {
                 continue;
             };
-            stored.insert(uid.clone(), view.marks());
-            if let Some(entry) = overlay.get(&uid) {
-                view.set_marks(&entry.marks);
+            if let Some(stored) = stored.as_deref_mut() {
+                stored.insert(uid.to_owned(), view.marks());
+            }
+            if let Some(entry) = overlay.get(uid)
+                && view.marks() != entry.marks
+            {
+                Arc::make_mut(&mut view).set_marks(&entry.marks);
             }
             views.push(view);
         }
-        (views, stored)
+        views
     }
 
     /// A pod bound here with a readable allocation, as the matching logic sees it.
@@ -259,7 +286,7 @@ impl PodCache {
         mut check: impl FnMut(&PodView, &ContainerRequest) -> Result<T, E>,
     ) -> Result<Vec<Claim<T>>, ClaimError<E>> {
         let mut overlay = self.lock();
-        let (mut views, _) = self.views(&overlay);
+        let mut views = self.views(&overlay);
         let mut claims = Vec::with_capacity(sizes.len());
         let mut changed = Vec::new();
         for &gib in sizes {
@@ -274,7 +301,7 @@ impl PodCache {
                 allocation: views[index].allocation.clone(),
                 checked,
             });
-            views[index].mark_allocated(&container.name);
+            Arc::make_mut(&mut views[index]).mark_allocated(&container.name);
             if !changed.contains(&index) {
                 changed.push(index);
             }
@@ -319,7 +346,7 @@ impl PodCache {
             changes.borrow_and_update();
             let found = {
                 let overlay = self.lock();
-                let (views, _) = self.views(&overlay);
+                let views = self.views(&overlay);
                 matching::find_pending(&views, &self.node, gib)
                     .map(|(i, _)| views[i].allocation.gpu_index)
             };
@@ -337,7 +364,7 @@ impl PodCache {
     /// marks and forgets overlay entries the API server has caught up with.
     pub fn reconcile(&self) {
         let mut overlay = self.lock();
-        let (mut views, stored) = self.views(&overlay);
+        let (mut views, stored) = self.views_and_stored(&overlay);
         let settled = {
             let mut since = self
                 .running_since
