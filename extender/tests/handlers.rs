@@ -42,16 +42,14 @@ fn bound(name: &str, node_name: &str, gpu: u32, gib: u64, assigned: bool) -> Pod
     builder.build()
 }
 
+/// `POST {PREFIX}/{verb}` with `body`, as kube-scheduler calls the extender.
+async fn post(h: &common::Harness, verb: &str, body: &str) -> (StatusCode, Value) {
+    call(&h.app, "POST", &format!("{PREFIX}/{verb}"), body).await
+}
+
 /// The captured bind request (gpu-pod-3 to node-a), answered.
 async fn captured_bind(h: &common::Harness) -> Value {
-    call(
-        &h.app,
-        "POST",
-        &format!("{PREFIX}/bind"),
-        &fixture("bind-request.json"),
-    )
-    .await
-    .1
+    post(h, "bind", &fixture("bind-request.json")).await.1
 }
 
 /// The pod inside the captured requests (gpu-pod-3, 4 GiB).
@@ -74,13 +72,7 @@ fn fixture_cluster() -> common::Harness {
 #[tokio::test]
 async fn captured_filter_by_names_is_answered_with_names() {
     let h = fixture_cluster();
-    let (status, answer) = call(
-        &h.app,
-        "POST",
-        &format!("{PREFIX}/filter"),
-        &fixture("filter-request-nodenames.json"),
-    )
-    .await;
+    let (status, answer) = post(&h, "filter", &fixture("filter-request-nodenames.json")).await;
     assert_eq!(status, StatusCode::OK);
     assert_eq!(answer["NodeNames"], json!(["node-a"]));
     assert_eq!(answer["Nodes"], Value::Null);
@@ -95,7 +87,7 @@ async fn captured_filter_by_names_is_answered_with_names() {
 async fn captured_filter_by_objects_is_answered_with_the_full_objects() {
     let h = fixture_cluster();
     let request = fixture("filter-request-nodes.json");
-    let (status, answer) = call(&h.app, "POST", &format!("{PREFIX}/filter"), &request).await;
+    let (status, answer) = post(&h, "filter", &request).await;
     assert_eq!(status, StatusCode::OK);
     let sent: Value = serde_json::from_str(&request).unwrap();
     let items = answer["Nodes"]["items"].as_array().unwrap();
@@ -114,13 +106,7 @@ async fn captured_filter_by_objects_is_answered_with_the_full_objects() {
 #[tokio::test]
 async fn captured_prioritize_scores_every_node() {
     let h = fixture_cluster();
-    let (status, answer) = call(
-        &h.app,
-        "POST",
-        &format!("{PREFIX}/prioritize"),
-        &fixture("prioritize-request.json"),
-    )
-    .await;
+    let (status, answer) = post(&h, "prioritize", &fixture("prioritize-request.json")).await;
     assert_eq!(status, StatusCode::OK);
     let list = answer.as_array().unwrap();
     assert_eq!(list.len(), 2);
@@ -133,13 +119,7 @@ async fn captured_prioritize_scores_every_node() {
 #[tokio::test]
 async fn captured_bind_writes_one_binding_with_the_decision() {
     let h = fixture_cluster();
-    let (status, answer) = call(
-        &h.app,
-        "POST",
-        &format!("{PREFIX}/bind"),
-        &fixture("bind-request.json"),
-    )
-    .await;
+    let (status, answer) = post(&h, "bind", &fixture("bind-request.json")).await;
     assert_eq!(status, StatusCode::OK);
     assert_eq!(answer["Error"], "");
     let calls = h.binder.calls();
@@ -180,13 +160,7 @@ async fn design_doc_example_binds_to_the_gpu_with_8_free() {
             pod("p").gpu_mem(8).build(),
         ],
     );
-    let (_, answer) = call(
-        &h.app,
-        "POST",
-        &format!("{PREFIX}/bind"),
-        &bind_body("p", "uid-p", "n1"),
-    )
-    .await;
+    let (_, answer) = post(&h, "bind", &bind_body("p", "uid-p", "n1")).await;
     assert_eq!(answer["Error"], "");
     let calls = h.binder.calls();
     assert_eq!(calls[0].annotations[&Keys::default().gpu_index], "1");
@@ -206,13 +180,7 @@ async fn malformed_json_is_a_400_naming_the_problem() {
         );
     }
     // Wrong types are refused too.
-    let (status, _) = call(
-        &h.app,
-        "POST",
-        &format!("{PREFIX}/filter"),
-        r#"{"NodeNames": 5}"#,
-    )
-    .await;
+    let (status, _) = post(&h, "filter", r#"{"NodeNames": 5}"#).await;
     assert_eq!(status, StatusCode::BAD_REQUEST);
 }
 
@@ -229,13 +197,7 @@ async fn unknown_and_unlabelled_nodes_fail_unresolvably_with_reasons() {
     let mut args =
         serde_json::from_str::<Value>(&fixture("filter-request-nodenames.json")).unwrap();
     args["NodeNames"] = json!(["n1", "ghost", "plain", "small"]);
-    let (_, answer) = call(
-        &h.app,
-        "POST",
-        &format!("{PREFIX}/filter"),
-        &args.to_string(),
-    )
-    .await;
+    let (_, answer) = post(&h, "filter", &args.to_string()).await;
     assert_eq!(answer["NodeNames"], json!(["n1"]));
     let unresolvable = &answer["FailedAndUnresolvableNodes"];
     assert_eq!(
@@ -262,21 +224,9 @@ async fn pods_without_the_resource_pass_untouched_and_score_zero() {
     let h = fixture_cluster();
     let mut args = serde_json::from_str::<Value>(&fixture("filter-request-nodes.json")).unwrap();
     args["Pod"]["spec"]["containers"][0]["resources"] = json!({});
-    let (_, answer) = call(
-        &h.app,
-        "POST",
-        &format!("{PREFIX}/filter"),
-        &args.to_string(),
-    )
-    .await;
+    let (_, answer) = post(&h, "filter", &args.to_string()).await;
     assert_eq!(answer["Nodes"]["items"], args["Nodes"]["items"]);
-    let (_, scores) = call(
-        &h.app,
-        "POST",
-        &format!("{PREFIX}/prioritize"),
-        &args.to_string(),
-    )
-    .await;
+    let (_, scores) = post(&h, "prioritize", &args.to_string()).await;
     assert_eq!(
         scores,
         json!([{"Host": "node-a", "Score": 0}, {"Host": "node-b", "Score": 0}])
@@ -290,13 +240,7 @@ async fn a_malformed_quantity_fails_every_node_with_the_pods_name() {
         serde_json::from_str::<Value>(&fixture("filter-request-nodenames.json")).unwrap();
     args["Pod"]["spec"]["containers"][0]["resources"]["limits"]["example.com/gpu-mem"] =
         json!("4.5");
-    let (status, answer) = call(
-        &h.app,
-        "POST",
-        &format!("{PREFIX}/filter"),
-        &args.to_string(),
-    )
-    .await;
+    let (status, answer) = post(&h, "filter", &args.to_string()).await;
     assert_eq!(status, StatusCode::OK);
     assert_eq!(answer["NodeNames"], json!([]));
     for name in ["node-a", "node-b"] {
@@ -352,13 +296,7 @@ async fn unsynced_view_answers_error_and_readyz_is_503() {
 async fn failed_binding_write_is_an_error_and_releases_the_reservation() {
     let h = fixture_cluster();
     h.binder.fail.store(true, Ordering::SeqCst);
-    let (status, answer) = call(
-        &h.app,
-        "POST",
-        &format!("{PREFIX}/bind"),
-        &fixture("bind-request.json"),
-    )
-    .await;
+    let (status, answer) = post(&h, "bind", &fixture("bind-request.json")).await;
     assert_eq!(status, StatusCode::OK);
     let error = answer["Error"].as_str().unwrap();
     assert!(
@@ -386,34 +324,16 @@ async fn retried_bind_after_success_writes_nothing_more() {
     }
     assert_eq!(h.binder.calls().len(), 1);
     // Elsewhere is refused: the pod holds memory on node-a.
-    let (_, answer) = call(
-        &h.app,
-        "POST",
-        &format!("{PREFIX}/bind"),
-        &bind_body("gpu-pod-3", FIXTURE_UID, "node-b"),
-    )
-    .await;
+    let (_, answer) = post(&h, "bind", &bind_body("gpu-pod-3", FIXTURE_UID, "node-b")).await;
     assert!(answer["Error"].as_str().unwrap().contains("node-a"));
 }
 
 #[tokio::test]
 async fn unknown_or_recreated_pods_are_not_bound() {
     let h = fixture_cluster();
-    let (_, answer) = call(
-        &h.app,
-        "POST",
-        &format!("{PREFIX}/bind"),
-        &bind_body("nobody", "uid-x", "node-a"),
-    )
-    .await;
+    let (_, answer) = post(&h, "bind", &bind_body("nobody", "uid-x", "node-a")).await;
     assert_eq!(answer["Error"], "pod default/nobody (uid uid-x) not found");
-    let (_, answer) = call(
-        &h.app,
-        "POST",
-        &format!("{PREFIX}/bind"),
-        &bind_body("gpu-pod-3", "old-uid", "node-a"),
-    )
-    .await;
+    let (_, answer) = post(&h, "bind", &bind_body("gpu-pod-3", "old-uid", "node-a")).await;
     assert!(
         answer["Error"].as_str().unwrap().contains("was recreated"),
         "{answer}"
@@ -482,13 +402,7 @@ async fn concurrent_binds_never_over_commit() {
 #[tokio::test]
 async fn inspect_metrics_and_health() {
     let h = fixture_cluster();
-    call(
-        &h.app,
-        "POST",
-        &format!("{PREFIX}/bind"),
-        &fixture("bind-request.json"),
-    )
-    .await;
+    post(&h, "bind", &fixture("bind-request.json")).await;
     let (status, all) = call(&h.app, "GET", &format!("{PREFIX}/inspect"), "").await;
     assert_eq!(status, StatusCode::OK);
     assert_eq!(all["nodes"].as_array().unwrap().len(), 2);
