@@ -15,15 +15,17 @@ use axum::extract::{DefaultBodyLimit, Path, State};
 use axum::http::{StatusCode, header};
 use axum::response::{IntoResponse, Response};
 use axum::routing::{get, post};
-use gpushare_allocator::{PodId, Policy, Refusal, Request, Unfit};
-use gpushare_contract::{PodAllocation, pod_request};
+use gpushare_allocator::{PodId, Policy, Request, Unfit};
+use gpushare_contract::pod_request;
 use prometheus_client::registry::Registry;
 use serde::Serialize;
 use serde_json::value::RawValue;
 
-use crate::kube_io::{Binder, BindingTarget, EventSink, PodEvent};
+use crate::bind::BindTiming;
+use crate::kube_io::{Binder, EventSink};
 use crate::metrics::Metrics;
-use crate::view::{Reservation, ReservationState, Settings, View, to_request};
+use crate::reservation::Phase;
+use crate::view::{Settings, View, to_request};
 use crate::wire::{
     ExtenderArgs, ExtenderBindingArgs, ExtenderBindingResult, ExtenderFilterResult, HostPriority,
     RawNodeListOut, raw_node_name,
@@ -45,6 +47,7 @@ struct Inner {
     view: RwLock<View>,
     policy: Policy,
     binder: Arc<dyn Binder>,
+    bind_timing: BindTiming,
     events: EventSink,
     metrics: Metrics,
     registry: Arc<Registry>,
@@ -56,6 +59,7 @@ impl AppState {
         settings: Settings,
         policy: Policy,
         binder: Arc<dyn Binder>,
+        bind_timing: BindTiming,
         events: EventSink,
         mut registry: Registry,
     ) -> Self {
@@ -65,6 +69,7 @@ impl AppState {
                 view: RwLock::new(View::new(settings)),
                 policy,
                 binder,
+                bind_timing,
                 events,
                 metrics,
                 registry: Arc::new(registry),
@@ -93,9 +98,29 @@ impl AppState {
         &self.inner.events
     }
 
-    fn update_reservation_gauge(&self, view: &View) {
-        let count = i64::try_from(view.reservation_count()).unwrap_or(i64::MAX);
-        self.inner.metrics.reservations.set(count);
+    /// The GPU choice policy.
+    pub fn policy(&self) -> Policy {
+        self.inner.policy
+    }
+
+    /// What writes Bindings and reads pods.
+    pub fn binder(&self) -> &dyn Binder {
+        &*self.inner.binder
+    }
+
+    /// The bind path's timeouts.
+    pub fn bind_timing(&self) -> BindTiming {
+        self.inner.bind_timing
+    }
+
+    /// Sets the reservation gauges from `view`.
+    pub fn update_reservation_gauges(&self, view: &View) {
+        let gauge = |count: usize| i64::try_from(count).unwrap_or(i64::MAX);
+        let metrics = &self.inner.metrics;
+        metrics.reservations.set(gauge(view.reservation_count()));
+        metrics
+            .reservations_resolving
+            .set(gauge(view.reservations_in(Phase::Resolving)));
     }
 }
 
@@ -166,7 +191,7 @@ fn read_request(args: &ExtenderArgs<'_>, resource: &str) -> Result<Option<Reques
         .map_err(|e| e.to_string())
 }
 
-fn unfit_reason(settings: &Settings, node: &str, unfit: &Unfit) -> String {
+pub(crate) fn unfit_reason(settings: &Settings, node: &str, unfit: &Unfit) -> String {
     match unfit {
         Unfit::UnknownNode => format!("node {node} is unknown to the gpushare extender"),
         Unfit::NotEligible => format!(
@@ -224,7 +249,19 @@ fn filter_answer<'a>(state: &AppState, args: &'a ExtenderArgs<'a>) -> ExtenderFi
             }
         }
         Ok(Some(request)) => {
+            let reserved_on = reserved_node(&view, args);
             for (i, (name, _)) in candidates.iter().enumerate() {
+                if let Some(reserved_on) = reserved_on {
+                    if name == reserved_on {
+                        passing.push(i);
+                    } else {
+                        result.failed_nodes.insert(
+                            name.clone(),
+                            format!("the pod's GPU memory is booked on node {reserved_on} while its earlier bind there is settled"),
+                        );
+                    }
+                    continue;
+                }
                 match view.cluster.fit(name, &request) {
                     Ok(()) => passing.push(i),
                     Err(unfit) => {
@@ -250,6 +287,17 @@ fn filter_answer<'a>(state: &AppState, args: &'a ExtenderArgs<'a>) -> ExtenderFi
         });
     }
     result
+}
+
+/// The node where the pod's memory is already booked by an earlier bind whose Binding is not
+/// settled yet: a retry can only succeed there (and will, once it landed).
+fn reserved_node<'v>(view: &'v View, args: &ExtenderArgs<'_>) -> Option<&'v str> {
+    if view.reservation_count() == 0 {
+        return None;
+    }
+    let uid = args.pod.as_ref()?.metadata.uid.as_deref()?;
+    view.reservation(&PodId::from(uid))
+        .map(|reservation| reservation.node.as_str())
 }
 
 /// `POST {prefix}/prioritize`.
@@ -300,7 +348,7 @@ async fn bind(State(state): State<AppState>, body: Bytes) -> Response {
                 tracing::field::display(format_args!("{}/{}", args.pod_namespace, args.pod_name)),
             );
             span.record("node", tracing::field::display(&args.node));
-            let error = match bind_pod(&state, &args).await {
+            let error = match crate::bind::bind_pod(&state, &args).await {
                 Ok(()) => String::new(),
                 Err(reason) => reason,
             };
@@ -310,226 +358,6 @@ async fn bind(State(state): State<AppState>, body: Bytes) -> Response {
     };
     state.metrics().observe("bind", started);
     response
-}
-
-/// What bind decided under the lock.
-enum Decision {
-    /// Already bound there: answer success without writing.
-    AlreadyBound,
-    /// Write this Binding.
-    Write(BindingTarget, u32, String, u64),
-}
-
-/// Binds a pod: decide and reserve under the view lock, write the Binding outside it.
-async fn bind_pod(state: &AppState, args: &ExtenderBindingArgs) -> Result<(), String> {
-    let metrics = state.metrics();
-    let pod_key = format!("{}/{}", args.pod_namespace, args.pod_name);
-    let refuse = |reason: &'static str, message: String| {
-        metrics.bind(reason);
-        tracing::info!(pod = %pod_key, node = %args.node, %message, "bind refused");
-        state.events().send(PodEvent {
-            namespace: args.pod_namespace.clone(),
-            name: args.pod_name.clone(),
-            uid: args.pod_uid.clone(),
-            warning: true,
-            reason: "GpuBindRefused",
-            note: message.clone(),
-        });
-        Err(message)
-    };
-
-    let decision = {
-        let mut view = state.view_mut();
-        match decide(&mut view, state.inner.policy, args, &pod_key) {
-            Ok(decision) => {
-                state.update_reservation_gauge(&view);
-                decision
-            }
-            Err((reason, message)) => {
-                drop(view);
-                return refuse(reason, message);
-            }
-        }
-    };
-    let (target, gpu, uuid, gib) = match decision {
-        Decision::AlreadyBound => {
-            metrics.bind("already_bound");
-            return Ok(());
-        }
-        Decision::Write(target, gpu, uuid, gib) => (target, gpu, uuid, gib),
-    };
-
-    let uid = PodId::from(args.pod_uid.as_str());
-    match state.inner.binder.bind(target).await {
-        Ok(()) => {
-            let mut view = state.view_mut();
-            view.confirm_reservation(&uid);
-            state.update_reservation_gauge(&view);
-            drop(view);
-            metrics.bind("bound");
-            let uuid_text = if uuid.is_empty() {
-                String::new()
-            } else {
-                format!(" ({uuid})")
-            };
-            let note = format!(
-                "Assigned GPU {gpu}{uuid_text} {gib} GiB on node {}",
-                args.node
-            );
-            tracing::info!(pod = %pod_key, node = %args.node, gpu, gib, "bound");
-            state.events().send(PodEvent {
-                namespace: args.pod_namespace.clone(),
-                name: args.pod_name.clone(),
-                uid: args.pod_uid.clone(),
-                warning: false,
-                reason: "GpuAssigned",
-                note,
-            });
-            Ok(())
-        }
-        Err(error) => {
-            let mut view = state.view_mut();
-            view.release_reservation(&uid);
-            state.update_reservation_gauge(&view);
-            drop(view);
-            refuse(
-                "api_error",
-                format!(
-                    "binding pod {pod_key} to node {} failed, GPU {gpu} released: {error}",
-                    args.node
-                ),
-            )
-        }
-    }
-}
-
-fn decide(
-    view: &mut View,
-    policy: Policy,
-    args: &ExtenderBindingArgs,
-    pod_key: &str,
-) -> Result<Decision, (&'static str, String)> {
-    if !view.is_synced() {
-        return Err(("not_synced", NOT_SYNCED.to_owned()));
-    }
-    if let Some(wait) = view.bind_hold() {
-        return Err((
-            "starting",
-            format!(
-                "extender just started; binds resume in {} ms, once binds sent by a previous instance have landed",
-                wait.as_millis()
-            ),
-        ));
-    }
-    let node = args.node.as_str();
-    let uid = PodId::from(args.pod_uid.as_str());
-    let Some(cached) = view.pod(&args.pod_namespace, &args.pod_name) else {
-        return Err((
-            "pod_not_found",
-            format!("pod {pod_key} (uid {uid}) not found"),
-        ));
-    };
-    if cached.uid != uid {
-        return Err((
-            "pod_recreated",
-            format!(
-                "pod {pod_key} (uid {uid}) was recreated (now uid {}); not binding the old one",
-                cached.uid
-            ),
-        ));
-    }
-    let bound_to = cached.node_name.clone();
-    let request = cached
-        .pending_request()
-        .map(|r| r.map(|(request, read)| (request, read.containers.clone())));
-    // Retries: the same pod already placed.
-    if let Some((placed_on, _)) = view.cluster.pod(&uid) {
-        let placed_on = placed_on.to_owned();
-        let state = view.reservation(&uid).map(|r| r.state);
-        return match (placed_on == node, bound_to.as_deref(), state) {
-            (true, Some(n), _) if n == node => Ok(Decision::AlreadyBound),
-            (true, None, Some(ReservationState::Bound)) => Ok(Decision::AlreadyBound),
-            (true, None, Some(ReservationState::InFlight)) => Err((
-                "conflict",
-                format!("a bind of pod {pod_key} to node {node} is already in progress"),
-            )),
-            _ => Err((
-                "conflict",
-                format!(
-                    "pod {pod_key} already holds GPU memory on node {placed_on}; not binding it to {node}"
-                ),
-            )),
-        };
-    }
-    if let Some(bound_to) = bound_to {
-        return Err((
-            "conflict",
-            format!("pod {pod_key} is already bound to node {bound_to}"),
-        ));
-    }
-    let (request, containers) = match request {
-        Ok(Some(request)) => request,
-        Ok(None) => {
-            return Err((
-                "no_request",
-                format!(
-                    "pod {pod_key} asks for no {}; the gpushare extender binds only pods that do",
-                    view.settings().resource
-                ),
-            ));
-        }
-        Err(error) => return Err(("no_request", error.to_string())),
-    };
-    let placement = view
-        .cluster
-        .reserve(uid.clone(), node, &request, policy)
-        .map_err(|refusal| match refusal {
-            Refusal::Unfit { reason } => (
-                "unfit",
-                format!(
-                    "cannot bind pod {pod_key} to node {node}: {}",
-                    unfit_reason(view.settings(), node, &reason)
-                ),
-            ),
-            other => ("conflict", format!("pod {pod_key}: {other}")),
-        })?;
-    let allocation = PodAllocation {
-        gpu_index: placement.gpu,
-        gpu_uuid: placement.uuid.clone(),
-        pod_gib: placement.pod_gib,
-        containers,
-        bind_time: jiff::Timestamp::now().to_string(),
-        assigned: false,
-        allocated: Vec::new(),
-    };
-    let annotations = allocation.to_annotations(&view.settings().keys);
-    view.add_reservation(
-        uid.clone(),
-        Reservation {
-            namespace: args.pod_namespace.clone(),
-            name: args.pod_name.clone(),
-            node: node.to_owned(),
-            placement: gpushare_allocator::PodPlacement {
-                gpu: placement.gpu,
-                pod_gib: placement.pod_gib,
-                pending: request.containers.clone(),
-                assigned: false,
-            },
-            state: ReservationState::InFlight,
-        },
-    );
-    Ok(Decision::Write(
-        BindingTarget {
-            namespace: args.pod_namespace.clone(),
-            name: args.pod_name.clone(),
-            uid: uid.to_string(),
-            node: node.to_owned(),
-            annotations,
-        },
-        placement.gpu,
-        placement.uuid,
-        placement.pod_gib,
-    ))
 }
 
 /// `GET {prefix}/inspect`.

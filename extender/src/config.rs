@@ -52,6 +52,11 @@ pub struct Config {
     /// before it stopped to show up in the watch, so their GPU memory is not handed out twice.
     #[arg(long, env = "GPUSHARE_BIND_GRACE_MS", default_value_t = 2000)]
     pub bind_grace_ms: u64,
+    /// Bound (ms) on each API call of the bind path: the Binding, and the reads and re-posts
+    /// that resolve one that got no clear answer. Keep it below kube-scheduler's
+    /// `httpTimeout` for the extender, so the scheduler reads bind's answer.
+    #[arg(long, env = "GPUSHARE_BIND_TIMEOUT_MS", default_value_t = 2500)]
+    pub bind_timeout_ms: u64,
     /// Serve the mutating admission webhook that routes GPU pods to the gpushare scheduler.
     #[arg(long, env = "GPUSHARE_WEBHOOK_ENABLED", default_value_t = false, action = clap::ArgAction::Set)]
     pub webhook_enabled: bool,
@@ -89,6 +94,7 @@ impl Default for Config {
             tls_key: None,
             log_format: LogFormat::Text,
             bind_grace_ms: 2000,
+            bind_timeout_ms: 2500,
             webhook_enabled: false,
             webhook_listen: SocketAddr::from(([0, 0, 0, 0], 9443)),
             webhook_service: "gpushare-extender".to_owned(),

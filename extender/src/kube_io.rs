@@ -10,6 +10,8 @@ use kube::api::{Api, PostParams};
 use kube::runtime::events::{Event, EventType, Recorder, Reporter};
 use tokio::sync::mpsc;
 
+use crate::reservation::Outcome;
+
 /// A Binding to write: the pod, its target node and the allocation annotations.
 #[derive(Debug, Clone)]
 pub struct BindingTarget {
@@ -39,14 +41,64 @@ pub enum BindError {
         message: String,
     },
     /// The request did not get an answer.
-    #[error("binding request failed: {0}")]
+    #[error("request to the API server failed: {0}")]
     Transport(#[source] kube::Error),
+    /// No answer within the bind path's client timeout.
+    #[error("no answer from the API server within {0:?}")]
+    Timeout(std::time::Duration),
 }
 
-/// Writes Bindings. The kube implementation is [`KubeBinder`]; tests inject their own.
+impl BindError {
+    /// What this error says about whether a Binding landed.
+    ///
+    /// A refusal the API server made before writing anything (the pod is gone, the request
+    /// is invalid or forbidden, too many requests) means it did not land. A timeout, a lost
+    /// connection or a server error may come after the write was committed, and a conflict
+    /// may mean the pod was bound meanwhile (by this very Binding, sent earlier): only a
+    /// read of the pod tells.
+    pub fn outcome(&self) -> Outcome {
+        match self {
+            BindError::Refused { code, .. } if *code == 408 || *code == 409 || *code >= 500 => {
+                Outcome::Unknown
+            }
+            BindError::Refused { .. } => Outcome::NotLanded,
+            BindError::Transport(_) | BindError::Timeout(_) => Outcome::Unknown,
+        }
+    }
+}
+
+/// What a read of a pod shows of its binding.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct PodOnServer {
+    /// The pod's UID.
+    pub uid: String,
+    /// `spec.nodeName`, once bound.
+    pub node: Option<String>,
+}
+
+/// Writes Bindings and reads pods back. The kube implementation is [`KubeBinder`]; tests
+/// inject their own.
 pub trait Binder: Send + Sync + 'static {
     /// Writes one Binding.
     fn bind(&self, target: BindingTarget) -> BoxFuture<'_, Result<(), BindError>>;
+
+    /// Reads a pod from the API server (not a cache); `None` when it does not exist.
+    fn read_pod<'a>(
+        &'a self,
+        namespace: &'a str,
+        name: &'a str,
+    ) -> BoxFuture<'a, Result<Option<PodOnServer>, BindError>>;
+}
+
+fn bind_error(error: kube::Error) -> BindError {
+    match error {
+        kube::Error::Api(status) => BindError::Refused {
+            code: status.code,
+            reason: status.reason.clone(),
+            message: status.message.clone(),
+        },
+        other => BindError::Transport(other),
+    }
 }
 
 /// Posts `pods/binding` through a kube client: one API write per bind.
@@ -90,14 +142,25 @@ impl Binder for KubeBinder {
             )
             .await
             .map(|_| ())
-            .map_err(|error| match error {
-                kube::Error::Api(status) => BindError::Refused {
-                    code: status.code,
-                    reason: status.reason.clone(),
-                    message: status.message.clone(),
-                },
-                other => BindError::Transport(other),
-            })
+            .map_err(bind_error)
+        })
+    }
+
+    fn read_pod<'a>(
+        &'a self,
+        namespace: &'a str,
+        name: &'a str,
+    ) -> BoxFuture<'a, Result<Option<PodOnServer>, BindError>> {
+        Box::pin(async move {
+            let pods: Api<Pod> = Api::namespaced(self.client.clone(), namespace);
+            let pod = pods.get_opt(name).await.map_err(bind_error)?;
+            Ok(pod.map(|pod| PodOnServer {
+                uid: pod.metadata.uid.unwrap_or_default(),
+                node: pod
+                    .spec
+                    .and_then(|spec| spec.node_name)
+                    .filter(|node| !node.is_empty()),
+            }))
         })
     }
 }

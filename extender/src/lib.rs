@@ -20,9 +20,11 @@
 #![cfg_attr(test, allow(clippy::unwrap_used))]
 
 pub mod api;
+pub mod bind;
 pub mod config;
 pub mod kube_io;
 pub mod metrics;
+pub mod reservation;
 pub mod server;
 pub mod view;
 pub mod watch;
@@ -38,8 +40,9 @@ use tokio::task::JoinHandle;
 use tokio_util::sync::CancellationToken;
 
 pub use api::{AppState, NOT_SYNCED, router};
+pub use bind::BindTiming;
 pub use config::{Config, LogFormat};
-pub use kube_io::{BindError, Binder, BindingTarget, EventSink, KubeBinder};
+pub use kube_io::{BindError, Binder, BindingTarget, EventSink, KubeBinder, PodOnServer};
 pub use view::{Settings, View};
 
 /// Why the extender stopped.
@@ -106,6 +109,10 @@ pub async fn serve(
         settings,
         config.policy,
         Arc::new(KubeBinder::new(client.clone())),
+        BindTiming {
+            timeout: Duration::from_millis(config.bind_timeout_ms),
+            ..BindTiming::default()
+        },
         events,
         Registry::default(),
     );

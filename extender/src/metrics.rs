@@ -17,8 +17,8 @@ pub struct VerbLabels {
 /// Labels of a bind outcome.
 #[derive(Debug, Clone, PartialEq, Eq, Hash, EncodeLabelSet)]
 pub struct BindLabels {
-    /// bound, already_bound, not_synced, pod_not_found, pod_recreated, no_request,
-    /// unfit, conflict, api_error.
+    /// bound, already_bound, not_synced, starting, pod_not_found, pod_recreated,
+    /// no_request, unfit, conflict, in_progress, api_error, unresolved.
     pub reason: &'static str,
 }
 
@@ -33,6 +33,17 @@ pub struct Metrics {
     pub binds: Family<BindLabels, Counter>,
     /// Reservations awaiting confirmation by the pod watch.
     pub reservations: Gauge,
+    /// Reservations whose Binding got no clear answer and is being resolved.
+    pub reservations_resolving: Gauge,
+    /// How resolutions of ambiguous Binding writes ended.
+    pub resolutions: Family<ResolutionLabels, Counter>,
+}
+
+/// Labels of a resolution's end.
+#[derive(Debug, Clone, PartialEq, Eq, Hash, EncodeLabelSet)]
+pub struct ResolutionLabels {
+    /// landed, released, ended_by_watch.
+    pub outcome: &'static str,
 }
 
 impl Metrics {
@@ -45,6 +56,8 @@ impl Metrics {
             }),
             binds: Family::default(),
             reservations: Gauge::default(),
+            reservations_resolving: Gauge::default(),
+            resolutions: Family::default(),
         };
         let sub = registry.sub_registry_with_prefix("gpushare_extender");
         sub.register(
@@ -63,7 +76,24 @@ impl Metrics {
             "GPU memory reservations made at bind and not yet seen in the pod watch",
             metrics.reservations.clone(),
         );
+        sub.register(
+            "reservations_resolving",
+            "Reservations whose Binding got no clear answer and is being resolved by reading the pod",
+            metrics.reservations_resolving.clone(),
+        );
+        sub.register(
+            "bind_resolutions",
+            "How resolutions of ambiguous Binding writes ended",
+            metrics.resolutions.clone(),
+        );
         metrics
+    }
+
+    /// Counts the end of a resolution.
+    pub fn resolution(&self, outcome: &'static str) {
+        self.resolutions
+            .get_or_create(&ResolutionLabels { outcome })
+            .inc();
     }
 
     /// Counts a request and its duration.

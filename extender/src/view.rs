@@ -18,6 +18,8 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use gpushare_allocator::{Cluster, Gpu, PodId, PodPlacement, Request};
+
+use crate::reservation::{Outcome, Phase, Reservation, Reservations, Settled, Ticket};
 use gpushare_contract::{
     GpuInfo, Keys, PodAllocation, PodRequest, RequestError, inventory, pod_request,
 };
@@ -110,30 +112,6 @@ pub fn to_request(request: &PodRequest) -> Request {
         pod_gib: request.pod_gib,
         containers: request.containers.iter().map(|c| c.gib).collect(),
     }
-}
-
-/// Whether a reservation's Binding write is still under way.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum ReservationState {
-    /// The Binding is being written.
-    InFlight,
-    /// The Binding was written; waiting for the watch to show the bound pod.
-    Bound,
-}
-
-/// Memory booked by bind, not yet confirmed by the pod watch.
-#[derive(Debug, Clone)]
-pub struct Reservation {
-    /// Pod namespace.
-    pub namespace: String,
-    /// Pod name.
-    pub name: String,
-    /// Target node.
-    pub node: String,
-    /// What was booked.
-    pub placement: PodPlacement,
-    /// Write progress.
-    pub state: ReservationState,
 }
 
 /// Something the watch saw that the pod's owner should hear about.
@@ -266,8 +244,8 @@ pub struct View {
     pods: HashMap<Arc<str>, CachedPod>,
     /// The `namespace/name` of those pods, by UID (the same shared string).
     pod_keys: HashMap<PodId, Arc<str>>,
-    /// Bookings made by bind that the watch has not confirmed yet.
-    reservations: HashMap<PodId, Reservation>,
+    /// Bookings made by bind that the watch has not shown yet (see [`crate::reservation`]).
+    reservations: Reservations,
     nodes_synced: bool,
     pods_synced: bool,
     /// When both watches had first listed everything.
@@ -284,7 +262,7 @@ impl View {
             cluster: Cluster::new(),
             pods: HashMap::new(),
             pod_keys: HashMap::new(),
-            reservations: HashMap::new(),
+            reservations: Reservations::new(),
             nodes_synced: false,
             pods_synced: false,
             synced_at: None,
@@ -359,36 +337,54 @@ impl View {
         self.reservations.get(uid)
     }
 
-    /// Number of reservations awaiting the watch.
+    /// Number of reservations the watch has not shown yet.
     pub fn reservation_count(&self) -> usize {
         self.reservations.len()
     }
 
-    /// Records a reservation that [`Cluster::reserve`] just booked.
-    pub fn add_reservation(&mut self, uid: PodId, reservation: Reservation) {
-        self.reservations.insert(uid, reservation);
+    /// Number of reservations in `phase`.
+    pub fn reservations_in(&self, phase: Phase) -> usize {
+        self.reservations.count(phase)
     }
 
-    /// Marks a reservation's Binding as written. False if the watch already replaced it.
-    pub fn confirm_reservation(&mut self, uid: &PodId) -> bool {
-        match self.reservations.get_mut(uid) {
-            Some(reservation) => {
-                reservation.state = ReservationState::Bound;
-                true
-            }
-            None => false,
-        }
+    /// True while `ticket` owns the pod's reservation and it is in `phase`.
+    pub fn reservation_is(&self, uid: &PodId, ticket: Ticket, phase: Phase) -> bool {
+        self.reservations.is(uid, ticket, phase)
     }
 
-    /// Undoes a reservation whose Binding write failed. False when there was none left (the
-    /// watch already showed the pod, so the write did land).
-    pub fn release_reservation(&mut self, uid: &PodId) -> bool {
-        if self.reservations.remove(uid).is_some() {
+    /// Records the reservation of `placement` that [`Cluster::reserve`] just booked, its
+    /// Binding about to be written; the ticket settles it.
+    pub fn add_reservation(
+        &mut self,
+        uid: PodId,
+        namespace: &str,
+        name: &str,
+        node: &str,
+        placement: PodPlacement,
+    ) -> Ticket {
+        let ticket = self.reservations.ticket();
+        self.reservations.insert(
+            uid,
+            Reservation {
+                namespace: namespace.to_owned(),
+                name: name.to_owned(),
+                node: node.to_owned(),
+                placement,
+                phase: Phase::Writing,
+                ticket,
+            },
+        );
+        ticket
+    }
+
+    /// Applies what the API server said about `ticket`'s Binding; a released reservation
+    /// gives its memory back at once.
+    pub fn settle_reservation(&mut self, uid: &PodId, ticket: Ticket, outcome: Outcome) -> Settled {
+        let settled = self.reservations.settle(uid, ticket, outcome);
+        if settled == Settled::Released {
             self.cluster.release(uid);
-            true
-        } else {
-            false
         }
+        settled
     }
 
     /// Applies a node from the node watch.
@@ -531,13 +527,14 @@ impl View {
                 AllocationFacts::Unreadable { salvaged, .. } => salvaged,
                 AllocationFacts::Absent => None,
             };
+            // The pod is bound: whatever bind reserved has served its purpose. From here on
+            // the pod's own annotations (the Binding's, written in the same write as the
+            // node) say where its memory is.
+            let reserved = self.reservations.remove(&uid).is_some();
             match placement {
-                Some(placement) => {
-                    self.cluster.upsert_pod(uid.clone(), node, placement);
-                    self.reservations.remove(&uid);
-                }
-                None if !self.reservations.contains_key(&uid) => {
-                    if self.cluster.pod(&uid).is_none() && !bad_annotations {
+                Some(placement) => self.cluster.upsert_pod(uid.clone(), node, placement),
+                None => {
+                    if (reserved || self.cluster.pod(&uid).is_none()) && !bad_annotations {
                         tracing::warn!(
                             pod = %key,
                             node = %node,
@@ -546,10 +543,10 @@ impl View {
                     }
                     self.cluster.remove_pod(&uid);
                 }
-                None => {}
             }
         }
-        // A pending pod (no node yet) keeps any reservation: the watch has not caught up.
+        // A pending pod (no node yet) keeps any reservation: its Binding is still being
+        // written or resolved.
 
         // Taken after the booking, so a node first known through this pod shares its name too.
         let node_name = node_name.map(|node| self.cluster.node_name(&node));
@@ -588,8 +585,8 @@ impl View {
     }
 
     /// Replaces every pod with a fresh list (after the watch relisted) and rebuilds the
-    /// allocator from it. Reservations still being written are kept; confirmed ones whose
-    /// pod is gone are dropped.
+    /// allocator from it. A reservation is kept only while its pod is listed, alive and still
+    /// unbound: a bound pod carries its own allocation, and a deleted one can take no Binding.
     pub fn replace_pods(&mut self, pods: &[Pod]) -> Vec<PodWarning> {
         let facts: Vec<PodFacts> = pods
             .iter()
@@ -600,7 +597,7 @@ impl View {
 
     /// [`View::replace_pods`] from facts already read (what the watch buffers during a relist).
     pub fn replace_pod_facts(&mut self, pods: Vec<PodFacts>) -> Vec<PodWarning> {
-        let reservations = std::mem::take(&mut self.reservations);
+        let reservations = self.reservations.take_all();
         self.pods.clear();
         self.pod_keys.clear();
         self.cluster.forget_pods();
@@ -609,12 +606,11 @@ impl View {
             .filter_map(|facts| self.apply_facts(facts))
             .collect();
         for (uid, reservation) in reservations {
-            let watched = self.cluster.pod(&uid).is_some();
-            let alive = self
+            let waiting = self
                 .pods
                 .get(pod_key(&reservation.namespace, &reservation.name).as_str())
-                .is_some_and(|p| p.uid == uid);
-            if watched || !(alive || reservation.state == ReservationState::InFlight) {
+                .is_some_and(|p| p.uid == uid && p.node_name.is_none());
+            if !waiting || self.cluster.pod(&uid).is_some() {
                 continue;
             }
             self.cluster.upsert_pod(
@@ -786,55 +782,79 @@ mod tests {
         }
     }
 
-    #[test]
-    fn relist_keeps_in_flight_reservations_and_drops_orphans() {
-        let mut view = view();
-        view.replace_nodes(&[node("n1").gpushare().gpus(&[16]).build()]);
-        let pending = with_uid(pod("a").gpu_mem(4).build(), "ua");
-        view.replace_pods(std::slice::from_ref(&pending));
+    /// Books a 4 GiB reservation for pod `name` (UID `uid`) on n1 and returns its ticket.
+    fn reserve(view: &mut View, uid: &str, name: &str) -> Ticket {
         let request = Request {
             pod_gib: 4,
             containers: vec![4],
         };
-        for (uid, name, state) in [
-            ("ua", "a", ReservationState::InFlight),
-            ("ub", "b", ReservationState::Bound),
-        ] {
-            let placed = view
-                .cluster
-                .reserve(
-                    uid.into(),
-                    "n1",
-                    &request,
-                    gpushare_allocator::Policy::Binpack,
-                )
-                .unwrap();
-            view.add_reservation(
+        let placed = view
+            .cluster
+            .reserve(
                 uid.into(),
-                Reservation {
-                    namespace: "default".into(),
-                    name: name.into(),
-                    node: "n1".into(),
-                    placement: PodPlacement {
-                        gpu: placed.gpu,
-                        pod_gib: 4,
-                        pending: vec![4],
-                        assigned: false,
-                    },
-                    state,
-                },
-            );
-        }
+                "n1",
+                &request,
+                gpushare_allocator::Policy::Binpack,
+            )
+            .unwrap();
+        view.add_reservation(
+            uid.into(),
+            "default",
+            name,
+            "n1",
+            PodPlacement {
+                gpu: placed.gpu,
+                pod_gib: 4,
+                pending: vec![4],
+                assigned: false,
+            },
+        )
+    }
+
+    #[test]
+    fn relist_keeps_reservations_of_waiting_pods_only() {
+        let mut view = view();
+        view.replace_nodes(&[node("n1").gpushare().gpus(&[16]).build()]);
+        let a = with_uid(pod("a").gpu_mem(4).build(), "ua");
+        let c = with_uid(pod("c").gpu_mem(4).build(), "uc");
+        view.replace_pods(&[a.clone(), c.clone()]);
+        let ta = reserve(&mut view, "ua", "a");
+        reserve(&mut view, "ub", "b");
+        let tc = reserve(&mut view, "uc", "c");
+        assert_eq!(
+            view.settle_reservation(&"uc".into(), tc, Outcome::Landed),
+            Settled::Written
+        );
+        assert_eq!(used(&view, 0), 12);
+        // "b" is gone from the new list: its Binding cannot land, its memory is released.
+        // "a" (being written) and "c" (written, not yet watched) still wait: kept.
+        view.replace_pods(&[a.clone(), c]);
         assert_eq!(used(&view, 0), 8);
-        // "b" is gone from the new list and its bind was confirmed: dropped. "a" is in flight.
-        view.replace_pods(&[pending]);
-        assert_eq!(used(&view, 0), 4);
-        assert!(view.reservation(&"ua".into()).is_some());
         assert!(view.reservation(&"ub".into()).is_none());
+        assert!(view.reservation_is(&"ua".into(), ta, Phase::Writing));
+        assert!(view.reservation_is(&"uc".into(), tc, Phase::Written));
         assert!(view.is_synced());
         // The watch shows "a" bound with its allocation: the reservation is replaced.
         view.apply_pod(&allocated("a", "ua", 0, 4));
+        assert!(view.reservation(&"ua".into()).is_none());
+        assert_eq!(used(&view, 0), 8);
+        // A late answer for "a"'s write changes nothing any more.
+        assert_eq!(
+            view.settle_reservation(&"ua".into(), ta, Outcome::NotLanded),
+            Settled::Stale
+        );
+        assert_eq!(used(&view, 0), 8);
+    }
+
+    #[test]
+    fn a_pod_bound_without_our_annotations_ends_its_reservation() {
+        let mut view = view();
+        view.replace_nodes(&[node("n1").gpushare().gpus(&[16]).build()]);
+        let a = with_uid(pod("a").gpu_mem(4).build(), "ua");
+        view.replace_pods(std::slice::from_ref(&a));
+        reserve(&mut view, "ua", "a");
+        view.apply_pod(&with_uid(pod("a").gpu_mem(4).on_node("n1").build(), "ua"));
         assert_eq!(view.reservation_count(), 0);
-        assert_eq!(used(&view, 0), 4);
+        assert_eq!(used(&view, 0), 0);
     }
 }

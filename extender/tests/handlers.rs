@@ -5,12 +5,11 @@
 
 mod common;
 
-use std::sync::atomic::Ordering;
-
 use axum::http::StatusCode;
-use common::{PREFIX, bind_body, call, call_raw, fixture, harness};
+use common::{BindMode, PREFIX, bind_body, call, call_raw, fixture, harness};
 use gpushare_contract::{ContainerRequest, Keys, PodAllocation};
 use gpushare_e2e::fixtures::{node, pod};
+use gpushare_extender::reservation::Phase;
 use k8s_openapi::api::core::v1::Pod;
 use serde_json::{Value, json};
 
@@ -266,6 +265,7 @@ async fn unsynced_view_answers_error_and_readyz_is_503() {
         ),
         gpushare_allocator::Policy::Binpack,
         unsynced.binder.clone(),
+        common::fast_timing(),
         gpushare_extender::EventSink::disabled(),
         prometheus_client::registry::Registry::default(),
     );
@@ -292,27 +292,143 @@ async fn unsynced_view_answers_error_and_readyz_is_503() {
     assert_eq!(status, StatusCode::OK);
 }
 
+fn used_on_node_a(h: &common::Harness) -> u64 {
+    h.state.view().cluster.node("node-a").unwrap().gpus()[0].used_gib
+}
+
+fn phase_of_fixture_pod(h: &common::Harness) -> Option<Phase> {
+    h.state
+        .view()
+        .reservation(&FIXTURE_UID.into())
+        .map(|r| r.phase)
+}
+
 #[tokio::test]
-async fn failed_binding_write_is_an_error_and_releases_the_reservation() {
+async fn a_refused_binding_is_an_error_and_releases_the_reservation() {
     let h = fixture_cluster();
-    h.binder.fail.store(true, Ordering::SeqCst);
+    h.binder.set_mode(BindMode::Refuse(422));
     let (status, answer) = post(&h, "bind", &fixture("bind-request.json")).await;
     assert_eq!(status, StatusCode::OK);
     let error = answer["Error"].as_str().unwrap();
     assert!(
-        error.contains("gpu-pod-3") && error.contains("500"),
+        error.contains("gpu-pod-3") && error.contains("422") && error.contains("released"),
         "{error}"
     );
-    {
-        let view = h.state.view();
-        assert_eq!(view.cluster.node("node-a").unwrap().gpus()[0].used_gib, 0);
-        assert_eq!(view.reservation_count(), 0);
-    }
+    assert_eq!(used_on_node_a(&h), 0);
+    assert_eq!(h.state.view().reservation_count(), 0);
     // A retry after the failure writes again, and succeeds.
-    h.binder.fail.store(false, Ordering::SeqCst);
+    h.binder.set_mode(BindMode::Ok);
     let answer = captured_bind(&h).await;
     assert_eq!(answer["Error"], "");
     assert_eq!(h.binder.calls().len(), 2);
+}
+
+#[tokio::test]
+async fn an_ambiguous_write_that_landed_keeps_its_memory_and_a_retry_there_succeeds() {
+    let h = fixture_cluster();
+    h.binder.set_mode(BindMode::LandThenFail);
+    let answer = captured_bind(&h).await;
+    let error = answer["Error"].as_str().unwrap();
+    assert!(
+        error.contains("no clear answer") && error.contains("504"),
+        "{error}"
+    );
+    // Not released: the write did land. A read of the pod shows it, without a second write.
+    assert_eq!(used_on_node_a(&h), 4);
+    common::eventually("the resolution", || {
+        phase_of_fixture_pod(&h) == Some(Phase::Written)
+    })
+    .await;
+    assert_eq!(h.binder.calls().len(), 1);
+    assert_eq!(
+        h.binder.bound_node("default", "gpu-pod-3").as_deref(),
+        Some("node-a")
+    );
+    // kube-scheduler retries the same node: success; another node: refused.
+    h.binder.set_mode(BindMode::Ok);
+    assert_eq!(captured_bind(&h).await["Error"], "");
+    let (_, answer) = post(&h, "bind", &bind_body("gpu-pod-3", FIXTURE_UID, "node-b")).await;
+    assert!(
+        answer["Error"].as_str().unwrap().contains("node-a"),
+        "{answer}"
+    );
+    assert_eq!(used_on_node_a(&h), 4);
+}
+
+#[tokio::test]
+async fn an_unreachable_api_server_keeps_the_memory_until_the_binding_is_known() {
+    let h = fixture_cluster();
+    h.binder.set_mode(BindMode::Unavailable);
+    let answer = captured_bind(&h).await;
+    assert!(
+        answer["Error"]
+            .as_str()
+            .unwrap()
+            .contains("no clear answer"),
+        "{answer}"
+    );
+    assert_eq!(used_on_node_a(&h), 4);
+    assert_eq!(phase_of_fixture_pod(&h), Some(Phase::Resolving));
+    // While unresolved, filter keeps only node-a, and a bind elsewhere is refused retryably.
+    let (_, filtered) = post(&h, "filter", &fixture("filter-request-nodenames.json")).await;
+    assert_eq!(filtered["NodeNames"], json!(["node-a"]));
+    let (_, answer) = post(&h, "bind", &bind_body("gpu-pod-3", FIXTURE_UID, "node-b")).await;
+    let error = answer["Error"].as_str().unwrap();
+    assert!(
+        error.contains("retry") && error.contains("node-a"),
+        "{error}"
+    );
+    // The API server comes back: the Binding is re-posted and lands, by itself.
+    h.binder.set_mode(BindMode::Ok);
+    common::eventually("the resolution", || {
+        phase_of_fixture_pod(&h) == Some(Phase::Written)
+    })
+    .await;
+    assert_eq!(
+        h.binder.bound_node("default", "gpu-pod-3").as_deref(),
+        Some("node-a")
+    );
+    assert_eq!(captured_bind(&h).await["Error"], "");
+    assert_eq!(used_on_node_a(&h), 4);
+}
+
+#[tokio::test]
+async fn a_pod_deleted_while_its_binding_is_resolved_gives_its_memory_back() {
+    let h = fixture_cluster();
+    h.binder.set_mode(BindMode::Unavailable);
+    captured_bind(&h).await;
+    assert_eq!(used_on_node_a(&h), 4);
+    h.binder.pods.lock().unwrap().clear();
+    h.binder.set_mode(BindMode::Ok);
+    common::eventually("the release", || phase_of_fixture_pod(&h).is_none()).await;
+    assert_eq!(used_on_node_a(&h), 0);
+}
+
+#[tokio::test]
+async fn a_caller_that_goes_away_does_not_leak_the_reservation() {
+    let h = fixture_cluster();
+    *h.binder.delay.lock().unwrap() = std::time::Duration::from_millis(50);
+    // kube-scheduler's httpTimeout fires: the handler future is dropped mid-write.
+    let cut = tokio::time::timeout(std::time::Duration::from_millis(5), captured_bind(&h)).await;
+    assert!(cut.is_err());
+    assert_eq!(phase_of_fixture_pod(&h), Some(Phase::Writing));
+    // The write goes on in its own task and the reservation ends written, not stranded.
+    common::eventually("the write", || {
+        phase_of_fixture_pod(&h) == Some(Phase::Written)
+    })
+    .await;
+    assert_eq!(
+        h.binder.bound_node("default", "gpu-pod-3").as_deref(),
+        Some("node-a")
+    );
+    // The watch then shows the bound pod: the reservation ends.
+    let mut watched = fixture_pod();
+    let annotations = h.binder.calls()[0].annotations.clone();
+    watched.metadata.annotations = Some(annotations);
+    watched.spec.as_mut().unwrap().node_name = Some("node-a".into());
+    h.state.view_mut().apply_pod(&watched);
+    assert_eq!(h.state.view().reservation_count(), 0);
+    assert_eq!(used_on_node_a(&h), 4);
 }
 
 #[tokio::test]

@@ -22,7 +22,10 @@ use criterion::{BenchmarkId, Criterion, criterion_group};
 use futures::future::BoxFuture;
 use gpushare_allocator::{PodId, PodPlacement, Policy};
 use gpushare_e2e::fixtures::node;
-use gpushare_extender::{AppState, BindError, Binder, BindingTarget, EventSink, Settings, router};
+use gpushare_extender::{
+    AppState, BindError, BindTiming, Binder, BindingTarget, EventSink, PodOnServer, Settings,
+    router,
+};
 use prometheus_client::registry::Registry;
 use tower::ServiceExt;
 
@@ -37,6 +40,14 @@ impl Binder for NoBinder {
     fn bind(&self, _target: BindingTarget) -> BoxFuture<'_, Result<(), BindError>> {
         Box::pin(async { Ok(()) })
     }
+
+    fn read_pod<'a>(
+        &'a self,
+        _namespace: &'a str,
+        _name: &'a str,
+    ) -> BoxFuture<'a, Result<Option<PodOnServer>, BindError>> {
+        Box::pin(async { Ok(None) })
+    }
 }
 
 fn state(nodes: usize) -> (AppState, Vec<String>) {
@@ -50,6 +61,7 @@ fn state(nodes: usize) -> (AppState, Vec<String>) {
         settings,
         Policy::Binpack,
         Arc::new(NoBinder),
+        BindTiming::default(),
         events,
         Registry::default(),
     );

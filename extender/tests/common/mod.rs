@@ -3,15 +3,19 @@
 
 #![allow(dead_code, clippy::unwrap_used)]
 
-use std::sync::atomic::{AtomicBool, Ordering};
+use std::collections::HashMap;
 use std::sync::{Arc, Mutex};
+use std::time::Duration;
 
 use axum::Router;
 use axum::body::Body;
 use axum::http::{Request, StatusCode};
 use futures::future::BoxFuture;
 use gpushare_allocator::Policy;
-use gpushare_extender::{AppState, BindError, Binder, BindingTarget, EventSink, Settings, router};
+use gpushare_extender::{
+    AppState, BindError, BindTiming, Binder, BindingTarget, EventSink, PodOnServer, Settings,
+    router,
+};
 use http_body_util::BodyExt;
 use k8s_openapi::api::core::v1::{Node, Pod};
 use prometheus_client::registry::Registry;
@@ -20,16 +24,54 @@ use tower::ServiceExt;
 
 pub const PREFIX: &str = "/gpushare-scheduler";
 
-/// Records Bindings; fails them on demand.
+/// How the fake API server answers the next Bindings.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum BindMode {
+    /// Applies the Binding and answers 201.
+    #[default]
+    Ok,
+    /// Refuses it with this status, writing nothing.
+    Refuse(u16),
+    /// Applies it, then answers 504 (a write committed after the client's deadline).
+    LandThenFail,
+    /// Writes nothing and answers 503 (an unreachable or overloaded server).
+    Unavailable,
+}
+
+/// A fake API server for the bind path: records Bindings, keeps which node each known pod
+/// is bound to, and answers as [`BindMode`] says. A Binding of a pod already bound gets 409,
+/// as from the real server.
 #[derive(Default)]
 pub struct FakeBinder {
     pub calls: Mutex<Vec<BindingTarget>>,
-    pub fail: AtomicBool,
+    pub mode: Mutex<BindMode>,
+    /// Known pods by `namespace/name`: UID and node.
+    pub pods: Mutex<HashMap<String, PodOnServer>>,
+    /// How long each Binding takes before the server handles it.
+    pub delay: Mutex<Duration>,
 }
 
 impl FakeBinder {
     pub fn calls(&self) -> Vec<BindingTarget> {
         self.calls.lock().unwrap().clone()
+    }
+
+    pub fn set_mode(&self, mode: BindMode) {
+        *self.mode.lock().unwrap() = mode;
+    }
+
+    /// The node the fake server has the pod bound to.
+    pub fn bound_node(&self, namespace: &str, name: &str) -> Option<String> {
+        let pods = self.pods.lock().unwrap();
+        pods.get(&format!("{namespace}/{name}"))?.node.clone()
+    }
+
+    fn refused(code: u16) -> BindError {
+        BindError::Refused {
+            code,
+            reason: "Injected".into(),
+            message: "injected".into(),
+        }
     }
 }
 
@@ -37,16 +79,48 @@ impl Binder for FakeBinder {
     fn bind(&self, target: BindingTarget) -> BoxFuture<'_, Result<(), BindError>> {
         Box::pin(async move {
             tokio::task::yield_now().await;
-            self.calls.lock().unwrap().push(target);
-            if self.fail.load(Ordering::SeqCst) {
-                Err(BindError::Refused {
-                    code: 500,
-                    reason: "InternalError".into(),
-                    message: "injected".into(),
-                })
-            } else {
-                Ok(())
+            let delay = *self.delay.lock().unwrap();
+            if !delay.is_zero() {
+                tokio::time::sleep(delay).await;
             }
+            self.calls.lock().unwrap().push(target.clone());
+            let mode = *self.mode.lock().unwrap();
+            if let BindMode::Refuse(code) = mode {
+                return Err(Self::refused(code));
+            }
+            if mode == BindMode::Unavailable {
+                return Err(Self::refused(503));
+            }
+            {
+                let mut pods = self.pods.lock().unwrap();
+                let key = format!("{}/{}", target.namespace, target.name);
+                let pod = pods.entry(key).or_insert_with(|| PodOnServer {
+                    uid: target.uid.clone(),
+                    node: None,
+                });
+                if pod.uid != target.uid || pod.node.is_some() {
+                    return Err(Self::refused(409));
+                }
+                pod.node = Some(target.node.clone());
+            }
+            match mode {
+                BindMode::LandThenFail => Err(Self::refused(504)),
+                _ => Ok(()),
+            }
+        })
+    }
+
+    fn read_pod<'a>(
+        &'a self,
+        namespace: &'a str,
+        name: &'a str,
+    ) -> BoxFuture<'a, Result<Option<PodOnServer>, BindError>> {
+        Box::pin(async move {
+            if *self.mode.lock().unwrap() == BindMode::Unavailable {
+                return Err(Self::refused(503));
+            }
+            let pods = self.pods.lock().unwrap();
+            Ok(pods.get(&format!("{namespace}/{name}")).cloned())
         })
     }
 }
@@ -68,17 +142,56 @@ pub fn harness(nodes: Vec<Node>, pods: Vec<Pod>) -> Harness {
         ),
         Policy::Binpack,
         binder.clone(),
+        fast_timing(),
         EventSink::disabled(),
         Registry::default(),
     );
+    let pods: Vec<Pod> = pods.into_iter().map(with_uid).collect();
+    {
+        let mut known = binder.pods.lock().unwrap();
+        for pod in &pods {
+            let meta = &pod.metadata;
+            known.insert(
+                format!(
+                    "{}/{}",
+                    meta.namespace.as_deref().unwrap_or("default"),
+                    meta.name.as_deref().unwrap_or_default()
+                ),
+                PodOnServer {
+                    uid: meta.uid.clone().unwrap_or_default(),
+                    node: pod.spec.as_ref().and_then(|s| s.node_name.clone()),
+                },
+            );
+        }
+    }
     {
         let mut view = state.view_mut();
         view.replace_nodes(&nodes);
-        let pods: Vec<Pod> = pods.into_iter().map(with_uid).collect();
         view.replace_pods(&pods);
     }
     let app = router(state.clone(), PREFIX);
     Harness { state, binder, app }
+}
+
+/// Waits until `condition` holds, checking every few milliseconds, for at most 5 s.
+pub async fn eventually(what: &str, mut condition: impl FnMut() -> bool) {
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(5);
+    while !condition() {
+        assert!(
+            tokio::time::Instant::now() < deadline,
+            "timed out waiting for {what}"
+        );
+        tokio::time::sleep(Duration::from_millis(2)).await;
+    }
+}
+
+/// Bind-path timing for tests: short timeouts and backoffs.
+pub fn fast_timing() -> BindTiming {
+    BindTiming {
+        timeout: Duration::from_millis(500),
+        backoff_initial: Duration::from_millis(5),
+        backoff_max: Duration::from_millis(20),
+    }
 }
 
 pub fn with_uid(mut pod: Pod) -> Pod {

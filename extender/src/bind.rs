@@ -1,0 +1,440 @@
+//! `bind`: decide under the view lock, book the memory, then write the Binding from a task of
+//! its own that drives the reservation to an end (see [`crate::reservation`]).
+//!
+//! Why a task of its own: kube-scheduler gives every call `httpTimeout` and then closes the
+//! connection, and hyper drops the handler with it. Whatever ran inside the handler stops
+//! there. The write and the resolution of an ambiguous write therefore run in a spawned task
+//! that neither knows nor cares whether anyone still waits for the answer; the handler only
+//! relays the first result it gets.
+//!
+//! Every API call on this path has a client timeout ([`BindTiming::timeout`]), shorter than
+//! the scheduler's `httpTimeout`, so a slow API server turns into an answer the scheduler
+//! still reads ("no answer yet, retry") rather than a dropped connection.
+
+use std::future::Future;
+use std::time::Duration;
+
+use gpushare_allocator::{PodId, PodPlacement, Policy, Refusal};
+use gpushare_contract::PodAllocation;
+use tokio::sync::oneshot;
+
+use crate::api::{AppState, NOT_SYNCED, unfit_reason};
+use crate::kube_io::{BindError, BindingTarget, PodEvent, PodOnServer};
+use crate::reservation::{Outcome, Phase, Settled, Ticket};
+use crate::view::View;
+use crate::wire::ExtenderBindingArgs;
+
+/// How long the bind path waits on the API server, and how it retries a resolution.
+#[derive(Debug, Clone, Copy)]
+pub struct BindTiming {
+    /// Bound on each API call of the bind path (the Binding, a read, a re-post). Keep it
+    /// below kube-scheduler's `httpTimeout` so the first answer reaches the scheduler.
+    pub timeout: Duration,
+    /// First pause between two attempts to resolve an ambiguous write.
+    pub backoff_initial: Duration,
+    /// Longest pause between two attempts.
+    pub backoff_max: Duration,
+}
+
+impl Default for BindTiming {
+    fn default() -> Self {
+        Self {
+            timeout: Duration::from_millis(2500),
+            backoff_initial: Duration::from_millis(100),
+            backoff_max: Duration::from_secs(2),
+        }
+    }
+}
+
+/// What bind decided under the lock.
+enum Decision {
+    /// Already bound there: answer success without writing.
+    AlreadyBound,
+    /// Write this Binding; the reservation is booked.
+    Write(Write),
+}
+
+/// A Binding to write for a booked reservation.
+#[derive(Debug, Clone)]
+struct Write {
+    uid: PodId,
+    ticket: Ticket,
+    target: BindingTarget,
+    gpu: u32,
+    uuid: String,
+    gib: u64,
+}
+
+impl Write {
+    fn pod_key(&self) -> String {
+        format!("{}/{}", self.target.namespace, self.target.name)
+    }
+}
+
+/// Binds a pod; the error is the text kube-scheduler reports.
+pub async fn bind_pod(state: &AppState, args: &ExtenderBindingArgs) -> Result<(), String> {
+    let pod_key = format!("{}/{}", args.pod_namespace, args.pod_name);
+    let decision = {
+        let mut view = state.view_mut();
+        let decision = decide(&mut view, state.policy(), args, &pod_key);
+        state.update_reservation_gauges(&view);
+        decision
+    };
+    let write = match decision {
+        Ok(Decision::AlreadyBound) => {
+            state.metrics().bind("already_bound");
+            return Ok(());
+        }
+        Ok(Decision::Write(write)) => write,
+        Err((reason, message)) => {
+            refused(
+                state,
+                &args.pod_namespace,
+                &args.pod_name,
+                &args.pod_uid,
+                reason,
+                &message,
+            );
+            return Err(message);
+        }
+    };
+    let (answer_tx, answer_rx) = oneshot::channel();
+    tokio::spawn(drive(state.clone(), write, answer_tx));
+    match answer_rx.await {
+        Ok(answer) => answer,
+        // The task ended without an answer: it panicked. Its reservation stays booked (safe);
+        // the next relist or the pod's deletion ends it.
+        Err(_) => Err(format!(
+            "binding pod {pod_key} to node {} stopped without an answer; retry",
+            args.node
+        )),
+    }
+}
+
+/// Logs, counts and records an Event for a refused bind.
+fn refused(
+    state: &AppState,
+    namespace: &str,
+    name: &str,
+    uid: &str,
+    reason: &'static str,
+    message: &str,
+) {
+    state.metrics().bind(reason);
+    tracing::info!(pod = %format_args!("{namespace}/{name}"), %message, "bind refused");
+    state.events().send(PodEvent {
+        namespace: namespace.to_owned(),
+        name: name.to_owned(),
+        uid: uid.to_owned(),
+        warning: true,
+        reason: "GpuBindRefused",
+        note: message.to_owned(),
+    });
+}
+
+fn decide(
+    view: &mut View,
+    policy: Policy,
+    args: &ExtenderBindingArgs,
+    pod_key: &str,
+) -> Result<Decision, (&'static str, String)> {
+    if !view.is_synced() {
+        return Err(("not_synced", NOT_SYNCED.to_owned()));
+    }
+    if let Some(wait) = view.bind_hold() {
+        return Err((
+            "starting",
+            format!(
+                "extender just started; binds resume in {} ms, once binds sent by a previous instance have landed",
+                wait.as_millis()
+            ),
+        ));
+    }
+    let node = args.node.as_str();
+    let uid = PodId::from(args.pod_uid.as_str());
+    let Some(cached) = view.pod(&args.pod_namespace, &args.pod_name) else {
+        return Err((
+            "pod_not_found",
+            format!("pod {pod_key} (uid {uid}) not found"),
+        ));
+    };
+    if cached.uid != uid {
+        return Err((
+            "pod_recreated",
+            format!(
+                "pod {pod_key} (uid {uid}) was recreated (now uid {}); not binding the old one",
+                cached.uid
+            ),
+        ));
+    }
+    let bound_to = cached.node_name.clone();
+    let request = cached
+        .pending_request()
+        .map(|r| r.map(|(request, read)| (request, read.containers.clone())));
+    // Retries: the same pod already placed, by the watch or by an earlier bind.
+    if let Some((placed_on, _)) = view.cluster.pod(&uid) {
+        let placed_on = placed_on.to_owned();
+        let phase = view.reservation(&uid).map(|r| r.phase);
+        return match (placed_on == node, bound_to.as_deref(), phase) {
+            (true, Some(n), _) if n == node => Ok(Decision::AlreadyBound),
+            (true, None, Some(Phase::Written)) => Ok(Decision::AlreadyBound),
+            (true, None, Some(Phase::Writing | Phase::Resolving)) => Err((
+                "in_progress",
+                format!(
+                    "a bind of pod {pod_key} to node {node} is already under way; retry shortly"
+                ),
+            )),
+            (false, None, Some(Phase::Writing | Phase::Resolving)) => Err((
+                "in_progress",
+                format!(
+                    "pod {pod_key} holds GPU memory on node {placed_on} while it is resolved whether its earlier Binding there landed; not binding it to {node} now, retry shortly"
+                ),
+            )),
+            _ => Err((
+                "conflict",
+                format!(
+                    "pod {pod_key} already holds GPU memory on node {placed_on}; not binding it to {node}"
+                ),
+            )),
+        };
+    }
+    if let Some(bound_to) = bound_to {
+        return Err((
+            "conflict",
+            format!("pod {pod_key} is already bound to node {bound_to}"),
+        ));
+    }
+    let (request, containers) = match request {
+        Ok(Some(request)) => request,
+        Ok(None) => {
+            return Err((
+                "no_request",
+                format!(
+                    "pod {pod_key} asks for no {}; the gpushare extender binds only pods that do",
+                    view.settings().resource
+                ),
+            ));
+        }
+        Err(error) => return Err(("no_request", error.to_string())),
+    };
+    let placement = view
+        .cluster
+        .reserve(uid.clone(), node, &request, policy)
+        .map_err(|refusal| match refusal {
+            Refusal::Unfit { reason } => (
+                "unfit",
+                format!(
+                    "cannot bind pod {pod_key} to node {node}: {}",
+                    unfit_reason(view.settings(), node, &reason)
+                ),
+            ),
+            other => ("conflict", format!("pod {pod_key}: {other}")),
+        })?;
+    let allocation = PodAllocation {
+        gpu_index: placement.gpu,
+        gpu_uuid: placement.uuid.clone(),
+        pod_gib: placement.pod_gib,
+        containers,
+        bind_time: jiff::Timestamp::now().to_string(),
+        assigned: false,
+        allocated: Vec::new(),
+    };
+    let annotations = allocation.to_annotations(&view.settings().keys);
+    let ticket = view.add_reservation(
+        uid.clone(),
+        &args.pod_namespace,
+        &args.pod_name,
+        node,
+        PodPlacement {
+            gpu: placement.gpu,
+            pod_gib: placement.pod_gib,
+            pending: request.containers.clone(),
+            assigned: false,
+        },
+    );
+    Ok(Decision::Write(Write {
+        target: BindingTarget {
+            namespace: args.pod_namespace.clone(),
+            name: args.pod_name.clone(),
+            uid: uid.to_string(),
+            node: node.to_owned(),
+            annotations,
+        },
+        uid,
+        ticket,
+        gpu: placement.gpu,
+        uuid: placement.uuid,
+        gib: placement.pod_gib,
+    }))
+}
+
+/// Runs `call` with the bind path's client timeout.
+async fn timed<T>(
+    timeout: Duration,
+    call: impl Future<Output = Result<T, BindError>>,
+) -> Result<T, BindError> {
+    tokio::time::timeout(timeout, call)
+        .await
+        .unwrap_or(Err(BindError::Timeout(timeout)))
+}
+
+/// Settles the write's reservation, keeping the gauges current.
+fn settle(state: &AppState, write: &Write, outcome: Outcome) -> Settled {
+    let mut view = state.view_mut();
+    let settled = view.settle_reservation(&write.uid, write.ticket, outcome);
+    state.update_reservation_gauges(&view);
+    settled
+}
+
+/// Writes the Binding and drives its reservation to an end; sends the first answer for
+/// kube-scheduler to `answer` (nobody may be listening any more).
+async fn drive(state: AppState, write: Write, answer: oneshot::Sender<Result<(), String>>) {
+    let pod_key = write.pod_key();
+    let node = write.target.node.clone();
+    let timing = state.bind_timing();
+    let first = timed(timing.timeout, state.binder().bind(write.target.clone())).await;
+    let outcome = match &first {
+        Ok(()) => Outcome::Landed,
+        Err(error) => error.outcome(),
+    };
+    let reply = match (settle(&state, &write, outcome), first) {
+        (Settled::Written, _) => {
+            bound(&state, &write);
+            Ok(())
+        }
+        // The watch saw the pod bound before our answer came back.
+        (Settled::Stale, Ok(())) => {
+            state.metrics().bind("bound");
+            Ok(())
+        }
+        (Settled::Stale, Err(error)) => Err(format!(
+            "binding pod {pod_key} to node {node} failed and the pod changed meanwhile: {error}"
+        )),
+        (Settled::Released, Err(error)) => {
+            let message = format!(
+                "binding pod {pod_key} to node {node} failed, GPU {} released: {error}",
+                write.gpu
+            );
+            refused_write(&state, &write, "api_error", &message);
+            Err(message)
+        }
+        (Settled::Resolving, Err(error)) => {
+            let message = format!(
+                "binding pod {pod_key} to node {node} got no clear answer ({error}); GPU {} stays booked until a read of the pod shows whether it landed; retry shortly",
+                write.gpu
+            );
+            refused_write(&state, &write, "unresolved", &message);
+            let _ = answer.send(Err(message));
+            resolve(&state, &write).await;
+            return;
+        }
+        // Landed never releases nor leaves the write unresolved.
+        (Settled::Released | Settled::Resolving, Ok(())) => Ok(()),
+    };
+    let _ = answer.send(reply);
+}
+
+fn bound(state: &AppState, write: &Write) {
+    state.metrics().bind("bound");
+    let uuid_text = if write.uuid.is_empty() {
+        String::new()
+    } else {
+        format!(" ({})", write.uuid)
+    };
+    let note = format!(
+        "Assigned GPU {}{uuid_text} {} GiB on node {}",
+        write.gpu, write.gib, write.target.node
+    );
+    tracing::info!(pod = %write.pod_key(), node = %write.target.node, gpu = write.gpu, gib = write.gib, "bound");
+    state.events().send(PodEvent {
+        namespace: write.target.namespace.clone(),
+        name: write.target.name.clone(),
+        uid: write.target.uid.clone(),
+        warning: false,
+        reason: "GpuAssigned",
+        note,
+    });
+}
+
+fn refused_write(state: &AppState, write: &Write, reason: &'static str, message: &str) {
+    let target = &write.target;
+    refused(
+        state,
+        &target.namespace,
+        &target.name,
+        &target.uid,
+        reason,
+        message,
+    );
+}
+
+/// Resolves an ambiguous write: reads the pod until it shows where it stands, re-posting the
+/// same Binding while it is unbound (a first write still on its way makes the re-post fail
+/// with a conflict; the next read then sees it). Ends when the reservation is settled, or
+/// when the watch, a relist or a deletion ended it first.
+async fn resolve(state: &AppState, write: &Write) {
+    let timing = state.bind_timing();
+    let mut pause = timing.backoff_initial;
+    loop {
+        if !state
+            .view()
+            .reservation_is(&write.uid, write.ticket, Phase::Resolving)
+        {
+            state.metrics().resolution("ended_by_watch");
+            return;
+        }
+        if let Some(outcome) = resolve_once(state, write, timing.timeout).await {
+            match settle(state, write, outcome) {
+                Settled::Written => {
+                    state.metrics().resolution("landed");
+                    bound(state, write);
+                }
+                Settled::Released => {
+                    state.metrics().resolution("released");
+                    tracing::info!(pod = %write.pod_key(), node = %write.target.node, gpu = write.gpu, "the Binding did not land; GPU memory released");
+                }
+                Settled::Stale => state.metrics().resolution("ended_by_watch"),
+                Settled::Resolving => {}
+            }
+            if outcome != Outcome::Unknown {
+                return;
+            }
+        }
+        tokio::time::sleep(pause).await;
+        pause = (pause * 2).min(timing.backoff_max);
+    }
+}
+
+/// One step of [`resolve`]: what the API server says now, if it said anything.
+async fn resolve_once(state: &AppState, write: &Write, timeout: Duration) -> Option<Outcome> {
+    let target = &write.target;
+    let read = timed(
+        timeout,
+        state.binder().read_pod(&target.namespace, &target.name),
+    )
+    .await;
+    match read {
+        Ok(None) => Some(Outcome::NotLanded),
+        Ok(Some(PodOnServer { uid, .. })) if uid != target.uid => Some(Outcome::NotLanded),
+        Ok(Some(PodOnServer {
+            node: Some(node), ..
+        })) => Some(if node == target.node {
+            Outcome::Landed
+        } else {
+            Outcome::NotLanded
+        }),
+        Ok(Some(PodOnServer { node: None, .. })) => {
+            match timed(timeout, state.binder().bind(target.clone())).await {
+                Ok(()) => Some(Outcome::Landed),
+                Err(error) => {
+                    tracing::debug!(pod = %write.pod_key(), %error, "re-posting the Binding failed");
+                    Some(error.outcome())
+                }
+            }
+        }
+        Err(error) => {
+            tracing::debug!(pod = %write.pod_key(), %error, "cannot read the pod to resolve its Binding");
+            None
+        }
+    }
+}
