@@ -413,28 +413,41 @@ async fn resolve_once(state: &AppState, write: &Write, timeout: Duration) -> Opt
         state.binder().read_pod(&target.namespace, &target.name),
     )
     .await;
-    match read {
-        Ok(None) => Some(Outcome::NotLanded),
-        Ok(Some(PodOnServer { uid, .. })) if uid != target.uid => Some(Outcome::NotLanded),
-        Ok(Some(PodOnServer {
-            node: Some(node), ..
-        })) => Some(if node == target.node {
-            Outcome::Landed
-        } else {
-            Outcome::NotLanded
-        }),
-        Ok(Some(PodOnServer { node: None, .. })) => {
-            match timed(timeout, state.binder().bind(target.clone())).await {
-                Ok(()) => Some(Outcome::Landed),
-                Err(error) => {
-                    tracing::debug!(pod = %write.pod_key(), %error, "re-posting the Binding failed");
-                    Some(error.outcome())
-                }
-            }
-        }
+    let pod = match read {
+        Ok(pod) => pod,
         Err(error) => {
             tracing::debug!(pod = %write.pod_key(), %error, "cannot read the pod to resolve its Binding");
-            None
+            return None;
+        }
+    };
+    if let Some(verdict) = read_verdict(pod.as_ref(), target) {
+        return Some(verdict);
+    }
+    match timed(timeout, state.binder().bind(target.clone())).await {
+        Ok(()) => Some(Outcome::Landed),
+        Err(error) => {
+            tracing::debug!(pod = %write.pod_key(), %error, "re-posting the Binding failed");
+            Some(error.outcome())
         }
     }
 }
+
+/// What a read of the pod says about a Binding to `target`; `None` while the pod is still
+/// unbound, when the Binding may yet land and is re-posted (a copy still on its way then
+/// makes the re-post fail with a conflict, and the next read sees it).
+pub(crate) fn read_verdict(pod: Option<&PodOnServer>, target: &BindingTarget) -> Option<Outcome> {
+    match pod {
+        // Gone or recreated: no Binding of ours can land on it any more.
+        None => Some(Outcome::NotLanded),
+        Some(pod) if pod.uid != target.uid => Some(Outcome::NotLanded),
+        Some(PodOnServer {
+            node: Some(node), ..
+        }) if *node == target.node => Some(Outcome::Landed),
+        // Bound elsewhere: its own annotations say where its memory is.
+        Some(PodOnServer { node: Some(_), .. }) => Some(Outcome::NotLanded),
+        Some(PodOnServer { node: None, .. }) => None,
+    }
+}
+
+#[cfg(test)]
+mod lifecycle;

@@ -1,0 +1,451 @@
+//! Property test of the reservation lifecycle: random interleavings of binds, Binding writes
+//! that commit at once, late or never, answers that are clear or ambiguous (the caller having
+//! gone away changes nothing: the write's task answers whoever listens), resolutions, watch
+//! events, relists, restarts, deletions and recreations, against a model of the API server.
+//!
+//! Invariants:
+//! - the API server never holds more GiB on a GPU than it has (no over-commit);
+//! - the view books each pod on at most one node;
+//! - once every write has met its fate, every answer is in, every resolution has run and the
+//!   watch has caught up, no reservation is left and the view equals one rebuilt from the
+//!   API server's pods.
+
+use std::collections::{BTreeMap, HashSet, VecDeque};
+
+use gpushare_allocator::{PodId, Policy};
+use gpushare_e2e::fixtures::{node, pod};
+use k8s_openapi::api::core::v1::{Node, Pod};
+use proptest::prelude::*;
+
+use super::{Decision, decide, read_verdict};
+use crate::kube_io::{BindingTarget, PodOnServer};
+use crate::reservation::{Outcome, Phase, Settled, Ticket};
+use crate::view::{Settings, View};
+use crate::wire::ExtenderBindingArgs;
+
+/// GiB each pod asks for; the GPUs below hold about half of them at once.
+const POD_GIB: [u64; 6] = [2, 4, 8, 4, 6, 3];
+const NODES: [(&str, &[u64]); 2] = [("n1", &[16, 8]), ("n2", &[8])];
+
+#[derive(Debug, Clone)]
+enum Op {
+    /// kube-scheduler asks to bind pod `pod` to node `node`.
+    Bind { pod: usize, node: usize },
+    /// A Binding still on its way commits now (or meets a conflict).
+    ServerApplies { write: usize },
+    /// A Binding still on its way is lost: it will never commit.
+    ServerDrops { write: usize },
+    /// The first answer to a write reaches its task: clear if the server has decided, or a
+    /// timeout (`ambiguous`) whatever the server did.
+    Answer { write: usize, ambiguous: bool },
+    /// One resolution step of a write that got no clear answer.
+    Resolve { write: usize },
+    /// The pod watch delivers its next event.
+    Watch,
+    /// The pod watch relists.
+    Relist,
+    /// The extender restarts (its reservations are gone; its writes are not).
+    Restart,
+    /// A user deletes a pod.
+    Delete { pod: usize },
+    /// A user creates the pod again (a new UID).
+    Recreate { pod: usize },
+}
+
+fn op() -> impl Strategy<Value = Op> {
+    prop_oneof![
+        4 => (0..POD_GIB.len(), 0..NODES.len()).prop_map(|(pod, node)| Op::Bind { pod, node }),
+        3 => (0..16usize).prop_map(|write| Op::ServerApplies { write }),
+        1 => (0..16usize).prop_map(|write| Op::ServerDrops { write }),
+        3 => (0..16usize, any::<bool>()).prop_map(|(write, ambiguous)| Op::Answer { write, ambiguous }),
+        2 => (0..16usize).prop_map(|write| Op::Resolve { write }),
+        4 => Just(Op::Watch),
+        1 => Just(Op::Relist),
+        1 => Just(Op::Restart),
+        1 => (0..POD_GIB.len()).prop_map(|pod| Op::Delete { pod }),
+        1 => (0..POD_GIB.len()).prop_map(|pod| Op::Recreate { pod }),
+    ]
+}
+
+/// A pod as the API server holds it.
+#[derive(Debug, Clone)]
+struct ServerPod {
+    uid: String,
+    bound: Option<(String, BTreeMap<String, String>)>,
+}
+
+/// What became of a Binding at the API server.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Fate {
+    Pending,
+    Committed,
+    /// Refused with 409: the pod was bound already or recreated.
+    Conflict,
+    Lost,
+}
+
+#[derive(Debug)]
+struct Write {
+    target: BindingTarget,
+    uid: PodId,
+    ticket: Ticket,
+    instance: u32,
+    fate: Fate,
+    answered: bool,
+    resolving: bool,
+}
+
+struct World {
+    pods: Vec<Option<ServerPod>>,
+    next_uid: u32,
+    events: VecDeque<(Pod, bool)>,
+    writes: Vec<Write>,
+    view: View,
+    instance: u32,
+    /// True from a restart until the grace is over.
+    grace: bool,
+}
+
+fn settings() -> Settings {
+    Settings::new(
+        gpushare_contract::DEFAULT_RESOURCE,
+        gpushare_contract::DEFAULT_DOMAIN,
+        "gpushare=true",
+    )
+}
+
+fn nodes() -> Vec<Node> {
+    NODES
+        .iter()
+        .map(|(name, gpus)| node(name).gpushare().gpus(gpus).build())
+        .collect()
+}
+
+fn pod_name(index: usize) -> String {
+    format!("p{index}")
+}
+
+impl World {
+    fn new() -> Self {
+        let mut world = World {
+            pods: Vec::new(),
+            next_uid: 0,
+            events: VecDeque::new(),
+            writes: Vec::new(),
+            view: View::new(settings()),
+            instance: 0,
+            grace: false,
+        };
+        for _ in POD_GIB {
+            let uid = world.fresh_uid();
+            world.pods.push(Some(ServerPod { uid, bound: None }));
+        }
+        world.start_view();
+        world
+    }
+
+    fn fresh_uid(&mut self) -> String {
+        self.next_uid += 1;
+        format!("uid-{}", self.next_uid)
+    }
+
+    fn object(&self, index: usize) -> Option<Pod> {
+        let server = self.pods[index].as_ref()?;
+        let mut builder = pod(&pod_name(index)).gpu_mem(POD_GIB[index]);
+        if let Some((node, annotations)) = &server.bound {
+            builder = builder.on_node(node);
+            for (key, value) in annotations {
+                builder = builder.annotation(key, value);
+            }
+        }
+        let mut object = builder.build();
+        object.metadata.uid = Some(server.uid.clone());
+        Some(object)
+    }
+
+    fn listed(&self) -> Vec<Pod> {
+        (0..self.pods.len())
+            .filter_map(|i| self.object(i))
+            .collect()
+    }
+
+    fn start_view(&mut self) {
+        self.view = View::new(settings());
+        self.view.replace_nodes(&nodes());
+        self.view.replace_pods(&self.listed());
+        self.events.clear();
+    }
+
+    fn index_of(&self, target: &BindingTarget) -> usize {
+        (0..self.pods.len())
+            .find(|&i| pod_name(i) == target.name)
+            .unwrap_or(usize::MAX)
+    }
+
+    /// The API server applies a Binding now: it lands if the pod is there and unbound.
+    fn commit(&mut self, target: &BindingTarget) -> bool {
+        let index = self.index_of(target);
+        let Some(Some(server)) = self.pods.get_mut(index) else {
+            return false;
+        };
+        if server.uid != target.uid || server.bound.is_some() {
+            return false;
+        }
+        server.bound = Some((target.node.clone(), target.annotations.clone()));
+        if let Some(object) = self.object(index) {
+            self.events.push_back((object, false));
+        }
+        true
+    }
+
+    fn read(&self, target: &BindingTarget) -> Option<PodOnServer> {
+        let server = self.pods.get(self.index_of(target))?.as_ref()?;
+        Some(PodOnServer {
+            uid: server.uid.clone(),
+            node: server.bound.as_ref().map(|(node, _)| node.clone()),
+        })
+    }
+
+    fn settle(&mut self, write: usize, outcome: Outcome) {
+        let Write {
+            uid,
+            ticket,
+            instance,
+            ..
+        } = &self.writes[write];
+        if *instance != self.instance {
+            return; // its instance died; nobody settles it
+        }
+        let settled = self.view.settle_reservation(uid, *ticket, outcome);
+        self.writes[write].resolving = settled == Settled::Resolving;
+    }
+
+    fn apply(&mut self, op: &Op) {
+        let pick = |n: usize, len: usize| (len > 0).then(|| n % len);
+        match *op {
+            Op::Bind { pod, node } => {
+                // The restart grace (`--bind-grace-ms`): a new instance binds once the old
+                // one's writes have met their fate and the watch has shown them.
+                if self.grace {
+                    let old_pending = self
+                        .writes
+                        .iter()
+                        .any(|w| w.instance != self.instance && w.fate == Fate::Pending);
+                    if old_pending || !self.events.is_empty() {
+                        return;
+                    }
+                    self.grace = false;
+                }
+                let Some(server) = self.pods[pod].as_ref() else {
+                    return;
+                };
+                let args = ExtenderBindingArgs {
+                    pod_name: pod_name(pod),
+                    pod_namespace: "default".into(),
+                    pod_uid: server.uid.clone(),
+                    node: NODES[node].0.into(),
+                };
+                let key = format!("default/{}", args.pod_name);
+                if let Ok(Decision::Write(write)) =
+                    decide(&mut self.view, Policy::Binpack, &args, &key)
+                {
+                    self.writes.push(Write {
+                        target: write.target,
+                        uid: write.uid,
+                        ticket: write.ticket,
+                        instance: self.instance,
+                        fate: Fate::Pending,
+                        answered: false,
+                        resolving: false,
+                    });
+                }
+            }
+            Op::ServerApplies { write } => {
+                let Some(i) = pick(write, self.writes.len()) else {
+                    return;
+                };
+                if self.writes[i].fate == Fate::Pending {
+                    let target = self.writes[i].target.clone();
+                    self.writes[i].fate = if self.commit(&target) {
+                        Fate::Committed
+                    } else {
+                        Fate::Conflict
+                    };
+                }
+            }
+            Op::ServerDrops { write } => {
+                if let Some(i) = pick(write, self.writes.len())
+                    && self.writes[i].fate == Fate::Pending
+                {
+                    self.writes[i].fate = Fate::Lost;
+                }
+            }
+            Op::Answer { write, ambiguous } => {
+                let Some(i) = pick(write, self.writes.len()) else {
+                    return;
+                };
+                let w = &self.writes[i];
+                if w.answered || (w.fate == Fate::Pending && !ambiguous) {
+                    return;
+                }
+                let outcome = match (ambiguous, w.fate) {
+                    (true, _) | (_, Fate::Conflict) => Outcome::Unknown,
+                    (_, Fate::Committed) => Outcome::Landed,
+                    _ => Outcome::NotLanded,
+                };
+                self.writes[i].answered = true;
+                self.settle(i, outcome);
+            }
+            Op::Resolve { write } => {
+                if let Some(i) = pick(write, self.writes.len()) {
+                    self.resolve(i);
+                }
+            }
+            Op::Watch => {
+                if let Some((object, deleted)) = self.events.pop_front() {
+                    if deleted {
+                        self.view.delete_pod(&object);
+                    } else {
+                        self.view.apply_pod(&object);
+                    }
+                }
+            }
+            Op::Relist => {
+                self.events.clear();
+                self.view.replace_pods(&self.listed());
+            }
+            Op::Restart => {
+                self.instance += 1;
+                self.grace = true;
+                self.start_view();
+            }
+            Op::Delete { pod } => {
+                if let Some(object) = self.object(pod) {
+                    self.pods[pod] = None;
+                    self.events.push_back((object, true));
+                }
+            }
+            Op::Recreate { pod } => {
+                if self.pods[pod].is_none() {
+                    let uid = self.fresh_uid();
+                    self.pods[pod] = Some(ServerPod { uid, bound: None });
+                    if let Some(object) = self.object(pod) {
+                        self.events.push_back((object, false));
+                    }
+                }
+            }
+        }
+    }
+
+    /// One step of the resolution of write `i`, as `bind::resolve_once` takes it.
+    fn resolve(&mut self, i: usize) {
+        let w = &self.writes[i];
+        if !w.resolving
+            || w.instance != self.instance
+            || !self.view.reservation_is(&w.uid, w.ticket, Phase::Resolving)
+        {
+            return;
+        }
+        let target = w.target.clone();
+        let outcome = match read_verdict(self.read(&target).as_ref(), &target) {
+            Some(outcome) => outcome,
+            // Unbound: re-post, which commits at once, or meets a conflict.
+            None if self.commit(&target) => Outcome::Landed,
+            None => Outcome::Unknown,
+        };
+        self.settle(i, outcome);
+    }
+
+    /// The API server's GiB per (node, GPU), from the bound pods' annotations.
+    fn server_usage(&self) -> BTreeMap<(String, u32), u64> {
+        let mut used = BTreeMap::new();
+        for index in 0..self.pods.len() {
+            let Some(object) = self.object(index) else {
+                continue;
+            };
+            let Some(node) = object.spec.as_ref().and_then(|s| s.node_name.clone()) else {
+                continue;
+            };
+            let keys = gpushare_contract::Keys::default();
+            let annotations = object.metadata.annotations.clone().unwrap_or_default();
+            if let Ok(Some(allocation)) =
+                gpushare_contract::PodAllocation::from_annotations(&keys, &annotations)
+            {
+                *used.entry((node, allocation.gpu_index)).or_default() += allocation.pod_gib;
+            }
+        }
+        used
+    }
+
+    fn check_invariants(&self) -> Result<(), TestCaseError> {
+        for ((node, gpu), used) in self.server_usage() {
+            let total = NODES
+                .iter()
+                .find(|(name, _)| *name == node)
+                .map_or(0, |(_, gpus)| gpus[gpu as usize]);
+            prop_assert!(
+                used <= total,
+                "GPU {gpu} of {node}: {used} of {total} GiB; writes {:?}",
+                self.writes
+            );
+        }
+        let mut seen = HashSet::new();
+        for (_, node) in self.view.cluster.nodes() {
+            for (uid, _) in node.pods() {
+                prop_assert!(seen.insert(uid.clone()), "pod {uid} booked on two nodes");
+            }
+        }
+        Ok(())
+    }
+
+    /// Every write meets its fate, every answer comes, every resolution runs, the watch
+    /// catches up.
+    fn quiesce(&mut self) {
+        for i in 0..self.writes.len() {
+            self.apply(&Op::ServerApplies { write: i });
+            self.apply(&Op::Answer {
+                write: i,
+                ambiguous: false,
+            });
+        }
+        for _ in 0..3 {
+            for i in 0..self.writes.len() {
+                self.resolve(i);
+            }
+        }
+        while !self.events.is_empty() {
+            self.apply(&Op::Watch);
+        }
+    }
+
+    fn usage(view: &View) -> BTreeMap<(String, u32), u64> {
+        view.cluster
+            .nodes()
+            .flat_map(|(name, node)| {
+                node.gpus()
+                    .iter()
+                    .map(move |g| ((name.to_owned(), g.gpu.index), g.used_gib))
+            })
+            .collect()
+    }
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig::with_cases(256))]
+
+    #[test]
+    fn reservations_end_and_never_over_commit(ops in prop::collection::vec(op(), 1..80)) {
+        let mut world = World::new();
+        for op in &ops {
+            world.apply(op);
+            world.check_invariants()?;
+        }
+        world.quiesce();
+        world.check_invariants()?;
+        prop_assert_eq!(world.view.reservation_count(), 0);
+        let mut rebuilt = View::new(settings());
+        rebuilt.replace_nodes(&nodes());
+        rebuilt.replace_pods(&world.listed());
+        prop_assert_eq!(World::usage(&world.view), World::usage(&rebuilt));
+    }
+}
