@@ -238,7 +238,7 @@ fn args(c: &Container) -> Vec<String> {
 // ---------------------------------------------------------------------------------------
 // RBAC: exactly what the code calls. One entry per (apiGroup, resource, verb), with the call.
 
-/// The extender's permissions (ClusterRole + Role in the release namespace).
+/// The extender's permissions (its ClusterRole).
 const EXTENDER_RBAC: &[(&str, &str, &str, &str)] = &[
     (
         "",
@@ -266,6 +266,12 @@ const EXTENDER_RBAC: &[(&str, &str, &str, &str)] = &[
     ),
     (
         "",
+        "pods",
+        "get",
+        "extender/src/kube_io.rs: KubeBinder::read_pod get_opt (resolving a Binding that got no clear answer)",
+    ),
+    (
+        "",
         "pods/binding",
         "create",
         "extender/src/kube_io.rs: KubeBinder::bind create_subresource(\"binding\")",
@@ -281,24 +287,6 @@ const EXTENDER_RBAC: &[(&str, &str, &str, &str)] = &[
         "events",
         "patch",
         "extender/src/kube_io.rs: Recorder::publish updating a repeated event's series",
-    ),
-    (
-        "coordination.k8s.io",
-        "leases",
-        "get",
-        "leader election among extender replicas (kube lease lock: read holder)",
-    ),
-    (
-        "coordination.k8s.io",
-        "leases",
-        "create",
-        "leader election: first acquisition",
-    ),
-    (
-        "coordination.k8s.io",
-        "leases",
-        "update",
-        "leader election: renew / take over",
     ),
 ];
 
@@ -379,9 +367,11 @@ fn expected(lists: &[&[(&str, &str, &str, &str)]]) -> BTreeSet<Grant> {
 fn check_rbac(rendered: &Rendered, prefix: &str, webhook: bool) -> anyhow::Result<()> {
     let extender = format!("{prefix}-extender");
     let cluster_role: ClusterRole = rendered.get("ClusterRole", &extender)?;
-    let role: Role = rendered.get("Role", &extender)?;
-    let mut granted = expand(cluster_role.rules.as_deref().unwrap_or_default());
-    granted.extend(expand(role.rules.as_deref().unwrap_or_default()));
+    ensure!(
+        rendered.get::<Role>("Role", &extender).is_err(),
+        "the extender needs no namespaced Role"
+    );
+    let granted = expand(cluster_role.rules.as_deref().unwrap_or_default());
     let want = if webhook {
         expected(&[EXTENDER_RBAC, EXTENDER_WEBHOOK_RBAC])
     } else {
@@ -393,8 +383,7 @@ fn check_rbac(rendered: &Rendered, prefix: &str, webhook: bool) -> anyhow::Resul
         granted.difference(&want).collect::<Vec<_>>(),
         want.difference(&granted).collect::<Vec<_>>()
     );
-    // Lease rights only in the release namespace; the webhook rule only on our configuration.
-    ensure!(role.metadata.namespace.as_deref() == Some(rendered.namespace.as_str()));
+    // The webhook rule only on our configuration.
     for rule in cluster_role.rules.iter().flatten() {
         if rule.api_groups.as_deref() == Some(&["admissionregistration.k8s.io".to_owned()]) {
             ensure!(
@@ -739,8 +728,8 @@ fn default_values_render_a_dedicated_scheduler_install() -> anyhow::Result<()> {
         ("DaemonSet", 1),
         ("Deployment", 2),
         ("MutatingWebhookConfiguration", 1),
-        ("Role", 2),
-        ("RoleBinding", 3),
+        ("Role", 1),
+        ("RoleBinding", 2),
         ("Service", 2),
         ("ServiceAccount", 3),
     ]
@@ -758,8 +747,20 @@ fn default_values_render_a_dedicated_scheduler_install() -> anyhow::Result<()> {
             "--node-label=gpushare=true",
             "--domain=gpushare.example.com",
             "--policy=binpack",
+            "--bind-timeout-ms=2500",
+            "--bind-grace-ms=2000",
         ],
     )?;
+    let deployment: k8s_openapi::api::apps::v1::Deployment =
+        rendered.get("Deployment", "gpushare-extender")?;
+    let strategy = deployment
+        .spec
+        .and_then(|s| s.strategy)
+        .and_then(|s| s.type_);
+    ensure!(
+        strategy.as_deref() == Some("Recreate"),
+        "the extender must never run twice during an update: {strategy:?}"
+    );
     check_device_plugin(
         &rendered,
         "gpushare",
@@ -874,6 +875,7 @@ fn impossible_values_fail_with_a_clear_message() -> anyhow::Result<()> {
     for (set, needle) in [
         ("scheduler.mode=both", "scheduler.mode must be"),
         ("policy=random", "policy must be"),
+        ("extender.replicas=2", "no leader election"),
         (
             "metrics.serviceMonitor.enabled=true",
             "monitoring.coreos.com/v1",

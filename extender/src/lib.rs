@@ -2,10 +2,14 @@
 //! one GPU, not by the node-wide sum kube-scheduler sees.
 //!
 //! ```text
-//!  kube-scheduler ──POST {prefix}/filter, /prioritize, /bind──▶ api (axum handlers)
+//!  kube-scheduler ──POST {prefix}/filter, /prioritize, /bind──▶ api (axum handlers: routing, wire)
 //!                                                                 │ read / short write lock
-//!  API server ──watch Nodes, Pods──▶ watch ──apply──▶ view::View ─┤ (allocator::Cluster inside)
-//!  API server ◀──POST pods/{name}/binding (annotations = decision)─┘ kube_io::Binder
+//!  API server ──watch Nodes, Pods──▶ watch ──apply──▶ view::View ─┤ (allocator::Cluster inside,
+//!                                                                 │  reservation::Reservations)
+//!                                  bind: decide + reserve ────────┘
+//!                                    │ spawn: one task per Binding, runs to a settled end
+//!  API server ◀──POST pods/{name}/binding (annotations = decision)── kube_io::Binder
+//!  API server ◀──GET pod, re-POST binding (only if the answer was ambiguous)
 //!  API server ◀──Events (background task, bounded queue)──────────── kube_io::record_events
 //! ```
 //!
@@ -13,9 +17,11 @@
 //! watches keep current, so `filter` and `prioritize` never call the API server. `bind`
 //! decides and books the GPU under a short lock (a reservation, counted at once), then writes
 //! the decision and the bind as ONE API write: a Binding whose annotations the API server
-//! copies onto the pod. A failed write releases the reservation; the watched pod replaces it
-//! when it arrives. After a restart the view is rebuilt from the pods' annotations before the
-//! extender answers (`/readyz` stays 503 until then).
+//! copies onto the pod. The write runs in a task of its own, so kube-scheduler cutting the
+//! call at its `httpTimeout` cannot strand the reservation; a clear refusal releases it, an
+//! ambiguous answer is settled by reading the pod, and the watched pod replaces it when it
+//! arrives (the lifecycle is drawn in [`reservation`]). After a restart the view is rebuilt
+//! from the pods' annotations before the extender answers (`/readyz` stays 503 until then).
 
 #![cfg_attr(test, allow(clippy::unwrap_used))]
 

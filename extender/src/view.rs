@@ -3,9 +3,10 @@
 //!
 //! Why reservations: between our Binding write and the watch delivering the bound pod, the
 //! memory must already count, or a second bind could take it. A reservation is booked in the
-//! allocator at the decision, replaced by the watched pod (same UID) when it arrives, and
-//! released at once if the write fails. On a relist (restart, watch expiry) the allocator is
-//! rebuilt from the listed pods and the reservations still in flight are booked on top.
+//! allocator at the decision and ended by the watched pod (same UID) when it shows up bound,
+//! by a definitive answer to the write, or by a read of the pod ([`crate::reservation`]
+//! draws the lifecycle). On a relist (restart, watch expiry) the allocator is rebuilt from
+//! the listed pods, and the reservations of pods still listed and unbound are booked on top.
 //!
 //! Why the pod records are so spare: at 50,000 pods every byte per pod is 50 KB of the
 //! extender's memory. A pod is kept as its `namespace/name` (one shared string), its UID
