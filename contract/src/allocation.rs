@@ -12,6 +12,12 @@
 //! | `bind-time` | extender | RFC 3339 |
 //! | `assigned` | extender `"false"`, device plugin `"true"` | every container allocated |
 //! | `allocated` | device plugin | `"init,main"`: containers allocated so far |
+//! | `signature` | extender (when it has a keyring) | `"k1:<base64>"`: HMAC of the decision |
+//!
+//! The signature is optional here: reading annotations never checks it. Whether a decision
+//! is the extender's is a separate step, [`crate::signature::Keyring::verify`], taken by the
+//! device plugin before it acts on one and by the extender before it lets one lower what it
+//! has booked.
 
 use std::collections::BTreeMap;
 
@@ -34,6 +40,8 @@ pub struct PodAllocation {
     pub assigned: bool,
     /// Containers the device plugin has allocated so far.
     pub allocated: Vec<String>,
+    /// The extender's signature of the decision (`<key-id>:<base64>`), if it signed it.
+    pub signature: Option<String>,
 }
 
 /// Why allocation annotations could not be read.
@@ -62,11 +70,12 @@ pub enum AllocationError {
 }
 
 impl PodAllocation {
-    /// The annotations the extender puts on the Binding: the whole decision, not yet assigned.
+    /// The annotations the extender puts on the Binding: the whole decision, not yet assigned,
+    /// and its signature when there is one.
     pub fn to_annotations(&self, keys: &Keys) -> BTreeMap<String, String> {
         let containers =
             serde_json::to_string(&self.containers).unwrap_or_else(|_| "[]".to_owned());
-        BTreeMap::from([
+        let mut annotations = BTreeMap::from([
             (keys.gpu_index.clone(), self.gpu_index.to_string()),
             (keys.gpu_uuid.clone(), self.gpu_uuid.clone()),
             (keys.pod_gib.clone(), self.pod_gib.to_string()),
@@ -74,7 +83,11 @@ impl PodAllocation {
             (keys.bind_time.clone(), self.bind_time.clone()),
             (keys.assigned.clone(), self.assigned.to_string()),
             (keys.allocated.clone(), self.allocated.join(",")),
-        ])
+        ]);
+        if let Some(signature) = &self.signature {
+            annotations.insert(keys.signature.clone(), signature.clone());
+        }
+        annotations
     }
 
     /// Reads an allocation back; `Ok(None)` when the pod carries none (no `gpu-index`).
@@ -130,6 +143,10 @@ impl PodAllocation {
                 .unwrap_or_default(),
             assigned: annotations.get(&keys.assigned).is_some_and(|v| v == "true"),
             allocated,
+            signature: annotations
+                .get(&keys.signature)
+                .filter(|v| !v.trim().is_empty())
+                .cloned(),
         }))
     }
 
@@ -165,6 +182,7 @@ mod tests {
             bind_time: "2026-11-22T10:00:00Z".into(),
             assigned: false,
             allocated: vec![],
+            signature: None,
         }
     }
 
@@ -177,7 +195,19 @@ mod tests {
         assert_eq!(annotations[&keys.assigned], "false");
         assert_eq!(
             PodAllocation::from_annotations(&keys, &annotations).unwrap(),
-            Some(alloc)
+            Some(alloc.clone())
+        );
+        assert!(!annotations.contains_key(&keys.signature));
+        // With a signature: written and read back, never checked here.
+        let signed = PodAllocation {
+            signature: Some("k1:bm90IGNoZWNrZWQ=".into()),
+            ..alloc
+        };
+        let annotations = signed.to_annotations(&keys);
+        assert_eq!(annotations[&keys.signature], "k1:bm90IGNoZWNrZWQ=");
+        assert_eq!(
+            PodAllocation::from_annotations(&keys, &annotations).unwrap(),
+            Some(signed)
         );
     }
 

@@ -22,6 +22,9 @@ pub struct Keys {
     pub assigned: String,
     /// Pod: comma-separated names of the containers the device plugin has allocated so far.
     pub allocated: String,
+    /// Pod: the extender's signature of its decision, `<key-id>:<base64>`
+    /// (see [`crate::signature`]).
+    pub signature: String,
     /// Node: JSON list of [`crate::GpuInfo`], published by the device plugin.
     pub node_gpus: String,
     /// Node label: number of GPUs the device plugin found.
@@ -40,6 +43,7 @@ impl Keys {
             bind_time: key("bind-time"),
             assigned: key("assigned"),
             allocated: key("allocated"),
+            signature: key("signature"),
             node_gpus: key("gpus"),
             node_gpu_count: format!("{domain}/gpu-count"),
         }
@@ -47,7 +51,7 @@ impl Keys {
 
     /// The keys of the allocation decision itself, which only the extender may write.
     /// Values a user set on these before bind are ignored and overwritten.
-    pub fn allocation_keys(&self) -> [&str; 7] {
+    pub fn allocation_keys(&self) -> [&str; 8] {
         [
             &self.gpu_index,
             &self.gpu_uuid,
@@ -56,6 +60,7 @@ impl Keys {
             &self.bind_time,
             &self.assigned,
             &self.allocated,
+            &self.signature,
         ]
     }
 }
@@ -75,6 +80,7 @@ mod tests {
         let keys = Keys::new("gpu.acme.io");
         assert_eq!(keys.gpu_index, "gpu.acme.io/v1.gpu-index");
         assert_eq!(keys.node_gpus, "gpu.acme.io/v1.gpus");
+        assert_eq!(keys.signature, "gpu.acme.io/v1.signature");
         assert_eq!(keys.node_gpu_count, "gpu.acme.io/gpu-count");
         assert!(
             keys.allocation_keys()

@@ -2,15 +2,18 @@
 //!
 //! ```text
 //!   device plugin ──(node annotation  <domain>/v1.gpus, label <domain>/gpu-count)──▶ extender
-//!   extender      ──(pod annotations on the Binding: gpu index/uuid, containers)───▶ device plugin
+//!   extender      ──(pod annotations on the Binding: gpu index/uuid, containers,───▶ device plugin
+//!                    and their HMAC signature <domain>/v1.signature)
 //!   device plugin ──(pod annotations <domain>/v1.allocated, <domain>/v1.assigned)──▶ extender
 //!   device plugin ──(container env NVIDIA_VISIBLE_DEVICES, GPUSHARE_*)─────────────▶ application
 //! ```
 //!
 //! Everything either side writes or reads lives here, so the two programs cannot drift apart:
 //! the annotation keys ([`Keys`]), the node's GPU inventory ([`GpuInfo`]), the allocation the
-//! extender records on a pod ([`PodAllocation`]), the environment handed to a container
-//! ([`env`]), and how a pod's GPU-memory request is read from its spec ([`request`]).
+//! extender records on a pod ([`PodAllocation`]), how that record is signed so the device
+//! plugin acts only on the extender's decisions ([`signature`]: what is signed, why HMAC,
+//! what it stops and what not, how to rotate keys), the environment handed to a container
+//! ([`env`](mod@env)), and how a pod's GPU-memory request is read from its spec ([`request`]).
 //!
 //! The unit is the GiB: the device plugin advertises one device per whole GiB of a GPU
 //! (`floor(bytes / 2^30)`), and pods ask for whole GiB.
@@ -20,11 +23,13 @@ pub mod env;
 pub mod inventory;
 pub mod keys;
 pub mod request;
+pub mod signature;
 
 pub use allocation::{AllocationError, PodAllocation};
 pub use inventory::{GpuInfo, InventoryError};
 pub use keys::Keys;
 pub use request::{ContainerRequest, PodRequest, RequestError, pod_request};
+pub use signature::{Keyring, KeyringError, KeyringFile, SharedKeyring, Unverified};
 
 /// The extended resource pods ask for, in whole GiB of GPU memory.
 pub const DEFAULT_RESOURCE: &str = "example.com/gpu-mem";

@@ -16,7 +16,10 @@
 //! kubelet only knows "N devices of `example.com/gpu-mem`"; the extender already chose a GPU
 //! for the pod and wrote it on the pod. At `Allocate` the plugin finds the pod waiting for N
 //! GiB in its watch cache ([`pods`], [`matching`]) and returns that GPU's UUID as
-//! `NVIDIA_VISIBLE_DEVICES`. Everything host-specific (the socket directory, the GPUs) is a
+//! `NVIDIA_VISIBLE_DEVICES`. With `--allocation-keys-file`, only allocations whose
+//! signature verifies under that keyring are acted on (see
+//! [`gpushare_contract::signature`]); a pod created with hand-written allocation annotations
+//! is refused. Everything host-specific (the socket directory, the GPUs) is a
 //! parameter, so the whole plugin runs in tests against a fake kubelet in a temp dir.
 
 use std::future::Future;
@@ -26,7 +29,7 @@ use std::sync::Arc;
 use std::sync::atomic::AtomicBool;
 use std::time::Duration;
 
-use gpushare_contract::{DEFAULT_DOMAIN, DEFAULT_RESOURCE, Keys};
+use gpushare_contract::{DEFAULT_DOMAIN, DEFAULT_RESOURCE, KeyringError, KeyringFile, Keys};
 use gpushare_proto::DEFAULT_DEVICE_PLUGIN_DIR;
 use prometheus_client::registry::Registry;
 use tokio::sync::watch;
@@ -99,7 +102,15 @@ pub struct Config {
     /// How long Allocate waits for the pod watch to show the pod kubelet is admitting.
     #[arg(long, env = "PENDING_POD_WAIT_MS", default_value_t = 3000)]
     pub pending_pod_wait_ms: u64,
+    /// Keyring the extender signs allocations with (`id:base64key` per line; mount it from
+    /// the Secret the extender reads). Only allocations whose signature verifies get a GPU;
+    /// the file is re-read when it changes. Unset: allocations are NOT verified.
+    #[arg(long, env = "GPUSHARE_ALLOCATION_KEYS_FILE")]
+    pub allocation_keys_file: Option<PathBuf>,
 }
+
+/// How often the keyring file is checked for changes.
+pub const KEYRING_POLL: Duration = Duration::from_secs(5);
 
 /// Why the plugin stopped.
 #[derive(Debug, thiserror::Error)]
@@ -107,6 +118,9 @@ pub enum Error {
     /// The configuration is unusable.
     #[error("invalid configuration: {0}")]
     Config(String),
+    /// The allocation keyring cannot be read.
+    #[error("--allocation-keys-file: {0}")]
+    Keyring(#[from] KeyringError),
     /// The GPUs could not be listed or watched.
     #[error(transparent)]
     Backend(#[from] BackendError),
@@ -263,6 +277,21 @@ async fn run_inner(
     }
 
     let keys = Keys::new(&config.domain);
+    let keyring_file = match &config.allocation_keys_file {
+        Some(path) => {
+            let file = KeyringFile::open(path)?;
+            let keyring = file.keyring().current();
+            let ids: Vec<&str> = keyring.ids().collect();
+            tracing::info!(file = %path.display(), keys = ?ids, "allocation signatures are verified: only allocations signed by the extender get a GPU");
+            Some(file)
+        }
+        None => {
+            tracing::warn!(
+                "no --allocation-keys-file: allocations are NOT protected; any pod created with spec.nodeName and hand-written gpushare allocation annotations gets the GPU they name"
+            );
+            None
+        }
+    };
     let gpus = backend.gpus()?;
     for gpu in &gpus {
         tracing::info!(gpu = gpu.index, uuid = %gpu.uuid, model = %gpu.model, mem_gib = gpu.mem_gib, numa = ?gpu.numa_node, "found GPU");
@@ -285,6 +314,7 @@ async fn run_inner(
         client.clone(),
         &config.node_name,
         keys.clone(),
+        keyring_file.as_ref().map(KeyringFile::keyring),
         metrics.clone(),
         token.clone(),
     );
@@ -297,7 +327,7 @@ async fn run_inner(
         pending_wait: Duration::from_millis(config.pending_pod_wait_ms),
     });
 
-    let tasks: Vec<(&'static str, JoinHandle<Result<()>>)> = vec![
+    let mut tasks: Vec<(&'static str, JoinHandle<Result<()>>)> = vec![
         (
             "device plugin server",
             tokio::spawn(server::serve_and_register(
@@ -344,7 +374,28 @@ async fn run_inner(
             }),
         ),
     ];
+    if let Some(file) = keyring_file {
+        tasks.push((
+            "allocation keyring",
+            tokio::spawn(watch_keyring(file, token.clone())),
+        ));
+    }
     supervise(tasks, token).await
+}
+
+/// Re-reads the keyring file every [`KEYRING_POLL`] until `token` is cancelled, so a
+/// Secret update (key rotation) applies without a restart. A file that became unreadable or
+/// malformed is reported once and the keys in use stay.
+async fn watch_keyring(mut file: KeyringFile, token: CancellationToken) -> Result<()> {
+    let mut tick = tokio::time::interval(KEYRING_POLL);
+    tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+    loop {
+        tokio::select! {
+            () = token.cancelled() => return Ok(()),
+            _ = tick.tick() => {}
+        }
+        file.reload_logged();
+    }
 }
 
 /// Waits for the first task to end; anything but a clean end after shutdown is an error.

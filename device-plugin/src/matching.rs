@@ -12,6 +12,11 @@
 //! marks) may land on the twin; [`plan_reconcile`] moves it back once kubelet starts the
 //! real pod.
 //!
+//! Only allocations the extender signed take part ([`Trust`]): a pod created with
+//! hand-written allocation annotations is never a candidate, so it is never handed a GPU
+//! and never stands in as a twin for an honest container. When the only pod that would
+//! match is such a pod, [`find_untrusted`] names it, so the refusal can say which pod and why.
+//!
 //! ```text
 //!   Allocate(4 devices) ──▶ find_pending(views, node, 4) ──▶ pod B / container "main" ──▶ GPU 1
 //!   pod A Running, unmarked + pod B marked, Pending ──▶ plan_reconcile ──▶ marks move B → A
@@ -38,6 +43,20 @@ pub struct PodView {
     pub deleting: bool,
     /// The extender's allocation, with our marks.
     pub allocation: PodAllocation,
+    /// Whether the allocation is the extender's.
+    pub trust: Trust,
+}
+
+/// Whether an allocation may be acted on.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Trust {
+    /// Its signature verifies under the keyring.
+    Verified,
+    /// No keyring is configured: every allocation is taken as the extender's (the
+    /// behaviour before signatures existed).
+    Unchecked,
+    /// A keyring is configured and the signature does not verify: why, for the user.
+    Refused(String),
 }
 
 /// The plugin's progress marks on a pod: the annotations it owns.
@@ -74,6 +93,11 @@ impl PodView {
             .containers
             .iter()
             .all(|c| alloc.allocated.iter().any(|name| name == &c.name));
+    }
+
+    /// Whether this allocation may be acted on: signed by the extender, or no keyring.
+    pub fn trusted(&self) -> bool {
+        !matches!(self.trust, Trust::Refused(_))
     }
 
     fn bound_to(&self, node: &str) -> bool {
@@ -118,14 +142,39 @@ fn sort_by_bind_time(views: &[Arc<PodView>], indices: &mut [usize]) {
 }
 
 /// The pod and container an Allocate of `gib` devices on `node` is for: the first pending
-/// container of exactly that size, oldest bind first. Returns the index into `views`.
+/// container of exactly that size, oldest bind first, among trusted allocations only.
+/// Returns the index into `views`.
 pub fn find_pending<'a>(
     views: &'a [Arc<PodView>],
     node: &str,
     gib: u64,
 ) -> Option<(usize, &'a ContainerRequest)> {
+    first_pending(views, node, gib, true)
+}
+
+/// The pod an Allocate of `gib` devices would have matched if allocations that are not the
+/// extender's counted: for the refusal's message, once [`find_pending`] found nothing.
+/// Returns the index into `views` and why the allocation is refused.
+pub fn find_untrusted<'a>(
+    views: &'a [Arc<PodView>],
+    node: &str,
+    gib: u64,
+) -> Option<(usize, &'a str)> {
+    let (index, _) = first_pending(views, node, gib, false)?;
+    match &views[index].trust {
+        Trust::Refused(why) => Some((index, why.as_str())),
+        Trust::Verified | Trust::Unchecked => None,
+    }
+}
+
+fn first_pending<'a>(
+    views: &'a [Arc<PodView>],
+    node: &str,
+    gib: u64,
+    trusted: bool,
+) -> Option<(usize, &'a ContainerRequest)> {
     let mut candidates: Vec<usize> = (0..views.len())
-        .filter(|&i| views[i].waiting_on(node))
+        .filter(|&i| views[i].waiting_on(node) && views[i].trusted() == trusted)
         .collect();
     sort_by_bind_time(views, &mut candidates);
     candidates.into_iter().find_map(|i| {
@@ -177,6 +226,9 @@ pub fn preferred_devices(
 /// exactly the Allocate calls still to come. Returns the new marks of every pod changed
 /// (index into `views`), and applies them to `views`.
 ///
+/// Allocations that are not the extender's take no part, neither as the running pod nor as
+/// the twin: they were never handed a GPU, so no mark of theirs stands for an Allocate.
+///
 /// Only pods for which `settled` holds are fixed: kubelet writes a pod's Running status a
 /// moment after admitting it, so right after a pod starts, a twin that is "not Running" may
 /// in fact be admitted already, and taking its mark would leave a later Allocate with
@@ -191,6 +243,7 @@ pub fn plan_reconcile(
         .filter(|&i| {
             let view = &views[i];
             view.bound_to(node)
+                && view.trusted()
                 && view.running()
                 && !view.deleting
                 && !view.allocation.assigned
@@ -219,6 +272,7 @@ pub fn plan_reconcile(
                     let view = &views[i];
                     i != target
                         && view.bound_to(node)
+                        && view.trusted()
                         && !view.running()
                         && !view.finished()
                         && marked_container(view).is_some()
@@ -278,8 +332,15 @@ mod tests {
                 bind_time: format!("2026-11-22T10:00:{bind_second:02}Z"),
                 assigned: false,
                 allocated: vec![],
+                signature: None,
             },
+            trust: Trust::Verified,
         }
+    }
+
+    fn forged(mut view: PodView) -> PodView {
+        view.trust = Trust::Refused("it carries no signature".into());
+        view
     }
 
     fn shared(views: Vec<PodView>) -> Vec<Arc<PodView>> {
@@ -440,6 +501,57 @@ mod tests {
         assert!(
             views[1].allocation.assigned,
             "the 8 GiB pod keeps its marks"
+        );
+    }
+
+    #[test]
+    fn forged_allocations_are_never_candidates_nor_twins() {
+        // The forged pod is the oldest and the same size: it would win without signatures.
+        let views = vec![
+            forged(view("forged", 0, &[("main", 4, false)])),
+            view("honest", 10, &[("main", 4, false)]),
+        ];
+        assert_eq!(
+            found(&views, 4),
+            Some(("default/honest".into(), "main".into()))
+        );
+        // Once the honest pod is allocated, nothing trusted waits: the forged one is named.
+        let mut views = shared(views);
+        Arc::make_mut(&mut views[1]).mark_allocated("main");
+        assert_eq!(find_pending(&views, "n1", 4), None);
+        let (index, why) = find_untrusted(&views, "n1", 4).unwrap();
+        assert_eq!(
+            (views[index].key.as_str(), why),
+            ("default/forged", "it carries no signature")
+        );
+        assert_eq!(find_untrusted(&views, "n1", 8), None);
+        // Without a keyring every allocation counts.
+        let mut unchecked = view("unchecked", 0, &[("main", 4, false)]);
+        unchecked.trust = Trust::Unchecked;
+        assert_eq!(found(&[unchecked], 4).unwrap().0, "default/unchecked");
+    }
+
+    #[test]
+    fn reconcile_ignores_forged_allocations() {
+        // A forged pod that runs does not take an honest twin's mark...
+        let mut running = forged(view("a", 20, &[("main", 4, false)]));
+        running.phase = Some("Running".into());
+        let mut twin = view("b", 10, &[("main", 4, false)]);
+        twin.mark_allocated("main");
+        let mut views = shared(vec![running, twin]);
+        assert!(plan_reconcile(&mut views, "n1", |_| true).is_empty());
+        assert!(views[1].allocation.assigned);
+        // ...and an honest running pod does not take a forged pod's mark.
+        let mut running = view("a", 20, &[("main", 4, false)]);
+        running.phase = Some("Running".into());
+        let mut marked = forged(view("b", 10, &[("main", 4, false)]));
+        marked.mark_allocated("main");
+        let mut views = shared(vec![running, marked]);
+        let changes = plan_reconcile(&mut views, "n1", |_| true);
+        assert_eq!(changes.iter().map(|c| c.0).collect::<Vec<_>>(), [0]);
+        assert!(
+            views[1].allocation.assigned,
+            "the forged pod keeps its marks"
         );
     }
 }

@@ -41,6 +41,8 @@ pub struct Metrics {
     pub allocations: Counter,
     /// Allocate calls refused, by reason.
     pub allocate_errors: Family<ReasonLabels, Counter>,
+    /// Allocate calls refused because the pod's allocation is not signed by the extender.
+    pub forged_allocations: Counter,
     /// Time to answer an Allocate call.
     pub allocate_duration: Histogram,
     /// Healthy GPUs on the node.
@@ -61,6 +63,7 @@ impl Metrics {
         let metrics = Self {
             allocations: Counter::default(),
             allocate_errors: Family::default(),
+            forged_allocations: Counter::default(),
             allocate_duration: Histogram::new(exponential_buckets(0.0001, 2.0, 16)),
             gpus_healthy: Gauge::default(),
             gpus: Gauge::default(),
@@ -78,6 +81,11 @@ impl Metrics {
             "allocate_errors",
             "Allocate calls refused, by reason",
             metrics.allocate_errors.clone(),
+        );
+        sub.register(
+            "forged_allocations",
+            "Allocate calls refused because the pod's allocation is not signed by the gpushare extender",
+            metrics.forged_allocations.clone(),
         );
         sub.register(
             "allocate_duration_seconds",

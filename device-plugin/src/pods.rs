@@ -11,6 +11,11 @@
 //! answers in microseconds and never waits for the API server. The worker always writes the
 //! *latest* marks of a pod, so a slow write can never overwrite a newer decision.
 //!
+//! With a keyring, each pod's allocation is verified when it is read (once per resourceVersion
+//! and keyring generation) and carried as [`matching::Trust`]: matching considers only
+//! allocations the extender signed, and when nothing else waits for a size, the pod that
+//! would have matched is named in the refusal ([`ClaimError::Untrusted`]).
+//!
 //! Reconcile runs on every pod event and every two seconds: see
 //! [`crate::matching::plan_reconcile`] for how marks that landed on a same-sized twin are
 //! moved back to the pod kubelet actually started.
@@ -21,7 +26,7 @@ use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::Duration;
 
 use futures::StreamExt;
-use gpushare_contract::{ContainerRequest, Keys, PodAllocation};
+use gpushare_contract::{ContainerRequest, Keys, PodAllocation, SharedKeyring};
 use k8s_openapi::api::core::v1::Pod;
 use kube::api::{Patch, PatchParams};
 use kube::runtime::reflector::{self, Store};
@@ -30,7 +35,7 @@ use kube::{Api, Client};
 use tokio::sync::{mpsc, watch};
 use tokio_util::sync::CancellationToken;
 
-use crate::matching::{self, Marks, PodView};
+use crate::matching::{self, Marks, PodView, Trust};
 use crate::metrics::Metrics;
 
 /// How often reconcile runs without pod events.
@@ -51,6 +56,16 @@ pub enum ClaimError<E> {
     },
     /// A pod matched, but `check` refused it.
     Rejected(E),
+    /// Nothing the extender signed waits for this size, but a pod whose allocation is not
+    /// signed (or is forged) does: it gets no GPU.
+    Untrusted {
+        /// the size asked for
+        gib: u64,
+        /// `namespace/name` of that pod
+        pod: String,
+        /// why its allocation is refused
+        why: String,
+    },
 }
 
 /// One container matched to an Allocate request.
@@ -75,14 +90,16 @@ struct Overlay {
     dirty: bool,
 }
 
-/// A pod as last read: the resourceVersion it was read at, and its view (`None` when it is
-/// not bound here or carries no readable allocation).
-type ParsedPod = (String, Option<Arc<PodView>>);
+/// A pod as last read: the resourceVersion and keyring generation it was read at, and its
+/// view (`None` when it is not bound here or carries no readable allocation).
+type ParsedPod = (String, u64, Option<Arc<PodView>>);
 
 /// The node-scoped pod cache with our pending marks.
 pub struct PodCache {
     node: String,
     keys: Keys,
+    /// Verifies the extender's signatures; `None`: allocations are not verified.
+    keyring: Option<SharedKeyring>,
     store: Store<Pod>,
     synced: AtomicBool,
     overlay: Mutex<HashMap<String, Overlay>>,
@@ -106,11 +123,12 @@ impl std::fmt::Debug for PodCache {
 
 impl PodCache {
     /// Starts watching the pods bound to `node`, the patch worker and the reconcile loop;
-    /// all stop on `shutdown`.
+    /// all stop on `shutdown`. With `keyring`, only allocations it verifies are acted on.
     pub fn start(
         client: Client,
         node: &str,
         keys: Keys,
+        keyring: Option<SharedKeyring>,
         metrics: Metrics,
         shutdown: CancellationToken,
     ) -> Arc<Self> {
@@ -119,6 +137,7 @@ impl PodCache {
         let cache = Arc::new(Self {
             node: node.to_owned(),
             keys,
+            keyring,
             store,
             synced: AtomicBool::new(false),
             overlay: Mutex::new(HashMap::new()),
@@ -202,6 +221,7 @@ impl PodCache {
             .lock()
             .unwrap_or_else(std::sync::PoisonError::into_inner);
         let pods = self.store.state();
+        let generation = self.keyring.as_ref().map_or(0, SharedKeyring::generation);
         // Forget pods that left the store, so the cache stays the size of the node.
         if parsed.len() > pods.len() {
             let live: std::collections::HashSet<&str> = pods
@@ -214,10 +234,15 @@ impl PodCache {
             let uid = pod.metadata.uid.as_deref().unwrap_or_default();
             let version = pod.metadata.resource_version.as_deref().unwrap_or_default();
             let view = match parsed.get(uid) {
-                Some((seen, view)) if seen == version => view.clone(),
+                Some((seen, read_at, view)) if seen == version && *read_at == generation => {
+                    view.clone()
+                }
                 _ => {
                     let view = self.read_view(pod).map(Arc::new);
-                    parsed.insert(uid.to_owned(), (version.to_owned(), view.clone()));
+                    parsed.insert(
+                        uid.to_owned(),
+                        (version.to_owned(), generation, view.clone()),
+                    );
                     view
                 }
             };
@@ -237,7 +262,8 @@ impl PodCache {
         views
     }
 
-    /// A pod bound here with a readable allocation, as the matching logic sees it.
+    /// A pod bound here with a readable allocation, as the matching logic sees it, its
+    /// signature checked.
     fn read_view(&self, pod: &Pod) -> Option<PodView> {
         let node = pod.spec.as_ref().and_then(|spec| spec.node_name.clone());
         if node.as_deref() != Some(self.node.as_str()) {
@@ -252,13 +278,25 @@ impl PodCache {
                 return None;
             }
         };
+        let uid = pod.metadata.uid.clone().unwrap_or_default();
+        let trust = match &self.keyring {
+            None => Trust::Unchecked,
+            Some(keyring) => match keyring.current().verify(&uid, &self.node, &allocation) {
+                Ok(_) => Trust::Verified,
+                Err(why) => {
+                    tracing::warn!(pod = %key, %uid, %why, "pod carries a gpushare allocation the extender did not sign; it will get no GPU");
+                    Trust::Refused(why.to_string())
+                }
+            },
+        };
         Some(PodView {
             key,
-            uid: pod.metadata.uid.clone().unwrap_or_default(),
+            uid,
             node,
             phase: pod.status.as_ref().and_then(|status| status.phase.clone()),
             deleting: pod.metadata.deletion_timestamp.is_some(),
             allocation,
+            trust,
         })
     }
 
@@ -315,6 +353,10 @@ impl PodCache {
 
     /// Like [`Self::try_claim`], but when no pod waits for a size yet, waits up to `wait`
     /// for the watch to bring one (kubelet may see a pod a moment before we do).
+    ///
+    /// Only then, if a pod whose allocation is not the extender's waits for that size, is it
+    /// named ([`ClaimError::Untrusted`]): refusing at once could refuse an honest pod that
+    /// kubelet admits before our watch shows it.
     pub async fn claim<T, E>(
         &self,
         sizes: &[u64],
@@ -329,12 +371,24 @@ impl PodCache {
                 Err(ClaimError::NoPendingPod { gib }) => {
                     let changed = tokio::time::timeout_at(deadline, changes.changed()).await;
                     if !matches!(changed, Ok(Ok(()))) {
-                        return Err(ClaimError::NoPendingPod { gib });
+                        return Err(match self.untrusted(gib) {
+                            Some((pod, why)) => ClaimError::Untrusted { gib, pod, why },
+                            None => ClaimError::NoPendingPod { gib },
+                        });
                     }
                 }
                 other => return other,
             }
         }
+    }
+
+    /// The pod whose allocation is not the extender's that an Allocate of `gib` devices
+    /// would have matched, and why it is refused.
+    fn untrusted(&self, gib: u64) -> Option<(String, String)> {
+        let overlay = self.lock();
+        let views = self.views(&overlay);
+        matching::find_untrusted(&views, &self.node, gib)
+            .map(|(index, why)| (views[index].key.clone(), why.to_owned()))
     }
 
     /// The GPU index of the pod an Allocate of `gib` devices would be matched to, waiting

@@ -4,6 +4,9 @@
 //! (= N GiB), we find the pod container waiting for N GiB on this node in the local pod cache
 //! ([`crate::pods`]) and answer with the environment that pins the container to the GPU the
 //! extender chose. No API call happens on this path; the marks are written in the background.
+//! With a keyring, only allocations the extender signed are matched; when the pod that would
+//! match carries one it did not sign, the answer is `PermissionDenied` naming that pod
+//! ([`AllocateError::Forged`]), counted in `gpushare_device_plugin_forged_allocations_total`.
 
 use std::collections::HashMap;
 use std::pin::Pin;
@@ -85,6 +88,16 @@ pub enum AllocateError {
         /// the resource
         resource: String,
     },
+    /// The pod that would match carries an allocation the extender did not sign.
+    #[error(
+        "pod {pod}: this pod's gpushare allocation is not signed by the gpushare extender ({why}); delete it and let the scheduler place it"
+    )]
+    Forged {
+        /// namespace/name
+        pod: String,
+        /// why its signature does not verify
+        why: String,
+    },
     /// The annotation names a GPU index this node does not have.
     #[error(
         "pod {pod} was placed on GPU {index}, but node {node} has no GPU with that index; delete the pod so it is scheduled again"
@@ -132,6 +145,7 @@ impl AllocateError {
             Self::NoDevices { .. } => "no_devices",
             Self::UnknownDevices { .. } => "unknown_device",
             Self::NoPendingPod { .. } => "no_pending_pod",
+            Self::Forged { .. } => "forged_allocation",
             Self::UnknownGpu { .. } => "unknown_gpu",
             Self::UuidMismatch { .. } => "gpu_uuid_mismatch",
             Self::UnhealthyGpu { .. } => "gpu_unhealthy",
@@ -147,6 +161,7 @@ impl From<AllocateError> for Status {
                 Status::invalid_argument(message)
             }
             AllocateError::UnhealthyGpu { .. } => Status::unavailable(message),
+            AllocateError::Forged { .. } => Status::permission_denied(message),
             AllocateError::NoPendingPod { .. }
             | AllocateError::UnknownGpu { .. }
             | AllocateError::UuidMismatch { .. } => Status::failed_precondition(message),
@@ -249,6 +264,7 @@ impl GpuMemService {
                     resource: state.resource.clone(),
                 },
                 ClaimError::Rejected(err) => err,
+                ClaimError::Untrusted { pod, why, .. } => AllocateError::Forged { pod, why },
             })?;
         let container_responses = claims
             .iter()
@@ -347,7 +363,13 @@ impl DevicePlugin for GpuMemService {
             }
             Err(err) => {
                 metrics.allocate_error(err.reason());
-                tracing::warn!(reason = err.reason(), error = %err, "Allocate refused");
+                if let AllocateError::Forged { pod, why } = &err {
+                    // Someone bypassed the scheduler, or edited a decision: worth an alert.
+                    metrics.forged_allocations.inc();
+                    tracing::error!(%pod, %why, reason = err.reason(), "Allocate refused: the pod's gpushare allocation is not signed by the extender");
+                } else {
+                    tracing::warn!(reason = err.reason(), error = %err, "Allocate refused");
+                }
                 Err(err.into())
             }
         }

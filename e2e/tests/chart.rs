@@ -13,7 +13,7 @@ use std::process::Command;
 use anyhow::{Context, bail, ensure};
 use k8s_openapi::api::admissionregistration::v1::MutatingWebhookConfiguration;
 use k8s_openapi::api::apps::v1::{DaemonSet, Deployment};
-use k8s_openapi::api::core::v1::{ConfigMap, Container, PodSpec, Service, ServiceAccount};
+use k8s_openapi::api::core::v1::{ConfigMap, Container, PodSpec, Secret, Service, ServiceAccount};
 use k8s_openapi::api::rbac::v1::{ClusterRole, ClusterRoleBinding, PolicyRule, Role, RoleBinding};
 use serde::Deserialize;
 use serde::de::DeserializeOwned;
@@ -152,6 +152,7 @@ fn check_all_typed(rendered: &Rendered) -> anyhow::Result<()> {
             "DaemonSet" => round_trip::<DaemonSet>(doc)?,
             "Service" => round_trip::<Service>(doc)?,
             "ServiceAccount" => round_trip::<ServiceAccount>(doc)?,
+            "Secret" => round_trip::<Secret>(doc)?,
             "ClusterRole" => round_trip::<ClusterRole>(doc)?,
             "ClusterRoleBinding" => round_trip::<ClusterRoleBinding>(doc)?,
             "Role" => round_trip::<Role>(doc)?,
@@ -730,6 +731,7 @@ fn default_values_render_a_dedicated_scheduler_install() -> anyhow::Result<()> {
         ("MutatingWebhookConfiguration", 1),
         ("Role", 1),
         ("RoleBinding", 2),
+        ("Secret", 1),
         ("Service", 2),
         ("ServiceAccount", 3),
     ]
@@ -749,6 +751,7 @@ fn default_values_render_a_dedicated_scheduler_install() -> anyhow::Result<()> {
             "--policy=binpack",
             "--bind-timeout-ms=2500",
             "--bind-grace-ms=2000",
+            "--allocation-keys-file=/etc/gpushare/allocation-keys/keys",
         ],
     )?;
     let deployment: k8s_openapi::api::apps::v1::Deployment =
@@ -769,6 +772,7 @@ fn default_values_render_a_dedicated_scheduler_install() -> anyhow::Result<()> {
             "--gpu-backend=nvml",
             "--resource=example.com/gpu-mem",
             "--domain=gpushare.example.com",
+            "--allocation-keys-file=/etc/gpushare/allocation-keys/keys",
         ],
     )?;
     check_scheduler(&rendered, "gpushare", "example.com/gpu-mem")?;

@@ -230,7 +230,7 @@ fn decide(
             ),
             other => ("conflict", format!("pod {pod_key}: {other}")),
         })?;
-    let allocation = PodAllocation {
+    let mut allocation = PodAllocation {
         gpu_index: placement.gpu,
         gpu_uuid: placement.uuid.clone(),
         pod_gib: placement.pod_gib,
@@ -238,7 +238,12 @@ fn decide(
         bind_time: jiff::Timestamp::now().to_string(),
         assigned: false,
         allocated: Vec::new(),
+        signature: None,
     };
+    // Signed for this pod UID on this node: the device plugin acts only on what verifies.
+    if let Some(keyring) = &view.settings().keyring {
+        allocation.signature = Some(keyring.current().sign(uid.as_str(), node, &allocation));
+    }
     let annotations = allocation.to_annotations(&view.settings().keys);
     let ticket = view.add_reservation(
         uid.clone(),

@@ -79,6 +79,11 @@ pub struct Config {
     /// schedulerName the webhook sets on pods that ask for the resource.
     #[arg(long, env = "GPUSHARE_SCHEDULER_NAME", default_value = gpushare_admission::DEFAULT_SCHEDULER_NAME)]
     pub scheduler_name: String,
+    /// Keyring to sign allocations with (`id:base64key` per line, the first signs; mount it
+    /// from a Secret only the extender and the device plugin read). Re-read when it changes.
+    /// Unset: allocations are NOT signed, and a device plugin that verifies refuses them.
+    #[arg(long, env = "GPUSHARE_ALLOCATION_KEYS_FILE")]
+    pub allocation_keys_file: Option<PathBuf>,
 }
 
 impl Default for Config {
@@ -101,6 +106,7 @@ impl Default for Config {
             namespace: "kube-system".to_owned(),
             webhook_configuration: String::new(),
             scheduler_name: gpushare_admission::DEFAULT_SCHEDULER_NAME.to_owned(),
+            allocation_keys_file: None,
         }
     }
 }
@@ -123,5 +129,12 @@ mod tests {
         assert!(!parsed.webhook_enabled);
         let webhook = Config::try_parse_from(["x", "--webhook-enabled", "true"]).unwrap();
         assert!(webhook.webhook_enabled);
+        assert_eq!(parsed.allocation_keys_file, None);
+        let signing =
+            Config::try_parse_from(["x", "--allocation-keys-file", "/keys/keys"]).unwrap();
+        assert_eq!(
+            signing.allocation_keys_file,
+            Some(PathBuf::from("/keys/keys"))
+        );
     }
 }

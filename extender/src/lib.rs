@@ -22,6 +22,11 @@
 //! ambiguous answer is settled by reading the pod, and the watched pod replaces it when it
 //! arrives (the lifecycle is drawn in [`reservation`]). After a restart the view is rebuilt
 //! from the pods' annotations before the extender answers (`/readyz` stays 503 until then).
+//!
+//! With `--allocation-keys-file`, each decision carries an HMAC signature
+//! (`<domain>/v1.signature`, see [`gpushare_contract::signature`]) that the device plugin
+//! checks before it hands out a GPU; and an allocation on a pod that does not verify is not
+//! trusted to lower what the extender has booked ([`view`]).
 
 #![cfg_attr(test, allow(clippy::unwrap_used))]
 
@@ -40,6 +45,7 @@ use std::future::Future;
 use std::sync::Arc;
 use std::time::Duration;
 
+use gpushare_contract::{KeyringError, KeyringFile};
 use prometheus_client::registry::Registry;
 use tokio::net::TcpListener;
 use tokio::task::JoinHandle;
@@ -75,6 +81,9 @@ pub enum Error {
     /// Only one of --tls-cert and --tls-key was given.
     #[error("--tls-cert and --tls-key must be given together")]
     TlsIncomplete,
+    /// The allocation keyring cannot be read.
+    #[error("--allocation-keys-file: {0}")]
+    Keyring(#[from] KeyringError),
     /// A background task ended although it should run until shutdown.
     #[error("the {0} task ended unexpectedly")]
     TaskEnded(&'static str),
@@ -109,7 +118,22 @@ pub async fn serve(
         (None, None) => None,
         _ => return Err(Error::TlsIncomplete),
     };
-    let settings = Settings::new(&config.resource, &config.domain, &config.node_label);
+    let mut settings = Settings::new(&config.resource, &config.domain, &config.node_label);
+    let keyring_file = match &config.allocation_keys_file {
+        Some(path) => {
+            let file = KeyringFile::open(path)?;
+            let keyring = file.keyring().current();
+            tracing::info!(file = %path.display(), signing = keyring.signing_id(), keys = ?keyring.ids().collect::<Vec<_>>(), "allocations are signed");
+            settings = settings.with_keyring(file.keyring());
+            Some(file)
+        }
+        None => {
+            tracing::warn!(
+                "no --allocation-keys-file: allocations are NOT signed, so the device plugin cannot tell them from hand-written annotations (and one that verifies refuses them)"
+            );
+            None
+        }
+    };
     let (events, event_rx) = EventSink::channel();
     let state = AppState::new(
         settings,
@@ -146,6 +170,7 @@ pub async fn serve(
         client.clone(),
         event_rx,
     )));
+    let _keyring = keyring_file.map(|file| Supervised(tokio::spawn(watch_keyring(file))));
     let mut webhook = match config.webhook_enabled {
         true => Some(Supervised(tokio::spawn(serve_webhook(
             config.clone(),
@@ -217,6 +242,21 @@ async fn serve_webhook(config: Config, client: kube::Client, stop: CancellationT
     .await
     {
         tracing::error!(%error, "admission webhook stopped");
+    }
+}
+
+/// How often the keyring file is checked for changes.
+pub const KEYRING_POLL: Duration = Duration::from_secs(5);
+
+/// Re-reads the keyring file every [`KEYRING_POLL`], so a Secret update (key rotation)
+/// applies without a restart. A file that became unreadable or malformed is reported once
+/// and the keys in use stay. Runs until aborted.
+async fn watch_keyring(mut file: KeyringFile) {
+    let mut tick = tokio::time::interval(KEYRING_POLL);
+    tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+    loop {
+        tick.tick().await;
+        file.reload_logged();
     }
 }
 

@@ -13,6 +13,16 @@
 //! (shared with the allocator's indexes), its node (the allocator's own node name) and, only
 //! while it waits to be bound, its request. Its allocation lives in the allocator alone. The
 //! `view-memory` instrument in `perf/` measures the bytes per pod.
+//!
+//! Why a signature that does not verify keeps the booking: with a keyring configured, a
+//! bound pod's allocation is checked against the extender's signature. One that does not
+//! verify was hand-written or edited, so it is not trusted to *lower* what is booked: the
+//! booking the extender already has for that UID stays (its own reservation, or what the
+//! annotations said while they verified), also across a relist. A pod with none booked gets
+//! what its own spec asks for (which no one can edit) on the GPU the annotations name: never
+//! less than it may use, so pods bound before signing was turned on stay accounted, and a
+//! forged claim of 0 GiB counts as the pod's real request (the device plugin refuses the
+//! forged pod a GPU anyway; once it fails, the memory is free again).
 
 use std::collections::{BTreeMap, HashMap};
 use std::sync::Arc;
@@ -22,7 +32,7 @@ use gpushare_allocator::{Cluster, Gpu, PodId, PodPlacement, Request};
 
 use crate::reservation::{Outcome, Phase, Reservation, Reservations, Settled, Ticket};
 use gpushare_contract::{
-    GpuInfo, Keys, PodAllocation, PodRequest, RequestError, inventory, pod_request,
+    GpuInfo, Keys, PodAllocation, PodRequest, RequestError, SharedKeyring, inventory, pod_request,
 };
 use k8s_openapi::api::core::v1::{Node, Pod};
 
@@ -37,6 +47,8 @@ pub struct Settings {
     pub label_key: String,
     /// Participation label value.
     pub label_value: String,
+    /// The keyring the extender signs with; with one, allocations on pods are verified.
+    pub keyring: Option<SharedKeyring>,
 }
 
 impl Settings {
@@ -51,7 +63,14 @@ impl Settings {
             keys: Keys::new(domain),
             label_key,
             label_value,
+            keyring: None,
         }
+    }
+
+    /// These settings, signing and verifying allocations with `keyring`.
+    pub fn with_keyring(mut self, keyring: SharedKeyring) -> Self {
+        self.keyring = Some(keyring);
+        self
     }
 }
 
@@ -89,7 +108,8 @@ pub struct CachedPod {
     pub node_name: Option<Arc<str>>,
     /// What it asks for.
     pub ask: Ask,
-    /// True while its allocation annotations cannot be read (warned once).
+    /// True while its allocation annotations cannot be read or, with a keyring, do not
+    /// verify (warned once).
     pub bad_annotations: bool,
 }
 
@@ -150,21 +170,52 @@ enum AllocationFacts {
         error: String,
         salvaged: Option<PodPlacement>,
     },
+    /// Readable, but a keyring is configured and their signature does not verify: why, and
+    /// what to book when nothing is booked for the pod yet: its own spec request (which no
+    /// one can edit, and which kubelet charges anyway) on the GPU the annotations name.
+    Untrusted {
+        why: String,
+        fallback: Option<PodPlacement>,
+    },
 }
 
 impl AllocationFacts {
-    fn read(keys: &Keys, annotations: Option<&BTreeMap<String, String>>) -> Self {
+    /// Reads the annotations of pod `uid`, bound to `node` (if it is); with a keyring in
+    /// `settings`, a bound pod's allocation must carry the extender's signature.
+    fn read(
+        settings: &Settings,
+        uid: &str,
+        node: Option<&str>,
+        annotations: Option<&BTreeMap<String, String>>,
+        spec_gib: Option<u64>,
+    ) -> Self {
+        let keys = &settings.keys;
         let Some(annotations) = annotations else {
             return Self::Absent;
         };
         match PodAllocation::from_annotations(keys, annotations) {
             Ok(None) => Self::Absent,
-            Ok(Some(allocation)) => Self::Readable(PodPlacement {
-                gpu: allocation.gpu_index,
-                pod_gib: allocation.pod_gib,
-                pending: allocation.pending_containers().map(|c| c.gib).collect(),
-                assigned: allocation.assigned,
-            }),
+            Ok(Some(allocation)) => {
+                if let (Some(keyring), Some(node)) = (&settings.keyring, node)
+                    && let Err(why) = keyring.current().verify(uid, node, &allocation)
+                {
+                    return Self::Untrusted {
+                        why: why.to_string(),
+                        fallback: spec_gib.filter(|gib| *gib > 0).map(|pod_gib| PodPlacement {
+                            gpu: allocation.gpu_index,
+                            pod_gib,
+                            pending: Vec::new(),
+                            assigned: true,
+                        }),
+                    };
+                }
+                Self::Readable(PodPlacement {
+                    gpu: allocation.gpu_index,
+                    pod_gib: allocation.pod_gib,
+                    pending: allocation.pending_containers().map(|c| c.gib).collect(),
+                    assigned: allocation.assigned,
+                })
+            }
             Err(error) => {
                 let gpu = annotations
                     .get(&keys.gpu_index)
@@ -214,17 +265,31 @@ impl PodFacts {
             .filter(|n| !n.is_empty())
             .map(Box::from);
         let key = pod_key(metadata.namespace.as_deref()?, metadata.name.as_deref()?);
+        let uid = metadata.uid.as_deref()?;
+        let request = pod_request(pod, &settings.resource);
+        let spec_gib = request
+            .as_ref()
+            .ok()
+            .and_then(|r| r.as_ref())
+            .map(|r| r.pod_gib);
+        let allocation = AllocationFacts::read(
+            settings,
+            uid,
+            node_name.as_deref(),
+            metadata.annotations.as_ref(),
+            spec_gib,
+        );
         Some(Self {
             key: key.into(),
-            uid: PodId::from(metadata.uid.as_deref()?),
+            uid: PodId::from(uid),
             finished: pod
                 .status
                 .as_ref()
                 .and_then(|s| s.phase.as_deref())
                 .is_some_and(|phase| phase == "Succeeded" || phase == "Failed"),
-            ask: Ask::new(pod_request(pod, &settings.resource), node_name.is_some()),
+            ask: Ask::new(request, node_name.is_some()),
             node_name,
-            allocation: AllocationFacts::read(&settings.keys, metadata.annotations.as_ref()),
+            allocation,
         })
     }
 
@@ -495,46 +560,95 @@ impl View {
         }
         let (namespace, name) = split_key(&key);
         let was_bad = self.pods.get(&key).is_some_and(|p| p.bad_annotations);
-        let bad_annotations = matches!(allocation, AllocationFacts::Unreadable { .. });
-        let mut warning = None;
-        if let AllocationFacts::Unreadable { error, .. } = &allocation
-            && !was_bad
-        {
-            let message = format!(
-                "gpushare allocation annotations of pod {namespace}/{name} cannot be read: {error}"
-            );
-            tracing::error!(pod = %key, %uid, %error, "unreadable allocation annotations");
-            warning = Some(PodWarning {
-                namespace: namespace.to_owned(),
-                name: name.to_owned(),
-                uid: uid.to_string(),
-                message,
-            });
-        }
+        let bad_annotations = matches!(
+            allocation,
+            AllocationFacts::Unreadable { .. } | AllocationFacts::Untrusted { .. }
+        );
+        let message = match &allocation {
+            _ if was_bad => None,
+            AllocationFacts::Unreadable { error, .. } => {
+                tracing::error!(pod = %key, %uid, %error, "unreadable allocation annotations");
+                Some(format!(
+                    "gpushare allocation annotations of pod {namespace}/{name} cannot be read: {error}"
+                ))
+            }
+            AllocationFacts::Untrusted { why, .. } => Some(format!(
+                "gpushare allocation annotations of pod {namespace}/{name} are not signed by the gpushare extender ({why}); the device plugin gives it no GPU. Delete the pod and let the scheduler place it."
+            )),
+            _ => None,
+        };
+        let warning = message.map(|message| PodWarning {
+            namespace: namespace.to_owned(),
+            name: name.to_owned(),
+            uid: uid.to_string(),
+            message,
+        });
 
         if finished {
             self.cluster.remove_pod(&uid);
             self.reservations.remove(&uid);
         } else if let Some(node) = node_name.as_deref() {
-            let placement = match allocation {
-                AllocationFacts::Readable(placement) => Some(placement),
+            /// What the pod's annotations do to its booking.
+            enum Booking {
+                Book(PodPlacement),
+                /// Not trusted to change it: what is booked stays, nothing new is booked.
+                Keep,
+                Nothing,
+            }
+            let booking = match allocation {
+                AllocationFacts::Readable(placement) => Booking::Book(placement),
                 AllocationFacts::Unreadable { salvaged: None, .. } => {
                     tracing::error!(
                         pod = %key,
                         "pod's gpu-index or pod-gib annotation is unreadable: its GPU memory is NOT accounted and may be over-committed"
                     );
-                    None
+                    Booking::Nothing
                 }
-                AllocationFacts::Unreadable { salvaged, .. } => salvaged,
-                AllocationFacts::Absent => None,
+                AllocationFacts::Unreadable {
+                    salvaged: Some(placement),
+                    ..
+                } => Booking::Book(placement),
+                AllocationFacts::Absent => Booking::Nothing,
+                AllocationFacts::Untrusted { why, fallback } => {
+                    match (self.cluster.pod(&uid), fallback) {
+                        (Some((booked_on, placement)), _) => {
+                            if !was_bad {
+                                tracing::warn!(
+                                    pod = %key, node = %node, %why, booked_on = %booked_on, gpu = placement.gpu, gib = placement.pod_gib,
+                                    "pod's gpushare allocation is not signed by the extender; keeping the GPU memory already booked for it"
+                                );
+                            }
+                            Booking::Keep
+                        }
+                        (None, Some(fallback)) => {
+                            if !was_bad {
+                                tracing::warn!(
+                                    pod = %key, node = %node, %why, gpu = fallback.gpu, gib = fallback.pod_gib,
+                                    "pod's gpushare allocation is not signed by the extender; booking what its spec asks for on the GPU it names"
+                                );
+                            }
+                            Booking::Book(fallback)
+                        }
+                        (None, None) => {
+                            if !was_bad {
+                                tracing::error!(
+                                    pod = %key, node = %node, %why,
+                                    "pod is bound with a gpushare allocation the extender did not sign and asks for no GPU memory: nothing is booked; the device plugin refuses to give it a GPU"
+                                );
+                            }
+                            Booking::Nothing
+                        }
+                    }
+                }
             };
             // The pod is bound: whatever bind reserved has served its purpose. From here on
             // the pod's own annotations (the Binding's, written in the same write as the
             // node) say where its memory is.
             let reserved = self.reservations.remove(&uid).is_some();
-            match placement {
-                Some(placement) => self.cluster.upsert_pod(uid.clone(), node, placement),
-                None => {
+            match booking {
+                Booking::Book(placement) => self.cluster.upsert_pod(uid.clone(), node, placement),
+                Booking::Keep => {}
+                Booking::Nothing => {
                     if (reserved || self.cluster.pod(&uid).is_none()) && !bad_annotations {
                         tracing::warn!(
                             pod = %key,
@@ -599,9 +713,26 @@ impl View {
     /// [`View::replace_pods`] from facts already read (what the watch buffers during a relist).
     pub fn replace_pod_facts(&mut self, pods: Vec<PodFacts>) -> Vec<PodWarning> {
         let reservations = self.reservations.take_all();
+        // Allocations that do not verify keep what was booked for their pods (see the
+        // module doc): carried over the rebuild.
+        let kept: Vec<(PodId, Arc<str>, PodPlacement)> = pods
+            .iter()
+            .filter(|facts| {
+                !facts.finished
+                    && facts.node_name.is_some()
+                    && matches!(facts.allocation, AllocationFacts::Untrusted { .. })
+            })
+            .filter_map(|facts| {
+                let (node, placement) = self.cluster.pod(&facts.uid)?;
+                Some((facts.uid.clone(), Arc::from(node), placement.clone()))
+            })
+            .collect();
         self.pods.clear();
         self.pod_keys.clear();
         self.cluster.forget_pods();
+        for (uid, node, placement) in kept {
+            self.cluster.upsert_pod(uid, &node, placement);
+        }
         let warnings = pods
             .into_iter()
             .filter_map(|facts| self.apply_facts(facts))
@@ -857,5 +988,117 @@ mod tests {
         view.apply_pod(&with_uid(pod("a").gpu_mem(4).on_node("n1").build(), "ua"));
         assert_eq!(view.reservation_count(), 0);
         assert_eq!(used(&view, 0), 0);
+    }
+
+    const KEYRING: &str = "k1:AQEBAQEBAQEBAQEBAQEBAQEBAQEBAQEBAQEBAQEBAQE=";
+
+    fn signing_view() -> View {
+        let keyring = gpushare_contract::Keyring::parse(KEYRING).unwrap();
+        let mut view = View::new(
+            Settings::new(
+                gpushare_contract::DEFAULT_RESOURCE,
+                gpushare_contract::DEFAULT_DOMAIN,
+                "gpushare=true",
+            )
+            .with_keyring(SharedKeyring::new(keyring)),
+        );
+        view.replace_nodes(&[node("n1").gpushare().gpus(&[16]).build()]);
+        view
+    }
+
+    /// [`allocated`], signed by the extender for pod `uid` on n1.
+    fn signed(name: &str, uid: &str, gpu: u32, gib: u64) -> Pod {
+        let keys = Keys::default();
+        let mut pod = allocated(name, uid, gpu, gib);
+        let annotations = pod.metadata.annotations.as_mut().unwrap();
+        let allocation = PodAllocation::from_annotations(&keys, annotations)
+            .unwrap()
+            .unwrap();
+        let keyring = gpushare_contract::Keyring::parse(KEYRING).unwrap();
+        annotations.insert(keys.signature, keyring.sign(uid, "n1", &allocation));
+        pod
+    }
+
+    #[test]
+    fn with_a_keyring_unsigned_allocations_book_the_spec_request_not_their_claim() {
+        let mut view = signing_view();
+        assert!(view.apply_pod(&signed("a", "ua", 0, 4)).is_none());
+        assert_eq!(used(&view, 0), 4);
+        // Hand-written annotations, or another pod's signed ones: what the pod's spec asks for
+        // is booked on the GPU they name (never what they claim), and the owner hears why.
+        for forged in [allocated("f", "uf", 0, 4), {
+            let mut copy = signed("a", "ua", 0, 4);
+            copy.metadata.name = Some("f".into());
+            with_uid(copy, "uf")
+        }] {
+            let mut view = signing_view();
+            let warning = view.apply_pod(&forged).unwrap();
+            assert!(
+                warning.message.contains("default/f")
+                    && warning
+                        .message
+                        .contains("not signed by the gpushare extender"),
+                "{}",
+                warning.message
+            );
+            assert_eq!(used(&view, 0), 4);
+            assert!(view.pod("default", "f").unwrap().bad_annotations);
+            assert!(view.apply_pod(&forged).is_none(), "warned twice");
+        }
+        // The forgery found on a real cluster: 12 GiB asked for, `pod-gib: 0` claimed.
+        let mut view = signing_view();
+        let mut forged = allocated("f", "uf", 0, 12);
+        forged
+            .metadata
+            .annotations
+            .as_mut()
+            .unwrap()
+            .insert(Keys::default().pod_gib, "0".into());
+        view.apply_pod(&forged);
+        assert_eq!(used(&view, 0), 12);
+    }
+
+    #[test]
+    fn an_allocation_that_stops_verifying_cannot_lower_the_booking() {
+        let mut view = signing_view();
+        view.apply_pod(&signed("a", "ua", 0, 8));
+        assert_eq!(used(&view, 0), 8);
+        // The owner edits pod-gib down to 1: the signature no longer matches.
+        let mut edited = signed("a", "ua", 0, 8);
+        edited
+            .metadata
+            .annotations
+            .as_mut()
+            .unwrap()
+            .insert(Keys::default().pod_gib, "1".into());
+        assert!(view.apply_pod(&edited).is_some());
+        assert_eq!(used(&view, 0), 8, "the booking stays");
+        // Nor does a relist (watch expiry) drop it.
+        view.replace_pods(std::slice::from_ref(&edited));
+        assert_eq!(used(&view, 0), 8);
+        // The pod's end still frees it.
+        view.delete_pod(&edited);
+        assert_eq!(used(&view, 0), 0);
+    }
+
+    #[test]
+    fn a_reservation_stays_booked_when_the_bound_pod_does_not_verify() {
+        let mut view = signing_view();
+        let a = with_uid(pod("a").gpu_mem(4).build(), "ua");
+        view.replace_pods(std::slice::from_ref(&a));
+        reserve(&mut view, "ua", "a");
+        assert_eq!(used(&view, 0), 4);
+        // The watch shows the pod bound with an allocation that claims less and is unsigned.
+        view.apply_pod(&allocated("a", "ua", 0, 1));
+        assert_eq!(view.reservation_count(), 0);
+        assert_eq!(used(&view, 0), 4);
+    }
+
+    #[test]
+    fn without_a_keyring_nothing_is_verified() {
+        let mut view = view();
+        view.apply_node(&node("n1").gpushare().gpus(&[16]).build());
+        assert!(view.apply_pod(&allocated("a", "ua", 0, 4)).is_none());
+        assert_eq!(used(&view, 0), 4);
     }
 }

@@ -7,7 +7,7 @@ mod common;
 
 use axum::http::StatusCode;
 use common::{BindMode, PREFIX, bind_body, call, call_raw, fixture, harness};
-use gpushare_contract::{ContainerRequest, Keys, PodAllocation};
+use gpushare_contract::{ContainerRequest, Keyring, Keys, PodAllocation, SharedKeyring};
 use gpushare_e2e::fixtures::{node, pod};
 use gpushare_extender::reservation::Phase;
 use k8s_openapi::api::core::v1::Pod;
@@ -33,6 +33,7 @@ fn bound(name: &str, node_name: &str, gpu: u32, gib: u64, assigned: bool) -> Pod
         } else {
             vec![]
         },
+        signature: None,
     };
     let mut builder = pod(name).gpu_mem(gib).on_node(node_name);
     for (k, v) in allocation.to_annotations(&Keys::default()) {
@@ -145,6 +146,52 @@ async fn captured_bind_writes_one_binding_with_the_decision() {
     let view = h.state.view();
     assert_eq!(view.cluster.node("node-a").unwrap().gpus()[0].used_gib, 4);
     assert_eq!(view.reservation_count(), 1);
+}
+
+#[tokio::test]
+async fn with_a_keyring_the_binding_carries_a_signature_that_verifies() {
+    let keyring = SharedKeyring::new(
+        Keyring::parse(
+            "k2:AgICAgICAgICAgICAgICAgICAgICAgICAgICAgICAgI=\nk1:AQEBAQEBAQEBAQEBAQEBAQ==",
+        )
+        .unwrap(),
+    );
+    let h = common::harness_with(
+        common::settings().with_keyring(keyring.clone()),
+        vec![node("node-a").gpushare().gpus(&[16]).build()],
+        vec![fixture_pod()],
+    );
+    let answer = captured_bind(&h).await;
+    assert_eq!(answer["Error"], "");
+    let keys = Keys::default();
+    let binding = h.binder.calls()[0].clone();
+    let allocation = PodAllocation::from_annotations(&keys, &binding.annotations)
+        .unwrap()
+        .unwrap();
+    let signature = binding.annotations[&keys.signature].clone();
+    assert!(
+        signature.starts_with("k2:"),
+        "the first key signs: {signature}"
+    );
+    let keyring = keyring.current();
+    assert_eq!(keyring.verify(FIXTURE_UID, "node-a", &allocation), Ok("k2"));
+    // Bound to this pod and this node: copied elsewhere it does not verify.
+    assert!(
+        keyring
+            .verify("another-uid", "node-a", &allocation)
+            .is_err()
+    );
+    assert!(keyring.verify(FIXTURE_UID, "node-b", &allocation).is_err());
+    // The watch shows the pod bound with the Binding's annotations: the extender's own
+    // verification accepts them and books the pod once.
+    let mut watched = fixture_pod();
+    watched.metadata.annotations = Some(binding.annotations.clone());
+    watched.spec.as_mut().unwrap().node_name = Some("node-a".into());
+    assert!(h.state.view_mut().apply_pod(&watched).is_none());
+    let view = h.state.view();
+    assert!(!view.pod("default", "gpu-pod-3").unwrap().bad_annotations);
+    assert_eq!(view.reservation_count(), 0);
+    assert_eq!(view.cluster.node("node-a").unwrap().gpus()[0].used_gib, 4);
 }
 
 #[tokio::test]

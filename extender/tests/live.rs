@@ -596,3 +596,27 @@ async fn a_bad_certificate_path_stops_startup_with_a_clear_error() -> anyhow::Re
     );
     Ok(())
 }
+
+#[tokio::test]
+async fn a_malformed_keyring_stops_startup_with_a_clear_error() -> anyhow::Result<()> {
+    let server = ApiServer::start().await?;
+    let dir = tempfile::tempdir()?;
+    let keys = dir.path().join("keys");
+    std::fs::write(&keys, "k1:AQEBAQEBAQEBAQEBAQEBAQ==\nk2 no-colon\n")?;
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await?;
+    let config = Config {
+        allocation_keys_file: Some(keys.clone()),
+        ..Config::default()
+    };
+    let error = serve(config, server.client(), listener, std::future::pending())
+        .await
+        .unwrap_err()
+        .to_string();
+    assert!(
+        error.contains("--allocation-keys-file")
+            && error.contains(&keys.display().to_string())
+            && error.contains("line 2: expected `id:base64key`"),
+        "{error}"
+    );
+    Ok(())
+}

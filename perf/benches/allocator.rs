@@ -121,6 +121,7 @@ fn rebuild_from_annotations(c: &mut Criterion) {
                 bind_time: "2026-11-22T10:00:00Z".into(),
                 assigned: true,
                 allocated: vec!["main".into()],
+                signature: None,
             };
             (
                 format!("uid-{p}"),

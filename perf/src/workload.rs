@@ -68,6 +68,7 @@ pub fn allocated_pod(
         } else {
             Vec::new()
         },
+        signature: None,
     };
     allocation.to_annotations(keys).iter().fold(
         pod(name).gpu_mem(placed.gib).on_node(placed.node),

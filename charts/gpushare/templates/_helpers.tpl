@@ -35,6 +35,20 @@
 {{- printf "%s-webhook" (include "gpushare.fullname" .) | trunc 63 | trimSuffix "-" }}
 {{- end }}
 
+{{/* The Secret holding the allocation keyring: the chart's own, or allocationSigning.existingSecret. */}}
+{{- define "gpushare.allocationKeys.secretName" -}}
+{{- if .Values.allocationSigning.existingSecret }}
+{{- .Values.allocationSigning.existingSecret }}
+{{- else }}
+{{- printf "%s-allocation-keys" (include "gpushare.fullname" .) | trunc 63 | trimSuffix "-" }}
+{{- end }}
+{{- end }}
+
+{{/* Where the extender and the device plugin mount that Secret (a directory: kubelet updates it in place). */}}
+{{- define "gpushare.allocationKeys.dir" -}}
+/etc/gpushare/allocation-keys
+{{- end }}
+
 {{/* Labels on every object. Call with (dict "ctx" $ "component" "extender"). */}}
 {{- define "gpushare.labels" -}}
 helm.sh/chart: {{ include "gpushare.chart" .ctx }}

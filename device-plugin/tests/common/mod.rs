@@ -33,19 +33,20 @@ pub struct Plugin {
 }
 
 impl Plugin {
-    /// Starts the plugin in-process with simulated GPUs of `gpus` GiB.
+    /// Starts the plugin in-process with simulated GPUs of `gpus` GiB, and `extra` flags.
     pub fn start(
         client: Client,
         dir: &Path,
         health: &Path,
         gpus: &[u64],
+        extra: &[String],
     ) -> anyhow::Result<Plugin> {
         let sizes = gpus
             .iter()
             .map(u64::to_string)
             .collect::<Vec<_>>()
             .join(",");
-        let config = Config::try_parse_from([
+        let base = [
             "gpushare-device-plugin",
             "--node-name",
             NODE,
@@ -61,7 +62,9 @@ impl Plugin {
             "127.0.0.1:0",
             "--pending-pod-wait-ms",
             "2000",
-        ])?;
+        ]
+        .map(str::to_owned);
+        let config = Config::try_parse_from(base.into_iter().chain(extra.iter().cloned()))?;
         let stop = CancellationToken::new();
         let task = tokio::spawn(gpushare_device_plugin::run_with_client(
             config,
@@ -90,6 +93,15 @@ pub struct Cluster {
 impl Cluster {
     /// API server + node; the kubelet (when `order` is given) and the plugin with `gpus`.
     pub async fn start(gpus: &[u64], order: Option<AdmissionOrder>) -> anyhow::Result<Cluster> {
+        Self::start_with(gpus, order, &[]).await
+    }
+
+    /// [`Cluster::start`], the plugin started with `extra` flags.
+    pub async fn start_with(
+        gpus: &[u64],
+        order: Option<AdmissionOrder>,
+        extra: &[String],
+    ) -> anyhow::Result<Cluster> {
         let server = ApiServer::start().await?;
         let client = server.client();
         gpushare_e2e::fixtures::node(NODE)
@@ -117,6 +129,7 @@ impl Cluster {
             cluster.dir.path(),
             &cluster.health_file(),
             gpus,
+            extra,
         )?);
         if let Some(kubelet) = &cluster.kubelet {
             kubelet.wait_registered(RESOURCE, WAIT).await?;
@@ -194,6 +207,7 @@ pub fn allocation(
         bind_time: format!("2026-11-22T10:{:02}:{:02}Z", second / 60, second % 60),
         assigned: false,
         allocated: vec![],
+        signature: None,
     }
     .to_annotations(&Keys::default())
     .into_iter()

@@ -131,15 +131,25 @@ pub struct Harness {
     pub app: Router,
 }
 
+/// The settings [`harness`] runs with: the default resource, domain and node label.
+pub fn settings() -> Settings {
+    Settings::new(
+        gpushare_contract::DEFAULT_RESOURCE,
+        gpushare_contract::DEFAULT_DOMAIN,
+        "gpushare=true",
+    )
+}
+
 /// A synced state over these nodes and pods (pods get a UID `uid-<name>` unless set).
 pub fn harness(nodes: Vec<Node>, pods: Vec<Pod>) -> Harness {
+    harness_with(settings(), nodes, pods)
+}
+
+/// [`harness`] with other settings (a keyring, another domain).
+pub fn harness_with(settings: Settings, nodes: Vec<Node>, pods: Vec<Pod>) -> Harness {
     let binder = Arc::new(FakeBinder::default());
     let state = AppState::new(
-        Settings::new(
-            gpushare_contract::DEFAULT_RESOURCE,
-            gpushare_contract::DEFAULT_DOMAIN,
-            "gpushare=true",
-        ),
+        settings,
         Policy::Binpack,
         binder.clone(),
         fast_timing(),

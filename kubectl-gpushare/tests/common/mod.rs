@@ -23,6 +23,7 @@ pub fn placed(builder: PodBuilder, gpu: u32, gib: u64) -> PodBuilder {
         bind_time: "2026-01-01T00:00:00Z".into(),
         assigned: true,
         allocated: vec!["main".into()],
+        signature: None,
     };
     allocation
         .to_annotations(&Keys::default())

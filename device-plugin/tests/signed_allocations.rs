@@ -1,0 +1,282 @@
+//! With `--allocation-keys-file`, the plugin acts only on allocations the extender signed:
+//! a pod created with hand-written allocation annotations, or with another pod's signed
+//! ones, is refused at Allocate with a clear error, while honest pods on the same node are
+//! served. Real gRPC over unix sockets, directly and through the test kubelet.
+
+mod common;
+
+use std::collections::BTreeMap;
+use std::path::PathBuf;
+
+use common::{Cluster, NODE, WAIT, allocation, eventually, uuid};
+use gpushare_contract::{Keyring, Keys, PodAllocation, env};
+use gpushare_e2e::fixtures::pod;
+use gpushare_e2e::kubelet::AdmissionOrder;
+use gpushare_proto::v1beta1::device_plugin_client::DevicePluginClient;
+use gpushare_proto::v1beta1::{
+    AllocateRequest, ContainerAllocateRequest, ContainerPreferredAllocationRequest,
+    PreferredAllocationRequest,
+};
+use k8s_openapi::api::core::v1::{Binding, ObjectReference, Pod};
+use k8s_openapi::apimachinery::pkg::apis::meta::v1::ObjectMeta;
+use kube::Api;
+use kube::api::PostParams;
+use tempfile::TempDir;
+use tonic::Code;
+
+const KEYRING: &str = "k1:AQEBAQEBAQEBAQEBAQEBAQEBAQEBAQEBAQEBAQEBAQE=\n";
+
+/// The keyring file in a temp dir, and the plugin flag that points at it.
+fn keyring_file() -> anyhow::Result<(TempDir, Vec<String>)> {
+    let dir = tempfile::tempdir()?;
+    let path: PathBuf = dir.path().join("keys");
+    std::fs::write(&path, KEYRING)?;
+    let flags = vec![
+        "--allocation-keys-file".to_owned(),
+        path.display().to_string(),
+    ];
+    Ok((dir, flags))
+}
+
+/// Creates pod `name` unbound and binds it as the extender does: one Binding whose
+/// annotations carry the decision (GPU `gpu`, one `gib` container) signed for the pod's UID.
+async fn bind_signed(cluster: &Cluster, name: &str, gpu: u32, gib: u64) -> anyhow::Result<()> {
+    let created = pod(name).gpu_mem(gib).create(&cluster.client).await?;
+    let uid = created.metadata.uid.clone().unwrap_or_default();
+    let keys = Keys::default();
+    let annotations: BTreeMap<String, String> = allocation(gpu, &[("main", gib, false)], 1)
+        .into_iter()
+        .collect();
+    let mut decision = PodAllocation::from_annotations(&keys, &annotations)?
+        .ok_or_else(|| anyhow::anyhow!("no allocation"))?;
+    decision.signature = Some(Keyring::parse(KEYRING)?.sign(&uid, NODE, &decision));
+    let binding = Binding {
+        metadata: ObjectMeta {
+            name: Some(name.to_owned()),
+            namespace: Some("default".to_owned()),
+            uid: Some(uid),
+            annotations: Some(decision.to_annotations(&keys)),
+            ..ObjectMeta::default()
+        },
+        target: ObjectReference {
+            api_version: Some("v1".to_owned()),
+            kind: Some("Node".to_owned()),
+            name: Some(NODE.to_owned()),
+            ..ObjectReference::default()
+        },
+    };
+    Api::<Pod>::namespaced(cluster.client.clone(), "default")
+        .create_subresource::<_, serde_json::Value>(
+            "binding",
+            name,
+            &PostParams::default(),
+            &binding,
+        )
+        .await?;
+    Ok(())
+}
+
+/// Creates pod `name` on the node with hand-written allocation annotations (no signature).
+async fn create_forged(cluster: &Cluster, name: &str, gpu: u32, gib: u64) -> anyhow::Result<()> {
+    let mut builder = pod(name).gpu_mem(gib).on_node(NODE);
+    for (k, v) in allocation(gpu, &[("main", gib, false)], 0) {
+        builder = builder.annotation(&k, &v);
+    }
+    builder.create(&cluster.client).await?;
+    Ok(())
+}
+
+/// Creates pod `name` (asking for `gib`) on the node with the decision and signature copied
+/// from pod `from`, progress marks reset: what a user who can read that pod could write.
+async fn create_copy(cluster: &Cluster, name: &str, from: &str, gib: u64) -> anyhow::Result<()> {
+    let keys = Keys::default();
+    let source = cluster.pod(from).await?;
+    let annotations = source.metadata.annotations.unwrap_or_default();
+    anyhow::ensure!(
+        annotations.contains_key(&keys.signature),
+        "{from} is signed"
+    );
+    let mut builder = pod(name).gpu_mem(gib).on_node(NODE);
+    for (k, v) in &annotations {
+        if k.starts_with("gpushare.example.com/") && *k != keys.allocated && *k != keys.assigned {
+            builder = builder.annotation(k, v);
+        }
+    }
+    builder = builder.annotation(&keys.assigned, "false");
+    builder.create(&cluster.client).await?;
+    Ok(())
+}
+
+fn ids(gpu: u32, slots: std::ops::Range<u64>) -> Vec<String> {
+    slots.map(|slot| format!("{}-{slot}", uuid(gpu))).collect()
+}
+
+fn allocate(devices: Vec<String>) -> AllocateRequest {
+    AllocateRequest {
+        container_requests: vec![ContainerAllocateRequest {
+            devices_ids: devices,
+        }],
+    }
+}
+
+#[tokio::test]
+async fn forged_and_copied_allocations_are_refused_while_signed_ones_are_served()
+-> anyhow::Result<()> {
+    let (_keys, flags) = keyring_file()?;
+    let cluster = Cluster::start_with(&[16, 16], None, &flags).await?;
+    bind_signed(&cluster, "honest", 1, 3).await?;
+    create_forged(&cluster, "forged", 1, 2).await?;
+    create_copy(&cluster, "copy", "honest", 3).await?;
+
+    let socket = cluster.plugin_socket();
+    eventually(WAIT, "the plugin socket", || async { Ok(socket.exists()) }).await?;
+    let mut plugin =
+        DevicePluginClient::new(gpushare_device_plugin::server::connect(&socket).await?);
+
+    // Preferred allocation is not steered by the forged pod (GPU 1): kubelet's own pick.
+    let available: Vec<String> = ids(0, 0..4).into_iter().chain(ids(1, 0..4)).collect();
+    let preferred = plugin
+        .get_preferred_allocation(PreferredAllocationRequest {
+            container_requests: vec![ContainerPreferredAllocationRequest {
+                available_device_i_ds: available.clone(),
+                must_include_device_i_ds: vec![],
+                allocation_size: 2,
+            }],
+        })
+        .await?
+        .into_inner();
+    assert_eq!(
+        preferred.container_responses[0].device_i_ds,
+        available[..2].to_vec()
+    );
+
+    // The forged pod: refused, named, told what to do.
+    let err = plugin.allocate(allocate(ids(0, 0..2))).await.unwrap_err();
+    assert_eq!(err.code(), Code::PermissionDenied, "{}", err.message());
+    for want in [
+        "pod default/forged",
+        "this pod's gpushare allocation is not signed by the gpushare extender",
+        "it carries no signature",
+        "delete it and let the scheduler place it",
+    ] {
+        assert!(err.message().contains(want), "{want}: {}", err.message());
+    }
+
+    // The honest pod on the same node: served with the GPU the extender chose.
+    let response = plugin.allocate(allocate(ids(0, 0..3))).await?.into_inner();
+    let envs = &response.container_responses[0].envs;
+    assert_eq!(envs[env::NVIDIA_VISIBLE_DEVICES], uuid(1));
+    assert_eq!(envs[env::CONTAINER_GIB], "3");
+
+    // The copy of its signed annotations on another pod (another UID): refused.
+    let err = plugin.allocate(allocate(ids(0, 0..3))).await.unwrap_err();
+    assert_eq!(err.code(), Code::PermissionDenied, "{}", err.message());
+    assert!(
+        err.message().contains("pod default/copy")
+            && err.message().contains("does not match its allocation"),
+        "{}",
+        err.message()
+    );
+    // The honest pod is marked allocated; neither refused pod is.
+    let keys = Keys::default();
+    eventually(WAIT, "the honest pod's marks", || async {
+        let annotations = cluster.pod("honest").await?.metadata.annotations;
+        Ok(annotations.is_some_and(|a| a.get(&keys.assigned).map(String::as_str) == Some("true")))
+    })
+    .await?;
+    for refused in ["forged", "copy"] {
+        let annotations = cluster.pod(refused).await?.metadata.annotations;
+        assert_eq!(
+            annotations.unwrap_or_default()[&keys.assigned],
+            "false",
+            "{refused}"
+        );
+    }
+    cluster.stop().await
+}
+
+#[tokio::test]
+async fn kubelet_rejects_forged_pods_and_runs_the_honest_one() -> anyhow::Result<()> {
+    let (_keys, flags) = keyring_file()?;
+    let cluster =
+        Cluster::start_with(&[16, 16], Some(AdmissionOrder::CreationTime), &flags).await?;
+    let kubelet = cluster.kubelet();
+    bind_signed(&cluster, "honest", 1, 4).await?;
+    kubelet
+        .wait_until(WAIT, "the honest pod admitted", |k| {
+            k.container_env("default", "honest", "main").is_some()
+        })
+        .await?;
+    let envs = kubelet
+        .container_env("default", "honest", "main")
+        .unwrap_or_default();
+    assert_eq!(
+        envs.get(env::NVIDIA_VISIBLE_DEVICES).map(String::as_str),
+        Some(uuid(1).as_str())
+    );
+
+    // Another pod of the same size with the honest pod's decision and signature, and one
+    // with hand-written annotations: both rejected, with the plugin's reason.
+    create_copy(&cluster, "copy", "honest", 4).await?;
+    create_forged(&cluster, "forged", 0, 6).await?;
+    kubelet
+        .wait_until(WAIT, "both forged pods rejected", |k| {
+            k.admission_errors().len() == 2
+        })
+        .await?;
+    let errors: BTreeMap<String, String> = kubelet.admission_errors().into_iter().collect();
+    for (pod, reason) in [
+        ("default/copy", "does not match its allocation"),
+        ("default/forged", "it carries no signature"),
+    ] {
+        let message = &errors[pod];
+        assert!(
+            message.contains("PermissionDenied")
+                && message.contains("not signed by the gpushare extender")
+                && message.contains(reason),
+            "{pod}: {message}"
+        );
+    }
+    assert!(kubelet.container_env("default", "copy", "main").is_none());
+    assert!(kubelet.container_env("default", "forged", "main").is_none());
+    cluster.stop().await
+}
+
+#[tokio::test]
+async fn a_malformed_keyring_stops_the_plugin_with_a_clear_error() -> anyhow::Result<()> {
+    use clap::Parser as _;
+    let server = gpushare_e2e::apiserver::ApiServer::start().await?;
+    let dir = tempfile::tempdir()?;
+    let keys = dir.path().join("keys");
+    std::fs::write(&keys, "# rotation in progress\nk1:c2hvcnQ=\n")?;
+    let config = gpushare_device_plugin::Config::try_parse_from([
+        "gpushare-device-plugin",
+        "--node-name",
+        NODE,
+        "--device-plugin-dir",
+        &dir.path().display().to_string(),
+        "--gpu-backend",
+        "simulated",
+        "--simulate-gpus",
+        "16",
+        "--metrics-listen",
+        "127.0.0.1:0",
+        "--allocation-keys-file",
+        &keys.display().to_string(),
+    ])?;
+    let error = tokio::time::timeout(
+        WAIT,
+        gpushare_device_plugin::run_with_client(config, server.client(), std::future::pending()),
+    )
+    .await?
+    .unwrap_err()
+    .to_string();
+    assert!(
+        error.contains("--allocation-keys-file")
+            && error.contains(&keys.display().to_string())
+            && error.contains("line 2: the key of \"k1\" is 5 bytes"),
+        "{error}"
+    );
+    server.shutdown().await;
+    Ok(())
+}
