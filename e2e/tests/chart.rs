@@ -11,7 +11,9 @@ use std::path::PathBuf;
 use std::process::Command;
 
 use anyhow::{Context, bail, ensure};
-use k8s_openapi::api::admissionregistration::v1::MutatingWebhookConfiguration;
+use k8s_openapi::api::admissionregistration::v1::{
+    MutatingWebhookConfiguration, ValidatingAdmissionPolicy, ValidatingAdmissionPolicyBinding,
+};
 use k8s_openapi::api::apps::v1::{DaemonSet, Deployment};
 use k8s_openapi::api::core::v1::{ConfigMap, Container, PodSpec, Secret, Service, ServiceAccount};
 use k8s_openapi::api::rbac::v1::{ClusterRole, ClusterRoleBinding, PolicyRule, Role, RoleBinding};
@@ -159,6 +161,10 @@ fn check_all_typed(rendered: &Rendered) -> anyhow::Result<()> {
             "RoleBinding" => round_trip::<RoleBinding>(doc)?,
             "ConfigMap" => round_trip::<ConfigMap>(doc)?,
             "MutatingWebhookConfiguration" => round_trip::<MutatingWebhookConfiguration>(doc)?,
+            "ValidatingAdmissionPolicy" => round_trip::<ValidatingAdmissionPolicy>(doc)?,
+            "ValidatingAdmissionPolicyBinding" => {
+                round_trip::<ValidatingAdmissionPolicyBinding>(doc)?
+            }
             "ServiceMonitor" => {
                 ensure!(doc["apiVersion"] == "monitoring.coreos.com/v1");
                 ensure!(doc["spec"]["selector"]["matchLabels"].is_object());
@@ -734,6 +740,8 @@ fn default_values_render_a_dedicated_scheduler_install() -> anyhow::Result<()> {
         ("Secret", 1),
         ("Service", 2),
         ("ServiceAccount", 3),
+        ("ValidatingAdmissionPolicy", 1),
+        ("ValidatingAdmissionPolicyBinding", 1),
     ]
     .into_iter()
     .map(|(k, n)| (k.to_owned(), n))
