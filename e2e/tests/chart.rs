@@ -759,6 +759,7 @@ fn default_values_render_a_dedicated_scheduler_install() -> anyhow::Result<()> {
             "--policy=binpack",
             "--bind-timeout-ms=2500",
             "--bind-grace-ms=2000",
+            "--max-request-bytes=33554432",
             "--allocation-keys-file=/etc/gpushare/allocation-keys/keys",
         ],
     )?;

@@ -34,8 +34,9 @@ use crate::wire::{
 /// What `/filter` and `/bind` answer before the watches have listed everything.
 pub const NOT_SYNCED: &str = "extender view not synced yet";
 
-/// Largest request body accepted: a full `Nodes` list of a large cluster is tens of MiB.
-const BODY_LIMIT: usize = 512 << 20;
+/// Default for the largest request body accepted (`--max-request-bytes`): a 5,000-node
+/// `NodeNames` call is about 150 KB, a full `Nodes` list of the same cluster tens of MiB.
+pub const DEFAULT_BODY_LIMIT: usize = 32 << 20;
 
 /// Shared state of the HTTP handlers.
 #[derive(Clone)]
@@ -125,8 +126,8 @@ impl AppState {
 }
 
 /// The extender's routes: `{prefix}/filter|prioritize|bind|inspect[/{node}]`, `/healthz`,
-/// `/readyz`, `/metrics`.
-pub fn router(state: AppState, prefix: &str) -> Router {
+/// `/readyz`, `/metrics`; bodies larger than `body_limit` bytes get a 413.
+pub fn router(state: AppState, prefix: &str, body_limit: usize) -> Router {
     let verbs = Router::new()
         .route("/filter", post(filter))
         .route("/prioritize", post(prioritize))
@@ -144,7 +145,7 @@ pub fn router(state: AppState, prefix: &str) -> Router {
     app.route("/healthz", get(|| async { "ok" }))
         .route("/readyz", get(readyz))
         .route("/metrics", get(metrics))
-        .layer(DefaultBodyLimit::max(BODY_LIMIT))
+        .layer(DefaultBodyLimit::max(body_limit))
         .with_state(state)
 }
 

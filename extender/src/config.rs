@@ -57,6 +57,10 @@ pub struct Config {
     /// `httpTimeout` for the extender, so the scheduler reads bind's answer.
     #[arg(long, env = "GPUSHARE_BIND_TIMEOUT_MS", default_value_t = 2500)]
     pub bind_timeout_ms: u64,
+    /// Largest request body (bytes) kube-scheduler may send; larger ones get a 413. Keep it
+    /// well under the container's memory limit: a body is held, and parsed, in memory.
+    #[arg(long, env = "GPUSHARE_MAX_REQUEST_BYTES", default_value_t = crate::api::DEFAULT_BODY_LIMIT)]
+    pub max_request_bytes: usize,
     /// Serve the mutating admission webhook that routes GPU pods to the gpushare scheduler.
     #[arg(long, env = "GPUSHARE_WEBHOOK_ENABLED", default_value_t = false, action = clap::ArgAction::Set)]
     pub webhook_enabled: bool,
@@ -100,6 +104,7 @@ impl Default for Config {
             log_format: LogFormat::Text,
             bind_grace_ms: 2000,
             bind_timeout_ms: 2500,
+            max_request_bytes: crate::api::DEFAULT_BODY_LIMIT,
             webhook_enabled: false,
             webhook_listen: SocketAddr::from(([0, 0, 0, 0], 9443)),
             webhook_service: "gpushare-extender".to_owned(),

@@ -51,7 +51,7 @@ use tokio::net::TcpListener;
 use tokio::task::JoinHandle;
 use tokio_util::sync::CancellationToken;
 
-pub use api::{AppState, NOT_SYNCED, router};
+pub use api::{AppState, DEFAULT_BODY_LIMIT, NOT_SYNCED, router};
 pub use bind::BindTiming;
 pub use config::{Config, LogFormat};
 pub use kube_io::{BindError, Binder, BindingTarget, EventSink, KubeBinder, PodOnServer};
@@ -149,7 +149,7 @@ pub async fn serve(
     state
         .view_mut()
         .set_bind_grace(Duration::from_millis(config.bind_grace_ms));
-    let app = router(state.clone(), &config.prefix);
+    let app = router(state.clone(), &config.prefix, config.max_request_bytes);
     let addr = listener.local_addr().map_err(Error::Serve)?;
     let scheme = if tls.is_some() { "https" } else { "http" };
     tracing::info!(%addr, %scheme, prefix = %config.prefix, policy = %config.policy, "listening on {addr}");

@@ -231,6 +231,18 @@ async fn malformed_json_is_a_400_naming_the_problem() {
 }
 
 #[tokio::test]
+async fn a_body_over_the_limit_is_a_413_and_one_under_it_is_served() {
+    let h = fixture_cluster();
+    let body = fixture("filter-request-nodenames.json");
+    let app = gpushare_extender::router(h.state.clone(), PREFIX, body.len());
+    let (status, _) = call(&app, "POST", &format!("{PREFIX}/filter"), &body).await;
+    assert_eq!(status, StatusCode::OK);
+    let padded = format!("{body}{}", " ".repeat(16));
+    let (status, _) = call(&app, "POST", &format!("{PREFIX}/filter"), &padded).await;
+    assert_eq!(status, StatusCode::PAYLOAD_TOO_LARGE);
+}
+
+#[tokio::test]
 async fn unknown_and_unlabelled_nodes_fail_unresolvably_with_reasons() {
     let h = harness(
         vec![
@@ -316,7 +328,7 @@ async fn unsynced_view_answers_error_and_readyz_is_503() {
         gpushare_extender::EventSink::disabled(),
         prometheus_client::registry::Registry::default(),
     );
-    let app = gpushare_extender::router(state, PREFIX);
+    let app = gpushare_extender::router(state, PREFIX, gpushare_extender::DEFAULT_BODY_LIMIT);
     let (status, _) = call(&app, "GET", "/readyz", "").await;
     assert_eq!(status, StatusCode::SERVICE_UNAVAILABLE);
     let (_, answer) = call(

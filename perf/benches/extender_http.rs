@@ -129,7 +129,7 @@ fn handlers(c: &mut Criterion) {
         let mut group = c.benchmark_group(format!("http {verb} (NodeNames)"));
         for nodes in [100, 1_000, 5_000] {
             let (state, names) = state(nodes);
-            let app = router(state, PREFIX);
+            let app = router(state, PREFIX, gpushare_extender::DEFAULT_BODY_LIMIT);
             let body = body(&names);
             group.bench_with_input(BenchmarkId::from_parameter(nodes), &body, |b, body| {
                 b.iter(|| black_box(call(&runtime, &app, verb, body)))
@@ -149,7 +149,7 @@ fn tail_latency() {
     };
     let runtime = runtime();
     let (state, names) = state(5_000);
-    let app = router(state, PREFIX);
+    let app = router(state, PREFIX, gpushare_extender::DEFAULT_BODY_LIMIT);
     let body = body(&names);
     let mut scribble = vec![0u8; 64 << 20];
     println!("single-call latency at 5,000 nodes, {calls} calls each (exact percentiles)");

@@ -179,7 +179,7 @@ pub fn harness_with(settings: Settings, nodes: Vec<Node>, pods: Vec<Pod>) -> Har
         view.replace_nodes(&nodes);
         view.replace_pods(&pods);
     }
-    let app = router(state.clone(), PREFIX);
+    let app = router(state.clone(), PREFIX, gpushare_extender::DEFAULT_BODY_LIMIT);
     Harness { state, binder, app }
 }
 
