@@ -4,7 +4,14 @@
 //!
 //! Used by the end-to-end scenarios, the demo and the load harness. Everything it starts is
 //! stopped on [`TestCluster::shutdown`] or on drop (children are killed on drop, temp dirs
-//! removed), so nothing is left running.
+//! removed unless [`KEEP_LOGS`] is set), so nothing is left running.
+//!
+//! Nodes start 16 at a time (200 nodes in about 6 s on two cores). The scheduler driver is
+//! configured as the chart configures kube-scheduler (`httpTimeout` 5 s unless
+//! [`ClusterSpec::with_http_timeout`] says otherwise; binds unbounded) and calls the extender
+//! at one fixed address, so the extender can be killed and restarted under it
+//! ([`TestCluster::kill_extender`], [`TestCluster::kill_extender_repeatedly`]) as a crashed
+//! pod behind a Service would be.
 
 use std::collections::BTreeMap;
 use std::net::{SocketAddr, TcpListener};
@@ -124,6 +131,29 @@ pub fn free_port() -> anyhow::Result<u16> {
     Ok(TcpListener::bind("127.0.0.1:0")?.local_addr()?.port())
 }
 
+/// A port on 127.0.0.1 for a server that restarts on the same address: free now, and below
+/// the kernel's ephemeral range, so that no outgoing connection and no [`free_port`] takes it
+/// while the server is down.
+pub fn service_port() -> anyhow::Result<u16> {
+    use rand::Rng;
+    let ephemeral_low = std::fs::read_to_string("/proc/sys/net/ipv4/ip_local_port_range")
+        .ok()
+        .and_then(|range| range.split_whitespace().next()?.parse::<u16>().ok())
+        .unwrap_or(32768);
+    let (low, high) = (
+        ephemeral_low.saturating_sub(12_000).max(1024),
+        ephemeral_low,
+    );
+    let mut rng = rand::rng();
+    for _ in 0..100 {
+        let port = rng.random_range(low..high);
+        if TcpListener::bind(("127.0.0.1", port)).is_ok() {
+            return Ok(port);
+        }
+    }
+    bail!("no free port between {low} and {high}")
+}
+
 /// Waits until `check` returns `Some`, polling every 20 ms, up to `timeout`.
 pub async fn wait_for<T, F, Fut>(what: &str, timeout: Duration, mut check: F) -> anyhow::Result<T>
 where
@@ -214,43 +244,123 @@ impl Process {
     pub fn is_running(&mut self) -> bool {
         matches!(self.child.try_wait(), Ok(None))
     }
+
+    /// How the process ended, once it has.
+    pub fn exit_status(&mut self) -> Option<std::process::ExitStatus> {
+        self.child.try_wait().ok().flatten()
+    }
 }
 
-/// The real `gpushare-extender`, serving on a free port of 127.0.0.1.
+/// The real `gpushare-extender`, serving on a port of 127.0.0.1.
 #[derive(Debug)]
 pub struct Extender {
     /// The process.
     pub process: Process,
     /// `http://127.0.0.1:PORT`
     pub base_url: String,
+    launch: Launch,
+}
+
+/// How an extender was started, to start it again the same way.
+#[derive(Debug, Clone)]
+struct Launch {
+    program: PathBuf,
+    args: Vec<String>,
+    kubeconfig: PathBuf,
+    log: PathBuf,
+    addr: SocketAddr,
+}
+
+impl Launch {
+    fn spawn(&self) -> anyhow::Result<Process> {
+        Process::spawn(
+            "gpushare-extender",
+            &self.program,
+            &self.args,
+            &self.kubeconfig,
+            &self.log,
+        )
+    }
 }
 
 impl Extender {
-    /// Starts the extender and waits until `/readyz` answers 200.
+    /// Starts the extender on a free port and waits until `/readyz` answers 200.
     pub async fn start(
         bin: &Binaries,
         kubeconfig: &Path,
         log: &Path,
         extra: &[String],
     ) -> anyhow::Result<Self> {
-        let port = free_port()?;
+        Self::start_on(bin, kubeconfig, log, extra, free_port()?).await
+    }
+
+    /// Starts the extender on `port` of 127.0.0.1 and waits until `/readyz` answers 200.
+    pub async fn start_on(
+        bin: &Binaries,
+        kubeconfig: &Path,
+        log: &Path,
+        extra: &[String],
+        port: u16,
+    ) -> anyhow::Result<Self> {
+        let mut extender = Self::spawn_on(bin, kubeconfig, log, extra, port)?;
+        extender.wait_ready().await?;
+        Ok(extender)
+    }
+
+    /// Starts the extender process on `port` of 127.0.0.1 without waiting for it.
+    pub fn spawn_on(
+        bin: &Binaries,
+        kubeconfig: &Path,
+        log: &Path,
+        extra: &[String],
+        port: u16,
+    ) -> anyhow::Result<Self> {
         let mut args = vec!["--listen".to_owned(), format!("127.0.0.1:{port}")];
         args.extend_from_slice(extra);
-        let mut process =
-            Process::spawn("gpushare-extender", &bin.extender, &args, kubeconfig, log)?;
-        let base_url = format!("http://127.0.0.1:{port}");
-        let addr: SocketAddr = format!("127.0.0.1:{port}").parse()?;
-        let ready = wait_for(
-            "the extender to become ready",
-            Duration::from_secs(30),
-            || async { matches!(http_get(addr, "/readyz").await, Ok((200, _))).then_some(()) },
-        )
-        .await;
-        if ready.is_err() && !process.is_running() {
-            bail!("gpushare-extender exited at start; see {}", log.display());
+        let launch = Launch {
+            program: bin.extender.clone(),
+            args,
+            kubeconfig: kubeconfig.to_owned(),
+            log: log.to_owned(),
+            addr: SocketAddr::from(([127, 0, 0, 1], port)),
+        };
+        Ok(Self {
+            process: launch.spawn()?,
+            base_url: format!("http://127.0.0.1:{port}"),
+            launch,
+        })
+    }
+
+    /// Waits until `/readyz` answers 200 (up to 30 s).
+    ///
+    /// Right after the previous process on the port was killed, a new one may fail to bind
+    /// for a moment; one that exits at start is started again for up to
+    /// [`RESTART_BIND_RETRY`], as kubelet restarts a crashed container.
+    pub async fn wait_ready(&mut self) -> anyhow::Result<()> {
+        let started = tokio::time::Instant::now();
+        let deadline = started + Duration::from_secs(30);
+        let log = self.launch.log.display().to_string();
+        loop {
+            // Ready, and ours: the answer counts only while our process runs.
+            if matches!(http_get(self.launch.addr, "/readyz").await, Ok((200, _)))
+                && self.process.is_running()
+            {
+                return Ok(());
+            }
+            if !self.process.is_running() {
+                if started.elapsed() >= RESTART_BIND_RETRY {
+                    bail!("gpushare-extender exited at start; see {log}");
+                }
+                tracing::debug!(addr = %self.launch.addr, "gpushare-extender exited at start; starting it again");
+                tokio::time::sleep(Duration::from_millis(100)).await;
+                self.process = self.launch.spawn()?;
+                continue;
+            }
+            if tokio::time::Instant::now() >= deadline {
+                bail!("timed out after 30s waiting for the extender to become ready; see {log}");
+            }
+            tokio::time::sleep(Duration::from_millis(20)).await;
         }
-        ready?;
-        Ok(Self { process, base_url })
     }
 
     /// The URL prefix kube-scheduler is configured with.
@@ -268,6 +378,9 @@ impl Extender {
         Ok(serde_json::from_str(&body)?)
     }
 }
+
+/// How long a start that fails at once (the port still held by a killed predecessor) is retried.
+pub const RESTART_BIND_RETRY: Duration = Duration::from_secs(10);
 
 /// A minimal HTTP/1.1 GET over a fresh connection (no client library needed for two probes).
 pub async fn http_get(addr: SocketAddr, path: &str) -> anyhow::Result<(u16, String)> {
@@ -326,6 +439,12 @@ pub struct SimNode {
     health_file: PathBuf,
 }
 
+/// The extender `httpTimeout` gpushare's chart configures.
+pub const DEFAULT_HTTP_TIMEOUT: Duration = Duration::from_secs(5);
+
+/// How many nodes start at once.
+const NODE_START_CONCURRENCY: usize = 16;
+
 /// What a [`TestCluster`] is made of.
 #[derive(Debug, Clone)]
 pub struct ClusterSpec {
@@ -335,6 +454,8 @@ pub struct ClusterSpec {
     pub admission: AdmissionOrder,
     /// Extra flags for the extender.
     pub extender_args: Vec<String>,
+    /// The scheduler's `httpTimeout` for the extender (the chart ships 5 s).
+    pub http_timeout: Duration,
 }
 
 impl ClusterSpec {
@@ -347,7 +468,24 @@ impl ClusterSpec {
                 .collect(),
             admission: AdmissionOrder::CreationTime,
             extender_args: Vec::new(),
+            http_timeout: DEFAULT_HTTP_TIMEOUT,
         }
+    }
+
+    /// `count` labelled nodes `node-000`, `node-001`, …, each with GPUs of the given sizes.
+    pub fn uniform(count: usize, gpus: &[u64]) -> Self {
+        Self {
+            nodes: (0..count)
+                .map(|i| (format!("node-{i:03}"), gpus.to_vec(), true))
+                .collect(),
+            ..Self::labelled(&[])
+        }
+    }
+
+    /// The scheduler's `httpTimeout` for the extender.
+    pub fn with_http_timeout(mut self, timeout: Duration) -> Self {
+        self.http_timeout = timeout;
+        self
     }
 
     /// Adds a node that has GPUs and a device plugin but no participation label.
@@ -373,6 +511,8 @@ pub struct TestCluster {
     spec: ClusterSpec,
     dir: tempfile::TempDir,
     kubeconfig: PathBuf,
+    /// The extender's port, kept across restarts (the Service address kube-scheduler calls).
+    extender_port: u16,
 }
 
 impl TestCluster {
@@ -394,10 +534,9 @@ impl TestCluster {
             spec: spec.clone(),
             dir,
             kubeconfig,
+            extender_port: service_port()?,
         };
-        for (name, gpus, labelled) in &spec.nodes {
-            cluster.add_node(name, gpus, *labelled).await?;
-        }
+        cluster.add_nodes(&spec.nodes).await?;
         cluster.start_extender().await?;
         cluster.start_scheduler().await?;
         Ok(cluster)
@@ -437,72 +576,43 @@ impl TestCluster {
         out
     }
 
-    async fn add_node(&mut self, name: &str, gpus: &[u64], labelled: bool) -> anyhow::Result<()> {
-        let mut builder = node(name);
-        if labelled {
-            builder = builder.gpushare();
-        }
-        builder.create(&self.client).await?;
-        let plugin_dir = self.dir.path().join(format!("{name}-device-plugins"));
-        std::fs::create_dir_all(&plugin_dir)?;
-        let health_file = self.dir.path().join(format!("{name}-unhealthy-gpus"));
-        std::fs::write(&health_file, "")?;
-        let kubelet =
-            KubeletDriver::start(&plugin_dir, name, self.client.clone(), self.spec.admission)
-                .await?;
-        let mut sim = SimNode {
-            name: name.to_owned(),
-            gpus: gpus.to_vec(),
-            kubelet,
-            plugin: None,
-            plugin_dir,
-            health_file,
-        };
-        sim.plugin = Some(self.spawn_plugin(&sim)?);
-        sim.kubelet
-            .wait_registered(RESOURCE, Duration::from_secs(30))
+    /// Starts nodes, [`NODE_START_CONCURRENCY`] at a time, each once its device plugin has
+    /// registered and its capacity reached the API server.
+    async fn add_nodes(&mut self, nodes: &[(String, Vec<u64>, bool)]) -> anyhow::Result<()> {
+        use futures::{StreamExt, TryStreamExt};
+        let host = self.host();
+        let started: Vec<SimNode> = futures::stream::iter(nodes)
+            .map(|(name, gpus, labelled)| host.start_node(name, gpus, *labelled))
+            .buffer_unordered(NODE_START_CONCURRENCY)
+            .try_collect()
             .await?;
-        let total: u64 = gpus.iter().sum();
-        let nodes: Api<Node> = Api::all(self.client.clone());
-        wait_for(&format!("node {name} to advertise {total} GiB"), Duration::from_secs(30), || {
-            let nodes = nodes.clone();
-            async move { (node_allocatable(&nodes.get(name).await.ok()?)? == total).then_some(()) }
-        })
-        .await?;
-        self.nodes.insert(name.to_owned(), sim);
+        for sim in started {
+            self.nodes.insert(sim.name.clone(), sim);
+        }
         Ok(())
     }
 
-    fn spawn_plugin(&self, sim: &SimNode) -> anyhow::Result<Process> {
-        let sizes: Vec<String> = sim.gpus.iter().map(u64::to_string).collect();
-        let args = vec![
-            "--node-name".to_owned(),
-            sim.name.clone(),
-            "--device-plugin-dir".to_owned(),
-            sim.plugin_dir.display().to_string(),
-            "--gpu-backend".to_owned(),
-            "simulated".to_owned(),
-            "--simulate-gpus".to_owned(),
-            sizes.join(","),
-            "--simulate-health-file".to_owned(),
-            sim.health_file.display().to_string(),
-            "--metrics-listen".to_owned(),
-            format!("127.0.0.1:{}", free_port()?),
-        ];
-        let log = self
-            .dir
-            .path()
-            .join(format!("device-plugin-{}.log", sim.name));
-        Process::spawn(
-            "gpushare-device-plugin",
-            &self.binaries.device_plugin,
-            &args,
-            &self.kubeconfig,
-            &log,
-        )
+    fn host(&self) -> NodeHost {
+        NodeHost {
+            client: self.client.clone(),
+            dir: self.dir.path().to_owned(),
+            binaries: self.binaries.clone(),
+            kubeconfig: self.kubeconfig.clone(),
+            admission: self.spec.admission,
+        }
     }
 
     async fn start_extender(&mut self) -> anyhow::Result<()> {
+        self.spawn_extender()?;
+        self.extender
+            .as_mut()
+            .context("the extender was not started")?
+            .wait_ready()
+            .await
+    }
+
+    /// Starts the extender process on the cluster's extender port, without waiting for it.
+    fn spawn_extender(&mut self) -> anyhow::Result<()> {
         let log = self.dir.path().join("extender.log");
         let mut args = self.spec.extender_args.clone();
         if !args.iter().any(|arg| arg.starts_with("--bind-grace-ms")) {
@@ -510,19 +620,25 @@ impl TestCluster {
             // milliseconds, so a shorter hold keeps them quick without skipping it.
             args.extend(["--bind-grace-ms".to_owned(), "300".to_owned()]);
         }
-        let extender = Extender::start(&self.binaries, &self.kubeconfig, &log, &args).await?;
-        self.extender = Some(extender);
+        self.extender = Some(Extender::spawn_on(
+            &self.binaries,
+            &self.kubeconfig,
+            &log,
+            &args,
+            self.extender_port,
+        )?);
         Ok(())
     }
 
     async fn start_scheduler(&mut self) -> anyhow::Result<()> {
-        let prefix = self
-            .extender
-            .as_ref()
-            .context("extender not started")?
-            .url_prefix();
+        let prefix = format!("http://127.0.0.1:{}/gpushare-scheduler", self.extender_port);
         let config = SchedulerConfig {
-            extenders: vec![ExtenderConfig::gpushare(&prefix)],
+            extenders: vec![ExtenderConfig {
+                http_timeout: self.spec.http_timeout,
+                ..ExtenderConfig::gpushare(&prefix)
+            }],
+            // kube-scheduler runs every bind in a goroutine of its own, unbounded.
+            parallel_binds: UNBOUNDED_BINDS,
             backoff_initial: Duration::from_millis(50),
             backoff_max: Duration::from_millis(500),
             unschedulable_retry: Duration::from_millis(300),
@@ -539,17 +655,83 @@ impl TestCluster {
             .context("the extender is not running")
     }
 
-    /// Kills the extender (as a crash would) and starts a fresh one on the same port-less
-    /// config; the scheduler driver is pointed at the new one.
+    /// Kills the extender (as a crash would) and starts a fresh one on the same port; the
+    /// scheduler driver is restarted too (a new leader forgets every assumed pod).
     pub async fn crash_and_restart_extender(&mut self) -> anyhow::Result<()> {
-        if let Some(old) = self.extender.take() {
-            old.process.crash().await;
-        }
+        self.kill_extender().await;
         if let Some(scheduler) = self.scheduler.take() {
             scheduler.shutdown().await;
         }
         self.start_extender().await?;
         self.start_scheduler().await
+    }
+
+    /// SIGKILLs the extender, as an OOM kill or a node failure would. The scheduler driver
+    /// keeps running and calling the extender's address: its calls fail with a transport
+    /// error until [`TestCluster::restart_extender`], and the pods are requeued.
+    pub async fn kill_extender(&mut self) {
+        if let Some(old) = self.extender.take() {
+            old.process.crash().await;
+        }
+    }
+
+    /// Starts the extender again on the same port (as kubelet restarts the container behind
+    /// the same Service) and waits until it is ready.
+    pub async fn restart_extender(&mut self) -> anyhow::Result<()> {
+        if self.extender.is_some() {
+            bail!("the extender is running; kill it first");
+        }
+        self.start_extender().await
+    }
+
+    /// [`kill_extender`](Self::kill_extender), then [`restart_extender`](Self::restart_extender);
+    /// the scheduler driver is not touched.
+    pub async fn crash_and_restart_extender_in_place(&mut self) -> anyhow::Result<()> {
+        self.kill_extender().await;
+        self.restart_extender().await
+    }
+
+    /// SIGKILLs the extender `times` times, `gap` apart, starting a fresh one on the same port
+    /// right after each kill, as kubelet restarts a crashed container: a later kill may hit
+    /// the new process while it is still starting up. Returns once the last one is ready.
+    pub async fn kill_extender_repeatedly(
+        &mut self,
+        times: usize,
+        gap: Duration,
+    ) -> anyhow::Result<()> {
+        for round in 0..times {
+            let killed_at = tokio::time::Instant::now();
+            self.kill_extender().await;
+            self.spawn_extender()?;
+            if round + 1 < times {
+                tokio::time::sleep_until(killed_at + gap).await;
+            }
+        }
+        self.extender
+            .as_mut()
+            .context("the extender was not started")?
+            .wait_ready()
+            .await
+    }
+
+    /// Memory held by the harness process and by our binaries it started.
+    pub fn memory_use(&self) -> MemoryUse {
+        let plugins = self
+            .nodes
+            .values()
+            .filter_map(|sim| sim.plugin.as_ref()?.id())
+            .filter_map(memory_kib);
+        MemoryUse {
+            harness_kib: memory_kib(std::process::id()).unwrap_or(0),
+            extender_kib: self
+                .extender
+                .as_ref()
+                .and_then(|e| e.process.id())
+                .and_then(memory_kib)
+                .unwrap_or(0),
+            device_plugins_kib: plugins.sum(),
+            device_plugins: self.nodes.len(),
+        }
     }
 
     /// Restarts a node's device plugin (SIGTERM, then a fresh process).
@@ -560,7 +742,7 @@ impl TestCluster {
         }
         let sim = self.nodes.get(node).context("no such node")?;
         let before = sim.kubelet.registrations(RESOURCE);
-        let plugin = self.spawn_plugin(sim)?;
+        let plugin = self.host().spawn_plugin(sim)?;
         let sim = self.nodes.get_mut(node).context("no such node")?;
         sim.plugin = Some(plugin);
         wait_reregistered(&sim.kubelet, before).await
@@ -636,15 +818,182 @@ impl TestCluster {
         if let Some(extender) = self.extender.take() {
             extender.process.stop().await;
         }
-        for (_, mut sim) in std::mem::take(&mut self.nodes) {
+        let nodes = std::mem::take(&mut self.nodes);
+        futures::future::join_all(nodes.into_values().map(|mut sim| async move {
             if let Some(plugin) = sim.plugin.take() {
                 plugin.stop().await;
             }
             sim.kubelet.shutdown().await;
-        }
+        }))
+        .await;
         self.api.shutdown().await;
+        if std::env::var_os(KEEP_LOGS).is_some() {
+            eprintln!("logs kept in {}", self.dir.keep().display());
+        }
     }
 }
+
+/// The last `lines` lines of a text file ("" if it cannot be read).
+pub fn file_tail(path: &Path, lines: usize) -> String {
+    let text = std::fs::read_to_string(path).unwrap_or_default();
+    let last: Vec<&str> = text.lines().rev().take(lines).collect();
+    last.into_iter().rev().collect::<Vec<_>>().join("\n")
+}
+
+/// Set (to anything) to keep a cluster's folder with our binaries' logs after shutdown.
+pub const KEEP_LOGS: &str = "GPUSHARE_E2E_KEEP_LOGS";
+
+/// Memory held by the harness and our child processes (proportional set size), in KiB.
+#[derive(Debug, Clone, Copy, Default)]
+pub struct MemoryUse {
+    /// The test or demo process: API server, scheduler driver, kubelet drivers.
+    pub harness_kib: u64,
+    /// `gpushare-extender`.
+    pub extender_kib: u64,
+    /// Every `gpushare-device-plugin` together.
+    pub device_plugins_kib: u64,
+    /// How many device plugins that is.
+    pub device_plugins: usize,
+}
+
+impl MemoryUse {
+    /// Everything together.
+    pub fn total_kib(&self) -> u64 {
+        self.harness_kib + self.extender_kib + self.device_plugins_kib
+    }
+}
+
+impl std::fmt::Display for MemoryUse {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        let mib = |kib: u64| kib / 1024;
+        write!(
+            f,
+            "{} MiB in all: harness {} MiB, extender {} MiB, {} device plugins {} MiB",
+            mib(self.total_kib()),
+            mib(self.harness_kib),
+            mib(self.extender_kib),
+            self.device_plugins,
+            mib(self.device_plugins_kib)
+        )
+    }
+}
+
+/// Memory a process holds, in KiB: its proportional set size (`Pss`: private pages plus its
+/// share of pages shared with others, so that a sum over processes counts the binary's code
+/// once), else `VmRSS`. None where there is no `/proc`.
+fn memory_kib(pid: u32) -> Option<u64> {
+    let field = |file: &str, name: &str| {
+        let text = std::fs::read_to_string(format!("/proc/{pid}/{file}")).ok()?;
+        text.lines()
+            .find_map(|line| line.strip_prefix(name))?
+            .split_whitespace()
+            .next()?
+            .parse()
+            .ok()
+    };
+    field("smaps_rollup", "Pss:").or_else(|| field("status", "VmRSS:"))
+}
+
+/// What starting a node needs, owned so that many nodes can start at once.
+struct NodeHost {
+    client: Client,
+    dir: PathBuf,
+    binaries: Binaries,
+    kubeconfig: PathBuf,
+    admission: AdmissionOrder,
+}
+
+impl NodeHost {
+    /// Creates the Node, starts its kubelet driver and device plugin, and waits until the
+    /// plugin registered and the node advertises its GPU memory.
+    async fn start_node(
+        &self,
+        name: &str,
+        gpus: &[u64],
+        labelled: bool,
+    ) -> anyhow::Result<SimNode> {
+        let mut builder = node(name);
+        if labelled {
+            builder = builder.gpushare();
+        }
+        builder.create(&self.client).await?;
+        let plugin_dir = self.dir.join(format!("{name}-device-plugins"));
+        std::fs::create_dir_all(&plugin_dir)?;
+        let health_file = self.dir.join(format!("{name}-unhealthy-gpus"));
+        std::fs::write(&health_file, "")?;
+        let kubelet =
+            KubeletDriver::start(&plugin_dir, name, self.client.clone(), self.admission).await?;
+        let mut sim = SimNode {
+            name: name.to_owned(),
+            gpus: gpus.to_vec(),
+            kubelet,
+            plugin: None,
+            plugin_dir,
+            health_file,
+        };
+        sim.plugin = Some(self.spawn_plugin(&sim)?);
+        let log = self.dir.join(format!("device-plugin-{name}.log"));
+        let registered = sim
+            .kubelet
+            .wait_registered(RESOURCE, Duration::from_secs(60))
+            .await;
+        registered.with_context(|| {
+            let state = match sim.plugin.as_mut().and_then(Process::exit_status) {
+                Some(status) => format!("exited: {status}"),
+                None => "running".to_owned(),
+            };
+            format!(
+                "node {name}: the device plugin ({state}) did not register; its log ends:\n{}",
+                file_tail(&log, 20)
+            )
+        })?;
+        let total: u64 = gpus.iter().sum();
+        let nodes: Api<Node> = Api::all(self.client.clone());
+        wait_for(
+            &format!("node {name} to advertise {total} GiB"),
+            Duration::from_secs(60),
+            || {
+                let nodes = nodes.clone();
+                async move {
+                    (node_allocatable(&nodes.get(name).await.ok()?)? == total).then_some(())
+                }
+            },
+        )
+        .await?;
+        Ok(sim)
+    }
+
+    fn spawn_plugin(&self, sim: &SimNode) -> anyhow::Result<Process> {
+        let sizes: Vec<String> = sim.gpus.iter().map(u64::to_string).collect();
+        let args = vec![
+            "--node-name".to_owned(),
+            sim.name.clone(),
+            "--device-plugin-dir".to_owned(),
+            sim.plugin_dir.display().to_string(),
+            "--gpu-backend".to_owned(),
+            "simulated".to_owned(),
+            "--simulate-gpus".to_owned(),
+            sizes.join(","),
+            "--simulate-health-file".to_owned(),
+            sim.health_file.display().to_string(),
+            // Port 0: the kernel picks a free one at bind time. (A port picked beforehand with
+            // `free_port` may be taken by another of 200 processes' connections meanwhile.)
+            "--metrics-listen".to_owned(),
+            "127.0.0.1:0".to_owned(),
+        ];
+        let log = self.dir.join(format!("device-plugin-{}.log", sim.name));
+        Process::spawn(
+            "gpushare-device-plugin",
+            &self.binaries.device_plugin,
+            &args,
+            &self.kubeconfig,
+            &log,
+        )
+    }
+}
+
+/// Binds in flight at once: as many as there are pods (kube-scheduler bounds them by nothing).
+const UNBOUNDED_BINDS: usize = 100_000;
 
 /// Waits until the device plugin registered again (after `before` registrations) and
 /// listed healthy devices.

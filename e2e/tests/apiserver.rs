@@ -778,3 +778,206 @@ async fn streaming_list_watcher() {
     task.abort();
     server.shutdown().await;
 }
+
+/// A kube client for `server` that gives up on any request after `timeout` (and, as any
+/// HTTP client that gives up, closes the connection).
+fn impatient_client(server: &ApiServer, timeout: Duration) -> kube::Client {
+    let mut config = kube::Config::new(server.url().parse().unwrap());
+    config.read_timeout = Some(timeout);
+    config.write_timeout = Some(timeout);
+    kube::Client::try_from(config).unwrap()
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn a_write_during_a_stall_hangs_then_lands_even_if_its_client_gave_up() {
+    const STALL: Duration = Duration::from_secs(2);
+    let server = ApiServer::start().await.unwrap();
+    let client = server.client();
+    let pods: Api<Pod> = Api::default_namespaced(client.clone());
+    node("n1").create(&client).await.unwrap();
+    pod("bound-later").create(&client).await.unwrap();
+    let faults = server.faults();
+
+    let ends = faults.stall_writes(STALL);
+    assert!(faults.writes_stalled());
+    // A create whose client gives up after 200 ms (kube's read timeout).
+    let impatient = impatient_client(&server, Duration::from_millis(200));
+    let gave_up = pod("created-later").create(&impatient).await;
+    assert!(
+        gave_up.is_err(),
+        "the create should hang past its client's timeout"
+    );
+    // A Binding whose caller drops the request future (a timed-out bind).
+    let binding_dropped = tokio::time::timeout(
+        Duration::from_millis(200),
+        bind(&pods, &binding("bound-later", "n1", None, &[])),
+    )
+    .await;
+    assert!(binding_dropped.is_err(), "the binding should hang too");
+
+    // Reads and watches are not stalled: they answer while the stall still holds.
+    assert_eq!(
+        api_error(pods.get("created-later").await.unwrap_err()).0,
+        404,
+        "nothing is applied during the stall"
+    );
+    let bound_now = pods.get("bound-later").await.unwrap();
+    assert_eq!(bound_now.spec.unwrap().node_name, None);
+    let listed = pods.list(&ListParams::default()).await.unwrap();
+    assert_eq!(listed.items.len(), 1);
+    assert!(
+        faults.writes_stalled() && tokio::time::Instant::now() < ends,
+        "the reads above must have answered during the stall"
+    );
+
+    // Once the stall ends, both writes are applied though nobody waits for them any more.
+    eventually("the abandoned create and binding to land", || async {
+        let created = pods.get_opt("created-later").await.unwrap().is_some();
+        let bound = pods
+            .get("bound-later")
+            .await
+            .unwrap()
+            .spec
+            .unwrap()
+            .node_name;
+        created && bound.as_deref() == Some("n1")
+    })
+    .await;
+    assert!(
+        tokio::time::Instant::now() >= ends,
+        "writes land only after the stall"
+    );
+    assert!(!faults.writes_stalled());
+    // Writes after the stall go through at once.
+    pod("after").create(&client).await.unwrap();
+    server.shutdown().await;
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn a_watch_sees_stalled_writes_when_they_land_and_clear_ends_a_stall() {
+    let server = ApiServer::start().await.unwrap();
+    let client = server.client();
+    let pods: Api<Pod> = Api::default_namespaced(client.clone());
+    let faults = server.faults();
+    let mut events = pods
+        .watch(&WatchParams::default(), "0")
+        .await
+        .unwrap()
+        .boxed();
+    faults.stall_writes(Duration::from_secs(600));
+    let pending = tokio::spawn({
+        let client = client.clone();
+        async move { pod("held").create(&client).await }
+    });
+    // The watch is open and answers (bookmarks aside, nothing happens) while writes hang.
+    let quiet = tokio::time::timeout(Duration::from_millis(300), events.next()).await;
+    assert!(
+        quiet.is_err(),
+        "no event while the write is held: {quiet:?}"
+    );
+    assert!(!pending.is_finished());
+    faults.clear();
+    let created = pending.await.unwrap().unwrap();
+    assert_eq!(created.metadata.name.as_deref(), Some("held"));
+    let event = events.try_next().await.unwrap().unwrap();
+    assert!(matches!(event, WatchEvent::Added(p) if p.metadata.name.as_deref() == Some("held")));
+    server.shutdown().await;
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn write_latency_delays_writes_only_and_they_land_without_their_client() {
+    let server = ApiServer::start().await.unwrap();
+    let client = server.client();
+    let pods: Api<Pod> = Api::default_namespaced(client.clone());
+    let faults = server.faults();
+    faults.set_write_latency(Duration::from_secs(1));
+    let impatient = impatient_client(&server, Duration::from_millis(100));
+    assert!(pod("slow").create(&impatient).await.is_err());
+    // Reads skip the write latency: this one answers while the create is still delayed.
+    assert_eq!(api_error(pods.get("slow").await.unwrap_err()).0, 404);
+    eventually("the delayed create to land", || async {
+        pods.get_opt("slow").await.unwrap().is_some()
+    })
+    .await;
+    faults.clear();
+    pod("fast").create(&impatient).await.unwrap();
+    server.shutdown().await;
+}
+
+/// Node-scoped pod watches (every kubelet's and device plugin's) are woken only by writes
+/// to pods on their node: live binds, updates and deletions on the node must still reach them.
+#[tokio::test]
+async fn a_node_scoped_watch_follows_live_writes_to_its_nodes_pods_only() {
+    let server = ApiServer::start().await.unwrap();
+    let client = server.client();
+    let pods: Api<Pod> = Api::default_namespaced(client.clone());
+    let wp = WatchParams {
+        bookmarks: false,
+        ..WatchParams::default()
+    }
+    .fields("spec.nodeName=n2")
+    .timeout(10);
+    let mut stream = pods.watch(&wp, "0").await.unwrap().boxed();
+    pod("elsewhere").create(&client).await.unwrap();
+    bind(&pods, &binding("elsewhere", "n1", None, &[]))
+        .await
+        .unwrap();
+    pod("here").create(&client).await.unwrap();
+    bind(&pods, &binding("here", "n2", None, &[]))
+        .await
+        .unwrap();
+    match stream.try_next().await.unwrap() {
+        Some(WatchEvent::Added(p)) => assert_eq!(p.metadata.name.as_deref(), Some("here")),
+        other => panic!("expected ADDED here, got {other:?}"),
+    }
+    pods.patch(
+        "here",
+        &PatchParams::default(),
+        &Patch::Merge(&json!({"metadata": {"labels": {"seen": "yes"}}})),
+    )
+    .await
+    .unwrap();
+    match stream.try_next().await.unwrap() {
+        Some(WatchEvent::Modified(p)) => assert_eq!(p.metadata.name.as_deref(), Some("here")),
+        other => panic!("expected MODIFIED here, got {other:?}"),
+    }
+    pods.delete("here", &DeleteParams::default().grace_period(0))
+        .await
+        .unwrap();
+    match stream.try_next().await.unwrap() {
+        Some(WatchEvent::Deleted(p)) => assert_eq!(p.metadata.name.as_deref(), Some("here")),
+        other => panic!("expected DELETED here, got {other:?}"),
+    }
+    server.shutdown().await;
+}
+
+/// A stall that ends with etcd losing its leader: every write it held fails unapplied, those
+/// whose clients still wait get a 500, those whose clients gave up are simply gone.
+#[tokio::test(flavor = "multi_thread")]
+async fn writes_held_by_a_failing_stall_are_never_applied() {
+    let server = ApiServer::start().await.unwrap();
+    let client = server.client();
+    let pods: Api<Pod> = Api::default_namespaced(client.clone());
+    node("n1").create(&client).await.unwrap();
+    pod("unbound").create(&client).await.unwrap();
+    let faults = server.faults();
+
+    faults.stall_writes_then_fail(Duration::from_secs(1));
+    let impatient = impatient_client(&server, Duration::from_millis(100));
+    assert!(pod("abandoned").create(&impatient).await.is_err());
+    let waited = bind(&pods, &binding("unbound", "n1", None, &[])).await;
+    assert_eq!(
+        api_error(waited.unwrap_err()),
+        (500, "InternalError".to_owned()),
+        "a client still waiting learns that its write failed"
+    );
+    assert!(!faults.writes_stalled());
+    // Nothing held was applied, and writes go through again.
+    assert_eq!(api_error(pods.get("abandoned").await.unwrap_err()).0, 404);
+    let unbound = pods.get("unbound").await.unwrap();
+    assert_eq!(unbound.spec.unwrap().node_name, None);
+    bind(&pods, &binding("unbound", "n1", None, &[]))
+        .await
+        .unwrap();
+    server.shutdown().await;
+}

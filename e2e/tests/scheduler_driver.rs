@@ -854,3 +854,101 @@ async fn http_timeout_bounds_each_call() -> anyhow::Result<()> {
     driver.shutdown().await;
     Ok(())
 }
+
+/// Records when the future holding it was dropped, and whether it had finished first.
+struct DropGuard {
+    dropped: Arc<Mutex<Option<(std::time::Instant, bool)>>>,
+    finished: bool,
+}
+
+impl Drop for DropGuard {
+    fn drop(&mut self) {
+        *self.dropped.lock().unwrap() = Some((std::time::Instant::now(), self.finished));
+    }
+}
+
+/// kube-scheduler's `HTTPExtender` calls through a Go `http.Client` whose `Timeout` is the
+/// extender's `httpTimeout`; when it fires, Go's transport cancels the request and closes its
+/// connection, so the extender's server sees the client go away and (hyper, axum) drops the
+/// handler. The driver must do the same: a bind that outlives `httpTimeout` is abandoned on
+/// the wire, not merely no longer awaited.
+#[tokio::test]
+async fn http_timeout_closes_the_connection_so_the_extender_handler_is_dropped()
+-> anyhow::Result<()> {
+    const TIMEOUT: Duration = Duration::from_millis(300);
+    let server = ApiServer::start().await?;
+    let client = server.client();
+    node("n1").gpushare().gpus(&[16]).create(&client).await?;
+    let started = Arc::new(Mutex::new(None::<std::time::Instant>));
+    let dropped = Arc::new(Mutex::new(None));
+    let handler: Handler = {
+        let (started, dropped) = (started.clone(), dropped.clone());
+        Arc::new(move |verb, body| {
+            let (started, dropped) = (started.clone(), dropped.clone());
+            Box::pin(async move {
+                match verb.as_str() {
+                    "filter" => (StatusCode::OK, pass_all(&body)),
+                    "bind" => {
+                        let first = started.lock().unwrap().is_none();
+                        if !first {
+                            // Later attempts: answer at once, so only the first is timed.
+                            return (StatusCode::OK, json!({"Error": "busy"}));
+                        }
+                        *started.lock().unwrap() = Some(std::time::Instant::now());
+                        let mut guard = DropGuard {
+                            dropped,
+                            finished: false,
+                        };
+                        // Far longer than any deadline here: only a cancellation ends it early.
+                        tokio::time::sleep(Duration::from_secs(120)).await;
+                        guard.finished = true;
+                        (StatusCode::OK, json!({"Error": ""}))
+                    }
+                    _ => (StatusCode::OK, json!([])),
+                }
+            })
+        })
+    };
+    let fake = FakeExtender::start(handler).await?;
+    let extender = ExtenderConfig {
+        http_timeout: TIMEOUT,
+        ..ExtenderConfig::gpushare(&fake.url_prefix)
+    };
+    let driver = SchedulerDriver::start(client.clone(), config(extender)).await?;
+    pod("a").gpu_mem(4).create(&client).await?;
+    eventually("the extender's bind handler to be dropped", || async {
+        dropped.lock().unwrap().is_some()
+    })
+    .await;
+    let (dropped_at, finished) = dropped.lock().unwrap().expect("dropped");
+    let started_at = started
+        .lock()
+        .unwrap()
+        .expect("the bind reached the extender");
+    assert!(!finished, "the handler was cancelled, not run to its end");
+    let after = dropped_at.duration_since(started_at);
+    // Generous: the point is that the close reaches the server right after the timeout
+    // instead of when the handler would have finished (two minutes).
+    assert!(
+        after >= TIMEOUT && after < TIMEOUT + Duration::from_secs(5),
+        "the handler was dropped {after:?} after the bind arrived (httpTimeout {TIMEOUT:?})"
+    );
+    let expected = format!(
+        "Post \"{}/bind\": context deadline exceeded (Client.Timeout exceeded while awaiting headers)",
+        fake.url_prefix
+    );
+    eventually("the timeout reported on the pod", || async {
+        events_for(&client, "a").await.iter().any(|e| {
+            e.reason.as_deref() == Some("FailedScheduling")
+                && e.message.as_deref() == Some(expected.as_str())
+        })
+    })
+    .await;
+    eventually(
+        "the pod to be requeued and its bind tried again",
+        || async { fake.received("bind").len() >= 2 },
+    )
+    .await;
+    driver.shutdown().await;
+    Ok(())
+}

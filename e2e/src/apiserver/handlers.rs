@@ -4,7 +4,8 @@
 //! One fallback handler parses the path itself (the Kubernetes URL grammar is easier to read
 //! as a match on segments than as a route table), applies injected faults, and dispatches.
 //! Every write runs under the store's lock from "read the current object" to "store the new
-//! one", so the resourceVersion checks are race-free.
+//! one", so the resourceVersion checks are race-free; and in a task of its own, so that a
+//! write, once accepted, is applied even if its client goes away (during a write stall too).
 
 use std::collections::HashMap;
 use std::time::Duration;
@@ -23,7 +24,7 @@ use super::selector::Selector;
 use super::status::{self, ApiError, ApiResult};
 use super::store::Key;
 use super::watch::{self, Start, WatchRequest};
-use super::{App, Verb, discovery, table};
+use super::{App, Release, Verb, discovery, table};
 
 /// The longest a graceful deletion waits before the pod is removed (no kubelet confirms here).
 const MAX_GRACE: Duration = Duration::from_secs(2);
@@ -242,17 +243,67 @@ async fn handle(
             Ok(request) => return watch::serve(app, request),
             Err(err) => Err(err),
         },
-        Verb::Create if target.subresource.as_deref() == Some("binding") => {
-            bind(&app, &target, &body)
+        Verb::Create | Verb::Update | Verb::Patch | Verb::Delete => {
+            // Accepted: from here on the write goes through even if the client hangs up
+            // (dropping this handler), as on a real API server.
+            let write = Write {
+                verb,
+                target,
+                params,
+                content_type,
+                body,
+            };
+            let task = tokio::spawn(async move {
+                match app.faults.hold_write(&app.cancel).await {
+                    Some(Release::Apply) => write.apply(&app),
+                    Some(Release::Fail(error)) => Err(error),
+                    None => Err(ApiError::injected(503)),
+                }
+            });
+            match task.await {
+                Ok(result) => result,
+                Err(err) => Err(ApiError::new(
+                    500,
+                    "InternalError",
+                    format!("the write failed: {err}"),
+                )),
+            }
         }
-        Verb::Create => create(&app, &target, &params, &content_type, &body),
-        Verb::Update => update(&app, &target, &params, &content_type, &body),
-        Verb::Patch => patch_object(&app, &target, &params, &content_type, &body),
-        Verb::Delete => delete(&app, &target, &params, &body),
     };
     match result {
         Ok((code, value)) => (code, axum::Json(value)).into_response(),
         Err(err) => err.into_response(),
+    }
+}
+
+/// An accepted write, owned so that it can run to the end in a task of its own.
+struct Write {
+    verb: Verb,
+    target: Target,
+    params: Params,
+    content_type: String,
+    body: Bytes,
+}
+
+impl Write {
+    fn apply(&self, app: &App) -> Reply {
+        let Write {
+            verb,
+            target,
+            params,
+            content_type,
+            body,
+        } = self;
+        match verb {
+            Verb::Create if target.subresource.as_deref() == Some("binding") => {
+                bind(app, target, body)
+            }
+            Verb::Create => create(app, target, params, content_type, body),
+            Verb::Update => update(app, target, params, content_type, body),
+            Verb::Patch => patch_object(app, target, params, content_type, body),
+            Verb::Delete => delete(app, target, params, body),
+            Verb::Get | Verb::List | Verb::Watch => Err(ApiError::method_not_allowed()),
+        }
     }
 }
 

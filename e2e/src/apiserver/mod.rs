@@ -11,8 +11,19 @@
 //! ```text
 //!  kube::Client / kubectl ──HTTP──▶ axum fallback ──▶ faults (latency, errors) ──▶ handlers
 //!                                                                                │
+//!                                        writes: spawned ──▶ stall, write latency ┤
+//!                                                                                ▼
 //!                    watch streams ◀── history of changes ◀── store (one resourceVersion)
 //! ```
+//!
+//! Writes outlive their clients, as on a real API server: once a write (create, the
+//! `binding` subresource, update, patch, delete) is accepted it runs in a task of its own, so
+//! a client that times out or hangs up does not cancel it. [`Faults::stall_writes`] holds every
+//! write that arrives during the stall until it ends and then applies it (etcd frozen, then
+//! thawed: the writes commit late, whoever still waits for them);
+//! [`Faults::stall_writes_then_fail`] holds them the same way and then fails every one of
+//! them unapplied (etcd lost its leader with the proposals). Reads and watches go on
+//! answering. [`Faults::set_write_latency`] delays writes the same way.
 //!
 //! Served: core/v1 `pods` (+ `status`, `binding`), `nodes` (+ `status`), `events`,
 //! `namespaces` (synthetic, read-only); `events.k8s.io/v1` `events`;
@@ -46,6 +57,7 @@ use std::time::Duration;
 use rand::rngs::StdRng;
 use rand::{Rng, SeedableRng};
 use tokio::task::JoinHandle;
+use tokio::time::Instant;
 use tokio_util::sync::CancellationToken;
 
 use self::store::Store;
@@ -199,16 +211,45 @@ impl Drop for ApiServer {
     }
 }
 
+impl Verb {
+    /// Create, Update, Patch or Delete: the verbs that change the store.
+    pub fn is_write(self) -> bool {
+        matches!(
+            self,
+            Verb::Create | Verb::Update | Verb::Patch | Verb::Delete
+        )
+    }
+}
+
+/// A write stall: until when, and what becomes of the writes it held.
+#[derive(Clone, Copy, Debug)]
+struct Stall {
+    until: Instant,
+    /// Fail the held writes (unapplied) instead of applying them.
+    fail: bool,
+}
+
+/// What becomes of an accepted write once faults let it go.
+pub(crate) enum Release {
+    /// Apply it.
+    Apply,
+    /// Answer with this error, unapplied.
+    Fail(status::ApiError),
+}
+
 /// Fault injection, shared by every request. Cheap to clone.
 #[derive(Clone)]
 pub struct Faults {
     inner: Arc<Mutex<FaultState>>,
     drop_watches: Arc<tokio::sync::watch::Sender<u64>>,
+    /// The current write stall, if any.
+    stall: Arc<tokio::sync::watch::Sender<Option<Stall>>>,
     store: Arc<Store>,
 }
 
 struct FaultState {
     latency: Duration,
+    write_latency: Duration,
     errors: HashMap<Verb, (f64, u16)>,
     rng: StdRng,
 }
@@ -216,14 +257,17 @@ struct FaultState {
 impl Faults {
     fn new(store: Arc<Store>) -> Self {
         let (drop_watches, _) = tokio::sync::watch::channel(0);
+        let (stall, _) = tokio::sync::watch::channel(None);
         Self {
             inner: Arc::new(Mutex::new(FaultState {
                 latency: Duration::ZERO,
+                write_latency: Duration::ZERO,
                 errors: HashMap::new(),
                 // Seeded: a failing run can be replayed.
                 rng: StdRng::seed_from_u64(0x6770_7573_6861_7265),
             })),
             drop_watches: Arc::new(drop_watches),
+            stall: Arc::new(stall),
             store,
         }
     }
@@ -237,6 +281,43 @@ impl Faults {
     /// Delay added before every request is handled.
     pub fn set_latency(&self, d: Duration) {
         self.state().latency = d;
+    }
+
+    /// Delay added to every write once it is accepted (after any stall). The write is applied
+    /// after the delay even if its client gave up meanwhile.
+    pub fn set_write_latency(&self, d: Duration) {
+        self.state().write_latency = d;
+    }
+
+    /// Freezes writes for `d` from now, as a frozen etcd would: every write arriving before
+    /// the returned instant hangs until then and is applied afterwards, in whatever order the
+    /// held writes wake up, even if its client timed out or hung up meanwhile (so a client
+    /// that retries may find its first attempt already applied). Reads and watches answer as
+    /// usual. Calling it again moves the end of the stall to `d` from now; `Duration::ZERO`
+    /// ends a stall at once.
+    pub fn stall_writes(&self, d: Duration) -> Instant {
+        self.start_stall(d, false)
+    }
+
+    /// Like [`Faults::stall_writes`], but when the stall ends every write it held fails,
+    /// unapplied, with a 500 `etcdserver: leader changed` (as when etcd loses its leader with
+    /// the uncommitted proposals): a client that gave up meanwhile never learns that its write
+    /// did not happen.
+    pub fn stall_writes_then_fail(&self, d: Duration) -> Instant {
+        self.start_stall(d, true)
+    }
+
+    fn start_stall(&self, d: Duration, fail: bool) -> Instant {
+        let until = Instant::now() + d;
+        self.stall.send_replace(Some(Stall { until, fail }));
+        until
+    }
+
+    /// Whether writes arriving now are held.
+    pub fn writes_stalled(&self) -> bool {
+        self.stall
+            .borrow()
+            .is_some_and(|stall| stall.until > Instant::now())
     }
 
     /// Answers `rate` (0.0..=1.0) of the requests with `verb` with `status` as a real
@@ -260,15 +341,58 @@ impl Faults {
         self.store.write(store::Inner::compact);
     }
 
-    /// No latency, no errors.
+    /// No latency, no errors, no write stall.
     pub fn clear(&self) {
         let mut state = self.state();
         state.latency = Duration::ZERO;
+        state.write_latency = Duration::ZERO;
         state.errors.clear();
+        drop(state);
+        self.stall.send_replace(None);
     }
 
     pub(crate) fn latency(&self) -> Duration {
         self.state().latency
+    }
+
+    /// Holds an accepted write through the current stall, then its write latency, and says
+    /// what becomes of it. `None` if the server shut down meanwhile (nothing is applied).
+    pub(crate) async fn hold_write(&self, cancel: &CancellationToken) -> Option<Release> {
+        let mut stall = self.stall.subscribe();
+        // The stall that held the write, as it was when the write was let go.
+        let mut held_by: Option<Stall> = None;
+        loop {
+            let current = *stall.borrow_and_update();
+            let Some(current) = current.filter(|s| s.until > Instant::now()) else {
+                // Ended by time: the stall decides; ended by `clear`: the write goes through.
+                if current.is_none() {
+                    held_by = None;
+                }
+                break;
+            };
+            held_by = Some(current);
+            tokio::select! {
+                () = cancel.cancelled() => return None,
+                () = tokio::time::sleep_until(current.until) => {}
+                // The stall was moved or ended: look again.
+                _ = stall.changed() => {}
+            }
+        }
+        if held_by.is_some_and(|s| s.fail) {
+            return Some(Release::Fail(status::ApiError::new(
+                500,
+                "InternalError",
+                "Internal error occurred: etcdserver: leader changed",
+            )));
+        }
+        let latency = self.state().write_latency;
+        if !latency.is_zero() {
+            tokio::select! {
+                () = cancel.cancelled() => return None,
+                () = tokio::time::sleep(latency) => {}
+            }
+        }
+        Some(Release::Apply)
     }
 
     /// The status code to fail this request with, if the dice say so.
@@ -316,12 +440,7 @@ impl Stats {
     pub fn writes(&self) -> u64 {
         self.counts()
             .iter()
-            .filter(|((verb, resource), _)| {
-                matches!(
-                    verb,
-                    Verb::Create | Verb::Update | Verb::Patch | Verb::Delete
-                ) && resource.as_str() != "events"
-            })
+            .filter(|((verb, resource), _)| verb.is_write() && resource.as_str() != "events")
             .map(|(_, n)| n)
             .sum()
     }

@@ -4,6 +4,8 @@
 //! `!=`, `in (..)`, `notin (..)`, `key` and `!key`; fields support `=`, `==`, `!=` on the
 //! fields each resource allows (anything else is a 400, as on the real server).
 
+use std::borrow::Cow;
+
 use serde_json::Value;
 
 use super::resources::Kind;
@@ -28,6 +30,9 @@ struct LabelRequirement {
 #[derive(Debug, Clone, PartialEq, Eq)]
 struct FieldRequirement {
     field: String,
+    /// Where the field lives in the object, key by key (split once: watches evaluate
+    /// selectors on every change).
+    path: Vec<String>,
     value: String,
     equal: bool,
 }
@@ -52,8 +57,16 @@ impl Selector {
         Ok(Self { labels, fields })
     }
 
+    /// The node a `spec.nodeName=<node>` requirement pins the selection to, if any.
+    pub fn node_name(&self) -> Option<&str> {
+        self.fields
+            .iter()
+            .find(|req| req.equal && req.field == "spec.nodeName")
+            .map(|req| req.value.as_str())
+    }
+
     pub fn matches(&self, object: &Value) -> bool {
-        let labels = object.pointer("/metadata/labels");
+        let labels = object.get("metadata").and_then(|m| m.get("labels"));
         let label = |key: &str| labels.and_then(|l| l.get(key)).and_then(Value::as_str);
         let labels_ok = self.labels.iter().all(|req| match &req.op {
             LabelOp::Equals(v) => label(&req.key) == Some(v.as_str()),
@@ -68,7 +81,7 @@ impl Selector {
             && self
                 .fields
                 .iter()
-                .all(|req| (field_value(object, &req.field) == req.value) == req.equal)
+                .all(|req| (field_value(object, req) == req.value) == req.equal)
     }
 }
 
@@ -195,6 +208,10 @@ fn parse_fields(kind: Kind, text: &str) -> ApiResult<Vec<FieldRequirement>> {
         }
         out.push(FieldRequirement {
             field: field.to_owned(),
+            path: match field {
+                "source" => vec!["source".to_owned(), "component".to_owned()],
+                other => other.split('.').map(str::to_owned).collect(),
+            },
             value: value.trim().to_owned(),
             equal,
         });
@@ -204,19 +221,24 @@ fn parse_fields(kind: Kind, text: &str) -> ApiResult<Vec<FieldRequirement>> {
 
 /// The string a field selector compares against: missing fields read as "" (so
 /// `spec.nodeName=` selects unbound pods), booleans as "true"/"false".
-fn field_value(object: &Value, field: &str) -> String {
-    let path = match field {
-        "source" => "/source/component".to_owned(),
-        other => format!("/{}", other.replace('.', "/")),
-    };
-    match object.pointer(&path) {
-        Some(Value::String(s)) => s.clone(),
-        Some(Value::Bool(b)) => b.to_string(),
-        Some(Value::Number(n)) => n.to_string(),
-        None | Some(Value::Null) if matches!(field, "spec.hostNetwork" | "spec.unschedulable") => {
-            "false".to_owned()
+fn field_value<'a>(object: &'a Value, req: &FieldRequirement) -> Cow<'a, str> {
+    let value = req
+        .path
+        .iter()
+        .try_fold(object, |value, key| value.get(key.as_str()));
+    match value {
+        Some(Value::String(s)) => Cow::Borrowed(s),
+        Some(Value::Bool(b)) => Cow::Owned(b.to_string()),
+        Some(Value::Number(n)) => Cow::Owned(n.to_string()),
+        None | Some(Value::Null)
+            if matches!(
+                req.field.as_str(),
+                "spec.hostNetwork" | "spec.unschedulable"
+            ) =>
+        {
+            Cow::Borrowed("false")
         }
-        _ => String::new(),
+        _ => Cow::Borrowed(""),
     }
 }
 

@@ -6,8 +6,8 @@
 //! History older than `oldest` is gone (bounded, or forgotten on purpose by
 //! [`Inner::compact`]); a watch asking to start before it gets 410 Expired.
 
-use std::collections::{BTreeMap, VecDeque};
-use std::sync::{Arc, Mutex, MutexGuard};
+use std::collections::{BTreeMap, HashMap, VecDeque};
+use std::sync::{Arc, Mutex, MutexGuard, OnceLock};
 
 use serde_json::{Value, json};
 use tokio::sync::watch;
@@ -39,6 +39,39 @@ pub(crate) struct Change {
     pub object: Value,
     /// The object before the write, to tell "stopped matching a selector" from "changed".
     pub old: Option<Value>,
+    /// For pods: `spec.nodeName` after and before the write ("" when unbound), so that a
+    /// node-scoped watch skips other nodes' pods without reading them.
+    pub pod_nodes: Vec<String>,
+    /// `object` as JSON, made by the first watch that sends it and shared by the others.
+    json: OnceLock<String>,
+}
+
+impl Change {
+    fn new(rv: u64, kind: Kind, change: ChangeType, object: Value, old: Option<Value>) -> Self {
+        let mut pod_nodes: Vec<String> = Vec::new();
+        if kind == Kind::Pod {
+            for pod in std::iter::once(&object).chain(old.as_ref()) {
+                let node = pod_node(pod);
+                if !pod_nodes.iter().any(|n| n == node) {
+                    pod_nodes.push(node.to_owned());
+                }
+            }
+        }
+        Change {
+            rv,
+            kind,
+            change,
+            object,
+            old,
+            pod_nodes,
+            json: OnceLock::new(),
+        }
+    }
+
+    /// The object after the write, as JSON.
+    pub fn json(&self) -> &str {
+        self.json.get_or_init(|| self.object.to_string())
+    }
 }
 
 /// The history a watch asked for is no longer held.
@@ -51,6 +84,10 @@ pub(crate) struct Expired {
 pub(crate) struct Store {
     inner: Mutex<Inner>,
     rv_tx: watch::Sender<u64>,
+    /// Per node name: moves when a pod on that node (before or after the write) changes.
+    /// Node-scoped pod watches (every kubelet's and device plugin's) wait on these, so that
+    /// a write wakes the watches it concerns rather than all of them.
+    pods_on: Mutex<HashMap<String, watch::Sender<u64>>>,
 }
 
 pub(crate) struct Inner {
@@ -72,6 +109,7 @@ impl Store {
                 oldest: FIRST_RESOURCE_VERSION,
             }),
             rv_tx,
+            pods_on: Mutex::new(HashMap::new()),
         }
     }
 
@@ -83,13 +121,26 @@ impl Store {
             .unwrap_or_else(|poison| poison.into_inner())
     }
 
-    /// Runs `f` under the lock, then wakes every watch if it wrote anything.
+    /// Runs `f` under the lock, then wakes the watches concerned if it wrote anything.
     pub fn write<R>(&self, f: impl FnOnce(&mut Inner) -> R) -> R {
-        let (result, rv) = {
+        let (result, rv, nodes) = {
             let mut inner = self.lock();
+            let before = inner.rv;
             let result = f(&mut inner);
-            (result, inner.rv)
+            let nodes = inner.pod_nodes_since(before);
+            (result, inner.rv, nodes)
         };
+        if !nodes.is_empty() {
+            let topics = self
+                .pods_on
+                .lock()
+                .unwrap_or_else(|poison| poison.into_inner());
+            for node in nodes {
+                if let Some(tx) = topics.get(&node) {
+                    tx.send_replace(rv);
+                }
+            }
+        }
         self.rv_tx.send_if_modified(|current| {
             let changed = *current != rv;
             *current = rv;
@@ -106,6 +157,28 @@ impl Store {
     pub fn subscribe(&self) -> watch::Receiver<u64> {
         self.rv_tx.subscribe()
     }
+
+    /// A receiver that changes whenever a pod whose `spec.nodeName` is `node` before or after
+    /// the write changes ("" for unbound pods).
+    pub fn subscribe_pods_on(&self, node: &str) -> watch::Receiver<u64> {
+        let mut topics = self
+            .pods_on
+            .lock()
+            .unwrap_or_else(|poison| poison.into_inner());
+        topics.retain(|_, tx| tx.receiver_count() > 0);
+        topics
+            .entry(node.to_owned())
+            .or_insert_with(|| watch::Sender::new(FIRST_RESOURCE_VERSION))
+            .subscribe()
+    }
+}
+
+/// A pod's `spec.nodeName`, "" when unbound.
+fn pod_node(pod: &Value) -> &str {
+    pod.get("spec")
+        .and_then(|spec| spec.get("nodeName"))
+        .and_then(Value::as_str)
+        .unwrap_or("")
 }
 
 impl Inner {
@@ -154,13 +227,13 @@ impl Inner {
             .entry(kind)
             .or_default()
             .insert(key, object.clone());
-        self.record(Change {
+        self.record(Change::new(
             rv,
             kind,
-            change: ChangeType::Added,
-            object: object.clone(),
-            old: None,
-        });
+            ChangeType::Added,
+            object.clone(),
+            None,
+        ));
         object
     }
 
@@ -177,13 +250,7 @@ impl Inner {
         } else {
             ChangeType::Added
         };
-        self.record(Change {
-            rv,
-            kind,
-            change,
-            object: object.clone(),
-            old,
-        });
+        self.record(Change::new(rv, kind, change, object.clone(), old));
         object
     }
 
@@ -192,14 +259,27 @@ impl Inner {
         let mut object = self.objects.get_mut(&kind)?.remove(key)?;
         let old = object.clone();
         let rv = self.bump(&mut object);
-        self.record(Change {
+        self.record(Change::new(
             rv,
             kind,
-            change: ChangeType::Deleted,
-            object: object.clone(),
-            old: Some(old),
-        });
+            ChangeType::Deleted,
+            object.clone(),
+            Some(old),
+        ));
         Some(object)
+    }
+
+    /// The node names (before and after) of the pods changed after `rv`.
+    fn pod_nodes_since(&self, rv: u64) -> Vec<String> {
+        let mut nodes: Vec<String> = Vec::new();
+        for change in self.history.iter().rev().take_while(|c| c.rv > rv) {
+            for node in &change.pod_nodes {
+                if !nodes.contains(node) {
+                    nodes.push(node.clone());
+                }
+            }
+        }
+        nodes
     }
 
     /// Changes after `rv`, oldest first, or `Expired` when history no longer reaches back.

@@ -52,6 +52,11 @@ pub(crate) struct WatchRequest {
 }
 
 impl WatchRequest {
+    /// The node a pod watch is scoped to by `spec.nodeName=<node>`, if any.
+    fn pod_node(&self) -> Option<&str> {
+        self.selector.node_name().filter(|_| self.kind == Kind::Pod)
+    }
+
     fn visible(&self, object: &Value) -> bool {
         let namespace_ok = self
             .namespace
@@ -72,9 +77,15 @@ impl WatchRequest {
         json!({"type": kind, "object": object})
     }
 
-    /// The event this watch sends for `change`, if any.
-    fn event_for(&self, change: &Change) -> Option<Value> {
+    /// The event line this watch sends for `change`, if any.
+    fn event_for(&self, change: &Change) -> Option<Bytes> {
         if change.kind != self.kind {
+            return None;
+        }
+        // A node-scoped pod watch: another node's pod can match neither before nor after.
+        if let Some(node) = self.pod_node()
+            && !change.pod_nodes.iter().any(|n| n == node)
+        {
             return None;
         }
         let now = self.visible(&change.object);
@@ -89,7 +100,12 @@ impl WatchRequest {
             },
             ChangeType::Deleted => before.then_some("DELETED"),
         }?;
-        Some(self.event(kind, &change.object))
+        let line = match self.as_table {
+            Some(_) => line(&self.event(kind, &change.object)),
+            // The object is serialized once per change, whoever watches it.
+            None => format!("{{\"type\":\"{kind}\",\"object\":{}}}\n", change.json()),
+        };
+        Some(Bytes::from(line))
     }
 
     fn bookmark(&self, rv: u64, initial_end: bool) -> Value {
@@ -118,17 +134,35 @@ pub(crate) fn serve(app: App, request: WatchRequest) -> Response {
         .unwrap_or_else(|_| Response::new(Body::empty()))
 }
 
-/// Sends one event line; false when the client has gone.
-async fn send(tx: &Tx, event: &Value) -> bool {
+/// `event` as one line of the stream.
+fn line(event: &Value) -> String {
     let mut line = event.to_string();
     line.push('\n');
-    tx.send(Ok(Bytes::from(line))).await.is_ok()
+    line
+}
+
+/// Sends one event; false when the client has gone.
+async fn send(tx: &Tx, event: &Value) -> bool {
+    send_line(tx, Bytes::from(line(event))).await
+}
+
+/// Sends one event line; false when the client has gone.
+async fn send_line(tx: &Tx, line: Bytes) -> bool {
+    tx.send(Ok(line)).await.is_ok()
 }
 
 async fn run(app: App, request: WatchRequest, tx: Tx) {
     let mut dropped = app.faults.drop_signal();
     dropped.borrow_and_update();
-    let mut versions = app.store.subscribe();
+    // A pod watch scoped to one node only needs waking for pods on that node.
+    let mut versions = match request
+        .selector
+        .node_name()
+        .filter(|_| request.kind == Kind::Pod)
+    {
+        Some(node) => app.store.subscribe_pods_on(node),
+        None => app.store.subscribe(),
+    };
     versions.borrow_and_update();
     let deadline = Instant::now() + request.timeout;
 
@@ -175,7 +209,7 @@ async fn run(app: App, request: WatchRequest, tx: Tx) {
                 for change in changes {
                     position = change.rv;
                     if let Some(event) = request.event_for(&change)
-                        && !send(&tx, &event).await
+                        && !send_line(&tx, event).await
                     {
                         return;
                     }

@@ -1,8 +1,13 @@
 //! The moving parts: two watches feeding the state, one scheduling loop (one pod at a time, as
 //! kube-scheduler's `scheduleOne`), and a bind task per placed pod so binds overlap with the
 //! next cycles.
+//!
+//! No API call blocks a scheduling cycle (upstream's `SchedulerAsyncAPICalls`, on by default
+//! since v1.34): Events and `PodScheduled` updates are sent by tasks of their own, at most one
+//! update in flight per pod and only the latest one queued, so a slow or stalled API server
+//! delays what users read, never the scheduling of other pods.
 
-use std::collections::HashSet;
+use std::collections::{HashMap, HashSet};
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::{Duration, Instant};
@@ -28,7 +33,7 @@ use tracing::{debug, info, warn};
 use super::SchedulerConfig;
 use super::extender::HttpExtender;
 use super::framework::{self, extender_score, fit_error_message, select_host};
-use super::state::{FailureKind, Popped, QueueConfig, State, pod_key};
+use super::state::{FailureKind, PodKey, Popped, QueueConfig, State, pod_key};
 use super::stats::StatsRecorder;
 use super::wire::ExtenderBindingArgs;
 
@@ -36,6 +41,9 @@ use super::wire::ExtenderBindingArgs;
 const SYNC_TIMEOUT: Duration = Duration::from_secs(30);
 /// Upstream truncates event notes to this many bytes.
 const EVENT_MESSAGE_LIMIT: usize = 1024;
+/// How long an event suppresses its repeats (client-go `tools/events`: an isomorphic event
+/// within 6 minutes only increments the first one's series, written every 30 minutes).
+const EVENT_SERIES_WINDOW: Duration = Duration::from_secs(6 * 60);
 
 /// Everything the tasks share.
 pub struct Shared {
@@ -49,6 +57,21 @@ pub struct Shared {
     pub cancel: CancellationToken,
     rng: Mutex<StdRng>,
     event_seq: AtomicU64,
+    status_updates: Mutex<StatusUpdates>,
+    /// Events sent lately, and when.
+    recent_events: Mutex<HashMap<EventKey, Instant>>,
+}
+
+/// What makes two events the same one (client-go's "isomorphic" events): pod UID, type,
+/// reason, action and message.
+type EventKey = (String, String, String, String, String);
+
+/// `PodScheduled=False` updates waiting to be sent: the latest per pod, and the pods whose
+/// sender task is running.
+#[derive(Default)]
+struct StatusUpdates {
+    queued: HashMap<PodKey, (&'static str, String)>,
+    sending: HashSet<PodKey>,
 }
 
 /// A pod assumed on a node, waiting for its bind.
@@ -72,6 +95,12 @@ impl Shared {
 
     pub fn pending_reason(&self, key: &str) -> Option<String> {
         self.state().reasons.get(key).cloned()
+    }
+
+    fn status_updates(&self) -> MutexGuard<'_, StatusUpdates> {
+        self.status_updates
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
     }
 }
 
@@ -106,6 +135,8 @@ pub async fn start(
         cancel: CancellationToken::new(),
         rng: Mutex::new(rng),
         event_seq: AtomicU64::new(0),
+        status_updates: Mutex::new(StatusUpdates::default()),
+        recent_events: Mutex::new(HashMap::new()),
     });
 
     let (pods_synced, pods_ready) = oneshot::channel();
@@ -327,11 +358,11 @@ async fn schedule_one(shared: &Arc<Shared>, popped: Popped) -> Option<BindJob> {
                 .then_some(BindJob { popped, host })
         }
         Err(CycleFailure::Unschedulable(message)) => {
-            fail(shared, &popped, FailureKind::Unschedulable, message).await;
+            fail(shared, &popped, FailureKind::Unschedulable, message);
             None
         }
         Err(CycleFailure::Error(message)) => {
-            fail(shared, &popped, FailureKind::Error, message).await;
+            fail(shared, &popped, FailureKind::Error, message);
             None
         }
     }
@@ -431,8 +462,11 @@ async fn find_host(shared: &Shared, pod: &Pod) -> Result<String, CycleFailure> {
         .ok_or_else(|| CycleFailure::Error("empty priorityList".to_owned()))
 }
 
-/// A failed attempt: requeue, then tell the user (Event + PodScheduled condition).
-async fn fail(shared: &Arc<Shared>, popped: &Popped, kind: FailureKind, message: String) {
+/// A failed attempt: requeue, then tell the user (Event + PodScheduled condition) without
+/// waiting for the API server. A pod that is no longer pending (the watch showed it bound or
+/// deleted; upstream's "Pod has been assigned to node. Abort adding it back to queue.") is
+/// neither requeued nor reported.
+fn fail(shared: &Arc<Shared>, popped: &Popped, kind: FailureKind, message: String) {
     let pod = shared.state().record_failure(
         &popped.key,
         &popped.uid,
@@ -456,7 +490,46 @@ async fn fail(shared: &Arc<Shared>, popped: &Popped, kind: FailureKind, message:
         FailureKind::Unschedulable => "Unschedulable",
         FailureKind::Error => "SchedulerError",
     };
-    update_pod_scheduled(shared, &pod, reason, &message).await;
+    queue_pod_scheduled(shared, &popped.key, reason, message);
+}
+
+/// Queues a `PodScheduled=False` update for a pod, replacing one not sent yet, and starts the
+/// pod's sender unless it runs already: updates of one pod are sent one at a time, in order,
+/// and only the latest of those that piled up while one was in flight.
+fn queue_pod_scheduled(shared: &Arc<Shared>, key: &PodKey, reason: &'static str, message: String) {
+    {
+        let mut updates = shared.status_updates();
+        updates.queued.insert(key.clone(), (reason, message));
+        if !updates.sending.insert(key.clone()) {
+            return;
+        }
+    }
+    let shared = shared.clone();
+    let key = key.clone();
+    tokio::spawn(async move {
+        loop {
+            let next = {
+                let mut updates = shared.status_updates();
+                let next = updates.queued.remove(&key);
+                if next.is_none() {
+                    updates.sending.remove(&key);
+                }
+                next
+            };
+            let Some((reason, message)) = next else {
+                return;
+            };
+            // The pod as the watch has it now; none once it is bound or gone (a bind
+            // supersedes a queued status update, as in upstream's API dispatcher).
+            let Some(pod) = shared.state().waiting_pod(&key) else {
+                continue;
+            };
+            tokio::select! {
+                () = shared.cancel.cancelled() => return,
+                () = update_pod_scheduled(&shared, &pod, reason, &message) => {}
+            }
+        }
+    });
 }
 
 // ---- Binding ----
@@ -491,11 +564,15 @@ async fn bind_job(shared: Arc<Shared>, job: BindJob) {
             {
                 let now = Instant::now();
                 let mut state = shared.state();
-                state.forget(&popped.key, &popped.uid, &host);
-                // Freed (assumed) resources: like upstream's AssignedPodDelete move request.
-                state.move_all_to_active_or_backoff(now);
+                // handleBindingCycleError: unreserve, forget the assumed pod and, if it was
+                // still assumed (not already confirmed by the watch), treat its freed
+                // resources as an AssignedPodDelete cluster event.
+                if state.forget(&popped.key, &popped.uid, &host) {
+                    state.move_all_to_active_or_backoff(now);
+                }
             }
-            fail(&shared, &popped, FailureKind::Error, message).await;
+            // Then the FailureHandler: backoff (a bind error is never "unschedulable").
+            fail(&shared, &popped, FailureKind::Error, message);
         }
     }
 }
@@ -617,8 +694,35 @@ fn truncate(message: &str, limit: usize) -> String {
     format!("{}{SUFFIX}", &message[..end])
 }
 
-/// Posts a core/v1 Event about `pod` without holding up scheduling.
+/// Posts a core/v1 Event about `pod` without holding up scheduling, unless the same event
+/// (same pod, type, reason, action and message) was posted within [`EVENT_SERIES_WINDOW`]:
+/// kube-scheduler's event broadcaster folds such repeats into the first event's series
+/// instead of writing them, which matters when a pod fails the same way many times.
 fn emit_event(shared: &Shared, pod: &Pod, type_: &str, reason: &str, action: &str, message: &str) {
+    let key = (
+        pod.metadata.uid.clone().unwrap_or_default(),
+        type_.to_owned(),
+        reason.to_owned(),
+        action.to_owned(),
+        message.to_owned(),
+    );
+    {
+        let now = Instant::now();
+        let mut recent = shared
+            .recent_events
+            .lock()
+            .unwrap_or_else(|p| p.into_inner());
+        if recent
+            .get(&key)
+            .is_some_and(|sent| now.duration_since(*sent) < EVENT_SERIES_WINDOW)
+        {
+            return;
+        }
+        if recent.len() >= 10_000 {
+            recent.retain(|_, sent| now.duration_since(*sent) < EVENT_SERIES_WINDOW);
+        }
+        recent.insert(key, now);
+    }
     let namespace = pod
         .metadata
         .namespace

@@ -577,6 +577,14 @@ impl State {
         Some(pod)
     }
 
+    /// The pod, while it still waits for a node (not bound, not being bound, not gone).
+    pub fn waiting_pod(&self, key: &str) -> Option<Arc<Pod>> {
+        self.pending
+            .get(key)
+            .filter(|p| !matches!(p.phase, Phase::Binding | Phase::Bound))
+            .map(|p| p.pod.clone())
+    }
+
     #[cfg(test)]
     pub fn phase(&self, key: &str) -> Option<Phase> {
         self.pending.get(key).map(|p| p.phase)
