@@ -12,6 +12,12 @@
 //! at one fixed address, so the extender can be killed and restarted under it
 //! ([`TestCluster::kill_extender`], [`TestCluster::kill_extender_repeatedly`]) as a crashed
 //! pod behind a Service would be.
+//!
+//! As in production, each binary acts as its own ServiceAccount (a kubeconfig with a token
+//! for [`EXTENDER_USER`] or [`DEVICE_PLUGIN_USER`]; the harness itself, the scheduler driver
+//! and the kubelet drivers act as the admin), and the API server enforces the chart's
+//! ValidatingAdmissionPolicy on pods ([`allocation_policy_yaml`]), unless
+//! [`ClusterSpec::without_allocation_policy`] says otherwise.
 
 use std::collections::BTreeMap;
 use std::net::{SocketAddr, TcpListener};
@@ -27,6 +33,7 @@ use kube::api::Api;
 use tokio::process::{Child, Command};
 
 use crate::apiserver::ApiServer;
+use crate::apiserver::admission::AdmissionPolicies;
 use crate::fixtures::node;
 use crate::kubelet::{AdmissionOrder, KubeletDriver};
 use crate::scheduler::{ExtenderConfig, SchedulerConfig, SchedulerDriver};
@@ -124,6 +131,54 @@ fn build_binaries() -> anyhow::Result<Binaries> {
         bail!("cargo build of gpushare-extender and gpushare-device-plugin failed ({status})");
     }
     Ok(in_dir(&profile_dir))
+}
+
+/// The Helm release the harness renders the chart as; the ServiceAccount names follow from it.
+pub const RELEASE: &str = "gpushare";
+/// The namespace of that release.
+pub const RELEASE_NAMESPACE: &str = "kube-system";
+/// The username the extender acts as: the chart's extender ServiceAccount.
+pub const EXTENDER_USER: &str = "system:serviceaccount:kube-system:gpushare-extender";
+/// The username every device plugin acts as: the chart's device plugin ServiceAccount.
+pub const DEVICE_PLUGIN_USER: &str = "system:serviceaccount:kube-system:gpushare-device-plugin";
+
+/// The chart's allocation policy (`templates/allocation-policy.yaml`), rendered by helm
+/// once per process as release [`RELEASE`] in [`RELEASE_NAMESPACE`], with the scheduler mode
+/// the harness models: `default-scheduler` (the scheduler driver serves
+/// `default-scheduler`, and there is no webhook to route pods to a dedicated profile).
+pub fn allocation_policy_yaml() -> anyhow::Result<String> {
+    static RENDERED: OnceLock<Result<String, String>> = OnceLock::new();
+    RENDERED
+        .get_or_init(|| render_allocation_policy(&[]).map_err(|e| format!("{e:#}")))
+        .clone()
+        .map_err(anyhow::Error::msg)
+}
+
+/// Renders the chart's allocation policy with extra `--set` values (not cached).
+pub fn render_allocation_policy(sets: &[&str]) -> anyhow::Result<String> {
+    let helm = crate::tools::helm()?;
+    let chart = Path::new(env!("CARGO_MANIFEST_DIR"))
+        .parent()
+        .context("workspace root")?
+        .join("charts/gpushare");
+    let mut command = std::process::Command::new(helm);
+    command
+        .args(["template", RELEASE])
+        .arg(&chart)
+        .args(["--namespace", RELEASE_NAMESPACE])
+        .args(["--show-only", "templates/allocation-policy.yaml"])
+        .args(["--set", "scheduler.mode=default-scheduler"]);
+    for set in sets {
+        command.args(["--set", set]);
+    }
+    let output = command.output().context("running helm template")?;
+    if !output.status.success() {
+        bail!(
+            "helm template of the allocation policy failed: {}",
+            String::from_utf8_lossy(&output.stderr)
+        );
+    }
+    Ok(String::from_utf8(output.stdout)?)
 }
 
 /// A free TCP port on 127.0.0.1 (bound and released; good enough for tests on one machine).
@@ -456,6 +511,8 @@ pub struct ClusterSpec {
     pub extender_args: Vec<String>,
     /// The scheduler's `httpTimeout` for the extender (the chart ships 5 s).
     pub http_timeout: Duration,
+    /// Whether the API server enforces the chart's allocation policy (default: yes).
+    pub allocation_policy: bool,
 }
 
 impl ClusterSpec {
@@ -469,6 +526,7 @@ impl ClusterSpec {
             admission: AdmissionOrder::CreationTime,
             extender_args: Vec::new(),
             http_timeout: DEFAULT_HTTP_TIMEOUT,
+            allocation_policy: true,
         }
     }
 
@@ -485,6 +543,12 @@ impl ClusterSpec {
     /// The scheduler's `httpTimeout` for the extender.
     pub fn with_http_timeout(mut self, timeout: Duration) -> Self {
         self.http_timeout = timeout;
+        self
+    }
+
+    /// Runs without the chart's allocation policy (as a cluster whose admin left it out).
+    pub fn without_allocation_policy(mut self) -> Self {
+        self.allocation_policy = false;
         self
     }
 
@@ -511,6 +575,10 @@ pub struct TestCluster {
     spec: ClusterSpec,
     dir: tempfile::TempDir,
     kubeconfig: PathBuf,
+    /// The extender's kubeconfig ([`EXTENDER_USER`]).
+    extender_kubeconfig: PathBuf,
+    /// The device plugins' kubeconfig ([`DEVICE_PLUGIN_USER`]).
+    plugin_kubeconfig: PathBuf,
     /// The extender's port, kept across restarts (the Service address kube-scheduler calls).
     extender_port: u16,
 }
@@ -521,9 +589,17 @@ impl TestCluster {
         let binaries = tokio::task::spawn_blocking(binaries).await??;
         let dir = tempfile::tempdir()?;
         let api = ApiServer::start().await?;
+        if spec.allocation_policy {
+            let yaml = tokio::task::spawn_blocking(allocation_policy_yaml).await??;
+            api.set_admission_policies(AdmissionPolicies::from_yaml(&yaml)?);
+        }
         let client = api.client();
         let kubeconfig = dir.path().join("kubeconfig");
         api.write_kubeconfig(&kubeconfig)?;
+        let extender_kubeconfig = dir.path().join("extender.kubeconfig");
+        api.write_kubeconfig_as(&extender_kubeconfig, EXTENDER_USER)?;
+        let plugin_kubeconfig = dir.path().join("device-plugin.kubeconfig");
+        api.write_kubeconfig_as(&plugin_kubeconfig, DEVICE_PLUGIN_USER)?;
         let mut cluster = Self {
             api,
             client,
@@ -534,6 +610,8 @@ impl TestCluster {
             spec: spec.clone(),
             dir,
             kubeconfig,
+            extender_kubeconfig,
+            plugin_kubeconfig,
             extender_port: service_port()?,
         };
         cluster.add_nodes(&spec.nodes).await?;
@@ -542,9 +620,22 @@ impl TestCluster {
         Ok(cluster)
     }
 
-    /// The kubeconfig file for this cluster (for kubectl or our binaries).
+    /// The admin's kubeconfig file for this cluster (for kubectl).
     pub fn kubeconfig(&self) -> &Path {
         &self.kubeconfig
+    }
+
+    /// A client acting as `username` (a user the allocation policy does not trust, unless
+    /// it is [`EXTENDER_USER`] or [`DEVICE_PLUGIN_USER`]).
+    pub async fn client_as(&self, username: &str) -> anyhow::Result<Client> {
+        let yaml = self.api.kubeconfig_yaml_as(username);
+        let kubeconfig = kube::config::Kubeconfig::from_yaml(&yaml)?;
+        let config = kube::Config::from_custom_kubeconfig(
+            kubeconfig,
+            &kube::config::KubeConfigOptions::default(),
+        )
+        .await?;
+        Ok(Client::try_from(config)?)
     }
 
     /// Where the child processes' logs go.
@@ -597,7 +688,7 @@ impl TestCluster {
             client: self.client.clone(),
             dir: self.dir.path().to_owned(),
             binaries: self.binaries.clone(),
-            kubeconfig: self.kubeconfig.clone(),
+            kubeconfig: self.plugin_kubeconfig.clone(),
             admission: self.spec.admission,
         }
     }
@@ -622,7 +713,7 @@ impl TestCluster {
         }
         self.extender = Some(Extender::spawn_on(
             &self.binaries,
-            &self.kubeconfig,
+            &self.extender_kubeconfig,
             &log,
             &args,
             self.extender_port,
@@ -899,6 +990,7 @@ struct NodeHost {
     client: Client,
     dir: PathBuf,
     binaries: Binaries,
+    /// The device plugins' kubeconfig ([`DEVICE_PLUGIN_USER`]).
     kubeconfig: PathBuf,
     admission: AdmissionOrder,
 }

@@ -981,3 +981,101 @@ async fn writes_held_by_a_failing_stall_are_never_applied() {
         .unwrap();
     server.shutdown().await;
 }
+
+/// A client that authenticates with the kubeconfig `yaml`.
+async fn client_from(yaml: &str) -> kube::Client {
+    let kubeconfig = kube::config::Kubeconfig::from_yaml(yaml).unwrap();
+    let config = kube::Config::from_custom_kubeconfig(
+        kubeconfig,
+        &kube::config::KubeConfigOptions::default(),
+    )
+    .await
+    .unwrap();
+    kube::Client::try_from(config).unwrap()
+}
+
+/// A policy that lets only `keeper` put the label `locked` on a pod.
+const LOCK_POLICY: &str = "apiVersion: admissionregistration.k8s.io/v1
+kind: ValidatingAdmissionPolicy
+metadata: {name: lock}
+spec:
+  failurePolicy: Fail
+  matchConstraints:
+    resourceRules:
+      - {apiGroups: [''], apiVersions: [v1], operations: [CREATE, UPDATE], resources: [pods]}
+  variables:
+    - {name: locked, expression: \"has(object.metadata.labels) && 'locked' in object.metadata.labels\"}
+  validations:
+    - expression: \"!variables.locked || request.userInfo.username == 'keeper'\"
+      reason: Forbidden
+      message: only the keeper locks pods
+---
+apiVersion: admissionregistration.k8s.io/v1
+kind: ValidatingAdmissionPolicyBinding
+metadata: {name: lock-binding}
+spec: {policyName: lock, validationActions: [Deny]}
+";
+
+#[tokio::test]
+async fn admission_policies_see_who_calls_and_the_patched_result() {
+    let server = ApiServer::start().await.unwrap();
+    server.set_admission_policies(
+        gpushare_e2e::apiserver::admission::AdmissionPolicies::from_yaml(LOCK_POLICY).unwrap(),
+    );
+    let admin: Api<Pod> = Api::namespaced(server.client(), "default");
+    let keeper_yaml = server.kubeconfig_yaml_as("keeper");
+    let keeper: Api<Pod> = Api::namespaced(client_from(&keeper_yaml).await, "default");
+    let mut locked = pod("a").build();
+    locked.metadata.labels = Some(BTreeMap::from([("locked".to_owned(), "1".to_owned())]));
+
+    // The admin (no credentials) is refused, with the real server's status and wording.
+    let err = admin
+        .create(&PostParams::default(), &locked)
+        .await
+        .unwrap_err();
+    let kube::Error::Api(status) = err else {
+        panic!("expected an API error, got {err:?}")
+    };
+    assert_eq!((status.code, status.reason.as_str()), (403, "Forbidden"));
+    assert_eq!(
+        status.message,
+        "pods \"a\" is forbidden: ValidatingAdmissionPolicy 'lock' with binding 'lock-binding' denied request: only the keeper locks pods"
+    );
+    // The user its token names is let through.
+    keeper
+        .create(&PostParams::default(), &locked)
+        .await
+        .unwrap();
+
+    // A patch is judged on its result: adding the label is refused, other changes are not
+    // (even while the stored pod carries it: the rule is about who may set it).
+    admin
+        .create(&PostParams::default(), &pod("b").build())
+        .await
+        .unwrap();
+    let lock = json!({"metadata": {"labels": {"locked": "1"}}});
+    let err = admin
+        .patch("b", &PatchParams::default(), &Patch::Merge(&lock))
+        .await
+        .unwrap_err();
+    assert_eq!(api_error(err), (403, "Forbidden".to_owned()));
+    keeper
+        .patch("b", &PatchParams::default(), &Patch::Merge(&lock))
+        .await
+        .unwrap();
+    // Subresources are not matched by `pods`: binding and status go through for anyone.
+    bind(&admin, &binding("b", "n1", None, &[])).await.unwrap();
+    let status = json!({"status": {"phase": "Running"}});
+    admin
+        .patch_status("b", &PatchParams::default(), &Patch::Merge(&status))
+        .await
+        .unwrap();
+
+    // A token this server never issued is not a user.
+    let bogus = keeper_yaml.replace("token: kubesim-", "token: forged-");
+    assert_ne!(bogus, keeper_yaml);
+    let stranger: Api<Pod> = Api::namespaced(client_from(&bogus).await, "default");
+    let err = stranger.get("a").await.unwrap_err();
+    assert_eq!(api_error(err), (401, "Unauthorized".to_owned()));
+    server.shutdown().await;
+}

@@ -17,6 +17,7 @@ use axum::response::{IntoResponse, Response};
 use http::{HeaderMap, Method, StatusCode, Uri, header};
 use serde_json::{Value, json};
 
+use super::admission::{AdmissionRequest, Operation};
 use super::objects::{self, DEFAULT_GRACE_SECONDS, Part, meta_mut, meta_str};
 use super::patch::{self, PatchKind};
 use super::resources::Kind;
@@ -203,6 +204,12 @@ async fn handle(
         }
         Route::Resource(target) => target,
     };
+    let authorization = headers
+        .get(header::AUTHORIZATION)
+        .map(|h| h.to_str().unwrap_or(""));
+    let Some(user) = app.access.user(authorization) else {
+        return ApiError::new(401, "Unauthorized", "Unauthorized").into_response();
+    };
     let verb = match verb_of(&method, &target, &params) {
         Ok(verb) => verb,
         Err(err) => return err.into_response(),
@@ -248,6 +255,7 @@ async fn handle(
             // (dropping this handler), as on a real API server.
             let write = Write {
                 verb,
+                user,
                 target,
                 params,
                 content_type,
@@ -279,6 +287,8 @@ async fn handle(
 /// An accepted write, owned so that it can run to the end in a task of its own.
 struct Write {
     verb: Verb,
+    /// Who asked (admission sees it as `request.userInfo.username`).
+    user: String,
     target: Target,
     params: Params,
     content_type: String,
@@ -289,6 +299,7 @@ impl Write {
     fn apply(&self, app: &App) -> Reply {
         let Write {
             verb,
+            user,
             target,
             params,
             content_type,
@@ -298,9 +309,9 @@ impl Write {
             Verb::Create if target.subresource.as_deref() == Some("binding") => {
                 bind(app, target, body)
             }
-            Verb::Create => create(app, target, params, content_type, body),
-            Verb::Update => update(app, target, params, content_type, body),
-            Verb::Patch => patch_object(app, target, params, content_type, body),
+            Verb::Create => create(app, user, target, params, content_type, body),
+            Verb::Update => update(app, user, target, params, content_type, body),
+            Verb::Patch => patch_object(app, user, target, params, content_type, body),
             Verb::Delete => delete(app, target, params, body),
             Verb::Get | Verb::List | Verb::Watch => Err(ApiError::method_not_allowed()),
         }
@@ -513,9 +524,62 @@ fn watch_request(
     })
 }
 
-fn create(app: &App, target: &Target, params: &Params, content_type: &str, body: &[u8]) -> Reply {
+/// Runs the admission policies in force on a create or update of `target`, on `object` as it
+/// would be stored (defaulted; an update's patched or replaced result).
+fn admit(
+    app: &App,
+    user: &str,
+    target: &Target,
+    operation: Operation,
+    object: &Value,
+    old_object: Option<&Value>,
+) -> ApiResult<()> {
+    let policies = app.access.policies();
+    if policies.is_empty() {
+        return Ok(());
+    }
+    let api_version = target.kind.api_version();
+    let (group, version) = api_version.split_once('/').unwrap_or(("", api_version));
+    // As upstream names a refused object: its name, else its generateName.
+    let name = meta_str(object, "name")
+        .filter(|n| !n.is_empty())
+        .or_else(|| meta_str(object, "generateName"))
+        .unwrap_or("");
+    let request = AdmissionRequest {
+        operation,
+        username: user,
+        group,
+        version,
+        resource: target.kind.plural(),
+        subresource: target.subresource.as_deref().unwrap_or(""),
+        kind: target.kind.kind(),
+        namespace: target.namespace.as_deref().unwrap_or(""),
+        name,
+        object,
+        old_object,
+    };
+    policies.admit(&request).map_err(|denial| {
+        tracing::debug!(user, resource = %target.resource(), name, policy = %denial.policy, "admission denied");
+        ApiError::new(
+            denial.code(),
+            denial.status_reason(),
+            denial.status_message(target.kind.plural(), name),
+        )
+        .with_details(target.kind.plural(), name)
+    })
+}
+
+fn create(
+    app: &App,
+    user: &str,
+    target: &Target,
+    params: &Params,
+    content_type: &str,
+    body: &[u8],
+) -> Reply {
     let object = parse_body(content_type, body)?;
     let object = objects::prepare_create(target.kind, object, target.namespace.as_deref())?;
+    admit(app, user, target, Operation::Create, &object, None)?;
     let name = meta_str(&object, "name").unwrap_or("").to_owned();
     let key = (target.namespace.clone().unwrap_or_default(), name.clone());
     app.store.write(|store| {
@@ -532,12 +596,21 @@ fn create(app: &App, target: &Target, params: &Params, content_type: &str, body:
 /// Shared by update and patch: store `new` over the current object, unless nothing changed.
 fn store_update(
     store: &mut super::store::Inner,
+    (app, user): (&App, &str),
     target: &Target,
     current: &Value,
     new: Value,
     params: &Params,
 ) -> Reply {
     let prepared = objects::prepare_update(target.kind, current, new, part(target))?;
+    admit(
+        app,
+        user,
+        target,
+        Operation::Update,
+        &prepared,
+        Some(current),
+    )?;
     if &prepared == current || dry_run(params) {
         return Ok((StatusCode::OK, prepared));
     }
@@ -565,7 +638,14 @@ fn current_or_404<'a>(store: &'a super::store::Inner, target: &Target) -> ApiRes
         .ok_or_else(|| ApiError::not_found(target.kind.plural(), target.name()))
 }
 
-fn update(app: &App, target: &Target, params: &Params, content_type: &str, body: &[u8]) -> Reply {
+fn update(
+    app: &App,
+    user: &str,
+    target: &Target,
+    params: &Params,
+    content_type: &str,
+    body: &[u8],
+) -> Reply {
     let new = parse_body(content_type, body)?;
     let body_name = meta_str(&new, "name").unwrap_or("");
     if body_name != target.name() {
@@ -580,12 +660,13 @@ fn update(app: &App, target: &Target, params: &Params, content_type: &str, body:
         if !body_rv.is_empty() && Some(body_rv) != meta_str(&current, "resourceVersion") {
             return Err(ApiError::stale(target.kind.plural(), target.name()));
         }
-        store_update(store, target, &current, new, params)
+        store_update(store, (app, user), target, &current, new, params)
     })
 }
 
 fn patch_object(
     app: &App,
+    user: &str,
     target: &Target,
     params: &Params,
     content_type: &str,
@@ -606,7 +687,7 @@ fn patch_object(
                 "a patch may not change metadata.name",
             ));
         }
-        store_update(store, target, &current, patched, params)
+        store_update(store, (app, user), target, &current, patched, params)
     })
 }
 

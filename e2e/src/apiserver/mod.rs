@@ -30,6 +30,12 @@
 //! `coordination.k8s.io/v1` `leases`; the discovery documents kubectl reads; `Table`
 //! renderings of gets, lists and watches for `kubectl get`.
 //!
+//! Who calls, and admission: a request without credentials acts as [`ADMIN_USER`]; a
+//! kubeconfig from [`ApiServer::kubeconfig_yaml_as`] carries a bearer token this server maps
+//! to the username given (a token it never issued gets 401). Writes are admitted by the
+//! ValidatingAdmissionPolicies put in force with [`ApiServer::set_admission_policies`]
+//! (loaded from the chart's rendered YAML, evaluated in CEL: [`admission`]).
+//!
 //! Graceful pod deletion: deleting a pod that is bound to a node with a grace period > 0
 //! (from the request, else the pod's `terminationGracePeriodSeconds`, defaulted to 30) first
 //! sets `deletionTimestamp`/`deletionGracePeriodSeconds` (a MODIFIED event), then removes the
@@ -37,6 +43,7 @@
 //! `gracePeriodSeconds=0`, of an unbound pod, or of a pod in a terminal phase removes it at
 //! once. A pod with finalizers is only marked; it goes once an update empties its finalizers.
 
+pub mod admission;
 mod discovery;
 mod handlers;
 mod objects;
@@ -51,7 +58,7 @@ mod watch;
 use std::collections::HashMap;
 use std::net::SocketAddr;
 use std::path::Path;
-use std::sync::{Arc, Mutex};
+use std::sync::{Arc, Mutex, RwLock};
 use std::time::Duration;
 
 use rand::rngs::StdRng;
@@ -60,7 +67,12 @@ use tokio::task::JoinHandle;
 use tokio::time::Instant;
 use tokio_util::sync::CancellationToken;
 
+use self::admission::AdmissionPolicies;
 use self::store::Store;
+
+/// The user a request without credentials acts as: the cluster admin. Admission policies
+/// still apply to it, as they do to a real cluster-admin.
+pub const ADMIN_USER: &str = "system:admin";
 
 /// The kind of request, as Kubernetes' audit and RBAC name them.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
@@ -79,8 +91,56 @@ pub struct ApiServer {
     addr: SocketAddr,
     faults: Faults,
     stats: Stats,
+    access: Access,
     cancel: CancellationToken,
     task: Option<JoinHandle<()>>,
+}
+
+/// Who may call, and what admission applies to their writes. Cheap to clone.
+#[derive(Clone)]
+pub(crate) struct Access {
+    /// Bearer token → username.
+    tokens: Arc<Mutex<HashMap<String, String>>>,
+    policies: Arc<RwLock<Arc<AdmissionPolicies>>>,
+}
+
+impl Access {
+    fn new() -> Self {
+        Self {
+            tokens: Arc::default(),
+            policies: Arc::new(RwLock::new(Arc::new(AdmissionPolicies::none()))),
+        }
+    }
+
+    /// The user behind an `Authorization` header: [`ADMIN_USER`] without one, `None` for a
+    /// token this server never issued (the caller answers 401).
+    pub(crate) fn user(&self, authorization: Option<&str>) -> Option<String> {
+        let Some(header) = authorization else {
+            return Some(ADMIN_USER.to_owned());
+        };
+        let token = header.strip_prefix("Bearer ")?.trim();
+        self.tokens
+            .lock()
+            .unwrap_or_else(|poison| poison.into_inner())
+            .get(token)
+            .cloned()
+    }
+
+    fn issue(&self, username: &str) -> String {
+        let token = format!("kubesim-{:032x}", rand::rng().random::<u128>());
+        self.tokens
+            .lock()
+            .unwrap_or_else(|poison| poison.into_inner())
+            .insert(token.clone(), username.to_owned());
+        token
+    }
+
+    pub(crate) fn policies(&self) -> Arc<AdmissionPolicies> {
+        self.policies
+            .read()
+            .unwrap_or_else(|poison| poison.into_inner())
+            .clone()
+    }
 }
 
 /// Shared by every request handler.
@@ -89,6 +149,7 @@ pub(crate) struct App {
     pub store: Arc<Store>,
     pub faults: Faults,
     pub stats: Stats,
+    pub access: Access,
     pub cancel: CancellationToken,
 }
 
@@ -107,11 +168,13 @@ impl ApiServer {
         let store = Arc::new(Store::new());
         let faults = Faults::new(store.clone());
         let stats = Stats::default();
+        let access = Access::new();
         let cancel = CancellationToken::new();
         let app = App {
             store,
             faults: faults.clone(),
             stats: stats.clone(),
+            access: access.clone(),
             cancel: cancel.clone(),
         };
         let router = handlers::router(app);
@@ -129,6 +192,7 @@ impl ApiServer {
             addr,
             faults,
             stats,
+            access,
             cancel,
             task: Some(task),
         })
@@ -158,8 +222,35 @@ impl ApiServer {
         }
     }
 
-    /// A kubeconfig for this server: plain http, a user without credentials, current-context set.
+    /// A kubeconfig for this server: plain http, a user without credentials (so
+    /// [`ADMIN_USER`]), current-context set.
     pub fn kubeconfig_yaml(&self) -> String {
+        self.kubeconfig_with_user("{}")
+    }
+
+    /// A kubeconfig like [`ApiServer::kubeconfig_yaml`] whose user is `username` (a bearer
+    /// token this server maps to it), e.g.
+    /// `system:serviceaccount:kube-system:gpushare-extender`.
+    pub fn kubeconfig_yaml_as(&self, username: &str) -> String {
+        let token = self.access.issue(username);
+        self.kubeconfig_with_user(&format!("{{token: {token}}}"))
+    }
+
+    /// Writes [`ApiServer::kubeconfig_yaml_as`] to `path`.
+    pub fn write_kubeconfig_as(&self, path: &Path, username: &str) -> std::io::Result<()> {
+        std::fs::write(path, self.kubeconfig_yaml_as(username))
+    }
+
+    /// Puts `policies` in force for every write from now on (replacing any before).
+    pub fn set_admission_policies(&self, policies: AdmissionPolicies) {
+        *self
+            .access
+            .policies
+            .write()
+            .unwrap_or_else(|poison| poison.into_inner()) = Arc::new(policies);
+    }
+
+    fn kubeconfig_with_user(&self, user: &str) -> String {
         format!(
             "apiVersion: v1
 kind: Config
@@ -176,7 +267,7 @@ contexts:
 current-context: kubesim
 users:
 - name: kubesim
-  user: {{}}
+  user: {user}
 preferences: {{}}
 ",
             url = self.url()

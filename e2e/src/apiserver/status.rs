@@ -27,7 +27,7 @@ impl ApiError {
         }
     }
 
-    fn with_details(mut self, plural: &str, name: &str) -> Self {
+    pub fn with_details(mut self, plural: &str, name: &str) -> Self {
         self.details = Some((name.to_owned(), plural.to_owned()));
         self
     }
