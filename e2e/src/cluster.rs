@@ -600,6 +600,7 @@ impl TestCluster {
         api.write_kubeconfig_as(&extender_kubeconfig, EXTENDER_USER)?;
         let plugin_kubeconfig = dir.path().join("device-plugin.kubeconfig");
         api.write_kubeconfig_as(&plugin_kubeconfig, DEVICE_PLUGIN_USER)?;
+        write_allocation_keys(&dir.path().join(ALLOCATION_KEYS))?;
         let mut cluster = Self {
             api,
             client,
@@ -711,6 +712,10 @@ impl TestCluster {
             // milliseconds, so a shorter hold keeps them quick without skipping it.
             args.extend(["--bind-grace-ms".to_owned(), "300".to_owned()]);
         }
+        args.extend([
+            "--allocation-keys-file".to_owned(),
+            self.dir.path().join(ALLOCATION_KEYS).display().to_string(),
+        ]);
         self.extender = Some(Extender::spawn_on(
             &self.binaries,
             &self.extender_kubeconfig,
@@ -985,6 +990,21 @@ fn memory_kib(pid: u32) -> Option<u64> {
     field("smaps_rollup", "Pss:").or_else(|| field("status", "VmRSS:"))
 }
 
+/// The keyring file in a cluster's folder: the extender signs its decisions with it and the
+/// device plugins verify them, as the chart sets them up.
+pub const ALLOCATION_KEYS: &str = "allocation-keys";
+
+/// Writes a fresh one-key keyring (`k1:<32 random bytes, base64>`).
+fn write_allocation_keys(path: &Path) -> anyhow::Result<()> {
+    use base64::Engine;
+    let key: [u8; 32] = rand::random();
+    let line = format!(
+        "k1:{}\n",
+        base64::engine::general_purpose::STANDARD.encode(key)
+    );
+    std::fs::write(path, line).with_context(|| format!("writing {}", path.display()))
+}
+
 /// What starting a node needs, owned so that many nodes can start at once.
 struct NodeHost {
     client: Client,
@@ -1072,6 +1092,8 @@ impl NodeHost {
             // `free_port` may be taken by another of 200 processes' connections meanwhile.)
             "--metrics-listen".to_owned(),
             "127.0.0.1:0".to_owned(),
+            "--allocation-keys-file".to_owned(),
+            self.dir.join(ALLOCATION_KEYS).display().to_string(),
         ];
         let log = self.dir.join(format!("device-plugin-{}.log", sim.name));
         Process::spawn(

@@ -1102,3 +1102,51 @@ async fn notebook_story_on_a_real_cluster() -> anyhow::Result<()> {
     assert_eq!(outcome.sharing.len(), 3);
     Ok(())
 }
+
+/// Defense in depth, for clusters without the policy (it is off here): the forgery found on a
+/// real cluster — a pod created on the node with a hand-written record claiming 0 GiB while it
+/// asks for 6 — is refused by the device plugin at admission, because the extender did not
+/// sign that record. The pod fails, gets no GPU, and the honest pod keeps its GPU.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn without_the_policy_an_unsigned_allocation_gets_no_gpu() -> anyhow::Result<()> {
+    let spec = ClusterSpec::labelled(&[("n1", &[8, 8])]).without_allocation_policy();
+    with_cluster(spec, async |cluster| {
+        let keys = Keys::default();
+        running_victim(cluster, "victim", 6).await?;
+        let forged = fixtures::pod("forged")
+            .gpu_mem(6)
+            .on_node("n1")
+            .annotation(&keys.gpu_index, "0")
+            .annotation(&keys.pod_gib, "0")
+            .annotation(&keys.containers, r#"[{"name":"main","gib":6}]"#)
+            .annotation(&keys.assigned, "false")
+            .build();
+        let pods: Api<Pod> = Api::namespaced(cluster.client_as(ATTACKER).await?, "default");
+        pods.create(&PostParams::default(), &forged).await?;
+        let admin: Api<Pod> = Api::namespaced(cluster.client.clone(), "default");
+        let failed = wait_for(
+            "the forged pod to fail admission",
+            Duration::from_secs(60),
+            || async {
+                let pod = admin.get("forged").await.ok()?;
+                (phase(&pod) == "Failed").then_some(pod)
+            },
+        )
+        .await?;
+        let message = failed
+            .status
+            .as_ref()
+            .and_then(|s| s.message.clone())
+            .unwrap_or_default();
+        ensure!(
+            message.contains("not signed by the gpushare extender")
+                && message.contains("delete it and let the scheduler place it"),
+            "{message}"
+        );
+        let victim = wait_running(cluster, "victim").await?;
+        check_pinned(cluster, &victim).await?;
+        check_no_overcommit(&cluster.client).await?;
+        Ok(())
+    })
+    .await
+}
