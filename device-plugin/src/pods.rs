@@ -509,8 +509,11 @@ impl PodCache {
                 continue;
             };
             let api: Api<Pod> = Api::namespaced(client.clone(), &namespace);
+            // The UID is a precondition: a pod recreated under the same name (a different
+            // pod) answers 409 instead of taking the old pod's marks.
             let patch = serde_json::json!({
                 "metadata": {
+                    "uid": uid.as_str(),
                     "annotations": {
                         self.keys.allocated.as_str(): marks.allocated.join(","),
                         self.keys.assigned.as_str(): marks.assigned.to_string(),
@@ -528,7 +531,8 @@ impl PodCache {
                         tracing::debug!(pod = %format!("{namespace}/{name}"), allocated = ?marks.allocated, assigned = marks.assigned, "wrote allocation marks");
                         break;
                     }
-                    Err(kube::Error::Api(status)) if status.code == 404 => {
+                    Err(kube::Error::Api(status)) if status.code == 404 || status.code == 409 => {
+                        tracing::debug!(pod = %format!("{namespace}/{name}"), %uid, reason = %status.message, "pod gone or recreated; its marks are dropped");
                         Metrics::patch(&metrics.pod_patches, false);
                         self.forget(&uid);
                         break;
