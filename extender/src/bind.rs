@@ -339,26 +339,12 @@ async fn drive(state: AppState, write: Write, answer: oneshot::Sender<Result<(),
     let _ = answer.send(reply);
 }
 
+/// Counts and logs a landed Binding. No Event: the pod's annotations, kube-scheduler's own
+/// `Scheduled` event, `inspect` and `kubectl gpushare top` tell that story, and an Event per
+/// bind would double the API writes of every scheduled pod. Refusals do get Events.
 fn bound(state: &AppState, write: &Write) {
     state.metrics().bind("bound");
-    let uuid_text = if write.uuid.is_empty() {
-        String::new()
-    } else {
-        format!(" ({})", write.uuid)
-    };
-    let note = format!(
-        "Assigned GPU {}{uuid_text} {} GiB on node {}",
-        write.gpu, write.gib, write.target.node
-    );
-    tracing::info!(pod = %write.pod_key(), node = %write.target.node, gpu = write.gpu, gib = write.gib, "bound");
-    state.events().send(PodEvent {
-        namespace: write.target.namespace.clone(),
-        name: write.target.name.clone(),
-        uid: write.target.uid.clone(),
-        warning: false,
-        reason: "GpuAssigned",
-        note,
-    });
+    tracing::info!(pod = %write.pod_key(), node = %write.target.node, gpu = write.gpu, uuid = %write.uuid, gib = write.gib, "bound");
 }
 
 fn refused_write(state: &AppState, write: &Write, reason: &'static str, message: &str) {

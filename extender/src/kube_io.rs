@@ -176,7 +176,7 @@ pub struct PodEvent {
     pub uid: String,
     /// Warning rather than Normal.
     pub warning: bool,
-    /// Short PascalCase reason (`GpuAssigned`, `GpuBindRefused`…).
+    /// Short PascalCase reason (`GpuBindRefused`…).
     pub reason: &'static str,
     /// The message people read.
     pub note: String,

@@ -257,30 +257,42 @@ async fn bind_writes_once_and_the_watch_confirms() -> anyhow::Result<()> {
         (1, "GPU-n1-1", 4)
     );
     extender.settled().await?;
-    // The decision is told to people as a pod Event, off the bind path.
+    // A successful bind writes no Event (the pod's annotations, kube-scheduler's own
+    // Scheduled event and `inspect` tell that story); a refusal does, off the bind path.
+    let mut ghost = pod("ghost").gpu_mem(4).build();
+    ghost.metadata.uid = Some("uid-ghost".into());
+    let refusal = extender
+        .bind(&ghost, "n1")
+        .await
+        .map_err(anyhow::Error::msg)?;
+    assert!(refusal.contains("not found"), "{refusal}");
     let events: Api<k8s_openapi::api::events::v1::Event> =
         Api::namespaced(client.clone(), "default");
-    let deadline = tokio::time::Instant::now() + Duration::from_secs(20);
-    loop {
-        let notes: Vec<String> = events
-            .list(&ListParams::default())
-            .await?
-            .into_iter()
-            .filter(|e| e.reason.as_deref() == Some("GpuAssigned"))
-            .filter_map(|e| e.note)
-            .collect();
-        if notes
-            .iter()
-            .any(|n| n == "Assigned GPU 1 (GPU-n1-1) 4 GiB on node n1")
-        {
-            break;
+    let reasons = wait_for("the refusal's Event", Duration::from_secs(20), || {
+        let events = events.clone();
+        async move {
+            let reasons: Vec<String> = events
+                .list(&ListParams::default())
+                .await
+                .ok()?
+                .into_iter()
+                .filter_map(|e| e.reason)
+                .collect();
+            reasons
+                .iter()
+                .any(|r| r == "GpuBindRefused")
+                .then_some(reasons)
         }
-        anyhow::ensure!(
-            tokio::time::Instant::now() < deadline,
-            "no GpuAssigned event: {notes:?}"
-        );
-        tokio::time::sleep(Duration::from_millis(20)).await;
-    }
+    })
+    .await?;
+    // Events are published in order: one for the earlier bind would be there by now.
+    assert_eq!(reasons, ["GpuBindRefused"]);
+    assert_eq!(server.stats().writes(), 1, "one Binding");
+    assert_eq!(
+        server.stats().count(Verb::Create, "events"),
+        1,
+        "one Event, for the refusal"
+    );
     // A retry of the same bind succeeds without a second write.
     assert_eq!(
         extender.bind(&p, "n1").await.map_err(anyhow::Error::msg)?,
