@@ -36,6 +36,7 @@ use crate::apiserver::ApiServer;
 use crate::apiserver::admission::AdmissionPolicies;
 use crate::fixtures::node;
 use crate::kubelet::{AdmissionOrder, KubeletDriver};
+use crate::scheduler::wire::{ExtenderBindingArgs, decode_binding_result};
 use crate::scheduler::{ExtenderConfig, SchedulerConfig, SchedulerDriver};
 
 /// The resource name every scenario uses.
@@ -425,12 +426,30 @@ impl Extender {
 
     /// `GET /gpushare-scheduler/inspect` as JSON.
     pub async fn inspect(&self) -> anyhow::Result<serde_json::Value> {
-        let addr: SocketAddr = self.base_url.trim_start_matches("http://").parse()?;
-        let (status, body) = http_get(addr, "/gpushare-scheduler/inspect").await?;
+        let (status, body) = http_get(self.addr()?, "/gpushare-scheduler/inspect").await?;
         if status != 200 {
             bail!("inspect answered {status}: {body}");
         }
         Ok(serde_json::from_str(&body)?)
+    }
+
+    /// Asks the extender to bind a pod, as kube-scheduler would: `POST
+    /// /gpushare-scheduler/bind`. `Ok(None)` when it bound the pod, `Ok(Some(error))` with
+    /// the error it reported to the scheduler otherwise.
+    pub async fn bind(&self, args: &ExtenderBindingArgs) -> anyhow::Result<Option<String>> {
+        let body = serde_json::to_string(args)?;
+        let (status, answer) =
+            http_post_json(self.addr()?, "/gpushare-scheduler/bind", &body).await?;
+        if status != 200 {
+            bail!("bind answered {status}: {answer}");
+        }
+        let result = decode_binding_result(answer.as_bytes())
+            .with_context(|| format!("decoding the bind answer {answer:?}"))?;
+        Ok((!result.error.is_empty()).then_some(result.error))
+    }
+
+    fn addr(&self) -> anyhow::Result<SocketAddr> {
+        Ok(self.base_url.trim_start_matches("http://").parse()?)
     }
 }
 
@@ -439,9 +458,33 @@ pub const RESTART_BIND_RETRY: Duration = Duration::from_secs(10);
 
 /// A minimal HTTP/1.1 GET over a fresh connection (no client library needed for two probes).
 pub async fn http_get(addr: SocketAddr, path: &str) -> anyhow::Result<(u16, String)> {
+    http_exchange(
+        addr,
+        &format!("GET {path} HTTP/1.1\r\nHost: {addr}\r\nConnection: close\r\n\r\n"),
+    )
+    .await
+}
+
+/// A minimal HTTP/1.1 POST of a JSON `body` over a fresh connection.
+pub async fn http_post_json(
+    addr: SocketAddr,
+    path: &str,
+    body: &str,
+) -> anyhow::Result<(u16, String)> {
+    http_exchange(
+        addr,
+        &format!(
+            "POST {path} HTTP/1.1\r\nHost: {addr}\r\nConnection: close\r\nContent-Type: application/json\r\nContent-Length: {}\r\n\r\n{body}",
+            body.len()
+        ),
+    )
+    .await
+}
+
+/// Sends `request` and reads the answer to the end: status and (de-chunked) body.
+async fn http_exchange(addr: SocketAddr, request: &str) -> anyhow::Result<(u16, String)> {
     use tokio::io::{AsyncReadExt, AsyncWriteExt};
     let mut stream = tokio::net::TcpStream::connect(addr).await?;
-    let request = format!("GET {path} HTTP/1.1\r\nHost: {addr}\r\nConnection: close\r\n\r\n");
     stream.write_all(request.as_bytes()).await?;
     let mut raw = Vec::new();
     stream.read_to_end(&mut raw).await?;

@@ -187,34 +187,36 @@ async fn handle(
         Ok(route) => route,
         Err(err) => return err.into_response(),
     };
-    let target = match route {
-        Route::Json(doc) => return axum::Json(doc).into_response(),
-        Route::Health => return "ok".into_response(),
-        Route::Namespace(name) => {
-            if method != Method::GET {
-                return ApiError::method_not_allowed().into_response();
-            }
-            return axum::Json(discovery::namespace(&name)).into_response();
-        }
-        Route::Namespaces => {
-            if method != Method::GET {
-                return ApiError::method_not_allowed().into_response();
-            }
-            return axum::Json(namespace_list(&app)).into_response();
-        }
-        Route::Resource(target) => target,
-    };
     let authorization = headers
         .get(header::AUTHORIZATION)
         .map(|h| h.to_str().unwrap_or(""));
-    let Some(user) = app.access.user(authorization) else {
-        return ApiError::new(401, "Unauthorized", "Unauthorized").into_response();
+    let (target, user) = match (route, app.access.user(authorization)) {
+        // Discovery and health need no credentials here.
+        (Route::Json(doc), _) => return axum::Json(doc).into_response(),
+        (Route::Health, _) => return "ok".into_response(),
+        (_, None) => return ApiError::new(401, "Unauthorized", "Unauthorized").into_response(),
+        (Route::Namespace(name), Some(user)) => {
+            if method != Method::GET {
+                return ApiError::method_not_allowed().into_response();
+            }
+            app.stats.record(&user, Verb::Get, "", "namespaces");
+            return axum::Json(discovery::namespace(&name)).into_response();
+        }
+        (Route::Namespaces, Some(user)) => {
+            if method != Method::GET {
+                return ApiError::method_not_allowed().into_response();
+            }
+            app.stats.record(&user, Verb::List, "", "namespaces");
+            return axum::Json(namespace_list(&app)).into_response();
+        }
+        (Route::Resource(target), Some(user)) => (target, user),
     };
     let verb = match verb_of(&method, &target, &params) {
         Ok(verb) => verb,
         Err(err) => return err.into_response(),
     };
-    app.stats.record(verb, &target.resource());
+    app.stats
+        .record(&user, verb, target.kind.group(), &target.resource());
     if let Some(code) = app.faults.draw_error(verb) {
         tracing::debug!(?verb, resource = %target.resource(), code, "injecting a failure");
         return ApiError::injected(code).into_response();

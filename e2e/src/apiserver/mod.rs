@@ -34,7 +34,9 @@
 //! kubeconfig from [`ApiServer::kubeconfig_yaml_as`] carries a bearer token this server maps
 //! to the username given (a token it never issued gets 401). Writes are admitted by the
 //! ValidatingAdmissionPolicies put in force with [`ApiServer::set_admission_policies`]
-//! (loaded from the chart's rendered YAML, evaluated in CEL: [`admission`]).
+//! (loaded from the chart's rendered YAML, evaluated in CEL: [`admission`]). [`Stats`]
+//! records each kind of request by who made it ([`Call`]: user, API group, resource, RBAC
+//! verb), so a test can hold the chart's RBAC against the calls our binaries really make.
 //!
 //! Graceful pod deletion: deleting a pod that is bound to a node with a grace period > 0
 //! (from the request, else the pod's `terminationGracePeriodSeconds`, defaulted to 30) first
@@ -55,7 +57,7 @@ mod store;
 mod table;
 mod watch;
 
-use std::collections::HashMap;
+use std::collections::{BTreeMap, HashMap};
 use std::net::SocketAddr;
 use std::path::Path;
 use std::sync::{Arc, Mutex, RwLock};
@@ -75,7 +77,7 @@ use self::store::Store;
 pub const ADMIN_USER: &str = "system:admin";
 
 /// The kind of request, as Kubernetes' audit and RBAC name them.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
 pub enum Verb {
     Get,
     List,
@@ -310,6 +312,21 @@ impl Verb {
             Verb::Create | Verb::Update | Verb::Patch | Verb::Delete
         )
     }
+
+    /// The verb RBAC checks for this request: `get` for one object, `list` for a collection,
+    /// `watch` for a watch, `create` for a POST (the `binding` subresource too), `update`,
+    /// `patch`, `delete`.
+    pub fn rbac(self) -> &'static str {
+        match self {
+            Verb::Get => "get",
+            Verb::List => "list",
+            Verb::Watch => "watch",
+            Verb::Create => "create",
+            Verb::Update => "update",
+            Verb::Patch => "patch",
+            Verb::Delete => "delete",
+        }
+    }
 }
 
 /// A write stall: until when, and what becomes of the writes it held.
@@ -498,45 +515,98 @@ impl Faults {
     }
 }
 
-/// Request counters. Cheap to clone.
+/// One kind of request, in the terms an RBAC authorizer decides on: who asked
+/// (the username this server resolved from the credentials), for which API group and
+/// resource (with its subresource: `pods/binding`, `nodes/status`), with which verb.
+#[derive(Clone, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub struct Call {
+    /// The username, e.g. `system:serviceaccount:kube-system:gpushare-extender`.
+    pub user: String,
+    /// The API group: `""` for the core group, `events.k8s.io`, `coordination.k8s.io`.
+    pub group: String,
+    /// The resource, `resource/subresource` for a subresource.
+    pub resource: String,
+    /// What was asked; [`Verb::rbac`] is the verb RBAC checks.
+    pub verb: Verb,
+}
+
+impl std::fmt::Display for Call {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        let group = if self.group.is_empty() {
+            "core"
+        } else {
+            &self.group
+        };
+        write!(
+            f,
+            "{} {} {group}/{}",
+            self.user,
+            self.verb.rbac(),
+            self.resource
+        )
+    }
+}
+
+/// Request counters, by caller. Every request this server routes to a resource counts,
+/// failed ones (injected faults, refusals) included: a call the caller made is a call it
+/// needs permission for. Cheap to clone.
 #[derive(Clone, Default)]
 pub struct Stats {
-    counts: Arc<Mutex<HashMap<(Verb, String), u64>>>,
+    calls: Arc<Mutex<BTreeMap<Call, u64>>>,
 }
 
 impl Stats {
-    fn counts(&self) -> std::sync::MutexGuard<'_, HashMap<(Verb, String), u64>> {
-        self.counts
+    fn calls_mut(&self) -> std::sync::MutexGuard<'_, BTreeMap<Call, u64>> {
+        self.calls
             .lock()
             .unwrap_or_else(|poison| poison.into_inner())
     }
 
-    pub(crate) fn record(&self, verb: Verb, resource: &str) {
-        *self
-            .counts()
-            .entry((verb, resource.to_owned()))
-            .or_default() += 1;
+    pub(crate) fn record(&self, user: &str, verb: Verb, group: &str, resource: &str) {
+        let call = Call {
+            user: user.to_owned(),
+            group: group.to_owned(),
+            resource: resource.to_owned(),
+            verb,
+        };
+        *self.calls_mut().entry(call).or_default() += 1;
     }
 
     /// Requests seen so far with `verb` on `resource` ("pods", "nodes", "events", "leases",
-    /// "pods/binding", "pods/status", "nodes/status"), failed ones included.
+    /// "pods/binding", "pods/status", "nodes/status"), by anyone, in any API group, failed
+    /// ones included.
     pub fn count(&self, verb: Verb, resource: &str) -> u64 {
-        self.counts()
-            .get(&(verb, resource.to_owned()))
-            .copied()
-            .unwrap_or(0)
-    }
-
-    /// Create + Update + Patch + Delete requests on every resource except events.
-    pub fn writes(&self) -> u64 {
-        self.counts()
+        self.calls_mut()
             .iter()
-            .filter(|((verb, resource), _)| verb.is_write() && resource.as_str() != "events")
+            .filter(|(call, _)| call.verb == verb && call.resource == resource)
             .map(|(_, n)| n)
             .sum()
     }
 
+    /// Create + Update + Patch + Delete requests on every resource except events.
+    pub fn writes(&self) -> u64 {
+        self.calls_mut()
+            .iter()
+            .filter(|(call, _)| call.verb.is_write() && call.resource != "events")
+            .map(|(_, n)| n)
+            .sum()
+    }
+
+    /// Every kind of request seen so far, with how many times each was made.
+    pub fn calls(&self) -> BTreeMap<Call, u64> {
+        self.calls_mut().clone()
+    }
+
+    /// The kinds of request `user` made so far, with how many times each was made.
+    pub fn calls_by(&self, user: &str) -> BTreeMap<Call, u64> {
+        self.calls_mut()
+            .iter()
+            .filter(|(call, _)| call.user == user)
+            .map(|(call, n)| (call.clone(), *n))
+            .collect()
+    }
+
     pub fn reset(&self) {
-        self.counts().clear();
+        self.calls_mut().clear();
     }
 }

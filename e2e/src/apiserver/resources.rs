@@ -48,6 +48,15 @@ impl Kind {
         }
     }
 
+    /// The API group (`""` for the core group), as RBAC rules name it.
+    pub fn group(self) -> &'static str {
+        match self {
+            Kind::Pod | Kind::Node | Kind::Event => "",
+            Kind::EventV1 => "events.k8s.io",
+            Kind::Lease => "coordination.k8s.io",
+        }
+    }
+
     pub fn namespaced(self) -> bool {
         !matches!(self, Kind::Node)
     }
