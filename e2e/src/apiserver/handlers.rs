@@ -227,6 +227,16 @@ async fn handle(
         .unwrap_or("")
         .to_owned();
     let as_table = table::requested(&headers, params.get("includeObject").map(String::as_str));
+    // A GET, and a list without `resourceVersion=0`, are consistent reads: etcd answers them,
+    // so a stalled etcd holds them too. Lists from the watch cache and watches go on.
+    let from_cache =
+        verb == Verb::List && params.get("resourceVersion").map(String::as_str) == Some("0");
+    if matches!(verb, Verb::Get | Verb::List)
+        && !from_cache
+        && !app.faults.hold_consistent_read(&app.cancel).await
+    {
+        return ApiError::injected(503).into_response();
+    }
     let result = match verb {
         Verb::Get => get(&app, &target).map(|(code, object)| match as_table {
             Some(include) => {

@@ -400,8 +400,9 @@ impl Faults {
     /// Freezes writes for `d` from now, as a frozen etcd would: every write arriving before
     /// the returned instant hangs until then and is applied afterwards, in whatever order the
     /// held writes wake up, even if its client timed out or hung up meanwhile (so a client
-    /// that retries may find its first attempt already applied). Reads and watches answer as
-    /// usual. Calling it again moves the end of the stall to `d` from now; `Duration::ZERO`
+    /// that retries may find its first attempt already applied). Consistent reads (a GET, a
+    /// list without `resourceVersion=0`) wait for the end of the stall too, and are then
+    /// answered; watches and lists served from the watch cache answer as usual. Calling it again moves the end of the stall to `d` from now; `Duration::ZERO`
     /// ends a stall at once.
     pub fn stall_writes(&self, d: Duration) -> Instant {
         self.start_stall(d, false)
@@ -461,6 +462,24 @@ impl Faults {
 
     pub(crate) fn latency(&self) -> Duration {
         self.state().latency
+    }
+
+    /// Holds a read that etcd itself must answer (a GET, or a list that is not served from the
+    /// watch cache) until the current stall ends: with etcd frozen, a quorum read waits like a
+    /// write. False when the server shuts down meanwhile.
+    pub(crate) async fn hold_consistent_read(&self, cancel: &CancellationToken) -> bool {
+        let mut stall = self.stall.subscribe();
+        loop {
+            let current = *stall.borrow_and_update();
+            let Some(current) = current.filter(|s| s.until > Instant::now()) else {
+                return true;
+            };
+            tokio::select! {
+                () = cancel.cancelled() => return false,
+                () = tokio::time::sleep_until(current.until) => {}
+                _ = stall.changed() => {}
+            }
+        }
     }
 
     /// Holds an accepted write through the current stall, then its write latency, and says
