@@ -466,7 +466,8 @@ async fn a_pod_deleted_while_its_binding_is_resolved_gives_its_memory_back() {
 #[tokio::test]
 async fn a_caller_that_goes_away_does_not_leak_the_reservation() {
     let h = fixture_cluster();
-    *h.binder.delay.lock().unwrap() = std::time::Duration::from_millis(50);
+    // Well past the caller's 5 ms, well within the bind path's 500 ms client timeout.
+    *h.binder.delay.lock().unwrap() = std::time::Duration::from_millis(200);
     // kube-scheduler's httpTimeout fires: the handler future is dropped mid-write.
     let cut = tokio::time::timeout(std::time::Duration::from_millis(5), captured_bind(&h)).await;
     assert!(cut.is_err());

@@ -183,16 +183,13 @@ pub fn harness_with(settings: Settings, nodes: Vec<Node>, pods: Vec<Pod>) -> Har
     Harness { state, binder, app }
 }
 
-/// Waits until `condition` holds, checking every few milliseconds, for at most 5 s.
-pub async fn eventually(what: &str, mut condition: impl FnMut() -> bool) {
-    let deadline = tokio::time::Instant::now() + Duration::from_secs(5);
-    while !condition() {
-        assert!(
-            tokio::time::Instant::now() < deadline,
-            "timed out waiting for {what}"
-        );
-        tokio::time::sleep(Duration::from_millis(2)).await;
-    }
+/// Waits (at most 5 s) until `condition` holds, through the e2e crate's `wait_for`.
+pub async fn eventually(what: &str, condition: impl Fn() -> bool) {
+    gpushare_e2e::cluster::wait_for(what, Duration::from_secs(5), || async {
+        condition().then_some(())
+    })
+    .await
+    .unwrap();
 }
 
 /// Bind-path timing for tests: short timeouts and backoffs.
