@@ -90,23 +90,41 @@ impl Node {
         self.gpus.binary_search_by_key(&gpu, |g| g.index).ok()
     }
 
-    fn book(&mut self, placement: &PodPlacement) {
-        if let Some(pos) = self.position(placement.gpu) {
-            let usage = &mut self.gpus[pos];
-            usage.used_gib = usage.used_gib.saturating_add(placement.pod_gib);
+    /// Where `placement`'s memory sits now: the GPU its UUID names, or, when either side
+    /// has no UUIDs, the GPU at its index. `None` when its GPU is not on the node.
+    fn slot(&self, placement: &PodPlacement) -> Option<usize> {
+        let by_uuid =
+            !placement.uuid.is_empty() && self.gpus.iter().any(|g| !g.gpu.uuid.is_empty());
+        if by_uuid {
+            self.gpus
+                .iter()
+                .position(|g| *g.gpu.uuid == *placement.uuid)
+        } else {
+            self.position(placement.gpu)
         }
+    }
+
+    fn book(&mut self, placement: &PodPlacement) {
+        let Some(pos) = self.slot(placement) else {
+            return;
+        };
+        let usage = &mut self.gpus[pos];
+        usage.used_gib = usage.used_gib.saturating_add(placement.pod_gib);
+        let index = usage.index;
         for &size in placement.pending_sizes() {
-            *self.pending.entry((size, placement.gpu)).or_default() += 1;
+            *self.pending.entry((size, index)).or_default() += 1;
         }
     }
 
     fn unbook(&mut self, placement: &PodPlacement) {
-        if let Some(pos) = self.position(placement.gpu) {
-            let usage = &mut self.gpus[pos];
-            usage.used_gib = usage.used_gib.saturating_sub(placement.pod_gib);
-        }
+        let Some(pos) = self.slot(placement) else {
+            return;
+        };
+        let usage = &mut self.gpus[pos];
+        usage.used_gib = usage.used_gib.saturating_sub(placement.pod_gib);
+        let index = usage.index;
         for &size in placement.pending_sizes() {
-            let key = (size, placement.gpu);
+            let key = (size, index);
             if let Some(count) = self.pending.get_mut(&key) {
                 *count = count.saturating_sub(1);
                 if *count == 0 {
@@ -114,6 +132,11 @@ impl Node {
                 }
             }
         }
+    }
+
+    /// The GPU holding `placement`'s memory now (see [`Node::slot`]), if it is on the node.
+    pub fn gpu_of(&self, placement: &PodPlacement) -> Option<&GpuUsage> {
+        self.slot(placement).map(|pos| &self.gpus[pos])
     }
 
     /// Recomputes every derived total from the pods (after the GPU list changed).
@@ -408,6 +431,7 @@ impl Cluster {
         };
         let placement = PodPlacement {
             gpu: gpu.index,
+            uuid: gpu.uuid.as_str().into(),
             pod_gib: request.pod_gib,
             pending: request.containers.clone(),
             assigned: false,
@@ -553,6 +577,7 @@ mod tests {
     fn running(gpu: u32, gib: u64) -> PodPlacement {
         PodPlacement {
             gpu,
+            uuid: "".into(),
             pod_gib: gib,
             pending: vec![gib],
             assigned: true,
@@ -591,6 +616,83 @@ mod tests {
             .unwrap();
         assert_eq!((placed.gpu, placed.uuid.as_str()), (1, "GPU-1"));
         assert_eq!(cluster.node("n1").unwrap().gpus()[1].free_gib(), 0);
+    }
+
+    /// A pod bound to the GPU with `uuid`, recorded at `index`, with a container still waiting.
+    fn waiting_on(uuid: &str, index: u32, gib: u64) -> PodPlacement {
+        PodPlacement {
+            uuid: uuid.into(),
+            assigned: false,
+            ..running(index, gib)
+        }
+    }
+
+    #[test]
+    fn bookings_follow_the_gpu_uuid_when_indices_shift() {
+        let mut cluster = Cluster::new();
+        cluster.set_node("n1", (0..3).map(|i| gpu(i, 16)).collect(), true);
+        cluster.upsert_pod("a".into(), "n1", waiting_on("GPU-1", 1, 12));
+        cluster.upsert_pod("b".into(), "n1", waiting_on("GPU-2", 2, 4));
+        // GPU-0 fell off the bus: the node comes back with GPU-1 at index 0, GPU-2 at 1.
+        let renumbered = |index: u32, uuid: &str| Gpu {
+            uuid: uuid.into(),
+            ..gpu(index, 16)
+        };
+        cluster.set_node(
+            "n1",
+            vec![renumbered(0, "GPU-1"), renumbered(1, "GPU-2")],
+            true,
+        );
+        let node = cluster.node("n1").unwrap();
+        let used: Vec<(&str, u64)> = node
+            .gpus()
+            .iter()
+            .map(|g| (g.gpu.uuid.as_str(), g.used_gib))
+            .collect();
+        assert_eq!(used, vec![("GPU-1", 12), ("GPU-2", 4)]);
+        // The twin rule pins to the GPU where the waiting container really is.
+        let pending: Vec<(u64, u32, u32)> = node.pending().collect();
+        assert_eq!(pending, vec![(4, 1, 1), (12, 0, 1)]);
+        assert_eq!(
+            node.gpu_of(&waiting_on("GPU-1", 1, 12))
+                .map(|g| g.gpu.index),
+            Some(0)
+        );
+        // 12 GiB of GPU-1 stay taken, so a 12 GiB twin cannot go there.
+        assert!(
+            cluster
+                .reserve("c".into(), "n1", &request(12), Policy::Binpack)
+                .is_err()
+        );
+
+        // A pod whose GPU left the node books nothing on the card now at its index.
+        cluster.upsert_pod("d".into(), "n1", waiting_on("GPU-0", 0, 8));
+        let node = cluster.node("n1").unwrap();
+        assert_eq!(node.gpus()[0].used_gib, 12);
+        assert!(node.gpu_of(&waiting_on("GPU-0", 0, 8)).is_none());
+        // Removing it unbooks nothing either.
+        cluster.remove_pod(&"d".into());
+        assert_eq!(cluster.node("n1").unwrap().gpus()[0].used_gib, 12);
+    }
+
+    #[test]
+    fn without_uuids_bookings_use_the_index() {
+        let mut cluster = Cluster::new();
+        let anonymous = |index| Gpu {
+            uuid: String::new(),
+            ..gpu(index, 16)
+        };
+        cluster.set_node("n1", vec![anonymous(0), anonymous(1)], true);
+        cluster.upsert_pod("a".into(), "n1", waiting_on("GPU-9", 1, 4));
+        cluster.upsert_pod("b".into(), "n1", running(0, 2));
+        let used: Vec<u64> = cluster
+            .node("n1")
+            .unwrap()
+            .gpus()
+            .iter()
+            .map(|g| g.used_gib)
+            .collect();
+        assert_eq!(used, vec![2, 4]);
     }
 
     #[test]

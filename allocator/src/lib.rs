@@ -27,6 +27,13 @@
 //! that GPU (and refused, retryably, if the GPU has no room). Sizes with no pending twin may
 //! go to any GPU. All containers of one pod share one GPU.
 //!
+//! **Bookings follow the GPU, not its index.** A pod's memory is booked on the GPU whose UUID
+//! its allocation names. NVML indices can shift (a GPU falls off the bus and the node
+//! reboots with one fewer), and booking by index would then put running pods' memory on the
+//! wrong card and hand the real one out again. A pod whose GPU is no longer in the node's
+//! inventory books nothing on any other card; the index is used only when the allocation or
+//! the inventory has no UUIDs.
+//!
 //! **No over-commit.** [`Cluster::reserve`] never books a GPU beyond its memory. What the
 //! watch reports ([`Cluster::upsert_pod`]) is the truth and is kept even when it collides
 //! (for instance two pods' annotations after an outage); such a GPU shows as full, and all
@@ -106,8 +113,12 @@ pub struct Request {
 /// Where a pod sits, as recorded in its annotations (or booked by [`Cluster::reserve`]).
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct PodPlacement {
-    /// Index of the GPU holding the pod.
+    /// Index of the GPU holding the pod, as recorded at bind.
     pub gpu: u32,
+    /// UUID of that GPU as recorded at bind; empty when unknown (a node without inventory).
+    /// When set, it and not the index says which GPU holds the memory: see
+    /// [`Cluster`]'s "Bookings follow the GPU".
+    pub uuid: Arc<str>,
     /// GiB the pod holds on that GPU.
     pub pod_gib: u64,
     /// Sizes (GiB) of the pod's containers still waiting for device allocation.

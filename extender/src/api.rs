@@ -460,7 +460,10 @@ fn inspect(view: &View, name: &str) -> InspectNode {
         })
         .collect();
     for (uid, placement) in node.pods() {
-        let Some(gpu) = gpus.iter_mut().find(|g| g.index == placement.gpu) else {
+        let Some(holder) = node.gpu_of(placement) else {
+            continue;
+        };
+        let Some(gpu) = gpus.iter_mut().find(|g| g.index == holder.gpu.index) else {
             continue;
         };
         let (namespace, pod_name) = view.pod_key(uid).unwrap_or(("", ""));

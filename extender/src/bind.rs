@@ -252,6 +252,7 @@ fn decide(
         node,
         PodPlacement {
             gpu: placement.gpu,
+            uuid: placement.uuid.as_str().into(),
             pod_gib: placement.pod_gib,
             pending: request.containers.clone(),
             assigned: false,

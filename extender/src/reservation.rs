@@ -187,6 +187,7 @@ mod tests {
             node: "n1".into(),
             placement: PodPlacement {
                 gpu: 0,
+                uuid: "".into(),
                 pod_gib: 4,
                 pending: vec![4],
                 assigned: false,

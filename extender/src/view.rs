@@ -203,6 +203,7 @@ impl AllocationFacts {
                         why: why.to_string(),
                         fallback: spec_gib.filter(|gib| *gib > 0).map(|pod_gib| PodPlacement {
                             gpu: allocation.gpu_index,
+                            uuid: allocation.gpu_uuid.as_str().into(),
                             pod_gib,
                             pending: Vec::new(),
                             assigned: true,
@@ -211,6 +212,7 @@ impl AllocationFacts {
                 }
                 Self::Readable(PodPlacement {
                     gpu: allocation.gpu_index,
+                    uuid: allocation.gpu_uuid.as_str().into(),
                     pod_gib: allocation.pod_gib,
                     pending: allocation.pending_containers().map(|c| c.gib).collect(),
                     assigned: allocation.assigned,
@@ -223,10 +225,15 @@ impl AllocationFacts {
                 let pod_gib = annotations
                     .get(&keys.pod_gib)
                     .and_then(|v| v.trim().parse::<u64>().ok());
+                let salvaged_uuid: Arc<str> = annotations
+                    .get(&keys.gpu_uuid)
+                    .map_or("", |v| v.trim())
+                    .into();
                 Self::Unreadable {
                     error: error.to_string(),
                     salvaged: gpu.zip(pod_gib).map(|(gpu, pod_gib)| PodPlacement {
                         gpu,
+                        uuid: salvaged_uuid.clone(),
                         pod_gib,
                         pending: Vec::new(),
                         assigned: true,
@@ -936,6 +943,7 @@ mod tests {
             "n1",
             PodPlacement {
                 gpu: placed.gpu,
+                uuid: placed.uuid.as_str().into(),
                 pod_gib: 4,
                 pending: vec![4],
                 assigned: false,

@@ -40,6 +40,7 @@ fn busy_cluster(nodes: usize) -> (Cluster, Vec<String>) {
                     name.clone(),
                     PodPlacement {
                         gpu,
+                        uuid: "".into(),
                         pod_gib: 2,
                         pending: vec![],
                         assigned: true,
@@ -154,6 +155,7 @@ fn rebuild_from_annotations(c: &mut Criterion) {
                     node.clone(),
                     PodPlacement {
                         gpu: allocation.gpu_index,
+                        uuid: allocation.gpu_uuid.as_str().into(),
                         pod_gib: allocation.pod_gib,
                         pending,
                         assigned: allocation.assigned,

@@ -79,6 +79,7 @@ fn state(nodes: usize) -> (AppState, Vec<String>) {
                 for p in 0..10 {
                     let placement = PodPlacement {
                         gpu,
+                        uuid: "".into(),
                         pod_gib: 2,
                         pending: vec![],
                         assigned: true,

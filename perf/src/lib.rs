@@ -363,6 +363,7 @@ pub fn replay(
                     &names[node],
                     PodPlacement {
                         gpu: placement.gpu,
+                        uuid: placement.uuid.as_str().into(),
                         pod_gib: gib,
                         pending: vec![],
                         assigned: true,
