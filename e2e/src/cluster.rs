@@ -32,8 +32,8 @@ use kube::Client;
 use kube::api::Api;
 use tokio::process::{Child, Command};
 
-use crate::apiserver::ApiServer;
 use crate::apiserver::admission::AdmissionPolicies;
+use crate::apiserver::{ApiServer, PodIdentity};
 use crate::fixtures::node;
 use crate::kubelet::{AdmissionOrder, KubeletDriver};
 use crate::scheduler::wire::{ExtenderBindingArgs, decode_binding_result};
@@ -620,8 +620,6 @@ pub struct TestCluster {
     kubeconfig: PathBuf,
     /// The extender's kubeconfig ([`EXTENDER_USER`]).
     extender_kubeconfig: PathBuf,
-    /// The device plugins' kubeconfig ([`DEVICE_PLUGIN_USER`]).
-    plugin_kubeconfig: PathBuf,
     /// The extender's port, kept across restarts (the Service address kube-scheduler calls).
     extender_port: u16,
 }
@@ -641,8 +639,6 @@ impl TestCluster {
         api.write_kubeconfig(&kubeconfig)?;
         let extender_kubeconfig = dir.path().join("extender.kubeconfig");
         api.write_kubeconfig_as(&extender_kubeconfig, EXTENDER_USER)?;
-        let plugin_kubeconfig = dir.path().join("device-plugin.kubeconfig");
-        api.write_kubeconfig_as(&plugin_kubeconfig, DEVICE_PLUGIN_USER)?;
         write_allocation_keys(&dir.path().join(ALLOCATION_KEYS))?;
         let mut cluster = Self {
             api,
@@ -655,7 +651,6 @@ impl TestCluster {
             dir,
             kubeconfig,
             extender_kubeconfig,
-            plugin_kubeconfig,
             extender_port: service_port()?,
         };
         cluster.add_nodes(&spec.nodes).await?;
@@ -732,7 +727,7 @@ impl TestCluster {
             client: self.client.clone(),
             dir: self.dir.path().to_owned(),
             binaries: self.binaries.clone(),
-            kubeconfig: self.plugin_kubeconfig.clone(),
+            plugin_identity: self.api.pod_identity(DEVICE_PLUGIN_USER),
             admission: self.spec.admission,
         }
     }
@@ -1053,8 +1048,9 @@ struct NodeHost {
     client: Client,
     dir: PathBuf,
     binaries: Binaries,
-    /// The device plugins' kubeconfig ([`DEVICE_PLUGIN_USER`]).
-    kubeconfig: PathBuf,
+    /// The device plugins' ServiceAccount ([`DEVICE_PLUGIN_USER`]): each plugin gets a token
+    /// naming its node, as the DaemonSet's pods do.
+    plugin_identity: PodIdentity,
     admission: AdmissionOrder,
 }
 
@@ -1139,11 +1135,16 @@ impl NodeHost {
             self.dir.join(ALLOCATION_KEYS).display().to_string(),
         ];
         let log = self.dir.join(format!("device-plugin-{}.log", sim.name));
+        let kubeconfig = self
+            .dir
+            .join(format!("device-plugin-{}.kubeconfig", sim.name));
+        std::fs::write(&kubeconfig, self.plugin_identity.kubeconfig_on(&sim.name))
+            .with_context(|| format!("writing {}", kubeconfig.display()))?;
         Process::spawn(
             "gpushare-device-plugin",
             &self.binaries.device_plugin,
             &args,
-            &self.kubeconfig,
+            &kubeconfig,
             &log,
         )
     }

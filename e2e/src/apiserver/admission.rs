@@ -95,6 +95,8 @@ pub struct AdmissionRequest<'a> {
     pub operation: Operation,
     /// Who is calling (`request.userInfo.username`).
     pub username: &'a str,
+    /// The node claim of the caller's token (`request.userInfo.extra`), if it has one.
+    pub node_claim: Option<&'a str>,
     /// `""` for the core group.
     pub group: &'a str,
     pub version: &'a str,
@@ -557,9 +559,14 @@ fn base_context(
         None => cel::Value::Null,
     };
     context.add_variable_from_value("oldObject", old);
+    // The real server's `extra` is a map of lists; a caller without claims has an empty one.
+    let extra = match request.node_claim {
+        Some(node) => serde_json::json!({ super::NODE_NAME_CLAIM: [node] }),
+        None => serde_json::json!({}),
+    };
     let request_doc = serde_json::json!({
         "operation": request.operation.as_str(),
-        "userInfo": {"username": request.username},
+        "userInfo": {"username": request.username, "extra": extra},
         "namespace": request.namespace,
         "name": request.name,
         "kind": {"group": request.group, "version": request.version, "kind": request.kind},
@@ -640,6 +647,7 @@ mod tests {
         AdmissionRequest {
             operation,
             username: user,
+            node_claim: None,
             group: "",
             version: "v1",
             resource: "pods",
@@ -658,6 +666,19 @@ mod tests {
 
     fn update(user: &str, old: &Value, new: &Value) -> Result<(), Denial> {
         policies().admit(&request(Operation::Update, user, "", new, Some(old)))
+    }
+
+    /// An update from `user` holding the token of a pod on `node`.
+    fn update_from_node(node: &str, user: &str, old: &Value, new: &Value) -> Result<(), Denial> {
+        policies().admit(&AdmissionRequest {
+            node_claim: Some(node),
+            ..request(Operation::Update, user, "", new, Some(old))
+        })
+    }
+
+    fn on_node(mut pod: Value, node: &str) -> Value {
+        pod["spec"]["nodeName"] = json!(node);
+        pod
     }
 
     #[test]
@@ -702,9 +723,7 @@ mod tests {
             )
             .is_err()
         );
-        for user in [EXTENDER_USER, DEVICE_PLUGIN_USER] {
-            assert_eq!(create(policies(), user, &forged), Ok(()), "{user}");
-        }
+        assert_eq!(create(policies(), EXTENDER_USER, &forged), Ok(()));
         // Other keys of the domain, and other domains, are anyone's.
         let other = annotate(gpu_pod(4), "gpushare.example.com/note", "x");
         assert_eq!(create(policies(), ADMIN, &other), Ok(()));
@@ -773,9 +792,43 @@ mod tests {
             annotate(pod, "note", "hello")
         };
         assert_eq!(update(ADMIN, &running, &labelled), Ok(()));
-        // gpushare itself writes them.
-        assert_eq!(update(DEVICE_PLUGIN_USER, &running, &changed), Ok(()));
+        // gpushare itself writes them: the device plugin from its own node.
+        let (running, changed) = (on_node(running, "n1"), on_node(changed, "n1"));
+        assert_eq!(
+            update_from_node("n1", DEVICE_PLUGIN_USER, &running, &changed),
+            Ok(())
+        );
         assert_eq!(update(EXTENDER_USER, &running, &removed), Ok(()));
+    }
+
+    #[test]
+    fn the_device_plugin_changes_only_pods_on_its_own_node() {
+        let running = on_node(annotate(gpu_pod(4), INDEX, "0"), "n1");
+        let marked = annotate(running.clone(), ASSIGNED, "true");
+        assert_eq!(
+            update_from_node("n1", DEVICE_PLUGIN_USER, &running, &marked),
+            Ok(())
+        );
+        // The plugin of another node, say one whose host was taken over.
+        let denial = update_from_node("n2", DEVICE_PLUGIN_USER, &running, &marked).unwrap_err();
+        assert_eq!(denial.code(), 403);
+        assert_eq!(
+            denial.message,
+            "the gpushare device plugin on node n2 may change only pods bound to that node"
+        );
+        // Its ServiceAccount's token without the node claim (a token minted by hand).
+        let denial = update(DEVICE_PLUGIN_USER, &running, &marked).unwrap_err();
+        assert!(denial.message.contains("names none"), "{denial:?}");
+        // Nor a pod not bound anywhere yet.
+        let unbound = annotate(gpu_pod(4), INDEX, "0");
+        let unbound_marked = annotate(unbound.clone(), ASSIGNED, "true");
+        assert!(update_from_node("n1", DEVICE_PLUGIN_USER, &unbound, &unbound_marked).is_err());
+        // Everyone else is unaffected by the claim rule: the extender writes for any node.
+        assert_eq!(update(EXTENDER_USER, &running, &marked), Ok(()));
+        assert_eq!(
+            update_from_node("n2", EXTENDER_USER, &running, &marked),
+            Ok(())
+        );
     }
 
     #[test]

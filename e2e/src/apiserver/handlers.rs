@@ -17,6 +17,7 @@ use axum::response::{IntoResponse, Response};
 use http::{HeaderMap, Method, StatusCode, Uri, header};
 use serde_json::{Value, json};
 
+use super::Caller;
 use super::admission::{AdmissionRequest, Operation};
 use super::objects::{self, DEFAULT_GRACE_SECONDS, Part, meta_mut, meta_str};
 use super::patch::{self, PatchKind};
@@ -299,8 +300,8 @@ async fn handle(
 /// An accepted write, owned so that it can run to the end in a task of its own.
 struct Write {
     verb: Verb,
-    /// Who asked (admission sees it as `request.userInfo.username`).
-    user: String,
+    /// Who asked (admission sees it as `request.userInfo`).
+    user: Caller,
     target: Target,
     params: Params,
     content_type: String,
@@ -540,7 +541,7 @@ fn watch_request(
 /// would be stored (defaulted; an update's patched or replaced result).
 fn admit(
     app: &App,
-    user: &str,
+    user: &Caller,
     target: &Target,
     operation: Operation,
     object: &Value,
@@ -559,7 +560,8 @@ fn admit(
         .unwrap_or("");
     let request = AdmissionRequest {
         operation,
-        username: user,
+        username: &user.name,
+        node_claim: user.node.as_deref(),
         group,
         version,
         resource: target.kind.plural(),
@@ -571,7 +573,7 @@ fn admit(
         old_object,
     };
     policies.admit(&request).map_err(|denial| {
-        tracing::debug!(user, resource = %target.resource(), name, policy = %denial.policy, "admission denied");
+        tracing::debug!(user = %user.name, resource = %target.resource(), name, policy = %denial.policy, "admission denied");
         ApiError::new(
             denial.code(),
             denial.status_reason(),
@@ -583,7 +585,7 @@ fn admit(
 
 fn create(
     app: &App,
-    user: &str,
+    user: &Caller,
     target: &Target,
     params: &Params,
     content_type: &str,
@@ -608,7 +610,7 @@ fn create(
 /// Shared by update and patch: store `new` over the current object, unless nothing changed.
 fn store_update(
     store: &mut super::store::Inner,
-    (app, user): (&App, &str),
+    (app, user): (&App, &Caller),
     target: &Target,
     current: &Value,
     new: Value,
@@ -652,7 +654,7 @@ fn current_or_404<'a>(store: &'a super::store::Inner, target: &Target) -> ApiRes
 
 fn update(
     app: &App,
-    user: &str,
+    user: &Caller,
     target: &Target,
     params: &Params,
     content_type: &str,
@@ -678,7 +680,7 @@ fn update(
 
 fn patch_object(
     app: &App,
-    user: &str,
+    user: &Caller,
     target: &Target,
     params: &Params,
     content_type: &str,

@@ -98,11 +98,32 @@ pub struct ApiServer {
     task: Option<JoinHandle<()>>,
 }
 
+/// The key of the node claim a ServiceAccount token bound to a pod carries (in the token's
+/// `kubernetes.io.node.name`); the real API server puts it in `request.userInfo.extra`.
+pub const NODE_NAME_CLAIM: &str = "authentication.kubernetes.io/node-name";
+
+/// Who is calling, as authentication found it.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub(crate) struct Caller {
+    /// `request.userInfo.username`.
+    pub name: String,
+    /// The node of the pod the token was issued to ([`NODE_NAME_CLAIM`]), if it was.
+    pub node: Option<String>,
+}
+
+impl std::ops::Deref for Caller {
+    type Target = str;
+
+    fn deref(&self) -> &str {
+        &self.name
+    }
+}
+
 /// Who may call, and what admission applies to their writes. Cheap to clone.
 #[derive(Clone)]
 pub(crate) struct Access {
-    /// Bearer token → username.
-    tokens: Arc<Mutex<HashMap<String, String>>>,
+    /// Bearer token → who holds it.
+    tokens: Arc<Mutex<HashMap<String, Caller>>>,
     policies: Arc<RwLock<Arc<AdmissionPolicies>>>,
 }
 
@@ -116,9 +137,12 @@ impl Access {
 
     /// The user behind an `Authorization` header: [`ADMIN_USER`] without one, `None` for a
     /// token this server never issued (the caller answers 401).
-    pub(crate) fn user(&self, authorization: Option<&str>) -> Option<String> {
+    pub(crate) fn user(&self, authorization: Option<&str>) -> Option<Caller> {
         let Some(header) = authorization else {
-            return Some(ADMIN_USER.to_owned());
+            return Some(Caller {
+                name: ADMIN_USER.to_owned(),
+                node: None,
+            });
         };
         let token = header.strip_prefix("Bearer ")?.trim();
         self.tokens
@@ -128,12 +152,18 @@ impl Access {
             .cloned()
     }
 
-    fn issue(&self, username: &str) -> String {
+    fn issue(&self, username: &str, node: Option<&str>) -> String {
         let token = format!("kubesim-{:032x}", rand::rng().random::<u128>());
         self.tokens
             .lock()
             .unwrap_or_else(|poison| poison.into_inner())
-            .insert(token.clone(), username.to_owned());
+            .insert(
+                token.clone(),
+                Caller {
+                    name: username.to_owned(),
+                    node: node.map(str::to_owned),
+                },
+            );
         token
     }
 
@@ -234,7 +264,7 @@ impl ApiServer {
     /// token this server maps to it), e.g.
     /// `system:serviceaccount:kube-system:gpushare-extender`.
     pub fn kubeconfig_yaml_as(&self, username: &str) -> String {
-        let token = self.access.issue(username);
+        let token = self.access.issue(username, None);
         self.kubeconfig_with_user(&format!("{{token: {token}}}"))
     }
 
@@ -252,28 +282,19 @@ impl ApiServer {
             .unwrap_or_else(|poison| poison.into_inner()) = Arc::new(policies);
     }
 
+    /// Hands out kubeconfigs of `username` as held by its pods on given nodes: a
+    /// ServiceAccount token kubelet projects carries the node's name, and the API server
+    /// shows it to admission as `request.userInfo.extra[NODE_NAME_CLAIM]`; cheap to clone, outlives no server.
+    pub fn pod_identity(&self, username: &str) -> PodIdentity {
+        PodIdentity {
+            access: self.access.clone(),
+            url: self.url(),
+            username: username.to_owned(),
+        }
+    }
+
     fn kubeconfig_with_user(&self, user: &str) -> String {
-        format!(
-            "apiVersion: v1
-kind: Config
-clusters:
-- name: kubesim
-  cluster:
-    server: {url}
-contexts:
-- name: kubesim
-  context:
-    cluster: kubesim
-    user: kubesim
-    namespace: default
-current-context: kubesim
-users:
-- name: kubesim
-  user: {user}
-preferences: {{}}
-",
-            url = self.url()
-        )
+        kubeconfig_yaml(&self.url(), user)
     }
 
     pub fn write_kubeconfig(&self, path: &Path) -> std::io::Result<()> {
@@ -627,5 +648,46 @@ impl Stats {
 
     pub fn reset(&self) {
         self.calls_mut().clear();
+    }
+}
+
+/// A kubeconfig for this server's URL whose user entry is `user` (YAML flow mapping).
+fn kubeconfig_yaml(url: &str, user: &str) -> String {
+    format!(
+        "apiVersion: v1
+kind: Config
+clusters:
+- name: kubesim
+  cluster:
+    server: {url}
+contexts:
+- name: kubesim
+  context:
+    cluster: kubesim
+    user: kubesim
+    namespace: default
+current-context: kubesim
+users:
+- name: kubesim
+  user: {user}
+preferences: {{}}
+"
+    )
+}
+
+/// A ServiceAccount whose pods run on many nodes (a DaemonSet's): each pod's token names
+/// its node, as kubelet's projected tokens do.
+#[derive(Clone)]
+pub struct PodIdentity {
+    access: Access,
+    url: String,
+    username: String,
+}
+
+impl PodIdentity {
+    /// The kubeconfig of this ServiceAccount's pod on `node`, with a token of its own.
+    pub fn kubeconfig_on(&self, node: &str) -> String {
+        let token = self.access.issue(&self.username, Some(node));
+        kubeconfig_yaml(&self.url, &format!("{{token: {token}}}"))
     }
 }
