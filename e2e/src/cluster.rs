@@ -23,7 +23,7 @@ use std::collections::BTreeMap;
 use std::net::{SocketAddr, TcpListener};
 use std::path::{Path, PathBuf};
 use std::process::Stdio;
-use std::sync::OnceLock;
+use std::sync::{Arc, OnceLock};
 use std::time::Duration;
 
 use anyhow::{Context, bail};
@@ -37,7 +37,7 @@ use crate::apiserver::{ApiServer, PodIdentity};
 use crate::fixtures::node;
 use crate::kubelet::{AdmissionOrder, KubeletDriver};
 use crate::scheduler::wire::{ExtenderBindingArgs, decode_binding_result};
-use crate::scheduler::{ExtenderConfig, SchedulerConfig, SchedulerDriver};
+use crate::scheduler::{ExtenderConfig, ExtenderTlsConfig, SchedulerConfig, SchedulerDriver};
 
 /// The resource name every scenario uses.
 pub const RESOURCE: &str = gpushare_contract::DEFAULT_RESOURCE;
@@ -312,9 +312,74 @@ impl Process {
 pub struct Extender {
     /// The process.
     pub process: Process,
-    /// `http://127.0.0.1:PORT`
+    /// `http://127.0.0.1:PORT`, or `https://` when it serves TLS.
     pub base_url: String,
     launch: Launch,
+    /// Its certificate, when it serves TLS as the chart runs it.
+    tls: Option<ExtenderTls>,
+    /// `--monitor-listen`: plain HTTP health and metrics, when set.
+    monitor: Option<SocketAddr>,
+}
+
+/// The Service name the chart's scheduler configuration dials, and the extender's
+/// certificate names (`<service>.<namespace>.svc`).
+pub const EXTENDER_SERVICE_HOST: &str = "gpushare-extender.kube-system.svc";
+
+/// The extender's serving certificate as the chart's `<release>-extender-tls` Secret holds
+/// it: a CA that kube-scheduler's `tlsConfig` trusts, and a certificate for the Service's
+/// names signed by it.
+#[derive(Clone)]
+pub struct ExtenderTls {
+    /// PEM of the CA (the Secret's `ca.crt`, the scheduler's `tlsConfig.caFile`).
+    pub ca_pem: String,
+    /// `tls.crt` and `tls.key`, as mounted into the extender.
+    pub cert_file: PathBuf,
+    pub key_file: PathBuf,
+    client: Arc<rustls::ClientConfig>,
+}
+
+impl std::fmt::Debug for ExtenderTls {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("ExtenderTls")
+            .field("cert_file", &self.cert_file)
+            .finish_non_exhaustive()
+    }
+}
+
+impl ExtenderTls {
+    /// A fresh CA and serving certificate for [`EXTENDER_SERVICE_HOST`], written into `dir`.
+    pub fn generate(dir: &Path) -> anyhow::Result<Self> {
+        use rustls::pki_types::CertificateDer;
+        use rustls::pki_types::pem::PemObject as _;
+        let ca = gpushare_admission::SelfSignedCa::generate(&gpushare_admission::CertConfig::new(
+            "gpushare-extender",
+            "kube-system",
+        ))?;
+        ca.write_pem_files(dir)?;
+        let mut roots = rustls::RootCertStore::empty();
+        for cert in CertificateDer::pem_slice_iter(ca.ca_pem().as_bytes()) {
+            roots.add(cert?)?;
+        }
+        let provider = Arc::new(rustls::crypto::ring::default_provider());
+        let client = rustls::ClientConfig::builder_with_provider(provider)
+            .with_safe_default_protocol_versions()?
+            .with_root_certificates(roots)
+            .with_no_client_auth();
+        Ok(Self {
+            ca_pem: ca.ca_pem().to_owned(),
+            cert_file: dir.join("tls.crt"),
+            key_file: dir.join("tls.key"),
+            client: Arc::new(client),
+        })
+    }
+
+    /// What the scheduler's extender stanza says about TLS (as the chart renders it).
+    pub fn scheduler_config(&self) -> ExtenderTlsConfig {
+        ExtenderTlsConfig {
+            ca_pem: self.ca_pem.clone(),
+            server_name: EXTENDER_SERVICE_HOST.to_owned(),
+        }
+    }
 }
 
 /// How an extender was started, to start it again the same way.
@@ -371,8 +436,57 @@ impl Extender {
         extra: &[String],
         port: u16,
     ) -> anyhow::Result<Self> {
+        Self::spawn_with(bin, kubeconfig, log, extra, port, None)
+    }
+
+    /// As [`Extender::spawn_on`], the way the chart runs it: HTTPS with `tls` on `port`,
+    /// and health and metrics over plain HTTP on `monitor_port`.
+    pub fn spawn_secured_on(
+        bin: &Binaries,
+        kubeconfig: &Path,
+        log: &Path,
+        extra: &[String],
+        port: u16,
+        (tls, monitor_port): (&ExtenderTls, u16),
+    ) -> anyhow::Result<Self> {
+        Self::spawn_with(
+            bin,
+            kubeconfig,
+            log,
+            extra,
+            port,
+            Some((tls.clone(), monitor_port)),
+        )
+    }
+
+    fn spawn_with(
+        bin: &Binaries,
+        kubeconfig: &Path,
+        log: &Path,
+        extra: &[String],
+        port: u16,
+        secured: Option<(ExtenderTls, u16)>,
+    ) -> anyhow::Result<Self> {
         let mut args = vec!["--listen".to_owned(), format!("127.0.0.1:{port}")];
+        if let Some((tls, monitor_port)) = &secured {
+            args.extend([
+                "--tls-cert".to_owned(),
+                tls.cert_file.display().to_string(),
+                "--tls-key".to_owned(),
+                tls.key_file.display().to_string(),
+                "--monitor-listen".to_owned(),
+                format!("127.0.0.1:{monitor_port}"),
+            ]);
+        }
         args.extend_from_slice(extra);
+        let (tls, monitor) = match secured {
+            Some((tls, monitor_port)) => (
+                Some(tls),
+                Some(SocketAddr::from(([127, 0, 0, 1], monitor_port))),
+            ),
+            None => (None, None),
+        };
+        let scheme = if tls.is_some() { "https" } else { "http" };
         let launch = Launch {
             program: bin.extender.clone(),
             args,
@@ -382,8 +496,10 @@ impl Extender {
         };
         Ok(Self {
             process: launch.spawn()?,
-            base_url: format!("http://127.0.0.1:{port}"),
+            base_url: format!("{scheme}://127.0.0.1:{port}"),
             launch,
+            tls,
+            monitor,
         })
     }
 
@@ -398,8 +514,7 @@ impl Extender {
         let log = self.launch.log.display().to_string();
         loop {
             // Ready, and ours: the answer counts only while our process runs.
-            if matches!(http_get(self.launch.addr, "/readyz").await, Ok((200, _)))
-                && self.process.is_running()
+            if matches!(self.get_health("/readyz").await, Ok((200, _))) && self.process.is_running()
             {
                 return Ok(());
             }
@@ -426,7 +541,8 @@ impl Extender {
 
     /// `GET /gpushare-scheduler/inspect` as JSON.
     pub async fn inspect(&self) -> anyhow::Result<serde_json::Value> {
-        let (status, body) = http_get(self.addr()?, "/gpushare-scheduler/inspect").await?;
+        let request = get_request(self.launch.addr, "/gpushare-scheduler/inspect");
+        let (status, body) = self.exchange(&request).await?;
         if status != 200 {
             bail!("inspect answered {status}: {body}");
         }
@@ -438,8 +554,8 @@ impl Extender {
     /// the error it reported to the scheduler otherwise.
     pub async fn bind(&self, args: &ExtenderBindingArgs) -> anyhow::Result<Option<String>> {
         let body = serde_json::to_string(args)?;
-        let (status, answer) =
-            http_post_json(self.addr()?, "/gpushare-scheduler/bind", &body).await?;
+        let request = post_json_request(self.launch.addr, "/gpushare-scheduler/bind", &body);
+        let (status, answer) = self.exchange(&request).await?;
         if status != 200 {
             bail!("bind answered {status}: {answer}");
         }
@@ -448,8 +564,32 @@ impl Extender {
         Ok((!result.error.is_empty()).then_some(result.error))
     }
 
-    fn addr(&self) -> anyhow::Result<SocketAddr> {
-        Ok(self.base_url.trim_start_matches("http://").parse()?)
+    /// `GET path` of the health and metrics endpoints: on `--monitor-listen` when set.
+    pub async fn get_health(&self, path: &str) -> anyhow::Result<(u16, String)> {
+        match self.monitor {
+            Some(addr) => http_get(addr, path).await,
+            None => self.exchange(&get_request(self.launch.addr, path)).await,
+        }
+    }
+
+    /// The TLS settings kube-scheduler needs to call this extender, if it serves TLS.
+    pub fn tls(&self) -> Option<&ExtenderTls> {
+        self.tls.as_ref()
+    }
+
+    /// One request to the scheduler-facing port, over TLS when it serves TLS.
+    async fn exchange(&self, request: &str) -> anyhow::Result<(u16, String)> {
+        match &self.tls {
+            None => http_exchange(self.launch.addr, request).await,
+            Some(tls) => {
+                let tcp = tokio::net::TcpStream::connect(self.launch.addr).await?;
+                let name = rustls::pki_types::ServerName::try_from(EXTENDER_SERVICE_HOST)?;
+                let stream = tokio_rustls::TlsConnector::from(tls.client.clone())
+                    .connect(name, tcp)
+                    .await?;
+                exchange_on(stream, request).await
+            }
+        }
     }
 }
 
@@ -458,11 +598,11 @@ pub const RESTART_BIND_RETRY: Duration = Duration::from_secs(10);
 
 /// A minimal HTTP/1.1 GET over a fresh connection (no client library needed for two probes).
 pub async fn http_get(addr: SocketAddr, path: &str) -> anyhow::Result<(u16, String)> {
-    http_exchange(
-        addr,
-        &format!("GET {path} HTTP/1.1\r\nHost: {addr}\r\nConnection: close\r\n\r\n"),
-    )
-    .await
+    http_exchange(addr, &get_request(addr, path)).await
+}
+
+fn get_request(addr: SocketAddr, path: &str) -> String {
+    format!("GET {path} HTTP/1.1\r\nHost: {addr}\r\nConnection: close\r\n\r\n")
 }
 
 /// A minimal HTTP/1.1 POST of a JSON `body` over a fresh connection.
@@ -471,23 +611,35 @@ pub async fn http_post_json(
     path: &str,
     body: &str,
 ) -> anyhow::Result<(u16, String)> {
-    http_exchange(
-        addr,
-        &format!(
-            "POST {path} HTTP/1.1\r\nHost: {addr}\r\nConnection: close\r\nContent-Type: application/json\r\nContent-Length: {}\r\n\r\n{body}",
-            body.len()
-        ),
+    http_exchange(addr, &post_json_request(addr, path, body)).await
+}
+
+fn post_json_request(addr: SocketAddr, path: &str, body: &str) -> String {
+    format!(
+        "POST {path} HTTP/1.1\r\nHost: {addr}\r\nConnection: close\r\nContent-Type: application/json\r\nContent-Length: {}\r\n\r\n{body}",
+        body.len()
     )
-    .await
 }
 
 /// Sends `request` and reads the answer to the end: status and (de-chunked) body.
 async fn http_exchange(addr: SocketAddr, request: &str) -> anyhow::Result<(u16, String)> {
+    exchange_on(tokio::net::TcpStream::connect(addr).await?, request).await
+}
+
+/// [`http_exchange`] on an open stream (plain or TLS).
+async fn exchange_on(
+    mut stream: impl tokio::io::AsyncRead + tokio::io::AsyncWrite + Unpin,
+    request: &str,
+) -> anyhow::Result<(u16, String)> {
     use tokio::io::{AsyncReadExt, AsyncWriteExt};
-    let mut stream = tokio::net::TcpStream::connect(addr).await?;
     stream.write_all(request.as_bytes()).await?;
     let mut raw = Vec::new();
-    stream.read_to_end(&mut raw).await?;
+    match stream.read_to_end(&mut raw).await {
+        Ok(_) => {}
+        // A TLS peer that closes without close_notify after a whole answer: the answer stands.
+        Err(e) if e.kind() == std::io::ErrorKind::UnexpectedEof && !raw.is_empty() => {}
+        Err(e) => return Err(e.into()),
+    }
     let text = String::from_utf8_lossy(&raw);
     let status = text
         .split_whitespace()
@@ -622,6 +774,10 @@ pub struct TestCluster {
     extender_kubeconfig: PathBuf,
     /// The extender's port, kept across restarts (the Service address kube-scheduler calls).
     extender_port: u16,
+    /// Its plain-HTTP health and metrics port.
+    monitor_port: u16,
+    /// Its serving certificate, kept across restarts (the chart's Secret).
+    extender_tls: ExtenderTls,
 }
 
 impl TestCluster {
@@ -640,6 +796,12 @@ impl TestCluster {
         let extender_kubeconfig = dir.path().join("extender.kubeconfig");
         api.write_kubeconfig_as(&extender_kubeconfig, EXTENDER_USER)?;
         write_allocation_keys(&dir.path().join(ALLOCATION_KEYS))?;
+        let extender_tls = ExtenderTls::generate(&dir.path().join("extender-tls"))?;
+        let extender_port = service_port()?;
+        let mut monitor_port = service_port()?;
+        while monitor_port == extender_port {
+            monitor_port = service_port()?;
+        }
         let mut cluster = Self {
             api,
             client,
@@ -651,7 +813,9 @@ impl TestCluster {
             dir,
             kubeconfig,
             extender_kubeconfig,
-            extender_port: service_port()?,
+            extender_port,
+            monitor_port,
+            extender_tls,
         };
         cluster.add_nodes(&spec.nodes).await?;
         cluster.start_extender().await?;
@@ -754,21 +918,29 @@ impl TestCluster {
             "--allocation-keys-file".to_owned(),
             self.dir.path().join(ALLOCATION_KEYS).display().to_string(),
         ]);
-        self.extender = Some(Extender::spawn_on(
+        self.extender = Some(Extender::spawn_secured_on(
             &self.binaries,
             &self.extender_kubeconfig,
             &log,
             &args,
             self.extender_port,
+            (&self.extender_tls, self.monitor_port),
         )?);
         Ok(())
     }
 
     async fn start_scheduler(&mut self) -> anyhow::Result<()> {
-        let prefix = format!("http://127.0.0.1:{}/gpushare-scheduler", self.extender_port);
+        // As the chart configures it: HTTPS, trusting the extender's CA, verifying the
+        // Service's name (here dialled by address, so the name is given as `serverName`).
+        let prefix = format!(
+            "https://127.0.0.1:{}/gpushare-scheduler",
+            self.extender_port
+        );
         let config = SchedulerConfig {
             extenders: vec![ExtenderConfig {
                 http_timeout: self.spec.http_timeout,
+                enable_https: true,
+                tls: Some(self.extender_tls.scheduler_config()),
                 ..ExtenderConfig::gpushare(&prefix)
             }],
             // kube-scheduler runs every bind in a goroutine of its own, unbounded.

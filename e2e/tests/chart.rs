@@ -28,7 +28,9 @@ use k8s_openapi::api::apps::v1::{DaemonSet, Deployment};
 use k8s_openapi::api::core::v1::{
     ConfigMap, Container, Pod, PodSpec, Secret, Service, ServiceAccount,
 };
+use k8s_openapi::api::networking::v1::NetworkPolicy;
 use k8s_openapi::api::rbac::v1::{ClusterRole, ClusterRoleBinding, PolicyRule, Role, RoleBinding};
+use k8s_openapi::apimachinery::pkg::util::intstr::IntOrString;
 use serde::Deserialize;
 use serde::de::DeserializeOwned;
 use serde_json::Value;
@@ -167,6 +169,7 @@ fn check_all_typed(rendered: &Rendered) -> anyhow::Result<()> {
             "Service" => round_trip::<Service>(doc)?,
             "ServiceAccount" => round_trip::<ServiceAccount>(doc)?,
             "Secret" => round_trip::<Secret>(doc)?,
+            "NetworkPolicy" => round_trip::<NetworkPolicy>(doc)?,
             "ClusterRole" => round_trip::<ClusterRole>(doc)?,
             "ClusterRoleBinding" => round_trip::<ClusterRoleBinding>(doc)?,
             "Role" => round_trip::<Role>(doc)?,
@@ -687,6 +690,13 @@ fn rbac_check_names_calls_not_granted_and_grants_not_used() -> anyhow::Result<()
         call(Verb::List, "pods"),
         call(Verb::Watch, "pods"),
         call(Verb::Delete, "pods"),
+        (
+            Call {
+                group: "events.k8s.io".to_owned(),
+                ..call(Verb::Create, "events").0
+            },
+            1,
+        ),
     ]
     .into_iter()
     .collect();
@@ -749,10 +759,18 @@ struct Extender {
     bind_verb: String,
     #[serde(rename = "enableHTTPS")]
     enable_https: bool,
+    #[serde(default)]
+    tls_config: Option<ExtenderTlsConfig>,
     http_timeout: String,
     node_cache_capable: bool,
     managed_resources: Vec<ManagedResource>,
     ignorable: bool,
+}
+
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields, rename_all = "camelCase")]
+struct ExtenderTlsConfig {
+    ca_file: String,
 }
 
 #[derive(Debug, Deserialize)]
@@ -784,7 +802,7 @@ fn check_scheduler(rendered: &Rendered, prefix: &str, resource: &str) -> anyhow:
     };
     let service = format!("{prefix}-extender");
     ensure!(
-        extender.url_prefix == format!("http://{service}.{ns}.svc:39999/gpushare-scheduler"),
+        extender.url_prefix == format!("https://{service}.{ns}.svc:39999/gpushare-scheduler"),
         "{}",
         extender.url_prefix
     );
@@ -792,7 +810,38 @@ fn check_scheduler(rendered: &Rendered, prefix: &str, resource: &str) -> anyhow:
     ensure!(extender.prioritize_verb == "prioritize");
     ensure!(extender.bind_verb == "bind");
     ensure!(extender.preempt_verb.is_none());
-    ensure!(extender.weight > 0 && !extender.enable_https && !extender.ignorable);
+    ensure!(extender.weight > 0 && !extender.ignorable);
+    // HTTPS, verified against the CA of the extender's certificate, mounted alone.
+    ensure!(extender.enable_https);
+    let ca_file = &extender
+        .tls_config
+        .as_ref()
+        .context("enableHTTPS without tlsConfig trusts any certificate")?
+        .ca_file;
+    ensure!(ca_file == "/etc/gpushare/extender-ca/ca.crt", "{ca_file}");
+    let deployment: Deployment = rendered.get("Deployment", &name)?;
+    let pod = deployment
+        .spec
+        .and_then(|s| s.template.spec)
+        .context("no scheduler pod spec")?;
+    let ca_volume = pod
+        .volumes
+        .unwrap_or_default()
+        .into_iter()
+        .find(|v| v.name == "extender-ca")
+        .and_then(|v| v.secret)
+        .context("no extender-ca volume")?;
+    ensure!(ca_volume.secret_name.as_deref() == Some(&*format!("{prefix}-extender-tls")));
+    let items: Vec<String> = ca_volume
+        .items
+        .unwrap_or_default()
+        .into_iter()
+        .map(|item| item.key)
+        .collect();
+    ensure!(
+        items == ["ca.crt"],
+        "the scheduler must get the CA only, got {items:?}"
+    );
     ensure!(extender.http_timeout == "5s");
     ensure!(extender.node_cache_capable);
     ensure!(
@@ -807,7 +856,7 @@ fn check_scheduler(rendered: &Rendered, prefix: &str, resource: &str) -> anyhow:
     ensure!(
         ports
             .iter()
-            .any(|p| p.name.as_deref() == Some("http") && p.port == 39999)
+            .any(|p| p.name.as_deref() == Some("scheduler") && p.port == 39999)
     );
 
     let deployment: Deployment = rendered.get("Deployment", &name)?;
@@ -927,6 +976,161 @@ fn check_extender(rendered: &Rendered, prefix: &str, expect_args: &[&str]) -> an
         .and_then(|p| p.http_get.as_ref())
         .context("readiness")?;
     ensure!(ready.path.as_deref() == Some("/readyz"));
+    // Probes, Prometheus and kubectl gpushare use the plain monitoring port (named `http`),
+    // whose only routes are health and metrics; the scheduler's port is `scheduler`.
+    for probe in [live, ready] {
+        ensure!(
+            probe.port == IntOrString::String("http".into()) && probe.scheme.is_none(),
+            "{probe:?}"
+        );
+    }
+    let ports: Vec<(String, i32)> = c
+        .ports
+        .iter()
+        .flatten()
+        .map(|p| (p.name.clone().unwrap_or_default(), p.container_port))
+        .collect();
+    ensure!(
+        ports.contains(&("http".to_owned(), 9090))
+            && ports.contains(&("scheduler".to_owned(), 39999)),
+        "{ports:?}"
+    );
+    let svc: Service = rendered.get("Service", &name)?;
+    let svc_ports: Vec<(String, i32)> = svc
+        .spec
+        .and_then(|s| s.ports)
+        .unwrap_or_default()
+        .into_iter()
+        .map(|p| (p.name.unwrap_or_default(), p.port))
+        .collect();
+    ensure!(
+        svc_ports.contains(&("http".to_owned(), 9090))
+            && svc_ports.contains(&("scheduler".to_owned(), 39999)),
+        "{svc_ports:?}"
+    );
+    Ok(())
+}
+
+/// The Secret the chart generates for the extender's HTTPS: a CA, and a certificate that
+/// chains to it and names the Service as the scheduler dials it.
+#[test]
+fn the_generated_extender_certificate_verifies_for_the_service_name() -> anyhow::Result<()> {
+    use rustls::client::danger::ServerCertVerifier as _;
+    use rustls::pki_types::pem::PemObject as _;
+    use rustls::pki_types::{CertificateDer, ServerName, UnixTime};
+    let rendered = render("gpushare", "gpu-system", &[])?;
+    let secret: Secret = rendered.get("Secret", "gpushare-extender-tls")?;
+    ensure!(secret.type_.as_deref() == Some("kubernetes.io/tls"));
+    let data = secret.data.context("no data")?;
+    // `data` is base64 on the wire; k8s-openapi hands back the PEM bytes.
+    let pem = |key: &str| -> anyhow::Result<Vec<u8>> {
+        let bytes = data
+            .get(key)
+            .with_context(|| format!("no {key}"))?
+            .0
+            .clone();
+        ensure!(bytes.starts_with(b"-----BEGIN"), "{key} is not PEM");
+        Ok(bytes)
+    };
+    let (ca, cert) = (pem("ca.crt")?, pem("tls.crt")?);
+    ensure!(pem("tls.key")?.starts_with(b"-----BEGIN"));
+    let mut roots = rustls::RootCertStore::empty();
+    for c in CertificateDer::pem_slice_iter(&ca) {
+        roots.add(c?)?;
+    }
+    let provider = std::sync::Arc::new(rustls::crypto::ring::default_provider());
+    let verifier =
+        rustls::client::WebPkiServerVerifier::builder_with_provider(roots.into(), provider)
+            .build()?;
+    let leaf = CertificateDer::from_pem_slice(&cert)?;
+    for name in [
+        "gpushare-extender.gpu-system.svc",
+        "gpushare-extender.gpu-system.svc.cluster.local",
+    ] {
+        verifier
+            .verify_server_cert(
+                &leaf,
+                &[],
+                &ServerName::try_from(name)?,
+                &[],
+                UnixTime::now(),
+            )
+            .with_context(|| format!("the certificate does not verify for {name}"))?;
+    }
+    // And not for another Service: the name is checked, not just the chain.
+    ensure!(
+        verifier
+            .verify_server_cert(
+                &leaf,
+                &[],
+                &ServerName::try_from("attacker.gpu-system.svc")?,
+                &[],
+                UnixTime::now()
+            )
+            .is_err()
+    );
+    Ok(())
+}
+
+#[test]
+fn the_network_policy_admits_only_the_scheduler_to_the_scheduler_port() -> anyhow::Result<()> {
+    let rendered = render(
+        "gpushare",
+        "kube-system",
+        &["--set", "networkPolicy.enabled=true"],
+    )?;
+    check_all_typed(&rendered)?;
+    let policy = rendered
+        .of_kind("NetworkPolicy")
+        .into_iter()
+        .find(|d| d["metadata"]["name"] == "gpushare-extender")
+        .context("no NetworkPolicy")?;
+    let spec = &policy["spec"];
+    assert_eq!(
+        spec["podSelector"]["matchLabels"]["app.kubernetes.io/component"],
+        "extender"
+    );
+    let rules = spec["ingress"].as_array().context("ingress")?;
+    let rule_for = |port: &str| {
+        rules
+            .iter()
+            .find(|r| r["ports"][0]["port"] == port)
+            .with_context(|| format!("no rule for port {port}"))
+    };
+    let scheduler = rule_for("scheduler")?;
+    let from = scheduler["from"]
+        .as_array()
+        .context("the scheduler port admits anyone")?;
+    assert_eq!(from.len(), 1, "{from:?}");
+    assert_eq!(
+        from[0]["podSelector"]["matchLabels"]["app.kubernetes.io/component"],
+        "scheduler"
+    );
+    assert_eq!(
+        rule_for("http")?.get("from"),
+        None,
+        "monitoring is open by default"
+    );
+    assert!(rule_for("webhook").is_ok());
+
+    // default-scheduler mode: the peers are the admin's to name.
+    let rendered = render(
+        "gpushare",
+        "kube-system",
+        &[
+            "--set",
+            "networkPolicy.enabled=true",
+            "--set",
+            "scheduler.mode=default-scheduler",
+            "--set",
+            "networkPolicy.schedulerPeers[0].ipBlock.cidr=10.0.0.0/24",
+        ],
+    )?;
+    let policy = rendered.of_kind("NetworkPolicy")[0].clone();
+    assert_eq!(
+        policy["spec"]["ingress"][0]["from"],
+        serde_json::json!([{"ipBlock": {"cidr": "10.0.0.0/24"}}])
+    );
     Ok(())
 }
 
@@ -1023,7 +1227,7 @@ fn default_values_render_a_dedicated_scheduler_install() -> anyhow::Result<()> {
         ("MutatingWebhookConfiguration", 1),
         ("Role", 1),
         ("RoleBinding", 2),
-        ("Secret", 1),
+        ("Secret", 2),
         ("Service", 2),
         ("ServiceAccount", 3),
         ("ValidatingAdmissionPolicy", 1),
@@ -1046,6 +1250,9 @@ fn default_values_render_a_dedicated_scheduler_install() -> anyhow::Result<()> {
             "--bind-timeout-ms=2500",
             "--bind-grace-ms=2000",
             "--max-request-bytes=33554432",
+            "--monitor-listen=0.0.0.0:9090",
+            "--tls-cert=/etc/gpushare/extender-tls/tls.crt",
+            "--tls-key=/etc/gpushare/extender-tls/tls.key",
             "--allocation-keys-file=/etc/gpushare/allocation-keys/keys",
         ],
     )?;
@@ -1175,6 +1382,10 @@ fn impossible_values_fail_with_a_clear_message() -> anyhow::Result<()> {
         ("scheduler.mode=both", "scheduler.mode must be"),
         ("policy=random", "policy must be"),
         ("extender.replicas=2", "no leader election"),
+        (
+            "networkPolicy.enabled=true,scheduler.mode=default-scheduler",
+            "needs networkPolicy.schedulerPeers",
+        ),
         (
             "metrics.serviceMonitor.enabled=true",
             "monitoring.coreos.com/v1",

@@ -142,11 +142,24 @@ pub fn router(state: AppState, prefix: &str, body_limit: usize) -> Router {
     } else {
         Router::new().nest(&format!("/{prefix}"), verbs)
     };
-    app.route("/healthz", get(|| async { "ok" }))
-        .route("/readyz", get(readyz))
-        .route("/metrics", get(metrics))
+    app.merge(monitor_routes())
         .layer(DefaultBodyLimit::max(body_limit))
         .with_state(state)
+}
+
+/// `/healthz`, `/readyz` and `/metrics` alone: what `--monitor-listen` serves, so probes and
+/// Prometheus need neither the scheduler's TLS nor a way past its NetworkPolicy.
+pub fn monitor_router(state: AppState) -> Router {
+    monitor_routes()
+        .layer(DefaultBodyLimit::max(0))
+        .with_state(state)
+}
+
+fn monitor_routes() -> Router<AppState> {
+    Router::new()
+        .route("/healthz", get(|| async { "ok" }))
+        .route("/readyz", get(readyz))
+        .route("/metrics", get(metrics))
 }
 
 #[derive(Serialize)]

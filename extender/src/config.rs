@@ -39,7 +39,12 @@ pub struct Config {
     /// How to choose among nodes and GPUs that fit: binpack or spread.
     #[arg(long, env = "GPUSHARE_POLICY", default_value = "binpack")]
     pub policy: Policy,
-    /// PEM certificate chain; with --tls-key, serve HTTPS.
+    /// Also serve /healthz, /readyz and /metrics, and nothing else, over plain HTTP here:
+    /// for probes, Prometheus and a NetworkPolicy that admits only the scheduler to --listen.
+    #[arg(long, env = "GPUSHARE_MONITOR_LISTEN")]
+    pub monitor_listen: Option<SocketAddr>,
+    /// PEM certificate chain; with --tls-key, serve HTTPS on --listen (kube-scheduler's
+    /// `enableHTTPS` with `tlsConfig` trusting its CA). Read once at start.
     #[arg(long, env = "GPUSHARE_TLS_CERT", requires = "tls_key")]
     pub tls_cert: Option<PathBuf>,
     /// PEM private key for --tls-cert.
@@ -99,6 +104,7 @@ impl Default for Config {
             node_label: "gpushare=true".to_owned(),
             domain: DEFAULT_DOMAIN.to_owned(),
             policy: Policy::Binpack,
+            monitor_listen: None,
             tls_cert: None,
             tls_key: None,
             log_format: LogFormat::Text,

@@ -161,6 +161,29 @@ pub async fn serve(
         tls,
         stop.clone(),
     )));
+    let mut monitor = match config.monitor_listen {
+        Some(addr) => {
+            let listener = TcpListener::bind(addr)
+                .await
+                .map_err(|source| Error::Listen { addr, source })?;
+            tracing::info!(%addr, "serving /healthz, /readyz and /metrics over plain HTTP on {addr}");
+            Some(Supervised(tokio::spawn(server::serve_http(
+                listener,
+                api::monitor_router(state.clone()),
+                None,
+                stop.clone(),
+            ))))
+        }
+        None => None,
+    };
+    let monitor_ended = async {
+        match monitor.as_mut() {
+            Some(task) => {
+                let _ = (&mut task.0).await;
+            }
+            None => std::future::pending().await,
+        }
+    };
     let mut nodes = Supervised(tokio::spawn(watch::watch_nodes(
         client.clone(),
         state.clone(),
@@ -197,6 +220,7 @@ pub async fn serve(
         _ = &mut nodes.0 => Err(Error::TaskEnded("node watch")),
         _ = &mut pods.0 => Err(Error::TaskEnded("pod watch")),
         () = webhook_ended => Err(Error::TaskEnded("admission webhook")),
+        () = monitor_ended => Err(Error::TaskEnded("monitoring HTTP server")),
     };
     stop.cancel();
     if result.is_ok() {

@@ -606,3 +606,27 @@ async fn inspect_metrics_and_health() {
     assert!(body.contains("gpushare_extender_reservations 1"), "{body}");
     assert_eq!(call(&h.app, "GET", "/healthz", "").await.0, StatusCode::OK);
 }
+
+#[tokio::test]
+async fn the_monitor_router_serves_health_and_metrics_and_nothing_else() {
+    let h = fixture_cluster();
+    let monitor = gpushare_extender::api::monitor_router(h.state.clone());
+    for path in ["/healthz", "/readyz"] {
+        let (status, _, body) = common::call_raw(&monitor, "GET", path, "").await;
+        assert_eq!((status, body.as_str()), (StatusCode::OK, "ok"), "{path}");
+    }
+    let (status, _, body) = common::call_raw(&monitor, "GET", "/metrics", "").await;
+    assert_eq!(status, StatusCode::OK);
+    assert!(body.contains("gpushare_extender_"), "{body}");
+    // The scheduler's verbs and the inspection endpoints are on --listen only.
+    let bind = fixture("bind-request.json");
+    for (method, path) in [
+        ("POST", format!("{PREFIX}/filter")),
+        ("POST", format!("{PREFIX}/bind")),
+        ("GET", format!("{PREFIX}/inspect")),
+    ] {
+        let (status, _, _) = common::call_raw(&monitor, method, &path, &bind).await;
+        assert_eq!(status, StatusCode::NOT_FOUND, "{method} {path}");
+    }
+    assert!(h.binder.calls().is_empty());
+}

@@ -44,6 +44,25 @@
 {{- end }}
 {{- end }}
 
+{{/* The Secret with the extender's serving certificate (ca.crt, tls.crt, tls.key): the chart's own, or extender.tls.existingSecret. */}}
+{{- define "gpushare.extenderTls.secretName" -}}
+{{- if .Values.extender.tls.existingSecret }}
+{{- .Values.extender.tls.existingSecret }}
+{{- else }}
+{{- printf "%s-extender-tls" (include "gpushare.fullname" .) | trunc 63 | trimSuffix "-" }}
+{{- end }}
+{{- end }}
+
+{{/* Where the extender mounts its serving certificate. */}}
+{{- define "gpushare.extenderTls.dir" -}}
+/etc/gpushare/extender-tls
+{{- end }}
+
+{{/* Where the scheduler mounts the extender's CA (ca.crt only). */}}
+{{- define "gpushare.extenderTls.caDir" -}}
+/etc/gpushare/extender-ca
+{{- end }}
+
 {{/* Where the extender and the device plugin mount that Secret (a directory: kubelet updates it in place). */}}
 {{- define "gpushare.allocationKeys.dir" -}}
 /etc/gpushare/allocation-keys
@@ -96,7 +115,7 @@ app.kubernetes.io/component: {{ .component }}
 
 {{/* The extender's URL as kube-scheduler calls it. */}}
 {{- define "gpushare.extenderUrlPrefix" -}}
-{{- printf "http://%s.%s.svc:%v%s" (include "gpushare.extender.fullname" .) .Release.Namespace .Values.extender.port .Values.extender.prefix }}
+{{- printf "%s://%s.%s.svc:%v%s" (ternary "https" "http" .Values.extender.tls.enabled) (include "gpushare.extender.fullname" .) .Release.Namespace .Values.extender.port .Values.extender.prefix }}
 {{- end }}
 
 {{/* Fail early on values that cannot work. */}}
@@ -106,6 +125,9 @@ app.kubernetes.io/component: {{ .component }}
 {{- end }}
 {{- if not (has .Values.policy (list "binpack" "spread")) }}
 {{- fail (printf "policy must be \"binpack\" or \"spread\", not %q" .Values.policy) }}
+{{- end }}
+{{- if and .Values.networkPolicy.enabled (not (include "gpushare.dedicated" .)) (not .Values.networkPolicy.schedulerPeers) }}
+{{- fail "networkPolicy.enabled in default-scheduler mode needs networkPolicy.schedulerPeers: the peers (usually an ipBlock of the control-plane nodes) your kube-scheduler calls the extender from" }}
 {{- end }}
 {{- if not (has .Values.devicePlugin.gpuBackend (list "nvml" "simulated")) }}
 {{- fail (printf "devicePlugin.gpuBackend must be \"nvml\" or \"simulated\", not %q" .Values.devicePlugin.gpuBackend) }}
@@ -129,7 +151,14 @@ extenders:
     prioritizeVerb: prioritize
     bindVerb: bind
     weight: {{ .Values.scheduler.extender.weight }}
+    {{- if .Values.extender.tls.enabled }}
+    # Verified against the CA of the extender's certificate (the Secret's ca.crt, mounted).
+    enableHTTPS: true
+    tlsConfig:
+      caFile: {{ include "gpushare.extenderTls.caDir" . }}/ca.crt
+    {{- else }}
     enableHTTPS: false
+    {{- end }}
     nodeCacheCapable: true
     httpTimeout: {{ .Values.scheduler.extender.httpTimeout }}
     ignorable: {{ .Values.scheduler.extender.ignorable }}

@@ -114,7 +114,7 @@ pub async fn start(
         .iter()
         .cloned()
         .map(|c| HttpExtender::new(c, stats.clone()))
-        .collect();
+        .collect::<Result<Vec<_>, _>>()?;
     let rng = match config.seed {
         Some(seed) => StdRng::seed_from_u64(seed),
         None => StdRng::from_os_rng(),

@@ -2,7 +2,9 @@
 //!
 //! `POST {urlPrefix}/{verb}` with a JSON body and `Content-Type: application/json` over a pooled
 //! keep-alive HTTP/1.1 client; any status other than 200 is an error and the body is discarded;
-//! each call is bounded by the extender's `httpTimeout`. Error texts follow upstream's so the
+//! each call is bounded by the extender's `httpTimeout`. An `https://` prefix is verified
+//! against `tlsConfig`'s CA and `serverName` (upstream's `makeTransport`); upstream trusts any
+//! certificate under `enableHTTPS` without a CA, which this driver refuses rather than copies. Error texts follow upstream's so the
 //! messages a test reads in `FailedScheduling` are those a real cluster would show.
 
 use std::sync::Arc;
@@ -10,6 +12,7 @@ use std::time::{Duration, Instant};
 
 use http_body_util::{BodyExt, Full};
 use hyper::body::Bytes;
+use hyper_rustls::{FixedServerNameResolver, HttpsConnector, HttpsConnectorBuilder};
 use hyper_util::client::legacy::Client;
 use hyper_util::client::legacy::connect::HttpConnector;
 use hyper_util::rt::TokioExecutor;
@@ -38,6 +41,9 @@ pub enum ExtenderError {
         #[source]
         source: http::Error,
     },
+    /// The TLS settings cannot be used.
+    #[error("extender {url}: {message}")]
+    Tls { url: String, message: String },
     /// Connecting or transferring failed.
     #[error("Post \"{url}\": {message}")]
     Transport { url: String, message: String },
@@ -80,25 +86,67 @@ pub struct FilterOutcome {
     pub failed_and_unresolvable: wire::FailedNodesMap,
 }
 
+/// The connector for `config`: plain HTTP, or HTTPS trusting only `tlsConfig`'s CA.
+fn connector(config: &ExtenderConfig) -> Result<HttpsConnector<HttpConnector>, ExtenderError> {
+    use rustls::pki_types::pem::PemObject as _;
+    use rustls::pki_types::{CertificateDer, ServerName};
+    let fail = |message: String| ExtenderError::Tls {
+        url: config.url_prefix.clone(),
+        message,
+    };
+    let tls = config.tls.clone().unwrap_or_default();
+    if config.enable_https && tls.ca_pem.trim().is_empty() {
+        return Err(fail(
+            "enableHTTPS without tlsConfig caData/caFile: kube-scheduler would skip certificate verification; configure the CA".to_owned(),
+        ));
+    }
+    let mut roots = rustls::RootCertStore::empty();
+    for cert in CertificateDer::pem_slice_iter(tls.ca_pem.as_bytes()) {
+        let cert = cert.map_err(|e| fail(format!("tlsConfig caData: {e}")))?;
+        roots
+            .add(cert)
+            .map_err(|e| fail(format!("tlsConfig caData: {e}")))?;
+    }
+    let provider = Arc::new(rustls::crypto::ring::default_provider());
+    let client_config = rustls::ClientConfig::builder_with_provider(provider)
+        .with_safe_default_protocol_versions()
+        .map_err(|e| fail(e.to_string()))?
+        .with_root_certificates(roots)
+        .with_no_client_auth();
+    let mut http = HttpConnector::new();
+    http.set_nodelay(true);
+    http.enforce_http(false);
+    let builder = HttpsConnectorBuilder::new()
+        .with_tls_config(client_config)
+        .https_or_http();
+    let builder = if tls.server_name.is_empty() {
+        builder
+    } else {
+        let name = ServerName::try_from(tls.server_name.clone())
+            .map_err(|e| fail(format!("tlsConfig serverName {:?}: {e}", tls.server_name)))?;
+        builder.with_server_name_resolver(FixedServerNameResolver::new(name))
+    };
+    Ok(builder.enable_http1().wrap_connector(http))
+}
+
 /// A configured extender plus its HTTP client.
 pub struct HttpExtender {
     pub config: ExtenderConfig,
-    client: Client<HttpConnector, Full<Bytes>>,
+    client: Client<HttpsConnector<HttpConnector>, Full<Bytes>>,
     stats: StatsRecorder,
 }
 
 impl HttpExtender {
-    pub fn new(config: ExtenderConfig, stats: StatsRecorder) -> Self {
-        let mut connector = HttpConnector::new();
-        connector.set_nodelay(true);
+    pub fn new(config: ExtenderConfig, stats: StatsRecorder) -> Result<Self, ExtenderError> {
+        let connector = connector(&config)?;
         let client = Client::builder(TokioExecutor::new())
             .pool_idle_timeout(Duration::from_secs(90))
             .build(connector);
-        HttpExtender {
+        Ok(HttpExtender {
             config,
             client,
             stats,
-        }
+        })
     }
 
     /// `IsInterested`: every pod when no managed resources are configured, else only pods whose

@@ -58,6 +58,20 @@ pub struct ExtenderConfig {
     pub ignorable: bool,
     /// Bound on each call (upstream's default is 30 s).
     pub http_timeout: Duration,
+    /// `enableHTTPS`: upstream then trusts any certificate unless `tlsConfig` names a CA.
+    /// This driver never skips verification: it refuses to start without a CA instead.
+    pub enable_https: bool,
+    /// `tlsConfig` (`caData`, `serverName`): how an `https://` URL prefix is verified.
+    pub tls: Option<ExtenderTlsConfig>,
+}
+
+/// The part of upstream's `ExtenderTLSConfig` the chart uses.
+#[derive(Clone, Debug, Default)]
+pub struct ExtenderTlsConfig {
+    /// `caData`/`caFile`: PEM certificates the extender's certificate must chain to.
+    pub ca_pem: String,
+    /// `serverName`: the name checked against the certificate; empty means the URL's host.
+    pub server_name: String,
 }
 
 impl ExtenderConfig {
@@ -74,6 +88,8 @@ impl ExtenderConfig {
             managed_resources: vec![gpushare_contract::DEFAULT_RESOURCE.to_owned()],
             ignorable: false,
             http_timeout: Duration::from_secs(5),
+            enable_https: false,
+            tls: None,
         }
     }
 }
