@@ -18,6 +18,13 @@
 //! and the kubelet drivers act as the admin), and the API server enforces the chart's
 //! ValidatingAdmissionPolicy on pods ([`allocation_policy_yaml`]), unless
 //! [`ClusterSpec::without_allocation_policy`] says otherwise.
+//!
+//! The extender serves the scheduler's calls over HTTPS with a certificate for its Service
+//! name, and the scheduler driver verifies it against the CA, as the chart wires them
+//! ([`ExtenderTls`]). With [`ClusterSpec::dedicated`] the cluster runs the chart's
+//! `dedicated` mode: the chart's MutatingWebhookConfiguration is created, the extender
+//! serves the webhook and patches its caBundle, and the API server calls it on every pod
+//! create before the policy runs.
 
 use std::collections::BTreeMap;
 use std::net::{SocketAddr, TcpListener};
@@ -145,8 +152,8 @@ pub const DEVICE_PLUGIN_USER: &str = "system:serviceaccount:kube-system:gpushare
 
 /// The chart's allocation policy (`templates/allocation-policy.yaml`), rendered by helm
 /// once per process as release [`RELEASE`] in [`RELEASE_NAMESPACE`], with the scheduler mode
-/// the harness models: `default-scheduler` (the scheduler driver serves
-/// `default-scheduler`, and there is no webhook to route pods to a dedicated profile).
+/// the harness models by default: `default-scheduler` (the scheduler driver serves
+/// `default-scheduler`; [`ClusterSpec::dedicated`] renders and runs the other mode).
 pub fn allocation_policy_yaml() -> anyhow::Result<String> {
     static RENDERED: OnceLock<Result<String, String>> = OnceLock::new();
     RENDERED
@@ -157,6 +164,12 @@ pub fn allocation_policy_yaml() -> anyhow::Result<String> {
 
 /// Renders the chart's allocation policy with extra `--set` values (not cached).
 pub fn render_allocation_policy(sets: &[&str]) -> anyhow::Result<String> {
+    render_chart_template("templates/allocation-policy.yaml", sets)
+}
+
+/// Renders one template of the chart (release [`RELEASE`] in [`RELEASE_NAMESPACE`],
+/// `default-scheduler` mode unless `sets` say otherwise).
+pub fn render_chart_template(template: &str, sets: &[&str]) -> anyhow::Result<String> {
     let helm = crate::tools::helm()?;
     let chart = Path::new(env!("CARGO_MANIFEST_DIR"))
         .parent()
@@ -167,7 +180,7 @@ pub fn render_allocation_policy(sets: &[&str]) -> anyhow::Result<String> {
         .args(["template", RELEASE])
         .arg(&chart)
         .args(["--namespace", RELEASE_NAMESPACE])
-        .args(["--show-only", "templates/allocation-policy.yaml"])
+        .args(["--show-only", template])
         .args(["--set", "scheduler.mode=default-scheduler"]);
     for set in sets {
         command.args(["--set", set]);
@@ -175,11 +188,26 @@ pub fn render_allocation_policy(sets: &[&str]) -> anyhow::Result<String> {
     let output = command.output().context("running helm template")?;
     if !output.status.success() {
         bail!(
-            "helm template of the allocation policy failed: {}",
+            "helm template of {template} failed: {}",
             String::from_utf8_lossy(&output.stderr)
         );
     }
     Ok(String::from_utf8(output.stdout)?)
+}
+
+/// Creates the chart's MutatingWebhookConfiguration (dedicated mode, rendered by helm) as
+/// `helm install` would: without a caBundle, which the extender patches in once it runs.
+async fn install_webhook_configuration(client: &Client) -> anyhow::Result<()> {
+    use k8s_openapi::api::admissionregistration::v1::MutatingWebhookConfiguration;
+    let yaml = tokio::task::spawn_blocking(|| {
+        render_chart_template("templates/webhook.yaml", &["scheduler.mode=dedicated"])
+    })
+    .await??;
+    let config: MutatingWebhookConfiguration = serde_yaml::from_str(&yaml)?;
+    kube::Api::<MutatingWebhookConfiguration>::all(client.clone())
+        .create(&kube::api::PostParams::default(), &config)
+        .await?;
+    Ok(())
 }
 
 /// A free TCP port on 127.0.0.1 (bound and released; good enough for tests on one machine).
@@ -661,7 +689,8 @@ async fn exchange_on(
     Ok((status, body))
 }
 
-fn dechunk(mut body: &str) -> String {
+/// The body of a `Transfer-Encoding: chunked` answer, joined.
+pub(crate) fn dechunk(mut body: &str) -> String {
     let mut out = String::new();
     while let Some((size, rest)) = body.split_once("\r\n") {
         let Ok(size) = usize::from_str_radix(size.trim(), 16) else {
@@ -708,7 +737,15 @@ pub struct ClusterSpec {
     pub http_timeout: Duration,
     /// Whether the API server enforces the chart's allocation policy (default: yes).
     pub allocation_policy: bool,
+    /// The chart's `dedicated` scheduler mode: the scheduler driver schedules only pods of
+    /// [`DEDICATED_SCHEDULER`], the chart's MutatingWebhookConfiguration routes GPU pods to
+    /// it (served by the extender, called by the API server), and the allocation policy
+    /// refuses GPU pods of other schedulers. Default: `default-scheduler` mode.
+    pub dedicated: bool,
 }
+
+/// The scheduler name of the chart's dedicated mode.
+pub const DEDICATED_SCHEDULER: &str = "gpushare-scheduler";
 
 impl ClusterSpec {
     /// One labelled node per entry, GPUs of the given sizes.
@@ -722,6 +759,7 @@ impl ClusterSpec {
             extender_args: Vec::new(),
             http_timeout: DEFAULT_HTTP_TIMEOUT,
             allocation_policy: true,
+            dedicated: false,
         }
     }
 
@@ -738,6 +776,12 @@ impl ClusterSpec {
     /// The scheduler's `httpTimeout` for the extender.
     pub fn with_http_timeout(mut self, timeout: Duration) -> Self {
         self.http_timeout = timeout;
+        self
+    }
+
+    /// Runs the chart's `dedicated` scheduler mode (see [`ClusterSpec::dedicated`]).
+    pub fn dedicated(mut self) -> Self {
+        self.dedicated = true;
         self
     }
 
@@ -778,6 +822,8 @@ pub struct TestCluster {
     monitor_port: u16,
     /// Its serving certificate, kept across restarts (the chart's Secret).
     extender_tls: ExtenderTls,
+    /// The extender's admission webhook port, in dedicated mode.
+    webhook_port: Option<u16>,
 }
 
 impl TestCluster {
@@ -787,10 +833,30 @@ impl TestCluster {
         let dir = tempfile::tempdir()?;
         let api = ApiServer::start().await?;
         if spec.allocation_policy {
-            let yaml = tokio::task::spawn_blocking(allocation_policy_yaml).await??;
+            let yaml = if spec.dedicated {
+                tokio::task::spawn_blocking(|| {
+                    render_allocation_policy(&["scheduler.mode=dedicated"])
+                })
+                .await??
+            } else {
+                tokio::task::spawn_blocking(allocation_policy_yaml).await??
+            };
             api.set_admission_policies(AdmissionPolicies::from_yaml(&yaml)?);
         }
         let client = api.client();
+        let webhook_port = if spec.dedicated {
+            install_webhook_configuration(&client).await?;
+            let port = service_port()?;
+            api.route_service(
+                RELEASE_NAMESPACE,
+                &format!("{RELEASE}-extender"),
+                443,
+                SocketAddr::from(([127, 0, 0, 1], port)),
+            );
+            Some(port)
+        } else {
+            None
+        };
         let kubeconfig = dir.path().join("kubeconfig");
         api.write_kubeconfig(&kubeconfig)?;
         let extender_kubeconfig = dir.path().join("extender.kubeconfig");
@@ -816,6 +882,7 @@ impl TestCluster {
             extender_port,
             monitor_port,
             extender_tls,
+            webhook_port,
         };
         cluster.add_nodes(&spec.nodes).await?;
         cluster.start_extender().await?;
@@ -918,6 +985,17 @@ impl TestCluster {
             "--allocation-keys-file".to_owned(),
             self.dir.path().join(ALLOCATION_KEYS).display().to_string(),
         ]);
+        if let Some(port) = self.webhook_port {
+            // As the chart's extender Deployment sets them in dedicated mode.
+            args.extend([
+                "--webhook-enabled=true".to_owned(),
+                format!("--webhook-listen=127.0.0.1:{port}"),
+                format!("--webhook-service={RELEASE}-extender"),
+                format!("--namespace={RELEASE_NAMESPACE}"),
+                format!("--webhook-configuration={RELEASE}-webhook"),
+                format!("--scheduler-name={DEDICATED_SCHEDULER}"),
+            ]);
+        }
         self.extender = Some(Extender::spawn_secured_on(
             &self.binaries,
             &self.extender_kubeconfig,
@@ -950,8 +1028,54 @@ impl TestCluster {
             unschedulable_retry: Duration::from_millis(300),
             ..SchedulerConfig::default()
         };
+        let config = if self.spec.dedicated {
+            SchedulerConfig {
+                scheduler_name: DEDICATED_SCHEDULER.to_owned(),
+                ..config
+            }
+        } else {
+            config
+        };
         self.scheduler = Some(SchedulerDriver::start(self.client.clone(), config).await?);
         Ok(())
+    }
+
+    /// The port kube-scheduler calls the extender on (the Service's port).
+    pub fn extender_port(&self) -> u16 {
+        self.extender_port
+    }
+
+    /// The CA of the extender's certificate, as a file (the Secret's `ca.crt`).
+    pub fn extender_ca_file(&self) -> PathBuf {
+        self.extender_tls.cert_file.with_file_name("ca.crt")
+    }
+
+    /// Starts one more extender process the way the chart runs each replica: this cluster's
+    /// certificate and signing keys, HTTPS on `port` and health on `monitor_port`, acting
+    /// with `kubeconfig`, logging to `<name>.log`, with `extra` flags. Does not wait for it.
+    /// (The replicas of `tests/ha.rs`; [`TestCluster::extender`] is not one of them.)
+    pub fn spawn_extender_replica(
+        &self,
+        name: &str,
+        kubeconfig: &Path,
+        (port, monitor_port): (u16, u16),
+        extra: &[String],
+    ) -> anyhow::Result<Extender> {
+        let mut args = vec![
+            "--bind-grace-ms".to_owned(),
+            "300".to_owned(),
+            "--allocation-keys-file".to_owned(),
+            self.dir.path().join(ALLOCATION_KEYS).display().to_string(),
+        ];
+        args.extend_from_slice(extra);
+        Extender::spawn_secured_on(
+            &self.binaries,
+            kubeconfig,
+            &self.dir.path().join(format!("{name}.log")),
+            &args,
+            port,
+            (&self.extender_tls, monitor_port),
+        )
     }
 
     /// The running extender.

@@ -299,23 +299,6 @@ fn check_rbac_bindings(rendered: &Rendered, prefix: &str) -> anyhow::Result<()> 
 /// (apiGroup, resource, verb): what an RBAC rule grants and what a request needs.
 type Grant = (String, String, String);
 
-/// Granted to the extender with the webhook, and never exercised in-process, with why.
-const WEBHOOK_ONLY: &[(&str, &str, &str, &str)] = &[
-    (
-        "admissionregistration.k8s.io",
-        "mutatingwebhookconfigurations",
-        "get",
-        "admission/src/tls.rs: CaBundlePatcher reads the webhook configuration; the in-process \
-         cluster runs no webhook (it would need the API server to call it over TLS)",
-    ),
-    (
-        "admissionregistration.k8s.io",
-        "mutatingwebhookconfigurations",
-        "patch",
-        "admission/src/tls.rs: CaBundlePatcher writes the caBundle; no webhook in-process",
-    ),
-];
-
 fn grant(group: &str, resource: &str, verb: &str) -> Grant {
     (group.to_owned(), resource.to_owned(), verb.to_owned())
 }
@@ -411,8 +394,8 @@ fn service_account_user(rendered: &Rendered, kind: &str, name: &str) -> anyhow::
 }
 
 /// Holds what `rendered` (described as `render`) grants the ServiceAccount behind `user`
-/// against `calls` (that user's): every call granted, every grant used, but for
-/// [`WEBHOOK_ONLY`] when the webhook is rendered. The problems, one line each.
+/// against `calls` (that user's): every call granted, every grant used. The problems, one
+/// line each.
 fn rbac_problems(
     rendered: &Rendered,
     render: &str,
@@ -428,12 +411,6 @@ fn rbac_problems(
     let used: BTreeSet<Grant> = calls
         .keys()
         .map(|call| grant(&call.group, &call.resource, call.verb.rbac()))
-        .collect();
-    let webhook = !rendered.of_kind("MutatingWebhookConfiguration").is_empty();
-    let webhook_only: BTreeSet<Grant> = WEBHOOK_ONLY
-        .iter()
-        .filter(|_| what == "extender" && webhook)
-        .map(|(g, r, v, _why)| grant(g, r, v))
         .collect();
     let show = |set: Vec<&Grant>| -> String {
         set.iter()
@@ -453,34 +430,17 @@ fn rbac_problems(
             show(not_granted)
         ));
     }
-    let unused: Vec<&Grant> = granted
-        .difference(&used)
-        .filter(|g| !webhook_only.contains(*g))
-        .collect();
+    let unused: Vec<&Grant> = granted.difference(&used).collect();
     if !unused.is_empty() {
         problems.push(format!("{context}: granted but unused: {}", show(unused)));
-    }
-    let stale: Vec<&Grant> = webhook_only.difference(&granted).collect();
-    if !stale.is_empty() {
-        problems.push(format!(
-            "{context}: WEBHOOK_ONLY lists what the chart no longer grants (remove it there): {}",
-            show(stale)
-        ));
-    }
-    let used_after_all: Vec<&Grant> = webhook_only.intersection(&used).collect();
-    if !used_after_all.is_empty() {
-        problems.push(format!(
-            "{context}: WEBHOOK_ONLY lists what was used after all (remove it there): {}",
-            show(used_after_all)
-        ));
     }
     Ok(problems)
 }
 
 /// Runs a small cluster through every path that needs a permission and returns the calls
 /// each of our binaries made, by username.
-async fn record_calls() -> anyhow::Result<BTreeMap<String, BTreeMap<Call, u64>>> {
-    let cluster = TestCluster::start(ClusterSpec::labelled(&[("gpu-node-1", &[16])])).await?;
+async fn record_calls(spec: ClusterSpec) -> anyhow::Result<BTreeMap<String, BTreeMap<Call, u64>>> {
+    let cluster = TestCluster::start(spec).await?;
     let result = exercise(&cluster).await;
     if result.is_err() {
         eprintln!("{}", cluster.log_tail(40));
@@ -606,14 +566,21 @@ async fn exercise(cluster: &TestCluster) -> anyhow::Result<()> {
 /// Each ServiceAccount is granted exactly what its binary calls: the calls our real
 /// binaries make against the in-process cluster (recorded by the API server by username),
 /// held against the chart's ClusterRoles bound to each ServiceAccount, rendered with the
-/// webhook (default values) and without it. Fails on a call not granted and on a grant
-/// never used, but for the webhook's own permissions ([`WEBHOOK_ONLY`]).
+/// webhook (default values, run in the dedicated mode: the API server calls the webhook
+/// and the extender keeps its caBundle) and without it. Fails on a call not granted and on
+/// a grant never used.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn rbac_grants_exactly_what_each_binary_calls() -> anyhow::Result<()> {
+    let node = [("gpu-node-1", &[16][..])];
     let renders = [
         (
             "default values (dedicated scheduler, webhook)",
             render(RELEASE, RELEASE_NAMESPACE, &[])?,
+            // Without the allocation policy: `exercise` places a pod of a scheduler nobody
+            // runs by calling bind itself, which the policy refuses in dedicated mode.
+            ClusterSpec::labelled(&node)
+                .dedicated()
+                .without_allocation_policy(),
         ),
         (
             "scheduler.mode=default-scheduler (no webhook)",
@@ -622,6 +589,7 @@ async fn rbac_grants_exactly_what_each_binary_calls() -> anyhow::Result<()> {
                 RELEASE_NAMESPACE,
                 &["--set", "scheduler.mode=default-scheduler"],
             )?,
+            ClusterSpec::labelled(&node),
         ),
     ];
     let identities = [
@@ -629,7 +597,7 @@ async fn rbac_grants_exactly_what_each_binary_calls() -> anyhow::Result<()> {
         ("device-plugin", "DaemonSet", DEVICE_PLUGIN_USER),
     ];
     // The harness runs each binary as the ServiceAccount the chart gives it.
-    for (_, rendered) in &renders {
+    for (_, rendered, _) in &renders {
         for (what, kind, user) in identities {
             let chart_user = service_account_user(rendered, kind, &format!("{RELEASE}-{what}"))?;
             ensure!(
@@ -639,27 +607,27 @@ async fn rbac_grants_exactly_what_each_binary_calls() -> anyhow::Result<()> {
         }
     }
 
-    let by_user = record_calls().await?;
     let mut problems = Vec::new();
-    for user in by_user.keys() {
-        if user != ADMIN_USER && !identities.iter().any(|(_, _, u)| u == user) {
-            problems.push(format!("calls from an unexpected identity {user}"));
+    for (render, rendered, spec) in renders {
+        let by_user = record_calls(spec).await?;
+        for user in by_user.keys() {
+            if user != ADMIN_USER && !identities.iter().any(|(_, _, u)| u == user) {
+                problems.push(format!("calls from an unexpected identity {user}"));
+            }
         }
-    }
-    let empty = BTreeMap::new();
-    for (what, _, user) in identities {
-        let calls = by_user.get(user).unwrap_or(&empty);
-        eprintln!("{what} ({user}) made:");
-        for (call, n) in calls {
-            let group = if call.group.is_empty() {
-                "core"
-            } else {
-                &call.group
-            };
-            eprintln!("  {} {group}/{}: {n}", call.verb.rbac(), call.resource);
-        }
-        for (render, rendered) in &renders {
-            problems.extend(rbac_problems(rendered, render, what, user, calls)?);
+        let empty = BTreeMap::new();
+        for (what, _, user) in identities {
+            let calls = by_user.get(user).unwrap_or(&empty);
+            eprintln!("{what} ({user}) made, chart rendered with {render}:");
+            for (call, n) in calls {
+                let group = if call.group.is_empty() {
+                    "core"
+                } else {
+                    &call.group
+                };
+                eprintln!("  {} {group}/{}: {n}", call.verb.rbac(), call.resource);
+            }
+            problems.extend(rbac_problems(&rendered, render, what, user, calls)?);
         }
     }
     ensure!(

@@ -81,7 +81,7 @@ pub enum Operation {
 }
 
 impl Operation {
-    fn as_str(self) -> &'static str {
+    pub(crate) fn as_str(self) -> &'static str {
         match self {
             Operation::Create => "CREATE",
             Operation::Update => "UPDATE",

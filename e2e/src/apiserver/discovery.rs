@@ -46,13 +46,21 @@ pub(crate) fn groups() -> Value {
     json!({
         "kind": "APIGroupList",
         "apiVersion": "v1",
-        "groups": [group("coordination.k8s.io", "v1"), group("events.k8s.io", "v1")]
+        "groups": [
+            group("admissionregistration.k8s.io", "v1"),
+            group("coordination.k8s.io", "v1"),
+            group("events.k8s.io", "v1")
+        ]
     })
 }
 
 /// The `APIGroup` document at `/apis/{group}`.
 pub(crate) fn group_doc(name: &str) -> Option<Value> {
-    matches!(name, "coordination.k8s.io" | "events.k8s.io").then(|| {
+    matches!(
+        name,
+        "admissionregistration.k8s.io" | "coordination.k8s.io" | "events.k8s.io"
+    )
+    .then(|| {
         let mut doc = group(name, "v1");
         doc["kind"] = json!("APIGroup");
         doc["apiVersion"] = json!("v1");
@@ -99,6 +107,13 @@ pub(crate) fn resources(group_version: &str) -> Option<Value> {
             resource("events", "Event", true, RW, &["ev"]),
         ],
         "coordination.k8s.io/v1" => vec![resource("leases", "Lease", true, RW, &[])],
+        "admissionregistration.k8s.io/v1" => vec![resource(
+            "mutatingwebhookconfigurations",
+            "MutatingWebhookConfiguration",
+            false,
+            RW,
+            &[],
+        )],
         "events.k8s.io/v1" => vec![resource("events", "Event", true, RW, &["ev"])],
         _ => return None,
     };

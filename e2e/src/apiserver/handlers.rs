@@ -276,7 +276,10 @@ async fn handle(
             };
             let task = tokio::spawn(async move {
                 match app.faults.hold_write(&app.cancel).await {
-                    Some(Release::Apply) => write.apply(&app),
+                    Some(Release::Apply) => match write.mutate(&app).await {
+                        Ok(write) => write.apply(&app),
+                        Err(error) => Err(error),
+                    },
                     Some(Release::Fail(error)) => Err(error),
                     None => Err(ApiError::injected(503)),
                 }
@@ -309,6 +312,46 @@ struct Write {
 }
 
 impl Write {
+    /// Mutating admission: a create passes the webhooks that match it, which may rewrite the
+    /// body (see `webhooks.rs`). They see the object defaulted, but without the UID, creation
+    /// time and generated name that storing it adds, as on the real server. Other writes are
+    /// not sent to webhooks (gpushare's registers for pod creates only).
+    async fn mutate(mut self, app: &App) -> ApiResult<Self> {
+        let has_webhooks = app.store.read(|store| {
+            store
+                .list(Kind::MutatingWebhookConfiguration, None)
+                .next()
+                .is_some()
+        });
+        if self.verb != Verb::Create || self.target.subresource.is_some() || !has_webhooks {
+            return Ok(self);
+        }
+        let object = parse_body(&self.content_type, &self.body)?;
+        let named = meta_str(&object, "name").is_some_and(|n| !n.is_empty());
+        let mut object =
+            objects::prepare_create(self.target.kind, object, self.target.namespace.as_deref())?;
+        let meta = meta_mut(&mut object);
+        for stored in ["uid", "creationTimestamp", "generation"] {
+            meta.remove(stored);
+        }
+        if !named {
+            meta.remove("name");
+        }
+        let review = super::webhooks::Review {
+            operation: Operation::Create,
+            caller: &self.user,
+            kind: self.target.kind,
+            subresource: "",
+            namespace: self.target.namespace.as_deref().unwrap_or(""),
+            object,
+            old_object: None,
+        };
+        let mutated = super::webhooks::mutate(&app.store, &app.access.services, review).await?;
+        self.body = Bytes::from(mutated.to_string());
+        self.content_type = "application/json".to_owned();
+        Ok(self)
+    }
+
     fn apply(&self, app: &App) -> Reply {
         let Write {
             verb,

@@ -56,6 +56,7 @@ mod status;
 mod store;
 mod table;
 mod watch;
+mod webhooks;
 
 use std::collections::{BTreeMap, HashMap};
 use std::net::SocketAddr;
@@ -124,6 +125,8 @@ impl std::ops::Deref for Caller {
 pub(crate) struct Access {
     /// Bearer token → who holds it.
     tokens: Arc<Mutex<HashMap<String, Caller>>>,
+    /// Where the Services that webhooks name are served.
+    pub(crate) services: webhooks::ServiceRoutes,
     policies: Arc<RwLock<Arc<AdmissionPolicies>>>,
 }
 
@@ -131,6 +134,7 @@ impl Access {
     fn new() -> Self {
         Self {
             tokens: Arc::default(),
+            services: webhooks::ServiceRoutes::default(),
             policies: Arc::new(RwLock::new(Arc::new(AdmissionPolicies::none()))),
         }
     }
@@ -271,6 +275,12 @@ impl ApiServer {
     /// Writes [`ApiServer::kubeconfig_yaml_as`] to `path`.
     pub fn write_kubeconfig_as(&self, path: &Path, username: &str) -> std::io::Result<()> {
         std::fs::write(path, self.kubeconfig_yaml_as(username))
+    }
+
+    /// Calls to port `port` of Service `namespace/name` (a webhook's `clientConfig.service`)
+    /// go to `addr` from now on, as the Service's endpoints would send them.
+    pub fn route_service(&self, namespace: &str, name: &str, port: u16, addr: SocketAddr) {
+        self.access.services.set(namespace, name, port, addr);
     }
 
     /// Puts `policies` in force for every write from now on (replacing any before).

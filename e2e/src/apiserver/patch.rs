@@ -90,6 +90,8 @@ fn merge_key(path: &str) -> Option<&'static str> {
         "ports" if path.contains("ontainers") => Some("containerPort"),
         "addresses" => Some("type"),
         "ownerReferences" => Some("uid"),
+        // MutatingWebhookConfiguration: `patchStrategy:"merge" patchMergeKey:"name"`.
+        "webhooks" if path == "webhooks" => Some("name"),
         _ => None,
     }
 }
@@ -219,6 +221,21 @@ mod tests {
 
         let merge = apply(PatchKind::Merge, &pod, patch.to_string().as_bytes()).unwrap();
         assert_eq!(merge["spec"]["containers"].as_array().unwrap().len(), 1);
+    }
+
+    #[test]
+    fn strategic_merges_a_webhook_configurations_webhooks_by_name() {
+        let config = json!({"webhooks": [
+            {"name": "a", "rules": [{"operations": ["CREATE"]}], "clientConfig": {"service": {"name": "s"}}},
+            {"name": "b", "rules": []},
+        ]});
+        // What the extender sends to publish its CA: only the names and the caBundle.
+        let patch = json!({"webhooks": [{"name": "a", "clientConfig": {"caBundle": "Q0E="}}]});
+        let out = apply(PatchKind::Strategic, &config, patch.to_string().as_bytes()).unwrap();
+        assert_eq!(out["webhooks"].as_array().unwrap().len(), 2);
+        assert_eq!(out["webhooks"][0]["rules"][0]["operations"][0], "CREATE");
+        assert_eq!(out["webhooks"][0]["clientConfig"]["service"]["name"], "s");
+        assert_eq!(out["webhooks"][0]["clientConfig"]["caBundle"], "Q0E=");
     }
 
     #[test]

@@ -11,15 +11,19 @@ pub(crate) enum Kind {
     /// `events.k8s.io/v1` `Event`: a separate store, as the two APIs have different shapes.
     EventV1,
     Lease,
+    /// `admissionregistration.k8s.io/v1`, cluster-scoped: the webhooks this server calls on
+    /// writes (see `webhooks.rs`).
+    MutatingWebhookConfiguration,
 }
 
 impl Kind {
-    pub const ALL: [Kind; 5] = [
+    pub const ALL: [Kind; 6] = [
         Kind::Pod,
         Kind::Node,
         Kind::Event,
         Kind::EventV1,
         Kind::Lease,
+        Kind::MutatingWebhookConfiguration,
     ];
 
     pub fn plural(self) -> &'static str {
@@ -28,6 +32,7 @@ impl Kind {
             Kind::Node => "nodes",
             Kind::Event | Kind::EventV1 => "events",
             Kind::Lease => "leases",
+            Kind::MutatingWebhookConfiguration => "mutatingwebhookconfigurations",
         }
     }
 
@@ -37,6 +42,7 @@ impl Kind {
             Kind::Node => "Node",
             Kind::Event | Kind::EventV1 => "Event",
             Kind::Lease => "Lease",
+            Kind::MutatingWebhookConfiguration => "MutatingWebhookConfiguration",
         }
     }
 
@@ -45,6 +51,7 @@ impl Kind {
             Kind::Pod | Kind::Node | Kind::Event => "v1",
             Kind::EventV1 => "events.k8s.io/v1",
             Kind::Lease => "coordination.k8s.io/v1",
+            Kind::MutatingWebhookConfiguration => "admissionregistration.k8s.io/v1",
         }
     }
 
@@ -54,11 +61,12 @@ impl Kind {
             Kind::Pod | Kind::Node | Kind::Event => "",
             Kind::EventV1 => "events.k8s.io",
             Kind::Lease => "coordination.k8s.io",
+            Kind::MutatingWebhookConfiguration => "admissionregistration.k8s.io",
         }
     }
 
     pub fn namespaced(self) -> bool {
-        !matches!(self, Kind::Node)
+        !matches!(self, Kind::Node | Kind::MutatingWebhookConfiguration)
     }
 
     /// Whether the resource has a `status` subresource.
@@ -74,6 +82,9 @@ impl Kind {
             ("v1", "events") => Some(Kind::Event),
             ("events.k8s.io/v1", "events") => Some(Kind::EventV1),
             ("coordination.k8s.io/v1", "leases") => Some(Kind::Lease),
+            ("admissionregistration.k8s.io/v1", "mutatingwebhookconfigurations") => {
+                Some(Kind::MutatingWebhookConfiguration)
+            }
             _ => None,
         }
     }
@@ -124,6 +135,7 @@ impl Kind {
                 "type",
             ],
             Kind::Lease => &["metadata.name", "metadata.namespace"],
+            Kind::MutatingWebhookConfiguration => &["metadata.name"],
         }
     }
 }

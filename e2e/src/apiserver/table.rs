@@ -119,6 +119,17 @@ fn columns(kind: Kind) -> Vec<Value> {
             column("Holder", "string", "", 0, "The holder of the lease."),
             age,
         ],
+        Kind::MutatingWebhookConfiguration => vec![
+            name,
+            column(
+                "Webhooks",
+                "integer",
+                "",
+                0,
+                "Webhooks in the configuration.",
+            ),
+            age,
+        ],
     }
 }
 
@@ -271,6 +282,11 @@ fn cells(kind: Kind, object: &Value) -> Vec<Value> {
         Kind::Lease => vec![
             name,
             json!(text(object, "/spec/holderIdentity")),
+            json!(age(object)),
+        ],
+        Kind::MutatingWebhookConfiguration => vec![
+            name,
+            json!(object["webhooks"].as_array().map_or(0, Vec::len)),
             json!(age(object)),
         ],
     }

@@ -1,0 +1,113 @@
+//! The chart's `dedicated` scheduler mode end to end: the in-process API server calls the
+//! extender's mutating webhook (registered by the chart's MutatingWebhookConfiguration, its
+//! caBundle patched in by the extender) on every pod create, then evaluates the allocation
+//! policy, as a real API server does.
+
+use anyhow::{Context, ensure};
+use gpushare_e2e::cluster::{ClusterSpec, DEDICATED_SCHEDULER, TestCluster};
+use gpushare_e2e::fixtures;
+use gpushare_e2e::scenarios::{check_no_overcommit, check_pinned, create_gpu_pod, wait_running};
+use k8s_openapi::api::admissionregistration::v1::MutatingWebhookConfiguration;
+use k8s_openapi::api::core::v1::Pod;
+use kube::api::{Api, PostParams};
+
+async fn with_dedicated_cluster(
+    body: impl AsyncFnOnce(&mut TestCluster) -> anyhow::Result<()>,
+) -> anyhow::Result<()> {
+    let mut cluster =
+        TestCluster::start(ClusterSpec::labelled(&[("n1", &[16])]).dedicated()).await?;
+    let result = body(&mut cluster).await;
+    if result.is_err() {
+        eprintln!("{}", cluster.log_tail(40));
+    }
+    cluster.shutdown().await;
+    result
+}
+
+fn scheduler_of(pod: &Pod) -> Option<&str> {
+    pod.spec.as_ref()?.scheduler_name.as_deref()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_webhook_routes_gpu_pods_to_the_gpushare_scheduler() -> anyhow::Result<()> {
+    with_dedicated_cluster(async |cluster| {
+        // The extender patched its CA into the chart's configuration (helm left it empty).
+        let configs: Api<MutatingWebhookConfiguration> = Api::all(cluster.client.clone());
+        let config = configs.get("gpushare-webhook").await?;
+        let webhook = &config.webhooks.context("no webhooks")?[0];
+        ensure!(
+            webhook
+                .client_config
+                .ca_bundle
+                .as_ref()
+                .is_some_and(|ca| !ca.0.is_empty()),
+            "the extender did not patch the caBundle"
+        );
+
+        // Created without a scheduler name: the webhook sets gpushare's, and it runs.
+        let created = create_gpu_pod(cluster, "notebook", 4).await?;
+        ensure!(
+            scheduler_of(&created) == Some(DEDICATED_SCHEDULER),
+            "{:?}",
+            scheduler_of(&created)
+        );
+        let running = wait_running(cluster, "notebook").await?;
+        check_pinned(cluster, &running).await?;
+
+        // A pod that asks for no GPU is left to the default scheduler.
+        let pods: Api<Pod> = Api::namespaced(cluster.client.clone(), "default");
+        let plain = pods
+            .create(&PostParams::default(), &fixtures::pod("plain").build())
+            .await?;
+        ensure!(scheduler_of(&plain) == Some("default-scheduler"));
+
+        // A GPU pod that opts out of the webhook is refused by the policy, with what to do.
+        let mut opted_out = fixtures::pod("opted-out").gpu_mem(4).build();
+        opted_out.metadata.labels =
+            Some([("gpushare.example.com/webhook".to_owned(), "skip".to_owned())].into());
+        let refusal = pods
+            .create(&PostParams::default(), &opted_out)
+            .await
+            .expect_err("a GPU pod for another scheduler was admitted");
+        let kube::Error::Api(status) = refusal else {
+            anyhow::bail!("expected the API server's refusal, got {refusal}");
+        };
+        ensure!(
+            status.code == 403
+                && status
+                    .message
+                    .contains("set spec.schedulerName: gpushare-scheduler"),
+            "{status:?}"
+        );
+        check_no_overcommit(&cluster.client).await?;
+        Ok(())
+    })
+    .await
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn while_the_webhook_is_down_gpu_pods_are_refused_not_left_pending() -> anyhow::Result<()> {
+    with_dedicated_cluster(async |cluster| {
+        // The webhook fails open (failurePolicy Ignore): the pod would be created for the
+        // default scheduler, which gives it no GPU. The policy refuses it instead, saying why.
+        cluster.kill_extender().await;
+        let pods: Api<Pod> = Api::namespaced(cluster.client.clone(), "default");
+        let refusal = create_gpu_pod(cluster, "early", 4)
+            .await
+            .expect_err("a GPU pod was admitted for the default scheduler");
+        let message = refusal.to_string();
+        ensure!(
+            message.contains("must be scheduled by gpushare-scheduler"),
+            "{message}"
+        );
+        ensure!(pods.get_opt("early").await?.is_none());
+
+        // Back up: the same pod is routed and runs.
+        cluster.restart_extender().await?;
+        create_gpu_pod(cluster, "early", 4).await?;
+        let running = wait_running(cluster, "early").await?;
+        check_pinned(cluster, &running).await?;
+        Ok(())
+    })
+    .await
+}
