@@ -21,6 +21,13 @@
 //! [`gpushare_contract::signature`]); a pod created with hand-written allocation annotations
 //! is refused. Everything host-specific (the socket directory, the GPUs) is a
 //! parameter, so the whole plugin runs in tests against a fake kubelet in a temp dir.
+//!
+//! After the fact, [`pod_resources`] asks kubelet's PodResources API what it really gave
+//! each container (device IDs name their GPU): a container holding devices of a GPU its pod
+//! was not given, or a pod holding another pod's allocation, becomes a Warning Event on the
+//! pod and `gpushare_device_plugin_kubelet_mismatches_total`, and the allocation marks
+//! follow these facts ([`facts`], [`matching::plan_from_facts`]). Without the socket (older
+//! kubelets) the plugin works as before.
 
 use std::future::Future;
 use std::net::SocketAddr;
@@ -30,7 +37,7 @@ use std::sync::atomic::AtomicBool;
 use std::time::Duration;
 
 use gpushare_contract::{DEFAULT_DOMAIN, DEFAULT_RESOURCE, KeyringError, KeyringFile, Keys};
-use gpushare_proto::DEFAULT_DEVICE_PLUGIN_DIR;
+use gpushare_proto::{DEFAULT_DEVICE_PLUGIN_DIR, DEFAULT_POD_RESOURCES_SOCKET};
 use prometheus_client::registry::Registry;
 use tokio::sync::watch;
 use tokio::task::JoinHandle;
@@ -38,9 +45,11 @@ use tokio_util::sync::CancellationToken;
 
 pub mod backend;
 pub mod devices;
+pub mod facts;
 pub mod matching;
 pub mod metrics;
 pub mod node;
+pub mod pod_resources;
 pub mod pods;
 pub mod server;
 pub mod service;
@@ -107,6 +116,15 @@ pub struct Config {
     /// the file is re-read when it changes. Unset: allocations are NOT verified.
     #[arg(long, env = "GPUSHARE_ALLOCATION_KEYS_FILE")]
     pub allocation_keys_file: Option<PathBuf>,
+    /// kubelet's PodResources socket: what kubelet really gave each container is read from
+    /// it, checked against the allocations (mismatches become pod Events and
+    /// `gpushare_device_plugin_kubelet_mismatches_total`) and the allocation marks follow it.
+    /// Absent or unreadable: logged once, marks are reconciled from pod phases as before.
+    #[arg(long, env = "POD_RESOURCES_SOCKET", default_value = DEFAULT_POD_RESOURCES_SOCKET)]
+    pub pod_resources_socket: PathBuf,
+    /// How often kubelet's PodResources API is read (also shortly after each Allocate).
+    #[arg(long, env = "POD_RESOURCES_PERIOD_MS", default_value_t = 5000)]
+    pub pod_resources_period_ms: u64,
 }
 
 /// How often the keyring file is checked for changes.
@@ -309,6 +327,9 @@ async fn run_inner(
             addr: config.metrics_listen,
             source,
         })?;
+    if let Ok(addr) = listener.local_addr() {
+        tracing::info!(%addr, "serving /healthz, /readyz and /metrics");
+    }
     let ready = Arc::new(AtomicBool::new(false));
     let pods = PodCache::start(
         client.clone(),
@@ -318,14 +339,25 @@ async fn run_inner(
         metrics.clone(),
         token.clone(),
     );
+    let allocated = Arc::new(tokio::sync::Notify::new());
     let state = Arc::new(PluginState {
         node: config.node_name.clone(),
         resource: config.resource.clone(),
         inventory: inventory.clone(),
-        pods,
+        pods: pods.clone(),
         metrics: metrics.clone(),
         pending_wait: Duration::from_millis(config.pending_pod_wait_ms),
+        allocated: allocated.clone(),
     });
+    let checker = pod_resources::Checker {
+        socket: config.pod_resources_socket.clone(),
+        resource: config.resource.clone(),
+        pods,
+        inventory: inventory.clone(),
+        metrics: metrics.clone(),
+        period: Duration::from_millis(config.pod_resources_period_ms.max(100)),
+        allocated,
+    };
 
     let mut tasks: Vec<(&'static str, JoinHandle<Result<()>>)> = vec![
         (
@@ -336,6 +368,17 @@ async fn run_inner(
                 ready.clone(),
                 token.clone(),
             )),
+        ),
+        (
+            "kubelet PodResources check",
+            tokio::spawn({
+                let (client, node, token) =
+                    (client.clone(), config.node_name.clone(), token.clone());
+                async move {
+                    checker.run(client, node, token).await;
+                    Ok(())
+                }
+            }),
         ),
         (
             "GPU health",

@@ -55,6 +55,20 @@ pub struct Metrics {
     pub pod_patches: Family<ResultLabels, Counter>,
     /// Node inventory patches, by result.
     pub node_patches: Family<ResultLabels, Counter>,
+    /// Disagreements between what kubelet reports containers hold and the allocations, by
+    /// kind (`wrong_gpu`, `no_allocation`); each counted once per container.
+    pub kubelet_mismatches: Family<KindLabels, Counter>,
+    /// Allocation marks corrected from what kubelet reports containers hold.
+    pub marks_from_kubelet: Counter,
+    /// 1 while kubelet's PodResources API answers, else 0.
+    pub pod_resources_up: Gauge<i64, AtomicI64>,
+}
+
+/// A label naming the kind of a finding.
+#[derive(Debug, Clone, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct KindLabels {
+    /// `wrong_gpu` or `no_allocation`
+    pub kind: String,
 }
 
 impl Metrics {
@@ -70,6 +84,9 @@ impl Metrics {
             registrations: Counter::default(),
             pod_patches: Family::default(),
             node_patches: Family::default(),
+            kubelet_mismatches: Family::default(),
+            marks_from_kubelet: Counter::default(),
+            pod_resources_up: Gauge::default(),
         };
         let sub = registry.sub_registry_with_prefix("gpushare_device_plugin");
         sub.register(
@@ -109,7 +126,31 @@ impl Metrics {
             "Node inventory patches, by result",
             metrics.node_patches.clone(),
         );
+        sub.register(
+            "kubelet_mismatches",
+            "Containers kubelet reports holding GPU memory devices their pod was not given, by kind (wrong_gpu: devices of another GPU than the pod's; no_allocation: a pod without its own gpushare allocation)",
+            metrics.kubelet_mismatches.clone(),
+        );
+        sub.register(
+            "marks_from_kubelet",
+            "Pod allocation marks corrected from what kubelet's PodResources API reports containers hold",
+            metrics.marks_from_kubelet.clone(),
+        );
+        sub.register(
+            "pod_resources_up",
+            "1 while kubelet's PodResources API answers, else 0 (marks are then reconciled from pod phases)",
+            metrics.pod_resources_up.clone(),
+        );
         metrics
+    }
+
+    /// Counts a finding about what kubelet reports containers hold.
+    pub fn kubelet_mismatch(&self, kind: &str) {
+        self.kubelet_mismatches
+            .get_or_create(&KindLabels {
+                kind: kind.to_owned(),
+            })
+            .inc();
     }
 
     /// Counts a refused Allocate.

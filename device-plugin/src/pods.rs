@@ -16,9 +16,11 @@
 //! allocations the extender signed, and when nothing else waits for a size, the pod that
 //! would have matched is named in the refusal ([`ClaimError::Untrusted`]).
 //!
-//! Reconcile runs on every pod event and every two seconds: see
-//! [`crate::matching::plan_reconcile`] for how marks that landed on a same-sized twin are
-//! moved back to the pod kubelet actually started.
+//! Reconcile runs on every pod event and every two seconds. When kubelet's PodResources API
+//! answered last time ([`PodCache::set_facts`], from [`crate::pod_resources`]), marks follow what
+//! kubelet reports each container holds ([`crate::matching::plan_from_facts`]); otherwise
+//! [`crate::matching::plan_reconcile`] infers from pod phases which pod kubelet started and
+//! moves the marks that landed on a same-sized twin back to it.
 
 use std::collections::{HashMap, HashSet};
 use std::sync::atomic::{AtomicBool, Ordering};
@@ -35,7 +37,8 @@ use kube::{Api, Client};
 use tokio::sync::{mpsc, watch};
 use tokio_util::sync::CancellationToken;
 
-use crate::matching::{self, Marks, PodView, Trust};
+use crate::facts::{self, BarePod, Finding, KubeletFacts};
+use crate::matching::{self, Intruder, Marks, PodView, Trust};
 use crate::metrics::Metrics;
 
 /// How often reconcile runs without pod events.
@@ -90,9 +93,42 @@ struct Overlay {
     dirty: bool,
 }
 
-/// A pod as last read: the resourceVersion and keyring generation it was read at, and its
-/// view (`None` when it is not bound here or carries no readable allocation).
-type ParsedPod = (String, u64, Option<Arc<PodView>>);
+/// A pod as last read.
+#[derive(Debug)]
+struct ParsedPod {
+    /// The resourceVersion it was read at.
+    version: String,
+    /// The keyring generation it was read at.
+    generation: u64,
+    /// Its view; `None` when it is not bound here or carries no readable allocation.
+    view: Option<Arc<PodView>>,
+    /// When this plugin first read the pod: kubelet listings older than that do not judge it.
+    first_seen: std::time::Instant,
+}
+
+/// What reading the pods collects for comparing them with a kubelet listing taken at
+/// `taken_at`.
+#[derive(Debug)]
+struct KubeletContext {
+    taken_at: std::time::Instant,
+    /// UIDs of pods first read before the listing was taken.
+    judged: HashSet<String>,
+    /// Pods bound here, not finished, without an allocation the plugin can read.
+    bare: Vec<BarePod>,
+    /// UIDs of every pod in the cache.
+    live: HashSet<String>,
+}
+
+impl KubeletContext {
+    fn new(taken_at: std::time::Instant) -> Self {
+        Self {
+            taken_at,
+            judged: HashSet::new(),
+            bare: Vec::new(),
+            live: HashSet::new(),
+        }
+    }
+}
 
 /// The node-scoped pod cache with our pending marks.
 pub struct PodCache {
@@ -109,6 +145,12 @@ pub struct PodCache {
     parsed: Mutex<HashMap<String, ParsedPod>>,
     /// When each pod was first seen Running.
     running_since: Mutex<HashMap<String, std::time::Instant>>,
+    /// kubelet's last PodResources listing; `None` when it could not be read.
+    facts: Mutex<Option<Arc<KubeletFacts>>>,
+    /// Containers of pods without an allocation of their own whose stray mark has been given
+    /// back (`(uid, container)`), so each is given back once.
+    compensated: Mutex<HashSet<(String, String)>>,
+    metrics: Metrics,
     changes: watch::Sender<u64>,
     patches: mpsc::UnboundedSender<String>,
 }
@@ -143,6 +185,9 @@ impl PodCache {
             overlay: Mutex::new(HashMap::new()),
             parsed: Mutex::new(HashMap::new()),
             running_since: Mutex::new(HashMap::new()),
+            facts: Mutex::new(None),
+            compensated: Mutex::new(HashSet::new()),
+            metrics: metrics.clone(),
             changes: watch::Sender::new(0),
             patches,
         });
@@ -194,19 +239,13 @@ impl PodCache {
 
     /// Pods bound here that carry an allocation, with our marks applied.
     fn views(&self, overlay: &HashMap<String, Overlay>) -> Vec<Arc<PodView>> {
-        self.collect_views(overlay, None)
+        self.collect_views(overlay, None, None)
     }
 
-    /// [`Self::views`], and the marks as the API server has them, by UID.
-    fn views_and_stored(
-        &self,
-        overlay: &HashMap<String, Overlay>,
-    ) -> (Vec<Arc<PodView>>, HashMap<String, Marks>) {
-        let mut stored = HashMap::new();
-        let views = self.collect_views(overlay, Some(&mut stored));
-        (views, stored)
-    }
-
+    /// Pods bound here that carry an allocation, with our marks applied; with `stored`, also
+    /// the marks as the API server has them, by UID; with `kubelet`, what comparing them
+    /// with a kubelet listing needs.
+    ///
     /// Why shared views: Allocate runs this over every pod on the node (1,000 in the load
     /// harness); a cache hit costs a reference count, and only views our unsaved marks
     /// change are copied.
@@ -214,6 +253,7 @@ impl PodCache {
         &self,
         overlay: &HashMap<String, Overlay>,
         mut stored: Option<&mut HashMap<String, Marks>>,
+        mut kubelet: Option<&mut KubeletContext>,
     ) -> Vec<Arc<PodView>> {
         let mut views = Vec::new();
         let mut parsed = self
@@ -230,22 +270,47 @@ impl PodCache {
                 .collect();
             parsed.retain(|uid, _| live.contains(uid.as_str()));
         }
+        let now = std::time::Instant::now();
         for pod in &pods {
             let uid = pod.metadata.uid.as_deref().unwrap_or_default();
             let version = pod.metadata.resource_version.as_deref().unwrap_or_default();
-            let view = match parsed.get(uid) {
-                Some((seen, read_at, view)) if seen == version && *read_at == generation => {
-                    view.clone()
+            let (view, first_seen) = match parsed.get(uid) {
+                Some(entry) if entry.version == version && entry.generation == generation => {
+                    (entry.view.clone(), entry.first_seen)
                 }
-                _ => {
+                entry => {
+                    let first_seen = entry.map_or(now, |entry| entry.first_seen);
                     let view = self.read_view(pod).map(Arc::new);
                     parsed.insert(
                         uid.to_owned(),
-                        (version.to_owned(), generation, view.clone()),
+                        ParsedPod {
+                            version: version.to_owned(),
+                            generation,
+                            view: view.clone(),
+                            first_seen,
+                        },
                     );
-                    view
+                    (view, first_seen)
                 }
             };
+            if let Some(kubelet) = kubelet.as_deref_mut() {
+                kubelet.live.insert(uid.to_owned());
+                if first_seen < kubelet.taken_at {
+                    kubelet.judged.insert(uid.to_owned());
+                }
+                let here = pod.spec.as_ref().and_then(|spec| spec.node_name.as_deref())
+                    == Some(self.node.as_str());
+                let phase = pod
+                    .status
+                    .as_ref()
+                    .and_then(|status| status.phase.as_deref());
+                if view.is_none() && here && !matches!(phase, Some("Succeeded" | "Failed")) {
+                    kubelet.bare.push(BarePod {
+                        key: gpushare_contract::request::pod_key(pod),
+                        uid: uid.to_owned(),
+                    });
+                }
+            }
             let Some(mut view) = view else {
                 continue;
             };
@@ -414,11 +479,18 @@ impl PodCache {
         }
     }
 
-    /// Fixes marks of running pods (see [`matching::plan_reconcile`]), re-queues unwritten
-    /// marks and forgets overlay entries the API server has caught up with.
+    /// Fixes marks from what kubelet reports the containers hold when its PodResources API
+    /// answered ([`matching::plan_from_facts`]), else from pod phases
+    /// ([`matching::plan_reconcile`]); re-queues unwritten marks and forgets overlay entries
+    /// the API server has caught up with.
     pub fn reconcile(&self) {
+        let facts = self.facts();
         let mut overlay = self.lock();
-        let (mut views, stored) = self.views_and_stored(&overlay);
+        let mut stored = HashMap::new();
+        let mut kubelet = facts
+            .as_ref()
+            .map(|facts| KubeletContext::new(facts.taken_at));
+        let mut views = self.collect_views(&overlay, Some(&mut stored), kubelet.as_mut());
         let settled = {
             let mut since = self
                 .running_since
@@ -435,10 +507,36 @@ impl PodCache {
                 .map(|(uid, _)| uid.clone())
                 .collect::<HashSet<String>>()
         };
-        let plan =
-            matching::plan_reconcile(&mut views, &self.node, |view| settled.contains(&view.uid));
+        let plan = match (&facts, &kubelet) {
+            (Some(facts), Some(kubelet)) => {
+                let intruders = self.intruders(&views, facts, kubelet);
+                let plan = matching::plan_from_facts(
+                    &mut views,
+                    &self.node,
+                    facts,
+                    |view| kubelet.judged.contains(&view.uid),
+                    &intruders,
+                );
+                self.lock_compensated().extend(plan.compensated);
+                for (index, marks) in &plan.marks {
+                    tracing::info!(pod = %views[*index].key, allocated = ?marks.allocated, assigned = marks.assigned, "corrected allocation marks from what kubelet reports the pod's containers hold");
+                }
+                self.metrics
+                    .marks_from_kubelet
+                    .inc_by(plan.marks.len() as u64);
+                plan.marks
+            }
+            _ => {
+                let plan = matching::plan_reconcile(&mut views, &self.node, |view| {
+                    settled.contains(&view.uid)
+                });
+                for (index, marks) in &plan {
+                    tracing::info!(pod = %views[*index].key, allocated = ?marks.allocated, assigned = marks.assigned, "reconciled allocation marks");
+                }
+                plan
+            }
+        };
         for (index, marks) in plan {
-            tracing::info!(pod = %views[index].key, allocated = ?marks.allocated, assigned = marks.assigned, "reconciled allocation marks");
             self.record(&mut overlay, &views[index], marks);
         }
         let synced = self.synced.load(Ordering::Relaxed);
@@ -453,6 +551,89 @@ impl PodCache {
             }
             stored.get(uid) != Some(&entry.marks)
         });
+    }
+
+    /// Takes kubelet's latest PodResources listing (`None`: it could not be read, marks are
+    /// reconciled from pod phases again) and reconciles with it.
+    pub fn set_facts(&self, facts: Option<KubeletFacts>) {
+        *self
+            .facts
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner) = facts.map(Arc::new);
+        self.reconcile();
+    }
+
+    fn facts(&self) -> Option<Arc<KubeletFacts>> {
+        self.facts
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner)
+            .clone()
+    }
+
+    fn lock_compensated(&self) -> MutexGuard<'_, HashSet<(String, String)>> {
+        self.compensated
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner)
+    }
+
+    /// Containers of pods here without an allocation the plugin acts on that kubelet reports
+    /// holding devices, not yet accounted for (see [`matching::plan_from_facts`]).
+    fn intruders(
+        &self,
+        views: &[Arc<PodView>],
+        facts: &KubeletFacts,
+        kubelet: &KubeletContext,
+    ) -> Vec<Intruder> {
+        let mut compensated = self.lock_compensated();
+        let live: HashSet<&str> = views
+            .iter()
+            .map(|view| view.uid.as_str())
+            .chain(kubelet.bare.iter().map(|pod| pod.uid.as_str()))
+            .collect();
+        compensated.retain(|(uid, _)| live.contains(uid.as_str()));
+        let untrusted = views
+            .iter()
+            .filter(|view| !view.trusted())
+            .map(|view| (view.key.as_str(), view.uid.as_str()));
+        let bare = kubelet
+            .bare
+            .iter()
+            .map(|pod| (pod.key.as_str(), pod.uid.as_str()));
+        let mut intruders = Vec::new();
+        for (key, uid) in untrusted.chain(bare) {
+            if !kubelet.judged.contains(uid) {
+                continue;
+            }
+            let Some(pod) = facts.pod(key) else { continue };
+            for (container, ids) in &pod.containers {
+                if !compensated.contains(&(uid.to_owned(), container.clone())) {
+                    intruders.push(Intruder {
+                        uid: uid.to_owned(),
+                        container: container.clone(),
+                        gib: u64::try_from(ids.len()).unwrap_or(u64::MAX),
+                    });
+                }
+            }
+        }
+        intruders
+    }
+
+    /// Where kubelet's `facts` disagree with the allocations here (see [`facts::check`]),
+    /// and the UIDs of every pod in the cache; `gpu_uuid` maps this node's GPU indices to
+    /// UUIDs.
+    pub fn findings(
+        &self,
+        facts: &KubeletFacts,
+        gpu_uuid: impl Fn(u32) -> Option<String>,
+    ) -> (Vec<Finding>, HashSet<String>) {
+        let overlay = self.lock();
+        let mut kubelet = KubeletContext::new(facts.taken_at);
+        let views = self.collect_views(&overlay, None, Some(&mut kubelet));
+        drop(overlay);
+        let findings = facts::check(&views, &kubelet.bare, facts, gpu_uuid, |uid| {
+            kubelet.judged.contains(uid)
+        });
+        (findings, kubelet.live)
     }
 
     async fn reconcile_loop(self: Arc<Self>, shutdown: CancellationToken) {

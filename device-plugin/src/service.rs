@@ -47,6 +47,9 @@ pub struct PluginState {
     pub metrics: Metrics,
     /// How long Allocate waits for the pod watch to show a pod kubelet already admits.
     pub pending_wait: Duration,
+    /// Notified after each successful Allocate: kubelet's record of it is checked soon after
+    /// ([`crate::pod_resources`]).
+    pub allocated: Arc<tokio::sync::Notify>,
 }
 
 /// The options sent at registration and from `GetDevicePluginOptions`.
@@ -359,6 +362,7 @@ impl DevicePlugin for GpuMemService {
                 metrics
                     .allocations
                     .inc_by(response.container_responses.len() as u64);
+                self.state.allocated.notify_one();
                 Ok(Response::new(response))
             }
             Err(err) => {

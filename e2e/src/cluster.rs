@@ -1429,6 +1429,9 @@ impl NodeHost {
             "127.0.0.1:0".to_owned(),
             "--allocation-keys-file".to_owned(),
             self.dir.join(ALLOCATION_KEYS).display().to_string(),
+            // What the kubelet driver really handed out (kubelet's PodResources API).
+            "--pod-resources-socket".to_owned(),
+            sim.kubelet.pod_resources_socket().display().to_string(),
         ];
         let log = self.dir.join(format!("device-plugin-{}.log", sim.name));
         let kubeconfig = self

@@ -11,10 +11,21 @@
 //!        ok ─▶ status Running          error ─▶ status Failed / UnexpectedAdmissionError
 //! ```
 //!
-//! Devices are tracked per pod and freed when the pod is deleted or finishes, and devices of
-//! init containers are reused by the app containers after them, as kubelet does. A restart
-//! ([`KubeletDriver::restart`]) removes every socket in the directory and forgets every
-//! plugin, like a real kubelet restart: plugins must notice and register again.
+//! Devices are tracked per pod and container and freed when the pod is deleted or finishes,
+//! and devices of init containers are reused by the app containers after them, as kubelet
+//! does. A restart ([`KubeletDriver::restart`]) removes every socket in the directory and
+//! forgets every plugin, like a real kubelet restart: plugins must notice and register again.
+//!
+//! Like kubelet, it serves the PodResources API (`v1`: `List`, `Get`,
+//! `GetAllocatableResources`) on `<dir>/pod-resources/kubelet.sock`
+//! ([`KubeletDriver::pod_resources_socket`]), from the devices it really handed out:
+//!
+//! ```text
+//!   List ─▶ every active pod bound here (not Succeeded/Failed, not rejected at admission),
+//!           admitted or still waiting: sidecar init containers, then app containers
+//!           (ordinary init containers are never listed), each with the devices recorded
+//!           when its Allocate succeeded, one ContainerDevices per device and NUMA node
+//! ```
 //!
 //! Admission order is kubelet's (creation time) or a seeded shuffle, to prove that the device
 //! plugin gives every container the right GPU whatever order kubelet admits pods in.
@@ -67,6 +78,8 @@ struct Plugin {
     options: Option<DevicePluginOptions>,
     channel: Option<Channel>,
     devices: Vec<(String, bool)>,
+    /// NUMA nodes of each device that reported a topology.
+    numa: HashMap<String, Vec<i64>>,
     /// The first ListAndWatch answer arrived.
     listed: bool,
     task: JoinHandle<()>,
@@ -82,9 +95,17 @@ struct State {
     errors: Vec<(String, String)>,
     /// Admitted pods by UID: `namespace/name` and devices held per resource.
     admitted: HashMap<String, (String, HashMap<String, Vec<String>>)>,
+    /// Devices per pod (by UID), container and resource, recorded as each container's
+    /// Allocate succeeds (kubelet's `podDevices`): what PodResources reports.
+    container_devices: HashMap<String, ContainerDevices>,
+    /// Pods (`namespace/name`) not admitted until released, as if kubelet saw them late.
+    held: HashSet<String>,
     /// Pods whose admission failed (by UID); never retried.
     rejected: HashSet<String>,
 }
+
+/// Container name → resource → device IDs.
+pub type ContainerDevices = BTreeMap<String, BTreeMap<String, Vec<String>>>;
 
 struct Shared {
     dir: PathBuf,
@@ -166,6 +187,8 @@ async fn sync_node_capacity(
 
 use gpushare_proto::connect_unix as connect;
 
+mod pod_resources;
+
 struct RegistrationService {
     shared: Arc<Shared>,
 }
@@ -205,6 +228,7 @@ impl Registration for RegistrationService {
                 options: request.options,
                 channel: None,
                 devices: Vec::new(),
+                numa: HashMap::new(),
                 listed: false,
                 task,
             },
@@ -255,6 +279,20 @@ async fn run_plugin(shared: Arc<Shared>, resource: String, path: PathBuf, genera
             if plugin.generation != generation {
                 return Ok(());
             }
+            plugin.numa = list
+                .devices
+                .iter()
+                .filter_map(|device| {
+                    let nodes: Vec<i64> = device
+                        .topology
+                        .as_ref()?
+                        .nodes
+                        .iter()
+                        .map(|n| n.id)
+                        .collect();
+                    (!nodes.is_empty()).then(|| (device.id.clone(), nodes))
+                })
+                .collect();
             plugin.devices = list
                 .devices
                 .into_iter()
@@ -283,13 +321,13 @@ async fn run_plugin(shared: Arc<Shared>, resource: String, path: PathBuf, genera
     shared.changed();
 }
 
-/// The registration socket being served.
-struct RegistrationSocket {
+/// A socket being served: registration, or PodResources.
+struct ServedSocket {
     stop: CancellationToken,
     task: JoinHandle<Result<(), tonic::transport::Error>>,
 }
 
-async fn serve_registration(shared: Arc<Shared>) -> anyhow::Result<RegistrationSocket> {
+async fn serve_registration(shared: Arc<Shared>) -> anyhow::Result<ServedSocket> {
     let path = shared.dir.join(KUBELET_SOCKET);
     let _ = std::fs::remove_file(&path);
     let listener =
@@ -303,13 +341,15 @@ async fn serve_registration(shared: Arc<Shared>) -> anyhow::Result<RegistrationS
                 stop.clone().cancelled_owned(),
             ),
     );
-    Ok(RegistrationSocket { stop, task })
+    Ok(ServedSocket { stop, task })
 }
 
 /// The test kubelet of one node.
 pub struct KubeletDriver {
     shared: Arc<Shared>,
-    registration: Option<RegistrationSocket>,
+    registration: Option<ServedSocket>,
+    pod_resources: Option<ServedSocket>,
+    pods: Store<Pod>,
     stop: CancellationToken,
     admission: JoinHandle<()>,
 }
@@ -331,6 +371,8 @@ impl KubeletDriver {
             changes: watch::Sender::new(0),
         });
         let registration = serve_registration(shared.clone()).await?;
+        let (pods, writer) = reflector::store();
+        let pod_resources = pod_resources::serve(shared.clone(), pods.clone()).await?;
         let stop = CancellationToken::new();
         tokio::spawn(sync_node_capacity(
             shared.clone(),
@@ -349,11 +391,13 @@ impl KubeletDriver {
                     AdmissionOrder::CreationTime => 0,
                 }),
             }
-            .run(stop.clone()),
+            .run(writer, stop.clone()),
         );
         Ok(KubeletDriver {
             shared,
             registration: Some(registration),
+            pod_resources: Some(pod_resources),
+            pods,
             stop,
             admission,
         })
@@ -450,12 +494,51 @@ impl KubeletDriver {
         self.shared.lock().errors.clone()
     }
 
+    /// Where this kubelet serves the PodResources API (`<dir>/pod-resources/kubelet.sock`,
+    /// as kubelet's `/var/lib/kubelet/pod-resources/kubelet.sock`).
+    pub fn pod_resources_socket(&self) -> PathBuf {
+        pod_resources::socket(&self.shared.dir)
+    }
+
+    /// Devices each container of the pod `ns/pod` holds, per resource, as PodResources
+    /// reports them (recorded when each container's Allocate succeeded).
+    pub fn container_devices(&self, ns: &str, pod: &str) -> ContainerDevices {
+        self.pods
+            .state()
+            .iter()
+            .filter(|p| p.metadata.namespace.as_deref() == Some(ns))
+            .filter(|p| p.metadata.name.as_deref() == Some(pod))
+            .find_map(|p| {
+                let uid = p.metadata.uid.as_deref()?;
+                self.shared.lock().container_devices.get(uid).cloned()
+            })
+            .unwrap_or_default()
+    }
+
+    /// Keeps the pod `ns/pod` from being admitted until [`Self::release`]: a kubelet that
+    /// learns of a pod late (its watch lags), while it admits others bound after it.
+    pub fn hold(&self, ns: &str, pod: &str) {
+        self.shared.lock().held.insert(format!("{ns}/{pod}"));
+    }
+
+    /// Admits the pod `ns/pod` again from the next sweep (see [`Self::hold`]).
+    pub fn release(&self, ns: &str, pod: &str) {
+        self.shared.lock().held.remove(&format!("{ns}/{pod}"));
+        self.shared.changed();
+    }
+
     /// kubelet restart: stop serving, remove the sockets (kubelet.sock and the plugins'),
-    /// forget every plugin, and serve a new kubelet.sock. Plugins must register again.
+    /// forget every plugin, and serve a new kubelet.sock. Plugins must register again. The
+    /// PodResources socket is served anew; the devices handed out survive, as kubelet
+    /// restores them from its checkpoint.
     pub async fn restart(&mut self) -> anyhow::Result<()> {
         if let Some(registration) = self.registration.take() {
             registration.stop.cancel();
             let _ = registration.task.await;
+        }
+        if let Some(pod_resources) = self.pod_resources.take() {
+            pod_resources.stop.cancel();
+            let _ = pod_resources.task.await;
         }
         {
             let mut state = self.shared.lock();
@@ -470,6 +553,8 @@ impl KubeletDriver {
         }
         self.shared.changed();
         self.registration = Some(serve_registration(self.shared.clone()).await?);
+        self.pod_resources =
+            Some(pod_resources::serve(self.shared.clone(), self.pods.clone()).await?);
         Ok(())
     }
 
@@ -479,6 +564,11 @@ impl KubeletDriver {
         if let Some(registration) = self.registration.take() {
             registration.stop.cancel();
             let _ = registration.task.await;
+        }
+        if let Some(pod_resources) = self.pod_resources.take() {
+            pod_resources.stop.cancel();
+            let _ = pod_resources.task.await;
+            let _ = std::fs::remove_file(self.pod_resources_socket());
         }
         for (_, plugin) in std::mem::take(&mut self.shared.lock().plugins) {
             plugin.task.abort();
@@ -493,6 +583,9 @@ impl Drop for KubeletDriver {
         self.stop.cancel();
         if let Some(registration) = &self.registration {
             registration.stop.cancel();
+        }
+        if let Some(pod_resources) = &self.pod_resources {
+            pod_resources.stop.cancel();
         }
     }
 }
@@ -513,6 +606,15 @@ fn container_resources(container: &Container) -> BTreeMap<String, String> {
     out
 }
 
+/// `namespace/name` of a pod.
+fn pod_key(pod: &Pod) -> String {
+    format!(
+        "{}/{}",
+        pod.metadata.namespace.as_deref().unwrap_or("default"),
+        pod.metadata.name.as_deref().unwrap_or_default()
+    )
+}
+
 /// Names kubelet hands to device plugins: vendor-domain extended resources.
 fn is_extended(name: &str) -> bool {
     name.contains('/') && !name.starts_with("kubernetes.io/") && !name.starts_with("requests.")
@@ -527,9 +629,9 @@ struct Admission {
 }
 
 impl Admission {
-    async fn run(mut self, stop: CancellationToken) {
+    async fn run(mut self, writer: reflector::store::Writer<Pod>, stop: CancellationToken) {
         let api: Api<Pod> = Api::all(self.client.clone());
-        let (store, writer) = reflector::store();
+        let store = writer.as_reader();
         let config = watcher::Config::default().fields(&format!("spec.nodeName={}", self.node));
         let stream = reflector::reflector(writer, watcher(api, config).default_backoff());
         let mut stream = std::pin::pin!(stream);
@@ -570,12 +672,14 @@ impl Admission {
             .collect();
         {
             let mut state = self.shared.lock();
-            state.admitted.retain(|uid, _| {
+            let live = |uid: &String| {
                 by_uid.get(uid).is_some_and(|pod| {
                     let phase = pod.status.as_ref().and_then(|s| s.phase.as_deref());
                     !matches!(phase, Some("Succeeded" | "Failed"))
                 })
-            });
+            };
+            state.admitted.retain(|uid, _| live(uid));
+            state.container_devices.retain(|uid, _| live(uid));
         }
         let mut batch: Vec<&Pod> = {
             let state = self.shared.lock();
@@ -589,6 +693,7 @@ impl Admission {
                         && pod.metadata.deletion_timestamp.is_none()
                         && !state.admitted.contains_key(uid.as_str())
                         && !state.rejected.contains(uid.as_str())
+                        && !state.held.contains(&pod_key(pod))
                         && self.plugins_ready(&state, pod)
                 })
                 .map(|(_, pod)| *pod)
@@ -651,6 +756,8 @@ impl Admission {
                 {
                     let mut state = self.shared.lock();
                     state.errors.push((key, message.clone()));
+                    // A rejected pod is not active: kubelet drops what its containers held.
+                    state.container_devices.remove(&uid);
                     state.rejected.insert(uid);
                 }
                 self.write_status(
@@ -712,6 +819,17 @@ impl Admission {
                     )
                     .await?;
                 let response = self.allocate(&resource, &ids).await?;
+                // As kubelet's device manager: the container's devices are recorded (and
+                // reported by PodResources) once its Allocate succeeded.
+                let uid = pod.metadata.uid.clone().unwrap_or_default();
+                self.shared
+                    .lock()
+                    .container_devices
+                    .entry(uid)
+                    .or_default()
+                    .entry(container.name.clone())
+                    .or_default()
+                    .insert(resource.clone(), ids.clone());
                 env.extend(response);
                 let pod_held = held.entry(resource.clone()).or_default();
                 for id in &ids {

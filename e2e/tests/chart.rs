@@ -459,7 +459,8 @@ async fn record_calls(spec: ClusterSpec) -> anyhow::Result<BTreeMap<String, BTre
 }
 
 /// Pods scheduled, run and deleted; a Binding that gets no clear answer (so the extender
-/// reads the pod back); a bind refused twice (an Event, then its series patched).
+/// reads the pod back); a bind refused twice (an Event, then its series patched); a pod
+/// holding another pod's allocation (the device plugin's Event).
 async fn exercise(cluster: &TestCluster) -> anyhow::Result<()> {
     let extender_calls = |verb: Verb, group: &str, resource: &str| {
         let stats = cluster.api.stats();
@@ -555,6 +556,52 @@ async fn exercise(cluster: &TestCluster) -> anyhow::Result<()> {
         || extender_calls(Verb::Patch, "events.k8s.io", "events"),
     )
     .await?;
+
+    // Without the allocation policy, a pod bound straight to the node is admitted while a
+    // scheduled pod of its size waits (kubelet sees it late): the device plugin reads in
+    // kubelet's PodResources that the intruder holds that pod's allocation and says so in
+    // an Event on it.
+    cluster
+        .api
+        .set_admission_policies(gpushare_e2e::apiserver::admission::AdmissionPolicies::none());
+    let kubelet = &cluster.nodes["gpu-node-1"].kubelet;
+    kubelet.hold("default", "waiting");
+    create_gpu_pod(cluster, "waiting", 2).await?;
+    wait_for(
+        "pod waiting to be bound",
+        Duration::from_secs(30),
+        || async {
+            let pod = cluster.pod("default", "waiting").await.ok()?;
+            pod.spec?.node_name.map(|_| ())
+        },
+    )
+    .await?;
+    pod("intruder")
+        .gpu_mem(2)
+        .on_node("gpu-node-1")
+        .create(&cluster.client)
+        .await?;
+    let plugin_event = || {
+        let stats = cluster.api.stats();
+        async move {
+            stats
+                .calls_by(DEVICE_PLUGIN_USER)
+                .keys()
+                .any(|c| {
+                    c.verb == Verb::Create && c.group == "events.k8s.io" && c.resource == "events"
+                })
+                .then_some(())
+        }
+    };
+    wait_for(
+        "the device plugin to report the intruder",
+        Duration::from_secs(30),
+        plugin_event,
+    )
+    .await?;
+    delete_pod(cluster, "intruder").await?;
+    delete_pod(cluster, "waiting").await?;
+    kubelet.release("default", "waiting");
 
     // A deleted pod: its GPU memory comes back (8 GiB fit only once b's 4 GiB are free).
     delete_pod(cluster, "b").await?;
@@ -1158,8 +1205,25 @@ fn check_device_plugin(
                 .any(|e| e.name == key && e.value.as_deref() == Some(value))
         );
     }
+    // kubelet's PodResources API: mounted read-only, its socket passed.
+    let pod_resources = spec
+        .volumes
+        .iter()
+        .flatten()
+        .find(|v| v.name == "pod-resources")
+        .and_then(|v| v.host_path.as_ref())
+        .context("pod-resources hostPath volume")?;
+    ensure!(pod_resources.path == "/var/lib/kubelet/pod-resources");
+    let mount = c
+        .volume_mounts
+        .iter()
+        .flatten()
+        .find(|m| m.name == "pod-resources")
+        .context("pod-resources mount")?;
+    ensure!(mount.read_only == Some(true), "{mount:?}");
     let args = args(c);
-    for want in expect_args {
+    let socket = "--pod-resources-socket=/var/lib/kubelet/pod-resources/kubelet.sock";
+    for want in expect_args.iter().chain([&socket]) {
         ensure!(
             args.iter().any(|a| a == want),
             "device plugin args {args:?} lack {want}"

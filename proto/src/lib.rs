@@ -1,15 +1,32 @@
-//! The kubelet device plugin API (`v1beta1`), generated from `proto/deviceplugin/v1beta1/api.proto`.
+//! kubelet's gRPC APIs as the device plugin speaks them, generated from `proto/`:
 //!
-//! Both sides live here: the device plugin serves [`v1beta1::device_plugin_server`] and calls
-//! [`v1beta1::registration_client`]; the test kubelet in `e2e` does the opposite. Keeping the
-//! generated code in one crate means the plugin and its fake kubelet cannot disagree about
-//! the wire format.
+//! - the device plugin API (`v1beta1`, `proto/deviceplugin/v1beta1/api.proto`): the device
+//!   plugin serves [`v1beta1::device_plugin_server`] and calls
+//!   [`v1beta1::registration_client`];
+//! - the PodResources API (`v1`, `proto/podresources/v1/api.proto`): what kubelet really gave
+//!   each container; the device plugin calls [`podresources::v1::pod_resources_lister_client`]
+//!   to check its own bookkeeping against it.
+//!
+//! The test kubelet in `e2e` serves the other side of both. Keeping the generated code in one
+//! crate means the plugin and its fake kubelet cannot disagree about the wire format.
 
 /// Messages and services of `k8s.io/kubelet/pkg/apis/deviceplugin/v1beta1`.
 #[allow(missing_docs, clippy::all, clippy::pedantic)]
 pub mod v1beta1 {
     tonic::include_proto!("v1beta1");
 }
+
+/// kubelet's PodResources API.
+pub mod podresources {
+    /// Messages and services of `k8s.io/kubelet/pkg/apis/podresources/v1`.
+    #[allow(missing_docs, clippy::all, clippy::pedantic)]
+    pub mod v1 {
+        tonic::include_proto!("v1");
+    }
+}
+
+/// Where kubelet serves the PodResources API on a node.
+pub const DEFAULT_POD_RESOURCES_SOCKET: &str = "/var/lib/kubelet/pod-resources/kubelet.sock";
 
 /// The API version a plugin sends in its `RegisterRequest`.
 pub const VERSION: &str = "v1beta1";

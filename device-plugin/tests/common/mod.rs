@@ -33,7 +33,8 @@ pub struct Plugin {
 }
 
 impl Plugin {
-    /// Starts the plugin in-process with simulated GPUs of `gpus` GiB, and `extra` flags.
+    /// Starts the plugin in-process with simulated GPUs of `gpus` GiB, and `extra` flags
+    /// (which replace the defaults of the same flags).
     pub fn start(
         client: Client,
         dir: &Path,
@@ -46,25 +47,29 @@ impl Plugin {
             .map(u64::to_string)
             .collect::<Vec<_>>()
             .join(",");
-        let base = [
-            "gpushare-device-plugin",
-            "--node-name",
-            NODE,
-            "--device-plugin-dir",
-            &dir.display().to_string(),
-            "--gpu-backend",
-            "simulated",
-            "--simulate-gpus",
-            &sizes,
-            "--simulate-health-file",
-            &health.display().to_string(),
-            "--metrics-listen",
-            "127.0.0.1:0",
-            "--pending-pod-wait-ms",
-            "2000",
-        ]
-        .map(str::to_owned);
-        let config = Config::try_parse_from(base.into_iter().chain(extra.iter().cloned()))?;
+        let dir = dir.display().to_string();
+        let health = health.display().to_string();
+        // Without a kubelet, a PodResources socket nobody serves: the plugin works without.
+        let absent = format!("{dir}/pod-resources/absent.sock");
+        let defaults = [
+            ("--node-name", NODE),
+            ("--device-plugin-dir", &dir),
+            ("--gpu-backend", "simulated"),
+            ("--simulate-gpus", &sizes),
+            ("--simulate-health-file", &health),
+            ("--metrics-listen", "127.0.0.1:0"),
+            ("--pending-pod-wait-ms", "2000"),
+            ("--pod-resources-socket", &absent),
+        ];
+        let args = std::iter::once("gpushare-device-plugin".to_owned())
+            .chain(
+                defaults
+                    .into_iter()
+                    .filter(|(flag, _)| !extra.iter().any(|e| e == flag))
+                    .flat_map(|(flag, value)| [flag.to_owned(), value.to_owned()]),
+            )
+            .chain(extra.iter().cloned());
+        let config = Config::try_parse_from(args)?;
         let stop = CancellationToken::new();
         let task = tokio::spawn(gpushare_device_plugin::run_with_client(
             config,
@@ -116,6 +121,13 @@ impl Cluster {
             }
             None => None,
         };
+        let mut extra = extra.to_vec();
+        if let Some(kubelet) = &kubelet
+            && !extra.iter().any(|e| e == "--pod-resources-socket")
+        {
+            extra.push("--pod-resources-socket".to_owned());
+            extra.push(kubelet.pod_resources_socket().display().to_string());
+        }
         let mut cluster = Cluster {
             server,
             client: client.clone(),
@@ -129,7 +141,7 @@ impl Cluster {
             cluster.dir.path(),
             &cluster.health_file(),
             gpus,
-            extra,
+            &extra,
         )?);
         if let Some(kubelet) = &cluster.kubelet {
             kubelet.wait_registered(RESOURCE, WAIT).await?;

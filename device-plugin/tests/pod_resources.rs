@@ -1,0 +1,295 @@
+//! The plugin checks its bookkeeping against kubelet's PodResources API, over a real unix
+//! socket: a container holding devices of a GPU its pod was not given, and a pod holding
+//! GPU memory without an allocation of its own, become Warning Events on the pod and
+//! `gpushare_device_plugin_kubelet_mismatches_total`; the allocation marks follow what
+//! kubelet reports. Without the socket the plugin works as before and picks it up later.
+
+mod common;
+
+use std::collections::BTreeMap;
+use std::net::SocketAddr;
+use std::path::{Path, PathBuf};
+use std::sync::{Arc, Mutex};
+
+use common::{Cluster, NODE, WAIT, allocation, eventually, uuid};
+use gpushare_contract::Keys;
+use gpushare_e2e::cluster::{http_get, service_port};
+use gpushare_e2e::fixtures::pod;
+use gpushare_proto::podresources::v1::pod_resources_lister_server::{
+    PodResourcesLister, PodResourcesListerServer,
+};
+use gpushare_proto::podresources::v1::{
+    AllocatableResourcesRequest, AllocatableResourcesResponse, ContainerDevices,
+    ContainerResources, GetPodResourcesRequest, GetPodResourcesResponse, ListPodResourcesRequest,
+    ListPodResourcesResponse, PodResources,
+};
+use k8s_openapi::api::events::v1::Event;
+use kube::Api;
+use tokio::net::UnixListener;
+use tokio_stream::wrappers::UnixListenerStream;
+use tokio_util::sync::CancellationToken;
+use tonic::{Request, Response, Status};
+
+/// A pod's containers and the devices each holds.
+type Held<'a> = &'a [(&'a str, Vec<String>)];
+
+/// A kubelet PodResources endpoint answering `List` with whatever the test sets.
+#[derive(Clone, Default)]
+struct FakePodResources {
+    answer: Arc<Mutex<ListPodResourcesResponse>>,
+}
+
+#[tonic::async_trait]
+impl PodResourcesLister for FakePodResources {
+    async fn list(
+        &self,
+        _: Request<ListPodResourcesRequest>,
+    ) -> Result<Response<ListPodResourcesResponse>, Status> {
+        let answer = self.answer.lock().unwrap().clone();
+        Ok(Response::new(answer))
+    }
+
+    async fn get_allocatable_resources(
+        &self,
+        _: Request<AllocatableResourcesRequest>,
+    ) -> Result<Response<AllocatableResourcesResponse>, Status> {
+        Err(Status::unimplemented("not used"))
+    }
+
+    async fn get(
+        &self,
+        _: Request<GetPodResourcesRequest>,
+    ) -> Result<Response<GetPodResourcesResponse>, Status> {
+        Err(Status::unimplemented("not used"))
+    }
+}
+
+impl FakePodResources {
+    fn serve(&self, path: &Path, stop: CancellationToken) -> anyhow::Result<()> {
+        std::fs::create_dir_all(path.parent().unwrap())?;
+        let listener = UnixListener::bind(path)?;
+        tokio::spawn(
+            tonic::transport::Server::builder()
+                .add_service(PodResourcesListerServer::new(self.clone()))
+                .serve_with_incoming_shutdown(
+                    UnixListenerStream::new(listener),
+                    stop.cancelled_owned(),
+                ),
+        );
+        Ok(())
+    }
+
+    /// kubelet's answer: these pods (all in `default`), each container holding these
+    /// devices, reported as kubelet does: one entry per device.
+    fn set(&self, pods: &[(&str, Held<'_>)]) {
+        let pod_resources = pods
+            .iter()
+            .map(|(name, containers)| PodResources {
+                name: (*name).to_owned(),
+                namespace: "default".to_owned(),
+                containers: containers
+                    .iter()
+                    .map(|(container, ids)| ContainerResources {
+                        name: (*container).to_owned(),
+                        devices: ids
+                            .iter()
+                            .map(|id| ContainerDevices {
+                                resource_name: common::RESOURCE.to_owned(),
+                                device_ids: vec![id.clone()],
+                                topology: None,
+                            })
+                            .collect(),
+                        ..ContainerResources::default()
+                    })
+                    .collect(),
+            })
+            .collect();
+        *self.answer.lock().unwrap() = ListPodResourcesResponse { pod_resources };
+    }
+}
+
+fn ids(gpu: u32, slots: std::ops::Range<u64>) -> Vec<String> {
+    slots.map(|slot| format!("{}-{slot}", uuid(gpu))).collect()
+}
+
+/// Flags for a plugin reading kubelet at `socket` often, serving metrics on `metrics`.
+fn flags(socket: &Path, metrics: SocketAddr) -> Vec<String> {
+    [
+        "--pod-resources-socket",
+        &socket.display().to_string(),
+        "--pod-resources-period-ms",
+        "100",
+        "--metrics-listen",
+        &metrics.to_string(),
+    ]
+    .map(str::to_owned)
+    .to_vec()
+}
+
+async fn create(
+    cluster: &Cluster,
+    name: &str,
+    gpu: u32,
+    gib: u64,
+    second: u32,
+    allocated: bool,
+) -> anyhow::Result<()> {
+    let mut builder = pod(name).gpu_mem(gib).on_node(NODE);
+    for (k, v) in allocation(gpu, &[("main", gib, false)], second) {
+        builder = builder.annotation(&k, &v);
+    }
+    if allocated {
+        let keys = Keys::default();
+        builder = builder
+            .annotation(&keys.allocated, "main")
+            .annotation(&keys.assigned, "true");
+    }
+    builder.create(&cluster.client).await?;
+    Ok(())
+}
+
+/// `(allocated, assigned)` marks of pod `name`.
+async fn marks(cluster: &Cluster, name: &str) -> anyhow::Result<(String, String)> {
+    let keys = Keys::default();
+    let pod = cluster.pod(name).await?;
+    let annotations = pod.metadata.annotations.unwrap_or_default();
+    let get = |key: &str| annotations.get(key).cloned().unwrap_or_default();
+    Ok((get(&keys.allocated), get(&keys.assigned)))
+}
+
+/// Warning Event reasons by pod name.
+async fn event_reasons(cluster: &Cluster) -> anyhow::Result<BTreeMap<String, Vec<String>>> {
+    let events: Api<Event> = Api::namespaced(cluster.client.clone(), "default");
+    let mut out: BTreeMap<String, Vec<String>> = BTreeMap::new();
+    for event in events.list(&Default::default()).await? {
+        let name = event.regarding.and_then(|r| r.name).unwrap_or_default();
+        out.entry(name)
+            .or_default()
+            .push(event.reason.unwrap_or_default());
+    }
+    Ok(out)
+}
+
+async fn metric(addr: SocketAddr, line: &str) -> anyhow::Result<bool> {
+    let (status, body) = http_get(addr, "/metrics").await?;
+    anyhow::ensure!(status == 200, "/metrics answered {status}");
+    Ok(body.lines().any(|l| l == line))
+}
+
+#[tokio::test]
+async fn mismatches_kubelet_reports_become_events_and_metrics_and_marks_follow_it()
+-> anyhow::Result<()> {
+    let socket_dir = tempfile::tempdir()?;
+    let socket: PathBuf = socket_dir.path().join("pod-resources/kubelet.sock");
+    let metrics: SocketAddr = format!("127.0.0.1:{}", service_port()?).parse()?;
+    let kubelet = FakePodResources::default();
+    let stop = CancellationToken::new();
+    kubelet.serve(&socket, stop.clone())?;
+    let cluster = Cluster::start_with(&[8, 8], None, &flags(&socket, metrics)).await?;
+
+    // right: GPU 0, and kubelet gave it devices of GPU 0.
+    create(&cluster, "right", 0, 2, 1, true).await?;
+    // wrong: GPU 0, but kubelet gave it devices of GPU 1.
+    create(&cluster, "wrong", 0, 2, 2, true).await?;
+    // twin-a carries the mark of an Allocate kubelet made for its twin twin-b.
+    create(&cluster, "twin-a", 0, 4, 3, true).await?;
+    create(&cluster, "twin-b", 0, 4, 4, false).await?;
+    // intruder: bound here without any gpushare allocation, yet holding 1 GiB of GPU 1.
+    pod("intruder")
+        .gpu_mem(1)
+        .on_node(NODE)
+        .create(&cluster.client)
+        .await?;
+    kubelet.set(&[
+        ("right", &[("main", ids(0, 0..2))]),
+        ("wrong", &[("main", ids(1, 0..2))]),
+        ("twin-a", &[("main", vec![])]),
+        ("twin-b", &[("main", ids(0, 2..6))]),
+        ("intruder", &[("main", ids(1, 2..3))]),
+    ]);
+
+    let expected = BTreeMap::from([
+        (
+            "intruder".to_owned(),
+            vec!["GpuMemWithoutAllocation".to_owned()],
+        ),
+        ("wrong".to_owned(), vec!["GpuMemOnWrongGpu".to_owned()]),
+    ]);
+    eventually(WAIT, "an Event on each mismatching pod", || async {
+        Ok(event_reasons(&cluster).await? == expected)
+    })
+    .await?;
+    eventually(WAIT, "the marks to follow kubelet", || async {
+        Ok(
+            marks(&cluster, "twin-b").await? == ("main".into(), "true".into())
+                && marks(&cluster, "twin-a").await? == (String::new(), "false".into()),
+        )
+    })
+    .await?;
+    for line in [
+        "gpushare_device_plugin_kubelet_mismatches_total{kind=\"wrong_gpu\"} 1",
+        "gpushare_device_plugin_kubelet_mismatches_total{kind=\"no_allocation\"} 1",
+        "gpushare_device_plugin_pod_resources_up 1",
+    ] {
+        eventually(WAIT, line, || metric(metrics, line)).await?;
+    }
+    // Honest pods kept their marks; each finding was reported once.
+    assert_eq!(
+        marks(&cluster, "right").await?,
+        ("main".into(), "true".into())
+    );
+    assert_eq!(
+        marks(&cluster, "wrong").await?,
+        ("main".into(), "true".into())
+    );
+    assert_eq!(event_reasons(&cluster).await?, expected);
+    stop.cancel();
+    cluster.stop().await
+}
+
+#[tokio::test]
+async fn without_the_socket_the_plugin_works_and_uses_it_once_it_appears() -> anyhow::Result<()> {
+    let socket_dir = tempfile::tempdir()?;
+    let socket: PathBuf = socket_dir.path().join("pod-resources/kubelet.sock");
+    let metrics: SocketAddr = format!("127.0.0.1:{}", service_port()?).parse()?;
+    let cluster = Cluster::start_with(
+        &[8],
+        Some(gpushare_e2e::kubelet::AdmissionOrder::CreationTime),
+        &flags(&socket, metrics),
+    )
+    .await?;
+    let (down, up) = (
+        "gpushare_device_plugin_pod_resources_up 0",
+        "gpushare_device_plugin_pod_resources_up 1",
+    );
+    eventually(WAIT, "the plugin to notice there is no socket", || {
+        metric(metrics, down)
+    })
+    .await?;
+    // Pods run as before.
+    create(&cluster, "a", 0, 4, 1, false).await?;
+    eventually(WAIT, "pod a to run with its marks", || async {
+        let running = cluster
+            .pod("a")
+            .await?
+            .status
+            .and_then(|s| s.phase)
+            .as_deref()
+            == Some("Running");
+        Ok(running && marks(&cluster, "a").await? == ("main".into(), "true".into()))
+    })
+    .await?;
+
+    // The socket appears (kubelet upgraded, mount fixed): used from then on.
+    let kubelet = FakePodResources::default();
+    kubelet.set(&[("a", &[("main", ids(0, 0..4))])]);
+    let stop = CancellationToken::new();
+    kubelet.serve(&socket, stop.clone())?;
+    eventually(WAIT, "the plugin to read the socket", || {
+        metric(metrics, up)
+    })
+    .await?;
+    assert!(event_reasons(&cluster).await?.is_empty());
+    stop.cancel();
+    cluster.stop().await
+}
