@@ -36,6 +36,7 @@ use std::sync::Arc;
 use std::sync::atomic::AtomicBool;
 use std::time::Duration;
 
+use gpushare_contract::env::Enforcement;
 use gpushare_contract::{DEFAULT_DOMAIN, DEFAULT_RESOURCE, KeyringError, KeyringFile, Keys};
 use gpushare_proto::{DEFAULT_DEVICE_PLUGIN_DIR, DEFAULT_POD_RESOURCES_SOCKET};
 use prometheus_client::registry::Registry;
@@ -125,6 +126,19 @@ pub struct Config {
     /// How often kubelet's PodResources API is read (also shortly after each Allocate).
     #[arg(long, env = "POD_RESOURCES_PERIOD_MS", default_value_t = 5000)]
     pub pod_resources_period_ms: u64,
+    /// How each container's share is enforced: `none` (it is told its share, see
+    /// `gpushare_contract::env`), `toolkit` (the NVIDIA container toolkit's memory-limit CDI
+    /// hook: `NVIDIA_GPU_MEMORY_LIMIT`), `mps` (an MPS control daemon's pinned-memory limit).
+    #[arg(long, env = "GPUSHARE_ENFORCEMENT", default_value = "none")]
+    pub enforcement: Enforcement,
+    /// The MPS control daemon's pipe directory on the host, mounted into containers at the
+    /// same path (`--enforcement mps`).
+    #[arg(
+        long,
+        env = "CUDA_MPS_PIPE_DIRECTORY",
+        default_value = "/tmp/nvidia-mps"
+    )]
+    pub mps_pipe_directory: String,
 }
 
 /// How often the keyring file is checked for changes.
@@ -348,6 +362,8 @@ async fn run_inner(
         metrics: metrics.clone(),
         pending_wait: Duration::from_millis(config.pending_pod_wait_ms),
         allocated: allocated.clone(),
+        enforcement: config.enforcement,
+        mps_pipe_directory: config.mps_pipe_directory.clone(),
     });
     let checker = pod_resources::Checker {
         socket: config.pod_resources_socket.clone(),

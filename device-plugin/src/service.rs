@@ -14,11 +14,12 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use futures::{Stream, StreamExt};
+use gpushare_contract::env::Enforcement;
 use gpushare_contract::{ContainerRequest, GpuInfo, env};
 use gpushare_proto::v1beta1::device_plugin_server::DevicePlugin;
 use gpushare_proto::v1beta1::{
     AllocateRequest, AllocateResponse, ContainerAllocateResponse,
-    ContainerPreferredAllocationResponse, DevicePluginOptions, Empty, ListAndWatchResponse,
+    ContainerPreferredAllocationResponse, DevicePluginOptions, Empty, ListAndWatchResponse, Mount,
     PreStartContainerRequest, PreStartContainerResponse, PreferredAllocationRequest,
     PreferredAllocationResponse,
 };
@@ -50,6 +51,10 @@ pub struct PluginState {
     /// Notified after each successful Allocate: kubelet's record of it is checked soon after
     /// ([`crate::pod_resources`]).
     pub allocated: Arc<tokio::sync::Notify>,
+    /// How each container's share is enforced (the variables and mounts Allocate adds).
+    pub enforcement: Enforcement,
+    /// The MPS daemon's pipe directory (with [`Enforcement::Mps`]).
+    pub mps_pipe_directory: String,
 }
 
 /// The options sent at registration and from `GetDevicePluginOptions`.
@@ -201,20 +206,38 @@ pub fn check_gpu(gpus: &[GpuInfo], node: &str, view: &PodView) -> Result<GpuInfo
     Ok(gpu.clone())
 }
 
-/// The environment of a container pinned to `gpu`.
+/// The environment of a container pinned to `gpu`: the placement, and what the enforcer of
+/// `enforcement` reads (see `gpushare_contract::env`).
 pub fn container_env(
     gpu: &GpuInfo,
     container: &ContainerRequest,
     pod_gib: u64,
+    (enforcement, mps_pipe_directory): (Enforcement, &str),
 ) -> HashMap<String, String> {
-    HashMap::from([
+    let mut vars = HashMap::from([
         (env::NVIDIA_VISIBLE_DEVICES.to_owned(), gpu.uuid.clone()),
         (env::GPU_INDEX.to_owned(), gpu.index.to_string()),
         (env::GPU_UUID.to_owned(), gpu.uuid.clone()),
         (env::CONTAINER_GIB.to_owned(), container.gib.to_string()),
         (env::POD_GIB.to_owned(), pod_gib.to_string()),
         (env::GPU_TOTAL_GIB.to_owned(), gpu.mem_gib.to_string()),
-    ])
+    ]);
+    for (name, value) in enforcement.env(container.gib, mps_pipe_directory) {
+        vars.insert(name.to_owned(), value);
+    }
+    vars
+}
+
+/// What a container needs mounted for `enforcement`: the MPS daemon's pipe directory.
+pub fn container_mounts(enforcement: Enforcement, mps_pipe_directory: &str) -> Vec<Mount> {
+    match enforcement {
+        Enforcement::Mps => vec![Mount {
+            container_path: mps_pipe_directory.to_owned(),
+            host_path: mps_pipe_directory.to_owned(),
+            read_only: false,
+        }],
+        Enforcement::None | Enforcement::Toolkit => Vec::new(),
+    }
 }
 
 /// One served socket's view of the plugin; `stop` ends its ListAndWatch streams.
@@ -280,8 +303,15 @@ impl GpuMemService {
                     gib = claim.container.gib,
                     "allocated"
                 );
+                let enforcement = (state.enforcement, state.mps_pipe_directory.as_str());
                 ContainerAllocateResponse {
-                    envs: container_env(&claim.checked, &claim.container, claim.allocation.pod_gib),
+                    envs: container_env(
+                        &claim.checked,
+                        &claim.container,
+                        claim.allocation.pod_gib,
+                        enforcement,
+                    ),
+                    mounts: container_mounts(state.enforcement, &state.mps_pipe_directory),
                     ..Default::default()
                 }
             })

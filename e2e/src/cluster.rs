@@ -737,6 +737,8 @@ pub struct ClusterSpec {
     pub http_timeout: Duration,
     /// Whether the API server enforces the chart's allocation policy (default: yes).
     pub allocation_policy: bool,
+    /// Extra flags for every device plugin.
+    pub device_plugin_args: Vec<String>,
     /// The chart's `dedicated` scheduler mode: the scheduler driver schedules only pods of
     /// [`DEDICATED_SCHEDULER`], the chart's MutatingWebhookConfiguration routes GPU pods to
     /// it (served by the extender, called by the API server), and the allocation policy
@@ -759,6 +761,7 @@ impl ClusterSpec {
             extender_args: Vec::new(),
             http_timeout: DEFAULT_HTTP_TIMEOUT,
             allocation_policy: true,
+            device_plugin_args: Vec::new(),
             dedicated: false,
         }
     }
@@ -776,6 +779,12 @@ impl ClusterSpec {
     /// The scheduler's `httpTimeout` for the extender.
     pub fn with_http_timeout(mut self, timeout: Duration) -> Self {
         self.http_timeout = timeout;
+        self
+    }
+
+    /// Passes `args` to every device plugin.
+    pub fn with_device_plugin_args(mut self, args: &[&str]) -> Self {
+        self.device_plugin_args = args.iter().map(|a| (*a).to_owned()).collect();
         self
     }
 
@@ -960,6 +969,7 @@ impl TestCluster {
             binaries: self.binaries.clone(),
             plugin_identity: self.api.pod_identity(DEVICE_PLUGIN_USER),
             admission: self.spec.admission,
+            plugin_args: self.spec.device_plugin_args.clone(),
         }
     }
 
@@ -1348,6 +1358,8 @@ struct NodeHost {
     /// naming its node, as the DaemonSet's pods do.
     plugin_identity: PodIdentity,
     admission: AdmissionOrder,
+    /// Extra flags for every device plugin ([`ClusterSpec::device_plugin_args`]).
+    plugin_args: Vec<String>,
 }
 
 impl NodeHost {
@@ -1412,7 +1424,7 @@ impl NodeHost {
 
     fn spawn_plugin(&self, sim: &SimNode) -> anyhow::Result<Process> {
         let sizes: Vec<String> = sim.gpus.iter().map(u64::to_string).collect();
-        let args = vec![
+        let mut args = vec![
             "--node-name".to_owned(),
             sim.name.clone(),
             "--device-plugin-dir".to_owned(),
@@ -1433,6 +1445,7 @@ impl NodeHost {
             "--pod-resources-socket".to_owned(),
             sim.kubelet.pod_resources_socket().display().to_string(),
         ];
+        args.extend(self.plugin_args.iter().cloned());
         let log = self.dir.join(format!("device-plugin-{}.log", sim.name));
         let kubeconfig = self
             .dir

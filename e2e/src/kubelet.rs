@@ -92,6 +92,8 @@ struct State {
     registrations: HashMap<String, u64>,
     next_generation: u64,
     envs: HashMap<(String, String, String), BTreeMap<String, String>>,
+    /// Mounts each container got from Allocate: (container path, host path, read-only).
+    mounts: HashMap<(String, String, String), Vec<(String, String, bool)>>,
     errors: Vec<(String, String)>,
     /// Admitted pods by UID: `namespace/name` and devices held per resource.
     admitted: HashMap<String, (String, HashMap<String, Vec<String>>)>,
@@ -477,6 +479,21 @@ impl KubeletDriver {
             .cloned()
     }
 
+    /// Mounts each container got from Allocate: (container path, host path, read-only).
+    pub fn container_mounts(
+        &self,
+        ns: &str,
+        pod: &str,
+        container: &str,
+    ) -> Vec<(String, String, bool)> {
+        self.shared
+            .lock()
+            .mounts
+            .get(&(ns.to_owned(), pod.to_owned(), container.to_owned()))
+            .cloned()
+            .unwrap_or_default()
+    }
+
     /// Device IDs held by the admitted pod `ns/pod`, per resource.
     pub fn pod_devices(&self, ns: &str, pod: &str) -> HashMap<String, Vec<String>> {
         let key = format!("{ns}/{pod}");
@@ -795,6 +812,7 @@ impl Admission {
             .chain(spec.containers.iter().map(|c| (c, false, false)));
         for (container, init, sidecar) in containers {
             let mut env = BTreeMap::new();
+            let mut mounts = Vec::new();
             let mut any = false;
             for (resource, quantity) in container_resources(container) {
                 if !is_extended(&resource) {
@@ -818,7 +836,8 @@ impl Admission {
                         reusable.entry(resource.clone()).or_default(),
                     )
                     .await?;
-                let response = self.allocate(&resource, &ids).await?;
+                let (response, granted_mounts) = self.allocate(&resource, &ids).await?;
+                mounts.extend(granted_mounts);
                 // As kubelet's device manager: the container's devices are recorded (and
                 // reported by PodResources) once its Allocate succeeded.
                 let uid = pod.metadata.uid.clone().unwrap_or_default();
@@ -849,10 +868,10 @@ impl Admission {
                 }
             }
             if any {
-                self.shared.lock().envs.insert(
-                    (ns.to_owned(), name.to_owned(), container.name.clone()),
-                    env,
-                );
+                let key = (ns.to_owned(), name.to_owned(), container.name.clone());
+                let mut shared = self.shared.lock();
+                shared.mounts.insert(key.clone(), mounts);
+                shared.envs.insert(key, env);
             }
         }
         Ok(held)
@@ -947,11 +966,12 @@ impl Admission {
         }
     }
 
+    /// One Allocate for one container: the environment and the mounts it answered.
     async fn allocate(
         &self,
         resource: &str,
         ids: &[String],
-    ) -> Result<BTreeMap<String, String>, String> {
+    ) -> Result<(BTreeMap<String, String>, Vec<(String, String, bool)>), String> {
         let channel = self
             .shared
             .lock()
@@ -979,7 +999,14 @@ impl Admission {
             .container_responses
             .into_iter()
             .next()
-            .map(|c| c.envs.into_iter().collect())
+            .map(|c| {
+                let mounts = c
+                    .mounts
+                    .into_iter()
+                    .map(|m| (m.container_path, m.host_path, m.read_only))
+                    .collect();
+                (c.envs.into_iter().collect(), mounts)
+            })
             .unwrap_or_default())
     }
 

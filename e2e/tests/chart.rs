@@ -1413,6 +1413,7 @@ fn impossible_values_fail_with_a_clear_message() -> anyhow::Result<()> {
     for (set, needle) in [
         ("scheduler.mode=both", "scheduler.mode must be"),
         ("policy=random", "policy must be"),
+        ("devicePlugin.enforcement.mode=cgroup", "enforcement.mode must be"),
         ("extender.replicas=2", "no leader election"),
         (
             "networkPolicy.enabled=true,scheduler.mode=default-scheduler",

@@ -111,7 +111,13 @@ pub async fn bind_pod(state: &AppState, args: &ExtenderBindingArgs) -> Result<()
     }
 }
 
-/// Logs, counts and records an Event for a refused bind.
+/// Refusals that settle by themselves when kube-scheduler retries (start-up, a write still
+/// in flight, a race with another bind for the same memory): no Event of ours. kube-scheduler
+/// records `FailedScheduling` with our message on every refused bind anyway, so an Event here
+/// would be a second API write per retry for nothing a person must do.
+const TRANSIENT_REFUSALS: &[&str] = &["not_synced", "starting", "in_progress", "unfit"];
+
+/// Logs and counts a refused bind, and records an Event for one a person should look at.
 fn refused(
     state: &AppState,
     namespace: &str,
@@ -122,6 +128,9 @@ fn refused(
 ) {
     state.metrics().bind(reason);
     tracing::info!(pod = %format_args!("{namespace}/{name}"), %message, "bind refused");
+    if TRANSIENT_REFUSALS.contains(&reason) {
+        return;
+    }
     state.events().send(PodEvent {
         namespace: namespace.to_owned(),
         name: name.to_owned(),

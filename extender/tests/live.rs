@@ -299,6 +299,43 @@ async fn bind_writes_once_and_the_watch_confirms() -> anyhow::Result<()> {
         ""
     );
     assert_eq!(server.stats().writes(), 1);
+
+    // A refusal that settles on retry (here: no GPU has room, as when another bind won the
+    // race) writes no Event: kube-scheduler records FailedScheduling with the message anyway.
+    let huge = pod("huge").gpu_mem(16).create(&client).await?;
+    wait_for(
+        "the extender to see pod huge",
+        Duration::from_secs(20),
+        || async {
+            let refusal = extender.bind(&huge, "n1").await.ok()?;
+            refusal.contains("cannot bind").then_some(())
+        },
+    )
+    .await?;
+    // A refusal a person should see does write one; it is published after the first.
+    let mut stale = pod("ghost2").gpu_mem(4).build();
+    stale.metadata.uid = Some("uid-ghost2".into());
+    let refusal = extender
+        .bind(&stale, "n1")
+        .await
+        .map_err(anyhow::Error::msg)?;
+    assert!(refusal.contains("not found"), "{refusal}");
+    wait_for("the Event of ghost2", Duration::from_secs(20), || {
+        let events = events.clone();
+        async move {
+            let listed = events.list(&ListParams::default()).await.ok()?;
+            listed
+                .iter()
+                .any(|e| e.regarding.as_ref().and_then(|r| r.name.as_deref()) == Some("ghost2"))
+                .then_some(())
+        }
+    })
+    .await?;
+    assert_eq!(
+        server.stats().count(Verb::Create, "events"),
+        2,
+        "Events for the two pods not found, none for the pod that did not fit"
+    );
     Ok(())
 }
 

@@ -129,6 +129,9 @@ app.kubernetes.io/component: {{ .component }}
 {{- if and .Values.networkPolicy.enabled (not (include "gpushare.dedicated" .)) (not .Values.networkPolicy.schedulerPeers) }}
 {{- fail "networkPolicy.enabled in default-scheduler mode needs networkPolicy.schedulerPeers: the peers (usually an ipBlock of the control-plane nodes) your kube-scheduler calls the extender from" }}
 {{- end }}
+{{- if not (has .Values.devicePlugin.enforcement.mode (list "none" "toolkit" "mps")) }}
+{{- fail (printf "devicePlugin.enforcement.mode must be \"none\", \"toolkit\" or \"mps\", not %q" .Values.devicePlugin.enforcement.mode) }}
+{{- end }}
 {{- if not (has .Values.devicePlugin.gpuBackend (list "nvml" "simulated")) }}
 {{- fail (printf "devicePlugin.gpuBackend must be \"nvml\" or \"simulated\", not %q" .Values.devicePlugin.gpuBackend) }}
 {{- end }}

@@ -642,6 +642,15 @@ impl Stats {
             .sum()
     }
 
+    /// Create + Update + Patch + Delete requests on every resource, events included.
+    pub fn writes_including_events(&self) -> u64 {
+        self.calls_mut()
+            .iter()
+            .filter(|(call, _)| call.verb.is_write())
+            .map(|(_, n)| n)
+            .sum()
+    }
+
     /// Every kind of request seen so far, with how many times each was made.
     pub fn calls(&self) -> BTreeMap<Call, u64> {
         self.calls_mut().clone()

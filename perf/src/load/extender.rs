@@ -21,7 +21,7 @@
 use std::collections::{BTreeMap, HashMap, VecDeque};
 use std::net::SocketAddr;
 use std::path::Path;
-use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
@@ -40,7 +40,7 @@ use hyper_util::client::legacy::connect::HttpConnector;
 use hyper_util::rt::TokioExecutor;
 use k8s_openapi::api::core::v1::Pod;
 
-use crate::report::{Latencies, figure, proc_memory, ratio, secs, section};
+use crate::report::{Latencies, figure, proc_cpu_seconds, proc_memory, ratio, secs, section};
 
 /// Namespace of every pod this phase creates.
 const NAMESPACE: &str = "default";
@@ -191,6 +191,8 @@ pub async fn run(cfg: &Config, bins: &Binaries, log_dir: &Path) -> anyhow::Resul
     let outcomes_before = bind_outcomes(addr).await;
     let handled_before = handler_seconds(addr).await;
     let writes_before = stats.writes();
+    let all_writes_before = stats.writes_including_events();
+    let cpu_before = proc_cpu_seconds(pid);
     let bindings_before = stats.count(Verb::Create, "pods/binding");
     let reads_before = api_reads(&api);
     let drive = Arc::new(Drive::new(
@@ -209,6 +211,11 @@ pub async fn run(cfg: &Config, bins: &Binaries, log_dir: &Path) -> anyhow::Resul
     }
     let elapsed = started.elapsed();
     let writes = stats.writes() - writes_before;
+    let all_writes = stats.writes_including_events() - all_writes_before;
+    let cpu = proc_cpu_seconds(pid)
+        .zip(cpu_before)
+        .map(|(after, before)| after - before);
+    let (calls, sent, received) = drive.http.traffic();
     let bindings = stats.count(Verb::Create, "pods/binding") - bindings_before;
     let reads = api_reads(&api) - reads_before;
     let outcomes = bind_outcomes(addr).await;
@@ -241,6 +248,32 @@ pub async fn run(cfg: &Config, bins: &Binaries, log_dir: &Path) -> anyhow::Resul
     figure(
         "API writes per bind (events excluded)",
         ratio(writes, tally.bound),
+    );
+    // The cost to kube-scheduler and the control plane, per scheduled pod.
+    figure(
+        "API writes per scheduled pod, Events included",
+        ratio(all_writes, tally.bound),
+    );
+    figure(
+        "extender calls per scheduled pod",
+        ratio(calls, tally.bound),
+    );
+    figure(
+        "request bytes per scheduled pod (scheduler → extender)",
+        ratio(sent, tally.bound),
+    );
+    figure(
+        "answer bytes per scheduled pod (extender → scheduler)",
+        ratio(received, tally.bound),
+    );
+    figure(
+        "extender CPU per scheduled pod",
+        match cpu {
+            Some(seconds) if tally.bound > 0 => {
+                format!("{:.1} µs", seconds / tally.bound as f64 * 1e6)
+            }
+            _ => "unavailable".to_owned(),
+        },
     );
     figure("API creates of pods/binding", bindings);
     figure("API reads (get/list pods, nodes) in drive", reads);
@@ -414,10 +447,15 @@ fn describe_outcomes(before: &BTreeMap<String, u64>, after: &BTreeMap<String, u6
     }
 }
 
-/// A keep-alive HTTP/1.1 client for the extender's verbs.
+/// A keep-alive HTTP/1.1 client for the extender's verbs, counting what crosses the wire.
 struct Http {
     client: Client<HttpConnector, Full<Bytes>>,
     prefix: String,
+    /// Calls made, request body bytes sent, answer body bytes received: what kube-scheduler
+    /// encodes and decodes for the extender in its scheduling cycle.
+    calls: AtomicU64,
+    sent: AtomicU64,
+    received: AtomicU64,
 }
 
 impl Http {
@@ -427,12 +465,29 @@ impl Http {
         let client = Client::builder(TokioExecutor::new())
             .pool_idle_timeout(Duration::from_secs(90))
             .build(connector);
-        Self { client, prefix }
+        Self {
+            client,
+            prefix,
+            calls: AtomicU64::new(0),
+            sent: AtomicU64::new(0),
+            received: AtomicU64::new(0),
+        }
+    }
+
+    /// (calls, bytes sent, bytes received) so far.
+    fn traffic(&self) -> (u64, u64, u64) {
+        (
+            self.calls.load(Ordering::Relaxed),
+            self.sent.load(Ordering::Relaxed),
+            self.received.load(Ordering::Relaxed),
+        )
     }
 
     /// `POST {prefix}/{verb}` with a JSON body; the round-trip time and the answer body.
     async fn post(&self, verb: &str, body: Vec<u8>) -> anyhow::Result<(Duration, Bytes)> {
         let url = format!("{}/{verb}", self.prefix);
+        self.calls.fetch_add(1, Ordering::Relaxed);
+        self.sent.fetch_add(body.len() as u64, Ordering::Relaxed);
         let request = http::Request::post(&url)
             .header(http::header::CONTENT_TYPE, "application/json")
             .body(Full::new(Bytes::from(body)))?;
@@ -448,6 +503,8 @@ impl Http {
             .map_err(|_| anyhow!("POST {url}: no answer within {CALL_TIMEOUT:?}"))?
             .with_context(|| format!("POST {url}"))?;
         let took = started.elapsed();
+        self.received
+            .fetch_add(answer.len() as u64, Ordering::Relaxed);
         if status != http::StatusCode::OK {
             bail!(
                 "POST {url} answered {status}: {}",

@@ -112,6 +112,30 @@ pub fn proc_memory(pid: Option<u32>, field: &str) -> String {
     }
 }
 
+/// CPU time (user + system, seconds) process `pid` has used so far, from `/proc/PID/stat`.
+pub fn proc_cpu_seconds(pid: Option<u32>) -> Option<f64> {
+    let stat = std::fs::read_to_string(format!("/proc/{}/stat", pid?)).ok()?;
+    // Fields after the command name (which may hold spaces, so split after its ')'):
+    // state is field 3, utime 14 and stime 15, in clock ticks.
+    let after = stat.rsplit_once(')')?.1;
+    let fields: Vec<&str> = after.split_whitespace().collect();
+    let ticks = |i: usize| fields.get(i)?.parse::<u64>().ok();
+    let (utime, stime) = (ticks(11)?, ticks(12)?);
+    Some((utime + stime) as f64 / clock_ticks_per_second())
+}
+
+/// `getconf CLK_TCK`: the unit of `/proc` CPU times (100 on every common Linux).
+fn clock_ticks_per_second() -> f64 {
+    std::process::Command::new("getconf")
+        .arg("CLK_TCK")
+        .output()
+        .ok()
+        .and_then(|out| String::from_utf8(out.stdout).ok())
+        .and_then(|text| text.trim().parse::<f64>().ok())
+        .filter(|hz| *hz > 0.0)
+        .unwrap_or(100.0)
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

@@ -1,0 +1,98 @@
+//! Enforcement modes end to end: the real device plugin, started with `--enforcement`, gives
+//! each container what its enforcer reads, through the kubelet driver's real Allocate calls.
+
+use anyhow::ensure;
+use gpushare_contract::env;
+use gpushare_e2e::cluster::{ClusterSpec, TestCluster};
+use gpushare_e2e::scenarios::{check_pinned, create_gpu_pod, wait_running};
+
+/// Starts a one-node cluster whose device plugin runs with `args`, runs a 4 GiB and a
+/// 12 GiB pod on it, and returns each one's environment and mounts.
+async fn run_pods(
+    args: &[&str],
+) -> anyhow::Result<
+    Vec<(
+        std::collections::BTreeMap<String, String>,
+        Vec<(String, String, bool)>,
+    )>,
+> {
+    let cluster =
+        TestCluster::start(ClusterSpec::labelled(&[("n1", &[16])]).with_device_plugin_args(args))
+            .await?;
+    let result = async {
+        let mut seen = Vec::new();
+        for (name, gib) in [("small", 4), ("large", 12)] {
+            create_gpu_pod(&cluster, name, gib).await?;
+            let pod = wait_running(&cluster, name).await?;
+            check_pinned(&cluster, &pod).await?;
+            let kubelet = &cluster.nodes["n1"].kubelet;
+            let vars = kubelet
+                .container_env("default", name, "main")
+                .ok_or_else(|| anyhow::anyhow!("{name} got no environment"))?;
+            seen.push((vars, kubelet.container_mounts("default", name, "main")));
+        }
+        anyhow::Ok(seen)
+    }
+    .await;
+    if result.is_err() {
+        eprintln!("{}", cluster.log_tail(40));
+    }
+    cluster.shutdown().await;
+    result
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn each_enforcement_mode_gives_containers_what_its_enforcer_reads() -> anyhow::Result<()> {
+    // none (the default): the share is told, nothing else.
+    for (vars, mounts) in run_pods(&[]).await? {
+        ensure!(vars.contains_key(env::CONTAINER_GIB), "{vars:?}");
+        for enforcer in [
+            env::NVIDIA_GPU_MEMORY_LIMIT,
+            env::NVIDIA_GPU_MEMORY_REQUEST,
+            env::CUDA_MPS_PINNED_DEVICE_MEM_LIMIT,
+        ] {
+            ensure!(!vars.contains_key(enforcer), "{enforcer} set in mode none");
+        }
+        ensure!(mounts.is_empty(), "{mounts:?}");
+    }
+
+    // toolkit: the CDI hook's limit and request, in MiB, per container.
+    let seen = run_pods(&["--enforcement", "toolkit"]).await?;
+    for ((vars, mounts), mib) in seen.iter().zip(["4096", "12288"]) {
+        ensure!(
+            vars.get(env::NVIDIA_GPU_MEMORY_LIMIT).map(String::as_str) == Some(mib)
+                && vars.get(env::NVIDIA_GPU_MEMORY_REQUEST).map(String::as_str) == Some(mib),
+            "{vars:?}"
+        );
+        ensure!(mounts.is_empty(), "{mounts:?}");
+    }
+
+    // mps: the pinned-memory limit on the container's only GPU, and the daemon's pipes.
+    let seen = run_pods(&[
+        "--enforcement",
+        "mps",
+        "--mps-pipe-directory",
+        "/run/nvidia-mps",
+    ])
+    .await?;
+    for ((vars, mounts), limit) in seen.iter().zip(["0=4G", "0=12G"]) {
+        ensure!(
+            vars.get(env::CUDA_MPS_PINNED_DEVICE_MEM_LIMIT)
+                .map(String::as_str)
+                == Some(limit)
+                && vars.get(env::CUDA_MPS_PIPE_DIRECTORY).map(String::as_str)
+                    == Some("/run/nvidia-mps"),
+            "{vars:?}"
+        );
+        ensure!(
+            mounts
+                == &[(
+                    "/run/nvidia-mps".to_owned(),
+                    "/run/nvidia-mps".to_owned(),
+                    false
+                )],
+            "{mounts:?}"
+        );
+    }
+    Ok(())
+}
