@@ -29,6 +29,11 @@ pub struct Keys {
     pub node_gpus: String,
     /// Node label: number of GPUs the device plugin found.
     pub node_gpu_count: String,
+    /// Node labels `<prefix><model>: "true"`, one per GPU model on the node (see
+    /// [`Keys::gpu_model_label`]), for node affinity on models.
+    pub node_gpu_model_prefix: String,
+    /// Node labels `<prefix><GiB>: "true"`, one per GPU memory size on the node.
+    pub node_gpu_mem_prefix: String,
 }
 
 impl Keys {
@@ -46,7 +51,40 @@ impl Keys {
             signature: key("signature"),
             node_gpus: key("gpus"),
             node_gpu_count: format!("{domain}/gpu-count"),
+            node_gpu_model_prefix: format!("{domain}/gpu-model."),
+            node_gpu_mem_prefix: format!("{domain}/gpu-mem-gib."),
         }
+    }
+
+    /// The node label naming GPU `model`: `<domain>/gpu-model.<model>`, the model's name with
+    /// every character a label name cannot hold turned into `-` (`NVIDIA A10G` →
+    /// `gpu-model.NVIDIA-A10G`), trimmed to a valid label name.
+    pub fn gpu_model_label(&self, model: &str) -> String {
+        let room = 63 - "gpu-model.".len();
+        let cleaned: String = model
+            .trim()
+            .chars()
+            .map(|c| {
+                if c.is_ascii_alphanumeric() || matches!(c, '-' | '_' | '.') {
+                    c
+                } else {
+                    '-'
+                }
+            })
+            .take(room)
+            .collect();
+        let cleaned = cleaned.trim_matches(|c: char| !c.is_ascii_alphanumeric());
+        let cleaned = if cleaned.is_empty() {
+            "unknown"
+        } else {
+            cleaned
+        };
+        format!("{}{cleaned}", self.node_gpu_model_prefix)
+    }
+
+    /// The node label of a GPU memory size: `<domain>/gpu-mem-gib.<GiB>`.
+    pub fn gpu_mem_label(&self, gib: u64) -> String {
+        format!("{}{gib}", self.node_gpu_mem_prefix)
     }
 
     /// The keys of the allocation decision itself, which only the extender may write.
@@ -82,6 +120,18 @@ mod tests {
         assert_eq!(keys.node_gpus, "gpu.acme.io/v1.gpus");
         assert_eq!(keys.signature, "gpu.acme.io/v1.signature");
         assert_eq!(keys.node_gpu_count, "gpu.acme.io/gpu-count");
+        assert_eq!(
+            keys.gpu_model_label("NVIDIA A10G"),
+            "gpu.acme.io/gpu-model.NVIDIA-A10G"
+        );
+        assert_eq!(
+            keys.gpu_model_label(" Tesla V100-SXM2-16GB (rev. a) "),
+            "gpu.acme.io/gpu-model.Tesla-V100-SXM2-16GB--rev.-a"
+        );
+        assert_eq!(keys.gpu_model_label("***"), "gpu.acme.io/gpu-model.unknown");
+        let long = keys.gpu_model_label(&"x".repeat(100));
+        assert_eq!(long.split_once('/').map(|(_, name)| name.len()), Some(63));
+        assert_eq!(keys.gpu_mem_label(24), "gpu.acme.io/gpu-mem-gib.24");
         assert!(
             keys.allocation_keys()
                 .iter()

@@ -94,6 +94,9 @@ pub struct Config {
     /// Sizes in GiB of simulated GPUs, e.g. `16,16,24` (with `--gpu-backend simulated`).
     #[arg(long, env = "SIMULATE_GPUS", value_delimiter = ',', default_value = "")]
     pub simulate_gpus: Vec<String>,
+    /// Product name of the simulated GPUs (published in the inventory and node labels).
+    #[arg(long, env = "SIMULATE_MODEL", default_value = backend::simulated::SIMULATED_MODEL)]
+    pub simulate_model: String,
     /// File listing comma-separated indices of unhealthy simulated GPUs; polled every 200 ms.
     #[arg(long, env = "SIMULATE_HEALTH_FILE")]
     pub simulate_health_file: Option<PathBuf>,
@@ -215,11 +218,14 @@ impl Config {
     fn backend(&self) -> Result<Arc<dyn GpuBackend>> {
         Ok(match self.gpu_backend {
             BackendKind::Nvml => Arc::new(NvmlBackend::new()?),
-            BackendKind::Simulated => Arc::new(SimulatedBackend::new(
-                &self.node_name,
-                self.simulated_sizes()?,
-                self.simulate_health_file.clone(),
-            )),
+            BackendKind::Simulated => Arc::new(
+                SimulatedBackend::new(
+                    &self.node_name,
+                    self.simulated_sizes()?,
+                    self.simulate_health_file.clone(),
+                )
+                .with_model(&self.simulate_model),
+            ),
         })
     }
 }

@@ -1,5 +1,7 @@
 //! The node's GPU inventory: kept current from the backend's health reports and published
-//! on the Node for the extender (annotation `<domain>/v1.gpus`, label `<domain>/gpu-count`).
+//! on the Node for the extender (annotation `<domain>/v1.gpus`, label `<domain>/gpu-count`)
+//! and for people's node affinity (labels `<domain>/gpu-model.<model>` and
+//! `<domain>/gpu-mem-gib.<GiB>`, one per model and size present).
 //!
 //! The inventory lives in a `watch` channel: ListAndWatch streams, Allocate and the
 //! publisher all read the same value, so kubelet and the extender never see two different
@@ -90,6 +92,35 @@ pub async fn watch_health(
     }
 }
 
+/// The labels the plugin keeps on its Node for `gpus`, as a merge patch over a node now
+/// labelled `current`: the GPU count, one `gpu-model.<model>` and one `gpu-mem-gib.<GiB>`
+/// label per model and size present (for node affinity), and `null` for such labels of GPUs
+/// that are gone.
+pub fn node_labels<'a>(
+    keys: &Keys,
+    gpus: &[GpuInfo],
+    current: impl IntoIterator<Item = &'a String>,
+) -> serde_json::Map<String, serde_json::Value> {
+    use serde_json::Value;
+    let mut labels = serde_json::Map::new();
+    for key in current {
+        if key.starts_with(&keys.node_gpu_model_prefix)
+            || key.starts_with(&keys.node_gpu_mem_prefix)
+        {
+            labels.insert(key.clone(), Value::Null);
+        }
+    }
+    for gpu in gpus {
+        labels.insert(keys.gpu_model_label(&gpu.model), Value::from("true"));
+        labels.insert(keys.gpu_mem_label(gpu.mem_gib), Value::from("true"));
+    }
+    labels.insert(
+        keys.node_gpu_count.clone(),
+        Value::from(gpus.len().to_string()),
+    );
+    labels
+}
+
 /// Writes the inventory onto the Node now and after every change, until `shutdown`.
 pub async fn publish(
     client: Client,
@@ -102,10 +133,19 @@ pub async fn publish(
     let api: Api<Node> = Api::all(client);
     loop {
         let gpus = inventory.borrow_and_update().clone();
+        // Model and size labels of GPUs no longer here (replaced while the plugin was down,
+        // or since) are removed: read what the node carries now.
+        let current = match api.get(&node).await {
+            Ok(found) => found.metadata.labels.unwrap_or_default(),
+            Err(err) => {
+                tracing::debug!(%node, error = %err, "cannot read the node's labels; stale GPU model labels stay");
+                Default::default()
+            }
+        };
         let patch = serde_json::json!({
             "metadata": {
                 "annotations": { keys.node_gpus.as_str(): inventory::encode(&gpus) },
-                "labels": { keys.node_gpu_count.as_str(): gpus.len().to_string() },
+                "labels": node_labels(&keys, &gpus, current.keys()),
             }
         });
         let written = match api
@@ -127,5 +167,48 @@ pub async fn publish(
             changed = inventory.changed() => if changed.is_err() { return },
             () = tokio::time::sleep(RETRY), if !written => {}
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn gpu(index: u32, model: &str, mem_gib: u64) -> GpuInfo {
+        GpuInfo {
+            index,
+            uuid: format!("GPU-{index}"),
+            model: model.to_owned(),
+            mem_gib,
+            healthy: true,
+            numa_node: None,
+        }
+    }
+
+    #[test]
+    fn labels_name_each_model_and_size_and_drop_those_gone() {
+        let keys = Keys::new("gpushare.example.com");
+        let gpus = [
+            gpu(0, "Tesla T4", 15),
+            gpu(1, "NVIDIA A10", 24),
+            gpu(2, "Tesla T4", 15),
+        ];
+        let current = [
+            "gpushare.example.com/gpu-model.Tesla-V100".to_owned(),
+            "gpushare.example.com/gpu-model.Tesla-T4".to_owned(),
+            "gpushare.example.com/gpu-mem-gib.16".to_owned(),
+            "kubernetes.io/hostname".to_owned(),
+        ];
+        let labels = node_labels(&keys, &gpus, current.iter());
+        let want = serde_json::json!({
+            "gpushare.example.com/gpu-model.Tesla-T4": "true",
+            "gpushare.example.com/gpu-model.NVIDIA-A10": "true",
+            "gpushare.example.com/gpu-mem-gib.15": "true",
+            "gpushare.example.com/gpu-mem-gib.24": "true",
+            "gpushare.example.com/gpu-model.Tesla-V100": null,
+            "gpushare.example.com/gpu-mem-gib.16": null,
+            "gpushare.example.com/gpu-count": "3",
+        });
+        assert_eq!(serde_json::Value::Object(labels), want);
     }
 }

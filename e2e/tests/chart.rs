@@ -701,6 +701,7 @@ fn rbac_check_names_calls_not_granted_and_grants_not_used() -> anyhow::Result<()
     };
     // All the device plugin's calls but its pod patches, and a delete it is not granted.
     let calls: BTreeMap<Call, u64> = [
+        call(Verb::Get, "nodes"),
         call(Verb::Patch, "nodes"),
         call(Verb::List, "pods"),
         call(Verb::Watch, "pods"),

@@ -23,7 +23,11 @@ pub struct SimulatedBackend {
     node: String,
     sizes_gib: Vec<u64>,
     health_file: Option<PathBuf>,
+    model: String,
 }
+
+/// The product name simulated GPUs report unless told otherwise.
+pub const SIMULATED_MODEL: &str = "Simulated GPU";
 
 impl SimulatedBackend {
     /// GPUs of `sizes_gib` on `node`; health read from `health_file` when given.
@@ -32,7 +36,14 @@ impl SimulatedBackend {
             node: node.to_owned(),
             sizes_gib,
             health_file,
+            model: SIMULATED_MODEL.to_owned(),
         }
+    }
+
+    /// Every GPU reports `model` as its product name (a mixed fleet in tests).
+    pub fn with_model(mut self, model: &str) -> Self {
+        self.model = model.to_owned();
+        self
     }
 
     fn unhealthy_now(&self) -> BTreeSet<u32> {
@@ -75,7 +86,7 @@ impl GpuBackend for SimulatedBackend {
             .map(|(&mem_gib, index)| GpuInfo {
                 index,
                 uuid: format!("GPU-sim-{}-{index}", self.node),
-                model: "Simulated GPU".to_owned(),
+                model: self.model.clone(),
                 mem_gib,
                 healthy: true,
                 numa_node: None,
