@@ -7,7 +7,10 @@ use std::sync::Arc;
 // the keys are our own cluster's names, so a fast non-DoS-resistant hash is the right trade.
 use rustc_hash::FxHashMap as HashMap;
 
+use crate::fragmentation::{Host, Workload};
 use crate::{Gpu, Placement, PodId, PodPlacement, Policy, Refusal, Request, Unfit};
+
+mod host;
 
 /// One GPU and the memory booked on it.
 ///
@@ -56,6 +59,10 @@ pub struct Node {
     pods: HashMap<PodId, PodPlacement>,
     /// (container size, gpu index) → number of pending containers of that size on that GPU.
     pending: BTreeMap<(u64, u32), u32>,
+    /// Allocatable CPU and memory (`None`: unknown); see [`crate::fragmentation`].
+    host: Option<Host>,
+    /// CPU and memory requested by the pods bound here, GPU pods or not.
+    host_used: Host,
 }
 
 impl Node {
@@ -153,7 +160,12 @@ impl Node {
 
     /// The GPU (position in `gpus`) the pod would get, or why it fits nowhere.
     /// O(GPUs + container sizes × pending entries of that size); never allocates on success.
-    fn decide(&self, request: &Request, policy: Policy) -> Result<usize, Unfit> {
+    fn decide(
+        &self,
+        request: &Request,
+        policy: Policy,
+        workload: &Workload,
+    ) -> Result<usize, Unfit> {
         if !self.present {
             return Err(Unfit::UnknownNode);
         }
@@ -203,7 +215,7 @@ impl Node {
             }
             let better = match (best, policy) {
                 (None, _) => true,
-                (Some((_, chosen)), Policy::Binpack) => free < chosen,
+                (Some((_, chosen)), Policy::Binpack | Policy::Fragmentation) => free < chosen,
                 (Some((_, chosen)), Policy::Spread) => free > chosen,
             };
             if better {
@@ -211,6 +223,9 @@ impl Node {
             }
         }
         if let Some((pos, _)) = best {
+            if policy == Policy::Fragmentation {
+                return Ok(self.fragmentation_gpu(request, workload).unwrap_or(pos));
+            }
             return Ok(pos);
         }
         match largest_free {
@@ -279,6 +294,10 @@ pub struct Cluster {
     nodes: HashMap<Arc<str>, Node>,
     /// Which node each pod is on.
     pod_nodes: HashMap<PodId, Arc<str>>,
+    /// Each bound pod's CPU and memory and its node (any pod, GPU or not).
+    hosts: HashMap<PodId, (Arc<str>, Host)>,
+    /// Recent pod shapes, for [`Policy::Fragmentation`].
+    workload: Workload,
 }
 
 impl Cluster {
@@ -335,11 +354,12 @@ impl Cluster {
         let Some(node) = self.nodes.get_mut(name) else {
             return;
         };
-        if node.pods.is_empty() {
+        if node.pods.is_empty() && node.host_used == Host::default() {
             self.nodes.remove(name);
         } else {
             *node = Node {
                 pods: std::mem::take(&mut node.pods),
+                host_used: node.host_used,
                 ..Node::default()
             };
         }
@@ -378,9 +398,11 @@ impl Cluster {
     /// known only through their pods go too.
     pub fn forget_pods(&mut self) {
         self.pod_nodes.clear();
+        self.hosts.clear();
         self.nodes.retain(|_, node| node.present);
         for node in self.nodes.values_mut() {
             node.pods.clear();
+            node.host_used = Host::default();
             node.rebook();
         }
     }
@@ -391,7 +413,7 @@ impl Cluster {
         let node = self.nodes.get_mut(&node_name)?;
         let placement = node.pods.remove(uid)?;
         node.unbook(&placement);
-        if !node.present && node.pods.is_empty() {
+        if !node.present && node.pods.is_empty() && node.host_used == Host::default() {
             self.nodes.remove(&node_name);
         }
         Some((node_name, placement))
@@ -421,7 +443,7 @@ impl Cluster {
             None => return Err(Unfit::UnknownNode.into()),
         };
         let node = self.nodes.get_mut(node_name).ok_or(Unfit::UnknownNode)?;
-        let pos = node.decide(request, policy)?;
+        let pos = node.decide(request, policy, &self.workload)?;
         let gpu = &node.gpus[pos].gpu;
         let result = Placement {
             node: node_name.to_owned(),
@@ -446,7 +468,8 @@ impl Cluster {
     /// twin rule allows.
     pub fn fit(&self, node: &str, request: &Request) -> Result<(), Unfit> {
         let node = self.nodes.get(node).ok_or(Unfit::UnknownNode)?;
-        node.decide(request, Policy::Binpack).map(|_| ())
+        node.decide(request, Policy::Binpack, &self.workload)
+            .map(|_| ())
     }
 
     /// How full `node` would be after placing `request`, in 0.0..=1.0; `None` when it does
@@ -454,7 +477,7 @@ impl Cluster {
     /// one quarter (so among equally full nodes the one with the snugger GPU wins).
     pub fn fullness(&self, node: &str, request: &Request, policy: Policy) -> Option<f64> {
         let node = self.nodes.get(node)?;
-        let pos = node.decide(request, policy).ok()?;
+        let pos = node.decide(request, policy, &self.workload).ok()?;
         let (total, used) = node.healthy_totals();
         let usage = &node.gpus[pos];
         let fraction = |used: u64, total: u64| {
@@ -468,13 +491,14 @@ impl Cluster {
     }
 
     /// How good `node` is for `request` on its own, 0..=[`crate::MAX_SCORE`]; 0 when it does
-    /// not fit. Binpack scores fullness after placing, spread its complement.
+    /// not fit. Binpack scores fullness after placing, spread its complement; fragmentation,
+    /// which only ranks nodes against each other ([`Cluster::scores`]), scores as binpack.
     pub fn score(&self, node: &str, request: &Request, policy: Policy) -> u8 {
         let Some(full) = self.fullness(node, request, policy) else {
             return 0;
         };
         let score = match policy {
-            Policy::Binpack => full,
+            Policy::Binpack | Policy::Fragmentation => full,
             Policy::Spread => 1.0 - full,
         };
         to_score(score)
@@ -489,12 +513,15 @@ impl Cluster {
     /// round to 1), and the scheduler's own spreading scores then decide — fragmenting GPUs.
     /// Ranking among the candidates keeps the packing preference decisive at any fill level.
     pub fn scores(&self, nodes: &[&str], request: &Request, policy: Policy) -> Vec<u8> {
+        if policy == Policy::Fragmentation {
+            return self.fragmentation_scores(nodes, request);
+        }
         let goodness: Vec<Option<f64>> = nodes
             .iter()
             .map(|node| {
                 self.fullness(node, request, policy)
                     .map(|full| match policy {
-                        Policy::Binpack => full,
+                        Policy::Binpack | Policy::Fragmentation => full,
                         Policy::Spread => 1.0 - full,
                     })
             })
@@ -518,7 +545,7 @@ impl Cluster {
     /// The GPU `request` would get on `node` under `policy`, without booking it.
     pub fn choose_gpu(&self, node: &str, request: &Request, policy: Policy) -> Result<u32, Unfit> {
         let node = self.nodes.get(node).ok_or(Unfit::UnknownNode)?;
-        let pos = node.decide(request, policy)?;
+        let pos = node.decide(request, policy, &self.workload)?;
         Ok(node.gpus[pos].index)
     }
 
@@ -571,6 +598,7 @@ mod tests {
         Request {
             pod_gib: gib,
             containers: vec![gib],
+            host: Host::default(),
         }
     }
 
@@ -870,6 +898,7 @@ mod tests {
         let both = Request {
             pod_gib: 5,
             containers: vec![2, 3],
+            host: Host::default(),
         };
         assert!(matches!(
             cluster.fit("n1", &both),

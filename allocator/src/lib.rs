@@ -46,6 +46,7 @@
 #![cfg_attr(test, allow(clippy::unwrap_used))]
 
 mod cluster;
+pub mod fragmentation;
 mod unfit;
 
 use std::fmt;
@@ -108,6 +109,8 @@ pub struct Request {
     pub pod_gib: u64,
     /// GiB of each container that will ask the device plugin for memory, in admission order.
     pub containers: Vec<u64>,
+    /// CPU and memory the pod requests (only [`Policy::Fragmentation`] reads them).
+    pub host: fragmentation::Host,
 }
 
 /// Where a pod sits, as recorded in its annotations (or booked by [`Cluster::reserve`]).
@@ -155,6 +158,9 @@ pub enum Policy {
     Binpack,
     /// Spread pods over the emptiest nodes and GPUs, for less contention.
     Spread,
+    /// Place pods where they fragment the free GPU memory least, counting GPUs stranded
+    /// behind a node's exhausted CPU or memory as lost (see [`fragmentation`]).
+    Fragmentation,
 }
 
 impl fmt::Display for Policy {
@@ -162,13 +168,14 @@ impl fmt::Display for Policy {
         f.write_str(match self {
             Policy::Binpack => "binpack",
             Policy::Spread => "spread",
+            Policy::Fragmentation => "fragmentation",
         })
     }
 }
 
-/// A policy name that is neither `binpack` nor `spread`.
+/// A policy name that is not `binpack`, `spread` or `fragmentation`.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
-#[error("unknown placement policy {0:?}: use \"binpack\" or \"spread\"")]
+#[error("unknown placement policy {0:?}: use \"binpack\", \"spread\" or \"fragmentation\"")]
 pub struct UnknownPolicy(pub String);
 
 impl std::str::FromStr for Policy {
@@ -178,6 +185,7 @@ impl std::str::FromStr for Policy {
         match s.trim().to_ascii_lowercase().as_str() {
             "binpack" => Ok(Policy::Binpack),
             "spread" => Ok(Policy::Spread),
+            "fragmentation" => Ok(Policy::Fragmentation),
             _ => Err(UnknownPolicy(s.to_owned())),
         }
     }

@@ -125,7 +125,7 @@ proptest! {
         for op in ops {
             match op {
                 Op::Reserve { pod, node, containers, spread } => {
-                    let request = Request { pod_gib: containers.iter().sum(), containers };
+                    let request = Request { pod_gib: containers.iter().sum(), containers, host: Default::default() };
                     let policy = if spread { Policy::Spread } else { Policy::Binpack };
                     let name = node_name(node);
                     let fits = cluster.fit(&name, &request);

@@ -47,6 +47,7 @@ use tokio_util::sync::CancellationToken;
 pub mod backend;
 pub mod devices;
 pub mod facts;
+pub mod gpu_health;
 pub mod matching;
 pub mod metrics;
 pub mod node;
@@ -134,6 +135,10 @@ pub struct Config {
     /// hook: `NVIDIA_GPU_MEMORY_LIMIT`), `mps` (an MPS control daemon's pinned-memory limit).
     #[arg(long, env = "GPUSHARE_ENFORCEMENT", default_value = "none")]
     pub enforcement: Enforcement,
+    /// Evict the running pods of a GPU that turns unhealthy (they get an Event and a pod
+    /// condition either way), so their controllers re-create them elsewhere.
+    #[arg(long, env = "EVICT_ON_UNHEALTHY", default_value_t = false, action = clap::ArgAction::Set)]
+    pub evict_on_unhealthy: bool,
     /// The MPS control daemon's pipe directory on the host, mounted into containers at the
     /// same path (`--enforcement mps`).
     #[arg(
@@ -360,6 +365,7 @@ async fn run_inner(
         token.clone(),
     );
     let allocated = Arc::new(tokio::sync::Notify::new());
+    let pods_for_health = pods.clone();
     let state = Arc::new(PluginState {
         node: config.node_name.clone(),
         resource: config.resource.clone(),
@@ -408,6 +414,24 @@ async fn run_inner(
                 let (inventory, metrics, token) =
                     (inventory.clone(), metrics.clone(), token.clone());
                 async move { Ok(node::watch_health(backend, inventory, metrics, token).await?) }
+            }),
+        ),
+        (
+            "unhealthy GPU reporter",
+            tokio::spawn({
+                let reporter = gpu_health::HealthReporter {
+                    client: client.clone(),
+                    node: config.node_name.clone(),
+                    pods: pods_for_health,
+                    metrics: metrics.clone(),
+                    condition: format!("{}/GpuHealthy", config.domain),
+                    evict: config.evict_on_unhealthy,
+                };
+                let (rx, token) = (inventory.subscribe(), token.clone());
+                async move {
+                    reporter.run(rx, token).await;
+                    Ok(())
+                }
             }),
         ),
         (

@@ -62,6 +62,10 @@ pub struct Metrics {
     pub marks_from_kubelet: Counter,
     /// 1 while kubelet's PodResources API answers, else 0.
     pub pod_resources_up: Gauge<i64, AtomicI64>,
+    /// Running pods whose GPU turned unhealthy (each counted once per health change).
+    pub pods_on_unhealthy_gpu: Counter,
+    /// Pods evicted because their GPU turned unhealthy (`--evict-on-unhealthy`).
+    pub evictions: Counter,
 }
 
 /// A label naming the kind of a finding.
@@ -87,6 +91,8 @@ impl Metrics {
             kubelet_mismatches: Family::default(),
             marks_from_kubelet: Counter::default(),
             pod_resources_up: Gauge::default(),
+            pods_on_unhealthy_gpu: Counter::default(),
+            evictions: Counter::default(),
         };
         let sub = registry.sub_registry_with_prefix("gpushare_device_plugin");
         sub.register(
@@ -140,6 +146,16 @@ impl Metrics {
             "pod_resources_up",
             "1 while kubelet's PodResources API answers, else 0 (marks are then reconciled from pod phases)",
             metrics.pod_resources_up.clone(),
+        );
+        sub.register(
+            "pods_on_unhealthy_gpu",
+            "Running pods whose GPU turned unhealthy (an Event and a pod condition each)",
+            metrics.pods_on_unhealthy_gpu.clone(),
+        );
+        sub.register(
+            "unhealthy_gpu_evictions",
+            "Pods evicted because their GPU turned unhealthy (--evict-on-unhealthy)",
+            metrics.evictions.clone(),
         );
         metrics
     }

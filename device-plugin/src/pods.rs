@@ -380,6 +380,25 @@ impl PodCache {
         let _ = self.patches.send(view.uid.clone());
     }
 
+    /// Live pods (not finished, not being deleted) whose allocation, trusted, is on the GPU
+    /// with `uuid`: `(namespace/name, uid)`.
+    pub fn pods_on_gpu(&self, uuid: &str) -> Vec<(String, String)> {
+        let overlay = self.lock();
+        self.views(&overlay)
+            .iter()
+            .filter(|view| {
+                view.allocation.gpu_uuid == uuid
+                    && !view.deleting
+                    && !matches!(view.phase.as_deref(), Some("Succeeded" | "Failed"))
+                    && matches!(
+                        view.trust,
+                        matching::Trust::Verified | matching::Trust::Unchecked
+                    )
+            })
+            .map(|view| (view.key.clone(), view.uid.clone()))
+            .collect()
+    }
+
     /// Matches each size in `sizes` (one per container request) to a pending container,
     /// runs `check` on it, and marks it allocated. All or nothing: if one size has no match
     /// or `check` refuses, nothing is marked.

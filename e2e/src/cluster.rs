@@ -49,7 +49,7 @@ use crate::scheduler::{ExtenderConfig, ExtenderTlsConfig, SchedulerConfig, Sched
 /// The resource name every scenario uses.
 pub const RESOURCE: &str = gpushare_contract::DEFAULT_RESOURCE;
 
-/// Paths to our two binaries, built once per process with the same cargo and profile as the
+/// Paths to our binaries, built once per process with the same cargo and profile as the
 /// running test or demo.
 #[derive(Debug, Clone)]
 pub struct Binaries {
@@ -57,6 +57,8 @@ pub struct Binaries {
     pub extender: PathBuf,
     /// `gpushare-device-plugin`
     pub device_plugin: PathBuf,
+    /// `gpushare-dra-plugin` (DRA mode, see [`crate::cluster_dra`])
+    pub dra_plugin: PathBuf,
 }
 
 /// Builds (if needed) and finds our binaries. `GPUSHARE_BIN_DIR` points at prebuilt ones.
@@ -72,6 +74,7 @@ fn build_binaries() -> anyhow::Result<Binaries> {
     let in_dir = |dir: &Path| Binaries {
         extender: dir.join("gpushare-extender"),
         device_plugin: dir.join("gpushare-device-plugin"),
+        dra_plugin: dir.join("gpushare-dra-plugin"),
     };
     if let Some(dir) = std::env::var_os("GPUSHARE_BIN_DIR") {
         return Ok(in_dir(Path::new(&dir)));
@@ -126,6 +129,8 @@ fn build_binaries() -> anyhow::Result<Binaries> {
             "gpushare-extender",
             "-p",
             "gpushare-device-plugin",
+            "-p",
+            "gpushare-dra-plugin",
         ])
         .arg("--target-dir")
         .arg(target_dir);
@@ -136,7 +141,9 @@ fn build_binaries() -> anyhow::Result<Binaries> {
         .status()
         .context("running cargo build for our binaries")?;
     if !status.success() {
-        bail!("cargo build of gpushare-extender and gpushare-device-plugin failed ({status})");
+        bail!(
+            "cargo build of gpushare-extender, gpushare-device-plugin and gpushare-dra-plugin failed ({status})"
+        );
     }
     Ok(in_dir(&profile_dir))
 }

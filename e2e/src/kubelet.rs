@@ -60,6 +60,9 @@ use tokio_util::sync::CancellationToken;
 use tonic::transport::{Channel, Server};
 use tonic::{Request, Response, Status};
 
+/// A mount a device plugin's Allocate answered: (container path, host path, read-only).
+pub type GrantedMount = (String, String, bool);
+
 /// The order in which pods seen in one sweep are admitted.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum AdmissionOrder {
@@ -92,8 +95,8 @@ struct State {
     registrations: HashMap<String, u64>,
     next_generation: u64,
     envs: HashMap<(String, String, String), BTreeMap<String, String>>,
-    /// Mounts each container got from Allocate: (container path, host path, read-only).
-    mounts: HashMap<(String, String, String), Vec<(String, String, bool)>>,
+    /// Mounts each container got from Allocate, by (namespace, pod, container).
+    mounts: HashMap<(String, String, String), Vec<GrantedMount>>,
     errors: Vec<(String, String)>,
     /// Admitted pods by UID: `namespace/name` and devices held per resource.
     admitted: HashMap<String, (String, HashMap<String, Vec<String>>)>,
@@ -480,12 +483,7 @@ impl KubeletDriver {
     }
 
     /// Mounts each container got from Allocate: (container path, host path, read-only).
-    pub fn container_mounts(
-        &self,
-        ns: &str,
-        pod: &str,
-        container: &str,
-    ) -> Vec<(String, String, bool)> {
+    pub fn container_mounts(&self, ns: &str, pod: &str, container: &str) -> Vec<GrantedMount> {
         self.shared
             .lock()
             .mounts
@@ -971,7 +969,7 @@ impl Admission {
         &self,
         resource: &str,
         ids: &[String],
-    ) -> Result<(BTreeMap<String, String>, Vec<(String, String, bool)>), String> {
+    ) -> Result<(BTreeMap<String, String>, Vec<GrantedMount>), String> {
         let channel = self
             .shared
             .lock()

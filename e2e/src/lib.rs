@@ -6,16 +6,24 @@
 //! - [`scheduler`]: drives pending pods through an HTTP extender exactly as kube-scheduler does.
 //! - [`kubelet`]: registers device plugins over a real unix socket and admits pods as kubelet
 //!   does.
+//! - [`kubelet_dra`]: the DRA side of a kubelet: plugin registration, Prepare/Unprepare over
+//!   real sockets, and CDI devices applied to containers.
 //! - [`fixtures`]: builders for nodes and pods shared by every test.
 //! - [`cluster`]: the whole system — our real binaries as child processes on simulated GPUs —
 //!   started, faulted and stopped in one place, for the scenarios, the demo and the load harness.
+//! - [`cluster_dra`]: the same in DRA mode: the real `gpushare-dra-plugin` per node, the DRA
+//!   scheduler driver, no extender.
+//! - [`front`]: a round-robin TCP front over several extender replicas, as a Service is.
 //! - [`scenarios`]: the user stories, written once, run here and on a real cluster.
 //! - [`tools`]: installs kubectl and helm from the project's own script, for tests that need them.
 
 pub mod apiserver;
 pub mod cluster;
+pub mod cluster_dra;
 pub mod fixtures;
+pub mod front;
 pub mod kubelet;
+pub mod kubelet_dra;
 pub mod scenarios;
 pub mod scheduler;
 pub mod tools;

@@ -174,6 +174,9 @@ fn check_all_typed(rendered: &Rendered) -> anyhow::Result<()> {
             "ClusterRoleBinding" => round_trip::<ClusterRoleBinding>(doc)?,
             "Role" => round_trip::<Role>(doc)?,
             "RoleBinding" => round_trip::<RoleBinding>(doc)?,
+            "PodDisruptionBudget" => {
+                round_trip::<k8s_openapi::api::policy::v1::PodDisruptionBudget>(doc)?
+            }
             "ConfigMap" => round_trip::<ConfigMap>(doc)?,
             "MutatingWebhookConfiguration" => round_trip::<MutatingWebhookConfiguration>(doc)?,
             "ValidatingAdmissionPolicy" => round_trip::<ValidatingAdmissionPolicy>(doc)?,
@@ -264,10 +267,24 @@ fn args(c: &Container) -> Vec<String> {
 
 fn check_rbac_bindings(rendered: &Rendered, prefix: &str) -> anyhow::Result<()> {
     let extender = format!("{prefix}-extender");
-    ensure!(
-        rendered.get::<Role>("Role", &extender).is_err(),
-        "the extender needs no namespaced Role"
-    );
+    // Its one namespaced Role: leader election on its own Lease (get/update by name; create
+    // cannot be narrowed by name), bound to its ServiceAccount in the release namespace.
+    let lease_role: Role = rendered.get("Role", &extender)?;
+    ensure!(lease_role.metadata.namespace.as_deref() == Some(rendered.namespace.as_str()));
+    for rule in lease_role.rules.iter().flatten() {
+        ensure!(
+            rule.resources.as_deref() == Some(&["leases".to_owned()]),
+            "{rule:?}"
+        );
+        if rule.verbs != ["create"] {
+            ensure!(
+                rule.resource_names.as_deref() == Some(std::slice::from_ref(&extender)),
+                "Lease get/update not restricted to the extender's Lease: {rule:?}"
+            );
+        }
+    }
+    let lease_binding: RoleBinding = rendered.get("RoleBinding", &extender)?;
+    ensure!(lease_binding.role_ref.name == extender);
     // The webhook rule only on our configuration.
     let cluster_role: ClusterRole = rendered.get("ClusterRole", &extender)?;
     for rule in cluster_role.rules.iter().flatten() {
@@ -342,16 +359,25 @@ fn granted_to(rendered: &Rendered, namespace: &str, name: &str) -> anyhow::Resul
                 && s.namespace.as_deref() == Some(namespace)
         })
     };
+    let mut grants = BTreeSet::new();
+    // Calls are recorded without their namespace, so a Role counts only in the
+    // ServiceAccount's own namespace, where the binaries make their namespaced calls (the
+    // extender's Lease, in POD_NAMESPACE).
     for doc in rendered.of_kind("RoleBinding") {
         let binding: RoleBinding = serde_json::from_value(doc.clone())?;
+        if !names_it(binding.subjects.as_deref()) {
+            continue;
+        }
         ensure!(
-            !names_it(binding.subjects.as_deref()),
-            "RoleBinding {:?} grants {namespace}/{name} namespaced permissions; calls are \
-             recorded without their namespace, so this check cannot hold them against calls",
+            binding.metadata.namespace.as_deref() == Some(namespace)
+                && binding.role_ref.kind == "Role",
+            "RoleBinding {:?} grants {namespace}/{name} permissions outside its namespace",
             binding.metadata.name
         );
+        let role: Role = rendered.get("Role", &binding.role_ref.name)?;
+        ensure!(role.metadata.namespace.as_deref() == Some(namespace));
+        grants.extend(expand(role.rules.as_deref().unwrap_or_default())?);
     }
-    let mut grants = BTreeSet::new();
     for doc in rendered.of_kind("ClusterRoleBinding") {
         let binding: ClusterRoleBinding = serde_json::from_value(doc.clone())?;
         if !names_it(binding.subjects.as_deref()) {
@@ -439,7 +465,11 @@ fn rbac_problems(
 
 /// Runs a small cluster through every path that needs a permission and returns the calls
 /// each of our binaries made, by username.
-async fn record_calls(spec: ClusterSpec) -> anyhow::Result<BTreeMap<String, BTreeMap<Call, u64>>> {
+async fn record_calls(
+    mut spec: ClusterSpec,
+) -> anyhow::Result<BTreeMap<String, BTreeMap<Call, u64>>> {
+    // As the chart runs it: electing a leader over its Lease (get, create, then update).
+    spec.extender_args.push("--leader-elect=true".to_owned());
     let cluster = TestCluster::start(spec).await?;
     let result = exercise(&cluster).await;
     if result.is_err() {
@@ -607,6 +637,27 @@ async fn exercise(cluster: &TestCluster) -> anyhow::Result<()> {
     delete_pod(cluster, "b").await?;
     create_gpu_pod(cluster, "c", 8).await?;
     wait_running(cluster, "c").await?;
+
+    // The GPU turns unhealthy under running pods: the device plugin sets their GPU health
+    // condition (a pods/status patch), and again when it recovers.
+    cluster.set_unhealthy("gpu-node-1", &[0])?;
+    let condition_set = wait_for(
+        "the device plugin to set a pod's GPU health condition",
+        Duration::from_secs(30),
+        || {
+            let stats = cluster.api.stats();
+            async move {
+                stats
+                    .calls_by(DEVICE_PLUGIN_USER)
+                    .keys()
+                    .any(|c| c.verb == Verb::Patch && c.resource == "pods/status")
+                    .then_some(())
+            }
+        },
+    )
+    .await;
+    cluster.set_unhealthy("gpu-node-1", &[])?;
+    condition_set?;
     Ok(())
 }
 
@@ -703,6 +754,7 @@ fn rbac_check_names_calls_not_granted_and_grants_not_used() -> anyhow::Result<()
     let calls: BTreeMap<Call, u64> = [
         call(Verb::Get, "nodes"),
         call(Verb::Patch, "nodes"),
+        call(Verb::Patch, "pods/status"),
         call(Verb::List, "pods"),
         call(Verb::Watch, "pods"),
         call(Verb::Delete, "pods"),
@@ -1117,11 +1169,12 @@ fn the_network_policy_admits_only_the_scheduler_to_the_scheduler_port() -> anyho
     let from = scheduler["from"]
         .as_array()
         .context("the scheduler port admits anyone")?;
-    assert_eq!(from.len(), 1, "{from:?}");
-    assert_eq!(
-        from[0]["podSelector"]["matchLabels"]["app.kubernetes.io/component"],
-        "scheduler"
-    );
+    // The scheduler, and the other extender replicas (a follower passes binds on).
+    let components: Vec<&Value> = from
+        .iter()
+        .map(|peer| &peer["podSelector"]["matchLabels"]["app.kubernetes.io/component"])
+        .collect();
+    assert_eq!(components, ["extender", "scheduler"], "{from:?}");
     assert_eq!(
         rule_for("http")?.get("from"),
         None,
@@ -1144,8 +1197,12 @@ fn the_network_policy_admits_only_the_scheduler_to_the_scheduler_port() -> anyho
     )?;
     let policy = rendered.of_kind("NetworkPolicy")[0].clone();
     assert_eq!(
-        policy["spec"]["ingress"][0]["from"],
-        serde_json::json!([{"ipBlock": {"cidr": "10.0.0.0/24"}}])
+        policy["spec"]["ingress"][0]["from"][1],
+        serde_json::json!({"ipBlock": {"cidr": "10.0.0.0/24"}})
+    );
+    assert_eq!(
+        policy["spec"]["ingress"][0]["from"][0]["podSelector"]["matchLabels"]["app.kubernetes.io/component"],
+        "extender"
     );
     Ok(())
 }
@@ -1258,8 +1315,9 @@ fn default_values_render_a_dedicated_scheduler_install() -> anyhow::Result<()> {
         ("DaemonSet", 1),
         ("Deployment", 2),
         ("MutatingWebhookConfiguration", 1),
-        ("Role", 1),
-        ("RoleBinding", 2),
+        ("PodDisruptionBudget", 1),
+        ("Role", 2),
+        ("RoleBinding", 3),
         ("Secret", 2),
         ("Service", 2),
         ("ServiceAccount", 3),
@@ -1287,6 +1345,11 @@ fn default_values_render_a_dedicated_scheduler_install() -> anyhow::Result<()> {
             "--tls-cert=/etc/gpushare/extender-tls/tls.crt",
             "--tls-key=/etc/gpushare/extender-tls/tls.key",
             "--allocation-keys-file=/etc/gpushare/allocation-keys/keys",
+            "--leader-elect=true",
+            "--leader-lease=gpushare-extender",
+            "--advertise-url=https://$(POD_IP):39999",
+            "--leader-forward-ca=/etc/gpushare/extender-tls/ca.crt",
+            "--leader-forward-server-name=gpushare-extender.kube-system.svc",
         ],
     )?;
     let deployment: k8s_openapi::api::apps::v1::Deployment =
@@ -1295,10 +1358,15 @@ fn default_values_render_a_dedicated_scheduler_install() -> anyhow::Result<()> {
         .spec
         .and_then(|s| s.strategy)
         .and_then(|s| s.type_);
+    // Two replicas, one binder: old and new pods may overlap in an update because only the
+    // Lease holder binds.
     ensure!(
-        strategy.as_deref() == Some("Recreate"),
-        "the extender must never run twice during an update: {strategy:?}"
+        strategy.as_deref() == Some("RollingUpdate"),
+        "the extender's replicas roll: {strategy:?}"
     );
+    let pdb: k8s_openapi::api::policy::v1::PodDisruptionBudget =
+        rendered.get("PodDisruptionBudget", "gpushare-extender")?;
+    ensure!(pdb.spec.and_then(|s| s.min_available) == Some(IntOrString::Int(1)));
     check_device_plugin(
         &rendered,
         "gpushare",
@@ -1408,14 +1476,41 @@ fn non_default_values_render_a_default_scheduler_install() -> anyhow::Result<()>
 }
 
 #[test]
+fn dra_mode_installs_the_dra_driver_and_nothing_of_extender_mode() -> anyhow::Result<()> {
+    let rendered = render("gpushare", "kube-system", &["--set", "mode=dra"])?;
+    let kinds = rendered.kinds();
+    let want: BTreeMap<String, usize> = [
+        ("ClusterRole", 1),
+        ("ClusterRoleBinding", 1),
+        ("DaemonSet", 1),
+        ("DeviceClass", 1),
+        ("ServiceAccount", 1),
+    ]
+    .into_iter()
+    .map(|(k, n)| (k.to_owned(), n))
+    .collect();
+    assert_eq!(kinds, want);
+    let ds = rendered.of_kind("DaemonSet")[0];
+    assert_eq!(ds["metadata"]["name"], "gpushare-dra-plugin");
+    Ok(())
+}
+
+#[test]
 fn impossible_values_fail_with_a_clear_message() -> anyhow::Result<()> {
     let chart = chart_dir();
     let chart = chart.to_str().context("path")?;
     for (set, needle) in [
         ("scheduler.mode=both", "scheduler.mode must be"),
         ("policy=random", "policy must be"),
-        ("devicePlugin.enforcement.mode=cgroup", "enforcement.mode must be"),
-        ("extender.replicas=2", "no leader election"),
+        ("mode=both", "mode must be \"extender\" or \"dra\""),
+        (
+            "devicePlugin.enforcement.mode=cgroup",
+            "enforcement.mode must be",
+        ),
+        (
+            "extender.replicas=0",
+            "extender.replicas must be at least 1",
+        ),
         (
             "networkPolicy.enabled=true,scheduler.mode=default-scheduler",
             "needs networkPolicy.schedulerPeers",

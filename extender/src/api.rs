@@ -12,7 +12,7 @@ use axum::Json;
 use axum::Router;
 use axum::body::Bytes;
 use axum::extract::{DefaultBodyLimit, Path, State};
-use axum::http::{StatusCode, header};
+use axum::http::{HeaderMap, StatusCode, header};
 use axum::response::{IntoResponse, Response};
 use axum::routing::{get, post};
 use gpushare_allocator::{PodId, Policy, Request, Unfit};
@@ -23,9 +23,10 @@ use serde_json::value::RawValue;
 
 use crate::bind::BindTiming;
 use crate::kube_io::{Binder, EventSink};
+use crate::leader::Leadership;
 use crate::metrics::Metrics;
 use crate::reservation::Phase;
-use crate::view::{Settings, View, to_request};
+use crate::view::{Settings, View, pod_host, to_request};
 use crate::wire::{
     ExtenderArgs, ExtenderBindingArgs, ExtenderBindingResult, ExtenderFilterResult, HostPriority,
     RawNodeListOut, raw_node_name,
@@ -52,6 +53,8 @@ struct Inner {
     events: EventSink,
     metrics: Metrics,
     registry: Arc<Registry>,
+    leadership: Leadership,
+    forwarder: RwLock<Option<crate::forward::Forwarder>>,
 }
 
 impl AppState {
@@ -65,6 +68,8 @@ impl AppState {
         mut registry: Registry,
     ) -> Self {
         let metrics = Metrics::register(&mut registry);
+        // Without an election this instance always binds; `serve` switches it to elected.
+        metrics.leader.set(1);
         Self {
             inner: Arc::new(Inner {
                 view: RwLock::new(View::new(settings)),
@@ -74,6 +79,8 @@ impl AppState {
                 events,
                 metrics,
                 registry: Arc::new(registry),
+                leadership: Leadership::default(),
+                forwarder: RwLock::new(None),
             }),
         }
     }
@@ -112,6 +119,29 @@ impl AppState {
     /// The bind path's timeouts.
     pub fn bind_timing(&self) -> BindTiming {
         self.inner.bind_timing
+    }
+
+    /// Whether this replica may bind now (see [`crate::leader`]).
+    pub fn leadership(&self) -> &Leadership {
+        &self.inner.leadership
+    }
+
+    /// How a follower passes binds on to the leader, if it does.
+    pub fn forwarder(&self) -> Option<crate::forward::Forwarder> {
+        self.inner
+            .forwarder
+            .read()
+            .unwrap_or_else(|e| e.into_inner())
+            .clone()
+    }
+
+    /// Sets [`AppState::forwarder`].
+    pub fn set_forwarder(&self, forwarder: crate::forward::Forwarder) {
+        *self
+            .inner
+            .forwarder
+            .write()
+            .unwrap_or_else(|e| e.into_inner()) = Some(forwarder);
     }
 
     /// Sets the reservation gauges from `view`.
@@ -201,7 +231,12 @@ fn read_request(args: &ExtenderArgs<'_>, resource: &str) -> Result<Option<Reques
         return Err("the request carries no Pod".to_owned());
     };
     pod_request(pod, resource)
-        .map(|r| r.map(|r| to_request(&r)))
+        .map(|r| {
+            r.map(|r| Request {
+                host: pod_host(pod),
+                ..to_request(&r)
+            })
+        })
         .map_err(|e| e.to_string())
 }
 
@@ -352,7 +387,7 @@ async fn prioritize(State(state): State<AppState>, body: Bytes) -> Response {
 
 /// `POST {prefix}/bind`.
 #[tracing::instrument(skip_all, fields(pod, node))]
-async fn bind(State(state): State<AppState>, body: Bytes) -> Response {
+async fn bind(State(state): State<AppState>, headers: HeaderMap, body: Bytes) -> Response {
     let started = Instant::now();
     let response = match serde_json::from_slice::<ExtenderBindingArgs>(&body) {
         Ok(args) => {
@@ -362,11 +397,22 @@ async fn bind(State(state): State<AppState>, body: Bytes) -> Response {
                 tracing::field::display(format_args!("{}/{}", args.pod_namespace, args.pod_name)),
             );
             span.record("node", tracing::field::display(&args.node));
-            let error = match crate::bind::bind_pod(&state, &args).await {
+            let forwarded = headers.contains_key(crate::forward::FORWARDED_HEADER);
+            let error = match crate::bind::bind_or_forward(&state, &args, &body, forwarded).await {
                 Ok(()) => String::new(),
                 Err(reason) => reason,
             };
-            json_response(&ExtenderBindingResult { error })
+            let failed = !error.is_empty();
+            let mut response = json_response(&ExtenderBindingResult { error });
+            // A replica that does not lead and got no bind done closes the connection: kube-scheduler keeps its connections alive, and its retry on a new
+            // one may reach the replica that can bind.
+            if failed && !state.leadership().is_leader() {
+                response.headers_mut().insert(
+                    header::CONNECTION,
+                    axum::http::HeaderValue::from_static("close"),
+                );
+            }
+            response
         }
         Err(error) => bad_request("bind", &error),
     };
@@ -500,12 +546,21 @@ fn inspect(view: &View, name: &str) -> InspectNode {
     }
 }
 
-/// `GET /readyz`: 200 once both watches have listed and the view is built.
+/// `GET /readyz`: 200 once both watches have listed and the view is built, and, with leader
+/// election, while this replica reaches the API server (its last Lease round was answered
+/// within a lease duration). Leader or follower does not matter: both answer filter and
+/// prioritize, and a follower passes binds on to the leader.
 async fn readyz(State(state): State<AppState>) -> Response {
-    if state.view().is_synced() {
-        (StatusCode::OK, "ok").into_response()
-    } else {
+    if !state.view().is_synced() {
         (StatusCode::SERVICE_UNAVAILABLE, NOT_SYNCED).into_response()
+    } else if !state.leadership().reaches_api() {
+        (
+            StatusCode::SERVICE_UNAVAILABLE,
+            "this replica has not reached the API server for a lease duration",
+        )
+            .into_response()
+    } else {
+        (StatusCode::OK, "ok").into_response()
     }
 }
 

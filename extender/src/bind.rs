@@ -20,6 +20,7 @@ use tokio::sync::oneshot;
 
 use crate::api::{AppState, NOT_SYNCED, unfit_reason};
 use crate::kube_io::{BindError, BindingTarget, PodEvent, PodOnServer};
+use crate::leader::Gate;
 use crate::reservation::{Outcome, Phase, Settled, Ticket};
 use crate::view::View;
 use crate::wire::ExtenderBindingArgs;
@@ -63,6 +64,8 @@ struct Write {
     gpu: u32,
     uuid: String,
     gib: u64,
+    /// The leadership term it was decided in.
+    term: u64,
 }
 
 impl Write {
@@ -71,12 +74,61 @@ impl Write {
     }
 }
 
-/// Binds a pod; the error is the text kube-scheduler reports.
-pub async fn bind_pod(state: &AppState, args: &ExtenderBindingArgs) -> Result<(), String> {
+/// Binds a pod if this replica leads, passes the call on to the leader if another replica
+/// does (`body` as kube-scheduler sent it; never a call that was itself `forwarded`), and
+/// refuses it retryably otherwise. The error is the text kube-scheduler reports.
+pub async fn bind_or_forward(
+    state: &AppState,
+    args: &ExtenderBindingArgs,
+    body: &[u8],
+    forwarded: bool,
+) -> Result<(), String> {
+    let refuse = |reason: &'static str, message: String| {
+        state.metrics().bind(reason);
+        tracing::debug!(pod = %format_args!("{}/{}", args.pod_namespace, args.pod_name), %message, "bind not taken");
+        Err(message)
+    };
+    let timeout = state.bind_timing().timeout;
+    let now = tokio::time::Instant::now();
+    match state.leadership().gate(now, timeout) {
+        Gate::Bind { budget, term } => bind_pod(state, args, now + budget, term).await,
+        Gate::Forward { url, leader } => match (forwarded, state.forwarder()) {
+            (false, Some(forwarder)) => match forwarder.forward(&url, body, timeout).await {
+                Ok(answer) => {
+                    state.metrics().bind("forwarded");
+                    answer
+                }
+                Err(error) => refuse(
+                    "forward_failed",
+                    format!(
+                        "the extender leader {leader} did not answer this bind ({error}); retry"
+                    ),
+                ),
+            },
+            _ => refuse(
+                "not_leader",
+                format!("this extender replica does not lead ({leader} does); retry"),
+            ),
+        },
+        Gate::Refuse { reason, message } => refuse(reason, message),
+    }
+}
+
+/// Binds a pod in leadership term `term`; the Binding write ends by `deadline` (within the
+/// lease, see [`crate::leader`]); the error is the text kube-scheduler reports.
+pub async fn bind_pod(
+    state: &AppState,
+    args: &ExtenderBindingArgs,
+    deadline: tokio::time::Instant,
+    term: u64,
+) -> Result<(), String> {
     let pod_key = format!("{}/{}", args.pod_namespace, args.pod_name);
     let decision = {
         let mut view = state.view_mut();
-        let decision = decide(&mut view, state.policy(), args, &pod_key);
+        let decision = decide(&mut view, state.policy(), args, &pod_key).map(|d| match d {
+            Decision::Write(write) => Decision::Write(Write { term, ..write }),
+            other => other,
+        });
         state.update_reservation_gauges(&view);
         decision
     };
@@ -99,7 +151,7 @@ pub async fn bind_pod(state: &AppState, args: &ExtenderBindingArgs) -> Result<()
         }
     };
     let (answer_tx, answer_rx) = oneshot::channel();
-    tokio::spawn(drive(state.clone(), write, answer_tx));
+    tokio::spawn(drive(state.clone(), write, deadline, answer_tx));
     match answer_rx.await {
         Ok(answer) => answer,
         // The task ended without an answer: it panicked. Its reservation stays booked (safe);
@@ -280,7 +332,19 @@ fn decide(
         gpu: placement.gpu,
         uuid: placement.uuid,
         gib: placement.pod_gib,
+        term: 0,
     }))
+}
+
+/// Runs `call` until `deadline`: a Binding write must end within the lease.
+async fn timed_until<T>(
+    deadline: tokio::time::Instant,
+    call: impl Future<Output = Result<T, BindError>>,
+) -> Result<T, BindError> {
+    let budget = deadline.saturating_duration_since(tokio::time::Instant::now());
+    tokio::time::timeout_at(deadline, call)
+        .await
+        .unwrap_or(Err(BindError::Timeout(budget)))
 }
 
 /// Runs `call` with the bind path's client timeout.
@@ -303,11 +367,17 @@ fn settle(state: &AppState, write: &Write, outcome: Outcome) -> Settled {
 
 /// Writes the Binding and drives its reservation to an end; sends the first answer for
 /// kube-scheduler to `answer` (nobody may be listening any more).
-async fn drive(state: AppState, write: Write, answer: oneshot::Sender<Result<(), String>>) {
+async fn drive(
+    state: AppState,
+    write: Write,
+    deadline: tokio::time::Instant,
+    answer: oneshot::Sender<Result<(), String>>,
+) {
     let pod_key = write.pod_key();
     let node = write.target.node.clone();
-    let timing = state.bind_timing();
-    let first = timed(timing.timeout, state.binder().bind(write.target.clone())).await;
+    let under_way = state.leadership().write_started(deadline);
+    let first = timed_until(deadline, state.binder().bind(write.target.clone())).await;
+    drop(under_way);
     let outcome = match &first {
         Ok(()) => Outcome::Landed,
         Err(error) => error.outcome(),
@@ -421,10 +491,19 @@ async fn resolve_once(state: &AppState, write: &Write, timeout: Duration) -> Opt
             return None;
         }
     };
-    if let Some(verdict) = read_verdict(pod.as_ref(), target) {
+    let now = tokio::time::Instant::now();
+    let same_term = state.leadership().term(now) == Some(write.term);
+    if let Some(verdict) = read_verdict(pod.as_ref(), target, same_term) {
         return Some(verdict);
     }
-    match timed(timeout, state.binder().bind(target.clone())).await {
+    // Re-post only while this replica leads, in the term it decided in, within its lease
+    // (see `crate::leader`).
+    let Gate::Bind { budget, .. } = state.leadership().gate(now, timeout) else {
+        return None;
+    };
+    let deadline = now + budget;
+    let _under_way = state.leadership().write_started(deadline);
+    match timed_until(deadline, state.binder().bind(target.clone())).await {
         Ok(()) => Some(Outcome::Landed),
         Err(error) => {
             tracing::debug!(pod = %write.pod_key(), %error, "re-posting the Binding failed");
@@ -436,7 +515,17 @@ async fn resolve_once(state: &AppState, write: &Write, timeout: Duration) -> Opt
 /// What a read of the pod says about a Binding to `target`; `None` while the pod is still
 /// unbound, when the Binding may yet land and is re-posted (a copy still on its way then
 /// makes the re-post fail with a conflict, and the next read sees it).
-pub(crate) fn read_verdict(pod: Option<&PodOnServer>, target: &BindingTarget) -> Option<Outcome> {
+///
+/// Unless `same_term`: the replica no longer leads in the term it wrote in. Another leader
+/// may have handed the memory out since, so the Binding must not be re-posted, and the
+/// pod still unbound says it did not land: every write of ours had ended before another
+/// replica could lead (`crate::leader`), and this one's resolution awaits each write before
+/// reading. Released, so the pod is bound afresh.
+pub(crate) fn read_verdict(
+    pod: Option<&PodOnServer>,
+    target: &BindingTarget,
+    same_term: bool,
+) -> Option<Outcome> {
     match pod {
         // Gone or recreated: no Binding of ours can land on it any more.
         None => Some(Outcome::NotLanded),
@@ -446,6 +535,7 @@ pub(crate) fn read_verdict(pod: Option<&PodOnServer>, target: &BindingTarget) ->
         }) if *node == target.node => Some(Outcome::Landed),
         // Bound elsewhere: its own annotations say where its memory is.
         Some(PodOnServer { node: Some(_), .. }) => Some(Outcome::NotLanded),
+        Some(PodOnServer { node: None, .. }) if !same_term => Some(Outcome::NotLanded),
         Some(PodOnServer { node: None, .. }) => None,
     }
 }

@@ -36,7 +36,7 @@ pub struct Config {
     /// Domain of gpushare's annotations and labels.
     #[arg(long, env = "GPUSHARE_DOMAIN", default_value = DEFAULT_DOMAIN)]
     pub domain: String,
-    /// How to choose among nodes and GPUs that fit: binpack or spread.
+    /// How to choose among nodes and GPUs that fit: binpack, spread or fragmentation.
     #[arg(long, env = "GPUSHARE_POLICY", default_value = "binpack")]
     pub policy: Policy,
     /// Also serve /healthz, /readyz and /metrics, and nothing else, over plain HTTP here:
@@ -93,6 +93,71 @@ pub struct Config {
     /// Unset: allocations are NOT signed, and a device plugin that verifies refuses them.
     #[arg(long, env = "GPUSHARE_ALLOCATION_KEYS_FILE")]
     pub allocation_keys_file: Option<PathBuf>,
+    /// Elect a leader over a Lease in --namespace: only the leader binds; other replicas
+    /// answer filter and prioritize from their own view and pass binds on to the leader.
+    /// Off: this instance binds alone (run exactly one).
+    #[arg(long, env = "GPUSHARE_LEADER_ELECT", default_value_t = false, action = clap::ArgAction::Set)]
+    pub leader_elect: bool,
+    /// Name of the Lease.
+    #[arg(
+        long,
+        env = "GPUSHARE_LEADER_LEASE",
+        default_value = "gpushare-extender"
+    )]
+    pub leader_lease: String,
+    /// This replica's name (its pod's name); the Lease holder is `<name>_<random>`.
+    #[arg(long, env = "POD_NAME", default_value = "")]
+    pub pod_name: String,
+    /// How long (ms) a Lease stays valid after its last renewal: a dead leader is replaced
+    /// this long after its last renewal, at the latest about a retry period later.
+    #[arg(
+        long,
+        env = "GPUSHARE_LEADER_LEASE_DURATION_MS",
+        default_value_t = 3000
+    )]
+    pub leader_lease_duration_ms: u64,
+    /// The leader stops binding when it could not renew for this long (ms); below the lease
+    /// duration.
+    #[arg(
+        long,
+        env = "GPUSHARE_LEADER_RENEW_DEADLINE_MS",
+        default_value_t = 2000
+    )]
+    pub leader_renew_deadline_ms: u64,
+    /// How often (ms) every replica reads the Lease and the leader renews it.
+    #[arg(long, env = "GPUSHARE_LEADER_RETRY_PERIOD_MS", default_value_t = 500)]
+    pub leader_retry_period_ms: u64,
+    /// After taking over, binds wait this long (ms) for the watch to show the previous
+    /// leader's last Bindings (which have all ended by then).
+    #[arg(long, env = "GPUSHARE_LEADER_CATCH_UP_MS", default_value_t = 500)]
+    pub leader_catch_up_ms: u64,
+    /// The URL other replicas pass binds to while this one leads, e.g. `https://$(POD_IP):39999`
+    /// (published on the Lease). Unset: followers refuse binds (kube-scheduler retries).
+    #[arg(long, env = "GPUSHARE_ADVERTISE_URL")]
+    pub advertise_url: Option<String>,
+    /// CA (PEM) to verify the leader's certificate with when passing a bind on over HTTPS.
+    #[arg(long, env = "GPUSHARE_LEADER_FORWARD_CA")]
+    pub leader_forward_ca: Option<PathBuf>,
+    /// The name the leader's certificate must carry (the Service's name).
+    #[arg(
+        long,
+        env = "GPUSHARE_LEADER_FORWARD_SERVER_NAME",
+        default_value = "gpushare-extender.kube-system.svc"
+    )]
+    pub leader_forward_server_name: String,
+}
+
+impl Config {
+    /// The Lease timing from the flags.
+    pub fn lease_timing(&self) -> crate::leader::LeaseTiming {
+        use std::time::Duration;
+        crate::leader::LeaseTiming {
+            duration: Duration::from_millis(self.leader_lease_duration_ms),
+            renew_deadline: Duration::from_millis(self.leader_renew_deadline_ms),
+            retry_period: Duration::from_millis(self.leader_retry_period_ms.max(1)),
+            catch_up: Duration::from_millis(self.leader_catch_up_ms),
+        }
+    }
 }
 
 impl Default for Config {
@@ -118,6 +183,16 @@ impl Default for Config {
             webhook_configuration: String::new(),
             scheduler_name: gpushare_admission::DEFAULT_SCHEDULER_NAME.to_owned(),
             allocation_keys_file: None,
+            leader_elect: false,
+            leader_lease: "gpushare-extender".to_owned(),
+            pod_name: String::new(),
+            leader_lease_duration_ms: 3000,
+            leader_renew_deadline_ms: 2000,
+            leader_retry_period_ms: 500,
+            leader_catch_up_ms: 500,
+            advertise_url: None,
+            leader_forward_ca: None,
+            leader_forward_server_name: "gpushare-extender.kube-system.svc".to_owned(),
         }
     }
 }
@@ -135,6 +210,8 @@ mod tests {
         assert_eq!(parsed.policy, default.policy);
         let spread = Config::try_parse_from(["x", "--policy", "spread"]).unwrap();
         assert_eq!(spread.policy, Policy::Spread);
+        let fragmentation = Config::try_parse_from(["x", "--policy", "fragmentation"]).unwrap();
+        assert_eq!(fragmentation.policy, Policy::Fragmentation);
         assert!(Config::try_parse_from(["x", "--policy", "random"]).is_err());
         assert!(Config::try_parse_from(["x", "--tls-cert", "c.pem"]).is_err());
         assert!(!parsed.webhook_enabled);
@@ -146,6 +223,12 @@ mod tests {
         assert_eq!(
             signing.allocation_keys_file,
             Some(PathBuf::from("/keys/keys"))
+        );
+        assert!(!parsed.leader_elect);
+        assert_eq!(parsed.lease_timing(), default.lease_timing());
+        assert_eq!(
+            default.lease_timing(),
+            crate::leader::LeaseTiming::default()
         );
     }
 }

@@ -23,6 +23,12 @@
 //! arrives (the lifecycle is drawn in [`reservation`]). After a restart the view is rebuilt
 //! from the pods' annotations before the extender answers (`/readyz` stays 503 until then).
 //!
+//! With `--leader-elect`, several replicas run behind one Service and only the holder of a
+//! Lease binds ([`leader`]: election, and the fence that ends every write of a leader within
+//! its lease); the others keep their views warm, answer filter and prioritize, and pass bind
+//! on to the leader ([`forward`]). `/readyz` then also says whether the replica reaches the
+//! API server.
+//!
 //! With `--allocation-keys-file`, each decision carries an HMAC signature
 //! (`<domain>/v1.signature`, see [`gpushare_contract::signature`]) that the device plugin
 //! checks before it hands out a GPU; and an allocation on a pod that does not verify is not
@@ -33,7 +39,9 @@
 pub mod api;
 pub mod bind;
 pub mod config;
+pub mod forward;
 pub mod kube_io;
+pub mod leader;
 pub mod metrics;
 pub mod reservation;
 pub mod server;
@@ -84,6 +92,12 @@ pub enum Error {
     /// The allocation keyring cannot be read.
     #[error("--allocation-keys-file: {0}")]
     Keyring(#[from] KeyringError),
+    /// The leader election flags do not make sense together.
+    #[error("leader election: {0}")]
+    LeaderTiming(&'static str),
+    /// The forwarding client cannot be configured.
+    #[error(transparent)]
+    Forward(#[from] forward::Error),
     /// A background task ended although it should run until shutdown.
     #[error("the {0} task ended unexpectedly")]
     TaskEnded(&'static str),
@@ -149,6 +163,10 @@ pub async fn serve(
     state
         .view_mut()
         .set_bind_grace(Duration::from_millis(config.bind_grace_ms));
+    let election = match config.leader_elect {
+        true => Some(election_config(&config, &state)?),
+        false => None,
+    };
     let app = router(state.clone(), &config.prefix, config.max_request_bytes);
     let addr = listener.local_addr().map_err(Error::Serve)?;
     let scheme = if tls.is_some() { "https" } else { "http" };
@@ -188,12 +206,33 @@ pub async fn serve(
         client.clone(),
         state.clone(),
     )));
-    let mut pods = Supervised(tokio::spawn(watch::watch_pods(client.clone(), state)));
+    let mut pods = Supervised(tokio::spawn(watch::watch_pods(
+        client.clone(),
+        state.clone(),
+    )));
     let _recorder = Supervised(tokio::spawn(kube_io::record_events(
         client.clone(),
         event_rx,
     )));
     let _keyring = keyring_file.map(|file| Supervised(tokio::spawn(watch_keyring(file))));
+    let elect_stop = CancellationToken::new();
+    let mut elector = election.map(|election| {
+        Supervised(tokio::spawn(leader::run(
+            client.clone(),
+            election,
+            state.leadership().clone(),
+            state.metrics().clone(),
+            elect_stop.clone(),
+        )))
+    });
+    let elector_ended = async {
+        match elector.as_mut() {
+            Some(task) => {
+                let _ = (&mut task.0).await;
+            }
+            None => std::future::pending().await,
+        }
+    };
     let mut webhook = match config.webhook_enabled {
         true => Some(Supervised(tokio::spawn(serve_webhook(
             config.clone(),
@@ -221,7 +260,15 @@ pub async fn serve(
         _ = &mut pods.0 => Err(Error::TaskEnded("pod watch")),
         () = webhook_ended => Err(Error::TaskEnded("admission webhook")),
         () = monitor_ended => Err(Error::TaskEnded("monitoring HTTP server")),
+        () = elector_ended => Err(Error::TaskEnded("leader election")),
     };
+    // Stop binding first, and hand the Lease over once our last write has ended (bounded:
+    // a write's budget, then one Lease update), while in-flight requests finish.
+    elect_stop.cancel();
+    if let Some(task) = elector.as_mut() {
+        let bound = state.bind_timing().timeout + config.lease_timing().renew_deadline;
+        let _ = tokio::time::timeout(bound, &mut task.0).await;
+    }
     stop.cancel();
     if result.is_ok() {
         // Let in-flight requests finish (graceful shutdown of the server).
@@ -231,6 +278,42 @@ pub async fn serve(
         tracing::error!(%error, "extender stopping");
     }
     result
+}
+
+/// The election settings from the flags, and the follower's forwarding client.
+fn election_config(config: &Config, state: &AppState) -> Result<leader::ElectionConfig, Error> {
+    let timing = config.lease_timing();
+    if timing.renew_deadline >= timing.duration {
+        return Err(Error::LeaderTiming(
+            "--leader-renew-deadline-ms must be below --leader-lease-duration-ms",
+        ));
+    }
+    if timing.retry_period >= timing.renew_deadline {
+        return Err(Error::LeaderTiming(
+            "--leader-retry-period-ms must be below --leader-renew-deadline-ms",
+        ));
+    }
+    state.set_forwarder(forward::Forwarder::new(
+        &config.prefix,
+        config.leader_forward_ca.as_deref(),
+        &config.leader_forward_server_name,
+    )?);
+    state.leadership().elect(timing);
+    state.metrics().leader.set(0);
+    let election = leader::ElectionConfig {
+        namespace: config.namespace.clone(),
+        lease_name: config.leader_lease.clone(),
+        identity: leader::identity(&config.pod_name),
+        url: config.advertise_url.clone().filter(|url| !url.is_empty()),
+        url_annotation: format!("{}/leader-url", config.domain),
+        timing,
+    };
+    if election.url.is_none() {
+        tracing::warn!(
+            "no --advertise-url: while this replica leads, the others refuse binds instead of passing them on (kube-scheduler retries)"
+        );
+    }
+    Ok(election)
 }
 
 /// Serves the mutating admission webhook over HTTPS with a certificate the extender makes

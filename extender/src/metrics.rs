@@ -18,7 +18,9 @@ pub struct VerbLabels {
 #[derive(Debug, Clone, PartialEq, Eq, Hash, EncodeLabelSet)]
 pub struct BindLabels {
     /// bound, already_bound, not_synced, starting, pod_not_found, pod_recreated,
-    /// no_request, unfit, conflict, in_progress, api_error, unresolved.
+    /// no_request, unfit, conflict, in_progress, api_error, unresolved; with leader election
+    /// also not_leader, no_leader, lease_stale, and forwarded / forward_failed for binds a
+    /// follower passed on to the leader.
     pub reason: &'static str,
 }
 
@@ -37,6 +39,10 @@ pub struct Metrics {
     pub reservations_resolving: Gauge,
     /// How resolutions of ambiguous Binding writes ended.
     pub resolutions: Family<ResolutionLabels, Counter>,
+    /// 1 while this replica leads (binds), else 0; 1 without leader election.
+    pub leader: Gauge,
+    /// How often this replica became leader (a failover, or the first acquisition).
+    pub leader_acquisitions: Counter,
 }
 
 /// Labels of a resolution's end.
@@ -58,6 +64,8 @@ impl Metrics {
             reservations: Gauge::default(),
             reservations_resolving: Gauge::default(),
             resolutions: Family::default(),
+            leader: Gauge::default(),
+            leader_acquisitions: Counter::default(),
         };
         let sub = registry.sub_registry_with_prefix("gpushare_extender");
         sub.register(
@@ -85,6 +93,16 @@ impl Metrics {
             "bind_resolutions",
             "How resolutions of ambiguous Binding writes ended",
             metrics.resolutions.clone(),
+        );
+        sub.register(
+            "leader",
+            "1 while this replica leads and binds (always 1 without leader election), else 0",
+            metrics.leader.clone(),
+        );
+        sub.register(
+            "leader_acquisitions",
+            "How often this replica became the leader",
+            metrics.leader_acquisitions.clone(),
         );
         metrics
     }

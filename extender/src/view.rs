@@ -28,13 +28,15 @@ use std::collections::{BTreeMap, HashMap};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
+use gpushare_allocator::fragmentation::{Host, Shape};
 use gpushare_allocator::{Cluster, Gpu, PodId, PodPlacement, Request};
 
 use crate::reservation::{Outcome, Phase, Reservation, Reservations, Settled, Ticket};
 use gpushare_contract::{
     GpuInfo, Keys, PodAllocation, PodRequest, RequestError, SharedKeyring, inventory, pod_request,
 };
-use k8s_openapi::api::core::v1::{Node, Pod};
+use k8s_openapi::api::core::v1::{Container, Node, Pod};
+use k8s_openapi::apimachinery::pkg::api::resource::Quantity;
 
 /// What the view needs to read nodes and pods.
 #[derive(Debug, Clone)]
@@ -111,6 +113,8 @@ pub struct CachedPod {
     /// True while its allocation annotations cannot be read or, with a keyring, do not
     /// verify (warned once).
     pub bad_annotations: bool,
+    /// The CPU and memory it requests (the fragmentation policy weighs them at bind).
+    pub host: Host,
 }
 
 impl CachedPod {
@@ -120,19 +124,102 @@ impl CachedPod {
         match &self.ask {
             Ask::Nothing | Ask::Bound => Ok(None),
             Ask::Pending(request) => match request.as_ref() {
-                Ok(request) => Ok(Some((to_request(request), request))),
+                Ok(request) => Ok(Some((
+                    Request {
+                        host: self.host,
+                        ..to_request(request)
+                    },
+                    request,
+                ))),
                 Err(error) => Err(error.clone()),
             },
         }
     }
 }
 
-/// The allocator's form of a pod request.
+/// The allocator's form of a pod request (CPU and memory: see [`pod_host`]).
 pub fn to_request(request: &PodRequest) -> Request {
     Request {
         pod_gib: request.pod_gib,
         containers: request.containers.iter().map(|c| c.gib).collect(),
+        host: Host::default(),
     }
+}
+
+/// The CPU and memory a pod requests, as kube-scheduler counts them: its containers and
+/// sidecars (restartable init containers) together, or its largest init container (with the
+/// sidecars started before it) if that is more. Unreadable quantities count as zero.
+pub fn pod_host(pod: &Pod) -> Host {
+    let Some(spec) = pod.spec.as_ref() else {
+        return Host::default();
+    };
+    let requests = |c: &Container| {
+        let get = |name: &str| c.resources.as_ref()?.requests.as_ref()?.get(name);
+        Host::new(
+            get("cpu").and_then(|q| quantity(q, 1e-3)).unwrap_or(0),
+            get("memory")
+                .and_then(|q| quantity(q, 1_048_576.0))
+                .unwrap_or(0),
+        )
+    };
+    let max =
+        |a: Host, b: Host| Host::new(a.milli_cpu.max(b.milli_cpu), a.memory_mib.max(b.memory_mib));
+    let (mut sidecars, mut init) = (Host::default(), Host::default());
+    for c in spec.init_containers.iter().flatten() {
+        if c.restart_policy.as_deref() == Some("Always") {
+            sidecars = sidecars.saturating_add(requests(c));
+        } else {
+            init = max(init, sidecars.saturating_add(requests(c)));
+        }
+    }
+    let running = spec
+        .containers
+        .iter()
+        .fold(sidecars, |sum, c| sum.saturating_add(requests(c)));
+    max(running, init)
+}
+
+/// A node's allocatable CPU and memory; `None` when it publishes neither.
+pub fn node_host(node: &Node) -> Option<Host> {
+    let allocatable = node.status.as_ref()?.allocatable.as_ref()?;
+    let cpu = allocatable.get("cpu").and_then(|q| quantity(q, 1e-3));
+    let memory = allocatable
+        .get("memory")
+        .and_then(|q| quantity(q, 1_048_576.0));
+    if cpu.is_none() && memory.is_none() {
+        return None;
+    }
+    Some(Host::new(
+        cpu.unwrap_or(u64::MAX),
+        memory.unwrap_or(u64::MAX),
+    ))
+}
+
+/// A quantity in units of `unit` (1e-3: millicores; 2^20: MiB), rounded up.
+fn quantity(quantity: &Quantity, unit: f64) -> Option<u64> {
+    let text = quantity.0.trim();
+    const SUFFIXES: [(&str, f64); 14] = [
+        ("Ki", 1024.0),
+        ("Mi", 1_048_576.0),
+        ("Gi", 1_073_741_824.0),
+        ("Ti", 1_099_511_627_776.0),
+        ("Pi", 1_125_899_906_842_624.0),
+        ("n", 1e-9),
+        ("u", 1e-6),
+        ("m", 1e-3),
+        ("k", 1e3),
+        ("M", 1e6),
+        ("G", 1e9),
+        ("T", 1e12),
+        ("P", 1e15),
+        ("E", 1e18),
+    ];
+    let (number, scale) = SUFFIXES
+        .iter()
+        .find_map(|(suffix, scale)| Some((text.strip_suffix(suffix)?, *scale)))
+        .unwrap_or((text, 1.0));
+    let value: f64 = number.parse().ok()?;
+    (value.is_finite() && value >= 0.0).then(|| (value * scale / unit).ceil() as u64)
 }
 
 /// Something the watch saw that the pod's owner should hear about.
@@ -259,6 +346,7 @@ pub struct PodFacts {
     finished: bool,
     ask: Ask,
     allocation: AllocationFacts,
+    host: Host,
 }
 
 impl PodFacts {
@@ -297,6 +385,7 @@ impl PodFacts {
             ask: Ask::new(request, node_name.is_some()),
             node_name,
             allocation,
+            host: pod_host(pod),
         })
     }
 
@@ -304,6 +393,13 @@ impl PodFacts {
     /// allocation (a pod that dropped both must still be applied, to be forgotten).
     pub fn concerns_gpushare(&self) -> bool {
         self.ask != Ask::Nothing || !matches!(self.allocation, AllocationFacts::Absent)
+    }
+
+    /// Whether the view books this pod's CPU and memory on its node: any bound, running pod
+    /// that requests some (the fragmentation policy weighs what GPU nodes have left). Only
+    /// its UID, node and the two numbers are kept.
+    pub fn books_host(&self) -> bool {
+        self.node_name.is_some() && !self.finished && self.host != Host::default()
     }
 }
 
@@ -467,6 +563,7 @@ impl View {
         };
         let (gpus, eligible) = self.read_node(node);
         self.cluster.set_node(name, gpus, eligible);
+        self.cluster.set_node_host(name, node_host(node));
     }
 
     /// Applies a node deletion.
@@ -542,6 +639,7 @@ impl View {
             finished,
             ask,
             allocation,
+            host,
         } = facts;
         // Keep sharing the strings already held: an update of a known pod would otherwise
         // leave the indexes holding two copies of its name and UID.
@@ -561,9 +659,26 @@ impl View {
             self.forget_pod(&key, &old_uid);
         }
         if ask == Ask::Nothing && matches!(allocation, AllocationFacts::Absent) {
-            // Not ours (anymore).
+            // Not ours (anymore), but its CPU and memory count on its node.
             self.forget_pod(&key, &uid);
+            self.book_host(&uid, node_name.as_deref(), finished, host);
             return None;
+        }
+        self.book_host(&uid, node_name.as_deref(), finished, host);
+        // A GPU pod seen waiting for the first time: its shape joins the workload the
+        // fragmentation policy measures against.
+        if node_name.is_none()
+            && let Ask::Pending(request) = &ask
+            && let Ok(request) = request.as_ref()
+            && self
+                .pods
+                .get(&key)
+                .is_none_or(|known| known.node_name.is_none() && known.ask == Ask::Nothing)
+        {
+            self.cluster.observe(Shape {
+                gpu_gib: request.pod_gib,
+                host,
+            });
         }
         let (namespace, name) = split_key(&key);
         let was_bad = self.pods.get(&key).is_some_and(|p| p.bad_annotations);
@@ -680,9 +795,18 @@ impl View {
                 node_name,
                 ask,
                 bad_annotations,
+                host,
             },
         );
         warning
+    }
+
+    /// Books (or, once it finished or left its node, forgets) a pod's CPU and memory.
+    fn book_host(&mut self, uid: &PodId, node: Option<&str>, finished: bool, host: Host) {
+        match node {
+            Some(node) if !finished => self.cluster.set_pod_host(uid.clone(), node, host),
+            _ => self.cluster.remove_pod_host(uid),
+        }
     }
 
     /// Applies a pod deletion.
@@ -704,6 +828,7 @@ impl View {
         self.pod_keys.remove(uid);
         self.reservations.remove(uid);
         self.cluster.remove_pod(uid);
+        self.cluster.remove_pod_host(uid);
     }
 
     /// Replaces every pod with a fresh list (after the watch relisted) and rebuilds the
@@ -801,6 +926,97 @@ mod tests {
 
     fn used(view: &View, gpu: usize) -> u64 {
         view.cluster.node("n1").unwrap().gpus()[gpu].used_gib
+    }
+
+    #[test]
+    fn every_bound_pods_cpu_and_memory_count_on_its_node() {
+        let mut view = view();
+        view.replace_nodes(&[node("n1")
+            .gpushare()
+            .gpus(&[16])
+            .cpu("8")
+            .memory("32Gi")
+            .build()]);
+        let free = |view: &View| view.cluster.node("n1").unwrap().host_free();
+        assert_eq!(free(&view), Host::new(8_000, 32 * 1024));
+        // A pod that asks for no GPU memory is not kept as a gpushare pod, but its CPU counts.
+        let web = with_uid(pod("web").cpu("1500m").on_node("n1").build(), "u-web");
+        view.apply_pod(&web);
+        assert!(view.pod("default", "web").is_none());
+        assert_eq!(free(&view).milli_cpu, 6_500);
+        // A GPU pod's too, and both go when the pods finish or leave.
+        let mut gpu = with_uid(allocated("train", "u-train", 0, 4), "u-train");
+        gpu.spec.as_mut().unwrap().containers[0]
+            .resources
+            .as_mut()
+            .unwrap()
+            .requests = Some(
+            [
+                ("cpu".to_owned(), Quantity("2".to_owned())),
+                ("memory".to_owned(), Quantity("8Gi".to_owned())),
+            ]
+            .into(),
+        );
+        view.apply_pod(&gpu);
+        assert_eq!(free(&view), Host::new(4_500, 24 * 1024));
+        let mut done = web.clone();
+        done.status = Some(k8s_openapi::api::core::v1::PodStatus {
+            phase: Some("Succeeded".to_owned()),
+            ..Default::default()
+        });
+        view.apply_pod(&done);
+        assert_eq!(free(&view).milli_cpu, 6_000);
+        view.delete_pod(&gpu);
+        assert_eq!(free(&view), Host::new(8_000, 32 * 1024));
+        // A relist rebuilds the same bookings from the listed pods.
+        view.replace_pods(&[web.clone(), gpu.clone()]);
+        assert_eq!(free(&view), Host::new(4_500, 24 * 1024));
+    }
+
+    #[test]
+    fn waiting_gpu_pods_feed_the_workload_and_carry_their_cpu_to_bind() {
+        let mut view = view();
+        view.replace_nodes(&[node("n1").gpushare().gpus(&[16]).build()]);
+        let waiting = with_uid(pod("nb").gpu_mem(4).cpu("3").build(), "u-nb");
+        view.apply_pod(&waiting);
+        view.apply_pod(&waiting);
+        let shapes = view.cluster.workload().shapes();
+        assert_eq!(shapes.len(), 1, "observed once, not per update");
+        assert_eq!(
+            (shapes[0].0.gpu_gib, shapes[0].0.host.milli_cpu),
+            (4, 3_000)
+        );
+        let (request, _) = view
+            .pod("default", "nb")
+            .unwrap()
+            .pending_request()
+            .unwrap()
+            .unwrap();
+        assert_eq!(request.host.milli_cpu, 3_000);
+    }
+
+    #[test]
+    fn pod_host_counts_sidecars_and_the_largest_init_container() {
+        let spec = serde_json::json!({
+            "metadata": {"name": "p", "namespace": "ns", "uid": "u"},
+            "spec": {
+                "initContainers": [
+                    {"name": "setup", "resources": {"requests": {"cpu": "4", "memory": "1Gi"}}},
+                    {"name": "proxy", "restartPolicy": "Always", "resources": {"requests": {"cpu": "250m", "memory": "128Mi"}}}
+                ],
+                "containers": [
+                    {"name": "a", "resources": {"requests": {"cpu": "1", "memory": "2G"}}},
+                    {"name": "b", "resources": {"requests": {"cpu": "500m", "memory": "1.5e9"}}}
+                ]
+            }
+        });
+        let pod: Pod = serde_json::from_value(spec).unwrap();
+        // Running: 1 + 0.5 + 0.25 cores; the 4-core init container is larger.
+        let host = pod_host(&pod);
+        assert_eq!(host.milli_cpu, 4_000);
+        // Memory: 2e9 + 1.5e9 bytes + 128 MiB, more than the init container's 1 GiB.
+        assert_eq!(host.memory_mib, 1908 + 1431 + 128);
+        assert_eq!(quantity(&Quantity("bogus".into()), 1e-3), None);
     }
 
     #[test]
@@ -926,6 +1142,7 @@ mod tests {
         let request = Request {
             pod_gib: 4,
             containers: vec![4],
+            host: Host::default(),
         };
         let placed = view
             .cluster

@@ -62,8 +62,10 @@ pub async fn watch_pods(client: kube::Client, state: AppState) {
         "pods",
         |event, buffer: &mut Vec<PodFacts>| match event {
             Event::Init => buffer.clear(),
-            Event::InitApply(pod) => buffer
-                .extend(PodFacts::read(&pod, &settings).filter(|facts| facts.concerns_gpushare())),
+            Event::InitApply(pod) => buffer.extend(
+                PodFacts::read(&pod, &settings)
+                    .filter(|facts| facts.concerns_gpushare() || facts.books_host()),
+            ),
             Event::InitDone => {
                 let pods = std::mem::take(buffer);
                 let count = pods.len();
@@ -138,8 +140,9 @@ fn trim_pod(pod: &mut Pod, domain: &str) {
     }
 }
 
-/// Keeps only what the view reads of a Node: name, labels, gpushare's annotations and the
-/// capacity of the resource (the fallback when no inventory is published).
+/// Keeps only what the view reads of a Node: name, labels, gpushare's annotations, the
+/// capacity of the resource (the fallback when no inventory is published) and the
+/// allocatable CPU and memory (the fragmentation policy weighs them).
 fn trim_node(node: &mut Node, resource: &str, domain: &str) {
     node.metadata.managed_fields = None;
     if let Some(annotations) = node.metadata.annotations.as_mut() {
@@ -151,8 +154,13 @@ fn trim_node(node: &mut Node, resource: &str, domain: &str) {
             capacity.retain(|key, _| key == resource);
             capacity
         });
+        let allocatable = status.allocatable.take().map(|mut allocatable| {
+            allocatable.retain(|key, _| key == "cpu" || key == "memory");
+            allocatable
+        });
         *status = NodeStatus {
             capacity,
+            allocatable,
             ..NodeStatus::default()
         };
     }

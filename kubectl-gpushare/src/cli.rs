@@ -144,11 +144,13 @@ pub async fn run(args: Args) -> anyhow::Result<ExitCode> {
                 cluster::extender_health_direct(&extender_url).await
             };
             let schedulers = cluster.scheduler_deployments(&install).await;
+            let leader = cluster.extender_lease(&install).await;
             let snapshot = Snapshot {
                 nodes,
                 pods,
                 extender: Some(extender),
                 schedulers: Some(schedulers),
+                leader: Some(leader),
             };
             let findings = doctor::diagnose(&snapshot, &settings, &install);
             print!("{}", doctor::render(&findings));

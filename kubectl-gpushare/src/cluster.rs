@@ -13,7 +13,7 @@ use k8s_openapi::api::core::v1::{Node, Pod};
 use kube::api::{Api, ListParams};
 use kube::config::{KubeConfigOptions, Kubeconfig};
 
-use crate::doctor::{Install, SchedulerDeployment};
+use crate::doctor::{Install, LeaderLease, SchedulerDeployment};
 
 /// How long one probe of the extender may take.
 const PROBE_TIMEOUT: Duration = Duration::from_secs(5);
@@ -140,6 +140,32 @@ impl Cluster {
                 desired: d.spec.and_then(|s| s.replicas).unwrap_or(1),
             })
             .collect())
+    }
+
+    /// The extender's Lease (named like its Service): who leads, and how fresh it is.
+    pub async fn extender_lease(&self, install: &Install) -> Result<Option<LeaderLease>, String> {
+        use k8s_openapi::api::coordination::v1::Lease;
+        let lease = Api::<Lease>::namespaced(self.client.clone(), &install.namespace)
+            .get_opt(&install.extender_service)
+            .await
+            .map_err(|e| e.to_string())?;
+        Ok(lease.map(|lease| {
+            let spec = lease.spec.unwrap_or_default();
+            let now = k8s_openapi::jiff::Timestamp::now();
+            LeaderLease {
+                holder: spec.holder_identity.filter(|h| !h.is_empty()).map(|h| {
+                    h.rsplit_once('_')
+                        .map_or(h.clone(), |(pod, _)| pod.to_owned())
+                }),
+                renewed_ago: spec.renew_time.and_then(|t| {
+                    let ago = now.duration_since(t.0);
+                    std::time::Duration::try_from(ago).ok()
+                }),
+                duration: std::time::Duration::from_secs(
+                    u64::try_from(spec.lease_duration_seconds.unwrap_or(0)).unwrap_or(0),
+                ),
+            }
+        }))
     }
 
     /// GETs the extender's `/healthz` through the API server's service proxy.

@@ -1,6 +1,7 @@
 //! `kubectl gpushare doctor`: checks an installation and says what to fix.
 //!
-//! The checks follow a pod's path: the extender must answer, a scheduler must call it, nodes
+//! The checks follow a pod's path: the extender must answer and one replica must lead (hold
+//! its Lease: only the leader binds), a scheduler must call it, nodes
 //! must be labelled, the device plugin must have registered on each of them, and no GPU pod
 //! may have been bound around the extender. Each finding names the object and the command
 //! that fixes it. [`diagnose`] is pure over a [`Snapshot`]; gathering lives in
@@ -82,6 +83,18 @@ pub struct SchedulerDeployment {
     pub desired: i32,
 }
 
+/// The extender's Lease as read: who holds it and how fresh it is.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct LeaderLease {
+    /// The holder's pod name (`holderIdentity` without its per-process suffix); `None` when
+    /// released.
+    pub holder: Option<String>,
+    /// How long ago it was last renewed (by this machine's clock against the record's).
+    pub renewed_ago: Option<std::time::Duration>,
+    /// `leaseDurationSeconds`.
+    pub duration: std::time::Duration,
+}
+
 /// Everything the checks look at.
 #[derive(Debug, Clone, Default)]
 pub struct Snapshot {
@@ -93,12 +106,15 @@ pub struct Snapshot {
     pub extender: Option<Result<String, String>>,
     /// gpushare scheduler Deployments, or why they could not be listed.
     pub schedulers: Option<Result<Vec<SchedulerDeployment>, String>>,
+    /// The extender's Lease (`None` inside: there is none), or why it could not be read.
+    pub leader: Option<Result<Option<LeaderLease>, String>>,
 }
 
 /// Runs every check.
 pub fn diagnose(snapshot: &Snapshot, settings: &Settings, install: &Install) -> Vec<Finding> {
     let mut findings = Vec::new();
     check_extender(snapshot, install, &mut findings);
+    check_leader(snapshot, install, &mut findings);
     check_scheduler(snapshot, settings, install, &mut findings);
     check_nodes(snapshot, settings, install, &mut findings);
     check_bypass(snapshot, settings, install, &mut findings);
@@ -117,6 +133,53 @@ fn check_extender(snapshot: &Snapshot, install: &Install, out: &mut Vec<Finding>
                 "kubectl -n {ns} get pods -l app.kubernetes.io/component=extender; kubectl -n {ns} logs deploy/{svc} (or pass --namespace/--extender-service if installed elsewhere)"
             ),
         )),
+    }
+}
+
+/// Clock difference tolerated between this machine and the cluster before a Lease counts
+/// as expired.
+const LEASE_SLACK: std::time::Duration = std::time::Duration::from_secs(2);
+
+fn check_leader(snapshot: &Snapshot, install: &Install, out: &mut Vec<Finding>) {
+    let ns = &install.namespace;
+    let lease = &install.extender_service;
+    let logs = format!(
+        "kubectl -n {ns} get pods -l app.kubernetes.io/component=extender; kubectl -n {ns} logs -l app.kubernetes.io/component=extender --prefix | grep -i lease"
+    );
+    match &snapshot.leader {
+        None => {}
+        Some(Err(why)) => out.push(Finding::warn(
+            format!("cannot read the extender's Lease {ns}/{lease}: {why}"),
+            format!("check that you may get leases in {ns}"),
+        )),
+        Some(Ok(None)) => out.push(Finding::warn(
+            format!(
+                "no extender Lease {ns}/{lease}: no replica has ever led (an extender without --leader-elect binds alone; run exactly one)"
+            ),
+            logs,
+        )),
+        Some(Ok(Some(record))) => match (&record.holder, record.renewed_ago) {
+            (Some(holder), Some(ago)) if ago <= record.duration + LEASE_SLACK => {
+                out.push(Finding::ok(format!(
+                    "extender replica {holder} leads (Lease {ns}/{lease} renewed {:.1} s ago)",
+                    ago.as_secs_f64()
+                )));
+            }
+            (Some(holder), ago) => out.push(Finding::warn(
+                format!(
+                    "no extender replica leads: the Lease {ns}/{lease} of {holder} expired{}; binds are refused (the scheduler retries) until a replica takes it",
+                    ago.map(|ago| format!(" ({:.0} s since its last renewal)", ago.as_secs_f64()))
+                        .unwrap_or_default()
+                ),
+                logs,
+            )),
+            (None, _) => out.push(Finding::warn(
+                format!(
+                    "no extender replica leads: the Lease {ns}/{lease} was released; binds are refused (the scheduler retries) until a replica takes it"
+                ),
+                logs,
+            )),
+        },
     }
 }
 

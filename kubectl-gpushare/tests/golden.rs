@@ -6,7 +6,9 @@ mod common;
 
 use gpushare_e2e::fixtures::{node, pod};
 use k8s_openapi::api::core::v1::PodStatus;
-use kubectl_gpushare::doctor::{self, Install, Level, SchedulerDeployment, Snapshot};
+use std::time::Duration;
+
+use kubectl_gpushare::doctor::{self, Install, LeaderLease, Level, SchedulerDeployment, Snapshot};
 use kubectl_gpushare::render::{render_top, render_top_details};
 use kubectl_gpushare::usage::{Settings, cluster_usage};
 
@@ -78,6 +80,11 @@ fn doctor_golden_and_findings() {
             ready: 1,
             desired: 1,
         }])),
+        leader: Some(Ok(Some(LeaderLease {
+            holder: Some("gpushare-extender-7d9f6-x2x4q".into()),
+            renewed_ago: Some(Duration::from_millis(400)),
+            duration: Duration::from_secs(3),
+        }))),
     };
     let findings = doctor::diagnose(&snapshot, &Settings::default(), &install());
     let text = doctor::render(&findings);
@@ -114,6 +121,11 @@ fn doctor_on_a_healthy_install_has_no_failure() {
         pods,
         extender: Some(Ok("via proxy".into())),
         schedulers: Some(Ok(vec![])),
+        leader: Some(Ok(Some(LeaderLease {
+            holder: Some("gpushare-extender-7d9f6-x2x4q".into()),
+            renewed_ago: Some(Duration::from_secs(1)),
+            duration: Duration::from_secs(3),
+        }))),
     };
     let findings = doctor::diagnose(&snapshot, &Settings::default(), &install());
     assert!(
@@ -121,4 +133,37 @@ fn doctor_on_a_healthy_install_has_no_failure() {
         "{}",
         doctor::render(&findings)
     );
+}
+
+#[test]
+fn doctor_warns_when_no_extender_replica_leads() {
+    let lease = |holder: Option<&str>, ago: u64| LeaderLease {
+        holder: holder.map(str::to_owned),
+        renewed_ago: Some(Duration::from_secs(ago)),
+        duration: Duration::from_secs(3),
+    };
+    for (leader, says) in [
+        (
+            Ok(Some(lease(Some("gpushare-extender-a"), 30))),
+            "of gpushare-extender-a expired (30 s since its last renewal)",
+        ),
+        (Ok(Some(lease(None, 0))), "was released"),
+        (Ok(None), "no replica has ever led"),
+        (
+            Err("forbidden".to_owned()),
+            "cannot read the extender's Lease",
+        ),
+    ] {
+        let snapshot = Snapshot {
+            leader: Some(leader),
+            ..Snapshot::default()
+        };
+        let findings = doctor::diagnose(&snapshot, &Settings::default(), &install());
+        let warning = findings
+            .iter()
+            .find(|f| f.message.contains(says))
+            .unwrap_or_else(|| panic!("no finding saying {says:?}: {findings:?}"));
+        assert_eq!(warning.level, Level::Warn);
+        assert!(warning.fix.is_some());
+    }
 }

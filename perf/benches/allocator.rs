@@ -10,6 +10,7 @@ use std::collections::BTreeMap;
 use std::hint::black_box;
 
 use criterion::{BenchmarkId, Criterion, criterion_group, criterion_main};
+use gpushare_allocator::fragmentation::{Host, MAX_SHAPES, Shape};
 use gpushare_allocator::{Cluster, Gpu, PodId, PodPlacement, Policy, Request};
 use gpushare_contract::{ContainerRequest, Keys, PodAllocation};
 
@@ -56,6 +57,7 @@ fn filter_and_prioritize(c: &mut Criterion) {
     let request = Request {
         pod_gib: 4,
         containers: vec![4],
+        host: Host::new(4_000, 16_384),
     };
     let mut group = c.benchmark_group("filter");
     for nodes in [100, 1_000, 5_000] {
@@ -85,6 +87,34 @@ fn filter_and_prioritize(c: &mut Criterion) {
         });
     }
     group.finish();
+    // What the extender's prioritize runs: scores relative to all candidates, in one call.
+    let mut group = c.benchmark_group("prioritize (relative scores)");
+    for nodes in [100, 1_000, 5_000] {
+        let (mut cluster, names) = busy_cluster(nodes);
+        for name in &names {
+            cluster.set_node_host(name, Some(Host::new(128_000, 1 << 20)));
+            cluster.set_pod_host(
+                PodId::from(format!("{name}-cpu")),
+                name,
+                Host::new(80_000, 1 << 19),
+            );
+        }
+        for gib in 1..=MAX_SHAPES as u64 {
+            cluster.observe(Shape {
+                gpu_gib: gib,
+                host: Host::new(gib * 1_000, gib * 4_096),
+            });
+        }
+        let refs: Vec<&str> = names.iter().map(String::as_str).collect();
+        for policy in [Policy::Binpack, Policy::Fragmentation] {
+            group.bench_with_input(
+                BenchmarkId::new(policy.to_string(), nodes),
+                &refs,
+                |b, refs| b.iter(|| cluster.scores(refs, black_box(&request), policy)),
+            );
+        }
+    }
+    group.finish();
 }
 
 fn bind_decision(c: &mut Criterion) {
@@ -92,6 +122,7 @@ fn bind_decision(c: &mut Criterion) {
     let request = Request {
         pod_gib: 4,
         containers: vec![4],
+        host: Host::new(4_000, 16_384),
     };
     let node = names[2_500].clone();
     let uid = PodId::from("bench-pod");

@@ -6,7 +6,9 @@
 //! Criterion reports means; the targets are tails, so after the criterion groups a second
 //! pass times 2,000 single calls of each verb at 5,000 nodes and prints p50 / p99 / max,
 //! once with the caches warm (calls back to back) and once cold (64 MiB, twice this machine's
-//! L3, written between calls, as when other work runs between scheduling cycles).
+//! L3, written between calls, as when other work runs between scheduling cycles). Prioritize
+//! is timed under `binpack` and under `fragmentation` (every node with its CPU and memory
+//! booked, a full workload of 8 learned shapes).
 //!
 //! ```sh
 //! cargo bench -p gpushare-perf --bench extender_http
@@ -20,6 +22,7 @@ use axum::body::{Body, to_bytes};
 use axum::http::Request;
 use criterion::{BenchmarkId, Criterion, criterion_group};
 use futures::future::BoxFuture;
+use gpushare_allocator::fragmentation::{Host, MAX_SHAPES, Shape};
 use gpushare_allocator::{PodId, PodPlacement, Policy};
 use gpushare_e2e::fixtures::node;
 use gpushare_extender::{
@@ -50,7 +53,7 @@ impl Binder for NoBinder {
     }
 }
 
-fn state(nodes: usize) -> (AppState, Vec<String>) {
+fn state(nodes: usize, policy: Policy) -> (AppState, Vec<String>) {
     let (events, _rx) = EventSink::channel();
     let settings = Settings::new(
         gpushare_contract::DEFAULT_RESOURCE,
@@ -59,7 +62,7 @@ fn state(nodes: usize) -> (AppState, Vec<String>) {
     );
     let state = AppState::new(
         settings,
-        Policy::Binpack,
+        policy,
         Arc::new(NoBinder),
         BindTiming::default(),
         events,
@@ -84,13 +87,20 @@ fn state(nodes: usize) -> (AppState, Vec<String>) {
                         pending: vec![],
                         assigned: true,
                     };
-                    view.cluster.upsert_pod(
-                        PodId::from(format!("{name}-{gpu}-{p}")),
-                        name,
-                        placement,
-                    );
+                    let uid = PodId::from(format!("{name}-{gpu}-{p}"));
+                    view.cluster.upsert_pod(uid.clone(), name, placement);
+                    view.cluster
+                        .set_pod_host(uid, name, Host::new(1_000, 4_096));
                 }
             }
+            view.cluster
+                .set_node_host(name, Some(Host::new(128_000, 1 << 20)));
+        }
+        for gib in 1..=MAX_SHAPES as u64 {
+            view.cluster.observe(Shape {
+                gpu_gib: gib,
+                host: Host::new(gib * 1_000, gib * 4_096),
+            });
         }
     }
     (state, names)
@@ -126,10 +136,14 @@ fn runtime() -> tokio::runtime::Runtime {
 
 fn handlers(c: &mut Criterion) {
     let runtime = runtime();
-    for verb in ["filter", "prioritize"] {
-        let mut group = c.benchmark_group(format!("http {verb} (NodeNames)"));
+    for (verb, policy) in [
+        ("filter", Policy::Binpack),
+        ("prioritize", Policy::Binpack),
+        ("prioritize", Policy::Fragmentation),
+    ] {
+        let mut group = c.benchmark_group(format!("http {verb} {policy} (NodeNames)"));
         for nodes in [100, 1_000, 5_000] {
-            let (state, names) = state(nodes);
+            let (state, names) = state(nodes, policy);
             let app = router(state, PREFIX, gpushare_extender::DEFAULT_BODY_LIMIT);
             let body = body(&names);
             group.bench_with_input(BenchmarkId::from_parameter(nodes), &body, |b, body| {
@@ -149,13 +163,19 @@ fn tail_latency() {
         5
     };
     let runtime = runtime();
-    let (state, names) = state(5_000);
-    let app = router(state, PREFIX, gpushare_extender::DEFAULT_BODY_LIMIT);
+    let (binpack, names) = state(5_000, Policy::Binpack);
+    let (fragmentation, _) = state(5_000, Policy::Fragmentation);
+    let binpack = router(binpack, PREFIX, gpushare_extender::DEFAULT_BODY_LIMIT);
+    let fragmentation = router(fragmentation, PREFIX, gpushare_extender::DEFAULT_BODY_LIMIT);
     let body = body(&names);
     let mut scribble = vec![0u8; 64 << 20];
     println!("single-call latency at 5,000 nodes, {calls} calls each (exact percentiles)");
     for cache in ["warm", "cold"] {
-        for verb in ["filter", "prioritize"] {
+        for (verb, policy, app) in [
+            ("filter", Policy::Binpack, &binpack),
+            ("prioritize", Policy::Binpack, &binpack),
+            ("prioritize", Policy::Fragmentation, &fragmentation),
+        ] {
             let mut times: Vec<Duration> = (0..calls)
                 .map(|i| {
                     if cache == "cold" {
@@ -165,14 +185,14 @@ fn tail_latency() {
                         black_box(&scribble);
                     }
                     let started = Instant::now();
-                    black_box(call(&runtime, &app, verb, &body));
+                    black_box(call(&runtime, app, verb, &body));
                     started.elapsed()
                 })
                 .collect();
             times.sort_unstable();
             let at = |q: f64| times[((times.len() - 1) as f64 * q).round() as usize];
             println!(
-                "  http {verb:<10} {cache} cache  p50 {:>9.3?}  p99 {:>9.3?}  max {:>9.3?}",
+                "  http {verb:<10} {policy:<13} {cache} cache  p50 {:>9.3?}  p99 {:>9.3?}  max {:>9.3?}",
                 at(0.50),
                 at(0.99),
                 at(1.0)

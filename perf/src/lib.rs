@@ -20,11 +20,14 @@
 //!   GPU memory evenly; without requests it counts each pod as 100m / 200 MiB, whose integer
 //!   scores mostly tie, so the pick among feasible nodes is close to random;
 //! - **spread/spread**: the extender's spread policy on both levels;
+//! - **fragmentation**: the extender's fragmentation policy on both levels (nodes' CPU and
+//!   memory and pods' requests booked as the extender's view books them);
 //! - **offline bound**: best-fit-decreasing over the whole arrival trace (knows the future),
 //!   as a yardstick for what any online policy could reach.
 
 use std::collections::HashMap;
 
+use gpushare_allocator::fragmentation::{self, Host};
 use gpushare_allocator::{Cluster, Gpu, PodId, PodPlacement, Policy, Request};
 use gpushare_e2e::scheduler::framework::{
     CPU, DEFAULT_MEMORY_REQUEST, DEFAULT_MILLI_CPU_REQUEST, MEMORY, Milli, NodeUsage, PodUsage,
@@ -33,6 +36,7 @@ use gpushare_e2e::scheduler::framework::{
 use rand::rngs::StdRng;
 use rand::{Rng, SeedableRng};
 
+pub mod realistic;
 pub mod workload;
 
 /// One event of a trace.
@@ -177,11 +181,18 @@ pub enum Strategy {
     Classic,
     /// The spread policy: spread prioritize scores, GPU spread at bind.
     SpreadSpread,
+    /// The fragmentation policy: its prioritize scores, its GPU choice at bind.
+    Fragmentation,
 }
 
 impl Strategy {
     /// All online strategies, in the order the report prints them.
-    pub const ALL: [Strategy; 3] = [Strategy::Ours, Strategy::Classic, Strategy::SpreadSpread];
+    pub const ALL: [Strategy; 4] = [
+        Strategy::Ours,
+        Strategy::Classic,
+        Strategy::SpreadSpread,
+        Strategy::Fragmentation,
+    ];
 
     /// Name in the report.
     pub fn name(self) -> &'static str {
@@ -189,6 +200,7 @@ impl Strategy {
             Strategy::Ours => "gpushare (binpack/binpack)",
             Strategy::Classic => "classic (no prioritize/binpack)",
             Strategy::SpreadSpread => "spread/spread",
+            Strategy::Fragmentation => "gpushare fragmentation",
         }
     }
 
@@ -198,6 +210,7 @@ impl Strategy {
             Strategy::Ours => (Some(Policy::Binpack), Policy::Binpack),
             Strategy::Classic => (None, Policy::Binpack),
             Strategy::SpreadSpread => (Some(Policy::Spread), Policy::Spread),
+            Strategy::Fragmentation => (Some(Policy::Fragmentation), Policy::Fragmentation),
         }
     }
 }
@@ -234,6 +247,17 @@ impl PodProfile {
                 milli_cpu,
                 memory_mib,
             } => format!("pods request {milli_cpu}m CPU + {memory_mib} MiB per GPU GiB"),
+        }
+    }
+
+    /// The pod's CPU and memory requests, as the extender's view books them.
+    fn host(self, gib: u64) -> Host {
+        match self {
+            PodProfile::NoRequests => Host::default(),
+            PodProfile::Proportional {
+                milli_cpu,
+                memory_mib,
+            } => Host::new(milli_cpu * gib, memory_mib * gib),
         }
     }
 
@@ -300,6 +324,9 @@ pub fn replay(
 ) -> Outcome {
     let mut cluster = shape.cluster();
     let names: Vec<String> = (0..shape.nodes.len()).map(node_name).collect();
+    for name in &names {
+        cluster.set_node_host(name, Some(Host::new(64_000, 512 * 1024)));
+    }
     let allocatable = node_allocatable();
     let mut usage = vec![NodeUsage::default(); names.len()];
     let mut rng = StdRng::seed_from_u64(seed);
@@ -313,16 +340,21 @@ pub fn replay(
             Event::Depart { id } => {
                 if let Some((node, gib, pod)) = running.remove(&id) {
                     cluster.remove_pod(&PodId::from(id.to_string()));
+                    cluster.remove_pod_host(&PodId::from(id.to_string()));
                     usage[node].remove(&pod);
                     used -= gib;
                 }
             }
             Event::Arrive { id, gib } => {
+                let host = profile.host(gib);
                 let request = Request {
                     pod_gib: gib,
                     containers: vec![gib],
+                    host,
                 };
                 let pod = profile.usage(gib);
+                // The extender's view sees the pod arrive before the scheduler asks about it.
+                cluster.observe(fragmentation::Shape { gpu_gib: gib, host });
                 // Filter: the extender keeps nodes where one GPU has room.
                 let fitting: Vec<usize> = (0..names.len())
                     .filter(|&n| cluster.fit(&names[n], &request).is_ok())
@@ -369,6 +401,7 @@ pub fn replay(
                         assigned: true,
                     },
                 );
+                cluster.set_pod_host(PodId::from(id.to_string()), &names[node], host);
                 usage[node].add(&pod);
                 running.insert(id, (node, gib, pod));
                 used += gib;

@@ -7,6 +7,9 @@
 //!   each container; the device plugin calls [`podresources::v1::pod_resources_lister_client`]
 //!   to check its own bookkeeping against it.
 //!
+//! - the DRA plugin API (`dra/v1`) and the plugin registration API (`pluginregistration`):
+//!   the DRA plugin serves both, kubelet (the test kubelet in `e2e`) calls them.
+//!
 //! The test kubelet in `e2e` serves the other side of both. Keeping the generated code in one
 //! crate means the plugin and its fake kubelet cannot disagree about the wire format.
 
@@ -24,6 +27,36 @@ pub mod podresources {
         tonic::include_proto!("v1");
     }
 }
+
+/// kubelet's Dynamic Resource Allocation plugin API.
+pub mod dra {
+    /// Messages and services of `k8s.io/kubelet/pkg/apis/dra/v1` (protobuf package
+    /// `k8s.io.kubelet.pkg.apis.dra.v1`): a DRA driver serves
+    /// [`v1::dra_plugin_server`], kubelet calls [`v1::dra_plugin_client`].
+    #[allow(missing_docs, clippy::all, clippy::pedantic)]
+    pub mod v1 {
+        tonic::include_proto!("k8s.io.kubelet.pkg.apis.dra.v1");
+    }
+
+    /// The service name a DRA plugin lists in `PluginInfo.supported_versions` when it serves
+    /// the v1 `DRAPlugin` service (upstream `DRAPluginService`).
+    pub const V1_SERVICE: &str = "v1.DRAPlugin";
+    /// `PluginInfo.type` of a DRA plugin.
+    pub const PLUGIN_TYPE: &str = "DRAPlugin";
+}
+
+/// kubelet's plugin registration API (`k8s.io/kubelet/pkg/apis/pluginregistration/v1`,
+/// protobuf package `pluginregistration`): a plugin serves
+/// [`pluginregistration::registration_server`] on a socket in kubelet's plugin registry
+/// directory; kubelet's plugin watcher finds the socket, calls `GetInfo` and then
+/// `NotifyRegistrationStatus`.
+#[allow(missing_docs, clippy::all, clippy::pedantic)]
+pub mod pluginregistration {
+    tonic::include_proto!("pluginregistration");
+}
+
+/// Where kubelet's plugin watcher looks for registration sockets on a node.
+pub const DEFAULT_PLUGIN_REGISTRY_DIR: &str = "/var/lib/kubelet/plugins_registry/";
 
 /// Where kubelet serves the PodResources API on a node.
 pub const DEFAULT_POD_RESOURCES_SOCKET: &str = "/var/lib/kubelet/pod-resources/kubelet.sock";

@@ -120,11 +120,14 @@ app.kubernetes.io/component: {{ .component }}
 
 {{/* Fail early on values that cannot work. */}}
 {{- define "gpushare.validate" -}}
+{{- if not (has .Values.mode (list "extender" "dra")) }}
+{{- fail (printf "mode must be \"extender\" or \"dra\", not %q" .Values.mode) }}
+{{- end }}
 {{- if not (has .Values.scheduler.mode (list "dedicated" "default-scheduler")) }}
 {{- fail (printf "scheduler.mode must be \"dedicated\" or \"default-scheduler\", not %q" .Values.scheduler.mode) }}
 {{- end }}
-{{- if not (has .Values.policy (list "binpack" "spread")) }}
-{{- fail (printf "policy must be \"binpack\" or \"spread\", not %q" .Values.policy) }}
+{{- if not (has .Values.policy (list "binpack" "spread" "fragmentation")) }}
+{{- fail (printf "policy must be \"binpack\", \"spread\" or \"fragmentation\", not %q" .Values.policy) }}
 {{- end }}
 {{- if and .Values.networkPolicy.enabled (not (include "gpushare.dedicated" .)) (not .Values.networkPolicy.schedulerPeers) }}
 {{- fail "networkPolicy.enabled in default-scheduler mode needs networkPolicy.schedulerPeers: the peers (usually an ipBlock of the control-plane nodes) your kube-scheduler calls the extender from" }}

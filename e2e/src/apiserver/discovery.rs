@@ -49,7 +49,8 @@ pub(crate) fn groups() -> Value {
         "groups": [
             group("admissionregistration.k8s.io", "v1"),
             group("coordination.k8s.io", "v1"),
-            group("events.k8s.io", "v1")
+            group("events.k8s.io", "v1"),
+            group("resource.k8s.io", "v1")
         ]
     })
 }
@@ -58,7 +59,10 @@ pub(crate) fn groups() -> Value {
 pub(crate) fn group_doc(name: &str) -> Option<Value> {
     matches!(
         name,
-        "admissionregistration.k8s.io" | "coordination.k8s.io" | "events.k8s.io"
+        "admissionregistration.k8s.io"
+            | "coordination.k8s.io"
+            | "events.k8s.io"
+            | "resource.k8s.io"
     )
     .then(|| {
         let mut doc = group(name, "v1");
@@ -103,6 +107,7 @@ pub(crate) fn resources(group_version: &str) -> Option<Value> {
             ),
             resource("pods", "Pod", true, RW, &["po"]),
             resource("pods/binding", "Binding", true, &["create"], &[]),
+            resource("pods/eviction", "Eviction", true, &["create"], &[]),
             resource("pods/status", "Pod", true, &["get", "patch", "update"], &[]),
             resource("events", "Event", true, RW, &["ev"]),
         ],
@@ -115,6 +120,18 @@ pub(crate) fn resources(group_version: &str) -> Option<Value> {
             &[],
         )],
         "events.k8s.io/v1" => vec![resource("events", "Event", true, RW, &["ev"])],
+        "resource.k8s.io/v1" => vec![
+            resource("deviceclasses", "DeviceClass", false, RW, &[]),
+            resource("resourceclaims", "ResourceClaim", true, RW, &[]),
+            resource(
+                "resourceclaims/status",
+                "ResourceClaim",
+                true,
+                &["get", "patch", "update"],
+                &[],
+            ),
+            resource("resourceslices", "ResourceSlice", false, RW, &[]),
+        ],
         _ => return None,
     };
     Some(json!({

@@ -113,7 +113,9 @@ fn route(path: &str, server: &str) -> ApiResult<Route> {
         }
         let sub_ok = matches!(
             (kind, sub),
-            (_, None) | (Kind::Pod, Some("status" | "binding")) | (Kind::Node, Some("status"))
+            (_, None)
+                | (Kind::Pod, Some("status" | "binding" | "eviction"))
+                | (Kind::Node | Kind::ResourceClaim, Some("status"))
         );
         if !sub_ok {
             return Err(not_found());
@@ -154,7 +156,7 @@ fn verb_of(method: &Method, target: &Target, params: &Params) -> ApiResult<Verb>
         ("POST", false, None) if target.namespace.is_some() || !target.kind.namespaced() => {
             Verb::Create
         }
-        ("POST", true, Some("binding")) => Verb::Create,
+        ("POST", true, Some("binding" | "eviction")) => Verb::Create,
         ("PUT", true, None | Some("status")) => Verb::Update,
         ("PATCH", true, None | Some("status")) => Verb::Patch,
         ("DELETE", true, None) => Verb::Delete,
@@ -191,6 +193,9 @@ async fn handle(
     let authorization = headers
         .get(header::AUTHORIZATION)
         .map(|h| h.to_str().unwrap_or(""));
+    if app.faults.hold_if_cut(authorization, &app.cancel).await {
+        return ApiError::injected(503).into_response();
+    }
     let (target, user) = match (route, app.access.user(authorization)) {
         // Discovery and health need no credentials here.
         (Route::Json(doc), _) => return axum::Json(doc).into_response(),
@@ -364,6 +369,9 @@ impl Write {
         match verb {
             Verb::Create if target.subresource.as_deref() == Some("binding") => {
                 bind(app, target, body)
+            }
+            Verb::Create if target.subresource.as_deref() == Some("eviction") => {
+                evict(app, target, params, body)
             }
             Verb::Create => create(app, user, target, params, content_type, body),
             Verb::Update => update(app, user, target, params, content_type, body),
@@ -869,6 +877,46 @@ fn delete(app: &App, target: &Target, params: &Params, body: &[u8]) -> Reply {
 
 /// `POST .../pods/{name}/binding`: assigns the pod to a node, copying the Binding's
 /// annotations onto the pod, exactly once.
+/// `POST pods/NAME/eviction` (`policy/v1` Eviction): deletes the pod as a DELETE with the
+/// Eviction's `deleteOptions` would, answering a `Success` Status with 201 as the real
+/// server does. No PodDisruptionBudget exists here, so none can refuse it.
+fn evict(app: &App, target: &Target, params: &Params, body: &[u8]) -> Reply {
+    let eviction = parse_body("application/json", body)?;
+    let pod_name = target.name();
+    let kind = eviction
+        .get("kind")
+        .and_then(Value::as_str)
+        .unwrap_or("Eviction");
+    let version = eviction
+        .get("apiVersion")
+        .and_then(Value::as_str)
+        .unwrap_or("policy/v1");
+    if kind != "Eviction" || !matches!(version, "policy/v1" | "policy/v1beta1") {
+        return Err(ApiError::bad_request(format!(
+            "the body of an eviction must be a policy/v1 Eviction, not {version} {kind}"
+        )));
+    }
+    let name = meta_str(&eviction, "name").unwrap_or("");
+    if name != pod_name {
+        return Err(ApiError::bad_request(format!(
+            "name in URL does not match name in Eviction object ({name} ≠ {pod_name})"
+        )));
+    }
+    let options = eviction
+        .get("deleteOptions")
+        .map(Value::to_string)
+        .unwrap_or_default();
+    let pod = Target {
+        subresource: None,
+        ..target.clone()
+    };
+    delete(app, &pod, params, options.as_bytes())?;
+    Ok((
+        StatusCode::CREATED,
+        json!({"kind": "Status", "apiVersion": "v1", "metadata": {}, "status": "Success"}),
+    ))
+}
+
 fn bind(app: &App, target: &Target, body: &[u8]) -> Reply {
     let binding = parse_body("application/json", body)?;
     let pod_name = target.name();

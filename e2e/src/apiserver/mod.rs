@@ -272,6 +272,14 @@ impl ApiServer {
         self.kubeconfig_with_user(&format!("{{token: {token}}}"))
     }
 
+    /// A kubeconfig like [`ApiServer::kubeconfig_yaml_as`], and its bearer token (for
+    /// [`Faults::cut`]): one client of `username` among several.
+    pub fn kubeconfig_yaml_and_token_as(&self, username: &str) -> (String, String) {
+        let token = self.access.issue(username, None);
+        let yaml = self.kubeconfig_with_user(&format!("{{token: {token}}}"));
+        (yaml, token)
+    }
+
     /// Writes [`ApiServer::kubeconfig_yaml_as`] to `path`.
     pub fn write_kubeconfig_as(&self, path: &Path, username: &str) -> std::io::Result<()> {
         std::fs::write(path, self.kubeconfig_yaml_as(username))
@@ -383,6 +391,8 @@ pub struct Faults {
     drop_watches: Arc<tokio::sync::watch::Sender<u64>>,
     /// The current write stall, if any.
     stall: Arc<tokio::sync::watch::Sender<Option<Stall>>>,
+    /// Bearer tokens cut off from the server (a network partition of one client).
+    cut: Arc<tokio::sync::watch::Sender<std::collections::BTreeSet<String>>>,
     store: Arc<Store>,
 }
 
@@ -397,6 +407,7 @@ impl Faults {
     fn new(store: Arc<Store>) -> Self {
         let (drop_watches, _) = tokio::sync::watch::channel(0);
         let (stall, _) = tokio::sync::watch::channel(None);
+        let (cut, _) = tokio::sync::watch::channel(std::collections::BTreeSet::new());
         Self {
             inner: Arc::new(Mutex::new(FaultState {
                 latency: Duration::ZERO,
@@ -407,7 +418,51 @@ impl Faults {
             })),
             drop_watches: Arc::new(drop_watches),
             stall: Arc::new(stall),
+            cut: Arc::new(cut),
             store,
+        }
+    }
+
+    /// Cuts the client holding `token` off, as a network partition would: its requests hang
+    /// until [`Faults::heal`] (or until it gives up), then fail with a 503, unapplied; its open
+    /// watches end now (every client's do; the others reconnect at once).
+    pub fn cut(&self, token: &str) {
+        self.cut.send_modify(|cut| {
+            cut.insert(token.to_owned());
+        });
+        self.drop_watches();
+    }
+
+    /// Ends the cut of `token`.
+    pub fn heal(&self, token: &str) {
+        self.cut.send_modify(|cut| {
+            cut.remove(token);
+        });
+    }
+
+    /// If the request's bearer token is cut off: waits until it is healed or the server shuts
+    /// down, and returns true (the request is then refused, unapplied).
+    pub(crate) async fn hold_if_cut(
+        &self,
+        authorization: Option<&str>,
+        cancel: &CancellationToken,
+    ) -> bool {
+        let Some(token) = authorization.and_then(|h| h.strip_prefix("Bearer ")) else {
+            return false;
+        };
+        let mut cut = self.cut.subscribe();
+        if !cut.borrow_and_update().contains(token) {
+            return false;
+        }
+        loop {
+            tokio::select! {
+                () = cancel.cancelled() => return true,
+                changed = cut.changed() => {
+                    if changed.is_err() || !cut.borrow_and_update().contains(token) {
+                        return true;
+                    }
+                }
+            }
         }
     }
 

@@ -14,16 +14,25 @@ pub(crate) enum Kind {
     /// `admissionregistration.k8s.io/v1`, cluster-scoped: the webhooks this server calls on
     /// writes (see `webhooks.rs`).
     MutatingWebhookConfiguration,
+    /// `resource.k8s.io/v1`, cluster-scoped: the devices a DRA driver publishes.
+    ResourceSlice,
+    /// `resource.k8s.io/v1`, namespaced, with a status (allocation, reservedFor).
+    ResourceClaim,
+    /// `resource.k8s.io/v1`, cluster-scoped: which devices a request may get.
+    DeviceClass,
 }
 
 impl Kind {
-    pub const ALL: [Kind; 6] = [
+    pub const ALL: [Kind; 9] = [
         Kind::Pod,
         Kind::Node,
         Kind::Event,
         Kind::EventV1,
         Kind::Lease,
         Kind::MutatingWebhookConfiguration,
+        Kind::ResourceSlice,
+        Kind::ResourceClaim,
+        Kind::DeviceClass,
     ];
 
     pub fn plural(self) -> &'static str {
@@ -33,6 +42,9 @@ impl Kind {
             Kind::Event | Kind::EventV1 => "events",
             Kind::Lease => "leases",
             Kind::MutatingWebhookConfiguration => "mutatingwebhookconfigurations",
+            Kind::ResourceSlice => "resourceslices",
+            Kind::ResourceClaim => "resourceclaims",
+            Kind::DeviceClass => "deviceclasses",
         }
     }
 
@@ -43,6 +55,9 @@ impl Kind {
             Kind::Event | Kind::EventV1 => "Event",
             Kind::Lease => "Lease",
             Kind::MutatingWebhookConfiguration => "MutatingWebhookConfiguration",
+            Kind::ResourceSlice => "ResourceSlice",
+            Kind::ResourceClaim => "ResourceClaim",
+            Kind::DeviceClass => "DeviceClass",
         }
     }
 
@@ -52,6 +67,7 @@ impl Kind {
             Kind::EventV1 => "events.k8s.io/v1",
             Kind::Lease => "coordination.k8s.io/v1",
             Kind::MutatingWebhookConfiguration => "admissionregistration.k8s.io/v1",
+            Kind::ResourceSlice | Kind::ResourceClaim | Kind::DeviceClass => "resource.k8s.io/v1",
         }
     }
 
@@ -62,16 +78,23 @@ impl Kind {
             Kind::EventV1 => "events.k8s.io",
             Kind::Lease => "coordination.k8s.io",
             Kind::MutatingWebhookConfiguration => "admissionregistration.k8s.io",
+            Kind::ResourceSlice | Kind::ResourceClaim | Kind::DeviceClass => "resource.k8s.io",
         }
     }
 
     pub fn namespaced(self) -> bool {
-        !matches!(self, Kind::Node | Kind::MutatingWebhookConfiguration)
+        !matches!(
+            self,
+            Kind::Node
+                | Kind::MutatingWebhookConfiguration
+                | Kind::ResourceSlice
+                | Kind::DeviceClass
+        )
     }
 
     /// Whether the resource has a `status` subresource.
     pub fn has_status(self) -> bool {
-        matches!(self, Kind::Pod | Kind::Node)
+        matches!(self, Kind::Pod | Kind::Node | Kind::ResourceClaim)
     }
 
     /// The resource under `group/version` with this plural, if served.
@@ -85,6 +108,9 @@ impl Kind {
             ("admissionregistration.k8s.io/v1", "mutatingwebhookconfigurations") => {
                 Some(Kind::MutatingWebhookConfiguration)
             }
+            ("resource.k8s.io/v1", "resourceslices") => Some(Kind::ResourceSlice),
+            ("resource.k8s.io/v1", "resourceclaims") => Some(Kind::ResourceClaim),
+            ("resource.k8s.io/v1", "deviceclasses") => Some(Kind::DeviceClass),
             _ => None,
         }
     }
@@ -135,7 +161,10 @@ impl Kind {
                 "type",
             ],
             Kind::Lease => &["metadata.name", "metadata.namespace"],
-            Kind::MutatingWebhookConfiguration => &["metadata.name"],
+            Kind::MutatingWebhookConfiguration | Kind::DeviceClass => &["metadata.name"],
+            // As upstream: a node's plugin lists only its own slices.
+            Kind::ResourceSlice => &["metadata.name", "spec.nodeName", "spec.driver"],
+            Kind::ResourceClaim => &["metadata.name", "metadata.namespace"],
         }
     }
 }

@@ -119,6 +119,31 @@ fn columns(kind: Kind) -> Vec<Value> {
             column("Holder", "string", "", 0, "The holder of the lease."),
             age,
         ],
+        Kind::ResourceSlice => vec![
+            name,
+            column(
+                "Node",
+                "string",
+                "",
+                0,
+                "The node whose devices the slice lists.",
+            ),
+            column("Driver", "string", "", 0, "The DRA driver."),
+            column("Pool", "string", "", 0, "The pool of devices."),
+            age,
+        ],
+        Kind::ResourceClaim => vec![
+            name,
+            column(
+                "State",
+                "string",
+                "",
+                0,
+                "allocated,reserved, allocated or pending.",
+            ),
+            age,
+        ],
+        Kind::DeviceClass => vec![name, age],
         Kind::MutatingWebhookConfiguration => vec![
             name,
             column(
@@ -284,6 +309,29 @@ fn cells(kind: Kind, object: &Value) -> Vec<Value> {
             json!(text(object, "/spec/holderIdentity")),
             json!(age(object)),
         ],
+        Kind::ResourceSlice => vec![
+            name,
+            json!(text(object, "/spec/nodeName")),
+            json!(text(object, "/spec/driver")),
+            json!(text(object, "/spec/pool/name")),
+            json!(age(object)),
+        ],
+        Kind::ResourceClaim => {
+            let allocated = object
+                .pointer("/status/allocation")
+                .is_some_and(|a| !a.is_null());
+            let reserved = object
+                .pointer("/status/reservedFor")
+                .and_then(Value::as_array)
+                .is_some_and(|r| !r.is_empty());
+            let state = match (allocated, reserved) {
+                (true, true) => "allocated,reserved",
+                (true, false) => "allocated",
+                (false, _) => "pending",
+            };
+            vec![name, json!(state), json!(age(object))]
+        }
+        Kind::DeviceClass => vec![name, json!(age(object))],
         Kind::MutatingWebhookConfiguration => vec![
             name,
             json!(object["webhooks"].as_array().map_or(0, Vec::len)),

@@ -24,7 +24,10 @@
 //! - `state`: the cache (bound + assumed pods per node) and the scheduling queue.
 //! - `extender`: the HTTP client for one extender.
 //! - `driver`: the watches, the scheduling loop and the bind tasks.
+//! - [`dra`]: DRA mode: claims allocated with consumable capacity, as kube-scheduler's
+//!   DynamicResources plugin does, and released as the resourceclaim controller does.
 
+pub mod dra;
 mod driver;
 mod extender;
 pub mod framework;

@@ -3,6 +3,14 @@
 //! gone away changes nothing: the write's task answers whoever listens), resolutions, watch
 //! events, relists, restarts, deletions and recreations, against a model of the API server.
 //!
+//! With two replicas: `Failover` makes the warm standby the leader, as a lost Lease does. The
+//! deposed leader keeps its view and reservations; answers to its writes still reach it, and
+//! it resolves them by reading only: a write of an earlier term is never re-posted (not even
+//! by a replica leading again later), and the pod still unbound releases it. The new leader
+//! binds only once the fence of `crate::leader` holds: every write of an earlier leader has
+//! met its fate (its client timeout ended within the old lease) and its own watch has caught
+//! up (the catch-up).
+//!
 //! Invariants:
 //! - the API server never holds more GiB on a GPU than it has (no over-commit);
 //! - the view books each pod on at most one node;
@@ -46,6 +54,10 @@ enum Op {
     Relist,
     /// The extender restarts (its reservations are gone; its writes are not).
     Restart,
+    /// The standby replica takes over the Lease; the leader becomes the standby.
+    Failover,
+    /// The standby's pod watch delivers its next event.
+    StandbyWatch,
     /// A user deletes a pod.
     Delete { pod: usize },
     /// A user creates the pod again (a new UID).
@@ -62,6 +74,8 @@ fn op() -> impl Strategy<Value = Op> {
         4 => Just(Op::Watch),
         1 => Just(Op::Relist),
         1 => Just(Op::Restart),
+        1 => Just(Op::Failover),
+        3 => Just(Op::StandbyWatch),
         1 => (0..POD_GIB.len()).prop_map(|pod| Op::Delete { pod }),
         1 => (0..POD_GIB.len()).prop_map(|pod| Op::Recreate { pod }),
     ]
@@ -90,6 +104,8 @@ struct Write {
     uid: PodId,
     ticket: Ticket,
     instance: u32,
+    /// The leadership term it was decided in.
+    term: u32,
     fate: Fate,
     answered: bool,
     resolving: bool,
@@ -102,8 +118,17 @@ struct World {
     writes: Vec<Write>,
     view: View,
     instance: u32,
-    /// True from a restart until the grace is over.
+    /// True from a restart or a failover until the grace (or catch-up) is over.
     grace: bool,
+    /// Writes sent before the last restart or failover: the fence waits for their fate.
+    fenced: usize,
+    /// Counts restarts and failovers: a new term of leadership each.
+    term: u32,
+    /// The other replica: its view, its watch's queue, and the instance whose writes it
+    /// settles (a deposed leader's).
+    standby: View,
+    standby_events: VecDeque<(Pod, bool)>,
+    standby_instance: u32,
 }
 
 fn settings() -> Settings {
@@ -135,12 +160,18 @@ impl World {
             view: View::new(settings()),
             instance: 0,
             grace: false,
+            fenced: 0,
+            term: 0,
+            standby: View::new(settings()),
+            standby_events: VecDeque::new(),
+            standby_instance: 1,
         };
         for _ in POD_GIB {
             let uid = world.fresh_uid();
             world.pods.push(Some(ServerPod { uid, bound: None }));
         }
         world.start_view();
+        world.standby = world.fresh_view();
         world
     }
 
@@ -169,11 +200,22 @@ impl World {
             .collect()
     }
 
+    fn fresh_view(&self) -> View {
+        let mut view = View::new(settings());
+        view.replace_nodes(&nodes());
+        view.replace_pods(&self.listed());
+        view
+    }
+
     fn start_view(&mut self) {
-        self.view = View::new(settings());
-        self.view.replace_nodes(&nodes());
-        self.view.replace_pods(&self.listed());
+        self.view = self.fresh_view();
         self.events.clear();
+    }
+
+    /// A pod change both replicas' watches will deliver.
+    fn publish(&mut self, object: Pod, deleted: bool) {
+        self.standby_events.push_back((object.clone(), deleted));
+        self.events.push_back((object, deleted));
     }
 
     fn index_of(&self, target: &BindingTarget) -> usize {
@@ -193,7 +235,7 @@ impl World {
         }
         server.bound = Some((target.node.clone(), target.annotations.clone()));
         if let Some(object) = self.object(index) {
-            self.events.push_back((object, false));
+            self.publish(object, false);
         }
         true
     }
@@ -213,10 +255,14 @@ impl World {
             instance,
             ..
         } = &self.writes[write];
-        if *instance != self.instance {
+        let view = if *instance == self.instance {
+            &mut self.view
+        } else if *instance == self.standby_instance {
+            &mut self.standby
+        } else {
             return; // its instance died; nobody settles it
-        }
-        let settled = self.view.settle_reservation(uid, *ticket, outcome);
+        };
+        let settled = view.settle_reservation(uid, *ticket, outcome);
         self.writes[write].resolving = settled == Settled::Resolving;
     }
 
@@ -227,10 +273,9 @@ impl World {
                 // The restart grace (`--bind-grace-ms`): a new instance binds once the old
                 // one's writes have met their fate and the watch has shown them.
                 if self.grace {
-                    let old_pending = self
-                        .writes
+                    let old_pending = self.writes[..self.fenced]
                         .iter()
-                        .any(|w| w.instance != self.instance && w.fate == Fate::Pending);
+                        .any(|w| w.fate == Fate::Pending);
                     if old_pending || !self.events.is_empty() {
                         return;
                     }
@@ -254,6 +299,7 @@ impl World {
                         uid: write.uid,
                         ticket: write.ticket,
                         instance: self.instance,
+                        term: self.term,
                         fate: Fate::Pending,
                         answered: false,
                         resolving: false,
@@ -310,19 +356,39 @@ impl World {
                     }
                 }
             }
+            Op::StandbyWatch => {
+                if let Some((object, deleted)) = self.standby_events.pop_front() {
+                    if deleted {
+                        self.standby.delete_pod(&object);
+                    } else {
+                        self.standby.apply_pod(&object);
+                    }
+                }
+            }
             Op::Relist => {
                 self.events.clear();
                 self.view.replace_pods(&self.listed());
             }
             Op::Restart => {
-                self.instance += 1;
+                self.instance = self.instance.max(self.standby_instance) + 1;
                 self.grace = true;
+                self.fenced = self.writes.len();
+                self.term += 1;
                 self.start_view();
+            }
+            // The processes stay: each still settles its own writes, whichever leads.
+            Op::Failover => {
+                std::mem::swap(&mut self.instance, &mut self.standby_instance);
+                self.grace = true;
+                self.fenced = self.writes.len();
+                self.term += 1;
+                std::mem::swap(&mut self.view, &mut self.standby);
+                std::mem::swap(&mut self.events, &mut self.standby_events);
             }
             Op::Delete { pod } => {
                 if let Some(object) = self.object(pod) {
                     self.pods[pod] = None;
-                    self.events.push_back((object, true));
+                    self.publish(object, true);
                 }
             }
             Op::Recreate { pod } => {
@@ -330,7 +396,7 @@ impl World {
                     let uid = self.fresh_uid();
                     self.pods[pod] = Some(ServerPod { uid, bound: None });
                     if let Some(object) = self.object(pod) {
-                        self.events.push_back((object, false));
+                        self.publish(object, false);
                     }
                 }
             }
@@ -340,14 +406,20 @@ impl World {
     /// One step of the resolution of write `i`, as `bind::resolve_once` takes it.
     fn resolve(&mut self, i: usize) {
         let w = &self.writes[i];
-        if !w.resolving
-            || w.instance != self.instance
-            || !self.view.reservation_is(&w.uid, w.ticket, Phase::Resolving)
-        {
+        let leading = w.instance == self.instance;
+        let same_term = leading && w.term == self.term;
+        let view = if leading {
+            &self.view
+        } else if w.instance == self.standby_instance {
+            &self.standby
+        } else {
+            return;
+        };
+        if !w.resolving || !view.reservation_is(&w.uid, w.ticket, Phase::Resolving) {
             return;
         }
         let target = w.target.clone();
-        let outcome = match read_verdict(self.read(&target).as_ref(), &target) {
+        let outcome = match read_verdict(self.read(&target).as_ref(), &target, same_term) {
             Some(outcome) => outcome,
             // Unbound: re-post, which commits at once, or meets a conflict.
             None if self.commit(&target) => Outcome::Landed,
@@ -389,10 +461,12 @@ impl World {
                 self.writes
             );
         }
-        let mut seen = HashSet::new();
-        for (_, node) in self.view.cluster.nodes() {
-            for (uid, _) in node.pods() {
-                prop_assert!(seen.insert(uid.clone()), "pod {uid} booked on two nodes");
+        for view in [&self.view, &self.standby] {
+            let mut seen = HashSet::new();
+            for (_, node) in view.cluster.nodes() {
+                for (uid, _) in node.pods() {
+                    prop_assert!(seen.insert(uid.clone()), "pod {uid} booked on two nodes");
+                }
             }
         }
         Ok(())
@@ -416,6 +490,9 @@ impl World {
         while !self.events.is_empty() {
             self.apply(&Op::Watch);
         }
+        while !self.standby_events.is_empty() {
+            self.apply(&Op::StandbyWatch);
+        }
     }
 
     fn usage(view: &View) -> BTreeMap<(String, u32), u64> {
@@ -431,7 +508,7 @@ impl World {
 }
 
 proptest! {
-    #![proptest_config(ProptestConfig::with_cases(256))]
+    #![proptest_config(ProptestConfig::with_cases(1024))]
 
     #[test]
     fn reservations_end_and_never_over_commit(ops in prop::collection::vec(op(), 1..80)) {
@@ -443,6 +520,17 @@ proptest! {
         world.quiesce();
         world.check_invariants()?;
         prop_assert_eq!(world.view.reservation_count(), 0);
+        // The standby may still be reading about pods its Bindings never reached; each such
+        // pod is unbound, waiting for the leader to bind it (kube-scheduler retries).
+        for i in 0..world.pods.len() {
+            if let Some(server) = &world.pods[i] {
+                let uid = PodId::from(server.uid.as_str());
+                prop_assert!(
+                    world.standby.reservation(&uid).is_none() || server.bound.is_none(),
+                    "the standby still books bound pod {}", pod_name(i)
+                );
+            }
+        }
         let mut rebuilt = View::new(settings());
         rebuilt.replace_nodes(&nodes());
         rebuilt.replace_pods(&world.listed());

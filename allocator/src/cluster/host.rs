@@ -1,0 +1,256 @@
+//! What the fragmentation policy adds to the cluster model: each node's CPU and memory
+//! (allocatable, and requested by the pods bound to it, GPU pods or not) and the workload of
+//! recent pod shapes. See [`crate::fragmentation`] for the measure.
+
+use std::sync::Arc;
+
+use super::{Cluster, Node};
+use crate::fragmentation::{self, Before, Host, NodeFree, Shape, Workload};
+use crate::{PodId, Request};
+
+impl Node {
+    /// The node's free CPU and memory ([`Host::UNLIMITED`] when its allocatable is unknown).
+    pub fn host_free(&self) -> Host {
+        self.host.map_or(Host::UNLIMITED, |allocatable| {
+            allocatable.saturating_sub(self.host_used)
+        })
+    }
+
+    /// The node's GPUs as the measure reads them: healthy ones' free GiB.
+    fn free_view(&self) -> NodeFree<impl Fn(usize) -> Option<u64> + '_> {
+        NodeFree {
+            gpus: self.gpus.len(),
+            free: |i: usize| {
+                let usage: &super::GpuUsage = &self.gpus[i];
+                usage.healthy.then(|| usage.free_gib())
+            },
+            host: self.host_free(),
+            total_gib: self.healthy_totals().0,
+        }
+    }
+
+    /// The GPU (position) the fragmentation measure picks for `request`, if any has room.
+    pub(super) fn fragmentation_gpu(
+        &self,
+        request: &Request,
+        workload: &Workload,
+    ) -> Option<usize> {
+        fragmentation::best_gpu(workload, &self.free_view(), request.pod_gib, request.host)
+            .map(|(pos, _)| pos)
+    }
+
+    /// How good the node is for `request` under the fragmentation measure, placed on the GPU
+    /// at `pos` (the one [`Node::decide`](super::Node) chose, twin rule included).
+    fn fragmentation_goodness(&self, pos: usize, request: &Request, workload: &Workload) -> f64 {
+        let view = self.free_view();
+        let before = Before::new(workload, &view);
+        before.goodness(
+            workload,
+            pos,
+            self.gpus[pos].free_gib(),
+            request.pod_gib,
+            request.host,
+        )
+    }
+}
+
+impl Cluster {
+    /// Sets a node's allocatable CPU and memory (`None`: unknown, never the constraint).
+    pub fn set_node_host(&mut self, name: &str, allocatable: Option<Host>) {
+        if let Some(node) = self.nodes.get_mut(name) {
+            node.host = allocatable;
+        }
+    }
+
+    /// Records the CPU and memory a pod bound to `node` requests (any pod, GPU or not).
+    /// Idempotent; a pod moved or resized is re-booked.
+    pub fn set_pod_host(&mut self, uid: PodId, node: &str, host: Host) {
+        if let Some((old_node, old)) = self.hosts.get(&uid)
+            && **old_node == *node
+            && *old == host
+        {
+            return;
+        }
+        self.remove_pod_host(&uid);
+        if host == Host::default() {
+            return;
+        }
+        let name = self.node_name(node);
+        let entry = self.nodes.entry(name.clone()).or_default();
+        entry.host_used = entry.host_used.saturating_add(host);
+        self.hosts.insert(uid, (name, host));
+    }
+
+    /// Forgets a pod's CPU and memory (deleted, or finished).
+    pub fn remove_pod_host(&mut self, uid: &PodId) {
+        let Some((name, host)) = self.hosts.remove(uid) else {
+            return;
+        };
+        if let Some(node) = self.nodes.get_mut(&name) {
+            node.host_used = node.host_used.saturating_sub(host);
+            if !node.present && node.pods.is_empty() && node.host_used == Host::default() {
+                self.nodes.remove(&name);
+            }
+        }
+    }
+
+    /// Records the shape of a pod that asks for GPU memory: the workload the fragmentation
+    /// policy measures against follows the pods that arrive.
+    pub fn observe(&mut self, shape: Shape) {
+        self.workload.observe(shape);
+    }
+
+    /// The workload of recent pod shapes.
+    pub fn workload(&self) -> &Workload {
+        &self.workload
+    }
+
+    /// [`Cluster::scores`] under [`crate::Policy::Fragmentation`]: each fitting node's
+    /// goodness (see [`fragmentation::Before::goodness`]), ranked by
+    /// [`fragmentation::relative_scores`].
+    pub(super) fn fragmentation_scores(&self, nodes: &[&str], request: &Request) -> Vec<u8> {
+        let goodness: Vec<Option<f64>> = nodes
+            .iter()
+            .map(|name| {
+                let node = self.nodes.get(*name)?;
+                // Fit and the twin rule first (O(GPUs)); a pinned pod has no GPU to choose.
+                let pos = node
+                    .decide(request, crate::Policy::Binpack, &self.workload)
+                    .ok()?;
+                if matches!(node.pin(request), Ok(Some(_))) {
+                    return Some(node.fragmentation_goodness(pos, request, &self.workload));
+                }
+                fragmentation::best_gpu(
+                    &self.workload,
+                    &node.free_view(),
+                    request.pod_gib,
+                    request.host,
+                )
+                .map(|(_, goodness)| goodness)
+            })
+            .collect();
+        fragmentation::relative_scores(&goodness)
+    }
+
+    /// Number of pods whose CPU and memory are booked.
+    pub fn host_pod_count(&self) -> usize {
+        self.hosts.len()
+    }
+
+    /// The node a pod's CPU and memory are booked on.
+    pub fn pod_host(&self, uid: &PodId) -> Option<(&Arc<str>, Host)> {
+        self.hosts.get(uid).map(|(node, host)| (node, *host))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use crate::fragmentation::{Host, Shape};
+    use crate::{Cluster, Gpu, Policy, Request};
+
+    fn gpus(count: u32) -> Vec<Gpu> {
+        (0..count)
+            .map(|index| Gpu {
+                index,
+                uuid: format!("GPU-{index}"),
+                model: "T4".into(),
+                total_gib: 16,
+                healthy: true,
+            })
+            .collect()
+    }
+
+    fn request(gib: u64, cores: u64) -> Request {
+        Request {
+            pod_gib: gib,
+            containers: vec![gib],
+            host: Host::new(cores * 1000, cores * 4096),
+        }
+    }
+
+    #[test]
+    fn a_node_whose_cpu_would_strand_its_gpus_scores_low() {
+        let mut cluster = Cluster::new();
+        for name in ["tight", "roomy"] {
+            cluster.set_node(name, gpus(2), true);
+        }
+        cluster.set_node_host("tight", Some(Host::new(16_000, 1 << 20)));
+        cluster.set_node_host("roomy", Some(Host::new(64_000, 1 << 20)));
+        for _ in 0..10 {
+            cluster.observe(Shape {
+                gpu_gib: 16,
+                host: Host::new(8_000, 8 * 4096),
+            });
+        }
+        let big = request(16, 12);
+        let scores = cluster.scores(&["tight", "roomy"], &big, Policy::Fragmentation);
+        assert_eq!(scores, vec![1, 10]);
+        // Without CPU information both nodes look alike and the tie keeps both at the top.
+        cluster.set_node_host("tight", None);
+        assert_eq!(
+            cluster.scores(&["tight", "roomy"], &big, Policy::Fragmentation),
+            vec![10, 10]
+        );
+    }
+
+    #[test]
+    fn host_bookings_follow_pods_and_survive_unknown_nodes() {
+        let mut cluster = Cluster::new();
+        cluster.set_node("n1", gpus(1), true);
+        cluster.set_node_host("n1", Some(Host::new(8_000, 32_768)));
+        cluster.set_pod_host("cpu-pod".into(), "n1", Host::new(6_000, 1_024));
+        cluster.set_pod_host("cpu-pod".into(), "n1", Host::new(6_000, 1_024));
+        assert_eq!(
+            cluster.node("n1").unwrap().host_free(),
+            Host::new(2_000, 31_744)
+        );
+        // A pod on a node the node watch has not shown yet is kept until it is.
+        cluster.set_pod_host("early".into(), "n2", Host::new(1_000, 1_000));
+        cluster.set_node("n2", gpus(1), true);
+        cluster.set_node_host("n2", Some(Host::new(4_000, 4_000)));
+        assert_eq!(
+            cluster.node("n2").unwrap().host_free(),
+            Host::new(3_000, 3_000)
+        );
+        cluster.remove_pod_host(&"cpu-pod".into());
+        assert_eq!(
+            cluster.node("n1").unwrap().host_free(),
+            Host::new(8_000, 32_768)
+        );
+        cluster.forget_pods();
+        assert_eq!(cluster.host_pod_count(), 0);
+        assert_eq!(
+            cluster.node("n2").unwrap().host_free(),
+            Host::new(4_000, 4_000)
+        );
+    }
+
+    #[test]
+    fn bind_picks_the_gpu_the_measure_prefers() {
+        let mut cluster = Cluster::new();
+        cluster.set_node("n1", gpus(3), true);
+        for _ in 0..10 {
+            cluster.observe(Shape {
+                gpu_gib: 8,
+                host: Host::new(1_000, 1_024),
+            });
+        }
+        // GPU 0 empty, GPU 1 has 8 free, GPU 2 has 6 free.
+        let running = |gpu, gib: u64| crate::PodPlacement {
+            gpu,
+            uuid: format!("GPU-{gpu}").into(),
+            pod_gib: gib,
+            pending: vec![],
+            assigned: true,
+        };
+        cluster.upsert_pod("a".into(), "n1", running(1, 8));
+        cluster.upsert_pod("b".into(), "n1", running(2, 10));
+        let placed = cluster
+            .reserve("p".into(), "n1", &request(4, 1), Policy::Fragmentation)
+            .unwrap();
+        assert_eq!(
+            placed.gpu, 2,
+            "the 6 GiB gap, keeping 8 and 16 for 8 GiB pods"
+        );
+    }
+}

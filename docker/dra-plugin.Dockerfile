@@ -1,0 +1,29 @@
+# syntax=docker/dockerfile:1.7
+# gpushare-dra-plugin: the per-node kubelet DRA plugin.
+# Build from the repository root:
+#   docker build -f docker/dra-plugin.Dockerfile -t gpushare-dra-plugin:0.1.0 .
+# The kubelet API is compiled from .proto with protox (pure Rust): no protoc needed.
+
+ARG RUST_IMAGE=rust:1-bookworm
+
+FROM ${RUST_IMAGE} AS builder
+WORKDIR /src
+COPY . .
+RUN --mount=type=cache,target=/usr/local/cargo/registry \
+    --mount=type=cache,target=/usr/local/cargo/git \
+    --mount=type=cache,target=/src/target \
+    cargo build --release --locked -p gpushare-dra-plugin \
+    && install -D -m 0755 target/release/gpushare-dra-plugin /out/gpushare-dra-plugin
+
+# glibc with dlopen, which NVML needs: libnvidia-ml.so.1 is not in the image, the NVIDIA
+# container runtime injects it (NVIDIA_VISIBLE_DEVICES=all, NVIDIA_DRIVER_CAPABILITIES=utility).
+# Root image variant: kubelet's plugin directories belong to root. The chart
+# runs it as uid 0 without privileges or capabilities.
+FROM gcr.io/distroless/cc-debian12
+LABEL org.opencontainers.image.title="gpushare-dra-plugin" \
+      org.opencontainers.image.description="kubelet DRA plugin publishing GPUs with consumable memory capacity and preparing claims as CDI devices" \
+      org.opencontainers.image.licenses="Apache-2.0"
+COPY --from=builder /out/gpushare-dra-plugin /usr/local/bin/gpushare-dra-plugin
+ENV NVIDIA_VISIBLE_DEVICES=all \
+    NVIDIA_DRIVER_CAPABILITIES=utility
+ENTRYPOINT ["/usr/local/bin/gpushare-dra-plugin"]

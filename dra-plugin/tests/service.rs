@@ -1,0 +1,250 @@
+//! The DRA and registration services over real unix sockets, as kubelet calls them, with
+//! claims served from a map instead of the API server.
+
+use std::collections::HashMap;
+use std::path::Path;
+use std::sync::{Arc, Mutex};
+
+use gpushare_contract::GpuInfo;
+use gpushare_dra_plugin::checkpoint::Checkpoint;
+use gpushare_dra_plugin::service::{ClaimSource, DraService, Node, RegistrationService};
+use gpushare_proto::dra::v1::dra_plugin_client::DraPluginClient;
+use gpushare_proto::dra::v1::dra_plugin_server::DraPluginServer;
+use gpushare_proto::dra::v1::{Claim, NodePrepareResourcesRequest, NodeUnprepareResourcesRequest};
+use gpushare_proto::pluginregistration::registration_client::RegistrationClient;
+use gpushare_proto::pluginregistration::registration_server::RegistrationServer;
+use gpushare_proto::pluginregistration::{InfoRequest, RegistrationStatus};
+use k8s_openapi::api::resource::v1::ResourceClaim;
+use serde_json::json;
+use tokio::net::UnixListener;
+use tokio_stream::wrappers::UnixListenerStream;
+use tokio_util::sync::CancellationToken;
+use tonic::transport::Server;
+
+#[derive(Clone, Default)]
+struct Claims(Arc<Mutex<HashMap<(String, String), ResourceClaim>>>);
+
+impl ClaimSource for Claims {
+    async fn claim(&self, namespace: &str, name: &str) -> Result<ResourceClaim, String> {
+        self.0
+            .lock()
+            .unwrap()
+            .get(&(namespace.to_owned(), name.to_owned()))
+            .cloned()
+            .ok_or_else(|| format!("resourceclaims {name:?} not found"))
+    }
+}
+
+const DRIVER: &str = "gpushare.example.com";
+
+fn allocated(name: &str, uid: &str, device: &str, memory: &str) -> ResourceClaim {
+    serde_json::from_value(json!({
+        "metadata": {"name": name, "namespace": "ns", "uid": uid},
+        "spec": {"devices": {"requests": [{"name": "gpu", "exactly": {"deviceClassName": "gpushare"}}]}},
+        "status": {"allocation": {"devices": {"results": [
+            {"request": "gpu", "driver": DRIVER, "pool": "n1", "device": device,
+             "consumedCapacity": {"memory": memory}}
+        ]}}}
+    }))
+    .unwrap()
+}
+
+fn node(dir: &Path) -> Arc<Node> {
+    Arc::new(Node {
+        driver: DRIVER.to_owned(),
+        node: "n1".to_owned(),
+        gpus: (0..2)
+            .map(|index| GpuInfo {
+                index,
+                uuid: format!("GPU-sim-n1-{index}"),
+                model: "Simulated GPU".to_owned(),
+                mem_gib: 16,
+                healthy: true,
+                numa_node: None,
+            })
+            .collect(),
+        cdi_dir: dir.join("cdi"),
+        checkpoint_path: dir.join("checkpoint.json"),
+        enforcement: gpushare_dra_plugin::cdi::EnforcementConfig {
+            mode: gpushare_contract::env::Enforcement::Toolkit,
+            mps_pipe_directory: String::new(),
+        },
+    })
+}
+
+/// Serves a fresh service (reading the checkpoint on disk, as a restarted plugin does) and
+/// returns a client and the token that stops it.
+async fn serve(
+    dir: &Path,
+    claims: Claims,
+) -> (
+    DraPluginClient<tonic::transport::Channel>,
+    CancellationToken,
+) {
+    let node = node(dir);
+    std::fs::create_dir_all(&node.cdi_dir).unwrap();
+    let checkpoint = Checkpoint::load(&node.checkpoint_path).unwrap();
+    let socket = dir.join("dra.sock");
+    let _ = std::fs::remove_file(&socket);
+    let listener = UnixListener::bind(&socket).unwrap();
+    let stop = CancellationToken::new();
+    tokio::spawn(
+        Server::builder()
+            .add_service(DraPluginServer::new(DraService::new(
+                node, claims, checkpoint,
+            )))
+            .serve_with_incoming_shutdown(
+                UnixListenerStream::new(listener),
+                stop.clone().cancelled_owned(),
+            ),
+    );
+    let channel = gpushare_proto::connect_unix(&socket).await.unwrap();
+    (DraPluginClient::new(channel), stop)
+}
+
+fn claim(name: &str, uid: &str) -> Claim {
+    Claim {
+        namespace: "ns".to_owned(),
+        uid: uid.to_owned(),
+        name: name.to_owned(),
+    }
+}
+
+fn env_of(spec: &serde_json::Value) -> Vec<String> {
+    spec["devices"][0]["containerEdits"]["env"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|v| v.as_str().unwrap().to_owned())
+        .collect()
+}
+
+#[tokio::test]
+async fn prepare_writes_a_cdi_spec_and_survives_restarts_and_repeats() {
+    let dir = tempfile::tempdir().unwrap();
+    let claims = Claims::default();
+    claims.0.lock().unwrap().insert(
+        ("ns".into(), "a".into()),
+        allocated("a", "ua", "gpu-1", "4Gi"),
+    );
+    let (mut client, stop) = serve(dir.path(), claims.clone()).await;
+
+    let request = NodePrepareResourcesRequest {
+        claims: vec![claim("a", "ua"), claim("missing", "um")],
+    };
+    let answer = client
+        .node_prepare_resources(request.clone())
+        .await
+        .unwrap()
+        .into_inner();
+    let a = &answer.claims["ua"];
+    assert_eq!(a.error, "");
+    assert_eq!(a.devices.len(), 1);
+    assert_eq!(a.devices[0].device_name, "gpu-1");
+    assert_eq!(a.devices[0].pool_name, "n1");
+    assert_eq!(
+        a.devices[0].cdi_device_ids,
+        vec!["gpushare.example.com/gpu=claim-ua-gpu-1".to_owned()]
+    );
+    // A claim that cannot be read fails alone, with a reason.
+    assert!(
+        answer.claims["um"].error.contains("not found"),
+        "{:?}",
+        answer.claims["um"]
+    );
+
+    let spec_path = dir
+        .path()
+        .join("cdi")
+        .join("gpushare.example.com-claim-ua.json");
+    let spec: serde_json::Value =
+        serde_json::from_slice(&std::fs::read(&spec_path).unwrap()).unwrap();
+    assert_eq!(spec["kind"], "gpushare.example.com/gpu");
+    let env = env_of(&spec);
+    assert!(
+        env.contains(&"NVIDIA_VISIBLE_DEVICES=GPU-sim-n1-1".to_owned()),
+        "{env:?}"
+    );
+    assert!(
+        env.contains(&"GPUSHARE_CONTAINER_MEM_GIB=4".to_owned()),
+        "{env:?}"
+    );
+    // The toolkit's memory-limit hook reads the share in MiB.
+    assert!(
+        env.contains(&"NVIDIA_GPU_MEMORY_LIMIT=4096".to_owned()),
+        "{env:?}"
+    );
+
+    // The plugin restarts, and the claim vanished from the API server meanwhile: the
+    // checkpoint answers, unchanged.
+    stop.cancel();
+    claims.0.lock().unwrap().clear();
+    let (mut client, stop) = serve(dir.path(), claims.clone()).await;
+    let again = client
+        .node_prepare_resources(NodePrepareResourcesRequest {
+            claims: vec![claim("a", "ua")],
+        })
+        .await
+        .unwrap()
+        .into_inner();
+    assert_eq!(again.claims["ua"], *a);
+
+    // Unprepare removes the spec; a second Unprepare (and one for a claim never prepared)
+    // succeeds too.
+    for _ in 0..2 {
+        let done = client
+            .node_unprepare_resources(NodeUnprepareResourcesRequest {
+                claims: vec![claim("a", "ua"), claim("x", "ux")],
+            })
+            .await
+            .unwrap()
+            .into_inner();
+        assert_eq!(done.claims.len(), 2);
+        assert!(done.claims.values().all(|c| c.error.is_empty()), "{done:?}");
+        assert!(!spec_path.exists());
+    }
+    assert!(
+        Checkpoint::load(&dir.path().join("checkpoint.json"))
+            .unwrap()
+            .claims
+            .is_empty()
+    );
+    stop.cancel();
+}
+
+#[tokio::test]
+async fn registration_names_the_driver_and_its_socket() {
+    let dir = tempfile::tempdir().unwrap();
+    let socket = dir.path().join("reg.sock");
+    let listener = UnixListener::bind(&socket).unwrap();
+    let (registered, mut seen) = tokio::sync::watch::channel(false);
+    let service =
+        RegistrationService::new(DRIVER.to_owned(), dir.path().join("dra.sock"), registered);
+    let stop = CancellationToken::new();
+    tokio::spawn(
+        Server::builder()
+            .add_service(RegistrationServer::new(service))
+            .serve_with_incoming_shutdown(
+                UnixListenerStream::new(listener),
+                stop.clone().cancelled_owned(),
+            ),
+    );
+    let mut client = RegistrationClient::new(gpushare_proto::connect_unix(&socket).await.unwrap());
+    let info = client.get_info(InfoRequest {}).await.unwrap().into_inner();
+    assert_eq!(info.r#type, "DRAPlugin");
+    assert_eq!(info.name, DRIVER);
+    assert_eq!(
+        info.endpoint,
+        dir.path().join("dra.sock").display().to_string()
+    );
+    assert_eq!(info.supported_versions, vec!["v1.DRAPlugin".to_owned()]);
+    client
+        .notify_registration_status(RegistrationStatus {
+            plugin_registered: true,
+            error: String::new(),
+        })
+        .await
+        .unwrap();
+    seen.wait_for(|registered| *registered).await.unwrap();
+    stop.cancel();
+}

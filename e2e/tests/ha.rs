@@ -1,0 +1,623 @@
+//! High availability: two real `gpushare-extender` replicas behind a round-robin front (the
+//! chart's Service: each new connection to the next ready replica), electing a leader over a
+//! Lease with the chart's settings. Only the leader binds; the follower answers filter and
+//! prioritize from its own view and passes binds on to the leader.
+//!
+//! Each scenario kills, restarts or cuts off the leader while pods are being scheduled, then
+//! checks what a user sees: every pod (they all fit) bound, running and pinned to its GPU, no
+//! GPU over-committed, no reservation left. The time from the fault to the first bind decided
+//! by the new leader is printed, not asserted (target: under 5 s).
+//!
+//! `GPUSHARE_E2E_HA_REFUSE=1` runs the replicas without `--advertise-url`: followers then
+//! refuse binds instead of passing them on (kube-scheduler retries), for comparing the two.
+
+use std::net::SocketAddr;
+use std::path::PathBuf;
+use std::time::Duration;
+
+use anyhow::{Context, ensure};
+use gpushare_e2e::cluster::{ClusterSpec, EXTENDER_USER, Extender, TestCluster, wait_for};
+use gpushare_e2e::fixtures::pod;
+use gpushare_e2e::front::Front;
+use gpushare_e2e::scenarios::{allocation, check_no_overcommit, check_pinned, phase};
+use k8s_openapi::api::coordination::v1::Lease;
+use k8s_openapi::api::core::v1::Pod;
+use kube::Api;
+use kube::api::PostParams;
+use kube::runtime::{WatchStreamExt, reflector, watcher};
+
+/// One HA cluster at a time: each runs 2 extenders and 8 device plugins.
+static SLOT: tokio::sync::Semaphore = tokio::sync::Semaphore::const_new(1);
+
+const NODES: usize = 8;
+const GPUS: [u64; 2] = [16, 16];
+const REPLICAS: usize = 2;
+/// The Lease, as the chart names it here (`--leader-lease`, `POD_NAMESPACE`).
+const LEASE: &str = "gpushare-extender";
+const LEASE_NAMESPACE: &str = "kube-system";
+/// How long every pod gets to be bound and running after the last fault.
+const DRAIN: Duration = Duration::from_secs(60);
+/// How long a new leader gets to bind after a fault before the test gives up.
+const FAILOVER_LIMIT: Duration = Duration::from_secs(30);
+
+/// One extender replica: a pod of the chart's Deployment.
+struct Replica {
+    name: String,
+    ports: (u16, u16),
+    kubeconfig: PathBuf,
+    /// Its API token: cutting it off is the partition.
+    token: String,
+    extender: Option<Extender>,
+}
+
+/// The cluster, the replicas and their front.
+struct Ha {
+    cluster: TestCluster,
+    /// Kept alive with the cluster (the endpoints task holds it too).
+    _front: std::sync::Arc<Front>,
+    replicas: Vec<Replica>,
+    endpoints: tokio::task::JoinHandle<()>,
+}
+
+impl Ha {
+    async fn start() -> anyhow::Result<Self> {
+        let mut cluster = TestCluster::start(
+            ClusterSpec::uniform(NODES, &GPUS).with_http_timeout(Duration::from_secs(5)),
+        )
+        .await?;
+        // The cluster's single extender makes way for the replicas and their front, on the
+        // port the scheduler driver calls.
+        cluster.kill_extender().await;
+        let service = SocketAddr::from(([127, 0, 0, 1], cluster.extender_port()));
+        let front = std::sync::Arc::new(Front::start(service, Vec::new()).await?);
+        let mut replicas = Vec::new();
+        let mut ports = std::collections::BTreeSet::from([cluster.extender_port()]);
+        for i in 0..REPLICAS {
+            let (yaml, token) = cluster.api.kubeconfig_yaml_and_token_as(EXTENDER_USER);
+            let kubeconfig = cluster.log_dir().join(format!("replica-{i}.kubeconfig"));
+            std::fs::write(&kubeconfig, yaml)?;
+            let mut port = || -> anyhow::Result<u16> {
+                loop {
+                    let port = gpushare_e2e::cluster::free_port()?;
+                    if ports.insert(port) {
+                        return Ok(port);
+                    }
+                }
+            };
+            replicas.push(Replica {
+                name: format!("gpushare-extender-{i}"),
+                ports: (port()?, port()?),
+                kubeconfig,
+                token,
+                extender: None,
+            });
+        }
+        let endpoints = tokio::spawn(endpoints(
+            front.clone(),
+            replicas.iter().map(|r| r.ports).collect(),
+        ));
+        let mut ha = Self {
+            cluster,
+            _front: front,
+            replicas,
+            endpoints,
+        };
+        for i in 0..REPLICAS {
+            ha.spawn(i)?;
+        }
+        for i in 0..REPLICAS {
+            ha.wait_ready(i).await?;
+        }
+        Ok(ha)
+    }
+
+    /// Starts replica `i` as the chart does (without waiting for it).
+    fn spawn(&mut self, i: usize) -> anyhow::Result<()> {
+        let replica = &self.replicas[i];
+        let ca = self.cluster.extender_ca_file();
+        let mut args = vec![
+            "--leader-elect=true".to_owned(),
+            format!("--pod-name={}", replica.name),
+            format!("--leader-forward-ca={}", ca.display()),
+        ];
+        if std::env::var_os("GPUSHARE_E2E_HA_REFUSE").is_none() {
+            args.push(format!(
+                "--advertise-url=https://127.0.0.1:{}",
+                replica.ports.0
+            ));
+        }
+        let extender = self.cluster.spawn_extender_replica(
+            &replica.name,
+            &replica.kubeconfig,
+            replica.ports,
+            &args,
+        )?;
+        self.replicas[i].extender = Some(extender);
+        Ok(())
+    }
+
+    async fn wait_ready(&mut self, i: usize) -> anyhow::Result<()> {
+        self.replicas[i]
+            .extender
+            .as_mut()
+            .context("replica not started")?
+            .wait_ready()
+            .await
+    }
+
+    /// SIGKILL, as an OOM kill or a node failure would.
+    async fn kill(&mut self, i: usize) {
+        if let Some(extender) = self.replicas[i].extender.take() {
+            extender.process.crash().await;
+        }
+    }
+
+    /// SIGTERM, as a rolling update or a drain does (the replica hands the Lease over).
+    async fn stop(&mut self, i: usize) {
+        if let Some(extender) = self.replicas[i].extender.take() {
+            extender.process.stop().await;
+        }
+    }
+
+    /// The replica holding the Lease, by the pod name in its `holderIdentity`.
+    async fn leader(&self) -> anyhow::Result<Option<usize>> {
+        let leases: Api<Lease> = Api::namespaced(self.cluster.client.clone(), LEASE_NAMESPACE);
+        let holder = leases
+            .get_opt(LEASE)
+            .await?
+            .and_then(|lease| lease.spec?.holder_identity)
+            .unwrap_or_default();
+        let pod = holder
+            .rsplit_once('_')
+            .map_or(holder.as_str(), |(pod, _)| pod);
+        Ok(self.replicas.iter().position(|r| r.name == pod))
+    }
+
+    /// Waits for a leader other than `not`.
+    async fn wait_leader(&self, not: Option<usize>) -> anyhow::Result<usize> {
+        wait_for("a leader", FAILOVER_LIMIT, || async {
+            self.leader()
+                .await
+                .ok()
+                .flatten()
+                .filter(|&i| Some(i) != not)
+        })
+        .await
+    }
+
+    async fn metrics(&self, i: usize) -> anyhow::Result<String> {
+        let extender = self.replicas[i]
+            .extender
+            .as_ref()
+            .context("replica not running")?;
+        let (status, body) = extender.get_health("/metrics").await?;
+        ensure!(status == 200, "/metrics answered {status}");
+        Ok(body)
+    }
+
+    /// Bind outcomes the running replicas counted (since their last start), by reason.
+    async fn bind_counts(&self) -> String {
+        let mut counts = std::collections::BTreeMap::<String, u64>::new();
+        for i in 0..REPLICAS {
+            let Ok(text) = self.metrics(i).await else {
+                continue;
+            };
+            for line in text.lines() {
+                if let Some(rest) = line.strip_prefix("gpushare_extender_binds_total{reason=\"")
+                    && let Some((reason, value)) = rest.split_once("\"} ")
+                {
+                    *counts.entry(reason.to_owned()).or_default() +=
+                        value.trim().parse::<u64>().unwrap_or(0);
+                }
+            }
+        }
+        counts
+            .iter()
+            .map(|(reason, n)| format!("{reason}={n}"))
+            .collect::<Vec<_>>()
+            .join(" ")
+    }
+
+    /// Pods a running replica still shows as reserved by a bind.
+    async fn reserved(&self) -> anyhow::Result<Vec<String>> {
+        fn walk(value: &serde_json::Value, out: &mut Vec<String>) {
+            match value {
+                serde_json::Value::Object(map) => {
+                    if map.get("reserved") == Some(&serde_json::Value::Bool(true)) {
+                        out.push(
+                            map.get("name")
+                                .and_then(|v| v.as_str())
+                                .unwrap_or("?")
+                                .to_owned(),
+                        );
+                    }
+                    map.values().for_each(|v| walk(v, out));
+                }
+                serde_json::Value::Array(items) => items.iter().for_each(|v| walk(v, out)),
+                _ => {}
+            }
+        }
+        let mut out = Vec::new();
+        for replica in &self.replicas {
+            if let Some(extender) = &replica.extender {
+                walk(&extender.inspect().await?, &mut out);
+            }
+        }
+        Ok(out)
+    }
+
+    async fn shutdown(mut self) {
+        self.endpoints.abort();
+        for i in 0..REPLICAS {
+            self.kill(i).await;
+        }
+        self.cluster.shutdown().await;
+    }
+}
+
+/// The Service's endpoints: every 500 ms, the replicas whose `/readyz` answers 200 (all of
+/// them when none does, so that an outage shows as failed calls, not as no calls).
+async fn endpoints(front: std::sync::Arc<Front>, ports: Vec<(u16, u16)>) {
+    loop {
+        let mut ready = Vec::new();
+        for &(port, monitor) in &ports {
+            let monitor = SocketAddr::from(([127, 0, 0, 1], monitor));
+            if matches!(
+                gpushare_e2e::cluster::http_get(monitor, "/readyz").await,
+                Ok((200, _))
+            ) {
+                ready.push(SocketAddr::from(([127, 0, 0, 1], port)));
+            }
+        }
+        if ready.is_empty() {
+            ready = ports
+                .iter()
+                .map(|&(port, _)| SocketAddr::from(([127, 0, 0, 1], port)))
+                .collect();
+        }
+        front.set_backends(ready);
+        tokio::time::sleep(Duration::from_millis(500)).await;
+    }
+}
+
+/// The pods of namespace `default` as a watch shows them.
+struct PodWatch {
+    pods: reflector::Store<Pod>,
+    task: tokio::task::JoinHandle<()>,
+}
+
+impl PodWatch {
+    async fn start(client: &kube::Client) -> anyhow::Result<Self> {
+        use futures::StreamExt;
+        let api: Api<Pod> = Api::namespaced(client.clone(), "default");
+        let (pods, writer) = reflector::store();
+        let stream = reflector::reflector(writer, watcher(api, watcher::Config::default()))
+            .default_backoff()
+            .applied_objects();
+        let task = tokio::spawn(stream.for_each(|_| async {}));
+        pods.wait_until_ready().await?;
+        Ok(Self { pods, task })
+    }
+
+    fn pods(&self) -> Vec<Pod> {
+        self.pods.state().iter().map(|p| (**p).clone()).collect()
+    }
+
+    fn bound(&self) -> usize {
+        self.pods()
+            .iter()
+            .filter(|p| p.spec.as_ref().is_some_and(|s| s.node_name.is_some()))
+            .count()
+    }
+
+    async fn wait_bound(&self, count: usize) -> anyhow::Result<()> {
+        wait_for(
+            &format!("{count} pods bound"),
+            Duration::from_secs(60),
+            || async { (self.bound() >= count).then_some(()) },
+        )
+        .await
+    }
+
+    /// Time from `since` until a pod shows up bound with a decision made after `wall` (so by
+    /// a replica alive after the fault, not a Binding the old leader sent before it).
+    async fn first_bind_after(
+        &self,
+        wall: jiff::Timestamp,
+        since: tokio::time::Instant,
+    ) -> anyhow::Result<Duration> {
+        wait_for("a bind after the fault", FAILOVER_LIMIT, || async {
+            let decided_after = self.pods().iter().any(|p| {
+                p.spec.as_ref().is_some_and(|s| s.node_name.is_some())
+                    && allocation(p).is_ok_and(|a| {
+                        a.bind_time
+                            .parse::<jiff::Timestamp>()
+                            .is_ok_and(|t| t > wall)
+                    })
+            });
+            decided_after.then(|| since.elapsed())
+        })
+        .await
+    }
+}
+
+impl Drop for PodWatch {
+    fn drop(&mut self) {
+        self.task.abort();
+    }
+}
+
+async fn create(client: &kube::Client, name: &str, gib: u64) -> anyhow::Result<()> {
+    let api: Api<Pod> = Api::namespaced(client.clone(), "default");
+    api.create(&PostParams::default(), &pod(name).gpu_mem(gib).build())
+        .await?;
+    Ok(())
+}
+
+/// Creates `count` pods at once (16 requests in flight), sizes cycling through `sizes`.
+async fn burst(client: &kube::Client, count: usize, sizes: &[u64]) -> anyhow::Result<()> {
+    use futures::{StreamExt, TryStreamExt};
+    futures::stream::iter(0..count)
+        .map(|i| {
+            let gib = sizes[i % sizes.len()];
+            async move { create(client, &format!("burst-{i}-{gib}g"), gib).await }
+        })
+        .buffer_unordered(16)
+        .try_collect::<Vec<()>>()
+        .await?;
+    Ok(())
+}
+
+/// Creates a 1 GiB pod every `every` until aborted (a steady flow of work to schedule).
+fn stream(client: kube::Client, every: Duration) -> tokio::task::JoinHandle<anyhow::Result<()>> {
+    tokio::spawn(async move {
+        let mut tick = tokio::time::interval(every);
+        for i in 0.. {
+            tick.tick().await;
+            create(&client, &format!("stream-{i}"), 1).await?;
+        }
+        Ok(())
+    })
+}
+
+/// Every pod bound, running and pinned; no GPU over-committed; no reservation left.
+async fn drain_and_check(test: &str, ha: &Ha, watch: &PodWatch) -> anyhow::Result<()> {
+    let started = tokio::time::Instant::now();
+    let done = wait_for("every pod bound and running", DRAIN, || async {
+        let pods = watch.pods();
+        pods.iter()
+            .all(|p| phase(p) == "Running")
+            .then_some(pods.len())
+    })
+    .await;
+    let pods = watch.pods();
+    let waiting: Vec<String> = pods
+        .iter()
+        .filter(|p| phase(p) != "Running")
+        .take(5)
+        .map(|p| {
+            format!(
+                "{} ({}, node {:?})",
+                p.metadata.name.as_deref().unwrap_or("?"),
+                phase(p),
+                p.spec.as_ref().and_then(|s| s.node_name.as_deref())
+            )
+        })
+        .collect();
+    let total = done.with_context(|| format!("not every pod runs; first waiting: {waiting:?}"))?;
+    eprintln!(
+        "[{test}] all {total} pods bound and running {:.1?} after the last fault; binds by reason (running replicas, since their start): {}",
+        started.elapsed(),
+        ha.bind_counts().await
+    );
+    check_no_overcommit(&ha.cluster.client).await?;
+    for pod in &pods {
+        check_pinned(&ha.cluster, pod).await?;
+    }
+    let reserved = match wait_for("reservations to end", Duration::from_secs(10), || async {
+        ha.reserved().await.ok().filter(Vec::is_empty)
+    })
+    .await
+    {
+        Ok(none) => none,
+        Err(_) => ha.reserved().await?,
+    };
+    ensure!(
+        reserved.is_empty(),
+        "a replica still holds reservations for bound pods: {reserved:?}"
+    );
+    Ok(())
+}
+
+/// Runs `body` on a fresh HA cluster; on failure prints the tail of every log.
+async fn with_ha(body: impl AsyncFnOnce(&mut Ha) -> anyhow::Result<()>) -> anyhow::Result<()> {
+    let _slot = SLOT.acquire().await?;
+    let mut ha = Ha::start().await?;
+    let result = body(&mut ha).await;
+    if result.is_err() {
+        eprintln!("{}", ha.cluster.log_tail(40));
+    }
+    ha.shutdown().await;
+    result
+}
+
+/// What `kubectl gpushare doctor` prints about this cluster.
+async fn doctor_says(ha: &Ha) -> anyhow::Result<String> {
+    use kubectl_gpushare::doctor::{self, Install, Snapshot};
+    let cluster =
+        kubectl_gpushare::cluster::Cluster::connect(Some(ha.cluster.kubeconfig())).await?;
+    let install = Install {
+        namespace: LEASE_NAMESPACE.to_owned(),
+        extender_service: LEASE.to_owned(),
+        scheduler_name: "gpushare-scheduler".to_owned(),
+    };
+    let snapshot = Snapshot {
+        leader: Some(cluster.extender_lease(&install).await),
+        ..Snapshot::default()
+    };
+    let settings = kubectl_gpushare::usage::Settings::default();
+    Ok(doctor::render(&doctor::diagnose(
+        &snapshot, &settings, &install,
+    )))
+}
+
+fn p50_max(mut times: Vec<Duration>) -> (Duration, Duration) {
+    times.sort();
+    let p50 = times.get(times.len() / 2).copied().unwrap_or_default();
+    (p50, times.last().copied().unwrap_or_default())
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_leader_killed_mid_burst_every_pod_binds_once() -> anyhow::Result<()> {
+    let test = "the_leader_killed_mid_burst_every_pod_binds_once";
+    with_ha(async |ha| {
+        let watch = PodWatch::start(&ha.cluster.client).await?;
+        let leader = ha.wait_leader(None).await?;
+        // 80 pods, 180 GiB of 256: every one fits.
+        burst(&ha.cluster.client, 80, &[1, 2, 2, 4]).await?;
+        watch.wait_bound(20).await?;
+        ha.kill(leader).await;
+        let (wall, killed) = (jiff::Timestamp::now(), tokio::time::Instant::now());
+        let first = watch.first_bind_after(wall, killed).await?;
+        let new = ha.wait_leader(Some(leader)).await?;
+        eprintln!(
+            "[{test}] SIGKILL of leader {} with {} of 80 bound: first bind by {} {first:.2?} later",
+            ha.replicas[leader].name,
+            watch.bound(),
+            ha.replicas[new].name
+        );
+        // `kubectl gpushare doctor` reads the Lease and names the replica that leads.
+        let doctor = doctor_says(ha).await?;
+        ensure!(
+            doctor.contains(&format!(
+                "[OK]   extender replica {} leads",
+                ha.replicas[new].name
+            )),
+            "{doctor}"
+        );
+        // kubelet restarts the container: it comes back as the follower.
+        ha.spawn(leader)?;
+        ha.wait_ready(leader).await?;
+        drain_and_check(test, ha, &watch).await
+    })
+    .await
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn ten_leader_kills_fail_over_in_seconds_and_lose_nothing() -> anyhow::Result<()> {
+    let test = "ten_leader_kills_fail_over_in_seconds_and_lose_nothing";
+    with_ha(async |ha| {
+        let watch = PodWatch::start(&ha.cluster.client).await?;
+        let flow = stream(ha.cluster.client.clone(), Duration::from_millis(300));
+        let mut failovers = Vec::new();
+        let result = async {
+            for _ in 0..10 {
+                let leader = ha.wait_leader(None).await?;
+                watch.wait_bound(watch.bound() + 1).await?;
+                ha.kill(leader).await;
+                let (wall, killed) = (jiff::Timestamp::now(), tokio::time::Instant::now());
+                failovers.push(watch.first_bind_after(wall, killed).await?);
+                ha.spawn(leader)?;
+                ha.wait_ready(leader).await?;
+            }
+            anyhow::Ok(())
+        }
+        .await;
+        flow.abort();
+        result?;
+        let (p50, max) = p50_max(failovers.clone());
+        eprintln!(
+            "[{test}] time from SIGKILL of the leader to the first bind decided after it, over {} kills: p50 {p50:.2?}, max {max:.2?} (target < 5 s); each: {:.2?}",
+            failovers.len(),
+            failovers
+        );
+        drain_and_check(test, ha, &watch).await
+    })
+    .await
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_rolling_restart_of_both_replicas_loses_nothing() -> anyhow::Result<()> {
+    let test = "a_rolling_restart_of_both_replicas_loses_nothing";
+    with_ha(async |ha| {
+        let watch = PodWatch::start(&ha.cluster.client).await?;
+        let flow = stream(ha.cluster.client.clone(), Duration::from_millis(200));
+        let result = async {
+            let leader = ha.wait_leader(None).await?;
+            let follower = (leader + 1) % REPLICAS;
+            // The follower first, then the leader, as a rolling update of the Deployment
+            // replaces one pod at a time.
+            for i in [follower, leader] {
+                watch.wait_bound(watch.bound() + 3).await?;
+                let (wall, stopped) = (jiff::Timestamp::now(), tokio::time::Instant::now());
+                ha.stop(i).await;
+                let first = watch.first_bind_after(wall, stopped).await?;
+                eprintln!(
+                    "[{test}] SIGTERM to {} ({}): first bind decided after it {first:.2?} later",
+                    ha.replicas[i].name,
+                    if i == leader { "leader" } else { "follower" },
+                );
+                ha.spawn(i)?;
+                ha.wait_ready(i).await?;
+            }
+            ensure!(
+                ha.wait_leader(None).await? == follower,
+                "the leader's successor is the replica that did not stop"
+            );
+            anyhow::Ok(())
+        }
+        .await;
+        flow.abort();
+        result?;
+        drain_and_check(test, ha, &watch).await
+    })
+    .await
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_leader_cut_off_from_the_api_server_stops_binding_and_is_replaced() -> anyhow::Result<()>
+{
+    let test = "a_leader_cut_off_from_the_api_server_stops_binding_and_is_replaced";
+    with_ha(async |ha| {
+        let watch = PodWatch::start(&ha.cluster.client).await?;
+        let leader = ha.wait_leader(None).await?;
+        burst(&ha.cluster.client, 80, &[1, 2, 2, 4]).await?;
+        watch.wait_bound(20).await?;
+        let faults = ha.cluster.api.faults();
+        faults.cut(&ha.replicas[leader].token);
+        let (wall, cut) = (jiff::Timestamp::now(), tokio::time::Instant::now());
+        let result = async {
+            let new = ha.wait_leader(Some(leader)).await?;
+            let first = watch.first_bind_after(wall, cut).await?;
+            eprintln!(
+                "[{test}] leader {} cut off with {} of 80 bound: {} took over, first bind {first:.2?} after the cut",
+                ha.replicas[leader].name,
+                watch.bound(),
+                ha.replicas[new].name
+            );
+            // The cut-off replica knows it no longer leads, and leaves the Service.
+            wait_for("the cut-off replica to stop leading", FAILOVER_LIMIT, || async {
+                let metrics = ha.metrics(leader).await.ok()?;
+                metrics
+                    .lines()
+                    .any(|l| l == "gpushare_extender_leader 0")
+                    .then_some(())
+            })
+            .await?;
+            let extender = ha.replicas[leader]
+                .extender
+                .as_ref()
+                .context("the cut-off replica died")?;
+            wait_for("the cut-off replica to be unready", FAILOVER_LIMIT, || async {
+                matches!(extender.get_health("/readyz").await, Ok((503, _))).then_some(())
+            })
+            .await?;
+            anyhow::Ok(())
+        }
+        .await;
+        faults.heal(&ha.replicas[leader].token);
+        result?;
+        drain_and_check(test, ha, &watch).await
+    })
+    .await
+}

@@ -1,0 +1,153 @@
+//! Two extenders electing a leader, run in-process as in production (watches, HTTP on
+//! 127.0.0.1:0, the Lease), against gpushare-e2e's in-process API server: only the leader
+//! binds, a follower passes kube-scheduler's bind on to it, and never a bind that was itself
+//! passed on.
+
+#![allow(clippy::unwrap_used)]
+
+use std::net::SocketAddr;
+use std::time::Duration;
+
+use gpushare_e2e::apiserver::{ApiServer, Verb};
+use gpushare_e2e::cluster::{http_get, http_post_json, wait_for};
+use gpushare_e2e::fixtures::{node, pod};
+use gpushare_extender::{Config, serve};
+use k8s_openapi::api::core::v1::Pod;
+use kube::Api;
+use serde_json::json;
+use tokio::io::{AsyncReadExt, AsyncWriteExt};
+use tokio::task::JoinHandle;
+
+const PREFIX: &str = "/gpushare-scheduler";
+
+/// A running replica; dropping it kills it.
+struct Replica {
+    addr: SocketAddr,
+    task: JoinHandle<Result<(), gpushare_extender::Error>>,
+}
+
+impl Drop for Replica {
+    fn drop(&mut self) {
+        self.task.abort();
+    }
+}
+
+impl Replica {
+    async fn start(client: kube::Client, name: &str) -> anyhow::Result<Self> {
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await?;
+        let addr = listener.local_addr()?;
+        let config = Config {
+            listen: addr,
+            bind_grace_ms: 0,
+            leader_elect: true,
+            pod_name: name.to_owned(),
+            advertise_url: Some(format!("http://{addr}")),
+            ..Config::default()
+        };
+        let task = tokio::spawn(serve(config, client, listener, std::future::pending()));
+        let replica = Self { addr, task };
+        wait_for(
+            "the replica to be ready",
+            Duration::from_secs(20),
+            || async {
+                matches!(http_get(replica.addr, "/readyz").await, Ok((200, _))).then_some(())
+            },
+        )
+        .await?;
+        Ok(replica)
+    }
+
+    async fn leads(&self) -> bool {
+        http_get(self.addr, "/metrics")
+            .await
+            .is_ok_and(|(_, body)| body.lines().any(|l| l == "gpushare_extender_leader 1"))
+    }
+
+    async fn bind_count(&self, reason: &str) -> u64 {
+        let (_, body) = http_get(self.addr, "/metrics").await.unwrap();
+        let prefix = format!("gpushare_extender_binds_total{{reason=\"{reason}\"}} ");
+        body.lines()
+            .find_map(|l| l.strip_prefix(&prefix))
+            .map_or(0, |n| n.trim().parse().unwrap())
+    }
+}
+
+fn bind_body(pod: &Pod, node: &str) -> String {
+    json!({
+        "PodName": pod.metadata.name,
+        "PodNamespace": pod.metadata.namespace,
+        "PodUID": pod.metadata.uid,
+        "Node": node,
+    })
+    .to_string()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn only_the_leader_binds_and_a_follower_passes_binds_on() -> anyhow::Result<()> {
+    let server = ApiServer::start().await?;
+    let client = server.client();
+    node("n1").gpushare().gpus(&[16]).create(&client).await?;
+    for name in ["p0", "p1"] {
+        pod(name).gpu_mem(4).create(&client).await?;
+    }
+    let a = Replica::start(client.clone(), "extender-a").await?;
+    let b = Replica::start(client.clone(), "extender-b").await?;
+    let (leader, follower) = wait_for("a leader", Duration::from_secs(20), || async {
+        match (a.leads().await, b.leads().await) {
+            (true, false) => Some((&a, &b)),
+            (false, true) => Some((&b, &a)),
+            _ => None,
+        }
+    })
+    .await?;
+    let pods: Api<Pod> = Api::namespaced(client.clone(), "default");
+    // The leader's catch-up after acquiring: binds are refused (retryably) until it is over.
+    let p0 = pods.get("p0").await?;
+    let answer = wait_for(
+        "the follower to pass a bind on",
+        Duration::from_secs(10),
+        || async {
+            let (status, body) = http_post_json(
+                follower.addr,
+                &format!("{PREFIX}/bind"),
+                &bind_body(&p0, "n1"),
+            )
+            .await
+            .ok()?;
+            assert_eq!(status, 200);
+            let value: serde_json::Value = serde_json::from_str(&body).ok()?;
+            let error = value["Error"].as_str().unwrap_or_default().to_owned();
+            (!error.contains("just took over")).then_some(error)
+        },
+    )
+    .await?;
+    assert_eq!(answer, "", "the leader bound it");
+    let bound = pods.get("p0").await?;
+    assert_eq!(bound.spec.unwrap().node_name.as_deref(), Some("n1"));
+    // Every call passed on and answered counts, the refusals during the catch-up too.
+    assert!(follower.bind_count("forwarded").await >= 1);
+    assert_eq!(leader.bind_count("bound").await, 1);
+    assert_eq!(follower.bind_count("bound").await, 0);
+
+    // A bind that was itself passed on is not passed on again: refused, and the connection
+    // closed so the scheduler's retry may reach another replica.
+    server.stats().reset();
+    let p1 = pods.get("p1").await?;
+    let body = bind_body(&p1, "n1");
+    let request = format!(
+        "POST {PREFIX}/bind HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\nx-gpushare-forwarded: 1\r\nContent-Length: {}\r\n\r\n{body}",
+        body.len()
+    );
+    let mut stream = tokio::net::TcpStream::connect(follower.addr).await?;
+    stream.write_all(request.as_bytes()).await?;
+    let mut answer = String::new();
+    // Read to the end: the follower closes the connection after its answer.
+    stream.read_to_string(&mut answer).await?;
+    let lower = answer.to_ascii_lowercase();
+    assert!(lower.contains("connection: close"), "{answer}");
+    assert!(answer.contains("does not lead"), "{answer}");
+    assert_eq!(server.stats().count(Verb::Create, "pods/binding"), 0);
+    assert_eq!(follower.bind_count("not_leader").await, 1);
+    server.shutdown().await;
+    Ok(())
+}

@@ -1,0 +1,211 @@
+//! Realistic packing simulator: heterogeneous GPU nodes with their own CPU and memory, a task
+//! stream of CPU-only, fractional, whole- and multi-GPU tasks, measured as FGD (ATC'23)
+//! measures: tasks arrive until GPU demand reaches 130 % of capacity, nothing leaves, and the
+//! allocation ratio is read when arrived demand reaches 100 %.
+//!
+//! ```sh
+//! cargo run --release -p gpushare-perf --bin realistic-sim
+//! cargo run --release -p gpushare-perf --bin realistic-sim -- --nodes 1200 --seeds 10
+//! ```
+
+use clap::Parser;
+use gpushare_allocator::Policy;
+use gpushare_perf::realistic::{
+    Cause, Profile, Run, Strategy, TaskKind, TaskMix, generate_nodes, generate_tasks, replay,
+};
+
+/// Compares gpushare's policies with BestFit and FGD on generated realistic clusters.
+#[derive(Debug, Parser)]
+#[command(version, about)]
+struct Args {
+    /// Nodes in the generated cluster.
+    #[arg(long, env = "SIM_NODES", default_value_t = 600)]
+    nodes: usize,
+    /// Seeds (cluster, tasks, arrival order and tie-breaks) to average over.
+    #[arg(long, env = "SIM_SEEDS", default_value_t = 5)]
+    seeds: u64,
+    /// Arrived GPU demand to stop at, as a multiple of capacity.
+    #[arg(long, env = "SIM_DEMAND", default_value_t = 1.3)]
+    demand: f64,
+    /// Only these strategies (by number in the report), comma-separated; all by default.
+    #[arg(long, env = "SIM_ONLY", value_delimiter = ',')]
+    only: Vec<usize>,
+}
+
+fn strategies() -> Vec<Strategy> {
+    let chart = Profile::Default { weight: 1 };
+    vec![
+        Strategy::Gpushare {
+            policy: Some(Policy::Binpack),
+            profile: chart,
+        },
+        Strategy::Gpushare {
+            policy: Some(Policy::Binpack),
+            profile: Profile::ExtenderOnly,
+        },
+        Strategy::Gpushare {
+            policy: Some(Policy::Spread),
+            profile: chart,
+        },
+        Strategy::Gpushare {
+            policy: None,
+            profile: chart,
+        },
+        Strategy::BestFit { multi_gpu: false },
+        Strategy::Fgd {
+            multi_gpu: false,
+            cpu_pods_by_default: false,
+        },
+        Strategy::Fgd {
+            multi_gpu: false,
+            cpu_pods_by_default: true,
+        },
+        Strategy::Fragmentation {
+            profile: Profile::ExtenderOnly,
+        },
+        Strategy::Fragmentation { profile: chart },
+        Strategy::Fragmentation {
+            profile: Profile::Default { weight: 2 },
+        },
+        Strategy::BestFit { multi_gpu: true },
+        Strategy::Fgd {
+            multi_gpu: true,
+            cpu_pods_by_default: false,
+        },
+    ]
+}
+
+fn main() {
+    let args = Args::parse();
+    let mix = TaskMix::default();
+    let strategies: Vec<(usize, Strategy)> = strategies()
+        .into_iter()
+        .enumerate()
+        .filter(|(i, _)| args.only.is_empty() || args.only.contains(&(i + 1)))
+        .collect();
+    let traces: Vec<_> = (0..args.seeds)
+        .map(|seed| {
+            let nodes = generate_nodes(args.nodes, seed);
+            let tasks = generate_tasks(&nodes, &mix, args.demand, seed);
+            (nodes, tasks)
+        })
+        .collect();
+    let (nodes, tasks) = &traces[0];
+    let gpus: u32 = nodes.iter().map(|n| n.gpus).sum();
+    println!(
+        "{} nodes ({} GPUs, seed 0), {} tasks to {:.0}% demand (seed 0); {} seeds, means over seeds",
+        args.nodes,
+        gpus,
+        tasks.len(),
+        args.demand * 100.0,
+        args.seeds
+    );
+    for kind in TaskKind::ALL {
+        let of: Vec<_> = tasks.iter().filter(|t| t.kind == kind).collect();
+        let gib: u64 = of.iter().map(|t| t.demand_gib()).sum();
+        let all: u64 = tasks.iter().map(|t| t.demand_gib()).sum();
+        println!(
+            "  {:<15} {:>5.1}% of tasks, {:>5.1}% of GPU demand",
+            kind.name(),
+            of.len() as f64 * 100.0 / tasks.len() as f64,
+            gib as f64 * 100.0 / all.max(1) as f64
+        );
+    }
+    // What a strategy that places every single-GPU and CPU-only task could reach at 100 %.
+    let ceiling = traces
+        .iter()
+        .map(|(nodes, tasks)| {
+            let capacity: u64 = nodes.iter().map(|n| u64::from(n.gpus) * n.gpu_gib).sum();
+            let (mut arrived, mut single) = (0, 0);
+            for task in tasks {
+                arrived += task.demand_gib();
+                if task.gpus <= 1 {
+                    single += task.demand_gib();
+                }
+                if arrived >= capacity {
+                    break;
+                }
+            }
+            single as f64 / capacity as f64
+        })
+        .sum::<f64>()
+        / traces.len() as f64;
+    println!(
+        "  ceiling at 100% demand without multi-GPU tasks: {:.1}% (every other task placed)",
+        ceiling * 100.0
+    );
+    println!();
+    let mut results: Vec<(usize, Strategy, Vec<Run>)> = Vec::new();
+    for &(i, strategy) in &strategies {
+        let start = std::time::Instant::now();
+        let runs: Vec<Run> = traces
+            .iter()
+            .zip(0..)
+            .map(|((nodes, tasks), seed)| replay(nodes, tasks, strategy, seed))
+            .collect();
+        eprintln!(
+            "{}: {:.1} s",
+            strategy.name(),
+            start.elapsed().as_secs_f64()
+        );
+        results.push((i, strategy, runs));
+    }
+    println!(
+        "At 100% arrived GPU demand (failed tasks: % of arrived tasks, by cause; stranded: free GPU memory / idle GPUs on nodes without CPU or memory for a median GPU task):"
+    );
+    print!("| # | strategy | allocation | min–max |");
+    for cause in Cause::ALL {
+        print!(" fail {} |", cause.name());
+    }
+    println!(" stranded GiB | stranded GPUs |");
+    println!(
+        "|---|---|---|---|{}---|---|",
+        "---|".repeat(Cause::ALL.len())
+    );
+    for (i, strategy, runs) in &results {
+        let n = runs.len() as f64;
+        let allocation: Vec<f64> = runs.iter().map(|r| r.at_full.allocation).collect();
+        let (low, high) = allocation
+            .iter()
+            .fold((f64::MAX, f64::MIN), |(l, h), a| (l.min(*a), h.max(*a)));
+        print!(
+            "| {} | {} | **{:.1}%** | {:.1}–{:.1}% |",
+            i + 1,
+            strategy.name(),
+            allocation.iter().sum::<f64>() / n * 100.0,
+            low * 100.0,
+            high * 100.0
+        );
+        for c in 0..Cause::ALL.len() {
+            let failed: f64 = runs
+                .iter()
+                .map(|r| r.at_full.failed[c] as f64 / r.at_full.arrived.max(1) as f64)
+                .sum();
+            print!(" {:.1}% |", failed / n * 100.0);
+        }
+        let stranded: f64 = runs.iter().map(|r| r.at_full.stranded).sum::<f64>() / n;
+        let idle: f64 = runs.iter().map(|r| r.at_full.stranded_gpus).sum::<f64>() / n;
+        println!(" {:.1}% | {:.1}% |", stranded * 100.0, idle * 100.0);
+    }
+    println!();
+    println!("Allocation ratio against arrived GPU demand:");
+    print!("| # | strategy |");
+    let tenths: Vec<usize> = vec![5, 7, 8, 9, 10, 11, 12, 13];
+    for t in &tenths {
+        print!(" {}% |", t * 10);
+    }
+    println!();
+    println!("|---|---|{}", "---|".repeat(tenths.len()));
+    for (i, strategy, runs) in &results {
+        print!("| {} | {} |", i + 1, strategy.name());
+        for &t in &tenths {
+            let mean = runs
+                .iter()
+                .map(|r| r.curve.get(t - 1).map_or(0.0, |p| p.1))
+                .sum::<f64>()
+                / runs.len() as f64;
+            print!(" {:.1}% |", mean * 100.0);
+        }
+        println!();
+    }
+}

@@ -1,0 +1,409 @@
+//! The realistic workload generator: heterogeneous GPU nodes with their own CPU and memory,
+//! and a task stream whose CPU and memory go with its GPU share.
+//!
+//! Built from what the papers publish about production GPU-sharing clusters, not from any
+//! trace file (the public openb trace is kept as a held-out evaluation):
+//! - Weng et al., "Beware of Fragmentation" (USENIX ATC'23), §2 and §6: a cluster of about
+//!   1,200 nodes and 6,200 GPUs of 7 models, 2 or 8 GPUs per node (we add 4-GPU nodes);
+//!   tasks that request no GPU, a fraction of one, one whole GPU, or 2–8 whole GPUs; sharing
+//!   tasks are about 40% of GPU tasks; multi-GPU tasks are few but a visible share of the
+//!   GPU demand (about 7%); many tasks pin a GPU model; CPU and memory requests grow with
+//!   the GPU share and reach tens of cores and hundreds of GiB.
+//! - Weng et al., "MLaaS in the Wild" (NSDI'22, the PAI 2020 trace): GPU models from P100 and
+//!   T4 to V100 and A100 side by side; CPU per GPU varies widely between tasks, and CPU is
+//!   often the bottleneck on GPU nodes; a sizeable share of tasks are CPU-only.
+//!
+//! The numbers below are our reading of those descriptions; they are round on purpose and
+//! live in one place ([`NODE_TYPES`], [`TaskMix`]) so they can be argued with.
+//!
+//! Units are gpushare's: GPU memory in whole GiB (a "whole GPU" task asks for all of its
+//! model's memory; a fractional one for its share of it), CPU in millicores, memory in MiB.
+
+use gpushare_allocator::fragmentation::Host;
+use rand::rngs::StdRng;
+use rand::{Rng, SeedableRng};
+
+/// A GPU model and its memory.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct GpuModel {
+    /// Product name.
+    pub name: &'static str,
+    /// Whole GiB the device plugin advertises.
+    pub gib: u64,
+}
+
+/// The GPU models of the generated clusters.
+pub const MODELS: [GpuModel; 7] = [
+    GpuModel {
+        name: "T4",
+        gib: 15,
+    },
+    GpuModel {
+        name: "P100",
+        gib: 16,
+    },
+    GpuModel {
+        name: "V100-16",
+        gib: 16,
+    },
+    GpuModel {
+        name: "V100-32",
+        gib: 32,
+    },
+    GpuModel {
+        name: "A10",
+        gib: 24,
+    },
+    GpuModel {
+        name: "A100-40",
+        gib: 40,
+    },
+    GpuModel {
+        name: "A100-80",
+        gib: 80,
+    },
+];
+
+/// A kind of node: its GPUs, CPU and memory, and how common it is.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct NodeType {
+    /// Index into [`MODELS`].
+    pub model: usize,
+    /// GPUs per node.
+    pub gpus: u32,
+    /// Allocatable cores.
+    pub cores: u64,
+    /// Allocatable memory, GiB.
+    pub memory_gib: u64,
+    /// Relative number of such nodes.
+    pub weight: u32,
+}
+
+/// The node types: 8-GPU training servers, 4-GPU and 2-GPU inference servers. CPU per GPU
+/// ranges from 8 cores (P100 servers) to 32 (T4 servers).
+pub const NODE_TYPES: [NodeType; 7] = [
+    NodeType {
+        model: 2,
+        gpus: 8,
+        cores: 96,
+        memory_gib: 384,
+        weight: 26,
+    },
+    NodeType {
+        model: 3,
+        gpus: 8,
+        cores: 96,
+        memory_gib: 512,
+        weight: 10,
+    },
+    NodeType {
+        model: 1,
+        gpus: 8,
+        cores: 64,
+        memory_gib: 256,
+        weight: 8,
+    },
+    NodeType {
+        model: 6,
+        gpus: 8,
+        cores: 128,
+        memory_gib: 1024,
+        weight: 5,
+    },
+    NodeType {
+        model: 5,
+        gpus: 8,
+        cores: 128,
+        memory_gib: 768,
+        weight: 6,
+    },
+    NodeType {
+        model: 4,
+        gpus: 4,
+        cores: 64,
+        memory_gib: 256,
+        weight: 13,
+    },
+    NodeType {
+        model: 0,
+        gpus: 2,
+        cores: 64,
+        memory_gib: 256,
+        weight: 32,
+    },
+];
+
+/// One generated node.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct SimNode {
+    /// Index into [`MODELS`].
+    pub model: usize,
+    /// Number of GPUs.
+    pub gpus: u32,
+    /// GiB of each GPU.
+    pub gpu_gib: u64,
+    /// Allocatable CPU and memory.
+    pub host: Host,
+}
+
+/// `count` nodes drawn from [`NODE_TYPES`] by weight (the same seed, the same nodes).
+pub fn generate_nodes(count: usize, seed: u64) -> Vec<SimNode> {
+    let mut rng = StdRng::seed_from_u64(seed ^ 0x6e6f_6465);
+    let weights: Vec<(usize, u32)> = NODE_TYPES
+        .iter()
+        .enumerate()
+        .map(|(i, t)| (i, t.weight))
+        .collect();
+    (0..count)
+        .map(|_| {
+            let t = NODE_TYPES[pick(&mut rng, &weights)];
+            SimNode {
+                model: t.model,
+                gpus: t.gpus,
+                gpu_gib: MODELS[t.model].gib,
+                host: Host::new(t.cores * 1000, t.memory_gib * 1024),
+            }
+        })
+        .collect()
+}
+
+/// What a task asks for.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub enum TaskKind {
+    /// No GPU.
+    CpuOnly,
+    /// Part of one GPU's memory.
+    Fractional,
+    /// All the memory of one GPU.
+    Whole,
+    /// Several whole GPUs (gpushare pods use one GPU each, so gpushare cannot place these).
+    Multi,
+}
+
+impl TaskKind {
+    /// Every kind, in report order.
+    pub const ALL: [TaskKind; 4] = [
+        TaskKind::CpuOnly,
+        TaskKind::Fractional,
+        TaskKind::Whole,
+        TaskKind::Multi,
+    ];
+
+    /// Name in the report.
+    pub fn name(self) -> &'static str {
+        match self {
+            TaskKind::CpuOnly => "CPU-only",
+            TaskKind::Fractional => "fractional GPU",
+            TaskKind::Whole => "whole GPU",
+            TaskKind::Multi => "multi-GPU",
+        }
+    }
+}
+
+/// One task of the stream.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Task {
+    /// What kind.
+    pub kind: TaskKind,
+    /// GPUs it needs (0 for CPU-only).
+    pub gpus: u32,
+    /// GiB on each of those GPUs.
+    pub gpu_gib: u64,
+    /// CPU and memory.
+    pub host: Host,
+    /// The GPU model it must run on ([`MODELS`] index), if it names one.
+    pub model: Option<usize>,
+}
+
+impl Task {
+    /// GPU GiB asked for in all.
+    pub fn demand_gib(&self) -> u64 {
+        u64::from(self.gpus) * self.gpu_gib
+    }
+}
+
+/// The task mix: shares of each kind and the distributions their sizes are drawn from.
+#[derive(Debug, Clone, PartialEq)]
+pub struct TaskMix {
+    /// Relative number of CPU-only, fractional, whole-GPU and multi-GPU tasks.
+    pub kinds: [u32; 4],
+    /// Fraction of one GPU a fractional task takes, in percent, with weights.
+    pub fractions: Vec<(u64, u32)>,
+    /// GPUs of a multi-GPU task, with weights.
+    pub multi: Vec<(u32, u32)>,
+    /// Cores per whole GPU of a GPU task, with weights.
+    pub cores_per_gpu: Vec<(u64, u32)>,
+    /// Cores of a CPU-only task, with weights.
+    pub cpu_only_cores: Vec<(u64, u32)>,
+    /// GiB of memory per core, with weights.
+    pub memory_per_core: Vec<(u64, u32)>,
+    /// Percent of GPU tasks that name a GPU model.
+    pub constrained_percent: u32,
+}
+
+impl Default for TaskMix {
+    fn default() -> Self {
+        Self {
+            kinds: [30, 76, 91, 3],
+            fractions: vec![
+                (10, 8),
+                (20, 6),
+                (25, 22),
+                (30, 6),
+                (40, 5),
+                (50, 33),
+                (60, 5),
+                (75, 8),
+                (90, 7),
+            ],
+            multi: vec![(2, 5), (4, 3), (8, 2)],
+            cores_per_gpu: vec![
+                (2, 3),
+                (4, 10),
+                (6, 15),
+                (8, 20),
+                (12, 22),
+                (16, 18),
+                (24, 8),
+                (32, 4),
+            ],
+            cpu_only_cores: vec![(1, 20), (2, 25), (4, 25), (8, 15), (16, 10), (32, 5)],
+            memory_per_core: vec![(1, 10), (2, 30), (4, 35), (6, 15), (8, 10)],
+            constrained_percent: 25,
+        }
+    }
+}
+
+/// Tasks drawn from `mix` until their GPU demand reaches `demand` × the GPU memory of
+/// `nodes` (FGD's protocol: 1.3). A task's GPU model (its target, and its constraint when it
+/// names one) is drawn by each model's share of the cluster's GPUs.
+pub fn generate_tasks(nodes: &[SimNode], mix: &TaskMix, demand: f64, seed: u64) -> Vec<Task> {
+    let mut rng = StdRng::seed_from_u64(seed ^ 0x7461_736b);
+    let capacity: u64 = nodes.iter().map(|n| u64::from(n.gpus) * n.gpu_gib).sum();
+    let mut gpus_per_model = [0u32; MODELS.len()];
+    for node in nodes {
+        gpus_per_model[node.model] += node.gpus;
+    }
+    let models: Vec<(usize, u32)> = gpus_per_model.iter().copied().enumerate().collect();
+    let kinds: Vec<(TaskKind, u32)> = TaskKind::ALL.iter().copied().zip(mix.kinds).collect();
+    let target = (capacity as f64 * demand) as u64;
+    let mut tasks = Vec::new();
+    let mut arrived = 0u64;
+    while arrived < target && capacity > 0 {
+        let kind = pick(&mut rng, &kinds);
+        let model = pick(&mut rng, &models);
+        let gib = MODELS[model].gib;
+        let (gpus, gpu_gib, gpu_share) = match kind {
+            TaskKind::CpuOnly => (0, 0, 0.0),
+            TaskKind::Fractional => {
+                let percent = pick(&mut rng, &mix.fractions);
+                let share = percent as f64 / 100.0;
+                let gpu_gib = ((gib as f64 * share).round() as u64).clamp(1, gib - 1);
+                (1, gpu_gib, share)
+            }
+            TaskKind::Whole => (1, gib, 1.0),
+            TaskKind::Multi => {
+                let gpus = pick(&mut rng, &mix.multi);
+                (gpus, gib, f64::from(gpus))
+            }
+        };
+        let cores = if kind == TaskKind::CpuOnly {
+            pick(&mut rng, &mix.cpu_only_cores) as f64
+        } else {
+            pick(&mut rng, &mix.cores_per_gpu) as f64 * gpu_share
+        };
+        let milli_cpu = ((cores * 1000.0).round() as u64).max(500);
+        let memory_mib = milli_cpu * pick(&mut rng, &mix.memory_per_core) * 1024 / 1000;
+        let constrained =
+            kind != TaskKind::CpuOnly && rng.random_range(0..100) < mix.constrained_percent;
+        let task = Task {
+            kind,
+            gpus,
+            gpu_gib,
+            host: Host::new(milli_cpu, memory_mib),
+            model: constrained.then_some(model),
+        };
+        arrived += task.demand_gib();
+        tasks.push(task);
+    }
+    tasks
+}
+
+/// A value drawn from `(value, weight)` pairs.
+fn pick<T: Copy>(rng: &mut StdRng, weighted: &[(T, u32)]) -> T {
+    let total: u32 = weighted.iter().map(|(_, w)| w).sum();
+    let mut at = rng.random_range(0..total.max(1));
+    for &(value, weight) in weighted {
+        if at < weight {
+            return value;
+        }
+        at -= weight;
+    }
+    weighted[0].0
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_cluster_has_the_promised_shape() {
+        let nodes = generate_nodes(2_000, 1);
+        assert_eq!(nodes, generate_nodes(2_000, 1), "same seed, same nodes");
+        for gpus in [2, 4, 8] {
+            assert!(nodes.iter().any(|n| n.gpus == gpus), "{gpus}-GPU nodes");
+        }
+        let models: std::collections::BTreeSet<usize> = nodes.iter().map(|n| n.model).collect();
+        assert_eq!(models.len(), MODELS.len(), "every model appears");
+        // 8-GPU servers have 8 to 16 cores per GPU, 2-GPU ones 32: CPU per GPU varies.
+        let per_gpu = |n: &SimNode| n.host.milli_cpu / 1000 / u64::from(n.gpus);
+        assert!(nodes.iter().any(|n| per_gpu(n) == 8));
+        assert!(nodes.iter().any(|n| per_gpu(n) == 32));
+    }
+
+    #[test]
+    fn tasks_mix_kinds_and_their_host_requests_follow_the_gpu_share() {
+        let nodes = generate_nodes(300, 2);
+        let capacity: u64 = nodes.iter().map(|n| u64::from(n.gpus) * n.gpu_gib).sum();
+        let tasks = generate_tasks(&nodes, &TaskMix::default(), 1.3, 2);
+        let demand: u64 = tasks.iter().map(Task::demand_gib).sum();
+        assert!(demand as f64 >= 1.3 * capacity as f64);
+        assert!(((demand - tasks.last().unwrap().demand_gib()) as f64) < 1.3 * capacity as f64);
+        let share =
+            |kind| tasks.iter().filter(|t| t.kind == kind).count() as f64 / tasks.len() as f64;
+        assert!((0.10..0.20).contains(&share(TaskKind::CpuOnly)));
+        assert!((0.32..0.44).contains(&share(TaskKind::Fractional)));
+        assert!((0.39..0.51).contains(&share(TaskKind::Whole)));
+        assert!((0.005..0.04).contains(&share(TaskKind::Multi)));
+        // Multi-GPU tasks are a few percent of tasks but a larger share of GPU demand.
+        let multi: u64 = tasks
+            .iter()
+            .filter(|t| t.kind == TaskKind::Multi)
+            .map(Task::demand_gib)
+            .sum();
+        let multi_share = multi as f64 / demand as f64;
+        assert!((0.04..0.15).contains(&multi_share), "{multi_share}");
+        // CPU grows with the GPU share: whole-GPU tasks ask for more than fractional ones.
+        let mean_cpu = |kind| {
+            let of: Vec<u64> = tasks
+                .iter()
+                .filter(|t| t.kind == kind)
+                .map(|t| t.host.milli_cpu)
+                .collect();
+            of.iter().sum::<u64>() as f64 / of.len() as f64
+        };
+        assert!(mean_cpu(TaskKind::Whole) > 1.5 * mean_cpu(TaskKind::Fractional));
+        assert!(mean_cpu(TaskKind::Multi) > 2.0 * mean_cpu(TaskKind::Whole));
+        // Fractional tasks fit their model's GPU with room to share; some tasks name a model.
+        for task in &tasks {
+            if task.kind == TaskKind::Fractional {
+                let model = task.model.map_or(u64::MAX, |m| MODELS[m].gib);
+                assert!(task.gpu_gib >= 1 && task.gpu_gib < model);
+            }
+            assert!(task.host.memory_mib >= task.host.milli_cpu * 1024 / 1000);
+        }
+        let constrained = tasks.iter().filter(|t| t.model.is_some()).count() as f64;
+        let gpu_tasks = tasks.iter().filter(|t| t.gpus > 0).count() as f64;
+        assert!((0.18..0.32).contains(&(constrained / gpu_tasks)));
+    }
+}

@@ -1,0 +1,26 @@
+//! Packing on realistic clusters, measured as FGD measures it.
+//!
+//! ```text
+//!   generator (seeded): heterogeneous nodes (2/4/8 GPUs of 7 models, own CPU and memory)
+//!                       tasks: CPU-only, fractional, whole-GPU, multi-GPU; CPU/memory with them
+//!        │  tasks arrive in order, none leaves, until GPU demand is 130 % of capacity
+//!        ▼  per strategy, on a fresh copy of the cluster
+//!   gpushare strategies: kube-scheduler filter (CPU, memory, model) + gpushare_allocator's
+//!       fit / scores / reserve, node = highest scheduler total (profile as configured);
+//!       CPU-only pods go through the default scheduler (they never reach gpushare);
+//!       multi-GPU tasks are refused (a gpushare pod uses one GPU)
+//!   baselines: BestFit and FGD place every task themselves, multi-GPU included
+//!        │
+//!        ▼
+//!   allocation ratio (GPU GiB allocated / GPU GiB in the cluster) against arrived demand;
+//!   failed tasks by cause; free GPU memory stranded on nodes without CPU or memory
+//! ```
+
+pub mod generator;
+pub mod sim;
+
+pub use generator::{
+    GpuModel, MODELS, NODE_TYPES, NodeType, SimNode, Task, TaskKind, TaskMix, generate_nodes,
+    generate_tasks,
+};
+pub use sim::{Cause, Profile, Run, Snapshot, Strategy, replay};

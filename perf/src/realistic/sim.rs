@@ -1,0 +1,793 @@
+//! The replay: each strategy places the same task stream on the same cluster, and we watch
+//! the allocation ratio climb as demand arrives.
+
+use gpushare_allocator::fragmentation::{Host, Shape};
+use gpushare_allocator::{Cluster, Gpu, PodId, PodPlacement, Policy, Request};
+use rand::rngs::StdRng;
+use rand::{Rng, SeedableRng};
+
+use super::generator::{MODELS, SimNode, Task};
+
+/// kube-scheduler's node scores as a scheduler profile configures them.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Profile {
+    /// The default profile: `NodeResourcesFit` LeastAllocated + `NodeResourcesBalancedAllocation`,
+    /// plus the extender's score × `weight` × 10. What the chart shipped before.
+    Default {
+        /// The extender's weight.
+        weight: i64,
+    },
+    /// Both resource scores disabled: the extender's score alone orders the nodes (what the
+    /// chart's dedicated profile configures now).
+    ExtenderOnly,
+}
+
+/// A way of placing tasks.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Strategy {
+    /// gpushare: the extender's prioritize and bind under `policy` (`None`: no prioritize,
+    /// binpack at bind: the classic extender), nodes ordered by `profile`.
+    Gpushare {
+        /// The extender's policy; `None` is "classic" (filter and bind only).
+        policy: Option<Policy>,
+        /// How kube-scheduler scores.
+        profile: Profile,
+    },
+    /// gpushare's fragmentation policy, nodes ordered by `profile`.
+    Fragmentation {
+        /// How kube-scheduler scores.
+        profile: Profile,
+    },
+    /// BestFit (FGD's baseline): the node with the least weighted free GPU, CPU and memory
+    /// after placing, the snuggest GPUs on it. Places CPU-only tasks too.
+    BestFit {
+        /// Places multi-GPU tasks (else refuses them, as gpushare does).
+        multi_gpu: bool,
+    },
+    /// FGD: the node and GPUs whose placement adds the least expected fragmentation, measured
+    /// against the true shape distribution of the whole task stream. Places CPU-only tasks
+    /// unless `cpu_pods_by_default` hands them to the default scheduler, as a gpushare
+    /// cluster does.
+    Fgd {
+        /// Places multi-GPU tasks (else refuses them, as gpushare does).
+        multi_gpu: bool,
+        /// CPU-only tasks go through the default scheduler.
+        cpu_pods_by_default: bool,
+    },
+}
+
+impl Strategy {
+    /// Name in the report.
+    pub fn name(self) -> String {
+        match self {
+            Strategy::Gpushare { policy, profile } => {
+                let policy = policy.map_or("classic".to_owned(), |p| format!("gpushare {p}"));
+                match profile {
+                    Profile::Default { weight } => {
+                        format!("{policy} (default scores, weight {weight})")
+                    }
+                    Profile::ExtenderOnly => format!("{policy} (extender scores only)"),
+                }
+            }
+            Strategy::Fragmentation { profile } => match profile {
+                Profile::Default { weight } => {
+                    format!("gpushare fragmentation (default scores, weight {weight})")
+                }
+                Profile::ExtenderOnly => "gpushare fragmentation (extender scores only)".to_owned(),
+            },
+            Strategy::BestFit { multi_gpu } => {
+                format!(
+                    "BestFit{}",
+                    if multi_gpu { " (places multi-GPU)" } else { "" }
+                )
+            }
+            Strategy::Fgd {
+                multi_gpu,
+                cpu_pods_by_default,
+            } => format!(
+                "FGD{}{}",
+                if multi_gpu { " (places multi-GPU)" } else { "" },
+                if cpu_pods_by_default {
+                    " (CPU-only pods by default scheduler)"
+                } else {
+                    ""
+                }
+            ),
+        }
+    }
+
+    fn is_gpushare(self) -> bool {
+        matches!(
+            self,
+            Strategy::Gpushare { .. } | Strategy::Fragmentation { .. }
+        )
+    }
+
+    fn places_multi_gpu(self) -> bool {
+        match self {
+            Strategy::Gpushare { .. } | Strategy::Fragmentation { .. } => false,
+            Strategy::BestFit { multi_gpu } | Strategy::Fgd { multi_gpu, .. } => multi_gpu,
+        }
+    }
+
+    fn cpu_pods_by_default_scheduler(self) -> bool {
+        match self {
+            Strategy::Gpushare { .. } | Strategy::Fragmentation { .. } => true,
+            Strategy::BestFit { .. } => false,
+            Strategy::Fgd {
+                cpu_pods_by_default,
+                ..
+            } => cpu_pods_by_default,
+        }
+    }
+}
+
+/// Why a task found no node.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub enum Cause {
+    /// No node (of the model it names) has the GPU memory free.
+    Gpu,
+    /// Nodes with the GPU memory have too little CPU.
+    Cpu,
+    /// Nodes with the GPU memory have too little memory.
+    Memory,
+    /// Nodes with the GPU memory lack CPU and memory (or one each).
+    Both,
+    /// A multi-GPU task, which gpushare does not place.
+    MultiGpu,
+    /// A node had room, but the strategy's rules refused it.
+    Other,
+}
+
+impl Cause {
+    /// Every cause, in report order.
+    pub const ALL: [Cause; 6] = [
+        Cause::Gpu,
+        Cause::Cpu,
+        Cause::Memory,
+        Cause::Both,
+        Cause::MultiGpu,
+        Cause::Other,
+    ];
+
+    /// Column name.
+    pub fn name(self) -> &'static str {
+        match self {
+            Cause::Gpu => "GPU",
+            Cause::Cpu => "CPU",
+            Cause::Memory => "memory",
+            Cause::Both => "CPU+mem",
+            Cause::MultiGpu => "multi-GPU",
+            Cause::Other => "other",
+        }
+    }
+}
+
+/// The state at one point of the replay.
+#[derive(Debug, Clone, Default, PartialEq)]
+pub struct Snapshot {
+    /// GPU GiB arrived so far / GPU GiB of the cluster.
+    pub demand: f64,
+    /// GPU GiB allocated / GPU GiB of the cluster.
+    pub allocation: f64,
+    /// Tasks arrived so far.
+    pub arrived: usize,
+    /// Tasks that found no node, by cause (indexed like [`Cause::ALL`]).
+    pub failed: [usize; 6],
+    /// Free GPU GiB on nodes whose free CPU or memory is below the typical GPU task's, as a
+    /// share of the cluster's GPU GiB.
+    pub stranded: f64,
+    /// Whole idle GPUs on such nodes, as a share of the cluster's GPUs.
+    pub stranded_gpus: f64,
+}
+
+/// What one replay measured.
+#[derive(Debug, Clone, Default, PartialEq)]
+pub struct Run {
+    /// The allocation ratio when arrived demand first reached each tenth (10 % … 130 %).
+    pub curve: Vec<(f64, f64)>,
+    /// At 100 % arrived demand.
+    pub at_full: Snapshot,
+    /// At the end (130 %).
+    pub end: Snapshot,
+}
+
+/// The cluster as the replay tracks it, whatever places the tasks.
+struct Nodes<'a> {
+    specs: &'a [SimNode],
+    names: Vec<String>,
+    /// Requested CPU and memory per node.
+    used: Vec<Host>,
+    /// Free GiB per GPU per node.
+    free: Vec<Vec<u64>>,
+}
+
+impl<'a> Nodes<'a> {
+    fn new(specs: &'a [SimNode]) -> Self {
+        Self {
+            specs,
+            names: (0..specs.len()).map(|n| format!("node-{n:05}")).collect(),
+            used: vec![Host::default(); specs.len()],
+            free: specs
+                .iter()
+                .map(|n| vec![n.gpu_gib; n.gpus as usize])
+                .collect(),
+        }
+    }
+
+    fn host_free(&self, n: usize) -> Host {
+        self.specs[n].host.saturating_sub(self.used[n])
+    }
+
+    fn model_ok(&self, n: usize, task: &Task) -> bool {
+        task.model.is_none_or(|m| self.specs[n].model == m)
+    }
+
+    /// GPUs of node `n` with `task.gpu_gib` free: enough of them?
+    fn gpus_ok(&self, n: usize, task: &Task) -> bool {
+        task.gpus == 0
+            || self.free[n].iter().filter(|f| **f >= task.gpu_gib).count() >= task.gpus as usize
+    }
+
+    fn place(&mut self, n: usize, task: &Task, gpus: &[usize]) {
+        self.used[n] = self.used[n].saturating_add(task.host);
+        for &g in gpus {
+            self.free[n][g] -= task.gpu_gib;
+        }
+    }
+
+    /// Why no node took `task`.
+    fn cause(&self, task: &Task, gpushare: bool) -> Cause {
+        if gpushare && task.gpus > 1 {
+            return Cause::MultiGpu;
+        }
+        let (mut any_gpu, mut cpu, mut memory) = (false, false, false);
+        for n in 0..self.specs.len() {
+            if !self.model_ok(n, task) || !self.gpus_ok(n, task) {
+                continue;
+            }
+            any_gpu = true;
+            let free = self.host_free(n);
+            let (c, m) = (
+                free.milli_cpu >= task.host.milli_cpu,
+                free.memory_mib >= task.host.memory_mib,
+            );
+            if c && m {
+                return Cause::Other;
+            }
+            cpu |= c;
+            memory |= m;
+        }
+        match (any_gpu, cpu, memory) {
+            (false, _, _) => Cause::Gpu,
+            (true, true, false) => Cause::Memory,
+            (true, false, true) => Cause::Cpu,
+            _ => Cause::Both,
+        }
+    }
+}
+
+/// Replays `tasks` on `nodes` with `strategy`; `seed` drives kube-scheduler's tie-break.
+pub fn replay(nodes: &[SimNode], tasks: &[Task], strategy: Strategy, seed: u64) -> Run {
+    let mut state = Nodes::new(nodes);
+    let mut rng = StdRng::seed_from_u64(seed);
+    let capacity: u64 = nodes.iter().map(|n| u64::from(n.gpus) * n.gpu_gib).sum();
+    let total_gpus: u64 = nodes.iter().map(|n| u64::from(n.gpus)).sum();
+    let typical = typical_gpu_task(tasks);
+    let mut cluster = strategy.is_gpushare().then(|| gpushare_cluster(nodes));
+    let fgd_shapes = matches!(strategy, Strategy::Fgd { .. }).then(|| fgd::shapes(tasks));
+    let mut run = Run::default();
+    let mut snapshot = Snapshot::default();
+    let (mut arrived_gib, mut allocated_gib) = (0u64, 0u64);
+    let mut next_tenth = 1;
+    let take = |state: &Nodes<'_>, snapshot: &Snapshot, allocated: u64, arrived: u64| {
+        let (stranded, stranded_gpus) = stranded(state, typical);
+        Snapshot {
+            demand: arrived as f64 / capacity as f64,
+            allocation: allocated as f64 / capacity as f64,
+            stranded: stranded as f64 / capacity as f64,
+            stranded_gpus: stranded_gpus as f64 / total_gpus as f64,
+            ..snapshot.clone()
+        }
+    };
+    for (i, task) in tasks.iter().enumerate() {
+        snapshot.arrived += 1;
+        arrived_gib += task.demand_gib();
+        let placed = if task.gpus == 0 && strategy.cpu_pods_by_default_scheduler() {
+            default_scheduler(&state, task, &mut rng).map(|n| (n, Vec::new()))
+        } else if task.gpus > 1 && !strategy.places_multi_gpu() {
+            None
+        } else {
+            match strategy {
+                Strategy::Gpushare { policy, profile } => gpushare(
+                    &state,
+                    cluster.as_mut(),
+                    task,
+                    policy,
+                    profile,
+                    (i, &mut rng),
+                ),
+                Strategy::Fragmentation { profile } => gpushare(
+                    &state,
+                    cluster.as_mut(),
+                    task,
+                    Some(Policy::Fragmentation),
+                    profile,
+                    (i, &mut rng),
+                ),
+                Strategy::BestFit { .. } => best_fit(&state, task),
+                Strategy::Fgd { .. } => {
+                    fgd::place(&state, fgd_shapes.as_deref().unwrap_or(&[]), task)
+                }
+            }
+        };
+        match placed {
+            Some((n, gpus)) => {
+                state.place(n, task, &gpus);
+                // The extender's view books every bound pod's CPU and memory.
+                if let Some(cluster) = cluster.as_mut() {
+                    cluster.set_pod_host(
+                        PodId::from(format!("task-{i}")),
+                        &state.names[n],
+                        task.host,
+                    );
+                }
+                allocated_gib += task.demand_gib();
+            }
+            None => {
+                let cause = state.cause(task, !strategy.places_multi_gpu());
+                snapshot.failed[Cause::ALL.iter().position(|c| *c == cause).unwrap_or(5)] += 1;
+            }
+        }
+        while next_tenth <= 13 && arrived_gib * 10 >= capacity * next_tenth {
+            let now = take(&state, &snapshot, allocated_gib, arrived_gib);
+            run.curve.push((next_tenth as f64 / 10.0, now.allocation));
+            if next_tenth == 10 {
+                run.at_full = now;
+            }
+            next_tenth += 1;
+        }
+    }
+    run.end = take(&state, &snapshot, allocated_gib, arrived_gib);
+    run
+}
+
+/// The median CPU and memory of single-GPU tasks: a node with less free cannot take a
+/// typical GPU task, and its free GPUs are stranded.
+fn typical_gpu_task(tasks: &[Task]) -> Host {
+    let median = |mut values: Vec<u64>| {
+        values.sort_unstable();
+        values.get(values.len() / 2).copied().unwrap_or(0)
+    };
+    let single = || tasks.iter().filter(|t| t.gpus == 1);
+    Host::new(
+        median(single().map(|t| t.host.milli_cpu).collect()),
+        median(single().map(|t| t.host.memory_mib).collect()),
+    )
+}
+
+/// Free GPU GiB and whole idle GPUs on nodes that cannot host the typical GPU task.
+fn stranded(state: &Nodes<'_>, typical: Host) -> (u64, u64) {
+    let (mut gib, mut gpus) = (0, 0);
+    for n in 0..state.specs.len() {
+        if state.host_free(n).fits(typical) {
+            continue;
+        }
+        gib += state.free[n].iter().sum::<u64>();
+        gpus += state.free[n]
+            .iter()
+            .filter(|f| **f == state.specs[n].gpu_gib)
+            .count() as u64;
+    }
+    (gib, gpus)
+}
+
+fn gpushare_cluster(nodes: &[SimNode]) -> Cluster {
+    let mut cluster = Cluster::rebuild(
+        nodes.iter().enumerate().map(|(n, spec)| {
+            let gpus = (0..spec.gpus)
+                .map(|index| Gpu {
+                    index,
+                    uuid: format!("GPU-{n}-{index}"),
+                    model: MODELS[spec.model].name.to_owned(),
+                    total_gib: spec.gpu_gib,
+                    healthy: true,
+                })
+                .collect();
+            (format!("node-{n:05}"), gpus, true)
+        }),
+        std::iter::empty(),
+    );
+    for (n, spec) in nodes.iter().enumerate() {
+        cluster.set_node_host(&format!("node-{n:05}"), Some(spec.host));
+    }
+    cluster
+}
+
+/// kube-scheduler's `NodeResourcesFit` (LeastAllocated) + `NodeResourcesBalancedAllocation`
+/// on CPU and memory, integer for integer as `gpushare_e2e::scheduler::framework::default_score`
+/// computes them (a test checks they agree).
+pub fn default_score(allocatable: Host, used: Host, pod: Host) -> i64 {
+    let least = |requested: u64, capacity: u64| -> i64 {
+        if capacity == 0 || requested > capacity {
+            return 0;
+        }
+        ((capacity - requested) as i128 * 100 / capacity as i128) as i64
+    };
+    let cpu = used.milli_cpu + pod.milli_cpu;
+    let memory = used.memory_mib + pod.memory_mib;
+    let least_allocated =
+        (least(cpu, allocatable.milli_cpu) + least(memory, allocatable.memory_mib)) / 2;
+    let fraction = |r: u64, c: u64| (r as f64 / c as f64).min(1.0);
+    let balanced = if allocatable.milli_cpu == 0 || allocatable.memory_mib == 0 {
+        100
+    } else {
+        let std = (fraction(cpu, allocatable.milli_cpu) - fraction(memory, allocatable.memory_mib))
+            .abs()
+            / 2.0;
+        ((1.0 - std) * 100.0) as i64
+    };
+    least_allocated + balanced
+}
+
+/// kube-scheduler's `selectHost`: the highest total, ties broken uniformly at random.
+fn select_host(scores: impl Iterator<Item = (usize, i64)>, rng: &mut StdRng) -> Option<usize> {
+    let mut best: Option<(usize, i64)> = None;
+    let mut ties = 0u32;
+    for (n, score) in scores {
+        match best {
+            Some((_, top)) if score < top => {}
+            Some((_, top)) if score == top => {
+                ties += 1;
+                if rng.random_range(0..ties) == 0 {
+                    best = Some((n, score));
+                }
+            }
+            _ => {
+                best = Some((n, score));
+                ties = 1;
+            }
+        }
+    }
+    best.map(|(n, _)| n)
+}
+
+/// A CPU-only pod in a gpushare cluster: the default scheduler's profile places it.
+fn default_scheduler(state: &Nodes<'_>, task: &Task, rng: &mut StdRng) -> Option<usize> {
+    let fitting = (0..state.specs.len()).filter(|&n| state.host_free(n).fits(task.host));
+    select_host(
+        fitting.map(|n| {
+            (
+                n,
+                default_score(state.specs[n].host, state.used[n], task.host),
+            )
+        }),
+        rng,
+    )
+}
+
+/// A single-GPU task through kube-scheduler and the gpushare extender.
+fn gpushare(
+    state: &Nodes<'_>,
+    cluster: Option<&mut Cluster>,
+    task: &Task,
+    policy: Option<Policy>,
+    profile: Profile,
+    (i, rng): (usize, &mut StdRng),
+) -> Option<(usize, Vec<usize>)> {
+    let cluster = cluster?;
+    let request = Request {
+        pod_gib: task.gpu_gib,
+        containers: vec![task.gpu_gib],
+        host: task.host,
+    };
+    // The extender's view sees the pod arrive (pending) before the scheduler asks about it.
+    cluster.observe(Shape {
+        gpu_gib: task.gpu_gib,
+        host: task.host,
+    });
+    // kube-scheduler's filters (CPU, memory, the model's node label), then the extender's.
+    let candidates: Vec<usize> = (0..state.specs.len())
+        .filter(|&n| {
+            state.model_ok(n, task)
+                && state.host_free(n).fits(task.host)
+                && cluster.fit(&state.names[n], &request).is_ok()
+        })
+        .collect();
+    let names: Vec<&str> = candidates.iter().map(|&n| &*state.names[n]).collect();
+    let extender: Option<Vec<u8>> = policy
+        .filter(|_| candidates.len() > 1)
+        .map(|policy| cluster.scores(&names, &request, policy));
+    let totals = candidates.iter().enumerate().map(|(c, &n)| {
+        let theirs = extender.as_ref().map_or(0, |s| i64::from(s[c]) * 10);
+        let total = match profile {
+            Profile::Default { weight } => {
+                default_score(state.specs[n].host, state.used[n], task.host) + theirs * weight
+            }
+            Profile::ExtenderOnly => theirs,
+        };
+        (n, total)
+    });
+    let n = select_host(totals, rng)?;
+    let uid = PodId::from(format!("task-{i}"));
+    let bind = policy.unwrap_or(Policy::Binpack);
+    let placement = cluster
+        .reserve(uid.clone(), &state.names[n], &request, bind)
+        .ok()?;
+    // The device plugin allocates at once in this simulation: no containers wait as twins.
+    cluster.upsert_pod(
+        uid,
+        &state.names[n],
+        PodPlacement {
+            gpu: placement.gpu,
+            uuid: placement.uuid.as_str().into(),
+            pod_gib: task.gpu_gib,
+            pending: Vec::new(),
+            assigned: true,
+        },
+    );
+    Some((n, vec![placement.gpu as usize]))
+}
+
+/// BestFit: the node left with the least free GPU, CPU and memory (each as a share of the
+/// node's own, equally weighted); on it, the snuggest GPUs.
+fn best_fit(state: &Nodes<'_>, task: &Task) -> Option<(usize, Vec<usize>)> {
+    let mut best: Option<(usize, f64)> = None;
+    for n in 0..state.specs.len() {
+        if !state.model_ok(n, task)
+            || !state.gpus_ok(n, task)
+            || !state.host_free(n).fits(task.host)
+        {
+            continue;
+        }
+        let spec = &state.specs[n];
+        let free = state.host_free(n).saturating_sub(task.host);
+        let gpu_total = (spec.gpu_gib * u64::from(spec.gpus)) as f64;
+        let gpu_free = (state.free[n].iter().sum::<u64>() - task.demand_gib()) as f64;
+        let left = gpu_free / gpu_total
+            + free.milli_cpu as f64 / spec.host.milli_cpu as f64
+            + free.memory_mib as f64 / spec.host.memory_mib as f64;
+        if best.is_none_or(|(_, b)| left < b) {
+            best = Some((n, left));
+        }
+    }
+    let (n, _) = best?;
+    Some((n, snuggest(&state.free[n], task)))
+}
+
+/// The `task.gpus` GPUs with the least free memory that still fits.
+fn snuggest(free: &[u64], task: &Task) -> Vec<usize> {
+    let mut fitting: Vec<usize> = (0..free.len())
+        .filter(|&g| free[g] >= task.gpu_gib)
+        .collect();
+    fitting.sort_by_key(|&g| (free[g], g));
+    fitting.truncate(task.gpus as usize);
+    fitting
+}
+
+/// FGD as published: expected fragmentation against the task population, every task kind.
+mod fgd {
+    use super::{Host, Nodes, Task, snuggest};
+    use std::collections::HashMap;
+
+    /// A typical task: GPUs, GiB each, host, model constraint; and its share of the stream.
+    #[derive(Debug, Clone, Copy)]
+    pub(super) struct Typical {
+        gpus: u32,
+        gpu_gib: u64,
+        host: Host,
+        model: Option<usize>,
+        weight: f64,
+    }
+
+    /// The most typical tasks FGD weighs (the rest are too rare to move a decision).
+    const MAX_TYPICAL: usize = 32;
+
+    /// The task population: tasks grouped by GPUs, GiB, model and CPU/memory within a power of
+    /// two (the group keeps its largest host), the heaviest groups.
+    pub(super) fn shapes(tasks: &[Task]) -> Vec<Typical> {
+        let mut groups: HashMap<(u32, u64, Option<usize>, u32, u32), Typical> = HashMap::new();
+        for t in tasks {
+            let key = (
+                t.gpus,
+                t.gpu_gib,
+                t.model,
+                u64::BITS - t.host.milli_cpu.leading_zeros(),
+                u64::BITS - t.host.memory_mib.leading_zeros(),
+            );
+            let group = groups.entry(key).or_insert(Typical {
+                gpus: t.gpus,
+                gpu_gib: t.gpu_gib,
+                host: t.host,
+                model: t.model,
+                weight: 0.0,
+            });
+            group.host.milli_cpu = group.host.milli_cpu.max(t.host.milli_cpu);
+            group.host.memory_mib = group.host.memory_mib.max(t.host.memory_mib);
+            group.weight += 1.0;
+        }
+        let mut shapes: Vec<Typical> = groups.into_values().collect();
+        shapes.sort_by(|a, b| {
+            b.weight
+                .total_cmp(&a.weight)
+                .then(a.gpu_gib.cmp(&b.gpu_gib))
+        });
+        shapes.truncate(MAX_TYPICAL);
+        shapes
+    }
+
+    /// F_n(M) of node `n` with `free` GPU memory and `host` free.
+    fn fragmentation(
+        state: &Nodes<'_>,
+        n: usize,
+        free: &[u64],
+        host: Host,
+        shapes: &[Typical],
+    ) -> f64 {
+        let total: u64 = free.iter().sum();
+        let model = state.specs[n].model;
+        shapes
+            .iter()
+            .map(|s| {
+                let runs = s.gpus > 0
+                    && s.model.is_none_or(|m| m == model)
+                    && host.fits(s.host)
+                    && free.iter().filter(|f| **f >= s.gpu_gib).count() >= s.gpus as usize;
+                let lost = if runs {
+                    free.iter().filter(|f| **f < s.gpu_gib).sum::<u64>()
+                } else {
+                    total
+                };
+                s.weight * lost as f64
+            })
+            .sum()
+    }
+
+    /// The node and GPUs adding the least fragmentation; ties to the lowest node.
+    pub(super) fn place(
+        state: &Nodes<'_>,
+        shapes: &[Typical],
+        task: &Task,
+    ) -> Option<(usize, Vec<usize>)> {
+        let mut best: Option<(usize, Vec<usize>, f64)> = None;
+        let mut scratch = Vec::new();
+        for n in 0..state.specs.len() {
+            let host = state.host_free(n);
+            if !state.model_ok(n, task) || !state.gpus_ok(n, task) || !host.fits(task.host) {
+                continue;
+            }
+            let free = &state.free[n];
+            let before = fragmentation(state, n, free, host, shapes);
+            let after_host = host.saturating_sub(task.host);
+            let choices: Vec<Vec<usize>> = if task.gpus == 1 {
+                // Each distinct free amount once.
+                let mut seen = Vec::new();
+                (0..free.len())
+                    .filter(|&g| free[g] >= task.gpu_gib)
+                    .filter(|&g| {
+                        let new = !seen.contains(&free[g]);
+                        seen.push(free[g]);
+                        new
+                    })
+                    .map(|g| vec![g])
+                    .collect()
+            } else {
+                vec![snuggest(free, task)]
+            };
+            for gpus in choices {
+                scratch.clear();
+                scratch.extend_from_slice(free);
+                for &g in &gpus {
+                    scratch[g] -= task.gpu_gib;
+                }
+                let delta = fragmentation(state, n, &scratch, after_host, shapes) - before;
+                if best.as_ref().is_none_or(|(_, _, b)| delta < *b) {
+                    best = Some((n, gpus, delta));
+                }
+            }
+        }
+        best.map(|(n, gpus, _)| (n, gpus))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::realistic::generator::{TaskMix, generate_nodes, generate_tasks};
+    use gpushare_e2e::scheduler::framework::{self, CPU, MEMORY, NodeUsage, PodUsage, Resources};
+
+    #[test]
+    fn default_score_matches_the_scheduler_drivers() {
+        const MIB: i128 = 1024 * 1024 * 1000;
+        let host = |cpu: u64, mib: u64| {
+            Resources::from([
+                (CPU.to_owned(), i128::from(cpu)),
+                (MEMORY.to_owned(), i128::from(mib) * MIB),
+            ])
+        };
+        for (alloc, used, pod) in [
+            ((96_000, 393_216), (10_000, 50_000), (8_000, 32_768)),
+            ((64_000, 262_144), (60_000, 10_000), (4_000, 200_000)),
+            ((2_000, 1_024), (0, 0), (500, 1_000)),
+        ] {
+            let usage = NodeUsage {
+                requested: host(used.0, used.1),
+                non_zero_cpu: i128::from(used.0),
+                non_zero_memory: i128::from(used.1) * MIB,
+                pods: 1,
+            };
+            let pod_usage = PodUsage {
+                requested: host(pod.0, pod.1),
+                non_zero_cpu: i128::from(pod.0),
+                non_zero_memory: i128::from(pod.1) * MIB,
+            };
+            assert_eq!(
+                default_score(
+                    Host::new(alloc.0, alloc.1),
+                    Host::new(used.0, used.1),
+                    Host::new(pod.0, pod.1)
+                ),
+                framework::default_score(&host(alloc.0, alloc.1), &usage, &pod_usage)
+            );
+        }
+    }
+
+    #[test]
+    fn fragmentation_policy_beats_binpack_and_classic_on_a_small_generated_cluster() {
+        let nodes = generate_nodes(60, 3);
+        let tasks = generate_tasks(&nodes, &TaskMix::default(), 1.3, 3);
+        let at_full = |strategy| replay(&nodes, &tasks, strategy, 3).at_full.allocation;
+        let binpack = at_full(Strategy::Gpushare {
+            policy: Some(Policy::Binpack),
+            profile: Profile::Default { weight: 1 },
+        });
+        let classic = at_full(Strategy::Gpushare {
+            policy: None,
+            profile: Profile::Default { weight: 1 },
+        });
+        let ours = at_full(Strategy::Fragmentation {
+            profile: Profile::ExtenderOnly,
+        });
+        assert!(
+            ours > binpack && ours > classic,
+            "{ours} vs binpack {binpack}, classic {classic}"
+        );
+    }
+
+    #[test]
+    fn replays_account_every_task_and_never_overcommit() {
+        let nodes = generate_nodes(20, 4);
+        let tasks = generate_tasks(&nodes, &TaskMix::default(), 1.3, 4);
+        for strategy in [
+            Strategy::Gpushare {
+                policy: Some(Policy::Spread),
+                profile: Profile::Default { weight: 1 },
+            },
+            Strategy::BestFit { multi_gpu: true },
+            Strategy::Fgd {
+                multi_gpu: false,
+                cpu_pods_by_default: false,
+            },
+        ] {
+            let run = replay(&nodes, &tasks, strategy, 4);
+            assert_eq!(run.end.arrived, tasks.len());
+            assert!(
+                run.end.allocation <= 1.0 && run.end.allocation > 0.3,
+                "{run:?}"
+            );
+            assert!(run.end.demand >= 1.3);
+            assert_eq!(run.curve.len(), 13);
+            assert!(
+                run.curve.windows(2).all(|w| w[0].1 <= w[1].1),
+                "allocation only grows"
+            );
+            let multi = tasks.iter().filter(|t| t.gpus > 1).count();
+            let refused_multi = run.end.failed[4];
+            if strategy.places_multi_gpu() {
+                assert_eq!(refused_multi, 0);
+            } else {
+                assert_eq!(refused_multi, multi);
+            }
+        }
+    }
+}
