@@ -202,6 +202,21 @@ pub fn render_chart_template(template: &str, sets: &[&str]) -> anyhow::Result<St
     Ok(String::from_utf8(output.stdout)?)
 }
 
+/// Runs `body` on a fresh cluster started from `spec`, then shuts it down; on failure,
+/// prints the tail of our binaries' logs first.
+pub async fn with_cluster(
+    spec: ClusterSpec,
+    body: impl AsyncFnOnce(&mut TestCluster) -> anyhow::Result<()>,
+) -> anyhow::Result<()> {
+    let mut cluster = TestCluster::start(spec).await?;
+    let result = body(&mut cluster).await;
+    if result.is_err() {
+        eprintln!("{}", cluster.log_tail(40));
+    }
+    cluster.shutdown().await;
+    result
+}
+
 /// Creates the chart's MutatingWebhookConfiguration (dedicated mode, rendered by helm) as
 /// `helm install` would: without a caBundle, which the extender patches in once it runs.
 async fn install_webhook_configuration(client: &Client) -> anyhow::Result<()> {

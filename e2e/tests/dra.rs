@@ -100,6 +100,21 @@ fn assert_each_container_gets_its_gpu(
     }
 }
 
+/// Waits until exactly `count` pods run.
+async fn wait_for_running(cluster: &DraCluster, what: &str, count: usize) -> anyhow::Result<()> {
+    cluster
+        .wait_until(WAIT, what, || async {
+            Ok(cluster
+                .pods()
+                .await?
+                .iter()
+                .filter(|p| phase(p) == "Running")
+                .count()
+                == count)
+        })
+        .await
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn notebooks_share_one_gpu_and_the_fourth_runs_when_one_leaves() -> anyhow::Result<()> {
     // One "16 GB" T4: 15 GiB, as in the extender-mode story and the demo.
@@ -107,17 +122,7 @@ async fn notebooks_share_one_gpu_and_the_fourth_runs_when_one_leaves() -> anyhow
     for name in ["notebook-1", "notebook-2", "notebook-3"] {
         cluster.create_gpu_pod(name, 4).await?;
     }
-    cluster
-        .wait_until(WAIT, "three notebooks running", || async {
-            Ok(cluster
-                .pods()
-                .await?
-                .iter()
-                .filter(|p| phase(p) == "Running")
-                .count()
-                == 3)
-        })
-        .await?;
+    wait_for_running(&cluster, "three notebooks running", 3).await?;
     let gpus = cluster.gpu_use().await?;
     assert_eq!(gpus.len(), 1);
     assert_eq!((gpus[0].capacity_gib, gpus[0].claimed_gib), (15, 12));
@@ -259,17 +264,7 @@ async fn a_plugin_crash_loses_no_prepared_claim() -> anyhow::Result<()> {
     for name in ["notebook-1", "notebook-2"] {
         cluster.create_gpu_pod(name, 4).await?;
     }
-    cluster
-        .wait_until(WAIT, "two notebooks running", || async {
-            Ok(cluster
-                .pods()
-                .await?
-                .iter()
-                .filter(|p| phase(p) == "Running")
-                .count()
-                == 2)
-        })
-        .await?;
+    wait_for_running(&cluster, "two notebooks running", 2).await?;
     let specs = |cluster: &DraCluster| -> anyhow::Result<usize> {
         let dir = &cluster.node("gpu-node-1").expect("started").cdi_dir;
         Ok(std::fs::read_dir(dir)?

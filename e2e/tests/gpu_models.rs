@@ -5,7 +5,7 @@ use std::time::Duration;
 
 use anyhow::{Context, ensure};
 use gpushare_contract::Keys;
-use gpushare_e2e::cluster::{ClusterSpec, TestCluster, wait_for};
+use gpushare_e2e::cluster::{ClusterSpec, wait_for, with_cluster};
 use gpushare_e2e::fixtures;
 use gpushare_e2e::scenarios::{check_no_overcommit, check_pinned, phase, wait_running};
 use k8s_openapi::api::core::v1::{
@@ -39,8 +39,7 @@ fn requiring(name: &str, key: &str) -> Pod {
 async fn a_pod_requiring_a_gpu_model_runs_only_where_the_model_is() -> anyhow::Result<()> {
     let spec = ClusterSpec::labelled(&[("t4-node", &[15, 15])])
         .with_device_plugin_args(&["--simulate-model", "Tesla T4"]);
-    let cluster = TestCluster::start(spec).await?;
-    let result = async {
+    with_cluster(spec, async |cluster| {
         let keys = Keys::default();
         let t4 = keys.gpu_model_label("Tesla T4");
         let a10 = keys.gpu_model_label("NVIDIA A10");
@@ -61,8 +60,8 @@ async fn a_pod_requiring_a_gpu_model_runs_only_where_the_model_is() -> anyhow::R
             .await?;
         pods.create(&PostParams::default(), &requiring("wants-t4", &t4))
             .await?;
-        let running = wait_running(&cluster, "wants-t4").await?;
-        check_pinned(&cluster, &running).await?;
+        let running = wait_running(cluster, "wants-t4").await?;
+        check_pinned(cluster, &running).await?;
         // The A10 pod waits, with the scheduler's own reason; it never got a GPU.
         let waiting = pods.get("wants-a10").await?;
         ensure!(phase(&waiting) == "Pending", "{:?}", phase(&waiting));
@@ -77,12 +76,7 @@ async fn a_pod_requiring_a_gpu_model_runs_only_where_the_model_is() -> anyhow::R
         check_no_overcommit(&cluster.client)
             .await
             .context("over-commit")?;
-        anyhow::Ok(())
-    }
-    .await;
-    if result.is_err() {
-        eprintln!("{}", cluster.log_tail(40));
-    }
-    cluster.shutdown().await;
-    result
+        Ok(())
+    })
+    .await
 }

@@ -17,7 +17,7 @@ use std::time::Duration;
 
 use anyhow::{Context, ensure};
 use gpushare_contract::{DEFAULT_RESOURCE, Keys, env};
-use gpushare_e2e::cluster::{ClusterSpec, TestCluster, http_get, wait_for};
+use gpushare_e2e::cluster::{ClusterSpec, TestCluster, http_get, wait_for, with_cluster};
 use gpushare_e2e::fixtures::pod;
 use gpushare_e2e::scenarios::{allocation, check_no_overcommit, create_gpu_pod, wait_running};
 use gpushare_proto::podresources::v1::pod_resources_lister_client::PodResourcesListerClient;
@@ -31,19 +31,6 @@ use kube::api::PostParams;
 
 const NODE: &str = "gpu-node-1";
 const WAIT: Duration = Duration::from_secs(60);
-
-async fn with_cluster(
-    spec: ClusterSpec,
-    body: impl AsyncFnOnce(&mut TestCluster) -> anyhow::Result<()>,
-) -> anyhow::Result<()> {
-    let mut cluster = TestCluster::start(spec).await?;
-    let result = body(&mut cluster).await;
-    if result.is_err() {
-        eprintln!("{}", cluster.log_tail(40));
-    }
-    cluster.shutdown().await;
-    result
-}
 
 /// The address the node's device plugin serves `/metrics` on, from its log.
 fn plugin_metrics(cluster: &TestCluster) -> anyhow::Result<SocketAddr> {

@@ -12,7 +12,9 @@ use std::time::Duration;
 use anyhow::{Context, ensure};
 use gpushare_contract::{Keys, inventory};
 use gpushare_e2e::apiserver::Verb;
-use gpushare_e2e::cluster::{ClusterSpec, TestCluster, binaries, file_tail, wait_for};
+use gpushare_e2e::cluster::{
+    ClusterSpec, TestCluster, binaries, file_tail, wait_for, with_cluster,
+};
 use gpushare_e2e::fixtures;
 use gpushare_e2e::scenarios::{
     Harness, Quiet, RealCluster, allocation, check_no_overcommit, check_pinned, create_gpu_pod,
@@ -21,20 +23,6 @@ use gpushare_e2e::scenarios::{
 use k8s_openapi::api::core::v1::{Node, Pod};
 use kube::api::{Api, ListParams, Patch, PatchParams, PostParams};
 use kube::runtime::{WatchStreamExt, reflector, watcher};
-
-/// Runs `body` on a fresh cluster; on failure, prints the tail of our binaries' logs.
-async fn with_cluster(
-    spec: ClusterSpec,
-    body: impl AsyncFnOnce(&mut TestCluster) -> anyhow::Result<()>,
-) -> anyhow::Result<()> {
-    let mut cluster = TestCluster::start(spec).await?;
-    let result = body(&mut cluster).await;
-    if result.is_err() {
-        eprintln!("{}", cluster.log_tail(40));
-    }
-    cluster.shutdown().await;
-    result
-}
 
 /// Every pod in `names` ends up Running (and pinned right) or Pending with a reason, and
 /// stays so for two seconds (a pending pod may still be on its way after a retry).

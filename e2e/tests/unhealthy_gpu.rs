@@ -4,7 +4,7 @@
 use std::time::Duration;
 
 use anyhow::ensure;
-use gpushare_e2e::cluster::{ClusterSpec, TestCluster, wait_for};
+use gpushare_e2e::cluster::{ClusterSpec, TestCluster, wait_for, with_cluster};
 use gpushare_e2e::scenarios::{allocation, create_gpu_pod, wait_running};
 use k8s_openapi::api::core::v1::Pod;
 use kube::api::{Api, ListParams};
@@ -34,22 +34,9 @@ async fn one_pod_per_gpu(cluster: &TestCluster) -> anyhow::Result<String> {
     on_gpu0.ok_or_else(|| anyhow::anyhow!("no pod landed on GPU 0"))
 }
 
-async fn run(
-    spec: ClusterSpec,
-    body: impl AsyncFnOnce(&TestCluster) -> anyhow::Result<()>,
-) -> anyhow::Result<()> {
-    let cluster = TestCluster::start(spec).await?;
-    let result = body(&cluster).await;
-    if result.is_err() {
-        eprintln!("{}", cluster.log_tail(40));
-    }
-    cluster.shutdown().await;
-    result
-}
-
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn pods_on_a_gpu_that_turns_unhealthy_are_told_and_see_it_recover() -> anyhow::Result<()> {
-    run(ClusterSpec::labelled(&[("n1", &[8, 8])]), async |cluster| {
+    with_cluster(ClusterSpec::labelled(&[("n1", &[8, 8])]), async |cluster| {
         let victim = one_pod_per_gpu(cluster).await?;
         let other = if victim == "a" { "b" } else { "a" };
         let pods: Api<Pod> = Api::namespaced(cluster.client.clone(), "default");
@@ -101,7 +88,7 @@ async fn pods_on_a_gpu_that_turns_unhealthy_are_told_and_see_it_recover() -> any
 async fn opted_in_pods_of_an_unhealthy_gpu_are_evicted() -> anyhow::Result<()> {
     let spec = ClusterSpec::labelled(&[("n1", &[8, 8])])
         .with_device_plugin_args(&["--evict-on-unhealthy", "true"]);
-    run(spec, async |cluster| {
+    with_cluster(spec, async |cluster| {
         let victim = one_pod_per_gpu(cluster).await?;
         let other = if victim == "a" { "b" } else { "a" };
         let pods: Api<Pod> = Api::namespaced(cluster.client.clone(), "default");

@@ -4,7 +4,7 @@
 //! policy, as a real API server does.
 
 use anyhow::{Context, ensure};
-use gpushare_e2e::cluster::{ClusterSpec, DEDICATED_SCHEDULER, TestCluster};
+use gpushare_e2e::cluster::{ClusterSpec, DEDICATED_SCHEDULER, TestCluster, with_cluster};
 use gpushare_e2e::fixtures;
 use gpushare_e2e::scenarios::{check_no_overcommit, check_pinned, create_gpu_pod, wait_running};
 use k8s_openapi::api::admissionregistration::v1::MutatingWebhookConfiguration;
@@ -14,14 +14,7 @@ use kube::api::{Api, PostParams};
 async fn with_dedicated_cluster(
     body: impl AsyncFnOnce(&mut TestCluster) -> anyhow::Result<()>,
 ) -> anyhow::Result<()> {
-    let mut cluster =
-        TestCluster::start(ClusterSpec::labelled(&[("n1", &[16])]).dedicated()).await?;
-    let result = body(&mut cluster).await;
-    if result.is_err() {
-        eprintln!("{}", cluster.log_tail(40));
-    }
-    cluster.shutdown().await;
-    result
+    with_cluster(ClusterSpec::labelled(&[("n1", &[16])]).dedicated(), body).await
 }
 
 fn scheduler_of(pod: &Pod) -> Option<&str> {
