@@ -5,9 +5,10 @@
 //!
 //! | key (`<domain>/v1.…`) | written by | value |
 //! |---|---|---|
-//! | `gpu-index` | extender | `"1"` |
-//! | `gpu-uuid` | extender | `"GPU-…"` (empty if the node has no inventory) |
-//! | `pod-gib` | extender | `"8"` |
+//! | `gpu-index` | extender | `"1"`; a multi-GPU pod: `"1,3"` |
+//! | `gpu-uuid` | extender | `"GPU-…"`, `"GPU-…,GPU-…"` (empty if the node has no inventory) |
+//! | `pod-gib` | extender | `"8"`: GiB on each of the pod's GPUs |
+//! | `exclusive` | extender | `"true"` when the pod holds its GPUs whole (absent otherwise) |
 //! | `containers` | extender | `[{"name":"main","gib":8,"init":false}]` |
 //! | `bind-time` | extender | RFC 3339 |
 //! | `assigned` | extender `"false"`, device plugin `"true"` | every container allocated |
@@ -23,15 +24,28 @@ use std::collections::BTreeMap;
 
 use crate::{ContainerRequest, Keys};
 
-/// A pod's place on a GPU, as recorded in its annotations.
+/// One more GPU of a multi-GPU pod.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct GpuRef {
+    /// Index of the GPU on the node.
+    pub index: u32,
+    /// Its UUID, or empty when the node published no inventory.
+    pub uuid: String,
+}
+
+/// A pod's place on its GPUs, as recorded in its annotations.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct PodAllocation {
-    /// Index of the chosen GPU.
+    /// Index of the chosen GPU (the first one, for a multi-GPU pod).
     pub gpu_index: u32,
     /// UUID of the chosen GPU, or empty when the node published no inventory.
     pub gpu_uuid: String,
-    /// GiB the pod holds on the GPU.
+    /// The pod's other GPUs, in the annotation's order; empty for a one-GPU pod.
+    pub more_gpus: Vec<GpuRef>,
+    /// GiB the pod holds on each of its GPUs (for a one-GPU pod, its whole request).
     pub pod_gib: u64,
+    /// True when the pod holds its GPUs whole: nothing else is placed on them.
+    pub exclusive: bool,
     /// The containers that asked for GPU memory, in admission order.
     pub containers: Vec<ContainerRequest>,
     /// When the extender decided (RFC 3339).
@@ -67,6 +81,20 @@ pub enum AllocationError {
     /// One of the annotations the extender always writes together is missing.
     #[error("annotation {0} is missing")]
     Missing(String),
+    /// The GPU index and UUID lists name different numbers of GPUs, or a GPU twice.
+    #[error(
+        "annotations {indices_key} ({indices:?}) and {uuids_key} ({uuids:?}) do not name the same distinct GPUs"
+    )]
+    GpuLists {
+        /// the index annotation key
+        indices_key: String,
+        /// its value
+        indices: String,
+        /// the UUID annotation key
+        uuids_key: String,
+        /// its value
+        uuids: String,
+    },
 }
 
 impl PodAllocation {
@@ -75,9 +103,18 @@ impl PodAllocation {
     pub fn to_annotations(&self, keys: &Keys) -> BTreeMap<String, String> {
         let containers =
             serde_json::to_string(&self.containers).unwrap_or_else(|_| "[]".to_owned());
+        let mut indices = self.gpu_index.to_string();
+        let mut uuids = self.gpu_uuid.clone();
+        for gpu in &self.more_gpus {
+            indices.push_str(&format!(",{}", gpu.index));
+            if !uuids.is_empty() {
+                uuids.push(',');
+                uuids.push_str(&gpu.uuid);
+            }
+        }
         let mut annotations = BTreeMap::from([
-            (keys.gpu_index.clone(), self.gpu_index.to_string()),
-            (keys.gpu_uuid.clone(), self.gpu_uuid.clone()),
+            (keys.gpu_index.clone(), indices),
+            (keys.gpu_uuid.clone(), uuids),
             (keys.pod_gib.clone(), self.pod_gib.to_string()),
             (keys.containers.clone(), containers),
             (keys.bind_time.clone(), self.bind_time.clone()),
@@ -87,7 +124,24 @@ impl PodAllocation {
         if let Some(signature) = &self.signature {
             annotations.insert(keys.signature.clone(), signature.clone());
         }
+        if self.exclusive {
+            annotations.insert(keys.exclusive.clone(), "true".to_owned());
+        }
         annotations
+    }
+
+    /// Every GPU of the pod, `(index, uuid)`, the first one first.
+    pub fn gpus(&self) -> impl Iterator<Item = (u32, &str)> {
+        std::iter::once((self.gpu_index, self.gpu_uuid.as_str())).chain(
+            self.more_gpus
+                .iter()
+                .map(|gpu| (gpu.index, gpu.uuid.as_str())),
+        )
+    }
+
+    /// Number of GPUs the pod holds.
+    pub fn gpu_count(&self) -> usize {
+        1 + self.more_gpus.len()
     }
 
     /// Reads an allocation back; `Ok(None)` when the pod carries none (no `gpu-index`).
@@ -112,11 +166,44 @@ impl PodAllocation {
                 .get(key)
                 .ok_or_else(|| AllocationError::Missing(key.clone()))
         };
-        let gpu_index = number(&keys.gpu_index, index)?;
-        let gpu_index = u32::try_from(gpu_index).map_err(|_| AllocationError::NotANumber {
-            key: keys.gpu_index.clone(),
-            value: index.clone(),
-        })?;
+        let mut indices = Vec::new();
+        for part in index.split(',') {
+            let value = number(&keys.gpu_index, part)?;
+            indices.push(
+                u32::try_from(value).map_err(|_| AllocationError::NotANumber {
+                    key: keys.gpu_index.clone(),
+                    value: index.clone(),
+                })?,
+            );
+        }
+        let uuid_list = annotations.get(&keys.gpu_uuid).cloned().unwrap_or_default();
+        let uuids: Vec<String> = if uuid_list.trim().is_empty() {
+            vec![String::new(); indices.len()]
+        } else {
+            uuid_list.split(',').map(|u| u.trim().to_owned()).collect()
+        };
+        let distinct = |list: &[String]| {
+            list.iter().all(|u| u.is_empty())
+                || list.iter().collect::<std::collections::BTreeSet<_>>().len() == list.len()
+        };
+        let distinct_indices = indices
+            .iter()
+            .collect::<std::collections::BTreeSet<_>>()
+            .len()
+            == indices.len();
+        if uuids.len() != indices.len() || !distinct(&uuids) || !distinct_indices {
+            return Err(AllocationError::GpuLists {
+                indices_key: keys.gpu_index.clone(),
+                indices: index.clone(),
+                uuids_key: keys.gpu_uuid.clone(),
+                uuids: uuid_list,
+            });
+        }
+        let mut gpus = indices.into_iter().zip(uuids);
+        let Some((gpu_index, gpu_uuid)) = gpus.next() else {
+            return Err(AllocationError::Missing(keys.gpu_index.clone()));
+        };
+        let more_gpus = gpus.map(|(index, uuid)| GpuRef { index, uuid }).collect();
         let pod_gib = number(&keys.pod_gib, required(&keys.pod_gib)?)?;
         let containers: Vec<ContainerRequest> = serde_json::from_str(required(&keys.containers)?)
             .map_err(|source| AllocationError::Containers {
@@ -134,8 +221,12 @@ impl PodAllocation {
             .unwrap_or_default();
         Ok(Some(Self {
             gpu_index,
-            gpu_uuid: annotations.get(&keys.gpu_uuid).cloned().unwrap_or_default(),
+            gpu_uuid,
+            more_gpus,
             pod_gib,
+            exclusive: annotations
+                .get(&keys.exclusive)
+                .is_some_and(|v| v == "true"),
             containers,
             bind_time: annotations
                 .get(&keys.bind_time)
@@ -166,7 +257,9 @@ mod tests {
         PodAllocation {
             gpu_index: 2,
             gpu_uuid: "GPU-abc".into(),
+            more_gpus: vec![],
             pod_gib: 6,
+            exclusive: false,
             containers: vec![
                 ContainerRequest {
                     name: "init".into(),
@@ -209,6 +302,63 @@ mod tests {
             PodAllocation::from_annotations(&keys, &annotations).unwrap(),
             Some(signed)
         );
+    }
+
+    #[test]
+    fn multi_gpu_allocations_round_trip_as_lists() {
+        let keys = Keys::default();
+        let alloc = PodAllocation {
+            more_gpus: vec![GpuRef {
+                index: 0,
+                uuid: "GPU-def".into(),
+            }],
+            exclusive: true,
+            ..sample()
+        };
+        let annotations = alloc.to_annotations(&keys);
+        assert_eq!(annotations[&keys.gpu_index], "2,0");
+        assert_eq!(annotations[&keys.gpu_uuid], "GPU-abc,GPU-def");
+        assert_eq!(annotations[&keys.exclusive], "true");
+        let back = PodAllocation::from_annotations(&keys, &annotations)
+            .unwrap()
+            .unwrap();
+        assert_eq!(back, alloc);
+        assert_eq!(
+            back.gpus().collect::<Vec<_>>(),
+            vec![(2, "GPU-abc"), (0, "GPU-def")]
+        );
+        assert_eq!(back.gpu_count(), 2);
+        assert!(!sample().to_annotations(&keys).contains_key(&keys.exclusive));
+        // Without inventory: indices only.
+        let bare = PodAllocation {
+            gpu_uuid: String::new(),
+            more_gpus: vec![GpuRef {
+                index: 1,
+                uuid: String::new(),
+            }],
+            ..sample()
+        };
+        let annotations = bare.to_annotations(&keys);
+        assert_eq!(annotations[&keys.gpu_uuid], "");
+        assert_eq!(
+            PodAllocation::from_annotations(&keys, &annotations).unwrap(),
+            Some(bare)
+        );
+        // Lists that disagree, or name a GPU twice, are errors.
+        for (indices, uuids) in [
+            ("2,0", "GPU-a"),
+            ("2,2", "GPU-a,GPU-b"),
+            ("1,2", "GPU-a,GPU-a"),
+            ("1,", ""),
+        ] {
+            let mut annotations = sample().to_annotations(&keys);
+            annotations.insert(keys.gpu_index.clone(), indices.into());
+            annotations.insert(keys.gpu_uuid.clone(), uuids.into());
+            assert!(
+                PodAllocation::from_annotations(&keys, &annotations).is_err(),
+                "{indices} / {uuids}"
+            );
+        }
     }
 
     #[test]

@@ -1,7 +1,8 @@
 //! The environment the device plugin hands each container at `Allocate`.
 //!
 //! `NVIDIA_VISIBLE_DEVICES` pins the container to its GPU (the NVIDIA container runtime reads
-//! it); the `GPUSHARE_*` variables let an application cap its own memory use, for example
+//! it; a multi-GPU pod's containers get the comma-separated list, as do `GPUSHARE_GPU_INDEX`
+//! and `GPUSHARE_GPU_UUID`, and `GPUSHARE_GPU_COUNT` says how many); the `GPUSHARE_*` variables let an application cap its own memory use, for example
 //! `torch.cuda.set_per_process_memory_fraction(GIB / TOTAL_GIB)`.
 
 /// The GPU's UUID; read by the NVIDIA container runtime.
@@ -14,8 +15,12 @@ pub const GPU_UUID: &str = "GPUSHARE_GPU_UUID";
 pub const CONTAINER_GIB: &str = "GPUSHARE_CONTAINER_MEM_GIB";
 /// GiB the whole pod holds on the GPU.
 pub const POD_GIB: &str = "GPUSHARE_POD_MEM_GIB";
-/// Total GiB of the GPU.
+/// Total GiB of the GPU (of the smallest, for a multi-GPU pod).
 pub const GPU_TOTAL_GIB: &str = "GPUSHARE_GPU_MEM_GIB";
+/// Number of GPUs the container sees; `GPUSHARE_CONTAINER_MEM_GIB` is spread evenly over them.
+pub const GPU_COUNT: &str = "GPUSHARE_GPU_COUNT";
+/// GiB granted to this container on each of its GPUs.
+pub const CONTAINER_GIB_PER_GPU: &str = "GPUSHARE_CONTAINER_MEM_GIB_PER_GPU";
 
 /// MiB the container may allocate on its GPU, for the NVIDIA container toolkit's
 /// `apply-cuda-memory-limits` CDI hook (sets the limit through NVML on the container's
@@ -83,6 +88,19 @@ impl Enforcement {
     /// The variables that carry a container's `gib` share to the enforcer; `mps_pipe_dir` is
     /// the MPS daemon's pipe directory (used in [`Enforcement::Mps`] only).
     pub fn env(self, gib: u64, mps_pipe_dir: &str) -> Vec<(&'static str, String)> {
+        self.env_on(gib, 1, mps_pipe_dir)
+    }
+
+    /// As [`Enforcement::env`] for a container granted `gib_per_gpu` on each of `gpus` GPUs.
+    /// The toolkit's limit applies to each visible device; MPS takes one `<ordinal>=<N>G` entry
+    /// per device, numbered as the container sees them (0..gpus).
+    pub fn env_on(
+        self,
+        gib_per_gpu: u64,
+        gpus: usize,
+        mps_pipe_dir: &str,
+    ) -> Vec<(&'static str, String)> {
+        let gib = gib_per_gpu;
         match self {
             Enforcement::None => Vec::new(),
             Enforcement::Toolkit => {
@@ -93,7 +111,13 @@ impl Enforcement {
                 ]
             }
             Enforcement::Mps => vec![
-                (CUDA_MPS_PINNED_DEVICE_MEM_LIMIT, format!("0={gib}G")),
+                (
+                    CUDA_MPS_PINNED_DEVICE_MEM_LIMIT,
+                    (0..gpus.max(1))
+                        .map(|ordinal| format!("{ordinal}={gib}G"))
+                        .collect::<Vec<_>>()
+                        .join(","),
+                ),
                 (CUDA_MPS_PIPE_DIRECTORY, mps_pipe_dir.to_owned()),
             ],
         }
@@ -120,6 +144,18 @@ mod tests {
                 (CUDA_MPS_PINNED_DEVICE_MEM_LIMIT, "0=12G".to_owned()),
                 (CUDA_MPS_PIPE_DIRECTORY, "/run/mps".to_owned()),
             ]
+        );
+    }
+
+    #[test]
+    fn multi_gpu_limits_cover_every_visible_device() {
+        assert_eq!(
+            Enforcement::Mps.env_on(8, 2, "/run/mps")[0],
+            (CUDA_MPS_PINNED_DEVICE_MEM_LIMIT, "0=8G,1=8G".to_owned())
+        );
+        assert_eq!(
+            Enforcement::Toolkit.env_on(8, 2, "/run/mps")[0],
+            (NVIDIA_GPU_MEMORY_LIMIT, "8192".to_owned())
         );
     }
 

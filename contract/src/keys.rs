@@ -25,8 +25,20 @@ pub struct Keys {
     /// Pod: the extender's signature of its decision, `<key-id>:<base64>`
     /// (see [`crate::signature`]).
     pub signature: String,
+    /// Pod: `"true"` when the pod holds its GPUs whole, alone (written by the extender only
+    /// then; see [`crate::PodAllocation::exclusive`]).
+    pub exclusive: String,
+    /// Pod, set by the user: over how many GPUs of one node the pod's GPU memory is spread,
+    /// evenly (`<domain>/gpus: "2"`; absent means one). See [`crate::request`].
+    pub request_gpus: String,
+    /// Pod, set by the user: `"true"` to take whole GPUs, never shared
+    /// (`<domain>/exclusive`). See [`crate::request`].
+    pub request_exclusive: String,
     /// Node: JSON list of [`crate::GpuInfo`], published by the device plugin.
     pub node_gpus: String,
+    /// Node: GPU memory measured in use per GPU and per pod ([`crate::usage`]), published
+    /// by the device plugin when it changed noticeably.
+    pub node_usage: String,
     /// Node label: number of GPUs the device plugin found.
     pub node_gpu_count: String,
     /// Node labels `<prefix><model>: "true"`, one per GPU model on the node (see
@@ -49,7 +61,11 @@ impl Keys {
             assigned: key("assigned"),
             allocated: key("allocated"),
             signature: key("signature"),
+            exclusive: key("exclusive"),
+            request_gpus: format!("{domain}/gpus"),
+            request_exclusive: format!("{domain}/exclusive"),
             node_gpus: key("gpus"),
+            node_usage: key("usage"),
             node_gpu_count: format!("{domain}/gpu-count"),
             node_gpu_model_prefix: format!("{domain}/gpu-model."),
             node_gpu_mem_prefix: format!("{domain}/gpu-mem-gib."),
@@ -89,7 +105,7 @@ impl Keys {
 
     /// The keys of the allocation decision itself, which only the extender may write.
     /// Values a user set on these before bind are ignored and overwritten.
-    pub fn allocation_keys(&self) -> [&str; 8] {
+    pub fn allocation_keys(&self) -> [&str; 9] {
         [
             &self.gpu_index,
             &self.gpu_uuid,
@@ -99,6 +115,7 @@ impl Keys {
             &self.assigned,
             &self.allocated,
             &self.signature,
+            &self.exclusive,
         ]
     }
 }
@@ -120,6 +137,9 @@ mod tests {
         assert_eq!(keys.node_gpus, "gpu.acme.io/v1.gpus");
         assert_eq!(keys.signature, "gpu.acme.io/v1.signature");
         assert_eq!(keys.node_gpu_count, "gpu.acme.io/gpu-count");
+        assert_eq!(keys.exclusive, "gpu.acme.io/v1.exclusive");
+        assert_eq!(keys.request_gpus, "gpu.acme.io/gpus");
+        assert_eq!(keys.request_exclusive, "gpu.acme.io/exclusive");
         assert_eq!(
             keys.gpu_model_label("NVIDIA A10G"),
             "gpu.acme.io/gpu-model.NVIDIA-A10G"

@@ -24,11 +24,14 @@ pub mod inventory;
 pub mod keys;
 pub mod request;
 pub mod signature;
+pub mod usage;
 
-pub use allocation::{AllocationError, PodAllocation};
+pub use allocation::{AllocationError, GpuRef, PodAllocation};
 pub use inventory::{GpuInfo, InventoryError};
 pub use keys::Keys;
-pub use request::{ContainerRequest, PodRequest, RequestError, pod_request};
+pub use request::{
+    ContainerRequest, MAX_GPUS_PER_POD, PodRequest, RequestError, pod_request, pod_request_with,
+};
 pub use signature::{Keyring, KeyringError, KeyringFile, SharedKeyring, Unverified};
 
 /// The extended resource pods ask for, in whole GiB of GPU memory.

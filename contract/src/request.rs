@@ -8,11 +8,44 @@
 //!
 //! Only whole, non-negative GiB are valid: `4` is; `4.5`, `-1`, `10G`, `4Gi` and values over
 //! [`crate::MAX_GIB`] are rejected with an error that names the pod, container and value.
+//!
+//! # More than one GPU
+//!
+//! The resource is always the pod's total. Two pod annotations, read by [`pod_request_with`],
+//! say how that total is laid out:
+//!
+//! ```yaml
+//! metadata:
+//!   annotations:
+//!     gpushare.example.com/gpus: "2"          # spread evenly over 2 GPUs of one node
+//!     gpushare.example.com/exclusive: "true"  # optional: those GPUs are the pod's alone
+//! spec:
+//!   containers:
+//!   - name: train
+//!     resources:
+//!       limits:
+//!         example.com/gpu-mem: 16              # 8 GiB on each of the 2 GPUs
+//! ```
+//!
+//! - Every container that asks for the resource sees all N GPUs and gets `gib / N` on each,
+//!   so each container's GiB must be a multiple of N (an error says so otherwise).
+//! - `exclusive` takes whole GPUs with at least `total / N` GiB each: the pod books every
+//!   byte of them and no other pod is placed there. A whole-GPU pod on 2 × 24 GiB GPUs writes
+//!   `gpu-mem: 48`; on nodes with larger GPUs it still takes them whole.
+//! - Why the total and not a per-GPU amount: kube-scheduler and kubelet count the resource
+//!   per node, and the node advertises its GPUs' total. The total keeps their fit right (an
+//!   exclusive pod on GPUs larger than it asked for holds more than kubelet counts; the
+//!   extender, which books the whole GPUs, is the one that keeps others off them).
+//! - Limits: all of a pod's GPU containers share the same N GPUs with the same split; at most
+//!   [`MAX_GPUS_PER_POD`] GPUs, all on one node.
 
 use k8s_openapi::api::core::v1::{Container, Pod};
 use serde::{Deserialize, Serialize};
 
-use crate::MAX_GIB;
+use crate::{Keys, MAX_GIB};
+
+/// The most GPUs one pod may spread over.
+pub const MAX_GPUS_PER_POD: u32 = 16;
 
 /// One container's share of the pod's request, in kubelet's admission order. Also the element
 /// of the `<domain>/v1.containers` annotation: `{"name":"main","gib":4,"init":false}`.
@@ -32,8 +65,25 @@ pub struct ContainerRequest {
 pub struct PodRequest {
     /// The containers that ask for the resource, init containers first, in spec order.
     pub containers: Vec<ContainerRequest>,
-    /// GiB the pod holds on its GPU while it runs.
+    /// GiB the pod holds while it runs, over all its GPUs.
     pub pod_gib: u64,
+    /// How many GPUs of one node the memory is spread over, evenly (1 unless the pod's
+    /// `<domain>/gpus` annotation says more; see the module doc).
+    pub gpus: u32,
+    /// Whether the pod takes its GPUs whole (`<domain>/exclusive: "true"`).
+    pub exclusive: bool,
+}
+
+impl PodRequest {
+    /// GiB the pod holds on each of its GPUs.
+    pub fn gib_per_gpu(&self) -> u64 {
+        self.pod_gib / u64::from(self.gpus.max(1))
+    }
+
+    /// Whether the pod needs anything but a shared slice of one GPU.
+    pub fn is_multi(&self) -> bool {
+        self.gpus > 1 || self.exclusive
+    }
 }
 
 /// Why a pod's request cannot be read.
@@ -69,6 +119,94 @@ pub enum RequestError {
         /// the limit
         max: u64,
     },
+    /// An annotation that shapes the request is malformed.
+    #[error("pod {pod}: annotation {key} is {value:?}; {expected}")]
+    BadAnnotation {
+        /// namespace/name
+        pod: String,
+        /// the annotation key
+        key: String,
+        /// its value
+        value: String,
+        /// what it should be
+        expected: String,
+    },
+    /// A container's GiB cannot be split evenly over the pod's GPUs.
+    #[error(
+        "pod {pod}: container {container} asks for {gib} GiB spread over {gpus} GPUs; with {key} the GiB of every container must be a multiple of {gpus}"
+    )]
+    Uneven {
+        /// namespace/name
+        pod: String,
+        /// container name
+        container: String,
+        /// its GiB
+        gib: u64,
+        /// number of GPUs
+        gpus: u32,
+        /// the annotation key
+        key: String,
+    },
+}
+
+/// Reads `pod`'s request for `resource` with its layout over GPUs (the `<domain>/gpus` and
+/// `<domain>/exclusive` annotations, see the module doc); `Ok(None)` when it asks for none.
+pub fn pod_request_with(
+    pod: &Pod,
+    resource: &str,
+    keys: &Keys,
+) -> Result<Option<PodRequest>, RequestError> {
+    let Some(mut request) = pod_request(pod, resource)? else {
+        return Ok(None);
+    };
+    let annotations = pod.metadata.annotations.as_ref();
+    let annotation = |key: &str| annotations.and_then(|a| a.get(key)).map(|v| v.trim());
+    let bad = |key: &str, value: &str, expected: &str| RequestError::BadAnnotation {
+        pod: pod_key(pod),
+        key: key.to_owned(),
+        value: value.to_owned(),
+        expected: expected.to_owned(),
+    };
+    if let Some(value) = annotation(&keys.request_gpus) {
+        request.gpus = value
+            .parse::<u32>()
+            .ok()
+            .filter(|n| (1..=MAX_GPUS_PER_POD).contains(n))
+            .ok_or_else(|| {
+                bad(
+                    &keys.request_gpus,
+                    value,
+                    &format!("write a whole number of GPUs from 1 to {MAX_GPUS_PER_POD}"),
+                )
+            })?;
+    }
+    if let Some(value) = annotation(&keys.request_exclusive) {
+        request.exclusive = match value {
+            "true" => true,
+            "false" => false,
+            _ => {
+                return Err(bad(
+                    &keys.request_exclusive,
+                    value,
+                    "write \"true\" or \"false\"",
+                ));
+            }
+        };
+    }
+    if let Some(container) = request
+        .containers
+        .iter()
+        .find(|c| c.gib % u64::from(request.gpus) != 0)
+    {
+        return Err(RequestError::Uneven {
+            pod: pod_key(pod),
+            container: container.name.clone(),
+            gib: container.gib,
+            gpus: request.gpus,
+            key: keys.request_gpus.clone(),
+        });
+    }
+    Ok(Some(request))
 }
 
 /// Reads `pod`'s request for `resource`; `Ok(None)` when it asks for none.
@@ -113,6 +251,8 @@ pub fn pod_request(pod: &Pod, resource: &str) -> Result<Option<PodRequest>, Requ
     Ok(Some(PodRequest {
         containers,
         pod_gib: (app_sum + sidecar_sum).max(largest_init),
+        gpus: 1,
+        exclusive: false,
     }))
 }
 
@@ -262,6 +402,96 @@ mod tests {
             }],
         );
         assert_eq!(pod_request(&p, RES).unwrap(), None);
+    }
+
+    fn annotated(mut p: Pod, pairs: &[(&str, &str)]) -> Pod {
+        p.metadata.annotations = Some(
+            pairs
+                .iter()
+                .map(|(k, v)| ((*k).to_owned(), (*v).to_owned()))
+                .collect(),
+        );
+        p
+    }
+
+    #[test]
+    fn annotations_spread_the_total_over_gpus() {
+        let keys = Keys::default();
+        let p = pod(vec![], vec![container("train", Some("16"), None)]);
+        let single = pod_request_with(&p, RES, &keys).unwrap().unwrap();
+        assert_eq!(
+            (single.gpus, single.exclusive, single.is_multi()),
+            (1, false, false)
+        );
+        let p = annotated(p, &[(&keys.request_gpus, "2")]);
+        let two = pod_request_with(&p, RES, &keys).unwrap().unwrap();
+        assert_eq!((two.pod_gib, two.gpus, two.gib_per_gpu()), (16, 2, 8));
+        assert!(two.is_multi() && !two.exclusive);
+        let p = annotated(
+            p,
+            &[
+                (&keys.request_gpus, " 2 "),
+                (&keys.request_exclusive, "true"),
+            ],
+        );
+        let whole = pod_request_with(&p, RES, &keys).unwrap().unwrap();
+        assert_eq!((whole.gpus, whole.exclusive), (2, true));
+        // Exclusive on one GPU is a request of its own.
+        let p = annotated(
+            pod(vec![], vec![container("a", Some("4"), None)]),
+            &[(&keys.request_exclusive, "true")],
+        );
+        let one = pod_request_with(&p, RES, &keys).unwrap().unwrap();
+        assert!(one.is_multi() && one.gpus == 1);
+    }
+
+    #[test]
+    fn bad_layout_annotations_name_the_key_and_value() {
+        let keys = Keys::default();
+        let base = pod(vec![], vec![container("train", Some("16"), None)]);
+        for bad in ["0", "17", "two", "-1", "1.5", ""] {
+            let p = annotated(base.clone(), &[(&keys.request_gpus, bad)]);
+            let err = pod_request_with(&p, RES, &keys).unwrap_err();
+            assert!(
+                matches!(err, RequestError::BadAnnotation { .. }),
+                "{bad}: {err}"
+            );
+            assert!(err.to_string().contains(&keys.request_gpus), "{err}");
+        }
+        let p = annotated(base.clone(), &[(&keys.request_exclusive, "yes")]);
+        assert!(matches!(
+            pod_request_with(&p, RES, &keys),
+            Err(RequestError::BadAnnotation { .. })
+        ));
+        let p = annotated(
+            pod(
+                vec![],
+                vec![
+                    container("a", Some("8"), None),
+                    container("b", Some("3"), None),
+                ],
+            ),
+            &[(&keys.request_gpus, "2")],
+        );
+        let err = pod_request_with(&p, RES, &keys).unwrap_err();
+        assert!(
+            matches!(
+                err,
+                RequestError::Uneven {
+                    gib: 3,
+                    gpus: 2,
+                    ..
+                }
+            ),
+            "{err}"
+        );
+        assert!(err.to_string().contains("container b"), "{err}");
+        // Without the resource, the annotations are not read at all.
+        let p = annotated(
+            pod(vec![], vec![container("a", None, None)]),
+            &[(&keys.request_gpus, "x")],
+        );
+        assert_eq!(pod_request_with(&p, RES, &keys).unwrap(), None);
     }
 
     #[test]

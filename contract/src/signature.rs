@@ -92,6 +92,10 @@ type HmacSha256 = Hmac<Sha256>;
 /// str(pod_uid) str(node) u32(gpu_index) str(gpu_uuid) u64(pod_gib)
 /// u64(number of containers) { str(name) u64(gib) u8(init) }*
 /// ```
+/// A multi-GPU or exclusive allocation appends `u64(number of more GPUs) { u32(index)
+/// str(uuid) }* u8(exclusive)`. Only those allocations carry the tail, so every signature
+/// made before multi-GPU pods existed still verifies; and since the container list's length
+/// is counted, the tail cannot be mistaken for a container.
 /// `str(s)` is `u64(len(s))` then the UTF-8 bytes; integers are big-endian. Lengths make the
 /// encoding unambiguous: no two different inputs give the same bytes.
 pub fn canonical_v1(pod_uid: &str, node: &str, allocation: &PodAllocation) -> Vec<u8> {
@@ -111,6 +115,14 @@ pub fn canonical_v1(pod_uid: &str, node: &str, allocation: &PodAllocation) -> Ve
         string(&mut out, &container.name);
         out.extend_from_slice(&container.gib.to_be_bytes());
         out.push(u8::from(container.init));
+    }
+    if !allocation.more_gpus.is_empty() || allocation.exclusive {
+        out.extend_from_slice(&(allocation.more_gpus.len() as u64).to_be_bytes());
+        for gpu in &allocation.more_gpus {
+            out.extend_from_slice(&gpu.index.to_be_bytes());
+            string(&mut out, &gpu.uuid);
+        }
+        out.push(u8::from(allocation.exclusive));
     }
     out
 }
@@ -496,7 +508,9 @@ mod tests {
         PodAllocation {
             gpu_index: 1,
             gpu_uuid: "GPU-a".into(),
+            more_gpus: vec![],
             pod_gib: 6,
+            exclusive: false,
             containers: vec![
                 ContainerRequest {
                     name: "init".into(),
@@ -553,6 +567,42 @@ mod tests {
     }
 
     #[test]
+    fn multi_gpu_fields_are_signed_in_a_tail() {
+        let keyring = Keyring::parse(K1).unwrap();
+        let mut multi = PodAllocation {
+            more_gpus: vec![crate::GpuRef {
+                index: 0,
+                uuid: "GPU-b".into(),
+            }],
+            ..sample()
+        };
+        let plain = canonical_v1("u", "n1", &sample());
+        let tailed = canonical_v1("u", "n1", &multi);
+        assert_eq!(&tailed[..plain.len()], &plain[..]);
+        let mut tail = vec![0, 0, 0, 0, 0, 0, 0, 1, 0, 0, 0, 0];
+        tail.extend_from_slice(&[0, 0, 0, 0, 0, 0, 0, 5, b'G', b'P', b'U', b'-', b'b', 0]);
+        assert_eq!(&tailed[plain.len()..], &tail[..]);
+        multi.signature = Some(keyring.sign("u", "n1", &multi));
+        assert_eq!(keyring.verify("u", "n1", &multi), Ok("k1"));
+        // Swapping which GPU is first changes the decision.
+        let mut swapped = multi.clone();
+        std::mem::swap(&mut swapped.gpu_index, &mut swapped.more_gpus[0].index);
+        std::mem::swap(&mut swapped.gpu_uuid, &mut swapped.more_gpus[0].uuid);
+        assert_eq!(
+            keyring.verify("u", "n1", &swapped),
+            Err(Unverified::Mismatch)
+        );
+        // Dropping the extra GPU and the exclusive flag (an attempt to pass a multi-GPU
+        // decision off as a one-GPU one) fails too.
+        let mut dropped = multi;
+        dropped.more_gpus.clear();
+        assert_eq!(
+            keyring.verify("u", "n1", &dropped),
+            Err(Unverified::Mismatch)
+        );
+    }
+
+    #[test]
     fn fields_outside_the_decision_are_not_signed() {
         let keyring = Keyring::parse(K1).unwrap();
         let mut allocation = signed(&keyring, "uid-1", "n1");
@@ -593,6 +643,13 @@ mod tests {
                 })
             }),
             ("containers reordered", |a| a.containers.reverse()),
+            ("gpu added", |a| {
+                a.more_gpus.push(crate::GpuRef {
+                    index: 3,
+                    uuid: "GPU-d".into(),
+                })
+            }),
+            ("made exclusive", |a| a.exclusive = true),
         ];
         for (what, change) in tampered {
             let mut allocation = good.clone();

@@ -122,6 +122,11 @@ impl KubeletFacts {
             .map(Vec::as_slice)
     }
 
+    /// Every pod listed (`namespace/name`) with what it holds, in no particular order.
+    pub fn pods(&self) -> impl Iterator<Item = (&str, &PodFacts)> {
+        self.pods.iter().map(|(key, pod)| (key.as_str(), pod))
+    }
+
     /// Number of pods listed.
     pub fn len(&self) -> usize {
         self.pods.len()
@@ -363,6 +368,8 @@ mod tests {
             phase: Some("Pending".into()),
             deleting: false,
             allocation: PodAllocation {
+                more_gpus: Vec::new(),
+                exclusive: false,
                 gpu_index: gpu,
                 gpu_uuid: format!("GPU-{gpu}"),
                 pod_gib: containers.iter().map(|c| c.1).sum(),

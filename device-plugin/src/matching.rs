@@ -472,6 +472,8 @@ mod tests {
             phase: Some("Pending".into()),
             deleting: false,
             allocation: PodAllocation {
+                more_gpus: Vec::new(),
+                exclusive: false,
                 gpu_index: 0,
                 gpu_uuid: "GPU-0".into(),
                 pod_gib: containers.iter().map(|c| c.1).sum(),

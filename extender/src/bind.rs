@@ -292,6 +292,8 @@ fn decide(
             other => ("conflict", format!("pod {pod_key}: {other}")),
         })?;
     let mut allocation = PodAllocation {
+        more_gpus: Vec::new(),
+        exclusive: false,
         gpu_index: placement.gpu,
         gpu_uuid: placement.uuid.clone(),
         pod_gib: placement.pod_gib,

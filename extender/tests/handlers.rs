@@ -18,6 +18,8 @@ const FIXTURE_UID: &str = "647c79bc-629b-49c7-a3dd-034bd088a0ab";
 /// A pod already bound to `node`, holding `gib` on GPU `gpu`, as the watch shows it.
 fn bound(name: &str, node_name: &str, gpu: u32, gib: u64, assigned: bool) -> Pod {
     let allocation = PodAllocation {
+        more_gpus: Vec::new(),
+        exclusive: false,
         gpu_index: gpu,
         gpu_uuid: format!("GPU-{node_name}-{gpu}"),
         pod_gib: gib,

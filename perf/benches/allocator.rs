@@ -142,6 +142,8 @@ fn rebuild_from_annotations(c: &mut Criterion) {
     let pods: Vec<(String, String, BTreeMap<String, String>)> = (0..50_000u32)
         .map(|p| {
             let allocation = PodAllocation {
+                more_gpus: Vec::new(),
+                exclusive: false,
                 gpu_index: p % GPUS_PER_NODE,
                 gpu_uuid: format!("GPU-{p}"),
                 pod_gib: 2,

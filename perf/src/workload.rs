@@ -53,6 +53,8 @@ pub fn allocated_pod(
     bind_time: &str,
 ) -> PodBuilder {
     let allocation = PodAllocation {
+        more_gpus: Vec::new(),
+        exclusive: false,
         gpu_index: placed.gpu,
         gpu_uuid: placed.uuid.to_owned(),
         pod_gib: placed.gib,

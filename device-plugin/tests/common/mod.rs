@@ -212,6 +212,8 @@ pub fn allocation(
         .max()
         .unwrap_or(0);
     PodAllocation {
+        more_gpus: Vec::new(),
+        exclusive: false,
         gpu_index: gpu,
         gpu_uuid: uuid(gpu),
         pod_gib: app.max(init),

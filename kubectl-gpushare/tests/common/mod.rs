@@ -12,6 +12,8 @@ use k8s_openapi::api::core::v1::{Node, Pod};
 /// A pod placed by the extender on GPU `gpu` of its node.
 pub fn placed(builder: PodBuilder, gpu: u32, gib: u64) -> PodBuilder {
     let allocation = PodAllocation {
+        more_gpus: Vec::new(),
+        exclusive: false,
         gpu_index: gpu,
         gpu_uuid: String::new(),
         pod_gib: gib,
