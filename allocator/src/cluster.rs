@@ -8,7 +8,7 @@ use std::sync::Arc;
 use rustc_hash::FxHashMap as HashMap;
 
 use crate::fragmentation::{Host, Workload};
-use crate::{Gpu, Placement, PodId, PodPlacement, Policy, Refusal, Request, Unfit};
+use crate::{Gpu, GpuList, Placement, PodId, PodPlacement, Policy, Refusal, Request, Unfit};
 
 mod host;
 
@@ -47,6 +47,18 @@ impl GpuUsage {
     }
 }
 
+/// A sorted set of GPU indices: which GPUs a pending container's devices come from. The twin
+/// rule compares these, not single indices, since a multi-GPU pod's container spans several.
+pub type GpuSet = Box<[u32]>;
+
+/// The positions (in [`Node::gpus`]) a decision picked: the first GPU, then the others of a
+/// multi-GPU pod, best first.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub(crate) struct Choice {
+    pub(crate) first: usize,
+    pub(crate) more: Vec<usize>,
+}
+
 /// One node: its GPUs and the pods placed on them.
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
 pub struct Node {
@@ -57,8 +69,8 @@ pub struct Node {
     /// Sorted by index, unique indices.
     gpus: Vec<GpuUsage>,
     pods: HashMap<PodId, PodPlacement>,
-    /// (container size, gpu index) → number of pending containers of that size on that GPU.
-    pending: BTreeMap<(u64, u32), u32>,
+    /// (container size, GPUs it spans) → number of pending containers of that size there.
+    pending: BTreeMap<(u64, GpuSet), u32>,
     /// Allocatable CPU and memory (`None`: unknown); see [`crate::fragmentation`].
     host: Option<Host>,
     /// CPU and memory requested by the pods bound here, GPU pods or not.
@@ -86,52 +98,95 @@ impl Node {
         self.pods.iter()
     }
 
-    /// Number of pending containers per (size, GPU): what the twin rule reads.
-    pub fn pending(&self) -> impl Iterator<Item = (u64, u32, u32)> + '_ {
+    /// Number of pending containers per (size, GPUs they span): what the twin rule reads.
+    pub fn pending(&self) -> impl Iterator<Item = (u64, &[u32], u32)> + '_ {
         self.pending
             .iter()
-            .map(|(&(size, gpu), &count)| (size, gpu, count))
+            .map(|((size, gpus), &count)| (*size, &**gpus, count))
     }
 
     fn position(&self, gpu: u32) -> Option<usize> {
         self.gpus.binary_search_by_key(&gpu, |g| g.index).ok()
     }
 
-    /// Where `placement`'s memory sits now: the GPU its UUID names, or, when either side
-    /// has no UUIDs, the GPU at its index. `None` when its GPU is not on the node.
-    fn slot(&self, placement: &PodPlacement) -> Option<usize> {
-        let by_uuid =
-            !placement.uuid.is_empty() && self.gpus.iter().any(|g| !g.gpu.uuid.is_empty());
+    /// Where memory recorded for GPU `(index, uuid)` sits now: the GPU the UUID names, or,
+    /// when either side has no UUIDs, the GPU at the index. `None` when it is not on the node.
+    fn slot_of(&self, index: u32, uuid: &str) -> Option<usize> {
+        let by_uuid = !uuid.is_empty() && self.gpus.iter().any(|g| !g.gpu.uuid.is_empty());
         if by_uuid {
-            self.gpus
-                .iter()
-                .position(|g| *g.gpu.uuid == *placement.uuid)
+            self.gpus.iter().position(|g| *g.gpu.uuid == *uuid)
         } else {
-            self.position(placement.gpu)
+            self.position(index)
         }
     }
 
+    /// Where `placement`'s first GPU sits now (see [`Node::slot_of`]).
+    fn slot(&self, placement: &PodPlacement) -> Option<usize> {
+        self.slot_of(placement.gpu, &placement.uuid)
+    }
+
+    /// Where every GPU of `placement` sits now, each once; GPUs gone from the node are
+    /// left out.
+    fn slots(&self, placement: &PodPlacement) -> Vec<usize> {
+        let mut slots: Vec<usize> = std::iter::once((placement.gpu, &placement.uuid))
+            .chain(
+                placement
+                    .more_gpus
+                    .iter()
+                    .map(|(index, uuid)| (*index, uuid)),
+            )
+            .filter_map(|(index, uuid)| self.slot_of(index, uuid))
+            .collect();
+        slots.sort_unstable();
+        slots.dedup();
+        slots
+    }
+
+    /// GiB `placement` holds on a GPU of `total_gib`: all of it when exclusive.
+    fn held(placement: &PodPlacement, total_gib: u64) -> u64 {
+        if placement.exclusive {
+            placement.pod_gib.max(total_gib)
+        } else {
+            placement.pod_gib
+        }
+    }
+
+    /// The GPU set of `slots` (positions), as the twin rule keys it.
+    fn set_of(&self, slots: &[usize]) -> GpuSet {
+        let mut set: Vec<u32> = slots.iter().map(|&pos| self.gpus[pos].index).collect();
+        set.sort_unstable();
+        set.into_boxed_slice()
+    }
+
     fn book(&mut self, placement: &PodPlacement) {
-        let Some(pos) = self.slot(placement) else {
+        let slots = self.slots(placement);
+        if slots.is_empty() {
             return;
-        };
-        let usage = &mut self.gpus[pos];
-        usage.used_gib = usage.used_gib.saturating_add(placement.pod_gib);
-        let index = usage.index;
+        }
+        for &pos in &slots {
+            let usage = &mut self.gpus[pos];
+            let held = Self::held(placement, usage.total_gib);
+            usage.used_gib = usage.used_gib.saturating_add(held);
+        }
+        let set = self.set_of(&slots);
         for &size in placement.pending_sizes() {
-            *self.pending.entry((size, index)).or_default() += 1;
+            *self.pending.entry((size, set.clone())).or_default() += 1;
         }
     }
 
     fn unbook(&mut self, placement: &PodPlacement) {
-        let Some(pos) = self.slot(placement) else {
+        let slots = self.slots(placement);
+        if slots.is_empty() {
             return;
-        };
-        let usage = &mut self.gpus[pos];
-        usage.used_gib = usage.used_gib.saturating_sub(placement.pod_gib);
-        let index = usage.index;
+        }
+        for &pos in &slots {
+            let usage = &mut self.gpus[pos];
+            let held = Self::held(placement, usage.total_gib);
+            usage.used_gib = usage.used_gib.saturating_sub(held);
+        }
+        let set = self.set_of(&slots);
         for &size in placement.pending_sizes() {
-            let key = (size, index);
+            let key = (size, set.clone());
             if let Some(count) = self.pending.get_mut(&key) {
                 *count = count.saturating_sub(1);
                 if *count == 0 {
@@ -141,9 +196,18 @@ impl Node {
         }
     }
 
-    /// The GPU holding `placement`'s memory now (see [`Node::slot`]), if it is on the node.
+    /// The GPU holding `placement`'s memory now (its first GPU, see [`Node::slot_of`]), if it
+    /// is on the node.
     pub fn gpu_of(&self, placement: &PodPlacement) -> Option<&GpuUsage> {
         self.slot(placement).map(|pos| &self.gpus[pos])
+    }
+
+    /// Every GPU holding `placement`'s memory now, by index.
+    pub fn gpus_of(&self, placement: &PodPlacement) -> Vec<&GpuUsage> {
+        self.slots(placement)
+            .into_iter()
+            .map(|pos| &self.gpus[pos])
+            .collect()
     }
 
     /// Recomputes every derived total from the pods (after the GPU list changed).
@@ -158,14 +222,25 @@ impl Node {
         }
     }
 
-    /// The GPU (position in `gpus`) the pod would get, or why it fits nowhere.
-    /// O(GPUs + container sizes × pending entries of that size); never allocates on success.
-    fn decide(
+    /// The GPUs the pod would get, or why it fits nowhere: [`Node::decide`] for a slice of
+    /// one GPU, [`Node::decide_multi`] for the rest.
+    pub(crate) fn choose(
         &self,
         request: &Request,
         policy: Policy,
         workload: &Workload,
-    ) -> Result<usize, Unfit> {
+    ) -> Result<Choice, Unfit> {
+        if request.is_multi() {
+            return self.decide_multi(request, policy);
+        }
+        self.decide(request, policy, workload).map(|first| Choice {
+            first,
+            more: Vec::new(),
+        })
+    }
+
+    /// Why the node cannot be considered at all, if so.
+    fn check_node(&self) -> Result<(), Unfit> {
         if !self.present {
             return Err(Unfit::UnknownNode);
         }
@@ -175,12 +250,33 @@ impl Node {
         if self.gpus.is_empty() {
             return Err(Unfit::NoGpus);
         }
+        Ok(())
+    }
+
+    /// The GPU (position in `gpus`) a one-GPU, shared request would get, or why it fits
+    /// nowhere. O(GPUs + container sizes × pending entries of that size); never allocates on
+    /// success.
+    fn decide(
+        &self,
+        request: &Request,
+        policy: Policy,
+        workload: &Workload,
+    ) -> Result<usize, Unfit> {
+        self.check_node()?;
         let need = request.pod_gib;
-        if let Some((gpu, size)) = self.pin(request)? {
+        if let Some((set, size)) = self.pin(request)? {
+            let gpu = set.first().copied().unwrap_or_default();
+            if set.len() != 1 {
+                return Err(Unfit::TwinShape {
+                    size,
+                    gpus: GpuList(set.to_vec()),
+                    wanted: 1,
+                });
+            }
             let Some(pos) = self.position(gpu) else {
                 return Err(Unfit::TwinBlocked {
                     size,
-                    gpu,
+                    gpus: GpuList(vec![gpu]),
                     need,
                     free: 0,
                     healthy: false,
@@ -192,7 +288,7 @@ impl Node {
             }
             return Err(Unfit::TwinBlocked {
                 size,
-                gpu,
+                gpus: GpuList(vec![gpu]),
                 need,
                 free: usage.free_gib(),
                 healthy: usage.healthy,
@@ -244,26 +340,159 @@ impl Node {
         }
     }
 
-    /// The GPU the twin rule pins `request` to, with the container size that pins it.
-    fn pin(&self, request: &Request) -> Result<Option<(u32, u64)>, Unfit> {
+    /// Whether the GPU at `pos` can take a slice of `per_gpu` GiB of a multi-GPU or exclusive
+    /// request: healthy, and enough free (exclusive: empty and at least that large).
+    fn takes_slice(&self, pos: usize, per_gpu: u64, exclusive: bool) -> bool {
+        let usage = &self.gpus[pos];
+        usage.healthy
+            && if exclusive {
+                usage.used_gib == 0 && usage.total_gib >= per_gpu
+            } else {
+                usage.free_gib() >= per_gpu
+            }
+    }
+
+    /// The GPUs (positions) a request for N slices, or for whole GPUs, would get, or why it
+    /// fits nowhere.
+    ///
+    /// - N distinct healthy GPUs that each take the slice ([`Node::takes_slice`]).
+    /// - The policy applies per slice: binpack takes the GPUs with the least free memory that
+    ///   still fit, spread the most; fragmentation packs like binpack here (its measure is
+    ///   about one-GPU shapes).
+    /// - When the inventory names NUMA nodes, GPUs of one NUMA node are preferred: the group
+    ///   that can hold all N and that the policy likes best wins; only when no NUMA node can,
+    ///   the GPUs are taken across NUMA nodes.
+    /// - The twin rule pins the request to the GPU set of a pending container of the same
+    ///   size, exactly as for one GPU.
+    fn decide_multi(&self, request: &Request, policy: Policy) -> Result<Choice, Unfit> {
+        self.check_node()?;
+        let wanted = request.gpus.max(1);
+        let per_gpu = request.gib_per_gpu();
+        let exclusive = request.exclusive;
+        // Never, as things stand (unresolvable), before "retry later".
+        let large_enough = self
+            .gpus
+            .iter()
+            .filter(|u| u.healthy && u.total_gib >= per_gpu)
+            .count();
+        if large_enough < wanted as usize {
+            return Err(Unfit::TooFewGpus {
+                wanted,
+                per_gpu,
+                exclusive,
+                large_enough,
+            });
+        }
+        if let Some((set, size)) = self.pin(request)? {
+            if set.len() != wanted as usize {
+                return Err(Unfit::TwinShape {
+                    size,
+                    gpus: GpuList(set.to_vec()),
+                    wanted,
+                });
+            }
+            let positions: Vec<Option<usize>> = set.iter().map(|&g| self.position(g)).collect();
+            let blocked = positions
+                .iter()
+                .zip(set.iter())
+                .find(|(pos, _)| pos.is_none_or(|pos| !self.takes_slice(pos, per_gpu, exclusive)));
+            if let Some((pos, &gpu)) = blocked {
+                let usage = pos.map(|pos| &self.gpus[pos]);
+                return Err(Unfit::TwinBlocked {
+                    size,
+                    gpus: GpuList(vec![gpu]),
+                    need: per_gpu,
+                    free: usage.map_or(0, GpuUsage::free_gib),
+                    healthy: usage.is_some_and(|u| u.healthy),
+                });
+            }
+            let mut positions = positions.into_iter().flatten();
+            let first = positions.next().ok_or(Unfit::NoGpus)?;
+            return Ok(Choice {
+                first,
+                more: positions.collect(),
+            });
+        }
+        let mut fitting: Vec<usize> = (0..self.gpus.len())
+            .filter(|&pos| self.takes_slice(pos, per_gpu, exclusive))
+            .collect();
+        if fitting.len() < wanted as usize {
+            return Err(Unfit::TooFewFree {
+                wanted,
+                per_gpu,
+                exclusive,
+                fitting: fitting.len(),
+            });
+        }
+        // Best first under the policy: binpack least free, spread most free; index breaks ties.
+        let free = |pos: usize| self.gpus[pos].free_gib();
+        match policy {
+            Policy::Binpack | Policy::Fragmentation => {
+                fitting.sort_by_key(|&pos| (free(pos), self.gpus[pos].index));
+            }
+            Policy::Spread => {
+                fitting.sort_by_key(|&pos| (std::cmp::Reverse(free(pos)), self.gpus[pos].index));
+            }
+        }
+        let mut chosen: Option<Vec<usize>> = None;
+        let mut numas: Vec<i64> = fitting
+            .iter()
+            .filter_map(|&pos| self.gpus[pos].gpu.numa)
+            .collect();
+        numas.sort_unstable();
+        numas.dedup();
+        let mut best_key: Option<(u64, u64)> = None;
+        for numa in numas {
+            let group: Vec<usize> = fitting
+                .iter()
+                .copied()
+                .filter(|&pos| self.gpus[pos].gpu.numa == Some(numa))
+                .take(wanted as usize)
+                .collect();
+            if group.len() < wanted as usize {
+                continue;
+            }
+            let sum: u64 = group.iter().map(|&pos| free(pos)).sum();
+            // Binpack wants the snuggest group, spread the roomiest.
+            let key = match policy {
+                Policy::Spread => (u64::MAX - sum, 0),
+                Policy::Binpack | Policy::Fragmentation => (sum, 0),
+            };
+            if best_key.is_none_or(|best| key < best) {
+                best_key = Some(key);
+                chosen = Some(group);
+            }
+        }
+        let mut chosen = chosen.unwrap_or_else(|| fitting[..wanted as usize].to_vec());
+        let first = chosen.remove(0);
+        Ok(Choice {
+            first,
+            more: chosen,
+        })
+    }
+
+    /// The GPU set the twin rule pins `request` to, with the container size that pins it.
+    fn pin(&self, request: &Request) -> Result<Option<(&[u32], u64)>, Unfit> {
         if self.pending.is_empty() {
             return Ok(None);
         }
-        let mut pin: Option<(u32, u64)> = None;
+        let mut pin: Option<(&[u32], u64)> = None;
         for &size in &request.containers {
-            for &(_, gpu) in self
+            let from = (size, GpuSet::default());
+            for gpus in self
                 .pending
-                .range((size, 0)..=(size, u32::MAX))
-                .map(|(k, _)| k)
+                .range(from..)
+                .take_while(|((entry_size, _), _)| *entry_size == size)
+                .map(|((_, gpus), _)| &**gpus)
             {
                 match pin {
-                    None => pin = Some((gpu, size)),
-                    Some((pinned, first_size)) if pinned != gpu => {
+                    None => pin = Some((gpus, size)),
+                    Some((pinned, first_size)) if pinned != gpus => {
                         return Err(Unfit::TwinConflict {
                             first_size,
-                            first_gpu: pinned,
+                            first_gpus: GpuList(pinned.to_vec()),
                             second_size: size,
-                            second_gpu: gpu,
+                            second_gpus: GpuList(gpus.to_vec()),
                         });
                     }
                     Some(_) => {}
@@ -443,18 +672,31 @@ impl Cluster {
             None => return Err(Unfit::UnknownNode.into()),
         };
         let node = self.nodes.get_mut(node_name).ok_or(Unfit::UnknownNode)?;
-        let pos = node.decide(request, policy, &self.workload)?;
-        let gpu = &node.gpus[pos].gpu;
+        let choice = node.choose(request, policy, &self.workload)?;
+        let gpu = Arc::clone(&node.gpus[choice.first].gpu);
+        let more: Vec<Arc<Gpu>> = choice
+            .more
+            .iter()
+            .map(|&pos| Arc::clone(&node.gpus[pos].gpu))
+            .collect();
+        let pod_gib = request.gib_per_gpu();
         let result = Placement {
             node: node_name.to_owned(),
             gpu: gpu.index,
             uuid: gpu.uuid.clone(),
-            pod_gib: request.pod_gib,
+            more_gpus: more.iter().map(|g| (g.index, g.uuid.clone())).collect(),
+            pod_gib,
+            exclusive: request.exclusive,
         };
         let placement = PodPlacement {
             gpu: gpu.index,
             uuid: gpu.uuid.as_str().into(),
-            pod_gib: request.pod_gib,
+            more_gpus: more
+                .iter()
+                .map(|g| (g.index, Arc::from(g.uuid.as_str())))
+                .collect(),
+            pod_gib,
+            exclusive: request.exclusive,
             pending: request.containers.clone(),
             assigned: false,
         };
@@ -465,10 +707,10 @@ impl Cluster {
     }
 
     /// Whether `request` fits `node` now: one healthy GPU with enough free memory that the
-    /// twin rule allows.
+    /// twin rule allows (N such GPUs for a multi-GPU request; N empty ones for whole GPUs).
     pub fn fit(&self, node: &str, request: &Request) -> Result<(), Unfit> {
         let node = self.nodes.get(node).ok_or(Unfit::UnknownNode)?;
-        node.decide(request, Policy::Binpack, &self.workload)
+        node.choose(request, Policy::Binpack, &self.workload)
             .map(|_| ())
     }
 
@@ -477,17 +719,33 @@ impl Cluster {
     /// one quarter (so among equally full nodes the one with the snugger GPU wins).
     pub fn fullness(&self, node: &str, request: &Request, policy: Policy) -> Option<f64> {
         let node = self.nodes.get(node)?;
-        let pos = node.decide(request, policy, &self.workload).ok()?;
+        let choice = node.choose(request, policy, &self.workload).ok()?;
         let (total, used) = node.healthy_totals();
-        let usage = &node.gpus[pos];
-        let fraction = |used: u64, total: u64| {
+        let usage = &node.gpus[choice.first];
+        let per_gpu = request.gib_per_gpu();
+        // What the pod adds: its request, or the whole GPUs when exclusive.
+        let held = |usage: &GpuUsage| {
+            if request.exclusive {
+                usage.total_gib.max(per_gpu)
+            } else {
+                per_gpu
+            }
+        };
+        let added: u64 = std::iter::once(choice.first)
+            .chain(choice.more.iter().copied())
+            .map(|pos| held(&node.gpus[pos]))
+            .sum();
+        let fraction = |used: u64, added: u64, total: u64| {
             if total == 0 {
                 1.0
             } else {
-                (used.saturating_add(request.pod_gib) as f64 / total as f64).min(1.0)
+                (used.saturating_add(added) as f64 / total as f64).min(1.0)
             }
         };
-        Some(0.75 * fraction(used, total) + 0.25 * fraction(usage.used_gib, usage.total_gib))
+        Some(
+            0.75 * fraction(used, added, total)
+                + 0.25 * fraction(usage.used_gib, held(usage), usage.total_gib),
+        )
     }
 
     /// How good `node` is for `request` on its own, 0..=[`crate::MAX_SCORE`]; 0 when it does
@@ -512,8 +770,11 @@ impl Cluster {
     /// rounds to the same score on nearly empty nodes (3 GiB and 2 GiB used of 64 both
     /// round to 1), and the scheduler's own spreading scores then decide — fragmenting GPUs.
     /// Ranking among the candidates keeps the packing preference decisive at any fill level.
+    ///
+    /// Multi-GPU and exclusive requests are scored as binpack under the fragmentation policy:
+    /// its measure is about slices of one GPU.
     pub fn scores(&self, nodes: &[&str], request: &Request, policy: Policy) -> Vec<u8> {
-        if policy == Policy::Fragmentation {
+        if policy == Policy::Fragmentation && !request.is_multi() {
             return self.fragmentation_scores(nodes, request);
         }
         let goodness: Vec<Option<f64>> = nodes
@@ -542,11 +803,27 @@ impl Cluster {
             .collect()
     }
 
-    /// The GPU `request` would get on `node` under `policy`, without booking it.
+    /// The GPU `request` would get on `node` under `policy`, without booking it (the first
+    /// one, for a multi-GPU request; see [`Cluster::choose_gpus`]).
     pub fn choose_gpu(&self, node: &str, request: &Request, policy: Policy) -> Result<u32, Unfit> {
+        self.choose_gpus(node, request, policy)
+            .map(|gpus| gpus.first().copied().unwrap_or_default())
+    }
+
+    /// Every GPU (index) `request` would get on `node` under `policy`, best first, without
+    /// booking them.
+    pub fn choose_gpus(
+        &self,
+        node: &str,
+        request: &Request,
+        policy: Policy,
+    ) -> Result<Vec<u32>, Unfit> {
         let node = self.nodes.get(node).ok_or(Unfit::UnknownNode)?;
-        let pos = node.decide(request, policy, &self.workload)?;
-        Ok(node.gpus[pos].index)
+        let choice = node.choose(request, policy, &self.workload)?;
+        Ok(std::iter::once(choice.first)
+            .chain(choice.more)
+            .map(|pos| node.gpus[pos].index)
+            .collect())
     }
 
     /// A node by name (present or known only through its pods).
@@ -589,6 +866,7 @@ mod tests {
             index,
             uuid: format!("GPU-{index}"),
             model: "Tesla T4".into(),
+            numa: None,
             total_gib,
             healthy: true,
         }
@@ -596,6 +874,8 @@ mod tests {
 
     fn request(gib: u64) -> Request {
         Request {
+            gpus: 1,
+            exclusive: false,
             pod_gib: gib,
             containers: vec![gib],
             host: Host::default(),
@@ -604,6 +884,8 @@ mod tests {
 
     fn running(gpu: u32, gib: u64) -> PodPlacement {
         PodPlacement {
+            more_gpus: Vec::new(),
+            exclusive: false,
             gpu,
             uuid: "".into(),
             pod_gib: gib,
@@ -679,8 +961,8 @@ mod tests {
             .collect();
         assert_eq!(used, vec![("GPU-1", 12), ("GPU-2", 4)]);
         // The twin rule pins to the GPU where the waiting container really is.
-        let pending: Vec<(u64, u32, u32)> = node.pending().collect();
-        assert_eq!(pending, vec![(4, 1, 1), (12, 0, 1)]);
+        let pending: Vec<(u64, &[u32], u32)> = node.pending().collect();
+        assert_eq!(pending, vec![(4, &[1][..], 1), (12, &[0][..], 1)]);
         assert_eq!(
             node.gpu_of(&waiting_on("GPU-1", 1, 12))
                 .map(|g| g.gpu.index),
@@ -841,6 +1123,7 @@ mod tests {
             index,
             uuid: String::new(),
             model: String::new(),
+            numa: None,
             total_gib: 16,
             healthy: true,
         };
@@ -896,6 +1179,8 @@ mod tests {
         cluster.upsert_pod("a".into(), "n1", pending(0, 2));
         cluster.upsert_pod("c".into(), "n1", pending(1, 3));
         let both = Request {
+            gpus: 1,
+            exclusive: false,
             pod_gib: 5,
             containers: vec![2, 3],
             host: Host::default(),
@@ -1005,5 +1290,191 @@ mod tests {
         let spread = cluster.scores(&["a", "b", "c"], &req, Policy::Spread);
         assert_eq!(spread[2], 10, "spread prefers the emptiest: {spread:?}");
         assert_eq!(cluster.scores(&["c"], &req, Policy::Binpack), vec![10]);
+    }
+
+    fn multi(gpus: u32, per_gpu: u64, exclusive: bool) -> Request {
+        Request {
+            gpus,
+            exclusive,
+            pod_gib: per_gpu * u64::from(gpus),
+            containers: vec![per_gpu * u64::from(gpus)],
+            host: Host::default(),
+        }
+    }
+
+    fn two_by_two() -> Cluster {
+        let mut cluster = Cluster::new();
+        for name in ["a", "b"] {
+            cluster.set_node(name, vec![gpu(0, 16), gpu(1, 16)], true);
+        }
+        cluster
+    }
+
+    #[test]
+    fn multi_gpu_pods_take_distinct_gpus_next_to_shared_pods() {
+        let mut cluster = two_by_two();
+        // A 2 × 8 GiB pod, a whole-2-GPU pod, and shared 4 GiB pods on two 2-GPU nodes.
+        let two = cluster
+            .reserve("two".into(), "a", &multi(2, 8, false), Policy::Binpack)
+            .unwrap();
+        assert_eq!((two.gpu, two.more_gpus.len(), two.pod_gib), (0, 1, 8));
+        assert_eq!(two.more_gpus[0].0, 1);
+        let whole = cluster
+            .reserve("whole".into(), "b", &multi(2, 16, true), Policy::Binpack)
+            .unwrap();
+        assert!(whole.exclusive);
+        // Node b is taken whole: nothing shares it, however small.
+        assert!(matches!(
+            cluster.fit("b", &request(1)),
+            Err(Unfit::Busy { .. })
+        ));
+        for (i, expected) in [(0, 0), (1, 0), (2, 1), (3, 1)] {
+            let uid = PodId::from(format!("s{i}"));
+            let placed = cluster
+                .reserve(uid.clone(), "a", &request(4), Policy::Binpack)
+                .unwrap();
+            assert_eq!(placed.gpu, expected, "shared pod {i}");
+            // kubelet admits it before the next one comes (else the twin rule pins them).
+            let (_, placement) = cluster.pod(&uid).unwrap();
+            let placement = PodPlacement {
+                assigned: true,
+                ..placement.clone()
+            };
+            cluster.upsert_pod(uid, "a", placement);
+        }
+        let used: Vec<u64> = cluster
+            .node("a")
+            .unwrap()
+            .gpus()
+            .iter()
+            .map(|g| g.used_gib)
+            .collect();
+        assert_eq!(used, vec![16, 16]);
+        let used: Vec<u64> = cluster
+            .node("b")
+            .unwrap()
+            .gpus()
+            .iter()
+            .map(|g| g.used_gib)
+            .collect();
+        assert_eq!(used, vec![16, 16]);
+        // Releasing the whole-GPU pod frees both GPUs in full.
+        cluster.release(&"whole".into());
+        assert!(
+            cluster
+                .node("b")
+                .unwrap()
+                .gpus()
+                .iter()
+                .all(|g| g.used_gib == 0)
+        );
+    }
+
+    #[test]
+    fn a_whole_gpu_is_only_taken_empty() {
+        let mut cluster = two_by_two();
+        cluster
+            .reserve("small".into(), "a", &request(1), Policy::Binpack)
+            .unwrap();
+        let err = cluster.fit("a", &multi(2, 8, true)).unwrap_err();
+        assert_eq!(
+            err.to_string(),
+            "needs 2 whole free GPUs of at least 8 GiB; node has 1"
+        );
+        assert!(!err.is_unresolvable());
+        let one = cluster
+            .reserve("one".into(), "a", &multi(1, 8, true), Policy::Binpack)
+            .unwrap();
+        assert_eq!(one.gpu, 1, "the empty GPU, not the one holding 1 GiB");
+    }
+
+    #[test]
+    fn filter_reasons_name_the_shortfall() {
+        let mut cluster = two_by_two();
+        cluster
+            .reserve("big".into(), "a", &request(12), Policy::Binpack)
+            .unwrap();
+        let err = cluster.fit("a", &multi(2, 8, false)).unwrap_err();
+        assert_eq!(
+            err.to_string(),
+            "needs 2 GPUs with 8 GiB free each; node has 1"
+        );
+        assert!(
+            !err.is_unresolvable(),
+            "it may fit once the 12 GiB pod leaves"
+        );
+        let err = cluster.fit("a", &multi(3, 4, false)).unwrap_err();
+        assert_eq!(
+            err.to_string(),
+            "needs 3 GPUs with 4 GiB free each; node has 2 healthy GPUs that large"
+        );
+        assert!(err.is_unresolvable());
+        let err = cluster.fit("a", &multi(2, 20, false)).unwrap_err();
+        assert!(err.is_unresolvable(), "{err}");
+    }
+
+    #[test]
+    fn slices_follow_the_policy_and_prefer_one_numa_node() {
+        let mut cluster = Cluster::new();
+        let on = |index, numa| Gpu {
+            numa: Some(numa),
+            ..gpu(index, 16)
+        };
+        cluster.set_node("n", vec![on(0, 0), on(1, 1), on(2, 1), on(3, 0)], true);
+        cluster.upsert_pod("x".into(), "n", running(0, 10));
+        cluster.upsert_pod("y".into(), "n", running(1, 6));
+        // Binpack alone would take GPUs 0 and 1 (least free); both of NUMA node 1 (1, 2) hold
+        // less in all than both of node 0 (0, 3) ... the snuggest NUMA group wins: 0 and 3
+        // have 6 + 16 free, 1 and 2 have 10 + 16.
+        let binpack = cluster
+            .choose_gpus("n", &multi(2, 4, false), Policy::Binpack)
+            .unwrap();
+        assert_eq!(binpack, vec![0, 3]);
+        let spread = cluster
+            .choose_gpus("n", &multi(2, 4, false), Policy::Spread)
+            .unwrap();
+        assert_eq!(spread, vec![2, 1]);
+        // No NUMA node can hold three: taken across, by the policy.
+        let three = cluster
+            .choose_gpus("n", &multi(3, 4, false), Policy::Binpack)
+            .unwrap();
+        assert_eq!(three, vec![0, 1, 2]);
+    }
+
+    #[test]
+    fn the_twin_rule_keys_on_the_gpu_set() {
+        let mut cluster = two_by_two();
+        // A pending 2 × 4 GiB pod: its container asks kubelet for 8 devices.
+        cluster
+            .reserve("two".into(), "a", &multi(2, 4, false), Policy::Binpack)
+            .unwrap();
+        // A one-GPU 8 GiB container would look the same to the device plugin.
+        let err = cluster.fit("a", &request(8)).unwrap_err();
+        assert!(
+            matches!(
+                err,
+                Unfit::TwinShape {
+                    size: 8,
+                    wanted: 1,
+                    ..
+                }
+            ),
+            "{err}"
+        );
+        // Another 2 × 4 GiB pod is pinned to the same two GPUs.
+        let twin = cluster
+            .reserve("twin".into(), "a", &multi(2, 4, false), Policy::Spread)
+            .unwrap();
+        assert_eq!((twin.gpu, twin.more_gpus[0].0), (0, 1));
+        // Once allocated, the one-GPU pod fits again.
+        for uid in ["two", "twin"] {
+            let (_, placement) = cluster.pod(&uid.into()).unwrap();
+            let placement = PodPlacement {
+                assigned: true,
+                ..placement.clone()
+            };
+            cluster.upsert_pod(uid.into(), "a", placement);
+        }
+        assert!(cluster.fit("a", &request(8)).is_ok());
     }
 }

@@ -52,8 +52,8 @@ mod unfit;
 use std::fmt;
 use std::sync::Arc;
 
-pub use cluster::{Cluster, GpuUsage, Node};
-pub use unfit::{Refusal, Unfit};
+pub use cluster::{Cluster, GpuSet, GpuUsage, Node};
+pub use unfit::{GpuList, Refusal, Unfit};
 
 /// A pod's identity: its UID, so a pod recreated under the same name is a different pod.
 ///
@@ -100,21 +100,53 @@ pub struct Gpu {
     pub total_gib: u64,
     /// False while the GPU must not receive new pods.
     pub healthy: bool,
+    /// The NUMA node the GPU hangs off, when the inventory says; multi-GPU pods prefer GPUs
+    /// that share one.
+    pub numa: Option<i64>,
 }
 
 /// What a pod asks for.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Request {
-    /// GiB the pod holds on its GPU.
+    /// GiB the pod holds, over all its GPUs.
     pub pod_gib: u64,
-    /// GiB of each container that will ask the device plugin for memory, in admission order.
+    /// GiB of each container that will ask the device plugin for memory, in admission order
+    /// (a container's whole request, over all the pod's GPUs: what kubelet asks for).
     pub containers: Vec<u64>,
     /// CPU and memory the pod requests (only [`Policy::Fragmentation`] reads them).
     pub host: fragmentation::Host,
+    /// Over how many distinct GPUs of the node `pod_gib` is spread, evenly (at least 1).
+    pub gpus: u32,
+    /// Whether the pod takes its GPUs whole: only empty GPUs, booked in full.
+    pub exclusive: bool,
+}
+
+impl Default for Request {
+    fn default() -> Self {
+        Self {
+            pod_gib: 0,
+            containers: Vec::new(),
+            host: fragmentation::Host::default(),
+            gpus: 1,
+            exclusive: false,
+        }
+    }
+}
+
+impl Request {
+    /// GiB needed on each GPU.
+    pub fn gib_per_gpu(&self) -> u64 {
+        self.pod_gib / u64::from(self.gpus.max(1))
+    }
+
+    /// Whether the request needs more than a shared slice of one GPU.
+    pub fn is_multi(&self) -> bool {
+        self.gpus > 1 || self.exclusive
+    }
 }
 
 /// Where a pod sits, as recorded in its annotations (or booked by [`Cluster::reserve`]).
-#[derive(Debug, Clone, PartialEq, Eq)]
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
 pub struct PodPlacement {
     /// Index of the GPU holding the pod, as recorded at bind.
     pub gpu: u32,
@@ -122,8 +154,12 @@ pub struct PodPlacement {
     /// When set, it and not the index says which GPU holds the memory: see
     /// [`Cluster`]'s "Bookings follow the GPU".
     pub uuid: Arc<str>,
-    /// GiB the pod holds on that GPU.
+    /// The pod's other GPUs (index, UUID) when it spans several; empty for one GPU.
+    pub more_gpus: Vec<(u32, Arc<str>)>,
+    /// GiB the pod holds on each of its GPUs.
     pub pod_gib: u64,
+    /// Whether the pod holds its GPUs whole: each is booked in full, whatever `pod_gib`.
+    pub exclusive: bool,
     /// Sizes (GiB) of the pod's containers still waiting for device allocation.
     pub pending: Vec<u64>,
     /// True once the device plugin has allocated every container; `pending` is then ignored.
@@ -146,8 +182,12 @@ pub struct Placement {
     pub gpu: u32,
     /// UUID of the chosen GPU (empty when unknown).
     pub uuid: String,
-    /// GiB booked on it.
+    /// The other GPUs (index, UUID) of a multi-GPU pod, best first; empty for one GPU.
+    pub more_gpus: Vec<(u32, String)>,
+    /// GiB booked on each GPU.
     pub pod_gib: u64,
+    /// Whether the GPUs are the pod's alone.
+    pub exclusive: bool,
 }
 
 /// How to choose among nodes and GPUs that fit.

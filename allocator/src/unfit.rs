@@ -4,6 +4,35 @@
 //! still waiting) from nodes that never will as things stand (`FailedAndUnresolvableNodes`:
 //! not labelled, no GPU that large); [`Unfit::is_unresolvable`] tells which.
 
+/// GPU indices, written `1` or `0,1` in messages.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct GpuList(pub Vec<u32>);
+
+impl std::fmt::Display for GpuList {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        let names: Vec<String> = self.0.iter().map(u32::to_string).collect();
+        f.write_str(&names.join(","))
+    }
+}
+
+/// `"GPU"` or `"GPUs"`.
+fn gpus_word(count: usize) -> &'static str {
+    if count == 1 { "GPU" } else { "GPUs" }
+}
+
+/// How a multi-GPU request reads in a message: "2 GPUs with 8 GiB free each", or, for whole
+/// GPUs, "2 whole free GPUs of at least 8 GiB".
+fn slices(wanted: u32, per_gpu: u64, exclusive: bool) -> String {
+    let word = gpus_word(wanted as usize);
+    if exclusive {
+        format!("{wanted} whole free {word} of at least {per_gpu} GiB")
+    } else if wanted == 1 {
+        format!("1 GPU with {per_gpu} GiB free")
+    } else {
+        format!("{wanted} GPUs with {per_gpu} GiB free each")
+    }
+}
+
 /// Why a pod does not fit a node.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
 pub enum Unfit {
@@ -42,14 +71,14 @@ pub enum Unfit {
     },
     /// A container of the same size waits for device allocation on a GPU without room.
     #[error(
-        "a {size} GiB container is still waiting for device allocation on GPU {gpu}, which {}; retry once it starts",
+        "a {size} GiB container is still waiting for device allocation on GPU {gpus}, which {}; retry once it starts",
         blocked_why(*need, *free, *healthy)
     )]
     TwinBlocked {
         /// the shared container size
         size: u64,
-        /// the GPU the twin is on
-        gpu: u32,
+        /// the GPU the twin is on (the one without room, for a multi-GPU twin)
+        gpus: GpuList,
         /// GiB the pod needs
         need: u64,
         /// GiB free on that GPU
@@ -59,17 +88,55 @@ pub enum Unfit {
     },
     /// The pod's containers have pending twins on two different GPUs.
     #[error(
-        "this pod's {first_size} GiB and {second_size} GiB containers match containers still waiting for device allocation on different GPUs ({first_gpu} and {second_gpu}); retry once they start"
+        "this pod's {first_size} GiB and {second_size} GiB containers match containers still waiting for device allocation on different GPUs ({first_gpus} and {second_gpus}); retry once they start"
     )]
     TwinConflict {
         /// one container size
         first_size: u64,
-        /// the GPU its twin is on
-        first_gpu: u32,
+        /// the GPUs its twin is on
+        first_gpus: GpuList,
         /// another container size
         second_size: u64,
-        /// the GPU its twin is on
-        second_gpu: u32,
+        /// the GPUs its twin is on
+        second_gpus: GpuList,
+    },
+    /// A container of the same size, spanning a different number of GPUs, waits for device
+    /// allocation: the device plugin could not tell the two apart.
+    #[error(
+        "a {size} GiB container spanning GPU {gpus} is still waiting for device allocation, and this pod wants {wanted} {}; retry once it starts",
+        gpus_word(*wanted as usize)
+    )]
+    TwinShape {
+        /// the shared container size
+        size: u64,
+        /// the GPUs the twin spans
+        gpus: GpuList,
+        /// how many GPUs this pod wants
+        wanted: u32,
+    },
+    /// Fewer healthy GPUs than the pod wants are large enough, even empty.
+    #[error("needs {}; node has {large_enough} healthy GPUs that large", slices(*wanted, *per_gpu, *exclusive))]
+    TooFewGpus {
+        /// GPUs wanted
+        wanted: u32,
+        /// GiB on each
+        per_gpu: u64,
+        /// whole GPUs
+        exclusive: bool,
+        /// healthy GPUs of at least `per_gpu` GiB
+        large_enough: usize,
+    },
+    /// Enough GPUs are large enough, but too few have room right now.
+    #[error("needs {}; node has {fitting}", slices(*wanted, *per_gpu, *exclusive))]
+    TooFewFree {
+        /// GPUs wanted
+        wanted: u32,
+        /// GiB on each
+        per_gpu: u64,
+        /// whole GPUs
+        exclusive: bool,
+        /// GPUs that would take a slice now
+        fitting: usize,
     },
 }
 
@@ -86,7 +153,11 @@ impl Unfit {
     pub fn is_unresolvable(&self) -> bool {
         matches!(
             self,
-            Unfit::UnknownNode | Unfit::NotEligible | Unfit::NoGpus | Unfit::TooLarge { .. }
+            Unfit::UnknownNode
+                | Unfit::NotEligible
+                | Unfit::NoGpus
+                | Unfit::TooLarge { .. }
+                | Unfit::TooFewGpus { .. }
         )
     }
 }

@@ -1,5 +1,7 @@
 //! Property tests: whatever sequence of binds, failed binds, deletions and device
-//! allocations happens, no GPU is over-committed, the twin rule holds, and rebuilding from
+//! allocations happens, for one-GPU, multi-GPU and whole-GPU pods alike, no GPU is
+//! over-committed, a multi-GPU pod holds N distinct GPUs, a whole GPU holds one pod, the twin
+//! rule holds (pending containers of one size all span the same GPUs), and rebuilding from
 //! the placements (as after a restart) gives the same state as following the events.
 
 #![allow(clippy::unwrap_used)]
@@ -16,6 +18,8 @@ enum Op {
         node: u8,
         containers: Vec<u64>,
         spread: bool,
+        gpus: u32,
+        exclusive: bool,
     },
     Release {
         pod: u8,
@@ -40,8 +44,16 @@ enum Op {
 
 fn op() -> impl Strategy<Value = Op> {
     prop_oneof![
-        4 => (0..16u8, 0..3u8, prop::collection::vec(1..=6u64, 1..3), any::<bool>()).prop_map(
-            |(pod, node, containers, spread)| Op::Reserve { pod, node, containers, spread }
+        4 => (0..16u8, 0..3u8, prop::collection::vec(1..=6u64, 1..3), any::<bool>(), 1..=3u32, prop::bool::weighted(0.15)).prop_map(
+            |(pod, node, containers, spread, gpus, exclusive)| Op::Reserve {
+                pod,
+                node,
+                // Each container's GiB is a multiple of the GPU count, as the contract demands.
+                containers: containers.iter().map(|gib| gib * u64::from(gpus)).collect(),
+                spread,
+                gpus,
+                exclusive,
+            }
         ),
         1 => (0..16u8).prop_map(|pod| Op::Release { pod }),
         1 => (0..16u8).prop_map(|pod| Op::Remove { pod }),
@@ -55,12 +67,13 @@ fn node_name(node: u8) -> String {
     format!("n{node}")
 }
 
-/// Three nodes: 2×8, 16+24, 3×12 GiB.
+/// Three nodes: 2×8, 16+24, 3×12 GiB (the last with GPUs 0 and 1 on NUMA node 0, GPU 2 on 1).
 fn initial_nodes() -> BTreeMap<String, Vec<Gpu>> {
     let gpu = |index, total_gib| Gpu {
         index,
         uuid: format!("GPU-{index}"),
         model: String::new(),
+        numa: (total_gib == 12).then_some(i64::from(index == 2)),
         total_gib,
         healthy: true,
     };
@@ -82,11 +95,28 @@ fn check(cluster: &Cluster, nodes: &BTreeMap<String, Vec<Gpu>>) -> Result<(), Te
                 usage.gpu.total_gib
             );
         }
-        let mut gpus_by_size: BTreeMap<u64, BTreeSet<u32>> = BTreeMap::new();
-        for (_, placement) in node.pods() {
-            for &size in placement.pending_sizes() {
-                gpus_by_size.entry(size).or_default().insert(placement.gpu);
+        let mut gpus_by_size: BTreeMap<u64, BTreeSet<Vec<u32>>> = BTreeMap::new();
+        let mut holders: BTreeMap<u32, Vec<bool>> = BTreeMap::new();
+        for (uid, placement) in node.pods() {
+            let mut gpus: Vec<u32> = std::iter::once(placement.gpu)
+                .chain(placement.more_gpus.iter().map(|(index, _)| *index))
+                .collect();
+            let count = gpus.len();
+            gpus.sort_unstable();
+            gpus.dedup();
+            prop_assert_eq!(gpus.len(), count, "{} {} holds a GPU twice", name, uid);
+            for &gpu in &gpus {
+                holders.entry(gpu).or_default().push(placement.exclusive);
             }
+            for &size in placement.pending_sizes() {
+                gpus_by_size.entry(size).or_default().insert(gpus.clone());
+            }
+        }
+        for (gpu, pods) in holders {
+            prop_assert!(
+                pods.len() == 1 || !pods.contains(&true),
+                "{name} GPU {gpu} is held whole by one pod and shared with others: {pods:?}"
+            );
         }
         for (size, gpus) in gpus_by_size {
             prop_assert!(
@@ -113,7 +143,7 @@ fn check(cluster: &Cluster, nodes: &BTreeMap<String, Vec<Gpu>>) -> Result<(), Te
 }
 
 proptest! {
-    #![proptest_config(ProptestConfig::with_cases(256))]
+    #![proptest_config(ProptestConfig::with_cases(512))]
 
     #[test]
     fn never_over_commits_and_keeps_the_twin_rule(ops in prop::collection::vec(op(), 1..80)) {
@@ -124,8 +154,8 @@ proptest! {
         );
         for op in ops {
             match op {
-                Op::Reserve { pod, node, containers, spread } => {
-                    let request = Request { pod_gib: containers.iter().sum(), containers, host: Default::default() };
+                Op::Reserve { pod, node, containers, spread, gpus, exclusive } => {
+                    let request = Request { gpus, exclusive, pod_gib: containers.iter().sum(), containers, host: Default::default() };
                     let policy = if spread { Policy::Spread } else { Policy::Binpack };
                     let name = node_name(node);
                     let fits = cluster.fit(&name, &request);
@@ -134,6 +164,10 @@ proptest! {
                     let result = cluster.reserve(uid, &name, &request, policy);
                     // fit and reserve agree (unless the pod already holds a place).
                     prop_assert_eq!(fits.is_ok() && !already, result.is_ok(), "{:?} vs {:?}", fits, result);
+                    if let Ok(placement) = result {
+                        prop_assert_eq!(placement.more_gpus.len() + 1, gpus as usize);
+                        prop_assert_eq!(placement.pod_gib * u64::from(gpus), request.pod_gib);
+                    }
                 }
                 Op::Release { pod } => {
                     cluster.release(&PodId::from(pod.to_string()));

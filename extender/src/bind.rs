@@ -314,6 +314,8 @@ fn decide(
         &args.pod_name,
         node,
         PodPlacement {
+            more_gpus: Vec::new(),
+            exclusive: false,
             gpu: placement.gpu,
             uuid: placement.uuid.as_str().into(),
             pod_gib: placement.pod_gib,

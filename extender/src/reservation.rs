@@ -186,6 +186,8 @@ mod tests {
             name: "p".into(),
             node: "n1".into(),
             placement: PodPlacement {
+                more_gpus: Vec::new(),
+                exclusive: false,
                 gpu: 0,
                 uuid: "".into(),
                 pod_gib: 4,

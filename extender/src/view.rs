@@ -140,6 +140,8 @@ impl CachedPod {
 /// The allocator's form of a pod request (CPU and memory: see [`pod_host`]).
 pub fn to_request(request: &PodRequest) -> Request {
     Request {
+        gpus: 1,
+        exclusive: false,
         pod_gib: request.pod_gib,
         containers: request.containers.iter().map(|c| c.gib).collect(),
         host: Host::default(),
@@ -289,6 +291,8 @@ impl AllocationFacts {
                     return Self::Untrusted {
                         why: why.to_string(),
                         fallback: spec_gib.filter(|gib| *gib > 0).map(|pod_gib| PodPlacement {
+                            more_gpus: Vec::new(),
+                            exclusive: false,
                             gpu: allocation.gpu_index,
                             uuid: allocation.gpu_uuid.as_str().into(),
                             pod_gib,
@@ -298,6 +302,8 @@ impl AllocationFacts {
                     };
                 }
                 Self::Readable(PodPlacement {
+                    more_gpus: Vec::new(),
+                    exclusive: false,
                     gpu: allocation.gpu_index,
                     uuid: allocation.gpu_uuid.as_str().into(),
                     pod_gib: allocation.pod_gib,
@@ -319,6 +325,8 @@ impl AllocationFacts {
                 Self::Unreadable {
                     error: error.to_string(),
                     salvaged: gpu.zip(pod_gib).map(|(gpu, pod_gib)| PodPlacement {
+                        more_gpus: Vec::new(),
+                        exclusive: false,
                         gpu,
                         uuid: salvaged_uuid.clone(),
                         pod_gib,
@@ -608,6 +616,7 @@ impl View {
             index: g.index,
             uuid: g.uuid,
             model: g.model,
+            numa: g.numa_node,
             total_gib: g.mem_gib,
             healthy: g.healthy,
         };
@@ -1140,6 +1149,8 @@ mod tests {
     /// Books a 4 GiB reservation for pod `name` (UID `uid`) on n1 and returns its ticket.
     fn reserve(view: &mut View, uid: &str, name: &str) -> Ticket {
         let request = Request {
+            gpus: 1,
+            exclusive: false,
             pod_gib: 4,
             containers: vec![4],
             host: Host::default(),
@@ -1159,6 +1170,8 @@ mod tests {
             name,
             "n1",
             PodPlacement {
+                more_gpus: Vec::new(),
+                exclusive: false,
                 gpu: placed.gpu,
                 uuid: placed.uuid.as_str().into(),
                 pod_gib: 4,

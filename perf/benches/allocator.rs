@@ -27,6 +27,7 @@ fn busy_cluster(nodes: usize) -> (Cluster, Vec<String>) {
                 index,
                 uuid: format!("GPU-{name}-{index}"),
                 model: "bench".into(),
+                numa: None,
                 total_gib: GPU_GIB,
                 healthy: true,
             })
@@ -40,6 +41,8 @@ fn busy_cluster(nodes: usize) -> (Cluster, Vec<String>) {
                     PodId::from(format!("{name}-{gpu}-{p}")),
                     name.clone(),
                     PodPlacement {
+                        more_gpus: Vec::new(),
+                        exclusive: false,
                         gpu,
                         uuid: "".into(),
                         pod_gib: 2,
@@ -55,6 +58,8 @@ fn busy_cluster(nodes: usize) -> (Cluster, Vec<String>) {
 
 fn filter_and_prioritize(c: &mut Criterion) {
     let request = Request {
+        gpus: 1,
+        exclusive: false,
         pod_gib: 4,
         containers: vec![4],
         host: Host::new(4_000, 16_384),
@@ -120,6 +125,8 @@ fn filter_and_prioritize(c: &mut Criterion) {
 fn bind_decision(c: &mut Criterion) {
     let (mut cluster, names) = busy_cluster(5_000);
     let request = Request {
+        gpus: 1,
+        exclusive: false,
         pod_gib: 4,
         containers: vec![4],
         host: Host::new(4_000, 16_384),
@@ -171,6 +178,7 @@ fn rebuild_from_annotations(c: &mut Criterion) {
                     index,
                     uuid: String::new(),
                     model: String::new(),
+                    numa: None,
                     total_gib: GPU_GIB,
                     healthy: true,
                 })
@@ -187,6 +195,8 @@ fn rebuild_from_annotations(c: &mut Criterion) {
                     PodId::from(uid.clone()),
                     node.clone(),
                     PodPlacement {
+                        more_gpus: Vec::new(),
+                        exclusive: false,
                         gpu: allocation.gpu_index,
                         uuid: allocation.gpu_uuid.as_str().into(),
                         pod_gib: allocation.pod_gib,

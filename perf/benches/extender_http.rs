@@ -81,6 +81,8 @@ fn state(nodes: usize, policy: Policy) -> (AppState, Vec<String>) {
             for gpu in 0..8 {
                 for p in 0..10 {
                     let placement = PodPlacement {
+                        more_gpus: Vec::new(),
+                        exclusive: false,
                         gpu,
                         uuid: "".into(),
                         pod_gib: 2,

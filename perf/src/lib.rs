@@ -153,6 +153,7 @@ impl Shape {
                         index: i as u32,
                         uuid: format!("GPU-{n}-{i}"),
                         model: "sim".into(),
+                        numa: None,
                         total_gib: *gib,
                         healthy: true,
                     })
@@ -348,6 +349,8 @@ pub fn replay(
             Event::Arrive { id, gib } => {
                 let host = profile.host(gib);
                 let request = Request {
+                    gpus: 1,
+                    exclusive: false,
                     pod_gib: gib,
                     containers: vec![gib],
                     host,
@@ -394,6 +397,8 @@ pub fn replay(
                     uid,
                     &names[node],
                     PodPlacement {
+                        more_gpus: Vec::new(),
+                        exclusive: false,
                         gpu: placement.gpu,
                         uuid: placement.uuid.as_str().into(),
                         pod_gib: gib,

@@ -154,6 +154,7 @@ mod tests {
                 index,
                 uuid: format!("GPU-{index}"),
                 model: "T4".into(),
+                numa: None,
                 total_gib: 16,
                 healthy: true,
             })
@@ -162,6 +163,8 @@ mod tests {
 
     fn request(gib: u64, cores: u64) -> Request {
         Request {
+            gpus: 1,
+            exclusive: false,
             pod_gib: gib,
             containers: vec![gib],
             host: Host::new(cores * 1000, cores * 4096),
@@ -237,6 +240,8 @@ mod tests {
         }
         // GPU 0 empty, GPU 1 has 8 free, GPU 2 has 6 free.
         let running = |gpu, gib: u64| crate::PodPlacement {
+            more_gpus: Vec::new(),
+            exclusive: false,
             gpu,
             uuid: format!("GPU-{gpu}").into(),
             pod_gib: gib,

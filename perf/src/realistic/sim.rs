@@ -390,6 +390,7 @@ fn gpushare_cluster(nodes: &[SimNode]) -> Cluster {
                     index,
                     uuid: format!("GPU-{n}-{index}"),
                     model: MODELS[spec.model].name.to_owned(),
+                    numa: None,
                     total_gib: spec.gpu_gib,
                     healthy: true,
                 })
@@ -477,6 +478,8 @@ fn gpushare(
 ) -> Option<(usize, Vec<usize>)> {
     let cluster = cluster?;
     let request = Request {
+        gpus: 1,
+        exclusive: false,
         pod_gib: task.gpu_gib,
         containers: vec![task.gpu_gib],
         host: task.host,
@@ -519,6 +522,8 @@ fn gpushare(
         uid,
         &state.names[n],
         PodPlacement {
+            more_gpus: Vec::new(),
+            exclusive: false,
             gpu: placement.gpu,
             uuid: placement.uuid.as_str().into(),
             pod_gib: task.gpu_gib,
