@@ -16,7 +16,7 @@ use axum::http::{HeaderMap, StatusCode, header};
 use axum::response::{IntoResponse, Response};
 use axum::routing::{get, post};
 use gpushare_allocator::{PodId, Policy, Request, Unfit};
-use gpushare_contract::pod_request;
+use gpushare_contract::pod_request_with;
 use prometheus_client::registry::Registry;
 use serde::Serialize;
 use serde_json::value::RawValue;
@@ -226,11 +226,11 @@ fn json_response_sized<T: Serialize>(value: &T, capacity: usize) -> Response {
 }
 
 /// The pod's request, or the reason every node fails.
-fn read_request(args: &ExtenderArgs<'_>, resource: &str) -> Result<Option<Request>, String> {
+fn read_request(args: &ExtenderArgs<'_>, settings: &Settings) -> Result<Option<Request>, String> {
     let Some(pod) = args.pod.as_ref() else {
         return Err("the request carries no Pod".to_owned());
     };
-    pod_request(pod, resource)
+    pod_request_with(pod, &settings.resource, &settings.keys)
         .map(|r| {
             r.map(|r| Request {
                 host: pod_host(pod),
@@ -284,7 +284,7 @@ fn filter_answer<'a>(state: &AppState, args: &'a ExtenderArgs<'a>) -> ExtenderFi
     let mut passing: Vec<usize> = Vec::with_capacity(candidates.len());
     let view = state.view();
     let settings = view.settings();
-    match read_request(args, &settings.resource) {
+    match read_request(args, settings) {
         // Not ours: every node passes untouched.
         Ok(None) => passing.extend(0..candidates.len()),
         Ok(Some(_)) | Err(_) if !view.is_synced() => {
@@ -357,7 +357,7 @@ async fn prioritize(State(state): State<AppState>, body: Bytes) -> Response {
         Ok(args) => {
             let candidates = candidates(&args);
             let view = state.view();
-            let request = read_request(&args, &view.settings().resource)
+            let request = read_request(&args, view.settings())
                 .ok()
                 .flatten()
                 .filter(|_| view.is_synced());

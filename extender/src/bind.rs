@@ -12,10 +12,11 @@
 //! still reads ("no answer yet, retry") rather than a dropped connection.
 
 use std::future::Future;
+use std::sync::Arc;
 use std::time::Duration;
 
 use gpushare_allocator::{PodId, PodPlacement, Policy, Refusal};
-use gpushare_contract::PodAllocation;
+use gpushare_contract::{GpuRef, PodAllocation};
 use tokio::sync::oneshot;
 
 use crate::api::{AppState, NOT_SYNCED, unfit_reason};
@@ -292,8 +293,15 @@ fn decide(
             other => ("conflict", format!("pod {pod_key}: {other}")),
         })?;
     let mut allocation = PodAllocation {
-        more_gpus: Vec::new(),
-        exclusive: false,
+        more_gpus: placement
+            .more_gpus
+            .iter()
+            .map(|(index, uuid)| GpuRef {
+                index: *index,
+                uuid: uuid.clone(),
+            })
+            .collect(),
+        exclusive: placement.exclusive,
         gpu_index: placement.gpu,
         gpu_uuid: placement.uuid.clone(),
         pod_gib: placement.pod_gib,
@@ -314,8 +322,12 @@ fn decide(
         &args.pod_name,
         node,
         PodPlacement {
-            more_gpus: Vec::new(),
-            exclusive: false,
+            more_gpus: placement
+                .more_gpus
+                .iter()
+                .map(|(index, uuid)| (*index, Arc::from(uuid.as_str())))
+                .collect(),
+            exclusive: placement.exclusive,
             gpu: placement.gpu,
             uuid: placement.uuid.as_str().into(),
             pod_gib: placement.pod_gib,

@@ -33,7 +33,8 @@ use gpushare_allocator::{Cluster, Gpu, PodId, PodPlacement, Request};
 
 use crate::reservation::{Outcome, Phase, Reservation, Reservations, Settled, Ticket};
 use gpushare_contract::{
-    GpuInfo, Keys, PodAllocation, PodRequest, RequestError, SharedKeyring, inventory, pod_request,
+    GpuInfo, Keys, PodAllocation, PodRequest, RequestError, SharedKeyring, inventory,
+    pod_request_with,
 };
 use k8s_openapi::api::core::v1::{Container, Node, Pod};
 use k8s_openapi::apimachinery::pkg::api::resource::Quantity;
@@ -140,8 +141,8 @@ impl CachedPod {
 /// The allocator's form of a pod request (CPU and memory: see [`pod_host`]).
 pub fn to_request(request: &PodRequest) -> Request {
     Request {
-        gpus: 1,
-        exclusive: false,
+        gpus: request.gpus,
+        exclusive: request.exclusive,
         pod_gib: request.pod_gib,
         containers: request.containers.iter().map(|c| c.gib).collect(),
         host: Host::default(),
@@ -268,6 +269,15 @@ enum AllocationFacts {
     },
 }
 
+/// The allocator's form of an allocation's GPUs after the first.
+fn more_gpus(allocation: &PodAllocation) -> Vec<(u32, Arc<str>)> {
+    allocation
+        .more_gpus
+        .iter()
+        .map(|gpu| (gpu.index, Arc::from(gpu.uuid.as_str())))
+        .collect()
+}
+
 impl AllocationFacts {
     /// Reads the annotations of pod `uid`, bound to `node` (if it is); with a keyring in
     /// `settings`, a bound pod's allocation must carry the extender's signature.
@@ -291,19 +301,20 @@ impl AllocationFacts {
                     return Self::Untrusted {
                         why: why.to_string(),
                         fallback: spec_gib.filter(|gib| *gib > 0).map(|pod_gib| PodPlacement {
-                            more_gpus: Vec::new(),
+                            more_gpus: more_gpus(&allocation),
                             exclusive: false,
                             gpu: allocation.gpu_index,
                             uuid: allocation.gpu_uuid.as_str().into(),
-                            pod_gib,
+                            // The spec's total, spread over the GPUs the annotations name.
+                            pod_gib: pod_gib.div_ceil(allocation.gpu_count() as u64),
                             pending: Vec::new(),
                             assigned: true,
                         }),
                     };
                 }
                 Self::Readable(PodPlacement {
-                    more_gpus: Vec::new(),
-                    exclusive: false,
+                    more_gpus: more_gpus(&allocation),
+                    exclusive: allocation.exclusive,
                     gpu: allocation.gpu_index,
                     uuid: allocation.gpu_uuid.as_str().into(),
                     pod_gib: allocation.pod_gib,
@@ -369,7 +380,7 @@ impl PodFacts {
             .map(Box::from);
         let key = pod_key(metadata.namespace.as_deref()?, metadata.name.as_deref()?);
         let uid = metadata.uid.as_deref()?;
-        let request = pod_request(pod, &settings.resource);
+        let request = pod_request_with(pod, &settings.resource, &settings.keys);
         let spec_gib = request
             .as_ref()
             .ok()
@@ -675,10 +686,12 @@ impl View {
         }
         self.book_host(&uid, node_name.as_deref(), finished, host);
         // A GPU pod seen waiting for the first time: its shape joins the workload the
-        // fragmentation policy measures against.
+        // fragmentation policy measures against (one-GPU shapes only: multi-GPU pods are
+        // placed per slice, see `gpushare_allocator::Cluster::scores`).
         if node_name.is_none()
             && let Ask::Pending(request) = &ask
             && let Ok(request) = request.as_ref()
+            && !request.is_multi()
             && self
                 .pods
                 .get(&key)
