@@ -28,6 +28,10 @@
 //! pod and `gpushare_device_plugin_kubelet_mismatches_total`, and the allocation marks
 //! follow these facts ([`facts`], [`matching::plan_from_facts`]). Without the socket (older
 //! kubelets) the plugin works as before.
+//!
+//! [`usage`] measures what each pod really uses (NVML process lists traced to pods through
+//! their cgroups, or a simulated usage file) against what kubelet gave it, on `/metrics` and
+//! in the node annotation `<domain>/v1.usage` that `kubectl gpushare top -d` shows.
 
 use std::future::Future;
 use std::net::SocketAddr;
@@ -55,6 +59,7 @@ pub mod pod_resources;
 pub mod pods;
 pub mod server;
 pub mod service;
+pub mod usage;
 
 use backend::{BackendError, GpuBackend, nvml::NvmlBackend, simulated::SimulatedBackend};
 use metrics::Metrics;
@@ -147,6 +152,28 @@ pub struct Config {
         default_value = "/tmp/nvidia-mps"
     )]
     pub mps_pipe_directory: String,
+    /// JSON file saying how much GPU memory each pod uses on simulated GPUs,
+    /// `{"default/a": "5Gi", "default/b": 512}` (MiB or a size); re-read at every usage poll.
+    #[arg(long, env = "SIMULATE_USAGE_FILE")]
+    pub simulate_usage_file: Option<PathBuf>,
+    /// How often GPU memory use is measured per pod ([`usage`]); 0 turns it off.
+    #[arg(long, env = "USAGE_PERIOD_MS", default_value_t = 10_000)]
+    pub usage_period_ms: u64,
+    /// The host's `/proc` as this process sees it (it needs the host's PID namespace to trace
+    /// GPU processes to pods).
+    #[arg(long, env = "PROC_ROOT", default_value = usage::DEFAULT_PROC_ROOT)]
+    pub proc_root: PathBuf,
+    /// The node's usage annotation is rewritten only when a pod or GPU moved by this many MiB
+    /// (or a pod crossed its share, or pods came or went).
+    #[arg(long, env = "USAGE_ANNOTATION_MIN_CHANGE_MIB", default_value_t = 256)]
+    pub usage_annotation_min_change_mib: u64,
+    /// Least time between two writes of the node's usage annotation.
+    #[arg(
+        long,
+        env = "USAGE_ANNOTATION_MIN_INTERVAL_MS",
+        default_value_t = 30_000
+    )]
+    pub usage_annotation_min_interval_ms: u64,
 }
 
 /// How often the keyring file is checked for changes.
@@ -229,7 +256,8 @@ impl Config {
                     self.simulated_sizes()?,
                     self.simulate_health_file.clone(),
                 )
-                .with_model(&self.simulate_model),
+                .with_model(&self.simulate_model)
+                .with_usage_file(self.simulate_usage_file.clone()),
             ),
         })
     }
@@ -366,6 +394,22 @@ async fn run_inner(
     );
     let allocated = Arc::new(tokio::sync::Notify::new());
     let pods_for_health = pods.clone();
+    let usage = (config.usage_period_ms > 0).then(|| usage::UsageReader {
+        backend: backend.clone(),
+        socket: config.pod_resources_socket.clone(),
+        resource: config.resource.clone(),
+        pods: pods.clone(),
+        inventory: inventory.clone(),
+        metrics: metrics.clone(),
+        proc_root: config.proc_root.clone(),
+        period: Duration::from_millis(config.usage_period_ms.max(100)),
+        publish: usage::PublishPolicy {
+            key: keys.node_usage.clone(),
+            min_change_mib: config.usage_annotation_min_change_mib,
+            min_interval: Duration::from_millis(config.usage_annotation_min_interval_ms),
+        },
+    });
+    let usage_client = client.clone();
     let state = Arc::new(PluginState {
         node: config.node_name.clone(),
         resource: config.resource.clone(),
@@ -463,6 +507,16 @@ async fn run_inner(
             }),
         ),
     ];
+    if let Some(reader) = usage {
+        let (node, token) = (config.node_name.clone(), token.clone());
+        tasks.push((
+            "GPU memory use",
+            tokio::spawn(async move {
+                reader.run(usage_client, node, token).await;
+                Ok(())
+            }),
+        ));
+    }
     if let Some(file) = keyring_file {
         tasks.push((
             "allocation keyring",

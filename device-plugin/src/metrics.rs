@@ -3,6 +3,7 @@
 //! The registry is created in `run` and passed down; nothing is global, so two plugins in
 //! one test process do not share counters.
 
+use std::collections::HashSet;
 use std::net::SocketAddr;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, AtomicI64, Ordering};
@@ -19,6 +20,8 @@ use prometheus_client::metrics::gauge::Gauge;
 use prometheus_client::metrics::histogram::{Histogram, exponential_buckets};
 use prometheus_client::registry::Registry;
 use tokio_util::sync::CancellationToken;
+
+use crate::usage::Report;
 
 /// A label naming why something failed, or `ok`.
 #[derive(Debug, Clone, Hash, PartialEq, Eq, EncodeLabelSet)]
@@ -66,6 +69,52 @@ pub struct Metrics {
     pub pods_on_unhealthy_gpu: Counter,
     /// Pods evicted because their GPU turned unhealthy (`--evict-on-unhealthy`).
     pub evictions: Counter,
+    /// Bytes kubelet gave pods on each GPU ([`crate::usage`]).
+    pub gpu_allocated_bytes: Family<GpuLabels, Gauge<i64, AtomicI64>>,
+    /// Bytes every process on each GPU uses.
+    pub gpu_used_bytes: Family<GpuLabels, Gauge<i64, AtomicI64>>,
+    /// Of those, bytes no gpushare pod could be named for.
+    pub gpu_unattributed_bytes: Family<GpuLabels, Gauge<i64, AtomicI64>>,
+    /// Bytes kubelet gave each pod on each GPU.
+    pub pod_allocated_bytes: Family<PodGpuLabels, Gauge<i64, AtomicI64>>,
+    /// Bytes each pod's processes use on each GPU.
+    pub pod_used_bytes: Family<PodGpuLabels, Gauge<i64, AtomicI64>>,
+    /// Pods using more than they hold on some GPU.
+    pub pods_over_share: Gauge<i64, AtomicI64>,
+    /// Node usage annotation patches, by result.
+    pub usage_patches: Family<ResultLabels, Counter>,
+}
+
+/// Labels of a per-GPU metric.
+#[derive(Debug, Clone, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct GpuLabels {
+    /// The GPU's index on the node.
+    pub gpu: String,
+    /// Its UUID.
+    pub uuid: String,
+}
+
+/// Labels of a per-pod, per-GPU metric.
+#[derive(Debug, Clone, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct PodGpuLabels {
+    /// The pod's namespace.
+    pub namespace: String,
+    /// The pod's name.
+    pub pod: String,
+    /// The GPU's index on the node.
+    pub gpu: String,
+}
+
+/// The label sets [`Metrics::record_usage`] exported, so that those of pods gone are removed
+/// at the next measurement rather than left at their last value.
+#[derive(Debug, Default)]
+pub struct ExportedUsage {
+    gpus: HashSet<GpuLabels>,
+    pods: HashSet<PodGpuLabels>,
+}
+
+fn bytes_gauge(bytes: u64) -> i64 {
+    i64::try_from(bytes).unwrap_or(i64::MAX)
 }
 
 /// A label naming the kind of a finding.
@@ -93,6 +142,13 @@ impl Metrics {
             pod_resources_up: Gauge::default(),
             pods_on_unhealthy_gpu: Counter::default(),
             evictions: Counter::default(),
+            gpu_allocated_bytes: Family::default(),
+            gpu_used_bytes: Family::default(),
+            gpu_unattributed_bytes: Family::default(),
+            pod_allocated_bytes: Family::default(),
+            pod_used_bytes: Family::default(),
+            pods_over_share: Gauge::default(),
+            usage_patches: Family::default(),
         };
         let sub = registry.sub_registry_with_prefix("gpushare_device_plugin");
         sub.register(
@@ -157,7 +213,93 @@ impl Metrics {
             "Pods evicted because their GPU turned unhealthy (--evict-on-unhealthy)",
             metrics.evictions.clone(),
         );
+        sub.register(
+            "gpu_allocated_bytes",
+            "GPU memory kubelet gave pods on each GPU (its PodResources API: one device per GiB)",
+            metrics.gpu_allocated_bytes.clone(),
+        );
+        sub.register(
+            "gpu_used_bytes",
+            "GPU memory every process on each GPU uses (NVML process lists, or the simulated usage file)",
+            metrics.gpu_used_bytes.clone(),
+        );
+        sub.register(
+            "gpu_unattributed_bytes",
+            "GPU memory used on each GPU by processes not traced to a gpushare pod (host processes, other pods, or all of them when the plugin cannot see the host's /proc)",
+            metrics.gpu_unattributed_bytes.clone(),
+        );
+        sub.register(
+            "pod_allocated_bytes",
+            "GPU memory kubelet gave each pod on each GPU",
+            metrics.pod_allocated_bytes.clone(),
+        );
+        sub.register(
+            "pod_used_bytes",
+            "GPU memory each pod's processes use on each GPU",
+            metrics.pod_used_bytes.clone(),
+        );
+        sub.register(
+            "pods_over_share",
+            "Pods whose processes use more GPU memory than they were given on some GPU",
+            metrics.pods_over_share.clone(),
+        );
+        sub.register(
+            "usage_patches",
+            "Node GPU usage annotation patches, by result",
+            metrics.usage_patches.clone(),
+        );
         metrics
+    }
+
+    /// Exports a usage measurement, removing the label sets of `previous` that are gone;
+    /// returns what is exported now.
+    pub fn record_usage(&self, report: &Report, previous: ExportedUsage) -> ExportedUsage {
+        let mut now = ExportedUsage::default();
+        for gpu in &report.gpus {
+            let labels = GpuLabels {
+                gpu: gpu.index.to_string(),
+                uuid: gpu.uuid.clone(),
+            };
+            self.gpu_allocated_bytes
+                .get_or_create(&labels)
+                .set(bytes_gauge(gpu.allocated));
+            self.gpu_used_bytes
+                .get_or_create(&labels)
+                .set(bytes_gauge(gpu.used));
+            self.gpu_unattributed_bytes
+                .get_or_create(&labels)
+                .set(bytes_gauge(gpu.unattributed));
+            now.gpus.insert(labels);
+        }
+        for (key, gpus) in &report.pods {
+            let (namespace, pod) = key.split_once('/').unwrap_or(("", key));
+            for (index, held) in gpus {
+                let labels = PodGpuLabels {
+                    namespace: namespace.to_owned(),
+                    pod: pod.to_owned(),
+                    gpu: index.to_string(),
+                };
+                self.pod_allocated_bytes
+                    .get_or_create(&labels)
+                    .set(bytes_gauge(held.allocated));
+                self.pod_used_bytes
+                    .get_or_create(&labels)
+                    .set(bytes_gauge(held.used));
+                now.pods.insert(labels);
+            }
+        }
+        self.pods_over_share
+            .set(i64::try_from(report.over_share().len()).unwrap_or(i64::MAX));
+        for gone in previous.gpus.difference(&now.gpus) {
+            self.gpu_allocated_bytes.remove(gone);
+            self.gpu_used_bytes.remove(gone);
+            self.gpu_unattributed_bytes.remove(gone);
+        }
+        for gone in previous.pods.difference(&now.pods) {
+            self.pod_allocated_bytes.remove(gone);
+            self.pod_used_bytes.remove(gone);
+        }
+        now
     }
 
     /// Counts a finding about what kubelet reports containers hold.
@@ -293,5 +435,57 @@ mod tests {
         );
         ready.store(true, Ordering::Relaxed);
         assert_eq!(get(app, "/readyz").await.0, StatusCode::OK);
+    }
+
+    #[tokio::test]
+    async fn usage_is_exported_and_pods_gone_disappear() {
+        use crate::usage::{GpuMemory, Held};
+        let mut registry = Registry::default();
+        let metrics = Metrics::new(&mut registry);
+        let app = router(Arc::new(registry), Arc::new(AtomicBool::new(true)));
+        let gib = 1u64 << 30;
+        let report = |pods: &[(&str, u64, u64)]| Report {
+            gpus: vec![GpuMemory {
+                index: 0,
+                uuid: "GPU-0".into(),
+                allocated: pods.iter().map(|p| p.1).sum(),
+                used: pods.iter().map(|p| p.2).sum(),
+                unattributed: 0,
+            }],
+            pods: pods
+                .iter()
+                .map(|&(key, allocated, used)| {
+                    (key.to_owned(), [(0, Held { allocated, used })].into())
+                })
+                .collect(),
+            unknown_pids: 0,
+        };
+        let exported = metrics.record_usage(
+            &report(&[("default/a", 2 * gib, 5 * gib), ("ml/b", 4 * gib, gib)]),
+            ExportedUsage::default(),
+        );
+        let (_, body) = get(app.clone(), "/metrics").await;
+        for line in [
+            "gpushare_device_plugin_gpu_allocated_bytes{gpu=\"0\",uuid=\"GPU-0\"} 6442450944",
+            "gpushare_device_plugin_gpu_used_bytes{gpu=\"0\",uuid=\"GPU-0\"} 6442450944",
+            "gpushare_device_plugin_pod_allocated_bytes{namespace=\"default\",pod=\"a\",gpu=\"0\"} 2147483648",
+            "gpushare_device_plugin_pod_used_bytes{namespace=\"default\",pod=\"a\",gpu=\"0\"} 5368709120",
+            "gpushare_device_plugin_pod_used_bytes{namespace=\"ml\",pod=\"b\",gpu=\"0\"} 1073741824",
+            "gpushare_device_plugin_pods_over_share 1",
+        ] {
+            assert!(
+                body.lines().any(|l| l == line),
+                "{line} missing from\n{body}"
+            );
+        }
+        metrics.record_usage(&report(&[("ml/b", 4 * gib, gib)]), exported);
+        let (_, body) = get(app, "/metrics").await;
+        assert!(!body.contains("pod=\"a\""), "{body}");
+        assert!(body.contains("pod=\"b\""), "{body}");
+        assert!(
+            body.lines()
+                .any(|l| l == "gpushare_device_plugin_pods_over_share 0"),
+            "{body}"
+        );
     }
 }

@@ -52,3 +52,38 @@ fn missing_nvml_is_a_clear_error_or_works() {
         );
     }
 }
+
+#[test]
+#[ignore = "needs an NVIDIA GPU and driver"]
+fn nvml_lists_process_memory() -> anyhow::Result<()> {
+    use gpushare_device_plugin::backend::MemoryUser;
+    let backend = NvmlBackend::new()?;
+    let gpus = backend.gpus()?;
+    let uses = backend
+        .memory_in_use()?
+        .ok_or_else(|| anyhow::anyhow!("NVML always measures"))?;
+    for use_ in &uses {
+        println!("{use_:?}");
+        let gpu = use_
+            .gpu
+            .ok_or_else(|| anyhow::anyhow!("no GPU: {use_:?}"))?;
+        assert!(gpus.iter().any(|g| g.index == gpu), "{use_:?}");
+        assert!(
+            matches!(use_.user, MemoryUser::Process(pid) if pid > 0),
+            "{use_:?}"
+        );
+    }
+    for gpu in &gpus {
+        let used: u64 = uses
+            .iter()
+            .filter(|u| u.gpu == Some(gpu.index))
+            .map(|u| u.bytes)
+            .sum();
+        assert!(
+            used <= (gpu.mem_gib + 1) << 30,
+            "GPU {}: {used} bytes",
+            gpu.index
+        );
+    }
+    Ok(())
+}

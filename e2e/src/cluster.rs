@@ -1218,6 +1218,23 @@ impl TestCluster {
         wait_reregistered(&sim.kubelet, before).await
     }
 
+    /// The address a node's device plugin serves `/metrics` on (it binds port 0 and logs
+    /// the address it got).
+    pub fn device_plugin_metrics(&self, node: &str) -> anyhow::Result<SocketAddr> {
+        let log = self.dir.path().join(format!("device-plugin-{node}.log"));
+        let text =
+            std::fs::read_to_string(&log).with_context(|| format!("reading {}", log.display()))?;
+        let line = text
+            .lines()
+            .find(|line| line.contains("serving /healthz, /readyz and /metrics"))
+            .context("the device plugin did not log its metrics address")?;
+        let addr = line
+            .split_whitespace()
+            .find_map(|word| word.strip_prefix("addr="))
+            .context("no addr= in the metrics log line")?;
+        Ok(addr.parse()?)
+    }
+
     /// Marks GPUs of a node unhealthy in the simulated backend (empty: all healthy again).
     pub fn set_unhealthy(&self, node: &str, gpus: &[u32]) -> anyhow::Result<()> {
         let sim = self.nodes.get(node).context("no such node")?;

@@ -518,22 +518,27 @@ fn inspect(view: &View, name: &str) -> InspectNode {
             pods: Vec::new(),
         })
         .collect();
+    // A multi-GPU pod is listed on each of its GPUs, with what it holds there.
     for (uid, placement) in node.pods() {
-        let Some(holder) = node.gpu_of(placement) else {
-            continue;
-        };
-        let Some(gpu) = gpus.iter_mut().find(|g| g.index == holder.gpu.index) else {
-            continue;
-        };
         let (namespace, pod_name) = view.pod_key(uid).unwrap_or(("", ""));
-        gpu.pods.push(InspectPod {
-            namespace: namespace.to_owned(),
-            name: pod_name.to_owned(),
-            uid: uid.to_string(),
-            gib: placement.pod_gib,
-            assigned: placement.assigned,
-            reserved: view.reservation(uid).is_some(),
-        });
+        for holder in node.gpus_of(placement) {
+            let Some(gpu) = gpus.iter_mut().find(|g| g.index == holder.gpu.index) else {
+                continue;
+            };
+            let gib = if placement.exclusive {
+                placement.pod_gib.max(holder.gpu.total_gib)
+            } else {
+                placement.pod_gib
+            };
+            gpu.pods.push(InspectPod {
+                namespace: namespace.to_owned(),
+                name: pod_name.to_owned(),
+                uid: uid.to_string(),
+                gib,
+                assigned: placement.assigned,
+                reserved: view.reservation(uid).is_some(),
+            });
+        }
     }
     for gpu in &mut gpus {
         gpu.pods

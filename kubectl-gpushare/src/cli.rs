@@ -152,7 +152,14 @@ pub async fn run(args: Args) -> anyhow::Result<ExitCode> {
                 schedulers: Some(schedulers),
                 leader: Some(leader),
             };
-            let findings = doctor::diagnose(&snapshot, &settings, &install);
+            let mut findings = doctor::diagnose(&snapshot, &settings, &install);
+            let plugins = cluster.device_plugin_daemonsets(&install).await;
+            findings.extend(doctor::check_enforcement(
+                &plugins,
+                &snapshot.nodes,
+                &settings,
+                &install,
+            ));
             print!("{}", doctor::render(&findings));
             Ok(if findings.iter().any(|f| f.level == Level::Fail) {
                 ExitCode::from(1)

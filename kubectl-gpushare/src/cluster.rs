@@ -8,12 +8,12 @@ use http_body_util::{BodyExt as _, Empty};
 use hyper::body::Bytes;
 use hyper_util::client::legacy::Client as HttpClient;
 use hyper_util::rt::TokioExecutor;
-use k8s_openapi::api::apps::v1::Deployment;
+use k8s_openapi::api::apps::v1::{DaemonSet, Deployment};
 use k8s_openapi::api::core::v1::{Node, Pod};
 use kube::api::{Api, ListParams};
 use kube::config::{KubeConfigOptions, Kubeconfig};
 
-use crate::doctor::{Install, LeaderLease, SchedulerDeployment};
+use crate::doctor::{DevicePluginSpec, Install, LeaderLease, SchedulerDeployment};
 
 /// How long one probe of the extender may take.
 const PROBE_TIMEOUT: Duration = Duration::from_secs(5);
@@ -138,6 +138,48 @@ impl Cluster {
                 name: d.metadata.name.unwrap_or_default(),
                 ready: d.status.and_then(|s| s.ready_replicas).unwrap_or(0),
                 desired: d.spec.and_then(|s| s.replicas).unwrap_or(1),
+            })
+            .collect())
+    }
+
+    /// The chart's device plugin DaemonSets in the install namespace, with the enforcement
+    /// mode their `device-plugin` container runs with (see [`crate::doctor::enforcement_of`]).
+    pub async fn device_plugin_daemonsets(
+        &self,
+        install: &Install,
+    ) -> Result<Vec<DevicePluginSpec>, String> {
+        let params = ListParams::default()
+            .labels("app.kubernetes.io/name=gpushare,app.kubernetes.io/component=device-plugin");
+        let list = Api::<DaemonSet>::namespaced(self.client.clone(), &install.namespace)
+            .list(&params)
+            .await
+            .map_err(|e| e.to_string())?;
+        Ok(list
+            .items
+            .into_iter()
+            .map(|ds| {
+                let container = ds
+                    .spec
+                    .and_then(|spec| spec.template.spec)
+                    .and_then(|spec| {
+                        spec.containers
+                            .into_iter()
+                            .find(|c| c.name == "device-plugin")
+                    });
+                let args = container
+                    .as_ref()
+                    .and_then(|c| c.args.clone())
+                    .unwrap_or_default();
+                let env: Vec<(String, String)> = container
+                    .and_then(|c| c.env)
+                    .unwrap_or_default()
+                    .into_iter()
+                    .filter_map(|var| Some((var.name, var.value?)))
+                    .collect();
+                DevicePluginSpec {
+                    name: ds.metadata.name.unwrap_or_default(),
+                    enforcement: crate::doctor::enforcement_of(&args, &env),
+                }
             })
             .collect())
     }

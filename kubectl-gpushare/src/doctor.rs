@@ -6,9 +6,15 @@
 //! may have been bound around the extender. Each finding names the object and the command
 //! that fixes it. [`diagnose`] is pure over a [`Snapshot`]; gathering lives in
 //! [`crate::cluster`].
+//!
+//! [`check_enforcement`] reads how each device plugin DaemonSet enforces shares and, for the
+//! NVIDIA toolkit's memory-limit hook, what the API shows of the nodes' driver and CUDA
+//! versions; what only a node can show (toolkit version, cgroup v2, an MPS daemon) is named
+//! with the command that checks it there.
 
 use std::fmt::Write as _;
 
+use gpushare_contract::env::Enforcement;
 use k8s_openapi::api::core::v1::{Node, Pod};
 
 use crate::usage::{self, GpuSource, Settings};
@@ -352,6 +358,179 @@ fn check_bypass(
     }
 }
 
+/// A device plugin DaemonSet as read from the API: its name and enforcement mode.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct DevicePluginSpec {
+    /// The DaemonSet's name.
+    pub name: String,
+    /// `--enforcement` from its container's args, else `GPUSHARE_ENFORCEMENT` from its env,
+    /// else the plugin's default (`none`).
+    pub enforcement: String,
+}
+
+/// The device plugin's default enforcement mode.
+const DEFAULT_ENFORCEMENT: &str = "none";
+
+/// The enforcement mode a device plugin container runs with: `--enforcement` in `args`
+/// (either `--enforcement=X` or `--enforcement X`; the last one wins, as clap reads it), else
+/// the `GPUSHARE_ENFORCEMENT` env value, else `none`.
+pub fn enforcement_of(args: &[String], env: &[(String, String)]) -> String {
+    let mut found = None;
+    let mut words = args.iter();
+    while let Some(word) = words.next() {
+        if let Some(value) = word.strip_prefix("--enforcement=") {
+            found = Some(value.to_owned());
+        } else if word == "--enforcement" {
+            found = words.next().cloned();
+        }
+    }
+    found
+        .or_else(|| {
+            env.iter()
+                .rev()
+                .find(|(name, _)| name == "GPUSHARE_ENFORCEMENT")
+                .map(|(_, value)| value.clone())
+        })
+        .unwrap_or_else(|| DEFAULT_ENFORCEMENT.to_owned())
+}
+
+/// The oldest driver branch the toolkit's memory-limit hook works with.
+const TOOLKIT_MIN_DRIVER: u64 = 615;
+/// The oldest CUDA version it works with.
+const TOOLKIT_MIN_CUDA: (u64, u64) = (13, 4);
+
+/// A label of NVIDIA GPU feature discovery, under its current name or the deprecated one.
+fn gfd_label(node: &Node, names: &[&str]) -> Option<u64> {
+    let labels = node.metadata.labels.as_ref()?;
+    names
+        .iter()
+        .find_map(|name| labels.get(*name))
+        .and_then(|value| value.trim().parse().ok())
+}
+
+/// Checks what the API shows of each device plugin's enforcement mode (`plugins`: its
+/// DaemonSets, or why they could not be read) and, for `toolkit`, of the labelled GPU nodes'
+/// driver and CUDA versions (NVIDIA GPU feature discovery's `nvidia.com/cuda.*` labels). The
+/// toolkit's version, its CDI hook and cgroup v2 live on the node only: the finding says so,
+/// and how to check them there.
+pub fn check_enforcement(
+    plugins: &Result<Vec<DevicePluginSpec>, String>,
+    nodes: &[Node],
+    settings: &Settings,
+    install: &Install,
+) -> Vec<Finding> {
+    let ns = &install.namespace;
+    let plugins = match plugins {
+        Ok(plugins) if !plugins.is_empty() => plugins,
+        Ok(_) => {
+            return vec![Finding::warn(
+                format!(
+                    "no gpushare device plugin DaemonSet in namespace {ns}: the enforcement mode is unknown"
+                ),
+                "pass --namespace where gpushare is installed",
+            )];
+        }
+        Err(why) => {
+            return vec![Finding::warn(
+                format!(
+                    "cannot read the device plugin DaemonSets in {ns}: {why}; the enforcement mode is unknown"
+                ),
+                "run doctor with a user allowed to list daemonsets.apps there",
+            )];
+        }
+    };
+    let mut out = Vec::new();
+    for plugin in plugins {
+        let name = &plugin.name;
+        match plugin.enforcement.parse::<Enforcement>() {
+            Ok(Enforcement::None) => out.push(Finding::ok(format!(
+                "enforcement: none ({ns}/{name}): containers are told their share and trusted to keep to it; `kubectl gpushare top -d` shows pods over their share"
+            ))),
+            Ok(Enforcement::Mps) => out.push(Finding::ok(format!(
+                "enforcement: mps ({ns}/{name}): the MPS control daemon on each GPU node cannot be seen from the API; on a node, `echo get_server_list | nvidia-cuda-mps-control` must answer"
+            ))),
+            Ok(Enforcement::Toolkit) => {
+                out.push(Finding::ok(format!(
+                    "enforcement: toolkit ({ns}/{name}): the NVIDIA container toolkit with the apply-cuda-memory-limits CDI hook and cgroup v2 cannot be seen from the API; on each GPU node check `nvidia-ctk --version` and that `stat -fc %T /sys/fs/cgroup` prints cgroup2fs"
+                )));
+                out.extend(check_toolkit_nodes(nodes, settings));
+            }
+            Err(_) => out.push(Finding::fail(
+                format!(
+                    "device plugin {ns}/{name} runs with --enforcement={}, which it does not accept: it cannot start",
+                    plugin.enforcement
+                ),
+                "set devicePlugin.enforcement.mode to none, toolkit or mps",
+            )),
+        }
+    }
+    out
+}
+
+/// Driver and CUDA versions of the labelled GPU nodes against the toolkit hook's needs.
+fn check_toolkit_nodes(nodes: &[Node], settings: &Settings) -> Vec<Finding> {
+    let mut out = Vec::new();
+    let mut unknown = Vec::new();
+    for node in nodes.iter().filter(|n| usage::is_labelled(n, settings)) {
+        let name = node.metadata.name.as_deref().unwrap_or("<unnamed>");
+        let driver = gfd_label(
+            node,
+            &[
+                "nvidia.com/cuda.driver-version.major",
+                "nvidia.com/cuda.driver.major",
+            ],
+        );
+        let cuda_major = gfd_label(
+            node,
+            &[
+                "nvidia.com/cuda.runtime-version.major",
+                "nvidia.com/cuda.runtime.major",
+            ],
+        );
+        let cuda_minor = gfd_label(
+            node,
+            &[
+                "nvidia.com/cuda.runtime-version.minor",
+                "nvidia.com/cuda.runtime.minor",
+            ],
+        );
+        let (Some(driver), Some(cuda_major)) = (driver, cuda_major) else {
+            unknown.push(name.to_owned());
+            continue;
+        };
+        let cuda = (cuda_major, cuda_minor.unwrap_or(0));
+        if driver < TOOLKIT_MIN_DRIVER || cuda < TOOLKIT_MIN_CUDA {
+            out.push(Finding::fail(
+                format!(
+                    "node {name}: driver R{driver}, CUDA {}.{} (GPU feature discovery labels): the toolkit's memory-limit hook needs driver R{TOOLKIT_MIN_DRIVER}+ and CUDA {}.{}+, so containers there run without a GPU memory limit",
+                    cuda.0, cuda.1, TOOLKIT_MIN_CUDA.0, TOOLKIT_MIN_CUDA.1
+                ),
+                format!(
+                    "upgrade the driver on {name}, or keep such nodes out of gpushare until then; devicePlugin.enforcement.mode applies to every node"
+                ),
+            ));
+        } else {
+            out.push(Finding::ok(format!(
+                "node {name}: driver R{driver}, CUDA {}.{}: recent enough for the toolkit's memory-limit hook",
+                cuda.0, cuda.1
+            )));
+        }
+    }
+    if !unknown.is_empty() {
+        out.push(Finding::warn(
+            format!(
+                "node(s) {} carry no nvidia.com/cuda.driver-version / cuda.runtime-version labels (NVIDIA GPU feature discovery): their driver and CUDA versions cannot be checked from the API",
+                unknown.join(", ")
+            ),
+            format!(
+                "on each, `nvidia-smi` must show driver {TOOLKIT_MIN_DRIVER}+ and CUDA {}.{}+ (or deploy GPU feature discovery)",
+                TOOLKIT_MIN_CUDA.0, TOOLKIT_MIN_CUDA.1
+            ),
+        ));
+    }
+    out
+}
+
 /// `[OK]`, `[WARN]` and `[FAIL]` lines, each problem followed by its fix.
 pub fn render(findings: &[Finding]) -> String {
     let mut out = String::new();
@@ -370,4 +549,107 @@ pub fn render(findings: &[Finding]) -> String {
     let warns = findings.iter().filter(|f| f.level == Level::Warn).count();
     let _ = writeln!(out, "{fails} failure(s), {warns} warning(s)");
     out
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use gpushare_e2e::fixtures::node;
+
+    fn install() -> Install {
+        Install {
+            namespace: "kube-system".into(),
+            extender_service: "gpushare-extender".into(),
+            scheduler_name: "gpushare-scheduler".into(),
+        }
+    }
+
+    fn plugin(mode: &str) -> Result<Vec<DevicePluginSpec>, String> {
+        Ok(vec![DevicePluginSpec {
+            name: "gpushare-device-plugin".into(),
+            enforcement: mode.into(),
+        }])
+    }
+
+    fn strings(words: &[&str]) -> Vec<String> {
+        words.iter().map(|w| (*w).to_owned()).collect()
+    }
+
+    #[test]
+    fn the_enforcement_mode_is_read_as_the_plugin_reads_it() {
+        let env = [("GPUSHARE_ENFORCEMENT".to_owned(), "mps".to_owned())];
+        assert_eq!(enforcement_of(&[], &[]), "none");
+        assert_eq!(enforcement_of(&[], &env), "mps");
+        assert_eq!(
+            enforcement_of(&strings(&["--enforcement=toolkit"]), &env),
+            "toolkit",
+            "a flag wins over the environment"
+        );
+        assert_eq!(
+            enforcement_of(
+                &strings(&["--enforcement", "mps", "--enforcement=toolkit"]),
+                &[]
+            ),
+            "toolkit",
+            "the last flag wins"
+        );
+    }
+
+    #[test]
+    fn toolkit_mode_checks_driver_and_cuda_labels_and_says_what_it_cannot_see() {
+        let nodes = vec![
+            node("new")
+                .gpushare()
+                .label("nvidia.com/cuda.driver-version.major", "615")
+                .label("nvidia.com/cuda.runtime-version.major", "13")
+                .label("nvidia.com/cuda.runtime-version.minor", "4")
+                .build(),
+            node("old")
+                .gpushare()
+                .label("nvidia.com/cuda.driver.major", "550")
+                .label("nvidia.com/cuda.runtime.major", "12")
+                .label("nvidia.com/cuda.runtime.minor", "4")
+                .build(),
+            node("bare").gpushare().build(),
+            node("cpu").build(),
+        ];
+        let findings =
+            check_enforcement(&plugin("toolkit"), &nodes, &Settings::default(), &install());
+        let text = render(&findings);
+        let level_of = |needle: &str| {
+            findings
+                .iter()
+                .find(|f| f.message.contains(needle))
+                .map(|f| f.level)
+                .unwrap_or_else(|| panic!("no finding about {needle:?} in\n{text}"))
+        };
+        assert_eq!(level_of("cannot be seen from the API"), Level::Ok);
+        assert_eq!(level_of("node new: driver R615, CUDA 13.4"), Level::Ok);
+        assert_eq!(level_of("node old: driver R550, CUDA 12.4"), Level::Fail);
+        assert_eq!(level_of("node(s) bare carry no"), Level::Warn);
+        assert!(!text.contains("cpu"), "{text}");
+    }
+
+    #[test]
+    fn other_modes_and_unreadable_daemonsets_are_reported() {
+        let nodes = vec![
+            node("old")
+                .gpushare()
+                .label("nvidia.com/cuda.driver.major", "550")
+                .build(),
+        ];
+        let settings = Settings::default();
+        let none = check_enforcement(&plugin("none"), &nodes, &settings, &install());
+        assert_eq!(none.len(), 1, "{none:?}");
+        assert!(none[0].message.starts_with("enforcement: none"), "{none:?}");
+        let mps = check_enforcement(&plugin("MPS"), &nodes, &settings, &install());
+        assert!(mps[0].message.starts_with("enforcement: mps"), "{mps:?}");
+        let bad = check_enforcement(&plugin("strict"), &nodes, &settings, &install());
+        assert_eq!(bad[0].level, Level::Fail, "{bad:?}");
+        let forbidden = check_enforcement(&Err("forbidden".into()), &nodes, &settings, &install());
+        assert_eq!(forbidden[0].level, Level::Warn);
+        assert!(forbidden[0].message.contains("forbidden"), "{forbidden:?}");
+        let missing = check_enforcement(&Ok(vec![]), &nodes, &settings, &install());
+        assert_eq!(missing[0].level, Level::Warn);
+    }
 }

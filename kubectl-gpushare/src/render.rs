@@ -2,7 +2,7 @@
 
 use std::fmt::Write as _;
 
-use crate::usage::NodeUsage;
+use crate::usage::{GpuUsage, NodeUsage, PodUsage};
 
 /// Left-aligned columns separated by two spaces, as `kubectl get` prints them.
 pub fn table(rows: &[Vec<String>]) -> String {
@@ -110,6 +110,7 @@ pub fn render_top_details(nodes: &[NodeUsage]) -> String {
                     .map(|g| format!("GPU{}(Allocated)", g.index)),
             );
             header.push("PENDING(Allocated)".to_owned());
+            header.extend(used_header(node));
             let mut rows = vec![header];
             for pod in &node.pods {
                 let mut row = vec![pod.namespace.clone(), pod.name.clone()];
@@ -118,18 +119,20 @@ pub fn render_top_details(nodes: &[NodeUsage]) -> String {
                     gib.to_string()
                 }));
                 row.push(if pod.gpu.is_none() { pod.gib } else { 0 }.to_string());
+                row.extend(pod_used_cell(node, pod));
                 rows.push(row);
             }
             out.push_str(&table(&rows));
         }
         out.push('\n');
-        let mut rows = vec![
-            ["GPU", "MODEL", "UUID", "ALLOCATED/TOTAL", "HEALTHY"]
-                .map(str::to_owned)
-                .to_vec(),
-        ];
+        let mut header = ["GPU", "MODEL", "UUID", "ALLOCATED/TOTAL"]
+            .map(str::to_owned)
+            .to_vec();
+        header.extend(used_header(node));
+        header.push("HEALTHY".to_owned());
+        let mut rows = vec![header];
         for gpu in &node.gpus {
-            rows.push(vec![
+            let mut row = vec![
                 format!("GPU{}", gpu.index),
                 or_dash(&gpu.model),
                 or_dash(&gpu.uuid),
@@ -139,17 +142,22 @@ pub fn render_top_details(nodes: &[NodeUsage]) -> String {
                     gpu.total_gib,
                     percent(gpu.allocated_gib, gpu.total_gib)
                 ),
-                if gpu.healthy { "yes" } else { "no" }.to_owned(),
-            ]);
+            ];
+            row.extend(gpu_used_cell(node, gpu));
+            row.push(if gpu.healthy { "yes" } else { "no" }.to_owned());
+            rows.push(row);
         }
-        rows.push(vec![
+        let mut pending = vec![
             "PENDING".to_owned(),
             "-".to_owned(),
             "-".to_owned(),
             node.pending_gib().to_string(),
-            "-".to_owned(),
-        ]);
+        ];
+        pending.extend(used_header(node).map(|_| "-".to_owned()));
+        pending.push("-".to_owned());
+        rows.push(pending);
         out.push_str(&table(&rows));
+        out.push_str(usage_legend(node));
         let _ = writeln!(
             out,
             "Allocated/Total on node: {}/{} ({}%)",
@@ -162,4 +170,135 @@ pub fn render_top_details(nodes: &[NodeUsage]) -> String {
     }
     out.push_str(&cluster_line(nodes));
     out
+}
+
+/// Why a pod is flagged in the USED column.
+const OVER_SHARE_NOTE: &str =
+    "! over its share: its processes use more GPU memory than it was allocated\n";
+
+/// The USED column's header, on nodes whose device plugin publishes measured use only, so
+/// `top -d` reads as before where nothing is measured.
+fn used_header(node: &NodeUsage) -> Option<String> {
+    node.measured.then(|| "USED(GiB)".to_owned())
+}
+
+/// GiB with one decimal: MiB figures are exact, GiB ones would hide a 600 MiB overrun.
+fn gib_from_mib(mib: u64) -> String {
+    let tenths = mib.saturating_mul(10).saturating_add(512) / 1024;
+    format!("{}.{}", tenths / 10, tenths % 10)
+}
+
+/// A pod's USED cell: `-` when not measured, `!` when over its share.
+fn pod_used_cell(node: &NodeUsage, pod: &PodUsage) -> Option<String> {
+    node.measured.then(|| match pod.used_mib {
+        Some(mib) => format!(
+            "{}{}",
+            gib_from_mib(mib),
+            if pod.over_share() { "!" } else { "" }
+        ),
+        None => "-".to_owned(),
+    })
+}
+
+/// A GPU's USED cell: GiB in use and the share of the GPU it is.
+fn gpu_used_cell(node: &NodeUsage, gpu: &GpuUsage) -> Option<String> {
+    node.measured.then(|| match gpu.used_mib {
+        Some(mib) => format!(
+            "{} ({}%)",
+            gib_from_mib(mib),
+            percent(mib, gpu.total_gib.saturating_mul(1024))
+        ),
+        None => "-".to_owned(),
+    })
+}
+
+/// The legend for `!`, when a pod of the node carries it.
+fn usage_legend(node: &NodeUsage) -> &'static str {
+    if node.pods.iter().any(PodUsage::over_share) {
+        OVER_SHARE_NOTE
+    } else {
+        ""
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::usage::{Settings, cluster_usage};
+    use gpushare_contract::Keys;
+    use gpushare_contract::usage::NodeMemoryUse;
+    use gpushare_e2e::fixtures::{node, pod};
+    use k8s_openapi::api::core::v1::Pod;
+
+    /// A pod the extender placed on GPU `gpu` of n1, as its annotations record it.
+    fn placed(name: &str, gpu: u32, gib: u64) -> Pod {
+        let keys = Keys::default();
+        let containers = format!(r#"[{{"name":"main","gib":{gib},"init":false}}]"#);
+        [
+            (&keys.gpu_index, gpu.to_string()),
+            (&keys.pod_gib, gib.to_string()),
+            (&keys.containers, containers),
+            (&keys.bind_time, "2026-01-01T00:00:00Z".to_owned()),
+            (&keys.assigned, "true".to_owned()),
+            (&keys.allocated, "main".to_owned()),
+        ]
+        .iter()
+        .fold(pod(name).gpu_mem(gib).on_node("n1"), |b, (k, v)| {
+            b.annotation(k, v)
+        })
+        .build()
+    }
+
+    #[test]
+    fn top_details_shows_used_beside_allocated_and_flags_pods_over_their_share() {
+        let mut n1 = node("n1").gpushare().gpus(&[16, 16]).build();
+        let measured = NodeMemoryUse {
+            gpus: [(0, 6656), (1, 0)].into(),
+            pods: [
+                ("default/a".to_owned(), 6144),
+                ("default/b".to_owned(), 512),
+            ]
+            .into(),
+        };
+        n1.metadata
+            .annotations
+            .get_or_insert_default()
+            .insert(Keys::default().node_usage, measured.encode());
+        let pods = vec![
+            placed("a", 0, 4),
+            placed("b", 0, 2),
+            // Not in the annotation (started after it was written): no figure.
+            placed("c", 1, 8),
+        ];
+        let text = render_top_details(&cluster_usage(&[n1], &pods, &Settings::default()));
+        let want = "\
+NAME:       n1
+IPADDRESS:  -
+
+NAMESPACE  NAME  GPU0(Allocated)  GPU1(Allocated)  PENDING(Allocated)  USED(GiB)
+default    a     4                0                0                   6.0!
+default    b     2                0                0                   0.5
+default    c     0                8                0                   -
+
+GPU      MODEL          UUID      ALLOCATED/TOTAL  USED(GiB)  HEALTHY
+GPU0     Simulated GPU  GPU-n1-0  6/16 (37%)       6.5 (40%)  yes
+GPU1     Simulated GPU  GPU-n1-1  8/16 (50%)       0.0 (0%)   yes
+PENDING  -              -         0                -          -
+! over its share: its processes use more GPU memory than it was allocated
+Allocated/Total on node: 14/32 (43%)
+";
+        assert!(text.starts_with(want), "{text}");
+    }
+
+    #[test]
+    fn nodes_without_measured_use_render_as_before() {
+        let n1 = node("n1").gpushare().gpus(&[16]).build();
+        let text = render_top_details(&cluster_usage(
+            &[n1],
+            &[placed("a", 0, 4)],
+            &Settings::default(),
+        ));
+        assert!(!text.contains("USED"), "{text}");
+        assert!(!text.contains("over its share"), "{text}");
+    }
 }

@@ -6,9 +6,14 @@
 //! extender wrote when it bound the pod. A pod that asks for the resource and is bound but
 //! carries no allocation was placed without the extender: it is counted as *pending*,
 //! because no GPU was chosen for it.
+//!
+//! What pods really use comes from the device plugin's usage annotation on the node
+//! (`<domain>/v1.usage`, see [`gpushare_contract::usage`]); a node without it (usage not
+//! measured there, or not yet) and a pod missing from it have no figure (`None`), not 0.
 
 use std::collections::BTreeMap;
 
+use gpushare_contract::usage::{MIB_PER_GIB, NodeMemoryUse};
 use gpushare_contract::{GpuInfo, Keys, PodAllocation, inventory, pod_request};
 use k8s_openapi::api::core::v1::{Node, Pod};
 
@@ -51,6 +56,8 @@ pub struct GpuUsage {
     pub allocated_gib: u64,
     /// False when the device plugin reported the GPU unusable.
     pub healthy: bool,
+    /// MiB in use on it, as the device plugin last published; `None`: not measured.
+    pub used_mib: Option<u64>,
 }
 
 /// Where one pod's GPU memory is.
@@ -66,6 +73,16 @@ pub struct PodUsage {
     pub gib: u64,
     /// The scheduler that bound it.
     pub scheduler: String,
+    /// MiB its processes use, as the device plugin last published; `None`: not measured.
+    pub used_mib: Option<u64>,
+}
+
+impl PodUsage {
+    /// Whether its processes use more than the GiB it holds.
+    pub fn over_share(&self) -> bool {
+        self.used_mib
+            .is_some_and(|used| used > self.gib.saturating_mul(MIB_PER_GIB))
+    }
 }
 
 /// One node's GPUs and pods.
@@ -81,6 +98,8 @@ pub struct NodeUsage {
     pub pods: Vec<PodUsage>,
     /// How the GPU list was obtained.
     pub source: GpuSource,
+    /// Whether the device plugin publishes measured GPU memory use on this node.
+    pub measured: bool,
 }
 
 /// Where a node's GPU list came from.
@@ -94,6 +113,8 @@ pub enum GpuSource {
     BadInventory(String),
     /// Neither inventory nor capacity.
     None,
+    /// DRA mode: the DRA plugin's ResourceSlice (see [`crate::dra`]).
+    ResourceSlice,
 }
 
 impl NodeUsage {
@@ -176,18 +197,28 @@ fn internal_ip(node: &Node) -> String {
         .unwrap_or_default()
 }
 
+/// The device plugin's measured use on `node`, if it publishes a readable one.
+fn measured_use(node: &Node, settings: &Settings) -> Option<NodeMemoryUse> {
+    NodeMemoryUse::decode(node_annotation(node, &settings.keys.node_usage)?).ok()
+}
+
 /// The usage of every GPU node, sorted by name. Pods not asking for the resource, not
 /// bound, or finished are ignored.
 pub fn cluster_usage(nodes: &[Node], pods: &[Pod], settings: &Settings) -> Vec<NodeUsage> {
     let mut by_node: BTreeMap<String, NodeUsage> = BTreeMap::new();
+    let mut used_by_pod: BTreeMap<String, BTreeMap<String, u64>> = BTreeMap::new();
     for node in nodes.iter().filter(|n| is_gpu_node(n, settings)) {
         let Some(name) = node.metadata.name.clone() else {
             continue;
         };
         let (gpus, source) = node_gpus(node, settings);
+        let measured = measured_use(node, settings);
         let gpus = gpus
             .into_iter()
             .map(|gpu| GpuUsage {
+                used_mib: measured
+                    .as_ref()
+                    .and_then(|m| m.gpus.get(&gpu.index).copied()),
                 index: gpu.index,
                 model: gpu.model,
                 uuid: gpu.uuid,
@@ -196,6 +227,9 @@ pub fn cluster_usage(nodes: &[Node], pods: &[Pod], settings: &Settings) -> Vec<N
                 healthy: gpu.healthy,
             })
             .collect();
+        if let Some(measured) = &measured {
+            used_by_pod.insert(name.clone(), measured.pods.clone());
+        }
         by_node.insert(
             name.clone(),
             NodeUsage {
@@ -204,6 +238,7 @@ pub fn cluster_usage(nodes: &[Node], pods: &[Pod], settings: &Settings) -> Vec<N
                 gpus,
                 pods: Vec::new(),
                 source,
+                measured: measured.is_some(),
             },
         );
     }
@@ -221,26 +256,57 @@ pub fn cluster_usage(nodes: &[Node], pods: &[Pod], settings: &Settings) -> Vec<N
         let allocation = PodAllocation::from_annotations(&settings.keys, &annotations)
             .ok()
             .flatten();
-        let (gpu, gib) = match allocation {
-            Some(a) => match usage.gpus.iter_mut().find(|g| g.index == a.gpu_index) {
-                Some(gpu) => {
-                    gpu.allocated_gib += a.pod_gib;
-                    (Some(a.gpu_index), a.pod_gib)
+        // One row per GPU the pod holds: a multi-GPU pod shows on each of its GPUs, with what
+        // it holds there (the whole GPU when exclusive).
+        let mut rows: Vec<(Option<u32>, u64)> = Vec::new();
+        match allocation {
+            Some(a) => {
+                for (index, _) in a.gpus() {
+                    match usage.gpus.iter_mut().find(|g| g.index == index) {
+                        Some(gpu) => {
+                            let held = if a.exclusive {
+                                a.pod_gib.max(gpu.total_gib)
+                            } else {
+                                a.pod_gib
+                            };
+                            gpu.allocated_gib += held;
+                            rows.push((Some(index), held));
+                        }
+                        None => rows.push((None, a.pod_gib)),
+                    }
                 }
-                None => (None, a.pod_gib),
-            },
-            None => (None, request.pod_gib),
-        };
+            }
+            None => rows.push((None, request.pod_gib)),
+        }
+        let (gpu, gib) = rows.remove(0);
+        let namespace = pod.metadata.namespace.clone().unwrap_or_default();
+        let name = pod.metadata.name.clone().unwrap_or_default();
+        let used_mib = used_by_pod
+            .get(&usage.name)
+            .and_then(|pods| pods.get(&format!("{namespace}/{name}")).copied());
+        let scheduler = spec
+            .scheduler_name
+            .clone()
+            .unwrap_or_else(|| "default-scheduler".to_owned());
+        // The pod's measured use shows once, on its first GPU's row.
         usage.pods.push(PodUsage {
-            namespace: pod.metadata.namespace.clone().unwrap_or_default(),
-            name: pod.metadata.name.clone().unwrap_or_default(),
+            namespace: namespace.clone(),
+            name: name.clone(),
+            used_mib,
             gpu,
             gib,
-            scheduler: spec
-                .scheduler_name
-                .clone()
-                .unwrap_or_else(|| "default-scheduler".to_owned()),
+            scheduler: scheduler.clone(),
         });
+        for (gpu, gib) in rows {
+            usage.pods.push(PodUsage {
+                namespace: namespace.clone(),
+                name: name.clone(),
+                used_mib: None,
+                gpu,
+                gib,
+                scheduler: scheduler.clone(),
+            });
+        }
     }
     let mut nodes: Vec<NodeUsage> = by_node.into_values().collect();
     for node in &mut nodes {

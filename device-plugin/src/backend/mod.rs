@@ -4,6 +4,10 @@
 //! (devices, Allocate, inventory publishing, health) runs unchanged on a laptop without a GPU.
 //! Health is reported as changes (`index`, `healthy`) from a blocking watch loop, because
 //! NVML's event API is blocking; the loop runs on a blocking thread and stops when asked.
+//!
+//! GPU memory in use ([`GpuBackend::memory_in_use`]) is reported by whoever the backend can
+//! name: NVML knows processes (host PIDs), which [`crate::usage`] traces to pods through their
+//! cgroups; the simulation is told per pod, so the same path is tested without a GPU.
 
 use std::sync::atomic::AtomicBool;
 
@@ -29,9 +33,39 @@ pub enum BackendError {
         #[source]
         source: nvml_wrapper::error::NvmlError,
     },
+    /// The simulated usage file could not be read.
+    #[error(
+        "--simulate-usage-file {path}: {why}; write JSON like {{\"default/a\": \"5Gi\", \"default/b\": 512}} (MiB, or a string ending in Mi or Gi)"
+    )]
+    SimulatedUsage {
+        /// the file
+        path: std::path::PathBuf,
+        /// what is wrong with it
+        why: String,
+    },
     /// The simulated backend was chosen without any GPU sizes.
     #[error("--gpu-backend simulated needs --simulate-gpus, e.g. --simulate-gpus 16,16,24")]
     NoSimulatedGpus,
+}
+
+/// Who uses some GPU memory, as far as the backend can tell.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum MemoryUser {
+    /// A process, by its PID in the host's PID namespace (NVML's view).
+    Process(u32),
+    /// A pod, by `namespace/name` (the simulation's view).
+    Pod(String),
+}
+
+/// Some GPU memory in use.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct MemoryUse {
+    /// The GPU's index; `None`: whichever GPUs the pod holds (simulation only).
+    pub gpu: Option<u32>,
+    /// Who uses it.
+    pub user: MemoryUser,
+    /// Bytes in use.
+    pub bytes: u64,
 }
 
 /// A source of GPUs and their health.
@@ -47,4 +81,11 @@ pub trait GpuBackend: Send + Sync + 'static {
         stop: &AtomicBool,
         report: &mut dyn FnMut(u32, bool),
     ) -> Result<(), BackendError>;
+
+    /// The GPU memory in use now, by user; `None` when this backend cannot measure it
+    /// (simulated GPUs without `--simulate-usage-file`). Called every usage period from a
+    /// blocking thread.
+    fn memory_in_use(&self) -> Result<Option<Vec<MemoryUse>>, BackendError> {
+        Ok(None)
+    }
 }

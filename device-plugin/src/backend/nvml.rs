@@ -5,17 +5,25 @@
 //! kill one process, not the GPU. An XID on a device NVML cannot name marks every GPU
 //! unhealthy, since we cannot tell which one failed. Unhealthy GPUs stay so until the plugin
 //! restarts, as in the NVIDIA plugin. GPUs too old for events are never health-checked.
+//!
+//! Memory in use comes from NVML's running compute and graphics process lists of each GPU
+//! (a process using both APIs is listed in both with the same figure, so it is counted once).
+//! The PIDs are the host's: tracing them to pods needs the host's `/proc`
+//! ([`crate::usage`]).
 
+use std::collections::BTreeMap;
 use std::sync::atomic::{AtomicBool, Ordering};
 
 use gpushare_contract::GpuInfo;
 use gpushare_contract::inventory::gib_from_bytes;
 use nvml_wrapper::Nvml;
 use nvml_wrapper::bitmasks::event::EventTypes;
+use nvml_wrapper::enums::device::UsedGpuMemory;
 use nvml_wrapper::enums::event::XidError;
 use nvml_wrapper::error::NvmlError;
+use nvml_wrapper::struct_wrappers::device::ProcessInfo;
 
-use super::{BackendError, GpuBackend};
+use super::{BackendError, GpuBackend, MemoryUse, MemoryUser};
 
 /// XIDs an application triggers on its own; they do not make the GPU unhealthy.
 pub const APPLICATION_XIDS: [u64; 6] = [13, 31, 43, 45, 68, 109];
@@ -53,6 +61,32 @@ fn numa_node(bus_id: &str) -> Option<i64> {
     let text = std::fs::read_to_string(format!("/sys/bus/pci/devices/{short}/numa_node")).ok()?;
     let node: i64 = text.trim().parse().ok()?;
     (node >= 0).then_some(node)
+}
+
+/// Bytes each process uses on one GPU, from its compute and graphics process lists: a PID
+/// in both counts once (the larger figure); entries without a figure (not available under
+/// some drivers) count nothing.
+pub fn per_process(lists: &[&[ProcessInfo]]) -> BTreeMap<u32, u64> {
+    let mut by_pid = BTreeMap::new();
+    for info in lists.iter().flat_map(|list| list.iter()) {
+        if let UsedGpuMemory::Used(bytes) = info.used_gpu_memory {
+            let seen: &mut u64 = by_pid.entry(info.pid).or_default();
+            *seen = (*seen).max(bytes);
+        }
+    }
+    by_pid
+}
+
+/// A process list, or an empty one where the GPU does not support listing it.
+fn listed(
+    result: Result<Vec<ProcessInfo>, NvmlError>,
+    what: String,
+) -> Result<Vec<ProcessInfo>, BackendError> {
+    match result {
+        Ok(list) => Ok(list),
+        Err(NvmlError::NotSupported) => Ok(Vec::new()),
+        Err(err) => Err(nvml_err(what)(err)),
+    }
 }
 
 impl NvmlBackend {
@@ -163,6 +197,35 @@ impl GpuBackend for NvmlBackend {
         }
         Ok(())
     }
+
+    fn memory_in_use(&self) -> Result<Option<Vec<MemoryUse>>, BackendError> {
+        let count = self.nvml.device_count().map_err(nvml_err("device count"))?;
+        let mut uses = Vec::new();
+        for index in 0..count {
+            let device = self
+                .nvml
+                .device_by_index(index)
+                .map_err(nvml_err(format!("device {index}")))?;
+            let compute = listed(
+                device.running_compute_processes(),
+                format!("compute processes of GPU {index}"),
+            )?;
+            let graphics = listed(
+                device.running_graphics_processes(),
+                format!("graphics processes of GPU {index}"),
+            )?;
+            uses.extend(
+                per_process(&[&compute, &graphics])
+                    .into_iter()
+                    .map(|(pid, bytes)| MemoryUse {
+                        gpu: Some(index),
+                        user: MemoryUser::Process(pid),
+                        bytes,
+                    }),
+            );
+        }
+        Ok(Some(uses))
+    }
 }
 
 #[cfg(test)]
@@ -175,5 +238,30 @@ mod tests {
         assert!(!is_critical_xid(&XidError::Value(109)));
         assert!(is_critical_xid(&XidError::Value(79)));
         assert!(is_critical_xid(&XidError::Unknown));
+    }
+
+    fn process(pid: u32, used: UsedGpuMemory) -> ProcessInfo {
+        ProcessInfo {
+            pid,
+            used_gpu_memory: used,
+            gpu_instance_id: None,
+            compute_instance_id: None,
+        }
+    }
+
+    #[test]
+    fn a_process_in_both_lists_counts_once() {
+        let compute = [
+            process(10, UsedGpuMemory::Used(300)),
+            process(11, UsedGpuMemory::Unavailable),
+        ];
+        let graphics = [
+            process(10, UsedGpuMemory::Used(300)),
+            process(12, UsedGpuMemory::Used(50)),
+        ];
+        assert_eq!(
+            per_process(&[&compute, &graphics]),
+            BTreeMap::from([(10, 300), (12, 50)])
+        );
     }
 }

@@ -4,6 +4,11 @@
 //! a file (`--simulate-health-file`) holding comma-separated indices of unhealthy GPUs; it
 //! is polled every 200 ms, and a missing or empty file means every GPU is healthy. That lets
 //! a test break a GPU with one file write, the way an XID would on real hardware.
+//!
+//! What pods "use" comes from `--simulate-usage-file`, JSON mapping `namespace/name` to MiB
+//! (a number) or to a size (`"512Mi"`, `"5Gi"`), re-read at every usage poll:
+//! `{"default/a": "5Gi", "default/b": 512}`. A pod's use is spread over the GPUs it holds,
+//! as kubelet lists them ([`crate::usage`]); a missing file means nothing is in use.
 
 use std::collections::BTreeSet;
 use std::path::PathBuf;
@@ -12,7 +17,7 @@ use std::time::Duration;
 
 use gpushare_contract::GpuInfo;
 
-use super::{BackendError, GpuBackend};
+use super::{BackendError, GpuBackend, MemoryUse, MemoryUser};
 
 /// How often the health file is read.
 pub const HEALTH_POLL: Duration = Duration::from_millis(200);
@@ -24,6 +29,7 @@ pub struct SimulatedBackend {
     sizes_gib: Vec<u64>,
     health_file: Option<PathBuf>,
     model: String,
+    usage_file: Option<PathBuf>,
 }
 
 /// The product name simulated GPUs report unless told otherwise.
@@ -37,7 +43,14 @@ impl SimulatedBackend {
             sizes_gib,
             health_file,
             model: SIMULATED_MODEL.to_owned(),
+            usage_file: None,
         }
+    }
+
+    /// Pods use the GPU memory `usage_file` says (see the module doc).
+    pub fn with_usage_file(mut self, usage_file: Option<PathBuf>) -> Self {
+        self.usage_file = usage_file;
+        self
     }
 
     /// Every GPU reports `model` as its product name (a mixed fleet in tests).
@@ -72,6 +85,39 @@ pub fn parse_indices(text: &str) -> BTreeSet<u32> {
             }
         })
         .collect()
+}
+
+/// Reads a usage file's text: `namespace/name` → bytes.
+pub fn parse_usage(text: &str) -> Result<Vec<(String, u64)>, String> {
+    let map: serde_json::Map<String, serde_json::Value> =
+        serde_json::from_str(text).map_err(|err| format!("not a JSON object: {err}"))?;
+    map.into_iter()
+        .map(|(pod, value)| {
+            if !pod.contains('/') {
+                return Err(format!("{pod:?} is not namespace/name"));
+            }
+            let bytes = match &value {
+                serde_json::Value::Number(n) => n.as_u64().and_then(|mib| mib.checked_mul(1 << 20)),
+                serde_json::Value::String(s) => parse_size(s),
+                _ => None,
+            };
+            bytes.map(|bytes| (pod.clone(), bytes)).ok_or_else(|| {
+                format!("{pod}: {value} is not MiB or a size like \"512Mi\", \"5Gi\"")
+            })
+        })
+        .collect()
+}
+
+/// `"512Mi"`, `"512MiB"`, `"5Gi"`, `"5GiB"` in bytes.
+fn parse_size(text: &str) -> Option<u64> {
+    let text = text.trim();
+    let text = text.strip_suffix('B').unwrap_or(text);
+    let (number, shift) = if let Some(n) = text.strip_suffix("Gi") {
+        (n, 30)
+    } else {
+        (text.strip_suffix("Mi")?, 20)
+    };
+    number.trim().parse::<u64>().ok()?.checked_mul(1 << shift)
 }
 
 impl GpuBackend for SimulatedBackend {
@@ -118,6 +164,38 @@ impl GpuBackend for SimulatedBackend {
         }
         Ok(())
     }
+
+    fn memory_in_use(&self) -> Result<Option<Vec<MemoryUse>>, BackendError> {
+        let Some(path) = &self.usage_file else {
+            return Ok(None);
+        };
+        let text = match std::fs::read_to_string(path) {
+            Ok(text) => text,
+            Err(err) if err.kind() == std::io::ErrorKind::NotFound => return Ok(Some(Vec::new())),
+            Err(err) => {
+                return Err(BackendError::SimulatedUsage {
+                    path: path.clone(),
+                    why: err.to_string(),
+                });
+            }
+        };
+        if text.trim().is_empty() {
+            return Ok(Some(Vec::new()));
+        }
+        let pods = parse_usage(&text).map_err(|why| BackendError::SimulatedUsage {
+            path: path.clone(),
+            why,
+        })?;
+        Ok(Some(
+            pods.into_iter()
+                .map(|(pod, bytes)| MemoryUse {
+                    gpu: None,
+                    user: MemoryUser::Pod(pod),
+                    bytes,
+                })
+                .collect(),
+        ))
+    }
 }
 
 #[cfg(test)]
@@ -141,5 +219,59 @@ mod tests {
         assert_eq!(parse_indices(""), BTreeSet::new());
         assert_eq!(parse_indices("1, 3\n"), BTreeSet::from([1, 3]));
         assert_eq!(parse_indices("x,2"), BTreeSet::from([2]));
+    }
+
+    #[test]
+    fn usage_file_names_pods_in_mib_or_sizes() {
+        let mut pods =
+            parse_usage(r#"{"default/a": "5Gi", "ml/b": 512, "c/d": "1536MiB"}"#).unwrap();
+        pods.sort();
+        assert_eq!(
+            pods,
+            [
+                ("c/d".to_owned(), 1536 << 20),
+                ("default/a".to_owned(), 5 << 30),
+                ("ml/b".to_owned(), 512 << 20),
+            ]
+        );
+        for bad in [
+            r#"{"a": 1}"#,
+            r#"{"n/a": -1}"#,
+            r#"{"n/a": "5G"}"#,
+            r#"{"n/a": true}"#,
+            "[1]",
+        ] {
+            assert!(parse_usage(bad).is_err(), "{bad}");
+        }
+    }
+
+    #[test]
+    fn usage_is_read_from_the_file_each_time() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("usage.json");
+        let backend = SimulatedBackend::new("n1", vec![16], None);
+        assert_eq!(
+            backend.memory_in_use().unwrap(),
+            None,
+            "no file given: cannot measure"
+        );
+        let backend = backend.with_usage_file(Some(path.clone()));
+        assert_eq!(
+            backend.memory_in_use().unwrap(),
+            Some(vec![]),
+            "file absent: nothing in use"
+        );
+        std::fs::write(&path, r#"{"default/a": "2Gi"}"#).unwrap();
+        assert_eq!(
+            backend.memory_in_use().unwrap(),
+            Some(vec![MemoryUse {
+                gpu: None,
+                user: MemoryUser::Pod("default/a".into()),
+                bytes: 2 << 30,
+            }])
+        );
+        std::fs::write(&path, "{").unwrap();
+        let err = backend.memory_in_use().unwrap_err();
+        assert!(err.to_string().contains("usage.json"), "{err}");
     }
 }

@@ -1,0 +1,159 @@
+//! Real usage, end to end on simulated GPUs: the device plugin is told what each pod uses
+//! (`--simulate-usage-file`), traces it to the GPUs kubelet's PodResources API says the pod
+//! holds, and exports allocated vs used per pod and GPU on `/metrics`, publishes the node's
+//! `<domain>/v1.usage` annotation, and `kubectl gpushare top -d` (its library, on what the
+//! API server returns) shows USED beside ALLOCATED and flags the pod over its share.
+
+use std::time::Duration;
+
+use anyhow::{Context, ensure};
+use gpushare_contract::Keys;
+use gpushare_contract::usage::NodeMemoryUse;
+use gpushare_e2e::cluster::{ClusterSpec, TestCluster, http_get, wait_for, with_cluster};
+use gpushare_e2e::scenarios::{allocation, create_gpu_pod, wait_running};
+use k8s_openapi::api::core::v1::{Node, Pod};
+use kube::Api;
+use kube::api::ListParams;
+use kubectl_gpushare::render::render_top_details;
+use kubectl_gpushare::usage::{Settings, cluster_usage};
+
+const NODE: &str = "n1";
+const WAIT: Duration = Duration::from_secs(60);
+const GIB: u64 = 1 << 30;
+
+/// The node's usage annotation, once it reads as `want` (pod → MiB).
+async fn wait_annotation(
+    cluster: &TestCluster,
+    want: &[(&str, u64)],
+) -> anyhow::Result<NodeMemoryUse> {
+    let nodes: Api<Node> = Api::all(cluster.client.clone());
+    let key = Keys::default().node_usage;
+    wait_for(
+        &format!("the node's usage annotation to read {want:?}"),
+        WAIT,
+        || async {
+            let node = nodes.get(NODE).await.ok()?;
+            let text = node.metadata.annotations?.remove(&key)?;
+            let usage = NodeMemoryUse::decode(&text).ok()?;
+            let pods: Vec<(&str, u64)> = usage.pods.iter().map(|(k, v)| (k.as_str(), *v)).collect();
+            (pods == want).then_some(usage)
+        },
+    )
+    .await
+}
+
+/// `/metrics` of the node's device plugin, once it has every line of `want`.
+async fn wait_metrics(cluster: &TestCluster, want: &[String]) -> anyhow::Result<String> {
+    let addr = cluster.device_plugin_metrics(NODE)?;
+    wait_for("the usage metrics", WAIT, || async {
+        let (_, body) = http_get(addr, "/metrics").await.ok()?;
+        want.iter()
+            .all(|line| body.lines().any(|l| l == line))
+            .then_some(body)
+    })
+    .await
+}
+
+/// `kubectl gpushare top -d` over what the API server has now.
+async fn top_details(cluster: &TestCluster) -> anyhow::Result<String> {
+    let nodes = Api::<Node>::all(cluster.client.clone())
+        .list(&ListParams::default())
+        .await?
+        .items;
+    let pods = Api::<Pod>::all(cluster.client.clone())
+        .list(&ListParams::default())
+        .await?
+        .items;
+    Ok(render_top_details(&cluster_usage(
+        &nodes,
+        &pods,
+        &Settings::default(),
+    )))
+}
+
+/// The row of pod `name` in `top -d`'s pod table, split into cells.
+fn pod_row<'a>(text: &'a str, name: &str) -> anyhow::Result<Vec<&'a str>> {
+    text.lines()
+        .map(|line| line.split_whitespace().collect::<Vec<_>>())
+        .find(|cells| cells.len() > 2 && cells[0] == "default" && cells[1] == name)
+        .with_context(|| format!("no row for pod {name} in\n{text}"))
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_pod_over_its_share_shows_in_metrics_the_node_annotation_and_top() -> anyhow::Result<()> {
+    let dir = tempfile::tempdir()?;
+    let usage_file = dir.path().join("usage.json");
+    let usage_arg = format!("--simulate-usage-file={}", usage_file.display());
+    // Measured every 200 ms; the annotation may be rewritten at once, for any change of 1 MiB.
+    let spec = ClusterSpec::labelled(&[(NODE, &[16])]).with_device_plugin_args(&[
+        &usage_arg,
+        "--usage-period-ms=200",
+        "--usage-annotation-min-interval-ms=0",
+        "--usage-annotation-min-change-mib=1",
+    ]);
+    with_cluster(spec, async |cluster| {
+        create_gpu_pod(cluster, "a", 4).await?;
+        create_gpu_pod(cluster, "b", 2).await?;
+        let gpu = allocation(&wait_running(cluster, "a").await?)?.gpu_index;
+        ensure!(allocation(&wait_running(cluster, "b").await?)?.gpu_index == gpu);
+
+        // Nothing written yet: measured, nothing in use.
+        wait_annotation(cluster, &[("default/a", 0), ("default/b", 0)]).await?;
+        let text = top_details(cluster).await?;
+        ensure!(pod_row(&text, "a")?.last() == Some(&"0.0"), "{text}");
+        ensure!(!text.contains("over its share"), "{text}");
+
+        // a uses less than its 4 GiB, b more than its 2 GiB.
+        std::fs::write(&usage_file, r#"{"default/a": "3Gi", "default/b": 3072}"#)?;
+        let pod_line = |metric: &str, pod: &str, bytes: u64| {
+            format!(
+                "gpushare_device_plugin_{metric}{{namespace=\"default\",pod=\"{pod}\",gpu=\"{gpu}\"}} {bytes}"
+            )
+        };
+        let gpu_line = |metric: &str, bytes: u64| {
+            format!(
+                "gpushare_device_plugin_{metric}{{gpu=\"{gpu}\",uuid=\"GPU-sim-{NODE}-{gpu}\"}} {bytes}"
+            )
+        };
+        wait_metrics(
+            cluster,
+            &[
+                pod_line("pod_allocated_bytes", "a", 4 * GIB),
+                pod_line("pod_used_bytes", "a", 3 * GIB),
+                pod_line("pod_allocated_bytes", "b", 2 * GIB),
+                pod_line("pod_used_bytes", "b", 3 * GIB),
+                gpu_line("gpu_allocated_bytes", 6 * GIB),
+                gpu_line("gpu_used_bytes", 6 * GIB),
+                gpu_line("gpu_unattributed_bytes", 0),
+                "gpushare_device_plugin_pods_over_share 1".to_owned(),
+            ],
+        )
+        .await?;
+        let usage = wait_annotation(cluster, &[("default/a", 3072), ("default/b", 3072)]).await?;
+        ensure!(usage.gpus.get(&gpu) == Some(&6144), "{usage:?}");
+
+        let text = top_details(cluster).await?;
+        ensure!(text.contains("USED(GiB)"), "{text}");
+        ensure!(pod_row(&text, "a")?.last() == Some(&"3.0"), "{text}");
+        ensure!(pod_row(&text, "b")?.last() == Some(&"3.0!"), "{text}");
+        ensure!(
+            text.contains("! over its share: its processes use more GPU memory than it was allocated"),
+            "{text}"
+        );
+        ensure!(text.contains("6.0 (37%)"), "GPU{gpu}'s USED cell:\n{text}");
+
+        // b frees memory: no longer flagged anywhere.
+        std::fs::write(&usage_file, r#"{"default/a": "3Gi", "default/b": "1Gi"}"#)?;
+        wait_metrics(
+            cluster,
+            &["gpushare_device_plugin_pods_over_share 0".to_owned()],
+        )
+        .await?;
+        wait_annotation(cluster, &[("default/a", 3072), ("default/b", 1024)]).await?;
+        let text = top_details(cluster).await?;
+        ensure!(pod_row(&text, "b")?.last() == Some(&"1.0"), "{text}");
+        ensure!(!text.contains("over its share"), "{text}");
+        Ok(())
+    })
+    .await
+}
