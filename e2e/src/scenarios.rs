@@ -161,10 +161,14 @@ pub fn allocation(pod: &Pod) -> anyhow::Result<PodAllocation> {
     })
 }
 
-/// Every running container that asked for GPU memory sees exactly its pod's GPU.
+/// Every running container that asked for GPU memory sees exactly its pod's GPUs: all of
+/// them, in the allocation's order, for a multi-GPU pod.
 pub async fn check_pinned(h: &impl Harness, pod: &Pod) -> anyhow::Result<()> {
     let name = pod.metadata.name.as_deref().unwrap_or_default();
     let alloc = allocation(pod)?;
+    let uuids: Vec<&str> = alloc.gpus().map(|(_, uuid)| uuid).collect();
+    let indices: Vec<String> = alloc.gpus().map(|(index, _)| index.to_string()).collect();
+    let want_visible = uuids.join(",");
     for container in &alloc.containers {
         let env = h.container_env(name, &container.name).await?;
         let visible = env
@@ -172,14 +176,13 @@ pub async fn check_pinned(h: &impl Harness, pod: &Pod) -> anyhow::Result<()> {
             .map(String::as_str)
             .unwrap_or_default();
         ensure!(
-            !alloc.gpu_uuid.is_empty() && visible == alloc.gpu_uuid,
-            "pod {name} container {}: NVIDIA_VISIBLE_DEVICES={visible:?} but the pod is on GPU {} ({})",
+            uuids.iter().all(|u| !u.is_empty()) && visible == want_visible,
+            "pod {name} container {}: NVIDIA_VISIBLE_DEVICES={visible:?} but the pod is on GPUs {} ({want_visible})",
             container.name,
-            alloc.gpu_index,
-            alloc.gpu_uuid
+            indices.join(",")
         );
         ensure!(
-            env.get(env::GPU_INDEX) == Some(&alloc.gpu_index.to_string())
+            env.get(env::GPU_INDEX) == Some(&indices.join(","))
                 && env.get(env::CONTAINER_GIB) == Some(&container.gib.to_string()),
             "pod {name} container {}: env {env:?} does not match allocation {alloc:?}",
             container.name
@@ -225,15 +228,17 @@ pub async fn check_no_overcommit(
         ) else {
             continue;
         };
-        let entry = usage
-            .get_mut(&(node.clone(), alloc.gpu_index))
-            .with_context(|| {
-                format!(
-                    "pod placed on unknown GPU {} of node {node}",
-                    alloc.gpu_index
-                )
-            })?;
-        entry.0 += alloc.pod_gib;
+        for (index, _) in alloc.gpus() {
+            let entry = usage
+                .get_mut(&(node.clone(), index))
+                .with_context(|| format!("pod placed on unknown GPU {index} of node {node}"))?;
+            // A whole-GPU pod holds all of it.
+            entry.0 += if alloc.exclusive {
+                alloc.pod_gib.max(entry.1)
+            } else {
+                alloc.pod_gib
+            };
+        }
     }
     for ((node, gpu), (used, total)) in &usage {
         ensure!(
