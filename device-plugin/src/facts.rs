@@ -18,7 +18,9 @@
 //! ```
 //!
 //! Two findings are worth a person's attention ([`Finding`]):
-//! - **wrong GPU**: a container of a pod the extender placed on GPU A holds devices of GPU B.
+//! - **wrong GPU**: a container of a pod the extender placed on GPU A holds devices of GPU B
+//!   (for a multi-GPU pod: devices of a GPU outside its set; devices of each GPU of the set
+//!   are what such a container holds by design).
 //!   The devices follow the GPU the plugin previewed for the pod it matched, so either the
 //!   container was answered with another pod's allocation on another GPU (it runs on B while
 //!   every count says A), or kubelet had too few devices of A left to follow the preference
@@ -173,9 +175,9 @@ pub enum Finding {
         uid: String,
         /// the container
         container: String,
-        /// index and UUID of the GPU the extender gave the pod
-        given: (u32, String),
-        /// UUIDs of the GPUs whose devices the container holds, other than `given`
+        /// index and UUID of each GPU the extender gave the pod, the first one first
+        given: Vec<(u32, String)>,
+        /// UUIDs of the GPUs whose devices the container holds, none of `given`
         held: Vec<String>,
     },
     /// A pod without an allocation of its own holds devices: it was admitted with another
@@ -232,13 +234,31 @@ impl Finding {
         match self {
             Self::WrongGpu {
                 container,
-                given: (index, uuid),
+                given,
                 held,
                 ..
-            } => format!(
-                "container {container} holds kubelet's {resource} devices of GPU {held}, but gpushare placed the pod on GPU {index} ({uuid}): kubelet's device accounting and gpushare's disagree (the container was answered with another pod's allocation, or a pod without an allocation of its own holds devices of GPU {index}); the container's GPUSHARE_GPU_UUID says which GPU it uses: if it is not {uuid}, its memory is counted on the wrong GPU, delete the pod so it is scheduled again",
-                held = held.join(", "),
-            ),
+            } => {
+                let plural = if given.len() > 1 { "s" } else { "" };
+                let placed = given
+                    .iter()
+                    .map(|(index, uuid)| format!("{index} ({uuid})"))
+                    .collect::<Vec<_>>()
+                    .join(", ");
+                let indices = given
+                    .iter()
+                    .map(|(index, _)| index.to_string())
+                    .collect::<Vec<_>>()
+                    .join(", ");
+                let uuids = given
+                    .iter()
+                    .map(|(_, uuid)| uuid.as_str())
+                    .collect::<Vec<_>>()
+                    .join(",");
+                format!(
+                    "container {container} holds kubelet's {resource} devices of GPU {held}, but gpushare placed the pod on GPU{plural} {placed}: kubelet's device accounting and gpushare's disagree (the container was answered with another pod's allocation, or a pod without an allocation of its own holds devices of GPU{plural} {indices}); the container's GPUSHARE_GPU_UUID says which GPU{plural} it uses: if it is not {uuids}, its memory is counted on the wrong GPU, delete the pod so it is scheduled again",
+                    held = held.join(", "),
+                )
+            }
             Self::NoAllocation {
                 container,
                 gib,
@@ -295,23 +315,32 @@ pub fn check(
             findings.extend(unallocated(&view.key, &view.uid, pod, &why, &gpus_of));
             continue;
         }
-        let alloc = &view.allocation;
-        let given = if alloc.gpu_uuid.is_empty() {
-            gpu_uuid(alloc.gpu_index)
-        } else {
-            Some(alloc.gpu_uuid.clone())
-        };
+        // Every GPU of the pod: a multi-GPU container legitimately holds devices of each.
+        let given: Option<Vec<(u32, String)>> = view
+            .allocation
+            .gpus()
+            .map(|(index, uuid)| {
+                if uuid.is_empty() {
+                    gpu_uuid(index).map(|uuid| (index, uuid))
+                } else {
+                    Some((index, uuid.to_owned()))
+                }
+            })
+            .collect();
         let Some(given) = given else {
             continue;
         };
         for (container, ids) in &pod.containers {
-            let held: Vec<String> = gpus_of(ids).into_iter().filter(|g| *g != given).collect();
+            let held: Vec<String> = gpus_of(ids)
+                .into_iter()
+                .filter(|g| !given.iter().any(|(_, uuid)| uuid == g))
+                .collect();
             if !held.is_empty() {
                 findings.push(Finding::WrongGpu {
                     pod: view.key.clone(),
                     uid: view.uid.clone(),
                     container: container.clone(),
-                    given: (alloc.gpu_index, given.clone()),
+                    given: given.clone(),
                     held,
                 });
             }
@@ -504,7 +533,7 @@ mod tests {
                 pod: "default/wrong".into(),
                 uid: "uid-wrong".into(),
                 container: "main".into(),
-                given: (0, "GPU-0".into()),
+                given: vec![(0, "GPU-0".into())],
                 held: vec!["GPU-1".into()],
             }]
         );
@@ -516,6 +545,65 @@ mod tests {
         );
     }
 
+    /// `view` spread over `gpus` (the first one first).
+    fn spread(name: &str, gpus: &[u32], containers: &[(&str, u64, bool)]) -> Arc<PodView> {
+        let mut pod = (*view(name, gpus[0], containers)).clone();
+        pod.allocation.more_gpus = gpus[1..]
+            .iter()
+            .map(|&index| gpushare_contract::GpuRef {
+                index,
+                uuid: format!("GPU-{index}"),
+            })
+            .collect();
+        Arc::new(pod)
+    }
+
+    #[test]
+    fn a_multi_gpu_container_holds_devices_of_each_of_its_gpus_legitimately() {
+        // 2 × 4 GiB on GPUs 2 and 0; main holds 4 devices of each.
+        let views = vec![
+            spread("legit", &[2, 0], &[("main", 8, false)]),
+            spread("stray", &[2, 0], &[("main", 8, false)]),
+        ];
+        let mut both = ids(2, 0..4);
+        both.extend(ids(0, 0..4));
+        let mut outside = ids(2, 4..8);
+        outside.extend(ids(0, 4..7));
+        outside.extend(ids(1, 0..1));
+        let f = facts(&[
+            ("legit", &[("main", both)]),
+            ("stray", &[("main", outside)]),
+        ]);
+        let findings = check(&views, &[], &f, uuid, everyone);
+        assert_eq!(
+            findings,
+            [Finding::WrongGpu {
+                pod: "default/stray".into(),
+                uid: "uid-stray".into(),
+                container: "main".into(),
+                given: vec![(2, "GPU-2".into()), (0, "GPU-0".into())],
+                held: vec!["GPU-1".into()],
+            }]
+        );
+        let note = findings[0].note("example.com/gpu-mem");
+        assert!(
+            note.contains(
+                "devices of GPU GPU-1, but gpushare placed the pod on GPUs 2 (GPU-2), 0 (GPU-0)"
+            ) && note.contains("if it is not GPU-2,GPU-0"),
+            "{note}"
+        );
+        // Recorded without UUIDs: every GPU of the set is looked up by index.
+        let mut bare = (*views[0]).clone();
+        bare.allocation.gpu_uuid.clear();
+        for gpu in &mut bare.allocation.more_gpus {
+            gpu.uuid.clear();
+        }
+        let mut both = ids(2, 0..4);
+        both.extend(ids(0, 0..4));
+        let f = facts(&[("legit", &[("main", both)])]);
+        assert!(check(&[Arc::new(bare)], &[], &f, uuid, everyone).is_empty());
+    }
+
     #[test]
     fn an_allocation_recorded_without_uuid_is_compared_by_index() {
         let mut pod = (*view("p", 1, &[("main", 2, false)])).clone();
@@ -523,7 +611,7 @@ mod tests {
         let f = facts(&[("p", &[("main", ids(0, 0..2))])]);
         let findings = check(&[Arc::new(pod)], &[], &f, uuid, everyone);
         assert_eq!(findings.len(), 1);
-        assert!(matches!(&findings[0], Finding::WrongGpu { given, .. } if given.1 == "GPU-1"));
+        assert!(matches!(&findings[0], Finding::WrongGpu { given, .. } if given[0].1 == "GPU-1"));
     }
 
     #[test]

@@ -152,6 +152,16 @@ pub struct Config {
         default_value = "/tmp/nvidia-mps"
     )]
     pub mps_pipe_directory: String,
+    /// Also name each container's GPUs as CDI devices in the Allocate answer
+    /// (`nvidia.com/gpu=<uuid>`), so they are pinned where the NVIDIA toolkit resolves
+    /// devices through CDI and ignores `NVIDIA_VISIBLE_DEVICES`. Off by default: kubelet hands
+    /// these names to the container runtime, and a runtime with CDI enabled (CRI-O,
+    /// containerd 2.x, containerd 1.7 with `enable_cdi`) refuses to create the container when
+    /// no CDI spec on the node defines them ("unresolvable CDI devices"). Turn it on where
+    /// every GPU node has the NVIDIA toolkit's CDI spec with UUID names (`nvidia-ctk cdi
+    /// list` shows `nvidia.com/gpu=GPU-…`).
+    #[arg(long, env = "CDI_DEVICES", default_value_t = false, action = clap::ArgAction::Set)]
+    pub cdi_devices: bool,
     /// JSON file saying how much GPU memory each pod uses on simulated GPUs,
     /// `{"default/a": "5Gi", "default/b": 512}` (MiB or a size); re-read at every usage poll.
     #[arg(long, env = "SIMULATE_USAGE_FILE")]
@@ -420,6 +430,7 @@ async fn run_inner(
         allocated: allocated.clone(),
         enforcement: config.enforcement,
         mps_pipe_directory: config.mps_pipe_directory.clone(),
+        cdi_devices: config.cdi_devices,
     });
     let checker = pod_resources::Checker {
         socket: config.pod_resources_socket.clone(),

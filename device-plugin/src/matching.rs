@@ -7,10 +7,14 @@
 //!
 //! That may pick a *twin* — another pod waiting for the same size — rather than the pod
 //! kubelet is actually admitting. It does not matter for correctness: the extender never
-//! lets two pending containers of the same size on one node sit on different GPUs (the twin
-//! rule), so any match names the right GPU. Only the bookkeeping (`allocated`/`assigned`
-//! marks) may land on the twin; [`plan_reconcile`] moves it back once kubelet starts the
-//! real pod.
+//! lets two pending containers of the same size on one node span different GPU sets (the
+//! twin rule; for a one-GPU pod the set is its GPU), so any match names the right GPUs. Only
+//! the bookkeeping (`allocated`/`assigned` marks) may land on the twin; [`plan_reconcile`]
+//! moves it back once kubelet starts the real pod.
+//!
+//! A container spread over N GPUs is matched by its total, as any other: kubelet asks
+//! Allocate for all its devices at once (8 GiB on each of 2 GPUs is one request of 16), so
+//! nothing here counts GPUs; only [`preferred_devices`] splits the devices over the set.
 //!
 //! Only allocations the extender signed take part ([`Trust`]): a pod created with
 //! hand-written allocation annotations is never a candidate, so it is never handed a GPU
@@ -193,13 +197,20 @@ fn first_pending<'a>(
     })
 }
 
-/// The devices to suggest to kubelet: `must_include` first, then devices of `gpu` (when
-/// known), then any others, `size` in all. `gpu_of` maps a device ID to its GPU index.
+/// The devices to suggest to kubelet: `must_include` first, then devices of the pod's `gpus`
+/// (when known; empty otherwise), then any others, `size` in all. `gpu_of` maps a device ID
+/// to its GPU index.
+///
+/// A container spread over N GPUs holds `size / N` GiB of each, so each GPU of the set is
+/// filled up to its share (counting what `must_include` already holds there) before any
+/// GPU's devices go beyond it: kubelet's count per GPU then matches what the container
+/// really uses, and the PodResources cross-check ([`crate::facts`]) sees devices of the
+/// pod's GPUs only. With one GPU the share is the whole size, as it always was.
 pub fn preferred_devices(
     available: &[String],
     must_include: &[String],
     size: usize,
-    gpu: Option<u32>,
+    gpus: &[u32],
     gpu_of: impl Fn(&str) -> Option<u32>,
 ) -> Vec<String> {
     let mut chosen: Vec<String> = Vec::with_capacity(size);
@@ -211,8 +222,24 @@ pub fn preferred_devices(
     for id in must_include {
         push(id, &mut chosen);
     }
-    if let Some(gpu) = gpu {
-        for id in available.iter().filter(|id| gpu_of(id) == Some(gpu)) {
+    if !gpus.is_empty() {
+        let share = size / gpus.len();
+        for &gpu in gpus {
+            let mut held = chosen.iter().filter(|id| gpu_of(id) == Some(gpu)).count();
+            for id in available.iter().filter(|id| gpu_of(id) == Some(gpu)) {
+                if held >= share {
+                    break;
+                }
+                let before = chosen.len();
+                push(id, &mut chosen);
+                held += chosen.len() - before;
+            }
+        }
+        // An uneven size (not a multiple of N): the rest from the pod's GPUs still.
+        for id in available
+            .iter()
+            .filter(|id| gpu_of(id).is_some_and(|g| gpus.contains(&g)))
+        {
             push(id, &mut chosen);
         }
     }
@@ -575,20 +602,75 @@ mod tests {
         let gpu_of = |id: &str| id.split('-').nth(1).and_then(|g| g.parse().ok());
         let available = ids(&["G-0-0", "G-0-1", "G-1-0", "G-1-1", "G-1-2"]);
         assert_eq!(
-            preferred_devices(&available, &[], 2, Some(1), gpu_of),
+            preferred_devices(&available, &[], 2, &[1], gpu_of),
             ids(&["G-1-0", "G-1-1"])
         );
         // must_include first, then the GPU, then anything to fill.
         assert_eq!(
-            preferred_devices(&available, &ids(&["G-0-1"]), 5, Some(1), gpu_of),
+            preferred_devices(&available, &ids(&["G-0-1"]), 5, &[1], gpu_of),
             ids(&["G-0-1", "G-1-0", "G-1-1", "G-1-2", "G-0-0"])
         );
         // No known pod: kubelet's own pick, the first N.
         assert_eq!(
-            preferred_devices(&available, &[], 3, None, gpu_of),
+            preferred_devices(&available, &[], 3, &[], gpu_of),
             ids(&["G-0-0", "G-0-1", "G-1-0"])
         );
-        assert!(preferred_devices(&available, &[], 0, Some(0), gpu_of).is_empty());
+        assert!(preferred_devices(&available, &[], 0, &[0], gpu_of).is_empty());
+    }
+
+    #[test]
+    fn preferred_devices_split_a_multi_gpu_container_over_its_gpus() {
+        let ids = |v: &[&str]| v.iter().map(|s| (*s).to_owned()).collect::<Vec<_>>();
+        let gpu_of = |id: &str| id.split('-').nth(1).and_then(|g| g.parse().ok());
+        let available = ids(&[
+            "G-0-0", "G-0-1", "G-0-2", "G-1-0", "G-1-1", "G-1-2", "G-2-0", "G-2-1", "G-2-2",
+        ]);
+        // 4 GiB over GPUs 2 and 0: 2 of each, none of GPU 1's, though kubelet lists them
+        // before GPU 2's.
+        assert_eq!(
+            preferred_devices(&available, &[], 4, &[2, 0], gpu_of),
+            ids(&["G-2-0", "G-2-1", "G-0-0", "G-0-1"])
+        );
+        // must_include (devices an init container held) count toward their GPU's share.
+        assert_eq!(
+            preferred_devices(&available, &ids(&["G-0-2", "G-2-2"]), 4, &[2, 0], gpu_of),
+            ids(&["G-0-2", "G-2-2", "G-2-0", "G-0-0"])
+        );
+        // A GPU of the set short of devices: the rest from the set's other GPU first.
+        let short = ids(&["G-0-0", "G-1-0", "G-1-1", "G-2-0", "G-2-1", "G-2-2"]);
+        assert_eq!(
+            preferred_devices(&short, &[], 4, &[0, 2], gpu_of),
+            ids(&["G-0-0", "G-2-0", "G-2-1", "G-2-2"])
+        );
+    }
+
+    #[test]
+    fn a_multi_gpu_container_is_matched_by_its_total_and_reconciled_as_any() {
+        // p: 16 GiB over GPUs 0 and 1; q: 8 GiB on GPU 2. Allocate(16) is for p.
+        let mut p = view("p", 10, &[("main", 16, false)]);
+        p.allocation.pod_gib = 8;
+        p.allocation.more_gpus = vec![gpushare_contract::GpuRef {
+            index: 1,
+            uuid: "GPU-1".into(),
+        }];
+        let q = view("q", 5, &[("main", 8, false)]);
+        assert_eq!(
+            found(&[p.clone(), q.clone()], 16),
+            Some(("default/p".into(), "main".into()))
+        );
+        assert_eq!(found(&[p.clone(), q.clone()], 8).unwrap().0, "default/q");
+        // A twin of p (same size, same GPU set) took p's mark; p runs: the mark moves back.
+        let mut twin = p.clone();
+        twin.key = "default/twin".into();
+        twin.uid = "uid-twin".into();
+        twin.allocation.bind_time = "2026-11-22T10:00:20Z".into();
+        twin.mark_allocated("main");
+        p.phase = Some("Running".into());
+        let mut views = shared(vec![p, twin, q]);
+        let changes = plan_reconcile(&mut views, "n1", |_| true);
+        assert_eq!(changes.iter().map(|c| c.0).collect::<Vec<_>>(), [0, 1]);
+        assert!(views[0].allocation.assigned);
+        assert_eq!(found(&views, 16).unwrap().0, "default/twin");
     }
 
     #[test]

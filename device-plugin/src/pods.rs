@@ -381,13 +381,13 @@ impl PodCache {
     }
 
     /// Live pods (not finished, not being deleted) whose allocation, trusted, is on the GPU
-    /// with `uuid`: `(namespace/name, uid)`.
+    /// with `uuid` (a multi-GPU pod: on any of its GPUs): `(namespace/name, uid)`.
     pub fn pods_on_gpu(&self, uuid: &str) -> Vec<(String, String)> {
         let overlay = self.lock();
         self.views(&overlay)
             .iter()
             .filter(|view| {
-                view.allocation.gpu_uuid == uuid
+                view.allocation.gpus().any(|(_, gpu)| gpu == uuid)
                     && !view.deleting
                     && !matches!(view.phase.as_deref(), Some("Succeeded" | "Failed"))
                     && matches!(
@@ -475,9 +475,9 @@ impl PodCache {
             .map(|(index, why)| (views[index].key.clone(), why.to_owned()))
     }
 
-    /// The GPU index of the pod an Allocate of `gib` devices would be matched to, waiting
-    /// up to `wait` for the watch to bring one.
-    pub async fn preview(&self, gib: u64, wait: Duration) -> Option<u32> {
+    /// The GPU indices (the first one first) of the pod an Allocate of `gib` devices would be
+    /// matched to, waiting up to `wait` for the watch to bring one; empty when none comes.
+    pub async fn preview(&self, gib: u64, wait: Duration) -> Vec<u32> {
         let deadline = tokio::time::Instant::now() + wait;
         let mut changes = self.changes.subscribe();
         loop {
@@ -485,15 +485,20 @@ impl PodCache {
             let found = {
                 let overlay = self.lock();
                 let views = self.views(&overlay);
-                matching::find_pending(&views, &self.node, gib)
-                    .map(|(i, _)| views[i].allocation.gpu_index)
+                matching::find_pending(&views, &self.node, gib).map(|(i, _)| {
+                    views[i]
+                        .allocation
+                        .gpus()
+                        .map(|(index, _)| index)
+                        .collect::<Vec<_>>()
+                })
             };
-            if found.is_some() {
+            if let Some(found) = found {
                 return found;
             }
             let changed = tokio::time::timeout_at(deadline, changes.changed()).await;
             if !matches!(changed, Ok(Ok(()))) {
-                return None;
+                return Vec::new();
             }
         }
     }

@@ -2,8 +2,11 @@
 //!
 //! Allocate is where the extender's decision becomes real: kubelet hands us N device IDs
 //! (= N GiB), we find the pod container waiting for N GiB on this node in the local pod cache
-//! ([`crate::pods`]) and answer with the environment that pins the container to the GPU the
-//! extender chose. No API call happens on this path; the marks are written in the background.
+//! ([`crate::pods`]) and answer with the environment that pins the container to the GPU (or,
+//! for a multi-GPU pod, the GPUs) the extender chose, every one of them checked first; with
+//! `--cdi-devices`, also as CDI device names, for runtimes where the NVIDIA toolkit resolves
+//! devices through CDI rather than `NVIDIA_VISIBLE_DEVICES`. No API call happens on this
+//! path; the marks are written in the background.
 //! With a keyring, only allocations the extender signed are matched; when the pod that would
 //! match carries one it did not sign, the answer is `PermissionDenied` naming that pod
 //! ([`AllocateError::Forged`]), counted in `gpushare_device_plugin_forged_allocations_total`.
@@ -18,7 +21,7 @@ use gpushare_contract::env::Enforcement;
 use gpushare_contract::{ContainerRequest, GpuInfo, env};
 use gpushare_proto::v1beta1::device_plugin_server::DevicePlugin;
 use gpushare_proto::v1beta1::{
-    AllocateRequest, AllocateResponse, ContainerAllocateResponse,
+    AllocateRequest, AllocateResponse, CdiDevice, ContainerAllocateResponse,
     ContainerPreferredAllocationResponse, DevicePluginOptions, Empty, ListAndWatchResponse, Mount,
     PreStartContainerRequest, PreStartContainerResponse, PreferredAllocationRequest,
     PreferredAllocationResponse,
@@ -55,6 +58,8 @@ pub struct PluginState {
     pub enforcement: Enforcement,
     /// The MPS daemon's pipe directory (with [`Enforcement::Mps`]).
     pub mps_pipe_directory: String,
+    /// Whether Allocate also names each container's GPUs as CDI devices ([`cdi_devices`]).
+    pub cdi_devices: bool,
 }
 
 /// The options sent at registration and from `GetDevicePluginOptions`.
@@ -108,7 +113,8 @@ pub enum AllocateError {
     },
     /// The annotation names a GPU index this node does not have.
     #[error(
-        "pod {pod} was placed on GPU {index}, but node {node} has no GPU with that index; delete the pod so it is scheduled again"
+        "pod {pod} was placed on GPU {index}{}, but node {node} has no GPU with that index; delete the pod so it is scheduled again",
+        among(.set)
     )]
     UnknownGpu {
         /// namespace/name
@@ -117,10 +123,13 @@ pub enum AllocateError {
         index: u32,
         /// the node
         node: String,
+        /// every GPU index of the pod (named in the message when more than one)
+        set: Vec<u32>,
     },
     /// The annotation's UUID is not the UUID of our GPU at that index.
     #[error(
-        "pod {pod} was placed on GPU {index} with UUID {annotated}, but GPU {index} on this node is {ours}; the GPUs changed since scheduling, delete the pod so it is scheduled again"
+        "pod {pod} was placed on GPU {index}{} with UUID {annotated}, but GPU {index} on this node is {ours}; the GPUs changed since scheduling, delete the pod so it is scheduled again",
+        among(.set)
     )]
     UuidMismatch {
         /// namespace/name
@@ -131,10 +140,13 @@ pub enum AllocateError {
         annotated: String,
         /// our UUID
         ours: String,
+        /// every GPU index of the pod (named in the message when more than one)
+        set: Vec<u32>,
     },
-    /// The GPU chosen is unhealthy.
+    /// A GPU chosen is unhealthy.
     #[error(
-        "pod {pod} was placed on GPU {index} ({uuid}), which is unhealthy; delete the pod so it is scheduled elsewhere"
+        "pod {pod} was placed on GPU {index} ({uuid}){}, which is unhealthy; delete the pod so it is scheduled elsewhere",
+        among(.set)
     )]
     UnhealthyGpu {
         /// namespace/name
@@ -143,7 +155,18 @@ pub enum AllocateError {
         index: u32,
         /// its UUID
         uuid: String,
+        /// every GPU index of the pod (named in the message when more than one)
+        set: Vec<u32>,
     },
+}
+
+/// ` (one of its GPUs 1,3)` for a multi-GPU pod, nothing for a one-GPU pod.
+fn among(set: &[u32]) -> String {
+    if set.len() > 1 {
+        format!(" (one of its GPUs {})", comma_list(set))
+    } else {
+        String::new()
+    }
 }
 
 impl AllocateError {
@@ -177,55 +200,130 @@ impl From<AllocateError> for Status {
     }
 }
 
-/// The GPU a pod's allocation names, if it is usable.
-pub fn check_gpu(gpus: &[GpuInfo], node: &str, view: &PodView) -> Result<GpuInfo, AllocateError> {
+/// The GPUs a pod's allocation names (the first one first), if every one of them is usable:
+/// this node has it, its UUID is the one the extender recorded, and it is healthy. A
+/// multi-GPU pod gets none of its GPUs when any one of them fails.
+pub fn check_gpus(
+    gpus: &[GpuInfo],
+    node: &str,
+    view: &PodView,
+) -> Result<Vec<GpuInfo>, AllocateError> {
     let alloc = &view.allocation;
-    let gpu = gpus
-        .iter()
-        .find(|gpu| gpu.index == alloc.gpu_index)
-        .ok_or_else(|| AllocateError::UnknownGpu {
-            pod: view.key.clone(),
-            index: alloc.gpu_index,
-            node: node.to_owned(),
+    let set: Vec<u32> = alloc.gpus().map(|(index, _)| index).collect();
+    let mut checked = Vec::with_capacity(alloc.gpu_count());
+    for (index, uuid) in alloc.gpus() {
+        let gpu = gpus.iter().find(|gpu| gpu.index == index).ok_or_else(|| {
+            AllocateError::UnknownGpu {
+                pod: view.key.clone(),
+                index,
+                node: node.to_owned(),
+                set: set.clone(),
+            }
         })?;
-    if !alloc.gpu_uuid.is_empty() && alloc.gpu_uuid != gpu.uuid {
-        return Err(AllocateError::UuidMismatch {
-            pod: view.key.clone(),
-            index: alloc.gpu_index,
-            annotated: alloc.gpu_uuid.clone(),
-            ours: gpu.uuid.clone(),
-        });
+        if !uuid.is_empty() && uuid != gpu.uuid {
+            return Err(AllocateError::UuidMismatch {
+                pod: view.key.clone(),
+                index,
+                annotated: uuid.to_owned(),
+                ours: gpu.uuid.clone(),
+                set,
+            });
+        }
+        if !gpu.healthy {
+            return Err(AllocateError::UnhealthyGpu {
+                pod: view.key.clone(),
+                index: gpu.index,
+                uuid: gpu.uuid.clone(),
+                set,
+            });
+        }
+        checked.push(gpu.clone());
     }
-    if !gpu.healthy {
-        return Err(AllocateError::UnhealthyGpu {
-            pod: view.key.clone(),
-            index: gpu.index,
-            uuid: gpu.uuid.clone(),
-        });
-    }
-    Ok(gpu.clone())
+    Ok(checked)
 }
 
-/// The environment of a container pinned to `gpu`: the placement, and what the enforcer of
-/// `enforcement` reads (see `gpushare_contract::env`).
+/// `items` joined with commas: how the environment lists a multi-GPU container's GPUs.
+fn comma_list<T: ToString>(items: impl IntoIterator<Item = T>) -> String {
+    items
+        .into_iter()
+        .map(|item| item.to_string())
+        .collect::<Vec<_>>()
+        .join(",")
+}
+
+/// The environment of a container pinned to `gpus` (the pod's GPUs, the first one first):
+/// the placement, and what the enforcer of `enforcement` reads (see `gpushare_contract::env`).
+/// `pod_gib_per_gpu` is what the pod holds on each GPU ([`PodAllocation::pod_gib`]).
+///
+/// A one-GPU container gets exactly the variables it always got. A container spread over N
+/// GPUs sees them all: comma lists of UUIDs and indices, `GPUSHARE_GPU_COUNT`, its total
+/// (`GPUSHARE_CONTAINER_MEM_GIB`) and its share of each GPU
+/// (`GPUSHARE_CONTAINER_MEM_GIB_PER_GPU`), the pod's total, the smallest GPU's size (what a
+/// per-device fraction must be computed against), and the enforcer's limit on every device.
+///
+/// [`PodAllocation::pod_gib`]: gpushare_contract::PodAllocation::pod_gib
 pub fn container_env(
-    gpu: &GpuInfo,
+    gpus: &[GpuInfo],
     container: &ContainerRequest,
-    pod_gib: u64,
+    pod_gib_per_gpu: u64,
     (enforcement, mps_pipe_directory): (Enforcement, &str),
 ) -> HashMap<String, String> {
+    let count = gpus.len().max(1);
+    let count_u64 = u64::try_from(count).unwrap_or(u64::MAX);
+    let uuids = comma_list(gpus.iter().map(|gpu| gpu.uuid.as_str()));
+    let gib_per_gpu = container.gib / count_u64;
     let mut vars = HashMap::from([
-        (env::NVIDIA_VISIBLE_DEVICES.to_owned(), gpu.uuid.clone()),
-        (env::GPU_INDEX.to_owned(), gpu.index.to_string()),
-        (env::GPU_UUID.to_owned(), gpu.uuid.clone()),
+        (env::NVIDIA_VISIBLE_DEVICES.to_owned(), uuids.clone()),
+        (
+            env::GPU_INDEX.to_owned(),
+            comma_list(gpus.iter().map(|gpu| gpu.index)),
+        ),
+        (env::GPU_UUID.to_owned(), uuids),
         (env::CONTAINER_GIB.to_owned(), container.gib.to_string()),
-        (env::POD_GIB.to_owned(), pod_gib.to_string()),
-        (env::GPU_TOTAL_GIB.to_owned(), gpu.mem_gib.to_string()),
+        (
+            env::POD_GIB.to_owned(),
+            pod_gib_per_gpu.saturating_mul(count_u64).to_string(),
+        ),
+        (
+            env::GPU_TOTAL_GIB.to_owned(),
+            gpus.iter()
+                .map(|gpu| gpu.mem_gib)
+                .min()
+                .unwrap_or_default()
+                .to_string(),
+        ),
     ]);
-    for (name, value) in enforcement.env(container.gib, mps_pipe_directory) {
+    if count > 1 {
+        vars.insert(env::GPU_COUNT.to_owned(), count.to_string());
+        vars.insert(
+            env::CONTAINER_GIB_PER_GPU.to_owned(),
+            gib_per_gpu.to_string(),
+        );
+    }
+    for (name, value) in enforcement.env_on(gib_per_gpu, count, mps_pipe_directory) {
         vars.insert(name.to_owned(), value);
     }
     vars
+}
+
+/// The CDI kind the NVIDIA container toolkit gives GPUs in the spec it generates.
+pub const NVIDIA_CDI_KIND: &str = "nvidia.com/gpu";
+
+/// The CDI devices that give a container `gpus`: `nvidia.com/gpu=<uuid>` each.
+///
+/// The NVIDIA container toolkit's generated CDI spec (`nvidia-ctk cdi generate`, kind
+/// `nvidia.com/gpu`) names every GPU both by index and by UUID, `nvidia.com/gpu=0` and
+/// `nvidia.com/gpu=GPU-…`, beside `nvidia.com/gpu=all`; `nvidia-ctk cdi list` prints them
+/// (<https://docs.nvidia.com/datacenter/cloud-native/container-toolkit/latest/cdi-support.html>).
+/// The UUID is used because it names the same GPU whatever the enumeration order, as the
+/// allocation does. A GPU without a UUID (no inventory) gets no CDI device.
+pub fn cdi_devices(gpus: &[GpuInfo]) -> Vec<CdiDevice> {
+    gpus.iter()
+        .filter(|gpu| !gpu.uuid.is_empty())
+        .map(|gpu| CdiDevice {
+            name: format!("{NVIDIA_CDI_KIND}={}", gpu.uuid),
+        })
+        .collect()
 }
 
 /// What a container needs mounted for `enforcement`: the MPS daemon's pipe directory.
@@ -278,7 +376,7 @@ impl GpuMemService {
             }
             sizes.push(u64::try_from(container.devices_ids.len()).unwrap_or(u64::MAX));
         }
-        let check = |view: &PodView, _: &ContainerRequest| check_gpu(&gpus, &state.node, view);
+        let check = |view: &PodView, _: &ContainerRequest| check_gpus(&gpus, &state.node, view);
         let claims = state
             .pods
             .claim(&sizes, check, state.pending_wait)
@@ -298,8 +396,8 @@ impl GpuMemService {
                 tracing::info!(
                     pod = %claim.pod,
                     container = %claim.container.name,
-                    gpu = claim.checked.index,
-                    uuid = %claim.checked.uuid,
+                    gpu = %comma_list(claim.checked.iter().map(|gpu| gpu.index)),
+                    uuid = %comma_list(claim.checked.iter().map(|gpu| gpu.uuid.as_str())),
                     gib = claim.container.gib,
                     "allocated"
                 );
@@ -312,6 +410,11 @@ impl GpuMemService {
                         enforcement,
                     ),
                     mounts: container_mounts(state.enforcement, &state.mps_pipe_directory),
+                    cdi_devices: if state.cdi_devices {
+                        cdi_devices(&claim.checked)
+                    } else {
+                        Vec::new()
+                    },
                     ..Default::default()
                 }
             })
@@ -360,13 +463,13 @@ impl DevicePlugin for GpuMemService {
             let size = usize::try_from(container.allocation_size).unwrap_or(0);
             let gib = u64::try_from(size).unwrap_or(u64::MAX);
             // kubelet may admit a pod a moment before our watch shows it: wait as Allocate does.
-            let gpu = self.state.pods.preview(gib, self.state.pending_wait).await;
+            let pod_gpus = self.state.pods.preview(gib, self.state.pending_wait).await;
             container_responses.push(ContainerPreferredAllocationResponse {
                 device_i_ds: matching::preferred_devices(
                     &container.available_device_i_ds,
                     &container.must_include_device_i_ds,
                     size,
-                    gpu,
+                    &pod_gpus,
                     |id| devices::gpu_of(&gpus, id),
                 ),
             });
@@ -414,5 +517,216 @@ impl DevicePlugin for GpuMemService {
         _request: Request<PreStartContainerRequest>,
     ) -> Result<Response<PreStartContainerResponse>, Status> {
         Ok(Response::new(PreStartContainerResponse {}))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::matching::Trust;
+    use gpushare_contract::{GpuRef, PodAllocation};
+
+    fn gpu(index: u32, mem_gib: u64, healthy: bool) -> GpuInfo {
+        GpuInfo {
+            index,
+            uuid: format!("GPU-{index}"),
+            model: String::new(),
+            mem_gib,
+            healthy,
+            numa_node: None,
+        }
+    }
+
+    /// A pod placed on `gpus` (index, uuid) with `pod_gib` on each.
+    fn placed(gpus: &[(u32, &str)], pod_gib: u64, exclusive: bool) -> PodView {
+        let (first, more) = gpus.split_first().expect("at least one GPU");
+        PodView {
+            key: "default/p".into(),
+            uid: "uid-p".into(),
+            node: Some("n1".into()),
+            phase: Some("Pending".into()),
+            deleting: false,
+            allocation: PodAllocation {
+                gpu_index: first.0,
+                gpu_uuid: first.1.into(),
+                more_gpus: more
+                    .iter()
+                    .map(|&(index, uuid)| GpuRef {
+                        index,
+                        uuid: uuid.into(),
+                    })
+                    .collect(),
+                pod_gib,
+                exclusive,
+                containers: vec![ContainerRequest {
+                    name: "main".into(),
+                    gib: pod_gib * u64::try_from(gpus.len()).unwrap(),
+                    init: false,
+                }],
+                bind_time: "2026-11-22T10:00:00Z".into(),
+                assigned: false,
+                allocated: vec![],
+                signature: None,
+            },
+            trust: Trust::Verified,
+        }
+    }
+
+    fn container(gib: u64) -> ContainerRequest {
+        ContainerRequest {
+            name: "main".into(),
+            gib,
+            init: false,
+        }
+    }
+
+    fn vars(pairs: &[(&str, &str)]) -> HashMap<String, String> {
+        pairs
+            .iter()
+            .map(|(k, v)| ((*k).to_owned(), (*v).to_owned()))
+            .collect()
+    }
+
+    #[test]
+    fn a_one_gpu_container_gets_the_variables_it_always_got() {
+        let env = container_env(
+            &[gpu(2, 24, true)],
+            &container(4),
+            6,
+            (Enforcement::Mps, "/run/mps"),
+        );
+        assert_eq!(
+            env,
+            vars(&[
+                (env::NVIDIA_VISIBLE_DEVICES, "GPU-2"),
+                (env::GPU_INDEX, "2"),
+                (env::GPU_UUID, "GPU-2"),
+                (env::CONTAINER_GIB, "4"),
+                (env::POD_GIB, "6"),
+                (env::GPU_TOTAL_GIB, "24"),
+                (env::CUDA_MPS_PINNED_DEVICE_MEM_LIMIT, "0=4G"),
+                (env::CUDA_MPS_PIPE_DIRECTORY, "/run/mps"),
+            ])
+        );
+    }
+
+    #[test]
+    fn a_two_gpu_container_sees_both_gpus_and_its_share_of_each() {
+        // 16 GiB spread over GPUs 3 and 1 (the extender's order), 8 GiB on each.
+        let env = container_env(
+            &[gpu(3, 24, true), gpu(1, 16, true)],
+            &container(16),
+            8,
+            (Enforcement::Mps, "/run/mps"),
+        );
+        assert_eq!(
+            env,
+            vars(&[
+                (env::NVIDIA_VISIBLE_DEVICES, "GPU-3,GPU-1"),
+                (env::GPU_INDEX, "3,1"),
+                (env::GPU_UUID, "GPU-3,GPU-1"),
+                (env::GPU_COUNT, "2"),
+                (env::CONTAINER_GIB, "16"),
+                (env::CONTAINER_GIB_PER_GPU, "8"),
+                (env::POD_GIB, "16"),
+                (env::GPU_TOTAL_GIB, "16"),
+                (env::CUDA_MPS_PINNED_DEVICE_MEM_LIMIT, "0=8G,1=8G"),
+                (env::CUDA_MPS_PIPE_DIRECTORY, "/run/mps"),
+            ])
+        );
+    }
+
+    #[test]
+    fn an_exclusive_container_is_limited_to_its_share_of_each_whole_gpu() {
+        // A whole-GPU pod on 2 × 24 GiB: gpu-mem 48, 24 booked on each GPU.
+        let env = container_env(
+            &[gpu(0, 24, true), gpu(1, 24, true)],
+            &container(48),
+            24,
+            (Enforcement::Toolkit, "/run/mps"),
+        );
+        assert_eq!(env[env::NVIDIA_VISIBLE_DEVICES], "GPU-0,GPU-1");
+        assert_eq!(env[env::GPU_COUNT], "2");
+        assert_eq!(env[env::CONTAINER_GIB], "48");
+        assert_eq!(env[env::CONTAINER_GIB_PER_GPU], "24");
+        assert_eq!(env[env::POD_GIB], "48");
+        assert_eq!(env[env::GPU_TOTAL_GIB], "24");
+        assert_eq!(env[env::NVIDIA_GPU_MEMORY_LIMIT], "24576");
+    }
+
+    #[test]
+    fn cdi_devices_name_every_gpu_by_uuid() {
+        let names: Vec<String> = cdi_devices(&[gpu(3, 24, true), gpu(1, 16, true)])
+            .into_iter()
+            .map(|device| device.name)
+            .collect();
+        assert_eq!(names, ["nvidia.com/gpu=GPU-3", "nvidia.com/gpu=GPU-1"]);
+        let mut bare = gpu(0, 16, true);
+        bare.uuid.clear();
+        assert!(cdi_devices(&[bare]).is_empty());
+    }
+
+    #[test]
+    fn every_gpu_of_the_allocation_is_checked() {
+        let node = [gpu(0, 16, true), gpu(1, 16, true), gpu(3, 24, true)];
+        let view = placed(&[(3, "GPU-3"), (1, "GPU-1")], 8, false);
+        let checked = check_gpus(&node, "n1", &view).unwrap();
+        assert_eq!(
+            checked.iter().map(|g| g.index).collect::<Vec<_>>(),
+            [3, 1],
+            "the allocation's order, the first GPU first"
+        );
+        // Recorded without UUIDs (no inventory when scheduled): indices alone.
+        let view = placed(&[(0, ""), (1, "")], 8, false);
+        assert_eq!(check_gpus(&node, "n1", &view).unwrap().len(), 2);
+    }
+
+    #[test]
+    fn an_unhealthy_second_gpu_refuses_the_whole_allocation() {
+        let node = [gpu(1, 16, true), gpu(3, 24, false)];
+        let view = placed(&[(1, "GPU-1"), (3, "GPU-3")], 8, false);
+        let err = check_gpus(&node, "n1", &view).unwrap_err();
+        assert_eq!(err.reason(), "gpu_unhealthy");
+        assert_eq!(
+            err.to_string(),
+            "pod default/p was placed on GPU 3 (GPU-3) (one of its GPUs 1,3), which is unhealthy; delete the pod so it is scheduled elsewhere"
+        );
+        assert_eq!(Status::from(err).code(), tonic::Code::Unavailable);
+        // The one-GPU message is unchanged.
+        let view = placed(&[(3, "GPU-3")], 8, false);
+        assert_eq!(
+            check_gpus(&node, "n1", &view).unwrap_err().to_string(),
+            "pod default/p was placed on GPU 3 (GPU-3), which is unhealthy; delete the pod so it is scheduled elsewhere"
+        );
+    }
+
+    #[test]
+    fn a_second_gpu_that_is_missing_or_changed_is_refused() {
+        let node = [gpu(0, 16, true), gpu(1, 16, true)];
+        let err = check_gpus(
+            &node,
+            "n1",
+            &placed(&[(0, "GPU-0"), (5, "GPU-5")], 8, false),
+        )
+        .unwrap_err();
+        assert_eq!(err.reason(), "unknown_gpu");
+        assert!(
+            err.to_string()
+                .contains("was placed on GPU 5 (one of its GPUs 0,5), but node n1 has no GPU"),
+            "{err}"
+        );
+        let err = check_gpus(
+            &node,
+            "n1",
+            &placed(&[(0, "GPU-0"), (1, "GPU-x")], 8, false),
+        )
+        .unwrap_err();
+        assert_eq!(err.reason(), "gpu_uuid_mismatch");
+        assert!(
+            err.to_string().contains(
+                "GPU 1 (one of its GPUs 0,1) with UUID GPU-x, but GPU 1 on this node is GPU-1"
+            ),
+            "{err}"
+        );
     }
 }

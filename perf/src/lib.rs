@@ -23,7 +23,13 @@
 //! - **fragmentation**: the extender's fragmentation policy on both levels (nodes' CPU and
 //!   memory and pods' requests booked as the extender's view books them);
 //! - **offline bound**: best-fit-decreasing over the whole arrival trace (knows the future),
-//!   as a yardstick for what any online policy could reach.
+//!   as a yardstick for what any online policy could reach (whole-GPU pods first, each on
+//!   the node with the fewest empty GPUs that still holds it, then the rest).
+//!
+//! A trace may mix in multi-GPU pods ([`TraceSpec::multi_gpu_probability`]): 2 or 4 whole
+//! GPUs each, as the large jobs of production traces ask (`<domain>/gpus` with
+//! `<domain>/exclusive`). They are placed through the same allocation core, and the memory
+//! they book is the whole of their GPUs.
 
 use std::collections::HashMap;
 
@@ -49,6 +55,15 @@ pub enum Event {
         /// GiB asked for
         gib: u64,
     },
+    /// A pod asking for `gpus` whole GPUs of at least `gib_per_gpu` GiB arrives.
+    ArriveWhole {
+        /// trace-local id
+        id: u64,
+        /// number of GPUs
+        gpus: u32,
+        /// GiB each GPU must have at least
+        gib_per_gpu: u64,
+    },
     /// A running pod leaves.
     Depart {
         /// id of an earlier arrival
@@ -67,6 +82,10 @@ pub struct TraceSpec {
     pub departure_probability: f64,
     /// RNG seed: the same seed gives the same trace.
     pub seed: u64,
+    /// Probability that an arrival is a whole-GPU pod of 2 (three times in four) or 4 GPUs
+    /// of at least the largest size in `sizes`; 0 draws nothing more from the RNG, so such a
+    /// trace is the same as before multi-GPU pods existed.
+    pub multi_gpu_probability: f64,
 }
 
 impl TraceSpec {
@@ -77,6 +96,7 @@ impl TraceSpec {
             arrivals,
             departure_probability: 0.0,
             seed,
+            multi_gpu_probability: 0.0,
         }
     }
 }
@@ -106,6 +126,18 @@ pub fn generate(spec: &TraceSpec) -> Vec<Event> {
             })
             .map_or(1, |(gib, _)| *gib);
         running.push(id);
+        if spec.multi_gpu_probability > 0.0
+            && rng.random_bool(spec.multi_gpu_probability.clamp(0.0, 1.0))
+        {
+            let gpus = if rng.random_bool(0.75) { 2 } else { 4 };
+            let gib_per_gpu = spec.sizes.iter().map(|(gib, _)| *gib).max().unwrap_or(1);
+            events.push(Event::ArriveWhole {
+                id,
+                gpus,
+                gib_per_gpu,
+            });
+            continue;
+        }
         events.push(Event::Arrive { id, gib });
     }
     events
@@ -314,6 +346,110 @@ pub struct Outcome {
     pub first_failure_gib: Option<u64>,
 }
 
+/// A replay in progress: the allocation core's cluster and what kube-scheduler sees of it.
+struct Replay<'a> {
+    shape: &'a Shape,
+    cluster: Cluster,
+    names: Vec<String>,
+    allocatable: Resources,
+    usage: Vec<NodeUsage>,
+    rng: StdRng,
+    prioritize: Option<Policy>,
+    bind_policy: Policy,
+    /// GiB booked in the cluster (whole GPUs count in full).
+    used: u64,
+    /// id → (node, GiB booked, the pod's CPU and memory as kube-scheduler counts them).
+    running: HashMap<u64, (usize, u64, PodUsage)>,
+}
+
+impl Replay<'_> {
+    fn failed(&self, placed: usize, gib: u64) -> Outcome {
+        Outcome {
+            placed,
+            utilization: self.used as f64 / self.shape.total_gib() as f64,
+            first_failure_gib: Some(gib),
+        }
+    }
+}
+
+/// Schedules one pod as kube-scheduler with the extender would: `None` when it fits no node,
+/// `Some(false)` when bind refused it (the scheduler would retry), `Some(true)` once placed.
+fn place(state: &mut Replay<'_>, id: u64, request: Request, pod: PodUsage) -> Option<bool> {
+    let host = request.host;
+    // The extender's view sees the pod arrive before the scheduler asks about it.
+    if !request.is_multi() {
+        state.cluster.observe(fragmentation::Shape {
+            gpu_gib: request.pod_gib,
+            host,
+        });
+    }
+    let names = &state.names;
+    // Filter: the extender keeps nodes where the pod's GPUs have room.
+    let fitting: Vec<usize> = (0..names.len())
+        .filter(|&n| state.cluster.fit(&names[n], &request).is_ok())
+        .collect();
+    let fitting_names: Vec<&str> = fitting.iter().map(|&n| &*names[n]).collect();
+    let extender = state
+        .prioritize
+        .filter(|_| fitting.len() > 1)
+        .map(|policy| state.cluster.scores(&fitting_names, &request, policy));
+    let totals: Vec<(String, i64)> = fitting
+        .iter()
+        .enumerate()
+        .map(|(i, &n)| {
+            let own = default_score(&state.allocatable, &state.usage[n], &pod);
+            let theirs = extender.as_ref().map_or(0, |scores| {
+                extender_score(i64::from(scores[i]), EXTENDER_WEIGHT)
+            });
+            (n.to_string(), own + theirs)
+        })
+        .collect();
+    let node = select_host(&totals, &mut state.rng).and_then(|n| n.parse::<usize>().ok())?;
+    let uid = PodId::from(id.to_string());
+    let name = state.names[node].clone();
+    let Ok(placement) = state
+        .cluster
+        .reserve(uid.clone(), &name, &request, state.bind_policy)
+    else {
+        return Some(false);
+    };
+    let gpus = &state.shape.nodes[node];
+    let held: u64 = std::iter::once(placement.gpu)
+        .chain(placement.more_gpus.iter().map(|(index, _)| *index))
+        .map(|index| {
+            let total = gpus.get(index as usize).copied().unwrap_or_default();
+            if placement.exclusive {
+                total.max(placement.pod_gib)
+            } else {
+                placement.pod_gib
+            }
+        })
+        .sum();
+    // The device plugin allocates at once in this simulation: no pending twins.
+    state.cluster.upsert_pod(
+        uid.clone(),
+        &name,
+        PodPlacement {
+            more_gpus: placement
+                .more_gpus
+                .iter()
+                .map(|(index, uuid)| (*index, uuid.as_str().into()))
+                .collect(),
+            exclusive: placement.exclusive,
+            gpu: placement.gpu,
+            uuid: placement.uuid.as_str().into(),
+            pod_gib: placement.pod_gib,
+            pending: vec![],
+            assigned: true,
+        },
+    );
+    state.cluster.set_pod_host(uid, &name, host);
+    state.usage[node].add(&pod);
+    state.running.insert(id, (node, held, pod));
+    state.used += held;
+    Some(true)
+}
+
 /// Replays `events` on `shape` with `strategy`, stopping at the first pod that fits nowhere.
 /// `seed` drives kube-scheduler's random tie-break.
 pub fn replay(
@@ -328,95 +464,67 @@ pub fn replay(
     for name in &names {
         cluster.set_node_host(name, Some(Host::new(64_000, 512 * 1024)));
     }
-    let allocatable = node_allocatable();
-    let mut usage = vec![NodeUsage::default(); names.len()];
-    let mut rng = StdRng::seed_from_u64(seed);
     let (prioritize, bind_policy) = strategy.policies();
-    let total = shape.total_gib() as f64;
-    let mut used = 0u64;
-    let mut running: HashMap<u64, (usize, u64, PodUsage)> = HashMap::new();
+    let mut state = Replay {
+        shape,
+        cluster,
+        usage: vec![NodeUsage::default(); names.len()],
+        names,
+        allocatable: node_allocatable(),
+        rng: StdRng::seed_from_u64(seed),
+        prioritize,
+        bind_policy,
+        used: 0,
+        running: HashMap::new(),
+    };
     let mut placed = 0;
     for event in events {
         match *event {
             Event::Depart { id } => {
-                if let Some((node, gib, pod)) = running.remove(&id) {
-                    cluster.remove_pod(&PodId::from(id.to_string()));
-                    cluster.remove_pod_host(&PodId::from(id.to_string()));
-                    usage[node].remove(&pod);
-                    used -= gib;
+                if let Some((node, gib, pod)) = state.running.remove(&id) {
+                    state.cluster.remove_pod(&PodId::from(id.to_string()));
+                    state.cluster.remove_pod_host(&PodId::from(id.to_string()));
+                    state.usage[node].remove(&pod);
+                    state.used -= gib;
                 }
             }
             Event::Arrive { id, gib } => {
-                let host = profile.host(gib);
                 let request = Request {
-                    gpus: 1,
-                    exclusive: false,
                     pod_gib: gib,
                     containers: vec![gib],
-                    host,
+                    host: profile.host(gib),
+                    ..Request::default()
                 };
-                let pod = profile.usage(gib);
-                // The extender's view sees the pod arrive before the scheduler asks about it.
-                cluster.observe(fragmentation::Shape { gpu_gib: gib, host });
-                // Filter: the extender keeps nodes where one GPU has room.
-                let fitting: Vec<usize> = (0..names.len())
-                    .filter(|&n| cluster.fit(&names[n], &request).is_ok())
-                    .collect();
-                let fitting_names: Vec<&str> = fitting.iter().map(|&n| &*names[n]).collect();
-                let extender = prioritize
-                    .filter(|_| fitting.len() > 1)
-                    .map(|policy| cluster.scores(&fitting_names, &request, policy));
-                let totals: Vec<(String, i64)> = fitting
-                    .iter()
-                    .enumerate()
-                    .map(|(i, &n)| {
-                        let own = default_score(&allocatable, &usage[n], &pod);
-                        let theirs = extender.as_ref().map_or(0, |scores| {
-                            extender_score(i64::from(scores[i]), EXTENDER_WEIGHT)
-                        });
-                        (n.to_string(), own + theirs)
-                    })
-                    .collect();
-                let Some(node) =
-                    select_host(&totals, &mut rng).and_then(|n| n.parse::<usize>().ok())
-                else {
-                    return Outcome {
-                        placed,
-                        utilization: used as f64 / total,
-                        first_failure_gib: Some(gib),
-                    };
+                match place(&mut state, id, request, profile.usage(gib)) {
+                    Some(true) => placed += 1,
+                    Some(false) => {}
+                    None => return state.failed(placed, gib),
+                }
+            }
+            Event::ArriveWhole {
+                id,
+                gpus,
+                gib_per_gpu,
+            } => {
+                let gib = gib_per_gpu * u64::from(gpus);
+                let request = Request {
+                    pod_gib: gib,
+                    containers: vec![gib],
+                    host: profile.host(gib),
+                    gpus,
+                    exclusive: true,
                 };
-                let uid = PodId::from(id.to_string());
-                let Ok(placement) =
-                    cluster.reserve(uid.clone(), &names[node], &request, bind_policy)
-                else {
-                    continue;
-                };
-                // The device plugin allocates at once in this simulation: no pending twins.
-                cluster.upsert_pod(
-                    uid,
-                    &names[node],
-                    PodPlacement {
-                        more_gpus: Vec::new(),
-                        exclusive: false,
-                        gpu: placement.gpu,
-                        uuid: placement.uuid.as_str().into(),
-                        pod_gib: gib,
-                        pending: vec![],
-                        assigned: true,
-                    },
-                );
-                cluster.set_pod_host(PodId::from(id.to_string()), &names[node], host);
-                usage[node].add(&pod);
-                running.insert(id, (node, gib, pod));
-                used += gib;
-                placed += 1;
+                match place(&mut state, id, request, profile.usage(gib)) {
+                    Some(true) => placed += 1,
+                    Some(false) => {}
+                    None => return state.failed(placed, gib),
+                }
             }
         }
     }
     Outcome {
         placed,
-        utilization: used as f64 / total,
+        utilization: state.used as f64 / shape.total_gib() as f64,
         first_failure_gib: None,
     }
 }
@@ -424,31 +532,87 @@ pub fn replay(
 /// The offline yardstick: the longest prefix of the arrivals that best-fit-decreasing packs
 /// completely (departures ignored), as a fraction of cluster memory and a pod count.
 pub fn offline_bound(shape: &Shape, events: &[Event]) -> Outcome {
-    let arrivals: Vec<u64> = events
+    /// An arrival as the bound sees it: GiB on one GPU, or N whole GPUs of at least G GiB.
+    #[derive(Clone, Copy)]
+    enum Item {
+        Slice(u64),
+        Whole(u32, u64),
+    }
+    let arrivals: Vec<Item> = events
         .iter()
         .filter_map(|event| match event {
-            Event::Arrive { gib, .. } => Some(*gib),
+            Event::Arrive { gib, .. } => Some(Item::Slice(*gib)),
+            Event::ArriveWhole {
+                gpus, gib_per_gpu, ..
+            } => Some(Item::Whole(*gpus, *gib_per_gpu)),
             Event::Depart { .. } => None,
         })
         .collect();
-    let bins: Vec<u64> = shape.nodes.iter().flatten().copied().collect();
-    let packs = |count: usize| best_fit_decreasing(&bins, &arrivals[..count]);
+    // Packs a prefix, returning the GiB it books, or `None` when it does not fit.
+    let packs = |count: usize| -> Option<u64> {
+        let mut nodes: Vec<Vec<u64>> = shape.nodes.clone();
+        let mut booked = 0;
+        // Whole-GPU pods first, largest first, each on the node with the fewest empty GPUs
+        // large enough that still holds it (the rest of the node stays for slices).
+        let mut whole: Vec<(u32, u64)> = arrivals[..count]
+            .iter()
+            .filter_map(|item| match item {
+                Item::Whole(gpus, gib) => Some((*gpus, *gib)),
+                Item::Slice(_) => None,
+            })
+            .collect();
+        whole.sort_unstable_by(|a, b| b.cmp(a));
+        for (gpus, gib) in whole {
+            let empty = |free: &u64, total: u64| *free == total && total >= gib;
+            let node = (0..nodes.len())
+                .filter_map(|n| {
+                    let count = nodes[n]
+                        .iter()
+                        .zip(&shape.nodes[n])
+                        .filter(|(free, total)| empty(free, **total))
+                        .count();
+                    (count >= gpus as usize).then_some((count, n))
+                })
+                .min()?
+                .1;
+            let mut taken = 0;
+            for (free, total) in nodes[node].iter_mut().zip(&shape.nodes[node]) {
+                if taken < gpus && empty(free, *total) {
+                    booked += *total;
+                    *free = 0;
+                    taken += 1;
+                }
+            }
+        }
+        let slices: Vec<u64> = arrivals[..count]
+            .iter()
+            .filter_map(|item| match item {
+                Item::Slice(gib) => Some(*gib),
+                Item::Whole(..) => None,
+            })
+            .collect();
+        let bins: Vec<u64> = nodes.into_iter().flatten().collect();
+        best_fit_decreasing(&bins, &slices).then(|| booked + slices.iter().sum::<u64>())
+    };
     // Largest prefix that packs: binary search (packing a prefix of a prefix is never harder
     // for BFD in practice; the search only needs a good yardstick).
     let (mut low, mut high) = (0, arrivals.len());
     while low < high {
         let mid = (low + high).div_ceil(2);
-        if packs(mid) {
+        if packs(mid).is_some() {
             low = mid;
         } else {
             high = mid - 1;
         }
     }
-    let used: u64 = arrivals[..low].iter().sum();
+    let used = packs(low).unwrap_or_default();
     Outcome {
         placed: low,
         utilization: used as f64 / shape.total_gib() as f64,
-        first_failure_gib: arrivals.get(low).copied(),
+        first_failure_gib: arrivals.get(low).map(|item| match item {
+            Item::Slice(gib) => *gib,
+            Item::Whole(gpus, gib) => u64::from(*gpus) * gib,
+        }),
     }
 }
 
@@ -469,6 +633,7 @@ mod tests {
     #[test]
     fn same_seed_same_trace() {
         let spec = TraceSpec {
+            multi_gpu_probability: 0.0,
             departure_probability: 0.3,
             ..TraceSpec::standard(200, 7)
         };
@@ -538,5 +703,45 @@ mod tests {
         let bound = offline_bound(&shape, &events);
         assert_eq!(bound.placed, 3);
         assert!((bound.utilization - 1.0).abs() < 1e-9);
+    }
+
+    #[test]
+    fn whole_gpu_pods_take_whole_gpus_in_replay_and_bound() {
+        let shape = Shape::uniform(2, 2, 16);
+        let events = [
+            Event::Arrive { id: 0, gib: 4 },
+            Event::ArriveWhole {
+                id: 1,
+                gpus: 2,
+                gib_per_gpu: 16,
+            },
+            Event::Arrive { id: 2, gib: 12 },
+            Event::Arrive { id: 3, gib: 16 },
+            Event::Arrive { id: 4, gib: 1 },
+        ];
+        // 4 + 12 share one GPU, the whole pod takes the other node, 16 the last GPU.
+        let bound = offline_bound(&shape, &events);
+        assert_eq!(bound.placed, 4);
+        assert!((bound.utilization - 1.0).abs() < 1e-9, "{bound:?}");
+        assert_eq!(bound.first_failure_gib, Some(1));
+        let outcome = replay(&shape, &events, Strategy::Ours, PodProfile::NoRequests, 0);
+        assert_eq!(outcome.placed, 4, "{outcome:?}");
+        assert!((outcome.utilization - 1.0).abs() < 1e-9, "{outcome:?}");
+        // Multi-GPU traces differ from plain ones only where they draw whole-GPU pods.
+        let plain = generate(&TraceSpec::standard(500, 3));
+        let mixed = generate(&TraceSpec {
+            multi_gpu_probability: 0.05,
+            ..TraceSpec::standard(500, 3)
+        });
+        let whole = mixed
+            .iter()
+            .filter(|e| matches!(e, Event::ArriveWhole { .. }))
+            .count();
+        assert!(whole > 5 && whole < 60, "{whole}");
+        assert_eq!(
+            generate(&TraceSpec::standard(500, 3)),
+            plain,
+            "no draw at probability 0"
+        );
     }
 }

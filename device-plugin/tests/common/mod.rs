@@ -8,7 +8,7 @@ use std::time::Duration;
 
 use anyhow::Context as _;
 use clap::Parser as _;
-use gpushare_contract::{ContainerRequest, DEFAULT_RESOURCE, Keys, PodAllocation};
+use gpushare_contract::{ContainerRequest, DEFAULT_RESOURCE, GpuRef, Keys, PodAllocation};
 use gpushare_device_plugin::Config;
 use gpushare_e2e::apiserver::ApiServer;
 use gpushare_e2e::kubelet::{AdmissionOrder, KubeletDriver};
@@ -196,6 +196,18 @@ pub fn allocation(
     containers: &[(&str, u64, bool)],
     second: u32,
 ) -> Vec<(String, String)> {
+    allocation_on(&[gpu], containers, second)
+}
+
+/// [`allocation`] for a pod spread evenly over `gpus` (the first one first): each
+/// container's GiB is its total, the pod holds `1 / gpus.len()` of its total on each GPU.
+pub fn allocation_on(
+    gpus: &[u32],
+    containers: &[(&str, u64, bool)],
+    second: u32,
+) -> Vec<(String, String)> {
+    let (&gpu, more) = gpus.split_first().expect("at least one GPU");
+    let count = u64::try_from(gpus.len()).unwrap_or(1);
     let containers: Vec<ContainerRequest> = containers
         .iter()
         .map(|&(name, gib, init)| ContainerRequest {
@@ -212,11 +224,17 @@ pub fn allocation(
         .max()
         .unwrap_or(0);
     PodAllocation {
-        more_gpus: Vec::new(),
+        more_gpus: more
+            .iter()
+            .map(|&index| GpuRef {
+                index,
+                uuid: uuid(index),
+            })
+            .collect(),
         exclusive: false,
         gpu_index: gpu,
         gpu_uuid: uuid(gpu),
-        pod_gib: app.max(init),
+        pod_gib: app.max(init) / count,
         containers,
         bind_time: format!("2026-11-22T10:{:02}:{:02}Z", second / 60, second % 60),
         assigned: false,

@@ -43,6 +43,9 @@ struct Args {
     /// Probability a running pod leaves before each arrival (the churn trace).
     #[arg(long, env = "SIM_DEPARTURES", default_value_t = 0.3)]
     departures: f64,
+    /// Share of arrivals that are whole-GPU pods of 2 or 4 GPUs, in the third trace.
+    #[arg(long, env = "SIM_MULTI_GPU", default_value_t = 0.01)]
+    multi_gpu: f64,
     /// Seeds to average over.
     #[arg(long, env = "SIM_SEEDS", default_value_t = 5)]
     seeds: u64,
@@ -86,9 +89,15 @@ fn main() -> anyhow::Result<()> {
     for (label, shape) in &shapes {
         // Enough arrivals to fill the cluster several times over.
         let arrivals = (shape.total_gib() as usize).max(64);
-        for (trace_name, departures) in
-            [("arrivals only", 0.0), ("with departures", args.departures)]
-        {
+        let multi_name = format!(
+            "arrivals only, {:.0}% whole-GPU pods of 2-4 GPUs",
+            args.multi_gpu * 100.0
+        );
+        for (trace_name, departures, multi_gpu) in [
+            ("arrivals only", 0.0, 0.0),
+            ("with departures", args.departures, 0.0),
+            (multi_name.as_str(), 0.0, args.multi_gpu),
+        ] {
             println!("{label}, {trace_name}:");
             println!(
                 "    {:<36} {:>12} {:>12}",
@@ -101,6 +110,7 @@ fn main() -> anyhow::Result<()> {
                         arrivals,
                         departure_probability: departures,
                         seed,
+                        multi_gpu_probability: multi_gpu,
                     })
                 })
                 .collect();
