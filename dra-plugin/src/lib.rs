@@ -21,7 +21,11 @@
 //! to remember it ([`checkpoint`]). The GPU backends are the device plugin's
 //! ([`gpushare_device_plugin::backend`]): one inventory code path for both modes.
 //!
-//! Not done yet: device health (a GPU that breaks stays in the slice), metrics and probes.
+//! Health ([`health`]): the backend's health reports (NVML XID events, or the simulated
+//! health file) re-publish the slice, where an unhealthy GPU's device carries a `NoSchedule`
+//! taint so that no new claim gets it ([`slice`] says why a taint and when a withdrawal).
+//!
+//! Not done yet: metrics and probes.
 
 use std::future::Future;
 use std::path::{Path, PathBuf};
@@ -45,6 +49,7 @@ use tonic::transport::Server;
 
 pub mod cdi;
 pub mod checkpoint;
+pub mod health;
 pub mod prepare;
 pub mod quantity;
 pub mod service;
@@ -87,6 +92,10 @@ pub struct Config {
     /// Sizes in GiB of simulated GPUs, e.g. `16,16,24` (with `--gpu-backend simulated`).
     #[arg(long, env = "SIMULATE_GPUS", value_delimiter = ',')]
     pub simulate_gpus: Vec<u64>,
+    /// A file listing the indices of unhealthy simulated GPUs, comma-separated (with
+    /// `--gpu-backend simulated`); missing or empty: all healthy.
+    #[arg(long, env = "SIMULATE_HEALTH_FILE")]
+    pub simulate_health_file: Option<PathBuf>,
     /// How each container's share is enforced, as in the device plugin: `none`, `toolkit`
     /// (`NVIDIA_GPU_MEMORY_LIMIT` for the NVIDIA toolkit's CDI hook) or `mps`.
     #[arg(long, env = "GPUSHARE_ENFORCEMENT", default_value = "none")]
@@ -158,7 +167,7 @@ impl Config {
             BackendKind::Simulated => Arc::new(SimulatedBackend::new(
                 &self.node_name,
                 self.simulate_gpus.clone(),
-                None,
+                self.simulate_health_file.clone(),
             )),
         })
     }
@@ -203,18 +212,22 @@ pub async fn run_with_client(
     client: kube::Client,
     shutdown: impl Future<Output = ()> + Send,
 ) -> Result<()> {
-    let gpus = config.backend()?.gpus()?;
+    let backend = config.backend()?;
+    let gpus = backend.gpus()?;
     tracing::info!(node = %config.node_name, driver = %config.driver_name, gpus = gpus.len(), "starting the DRA plugin");
     for dir in [&config.plugin_dir, &config.registry_dir, &config.cdi_dir] {
         std::fs::create_dir_all(dir).map_err(io(dir))?;
     }
     let checkpoint_path = config.plugin_dir.join(CHECKPOINT);
     let checkpoint = checkpoint::Checkpoint::load(&checkpoint_path)?;
+    let slices = kube::Api::<ResourceSlice>::all(client.clone());
+    // Every GPU is healthy at start (the backend's contract), so no taint can be dropped yet.
     slice::publish(
-        &kube::Api::<ResourceSlice>::all(client.clone()),
+        &slices,
         &config.node_name,
         &config.driver_name,
         &gpus,
+        slice::Unhealthy::Taint,
     )
     .await
     .map_err(|source| Error::Publish {
@@ -222,10 +235,11 @@ pub async fn run_with_client(
         source,
     })?;
 
+    let stop = CancellationToken::new();
     let node = Arc::new(service::Node {
         driver: config.driver_name.clone(),
         node: config.node_name.clone(),
-        gpus,
+        gpus: gpus.clone(),
         cdi_dir: config.cdi_dir.clone(),
         checkpoint_path,
         enforcement: cdi::EnforcementConfig {
@@ -233,7 +247,6 @@ pub async fn run_with_client(
             mps_pipe_directory: config.mps_pipe_directory.clone(),
         },
     });
-    let stop = CancellationToken::new();
     let dra_socket = config.plugin_dir.join(DRA_SOCKET);
     let dra_listener = bind(&dra_socket)?;
     let dra = tokio::spawn(
@@ -261,6 +274,18 @@ pub async fn run_with_client(
                 stop.clone().cancelled_owned(),
             ),
     );
+    // Health changes re-publish the slice from now on (the servers are up: nothing below
+    // can fail before the task is stopped and awaited).
+    let health = tokio::spawn(
+        health::Health {
+            backend,
+            slices,
+            node: config.node_name.clone(),
+            driver: config.driver_name.clone(),
+            gpus,
+        }
+        .run(stop.clone()),
+    );
     tracing::info!(dra = %dra_socket.display(), registration = %registration_socket.display(), "serving");
 
     // Either server ending before shutdown is a failure: the plugin ends loudly, and its
@@ -286,6 +311,7 @@ pub async fn run_with_client(
         }
     };
     stop.cancel();
+    let _ = health.await;
     // Registration socket first: kubelet must stop finding us before the DRA socket goes.
     for path in [&registration_socket, &dra_socket] {
         let _ = std::fs::remove_file(path);

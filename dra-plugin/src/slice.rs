@@ -14,13 +14,23 @@
 //! makes every share a whole number of GiB (a request of 3.5Gi consumes 4Gi), matching the
 //! extender mode's unit, and a claim that names no memory consumes 1 GiB, not the whole GPU.
 //! [`build`] is pure; [`publish`] writes it.
+//!
+//! An unhealthy GPU stops being offered ([`Unhealthy`]). By default its device stays in the
+//! slice with a `NoSchedule` device taint `<driver>/unhealthy` (KEP-5055, `DRADeviceTaints`:
+//! beta and on by default since Kubernetes 1.36): the scheduler allocates it to no new
+//! claim that does not tolerate the taint, the claims already on it keep their allocation
+//! (as the device plugin leaves running pods alone), and `kubectl get resourceslices -o
+//! yaml` shows why the GPU is not used. `NoSchedule`, not `NoExecute`: evicting the pods of
+//! a GPU that flaps would restart them over and over. Where the API server drops the field
+//! (the feature gate off, as before 1.36), [`publish`] says so and the plugin withdraws
+//! unhealthy devices from the slice instead, which every DRA version honours.
 
 use std::collections::BTreeMap;
 
 use gpushare_contract::GpuInfo;
 use k8s_openapi::api::resource::v1::{
     CapacityRequestPolicy, CapacityRequestPolicyRange, Device, DeviceAttribute, DeviceCapacity,
-    ResourcePool, ResourceSlice, ResourceSliceSpec,
+    DeviceTaint, ResourcePool, ResourceSlice, ResourceSliceSpec,
 };
 use k8s_openapi::apimachinery::pkg::api::resource::Quantity;
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::ObjectMeta;
@@ -64,7 +74,31 @@ fn int(value: i64) -> DeviceAttribute {
     }
 }
 
-/// The device for one GPU.
+/// How an unhealthy GPU is kept from new claims.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Unhealthy {
+    /// Its device carries a `NoSchedule` taint [`taint_key`] (the default).
+    Taint,
+    /// Its device is left out of the slice (where the API server drops device taints).
+    Withdraw,
+}
+
+/// The key of the taint an unhealthy GPU's device carries: `<driver>/unhealthy`.
+pub fn taint_key(driver: &str) -> String {
+    format!("{driver}/unhealthy")
+}
+
+/// The taint of an unhealthy GPU's device.
+pub fn unhealthy_taint(driver: &str) -> DeviceTaint {
+    DeviceTaint {
+        key: taint_key(driver),
+        value: None,
+        effect: "NoSchedule".to_owned(),
+        time_added: None,
+    }
+}
+
+/// The device for one GPU (healthy or not; see [`build`] for what health changes).
 pub fn device(gpu: &GpuInfo) -> Device {
     let mut attributes = BTreeMap::from([
         ("index".to_owned(), int(i64::from(gpu.index))),
@@ -100,8 +134,15 @@ pub fn device(gpu: &GpuInfo) -> Device {
 }
 
 /// The slice for `gpus` on `node`, at pool `generation`. GPUs with no memory are left out
-/// (a capacity policy needs at least one step).
-pub fn build(node: &str, driver: &str, gpus: &[GpuInfo], generation: i64) -> ResourceSlice {
+/// (a capacity policy needs at least one step); unhealthy ones are tainted or left out, as
+/// `unhealthy` says.
+pub fn build(
+    node: &str,
+    driver: &str,
+    gpus: &[GpuInfo],
+    generation: i64,
+    unhealthy: Unhealthy,
+) -> ResourceSlice {
     ResourceSlice {
         metadata: ObjectMeta {
             name: Some(slice_name(node, driver)),
@@ -118,12 +159,70 @@ pub fn build(node: &str, driver: &str, gpus: &[GpuInfo], generation: i64) -> Res
             devices: Some(
                 gpus.iter()
                     .filter(|gpu| gpu.mem_gib > 0)
-                    .map(device)
+                    .filter(|gpu| gpu.healthy || unhealthy == Unhealthy::Taint)
+                    .map(|gpu| {
+                        let mut device = device(gpu);
+                        if !gpu.healthy {
+                            device.taints = Some(vec![unhealthy_taint(driver)]);
+                        }
+                        device
+                    })
                     .collect(),
             ),
             ..ResourceSliceSpec::default()
         },
     }
+}
+
+/// What [`publish`] found the API server kept.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Published {
+    /// The slice is as built.
+    AsBuilt,
+    /// The API server dropped the devices' taints (`DRADeviceTaints` off): unhealthy GPUs
+    /// would still be offered, so publish again with [`Unhealthy::Withdraw`].
+    TaintsDropped,
+}
+
+/// The taints of each device of `slice`, by device name.
+fn taints(slice: &ResourceSlice) -> BTreeMap<String, Vec<DeviceTaint>> {
+    slice
+        .spec
+        .devices
+        .iter()
+        .flatten()
+        .map(|d| (d.name.clone(), d.taints.clone().unwrap_or_default()))
+        .collect()
+}
+
+/// Keeps the `timeAdded` the API server stamped on taints that are still wanted, so an
+/// unchanged slice compares equal and a taint keeps the time it was first set.
+fn keep_taint_times(wanted: &mut ResourceSlice, current: &ResourceSlice) {
+    let current = taints(current);
+    for device in wanted.spec.devices.iter_mut().flatten() {
+        for taint in device.taints.iter_mut().flatten() {
+            if let Some(stored) =
+                current.get(&device.name).into_iter().flatten().find(|t| {
+                    t.key == taint.key && t.value == taint.value && t.effect == taint.effect
+                })
+            {
+                taint.time_added.clone_from(&stored.time_added);
+            }
+        }
+    }
+}
+
+/// Whether the API server kept every taint of `wanted` in `stored`.
+fn kept_taints(wanted: &ResourceSlice, stored: &ResourceSlice) -> bool {
+    let stored = taints(stored);
+    taints(wanted).iter().all(|(name, wanted)| {
+        wanted.iter().all(|taint| {
+            stored.get(name).is_some_and(|s| {
+                s.iter()
+                    .any(|t| t.key == taint.key && t.effect == taint.effect)
+            })
+        })
+    })
 }
 
 /// Creates the node's slice, or brings the existing one up to date (bumping the pool
@@ -133,27 +232,36 @@ pub async fn publish(
     node: &str,
     driver: &str,
     gpus: &[GpuInfo],
-) -> Result<(), kube::Error> {
+    unhealthy: Unhealthy,
+) -> Result<Published, kube::Error> {
     let name = slice_name(node, driver);
-    match api.get_opt(&name).await? {
+    let (wanted, stored) = match api.get_opt(&name).await? {
         None => {
-            api.create(&PostParams::default(), &build(node, driver, gpus, 1))
-                .await?;
+            let wanted = build(node, driver, gpus, 1, unhealthy);
+            let stored = api.create(&PostParams::default(), &wanted).await?;
             tracing::info!(slice = %name, gpus = gpus.len(), "published the ResourceSlice");
+            (wanted, stored)
         }
         Some(current) => {
-            let mut wanted = build(node, driver, gpus, current.spec.pool.generation);
+            let mut wanted = build(node, driver, gpus, current.spec.pool.generation, unhealthy);
+            keep_taint_times(&mut wanted, &current);
             if wanted.spec == current.spec {
                 tracing::info!(slice = %name, "the ResourceSlice is up to date");
-                return Ok(());
+                return Ok(Published::AsBuilt);
             }
             wanted.spec.pool.generation = current.spec.pool.generation.saturating_add(1);
             wanted.metadata.resource_version = current.metadata.resource_version;
-            api.replace(&name, &PostParams::default(), &wanted).await?;
+            let stored = api.replace(&name, &PostParams::default(), &wanted).await?;
             tracing::info!(slice = %name, generation = wanted.spec.pool.generation, "updated the ResourceSlice");
+            (wanted, stored)
         }
+    };
+    if kept_taints(&wanted, &stored) {
+        Ok(Published::AsBuilt)
+    } else {
+        tracing::warn!(slice = %name, "the API server dropped the device taints of unhealthy GPUs (feature gate DRADeviceTaints off, as before Kubernetes 1.36); withdrawing those devices from the slice instead");
+        Ok(Published::TaintsDropped)
     }
-    Ok(())
 }
 
 #[cfg(test)]
@@ -173,7 +281,13 @@ mod tests {
 
     #[test]
     fn one_shareable_device_per_gpu_with_memory_in_gib_steps() {
-        let slice = build("n1", "gpushare.example.com", &[gpu(0, 16), gpu(1, 24)], 1);
+        let slice = build(
+            "n1",
+            "gpushare.example.com",
+            &[gpu(0, 16), gpu(1, 24)],
+            1,
+            Unhealthy::Taint,
+        );
         let json = serde_json::to_value(&slice).unwrap();
         assert_eq!(json["spec"]["nodeName"], "n1");
         assert_eq!(json["spec"]["pool"]["name"], "n1");
@@ -187,6 +301,55 @@ mod tests {
         assert_eq!(memory["requestPolicy"]["default"], "1Gi");
         assert_eq!(memory["requestPolicy"]["validRange"]["step"], "1Gi");
         assert_eq!(memory["requestPolicy"]["validRange"]["max"], "24Gi");
+    }
+
+    #[test]
+    fn an_unhealthy_gpu_is_tainted_or_withdrawn() {
+        let mut broken = gpu(1, 24);
+        broken.healthy = false;
+        let gpus = [gpu(0, 16), broken];
+        let tainted = build("n1", "gpushare.example.com", &gpus, 1, Unhealthy::Taint);
+        let json = serde_json::to_value(&tainted).unwrap();
+        assert!(json["spec"]["devices"][0].get("taints").is_none());
+        assert_eq!(
+            json["spec"]["devices"][1]["taints"],
+            serde_json::json!([{"key": "gpushare.example.com/unhealthy", "effect": "NoSchedule"}])
+        );
+        let withdrawn = build("n1", "gpushare.example.com", &gpus, 1, Unhealthy::Withdraw);
+        let names: Vec<_> = withdrawn
+            .spec
+            .devices
+            .unwrap()
+            .into_iter()
+            .map(|d| d.name)
+            .collect();
+        assert_eq!(names, ["gpu-0"]);
+    }
+
+    #[test]
+    fn dropped_taints_are_noticed_and_stamped_times_kept() {
+        let mut broken = gpu(0, 16);
+        broken.healthy = false;
+        let wanted = build("n1", "d", &[broken.clone()], 1, Unhealthy::Taint);
+        let dropped = build("n1", "d", &[gpu(0, 16)], 1, Unhealthy::Taint);
+        assert!(!kept_taints(&wanted, &dropped));
+        assert!(kept_taints(&wanted, &wanted));
+        let mut stamped = wanted.clone();
+        let time = k8s_openapi::apimachinery::pkg::apis::meta::v1::Time(
+            "2026-01-01T00:00:00Z".parse().unwrap(),
+        );
+        stamped.spec.devices.as_mut().unwrap()[0]
+            .taints
+            .as_mut()
+            .unwrap()[0]
+            .time_added = Some(time);
+        let mut again = build("n1", "d", &[broken], 1, Unhealthy::Taint);
+        assert_ne!(again.spec, stamped.spec);
+        keep_taint_times(&mut again, &stamped);
+        assert_eq!(
+            again.spec, stamped.spec,
+            "an unchanged slice is not written again"
+        );
     }
 
     #[test]

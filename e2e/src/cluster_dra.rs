@@ -4,9 +4,9 @@
 //! No extender, no device plugin: the scheduler allocates GPU-memory shares itself.
 //!
 //! The DeviceClass is the one the chart installs in DRA mode (less `extendedResourceName`,
-//! which the scheduler driver does not implement). Pods name their claims
-//! (`resourceClaimName`): ResourceClaimTemplates need kube-controller-manager's claim
-//! generation, which the in-process control plane does not do yet.
+//! which the scheduler driver does not implement). Pods either name a ResourceClaimTemplate,
+//! as users write DRA pods, and kube-controller-manager's resourceclaim controller
+//! ([`crate::resourceclaim`]) stamps out their claims, or name a claim created beforehand.
 
 use std::collections::BTreeMap;
 use std::path::PathBuf;
@@ -15,7 +15,9 @@ use std::time::Duration;
 use anyhow::Context as _;
 use gpushare_contract::DEFAULT_DOMAIN;
 use k8s_openapi::api::core::v1::{Node, Pod};
-use k8s_openapi::api::resource::v1::{DeviceClass, ResourceClaim, ResourceSlice};
+use k8s_openapi::api::resource::v1::{
+    DeviceClass, ResourceClaim, ResourceClaimTemplate, ResourceSlice,
+};
 use kube::api::{Api, DeleteParams, ListParams, PostParams};
 use kube::{Client, ResourceExt};
 use serde_json::json;
@@ -24,6 +26,7 @@ use crate::apiserver::ApiServer;
 use crate::cluster::{Process, binaries};
 use crate::fixtures::node;
 use crate::kubelet_dra::DraKubelet;
+use crate::resourceclaim::ClaimController;
 use crate::scheduler::dra::DraScheduler;
 
 /// The driver name (the chart's default).
@@ -46,6 +49,8 @@ pub struct DraNode {
     pub plugin_dir: PathBuf,
     /// The node's CDI spec directory.
     pub cdi_dir: PathBuf,
+    /// The simulated GPUs' health file (indices of unhealthy GPUs).
+    pub health_file: PathBuf,
     plugin: Option<Process>,
     plugin_args: Vec<String>,
     plugin_log: PathBuf,
@@ -61,6 +66,7 @@ pub struct DraCluster {
     /// The nodes.
     pub nodes: Vec<DraNode>,
     scheduler: DraScheduler,
+    controller: ClaimController,
     dir: tempfile::TempDir,
 }
 
@@ -74,19 +80,52 @@ pub fn device_class() -> anyhow::Result<DeviceClass> {
     }))?)
 }
 
+/// The claim spec for `gib` GiB of one GPU.
+fn memory_claim_spec(gib: u64) -> serde_json::Value {
+    json!({"devices": {"requests": [{
+        "name": "gpu",
+        "exactly": {
+            "deviceClassName": DEVICE_CLASS,
+            "capacity": {"requests": {"memory": format!("{gib}Gi")}}
+        }
+    }]}})
+}
+
 /// A claim for `gib` GiB of one GPU.
 pub fn memory_claim(name: &str, gib: u64) -> anyhow::Result<ResourceClaim> {
     Ok(serde_json::from_value(json!({
         "apiVersion": "resource.k8s.io/v1",
         "kind": "ResourceClaim",
         "metadata": {"name": name, "namespace": NAMESPACE},
-        "spec": {"devices": {"requests": [{
-            "name": "gpu",
-            "exactly": {
-                "deviceClassName": DEVICE_CLASS,
-                "capacity": {"requests": {"memory": format!("{gib}Gi")}}
-            }
-        }]}}
+        "spec": memory_claim_spec(gib)
+    }))?)
+}
+
+/// A template for claims of `gib` GiB of one GPU, as users write them once and name from
+/// every pod.
+pub fn memory_claim_template(name: &str, gib: u64) -> anyhow::Result<ResourceClaimTemplate> {
+    Ok(serde_json::from_value(json!({
+        "apiVersion": "resource.k8s.io/v1",
+        "kind": "ResourceClaimTemplate",
+        "metadata": {"name": name, "namespace": NAMESPACE},
+        "spec": {"spec": memory_claim_spec(gib)}
+    }))?)
+}
+
+/// A pod whose container `main` uses a claim made for it from template `template`.
+pub fn pod_with_claim_template(name: &str, template: &str) -> anyhow::Result<Pod> {
+    Ok(serde_json::from_value(json!({
+        "apiVersion": "v1",
+        "kind": "Pod",
+        "metadata": {"name": name, "namespace": NAMESPACE},
+        "spec": {
+            "resourceClaims": [{"name": "gpu", "resourceClaimTemplateName": template}],
+            "containers": [{
+                "name": "main",
+                "image": "jupyter/base-notebook",
+                "resources": {"claims": [{"name": "gpu"}]}
+            }]
+        }
     }))?)
 }
 
@@ -147,6 +186,7 @@ impl DraCluster {
             for d in [&registry, &cdi, &plugin_dir] {
                 std::fs::create_dir_all(d)?;
             }
+            let health_file = root.join("unhealthy-gpus");
             let sizes = gpus
                 .iter()
                 .map(u64::to_string)
@@ -167,6 +207,8 @@ impl DraCluster {
                 "simulated",
                 "--simulate-gpus",
                 &sizes,
+                "--simulate-health-file",
+                &health_file.display().to_string(),
             ]
             .iter()
             .map(|a| (*a).to_owned())
@@ -185,6 +227,7 @@ impl DraCluster {
                 kubelet,
                 plugin_dir,
                 cdi_dir: cdi,
+                health_file,
                 plugin: Some(plugin),
                 plugin_args: args,
                 plugin_log: log,
@@ -205,11 +248,13 @@ impl DraCluster {
                 })?;
         }
         let scheduler = DraScheduler::start(client.clone());
+        let controller = ClaimController::start(client.clone());
         Ok(Self {
             api,
             client,
             nodes: started,
             scheduler,
+            controller,
             dir,
         })
     }
@@ -264,6 +309,57 @@ impl DraCluster {
             .await
             .with_context(|| format!("creating pod {name}"))?;
         Ok(())
+    }
+
+    /// Marks the simulated GPUs `gpus` of `node` unhealthy (and every other one healthy).
+    pub fn set_unhealthy(&self, node: &str, gpus: &[u32]) -> anyhow::Result<()> {
+        let node = self.node(node).with_context(|| format!("no node {node}"))?;
+        let list: Vec<String> = gpus.iter().map(u32::to_string).collect();
+        std::fs::write(&node.health_file, list.join(","))?;
+        Ok(())
+    }
+
+    /// The slices as the API server has them.
+    pub async fn slices(&self) -> anyhow::Result<Vec<ResourceSlice>> {
+        Ok(Api::<ResourceSlice>::all(self.client.clone())
+            .list(&ListParams::default())
+            .await?
+            .items)
+    }
+
+    /// Creates the ResourceClaimTemplate `name` for `gib` GiB of one GPU.
+    pub async fn create_claim_template(&self, name: &str, gib: u64) -> anyhow::Result<()> {
+        Api::<ResourceClaimTemplate>::namespaced(self.client.clone(), NAMESPACE)
+            .create(&PostParams::default(), &memory_claim_template(name, gib)?)
+            .await
+            .with_context(|| format!("creating ResourceClaimTemplate {name}"))?;
+        Ok(())
+    }
+
+    /// Creates pod `name` whose claim comes from template `template`.
+    pub async fn create_templated_pod(&self, name: &str, template: &str) -> anyhow::Result<()> {
+        Api::<Pod>::namespaced(self.client.clone(), NAMESPACE)
+            .create(
+                &PostParams::default(),
+                &pod_with_claim_template(name, template)?,
+            )
+            .await
+            .with_context(|| format!("creating pod {name}"))?;
+        Ok(())
+    }
+
+    /// The claim pod `pod` uses for its pod claim `gpu`: named `<pod>-gpu` (created with
+    /// the pod by [`Self::create_gpu_pod`]) or recorded in its status (from a template).
+    pub fn claim_of<'a>(pod: &Pod, claims: &'a [ResourceClaim]) -> Option<&'a ResourceClaim> {
+        let pod_claim = pod
+            .spec
+            .as_ref()?
+            .resource_claims
+            .as_ref()?
+            .iter()
+            .find(|c| c.name == "gpu")?;
+        let (name, _) = crate::resourceclaim::claim_name(pod, pod_claim).ok()??;
+        claims.iter().find(|c| c.name_any() == name)
     }
 
     /// Deletes pod `name` as a user does (gracefully). Its claim stays, and is deallocated
@@ -370,6 +466,7 @@ impl DraCluster {
 
     /// Stops everything.
     pub async fn shutdown(mut self) {
+        self.controller.shutdown().await;
         self.scheduler.shutdown().await;
         for node in &mut self.nodes {
             if let Some(plugin) = node.plugin.take() {

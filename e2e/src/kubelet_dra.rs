@@ -5,7 +5,8 @@
 //! ```text
 //!   <registry>/*.sock ◀── plugin watcher (polls the directory, as kubelet's does):
 //!        GetInfo (DRAPlugin, v1.DRAPlugin) ─▶ dial endpoint ─▶ NotifyRegistrationStatus
-//!   pods bound to the node (watch) ─▶ per pod, its claims (must be reserved for it):
+//!   pods bound to the node (watch) ─▶ per pod, its claims (named, or recorded in its
+//!        status from a template and owned by it; must be reserved for it):
 //!        NodePrepareResources per driver ─▶ CDI ids per container (resources.claims)
 //!        ─▶ env from the CDI specs ─▶ status Running
 //!   pod deleting / finished / gone ─▶ NodeUnprepareResources for claims no other live pod
@@ -385,14 +386,18 @@ impl Worker {
             .iter()
             .flat_map(|s| s.resource_claims.iter().flatten())
         {
-            let name = entry
-                .resource_claim_name
-                .as_ref()
-                .with_context(|| format!("pod claim {} names no ResourceClaim", entry.name))?;
+            // As kubelet: the claim is the one upstream's resourceclaim.Name finds, and a
+            // generated one must be controlled by this pod.
+            let Some((name, check_owner)) = crate::resourceclaim::claim_name(pod, entry)? else {
+                continue;
+            };
             let claim = api
-                .get(name)
+                .get(&name)
                 .await
                 .with_context(|| format!("reading ResourceClaim {namespace}/{name}"))?;
+            if check_owner {
+                crate::resourceclaim::is_for_pod(pod, &claim).map_err(anyhow::Error::msg)?;
+            }
             let uid = claim.metadata.uid.clone().unwrap_or_default();
             let reserved = claim
                 .status

@@ -8,6 +8,8 @@
 //!   does.
 //! - [`kubelet_dra`]: the DRA side of a kubelet: plugin registration, Prepare/Unprepare over
 //!   real sockets, and CDI devices applied to containers.
+//! - [`resourceclaim`]: kube-controller-manager's resourceclaim controller: one claim per pod
+//!   from a ResourceClaimTemplate, deleted when the pod no longer needs it.
 //! - [`fixtures`]: builders for nodes and pods shared by every test.
 //! - [`cluster`]: the whole system — our real binaries as child processes on simulated GPUs —
 //!   started, faulted and stopped in one place, for the scenarios, the demo and the load harness.
@@ -24,6 +26,7 @@ pub mod fixtures;
 pub mod front;
 pub mod kubelet;
 pub mod kubelet_dra;
+pub mod resourceclaim;
 pub mod scenarios;
 pub mod scheduler;
 pub mod tools;

@@ -736,6 +736,103 @@ async fn rbac_grants_exactly_what_each_binary_calls() -> anyhow::Result<()> {
     Ok(())
 }
 
+/// DRA mode: what the chart (`mode=dra`) grants the DRA plugin's ServiceAccount, against
+/// the calls the real `gpushare-dra-plugin` makes on a DRA-mode cluster through every path
+/// that needs a permission: publishing its slice, preparing claims (from a template and
+/// named), re-publishing when a GPU turns unhealthy and back, starting again after a crash
+/// (its slice exists then), and unpreparing. Fails on a call not granted and on a grant
+/// never used; calls from any identity but the plugin's and the harness's are named too.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn rbac_grants_the_dra_plugin_exactly_what_it_calls() -> anyhow::Result<()> {
+    use gpushare_e2e::cluster_dra::{DRA_PLUGIN_USER, DraCluster, phase};
+    let values = "mode=dra";
+    let rendered = render(RELEASE, RELEASE_NAMESPACE, &["--set", values])?;
+    let chart_user =
+        service_account_user(&rendered, "DaemonSet", &format!("{RELEASE}-dra-plugin"))?;
+    ensure!(
+        chart_user == DRA_PLUGIN_USER,
+        "the chart runs the DRA plugin as {chart_user}, the e2e cluster as {DRA_PLUGIN_USER}"
+    );
+    let mut cluster = DraCluster::start(&[("gpu-node-1", &[16])]).await?;
+    let exercised = async {
+        let wait = Duration::from_secs(60);
+        cluster.create_claim_template("gpu-4g", 4).await?;
+        cluster.create_templated_pod("templated", "gpu-4g").await?;
+        cluster.create_gpu_pod("named", 2).await?;
+        cluster
+            .wait_until(wait, "both pods running", || async {
+                Ok(cluster
+                    .pods()
+                    .await?
+                    .iter()
+                    .filter(|p| phase(p) == "Running")
+                    .count()
+                    == 2)
+            })
+            .await?;
+        for unhealthy in [&[0][..], &[]] {
+            cluster.set_unhealthy("gpu-node-1", unhealthy)?;
+            cluster
+                .wait_until(wait, "the slice to follow the GPU's health", || async {
+                    let tainted = cluster
+                        .slices()
+                        .await?
+                        .iter()
+                        .flat_map(|s| s.spec.devices.iter().flatten())
+                        .any(|d| d.taints.as_ref().is_some_and(|t| !t.is_empty()));
+                    Ok(tainted != unhealthy.is_empty())
+                })
+                .await?;
+        }
+        cluster.crash_and_restart_plugin("gpu-node-1").await?;
+        cluster.delete_gpu_pod("named").await?;
+        cluster
+            .wait_until(wait, "pod named gone", || async {
+                Ok(!cluster
+                    .pods()
+                    .await?
+                    .iter()
+                    .any(|p| p.metadata.name.as_deref() == Some("named")))
+            })
+            .await?;
+        anyhow::Ok(())
+    }
+    .await;
+    let stats = cluster.api.stats();
+    cluster.shutdown().await;
+    exercised?;
+    let mut problems = Vec::new();
+    for (call, _) in stats.calls() {
+        if call.user != ADMIN_USER && call.user != DRA_PLUGIN_USER {
+            problems.push(format!("calls from an unexpected identity {}", call.user));
+        }
+    }
+    let calls = stats.calls_by(DRA_PLUGIN_USER);
+    eprintln!("dra-plugin ({DRA_PLUGIN_USER}) made, chart rendered with {values}:");
+    for (call, n) in &calls {
+        eprintln!(
+            "  {} {}/{}: {n}",
+            call.verb.rbac(),
+            call.group,
+            call.resource
+        );
+    }
+    problems.extend(rbac_problems(
+        &rendered,
+        values,
+        "dra-plugin",
+        DRA_PLUGIN_USER,
+        &calls,
+    )?);
+    problems.dedup();
+    ensure!(
+        problems.is_empty(),
+        "RBAC differs from the calls made:\n{}",
+        problems.join("\n")
+    );
+    Ok(())
+}
+
 /// The check itself: a call the chart does not grant and a grant nobody used are both
 /// named, for the identity and the render.
 #[test]

@@ -8,6 +8,7 @@ use gpushare_contract::Keys;
 
 use crate::cluster::{self, Cluster};
 use crate::doctor::{self, Install, Level, Snapshot};
+use crate::dra;
 use crate::render;
 use crate::usage::{self, Settings};
 
@@ -106,6 +107,7 @@ pub async fn run(args: Args) -> anyhow::Result<ExitCode> {
         Command::Top { node, details } => {
             let (nodes, pods) = tokio::try_join!(cluster.nodes(), cluster.pods())?;
             let mut usage = usage::cluster_usage(&nodes, &pods, &settings);
+            dra::add_rows(&cluster, &mut usage, &nodes, &pods, &args.domain).await;
             if let Some(name) = node {
                 usage.retain(|n| n.name == name);
                 if usage.is_empty() {

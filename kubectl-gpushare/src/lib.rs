@@ -2,7 +2,8 @@
 //!
 //! - `kubectl gpushare top [NODE] [-d]`: GPU memory per node and GPU, from the node
 //!   inventories and the allocations the extender recorded on pods. Pods bound without an
-//!   allocation show up under PENDING: that is how a bypassed extender becomes visible.
+//!   allocation show up under PENDING: that is how a bypassed extender becomes visible. In
+//!   DRA mode the same rows come from ResourceSlices and ResourceClaims ([`dra`]).
 //! - `kubectl gpushare doctor`: checks extender, scheduler wiring, node labels, device
 //!   plugin registration and bypassing pods; prints `[OK]`/`[WARN]`/`[FAIL]` with fixes and
 //!   exits non-zero on any failure.
@@ -13,6 +14,7 @@
 pub mod cli;
 pub mod cluster;
 pub mod doctor;
+pub mod dra;
 pub mod render;
 pub mod usage;
 

@@ -131,6 +131,13 @@ pub(crate) fn resources(group_version: &str) -> Option<Value> {
                 &[],
             ),
             resource("resourceslices", "ResourceSlice", false, RW, &[]),
+            resource(
+                "resourceclaimtemplates",
+                "ResourceClaimTemplate",
+                true,
+                RW,
+                &[],
+            ),
         ],
         _ => return None,
     };

@@ -643,7 +643,9 @@ fn create(
     body: &[u8],
 ) -> Reply {
     let object = parse_body(content_type, body)?;
-    let object = objects::prepare_create(target.kind, object, target.namespace.as_deref())?;
+    let mut object = objects::prepare_create(target.kind, object, target.namespace.as_deref())?;
+    app.access
+        .drop_disabled_fields(target.kind, &mut object, None);
     admit(app, user, target, Operation::Create, &object, None)?;
     let name = meta_str(&object, "name").unwrap_or("").to_owned();
     let key = (target.namespace.clone().unwrap_or_default(), name.clone());
@@ -667,7 +669,9 @@ fn store_update(
     new: Value,
     params: &Params,
 ) -> Reply {
-    let prepared = objects::prepare_update(target.kind, current, new, part(target))?;
+    let mut prepared = objects::prepare_update(target.kind, current, new, part(target))?;
+    app.access
+        .drop_disabled_fields(target.kind, &mut prepared, Some(current));
     admit(
         app,
         user,

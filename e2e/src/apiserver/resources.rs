@@ -20,10 +20,13 @@ pub(crate) enum Kind {
     ResourceClaim,
     /// `resource.k8s.io/v1`, cluster-scoped: which devices a request may get.
     DeviceClass,
+    /// `resource.k8s.io/v1`, namespaced: the claim spec kube-controller-manager stamps out
+    /// once per pod that names it (`resourceClaimTemplateName`).
+    ResourceClaimTemplate,
 }
 
 impl Kind {
-    pub const ALL: [Kind; 9] = [
+    pub const ALL: [Kind; 10] = [
         Kind::Pod,
         Kind::Node,
         Kind::Event,
@@ -33,6 +36,7 @@ impl Kind {
         Kind::ResourceSlice,
         Kind::ResourceClaim,
         Kind::DeviceClass,
+        Kind::ResourceClaimTemplate,
     ];
 
     pub fn plural(self) -> &'static str {
@@ -45,6 +49,7 @@ impl Kind {
             Kind::ResourceSlice => "resourceslices",
             Kind::ResourceClaim => "resourceclaims",
             Kind::DeviceClass => "deviceclasses",
+            Kind::ResourceClaimTemplate => "resourceclaimtemplates",
         }
     }
 
@@ -58,6 +63,7 @@ impl Kind {
             Kind::ResourceSlice => "ResourceSlice",
             Kind::ResourceClaim => "ResourceClaim",
             Kind::DeviceClass => "DeviceClass",
+            Kind::ResourceClaimTemplate => "ResourceClaimTemplate",
         }
     }
 
@@ -67,7 +73,10 @@ impl Kind {
             Kind::EventV1 => "events.k8s.io/v1",
             Kind::Lease => "coordination.k8s.io/v1",
             Kind::MutatingWebhookConfiguration => "admissionregistration.k8s.io/v1",
-            Kind::ResourceSlice | Kind::ResourceClaim | Kind::DeviceClass => "resource.k8s.io/v1",
+            Kind::ResourceSlice
+            | Kind::ResourceClaim
+            | Kind::DeviceClass
+            | Kind::ResourceClaimTemplate => "resource.k8s.io/v1",
         }
     }
 
@@ -78,7 +87,10 @@ impl Kind {
             Kind::EventV1 => "events.k8s.io",
             Kind::Lease => "coordination.k8s.io",
             Kind::MutatingWebhookConfiguration => "admissionregistration.k8s.io",
-            Kind::ResourceSlice | Kind::ResourceClaim | Kind::DeviceClass => "resource.k8s.io",
+            Kind::ResourceSlice
+            | Kind::ResourceClaim
+            | Kind::DeviceClass
+            | Kind::ResourceClaimTemplate => "resource.k8s.io",
         }
     }
 
@@ -111,6 +123,7 @@ impl Kind {
             ("resource.k8s.io/v1", "resourceslices") => Some(Kind::ResourceSlice),
             ("resource.k8s.io/v1", "resourceclaims") => Some(Kind::ResourceClaim),
             ("resource.k8s.io/v1", "deviceclasses") => Some(Kind::DeviceClass),
+            ("resource.k8s.io/v1", "resourceclaimtemplates") => Some(Kind::ResourceClaimTemplate),
             _ => None,
         }
     }
@@ -164,7 +177,9 @@ impl Kind {
             Kind::MutatingWebhookConfiguration | Kind::DeviceClass => &["metadata.name"],
             // As upstream: a node's plugin lists only its own slices.
             Kind::ResourceSlice => &["metadata.name", "spec.nodeName", "spec.driver"],
-            Kind::ResourceClaim => &["metadata.name", "metadata.namespace"],
+            Kind::ResourceClaim | Kind::ResourceClaimTemplate => {
+                &["metadata.name", "metadata.namespace"]
+            }
         }
     }
 }

@@ -143,7 +143,7 @@ fn columns(kind: Kind) -> Vec<Value> {
             ),
             age,
         ],
-        Kind::DeviceClass => vec![name, age],
+        Kind::DeviceClass | Kind::ResourceClaimTemplate => vec![name, age],
         Kind::MutatingWebhookConfiguration => vec![
             name,
             column(
@@ -331,7 +331,7 @@ fn cells(kind: Kind, object: &Value) -> Vec<Value> {
             };
             vec![name, json!(state), json!(age(object))]
         }
-        Kind::DeviceClass => vec![name, json!(age(object))],
+        Kind::DeviceClass | Kind::ResourceClaimTemplate => vec![name, json!(age(object))],
         Kind::MutatingWebhookConfiguration => vec![
             name,
             json!(object["webhooks"].as_array().map_or(0, Vec::len)),

@@ -1,6 +1,9 @@
 //! Dynamic Resource Allocation for the in-process cluster: what kube-scheduler's
-//! DynamicResources plugin and kube-controller-manager's resourceclaim controller do, for the
-//! claim shapes gpushare's DRA mode uses.
+//! DynamicResources plugin and kube-controller-manager's resourceclaim controller (its
+//! reservation bookkeeping; claims from templates are [`crate::resourceclaim`]'s) do, for
+//! the claim shapes gpushare's DRA mode uses. A pod's claims are found as upstream finds them
+//! ([`crate::resourceclaim::claim_name`]): a template's claim once the controller recorded
+//! it in the pod's status, and only if the pod controls it.
 //!
 //! ```text
 //!  watch Pods, Nodes, ResourceClaims, ResourceSlices, DeviceClasses ──▶ stores ──▶ pass
@@ -20,11 +23,12 @@
 //! whole capacity without a policy), rounded up to the policy (`validRange` min/step/max,
 //! `validValues`); the sum over all allocations never exceeds the capacity's value. The
 //! allocation records `consumedCapacity` and a `shareID` per result. A device without
-//! `allowMultipleAllocations` is allocated at most once.
+//! `allowMultipleAllocations` is allocated at most once. A device with a `NoSchedule` or
+//! `NoExecute` taint (KEP-5055) goes only to requests that tolerate it; allocations made
+//! before the taint stay (this driver does not evict for `NoExecute`).
 //!
 //! Refused with a clear message, not half-done: `firstAvailable`, `allocationMode: All`,
-//! `adminAccess`, claim `constraints`, ResourceClaimTemplates (the pod must name its claim),
-//! slices not bound to one node (`allNodes`, `nodeSelector`, per-device node selection), and
+//! `adminAccess`, claim `constraints`, slices not bound to one node (`allNodes`, `nodeSelector`, per-device node selection), and
 //! CEL selectors that read `device.capacity` (the attributes and the driver are available).
 //! Node choice is the first feasible node by name: kube-scheduler's DRA plugin does not score
 //! and the default scores (least allocated CPU and memory) do not see devices.
@@ -40,8 +44,8 @@ use k8s_openapi::api::core::v1::{
 };
 use k8s_openapi::api::resource::v1::{
     AllocationResult, CapacityRequestPolicy, Device, DeviceAllocationResult, DeviceAttribute,
-    DeviceClass, DeviceRequestAllocationResult, ResourceClaim, ResourceClaimConsumerReference,
-    ResourceClaimStatus, ResourceSlice,
+    DeviceClass, DeviceRequestAllocationResult, DeviceTaint, DeviceToleration, ResourceClaim,
+    ResourceClaimConsumerReference, ResourceClaimStatus, ResourceSlice,
 };
 use k8s_openapi::apimachinery::pkg::api::resource::Quantity;
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::ObjectMeta;
@@ -53,6 +57,8 @@ use serde_json::json;
 use tokio::sync::Notify;
 use tokio::task::JoinHandle;
 use tokio_util::sync::CancellationToken;
+
+use crate::resourceclaim;
 
 /// How often a pass runs without any watch event (the backoff of unschedulable pods).
 const RETRY: Duration = Duration::from_millis(500);
@@ -258,6 +264,45 @@ fn selects(expressions: &[&str], driver: &str, device: &Device) -> Result<bool, 
     Ok(true)
 }
 
+/// Upstream's `resourceclaim.ToleratesTaint`.
+fn tolerates(toleration: &DeviceToleration, taint: &DeviceTaint) -> bool {
+    if toleration
+        .effect
+        .as_deref()
+        .is_some_and(|e| !e.is_empty() && e != taint.effect)
+        || toleration
+            .key
+            .as_deref()
+            .is_some_and(|k| !k.is_empty() && k != taint.key)
+    {
+        return false;
+    }
+    match toleration.operator.as_deref() {
+        None | Some("" | "Equal") => {
+            toleration.value.as_deref().unwrap_or("") == taint.value.as_deref().unwrap_or("")
+        }
+        Some("Exists") => true,
+        Some(_) => false,
+    }
+}
+
+/// Whether a request with `tolerations` may get `device` (KEP-5055 device taints, beta in
+/// 1.36): every `NoSchedule` or `NoExecute` taint must be tolerated. Other effects (`None`,
+/// and unknown ones, which the API says to treat like `None`) keep no claim away.
+fn all_taints_tolerated(device: &Device, tolerations: Option<&[DeviceToleration]>) -> bool {
+    device
+        .taints
+        .iter()
+        .flatten()
+        .filter(|taint| matches!(taint.effect.as_str(), "NoSchedule" | "NoExecute"))
+        .all(|taint| {
+            tolerations
+                .unwrap_or_default()
+                .iter()
+                .any(|t| tolerates(t, taint))
+        })
+}
+
 /// Allocates `claim` from the slices of `node`, consuming from `usage` (updated on success).
 pub fn allocate(
     claim: &ResourceClaim,
@@ -339,7 +384,10 @@ pub fn allocate(
                         pool: slice.spec.pool.name.clone(),
                         device: device.name.clone(),
                     };
-                    if taken.contains(&id) || !selects(&expressions, &id.driver, device)? {
+                    if taken.contains(&id)
+                        || !all_taints_tolerated(device, exactly.tolerations.as_deref())
+                        || !selects(&expressions, &id.driver, device)?
+                    {
                         continue;
                     }
                     let shared = device.allow_multiple_allocations == Some(true);
@@ -725,16 +773,29 @@ impl Passes {
             .iter()
             .flat_map(|s| s.resource_claims.iter().flatten())
         {
-            let Some(name) = &entry.resource_claim_name else {
-                self.unschedulable(pod, &format!(
-                    "pod {pod_key}: resource claim {:?} comes from a ResourceClaimTemplate, which this scheduler does not support; create the ResourceClaim and name it with resourceClaimName",
-                    entry.name
-                ))
-                .await;
-                return;
+            let (name, check_owner) = match resourceclaim::claim_name(pod, entry) {
+                Ok(Some(found)) => found,
+                // The controller recorded that no claim is needed.
+                Ok(None) => continue,
+                // As upstream's PreEnqueue: the pod waits, without a condition, until the
+                // resourceclaim controller created its claim.
+                Err(error @ resourceclaim::ClaimNameError::NotCreatedYet { .. }) => {
+                    tracing::debug!(pod = %pod_key, %error, "waiting for the claim");
+                    return;
+                }
+                Err(error) => {
+                    self.unschedulable(pod, &error.to_string()).await;
+                    return;
+                }
             };
             match claims.get(&(namespace.clone(), name.clone())) {
-                Some(claim) => mine.push(claim.clone()),
+                Some(claim) => {
+                    if check_owner && let Err(message) = resourceclaim::is_for_pod(pod, claim) {
+                        self.unschedulable(pod, &message).await;
+                        return;
+                    }
+                    mine.push(claim.clone());
+                }
                 None => {
                     self.unschedulable(pod, &format!("resourceclaim \"{name}\" not found"))
                         .await;
@@ -933,6 +994,7 @@ mod tests {
             "gpushare.example.com",
             &infos,
             1,
+            gpushare_dra_plugin::slice::Unhealthy::Taint,
         ))
     }
 
@@ -1067,6 +1129,65 @@ mod tests {
             err.to_string().contains("device class nope does not exist"),
             "{err}"
         );
+    }
+
+    #[test]
+    fn a_tainted_gpu_goes_only_to_requests_that_tolerate_it() {
+        let broken = gpushare_contract::GpuInfo {
+            index: 0,
+            uuid: "GPU-0".to_owned(),
+            model: "T4".to_owned(),
+            mem_gib: 16,
+            healthy: false,
+            numa_node: None,
+        };
+        let mut healthy = broken.clone();
+        healthy.index = 1;
+        healthy.healthy = true;
+        let slices = vec![Arc::new(gpushare_dra_plugin::slice::build(
+            "n1",
+            "gpushare.example.com",
+            &[broken, healthy],
+            1,
+            gpushare_dra_plugin::slice::Unhealthy::Taint,
+        ))];
+        let device = |a: AllocationResult| a.devices.unwrap().results.unwrap()[0].device.clone();
+        let plain = claim("plain", Some("4Gi"));
+        let a = allocate(&plain, "n1", &slices, &class(), &mut Usage::default()).unwrap();
+        assert_eq!(device(a), "gpu-1", "the tainted gpu-0 is skipped");
+        let mut tolerant = claim("tolerant", Some("4Gi"));
+        tolerant
+            .spec
+            .devices
+            .as_mut()
+            .unwrap()
+            .requests
+            .as_mut()
+            .unwrap()[0]
+            .exactly
+            .as_mut()
+            .unwrap()
+            .tolerations = Some(vec![DeviceToleration {
+            key: Some("gpushare.example.com/unhealthy".to_owned()),
+            operator: Some("Exists".to_owned()),
+            ..DeviceToleration::default()
+        }]);
+        let a = allocate(&tolerant, "n1", &slices, &class(), &mut Usage::default()).unwrap();
+        assert_eq!(device(a), "gpu-0");
+        let taint = gpushare_dra_plugin::slice::unhealthy_taint("d");
+        let equal = |value: Option<&str>| DeviceToleration {
+            key: Some("d/unhealthy".to_owned()),
+            value: value.map(str::to_owned),
+            ..DeviceToleration::default()
+        };
+        assert!(tolerates(&equal(None), &taint));
+        assert!(!tolerates(&equal(Some("x")), &taint));
+        let other_effect = DeviceToleration {
+            operator: Some("Exists".to_owned()),
+            effect: Some("NoExecute".to_owned()),
+            ..DeviceToleration::default()
+        };
+        assert!(!tolerates(&other_effect, &taint));
     }
 
     #[test]
