@@ -16,7 +16,7 @@ use axum::response::{IntoResponse, Response};
 use axum::routing::post;
 use base64::Engine as _;
 use base64::engine::general_purpose::STANDARD as BASE64;
-use gpushare_contract::{DEFAULT_RESOURCE, pod_request};
+use gpushare_contract::{DEFAULT_RESOURCE, Keys, pod_request_with};
 use k8s_openapi::api::core::v1::Pod;
 use serde_json::json;
 
@@ -36,6 +36,9 @@ pub struct AdmissionState {
     pub resource: String,
     /// The scheduler profile that runs the gpushare extender, e.g. `gpushare-scheduler`.
     pub scheduler_name: String,
+    /// Annotation keys, for the multi-GPU layout annotations (`<domain>/gpus`,
+    /// `<domain>/exclusive`) checked with the request.
+    pub keys: Keys,
 }
 
 impl AdmissionState {
@@ -44,7 +47,14 @@ impl AdmissionState {
         Self {
             resource: resource.into(),
             scheduler_name: scheduler_name.into(),
+            keys: Keys::default(),
         }
+    }
+
+    /// The same, with annotation keys under `domain`.
+    pub fn with_domain(mut self, domain: &str) -> Self {
+        self.keys = Keys::new(domain);
+        self
     }
 }
 
@@ -134,7 +144,7 @@ pub fn review_pod(state: &AdmissionState, request: &AdmissionRequest) -> Admissi
             .or_else(|| pod.metadata.generate_name.as_ref().map(|g| format!("{g}*")));
     }
     let pod_name = gpushare_contract::request::pod_key(&pod);
-    match pod_request(&pod, &state.resource) {
+    match pod_request_with(&pod, &state.resource, &state.keys) {
         Err(err) => {
             tracing::info!(pod = %pod_name, error = %err, "refused pod with malformed GPU memory request");
             AdmissionResponse::deny(uid, 422, "Invalid", err.to_string())

@@ -134,6 +134,43 @@ async fn malformed_quantity_is_refused_naming_the_value() {
 }
 
 #[tokio::test]
+async fn multi_gpu_layouts_are_checked_at_admission() {
+    let with = |annotations: Value| {
+        let mut object = pod(Some("9"), None);
+        object["metadata"]["annotations"] = annotations;
+        object
+    };
+    // 9 GiB cannot be split over 2 GPUs: refused, naming the container and the key.
+    let out = admit(review(
+        "Pod",
+        with(json!({"gpushare.example.com/gpus": "2"})),
+    ))
+    .await;
+    let response = out.response.unwrap();
+    assert!(!response.allowed);
+    let message = response.status.unwrap().message.unwrap();
+    assert!(
+        message.contains("multiple of 2") && message.contains("gpushare.example.com/gpus"),
+        "{message}"
+    );
+    let out = admit(review(
+        "Pod",
+        with(json!({"gpushare.example.com/gpus": "many"})),
+    ))
+    .await;
+    assert!(!out.response.unwrap().allowed);
+    // 9 GiB over 3 GPUs, whole: routed like any GPU pod.
+    let out = admit(review(
+        "Pod",
+        with(json!({"gpushare.example.com/gpus": "3", "gpushare.example.com/exclusive": "true"})),
+    ))
+    .await;
+    let response = out.response.unwrap();
+    assert!(response.allowed);
+    assert!(response.patch.is_some());
+}
+
+#[tokio::test]
 async fn non_pod_kind_is_allowed_with_a_warning() {
     let out = admit(review("Deployment", json!({"kind": "Deployment"}))).await;
     let response = out.response.unwrap();

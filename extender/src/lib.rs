@@ -335,10 +335,9 @@ async fn serve_webhook(config: Config, client: kube::Client, stop: CancellationT
         Duration::from_secs(3600),
         stop.clone().cancelled_owned(),
     ));
-    let router = gpushare_admission::router(AdmissionState::new(
-        &config.resource,
-        &config.scheduler_name,
-    ));
+    let router = gpushare_admission::router(
+        AdmissionState::new(&config.resource, &config.scheduler_name).with_domain(&config.domain),
+    );
     tracing::info!(addr = %config.webhook_listen, "admission webhook listening");
     if let Err(error) = gpushare_admission::serve_tls(
         config.webhook_listen,
