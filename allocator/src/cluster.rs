@@ -239,6 +239,17 @@ impl Node {
         })
     }
 
+    /// Why no GPU of the node is of a model `request` allows.
+    fn no_model(&self, request: &Request) -> Unfit {
+        let mut models: Vec<&str> = self.gpus.iter().map(|u| u.gpu.model.as_str()).collect();
+        models.sort_unstable();
+        models.dedup();
+        Unfit::NoModel {
+            wanted: request.models.to_string(),
+            has: models.join(", "),
+        }
+    }
+
     /// Why the node cannot be considered at all, if so.
     fn check_node(&self) -> Result<(), Unfit> {
         if !self.present {
@@ -283,6 +294,13 @@ impl Node {
                 });
             };
             let usage = &self.gpus[pos];
+            if !request.models.allows(&usage.gpu.model) {
+                return Err(Unfit::TwinModel {
+                    size,
+                    gpu,
+                    model: usage.gpu.model.clone(),
+                });
+            }
             if usage.healthy && usage.free_gib() >= need {
                 return Ok(pos);
             }
@@ -297,7 +315,13 @@ impl Node {
         let mut best: Option<(usize, u64)> = None;
         let mut largest_free: Option<(u32, u64)> = None;
         let mut largest_total = 0;
+        let filtered = !request.models.is_any();
+        let mut any_model = false;
         for (pos, usage) in self.gpus.iter().enumerate() {
+            if filtered && !request.models.allows(&usage.gpu.model) {
+                continue;
+            }
+            any_model = true;
             if !usage.healthy {
                 continue;
             }
@@ -318,8 +342,11 @@ impl Node {
                 best = Some((pos, free));
             }
         }
+        if !any_model {
+            return Err(self.no_model(request));
+        }
         if let Some((pos, _)) = best {
-            if policy == Policy::Fragmentation {
+            if policy == Policy::Fragmentation && !filtered {
                 return Ok(self.fragmentation_gpu(request, workload).unwrap_or(pos));
             }
             return Ok(pos);
@@ -342,9 +369,11 @@ impl Node {
 
     /// Whether the GPU at `pos` can take a slice of `per_gpu` GiB of a multi-GPU or exclusive
     /// request: healthy, and enough free (exclusive: empty and at least that large).
-    fn takes_slice(&self, pos: usize, per_gpu: u64, exclusive: bool) -> bool {
+    fn takes_slice(&self, pos: usize, request: &Request) -> bool {
+        let (per_gpu, exclusive) = (request.gib_per_gpu(), request.exclusive);
         let usage = &self.gpus[pos];
         usage.healthy
+            && request.models.allows(&usage.gpu.model)
             && if exclusive {
                 usage.used_gib == 0 && usage.total_gib >= per_gpu
             } else {
@@ -370,10 +399,17 @@ impl Node {
         let per_gpu = request.gib_per_gpu();
         let exclusive = request.exclusive;
         // Never, as things stand (unresolvable), before "retry later".
+        if !self
+            .gpus
+            .iter()
+            .any(|u| request.models.allows(&u.gpu.model))
+        {
+            return Err(self.no_model(request));
+        }
         let large_enough = self
             .gpus
             .iter()
-            .filter(|u| u.healthy && u.total_gib >= per_gpu)
+            .filter(|u| u.healthy && u.total_gib >= per_gpu && request.models.allows(&u.gpu.model))
             .count();
         if large_enough < wanted as usize {
             return Err(Unfit::TooFewGpus {
@@ -395,7 +431,7 @@ impl Node {
             let blocked = positions
                 .iter()
                 .zip(set.iter())
-                .find(|(pos, _)| pos.is_none_or(|pos| !self.takes_slice(pos, per_gpu, exclusive)));
+                .find(|(pos, _)| pos.is_none_or(|pos| !self.takes_slice(pos, request)));
             if let Some((pos, &gpu)) = blocked {
                 let usage = pos.map(|pos| &self.gpus[pos]);
                 return Err(Unfit::TwinBlocked {
@@ -414,7 +450,7 @@ impl Node {
             });
         }
         let mut fitting: Vec<usize> = (0..self.gpus.len())
-            .filter(|&pos| self.takes_slice(pos, per_gpu, exclusive))
+            .filter(|&pos| self.takes_slice(pos, request))
             .collect();
         if fitting.len() < wanted as usize {
             return Err(Unfit::TooFewFree {
@@ -771,10 +807,10 @@ impl Cluster {
     /// round to 1), and the scheduler's own spreading scores then decide — fragmenting GPUs.
     /// Ranking among the candidates keeps the packing preference decisive at any fill level.
     ///
-    /// Multi-GPU and exclusive requests are scored as binpack under the fragmentation policy:
-    /// its measure is about slices of one GPU.
+    /// Multi-GPU, exclusive and model-restricted requests are scored as binpack under the
+    /// fragmentation policy: its measure is about slices of any GPU of the node.
     pub fn scores(&self, nodes: &[&str], request: &Request, policy: Policy) -> Vec<u8> {
-        if policy == Policy::Fragmentation && !request.is_multi() {
+        if policy == Policy::Fragmentation && !request.is_multi() && request.models.is_any() {
             return self.fragmentation_scores(nodes, request);
         }
         let goodness: Vec<Option<f64>> = nodes
@@ -874,6 +910,7 @@ mod tests {
 
     fn request(gib: u64) -> Request {
         Request {
+            models: Default::default(),
             gpus: 1,
             exclusive: false,
             pod_gib: gib,
@@ -1179,6 +1216,7 @@ mod tests {
         cluster.upsert_pod("a".into(), "n1", pending(0, 2));
         cluster.upsert_pod("c".into(), "n1", pending(1, 3));
         let both = Request {
+            models: Default::default(),
             gpus: 1,
             exclusive: false,
             pod_gib: 5,
@@ -1294,6 +1332,7 @@ mod tests {
 
     fn multi(gpus: u32, per_gpu: u64, exclusive: bool) -> Request {
         Request {
+            models: Default::default(),
             gpus,
             exclusive,
             pod_gib: per_gpu * u64::from(gpus),
@@ -1476,5 +1515,69 @@ mod tests {
             cluster.upsert_pod(uid.into(), "a", placement);
         }
         assert!(cluster.fit("a", &request(8)).is_ok());
+    }
+
+    #[test]
+    fn model_filters_pick_gpus_on_mixed_model_nodes() {
+        let mut cluster = Cluster::new();
+        let of = |index, model: &str, gib| Gpu {
+            model: model.into(),
+            ..gpu(index, gib)
+        };
+        cluster.set_node(
+            "mixed",
+            vec![
+                of(0, "Tesla T4", 16),
+                of(1, "NVIDIA A10G", 24),
+                of(2, "NVIDIA A10G", 24),
+            ],
+            true,
+        );
+        let wants = |names: &[&str], gib| Request {
+            models: crate::ModelFilter::parse(names.iter().copied()),
+            ..request(gib)
+        };
+        // Binpack alone would take the T4 (least free that fits); the label form of the name
+        // selects the A10Gs.
+        assert_eq!(
+            cluster.choose_gpu("mixed", &request(4), Policy::Binpack),
+            Ok(0)
+        );
+        assert_eq!(
+            cluster.choose_gpu("mixed", &wants(&["nvidia-a10g"], 4), Policy::Binpack),
+            Ok(1)
+        );
+        assert_eq!(
+            cluster.choose_gpu("mixed", &wants(&["!Tesla T4"], 4), Policy::Spread),
+            Ok(1)
+        );
+        let two = Request {
+            models: crate::ModelFilter::parse(["NVIDIA A10G"]),
+            ..multi(2, 8, false)
+        };
+        assert_eq!(
+            cluster.choose_gpus("mixed", &two, Policy::Binpack),
+            Ok(vec![1, 2])
+        );
+        let t4_pair = Request {
+            models: crate::ModelFilter::parse(["Tesla-T4"]),
+            ..multi(2, 8, false)
+        };
+        let err = cluster.fit("mixed", &t4_pair).unwrap_err();
+        assert!(err.is_unresolvable(), "one T4 only: {err}");
+        let err = cluster.fit("mixed", &wants(&["H100"], 4)).unwrap_err();
+        assert_eq!(
+            err.to_string(),
+            "needs a GPU of model h100; node has NVIDIA A10G, Tesla T4"
+        );
+        assert!(err.is_unresolvable());
+        // Room on the T4 does not help a pod that wants an A10G.
+        cluster.upsert_pod("big1".into(), "mixed", running(1, 24));
+        cluster.upsert_pod("big2".into(), "mixed", running(2, 24));
+        let err = cluster
+            .fit("mixed", &wants(&["NVIDIA A10G"], 4))
+            .unwrap_err();
+        assert!(matches!(err, Unfit::Busy { .. }), "{err}");
+        assert!(cluster.fit("mixed", &request(4)).is_ok());
     }
 }

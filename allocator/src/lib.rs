@@ -119,6 +119,76 @@ pub struct Request {
     pub gpus: u32,
     /// Whether the pod takes its GPUs whole: only empty GPUs, booked in full.
     pub exclusive: bool,
+    /// Which GPU models the pod may get (default: any).
+    pub models: ModelFilter,
+}
+
+/// GPU models a pod requires or refuses, by name: `NVIDIA A10G` and `NVIDIA-A10G` (the node
+/// label's form) name the same model, case aside. Empty lists allow every model.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct ModelFilter {
+    /// Normalized names of which one is required (empty: any).
+    pub require: Vec<String>,
+    /// Normalized names refused.
+    pub exclude: Vec<String>,
+}
+
+impl ModelFilter {
+    /// A filter from names as the user wrote them: `!name` refuses a model, any other name
+    /// is one of the models allowed.
+    pub fn parse<'a>(names: impl IntoIterator<Item = &'a str>) -> Self {
+        let mut filter = Self::default();
+        for name in names {
+            match name.trim().strip_prefix('!') {
+                Some(refused) => filter.exclude.push(normalize_model(refused)),
+                None => filter.require.push(normalize_model(name)),
+            }
+        }
+        filter.require.retain(|n| !n.is_empty());
+        filter.exclude.retain(|n| !n.is_empty());
+        filter
+    }
+
+    /// Whether any model is allowed.
+    pub fn is_any(&self) -> bool {
+        self.require.is_empty() && self.exclude.is_empty()
+    }
+
+    /// Whether a GPU of `model` may be given.
+    pub fn allows(&self, model: &str) -> bool {
+        if self.is_any() {
+            return true;
+        }
+        let model = normalize_model(model);
+        (self.require.is_empty() || self.require.contains(&model)) && !self.exclude.contains(&model)
+    }
+}
+
+impl fmt::Display for ModelFilter {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        let mut parts: Vec<String> = self.require.clone();
+        parts.extend(self.exclude.iter().map(|m| format!("not {m}")));
+        f.write_str(&parts.join(" or "))
+    }
+}
+
+/// A model name compared the way the node labels spell it: every character a label cannot
+/// hold becomes `-`, leading and trailing punctuation goes, ASCII lowercase.
+pub fn normalize_model(name: &str) -> String {
+    let cleaned: String = name
+        .trim()
+        .chars()
+        .map(|c| {
+            if c.is_ascii_alphanumeric() || matches!(c, '-' | '_' | '.') {
+                c.to_ascii_lowercase()
+            } else {
+                '-'
+            }
+        })
+        .collect();
+    cleaned
+        .trim_matches(|c: char| !c.is_ascii_alphanumeric())
+        .to_owned()
 }
 
 impl Default for Request {
@@ -129,6 +199,7 @@ impl Default for Request {
             host: fragmentation::Host::default(),
             gpus: 1,
             exclusive: false,
+            models: ModelFilter::default(),
         }
     }
 }

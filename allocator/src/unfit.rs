@@ -114,6 +114,27 @@ pub enum Unfit {
         /// how many GPUs this pod wants
         wanted: u32,
     },
+    /// No GPU of the node is of a model the pod allows.
+    #[error("needs a GPU of model {wanted}; node has {has}")]
+    NoModel {
+        /// the pod's model filter, in words
+        wanted: String,
+        /// the node's models
+        has: String,
+    },
+    /// A container of the same size waits for device allocation on a GPU of a model this pod
+    /// does not allow.
+    #[error(
+        "a {size} GiB container is still waiting for device allocation on GPU {gpu} ({model}), a model this pod does not allow; retry once it starts"
+    )]
+    TwinModel {
+        /// the shared container size
+        size: u64,
+        /// the GPU the twin is on
+        gpu: u32,
+        /// its model
+        model: String,
+    },
     /// Fewer healthy GPUs than the pod wants are large enough, even empty.
     #[error("needs {}; node has {large_enough} healthy GPUs that large", slices(*wanted, *per_gpu, *exclusive))]
     TooFewGpus {
@@ -158,6 +179,7 @@ impl Unfit {
                 | Unfit::NoGpus
                 | Unfit::TooLarge { .. }
                 | Unfit::TooFewGpus { .. }
+                | Unfit::NoModel { .. }
         )
     }
 }

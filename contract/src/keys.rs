@@ -34,6 +34,9 @@ pub struct Keys {
     /// Pod, set by the user: `"true"` to take whole GPUs, never shared
     /// (`<domain>/exclusive`). See [`crate::request`].
     pub request_exclusive: String,
+    /// Pod, set by the user: GPU models the pod may get, comma-separated, `!` refusing one
+    /// (`<domain>/gpu-model: "NVIDIA-A100-SXM4-80GB,!Tesla-T4"`). See [`crate::request`].
+    pub request_models: String,
     /// Node: JSON list of [`crate::GpuInfo`], published by the device plugin.
     pub node_gpus: String,
     /// Node: GPU memory measured in use per GPU and per pod ([`crate::usage`]), published
@@ -64,6 +67,7 @@ impl Keys {
             exclusive: key("exclusive"),
             request_gpus: format!("{domain}/gpus"),
             request_exclusive: format!("{domain}/exclusive"),
+            request_models: format!("{domain}/gpu-model"),
             node_gpus: key("gpus"),
             node_usage: key("usage"),
             node_gpu_count: format!("{domain}/gpu-count"),

@@ -72,6 +72,9 @@ pub struct PodRequest {
     pub gpus: u32,
     /// Whether the pod takes its GPUs whole (`<domain>/exclusive: "true"`).
     pub exclusive: bool,
+    /// GPU models allowed (`name`) or refused (`!name`), as written in `<domain>/gpu-model`;
+    /// empty for any model.
+    pub models: Vec<String>,
 }
 
 impl PodRequest {
@@ -193,6 +196,21 @@ pub fn pod_request_with(
             }
         };
     }
+    if let Some(value) = annotation(&keys.request_models) {
+        request.models = value
+            .split(',')
+            .map(str::trim)
+            .filter(|name| !name.is_empty())
+            .map(str::to_owned)
+            .collect();
+        if request.models.is_empty() || request.models.iter().any(|m| m == "!") {
+            return Err(bad(
+                &keys.request_models,
+                value,
+                "write GPU model names separated by commas, e.g. \"NVIDIA-A10G\" or \"!Tesla-T4\"",
+            ));
+        }
+    }
     if let Some(container) = request
         .containers
         .iter()
@@ -253,6 +271,7 @@ pub fn pod_request(pod: &Pod, resource: &str) -> Result<Option<PodRequest>, Requ
         pod_gib: (app_sum + sidecar_sum).max(largest_init),
         gpus: 1,
         exclusive: false,
+        models: Vec::new(),
     }))
 }
 
@@ -436,6 +455,25 @@ mod tests {
         );
         let whole = pod_request_with(&p, RES, &keys).unwrap().unwrap();
         assert_eq!((whole.gpus, whole.exclusive), (2, true));
+        let p = annotated(
+            pod(vec![], vec![container("a", Some("4"), None)]),
+            &[(&keys.request_models, " NVIDIA-A10G, !Tesla T4 ")],
+        );
+        let models = pod_request_with(&p, RES, &keys).unwrap().unwrap().models;
+        assert_eq!(models, vec!["NVIDIA-A10G", "!Tesla T4"]);
+        for bad in ["", " , ", "!"] {
+            let p = annotated(
+                pod(vec![], vec![container("a", Some("4"), None)]),
+                &[(&keys.request_models, bad)],
+            );
+            assert!(
+                matches!(
+                    pod_request_with(&p, RES, &keys),
+                    Err(RequestError::BadAnnotation { .. })
+                ),
+                "{bad:?}"
+            );
+        }
         // Exclusive on one GPU is a request of its own.
         let p = annotated(
             pod(vec![], vec![container("a", Some("4"), None)]),

@@ -100,7 +100,8 @@ pub struct Config {
     /// Sizes in GiB of simulated GPUs, e.g. `16,16,24` (with `--gpu-backend simulated`).
     #[arg(long, env = "SIMULATE_GPUS", value_delimiter = ',', default_value = "")]
     pub simulate_gpus: Vec<String>,
-    /// Product name of the simulated GPUs (published in the inventory and node labels).
+    /// Product name of the simulated GPUs (published in the inventory and node labels); a
+    /// `|`-separated list gives each GPU its own, in index order, the last repeating.
     #[arg(long, env = "SIMULATE_MODEL", default_value = backend::simulated::SIMULATED_MODEL)]
     pub simulate_model: String,
     /// File listing comma-separated indices of unhealthy simulated GPUs; polled every 200 ms.

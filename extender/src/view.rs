@@ -29,7 +29,7 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use gpushare_allocator::fragmentation::{Host, Shape};
-use gpushare_allocator::{Cluster, Gpu, PodId, PodPlacement, Request};
+use gpushare_allocator::{Cluster, Gpu, ModelFilter, PodId, PodPlacement, Request};
 
 use crate::reservation::{Outcome, Phase, Reservation, Reservations, Settled, Ticket};
 use gpushare_contract::{
@@ -141,6 +141,7 @@ impl CachedPod {
 /// The allocator's form of a pod request (CPU and memory: see [`pod_host`]).
 pub fn to_request(request: &PodRequest) -> Request {
     Request {
+        models: ModelFilter::parse(request.models.iter().map(String::as_str)),
         gpus: request.gpus,
         exclusive: request.exclusive,
         pod_gib: request.pod_gib,
@@ -1162,6 +1163,7 @@ mod tests {
     /// Books a 4 GiB reservation for pod `name` (UID `uid`) on n1 and returns its ticket.
     fn reserve(view: &mut View, uid: &str, name: &str) -> Ticket {
         let request = Request {
+            models: Default::default(),
             gpus: 1,
             exclusive: false,
             pod_gib: 4,

@@ -58,6 +58,7 @@ fn busy_cluster(nodes: usize) -> (Cluster, Vec<String>) {
 
 fn filter_and_prioritize(c: &mut Criterion) {
     let request = Request {
+        models: Default::default(),
         gpus: 1,
         exclusive: false,
         pod_gib: 4,
@@ -125,6 +126,7 @@ fn filter_and_prioritize(c: &mut Criterion) {
 fn bind_decision(c: &mut Criterion) {
     let (mut cluster, names) = busy_cluster(5_000);
     let request = Request {
+        models: Default::default(),
         gpus: 1,
         exclusive: false,
         pod_gib: 4,

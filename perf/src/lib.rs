@@ -508,6 +508,7 @@ pub fn replay(
             } => {
                 let gib = gib_per_gpu * u64::from(gpus);
                 let request = Request {
+                    models: Default::default(),
                     pod_gib: gib,
                     containers: vec![gib],
                     host: profile.host(gib),

@@ -163,6 +163,7 @@ mod tests {
 
     fn request(gib: u64, cores: u64) -> Request {
         Request {
+            models: Default::default(),
             gpus: 1,
             exclusive: false,
             pod_gib: gib,

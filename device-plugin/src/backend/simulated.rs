@@ -53,7 +53,9 @@ impl SimulatedBackend {
         self
     }
 
-    /// Every GPU reports `model` as its product name (a mixed fleet in tests).
+    /// GPUs report `model` as their product name (a mixed fleet in tests). A `|`-separated
+    /// list names each GPU's model in index order, the last repeating (`Tesla T4|NVIDIA A10G`:
+    /// a node with GPUs of two models).
     pub fn with_model(mut self, model: &str) -> Self {
         self.model = model.to_owned();
         self
@@ -132,7 +134,14 @@ impl GpuBackend for SimulatedBackend {
             .map(|(&mem_gib, index)| GpuInfo {
                 index,
                 uuid: format!("GPU-sim-{}-{index}", self.node),
-                model: self.model.clone(),
+                model: self
+                    .model
+                    .split('|')
+                    .nth(index as usize)
+                    .or_else(|| self.model.split('|').next_back())
+                    .unwrap_or_default()
+                    .trim()
+                    .to_owned(),
                 mem_gib,
                 healthy: true,
                 numa_node: None,
@@ -212,6 +221,16 @@ mod tests {
         assert!(gpus.iter().all(|gpu| gpu.healthy));
         let empty = SimulatedBackend::new("n1", vec![], None);
         assert!(matches!(empty.gpus(), Err(BackendError::NoSimulatedGpus)));
+    }
+
+    #[test]
+    fn a_model_list_gives_each_gpu_its_own() {
+        let gpus = SimulatedBackend::new("n1", vec![16, 24, 24], None)
+            .with_model("Tesla T4 | NVIDIA A10G")
+            .gpus()
+            .unwrap();
+        let models: Vec<&str> = gpus.iter().map(|g| g.model.as_str()).collect();
+        assert_eq!(models, vec!["Tesla T4", "NVIDIA A10G", "NVIDIA A10G"]);
     }
 
     #[test]

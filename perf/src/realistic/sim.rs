@@ -478,6 +478,7 @@ fn gpushare(
 ) -> Option<(usize, Vec<usize>)> {
     let cluster = cluster?;
     let request = Request {
+        models: Default::default(),
         gpus: 1,
         exclusive: false,
         pod_gib: task.gpu_gib,
