@@ -3,8 +3,10 @@
 //! caBundle patched in by the extender) on every pod create, then evaluates the allocation
 //! policy, as a real API server does.
 
-use anyhow::{Context, ensure};
-use gpushare_e2e::cluster::{ClusterSpec, DEDICATED_SCHEDULER, TestCluster, with_cluster};
+use anyhow::ensure;
+use gpushare_e2e::cluster::{
+    ClusterSpec, DEDICATED_SCHEDULER, TestCluster, wait_for, with_cluster,
+};
 use gpushare_e2e::fixtures;
 use gpushare_e2e::scenarios::{check_no_overcommit, check_pinned, create_gpu_pod, wait_running};
 use k8s_openapi::api::admissionregistration::v1::MutatingWebhookConfiguration;
@@ -24,18 +26,23 @@ fn scheduler_of(pod: &Pod) -> Option<&str> {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn the_webhook_routes_gpu_pods_to_the_gpushare_scheduler() -> anyhow::Result<()> {
     with_dedicated_cluster(async |cluster| {
-        // The extender patched its CA into the chart's configuration (helm left it empty).
+        // The extender patches its CA into the chart's configuration (helm left it empty),
+        // from a task of its own: wait for it, as a real rollout would.
         let configs: Api<MutatingWebhookConfiguration> = Api::all(cluster.client.clone());
-        let config = configs.get("gpushare-webhook").await?;
-        let webhook = &config.webhooks.context("no webhooks")?[0];
-        ensure!(
-            webhook
-                .client_config
-                .ca_bundle
-                .as_ref()
-                .is_some_and(|ca| !ca.0.is_empty()),
-            "the extender did not patch the caBundle"
-        );
+        wait_for(
+            "the extender to patch the caBundle",
+            std::time::Duration::from_secs(30),
+            || async {
+                let config = configs.get("gpushare-webhook").await.ok()?;
+                let webhook = config.webhooks?.into_iter().next()?;
+                webhook
+                    .client_config
+                    .ca_bundle
+                    .is_some_and(|ca| !ca.0.is_empty())
+                    .then_some(())
+            },
+        )
+        .await?;
 
         // Created without a scheduler name: the webhook sets gpushare's, and it runs.
         let created = create_gpu_pod(cluster, "notebook", 4).await?;
