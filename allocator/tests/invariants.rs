@@ -155,7 +155,7 @@ proptest! {
         for op in ops {
             match op {
                 Op::Reserve { pod, node, containers, spread, gpus, exclusive } => {
-                    let request = Request { gpus, exclusive, pod_gib: containers.iter().sum(), containers, host: Default::default() };
+                    let request = Request { gpus, exclusive, pod_gib: containers.iter().sum(), containers, host: Default::default(), models: Default::default() };
                     let policy = if spread { Policy::Spread } else { Policy::Binpack };
                     let name = node_name(node);
                     let fits = cluster.fit(&name, &request);

@@ -907,6 +907,11 @@ impl View {
             );
             self.reservations.insert(uid, reservation);
         }
+        // The first list after a start: the fragmentation policy learns the shapes of the
+        // pods bound before (a restarted extender scores like the one it replaces).
+        if !self.pods_synced {
+            self.cluster.relearn_workload();
+        }
         self.set_pods_synced();
         warnings
     }

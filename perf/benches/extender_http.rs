@@ -8,7 +8,8 @@
 //! once with the caches warm (calls back to back) and once cold (64 MiB, twice this machine's
 //! L3, written between calls, as when other work runs between scheduling cycles). Prioritize
 //! is timed under `binpack` and under `fragmentation` (every node with its CPU and memory
-//! booked, a full workload of 8 learned shapes).
+//! booked, a full workload of 8 learned shapes), and under `fragmentation` again with eight
+//! different free amounts on every node's GPUs, its worst case.
 //!
 //! ```sh
 //! cargo bench -p gpushare-perf --bench extender_http
@@ -53,7 +54,21 @@ impl Binder for NoBinder {
     }
 }
 
+/// How the bench's GPUs are filled.
+#[derive(Clone, Copy, PartialEq, Eq)]
+enum Fill {
+    /// 10 pods of 2 GiB on every GPU: 12 GiB free on each.
+    Uniform,
+    /// GPU g of node n holds g + (n mod 4) pods of 2 GiB: eight different free amounts per
+    /// node, the fragmentation policy's worst case (each GPU is evaluated on its own).
+    Varied,
+}
+
 fn state(nodes: usize, policy: Policy) -> (AppState, Vec<String>) {
+    state_filled(nodes, policy, Fill::Uniform)
+}
+
+fn state_filled(nodes: usize, policy: Policy, fill: Fill) -> (AppState, Vec<String>) {
     let (events, _rx) = EventSink::channel();
     let settings = Settings::new(
         gpushare_contract::DEFAULT_RESOURCE,
@@ -77,9 +92,13 @@ fn state(nodes: usize, policy: Policy) -> (AppState, Vec<String>) {
         let mut view = state.view_mut();
         view.replace_nodes(&objects);
         view.replace_pods(&[]);
-        for name in &names {
+        for (n, name) in names.iter().enumerate() {
             for gpu in 0..8 {
-                for p in 0..10 {
+                let pods = match fill {
+                    Fill::Uniform => 10,
+                    Fill::Varied => gpu as usize + n % 4,
+                };
+                for p in 0..pods {
                     let placement = PodPlacement {
                         more_gpus: Vec::new(),
                         exclusive: false,
@@ -167,16 +186,19 @@ fn tail_latency() {
     let runtime = runtime();
     let (binpack, names) = state(5_000, Policy::Binpack);
     let (fragmentation, _) = state(5_000, Policy::Fragmentation);
+    let (varied, _) = state_filled(5_000, Policy::Fragmentation, Fill::Varied);
     let binpack = router(binpack, PREFIX, gpushare_extender::DEFAULT_BODY_LIMIT);
     let fragmentation = router(fragmentation, PREFIX, gpushare_extender::DEFAULT_BODY_LIMIT);
+    let varied = router(varied, PREFIX, gpushare_extender::DEFAULT_BODY_LIMIT);
     let body = body(&names);
     let mut scribble = vec![0u8; 64 << 20];
     println!("single-call latency at 5,000 nodes, {calls} calls each (exact percentiles)");
     for cache in ["warm", "cold"] {
         for (verb, policy, app) in [
-            ("filter", Policy::Binpack, &binpack),
-            ("prioritize", Policy::Binpack, &binpack),
-            ("prioritize", Policy::Fragmentation, &fragmentation),
+            ("filter", "binpack", &binpack),
+            ("prioritize", "binpack", &binpack),
+            ("prioritize", "fragmentation", &fragmentation),
+            ("prioritize", "fragmentation, varied", &varied),
         ] {
             let mut times: Vec<Duration> = (0..calls)
                 .map(|i| {
@@ -194,7 +216,7 @@ fn tail_latency() {
             times.sort_unstable();
             let at = |q: f64| times[((times.len() - 1) as f64 * q).round() as usize];
             println!(
-                "  http {verb:<10} {policy:<13} {cache} cache  p50 {:>9.3?}  p99 {:>9.3?}  max {:>9.3?}",
+                "  http {verb:<10} {policy:<21} {cache} cache  p50 {:>9.3?}  p99 {:>9.3?}  max {:>9.3?}",
                 at(0.50),
                 at(0.99),
                 at(1.0)

@@ -17,15 +17,14 @@ impl Node {
     }
 
     /// The node's GPUs as the measure reads them: healthy ones' free GiB.
-    fn free_view(&self) -> NodeFree<impl Fn(usize) -> Option<u64> + '_> {
+    fn free_view(&self) -> NodeFree<impl Fn(usize) -> Option<(u64, u64)> + '_> {
         NodeFree {
             gpus: self.gpus.len(),
             free: |i: usize| {
                 let usage: &super::GpuUsage = &self.gpus[i];
-                usage.healthy.then(|| usage.free_gib())
+                usage.healthy.then(|| (usage.free_gib(), usage.total_gib))
             },
             host: self.host_free(),
-            total_gib: self.healthy_totals().0,
         }
     }
 
@@ -46,7 +45,6 @@ impl Node {
         let before = Before::new(workload, &view);
         before.goodness(
             workload,
-            pos,
             self.gpus[pos].free_gib(),
             request.pod_gib,
             request.host,
@@ -100,6 +98,27 @@ impl Cluster {
         self.workload.observe(shape);
     }
 
+    /// Learns the workload again from the GPU pods booked now, with the shapes observed so
+    /// far on top ([`Workload::from_population`]): after a restart, the first pod list holds
+    /// mostly bound pods, which are never observed as arriving, so without this a restarted
+    /// extender would score as binpack until new pods taught it the shapes again.
+    pub fn relearn_workload(&mut self) {
+        // Multi-GPU and whole-GPU pods are not shapes the measure knows (as when observed).
+        let population = self.nodes.values().flat_map(|node| {
+            node.pods
+                .iter()
+                .filter(|(_, placement)| placement.more_gpus.is_empty() && !placement.exclusive)
+                .map(|(uid, placement)| Shape {
+                    gpu_gib: placement.pod_gib,
+                    host: self
+                        .hosts
+                        .get(uid)
+                        .map_or(Host::default(), |(_, host)| *host),
+                })
+        });
+        self.workload = Workload::from_population(population, &self.workload);
+    }
+
     /// The workload of recent pod shapes.
     pub fn workload(&self) -> &Workload {
         &self.workload
@@ -113,6 +132,18 @@ impl Cluster {
             .iter()
             .map(|name| {
                 let node = self.nodes.get(*name)?;
+                if node.pending.is_empty() {
+                    // No twin can pin the pod: it fits where a healthy GPU has room, which
+                    // is what best_gpu finds, in the same pass over the GPUs.
+                    node.check_node().ok()?;
+                    return fragmentation::best_gpu(
+                        &self.workload,
+                        &node.free_view(),
+                        request.pod_gib,
+                        request.host,
+                    )
+                    .map(|(_, goodness)| goodness);
+                }
                 // Fit and the twin rule first (O(GPUs)); a pinned pod has no GPU to choose.
                 let pos = node
                     .decide(request, crate::Policy::Binpack, &self.workload)
