@@ -299,6 +299,10 @@ fn filter_answer<'a>(state: &AppState, args: &'a ExtenderArgs<'a>) -> ExtenderFi
         }
         Ok(Some(request)) => {
             let reserved_on = reserved_node(&view, args);
+            // Formatting a reason per rejected node was the handler's largest cost of its own
+            // in the load harness profile (busy clusters reject hundreds of nodes a call, most
+            // for the same shortfall): the text of the last one is reused while it repeats.
+            let mut last_reason: Option<(Unfit, String)> = None;
             for (i, (name, _)) in candidates.iter().enumerate() {
                 if let Some(reserved_on) = reserved_on {
                     if name == reserved_on {
@@ -314,7 +318,19 @@ fn filter_answer<'a>(state: &AppState, args: &'a ExtenderArgs<'a>) -> ExtenderFi
                 match view.cluster.fit(name, &request) {
                     Ok(()) => passing.push(i),
                     Err(unfit) => {
-                        let reason = unfit_reason(settings, name, &unfit);
+                        let reason = match &last_reason {
+                            // These two name the node; every other reason reads the same on
+                            // each node with the same shortfall.
+                            _ if matches!(unfit, Unfit::UnknownNode | Unfit::NotEligible) => {
+                                unfit_reason(settings, name, &unfit)
+                            }
+                            Some((seen, text)) if *seen == unfit => text.clone(),
+                            _ => {
+                                let text = unfit_reason(settings, name, &unfit);
+                                last_reason = Some((unfit.clone(), text.clone()));
+                                text
+                            }
+                        };
                         let map = if unfit.is_unresolvable() {
                             &mut result.failed_and_unresolvable_nodes
                         } else {
@@ -366,23 +382,43 @@ async fn prioritize(State(state): State<AppState>, body: Bytes) -> Response {
                 Some(request) => view.cluster.scores(&names, request, state.inner.policy),
                 None => vec![0; names.len()],
             };
-            let scores: Vec<HostPriority> = names
-                .iter()
-                .zip(raw)
-                .map(|(name, score)| HostPriority {
-                    host: name,
-                    score: i64::from(score),
-                })
-                .collect();
             drop(view);
-            // `{"Host":"<name>","Score":10},` per node.
-            let size = names.iter().map(|name| name.len() + 24).sum::<usize>() + 2;
+            let scores = compact_priorities(&names, &raw);
+            // `{"Host":"<name>","Score":10},` per listed node.
+            let size = scores.iter().map(|h| h.host.len() + 24).sum::<usize>() + 2;
             json_response_sized(&scores, size)
         }
         Err(error) => bad_request("prioritize", &error),
     };
     state.metrics().observe("prioritize", started);
     response
+}
+
+/// The prioritize answer for `names` scored `raw`: every score lowered by the lowest one, and
+/// only the hosts left above 0.
+///
+/// Why this is the same answer: kube-scheduler adds `score × weight × 10` to each candidate's
+/// total and adds nothing for a host the list leaves out (`prioritizeNodes` in upstream's
+/// `pkg/scheduler/schedule_one.go` walks the list, not the candidates), so a host left out
+/// counts as 0; lowering every candidate by the same amount moves no total past another.
+/// What it saves: after filter every candidate fits, and on a cluster with room most of them
+/// tie at the bottom (all of them when none is better than another), so the list kube-scheduler
+/// decodes in its scheduling cycle holds only the hosts we prefer.
+///
+/// One thing does change: upstream draws a random tie-breaker only for hosts a list names, so a
+/// host left out loses a tie of totals to one that is listed, and ties among hosts left out go
+/// by the order of its score heap rather than by chance.
+fn compact_priorities<'a>(names: &[&'a str], raw: &[u8]) -> Vec<HostPriority<'a>> {
+    let lowest = raw.iter().copied().min().unwrap_or(0);
+    names
+        .iter()
+        .zip(raw)
+        .filter(|(_, score)| **score > lowest)
+        .map(|(name, score)| HostPriority {
+            host: name,
+            score: i64::from(score - lowest),
+        })
+        .collect()
 }
 
 /// `POST {prefix}/bind`.
@@ -586,5 +622,79 @@ async fn metrics(State(state): State<AppState>) -> Response {
             format!("cannot encode metrics: {error}"),
         )
             .into_response(),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Each host's score with a host left out counting as 0, as kube-scheduler counts it.
+    fn as_upstream_reads(names: &[&str], answer: &[HostPriority<'_>]) -> Vec<i64> {
+        names
+            .iter()
+            .map(|name| {
+                answer
+                    .iter()
+                    .filter(|h| h.host == *name)
+                    .map(|h| h.score)
+                    .sum()
+            })
+            .collect()
+    }
+
+    #[test]
+    fn compact_priorities_keep_every_difference_and_leave_out_the_bottom() {
+        let names = ["a", "b", "c", "d"];
+        let cases: [&[u8]; 5] = [
+            &[3, 1, 10, 1],
+            &[0, 4, 10, 0],
+            &[10, 10, 10, 10],
+            &[1, 2, 3, 4],
+            &[0; 4],
+        ];
+        for raw in cases {
+            let answer = compact_priorities(&names, raw);
+            let read = as_upstream_reads(&names, &answer);
+            for i in 0..names.len() {
+                for j in 0..names.len() {
+                    assert_eq!(
+                        read[i] - read[j],
+                        i64::from(raw[i]) - i64::from(raw[j]),
+                        "{raw:?} → {answer:?}"
+                    );
+                }
+            }
+            assert!(answer.iter().all(|h| h.score > 0), "{answer:?}");
+        }
+        assert_eq!(
+            compact_priorities(&names, &[3, 1, 10, 1]),
+            [
+                HostPriority {
+                    host: "a",
+                    score: 2
+                },
+                HostPriority {
+                    host: "c",
+                    score: 9
+                }
+            ]
+        );
+        // A host that does not fit scores 0: the others keep their scores.
+        assert_eq!(
+            compact_priorities(&names, &[0, 4, 10, 0]),
+            [
+                HostPriority {
+                    host: "b",
+                    score: 4
+                },
+                HostPriority {
+                    host: "c",
+                    score: 10
+                }
+            ]
+        );
+        assert!(compact_priorities(&names, &[10; 4]).is_empty());
+        assert!(compact_priorities(&[], &[]).is_empty());
     }
 }

@@ -106,16 +106,42 @@ async fn captured_filter_by_objects_is_answered_with_the_full_objects() {
 }
 
 #[tokio::test]
-async fn captured_prioritize_scores_every_node() {
+async fn captured_prioritize_lists_only_the_nodes_above_zero() {
     let h = fixture_cluster();
     let (status, answer) = post(&h, "prioritize", &fixture("prioritize-request.json")).await;
     assert_eq!(status, StatusCode::OK);
+    // node-b cannot take the pod: it scores 0, which kube-scheduler reads from its absence.
     let list = answer.as_array().unwrap();
-    assert_eq!(list.len(), 2);
+    assert_eq!(list.len(), 1, "{answer}");
     assert_eq!(list[0]["Host"], "node-a");
     assert!(list[0]["Score"].as_i64().unwrap() > 0);
-    // node-b cannot take the pod.
-    assert_eq!(list[1], json!({"Host": "node-b", "Score": 0}));
+}
+
+#[tokio::test]
+async fn prioritize_leaves_out_the_nodes_that_tie_at_the_bottom() {
+    // Three empty nodes and one already half full: binpack prefers the fuller one, and the
+    // three empty ones, all equal, would only add the same amount to each of their totals.
+    let h = harness(
+        vec![
+            node("node-a").gpushare().gpus(&[16]).build(),
+            node("node-b").gpushare().gpus(&[16]).build(),
+            node("node-c").gpushare().gpus(&[16]).build(),
+            node("fuller").gpushare().gpus(&[16]).build(),
+        ],
+        vec![fixture_pod(), bound("resident", "fuller", 0, 8, true)],
+    );
+    let args = json!({
+        "Pod": fixture_pod(),
+        "Nodes": null,
+        "NodeNames": ["node-a", "node-b", "node-c", "fuller"],
+    });
+    let (status, answer) = post(&h, "prioritize", &args.to_string()).await;
+    assert_eq!(status, StatusCode::OK);
+    assert_eq!(answer, json!([{"Host": "fuller", "Score": 9}]));
+    // All equal: nothing to tell kube-scheduler.
+    let args = json!({"Pod": fixture_pod(), "Nodes": null, "NodeNames": ["node-a", "node-b"]});
+    let (_, answer) = post(&h, "prioritize", &args.to_string()).await;
+    assert_eq!(answer, json!([]));
 }
 
 #[tokio::test]
@@ -245,6 +271,43 @@ async fn a_body_over_the_limit_is_a_413_and_one_under_it_is_served() {
 }
 
 #[tokio::test]
+async fn each_rejected_node_gets_its_own_reason_even_when_they_repeat() {
+    // Two equally busy nodes between two unknown ones: the busy reason is the same text on
+    // both, and each unknown node is still named in its own.
+    let h = harness(
+        vec![
+            node("busy-1").gpushare().gpus(&[8]).build(),
+            node("busy-2").gpushare().gpus(&[8]).build(),
+        ],
+        vec![
+            fixture_pod(),
+            bound("a", "busy-1", 0, 6, true),
+            bound("b", "busy-2", 0, 6, true),
+        ],
+    );
+    let args = json!({
+        "Pod": fixture_pod(),
+        "Nodes": null,
+        "NodeNames": ["ghost-1", "busy-1", "busy-2", "ghost-2"],
+    });
+    let (status, answer) = post(&h, "filter", &args.to_string()).await;
+    assert_eq!(status, StatusCode::OK);
+    assert_eq!(answer["NodeNames"], json!([]));
+    let busy = "needs 4 GiB on one GPU; largest free is 2 GiB (GPU 0)";
+    assert_eq!(
+        answer["FailedNodes"],
+        json!({"busy-1": busy, "busy-2": busy})
+    );
+    assert_eq!(
+        answer["FailedAndUnresolvableNodes"],
+        json!({
+            "ghost-1": "node ghost-1 is unknown to the gpushare extender",
+            "ghost-2": "node ghost-2 is unknown to the gpushare extender",
+        })
+    );
+}
+
+#[tokio::test]
 async fn unknown_and_unlabelled_nodes_fail_unresolvably_with_reasons() {
     let h = harness(
         vec![
@@ -286,11 +349,9 @@ async fn pods_without_the_resource_pass_untouched_and_score_zero() {
     args["Pod"]["spec"]["containers"][0]["resources"] = json!({});
     let (_, answer) = post(&h, "filter", &args.to_string()).await;
     assert_eq!(answer["Nodes"]["items"], args["Nodes"]["items"]);
-    let (_, scores) = post(&h, "prioritize", &args.to_string()).await;
-    assert_eq!(
-        scores,
-        json!([{"Host": "node-a", "Score": 0}, {"Host": "node-b", "Score": 0}])
-    );
+    let (status, scores) = post(&h, "prioritize", &args.to_string()).await;
+    assert_eq!(status, StatusCode::OK);
+    assert_eq!(scores, json!([]), "every node at 0: none listed");
 }
 
 #[tokio::test]

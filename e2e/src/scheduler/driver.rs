@@ -32,7 +32,10 @@ use tracing::{debug, info, warn};
 
 use super::SchedulerConfig;
 use super::extender::HttpExtender;
-use super::framework::{self, extender_score, fit_error_message, select_host};
+use super::framework::{
+    self, ExtenderPriorities, NodeScore, add_extender_priorities, fit_error_message,
+    select_scored_host,
+};
 use super::state::{FailureKind, PodKey, Popped, QueueConfig, State, pod_key};
 use super::stats::StatsRecorder;
 use super::wire::ExtenderBindingArgs;
@@ -430,26 +433,38 @@ async fn find_host(shared: &Shared, pod: &Pod) -> Result<String, CycleFailure> {
         return Ok(only.name.clone());
     }
 
-    // prioritizeNodes: default scores plus every interested extender's, concurrently.
+    // prioritizeNodes: default scores plus every interested extender's, concurrently. An
+    // extender without a prioritize verb answers too (score 0, weight 0), as upstream's
+    // HTTPExtender.Prioritize does, which matters for the tie-breaker.
     let nodes: Vec<_> = feasible.iter().map(|c| c.node.clone()).collect();
-    let calls = shared.extenders.iter().filter_map(|extender| {
-        let verb = extender.prioritize_verb()?;
-        extender.is_interested(pod).then(|| {
-            let nodes = &nodes;
-            async move { (extender, extender.prioritize(verb, pod, nodes).await) }
-        })
-    });
-    let mut scores: Vec<(String, i64)> =
-        feasible.iter().map(|c| (c.name.clone(), c.score)).collect();
+    let mut scores: Vec<NodeScore> = feasible
+        .iter()
+        .map(|c| NodeScore::new(c.name.clone(), c.score))
+        .collect();
+    let calls = shared
+        .extenders
+        .iter()
+        .filter(|extender| extender.is_interested(pod))
+        .map(|extender| {
+            let (nodes, scores) = (&nodes, &scores);
+            async move {
+                let answer = match extender.prioritize_verb() {
+                    Some(verb) => extender
+                        .prioritize(verb, pod, nodes)
+                        .await
+                        .map(|priorities| ExtenderPriorities {
+                            priorities,
+                            weight: extender.config.weight,
+                        }),
+                    None => Ok(ExtenderPriorities::without_verb(scores)),
+                };
+                (extender, answer)
+            }
+        });
+    let mut answers = Vec::new();
     for (extender, result) in future::join_all(calls).await {
         match result {
-            Ok(priorities) => {
-                for priority in priorities {
-                    if let Some(entry) = scores.iter_mut().find(|(n, _)| *n == priority.host) {
-                        entry.1 += extender_score(priority.score, extender.config.weight);
-                    }
-                }
-            }
+            Ok(answer) => answers.push(answer),
             // Upstream: "Prioritization errors from extender can be ignored".
             Err(error) => {
                 debug!(extender = %extender.config.url_prefix, %error, "extender prioritize failed; no score given by this extender");
@@ -457,7 +472,9 @@ async fn find_host(shared: &Shared, pod: &Pod) -> Result<String, CycleFailure> {
         }
     }
     let mut rng = shared.rng.lock().unwrap_or_else(|p| p.into_inner());
-    select_host(&scores, &mut *rng)
+    add_extender_priorities(&mut scores, &answers, &mut *rng);
+    drop(rng);
+    select_scored_host(&scores)
         .map(str::to_owned)
         .ok_or_else(|| CycleFailure::Error("empty priorityList".to_owned()))
 }

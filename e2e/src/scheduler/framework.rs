@@ -9,8 +9,9 @@
 //!
 //! Scoring approximates the default score plugins that differ between nodes in our clusters:
 //! `NodeResourcesFit` (LeastAllocated on cpu and memory) and `NodeResourcesBalancedAllocation`,
-//! both weight 1, on a 0..=100 scale. Extender scores are added on top, scaled by
-//! `weight * (MaxNodeScore / MaxExtenderPriority)`.
+//! both weight 1, on a 0..=100 scale. Extender scores are added on top exactly as upstream's
+//! `prioritizeNodes` adds them (`weight * (MaxNodeScore / MaxExtenderPriority)`, a host an
+//! answer leaves out counts as 0), and the host is picked as upstream's score heap picks it.
 
 use std::collections::BTreeMap;
 
@@ -521,7 +522,123 @@ pub fn extender_score(score: i64, weight: i64) -> i64 {
         .saturating_mul(MAX_NODE_SCORE / crate::scheduler::wire::MAX_EXTENDER_PRIORITY)
 }
 
-/// `selectHost`: the highest total; ties broken uniformly at random by reservoir sampling.
+/// One candidate in `prioritizeNodes`' result (`framework.NodePluginScores`): the sum of its
+/// weighted plugin and extender scores, and the tie-breaker upstream draws for it.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct NodeScore {
+    pub name: String,
+    pub total: i64,
+    /// `Randomizer`: drawn only for nodes named in some interested extender's answer; every
+    /// other node keeps 0 and so loses a tie to any node that was named.
+    pub randomizer: u64,
+}
+
+impl NodeScore {
+    /// A candidate with its score plugins' total, before any extender.
+    pub fn new(name: impl Into<String>, total: i64) -> Self {
+        Self {
+            name: name.into(),
+            total,
+            randomizer: 0,
+        }
+    }
+}
+
+/// One interested extender's prioritize answer and its `weight`. An extender configured
+/// without a prioritize verb still answers in upstream (`HTTPExtender.Prioritize`): every
+/// node with score 0, weight 0 ([`ExtenderPriorities::without_verb`]).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct ExtenderPriorities {
+    pub priorities: Vec<crate::scheduler::wire::HostPriority>,
+    pub weight: i64,
+}
+
+impl ExtenderPriorities {
+    /// What upstream makes up for an interested extender that has no prioritize verb.
+    pub fn without_verb(nodes: &[NodeScore]) -> Self {
+        Self {
+            priorities: nodes
+                .iter()
+                .map(|n| crate::scheduler::wire::HostPriority {
+                    host: n.name.clone(),
+                    score: 0,
+                })
+                .collect(),
+            weight: 0,
+        }
+    }
+}
+
+/// Adds the extenders' answers to the candidates exactly as upstream's `prioritizeNodes` does.
+///
+/// - Each listed host gets `score × weight × (MaxNodeScore / MaxExtenderPriority)`, in Go's
+///   wrapping `int64` arithmetic, with no range check on `score`; a host listed twice counts twice.
+/// - A candidate an answer leaves out gets nothing from it: the same total as score 0. Only its
+///   tie-breaker differs: a node named by any answer draws a random `Randomizer`, the others
+///   keep 0.
+/// - Hosts that are not candidates are ignored.
+///
+/// Extenders whose prioritize failed are not passed in: upstream logs and ignores them.
+pub fn add_extender_priorities<R: Rng + ?Sized>(
+    nodes: &mut [NodeScore],
+    answers: &[ExtenderPriorities],
+    rng: &mut R,
+) {
+    let scale = MAX_NODE_SCORE / crate::scheduler::wire::MAX_EXTENDER_PRIORITY;
+    let mut by_host: std::collections::HashMap<&str, i64> = std::collections::HashMap::new();
+    for answer in answers {
+        for priority in &answer.priorities {
+            let added = priority
+                .score
+                .wrapping_mul(answer.weight)
+                .wrapping_mul(scale);
+            let total = by_host.entry(priority.host.as_str()).or_insert(0);
+            *total = total.wrapping_add(added);
+        }
+    }
+    for node in nodes {
+        if let Some(added) = by_host.get(node.name.as_str()) {
+            node.total = node.total.wrapping_add(*added);
+            // Go's rand.Int(): a non-negative 63-bit number.
+            node.randomizer = rng.random::<u64>() >> 1;
+        }
+    }
+}
+
+/// `newSortedNodeScores(list).Pop()`: the node `container/heap` puts on top when it heapifies
+/// the list in its order, higher total first, then higher `Randomizer`. Among equals (all with
+/// `Randomizer` 0) the winner is decided by the heap's sift-down order, not by chance.
+pub fn select_scored_host(nodes: &[NodeScore]) -> Option<&str> {
+    let less = |a: &NodeScore, b: &NodeScore| {
+        a.total > b.total || (a.total == b.total && a.randomizer > b.randomizer)
+    };
+    let mut heap: Vec<&NodeScore> = nodes.iter().collect();
+    let n = heap.len();
+    // heap.Init: down(h, i, n) for i from n/2-1 down to 0.
+    for start in (0..n / 2).rev() {
+        let mut i = start;
+        loop {
+            let left = 2 * i + 1;
+            if left >= n {
+                break;
+            }
+            let mut child = left;
+            if left + 1 < n && less(heap[left + 1], heap[left]) {
+                child = left + 1;
+            }
+            if !less(heap[child], heap[i]) {
+                break;
+            }
+            heap.swap(i, child);
+            i = child;
+        }
+    }
+    heap.first().map(|node| node.name.as_str())
+}
+
+/// `selectHost` of older kube-scheduler releases: the highest total; ties broken uniformly at
+/// random by reservoir sampling. The packing simulator still uses it; the scheduler driver
+/// follows today's upstream ([`add_extender_priorities`], [`select_scored_host`]).
 pub fn select_host<'a, R: Rng + ?Sized>(
     scores: &'a [(String, i64)],
     rng: &mut R,
@@ -794,6 +911,103 @@ mod tests {
         assert_eq!(extender_score(10, 1), 100);
         assert_eq!(extender_score(3, 5), 150);
         assert_eq!(extender_score(7, 0), 0);
+    }
+
+    fn priorities(list: &[(&str, i64)], weight: i64) -> ExtenderPriorities {
+        ExtenderPriorities {
+            priorities: list
+                .iter()
+                .map(|(host, score)| crate::scheduler::wire::HostPriority {
+                    host: (*host).to_owned(),
+                    score: *score,
+                })
+                .collect(),
+            weight,
+        }
+    }
+
+    fn candidates(totals: &[(&str, i64)]) -> Vec<NodeScore> {
+        totals.iter().map(|(n, t)| NodeScore::new(*n, *t)).collect()
+    }
+
+    fn totals(nodes: &[NodeScore]) -> Vec<i64> {
+        nodes.iter().map(|n| n.total).collect()
+    }
+
+    #[test]
+    fn a_host_missing_from_the_answer_scores_as_zero_like_upstream() {
+        let mut rng = StdRng::seed_from_u64(1);
+        // a: best default score, left out of the answer; b: named with 2; c: left out.
+        let mut nodes = candidates(&[("a", 50), ("b", 40), ("c", 40)]);
+        add_extender_priorities(&mut nodes, &[priorities(&[("b", 2)], 1)], &mut rng);
+        assert_eq!(
+            totals(&nodes),
+            [50, 60, 40],
+            "missing hosts get nothing added"
+        );
+        assert_eq!(select_scored_host(&nodes), Some("b"));
+        assert_eq!((nodes[0].randomizer, nodes[2].randomizer), (0, 0));
+        assert_ne!(nodes[1].randomizer, 0);
+
+        // Leaving a host out and sending it with 0 give the same totals.
+        let mut explicit = candidates(&[("a", 50), ("b", 40), ("c", 40)]);
+        add_extender_priorities(
+            &mut explicit,
+            &[priorities(&[("a", 0), ("b", 2), ("c", 0)], 1)],
+            &mut rng,
+        );
+        assert_eq!(totals(&explicit), totals(&nodes));
+
+        // A driver that gave a missing host anything but 0 would pick `a` here.
+        let mut nodes = candidates(&[("a", 45), ("b", 40)]);
+        add_extender_priorities(&mut nodes, &[priorities(&[("b", 1)], 1)], &mut rng);
+        assert_eq!(select_scored_host(&nodes), Some("b"));
+    }
+
+    #[test]
+    fn extender_scores_are_weighted_scaled_and_summed_like_upstream() {
+        let mut rng = StdRng::seed_from_u64(2);
+        let mut nodes = candidates(&[("a", 0), ("b", 0), ("c", 7)]);
+        let answers = [
+            // Listed twice, an unknown host, a score above 10: all taken as upstream takes them.
+            priorities(&[("a", 3), ("a", 1), ("ghost", 10), ("b", 12)], 5),
+            priorities(&[("b", 1)], 2),
+            ExtenderPriorities::without_verb(&candidates(&[("c", 0)])),
+        ];
+        add_extender_priorities(&mut nodes, &answers, &mut rng);
+        assert_eq!(totals(&nodes), [200, 620, 7]);
+        assert!(
+            nodes.iter().all(|n| n.randomizer != 0),
+            "every named node, even at 0, draws a tie-breaker"
+        );
+    }
+
+    #[test]
+    fn ties_go_to_named_nodes_then_to_heap_order() {
+        let mut rng = StdRng::seed_from_u64(3);
+        // a is left out, b is named with 0: same total, b wins the tie.
+        let mut nodes = candidates(&[("a", 10), ("b", 10)]);
+        add_extender_priorities(&mut nodes, &[priorities(&[("b", 0)], 1)], &mut rng);
+        assert_eq!(select_scored_host(&nodes), Some("b"));
+        // Nobody named: container/heap keeps the first of equals on top.
+        let nodes = candidates(&[("a", 10), ("b", 10), ("c", 10)]);
+        assert_eq!(select_scored_host(&nodes), Some("a"));
+        // Heapify moves a strictly better child up past its equals.
+        let nodes = candidates(&[("a", 1), ("b", 5), ("c", 5), ("d", 5)]);
+        assert_eq!(select_scored_host(&nodes), Some("b"));
+        assert_eq!(select_scored_host(&[]), None);
+        // Named ties are broken at random, reproducibly under a seed.
+        let mut seen = std::collections::BTreeSet::new();
+        for _ in 0..100 {
+            let mut nodes = candidates(&[("a", 0), ("b", 0), ("c", 0)]);
+            add_extender_priorities(
+                &mut nodes,
+                &[priorities(&[("a", 1), ("b", 1), ("c", 1)], 1)],
+                &mut rng,
+            );
+            seen.extend(select_scored_host(&nodes).map(str::to_owned));
+        }
+        assert_eq!(seen.len(), 3, "each named tied node wins some of the time");
     }
 
     #[test]

@@ -67,6 +67,10 @@ struct Args {
     /// Allocate pods would not fit.
     #[arg(long, env = "LOAD_ALLOCATE_GPU_GIB", default_value_t = 1024)]
     allocate_gpu_gib: u64,
+    /// Drive without the prioritize verb, as a scheduler profile that scores GPU memory itself
+    /// (`NodeResourcesFit` `MostAllocated`) would: filter → bind only.
+    #[arg(long, env = "LOAD_NO_PRIORITIZE", default_value_t = false)]
+    no_prioritize: bool,
     /// Skip the extender phase.
     #[arg(long, env = "LOAD_SKIP_EXTENDER", default_value_t = false)]
     skip_extender: bool,
@@ -97,6 +101,7 @@ async fn main() -> anyhow::Result<()> {
         filter_nodes: args.filter_nodes,
         concurrency: args.concurrency,
         setup_concurrency: args.setup_concurrency,
+        prioritize: !args.no_prioritize,
     };
     let allocate_cfg = allocate::Config {
         pods: args.allocate_pods,
@@ -178,6 +183,14 @@ fn print_configuration(args: &Args, extender_cfg: &extender::Config) {
         figure("pending pods (1–4 GiB)", args.pods);
         figure("pods in flight", args.concurrency);
         figure("filter NodeNames", extender_cfg.filter_description());
+        figure(
+            "verbs per scheduling cycle",
+            if extender_cfg.prioritize {
+                "filter, prioritize (when 2+ nodes pass), bind"
+            } else {
+                "filter, bind (node: most GPU memory requested, as MostAllocated)"
+            },
+        );
     }
     if args.skip_allocate {
         figure("device plugin phase", "skipped");

@@ -73,6 +73,11 @@ pub struct Config {
     pub concurrency: usize,
     /// API creates in flight at once during set-up.
     pub setup_concurrency: usize,
+    /// Whether the scheduler calls the extender's prioritize. Without it, the drive picks among
+    /// the passing nodes as `NodeResourcesFit` `MostAllocated` on the GPU-memory resource would
+    /// (the node with the most GPU memory requested, ties to the first sent), so the extender
+    /// sees the same kind of packing it would under its own scores.
+    pub prioritize: bool,
 }
 
 impl Config {
@@ -195,12 +200,15 @@ pub async fn run(cfg: &Config, bins: &Binaries, log_dir: &Path) -> anyhow::Resul
     let cpu_before = proc_cpu_seconds(pid);
     let bindings_before = stats.count(Verb::Create, "pods/binding");
     let reads_before = api_reads(&api);
-    let drive = Arc::new(Drive::new(
+    let events_before = events_by_reason(&client).await?;
+    let mut drive = Drive::new(
         http,
         pending,
         (0..cfg.nodes).map(node_name).collect(),
         cfg.filter_nodes,
-    ));
+    );
+    drive.prioritize = cfg.prioritize;
+    let drive = Arc::new(drive);
     let started = Instant::now();
     let workers: Vec<_> = (0..cfg.concurrency)
         .map(|_| tokio::spawn(drive.clone().worker()))
@@ -220,6 +228,7 @@ pub async fn run(cfg: &Config, bins: &Binaries, log_dir: &Path) -> anyhow::Resul
     let reads = api_reads(&api) - reads_before;
     let outcomes = bind_outcomes(addr).await;
     let handled = handler_seconds(addr).await;
+    let events = events_by_reason(&client).await?;
 
     figure(
         "drive: pods scheduled",
@@ -267,6 +276,10 @@ pub async fn run(cfg: &Config, bins: &Binaries, log_dir: &Path) -> anyhow::Resul
         ratio(received, tally.bound),
     );
     figure(
+        "per verb: calls per scheduled pod, bytes per call",
+        drive.http.describe_by_verb(tally.bound),
+    );
+    figure(
         "extender CPU per scheduled pod",
         match cpu {
             Some(seconds) if tally.bound > 0 => {
@@ -274,6 +287,10 @@ pub async fn run(cfg: &Config, bins: &Binaries, log_dir: &Path) -> anyhow::Resul
             }
             _ => "unavailable".to_owned(),
         },
+    );
+    figure(
+        "Events written in drive, by reason",
+        describe_outcomes(&events_before, &events),
     );
     figure("API creates of pods/binding", bindings);
     figure("API reads (get/list pods, nodes) in drive", reads);
@@ -300,6 +317,39 @@ pub async fn run(cfg: &Config, bins: &Binaries, log_dir: &Path) -> anyhow::Resul
     extender.process.stop().await;
     api.shutdown().await;
     Ok(())
+}
+
+/// Events in the pods' namespace by `<component>/<reason>`, counting repeats (`count`, or the
+/// series count): which writes besides the Bindings the drive caused.
+async fn events_by_reason(client: &kube::Client) -> anyhow::Result<BTreeMap<String, u64>> {
+    use k8s_openapi::api::core::v1::Event;
+    let api: kube::Api<Event> = kube::Api::namespaced(client.clone(), NAMESPACE);
+    let list = api
+        .list(&Default::default())
+        .await
+        .context("listing Events")?;
+    let mut by_reason = BTreeMap::new();
+    for event in list.items {
+        let component = event
+            .reporting_component
+            .clone()
+            .filter(|c| !c.is_empty())
+            .or_else(|| event.source.as_ref().and_then(|s| s.component.clone()))
+            .unwrap_or_else(|| "?".to_owned());
+        let reason = event.reason.clone().unwrap_or_default();
+        let repeats = event
+            .series
+            .as_ref()
+            .and_then(|s| s.count)
+            .or(event.count)
+            .and_then(|n| u64::try_from(n).ok())
+            .unwrap_or(1)
+            .max(1);
+        *by_reason
+            .entry(format!("{component}/{reason}"))
+            .or_default() += repeats;
+    }
+    Ok(by_reason)
 }
 
 /// GET and LIST requests on pods and nodes so far: what the extender reads besides its watches.
@@ -456,6 +506,8 @@ struct Http {
     calls: AtomicU64,
     sent: AtomicU64,
     received: AtomicU64,
+    /// The same three, by verb.
+    by_verb: Mutex<BTreeMap<String, [u64; 3]>>,
 }
 
 impl Http {
@@ -471,7 +523,38 @@ impl Http {
             calls: AtomicU64::new(0),
             sent: AtomicU64::new(0),
             received: AtomicU64::new(0),
+            by_verb: Mutex::new(BTreeMap::new()),
         }
+    }
+
+    /// `filter 1.00 calls 7.9 KB in 6.1 KB out, …`: per verb, calls per scheduled pod and
+    /// the mean request and answer body per call.
+    fn describe_by_verb(&self, bound: u64) -> String {
+        let by_verb = self
+            .by_verb
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner);
+        let parts: Vec<String> = by_verb
+            .iter()
+            .filter(|(_, [calls, _, _])| *calls > 0)
+            .map(|(verb, [calls, sent, received])| {
+                format!(
+                    "{verb} {} calls {:.1} KB in {:.1} KB out",
+                    ratio(*calls, bound),
+                    *sent as f64 / *calls as f64 / 1e3,
+                    *received as f64 / *calls as f64 / 1e3
+                )
+            })
+            .collect();
+        parts.join(", ")
+    }
+
+    fn count(&self, verb: &str, slot: usize, n: u64) {
+        let mut by_verb = self
+            .by_verb
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner);
+        by_verb.entry(verb.to_owned()).or_default()[slot] += n;
     }
 
     /// (calls, bytes sent, bytes received) so far.
@@ -488,6 +571,8 @@ impl Http {
         let url = format!("{}/{verb}", self.prefix);
         self.calls.fetch_add(1, Ordering::Relaxed);
         self.sent.fetch_add(body.len() as u64, Ordering::Relaxed);
+        self.count(verb, 0, 1);
+        self.count(verb, 1, body.len() as u64);
         let request = http::Request::post(&url)
             .header(http::header::CONTENT_TYPE, "application/json")
             .body(Full::new(Bytes::from(body)))?;
@@ -505,6 +590,7 @@ impl Http {
         let took = started.elapsed();
         self.received
             .fetch_add(answer.len() as u64, Ordering::Relaxed);
+        self.count(verb, 2, answer.len() as u64);
         if status != http::StatusCode::OK {
             bail!(
                 "POST {url} answered {status}: {}",
@@ -526,6 +612,10 @@ struct Drive {
     queue: Mutex<VecDeque<(usize, u32)>>,
     /// Scheduling cycles started, for rotating the filter window.
     cycles: AtomicUsize,
+    /// Whether the extender scores the passing nodes (else: most GPU memory requested wins).
+    prioritize: bool,
+    /// GiB of the resource requested on each node by the pods bound so far.
+    requested: Mutex<HashMap<String, u64>>,
 }
 
 /// What one worker saw.
@@ -566,7 +656,29 @@ impl Drive {
             filter_nodes,
             queue: Mutex::new(queue),
             cycles: AtomicUsize::new(0),
+            prioritize: true,
+            requested: Mutex::new(HashMap::new()),
         }
+    }
+
+    fn requested(&self) -> std::sync::MutexGuard<'_, HashMap<String, u64>> {
+        self.requested
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner)
+    }
+
+    /// `NodeResourcesFit` `MostAllocated` on the GPU-memory resource alone, where every node
+    /// has the same capacity: the passing node with the most GiB requested; ties to the first.
+    fn most_allocated<'a>(&self, passed: &'a [String]) -> &'a str {
+        let requested = self.requested();
+        let mut best: Option<(&str, u64)> = None;
+        for host in passed {
+            let gib = requested.get(host).copied().unwrap_or(0);
+            if best.is_none_or(|(_, top)| gib > top) {
+                best = Some((host, gib));
+            }
+        }
+        best.map_or("", |(host, _)| host)
     }
 
     fn queue(&self) -> std::sync::MutexGuard<'_, VecDeque<(usize, u32)>> {
@@ -636,7 +748,9 @@ impl Drive {
             return Ok(false);
         };
         // kube-scheduler asks for scores only when there is a choice to make.
-        let node = if passed.len() > 1 {
+        let node = if passed.len() > 1 && !self.prioritize {
+            self.most_allocated(&passed).to_owned()
+        } else if passed.len() > 1 {
             let args = ExtenderArgs {
                 pod: pod.clone(),
                 nodes: None,
@@ -662,10 +776,16 @@ impl Drive {
             pod_uid: pod.metadata.uid.clone().unwrap_or_default(),
             node,
         };
+        let node = args.node.clone();
         let (took, answer) = self.http.post("bind", serde_json::to_vec(&args)?).await?;
         tally.bind.push(took);
         let result = wire::decode_binding_result(&answer)?;
         if result.error.is_empty() {
+            let gib = gpushare_contract::pod_request(pod, gpushare_contract::DEFAULT_RESOURCE)
+                .ok()
+                .flatten()
+                .map_or(0, |request| request.pod_gib);
+            *self.requested().entry(node).or_default() += gib;
             tally.bound += 1;
             Ok(true)
         } else {
@@ -702,6 +822,7 @@ mod tests {
             filter_nodes: 0,
             concurrency: 2,
             setup_concurrency: 2,
+            prioritize: true,
         }
     }
 
@@ -758,6 +879,26 @@ mod tests {
             Drive::new(http(), Vec::new(), names, 0).candidates(7).len(),
             5
         );
+    }
+
+    #[test]
+    fn without_prioritize_the_most_requested_node_wins() {
+        let names: Vec<String> = (0..3).map(node_name).collect();
+        let drive = Drive::new(
+            Http::new("http://127.0.0.1:1".to_owned()),
+            Vec::new(),
+            names.clone(),
+            0,
+        );
+        assert_eq!(
+            drive.most_allocated(&names),
+            node_name(0),
+            "ties: first sent"
+        );
+        drive.requested().insert(node_name(1), 3);
+        drive.requested().insert(node_name(2), 5);
+        assert_eq!(drive.most_allocated(&names), node_name(2));
+        assert_eq!(drive.most_allocated(&names[..2]), node_name(1));
     }
 
     #[test]
