@@ -275,6 +275,16 @@ impl Node {
     ) -> Result<usize, Unfit> {
         self.check_node()?;
         let need = request.pod_gib;
+        let filtered = !request.models.is_any();
+        // Never, as things stand (unresolvable), before "retry later".
+        if filtered
+            && !self
+                .gpus
+                .iter()
+                .any(|u| request.models.allows(&u.gpu.model))
+        {
+            return Err(self.no_model(request));
+        }
         if let Some((set, size)) = self.pin(request)? {
             let gpu = set.first().copied().unwrap_or_default();
             if set.len() != 1 {
@@ -315,7 +325,6 @@ impl Node {
         let mut best: Option<(usize, u64)> = None;
         let mut largest_free: Option<(u32, u64)> = None;
         let mut largest_total = 0;
-        let filtered = !request.models.is_any();
         let mut any_model = false;
         for (pos, usage) in self.gpus.iter().enumerate() {
             if filtered && !request.models.allows(&usage.gpu.model) {
@@ -1565,6 +1574,15 @@ mod tests {
         };
         let err = cluster.fit("mixed", &t4_pair).unwrap_err();
         assert!(err.is_unresolvable(), "one T4 only: {err}");
+        // A waiting twin on an A10G does not hide that the node has no H100 at all.
+        cluster
+            .reserve(
+                "twin".into(),
+                "mixed",
+                &wants(&["NVIDIA A10G"], 4),
+                Policy::Binpack,
+            )
+            .unwrap();
         let err = cluster.fit("mixed", &wants(&["H100"], 4)).unwrap_err();
         assert_eq!(
             err.to_string(),
@@ -1572,6 +1590,7 @@ mod tests {
         );
         assert!(err.is_unresolvable());
         // Room on the T4 does not help a pod that wants an A10G.
+        cluster.remove_pod(&"twin".into());
         cluster.upsert_pod("big1".into(), "mixed", running(1, 24));
         cluster.upsert_pod("big2".into(), "mixed", running(2, 24));
         let err = cluster
