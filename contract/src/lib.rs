@@ -13,7 +13,8 @@
 //! extender records on a pod ([`PodAllocation`]), how that record is signed so the device
 //! plugin acts only on the extender's decisions ([`signature`]: what is signed, why HMAC,
 //! what it stops and what not, how to rotate keys), the environment handed to a container
-//! ([`env`](mod@env)), and how a pod's GPU-memory request is read from its spec ([`request`]).
+//! ([`env`](mod@env)), how a pod's GPU-memory request is read from its spec ([`request`]), and
+//! how DRA capacities are read as bytes ([`quantity`]).
 //!
 //! The unit is the GiB: the device plugin advertises one device per whole GiB of a GPU
 //! (`floor(bytes / 2^30)`), and pods ask for whole GiB.
@@ -22,6 +23,7 @@ pub mod allocation;
 pub mod env;
 pub mod inventory;
 pub mod keys;
+pub mod quantity;
 pub mod request;
 pub mod signature;
 pub mod usage;

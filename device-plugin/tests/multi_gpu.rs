@@ -4,41 +4,19 @@
 
 mod common;
 
-use common::{Cluster, NODE, RESOURCE, WAIT, allocation_on, eventually, uuid};
+use common::{
+    Cluster, NODE, RESOURCE, WAIT, allocate, allocation_on, client, eventually, ids, uuid,
+};
 use gpushare_contract::{Keys, env};
 use gpushare_e2e::fixtures::pod;
 use gpushare_e2e::kubelet::AdmissionOrder;
-use gpushare_proto::v1beta1::device_plugin_client::DevicePluginClient;
-use gpushare_proto::v1beta1::{
-    AllocateRequest, ContainerAllocateRequest, ContainerPreferredAllocationRequest, Empty,
-    PreferredAllocationRequest,
-};
+use gpushare_proto::v1beta1::{ContainerPreferredAllocationRequest, PreferredAllocationRequest};
 use k8s_openapi::api::events::v1::Event;
 use kube::api::{Api, ListParams};
 use tonic::Code;
-use tonic::transport::Channel;
 
 fn gpu_of(id: &str) -> &str {
     id.rsplit_once('-').map_or(id, |(uuid, _)| uuid)
-}
-
-fn ids(gpu: u32, slots: std::ops::Range<u64>) -> Vec<String> {
-    slots.map(|slot| format!("{}-{slot}", uuid(gpu))).collect()
-}
-
-fn allocate(devices: Vec<String>) -> AllocateRequest {
-    AllocateRequest {
-        container_requests: vec![ContainerAllocateRequest {
-            devices_ids: devices,
-        }],
-    }
-}
-
-async fn client(cluster: &Cluster) -> anyhow::Result<DevicePluginClient<Channel>> {
-    let socket = cluster.plugin_socket();
-    eventually(WAIT, "the plugin socket", || async { Ok(socket.exists()) }).await?;
-    let channel = gpushare_device_plugin::server::connect(&socket).await?;
-    Ok(DevicePluginClient::new(channel))
 }
 
 /// Creates pod `name` asking for `gib` in all, placed on `gpus` (the first one first), bound
@@ -181,20 +159,7 @@ async fn a_pod_whose_second_gpu_is_unhealthy_is_refused_and_named() -> anyhow::R
     let cluster = Cluster::start(&[16, 16], None).await?;
     let mut plugin = client(&cluster).await?;
     cluster.set_unhealthy("1")?;
-    let mut devices = plugin.list_and_watch(Empty {}).await?.into_inner();
-    tokio::time::timeout(WAIT, async {
-        while let Some(list) = devices.message().await? {
-            if list
-                .devices
-                .iter()
-                .any(|d| d.health == gpushare_proto::UNHEALTHY)
-            {
-                return anyhow::Ok(());
-            }
-        }
-        anyhow::bail!("ListAndWatch ended")
-    })
-    .await??;
+    common::wait_for_unhealthy_devices(&mut plugin).await?;
     create(&cluster, "wide", 8, &[0, 1], 1).await?;
     let err = plugin.allocate(allocate(ids(0, 0..8))).await.unwrap_err();
     assert_eq!(err.code(), Code::Unavailable);
@@ -210,7 +175,6 @@ async fn a_pod_whose_second_gpu_is_unhealthy_is_refused_and_named() -> anyhow::R
     // "no pod is waiting").
     let err = plugin.allocate(allocate(ids(0, 0..8))).await.unwrap_err();
     assert_eq!(err.code(), Code::Unavailable, "{}", err.message());
-    drop(devices);
     cluster.stop().await
 }
 

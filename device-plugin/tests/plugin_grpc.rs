@@ -5,36 +5,14 @@ mod common;
 
 use std::time::Duration;
 
-use common::{Cluster, NODE, WAIT, allocation, eventually, uuid};
+use common::{Cluster, NODE, WAIT, allocate, allocation, client, ids, uuid};
 use gpushare_contract::env;
 use gpushare_e2e::apiserver::Verb;
 use gpushare_e2e::fixtures::pod;
-use gpushare_proto::v1beta1::device_plugin_client::DevicePluginClient;
 use gpushare_proto::v1beta1::{
-    AllocateRequest, ContainerAllocateRequest, ContainerPreferredAllocationRequest, Empty,
-    PreferredAllocationRequest,
+    ContainerPreferredAllocationRequest, Empty, PreferredAllocationRequest,
 };
 use tonic::Code;
-use tonic::transport::Channel;
-
-async fn client(cluster: &Cluster) -> anyhow::Result<DevicePluginClient<Channel>> {
-    let socket = cluster.plugin_socket();
-    eventually(WAIT, "the plugin socket", || async { Ok(socket.exists()) }).await?;
-    let channel = gpushare_device_plugin::server::connect(&socket).await?;
-    Ok(DevicePluginClient::new(channel))
-}
-
-fn ids(gpu: u32, slots: std::ops::Range<u64>) -> Vec<String> {
-    slots.map(|slot| format!("{}-{slot}", uuid(gpu))).collect()
-}
-
-fn allocate(devices: Vec<String>) -> AllocateRequest {
-    AllocateRequest {
-        container_requests: vec![ContainerAllocateRequest {
-            devices_ids: devices,
-        }],
-    }
-}
 
 #[tokio::test]
 async fn bad_requests_get_clear_errors() -> anyhow::Result<()> {

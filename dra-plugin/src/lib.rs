@@ -51,7 +51,7 @@ pub mod cdi;
 pub mod checkpoint;
 pub mod health;
 pub mod prepare;
-pub mod quantity;
+pub use gpushare_contract::quantity;
 pub mod service;
 pub mod slice;
 

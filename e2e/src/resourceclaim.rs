@@ -31,28 +31,24 @@
 
 use std::collections::{BTreeMap, HashMap, HashSet};
 use std::sync::Arc;
-use std::time::Duration;
 
-use futures::StreamExt;
 use k8s_openapi::api::core::v1::{ObjectReference, Pod, PodResourceClaim, PodResourceClaimStatus};
 use k8s_openapi::api::resource::v1::{ResourceClaim, ResourceClaimTemplate};
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::{ObjectMeta, OwnerReference};
 use kube::api::{Api, DeleteParams, Patch, PatchParams, PostParams, Preconditions};
 use kube::runtime::events::{Event, EventType, Recorder, Reporter};
-use kube::runtime::reflector::{self, Store};
-use kube::runtime::{WatchStreamExt, watcher};
-use kube::{Client, Resource, ResourceExt};
+use kube::runtime::reflector::Store;
+use kube::{Client, ResourceExt};
 use serde_json::json;
 use tokio::sync::Notify;
 use tokio::task::JoinHandle;
 use tokio_util::sync::CancellationToken;
 
+use crate::scheduler::dra::{next_pass, stop_tasks, watch};
+
 /// The annotation that ties a generated claim to its pod claim (upstream's
 /// `podResourceClaimAnnotation`).
 pub const POD_CLAIM_ANNOTATION: &str = "resource.kubernetes.io/pod-claim-name";
-
-/// How often a pass runs without any watch event (failed writes are retried then).
-const RETRY: Duration = Duration::from_millis(500);
 
 /// Why a pod claim names no ResourceClaim yet, or cannot.
 #[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]
@@ -189,53 +185,33 @@ pub struct ClaimController {
     tasks: Vec<JoinHandle<()>>,
 }
 
-fn watch<K>(
-    client: &Client,
-    notify: &Arc<Notify>,
-    stop: &CancellationToken,
-    tasks: &mut Vec<JoinHandle<()>>,
-) -> Store<K>
-where
-    K: Resource<DynamicType = ()>
-        + Clone
-        + std::fmt::Debug
-        + serde::de::DeserializeOwned
-        + Send
-        + Sync
-        + 'static,
-{
-    let (store, writer) = reflector::store();
-    let api: Api<K> = Api::all(client.clone());
-    let notify = notify.clone();
-    let stop = stop.clone();
-    tasks.push(tokio::spawn(async move {
-        let stream = watcher(api, watcher::Config::default())
-            .default_backoff()
-            .reflect(writer);
-        let mut stream = std::pin::pin!(stream);
-        loop {
-            tokio::select! {
-                () = stop.cancelled() => return,
-                event = stream.next() => match event {
-                    Some(Ok(_)) => notify.notify_one(),
-                    Some(Err(err)) => tracing::warn!(error = %err, "resourceclaim controller watch failed"),
-                    None => return,
-                },
-            }
-        }
-    }));
-    store
-}
-
 impl ClaimController {
     /// Starts watching pods, claims and templates through `client`.
     pub fn start(client: Client) -> Self {
         let stop = CancellationToken::new();
         let notify = Arc::new(Notify::new());
         let mut tasks = Vec::new();
-        let pods: Store<Pod> = watch(&client, &notify, &stop, &mut tasks);
-        let claims: Store<ResourceClaim> = watch(&client, &notify, &stop, &mut tasks);
-        let templates: Store<ResourceClaimTemplate> = watch(&client, &notify, &stop, &mut tasks);
+        let pods: Store<Pod> = watch(
+            "resourceclaim controller",
+            &client,
+            &notify,
+            &stop,
+            &mut tasks,
+        );
+        let claims: Store<ResourceClaim> = watch(
+            "resourceclaim controller",
+            &client,
+            &notify,
+            &stop,
+            &mut tasks,
+        );
+        let templates: Store<ResourceClaimTemplate> = watch(
+            "resourceclaim controller",
+            &client,
+            &notify,
+            &stop,
+            &mut tasks,
+        );
         let loop_stop = stop.clone();
         tasks.push(tokio::spawn(async move {
             for ready in [
@@ -265,10 +241,8 @@ impl ClaimController {
             };
             loop {
                 passes.pass().await;
-                tokio::select! {
-                    () = loop_stop.cancelled() => return,
-                    () = notify.notified() => {}
-                    () = tokio::time::sleep(RETRY) => {}
+                if !next_pass(&loop_stop, &notify).await {
+                    return;
                 }
             }
         }));
@@ -277,10 +251,7 @@ impl ClaimController {
 
     /// Stops every task.
     pub async fn shutdown(self) {
-        self.stop.cancel();
-        for task in self.tasks {
-            let _ = task.await;
-        }
+        stop_tasks(self.stop, self.tasks).await;
     }
 }
 

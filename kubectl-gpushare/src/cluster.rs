@@ -120,19 +120,32 @@ impl Cluster {
             .map_err(|e| self.classify("list pods", e))
     }
 
+    /// The chart's objects of kind `K` for `component` in the install namespace (selected by
+    /// the chart's `app.kubernetes.io/{name,component}` labels).
+    async fn chart_objects<K>(&self, install: &Install, component: &str) -> Result<Vec<K>, String>
+    where
+        K: kube::Resource<Scope = kube::core::NamespaceResourceScope, DynamicType = ()>
+            + Clone
+            + k8s_openapi::serde::de::DeserializeOwned
+            + std::fmt::Debug,
+    {
+        let params = ListParams::default().labels(&format!(
+            "app.kubernetes.io/name=gpushare,app.kubernetes.io/component={component}"
+        ));
+        Api::<K>::namespaced(self.client.clone(), &install.namespace)
+            .list(&params)
+            .await
+            .map(|list| list.items)
+            .map_err(|e| e.to_string())
+    }
+
     /// The chart's scheduler Deployments in the install namespace.
     pub async fn scheduler_deployments(
         &self,
         install: &Install,
     ) -> Result<Vec<SchedulerDeployment>, String> {
-        let params = ListParams::default()
-            .labels("app.kubernetes.io/name=gpushare,app.kubernetes.io/component=scheduler");
-        let list = Api::<Deployment>::namespaced(self.client.clone(), &install.namespace)
-            .list(&params)
-            .await
-            .map_err(|e| e.to_string())?;
+        let list: Vec<Deployment> = self.chart_objects(install, "scheduler").await?;
         Ok(list
-            .items
             .into_iter()
             .map(|d| SchedulerDeployment {
                 name: d.metadata.name.unwrap_or_default(),
@@ -148,14 +161,8 @@ impl Cluster {
         &self,
         install: &Install,
     ) -> Result<Vec<DevicePluginSpec>, String> {
-        let params = ListParams::default()
-            .labels("app.kubernetes.io/name=gpushare,app.kubernetes.io/component=device-plugin");
-        let list = Api::<DaemonSet>::namespaced(self.client.clone(), &install.namespace)
-            .list(&params)
-            .await
-            .map_err(|e| e.to_string())?;
+        let list: Vec<DaemonSet> = self.chart_objects(install, "device-plugin").await?;
         Ok(list
-            .items
             .into_iter()
             .map(|ds| {
                 let container = ds

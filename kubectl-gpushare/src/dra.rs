@@ -60,45 +60,10 @@ pub async fn read(cluster: &Cluster) -> Result<Option<DraObjects>, kube::Error> 
     }
 }
 
-/// Bytes of a quantity (`4Gi`, `4294967296`, `1.5Gi`, `16G`); `None` when unreadable.
+/// Bytes of a quantity (`4Gi`, `4294967296`, `1.5Gi`, `16G`), as the DRA plugin reads
+/// capacities ([`gpushare_contract::quantity::bytes`]); `None` when unreadable.
 pub fn quantity_bytes(text: &str) -> Option<u128> {
-    let text = text.trim();
-    let split = text
-        .find(|c: char| !(c.is_ascii_digit() || c == '.'))
-        .unwrap_or(text.len());
-    let (number, suffix) = text.split_at(split);
-    let multiplier: u128 = match suffix {
-        "" => 1,
-        "Ki" => 1 << 10,
-        "Mi" => 1 << 20,
-        "Gi" => 1 << 30,
-        "Ti" => 1 << 40,
-        "Pi" => 1 << 50,
-        "k" => 1_000,
-        "M" => 1_000_000,
-        "G" => 1_000_000_000,
-        "T" => 1_000_000_000_000,
-        "P" => 1_000_000_000_000_000,
-        _ => return None,
-    };
-    let (whole, fraction) = number.split_once('.').unwrap_or((number, ""));
-    if whole.is_empty() && fraction.is_empty() {
-        return None;
-    }
-    let whole: u128 = if whole.is_empty() {
-        0
-    } else {
-        whole.parse().ok()?
-    };
-    let mut bytes = whole.checked_mul(multiplier)?;
-    if !fraction.is_empty() {
-        let digits = u32::try_from(fraction.len()).ok()?;
-        let scale = 10u128.checked_pow(digits)?;
-        let part: u128 = fraction.parse().ok()?;
-        // Rounded up, as the API server rounds fractional bytes.
-        bytes = bytes.checked_add(part.checked_mul(multiplier)?.div_ceil(scale))?;
-    }
-    Some(bytes)
+    gpushare_contract::quantity::bytes(text).ok()
 }
 
 fn whole_gib(bytes: u128, round_up: bool) -> u64 {

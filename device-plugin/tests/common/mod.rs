@@ -12,11 +12,14 @@ use gpushare_contract::{ContainerRequest, DEFAULT_RESOURCE, GpuRef, Keys, PodAll
 use gpushare_device_plugin::Config;
 use gpushare_e2e::apiserver::ApiServer;
 use gpushare_e2e::kubelet::{AdmissionOrder, KubeletDriver};
+use gpushare_proto::v1beta1::device_plugin_client::DevicePluginClient;
+use gpushare_proto::v1beta1::{AllocateRequest, ContainerAllocateRequest, Empty};
 use k8s_openapi::api::core::v1::{Node, Pod};
 use kube::{Api, Client};
 use tempfile::TempDir;
 use tokio::task::JoinHandle;
 use tokio_util::sync::CancellationToken;
+use tonic::transport::Channel;
 
 pub const NODE: &str = "n1";
 pub const RESOURCE: &str = DEFAULT_RESOURCE;
@@ -263,4 +266,46 @@ where
         );
         tokio::time::sleep(Duration::from_millis(50)).await;
     }
+}
+
+/// Device IDs `slots` of GPU `gpu`, as the plugin advertises them.
+pub fn ids(gpu: u32, slots: std::ops::Range<u64>) -> Vec<String> {
+    slots.map(|slot| format!("{}-{slot}", uuid(gpu))).collect()
+}
+
+/// An Allocate request for one container holding `devices`.
+pub fn allocate(devices: Vec<String>) -> AllocateRequest {
+    AllocateRequest {
+        container_requests: vec![ContainerAllocateRequest {
+            devices_ids: devices,
+        }],
+    }
+}
+
+/// A client of the plugin's socket, once it exists.
+pub async fn client(cluster: &Cluster) -> anyhow::Result<DevicePluginClient<Channel>> {
+    let socket = cluster.plugin_socket();
+    eventually(WAIT, "the plugin socket", || async { Ok(socket.exists()) }).await?;
+    let channel = gpushare_device_plugin::server::connect(&socket).await?;
+    Ok(DevicePluginClient::new(channel))
+}
+
+/// Waits until ListAndWatch reports an unhealthy device.
+pub async fn wait_for_unhealthy_devices(
+    plugin: &mut DevicePluginClient<Channel>,
+) -> anyhow::Result<()> {
+    let mut devices = plugin.list_and_watch(Empty {}).await?.into_inner();
+    tokio::time::timeout(WAIT, async {
+        while let Some(list) = devices.message().await? {
+            if list
+                .devices
+                .iter()
+                .any(|d| d.health == gpushare_proto::UNHEALTHY)
+            {
+                return anyhow::Ok(());
+            }
+        }
+        anyhow::bail!("ListAndWatch ended")
+    })
+    .await?
 }

@@ -543,7 +543,11 @@ pub struct DraScheduler {
     tasks: Vec<JoinHandle<()>>,
 }
 
-fn watch<K>(
+/// A reflector store of every `K`, kept by a task pushed on `tasks` that wakes `notify` on
+/// each event and ends with `stop`; `who` names the watcher in warnings. Shared by the
+/// in-process control loops (this scheduler, the resourceclaim controller).
+pub(crate) fn watch<K>(
+    who: &'static str,
     client: &Client,
     notify: &Arc<Notify>,
     stop: &CancellationToken,
@@ -572,13 +576,31 @@ where
                 () = stop.cancelled() => return,
                 event = stream.next() => match event {
                     Some(Ok(_)) => notify.notify_one(),
-                    Some(Err(err)) => tracing::warn!(error = %err, "DRA scheduler watch failed"),
+                    Some(Err(err)) => tracing::warn!(error = %err, "{who} watch failed"),
                     None => return,
                 },
             }
         }
     }));
     store
+}
+
+/// Waits for the next pass of a control loop: a watch event, or [`RETRY`] at the latest.
+/// `false` once `stop` is cancelled.
+pub(crate) async fn next_pass(stop: &CancellationToken, notify: &Notify) -> bool {
+    tokio::select! {
+        () = stop.cancelled() => false,
+        () = notify.notified() => true,
+        () = tokio::time::sleep(RETRY) => true,
+    }
+}
+
+/// Cancels `stop` and waits for every task of a control loop.
+pub(crate) async fn stop_tasks(stop: CancellationToken, tasks: Vec<JoinHandle<()>>) {
+    stop.cancel();
+    for task in tasks {
+        let _ = task.await;
+    }
 }
 
 impl DraScheduler {
@@ -588,11 +610,11 @@ impl DraScheduler {
         let notify = Arc::new(Notify::new());
         let mut tasks = Vec::new();
         let stores = Stores {
-            pods: watch(&client, &notify, &stop, &mut tasks),
-            nodes: watch(&client, &notify, &stop, &mut tasks),
-            claims: watch(&client, &notify, &stop, &mut tasks),
-            slices: watch(&client, &notify, &stop, &mut tasks),
-            classes: watch(&client, &notify, &stop, &mut tasks),
+            pods: watch("DRA scheduler", &client, &notify, &stop, &mut tasks),
+            nodes: watch("DRA scheduler", &client, &notify, &stop, &mut tasks),
+            claims: watch("DRA scheduler", &client, &notify, &stop, &mut tasks),
+            slices: watch("DRA scheduler", &client, &notify, &stop, &mut tasks),
+            classes: watch("DRA scheduler", &client, &notify, &stop, &mut tasks),
         };
         let loop_stop = stop.clone();
         tasks.push(tokio::spawn(async move {
@@ -614,10 +636,8 @@ impl DraScheduler {
             }
             loop {
                 scheduler.pass().await;
-                tokio::select! {
-                    () = loop_stop.cancelled() => return,
-                    () = notify.notified() => {}
-                    () = tokio::time::sleep(RETRY) => {}
+                if !next_pass(&loop_stop, &notify).await {
+                    return;
                 }
             }
         }));
@@ -626,10 +646,7 @@ impl DraScheduler {
 
     /// Stops every task.
     pub async fn shutdown(self) {
-        self.stop.cancel();
-        for task in self.tasks {
-            let _ = task.await;
-        }
+        stop_tasks(self.stop, self.tasks).await;
     }
 }
 
