@@ -33,10 +33,11 @@ use std::process::Stdio;
 use std::sync::{Arc, OnceLock};
 use std::time::Duration;
 
-use anyhow::{Context, bail};
+use anyhow::{Context, bail, ensure};
 use k8s_openapi::api::core::v1::{Node, Pod};
 use kube::Client;
 use kube::api::Api;
+use serde::Deserialize as _;
 use tokio::process::{Child, Command};
 
 use crate::apiserver::admission::AdmissionPolicies;
@@ -200,6 +201,37 @@ pub fn render_chart_template(template: &str, sets: &[&str]) -> anyhow::Result<St
         );
     }
     Ok(String::from_utf8(output.stdout)?)
+}
+
+/// The `scheduler-config.yaml` of the chart's dedicated scheduler, rendered with the policy
+/// the extender runs (its `--policy=` flag in `extender_args`, else the chart's default).
+pub async fn dedicated_scheduler_configuration(extender_args: &[String]) -> anyhow::Result<String> {
+    let mut sets = vec!["scheduler.mode=dedicated".to_owned()];
+    if let Some(policy) = extender_args
+        .iter()
+        .find_map(|a| a.strip_prefix("--policy="))
+    {
+        sets.push(format!("policy={policy}"));
+    }
+    let rendered = tokio::task::spawn_blocking(move || {
+        let sets: Vec<&str> = sets.iter().map(String::as_str).collect();
+        render_chart_template("templates/scheduler.yaml", &sets)
+    })
+    .await??;
+    for document in serde_yaml::Deserializer::from_str(&rendered) {
+        let value = serde_yaml::Value::deserialize(document)?;
+        if value.get("kind").and_then(|k| k.as_str()) != Some("ConfigMap") {
+            continue;
+        }
+        if let Some(text) = value
+            .get("data")
+            .and_then(|d| d.get("scheduler-config.yaml"))
+            .and_then(|t| t.as_str())
+        {
+            return Ok(text.to_owned());
+        }
+    }
+    bail!("the chart's scheduler.yaml renders no scheduler-config.yaml")
 }
 
 /// Runs `body` on a fresh cluster started from `spec`, then shuts it down; on failure,
@@ -1061,10 +1093,21 @@ impl TestCluster {
             ..SchedulerConfig::default()
         };
         let config = if self.spec.dedicated {
-            SchedulerConfig {
-                scheduler_name: DEDICATED_SCHEDULER.to_owned(),
-                ..config
+            // The dedicated scheduler runs the configuration the chart renders for this
+            // extender's policy; only the address and certificates are the harness's.
+            let rendered = dedicated_scheduler_configuration(&self.spec.extender_args).await?;
+            let mut config = SchedulerConfig::from_kube_scheduler_configuration(&rendered, config)?;
+            ensure!(
+                config.scheduler_name == DEDICATED_SCHEDULER,
+                "{}",
+                config.scheduler_name
+            );
+            for extender in &mut config.extenders {
+                extender.url_prefix.clone_from(&prefix);
+                extender.http_timeout = self.spec.http_timeout;
+                extender.tls = Some(self.extender_tls.scheduler_config());
             }
+            config
         } else {
             config
         };

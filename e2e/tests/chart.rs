@@ -16,10 +16,12 @@ use anyhow::{Context, bail, ensure};
 use gpushare_e2e::apiserver::{ADMIN_USER, Call, Verb};
 use gpushare_e2e::cluster::{
     ClusterSpec, DEVICE_PLUGIN_USER, EXTENDER_USER, RELEASE, RELEASE_NAMESPACE, TestCluster,
-    wait_for,
+    dedicated_scheduler_configuration, wait_for,
 };
 use gpushare_e2e::fixtures::pod;
 use gpushare_e2e::scenarios::{create_gpu_pod, delete_pod, wait_running};
+use gpushare_e2e::scheduler::SchedulerConfig;
+use gpushare_e2e::scheduler::framework::{FitScoring, FitStrategy};
 use gpushare_e2e::scheduler::wire::ExtenderBindingArgs;
 use k8s_openapi::api::admissionregistration::v1::{
     MutatingWebhookConfiguration, ValidatingAdmissionPolicy, ValidatingAdmissionPolicyBinding,
@@ -910,6 +912,8 @@ struct LeaderElection {
 #[serde(deny_unknown_fields, rename_all = "camelCase")]
 struct Profile {
     scheduler_name: String,
+    #[serde(default)]
+    plugin_config: Option<serde_yaml::Value>,
 }
 
 #[derive(Debug, Deserialize)]
@@ -919,8 +923,10 @@ struct Extender {
     filter_verb: String,
     #[serde(default)]
     preempt_verb: Option<String>,
-    prioritize_verb: String,
-    weight: i64,
+    #[serde(default)]
+    prioritize_verb: Option<String>,
+    #[serde(default)]
+    weight: Option<i64>,
     bind_verb: String,
     #[serde(rename = "enableHTTPS")]
     enable_https: bool,
@@ -972,10 +978,23 @@ fn check_scheduler(rendered: &Rendered, prefix: &str, resource: &str) -> anyhow:
         extender.url_prefix
     );
     ensure!(extender.filter_verb == "filter");
-    ensure!(extender.prioritize_verb == "prioritize");
+    // binpack (the default policy): the profile scores GPU memory, no prioritize call.
+    ensure!(extender.prioritize_verb.is_none() && extender.weight.is_none());
+    ensure!(config.profiles[0].plugin_config.is_some());
+    let driver =
+        SchedulerConfig::from_kube_scheduler_configuration(text, SchedulerConfig::default())?;
+    ensure!(
+        driver.fit_scoring
+            == FitScoring {
+                strategy: FitStrategy::MostAllocated,
+                resources: vec![(resource.to_owned(), 1)],
+            },
+        "{:?}",
+        driver.fit_scoring
+    );
     ensure!(extender.bind_verb == "bind");
     ensure!(extender.preempt_verb.is_none());
-    ensure!(extender.weight > 0 && !extender.ignorable);
+    ensure!(!extender.ignorable);
     // HTTPS, verified against the CA of the extender's certificate, mounted alone.
     ensure!(extender.enable_https);
     let ca_file = &extender
@@ -1689,6 +1708,36 @@ fn every_value_is_documented_in_the_readme() -> anyhow::Result<()> {
     ensure!(
         missing.is_empty(),
         "values missing from README.md's table: {missing:?}"
+    );
+    Ok(())
+}
+
+/// Policies other than binpack rank nodes through the extender: the dedicated profile keeps
+/// kube-scheduler's default resource scoring and calls prioritize with the configured weight.
+#[tokio::test]
+async fn policies_other_than_binpack_keep_the_prioritize_call() -> anyhow::Result<()> {
+    for policy in ["spread", "fragmentation"] {
+        let text = dedicated_scheduler_configuration(&[format!("--policy={policy}")]).await?;
+        let driver =
+            SchedulerConfig::from_kube_scheduler_configuration(&text, SchedulerConfig::default())?;
+        ensure!(
+            driver.fit_scoring == FitScoring::default(),
+            "{policy}: {text}"
+        );
+        let [extender] = driver.extenders.as_slice() else {
+            bail!("{policy}: one extender expected: {text}");
+        };
+        ensure!(
+            extender.prioritize_verb.as_deref() == Some("prioritize") && extender.weight == 1,
+            "{policy}: {text}"
+        );
+    }
+    let binpack = dedicated_scheduler_configuration(&[]).await?;
+    let driver =
+        SchedulerConfig::from_kube_scheduler_configuration(&binpack, SchedulerConfig::default())?;
+    ensure!(
+        driver.extenders.iter().all(|e| e.prioritize_verb.is_none()),
+        "{binpack}"
     );
     Ok(())
 }

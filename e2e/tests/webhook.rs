@@ -3,7 +3,7 @@
 //! caBundle patched in by the extender) on every pod create, then evaluates the allocation
 //! policy, as a real API server does.
 
-use anyhow::ensure;
+use anyhow::{Context, ensure};
 use gpushare_e2e::cluster::{
     ClusterSpec, DEDICATED_SCHEDULER, TestCluster, wait_for, with_cluster,
 };
@@ -107,6 +107,45 @@ async fn while_the_webhook_is_down_gpu_pods_are_refused_not_left_pending() -> an
         create_gpu_pod(cluster, "early", 4).await?;
         let running = wait_running(cluster, "early").await?;
         check_pinned(cluster, &running).await?;
+        Ok(())
+    })
+    .await
+}
+
+/// The chart's dedicated profile with `policy: binpack` scores GPU memory itself
+/// (`NodeResourcesFit` MostAllocated on the resource) and does not call prioritize: pods still
+/// fill the node that already holds GPU memory before the empty one. With the upstream default
+/// scoring (LeastAllocated on cpu and memory) and no prioritize, they would alternate nodes.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_dedicated_binpack_profile_packs_without_prioritize() -> anyhow::Result<()> {
+    let spec = ClusterSpec::labelled(&[("n1", &[16, 16]), ("n2", &[16, 16])]).dedicated();
+    with_cluster(spec, async |cluster| {
+        let first = create_gpu_pod(cluster, "first", 4).await?;
+        ensure!(scheduler_of(&first) == Some(DEDICATED_SCHEDULER));
+        let first = wait_running(cluster, "first").await?;
+        let full_node = first.spec.and_then(|s| s.node_name).unwrap_or_default();
+        for name in ["second", "third", "fourth"] {
+            create_gpu_pod(cluster, name, 4).await?;
+            let running = wait_running(cluster, name).await?;
+            check_pinned(cluster, &running).await?;
+            let node = running.spec.and_then(|s| s.node_name).unwrap_or_default();
+            ensure!(
+                node == full_node,
+                "{name} went to {node}, not the fuller {full_node}"
+            );
+        }
+        check_no_overcommit(&cluster.client).await?;
+        let stats = cluster
+            .scheduler
+            .as_ref()
+            .map(|s| s.stats())
+            .context("scheduler not running")?;
+        ensure!(
+            stats.prioritize_calls == 0,
+            "prioritize called {} times",
+            stats.prioritize_calls
+        );
+        ensure!(stats.filter_calls >= 4 && stats.binds_ok >= 4, "{stats:?}");
         Ok(())
     })
     .await

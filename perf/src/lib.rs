@@ -22,6 +22,9 @@
 //! - **spread/spread**: the extender's spread policy on both levels;
 //! - **fragmentation**: the extender's fragmentation policy on both levels (nodes' CPU and
 //!   memory and pods' requests booked as the extender's view books them);
+//! - **native MostAllocated**: no extender prioritize; kube-scheduler's profile scores GPU
+//!   memory itself (`NodeResourcesFit` MostAllocated on the GPU-memory resource, plus
+//!   `NodeResourcesBalancedAllocation`), GPU binpack at bind;
 //! - **offline bound**: best-fit-decreasing over the whole arrival trace (knows the future),
 //!   as a yardstick for what any online policy could reach (whole-GPU pods first, each on
 //!   the node with the fewest empty GPUs that still holds it, then the rest).
@@ -36,8 +39,8 @@ use std::collections::HashMap;
 use gpushare_allocator::fragmentation::{self, Host};
 use gpushare_allocator::{Cluster, Gpu, PodId, PodPlacement, Policy, Request};
 use gpushare_e2e::scheduler::framework::{
-    CPU, DEFAULT_MEMORY_REQUEST, DEFAULT_MILLI_CPU_REQUEST, MEMORY, Milli, NodeUsage, PodUsage,
-    Resources, default_score, extender_score, select_host,
+    CPU, DEFAULT_MEMORY_REQUEST, DEFAULT_MILLI_CPU_REQUEST, FitScoring, FitStrategy, MEMORY, Milli,
+    NodeUsage, PodUsage, Resources, default_score, extender_score, select_host,
 };
 use rand::rngs::StdRng;
 use rand::{Rng, SeedableRng};
@@ -202,9 +205,10 @@ fn node_name(n: usize) -> String {
 }
 
 /// A way of choosing node and GPU. Every strategy picks its node the way kube-scheduler
-/// does: its default scores (`NodeResourcesFit` LeastAllocated on CPU and memory,
-/// `NodeResourcesBalancedAllocation`) plus the extender's score × weight × 10 when the
-/// extender prioritizes, highest total wins, ties broken at random.
+/// does: its profile's scores (`NodeResourcesFit`, LeastAllocated on CPU and memory unless
+/// the strategy says otherwise, and `NodeResourcesBalancedAllocation`) plus the extender's
+/// score × weight × 10 when the extender prioritizes, highest total wins, ties broken at
+/// random.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Strategy {
     /// gpushare: binpack prioritize scores, GPU binpack at bind.
@@ -216,15 +220,20 @@ pub enum Strategy {
     SpreadSpread,
     /// The fragmentation policy: its prioritize scores, its GPU choice at bind.
     Fragmentation,
+    /// No prioritize: the profile's `NodeResourcesFit` scores GPU memory with MostAllocated
+    /// (the GPU-memory resource alone, weight 1) beside `NodeResourcesBalancedAllocation`;
+    /// GPU binpack at bind.
+    NativeMostAllocated,
 }
 
 impl Strategy {
     /// All online strategies, in the order the report prints them.
-    pub const ALL: [Strategy; 4] = [
+    pub const ALL: [Strategy; 5] = [
         Strategy::Ours,
         Strategy::Classic,
         Strategy::SpreadSpread,
         Strategy::Fragmentation,
+        Strategy::NativeMostAllocated,
     ];
 
     /// Name in the report.
@@ -234,6 +243,9 @@ impl Strategy {
             Strategy::Classic => "classic (no prioritize/binpack)",
             Strategy::SpreadSpread => "spread/spread",
             Strategy::Fragmentation => "gpushare fragmentation",
+            Strategy::NativeMostAllocated => {
+                "gpushare binpack (native MostAllocated on gpu-mem, no prioritize)"
+            }
         }
     }
 
@@ -244,6 +256,18 @@ impl Strategy {
             Strategy::Classic => (None, Policy::Binpack),
             Strategy::SpreadSpread => (Some(Policy::Spread), Policy::Spread),
             Strategy::Fragmentation => (Some(Policy::Fragmentation), Policy::Fragmentation),
+            Strategy::NativeMostAllocated => (None, Policy::Binpack),
+        }
+    }
+
+    /// The profile's `NodeResourcesFit` scoring strategy.
+    fn fit_scoring(self) -> FitScoring {
+        match self {
+            Strategy::NativeMostAllocated => FitScoring {
+                strategy: FitStrategy::MostAllocated,
+                resources: vec![(GPU_MEM.to_owned(), 1)],
+            },
+            _ => FitScoring::default(),
         }
     }
 }
@@ -294,11 +318,14 @@ impl PodProfile {
         }
     }
 
+    /// The pod as kube-scheduler counts it: its CPU and memory, and `gib` of the GPU-memory
+    /// resource (the pod's total, whatever GPUs it books).
     fn usage(self, gib: u64) -> PodUsage {
         const MIB: Milli = 1024 * 1024 * 1000;
+        let gpu_mem = (GPU_MEM.to_owned(), Milli::from(gib) * 1000);
         match self {
             PodProfile::NoRequests => PodUsage {
-                requested: Resources::new(),
+                requested: Resources::from([gpu_mem]),
                 non_zero_cpu: DEFAULT_MILLI_CPU_REQUEST,
                 non_zero_memory: DEFAULT_MEMORY_REQUEST * 1000,
             },
@@ -312,6 +339,7 @@ impl PodProfile {
                     requested: Resources::from([
                         (CPU.to_owned(), cpu),
                         (MEMORY.to_owned(), memory),
+                        gpu_mem,
                     ]),
                     non_zero_cpu: cpu,
                     non_zero_memory: memory,
@@ -321,13 +349,21 @@ impl PodProfile {
     }
 }
 
-/// How kube-scheduler sees each simulated node: 64 cores and 512 GiB allocatable (room for
-/// every pod's CPU and memory, so GPU memory is what runs out).
-fn node_allocatable() -> Resources {
+/// The GPU-memory extended resource, as the device plugin advertises it (one unit per GiB).
+const GPU_MEM: &str = gpushare_contract::DEFAULT_RESOURCE;
+
+/// How kube-scheduler sees a simulated node with `gpus` (their GiB): 64 cores and 512 GiB
+/// allocatable (room for every pod's CPU and memory, so GPU memory is what runs out), and
+/// the GPUs' GiB of the GPU-memory resource.
+fn node_allocatable(gpus: &[u64]) -> Resources {
     const GIB: Milli = 1 << 30;
     Resources::from([
         (CPU.to_owned(), 64 * 1000),
         (MEMORY.to_owned(), 512 * GIB * 1000),
+        (
+            GPU_MEM.to_owned(),
+            Milli::from(gpus.iter().sum::<u64>()) * 1000,
+        ),
     ])
 }
 
@@ -351,7 +387,10 @@ struct Replay<'a> {
     shape: &'a Shape,
     cluster: Cluster,
     names: Vec<String>,
-    allocatable: Resources,
+    /// Per node.
+    allocatable: Vec<Resources>,
+    /// The profile's `NodeResourcesFit` scoring.
+    fit: FitScoring,
     usage: Vec<NodeUsage>,
     rng: StdRng,
     prioritize: Option<Policy>,
@@ -397,7 +436,7 @@ fn place(state: &mut Replay<'_>, id: u64, request: Request, pod: PodUsage) -> Op
         .iter()
         .enumerate()
         .map(|(i, &n)| {
-            let own = default_score(&state.allocatable, &state.usage[n], &pod);
+            let own = default_score(&state.fit, &state.allocatable[n], &state.usage[n], &pod);
             let theirs = extender.as_ref().map_or(0, |scores| {
                 extender_score(i64::from(scores[i]), EXTENDER_WEIGHT)
             });
@@ -470,7 +509,12 @@ pub fn replay(
         cluster,
         usage: vec![NodeUsage::default(); names.len()],
         names,
-        allocatable: node_allocatable(),
+        allocatable: shape
+            .nodes
+            .iter()
+            .map(|gpus| node_allocatable(gpus))
+            .collect(),
+        fit: strategy.fit_scoring(),
         rng: StdRng::seed_from_u64(seed),
         prioritize,
         bind_policy,
@@ -675,11 +719,13 @@ mod tests {
             let placed =
                 |strategy, profile| replay(&shape, &events, strategy, profile, seed).placed;
             for profile in [PodProfile::NoRequests, PodProfile::PROPORTIONAL] {
-                assert_eq!(
-                    placed(Strategy::Ours, profile),
-                    3,
-                    "{profile:?}, seed {seed}"
-                );
+                for strategy in [Strategy::Ours, Strategy::NativeMostAllocated] {
+                    assert_eq!(
+                        placed(strategy, profile),
+                        3,
+                        "{strategy:?}, {profile:?}, seed {seed}"
+                    );
+                }
             }
             // LeastAllocated sees the 8 GiB pod's CPU and memory and puts the second pod on
             // the empty node. (Without requests, 100m of 64 cores truncates to the same

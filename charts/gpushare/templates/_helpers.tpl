@@ -151,12 +151,27 @@ leaderElection:
   resourceNamespace: {{ .Release.Namespace }}
 profiles:
   - schedulerName: {{ .Values.scheduler.schedulerName }}
+    {{- if eq .Values.policy "binpack" }}
+    # binpack: the scheduler itself prefers the node with the most GPU memory requested
+    # (the extender's binpack prioritize ranks nodes the same way), so it does not call
+    # prioritize; bind still picks the fullest GPU that fits on the chosen node.
+    pluginConfig:
+      - name: NodeResourcesFit
+        args:
+          scoringStrategy:
+            type: MostAllocated
+            resources:
+              - name: {{ .Values.resourceName }}
+                weight: 1
+    {{- end }}
 extenders:
   - urlPrefix: {{ include "gpushare.extenderUrlPrefix" . }}
     filterVerb: filter
+    {{- if ne .Values.policy "binpack" }}
     prioritizeVerb: prioritize
-    bindVerb: bind
     weight: {{ .Values.scheduler.extender.weight }}
+    {{- end }}
+    bindVerb: bind
     {{- if .Values.extender.tls.enabled }}
     # Verified against the CA of the extender's certificate (the Secret's ca.crt, mounted).
     enableHTTPS: true

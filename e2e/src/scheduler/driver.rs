@@ -128,6 +128,7 @@ pub async fn start(
             backoff_initial: config.backoff_initial,
             backoff_max: config.backoff_max,
             unschedulable_retry: config.unschedulable_retry,
+            fit_scoring: config.fit_scoring.clone(),
         })),
         binds: Arc::new(Semaphore::new(config.parallel_binds.max(1))),
         config,

@@ -8,8 +8,10 @@
 //! the same extender traffic and the same `FailedScheduling` messages a real cluster would produce.
 //!
 //! Scoring approximates the default score plugins that differ between nodes in our clusters:
-//! `NodeResourcesFit` (LeastAllocated on cpu and memory) and `NodeResourcesBalancedAllocation`,
-//! both weight 1, on a 0..=100 scale. Extender scores are added on top exactly as upstream's
+//! `NodeResourcesFit` (its `scoringStrategy` as the profile configures it: LeastAllocated on cpu
+//! and memory by default, or MostAllocated on the resources a profile names, as the chart's
+//! dedicated profile scores GPU memory) and `NodeResourcesBalancedAllocation`, both weight 1,
+//! on a 0..=100 scale. Extender scores are added on top exactly as upstream's
 //! `prioritizeNodes` adds them (`weight * (MaxNodeScore / MaxExtenderPriority)`, a host an
 //! answer leaves out counts as 0), and the host is picked as upstream's score heap picks it.
 
@@ -479,22 +481,104 @@ pub fn num_feasible_nodes_to_find(all_nodes: usize) -> usize {
     (all_nodes * percentage / 100).max(MIN_FEASIBLE_NODES_TO_FIND)
 }
 
-/// `NodeResourcesFit` LeastAllocated (cpu, memory, weight 1 each) plus
-/// `NodeResourcesBalancedAllocation`, for a pod with `pod_usage` on a node with `usage`.
-pub fn default_score(allocatable: &Resources, usage: &NodeUsage, pod_usage: &PodUsage) -> i64 {
-    let capacity = |name: &str| allocatable.get(name).copied().unwrap_or_default();
-    let least = |requested: Milli, capacity: Milli| -> i64 {
-        if capacity <= 0 || requested > capacity {
+/// `NodeResourcesFitArgs.scoringStrategy.type`.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum FitStrategy {
+    /// Prefers the emptier node: `(capacity - requested) * 100 / capacity`.
+    LeastAllocated,
+    /// Prefers the fuller node: `min(requested, capacity) * 100 / capacity`.
+    MostAllocated,
+}
+
+/// `NodeResourcesFitArgs.scoringStrategy`: the strategy and the resources it weighs.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct FitScoring {
+    pub strategy: FitStrategy,
+    /// Resource name and weight, in the profile's order.
+    pub resources: Vec<(String, i64)>,
+}
+
+impl Default for FitScoring {
+    /// Upstream's default: LeastAllocated over cpu and memory, weight 1 each.
+    fn default() -> Self {
+        FitScoring {
+            strategy: FitStrategy::LeastAllocated,
+            resources: vec![(CPU.to_owned(), 1), (MEMORY.to_owned(), 1)],
+        }
+    }
+}
+
+impl FitScoring {
+    /// `NodeResourcesFit`'s score for a pod with `pod_usage` on a node with `usage`, as
+    /// upstream's `resourceAllocationScorer`: cpu and memory count the scoring defaults for
+    /// containers without requests; an extended resource the pod does not request, or the node
+    /// does not have, is left out of the weighted mean.
+    pub fn score(&self, allocatable: &Resources, usage: &NodeUsage, pod_usage: &PodUsage) -> i64 {
+        let mut weighted = 0i64;
+        let mut weight_sum = 0i64;
+        for (name, weight) in &self.resources {
+            let Some((capacity, requested)) =
+                Self::capacity_and_requested(name, allocatable, usage, pod_usage)
+            else {
+                continue;
+            };
+            let score = match self.strategy {
+                FitStrategy::LeastAllocated if requested > capacity => 0,
+                FitStrategy::LeastAllocated => {
+                    (capacity - requested) * i128::from(MAX_NODE_SCORE) / capacity
+                }
+                FitStrategy::MostAllocated => {
+                    requested.min(capacity) * i128::from(MAX_NODE_SCORE) / capacity
+                }
+            };
+            weighted += i64::try_from(score).unwrap_or(0) * weight;
+            weight_sum += weight;
+        }
+        if weight_sum == 0 {
             return 0;
         }
-        i64::try_from((capacity - requested) * i128::from(MAX_NODE_SCORE) / capacity).unwrap_or(0)
-    };
-    let cpu_score = least(usage.non_zero_cpu + pod_usage.non_zero_cpu, capacity(CPU));
-    let memory_score = least(
-        usage.non_zero_memory + pod_usage.non_zero_memory,
-        capacity(MEMORY),
-    );
-    let least_allocated = (cpu_score + memory_score) / 2;
+        weighted / weight_sum
+    }
+
+    /// `calculateResourceAllocatableRequest`: the node's allocatable amount and what it would
+    /// carry with the pod; `None` where upstream returns `(0, 0)` and skips the resource.
+    fn capacity_and_requested(
+        name: &str,
+        allocatable: &Resources,
+        usage: &NodeUsage,
+        pod_usage: &PodUsage,
+    ) -> Option<(Milli, Milli)> {
+        let requested_of = |resources: &Resources| resources.get(name).copied().unwrap_or_default();
+        let (node_requested, pod_request) = match name {
+            CPU => (usage.non_zero_cpu, pod_usage.non_zero_cpu),
+            MEMORY => (usage.non_zero_memory, pod_usage.non_zero_memory),
+            EPHEMERAL_STORAGE => (
+                requested_of(&usage.requested),
+                requested_of(&pod_usage.requested),
+            ),
+            _ => {
+                let pod_request = requested_of(&pod_usage.requested);
+                if pod_request == 0 {
+                    return None;
+                }
+                (requested_of(&usage.requested), pod_request)
+            }
+        };
+        let capacity = allocatable.get(name).copied().unwrap_or_default();
+        (capacity > 0).then_some((capacity, node_requested + pod_request))
+    }
+}
+
+/// `NodeResourcesFit` scored as `fit` says plus `NodeResourcesBalancedAllocation` (cpu and
+/// memory), weight 1 each, for a pod with `pod_usage` on a node with `usage`.
+pub fn default_score(
+    fit: &FitScoring,
+    allocatable: &Resources,
+    usage: &NodeUsage,
+    pod_usage: &PodUsage,
+) -> i64 {
+    let capacity = |name: &str| allocatable.get(name).copied().unwrap_or_default();
+    let fit_score = fit.score(allocatable, usage, pod_usage);
 
     let fraction = |name: &str| -> Option<f64> {
         let cap = capacity(name);
@@ -512,7 +596,7 @@ pub fn default_score(allocatable: &Resources, usage: &NodeUsage, pod_usage: &Pod
         }
         _ => MAX_NODE_SCORE,
     };
-    least_allocated + balanced
+    fit_score + balanced
 }
 
 /// An extender's prioritize score on the scheduler's scale.
@@ -1017,9 +1101,63 @@ mod tests {
         let mut busy = NodeUsage::default();
         busy.add(&PodUsage::of(&pod("b").cpu("6").build()));
         let alloc = allocatable(&n);
+        let fit = FitScoring::default();
         assert!(
-            default_score(&alloc, &NodeUsage::default(), &p) > default_score(&alloc, &busy, &p)
+            default_score(&fit, &alloc, &NodeUsage::default(), &p)
+                > default_score(&fit, &alloc, &busy, &p)
         );
+    }
+
+    fn gpu_mem_most_allocated() -> FitScoring {
+        FitScoring {
+            strategy: FitStrategy::MostAllocated,
+            resources: vec![(gpushare_contract::DEFAULT_RESOURCE.to_owned(), 1)],
+        }
+    }
+
+    #[test]
+    fn most_allocated_on_gpu_memory_prefers_the_fuller_node() {
+        // 2 x 16 GiB: 32 units of GPU memory.
+        let alloc = allocatable(&node("n1").gpus(&[16, 16]).build());
+        let p = PodUsage::of(&pod("a").gpu_mem(4).build());
+        let mut busy = NodeUsage::default();
+        busy.add(&PodUsage::of(&pod("b").gpu_mem(12).build()));
+        let fit = gpu_mem_most_allocated();
+        // (0 + 4) * 100 / 32 and (12 + 4) * 100 / 32, integer division as upstream.
+        assert_eq!(fit.score(&alloc, &NodeUsage::default(), &p), 12);
+        assert_eq!(fit.score(&alloc, &busy, &p), 50);
+        // A request beyond capacity scores as full, not as 0 (LeastAllocated's rule).
+        let huge = PodUsage::of(&pod("c").gpu_mem(40).build());
+        assert_eq!(fit.score(&alloc, &busy, &huge), 100);
+        assert!(
+            default_score(&fit, &alloc, &busy, &p)
+                > default_score(&fit, &alloc, &NodeUsage::default(), &p)
+        );
+    }
+
+    #[test]
+    fn most_allocated_skips_what_the_pod_does_not_request_or_the_node_lacks() {
+        let fit = FitScoring {
+            strategy: FitStrategy::MostAllocated,
+            resources: vec![
+                (gpushare_contract::DEFAULT_RESOURCE.to_owned(), 3),
+                (CPU.to_owned(), 1),
+            ],
+        };
+        let gpu_node = allocatable(&node("n1").gpus(&[16]).cpu("10").build());
+        let cpu_node = allocatable(&node("n2").cpu("10").build());
+        let cpu_pod = PodUsage::of(&pod("a").cpu("5").build());
+        // GPU memory is not requested: only cpu counts, 5 of 10 cores.
+        assert_eq!(fit.score(&gpu_node, &NodeUsage::default(), &cpu_pod), 50);
+        let gpu_pod = PodUsage::of(&pod("b").gpu_mem(8).cpu("1").build());
+        // (50 * 3 + 10 * 1) / 4 on the GPU node; the node without the resource skips it.
+        assert_eq!(fit.score(&gpu_node, &NodeUsage::default(), &gpu_pod), 40);
+        assert_eq!(fit.score(&cpu_node, &NodeUsage::default(), &gpu_pod), 10);
+        let nothing = FitScoring {
+            strategy: FitStrategy::MostAllocated,
+            resources: vec![(gpushare_contract::DEFAULT_RESOURCE.to_owned(), 1)],
+        };
+        assert_eq!(nothing.score(&gpu_node, &NodeUsage::default(), &cpu_pod), 0);
     }
 
     #[test]

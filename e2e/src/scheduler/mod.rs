@@ -21,12 +21,15 @@
 //!
 //! - [`wire`]: the extender JSON (PascalCase keys, Go's case-insensitive decoding).
 //! - `framework`: the default profile's filters and scores, and the FitError message.
+//! - `configuration`: a `KubeSchedulerConfiguration` file (as the chart renders it) read into a
+//!   [`SchedulerConfig`].
 //! - `state`: the cache (bound + assumed pods per node) and the scheduling queue.
 //! - `extender`: the HTTP client for one extender.
 //! - `driver`: the watches, the scheduling loop and the bind tasks.
 //! - [`dra`]: DRA mode: claims allocated with consumable capacity, as kube-scheduler's
 //!   DynamicResources plugin does, and released as the resourceclaim controller does.
 
+mod configuration;
 pub mod dra;
 mod driver;
 mod extender;
@@ -112,6 +115,9 @@ pub struct SchedulerConfig {
     pub unschedulable_retry: Duration,
     /// Seeds the tie-breaking RNG, for reproducible placements.
     pub seed: Option<u64>,
+    /// The profile's `NodeResourcesFit` `scoringStrategy` (upstream default: LeastAllocated
+    /// on cpu and memory).
+    pub fit_scoring: framework::FitScoring,
 }
 
 impl Default for SchedulerConfig {
@@ -124,6 +130,7 @@ impl Default for SchedulerConfig {
             backoff_max: Duration::from_secs(10),
             unschedulable_retry: Duration::from_secs(1),
             seed: None,
+            fit_scoring: framework::FitScoring::default(),
         }
     }
 }

@@ -111,13 +111,14 @@ impl PartialOrd for ActiveEntry {
     }
 }
 
-/// Queue timing, from [`super::SchedulerConfig`].
+/// Queue timing and the profile's resource scoring, from [`super::SchedulerConfig`].
 #[derive(Clone, Debug)]
 pub struct QueueConfig {
     pub scheduler_name: String,
     pub backoff_initial: Duration,
     pub backoff_max: Duration,
     pub unschedulable_retry: Duration,
+    pub fit_scoring: framework::FitScoring,
 }
 
 /// A feasible node with its default-plugin score.
@@ -485,7 +486,12 @@ impl State {
                 filtered.feasible.push(Candidate {
                     node: entry.node.clone(),
                     name: name.clone(),
-                    score: framework::default_score(&entry.allocatable, &usage, &pod_usage),
+                    score: framework::default_score(
+                        &self.config.fit_scoring,
+                        &entry.allocatable,
+                        &usage,
+                        &pod_usage,
+                    ),
                 });
                 if filtered.feasible.len() >= want {
                     break;
@@ -604,6 +610,7 @@ mod tests {
             backoff_initial: Duration::from_millis(100),
             backoff_max: Duration::from_millis(350),
             unschedulable_retry: Duration::from_secs(5),
+            fit_scoring: framework::FitScoring::default(),
         })
     }
 

@@ -84,7 +84,10 @@ fn main() -> anyhow::Result<()> {
     );
     println!("utilization = share of cluster GPU memory in use at the first pod that fit nowhere");
     println!(
-        "nodes chosen as kube-scheduler does: default scores + extender score × {EXTENDER_WEIGHT} (chart weight) × 10, random tie-break\n"
+        "nodes chosen as kube-scheduler does: default scores + extender score × {EXTENDER_WEIGHT} (chart weight) × 10, random tie-break"
+    );
+    println!(
+        "(native MostAllocated: NodeResourcesFit MostAllocated on gpu-mem + BalancedAllocation, no extender score)\n"
     );
     for (label, shape) in &shapes {
         // Enough arrivals to fill the cluster several times over.
@@ -100,7 +103,7 @@ fn main() -> anyhow::Result<()> {
         ] {
             println!("{label}, {trace_name}:");
             println!(
-                "    {:<36} {:>12} {:>12}",
+                "    {:<64} {:>12} {:>12}",
                 "strategy", "utilization", "pods placed"
             );
             let traces: Vec<Vec<Event>> = (0..args.seeds)
@@ -141,7 +144,7 @@ fn print_row(name: &str, outcomes: &[Outcome]) {
     let utilization = outcomes.iter().map(|o| o.utilization).sum::<f64>() / n;
     let placed = outcomes.iter().map(|o| o.placed as f64).sum::<f64>() / n;
     println!(
-        "    {name:<36} {:>11.1}% {placed:>12.0}",
+        "    {name:<64} {:>11.1}% {placed:>12.0}",
         utilization * 100.0
     );
 }
