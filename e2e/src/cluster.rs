@@ -204,8 +204,12 @@ pub fn render_chart_template(template: &str, sets: &[&str]) -> anyhow::Result<St
 }
 
 /// The `scheduler-config.yaml` of the chart's dedicated scheduler, rendered with the policy
-/// the extender runs (its `--policy=` flag in `extender_args`, else the chart's default).
-pub async fn dedicated_scheduler_configuration(extender_args: &[String]) -> anyhow::Result<String> {
+/// the extender runs (its `--policy=` flag in `extender_args`, else the chart's default) and
+/// the extra chart `values` (`key=value`).
+pub async fn dedicated_scheduler_configuration(
+    extender_args: &[String],
+    values: &[String],
+) -> anyhow::Result<String> {
     let mut sets = vec!["scheduler.mode=dedicated".to_owned()];
     if let Some(policy) = extender_args
         .iter()
@@ -213,6 +217,7 @@ pub async fn dedicated_scheduler_configuration(extender_args: &[String]) -> anyh
     {
         sets.push(format!("policy={policy}"));
     }
+    sets.extend(values.iter().cloned());
     let rendered = tokio::task::spawn_blocking(move || {
         let sets: Vec<&str> = sets.iter().map(String::as_str).collect();
         render_chart_template("templates/scheduler.yaml", &sets)
@@ -798,6 +803,8 @@ pub struct ClusterSpec {
     /// it (served by the extender, called by the API server), and the allocation policy
     /// refuses GPU pods of other schedulers. Default: `default-scheduler` mode.
     pub dedicated: bool,
+    /// Chart values (`key=value`) the dedicated scheduler's configuration is rendered with.
+    pub scheduler_values: Vec<String>,
 }
 
 /// The scheduler name of the chart's dedicated mode.
@@ -817,6 +824,7 @@ impl ClusterSpec {
             allocation_policy: true,
             device_plugin_args: Vec::new(),
             dedicated: false,
+            scheduler_values: Vec::new(),
         }
     }
 
@@ -845,6 +853,12 @@ impl ClusterSpec {
     /// Runs the chart's `dedicated` scheduler mode (see [`ClusterSpec::dedicated`]).
     pub fn dedicated(mut self) -> Self {
         self.dedicated = true;
+        self
+    }
+
+    /// Renders the dedicated scheduler's configuration with these chart values (`key=value`).
+    pub fn with_scheduler_values(mut self, values: &[&str]) -> Self {
+        self.scheduler_values = values.iter().map(|v| (*v).to_owned()).collect();
         self
     }
 
@@ -1095,7 +1109,11 @@ impl TestCluster {
         let config = if self.spec.dedicated {
             // The dedicated scheduler runs the configuration the chart renders for this
             // extender's policy; only the address and certificates are the harness's.
-            let rendered = dedicated_scheduler_configuration(&self.spec.extender_args).await?;
+            let rendered = dedicated_scheduler_configuration(
+                &self.spec.extender_args,
+                &self.spec.scheduler_values,
+            )
+            .await?;
             let mut config = SchedulerConfig::from_kube_scheduler_configuration(&rendered, config)?;
             ensure!(
                 config.scheduler_name == DEDICATED_SCHEDULER,

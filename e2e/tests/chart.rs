@@ -978,20 +978,10 @@ fn check_scheduler(rendered: &Rendered, prefix: &str, resource: &str) -> anyhow:
         extender.url_prefix
     );
     ensure!(extender.filter_verb == "filter");
-    // binpack (the default policy): the profile scores GPU memory, no prioritize call.
-    ensure!(extender.prioritize_verb.is_none() && extender.weight.is_none());
-    ensure!(config.profiles[0].plugin_config.is_some());
-    let driver =
-        SchedulerConfig::from_kube_scheduler_configuration(text, SchedulerConfig::default())?;
-    ensure!(
-        driver.fit_scoring
-            == FitScoring {
-                strategy: FitStrategy::MostAllocated,
-                resources: vec![(resource.to_owned(), 1)],
-            },
-        "{:?}",
-        driver.fit_scoring
-    );
+    // Default values: the extender ranks nodes; the profile keeps upstream's resource scoring.
+    ensure!(extender.prioritize_verb.as_deref() == Some("prioritize"));
+    ensure!(extender.weight.is_some_and(|w| w > 0));
+    ensure!(config.profiles[0].plugin_config.is_none());
     ensure!(extender.bind_verb == "bind");
     ensure!(extender.preempt_verb.is_none());
     ensure!(!extender.ignorable);
@@ -1712,12 +1702,31 @@ fn every_value_is_documented_in_the_readme() -> anyhow::Result<()> {
     Ok(())
 }
 
-/// Policies other than binpack rank nodes through the extender: the dedicated profile keeps
-/// kube-scheduler's default resource scoring and calls prioritize with the configured weight.
+/// `scheduler.nativeGpuScoring` (binpack only) makes the dedicated profile score GPU memory
+/// with `NodeResourcesFit` MostAllocated and drops the prioritize call; without it, every
+/// policy ranks nodes through the extender with upstream's resource scoring; the value with
+/// another policy is refused at render time.
 #[tokio::test]
-async fn policies_other_than_binpack_keep_the_prioritize_call() -> anyhow::Result<()> {
-    for policy in ["spread", "fragmentation"] {
-        let text = dedicated_scheduler_configuration(&[format!("--policy={policy}")]).await?;
+async fn native_gpu_scoring_replaces_prioritize_for_binpack_only() -> anyhow::Result<()> {
+    let native_values = ["scheduler.nativeGpuScoring=true".to_owned()];
+    let native = dedicated_scheduler_configuration(&[], &native_values).await?;
+    let driver =
+        SchedulerConfig::from_kube_scheduler_configuration(&native, SchedulerConfig::default())?;
+    ensure!(
+        driver.fit_scoring
+            == FitScoring {
+                strategy: FitStrategy::MostAllocated,
+                resources: vec![("example.com/gpu-mem".to_owned(), 1)],
+            },
+        "{native}"
+    );
+    ensure!(
+        driver.extenders.iter().all(|e| e.prioritize_verb.is_none()),
+        "{native}"
+    );
+
+    for policy in ["binpack", "spread", "fragmentation"] {
+        let text = dedicated_scheduler_configuration(&[format!("--policy={policy}")], &[]).await?;
         let driver =
             SchedulerConfig::from_kube_scheduler_configuration(&text, SchedulerConfig::default())?;
         ensure!(
@@ -1732,12 +1741,12 @@ async fn policies_other_than_binpack_keep_the_prioritize_call() -> anyhow::Resul
             "{policy}: {text}"
         );
     }
-    let binpack = dedicated_scheduler_configuration(&[]).await?;
-    let driver =
-        SchedulerConfig::from_kube_scheduler_configuration(&binpack, SchedulerConfig::default())?;
+    let refused =
+        dedicated_scheduler_configuration(&["--policy=fragmentation".to_owned()], &native_values)
+            .await;
     ensure!(
-        driver.extenders.iter().all(|e| e.prioritize_verb.is_none()),
-        "{binpack}"
+        refused.is_err_and(|e| format!("{e:#}").contains("needs the extender's prioritize")),
+        "nativeGpuScoring with fragmentation must fail to render"
     );
     Ok(())
 }

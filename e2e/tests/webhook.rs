@@ -112,13 +112,15 @@ async fn while_the_webhook_is_down_gpu_pods_are_refused_not_left_pending() -> an
     .await
 }
 
-/// The chart's dedicated profile with `policy: binpack` scores GPU memory itself
+/// With `scheduler.nativeGpuScoring` the chart's dedicated profile scores GPU memory itself
 /// (`NodeResourcesFit` MostAllocated on the resource) and does not call prioritize: pods still
 /// fill the node that already holds GPU memory before the empty one. With the upstream default
 /// scoring (LeastAllocated on cpu and memory) and no prioritize, they would alternate nodes.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn the_dedicated_binpack_profile_packs_without_prioritize() -> anyhow::Result<()> {
-    let spec = ClusterSpec::labelled(&[("n1", &[16, 16]), ("n2", &[16, 16])]).dedicated();
+async fn the_native_gpu_scoring_profile_packs_without_prioritize() -> anyhow::Result<()> {
+    let spec = ClusterSpec::labelled(&[("n1", &[16, 16]), ("n2", &[16, 16])])
+        .dedicated()
+        .with_scheduler_values(&["scheduler.nativeGpuScoring=true"]);
     with_cluster(spec, async |cluster| {
         let first = create_gpu_pod(cluster, "first", 4).await?;
         ensure!(scheduler_of(&first) == Some(DEDICATED_SCHEDULER));

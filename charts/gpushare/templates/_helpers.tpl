@@ -129,6 +129,9 @@ app.kubernetes.io/component: {{ .component }}
 {{- if not (has .Values.policy (list "binpack" "spread" "fragmentation")) }}
 {{- fail (printf "policy must be \"binpack\", \"spread\" or \"fragmentation\", not %q" .Values.policy) }}
 {{- end }}
+{{- if and .Values.scheduler.nativeGpuScoring (ne .Values.policy "binpack") }}
+{{- fail (printf "scheduler.nativeGpuScoring ranks nodes as binpack does; policy %q needs the extender's prioritize: set policy=binpack or nativeGpuScoring=false" .Values.policy) }}
+{{- end }}
 {{- if and .Values.networkPolicy.enabled (not (include "gpushare.dedicated" .)) (not .Values.networkPolicy.schedulerPeers) }}
 {{- fail "networkPolicy.enabled in default-scheduler mode needs networkPolicy.schedulerPeers: the peers (usually an ipBlock of the control-plane nodes) your kube-scheduler calls the extender from" }}
 {{- end }}
@@ -151,10 +154,10 @@ leaderElection:
   resourceNamespace: {{ .Release.Namespace }}
 profiles:
   - schedulerName: {{ .Values.scheduler.schedulerName }}
-    {{- if eq .Values.policy "binpack" }}
-    # binpack: the scheduler itself prefers the node with the most GPU memory requested
-    # (the extender's binpack prioritize ranks nodes the same way), so it does not call
-    # prioritize; bind still picks the fullest GPU that fits on the chosen node.
+    {{- if .Values.scheduler.nativeGpuScoring }}
+    # scheduler.nativeGpuScoring: the scheduler itself prefers the node with the most GPU
+    # memory requested (the extender's binpack prioritize ranks nodes the same way), so it
+    # does not call prioritize; bind still picks the fullest GPU that fits on the node.
     pluginConfig:
       - name: NodeResourcesFit
         args:
@@ -167,7 +170,7 @@ profiles:
 extenders:
   - urlPrefix: {{ include "gpushare.extenderUrlPrefix" . }}
     filterVerb: filter
-    {{- if ne .Values.policy "binpack" }}
+    {{- if not .Values.scheduler.nativeGpuScoring }}
     prioritizeVerb: prioritize
     weight: {{ .Values.scheduler.extender.weight }}
     {{- end }}

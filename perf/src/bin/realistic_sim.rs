@@ -3,15 +3,21 @@
 //! measures: tasks arrive until GPU demand reaches 130 % of capacity, nothing leaves, and the
 //! allocation ratio is read when arrived demand reaches 100 %.
 //!
+//! gpushare pods ask for whole- and multi-GPU tasks in the plain form (`gpus: N` and the total
+//! GiB: slices that leave the rest of each GPU to others); `--exclusive-whole` makes them ask
+//! with `exclusive` (empty GPUs booked in full).
+//!
 //! ```sh
 //! cargo run --release -p gpushare-perf --bin realistic-sim
 //! cargo run --release -p gpushare-perf --bin realistic-sim -- --nodes 1200 --seeds 10
+//! cargo run --release -p gpushare-perf --bin realistic-sim -- --nodes 1200 --seeds 10 --exclusive-whole
 //! ```
 
 use clap::Parser;
 use gpushare_allocator::Policy;
 use gpushare_perf::realistic::{
-    Cause, Profile, Run, Strategy, TaskKind, TaskMix, generate_nodes, generate_tasks, replay,
+    Cause, Profile, RequestForm, Run, Strategy, TaskKind, TaskMix, generate_nodes, generate_tasks,
+    replay,
 };
 
 /// Compares gpushare's policies with BestFit and FGD on generated realistic clusters.
@@ -30,6 +36,10 @@ struct Args {
     /// Only these strategies (by number in the report), comma-separated; all by default.
     #[arg(long, env = "SIM_ONLY", value_delimiter = ',')]
     only: Vec<usize>,
+    /// gpushare pods ask for whole- and multi-GPU tasks with `exclusive` (empty GPUs, booked
+    /// in full) instead of as `gpus: N` shared slices.
+    #[arg(long, env = "SIM_EXCLUSIVE_WHOLE", default_value_t = false)]
+    exclusive_whole: bool,
 }
 
 fn strategies() -> Vec<Strategy> {
@@ -72,12 +82,21 @@ fn strategies() -> Vec<Strategy> {
             multi_gpu: true,
             cpu_pods_by_default: false,
         },
+        Strategy::Gpushare {
+            policy: Some(Policy::Binpack),
+            profile: Profile::NativeMostAllocated,
+        },
     ]
 }
 
 fn main() {
     let args = Args::parse();
     let mix = TaskMix::default();
+    let form = if args.exclusive_whole {
+        RequestForm::Exclusive
+    } else {
+        RequestForm::Plain
+    };
     let strategies: Vec<(usize, Strategy)> = strategies()
         .into_iter()
         .enumerate()
@@ -93,12 +112,16 @@ fn main() {
     let (nodes, tasks) = &traces[0];
     let gpus: u32 = nodes.iter().map(|n| n.gpus).sum();
     println!(
-        "{} nodes ({} GPUs, seed 0), {} tasks to {:.0}% demand (seed 0); {} seeds, means over seeds",
+        "{} nodes ({} GPUs, seed 0), {} tasks to {:.0}% demand (seed 0); {} seeds, means over seeds; gpushare whole- and multi-GPU pods ask {}",
         args.nodes,
         gpus,
         tasks.len(),
         args.demand * 100.0,
-        args.seeds
+        args.seeds,
+        match form {
+            RequestForm::Plain => "`gpus: N`, shared",
+            RequestForm::Exclusive => "`gpus: N`, `exclusive`",
+        }
     );
     for kind in TaskKind::ALL {
         let of: Vec<_> = tasks.iter().filter(|t| t.kind == kind).collect();
@@ -111,7 +134,8 @@ fn main() {
             gib as f64 * 100.0 / all.max(1) as f64
         );
     }
-    // What a strategy that places every single-GPU and CPU-only task could reach at 100 %.
+    // What a strategy that refuses multi-GPU tasks and places every other task could reach
+    // at 100 %.
     let ceiling = traces
         .iter()
         .map(|(nodes, tasks)| {
@@ -141,7 +165,7 @@ fn main() {
         let runs: Vec<Run> = traces
             .iter()
             .zip(0..)
-            .map(|((nodes, tasks), seed)| replay(nodes, tasks, strategy, seed))
+            .map(|((nodes, tasks), seed)| replay(nodes, tasks, strategy, form, seed))
             .collect();
         eprintln!(
             "{}: {:.1} s",
@@ -151,15 +175,15 @@ fn main() {
         results.push((i, strategy, runs));
     }
     println!(
-        "At 100% arrived GPU demand (failed tasks: % of arrived tasks, by cause; stranded: free GPU memory / idle GPUs on nodes without CPU or memory for a median GPU task):"
+        "At 100% arrived GPU demand (failed tasks: % of arrived tasks, by cause; stranded: free GPU memory / idle GPUs on nodes without CPU or memory for a median GPU task; whole surplus: GPU memory booked beyond their request by exclusive whole-GPU tasks on larger GPUs, not counted in allocation):"
     );
     print!("| # | strategy | allocation | min–max |");
     for cause in Cause::ALL {
         print!(" fail {} |", cause.name());
     }
-    println!(" stranded GiB | stranded GPUs |");
+    println!(" stranded GiB | stranded GPUs | whole surplus |");
     println!(
-        "|---|---|---|---|{}---|---|",
+        "|---|---|---|---|{}---|---|---|",
         "---|".repeat(Cause::ALL.len())
     );
     for (i, strategy, runs) in &results {
@@ -185,7 +209,13 @@ fn main() {
         }
         let stranded: f64 = runs.iter().map(|r| r.at_full.stranded).sum::<f64>() / n;
         let idle: f64 = runs.iter().map(|r| r.at_full.stranded_gpus).sum::<f64>() / n;
-        println!(" {:.1}% | {:.1}% |", stranded * 100.0, idle * 100.0);
+        let surplus: f64 = runs.iter().map(|r| r.at_full.whole_surplus).sum::<f64>() / n;
+        println!(
+            " {:.1}% | {:.1}% | {:.1}% |",
+            stranded * 100.0,
+            idle * 100.0,
+            surplus * 100.0
+        );
     }
     println!();
     println!("Allocation ratio against arrived GPU demand:");

@@ -174,9 +174,12 @@ pub enum TaskKind {
     CpuOnly,
     /// Part of one GPU's memory.
     Fractional,
-    /// All the memory of one GPU.
+    /// All the memory of one GPU of its model. It may name no model: a gpushare pod asks for
+    /// the model's GiB as a slice of one GPU, or with `exclusive` for one empty GPU of at
+    /// least that size (the replay's request form).
     Whole,
-    /// Several whole GPUs (gpushare pods use one GPU each, so gpushare cannot place these).
+    /// All the memory of several GPUs of its model: a gpushare pod asks with `gpus: N` for the
+    /// total GiB, N slices on N GPUs of one node (with `exclusive`: N empty GPUs).
     Multi,
 }
 

@@ -8,7 +8,9 @@
 //!   gpushare strategies: kube-scheduler filter (CPU, memory, model) + gpushare_allocator's
 //!       fit / scores / reserve, node = highest scheduler total (profile as configured);
 //!       CPU-only pods go through the default scheduler (they never reach gpushare);
-//!       multi-GPU tasks are refused (a gpushare pod uses one GPU)
+//!       fractional tasks ask for a slice of one GPU, whole- and multi-GPU tasks for N
+//!       slices of their GiB on N GPUs (`gpus: N`), or N empty GPUs booked in full
+//!       (`gpus: N`, `exclusive`) as the replay's request form says
 //!   baselines: BestFit and FGD place every task themselves, multi-GPU included
 //!        │
 //!        ▼
@@ -23,4 +25,7 @@ pub use generator::{
     GpuModel, MODELS, NODE_TYPES, NodeType, SimNode, Task, TaskKind, TaskMix, generate_nodes,
     generate_tasks,
 };
-pub use sim::{Cause, Profile, Run, Snapshot, Strategy, replay};
+pub use sim::{
+    Cause, Profile, RequestForm, Run, Scored, Snapshot, Strategy, gpushare_request, most_allocated,
+    replay,
+};

@@ -1,12 +1,16 @@
 //! The replay: each strategy places the same task stream on the same cluster, and we watch
 //! the allocation ratio climb as demand arrives.
+//!
+//! gpushare pods ask for whole- and multi-GPU tasks in one of two forms ([`RequestForm`]):
+//! the plain form (`gpus: N` and the total GiB: N shared slices, the rest of each GPU left to
+//! other pods), or `exclusive` (N empty GPUs, booked in full).
 
 use gpushare_allocator::fragmentation::{Host, Shape};
 use gpushare_allocator::{Cluster, Gpu, PodId, PodPlacement, Policy, Request};
 use rand::rngs::StdRng;
 use rand::{Rng, SeedableRng};
 
-use super::generator::{MODELS, SimNode, Task};
+use super::generator::{MODELS, SimNode, Task, TaskKind};
 
 /// kube-scheduler's node scores as a scheduler profile configures them.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -17,23 +21,62 @@ pub enum Profile {
         /// The extender's weight.
         weight: i64,
     },
-    /// Both resource scores disabled: the extender's score alone orders the nodes (what the
-    /// chart's dedicated profile configures now).
+    /// Both resource scores disabled: the extender's score alone orders the nodes.
     ExtenderOnly,
+    /// No extender prioritize: `NodeResourcesFit` with `scoringStrategy` MostAllocated on the
+    /// GPU-memory resource alone (weight 1) + `NodeResourcesBalancedAllocation` on CPU and
+    /// memory (weight 1), both plugins weight 1 ([`native_most_allocated_score`]). The
+    /// extender still filters and binds.
+    NativeMostAllocated,
+}
+
+impl Profile {
+    /// Whether kube-scheduler asks the extender's prioritize.
+    fn prioritizes(self) -> bool {
+        !matches!(self, Profile::NativeMostAllocated)
+    }
+
+    /// How the report names the profile.
+    fn label(self) -> String {
+        match self {
+            Profile::Default { weight } => format!("default scores, weight {weight}"),
+            Profile::ExtenderOnly => "extender scores only".to_owned(),
+            Profile::NativeMostAllocated => {
+                "native MostAllocated on gpu-mem, no prioritize".to_owned()
+            }
+        }
+    }
+}
+
+/// How a gpushare pod asks for a whole- or multi-GPU task (fractional tasks always ask for
+/// a shared slice of one GPU). BestFit and FGD place tasks themselves and ignore it.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub enum RequestForm {
+    /// `gpus: N`, not exclusive, the total GiB: a slice of the task's GiB on each of N
+    /// distinct GPUs of one node; the rest of each GPU stays free for other pods.
+    #[default]
+    Plain,
+    /// `gpus: N` with `exclusive`: N empty GPUs of at least the task's GiB, booked in full (a
+    /// larger GPU's surplus is lost to other pods).
+    Exclusive,
 }
 
 /// A way of placing tasks.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Strategy {
     /// gpushare: the extender's prioritize and bind under `policy` (`None`: no prioritize,
-    /// binpack at bind: the classic extender), nodes ordered by `profile`.
+    /// binpack at bind: the classic extender), nodes ordered by `profile`. Fractional tasks
+    /// are shared slices of one GPU; whole- and multi-GPU tasks ask as a pod does, in the
+    /// replay's [`RequestForm`] (see [`gpushare_request`]).
     Gpushare {
         /// The extender's policy; `None` is "classic" (filter and bind only).
         policy: Option<Policy>,
         /// How kube-scheduler scores.
         profile: Profile,
     },
-    /// gpushare's fragmentation policy, nodes ordered by `profile`.
+    /// gpushare's fragmentation policy, nodes ordered by `profile` (multi-GPU tasks, and
+    /// whole-GPU tasks asked for with `exclusive`, scored and placed as binpack does, as the
+    /// allocator does).
     Fragmentation {
         /// How kube-scheduler scores.
         profile: Profile,
@@ -41,7 +84,7 @@ pub enum Strategy {
     /// BestFit (FGD's baseline): the node with the least weighted free GPU, CPU and memory
     /// after placing, the snuggest GPUs on it. Places CPU-only tasks too.
     BestFit {
-        /// Places multi-GPU tasks (else refuses them, as gpushare does).
+        /// Places multi-GPU tasks (else refuses them).
         multi_gpu: bool,
     },
     /// FGD: the node and GPUs whose placement adds the least expected fragmentation, measured
@@ -49,7 +92,7 @@ pub enum Strategy {
     /// unless `cpu_pods_by_default` hands them to the default scheduler, as a gpushare
     /// cluster does.
     Fgd {
-        /// Places multi-GPU tasks (else refuses them, as gpushare does).
+        /// Places multi-GPU tasks (else refuses them).
         multi_gpu: bool,
         /// CPU-only tasks go through the default scheduler.
         cpu_pods_by_default: bool,
@@ -62,19 +105,11 @@ impl Strategy {
         match self {
             Strategy::Gpushare { policy, profile } => {
                 let policy = policy.map_or("classic".to_owned(), |p| format!("gpushare {p}"));
-                match profile {
-                    Profile::Default { weight } => {
-                        format!("{policy} (default scores, weight {weight})")
-                    }
-                    Profile::ExtenderOnly => format!("{policy} (extender scores only)"),
-                }
+                format!("{policy} ({})", profile.label())
             }
-            Strategy::Fragmentation { profile } => match profile {
-                Profile::Default { weight } => {
-                    format!("gpushare fragmentation (default scores, weight {weight})")
-                }
-                Profile::ExtenderOnly => "gpushare fragmentation (extender scores only)".to_owned(),
-            },
+            Strategy::Fragmentation { profile } => {
+                format!("gpushare fragmentation ({})", profile.label())
+            }
             Strategy::BestFit { multi_gpu } => {
                 format!(
                     "BestFit{}",
@@ -105,9 +140,15 @@ impl Strategy {
 
     fn places_multi_gpu(self) -> bool {
         match self {
-            Strategy::Gpushare { .. } | Strategy::Fragmentation { .. } => false,
+            Strategy::Gpushare { .. } | Strategy::Fragmentation { .. } => true,
             Strategy::BestFit { multi_gpu } | Strategy::Fgd { multi_gpu, .. } => multi_gpu,
         }
+    }
+
+    /// Whether `task` takes its GPUs whole under this strategy and `form` (a gpushare
+    /// exclusive pod); otherwise only the task's GiB is booked on each GPU.
+    fn books_whole(self, task: &Task, form: RequestForm) -> bool {
+        self.is_gpushare() && form == RequestForm::Exclusive && is_whole(task)
     }
 
     fn cpu_pods_by_default_scheduler(self) -> bool {
@@ -133,7 +174,8 @@ pub enum Cause {
     Memory,
     /// Nodes with the GPU memory lack CPU and memory (or one each).
     Both,
-    /// A multi-GPU task, which gpushare does not place.
+    /// A multi-GPU task, which the strategy does not place (BestFit and FGD without
+    /// `multi_gpu`).
     MultiGpu,
     /// A node had room, but the strategy's rules refused it.
     Other,
@@ -179,6 +221,10 @@ pub struct Snapshot {
     pub stranded: f64,
     /// Whole idle GPUs on such nodes, as a share of the cluster's GPUs.
     pub stranded_gpus: f64,
+    /// GiB booked beyond their request by tasks that take their GPUs whole (a whole-GPU
+    /// task on a GPU larger than it asked for, [`RequestForm::Exclusive`] only), as a share
+    /// of the cluster's GPU GiB. Not in `allocation`, which counts what tasks asked for.
+    pub whole_surplus: f64,
 }
 
 /// What one replay measured.
@@ -200,6 +246,9 @@ struct Nodes<'a> {
     used: Vec<Host>,
     /// Free GiB per GPU per node.
     free: Vec<Vec<u64>>,
+    /// GPU memory the node's pods request, as kube-scheduler counts the extended resource
+    /// (a pod's total, whatever its GPUs hold).
+    requested_gib: Vec<u64>,
 }
 
 impl<'a> Nodes<'a> {
@@ -212,6 +261,7 @@ impl<'a> Nodes<'a> {
                 .iter()
                 .map(|n| vec![n.gpu_gib; n.gpus as usize])
                 .collect(),
+            requested_gib: vec![0; specs.len()],
         }
     }
 
@@ -223,27 +273,43 @@ impl<'a> Nodes<'a> {
         task.model.is_none_or(|m| self.specs[n].model == m)
     }
 
-    /// GPUs of node `n` with `task.gpu_gib` free: enough of them?
-    fn gpus_ok(&self, n: usize, task: &Task) -> bool {
-        task.gpus == 0
-            || self.free[n].iter().filter(|f| **f >= task.gpu_gib).count() >= task.gpus as usize
+    /// GPUs of node `n` with `task.gpu_gib` free (`whole`: empty GPUs of at least that
+    /// size): enough of them?
+    fn gpus_ok(&self, n: usize, task: &Task, whole: bool) -> bool {
+        let size = self.specs[n].gpu_gib;
+        let takes = |free: u64| {
+            if whole {
+                free == size && size >= task.gpu_gib
+            } else {
+                free >= task.gpu_gib
+            }
+        };
+        task.gpus == 0 || self.free[n].iter().filter(|f| takes(**f)).count() >= task.gpus as usize
     }
 
-    fn place(&mut self, n: usize, task: &Task, gpus: &[usize]) {
+    /// Books `task` on node `n`'s `gpus`: its GiB on each, or the whole GPUs when `whole`.
+    /// Returns the GiB booked beyond the task's request.
+    fn place(&mut self, n: usize, task: &Task, gpus: &[usize], whole: bool) -> u64 {
         self.used[n] = self.used[n].saturating_add(task.host);
+        self.requested_gib[n] += task.demand_gib();
+        let mut surplus = 0;
         for &g in gpus {
-            self.free[n][g] -= task.gpu_gib;
+            let booked = if whole { self.free[n][g] } else { task.gpu_gib };
+            surplus += booked - task.gpu_gib;
+            self.free[n][g] -= booked;
         }
+        surplus
     }
 
-    /// Why no node took `task`.
-    fn cause(&self, task: &Task, gpushare: bool) -> Cause {
-        if gpushare && task.gpus > 1 {
+    /// Why no node took `task` under `strategy` and `form`.
+    fn cause(&self, task: &Task, strategy: Strategy, form: RequestForm) -> Cause {
+        if task.gpus > 1 && !strategy.places_multi_gpu() {
             return Cause::MultiGpu;
         }
+        let whole = strategy.books_whole(task, form);
         let (mut any_gpu, mut cpu, mut memory) = (false, false, false);
         for n in 0..self.specs.len() {
-            if !self.model_ok(n, task) || !self.gpus_ok(n, task) {
+            if !self.model_ok(n, task) || !self.gpus_ok(n, task, whole) {
                 continue;
             }
             any_gpu = true;
@@ -267,8 +333,26 @@ impl<'a> Nodes<'a> {
     }
 }
 
-/// Replays `tasks` on `nodes` with `strategy`; `seed` drives kube-scheduler's tie-break.
-pub fn replay(nodes: &[SimNode], tasks: &[Task], strategy: Strategy, seed: u64) -> Run {
+/// Replays `tasks` on `nodes` with `strategy`, gpushare pods asking for whole- and
+/// multi-GPU tasks in `form`; `seed` drives kube-scheduler's tie-break.
+pub fn replay(
+    nodes: &[SimNode],
+    tasks: &[Task],
+    strategy: Strategy,
+    form: RequestForm,
+    seed: u64,
+) -> Run {
+    replay_to_end(nodes, tasks, strategy, form, seed).0
+}
+
+/// [`replay`], with the cluster as the replay and (for gpushare) the allocator left it.
+fn replay_to_end<'a>(
+    nodes: &'a [SimNode],
+    tasks: &[Task],
+    strategy: Strategy,
+    form: RequestForm,
+    seed: u64,
+) -> (Run, Nodes<'a>, Option<Cluster>) {
     let mut state = Nodes::new(nodes);
     let mut rng = StdRng::seed_from_u64(seed);
     let capacity: u64 = nodes.iter().map(|n| u64::from(n.gpus) * n.gpu_gib).sum();
@@ -278,15 +362,16 @@ pub fn replay(nodes: &[SimNode], tasks: &[Task], strategy: Strategy, seed: u64) 
     let fgd_shapes = matches!(strategy, Strategy::Fgd { .. }).then(|| fgd::shapes(tasks));
     let mut run = Run::default();
     let mut snapshot = Snapshot::default();
-    let (mut arrived_gib, mut allocated_gib) = (0u64, 0u64);
+    let (mut arrived_gib, mut allocated_gib, mut surplus_gib) = (0u64, 0u64, 0u64);
     let mut next_tenth = 1;
-    let take = |state: &Nodes<'_>, snapshot: &Snapshot, allocated: u64, arrived: u64| {
+    let take = |state: &Nodes<'_>, snapshot: &Snapshot, [allocated, arrived, surplus]: [u64; 3]| {
         let (stranded, stranded_gpus) = stranded(state, typical);
         Snapshot {
             demand: arrived as f64 / capacity as f64,
             allocation: allocated as f64 / capacity as f64,
             stranded: stranded as f64 / capacity as f64,
             stranded_gpus: stranded_gpus as f64 / total_gpus as f64,
+            whole_surplus: surplus as f64 / capacity as f64,
             ..snapshot.clone()
         }
     };
@@ -305,6 +390,7 @@ pub fn replay(nodes: &[SimNode], tasks: &[Task], strategy: Strategy, seed: u64) 
                     task,
                     policy,
                     profile,
+                    form,
                     (i, &mut rng),
                 ),
                 Strategy::Fragmentation { profile } => gpushare(
@@ -313,6 +399,7 @@ pub fn replay(nodes: &[SimNode], tasks: &[Task], strategy: Strategy, seed: u64) 
                     task,
                     Some(Policy::Fragmentation),
                     profile,
+                    form,
                     (i, &mut rng),
                 ),
                 Strategy::BestFit { .. } => best_fit(&state, task),
@@ -323,7 +410,7 @@ pub fn replay(nodes: &[SimNode], tasks: &[Task], strategy: Strategy, seed: u64) 
         };
         match placed {
             Some((n, gpus)) => {
-                state.place(n, task, &gpus);
+                surplus_gib += state.place(n, task, &gpus, strategy.books_whole(task, form));
                 // The extender's view books every bound pod's CPU and memory.
                 if let Some(cluster) = cluster.as_mut() {
                     cluster.set_pod_host(
@@ -335,12 +422,12 @@ pub fn replay(nodes: &[SimNode], tasks: &[Task], strategy: Strategy, seed: u64) 
                 allocated_gib += task.demand_gib();
             }
             None => {
-                let cause = state.cause(task, !strategy.places_multi_gpu());
+                let cause = state.cause(task, strategy, form);
                 snapshot.failed[Cause::ALL.iter().position(|c| *c == cause).unwrap_or(5)] += 1;
             }
         }
         while next_tenth <= 13 && arrived_gib * 10 >= capacity * next_tenth {
-            let now = take(&state, &snapshot, allocated_gib, arrived_gib);
+            let now = take(&state, &snapshot, [allocated_gib, arrived_gib, surplus_gib]);
             run.curve.push((next_tenth as f64 / 10.0, now.allocation));
             if next_tenth == 10 {
                 run.at_full = now;
@@ -348,8 +435,8 @@ pub fn replay(nodes: &[SimNode], tasks: &[Task], strategy: Strategy, seed: u64) 
             next_tenth += 1;
         }
     }
-    run.end = take(&state, &snapshot, allocated_gib, arrived_gib);
-    run
+    run.end = take(&state, &snapshot, [allocated_gib, arrived_gib, surplus_gib]);
+    (run, state, cluster)
 }
 
 /// The median CPU and memory of single-GPU tasks: a node with less free cannot take a
@@ -419,16 +506,65 @@ pub fn default_score(allocatable: Host, used: Host, pod: Host) -> i64 {
     let memory = used.memory_mib + pod.memory_mib;
     let least_allocated =
         (least(cpu, allocatable.milli_cpu) + least(memory, allocatable.memory_mib)) / 2;
+    least_allocated + balanced_allocation(allocatable, used, pod)
+}
+
+/// `NodeResourcesBalancedAllocation` on CPU and memory: 100 × (1 − the standard deviation of
+/// the two requested fractions), truncated.
+fn balanced_allocation(allocatable: Host, used: Host, pod: Host) -> i64 {
+    if allocatable.milli_cpu == 0 || allocatable.memory_mib == 0 {
+        return 100;
+    }
     let fraction = |r: u64, c: u64| (r as f64 / c as f64).min(1.0);
-    let balanced = if allocatable.milli_cpu == 0 || allocatable.memory_mib == 0 {
-        100
-    } else {
-        let std = (fraction(cpu, allocatable.milli_cpu) - fraction(memory, allocatable.memory_mib))
-            .abs()
-            / 2.0;
-        ((1.0 - std) * 100.0) as i64
+    let cpu = fraction(used.milli_cpu + pod.milli_cpu, allocatable.milli_cpu);
+    let memory = fraction(used.memory_mib + pod.memory_mib, allocatable.memory_mib);
+    ((1.0 - (cpu - memory).abs() / 2.0) * 100.0) as i64
+}
+
+/// One extended resource as `NodeResourcesFit` scores it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Scored {
+    /// The node's allocatable amount.
+    pub allocatable: u64,
+    /// What the node's pods request already.
+    pub requested: u64,
+    /// What the pod requests.
+    pub pod: u64,
+    /// The resource's weight in `scoringStrategy.resources`.
+    pub weight: i64,
+}
+
+/// `NodeResourcesFit` with `scoringStrategy` MostAllocated over extended `resources`, as
+/// upstream's `resourceAllocationScorer` computes it: a resource the pod does not request or
+/// the node does not have is left out; each other scores
+/// `min(requested + pod, allocatable) × 100 / allocatable` (integer); the node's score is the
+/// weighted mean, integer, 0 when no resource is left.
+pub fn most_allocated(resources: &[Scored]) -> i64 {
+    let (mut weighted, mut weights) = (0i64, 0i64);
+    for r in resources {
+        if r.pod == 0 || r.allocatable == 0 {
+            continue;
+        }
+        let requested = r.requested.saturating_add(r.pod).min(r.allocatable);
+        let score = (u128::from(requested) * 100 / u128::from(r.allocatable)) as i64;
+        weighted += score * r.weight;
+        weights += r.weight;
+    }
+    if weights == 0 { 0 } else { weighted / weights }
+}
+
+/// [`Profile::NativeMostAllocated`]: MostAllocated on GPU memory (weight 1) +
+/// `NodeResourcesBalancedAllocation` on CPU and memory, for a pod asking `pod_gib` of GPU
+/// memory and `pod` of the host on node `n`.
+fn native_most_allocated_score(state: &Nodes<'_>, n: usize, pod_gib: u64, pod: Host) -> i64 {
+    let spec = &state.specs[n];
+    let gpu_mem = Scored {
+        allocatable: u64::from(spec.gpus) * spec.gpu_gib,
+        requested: state.requested_gib[n],
+        pod: pod_gib,
+        weight: 1,
     };
-    least_allocated + balanced
+    most_allocated(&[gpu_mem]) + balanced_allocation(spec.host, state.used[n], pod)
 }
 
 /// kube-scheduler's `selectHost`: the highest total, ties broken uniformly at random.
@@ -467,30 +603,51 @@ fn default_scheduler(state: &Nodes<'_>, task: &Task, rng: &mut StdRng) -> Option
     )
 }
 
-/// A single-GPU task through kube-scheduler and the gpushare extender.
+/// Whether a task asks for whole GPUs: all of its GPU model's memory, on one GPU or more.
+fn is_whole(task: &Task) -> bool {
+    matches!(task.kind, TaskKind::Whole | TaskKind::Multi)
+}
+
+/// The request a gpushare pod for `task` makes: fractional tasks a shared slice of one GPU;
+/// whole- and multi-GPU tasks `gpus: N` and the total GiB, which in the plain `form` is N
+/// shared slices of the task's GiB and with [`RequestForm::Exclusive`] N empty GPUs of at
+/// least the task's GiB each, booked in full.
+pub fn gpushare_request(task: &Task, form: RequestForm) -> Request {
+    Request {
+        gpus: task.gpus.max(1),
+        exclusive: form == RequestForm::Exclusive && is_whole(task),
+        pod_gib: task.demand_gib(),
+        containers: vec![task.demand_gib()],
+        host: task.host,
+        ..Request::default()
+    }
+}
+
+/// A GPU task's pod, asking in `form`, through kube-scheduler and the gpushare extender:
+/// filter = the allocator's fit, prioritize = its scores (as `profile` asks), bind = its
+/// reserve.
 fn gpushare(
     state: &Nodes<'_>,
     cluster: Option<&mut Cluster>,
     task: &Task,
     policy: Option<Policy>,
     profile: Profile,
+    form: RequestForm,
     (i, rng): (usize, &mut StdRng),
 ) -> Option<(usize, Vec<usize>)> {
     let cluster = cluster?;
-    let request = Request {
-        models: Default::default(),
-        gpus: 1,
-        exclusive: false,
-        pod_gib: task.gpu_gib,
-        containers: vec![task.gpu_gib],
-        host: task.host,
-    };
-    // The extender's view sees the pod arrive (pending) before the scheduler asks about it.
-    cluster.observe(Shape {
-        gpu_gib: task.gpu_gib,
-        host: task.host,
-    });
+    let request = gpushare_request(task, form);
+    // The extender's view sees the pod arrive (pending) before the scheduler asks about it;
+    // as the extender, it learns one-GPU shapes only.
+    if !request.is_multi() {
+        cluster.observe(Shape {
+            gpu_gib: request.pod_gib,
+            host: task.host,
+        });
+    }
     // kube-scheduler's filters (CPU, memory, the model's node label), then the extender's.
+    // Its GPU-memory fit is left out: a node the extender passes has at least the pod's GiB
+    // unbooked, and kube-scheduler counts no more than the extender books.
     let candidates: Vec<usize> = (0..state.specs.len())
         .filter(|&n| {
             state.model_ok(n, task)
@@ -500,7 +657,7 @@ fn gpushare(
         .collect();
     let names: Vec<&str> = candidates.iter().map(|&n| &*state.names[n]).collect();
     let extender: Option<Vec<u8>> = policy
-        .filter(|_| candidates.len() > 1)
+        .filter(|_| candidates.len() > 1 && profile.prioritizes())
         .map(|policy| cluster.scores(&names, &request, policy));
     let totals = candidates.iter().enumerate().map(|(c, &n)| {
         let theirs = extender.as_ref().map_or(0, |s| i64::from(s[c]) * 10);
@@ -509,6 +666,9 @@ fn gpushare(
                 default_score(state.specs[n].host, state.used[n], task.host) + theirs * weight
             }
             Profile::ExtenderOnly => theirs,
+            Profile::NativeMostAllocated => {
+                native_most_allocated_score(state, n, request.pod_gib, task.host)
+            }
         };
         (n, total)
     });
@@ -518,21 +678,29 @@ fn gpushare(
     let placement = cluster
         .reserve(uid.clone(), &state.names[n], &request, bind)
         .ok()?;
+    let gpus: Vec<usize> = std::iter::once(placement.gpu)
+        .chain(placement.more_gpus.iter().map(|(index, _)| *index))
+        .map(|index| index as usize)
+        .collect();
     // The device plugin allocates at once in this simulation: no containers wait as twins.
     cluster.upsert_pod(
         uid,
         &state.names[n],
         PodPlacement {
-            more_gpus: Vec::new(),
-            exclusive: false,
+            more_gpus: placement
+                .more_gpus
+                .iter()
+                .map(|(index, uuid)| (*index, uuid.as_str().into()))
+                .collect(),
+            exclusive: placement.exclusive,
             gpu: placement.gpu,
             uuid: placement.uuid.as_str().into(),
-            pod_gib: task.gpu_gib,
+            pod_gib: placement.pod_gib,
             pending: Vec::new(),
             assigned: true,
         },
     );
-    Some((n, vec![placement.gpu as usize]))
+    Some((n, gpus))
 }
 
 /// BestFit: the node left with the least free GPU, CPU and memory (each as a share of the
@@ -541,7 +709,7 @@ fn best_fit(state: &Nodes<'_>, task: &Task) -> Option<(usize, Vec<usize>)> {
     let mut best: Option<(usize, f64)> = None;
     for n in 0..state.specs.len() {
         if !state.model_ok(n, task)
-            || !state.gpus_ok(n, task)
+            || !state.gpus_ok(n, task, false)
             || !state.host_free(n).fits(task.host)
         {
             continue;
@@ -659,7 +827,7 @@ mod fgd {
         let mut scratch = Vec::new();
         for n in 0..state.specs.len() {
             let host = state.host_free(n);
-            if !state.model_ok(n, task) || !state.gpus_ok(n, task) || !host.fits(task.host) {
+            if !state.model_ok(n, task) || !state.gpus_ok(n, task, false) || !host.fits(task.host) {
                 continue;
             }
             let free = &state.free[n];
@@ -700,6 +868,7 @@ mod fgd {
 mod tests {
     use super::*;
     use crate::realistic::generator::{TaskMix, generate_nodes, generate_tasks};
+    use gpushare_allocator::GpuUsage;
     use gpushare_e2e::scheduler::framework::{self, CPU, MEMORY, NodeUsage, PodUsage, Resources};
 
     #[test]
@@ -733,31 +902,339 @@ mod tests {
                     Host::new(used.0, used.1),
                     Host::new(pod.0, pod.1)
                 ),
-                framework::default_score(&host(alloc.0, alloc.1), &usage, &pod_usage)
+                framework::default_score(
+                    &framework::FitScoring::default(),
+                    &host(alloc.0, alloc.1),
+                    &usage,
+                    &pod_usage
+                )
             );
         }
     }
 
     #[test]
-    fn fragmentation_policy_beats_binpack_and_classic_on_a_small_generated_cluster() {
-        let nodes = generate_nodes(60, 3);
-        let tasks = generate_tasks(&nodes, &TaskMix::default(), 1.3, 3);
-        let at_full = |strategy| replay(&nodes, &tasks, strategy, 3).at_full.allocation;
-        let binpack = at_full(Strategy::Gpushare {
+    fn most_allocated_scores_as_upstream() {
+        let gpu_mem = |allocatable, requested, pod| Scored {
+            allocatable,
+            requested,
+            pod,
+            weight: 1,
+        };
+        // (0 + 4) * 100 / 32 and (12 + 4) * 100 / 32, integer division.
+        assert_eq!(most_allocated(&[gpu_mem(32, 0, 4)]), 12);
+        assert_eq!(most_allocated(&[gpu_mem(32, 12, 4)]), 50);
+        // 100 * 100 / 30 = 333 is capped: a request beyond capacity scores as full.
+        assert_eq!(most_allocated(&[gpu_mem(30, 20, 20)]), 100);
+        // Not requested by the pod, or absent on the node: left out; nothing left scores 0.
+        assert_eq!(most_allocated(&[gpu_mem(32, 12, 0)]), 0);
+        assert_eq!(most_allocated(&[gpu_mem(0, 0, 4)]), 0);
+        assert_eq!(most_allocated(&[]), 0);
+        // Weighted mean: (50 * 3 + 10 * 1) / 4 = 40; a skipped resource takes its weight out.
+        let other = Scored {
+            allocatable: 10,
+            requested: 0,
+            pod: 1,
+            weight: 1,
+        };
+        let weighted = Scored {
+            weight: 3,
+            ..gpu_mem(32, 12, 4)
+        };
+        assert_eq!(most_allocated(&[weighted, other]), 40);
+        assert_eq!(most_allocated(&[Scored { pod: 0, ..weighted }, other]), 10);
+        // (7 * 100 / 9 = 77) * 2 + (1 * 100 / 3 = 33) * 1, over 3 = 62.
+        assert_eq!(
+            most_allocated(&[
+                Scored {
+                    weight: 2,
+                    ..gpu_mem(9, 5, 2)
+                },
+                gpu_mem(3, 0, 1)
+            ]),
+            62
+        );
+    }
+
+    #[test]
+    fn most_allocated_matches_the_scheduler_drivers() {
+        use gpushare_contract::DEFAULT_RESOURCE;
+        let fit = framework::FitScoring {
+            strategy: framework::FitStrategy::MostAllocated,
+            resources: vec![(DEFAULT_RESOURCE.to_owned(), 1)],
+        };
+        let gib = |n: u64| Resources::from([(DEFAULT_RESOURCE.to_owned(), i128::from(n) * 1000)]);
+        for (allocatable, requested, pod) in [(32, 12, 4), (640, 17, 80), (15, 0, 15), (48, 40, 24)]
+        {
+            let usage = NodeUsage {
+                requested: gib(requested),
+                ..NodeUsage::default()
+            };
+            let pod_usage = PodUsage {
+                requested: gib(pod),
+                ..PodUsage::default()
+            };
+            assert_eq!(
+                most_allocated(&[Scored {
+                    allocatable,
+                    requested,
+                    pod,
+                    weight: 1
+                }]),
+                fit.score(&gib(allocatable), &usage, &pod_usage),
+                "{allocatable} {requested} {pod}"
+            );
+        }
+    }
+
+    #[test]
+    fn native_profile_adds_gpu_memory_most_allocated_to_balanced_allocation() {
+        let node = |gpus| SimNode {
+            model: 1,
+            gpus,
+            gpu_gib: 16,
+            host: Host::new(64_000, 262_144),
+        };
+        let specs = [node(2), node(8)];
+        let mut state = Nodes::new(&specs);
+        state.requested_gib[0] = 12;
+        state.used[0] = Host::new(8_000, 65_536);
+        let pod = Host::new(8_000, 32_768);
+        // (12 + 4) * 100 / 32 = 50; CPU 16/64 and memory 96/256 GiB: 100 * (1 - 0.0625) = 93.
+        assert_eq!(native_most_allocated_score(&state, 0, 4, pod), 50 + 93);
+        // 4 * 100 / 128 = 3; CPU 8/64 and memory 32/256 GiB balance: 100.
+        assert_eq!(native_most_allocated_score(&state, 1, 4, pod), 3 + 100);
+    }
+
+    fn task(kind: TaskKind, gpus: u32, gpu_gib: u64) -> Task {
+        Task {
+            kind,
+            gpus,
+            gpu_gib,
+            host: Host::new(1_000, 1_024),
+            model: None,
+        }
+    }
+
+    #[test]
+    fn exclusive_whole_and_multi_gpu_tasks_take_whole_empty_gpus() {
+        // One node of 4 x 16 GiB.
+        let nodes = [SimNode {
+            model: 1,
+            gpus: 4,
+            gpu_gib: 16,
+            host: Host::new(64_000, 262_144),
+        }];
+        let tasks = [
+            task(TaskKind::Fractional, 1, 4),
+            task(TaskKind::Multi, 2, 16),
+            task(TaskKind::Whole, 1, 16),
+            task(TaskKind::Fractional, 1, 8),
+            task(TaskKind::Whole, 1, 16),
+        ];
+        let exclusive = |t| gpushare_request(t, RequestForm::Exclusive);
+        assert_eq!(
+            (exclusive(&tasks[1]).gpus, exclusive(&tasks[1]).pod_gib),
+            (2, 32)
+        );
+        assert!(exclusive(&tasks[1]).exclusive && exclusive(&tasks[2]).exclusive);
+        assert!(!exclusive(&tasks[3]).exclusive);
+        for strategy in [
+            Strategy::Gpushare {
+                policy: Some(Policy::Binpack),
+                profile: Profile::Default { weight: 1 },
+            },
+            Strategy::Gpushare {
+                policy: Some(Policy::Spread),
+                profile: Profile::ExtenderOnly,
+            },
+            Strategy::Fragmentation {
+                profile: Profile::ExtenderOnly,
+            },
+            Strategy::Gpushare {
+                policy: Some(Policy::Binpack),
+                profile: Profile::NativeMostAllocated,
+            },
+        ] {
+            let (run, state, _) =
+                replay_to_end(&nodes, &tasks, strategy, RequestForm::Exclusive, 1);
+            // 4 + 8 share a GPU, the 2-GPU task and the first whole one take the other three;
+            // the second whole-GPU task finds no empty GPU.
+            assert_eq!(run.end.failed, [1, 0, 0, 0, 0, 0], "{strategy:?}");
+            assert_eq!(run.end.allocation, 60.0 / 64.0, "{strategy:?}");
+            let mut free = state.free[0].clone();
+            free.sort_unstable();
+            assert_eq!(free, [0, 0, 0, 4], "{strategy:?}");
+        }
+    }
+
+    #[test]
+    fn an_exclusive_whole_gpu_task_books_a_larger_gpu_in_full() {
+        // One node of 2 x 80 GiB; a whole-GPU task of a 15 GiB model names no model.
+        let nodes = [SimNode {
+            model: 6,
+            gpus: 2,
+            gpu_gib: 80,
+            host: Host::new(128_000, 1_048_576),
+        }];
+        let tasks = [
+            task(TaskKind::Whole, 1, 15),
+            task(TaskKind::Fractional, 1, 40),
+            task(TaskKind::Fractional, 1, 40),
+            task(TaskKind::Fractional, 1, 10),
+        ];
+        let binpack = Strategy::Gpushare {
             policy: Some(Policy::Binpack),
             profile: Profile::Default { weight: 1 },
+        };
+        let (run, state, cluster) =
+            replay_to_end(&nodes, &tasks, binpack, RequestForm::Exclusive, 1);
+        assert_eq!(run.end.failed, [1, 0, 0, 0, 0, 0]);
+        assert_eq!(run.end.allocation, 95.0 / 160.0);
+        assert_eq!(run.end.whole_surplus, 65.0 / 160.0);
+        assert_eq!(state.requested_gib[0], 95);
+        let booked = cluster.as_ref().and_then(|c| c.node("node-00000"));
+        let free: Vec<u64> = booked.map_or(Vec::new(), |n| {
+            n.gpus().iter().map(GpuUsage::free_gib).collect()
         });
-        let classic = at_full(Strategy::Gpushare {
-            policy: None,
-            profile: Profile::Default { weight: 1 },
-        });
-        let ours = at_full(Strategy::Fragmentation {
-            profile: Profile::ExtenderOnly,
-        });
-        assert!(
-            ours > binpack && ours > classic,
-            "{ours} vs binpack {binpack}, classic {classic}"
+        assert_eq!(free, state.free[0]);
+        // BestFit books only what the task asks for: the 10 GiB slice fits beside it.
+        let (run, _, _) = replay_to_end(
+            &nodes,
+            &tasks,
+            Strategy::BestFit { multi_gpu: true },
+            RequestForm::Exclusive,
+            1,
         );
+        assert_eq!(run.end.failed, [0; 6]);
+        assert_eq!(run.end.whole_surplus, 0.0);
+    }
+
+    #[test]
+    fn a_plain_whole_gpu_task_leaves_a_larger_gpu_to_fractional_tasks() {
+        // One 80 GiB GPU; a whole-GPU task of a 15 GiB model names no model, then 65 GiB of
+        // fractional tasks.
+        let nodes = [SimNode {
+            model: 6,
+            gpus: 1,
+            gpu_gib: 80,
+            host: Host::new(128_000, 1_048_576),
+        }];
+        let tasks = [
+            task(TaskKind::Whole, 1, 15),
+            task(TaskKind::Fractional, 1, 40),
+            task(TaskKind::Fractional, 1, 25),
+        ];
+        let request = gpushare_request(&tasks[0], RequestForm::Plain);
+        assert_eq!(
+            (request.gpus, request.pod_gib, request.exclusive),
+            (1, 15, false)
+        );
+        for strategy in [
+            Strategy::Gpushare {
+                policy: Some(Policy::Binpack),
+                profile: Profile::Default { weight: 1 },
+            },
+            Strategy::Gpushare {
+                policy: None,
+                profile: Profile::Default { weight: 1 },
+            },
+            Strategy::Fragmentation {
+                profile: Profile::ExtenderOnly,
+            },
+            Strategy::Gpushare {
+                policy: Some(Policy::Binpack),
+                profile: Profile::NativeMostAllocated,
+            },
+        ] {
+            let (run, state, cluster) =
+                replay_to_end(&nodes, &tasks, strategy, RequestForm::Plain, 1);
+            assert_eq!(run.end.failed, [0; 6], "{strategy:?}");
+            assert_eq!(run.end.allocation, 1.0, "{strategy:?}");
+            assert_eq!(run.end.whole_surplus, 0.0, "{strategy:?}");
+            assert_eq!(state.free[0], [0], "{strategy:?}");
+            let booked = cluster.as_ref().and_then(|c| c.node("node-00000"));
+            let free: Vec<u64> = booked.map_or(Vec::new(), |n| {
+                n.gpus().iter().map(GpuUsage::free_gib).collect()
+            });
+            assert_eq!(free, [0], "{strategy:?}");
+            // Asked for with `exclusive`, the whole-GPU task keeps the GPU to itself.
+            let (run, _, _) = replay_to_end(&nodes, &tasks, strategy, RequestForm::Exclusive, 1);
+            assert_eq!(run.end.failed, [2, 0, 0, 0, 0, 0], "{strategy:?}");
+            assert_eq!(run.end.whole_surplus, 65.0 / 80.0, "{strategy:?}");
+        }
+    }
+
+    #[test]
+    fn the_replay_books_what_the_allocator_books() {
+        let nodes = generate_nodes(40, 5);
+        let tasks = generate_tasks(&nodes, &TaskMix::default(), 1.3, 5);
+        assert!(tasks.iter().any(|t| t.kind == TaskKind::Multi));
+        for strategy in [
+            Strategy::Gpushare {
+                policy: Some(Policy::Binpack),
+                profile: Profile::Default { weight: 1 },
+            },
+            Strategy::Gpushare {
+                policy: None,
+                profile: Profile::Default { weight: 1 },
+            },
+            Strategy::Gpushare {
+                policy: Some(Policy::Spread),
+                profile: Profile::Default { weight: 1 },
+            },
+            Strategy::Fragmentation {
+                profile: Profile::ExtenderOnly,
+            },
+            Strategy::Gpushare {
+                policy: Some(Policy::Binpack),
+                profile: Profile::NativeMostAllocated,
+            },
+        ] {
+            for form in [RequestForm::Plain, RequestForm::Exclusive] {
+                let (run, state, cluster) = replay_to_end(&nodes, &tasks, strategy, form, 5);
+                let Some(cluster) = cluster else {
+                    panic!("{strategy:?} replays through the allocator");
+                };
+                assert_eq!(run.end.failed[4], 0, "{strategy:?} places multi-GPU tasks");
+                if form == RequestForm::Plain {
+                    assert_eq!(run.end.whole_surplus, 0.0, "{strategy:?}");
+                }
+                for (n, name) in state.names.iter().enumerate() {
+                    let free: Vec<u64> = cluster.node(name).map_or(Vec::new(), |node| {
+                        node.gpus().iter().map(GpuUsage::free_gib).collect()
+                    });
+                    assert_eq!(free, state.free[n], "{strategy:?} {form:?}, {name}");
+                }
+                let booked: u64 = (0..state.specs.len())
+                    .map(|n| {
+                        let spec = &state.specs[n];
+                        u64::from(spec.gpus) * spec.gpu_gib - state.free[n].iter().sum::<u64>()
+                    })
+                    .sum();
+                let capacity: u64 = nodes.iter().map(|n| u64::from(n.gpus) * n.gpu_gib).sum();
+                let counted = (run.end.allocation + run.end.whole_surplus) * capacity as f64;
+                assert!(
+                    (counted - booked as f64).abs() < 1e-6,
+                    "{strategy:?} {form:?}"
+                );
+            }
+        }
+    }
+
+    #[test]
+    fn fragmentation_policy_beats_binpack_on_a_small_generated_cluster() {
+        let nodes = generate_nodes(60, 3);
+        let tasks = generate_tasks(&nodes, &TaskMix::default(), 1.3, 3);
+        let chart = Profile::Default { weight: 1 };
+        for form in [RequestForm::Plain, RequestForm::Exclusive] {
+            let at_full = |strategy| replay(&nodes, &tasks, strategy, form, 3).at_full.allocation;
+            let binpack = at_full(Strategy::Gpushare {
+                policy: Some(Policy::Binpack),
+                profile: chart,
+            });
+            let ours = at_full(Strategy::Fragmentation { profile: chart });
+            assert!(ours > binpack, "{form:?}: {ours} vs binpack {binpack}");
+        }
     }
 
     #[test]
@@ -775,7 +1252,7 @@ mod tests {
                 cpu_pods_by_default: false,
             },
         ] {
-            let run = replay(&nodes, &tasks, strategy, 4);
+            let run = replay(&nodes, &tasks, strategy, RequestForm::default(), 4);
             assert_eq!(run.end.arrived, tasks.len());
             assert!(
                 run.end.allocation <= 1.0 && run.end.allocation > 0.3,
