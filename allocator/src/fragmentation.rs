@@ -32,15 +32,15 @@
 //! - Among placements that change `F` equally, the fuller node and then the fuller GPU win,
 //!   so ties pack instead of scattering.
 //!
-//! **Cost.** Per node O(GPUs × shapes), no allocation. What depends only on the workload
-//! (normalized weights, each shape's weight × size, reciprocals that turn `⌊free / size⌋`
-//! into a multiply and one correction) is prepared when the workload changes, not per node.
-//! Per node, one pass over the GPUs counts each shape's slots (quotients computed once per
-//! distinct free amount) and the host's cap on them before and after the pod; each candidate
-//! free amount is then evaluated once, in O(shapes) with no branch and no division. Measured
-//! at 5,000 nodes × 8 GPUs with 8 shapes it costs about 2.4× binpack's scoring when a node's
-//! GPUs are equally free and 7× when all eight differ, which is over the extender's 1 ms
-//! budget for prioritize at that size (`docs/performance.md`).
+//! **Cost.** Per node O(GPUs × shapes), no allocation, no division in the common case.
+//! What depends only on the workload is prepared when it changes, not per node: normalized
+//! weights, each shape's weight × size, reciprocals of each shape's CPU and memory (a
+//! multiply and one correction instead of a division), and, only when the set of GPU sizes
+//! changes, a table of `⌊x / size⌋` for every shape and every `x` below 512 GiB. Per node,
+//! one pass over the GPUs adds each GPU's table row to the shapes' slots and notes the
+//! distinct free amounts; the host caps the slots before and after the pod; each distinct
+//! free amount that fits is then evaluated once, in O(shapes) from two table rows.
+//! `perf/benches/extender_http.rs` times it through the extender at 5,000 nodes × 8 GPUs.
 
 /// CPU and memory: what a pod requests, a node has allocatable, or has free.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Hash)]
@@ -134,7 +134,8 @@ impl Divisor {
         if self.reciprocal == 0.0 || x >= 1 << 32 {
             return x.checked_div(self.d).unwrap_or(u64::MAX);
         }
-        let q = (x as f64 * self.reciprocal) as u64;
+        // Through i64: below 2⁵³ the conversions are exact, and single instructions.
+        let q = ((x as i64) as f64 * self.reciprocal) as i64 as u64;
         // q ≤ x / d < 2³², d < 2³²: no overflow.
         if (q + 1) * self.d <= x { q + 1 } else { q }
     }
@@ -142,13 +143,23 @@ impl Divisor {
 
 /// How many pods needing `need` of a resource fit in `free`, given that the GPUs hold at most
 /// `slots` of them: a multiply in the common case where the resource is not the limit, a
-/// division only where it is. `need` 0 never limits.
+/// [`Divisor`] only where it is. `need` 0 never limits.
 #[inline]
-fn cap(slots: u64, free: u64, need: u64) -> u64 {
-    if need == 0 || slots.saturating_mul(need) <= free {
+fn cap(slots: u64, free: u64, need: Divisor) -> u64 {
+    if need.d == 0 || slots.saturating_mul(need.d) <= free {
         slots
     } else {
-        free / need
+        need.div(free)
+    }
+}
+
+/// `x as f64`, through `i64` where it fits: the same value, one instruction instead of the
+/// sequence an unsigned conversion takes.
+#[inline]
+fn to_f64(x: u64) -> f64 {
+    match i64::try_from(x) {
+        Ok(x) => x as f64,
+        Err(_) => x as f64,
     }
 }
 
@@ -156,10 +167,34 @@ fn cap(slots: u64, free: u64, need: u64) -> u64 {
 /// range.
 const UNUSED_GIB: u64 = u32::MAX as u64;
 
+/// Free amounts up to this many GiB (less one) find their quotients in [`Quotients`]: more
+/// than any GPU sold today holds.
+const QUOTIENT_ROWS: usize = 512;
+
+/// `⌊x / size⌋` for every shape's GPU size and every `x` below [`QUOTIENT_ROWS`]: the per-GPU
+/// loops read a row instead of dividing (a scheduling call reads a few rows, thousands of
+/// times). Built when the set of GPU sizes changes, shared by the workloads prepared since.
+#[derive(Debug, Clone, Default, PartialEq)]
+struct Quotients {
+    /// The GPU size of each shape entry ([`UNUSED_GIB`] when unused).
+    sizes: [u64; MAX_SHAPES],
+    /// Row `x`: `⌊x / size⌋` per shape entry.
+    rows: std::sync::Arc<[[u64; MAX_SHAPES]]>,
+}
+
+impl Quotients {
+    fn new(sizes: [u64; MAX_SHAPES], gib: &[Divisor; MAX_SHAPES]) -> Self {
+        let rows = (0..QUOTIENT_ROWS as u64)
+            .map(|x| std::array::from_fn(|m| gib[m].div(x)))
+            .collect();
+        Self { sizes, rows }
+    }
+}
+
 /// A workload as the per-node loops read it, derived from its shapes whenever they change:
 /// fixed arrays, weights normalized to sum to 1, divisors for each shape's GPU size, CPU and
 /// memory.
-#[derive(Debug, Clone, Copy, PartialEq)]
+#[derive(Debug, Clone, PartialEq)]
 struct Prepared {
     weight: [f64; MAX_SHAPES],
     /// Σ weight: 1, or 0 for an empty workload (up to rounding).
@@ -167,19 +202,25 @@ struct Prepared {
     /// weight × GPU size: what one pod of the shape fewer costs, in expected GiB.
     weighted_gib: [f64; MAX_SHAPES],
     gib: [Divisor; MAX_SHAPES],
-    host: [Host; MAX_SHAPES],
+    /// Each shape's CPU (millicores) and memory (MiB), as divisors.
+    cpu: [Divisor; MAX_SHAPES],
+    memory: [Divisor; MAX_SHAPES],
     /// The smallest GPU size: a GPU with less free holds no pod of any shape.
     min_gib: u64,
+    /// `⌊x / size⌋` of every shape for small `x`: depends on the GPU sizes only.
+    quotients: Quotients,
 }
 
 impl Default for Prepared {
     fn default() -> Self {
-        Self::new(&[])
+        Self::new(&[], None)
     }
 }
 
 impl Prepared {
-    fn new(shapes: &[(Shape, f64)]) -> Self {
+    /// Prepares `shapes`; `previous`'s quotient table is reused when the GPU sizes are the
+    /// same (weights and CPU means move with every pod, the sizes rarely).
+    fn new(shapes: &[(Shape, f64)], previous: Option<&Prepared>) -> Self {
         let total: f64 = shapes.iter().map(|(_, w)| w).sum();
         let total = if total > 0.0 { total } else { 1.0 };
         let mut prepared = Prepared {
@@ -189,18 +230,40 @@ impl Prepared {
             // Unused entries weigh nothing and hold no pod of any free amount we meet: the
             // loops run over all MAX_SHAPES entries, a fixed length the compiler unrolls.
             gib: [Divisor::new(UNUSED_GIB); MAX_SHAPES],
-            host: [Host::default(); MAX_SHAPES],
+            cpu: [Divisor::new(0); MAX_SHAPES],
+            memory: [Divisor::new(0); MAX_SHAPES],
             min_gib: u64::MAX,
+            quotients: Quotients::default(),
         };
+        let mut sizes = [UNUSED_GIB; MAX_SHAPES];
         for (m, (shape, weight)) in shapes.iter().take(MAX_SHAPES).enumerate() {
             prepared.weight[m] = weight / total;
             prepared.weight_sum += weight / total;
             prepared.weighted_gib[m] = weight / total * shape.gpu_gib as f64;
             prepared.gib[m] = Divisor::new(shape.gpu_gib);
-            prepared.host[m] = shape.host;
+            prepared.cpu[m] = Divisor::new(shape.host.milli_cpu);
+            prepared.memory[m] = Divisor::new(shape.host.memory_mib);
             prepared.min_gib = prepared.min_gib.min(shape.gpu_gib);
+            sizes[m] = shape.gpu_gib;
         }
+        prepared.quotients = match previous {
+            Some(previous) if previous.quotients.sizes == sizes => previous.quotients.clone(),
+            _ => Quotients::new(sizes, &prepared.gib),
+        };
         prepared
+    }
+
+    /// Per shape, `⌊x / size⌋`: a table row for the free amounts GPUs have, a division
+    /// beyond.
+    #[inline]
+    fn quotients(&self, x: u64) -> [u64; MAX_SHAPES] {
+        match usize::try_from(x)
+            .ok()
+            .and_then(|x| self.quotients.rows.get(x))
+        {
+            Some(row) => *row,
+            None => std::array::from_fn(|m| self.gib[m].div(x)),
+        }
     }
 
     /// Per shape: how many pods of it a node takes whose GPUs have `slots` for it and
@@ -209,11 +272,10 @@ impl Prepared {
     fn runs(&self, slots: &[u64; MAX_SHAPES], free: Host) -> [u64; MAX_SHAPES] {
         let mut runs = [0; MAX_SHAPES];
         for m in 0..MAX_SHAPES {
-            let need = self.host[m];
             runs[m] = cap(
-                cap(slots[m], free.milli_cpu, need.milli_cpu),
+                cap(slots[m], free.milli_cpu, self.cpu[m]),
                 free.memory_mib,
-                need.memory_mib,
+                self.memory[m],
             );
         }
         runs
@@ -246,7 +308,7 @@ impl Workload {
             .collect();
         shapes.sort_by(|a, b| b.1.total_cmp(&a.1));
         shapes.truncate(MAX_SHAPES);
-        let prepared = Prepared::new(&shapes);
+        let prepared = Prepared::new(&shapes, None);
         Self { shapes, prepared }
     }
 
@@ -307,7 +369,7 @@ impl Workload {
             return;
         }
         self.learn(shape);
-        self.prepared = Prepared::new(&self.shapes);
+        self.prepared = Prepared::new(&self.shapes, Some(&self.prepared));
     }
 
     fn learn(&mut self, shape: Shape) {
@@ -392,40 +454,50 @@ impl Before {
         workload: &Workload,
         node: &NodeFree<F>,
     ) -> Self {
-        let w = &workload.prepared;
-        let mut before = Before {
+        let mut before = Self::empty(node.host);
+        before.read(workload, node, &mut Distinct::default());
+        before
+    }
+
+    /// A node with no GPUs and `host` free.
+    fn empty(host: Host) -> Self {
+        Before {
             total_free: 0,
             max_free: None,
             slots: [0; MAX_SHAPES],
             runs: [0; MAX_SHAPES],
-            host: node.host,
+            host,
             total_gib: 0,
-        };
-        // GPUs of a node often have equal free memory (empty, or equally used): their
-        // quotients are computed once.
-        let mut last = (u64::MAX, [0; MAX_SHAPES]);
+        }
+    }
+
+    /// Reads `node`'s GPUs into `self` (from [`Before::empty`]) and its distinct free amounts
+    /// into `distinct`, in one pass. Filled in place: both are a few hundred bytes, which
+    /// returning them would copy per node.
+    #[inline(always)]
+    fn read<F: Fn(usize) -> Option<(u64, u64)>>(
+        &mut self,
+        workload: &Workload,
+        node: &NodeFree<F>,
+        distinct: &mut Distinct,
+    ) {
+        let w = &workload.prepared;
         for i in 0..node.gpus {
             let Some((free, total)) = (node.free)(i) else {
                 continue;
             };
-            before.total_gib = before.total_gib.saturating_add(total);
-            before.total_free = before.total_free.saturating_add(free);
-            before.max_free = Some(before.max_free.map_or(free, |max| max.max(free)));
+            self.total_gib = self.total_gib.saturating_add(total);
+            self.total_free = self.total_free.saturating_add(free);
+            self.max_free = Some(self.max_free.map_or(free, |max| max.max(free)));
+            distinct.add(i, free);
             if free < w.min_gib {
                 continue;
             }
-            if last.0 != free {
-                last.0 = free;
-                for m in 0..MAX_SHAPES {
-                    last.1[m] = w.gib[m].div(free);
-                }
-            }
-            for m in 0..MAX_SHAPES {
-                before.slots[m] += last.1[m];
+            for (slots, quotient) in self.slots.iter_mut().zip(w.quotients(free)) {
+                *slots += quotient;
             }
         }
-        before.runs = w.runs(&before.slots, before.host);
-        before
+        self.runs = w.runs(&self.slots, self.host);
     }
 
     /// The node's expected fragmentation now, in GiB.
@@ -460,6 +532,7 @@ impl Before {
     /// [`Before::delta`] given [`Before::limits_after`]. With `lost = free − runs × size` per
     /// shape, the change is `−need` (the pod's GiB leave the free memory) plus `size` per
     /// pod of the shape the node can no longer take: O(shapes), two multiplications each.
+    #[inline]
     fn delta_with(
         &self,
         workload: &Workload,
@@ -469,13 +542,13 @@ impl Before {
     ) -> f64 {
         let w = &workload.prepared;
         let after_free = free.saturating_sub(need);
+        let (on_gpu, on_gpu_after) = (w.quotients(free), w.quotients(after_free));
         let mut delta = -(need as f64) * w.weight_sum;
         for (m, limit) in limits.iter().enumerate() {
-            let size = w.gib[m];
             // Placing takes slots away, never adds: slots and runs after are ≤ before.
-            let slots = self.slots[m].saturating_sub(size.div(free)) + size.div(after_free);
+            let slots = self.slots[m].saturating_sub(on_gpu[m]) + on_gpu_after[m];
             let runs_after = slots.min(*limit);
-            delta += w.weighted_gib[m] * self.runs[m].saturating_sub(runs_after) as f64;
+            delta += w.weighted_gib[m] * to_f64(self.runs[m].saturating_sub(runs_after));
         }
         delta
     }
@@ -488,6 +561,7 @@ impl Before {
         self.goodness_with(workload, free, need, &limits)
     }
 
+    #[inline]
     fn goodness_with(
         &self,
         workload: &Workload,
@@ -522,24 +596,15 @@ pub fn best_gpu<F: Fn(usize) -> Option<(u64, u64)>>(
     need: u64,
     host: Host,
 ) -> Option<(usize, f64)> {
-    let before = Before::new(workload, node);
+    let mut before = Before::empty(node.host);
+    let mut distinct = Distinct::default();
+    before.read(workload, node, &mut distinct);
     if before.max_free.is_none_or(|max| max < need) {
         return None;
     }
     let limits = before.limits_after(workload, host);
     let mut best: Option<(usize, f64, u64)> = None;
-    let mut seen = [u64::MAX; 8];
-    for i in 0..node.gpus {
-        let Some((free, _)) = (node.free)(i) else {
-            continue;
-        };
-        if free < need || seen.contains(&free) {
-            continue;
-        }
-        // More than eight GPUs: a free amount seen long ago may be evaluated again, to the
-        // same goodness, which the tie rule below leaves where it was.
-        seen[i % seen.len()] = free;
-        let goodness = before.goodness_with(workload, free, need, &limits);
+    let mut consider = |i: usize, free: u64, goodness: f64| {
         let better = match best {
             None => true,
             Some((_, g, chosen)) => goodness > g + 1e-12 || (goodness > g - 1e-12 && free < chosen),
@@ -547,8 +612,79 @@ pub fn best_gpu<F: Fn(usize) -> Option<(u64, u64)>>(
         if better {
             best = Some((i, goodness, free));
         }
+    };
+    if let Some(amounts) = distinct.amounts() {
+        // Each free amount at its first GPU, in GPU order: what the loop below visits. The
+        // goodness of all first, then the choice: the evaluations are independent of each
+        // other and of the choice's branches, so they overlap.
+        let mut goodness = [0.0; 8];
+        for ((_, free), goodness) in amounts.clone().zip(&mut goodness) {
+            if free >= need {
+                *goodness = before.goodness_with(workload, free, need, &limits);
+            }
+        }
+        for ((i, free), goodness) in amounts.zip(goodness) {
+            if free >= need {
+                consider(i, free, goodness);
+            }
+        }
+    } else {
+        let mut seen = [u64::MAX; 8];
+        for i in 0..node.gpus {
+            let Some((free, _)) = (node.free)(i) else {
+                continue;
+            };
+            if free < need || seen.contains(&free) {
+                continue;
+            }
+            // More than eight GPUs: a free amount seen long ago may be evaluated again, to
+            // the same goodness, which the tie rule leaves where it was.
+            seen[i % seen.len()] = free;
+            consider(i, free, before.goodness_with(workload, free, need, &limits));
+        }
     }
     best.map(|(i, goodness, _)| (i, goodness))
+}
+
+/// The distinct free amounts of a node's healthy GPUs, each with the first GPU that has it,
+/// in GPU order; kept for nodes of at most eight GPUs (the common case), where
+/// [`best_gpu`] then evaluates them without a second pass over the GPUs.
+#[derive(Debug, Clone, Copy, Default)]
+struct Distinct {
+    len: usize,
+    free: [u64; 8],
+    gpu: [u8; 8],
+    /// A healthy GPU beyond the eighth was seen: the amounts are not kept.
+    overflow: bool,
+}
+
+impl Distinct {
+    #[inline]
+    fn add(&mut self, gpu: usize, free: u64) {
+        let Ok(position) = u8::try_from(gpu) else {
+            self.overflow = true;
+            return;
+        };
+        if gpu >= self.free.len() {
+            self.overflow = true;
+            return;
+        }
+        if !self.free[..self.len].contains(&free) {
+            self.free[self.len] = free;
+            self.gpu[self.len] = position;
+            self.len += 1;
+        }
+    }
+
+    /// Each amount and its first GPU; `None` when the node has more than eight GPUs.
+    fn amounts(&self) -> Option<impl Iterator<Item = (usize, u64)> + Clone + '_> {
+        (!self.overflow).then(|| {
+            self.gpu[..self.len]
+                .iter()
+                .zip(&self.free[..self.len])
+                .map(|(&gpu, &free)| (usize::from(gpu), free))
+        })
+    }
 }
 
 /// Scores for candidate nodes from their goodness (`None`: does not fit), relative to each
@@ -667,6 +803,126 @@ mod tests {
                 let expected = x.checked_div(d).unwrap_or(u64::MAX);
                 proptest::prop_assert_eq!(Divisor::new(d).div(x), expected, "{} / {}", x, d);
             }
+        }
+    }
+
+    /// The measure as first written, dividing for every quotient: what the quotient table,
+    /// the divisors and the single pass over the GPUs must reproduce bit for bit.
+    fn reference_best_gpu(
+        workload: &Workload,
+        free: &[Option<u64>],
+        node_host: Host,
+        need: u64,
+        host: Host,
+    ) -> Option<(usize, f64)> {
+        let w = &workload.prepared;
+        let sizes: Vec<u64> = (0..MAX_SHAPES).map(|m| w.gib[m].d).collect();
+        let needs: Vec<Host> = (0..MAX_SHAPES)
+            .map(|m| Host::new(w.cpu[m].d, w.memory[m].d))
+            .collect();
+        let cap = |slots: u64, free: u64, need: u64| {
+            if need == 0 || slots.saturating_mul(need) <= free {
+                slots
+            } else {
+                free / need
+            }
+        };
+        let runs = |slots: &[u64], free: Host| -> Vec<u64> {
+            (0..MAX_SHAPES)
+                .map(|m| {
+                    cap(
+                        cap(slots[m], free.milli_cpu, needs[m].milli_cpu),
+                        free.memory_mib,
+                        needs[m].memory_mib,
+                    )
+                })
+                .collect()
+        };
+        let healthy = || free.iter().flatten().copied();
+        let mut slots = vec![0u64; MAX_SHAPES];
+        for f in healthy() {
+            for m in 0..MAX_SHAPES {
+                slots[m] += f / sizes[m];
+            }
+        }
+        let total_free = healthy().fold(0u64, u64::saturating_add);
+        let total_gib = 32 * free.iter().flatten().count() as u64;
+        if healthy().max().is_none_or(|max| max < need) {
+            return None;
+        }
+        let runs_now = runs(&slots, node_host);
+        let limits = runs(&slots, node_host.saturating_sub(host));
+        let mut best: Option<(usize, f64, u64)> = None;
+        let mut seen = [u64::MAX; 8];
+        for (i, f) in free.iter().enumerate() {
+            let Some(f) = *f else { continue };
+            if f < need || seen.contains(&f) {
+                continue;
+            }
+            seen[i % seen.len()] = f;
+            let mut delta = -(need as f64) * w.weight_sum;
+            for m in 0..MAX_SHAPES {
+                let after = slots[m].saturating_sub(f / sizes[m]) + (f - need) / sizes[m];
+                let runs_after = after.min(limits[m]);
+                delta += w.weighted_gib[m] * runs_now[m].saturating_sub(runs_after) as f64;
+            }
+            let fragmentation = if workload.is_empty() { 0.0 } else { delta };
+            let used_after = total_gib.saturating_sub(total_free.saturating_sub(need));
+            let fullness = if total_gib == 0 {
+                1.0
+            } else {
+                used_after as f64 / total_gib as f64
+            };
+            let goodness = -fragmentation + fullness / 64.0;
+            let better = match best {
+                None => true,
+                Some((_, g, chosen)) => {
+                    goodness > g + 1e-12 || (goodness > g - 1e-12 && f < chosen)
+                }
+            };
+            if better {
+                best = Some((i, goodness, f));
+            }
+        }
+        best.map(|(i, goodness, _)| (i, goodness))
+    }
+
+    proptest::proptest! {
+        #[test]
+        fn the_fast_measure_is_the_measure_bit_for_bit(
+            learned in proptest::collection::vec((1..=40u64, 0..=16u64), 0..30),
+            large in proptest::collection::vec(400..=700u64, 0..3),
+            free in proptest::collection::vec(proptest::option::weighted(0.9, 0..=40u64), 1..=12),
+            beyond in proptest::option::of(500..=800u64),
+            node_cores in 0..=96u64,
+            need in 1..=40u64,
+            cores in 0..=16u64,
+        ) {
+            let mut workload = Workload::new();
+            // Sizes and free amounts beyond the quotient table take the divisions.
+            for (gpu_gib, cores) in learned.iter().copied().chain(large.iter().map(|&gib| (gib, 1))) {
+                workload.observe(shape(gpu_gib, cores));
+                let fresh = Quotients::new(workload.prepared.quotients.sizes, &workload.prepared.gib);
+                proptest::prop_assert_eq!(&workload.prepared.quotients, &fresh);
+            }
+            let mut free = free;
+            if let Some(beyond) = beyond {
+                free.push(Some(beyond));
+            }
+            let node_host = Host::new(node_cores * 1000, node_cores * 4096);
+            let view = NodeFree {
+                gpus: free.len(),
+                free: |i: usize| free[i].map(|f| (f, 32)),
+                host: node_host,
+            };
+            let pod = Host::new(cores * 1000, cores * 4096);
+            let fast = best_gpu(&workload, &view, need, pod);
+            let reference = reference_best_gpu(&workload, &free, node_host, need, pod);
+            proptest::prop_assert_eq!(
+                fast.map(|(gpu, g)| (gpu, g.to_bits())),
+                reference.map(|(gpu, g)| (gpu, g.to_bits())),
+                "{:?} vs {:?}", fast, reference
+            );
         }
     }
 
