@@ -261,6 +261,26 @@ pub struct Placement {
     pub exclusive: bool,
 }
 
+impl Placement {
+    /// The booking of this placement once the device plugin has allocated every container
+    /// (as a simulation that allocates at once records it: no containers wait as twins).
+    pub fn allocated(&self) -> PodPlacement {
+        PodPlacement {
+            gpu: self.gpu,
+            uuid: self.uuid.as_str().into(),
+            more_gpus: self
+                .more_gpus
+                .iter()
+                .map(|(index, uuid)| (*index, uuid.as_str().into()))
+                .collect(),
+            pod_gib: self.pod_gib,
+            exclusive: self.exclusive,
+            pending: Vec::new(),
+            assigned: true,
+        }
+    }
+}
+
 /// How to choose among nodes and GPUs that fit.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
 pub enum Policy {

@@ -37,7 +37,7 @@
 use std::collections::HashMap;
 
 use gpushare_allocator::fragmentation::{self, Host};
-use gpushare_allocator::{Cluster, Gpu, PodId, PodPlacement, Policy, Request};
+use gpushare_allocator::{Cluster, Gpu, PodId, Policy, Request};
 use gpushare_e2e::scheduler::framework::{
     CPU, DEFAULT_MEMORY_REQUEST, DEFAULT_MILLI_CPU_REQUEST, FitScoring, FitStrategy, MEMORY, Milli,
     NodeUsage, PodUsage, Resources, default_score, extender_score, select_host,
@@ -465,23 +465,9 @@ fn place(state: &mut Replay<'_>, id: u64, request: Request, pod: PodUsage) -> Op
         })
         .sum();
     // The device plugin allocates at once in this simulation: no pending twins.
-    state.cluster.upsert_pod(
-        uid.clone(),
-        &name,
-        PodPlacement {
-            more_gpus: placement
-                .more_gpus
-                .iter()
-                .map(|(index, uuid)| (*index, uuid.as_str().into()))
-                .collect(),
-            exclusive: placement.exclusive,
-            gpu: placement.gpu,
-            uuid: placement.uuid.as_str().into(),
-            pod_gib: placement.pod_gib,
-            pending: vec![],
-            assigned: true,
-        },
-    );
+    state
+        .cluster
+        .upsert_pod(uid.clone(), &name, placement.allocated());
     state.cluster.set_pod_host(uid, &name, host);
     state.usage[node].add(&pod);
     state.running.insert(id, (node, held, pod));

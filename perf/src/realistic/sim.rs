@@ -6,7 +6,7 @@
 //! other pods), or `exclusive` (N empty GPUs, booked in full).
 
 use gpushare_allocator::fragmentation::{Host, Shape};
-use gpushare_allocator::{Cluster, Gpu, PodId, PodPlacement, Policy, Request};
+use gpushare_allocator::{Cluster, Gpu, PodId, Policy, Request};
 use rand::rngs::StdRng;
 use rand::{Rng, SeedableRng};
 
@@ -683,23 +683,7 @@ fn gpushare(
         .map(|index| index as usize)
         .collect();
     // The device plugin allocates at once in this simulation: no containers wait as twins.
-    cluster.upsert_pod(
-        uid,
-        &state.names[n],
-        PodPlacement {
-            more_gpus: placement
-                .more_gpus
-                .iter()
-                .map(|(index, uuid)| (*index, uuid.as_str().into()))
-                .collect(),
-            exclusive: placement.exclusive,
-            gpu: placement.gpu,
-            uuid: placement.uuid.as_str().into(),
-            pod_gib: placement.pod_gib,
-            pending: Vec::new(),
-            assigned: true,
-        },
-    );
+    cluster.upsert_pod(uid, &state.names[n], placement.allocated());
     Some((n, gpus))
 }
 
