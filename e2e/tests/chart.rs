@@ -1709,7 +1709,8 @@ fn every_value_is_documented_in_the_readme() -> anyhow::Result<()> {
 #[tokio::test]
 async fn native_gpu_scoring_replaces_prioritize_for_binpack_only() -> anyhow::Result<()> {
     let native_values = ["scheduler.nativeGpuScoring=true".to_owned()];
-    let native = dedicated_scheduler_configuration(&[], &native_values).await?;
+    let binpack = ["--policy=binpack".to_owned()];
+    let native = dedicated_scheduler_configuration(&binpack, &native_values).await?;
     let driver =
         SchedulerConfig::from_kube_scheduler_configuration(&native, SchedulerConfig::default())?;
     ensure!(

@@ -120,7 +120,7 @@ async fn while_the_webhook_is_down_gpu_pods_are_refused_not_left_pending() -> an
 async fn the_native_gpu_scoring_profile_packs_without_prioritize() -> anyhow::Result<()> {
     let spec = ClusterSpec::labelled(&[("n1", &[16, 16]), ("n2", &[16, 16])])
         .dedicated()
-        .with_scheduler_values(&["scheduler.nativeGpuScoring=true"]);
+        .with_scheduler_values(&["policy=binpack", "scheduler.nativeGpuScoring=true"]);
     with_cluster(spec, async |cluster| {
         let first = create_gpu_pod(cluster, "first", 4).await?;
         ensure!(scheduler_of(&first) == Some(DEDICATED_SCHEDULER));
