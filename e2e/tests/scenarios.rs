@@ -254,6 +254,36 @@ async fn two_nodes_mixed_stream_packs_nodes_and_keeps_whole_gpus_free() -> anyho
     .await
 }
 
+/// The `fragmentation` policy end to end, with the real extender, device plugins and kubelet
+/// drivers: the same mixed stream as above, then whole-GPU pods. Every container runs on the
+/// GPU its annotations name, nothing is over-committed, and whole GPUs stay free.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn fragmentation_policy_runs_a_mixed_stream_pinned_and_never_over_commits()
+-> anyhow::Result<()> {
+    let mut spec =
+        ClusterSpec::labelled(&[("node-a", &[16, 16, 16, 16]), ("node-b", &[16, 16, 16, 16])]);
+    spec.extender_args.push("--policy=fragmentation".to_owned());
+    with_cluster(spec, async |cluster| {
+        let small = create_stream(cluster, "small", &[1, 2, 4, 8, 3, 2, 1, 6, 5, 8]).await?;
+        let (running, pending) = settle(cluster, &small).await?;
+        assert!(pending.is_empty(), "all fit: {pending:?}");
+        assert_eq!(running.len(), small.len());
+        let where_ = placements(&*cluster, &small).await?;
+        let nodes: std::collections::BTreeSet<_> =
+            where_.values().map(|(node, _)| node.clone()).collect();
+        // Ties go to the fuller node, and a fuller node loses no more room for the learned
+        // small shapes: the stream stays on one node, as with binpack.
+        assert_eq!(nodes.len(), 1, "one node: {where_:?}");
+        // 40 GiB on 8 x 16 GiB: whole GPUs remain for whole-GPU pods.
+        let large = create_all(cluster, "large", &[16, 16, 16, 16]).await?;
+        let (running, pending) = settle(cluster, &large).await?;
+        assert!(pending.is_empty(), "whole GPUs were kept free: {pending:?}");
+        assert_eq!(running.len(), 4);
+        Ok(())
+    })
+    .await
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn mixed_gpu_sizes_put_large_pods_on_the_large_gpu() -> anyhow::Result<()> {
     with_cluster(
