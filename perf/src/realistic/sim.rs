@@ -4,9 +4,17 @@
 //! gpushare pods ask for whole- and multi-GPU tasks in one of two forms ([`RequestForm`]):
 //! the plain form (`gpus: N` and the total GiB: N shared slices, the rest of each GPU left to
 //! other pods), or `exclusive` (N empty GPUs, booked in full).
+//!
+//! Strategies that go through kube-scheduler (gpushare's, and CPU-only pods in a gpushare
+//! cluster) see the nodes as kube-scheduler does by default ([`NodesToScore::Adaptive`]): its
+//! filters walk the nodes from where the previous cycle stopped and stop once they have found
+//! `numFeasibleNodesToFind` feasible nodes; the extender filters and scores only those. A pod
+//! none of them takes fails, even when a node the walk did not reach would have taken it.
+//! BestFit and FGD are idealized baselines: they always look at every node.
 
 use gpushare_allocator::fragmentation::{Host, Shape};
 use gpushare_allocator::{Cluster, Gpu, PodId, Policy, Request};
+use gpushare_e2e::scheduler::framework::num_feasible_nodes_to_find;
 use rand::rngs::StdRng;
 use rand::{Rng, SeedableRng};
 
@@ -61,6 +69,20 @@ pub enum RequestForm {
     Exclusive,
 }
 
+/// Which nodes kube-scheduler filters and scores for a pod (`percentageOfNodesToScore`).
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub enum NodesToScore {
+    /// kube-scheduler's default, the adaptive percentage: its filters walk the nodes round
+    /// robin from where the previous pod's walk stopped, and stop once
+    /// [`num_feasible_nodes_to_find`] nodes pass (all of them below 100 nodes; 41 %, 492 nodes,
+    /// at 1,200). Only those reach the extender's filter and the scores.
+    #[default]
+    Adaptive,
+    /// Every feasible node is filtered by the extender and scored (`percentageOfNodesToScore:
+    /// 100`).
+    All,
+}
+
 /// A way of placing tasks.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Strategy {
@@ -112,18 +134,18 @@ impl Strategy {
             }
             Strategy::BestFit { multi_gpu } => {
                 format!(
-                    "BestFit{}",
-                    if multi_gpu { " (places multi-GPU)" } else { "" }
+                    "BestFit ({}idealized: every node)",
+                    if multi_gpu { "places multi-GPU, " } else { "" }
                 )
             }
             Strategy::Fgd {
                 multi_gpu,
                 cpu_pods_by_default,
             } => format!(
-                "FGD{}{}",
-                if multi_gpu { " (places multi-GPU)" } else { "" },
+                "FGD ({}{}idealized: every node)",
+                if multi_gpu { "places multi-GPU, " } else { "" },
                 if cpu_pods_by_default {
-                    " (CPU-only pods by default scheduler)"
+                    "CPU-only pods by default scheduler, "
                 } else {
                     ""
                 }
@@ -216,6 +238,9 @@ pub struct Snapshot {
     pub arrived: usize,
     /// Tasks that found no node, by cause (indexed like [`Cause::ALL`]).
     pub failed: [usize; 6],
+    /// Of `failed`, tasks that no node of kube-scheduler's walk ([`NodesToScore::Adaptive`])
+    /// took while a node the walk did not reach would have.
+    pub failed_outside_walk: usize,
     /// Free GPU GiB on nodes whose free CPU or memory is below the typical GPU task's, as a
     /// share of the cluster's GPU GiB.
     pub stranded: f64,
@@ -334,15 +359,17 @@ impl<'a> Nodes<'a> {
 }
 
 /// Replays `tasks` on `nodes` with `strategy`, gpushare pods asking for whole- and
-/// multi-GPU tasks in `form`; `seed` drives kube-scheduler's tie-break.
+/// multi-GPU tasks in `form`, kube-scheduler looking at `to_score` (BestFit and FGD look at
+/// every node whatever it says); `seed` drives kube-scheduler's tie-break.
 pub fn replay(
     nodes: &[SimNode],
     tasks: &[Task],
     strategy: Strategy,
     form: RequestForm,
+    to_score: NodesToScore,
     seed: u64,
 ) -> Run {
-    replay_to_end(nodes, tasks, strategy, form, seed).0
+    replay_to_end(nodes, tasks, strategy, form, to_score, seed).0
 }
 
 /// [`replay`], with the cluster as the replay and (for gpushare) the allocator left it.
@@ -351,10 +378,20 @@ fn replay_to_end<'a>(
     tasks: &[Task],
     strategy: Strategy,
     form: RequestForm,
+    to_score: NodesToScore,
     seed: u64,
 ) -> (Run, Nodes<'a>, Option<Cluster>) {
     let mut state = Nodes::new(nodes);
-    let mut rng = StdRng::seed_from_u64(seed);
+    // One kube-scheduler for the whole replay: its walk resumes where the previous pod's
+    // stopped, GPU and CPU-only pods alike.
+    let mut kube = KubeScheduler::new(
+        if strategy.is_gpushare() {
+            to_score
+        } else {
+            NodesToScore::All
+        },
+        seed,
+    );
     let capacity: u64 = nodes.iter().map(|n| u64::from(n.gpus) * n.gpu_gib).sum();
     let total_gpus: u64 = nodes.iter().map(|n| u64::from(n.gpus)).sum();
     let typical = typical_gpu_task(tasks);
@@ -378,12 +415,13 @@ fn replay_to_end<'a>(
     for (i, task) in tasks.iter().enumerate() {
         snapshot.arrived += 1;
         arrived_gib += task.demand_gib();
+        let mut outside_walk = false;
         let placed = if task.gpus == 0 && strategy.cpu_pods_by_default_scheduler() {
-            default_scheduler(&state, task, &mut rng).map(|n| (n, Vec::new()))
+            default_scheduler(&state, task, &mut kube).map(|n| (n, Vec::new()))
         } else if task.gpus > 1 && !strategy.places_multi_gpu() {
             None
         } else {
-            match strategy {
+            let placed = match strategy {
                 Strategy::Gpushare { policy, profile } => gpushare(
                     &state,
                     cluster.as_mut(),
@@ -391,7 +429,7 @@ fn replay_to_end<'a>(
                     policy,
                     profile,
                     form,
-                    (i, &mut rng),
+                    (i, &mut kube),
                 ),
                 Strategy::Fragmentation { profile } => gpushare(
                     &state,
@@ -400,13 +438,16 @@ fn replay_to_end<'a>(
                     Some(Policy::Fragmentation),
                     profile,
                     form,
-                    (i, &mut rng),
+                    (i, &mut kube),
                 ),
-                Strategy::BestFit { .. } => best_fit(&state, task),
+                Strategy::BestFit { .. } => best_fit(&state, task).ok_or(Missed::Everywhere),
                 Strategy::Fgd { .. } => {
                     fgd::place(&state, fgd_shapes.as_deref().unwrap_or(&[]), task)
+                        .ok_or(Missed::Everywhere)
                 }
-            }
+            };
+            outside_walk = placed == Err(Missed::OutsideWalk);
+            placed.ok()
         };
         match placed {
             Some((n, gpus)) => {
@@ -424,6 +465,7 @@ fn replay_to_end<'a>(
             None => {
                 let cause = state.cause(task, strategy, form);
                 snapshot.failed[Cause::ALL.iter().position(|c| *c == cause).unwrap_or(5)] += 1;
+                snapshot.failed_outside_walk += usize::from(outside_walk);
             }
         }
         while next_tenth <= 13 && arrived_gib * 10 >= capacity * next_tenth {
@@ -567,6 +609,92 @@ fn native_most_allocated_score(state: &Nodes<'_>, n: usize, pod_gib: u64, pod: H
     most_allocated(&[gpu_mem]) + balanced_allocation(spec.host, state.used[n], pod)
 }
 
+/// kube-scheduler as the replay keeps it from pod to pod: where its next walk over the nodes
+/// starts, and the randomness of its tie-breaks.
+struct KubeScheduler {
+    to_score: NodesToScore,
+    /// `nextStartNodeIndex`: the node the next walk starts at.
+    next_start_node_index: usize,
+    rng: StdRng,
+}
+
+/// One walk of kube-scheduler's filters over the nodes.
+#[derive(Debug, Clone, PartialEq, Eq)]
+struct Walk {
+    /// The nodes that passed, in the order visited.
+    feasible: Vec<usize>,
+    /// The first node the walk did not visit.
+    stopped_at: usize,
+    /// How many nodes, from `stopped_at` round the cluster, it did not visit.
+    unvisited: usize,
+    /// All nodes.
+    all: usize,
+}
+
+impl Walk {
+    /// The nodes the walk did not reach, in the order it would have visited them.
+    fn unvisited(&self) -> impl Iterator<Item = usize> + '_ {
+        (0..self.unvisited).map(|k| (self.stopped_at + k) % self.all)
+    }
+}
+
+impl KubeScheduler {
+    fn new(to_score: NodesToScore, seed: u64) -> Self {
+        Self {
+            to_score,
+            next_start_node_index: 0,
+            rng: StdRng::seed_from_u64(seed),
+        }
+    }
+
+    /// `findNodesThatPassFilters`, one node at a time as `State::filter` in gpushare-e2e's
+    /// scheduler: from `nextStartNodeIndex`, round the `all` nodes, until enough pass
+    /// `feasible` (all of them with [`NodesToScore::All`]); the next walk starts after the last
+    /// node visited. With every node visited it starts where this one did.
+    fn walk(&mut self, all: usize, mut feasible: impl FnMut(usize) -> bool) -> Walk {
+        let want = match self.to_score {
+            NodesToScore::Adaptive => num_feasible_nodes_to_find(all),
+            NodesToScore::All => all,
+        };
+        let start = if all == 0 {
+            0
+        } else {
+            self.next_start_node_index % all
+        };
+        let mut found = Vec::new();
+        let mut processed = 0;
+        while processed < all && found.len() < want {
+            let n = (start + processed) % all;
+            processed += 1;
+            if feasible(n) {
+                found.push(n);
+            }
+        }
+        let stopped_at = if all == 0 {
+            0
+        } else {
+            (start + processed) % all
+        };
+        self.next_start_node_index = stopped_at;
+        Walk {
+            feasible: found,
+            stopped_at,
+            unvisited: all - processed,
+            all,
+        }
+    }
+}
+
+/// Why a strategy placed a task nowhere.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Missed {
+    /// No node it looked at took the task, and it looked at every node that could.
+    Everywhere,
+    /// No node of kube-scheduler's walk took the task, but a node the walk did not reach would
+    /// have.
+    OutsideWalk,
+}
+
 /// kube-scheduler's `selectHost`: the highest total, ties broken uniformly at random.
 fn select_host(scores: impl Iterator<Item = (usize, i64)>, rng: &mut StdRng) -> Option<usize> {
     let mut best: Option<(usize, i64)> = None;
@@ -589,17 +717,18 @@ fn select_host(scores: impl Iterator<Item = (usize, i64)>, rng: &mut StdRng) -> 
     best.map(|(n, _)| n)
 }
 
-/// A CPU-only pod in a gpushare cluster: the default scheduler's profile places it.
-fn default_scheduler(state: &Nodes<'_>, task: &Task, rng: &mut StdRng) -> Option<usize> {
-    let fitting = (0..state.specs.len()).filter(|&n| state.host_free(n).fits(task.host));
+/// A CPU-only pod in a gpushare cluster: the default scheduler's profile places it among the
+/// nodes its walk finds with room for the pod's CPU and memory.
+fn default_scheduler(state: &Nodes<'_>, task: &Task, kube: &mut KubeScheduler) -> Option<usize> {
+    let walk = kube.walk(state.specs.len(), |n| state.host_free(n).fits(task.host));
     select_host(
-        fitting.map(|n| {
+        walk.feasible.iter().map(|&n| {
             (
                 n,
                 default_score(state.specs[n].host, state.used[n], task.host),
             )
         }),
-        rng,
+        &mut kube.rng,
     )
 }
 
@@ -624,8 +753,8 @@ pub fn gpushare_request(task: &Task, form: RequestForm) -> Request {
 }
 
 /// A GPU task's pod, asking in `form`, through kube-scheduler and the gpushare extender:
-/// filter = the allocator's fit, prioritize = its scores (as `profile` asks), bind = its
-/// reserve.
+/// kube-scheduler's walk, then on the nodes it found filter = the allocator's fit, prioritize =
+/// its scores (as `profile` asks), bind = its reserve.
 fn gpushare(
     state: &Nodes<'_>,
     cluster: Option<&mut Cluster>,
@@ -633,9 +762,9 @@ fn gpushare(
     policy: Option<Policy>,
     profile: Profile,
     form: RequestForm,
-    (i, rng): (usize, &mut StdRng),
-) -> Option<(usize, Vec<usize>)> {
-    let cluster = cluster?;
+    (i, kube): (usize, &mut KubeScheduler),
+) -> Result<(usize, Vec<usize>), Missed> {
+    let cluster = cluster.ok_or(Missed::Everywhere)?;
     let request = gpushare_request(task, form);
     // The extender's view sees the pod arrive (pending) before the scheduler asks about it;
     // as the extender, it learns one-GPU shapes only.
@@ -645,16 +774,33 @@ fn gpushare(
             host: task.host,
         });
     }
-    // kube-scheduler's filters (CPU, memory, the model's node label), then the extender's.
-    // Its GPU-memory fit is left out: a node the extender passes has at least the pod's GiB
-    // unbooked, and kube-scheduler counts no more than the extender books.
-    let candidates: Vec<usize> = (0..state.specs.len())
-        .filter(|&n| {
-            state.model_ok(n, task)
-                && state.host_free(n).fits(task.host)
-                && cluster.fit(&state.names[n], &request).is_ok()
-        })
+    // kube-scheduler's filters (the model's node label; CPU, memory and the GPU-memory
+    // resource, the node's total, as `NodeResourcesFit` counts them) pick the nodes its walk
+    // finds; the extender's filter (the allocator's fit) runs on those alone.
+    let walk = kube.walk(state.specs.len(), |n| {
+        let spec = &state.specs[n];
+        state.model_ok(n, task)
+            && state.host_free(n).fits(task.host)
+            && state.requested_gib[n] + request.pod_gib <= u64::from(spec.gpus) * spec.gpu_gib
+    });
+    let extender_fits = |n: usize| cluster.fit(&state.names[n], &request).is_ok();
+    let candidates: Vec<usize> = walk
+        .feasible
+        .iter()
+        .copied()
+        .filter(|&n| extender_fits(n))
         .collect();
+    if candidates.is_empty() {
+        // A node the walk did not reach, passing both filters, would have taken the pod.
+        let outside = walk.unvisited().any(|n| {
+            state.model_ok(n, task) && state.host_free(n).fits(task.host) && extender_fits(n)
+        });
+        return Err(if outside {
+            Missed::OutsideWalk
+        } else {
+            Missed::Everywhere
+        });
+    }
     let names: Vec<&str> = candidates.iter().map(|&n| &*state.names[n]).collect();
     let extender: Option<Vec<u8>> = policy
         .filter(|_| candidates.len() > 1 && profile.prioritizes())
@@ -672,19 +818,19 @@ fn gpushare(
         };
         (n, total)
     });
-    let n = select_host(totals, rng)?;
+    let n = select_host(totals, &mut kube.rng).ok_or(Missed::Everywhere)?;
     let uid = PodId::from(format!("task-{i}"));
     let bind = policy.unwrap_or(Policy::Binpack);
     let placement = cluster
         .reserve(uid.clone(), &state.names[n], &request, bind)
-        .ok()?;
+        .map_err(|_| Missed::Everywhere)?;
     let gpus: Vec<usize> = std::iter::once(placement.gpu)
         .chain(placement.more_gpus.iter().map(|(index, _)| *index))
         .map(|index| index as usize)
         .collect();
     // The device plugin allocates at once in this simulation: no containers wait as twins.
     cluster.upsert_pod(uid, &state.names[n], placement.allocated());
-    Some((n, gpus))
+    Ok((n, gpus))
 }
 
 /// BestFit: the node left with the least free GPU, CPU and memory (each as a share of the
@@ -1039,8 +1185,14 @@ mod tests {
                 profile: Profile::NativeMostAllocated,
             },
         ] {
-            let (run, state, _) =
-                replay_to_end(&nodes, &tasks, strategy, RequestForm::Exclusive, 1);
+            let (run, state, _) = replay_to_end(
+                &nodes,
+                &tasks,
+                strategy,
+                RequestForm::Exclusive,
+                NodesToScore::Adaptive,
+                1,
+            );
             // 4 + 8 share a GPU, the 2-GPU task and the first whole one take the other three;
             // the second whole-GPU task finds no empty GPU.
             assert_eq!(run.end.failed, [1, 0, 0, 0, 0, 0], "{strategy:?}");
@@ -1070,8 +1222,14 @@ mod tests {
             policy: Some(Policy::Binpack),
             profile: Profile::Default { weight: 1 },
         };
-        let (run, state, cluster) =
-            replay_to_end(&nodes, &tasks, binpack, RequestForm::Exclusive, 1);
+        let (run, state, cluster) = replay_to_end(
+            &nodes,
+            &tasks,
+            binpack,
+            RequestForm::Exclusive,
+            NodesToScore::Adaptive,
+            1,
+        );
         assert_eq!(run.end.failed, [1, 0, 0, 0, 0, 0]);
         assert_eq!(run.end.allocation, 95.0 / 160.0);
         assert_eq!(run.end.whole_surplus, 65.0 / 160.0);
@@ -1087,6 +1245,7 @@ mod tests {
             &tasks,
             Strategy::BestFit { multi_gpu: true },
             RequestForm::Exclusive,
+            NodesToScore::Adaptive,
             1,
         );
         assert_eq!(run.end.failed, [0; 6]);
@@ -1130,8 +1289,14 @@ mod tests {
                 profile: Profile::NativeMostAllocated,
             },
         ] {
-            let (run, state, cluster) =
-                replay_to_end(&nodes, &tasks, strategy, RequestForm::Plain, 1);
+            let (run, state, cluster) = replay_to_end(
+                &nodes,
+                &tasks,
+                strategy,
+                RequestForm::Plain,
+                NodesToScore::Adaptive,
+                1,
+            );
             assert_eq!(run.end.failed, [0; 6], "{strategy:?}");
             assert_eq!(run.end.allocation, 1.0, "{strategy:?}");
             assert_eq!(run.end.whole_surplus, 0.0, "{strategy:?}");
@@ -1142,7 +1307,14 @@ mod tests {
             });
             assert_eq!(free, [0], "{strategy:?}");
             // Asked for with `exclusive`, the whole-GPU task keeps the GPU to itself.
-            let (run, _, _) = replay_to_end(&nodes, &tasks, strategy, RequestForm::Exclusive, 1);
+            let (run, _, _) = replay_to_end(
+                &nodes,
+                &tasks,
+                strategy,
+                RequestForm::Exclusive,
+                NodesToScore::Adaptive,
+                1,
+            );
             assert_eq!(run.end.failed, [2, 0, 0, 0, 0, 0], "{strategy:?}");
             assert_eq!(run.end.whole_surplus, 65.0 / 80.0, "{strategy:?}");
         }
@@ -1175,7 +1347,8 @@ mod tests {
             },
         ] {
             for form in [RequestForm::Plain, RequestForm::Exclusive] {
-                let (run, state, cluster) = replay_to_end(&nodes, &tasks, strategy, form, 5);
+                let (run, state, cluster) =
+                    replay_to_end(&nodes, &tasks, strategy, form, NodesToScore::Adaptive, 5);
                 let Some(cluster) = cluster else {
                     panic!("{strategy:?} replays through the allocator");
                 };
@@ -1211,7 +1384,11 @@ mod tests {
         let tasks = generate_tasks(&nodes, &TaskMix::default(), 1.3, 3);
         let chart = Profile::Default { weight: 1 };
         for form in [RequestForm::Plain, RequestForm::Exclusive] {
-            let at_full = |strategy| replay(&nodes, &tasks, strategy, form, 3).at_full.allocation;
+            let at_full = |strategy| {
+                replay(&nodes, &tasks, strategy, form, NodesToScore::Adaptive, 3)
+                    .at_full
+                    .allocation
+            };
             let binpack = at_full(Strategy::Gpushare {
                 policy: Some(Policy::Binpack),
                 profile: chart,
@@ -1236,7 +1413,14 @@ mod tests {
                 cpu_pods_by_default: false,
             },
         ] {
-            let run = replay(&nodes, &tasks, strategy, RequestForm::default(), 4);
+            let run = replay(
+                &nodes,
+                &tasks,
+                strategy,
+                RequestForm::default(),
+                NodesToScore::Adaptive,
+                4,
+            );
             assert_eq!(run.end.arrived, tasks.len());
             assert!(
                 run.end.allocation <= 1.0 && run.end.allocation > 0.3,
@@ -1255,6 +1439,135 @@ mod tests {
             } else {
                 assert_eq!(refused_multi, multi);
             }
+        }
+    }
+
+    #[test]
+    fn kube_scheduler_walks_round_robin_until_it_finds_enough_nodes() {
+        // 300 nodes: 50 - 300 / 125 = 48 % of them, 144 (at least 100).
+        assert_eq!(num_feasible_nodes_to_find(300), 144);
+        let mut kube = KubeScheduler::new(NodesToScore::Adaptive, 0);
+        let walk = kube.walk(300, |_| true);
+        assert_eq!(walk.feasible, (0..144).collect::<Vec<_>>());
+        assert_eq!(
+            walk.unvisited().collect::<Vec<_>>(),
+            (144..300).collect::<Vec<_>>()
+        );
+        assert_eq!(kube.next_start_node_index, 144);
+        // The next walk starts where this one stopped and wraps round the cluster.
+        let walk = kube.walk(300, |_| true);
+        assert_eq!(walk.feasible, (144..288).collect::<Vec<_>>());
+        let walk = kube.walk(300, |_| true);
+        assert_eq!(walk.feasible, (288..300).chain(0..132).collect::<Vec<_>>());
+        assert_eq!(kube.next_start_node_index, 132);
+        // Every third node infeasible: the walk visits 215 nodes to find 144, and the next
+        // one starts 215 further on, infeasible nodes counted.
+        let mut kube = KubeScheduler::new(NodesToScore::Adaptive, 0);
+        let walk = kube.walk(300, |n| n % 3 != 2);
+        assert_eq!(
+            walk.feasible,
+            (0..300)
+                .filter(|n| n % 3 != 2)
+                .take(144)
+                .collect::<Vec<_>>()
+        );
+        assert_eq!(walk.feasible.last(), Some(&214));
+        assert_eq!(kube.next_start_node_index, 215);
+        assert_eq!(walk.unvisited().count(), 85);
+        // Fewer feasible nodes than it looks for: it visits every node, finds them all, and
+        // the next walk starts where this one did.
+        let walk = kube.walk(300, |n| n % 50 == 0);
+        assert_eq!(walk.feasible, [250, 0, 50, 100, 150, 200]);
+        assert_eq!(walk.unvisited().count(), 0);
+        assert_eq!(kube.next_start_node_index, 215);
+        // 1,200 nodes: 41 %, 492.
+        let walk = kube.walk(1_200, |_| true);
+        assert_eq!(walk.feasible.len(), 492);
+        assert_eq!(kube.next_start_node_index, 215 + 492);
+        // Below 100 nodes, and with every node to score: all of them, from the first.
+        let walk = KubeScheduler::new(NodesToScore::Adaptive, 0).walk(99, |_| true);
+        assert_eq!(walk.feasible, (0..99).collect::<Vec<_>>());
+        let mut all = KubeScheduler::new(NodesToScore::All, 0);
+        for _ in 0..2 {
+            let walk = all.walk(1_200, |_| true);
+            assert_eq!(walk.feasible, (0..1_200).collect::<Vec<_>>());
+            assert_eq!(all.next_start_node_index, 0);
+        }
+        assert!(all.walk(0, |_| true).feasible.is_empty());
+    }
+
+    #[test]
+    fn a_pod_fails_when_the_extender_refuses_every_node_of_the_walk() {
+        // 200 nodes of 2 x 16 GiB: kube-scheduler looks for 100. Nodes 0-99 carry model 1,
+        // nodes 100-199 model 2.
+        let node = |model| SimNode {
+            model,
+            gpus: 2,
+            gpu_gib: 16,
+            host: Host::new(64_000, 262_144),
+        };
+        let nodes: Vec<SimNode> = (0..200)
+            .map(|n| node(if n < 100 { 1 } else { 2 }))
+            .collect();
+        assert_eq!(num_feasible_nodes_to_find(200), 100);
+        // 200 tasks of 10 GiB on model 1 fill one GPU each, leaving 6 + 6 GiB per node: 12 GiB
+        // free for kube-scheduler, no GPU with 12 GiB for the extender. The walks start at node
+        // 100 from the second on (the first found nodes 0-99). A CPU-only pod's walk takes
+        // nodes 100-199, so the first 12 GiB pod's walk is nodes 0-99: all refused by the
+        // extender while nodes 100-199 are empty. The second one's walk is nodes 100-199.
+        let mut tasks: Vec<Task> = (0..200)
+            .map(|_| Task {
+                model: Some(1),
+                ..task(TaskKind::Fractional, 1, 10)
+            })
+            .collect();
+        tasks.push(task(TaskKind::CpuOnly, 0, 0));
+        tasks.push(task(TaskKind::Fractional, 1, 12));
+        tasks.push(task(TaskKind::Fractional, 1, 12));
+        for strategy in [
+            Strategy::Gpushare {
+                policy: Some(Policy::Binpack),
+                profile: Profile::Default { weight: 1 },
+            },
+            Strategy::Gpushare {
+                policy: None,
+                profile: Profile::Default { weight: 1 },
+            },
+            Strategy::Fragmentation {
+                profile: Profile::ExtenderOnly,
+            },
+            Strategy::Gpushare {
+                policy: Some(Policy::Binpack),
+                profile: Profile::NativeMostAllocated,
+            },
+        ] {
+            let (run, state, _) = replay_to_end(
+                &nodes,
+                &tasks,
+                strategy,
+                RequestForm::Plain,
+                NodesToScore::Adaptive,
+                1,
+            );
+            assert_eq!(run.end.failed, [0, 0, 0, 0, 0, 1], "{strategy:?}");
+            assert_eq!(run.end.failed_outside_walk, 1, "{strategy:?}");
+            assert_eq!(run.end.allocation, 2_012.0 / 6_400.0, "{strategy:?}");
+            assert!(
+                (0..100).all(|n| state.free[n] == [6, 6]),
+                "{strategy:?}: model-1 nodes full"
+            );
+            // Scoring every node, the first 12 GiB pod finds an empty node too.
+            let (run, _, _) = replay_to_end(
+                &nodes,
+                &tasks,
+                strategy,
+                RequestForm::Plain,
+                NodesToScore::All,
+                1,
+            );
+            assert_eq!(run.end.failed, [0; 6], "{strategy:?}");
+            assert_eq!(run.end.failed_outside_walk, 0, "{strategy:?}");
+            assert_eq!(run.end.allocation, 2_024.0 / 6_400.0, "{strategy:?}");
         }
     }
 }
