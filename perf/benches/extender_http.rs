@@ -196,15 +196,16 @@ fn tail_latency() {
     let subset = 500;
     let windows: Vec<Vec<u8>> = names.chunks(subset).map(body).collect();
     let body = body(&names);
+    let rows = [
+        ("filter", "binpack", &binpack),
+        ("prioritize", "binpack", &binpack),
+        ("prioritize", "fragmentation", &fragmentation),
+        ("prioritize", "fragmentation, varied", &varied),
+    ];
     let mut scribble = vec![0u8; 64 << 20];
     println!("single-call latency at 5,000 nodes, {calls} calls each (exact percentiles)");
     for cache in ["warm", "cold"] {
-        for (verb, policy, app) in [
-            ("filter", "binpack", &binpack),
-            ("prioritize", "binpack", &binpack),
-            ("prioritize", "fragmentation", &fragmentation),
-            ("prioritize", "fragmentation, varied", &varied),
-        ] {
+        for &(verb, policy, app) in &rows {
             let times: Vec<Duration> = (0..calls)
                 .map(|i| {
                     if cache == "cold" {
@@ -228,12 +229,7 @@ fn tail_latency() {
     println!(
         "as kube-scheduler calls at 5,000 nodes: {subset} names per call (percentageOfNodesToScore), rotating, warm cache"
     );
-    for (verb, policy, app) in [
-        ("filter", "binpack", &binpack),
-        ("prioritize", "binpack", &binpack),
-        ("prioritize", "fragmentation", &fragmentation),
-        ("prioritize", "fragmentation, varied", &varied),
-    ] {
+    for &(verb, policy, app) in &rows {
         let times: Vec<Duration> = (0..calls)
             .map(|i| {
                 let window = &windows[i % windows.len()];

@@ -1001,6 +1001,27 @@ mod tests {
     use gpushare_allocator::GpuUsage;
     use gpushare_e2e::scheduler::framework::{self, CPU, MEMORY, NodeUsage, PodUsage, Resources};
 
+    /// binpack, classic, fragmentation (extender scores only) and native MostAllocated.
+    fn binpack_classic_fragmentation_native() -> [Strategy; 4] {
+        [
+            Strategy::Gpushare {
+                policy: Some(Policy::Binpack),
+                profile: Profile::Default { weight: 1 },
+            },
+            Strategy::Gpushare {
+                policy: None,
+                profile: Profile::Default { weight: 1 },
+            },
+            Strategy::Fragmentation {
+                profile: Profile::ExtenderOnly,
+            },
+            Strategy::Gpushare {
+                policy: Some(Policy::Binpack),
+                profile: Profile::NativeMostAllocated,
+            },
+        ]
+    }
+
     #[test]
     fn default_score_matches_the_scheduler_drivers() {
         const MIB: i128 = 1024 * 1024 * 1000;
@@ -1272,23 +1293,7 @@ mod tests {
             (request.gpus, request.pod_gib, request.exclusive),
             (1, 15, false)
         );
-        for strategy in [
-            Strategy::Gpushare {
-                policy: Some(Policy::Binpack),
-                profile: Profile::Default { weight: 1 },
-            },
-            Strategy::Gpushare {
-                policy: None,
-                profile: Profile::Default { weight: 1 },
-            },
-            Strategy::Fragmentation {
-                profile: Profile::ExtenderOnly,
-            },
-            Strategy::Gpushare {
-                policy: Some(Policy::Binpack),
-                profile: Profile::NativeMostAllocated,
-            },
-        ] {
+        for strategy in binpack_classic_fragmentation_native() {
             let (run, state, cluster) = replay_to_end(
                 &nodes,
                 &tasks,
@@ -1524,23 +1529,7 @@ mod tests {
         tasks.push(task(TaskKind::CpuOnly, 0, 0));
         tasks.push(task(TaskKind::Fractional, 1, 12));
         tasks.push(task(TaskKind::Fractional, 1, 12));
-        for strategy in [
-            Strategy::Gpushare {
-                policy: Some(Policy::Binpack),
-                profile: Profile::Default { weight: 1 },
-            },
-            Strategy::Gpushare {
-                policy: None,
-                profile: Profile::Default { weight: 1 },
-            },
-            Strategy::Fragmentation {
-                profile: Profile::ExtenderOnly,
-            },
-            Strategy::Gpushare {
-                policy: Some(Policy::Binpack),
-                profile: Profile::NativeMostAllocated,
-            },
-        ] {
+        for strategy in binpack_classic_fragmentation_native() {
             let (run, state, _) = replay_to_end(
                 &nodes,
                 &tasks,
