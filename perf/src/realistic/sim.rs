@@ -872,7 +872,7 @@ fn snuggest(free: &[u64], task: &Task) -> Vec<usize> {
 /// FGD as published: expected fragmentation against the task population, every task kind.
 mod fgd {
     use super::{Host, Nodes, Task, snuggest};
-    use std::collections::HashMap;
+    use std::collections::BTreeMap;
 
     /// A typical task: GPUs, GiB each, host, model constraint; and its share of the stream.
     #[derive(Debug, Clone, Copy)]
@@ -888,9 +888,9 @@ mod fgd {
     const MAX_TYPICAL: usize = 32;
 
     /// The task population: tasks grouped by GPUs, GiB, model and CPU/memory within a power of
-    /// two (the group keeps its largest host), the heaviest groups.
+    /// two (the group keeps its largest host), the heaviest groups (ties in key order, so every run keeps the same ones).
     pub(super) fn shapes(tasks: &[Task]) -> Vec<Typical> {
-        let mut groups: HashMap<(u32, u64, Option<usize>, u32, u32), Typical> = HashMap::new();
+        let mut groups: BTreeMap<(u32, u64, Option<usize>, u32, u32), Typical> = BTreeMap::new();
         for t in tasks {
             let key = (
                 t.gpus,
