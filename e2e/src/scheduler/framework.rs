@@ -490,6 +490,26 @@ pub enum FitStrategy {
     MostAllocated,
 }
 
+impl FitStrategy {
+    /// One resource's score on 0..=100 for `requested` (the pod included) of `capacity`
+    /// (upstream's `leastRequestedScore` / `mostRequestedScore`); 0 without capacity.
+    pub fn resource_score(self, requested: Milli, capacity: Milli) -> i64 {
+        if capacity <= 0 {
+            return 0;
+        }
+        let score = match self {
+            FitStrategy::LeastAllocated if requested > capacity => 0,
+            FitStrategy::LeastAllocated => {
+                (capacity - requested) * i128::from(MAX_NODE_SCORE) / capacity
+            }
+            FitStrategy::MostAllocated => {
+                requested.min(capacity) * i128::from(MAX_NODE_SCORE) / capacity
+            }
+        };
+        i64::try_from(score).unwrap_or(0)
+    }
+}
+
 /// `NodeResourcesFitArgs.scoringStrategy`: the strategy and the resources it weighs.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct FitScoring {
@@ -522,16 +542,7 @@ impl FitScoring {
             else {
                 continue;
             };
-            let score = match self.strategy {
-                FitStrategy::LeastAllocated if requested > capacity => 0,
-                FitStrategy::LeastAllocated => {
-                    (capacity - requested) * i128::from(MAX_NODE_SCORE) / capacity
-                }
-                FitStrategy::MostAllocated => {
-                    requested.min(capacity) * i128::from(MAX_NODE_SCORE) / capacity
-                }
-            };
-            weighted += i64::try_from(score).unwrap_or(0) * weight;
+            weighted += self.strategy.resource_score(requested, capacity) * weight;
             weight_sum += weight;
         }
         if weight_sum == 0 {

@@ -14,7 +14,7 @@
 
 use gpushare_allocator::fragmentation::{Host, Shape};
 use gpushare_allocator::{Cluster, Gpu, PodId, Policy, Request};
-use gpushare_e2e::scheduler::framework::num_feasible_nodes_to_find;
+use gpushare_e2e::scheduler::framework::{FitStrategy, Milli, num_feasible_nodes_to_find};
 use rand::rngs::StdRng;
 use rand::{Rng, SeedableRng};
 
@@ -587,8 +587,10 @@ pub fn most_allocated(resources: &[Scored]) -> i64 {
         if r.pod == 0 || r.allocatable == 0 {
             continue;
         }
-        let requested = r.requested.saturating_add(r.pod).min(r.allocatable);
-        let score = (u128::from(requested) * 100 / u128::from(r.allocatable)) as i64;
+        let score = FitStrategy::MostAllocated.resource_score(
+            Milli::from(r.requested) + Milli::from(r.pod),
+            Milli::from(r.allocatable),
+        );
         weighted += score * r.weight;
         weights += r.weight;
     }
