@@ -100,8 +100,8 @@ struct Extender {
 #[serde(deny_unknown_fields, rename_all = "camelCase")]
 struct ManagedResource {
     name: String,
+    /// `true` would make kube-scheduler's fit skip the resource; the driver always counts it.
     #[serde(default)]
-    #[allow(dead_code)] // read by serde only: the driver's resource fit counts every resource
     ignored_by_scheduler: bool,
 }
 
@@ -207,8 +207,15 @@ fn extender_config(extender: Extender) -> anyhow::Result<ExtenderConfig> {
         managed_resources: extender
             .managed_resources
             .into_iter()
-            .map(|r| r.name)
-            .collect(),
+            .map(|r| {
+                ensure!(
+                    !r.ignored_by_scheduler,
+                    "managed resource {}: ignoredByScheduler is not modelled",
+                    r.name
+                );
+                Ok(r.name)
+            })
+            .collect::<anyhow::Result<_>>()?,
         ignorable: extender.ignorable,
         http_timeout,
         enable_https: extender.enable_https,
@@ -319,7 +326,15 @@ extenders:
         let heavy = CHART_LIKE.replace("weight: 1", "weight: 101");
         let unknown_field =
             CHART_LIKE.replace("ignorable: false", "ignorable: false\n    retries: 3");
-        for text in [unknown_plugin, ratio, weightless, heavy, unknown_field] {
+        let ignored = CHART_LIKE.replace("ignoredByScheduler: false", "ignoredByScheduler: true");
+        for text in [
+            unknown_plugin,
+            ratio,
+            weightless,
+            heavy,
+            unknown_field,
+            ignored,
+        ] {
             assert!(
                 SchedulerConfig::from_kube_scheduler_configuration(&text, base()).is_err(),
                 "accepted:\n{text}"
