@@ -7,7 +7,7 @@ use std::sync::Arc;
 // the keys are our own cluster's names, so a fast non-DoS-resistant hash is the right trade.
 use rustc_hash::FxHashMap as HashMap;
 
-use crate::fragmentation::{Host, Workload};
+use crate::fragmentation::{FreeSummary, Host, Workload};
 use crate::{Gpu, GpuList, Placement, PodId, PodPlacement, Policy, Refusal, Request, Unfit};
 
 mod host;
@@ -75,6 +75,9 @@ pub struct Node {
     host: Option<Host>,
     /// CPU and memory requested by the pods bound here, GPU pods or not.
     host_used: Host,
+    /// The healthy GPUs by free amount, as the fragmentation measure reads them: refreshed
+    /// whenever `gpus` or their bookings change (see [`Node::refresh_free_summary`]).
+    free_summary: FreeSummary,
 }
 
 impl Node {
@@ -168,6 +171,7 @@ impl Node {
             let held = Self::held(placement, usage.total_gib);
             usage.used_gib = usage.used_gib.saturating_add(held);
         }
+        self.refresh_free_summary();
         let set = self.set_of(&slots);
         for &size in placement.pending_sizes() {
             *self.pending.entry((size, set.clone())).or_default() += 1;
@@ -184,6 +188,7 @@ impl Node {
             let held = Self::held(placement, usage.total_gib);
             usage.used_gib = usage.used_gib.saturating_sub(held);
         }
+        self.refresh_free_summary();
         let set = self.set_of(&slots);
         for &size in placement.pending_sizes() {
             let key = (size, set.clone());
@@ -220,6 +225,7 @@ impl Node {
         for placement in &pods {
             self.book(placement);
         }
+        self.refresh_free_summary();
     }
 
     /// The GPUs the pod would get, or why it fits nowhere: [`Node::decide`] for a slice of

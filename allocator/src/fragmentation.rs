@@ -37,9 +37,10 @@
 //! weights, each shape's weight × size, reciprocals of each shape's CPU and memory (a
 //! multiply and one correction instead of a division), and, only when the set of GPU sizes
 //! changes, a table of `⌊x / size⌋` for every shape and every `x` below 512 GiB. Per node,
-//! one pass over the GPUs adds each GPU's table row to the shapes' slots and notes the
-//! distinct free amounts; the host caps the slots before and after the pod; each distinct
-//! free amount that fits is then evaluated once, in O(shapes) from two table rows.
+//! the allocator keeps a [`FreeSummary`] (its healthy GPUs grouped by free amount), updated
+//! when the node's bookings change, so scoring reads one table row per distinct free amount
+//! instead of walking the GPUs; the host caps the slots before and after the pod; each
+//! distinct free amount that fits is then evaluated once, in O(shapes) from two table rows.
 //! `perf/benches/extender_http.rs` times it through the extender at 5,000 nodes × 8 GPUs.
 
 /// CPU and memory: what a pod requests, a node has allocatable, or has free.
@@ -427,7 +428,90 @@ pub struct NodeFree<F> {
     pub host: Host,
 }
 
-/// What the measure precomputes of a node before trying its GPUs: O(GPUs × shapes), no heap.
+/// The most distinct free amounts a [`FreeSummary`] keeps: every node of eight GPUs or fewer
+/// fits, and larger ones do unless their GPUs differ in more than eight ways.
+const DISTINCT: usize = 8;
+
+/// A node's healthy GPUs grouped by free amount: all the measure reads of them. The
+/// allocator keeps one per node, updated when the node's bookings or GPUs change, so that
+/// scoring thousands of nodes reads a few amounts per node instead of walking every GPU.
+///
+/// ```text
+///   GPUs free 12 | 12 | 4 | 12 (of 16 each)  →  12 × 3 (first GPU 0), 4 × 1 (first GPU 2)
+/// ```
+///
+/// Exact: the slots of a shape are `Σ ⌊free / size⌋` over GPUs, which is `Σ count × ⌊amount
+/// / size⌋` over amounts; a GPU's goodness depends only on its free amount, and the first GPU
+/// of an amount is the one the per-GPU choice would keep on a tie.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct FreeSummary {
+    /// Free GiB over healthy GPUs.
+    total_free: u64,
+    /// GiB of all healthy GPUs, for the fullness tie-break.
+    total_gib: u64,
+    /// The largest free GiB of a healthy GPU, `None` when the node has none.
+    max_free: Option<u64>,
+    /// Distinct amounts kept, in the order of their first GPU.
+    len: u8,
+    /// A ninth distinct amount was seen: the amounts are incomplete.
+    overflow: bool,
+    free: [u64; DISTINCT],
+    count: [u32; DISTINCT],
+    first: [u32; DISTINCT],
+}
+
+impl FreeSummary {
+    /// Reads `gpus` GPUs through `free` (free and total GiB, `None` when unhealthy).
+    pub fn new<F: Fn(usize) -> Option<(u64, u64)>>(gpus: usize, free: F) -> Self {
+        let mut summary = Self::default();
+        for i in 0..gpus {
+            if let Some((free, total)) = free(i) {
+                summary.add(i, free, total);
+            }
+        }
+        summary
+    }
+
+    #[inline]
+    fn add(&mut self, gpu: usize, free: u64, total: u64) {
+        self.total_gib = self.total_gib.saturating_add(total);
+        self.total_free = self.total_free.saturating_add(free);
+        self.max_free = Some(self.max_free.map_or(free, |max| max.max(free)));
+        let len = usize::from(self.len);
+        if let Some(k) = self.free[..len].iter().position(|&f| f == free) {
+            self.count[k] = self.count[k].saturating_add(1);
+            return;
+        }
+        match u32::try_from(gpu) {
+            Ok(gpu) if len < DISTINCT => {
+                self.free[len] = free;
+                self.count[len] = 1;
+                self.first[len] = gpu;
+                self.len += 1;
+            }
+            _ => self.overflow = true,
+        }
+    }
+
+    /// Whether every free amount is kept: false for a node whose GPUs differ in more than
+    /// eight ways, which the measure then reads GPU by GPU ([`best_gpu`]).
+    pub fn is_complete(&self) -> bool {
+        !self.overflow
+    }
+
+    /// Each distinct free amount with its first GPU and how many GPUs have it.
+    fn amounts(&self) -> impl Iterator<Item = (usize, u64, u32)> + Clone + '_ {
+        let len = usize::from(self.len);
+        self.first[..len]
+            .iter()
+            .zip(&self.free[..len])
+            .zip(&self.count[..len])
+            .map(|((&gpu, &free), &count)| (gpu as usize, free, count))
+    }
+}
+
+/// What the measure precomputes of a node before trying its GPUs: O(shapes) from its
+/// [`FreeSummary`] (O(GPUs × shapes) read GPU by GPU), no heap.
 ///
 /// Per shape, the GiB the node's free GPU memory loses to it is `free − runs × size`, where
 /// `runs` is the pods of it the node can still take: its GPUs' slots (`Σ ⌊free / size⌋`,
@@ -448,14 +532,63 @@ pub struct Before {
     total_gib: u64,
 }
 
+/// What a pod's placement on a node costs each shape, whichever GPU it takes, from
+/// [`Before::after_host`]. With `limit` the runs of a shape once the pod's CPU and memory are
+/// gone, placing it on a GPU that loses `d` slots of the shape leaves
+/// `min(slots − d, limit)` runs: `runs − limit` are lost to the host in any case, and
+/// `d − (slots − limit)` more when that is positive.
+#[derive(Debug, Clone, Copy)]
+struct HostCost {
+    /// Per shape, `runs − limit`: pods of it lost to the host's CPU and memory.
+    lost: [u64; MAX_SHAPES],
+    /// Per shape, `slots − limit`: slots the GPU may lose before they cost a pod.
+    spare: [u64; MAX_SHAPES],
+}
+
 impl Before {
-    /// Reads `node` against `workload`.
+    /// Reads `node` against `workload`, GPU by GPU.
     pub fn new<F: Fn(usize) -> Option<(u64, u64)>>(
         workload: &Workload,
         node: &NodeFree<F>,
     ) -> Self {
+        let w = &workload.prepared;
         let mut before = Self::empty(node.host);
-        before.read(workload, node, &mut Distinct::default());
+        for i in 0..node.gpus {
+            let Some((free, total)) = (node.free)(i) else {
+                continue;
+            };
+            before.total_gib = before.total_gib.saturating_add(total);
+            before.total_free = before.total_free.saturating_add(free);
+            before.max_free = Some(before.max_free.map_or(free, |max| max.max(free)));
+            if free < w.min_gib {
+                continue;
+            }
+            for (slots, quotient) in before.slots.iter_mut().zip(w.quotients(free)) {
+                *slots += quotient;
+            }
+        }
+        before.runs = w.runs(&before.slots, before.host);
+        before
+    }
+
+    /// Reads a node from its complete `summary` and its host's `free` CPU and memory: one
+    /// table row per distinct free amount.
+    fn of_summary(workload: &Workload, summary: &FreeSummary, free: Host) -> Self {
+        let w = &workload.prepared;
+        let mut before = Self::empty(free);
+        before.total_gib = summary.total_gib;
+        before.total_free = summary.total_free;
+        before.max_free = summary.max_free;
+        for (_, amount, count) in summary.amounts() {
+            if amount < w.min_gib {
+                continue;
+            }
+            let count = u64::from(count);
+            for (slots, quotient) in before.slots.iter_mut().zip(w.quotients(amount)) {
+                *slots += count * quotient;
+            }
+        }
+        before.runs = w.runs(&before.slots, before.host);
         before
     }
 
@@ -471,35 +604,6 @@ impl Before {
         }
     }
 
-    /// Reads `node`'s GPUs into `self` (from [`Before::empty`]) and its distinct free amounts
-    /// into `distinct`, in one pass. Filled in place: both are a few hundred bytes, which
-    /// returning them would copy per node.
-    #[inline(always)]
-    fn read<F: Fn(usize) -> Option<(u64, u64)>>(
-        &mut self,
-        workload: &Workload,
-        node: &NodeFree<F>,
-        distinct: &mut Distinct,
-    ) {
-        let w = &workload.prepared;
-        for i in 0..node.gpus {
-            let Some((free, total)) = (node.free)(i) else {
-                continue;
-            };
-            self.total_gib = self.total_gib.saturating_add(total);
-            self.total_free = self.total_free.saturating_add(free);
-            self.max_free = Some(self.max_free.map_or(free, |max| max.max(free)));
-            distinct.add(i, free);
-            if free < w.min_gib {
-                continue;
-            }
-            for (slots, quotient) in self.slots.iter_mut().zip(w.quotients(free)) {
-                *slots += quotient;
-            }
-        }
-        self.runs = w.runs(&self.slots, self.host);
-    }
-
     /// The node's expected fragmentation now, in GiB.
     pub fn fragmentation(&self, workload: &Workload) -> f64 {
         let w = &workload.prepared;
@@ -513,42 +617,41 @@ impl Before {
             .sum()
     }
 
-    /// Per shape, an upper bound on the pods of it the node takes once a pod of `host` is
-    /// placed, whichever GPU it goes on: today's slots, capped by what the host has left.
-    /// The same for every GPU of the node, so [`best_gpu`] computes it once.
-    fn limits_after(&self, workload: &Workload, host: Host) -> [u64; MAX_SHAPES] {
-        workload
+    /// What placing a pod of `host` costs each shape whichever GPU it goes on (see
+    /// [`HostCost`]): the same for every GPU of the node, so [`best_gpu`] computes it once.
+    fn after_host(&self, workload: &Workload, host: Host) -> HostCost {
+        // Per shape, an upper bound on the pods of it the node takes afterwards: today's
+        // slots, capped by what the host has left; ≤ runs and ≤ slots.
+        let limits = workload
             .prepared
-            .runs(&self.slots, self.host.saturating_sub(host))
+            .runs(&self.slots, self.host.saturating_sub(host));
+        HostCost {
+            lost: std::array::from_fn(|m| self.runs[m].saturating_sub(limits[m])),
+            spare: std::array::from_fn(|m| self.slots[m].saturating_sub(limits[m])),
+        }
     }
 
     /// Change in expected fragmentation (GiB) if a pod of `need` GiB and `host` goes on a GPU
     /// with `free` GiB free. The caller has checked that it fits.
     pub fn delta(&self, workload: &Workload, free: u64, need: u64, host: Host) -> f64 {
-        let limits = self.limits_after(workload, host);
-        self.delta_with(workload, free, need, &limits)
+        let cost = self.after_host(workload, host);
+        self.delta_with(workload, free, need, &cost)
     }
 
-    /// [`Before::delta`] given [`Before::limits_after`]. With `lost = free − runs × size` per
+    /// [`Before::delta`] given [`Before::after_host`]. With `lost = free − runs × size` per
     /// shape, the change is `−need` (the pod's GiB leave the free memory) plus `size` per
-    /// pod of the shape the node can no longer take: O(shapes), two multiplications each.
+    /// pod of the shape the node can no longer take: O(shapes), two table rows.
     #[inline]
-    fn delta_with(
-        &self,
-        workload: &Workload,
-        free: u64,
-        need: u64,
-        limits: &[u64; MAX_SHAPES],
-    ) -> f64 {
+    fn delta_with(&self, workload: &Workload, free: u64, need: u64, cost: &HostCost) -> f64 {
         let w = &workload.prepared;
         let after_free = free.saturating_sub(need);
         let (on_gpu, on_gpu_after) = (w.quotients(free), w.quotients(after_free));
         let mut delta = -(need as f64) * w.weight_sum;
-        for (m, limit) in limits.iter().enumerate() {
-            // Placing takes slots away, never adds: slots and runs after are ≤ before.
-            let slots = self.slots[m].saturating_sub(on_gpu[m]) + on_gpu_after[m];
-            let runs_after = slots.min(*limit);
-            delta += w.weighted_gib[m] * to_f64(self.runs[m].saturating_sub(runs_after));
+        for m in 0..MAX_SHAPES {
+            // Slots the GPU loses: ⌊x / size⌋ grows with x, so this is ≥ 0.
+            let taken = on_gpu[m].saturating_sub(on_gpu_after[m]);
+            let pods_lost = cost.lost[m] + taken.saturating_sub(cost.spare[m]);
+            delta += w.weighted_gib[m] * to_f64(pods_lost);
         }
         delta
     }
@@ -557,22 +660,16 @@ impl Before {
     /// fragmentation it adds, negated, in GiB; then, worth less than 1/64 GiB of
     /// fragmentation, how full the node's GPUs are afterwards, so that equal changes pack.
     pub fn goodness(&self, workload: &Workload, free: u64, need: u64, host: Host) -> f64 {
-        let limits = self.limits_after(workload, host);
-        self.goodness_with(workload, free, need, &limits)
+        let cost = self.after_host(workload, host);
+        self.goodness_with(workload, free, need, &cost)
     }
 
     #[inline]
-    fn goodness_with(
-        &self,
-        workload: &Workload,
-        free: u64,
-        need: u64,
-        limits: &[u64; MAX_SHAPES],
-    ) -> f64 {
+    fn goodness_with(&self, workload: &Workload, free: u64, need: u64, cost: &HostCost) -> f64 {
         let fragmentation = if workload.is_empty() {
             0.0
         } else {
-            self.delta_with(workload, free, need, limits)
+            self.delta_with(workload, free, need, cost)
         };
         let used_after = self
             .total_gib
@@ -586,105 +683,90 @@ impl Before {
     }
 }
 
-/// The best GPU of `node` for a pod of `need` GiB and `host`: the position and its
-/// [`Before::goodness`]; `None` when no healthy GPU has room. Ties go to the GPU with the
+/// Keeps `(i, free, goodness)` in `best` if it is better: higher goodness, then (within
+/// rounding) less free memory, so ties pack; an equal candidate seen later loses.
+#[inline(always)]
+fn keep_better(best: &mut Option<(usize, f64, u64)>, i: usize, free: u64, goodness: f64) {
+    let better = match *best {
+        None => true,
+        Some((_, g, chosen)) => goodness > g + 1e-12 || (goodness > g - 1e-12 && free < chosen),
+    };
+    if better {
+        *best = Some((i, goodness, free));
+    }
+}
+
+/// The best GPU of a node for a pod of `need` GiB and `host`, read from the node's
+/// [`FreeSummary`] and its host's `free` CPU and memory: the position and its
+/// [`Before::goodness`]; `None` when no healthy GPU has room, or when the summary is not
+/// complete (then [`best_gpu`] reads the node GPU by GPU). Ties go to the GPU with the
 /// least free memory (binpack), then the lowest position. A GPU's goodness depends only on
 /// its free memory, so each free amount is evaluated once.
+pub fn best_gpu_summarized(
+    workload: &Workload,
+    summary: &FreeSummary,
+    free: Host,
+    need: u64,
+    host: Host,
+) -> Option<(usize, f64)> {
+    if !summary.is_complete() || summary.max_free.is_none_or(|max| max < need) {
+        return None;
+    }
+    let before = Before::of_summary(workload, summary, free);
+    let cost = before.after_host(workload, host);
+    // The goodness of every amount first, then the choice: the evaluations are independent
+    // of each other and of the choice's branches, so they overlap.
+    let mut goodness = [0.0; DISTINCT];
+    for ((_, free, _), goodness) in summary.amounts().zip(&mut goodness) {
+        if free >= need {
+            *goodness = before.goodness_with(workload, free, need, &cost);
+        }
+    }
+    let mut best = None;
+    for ((i, free, _), goodness) in summary.amounts().zip(goodness) {
+        if free >= need {
+            keep_better(&mut best, i, free, goodness);
+        }
+    }
+    best.map(|(i, goodness, _)| (i, goodness))
+}
+
+/// [`best_gpu_summarized`] for a node read through `node`, GPU by GPU when its GPUs differ
+/// in more than eight ways.
 pub fn best_gpu<F: Fn(usize) -> Option<(u64, u64)>>(
     workload: &Workload,
     node: &NodeFree<F>,
     need: u64,
     host: Host,
 ) -> Option<(usize, f64)> {
-    let mut before = Before::empty(node.host);
-    let mut distinct = Distinct::default();
-    before.read(workload, node, &mut distinct);
+    let summary = FreeSummary::new(node.gpus, &node.free);
+    if summary.is_complete() {
+        return best_gpu_summarized(workload, &summary, node.host, need, host);
+    }
+    let before = Before::new(workload, node);
     if before.max_free.is_none_or(|max| max < need) {
         return None;
     }
-    let limits = before.limits_after(workload, host);
-    let mut best: Option<(usize, f64, u64)> = None;
-    let mut consider = |i: usize, free: u64, goodness: f64| {
-        let better = match best {
-            None => true,
-            Some((_, g, chosen)) => goodness > g + 1e-12 || (goodness > g - 1e-12 && free < chosen),
+    let cost = before.after_host(workload, host);
+    // Each free amount once, at its first GPU.
+    let mut seen: Vec<u64> = Vec::new();
+    let mut best = None;
+    for i in 0..node.gpus {
+        let Some((free, _)) = (node.free)(i) else {
+            continue;
         };
-        if better {
-            best = Some((i, goodness, free));
+        if free < need || seen.contains(&free) {
+            continue;
         }
-    };
-    if let Some(amounts) = distinct.amounts() {
-        // Each free amount at its first GPU, in GPU order: what the loop below visits. The
-        // goodness of all first, then the choice: the evaluations are independent of each
-        // other and of the choice's branches, so they overlap.
-        let mut goodness = [0.0; 8];
-        for ((_, free), goodness) in amounts.clone().zip(&mut goodness) {
-            if free >= need {
-                *goodness = before.goodness_with(workload, free, need, &limits);
-            }
-        }
-        for ((i, free), goodness) in amounts.zip(goodness) {
-            if free >= need {
-                consider(i, free, goodness);
-            }
-        }
-    } else {
-        let mut seen = [u64::MAX; 8];
-        for i in 0..node.gpus {
-            let Some((free, _)) = (node.free)(i) else {
-                continue;
-            };
-            if free < need || seen.contains(&free) {
-                continue;
-            }
-            // More than eight GPUs: a free amount seen long ago may be evaluated again, to
-            // the same goodness, which the tie rule leaves where it was.
-            seen[i % seen.len()] = free;
-            consider(i, free, before.goodness_with(workload, free, need, &limits));
-        }
+        seen.push(free);
+        keep_better(
+            &mut best,
+            i,
+            free,
+            before.goodness_with(workload, free, need, &cost),
+        );
     }
     best.map(|(i, goodness, _)| (i, goodness))
-}
-
-/// The distinct free amounts of a node's healthy GPUs, each with the first GPU that has it,
-/// in GPU order; kept for nodes of at most eight GPUs (the common case), where
-/// [`best_gpu`] then evaluates them without a second pass over the GPUs.
-#[derive(Debug, Clone, Copy, Default)]
-struct Distinct {
-    len: usize,
-    free: [u64; 8],
-    gpu: [u8; 8],
-    /// A healthy GPU beyond the eighth was seen: the amounts are not kept.
-    overflow: bool,
-}
-
-impl Distinct {
-    #[inline]
-    fn add(&mut self, gpu: usize, free: u64) {
-        let Ok(position) = u8::try_from(gpu) else {
-            self.overflow = true;
-            return;
-        };
-        if gpu >= self.free.len() {
-            self.overflow = true;
-            return;
-        }
-        if !self.free[..self.len].contains(&free) {
-            self.free[self.len] = free;
-            self.gpu[self.len] = position;
-            self.len += 1;
-        }
-    }
-
-    /// Each amount and its first GPU; `None` when the node has more than eight GPUs.
-    fn amounts(&self) -> Option<impl Iterator<Item = (usize, u64)> + Clone + '_> {
-        (!self.overflow).then(|| {
-            self.gpu[..self.len]
-                .iter()
-                .zip(&self.free[..self.len])
-                .map(|(&gpu, &free)| (usize::from(gpu), free))
-        })
-    }
 }
 
 /// Scores for candidate nodes from their goodness (`None`: does not fit), relative to each

@@ -5,7 +5,7 @@
 use std::sync::Arc;
 
 use super::{Cluster, Node};
-use crate::fragmentation::{self, Before, Host, NodeFree, Shape, Workload};
+use crate::fragmentation::{self, Before, FreeSummary, Host, NodeFree, Shape, Workload};
 use crate::{PodId, Request};
 
 impl Node {
@@ -28,13 +28,45 @@ impl Node {
         }
     }
 
+    /// Recomputes the node's [`FreeSummary`]: after its GPUs or their bookings changed.
+    pub(super) fn refresh_free_summary(&mut self) {
+        self.free_summary = self.read_free_summary();
+    }
+
+    /// The node's [`FreeSummary`], read GPU by GPU.
+    fn read_free_summary(&self) -> FreeSummary {
+        let view = self.free_view();
+        FreeSummary::new(view.gpus, view.free)
+    }
+
+    /// The best GPU (position) for `request` under the fragmentation measure and its
+    /// goodness, if any GPU has room: from the node's summary, GPU by GPU when the summary
+    /// is incomplete.
+    fn fragmentation_best(&self, request: &Request, workload: &Workload) -> Option<(usize, f64)> {
+        debug_assert_eq!(
+            self.free_summary,
+            self.read_free_summary(),
+            "the free summary is stale"
+        );
+        if self.free_summary.is_complete() {
+            return fragmentation::best_gpu_summarized(
+                workload,
+                &self.free_summary,
+                self.host_free(),
+                request.pod_gib,
+                request.host,
+            );
+        }
+        fragmentation::best_gpu(workload, &self.free_view(), request.pod_gib, request.host)
+    }
+
     /// The GPU (position) the fragmentation measure picks for `request`, if any has room.
     pub(super) fn fragmentation_gpu(
         &self,
         request: &Request,
         workload: &Workload,
     ) -> Option<usize> {
-        fragmentation::best_gpu(workload, &self.free_view(), request.pod_gib, request.host)
+        self.fragmentation_best(request, workload)
             .map(|(pos, _)| pos)
     }
 
@@ -136,13 +168,9 @@ impl Cluster {
                     // No twin can pin the pod: it fits where a healthy GPU has room, which
                     // is what best_gpu finds, in the same pass over the GPUs.
                     node.check_node().ok()?;
-                    return fragmentation::best_gpu(
-                        &self.workload,
-                        &node.free_view(),
-                        request.pod_gib,
-                        request.host,
-                    )
-                    .map(|(_, goodness)| goodness);
+                    return node
+                        .fragmentation_best(request, &self.workload)
+                        .map(|(_, goodness)| goodness);
                 }
                 // Fit and the twin rule first (O(GPUs)); a pinned pod has no GPU to choose.
                 let pos = node
@@ -151,13 +179,8 @@ impl Cluster {
                 if matches!(node.pin(request), Ok(Some(_))) {
                     return Some(node.fragmentation_goodness(pos, request, &self.workload));
                 }
-                fragmentation::best_gpu(
-                    &self.workload,
-                    &node.free_view(),
-                    request.pod_gib,
-                    request.host,
-                )
-                .map(|(_, goodness)| goodness)
+                node.fragmentation_best(request, &self.workload)
+                    .map(|(_, goodness)| goodness)
             })
             .collect();
         fragmentation::relative_scores(&goodness)
