@@ -1443,7 +1443,7 @@ fn default_values_render_a_dedicated_scheduler_install() -> anyhow::Result<()> {
             "--resource=example.com/gpu-mem",
             "--node-label=gpushare=true",
             "--domain=gpushare.example.com",
-            "--policy=binpack",
+            "--policy=fragmentation",
             "--bind-timeout-ms=2500",
             "--bind-grace-ms=2000",
             "--max-request-bytes=33554432",

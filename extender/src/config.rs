@@ -37,7 +37,7 @@ pub struct Config {
     #[arg(long, env = "GPUSHARE_DOMAIN", default_value = DEFAULT_DOMAIN)]
     pub domain: String,
     /// How to choose among nodes and GPUs that fit: binpack, spread or fragmentation.
-    #[arg(long, env = "GPUSHARE_POLICY", default_value = "binpack")]
+    #[arg(long, env = "GPUSHARE_POLICY", default_value = "fragmentation")]
     pub policy: Policy,
     /// Also serve /healthz, /readyz and /metrics, and nothing else, over plain HTTP here:
     /// for probes, Prometheus and a NetworkPolicy that admits only the scheduler to --listen.
@@ -168,7 +168,7 @@ impl Default for Config {
             resource: DEFAULT_RESOURCE.to_owned(),
             node_label: "gpushare=true".to_owned(),
             domain: DEFAULT_DOMAIN.to_owned(),
-            policy: Policy::Binpack,
+            policy: Policy::Fragmentation,
             monitor_listen: None,
             tls_cert: None,
             tls_key: None,
@@ -230,5 +230,21 @@ mod tests {
             default.lease_timing(),
             crate::leader::LeaseTiming::default()
         );
+    }
+
+    /// The binary run without flags places as the chart does: the chart passes its
+    /// `policy` value, and tests that start the extender without `--policy` rely on the two
+    /// agreeing.
+    #[test]
+    fn the_default_policy_is_the_charts() {
+        let values = include_str!("../../charts/gpushare/values.yaml");
+        let chart = values
+            .lines()
+            .find_map(|line| line.strip_prefix("policy:"))
+            .expect("values.yaml sets policy")
+            .trim();
+        let parsed = Config::try_parse_from(["gpushare-extender"]).unwrap();
+        assert_eq!(parsed.policy, chart.parse::<Policy>().unwrap());
+        assert_eq!(Config::default().policy, Policy::Fragmentation);
     }
 }

@@ -215,7 +215,9 @@ async fn bind_writes_once_and_the_watch_confirms() -> anyhow::Result<()> {
         .create(&client)
         .await?;
     let mut pods = create_pods(&client, &[4]).await?;
-    // Design-doc style: GPU 1 has 8 free, GPU 0 has 12: binpack chooses GPU 1.
+    // Design-doc style: GPU 1 has 8 free, GPU 0 has 12. Binpack would choose GPU 1; the
+    // default fragmentation policy, which has seen an 8 GiB pod, chooses GPU 0 so that both
+    // GPUs keep 8 GiB free for another one.
     pod("big")
         .gpu_mem(8)
         .on_node("n1")
@@ -254,7 +256,7 @@ async fn bind_writes_once_and_the_watch_confirms() -> anyhow::Result<()> {
             allocation.gpu_uuid.as_str(),
             allocation.pod_gib
         ),
-        (1, "GPU-n1-1", 4)
+        (0, "GPU-n1-0", 4)
     );
     extender.settled().await?;
     // A successful bind writes no Event (the pod's annotations, kube-scheduler's own

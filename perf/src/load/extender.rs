@@ -156,7 +156,14 @@ pub async fn run(cfg: &Config, bins: &Binaries, log_dir: &Path) -> anyhow::Resul
     // Start: list + rebuild.
     let log = log_dir.join("extender.log");
     let started = Instant::now();
-    let extender = Extender::start(bins, &kubeconfig, &log, &[]).await?;
+    // The chart's policy (the binary's default) with prioritize; without it, `binpack`, the
+    // only policy the chart pairs with `scheduler.nativeGpuScoring`.
+    let policy = if cfg.prioritize {
+        Vec::new()
+    } else {
+        vec!["--policy=binpack".to_owned()]
+    };
+    let extender = Extender::start(bins, &kubeconfig, &log, &policy).await?;
     figure(
         "extender start → ready (list + rebuild)",
         secs(started.elapsed()),
