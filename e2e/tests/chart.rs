@@ -1447,6 +1447,7 @@ fn default_values_render_a_dedicated_scheduler_install() -> anyhow::Result<()> {
             "--bind-timeout-ms=2500",
             "--bind-grace-ms=2000",
             "--max-request-bytes=33554432",
+            "--filter-keep-best=0",
             "--monitor-listen=0.0.0.0:9090",
             "--tls-cert=/etc/gpushare/extender-tls/tls.crt",
             "--tls-key=/etc/gpushare/extender-tls/tls.key",
@@ -1616,6 +1617,10 @@ fn impossible_values_fail_with_a_clear_message() -> anyhow::Result<()> {
         (
             "extender.replicas=0",
             "extender.replicas must be at least 1",
+        ),
+        (
+            "extender.filterKeepBest=-1",
+            "extender.filterKeepBest must be 0",
         ),
         (
             "networkPolicy.enabled=true,scheduler.mode=default-scheduler",

@@ -112,6 +112,55 @@ async fn while_the_webhook_is_down_gpu_pods_are_refused_not_left_pending() -> an
     .await
 }
 
+/// Four 4 GiB pods through the dedicated scheduler: each after the first lands on the node
+/// the first took, pinned to its annotated GPU, nothing over-committed, and the scheduler
+/// never called prioritize.
+async fn four_pods_fill_the_fuller_node_without_prioritize(
+    cluster: &TestCluster,
+) -> anyhow::Result<()> {
+    let first = create_gpu_pod(cluster, "first", 4).await?;
+    ensure!(scheduler_of(&first) == Some(DEDICATED_SCHEDULER));
+    let first = wait_running(cluster, "first").await?;
+    let full_node = first.spec.and_then(|s| s.node_name).unwrap_or_default();
+    for name in ["second", "third", "fourth"] {
+        create_gpu_pod(cluster, name, 4).await?;
+        let running = wait_running(cluster, name).await?;
+        check_pinned(cluster, &running).await?;
+        let node = running.spec.and_then(|s| s.node_name).unwrap_or_default();
+        ensure!(
+            node == full_node,
+            "{name} went to {node}, not the fuller {full_node}"
+        );
+    }
+    check_no_overcommit(&cluster.client).await?;
+    let stats = cluster
+        .scheduler
+        .as_ref()
+        .map(|s| s.stats())
+        .context("scheduler not running")?;
+    ensure!(
+        stats.prioritize_calls == 0,
+        "prioritize called {} times",
+        stats.prioritize_calls
+    );
+    ensure!(stats.filter_calls >= 4 && stats.binds_ok >= 4, "{stats:?}");
+    Ok(())
+}
+
+/// With `extender.filterKeepBest: 1` the extender's filter passes one node, the one its policy
+/// scores best, so the scheduler binds it without scoring: no prioritize call at all, and
+/// every pod still packs onto the fuller node, pinned, with nothing over-committed. Without
+/// the flag the same cluster has two feasible nodes per pod and prioritize is called.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn keeping_the_best_node_in_filter_skips_scoring() -> anyhow::Result<()> {
+    let mut spec = ClusterSpec::labelled(&[("n1", &[16, 16]), ("n2", &[16, 16])]).dedicated();
+    spec.extender_args.push("--filter-keep-best=1".to_owned());
+    with_cluster(spec, async |cluster| {
+        four_pods_fill_the_fuller_node_without_prioritize(cluster).await
+    })
+    .await
+}
+
 /// With `scheduler.nativeGpuScoring` the chart's dedicated profile scores GPU memory itself
 /// (`NodeResourcesFit` MostAllocated on the resource) and does not call prioritize: pods still
 /// fill the node that already holds GPU memory before the empty one. With the upstream default
@@ -122,33 +171,7 @@ async fn the_native_gpu_scoring_profile_packs_without_prioritize() -> anyhow::Re
         .dedicated()
         .with_scheduler_values(&["policy=binpack", "scheduler.nativeGpuScoring=true"]);
     with_cluster(spec, async |cluster| {
-        let first = create_gpu_pod(cluster, "first", 4).await?;
-        ensure!(scheduler_of(&first) == Some(DEDICATED_SCHEDULER));
-        let first = wait_running(cluster, "first").await?;
-        let full_node = first.spec.and_then(|s| s.node_name).unwrap_or_default();
-        for name in ["second", "third", "fourth"] {
-            create_gpu_pod(cluster, name, 4).await?;
-            let running = wait_running(cluster, name).await?;
-            check_pinned(cluster, &running).await?;
-            let node = running.spec.and_then(|s| s.node_name).unwrap_or_default();
-            ensure!(
-                node == full_node,
-                "{name} went to {node}, not the fuller {full_node}"
-            );
-        }
-        check_no_overcommit(&cluster.client).await?;
-        let stats = cluster
-            .scheduler
-            .as_ref()
-            .map(|s| s.stats())
-            .context("scheduler not running")?;
-        ensure!(
-            stats.prioritize_calls == 0,
-            "prioritize called {} times",
-            stats.prioritize_calls
-        );
-        ensure!(stats.filter_calls >= 4 && stats.binds_ok >= 4, "{stats:?}");
-        Ok(())
+        four_pods_fill_the_fuller_node_without_prioritize(cluster).await
     })
     .await
 }

@@ -5,6 +5,7 @@
 //! protocol's JSON gets a 400, with a JSON body naming the problem.
 
 use std::borrow::Cow;
+use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, RwLock, RwLockReadGuard, RwLockWriteGuard};
 use std::time::Instant;
 
@@ -48,6 +49,8 @@ pub struct AppState {
 struct Inner {
     view: RwLock<View>,
     policy: Policy,
+    /// `--filter-keep-best`: 0 passes every fitting node.
+    filter_keep_best: AtomicUsize,
     binder: Arc<dyn Binder>,
     bind_timing: BindTiming,
     events: EventSink,
@@ -74,6 +77,7 @@ impl AppState {
             inner: Arc::new(Inner {
                 view: RwLock::new(View::new(settings)),
                 policy,
+                filter_keep_best: AtomicUsize::new(0),
                 binder,
                 bind_timing,
                 events,
@@ -109,6 +113,12 @@ impl AppState {
     /// The GPU choice policy.
     pub fn policy(&self) -> Policy {
         self.inner.policy
+    }
+
+    /// Makes filter pass only the `n` fitting nodes the policy scores best (0: all of them;
+    /// see `--filter-keep-best`).
+    pub fn set_filter_keep_best(&self, n: usize) {
+        self.inner.filter_keep_best.store(n, Ordering::Relaxed);
     }
 
     /// What writes Bindings and reads pods.
@@ -340,6 +350,17 @@ fn filter_answer<'a>(state: &AppState, args: &'a ExtenderArgs<'a>) -> ExtenderFi
                     }
                 }
             }
+            if reserved_on.is_none() {
+                let keep = state.inner.filter_keep_best.load(Ordering::Relaxed);
+                keep_best(
+                    &view,
+                    &request,
+                    state.inner.policy,
+                    &candidates,
+                    &mut passing,
+                    keep,
+                );
+            }
         }
     }
     drop(view);
@@ -352,6 +373,34 @@ fn filter_answer<'a>(state: &AppState, args: &'a ExtenderArgs<'a>) -> ExtenderFi
         });
     }
     result
+}
+
+/// Keeps only the `keep` entries of `passing` (positions in `candidates`) whose nodes
+/// `policy` scores best for `request`, in request order; ties go to the earlier candidate.
+/// `keep` 0 keeps every one.
+///
+/// The nodes left out are not reported as failed: they fit, and kube-scheduler only reads
+/// failure reasons when no node passes, which cannot happen here. With one node left,
+/// kube-scheduler binds it without scoring, so the filter answer is the whole decision.
+fn keep_best(
+    view: &View,
+    request: &Request,
+    policy: Policy,
+    candidates: &[(Cow<'_, str>, Option<&RawValue>)],
+    passing: &mut Vec<usize>,
+    keep: usize,
+) {
+    if keep == 0 || passing.len() <= keep {
+        return;
+    }
+    let names: Vec<&str> = passing.iter().map(|&i| &*candidates[i].0).collect();
+    let scores = view.cluster.scores(&names, request, policy);
+    let mut best: Vec<usize> = (0..passing.len()).collect();
+    // Stable: among equal scores the earlier candidate stays ahead.
+    best.sort_by_key(|&k| std::cmp::Reverse(scores[k]));
+    best.truncate(keep);
+    best.sort_unstable();
+    *passing = best.into_iter().map(|k| passing[k]).collect();
 }
 
 /// The node where the pod's memory is already booked by an earlier bind whose Binding is not

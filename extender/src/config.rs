@@ -39,6 +39,12 @@ pub struct Config {
     /// How to choose among nodes and GPUs that fit: binpack, spread or fragmentation.
     #[arg(long, env = "GPUSHARE_POLICY", default_value = "fragmentation")]
     pub policy: Policy,
+    /// Filter passes only the N fitting nodes the policy scores best (0: every fitting node).
+    /// With 1, kube-scheduler has a single feasible node, so it skips scoring: no prioritize
+    /// call and none of its own score plugins, at the price of their soft preferences
+    /// (preferred affinities, topology spreading) for GPU pods.
+    #[arg(long, env = "GPUSHARE_FILTER_KEEP_BEST", default_value_t = 0)]
+    pub filter_keep_best: usize,
     /// Also serve /healthz, /readyz and /metrics, and nothing else, over plain HTTP here:
     /// for probes, Prometheus and a NetworkPolicy that admits only the scheduler to --listen.
     #[arg(long, env = "GPUSHARE_MONITOR_LISTEN")]
@@ -169,6 +175,7 @@ impl Default for Config {
             node_label: "gpushare=true".to_owned(),
             domain: DEFAULT_DOMAIN.to_owned(),
             policy: Policy::Fragmentation,
+            filter_keep_best: 0,
             monitor_listen: None,
             tls_cert: None,
             tls_key: None,
@@ -208,6 +215,10 @@ mod tests {
         assert_eq!(parsed.listen, default.listen);
         assert_eq!(parsed.prefix, default.prefix);
         assert_eq!(parsed.policy, default.policy);
+        assert_eq!(parsed.filter_keep_best, default.filter_keep_best);
+        let shortlist = Config::try_parse_from(["x", "--filter-keep-best", "1"]).unwrap();
+        assert_eq!(shortlist.filter_keep_best, 1);
+        assert!(Config::try_parse_from(["x", "--filter-keep-best", "-1"]).is_err());
         let spread = Config::try_parse_from(["x", "--policy", "spread"]).unwrap();
         assert_eq!(spread.policy, Policy::Spread);
         let fragmentation = Config::try_parse_from(["x", "--policy", "fragmentation"]).unwrap();

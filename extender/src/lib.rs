@@ -160,6 +160,7 @@ pub async fn serve(
         events,
         Registry::default(),
     );
+    state.set_filter_keep_best(config.filter_keep_best);
     state
         .view_mut()
         .set_bind_grace(Duration::from_millis(config.bind_grace_ms));

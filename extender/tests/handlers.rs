@@ -693,3 +693,51 @@ async fn the_monitor_router_serves_health_and_metrics_and_nothing_else() {
     }
     assert!(h.binder.calls().is_empty());
 }
+
+/// `--filter-keep-best`: filter passes only the best-scored fitting nodes, in request order,
+/// and reports no reason for the fitting ones it leaves out; unfit nodes keep theirs.
+#[tokio::test]
+async fn filter_keeps_only_the_best_nodes_when_asked() {
+    // Binpack (the harness's policy) ranks the fuller nodes first: half-3 (12 of 16 GiB
+    // taken), then half-2 (8), then empty; full cannot take the 4 GiB pod at all.
+    let h = harness(
+        vec![
+            node("empty").gpushare().gpus(&[16]).build(),
+            node("half-2").gpushare().gpus(&[16]).build(),
+            node("half-3").gpushare().gpus(&[16]).build(),
+            node("full").gpushare().gpus(&[16]).build(),
+        ],
+        vec![
+            fixture_pod(),
+            bound("a", "half-2", 0, 8, true),
+            bound("b", "half-3", 0, 12, true),
+            bound("c", "full", 0, 16, true),
+        ],
+    );
+    let args = json!({
+        "Pod": fixture_pod(),
+        "Nodes": null,
+        "NodeNames": ["empty", "half-3", "full", "half-2"],
+    })
+    .to_string();
+    let passed = |answer: &Value| answer["NodeNames"].clone();
+
+    let (_, every) = post(&h, "filter", &args).await;
+    assert_eq!(passed(&every), json!(["empty", "half-3", "half-2"]));
+
+    h.state.set_filter_keep_best(1);
+    let (status, best) = post(&h, "filter", &args).await;
+    assert_eq!(status, StatusCode::OK);
+    assert_eq!(passed(&best), json!(["half-3"]));
+    assert_eq!(best["FailedNodes"].as_object().map(|m| m.len()), Some(1));
+    assert!(best["FailedNodes"]["full"].is_string(), "{best}");
+
+    h.state.set_filter_keep_best(2);
+    let (_, two) = post(&h, "filter", &args).await;
+    assert_eq!(passed(&two), json!(["half-3", "half-2"]));
+
+    // More to keep than fit: every fitting node.
+    h.state.set_filter_keep_best(5);
+    let (_, all) = post(&h, "filter", &args).await;
+    assert_eq!(passed(&all), passed(&every));
+}

@@ -132,6 +132,9 @@ app.kubernetes.io/component: {{ .component }}
 {{- if and .Values.scheduler.nativeGpuScoring (ne .Values.policy "binpack") }}
 {{- fail (printf "scheduler.nativeGpuScoring ranks nodes as binpack does; policy %q needs the extender's prioritize: set policy=binpack or nativeGpuScoring=false" .Values.policy) }}
 {{- end }}
+{{- if lt (int64 .Values.extender.filterKeepBest) 0 }}
+{{- fail (printf "extender.filterKeepBest must be 0 (every fitting node) or more, not %v" .Values.extender.filterKeepBest) }}
+{{- end }}
 {{- if and .Values.networkPolicy.enabled (not (include "gpushare.dedicated" .)) (not .Values.networkPolicy.schedulerPeers) }}
 {{- fail "networkPolicy.enabled in default-scheduler mode needs networkPolicy.schedulerPeers: the peers (usually an ipBlock of the control-plane nodes) your kube-scheduler calls the extender from" }}
 {{- end }}

@@ -71,6 +71,10 @@ struct Args {
     /// (`NodeResourcesFit` `MostAllocated`) would: filter → bind only.
     #[arg(long, env = "LOAD_NO_PRIORITIZE", default_value_t = false)]
     no_prioritize: bool,
+    /// The extender's `--filter-keep-best` (0: filter passes every fitting node). With 1, one
+    /// node passes and the drive binds it without prioritize, as kube-scheduler does.
+    #[arg(long, env = "LOAD_FILTER_KEEP_BEST", default_value_t = 0)]
+    filter_keep_best: usize,
     /// Skip the extender phase.
     #[arg(long, env = "LOAD_SKIP_EXTENDER", default_value_t = false)]
     skip_extender: bool,
@@ -102,6 +106,7 @@ async fn main() -> anyhow::Result<()> {
         concurrency: args.concurrency,
         setup_concurrency: args.setup_concurrency,
         prioritize: !args.no_prioritize,
+        filter_keep_best: args.filter_keep_best,
     };
     let allocate_cfg = allocate::Config {
         pods: args.allocate_pods,
@@ -183,6 +188,7 @@ fn print_configuration(args: &Args, extender_cfg: &extender::Config) {
         figure("pending pods (1–4 GiB)", args.pods);
         figure("pods in flight", args.concurrency);
         figure("filter NodeNames", extender_cfg.filter_description());
+        figure("extender --filter-keep-best", args.filter_keep_best);
         figure(
             "verbs per scheduling cycle",
             if extender_cfg.prioritize {

@@ -78,6 +78,8 @@ pub struct Config {
     /// (the node with the most GPU memory requested, ties to the first sent), so the extender
     /// sees the same kind of packing it would under its own scores.
     pub prioritize: bool,
+    /// The extender's `--filter-keep-best`.
+    pub filter_keep_best: usize,
 }
 
 impl Config {
@@ -158,12 +160,11 @@ pub async fn run(cfg: &Config, bins: &Binaries, log_dir: &Path) -> anyhow::Resul
     let started = Instant::now();
     // The chart's policy (the binary's default) with prioritize; without it, `binpack`, the
     // only policy the chart pairs with `scheduler.nativeGpuScoring`.
-    let policy = if cfg.prioritize {
-        Vec::new()
-    } else {
-        vec!["--policy=binpack".to_owned()]
-    };
-    let extender = Extender::start(bins, &kubeconfig, &log, &policy).await?;
+    let mut extender_args = vec![format!("--filter-keep-best={}", cfg.filter_keep_best)];
+    if !cfg.prioritize {
+        extender_args.push("--policy=binpack".to_owned());
+    }
+    let extender = Extender::start(bins, &kubeconfig, &log, &extender_args).await?;
     figure(
         "extender start → ready (list + rebuild)",
         secs(started.elapsed()),
@@ -830,6 +831,7 @@ mod tests {
             concurrency: 2,
             setup_concurrency: 2,
             prioritize: true,
+            filter_keep_best: 0,
         }
     }
 
