@@ -90,6 +90,9 @@ fn strategies() -> Vec<Strategy> {
         Strategy::Fragmentation {
             profile: Profile::Default { weight: 2 },
         },
+        Strategy::Fragmentation {
+            profile: Profile::FilterKeepBest,
+        },
         Strategy::BestFit { multi_gpu: true },
         Strategy::Fgd {
             multi_gpu: true,

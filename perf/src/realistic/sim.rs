@@ -36,11 +36,16 @@ pub enum Profile {
     /// memory (weight 1), both plugins weight 1 ([`native_most_allocated_score`]). The
     /// extender still filters and binds.
     NativeMostAllocated,
+    /// The extender's `--filter-keep-best=1`: its filter passes only the node it scores best
+    /// (the first of them in the walk's order), and kube-scheduler binds that one without
+    /// scoring.
+    FilterKeepBest,
 }
 
 impl Profile {
-    /// Whether kube-scheduler asks the extender's prioritize.
-    fn prioritizes(self) -> bool {
+    /// Whether the extender scores the candidates (in prioritize, or in filter to keep the
+    /// best).
+    fn extender_scores(self) -> bool {
         !matches!(self, Profile::NativeMostAllocated)
     }
 
@@ -52,6 +57,7 @@ impl Profile {
             Profile::NativeMostAllocated => {
                 "native MostAllocated on gpu-mem, no prioritize".to_owned()
             }
+            Profile::FilterKeepBest => "filter keeps the best node, no scoring".to_owned(),
         }
     }
 }
@@ -805,7 +811,7 @@ fn gpushare(
     }
     let names: Vec<&str> = candidates.iter().map(|&n| &*state.names[n]).collect();
     let extender: Option<Vec<u8>> = policy
-        .filter(|_| candidates.len() > 1 && profile.prioritizes())
+        .filter(|_| candidates.len() > 1 && profile.extender_scores())
         .map(|policy| cluster.scores(&names, &request, policy));
     let totals = candidates.iter().enumerate().map(|(c, &n)| {
         let theirs = extender.as_ref().map_or(0, |s| i64::from(s[c]) * 10);
@@ -813,14 +819,23 @@ fn gpushare(
             Profile::Default { weight } => {
                 default_score(state.specs[n].host, state.used[n], task.host) + theirs * weight
             }
-            Profile::ExtenderOnly => theirs,
+            Profile::ExtenderOnly | Profile::FilterKeepBest => theirs,
             Profile::NativeMostAllocated => {
                 native_most_allocated_score(state, n, request.pod_gib, task.host)
             }
         };
         (n, total)
     });
-    let n = select_host(totals, &mut kube.rng).ok_or(Missed::Everywhere)?;
+    let n = if profile == Profile::FilterKeepBest {
+        // The first of the highest totals: the one node the filter passes.
+        totals
+            .rev()
+            .max_by_key(|&(_, total)| total)
+            .map(|(n, _)| n)
+            .ok_or(Missed::Everywhere)?
+    } else {
+        select_host(totals, &mut kube.rng).ok_or(Missed::Everywhere)?
+    };
     let uid = PodId::from(format!("task-{i}"));
     let bind = policy.unwrap_or(Policy::Binpack);
     let placement = cluster
