@@ -20,6 +20,30 @@ const PODS_PER_GPU: u64 = 10;
 
 /// `nodes` nodes × 8 GPUs × 32 GiB, each GPU holding 10 pods of 2 GiB (12 GiB free).
 fn busy_cluster(nodes: usize) -> (Cluster, Vec<String>) {
+    cluster_filled(nodes, Fill::Uniform)
+}
+
+/// How full [`cluster_filled`] makes each GPU.
+#[derive(Debug, Clone, Copy)]
+enum Fill {
+    /// 10 pods of 2 GiB on every GPU: one free amount per node.
+    Uniform,
+    /// `gpu + node % 4` pods of 2 GiB on GPU `gpu`: 8 distinct free amounts per node, each
+    /// evaluated on its own by the fragmentation measure (as in `extender_http`'s `Varied`).
+    Varied,
+}
+
+impl Fill {
+    fn pods(self, node: usize, gpu: u32) -> u64 {
+        match self {
+            Fill::Uniform => PODS_PER_GPU,
+            Fill::Varied => u64::from(gpu) + node as u64 % 4,
+        }
+    }
+}
+
+/// `nodes` nodes × 8 GPUs × 32 GiB, each GPU holding `fill`'s pods of 2 GiB.
+fn cluster_filled(nodes: usize, fill: Fill) -> (Cluster, Vec<String>) {
     let names: Vec<String> = (0..nodes).map(|n| format!("node-{n:05}")).collect();
     let node_list = names.iter().map(|name| {
         let gpus = (0..GPUS_PER_NODE)
@@ -34,9 +58,9 @@ fn busy_cluster(nodes: usize) -> (Cluster, Vec<String>) {
             .collect();
         (name.clone(), gpus, true)
     });
-    let pods = names.iter().flat_map(|name| {
+    let pods = names.iter().enumerate().flat_map(|(n, name)| {
         (0..GPUS_PER_NODE).flat_map(move |gpu| {
-            (0..PODS_PER_GPU).map(move |p| {
+            (0..fill.pods(n, gpu)).map(move |p| {
                 (
                     PodId::from(format!("{name}-{gpu}-{p}")),
                     name.clone(),
@@ -95,8 +119,14 @@ fn filter_and_prioritize(c: &mut Criterion) {
     group.finish();
     // What the extender's prioritize runs: scores relative to all candidates, in one call.
     let mut group = c.benchmark_group("prioritize (relative scores)");
-    for nodes in [100, 1_000, 5_000] {
-        let (mut cluster, names) = busy_cluster(nodes);
+    let rows = [
+        (100, Fill::Uniform),
+        (1_000, Fill::Uniform),
+        (5_000, Fill::Uniform),
+        (5_000, Fill::Varied),
+    ];
+    for (nodes, fill) in rows {
+        let (mut cluster, names) = cluster_filled(nodes, fill);
         for name in &names {
             cluster.set_node_host(name, Some(Host::new(128_000, 1 << 20)));
             cluster.set_pod_host(
@@ -113,11 +143,13 @@ fn filter_and_prioritize(c: &mut Criterion) {
         }
         let refs: Vec<&str> = names.iter().map(String::as_str).collect();
         for policy in [Policy::Binpack, Policy::Fragmentation] {
-            group.bench_with_input(
-                BenchmarkId::new(policy.to_string(), nodes),
-                &refs,
-                |b, refs| b.iter(|| cluster.scores(refs, black_box(&request), policy)),
-            );
+            let name = match fill {
+                Fill::Uniform => policy.to_string(),
+                Fill::Varied => format!("{policy}, varied"),
+            };
+            group.bench_with_input(BenchmarkId::new(name, nodes), &refs, |b, refs| {
+                b.iter(|| cluster.scores(refs, black_box(&request), policy))
+            });
         }
     }
     group.finish();

@@ -5,7 +5,7 @@
 use std::sync::Arc;
 
 use super::{Cluster, Node};
-use crate::fragmentation::{self, Before, FreeSummary, Host, NodeFree, Shape, Workload};
+use crate::fragmentation::{self, Before, FreeSummary, Host, NodeFree, Placing, Shape, Workload};
 use crate::{PodId, Request};
 
 impl Node {
@@ -39,10 +39,10 @@ impl Node {
         FreeSummary::new(view.gpus, view.free)
     }
 
-    /// The best GPU (position) for `request` under the fragmentation measure and its
-    /// goodness, if any GPU has room: from the node's summary, GPU by GPU when the summary
-    /// is incomplete.
-    fn fragmentation_best(&self, request: &Request, workload: &Workload) -> Option<(usize, f64)> {
+    /// The best GPU (position) for the pod `placing` describes under the fragmentation
+    /// measure and its goodness, if any GPU has room: from the node's summary, GPU by GPU
+    /// when the summary is incomplete.
+    fn fragmentation_best(&self, placing: &Placing) -> Option<(usize, f64)> {
         debug_assert_eq!(
             self.free_summary,
             self.read_free_summary(),
@@ -50,14 +50,12 @@ impl Node {
         );
         if self.free_summary.is_complete() {
             return fragmentation::best_gpu_summarized(
-                workload,
+                placing,
                 &self.free_summary,
                 self.host_free(),
-                request.pod_gib,
-                request.host,
             );
         }
-        fragmentation::best_gpu(workload, &self.free_view(), request.pod_gib, request.host)
+        fragmentation::best_gpu_placing(placing, &self.free_view())
     }
 
     /// The GPU (position) the fragmentation measure picks for `request`, if any has room.
@@ -66,8 +64,8 @@ impl Node {
         request: &Request,
         workload: &Workload,
     ) -> Option<usize> {
-        self.fragmentation_best(request, workload)
-            .map(|(pos, _)| pos)
+        let placing = Placing::new(workload, request.pod_gib, request.host);
+        self.fragmentation_best(&placing).map(|(pos, _)| pos)
     }
 
     /// How good the node is for `request` under the fragmentation measure, placed on the GPU
@@ -160,6 +158,7 @@ impl Cluster {
     /// goodness (see [`fragmentation::Before::goodness`]), ranked by
     /// [`fragmentation::relative_scores`].
     pub(super) fn fragmentation_scores(&self, nodes: &[&str], request: &Request) -> Vec<u8> {
+        let placing = Placing::for_many_nodes(&self.workload, request.pod_gib, request.host);
         let goodness: Vec<Option<f64>> = nodes
             .iter()
             .map(|name| {
@@ -169,7 +168,7 @@ impl Cluster {
                     // is what best_gpu finds, in the same pass over the GPUs.
                     node.check_node().ok()?;
                     return node
-                        .fragmentation_best(request, &self.workload)
+                        .fragmentation_best(&placing)
                         .map(|(_, goodness)| goodness);
                 }
                 // Fit and the twin rule first (O(GPUs)); a pinned pod has no GPU to choose.
@@ -179,7 +178,7 @@ impl Cluster {
                 if matches!(node.pin(request), Ok(Some(_))) {
                     return Some(node.fragmentation_goodness(pos, request, &self.workload));
                 }
-                node.fragmentation_best(request, &self.workload)
+                node.fragmentation_best(&placing)
                     .map(|(_, goodness)| goodness)
             })
             .collect();
