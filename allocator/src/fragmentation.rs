@@ -745,7 +745,7 @@ impl Before {
     }
 
     /// [`Before::goodness`] given [`Before::after_host`] and [`Before::fullness_after`].
-    #[inline]
+    #[inline(always)]
     fn goodness_with(&self, placing: &Placing, free: u64, cost: &HostCost, fullness: f64) -> f64 {
         let workload = placing.workload;
         let fragmentation = if workload.is_empty() {
