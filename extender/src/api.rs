@@ -309,45 +309,24 @@ fn filter_answer<'a>(state: &AppState, args: &'a ExtenderArgs<'a>) -> ExtenderFi
         }
         Ok(Some(request)) => {
             let reserved_on = reserved_node(&view, args);
-            // Formatting a reason per rejected node was the handler's largest cost of its own
-            // in the load harness profile (busy clusters reject hundreds of nodes a call, most
-            // for the same shortfall): the text of the last one is reused while it repeats.
-            let mut last_reason: Option<(Unfit, String)> = None;
+            // Why each other node fails, kept as the allocator's reason and written out only
+            // when no node passes: kube-scheduler reads extender failure reasons only then
+            // (for its FitError and preemption); once a node passes it drops them unread, and
+            // at hundreds of nodes a call they were most of the answer it decodes.
+            let mut rejected: Vec<(usize, Unfit)> = Vec::new();
             for (i, (name, _)) in candidates.iter().enumerate() {
-                if let Some(reserved_on) = reserved_on {
-                    if name == reserved_on {
-                        passing.push(i);
-                    } else {
+                match reserved_on {
+                    Some(reserved_on) if name == reserved_on => passing.push(i),
+                    Some(reserved_on) => {
                         result.failed_nodes.insert(
                             name.clone(),
                             format!("the pod's GPU memory is booked on node {reserved_on} while its earlier bind there is settled"),
                         );
                     }
-                    continue;
-                }
-                match view.cluster.fit(name, &request) {
-                    Ok(()) => passing.push(i),
-                    Err(unfit) => {
-                        let reason = match &last_reason {
-                            // These two name the node; every other reason reads the same on
-                            // each node with the same shortfall.
-                            _ if matches!(unfit, Unfit::UnknownNode | Unfit::NotEligible) => {
-                                unfit_reason(settings, name, &unfit)
-                            }
-                            Some((seen, text)) if *seen == unfit => text.clone(),
-                            _ => {
-                                let text = unfit_reason(settings, name, &unfit);
-                                last_reason = Some((unfit.clone(), text.clone()));
-                                text
-                            }
-                        };
-                        let map = if unfit.is_unresolvable() {
-                            &mut result.failed_and_unresolvable_nodes
-                        } else {
-                            &mut result.failed_nodes
-                        };
-                        map.insert(name.clone(), reason);
-                    }
+                    None => match view.cluster.fit(name, &request) {
+                        Ok(()) => passing.push(i),
+                        Err(unfit) => rejected.push((i, unfit)),
+                    },
                 }
             }
             if reserved_on.is_none() {
@@ -361,6 +340,11 @@ fn filter_answer<'a>(state: &AppState, args: &'a ExtenderArgs<'a>) -> ExtenderFi
                     keep,
                 );
             }
+            if passing.is_empty() {
+                write_reasons(settings, &candidates, rejected, &mut result);
+            } else {
+                result.failed_nodes = Default::default();
+            }
         }
     }
     drop(view);
@@ -373,6 +357,42 @@ fn filter_answer<'a>(state: &AppState, args: &'a ExtenderArgs<'a>) -> ExtenderFi
         });
     }
     result
+}
+
+/// Writes why each `rejected` candidate fails into `result`'s failed or unresolvable nodes.
+///
+/// Formatting a reason per rejected node was the handler's largest cost of its own in the
+/// load harness profile (busy clusters reject hundreds of nodes a call, most for the same
+/// shortfall): the text of the last one is reused while it repeats.
+fn write_reasons<'a>(
+    settings: &Settings,
+    candidates: &[(Cow<'a, str>, Option<&RawValue>)],
+    rejected: Vec<(usize, Unfit)>,
+    result: &mut ExtenderFilterResult<'a>,
+) {
+    let mut last_reason: Option<(Unfit, String)> = None;
+    for (i, unfit) in rejected {
+        let name = &candidates[i].0;
+        let reason = match &last_reason {
+            // These two name the node; every other reason reads the same on each node with
+            // the same shortfall.
+            _ if matches!(unfit, Unfit::UnknownNode | Unfit::NotEligible) => {
+                unfit_reason(settings, name, &unfit)
+            }
+            Some((seen, text)) if *seen == unfit => text.clone(),
+            _ => {
+                let text = unfit_reason(settings, name, &unfit);
+                last_reason = Some((unfit.clone(), text.clone()));
+                text
+            }
+        };
+        let map = if unfit.is_unresolvable() {
+            &mut result.failed_and_unresolvable_nodes
+        } else {
+            &mut result.failed_nodes
+        };
+        map.insert(name.clone(), reason);
+    }
 }
 
 /// Keeps only the `keep` entries of `passing` (positions in `candidates`) whose nodes

@@ -78,11 +78,20 @@ async fn captured_filter_by_names_is_answered_with_names() {
     assert_eq!(status, StatusCode::OK);
     assert_eq!(answer["NodeNames"], json!(["node-a"]));
     assert_eq!(answer["Nodes"], Value::Null);
+    // A node passes, so kube-scheduler would not read why node-b fails: no reason is sent.
+    assert_eq!(answer["FailedNodes"], json!({}));
+    assert_eq!(answer["FailedAndUnresolvableNodes"], json!({}));
+    assert_eq!(answer["Error"], "");
+
+    // When none passes, every node's reason is sent.
+    let mut args: Value = serde_json::from_str(&fixture("filter-request-nodenames.json")).unwrap();
+    args["NodeNames"] = json!(["node-b"]);
+    let (_, answer) = post(&h, "filter", &args.to_string()).await;
+    assert_eq!(answer["NodeNames"], json!([]));
     assert_eq!(
         answer["FailedNodes"]["node-b"],
         "needs 4 GiB on one GPU; largest free is 2 GiB (GPU 0)"
     );
-    assert_eq!(answer["Error"], "");
 }
 
 #[tokio::test]
@@ -97,12 +106,7 @@ async fn captured_filter_by_objects_is_answered_with_the_full_objects() {
     // Passed back verbatim, every field kube-scheduler sent.
     assert_eq!(items[0], sent["Nodes"]["items"][0]);
     assert_eq!(answer["NodeNames"], Value::Null);
-    assert!(
-        answer["FailedNodes"]["node-b"]
-            .as_str()
-            .unwrap()
-            .contains("largest free is 2 GiB")
-    );
+    assert_eq!(answer["FailedNodes"], json!({}));
 }
 
 #[tokio::test]
@@ -322,6 +326,11 @@ async fn unknown_and_unlabelled_nodes_fail_unresolvably_with_reasons() {
     args["NodeNames"] = json!(["n1", "ghost", "plain", "small"]);
     let (_, answer) = post(&h, "filter", &args.to_string()).await;
     assert_eq!(answer["NodeNames"], json!(["n1"]));
+    assert_eq!(answer["FailedAndUnresolvableNodes"], json!({}));
+    // Without n1 no node passes, and each failure carries its reason.
+    args["NodeNames"] = json!(["ghost", "plain", "small"]);
+    let (_, answer) = post(&h, "filter", &args.to_string()).await;
+    assert_eq!(answer["NodeNames"], json!([]));
     let unresolvable = &answer["FailedAndUnresolvableNodes"];
     assert_eq!(
         unresolvable["ghost"],
@@ -695,7 +704,7 @@ async fn the_monitor_router_serves_health_and_metrics_and_nothing_else() {
 }
 
 /// `--filter-keep-best`: filter passes only the best-scored fitting nodes, in request order,
-/// and reports no reason for the fitting ones it leaves out; unfit nodes keep theirs.
+/// and reports no reason for the ones it leaves out (nor, since a node passes, for the unfit).
 #[tokio::test]
 async fn filter_keeps_only_the_best_nodes_when_asked() {
     // Binpack (the harness's policy) ranks the fuller nodes first: half-3 (12 of 16 GiB
@@ -729,8 +738,7 @@ async fn filter_keeps_only_the_best_nodes_when_asked() {
     let (status, best) = post(&h, "filter", &args).await;
     assert_eq!(status, StatusCode::OK);
     assert_eq!(passed(&best), json!(["half-3"]));
-    assert_eq!(best["FailedNodes"].as_object().map(|m| m.len()), Some(1));
-    assert!(best["FailedNodes"]["full"].is_string(), "{best}");
+    assert_eq!(best["FailedNodes"], json!({}), "{best}");
 
     h.state.set_filter_keep_best(2);
     let (_, two) = post(&h, "filter", &args).await;

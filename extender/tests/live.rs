@@ -229,12 +229,14 @@ async fn bind_writes_once_and_the_watch_confirms() -> anyhow::Result<()> {
         .await?;
     let extender = Extender::start(client.clone()).await?;
     let p = pods.remove(0);
-    let answer = extender.filter(&p, &["n1", "ghost"]).await;
-    assert_eq!(answer["NodeNames"], json!(["n1"]));
+    let answer = extender.filter(&p, &["ghost"]).await;
+    assert_eq!(answer["NodeNames"], json!([]));
     assert_eq!(
         answer["FailedAndUnresolvableNodes"]["ghost"],
         "node ghost is unknown to the gpushare extender"
     );
+    let answer = extender.filter(&p, &["n1", "ghost"]).await;
+    assert_eq!(answer["NodeNames"], json!(["n1"]));
 
     server.stats().reset();
     assert_eq!(
