@@ -912,6 +912,7 @@ struct LeaderElection {
 #[serde(deny_unknown_fields, rename_all = "camelCase")]
 struct Profile {
     scheduler_name: String,
+    percentage_of_nodes_to_score: i32,
     #[serde(default)]
     plugin_config: Option<serde_yaml::Value>,
 }
@@ -964,6 +965,7 @@ fn check_scheduler(rendered: &Rendered, prefix: &str, resource: &str) -> anyhow:
     ensure!(config.api_version == "kubescheduler.config.k8s.io/v1");
     ensure!(config.kind == "KubeSchedulerConfiguration");
     ensure!(config.profiles[0].scheduler_name == "gpushare-scheduler");
+    ensure!(config.profiles[0].percentage_of_nodes_to_score == 1);
     let le = &config.leader_election;
     ensure!(le.leader_elect && le.resource_lock == "leases");
     ensure!(le.resource_name == name && le.resource_namespace == *ns);
@@ -1704,6 +1706,49 @@ fn every_value_is_documented_in_the_readme() -> anyhow::Result<()> {
         missing.is_empty(),
         "values missing from README.md's table: {missing:?}"
     );
+    Ok(())
+}
+
+/// The dedicated profile stops kube-scheduler's filtering at 1 % of the nodes (its floor of
+/// 100) by default, so the extender gets a quarter of the names of the adaptive walk at 1,000
+/// nodes; 0 gives the adaptive walk back, and values kube-scheduler would refuse fail to render.
+#[tokio::test]
+async fn the_dedicated_profile_scores_a_share_of_the_nodes() -> anyhow::Result<()> {
+    let walk = |text: &str| -> anyhow::Result<usize> {
+        let driver =
+            SchedulerConfig::from_kube_scheduler_configuration(text, SchedulerConfig::default())?;
+        Ok(
+            gpushare_e2e::scheduler::framework::num_feasible_nodes_to_find_at(
+                1000,
+                driver.percentage_of_nodes_to_score,
+            ),
+        )
+    };
+    let default = dedicated_scheduler_configuration(&[], &[]).await?;
+    ensure!(walk(&default)? == 100, "{default}");
+    let adaptive = dedicated_scheduler_configuration(
+        &[],
+        &["scheduler.percentageOfNodesToScore=0".to_owned()],
+    )
+    .await?;
+    ensure!(walk(&adaptive)? == 420, "{adaptive}");
+    let half = dedicated_scheduler_configuration(
+        &[],
+        &["scheduler.percentageOfNodesToScore=50".to_owned()],
+    )
+    .await?;
+    ensure!(walk(&half)? == 500, "{half}");
+    for bad in ["101", "-1", "2.5", "many"] {
+        let refused = dedicated_scheduler_configuration(
+            &[],
+            &[format!("scheduler.percentageOfNodesToScore={bad}")],
+        )
+        .await;
+        ensure!(
+            refused.is_err_and(|e| format!("{e:#}").contains("must be a whole number from 0")),
+            "percentageOfNodesToScore={bad} must fail to render"
+        );
+    }
     Ok(())
 }
 

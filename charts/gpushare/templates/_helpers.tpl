@@ -132,6 +132,17 @@ app.kubernetes.io/component: {{ .component }}
 {{- if and .Values.scheduler.nativeGpuScoring (ne .Values.policy "binpack") }}
 {{- fail (printf "scheduler.nativeGpuScoring ranks nodes as binpack does; policy %q needs the extender's prioritize: set policy=binpack or nativeGpuScoring=false" .Values.policy) }}
 {{- end }}
+{{- $percentage := .Values.scheduler.percentageOfNodesToScore }}
+{{- $whole := kindIs "int64" $percentage }}
+{{- if kindIs "float64" $percentage }}
+{{- $whole = eq (float64 (int64 $percentage)) $percentage }}
+{{- end }}
+{{- if not $whole }}
+{{- fail (printf "scheduler.percentageOfNodesToScore must be a whole number from 0 (kube-scheduler's adaptive default) to 100, not %v" $percentage) }}
+{{- end }}
+{{- if or (lt (int64 $percentage) 0) (gt (int64 $percentage) 100) }}
+{{- fail (printf "scheduler.percentageOfNodesToScore must be a whole number from 0 (kube-scheduler's adaptive default) to 100, not %v" $percentage) }}
+{{- end }}
 {{- if lt (int64 .Values.extender.filterKeepBest) 0 }}
 {{- fail (printf "extender.filterKeepBest must be 0 (every fitting node) or more, not %v" .Values.extender.filterKeepBest) }}
 {{- end }}
@@ -157,6 +168,8 @@ leaderElection:
   resourceNamespace: {{ .Release.Namespace }}
 profiles:
   - schedulerName: {{ .Values.scheduler.schedulerName }}
+    # scheduler.percentageOfNodesToScore (0: kube-scheduler's adaptive default).
+    percentageOfNodesToScore: {{ int64 .Values.scheduler.percentageOfNodesToScore }}
     {{- if .Values.scheduler.nativeGpuScoring }}
     # scheduler.nativeGpuScoring: the scheduler itself prefers the node with the most GPU
     # memory requested (the extender's binpack prioritize ranks nodes the same way), so it

@@ -3,11 +3,11 @@
 //! a hand-written copy of it.
 //!
 //! Only what the driver models is accepted: one profile, `NodeResourcesFit`'s `scoringStrategy`
-//! (LeastAllocated or MostAllocated), and the extender fields kube-scheduler's HTTP extender
-//! client reads. Any other plugin configuration or extender field is an error, so a chart change
+//! (LeastAllocated or MostAllocated), `percentageOfNodesToScore` (global or the profile's), and
+//! the extender fields kube-scheduler's HTTP extender client reads. Any other plugin configuration or extender field is an error, so a chart change
 //! the driver cannot follow fails the test that renders it instead of being silently ignored.
 //! Validation follows upstream where it matters here: a prioritize verb needs a positive weight,
-//! resource weights lie in 1..=100.
+//! resource weights lie in 1..=100, `percentageOfNodesToScore` in 0..=100.
 
 use std::time::Duration;
 
@@ -29,6 +29,8 @@ struct Configuration {
     #[serde(default)]
     #[allow(dead_code)] // read by serde only: accepted, not modelled
     leader_election: Option<serde_yaml::Value>,
+    /// Every profile's, unless the profile sets its own.
+    percentage_of_nodes_to_score: Option<i64>,
     #[serde(default)]
     profiles: Vec<Profile>,
     #[serde(default)]
@@ -39,6 +41,7 @@ struct Configuration {
 #[serde(deny_unknown_fields, rename_all = "camelCase")]
 struct Profile {
     scheduler_name: Option<String>,
+    percentage_of_nodes_to_score: Option<i64>,
     #[serde(default)]
     plugin_config: Vec<PluginConfig>,
 }
@@ -123,11 +126,17 @@ impl SchedulerConfig {
             config.kind
         );
         let mut driver = base;
+        if let Some(percentage) = config.percentage_of_nodes_to_score {
+            driver.percentage_of_nodes_to_score = percentage_of_nodes_to_score(percentage)?;
+        }
         match config.profiles.as_slice() {
             [] => {}
             [profile] => {
                 if let Some(name) = &profile.scheduler_name {
                     driver.scheduler_name.clone_from(name);
+                }
+                if let Some(percentage) = profile.percentage_of_nodes_to_score {
+                    driver.percentage_of_nodes_to_score = percentage_of_nodes_to_score(percentage)?;
                 }
                 driver.fit_scoring = fit_scoring(&profile.plugin_config)?;
             }
@@ -140,6 +149,15 @@ impl SchedulerConfig {
             .collect::<anyhow::Result<_>>()?;
         Ok(driver)
     }
+}
+
+/// Upstream's validation: "not in valid range [0-100]"; 0 is the adaptive default.
+fn percentage_of_nodes_to_score(percentage: i64) -> anyhow::Result<u32> {
+    ensure!(
+        (0..=100).contains(&percentage),
+        "percentageOfNodesToScore {percentage} is not in valid range [0-100]"
+    );
+    Ok(u32::try_from(percentage)?)
 }
 
 fn fit_scoring(plugin_config: &[PluginConfig]) -> anyhow::Result<FitScoring> {
@@ -266,6 +284,7 @@ leaderElection:
   leaderElect: true
 profiles:
   - schedulerName: gpushare-scheduler
+    percentageOfNodesToScore: 1
     pluginConfig:
       - name: NodeResourcesFit
         args:
@@ -297,6 +316,7 @@ extenders:
         )
         .unwrap();
         assert_eq!(config.scheduler_name, "gpushare-scheduler");
+        assert_eq!(config.percentage_of_nodes_to_score, 1);
         assert_eq!(config.fit_scoring.strategy, FitStrategy::MostAllocated);
         assert_eq!(
             config.fit_scoring.resources,
@@ -339,6 +359,35 @@ extenders:
                 SchedulerConfig::from_kube_scheduler_configuration(&text, base()).is_err(),
                 "accepted:\n{text}"
             );
+        }
+    }
+
+    #[test]
+    fn the_profile_percentage_of_nodes_to_score_wins_over_the_global_one() {
+        let base = SchedulerConfig::default;
+        let adaptive = CHART_LIKE.replace("    percentageOfNodesToScore: 1\n", "");
+        let config = SchedulerConfig::from_kube_scheduler_configuration(&adaptive, base()).unwrap();
+        assert_eq!(config.percentage_of_nodes_to_score, 0);
+        let global = adaptive.replace(
+            "leaderElection:",
+            "percentageOfNodesToScore: 30\nleaderElection:",
+        );
+        let config = SchedulerConfig::from_kube_scheduler_configuration(&global, base()).unwrap();
+        assert_eq!(config.percentage_of_nodes_to_score, 30);
+        let both = CHART_LIKE.replace(
+            "leaderElection:",
+            "percentageOfNodesToScore: 30\nleaderElection:",
+        );
+        let config = SchedulerConfig::from_kube_scheduler_configuration(&both, base()).unwrap();
+        assert_eq!(config.percentage_of_nodes_to_score, 1);
+        for bad in ["101", "-1"] {
+            let text = CHART_LIKE.replace(
+                "percentageOfNodesToScore: 1",
+                &format!("percentageOfNodesToScore: {bad}"),
+            );
+            let err =
+                SchedulerConfig::from_kube_scheduler_configuration(&text, base()).unwrap_err();
+            assert!(format!("{err:#}").contains("[0-100]"), "{err:#}");
         }
     }
 

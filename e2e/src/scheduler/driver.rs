@@ -129,6 +129,7 @@ pub async fn start(
             backoff_max: config.backoff_max,
             unschedulable_retry: config.unschedulable_retry,
             fit_scoring: config.fit_scoring.clone(),
+            percentage_of_nodes_to_score: config.percentage_of_nodes_to_score,
         })),
         binds: Arc::new(Semaphore::new(config.parallel_binds.max(1))),
         config,

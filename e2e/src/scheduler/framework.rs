@@ -473,11 +473,21 @@ pub fn filter_node(
 /// How many feasible nodes the scheduler looks for before it stops filtering
 /// (`numFeasibleNodesToFind` with the default adaptive percentage).
 pub fn num_feasible_nodes_to_find(all_nodes: usize) -> usize {
+    num_feasible_nodes_to_find_at(all_nodes, 0)
+}
+
+/// `numFeasibleNodesToFind` under a `percentageOfNodesToScore` of `percentage` (0: the
+/// adaptive default, 50 % less 1 % per 125 nodes, at least 5 %). Never fewer than 100 nodes
+/// (all of them in a smaller cluster), whatever the percentage.
+pub fn num_feasible_nodes_to_find_at(all_nodes: usize, percentage: u32) -> usize {
     const MIN_FEASIBLE_NODES_TO_FIND: usize = 100;
-    if all_nodes < MIN_FEASIBLE_NODES_TO_FIND {
+    if all_nodes < MIN_FEASIBLE_NODES_TO_FIND || percentage >= 100 {
         return all_nodes;
     }
-    let percentage = 50usize.saturating_sub(all_nodes / 125).max(5);
+    let percentage = match percentage {
+        0 => 50usize.saturating_sub(all_nodes / 125).max(5),
+        p => p as usize,
+    };
     (all_nodes * percentage / 100).max(MIN_FEASIBLE_NODES_TO_FIND)
 }
 
@@ -1209,5 +1219,10 @@ mod tests {
         assert_eq!(num_feasible_nodes_to_find(200), 100);
         assert_eq!(num_feasible_nodes_to_find(1000), 420);
         assert_eq!(num_feasible_nodes_to_find(10_000), 500);
+        assert_eq!(num_feasible_nodes_to_find_at(1000, 10), 100);
+        assert_eq!(num_feasible_nodes_to_find_at(1000, 1), 100);
+        assert_eq!(num_feasible_nodes_to_find_at(5000, 5), 250);
+        assert_eq!(num_feasible_nodes_to_find_at(1000, 100), 1000);
+        assert_eq!(num_feasible_nodes_to_find_at(50, 1), 50);
     }
 }

@@ -118,6 +118,9 @@ pub struct SchedulerConfig {
     /// The profile's `NodeResourcesFit` `scoringStrategy` (upstream default: LeastAllocated
     /// on cpu and memory).
     pub fit_scoring: framework::FitScoring,
+    /// `percentageOfNodesToScore` (0: upstream's adaptive percentage): filtering stops once
+    /// this share of the nodes, never fewer than 100, has passed.
+    pub percentage_of_nodes_to_score: u32,
 }
 
 impl Default for SchedulerConfig {
@@ -131,6 +134,7 @@ impl Default for SchedulerConfig {
             unschedulable_retry: Duration::from_secs(1),
             seed: None,
             fit_scoring: framework::FitScoring::default(),
+            percentage_of_nodes_to_score: 0,
         }
     }
 }

@@ -119,6 +119,8 @@ pub struct QueueConfig {
     pub backoff_max: Duration,
     pub unschedulable_retry: Duration,
     pub fit_scoring: framework::FitScoring,
+    /// `percentageOfNodesToScore` (0: adaptive).
+    pub percentage_of_nodes_to_score: u32,
 }
 
 /// A feasible node with its default-plugin score.
@@ -468,7 +470,8 @@ impl State {
         }
         let requests = framework::pod_requests(pod, false);
         let pod_usage = PodUsage::of(pod);
-        let want = framework::num_feasible_nodes_to_find(all);
+        let want =
+            framework::num_feasible_nodes_to_find_at(all, self.config.percentage_of_nodes_to_score);
         let start = self.next_start_node_index % all;
         let entries: Vec<(&String, &NodeEntry)> = self.nodes.iter().collect();
         let mut filtered = Filtered {
@@ -611,6 +614,7 @@ mod tests {
             backoff_max: Duration::from_millis(350),
             unschedulable_retry: Duration::from_secs(5),
             fit_scoring: framework::FitScoring::default(),
+            percentage_of_nodes_to_score: 0,
         })
     }
 
@@ -631,6 +635,25 @@ mod tests {
 
     fn pop_all(s: &mut State) -> Vec<String> {
         std::iter::from_fn(|| s.pop_active().map(|p| p.key)).collect()
+    }
+
+    #[test]
+    fn filtering_stops_at_the_profiles_share_of_nodes() {
+        let walk = |percentage: u32| {
+            let mut s = state();
+            s.config.percentage_of_nodes_to_score = percentage;
+            for i in 0..300 {
+                s.apply_node(node(&format!("n{i:03}")).build());
+            }
+            let filtered = s.filter(&pod("p").build()).unwrap();
+            filtered.feasible.len()
+        };
+        // Adaptive at 300 nodes: 48 %; 1 % and 30 % fall back to the floor of 100 nodes.
+        assert_eq!(walk(0), 144);
+        assert_eq!(walk(1), 100);
+        assert_eq!(walk(30), 100);
+        assert_eq!(walk(50), 150);
+        assert_eq!(walk(100), 300);
     }
 
     #[test]

@@ -22,7 +22,9 @@
 
 use clap::Parser;
 use gpushare_allocator::Policy;
-use gpushare_e2e::scheduler::framework::num_feasible_nodes_to_find;
+use gpushare_e2e::scheduler::framework::{
+    num_feasible_nodes_to_find, num_feasible_nodes_to_find_at,
+};
 use gpushare_perf::realistic::{
     Cause, NodesToScore, Profile, RequestForm, Run, Strategy, TaskKind, TaskMix, generate_nodes,
     generate_tasks, replay,
@@ -53,6 +55,11 @@ struct Args {
     /// `numFeasibleNodesToFind` feasible nodes.
     #[arg(long, env = "SIM_SCORE_ALL_NODES", default_value_t = false)]
     score_all_nodes: bool,
+    /// kube-scheduler's `percentageOfNodesToScore` for gpushare's strategies (1-99; 0, the
+    /// default, is its adaptive percentage). Its walk stops at that share of the nodes, never
+    /// below 100 of them.
+    #[arg(long, env = "SIM_PERCENTAGE_OF_NODES_TO_SCORE", default_value_t = 0, value_parser = clap::value_parser!(u32).range(0..100))]
+    percentage_of_nodes_to_score: u32,
 }
 
 fn strategies() -> Vec<Strategy> {
@@ -115,6 +122,8 @@ fn main() {
     };
     let to_score = if args.score_all_nodes {
         NodesToScore::All
+    } else if args.percentage_of_nodes_to_score > 0 {
+        NodesToScore::Percentage(args.percentage_of_nodes_to_score)
     } else {
         NodesToScore::Adaptive
     };
@@ -148,6 +157,11 @@ fn main() {
         NodesToScore::Adaptive => println!(
             "  kube-scheduler (gpushare rows): filters round robin until {} feasible nodes of {} (adaptive percentageOfNodesToScore), the extender filters and scores those",
             num_feasible_nodes_to_find(args.nodes),
+            args.nodes
+        ),
+        NodesToScore::Percentage(p) => println!(
+            "  kube-scheduler (gpushare rows): filters round robin until {} feasible nodes of {} (percentageOfNodesToScore {p}), the extender filters and scores those",
+            num_feasible_nodes_to_find_at(args.nodes, p),
             args.nodes
         ),
         NodesToScore::All => {

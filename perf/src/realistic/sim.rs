@@ -14,7 +14,9 @@
 
 use gpushare_allocator::fragmentation::{Host, Shape};
 use gpushare_allocator::{Cluster, Gpu, PodId, Policy, Request};
-use gpushare_e2e::scheduler::framework::{FitStrategy, Milli, num_feasible_nodes_to_find};
+use gpushare_e2e::scheduler::framework::{
+    FitStrategy, Milli, num_feasible_nodes_to_find, num_feasible_nodes_to_find_at,
+};
 use rand::rngs::StdRng;
 use rand::{Rng, SeedableRng};
 
@@ -87,6 +89,9 @@ pub enum NodesToScore {
     /// Every feasible node is filtered by the extender and scored (`percentageOfNodesToScore:
     /// 100`).
     All,
+    /// An explicit `percentageOfNodesToScore` (1-99), as the chart's dedicated scheduler may
+    /// set: the walk stops at that share of the nodes, never below 100 of them.
+    Percentage(u32),
 }
 
 /// A way of placing tasks.
@@ -663,6 +668,7 @@ impl KubeScheduler {
         let want = match self.to_score {
             NodesToScore::Adaptive => num_feasible_nodes_to_find(all),
             NodesToScore::All => all,
+            NodesToScore::Percentage(p) => num_feasible_nodes_to_find_at(all, p),
         };
         let start = if all == 0 {
             0
@@ -1516,6 +1522,16 @@ mod tests {
             assert_eq!(all.next_start_node_index, 0);
         }
         assert!(all.walk(0, |_| true).feasible.is_empty());
+        // The chart's profile (1 %): 100 nodes at 1,200, the next walk from node 100.
+        let mut chart = KubeScheduler::new(NodesToScore::Percentage(1), 0);
+        assert_eq!(
+            chart.walk(1_200, |_| true).feasible,
+            (0..100).collect::<Vec<_>>()
+        );
+        assert_eq!(
+            chart.walk(1_200, |_| true).feasible,
+            (100..200).collect::<Vec<_>>()
+        );
     }
 
     #[test]
