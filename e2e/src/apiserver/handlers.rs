@@ -26,7 +26,7 @@ use super::selector::Selector;
 use super::status::{self, ApiError, ApiResult};
 use super::store::Key;
 use super::watch::{self, Start, WatchRequest};
-use super::{App, Release, Verb, discovery, table};
+use super::{App, Release, Verb, discovery, managed, table};
 
 /// The longest a graceful deletion waits before the pod is removed (no kubelet confirms here).
 const MAX_GRACE: Duration = Duration::from_secs(2);
@@ -271,9 +271,16 @@ async fn handle(
         Verb::Create | Verb::Update | Verb::Patch | Verb::Delete => {
             // Accepted: from here on the write goes through even if the client hangs up
             // (dropping this handler), as on a real API server.
+            let manager = managed::manager(
+                params.get("fieldManager").map(String::as_str),
+                headers
+                    .get(header::USER_AGENT)
+                    .and_then(|h| h.to_str().ok()),
+            );
             let write = Write {
                 verb,
                 user,
+                manager,
                 target,
                 params,
                 content_type,
@@ -310,6 +317,8 @@ struct Write {
     verb: Verb,
     /// Who asked (admission sees it as `request.userInfo`).
     user: Caller,
+    /// The field manager its changes are recorded under (`managedFields`).
+    manager: String,
     target: Target,
     params: Params,
     content_type: String,
@@ -361,6 +370,7 @@ impl Write {
         let Write {
             verb,
             user,
+            manager,
             target,
             params,
             content_type,
@@ -373,9 +383,9 @@ impl Write {
             Verb::Create if target.subresource.as_deref() == Some("eviction") => {
                 evict(app, target, params, body)
             }
-            Verb::Create => create(app, user, target, params, content_type, body),
-            Verb::Update => update(app, user, target, params, content_type, body),
-            Verb::Patch => patch_object(app, user, target, params, content_type, body),
+            Verb::Create => create(app, (user, manager), target, params, content_type, body),
+            Verb::Update => update(app, (user, manager), target, params, content_type, body),
+            Verb::Patch => patch_object(app, (user, manager), target, params, content_type, body),
             Verb::Delete => delete(app, target, params, body),
             Verb::Get | Verb::List | Verb::Watch => Err(ApiError::method_not_allowed()),
         }
@@ -636,7 +646,7 @@ fn admit(
 
 fn create(
     app: &App,
-    user: &Caller,
+    (user, manager): (&Caller, &str),
     target: &Target,
     params: &Params,
     content_type: &str,
@@ -647,6 +657,7 @@ fn create(
     app.access
         .drop_disabled_fields(target.kind, &mut object, None);
     admit(app, user, target, Operation::Create, &object, None)?;
+    managed::track_create(&mut object, manager, target.kind.has_status());
     let name = meta_str(&object, "name").unwrap_or("").to_owned();
     let key = (target.namespace.clone().unwrap_or_default(), name.clone());
     app.store.write(|store| {
@@ -663,7 +674,7 @@ fn create(
 /// Shared by update and patch: store `new` over the current object, unless nothing changed.
 fn store_update(
     store: &mut super::store::Inner,
-    (app, user): (&App, &Caller),
+    (app, user, manager): (&App, &Caller, &str),
     target: &Target,
     current: &Value,
     new: Value,
@@ -672,6 +683,8 @@ fn store_update(
     let mut prepared = objects::prepare_update(target.kind, current, new, part(target))?;
     app.access
         .drop_disabled_fields(target.kind, &mut prepared, Some(current));
+    // The body's managedFields are not taken: the server records who changed what.
+    managed::keep_entries(current, &mut prepared);
     admit(
         app,
         user,
@@ -683,6 +696,12 @@ fn store_update(
     if &prepared == current || dry_run(params) {
         return Ok((StatusCode::OK, prepared));
     }
+    managed::track_update(
+        current,
+        &mut prepared,
+        manager,
+        target.subresource.as_deref(),
+    );
     let finished = prepared.pointer("/metadata/deletionTimestamp").is_some()
         && prepared
             .pointer("/metadata/finalizers")
@@ -709,7 +728,7 @@ fn current_or_404<'a>(store: &'a super::store::Inner, target: &Target) -> ApiRes
 
 fn update(
     app: &App,
-    user: &Caller,
+    (user, manager): (&Caller, &str),
     target: &Target,
     params: &Params,
     content_type: &str,
@@ -729,13 +748,13 @@ fn update(
         if !body_rv.is_empty() && Some(body_rv) != meta_str(&current, "resourceVersion") {
             return Err(ApiError::stale(target.kind.plural(), target.name()));
         }
-        store_update(store, (app, user), target, &current, new, params)
+        store_update(store, (app, user, manager), target, &current, new, params)
     })
 }
 
 fn patch_object(
     app: &App,
-    user: &Caller,
+    (user, manager): (&Caller, &str),
     target: &Target,
     params: &Params,
     content_type: &str,
@@ -756,7 +775,14 @@ fn patch_object(
                 "a patch may not change metadata.name",
             ));
         }
-        store_update(store, (app, user), target, &current, patched, params)
+        store_update(
+            store,
+            (app, user, manager),
+            target,
+            &current,
+            patched,
+            params,
+        )
     })
 }
 

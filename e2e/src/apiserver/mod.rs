@@ -41,6 +41,10 @@
 //! records each kind of request by who made it ([`Call`]: user, API group, resource, RBAC
 //! verb), so a test can hold the chart's RBAC against the calls our binaries really make.
 //!
+//! Field managers: every create, update and patch records its manager in
+//! `metadata.managedFields` ([`managed`]), so objects read and watched here are as large as on
+//! a real server and clients pay the same to decode them; bindings record none, as upstream.
+//!
 //! Graceful pod deletion: deleting a pod that is bound to a node with a grace period > 0
 //! (from the request, else the pod's `terminationGracePeriodSeconds`, defaulted to 30) first
 //! sets `deletionTimestamp`/`deletionGracePeriodSeconds` (a MODIFIED event), then removes the
@@ -51,6 +55,7 @@
 pub mod admission;
 mod discovery;
 mod handlers;
+mod managed;
 mod objects;
 mod patch;
 mod resources;

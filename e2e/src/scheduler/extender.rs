@@ -171,7 +171,12 @@ impl HttpExtender {
         self.config.bind_verb.as_deref().filter(|v| !v.is_empty())
     }
 
+    /// The body of a filter or prioritize call. The Pod goes without `managedFields`, as
+    /// kube-scheduler v1.36 sends it (its pod cache drops them; the captured requests in
+    /// `shared/fixtures` show it); Nodes go as they are.
     fn args(&self, pod: &Pod, nodes: &[Arc<Node>]) -> ExtenderArgs {
+        let mut pod = pod.clone();
+        pod.metadata.managed_fields = None;
         let names = || {
             nodes
                 .iter()
@@ -180,13 +185,13 @@ impl HttpExtender {
         };
         if self.config.node_cache_capable {
             ExtenderArgs {
-                pod: pod.clone(),
+                pod,
                 nodes: None,
                 node_names: Some(names()),
             }
         } else {
             ExtenderArgs {
-                pod: pod.clone(),
+                pod,
                 nodes: Some(NodeList {
                     metadata: ListMeta::default(),
                     items: nodes.iter().map(|n| (**n).clone()).collect(),

@@ -180,6 +180,11 @@ pub async fn run(cfg: &Config, bins: &Binaries, log_dir: &Path) -> anyhow::Resul
             .create(&client)
     }))
     .buffered(cfg.setup_concurrency)
+    .map_ok(|mut pod: Pod| {
+        // kube-scheduler v1.36 sends the Pod without managedFields (its pod cache drops them).
+        pod.metadata.managed_fields = None;
+        pod
+    })
     .try_collect()
     .await?;
     figure("set-up: pending pods created", secs(started.elapsed()));
