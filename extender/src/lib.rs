@@ -47,6 +47,7 @@ pub mod reservation;
 pub mod server;
 pub mod view;
 pub mod watch;
+pub mod watched_pod;
 pub mod wire;
 
 use std::future::Future;

@@ -1,9 +1,10 @@
 //! Keeps the view in step with the API server: one watch over Nodes, one over Pods (all
-//! namespaces). A (re)list is buffered and swapped in whole at `InitDone`, so the allocator
-//! is rebuilt from one consistent list, never from half of one.
+//! namespaces, decoded lean: [`WatchedPod`]). A (re)list is buffered and swapped in whole at
+//! `InitDone`, so the allocator is rebuilt from one consistent list, never from half of one.
 
 use futures::{Stream, StreamExt};
-use k8s_openapi::api::core::v1::{Container, Node, NodeStatus, Pod, PodSpec, PodStatus};
+use k8s_openapi::api::core::v1::{Node, NodeStatus};
+use k8s_openapi::apimachinery::pkg::apis::meta::v1::ObjectMeta;
 use kube::Api;
 use kube::runtime::WatchStreamExt;
 use kube::runtime::watcher::{self, Event};
@@ -11,6 +12,7 @@ use kube::runtime::watcher::{self, Event};
 use crate::api::AppState;
 use crate::kube_io::PodEvent;
 use crate::view::{PodFacts, PodWarning};
+use crate::watched_pod::WatchedPod;
 
 /// Follows Nodes until the stream ends (it ends only if the watcher gives up).
 pub async fn watch_nodes(client: kube::Client, state: AppState) {
@@ -37,13 +39,14 @@ pub async fn watch_nodes(client: kube::Client, state: AppState) {
     .await;
 }
 
-/// Follows Pods until the stream ends (it ends only if the watcher gives up).
+/// Follows Pods until the stream ends (it ends only if the watcher gives up). Pods are
+/// decoded lean ([`WatchedPod`]), then cut to gpushare's annotations.
 pub async fn watch_pods(client: kube::Client, state: AppState) {
-    let api: Api<Pod> = Api::all(client);
+    let api: Api<WatchedPod> = Api::all(client);
     let (_, domain) = watched_names(&state);
     let stream = watcher::watcher(api, watcher::Config::default())
         .default_backoff()
-        .modify(move |pod| trim_pod(pod, &domain));
+        .modify(move |pod| keep_domain_annotations(&mut pod.0.metadata, &domain));
     let warn = |warnings: Vec<PodWarning>| {
         for warning in warnings {
             state.events().send(PodEvent {
@@ -62,7 +65,7 @@ pub async fn watch_pods(client: kube::Client, state: AppState) {
         "pods",
         |event, buffer: &mut Vec<PodFacts>| match event {
             Event::Init => buffer.clear(),
-            Event::InitApply(pod) => buffer.extend(
+            Event::InitApply(WatchedPod(pod)) => buffer.extend(
                 PodFacts::read(&pod, &settings)
                     .filter(|facts| facts.concerns_gpushare() || facts.books_host()),
             ),
@@ -78,11 +81,11 @@ pub async fn watch_pods(client: kube::Client, state: AppState) {
                 };
                 warn(warnings);
             }
-            Event::Apply(pod) => {
+            Event::Apply(WatchedPod(pod)) => {
                 let warning = state.view_mut().apply_pod(&pod);
                 warn(warning.into_iter().collect());
             }
-            Event::Delete(pod) => state.view_mut().delete_pod(&pod),
+            Event::Delete(WatchedPod(pod)) => state.view_mut().delete_pod(&pod),
         },
     )
     .await;
@@ -101,42 +104,14 @@ fn watched_names(state: &AppState) -> (String, String) {
     (settings.resource.clone(), domain)
 }
 
-/// Keeps only what the view reads of a Pod: name, namespace, UID, gpushare's annotations,
-/// node name, the containers' names, resources and restart policies, and the phase.
+/// Keeps only gpushare's annotations (`<domain>/…`) of a watched pod: the rest of what
+/// [`WatchedPod`] decodes is what the view reads.
 ///
-/// Why: a relist of a large cluster is buffered until it is complete, and a full Pod is
-/// several KiB (managed fields, env, volumes, status); at 50,000 pods that alone is hundreds
-/// of MiB held at once.
-fn trim_pod(pod: &mut Pod, domain: &str) {
-    let metadata = &mut pod.metadata;
-    metadata.managed_fields = None;
-    metadata.labels = None;
-    metadata.owner_references = None;
+/// Why: a relist of a large cluster is buffered until it is complete; other annotations
+/// (`last-applied-configuration`, for one) can be KiBs per pod.
+fn keep_domain_annotations(metadata: &mut ObjectMeta, domain: &str) {
     if let Some(annotations) = metadata.annotations.as_mut() {
         annotations.retain(|key, _| key.starts_with(domain));
-    }
-    let trim_container = |c: &mut Container| Container {
-        name: std::mem::take(&mut c.name),
-        resources: c.resources.take(),
-        restart_policy: c.restart_policy.take(),
-        ..Container::default()
-    };
-    if let Some(spec) = pod.spec.as_mut() {
-        *spec = PodSpec {
-            node_name: spec.node_name.take(),
-            containers: spec.containers.iter_mut().map(trim_container).collect(),
-            init_containers: spec
-                .init_containers
-                .as_mut()
-                .map(|init| init.iter_mut().map(trim_container).collect()),
-            ..PodSpec::default()
-        };
-    }
-    if let Some(status) = pod.status.as_mut() {
-        *status = PodStatus {
-            phase: status.phase.take(),
-            ..PodStatus::default()
-        };
     }
 }
 
@@ -187,8 +162,8 @@ mod tests {
     use std::collections::BTreeMap;
 
     #[test]
-    fn trimming_keeps_what_the_view_reads() {
-        let mut pod: Pod = serde_json::from_value(serde_json::json!({
+    fn the_watch_keeps_what_the_view_reads() {
+        let WatchedPod(mut pod) = serde_json::from_value(serde_json::json!({
             "metadata": {
                 "name": "p", "namespace": "ns", "uid": "u1",
                 "labels": {"app": "x"},
@@ -205,7 +180,7 @@ mod tests {
             "status": {"phase": "Running", "podIP": "10.0.0.1"}
         }))
         .unwrap();
-        trim_pod(&mut pod, "gpushare.example.com/");
+        keep_domain_annotations(&mut pod.metadata, "gpushare.example.com/");
         let annotations: BTreeMap<_, _> = pod.metadata.annotations.clone().unwrap();
         assert_eq!(
             annotations.keys().collect::<Vec<_>>(),
