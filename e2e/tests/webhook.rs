@@ -144,6 +144,12 @@ async fn four_pods_fill_the_fuller_node_without_prioritize(
         stats.prioritize_calls
     );
     ensure!(stats.filter_calls >= 4 && stats.binds_ok >= 4, "{stats:?}");
+    // Over HTTPS, as kube-scheduler's transport does with an extender offering h2 by ALPN.
+    ensure!(
+        stats.answers_by_version.keys().eq(["HTTP/2.0"]),
+        "{:?}",
+        stats.answers_by_version
+    );
     Ok(())
 }
 

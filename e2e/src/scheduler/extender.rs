@@ -1,11 +1,17 @@
 //! One configured HTTP extender, called the way `HTTPExtender` in kube-scheduler calls it.
 //!
-//! `POST {urlPrefix}/{verb}` with a JSON body and `Content-Type: application/json` over a pooled
-//! keep-alive HTTP/1.1 client; any status other than 200 is an error and the body is discarded;
+//! `POST {urlPrefix}/{verb}` with a JSON body and `Content-Type: application/json`; any status
+//! other than 200 is an error and the body is discarded;
 //! each call is bounded by the extender's `httpTimeout`. An `https://` prefix is verified
 //! against `tlsConfig`'s CA and `serverName` (upstream's `makeTransport`); upstream trusts any
 //! certificate under `enableHTTPS` without a CA, which this driver refuses rather than copies. Error texts follow upstream's so the
 //! messages a test reads in `FailedScheduling` are those a real cluster would show.
+//!
+//! The protocol is upstream's too: its transport goes through `utilnet.SetTransportDefaults`,
+//! which configures HTTP/2, so over HTTPS it offers `h2` by ALPN and, with an extender that
+//! accepts it (ours does), sends every call as a stream of one long-lived connection; a call
+//! past `httpTimeout` is cancelled with a stream reset, the connection stays. Plain HTTP is
+//! HTTP/1.1 over a keep-alive pool, as Go's transport does without TLS.
 
 use std::sync::Arc;
 use std::time::{Duration, Instant};
@@ -126,7 +132,7 @@ fn connector(config: &ExtenderConfig) -> Result<HttpsConnector<HttpConnector>, E
             .map_err(|e| fail(format!("tlsConfig serverName {:?}: {e}", tls.server_name)))?;
         builder.with_server_name_resolver(FixedServerNameResolver::new(name))
     };
-    Ok(builder.enable_http1().wrap_connector(http))
+    Ok(builder.enable_all_versions().wrap_connector(http))
 }
 
 /// A configured extender plus its HTTP client.
@@ -313,6 +319,7 @@ impl HttpExtender {
                         url: url.clone(),
                         message: error_chain(&e),
                     })?;
+            self.stats.answer(response.version());
             let status = response.status();
             if status != http::StatusCode::OK {
                 return Err(ExtenderError::Status {

@@ -35,6 +35,9 @@ pub struct SchedulerStats {
     /// Binds running right now, and the most that ever ran at once.
     pub binds_in_flight: usize,
     pub peak_binds_in_flight: usize,
+    /// Extender answers by HTTP version (`HTTP/2.0`, `HTTP/1.1`): over HTTPS kube-scheduler's
+    /// transport negotiates HTTP/2 with an extender that offers it.
+    pub answers_by_version: std::collections::BTreeMap<String, u64>,
 }
 
 /// Which extender verb a call was.
@@ -56,6 +59,15 @@ impl StatsRecorder {
         self.0
             .lock()
             .unwrap_or_else(|poisoned| poisoned.into_inner())
+    }
+
+    /// An extender answered over `version`.
+    pub fn answer(&self, version: http::Version) {
+        *self
+            .lock()
+            .answers_by_version
+            .entry(format!("{version:?}"))
+            .or_default() += 1;
     }
 
     pub fn snapshot(&self) -> SchedulerStats {
