@@ -460,6 +460,11 @@ impl ExtenderTls {
         })
     }
 
+    /// A client configuration trusting the CA (no ALPN set; callers add theirs).
+    pub fn client_config(&self) -> Arc<rustls::ClientConfig> {
+        self.client.clone()
+    }
+
     /// What the scheduler's extender stanza says about TLS (as the chart renders it).
     pub fn scheduler_config(&self) -> ExtenderTlsConfig {
         ExtenderTlsConfig {
@@ -657,6 +662,12 @@ impl Extender {
             Some(addr) => http_get(addr, path).await,
             None => self.exchange(&get_request(self.launch.addr, path)).await,
         }
+    }
+
+    /// Where `/healthz`, `/readyz` and `/metrics` are served: the monitor port when the
+    /// scheduler-facing port serves TLS, else that port.
+    pub fn monitor_addr(&self) -> SocketAddr {
+        self.monitor.unwrap_or(self.launch.addr)
     }
 
     /// The TLS settings kube-scheduler needs to call this extender, if it serves TLS.

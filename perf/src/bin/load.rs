@@ -81,6 +81,11 @@ struct Args {
     /// node passes and the drive binds it without prioritize, as kube-scheduler does.
     #[arg(long, env = "LOAD_FILTER_KEEP_BEST", default_value_t = 0)]
     filter_keep_best: usize,
+    /// Call the extender over plain HTTP/1.1. By default it serves HTTPS, as the chart runs
+    /// it, and the harness speaks HTTP/2 to it over one connection, as kube-scheduler's
+    /// transport negotiates with it.
+    #[arg(long, env = "LOAD_PLAIN_HTTP", default_value_t = false)]
+    plain_http: bool,
     /// Skip the extender phase.
     #[arg(long, env = "LOAD_SKIP_EXTENDER", default_value_t = false)]
     skip_extender: bool,
@@ -116,6 +121,7 @@ async fn main() -> anyhow::Result<()> {
         setup_concurrency: args.setup_concurrency,
         prioritize: !args.no_prioritize,
         filter_keep_best: args.filter_keep_best,
+        plain_http: args.plain_http,
     };
     let allocate_cfg = allocate::Config {
         pods: args.allocate_pods,
@@ -198,6 +204,14 @@ fn print_configuration(args: &Args, extender_cfg: &extender::Config) {
         figure("pods in flight", args.concurrency);
         figure("filter NodeNames", extender_cfg.filter_description());
         figure("extender --filter-keep-best", args.filter_keep_best);
+        figure(
+            "scheduler → extender transport",
+            if args.plain_http {
+                "plain HTTP/1.1, a keep-alive pool (--plain-http)"
+            } else {
+                "HTTPS as the chart serves it, HTTP/2 on one connection (as kube-scheduler negotiates)"
+            },
+        );
         figure(
             "verbs per scheduling cycle",
             if extender_cfg.prioritize {

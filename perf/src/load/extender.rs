@@ -29,12 +29,15 @@ use anyhow::{Context, anyhow, bail};
 use futures::{StreamExt, TryStreamExt};
 use gpushare_contract::Keys;
 use gpushare_e2e::apiserver::{ApiServer, Verb};
-use gpushare_e2e::cluster::{Binaries, Extender, http_get, wait_for};
+use gpushare_e2e::cluster::{
+    Binaries, EXTENDER_SERVICE_HOST, Extender, ExtenderTls, free_port, http_get, wait_for,
+};
 use gpushare_e2e::fixtures::{node, pod};
 use gpushare_e2e::scheduler::wire::{self, ExtenderArgs, ExtenderBindingArgs};
 use gpushare_perf::workload::{MAX_BOUND_GIB, bound_pod, node_name};
 use http_body_util::{BodyExt, Full};
 use hyper::body::Bytes;
+use hyper_rustls::{FixedServerNameResolver, HttpsConnector, HttpsConnectorBuilder};
 use hyper_util::client::legacy::Client;
 use hyper_util::client::legacy::connect::HttpConnector;
 use hyper_util::rt::TokioExecutor;
@@ -80,6 +83,9 @@ pub struct Config {
     pub prioritize: bool,
     /// The extender's `--filter-keep-best`.
     pub filter_keep_best: usize,
+    /// Call the extender over plain HTTP/1.1 instead of the chart's way: HTTPS, where
+    /// kube-scheduler's transport negotiates HTTP/2 and sends every call on one connection.
+    pub plain_http: bool,
 }
 
 impl Config {
@@ -164,7 +170,28 @@ pub async fn run(cfg: &Config, bins: &Binaries, log_dir: &Path) -> anyhow::Resul
     if !cfg.prioritize {
         extender_args.push("--policy=binpack".to_owned());
     }
-    let extender = Extender::start(bins, &kubeconfig, &log, &extender_args).await?;
+    let tls = if cfg.plain_http {
+        None
+    } else {
+        let dir = log_dir.join("extender-tls");
+        std::fs::create_dir_all(&dir).with_context(|| format!("creating {}", dir.display()))?;
+        Some(ExtenderTls::generate(&dir)?)
+    };
+    let extender = match &tls {
+        None => Extender::start(bins, &kubeconfig, &log, &extender_args).await?,
+        Some(tls) => {
+            let mut extender = Extender::spawn_secured_on(
+                bins,
+                &kubeconfig,
+                &log,
+                &extender_args,
+                free_port()?,
+                (tls, free_port()?),
+            )?;
+            extender.wait_ready().await?;
+            extender
+        }
+    };
     figure(
         "extender start → ready (list + rebuild)",
         secs(started.elapsed()),
@@ -189,12 +216,9 @@ pub async fn run(cfg: &Config, bins: &Binaries, log_dir: &Path) -> anyhow::Resul
     .await?;
     figure("set-up: pending pods created", secs(started.elapsed()));
 
-    let http = Http::new(extender.url_prefix());
-    let addr: SocketAddr = extender
-        .base_url
-        .trim_start_matches("http://")
-        .parse()
-        .context("the extender's address")?;
+    let http = Http::new(extender.url_prefix(), tls.as_ref())?;
+    // Health and metrics: the monitor port when the extender serves HTTPS.
+    let addr: SocketAddr = extender.monitor_addr();
     if let Some(last) = newest(&pending) {
         let started = Instant::now();
         wait_until_binding(&http, addr, last, &node_name(0)).await?;
@@ -510,9 +534,11 @@ fn describe_outcomes(before: &BTreeMap<String, u64>, after: &BTreeMap<String, u6
     }
 }
 
-/// A keep-alive HTTP/1.1 client for the extender's verbs, counting what crosses the wire.
+/// A client for the extender's verbs, counting what crosses the wire: over HTTPS it offers h2
+/// by ALPN and multiplexes every call on one connection, as kube-scheduler's transport does;
+/// over plain HTTP a keep-alive HTTP/1.1 pool.
 struct Http {
-    client: Client<HttpConnector, Full<Bytes>>,
+    client: Client<HttpsConnector<HttpConnector>, Full<Bytes>>,
     prefix: String,
     /// Calls made, request body bytes sent, answer body bytes received: what kube-scheduler
     /// encodes and decodes for the extender in its scheduling cycle.
@@ -524,20 +550,44 @@ struct Http {
 }
 
 impl Http {
-    fn new(prefix: String) -> Self {
+    fn new(prefix: String, tls: Option<&ExtenderTls>) -> anyhow::Result<Self> {
         let mut connector = HttpConnector::new();
         connector.set_nodelay(true);
+        connector.enforce_http(false);
+        let connector = match tls {
+            Some(tls) => HttpsConnectorBuilder::new()
+                .with_tls_config((*tls.client_config()).clone())
+                .https_or_http()
+                .with_server_name_resolver(FixedServerNameResolver::new(
+                    rustls::pki_types::ServerName::try_from(EXTENDER_SERVICE_HOST)?,
+                ))
+                .enable_all_versions()
+                .wrap_connector(connector),
+            // Plain `http://` URLs never use the TLS settings: trust nothing.
+            None => HttpsConnectorBuilder::new()
+                .with_tls_config(
+                    rustls::ClientConfig::builder_with_provider(Arc::new(
+                        rustls::crypto::ring::default_provider(),
+                    ))
+                    .with_safe_default_protocol_versions()?
+                    .with_root_certificates(rustls::RootCertStore::empty())
+                    .with_no_client_auth(),
+                )
+                .https_or_http()
+                .enable_http1()
+                .wrap_connector(connector),
+        };
         let client = Client::builder(TokioExecutor::new())
             .pool_idle_timeout(Duration::from_secs(90))
             .build(connector);
-        Self {
+        Ok(Self {
             client,
             prefix,
             calls: AtomicU64::new(0),
             sent: AtomicU64::new(0),
             received: AtomicU64::new(0),
             by_verb: Mutex::new(BTreeMap::new()),
-        }
+        })
     }
 
     /// `filter 1.00 calls 7.9 KB in 6.1 KB out, …`: per verb, calls per scheduled pod and
@@ -837,6 +887,7 @@ mod tests {
             setup_concurrency: 2,
             prioritize: true,
             filter_keep_best: 0,
+            plain_http: false,
         }
     }
 
@@ -886,7 +937,7 @@ mod tests {
     #[test]
     fn candidate_windows_rotate() {
         let names: Vec<String> = (0..5).map(node_name).collect();
-        let http = || Http::new("http://127.0.0.1:1".to_owned());
+        let http = || Http::new("http://127.0.0.1:1".to_owned(), None).unwrap();
         let drive = Drive::new(http(), Vec::new(), names.clone(), 2);
         assert_eq!(drive.candidates(2), [node_name(4), node_name(0)]);
         assert_eq!(
@@ -899,7 +950,7 @@ mod tests {
     fn without_prioritize_the_most_requested_node_wins() {
         let names: Vec<String> = (0..3).map(node_name).collect();
         let drive = Drive::new(
-            Http::new("http://127.0.0.1:1".to_owned()),
+            Http::new("http://127.0.0.1:1".to_owned(), None).unwrap(),
             Vec::new(),
             names.clone(),
             0,
