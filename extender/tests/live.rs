@@ -506,6 +506,67 @@ async fn recreated_pod_is_not_confused_with_the_old_one() -> anyhow::Result<()> 
     Ok(())
 }
 
+/// The pod watch selects unfinished pods only (as kube-scheduler's informer does): a pod that
+/// finishes leaves it as a DELETED event, which frees its GPU for the next pod, and an
+/// extender started afterwards never lists it.
+#[tokio::test]
+async fn a_finished_pod_leaves_the_watch_and_frees_its_gpu() -> anyhow::Result<()> {
+    let server = ApiServer::start().await?;
+    let client = server.client();
+    node("n1").gpushare().gpus(&[8]).create(&client).await?;
+    let done = pod("done").gpu_mem(8).create(&client).await?;
+    let next = pod("next").gpu_mem(8).create(&client).await?;
+    let extender = Extender::start(client.clone()).await?;
+    assert_eq!(
+        extender
+            .bind(&done, "n1")
+            .await
+            .map_err(anyhow::Error::msg)?,
+        ""
+    );
+    extender.settled().await?;
+    assert_eq!(
+        extender.filter(&next, &["n1"]).await["NodeNames"],
+        json!([])
+    );
+
+    let pods: Api<Pod> = Api::namespaced(client.clone(), "default");
+    pods.patch_status(
+        "done",
+        &kube::api::PatchParams::default(),
+        &kube::api::Patch::Merge(json!({"status": {"phase": "Succeeded"}})),
+    )
+    .await?;
+    wait_for(
+        "the finished pod's GPU to be free",
+        Duration::from_secs(20),
+        || async {
+            (extender.filter(&next, &["n1"]).await["NodeNames"] == json!(["n1"])).then_some(())
+        },
+    )
+    .await?;
+    // The pod watch asked for unfinished pods only.
+    let selected = server.stats().field_selectors("pods");
+    assert!(
+        selected
+            .iter()
+            .any(|s| s == gpushare_extender::watch::UNFINISHED_PODS),
+        "{selected:?}"
+    );
+    drop(extender);
+
+    // A fresh extender lists the node with its GPU free.
+    let extender = Extender::start(client.clone()).await?;
+    assert_eq!(
+        extender
+            .bind(&next, "n1")
+            .await
+            .map_err(anyhow::Error::msg)?,
+        ""
+    );
+    Ok(())
+}
+
 #[tokio::test]
 async fn pod_deleted_between_filter_and_bind_releases_the_reservation() -> anyhow::Result<()> {
     let server = ApiServer::start().await?;

@@ -223,6 +223,12 @@ async fn handle(
     };
     app.stats
         .record(&user, verb, target.kind.group(), &target.resource());
+    if matches!(verb, Verb::List | Verb::Watch)
+        && let Some(selector) = params.get("fieldSelector").filter(|s| !s.is_empty())
+    {
+        app.stats
+            .record_field_selector(&target.resource(), selector);
+    }
     if let Some(code) = app.faults.draw_error(verb) {
         tracing::debug!(?verb, resource = %target.resource(), code, "injecting a failure");
         return ApiError::injected(code).into_response();

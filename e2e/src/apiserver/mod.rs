@@ -66,7 +66,7 @@ mod table;
 mod watch;
 mod webhooks;
 
-use std::collections::{BTreeMap, HashMap};
+use std::collections::{BTreeMap, BTreeSet, HashMap};
 use std::net::SocketAddr;
 use std::path::Path;
 use std::sync::{Arc, Mutex, RwLock};
@@ -714,6 +714,8 @@ impl std::fmt::Display for Call {
 #[derive(Clone, Default)]
 pub struct Stats {
     calls: Arc<Mutex<BTreeMap<Call, u64>>>,
+    /// The field selectors lists and watches asked for, by resource.
+    field_selectors: Arc<Mutex<BTreeMap<String, BTreeSet<String>>>>,
 }
 
 impl Stats {
@@ -731,6 +733,25 @@ impl Stats {
             verb,
         };
         *self.calls_mut().entry(call).or_default() += 1;
+    }
+
+    pub(crate) fn record_field_selector(&self, resource: &str, selector: &str) {
+        self.field_selectors
+            .lock()
+            .unwrap_or_else(|poison| poison.into_inner())
+            .entry(resource.to_owned())
+            .or_default()
+            .insert(selector.to_owned());
+    }
+
+    /// The distinct field selectors lists and watches of `resource` asked for.
+    pub fn field_selectors(&self, resource: &str) -> BTreeSet<String> {
+        self.field_selectors
+            .lock()
+            .unwrap_or_else(|poison| poison.into_inner())
+            .get(resource)
+            .cloned()
+            .unwrap_or_default()
     }
 
     /// Requests seen so far with `verb` on `resource` ("pods", "nodes", "events", "leases",
