@@ -45,6 +45,12 @@ pub struct Config {
     /// (preferred affinities, topology spreading) for GPU pods.
     #[arg(long, env = "GPUSHARE_FILTER_KEEP_BEST", default_value_t = 0)]
     pub filter_keep_best: usize,
+    /// Runtime worker threads (0: one per CPU the process may use, which honours the
+    /// container's CPU limit: the chart's limit of 1 CPU gives one). Each call from
+    /// kube-scheduler arrives alone in its serial scheduling cycle; with fewer threads it is
+    /// handled without waking and handing work between them.
+    #[arg(long, env = "GPUSHARE_WORKER_THREADS", default_value_t = 0)]
+    pub worker_threads: usize,
     /// Also serve /healthz, /readyz and /metrics, and nothing else, over plain HTTP here:
     /// for probes, Prometheus and a NetworkPolicy that admits only the scheduler to --listen.
     #[arg(long, env = "GPUSHARE_MONITOR_LISTEN")]
@@ -176,6 +182,7 @@ impl Default for Config {
             domain: DEFAULT_DOMAIN.to_owned(),
             policy: Policy::Fragmentation,
             filter_keep_best: 0,
+            worker_threads: 0,
             monitor_listen: None,
             tls_cert: None,
             tls_key: None,
@@ -216,6 +223,7 @@ mod tests {
         assert_eq!(parsed.prefix, default.prefix);
         assert_eq!(parsed.policy, default.policy);
         assert_eq!(parsed.filter_keep_best, default.filter_keep_best);
+        assert_eq!(parsed.worker_threads, default.worker_threads);
         let shortlist = Config::try_parse_from(["x", "--filter-keep-best", "1"]).unwrap();
         assert_eq!(shortlist.filter_keep_best, 1);
         assert!(Config::try_parse_from(["x", "--filter-keep-best", "-1"]).is_err());

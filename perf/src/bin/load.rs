@@ -86,6 +86,10 @@ struct Args {
     /// transport negotiates with it.
     #[arg(long, env = "LOAD_PLAIN_HTTP", default_value_t = false)]
     plain_http: bool,
+    /// The extender's `--worker-threads`. 1 by default: the chart limits the extender to one
+    /// CPU, and its runtime starts one worker per CPU it may use. 0: one per core here.
+    #[arg(long, env = "LOAD_EXTENDER_WORKER_THREADS", default_value_t = 1)]
+    extender_worker_threads: usize,
     /// Skip the extender phase.
     #[arg(long, env = "LOAD_SKIP_EXTENDER", default_value_t = false)]
     skip_extender: bool,
@@ -122,6 +126,7 @@ async fn main() -> anyhow::Result<()> {
         prioritize: !args.no_prioritize,
         filter_keep_best: args.filter_keep_best,
         plain_http: args.plain_http,
+        extender_worker_threads: args.extender_worker_threads,
     };
     let allocate_cfg = allocate::Config {
         pods: args.allocate_pods,
@@ -204,6 +209,7 @@ fn print_configuration(args: &Args, extender_cfg: &extender::Config) {
         figure("pods in flight", args.concurrency);
         figure("filter NodeNames", extender_cfg.filter_description());
         figure("extender --filter-keep-best", args.filter_keep_best);
+        figure("extender --worker-threads", args.extender_worker_threads);
         figure(
             "scheduler → extender transport",
             if args.plain_http {

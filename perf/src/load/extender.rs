@@ -86,6 +86,8 @@ pub struct Config {
     /// Call the extender over plain HTTP/1.1 instead of the chart's way: HTTPS, where
     /// kube-scheduler's transport negotiates HTTP/2 and sends every call on one connection.
     pub plain_http: bool,
+    /// The extender's `--worker-threads` (0: one per CPU of this machine).
+    pub extender_worker_threads: usize,
 }
 
 impl Config {
@@ -166,7 +168,10 @@ pub async fn run(cfg: &Config, bins: &Binaries, log_dir: &Path) -> anyhow::Resul
     let started = Instant::now();
     // The chart's policy (the binary's default) with prioritize; without it, `binpack`, the
     // only policy the chart pairs with `scheduler.nativeGpuScoring`.
-    let mut extender_args = vec![format!("--filter-keep-best={}", cfg.filter_keep_best)];
+    let mut extender_args = vec![
+        format!("--filter-keep-best={}", cfg.filter_keep_best),
+        format!("--worker-threads={}", cfg.extender_worker_threads),
+    ];
     if !cfg.prioritize {
         extender_args.push("--policy=binpack".to_owned());
     }
@@ -888,6 +893,7 @@ mod tests {
             prioritize: true,
             filter_keep_best: 0,
             plain_http: false,
+            extender_worker_threads: 1,
         }
     }
 
