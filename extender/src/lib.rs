@@ -180,6 +180,7 @@ pub async fn serve(
         app,
         tls,
         stop.clone(),
+        election.is_some().then(|| state.leadership().clone()),
     )));
     let mut monitor = match config.monitor_listen {
         Some(addr) => {
@@ -192,6 +193,7 @@ pub async fn serve(
                 api::monitor_router(state.clone()),
                 None,
                 stop.clone(),
+                None,
             ))))
         }
         None => None,

@@ -3,6 +3,16 @@
 //! shutdown lets in-flight requests finish before closing. With a certificate and key the
 //! same loop serves HTTPS (rustls; the handshake runs in the connection's task, so a slow
 //! client cannot stall the accept loop).
+//!
+//! A replica cut off from the API server lets go of kube-scheduler's connections. Over
+//! HTTPS, kube-scheduler speaks HTTP/2 and sends every call down one long-lived connection;
+//! a Service routes a connection, not a call, so that connection would pin the scheduler to a
+//! replica that can no longer bind (its lease is stale, it cannot reach the leader to forward)
+//! for as long as the partition lasts, readiness probes or not: taking a pod out of the
+//! endpoints does not end connections already made. So while [`Leadership::reaches_api`] is
+//! false, every connection is asked to close gracefully (HTTP/2 GOAWAY: calls under way
+//! finish, new ones go to a new connection), and the scheduler dials again, reaching a replica
+//! that can serve.
 
 use std::path::Path;
 use std::sync::Arc;
@@ -20,6 +30,8 @@ use tokio_rustls::rustls;
 use tokio_rustls::rustls::pki_types::pem::PemObject;
 use tokio_rustls::rustls::pki_types::{CertificateDer, PrivateKeyDer};
 use tokio_util::sync::CancellationToken;
+
+use crate::leader::Leadership;
 
 /// Why the TLS configuration could not be loaded.
 #[derive(Debug, thiserror::Error)]
@@ -89,15 +101,22 @@ pub fn tls_acceptor(cert: &Path, key: &Path) -> Result<TlsAcceptor, TlsError> {
 /// How long a shutdown waits for in-flight requests.
 const DRAIN: Duration = Duration::from_secs(10);
 
+/// How often the accept loop checks whether this replica still reaches the API server.
+const CUT_OFF_CHECK: Duration = Duration::from_millis(250);
+
 /// Serves `app` on `listener` (over TLS when `tls` is given) until `stop` is cancelled,
-/// then drains.
+/// then drains. With `leadership`, connections are let go while the replica is cut off from
+/// the API server (see the module docs).
 pub async fn serve_http(
     listener: TcpListener,
     app: Router,
     tls: Option<TlsAcceptor>,
     stop: CancellationToken,
+    leadership: Option<Leadership>,
 ) {
-    let graceful = GracefulShutdown::new();
+    let mut graceful = GracefulShutdown::new();
+    let mut check = tokio::time::interval(CUT_OFF_CHECK);
+    check.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
     let builder = Builder::new(TokioExecutor::new());
     let mut connections = JoinSet::new();
     loop {
@@ -148,6 +167,21 @@ pub async fn serve_http(
                 }
             }
             Some(_) = connections.join_next(), if !connections.is_empty() => {}
+            _ = check.tick(), if leadership.is_some() => {
+                if leadership.as_ref().is_none_or(Leadership::reaches_api) {
+                    continue;
+                }
+                // Every connection made so far closes gracefully; later ones are watched
+                // afresh and let go at a later check if the replica is still cut off.
+                let cut_off = std::mem::replace(&mut graceful, GracefulShutdown::new());
+                if cut_off.count() > 0 {
+                    tracing::warn!(
+                        connections = cut_off.count(),
+                        "cut off from the API server: closing the scheduler's connections so it dials a replica that can bind"
+                    );
+                }
+                connections.spawn(cut_off.shutdown());
+            }
         }
     }
     drop(listener);
