@@ -117,6 +117,7 @@ pub async fn serve_http(
     let mut graceful = GracefulShutdown::new();
     let mut check = tokio::time::interval(CUT_OFF_CHECK);
     check.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+    let mut was_cut_off = false;
     let builder = Builder::new(TokioExecutor::new());
     let mut connections = JoinSet::new();
     loop {
@@ -168,19 +169,17 @@ pub async fn serve_http(
             }
             Some(_) = connections.join_next(), if !connections.is_empty() => {}
             _ = check.tick(), if leadership.is_some() => {
-                if leadership.as_ref().is_none_or(Leadership::reaches_api) {
-                    continue;
+                let cut_off = leadership.as_ref().is_some_and(|l| !l.reaches_api());
+                if cut_off && !was_cut_off {
+                    tracing::warn!("cut off from the API server: closing the scheduler's connections so it dials a replica that can bind");
                 }
+                was_cut_off = cut_off;
                 // Every connection made so far closes gracefully; later ones are watched
                 // afresh and let go at a later check if the replica is still cut off.
-                let cut_off = std::mem::replace(&mut graceful, GracefulShutdown::new());
-                if cut_off.count() > 0 {
-                    tracing::warn!(
-                        connections = cut_off.count(),
-                        "cut off from the API server: closing the scheduler's connections so it dials a replica that can bind"
-                    );
+                if cut_off && graceful.count() > 0 {
+                    let closing = std::mem::replace(&mut graceful, GracefulShutdown::new());
+                    connections.spawn(closing.shutdown());
                 }
-                connections.spawn(cut_off.shutdown());
             }
         }
     }

@@ -506,17 +506,26 @@ async fn recreated_pod_is_not_confused_with_the_old_one() -> anyhow::Result<()> 
     Ok(())
 }
 
-/// The pod watch selects unfinished pods only (as kube-scheduler's informer does): a pod that
-/// finishes leaves it as a DELETED event, which frees its GPU for the next pod, and an
-/// extender started afterwards never lists it.
-#[tokio::test]
-async fn a_finished_pod_leaves_the_watch_and_frees_its_gpu() -> anyhow::Result<()> {
+/// One node with one 8 GiB GPU, two pending 8 GiB pods named `first` and `next`, and an
+/// extender that has seen them all.
+async fn one_gpu_two_pods(
+    first: &str,
+) -> anyhow::Result<(ApiServer, kube::Client, Pod, Pod, Extender)> {
     let server = ApiServer::start().await?;
     let client = server.client();
     node("n1").gpushare().gpus(&[8]).create(&client).await?;
-    let done = pod("done").gpu_mem(8).create(&client).await?;
+    let first = pod(first).gpu_mem(8).create(&client).await?;
     let next = pod("next").gpu_mem(8).create(&client).await?;
     let extender = Extender::start(client.clone()).await?;
+    Ok((server, client, first, next, extender))
+}
+
+/// The pod watch selects unfinished pods only (as kube-scheduler's informer does): a pod that
+/// finishes leaves it as a DELETED event, which frees its GPU for the next pod, and an
+/// extender started afterwards finds the GPU free.
+#[tokio::test]
+async fn a_finished_pod_leaves_the_watch_and_frees_its_gpu() -> anyhow::Result<()> {
+    let (server, client, done, next, extender) = one_gpu_two_pods("done").await?;
     assert_eq!(
         extender
             .bind(&done, "n1")
@@ -569,12 +578,7 @@ async fn a_finished_pod_leaves_the_watch_and_frees_its_gpu() -> anyhow::Result<(
 
 #[tokio::test]
 async fn pod_deleted_between_filter_and_bind_releases_the_reservation() -> anyhow::Result<()> {
-    let server = ApiServer::start().await?;
-    let client = server.client();
-    node("n1").gpushare().gpus(&[8]).create(&client).await?;
-    let gone = pod("gone").gpu_mem(8).create(&client).await?;
-    let next = pod("next").gpu_mem(8).create(&client).await?;
-    let extender = Extender::start(client.clone()).await?;
+    let (_server, client, gone, next, extender) = one_gpu_two_pods("gone").await?;
     assert_eq!(
         extender.filter(&gone, &["n1"]).await["NodeNames"],
         json!(["n1"])
