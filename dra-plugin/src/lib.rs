@@ -25,9 +25,14 @@
 //! health file) re-publish the slice, where an unhealthy GPU's device carries a `NoSchedule`
 //! taint so that no new claim gets it ([`slice`] says why a taint and when a withdrawal).
 //!
-//! Not done yet: metrics and probes.
+//! Probes ([`probes`]): `/healthz`, and `/readyz` that turns ready only once kubelet has
+//! reported the registration successful, so that a rollout waits for kubelet rather than for
+//! the process.
+//!
+//! Not done yet: metrics.
 
 use std::future::Future;
+use std::net::SocketAddr;
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
 
@@ -39,11 +44,11 @@ use gpushare_device_plugin::backend::{
     BackendError, GpuBackend, nvml::NvmlBackend, simulated::SimulatedBackend,
 };
 use gpushare_proto::DEFAULT_PLUGIN_REGISTRY_DIR;
+use gpushare_proto::authority;
 use gpushare_proto::dra::v1::dra_plugin_server::DraPluginServer;
 use gpushare_proto::pluginregistration::registration_server::RegistrationServer;
 use k8s_openapi::api::resource::v1::ResourceSlice;
 use tokio::net::UnixListener;
-use tokio_stream::wrappers::UnixListenerStream;
 use tokio_util::sync::CancellationToken;
 use tonic::transport::Server;
 
@@ -51,6 +56,7 @@ pub mod cdi;
 pub mod checkpoint;
 pub mod health;
 pub mod prepare;
+pub mod probes;
 pub use gpushare_contract::quantity;
 pub mod service;
 pub mod slice;
@@ -108,6 +114,10 @@ pub struct Config {
         default_value = "/tmp/nvidia-mps"
     )]
     pub mps_pipe_directory: String,
+    /// Address of the HTTP probes: `/healthz` (the plugin runs) and `/readyz` (kubelet has
+    /// registered it); port 0 picks a free port.
+    #[arg(long, env = "PROBE_ADDR", default_value = "0.0.0.0:9402")]
+    pub probe_addr: SocketAddr,
     /// Log format.
     #[arg(long, env = "LOG_FORMAT", value_enum, default_value_t = LogFormat::Text)]
     pub log_format: LogFormat,
@@ -153,6 +163,26 @@ pub enum Error {
         /// the transport error
         #[source]
         source: tonic::transport::Error,
+    },
+    /// The probe address could not be bound.
+    #[error(
+        "cannot listen on {addr} for the probes (/healthz, /readyz): {source}; is another process on that port? --probe-addr (PROBE_ADDR) chooses another"
+    )]
+    ProbeBind {
+        /// the address
+        addr: SocketAddr,
+        /// the cause
+        #[source]
+        source: std::io::Error,
+    },
+    /// The probe server stopped before shutdown.
+    #[error("the probe server on {addr} failed: {source}")]
+    Probes {
+        /// the address it listened on
+        addr: SocketAddr,
+        /// the cause
+        #[source]
+        source: std::io::Error,
     },
 }
 
@@ -206,7 +236,8 @@ fn bind(path: &Path) -> Result<UnixListener> {
 
 /// Runs the plugin against `client` until `shutdown` resolves: publishes the slice, then
 /// serves the DRA socket and the registration socket (registration socket last, so kubelet
-/// never finds us before we can answer). Either server failing ends the plugin.
+/// never finds us before we can answer), and the probes beside them. Any server failing
+/// ends the plugin.
 pub async fn run_with_client(
     config: Config,
     client: kube::Client,
@@ -220,6 +251,20 @@ pub async fn run_with_client(
     }
     let checkpoint_path = config.plugin_dir.join(CHECKPOINT);
     let checkpoint = checkpoint::Checkpoint::load(&checkpoint_path)?;
+    // Bound before anything is published or served: a taken port fails the start at once.
+    let probe_listener = tokio::net::TcpListener::bind(config.probe_addr)
+        .await
+        .map_err(|source| Error::ProbeBind {
+            addr: config.probe_addr,
+            source,
+        })?;
+    // What was bound (port 0 picks one): the address the logs and errors name.
+    let probe_addr = probe_listener
+        .local_addr()
+        .map_err(|source| Error::ProbeBind {
+            addr: config.probe_addr,
+            source,
+        })?;
     let slices = kube::Api::<ResourceSlice>::all(client.clone());
     // Every GPU is healthy at start (the backend's contract), so no taint can be dropped yet.
     slice::publish(
@@ -249,19 +294,22 @@ pub async fn run_with_client(
     });
     let dra_socket = config.plugin_dir.join(DRA_SOCKET);
     let dra_listener = bind(&dra_socket)?;
+    // Both servers read through `authority::unix_incoming`: kubelet may send the socket path
+    // as `:authority`, which h2 would reset the call for.
     let dra = tokio::spawn(
         Server::builder()
             .add_service(DraPluginServer::new(service::DraService::new(
                 node, client, checkpoint,
             )))
             .serve_with_incoming_shutdown(
-                UnixListenerStream::new(dra_listener),
+                authority::unix_incoming(dra_listener),
                 stop.clone().cancelled_owned(),
             ),
     );
     let registration_socket = config.registration_socket();
     let registration_listener = bind(&registration_socket)?;
-    let (registered, _) = tokio::sync::watch::channel(false);
+    let (registered, registration_state) =
+        tokio::sync::watch::channel(service::RegistrationState::default());
     let registration = tokio::spawn(
         Server::builder()
             .add_service(RegistrationServer::new(service::RegistrationService::new(
@@ -270,10 +318,15 @@ pub async fn run_with_client(
                 registered,
             )))
             .serve_with_incoming_shutdown(
-                UnixListenerStream::new(registration_listener),
+                authority::unix_incoming(registration_listener),
                 stop.clone().cancelled_owned(),
             ),
     );
+    let probe_server = tokio::spawn(probes::serve(
+        probe_listener,
+        registration_state,
+        stop.clone(),
+    ));
     // Health changes re-publish the slice from now on (the servers are up: nothing below
     // can fail before the task is stopped and awaited).
     let health = tokio::spawn(
@@ -286,7 +339,7 @@ pub async fn run_with_client(
         }
         .run(stop.clone()),
     );
-    tracing::info!(dra = %dra_socket.display(), registration = %registration_socket.display(), "serving");
+    tracing::info!(dra = %dra_socket.display(), registration = %registration_socket.display(), probes = %probe_addr, "serving");
 
     // Either server ending before shutdown is a failure: the plugin ends loudly, and its
     // DaemonSet restarts it.
@@ -297,8 +350,8 @@ pub async fn run_with_client(
             Err(join) => io(path)(std::io::Error::other(join)),
         }
     };
-    let (mut dra, mut registration) = (dra, registration);
-    let (mut dra_done, mut registration_done) = (false, false);
+    let (mut dra, mut registration, mut probe_server) = (dra, registration, probe_server);
+    let (mut dra_done, mut registration_done, mut probe_server_done) = (false, false, false);
     let outcome = tokio::select! {
         () = shutdown => Ok(()),
         result = &mut dra => {
@@ -308,6 +361,15 @@ pub async fn run_with_client(
         result = &mut registration => {
             registration_done = true;
             Err(ended("registration", &registration_socket, result))
+        }
+        result = &mut probe_server => {
+            probe_server_done = true;
+            let source = match result {
+                Ok(Err(source)) => source,
+                Ok(Ok(())) => std::io::Error::other("it stopped"),
+                Err(join) => std::io::Error::other(join),
+            };
+            Err(Error::Probes { addr: probe_addr, source })
         }
     };
     stop.cancel();
@@ -323,6 +385,9 @@ pub async fn run_with_client(
         if let Ok(Err(err)) = handle.await {
             tracing::warn!(error = %err, "a gRPC server ended with an error on shutdown");
         }
+    }
+    if !probe_server_done && let Ok(Err(err)) = probe_server.await {
+        tracing::warn!(error = %err, "the probe server ended with an error on shutdown");
     }
     tracing::info!("DRA plugin stopped");
     outcome

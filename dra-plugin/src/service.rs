@@ -206,12 +206,26 @@ impl<C: ClaimSource> DraPlugin for DraService<C> {
     }
 }
 
+/// What kubelet last told us about our registration (`NotifyRegistrationStatus`); the
+/// readiness probe ([`crate::probes`]) answers from it.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub enum RegistrationState {
+    /// kubelet has not answered since the plugin started: it may not have found the
+    /// registration socket yet, or not called `GetInfo`.
+    #[default]
+    Pending,
+    /// kubelet registered the plugin: it sends claims to the DRA socket.
+    Registered,
+    /// kubelet refused the registration, with its error.
+    Refused(String),
+}
+
 /// The registration service kubelet's plugin watcher calls on our registry socket.
 #[derive(Debug, Clone)]
 pub struct RegistrationService {
     driver: String,
     endpoint: PathBuf,
-    registered: tokio::sync::watch::Sender<bool>,
+    registered: tokio::sync::watch::Sender<RegistrationState>,
 }
 
 impl RegistrationService {
@@ -220,7 +234,7 @@ impl RegistrationService {
     pub fn new(
         driver: String,
         endpoint: PathBuf,
-        registered: tokio::sync::watch::Sender<bool>,
+        registered: tokio::sync::watch::Sender<RegistrationState>,
     ) -> Self {
         Self {
             driver,
@@ -246,12 +260,14 @@ impl Registration for RegistrationService {
         request: Request<RegistrationStatus>,
     ) -> Result<Response<RegistrationStatusResponse>, Status> {
         let status = request.into_inner();
-        if status.plugin_registered {
+        let state = if status.plugin_registered {
             tracing::info!(driver = %self.driver, "registered with kubelet");
+            RegistrationState::Registered
         } else {
             tracing::error!(driver = %self.driver, error = %status.error, "kubelet refused the registration");
-        }
-        self.registered.send_replace(status.plugin_registered);
+            RegistrationState::Refused(status.error)
+        };
+        self.registered.send_replace(state);
         Ok(Response::new(RegistrationStatusResponse {}))
     }
 }

@@ -7,7 +7,9 @@ use std::sync::{Arc, Mutex};
 
 use gpushare_contract::GpuInfo;
 use gpushare_dra_plugin::checkpoint::Checkpoint;
-use gpushare_dra_plugin::service::{ClaimSource, DraService, Node, RegistrationService};
+use gpushare_dra_plugin::service::{
+    ClaimSource, DraService, Node, RegistrationService, RegistrationState,
+};
 use gpushare_proto::dra::v1::dra_plugin_client::DraPluginClient;
 use gpushare_proto::dra::v1::dra_plugin_server::DraPluginServer;
 use gpushare_proto::dra::v1::{Claim, NodePrepareResourcesRequest, NodeUnprepareResourcesRequest};
@@ -217,7 +219,7 @@ async fn registration_names_the_driver_and_its_socket() {
     let dir = tempfile::tempdir().unwrap();
     let socket = dir.path().join("reg.sock");
     let listener = UnixListener::bind(&socket).unwrap();
-    let (registered, mut seen) = tokio::sync::watch::channel(false);
+    let (registered, mut seen) = tokio::sync::watch::channel(RegistrationState::Pending);
     let service =
         RegistrationService::new(DRIVER.to_owned(), dir.path().join("dra.sock"), registered);
     let stop = CancellationToken::new();
@@ -245,6 +247,20 @@ async fn registration_names_the_driver_and_its_socket() {
         })
         .await
         .unwrap();
-    seen.wait_for(|registered| *registered).await.unwrap();
+    seen.wait_for(|state| *state == RegistrationState::Registered)
+        .await
+        .unwrap();
+    // A refusal keeps kubelet's reason, for the readiness probe to show.
+    client
+        .notify_registration_status(RegistrationStatus {
+            plugin_registered: false,
+            error: "plugin already registered".to_owned(),
+        })
+        .await
+        .unwrap();
+    assert_eq!(
+        *seen.borrow(),
+        RegistrationState::Refused("plugin already registered".to_owned())
+    );
     stop.cancel();
 }

@@ -47,6 +47,13 @@ use crate::kubelet::{AdmissionOrder, KubeletDriver};
 use crate::scheduler::wire::{ExtenderBindingArgs, decode_binding_result};
 use crate::scheduler::{ExtenderConfig, ExtenderTlsConfig, SchedulerConfig, SchedulerDriver};
 
+/// The scheduler driver's longest retry backoff in a [`TestCluster`] (kube-scheduler's is
+/// 10 s; shorter here so scenarios stay quick). A test waiting for pods to settle must wait
+/// longer than this and [`SCHEDULER_UNSCHEDULABLE_RETRY`].
+pub const SCHEDULER_BACKOFF_MAX: Duration = Duration::from_millis(500);
+/// How soon the scheduler driver retries an unschedulable pod in a [`TestCluster`].
+pub const SCHEDULER_UNSCHEDULABLE_RETRY: Duration = Duration::from_millis(300);
+
 /// The resource name every scenario uses.
 pub const RESOURCE: &str = gpushare_contract::DEFAULT_RESOURCE;
 
@@ -1113,8 +1120,8 @@ impl TestCluster {
             // kube-scheduler runs every bind in a goroutine of its own, unbounded.
             parallel_binds: UNBOUNDED_BINDS,
             backoff_initial: Duration::from_millis(50),
-            backoff_max: Duration::from_millis(500),
-            unschedulable_retry: Duration::from_millis(300),
+            backoff_max: SCHEDULER_BACKOFF_MAX,
+            unschedulable_retry: SCHEDULER_UNSCHEDULABLE_RETRY,
             ..SchedulerConfig::default()
         };
         let config = if self.spec.dedicated {

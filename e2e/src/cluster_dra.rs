@@ -209,6 +209,9 @@ impl DraCluster {
                 &sizes,
                 "--simulate-health-file",
                 &health_file.display().to_string(),
+                // Any free port: nodes' plugins run side by side, and tests in parallel.
+                "--probe-addr",
+                "127.0.0.1:0",
             ]
             .iter()
             .map(|a| (*a).to_owned())

@@ -16,6 +16,8 @@
 //! - [`cluster_dra`]: the same in DRA mode: the real `gpushare-dra-plugin` per node, the DRA
 //!   scheduler driver, no extender.
 //! - [`front`]: a round-robin TCP front over several extender replicas, as a Service is.
+//! - [`realk8s`]: the real-Kubernetes tier: the kit of `../shared/realk8s` set up, the chart
+//!   installed by helm, container environments read from the real runtime's record.
 //! - [`scenarios`]: the user stories, written once, run here and on a real cluster.
 //! - [`tools`]: installs kubectl and helm from the project's own script, for tests that need them.
 
@@ -26,6 +28,7 @@ pub mod fixtures;
 pub mod front;
 pub mod kubelet;
 pub mod kubelet_dra;
+pub mod realk8s;
 pub mod resourceclaim;
 pub mod scenarios;
 pub mod scheduler;

@@ -1604,6 +1604,71 @@ fn dra_mode_installs_the_dra_driver_and_nothing_of_extender_mode() -> anyhow::Re
     Ok(())
 }
 
+/// DRA mode: the plugin's pod is ready only once kubelet has registered the driver, through
+/// the binary's own probe paths on the port it is told to listen on; the args the chart
+/// passes are ones the binary accepts, and `dra.probePort` moves the flag and the port
+/// together.
+#[test]
+fn the_dra_plugin_is_probed_where_it_listens() -> anyhow::Result<()> {
+    use clap::Parser as _;
+    use gpushare_dra_plugin::probes::{HEALTHZ, READYZ};
+    for (extra, port) in [(None, 9402), (Some("dra.probePort=9555"), 9555)] {
+        let mut set = vec!["--set", "mode=dra"];
+        set.extend(extra.iter().flat_map(|e| ["--set", *e]));
+        let rendered = render("gpushare", "kube-system", &set)?;
+        let ds: DaemonSet = rendered.get("DaemonSet", "gpushare-dra-plugin")?;
+        let spec = ds
+            .spec
+            .and_then(|s| s.template.spec)
+            .context("no pod spec")?;
+        check_hardened("gpushare-dra-plugin", &spec)?;
+        let c = container(&spec, "dra-plugin")?;
+
+        // NODE_NAME comes from the downward API; everything else from the chart.
+        let argv = [
+            "gpushare-dra-plugin".to_owned(),
+            "--node-name=n1".to_owned(),
+        ]
+        .into_iter()
+        .chain(args(c));
+        let config = gpushare_dra_plugin::Config::try_parse_from(argv)
+            .context("the binary refuses the chart's args")?;
+        ensure!(config.probe_addr.port() == port, "{:?}", config.probe_addr);
+        ensure!(
+            config.probe_addr.ip().is_unspecified(),
+            "kubelet probes the pod IP, not loopback: {:?}",
+            config.probe_addr
+        );
+
+        let probes = c
+            .ports
+            .iter()
+            .flatten()
+            .find(|p| p.name.as_deref() == Some("probes"))
+            .context("no port named probes")?;
+        ensure!(probes.container_port == i32::from(port), "{probes:?}");
+        for (name, probe, path) in [
+            ("readiness", &c.readiness_probe, READYZ),
+            ("liveness", &c.liveness_probe, HEALTHZ),
+        ] {
+            let get = probe
+                .as_ref()
+                .and_then(|p| p.http_get.as_ref())
+                .with_context(|| format!("no {name} httpGet probe"))?;
+            ensure!(get.path.as_deref() == Some(path), "{name}: {get:?}");
+            ensure!(
+                get.port == IntOrString::String("probes".to_owned()),
+                "{name}: {get:?}"
+            );
+        }
+        // Readiness notices the registration within seconds: the rollout waits for it, not
+        // much longer.
+        let readiness = c.readiness_probe.as_ref().context("readiness")?;
+        ensure!(readiness.period_seconds.unwrap_or(10) <= 5, "{readiness:?}");
+    }
+    Ok(())
+}
+
 #[test]
 fn impossible_values_fail_with_a_clear_message() -> anyhow::Result<()> {
     let chart = chart_dir();

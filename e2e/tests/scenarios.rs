@@ -13,7 +13,8 @@ use anyhow::{Context, ensure};
 use gpushare_contract::{Keys, inventory};
 use gpushare_e2e::apiserver::Verb;
 use gpushare_e2e::cluster::{
-    ClusterSpec, TestCluster, binaries, file_tail, wait_for, with_cluster,
+    ClusterSpec, SCHEDULER_BACKOFF_MAX, SCHEDULER_UNSCHEDULABLE_RETRY, TestCluster, binaries,
+    file_tail, wait_for, with_cluster,
 };
 use gpushare_e2e::fixtures;
 use gpushare_e2e::scenarios::{
@@ -25,13 +26,14 @@ use kube::api::{Api, ListParams, Patch, PatchParams, PostParams};
 use kube::runtime::{WatchStreamExt, reflector, watcher};
 
 /// Every pod in `names` ends up Running (and pinned right) or Pending with a reason, and
-/// stays so for two seconds (a pending pod may still be on its way after a retry).
+/// stays so for four times the scheduler driver's longest retry (a pending pod may still be
+/// on its way after a retry).
 async fn settle(
     cluster: &TestCluster,
     names: &[String],
 ) -> anyhow::Result<(Vec<Pod>, Vec<(String, String)>)> {
     let pods: Api<Pod> = Api::namespaced(cluster.client.clone(), "default");
-    let quiet_for = Duration::from_secs(2);
+    let quiet_for = SCHEDULER_BACKOFF_MAX.max(SCHEDULER_UNSCHEDULABLE_RETRY) * 4;
     let mut last: Option<(Vec<String>, tokio::time::Instant)> = None;
     let deadline = tokio::time::Instant::now() + Duration::from_secs(90);
     loop {
@@ -1114,9 +1116,10 @@ async fn another_pods_allocation_cannot_be_copied_onto_a_new_pod() -> anyhow::Re
 async fn notebook_story_on_a_real_cluster() -> anyhow::Result<()> {
     let cluster = RealCluster::connect("gpushare-e2e").await?;
     let result = notebook(&cluster, &Quiet).await;
-    let _ = check_no_overcommit(&cluster.client()).await;
+    let overcommit = check_no_overcommit(&cluster.client()).await;
     cluster.cleanup().await?;
     let outcome = result?;
+    overcommit?;
     assert_eq!(outcome.sharing.len(), 3);
     Ok(())
 }

@@ -12,6 +12,11 @@
 //!
 //! The test kubelet in `e2e` serves the other side of both. Keeping the generated code in one
 //! crate means the plugin and its fake kubelet cannot disagree about the wire format.
+//!
+//! [`authority`] lets a tonic server accept requests whose `:authority` is a socket path, as
+//! kubelet's plugin watcher sends them (h2 alone resets them).
+
+pub mod authority;
 
 /// Messages and services of `k8s.io/kubelet/pkg/apis/deviceplugin/v1beta1`.
 #[allow(missing_docs, clippy::all, clippy::pedantic)]

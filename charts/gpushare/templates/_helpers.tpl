@@ -108,9 +108,26 @@ app.kubernetes.io/component: {{ .component }}
 {{- if eq .Values.scheduler.mode "dedicated" }}true{{ end }}
 {{- end }}
 
-{{/* The webhook runs only with the dedicated scheduler: it routes pods to it. */}}
-{{- define "gpushare.webhookEnabled" -}}
+{{/* GPU pods are routed to the dedicated scheduler at admission (webhook.enabled). */}}
+{{- define "gpushare.routingEnabled" -}}
 {{- if and (include "gpushare.dedicated" .) .Values.webhook.enabled }}true{{ end }}
+{{- end }}
+
+{{/* Routed by a MutatingAdmissionPolicy (the API server itself, no endpoint to be down):
+forced by webhook.routeWith=admissionPolicy, or `auto` where the cluster serves it (1.36+). */}}
+{{- define "gpushare.routingPolicy" -}}
+{{- if include "gpushare.routingEnabled" . }}
+{{- $with := .Values.webhook.routeWith | default "auto" }}
+{{- if not (has $with (list "auto" "admissionPolicy" "webhook")) }}
+{{- fail (printf "webhook.routeWith must be auto, admissionPolicy or webhook, not %q" $with) }}
+{{- end }}
+{{- if or (eq $with "admissionPolicy") (and (eq $with "auto") (.Capabilities.APIVersions.Has "admissionregistration.k8s.io/v1/MutatingAdmissionPolicy")) }}true{{ end }}
+{{- end }}
+{{- end }}
+
+{{/* Routed by the extender's webhook: older clusters, or webhook.routeWith=webhook. */}}
+{{- define "gpushare.webhookEnabled" -}}
+{{- if and (include "gpushare.routingEnabled" .) (not (include "gpushare.routingPolicy" .)) }}true{{ end }}
 {{- end }}
 
 {{/* The extender's URL as kube-scheduler calls it. */}}

@@ -1,0 +1,430 @@
+//! The real-Kubernetes tier: the chart installed by `helm` on the real v1.36 cluster of
+//! `../shared/realk8s` (upstream kube-apiserver, kube-controller-manager, kube-scheduler and
+//! one real kubelet whose runtime runs our chart's containers as processes).
+//!
+//! Why a second cluster: the in-process one is ours, so it is only as strict as we made it.
+//! The real one is the judge; every disagreement found so far is listed in `docs/testing.md`.
+//!
+//! [`Kit::locate`] finds the kit and sets it up once into `target/realk8s` (unpacked upstream
+//! binaries, etcd from Debian's package, a CA and kubeconfigs: about ten seconds). Our binaries
+//! are the ones this test build made ([`crate::cluster::binaries`]); the kit's scripts read
+//! them from a staged project folder (`target/realk8s/project`) whose `target/release`,
+//! `.tools` and `charts` point at them, so the real tier needs no second, release build.
+//! [`Kit::up`] runs the kit's `chart-cluster.sh up`: control plane, kubelet, then
+//! `helm install gpushare charts/gpushare -n kube-system` exactly as a user types it.
+//!
+//! The cluster uses fixed ports and `/var/lib/kubelet`, so scenarios run one after another,
+//! never beside another real-tier run.
+
+use std::collections::BTreeMap;
+use std::path::{Path, PathBuf};
+use std::process::Command;
+use std::time::Duration;
+
+use anyhow::{Context, bail, ensure};
+use k8s_openapi::api::core::v1::Pod;
+use kube::api::{Api, DeleteParams, ListParams};
+use kube::config::{KubeConfigOptions, Kubeconfig};
+use kube::{Client, Config};
+use serde::Deserialize;
+
+use crate::cluster::{binaries, wait_for};
+use crate::scenarios::Harness;
+use crate::tools;
+
+/// The kit's set-up steps, in `build.sh`'s words: prebuilt binaries, etcd, certificates,
+/// scripts. The stamp file records which kit archive the cache was made from.
+const SETUP_STEPS: [&str; 4] = ["unpack", "etcd", "pki", "harness"];
+const STAMP: &str = ".gpushare-kit-stamp";
+
+/// Which install `chart-cluster.sh up` makes (the chart's `mode` value).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Mode {
+    /// kube-scheduler extender, device plugin, admission webhook.
+    Extender,
+    /// Dynamic Resource Allocation: the DRA kubelet plugin, no extender.
+    Dra,
+}
+
+impl Mode {
+    fn as_str(self) -> &'static str {
+        match self {
+            Mode::Extender => "extender",
+            Mode::Dra => "dra",
+        }
+    }
+}
+
+/// The kit, set up in the project's cache folder.
+#[derive(Debug, Clone)]
+pub struct Kit {
+    /// `../shared/realk8s`: the kit's scripts and archive.
+    source: PathBuf,
+    /// `target/realk8s`: `REALK8S` for the kit's scripts.
+    root: PathBuf,
+    /// The staged project folder the scripts read binaries, tools and the chart from.
+    project: PathBuf,
+}
+
+fn repo_root() -> PathBuf {
+    let manifest = Path::new(env!("CARGO_MANIFEST_DIR"));
+    manifest.parent().unwrap_or(manifest).to_path_buf()
+}
+
+impl Kit {
+    /// Finds the kit (`GPUSHARE_REALK8S_KIT`, else `../shared/realk8s` beside the repository)
+    /// and sets it up; `Ok(None)` when there is no kit on this machine.
+    pub fn locate() -> anyhow::Result<Option<Kit>> {
+        let repo = repo_root();
+        let source = std::env::var_os("GPUSHARE_REALK8S_KIT")
+            .map(PathBuf::from)
+            .unwrap_or_else(|| repo.join("..").join("shared").join("realk8s"));
+        if !source.join("chart-cluster.sh").is_file() {
+            return Ok(None);
+        }
+        let target = std::env::var_os("CARGO_TARGET_DIR")
+            .map(PathBuf::from)
+            .unwrap_or_else(|| repo.join("target"));
+        let root = target.join("realk8s");
+        let kit = Kit {
+            project: root.join("project"),
+            source,
+            root,
+        };
+        kit.set_up()?;
+        kit.stage_project(&repo)?;
+        Ok(Some(kit))
+    }
+
+    /// `REALK8S`: where the kit keeps binaries, certificates, state and logs.
+    pub fn root(&self) -> &Path {
+        &self.root
+    }
+
+    fn set_up(&self) -> anyhow::Result<()> {
+        let archive = std::fs::read_dir(&self.source)
+            .with_context(|| format!("reading {}", self.source.display()))?
+            .filter_map(Result::ok)
+            .find(|entry| entry.file_name().to_string_lossy().ends_with("-bin.tar.xz"))
+            .with_context(|| format!("no *-bin.tar.xz in {}", self.source.display()))?;
+        let meta = archive.metadata()?;
+        let stamp = format!(
+            "{} {} {:?}",
+            archive.file_name().to_string_lossy(),
+            meta.len(),
+            meta.modified().ok()
+        );
+        let stamp_path = self.root.join(STAMP);
+        let steps: &[&str] =
+            if std::fs::read_to_string(&stamp_path).ok().as_deref() == Some(stamp.as_str()) {
+                // Set up already: refresh only the scripts, so a newer kit's fixes apply.
+                &["harness"]
+            } else {
+                &SETUP_STEPS
+            };
+        let output = Command::new("bash")
+            .arg(self.source.join("build.sh"))
+            .args(steps)
+            .env("REALK8S", &self.root)
+            .output()
+            .context("running the kit's build.sh")?;
+        ensure!(
+            output.status.success(),
+            "the kit's build.sh {steps:?} failed ({}): {}",
+            output.status,
+            String::from_utf8_lossy(&output.stderr)
+        );
+        std::fs::write(&stamp_path, stamp)?;
+        Ok(())
+    }
+
+    /// The kit's scripts read `$PROJECT/target/release/gpushare-*`, `$PROJECT/.tools/bin`
+    /// and `$PROJECT/charts`: point them at this build's binaries and the repository.
+    fn stage_project(&self, repo: &Path) -> anyhow::Result<()> {
+        let bins = binaries()?;
+        tools::helm()?;
+        tools::kubectl()?;
+        let release = self.project.join("target").join("release");
+        std::fs::create_dir_all(&release)?;
+        let links = [
+            (bins.extender, release.join("gpushare-extender")),
+            (bins.device_plugin, release.join("gpushare-device-plugin")),
+            (bins.dra_plugin, release.join("gpushare-dra-plugin")),
+            (repo.join(".tools"), self.project.join(".tools")),
+            (repo.join("charts"), self.project.join("charts")),
+        ];
+        for (from, link) in links {
+            let _ = std::fs::remove_file(&link);
+            std::os::unix::fs::symlink(&from, &link)
+                .with_context(|| format!("linking {} to {}", link.display(), from.display()))?;
+        }
+        Ok(())
+    }
+
+    async fn admin_config(&self) -> anyhow::Result<Config> {
+        Ok(Config::from_custom_kubeconfig(
+            Kubeconfig::read_from(self.root.join("admin.kubeconfig"))?,
+            &KubeConfigOptions::default(),
+        )
+        .await?)
+    }
+
+    /// A command running the kit's script `name` (`chart-cluster.sh`, `realk8s.sh`,
+    /// `kubelet.sh`) against this kit.
+    pub fn script(&self, name: &str) -> Command {
+        let mut command = Command::new("bash");
+        command
+            .arg(self.root.join("harness").join(name))
+            .env("REALK8S", &self.root)
+            .env("PROJECT", &self.project)
+            .env("KUBECONFIG", self.root.join("admin.kubeconfig"));
+        command
+    }
+
+    /// Stops whatever an earlier run left behind (a killed test leaves the cluster up).
+    pub fn down(&self) {
+        let _ = self.script("chart-cluster.sh").arg("down").output();
+    }
+
+    /// Brings the cluster up and installs the chart in `mode`, with `helm_args` added to
+    /// `helm install`; waits until every gpushare pod is Ready.
+    pub async fn up(&self, mode: Mode, helm_args: &[&str]) -> anyhow::Result<KitCluster> {
+        self.down();
+        let started = std::time::Instant::now();
+        let output = self
+            .script("chart-cluster.sh")
+            .arg("up")
+            .args(helm_args)
+            .env("MODE", mode.as_str())
+            .output()
+            .context("running chart-cluster.sh up")?;
+        // From here on the cluster may be (partly) up: the guard takes it down on any error.
+        let guard = DownOnDrop(self.clone());
+        if !output.status.success() {
+            bail!(
+                "chart-cluster.sh up (mode {}) failed ({}):\n{}\n{}",
+                mode.as_str(),
+                output.status,
+                String::from_utf8_lossy(&output.stdout),
+                tail(&String::from_utf8_lossy(&output.stderr), 40)
+            );
+        }
+        let client = Client::try_from(self.admin_config().await?)?;
+        tracing::info!(
+            mode = mode.as_str(),
+            seconds = started.elapsed().as_secs_f64(),
+            "real cluster up"
+        );
+        Ok(KitCluster {
+            kit: self.clone(),
+            client,
+            _guard: guard,
+        })
+    }
+}
+
+fn tail(text: &str, lines: usize) -> String {
+    let all: Vec<&str> = text.lines().collect();
+    all[all.len().saturating_sub(lines)..].join("\n")
+}
+
+struct DownOnDrop(Kit);
+
+impl Drop for DownOnDrop {
+    fn drop(&mut self) {
+        if std::env::var_os("GPUSHARE_REALK8S_KEEP").is_none() {
+            self.0.down();
+        }
+    }
+}
+
+/// One container as the kit's runtime recorded it at CreateContainer: what kubelet passed
+/// from our plugins' answers.
+#[derive(Debug, Clone, Deserialize)]
+pub struct CreatedContainer {
+    /// Pod namespace.
+    pub namespace: String,
+    /// Pod name.
+    pub pod: String,
+    /// Pod UID.
+    #[serde(rename = "podUID")]
+    pub pod_uid: String,
+    /// Container name.
+    pub container: String,
+    /// The container's environment.
+    #[serde(default)]
+    pub env: BTreeMap<String, String>,
+    /// Fully-qualified CDI device names (DRA mode).
+    #[serde(default)]
+    pub cdi: Option<Vec<String>>,
+}
+
+/// The real cluster with the chart installed; taken down when dropped (unless
+/// `GPUSHARE_REALK8S_KEEP` is set, to look around after a failure).
+pub struct KitCluster {
+    kit: Kit,
+    client: Client,
+    _guard: DownOnDrop,
+}
+
+impl KitCluster {
+    /// The kit it runs from.
+    pub fn kit(&self) -> &Kit {
+        &self.kit
+    }
+
+    /// A client acting as `username` (the admin impersonating it), for attacks by a user the
+    /// chart does not trust.
+    pub async fn client_as(&self, username: &str) -> anyhow::Result<Client> {
+        let mut config = self.kit.admin_config().await?;
+        config.auth_info.impersonate = Some(username.to_owned());
+        Ok(Client::try_from(config)?)
+    }
+
+    /// Runs the kit's `chart-cluster.sh`/`kubelet.sh`/`realk8s.sh` with `args`; returns stdout.
+    pub fn script(&self, name: &str, args: &[&str]) -> anyhow::Result<String> {
+        let output = self
+            .kit
+            .script(name)
+            .args(args)
+            .output()
+            .with_context(|| format!("running {name} {args:?}"))?;
+        ensure!(
+            output.status.success(),
+            "{name} {args:?} failed ({}): {}",
+            output.status,
+            tail(&String::from_utf8_lossy(&output.stderr), 20)
+        );
+        Ok(String::from_utf8_lossy(&output.stdout).into_owned())
+    }
+
+    /// Runs `kubectl` against the cluster; returns stdout.
+    pub fn kubectl(&self, args: &[&str]) -> anyhow::Result<String> {
+        self.kubectl_stdin(args, "")
+    }
+
+    /// Runs `kubectl` against the cluster with `stdin` as its input; returns stdout.
+    pub fn kubectl_stdin(&self, args: &[&str], stdin: &str) -> anyhow::Result<String> {
+        use std::io::Write as _;
+        let mut child = Command::new(tools::kubectl()?)
+            .arg("--kubeconfig")
+            .arg(self.kit.root.join("admin.kubeconfig"))
+            .args(args)
+            .stdin(std::process::Stdio::piped())
+            .stdout(std::process::Stdio::piped())
+            .stderr(std::process::Stdio::piped())
+            .spawn()?;
+        if let Some(mut input) = child.stdin.take() {
+            input.write_all(stdin.as_bytes())?;
+        }
+        let output = child.wait_with_output()?;
+        ensure!(
+            output.status.success(),
+            "kubectl {args:?} failed ({}): {}",
+            output.status,
+            String::from_utf8_lossy(&output.stderr)
+        );
+        Ok(String::from_utf8_lossy(&output.stdout).into_owned())
+    }
+
+    /// Runs `helm` against the cluster; returns stdout.
+    pub fn helm(&self, args: &[&str]) -> anyhow::Result<String> {
+        let output = Command::new(tools::helm()?)
+            .arg("--kubeconfig")
+            .arg(self.kit.root.join("admin.kubeconfig"))
+            .args(args)
+            .output()?;
+        ensure!(
+            output.status.success(),
+            "helm {args:?} failed ({}): {}",
+            output.status,
+            String::from_utf8_lossy(&output.stderr)
+        );
+        Ok(String::from_utf8_lossy(&output.stdout).into_owned())
+    }
+
+    /// Every CreateContainer the kit's runtime has seen, oldest first.
+    pub fn created_containers(&self) -> anyhow::Result<Vec<CreatedContainer>> {
+        let path = self.kit.root.join("run").join("creates.jsonl");
+        let text = match std::fs::read_to_string(&path) {
+            Ok(text) => text,
+            Err(err) if err.kind() == std::io::ErrorKind::NotFound => String::new(),
+            Err(err) => return Err(err).with_context(|| format!("reading {}", path.display())),
+        };
+        text.lines()
+            .filter(|line| !line.trim().is_empty())
+            .map(|line| {
+                serde_json::from_str(line)
+                    .with_context(|| format!("a line of {}: {line}", path.display()))
+            })
+            .collect()
+    }
+
+    /// The latest CreateContainer of `container` in the pod `namespace/pod` with `uid`.
+    pub fn created(&self, uid: &str, container: &str) -> anyhow::Result<Option<CreatedContainer>> {
+        Ok(self
+            .created_containers()?
+            .into_iter()
+            .rev()
+            .find(|c| c.pod_uid == uid && c.container == container))
+    }
+
+    /// Deletes every pod in `namespace` at once and waits until they are gone, so the next
+    /// scenario starts with free GPUs.
+    pub async fn delete_all_pods(&self, namespace: &str) -> anyhow::Result<()> {
+        let pods: Api<Pod> = Api::namespaced(self.client.clone(), namespace);
+        let _ = pods
+            .delete_collection(
+                &DeleteParams {
+                    grace_period_seconds: Some(0),
+                    ..DeleteParams::default()
+                },
+                &ListParams::default(),
+            )
+            .await?;
+        wait_for(
+            &format!("every pod in {namespace} to be gone"),
+            Duration::from_secs(120),
+            || {
+                let pods = pods.clone();
+                async move {
+                    let list = pods.list(&ListParams::default()).await.ok()?;
+                    list.items.is_empty().then_some(())
+                }
+            },
+        )
+        .await
+    }
+}
+
+impl Harness for KitCluster {
+    fn client(&self) -> Client {
+        self.client.clone()
+    }
+
+    fn namespace(&self) -> &str {
+        "default"
+    }
+
+    async fn container_env(
+        &self,
+        pod: &str,
+        container: &str,
+    ) -> anyhow::Result<BTreeMap<String, String>> {
+        let uid = Api::<Pod>::namespaced(self.client.clone(), "default")
+            .get(pod)
+            .await?
+            .metadata
+            .uid
+            .unwrap_or_default();
+        // kubelet has created the container by the time the pod runs, but the record is
+        // written by another process: give it a moment.
+        wait_for(
+            &format!("the runtime's record of container {container} of pod {pod}"),
+            Duration::from_secs(10),
+            || async { self.created(&uid, container).ok().flatten() },
+        )
+        .await
+        .map(|created| created.env)
+    }
+}
