@@ -548,9 +548,14 @@ impl Worker {
     }
 }
 
-/// kubelet's side of plugin registration for one socket.
+/// kubelet's side of plugin registration for one socket. kubelet's plugin watcher dials the
+/// registration socket with grpc-go and no `WithAuthority`, so the HTTP/2 `:authority` it
+/// sends is the socket path, which a plain tonic server resets (PROTOCOL_ERROR): dial the same.
 async fn register(socket: &Path) -> anyhow::Result<(String, DraPluginClient<Channel>)> {
-    let channel = gpushare_proto::connect_unix(socket).await?;
+    use std::os::unix::ffi::OsStrExt as _;
+    let channel =
+        gpushare_proto::authority::connect_with_authority(socket, socket.as_os_str().as_bytes())
+            .await?;
     let mut registration = RegistrationClient::new(channel);
     let info = registration.get_info(InfoRequest {}).await?.into_inner();
     let refuse = |error: String| {

@@ -102,10 +102,18 @@ pub async fn wait_running(h: &impl Harness, name: &str) -> anyhow::Result<Pod> {
         Err(error) => {
             let pod = pods.get(name).await.ok();
             let why = pod.as_ref().map(|p| {
+                let status = p.status.as_ref();
                 format!(
-                    "phase {}, {}",
+                    "phase {}, {}{}",
                     phase(p),
-                    scheduling_message(p).unwrap_or_default()
+                    scheduling_message(p).unwrap_or_default(),
+                    status
+                        .and_then(|s| s.message.as_deref())
+                        .map(|m| format!(
+                            " ({}: {m})",
+                            status.and_then(|s| s.reason.as_deref()).unwrap_or_default()
+                        ))
+                        .unwrap_or_default()
                 )
             });
             Err(error.context(format!(
