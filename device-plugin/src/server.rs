@@ -11,6 +11,14 @@
 //! must notice and register again; it cannot rely on the old connection breaking. Each
 //! generation of the socket has its own cancellation token: cancelling it ends that
 //! server's ListAndWatch streams so the graceful shutdown completes.
+//!
+//! A DaemonSet rollout starts the new plugin pod while the old one is still shutting down,
+//! and both use the same socket path. So the new plugin waits (at most
+//! [`PREDECESSOR_WAIT`]) until nothing answers on the path before it takes it over, and a
+//! plugin leaving removes the socket file only if it is still the one it bound: before, the
+//! old plugin's exit deleted its successor's socket, the successor registered a second time,
+//! and kubelet (which marks the resource unhealthy when any of its clients ends, even one it
+//! replaced) could leave every device unhealthy, refusing the next GPU pod at admission.
 
 use std::os::unix::fs::MetadataExt;
 use std::path::{Path, PathBuf};
@@ -18,11 +26,11 @@ use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::Duration;
 
+use gpushare_proto::socket_file::{self, BoundSocket, Released};
 use gpushare_proto::v1beta1::RegisterRequest;
 use gpushare_proto::v1beta1::device_plugin_server::DevicePluginServer;
 use gpushare_proto::v1beta1::registration_client::RegistrationClient;
 use gpushare_proto::{KUBELET_SOCKET, VERSION};
-use tokio::net::UnixListener;
 use tokio_stream::wrappers::UnixListenerStream;
 use tokio_util::sync::CancellationToken;
 use tonic::transport::Server;
@@ -36,6 +44,11 @@ pub const SOCKET_NAME: &str = "gpushare-gpu-mem.sock";
 pub const POLL: Duration = Duration::from_millis(500);
 /// How long one registration attempt may take.
 const REGISTER_TIMEOUT: Duration = Duration::from_secs(5);
+/// How long a starting plugin waits for another process to stop serving its socket path: a
+/// pod's default termination grace period.
+pub const PREDECESSOR_WAIT: Duration = Duration::from_secs(30);
+/// How often a starting plugin checks whether its predecessor let go of the socket.
+const PREDECESSOR_POLL: Duration = Duration::from_millis(100);
 
 /// Which file a path currently names: changes when the file is recreated.
 fn identity(path: &Path) -> Option<(u64, u64, i64, i64)> {
@@ -44,13 +57,28 @@ fn identity(path: &Path) -> Option<(u64, u64, i64, i64)> {
         .map(|meta| (meta.dev(), meta.ino(), meta.mtime(), meta.mtime_nsec()))
 }
 
-fn remove_socket(path: &Path) {
-    match std::fs::remove_file(path) {
-        Ok(()) => {}
-        Err(err) if err.kind() == std::io::ErrorKind::NotFound => {}
-        Err(err) => {
-            tracing::warn!(path = %path.display(), error = %err, "cannot remove old socket")
+/// Waits (at most [`PREDECESSOR_WAIT`], or until `shutdown`) while another process still
+/// serves `socket`: a rollout's old pod shutting down.
+async fn wait_for_predecessor(socket: &Path, shutdown: &CancellationToken) {
+    if !socket_file::served(socket).await {
+        return;
+    }
+    tracing::info!(socket = %socket.display(), "another device plugin still serves this socket (a rollout's old pod?); waiting for it to stop");
+    tokio::select! {
+        () = shutdown.cancelled() => {}
+        released = socket_file::wait_until_released(socket, PREDECESSOR_WAIT, PREDECESSOR_POLL) => match released {
+            Released::Free(waited) => tracing::info!(socket = %socket.display(), ?waited, "the previous device plugin let go of the socket"),
+            Released::StillServed => tracing::warn!(socket = %socket.display(), "another process still serves the plugin socket after {PREDECESSOR_WAIT:?}; taking it over"),
         }
+    }
+}
+
+/// Removes our socket file on the way out, unless a successor's replaced it.
+fn remove_own_socket(bound: Option<&BoundSocket>) {
+    if let Some(bound) = bound
+        && let Err(err) = bound.remove()
+    {
+        tracing::warn!(path = %bound.path().display(), error = %err, "cannot remove our socket");
     }
 }
 
@@ -87,7 +115,8 @@ async fn register(kubelet: &Path, resource: &str) -> Result<(), RegisterError> {
 }
 
 /// Serves the plugin socket in `dir` and keeps it registered with kubelet until `shutdown`.
-/// `ready` is true while registered.
+/// `ready` is true while registered and kubelet has had the device list twice
+/// ([`crate::service::REANNOUNCE_AFTER`]).
 pub async fn serve_and_register(
     state: Arc<PluginState>,
     dir: PathBuf,
@@ -96,14 +125,20 @@ pub async fn serve_and_register(
 ) -> Result<(), Error> {
     let socket = dir.join(SOCKET_NAME);
     let kubelet = dir.join(KUBELET_SOCKET);
+    let mut bound = None;
     while !shutdown.is_cancelled() {
         let generation = shutdown.child_token();
-        remove_socket(&socket);
-        let listener = UnixListener::bind(&socket).map_err(|source| Error::Socket {
-            path: socket.clone(),
-            source,
-        })?;
-        let service = GpuMemService::new(state.clone(), generation.clone());
+        wait_for_predecessor(&socket, &shutdown).await;
+        if shutdown.is_cancelled() {
+            break;
+        }
+        let (listener, socket_file) =
+            BoundSocket::bind(&socket).map_err(|source| Error::Socket {
+                path: socket.clone(),
+                source,
+            })?;
+        let announced = Arc::new(tokio::sync::Notify::new());
+        let service = GpuMemService::new(state.clone(), generation.clone(), announced.clone());
         let mut server = tokio::spawn(
             Server::builder()
                 .add_service(DevicePluginServer::new(service))
@@ -118,7 +153,7 @@ pub async fn serve_and_register(
         // Register, retrying until kubelet answers.
         let mut registered = None;
         while registered.is_none() && !shutdown.is_cancelled() {
-            if identity(&socket).is_none() {
+            if !socket_file.in_place() {
                 break;
             }
             if let Some(kubelet_id) = identity(&kubelet) {
@@ -141,13 +176,16 @@ pub async fn serve_and_register(
         }
 
         if let Some(kubelet_id) = registered {
-            ready.store(true, Ordering::Relaxed);
             state.metrics.registrations.inc();
             tracing::info!(resource = %state.resource, node = %state.node, "registered with kubelet");
             // Watch for a kubelet restart or our socket vanishing.
             loop {
                 tokio::select! {
                     () = shutdown.cancelled() => break,
+                    () = announced.notified(), if !ready.load(Ordering::Relaxed) => {
+                        ready.store(true, Ordering::Relaxed);
+                        tracing::info!("kubelet has the device list; ready");
+                    }
                     () = tokio::time::sleep(POLL) => {}
                     result = &mut server => {
                         server_done = true;
@@ -159,8 +197,8 @@ pub async fn serve_and_register(
                         break;
                     }
                 }
-                if identity(&socket).is_none() {
-                    tracing::info!(socket = %socket.display(), "our socket was removed (kubelet restart?); serving again and re-registering");
+                if !socket_file.in_place() {
+                    tracing::info!(socket = %socket.display(), "our socket was removed or replaced (kubelet restart?); serving again and re-registering");
                     break;
                 }
                 let now = identity(&kubelet);
@@ -175,6 +213,7 @@ pub async fn serve_and_register(
         }
 
         generation.cancel();
+        bound = Some(socket_file);
         if !server_done {
             match server.await {
                 Ok(Err(err)) => {
@@ -185,7 +224,7 @@ pub async fn serve_and_register(
             }
         }
     }
-    remove_socket(&socket);
+    remove_own_socket(bound.as_ref());
     tracing::info!("device plugin stopped");
     Ok(())
 }

@@ -338,17 +338,38 @@ pub fn container_mounts(enforcement: Enforcement, mps_pipe_directory: &str) -> V
     }
 }
 
+/// How long after opening a ListAndWatch stream the device list is sent again.
+///
+/// kubelet marks a resource's devices unhealthy whenever any of its clients for that
+/// resource ends (`PluginDisconnected` is per resource, not per client), even a client of a
+/// plugin generation it has already replaced. When that stale end lands after our first
+/// list, our devices stay unhealthy until we send another, and every pod admitted meanwhile
+/// fails with `UnexpectedAdmissionError`. One more list shortly after opening heals that; the
+/// plugin reports ready only once it was sent ([`GpuMemService::new`]'s `announced`).
+pub const REANNOUNCE_AFTER: Duration = Duration::from_secs(1);
+
 /// One served socket's view of the plugin; `stop` ends its ListAndWatch streams.
 #[derive(Debug, Clone)]
 pub struct GpuMemService {
     state: Arc<PluginState>,
     stop: CancellationToken,
+    announced: Arc<tokio::sync::Notify>,
 }
 
 impl GpuMemService {
-    /// A service over `state` whose streams end when `stop` is cancelled.
-    pub fn new(state: Arc<PluginState>, stop: CancellationToken) -> Self {
-        Self { state, stop }
+    /// A service over `state` whose streams end when `stop` is cancelled; `announced` is
+    /// notified when a stream has sent its device list the second time
+    /// ([`REANNOUNCE_AFTER`]).
+    pub fn new(
+        state: Arc<PluginState>,
+        stop: CancellationToken,
+        announced: Arc<tokio::sync::Notify>,
+    ) -> Self {
+        Self {
+            state,
+            stop,
+            announced,
+        }
     }
 
     async fn allocate_inner(
@@ -443,7 +464,16 @@ impl DevicePlugin for GpuMemService {
         _request: Request<Empty>,
     ) -> Result<Response<Self::ListAndWatchStream>, Status> {
         let node = self.state.node.clone();
-        let stream = WatchStream::new(self.state.inventory.subscribe())
+        let inventory = self.state.inventory.subscribe();
+        let announced = self.announced.clone();
+        let again = futures::stream::once(async move {
+            tokio::time::sleep(REANNOUNCE_AFTER).await;
+            let gpus = inventory.borrow().clone();
+            announced.notify_one();
+            gpus
+        });
+        let lists = WatchStream::new(self.state.inventory.subscribe());
+        let stream = tokio_stream::StreamExt::merge(lists, again)
             .map(move |gpus| {
                 let devices = devices::device_list(&gpus);
                 tracing::info!(%node, devices = devices.len(), healthy = gpus.iter().filter(|g| g.healthy).count(), "sending device list to kubelet");

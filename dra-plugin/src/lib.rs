@@ -35,6 +35,7 @@ use std::future::Future;
 use std::net::SocketAddr;
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
+use std::time::Duration;
 
 use gpushare_contract::DEFAULT_DOMAIN;
 use gpushare_contract::env::Enforcement;
@@ -47,6 +48,7 @@ use gpushare_proto::DEFAULT_PLUGIN_REGISTRY_DIR;
 use gpushare_proto::authority;
 use gpushare_proto::dra::v1::dra_plugin_server::DraPluginServer;
 use gpushare_proto::pluginregistration::registration_server::RegistrationServer;
+use gpushare_proto::socket_file::{self, BoundSocket, Released};
 use k8s_openapi::api::resource::v1::ResourceSlice;
 use tokio::net::UnixListener;
 use tokio_util::sync::CancellationToken;
@@ -226,12 +228,34 @@ fn io(path: &Path) -> impl FnOnce(std::io::Error) -> Error + '_ {
     }
 }
 
-fn bind(path: &Path) -> Result<UnixListener> {
-    match std::fs::remove_file(path) {
-        Err(err) if err.kind() != std::io::ErrorKind::NotFound => return Err(io(path)(err)),
-        _ => {}
+/// How long a starting plugin waits for a rollout's old pod to stop serving the sockets: a
+/// pod's default termination grace period.
+const PREDECESSOR_WAIT: Duration = Duration::from_secs(30);
+/// How often it checks.
+const PREDECESSOR_POLL: Duration = Duration::from_millis(100);
+
+/// Waits while another process (a rollout's old pod, still shutting down) serves one of
+/// `sockets`, at most [`PREDECESSOR_WAIT`] in all ([`socket_file`]).
+async fn wait_for_predecessor(sockets: [&Path; 2]) {
+    for socket in sockets {
+        if !socket_file::served(socket).await {
+            continue;
+        }
+        tracing::info!(socket = %socket.display(), "another DRA plugin still serves this socket (a rollout's old pod?); waiting for it to stop");
+        match socket_file::wait_until_released(socket, PREDECESSOR_WAIT, PREDECESSOR_POLL).await {
+            Released::Free(waited) => {
+                tracing::info!(socket = %socket.display(), ?waited, "the previous DRA plugin let go of the socket")
+            }
+            Released::StillServed => {
+                tracing::warn!(socket = %socket.display(), "another process still serves the socket after {PREDECESSOR_WAIT:?}; taking it over");
+                return;
+            }
+        }
     }
-    UnixListener::bind(path).map_err(io(path))
+}
+
+fn bind(path: &Path) -> Result<(UnixListener, BoundSocket)> {
+    BoundSocket::bind(path).map_err(io(path))
 }
 
 /// Runs the plugin against `client` until `shutdown` resolves: publishes the slice, then
@@ -248,6 +272,15 @@ pub async fn run_with_client(
     tracing::info!(node = %config.node_name, driver = %config.driver_name, gpus = gpus.len(), "starting the DRA plugin");
     for dir in [&config.plugin_dir, &config.registry_dir, &config.cdi_dir] {
         std::fs::create_dir_all(dir).map_err(io(dir))?;
+    }
+    // A rollout's old pod may still be shutting down: its checkpoint and sockets are ours
+    // only once it let go.
+    let dra_socket = config.plugin_dir.join(DRA_SOCKET);
+    let registration_socket = config.registration_socket();
+    let mut shutdown = std::pin::pin!(shutdown);
+    tokio::select! {
+        () = &mut shutdown => return Ok(()),
+        () = wait_for_predecessor([&registration_socket, &dra_socket]) => {}
     }
     let checkpoint_path = config.plugin_dir.join(CHECKPOINT);
     let checkpoint = checkpoint::Checkpoint::load(&checkpoint_path)?;
@@ -292,8 +325,7 @@ pub async fn run_with_client(
             mps_pipe_directory: config.mps_pipe_directory.clone(),
         },
     });
-    let dra_socket = config.plugin_dir.join(DRA_SOCKET);
-    let dra_listener = bind(&dra_socket)?;
+    let (dra_listener, dra_file) = bind(&dra_socket)?;
     // Both servers read through `authority::unix_incoming`: kubelet may send the socket path
     // as `:authority`, which h2 would reset the call for.
     let dra = tokio::spawn(
@@ -306,8 +338,7 @@ pub async fn run_with_client(
                 stop.clone().cancelled_owned(),
             ),
     );
-    let registration_socket = config.registration_socket();
-    let registration_listener = bind(&registration_socket)?;
+    let (registration_listener, registration_file) = bind(&registration_socket)?;
     let (registered, registration_state) =
         tokio::sync::watch::channel(service::RegistrationState::default());
     let registration = tokio::spawn(
@@ -353,7 +384,7 @@ pub async fn run_with_client(
     let (mut dra, mut registration, mut probe_server) = (dra, registration, probe_server);
     let (mut dra_done, mut registration_done, mut probe_server_done) = (false, false, false);
     let outcome = tokio::select! {
-        () = shutdown => Ok(()),
+        () = &mut shutdown => Ok(()),
         result = &mut dra => {
             dra_done = true;
             Err(ended("DRA", &dra_socket, result))
@@ -374,9 +405,12 @@ pub async fn run_with_client(
     };
     stop.cancel();
     let _ = health.await;
-    // Registration socket first: kubelet must stop finding us before the DRA socket goes.
-    for path in [&registration_socket, &dra_socket] {
-        let _ = std::fs::remove_file(path);
+    // Registration socket first: kubelet must stop finding us before the DRA socket goes. A
+    // successor's files at the same paths stay.
+    for file in [&registration_file, &dra_file] {
+        if let Err(err) = file.remove() {
+            tracing::warn!(path = %file.path().display(), error = %err, "cannot remove our socket");
+        }
     }
     for (handle, done) in [(dra, dra_done), (registration, registration_done)] {
         if done {

@@ -362,15 +362,25 @@ impl Process {
         })
     }
 
-    /// Asks the process to stop (SIGTERM) and waits up to 5 s, then kills it.
-    pub async fn stop(mut self) {
+    /// Sends the signal named `signal` (`TERM`, `STOP`, `CONT`) to the process.
+    pub async fn signal(&self, signal: &str) {
         if let Some(pid) = self.child.id() {
             let _ = Command::new("kill")
-                .arg("-TERM")
+                .arg(format!("-{signal}"))
                 .arg(pid.to_string())
                 .status()
                 .await;
         }
+    }
+
+    /// Asks the process to stop (SIGTERM) and waits up to 5 s, then kills it.
+    pub async fn stop(self) {
+        self.signal("TERM").await;
+        self.wait_stopped().await;
+    }
+
+    /// Waits up to 5 s for the process to exit, then kills it.
+    pub async fn wait_stopped(mut self) {
         if tokio::time::timeout(Duration::from_secs(5), self.child.wait())
             .await
             .is_err()
@@ -1287,6 +1297,51 @@ impl TestCluster {
         let sim = self.nodes.get_mut(node).context("no such node")?;
         sim.plugin = Some(plugin);
         wait_reregistered(&sim.kubelet, before).await
+    }
+
+    /// Rolls a node's device plugin as a DaemonSet rollout does: the new pod starts while the
+    /// old one is still shutting down, on the same socket path. The old process is frozen
+    /// (SIGSTOP) with its SIGTERM pending until the new one has registered or is waiting for
+    /// it, so the overlap a slow exit under load makes happens every time. Fails if the old
+    /// one's exit took the new one's socket away.
+    pub async fn roll_device_plugin(&mut self, node: &str) -> anyhow::Result<()> {
+        const WAITING: &str = "still serves this socket";
+        let log = self.dir.path().join(format!("device-plugin-{node}.log"));
+        let waits_logged = || {
+            std::fs::read(&log)
+                .map(|text| String::from_utf8_lossy(&text).matches(WAITING).count())
+                .unwrap_or(0)
+        };
+        let sim = self.nodes.get_mut(node).context("no such node")?;
+        let before = sim.kubelet.registrations(RESOURCE);
+        let old = sim.plugin.take().context("no device plugin running")?;
+        old.signal("STOP").await;
+        old.signal("TERM").await;
+        let waits_before = waits_logged();
+        let sim = self.nodes.get(node).context("no such node")?;
+        let plugin = self.host().spawn_plugin(sim)?;
+        let sim = self.nodes.get_mut(node).context("no such node")?;
+        sim.plugin = Some(plugin);
+        sim.kubelet
+            .wait_until(
+                Duration::from_secs(30),
+                "the new device plugin to register or to wait for the old one",
+                |k| k.registrations(RESOURCE) > before || waits_logged() > waits_before,
+            )
+            .await?;
+        old.signal("CONT").await;
+        old.wait_stopped().await;
+        wait_reregistered(&sim.kubelet, before).await?;
+        let socket = sim
+            .kubelet
+            .plugin_socket(RESOURCE)
+            .context("no plugin registered")?;
+        ensure!(
+            socket.exists(),
+            "the old device plugin's exit removed the new one's socket {}",
+            socket.display()
+        );
+        Ok(())
     }
 
     /// Restarts a node's kubelet (its socket removed and recreated); the plugin re-registers.

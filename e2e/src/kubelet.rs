@@ -78,6 +78,8 @@ const SWEEP: Duration = Duration::from_millis(500);
 /// A registered plugin, as the device manager keeps it.
 struct Plugin {
     generation: u64,
+    /// The socket the plugin registered.
+    endpoint: PathBuf,
     options: Option<DevicePluginOptions>,
     channel: Option<Channel>,
     devices: Vec<(String, bool)>,
@@ -92,6 +94,9 @@ struct Plugin {
 #[derive(Default)]
 struct State {
     plugins: BTreeMap<String, Plugin>,
+    /// Clients of plugins a newer registration replaced: kubelet keeps them running until
+    /// their stream ends (then marks the resource unhealthy, as for any client).
+    replaced: Vec<JoinHandle<()>>,
     registrations: HashMap<String, u64>,
     next_generation: u64,
     envs: HashMap<(String, String, String), BTreeMap<String, String>>,
@@ -223,13 +228,14 @@ impl Registration for RegistrationService {
         let task = tokio::spawn(run_plugin(
             self.shared.clone(),
             resource.clone(),
-            path,
+            path.clone(),
             generation,
         ));
         let old = state.plugins.insert(
             resource.clone(),
             Plugin {
                 generation,
+                endpoint: path,
                 options: request.options,
                 channel: None,
                 devices: Vec::new(),
@@ -239,7 +245,8 @@ impl Registration for RegistrationService {
             },
         );
         if let Some(old) = old {
-            old.task.abort();
+            state.replaced.retain(|task| !task.is_finished());
+            state.replaced.push(old.task);
         }
         drop(state);
         tracing::info!(%resource, endpoint = %request.endpoint, "device plugin registered");
@@ -276,14 +283,13 @@ async fn run_plugin(shared: Arc<Shared>, resource: String, path: PathBuf, genera
             plugin.options = Some(options);
             plugin.channel = Some(channel);
         }
+        // Like kubelet's PluginListAndWatchReceiver, a list updates the resource's devices
+        // whichever client it came from.
         while let Some(list) = stream.message().await.context("ListAndWatch stream")? {
             let mut state = shared.lock();
             let Some(plugin) = state.plugins.get_mut(&resource) else {
                 return Ok(());
             };
-            if plugin.generation != generation {
-                return Ok(());
-            }
             plugin.numa = list
                 .devices
                 .iter()
@@ -313,11 +319,14 @@ async fn run_plugin(shared: Arc<Shared>, resource: String, path: PathBuf, genera
     if let Err(err) = result {
         tracing::warn!(%resource, error = format!("{err:#}"), "device plugin connection failed");
     }
-    // As kubelet does when a plugin's stream ends: its devices become unusable.
+    // As kubelet does when any client's stream ends (PluginDisconnected is per resource): the
+    // resource's devices become unusable, even when the stream was that of a plugin a newer
+    // registration already replaced. Only a later list makes them healthy again.
     let mut state = shared.lock();
-    if let Some(plugin) = state.plugins.get_mut(&resource)
-        && plugin.generation == generation
-    {
+    if let Some(plugin) = state.plugins.get_mut(&resource) {
+        if plugin.generation != generation {
+            tracing::info!(%resource, "a replaced plugin's stream ended: devices marked unhealthy, as kubelet does");
+        }
         for device in &mut plugin.devices {
             device.1 = false;
         }
@@ -427,6 +436,12 @@ impl KubeletDriver {
             .get(resource)
             .copied()
             .unwrap_or(0)
+    }
+
+    /// The socket the plugin of `resource` registered last.
+    pub fn plugin_socket(&self, resource: &str) -> Option<PathBuf> {
+        let state = self.shared.lock();
+        state.plugins.get(resource).map(|p| p.endpoint.clone())
     }
 
     /// The last device list of `resource`: (ID, healthy).
@@ -560,6 +575,9 @@ impl KubeletDriver {
             for (_, plugin) in std::mem::take(&mut state.plugins) {
                 plugin.task.abort();
             }
+            for task in std::mem::take(&mut state.replaced) {
+                task.abort();
+            }
         }
         for entry in std::fs::read_dir(&self.shared.dir)?.flatten() {
             if entry.path().extension().is_some_and(|ext| ext == "sock") {
@@ -585,8 +603,14 @@ impl KubeletDriver {
             let _ = pod_resources.task.await;
             let _ = std::fs::remove_file(self.pod_resources_socket());
         }
-        for (_, plugin) in std::mem::take(&mut self.shared.lock().plugins) {
-            plugin.task.abort();
+        {
+            let mut state = self.shared.lock();
+            for (_, plugin) in std::mem::take(&mut state.plugins) {
+                plugin.task.abort();
+            }
+            for task in std::mem::take(&mut state.replaced) {
+                task.abort();
+            }
         }
         let _ = (&mut self.admission).await;
         let _ = std::fs::remove_file(self.shared.dir.join(KUBELET_SOCKET));

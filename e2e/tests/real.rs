@@ -46,15 +46,15 @@ const GROUPS: &[Group] = &[
                 "forged_allocations_are_refused",
                 forged_allocations_are_refused,
             ),
-            // Before the kubelet restart: a device plugin rolled after a kubelet restart gets
-            // its next pod rejected ("no healthy devices"), an open finding in docs/testing.md.
-            (
-                "toolkit_enforcement_after_helm_upgrade",
-                toolkit_enforcement_after_helm_upgrade,
-            ),
             (
                 "kubelet_restart_keeps_gpu_pods",
                 kubelet_restart_keeps_gpu_pods,
+            ),
+            // After the kubelet restart: the device plugin rolled then must still take the
+            // next pod (it once got "no healthy devices"; docs/testing.md).
+            (
+                "toolkit_enforcement_after_helm_upgrade",
+                toolkit_enforcement_after_helm_upgrade,
             ),
             // Last: it adds Node objects with no kubelet behind them.
             ("leader_killed_in_a_burst", leader_killed_in_a_burst),

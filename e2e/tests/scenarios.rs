@@ -371,6 +371,11 @@ async fn device_plugin_and_kubelet_restarts_keep_serving() -> anyhow::Result<()>
             let third = create_all(cluster, "after-kubelet", &[8, 1]).await?;
             let (running, pending) = settle(cluster, &third).await?;
             assert_eq!(running.len(), 2, "pending: {pending:?}");
+            // A rollout: the new plugin starts while the old one shuts down.
+            cluster.roll_device_plugin("n1").await?;
+            let fourth = create_all(cluster, "after-rollout", &[4, 2]).await?;
+            let (running, pending) = settle(cluster, &fourth).await?;
+            assert_eq!(running.len(), 2, "pending: {pending:?}");
             Ok(())
         },
     )

@@ -14,9 +14,11 @@
 //! crate means the plugin and its fake kubelet cannot disagree about the wire format.
 //!
 //! [`authority`] lets a tonic server accept requests whose `:authority` is a socket path, as
-//! kubelet's plugin watcher sends them (h2 alone resets them).
+//! kubelet's plugin watcher sends them (h2 alone resets them). [`socket_file`] hands a
+//! plugin's socket paths from a rollout's old pod to its new one.
 
 pub mod authority;
+pub mod socket_file;
 
 /// Messages and services of `k8s.io/kubelet/pkg/apis/deviceplugin/v1beta1`.
 #[allow(missing_docs, clippy::all, clippy::pedantic)]
