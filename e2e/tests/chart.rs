@@ -894,9 +894,18 @@ fn rbac_check_names_calls_not_granted_and_grants_not_used() -> anyhow::Result<()
 struct KubeSchedulerConfiguration {
     api_version: String,
     kind: String,
+    client_connection: ClientConnection,
+    parallelism: i32,
     leader_election: LeaderElection,
     profiles: Vec<Profile>,
     extenders: Vec<Extender>,
+}
+
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields, rename_all = "camelCase")]
+struct ClientConnection {
+    qps: f32,
+    burst: i32,
 }
 
 #[derive(Debug, Deserialize)]
@@ -966,6 +975,12 @@ fn check_scheduler(rendered: &Rendered, prefix: &str, resource: &str) -> anyhow:
     ensure!(config.kind == "KubeSchedulerConfiguration");
     ensure!(config.profiles[0].scheduler_name == "gpushare-scheduler");
     ensure!(config.profiles[0].percentage_of_nodes_to_score == 1);
+    ensure!(
+        config.client_connection.qps == 50.0 && config.client_connection.burst == 100,
+        "{:?}",
+        config.client_connection
+    );
+    ensure!(config.parallelism == 16);
     let le = &config.leader_election;
     ensure!(le.leader_elect && le.resource_lock == "leases");
     ensure!(le.resource_name == name && le.resource_namespace == *ns);
@@ -1601,6 +1616,46 @@ fn dra_mode_installs_the_dra_driver_and_nothing_of_extender_mode() -> anyhow::Re
     assert_eq!(kinds, want);
     let ds = rendered.of_kind("DaemonSet")[0];
     assert_eq!(ds["metadata"]["name"], "gpushare-dra-plugin");
+    Ok(())
+}
+
+/// `logFormat` reaches every binary the chart runs, each in the form it reads.
+#[test]
+fn log_format_reaches_every_binary() -> anyhow::Result<()> {
+    let env_of = |ds: &DaemonSet, container_name: &str, key: &str| -> anyhow::Result<String> {
+        let spec = ds
+            .spec
+            .clone()
+            .and_then(|s| s.template.spec)
+            .context("no pod spec")?;
+        let c = container(&spec, container_name)?;
+        c.env
+            .iter()
+            .flatten()
+            .find(|e| e.name == key)
+            .and_then(|e| e.value.clone())
+            .with_context(|| format!("{container_name} has no {key}"))
+    };
+    let rendered = render("gpushare", "kube-system", &["--set", "logFormat=json"])?;
+    let plugin: DaemonSet = rendered.get("DaemonSet", "gpushare-device-plugin")?;
+    assert_eq!(env_of(&plugin, "device-plugin", "LOG_FORMAT")?, "json");
+    let extender: Deployment = rendered.get("Deployment", "gpushare-extender")?;
+    let spec = extender
+        .spec
+        .and_then(|s| s.template.spec)
+        .context("no extender pod spec")?;
+    let extender_args = args(container(&spec, "extender")?);
+    assert!(
+        extender_args.iter().any(|a| a == "--log-format=json"),
+        "{extender_args:?}"
+    );
+    let rendered = render(
+        "gpushare",
+        "kube-system",
+        &["--set", "mode=dra", "--set", "logFormat=json"],
+    )?;
+    let dra: DaemonSet = rendered.get("DaemonSet", "gpushare-dra-plugin")?;
+    assert_eq!(env_of(&dra, "dra-plugin", "LOG_FORMAT")?, "json");
     Ok(())
 }
 

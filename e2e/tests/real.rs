@@ -46,6 +46,7 @@ const GROUPS: &[Group] = &[
                 "forged_allocations_are_refused",
                 forged_allocations_are_refused,
             ),
+            ("doctor_names_the_router", doctor_names_the_router),
             (
                 "kubelet_restart_keeps_gpu_pods",
                 kubelet_restart_keeps_gpu_pods,
@@ -457,6 +458,26 @@ fn toolkit_enforcement_after_helm_upgrade(c: &KitCluster) -> Outcome<'_> {
         ensure!(
             env.get("NVIDIA_GPU_MEMORY_LIMIT").map(String::as_str) == Some("3072"),
             "the container should get NVIDIA_GPU_MEMORY_LIMIT=3072: {env:?}"
+        );
+        Ok(())
+    })
+}
+
+/// `kubectl gpushare doctor` (and `top`) name what routes GPU pods: on 1.36 with the chart's
+/// defaults, its MutatingAdmissionPolicy and no webhook.
+fn doctor_names_the_router(c: &KitCluster) -> Outcome<'_> {
+    Box::pin(async move {
+        let kubeconfig = c.kit().root().join("admin.kubeconfig");
+        let cluster = kubectl_gpushare::cluster::Cluster::connect(Some(&kubeconfig)).await?;
+        let routing = cluster.routing().await.map_err(anyhow::Error::msg)?;
+        ensure!(
+            routing.policies == ["gpushare-route-pods"] && routing.webhooks.is_empty(),
+            "the chart should route with its MutatingAdmissionPolicy alone: {routing:?}"
+        );
+        let line = routing.describe().unwrap_or_default();
+        ensure!(
+            line.contains("MutatingAdmissionPolicy gpushare-route-pods"),
+            "{line}"
         );
         Ok(())
     })

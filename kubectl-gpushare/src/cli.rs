@@ -125,6 +125,12 @@ pub async fn run(args: Args) -> anyhow::Result<ExitCode> {
                 render::render_top(&usage)
             };
             print!("{text}");
+            // Best effort: a user who may not list admission objects still gets the table.
+            if let Ok(routing) = cluster.routing().await
+                && let Some(line) = routing.describe()
+            {
+                println!("{line}");
+            }
             Ok(ExitCode::SUCCESS)
         }
         Command::Doctor {
@@ -147,12 +153,14 @@ pub async fn run(args: Args) -> anyhow::Result<ExitCode> {
             };
             let schedulers = cluster.scheduler_deployments(&install).await;
             let leader = cluster.extender_lease(&install).await;
+            let routing = cluster.routing().await;
             let snapshot = Snapshot {
                 nodes,
                 pods,
                 extender: Some(extender),
                 schedulers: Some(schedulers),
                 leader: Some(leader),
+                routing: Some(routing),
             };
             let mut findings = doctor::diagnose(&snapshot, &settings, &install);
             let plugins = cluster.device_plugin_daemonsets(&install).await;

@@ -8,12 +8,15 @@ use http_body_util::{BodyExt as _, Empty};
 use hyper::body::Bytes;
 use hyper_util::client::legacy::Client as HttpClient;
 use hyper_util::rt::TokioExecutor;
+use k8s_openapi::api::admissionregistration::v1::{
+    MutatingAdmissionPolicy, MutatingWebhookConfiguration,
+};
 use k8s_openapi::api::apps::v1::{DaemonSet, Deployment};
 use k8s_openapi::api::core::v1::{Node, Pod};
 use kube::api::{Api, ListParams};
 use kube::config::{KubeConfigOptions, Kubeconfig};
 
-use crate::doctor::{DevicePluginSpec, Install, LeaderLease, SchedulerDeployment};
+use crate::doctor::{DevicePluginSpec, Install, LeaderLease, Routing, SchedulerDeployment};
 
 /// How long one probe of the extender may take.
 const PROBE_TIMEOUT: Duration = Duration::from_secs(5);
@@ -137,6 +140,41 @@ impl Cluster {
             .await
             .map(|list| list.items)
             .map_err(|e| e.to_string())
+    }
+
+    /// The chart's cluster-wide objects of `component` (admission configuration), by name;
+    /// none where the cluster does not serve the kind (404).
+    async fn chart_cluster_objects<K>(&self, component: &str) -> Result<Vec<String>, String>
+    where
+        K: kube::Resource<Scope = kube::core::ClusterResourceScope, DynamicType = ()>
+            + Clone
+            + k8s_openapi::serde::de::DeserializeOwned
+            + std::fmt::Debug,
+    {
+        let params = ListParams::default().labels(&format!(
+            "app.kubernetes.io/name=gpushare,app.kubernetes.io/component={component}"
+        ));
+        match Api::<K>::all(self.client.clone()).list(&params).await {
+            Ok(list) => Ok(list
+                .items
+                .into_iter()
+                .filter_map(|o| o.meta().name.clone())
+                .collect()),
+            Err(kube::Error::Api(status)) if status.code == 404 => Ok(Vec::new()),
+            Err(err) => Err(err.to_string()),
+        }
+    }
+
+    /// What routes GPU pods to the dedicated scheduler. A cluster that does not serve
+    /// MutatingAdmissionPolicies (before 1.36, or with the API off) has none of them.
+    pub async fn routing(&self) -> Result<Routing, String> {
+        let policies = self
+            .chart_cluster_objects::<MutatingAdmissionPolicy>("routing-policy")
+            .await?;
+        let webhooks = self
+            .chart_cluster_objects::<MutatingWebhookConfiguration>("webhook")
+            .await?;
+        Ok(Routing { policies, webhooks })
     }
 
     /// The chart's scheduler Deployments in the install namespace.

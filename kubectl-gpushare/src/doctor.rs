@@ -101,6 +101,31 @@ pub struct LeaderLease {
     pub duration: std::time::Duration,
 }
 
+/// What sets `schedulerName` on new GPU pods: the chart's objects of each kind, by name.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct Routing {
+    /// MutatingAdmissionPolicies (component `routing-policy`): the API server routes pods.
+    pub policies: Vec<String>,
+    /// MutatingWebhookConfigurations (component `webhook`): the extender's webhook does.
+    pub webhooks: Vec<String>,
+}
+
+impl Routing {
+    /// One line saying what routes GPU pods (`kubectl gpushare top` prints it); `None` when
+    /// nothing does (DRA mode, default-scheduler mode, or `webhook.enabled=false`).
+    pub fn describe(&self) -> Option<String> {
+        match (self.policies.first(), self.webhooks.first()) {
+            (Some(policy), _) => Some(format!(
+                "GPU pods are routed to the gpushare scheduler by MutatingAdmissionPolicy {policy}"
+            )),
+            (None, Some(webhook)) => Some(format!(
+                "GPU pods are routed to the gpushare scheduler by the admission webhook {webhook}"
+            )),
+            (None, None) => None,
+        }
+    }
+}
+
 /// Everything the checks look at.
 #[derive(Debug, Clone, Default)]
 pub struct Snapshot {
@@ -114,6 +139,8 @@ pub struct Snapshot {
     pub schedulers: Option<Result<Vec<SchedulerDeployment>, String>>,
     /// The extender's Lease (`None` inside: there is none), or why it could not be read.
     pub leader: Option<Result<Option<LeaderLease>, String>>,
+    /// How pods are routed to the scheduler, or why that could not be read.
+    pub routing: Option<Result<Routing, String>>,
 }
 
 /// Runs every check.
@@ -122,6 +149,7 @@ pub fn diagnose(snapshot: &Snapshot, settings: &Settings, install: &Install) -> 
     check_extender(snapshot, install, &mut findings);
     check_leader(snapshot, install, &mut findings);
     check_scheduler(snapshot, settings, install, &mut findings);
+    check_routing(snapshot, install, &mut findings);
     check_nodes(snapshot, settings, install, &mut findings);
     check_bypass(snapshot, settings, install, &mut findings);
     findings
@@ -255,6 +283,32 @@ fn check_scheduler(
                 ),
             ));
         }
+    }
+}
+
+/// Which admission object routes new GPU pods to the dedicated scheduler, if any.
+fn check_routing(snapshot: &Snapshot, install: &Install, out: &mut Vec<Finding>) {
+    let name = &install.scheduler_name;
+    let dedicated = matches!(&snapshot.schedulers, Some(Ok(d)) if !d.is_empty());
+    match &snapshot.routing {
+        None => {}
+        Some(Err(why)) => out.push(Finding::warn(
+            format!("cannot read what routes GPU pods to {name}: {why}"),
+            "check that you may list mutatingadmissionpolicies and mutatingwebhookconfigurations",
+        )),
+        Some(Ok(routing)) => match (routing.policies.first(), routing.webhooks.first()) {
+            (Some(policy), _) => out.push(Finding::ok(format!(
+                "new GPU pods get schedulerName {name} from MutatingAdmissionPolicy {policy}: the API server sets it, no webhook endpoint involved"
+            ))),
+            (None, Some(webhook)) => out.push(Finding::ok(format!(
+                "new GPU pods get schedulerName {name} from the extender's admission webhook {webhook} (fails open: a pod created while no extender replica is Ready keeps default-scheduler)"
+            ))),
+            (None, None) if dedicated => out.push(Finding::warn(
+                format!("nothing routes GPU pods to {name}: each pod must set schedulerName itself"),
+                "helm upgrade with webhook.enabled=true (webhook.routeWith=auto uses a MutatingAdmissionPolicy where the cluster serves admissionregistration.k8s.io/v1 ones, else the webhook)",
+            )),
+            (None, None) => {}
+        },
     }
 }
 

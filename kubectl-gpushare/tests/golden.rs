@@ -8,7 +8,9 @@ use gpushare_e2e::fixtures::{node, pod};
 use k8s_openapi::api::core::v1::PodStatus;
 use std::time::Duration;
 
-use kubectl_gpushare::doctor::{self, Install, LeaderLease, Level, SchedulerDeployment, Snapshot};
+use kubectl_gpushare::doctor::{
+    self, Install, LeaderLease, Level, Routing, SchedulerDeployment, Snapshot,
+};
 use kubectl_gpushare::render::{render_top, render_top_details};
 use kubectl_gpushare::usage::{Settings, cluster_usage};
 
@@ -85,6 +87,10 @@ fn doctor_golden_and_findings() {
             renewed_ago: Some(Duration::from_millis(400)),
             duration: Duration::from_secs(3),
         }))),
+        routing: Some(Ok(Routing {
+            policies: vec!["gpushare-route-pods".into()],
+            webhooks: vec![],
+        })),
     };
     let findings = doctor::diagnose(&snapshot, &Settings::default(), &install());
     let text = doctor::render(&findings);
@@ -126,6 +132,10 @@ fn doctor_on_a_healthy_install_has_no_failure() {
             renewed_ago: Some(Duration::from_secs(1)),
             duration: Duration::from_secs(3),
         }))),
+        routing: Some(Ok(Routing {
+            policies: vec![],
+            webhooks: vec!["gpushare-webhook".into()],
+        })),
     };
     let findings = doctor::diagnose(&snapshot, &Settings::default(), &install());
     assert!(
@@ -133,6 +143,65 @@ fn doctor_on_a_healthy_install_has_no_failure() {
         "{}",
         doctor::render(&findings)
     );
+}
+
+#[test]
+fn doctor_names_what_routes_gpu_pods() {
+    let dedicated = || {
+        Some(Ok(vec![SchedulerDeployment {
+            name: "gpushare-scheduler".into(),
+            ready: 1,
+            desired: 1,
+        }]))
+    };
+    let names = |names: &[&str]| names.iter().map(|n| (*n).to_owned()).collect::<Vec<_>>();
+    for (schedulers, routing, level, says) in [
+        (
+            dedicated(),
+            Ok(Routing {
+                policies: names(&["gpushare-route-pods"]),
+                webhooks: names(&["gpushare-webhook"]),
+            }),
+            Some(Level::Ok),
+            "from MutatingAdmissionPolicy gpushare-route-pods",
+        ),
+        (
+            dedicated(),
+            Ok(Routing {
+                policies: vec![],
+                webhooks: names(&["gpushare-webhook"]),
+            }),
+            Some(Level::Ok),
+            "from the extender's admission webhook gpushare-webhook",
+        ),
+        (
+            dedicated(),
+            Ok(Routing::default()),
+            Some(Level::Warn),
+            "nothing routes GPU pods to gpushare-scheduler",
+        ),
+        (
+            Some(Ok(vec![])),
+            Ok(Routing::default()),
+            None,
+            "routes GPU pods",
+        ),
+        (
+            dedicated(),
+            Err("forbidden".to_owned()),
+            Some(Level::Warn),
+            "cannot read what routes GPU pods",
+        ),
+    ] {
+        let snapshot = Snapshot {
+            schedulers,
+            routing: Some(routing),
+            ..Snapshot::default()
+        };
+        let findings = doctor::diagnose(&snapshot, &Settings::default(), &install());
+        let found = findings.iter().find(|f| f.message.contains(says));
+        assert_eq!(found.map(|f| f.level), level, "{says:?}: {findings:?}");
+    }
 }
 
 #[test]

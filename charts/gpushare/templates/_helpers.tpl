@@ -178,6 +178,11 @@ forced by webhook.routeWith=admissionPolicy, or `auto` where the cluster serves 
 {{- define "gpushare.scheduler.config" -}}
 apiVersion: kubescheduler.config.k8s.io/v1
 kind: KubeSchedulerConfiguration
+# scheduler.clientConnection and scheduler.parallelism.
+clientConnection:
+  qps: {{ .Values.scheduler.clientConnection.qps }}
+  burst: {{ int64 .Values.scheduler.clientConnection.burst }}
+parallelism: {{ int64 .Values.scheduler.parallelism }}
 leaderElection:
   leaderElect: true
   resourceLock: leases

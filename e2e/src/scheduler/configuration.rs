@@ -29,6 +29,15 @@ struct Configuration {
     #[serde(default)]
     #[allow(dead_code)] // read by serde only: accepted, not modelled
     leader_election: Option<serde_yaml::Value>,
+    /// The API client's rate limits: the driver's client is not rate limited, so accepted,
+    /// not modelled.
+    #[serde(default)]
+    #[allow(dead_code)] // read by serde only: accepted, not modelled
+    client_connection: Option<serde_yaml::Value>,
+    /// Goroutines for filtering and scoring: changes speed, not placements.
+    #[serde(default)]
+    #[allow(dead_code)] // read by serde only: accepted, not modelled
+    parallelism: Option<i64>,
     /// Every profile's, unless the profile sets its own.
     percentage_of_nodes_to_score: Option<i64>,
     #[serde(default)]
