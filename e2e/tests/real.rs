@@ -585,8 +585,8 @@ fn dra_claims_run_and_free(c: &KitCluster) -> Outcome<'_> {
 }
 
 /// Fake GPU nodes (Node objects only; pods bound there never run) for load scenarios.
-const FAKE_NODES: usize = 25;
-const BURST_PODS: usize = 300;
+const FAKE_NODES: usize = 70;
+const BURST_PODS: usize = 1000;
 
 /// The extender leader SIGKILLed three times while a burst of GPU pods is created: no create
 /// is refused, every pod is bound with an allocation, no GPU is over-committed. Prints how
@@ -634,7 +634,7 @@ async fn burst_with_kills(c: &KitCluster) -> anyhow::Result<()> {
     let pods: Api<Pod> = Api::namespaced(c.client(), "default");
     let refused = std::sync::Arc::new(std::sync::atomic::AtomicUsize::new(0));
     let started = Instant::now();
-    // Four creators, about 25 pods/s in all, for about 12 s.
+    // Four creators, about 25 pods/s in all, for about 40 s.
     let creators: Vec<_> = (0..4)
         .map(|worker| {
             let pods = pods.clone();
@@ -687,16 +687,39 @@ async fn burst_with_kills(c: &KitCluster) -> anyhow::Result<()> {
         let pid = c.script("chart-cluster.sh", &["pid", pod, "extender"])?;
         let pid = pid.trim();
         ensure!(!pid.is_empty(), "no host pid for the leader {pod}");
-        let before = bound(pods.clone()).await.unwrap_or(0);
         let killed = Instant::now();
         std::process::Command::new("kill")
             .args(["-9", pid])
             .status()?;
-        // Binding resumed when the bound count grows past what it was at the kill.
-        let resumed = wait_for("binding to resume", Duration::from_secs(30), || {
-            let pods = pods.clone();
-            async move { (bound(pods).await? > before).then_some(()) }
-        })
+        // Binding resumed when another replica holds the Lease and a pod was bound after it
+        // took over: a bind the killed leader wrote just before dying does not count.
+        let resumed = async {
+            wait_for(
+                "another replica to take the Lease",
+                Duration::from_secs(30),
+                || async {
+                    let now = c
+                        .kubectl(&[
+                            "-n",
+                            "kube-system",
+                            "get",
+                            "lease",
+                            "gpushare-extender",
+                            "-o",
+                            "jsonpath={.spec.holderIdentity}",
+                        ])
+                        .ok()?;
+                    (!now.is_empty() && now != holder).then_some(())
+                },
+            )
+            .await?;
+            let at_takeover = bound(pods.clone()).await.unwrap_or(0);
+            wait_for("binding to resume", Duration::from_secs(30), || {
+                let pods = pods.clone();
+                async move { (bound(pods).await? > at_takeover).then_some(()) }
+            })
+            .await
+        }
         .await;
         gaps.push(resumed.map(|()| killed.elapsed().as_secs_f64()));
     }
