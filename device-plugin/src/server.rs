@@ -14,19 +14,19 @@
 //!
 //! A DaemonSet rollout starts the new plugin pod while the old one is still shutting down,
 //! and both use the same socket path. So the new plugin waits (at most
-//! [`PREDECESSOR_WAIT`]) until nothing answers on the path before it takes it over, and a
-//! plugin leaving removes the socket file only if it is still the one it bound: before, the
+//! [`socket_file::PREDECESSOR_WAIT`]) until nothing answers on the path before it takes it
+//! over, and a plugin leaving removes the socket file only if it is still the one it bound
+//! ([`gpushare_proto::socket_file`]): before, the
 //! old plugin's exit deleted its successor's socket, the successor registered a second time,
 //! and kubelet (which marks the resource unhealthy when any of its clients ends, even one it
 //! replaced) could leave every device unhealthy, refusing the next GPU pod at admission.
 
-use std::os::unix::fs::MetadataExt;
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::Duration;
 
-use gpushare_proto::socket_file::{self, BoundSocket, Released};
+use gpushare_proto::socket_file::{self, BoundSocket, identity};
 use gpushare_proto::v1beta1::RegisterRequest;
 use gpushare_proto::v1beta1::device_plugin_server::DevicePluginServer;
 use gpushare_proto::v1beta1::registration_client::RegistrationClient;
@@ -44,32 +44,12 @@ pub const SOCKET_NAME: &str = "gpushare-gpu-mem.sock";
 pub const POLL: Duration = Duration::from_millis(500);
 /// How long one registration attempt may take.
 const REGISTER_TIMEOUT: Duration = Duration::from_secs(5);
-/// How long a starting plugin waits for another process to stop serving its socket path: a
-/// pod's default termination grace period.
-pub const PREDECESSOR_WAIT: Duration = Duration::from_secs(30);
-/// How often a starting plugin checks whether its predecessor let go of the socket.
-const PREDECESSOR_POLL: Duration = Duration::from_millis(100);
-
-/// Which file a path currently names: changes when the file is recreated.
-fn identity(path: &Path) -> Option<(u64, u64, i64, i64)> {
-    std::fs::metadata(path)
-        .ok()
-        .map(|meta| (meta.dev(), meta.ino(), meta.mtime(), meta.mtime_nsec()))
-}
-
-/// Waits (at most [`PREDECESSOR_WAIT`], or until `shutdown`) while another process still
-/// serves `socket`: a rollout's old pod shutting down.
+/// Waits (at most [`socket_file::PREDECESSOR_WAIT`], or until `shutdown`) while another
+/// process still serves `socket`: a rollout's old pod shutting down.
 async fn wait_for_predecessor(socket: &Path, shutdown: &CancellationToken) {
-    if !socket_file::served(socket).await {
-        return;
-    }
-    tracing::info!(socket = %socket.display(), "another device plugin still serves this socket (a rollout's old pod?); waiting for it to stop");
     tokio::select! {
         () = shutdown.cancelled() => {}
-        released = socket_file::wait_until_released(socket, PREDECESSOR_WAIT, PREDECESSOR_POLL) => match released {
-            Released::Free(waited) => tracing::info!(socket = %socket.display(), ?waited, "the previous device plugin let go of the socket"),
-            Released::StillServed => tracing::warn!(socket = %socket.display(), "another process still serves the plugin socket after {PREDECESSOR_WAIT:?}; taking it over"),
-        }
+        _ = socket_file::wait_for_predecessor(socket) => {}
     }
 }
 

@@ -35,7 +35,6 @@ use std::future::Future;
 use std::net::SocketAddr;
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
-use std::time::Duration;
 
 use gpushare_contract::DEFAULT_DOMAIN;
 use gpushare_contract::env::Enforcement;
@@ -228,28 +227,12 @@ fn io(path: &Path) -> impl FnOnce(std::io::Error) -> Error + '_ {
     }
 }
 
-/// How long a starting plugin waits for a rollout's old pod to stop serving the sockets: a
-/// pod's default termination grace period.
-const PREDECESSOR_WAIT: Duration = Duration::from_secs(30);
-/// How often it checks.
-const PREDECESSOR_POLL: Duration = Duration::from_millis(100);
-
 /// Waits while another process (a rollout's old pod, still shutting down) serves one of
-/// `sockets`, at most [`PREDECESSOR_WAIT`] in all ([`socket_file`]).
+/// `sockets` ([`socket_file::wait_for_predecessor`]).
 async fn wait_for_predecessor(sockets: [&Path; 2]) {
     for socket in sockets {
-        if !socket_file::served(socket).await {
-            continue;
-        }
-        tracing::info!(socket = %socket.display(), "another DRA plugin still serves this socket (a rollout's old pod?); waiting for it to stop");
-        match socket_file::wait_until_released(socket, PREDECESSOR_WAIT, PREDECESSOR_POLL).await {
-            Released::Free(waited) => {
-                tracing::info!(socket = %socket.display(), ?waited, "the previous DRA plugin let go of the socket")
-            }
-            Released::StillServed => {
-                tracing::warn!(socket = %socket.display(), "another process still serves the socket after {PREDECESSOR_WAIT:?}; taking it over");
-                return;
-            }
+        if socket_file::wait_for_predecessor(socket).await == Released::StillServed {
+            return;
         }
     }
 }

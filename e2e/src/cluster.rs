@@ -1305,7 +1305,7 @@ impl TestCluster {
     /// it, so the overlap a slow exit under load makes happens every time. Fails if the old
     /// one's exit took the new one's socket away.
     pub async fn roll_device_plugin(&mut self, node: &str) -> anyhow::Result<()> {
-        const WAITING: &str = "still serves this socket";
+        const WAITING: &str = gpushare_proto::socket_file::WAITING_FOR_PREDECESSOR;
         let log = self.dir.path().join(format!("device-plugin-{node}.log"));
         let waits_logged = || {
             std::fs::read(&log)

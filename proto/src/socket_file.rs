@@ -18,11 +18,21 @@ use std::time::Duration;
 
 use tokio::net::{UnixListener, UnixStream};
 
+/// How long a starting plugin waits for its predecessor to let go of a socket path: a pod's
+/// default termination grace period.
+pub const PREDECESSOR_WAIT: Duration = Duration::from_secs(30);
+/// How often it checks.
+pub const PREDECESSOR_POLL: Duration = Duration::from_millis(100);
+/// What [`wait_for_predecessor`] logs when it starts waiting (tests look for it).
+pub const WAITING_FOR_PREDECESSOR: &str = "another plugin still serves this socket";
+
 /// Which file a path names: device, inode and modification time (an inode number alone is
 /// reused as soon as a file is deleted).
-type FileIdentity = (u64, u64, i64, i64);
+pub type FileIdentity = (u64, u64, i64, i64);
 
-fn identity(path: &Path) -> Option<FileIdentity> {
+/// The identity of the file at `path`, if there is one: it changes when the file is
+/// recreated.
+pub fn identity(path: &Path) -> Option<FileIdentity> {
     std::fs::metadata(path)
         .ok()
         .map(|meta| (meta.dev(), meta.ino(), meta.mtime(), meta.mtime_nsec()))
@@ -88,6 +98,26 @@ pub enum Released {
 /// Whether a process accepts connections on the socket at `path`.
 pub async fn served(path: &Path) -> bool {
     UnixStream::connect(path).await.is_ok()
+}
+
+/// Waits, logging why, while a predecessor (a rollout's old pod, still shutting down) serves
+/// `socket`: at most [`PREDECESSOR_WAIT`]. The caller then takes the path over
+/// ([`BoundSocket::bind`]) either way; it selects this against its own shutdown.
+pub async fn wait_for_predecessor(socket: &Path) -> Released {
+    if !served(socket).await {
+        return Released::Free(Duration::ZERO);
+    }
+    tracing::info!(socket = %socket.display(), "{WAITING_FOR_PREDECESSOR} (a rollout's old pod?); waiting for it to stop");
+    let released = wait_until_released(socket, PREDECESSOR_WAIT, PREDECESSOR_POLL).await;
+    match released {
+        Released::Free(waited) => {
+            tracing::info!(socket = %socket.display(), ?waited, "the previous plugin let go of the socket")
+        }
+        Released::StillServed => {
+            tracing::warn!(socket = %socket.display(), "another process still serves the socket after {PREDECESSOR_WAIT:?}; taking it over")
+        }
+    }
+    released
 }
 
 /// Waits while another process accepts connections on `path`, checking every `poll`, at
