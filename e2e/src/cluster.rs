@@ -1299,38 +1299,23 @@ impl TestCluster {
         wait_reregistered(&sim.kubelet, before).await
     }
 
-    /// Rolls a node's device plugin as a DaemonSet rollout does: the new pod starts while the
-    /// old one is still shutting down, on the same socket path. The old process is frozen
-    /// (SIGSTOP) with its SIGTERM pending until the new one has registered or is waiting for
-    /// it, so the overlap a slow exit under load makes happens every time. Fails if the old
-    /// one's exit took the new one's socket away.
+    /// Rolls a node's device plugin as a DaemonSet rollout does ([`overlap_rollout`]).
+    /// Fails if the old one's exit took the new one's socket away.
     pub async fn roll_device_plugin(&mut self, node: &str) -> anyhow::Result<()> {
-        const WAITING: &str = gpushare_proto::socket_file::WAITING_FOR_PREDECESSOR;
         let log = self.dir.path().join(format!("device-plugin-{node}.log"));
-        let waits_logged = || {
-            std::fs::read(&log)
-                .map(|text| String::from_utf8_lossy(&text).matches(WAITING).count())
-                .unwrap_or(0)
-        };
         let sim = self.nodes.get_mut(node).context("no such node")?;
         let before = sim.kubelet.registrations(RESOURCE);
         let old = sim.plugin.take().context("no device plugin running")?;
-        old.signal("STOP").await;
-        old.signal("TERM").await;
-        let waits_before = waits_logged();
         let sim = self.nodes.get(node).context("no such node")?;
-        let plugin = self.host().spawn_plugin(sim)?;
+        let plugin = overlap_rollout(
+            old,
+            &log,
+            || self.host().spawn_plugin(sim),
+            || sim.kubelet.registrations(RESOURCE) > before,
+        )
+        .await?;
         let sim = self.nodes.get_mut(node).context("no such node")?;
         sim.plugin = Some(plugin);
-        sim.kubelet
-            .wait_until(
-                Duration::from_secs(30),
-                "the new device plugin to register or to wait for the old one",
-                |k| k.registrations(RESOURCE) > before || waits_logged() > waits_before,
-            )
-            .await?;
-        old.signal("CONT").await;
-        old.wait_stopped().await;
         wait_reregistered(&sim.kubelet, before).await?;
         let socket = sim
             .kubelet
@@ -1640,6 +1625,44 @@ const UNBOUNDED_BINDS: usize = 100_000;
 
 /// Waits until the device plugin registered again (after `before` registrations) and
 /// listed healthy devices.
+/// A DaemonSet rollout of a plugin, with the overlap made certain: the new pod starts while
+/// the old one is still shutting down, on the same socket paths. The old process is frozen
+/// (SIGSTOP) with its SIGTERM pending, the new one started (`start_new`), and the old one
+/// resumed only once the new one registered (`registered`) or logged in `log` that it waits
+/// for the old one to let go; returns the new process once the old one exited.
+pub async fn overlap_rollout(
+    old: Process,
+    log: &Path,
+    start_new: impl FnOnce() -> anyhow::Result<Process>,
+    registered: impl Fn() -> bool,
+) -> anyhow::Result<Process> {
+    let waits_logged = || {
+        std::fs::read(log)
+            .map(|text| {
+                String::from_utf8_lossy(&text)
+                    .matches(gpushare_proto::socket_file::WAITING_FOR_PREDECESSOR)
+                    .count()
+            })
+            .unwrap_or(0)
+    };
+    old.signal("STOP").await;
+    old.signal("TERM").await;
+    let waits_before = waits_logged();
+    let new = start_new()?;
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(30);
+    while !registered() && waits_logged() == waits_before {
+        ensure!(
+            tokio::time::Instant::now() < deadline,
+            "the new plugin neither registered nor waited for the old one; see {}",
+            log.display()
+        );
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    old.signal("CONT").await;
+    old.wait_stopped().await;
+    Ok(new)
+}
+
 async fn wait_reregistered(kubelet: &KubeletDriver, before: u64) -> anyhow::Result<()> {
     kubelet
         .wait_until(

@@ -300,6 +300,43 @@ impl DraCluster {
         Ok(())
     }
 
+    /// Rolls the plugin of `node` as a DaemonSet rollout does
+    /// ([`crate::cluster::overlap_rollout`]); returns once every driver it had registered is
+    /// registered again.
+    pub async fn roll_plugin(&mut self, node: &str) -> anyhow::Result<()> {
+        let bins = binaries()?;
+        let node = self
+            .nodes
+            .iter_mut()
+            .find(|n| n.name == node)
+            .with_context(|| format!("no node {node}"))?;
+        let before = node.kubelet.registrations();
+        let drivers = node.kubelet.drivers();
+        let old = node.plugin.take().context("no DRA plugin running")?;
+        let new = crate::cluster::overlap_rollout(
+            old,
+            &node.plugin_log,
+            || {
+                Process::spawn(
+                    "gpushare-dra-plugin",
+                    &bins.dra_plugin,
+                    &node.plugin_args,
+                    &node.kubeconfig,
+                    &node.plugin_log,
+                )
+            },
+            || node.kubelet.registrations() > before,
+        )
+        .await?;
+        node.plugin = Some(new);
+        for driver in &drivers {
+            node.kubelet
+                .wait_registered(driver, Duration::from_secs(30))
+                .await?;
+        }
+        Ok(())
+    }
+
     /// Creates a claim for `gib` GiB and a pod `name` using it (claim `<name>-gpu`).
     pub async fn create_gpu_pod(&self, name: &str, gib: u64) -> anyhow::Result<()> {
         let claim = format!("{name}-gpu");

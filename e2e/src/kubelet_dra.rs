@@ -55,9 +55,11 @@ struct PreparedClaim {
 #[derive(Default)]
 struct State {
     plugins: HashMap<String, DraPluginClient<Channel>>,
-    /// Registration sockets handled, with the file seen: a plugin that restarts binds a
-    /// new socket at the same path, and is registered again (kubelet sees the create).
-    registered_sockets: HashMap<PathBuf, (u64, i64, i64)>,
+    /// Registration sockets handled, with the file seen and the driver it registered: a
+    /// plugin that restarts binds a new socket at the same path, and is registered again
+    /// (kubelet sees the create); a socket that goes (or is replaced) deregisters its driver,
+    /// as kubelet's plugin watcher does on the file's removal.
+    registered_sockets: HashMap<PathBuf, ((u64, i64, i64), String)>,
     registrations: u64,
     claims: HashMap<String, PreparedClaim>,
     /// pod UID → container → env.
@@ -235,9 +237,17 @@ impl Worker {
             .collect();
         {
             let mut state = self.lock();
-            state
+            let gone: Vec<(PathBuf, String)> = state
                 .registered_sockets
-                .retain(|s, seen| sockets.contains(&(s.clone(), *seen)));
+                .iter()
+                .filter(|(path, (seen, _))| !sockets.contains(&((*path).clone(), *seen)))
+                .map(|(path, (_, driver))| (path.clone(), driver.clone()))
+                .collect();
+            for (path, driver) in gone {
+                state.registered_sockets.remove(&path);
+                state.plugins.remove(&driver);
+                tracing::info!(%driver, socket = %path.display(), node = %self.node, "DRA plugin socket gone: driver deregistered");
+            }
         }
         for (socket, identity) in sockets {
             if self.lock().registered_sockets.contains_key(&socket) {
@@ -247,7 +257,9 @@ impl Worker {
                 Ok((driver, client)) => {
                     tracing::info!(%driver, node = %self.node, "DRA plugin registered");
                     let mut state = self.lock();
-                    state.registered_sockets.insert(socket, identity);
+                    state
+                        .registered_sockets
+                        .insert(socket, (identity, driver.clone()));
                     state.registrations += 1;
                     state.plugins.insert(driver, client);
                 }

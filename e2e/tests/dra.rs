@@ -424,11 +424,18 @@ async fn a_plugin_crash_loses_no_prepared_claim() -> anyhow::Result<()> {
         2,
         "notebook-1's spec removed, notebook-3's written"
     );
+
+    // A rollout: the new plugin starts while the old one shuts down. The driver must stay
+    // registered (the old one's exit once deleted the new one's sockets) and prepare the
+    // next pod.
+    cluster.roll_plugin("gpu-node-1").await?;
+    cluster.create_gpu_pod("notebook-4", 2).await?;
+    wait_for_running(&cluster, "notebook-4 running after the rollout", 3).await?;
     let pods = cluster.pods().await?;
     let claims = cluster.claims().await?;
     assert_each_container_gets_its_gpu(&cluster, &pods, &claims);
     let gpus = cluster.gpu_use().await?;
-    assert_eq!(gpus[0].claimed_gib, 12);
+    assert_eq!(gpus[0].claimed_gib, 14);
     let kubelet = &cluster.node("gpu-node-1").expect("started").kubelet;
     assert!(kubelet.errors().is_empty(), "{:?}", kubelet.errors());
     cluster.shutdown().await;
