@@ -55,6 +55,35 @@ pub struct DraNode {
     plugin_args: Vec<String>,
     plugin_log: PathBuf,
     kubeconfig: PathBuf,
+    binary: PathBuf,
+}
+
+impl DraNode {
+    /// Waits until the kubelet driver counted more registrations than `before`.
+    async fn wait_registered_again(&self, before: u64) -> anyhow::Result<()> {
+        let deadline = tokio::time::Instant::now() + Duration::from_secs(60);
+        while self.kubelet.registrations() <= before {
+            anyhow::ensure!(
+                tokio::time::Instant::now() < deadline,
+                "the new plugin on {} did not register; see {}",
+                self.name,
+                self.plugin_log.display()
+            );
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+        Ok(())
+    }
+
+    /// Starts the node's plugin process.
+    fn spawn_plugin(&self) -> anyhow::Result<Process> {
+        Process::spawn(
+            "gpushare-dra-plugin",
+            &self.binary,
+            &self.plugin_args,
+            &self.kubeconfig,
+            &self.plugin_log,
+        )
+    }
 }
 
 /// A running DRA-mode cluster.
@@ -217,25 +246,21 @@ impl DraCluster {
             .map(|a| (*a).to_owned())
             .collect();
             let log = dir.path().join(format!("dra-plugin-{name}.log"));
-            let plugin = Process::spawn(
-                "gpushare-dra-plugin",
-                &bins.dra_plugin,
-                &args,
-                &kubeconfig,
-                &log,
-            )?;
             let kubelet = DraKubelet::start(client.clone(), name, registry, cdi.clone());
-            started.push(DraNode {
+            let mut node = DraNode {
                 name: (*name).to_owned(),
                 kubelet,
                 plugin_dir,
                 cdi_dir: cdi,
                 health_file,
-                plugin: Some(plugin),
+                plugin: None,
                 plugin_args: args,
                 plugin_log: log,
                 kubeconfig: kubeconfig.clone(),
-            });
+                binary: bins.dra_plugin.clone(),
+            };
+            node.plugin = Some(node.spawn_plugin()?);
+            started.push(node);
         }
         for node in &started {
             node.kubelet
@@ -267,68 +292,44 @@ impl DraCluster {
         self.nodes.iter().find(|n| n.name == name)
     }
 
+    fn node_mut(&mut self, name: &str) -> anyhow::Result<&mut DraNode> {
+        self.nodes
+            .iter_mut()
+            .find(|n| n.name == name)
+            .with_context(|| format!("no node {name}"))
+    }
+
     /// Kills the plugin of `node` (SIGKILL, as a crash) and starts it again; returns once
     /// the kubelet driver registered it again.
     pub async fn crash_and_restart_plugin(&mut self, node: &str) -> anyhow::Result<()> {
-        let bins = binaries()?;
-        let node = self
-            .nodes
-            .iter_mut()
-            .find(|n| n.name == node)
-            .with_context(|| format!("no node {node}"))?;
+        let node = self.node_mut(node)?;
         let before = node.kubelet.registrations();
         if let Some(plugin) = node.plugin.take() {
             plugin.crash().await;
         }
-        node.plugin = Some(Process::spawn(
-            "gpushare-dra-plugin",
-            &bins.dra_plugin,
-            &node.plugin_args,
-            &node.kubeconfig,
-            &node.plugin_log,
-        )?);
-        let deadline = tokio::time::Instant::now() + Duration::from_secs(60);
-        while node.kubelet.registrations() <= before {
-            anyhow::ensure!(
-                tokio::time::Instant::now() < deadline,
-                "the restarted plugin on {} did not register again; see {}",
-                node.name,
-                node.plugin_log.display()
-            );
-            tokio::time::sleep(Duration::from_millis(20)).await;
-        }
-        Ok(())
+        node.plugin = Some(node.spawn_plugin()?);
+        node.wait_registered_again(before).await
     }
 
     /// Rolls the plugin of `node` as a DaemonSet rollout does
     /// ([`crate::cluster::overlap_rollout`]); returns once every driver it had registered is
     /// registered again.
     pub async fn roll_plugin(&mut self, node: &str) -> anyhow::Result<()> {
-        let bins = binaries()?;
-        let node = self
-            .nodes
-            .iter_mut()
-            .find(|n| n.name == node)
-            .with_context(|| format!("no node {node}"))?;
+        let node = self.node_mut(node)?;
         let before = node.kubelet.registrations();
         let drivers = node.kubelet.drivers();
         let old = node.plugin.take().context("no DRA plugin running")?;
         let new = crate::cluster::overlap_rollout(
             old,
             &node.plugin_log,
-            || {
-                Process::spawn(
-                    "gpushare-dra-plugin",
-                    &bins.dra_plugin,
-                    &node.plugin_args,
-                    &node.kubeconfig,
-                    &node.plugin_log,
-                )
-            },
+            || node.spawn_plugin(),
             || node.kubelet.registrations() > before,
         )
         .await?;
         node.plugin = Some(new);
+        // The new process's own registration: until then the kubelet may still hold the
+        // old one's, which it drops when it sees that socket gone.
+        node.wait_registered_again(before).await?;
         for driver in &drivers {
             node.kubelet
                 .wait_registered(driver, Duration::from_secs(30))
