@@ -5,6 +5,7 @@ mod common;
 
 use std::time::Duration;
 
+use anyhow::Context as _;
 use common::{Cluster, NODE, WAIT, allocate, allocation, client, ids, uuid};
 use gpushare_contract::env;
 use gpushare_e2e::apiserver::Verb;
@@ -185,4 +186,24 @@ async fn allocate_answers_from_the_watch_cache_and_refuses_broken_gpus() -> anyh
     assert!(!socket.exists());
     server.shutdown().await;
     Ok(())
+}
+
+/// ListAndWatch sends the device list a second time shortly after it opens: kubelet marks a
+/// resource unhealthy when any of its clients ends, even one it already replaced, and only a
+/// later list makes the devices healthy again (`service::REANNOUNCE_AFTER`).
+#[tokio::test]
+async fn list_and_watch_sends_the_list_again_after_opening() -> anyhow::Result<()> {
+    let cluster = Cluster::start(&[16, 8], None).await?;
+    let mut plugin = client(&cluster).await?;
+    let mut devices = plugin.list_and_watch(Empty {}).await?.into_inner();
+    let first = tokio::time::timeout(WAIT, devices.message())
+        .await??
+        .context("ListAndWatch ended before the first list")?;
+    assert_eq!(first.devices.len(), 24);
+    let second = tokio::time::timeout(WAIT, devices.message())
+        .await
+        .context("no second list")??
+        .context("ListAndWatch ended before the second list")?;
+    assert_eq!(second, first, "the same GPUs, listed again");
+    cluster.stop().await
 }
