@@ -101,6 +101,11 @@ impl Kit {
         &self.root
     }
 
+    /// The cluster-admin kubeconfig the kit made.
+    pub fn admin_kubeconfig(&self) -> PathBuf {
+        self.root.join("admin.kubeconfig")
+    }
+
     fn set_up(&self) -> anyhow::Result<()> {
         let archive = std::fs::read_dir(&self.source)
             .with_context(|| format!("reading {}", self.source.display()))?
@@ -163,7 +168,7 @@ impl Kit {
 
     async fn admin_config(&self) -> anyhow::Result<Config> {
         Ok(Config::from_custom_kubeconfig(
-            Kubeconfig::read_from(self.root.join("admin.kubeconfig"))?,
+            Kubeconfig::read_from(self.admin_kubeconfig())?,
             &KubeConfigOptions::default(),
         )
         .await?)
@@ -177,7 +182,7 @@ impl Kit {
             .arg(self.root.join("harness").join(name))
             .env("REALK8S", &self.root)
             .env("PROJECT", &self.project)
-            .env("KUBECONFIG", self.root.join("admin.kubeconfig"));
+            .env("KUBECONFIG", self.admin_kubeconfig());
         command
     }
 
@@ -308,7 +313,7 @@ impl KitCluster {
         use std::io::Write as _;
         let mut child = Command::new(tools::kubectl()?)
             .arg("--kubeconfig")
-            .arg(self.kit.root.join("admin.kubeconfig"))
+            .arg(self.kit.admin_kubeconfig())
             .args(args)
             .stdin(std::process::Stdio::piped())
             .stdout(std::process::Stdio::piped())
@@ -317,30 +322,17 @@ impl KitCluster {
         if let Some(mut input) = child.stdin.take() {
             input.write_all(stdin.as_bytes())?;
         }
-        let output = child.wait_with_output()?;
-        ensure!(
-            output.status.success(),
-            "kubectl {args:?} failed ({}): {}",
-            output.status,
-            String::from_utf8_lossy(&output.stderr)
-        );
-        Ok(String::from_utf8_lossy(&output.stdout).into_owned())
+        stdout_of("kubectl", args, &child.wait_with_output()?)
     }
 
     /// Runs `helm` against the cluster; returns stdout.
     pub fn helm(&self, args: &[&str]) -> anyhow::Result<String> {
         let output = Command::new(tools::helm()?)
             .arg("--kubeconfig")
-            .arg(self.kit.root.join("admin.kubeconfig"))
+            .arg(self.kit.admin_kubeconfig())
             .args(args)
             .output()?;
-        ensure!(
-            output.status.success(),
-            "helm {args:?} failed ({}): {}",
-            output.status,
-            String::from_utf8_lossy(&output.stderr)
-        );
-        Ok(String::from_utf8_lossy(&output.stdout).into_owned())
+        stdout_of("helm", args, &output)
     }
 
     /// Every CreateContainer the kit's runtime has seen, oldest first.
@@ -427,4 +419,15 @@ impl Harness for KitCluster {
         .await
         .map(|created| created.env)
     }
+}
+
+/// A finished tool's stdout, or an error with its stderr.
+fn stdout_of(tool: &str, args: &[&str], output: &std::process::Output) -> anyhow::Result<String> {
+    ensure!(
+        output.status.success(),
+        "{tool} {args:?} failed ({}): {}",
+        output.status,
+        String::from_utf8_lossy(&output.stderr)
+    );
+    Ok(String::from_utf8_lossy(&output.stdout).into_owned())
 }

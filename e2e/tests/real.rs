@@ -467,7 +467,7 @@ fn toolkit_enforcement_after_helm_upgrade(c: &KitCluster) -> Outcome<'_> {
 /// defaults, its MutatingAdmissionPolicy and no webhook.
 fn doctor_names_the_router(c: &KitCluster) -> Outcome<'_> {
     Box::pin(async move {
-        let kubeconfig = c.kit().root().join("admin.kubeconfig");
+        let kubeconfig = c.kit().admin_kubeconfig();
         let cluster = kubectl_gpushare::cluster::Cluster::connect(Some(&kubeconfig)).await?;
         let routing = cluster.routing().await.map_err(anyhow::Error::msg)?;
         ensure!(
