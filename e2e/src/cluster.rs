@@ -833,6 +833,8 @@ pub struct ClusterSpec {
     pub dedicated: bool,
     /// Chart values (`key=value`) the dedicated scheduler's configuration is rendered with.
     pub scheduler_values: Vec<String>,
+    /// The scheduler driver's [`SchedulerConfig::binding_cycle_delay`] (default none).
+    pub binding_cycle_delay: Duration,
 }
 
 /// The scheduler name of the chart's dedicated mode.
@@ -853,6 +855,7 @@ impl ClusterSpec {
             device_plugin_args: Vec::new(),
             dedicated: false,
             scheduler_values: Vec::new(),
+            binding_cycle_delay: Duration::ZERO,
         }
     }
 
@@ -887,6 +890,13 @@ impl ClusterSpec {
     /// Renders the dedicated scheduler's configuration with these chart values (`key=value`).
     pub fn with_scheduler_values(mut self, values: &[&str]) -> Self {
         self.scheduler_values = values.iter().map(|v| (*v).to_owned()).collect();
+        self
+    }
+
+    /// Makes every binding cycle take `delay` before its bind call, so the next pods' filters
+    /// come first (see [`SchedulerConfig::binding_cycle_delay`]).
+    pub fn with_binding_cycle_delay(mut self, delay: Duration) -> Self {
+        self.binding_cycle_delay = delay;
         self
     }
 
@@ -1129,6 +1139,7 @@ impl TestCluster {
             }],
             // kube-scheduler runs every bind in a goroutine of its own, unbounded.
             parallel_binds: UNBOUNDED_BINDS,
+            binding_cycle_delay: self.spec.binding_cycle_delay,
             backoff_initial: Duration::from_millis(50),
             backoff_max: SCHEDULER_BACKOFF_MAX,
             unschedulable_retry: SCHEDULER_UNSCHEDULABLE_RETRY,

@@ -630,19 +630,6 @@ fn leader_killed_in_a_burst(c: &KitCluster) -> Outcome<'_> {
     })
 }
 
-/// The extender Lease's `holderIdentity` (`<pod>_<suffix>`).
-fn lease_holder(c: &KitCluster) -> anyhow::Result<String> {
-    c.kubectl(&[
-        "-n",
-        "kube-system",
-        "get",
-        "lease",
-        "gpushare-extender",
-        "-o",
-        "jsonpath={.spec.holderIdentity}",
-    ])
-}
-
 async fn burst_with_kills(c: &KitCluster) -> anyhow::Result<()> {
     let pods: Api<Pod> = Api::namespaced(c.client(), "default");
     let refused = std::sync::Arc::new(std::sync::atomic::AtomicUsize::new(0));
@@ -685,7 +672,7 @@ async fn burst_with_kills(c: &KitCluster) -> anyhow::Result<()> {
     for kill_at in [2.0, 5.5, 9.0] {
         tokio::time::sleep(Duration::from_secs_f64(kill_at).saturating_sub(started.elapsed()))
             .await;
-        let holder = lease_holder(c)?;
+        let holder = c.extender_lease_holder()?;
         let pod = holder
             .rsplit_once('_')
             .map_or(holder.as_str(), |(pod, _)| pod);
@@ -703,7 +690,7 @@ async fn burst_with_kills(c: &KitCluster) -> anyhow::Result<()> {
                 "another replica to take the Lease",
                 Duration::from_secs(30),
                 || async {
-                    let now = lease_holder(c).ok()?;
+                    let now = c.extender_lease_holder().ok()?;
                     (!now.is_empty() && now != holder).then_some(())
                 },
             )

@@ -7,7 +7,7 @@
 use std::borrow::Cow;
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, RwLock, RwLockReadGuard, RwLockWriteGuard};
-use std::time::Instant;
+use std::time::{Duration, Instant};
 
 use axum::Json;
 use axum::Router;
@@ -27,7 +27,7 @@ use crate::kube_io::{Binder, EventSink};
 use crate::leader::Leadership;
 use crate::metrics::Metrics;
 use crate::reservation::Phase;
-use crate::view::{Settings, View, pod_host, to_request};
+use crate::view::{Hold, Settings, View, pod_host, to_request};
 use crate::wire::{
     ExtenderArgs, ExtenderBindingArgs, ExtenderBindingResult, ExtenderFilterResult, HostPriority,
     RawNodeListOut, raw_node_name,
@@ -292,6 +292,14 @@ fn filter_answer<'a>(state: &AppState, args: &'a ExtenderArgs<'a>) -> ExtenderFi
     let candidates = candidates(args);
     let mut result = ExtenderFilterResult::default();
     let mut passing: Vec<usize> = Vec::with_capacity(candidates.len());
+    let pod_uid = args
+        .pod
+        .as_ref()
+        .and_then(|pod| pod.metadata.uid.as_deref())
+        .map(PodId::from);
+    release_holds(state, pod_uid.as_ref());
+    // The request to hold memory for, when exactly one node passes.
+    let mut to_hold: Option<Request> = None;
     let view = state.view();
     let settings = view.settings();
     match read_request(args, settings) {
@@ -345,9 +353,15 @@ fn filter_answer<'a>(state: &AppState, args: &'a ExtenderArgs<'a>) -> ExtenderFi
             } else {
                 result.failed_nodes = Default::default();
             }
+            if reserved_on.is_none() && passing.len() == 1 {
+                to_hold = Some(request);
+            }
         }
     }
     drop(view);
+    if let (Some(request), Some(uid), [only]) = (to_hold, pod_uid, passing.as_slice()) {
+        hold_for_bind(state, args, uid, &candidates[*only].0, &request);
+    }
     if args.node_names.is_some() {
         result.node_names = Some(passing.iter().map(|&i| candidates[i].0.clone()).collect());
     } else if args.nodes.is_some() {
@@ -358,6 +372,57 @@ fn filter_answer<'a>(state: &AppState, args: &'a ExtenderArgs<'a>) -> ExtenderFi
     }
     result
 }
+
+/// Gives back, before a filter, the holds whose bind did not come in time, and the hold of the
+/// pod being filtered (its earlier attempt ended without a bind). The write lock is taken only
+/// when there are reservations at all.
+fn release_holds(state: &AppState, pod_uid: Option<&PodId>) {
+    if state.view().reservation_count() == 0 {
+        return;
+    }
+    let mut view = state.view_mut();
+    if let Some(uid) = pod_uid {
+        view.release_hold(uid);
+    }
+    view.release_lapsed_holds(Instant::now());
+}
+
+/// Holds `request`'s memory on `node` for the pod kube-scheduler is about to bind there:
+/// exactly one node passed filter (kube-scheduler does not score a single node), or
+/// prioritize scored one node above all others ([`sole_best`]). The hold lasts until the
+/// pod's bind comes, so the filters of the pods scheduled meanwhile see the memory taken
+/// ([`crate::reservation`], "Why holds").
+fn hold_for_bind(
+    state: &AppState,
+    args: &ExtenderArgs<'_>,
+    uid: PodId,
+    node: &str,
+    request: &Request,
+) {
+    let Some(pod) = args.pod.as_ref() else {
+        return;
+    };
+    let (Some(namespace), Some(name)) = (
+        pod.metadata.namespace.as_deref(),
+        pod.metadata.name.as_deref(),
+    ) else {
+        return;
+    };
+    let hold = Hold {
+        uid,
+        namespace,
+        name,
+        node,
+        until: Instant::now() + HOLD_FOR,
+    };
+    let mut view = state.view_mut();
+    view.hold(hold, request, state.inner.policy);
+    state.update_reservation_gauges(&view);
+}
+
+/// How long filter holds memory for a pod whose bind has not come: kube-scheduler calls bind
+/// milliseconds after filter unless its binding cycle is stuck or gone.
+const HOLD_FOR: Duration = Duration::from_secs(5);
 
 /// Writes why each `rejected` candidate fails into `result`'s failed or unresolvable nodes.
 ///
@@ -452,6 +517,16 @@ async fn prioritize(State(state): State<AppState>, body: Bytes) -> Response {
                 None => vec![0; names.len()],
             };
             drop(view);
+            if let (Some(request), Some(best)) = (&request, sole_best(&raw)) {
+                let uid = args
+                    .pod
+                    .as_ref()
+                    .and_then(|pod| pod.metadata.uid.as_deref())
+                    .map(PodId::from);
+                if let Some(uid) = uid {
+                    hold_for_bind(&state, &args, uid, names[best], request);
+                }
+            }
             let scores = compact_priorities(&names, &raw);
             // `{"Host":"<name>","Score":10},` per listed node.
             let size = scores.iter().map(|h| h.host.len() + 24).sum::<usize>() + 2;
@@ -461,6 +536,22 @@ async fn prioritize(State(state): State<AppState>, body: Bytes) -> Response {
     };
     state.metrics().observe("prioritize", started);
     response
+}
+
+/// The position of the one candidate scored above all others, if one is (a tie has none).
+///
+/// Why prioritize holds it: our score is what sets GPU pods apart (kube-scheduler's own scores
+/// barely move for a pod's small CPU and memory request), so the node scored best alone is
+/// where the pod is bound next, and the filters of the pods scheduled before that bind must
+/// see its memory taken, as with filter's hold ([`crate::reservation`], "Why holds"). If
+/// kube-scheduler chooses another node, the bind gives the hold back and books there; until
+/// then the held node merely looked a little fuller. On a tie kube-scheduler draws the node,
+/// so nothing is held.
+fn sole_best(raw: &[u8]) -> Option<usize> {
+    let best = raw.iter().copied().max().filter(|&best| best > 0)?;
+    let mut at_best = raw.iter().enumerate().filter(|(_, score)| **score == best);
+    let (position, _) = at_best.next()?;
+    at_best.next().is_none().then_some(position)
 }
 
 /// The prioritize answer for `names` scored `raw`: every score lowered by the lowest one, and
@@ -710,6 +801,15 @@ mod tests {
                     .sum()
             })
             .collect()
+    }
+
+    #[test]
+    fn sole_best_is_the_one_top_score_and_never_a_tie_or_a_zero() {
+        assert_eq!(sole_best(&[3, 10, 7]), Some(1));
+        assert_eq!(sole_best(&[0, 0, 1]), Some(2));
+        assert_eq!(sole_best(&[10, 3, 10]), None);
+        assert_eq!(sole_best(&[0, 0]), None);
+        assert_eq!(sole_best(&[]), None);
     }
 
     #[test]

@@ -214,6 +214,9 @@ fn decide(
     }
     let node = args.node.as_str();
     let uid = PodId::from(args.pod_uid.as_str());
+    // What filter held for the pod ends here: the bind decides anew, and books the same GPU
+    // unless something changed since.
+    view.release_hold(&uid);
     let Some(cached) = view.pod(&args.pod_namespace, &args.pod_name) else {
         return Err((
             "pod_not_found",

@@ -1,8 +1,12 @@
 //! The lifecycle of the GPU memory that `bind` books before its Binding write is known to
-//! have landed. Pure bookkeeping: no I/O, no clock. The I/O that drives it is in
-//! [`crate::bind`]; the watch and relists end it through [`crate::view::View`].
+//! have landed, and of what `filter` holds for a pod when it passes one node only. Pure
+//! bookkeeping: no I/O, and no clock of its own (times are handed in). The I/O that drives it
+//! is in [`crate::bind`]; the watch and relists end it through [`crate::view::View`].
 //!
 //! ```text
+//!   filter passes one node ──hold──▶ Held ──bind comes, filter runs again for the pod,
+//!                                           or the hold lapses ──▶ released (bind decides anew)
+//!
 //!   bind decides ──reserve──▶ Writing ──write ok────────────────────────▶ Written
 //!                                │  write refused (404, 400, 403, 422, 429) ─▶ released
 //!                                │  write ambiguous (timeout, transport, 5xx, 408, 409)
@@ -24,10 +28,21 @@
 //! showing the bound pod, a definitive answer to the write, or a read of the pod; never by a
 //! guess, and never by the HTTP caller going away (the write runs in its own task).
 //!
+//! Why holds: kube-scheduler binds in goroutines of their own while its next scheduling
+//! cycle already runs, so the filters of the next pods come before the bind of this one.
+//! When filter passes a single node, that node is kube-scheduler's decision (no scoring
+//! follows), and without a hold the next pods' filters would see the same free memory and
+//! pass the same node: their binds then find it full and fail, and the pods back off. A hold
+//! books the memory from the filter on; the bind gives it back and decides in the same step,
+//! so it books the same GPU unless something changed. A hold lapses after a few seconds, so
+//! memory is never kept for a bind that does not come (a later plugin refused the pod, or the
+//! scheduler went away).
+//!
 //! Each reservation carries a [`Ticket`]: the task that drives one bind attempt settles only
 //! its own reservation, never a later one for the same pod.
 
 use std::collections::HashMap;
+use std::time::Instant;
 
 use gpushare_allocator::{PodId, PodPlacement};
 
@@ -38,6 +53,9 @@ pub struct Ticket(u64);
 /// Where a reservation's Binding stands.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Phase {
+    /// Filter passed only this node, so kube-scheduler assumed the pod there and its bind is
+    /// on the way; no Binding is written yet. Lapses at [`Reservation::held_until`].
+    Held,
     /// The first Binding write is under way.
     Writing,
     /// The write's result was ambiguous: the pod is being read (and the Binding re-posted)
@@ -62,6 +80,8 @@ pub struct Reservation {
     pub phase: Phase,
     /// The bind attempt that owns it.
     pub ticket: Ticket,
+    /// When a [`Phase::Held`] one lapses; `None` for the others.
+    pub held_until: Option<Instant>,
 }
 
 /// What an answer from the API server says about a Binding.
@@ -150,6 +170,15 @@ impl Reservations {
         self.by_pod.values().filter(|r| r.phase == phase).count()
     }
 
+    /// The pods whose hold lapsed by `now`.
+    pub fn lapsed_holds(&self, now: Instant) -> Vec<PodId> {
+        self.by_pod
+            .iter()
+            .filter(|(_, r)| r.phase == Phase::Held && r.held_until.is_none_or(|t| t <= now))
+            .map(|(uid, _)| uid.clone())
+            .collect()
+    }
+
     /// Applies what the API server said about `ticket`'s Binding.
     pub fn settle(&mut self, uid: &PodId, ticket: Ticket, outcome: Outcome) -> Settled {
         let Some(reservation) = self.by_pod.get_mut(uid).filter(|r| r.ticket == ticket) else {
@@ -196,6 +225,7 @@ mod tests {
             },
             phase: Phase::Writing,
             ticket,
+            held_until: None,
         }
     }
 
@@ -238,5 +268,31 @@ mod tests {
         assert_eq!(set.settle(&uid, old, Outcome::NotLanded), Settled::Stale);
         assert!(set.is(&uid, new, Phase::Writing));
         assert_eq!(set.settle(&uid, new, Outcome::Landed), Settled::Written);
+    }
+
+    #[test]
+    fn only_holds_past_their_time_lapse() {
+        let mut set = Reservations::new();
+        let now = Instant::now();
+        let later = now + std::time::Duration::from_secs(5);
+        for (uid, phase, until) in [
+            ("lapsed", Phase::Held, Some(now)),
+            ("held", Phase::Held, Some(later)),
+            ("writing", Phase::Writing, None),
+        ] {
+            let ticket = set.ticket();
+            set.insert(
+                uid.into(),
+                Reservation {
+                    phase,
+                    held_until: until,
+                    ..reservation(ticket)
+                },
+            );
+        }
+        assert_eq!(set.lapsed_holds(now), vec![PodId::from("lapsed")]);
+        let mut both = set.lapsed_holds(later);
+        both.sort();
+        assert_eq!(both, vec![PodId::from("held"), PodId::from("lapsed")]);
     }
 }

@@ -749,3 +749,92 @@ async fn filter_keeps_only_the_best_nodes_when_asked() {
     let (_, all) = post(&h, "filter", &args).await;
     assert_eq!(passed(&all), passed(&every));
 }
+
+/// When filter passes one node, kube-scheduler binds the pod there next, while its next cycles
+/// already run: filter holds the pod's memory from then on, so the next pods' filters see it
+/// taken. A second filter of the same pod (its attempt failed) replaces the hold instead of
+/// adding one, and the bind takes the hold over as its reservation. With two nodes passing,
+/// nothing is decided and nothing held.
+#[tokio::test]
+async fn a_filter_that_passes_one_node_holds_the_memory_until_the_bind() {
+    let h = fixture_cluster();
+    let args = fixture("filter-request-nodenames.json");
+    let (_, answer) = post(&h, "filter", &args).await;
+    // node-b has 2 GiB free: node-a alone takes the 4 GiB pod.
+    assert_eq!(answer["NodeNames"], json!(["node-a"]));
+    assert_eq!(phase_of_fixture_pod(&h), Some(Phase::Held));
+    assert_eq!(used_on_node_a(&h), 4);
+
+    let (_, again) = post(&h, "filter", &args).await;
+    assert_eq!(again["NodeNames"], json!(["node-a"]));
+    assert_eq!(used_on_node_a(&h), 4, "a retried filter held twice");
+
+    let (status, bound) = post(&h, "bind", &fixture("bind-request.json")).await;
+    assert_eq!(
+        (status, bound["Error"].as_str()),
+        (StatusCode::OK, Some(""))
+    );
+    assert_eq!(phase_of_fixture_pod(&h), Some(Phase::Written));
+    assert_eq!(used_on_node_a(&h), 4);
+
+    // Two nodes that fit: no decision, no hold.
+    let h = harness(
+        vec![
+            node("node-a").gpushare().gpus(&[16]).build(),
+            node("node-b").gpushare().gpus(&[16]).build(),
+        ],
+        vec![fixture_pod()],
+    );
+    let (_, both) = post(&h, "filter", &args).await;
+    assert_eq!(both["NodeNames"], json!(["node-a", "node-b"]));
+    assert_eq!(phase_of_fixture_pod(&h), None);
+}
+
+/// Prioritize scoring one node above all others is kube-scheduler's choice in all but name: it
+/// holds the pod's memory there, so the filters before the bind see it taken. When the bind
+/// names another node after all (kube-scheduler's own scores tipped it), the hold is given
+/// back and the bind books there. A tie holds nothing: kube-scheduler draws among the tied.
+#[tokio::test]
+async fn prioritize_holds_the_node_it_scores_best_alone_until_the_bind() {
+    let h = harness(
+        vec![
+            node("node-a").gpushare().gpus(&[16]).build(),
+            node("node-b").gpushare().gpus(&[16]).build(),
+        ],
+        vec![fixture_pod(), bound("resident", "node-a", 0, 4, true)],
+    );
+    let args = fixture("prioritize-request.json");
+    let (_, answer) = post(&h, "prioritize", &args).await;
+    assert_eq!(answer[0]["Host"], "node-a", "{answer}");
+    assert_eq!(phase_of_fixture_pod(&h), Some(Phase::Held));
+    assert_eq!(used_on_node_a(&h), 8);
+
+    let mut to_b: Value = serde_json::from_str(&fixture("bind-request.json")).unwrap();
+    to_b["Node"] = json!("node-b");
+    let (_, bound_b) = post(&h, "bind", &to_b.to_string()).await;
+    assert_eq!(bound_b["Error"], "", "{bound_b}");
+    assert_eq!(
+        used_on_node_a(&h),
+        4,
+        "the hold on node-a outlived the bind"
+    );
+    let view = h.state.view();
+    assert_eq!(view.cluster.node("node-b").unwrap().gpus()[0].used_gib, 4);
+    assert_eq!(
+        view.reservation(&FIXTURE_UID.into())
+            .map(|r| r.node.as_str()),
+        Some("node-b")
+    );
+    drop(view);
+
+    let tied = harness(
+        vec![
+            node("node-a").gpushare().gpus(&[16]).build(),
+            node("node-b").gpushare().gpus(&[16]).build(),
+        ],
+        vec![fixture_pod()],
+    );
+    let (_, answer) = post(&tied, "prioritize", &args).await;
+    assert_eq!(answer, json!([]));
+    assert_eq!(phase_of_fixture_pod(&tied), None);
+}

@@ -557,6 +557,9 @@ async fn bind_job(shared: Arc<Shared>, job: BindJob) {
     let Ok(_permit) = shared.binds.clone().acquire_owned().await else {
         return;
     };
+    if !shared.config.binding_cycle_delay.is_zero() {
+        tokio::time::sleep(shared.config.binding_cycle_delay).await;
+    }
     shared.stats.bind_started();
     let started = Instant::now();
     let result = bind(&shared, &job.popped.pod, &job.host).await;

@@ -108,6 +108,10 @@ pub struct SchedulerConfig {
     pub extenders: Vec<ExtenderConfig>,
     /// How many binds may run at once (upstream: unbounded goroutines).
     pub parallel_binds: usize,
+    /// How long each binding cycle runs before its bind call: kube-scheduler's Permit and
+    /// PreBind (volume binding, DRA, API latency). The next scheduling cycles run meanwhile,
+    /// so their filters come before this pod's bind, as on a real cluster under load.
+    pub binding_cycle_delay: Duration,
     /// Backoff after a failed attempt: `initial * 2^(attempts-1)` up to `max` (upstream 1 s/10 s).
     pub backoff_initial: Duration,
     pub backoff_max: Duration,
@@ -129,6 +133,7 @@ impl Default for SchedulerConfig {
             scheduler_name: "default-scheduler".to_owned(),
             extenders: Vec::new(),
             parallel_binds: 64,
+            binding_cycle_delay: Duration::ZERO,
             backoff_initial: Duration::from_secs(1),
             backoff_max: Duration::from_secs(10),
             unschedulable_retry: Duration::from_secs(1),

@@ -32,6 +32,8 @@ use crate::cluster::{binaries, wait_for};
 use crate::scenarios::Harness;
 use crate::tools;
 
+pub mod load;
+
 /// The kit's set-up steps, in `build.sh`'s words: prebuilt binaries, etcd, certificates,
 /// scripts. The stamp file records which kit archive the cache was made from.
 const SETUP_STEPS: [&str; 4] = ["unpack", "etcd", "pki", "harness"];
@@ -301,6 +303,19 @@ impl KitCluster {
             tail(&String::from_utf8_lossy(&output.stderr), 20)
         );
         Ok(String::from_utf8_lossy(&output.stdout).into_owned())
+    }
+
+    /// The extender Lease's `holderIdentity` (`<pod>_<suffix>`).
+    pub fn extender_lease_holder(&self) -> anyhow::Result<String> {
+        self.kubectl(&[
+            "-n",
+            "kube-system",
+            "get",
+            "lease",
+            "gpushare-extender",
+            "-o",
+            "jsonpath={.spec.holderIdentity}",
+        ])
     }
 
     /// Runs `kubectl` against the cluster; returns stdout.

@@ -1,0 +1,227 @@
+//! The load harness on the real cluster of `../shared/realk8s`: what gpushare costs
+//! kube-scheduler, side by side with kube-scheduler alone, in one run.
+//!
+//! ```sh
+//! cargo run --release -p gpushare-e2e --bin realload -- --rounds 3
+//! cargo run --release -p gpushare-e2e --bin realload -- --set extender.filterKeepBest=1
+//! ```
+//!
+//! It installs the chart (extender mode, its defaults plus any `--set`), adds Node objects in
+//! bulk (each with 4 × 16 GiB of `example.com/gpu-mem` and as much of a second resource
+//! gpushare does not manage), plays their device plugins (`realk8s::load::DevicePluginStandIn`),
+//! then, each round, drains a backlog of 4 GiB pods twice: once with the kit's kube-scheduler
+//! alone (pods asking for the other resource) and once with the chart's dedicated
+//! kube-scheduler and the extender (GPU pods). It prints pods/s from the first bind to the
+//! last, API calls per pod, CPU seconds per process and the scheduler's own metrics, checks
+//! that every GPU pod holds an allocation and no GPU is over-committed, and prints the
+//! extender replicas' memory. Needs root, like the real tier (docs/testing.md).
+
+use std::time::Duration;
+
+use anyhow::{Context, ensure};
+use clap::Parser;
+use gpushare_e2e::realk8s::load::{self, BASELINE_RESOURCE, DevicePluginStandIn, Drain, Drainer};
+use gpushare_e2e::realk8s::{Kit, KitCluster, Mode};
+use gpushare_e2e::scenarios::{Harness, allocation, check_no_overcommit};
+use k8s_openapi::api::core::v1::Pod;
+use kube::ResourceExt;
+use kube::api::{Api, ListParams};
+
+#[derive(Parser, Debug)]
+#[command(about = "gpushare's cost to kube-scheduler on the real cluster of ../shared/realk8s")]
+struct Args {
+    /// Node objects to add (no kubelet behind them).
+    #[arg(long, default_value_t = 1000)]
+    nodes: usize,
+    /// GPUs per node.
+    #[arg(long, default_value_t = 4)]
+    gpus: usize,
+    /// GiB per GPU.
+    #[arg(long, default_value_t = 16)]
+    gpu_gib: u64,
+    /// Pods in each backlog.
+    #[arg(long, default_value_t = 3000)]
+    pods: usize,
+    /// GiB each pod asks for.
+    #[arg(long, default_value_t = 4)]
+    pod_gib: u64,
+    /// Rounds (each drains one backlog with kube-scheduler alone, then one with the chart).
+    #[arg(long, default_value_t = 1)]
+    rounds: usize,
+    /// kube-scheduler alone's `percentageOfNodesToScore` (0: upstream's adaptive default).
+    #[arg(long, default_value_t = 0)]
+    alone_percentage: u32,
+    /// Skip kube-scheduler alone.
+    #[arg(long)]
+    chart_only: bool,
+    /// How long after a bind the stand-in marks a pod allocated (kubelet admitting it).
+    #[arg(long, default_value_t = 200)]
+    allocate_after_ms: u64,
+    /// No stand-in: no pod is ever marked allocated, so the twin rule keeps each node's 4 GiB
+    /// pods on one GPU (4 a node here) and the chart's run makes no API writes beyond
+    /// kube-scheduler's own kinds.
+    #[arg(long)]
+    without_device_plugins: bool,
+    /// How long one drain may take.
+    #[arg(long, default_value_t = 600)]
+    timeout_s: u64,
+    /// `helm install` values (`--set key=value`), repeatable.
+    #[arg(long = "set")]
+    set: Vec<String>,
+}
+
+#[tokio::main(flavor = "multi_thread", worker_threads = 2)]
+async fn main() -> anyhow::Result<()> {
+    let args = Args::parse();
+    let kit = Kit::locate()?.context("no ../shared/realk8s beside the repository")?;
+    let helm_args: Vec<String> = args
+        .set
+        .iter()
+        .flat_map(|s| ["--set".to_owned(), s.clone()])
+        .collect();
+    let helm_refs: Vec<&str> = helm_args.iter().map(String::as_str).collect();
+    println!("installing the chart (extender mode) {helm_refs:?}");
+    let cluster = kit.up(Mode::Extender, &helm_refs).await?;
+    let client = cluster.client();
+    let gpus = vec![args.gpu_gib; args.gpus];
+    let per_node = args.gpu_gib * args.gpus as u64;
+    load::create_fake_gpu_nodes(
+        &client,
+        "load",
+        args.nodes,
+        &gpus,
+        &[(BASELINE_RESOURCE, per_node)],
+    )
+    .await?;
+    println!(
+        "{} nodes × {} × {} GiB; backlogs of {} pods of {} GiB",
+        args.nodes, args.gpus, args.gpu_gib, args.pods, args.pod_gib
+    );
+    let stand_in = (!args.without_device_plugins).then(|| {
+        DevicePluginStandIn::start(
+            client.clone(),
+            "default",
+            "kube-system/gpushare-device-plugin",
+            Duration::from_millis(args.allocate_after_ms),
+        )
+    });
+    let timeout = Duration::from_secs(args.timeout_s);
+    let mut figures: Vec<(f64, f64)> = Vec::new();
+    for round in 1..=args.rounds {
+        let alone = if args.chart_only {
+            None
+        } else {
+            let prefix = format!("alone-{round}");
+            let drain = load::drain(
+                &cluster,
+                Drainer::KubeSchedulerAlone {
+                    percentage: args.alone_percentage,
+                },
+                &prefix,
+                args.pods,
+                args.pod_gib,
+                timeout,
+            )
+            .await?;
+            report(&format!("round {round}: kube-scheduler alone"), &drain);
+            load::delete_backlog(&cluster, &prefix).await?;
+            Some(drain)
+        };
+        let prefix = format!("chart-{round}");
+        let chart = load::drain(
+            &cluster,
+            Drainer::Chart,
+            &prefix,
+            args.pods,
+            args.pod_gib,
+            timeout,
+        )
+        .await?;
+        report(&format!("round {round}: the chart"), &chart);
+        check_allocations(&cluster, &prefix).await?;
+        load::delete_backlog(&cluster, &prefix).await?;
+        if let Some(alone) = alone {
+            println!(
+                "round {round}: the chart drains at {:.2} of kube-scheduler alone ({:.1} / {:.1} pods/s)",
+                chart.pods_per_s / alone.pods_per_s,
+                chart.pods_per_s,
+                alone.pods_per_s
+            );
+            figures.push((alone.pods_per_s, chart.pods_per_s));
+        }
+    }
+    if let Some(stand_in) = &stand_in {
+        println!(
+            "device-plugin stand-in: {} pods marked allocated, {} marks refused",
+            stand_in.marked(),
+            stand_in.refused().len()
+        );
+        if let Some(first) = stand_in.refused().first() {
+            println!("  the first refused: {first}");
+        }
+    }
+    extender_memory(&cluster);
+    if !figures.is_empty() {
+        let ratios: Vec<String> = figures
+            .iter()
+            .map(|(alone, chart)| format!("{:.2}", chart / alone))
+            .collect();
+        println!(
+            "chart / kube-scheduler alone, per round: {}",
+            ratios.join(", ")
+        );
+    }
+    load::delete_fake_nodes(&client).await?;
+    Ok(())
+}
+
+fn report(title: &str, drain: &Drain) {
+    println!(
+        "{title}: {} pods in {:.2} s = {:.1} pods/s (median second {} pods)",
+        drain.pods, drain.seconds, drain.pods_per_s, drain.per_second_p50
+    );
+    let calls: Vec<String> = drain
+        .api_calls_per_pod
+        .iter()
+        .map(|(verb, n)| format!("{verb} {n:.2}"))
+        .collect();
+    println!("  API requests per pod: {}", calls.join(", "));
+    let cpu: Vec<String> = drain
+        .cpu_seconds
+        .iter()
+        .map(|(name, s)| format!("{name} {s:.1}"))
+        .collect();
+    println!("  CPU seconds: {}", cpu.join(", "));
+    for line in drain.scheduler_metrics.lines() {
+        println!("  {line}");
+    }
+}
+
+/// Every GPU pod of the drain holds an allocation and no GPU is over-committed.
+async fn check_allocations(cluster: &KitCluster, prefix: &str) -> anyhow::Result<()> {
+    let pods = Api::<Pod>::namespaced(cluster.client(), "default")
+        .list(&ListParams::default().labels(&format!("load={prefix}")))
+        .await?;
+    for pod in &pods.items {
+        allocation(pod).with_context(|| format!("pod {}", pod.name_any()))?;
+    }
+    let usage = check_no_overcommit(&cluster.client()).await?;
+    let used_gpus = usage.values().filter(|(used, _)| *used > 0).count();
+    ensure!(!pods.items.is_empty(), "no pods of {prefix}");
+    println!(
+        "  checked: {} pods, each with an allocation; {used_gpus} GPUs in use, none over-committed",
+        pods.items.len()
+    );
+    Ok(())
+}
+
+fn extender_memory(cluster: &KitCluster) {
+    for (pod, pid) in load::chart_processes(cluster) {
+        if !pod.starts_with("gpushare-extender-") {
+            continue;
+        }
+        if let Some((peak, now)) = load::rss_mib(pid) {
+            println!("{pod}: RSS peak {peak:.1} MiB, now {now:.1} MiB");
+        }
+    }
+}
