@@ -818,14 +818,15 @@ async fn prioritize_holds_the_node_it_scores_best_alone_until_the_bind() {
         4,
         "the hold on node-a outlived the bind"
     );
-    let view = h.state.view();
-    assert_eq!(view.cluster.node("node-b").unwrap().gpus()[0].used_gib, 4);
-    assert_eq!(
-        view.reservation(&FIXTURE_UID.into())
-            .map(|r| r.node.as_str()),
-        Some("node-b")
-    );
-    drop(view);
+    let booked_on_b = {
+        let view = h.state.view();
+        let used = view.cluster.node("node-b").unwrap().gpus()[0].used_gib;
+        let node = view
+            .reservation(&FIXTURE_UID.into())
+            .map(|r| r.node.clone());
+        (used, node)
+    };
+    assert_eq!(booked_on_b, (4, Some("node-b".to_owned())));
 
     let tied = harness(
         vec![
