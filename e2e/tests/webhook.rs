@@ -177,12 +177,31 @@ async fn keeping_the_best_node_in_filter_skips_scoring() -> anyhow::Result<()> {
 /// as many pods as the nodes can take binds every pod at its first attempt.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn keeping_the_best_node_holds_it_until_the_bind_comes() -> anyhow::Result<()> {
+    burst_on_bare_nodes_binds_at_first_attempt(&["--filter-keep-best=1"]).await
+}
+
+/// The same race with the default (filter passes every fitting node, prioritize scores them):
+/// packing sends each pod to the fullest node, which the pod before it had just been sent to
+/// and not yet bound; once that pod filled the node's GPU, the next one's bind found only
+/// another GPU, which the twin rule refuses while its twin waits for its device. Prioritize
+/// now holds the node it scores best alone until the bind comes.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_best_scored_node_is_held_until_the_bind_comes() -> anyhow::Result<()> {
+    burst_on_bare_nodes_binds_at_first_attempt(&[]).await
+}
+
+/// A burst of as many 4 GiB pods as six nodes with no kubelet can take (their pods wait for
+/// their device for good, so the twin rule keeps each node's pods on one GPU), scheduled with
+/// each binding cycle 200 ms behind its scheduling cycle: every pod must bind at its first
+/// attempt, and no GPU be over-committed.
+async fn burst_on_bare_nodes_binds_at_first_attempt(extender_args: &[&str]) -> anyhow::Result<()> {
     const BARE_NODES: usize = 6;
     const PODS: usize = BARE_NODES * 4;
     let mut spec = ClusterSpec::labelled(&[("n1", &[16])])
         .dedicated()
         .with_binding_cycle_delay(std::time::Duration::from_millis(200));
-    spec.extender_args.push("--filter-keep-best=1".to_owned());
+    spec.extender_args
+        .extend(extender_args.iter().map(|a| (*a).to_owned()));
     with_cluster(spec, async |cluster| {
         // No kubelet behind these: pods bound there wait for their device for good.
         for i in 0..BARE_NODES {

@@ -42,7 +42,9 @@ pub struct Config {
     /// Filter passes only the N fitting nodes the policy scores best (0: every fitting node).
     /// With 1, kube-scheduler has a single feasible node, so it skips scoring: no prioritize
     /// call and none of its own score plugins, at the price of their soft preferences
-    /// (preferred affinities, topology spreading) for GPU pods.
+    /// (preferred affinities, topology spreading) for GPU pods. The one node's memory is held
+    /// for the pod until its bind comes (at most 5 s), so the pods filtered before that bind
+    /// are not all offered the same node.
     #[arg(long, env = "GPUSHARE_FILTER_KEEP_BEST", default_value_t = 0)]
     pub filter_keep_best: usize,
     /// Runtime worker threads (0: one per CPU the process may use, which honours the

@@ -37,6 +37,7 @@
 #![cfg_attr(test, allow(clippy::unwrap_used))]
 
 pub mod api;
+pub mod api_client;
 pub mod bind;
 pub mod config;
 pub mod forward;
@@ -109,7 +110,9 @@ pub async fn run(
     config: Config,
     shutdown: impl Future<Output = ()> + Send + 'static,
 ) -> Result<(), Error> {
-    let client = kube::Client::try_default().await.map_err(Error::Client)?;
+    let client = api_client::from_environment()
+        .await
+        .map_err(Error::Client)?;
     let listener = TcpListener::bind(config.listen)
         .await
         .map_err(|source| Error::Listen {

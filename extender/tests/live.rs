@@ -738,3 +738,66 @@ async fn a_malformed_keyring_stops_startup_with_a_clear_error() -> anyhow::Resul
     );
     Ok(())
 }
+
+/// The extender's API client multiplexes over HTTP/2 where the server offers it, as client-go
+/// does: a burst of binds in flight shares a TLS connection instead of opening one each
+/// (kube's own stack speaks only HTTP/1.1; `gpushare_extender::api_client`).
+#[tokio::test]
+async fn the_api_client_speaks_http2_where_the_server_offers_it() -> anyhow::Result<()> {
+    use std::sync::{Arc, Mutex};
+
+    use axum::extract::{Path, State};
+    use gpushare_extender::server::{serve_http, tls_acceptor};
+    use tokio_rustls::rustls::pki_types::CertificateDer;
+    use tokio_rustls::rustls::pki_types::pem::PemObject;
+
+    type Seen = Arc<Mutex<Vec<hyper::Version>>>;
+    async fn get_pod(
+        State(seen): State<Seen>,
+        Path(name): Path<String>,
+        request: axum::extract::Request,
+    ) -> axum::Json<Value> {
+        seen.lock().unwrap().push(request.version());
+        axum::Json(json!({"apiVersion": "v1", "kind": "Pod", "metadata": {"name": name}}))
+    }
+    let seen = Seen::default();
+    let app = axum::Router::new()
+        .route(
+            "/api/v1/namespaces/default/pods/{name}",
+            axum::routing::get(get_pod),
+        )
+        .with_state(seen.clone());
+    let dir = format!("{}/tests/fixtures/tls", env!("CARGO_MANIFEST_DIR"));
+    let tls = tls_acceptor(
+        format!("{dir}/cert.pem").as_ref(),
+        format!("{dir}/key.pem").as_ref(),
+    )?;
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await?;
+    let addr = listener.local_addr()?;
+    let stop = tokio_util::sync::CancellationToken::new();
+    let server = tokio::spawn(serve_http(listener, app, Some(tls), stop.clone(), None));
+
+    let mut config = kube::Config::new(format!("https://{addr}").parse()?);
+    config.root_cert = Some(
+        CertificateDer::pem_file_iter(format!("{dir}/cert.pem"))?
+            .map(|cert| cert.map(|c| c.to_vec()))
+            .collect::<Result<_, _>>()?,
+    );
+    let client = gpushare_extender::api_client::multiplexed(config)?;
+    let pods: Api<Pod> = Api::namespaced(client, "default");
+    let answers = futures::future::try_join_all((0..20).map(|i| {
+        let pods = pods.clone();
+        async move { pods.get(&format!("p{i}")).await }
+    }))
+    .await?;
+    assert_eq!(answers.len(), 20);
+    let seen = seen.lock().unwrap().clone();
+    assert_eq!(seen.len(), 20);
+    assert!(
+        seen.iter().all(|v| *v == hyper::Version::HTTP_2),
+        "versions seen: {seen:?}"
+    );
+    stop.cancel();
+    server.await?;
+    Ok(())
+}
