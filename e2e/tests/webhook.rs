@@ -177,32 +177,45 @@ async fn keeping_the_best_node_in_filter_skips_scoring() -> anyhow::Result<()> {
 /// as many pods as the nodes can take binds every pod at its first attempt.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn keeping_the_best_node_holds_it_until_the_bind_comes() -> anyhow::Result<()> {
-    burst_on_bare_nodes_binds_at_first_attempt(&["--filter-keep-best=1"]).await
+    // n1's one GPU is taken whole, so only the bare nodes are left.
+    burst_on_bare_nodes_binds_at_first_attempt(&["--filter-keep-best=1"], &[16], &[16]).await
 }
 
 /// The same race with the default (filter passes every fitting node, prioritize scores them):
-/// packing sends each pod to the fullest node, which the pod before it had just been sent to
-/// and not yet bound; once that pod filled the node's GPU, the next one's bind found only
-/// another GPU, which the twin rule refuses while its twin waits for its device. Prioritize
-/// now holds the node it scores best alone until the bind comes.
+/// packing scores n1, whose first GPU already holds 12 GiB, best alone, so the first burst
+/// pod goes there and fills that GPU; the next pods' prioritize, before that bind, scored n1
+/// best again, and their binds found only n1's second GPU, which the twin rule refuses while
+/// the first pod waits for its device. Prioritize now holds the node it scores best alone
+/// until the bind comes.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn the_best_scored_node_is_held_until_the_bind_comes() -> anyhow::Result<()> {
-    burst_on_bare_nodes_binds_at_first_attempt(&[]).await
+    burst_on_bare_nodes_binds_at_first_attempt(&[], &[16, 16], &[4, 4, 4]).await
 }
 
 /// A burst of as many 4 GiB pods as six nodes with no kubelet can take (their pods wait for
 /// their device for good, so the twin rule keeps each node's pods on one GPU), scheduled with
-/// each binding cycle 200 ms behind its scheduling cycle: every pod must bind at its first
-/// attempt, and no GPU be over-committed.
-async fn burst_on_bare_nodes_binds_at_first_attempt(extender_args: &[&str]) -> anyhow::Result<()> {
+/// each binding cycle 200 ms behind its scheduling cycle, on top of a kubelet node n1 with
+/// `n1_gpus` running `residents`: every pod must bind at its first attempt, and no GPU be
+/// over-committed.
+async fn burst_on_bare_nodes_binds_at_first_attempt(
+    extender_args: &[&str],
+    n1_gpus: &[u64],
+    residents: &[u64],
+) -> anyhow::Result<()> {
     const BARE_NODES: usize = 6;
     const PODS: usize = BARE_NODES * 4;
-    let mut spec = ClusterSpec::labelled(&[("n1", &[16])])
+    let mut spec = ClusterSpec::labelled(&[("n1", n1_gpus)])
         .dedicated()
         .with_binding_cycle_delay(std::time::Duration::from_millis(200));
     spec.extender_args
         .extend(extender_args.iter().map(|a| (*a).to_owned()));
     with_cluster(spec, async |cluster| {
+        // The residents first, while n1 is the only node they can go to.
+        for (i, gib) in residents.iter().enumerate() {
+            let name = format!("resident-{i}");
+            create_gpu_pod(cluster, &name, *gib).await?;
+            wait_running(cluster, &name).await?;
+        }
         // No kubelet behind these: pods bound there wait for their device for good.
         for i in 0..BARE_NODES {
             fixtures::node(&format!("bare-{i}"))
@@ -211,9 +224,6 @@ async fn burst_on_bare_nodes_binds_at_first_attempt(extender_args: &[&str]) -> a
                 .create(&cluster.client)
                 .await?;
         }
-        // n1's one GPU is taken whole, so only the bare nodes are left.
-        create_gpu_pod(cluster, "whole", 16).await?;
-        wait_running(cluster, "whole").await?;
         let pods: Api<Pod> = Api::namespaced(cluster.client.clone(), "default");
         futures::future::try_join_all((0..PODS).map(|i| {
             let pods = pods.clone();
@@ -235,7 +245,7 @@ async fn burst_on_bare_nodes_binds_at_first_attempt(extender_args: &[&str]) -> a
                         .iter()
                         .filter(|p| p.spec.as_ref().is_some_and(|s| s.node_name.is_some()))
                         .count();
-                    (bound == PODS + 1).then_some(())
+                    (bound == PODS + residents.len()).then_some(())
                 }
             },
         )
@@ -252,7 +262,7 @@ async fn burst_on_bare_nodes_binds_at_first_attempt(extender_args: &[&str]) -> a
             std::time::Duration::from_secs(10),
             || async {
                 let stats = scheduler.stats();
-                (stats.binds_ok > PODS as u64).then_some(stats)
+                (stats.binds_ok >= (PODS + residents.len()) as u64).then_some(stats)
             },
         )
         .await?;

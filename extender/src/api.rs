@@ -53,6 +53,8 @@ struct Inner {
     filter_keep_best: AtomicUsize,
     binder: Arc<dyn Binder>,
     bind_timing: BindTiming,
+    /// Slots for Binding writes in flight (`None`: no limit); see [`crate::bind`].
+    bind_slots: Option<Arc<tokio::sync::Semaphore>>,
     events: EventSink,
     metrics: Metrics,
     registry: Arc<Registry>,
@@ -80,6 +82,8 @@ impl AppState {
                 filter_keep_best: AtomicUsize::new(0),
                 binder,
                 bind_timing,
+                bind_slots: (bind_timing.writes_in_flight > 0)
+                    .then(|| Arc::new(tokio::sync::Semaphore::new(bind_timing.writes_in_flight))),
                 events,
                 metrics,
                 registry: Arc::new(registry),
@@ -129,6 +133,11 @@ impl AppState {
     /// The bind path's timeouts.
     pub fn bind_timing(&self) -> BindTiming {
         self.inner.bind_timing
+    }
+
+    /// The slots Binding writes take, when their number is limited.
+    pub fn bind_slots(&self) -> Option<&Arc<tokio::sync::Semaphore>> {
+        self.inner.bind_slots.as_ref()
     }
 
     /// Whether this replica may bind now (see [`crate::leader`]).

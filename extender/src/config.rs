@@ -76,6 +76,16 @@ pub struct Config {
     /// `httpTimeout` for the extender, so the scheduler reads bind's answer.
     #[arg(long, env = "GPUSHARE_BIND_TIMEOUT_MS", default_value_t = 2500)]
     pub bind_timeout_ms: u64,
+    /// Binding writes in flight at most (0: no limit). In a burst the others wait for a slot,
+    /// their memory already booked: a busy API server commits no more for having more in
+    /// flight, only answers each later.
+    #[arg(long, env = "GPUSHARE_BIND_WRITES_IN_FLIGHT", default_value_t = 64)]
+    pub bind_writes_in_flight: usize,
+    /// How long (ms) a bind may wait for a write slot; then it is refused (nothing written,
+    /// its memory released) and kube-scheduler retries. Keep it plus --bind-timeout-ms below
+    /// kube-scheduler's `httpTimeout` for the extender.
+    #[arg(long, env = "GPUSHARE_BIND_SLOT_WAIT_MS", default_value_t = 2000)]
+    pub bind_slot_wait_ms: u64,
     /// Largest request body (bytes) kube-scheduler may send; larger ones get a 413. Keep it
     /// well under the container's memory limit: a body is held, and parsed, in memory.
     #[arg(long, env = "GPUSHARE_MAX_REQUEST_BYTES", default_value_t = crate::api::DEFAULT_BODY_LIMIT)]
@@ -191,6 +201,8 @@ impl Default for Config {
             log_format: LogFormat::Text,
             bind_grace_ms: 2000,
             bind_timeout_ms: 2500,
+            bind_writes_in_flight: 64,
+            bind_slot_wait_ms: 2000,
             max_request_bytes: crate::api::DEFAULT_BODY_LIMIT,
             webhook_enabled: false,
             webhook_listen: SocketAddr::from(([0, 0, 0, 0], 9443)),

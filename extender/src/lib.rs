@@ -37,7 +37,6 @@
 #![cfg_attr(test, allow(clippy::unwrap_used))]
 
 pub mod api;
-pub mod api_client;
 pub mod bind;
 pub mod config;
 pub mod forward;
@@ -110,9 +109,7 @@ pub async fn run(
     config: Config,
     shutdown: impl Future<Output = ()> + Send + 'static,
 ) -> Result<(), Error> {
-    let client = api_client::from_environment()
-        .await
-        .map_err(Error::Client)?;
+    let client = kube::Client::try_default().await.map_err(Error::Client)?;
     let listener = TcpListener::bind(config.listen)
         .await
         .map_err(|source| Error::Listen {
@@ -159,6 +156,8 @@ pub async fn serve(
         Arc::new(KubeBinder::new(client.clone())),
         BindTiming {
             timeout: Duration::from_millis(config.bind_timeout_ms),
+            writes_in_flight: config.bind_writes_in_flight,
+            slot_wait: Duration::from_millis(config.bind_slot_wait_ms),
             ..BindTiming::default()
         },
         events,

@@ -839,3 +839,78 @@ async fn prioritize_holds_the_node_it_scores_best_alone_until_the_bind() {
     assert_eq!(answer, json!([]));
     assert_eq!(phase_of_fixture_pod(&tied), None);
 }
+
+/// With one write slot, a second bind waits for the first write to end, and then writes; a
+/// bind that waits longer than its slot wait is refused with its memory released and nothing
+/// written, so kube-scheduler retries it against a less busy API server.
+#[tokio::test]
+async fn binds_beyond_the_writes_in_flight_wait_for_a_slot_or_are_refused() {
+    let timing = gpushare_extender::BindTiming {
+        writes_in_flight: 1,
+        slot_wait: std::time::Duration::from_millis(400),
+        ..common::fast_timing()
+    };
+    let pods = ["first", "second", "third"].map(|name| {
+        let mut pod = fixture_pod();
+        pod.metadata.name = Some(name.to_owned());
+        pod.metadata.uid = Some(format!("uid-{name}"));
+        pod
+    });
+    let h = common::harness_timed(
+        common::settings(),
+        timing,
+        vec![node("node-a").gpushare().gpus(&[16]).build()],
+        pods.to_vec(),
+    );
+    *h.binder.delay.lock().unwrap() = std::time::Duration::from_millis(200);
+    let bind = |name: &'static str| {
+        let h = &h;
+        async move {
+            post(
+                h,
+                "bind",
+                &bind_body(name, &format!("uid-{name}"), "node-a"),
+            )
+            .await
+        }
+    };
+    // The second waits about 200 ms for the first's slot: within its slot wait.
+    let ((_, first), (_, second)) = tokio::join!(bind("first"), bind("second"));
+    assert_eq!(
+        (first["Error"].as_str(), second["Error"].as_str()),
+        (Some(""), Some(""))
+    );
+    assert_eq!(h.binder.calls().len(), 2);
+
+    // A write that outlasts the slot wait: the bind behind it is refused, nothing written.
+    *h.binder.delay.lock().unwrap() = std::time::Duration::from_millis(480);
+    let (_, third) = tokio::join!(
+        async {
+            let mut stuck = fixture_pod();
+            stuck.metadata.name = Some("stuck".to_owned());
+            stuck.metadata.uid = Some("uid-stuck".to_owned());
+            h.binder.pods.lock().unwrap().insert(
+                "default/stuck".to_owned(),
+                gpushare_extender::PodOnServer {
+                    uid: "uid-stuck".to_owned(),
+                    node: None,
+                },
+            );
+            h.state.view_mut().apply_pod(&stuck);
+            post(&h, "bind", &bind_body("stuck", "uid-stuck", "node-a")).await
+        },
+        async {
+            tokio::time::sleep(std::time::Duration::from_millis(20)).await;
+            bind("third").await
+        }
+    );
+    let error = third.1["Error"].as_str().unwrap_or_default().to_owned();
+    assert!(error.contains("API server is slow"), "{error}");
+    assert!(h.state.view().reservation(&"uid-third".into()).is_none());
+    assert!(
+        h.binder.calls().iter().all(|call| call.name != "third"),
+        "the refused bind was written"
+    );
+    // first, second and stuck hold 4 GiB each; third's was given back.
+    assert_eq!(used_on_node_a(&h), 12);
+}

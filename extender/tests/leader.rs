@@ -151,3 +151,51 @@ async fn only_the_leader_binds_and_a_follower_passes_binds_on() -> anyhow::Resul
     server.shutdown().await;
     Ok(())
 }
+
+/// The leader renews by writing its last Lease back (a compare-and-swap on the
+/// resourceVersion of its own last write), not by reading it first: one call per renewal, so
+/// a slow API server does not push the renewal past its deadline. When someone else changed
+/// the Lease meanwhile, the write gets a 409 and the round reads the Lease instead: the leader
+/// keeps leading.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_leader_renews_with_one_write_and_reads_only_after_a_conflict() -> anyhow::Result<()> {
+    use k8s_openapi::api::coordination::v1::Lease;
+
+    let server = ApiServer::start().await?;
+    let client = server.client();
+    node("n1").gpushare().gpus(&[16]).create(&client).await?;
+    let only = Replica::start(client.clone(), "extender-a").await?;
+    wait_for("it to lead", Duration::from_secs(20), || async {
+        only.leads().await.then_some(())
+    })
+    .await?;
+    server.stats().reset();
+    // Three retry periods of 500 ms.
+    tokio::time::sleep(Duration::from_millis(1600)).await;
+    let (reads, writes) = (
+        server.stats().count(Verb::Get, "leases"),
+        server.stats().count(Verb::Update, "leases"),
+    );
+    assert!(writes >= 2, "{writes} renewals in 1.6 s");
+    assert_eq!(
+        reads, 0,
+        "the leader read the Lease {reads} times to renew it"
+    );
+
+    // Someone else writes the Lease: the next optimistic renewal conflicts, the round reads.
+    let leases: Api<Lease> = Api::namespaced(client.clone(), "kube-system");
+    let mut lease = leases.get("gpushare-extender").await?;
+    lease
+        .metadata
+        .labels
+        .get_or_insert_with(Default::default)
+        .insert("touched".into(), "yes".into());
+    leases
+        .replace("gpushare-extender", &Default::default(), &lease)
+        .await?;
+    server.stats().reset();
+    tokio::time::sleep(Duration::from_millis(1100)).await;
+    assert!(server.stats().count(Verb::Get, "leases") >= 1);
+    assert!(only.leads().await, "the conflict cost the leadership");
+    Ok(())
+}

@@ -147,12 +147,22 @@ pub fn harness(nodes: Vec<Node>, pods: Vec<Pod>) -> Harness {
 
 /// [`harness`] with other settings (a keyring, another domain).
 pub fn harness_with(settings: Settings, nodes: Vec<Node>, pods: Vec<Pod>) -> Harness {
+    harness_timed(settings, fast_timing(), nodes, pods)
+}
+
+/// [`harness_with`] with other bind-path timing (limits on writes in flight).
+pub fn harness_timed(
+    settings: Settings,
+    timing: BindTiming,
+    nodes: Vec<Node>,
+    pods: Vec<Pod>,
+) -> Harness {
     let binder = Arc::new(FakeBinder::default());
     let state = AppState::new(
         settings,
         Policy::Binpack,
         binder.clone(),
-        fast_timing(),
+        timing,
         EventSink::disabled(),
         Registry::default(),
     );
@@ -198,6 +208,7 @@ pub fn fast_timing() -> BindTiming {
         timeout: Duration::from_millis(500),
         backoff_initial: Duration::from_millis(5),
         backoff_max: Duration::from_millis(20),
+        ..BindTiming::default()
     }
 }
 
