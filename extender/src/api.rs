@@ -171,6 +171,9 @@ impl AppState {
         metrics
             .reservations_resolving
             .set(gauge(view.reservations_in(Phase::Resolving)));
+        metrics
+            .reservations_held
+            .set(gauge(view.reservations_in(Phase::Held)));
     }
 }
 
@@ -394,6 +397,7 @@ fn release_holds(state: &AppState, pod_uid: Option<&PodId>) {
         view.release_hold(uid);
     }
     view.release_lapsed_holds(Instant::now());
+    state.update_reservation_gauges(&view);
 }
 
 /// Holds `request`'s memory on `node` for the pod kube-scheduler is about to bind there:

@@ -37,6 +37,8 @@ pub struct Metrics {
     pub reservations: Gauge,
     /// Reservations whose Binding got no clear answer and is being resolved.
     pub reservations_resolving: Gauge,
+    /// Holds: memory filter or prioritize booked for a pod whose bind has not come yet.
+    pub reservations_held: Gauge,
     /// How resolutions of ambiguous Binding writes ended.
     pub resolutions: Family<ResolutionLabels, Counter>,
     /// 1 while this replica leads (binds), else 0; 1 without leader election.
@@ -63,6 +65,7 @@ impl Metrics {
             binds: Family::default(),
             reservations: Gauge::default(),
             reservations_resolving: Gauge::default(),
+            reservations_held: Gauge::default(),
             resolutions: Family::default(),
             leader: Gauge::default(),
             leader_acquisitions: Counter::default(),
@@ -88,6 +91,11 @@ impl Metrics {
             "reservations_resolving",
             "Reservations whose Binding got no clear answer and is being resolved by reading the pod",
             metrics.reservations_resolving.clone(),
+        );
+        sub.register(
+            "reservations_held",
+            "GPU memory held for pods between the filter or prioritize call that decided their node and their bind",
+            metrics.reservations_held.clone(),
         );
         sub.register(
             "bind_resolutions",

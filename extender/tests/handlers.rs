@@ -808,6 +808,11 @@ async fn prioritize_holds_the_node_it_scores_best_alone_until_the_bind() {
     assert_eq!(answer[0]["Host"], "node-a", "{answer}");
     assert_eq!(phase_of_fixture_pod(&h), Some(Phase::Held));
     assert_eq!(used_on_node_a(&h), 8);
+    let (_, _, metrics) = call_raw(&h.app, "GET", "/metrics", "").await;
+    assert!(
+        metrics.contains("gpushare_extender_reservations_held 1"),
+        "{metrics}"
+    );
 
     let mut to_b: Value = serde_json::from_str(&fixture("bind-request.json")).unwrap();
     to_b["Node"] = json!("node-b");
