@@ -242,8 +242,10 @@ fn decide(
     let node = args.node.as_str();
     let uid = PodId::from(args.pod_uid.as_str());
     // What filter held for the pod ends here: the bind decides anew, and books the same GPU
-    // unless something changed since.
+    // unless something changed since. Holds of other pods whose bind never came end too (a
+    // bind passed on from a follower reaches the leader with no filter before it).
     view.release_hold(&uid);
+    view.release_lapsed_holds(std::time::Instant::now());
     let Some(cached) = view.pod(&args.pod_namespace, &args.pod_name) else {
         return Err((
             "pod_not_found",

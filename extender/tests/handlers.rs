@@ -919,3 +919,36 @@ async fn binds_beyond_the_writes_in_flight_wait_for_a_slot_or_are_refused() {
     // first, second and stuck hold 4 GiB each; third's was given back.
     assert_eq!(used_on_node_a(&h), 12);
 }
+
+/// A hold whose bind never came stops counting once it lapsed, even for a bind with no filter
+/// before it on this replica (a follower passed it on): here a lapsed 12 GiB hold would leave
+/// the 4 GiB pod no room on node-a's 16 GiB GPU.
+#[tokio::test]
+async fn a_bind_gives_back_holds_that_lapsed() {
+    let h = harness(
+        vec![node("node-a").gpushare().gpus(&[16]).build()],
+        vec![fixture_pod()],
+    );
+    let gone = gpushare_allocator::Request {
+        pod_gib: 16,
+        containers: vec![16],
+        ..Default::default()
+    };
+    let held = h.state.view_mut().hold(
+        gpushare_extender::view::Hold {
+            uid: "uid-gone".into(),
+            namespace: "default",
+            name: "gone",
+            node: "node-a",
+            until: std::time::Instant::now(),
+        },
+        &gone,
+        gpushare_allocator::Policy::Binpack,
+    );
+    assert!(held);
+    assert_eq!(used_on_node_a(&h), 16);
+    let answer = captured_bind(&h).await;
+    assert_eq!(answer["Error"], "", "{answer}");
+    assert_eq!(used_on_node_a(&h), 4);
+    assert!(h.state.view().reservation(&"uid-gone".into()).is_none());
+}
