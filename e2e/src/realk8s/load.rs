@@ -41,6 +41,10 @@ use crate::scenarios::Harness;
 pub const FAKE_LABEL: &str = "fake";
 /// How many API calls the harness keeps in flight when it creates objects in bulk.
 const BULK_CALLS: usize = 16;
+/// How many marks the device-plugin stand-in keeps in flight: a thousand plugins mark their
+/// own pods in parallel, so it must keep up with a drain (with 16 it ran behind, and most
+/// marks landed after the last bind).
+const STAND_IN_CALLS: usize = 128;
 
 /// Node objects with no kubelet behind them, `<prefix>-0` .. `<prefix>-<count - 1>`, opted in
 /// (`gpushare=true`), with the GPUs of `gpus` (GiB each) published as the device plugin
@@ -148,7 +152,7 @@ impl DevicePluginStandIn {
             let (marked, failed) = (marked.clone(), failed.clone());
             async move {
                 let keys = Keys::default();
-                let writes = Arc::new(Semaphore::new(BULK_CALLS));
+                let writes = Arc::new(Semaphore::new(STAND_IN_CALLS));
                 let mut started: HashSet<String> = HashSet::new();
                 let mut events = watcher(pods.clone(), watcher::Config::default())
                     .default_backoff()
