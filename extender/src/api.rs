@@ -304,11 +304,7 @@ fn filter_answer<'a>(state: &AppState, args: &'a ExtenderArgs<'a>) -> ExtenderFi
     let candidates = candidates(args);
     let mut result = ExtenderFilterResult::default();
     let mut passing: Vec<usize> = Vec::with_capacity(candidates.len());
-    let pod_uid = args
-        .pod
-        .as_ref()
-        .and_then(|pod| pod.metadata.uid.as_deref())
-        .map(PodId::from);
+    let pod_uid = pod_uid(args);
     release_holds(state, pod_uid.as_ref());
     // The request to hold memory for, when exactly one node passes.
     let mut to_hold: Option<Request> = None;
@@ -383,6 +379,14 @@ fn filter_answer<'a>(state: &AppState, args: &'a ExtenderArgs<'a>) -> ExtenderFi
         });
     }
     result
+}
+
+/// The UID of the pod a filter or prioritize call is about, when kube-scheduler sent one.
+fn pod_uid(args: &ExtenderArgs<'_>) -> Option<PodId> {
+    args.pod
+        .as_ref()
+        .and_then(|pod| pod.metadata.uid.as_deref())
+        .map(PodId::from)
 }
 
 /// Gives back, before a filter, the holds whose bind did not come in time, and the hold of the
@@ -530,15 +534,10 @@ async fn prioritize(State(state): State<AppState>, body: Bytes) -> Response {
                 None => vec![0; names.len()],
             };
             drop(view);
-            if let (Some(request), Some(best)) = (&request, sole_best(&raw)) {
-                let uid = args
-                    .pod
-                    .as_ref()
-                    .and_then(|pod| pod.metadata.uid.as_deref())
-                    .map(PodId::from);
-                if let Some(uid) = uid {
-                    hold_for_bind(&state, &args, uid, names[best], request);
-                }
+            if let (Some(request), Some(best), Some(uid)) =
+                (&request, sole_best(&raw), pod_uid(&args))
+            {
+                hold_for_bind(&state, &args, uid, names[best], request);
             }
             let scores = compact_priorities(&names, &raw);
             // `{"Host":"<name>","Score":10},` per listed node.

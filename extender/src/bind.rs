@@ -477,6 +477,9 @@ async fn drive(
     let _ = answer.send(reply);
 }
 
+/// A slot among [`BindTiming::writes_in_flight`], held while one Binding write is under way.
+type WriteSlot = tokio::sync::OwnedSemaphorePermit;
+
 /// Waits for a slot to write `write`'s Binding in ([`BindTiming::writes_in_flight`]); returns
 /// it with the deadline the write must end by. After a wait the leadership is asked again: the
 /// lease may have moved on meanwhile, and the write's budget counts from now.
@@ -484,13 +487,7 @@ async fn write_slot(
     state: &AppState,
     write: &Write,
     deadline: tokio::time::Instant,
-) -> Result<
-    (
-        Option<tokio::sync::OwnedSemaphorePermit>,
-        tokio::time::Instant,
-    ),
-    (&'static str, String),
-> {
+) -> Result<(Option<WriteSlot>, tokio::time::Instant), (&'static str, String)> {
     let Some(slots) = state.bind_slots() else {
         return Ok((None, deadline));
     };

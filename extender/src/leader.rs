@@ -499,9 +499,10 @@ pub type Result<T, E = Error> = std::result::Result<T, E>;
 /// when this replica holds it now. `ours` is the Lease as our last write left it.
 ///
 /// Why a leader renews without reading first: under a burst the API server answers each call
-/// in hundreds of milliseconds, and a read followed by a write took the renewal past its
-/// deadline, so the leader stopped binding for a while (on the real cluster, 2,152 binds of a
-/// 3,000-pod backlog were refused that way in one run). While this replica leads, it writes
+/// in hundreds of milliseconds, and a read followed by a write can take the renewal past its
+/// deadline, so the leader stops binding for a while (on the real cluster, in a run whose API
+/// client had its calls queued behind the binds, 2,152 binds of a 3,000-pod backlog were
+/// refused that way). One call per renewal halves that exposure. While this replica leads, it writes
 /// its last Lease back with a new renew time straight away: the resourceVersion from its own
 /// last write makes it a compare-and-swap, so a Lease anyone else changed gets a 409 and the
 /// round falls back to reading (client-go's leader election does the same since 1.29).

@@ -170,13 +170,11 @@ async fn the_leader_renews_with_one_write_and_reads_only_after_a_conflict() -> a
     })
     .await?;
     server.stats().reset();
-    // Three retry periods of 500 ms.
-    tokio::time::sleep(Duration::from_millis(1600)).await;
-    let (reads, writes) = (
-        server.stats().count(Verb::Get, "leases"),
-        server.stats().count(Verb::Update, "leases"),
-    );
-    assert!(writes >= 2, "{writes} renewals in 1.6 s");
+    wait_for("three renewals", Duration::from_secs(20), || async {
+        (server.stats().count(Verb::Update, "leases") >= 3).then_some(())
+    })
+    .await?;
+    let reads = server.stats().count(Verb::Get, "leases");
     assert_eq!(
         reads, 0,
         "the leader read the Lease {reads} times to renew it"
@@ -194,8 +192,19 @@ async fn the_leader_renews_with_one_write_and_reads_only_after_a_conflict() -> a
         .replace("gpushare-extender", &Default::default(), &lease)
         .await?;
     server.stats().reset();
-    tokio::time::sleep(Duration::from_millis(1100)).await;
-    assert!(server.stats().count(Verb::Get, "leases") >= 1);
+    wait_for(
+        "a read after the conflict",
+        Duration::from_secs(20),
+        || async { (server.stats().count(Verb::Get, "leases") >= 1).then_some(()) },
+    )
+    .await?;
+    // The round that read renews from what it read; the renewals after it write again.
+    wait_for(
+        "renewals after the conflict",
+        Duration::from_secs(20),
+        || async { (server.stats().count(Verb::Update, "leases") >= 2).then_some(()) },
+    )
+    .await?;
     assert!(only.leads().await, "the conflict cost the leadership");
     Ok(())
 }
