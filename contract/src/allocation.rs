@@ -13,6 +13,11 @@
 //! | `bind-time` | extender | RFC 3339 |
 //! | `assigned` | extender `"false"`, device plugin `"true"` | every container allocated |
 //! | `allocated` | device plugin | `"init,main"`: containers allocated so far |
+//!
+//! The device plugin writes `assigned` and `allocated` only with `--allocation-marks` (off by
+//! default). Readers take a pod whose `status.startTime` is set as allocated whatever the
+//! marks say: kubelet sets it when it admits the pod, and admission is where it calls
+//! Allocate for every container.
 //! | `signature` | extender (when it has a keyring) | `"k1:<base64>"`: HMAC of the decision |
 //!
 //! The signature is optional here: reading annotations never checks it. Whether a decision

@@ -396,6 +396,7 @@ mod tests {
             node: Some("n1".into()),
             phase: Some("Pending".into()),
             deleting: false,
+            admitted: false,
             allocation: PodAllocation {
                 more_gpus: Vec::new(),
                 exclusive: false,

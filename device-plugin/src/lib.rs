@@ -127,6 +127,14 @@ pub struct Config {
     /// the file is re-read when it changes. Unset: allocations are NOT verified.
     #[arg(long, env = "GPUSHARE_ALLOCATION_KEYS_FILE")]
     pub allocation_keys_file: Option<PathBuf>,
+    /// Write each pod's allocation marks (the `allocated` and `assigned` annotations) to the
+    /// API server once its containers are allocated. Off by default: kubelet writes the
+    /// pod's status anyway, and a `startTime` there says it admitted the pod, which is where
+    /// it calls Allocate for every container; the extender and this plugin read that, so the
+    /// marks would cost one more pod write (and its watch events) per GPU pod for nothing
+    /// they need. Turn it on for an extender older than this plugin (it reads only marks).
+    #[arg(long, env = "ALLOCATION_MARKS", default_value_t = false, action = clap::ArgAction::Set)]
+    pub allocation_marks: bool,
     /// kubelet's PodResources socket: what kubelet really gave each container is read from
     /// it, checked against the allocations (mismatches become pod Events and
     /// `gpushare_device_plugin_kubelet_mismatches_total`) and the allocation marks follow it.
@@ -401,6 +409,7 @@ async fn run_inner(
         keys.clone(),
         keyring_file.as_ref().map(KeyringFile::keyring),
         metrics.clone(),
+        config.allocation_marks,
         token.clone(),
     );
     let allocated = Arc::new(tokio::sync::Notify::new());

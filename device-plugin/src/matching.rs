@@ -52,6 +52,10 @@ pub struct PodView {
     pub phase: Option<String>,
     /// Whether the pod has a deletion timestamp.
     pub deleting: bool,
+    /// Whether kubelet admitted the pod (its status has a `startTime`): admission is where
+    /// kubelet calls Allocate for every container, so an admitted pod waits for nothing,
+    /// whatever its marks say (with `--allocation-marks=false` none are ever written).
+    pub admitted: bool,
     /// The extender's allocation, with our marks.
     pub allocation: PodAllocation,
     /// Whether the allocation is the extender's.
@@ -124,9 +128,14 @@ impl PodView {
         self.phase.as_deref() == Some("Running")
     }
 
-    /// Still waiting for Allocate calls: bound here, alive, not fully allocated.
+    /// Still waiting for Allocate calls: bound here, alive, not admitted by kubelet, not
+    /// fully allocated.
     fn waiting_on(&self, node: &str) -> bool {
-        self.bound_to(node) && !self.deleting && !self.finished() && !self.allocation.assigned
+        self.bound_to(node)
+            && !self.deleting
+            && !self.finished()
+            && !self.admitted
+            && !self.allocation.assigned
     }
 }
 
@@ -498,6 +507,7 @@ mod tests {
             node: Some("n1".into()),
             phase: Some("Pending".into()),
             deleting: false,
+            admitted: false,
             allocation: PodAllocation {
                 more_gpus: Vec::new(),
                 exclusive: false,
@@ -577,6 +587,21 @@ mod tests {
         let mut views = views;
         views.push(view("fresh", 9, &[("main", 4, false)]));
         assert_eq!(found(&views, 4).unwrap().0, "default/fresh");
+    }
+
+    #[test]
+    fn a_pod_kubelet_admitted_waits_for_nothing_though_unmarked() {
+        // With marks off (or a mark lost in a plugin restart), the older pod kubelet already
+        // admitted still reads as unallocated: only its status says it holds its devices.
+        let mut started = view("started", 0, &[("main", 4, false)]);
+        started.admitted = true;
+        started.allocation.gpu_index = 1;
+        let waiting = view("waiting", 5, &[("main", 4, false)]);
+        let views = vec![started, waiting];
+        assert_eq!(
+            found(&views, 4),
+            Some(("default/waiting".into(), "main".into()))
+        );
     }
 
     #[test]

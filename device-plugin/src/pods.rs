@@ -7,9 +7,13 @@
 //! round-tripped through the watch. The overlay entry is dropped once the store shows the
 //! same marks and no write is outstanding.
 //!
-//! Writes happen in one background worker, in decision order, with retries, so an Allocate
-//! answers in microseconds and never waits for the API server. The worker always writes the
-//! *latest* marks of a pod, so a slow write can never overwrite a newer decision.
+//! With `--allocation-marks` the marks are written in one background worker, in decision
+//! order, with retries, so an Allocate answers in microseconds and never waits for the API
+//! server. The worker always writes the *latest* marks of a pod, so a slow write can never
+//! overwrite a newer decision. Without it (the default) the marks stay in the overlay: what
+//! outlives this process is kubelet's own record, a `startTime` in the pod's status once
+//! kubelet admitted the pod (and so allocated each of its containers), and its PodResources
+//! listing; a pod with a `startTime` is never matched again ([`matching::PodView::admitted`]).
 //!
 //! With a keyring, each pod's allocation is verified when it is read (once per resourceVersion
 //! and keyring generation) and carried as [`matching::Trust`]: matching considers only
@@ -153,6 +157,9 @@ pub struct PodCache {
     metrics: Metrics,
     changes: watch::Sender<u64>,
     patches: mpsc::UnboundedSender<String>,
+    /// Whether marks are written to the API server (`--allocation-marks`); off, they live
+    /// in the overlay only, until the pod leaves the node.
+    write_marks: bool,
 }
 
 impl std::fmt::Debug for PodCache {
@@ -165,13 +172,15 @@ impl std::fmt::Debug for PodCache {
 
 impl PodCache {
     /// Starts watching the pods bound to `node`, the patch worker and the reconcile loop;
-    /// all stop on `shutdown`. With `keyring`, only allocations it verifies are acted on.
+    /// all stop on `shutdown`. With `keyring`, only allocations it verifies are acted on;
+    /// with `write_marks`, the marks are written on the pods.
     pub fn start(
         client: Client,
         node: &str,
         keys: Keys,
         keyring: Option<SharedKeyring>,
         metrics: Metrics,
+        write_marks: bool,
         shutdown: CancellationToken,
     ) -> Arc<Self> {
         let (store, writer) = reflector::store();
@@ -190,6 +199,7 @@ impl PodCache {
             metrics: metrics.clone(),
             changes: watch::Sender::new(0),
             patches,
+            write_marks,
         });
         let api: Api<Pod> = Api::all(client.clone());
         let config = watcher::Config::default().fields(&format!("spec.nodeName={node}"));
@@ -360,6 +370,10 @@ impl PodCache {
             node,
             phase: pod.status.as_ref().and_then(|status| status.phase.clone()),
             deleting: pod.metadata.deletion_timestamp.is_some(),
+            admitted: pod
+                .status
+                .as_ref()
+                .is_some_and(|status| status.start_time.is_some()),
             allocation,
             trust,
         })
@@ -373,11 +387,13 @@ impl PodCache {
                 namespace: namespace.to_owned(),
                 name: name.to_owned(),
                 marks,
-                dirty: true,
+                dirty: self.write_marks,
             },
         );
-        // The worker only ends at shutdown; a failed send then loses nothing we need.
-        let _ = self.patches.send(view.uid.clone());
+        if self.write_marks {
+            // The worker only ends at shutdown; a failed send then loses nothing we need.
+            let _ = self.patches.send(view.uid.clone());
+        }
     }
 
     /// Live pods (not finished, not being deleted) whose allocation, trusted, is on the GPU

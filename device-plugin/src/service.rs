@@ -576,6 +576,7 @@ mod tests {
             node: Some("n1".into()),
             phase: Some("Pending".into()),
             deleting: false,
+            admitted: false,
             allocation: PodAllocation {
                 gpu_index: first.0,
                 gpu_uuid: first.1.into(),

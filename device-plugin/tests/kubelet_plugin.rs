@@ -100,7 +100,12 @@ async fn registers_lists_one_device_per_gib_and_follows_health() -> anyhow::Resu
 #[tokio::test]
 async fn allocate_pins_containers_to_the_annotated_gpu_without_listing_pods() -> anyhow::Result<()>
 {
-    let cluster = Cluster::start(&[16, 16, 24], Some(AdmissionOrder::CreationTime)).await?;
+    let cluster = Cluster::start_with(
+        &[16, 16, 24],
+        Some(AdmissionOrder::CreationTime),
+        &marks_on(),
+    )
+    .await?;
     let kubelet = cluster.kubelet();
     let lists_before = cluster.server.stats().count(Verb::List, "pods");
 
@@ -168,7 +173,7 @@ async fn allocate_pins_containers_to_the_annotated_gpu_without_listing_pods() ->
         "{b_devices:?}"
     );
 
-    // The plugin records its progress on the pods.
+    // With `--allocation-marks`, the plugin records its progress on the pods.
     let keys = Keys::default();
     for (name, allocated) in [("a", "main"), ("b", "init,main")] {
         eventually(WAIT, "the assigned mark", || async {
@@ -244,10 +249,30 @@ fn place(pods: &[Vec<(String, u64, bool)>], gpus: &[u64]) -> Vec<u32> {
         .collect()
 }
 
+/// The plugin's flags that turn the allocation marks on (they are off by default).
+fn marks_on() -> Vec<String> {
+    vec!["--allocation-marks".to_owned(), "true".to_owned()]
+}
+
 #[tokio::test]
 async fn hundred_pods_admitted_in_shuffled_order_land_on_their_gpus() -> anyhow::Result<()> {
+    hundred_pods_in_shuffled_order(false).await
+}
+
+#[tokio::test]
+async fn hundred_pods_in_shuffled_order_with_marks_end_with_every_pod_marked() -> anyhow::Result<()>
+{
+    hundred_pods_in_shuffled_order(true).await
+}
+
+/// 100 pods of seven sizes (twins everywhere) admitted in shuffled order: each container gets
+/// its pod's GPU. With `marks`, every pod ends marked assigned, whichever twin each Allocate
+/// matched; without, the plugin writes nothing on any pod and matches by kubelet's
+/// `startTime` alone.
+async fn hundred_pods_in_shuffled_order(marks: bool) -> anyhow::Result<()> {
     let gpus = [80, 80, 80, 80, 80, 80, 48, 40];
-    let cluster = Cluster::start(&gpus, Some(AdmissionOrder::Shuffled(7))).await?;
+    let flags = if marks { marks_on() } else { Vec::new() };
+    let cluster = Cluster::start_with(&gpus, Some(AdmissionOrder::Shuffled(7)), &flags).await?;
     let kubelet = cluster.kubelet();
 
     let mut rng = StdRng::seed_from_u64(42);
@@ -348,6 +373,14 @@ async fn hundred_pods_admitted_in_shuffled_order_land_on_their_gpus() -> anyhow:
         assert!(used <= size, "GPU {gpu} holds {used} GiB of {size}");
     }
 
+    if !marks {
+        assert_eq!(
+            cluster.server.stats().count(Verb::Patch, "pods"),
+            0,
+            "without --allocation-marks the plugin writes no pod"
+        );
+        return cluster.stop().await;
+    }
     // Every pod ends up marked assigned, whichever twin the Allocate calls matched.
     let keys = Keys::default();
     eventually(

@@ -8,6 +8,7 @@ use common::{
     Cluster, NODE, RESOURCE, WAIT, allocate, allocation_on, client, eventually, ids, uuid,
 };
 use gpushare_contract::{Keys, env};
+use gpushare_e2e::apiserver::Verb;
 use gpushare_e2e::fixtures::pod;
 use gpushare_e2e::kubelet::AdmissionOrder;
 use gpushare_proto::v1beta1::{ContainerPreferredAllocationRequest, PreferredAllocationRequest};
@@ -42,7 +43,9 @@ async fn create(
 
 #[tokio::test]
 async fn a_two_by_eight_pod_gets_both_gpus_and_eight_devices_of_each() -> anyhow::Result<()> {
-    let cluster = Cluster::start(&[16, 16, 24], Some(AdmissionOrder::CreationTime)).await?;
+    let marks_on = ["--allocation-marks".to_owned(), "true".to_owned()];
+    let cluster =
+        Cluster::start_with(&[16, 16, 24], Some(AdmissionOrder::CreationTime), &marks_on).await?;
     let kubelet = cluster.kubelet();
     // 16 GiB spread over GPUs 2 and 0, and a shared 4 GiB pod beside it on GPU 0.
     create(&cluster, "wide", 16, &[2, 0], 1).await?;
@@ -243,9 +246,20 @@ async fn multi_gpu_whole_gpu_and_shared_pods_under_shuffled_admission() -> anyho
         ("s4", 4, &[1], false),
     ];
     let keys = Keys::default();
-    for seed in [3, 11, 29] {
-        let cluster =
-            Cluster::start(&[16, 16, 16, 16], Some(AdmissionOrder::Shuffled(seed))).await?;
+    // Seed 11 runs with the marks off (the default): matching then rests on kubelet's
+    // `startTime` and the plugin's own memory alone.
+    for (seed, marks) in [(3, true), (11, false), (29, true)] {
+        let flags = if marks {
+            vec!["--allocation-marks".to_owned(), "true".to_owned()]
+        } else {
+            Vec::new()
+        };
+        let cluster = Cluster::start_with(
+            &[16, 16, 16, 16],
+            Some(AdmissionOrder::Shuffled(seed)),
+            &flags,
+        )
+        .await?;
         let kubelet = cluster.kubelet();
         let mut order: Vec<usize> = (0..PODS.len()).collect();
         order.sort_by_key(|&i| (i as u64 + 1).wrapping_mul(seed).rotate_left(13));
@@ -312,6 +326,15 @@ async fn multi_gpu_whole_gpu_and_shared_pods_under_shuffled_admission() -> anyho
         assert_eq!(whole[env::CONTAINER_GIB_PER_GPU], "16");
         assert_eq!(whole[env::POD_GIB], "32");
 
+        if !marks {
+            assert_eq!(
+                cluster.server.stats().count(Verb::Patch, "pods"),
+                0,
+                "seed {seed}: without --allocation-marks the plugin writes no pod"
+            );
+            cluster.stop().await?;
+            continue;
+        }
         // Every pod ends up marked assigned, whichever twin the Allocate calls matched.
         eventually(WAIT, "every pod marked assigned", || async {
             for (name, ..) in PODS {

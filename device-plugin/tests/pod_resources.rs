@@ -113,8 +113,12 @@ fn ids(gpu: u32, slots: std::ops::Range<u64>) -> Vec<String> {
 }
 
 /// Flags for a plugin reading kubelet at `socket` often, serving metrics on `metrics`.
+/// The plugin's flags here: these tests watch the allocation marks follow kubelet, so the
+/// marks are on.
 fn flags(socket: &Path, metrics: SocketAddr) -> Vec<String> {
     [
+        "--allocation-marks",
+        "true",
         "--pod-resources-socket",
         &socket.display().to_string(),
         "--pod-resources-period-ms",

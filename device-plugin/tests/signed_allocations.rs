@@ -122,7 +122,9 @@ fn allocate(devices: Vec<String>) -> AllocateRequest {
 #[tokio::test]
 async fn forged_and_copied_allocations_are_refused_while_signed_ones_are_served()
 -> anyhow::Result<()> {
-    let (_keys, flags) = keyring_file()?;
+    let (_keys, mut flags) = keyring_file()?;
+    // The marks show which pod the plugin served: on for this test.
+    flags.extend(["--allocation-marks".to_owned(), "true".to_owned()]);
     let cluster = Cluster::start_with(&[16, 16], None, &flags).await?;
     bind_signed(&cluster, "honest", 1, 3).await?;
     create_forged(&cluster, "forged", 1, 2).await?;

@@ -23,6 +23,7 @@ use serde::Serialize;
 use serde_json::value::RawValue;
 
 use crate::bind::BindTiming;
+use crate::bind::slots::{Pacing, WriteSlots};
 use crate::kube_io::{Binder, EventSink};
 use crate::leader::Leadership;
 use crate::metrics::Metrics;
@@ -54,7 +55,9 @@ struct Inner {
     binder: Arc<dyn Binder>,
     bind_timing: BindTiming,
     /// Slots for Binding writes in flight (`None`: no limit); see [`crate::bind`].
-    bind_slots: Option<Arc<tokio::sync::Semaphore>>,
+    bind_slots: Option<Arc<WriteSlots>>,
+    /// How filter paces kube-scheduler's cycle on the binds waiting for a slot.
+    pacing: Pacing,
     events: EventSink,
     metrics: Metrics,
     registry: Arc<Registry>,
@@ -83,7 +86,10 @@ impl AppState {
                 binder,
                 bind_timing,
                 bind_slots: (bind_timing.writes_in_flight > 0)
-                    .then(|| Arc::new(tokio::sync::Semaphore::new(bind_timing.writes_in_flight))),
+                    .then(|| Arc::new(WriteSlots::new(bind_timing.writes_in_flight))),
+                pacing: Pacing {
+                    max_wait: bind_timing.pace_max,
+                },
                 events,
                 metrics,
                 registry: Arc::new(registry),
@@ -136,8 +142,20 @@ impl AppState {
     }
 
     /// The slots Binding writes take, when their number is limited.
-    pub fn bind_slots(&self) -> Option<&Arc<tokio::sync::Semaphore>> {
+    pub fn bind_slots(&self) -> Option<&Arc<WriteSlots>> {
         self.inner.bind_slots.as_ref()
+    }
+
+    /// Waits while the binds queued for a write slot are as many as the slots (see
+    /// [`crate::bind::slots`]); counts the wait.
+    async fn pace(&self) {
+        let Some(slots) = self.bind_slots() else {
+            return;
+        };
+        let waited = slots.pace(self.inner.pacing).await;
+        if !waited.is_zero() {
+            self.metrics().paced(waited);
+        }
     }
 
     /// Whether this replica may bind now (see [`crate::leader`]).
@@ -276,6 +294,7 @@ pub(crate) fn unfit_reason(settings: &Settings, node: &str, unfit: &Unfit) -> St
 /// `POST {prefix}/filter`.
 #[tracing::instrument(skip_all)]
 async fn filter(State(state): State<AppState>, body: Bytes) -> Response {
+    state.pace().await;
     let started = Instant::now();
     let response = match serde_json::from_slice::<ExtenderArgs<'_>>(&body) {
         Ok(args) => json_response_sized(&filter_answer(&state, &args), body.len()),

@@ -54,6 +54,9 @@ pub struct BindTiming {
     /// How long a decided bind may wait for a write slot before it is refused (retryably,
     /// its memory released, nothing written).
     pub slot_wait: Duration,
+    /// Longest a filter call waits while as many binds wait for a slot as there are slots
+    /// (zero: never); see [`slots`].
+    pub pace_max: Duration,
 }
 
 impl Default for BindTiming {
@@ -64,6 +67,7 @@ impl Default for BindTiming {
             backoff_max: Duration::from_secs(2),
             writes_in_flight: 64,
             slot_wait: Duration::from_millis(2000),
+            pace_max: Duration::from_millis(1000),
         }
     }
 }
@@ -477,9 +481,6 @@ async fn drive(
     let _ = answer.send(reply);
 }
 
-/// A slot among [`BindTiming::writes_in_flight`], held while one Binding write is under way.
-type WriteSlot = tokio::sync::OwnedSemaphorePermit;
-
 /// Waits for a slot to write `write`'s Binding in ([`BindTiming::writes_in_flight`]); returns
 /// it with the deadline the write must end by. After a wait the leadership is asked again: the
 /// lease may have moved on meanwhile, and the write's budget counts from now.
@@ -487,18 +488,16 @@ async fn write_slot(
     state: &AppState,
     write: &Write,
     deadline: tokio::time::Instant,
-) -> Result<(Option<WriteSlot>, tokio::time::Instant), (&'static str, String)> {
+) -> Result<(Option<slots::WriteSlot>, tokio::time::Instant), (&'static str, String)> {
     let Some(slots) = state.bind_slots() else {
         return Ok((None, deadline));
     };
-    if let Ok(slot) = Arc::clone(slots).try_acquire_owned() {
+    if let Some(slot) = slots.try_take() {
         return Ok((Some(slot), deadline));
     }
     let timing = state.bind_timing();
     let waited = tokio::time::Instant::now();
-    let Ok(Ok(slot)) =
-        tokio::time::timeout(timing.slot_wait, Arc::clone(slots).acquire_owned()).await
-    else {
+    let Some(slot) = slots.take(timing.slot_wait).await else {
         return Err((
             "slow_api",
             format!(
@@ -646,3 +645,4 @@ pub(crate) fn read_verdict(
 
 #[cfg(test)]
 mod lifecycle;
+pub mod slots;

@@ -86,6 +86,12 @@ pub struct Config {
     /// kube-scheduler's `httpTimeout` for the extender.
     #[arg(long, env = "GPUSHARE_BIND_SLOT_WAIT_MS", default_value_t = 2000)]
     pub bind_slot_wait_ms: u64,
+    /// Longest (ms) a filter call waits while as many binds wait for a write slot as there
+    /// are slots, so kube-scheduler's cycle runs at the pace the API server commits Bindings
+    /// instead of queueing binds until they are refused (0: filter never waits). Keep it
+    /// below kube-scheduler's `httpTimeout` for the extender.
+    #[arg(long, env = "GPUSHARE_FILTER_PACE_MAX_MS", default_value_t = 1000)]
+    pub filter_pace_max_ms: u64,
     /// Largest request body (bytes) kube-scheduler may send; larger ones get a 413. Keep it
     /// well under the container's memory limit: a body is held, and parsed, in memory.
     #[arg(long, env = "GPUSHARE_MAX_REQUEST_BYTES", default_value_t = crate::api::DEFAULT_BODY_LIMIT)]
@@ -203,6 +209,7 @@ impl Default for Config {
             bind_timeout_ms: 2500,
             bind_writes_in_flight: 64,
             bind_slot_wait_ms: 2000,
+            filter_pace_max_ms: 1000,
             max_request_bytes: crate::api::DEFAULT_BODY_LIMIT,
             webhook_enabled: false,
             webhook_listen: SocketAddr::from(([0, 0, 0, 0], 9443)),

@@ -158,6 +158,7 @@ pub async fn serve(
             timeout: Duration::from_millis(config.bind_timeout_ms),
             writes_in_flight: config.bind_writes_in_flight,
             slot_wait: Duration::from_millis(config.bind_slot_wait_ms),
+            pace_max: Duration::from_millis(config.filter_pace_max_ms),
             ..BindTiming::default()
         },
         events,

@@ -45,6 +45,10 @@ pub struct Metrics {
     pub leader: Gauge,
     /// How often this replica became leader (a failover, or the first acquisition).
     pub leader_acquisitions: Counter,
+    /// filter calls that waited for the Binding write queue to shorten.
+    pub paced: Counter,
+    /// Seconds filter calls waited for it, in all.
+    pub paced_seconds: Counter<f64, std::sync::atomic::AtomicU64>,
 }
 
 /// Labels of a resolution's end.
@@ -69,6 +73,8 @@ impl Metrics {
             resolutions: Family::default(),
             leader: Gauge::default(),
             leader_acquisitions: Counter::default(),
+            paced: Counter::default(),
+            paced_seconds: Counter::default(),
         };
         let sub = registry.sub_registry_with_prefix("gpushare_extender");
         sub.register(
@@ -112,7 +118,23 @@ impl Metrics {
             "How often this replica became the leader",
             metrics.leader_acquisitions.clone(),
         );
+        sub.register(
+            "filter_paced",
+            "filter calls that waited because as many binds waited for a Binding write slot as there are slots",
+            metrics.paced.clone(),
+        );
+        sub.register(
+            "filter_paced_seconds",
+            "Seconds filter calls waited for the Binding write queue to shorten, in all",
+            metrics.paced_seconds.clone(),
+        );
         metrics
+    }
+
+    /// Counts a filter call that waited `waited` for the write queue.
+    pub fn paced(&self, waited: std::time::Duration) {
+        self.paced.inc();
+        self.paced_seconds.inc_by(waited.as_secs_f64());
     }
 
     /// Counts the end of a resolution.

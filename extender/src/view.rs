@@ -387,13 +387,21 @@ impl PodFacts {
             .ok()
             .and_then(|r| r.as_ref())
             .map(|r| r.pod_gib);
-        let allocation = AllocationFacts::read(
+        let mut allocation = AllocationFacts::read(
             settings,
             uid,
             node_name.as_deref(),
             metadata.annotations.as_ref(),
             spec_gib,
         );
+        // kubelet sets `startTime` when it admits a pod, and admission is where it calls the
+        // device plugin's Allocate for every container: nothing of the pod still waits for a
+        // device, whatever marks the plugin wrote (by default it writes none).
+        let admitted = pod.status.as_ref().is_some_and(|s| s.start_time.is_some());
+        if admitted && let AllocationFacts::Readable(placement) = &mut allocation {
+            placement.pending.clear();
+            placement.assigned = true;
+        }
         Some(Self {
             key: key.into(),
             uid: PodId::from(uid),
@@ -1161,6 +1169,33 @@ mod tests {
         view.delete_pod(&q);
         assert_eq!(used(&view, 0), 0);
         assert!(view.pod("default", "b").is_none());
+    }
+
+    #[test]
+    fn a_pod_kubelet_admitted_waits_for_no_device_without_marks() {
+        let mut view = view();
+        view.apply_node(&node("n1").gpushare().gpus(&[16, 16]).build());
+        let mut p = allocated("a", "u1", 1, 4);
+        view.apply_pod(&p);
+        let pending = |view: &View| -> Vec<(u64, Vec<u32>)> {
+            let node = view.cluster.node("n1").unwrap();
+            node.pending()
+                .map(|(gib, gpus, _)| (gib, gpus.to_vec()))
+                .collect()
+        };
+        // Bound, not admitted: the twin rule pins the next 4 GiB pod to GPU 1.
+        assert_eq!(pending(&view), vec![(4, vec![1])]);
+        // kubelet's status write, with no device-plugin mark: admitted, so no longer pending.
+        p.status = Some(k8s_openapi::api::core::v1::PodStatus {
+            phase: Some("Pending".into()),
+            start_time: Some(k8s_openapi::apimachinery::pkg::apis::meta::v1::Time(
+                jiff::Timestamp::UNIX_EPOCH,
+            )),
+            ..Default::default()
+        });
+        view.apply_pod(&p);
+        assert_eq!(pending(&view), vec![]);
+        assert_eq!(used(&view, 1), 4);
     }
 
     #[test]

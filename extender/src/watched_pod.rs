@@ -11,7 +11,8 @@
 //!
 //! What is kept is exactly what [`crate::watch`] kept before by trimming a full Pod: the
 //! metadata except labels, owner references and managed fields; the node name; each
-//! container's and init container's name, resources and restart policy; the phase. A test
+//! container's and init container's name, resources and restart policy; the phase and the
+//! start time (kubelet admitted the pod: see [`crate::view::PodFacts`]). A test
 //! holds the two equal on varied pods. Annotations are kept whole here and cut to gpushare's
 //! domain by the watch, which knows the domain.
 
@@ -96,8 +97,10 @@ struct LeanContainer {
 }
 
 #[derive(Deserialize)]
+#[serde(rename_all = "camelCase")]
 struct LeanStatus {
     phase: Option<String>,
+    start_time: Option<Time>,
 }
 
 impl LeanContainer {
@@ -161,6 +164,7 @@ impl<'de> Deserialize<'de> for WatchedPod {
         });
         let status = lean.status.map(|s| PodStatus {
             phase: s.phase,
+            start_time: s.start_time,
             ..PodStatus::default()
         });
         Ok(WatchedPod(Pod {
@@ -204,6 +208,7 @@ mod tests {
         if let Some(status) = pod.status.as_mut() {
             *status = PodStatus {
                 phase: status.phase.take(),
+                start_time: status.start_time.take(),
                 ..PodStatus::default()
             };
         }
@@ -246,6 +251,7 @@ mod tests {
             },
             "status": {
                 "phase": "Running", "podIP": "10.0.0.1", "qosClass": "Burstable",
+                "startTime": "2026-11-23T21:40:02Z",
                 "conditions": [{"type": "Ready", "status": "True"}],
                 "containerStatuses": [{"name": "main", "ready": true, "restartCount": 0,
                                        "image": "img", "imageID": "", "state": {"running": {}}}]

@@ -845,6 +845,36 @@ async fn prioritize_holds_the_node_it_scores_best_alone_until_the_bind() {
     assert_eq!(phase_of_fixture_pod(&tied), None);
 }
 
+/// Binds the pod `name` (UID `uid-<name>`) to node-a.
+async fn bind_to_node_a(h: &common::Harness, name: &str) -> (StatusCode, Value) {
+    post(
+        h,
+        "bind",
+        &bind_body(name, &format!("uid-{name}"), "node-a"),
+    )
+    .await
+}
+
+/// node-a with one 16 GiB GPU, and a copy of the captured pod (4 GiB) under each of `names`
+/// (UID `uid-<name>`), waiting; the bind path timed by `timing`.
+fn one_gpu_with_pods(timing: gpushare_extender::BindTiming, names: &[&str]) -> common::Harness {
+    let pods = names
+        .iter()
+        .map(|name| {
+            let mut pod = fixture_pod();
+            pod.metadata.name = Some((*name).to_owned());
+            pod.metadata.uid = Some(format!("uid-{name}"));
+            pod
+        })
+        .collect();
+    common::harness_timed(
+        common::settings(),
+        timing,
+        vec![node("node-a").gpushare().gpus(&[16]).build()],
+        pods,
+    )
+}
+
 /// With one write slot, a second bind waits for the first write to end, and then writes; a
 /// bind that waits longer than its slot wait is refused with its memory released and nothing
 /// written, so kube-scheduler retries it against a less busy API server.
@@ -855,30 +885,9 @@ async fn binds_beyond_the_writes_in_flight_wait_for_a_slot_or_are_refused() {
         slot_wait: std::time::Duration::from_millis(400),
         ..common::fast_timing()
     };
-    let pods = ["first", "second", "third"].map(|name| {
-        let mut pod = fixture_pod();
-        pod.metadata.name = Some(name.to_owned());
-        pod.metadata.uid = Some(format!("uid-{name}"));
-        pod
-    });
-    let h = common::harness_timed(
-        common::settings(),
-        timing,
-        vec![node("node-a").gpushare().gpus(&[16]).build()],
-        pods.to_vec(),
-    );
+    let h = one_gpu_with_pods(timing, &["first", "second", "third"]);
     *h.binder.delay.lock().unwrap() = std::time::Duration::from_millis(200);
-    let bind = |name: &'static str| {
-        let h = &h;
-        async move {
-            post(
-                h,
-                "bind",
-                &bind_body(name, &format!("uid-{name}"), "node-a"),
-            )
-            .await
-        }
-    };
+    let bind = |name: &'static str| bind_to_node_a(&h, name);
     // The second waits about 200 ms for the first's slot: within its slot wait.
     let ((_, first), (_, second)) = tokio::join!(bind("first"), bind("second"));
     assert_eq!(
@@ -918,6 +927,54 @@ async fn binds_beyond_the_writes_in_flight_wait_for_a_slot_or_are_refused() {
     );
     // first, second and stuck hold 4 GiB each; third's was given back.
     assert_eq!(used_on_node_a(&h), 12);
+}
+
+/// While as many binds wait for a write slot as there are slots, filter waits for the queue
+/// to shorten before it answers: kube-scheduler's cycle, where filter runs, then goes at the
+/// pace Bindings commit instead of piling binds up until they are refused. With no queue,
+/// filter does not wait.
+#[tokio::test]
+async fn filter_waits_while_the_bind_queue_is_as_long_as_the_write_slots() {
+    let timing = gpushare_extender::BindTiming {
+        writes_in_flight: 1,
+        slot_wait: std::time::Duration::from_secs(5),
+        pace_max: std::time::Duration::from_secs(5),
+        ..common::fast_timing()
+    };
+    let h = one_gpu_with_pods(timing, &["first", "second"]);
+    let paced = |h: &common::Harness| h.state.metrics().paced.get();
+    // No queue: filter answers at once.
+    post(&h, "filter", &fixture("filter-request-nodenames.json")).await;
+    assert_eq!(paced(&h), 0);
+
+    *h.binder.delay.lock().unwrap() = std::time::Duration::from_millis(300);
+    let bind = |name: &'static str| {
+        let h = &h;
+        async move { bind_to_node_a(h, name).await.1 }
+    };
+    let filter_after_the_queue_forms = async {
+        // first writes, second waits for its slot: the queue is as long as the slots.
+        tokio::time::sleep(std::time::Duration::from_millis(50)).await;
+        let (_, answer) = post(&h, "filter", &fixture("filter-request-nodenames.json")).await;
+        (answer, h.binder.calls().len())
+    };
+    let (first, second, (answer, writes_when_filter_answered)) =
+        tokio::join!(bind("first"), bind("second"), filter_after_the_queue_forms);
+    assert_eq!(
+        (first["Error"].as_str(), second["Error"].as_str()),
+        (Some(""), Some(""))
+    );
+    assert!(
+        answer["Error"].as_str().unwrap_or_default().is_empty(),
+        "{answer}"
+    );
+    assert_eq!(paced(&h), 1, "filter did not wait for the queue");
+    // The binder records a write as it ends: the first had ended, freeing the slot the
+    // second took, before filter answered.
+    assert!(
+        writes_when_filter_answered >= 1,
+        "filter answered before the queued bind got its slot"
+    );
 }
 
 /// A hold whose bind never came stops counting once it lapsed, even for a bind with no filter

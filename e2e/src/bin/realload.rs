@@ -8,7 +8,8 @@
 //!
 //! It installs the chart (extender mode, its defaults plus any `--set`), adds Node objects in
 //! bulk (each with 4 × 16 GiB of `example.com/gpu-mem` and as much of a second resource
-//! gpushare does not manage), plays their device plugins (`realk8s::load::DevicePluginStandIn`),
+//! gpushare does not manage), plays their kubelets (`realk8s::load::NodeStandIn`: each bound
+//! pod's status, in both drains; `--plugin-marks`: the device plugin's marks too),
 //! then, each round, drains a backlog of 4 GiB pods twice: once with the kit's kube-scheduler
 //! alone (pods asking for the other resource) and once with the chart's dedicated
 //! kube-scheduler and the extender (GPU pods). It prints pods/s from the first bind to the
@@ -20,7 +21,9 @@ use std::time::Duration;
 
 use anyhow::{Context, ensure};
 use clap::Parser;
-use gpushare_e2e::realk8s::load::{self, BASELINE_RESOURCE, DevicePluginStandIn, Drain, Drainer};
+use gpushare_e2e::realk8s::load::{
+    self, BASELINE_RESOURCE, Drain, Drainer, NodeStandIn, StandInConfig,
+};
 use gpushare_e2e::realk8s::{Kit, KitCluster, Mode};
 use gpushare_e2e::scenarios::{Harness, allocation, check_no_overcommit};
 use k8s_openapi::api::core::v1::Pod;
@@ -54,14 +57,18 @@ struct Args {
     /// Skip kube-scheduler alone.
     #[arg(long)]
     chart_only: bool,
-    /// How long after a bind the stand-in marks a pod allocated (kubelet admitting it).
+    /// How long after a bind the stand-in writes the pod's status (kubelet admitting it).
     #[arg(long, default_value_t = 200)]
     allocate_after_ms: u64,
-    /// No stand-in: no pod is ever marked allocated, so the twin rule keeps each node's 4 GiB
-    /// pods on one GPU (4 a node here) and the chart's run makes no API writes beyond
-    /// kube-scheduler's own kinds.
+    /// The stand-in also writes the device plugin's allocation marks on each GPU pod, as
+    /// `--set devicePlugin.allocationMarks=true` has the real plugin do (the chart's default
+    /// before they were off).
     #[arg(long)]
-    without_device_plugins: bool,
+    plugin_marks: bool,
+    /// No stand-in: no pod is ever admitted, so the twin rule keeps each node's 4 GiB pods on
+    /// one GPU (4 a node here) and neither drain gets the status writes of a real node.
+    #[arg(long)]
+    without_kubelets: bool,
     /// How long one drain may take.
     #[arg(long, default_value_t = 600)]
     timeout_s: u64,
@@ -97,12 +104,17 @@ async fn main() -> anyhow::Result<()> {
         "{} nodes × {} × {} GiB; backlogs of {} pods of {} GiB",
         args.nodes, args.gpus, args.gpu_gib, args.pods, args.pod_gib
     );
-    let stand_in = (!args.without_device_plugins).then(|| {
-        DevicePluginStandIn::start(
+    let stand_in = (!args.without_kubelets).then(|| {
+        NodeStandIn::start(
             client.clone(),
             "default",
-            "kube-system/gpushare-device-plugin",
-            Duration::from_millis(args.allocate_after_ms),
+            StandInConfig {
+                node_prefix: "load-".to_owned(),
+                delay: Duration::from_millis(args.allocate_after_ms),
+                marks_as: args
+                    .plugin_marks
+                    .then(|| "kube-system/gpushare-device-plugin".to_owned()),
+            },
         )
     });
     let timeout = Duration::from_secs(args.timeout_s);
@@ -152,7 +164,8 @@ async fn main() -> anyhow::Result<()> {
     }
     if let Some(stand_in) = &stand_in {
         println!(
-            "device-plugin stand-in: {} pods marked allocated, {} marks refused",
+            "node stand-in: {} pod statuses written, {} pods marked allocated, {} writes refused",
+            stand_in.statuses(),
             stand_in.marked(),
             stand_in.refused().len()
         );

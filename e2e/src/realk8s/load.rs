@@ -1,12 +1,14 @@
-//! Load on the real cluster: Node objects in bulk, a stand-in for their device plugins, and a
-//! backlog of pods drained by one scheduler, with what the drain cost.
+//! Load on the real cluster: Node objects in bulk, a stand-in for their kubelets (and device
+//! plugins), and a backlog of pods drained by one scheduler, with what the drain cost.
 //!
 //! Why a stand-in: the kit has one real kubelet; the other nodes are Node objects only, so no
-//! device plugin ever marks their pods allocated. Without the marks, the allocator's twin rule
+//! kubelet ever admits their pods. Without that, the allocator's twin rule
 //! (`allocator/src/lib.rs`) keeps every later pod of the same size off a GPU that holds one
-//! still waiting for its device, which no production node does for long. The stand-in writes
-//! the same marks the device plugin writes at `Allocate`, as the plugin's ServiceAccount on
-//! the pod's node, so the chart's allocation policy judges them as it judges the plugin's.
+//! still waiting for its device, which no production node does for long, and the API server
+//! would be spared the status write every real node makes for every pod, with either
+//! scheduler. The stand-in writes that status (a `startTime`) in both drains and, when asked,
+//! the device plugin's marks as the plugin's ServiceAccount on the pod's node, so the chart's
+//! allocation policy judges them as it judges the plugin's.
 //!
 //! A drain ([`drain`]): the scheduler is stopped, the backlog created, the scheduler started,
 //! and every pod's first bound moment taken from a pod watch. Throughput is counted from the
@@ -41,10 +43,10 @@ use crate::scenarios::Harness;
 pub const FAKE_LABEL: &str = "fake";
 /// How many API calls the harness keeps in flight when it creates objects in bulk.
 const BULK_CALLS: usize = 16;
-/// How many marks the device-plugin stand-in keeps in flight: a thousand plugins mark their
-/// own pods in parallel, so it must keep up with a drain (with 16 it ran behind, and most
-/// marks landed after the last bind).
-const STAND_IN_CALLS: usize = 128;
+/// How many pods the node stand-in writes at once: a thousand kubelets write their own pods in
+/// parallel, so it must keep up with a drain (with 16 it ran behind, and most writes landed
+/// after the last bind).
+const STAND_IN_CALLS: usize = 512;
 
 /// Node objects with no kubelet behind them, `<prefix>-0` .. `<prefix>-<count - 1>`, opted in
 /// (`gpushare=true`), with the GPUs of `gpus` (GiB each) published as the device plugin
@@ -128,28 +130,46 @@ pub async fn delete_fake_nodes(client: &Client) -> anyhow::Result<()> {
     Ok(())
 }
 
-/// Plays the device plugin of every fake node: once a pod in the namespace is bound with an
-/// allocation, marks its containers allocated after `delay` (kubelet admitting the pod), as
-/// the plugin's ServiceAccount on that node. Stops when dropped.
-pub struct DevicePluginStandIn {
+/// Plays kubelet (and, with marks, the device plugin) of every fake node: once a pod in the
+/// namespace is bound to a node whose name starts with the prefix, writes its status after
+/// `delay` as kubelet does when it admits the pod (a `startTime`; kubelet then writes more,
+/// this writes only that one), and with `marks` also the allocation marks of a GPU pod, as
+/// the plugin's ServiceAccount on that node (`devicePlugin.allocationMarks=true`). Runs in
+/// both drains: kube-scheduler alone's pods get their status as much as the chart's. Stops
+/// when dropped.
+pub struct NodeStandIn {
     task: JoinHandle<()>,
+    written: Arc<AtomicUsize>,
     marked: Arc<AtomicUsize>,
     failed: Arc<Mutex<Vec<String>>>,
 }
 
-impl DevicePluginStandIn {
-    /// Starts watching `namespace`, writing as `system:serviceaccount:<service_account>`
-    /// (`kube-system/gpushare-device-plugin`).
-    pub fn start(client: Client, namespace: &str, service_account: &str, delay: Duration) -> Self {
+/// What [`NodeStandIn`] writes for each bound pod.
+#[derive(Debug, Clone)]
+pub struct StandInConfig {
+    /// Only pods bound to nodes whose names start with this.
+    pub node_prefix: String,
+    /// How long after the bind (kubelet admitting the pod).
+    pub delay: Duration,
+    /// Also the device plugin's marks, as `system:serviceaccount:<this>` (`namespace/name`);
+    /// `None`: no marks (the chart's default).
+    pub marks_as: Option<String>,
+}
+
+impl NodeStandIn {
+    /// Starts watching `namespace`.
+    pub fn start(client: Client, namespace: &str, config: StandInConfig) -> Self {
+        let written = Arc::new(AtomicUsize::new(0));
         let marked = Arc::new(AtomicUsize::new(0));
         let failed = Arc::new(Mutex::new(Vec::new()));
-        let (sa_namespace, sa_name) = service_account
-            .split_once('/')
-            .unwrap_or(("kube-system", service_account));
-        let user = format!("system:serviceaccount:{sa_namespace}:{sa_name}");
+        let plugin_user = config.marks_as.as_deref().map(|account| {
+            let (sa_namespace, sa_name) =
+                account.split_once('/').unwrap_or(("kube-system", account));
+            format!("system:serviceaccount:{sa_namespace}:{sa_name}")
+        });
         let pods: Api<Pod> = Api::namespaced(client.clone(), namespace);
         let task = tokio::spawn({
-            let (marked, failed) = (marked.clone(), failed.clone());
+            let (written, marked, failed) = (written.clone(), marked.clone(), failed.clone());
             async move {
                 let keys = Keys::default();
                 let writes = Arc::new(Semaphore::new(STAND_IN_CALLS));
@@ -163,37 +183,60 @@ impl DevicePluginStandIn {
                     let Some(node) = pod.spec.as_ref().and_then(|s| s.node_name.clone()) else {
                         continue;
                     };
-                    let annotations = pod.annotations();
-                    let Ok(Some(allocation)) = PodAllocation::from_annotations(&keys, annotations)
-                    else {
-                        continue;
-                    };
                     let uid = pod.uid().unwrap_or_default();
-                    if allocation.assigned || !started.insert(uid.clone()) {
+                    if !node.starts_with(&config.node_prefix) || !started.insert(uid.clone()) {
                         continue;
                     }
-                    let names: Vec<&str> = allocation.containers.iter().map(|c| &*c.name).collect();
-                    let body = json!({ "metadata": { "uid": uid, "annotations": {
-                        keys.assigned.as_str(): "true",
-                        keys.allocated.as_str(): names.join(","),
-                    }}});
-                    let (client, user, name) = (client.clone(), user.clone(), pod.name_any());
-                    let (writes, marked, failed) = (writes.clone(), marked.clone(), failed.clone());
+                    let mark = plugin_user.clone().and_then(|user| {
+                        let allocation =
+                            PodAllocation::from_annotations(&keys, pod.annotations()).ok()??;
+                        let names: Vec<&str> =
+                            allocation.containers.iter().map(|c| &*c.name).collect();
+                        let body = json!({ "metadata": { "uid": uid, "annotations": {
+                            keys.assigned.as_str(): "true",
+                            keys.allocated.as_str(): names.join(","),
+                        }}});
+                        Some((user, body))
+                    });
+                    let (client, pods, name) = (client.clone(), pods.clone(), pod.name_any());
+                    let (writes, written, marked, failed) = (
+                        writes.clone(),
+                        written.clone(),
+                        marked.clone(),
+                        failed.clone(),
+                    );
                     let namespace = pod.namespace().unwrap_or_default();
+                    let delay = config.delay;
                     tokio::spawn(async move {
                         tokio::time::sleep(delay).await;
                         let Ok(_permit) = writes.acquire().await else {
                             return;
                         };
-                        match patch_as(&client, &user, &node, &namespace, &name, &body).await {
-                            Ok(()) => {
-                                marked.fetch_add(1, Ordering::Relaxed);
+                        let fail = |error: String| {
+                            if let Ok(mut failed) = failed.lock() {
+                                failed.push(format!("{name}: {error}"));
                             }
-                            Err(error) => {
-                                if let Ok(mut failed) = failed.lock() {
-                                    failed.push(format!("{name}: {error:#}"));
+                        };
+                        // The plugin's mark comes first: Allocate is part of admission.
+                        if let Some((user, body)) = &mark {
+                            match patch_as(&client, user, &node, &namespace, &name, body).await {
+                                Ok(()) => {
+                                    marked.fetch_add(1, Ordering::Relaxed);
                                 }
+                                Err(error) => fail(format!("mark: {error:#}")),
                             }
+                        }
+                        let status = json!({ "status": {
+                            "startTime": jiff::Timestamp::now().to_string(),
+                        }});
+                        match pods
+                            .patch_status(&name, &PatchParams::default(), &Patch::Merge(&status))
+                            .await
+                        {
+                            Ok(_) => {
+                                written.fetch_add(1, Ordering::Relaxed);
+                            }
+                            Err(error) => fail(format!("status: {error:#}")),
                         }
                     });
                 }
@@ -201,9 +244,15 @@ impl DevicePluginStandIn {
         });
         Self {
             task,
+            written,
             marked,
             failed,
         }
+    }
+
+    /// Pods whose status was written so far.
+    pub fn statuses(&self) -> usize {
+        self.written.load(Ordering::Relaxed)
     }
 
     /// Pods marked allocated so far.
@@ -211,13 +260,13 @@ impl DevicePluginStandIn {
         self.marked.load(Ordering::Relaxed)
     }
 
-    /// The marks the API server refused, each with its error.
+    /// The writes the API server refused, each with its error.
     pub fn refused(&self) -> Vec<String> {
         self.failed.lock().map(|f| f.clone()).unwrap_or_default()
     }
 }
 
-impl Drop for DevicePluginStandIn {
+impl Drop for NodeStandIn {
     fn drop(&mut self) {
         self.task.abort();
     }
