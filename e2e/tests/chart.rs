@@ -839,7 +839,12 @@ async fn rbac_grants_the_dra_plugin_exactly_what_it_calls() -> anyhow::Result<()
 /// named, for the identity and the render.
 #[test]
 fn rbac_check_names_calls_not_granted_and_grants_not_used() -> anyhow::Result<()> {
-    let rendered = render(RELEASE, RELEASE_NAMESPACE, &[])?;
+    // With the marks on, the device plugin is granted pod patches.
+    let rendered = render(
+        RELEASE,
+        RELEASE_NAMESPACE,
+        &["--set", "devicePlugin.allocationMarks=true"],
+    )?;
     let call = |verb: Verb, resource: &str| {
         let call = Call {
             user: DEVICE_PLUGIN_USER.to_owned(),
@@ -869,13 +874,14 @@ fn rbac_check_names_calls_not_granted_and_grants_not_used() -> anyhow::Result<()
     .collect();
     let problems = rbac_problems(
         &rendered,
-        "default values",
+        "devicePlugin.allocationMarks=true",
         "device-plugin",
         DEVICE_PLUGIN_USER,
         &calls,
     )?;
-    let context =
-        format!("device-plugin ({DEVICE_PLUGIN_USER}), chart rendered with default values");
+    let context = format!(
+        "device-plugin ({DEVICE_PLUGIN_USER}), chart rendered with devicePlugin.allocationMarks=true"
+    );
     assert_eq!(
         problems,
         [

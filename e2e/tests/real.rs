@@ -613,22 +613,33 @@ fn leader_killed_in_a_burst(c: &KitCluster) -> Outcome<'_> {
             .env("NODE_PREFIX", "fake")
             .status()?;
         ensure!(status.success(), "creating fake nodes failed");
-        // No device plugin runs behind a fake node: the kit's stand-in marks bound pods
-        // allocated there, as the node's plugin would, with its ServiceAccount.
-        let mut plugins = std::process::Command::new("python3")
-            .arg(c.kit().root().join("harness").join("k8sbulk.py"))
-            .arg("assign")
-            .env("REALK8S", c.kit().root())
-            .env("ASSIGN_AS", "kube-system/gpushare-device-plugin")
-            .stdout(std::process::Stdio::null())
-            .spawn()?;
+        // No kubelet runs behind a fake node: the stand-in writes each bound pod's status
+        // there (a startTime) as the node's kubelet would on admitting it.
+        let kubelets = gpushare_e2e::realk8s::load::NodeStandIn::start(
+            c.client(),
+            "default",
+            gpushare_e2e::realk8s::load::StandInConfig {
+                node_prefix: "fake-".to_owned(),
+                delay: Duration::from_millis(200),
+                marks_as: None,
+            },
+        );
         let result = burst_with_kills(c).await;
-        let _ = plugins.kill();
-        let _ = plugins.wait();
+        let refused = kubelets.refused();
+        drop(kubelets);
+        ensure!(
+            refused.is_empty(),
+            "{} pod status writes refused, the first: {}",
+            refused.len(),
+            refused[0]
+        );
         let _ = c.kubectl(&["delete", "nodes", "-l", "fake=true", "--wait=false"]);
         result
     })
 }
+
+/// The chart's `extender.leaderElection.leaseDurationMs`, in seconds.
+const LEASE_SECONDS: f64 = 3.0;
 
 async fn burst_with_kills(c: &KitCluster) -> anyhow::Result<()> {
     let pods: Api<Pod> = Api::namespaced(c.client(), "default");
@@ -669,6 +680,7 @@ async fn burst_with_kills(c: &KitCluster) -> anyhow::Result<()> {
         )
     };
     let mut gaps = Vec::new();
+    let mut takeovers = Vec::new();
     for kill_at in [2.0, 5.5, 9.0] {
         tokio::time::sleep(Duration::from_secs_f64(kill_at).saturating_sub(started.elapsed()))
             .await;
@@ -695,6 +707,7 @@ async fn burst_with_kills(c: &KitCluster) -> anyhow::Result<()> {
                 },
             )
             .await?;
+            takeovers.push(killed.elapsed().as_secs_f64());
             let at_takeover = bound(pods.clone()).await.unwrap_or(0);
             wait_for("binding to resume", Duration::from_secs(30), || {
                 let pods = pods.clone();
@@ -726,8 +739,14 @@ async fn burst_with_kills(c: &KitCluster) -> anyhow::Result<()> {
                 .map_or_else(|e| format!("{e}"), |s| format!("{s:.2} s"))
         })
         .collect();
+    let takeover_seconds = takeovers;
+    let takeovers: Vec<String> = takeover_seconds
+        .iter()
+        .map(|s| format!("{s:.2} s"))
+        .collect();
     println!(
-        "  leader kills: binding resumed after {}; {} creates refused; burst of {BURST_PODS} done in {:.1} s",
+        "  leader kills: Lease taken over after {}; binding resumed after {}; {} creates refused; burst of {BURST_PODS} done in {:.1} s",
+        takeovers.join(", "),
         gaps.join(", "),
         refusals.len(),
         started.elapsed().as_secs_f64()
@@ -737,6 +756,16 @@ async fn burst_with_kills(c: &KitCluster) -> anyhow::Result<()> {
         "{} creates refused, the first: {}",
         refusals.len(),
         refusals[0]
+    );
+    // A follower saw the dead leader's address refuse (or another process answer there) and
+    // took the Lease over, instead of waiting the chart's 3 s Lease out.
+    ensure!(
+        takeovers.len() == 3 && gaps.iter().all(|g| !g.contains("timed out")),
+        "a takeover or a resumption did not happen: {takeovers:?}, {gaps:?}"
+    );
+    ensure!(
+        takeover_seconds.iter().all(|s| *s < LEASE_SECONDS),
+        "a Lease was waited out instead of taken over when its holder died: {takeovers:?}"
     );
     let listed = pods.list(&ListParams::default()).await?;
     if let Err(error) = all_bound {

@@ -203,7 +203,8 @@ pub fn router(state: AppState, prefix: &str, body_limit: usize) -> Router {
         .route("/prioritize", post(prioritize))
         .route("/bind", post(bind))
         .route("/inspect", get(inspect_all))
-        .route("/inspect/{node}", get(inspect_node));
+        .route("/inspect/{node}", get(inspect_node))
+        .route("/identity", get(identity));
     let prefix = prefix.trim_end_matches('/');
     let app = if prefix.is_empty() {
         verbs
@@ -215,6 +216,16 @@ pub fn router(state: AppState, prefix: &str, body_limit: usize) -> Router {
     app.merge(monitor_routes())
         .layer(DefaultBodyLimit::max(body_limit))
         .with_state(state)
+}
+
+/// This process's election identity, for a follower asking whether the Lease's holder still
+/// serves at the address it published (`crate::forward::Forwarder::probe`); 404 without an
+/// election.
+async fn identity(State(state): State<AppState>) -> Response {
+    match state.leadership().identity() {
+        Some(identity) => identity.into_response(),
+        None => StatusCode::NOT_FOUND.into_response(),
+    }
 }
 
 /// `/healthz`, `/readyz` and `/metrics` alone: what `--monitor-listen` serves, so probes and

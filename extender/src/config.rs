@@ -161,6 +161,10 @@ pub struct Config {
     /// leader's last Bindings (which have all ended by then).
     #[arg(long, env = "GPUSHARE_LEADER_CATCH_UP_MS", default_value_t = 500)]
     pub leader_catch_up_ms: u64,
+    /// Take the Lease over at once, without waiting for it to expire, when the leader's
+    /// published URL refuses connections (its process is gone; see `leader`).
+    #[arg(long, env = "GPUSHARE_LEADER_PROBE_HOLDER", default_value_t = true, action = clap::ArgAction::Set)]
+    pub leader_probe_holder: bool,
     /// The URL other replicas pass binds to while this one leads, e.g. `https://$(POD_IP):39999`
     /// (published on the Lease). Unset: followers refuse binds (kube-scheduler retries).
     #[arg(long, env = "GPUSHARE_ADVERTISE_URL")]
@@ -225,6 +229,7 @@ impl Default for Config {
             leader_renew_deadline_ms: 2000,
             leader_retry_period_ms: 500,
             leader_catch_up_ms: 500,
+            leader_probe_holder: true,
             advertise_url: None,
             leader_forward_ca: None,
             leader_forward_server_name: "gpushare-extender.kube-system.svc".to_owned(),

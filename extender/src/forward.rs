@@ -69,11 +69,35 @@ pub enum Error {
 /// Result of this module.
 pub type Result<T, E = Error> = std::result::Result<T, E>;
 
+/// What the holder's address said when asked who serves there ([`Forwarder::probe`]).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Probe {
+    /// Nothing listens there: the connection was refused.
+    Refused,
+    /// A replica answered with its `holderIdentity`.
+    Serves(String),
+    /// No proof either way: a timeout, a reset, TLS trouble, a replica without `/identity`.
+    Unknown(String),
+}
+
+impl Probe {
+    /// Whether this answer proves that no process of `holder` is left at its address.
+    pub fn holder_is_gone(&self, holder: &str) -> bool {
+        match self {
+            Probe::Refused => true,
+            Probe::Serves(identity) => identity != holder,
+            Probe::Unknown(_) => false,
+        }
+    }
+}
+
 /// Passes binds on to the leader.
 #[derive(Clone)]
 pub struct Forwarder {
     /// `{prefix}/bind`.
     path: String,
+    /// `{prefix}/identity`.
+    identity_path: String,
     tls: Option<(TlsConnector, ServerName<'static>)>,
 }
 
@@ -91,11 +115,13 @@ impl Forwarder {
     /// HTTPS leaders; without a CA only plain-HTTP leaders can be reached.
     pub fn new(prefix: &str, ca: Option<&std::path::Path>, server_name: &str) -> Result<Self> {
         let prefix = prefix.trim_end_matches('/');
-        let path = if prefix.is_empty() || prefix.starts_with('/') {
-            format!("{prefix}/bind")
+        let prefix = if prefix.is_empty() || prefix.starts_with('/') {
+            prefix.to_owned()
         } else {
-            format!("/{prefix}/bind")
+            format!("/{prefix}")
         };
+        let path = format!("{prefix}/bind");
+        let identity_path = format!("{prefix}/identity");
         let tls = match ca {
             None => None,
             Some(path) => {
@@ -123,7 +149,61 @@ impl Forwarder {
                 Some((TlsConnector::from(Arc::new(config)), name))
             }
         };
-        Ok(Self { path, tls })
+        Ok(Self {
+            path,
+            identity_path,
+            tls,
+        })
+    }
+
+    /// Asks the replica at `url` who it is (`GET {prefix}/identity`), within `timeout`.
+    pub async fn probe(&self, url: &str, timeout: Duration) -> Probe {
+        let Some((https, authority)) = split_url(url) else {
+            return Probe::Unknown(format!("leader URL {url:?} is not http(s)://host:port"));
+        };
+        let exchange = async {
+            let tcp = match TcpStream::connect(authority.as_str()).await {
+                Ok(tcp) => tcp,
+                Err(e) if e.kind() == std::io::ErrorKind::ConnectionRefused => {
+                    return Probe::Refused;
+                }
+                Err(e) => return Probe::Unknown(format!("connecting to {authority}: {e}")),
+            };
+            let answer = if https {
+                let Some((connector, name)) = self.tls.as_ref() else {
+                    return Probe::Unknown(format!("{url} is HTTPS and no CA is set"));
+                };
+                match connector.connect(name.clone(), tcp).await {
+                    Ok(stream) => self.get_identity(stream, &authority).await,
+                    Err(e) => Err(Error::Transport(format!("TLS with {authority}: {e}"))),
+                }
+            } else {
+                self.get_identity(tcp, &authority).await
+            };
+            answer.map_or_else(|e| Probe::Unknown(e.to_string()), Probe::Serves)
+        };
+        tokio::time::timeout(timeout, exchange)
+            .await
+            .unwrap_or_else(|_| Probe::Unknown(format!("no answer within {timeout:?}")))
+    }
+
+    async fn get_identity<S>(&self, stream: S, authority: &str) -> Result<String>
+    where
+        S: AsyncRead + AsyncWrite + Unpin + Send + 'static,
+    {
+        let request = hyper::Request::get(self.identity_path.as_str())
+            .header(hyper::header::HOST, authority)
+            .body(Full::new(Bytes::new()))
+            .map_err(|e| Error::Transport(e.to_string()))?;
+        let (status, bytes) = exchange(stream, request).await?;
+        let identity = String::from_utf8_lossy(&bytes).trim().to_owned();
+        if status != 200 || identity.is_empty() {
+            return Err(Error::Answer {
+                status,
+                body: identity.chars().take(200).collect(),
+            });
+        }
+        Ok(identity)
     }
 
     /// POSTs `body` to the leader at `url` and returns its answer: `Ok(Ok(()))` bound,
@@ -174,25 +254,13 @@ impl Forwarder {
     where
         S: AsyncRead + AsyncWrite + Unpin + Send + 'static,
     {
-        let transport = |e: hyper::Error| Error::Transport(e.to_string());
-        let (mut sender, connection) = hyper::client::conn::http1::handshake(TokioIo::new(stream))
-            .await
-            .map_err(transport)?;
-        let connection = tokio::spawn(connection);
         let request = hyper::Request::post(self.path.as_str())
             .header(hyper::header::HOST, authority)
             .header(hyper::header::CONTENT_TYPE, "application/json")
             .header(FORWARDED_HEADER, "1")
             .body(Full::new(Bytes::copy_from_slice(body)))
             .map_err(|e| Error::Transport(e.to_string()))?;
-        let response = sender.send_request(request).await.map_err(transport)?;
-        let status = response.status().as_u16();
-        let bytes = Limited::new(response.into_body(), MAX_ANSWER_BYTES)
-            .collect()
-            .await
-            .map_err(|e| Error::Transport(e.to_string()))?
-            .to_bytes();
-        connection.abort();
+        let (status, bytes) = exchange(stream, request).await?;
         let decoded = (status == 200)
             .then(|| serde_json::from_slice::<ExtenderBindingResult>(&bytes).ok())
             .flatten();
@@ -201,6 +269,28 @@ impl Forwarder {
             body: String::from_utf8_lossy(&bytes[..bytes.len().min(200)]).into_owned(),
         })
     }
+}
+
+/// One HTTP/1.1 request on `stream`: the answer's status and body (at most
+/// `MAX_ANSWER_BYTES`).
+async fn exchange<S>(stream: S, request: hyper::Request<Full<Bytes>>) -> Result<(u16, Bytes)>
+where
+    S: AsyncRead + AsyncWrite + Unpin + Send + 'static,
+{
+    let transport = |e: hyper::Error| Error::Transport(e.to_string());
+    let (mut sender, connection) = hyper::client::conn::http1::handshake(TokioIo::new(stream))
+        .await
+        .map_err(transport)?;
+    let connection = tokio::spawn(connection);
+    let response = sender.send_request(request).await.map_err(transport)?;
+    let status = response.status().as_u16();
+    let bytes = Limited::new(response.into_body(), MAX_ANSWER_BYTES)
+        .collect()
+        .await
+        .map_err(|e| Error::Transport(e.to_string()))?
+        .to_bytes();
+    connection.abort();
+    Ok((status, bytes))
 }
 
 /// `(https, "host:port")` of `http(s)://host:port[/...]`; a bare IPv6 host (as
@@ -253,7 +343,9 @@ mod tests {
             let (mut stream, _) = listener.accept().await.unwrap();
             let mut request = Vec::new();
             let mut buf = [0u8; 4096];
-            while !String::from_utf8_lossy(&request).contains("{\"PodName\"") {
+            while !String::from_utf8_lossy(&request).contains("{\"PodName\"")
+                && !String::from_utf8_lossy(&request).starts_with("GET ")
+            {
                 let n = stream.read(&mut buf).await.unwrap();
                 if n == 0 {
                     break;
@@ -295,6 +387,30 @@ mod tests {
             .forward("https://127.0.0.1:1", body, Duration::from_secs(5))
             .await;
         assert!(refused.is_err());
+    }
+
+    #[tokio::test]
+    async fn a_probe_proves_the_holder_gone_only_by_a_refusal_or_another_identity() {
+        let forwarder = Forwarder::new("/gpushare-scheduler", None, "x").unwrap();
+        let wait = Duration::from_secs(5);
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let url = format!("http://{}", listener.local_addr().unwrap());
+        drop(listener);
+        assert_eq!(forwarder.probe(&url, wait).await, Probe::Refused);
+        // Another process answers there (a restarted container of the same pod).
+        let (url, seen) = leader("extender-a_2").await;
+        let answer = forwarder.probe(&url, wait).await;
+        assert_eq!(answer, Probe::Serves("extender-a_2".into()));
+        assert!(answer.holder_is_gone("extender-a_1"));
+        let request = seen.await.unwrap().to_ascii_lowercase();
+        assert!(
+            request.starts_with("get /gpushare-scheduler/identity "),
+            "{request}"
+        );
+        assert!(!Probe::Unknown("timeout".into()).holder_is_gone("a_1"));
+        assert!(Probe::Refused.holder_is_gone("a_1"));
+        assert!(!Probe::Serves("a_1".into()).holder_is_gone("a_1"));
+        assert!(Probe::Serves("a_2".into()).holder_is_gone("a_1"));
     }
 
     #[test]

@@ -35,6 +35,21 @@
 //! on, which is what bounds our writes. What is needed is small: read, compare-and-swap,
 //! release.
 //!
+//! Why a lease can end early: a follower that waits out a SIGKILLed leader's Lease leaves
+//! binding stopped for the lease duration and more (3.4–4.3 s on the real cluster). But every
+//! leader publishes the URL it serves on, answers `/identity` there with its
+//! `holderIdentity`, and keeps that listening socket open until it has released the Lease: on
+//! a graceful stop, and on any error of its own, the socket closes only after its last write
+//! ended (`crate::serve` holds a copy of it to the end). So each round a follower asks the
+//! holder's address who serves there ([`Probe`]): a refused connection (nothing listens) or
+//! another identity (a restarted container in the same pod) means no process of the holder
+//! is left to write, and the follower takes the Lease over at once, with the same
+//! compare-and-swap as an expired one. Anything else (the holder answering, a timeout, a
+//! reset, TLS trouble, an older extender without `/identity`) proves nothing, and the Lease
+//! is waited out as before. A replica probes only once its own bind grace is over: a container
+//! kubelet restarted in the dead leader's pod would otherwise win the race and then refuse
+//! binds for that grace, while the other follower could have bound at once.
+//!
 //! Identity: `<pod name>_<random>`, fresh for every process, so a restarted container never
 //! mistakes its predecessor's lease for its own (it knows nothing of that one's writes).
 //! Graceful shutdown stops binding, waits for its own writes to end, then releases the Lease
@@ -81,6 +96,14 @@ impl Default for LeaseTiming {
 /// Who this replica is and where the Lease lives.
 #[derive(Debug, Clone)]
 pub struct ElectionConfig {
+    /// Asks the holder's published URL who serves there, to take the Lease over at once
+    /// when it is not the holder any more (see "Why a lease can end early" in the module
+    /// docs); `None`: the Lease is always waited out.
+    pub holder_probe: Option<crate::forward::Forwarder>,
+    /// How long after its start this replica begins to probe: its own bind grace, during
+    /// which it would refuse binds as leader (a container kubelet restarted in the dead
+    /// leader's pod must not win the Lease from a follower that can bind at once).
+    pub probe_after: Duration,
     /// Namespace of the Lease (the release namespace).
     pub namespace: String,
     /// Name of the Lease.
@@ -198,6 +221,8 @@ struct Elected {
     term: u64,
     /// When the last election round got an answer from the API server.
     answered_at: Option<Instant>,
+    /// This process's `holderIdentity`, answered at `/identity` (see [`crate::forward::Probe`]).
+    identity: String,
 }
 
 impl Leadership {
@@ -206,8 +231,9 @@ impl Leadership {
     }
 
     /// Switches to elected mode: nothing is bound until the Lease is acquired.
-    pub fn elect(&self, timing: LeaseTiming) {
+    pub fn elect(&self, timing: LeaseTiming, identity: &str) {
         self.state().elected = Some(Elected {
+            identity: identity.to_owned(),
             timing,
             renewed_at: None,
             acquired_at: None,
@@ -218,6 +244,11 @@ impl Leadership {
             term: 0,
             answered_at: None,
         });
+    }
+
+    /// The `holderIdentity` this process elects under; `None` without an election.
+    pub fn identity(&self) -> Option<String> {
+        self.state().elected.as_ref().map(|e| e.identity.clone())
     }
 
     /// True while this replica leads (or there is no election).
@@ -512,6 +543,7 @@ async fn round(
     observed: &mut Observed,
     leadership: &Leadership,
     ours: &mut Option<Lease>,
+    may_probe: bool,
 ) -> Result<bool> {
     let api_error = |source| Error::Api {
         namespace: config.namespace.clone(),
@@ -536,12 +568,26 @@ async fn round(
     }
     let current = api.get_opt(&config.lease_name).await.map_err(api_error)?;
     let now = Instant::now();
-    let step = step(
+    let mut step = step(
         current.as_ref().and_then(|l| l.spec.as_ref()),
         &config.identity,
         observed,
         now,
     );
+    let holder_url = current
+        .as_ref()
+        .and_then(|lease| lease.metadata.annotations.as_ref())
+        .and_then(|a| a.get(&config.url_annotation))
+        .cloned();
+    if let (Step::Follow { holder }, Some(url), Some(probe), true) =
+        (&step, &holder_url, &config.holder_probe, may_probe)
+    {
+        let answer = probe.probe(url, config.timing.retry_period).await;
+        if answer.holder_is_gone(holder) {
+            tracing::warn!(%holder, %url, ?answer, "the leader's process is gone; taking the lease over without waiting for it to expire");
+            step = Step::Take;
+        }
+    }
     let seconds = i32::try_from(config.timing.duration.as_millis().div_ceil(1000))
         .unwrap_or(i32::MAX)
         .max(1);
@@ -550,13 +596,7 @@ async fn round(
     let spec = lease.spec.get_or_insert_with(LeaseSpec::default);
     match &step {
         Step::Follow { holder } => {
-            let url = lease
-                .metadata
-                .annotations
-                .as_ref()
-                .and_then(|a| a.get(&config.url_annotation))
-                .cloned();
-            leadership.follow(Some((pod_of(holder).to_owned(), url)));
+            leadership.follow(Some((pod_of(holder).to_owned(), holder_url)));
             return Ok(false);
         }
         Step::Create | Step::Take => {
@@ -623,6 +663,7 @@ pub async fn run(
     let mut ours: Option<Lease> = None;
     let mut tick = tokio::time::interval(timing.retry_period);
     tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+    let probe_from = Instant::now() + config.probe_after;
     tracing::info!(identity = %config.identity, lease = %format_args!("{}/{}", config.namespace, config.lease_name), "leader election started");
     loop {
         tokio::select! {
@@ -634,7 +675,7 @@ pub async fn run(
             () = stop.cancelled() => break,
             outcome = tokio::time::timeout(
                 timing.renew_deadline,
-                round(&api, &config, &mut observed, &leadership, &mut ours),
+                round(&api, &config, &mut observed, &leadership, &mut ours, started >= probe_from),
             ) => outcome.unwrap_or_else(|_| Err(Error::Timeout(config.lease_name.clone()))),
         };
         if outcome.is_ok() {
@@ -714,9 +755,11 @@ mod tests {
         };
         let start = |name: &str| {
             let leadership = Leadership::default();
-            leadership.elect(timing);
+            leadership.elect(timing, name);
             let stop = CancellationToken::new();
             let config = ElectionConfig {
+                holder_probe: None,
+                probe_after: Duration::ZERO,
                 namespace: "kube-system".into(),
                 lease_name: "gpushare-extender".into(),
                 identity: identity(name),
@@ -819,7 +862,7 @@ mod tests {
                 term: 0
             }
         );
-        leadership.elect(timing);
+        leadership.elect(timing, "solo");
         assert!(!leadership.reaches_api());
         leadership.answered(Instant::now());
         assert!(leadership.reaches_api());

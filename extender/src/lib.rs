@@ -174,6 +174,13 @@ pub async fn serve(
     };
     let app = router(state.clone(), &config.prefix, config.max_request_bytes);
     let addr = listener.local_addr().map_err(Error::Serve)?;
+    // The scheduler port stays bound until this function ends, after the Lease is released
+    // and the last write ended, even if the HTTP server's task dies first: a follower takes a
+    // refused connection at the leader's address as proof that its process is gone
+    // ("Why a refused connection ends a lease early" in `leader`).
+    let listener = listener.into_std().map_err(Error::Serve)?;
+    let _bound_until_the_end = listener.try_clone().map_err(Error::Serve)?;
+    let listener = TcpListener::from_std(listener).map_err(Error::Serve)?;
     let scheme = if tls.is_some() { "https" } else { "http" };
     tracing::info!(%addr, %scheme, prefix = %config.prefix, policy = %config.policy, "listening on {addr}");
 
@@ -305,12 +312,18 @@ fn election_config(config: &Config, state: &AppState) -> Result<leader::Election
         config.leader_forward_ca.as_deref(),
         &config.leader_forward_server_name,
     )?);
-    state.leadership().elect(timing);
+    let identity = leader::identity(&config.pod_name);
+    state.leadership().elect(timing, &identity);
     state.metrics().leader.set(0);
     let election = leader::ElectionConfig {
+        holder_probe: config
+            .leader_probe_holder
+            .then(|| state.forwarder())
+            .flatten(),
+        probe_after: Duration::from_millis(config.bind_grace_ms),
         namespace: config.namespace.clone(),
         lease_name: config.leader_lease.clone(),
-        identity: leader::identity(&config.pod_name),
+        identity,
         url: config.advertise_url.clone().filter(|url| !url.is_empty()),
         url_annotation: format!("{}/leader-url", config.domain),
         timing,

@@ -34,7 +34,22 @@ impl Drop for Replica {
 
 impl Replica {
     async fn start(client: kube::Client, name: &str) -> anyhow::Result<Self> {
+        Self::start_with(client, name, Config::default()).await
+    }
+
+    /// [`Replica::start`] with the rest of the configuration from `base`.
+    async fn start_with(client: kube::Client, name: &str, base: Config) -> anyhow::Result<Self> {
         let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await?;
+        Self::start_on(listener, client, name, base).await
+    }
+
+    /// [`Replica::start_with`] on `listener`.
+    async fn start_on(
+        listener: tokio::net::TcpListener,
+        client: kube::Client,
+        name: &str,
+        base: Config,
+    ) -> anyhow::Result<Self> {
         let addr = listener.local_addr()?;
         let config = Config {
             listen: addr,
@@ -42,7 +57,7 @@ impl Replica {
             leader_elect: true,
             pod_name: name.to_owned(),
             advertise_url: Some(format!("http://{addr}")),
-            ..Config::default()
+            ..base
         };
         let task = tokio::spawn(serve(config, client, listener, std::future::pending()));
         let replica = Self { addr, task };
@@ -206,5 +221,74 @@ async fn the_leader_renews_with_one_write_and_reads_only_after_a_conflict() -> a
     )
     .await?;
     assert!(only.leads().await, "the conflict cost the leadership");
+    Ok(())
+}
+
+/// A leader whose process is gone loses the Lease at once, before its 10 s record expires:
+/// when its address refuses connections (nothing listens), and when another process serves
+/// there (kubelet restarted the container in the same pod, same IP and port), which answers
+/// `/identity` with an identity that is not the holder's.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_lease_of_a_leader_whose_process_is_gone_is_taken_over_at_once() -> anyhow::Result<()> {
+    let server = ApiServer::start().await?;
+    let client = server.client();
+    let long_lease = || Config {
+        leader_lease_duration_ms: 10_000,
+        leader_renew_deadline_ms: 8_000,
+        ..Config::default()
+    };
+    let leases: Api<k8s_openapi::api::coordination::v1::Lease> =
+        Api::namespaced(client.clone(), "kube-system");
+    let mut replicas = vec![
+        Replica::start_with(client.clone(), "extender-a", long_lease()).await?,
+        Replica::start_with(client.clone(), "extender-b", long_lease()).await?,
+    ];
+    for restart_in_place in [false, true] {
+        let leader = wait_for("a leader", Duration::from_secs(20), || async {
+            let mut leading = Vec::new();
+            for (i, replica) in replicas.iter().enumerate() {
+                if replica.leads().await {
+                    leading.push(i);
+                }
+            }
+            (leading.len() == 1).then(|| leading[0])
+        })
+        .await?;
+        let before = leases.get("gpushare-extender").await?.spec.unwrap();
+        // Killed: its task, its listener and its API connections end at once, nothing
+        // released.
+        let dead = replicas.remove(leader);
+        let addr = dead.addr;
+        drop(dead);
+        if restart_in_place {
+            // The aborted tasks let go of the address a moment later.
+            let listener = wait_for("the address to be free", Duration::from_secs(5), || async {
+                tokio::net::TcpListener::bind(addr).await.ok()
+            })
+            .await?;
+            replicas.push(
+                Replica::start_on(listener, client.clone(), "extender-a", long_lease()).await?,
+            );
+        }
+        let after = wait_for("another holder", Duration::from_secs(8), || async {
+            let spec = leases.get("gpushare-extender").await.ok()?.spec?;
+            (spec.holder_identity != before.holder_identity).then_some(spec)
+        })
+        .await?;
+        assert_eq!(
+            after.lease_transitions,
+            before.lease_transitions.map(|n| n + 1),
+            "restarted in place: {restart_in_place}"
+        );
+        // Taken while the dead leader's last renewal was still valid.
+        let valid_until = before.renew_time.unwrap().0
+            + jiff::SignedDuration::from_secs(i64::from(before.lease_duration_seconds.unwrap()));
+        let acquired = after.acquire_time.unwrap().0;
+        assert!(
+            acquired < valid_until,
+            "restarted in place: {restart_in_place}: taken over at {acquired}, after the old lease expired at {valid_until}"
+        );
+    }
+    server.shutdown().await;
     Ok(())
 }
