@@ -576,8 +576,15 @@ impl PodCache {
                 plan
             }
         };
+        let moved = !plan.is_empty();
         for (index, marks) in plan {
             self.record(&mut overlay, &views[index], marks);
+        }
+        if moved {
+            // An Allocate waiting for a pending pod of this size (`claim`) looks again: a mark
+            // given back makes its pod pending, and without marks on the pods (the default)
+            // no pod event would come to wake it.
+            self.changes.send_modify(|n| *n += 1);
         }
         let synced = self.synced.load(Ordering::Relaxed);
         let present: HashSet<&String> = stored.keys().collect();

@@ -60,7 +60,10 @@ async fn marks(cluster: &TestCluster, name: &str) -> anyhow::Result<(String, Str
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn an_intruder_holding_a_waiting_pods_allocation_is_reported_and_the_pod_still_runs()
 -> anyhow::Result<()> {
-    let spec = ClusterSpec::labelled(&[(NODE, &[16])]).without_allocation_policy();
+    // The story is the marks'; they are on for it (off by default).
+    let spec = ClusterSpec::labelled(&[(NODE, &[16])])
+        .without_allocation_policy()
+        .with_device_plugin_args(&["--allocation-marks", "true"]);
     with_cluster(spec, async |cluster| {
         let kubelet = &cluster.nodes[NODE].kubelet;
         // kubelet learns of the honest pod late; it is scheduled and waits for admission.

@@ -1028,7 +1028,10 @@ async fn a_gpu_pod_created_with_node_name_is_refused() -> anyhow::Result<()> {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_running_pods_allocation_cannot_be_changed_or_removed() -> anyhow::Result<()> {
-    with_cluster(ClusterSpec::labelled(&[("n1", &[8, 8])]), async |cluster| {
+    // With the marks on (off by default), the plugin writes on the pod too.
+    let spec = ClusterSpec::labelled(&[("n1", &[8, 8])])
+        .with_device_plugin_args(&["--allocation-marks", "true"]);
+    with_cluster(spec, async |cluster| {
         let keys = Keys::default();
         running_victim(cluster, "victim", 6).await?;
         // The device plugin's own mark went through the policy (it acts as its
