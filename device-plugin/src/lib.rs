@@ -502,13 +502,14 @@ async fn run_inner(
         (
             "inventory publisher",
             tokio::spawn({
-                let (node, rx, token) = (
+                let (node, rx, serving, token) = (
                     config.node_name.clone(),
                     inventory.subscribe(),
+                    ready.clone(),
                     token.clone(),
                 );
                 async move {
-                    node::publish(client, node, keys, rx, metrics, token).await;
+                    node::publish(client, node, keys, rx, serving, metrics, token).await;
                     Ok(())
                 }
             }),

@@ -121,53 +121,109 @@ pub fn node_labels<'a>(
     labels
 }
 
-/// Writes the inventory onto the Node now and after every change, until `shutdown`.
+/// How often the publisher looks whether the plugin serves kubelet (see [`publish`]).
+const SERVING_POLL: Duration = Duration::from_millis(200);
+/// Longest the last write, at shutdown, may take.
+const LAST_WRITE: Duration = Duration::from_secs(2);
+
+/// The inventory as published: every GPU unhealthy while no plugin serves kubelet.
+pub fn as_published(gpus: &[GpuInfo], serving: bool) -> Vec<GpuInfo> {
+    gpus.iter()
+        .map(|gpu| GpuInfo {
+            healthy: gpu.healthy && serving,
+            ..gpu.clone()
+        })
+        .collect()
+}
+
+/// Writes the inventory onto the Node now and after every change, until `shutdown`; then
+/// once more with every GPU unhealthy.
+///
+/// Why a GPU reads unhealthy while the plugin does not serve: kubelet refuses a GPU pod it
+/// admits while no plugin of the resource is registered, or before the plugin's device list
+/// arrived ("no healthy devices present"), and the pod fails. On the real cluster a pod the
+/// extender bound right after `helm install` hit the old inventory, left healthy by the
+/// uninstalled plugin, before the new plugin had registered. So the inventory shows its GPUs
+/// healthy only while `serving` (registered, and kubelet has the device list), and the
+/// plugin marks them unhealthy as it stops: the extender places nothing on the node in
+/// between. Pods already running are not touched (their memory stays booked).
 pub async fn publish(
     client: Client,
     node: String,
     keys: Keys,
     mut inventory: watch::Receiver<Arc<Vec<GpuInfo>>>,
+    serving: Arc<AtomicBool>,
     metrics: Metrics,
     shutdown: CancellationToken,
 ) {
     let api: Api<Node> = Api::all(client);
+    let mut last: Option<(Arc<Vec<GpuInfo>>, bool)> = None;
     loop {
         let gpus = inventory.borrow_and_update().clone();
-        // Model and size labels of GPUs no longer here (replaced while the plugin was down,
-        // or since) are removed: read what the node carries now.
-        let current = match api.get(&node).await {
-            Ok(found) => found.metadata.labels.unwrap_or_default(),
-            Err(err) => {
-                tracing::debug!(%node, error = %err, "cannot read the node's labels; stale GPU model labels stay");
-                Default::default()
+        let now_serving = serving.load(Ordering::Relaxed);
+        let state = (gpus.clone(), now_serving);
+        let written = if last.as_ref() == Some(&state) {
+            true
+        } else {
+            let written = write(&api, &node, &keys, &gpus, now_serving, &metrics).await;
+            if written {
+                last = Some(state);
             }
+            written
         };
-        let patch = serde_json::json!({
-            "metadata": {
-                "annotations": { keys.node_gpus.as_str(): inventory::encode(&gpus) },
-                "labels": node_labels(&keys, &gpus, current.keys()),
-            }
-        });
-        let written = match api
-            .patch(&node, &PatchParams::default(), &Patch::Merge(&patch))
-            .await
-        {
-            Ok(_) => {
-                tracing::info!(%node, gpus = gpus.len(), healthy = count_healthy(&gpus), "published GPU inventory");
-                true
-            }
-            Err(err) => {
-                tracing::warn!(%node, error = %err, "cannot publish GPU inventory on the node; retrying");
-                false
-            }
-        };
-        Metrics::patch(&metrics.node_patches, written);
         tokio::select! {
-            () = shutdown.cancelled() => return,
-            changed = inventory.changed() => if changed.is_err() { return },
-            () = tokio::time::sleep(RETRY), if !written => {}
+            () = shutdown.cancelled() => break,
+            changed = inventory.changed() => if changed.is_err() { break },
+            () = tokio::time::sleep(if written { SERVING_POLL } else { RETRY }) => {}
         }
     }
+    let gpus = inventory.borrow().clone();
+    let stopped = write(&api, &node, &keys, &gpus, false, &metrics);
+    if tokio::time::timeout(LAST_WRITE, stopped).await.is_err() {
+        tracing::warn!(%node, "could not mark the GPUs unavailable on the node before stopping");
+    }
+}
+
+/// One write of the inventory (as [`as_published`] shows it) and the node's GPU labels.
+async fn write(
+    api: &Api<Node>,
+    node: &str,
+    keys: &Keys,
+    gpus: &[GpuInfo],
+    serving: bool,
+    metrics: &Metrics,
+) -> bool {
+    // Model and size labels of GPUs no longer here (replaced while the plugin was down, or
+    // since) are removed: read what the node carries now.
+    let current = match api.get(node).await {
+        Ok(found) => found.metadata.labels.unwrap_or_default(),
+        Err(err) => {
+            tracing::debug!(%node, error = %err, "cannot read the node's labels; stale GPU model labels stay");
+            Default::default()
+        }
+    };
+    let shown = as_published(gpus, serving);
+    let patch = serde_json::json!({
+        "metadata": {
+            "annotations": { keys.node_gpus.as_str(): inventory::encode(&shown) },
+            "labels": node_labels(keys, gpus, current.keys()),
+        }
+    });
+    let written = match api
+        .patch(node, &PatchParams::default(), &Patch::Merge(&patch))
+        .await
+    {
+        Ok(_) => {
+            tracing::info!(%node, gpus = gpus.len(), healthy = count_healthy(&shown), serving, "published GPU inventory");
+            true
+        }
+        Err(err) => {
+            tracing::warn!(%node, error = %err, "cannot publish GPU inventory on the node; retrying");
+            false
+        }
+    };
+    Metrics::patch(&metrics.node_patches, written);
+    written
 }
 
 #[cfg(test)]
@@ -183,6 +239,17 @@ mod tests {
             healthy: true,
             numa_node: None,
         }
+    }
+
+    #[test]
+    fn no_gpu_is_published_healthy_while_the_plugin_does_not_serve() {
+        let mut broken = gpu(1, "Tesla T4", 15);
+        broken.healthy = false;
+        let gpus = [gpu(0, "Tesla T4", 15), broken];
+        let healthy = |shown: Vec<GpuInfo>| shown.iter().map(|g| g.healthy).collect::<Vec<_>>();
+        assert_eq!(healthy(as_published(&gpus, true)), [true, false]);
+        assert_eq!(healthy(as_published(&gpus, false)), [false, false]);
+        assert_eq!(as_published(&gpus, false)[0].uuid, "GPU-0");
     }
 
     #[test]

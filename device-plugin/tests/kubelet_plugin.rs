@@ -21,7 +21,7 @@ fn gpu_of(id: &str) -> &str {
 
 #[tokio::test]
 async fn registers_lists_one_device_per_gib_and_follows_health() -> anyhow::Result<()> {
-    let cluster = Cluster::start(&[16, 16, 24], Some(AdmissionOrder::CreationTime)).await?;
+    let mut cluster = Cluster::start(&[16, 16, 24], Some(AdmissionOrder::CreationTime)).await?;
     let kubelet = cluster.kubelet();
     assert_eq!(kubelet.registered_resources(), vec![RESOURCE.to_owned()]);
 
@@ -94,6 +94,15 @@ async fn registers_lists_one_device_per_gib_and_follows_health() -> anyhow::Resu
         Ok(published(&cluster.node().await?)?.iter().all(|g| g.healthy))
     })
     .await?;
+
+    // Stopping, the plugin marks its GPUs unavailable: until a plugin serves kubelet again,
+    // kubelet would refuse the GPU pods the extender sent here.
+    if let Some(plugin) = cluster.plugin.take() {
+        plugin.stop().await?;
+    }
+    let left = published(&cluster.node().await?)?;
+    assert_eq!(left.len(), 3);
+    assert!(left.iter().all(|g| !g.healthy), "{left:?}");
     cluster.stop().await
 }
 

@@ -57,14 +57,18 @@ const GROUPS: &[Group] = &[
                 "toolkit_enforcement_after_helm_upgrade",
                 toolkit_enforcement_after_helm_upgrade,
             ),
-            (
-                "gpu_pods_right_after_helm_install",
-                gpu_pods_right_after_helm_install,
-            ),
             // Last: they add Node objects with no kubelet behind them.
             ("leader_killed_in_a_burst", leader_killed_in_a_burst),
             ("helm_upgrade_in_a_burst", helm_upgrade_in_a_burst),
         ],
+    },
+    Group {
+        mode: Mode::Extender,
+        helm_args: &["--set", "allocationPolicy.enabled=false"],
+        scenarios: &[(
+            "forgeries_without_the_policy_are_refused_at_allocate",
+            forgeries_without_the_policy_are_refused_at_allocate,
+        )],
     },
     Group {
         mode: Mode::Dra,
@@ -393,6 +397,85 @@ fn forged_allocations_are_refused(c: &KitCluster) -> Outcome<'_> {
     })
 }
 
+/// With the chart's allocation policy off (`allocationPolicy.enabled=false`) the API server
+/// lets anyone write allocation annotations and `nodeName`; the device plugin is the last
+/// line: kubelet's Allocate for a pod with a hand-written allocation, or with another pod's
+/// signed one copied onto it, is refused (the signature names the pod's UID and node), so
+/// the pod fails at admission with the plugin's reason and gets no GPU, while the pod whose
+/// allocation was copied keeps running on its GPU.
+fn forgeries_without_the_policy_are_refused_at_allocate(c: &KitCluster) -> Outcome<'_> {
+    Box::pin(async move {
+        let keys = Keys::default();
+        create_gpu_pod(c, "victim", 6).await?;
+        let victim = wait_running(c, "victim").await?;
+        check_pinned(c, &victim).await?;
+        let pods: Api<Pod> = Api::namespaced(c.client(), "default");
+
+        // 5 GiB, so kubelet's Allocate for it can only match it, not the copy (6 GiB).
+        let forged_allocation = gpushare_contract::PodAllocation {
+            gpu_index: 0,
+            gpu_uuid: String::new(),
+            more_gpus: Vec::new(),
+            pod_gib: 5,
+            exclusive: false,
+            containers: vec![gpushare_contract::ContainerRequest {
+                name: "main".into(),
+                gib: 5,
+                init: false,
+            }],
+            bind_time: "2026-11-26T09:00:00Z".into(),
+            assigned: false,
+            allocated: Vec::new(),
+            signature: None,
+        };
+        let mut forged = fixtures::pod("forged").gpu_mem(5).on_node("node-k");
+        for (k, v) in forged_allocation.to_annotations(&keys) {
+            forged = forged.annotation(&k, &v);
+        }
+        pods.create(&PostParams::default(), &c.prepare(forged.build()))
+            .await?;
+        let mut copy = fixtures::pod("copy").gpu_mem(6).on_node("node-k");
+        for (k, v) in victim.metadata.annotations.iter().flatten() {
+            if k.starts_with("gpushare.example.com/v1.") {
+                copy = copy.annotation(k, v);
+            }
+        }
+        pods.create(&PostParams::default(), &c.prepare(copy.build()))
+            .await?;
+        for (name, why) in [
+            ("forged", "not signed by the gpushare extender"),
+            ("copy", "does not match its allocation"),
+        ] {
+            let failed = wait_for(
+                &format!("{name} to fail at admission"),
+                Duration::from_secs(60),
+                || async {
+                    let pod = pods.get(name).await.ok()?;
+                    (phase(&pod) == "Failed").then_some(pod)
+                },
+            )
+            .await?;
+            let status = failed.status.unwrap_or_default();
+            let message = status.message.unwrap_or_default();
+            ensure!(
+                status.reason.as_deref() == Some("UnexpectedAdmissionError")
+                    && message.contains(why),
+                "{name}: {:?}: {message}",
+                status.reason
+            );
+            ensure!(
+                c.created(failed.metadata.uid.as_deref().unwrap_or_default(), "main")?
+                    .is_none(),
+                "{name}'s container was started"
+            );
+        }
+        let victim = pods.get("victim").await?;
+        ensure!(phase(&victim) == "Running", "the victim stopped");
+        check_pinned(c, &victim).await?;
+        Ok(())
+    })
+}
+
 /// kubelet restarts while GPU pods run: they keep running on their GPUs, the device plugin
 /// registers again, and a new pod is placed and pinned as before.
 fn kubelet_restart_keeps_gpu_pods(c: &KitCluster) -> Outcome<'_> {
@@ -506,70 +589,6 @@ async fn plugin_ready_with(
     )
     .await?;
     Ok(())
-}
-
-/// `helm install` followed at once by GPU pods, as a user types them: the release is
-/// uninstalled and installed again with the same values, and the pods are created the moment
-/// `helm install` returns, long before any gpushare pod is Ready. None is refused (the
-/// API server's MutatingAdmissionPolicy routes them, with no webhook endpoint to wait for);
-/// each is bound by gpushare once its scheduler and extender are up, and runs pinned.
-fn gpu_pods_right_after_helm_install(c: &KitCluster) -> Outcome<'_> {
-    Box::pin(async move {
-        let values = c.helm(&[
-            "get",
-            "values",
-            "gpushare",
-            "-n",
-            "kube-system",
-            "-o",
-            "json",
-        ])?;
-        let file = tempfile::NamedTempFile::new()?;
-        std::fs::write(file.path(), values)?;
-        c.helm(&["uninstall", "gpushare", "-n", "kube-system", "--wait"])?;
-        let chart = c
-            .kit()
-            .root()
-            .join("project")
-            .join("charts")
-            .join("gpushare");
-        let installed = Instant::now();
-        c.helm(&[
-            "install",
-            "gpushare",
-            &chart.to_string_lossy(),
-            "-n",
-            "kube-system",
-            "-f",
-            &file.path().to_string_lossy(),
-        ])?;
-        let names: Vec<String> = (0..6).map(|i| format!("early-{i}")).collect();
-        let mut refused = Vec::new();
-        for name in &names {
-            if let Err(error) = create_gpu_pod(c, name, 2).await {
-                refused.push(format!("{name}: {error:#}"));
-            }
-        }
-        let created_in = installed.elapsed();
-        ensure!(
-            refused.is_empty(),
-            "{} of {} GPU pods created right after helm install were refused: {refused:?}",
-            refused.len(),
-            names.len()
-        );
-        for name in &names {
-            let pod = wait_running(c, name).await?;
-            check_pinned(c, &pod).await?;
-        }
-        println!(
-            "  {} GPU pods created {:.1} s after helm install returned, all running {:.1} s after it",
-            names.len(),
-            created_in.as_secs_f64(),
-            installed.elapsed().as_secs_f64()
-        );
-        check_no_overcommit(&c.client()).await?;
-        Ok(())
-    })
 }
 
 /// `kubectl gpushare doctor` (and `top`) name what routes GPU pods: on 1.36 with the chart's
