@@ -1588,6 +1588,25 @@ impl NodeHost {
             },
         )
         .await?;
+        // The plugin shows its GPUs healthy on the node once kubelet has its device list.
+        wait_for(
+            &format!("node {name} to show its GPUs healthy"),
+            Duration::from_secs(60),
+            || {
+                let nodes = nodes.clone();
+                async move {
+                    let node = nodes.get(name).await.ok()?;
+                    let text = node
+                        .metadata
+                        .annotations?
+                        .remove(&gpushare_contract::Keys::default().node_gpus)?;
+                    let published = gpushare_contract::inventory::decode(&text).ok()?;
+                    (published.len() == gpus.len() && published.iter().all(|g| g.healthy))
+                        .then_some(())
+                }
+            },
+        )
+        .await?;
         Ok(sim)
     }
 
