@@ -1032,13 +1032,16 @@ impl Admission {
             .unwrap_or_default())
     }
 
-    /// Writes the pod's status without waiting, as kubelet's status manager does.
+    /// Writes the pod's status without waiting, as kubelet's status manager does: until it
+    /// lands or the pod is gone. (kubelet retries a failed write at its next status sync; the
+    /// extender and the device plugin read a pod's `startTime` as "admitted", so a status
+    /// that is given up on would leave the pod looking unadmitted for good.)
     fn write_status(&self, ns: &str, name: &str, status: serde_json::Value) {
         let api: Api<Pod> = Api::namespaced(self.client.clone(), ns);
         let name = name.to_owned();
         tokio::spawn(async move {
             let patch = serde_json::json!({ "status": status });
-            for attempt in 0..5u32 {
+            for attempt in 0u32.. {
                 match api
                     .patch_status(&name, &PatchParams::default(), &Patch::Merge(&patch))
                     .await
@@ -1046,8 +1049,9 @@ impl Admission {
                     Ok(_) => return,
                     Err(kube::Error::Api(status)) if status.code == 404 => return,
                     Err(err) => {
-                        tracing::warn!(pod = %name, error = %err, attempt, "pod status write failed");
-                        tokio::time::sleep(Duration::from_millis(50 << attempt)).await;
+                        tracing::warn!(pod = %name, error = %err, attempt, "pod status write failed; retrying");
+                        let backoff = Duration::from_millis(50 << attempt.min(4));
+                        tokio::time::sleep(backoff.min(Duration::from_secs(1))).await;
                     }
                 }
             }
