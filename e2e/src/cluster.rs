@@ -1596,11 +1596,7 @@ impl NodeHost {
                 let nodes = nodes.clone();
                 async move {
                     let node = nodes.get(name).await.ok()?;
-                    let text = node
-                        .metadata
-                        .annotations?
-                        .remove(&gpushare_contract::Keys::default().node_gpus)?;
-                    let published = gpushare_contract::inventory::decode(&text).ok()?;
+                    let published = crate::scenarios::published_gpus(&node)?.ok()?;
                     (published.len() == gpus.len() && published.iter().all(|g| g.healthy))
                         .then_some(())
                 }

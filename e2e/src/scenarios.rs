@@ -199,27 +199,32 @@ pub async fn check_pinned(h: &impl Harness, pod: &Pod) -> anyhow::Result<()> {
     Ok(())
 }
 
+/// The GPU inventory the device plugin published on `node` (`<domain>/v1.gpus`, the default
+/// domain); `None` when there is none.
+pub fn published_gpus(node: &Node) -> Option<anyhow::Result<Vec<gpushare_contract::GpuInfo>>> {
+    let text = node
+        .metadata
+        .annotations
+        .as_ref()?
+        .get(&Keys::default().node_gpus)?;
+    Some(inventory::decode(text).map_err(anyhow::Error::from))
+}
+
 /// GiB in use per (node, GPU index), from every active pod's annotations, checked against
 /// each GPU's size from the node inventory. Returns the usage table.
 pub async fn check_no_overcommit(
     client: &Client,
 ) -> anyhow::Result<BTreeMap<(String, u32), (u64, u64)>> {
-    let keys = Keys::default();
     let nodes = Api::<Node>::all(client.clone())
         .list(&ListParams::default())
         .await?;
     let mut usage: BTreeMap<(String, u32), (u64, u64)> = BTreeMap::new();
     for node in &nodes.items {
         let name = node.metadata.name.clone().unwrap_or_default();
-        let Some(text) = node
-            .metadata
-            .annotations
-            .as_ref()
-            .and_then(|a| a.get(&keys.node_gpus))
-        else {
+        let Some(gpus) = published_gpus(node) else {
             continue;
         };
-        for gpu in inventory::decode(text)? {
+        for gpu in gpus? {
             usage.insert((name.clone(), gpu.index), (0, gpu.mem_gib));
         }
     }

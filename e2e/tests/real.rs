@@ -293,9 +293,7 @@ fn two_gpu_and_exclusive_pods(c: &KitCluster) -> Outcome<'_> {
         );
         // A small pod must go to the other GPU, even though the exclusive pod's GPU may be
         // larger than it asked for.
-        create_gpu_pod(c, "small", 1).await?;
-        let small = wait_running(c, "small").await?;
-        check_pinned(c, &small).await?;
+        let small = running_pinned(c, "small", 1).await?;
         ensure!(
             allocation(&small)?.gpu_uuid != taken.gpu_uuid,
             "a shared pod landed on the exclusive pod's GPU {}",
@@ -328,14 +326,21 @@ fn refused<T: std::fmt::Debug>(result: Result<T, kube::Error>, hint: &str) -> an
     }
 }
 
+/// A GPU pod of `gib` created as a user types it, once it runs on the GPU its allocation
+/// names.
+async fn running_pinned(c: &KitCluster, name: &str, gib: u64) -> anyhow::Result<Pod> {
+    create_gpu_pod(c, name, gib).await?;
+    let pod = wait_running(c, name).await?;
+    check_pinned(c, &pod).await?;
+    Ok(pod)
+}
+
 /// The forgeries found on a real cluster, refused by the API server itself: a hand-written
 /// allocation with `nodeName`, `nodeName` alone, and a patch of a running pod's allocation.
 fn forged_allocations_are_refused(c: &KitCluster) -> Outcome<'_> {
     Box::pin(async move {
         let keys = Keys::default();
-        create_gpu_pod(c, "victim", 6).await?;
-        let victim = wait_running(c, "victim").await?;
-        check_pinned(c, &victim).await?;
+        let victim = running_pinned(c, "victim", 6).await?;
         // The attacker may create and patch pods in its namespace, as a notebook user can.
         c.kubectl(&[
             "create",
@@ -406,9 +411,7 @@ fn forged_allocations_are_refused(c: &KitCluster) -> Outcome<'_> {
 fn forgeries_without_the_policy_are_refused_at_allocate(c: &KitCluster) -> Outcome<'_> {
     Box::pin(async move {
         let keys = Keys::default();
-        create_gpu_pod(c, "victim", 6).await?;
-        let victim = wait_running(c, "victim").await?;
-        check_pinned(c, &victim).await?;
+        let victim = running_pinned(c, "victim", 6).await?;
         let pods: Api<Pod> = Api::namespaced(c.client(), "default");
 
         // 5 GiB, so kubelet's Allocate for it can only match it, not the copy (6 GiB).
@@ -502,9 +505,7 @@ fn kubelet_restart_keeps_gpu_pods(c: &KitCluster) -> Outcome<'_> {
                 "{name}'s allocation changed"
             );
         }
-        create_gpu_pod(c, "after", 5).await?;
-        let after = wait_running(c, "after").await?;
-        check_pinned(c, &after).await?;
+        running_pinned(c, "after", 5).await?;
         check_no_overcommit(&c.client()).await?;
         Ok(())
     })
