@@ -180,6 +180,7 @@ fn check_all_typed(rendered: &Rendered) -> anyhow::Result<()> {
                 round_trip::<k8s_openapi::api::policy::v1::PodDisruptionBudget>(doc)?
             }
             "ConfigMap" => round_trip::<ConfigMap>(doc)?,
+            "Job" => round_trip::<k8s_openapi::api::batch::v1::Job>(doc)?,
             "MutatingWebhookConfiguration" => round_trip::<MutatingWebhookConfiguration>(doc)?,
             "ValidatingAdmissionPolicy" => round_trip::<ValidatingAdmissionPolicy>(doc)?,
             "ValidatingAdmissionPolicyBinding" => {
@@ -1138,6 +1139,65 @@ fn check_webhook(rendered: &Rendered, prefix: &str) -> anyhow::Result<()> {
     Ok(())
 }
 
+/// The post-install/post-upgrade hook: a locked-down Job running the extender image's
+/// `check-routing` with the arguments `the_install_hook_passes_only_once_gpu_pods_are_routed`
+/// (webhook.rs) runs it with, and a Role that grants pod creates in the checked namespace
+/// only, all of it deleted once the hook passed.
+fn check_routing_hook(rendered: &Rendered, prefix: &str) -> anyhow::Result<()> {
+    let name = format!("{prefix}-routing-check");
+    let job: k8s_openapi::api::batch::v1::Job = rendered.get("Job", &name)?;
+    for (kind, doc) in ["ServiceAccount", "Role", "RoleBinding", "Job"]
+        .into_iter()
+        .filter_map(|kind| {
+            let doc = rendered
+                .of_kind(kind)
+                .into_iter()
+                .find(|d| d["metadata"]["name"] == name.as_str())?;
+            Some((kind, doc))
+        })
+    {
+        let annotations = &doc["metadata"]["annotations"];
+        ensure!(
+            annotations["helm.sh/hook"] == "post-install,post-upgrade"
+                && annotations["helm.sh/hook-delete-policy"]
+                    == "before-hook-creation,hook-succeeded",
+            "{kind} {name} is not a post-install/post-upgrade hook deleted on success: {annotations}"
+        );
+    }
+    let spec = job.spec.context("Job spec")?;
+    ensure!(spec.backoff_limit == Some(0));
+    let pod = spec.template.spec.context("Job pod spec")?;
+    check_hardened(&name, &pod)?;
+    ensure!(pod.service_account_name.as_deref() == Some(name.as_str()));
+    let check = container(&pod, "check-routing")?;
+    ensure!(
+        check.command.as_deref()
+            == Some(&["gpushare-extender".to_owned(), "check-routing".to_owned()][..]),
+        "{:?}",
+        check.command
+    );
+    assert_eq!(
+        args(check),
+        [
+            "--namespace=default",
+            "--resource=example.com/gpu-mem",
+            "--scheduler-name=gpushare-scheduler",
+            "--forged-annotation=gpushare.example.com/v1.routing-check",
+            "--timeout-seconds=240",
+            "--log-format=text",
+        ]
+    );
+    let role: Role = rendered.get("Role", &name)?;
+    ensure!(role.metadata.namespace.as_deref() == Some("default"));
+    ensure!(
+        expand(role.rules.as_deref().unwrap_or_default())?
+            == BTreeSet::from([grant("", "pods", "create")]),
+        "the hook's Role grants more than pod creates: {:?}",
+        role.rules
+    );
+    Ok(())
+}
+
 fn check_extender(rendered: &Rendered, prefix: &str, expect_args: &[&str]) -> anyhow::Result<()> {
     let name = format!("{prefix}-extender");
     let deployment: Deployment = rendered.get("Deployment", &name)?;
@@ -1443,13 +1503,14 @@ fn default_values_render_a_dedicated_scheduler_install() -> anyhow::Result<()> {
         ("ConfigMap", 1),
         ("DaemonSet", 1),
         ("Deployment", 2),
+        ("Job", 1),
         ("MutatingWebhookConfiguration", 1),
         ("PodDisruptionBudget", 1),
-        ("Role", 2),
-        ("RoleBinding", 3),
+        ("Role", 3),
+        ("RoleBinding", 4),
         ("Secret", 2),
         ("Service", 2),
-        ("ServiceAccount", 3),
+        ("ServiceAccount", 4),
         ("ValidatingAdmissionPolicy", 1),
         ("ValidatingAdmissionPolicyBinding", 1),
     ]
@@ -1510,6 +1571,7 @@ fn default_values_render_a_dedicated_scheduler_install() -> anyhow::Result<()> {
     )?;
     check_scheduler(&rendered, "gpushare", "example.com/gpu-mem")?;
     check_webhook(&rendered, "gpushare")?;
+    check_routing_hook(&rendered, "gpushare")?;
     check_rbac_bindings(&rendered, "gpushare")?;
     assert_eq!(rendered.release, "gpushare");
     Ok(())

@@ -60,6 +60,11 @@ const GROUPS: &[Group] = &[
             // Last: they add Node objects with no kubelet behind them.
             ("leader_killed_in_a_burst", leader_killed_in_a_burst),
             ("helm_upgrade_in_a_burst", helm_upgrade_in_a_burst),
+            // Last of all: it uninstalls the release and installs it again.
+            (
+                "gpu_pods_right_after_helm_install",
+                gpu_pods_right_after_helm_install,
+            ),
         ],
     },
     Group {
@@ -304,6 +309,15 @@ fn two_gpu_and_exclusive_pods(c: &KitCluster) -> Outcome<'_> {
     })
 }
 
+/// The chart, as the kit's project folder holds it.
+fn chart_dir(c: &KitCluster) -> std::path::PathBuf {
+    c.kit()
+        .root()
+        .join("project")
+        .join("charts")
+        .join("gpushare")
+}
+
 /// A user the chart does not trust.
 const ATTACKER: &str = "system:serviceaccount:default:notebook";
 
@@ -515,12 +529,7 @@ fn kubelet_restart_keeps_gpu_pods(c: &KitCluster) -> Outcome<'_> {
 /// container gets `NVIDIA_GPU_MEMORY_LIMIT` (MiB) for its share.
 fn toolkit_enforcement_after_helm_upgrade(c: &KitCluster) -> Outcome<'_> {
     Box::pin(async move {
-        let chart = c
-            .kit()
-            .root()
-            .join("project")
-            .join("charts")
-            .join("gpushare");
+        let chart = chart_dir(c);
         let chart = chart.to_string_lossy();
         c.helm(&[
             "upgrade",
@@ -1014,12 +1023,7 @@ async fn upgrade_in_a_burst(c: &KitCluster, residents: &[Pod]) -> anyhow::Result
     // (README, "Known limits"); the residents there must not be touched.
     let burst = Burst::start(c, "upgrade", 300, true);
     tokio::time::sleep(Duration::from_secs(2)).await;
-    let chart = c
-        .kit()
-        .root()
-        .join("project")
-        .join("charts")
-        .join("gpushare");
+    let chart = chart_dir(c);
     let upgraded = Instant::now();
     c.helm(&[
         "upgrade",
@@ -1083,4 +1087,76 @@ async fn upgrade_in_a_burst(c: &KitCluster, residents: &[Pod]) -> anyhow::Result
         check_pinned(c, &now).await?;
     }
     Ok(())
+}
+
+/// `helm install` followed at once by GPU pods, as a CI job or an operator's script does: the
+/// release is uninstalled and installed again with the same values, and six pods are created
+/// the moment `helm install` returns. Every one is admitted, routed to gpushare's scheduler
+/// and runs on the GPU its allocation names (before the install hook, all six kept
+/// `default-scheduler`: the API server had not loaded the routing policy yet).
+fn gpu_pods_right_after_helm_install(c: &KitCluster) -> Outcome<'_> {
+    Box::pin(async move {
+        let values = c.helm(&[
+            "get",
+            "values",
+            "gpushare",
+            "-n",
+            "kube-system",
+            "-o",
+            "json",
+        ])?;
+        let values_file = c.kit().root().join("run").join("reinstall-values.json");
+        std::fs::write(&values_file, values)?;
+        c.helm(&["uninstall", "gpushare", "-n", "kube-system", "--wait"])?;
+        // The old device plugin's resource is gone from the node before the new one comes.
+        wait_for(
+            "node-k to advertise no GPU memory after the uninstall",
+            Duration::from_secs(120),
+            || async {
+                let allocatable = c
+                    .kubectl(&[
+                        "get",
+                        "node",
+                        "node-k",
+                        "-o",
+                        r"jsonpath={.status.allocatable.example\.com/gpu-mem}",
+                    ])
+                    .ok()?;
+                matches!(allocatable.trim(), "" | "0").then_some(())
+            },
+        )
+        .await?;
+        let chart = chart_dir(c);
+        let installed = Instant::now();
+        c.helm(&[
+            "install",
+            "gpushare",
+            &chart.to_string_lossy(),
+            "-n",
+            "kube-system",
+            "-f",
+            &values_file.to_string_lossy(),
+        ])?;
+        println!(
+            "  helm install returned in {:.1} s (its hook waits until GPU pods are routed)",
+            installed.elapsed().as_secs_f64()
+        );
+        let names: Vec<String> = (1..=6).map(|i| format!("right-after-{i}")).collect();
+        for name in &names {
+            let created = create_gpu_pod(c, name, 2)
+                .await
+                .with_context(|| format!("{name}, created right after helm install"))?;
+            let scheduler = created.spec.and_then(|s| s.scheduler_name);
+            ensure!(
+                scheduler.as_deref() == Some("gpushare-scheduler"),
+                "{name} was admitted with schedulerName {scheduler:?}: not routed to gpushare"
+            );
+        }
+        for name in &names {
+            let pod = wait_running(c, name).await?;
+            check_pinned(c, &pod).await?;
+        }
+        check_no_overcommit(&c.client()).await?;
+        Ok(())
+    })
 }

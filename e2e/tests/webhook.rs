@@ -4,14 +4,15 @@
 //! policy, as a real API server does.
 
 use anyhow::{Context, ensure};
+use gpushare_e2e::apiserver::Verb;
 use gpushare_e2e::cluster::{
-    ClusterSpec, DEDICATED_SCHEDULER, TestCluster, wait_for, with_cluster,
+    ClusterSpec, DEDICATED_SCHEDULER, TestCluster, binaries, wait_for, with_cluster,
 };
 use gpushare_e2e::fixtures;
 use gpushare_e2e::scenarios::{check_no_overcommit, check_pinned, create_gpu_pod, wait_running};
 use k8s_openapi::api::admissionregistration::v1::MutatingWebhookConfiguration;
 use k8s_openapi::api::core::v1::Pod;
-use kube::api::{Api, PostParams};
+use kube::api::{Api, ListParams, PostParams};
 
 async fn with_dedicated_cluster(
     body: impl AsyncFnOnce(&mut TestCluster) -> anyhow::Result<()>,
@@ -107,6 +108,78 @@ async fn while_the_webhook_is_down_gpu_pods_are_refused_not_left_pending() -> an
         create_gpu_pod(cluster, "early", 4).await?;
         let running = wait_running(cluster, "early").await?;
         check_pinned(cluster, &running).await?;
+        Ok(())
+    })
+    .await
+}
+
+/// The ServiceAccount the chart's install hook runs as.
+const ROUTING_CHECK_USER: &str = "system:serviceaccount:kube-system:gpushare-routing-check";
+
+/// Runs the chart's install hook (`gpushare-extender check-routing`, with the arguments the
+/// chart renders) against `cluster` as its ServiceAccount.
+async fn check_routing(
+    cluster: &TestCluster,
+    timeout_seconds: u64,
+) -> anyhow::Result<std::process::Output> {
+    let dir = tempfile::tempdir()?;
+    let kubeconfig = dir.path().join("routing-check.kubeconfig");
+    cluster
+        .api
+        .write_kubeconfig_as(&kubeconfig, ROUTING_CHECK_USER)?;
+    let output = tokio::process::Command::new(binaries()?.extender)
+        .args([
+            "check-routing",
+            "--namespace=default",
+            "--resource=example.com/gpu-mem",
+            "--scheduler-name=gpushare-scheduler",
+            "--forged-annotation=gpushare.example.com/v1.routing-check",
+            &format!("--timeout-seconds={timeout_seconds}"),
+        ])
+        .env("KUBECONFIG", &kubeconfig)
+        .output()
+        .await?;
+    Ok(output)
+}
+
+/// The chart's post-install hook passes only once the API server routes GPU pods: while no
+/// extender serves the webhook it fails, saying so; once one does, it passes. It stores
+/// nothing and makes no call but dry-run pod creates (all its Role grants).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_install_hook_passes_only_once_gpu_pods_are_routed() -> anyhow::Result<()> {
+    with_dedicated_cluster(async |cluster| {
+        cluster.kill_extender().await;
+        let down = check_routing(cluster, 2).await?;
+        let stderr = String::from_utf8_lossy(&down.stderr);
+        ensure!(
+            !down.status.success() && stderr.contains("still not routed"),
+            "the hook passed with no extender serving the webhook: {stderr}"
+        );
+        ensure!(
+            stderr.contains("must be scheduled by gpushare-scheduler"),
+            "the hook should name the refusal it saw: {stderr}"
+        );
+
+        cluster.restart_extender().await?;
+        let up = check_routing(cluster, 60).await?;
+        ensure!(
+            up.status.success(),
+            "the hook failed with the webhook serving: {}",
+            String::from_utf8_lossy(&up.stderr)
+        );
+        let calls = cluster.api.stats().calls_by(ROUTING_CHECK_USER);
+        ensure!(
+            !calls.is_empty()
+                && calls
+                    .keys()
+                    .all(|call| call.verb == Verb::Create && call.resource == "pods"),
+            "the hook made calls other than pod creates: {calls:?}"
+        );
+        let pods: Api<Pod> = Api::namespaced(cluster.client.clone(), "default");
+        ensure!(
+            pods.list(&ListParams::default()).await?.items.is_empty(),
+            "the hook's dry-run pods were stored"
+        );
         Ok(())
     })
     .await

@@ -44,6 +44,7 @@ pub mod kube_io;
 pub mod leader;
 pub mod metrics;
 pub mod reservation;
+pub mod routing_check;
 pub mod server;
 pub mod view;
 pub mod watch;

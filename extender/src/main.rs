@@ -1,8 +1,21 @@
 //! `gpushare-extender`: parses its configuration and runs the extender until SIGTERM or ctrl-c.
+//! `gpushare-extender check-routing ...` runs the chart's install hook instead
+//! (`gpushare_extender::routing_check`).
 
 use clap::Parser;
+use gpushare_extender::routing_check;
 
 fn main() -> anyhow::Result<()> {
+    if std::env::args().nth(1).as_deref() == Some(routing_check::SUBCOMMAND) {
+        // The subcommand stands where clap expects the program's name.
+        let config = routing_check::RoutingCheckConfig::parse_from(std::env::args_os().skip(1));
+        let runtime = tokio::runtime::Builder::new_current_thread()
+            .enable_all()
+            .build()?;
+        gpushare_extender::init_tracing(config.log_format);
+        runtime.block_on(routing_check::run(config))?;
+        return Ok(());
+    }
     let config = gpushare_extender::Config::parse();
     let mut runtime = tokio::runtime::Builder::new_multi_thread();
     runtime.enable_all();
