@@ -1676,7 +1676,12 @@ fn dra_mode_installs_the_dra_driver_and_nothing_of_extender_mode() -> anyhow::Re
         ("ClusterRoleBinding", 1),
         ("DaemonSet", 1),
         ("DeviceClass", 1),
+        ("MutatingAdmissionPolicy", 1),
+        ("MutatingAdmissionPolicyBinding", 1),
+        ("ResourceClaimTemplate", 80),
         ("ServiceAccount", 1),
+        ("ValidatingAdmissionPolicy", 1),
+        ("ValidatingAdmissionPolicyBinding", 1),
     ]
     .into_iter()
     .map(|(k, n)| (k.to_owned(), n))
@@ -1684,6 +1689,78 @@ fn dra_mode_installs_the_dra_driver_and_nothing_of_extender_mode() -> anyhow::Re
     assert_eq!(kinds, want);
     let ds = rendered.of_kind("DaemonSet")[0];
     assert_eq!(ds["metadata"]["name"], "gpushare-dra-plugin");
+
+    // `example.com/gpu-mem: N` in DRA mode: one template per GiB, in each namespace named,
+    // asking the chart's DeviceClass for N GiB of one GPU (the real tier runs the README's
+    // pod through them).
+    let rendered = render(
+        "gpushare",
+        "kube-system",
+        &[
+            "--set",
+            "mode=dra",
+            "--set",
+            "dra.gpuMem.maxGiB=3",
+            "--set-json",
+            r#"dra.gpuMem.namespaces=["team-a","team-b"]"#,
+        ],
+    )?;
+    let mut templates: Vec<(String, String, String)> = rendered
+        .of_kind("ResourceClaimTemplate")
+        .into_iter()
+        .map(|t| {
+            let request = &t["spec"]["spec"]["devices"]["requests"][0]["exactly"];
+            ensure!(request["deviceClassName"] == "gpu-mem.gpushare.example.com");
+            Ok((
+                t["metadata"]["namespace"]
+                    .as_str()
+                    .unwrap_or_default()
+                    .to_owned(),
+                t["metadata"]["name"]
+                    .as_str()
+                    .unwrap_or_default()
+                    .to_owned(),
+                request["capacity"]["requests"]["memory"]
+                    .as_str()
+                    .unwrap_or_default()
+                    .to_owned(),
+            ))
+        })
+        .collect::<anyhow::Result<_>>()?;
+    templates.sort();
+    let want: Vec<(String, String, String)> = ["team-a", "team-b"]
+        .into_iter()
+        .flat_map(|ns| {
+            (1..=3).map(move |gib| {
+                (
+                    ns.to_owned(),
+                    format!("gpushare-gpu-mem-{gib}"),
+                    format!("{gib}Gi"),
+                )
+            })
+        })
+        .collect();
+    assert_eq!(templates, want);
+    let policy = &rendered.of_kind("MutatingAdmissionPolicy")[0];
+    assert_eq!(
+        policy["spec"]["matchConstraints"]["namespaceSelector"]["matchExpressions"][0]["values"],
+        serde_json::json!(["team-a", "team-b"])
+    );
+    let without = render(
+        "gpushare",
+        "kube-system",
+        &["--set", "mode=dra", "--set", "dra.gpuMem.enabled=false"],
+    )?;
+    for kind in [
+        "ResourceClaimTemplate",
+        "MutatingAdmissionPolicy",
+        "ValidatingAdmissionPolicy",
+    ] {
+        ensure!(
+            without.of_kind(kind).is_empty(),
+            "{kind} rendered with dra.gpuMem.enabled=false"
+        );
+    }
     Ok(())
 }
 

@@ -41,6 +41,7 @@ const GROUPS: &[Group] = &[
         helm_args: &[],
         scenarios: &[
             ("readme_story", readme_story),
+            ("the_readme_pod_runs_pinned", the_readme_pod_runs_pinned),
             ("two_gpu_and_exclusive_pods", two_gpu_and_exclusive_pods),
             (
                 "forged_allocations_are_refused",
@@ -78,7 +79,13 @@ const GROUPS: &[Group] = &[
     Group {
         mode: Mode::Dra,
         helm_args: &[],
-        scenarios: &[("dra_claims_run_and_free", dra_claims_run_and_free)],
+        scenarios: &[
+            (
+                "the_readme_pod_runs_unchanged_in_dra_mode",
+                the_readme_pod_runs_unchanged_in_dra_mode,
+            ),
+            ("dra_claims_run_and_free", dra_claims_run_and_free),
+        ],
     },
 ];
 
@@ -1157,6 +1164,169 @@ fn gpu_pods_right_after_helm_install(c: &KitCluster) -> Outcome<'_> {
             check_pinned(c, &pod).await?;
         }
         check_no_overcommit(&c.client()).await?;
+        Ok(())
+    })
+}
+
+/// The pod of the README's "On a real cluster", exactly as written there: the same YAML must
+/// run in extender mode and in DRA mode.
+fn readme_pod() -> anyhow::Result<Pod> {
+    let path = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../README.md");
+    let readme = std::fs::read_to_string(&path)?;
+    let (_, after) = readme
+        .split_once("kubectl apply -f - <<'YAML'\n")
+        .context("README.md has no `kubectl apply -f - <<'YAML'` block")?;
+    let (yaml, _) = after
+        .split_once("\nYAML\n")
+        .context("README.md's YAML block does not end")?;
+    Ok(serde_yaml::from_str(yaml)?)
+}
+
+/// Extender mode: the README's pod runs on the GPU its allocation names.
+fn the_readme_pod_runs_pinned(c: &KitCluster) -> Outcome<'_> {
+    Box::pin(async move {
+        let pod = readme_pod()?;
+        let name = pod.metadata.name.clone().unwrap_or_default();
+        let pods: Api<Pod> = Api::namespaced(c.client(), "default");
+        pods.create(&PostParams::default(), &pod).await?;
+        let running = wait_running(c, &name).await?;
+        check_pinned(c, &running).await?;
+        ensure!(allocation(&running)?.pod_gib == 4);
+        Ok(())
+    })
+}
+
+/// The claims kube-controller-manager made for `pod`, as `(request memory, allocated)`.
+fn claims_of(c: &KitCluster, pod: &str) -> anyhow::Result<Vec<(String, bool)>> {
+    let list: serde_json::Value = serde_json::from_str(&c.kubectl(&[
+        "get",
+        "resourceclaims",
+        "-n",
+        "default",
+        "-o",
+        "json",
+    ])?)?;
+    Ok(list["items"]
+        .as_array()
+        .map(Vec::as_slice)
+        .unwrap_or_default()
+        .iter()
+        .filter(|claim| {
+            claim["metadata"]["annotations"]["resource.kubernetes.io/pod-claim-name"].is_string()
+                && claim["metadata"]["ownerReferences"][0]["name"] == pod
+        })
+        .map(|claim| {
+            let memory = claim["spec"]["devices"]["requests"][0]["exactly"]["capacity"]["requests"]
+                ["memory"]
+                .as_str()
+                .unwrap_or_default()
+                .to_owned();
+            (memory, claim["status"]["allocation"].is_object())
+        })
+        .collect())
+}
+
+/// The CDI devices kubelet passed to `container` of the running pod `name`.
+async fn cdi_of(c: &KitCluster, name: &str, container: &str) -> anyhow::Result<Vec<String>> {
+    let pod = wait_running(c, name).await?;
+    let uid = pod.metadata.uid.unwrap_or_default();
+    let created = c
+        .created(&uid, container)?
+        .with_context(|| format!("no CreateContainer recorded for {name}/{container}"))?;
+    Ok(created.cdi.unwrap_or_default())
+}
+
+/// DRA mode: the README's pod, unchanged, runs with a claim of 4 GiB from the chart's
+/// template (the MutatingAdmissionPolicy turned its `example.com/gpu-mem: 4` into it), and
+/// kubelet hands its container our CDI device; two containers asking get a claim each; what
+/// the policy cannot express is refused at creation, saying what to write instead.
+fn the_readme_pod_runs_unchanged_in_dra_mode(c: &KitCluster) -> Outcome<'_> {
+    Box::pin(async move {
+        let pods: Api<Pod> = Api::namespaced(c.client(), "default");
+        let pod = readme_pod()?;
+        let name = pod.metadata.name.clone().unwrap_or_default();
+        let created = pods.create(&PostParams::default(), &pod).await?;
+        let spec = created.spec.unwrap_or_default();
+        let limits = spec.containers[0]
+            .resources
+            .as_ref()
+            .and_then(|r| r.limits.clone())
+            .unwrap_or_default();
+        ensure!(
+            !limits.contains_key("example.com/gpu-mem"),
+            "the pod kept its extended resource in DRA mode: {limits:?}"
+        );
+        let cdi = cdi_of(c, &name, "main").await?;
+        ensure!(
+            cdi.len() == 1 && cdi[0].starts_with("gpushare.example.com/"),
+            "{name} should get one CDI device of ours: {cdi:?}"
+        );
+        let claims = claims_of(c, &name)?;
+        ensure!(
+            claims == [("4Gi".to_owned(), true)],
+            "{name} should hold one allocated 4Gi claim: {claims:?}"
+        );
+
+        let two: Pod = serde_json::from_value(serde_json::json!({
+            "apiVersion": "v1", "kind": "Pod",
+            "metadata": {"name": "two-containers"},
+            "spec": {"containers": [
+                {"name": "a", "image": "busybox:1.36",
+                 "resources": {"limits": {"example.com/gpu-mem": "2"}}},
+                {"name": "b", "image": "busybox:1.36",
+                 "resources": {"limits": {"example.com/gpu-mem": "3", "cpu": "100m"}}},
+                {"name": "plain", "image": "busybox:1.36"}
+            ]}
+        }))?;
+        pods.create(&PostParams::default(), &two).await?;
+        for container in ["a", "b"] {
+            let cdi = cdi_of(c, "two-containers", container).await?;
+            ensure!(cdi.len() == 1, "container {container}: {cdi:?}");
+        }
+        ensure!(cdi_of(c, "two-containers", "plain").await?.is_empty());
+        let mut claims = claims_of(c, "two-containers")?;
+        claims.sort();
+        ensure!(
+            claims == [("2Gi".to_owned(), true), ("3Gi".to_owned(), true)],
+            "two-containers should hold a 2Gi and a 3Gi claim: {claims:?}"
+        );
+
+        let refusal = |result: Result<Pod, kube::Error>, hint: &str| -> anyhow::Result<()> {
+            match result {
+                Err(kube::Error::Api(status)) => {
+                    ensure!(
+                        status.message.contains("gpushare-gpu-mem-unconverted")
+                            && status.message.contains(hint),
+                        "expected a refusal saying {hint:?}: {status:?}"
+                    );
+                    Ok(())
+                }
+                other => bail!("expected a refusal saying {hint:?}, got {other:?}"),
+            }
+        };
+        let mut too_big = readme_pod()?;
+        too_big.metadata.name = Some("too-big".to_owned());
+        too_big.spec.get_or_insert_default().containers[0]
+            .resources
+            .get_or_insert_default()
+            .limits
+            .get_or_insert_default()
+            .insert(
+                "example.com/gpu-mem".to_owned(),
+                k8s_openapi::apimachinery::pkg::api::resource::Quantity("500".to_owned()),
+            );
+        refusal(
+            pods.create(&PostParams::default(), &too_big).await,
+            "whole number of GiB from 1 to 80",
+        )?;
+        let mut two_gpus = readme_pod()?;
+        two_gpus.metadata.name = Some("two-gpus".to_owned());
+        two_gpus.metadata.annotations =
+            Some([("gpushare.example.com/gpus".to_owned(), "2".to_owned())].into());
+        refusal(
+            pods.create(&PostParams::default(), &two_gpus).await,
+            "ResourceClaimTemplate of DeviceClass gpu-mem.gpushare.example.com",
+        )?;
         Ok(())
     })
 }
