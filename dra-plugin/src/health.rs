@@ -39,6 +39,11 @@ pub struct Health {
     pub driver: String,
     /// The GPUs as published at start (all healthy).
     pub gpus: Vec<GpuInfo>,
+    /// kubelet's verdict on the registration: each time it registers the plugin, the slice
+    /// is published again, because a restarting kubelet deletes its node's ResourceSlices
+    /// (seen on the real cluster: after a kubelet restart no claim could be allocated on the
+    /// node until the plugin published again).
+    pub registration: tokio::sync::watch::Receiver<crate::service::RegistrationState>,
 }
 
 /// Applies a health report; true when it changed something.
@@ -77,9 +82,23 @@ impl Health {
         let mut open = true;
         let mut unhealthy = Unhealthy::Taint;
         let mut dirty = false;
+        let mut registration_open = true;
         loop {
             tokio::select! {
                 () = stop.cancelled() => return,
+                changed = self.registration.changed(), if registration_open => match changed {
+                    Ok(()) => {
+                        let registered = matches!(
+                            *self.registration.borrow_and_update(),
+                            crate::service::RegistrationState::Registered
+                        );
+                        if registered {
+                            tracing::info!("kubelet registered the plugin; publishing the slice again (a restarted kubelet deletes its node's slices)");
+                            dirty = true;
+                        }
+                    }
+                    Err(_) => registration_open = false,
+                },
                 report = received.recv(), if open => match report {
                     Some((index, healthy)) => {
                         if apply(&mut self.gpus, index, healthy) {

@@ -85,6 +85,10 @@ const GROUPS: &[Group] = &[
                 the_readme_pod_runs_unchanged_in_dra_mode,
             ),
             ("dra_claims_run_and_free", dra_claims_run_and_free),
+            (
+                "dra_kubelet_restart_keeps_claimed_pods",
+                dra_kubelet_restart_keeps_claimed_pods,
+            ),
         ],
     },
 ];
@@ -1078,19 +1082,8 @@ async fn upgrade_in_a_burst(c: &KitCluster, residents: &[Pod]) -> anyhow::Result
         "the upgrade did not roll the new images out: {images}"
     );
     burst.finish(c).await?;
-    let pods: Api<Pod> = Api::namespaced(c.client(), "default");
-    let created = c.created_containers()?;
     for before in residents {
-        let name = before.metadata.name.as_deref().unwrap_or_default();
-        let now = pods.get(name).await?;
-        ensure!(
-            now.metadata.uid == before.metadata.uid && phase(&now) == "Running",
-            "{name} did not survive the upgrade: {}",
-            phase(&now)
-        );
-        let uid = now.metadata.uid.as_deref().unwrap_or_default();
-        let starts = created.iter().filter(|made| made.pod_uid == uid).count();
-        ensure!(starts == 1, "{name}'s container was started {starts} times");
+        let now = survived(c, before, "the upgrade").await?;
         check_pinned(c, &now).await?;
     }
     Ok(())
@@ -1329,4 +1322,60 @@ fn the_readme_pod_runs_unchanged_in_dra_mode(c: &KitCluster) -> Outcome<'_> {
         )?;
         Ok(())
     })
+}
+
+/// DRA mode, kubelet restarted under running GPU pods: they keep running with their claims
+/// allocated and their containers not started again, and a pod created afterwards is
+/// prepared by the plugin, which registered with the new kubelet.
+fn dra_kubelet_restart_keeps_claimed_pods(c: &KitCluster) -> Outcome<'_> {
+    Box::pin(async move {
+        let names = ["before-1", "before-2"];
+        for name in names {
+            create_gpu_pod(c, name, 5).await?;
+        }
+        let mut before = Vec::new();
+        for name in names {
+            ensure!(cdi_of(c, name, "main").await?.len() == 1);
+            before.push(wait_running(c, name).await?);
+        }
+        c.script("kubelet.sh", &["restart"])?;
+        for pod in &before {
+            survived(c, pod, "the kubelet restart").await?;
+            let name = pod.metadata.name.as_deref().unwrap_or_default();
+            let claims = claims_of(c, name)?;
+            ensure!(
+                claims == [("5Gi".to_owned(), true)],
+                "{name}'s claim after the kubelet restart: {claims:?}"
+            );
+        }
+        create_gpu_pod(c, "after", 5).await?;
+        let cdi = cdi_of(c, "after", "main").await?;
+        ensure!(
+            cdi.len() == 1 && cdi[0].starts_with("gpushare.example.com/"),
+            "the pod created after the kubelet restart got {cdi:?}"
+        );
+        Ok(())
+    })
+}
+
+/// `before` is still the same pod, Running, its container started once only: it survived
+/// `what`. Returns the pod as it is now.
+async fn survived(c: &KitCluster, before: &Pod, what: &str) -> anyhow::Result<Pod> {
+    let name = before.metadata.name.as_deref().unwrap_or_default();
+    let now = Api::<Pod>::namespaced(c.client(), "default")
+        .get(name)
+        .await?;
+    ensure!(
+        now.metadata.uid == before.metadata.uid && phase(&now) == "Running",
+        "{name} did not survive {what}: {}",
+        phase(&now)
+    );
+    let uid = now.metadata.uid.as_deref().unwrap_or_default();
+    let starts = c
+        .created_containers()?
+        .iter()
+        .filter(|made| made.pod_uid == uid)
+        .count();
+    ensure!(starts == 1, "{name}'s container was started {starts} times");
+    Ok(now)
 }

@@ -4,6 +4,7 @@
 //! ```sh
 //! cargo run --release -p gpushare-e2e --bin realload -- --rounds 3
 //! cargo run --release -p gpushare-e2e --bin realload -- --set extender.filterKeepBest=1
+//! cargo run --release -p gpushare-e2e --bin realload -- --modes extender,dra
 //! ```
 //!
 //! It installs the chart (extender mode, its defaults plus any `--set`), adds Node objects in
@@ -16,11 +17,18 @@
 //! last, API calls per pod, CPU seconds per process and the scheduler's own metrics, checks
 //! that every GPU pod holds an allocation and no GPU is over-committed, and prints the
 //! extender replicas' memory. Needs root, like the real tier (docs/testing.md).
+//!
+//! `--modes dra` measures DRA mode the same way: the chart's DRA install, a ResourceSlice per
+//! fake node as the DRA plugin publishes it, and GPU pods (`example.com/gpu-mem: 4`, turned
+//! into claims by the chart's policy) drained by the kit's kube-scheduler allocating the
+//! claims itself, against kube-scheduler alone in the same install; every claim must end
+//! allocated and no device over-committed.
 
 use std::time::Duration;
 
 use anyhow::{Context, ensure};
 use clap::Parser;
+use gpushare_contract::DEFAULT_DOMAIN;
 use gpushare_e2e::realk8s::load::{
     self, BASELINE_RESOURCE, Drain, Drainer, NodeStandIn, StandInConfig,
 };
@@ -72,6 +80,10 @@ struct Args {
     /// How long one drain may take.
     #[arg(long, default_value_t = 600)]
     timeout_s: u64,
+    /// Installs to measure, one after another, each drained against kube-scheduler alone
+    /// in the same install: `extender`, `dra`, or both (`--modes extender,dra`).
+    #[arg(long, value_delimiter = ',', default_value = "extender", value_parser = parse_mode)]
+    modes: Vec<Mode>,
     /// `helm install` values (`--set key=value`), repeatable.
     #[arg(long = "set")]
     set: Vec<String>,
@@ -81,14 +93,32 @@ struct Args {
 async fn main() -> anyhow::Result<()> {
     let args = Args::parse();
     let kit = Kit::locate()?.context("no ../shared/realk8s beside the repository")?;
+    let mut summary = Vec::new();
+    for mode in &args.modes {
+        let figures = run_mode(&kit, &args, *mode).await?;
+        summary.push((*mode, figures));
+    }
+    println!("\nsummary, pods/s (drain / kube-scheduler alone in the same install):");
+    for (mode, figures) in summary {
+        let rounds: Vec<String> = figures
+            .iter()
+            .map(|(alone, drained)| format!("{drained:.1} / {alone:.1} = {:.2}", drained / alone))
+            .collect();
+        println!("  {mode:?}: {}", rounds.join("; "));
+    }
+    Ok(())
+}
+
+/// One install in `mode`, its rounds, and the pods/s of each round: (alone, the mode's drain).
+async fn run_mode(kit: &Kit, args: &Args, mode: Mode) -> anyhow::Result<Vec<(f64, f64)>> {
     let helm_args: Vec<String> = args
         .set
         .iter()
         .flat_map(|s| ["--set".to_owned(), s.clone()])
         .collect();
     let helm_refs: Vec<&str> = helm_args.iter().map(String::as_str).collect();
-    println!("installing the chart (extender mode) {helm_refs:?}");
-    let cluster = kit.up(Mode::Extender, &helm_refs).await?;
+    println!("installing the chart ({mode:?} mode) {helm_refs:?}");
+    let cluster = kit.up(mode, &helm_refs).await?;
     let client = cluster.client();
     let gpus = vec![args.gpu_gib; args.gpus];
     let per_node = args.gpu_gib * args.gpus as u64;
@@ -100,6 +130,9 @@ async fn main() -> anyhow::Result<()> {
         &[(BASELINE_RESOURCE, per_node)],
     )
     .await?;
+    if mode == Mode::Dra {
+        load::publish_fake_slices(&client, "load", args.nodes, &gpus, DEFAULT_DOMAIN).await?;
+    }
     println!(
         "{} nodes × {} × {} GiB; backlogs of {} pods of {} GiB",
         args.nodes, args.gpus, args.gpu_gib, args.pods, args.pod_gib
@@ -139,27 +172,32 @@ async fn main() -> anyhow::Result<()> {
             load::delete_backlog(&cluster, &prefix).await?;
             Some(drain)
         };
-        let prefix = format!("chart-{round}");
-        let chart = load::drain(
-            &cluster,
-            Drainer::Chart,
-            &prefix,
-            args.pods,
-            args.pod_gib,
-            timeout,
-        )
-        .await?;
-        report(&format!("round {round}: the chart"), &chart);
-        check_allocations(&cluster, &prefix).await?;
+        let (prefix, drainer, what) = match mode {
+            Mode::Extender => (format!("chart-{round}"), Drainer::Chart, "the chart"),
+            Mode::Dra => (format!("dra-{round}"), Drainer::Dra, "DRA mode"),
+        };
+        let drained =
+            load::drain(&cluster, drainer, &prefix, args.pods, args.pod_gib, timeout).await?;
+        report(&format!("round {round}: {what}"), &drained);
+        match mode {
+            Mode::Extender => check_allocations(&cluster, &prefix).await?,
+            Mode::Dra => {
+                let (claims, devices) =
+                    load::check_dra_allocations(&client, &prefix, args.pods, args.gpu_gib).await?;
+                println!(
+                    "  checked: {claims} claims allocated; {devices} GPUs in use, none over-committed"
+                );
+            }
+        }
         load::delete_backlog(&cluster, &prefix).await?;
         if let Some(alone) = alone {
             println!(
-                "round {round}: the chart drains at {:.2} of kube-scheduler alone ({:.1} / {:.1} pods/s)",
-                chart.pods_per_s / alone.pods_per_s,
-                chart.pods_per_s,
+                "round {round}: {what} drains at {:.2} of kube-scheduler alone ({:.1} / {:.1} pods/s)",
+                drained.pods_per_s / alone.pods_per_s,
+                drained.pods_per_s,
                 alone.pods_per_s
             );
-            figures.push((alone.pods_per_s, chart.pods_per_s));
+            figures.push((alone.pods_per_s, drained.pods_per_s));
         }
     }
     if let Some(stand_in) = &stand_in {
@@ -173,19 +211,21 @@ async fn main() -> anyhow::Result<()> {
             println!("  the first refused: {first}");
         }
     }
-    extender_memory(&cluster);
-    if !figures.is_empty() {
-        let ratios: Vec<String> = figures
-            .iter()
-            .map(|(alone, chart)| format!("{:.2}", chart / alone))
-            .collect();
-        println!(
-            "chart / kube-scheduler alone, per round: {}",
-            ratios.join(", ")
-        );
+    if mode == Mode::Extender {
+        extender_memory(&cluster);
+    } else {
+        load::delete_fake_slices(&client).await?;
     }
     load::delete_fake_nodes(&client).await?;
-    Ok(())
+    Ok(figures)
+}
+
+fn parse_mode(text: &str) -> Result<Mode, String> {
+    match text {
+        "extender" => Ok(Mode::Extender),
+        "dra" => Ok(Mode::Dra),
+        other => Err(format!("{other}: want extender or dra")),
+    }
 }
 
 fn report(title: &str, drain: &Drain) {

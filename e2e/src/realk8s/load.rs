@@ -26,6 +26,7 @@ use anyhow::{Context, ensure};
 use futures::{StreamExt, TryStreamExt, stream};
 use gpushare_contract::{DEFAULT_RESOURCE, Keys, PodAllocation};
 use k8s_openapi::api::core::v1::{Node, Pod};
+use k8s_openapi::api::resource::v1::{ResourceClaim, ResourceSlice};
 use k8s_openapi::apimachinery::pkg::api::resource::Quantity;
 use kube::api::{Api, DeleteParams, ListParams, Patch, PatchParams, PostParams};
 use kube::runtime::{WatchStreamExt, watcher};
@@ -398,6 +399,11 @@ pub enum Drainer {
     /// The chart's dedicated kube-scheduler calling the extender, on GPU pods, with the
     /// extender Service's name resolving to the leader.
     Chart,
+    /// DRA mode: the kit's own kube-scheduler (as `KubeSchedulerAlone`, adaptive
+    /// `percentageOfNodesToScore`) allocating the claims the chart's policy gave GPU pods
+    /// (`example.com/gpu-mem` turned into a claim from a template). Started once
+    /// kube-controller-manager has made every pod's claim, so claim creation is not in it.
+    Dra,
 }
 
 /// The extended resource the kube-scheduler-alone pods ask for: not gpushare's, so neither
@@ -656,6 +662,10 @@ pub async fn drain(
             cluster.script("realk8s.sh", &["sched-stop"])?;
             BASELINE_RESOURCE
         }
+        Drainer::Dra => {
+            cluster.script("realk8s.sh", &["sched-stop"])?;
+            DEFAULT_RESOURCE
+        }
         Drainer::Chart => {
             scale_chart_scheduler(cluster, 0)?;
             wait_for(
@@ -674,6 +684,9 @@ pub async fn drain(
         }
     };
     create_backlog(&client, prefix, count, gib, resource).await?;
+    if drainer == Drainer::Dra {
+        wait_for_claims(&client, prefix, count).await?;
+    }
     let clock = BindClock::start(client.clone(), "default", &format!("load={prefix}"));
     // Counted from before the scheduler starts: a process started since counts whole.
     let cpu_before: HashMap<u32, f64> = processes(cluster)
@@ -682,7 +695,11 @@ pub async fn drain(
         .collect();
     let calls_before = api_requests(&client).await?;
     let metrics_url = match drainer {
-        Drainer::KubeSchedulerAlone { percentage } => {
+        Drainer::KubeSchedulerAlone { .. } | Drainer::Dra => {
+            let percentage = match drainer {
+                Drainer::KubeSchedulerAlone { percentage } => percentage,
+                _ => 0,
+            };
             let mut start = cluster.kit().script("realk8s.sh");
             let status = start
                 .arg("sched-start")
@@ -778,4 +795,143 @@ pub async fn delete_backlog(cluster: &KitCluster, prefix: &str) -> anyhow::Resul
         },
     )
     .await
+}
+
+/// Waits until kube-controller-manager has made a claim for each of the `count` pods of the
+/// backlog `prefix` (its claims are named after the pods).
+async fn wait_for_claims(client: &Client, prefix: &str, count: usize) -> anyhow::Result<()> {
+    let claims: Api<ResourceClaim> = Api::namespaced(client.clone(), "default");
+    let made = format!("{prefix}-");
+    wait_for(
+        &format!("kube-controller-manager to make the {count} claims of {prefix}"),
+        Duration::from_secs(600),
+        || {
+            let claims = claims.clone();
+            let made = made.clone();
+            async move {
+                let list = claims.list(&ListParams::default()).await.ok()?;
+                let n = list
+                    .items
+                    .iter()
+                    .filter(|c| c.name_any().starts_with(&made))
+                    .count();
+                (n >= count).then_some(())
+            }
+        },
+    )
+    .await
+}
+
+/// A ResourceSlice for each fake node `<prefix>-0` .., as the DRA plugin publishes one for its
+/// node (`gpushare_dra_plugin::slice::build`): one device per GPU of `gpus` (GiB each), with
+/// consumable `memory`.
+pub async fn publish_fake_slices(
+    client: &Client,
+    prefix: &str,
+    count: usize,
+    gpus: &[u64],
+    driver: &str,
+) -> anyhow::Result<()> {
+    use gpushare_contract::inventory::GpuInfo;
+    use gpushare_dra_plugin::slice::{self, Unhealthy};
+    let slices: Api<ResourceSlice> = Api::all(client.clone());
+    stream::iter(0..count)
+        .map(|i| {
+            let slices = slices.clone();
+            async move {
+                let node = format!("{prefix}-{i}");
+                let infos: Vec<GpuInfo> = gpus
+                    .iter()
+                    .zip(0u32..)
+                    .map(|(gib, index)| GpuInfo {
+                        index,
+                        uuid: format!("GPU-{node}-{index}"),
+                        model: "Fake".to_owned(),
+                        mem_gib: *gib,
+                        healthy: true,
+                        numa_node: None,
+                    })
+                    .collect();
+                let mut built = slice::build(&node, driver, &infos, 1, Unhealthy::Taint);
+                built
+                    .labels_mut()
+                    .insert(FAKE_LABEL.to_owned(), "true".to_owned());
+                slices
+                    .create(&PostParams::default(), &built)
+                    .await
+                    .with_context(|| format!("creating the ResourceSlice of {node}"))?;
+                anyhow::Ok(())
+            }
+        })
+        .buffer_unordered(BULK_CALLS)
+        .try_collect::<Vec<()>>()
+        .await?;
+    Ok(())
+}
+
+/// Deletes the slices [`publish_fake_slices`] made.
+pub async fn delete_fake_slices(client: &Client) -> anyhow::Result<()> {
+    Api::<ResourceSlice>::all(client.clone())
+        .delete_collection(
+            &DeleteParams::default(),
+            &ListParams::default().labels(&format!("{FAKE_LABEL}=true")),
+        )
+        .await?;
+    Ok(())
+}
+
+/// DRA mode's audit of a drain: every claim of the backlog `prefix` allocated, and no
+/// device's `memory` given out beyond `gpu_gib`. Returns (claims allocated, devices in use).
+pub async fn check_dra_allocations(
+    client: &Client,
+    prefix: &str,
+    count: usize,
+    gpu_gib: u64,
+) -> anyhow::Result<(usize, usize)> {
+    let claims = Api::<ResourceClaim>::namespaced(client.clone(), "default")
+        .list(&ListParams::default())
+        .await?;
+    let made = format!("{prefix}-");
+    let mut allocated = 0;
+    let mut used: BTreeMap<(String, String), u64> = BTreeMap::new();
+    for claim in claims
+        .items
+        .iter()
+        .filter(|c| c.name_any().starts_with(&made))
+    {
+        let Some(allocation) = claim.status.as_ref().and_then(|s| s.allocation.as_ref()) else {
+            continue;
+        };
+        allocated += 1;
+        for result in allocation
+            .devices
+            .as_ref()
+            .and_then(|d| d.results.as_deref())
+            .unwrap_or_default()
+        {
+            let memory = result
+                .consumed_capacity
+                .as_ref()
+                .and_then(|c| c.get("memory"))
+                .and_then(|q| q.0.strip_suffix("Gi"))
+                .and_then(|n| n.parse::<u64>().ok())
+                .with_context(|| {
+                    format!(
+                        "claim {} has no whole-GiB consumed memory",
+                        claim.name_any()
+                    )
+                })?;
+            *used
+                .entry((result.pool.clone(), result.device.clone()))
+                .or_default() += memory;
+        }
+    }
+    ensure!(
+        allocated == count,
+        "{allocated} of {count} claims of {prefix} allocated"
+    );
+    if let Some(((pool, device), gib)) = used.iter().find(|(_, gib)| **gib > gpu_gib) {
+        anyhow::bail!("{pool}/{device} has {gib} GiB allocated of {gpu_gib}");
+    }
+    Ok((allocated, used.len()))
 }
