@@ -3,6 +3,7 @@
 //! ```text
 //!  backend.watch_health (blocking thread) ──(index, healthy)──▶ Health::run
 //!     GPU's health changed ─▶ slice::publish (taint, or withdraw where taints are dropped)
+//!     our slice deleted    ─▶ slice::publish (kubelet deletes its node's slices at start)
 //!     the write failed     ─▶ retried every RETRY until it lands
 //! ```
 //!
@@ -15,10 +16,12 @@ use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::Duration;
 
+use futures::StreamExt;
 use gpushare_contract::GpuInfo;
 use gpushare_device_plugin::backend::GpuBackend;
 use k8s_openapi::api::resource::v1::ResourceSlice;
 use kube::Api;
+use kube::runtime::{WatchStreamExt, watcher};
 use tokio::sync::mpsc;
 use tokio_util::sync::CancellationToken;
 
@@ -39,11 +42,6 @@ pub struct Health {
     pub driver: String,
     /// The GPUs as published at start (all healthy).
     pub gpus: Vec<GpuInfo>,
-    /// kubelet's verdict on the registration: each time it registers the plugin, the slice
-    /// is published again, because a restarting kubelet deletes its node's ResourceSlices
-    /// (seen on the real cluster: after a kubelet restart no claim could be allocated on the
-    /// node until the plugin published again).
-    pub registration: tokio::sync::watch::Receiver<crate::service::RegistrationState>,
 }
 
 /// Applies a health report; true when it changed something.
@@ -73,7 +71,7 @@ impl Health {
         let (reports, mut received) = mpsc::unbounded_channel();
         let backend = self.backend.clone();
         let blocking_halt = halt.clone();
-        let mut watcher = tokio::task::spawn_blocking(move || {
+        let mut health_watch = tokio::task::spawn_blocking(move || {
             backend.watch_health(&blocking_halt, &mut |index, healthy| {
                 let _ = reports.send((index, healthy));
             })
@@ -82,22 +80,38 @@ impl Health {
         let mut open = true;
         let mut unhealthy = Unhealthy::Taint;
         let mut dirty = false;
-        let mut registration_open = true;
+        // Our own slice, watched: kubelet deletes every ResourceSlice of its node when it
+        // starts (and a driver's slices once it has been gone a while), so a kubelet restart
+        // would leave the node offering nothing (seen on the real cluster: "cannot allocate
+        // all claims" for every new pod). A deletion, or a relist that no longer finds the
+        // slice, publishes it again. Updates are not acted on: the slice is ours, and
+        // re-checking our own writes could loop on a field the API server normalizes.
+        let name = slice::slice_name(&self.node, &self.driver);
+        let mut slice_events = watcher(
+            self.slices.clone(),
+            watcher::Config::default().fields(&format!("metadata.name={name}")),
+        )
+        .default_backoff()
+        .boxed();
+        let mut in_relist = false;
         loop {
             tokio::select! {
                 () = stop.cancelled() => return,
-                changed = self.registration.changed(), if registration_open => match changed {
-                    Ok(()) => {
-                        let registered = matches!(
-                            *self.registration.borrow_and_update(),
-                            crate::service::RegistrationState::Registered
-                        );
-                        if registered {
-                            tracing::info!("kubelet registered the plugin; publishing the slice again (a restarted kubelet deletes its node's slices)");
-                            dirty = true;
-                        }
+                event = slice_events.next() => match event {
+                    Some(Ok(watcher::Event::Delete(_))) => {
+                        tracing::warn!(slice = %name, "our ResourceSlice was deleted (kubelet deletes its node's slices when it starts); publishing it again");
+                        dirty = true;
                     }
-                    Err(_) => registration_open = false,
+                    Some(Ok(watcher::Event::Init)) => in_relist = false,
+                    Some(Ok(watcher::Event::InitApply(_))) => in_relist = true,
+                    Some(Ok(watcher::Event::InitDone)) if !in_relist => {
+                        tracing::warn!(slice = %name, "our ResourceSlice is gone; publishing it again");
+                        dirty = true;
+                    }
+                    Some(Ok(_)) => {}
+                    Some(Err(error)) => tracing::debug!(%error, "watching our ResourceSlice; retrying"),
+                    // The backoff keeps the watch going for as long as it is polled.
+                    None => {}
                 },
                 report = received.recv(), if open => match report {
                     Some((index, healthy)) => {
@@ -113,7 +127,7 @@ impl Health {
                     // The watcher ended (see below): no more reports.
                     None => open = false,
                 },
-                ended = &mut watcher, if watching => {
+                ended = &mut health_watch, if watching => {
                     watching = false;
                     match ended {
                         Ok(Ok(())) => {}

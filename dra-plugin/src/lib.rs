@@ -338,7 +338,7 @@ pub async fn run_with_client(
     );
     let probe_server = tokio::spawn(probes::serve(
         probe_listener,
-        registration_state.clone(),
+        registration_state,
         stop.clone(),
     ));
     // Health changes re-publish the slice from now on (the servers are up: nothing below
@@ -350,7 +350,6 @@ pub async fn run_with_client(
             node: config.node_name.clone(),
             driver: config.driver_name.clone(),
             gpus,
-            registration: registration_state,
         }
         .run(stop.clone()),
     );
