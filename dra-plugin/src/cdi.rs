@@ -2,9 +2,9 @@
 //!
 //! kubelet hands the container runtime the CDI device names Prepare answered; the runtime
 //! looks them up in the spec files of its CDI directory and applies their `containerEdits`.
-//! One spec file per claim, named after the claim's UID, holding one device per GPU share
-//! with the environment the device plugin gives in extender mode
-//! ([`gpushare_contract::env`]): `NVIDIA_VISIBLE_DEVICES` pins the container to the GPU, the
+//! One spec file per claim, named after the claim's UID, holding one device per GPU share,
+//! each with the claim's whole environment as the device plugin gives it in extender mode
+//! ([`gpushare_contract::env`], [`claim_env`]): `NVIDIA_VISIBLE_DEVICES` pins the container to the GPU, the
 //! `GPUSHARE_*` variables tell the application its share, and the enforcement mode's
 //! variables (and, for MPS, the daemon's pipe directory as a mount) carry the share to the
 //! enforcer. Every container that uses the claim gets the claim's whole share: in DRA a claim,
@@ -12,7 +12,9 @@
 
 use std::path::{Path, PathBuf};
 
-use gpushare_contract::env::{self, Enforcement};
+use gpushare_contract::env::Enforcement;
+use gpushare_contract::{ContainerRequest, GpuInfo};
+use gpushare_device_plugin::service::container_env;
 use serde_json::{Value, json};
 
 use crate::prepare::{PreparedDevice, cdi_name};
@@ -29,27 +31,41 @@ pub struct EnforcementConfig {
     pub mps_pipe_directory: String,
 }
 
-/// The environment of one prepared device, as `NAME=value` strings. `claim_gib` is what the
-/// whole claim holds on the device's GPU (what extender mode calls the pod's GiB).
-pub fn env_for(
-    device: &PreparedDevice,
-    claim_gib: u64,
-    enforcement: &EnforcementConfig,
-) -> Vec<String> {
-    let enforced = enforcement
-        .mode
-        .env(device.gib, &enforcement.mps_pipe_directory)
-        .into_iter()
-        .map(|(name, value)| format!("{name}={value}"));
-    let mut vars = vec![
-        format!("{}={}", env::NVIDIA_VISIBLE_DEVICES, device.gpu_uuid),
-        format!("{}={}", env::GPU_INDEX, device.gpu_index),
-        format!("{}={}", env::GPU_UUID, device.gpu_uuid),
-        format!("{}={}", env::CONTAINER_GIB, device.gib),
-        format!("{}={claim_gib}", env::POD_GIB),
-        format!("{}={}", env::GPU_TOTAL_GIB, device.gpu_mem_gib),
-    ];
-    vars.extend(enforced);
+/// The environment every device of a claim carries, as `NAME=value` strings: the claim's
+/// GPUs as one container sees them, by extender mode's contract
+/// ([`gpushare_device_plugin::service::container_env`]): one GPU gets exactly the one-GPU
+/// variables; N GPUs (a request with `count: N`, the same share of each, checked by
+/// [`crate::prepare::plan`]) get the comma lists, `GPUSHARE_GPU_COUNT` and the per-GPU share.
+/// Every device carries the same list, so however the runtime merges their edits, the
+/// container sees the whole claim.
+pub fn claim_env(devices: &[PreparedDevice], enforcement: &EnforcementConfig) -> Vec<String> {
+    let gpus: Vec<GpuInfo> = devices
+        .iter()
+        .map(|device| GpuInfo {
+            index: device.gpu_index,
+            uuid: device.gpu_uuid.clone(),
+            model: String::new(),
+            mem_gib: device.gpu_mem_gib,
+            healthy: true,
+            numa_node: None,
+        })
+        .collect();
+    let per_gpu = devices.first().map_or(0, |device| device.gib);
+    let request = ContainerRequest {
+        name: String::new(),
+        gib: per_gpu.saturating_mul(u64::try_from(devices.len()).unwrap_or(u64::MAX)),
+        init: false,
+    };
+    let mut vars: Vec<String> = container_env(
+        &gpus,
+        &request,
+        per_gpu,
+        (enforcement.mode, &enforcement.mps_pipe_directory),
+    )
+    .into_iter()
+    .map(|(name, value)| format!("{name}={value}"))
+    .collect();
+    vars.sort();
     vars
 }
 
@@ -68,15 +84,11 @@ pub fn spec(
         })],
         Enforcement::None | Enforcement::Toolkit => Vec::new(),
     };
+    let env = claim_env(devices, enforcement);
     let devices: Vec<Value> = devices
         .iter()
         .map(|device| {
-            let claim_gib = devices
-                .iter()
-                .filter(|other| other.gpu_index == device.gpu_index)
-                .map(|other| other.gib)
-                .sum();
-            let mut edits = json!({"env": env_for(device, claim_gib, enforcement)});
+            let mut edits = json!({"env": env});
             if !mounts.is_empty() {
                 edits["mounts"] = json!(mounts);
             }
@@ -156,6 +168,49 @@ mod tests {
                 .contains(&json!("CUDA_MPS_PINNED_DEVICE_MEM_LIMIT=0=4G"))
         );
         assert_eq!(edits["mounts"][0]["hostPath"], "/run/mps");
+    }
+
+    #[test]
+    fn every_device_of_a_two_gpu_claim_carries_both_gpus() {
+        let device = |index: u32| PreparedDevice {
+            request: "gpus".into(),
+            pool: "n1".into(),
+            device: format!("gpu-{index}"),
+            gpu_index: index,
+            gpu_uuid: format!("GPU-{index}"),
+            gpu_mem_gib: 16,
+            gib: 4,
+            cdi_device_id: format!("k/c=claim-u1-gpu-{index}"),
+        };
+        let toolkit = EnforcementConfig {
+            mode: Enforcement::Toolkit,
+            mps_pipe_directory: String::new(),
+        };
+        let spec = spec("k/c", "u1", &[device(1), device(0)], &toolkit);
+        let envs: Vec<&Value> = (0..2)
+            .map(|i| &spec["devices"][i]["containerEdits"]["env"])
+            .collect();
+        assert_eq!(
+            envs[0], envs[1],
+            "both devices carry the claim's environment"
+        );
+        let env: Vec<&str> = envs[0]
+            .as_array()
+            .unwrap()
+            .iter()
+            .filter_map(Value::as_str)
+            .collect();
+        for wanted in [
+            "NVIDIA_VISIBLE_DEVICES=GPU-1,GPU-0",
+            "GPUSHARE_GPU_INDEX=1,0",
+            "GPUSHARE_GPU_COUNT=2",
+            "GPUSHARE_CONTAINER_MEM_GIB=8",
+            "GPUSHARE_CONTAINER_MEM_GIB_PER_GPU=4",
+            "GPUSHARE_POD_MEM_GIB=8",
+            "NVIDIA_GPU_MEMORY_LIMIT=4096",
+        ] {
+            assert!(env.contains(&wanted), "{wanted} missing from {env:?}");
+        }
     }
 
     fn spec_mps(device: &PreparedDevice, mps: &EnforcementConfig) -> Value {

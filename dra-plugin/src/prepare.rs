@@ -5,8 +5,9 @@
 //! pool of a driver, and for a shareable device the capacity consumed. A result of another
 //! driver is someone else's business and is skipped. Ours must be in this node's pool and
 //! name one of this node's GPUs; `consumedCapacity.memory` is the share, in whole GiB (the
-//! request policy in the slice makes it so). A claim holds at most one gpushare device: the
-//! container environment (`NVIDIA_VISIBLE_DEVICES`, `GPUSHARE_*`) names one GPU.
+//! request policy in the slice makes it so). A claim may hold several gpushare devices (a
+//! request with `count: N`): each on its own GPU and each with the same share, so the
+//! container sees them all as extender mode's multi-GPU pods do (`cdi::claim_env`).
 
 use gpushare_contract::GpuInfo;
 use k8s_openapi::api::resource::v1::ResourceClaim;
@@ -102,15 +103,25 @@ pub enum PrepareError {
         /// the quantity found
         value: String,
     },
-    /// More than one gpushare device in one claim.
+    /// Two of the claim's devices are the same GPU.
     #[error(
-        "claim {claim} holds {count} gpushare devices; a claim (and so a container) gets one GPU. Ask for one device per claim"
+        "claim {claim} holds {device} twice; a claim's GPUs must be distinct (ask for one request with count: N)"
     )]
-    SeveralDevices {
+    SameGpuTwice {
         /// namespace/name
         claim: String,
-        /// how many
-        count: usize,
+        /// the device named twice
+        device: String,
+    },
+    /// The claim's GPUs hold different shares.
+    #[error(
+        "claim {claim} holds different shares of its GPUs ({shares}); a container gets the same share of each of its GPUs, so ask for one request with count: N and one capacity"
+    )]
+    UnevenShares {
+        /// namespace/name
+        claim: String,
+        /// the shares, e.g. `gpu-0: 4 GiB, gpu-1: 8 GiB`
+        shares: String,
     },
 }
 
@@ -152,12 +163,6 @@ pub fn plan(
         .flatten()
         .filter(|result| result.driver == driver)
         .collect();
-    if ours.len() > 1 {
-        return Err(PrepareError::SeveralDevices {
-            claim: key,
-            count: ours.len(),
-        });
-    }
     let mut devices = Vec::with_capacity(ours.len());
     for result in ours {
         if result.pool != node {
@@ -205,6 +210,25 @@ pub fn plan(
             gib,
             cdi_device_id: format!("{cdi_kind}={}", cdi_name(uid, &result.device)),
         });
+    }
+    if let Some(twice) = devices.iter().enumerate().find_map(|(i, d)| {
+        devices[..i]
+            .iter()
+            .any(|earlier| earlier.gpu_index == d.gpu_index)
+            .then_some(d)
+    }) {
+        return Err(PrepareError::SameGpuTwice {
+            claim: key,
+            device: twice.device.clone(),
+        });
+    }
+    if devices.windows(2).any(|pair| pair[0].gib != pair[1].gib) {
+        let shares = devices
+            .iter()
+            .map(|d| format!("{}: {} GiB", d.device, d.gib))
+            .collect::<Vec<_>>()
+            .join(", ");
+        return Err(PrepareError::UnevenShares { claim: key, shares });
     }
     Ok(devices)
 }
@@ -261,6 +285,17 @@ mod tests {
     }
 
     #[test]
+    fn a_claim_of_two_gpus_holds_the_same_share_of_each() {
+        let c = claim(json!([
+            result(D, "n1", "gpu-1", Some("4Gi")),
+            result(D, "n1", "gpu-0", Some("4Gi"))
+        ]));
+        let devices = plan(&c, "u1", D, "n1", &gpus(), "k/c").unwrap();
+        let placed: Vec<(u32, u64)> = devices.iter().map(|d| (d.gpu_index, d.gib)).collect();
+        assert_eq!(placed, [(1, 4), (0, 4)]);
+    }
+
+    #[test]
     fn an_unshared_device_is_the_whole_gpu() {
         let c = claim(json!([result(D, "n1", "gpu-0", None)]));
         let devices = plan(&c, "u1", D, "n1", &gpus(), "k/c").unwrap();
@@ -284,12 +319,21 @@ mod tests {
         assert!(matches!(run(&c, "u1"), Err(PrepareError::BadShare { .. })));
         let c = claim(json!([
             result(D, "n1", "gpu-0", Some("4Gi")),
-            result(D, "n1", "gpu-1", Some("4Gi"))
+            result(D, "n1", "gpu-0", Some("4Gi"))
         ]));
         assert!(matches!(
             run(&c, "u1"),
-            Err(PrepareError::SeveralDevices { count: 2, .. })
+            Err(PrepareError::SameGpuTwice { .. })
         ));
+        let c = claim(json!([
+            result(D, "n1", "gpu-0", Some("4Gi")),
+            result(D, "n1", "gpu-1", Some("8Gi"))
+        ]));
+        let uneven = run(&c, "u1").unwrap_err();
+        assert!(
+            uneven.to_string().contains("gpu-0: 4 GiB, gpu-1: 8 GiB"),
+            "{uneven}"
+        );
         let mut c = claim(json!([]));
         c.status = None;
         assert!(matches!(

@@ -464,6 +464,42 @@ async fn after_a_kubelet_restart_the_node_offers_its_gpus_again() -> anyhow::Res
     Ok(())
 }
 
+/// A claim of two GPUs (one request, `count: 2`, 4 GiB of each): kube-scheduler's allocator
+/// gives it two distinct GPUs and the container sees both, with extender mode's multi-GPU
+/// environment (the plugin once refused any claim of more than one device).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_claim_of_two_gpus_sees_both() -> anyhow::Result<()> {
+    let cluster = DraCluster::start(&[("gpu-node-1", &[16, 16])]).await?;
+    let template: k8s_openapi::api::resource::v1::ResourceClaimTemplate =
+        serde_json::from_value(serde_json::json!({
+            "apiVersion": "resource.k8s.io/v1", "kind": "ResourceClaimTemplate",
+            "metadata": {"name": "two-gpus", "namespace": "default"},
+            "spec": {"spec": {"devices": {"requests": [{"name": "gpu", "exactly": {
+                "deviceClassName": "gpu-mem.gpushare.example.com",
+                "allocationMode": "ExactCount", "count": 2,
+                "capacity": {"requests": {"memory": "4Gi"}}}}]}}}
+        }))?;
+    Api::namespaced(cluster.client.clone(), "default")
+        .create(&kube::api::PostParams::default(), &template)
+        .await?;
+    cluster.create_templated_pod("trainer", "two-gpus").await?;
+    wait_for_running(&cluster, "the two-GPU pod running", 1).await?;
+    let env = cluster
+        .node("gpu-node-1")
+        .and_then(|n| n.kubelet.container_env("default", "trainer", "main"))
+        .expect("the container's environment");
+    let visible: Vec<&str> = env["NVIDIA_VISIBLE_DEVICES"].split(',').collect();
+    assert_eq!(visible.len(), 2, "{env:?}");
+    assert_ne!(visible[0], visible[1], "{env:?}");
+    assert_eq!(env["GPUSHARE_GPU_COUNT"], "2");
+    assert_eq!(env["GPUSHARE_CONTAINER_MEM_GIB_PER_GPU"], "4");
+    let gpus = cluster.gpu_use().await?;
+    let claimed: Vec<u64> = gpus.iter().map(|g| g.claimed_gib).collect();
+    assert_eq!(claimed, [4, 4]);
+    cluster.shutdown().await;
+    Ok(())
+}
+
 /// The taints the slice of `node` puts on `device`.
 async fn taints_of(cluster: &DraCluster, node: &str, device: &str) -> anyhow::Result<Vec<String>> {
     Ok(cluster

@@ -86,6 +86,10 @@ const GROUPS: &[Group] = &[
             ),
             ("dra_claims_run_and_free", dra_claims_run_and_free),
             (
+                "dra_two_gpu_and_whole_gpu_claims",
+                dra_two_gpu_and_whole_gpu_claims,
+            ),
+            (
                 "dra_kubelet_restart_keeps_claimed_pods",
                 dra_kubelet_restart_keeps_claimed_pods,
             ),
@@ -657,17 +661,7 @@ fn dra_pod(name: &str) -> anyhow::Result<Pod> {
 /// and a deleted pod's share goes to the next one.
 fn dra_claims_run_and_free(c: &KitCluster) -> Outcome<'_> {
     Box::pin(async move {
-        let templates: Api<kube::api::DynamicObject> = Api::namespaced_with(
-            c.client(),
-            "default",
-            &kube::api::ApiResource::from_gvk(&kube::api::GroupVersionKind::gvk(
-                "resource.k8s.io",
-                "v1",
-                "ResourceClaimTemplate",
-            )),
-        );
-        let template: kube::api::DynamicObject = serde_json::from_str(CLAIM_TEMPLATE)?;
-        templates.create(&PostParams::default(), &template).await?;
+        create_claim_template(c, serde_json::from_str(CLAIM_TEMPLATE)?).await?;
         let pods: Api<Pod> = Api::namespaced(c.client(), "default");
         for i in 1..=3 {
             pods.create(&PostParams::default(), &dra_pod(&format!("dra-{i}"))?)
@@ -1189,8 +1183,9 @@ fn the_readme_pod_runs_pinned(c: &KitCluster) -> Outcome<'_> {
     })
 }
 
-/// The claims kube-controller-manager made for `pod`, as `(request memory, allocated)`.
-fn claims_of(c: &KitCluster, pod: &str) -> anyhow::Result<Vec<(String, bool)>> {
+/// The claims kube-controller-manager made for `pod` from its templates (owned by it), as
+/// the API server has them.
+fn pod_claims(c: &KitCluster, pod: &str) -> anyhow::Result<Vec<serde_json::Value>> {
     let list: serde_json::Value = serde_json::from_str(&c.kubectl(&[
         "get",
         "resourceclaims",
@@ -1208,6 +1203,14 @@ fn claims_of(c: &KitCluster, pod: &str) -> anyhow::Result<Vec<(String, bool)>> {
             claim["metadata"]["annotations"]["resource.kubernetes.io/pod-claim-name"].is_string()
                 && claim["metadata"]["ownerReferences"][0]["name"] == pod
         })
+        .cloned()
+        .collect())
+}
+
+/// The claims kube-controller-manager made for `pod`, as `(request memory, allocated)`.
+fn claims_of(c: &KitCluster, pod: &str) -> anyhow::Result<Vec<(String, bool)>> {
+    Ok(pod_claims(c, pod)?
+        .iter()
         .map(|claim| {
             let memory = claim["spec"]["devices"]["requests"][0]["exactly"]["capacity"]["requests"]
                 ["memory"]
@@ -1378,4 +1381,150 @@ async fn survived(c: &KitCluster, before: &Pod, what: &str) -> anyhow::Result<Po
         .count();
     ensure!(starts == 1, "{name}'s container was started {starts} times");
     Ok(now)
+}
+
+/// Creates the ResourceClaimTemplate `template` (JSON) in `default`.
+async fn create_claim_template(c: &KitCluster, template: serde_json::Value) -> anyhow::Result<()> {
+    let templates: Api<kube::api::DynamicObject> = Api::namespaced_with(
+        c.client(),
+        "default",
+        &kube::api::ApiResource::from_gvk(&kube::api::GroupVersionKind::gvk(
+            "resource.k8s.io",
+            "v1",
+            "ResourceClaimTemplate",
+        )),
+    );
+    templates
+        .create(&PostParams::default(), &serde_json::from_value(template)?)
+        .await?;
+    Ok(())
+}
+
+/// A template of one request of `count` devices of gpushare's class, `memory` of each.
+fn gpus_template(name: &str, count: u32, memory: &str) -> serde_json::Value {
+    serde_json::json!({
+        "apiVersion": "resource.k8s.io/v1", "kind": "ResourceClaimTemplate",
+        "metadata": {"name": name, "namespace": "default"},
+        "spec": {"spec": {"devices": {"requests": [{"name": "gpus", "exactly": {
+            "deviceClassName": "gpu-mem.gpushare.example.com",
+            "allocationMode": "ExactCount", "count": count,
+            "capacity": {"requests": {"memory": memory}}}}]}}}
+    })
+}
+
+/// A pod whose container claims from `template`.
+fn templated_pod(name: &str, template: &str) -> anyhow::Result<Pod> {
+    Ok(serde_json::from_value(serde_json::json!({
+        "apiVersion": "v1", "kind": "Pod",
+        "metadata": {"name": name, "namespace": "default"},
+        "spec": {
+            "resourceClaims": [{"name": "gpus", "resourceClaimTemplateName": template}],
+            "containers": [{"name": "main", "image": "busybox:1.36",
+                            "resources": {"claims": [{"name": "gpus"}]}}]
+        }
+    }))?)
+}
+
+/// The devices (`gpu-<index>`) and consumed memory of the claims of `pod`.
+fn claimed_devices(c: &KitCluster, pod: &str) -> anyhow::Result<Vec<(String, String)>> {
+    let mut devices = Vec::new();
+    for claim in pod_claims(c, pod)? {
+        for result in claim["status"]["allocation"]["devices"]["results"]
+            .as_array()
+            .map(Vec::as_slice)
+            .unwrap_or_default()
+        {
+            devices.push((
+                result["device"].as_str().unwrap_or_default().to_owned(),
+                result["consumedCapacity"]["memory"]
+                    .as_str()
+                    .unwrap_or_default()
+                    .to_owned(),
+            ));
+        }
+    }
+    devices.sort();
+    Ok(devices)
+}
+
+/// The CDI spec files our plugin has written for claims (the chart's `dra.cdiDir`).
+fn claim_specs() -> anyhow::Result<Vec<String>> {
+    let mut names: Vec<String> = match std::fs::read_dir("/var/run/cdi") {
+        Ok(dir) => dir
+            .filter_map(Result::ok)
+            .map(|e| e.file_name().to_string_lossy().into_owned())
+            .filter(|name| name.starts_with("gpushare.example.com-claim-"))
+            .collect(),
+        Err(err) if err.kind() == std::io::ErrorKind::NotFound => Vec::new(),
+        Err(err) => return Err(err.into()),
+    };
+    names.sort();
+    Ok(names)
+}
+
+/// DRA mode, claims beyond one share: a request of `count: 2` runs with 4 GiB on each of
+/// two distinct GPUs and a CDI device for each; a claim of a whole 16 GiB GPU takes the
+/// 16 GiB one, so the next share goes to the other; and a pod's going unprepares its claim
+/// (NodeUnprepareResources: the plugin removes the claim's CDI spec).
+fn dra_two_gpu_and_whole_gpu_claims(c: &KitCluster) -> Outcome<'_> {
+    Box::pin(async move {
+        let pods: Api<Pod> = Api::namespaced(c.client(), "default");
+        let specs_before = claim_specs()?;
+        create_claim_template(c, gpus_template("two-gpus-4g", 2, "4Gi")).await?;
+        pods.create(
+            &PostParams::default(),
+            &templated_pod("two", "two-gpus-4g")?,
+        )
+        .await?;
+        let cdi = cdi_of(c, "two", "main").await?;
+        ensure!(
+            cdi.len() == 2,
+            "two should get a CDI device per GPU: {cdi:?}"
+        );
+        let devices = claimed_devices(c, "two")?;
+        ensure!(
+            devices
+                == [
+                    ("gpu-0".to_owned(), "4Gi".to_owned()),
+                    ("gpu-1".to_owned(), "4Gi".to_owned())
+                ],
+            "two should hold 4Gi of each GPU: {devices:?}"
+        );
+        let written: Vec<String> = claim_specs()?
+            .into_iter()
+            .filter(|name| !specs_before.contains(name))
+            .collect();
+        ensure!(
+            written.len() == 1,
+            "one CDI spec should be written for two's claim: {written:?}"
+        );
+        delete_pod(c, "two").await?;
+        wait_for(
+            "two's CDI spec to be removed (NodeUnprepareResources)",
+            Duration::from_secs(60),
+            || async { (!claim_specs().ok()?.contains(&written[0])).then_some(()) },
+        )
+        .await?;
+
+        create_claim_template(c, gpus_template("whole-16g", 1, "16Gi")).await?;
+        pods.create(
+            &PostParams::default(),
+            &templated_pod("whole", "whole-16g")?,
+        )
+        .await?;
+        ensure!(cdi_of(c, "whole", "main").await?.len() == 1);
+        let whole = claimed_devices(c, "whole")?;
+        ensure!(
+            whole == [("gpu-1".to_owned(), "16Gi".to_owned())],
+            "whole should take the 16 GiB GPU: {whole:?}"
+        );
+        create_gpu_pod(c, "small", 1).await?;
+        ensure!(cdi_of(c, "small", "main").await?.len() == 1);
+        let small = claimed_devices(c, "small")?;
+        ensure!(
+            small == [("gpu-0".to_owned(), "1Gi".to_owned())],
+            "nothing is left of the whole GPU, so small goes to the other: {small:?}"
+        );
+        Ok(())
+    })
 }
