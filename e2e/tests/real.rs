@@ -78,7 +78,11 @@ const GROUPS: &[Group] = &[
     },
     Group {
         mode: Mode::Dra,
-        helm_args: &[],
+        // The simulated GPUs' health file, so a scenario can make a GPU unhealthy.
+        helm_args: &[
+            "--set-json",
+            r#"dra.extraEnv=[{"name":"SIMULATE_HEALTH_FILE","value":"/tmp/gpushare-realk8s-unhealthy-gpus"}]"#,
+        ],
         scenarios: &[
             (
                 "the_readme_pod_runs_unchanged_in_dra_mode",
@@ -92,6 +96,10 @@ const GROUPS: &[Group] = &[
             (
                 "dra_kubelet_restart_keeps_claimed_pods",
                 dra_kubelet_restart_keeps_claimed_pods,
+            ),
+            (
+                "dra_unhealthy_gpu_is_tainted_and_avoided",
+                dra_unhealthy_gpu_is_tainted_and_avoided,
             ),
         ],
     },
@@ -1527,4 +1535,84 @@ fn dra_two_gpu_and_whole_gpu_claims(c: &KitCluster) -> Outcome<'_> {
         );
         Ok(())
     })
+}
+
+/// The DRA group's simulated health file (`dra.extraEnv`): the indices of unhealthy GPUs.
+const UNHEALTHY_GPUS: &str = "/tmp/gpushare-realk8s-unhealthy-gpus";
+
+/// The taint keys on device `device` of node-k's slice.
+fn device_taints(c: &KitCluster, device: &str) -> anyhow::Result<Vec<String>> {
+    let slice: serde_json::Value = serde_json::from_str(&c.kubectl(&[
+        "get",
+        "resourceslice",
+        "node-k-gpushare.example.com",
+        "-o",
+        "json",
+    ])?)?;
+    Ok(slice["spec"]["devices"]
+        .as_array()
+        .map(Vec::as_slice)
+        .unwrap_or_default()
+        .iter()
+        .filter(|d| d["name"] == device)
+        .flat_map(|d| d["taints"].as_array().cloned().unwrap_or_default())
+        .filter_map(|t| t["key"].as_str().map(str::to_owned))
+        .collect())
+}
+
+/// DRA mode, a GPU turns unhealthy under a running pod (the simulated backend's health
+/// file): the plugin taints its device in the slice, the pod keeps running, new claims all
+/// go to the other GPU, and the taint goes when the GPU recovers.
+fn dra_unhealthy_gpu_is_tainted_and_avoided(c: &KitCluster) -> Outcome<'_> {
+    Box::pin(async move {
+        let result = unhealthy_gpu(c).await;
+        std::fs::write(UNHEALTHY_GPUS, "")?;
+        result
+    })
+}
+
+async fn unhealthy_gpu(c: &KitCluster) -> anyhow::Result<()> {
+    std::fs::write(UNHEALTHY_GPUS, "")?;
+    create_gpu_pod(c, "resident", 4).await?;
+    ensure!(cdi_of(c, "resident", "main").await?.len() == 1);
+    let held = claimed_devices(c, "resident")?;
+    let (device, _) = held.first().context("resident holds no device")?.clone();
+    let index = device.trim_start_matches("gpu-").to_owned();
+    let other = if index == "0" { "gpu-1" } else { "gpu-0" };
+    std::fs::write(UNHEALTHY_GPUS, &index)?;
+    wait_for(
+        &format!("{device} to be tainted in the slice"),
+        Duration::from_secs(30),
+        || async {
+            let taints = device_taints(c, &device).ok()?;
+            taints
+                .iter()
+                .any(|key| key == "gpushare.example.com/unhealthy")
+                .then_some(())
+        },
+    )
+    .await?;
+    for name in ["after-1", "after-2"] {
+        create_gpu_pod(c, name, 4).await?;
+        ensure!(cdi_of(c, name, "main").await?.len() == 1);
+        let placed = claimed_devices(c, name)?;
+        ensure!(
+            placed == [(other.to_owned(), "4Gi".to_owned())],
+            "{name} should avoid the unhealthy {device}: {placed:?}"
+        );
+    }
+    let resident = Api::<Pod>::namespaced(c.client(), "default")
+        .get("resident")
+        .await?;
+    ensure!(
+        phase(&resident) == "Running",
+        "the pod on the unhealthy GPU stopped"
+    );
+    std::fs::write(UNHEALTHY_GPUS, "")?;
+    wait_for(
+        &format!("{device}'s taint to go once it recovers"),
+        Duration::from_secs(30),
+        || async { device_taints(c, &device).ok()?.is_empty().then_some(()) },
+    )
+    .await
 }
