@@ -109,6 +109,7 @@ fn strategies() -> Vec<Strategy> {
             policy: Some(Policy::Binpack),
             profile: Profile::NativeMostAllocated,
         },
+        Strategy::DraFirstFit,
     ]
 }
 

@@ -130,6 +130,12 @@ pub enum Strategy {
         /// CPU-only tasks go through the default scheduler.
         cpu_pods_by_default: bool,
     },
+    /// gpushare's DRA mode: kube-scheduler allocates each task's claim itself (a request of
+    /// `gpus` devices with `gpu_gib` of `memory` each). Its walk, with the DynamicResources
+    /// filter among its filters, its default scores (nothing scores devices in 1.36), and on
+    /// the node it picks the allocator's first fit: the first GPUs in the slice's order with
+    /// the share free, distinct.
+    DraFirstFit,
 }
 
 impl Strategy {
@@ -161,7 +167,16 @@ impl Strategy {
                     ""
                 }
             ),
+            Strategy::DraFirstFit => {
+                "DRA mode (kube-scheduler's allocator: default scores, first-fit devices)"
+                    .to_owned()
+            }
         }
+    }
+
+    /// Whether kube-scheduler's walk picks the nodes (else the strategy sees every node).
+    fn walks(self) -> bool {
+        self.is_gpushare() || self == Strategy::DraFirstFit
     }
 
     fn is_gpushare(self) -> bool {
@@ -173,7 +188,9 @@ impl Strategy {
 
     fn places_multi_gpu(self) -> bool {
         match self {
-            Strategy::Gpushare { .. } | Strategy::Fragmentation { .. } => true,
+            Strategy::Gpushare { .. } | Strategy::Fragmentation { .. } | Strategy::DraFirstFit => {
+                true
+            }
             Strategy::BestFit { multi_gpu } | Strategy::Fgd { multi_gpu, .. } => multi_gpu,
         }
     }
@@ -186,7 +203,9 @@ impl Strategy {
 
     fn cpu_pods_by_default_scheduler(self) -> bool {
         match self {
-            Strategy::Gpushare { .. } | Strategy::Fragmentation { .. } => true,
+            Strategy::Gpushare { .. } | Strategy::Fragmentation { .. } | Strategy::DraFirstFit => {
+                true
+            }
             Strategy::BestFit { .. } => false,
             Strategy::Fgd {
                 cpu_pods_by_default,
@@ -396,7 +415,7 @@ fn replay_to_end<'a>(
     // One kube-scheduler for the whole replay: its walk resumes where the previous pod's
     // stopped, GPU and CPU-only pods alike.
     let mut kube = KubeScheduler::new(
-        if strategy.is_gpushare() {
+        if strategy.walks() {
             to_score
         } else {
             NodesToScore::All
@@ -452,6 +471,7 @@ fn replay_to_end<'a>(
                     (i, &mut kube),
                 ),
                 Strategy::BestFit { .. } => best_fit(&state, task).ok_or(Missed::Everywhere),
+                Strategy::DraFirstFit => dra_first_fit(&state, task, &mut kube),
                 Strategy::Fgd { .. } => {
                     fgd::place(&state, fgd_shapes.as_deref().unwrap_or(&[]), task)
                         .ok_or(Missed::Everywhere)
@@ -744,6 +764,51 @@ fn default_scheduler(state: &Nodes<'_>, task: &Task, kube: &mut KubeScheduler) -
         }),
         &mut kube.rng,
     )
+}
+
+/// The devices kube-scheduler's DRA allocator gives `task`'s claim on a node whose GPUs have
+/// `free` GiB: the first `gpus` of them, in the slice's order, with the share free.
+fn first_fit_devices(free: &[u64], task: &Task) -> Option<Vec<usize>> {
+    let wanted = task.gpus.max(1) as usize;
+    let picked: Vec<usize> = free
+        .iter()
+        .enumerate()
+        .filter(|(_, free)| **free >= task.gpu_gib)
+        .map(|(g, _)| g)
+        .take(wanted)
+        .collect();
+    (picked.len() == wanted).then_some(picked)
+}
+
+/// [`Strategy::DraFirstFit`]: kube-scheduler's walk with the DynamicResources filter, its
+/// default scores, and the allocator's first fit on the node it picks.
+fn dra_first_fit(
+    state: &Nodes<'_>,
+    task: &Task,
+    kube: &mut KubeScheduler,
+) -> Result<(usize, Vec<usize>), Missed> {
+    let feasible = |n: usize| {
+        state.model_ok(n, task)
+            && state.host_free(n).fits(task.host)
+            && first_fit_devices(&state.free[n], task).is_some()
+    };
+    let walk = kube.walk(state.specs.len(), feasible);
+    let chosen = select_host(
+        walk.feasible.iter().map(|&n| {
+            (
+                n,
+                default_score(state.specs[n].host, state.used[n], task.host),
+            )
+        }),
+        &mut kube.rng,
+    );
+    match chosen {
+        Some(n) => first_fit_devices(&state.free[n], task)
+            .map(|gpus| (n, gpus))
+            .ok_or(Missed::Everywhere),
+        None if walk.unvisited().any(feasible) => Err(Missed::OutsideWalk),
+        None => Err(Missed::Everywhere),
+    }
 }
 
 /// Whether a task asks for whole GPUs: all of its GPU model's memory, on one GPU or more.
@@ -1187,6 +1252,29 @@ mod tests {
             host: Host::new(1_000, 1_024),
             model: None,
         }
+    }
+
+    #[test]
+    fn the_dra_allocator_takes_the_first_gpus_with_the_share_free() {
+        let free = [2, 8, 16, 8];
+        // First fit, not best fit: the 8 GiB GPU before the 16 and the later 8.
+        assert_eq!(
+            first_fit_devices(&free, &task(TaskKind::Fractional, 1, 4)),
+            Some(vec![1])
+        );
+        // N distinct GPUs, in the slice's order.
+        assert_eq!(
+            first_fit_devices(&free, &task(TaskKind::Multi, 2, 8)),
+            Some(vec![1, 2])
+        );
+        assert_eq!(
+            first_fit_devices(&free, &task(TaskKind::Multi, 3, 16)),
+            None
+        );
+        assert_eq!(
+            first_fit_devices(&free, &task(TaskKind::Whole, 1, 16)),
+            Some(vec![2])
+        );
     }
 
     #[test]
