@@ -47,8 +47,10 @@ use tokio_rustls::TlsAcceptor;
 
 use crate::{Error, Result};
 
-/// How long a TLS handshake may take before the connection is dropped.
-const HANDSHAKE_TIMEOUT: Duration = Duration::from_secs(10);
+/// How long a TLS handshake may take before the connection is dropped (the webhook's server
+/// and the extender's: a client that connects and never finishes the handshake would
+/// otherwise hold a task until shutdown).
+pub const HANDSHAKE_TIMEOUT: Duration = Duration::from_secs(10);
 /// How many CAs a merged caBundle keeps (ours first, then the newest others).
 pub const MAX_BUNDLED_CAS: usize = 4;
 

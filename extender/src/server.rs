@@ -31,6 +31,8 @@ use tokio_rustls::rustls::pki_types::pem::PemObject;
 use tokio_rustls::rustls::pki_types::{CertificateDer, PrivateKeyDer};
 use tokio_util::sync::CancellationToken;
 
+use gpushare_admission::tls::HANDSHAKE_TIMEOUT;
+
 use crate::leader::Leadership;
 
 /// Why the TLS configuration could not be loaded.
@@ -150,10 +152,16 @@ pub async fn serve_http(
                         let (acceptor, builder) = (acceptor.clone(), builder.clone());
                         let watcher = graceful.watcher();
                         connections.spawn(async move {
-                            let stream = match acceptor.accept(stream).await {
-                                Ok(stream) => stream,
-                                Err(error) => {
+                            let handshake =
+                                tokio::time::timeout(HANDSHAKE_TIMEOUT, acceptor.accept(stream));
+                            let stream = match handshake.await {
+                                Ok(Ok(stream)) => stream,
+                                Ok(Err(error)) => {
                                     tracing::debug!(%peer, %error, "TLS handshake failed");
+                                    return;
+                                }
+                                Err(_) => {
+                                    tracing::debug!(%peer, "TLS handshake timed out");
                                     return;
                                 }
                             };
@@ -187,5 +195,47 @@ pub async fn serve_http(
     tokio::select! {
         () = graceful.shutdown() => {}
         () = tokio::time::sleep(DRAIN) => tracing::warn!("requests still in flight after {DRAIN:?}; closing"),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use gpushare_admission::tls::{CertConfig, SelfSignedCa};
+    use tokio::io::AsyncReadExt;
+
+    /// A client that connects and never sends its ClientHello is let go once the handshake
+    /// timeout passes (paused time: the runtime jumps the clock while everyone waits), rather
+    /// than holding a task until shutdown.
+    #[tokio::test(start_paused = true)]
+    async fn a_client_that_never_finishes_the_handshake_is_let_go() {
+        let dir = tempfile::tempdir().unwrap();
+        let ca =
+            SelfSignedCa::generate(&CertConfig::new("gpushare-extender", "kube-system")).unwrap();
+        ca.write_pem_files(dir.path()).unwrap();
+        let acceptor =
+            tls_acceptor(&dir.path().join("tls.crt"), &dir.path().join("tls.key")).unwrap();
+        let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let addr = listener.local_addr().unwrap();
+        let stop = CancellationToken::new();
+        let server = tokio::spawn(serve_http(
+            listener,
+            Router::new(),
+            Some(acceptor),
+            stop.clone(),
+            None,
+        ));
+        let mut idle = tokio::net::TcpStream::connect(addr).await.unwrap();
+        let started = tokio::time::Instant::now();
+        let mut buf = [0u8; 16];
+        let read = tokio::time::timeout(HANDSHAKE_TIMEOUT * 3, idle.read(&mut buf)).await;
+        assert!(
+            matches!(read, Ok(Ok(0)) | Ok(Err(_))),
+            "the idle connection was still open after {:?}: {read:?}",
+            started.elapsed()
+        );
+        assert!(started.elapsed() >= HANDSHAKE_TIMEOUT);
+        stop.cancel();
+        server.await.unwrap();
     }
 }
