@@ -403,7 +403,7 @@ async fn run_inner(
         tracing::info!(%addr, "serving /healthz, /readyz and /metrics");
     }
     let ready = Arc::new(AtomicBool::new(false));
-    let pods = PodCache::start(
+    let (pods, pod_tasks) = PodCache::start(
         client.clone(),
         &config.node_name,
         keys.clone(),
@@ -529,6 +529,10 @@ async fn run_inner(
             }),
         ),
     ];
+    // The pod view's tasks end only on shutdown: any other end stops the plugin loudly.
+    for (name, task) in pod_tasks {
+        tasks.push((name, as_supervised(name, task)));
+    }
     if let Some(reader) = usage {
         let (node, token) = (config.node_name.clone(), token.clone());
         tasks.push((
@@ -563,6 +567,15 @@ async fn watch_keyring(mut file: KeyringFile, token: CancellationToken) -> Resul
     }
 }
 
+/// A task that returns nothing, as [`supervise`] takes it: its panic becomes
+/// [`Error::TaskCrashed`].
+fn as_supervised(name: &'static str, task: JoinHandle<()>) -> JoinHandle<Result<()>> {
+    tokio::spawn(async move {
+        task.await
+            .map_err(|source| Error::TaskCrashed { task: name, source })
+    })
+}
+
 /// Waits for the first task to end; anything but a clean end after shutdown is an error.
 /// Then stops the others and waits for them.
 async fn supervise(
@@ -588,4 +601,61 @@ async fn supervise(
         }
     }
     outcome
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A long-lived task that ends before shutdown (a pod watch gone quiet would leave
+    /// Allocate answering from a frozen view) stops the plugin, naming it, and the others are
+    /// told to stop; the same end after shutdown is clean.
+    #[tokio::test]
+    async fn a_task_that_ends_before_shutdown_stops_the_plugin() {
+        let token = CancellationToken::new();
+        let waits = |token: CancellationToken| {
+            tokio::spawn(async move {
+                token.cancelled().await;
+                Ok(())
+            })
+        };
+        let tasks = vec![
+            ("server", waits(token.clone())),
+            ("pod watch", tokio::spawn(async { Ok(()) })),
+        ];
+        let outcome = supervise(tasks, token.clone()).await;
+        assert!(
+            matches!(outcome, Err(Error::TaskEnded("pod watch"))),
+            "{outcome:?}"
+        );
+        assert!(token.is_cancelled());
+
+        let token = CancellationToken::new();
+        let wrapped = as_supervised(
+            "pod watch",
+            tokio::spawn(async {
+                panic!("the watch stream broke");
+            }),
+        );
+        let outcome = supervise(
+            vec![("server", waits(token.clone())), ("pod watch", wrapped)],
+            token,
+        )
+        .await;
+        assert!(
+            matches!(
+                outcome,
+                Err(Error::TaskCrashed {
+                    task: "pod watch",
+                    ..
+                })
+            ),
+            "{outcome:?}"
+        );
+
+        let token = CancellationToken::new();
+        token.cancel();
+        let outcome = supervise(vec![("server", waits(token.clone()))], token).await;
+        assert!(outcome.is_ok(), "{outcome:?}");
+    }
 }

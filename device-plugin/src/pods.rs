@@ -39,6 +39,7 @@ use kube::runtime::reflector::{self, Store};
 use kube::runtime::{WatchStreamExt, watcher};
 use kube::{Api, Client};
 use tokio::sync::{mpsc, watch};
+use tokio::task::JoinHandle;
 use tokio_util::sync::CancellationToken;
 
 use crate::facts::{self, BarePod, Finding, KubeletFacts};
@@ -173,7 +174,9 @@ impl std::fmt::Debug for PodCache {
 impl PodCache {
     /// Starts watching the pods bound to `node`, the patch worker and the reconcile loop;
     /// all stop on `shutdown`. With `keyring`, only allocations it verifies are acted on;
-    /// with `write_marks`, the marks are written on the pods.
+    /// with `write_marks`, the marks are written on the pods. Returns the cache and those
+    /// tasks, for the caller to supervise: should one end before `shutdown`, Allocate would
+    /// answer from a frozen view.
     pub fn start(
         client: Client,
         node: &str,
@@ -182,7 +185,7 @@ impl PodCache {
         metrics: Metrics,
         write_marks: bool,
         shutdown: CancellationToken,
-    ) -> Arc<Self> {
+    ) -> (Arc<Self>, Vec<(&'static str, JoinHandle<()>)>) {
         let (store, writer) = reflector::store();
         let (patches, patch_rx) = mpsc::unbounded_channel();
         let cache = Arc::new(Self {
@@ -204,14 +207,26 @@ impl PodCache {
         let api: Api<Pod> = Api::all(client.clone());
         let config = watcher::Config::default().fields(&format!("spec.nodeName={node}"));
         let stream = reflector::reflector(writer, watcher(api, config).default_backoff());
-        tokio::spawn(cache.clone().watch_pods(stream, shutdown.clone()));
-        tokio::spawn(
-            cache
-                .clone()
-                .patch_worker(client, patch_rx, metrics, shutdown.clone()),
-        );
-        tokio::spawn(cache.clone().reconcile_loop(shutdown));
-        cache
+        let tasks = vec![
+            (
+                "pod watch",
+                tokio::spawn(cache.clone().watch_pods(stream, shutdown.clone())),
+            ),
+            (
+                "pod patch worker",
+                tokio::spawn(cache.clone().patch_worker(
+                    client,
+                    patch_rx,
+                    metrics,
+                    shutdown.clone(),
+                )),
+            ),
+            (
+                "pod reconcile loop",
+                tokio::spawn(cache.clone().reconcile_loop(shutdown)),
+            ),
+        ];
+        (cache, tasks)
     }
 
     async fn watch_pods(
