@@ -351,23 +351,37 @@ async fn serve_webhook(config: Config, client: kube::Client, stop: CancellationT
         };
     let patcher = (!config.webhook_configuration.is_empty())
         .then(|| CaBundlePatcher::new(client, config.webhook_configuration.clone()));
-    tokio::spawn(rotator.clone().run(
+    // Rotation runs inside this task, not beside it: should it end before `stop` (or
+    // panic), the webhook task ends and the extender stops loudly, instead of serving a
+    // certificate nobody renews any more.
+    let rotation = rotator.clone().run(
         patcher,
         Duration::from_secs(3600),
         stop.clone().cancelled_owned(),
-    ));
+    );
     let router = gpushare_admission::router(
         AdmissionState::new(&config.resource, &config.scheduler_name).with_domain(&config.domain),
     );
     tracing::info!(addr = %config.webhook_listen, "admission webhook listening");
-    if let Err(error) = gpushare_admission::serve_tls(
+    let serving = gpushare_admission::serve_tls(
         config.webhook_listen,
         router,
         rotator,
-        stop.cancelled_owned(),
-    )
-    .await
-    {
+        stop.clone().cancelled_owned(),
+    );
+    tokio::pin!(rotation, serving);
+    let served = tokio::select! {
+        served = &mut serving => served,
+        () = &mut rotation => {
+            if !stop.is_cancelled() {
+                tracing::error!("the admission webhook's certificate rotation stopped; stopping the webhook");
+                return;
+            }
+            // Shutting down: let the webhook's in-flight requests finish.
+            serving.await
+        }
+    };
+    if let Err(error) = served {
         tracing::error!(%error, "admission webhook stopped");
     }
 }
