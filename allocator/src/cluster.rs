@@ -75,6 +75,9 @@ pub struct Node {
     host: Option<Host>,
     /// CPU and memory requested by the pods bound here, GPU pods or not.
     host_used: Host,
+    /// The same requests as kube-scheduler's LeastAllocated score counts them
+    /// ([`crate::kube_scores::non_zero`], pod by pod); what the node holds besides GPU pods.
+    host_scored: Host,
     /// The healthy GPUs by free amount, as the fragmentation measure reads them: refreshed
     /// whenever `gpus` or their bookings change (see [`Node::refresh_free_summary`]).
     free_summary: FreeSummary,
@@ -634,12 +637,13 @@ impl Cluster {
         let Some(node) = self.nodes.get_mut(name) else {
             return;
         };
-        if node.pods.is_empty() && node.host_used == Host::default() {
+        if node.is_vacant() {
             self.nodes.remove(name);
         } else {
             *node = Node {
                 pods: std::mem::take(&mut node.pods),
                 host_used: node.host_used,
+                host_scored: node.host_scored,
                 ..Node::default()
             };
         }
@@ -683,6 +687,7 @@ impl Cluster {
         for node in self.nodes.values_mut() {
             node.pods.clear();
             node.host_used = Host::default();
+            node.host_scored = Host::default();
             node.rebook();
         }
     }
@@ -693,7 +698,7 @@ impl Cluster {
         let node = self.nodes.get_mut(&node_name)?;
         let placement = node.pods.remove(uid)?;
         node.unbook(&placement);
-        if !node.present && node.pods.is_empty() && node.host_used == Host::default() {
+        if !node.present && node.is_vacant() {
             self.nodes.remove(&node_name);
         }
         Some((node_name, placement))

@@ -47,6 +47,7 @@
 
 mod cluster;
 pub mod fragmentation;
+pub mod kube_scores;
 mod unfit;
 
 use std::fmt;

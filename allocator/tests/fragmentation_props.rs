@@ -239,11 +239,9 @@ proptest! {
                     if let (Some((node, _)), Some(ask)) = (cluster.pod(&uid), model.asks.get(&uid)) {
                         let node = node.to_owned();
                         cluster.set_pod_host(uid.clone(), &node, *ask);
-                        if *ask == Host::default() {
-                            model.hosts.remove(&uid);
-                        } else {
-                            model.hosts.insert(uid, (node, *ask));
-                        }
+                        // Booked even when it asks for nothing: kube-scheduler's scores
+                        // count such a pod too.
+                        model.hosts.insert(uid, (node, *ask));
                     }
                 }
                 Op::Release { pod } => {

@@ -929,6 +929,10 @@ struct LeaderElection {
 struct Profile {
     scheduler_name: String,
     percentage_of_nodes_to_score: i32,
+    /// Checked by `keep_best_matches_the_profile_it_ranks_for`.
+    #[serde(default)]
+    #[allow(dead_code)] // read by serde only: accepted, checked elsewhere
+    plugins: Option<serde_yaml::Value>,
     #[serde(default)]
     plugin_config: Option<serde_yaml::Value>,
 }
@@ -1002,10 +1006,16 @@ fn check_scheduler(rendered: &Rendered, prefix: &str, resource: &str) -> anyhow:
         extender.url_prefix
     );
     ensure!(extender.filter_verb == "filter");
-    // Default values: the extender ranks nodes; the profile keeps upstream's resource scoring.
+    // Default values: the extender ranks nodes (in filter, keeping the best, and in
+    // prioritize for pods with soft preferences); the profile keeps upstream's resource
+    // scoring (what `keep_best_matches_the_profile_it_ranks_for` checks it turns off).
     ensure!(extender.prioritize_verb.as_deref() == Some("prioritize"));
     ensure!(extender.weight.is_some_and(|w| w > 0));
-    ensure!(config.profiles[0].plugin_config.is_none());
+    let plugin_config = config.profiles[0].plugin_config.as_ref();
+    ensure!(
+        !serde_yaml::to_string(&plugin_config)?.contains("NodeResourcesFit"),
+        "{plugin_config:?}"
+    );
     ensure!(extender.bind_verb == "bind");
     ensure!(extender.preempt_verb.is_none());
     ensure!(!extender.ignorable);
@@ -1531,7 +1541,8 @@ fn default_values_render_a_dedicated_scheduler_install() -> anyhow::Result<()> {
             "--bind-timeout-ms=2500",
             "--bind-grace-ms=2000",
             "--max-request-bytes=33554432",
-            "--filter-keep-best=0",
+            "--filter-keep-best=1",
+            "--prioritize-weight=1",
             "--monitor-listen=0.0.0.0:9090",
             "--tls-cert=/etc/gpushare/extender-tls/tls.crt",
             "--tls-key=/etc/gpushare/extender-tls/tls.key",
@@ -2013,6 +2024,59 @@ async fn the_dedicated_profile_scores_a_share_of_the_nodes() -> anyhow::Result<(
             refused.is_err_and(|e| format!("{e:#}").contains("must be a whole number from 0")),
             "percentageOfNodesToScore={bad} must fail to render"
         );
+    }
+    Ok(())
+}
+
+/// `extender.filterKeepBest` (1 by default) reaches the extender with the weight the
+/// profile gives prioritize, and turns off the dedicated profile's score plugins the
+/// extender's ranking does not read. Under a kube-scheduler the chart does not configure, or
+/// with `scheduler.nativeGpuScoring`, the extender keeps every fitting node.
+#[tokio::test]
+async fn keep_best_matches_the_profile_it_ranks_for() -> anyhow::Result<()> {
+    let extender_args = |sets: &[&str]| -> anyhow::Result<Vec<String>> {
+        let mut extra = Vec::new();
+        for set in sets {
+            extra.extend(["--set", set]);
+        }
+        let rendered = render("gpushare", "kube-system", &extra)?;
+        let deployment: Deployment = rendered.get("Deployment", "gpushare-extender")?;
+        let spec = deployment
+            .spec
+            .and_then(|s| s.template.spec)
+            .context("no pod spec")?;
+        Ok(args(container(&spec, "extender")?))
+    };
+    let has = |args: &[String], want: &str| args.iter().any(|a| a == want);
+
+    let default = extender_args(&["scheduler.extender.weight=3"])?;
+    ensure!(has(&default, "--filter-keep-best=1"), "{default:?}");
+    ensure!(has(&default, "--prioritize-weight=3"), "{default:?}");
+    let profile = dedicated_scheduler_configuration(&[], &[]).await?;
+    let config: serde_yaml::Value = serde_yaml::from_str(&profile)?;
+    let profile0 = &config["profiles"][0];
+    ensure!(
+        profile0["plugins"]["score"]["disabled"][0]["name"].as_str() == Some("ImageLocality"),
+        "{profile}"
+    );
+    let spread = &profile0["pluginConfig"][0];
+    ensure!(
+        spread["name"].as_str() == Some("PodTopologySpread")
+            && spread["args"]["defaultingType"].as_str() == Some("List")
+            && spread["args"].get("defaultConstraints").is_none(),
+        "{profile}"
+    );
+
+    let off =
+        dedicated_scheduler_configuration(&[], &["extender.filterKeepBest=0".to_owned()]).await?;
+    ensure!(!off.contains("ImageLocality"), "{off}");
+    ensure!(!off.contains("PodTopologySpread"), "{off}");
+    for sets in [
+        &["policy=binpack", "scheduler.nativeGpuScoring=true"][..],
+        &["scheduler.mode=default-scheduler"][..],
+    ] {
+        let args = extender_args(sets)?;
+        ensure!(has(&args, "--filter-keep-best=0"), "{sets:?}: {args:?}");
     }
     Ok(())
 }

@@ -5,7 +5,7 @@
 //! protocol's JSON gets a 400, with a JSON body naming the problem.
 
 use std::borrow::Cow;
-use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicI64, AtomicUsize, Ordering};
 use std::sync::{Arc, RwLock, RwLockReadGuard, RwLockWriteGuard};
 use std::time::{Duration, Instant};
 
@@ -24,6 +24,7 @@ use serde_json::value::RawValue;
 
 use crate::bind::BindTiming;
 use crate::bind::slots::{Pacing, WriteSlots};
+use crate::keep_best::KeepBest;
 use crate::kube_io::{Binder, EventSink};
 use crate::leader::Leadership;
 use crate::metrics::Metrics;
@@ -52,6 +53,8 @@ struct Inner {
     policy: Policy,
     /// `--filter-keep-best`: 0 passes every fitting node.
     filter_keep_best: AtomicUsize,
+    /// `--prioritize-weight`: what kube-scheduler multiplies our scores by.
+    prioritize_weight: AtomicI64,
     binder: Arc<dyn Binder>,
     bind_timing: BindTiming,
     /// Slots for Binding writes in flight (`None`: no limit); see [`crate::bind`].
@@ -83,6 +86,7 @@ impl AppState {
                 view: RwLock::new(View::new(settings)),
                 policy,
                 filter_keep_best: AtomicUsize::new(0),
+                prioritize_weight: AtomicI64::new(1),
                 binder,
                 bind_timing,
                 bind_slots: (bind_timing.writes_in_flight > 0)
@@ -129,6 +133,15 @@ impl AppState {
     /// see `--filter-keep-best`).
     pub fn set_filter_keep_best(&self, n: usize) {
         self.inner.filter_keep_best.store(n, Ordering::Relaxed);
+    }
+
+    /// The weight kube-scheduler's extender stanza gives our prioritize scores: the filter
+    /// that keeps the best nodes ranks with it as kube-scheduler would (see
+    /// `--prioritize-weight`).
+    pub fn set_prioritize_weight(&self, weight: i64) {
+        self.inner
+            .prioritize_weight
+            .store(weight, Ordering::Relaxed);
     }
 
     /// What writes Bindings and reads pods.
@@ -376,15 +389,21 @@ fn filter_answer<'a>(state: &AppState, args: &'a ExtenderArgs<'a>) -> ExtenderFi
                 }
             }
             if reserved_on.is_none() {
-                let keep = state.inner.filter_keep_best.load(Ordering::Relaxed);
-                keep_best(
+                let keep_best = KeepBest {
+                    keep: state.inner.filter_keep_best.load(Ordering::Relaxed),
+                    policy: state.inner.policy,
+                    prioritize_weight: state.inner.prioritize_weight.load(Ordering::Relaxed),
+                };
+                let stepped_aside = keep_best.narrow(
                     &view,
+                    args.pod.as_ref(),
                     &request,
-                    state.inner.policy,
                     &candidates,
                     &mut passing,
-                    keep,
                 );
+                if let Some(why) = stepped_aside {
+                    state.metrics().keep_best_stepped_aside(why);
+                }
             }
             if passing.is_empty() {
                 write_reasons(settings, &candidates, rejected, &mut result);
@@ -505,34 +524,6 @@ fn write_reasons<'a>(
         };
         map.insert(name.clone(), reason);
     }
-}
-
-/// Keeps only the `keep` entries of `passing` (positions in `candidates`) whose nodes
-/// `policy` scores best for `request`, in request order; ties go to the earlier candidate.
-/// `keep` 0 keeps every one.
-///
-/// The nodes left out are not reported as failed: they fit, and kube-scheduler only reads
-/// failure reasons when no node passes, which cannot happen here. With one node left,
-/// kube-scheduler binds it without scoring, so the filter answer is the whole decision.
-fn keep_best(
-    view: &View,
-    request: &Request,
-    policy: Policy,
-    candidates: &[(Cow<'_, str>, Option<&RawValue>)],
-    passing: &mut Vec<usize>,
-    keep: usize,
-) {
-    if keep == 0 || passing.len() <= keep {
-        return;
-    }
-    let names: Vec<&str> = passing.iter().map(|&i| &*candidates[i].0).collect();
-    let scores = view.cluster.scores(&names, request, policy);
-    let mut best: Vec<usize> = (0..passing.len()).collect();
-    // Stable: among equal scores the earlier candidate stays ahead.
-    best.sort_by_key(|&k| std::cmp::Reverse(scores[k]));
-    best.truncate(keep);
-    best.sort_unstable();
-    *passing = best.into_iter().map(|k| passing[k]).collect();
 }
 
 /// The node where the pod's memory is already booked by an earlier bind whose Binding is not

@@ -39,14 +39,21 @@ pub struct Config {
     /// How to choose among nodes and GPUs that fit: binpack, spread or fragmentation.
     #[arg(long, env = "GPUSHARE_POLICY", default_value = "fragmentation")]
     pub policy: Policy,
-    /// Filter passes only the N fitting nodes the policy scores best (0: every fitting node).
-    /// With 1, kube-scheduler has a single feasible node, so it skips scoring: no prioritize
-    /// call and none of its own score plugins, at the price of their soft preferences
-    /// (preferred affinities, topology spreading) for GPU pods. The one node's memory is held
+    /// Filter passes only the N fitting nodes kube-scheduler would rank best (0: every
+    /// fitting node): our score × --prioritize-weight × 10 plus its default CPU and memory
+    /// scores. With 1, kube-scheduler has a single feasible node, so it skips scoring: no
+    /// prioritize call and none of its own score plugins. A pod with soft preferences
+    /// (preferred affinities, ScheduleAnyway spreading) or facing a PreferNoSchedule taint
+    /// gets every fitting node instead, and is scored as usual. The one node's memory is held
     /// for the pod until its bind comes (at most 5 s), so the pods filtered before that bind
     /// are not all offered the same node.
     #[arg(long, env = "GPUSHARE_FILTER_KEEP_BEST", default_value_t = 0)]
     pub filter_keep_best: usize,
+    /// The weight kube-scheduler's extender configuration gives our prioritize scores; the
+    /// filter that keeps the best nodes ranks with it as kube-scheduler would.
+    #[arg(long, env = "GPUSHARE_PRIORITIZE_WEIGHT", default_value_t = 1,
+          value_parser = clap::value_parser!(i64).range(0..=1_000_000))]
+    pub prioritize_weight: i64,
     /// Runtime worker threads (0: one per CPU the process may use, which honours the
     /// container's CPU limit: the chart's limit of 1 CPU gives one). Each call from
     /// kube-scheduler arrives alone in its serial scheduling cycle; with fewer threads it is
@@ -204,6 +211,7 @@ impl Default for Config {
             domain: DEFAULT_DOMAIN.to_owned(),
             policy: Policy::Fragmentation,
             filter_keep_best: 0,
+            prioritize_weight: 1,
             worker_threads: 0,
             monitor_listen: None,
             tls_cert: None,

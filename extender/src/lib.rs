@@ -40,6 +40,7 @@ pub mod api;
 pub mod bind;
 pub mod config;
 pub mod forward;
+pub mod keep_best;
 pub mod kube_io;
 pub mod leader;
 pub mod metrics;
@@ -166,6 +167,7 @@ pub async fn serve(
         Registry::default(),
     );
     state.set_filter_keep_best(config.filter_keep_best);
+    state.set_prioritize_weight(config.prioritize_weight);
     state
         .view_mut()
         .set_bind_grace(Duration::from_millis(config.bind_grace_ms));

@@ -49,6 +49,17 @@ pub struct Metrics {
     pub paced: Counter,
     /// Seconds filter calls waited for it, in all.
     pub paced_seconds: Counter<f64, std::sync::atomic::AtomicU64>,
+    /// filter calls that passed every fitting node although `--filter-keep-best` is on, by
+    /// why (see [`crate::keep_best::StepAside`]).
+    pub keep_best_stepped_aside: Family<StepAsideLabels, Counter>,
+}
+
+/// Labels of a filter that did not narrow to the best node.
+#[derive(Debug, Clone, PartialEq, Eq, Hash, EncodeLabelSet)]
+pub struct StepAsideLabels {
+    /// preferred_node_affinity, preferred_pod_affinity, soft_topology_spread,
+    /// prefer_no_schedule_taint.
+    pub reason: &'static str,
 }
 
 /// Labels of a resolution's end.
@@ -75,6 +86,7 @@ impl Metrics {
             leader_acquisitions: Counter::default(),
             paced: Counter::default(),
             paced_seconds: Counter::default(),
+            keep_best_stepped_aside: Family::default(),
         };
         let sub = registry.sub_registry_with_prefix("gpushare_extender");
         sub.register(
@@ -128,7 +140,21 @@ impl Metrics {
             "Seconds filter calls waited for the Binding write queue to shorten, in all",
             metrics.paced_seconds.clone(),
         );
+        sub.register(
+            "filter_keep_best_stepped_aside",
+            "filter calls that passed every fitting node although filterKeepBest is on, because kube-scheduler's scores would weigh something the extender does not model",
+            metrics.keep_best_stepped_aside.clone(),
+        );
         metrics
+    }
+
+    /// Counts a filter that passed every fitting node for `why`.
+    pub fn keep_best_stepped_aside(&self, why: crate::keep_best::StepAside) {
+        self.keep_best_stepped_aside
+            .get_or_create(&StepAsideLabels {
+                reason: why.label(),
+            })
+            .inc();
     }
 
     /// Counts a filter call that waited `waited` for the write queue.

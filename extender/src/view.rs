@@ -36,7 +36,7 @@ use gpushare_contract::{
     GpuInfo, Keys, PodAllocation, PodRequest, RequestError, SharedKeyring, inventory,
     pod_request_with,
 };
-use k8s_openapi::api::core::v1::{Container, Node, Pod};
+use k8s_openapi::api::core::v1::{Container, Node, Pod, Taint};
 use k8s_openapi::apimachinery::pkg::api::resource::Quantity;
 
 /// What the view needs to read nodes and pods.
@@ -464,6 +464,10 @@ pub struct View {
     synced_at: Option<Instant>,
     /// How long after that binds are refused (see [`View::bind_hold`]).
     bind_grace: Duration,
+    /// The `PreferNoSchedule` taints of the nodes that have any: kube-scheduler's
+    /// TaintToleration score reads them, so the filter that keeps the best node steps aside
+    /// where one could move the choice ([`crate::keep_best`]).
+    prefer_no_schedule: HashMap<Arc<str>, Vec<Taint>>,
 }
 
 impl View {
@@ -479,7 +483,15 @@ impl View {
             pods_synced: false,
             synced_at: None,
             bind_grace: Duration::ZERO,
+            prefer_no_schedule: HashMap::new(),
         }
+    }
+
+    /// The `PreferNoSchedule` taints of `node` (none when it has none or is unknown).
+    pub fn prefer_no_schedule_taints(&self, node: &str) -> &[Taint] {
+        self.prefer_no_schedule
+            .get(node)
+            .map_or(&[], |taints| taints.as_slice())
     }
 
     /// The settings the view reads objects with.
@@ -674,12 +686,28 @@ impl View {
         let (gpus, eligible) = self.read_node(node);
         self.cluster.set_node(name, gpus, eligible);
         self.cluster.set_node_host(name, node_host(node));
+        let soft_taints: Vec<Taint> = node
+            .spec
+            .as_ref()
+            .and_then(|spec| spec.taints.as_ref())
+            .into_iter()
+            .flatten()
+            .filter(|taint| taint.effect == "PreferNoSchedule")
+            .cloned()
+            .collect();
+        if soft_taints.is_empty() {
+            self.prefer_no_schedule.remove(name);
+        } else {
+            self.prefer_no_schedule
+                .insert(self.cluster.node_name(name), soft_taints);
+        }
     }
 
     /// Applies a node deletion.
     pub fn delete_node(&mut self, node: &Node) {
         if let Some(name) = node.metadata.name.as_deref() {
             self.cluster.remove_node(name);
+            self.prefer_no_schedule.remove(name);
         }
     }
 
@@ -697,6 +725,7 @@ impl View {
             .collect();
         for name in gone {
             self.cluster.remove_node(&name);
+            self.prefer_no_schedule.remove(&name);
         }
         for node in nodes {
             self.apply_node(node);

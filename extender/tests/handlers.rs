@@ -750,6 +750,70 @@ async fn filter_keeps_only_the_best_nodes_when_asked() {
     assert_eq!(passed(&all), passed(&every));
 }
 
+/// `--filter-keep-best`: the node kept is the one kube-scheduler would choose with scores,
+/// its CPU and memory scores included: of two nodes our score ties, the one whose CPU a
+/// CPU-only pod has mostly taken loses. A pod with soft preferences, or facing a
+/// `PreferNoSchedule` taint it does not tolerate, gets every fitting node, and the metric
+/// says why.
+#[tokio::test]
+async fn keep_best_ranks_as_kube_scheduler_would_and_steps_aside_for_soft_preferences() {
+    let roomy = |name: &str| {
+        node(name)
+            .gpushare()
+            .gpus(&[16])
+            .cpu("8")
+            .memory("32Gi")
+            .build()
+    };
+    let hog = pod("cpu-hog").cpu("6").on_node("busy").build();
+    let gpu_pod = pod("trainer").gpu_mem(4).cpu("1").build();
+    let h = harness(
+        vec![roomy("busy"), roomy("idle")],
+        vec![hog, gpu_pod.clone()],
+    );
+    h.state.set_filter_keep_best(1);
+    let filter =
+        |pod: &Pod| json!({"Pod": pod, "Nodes": null, "NodeNames": ["busy", "idle"]}).to_string();
+    let (_, kept) = post(&h, "filter", &filter(&gpu_pod)).await;
+    assert_eq!(kept["NodeNames"], json!(["idle"]), "{kept}");
+
+    let mut prefers = gpu_pod.clone();
+    prefers.metadata.name = Some("prefers".to_owned());
+    prefers.metadata.uid = Some("uid-prefers".to_owned());
+    prefers.spec.as_mut().unwrap().affinity = serde_json::from_value(json!({
+        "nodeAffinity": {"preferredDuringSchedulingIgnoredDuringExecution": [
+            {"weight": 50, "preference": {"matchExpressions": [
+                {"key": "rack", "operator": "In", "values": ["a"]}]}}]}
+    }))
+    .unwrap();
+    let (_, every) = post(&h, "filter", &filter(&prefers)).await;
+    assert_eq!(every["NodeNames"], json!(["busy", "idle"]), "{every}");
+
+    let mut tainted = roomy("idle");
+    tainted.spec.get_or_insert_default().taints = serde_json::from_value(json!([
+        {"key": "maintenance", "value": "soon", "effect": "PreferNoSchedule"}
+    ]))
+    .unwrap();
+    h.state.view_mut().apply_node(&tainted);
+    let (_, every) = post(&h, "filter", &filter(&gpu_pod)).await;
+    assert_eq!(every["NodeNames"], json!(["busy", "idle"]), "{every}");
+    let mut tolerant = gpu_pod.clone();
+    tolerant.spec.as_mut().unwrap().tolerations = serde_json::from_value(json!([
+        {"key": "maintenance", "operator": "Exists"}
+    ]))
+    .unwrap();
+    let (_, kept) = post(&h, "filter", &filter(&tolerant)).await;
+    assert_eq!(kept["NodeNames"], json!(["idle"]), "{kept}");
+
+    let (_, _, metrics) = call_raw(&h.app, "GET", "/metrics", "").await;
+    for reason in ["preferred_node_affinity", "prefer_no_schedule_taint"] {
+        let line = format!(
+            "gpushare_extender_filter_keep_best_stepped_aside_total{{reason=\"{reason}\"}} 1"
+        );
+        assert!(metrics.contains(&line), "{line} in {metrics}");
+    }
+}
+
 /// When filter passes one node, kube-scheduler binds the pod there next, while its next cycles
 /// already run: filter holds the pod's memory from then on, so the next pods' filters see it
 /// taken. A second filter of the same pod (its attempt failed) replaces the hold instead of

@@ -6,9 +6,27 @@ use std::sync::Arc;
 
 use super::{Cluster, Node};
 use crate::fragmentation::{self, Before, FreeSummary, Host, NodeFree, Placing, Shape, Workload};
-use crate::{PodId, Request};
+use crate::{PodId, Request, kube_scores};
 
 impl Node {
+    /// No pod is booked here, GPU or not: a node that left the watch can be forgotten.
+    pub(super) fn is_vacant(&self) -> bool {
+        self.pods.is_empty() && self.host_scored == Host::default()
+    }
+
+    /// kube-scheduler's default CPU and memory scores for a pod asking `pod` here
+    /// ([`kube_scores::default_scores`]); 0 when the node's allocatable is unknown.
+    pub fn default_scores(&self, pod: Host) -> i64 {
+        let Some(allocatable) = self.host else {
+            return 0;
+        };
+        let requested = kube_scores::Requested {
+            actual: self.host_used,
+            non_zero: self.host_scored,
+        };
+        kube_scores::default_scores(allocatable, requested, pod)
+    }
+
     /// The node's free CPU and memory ([`Host::UNLIMITED`] when its allocatable is unknown).
     pub fn host_free(&self) -> Host {
         self.host.map_or(Host::UNLIMITED, |allocatable| {
@@ -90,7 +108,8 @@ impl Cluster {
         }
     }
 
-    /// Records the CPU and memory a pod bound to `node` requests (any pod, GPU or not).
+    /// Records the CPU and memory a pod bound to `node` requests (any pod, GPU or not; one
+    /// asking none still counts in kube-scheduler's scores, see [`kube_scores::non_zero`]).
     /// Idempotent; a pod moved or resized is re-booked.
     pub fn set_pod_host(&mut self, uid: PodId, node: &str, host: Host) {
         if let Some((old_node, old)) = self.hosts.get(&uid)
@@ -100,12 +119,12 @@ impl Cluster {
             return;
         }
         self.remove_pod_host(&uid);
-        if host == Host::default() {
-            return;
-        }
         let name = self.node_name(node);
         let entry = self.nodes.entry(name.clone()).or_default();
         entry.host_used = entry.host_used.saturating_add(host);
+        entry.host_scored = entry
+            .host_scored
+            .saturating_add(kube_scores::non_zero(host));
         self.hosts.insert(uid, (name, host));
     }
 
@@ -116,7 +135,8 @@ impl Cluster {
         };
         if let Some(node) = self.nodes.get_mut(&name) {
             node.host_used = node.host_used.saturating_sub(host);
-            if !node.present && node.pods.is_empty() && node.host_used == Host::default() {
+            node.host_scored = node.host_scored.saturating_sub(kube_scores::non_zero(host));
+            if !node.present && node.is_vacant() {
                 self.nodes.remove(&name);
             }
         }
@@ -183,6 +203,35 @@ impl Cluster {
             })
             .collect();
         fragmentation::relative_scores(&goodness)
+    }
+
+    /// How kube-scheduler would rank `nodes` for `request` with scores: our
+    /// [`Cluster::scores`] × `extender_weight` × 10, plus its default CPU and memory scores on
+    /// each node ([`Node::default_scores`]). What the filter that keeps only the best node
+    /// ranks by (see [`kube_scores`]). A node that does not fit totals its default scores
+    /// alone; the caller passes only nodes that fit.
+    pub fn scheduler_totals(
+        &self,
+        nodes: &[&str],
+        request: &Request,
+        policy: crate::Policy,
+        extender_weight: i64,
+    ) -> Vec<i64> {
+        let ours = self.scores(nodes, request, policy);
+        nodes
+            .iter()
+            .zip(ours)
+            .map(|(name, score)| {
+                let defaults = self
+                    .nodes
+                    .get(*name)
+                    .map_or(0, |node| node.default_scores(request.host));
+                i64::from(score)
+                    .saturating_mul(extender_weight)
+                    .saturating_mul(kube_scores::EXTENDER_SCORE_SCALE)
+                    .saturating_add(defaults)
+            })
+            .collect()
     }
 
     /// Number of pods whose CPU and memory are booked.
@@ -280,6 +329,49 @@ mod tests {
             cluster.node("n2").unwrap().host_free(),
             Host::new(4_000, 4_000)
         );
+    }
+
+    #[test]
+    fn the_default_scores_count_pods_without_requests_as_kube_scheduler_does() {
+        let mut cluster = Cluster::new();
+        cluster.set_node("n1", gpus(1), true);
+        cluster.set_node_host("n1", Some(Host::new(1_000, 1_000)));
+        let pod = Host::new(100, 100);
+        // Empty: 90 left of each, balanced.
+        assert_eq!(cluster.node("n1").unwrap().default_scores(pod), 90 + 100);
+        // A pod asking nothing frees nothing less, but counts 100 m and 200 MiB in the score.
+        cluster.set_pod_host("best-effort".into(), "n1", Host::default());
+        assert_eq!(
+            cluster.node("n1").unwrap().host_free(),
+            Host::new(1_000, 1_000)
+        );
+        assert_eq!(
+            cluster.node("n1").unwrap().default_scores(pod),
+            (80 + 70) / 2 + 100
+        );
+        // Gone with the node watch, it keeps the node's entry until the pod goes too.
+        cluster.remove_node("n1");
+        assert!(cluster.node("n1").is_some());
+        cluster.remove_pod_host(&"best-effort".into());
+        assert!(cluster.node("n1").is_none());
+    }
+
+    #[test]
+    fn scheduler_totals_add_the_default_scores_to_ours_times_weight() {
+        let mut cluster = Cluster::new();
+        for name in ["busy", "idle"] {
+            cluster.set_node(name, gpus(1), true);
+            cluster.set_node_host(name, Some(Host::new(8_000, 32_768)));
+        }
+        cluster.set_pod_host("cpu-hog".into(), "busy", Host::new(6_000, 8_192));
+        let pod = request(4, 1);
+        let ours = cluster.scores(&["busy", "idle"], &pod, Policy::Binpack);
+        assert_eq!(ours, vec![10, 10]);
+        let totals = cluster.scheduler_totals(&["busy", "idle"], &pod, Policy::Binpack, 2);
+        let busy = cluster.node("busy").unwrap().default_scores(pod.host);
+        let idle = cluster.node("idle").unwrap().default_scores(pod.host);
+        assert!(idle > busy, "{idle} vs {busy}");
+        assert_eq!(totals, vec![200 + busy, 200 + idle]);
     }
 
     #[test]

@@ -174,6 +174,14 @@ forced by webhook.routeWith=admissionPolicy, or `auto` where the cluster serves 
 {{- end }}
 {{- end }}
 
+{{/* extender.filterKeepBest as the extender runs it: only under the dedicated scheduler,
+     whose profile is the one the extender's ranking models (the default CPU and memory
+     scores); 0 with scheduler.nativeGpuScoring (its profile scores GPU memory itself) and
+     under a kube-scheduler the chart does not configure. */}}
+{{- define "gpushare.filterKeepBest" -}}
+{{- if and (include "gpushare.dedicated" .) (not .Values.scheduler.nativeGpuScoring) }}{{ int64 .Values.extender.filterKeepBest }}{{ else }}0{{ end }}
+{{- end }}
+
 {{/* The KubeSchedulerConfiguration of the dedicated scheduler. */}}
 {{- define "gpushare.scheduler.config" -}}
 apiVersion: kubescheduler.config.k8s.io/v1
@@ -204,6 +212,20 @@ profiles:
             resources:
               - name: {{ .Values.resourceName }}
                 weight: 1
+    {{- else if include "gpushare.filterKeepBest" . | int }}
+    # extender.filterKeepBest: the extender's filter passes the node this profile would score
+    # best, ranked by its CPU and memory scores and ours. The two score plugins whose inputs
+    # it does not read are off, so a pod that is scored (one with soft preferences of its
+    # own) is ranked the same way: ImageLocality, and the topology spreading kube-scheduler
+    # adds by default to pods of a Service or ReplicaSet (explicit constraints still apply).
+    plugins:
+      score:
+        disabled:
+          - name: ImageLocality
+    pluginConfig:
+      - name: PodTopologySpread
+        args:
+          defaultingType: List
     {{- end }}
 extenders:
   - urlPrefix: {{ include "gpushare.extenderUrlPrefix" . }}

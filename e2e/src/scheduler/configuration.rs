@@ -3,7 +3,9 @@
 //! a hand-written copy of it.
 //!
 //! Only what the driver models is accepted: one profile, `NodeResourcesFit`'s `scoringStrategy`
-//! (LeastAllocated or MostAllocated), `percentageOfNodesToScore` (global or the profile's), and
+//! (LeastAllocated or MostAllocated), `percentageOfNodesToScore` (global or the profile's),
+//! turning off score plugins it does not run, `PodTopologySpread` without default spreading
+//! (it spreads nothing), and
 //! the extender fields kube-scheduler's HTTP extender client reads. Any other plugin configuration or extender field is an error, so a chart change
 //! the driver cannot follow fails the test that renders it instead of being silently ignored.
 //! Validation follows upstream where it matters here: a prioritize verb needs a positive weight,
@@ -52,7 +54,44 @@ struct Profile {
     scheduler_name: Option<String>,
     percentage_of_nodes_to_score: Option<i64>,
     #[serde(default)]
+    plugins: Option<Plugins>,
+    #[serde(default)]
     plugin_config: Vec<PluginConfig>,
+}
+
+/// A profile's `plugins`: only score plugins turned off, and only ones the driver does not
+/// score anyway (so turning them off changes nothing it models).
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields, rename_all = "camelCase")]
+struct Plugins {
+    score: Option<PluginSet>,
+}
+
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields, rename_all = "camelCase")]
+struct PluginSet {
+    #[serde(default)]
+    disabled: Vec<PluginRef>,
+}
+
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields, rename_all = "camelCase")]
+struct PluginRef {
+    name: String,
+}
+
+/// Score plugins of the default profile the driver does not run: it scores with
+/// `NodeResourcesFit` and `NodeResourcesBalancedAllocation` only, so these may be turned off.
+const UNMODELLED_SCORE_PLUGINS: [&str; 2] = ["ImageLocality", "PodTopologySpread"];
+
+/// `PodTopologySpread`'s args: the driver spreads nothing, which is what `defaultingType:
+/// List` with no default constraints configures for pods without constraints of their own.
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields, rename_all = "camelCase")]
+struct PodTopologySpreadArgs {
+    defaulting_type: Option<String>,
+    #[serde(default)]
+    default_constraints: Vec<serde_yaml::Value>,
 }
 
 #[derive(Debug, Deserialize)]
@@ -147,6 +186,15 @@ impl SchedulerConfig {
                 if let Some(percentage) = profile.percentage_of_nodes_to_score {
                     driver.percentage_of_nodes_to_score = percentage_of_nodes_to_score(percentage)?;
                 }
+                if let Some(score) = profile.plugins.as_ref().and_then(|p| p.score.as_ref()) {
+                    for plugin in &score.disabled {
+                        ensure!(
+                            UNMODELLED_SCORE_PLUGINS.contains(&plugin.name.as_str()),
+                            "score plugin {} turned off: the driver models turning off only {UNMODELLED_SCORE_PLUGINS:?}",
+                            plugin.name
+                        );
+                    }
+                }
                 driver.fit_scoring = fit_scoring(&profile.plugin_config)?;
             }
             more => bail!("{} profiles: the driver runs one", more.len()),
@@ -172,6 +220,16 @@ fn percentage_of_nodes_to_score(percentage: i64) -> anyhow::Result<u32> {
 fn fit_scoring(plugin_config: &[PluginConfig]) -> anyhow::Result<FitScoring> {
     let mut scoring = FitScoring::default();
     for plugin in plugin_config {
+        if plugin.name == "PodTopologySpread" {
+            let args: PodTopologySpreadArgs = serde_yaml::from_value(plugin.args.clone())
+                .context("PodTopologySpread args the driver does not model")?;
+            ensure!(
+                args.defaulting_type.as_deref() == Some("List")
+                    && args.default_constraints.is_empty(),
+                "PodTopologySpread: the driver spreads nothing, so it models only defaultingType List without defaultConstraints"
+            );
+            continue;
+        }
         ensure!(
             plugin.name == "NodeResourcesFit",
             "pluginConfig for {}: the driver models only NodeResourcesFit's scoringStrategy",

@@ -13,7 +13,7 @@
 //! BestFit and FGD are idealized baselines: they always look at every node.
 
 use gpushare_allocator::fragmentation::{Host, Shape};
-use gpushare_allocator::{Cluster, Gpu, PodId, Policy, Request};
+use gpushare_allocator::{Cluster, Gpu, PodId, Policy, Request, kube_scores};
 use gpushare_e2e::scheduler::framework::{
     FitStrategy, Milli, num_feasible_nodes_to_find, num_feasible_nodes_to_find_at,
 };
@@ -38,9 +38,10 @@ pub enum Profile {
     /// memory (weight 1), both plugins weight 1 ([`native_most_allocated_score`]). The
     /// extender still filters and binds.
     NativeMostAllocated,
-    /// The extender's `--filter-keep-best=1`: its filter passes only the node it scores best
-    /// (the first of them in the walk's order), and kube-scheduler binds that one without
-    /// scoring.
+    /// The extender's `--filter-keep-best=1`: its filter passes only the node kube-scheduler
+    /// would rank best with the default profile and weight 1 (its default CPU and memory
+    /// scores + ours × 10; the first of them in the walk's order), and kube-scheduler binds
+    /// that one without scoring.
     FilterKeepBest,
 }
 
@@ -59,7 +60,9 @@ impl Profile {
             Profile::NativeMostAllocated => {
                 "native MostAllocated on gpu-mem, no prioritize".to_owned()
             }
-            Profile::FilterKeepBest => "filter keeps the best node, no scoring".to_owned(),
+            Profile::FilterKeepBest => {
+                "filter keeps the node kube-scheduler would rank best, no scoring".to_owned()
+            }
         }
     }
 }
@@ -567,31 +570,17 @@ fn gpushare_cluster(nodes: &[SimNode]) -> Cluster {
 
 /// kube-scheduler's `NodeResourcesFit` (LeastAllocated) + `NodeResourcesBalancedAllocation`
 /// on CPU and memory, integer for integer as `gpushare_e2e::scheduler::framework::default_score`
-/// computes them (a test checks they agree).
+/// computes them (a test checks they agree): the extender's [`kube_scores`], every task here
+/// asking for CPU and memory.
 pub fn default_score(allocatable: Host, used: Host, pod: Host) -> i64 {
-    let least = |requested: u64, capacity: u64| -> i64 {
-        if capacity == 0 || requested > capacity {
-            return 0;
-        }
-        ((capacity - requested) as i128 * 100 / capacity as i128) as i64
-    };
-    let cpu = used.milli_cpu + pod.milli_cpu;
-    let memory = used.memory_mib + pod.memory_mib;
-    let least_allocated =
-        (least(cpu, allocatable.milli_cpu) + least(memory, allocatable.memory_mib)) / 2;
-    least_allocated + balanced_allocation(allocatable, used, pod)
+    let requested = used.saturating_add(pod);
+    kube_scores::least_allocated(allocatable, requested)
+        + kube_scores::balanced_allocation(allocatable, requested)
 }
 
-/// `NodeResourcesBalancedAllocation` on CPU and memory: 100 × (1 − the standard deviation of
-/// the two requested fractions), truncated.
+/// `NodeResourcesBalancedAllocation` on CPU and memory.
 fn balanced_allocation(allocatable: Host, used: Host, pod: Host) -> i64 {
-    if allocatable.milli_cpu == 0 || allocatable.memory_mib == 0 {
-        return 100;
-    }
-    let fraction = |r: u64, c: u64| (r as f64 / c as f64).min(1.0);
-    let cpu = fraction(used.milli_cpu + pod.milli_cpu, allocatable.milli_cpu);
-    let memory = fraction(used.memory_mib + pod.memory_mib, allocatable.memory_mib);
-    ((1.0 - (cpu - memory).abs() / 2.0) * 100.0) as i64
+    kube_scores::balanced_allocation(allocatable, used.saturating_add(pod))
 }
 
 /// One extended resource as `NodeResourcesFit` scores it.
@@ -890,7 +879,10 @@ fn gpushare(
             Profile::Default { weight } => {
                 default_score(state.specs[n].host, state.used[n], task.host) + theirs * weight
             }
-            Profile::ExtenderOnly | Profile::FilterKeepBest => theirs,
+            Profile::FilterKeepBest => {
+                default_score(state.specs[n].host, state.used[n], task.host) + theirs
+            }
+            Profile::ExtenderOnly => theirs,
             Profile::NativeMostAllocated => {
                 native_most_allocated_score(state, n, request.pod_gib, task.host)
             }
