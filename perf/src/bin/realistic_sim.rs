@@ -18,6 +18,7 @@
 //! cargo run --release -p gpushare-perf --bin realistic-sim -- --nodes 1200 --seeds 10
 //! cargo run --release -p gpushare-perf --bin realistic-sim -- --nodes 1200 --seeds 10 --exclusive-whole
 //! cargo run --release -p gpushare-perf --bin realistic-sim -- --nodes 1200 --seeds 10 --score-all-nodes
+//! cargo run --release -p gpushare-perf --bin realistic-sim -- --nodes 1200 --seeds 10 --mix multi-gpu-heavy
 //! ```
 
 use clap::Parser;
@@ -60,6 +61,31 @@ struct Args {
     /// below 100 of them.
     #[arg(long, env = "SIM_PERCENTAGE_OF_NODES_TO_SCORE", default_value_t = 0, value_parser = clap::value_parser!(u32).range(0..100))]
     percentage_of_nodes_to_score: u32,
+    /// The task mix: the generator's default, about half the GPU demand in multi-GPU jobs,
+    /// about a third of GPU tasks pinned to one or two GPU models, or fractional GPU tasks
+    /// only.
+    #[arg(long, env = "SIM_MIX", value_enum, default_value_t = Mix::Default)]
+    mix: Mix,
+}
+
+/// The named task mixes (see `TaskMix`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
+enum Mix {
+    Default,
+    MultiGpuHeavy,
+    ModelPinned,
+    AllSharing,
+}
+
+impl Mix {
+    fn task_mix(self) -> TaskMix {
+        match self {
+            Mix::Default => TaskMix::default(),
+            Mix::MultiGpuHeavy => TaskMix::multi_gpu_heavy(),
+            Mix::ModelPinned => TaskMix::model_pinned(),
+            Mix::AllSharing => TaskMix::all_sharing(),
+        }
+    }
 }
 
 fn strategies() -> Vec<Strategy> {
@@ -111,11 +137,27 @@ fn strategies() -> Vec<Strategy> {
         },
         Strategy::DraFirstFit,
     ]
+    .into_iter()
+    .chain(
+        // What else the profile could weigh, the filter keeping the best node: without
+        // LeastAllocated (not a chart value), and with `scheduler.extender.weight: 3`.
+        [(0, 0, 1, 1), (1, 0, 1, 3)].map(|(least, most, balanced, extender)| {
+            Strategy::Fragmentation {
+                profile: Profile::Weighted {
+                    least,
+                    most,
+                    balanced,
+                    extender,
+                },
+            }
+        }),
+    )
+    .collect()
 }
 
 fn main() {
     let args = Args::parse();
-    let mix = TaskMix::default();
+    let mix = args.mix.task_mix();
     let form = if args.exclusive_whole {
         RequestForm::Exclusive
     } else {
@@ -143,7 +185,8 @@ fn main() {
     let (nodes, tasks) = &traces[0];
     let gpus: u32 = nodes.iter().map(|n| n.gpus).sum();
     println!(
-        "{} nodes ({} GPUs, seed 0), {} tasks to {:.0}% demand (seed 0); {} seeds, means over seeds; gpushare whole- and multi-GPU pods ask {}",
+        "mix {:?}: {} nodes ({} GPUs, seed 0), {} tasks to {:.0}% demand (seed 0); {} seeds, means over seeds; gpushare whole- and multi-GPU pods ask {}",
+        args.mix,
         args.nodes,
         gpus,
         tasks.len(),

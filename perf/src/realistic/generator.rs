@@ -203,6 +203,38 @@ impl TaskKind {
     }
 }
 
+/// The GPU models a task may run on, a bit per [`MODELS`] index (a pod's node affinity on
+/// the model label, `In` one or two models).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub struct Models(u8);
+
+impl Models {
+    /// Exactly this model.
+    pub fn one(model: usize) -> Self {
+        Self(1 << model)
+    }
+
+    /// These models (the same twice is one).
+    pub fn two(a: usize, b: usize) -> Self {
+        Self((1 << a) | (1 << b))
+    }
+
+    /// Whether `model` is one of them.
+    pub fn contains(self, model: usize) -> bool {
+        model < 8 && self.0 & (1 << model) != 0
+    }
+
+    /// How many models.
+    pub fn len(self) -> u32 {
+        self.0.count_ones()
+    }
+
+    /// Whether none is named.
+    pub fn is_empty(self) -> bool {
+        self.0 == 0
+    }
+}
+
 /// One task of the stream.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct Task {
@@ -214,8 +246,8 @@ pub struct Task {
     pub gpu_gib: u64,
     /// CPU and memory.
     pub host: Host,
-    /// The GPU model it must run on ([`MODELS`] index), if it names one.
-    pub model: Option<usize>,
+    /// The GPU models it must run on, if it names any.
+    pub model: Option<Models>,
 }
 
 impl Task {
@@ -242,6 +274,9 @@ pub struct TaskMix {
     pub memory_per_core: Vec<(u64, u32)>,
     /// Percent of GPU tasks that name a GPU model.
     pub constrained_percent: u32,
+    /// Percent of those that name a second model too (one with at least as much memory
+    /// per GPU).
+    pub two_models_percent: u32,
 }
 
 impl Default for TaskMix {
@@ -273,6 +308,37 @@ impl Default for TaskMix {
             cpu_only_cores: vec![(1, 20), (2, 25), (4, 25), (8, 15), (16, 10), (32, 5)],
             memory_per_core: vec![(1, 10), (2, 30), (4, 35), (6, 15), (8, 10)],
             constrained_percent: 25,
+            two_models_percent: 0,
+        }
+    }
+}
+
+/// The named mixes the simulator reports on, each the default with one thing pushed to where
+/// published traces show it (Weng et al., ATC'23, §6: their multi-GPU, GPU-type-constrained
+/// and sharing-only workloads).
+impl TaskMix {
+    /// About half the GPU demand in jobs of 2, 4 and 8 whole GPUs (the default has 8 %).
+    pub fn multi_gpu_heavy() -> Self {
+        Self {
+            kinds: [30, 76, 91, 33],
+            ..Self::default()
+        }
+    }
+
+    /// About a third of the GPU tasks restricted to one or two GPU models (half of them two).
+    pub fn model_pinned() -> Self {
+        Self {
+            constrained_percent: 33,
+            two_models_percent: 50,
+            ..Self::default()
+        }
+    }
+
+    /// Every GPU task shares a GPU: fractional tasks only, beside the CPU-only ones.
+    pub fn all_sharing() -> Self {
+        Self {
+            kinds: [30, 100, 0, 0],
+            ..Self::default()
         }
     }
 }
@@ -319,12 +385,32 @@ pub fn generate_tasks(nodes: &[SimNode], mix: &TaskMix, demand: f64, seed: u64) 
         let memory_mib = milli_cpu * pick(&mut rng, &mix.memory_per_core) * 1024 / 1000;
         let constrained =
             kind != TaskKind::CpuOnly && rng.random_range(0..100) < mix.constrained_percent;
+        // The second draw only where a mix names two models, so the default mix's stream
+        // stays what it was.
+        let models = if !constrained {
+            None
+        } else if mix.two_models_percent > 0 && rng.random_range(0..100) < mix.two_models_percent {
+            // A second model the task fits on, drawn like the first.
+            let larger: Vec<(usize, u32)> = models
+                .iter()
+                .copied()
+                .filter(|&(m, _)| m != model && MODELS[m].gib >= gib)
+                .collect();
+            let second = if larger.is_empty() {
+                model
+            } else {
+                pick(&mut rng, &larger)
+            };
+            Some(Models::two(model, second))
+        } else {
+            Some(Models::one(model))
+        };
         let task = Task {
             kind,
             gpus,
             gpu_gib,
             host: Host::new(milli_cpu, memory_mib),
-            model: constrained.then_some(model),
+            model: models,
         };
         arrived += task.demand_gib();
         tasks.push(task);
@@ -400,13 +486,50 @@ mod tests {
         // Fractional tasks fit their model's GPU with room to share; some tasks name a model.
         for task in &tasks {
             if task.kind == TaskKind::Fractional {
-                let model = task.model.map_or(u64::MAX, |m| MODELS[m].gib);
-                assert!(task.gpu_gib >= 1 && task.gpu_gib < model);
+                for (m, model) in MODELS.iter().enumerate() {
+                    if task.model.is_some_and(|models| models.contains(m)) {
+                        assert!(task.gpu_gib >= 1 && task.gpu_gib < model.gib);
+                    }
+                }
             }
             assert!(task.host.memory_mib >= task.host.milli_cpu * 1024 / 1000);
         }
         let constrained = tasks.iter().filter(|t| t.model.is_some()).count() as f64;
         let gpu_tasks = tasks.iter().filter(|t| t.gpus > 0).count() as f64;
         assert!((0.18..0.32).contains(&(constrained / gpu_tasks)));
+    }
+
+    #[test]
+    fn the_named_mixes_push_what_they_say() {
+        let nodes = generate_nodes(300, 3);
+        let multi_share = |mix: &TaskMix| {
+            let tasks = generate_tasks(&nodes, mix, 1.3, 3);
+            let all: u64 = tasks.iter().map(Task::demand_gib).sum();
+            let multi: u64 = tasks
+                .iter()
+                .filter(|t| t.kind == TaskKind::Multi)
+                .map(Task::demand_gib)
+                .sum();
+            multi as f64 / all as f64
+        };
+        let heavy = multi_share(&TaskMix::multi_gpu_heavy());
+        assert!((0.40..0.60).contains(&heavy), "{heavy}");
+
+        let pinned = generate_tasks(&nodes, &TaskMix::model_pinned(), 1.3, 3);
+        let gpu_tasks: Vec<&Task> = pinned.iter().filter(|t| t.gpus > 0).collect();
+        let named = gpu_tasks.iter().filter(|t| t.model.is_some()).count() as f64;
+        let two = gpu_tasks
+            .iter()
+            .filter(|t| t.model.is_some_and(|m| m.len() == 2))
+            .count() as f64;
+        assert!((0.28..0.38).contains(&(named / gpu_tasks.len() as f64)));
+        assert!((0.35..0.65).contains(&(two / named)), "{two} of {named}");
+
+        let sharing = generate_tasks(&nodes, &TaskMix::all_sharing(), 1.3, 3);
+        assert!(
+            sharing
+                .iter()
+                .all(|t| matches!(t.kind, TaskKind::CpuOnly | TaskKind::Fractional))
+        );
     }
 }

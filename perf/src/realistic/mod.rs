@@ -25,8 +25,8 @@ pub mod generator;
 pub mod sim;
 
 pub use generator::{
-    GpuModel, MODELS, NODE_TYPES, NodeType, SimNode, Task, TaskKind, TaskMix, generate_nodes,
-    generate_tasks,
+    GpuModel, MODELS, Models, NODE_TYPES, NodeType, SimNode, Task, TaskKind, TaskMix,
+    generate_nodes, generate_tasks,
 };
 pub use sim::{
     Cause, NodesToScore, Profile, RequestForm, Run, Scored, Snapshot, Strategy, gpushare_request,

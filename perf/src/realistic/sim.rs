@@ -20,7 +20,7 @@ use gpushare_e2e::scheduler::framework::{
 use rand::rngs::StdRng;
 use rand::{Rng, SeedableRng};
 
-use super::generator::{MODELS, SimNode, Task, TaskKind};
+use super::generator::{MODELS, Models, SimNode, Task, TaskKind};
 
 /// kube-scheduler's node scores as a scheduler profile configures them.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -43,6 +43,20 @@ pub enum Profile {
     /// scores + ours × 10; the first of them in the walk's order), and kube-scheduler binds
     /// that one without scoring.
     FilterKeepBest,
+    /// A profile that weighs kube-scheduler's CPU and memory scores against ours:
+    /// `NodeResourcesFit` LeastAllocated (`least`) or MostAllocated (`most`) on CPU and
+    /// memory, `NodeResourcesBalancedAllocation` (`balanced`), and the extender's score ×
+    /// `extender` × 10; the filter keeps the best node (ties to the first in the walk).
+    Weighted {
+        /// LeastAllocated's plugin weight (0: off).
+        least: i64,
+        /// MostAllocated's plugin weight (0: off).
+        most: i64,
+        /// BalancedAllocation's plugin weight (0: off).
+        balanced: i64,
+        /// The extender's weight.
+        extender: i64,
+    },
 }
 
 impl Profile {
@@ -63,6 +77,14 @@ impl Profile {
             Profile::FilterKeepBest => {
                 "filter keeps the node kube-scheduler would rank best, no scoring".to_owned()
             }
+            Profile::Weighted {
+                least,
+                most,
+                balanced,
+                extender,
+            } => format!(
+                "keeps the best by LeastAllocated ×{least}, MostAllocated ×{most}, BalancedAllocation ×{balanced}, ours ×{extender}"
+            ),
         }
     }
 }
@@ -328,7 +350,7 @@ impl<'a> Nodes<'a> {
     }
 
     fn model_ok(&self, n: usize, task: &Task) -> bool {
-        task.model.is_none_or(|m| self.specs[n].model == m)
+        task.model.is_none_or(|m| m.contains(self.specs[n].model))
     }
 
     /// GPUs of node `n` with `task.gpu_gib` free (`whole`: empty GPUs of at least that
@@ -882,6 +904,28 @@ fn gpushare(
             Profile::FilterKeepBest => {
                 default_score(state.specs[n].host, state.used[n], task.host) + theirs
             }
+            Profile::Weighted {
+                least,
+                most,
+                balanced,
+                extender,
+            } => {
+                let (allocatable, requested) =
+                    (state.specs[n].host, state.used[n].saturating_add(task.host));
+                let most_score = |r: u64, c: u64| -> i64 {
+                    if c == 0 {
+                        return 0;
+                    }
+                    (r.min(c) as i128 * 100 / c as i128) as i64
+                };
+                let most_allocated = (most_score(requested.milli_cpu, allocatable.milli_cpu)
+                    + most_score(requested.memory_mib, allocatable.memory_mib))
+                    / 2;
+                least * kube_scores::least_allocated(allocatable, requested)
+                    + most * most_allocated
+                    + balanced * kube_scores::balanced_allocation(allocatable, requested)
+                    + extender * theirs
+            }
             Profile::ExtenderOnly => theirs,
             Profile::NativeMostAllocated => {
                 native_most_allocated_score(state, n, request.pod_gib, task.host)
@@ -889,7 +933,7 @@ fn gpushare(
         };
         (n, total)
     });
-    let n = if profile == Profile::FilterKeepBest {
+    let n = if matches!(profile, Profile::FilterKeepBest | Profile::Weighted { .. }) {
         // The first of the highest totals: the one node the filter passes.
         totals
             .rev()
@@ -951,7 +995,7 @@ fn snuggest(free: &[u64], task: &Task) -> Vec<usize> {
 
 /// FGD as published: expected fragmentation against the task population, every task kind.
 mod fgd {
-    use super::{Host, Nodes, Task, snuggest};
+    use super::{Host, Models, Nodes, Task, snuggest};
     use std::collections::BTreeMap;
 
     /// A typical task: GPUs, GiB each, host, model constraint; and its share of the stream.
@@ -960,7 +1004,7 @@ mod fgd {
         gpus: u32,
         gpu_gib: u64,
         host: Host,
-        model: Option<usize>,
+        model: Option<Models>,
         weight: f64,
     }
 
@@ -970,7 +1014,7 @@ mod fgd {
     /// The task population: tasks grouped by GPUs, GiB, model and CPU/memory within a power of
     /// two (the group keeps its largest host), the heaviest groups (ties in key order, so every run keeps the same ones).
     pub(super) fn shapes(tasks: &[Task]) -> Vec<Typical> {
-        let mut groups: BTreeMap<(u32, u64, Option<usize>, u32, u32), Typical> = BTreeMap::new();
+        let mut groups: BTreeMap<(u32, u64, Option<Models>, u32, u32), Typical> = BTreeMap::new();
         for t in tasks {
             let key = (
                 t.gpus,
@@ -1014,7 +1058,7 @@ mod fgd {
             .iter()
             .map(|s| {
                 let runs = s.gpus > 0
-                    && s.model.is_none_or(|m| m == model)
+                    && s.model.is_none_or(|m| m.contains(model))
                     && host.fits(s.host)
                     && free.iter().filter(|f| **f >= s.gpu_gib).count() >= s.gpus as usize;
                 let lost = if runs {
@@ -1635,7 +1679,7 @@ mod tests {
         // extender while nodes 100-199 are empty. The second one's walk is nodes 100-199.
         let mut tasks: Vec<Task> = (0..200)
             .map(|_| Task {
-                model: Some(1),
+                model: Some(Models::one(1)),
                 ..task(TaskKind::Fractional, 1, 10)
             })
             .collect();
