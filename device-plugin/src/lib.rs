@@ -48,6 +48,34 @@ use tokio::sync::watch;
 use tokio::task::JoinHandle;
 use tokio_util::sync::CancellationToken;
 
+pub use gpushare_runtime::LogFormat;
+
+/// The names this plugin's variables had before the `GPUSHARE_*` scheme: still read, with a
+/// warning ([`gpushare_runtime::env::with_legacy_env`]). `CUDA_MPS_PIPE_DIRECTORY` keeps its
+/// name: it is CUDA's own, shared with the MPS daemon and its clients.
+pub const LEGACY_ENV: &[&str] = &[
+    "ALLOCATION_MARKS",
+    "CDI_DEVICES",
+    "DEVICE_PLUGIN_DIR",
+    "EVICT_ON_UNHEALTHY",
+    "GPU_BACKEND",
+    "LOG_FORMAT",
+    "METRICS_LISTEN",
+    "NODE_NAME",
+    "PENDING_POD_WAIT_MS",
+    "POD_RESOURCES_PERIOD_MS",
+    "POD_RESOURCES_SOCKET",
+    "PROC_ROOT",
+    "RESOURCE_NAME",
+    "SIMULATE_GPUS",
+    "SIMULATE_HEALTH_FILE",
+    "SIMULATE_MODEL",
+    "SIMULATE_USAGE_FILE",
+    "USAGE_ANNOTATION_MIN_CHANGE_MIB",
+    "USAGE_ANNOTATION_MIN_INTERVAL_MS",
+    "USAGE_PERIOD_MS",
+];
+
 pub mod backend;
 pub mod devices;
 pub mod facts;
@@ -75,52 +103,48 @@ pub enum BackendKind {
     Simulated,
 }
 
-/// Log output format.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
-pub enum LogFormat {
-    /// Human-readable lines.
-    Text,
-    /// One JSON object per line.
-    Json,
-}
-
 /// Command line and environment configuration.
 #[derive(Debug, Clone, clap::Parser)]
 #[command(name = "gpushare-device-plugin", version, about)]
 pub struct Config {
     /// The node this plugin runs on (usually from the downward API).
-    #[arg(long, env = "NODE_NAME")]
+    #[arg(long, env = "GPUSHARE_NODE_NAME")]
     pub node_name: String,
     /// kubelet's device plugin directory (holds kubelet.sock).
-    #[arg(long, env = "DEVICE_PLUGIN_DIR", default_value = DEFAULT_DEVICE_PLUGIN_DIR)]
+    #[arg(long, env = "GPUSHARE_DEVICE_PLUGIN_DIR", default_value = DEFAULT_DEVICE_PLUGIN_DIR)]
     pub device_plugin_dir: PathBuf,
     /// Where GPUs come from.
-    #[arg(long, env = "GPU_BACKEND", value_enum, default_value_t = BackendKind::Nvml)]
+    #[arg(long, env = "GPUSHARE_GPU_BACKEND", value_enum, default_value_t = BackendKind::Nvml)]
     pub gpu_backend: BackendKind,
     /// Sizes in GiB of simulated GPUs, e.g. `16,16,24` (with `--gpu-backend simulated`).
-    #[arg(long, env = "SIMULATE_GPUS", value_delimiter = ',', default_value = "")]
+    #[arg(
+        long,
+        env = "GPUSHARE_SIMULATE_GPUS",
+        value_delimiter = ',',
+        default_value = ""
+    )]
     pub simulate_gpus: Vec<String>,
     /// Product name of the simulated GPUs (published in the inventory and node labels); a
     /// `|`-separated list gives each GPU its own, in index order, the last repeating.
-    #[arg(long, env = "SIMULATE_MODEL", default_value = backend::simulated::SIMULATED_MODEL)]
+    #[arg(long, env = "GPUSHARE_SIMULATE_MODEL", default_value = backend::simulated::SIMULATED_MODEL)]
     pub simulate_model: String,
     /// File listing comma-separated indices of unhealthy simulated GPUs; polled every 200 ms.
-    #[arg(long, env = "SIMULATE_HEALTH_FILE")]
+    #[arg(long, env = "GPUSHARE_SIMULATE_HEALTH_FILE")]
     pub simulate_health_file: Option<PathBuf>,
     /// The extended resource to advertise.
-    #[arg(long, env = "RESOURCE_NAME", default_value = DEFAULT_RESOURCE)]
+    #[arg(long, env = "GPUSHARE_RESOURCE_NAME", default_value = DEFAULT_RESOURCE)]
     pub resource: String,
     /// Domain of gpushare's annotations and labels.
     #[arg(long, env = "GPUSHARE_DOMAIN", default_value = DEFAULT_DOMAIN)]
     pub domain: String,
     /// Address for /healthz, /readyz and /metrics.
-    #[arg(long, env = "METRICS_LISTEN", default_value = "0.0.0.0:9400")]
+    #[arg(long, env = "GPUSHARE_METRICS_LISTEN", default_value = "0.0.0.0:9400")]
     pub metrics_listen: SocketAddr,
     /// Log format.
-    #[arg(long, env = "LOG_FORMAT", value_enum, default_value_t = LogFormat::Text)]
+    #[arg(long, env = "GPUSHARE_LOG_FORMAT", value_enum, default_value_t = LogFormat::Text)]
     pub log_format: LogFormat,
     /// How long Allocate waits for the pod watch to show the pod kubelet is admitting.
-    #[arg(long, env = "PENDING_POD_WAIT_MS", default_value_t = 3000)]
+    #[arg(long, env = "GPUSHARE_PENDING_POD_WAIT_MS", default_value_t = 3000)]
     pub pending_pod_wait_ms: u64,
     /// Keyring the extender signs allocations with (`id:base64key` per line; mount it from
     /// the Secret the extender reads). Only allocations whose signature verifies get a GPU;
@@ -133,16 +157,16 @@ pub struct Config {
     /// it calls Allocate for every container; the extender and this plugin read that, so the
     /// marks would cost one more pod write (and its watch events) per GPU pod for nothing
     /// they need. Turn it on for an extender older than this plugin (it reads only marks).
-    #[arg(long, env = "ALLOCATION_MARKS", default_value_t = false, action = clap::ArgAction::Set)]
+    #[arg(long, env = "GPUSHARE_ALLOCATION_MARKS", default_value_t = false, action = clap::ArgAction::Set)]
     pub allocation_marks: bool,
     /// kubelet's PodResources socket: what kubelet really gave each container is read from
     /// it, checked against the allocations (mismatches become pod Events and
     /// `gpushare_device_plugin_kubelet_mismatches_total`) and the allocation marks follow it.
     /// Absent or unreadable: logged once, marks are reconciled from pod phases as before.
-    #[arg(long, env = "POD_RESOURCES_SOCKET", default_value = DEFAULT_POD_RESOURCES_SOCKET)]
+    #[arg(long, env = "GPUSHARE_POD_RESOURCES_SOCKET", default_value = DEFAULT_POD_RESOURCES_SOCKET)]
     pub pod_resources_socket: PathBuf,
     /// How often kubelet's PodResources API is read (also shortly after each Allocate).
-    #[arg(long, env = "POD_RESOURCES_PERIOD_MS", default_value_t = 5000)]
+    #[arg(long, env = "GPUSHARE_POD_RESOURCES_PERIOD_MS", default_value_t = 5000)]
     pub pod_resources_period_ms: u64,
     /// How each container's share is enforced: `none` (it is told its share, see
     /// `gpushare_contract::env`), `toolkit` (the NVIDIA container toolkit's memory-limit CDI
@@ -151,7 +175,7 @@ pub struct Config {
     pub enforcement: Enforcement,
     /// Evict the running pods of a GPU that turns unhealthy (they get an Event and a pod
     /// condition either way), so their controllers re-create them elsewhere.
-    #[arg(long, env = "EVICT_ON_UNHEALTHY", default_value_t = false, action = clap::ArgAction::Set)]
+    #[arg(long, env = "GPUSHARE_EVICT_ON_UNHEALTHY", default_value_t = false, action = clap::ArgAction::Set)]
     pub evict_on_unhealthy: bool,
     /// The MPS control daemon's pipe directory on the host, mounted into containers at the
     /// same path (`--enforcement mps`).
@@ -169,27 +193,31 @@ pub struct Config {
     /// no CDI spec on the node defines them ("unresolvable CDI devices"). Turn it on where
     /// every GPU node has the NVIDIA toolkit's CDI spec with UUID names (`nvidia-ctk cdi
     /// list` shows `nvidia.com/gpu=GPU-…`).
-    #[arg(long, env = "CDI_DEVICES", default_value_t = false, action = clap::ArgAction::Set)]
+    #[arg(long, env = "GPUSHARE_CDI_DEVICES", default_value_t = false, action = clap::ArgAction::Set)]
     pub cdi_devices: bool,
     /// JSON file saying how much GPU memory each pod uses on simulated GPUs,
     /// `{"default/a": "5Gi", "default/b": 512}` (MiB or a size); re-read at every usage poll.
-    #[arg(long, env = "SIMULATE_USAGE_FILE")]
+    #[arg(long, env = "GPUSHARE_SIMULATE_USAGE_FILE")]
     pub simulate_usage_file: Option<PathBuf>,
     /// How often GPU memory use is measured per pod ([`usage`]); 0 turns it off.
-    #[arg(long, env = "USAGE_PERIOD_MS", default_value_t = 10_000)]
+    #[arg(long, env = "GPUSHARE_USAGE_PERIOD_MS", default_value_t = 10_000)]
     pub usage_period_ms: u64,
     /// The host's `/proc` as this process sees it (it needs the host's PID namespace to trace
     /// GPU processes to pods).
-    #[arg(long, env = "PROC_ROOT", default_value = usage::DEFAULT_PROC_ROOT)]
+    #[arg(long, env = "GPUSHARE_PROC_ROOT", default_value = usage::DEFAULT_PROC_ROOT)]
     pub proc_root: PathBuf,
     /// The node's usage annotation is rewritten only when a pod or GPU moved by this many MiB
     /// (or a pod crossed its share, or pods came or went).
-    #[arg(long, env = "USAGE_ANNOTATION_MIN_CHANGE_MIB", default_value_t = 256)]
+    #[arg(
+        long,
+        env = "GPUSHARE_USAGE_ANNOTATION_MIN_CHANGE_MIB",
+        default_value_t = 256
+    )]
     pub usage_annotation_min_change_mib: u64,
     /// Least time between two writes of the node's usage annotation.
     #[arg(
         long,
-        env = "USAGE_ANNOTATION_MIN_INTERVAL_MS",
+        env = "GPUSHARE_USAGE_ANNOTATION_MIN_INTERVAL_MS",
         default_value_t = 30_000
     )]
     pub usage_annotation_min_interval_ms: u64,
@@ -280,46 +308,6 @@ impl Config {
             ),
         })
     }
-}
-
-/// Sets up logging (`RUST_LOG`, default `info`) in the chosen format. For `main` only.
-pub fn init_tracing(format: LogFormat) {
-    let filter = tracing_subscriber::EnvFilter::try_from_default_env()
-        .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info"));
-    // Colours only on a terminal: log files and collectors get plain text.
-    let builder = tracing_subscriber::fmt()
-        .with_env_filter(filter)
-        .with_ansi(std::io::IsTerminal::is_terminal(&std::io::stdout()));
-    match format {
-        LogFormat::Text => builder.init(),
-        LogFormat::Json => builder.json().init(),
-    }
-}
-
-/// Resolves on SIGTERM or ctrl-c.
-pub async fn shutdown_signal() {
-    let ctrl_c = async {
-        if let Err(err) = tokio::signal::ctrl_c().await {
-            tracing::error!(error = %err, "cannot listen for ctrl-c");
-            std::future::pending::<()>().await;
-        }
-    };
-    let term = async {
-        match tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate()) {
-            Ok(mut signal) => {
-                signal.recv().await;
-            }
-            Err(err) => {
-                tracing::error!(error = %err, "cannot listen for SIGTERM");
-                std::future::pending::<()>().await;
-            }
-        }
-    };
-    tokio::select! {
-        () = ctrl_c => {}
-        () = term => {}
-    }
-    tracing::info!("shutting down");
 }
 
 /// Runs the plugin with a client found the standard way (in-cluster or `KUBECONFIG`)
@@ -531,7 +519,7 @@ async fn run_inner(
     ];
     // The pod view's tasks end only on shutdown: any other end stops the plugin loudly.
     for (name, task) in pod_tasks {
-        tasks.push((name, as_supervised(name, task)));
+        tasks.push((name, gpushare_runtime::as_supervised(task)));
     }
     if let Some(reader) = usage {
         let (node, token) = (config.node_name.clone(), token.clone());
@@ -567,95 +555,53 @@ async fn watch_keyring(mut file: KeyringFile, token: CancellationToken) -> Resul
     }
 }
 
-/// A task that returns nothing, as [`supervise`] takes it: its panic becomes
-/// [`Error::TaskCrashed`].
-fn as_supervised(name: &'static str, task: JoinHandle<()>) -> JoinHandle<Result<()>> {
-    tokio::spawn(async move {
-        task.await
-            .map_err(|source| Error::TaskCrashed { task: name, source })
-    })
-}
-
-/// Waits for the first task to end; anything but a clean end after shutdown is an error.
-/// Then stops the others and waits for them.
+/// Waits for the first of `tasks` to end ([`gpushare_runtime::supervise`]): one that
+/// ends, panics or fails before shutdown stops the plugin with its reason.
 async fn supervise(
     tasks: Vec<(&'static str, JoinHandle<Result<()>>)>,
     token: CancellationToken,
 ) -> Result<()> {
-    let (names, handles): (Vec<_>, Vec<_>) = tasks.into_iter().unzip();
-    let (first, index, rest) = futures::future::select_all(handles).await;
-    let name = names[index];
-    let outcome = match first {
-        Ok(Ok(())) if token.is_cancelled() => Ok(()),
-        Ok(Ok(())) => Err(Error::TaskEnded(name)),
-        Ok(Err(err)) => Err(err),
-        Err(source) => Err(Error::TaskCrashed { task: name, source }),
-    };
-    if let Err(err) = &outcome {
-        tracing::error!(task = name, error = %err, "stopping the plugin");
-    }
-    token.cancel();
-    for handle in rest {
-        if let Ok(Err(err)) = handle.await {
-            tracing::warn!(error = %err, "task failed during shutdown");
-        }
-    }
-    outcome
+    gpushare_runtime::supervise(tasks, token)
+        .await
+        .map_err(|stopped| match stopped {
+            gpushare_runtime::Stopped::Ended(task) => Error::TaskEnded(task),
+            gpushare_runtime::Stopped::Crashed { task, source } => {
+                Error::TaskCrashed { task, source }
+            }
+            gpushare_runtime::Stopped::Failed { error, .. } => error,
+        })
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
 
-    /// A long-lived task that ends before shutdown (a pod watch gone quiet would leave
-    /// Allocate answering from a frozen view) stops the plugin, naming it, and the others are
-    /// told to stop; the same end after shutdown is clean.
+    /// The supervisor's reasons become the plugin's errors: a long-lived task that ends
+    /// before shutdown (a pod watch gone quiet would leave Allocate answering from a frozen
+    /// view) is named; one that fails hands its own error up.
     #[tokio::test]
     async fn a_task_that_ends_before_shutdown_stops_the_plugin() {
         let token = CancellationToken::new();
-        let waits = |token: CancellationToken| {
-            tokio::spawn(async move {
+        let waits = tokio::spawn({
+            let token = token.clone();
+            async move {
                 token.cancelled().await;
                 Ok(())
-            })
-        };
-        let tasks = vec![
-            ("server", waits(token.clone())),
-            ("pod watch", tokio::spawn(async { Ok(()) })),
-        ];
-        let outcome = supervise(tasks, token.clone()).await;
+            }
+        });
+        let ended = tokio::spawn(async { Ok(()) });
+        let outcome = supervise(vec![("server", waits), ("pod watch", ended)], token).await;
         assert!(
             matches!(outcome, Err(Error::TaskEnded("pod watch"))),
             "{outcome:?}"
         );
-        assert!(token.is_cancelled());
 
         let token = CancellationToken::new();
-        let wrapped = as_supervised(
-            "pod watch",
-            tokio::spawn(async {
-                panic!("the watch stream broke");
-            }),
-        );
-        let outcome = supervise(
-            vec![("server", waits(token.clone())), ("pod watch", wrapped)],
-            token,
-        )
-        .await;
+        let fails = tokio::spawn(async { Err(Error::TaskEnded("inner")) });
+        let outcome = supervise(vec![("keyring", fails)], token).await;
         assert!(
-            matches!(
-                outcome,
-                Err(Error::TaskCrashed {
-                    task: "pod watch",
-                    ..
-                })
-            ),
+            matches!(outcome, Err(Error::TaskEnded("inner"))),
             "{outcome:?}"
         );
-
-        let token = CancellationToken::new();
-        token.cancel();
-        let outcome = supervise(vec![("server", waits(token.clone()))], token).await;
-        assert!(outcome.is_ok(), "{outcome:?}");
     }
 }

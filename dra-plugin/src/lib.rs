@@ -39,7 +39,6 @@ use std::sync::Arc;
 use gpushare_contract::DEFAULT_DOMAIN;
 use gpushare_contract::env::Enforcement;
 use gpushare_device_plugin::BackendKind;
-use gpushare_device_plugin::LogFormat;
 use gpushare_device_plugin::backend::{
     BackendError, GpuBackend, nvml::NvmlBackend, simulated::SimulatedBackend,
 };
@@ -62,7 +61,22 @@ pub use gpushare_contract::quantity;
 pub mod service;
 pub mod slice;
 
-pub use gpushare_device_plugin::{init_tracing, shutdown_signal};
+pub use gpushare_runtime::LogFormat;
+
+/// The names this plugin's variables had before the `GPUSHARE_*` scheme: still read, with a
+/// warning ([`gpushare_runtime::env::with_legacy_env`]).
+pub const LEGACY_ENV: &[&str] = &[
+    "CDI_DIR",
+    "DRA_DRIVER_NAME",
+    "DRA_PLUGIN_DIR",
+    "GPU_BACKEND",
+    "LOG_FORMAT",
+    "NODE_NAME",
+    "PLUGIN_REGISTRY_DIR",
+    "PROBE_ADDR",
+    "SIMULATE_GPUS",
+    "SIMULATE_HEALTH_FILE",
+];
 
 /// The DRA socket's file name inside the plugin directory.
 pub const DRA_SOCKET: &str = "dra.sock";
@@ -74,34 +88,34 @@ pub const CHECKPOINT: &str = "checkpoint.json";
 #[command(name = "gpushare-dra-plugin", version, about)]
 pub struct Config {
     /// The node this plugin runs on (usually from the downward API).
-    #[arg(long, env = "NODE_NAME")]
+    #[arg(long, env = "GPUSHARE_NODE_NAME")]
     pub node_name: String,
     /// The DRA driver name: DeviceClasses select it, allocations name it, and it is the
     /// vendor of the CDI devices.
-    #[arg(long, env = "DRA_DRIVER_NAME", default_value = DEFAULT_DOMAIN)]
+    #[arg(long, env = "GPUSHARE_DRA_DRIVER_NAME", default_value = DEFAULT_DOMAIN)]
     pub driver_name: String,
     /// The plugin's own directory: holds the DRA socket and the checkpoint.
     #[arg(
         long,
-        env = "DRA_PLUGIN_DIR",
+        env = "GPUSHARE_DRA_PLUGIN_DIR",
         default_value = "/var/lib/kubelet/plugins/gpushare.example.com"
     )]
     pub plugin_dir: PathBuf,
     /// kubelet's plugin registry directory, watched by kubelet for registration sockets.
-    #[arg(long, env = "PLUGIN_REGISTRY_DIR", default_value = DEFAULT_PLUGIN_REGISTRY_DIR)]
+    #[arg(long, env = "GPUSHARE_PLUGIN_REGISTRY_DIR", default_value = DEFAULT_PLUGIN_REGISTRY_DIR)]
     pub registry_dir: PathBuf,
     /// Where the container runtime reads CDI specs.
-    #[arg(long, env = "CDI_DIR", default_value = "/var/run/cdi")]
+    #[arg(long, env = "GPUSHARE_CDI_DIR", default_value = "/var/run/cdi")]
     pub cdi_dir: PathBuf,
     /// Where GPUs come from.
-    #[arg(long, env = "GPU_BACKEND", value_enum, default_value_t = BackendKind::Nvml)]
+    #[arg(long, env = "GPUSHARE_GPU_BACKEND", value_enum, default_value_t = BackendKind::Nvml)]
     pub gpu_backend: BackendKind,
     /// Sizes in GiB of simulated GPUs, e.g. `16,16,24` (with `--gpu-backend simulated`).
-    #[arg(long, env = "SIMULATE_GPUS", value_delimiter = ',')]
+    #[arg(long, env = "GPUSHARE_SIMULATE_GPUS", value_delimiter = ',')]
     pub simulate_gpus: Vec<u64>,
     /// A file listing the indices of unhealthy simulated GPUs, comma-separated (with
     /// `--gpu-backend simulated`); missing or empty: all healthy.
-    #[arg(long, env = "SIMULATE_HEALTH_FILE")]
+    #[arg(long, env = "GPUSHARE_SIMULATE_HEALTH_FILE")]
     pub simulate_health_file: Option<PathBuf>,
     /// How each container's share is enforced, as in the device plugin: `none`, `toolkit`
     /// (`NVIDIA_GPU_MEMORY_LIMIT` for the NVIDIA toolkit's CDI hook) or `mps`.
@@ -117,10 +131,10 @@ pub struct Config {
     pub mps_pipe_directory: String,
     /// Address of the HTTP probes: `/healthz` (the plugin runs) and `/readyz` (kubelet has
     /// registered it); port 0 picks a free port.
-    #[arg(long, env = "PROBE_ADDR", default_value = "0.0.0.0:9402")]
+    #[arg(long, env = "GPUSHARE_PROBE_ADDR", default_value = "0.0.0.0:9402")]
     pub probe_addr: SocketAddr,
     /// Log format.
-    #[arg(long, env = "LOG_FORMAT", value_enum, default_value_t = LogFormat::Text)]
+    #[arg(long, env = "GPUSHARE_LOG_FORMAT", value_enum, default_value_t = LogFormat::Text)]
     pub log_format: LogFormat,
 }
 

@@ -1,12 +1,16 @@
-//! `gpushare-dra-plugin`: parses flags and runs the plugin (see the library docs).
-
-use clap::Parser;
+//! `gpushare-dra-plugin`: parses flags (the old environment names read too, see `LEGACY_ENV`) and runs the
+//! plugin (see the library docs).
 
 #[tokio::main]
 async fn main() -> std::process::ExitCode {
-    let config = gpushare_dra_plugin::Config::parse();
-    gpushare_dra_plugin::init_tracing(config.log_format);
-    match gpushare_dra_plugin::run(config, gpushare_dra_plugin::shutdown_signal()).await {
+    let (config, warnings) = gpushare_runtime::env::parse::<gpushare_dra_plugin::Config>(
+        gpushare_dra_plugin::LEGACY_ENV,
+    );
+    gpushare_runtime::init_tracing(config.log_format);
+    for warning in warnings {
+        tracing::warn!("{warning}");
+    }
+    match gpushare_dra_plugin::run(config, gpushare_runtime::shutdown_signal()).await {
         Ok(()) => std::process::ExitCode::SUCCESS,
         Err(err) => {
             tracing::error!(error = %err, "gpushare-dra-plugin failed");

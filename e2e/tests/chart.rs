@@ -1445,8 +1445,8 @@ fn check_device_plugin(
     let env = c.env.clone().unwrap_or_default();
     let node_name = env
         .iter()
-        .find(|e| e.name == "NODE_NAME")
-        .context("NODE_NAME")?;
+        .find(|e| e.name == "GPUSHARE_NODE_NAME")
+        .context("GPUSHARE_NODE_NAME")?;
     let field = node_name
         .value_from
         .as_ref()
@@ -1794,7 +1794,10 @@ fn log_format_reaches_every_binary() -> anyhow::Result<()> {
     };
     let rendered = render("gpushare", "kube-system", &["--set", "logFormat=json"])?;
     let plugin: DaemonSet = rendered.get("DaemonSet", "gpushare-device-plugin")?;
-    assert_eq!(env_of(&plugin, "device-plugin", "LOG_FORMAT")?, "json");
+    assert_eq!(
+        env_of(&plugin, "device-plugin", "GPUSHARE_LOG_FORMAT")?,
+        "json"
+    );
     let extender: Deployment = rendered.get("Deployment", "gpushare-extender")?;
     let spec = extender
         .spec
@@ -1811,7 +1814,7 @@ fn log_format_reaches_every_binary() -> anyhow::Result<()> {
         &["--set", "mode=dra", "--set", "logFormat=json"],
     )?;
     let dra: DaemonSet = rendered.get("DaemonSet", "gpushare-dra-plugin")?;
-    assert_eq!(env_of(&dra, "dra-plugin", "LOG_FORMAT")?, "json");
+    assert_eq!(env_of(&dra, "dra-plugin", "GPUSHARE_LOG_FORMAT")?, "json");
     Ok(())
 }
 

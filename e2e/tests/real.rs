@@ -81,7 +81,7 @@ const GROUPS: &[Group] = &[
         // The simulated GPUs' health file, so a scenario can make a GPU unhealthy.
         helm_args: &[
             "--set-json",
-            r#"dra.extraEnv=[{"name":"SIMULATE_HEALTH_FILE","value":"/tmp/gpushare-realk8s-unhealthy-gpus"}]"#,
+            r#"dra.extraEnv=[{"name":"GPUSHARE_SIMULATE_HEALTH_FILE","value":"/tmp/gpushare-realk8s-unhealthy-gpus"}]"#,
         ],
         scenarios: &[
             (

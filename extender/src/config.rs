@@ -7,15 +7,7 @@ use clap::Parser;
 use gpushare_allocator::Policy;
 use gpushare_contract::{DEFAULT_DOMAIN, DEFAULT_RESOURCE};
 
-/// How logs are written.
-#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, clap::ValueEnum)]
-pub enum LogFormat {
-    /// Human-readable lines.
-    #[default]
-    Text,
-    /// One JSON object per line.
-    Json,
-}
+pub use gpushare_runtime::LogFormat;
 
 /// The extender's configuration. Every flag can also be set through its environment variable.
 #[derive(Debug, Clone, Parser)]

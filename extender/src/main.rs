@@ -12,7 +12,7 @@ fn main() -> anyhow::Result<()> {
         let runtime = tokio::runtime::Builder::new_current_thread()
             .enable_all()
             .build()?;
-        gpushare_extender::init_tracing(config.log_format);
+        gpushare_runtime::init_tracing(config.log_format);
         runtime.block_on(routing_check::run(config))?;
         return Ok(());
     }
@@ -23,8 +23,8 @@ fn main() -> anyhow::Result<()> {
         runtime.worker_threads(config.worker_threads);
     }
     runtime.build()?.block_on(async {
-        gpushare_extender::init_tracing(config.log_format);
-        gpushare_extender::run(config, gpushare_extender::shutdown_signal()).await
+        gpushare_runtime::init_tracing(config.log_format);
+        gpushare_extender::run(config, gpushare_runtime::shutdown_signal()).await
     })?;
     Ok(())
 }

@@ -13,7 +13,6 @@ use anyhow::Context;
 use clap::Parser;
 use gpushare_e2e::apiserver::ApiServer;
 use gpushare_e2e::fixtures;
-use tracing_subscriber::EnvFilter;
 
 /// A Kubernetes API server simulator for gpushare (nodes, pods, bindings, events, leases).
 #[derive(Debug, Parser)]
@@ -44,11 +43,7 @@ struct Args {
 
 #[tokio::main]
 async fn main() -> anyhow::Result<()> {
-    tracing_subscriber::fmt()
-        .with_env_filter(
-            EnvFilter::try_from_default_env().unwrap_or_else(|_| EnvFilter::new("info")),
-        )
-        .init();
+    gpushare_runtime::init_tracing(gpushare_runtime::LogFormat::Text);
     let args = Args::parse();
     let server = ApiServer::start_on(args.listen).await?;
     server
@@ -70,32 +65,8 @@ async fn main() -> anyhow::Result<()> {
         kubeconfig.display()
     );
     println!("     (kubectl create/apply need --validate=false: no OpenAPI schema is served)");
-    shutdown_signal().await;
+    gpushare_runtime::shutdown_signal().await;
     tracing::info!("shutting down");
     server.shutdown().await;
     Ok(())
-}
-
-async fn shutdown_signal() {
-    let ctrl_c = async {
-        if let Err(err) = tokio::signal::ctrl_c().await {
-            tracing::error!(error = %err, "cannot listen for ctrl-c");
-            std::future::pending::<()>().await;
-        }
-    };
-    let terminate = async {
-        match tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate()) {
-            Ok(mut sigterm) => {
-                sigterm.recv().await;
-            }
-            Err(err) => {
-                tracing::error!(error = %err, "cannot listen for SIGTERM");
-                std::future::pending::<()>().await;
-            }
-        }
-    };
-    tokio::select! {
-        _ = ctrl_c => {}
-        _ = terminate => {}
-    }
 }

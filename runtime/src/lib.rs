@@ -1,0 +1,24 @@
+//! What every gpushare binary runs on, in one place so the binaries cannot drift apart:
+//!
+//! ```text
+//!   main ─ parse args (legacy env names read as flags: env::with_legacy_env)
+//!        ─ logging::init_tracing(format)        RUST_LOG, text or JSON lines
+//!        ─ run(config, signal::shutdown_signal())
+//!             └─ supervise::supervise(tasks)    the first task to end ends them all
+//! ```
+//!
+//! Why a crate of its own: the extender, the device plugin and the DRA plugin each had their
+//! own copy of the shutdown signal and of the logging set-up, and the DRA plugin borrowed the
+//! device plugin's. A fix made to one copy (a JSON format, a missed SIGTERM) missed the
+//! others.
+
+#![cfg_attr(test, allow(clippy::unwrap_used))]
+
+pub mod env;
+pub mod logging;
+pub mod signal;
+pub mod supervise;
+
+pub use logging::{LogFormat, init_tracing};
+pub use signal::shutdown_signal;
+pub use supervise::{Stopped, as_supervised, supervise};
