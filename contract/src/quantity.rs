@@ -1,9 +1,10 @@
 //! Kubernetes quantities (`16Gi`, `4096Mi`, `1.5G`, `2e9`) as whole bytes, the unit device
 //! capacity is counted in.
 //!
-//! Only what capacities need: a non-negative number with an optional binary (`Ki`…`Ei`),
-//! decimal (`k`…`E`, `m`) or exponent (`e3`) suffix. Fractions round up to a whole byte, as
-//! `Quantity.Value()` does upstream.
+//! Only what capacities and requests need: a non-negative number with an optional binary
+//! (`Ki`…`Ei`), decimal (`n`, `u`, `m`, `k`…`E`) or exponent (`e3`) suffix. Fractions round up
+//! to a whole unit, as `Quantity.Value()` (bytes) and `Quantity.MilliValue()` (millicores) do
+//! upstream.
 
 /// Bytes in one GiB.
 pub const GIB: u128 = 1 << 30;
@@ -17,6 +18,21 @@ pub struct QuantityError(pub String);
 
 /// The quantity `text` in whole bytes (rounded up).
 pub fn bytes(text: &str) -> Result<u128, QuantityError> {
+    scaled(text, 1)
+}
+
+/// The quantity `text` in thousandths (rounded up): CPU in millicores.
+pub fn milli(text: &str) -> Result<u128, QuantityError> {
+    scaled(text, 1000)
+}
+
+/// The quantity `text` in MiB (rounded up): memory as the scheduling code counts it.
+pub fn mib(text: &str) -> Result<u128, QuantityError> {
+    bytes(text).map(|bytes| bytes.div_ceil(1 << 20))
+}
+
+/// The quantity `text` × `per_unit`, rounded up.
+fn scaled(text: &str, per_unit: u128) -> Result<u128, QuantityError> {
     let invalid = || QuantityError(text.to_owned());
     let text_trimmed = text.trim();
     let text_trimmed = text_trimmed.strip_prefix('+').unwrap_or(text_trimmed);
@@ -53,8 +69,13 @@ pub fn bytes(text: &str) -> Result<u128, QuantityError> {
         "T" => 1_000_000_000_000,
         "P" => 1_000_000_000_000_000,
         "E" => 1_000_000_000_000_000_000,
-        "m" => {
-            denominator = denominator.checked_mul(1000).ok_or_else(invalid)?;
+        "m" | "u" | "n" => {
+            let below = match suffix {
+                "m" => 1_000,
+                "u" => 1_000_000,
+                _ => 1_000_000_000,
+            };
+            denominator = denominator.checked_mul(below).ok_or_else(invalid)?;
             1
         }
         exp if exp.starts_with(['e', 'E']) => {
@@ -63,7 +84,10 @@ pub fn bytes(text: &str) -> Result<u128, QuantityError> {
         }
         _ => return Err(invalid()),
     };
-    let scaled = mantissa.checked_mul(numerator).ok_or_else(invalid)?;
+    let scaled = mantissa
+        .checked_mul(numerator)
+        .and_then(|value| value.checked_mul(per_unit))
+        .ok_or_else(invalid)?;
     Ok(scaled.div_ceil(denominator))
 }
 
@@ -86,6 +110,18 @@ mod tests {
         assert_eq!(bytes("1500m"), Ok(2));
         assert_eq!(bytes("0"), Ok(0));
         assert_eq!(bytes("42"), Ok(42));
+    }
+
+    #[test]
+    fn reads_cpu_in_millicores_and_memory_in_mib() {
+        assert_eq!(milli("100m"), Ok(100));
+        assert_eq!(milli("1.5"), Ok(1_500));
+        assert_eq!(milli("2"), Ok(2_000));
+        assert_eq!(milli("1500000n"), Ok(2));
+        assert_eq!(milli("250u"), Ok(1));
+        assert_eq!(mib("64Mi"), Ok(64));
+        assert_eq!(mib("1G"), Ok(954));
+        assert_eq!(mib("1"), Ok(1));
     }
 
     #[test]

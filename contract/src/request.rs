@@ -275,6 +275,17 @@ pub fn pod_request(pod: &Pod, resource: &str) -> Result<Option<PodRequest>, Requ
     }))
 }
 
+/// Whether a pod in `phase` has finished (`Succeeded` or `Failed`): its containers are gone
+/// and the GPU memory it held is free again, whatever its allocation says.
+pub fn phase_is_finished(phase: Option<&str>) -> bool {
+    matches!(phase, Some("Succeeded" | "Failed"))
+}
+
+/// Whether `pod` has finished ([`phase_is_finished`]).
+pub fn pod_is_finished(pod: &Pod) -> bool {
+    phase_is_finished(pod.status.as_ref().and_then(|s| s.phase.as_deref()))
+}
+
 /// `namespace/name` of a pod, for messages.
 pub fn pod_key(pod: &Pod) -> String {
     format!(

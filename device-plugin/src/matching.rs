@@ -120,7 +120,7 @@ impl PodView {
     }
 
     fn finished(&self) -> bool {
-        matches!(self.phase.as_deref(), Some("Succeeded" | "Failed"))
+        gpushare_contract::request::phase_is_finished(self.phase.as_deref())
     }
 
     /// Whether kubelet reports the pod Running.

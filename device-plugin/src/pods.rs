@@ -329,7 +329,7 @@ impl PodCache {
                     .status
                     .as_ref()
                     .and_then(|status| status.phase.as_deref());
-                if view.is_none() && here && !matches!(phase, Some("Succeeded" | "Failed")) {
+                if view.is_none() && here && !gpushare_contract::request::phase_is_finished(phase) {
                     kubelet.bare.push(BarePod {
                         key: gpushare_contract::request::pod_key(pod),
                         uid: uid.to_owned(),
@@ -420,7 +420,7 @@ impl PodCache {
             .filter(|view| {
                 view.allocation.gpus().any(|(_, gpu)| gpu == uuid)
                     && !view.deleting
-                    && !matches!(view.phase.as_deref(), Some("Succeeded" | "Failed"))
+                    && !gpushare_contract::request::phase_is_finished(view.phase.as_deref())
                     && matches!(
                         view.trust,
                         matching::Trust::Verified | matching::Trust::Unchecked

@@ -160,10 +160,8 @@ pub fn pod_host(pod: &Pod) -> Host {
     let requests = |c: &Container| {
         let get = |name: &str| c.resources.as_ref()?.requests.as_ref()?.get(name);
         Host::new(
-            get("cpu").and_then(|q| quantity(q, 1e-3)).unwrap_or(0),
-            get("memory")
-                .and_then(|q| quantity(q, 1_048_576.0))
-                .unwrap_or(0),
+            get("cpu").and_then(millicores).unwrap_or(0),
+            get("memory").and_then(mebibytes).unwrap_or(0),
         )
     };
     let max =
@@ -186,10 +184,8 @@ pub fn pod_host(pod: &Pod) -> Host {
 /// A node's allocatable CPU and memory; `None` when it publishes neither.
 pub fn node_host(node: &Node) -> Option<Host> {
     let allocatable = node.status.as_ref()?.allocatable.as_ref()?;
-    let cpu = allocatable.get("cpu").and_then(|q| quantity(q, 1e-3));
-    let memory = allocatable
-        .get("memory")
-        .and_then(|q| quantity(q, 1_048_576.0));
+    let cpu = allocatable.get("cpu").and_then(millicores);
+    let memory = allocatable.get("memory").and_then(mebibytes);
     if cpu.is_none() && memory.is_none() {
         return None;
     }
@@ -199,31 +195,18 @@ pub fn node_host(node: &Node) -> Option<Host> {
     ))
 }
 
-/// A quantity in units of `unit` (1e-3: millicores; 2^20: MiB), rounded up.
-fn quantity(quantity: &Quantity, unit: f64) -> Option<u64> {
-    let text = quantity.0.trim();
-    const SUFFIXES: [(&str, f64); 14] = [
-        ("Ki", 1024.0),
-        ("Mi", 1_048_576.0),
-        ("Gi", 1_073_741_824.0),
-        ("Ti", 1_099_511_627_776.0),
-        ("Pi", 1_125_899_906_842_624.0),
-        ("n", 1e-9),
-        ("u", 1e-6),
-        ("m", 1e-3),
-        ("k", 1e3),
-        ("M", 1e6),
-        ("G", 1e9),
-        ("T", 1e12),
-        ("P", 1e15),
-        ("E", 1e18),
-    ];
-    let (number, scale) = SUFFIXES
-        .iter()
-        .find_map(|(suffix, scale)| Some((text.strip_suffix(suffix)?, *scale)))
-        .unwrap_or((text, 1.0));
-    let value: f64 = number.parse().ok()?;
-    (value.is_finite() && value >= 0.0).then(|| (value * scale / unit).ceil() as u64)
+/// CPU in millicores, or `None` when unreadable.
+fn millicores(quantity: &Quantity) -> Option<u64> {
+    gpushare_contract::quantity::milli(&quantity.0)
+        .ok()
+        .map(|milli| u64::try_from(milli).unwrap_or(u64::MAX))
+}
+
+/// Memory in MiB, rounded up, or `None` when unreadable.
+fn mebibytes(quantity: &Quantity) -> Option<u64> {
+    gpushare_contract::quantity::mib(&quantity.0)
+        .ok()
+        .map(|mib| u64::try_from(mib).unwrap_or(u64::MAX))
 }
 
 /// Something the watch saw that the pod's owner should hear about.
@@ -405,11 +388,7 @@ impl PodFacts {
         Some(Self {
             key: key.into(),
             uid: PodId::from(uid),
-            finished: pod
-                .status
-                .as_ref()
-                .and_then(|s| s.phase.as_deref())
-                .is_some_and(|phase| phase == "Succeeded" || phase == "Failed"),
+            finished: gpushare_contract::request::pod_is_finished(pod),
             ask: Ask::new(request, node_name.is_some()),
             node_name,
             allocation,
@@ -1163,7 +1142,7 @@ mod tests {
         assert_eq!(host.milli_cpu, 4_000);
         // Memory: 2e9 + 1.5e9 bytes + 128 MiB, more than the init container's 1 GiB.
         assert_eq!(host.memory_mib, 1908 + 1431 + 128);
-        assert_eq!(quantity(&Quantity("bogus".into()), 1e-3), None);
+        assert_eq!(millicores(&Quantity("bogus".into())), None);
     }
 
     #[test]

@@ -171,8 +171,7 @@ fn node_annotation<'a>(node: &'a Node, key: &str) -> Option<&'a str> {
 
 /// True unless the pod has finished (its GPU memory is free again).
 pub fn is_active(pod: &Pod) -> bool {
-    let phase = pod.status.as_ref().and_then(|s| s.phase.as_deref());
-    !matches!(phase, Some("Succeeded") | Some("Failed"))
+    !gpushare_contract::request::pod_is_finished(pod)
 }
 
 fn node_gpus(node: &Node, settings: &Settings) -> (Vec<GpuInfo>, GpuSource) {

@@ -671,13 +671,6 @@ fn claim_key(claim: &ResourceClaim) -> (String, String) {
     (claim.namespace().unwrap_or_default(), claim.name_any())
 }
 
-fn pod_finished(pod: &Pod) -> bool {
-    matches!(
-        pod.status.as_ref().and_then(|s| s.phase.as_deref()),
-        Some("Succeeded" | "Failed")
-    )
-}
-
 impl Passes {
     /// The claims as they are now: the store, or what this scheduler wrote if newer.
     fn claims(&mut self) -> HashMap<(String, String), ResourceClaim> {
@@ -737,7 +730,7 @@ impl Passes {
             .pods
             .state()
             .iter()
-            .filter(|pod| !pod_finished(pod))
+            .filter(|pod| !gpushare_contract::request::pod_is_finished(pod))
             .filter_map(|pod| pod.metadata.uid.clone())
             .collect();
         for (_, claim) in self.claims() {
