@@ -72,6 +72,38 @@ pub fn from_node(node: &Node, keys: &Keys) -> Option<Result<Vec<GpuInfo>, Invent
     Some(decode(text))
 }
 
+/// Where a node's GPU list came from ([`read`]).
+#[derive(Debug)]
+pub enum Source {
+    /// The device plugin's inventory annotation.
+    Inventory,
+    /// Capacity split over the GPU-count label: no inventory yet.
+    Capacity,
+    /// The inventory annotation is present but unreadable; the GPUs are the capacity's.
+    Unreadable(InventoryError),
+    /// Neither inventory nor capacity: no GPUs.
+    None,
+}
+
+/// A node's GPUs as gpushare schedules on them: the inventory annotation, or else (absent or
+/// unreadable) its capacity of `resource` ([`from_capacity`]). The one reading shared by the
+/// extender, which places pods on it, and `kubectl gpushare`, which shows it: the two cannot
+/// disagree about a node with a malformed annotation.
+pub fn read(node: &Node, keys: &Keys, resource: &str) -> (Vec<GpuInfo>, Source) {
+    let unreadable = match from_node(node, keys) {
+        Some(Ok(gpus)) => return (gpus, Source::Inventory),
+        Some(Err(error)) => Some(error),
+        None => None,
+    };
+    let gpus = from_capacity(node, keys, resource);
+    let source = match unreadable {
+        Some(error) => Source::Unreadable(error),
+        None if gpus.is_empty() => Source::None,
+        None => Source::Capacity,
+    };
+    (gpus, source)
+}
+
 /// A node's GPUs from its capacity of `resource` alone, for a node whose device plugin has
 /// not published an inventory: capacity split evenly over the `gpu-count` label (one GPU when
 /// the label is absent), healthy, with no UUID. Empty when the node advertises none.
@@ -137,6 +169,36 @@ mod tests {
             decode(&dup),
             Err(InventoryError::DuplicateIndex(0))
         ));
+    }
+
+    /// The extender and kubectl read a node alike: the inventory when readable, else the
+    /// capacity, saying why.
+    #[test]
+    fn read_falls_back_to_capacity_and_says_when_the_inventory_is_unreadable() {
+        use k8s_openapi::apimachinery::pkg::api::resource::Quantity;
+        let keys = Keys::default();
+        let resource = "example.com/gpu-mem";
+        let mut node = Node::default();
+        assert!(matches!(read(&node, &keys, resource), (gpus, Source::None) if gpus.is_empty()));
+        node.status = Some(k8s_openapi::api::core::v1::NodeStatus {
+            capacity: Some([(resource.to_owned(), Quantity("16".into()))].into()),
+            ..Default::default()
+        });
+        assert!(
+            matches!(read(&node, &keys, resource), (gpus, Source::Capacity) if gpus.len() == 1)
+        );
+        node.metadata.annotations = Some([(keys.node_gpus.clone(), "{nope".to_owned())].into());
+        let (gpus, source) = read(&node, &keys, resource);
+        assert_eq!(gpus.len(), 1);
+        assert!(
+            matches!(source, Source::Unreadable(InventoryError::Json(_))),
+            "{source:?}"
+        );
+        node.metadata.annotations =
+            Some([(keys.node_gpus.clone(), encode(&[gpu(0, 15), gpu(1, 15)]))].into());
+        let (gpus, source) = read(&node, &keys, resource);
+        assert!(matches!(source, Source::Inventory));
+        assert_eq!(gpus, vec![gpu(0, 15), gpu(1, 15)]);
     }
 
     #[test]

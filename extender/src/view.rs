@@ -730,16 +730,14 @@ impl View {
             total_gib: g.mem_gib,
             healthy: g.healthy,
         };
-        match inventory::from_node(node, &self.settings.keys) {
-            Some(Ok(gpus)) => return (gpus.into_iter().map(to_gpu).collect(), eligible),
-            Some(Err(error)) => tracing::warn!(
+        let (gpus, source) = inventory::read(node, &self.settings.keys, &self.settings.resource);
+        if let inventory::Source::Unreadable(error) = source {
+            tracing::warn!(
                 node = %name,
                 %error,
                 "cannot read the GPU inventory annotation; falling back to capacity"
-            ),
-            None => {}
+            );
         }
-        let gpus = inventory::from_capacity(node, &self.settings.keys, &self.settings.resource);
         (gpus.into_iter().map(to_gpu).collect(), eligible)
     }
 

@@ -354,7 +354,7 @@ fn check_nodes(
             Some(GpuSource::Inventory) => registered += 1,
             Some(GpuSource::BadInventory(why)) => out.push(Finding::fail(
                 format!(
-                    "node {name}: the GPU inventory annotation {} is unreadable: {why}",
+                    "node {name}: the GPU inventory annotation {} is unreadable ({why}); the extender schedules on the node's capacity meanwhile",
                     settings.keys.node_gpus
                 ),
                 format!(

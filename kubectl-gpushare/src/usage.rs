@@ -109,7 +109,8 @@ pub enum GpuSource {
     Inventory,
     /// Capacity split over the GPU-count label (no inventory yet).
     Capacity,
-    /// The inventory annotation is present but unreadable (the message says why).
+    /// The inventory annotation is present but unreadable (the message says why); the GPUs
+    /// shown are the capacity's, which the extender schedules on meanwhile.
     BadInventory(String),
     /// Neither inventory nor capacity.
     None,
@@ -174,15 +175,16 @@ pub fn is_active(pod: &Pod) -> bool {
     !gpushare_contract::request::pod_is_finished(pod)
 }
 
+/// The node's GPUs as the extender schedules on them ([`inventory::read`]).
 fn node_gpus(node: &Node, settings: &Settings) -> (Vec<GpuInfo>, GpuSource) {
-    match inventory::from_node(node, &settings.keys) {
-        Some(Ok(gpus)) => (gpus, GpuSource::Inventory),
-        Some(Err(err)) => (Vec::new(), GpuSource::BadInventory(err.to_string())),
-        None => match inventory::from_capacity(node, &settings.keys, &settings.resource) {
-            gpus if gpus.is_empty() => (Vec::new(), GpuSource::None),
-            gpus => (gpus, GpuSource::Capacity),
-        },
-    }
+    let (gpus, source) = inventory::read(node, &settings.keys, &settings.resource);
+    let source = match source {
+        inventory::Source::Inventory => GpuSource::Inventory,
+        inventory::Source::Capacity => GpuSource::Capacity,
+        inventory::Source::Unreadable(error) => GpuSource::BadInventory(error.to_string()),
+        inventory::Source::None => GpuSource::None,
+    };
+    (gpus, source)
 }
 
 fn internal_ip(node: &Node) -> String {
