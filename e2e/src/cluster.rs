@@ -1101,6 +1101,23 @@ impl TestCluster {
             "--allocation-keys-file".to_owned(),
             self.dir.path().join(ALLOCATION_KEYS).display().to_string(),
         ]);
+        let native_scoring = self
+            .spec
+            .scheduler_values
+            .iter()
+            .any(|value| value == "scheduler.nativeGpuScoring=true");
+        if self.spec.dedicated
+            && !native_scoring
+            && !args.iter().any(|arg| arg.starts_with("--filter-keep-best"))
+        {
+            // The chart's dedicated install: filter keeps the node the profile would rank
+            // best (`extender.filterKeepBest: 1`, its weight `scheduler.extender.weight`);
+            // with `scheduler.nativeGpuScoring` the chart renders 0.
+            args.extend([
+                "--filter-keep-best=1".to_owned(),
+                "--prioritize-weight=1".to_owned(),
+            ]);
+        }
         if let Some(port) = self.webhook_port {
             // As the chart's extender Deployment sets them in dedicated mode.
             args.extend([
