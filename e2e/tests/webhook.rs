@@ -103,8 +103,16 @@ async fn while_the_webhook_is_down_gpu_pods_are_refused_not_left_pending() -> an
         );
         ensure!(pods.get_opt("early").await?.is_none());
 
-        // Back up: the same pod is routed and runs.
+        // Back up: once the API server routes GPU pods again (what the chart's install hook
+        // waits for; the restarted extender is Ready a moment before its webhook's caBundle is
+        // published), the same pod is routed and runs.
         cluster.restart_extender().await?;
+        let routed = check_routing(cluster, 30).await?;
+        ensure!(
+            routed.status.success(),
+            "GPU pods were not routed again: {}",
+            String::from_utf8_lossy(&routed.stderr)
+        );
         create_gpu_pod(cluster, "early", 4).await?;
         let running = wait_running(cluster, "early").await?;
         check_pinned(cluster, &running).await?;
