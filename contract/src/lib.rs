@@ -25,6 +25,7 @@ pub mod inventory;
 pub mod keys;
 pub mod quantity;
 pub mod request;
+pub mod scope;
 pub mod signature;
 pub mod usage;
 
@@ -34,6 +35,7 @@ pub use keys::Keys;
 pub use request::{
     ContainerRequest, MAX_GPUS_PER_POD, PodRequest, RequestError, pod_request, pod_request_with,
 };
+pub use scope::Scope;
 pub use signature::{Keyring, KeyringError, KeyringFile, SharedKeyring, Unverified};
 
 /// The extended resource pods ask for, in whole GiB of GPU memory.

@@ -22,7 +22,7 @@ pub struct Config {
     /// The extended resource pods ask for, in GiB.
     #[arg(long, env = "GPUSHARE_RESOURCE", default_value = DEFAULT_RESOURCE)]
     pub resource: String,
-    /// Label (`key=value`) of the nodes that take part.
+    /// Label (`key=value`, or a bare `key` meaning `key=true`) of the nodes that take part.
     #[arg(long, env = "GPUSHARE_NODE_LABEL", default_value = "gpushare=true")]
     pub node_label: String,
     /// Domain of gpushare's annotations and labels.

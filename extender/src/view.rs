@@ -33,23 +33,17 @@ use gpushare_allocator::{Cluster, Gpu, ModelFilter, PodId, PodPlacement, Policy,
 
 use crate::reservation::{Outcome, Phase, Reservation, Reservations, Settled, Ticket};
 use gpushare_contract::{
-    GpuInfo, Keys, PodAllocation, PodRequest, RequestError, SharedKeyring, inventory,
+    GpuInfo, PodAllocation, PodRequest, RequestError, Scope, SharedKeyring, inventory,
     pod_request_with,
 };
 use k8s_openapi::api::core::v1::{Container, Node, Pod, Taint};
 use k8s_openapi::apimachinery::pkg::api::resource::Quantity;
 
-/// What the view needs to read nodes and pods.
+/// What the view needs to read nodes and pods: the [`Scope`] the extender serves (its
+/// fields read through `Deref`), and the keyring allocations are signed and verified with.
 #[derive(Debug, Clone)]
 pub struct Settings {
-    /// The extended resource pods ask for (`example.com/gpu-mem`).
-    pub resource: String,
-    /// Annotation and label keys.
-    pub keys: Keys,
-    /// Participation label key.
-    pub label_key: String,
-    /// Participation label value.
-    pub label_value: String,
+    scope: Scope,
     /// The keyring the extender signs with; with one, allocations on pods are verified.
     pub keyring: Option<SharedKeyring>,
 }
@@ -57,15 +51,8 @@ pub struct Settings {
 impl Settings {
     /// Settings for `resource`, annotation `domain` and participation label `key=value`.
     pub fn new(resource: &str, domain: &str, node_label: &str) -> Self {
-        let (label_key, label_value) = match node_label.split_once('=') {
-            Some((key, value)) => (key.trim().to_owned(), value.trim().to_owned()),
-            None => (node_label.trim().to_owned(), "true".to_owned()),
-        };
         Self {
-            resource: resource.to_owned(),
-            keys: Keys::new(domain),
-            label_key,
-            label_value,
+            scope: Scope::new(resource, domain, node_label),
             keyring: None,
         }
     }
@@ -74,6 +61,14 @@ impl Settings {
     pub fn with_keyring(mut self, keyring: SharedKeyring) -> Self {
         self.keyring = Some(keyring);
         self
+    }
+}
+
+impl std::ops::Deref for Settings {
+    type Target = Scope;
+
+    fn deref(&self) -> &Scope {
+        &self.scope
     }
 }
 
@@ -1016,6 +1011,7 @@ impl View {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use gpushare_contract::Keys;
     use gpushare_e2e::fixtures::{node, pod};
 
     fn view() -> View {

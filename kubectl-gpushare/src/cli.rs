@@ -4,7 +4,6 @@ use std::path::PathBuf;
 use std::process::ExitCode;
 
 use clap::{Parser, Subcommand};
-use gpushare_contract::Keys;
 
 use crate::cluster::{self, Cluster};
 use crate::doctor::{self, Install, Level, Snapshot};
@@ -25,7 +24,8 @@ pub struct Args {
     /// Domain of gpushare's annotations and labels.
     #[arg(long, env = "GPUSHARE_DOMAIN", default_value = gpushare_contract::DEFAULT_DOMAIN, global = true)]
     pub domain: String,
-    /// Label (key=value) that marks participating nodes.
+    /// Label (`key=value`, or a bare `key` meaning `key=true`) that marks participating
+    /// nodes, read as the extender reads its `--node-label`.
     #[arg(
         long,
         env = "GPUSHARE_NODE_LABEL",
@@ -86,22 +86,14 @@ pub enum Command {
 }
 
 impl Args {
-    fn settings(&self) -> anyhow::Result<Settings> {
-        let (key, value) = self.node_label.split_once('=').ok_or_else(|| {
-            anyhow::anyhow!("--node-label {:?} must be key=value", self.node_label)
-        })?;
-        Ok(Settings {
-            resource: self.resource.clone(),
-            keys: Keys::new(&self.domain),
-            label_key: key.to_owned(),
-            label_value: value.to_owned(),
-        })
+    fn settings(&self) -> Settings {
+        Settings::new(&self.resource, &self.domain, &self.node_label)
     }
 }
 
 /// Runs the command, printing to stdout; the exit code is 1 when `doctor` found a failure.
 pub async fn run(args: Args) -> anyhow::Result<ExitCode> {
-    let settings = args.settings()?;
+    let settings = args.settings();
     let cluster = Cluster::connect(args.kubeconfig.as_deref()).await?;
     match args.command {
         Command::Top { node, details } => {

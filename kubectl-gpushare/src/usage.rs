@@ -14,32 +14,12 @@
 use std::collections::BTreeMap;
 
 use gpushare_contract::usage::{MIB_PER_GIB, NodeMemoryUse};
-use gpushare_contract::{GpuInfo, Keys, PodAllocation, inventory, pod_request};
+use gpushare_contract::{GpuInfo, PodAllocation, inventory, pod_request};
 use k8s_openapi::api::core::v1::{Node, Pod};
 
-/// What to read: the resource name, the annotation domain and the participation label.
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub struct Settings {
-    /// Extended resource pods ask for, e.g. `example.com/gpu-mem`.
-    pub resource: String,
-    /// Annotation and label keys under the configured domain.
-    pub keys: Keys,
-    /// Label key admins set on participating nodes.
-    pub label_key: String,
-    /// Its value.
-    pub label_value: String,
-}
-
-impl Default for Settings {
-    fn default() -> Self {
-        Self {
-            resource: gpushare_contract::DEFAULT_RESOURCE.to_owned(),
-            keys: Keys::default(),
-            label_key: gpushare_contract::DEFAULT_NODE_LABEL_KEY.to_owned(),
-            label_value: gpushare_contract::DEFAULT_NODE_LABEL_VALUE.to_owned(),
-        }
-    }
-}
+/// What to read: the resource name, the annotation domain and the participation label, as
+/// the extender reads them.
+pub use gpushare_contract::Scope as Settings;
 
 /// One GPU and what is placed on it.
 #[derive(Debug, Clone, PartialEq, Eq)]
