@@ -61,6 +61,10 @@ const GROUPS: &[Group] = &[
             // Last: they add Node objects with no kubelet behind them.
             ("leader_killed_in_a_burst", leader_killed_in_a_burst),
             ("helm_upgrade_in_a_burst", helm_upgrade_in_a_burst),
+            (
+                "keep_best_packs_and_steps_aside_for_soft_preferences",
+                keep_best_packs_and_steps_aside_for_soft_preferences,
+            ),
             // Last of all: it uninstalls the release and installs it again.
             (
                 "gpu_pods_right_after_helm_install",
@@ -1014,6 +1018,90 @@ async fn burst_with_kills(c: &KitCluster) -> anyhow::Result<()> {
 /// time, the plugin's DaemonSet on the real node). No create is refused, every pod is bound
 /// with an allocation, none failed, nothing is over-committed, and the GPU pods already
 /// running on the real node keep running, never restarted.
+/// The chart's default `extender.filterKeepBest: 1` on the real kube-scheduler: of two empty
+/// fake nodes and one that already holds a GPU pod, a plain pod limited to two of them packs
+/// onto the fuller one (the extender passed that node alone); a pod that prefers the emptier
+/// one (preferred node affinity) lands there, because the extender steps aside and
+/// kube-scheduler's NodeAffinity score (weight 2 × 100) outweighs our prioritize score
+/// (10 × 10). Without the step-aside the extender would pass the fuller node alone.
+fn keep_best_packs_and_steps_aside_for_soft_preferences(c: &KitCluster) -> Outcome<'_> {
+    Box::pin(async move {
+        let nodes = FakeNodes::create(c, "keep")?;
+        let result = keep_best_on_fake_nodes(c).await;
+        nodes.delete(c)?;
+        result
+    })
+}
+
+async fn keep_best_on_fake_nodes(c: &KitCluster) -> anyhow::Result<()> {
+    let pods: Api<Pod> = Api::namespaced(c.client(), "default");
+    let on = |name: &str, nodes: &[&str], prefers: Option<&str>| -> anyhow::Result<Pod> {
+        let mut pod = fixtures::pod(name).gpu_mem(4).build();
+        // One term per node (terms are ORed): a field selector takes one value.
+        let terms: Vec<serde_json::Value> = nodes
+            .iter()
+            .map(|node| {
+                serde_json::json!({"matchFields": [
+                {"key": "metadata.name", "operator": "In", "values": [node]}]})
+            })
+            .collect();
+        let mut affinity = serde_json::json!({"nodeAffinity": {
+            "requiredDuringSchedulingIgnoredDuringExecution": {"nodeSelectorTerms": terms}}});
+        if let Some(node) = prefers {
+            affinity["nodeAffinity"]["preferredDuringSchedulingIgnoredDuringExecution"] = serde_json::json!([
+                {"weight": 100, "preference": {"matchFields": [
+                    {"key": "metadata.name", "operator": "In", "values": [node]}]}}]);
+        }
+        pod.spec.as_mut().context("pod spec")?.affinity = Some(serde_json::from_value(affinity)?);
+        Ok(pod)
+    };
+    let bound_to = |name: &'static str| {
+        let pods = pods.clone();
+        async move {
+            wait_for(
+                &format!("{name} to be bound"),
+                Duration::from_secs(60),
+                || {
+                    let pods = pods.clone();
+                    async move { pods.get(name).await.ok()?.spec?.node_name }
+                },
+            )
+            .await
+        }
+    };
+    pods.create(
+        &PostParams::default(),
+        &on("keep-first", &["keep-0"], None)?,
+    )
+    .await?;
+    ensure!(bound_to("keep-first").await? == "keep-0");
+    pods.create(
+        &PostParams::default(),
+        &on("keep-plain", &["keep-0", "keep-1"], None)?,
+    )
+    .await?;
+    let plain = bound_to("keep-plain").await?;
+    ensure!(
+        plain == "keep-0",
+        "the plain pod should pack onto keep-0, the node the extender ranks best: {plain}"
+    );
+    pods.create(
+        &PostParams::default(),
+        &on("keep-prefers", &["keep-0", "keep-1"], Some("keep-1"))?,
+    )
+    .await?;
+    let prefers = bound_to("keep-prefers").await?;
+    ensure!(
+        prefers == "keep-1",
+        "the pod preferring keep-1 should be scored by kube-scheduler and land there: {prefers}"
+    );
+    check_no_overcommit(&c.client()).await?;
+    for name in ["keep-first", "keep-plain", "keep-prefers"] {
+        pods.delete(name, &Default::default()).await?;
+    }
+    Ok(())
+}
+
 fn helm_upgrade_in_a_burst(c: &KitCluster) -> Outcome<'_> {
     Box::pin(async move {
         let mut residents = Vec::new();
