@@ -10,7 +10,8 @@
 //!   real sockets, and CDI devices applied to containers.
 //! - [`resourceclaim`]: kube-controller-manager's resourceclaim controller: one claim per pod
 //!   from a ResourceClaimTemplate, deleted when the pod no longer needs it.
-//! - [`fixtures`]: builders for nodes and pods shared by every test.
+//! - [`fixtures`]: builders for nodes and pods shared by every test (`gpushare-testkit`'s,
+//!   re-exported).
 //! - [`cluster`]: the whole system — our real binaries as child processes on simulated GPUs —
 //!   started, faulted and stopped in one place, for the scenarios, the demo and the load harness.
 //! - [`cluster_dra`]: the same in DRA mode: the real `gpushare-dra-plugin` per node, the DRA
@@ -24,7 +25,7 @@
 pub mod apiserver;
 pub mod cluster;
 pub mod cluster_dra;
-pub mod fixtures;
+pub use gpushare_testkit::fixtures;
 pub mod front;
 pub mod kubelet;
 pub mod kubelet_dra;

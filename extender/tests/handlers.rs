@@ -8,8 +8,8 @@ mod common;
 use axum::http::StatusCode;
 use common::{BindMode, PREFIX, bind_body, call, call_raw, fixture, harness};
 use gpushare_contract::{ContainerRequest, Keyring, Keys, PodAllocation, SharedKeyring};
-use gpushare_e2e::fixtures::{node, pod};
 use gpushare_extender::reservation::Phase;
+use gpushare_testkit::fixtures::{node, pod};
 use k8s_openapi::api::core::v1::Pod;
 use serde_json::{Value, json};
 

@@ -608,7 +608,7 @@ pub fn render(findings: &[Finding]) -> String {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use gpushare_e2e::fixtures::node;
+    use gpushare_testkit::fixtures::node;
 
     fn install() -> Install {
         Install {

@@ -227,7 +227,7 @@ mod tests {
     use crate::usage::{Settings, cluster_usage};
     use gpushare_contract::Keys;
     use gpushare_contract::usage::NodeMemoryUse;
-    use gpushare_e2e::fixtures::{node, pod};
+    use gpushare_testkit::fixtures::{node, pod};
     use k8s_openapi::api::core::v1::Pod;
 
     /// A pod the extender placed on GPU `gpu` of n1, as its annotations record it.

@@ -4,7 +4,7 @@
 
 mod common;
 
-use gpushare_e2e::fixtures::{node, pod};
+use gpushare_testkit::fixtures::{node, pod};
 use k8s_openapi::api::core::v1::PodStatus;
 use std::time::Duration;
 

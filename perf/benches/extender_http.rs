@@ -25,11 +25,11 @@ use criterion::{BenchmarkId, Criterion, criterion_group};
 use futures::future::BoxFuture;
 use gpushare_allocator::fragmentation::{Host, MAX_SHAPES, Shape};
 use gpushare_allocator::{PodId, PodPlacement, Policy};
-use gpushare_e2e::fixtures::node;
 use gpushare_extender::{
     AppState, BindError, BindTiming, Binder, BindingTarget, EventSink, PodOnServer, Settings,
     router,
 };
+use gpushare_testkit::fixtures::node;
 use prometheus_client::registry::Registry;
 use tower::ServiceExt;
 

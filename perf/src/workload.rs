@@ -2,7 +2,7 @@
 //! already-bound pods, with the annotations the extender and the device plugin leave behind.
 
 use gpushare_contract::{ContainerRequest, Keys, PodAllocation};
-use gpushare_e2e::fixtures::{PodBuilder, pod};
+use gpushare_testkit::fixtures::{PodBuilder, pod};
 
 /// Largest GiB of an already-bound pod (sizes are 1..=this).
 pub const MAX_BOUND_GIB: u64 = 2;

@@ -193,13 +193,16 @@ pub fn harness_timed(
     Harness { state, binder, app }
 }
 
-/// Waits (at most 5 s) until `condition` holds, through the e2e crate's `wait_for`.
+/// Waits (at most 5 s) until `condition` holds, checking every 10 ms.
 pub async fn eventually(what: &str, condition: impl Fn() -> bool) {
-    gpushare_e2e::cluster::wait_for(what, Duration::from_secs(5), || async {
-        condition().then_some(())
-    })
-    .await
-    .unwrap();
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(5);
+    while !condition() {
+        assert!(
+            tokio::time::Instant::now() < deadline,
+            "timed out after 5 s waiting for {what}"
+        );
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
 }
 
 /// Bind-path timing for tests: short timeouts and backoffs.

@@ -1,4 +1,5 @@
-//! One small cluster shared by the golden and the end-to-end tests, so both must print the
+//! One small cluster shared by the golden tests here and the end-to-end ones
+//! (`e2e/tests/kubectl_cli.rs`, which compiles this file by path), so both must print the
 //! same thing for the same objects.
 
 #![allow(dead_code)] // each test binary uses part of it
@@ -6,7 +7,7 @@
 use std::path::PathBuf;
 
 use gpushare_contract::{ContainerRequest, Keys, PodAllocation};
-use gpushare_e2e::fixtures::{PodBuilder, node, pod};
+use gpushare_testkit::fixtures::{PodBuilder, node, pod};
 use k8s_openapi::api::core::v1::{Node, Pod};
 
 /// A pod placed by the extender on GPU `gpu` of its node.
@@ -61,8 +62,9 @@ pub fn cluster() -> (Vec<Node>, Vec<Pod>) {
 
 /// `tests/golden/<name>`; with `UPDATE_GOLDEN=1` the file is rewritten from `actual`.
 pub fn assert_golden(name: &str, actual: &str) {
+    // From the workspace root: `e2e/tests/kubectl_cli.rs` compiles this module too.
     let path = PathBuf::from(env!("CARGO_MANIFEST_DIR"))
-        .join("tests/golden")
+        .join("../kubectl-gpushare/tests/golden")
         .join(name);
     if std::env::var_os("UPDATE_GOLDEN").is_some() {
         std::fs::write(&path, actual).unwrap();

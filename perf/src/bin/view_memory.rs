@@ -18,10 +18,10 @@
 
 use clap::Parser;
 use gpushare_contract::{DEFAULT_DOMAIN, DEFAULT_RESOURCE, Keys};
-use gpushare_e2e::fixtures::node;
 use gpushare_extender::view::PodFacts;
 use gpushare_extender::{Settings, View};
 use gpushare_perf::workload::{bound_pod, node_name};
+use gpushare_testkit::fixtures::node;
 
 #[global_allocator]
 static HEAP: dhat::Alloc = dhat::Alloc;

@@ -32,9 +32,9 @@ use gpushare_e2e::apiserver::{ApiServer, Verb};
 use gpushare_e2e::cluster::{
     Binaries, EXTENDER_SERVICE_HOST, Extender, ExtenderTls, free_port, http_get, wait_for,
 };
-use gpushare_e2e::fixtures::{node, pod};
 use gpushare_e2e::scheduler::wire::{self, ExtenderArgs, ExtenderBindingArgs};
 use gpushare_perf::workload::{MAX_BOUND_GIB, bound_pod, node_name};
+use gpushare_testkit::fixtures::{node, pod};
 use http_body_util::{BodyExt, Full};
 use hyper::body::Bytes;
 use hyper_rustls::{FixedServerNameResolver, HttpsConnector, HttpsConnectorBuilder};

@@ -4,6 +4,7 @@
 //! `gpushare_device_plugin_kubelet_mismatches_total`; the allocation marks follow what
 //! kubelet reports. Without the socket the plugin works as before and picks it up later.
 
+#[path = "device_plugin/common.rs"]
 mod common;
 
 use std::collections::BTreeMap;
@@ -14,7 +15,6 @@ use std::sync::{Arc, Mutex};
 use common::{Cluster, NODE, WAIT, allocation, eventually, uuid};
 use gpushare_contract::Keys;
 use gpushare_e2e::cluster::{http_get, service_port};
-use gpushare_e2e::fixtures::pod;
 use gpushare_proto::podresources::v1::pod_resources_lister_server::{
     PodResourcesLister, PodResourcesListerServer,
 };
@@ -23,6 +23,7 @@ use gpushare_proto::podresources::v1::{
     ContainerResources, GetPodResourcesRequest, GetPodResourcesResponse, ListPodResourcesRequest,
     ListPodResourcesResponse, PodResources,
 };
+use gpushare_testkit::fixtures::pod;
 use k8s_openapi::api::events::v1::Event;
 use kube::Api;
 use tokio::net::UnixListener;

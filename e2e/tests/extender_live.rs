@@ -11,8 +11,8 @@ use anyhow::Context;
 use gpushare_contract::{Keys, PodAllocation};
 use gpushare_e2e::apiserver::{ApiServer, Verb};
 use gpushare_e2e::cluster::wait_for;
-use gpushare_e2e::fixtures::{node, pod};
 use gpushare_extender::{Config, serve};
+use gpushare_testkit::fixtures::{node, pod};
 use http_body_util::{BodyExt, Full};
 use hyper::body::Bytes;
 use hyper_util::client::legacy::Client;
@@ -657,7 +657,10 @@ async fn serves_https_with_a_given_certificate() -> anyhow::Result<()> {
     use tokio_rustls::rustls::pki_types::{CertificateDer, ServerName};
 
     let server = ApiServer::start().await?;
-    let dir = format!("{}/tests/fixtures/tls", env!("CARGO_MANIFEST_DIR"));
+    let dir = format!(
+        "{}/../extender/tests/fixtures/tls",
+        env!("CARGO_MANIFEST_DIR")
+    );
     let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await?;
     let addr = listener.local_addr()?;
     let config = Config {

@@ -1,8 +1,10 @@
 //! The real `kubectl-gpushare` binary against the in-process API server, through a
-//! kubeconfig file, as a user would run it.
+//! kubeconfig file, as a user would run it. It prints the same as the golden files of
+//! `kubectl-gpushare/tests/golden.rs` for the same cluster, which both read from one module.
 
 #![allow(clippy::unwrap_used)] // a test failing on unexpected data is the point
 
+#[path = "../../kubectl-gpushare/tests/common/mod.rs"]
 mod common;
 
 use std::process::Output;
@@ -11,8 +13,6 @@ use gpushare_e2e::apiserver::ApiServer;
 use k8s_openapi::api::core::v1::{Node, Pod};
 use kube::Api;
 use kube::api::PostParams;
-
-const BIN: &str = env!("CARGO_BIN_EXE_kubectl-gpushare");
 
 async fn cluster() -> anyhow::Result<(ApiServer, tempfile::TempDir, std::path::PathBuf)> {
     let server = ApiServer::start().await?;
@@ -36,7 +36,8 @@ async fn cluster() -> anyhow::Result<(ApiServer, tempfile::TempDir, std::path::P
 }
 
 async fn run(args: &[&str]) -> Output {
-    let mut command = tokio::process::Command::new(BIN);
+    let binary = gpushare_e2e::cluster::binaries().unwrap().kubectl_gpushare;
+    let mut command = tokio::process::Command::new(binary);
     command.args(args).env_remove("KUBECONFIG");
     command.output().await.unwrap()
 }

@@ -1,6 +1,7 @@
 //! The plugin's gRPC API called directly over its unix socket (no kubelet): bad input and
 //! refusals come back as clear gRPC errors, and Allocate never lists pods.
 
+#[path = "device_plugin/common.rs"]
 mod common;
 
 use std::time::Duration;
@@ -9,10 +10,10 @@ use anyhow::Context as _;
 use common::{Cluster, NODE, WAIT, allocate, allocation, client, ids, uuid};
 use gpushare_contract::env;
 use gpushare_e2e::apiserver::Verb;
-use gpushare_e2e::fixtures::pod;
 use gpushare_proto::v1beta1::{
     ContainerPreferredAllocationRequest, Empty, PreferredAllocationRequest,
 };
+use gpushare_testkit::fixtures::pod;
 use tonic::Code;
 
 #[tokio::test]

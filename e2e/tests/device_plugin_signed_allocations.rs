@@ -3,6 +3,7 @@
 //! ones, is refused at Allocate with a clear error, while honest pods on the same node are
 //! served. Real gRPC over unix sockets, directly and through the test kubelet.
 
+#[path = "device_plugin/common.rs"]
 mod common;
 
 use std::collections::BTreeMap;
@@ -10,13 +11,13 @@ use std::path::PathBuf;
 
 use common::{Cluster, NODE, WAIT, allocation, eventually, uuid};
 use gpushare_contract::{Keyring, Keys, PodAllocation, env};
-use gpushare_e2e::fixtures::pod;
 use gpushare_e2e::kubelet::AdmissionOrder;
 use gpushare_proto::v1beta1::device_plugin_client::DevicePluginClient;
 use gpushare_proto::v1beta1::{
     AllocateRequest, ContainerAllocateRequest, ContainerPreferredAllocationRequest,
     PreferredAllocationRequest,
 };
+use gpushare_testkit::fixtures::pod;
 use k8s_openapi::api::core::v1::{Binding, ObjectReference, Pod};
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::ObjectMeta;
 use kube::Api;

@@ -2,6 +2,7 @@
 //! choice is steered to each of the pod's GPUs, Allocate names every GPU (environment and,
 //! with `--cdi-devices`, CDI devices), and a broken GPU of the set refuses the pod.
 
+#[path = "device_plugin/common.rs"]
 mod common;
 
 use common::{
@@ -9,9 +10,9 @@ use common::{
 };
 use gpushare_contract::{Keys, env};
 use gpushare_e2e::apiserver::Verb;
-use gpushare_e2e::fixtures::pod;
 use gpushare_e2e::kubelet::AdmissionOrder;
 use gpushare_proto::v1beta1::{ContainerPreferredAllocationRequest, PreferredAllocationRequest};
+use gpushare_testkit::fixtures::pod;
 use k8s_openapi::api::events::v1::Event;
 use kube::api::{Api, ListParams};
 use tonic::Code;

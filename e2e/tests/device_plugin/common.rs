@@ -112,7 +112,7 @@ impl Cluster {
     ) -> anyhow::Result<Cluster> {
         let server = ApiServer::start().await?;
         let client = server.client();
-        gpushare_e2e::fixtures::node(NODE)
+        gpushare_testkit::fixtures::node(NODE)
             .gpushare()
             .create(&client)
             .await?;

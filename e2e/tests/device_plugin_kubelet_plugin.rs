@@ -1,6 +1,7 @@
 //! The device plugin against the test kubelet and the in-process API server, over real unix
 //! sockets: registration, device lists, health, Allocate, re-registration.
 
+#[path = "device_plugin/common.rs"]
 mod common;
 
 use std::collections::{BTreeMap, HashMap};
@@ -9,8 +10,8 @@ use std::time::Duration;
 use common::{Cluster, NODE, RESOURCE, WAIT, allocation, eventually, uuid};
 use gpushare_contract::{Keys, env, inventory};
 use gpushare_e2e::apiserver::Verb;
-use gpushare_e2e::fixtures::pod;
 use gpushare_e2e::kubelet::AdmissionOrder;
+use gpushare_testkit::fixtures::pod;
 use rand::rngs::StdRng;
 use rand::seq::SliceRandom;
 use rand::{Rng, SeedableRng};

@@ -10,13 +10,17 @@ use std::time::Duration;
 
 use gpushare_e2e::apiserver::{ApiServer, Verb};
 use gpushare_e2e::cluster::{http_get, http_post_json, wait_for};
-use gpushare_e2e::fixtures::{node, pod};
+use gpushare_extender::leader::{ElectionConfig, Gate, Leadership, LeaseTiming, identity, run};
+use gpushare_extender::metrics::Metrics;
 use gpushare_extender::{Config, serve};
+use gpushare_testkit::fixtures::{node, pod};
 use k8s_openapi::api::core::v1::Pod;
 use kube::Api;
 use serde_json::json;
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::task::JoinHandle;
+use tokio::time::Instant;
+use tokio_util::sync::CancellationToken;
 
 const PREFIX: &str = "/gpushare-scheduler";
 
@@ -291,4 +295,71 @@ async fn the_lease_of_a_leader_whose_process_is_gone_is_taken_over_at_once() -> 
     }
     server.shutdown().await;
     Ok(())
+}
+
+/// Two replicas on the in-process API server: one leads; when it stops it hands the
+/// Lease over, and the other leads. The lease lasts 30 s, so the other can only lead
+/// within the test's 10 s if the Lease was released.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn one_of_two_leads_and_a_graceful_stop_hands_the_lease_over() {
+    let api = ApiServer::start().await.unwrap();
+    let timing = LeaseTiming {
+        duration: Duration::from_secs(30),
+        renew_deadline: Duration::from_secs(20),
+        retry_period: Duration::from_millis(100),
+        catch_up: Duration::ZERO,
+    };
+    let start = |name: &str| {
+        let leadership = Leadership::default();
+        leadership.elect(timing, name);
+        let stop = CancellationToken::new();
+        let config = ElectionConfig {
+            holder_probe: None,
+            probe_after: Duration::ZERO,
+            namespace: "kube-system".into(),
+            lease_name: "gpushare-extender".into(),
+            identity: identity(name),
+            url: Some(format!("https://{name}:39999")),
+            url_annotation: "gpushare.example.com/leader-url".into(),
+            timing,
+        };
+        let metrics = Metrics::register(&mut prometheus_client::registry::Registry::default());
+        let task = tokio::spawn(run(
+            api.client(),
+            config,
+            leadership.clone(),
+            metrics,
+            stop.clone(),
+        ));
+        (leadership, stop, task)
+    };
+    let (a, stop_a, task_a) = start("a");
+    let (b, stop_b, _task_b) = start("b");
+    let leaders = || (a.is_leader(), b.is_leader());
+    let deadline = Instant::now() + Duration::from_secs(10);
+    while leaders() == (false, false) && Instant::now() < deadline {
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    let (a_leads, b_leads) = leaders();
+    assert!(a_leads != b_leads, "exactly one leads: {:?}", leaders());
+    let (leader, follower, stop_leader) = if a_leads {
+        (&a, &b, stop_a)
+    } else {
+        (&b, &a, stop_b)
+    };
+    // The follower knows where to pass binds.
+    assert!(matches!(
+        follower.gate(Instant::now(), Duration::from_secs(1)),
+        Gate::Forward { .. }
+    ));
+    stop_leader.cancel();
+    let deadline = Instant::now() + Duration::from_secs(10);
+    while !follower.is_leader() && Instant::now() < deadline {
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    assert!(follower.is_leader() && !leader.is_leader());
+    assert_eq!(follower.term(Instant::now()), Some(1));
+    drop(task_a);
+    api.shutdown().await;
 }
