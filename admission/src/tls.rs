@@ -28,9 +28,6 @@ use std::time::Duration;
 use axum::Router;
 use base64::Engine as _;
 use base64::engine::general_purpose::STANDARD as BASE64;
-use hyper_util::rt::{TokioExecutor, TokioIo};
-use hyper_util::server::conn::auto;
-use hyper_util::service::TowerToHyperService;
 use k8s_openapi::api::admissionregistration::v1::MutatingWebhookConfiguration;
 use kube::api::{Api, Patch, PatchParams};
 use rcgen::{
@@ -43,14 +40,11 @@ use rustls::server::{ClientHello, ResolvesServerCert};
 use rustls::sign::CertifiedKey;
 use time::OffsetDateTime;
 use tokio::net::TcpListener;
-use tokio_rustls::TlsAcceptor;
+
+use gpushare_runtime::http::{Server, TlsAcceptor};
 
 use crate::{Error, Result};
 
-/// How long a TLS handshake may take before the connection is dropped (the webhook's server
-/// and the extender's: a client that connects and never finishes the handshake would
-/// otherwise hold a task until shutdown).
-pub const HANDSHAKE_TIMEOUT: Duration = Duration::from_secs(10);
 /// How many CAs a merged caBundle keeps (ours first, then the newest others).
 pub const MAX_BUNDLED_CAS: usize = 4;
 
@@ -571,57 +565,22 @@ pub async fn serve_tls(
     serve_tls_on(listener, router, rotator, shutdown).await
 }
 
-/// Serves `router` over HTTPS (HTTP/1.1 and HTTP/2 by ALPN) on an already bound listener.
-/// Each handshake picks up the rotator's current certificate. On `shutdown` the listener
-/// closes and in-flight requests are let finish.
+/// Serves `router` over HTTPS (HTTP/1.1 and HTTP/2 by ALPN) on an already bound listener,
+/// on the accept loop every gpushare server runs (`gpushare_runtime::http`: handshake
+/// timeout, graceful drain). Each handshake picks up the rotator's current certificate. On
+/// `shutdown` the listener closes and in-flight requests are let finish (the API server
+/// times out at 10 s anyway).
 pub async fn serve_tls_on(
     listener: TcpListener,
     router: Router,
     rotator: CertRotator,
     shutdown: impl Future<Output = ()> + Send + 'static,
 ) -> Result<()> {
-    let acceptor = TlsAcceptor::from(rotator.server_config());
-    let graceful = hyper_util::server::graceful::GracefulShutdown::new();
     let local = listener.local_addr().ok();
     tracing::info!(addr = ?local, "admission webhook serving HTTPS");
-    tokio::pin!(shutdown);
-    loop {
-        let (stream, peer) = tokio::select! {
-            () = &mut shutdown => break,
-            accepted = listener.accept() => match accepted {
-                Ok(pair) => pair,
-                Err(error) => {
-                    // Usually out of file descriptors: back off instead of spinning.
-                    tracing::warn!(%error, "accept failed");
-                    tokio::time::sleep(Duration::from_millis(100)).await;
-                    continue;
-                }
-            },
-        };
-        let acceptor = acceptor.clone();
-        let service = TowerToHyperService::new(router.clone());
-        let watcher = graceful.watcher();
-        tokio::spawn(async move {
-            let tls = match tokio::time::timeout(HANDSHAKE_TIMEOUT, acceptor.accept(stream)).await {
-                Ok(Ok(tls)) => tls,
-                Ok(Err(error)) => {
-                    tracing::debug!(%peer, %error, "TLS handshake failed");
-                    return;
-                }
-                Err(_) => {
-                    tracing::debug!(%peer, "TLS handshake timed out");
-                    return;
-                }
-            };
-            let builder = auto::Builder::new(TokioExecutor::new());
-            let connection = builder.serve_connection_with_upgrades(TokioIo::new(tls), service);
-            if let Err(error) = watcher.watch(connection.into_owned()).await {
-                tracing::debug!(%peer, %error, "webhook connection ended with an error");
-            }
-        });
-    }
-    drop(listener);
-    // Let in-flight admission calls finish; the API server times out at 10s anyway.
-    let _ = tokio::time::timeout(Duration::from_secs(10), graceful.shutdown()).await;
+    Server::new(listener, router)
+        .tls(Some(TlsAcceptor::from(rotator.server_config())))
+        .serve(shutdown)
+        .await;
     Ok(())
 }

@@ -23,7 +23,7 @@
 //! refuses binds and stops re-posting Bindings the moment its budget is gone, whether or not
 //! it has heard that it lost. The one thing this cannot prove is what an API server does with
 //! a write after its client gave up on it (a stalled etcd applying it seconds later): the same
-//! residual the restart grace has (README "Known limits").
+//! residual the restart grace has (docs/operating.md, "Known limits").
 //!
 //! A term counts the times this replica became leader: a Binding written in an earlier term
 //! is never re-posted (another leader may have handed its memory out meanwhile).
@@ -526,6 +526,60 @@ pub enum Error {
 /// Result of this module.
 pub type Result<T, E = Error> = std::result::Result<T, E>;
 
+/// Renews the Lease as this replica last wrote it, without reading it first (the common
+/// case while leading). `None` when that write failed (someone else wrote it, or the API
+/// server erred): the caller reads the Lease and decides afresh.
+async fn renew_as_written(
+    api: &Api<Lease>,
+    config: &ElectionConfig,
+    mut lease: Lease,
+) -> Option<Lease> {
+    let spec = lease.spec.get_or_insert_with(LeaseSpec::default);
+    spec.renew_time = Some(MicroTime(jiff::Timestamp::now()));
+    match api
+        .replace(&config.lease_name, &PostParams::default(), &lease)
+        .await
+    {
+        Ok(written) => Some(written),
+        Err(error) => {
+            tracing::debug!(%error, "renewing the lease as last written failed; reading it");
+            None
+        }
+    }
+}
+
+/// Writes this replica into `lease` as its holder for `step` (create, take over or renew):
+/// identity, duration, renew and acquire times, transitions, and the URL followers forward
+/// binds to.
+fn claim(lease: &mut Lease, step: &Step, config: &ElectionConfig) {
+    let seconds = i32::try_from(config.timing.duration.as_millis().div_ceil(1000))
+        .unwrap_or(i32::MAX)
+        .max(1);
+    let stamp = Some(MicroTime(jiff::Timestamp::now()));
+    let spec = lease.spec.get_or_insert_with(LeaseSpec::default);
+    match step {
+        Step::Create | Step::Take => {
+            spec.acquire_time = stamp.clone();
+            spec.lease_transitions = Some(match step {
+                Step::Create => 0,
+                _ => spec.lease_transitions.unwrap_or(0).saturating_add(1),
+            });
+        }
+        Step::Renew | Step::Follow { .. } => {}
+    }
+    spec.holder_identity = Some(config.identity.clone());
+    spec.lease_duration_seconds = Some(seconds);
+    spec.renew_time = stamp;
+    let annotations = lease
+        .metadata
+        .annotations
+        .get_or_insert_with(Default::default);
+    match &config.url {
+        Some(url) => annotations.insert(config.url_annotation.clone(), url.clone()),
+        None => annotations.remove(&config.url_annotation),
+    };
+}
+
 /// One round: read the Lease, and create, take or renew it when [`step`] says so. `Ok(true)`
 /// when this replica holds it now. `ours` is the Lease as our last write left it.
 ///
@@ -550,21 +604,11 @@ async fn round(
         name: config.lease_name.clone(),
         source,
     };
-    if let Some(mut lease) = ours.take().filter(|_| leadership.is_leader()) {
-        let spec = lease.spec.get_or_insert_with(LeaseSpec::default);
-        spec.renew_time = Some(MicroTime(jiff::Timestamp::now()));
-        match api
-            .replace(&config.lease_name, &PostParams::default(), &lease)
-            .await
-        {
-            Ok(written) => {
-                *ours = Some(written);
-                return Ok(true);
-            }
-            Err(error) => {
-                tracing::debug!(%error, "renewing the lease as last written failed; reading it");
-            }
-        }
+    if let Some(lease) = ours.take().filter(|_| leadership.is_leader())
+        && let Some(written) = renew_as_written(api, config, lease).await
+    {
+        *ours = Some(written);
+        return Ok(true);
     }
     let current = api.get_opt(&config.lease_name).await.map_err(api_error)?;
     let now = Instant::now();
@@ -588,37 +632,12 @@ async fn round(
             step = Step::Take;
         }
     }
-    let seconds = i32::try_from(config.timing.duration.as_millis().div_ceil(1000))
-        .unwrap_or(i32::MAX)
-        .max(1);
-    let stamp = Some(MicroTime(jiff::Timestamp::now()));
-    let mut lease = current.unwrap_or_default();
-    let spec = lease.spec.get_or_insert_with(LeaseSpec::default);
-    match &step {
-        Step::Follow { holder } => {
-            leadership.follow(Some((pod_of(holder).to_owned(), holder_url)));
-            return Ok(false);
-        }
-        Step::Create | Step::Take => {
-            spec.acquire_time = stamp.clone();
-            spec.lease_transitions = Some(match step {
-                Step::Create => 0,
-                _ => spec.lease_transitions.unwrap_or(0).saturating_add(1),
-            });
-        }
-        Step::Renew => {}
+    if let Step::Follow { holder } = &step {
+        leadership.follow(Some((pod_of(holder).to_owned(), holder_url)));
+        return Ok(false);
     }
-    spec.holder_identity = Some(config.identity.clone());
-    spec.lease_duration_seconds = Some(seconds);
-    spec.renew_time = stamp;
-    let annotations = lease
-        .metadata
-        .annotations
-        .get_or_insert_with(Default::default);
-    match &config.url {
-        Some(url) => annotations.insert(config.url_annotation.clone(), url.clone()),
-        None => annotations.remove(&config.url_annotation),
-    };
+    let mut lease = current.unwrap_or_default();
+    claim(&mut lease, &step, config);
     let written = match step {
         Step::Create => {
             lease.metadata = ObjectMeta {
@@ -739,73 +758,6 @@ mod tests {
             lease_transitions: Some(0),
             ..LeaseSpec::default()
         }
-    }
-
-    /// Two replicas on the in-process API server: one leads; when it stops it hands the
-    /// Lease over, and the other leads. The lease lasts 30 s, so the other can only lead
-    /// within the test's 10 s if the Lease was released.
-    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-    async fn one_of_two_leads_and_a_graceful_stop_hands_the_lease_over() {
-        let api = gpushare_e2e::apiserver::ApiServer::start().await.unwrap();
-        let timing = LeaseTiming {
-            duration: Duration::from_secs(30),
-            renew_deadline: Duration::from_secs(20),
-            retry_period: Duration::from_millis(100),
-            catch_up: Duration::ZERO,
-        };
-        let start = |name: &str| {
-            let leadership = Leadership::default();
-            leadership.elect(timing, name);
-            let stop = CancellationToken::new();
-            let config = ElectionConfig {
-                holder_probe: None,
-                probe_after: Duration::ZERO,
-                namespace: "kube-system".into(),
-                lease_name: "gpushare-extender".into(),
-                identity: identity(name),
-                url: Some(format!("https://{name}:39999")),
-                url_annotation: "gpushare.example.com/leader-url".into(),
-                timing,
-            };
-            let metrics = Metrics::register(&mut prometheus_client::registry::Registry::default());
-            let task = tokio::spawn(run(
-                api.client(),
-                config,
-                leadership.clone(),
-                metrics,
-                stop.clone(),
-            ));
-            (leadership, stop, task)
-        };
-        let (a, stop_a, task_a) = start("a");
-        let (b, stop_b, _task_b) = start("b");
-        let leaders = || (a.is_leader(), b.is_leader());
-        let deadline = Instant::now() + Duration::from_secs(10);
-        while leaders() == (false, false) && Instant::now() < deadline {
-            tokio::time::sleep(Duration::from_millis(20)).await;
-        }
-        tokio::time::sleep(Duration::from_millis(300)).await;
-        let (a_leads, b_leads) = leaders();
-        assert!(a_leads != b_leads, "exactly one leads: {:?}", leaders());
-        let (leader, follower, stop_leader) = if a_leads {
-            (&a, &b, stop_a)
-        } else {
-            (&b, &a, stop_b)
-        };
-        // The follower knows where to pass binds.
-        assert!(matches!(
-            follower.gate(Instant::now(), Duration::from_secs(1)),
-            Gate::Forward { .. }
-        ));
-        stop_leader.cancel();
-        let deadline = Instant::now() + Duration::from_secs(10);
-        while !follower.is_leader() && Instant::now() < deadline {
-            tokio::time::sleep(Duration::from_millis(20)).await;
-        }
-        assert!(follower.is_leader() && !leader.is_leader());
-        assert_eq!(follower.term(Instant::now()), Some(1));
-        drop(task_a);
-        api.shutdown().await;
     }
 
     #[test]

@@ -57,9 +57,9 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use gpushare_contract::{KeyringError, KeyringFile};
+use gpushare_runtime::TaskSet;
 use prometheus_client::registry::Registry;
 use tokio::net::TcpListener;
-use tokio::task::JoinHandle;
 use tokio_util::sync::CancellationToken;
 
 pub use api::{AppState, DEFAULT_BODY_LIMIT, NOT_SYNCED, router};
@@ -130,28 +130,159 @@ pub async fn serve(
     listener: TcpListener,
     shutdown: impl Future<Output = ()> + Send + 'static,
 ) -> Result<(), Error> {
-    let tls = match (&config.tls_cert, &config.tls_key) {
-        (Some(cert), Some(key)) => Some(server::tls_acceptor(cert, key)?),
-        (None, None) => None,
-        _ => return Err(Error::TlsIncomplete),
-    };
-    let mut settings = Settings::new(&config.resource, &config.domain, &config.node_label);
-    let keyring_file = match &config.allocation_keys_file {
-        Some(path) => {
-            let file = KeyringFile::open(path)?;
-            let keyring = file.keyring().current();
-            tracing::info!(file = %path.display(), signing = keyring.signing_id(), keys = ?keyring.ids().collect::<Vec<_>>(), "allocations are signed");
-            settings = settings.with_keyring(file.keyring());
-            Some(file)
-        }
-        None => {
-            tracing::warn!(
-                "no --allocation-keys-file: allocations are NOT signed, so the device plugin cannot tell them from hand-written annotations (and one that verifies refuses them)"
-            );
-            None
-        }
-    };
+    let tls = tls_from_flags(&config)?;
+    let (settings, keyring_file) = settings_and_keyring(&config)?;
     let (events, event_rx) = EventSink::channel();
+    let state = app_state(&config, settings, &client, events);
+    let election = match config.leader_elect {
+        true => Some(election_config(&config, &state)?),
+        false => None,
+    };
+    let app = router(state.clone(), &config.prefix, config.max_request_bytes);
+    let addr = listener.local_addr().map_err(Error::Serve)?;
+    // The scheduler port stays bound until this function ends, after the Lease is released
+    // and the last write ended, even if the HTTP server's task dies first: a follower takes a
+    // refused connection at the leader's address as proof that its process is gone
+    // ("Why a refused connection ends a lease early" in `leader`).
+    let listener = listener.into_std().map_err(Error::Serve)?;
+    let _bound_until_the_end = listener.try_clone().map_err(Error::Serve)?;
+    let listener = TcpListener::from_std(listener).map_err(Error::Serve)?;
+    let scheme = if tls.is_some() { "https" } else { "http" };
+    tracing::info!(%addr, %scheme, prefix = %config.prefix, policy = %config.policy, "listening on {addr}");
+
+    let stop = CancellationToken::new();
+    let mut tasks = TaskSet::default();
+    tasks.spawn(
+        SCHEDULER_SERVER,
+        server::serve_http(
+            listener,
+            app,
+            tls,
+            stop.clone(),
+            election.is_some().then(|| state.leadership().clone()),
+        ),
+    );
+    if let Some(addr) = config.monitor_listen {
+        let listener = TcpListener::bind(addr)
+            .await
+            .map_err(|source| Error::Listen { addr, source })?;
+        tracing::info!(%addr, "serving /healthz, /readyz and /metrics over plain HTTP on {addr}");
+        let monitor = api::monitor_router(state.clone());
+        let serving = server::serve_http(listener, monitor, None, stop.clone(), None);
+        tasks.spawn("monitoring HTTP server", serving);
+    }
+    tasks.spawn(
+        "node watch",
+        watch::watch_nodes(client.clone(), state.clone()),
+    );
+    tasks.spawn(
+        "pod watch",
+        watch::watch_pods(client.clone(), state.clone()),
+    );
+    tasks.spawn(
+        "event recorder",
+        kube_io::record_events(client.clone(), event_rx),
+    );
+    if let Some(file) = keyring_file {
+        tasks.spawn("keyring watch", watch_keyring(file));
+    }
+    let elect_stop = CancellationToken::new();
+    if let Some(election) = election {
+        let leadership = state.leadership().clone();
+        let elector = leader::run(
+            client.clone(),
+            election,
+            leadership,
+            state.metrics().clone(),
+            elect_stop.clone(),
+        );
+        tasks.spawn(ELECTOR, elector);
+    }
+    if config.webhook_enabled {
+        tasks.spawn(
+            "admission webhook",
+            serve_webhook(config.clone(), client, stop.clone()),
+        );
+    }
+
+    let result = tokio::select! {
+        () = shutdown => {
+            tracing::info!("shutting down");
+            Ok(())
+        }
+        task = tasks.first_ended() => Err(Error::TaskEnded(task)),
+    };
+    let lease_handover = state.bind_timing().timeout + config.lease_timing().renew_deadline;
+    let stopping = Stopping {
+        elect_stop,
+        stop,
+        lease_handover,
+    };
+    stopping.run(tasks, result.is_ok()).await;
+    if let Err(error) = &result {
+        tracing::error!(%error, "extender stopping");
+    }
+    result
+}
+
+/// The extender's shutdown, in order: stop binding and hand the Lease over once the last
+/// write has ended (bounded: a write's budget, then one Lease update), then stop the servers
+/// and, on a clean shutdown, let in-flight requests finish.
+struct Stopping {
+    elect_stop: CancellationToken,
+    stop: CancellationToken,
+    lease_handover: Duration,
+}
+
+impl Stopping {
+    async fn run(self, mut tasks: TaskSet, drain: bool) {
+        self.elect_stop.cancel();
+        if let Some(elector) = tasks.take(ELECTOR) {
+            let _ = tokio::time::timeout(self.lease_handover, elector).await;
+        }
+        self.stop.cancel();
+        if let (true, Some(server)) = (drain, tasks.take(SCHEDULER_SERVER)) {
+            let _ = server.await;
+        }
+    }
+}
+
+/// The task serving kube-scheduler's calls, drained last on shutdown.
+const SCHEDULER_SERVER: &str = "HTTP server";
+/// The leader election task, stopped first on shutdown so the Lease is handed over.
+const ELECTOR: &str = "leader election";
+
+/// The scheduler port's TLS from `--tls-cert` and `--tls-key` (both or neither).
+fn tls_from_flags(config: &Config) -> Result<Option<server::TlsAcceptor>, Error> {
+    match (&config.tls_cert, &config.tls_key) {
+        (Some(cert), Some(key)) => Ok(Some(server::tls_acceptor(cert, key)?)),
+        (None, None) => Ok(None),
+        _ => Err(Error::TlsIncomplete),
+    }
+}
+
+/// The extender's settings from the flags, with the allocation keyring when one is given.
+fn settings_and_keyring(config: &Config) -> Result<(Settings, Option<KeyringFile>), Error> {
+    let settings = Settings::new(&config.resource, &config.domain, &config.node_label);
+    let Some(path) = &config.allocation_keys_file else {
+        tracing::warn!(
+            "no --allocation-keys-file: allocations are NOT signed, so the device plugin cannot tell them from hand-written annotations (and one that verifies refuses them)"
+        );
+        return Ok((settings, None));
+    };
+    let file = KeyringFile::open(path)?;
+    let keyring = file.keyring().current();
+    tracing::info!(file = %path.display(), signing = keyring.signing_id(), keys = ?keyring.ids().collect::<Vec<_>>(), "allocations are signed");
+    Ok((settings.with_keyring(file.keyring()), Some(file)))
+}
+
+/// The shared state every handler and task works on, configured from the flags.
+fn app_state(
+    config: &Config,
+    settings: Settings,
+    client: &kube::Client,
+    events: EventSink,
+) -> AppState {
     let state = AppState::new(
         settings,
         config.policy,
@@ -171,130 +302,7 @@ pub async fn serve(
     state
         .view_mut()
         .set_bind_grace(Duration::from_millis(config.bind_grace_ms));
-    let election = match config.leader_elect {
-        true => Some(election_config(&config, &state)?),
-        false => None,
-    };
-    let app = router(state.clone(), &config.prefix, config.max_request_bytes);
-    let addr = listener.local_addr().map_err(Error::Serve)?;
-    // The scheduler port stays bound until this function ends, after the Lease is released
-    // and the last write ended, even if the HTTP server's task dies first: a follower takes a
-    // refused connection at the leader's address as proof that its process is gone
-    // ("Why a refused connection ends a lease early" in `leader`).
-    let listener = listener.into_std().map_err(Error::Serve)?;
-    let _bound_until_the_end = listener.try_clone().map_err(Error::Serve)?;
-    let listener = TcpListener::from_std(listener).map_err(Error::Serve)?;
-    let scheme = if tls.is_some() { "https" } else { "http" };
-    tracing::info!(%addr, %scheme, prefix = %config.prefix, policy = %config.policy, "listening on {addr}");
-
-    let stop = CancellationToken::new();
-    let mut server = Supervised(tokio::spawn(server::serve_http(
-        listener,
-        app,
-        tls,
-        stop.clone(),
-        election.is_some().then(|| state.leadership().clone()),
-    )));
-    let mut monitor = match config.monitor_listen {
-        Some(addr) => {
-            let listener = TcpListener::bind(addr)
-                .await
-                .map_err(|source| Error::Listen { addr, source })?;
-            tracing::info!(%addr, "serving /healthz, /readyz and /metrics over plain HTTP on {addr}");
-            Some(Supervised(tokio::spawn(server::serve_http(
-                listener,
-                api::monitor_router(state.clone()),
-                None,
-                stop.clone(),
-                None,
-            ))))
-        }
-        None => None,
-    };
-    let monitor_ended = async {
-        match monitor.as_mut() {
-            Some(task) => {
-                let _ = (&mut task.0).await;
-            }
-            None => std::future::pending().await,
-        }
-    };
-    let mut nodes = Supervised(tokio::spawn(watch::watch_nodes(
-        client.clone(),
-        state.clone(),
-    )));
-    let mut pods = Supervised(tokio::spawn(watch::watch_pods(
-        client.clone(),
-        state.clone(),
-    )));
-    let _recorder = Supervised(tokio::spawn(kube_io::record_events(
-        client.clone(),
-        event_rx,
-    )));
-    let _keyring = keyring_file.map(|file| Supervised(tokio::spawn(watch_keyring(file))));
-    let elect_stop = CancellationToken::new();
-    let mut elector = election.map(|election| {
-        Supervised(tokio::spawn(leader::run(
-            client.clone(),
-            election,
-            state.leadership().clone(),
-            state.metrics().clone(),
-            elect_stop.clone(),
-        )))
-    });
-    let elector_ended = async {
-        match elector.as_mut() {
-            Some(task) => {
-                let _ = (&mut task.0).await;
-            }
-            None => std::future::pending().await,
-        }
-    };
-    let mut webhook = match config.webhook_enabled {
-        true => Some(Supervised(tokio::spawn(serve_webhook(
-            config.clone(),
-            client,
-            stop.clone(),
-        )))),
-        false => None,
-    };
-    let webhook_ended = async {
-        match webhook.as_mut() {
-            Some(task) => {
-                let _ = (&mut task.0).await;
-            }
-            None => std::future::pending().await,
-        }
-    };
-
-    let result = tokio::select! {
-        () = shutdown => {
-            tracing::info!("shutting down");
-            Ok(())
-        }
-        _ = &mut server.0 => Err(Error::TaskEnded("HTTP server")),
-        _ = &mut nodes.0 => Err(Error::TaskEnded("node watch")),
-        _ = &mut pods.0 => Err(Error::TaskEnded("pod watch")),
-        () = webhook_ended => Err(Error::TaskEnded("admission webhook")),
-        () = monitor_ended => Err(Error::TaskEnded("monitoring HTTP server")),
-        () = elector_ended => Err(Error::TaskEnded("leader election")),
-    };
-    // Stop binding first, and hand the Lease over once our last write has ended (bounded:
-    // a write's budget, then one Lease update), while in-flight requests finish.
-    elect_stop.cancel();
-    if let Some(task) = elector.as_mut() {
-        let bound = state.bind_timing().timeout + config.lease_timing().renew_deadline;
-        let _ = tokio::time::timeout(bound, &mut task.0).await;
-    }
-    stop.cancel();
-    if result.is_ok() {
-        // Let in-flight requests finish (graceful shutdown of the server).
-        let _ = (&mut server.0).await;
-    }
-    if let Err(error) = &result {
-        tracing::error!(%error, "extender stopping");
-    }
-    result
+    state
 }
 
 /// The election settings from the flags, and the follower's forwarding client.
@@ -400,15 +408,5 @@ async fn watch_keyring(mut file: KeyringFile) {
     loop {
         tick.tick().await;
         file.reload_logged();
-    }
-}
-
-/// A spawned task aborted when its owner goes away, so dropping [`serve`]'s future stops
-/// everything it started.
-struct Supervised<T>(JoinHandle<T>);
-
-impl<T> Drop for Supervised<T> {
-    fn drop(&mut self) {
-        self.0.abort();
     }
 }

@@ -4,21 +4,24 @@
 //!   main ─ parse args (legacy env names read as flags: env::with_legacy_env)
 //!        ─ logging::init_tracing(format)        RUST_LOG, text or JSON lines
 //!        ─ run(config, signal::shutdown_signal())
-//!             └─ supervise::supervise(tasks)    the first task to end ends them all
+//!             ├─ supervise::supervise(tasks)    the first task to end ends them all
+//!             └─ http::Server::serve            every HTTP(S) port: TLS handshake timeout,
+//!                                               graceful drain, GOAWAY on demand
 //! ```
 //!
 //! Why a crate of its own: the extender, the device plugin and the DRA plugin each had their
-//! own copy of the shutdown signal and of the logging set-up, and the DRA plugin borrowed the
-//! device plugin's. A fix made to one copy (a JSON format, a missed SIGTERM) missed the
-//! others.
+//! own copy of the shutdown signal, of the logging set-up and of the HTTP accept loop, and the
+//! DRA plugin borrowed the device plugin's. A fix made to one copy (a JSON format, a missed
+//! SIGTERM, a TLS handshake with no timeout) missed the others.
 
 #![cfg_attr(test, allow(clippy::unwrap_used))]
 
 pub mod env;
+pub mod http;
 pub mod logging;
 pub mod signal;
 pub mod supervise;
 
 pub use logging::{LogFormat, init_tracing};
 pub use signal::shutdown_signal;
-pub use supervise::{Stopped, as_supervised, supervise};
+pub use supervise::{Stopped, TaskSet, as_supervised, supervise};

@@ -75,6 +75,57 @@ pub async fn supervise<E: std::error::Error + Send + 'static>(
     outcome
 }
 
+/// Named long-lived tasks owned together: each is aborted when the set is dropped (so
+/// dropping a server's future stops everything it started), and [`TaskSet::first_ended`]
+/// names the first to end. For an owner whose shutdown has an order of its own (the
+/// extender hands its Lease over before its servers drain), where [`supervise`]'s single
+/// token would stop everything at once.
+#[derive(Debug, Default)]
+pub struct TaskSet {
+    tasks: Vec<(&'static str, JoinHandle<()>)>,
+}
+
+impl TaskSet {
+    /// Spawns `task` under `name`.
+    pub fn spawn(
+        &mut self,
+        name: &'static str,
+        task: impl std::future::Future<Output = ()> + Send + 'static,
+    ) {
+        self.tasks.push((name, tokio::spawn(task)));
+    }
+
+    /// Waits for the first task to end (return, panic or abort) and names it; it leaves the
+    /// set. Never completes while the set is empty.
+    pub async fn first_ended(&mut self) -> &'static str {
+        if self.tasks.is_empty() {
+            return std::future::pending().await;
+        }
+        let ended = {
+            let handles = self.tasks.iter_mut().map(|(_, handle)| handle);
+            let (_, index, _) = futures::future::select_all(handles).await;
+            index
+        };
+        let (name, _) = self.tasks.swap_remove(ended);
+        name
+    }
+
+    /// Takes the task named `name` out of the set (it is no longer aborted with the set),
+    /// to wait for it on its own.
+    pub fn take(&mut self, name: &str) -> Option<JoinHandle<()>> {
+        let index = self.tasks.iter().position(|(n, _)| *n == name)?;
+        Some(self.tasks.swap_remove(index).1)
+    }
+}
+
+impl Drop for TaskSet {
+    fn drop(&mut self) {
+        for (_, handle) in &self.tasks {
+            handle.abort();
+        }
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -149,5 +200,32 @@ mod tests {
         token.cancel();
         let outcome = supervise(vec![("server", waits(token.clone()))], token).await;
         assert!(outcome.is_ok(), "{outcome:?}");
+    }
+
+    /// The set names the first task to end, and aborts the rest when dropped.
+    #[tokio::test]
+    async fn a_task_set_names_the_first_to_end_and_aborts_the_rest_when_dropped() {
+        let mut set = TaskSet::default();
+        let (tx, rx) = tokio::sync::oneshot::channel::<()>();
+        set.spawn("server", std::future::pending());
+        set.spawn("pod watch", async {
+            let _ = rx.await;
+        });
+        let waiting = set.take("server").unwrap();
+        set.spawn("server", std::future::pending());
+        drop(tx);
+        assert_eq!(set.first_ended().await, "pod watch");
+        assert!(set.take("pod watch").is_none());
+        let server = set.take("server").unwrap();
+        set.spawn("server", async {});
+        assert_eq!(set.first_ended().await, "server");
+        set.spawn("server", std::future::pending());
+        let still_held = set.tasks[0].1.abort_handle();
+        drop(set);
+        tokio::task::yield_now().await;
+        assert!(still_held.is_finished());
+        assert!(!waiting.is_finished() && !server.is_finished());
+        waiting.abort();
+        server.abort();
     }
 }
