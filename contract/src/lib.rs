@@ -13,14 +13,16 @@
 //! extender records on a pod ([`PodAllocation`]), how that record is signed so the device
 //! plugin acts only on the extender's decisions ([`signature`]: what is signed, why HMAC,
 //! what it stops and what not, how to rotate keys), the environment handed to a container
-//! ([`env`](mod@env)), how a pod's GPU-memory request is read from its spec ([`request`]), and
-//! how DRA capacities are read as bytes ([`quantity`]).
+//! ([`env`](mod@env)), how a pod's GPU-memory request is read from its spec ([`request`]), the
+//! CPU and memory a pod requests and a node offers ([`host`]), and how DRA capacities are read
+//! as bytes ([`quantity`]).
 //!
 //! The unit is the GiB: the device plugin advertises one device per whole GiB of a GPU
 //! (`floor(bytes / 2^30)`), and pods ask for whole GiB.
 
 pub mod allocation;
 pub mod env;
+pub mod host;
 pub mod inventory;
 pub mod keys;
 pub mod quantity;

@@ -1,6 +1,9 @@
 //! `bind`: decide under the view lock, book the memory, then write the Binding from a task of
 //! its own that drives the reservation to an end (see [`crate::reservation`]).
 //!
+//! The decision (may the pod be bound there, which GPU, the reservation and the Binding's
+//! annotations) is in `decision.rs`; this file drives the write and settles its reservation.
+//!
 //! Why a task of its own: kube-scheduler gives every call `httpTimeout` and then closes the
 //! connection, and hyper drops the handler with it. Whatever ran inside the handler stops
 //! there. The write and the resolution of an ambiguous write therefore run in a spawned task
@@ -24,19 +27,17 @@
 //! memory; 32 throttled the drain.
 
 use std::future::Future;
-use std::sync::Arc;
 use std::time::Duration;
 
-use gpushare_allocator::{PodId, PodPlacement, Policy, Refusal};
-use gpushare_contract::{GpuRef, PodAllocation};
+use gpushare_allocator::PodId;
 use tokio::sync::oneshot;
 
-use crate::api::{AppState, NOT_SYNCED, unfit_reason};
+use crate::api::AppState;
 use crate::kube_io::{BindError, BindingTarget, PodEvent, PodOnServer};
 use crate::leader::Gate;
 use crate::reservation::{Outcome, Phase, Settled, Ticket};
-use crate::view::View;
 use crate::wire::ExtenderBindingArgs;
+use decision::{Decision, decide};
 
 /// How long the bind path waits on the API server, and how it retries a resolution.
 #[derive(Debug, Clone, Copy)]
@@ -70,14 +71,6 @@ impl Default for BindTiming {
             pace_max: Duration::from_millis(1000),
         }
     }
-}
-
-/// What bind decided under the lock.
-enum Decision {
-    /// Already bound there: answer success without writing.
-    AlreadyBound,
-    /// Write this Binding; the reservation is booked.
-    Write(Write),
 }
 
 /// A Binding to write for a booked reservation.
@@ -223,169 +216,6 @@ fn refused(
         reason: "GpuBindRefused",
         note: message.to_owned(),
     });
-}
-
-fn decide(
-    view: &mut View,
-    policy: Policy,
-    args: &ExtenderBindingArgs,
-    pod_key: &str,
-) -> Result<Decision, (&'static str, String)> {
-    if !view.is_synced() {
-        return Err(("not_synced", NOT_SYNCED.to_owned()));
-    }
-    if let Some(wait) = view.bind_hold() {
-        return Err((
-            "starting",
-            format!(
-                "extender just started; binds resume in {} ms, once binds sent by a previous instance have landed",
-                wait.as_millis()
-            ),
-        ));
-    }
-    let node = args.node.as_str();
-    let uid = PodId::from(args.pod_uid.as_str());
-    // What filter held for the pod ends here: the bind decides anew, and books the same GPU
-    // unless something changed since. Holds of other pods whose bind never came end too (a
-    // bind passed on from a follower reaches the leader with no filter before it).
-    view.release_hold(&uid);
-    view.release_lapsed_holds(std::time::Instant::now());
-    let Some(cached) = view.pod(&args.pod_namespace, &args.pod_name) else {
-        return Err((
-            "pod_not_found",
-            format!("pod {pod_key} (uid {uid}) not found"),
-        ));
-    };
-    if cached.uid != uid {
-        return Err((
-            "pod_recreated",
-            format!(
-                "pod {pod_key} (uid {uid}) was recreated (now uid {}); not binding the old one",
-                cached.uid
-            ),
-        ));
-    }
-    let bound_to = cached.node_name.clone();
-    let request = cached
-        .pending_request()
-        .map(|r| r.map(|(request, read)| (request, read.containers.clone())));
-    // Retries: the same pod already placed, by the watch or by an earlier bind.
-    if let Some((placed_on, _)) = view.cluster.pod(&uid) {
-        let placed_on = placed_on.to_owned();
-        let phase = view.reservation(&uid).map(|r| r.phase);
-        return match (placed_on == node, bound_to.as_deref(), phase) {
-            (true, Some(n), _) if n == node => Ok(Decision::AlreadyBound),
-            (true, None, Some(Phase::Written)) => Ok(Decision::AlreadyBound),
-            (true, None, Some(Phase::Writing | Phase::Resolving)) => Err((
-                "in_progress",
-                format!(
-                    "a bind of pod {pod_key} to node {node} is already under way; retry shortly"
-                ),
-            )),
-            (false, None, Some(Phase::Writing | Phase::Resolving)) => Err((
-                "in_progress",
-                format!(
-                    "pod {pod_key} holds GPU memory on node {placed_on} while it is resolved whether its earlier Binding there landed; not binding it to {node} now, retry shortly"
-                ),
-            )),
-            _ => Err((
-                "conflict",
-                format!(
-                    "pod {pod_key} already holds GPU memory on node {placed_on}; not binding it to {node}"
-                ),
-            )),
-        };
-    }
-    if let Some(bound_to) = bound_to {
-        return Err((
-            "conflict",
-            format!("pod {pod_key} is already bound to node {bound_to}"),
-        ));
-    }
-    let (request, containers) = match request {
-        Ok(Some(request)) => request,
-        Ok(None) => {
-            return Err((
-                "no_request",
-                format!(
-                    "pod {pod_key} asks for no {}; the gpushare extender binds only pods that do",
-                    view.settings().resource
-                ),
-            ));
-        }
-        Err(error) => return Err(("no_request", error.to_string())),
-    };
-    let placement = view
-        .cluster
-        .reserve(uid.clone(), node, &request, policy)
-        .map_err(|refusal| match refusal {
-            Refusal::Unfit { reason } => (
-                "unfit",
-                format!(
-                    "cannot bind pod {pod_key} to node {node}: {}",
-                    unfit_reason(view.settings(), node, &reason)
-                ),
-            ),
-            other => ("conflict", format!("pod {pod_key}: {other}")),
-        })?;
-    let mut allocation = PodAllocation {
-        more_gpus: placement
-            .more_gpus
-            .iter()
-            .map(|(index, uuid)| GpuRef {
-                index: *index,
-                uuid: uuid.clone(),
-            })
-            .collect(),
-        exclusive: placement.exclusive,
-        gpu_index: placement.gpu,
-        gpu_uuid: placement.uuid.clone(),
-        pod_gib: placement.pod_gib,
-        containers,
-        bind_time: jiff::Timestamp::now().to_string(),
-        assigned: false,
-        allocated: Vec::new(),
-        signature: None,
-    };
-    // Signed for this pod UID on this node: the device plugin acts only on what verifies.
-    if let Some(keyring) = &view.settings().keyring {
-        allocation.signature = Some(keyring.current().sign(uid.as_str(), node, &allocation));
-    }
-    let annotations = allocation.to_annotations(&view.settings().keys);
-    let ticket = view.add_reservation(
-        uid.clone(),
-        &args.pod_namespace,
-        &args.pod_name,
-        node,
-        PodPlacement {
-            more_gpus: placement
-                .more_gpus
-                .iter()
-                .map(|(index, uuid)| (*index, Arc::from(uuid.as_str())))
-                .collect(),
-            exclusive: placement.exclusive,
-            gpu: placement.gpu,
-            uuid: placement.uuid.as_str().into(),
-            pod_gib: placement.pod_gib,
-            pending: request.containers.clone(),
-            assigned: false,
-        },
-    );
-    Ok(Decision::Write(Write {
-        target: BindingTarget {
-            namespace: args.pod_namespace.clone(),
-            name: args.pod_name.clone(),
-            uid: uid.to_string(),
-            node: node.to_owned(),
-            annotations,
-        },
-        uid,
-        ticket,
-        gpu: placement.gpu,
-        uuid: placement.uuid,
-        gib: placement.pod_gib,
-        term: 0,
-    }))
 }
 
 /// Runs `call` until `deadline`: a Binding write must end within the lease.
@@ -643,6 +473,7 @@ pub(crate) fn read_verdict(
     }
 }
 
+mod decision;
 #[cfg(test)]
 mod lifecycle;
 pub mod slots;

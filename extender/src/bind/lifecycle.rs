@@ -21,7 +21,7 @@
 use std::collections::{BTreeMap, HashSet, VecDeque};
 
 use gpushare_allocator::{PodId, Policy};
-use gpushare_e2e::fixtures::{node, pod};
+use gpushare_testkit::fixtures::{node, pod};
 use k8s_openapi::api::core::v1::{Node, Pod};
 use proptest::prelude::*;
 
@@ -150,6 +150,22 @@ fn pod_name(index: usize) -> String {
     format!("p{index}")
 }
 
+/// Position `n` among `len` writes, wrapped around; `None` when there are none.
+fn pick(n: usize, len: usize) -> Option<usize> {
+    (len > 0).then(|| n % len)
+}
+
+/// A watch delivers its next event, if one is queued, to `view`.
+fn deliver(view: &mut View, events: &mut VecDeque<(Pod, bool)>) {
+    if let Some((object, deleted)) = events.pop_front() {
+        if deleted {
+            view.delete_pod(&object);
+        } else {
+            view.apply_pod(&object);
+        }
+    }
+}
+
 impl World {
     fn new() -> Self {
         let mut world = World {
@@ -267,138 +283,144 @@ impl World {
     }
 
     fn apply(&mut self, op: &Op) {
-        let pick = |n: usize, len: usize| (len > 0).then(|| n % len);
         match *op {
-            Op::Bind { pod, node } => {
-                // The restart grace (`--bind-grace-ms`): a new instance binds once the old
-                // one's writes have met their fate and the watch has shown them.
-                if self.grace {
-                    let old_pending = self.writes[..self.fenced]
-                        .iter()
-                        .any(|w| w.fate == Fate::Pending);
-                    if old_pending || !self.events.is_empty() {
-                        return;
-                    }
-                    self.grace = false;
-                }
-                let Some(server) = self.pods[pod].as_ref() else {
-                    return;
-                };
-                let args = ExtenderBindingArgs {
-                    pod_name: pod_name(pod),
-                    pod_namespace: "default".into(),
-                    pod_uid: server.uid.clone(),
-                    node: NODES[node].0.into(),
-                };
-                let key = format!("default/{}", args.pod_name);
-                if let Ok(Decision::Write(write)) =
-                    decide(&mut self.view, Policy::Binpack, &args, &key)
-                {
-                    self.writes.push(Write {
-                        target: write.target,
-                        uid: write.uid,
-                        ticket: write.ticket,
-                        instance: self.instance,
-                        term: self.term,
-                        fate: Fate::Pending,
-                        answered: false,
-                        resolving: false,
-                    });
-                }
-            }
-            Op::ServerApplies { write } => {
-                let Some(i) = pick(write, self.writes.len()) else {
-                    return;
-                };
-                if self.writes[i].fate == Fate::Pending {
-                    let target = self.writes[i].target.clone();
-                    self.writes[i].fate = if self.commit(&target) {
-                        Fate::Committed
-                    } else {
-                        Fate::Conflict
-                    };
-                }
-            }
-            Op::ServerDrops { write } => {
-                if let Some(i) = pick(write, self.writes.len())
-                    && self.writes[i].fate == Fate::Pending
-                {
-                    self.writes[i].fate = Fate::Lost;
-                }
-            }
-            Op::Answer { write, ambiguous } => {
-                let Some(i) = pick(write, self.writes.len()) else {
-                    return;
-                };
-                let w = &self.writes[i];
-                if w.answered || (w.fate == Fate::Pending && !ambiguous) {
-                    return;
-                }
-                let outcome = match (ambiguous, w.fate) {
-                    (true, _) | (_, Fate::Conflict) => Outcome::Unknown,
-                    (_, Fate::Committed) => Outcome::Landed,
-                    _ => Outcome::NotLanded,
-                };
-                self.writes[i].answered = true;
-                self.settle(i, outcome);
-            }
+            Op::Bind { pod, node } => self.bind(pod, node),
+            Op::ServerApplies { write } => self.server_applies(write),
+            Op::ServerDrops { write } => self.server_drops(write),
+            Op::Answer { write, ambiguous } => self.answer(write, ambiguous),
             Op::Resolve { write } => {
                 if let Some(i) = pick(write, self.writes.len()) {
                     self.resolve(i);
                 }
             }
-            Op::Watch => {
-                if let Some((object, deleted)) = self.events.pop_front() {
-                    if deleted {
-                        self.view.delete_pod(&object);
-                    } else {
-                        self.view.apply_pod(&object);
-                    }
-                }
-            }
-            Op::StandbyWatch => {
-                if let Some((object, deleted)) = self.standby_events.pop_front() {
-                    if deleted {
-                        self.standby.delete_pod(&object);
-                    } else {
-                        self.standby.apply_pod(&object);
-                    }
-                }
-            }
+            Op::Watch => deliver(&mut self.view, &mut self.events),
+            Op::StandbyWatch => deliver(&mut self.standby, &mut self.standby_events),
             Op::Relist => {
                 self.events.clear();
                 self.view.replace_pods(&self.listed());
             }
-            Op::Restart => {
-                self.instance = self.instance.max(self.standby_instance) + 1;
-                self.grace = true;
-                self.fenced = self.writes.len();
-                self.term += 1;
-                self.start_view();
+            Op::Restart => self.restart(),
+            Op::Failover => self.failover(),
+            Op::Delete { pod } => self.delete(pod),
+            Op::Recreate { pod } => self.recreate(pod),
+        }
+    }
+
+    /// kube-scheduler asks to bind pod `pod` to node `node`: the leader decides as
+    /// `bind::decide` does, and a Binding is on its way.
+    fn bind(&mut self, pod: usize, node: usize) {
+        // The restart grace (`--bind-grace-ms`): a new instance binds once the old
+        // one's writes have met their fate and the watch has shown them.
+        if self.grace {
+            let old_pending = self.writes[..self.fenced]
+                .iter()
+                .any(|w| w.fate == Fate::Pending);
+            if old_pending || !self.events.is_empty() {
+                return;
             }
-            // The processes stay: each still settles its own writes, whichever leads.
-            Op::Failover => {
-                std::mem::swap(&mut self.instance, &mut self.standby_instance);
-                self.grace = true;
-                self.fenced = self.writes.len();
-                self.term += 1;
-                std::mem::swap(&mut self.view, &mut self.standby);
-                std::mem::swap(&mut self.events, &mut self.standby_events);
-            }
-            Op::Delete { pod } => {
-                if let Some(object) = self.object(pod) {
-                    self.pods[pod] = None;
-                    self.publish(object, true);
-                }
-            }
-            Op::Recreate { pod } => {
-                if self.pods[pod].is_none() {
-                    let uid = self.fresh_uid();
-                    self.pods[pod] = Some(ServerPod { uid, bound: None });
-                    if let Some(object) = self.object(pod) {
-                        self.publish(object, false);
-                    }
-                }
+            self.grace = false;
+        }
+        let Some(server) = self.pods[pod].as_ref() else {
+            return;
+        };
+        let args = ExtenderBindingArgs {
+            pod_name: pod_name(pod),
+            pod_namespace: "default".into(),
+            pod_uid: server.uid.clone(),
+            node: NODES[node].0.into(),
+        };
+        let key = format!("default/{}", args.pod_name);
+        if let Ok(Decision::Write(write)) = decide(&mut self.view, Policy::Binpack, &args, &key) {
+            self.writes.push(Write {
+                target: write.target,
+                uid: write.uid,
+                ticket: write.ticket,
+                instance: self.instance,
+                term: self.term,
+                fate: Fate::Pending,
+                answered: false,
+                resolving: false,
+            });
+        }
+    }
+
+    /// A Binding still on its way commits now (or meets a conflict).
+    fn server_applies(&mut self, write: usize) {
+        let Some(i) = pick(write, self.writes.len()) else {
+            return;
+        };
+        if self.writes[i].fate == Fate::Pending {
+            let target = self.writes[i].target.clone();
+            self.writes[i].fate = if self.commit(&target) {
+                Fate::Committed
+            } else {
+                Fate::Conflict
+            };
+        }
+    }
+
+    /// A Binding still on its way is lost.
+    fn server_drops(&mut self, write: usize) {
+        if let Some(i) = pick(write, self.writes.len())
+            && self.writes[i].fate == Fate::Pending
+        {
+            self.writes[i].fate = Fate::Lost;
+        }
+    }
+
+    /// The first answer to a write reaches its task.
+    fn answer(&mut self, write: usize, ambiguous: bool) {
+        let Some(i) = pick(write, self.writes.len()) else {
+            return;
+        };
+        let w = &self.writes[i];
+        if w.answered || (w.fate == Fate::Pending && !ambiguous) {
+            return;
+        }
+        let outcome = match (ambiguous, w.fate) {
+            (true, _) | (_, Fate::Conflict) => Outcome::Unknown,
+            (_, Fate::Committed) => Outcome::Landed,
+            _ => Outcome::NotLanded,
+        };
+        self.writes[i].answered = true;
+        self.settle(i, outcome);
+    }
+
+    /// The leader restarts: a new instance and term, a fresh view; its writes go on.
+    fn restart(&mut self) {
+        self.instance = self.instance.max(self.standby_instance) + 1;
+        self.grace = true;
+        self.fenced = self.writes.len();
+        self.term += 1;
+        self.start_view();
+    }
+
+    /// The standby takes over the Lease. The processes stay: each still settles its own
+    /// writes, whichever leads.
+    fn failover(&mut self) {
+        std::mem::swap(&mut self.instance, &mut self.standby_instance);
+        self.grace = true;
+        self.fenced = self.writes.len();
+        self.term += 1;
+        std::mem::swap(&mut self.view, &mut self.standby);
+        std::mem::swap(&mut self.events, &mut self.standby_events);
+    }
+
+    /// A user deletes pod `pod`.
+    fn delete(&mut self, pod: usize) {
+        if let Some(object) = self.object(pod) {
+            self.pods[pod] = None;
+            self.publish(object, true);
+        }
+    }
+
+    /// A user creates pod `pod` again, with a new UID.
+    fn recreate(&mut self, pod: usize) {
+        if self.pods[pod].is_none() {
+            let uid = self.fresh_uid();
+            self.pods[pod] = Some(ServerPod { uid, bound: None });
+            if let Some(object) = self.object(pod) {
+                self.publish(object, false);
             }
         }
     }

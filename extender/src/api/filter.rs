@@ -1,0 +1,278 @@
+//! `POST {prefix}/filter`: which candidate nodes can take the pod's request on one GPU, and
+//! why each other one cannot; when a single node passes, its memory is held for the bind that
+//! follows.
+//!
+//! Why filter reads only the view: kube-scheduler calls it for every pod on every scheduling
+//! cycle, with hundreds of nodes, so it must answer from memory under a read lock; the only
+//! writes are the holds (see [`hold_for_bind`]) and the release of lapsed ones.
+
+use std::sync::atomic::Ordering;
+use std::time::{Duration, Instant};
+
+use axum::body::Bytes;
+use axum::extract::State;
+use axum::response::Response;
+use gpushare_allocator::{PodId, Request, Unfit};
+
+use super::args::{Candidate, candidates, pod_uid, read_request};
+use super::{AppState, NOT_SYNCED, bad_request, json_response_sized};
+use crate::keep_best::KeepBest;
+use crate::view::{Hold, Settings, View};
+use crate::wire::{ExtenderArgs, ExtenderFilterResult, RawNodeListOut};
+
+/// Why `node` cannot take the pod, as kube-scheduler and the pod's events will show it.
+pub(crate) fn unfit_reason(settings: &Settings, node: &str, unfit: &Unfit) -> String {
+    match unfit {
+        Unfit::UnknownNode => format!("node {node} is unknown to the gpushare extender"),
+        Unfit::NotEligible => format!(
+            "node {node} does not take part in GPU sharing (label {}={} not set)",
+            settings.label_key, settings.label_value
+        ),
+        other => other.to_string(),
+    }
+}
+
+/// `POST {prefix}/filter`.
+#[tracing::instrument(skip_all)]
+pub(super) async fn filter(State(state): State<AppState>, body: Bytes) -> Response {
+    state.pace().await;
+    let started = Instant::now();
+    let response = match serde_json::from_slice::<ExtenderArgs<'_>>(&body) {
+        Ok(args) => json_response_sized(&filter_answer(&state, &args), body.len()),
+        Err(error) => bad_request("filter", &error),
+    };
+    state.metrics().observe("filter", started);
+    response
+}
+
+fn filter_answer<'a>(state: &AppState, args: &'a ExtenderArgs<'a>) -> ExtenderFilterResult<'a> {
+    let candidates = candidates(args);
+    let mut result = ExtenderFilterResult::default();
+    let mut passing: Vec<usize> = Vec::with_capacity(candidates.len());
+    let pod_uid = pod_uid(args);
+    release_holds(state, pod_uid.as_ref());
+    // The request to hold memory for, when exactly one node passes.
+    let mut to_hold: Option<Request> = None;
+    let view = state.view();
+    match read_request(args, view.settings()) {
+        // Not ours: every node passes untouched.
+        Ok(None) => passing.extend(0..candidates.len()),
+        Ok(Some(_)) | Err(_) if !view.is_synced() => {
+            result.error = NOT_SYNCED.to_owned();
+        }
+        Err(reason) => {
+            for (name, _) in &candidates {
+                result
+                    .failed_and_unresolvable_nodes
+                    .insert(name.clone(), reason.clone());
+            }
+        }
+        Ok(Some(request)) => {
+            let reserved_on = reserved_node(&view, args);
+            match reserved_on {
+                Some(reserved_on) => {
+                    only_reserved_node(reserved_on, &candidates, &mut passing, &mut result)
+                }
+                None => {
+                    let fits = Fits {
+                        state,
+                        view: &view,
+                        args,
+                        request: &request,
+                    };
+                    fits.filter(&candidates, &mut passing, &mut result);
+                }
+            }
+            if reserved_on.is_none() && passing.len() == 1 {
+                to_hold = Some(request);
+            }
+        }
+    }
+    drop(view);
+    if let (Some(request), Some(uid), [only]) = (to_hold, pod_uid, passing.as_slice()) {
+        hold_for_bind(state, args, uid, &candidates[*only].0, &request);
+    }
+    if args.node_names.is_some() {
+        result.node_names = Some(passing.iter().map(|&i| candidates[i].0.clone()).collect());
+    } else if args.nodes.is_some() {
+        result.nodes = Some(RawNodeListOut {
+            metadata: Default::default(),
+            items: passing.iter().filter_map(|&i| candidates[i].1).collect(),
+        });
+    }
+    result
+}
+
+/// Passes only `reserved_on`, where an earlier bind of the pod booked its memory (see
+/// [`reserved_node`]); the others fail, saying so while no node passes.
+fn only_reserved_node<'a>(
+    reserved_on: &str,
+    candidates: &[Candidate<'a>],
+    passing: &mut Vec<usize>,
+    result: &mut ExtenderFilterResult<'a>,
+) {
+    for (i, (name, _)) in candidates.iter().enumerate() {
+        if name == reserved_on {
+            passing.push(i);
+        } else {
+            result.failed_nodes.insert(
+                name.clone(),
+                format!("the pod's GPU memory is booked on node {reserved_on} while its earlier bind there is settled"),
+            );
+        }
+    }
+    if !passing.is_empty() {
+        result.failed_nodes = Default::default();
+    }
+}
+
+/// What filter checks each candidate against: the pod's `request` on the current view.
+struct Fits<'s, 'a> {
+    state: &'s AppState,
+    view: &'s View,
+    args: &'a ExtenderArgs<'a>,
+    request: &'s Request,
+}
+
+impl<'a> Fits<'_, 'a> {
+    /// Passes the candidates the request fits on, narrowed to the best ones with
+    /// `--filter-keep-best`; when none passes, says why each failed.
+    fn filter(
+        &self,
+        candidates: &[Candidate<'a>],
+        passing: &mut Vec<usize>,
+        result: &mut ExtenderFilterResult<'a>,
+    ) {
+        // Why each other node fails, kept as the allocator's reason and written out only
+        // when no node passes: kube-scheduler reads extender failure reasons only then
+        // (for its FitError and preemption); once a node passes it drops them unread, and
+        // at hundreds of nodes a call they were most of the answer it decodes.
+        let mut rejected: Vec<(usize, Unfit)> = Vec::new();
+        for (i, (name, _)) in candidates.iter().enumerate() {
+            match self.view.cluster.fit(name, self.request) {
+                Ok(()) => passing.push(i),
+                Err(unfit) => rejected.push((i, unfit)),
+            }
+        }
+        let inner = &self.state.inner;
+        let keep_best = KeepBest {
+            keep: inner.filter_keep_best.load(Ordering::Relaxed),
+            policy: inner.policy,
+            prioritize_weight: inner.prioritize_weight.load(Ordering::Relaxed),
+        };
+        let stepped_aside = keep_best.narrow(
+            self.view,
+            self.args.pod.as_ref(),
+            self.request,
+            candidates,
+            passing,
+        );
+        if let Some(why) = stepped_aside {
+            self.state.metrics().keep_best_stepped_aside(why);
+        }
+        if passing.is_empty() {
+            write_reasons(self.view.settings(), candidates, rejected, result);
+        } else {
+            result.failed_nodes = Default::default();
+        }
+    }
+}
+
+/// Gives back, before a filter, the holds whose bind did not come in time, and the hold of the
+/// pod being filtered (its earlier attempt ended without a bind). The write lock is taken only
+/// when there are reservations at all.
+fn release_holds(state: &AppState, pod_uid: Option<&PodId>) {
+    if state.view().reservation_count() == 0 {
+        return;
+    }
+    let mut view = state.view_mut();
+    if let Some(uid) = pod_uid {
+        view.release_hold(uid);
+    }
+    view.release_lapsed_holds(Instant::now());
+    state.update_reservation_gauges(&view);
+}
+
+/// Holds `request`'s memory on `node` for the pod kube-scheduler is about to bind there:
+/// exactly one node passed filter (kube-scheduler does not score a single node), or
+/// prioritize scored one node above all others (`sole_best` in `prioritize.rs`). The hold
+/// lasts until the pod's bind comes, so the filters of the pods scheduled meanwhile see the
+/// memory taken ([`crate::reservation`], "Why holds").
+pub(super) fn hold_for_bind(
+    state: &AppState,
+    args: &ExtenderArgs<'_>,
+    uid: PodId,
+    node: &str,
+    request: &Request,
+) {
+    let Some(pod) = args.pod.as_ref() else {
+        return;
+    };
+    let (Some(namespace), Some(name)) = (
+        pod.metadata.namespace.as_deref(),
+        pod.metadata.name.as_deref(),
+    ) else {
+        return;
+    };
+    let hold = Hold {
+        uid,
+        namespace,
+        name,
+        node,
+        until: Instant::now() + HOLD_FOR,
+    };
+    let mut view = state.view_mut();
+    view.hold(hold, request, state.inner.policy);
+    state.update_reservation_gauges(&view);
+}
+
+/// How long filter holds memory for a pod whose bind has not come: kube-scheduler calls bind
+/// milliseconds after filter unless its binding cycle is stuck or gone.
+const HOLD_FOR: Duration = Duration::from_secs(5);
+
+/// Writes why each `rejected` candidate fails into `result`'s failed or unresolvable nodes.
+///
+/// Formatting a reason per rejected node was the handler's largest cost of its own in the
+/// load harness profile (busy clusters reject hundreds of nodes a call, most for the same
+/// shortfall): the text of the last one is reused while it repeats.
+fn write_reasons<'a>(
+    settings: &Settings,
+    candidates: &[Candidate<'a>],
+    rejected: Vec<(usize, Unfit)>,
+    result: &mut ExtenderFilterResult<'a>,
+) {
+    let mut last_reason: Option<(Unfit, String)> = None;
+    for (i, unfit) in rejected {
+        let name = &candidates[i].0;
+        let reason = match &last_reason {
+            // These two name the node; every other reason reads the same on each node with
+            // the same shortfall.
+            _ if matches!(unfit, Unfit::UnknownNode | Unfit::NotEligible) => {
+                unfit_reason(settings, name, &unfit)
+            }
+            Some((seen, text)) if *seen == unfit => text.clone(),
+            _ => {
+                let text = unfit_reason(settings, name, &unfit);
+                last_reason = Some((unfit.clone(), text.clone()));
+                text
+            }
+        };
+        let map = if unfit.is_unresolvable() {
+            &mut result.failed_and_unresolvable_nodes
+        } else {
+            &mut result.failed_nodes
+        };
+        map.insert(name.clone(), reason);
+    }
+}
+
+/// The node where the pod's memory is already booked by an earlier bind whose Binding is not
+/// settled yet: a retry can only succeed there (and will, once it landed).
+fn reserved_node<'v>(view: &'v View, args: &ExtenderArgs<'_>) -> Option<&'v str> {
+    if view.reservation_count() == 0 {
+        return None;
+    }
+    let uid = args.pod.as_ref()?.metadata.uid.as_deref()?;
+    view.reservation(&PodId::from(uid))
+        .map(|reservation| reservation.node.as_str())
+}
