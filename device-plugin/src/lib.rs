@@ -29,13 +29,19 @@
 //! follow these facts ([`facts`], [`matching::plan_from_facts`]). Without the socket (older
 //! kubelets) the plugin works as before.
 //!
+//! Every long-lived task (the servers, the pod watch and its workers, the checks and
+//! publishers, even the shutdown signal's relay) runs under
+//! [`gpushare_runtime::supervise()`]: the first to end before shutdown is logged by name
+//! and stops the plugin, rather than leaving it up with part of it gone (a dead pod watch
+//! would leave Allocate answering from a frozen view).
+//!
 //! [`usage`] measures what each pod really uses (NVML process lists traced to pods through
 //! their cgroups, or a simulated usage file) against what kubelet gave it, on `/metrics` and
 //! in the node annotation `<domain>/v1.usage` that `kubectl gpushare top -d` shows.
 
 use std::future::Future;
 use std::net::SocketAddr;
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 use std::sync::Arc;
 use std::sync::atomic::AtomicBool;
 use std::time::Duration;
@@ -80,10 +86,12 @@ pub mod backend;
 pub mod devices;
 pub mod facts;
 pub mod gpu_health;
+mod mark_writer;
 pub mod matching;
 pub mod metrics;
 pub mod node;
 pub mod pod_resources;
+mod pod_views;
 pub mod pods;
 pub mod server;
 pub mod service;
@@ -342,34 +350,10 @@ async fn run_inner(
     if config.node_name.trim().is_empty() {
         return Err(Error::Config("--node-name (NODE_NAME) is empty".into()));
     }
+    // However this ends (an error, or the caller dropping it), every task is told to stop.
     let token = CancellationToken::new();
     let _stop_all = token.clone().drop_guard();
-    {
-        let token = token.clone();
-        tokio::spawn(async move {
-            tokio::select! {
-                () = shutdown => token.cancel(),
-                () = token.cancelled() => {}
-            }
-        });
-    }
-
-    let keys = Keys::new(&config.domain);
-    let keyring_file = match &config.allocation_keys_file {
-        Some(path) => {
-            let file = KeyringFile::open(path)?;
-            let keyring = file.keyring().current();
-            let ids: Vec<&str> = keyring.ids().collect();
-            tracing::info!(file = %path.display(), keys = ?ids, "allocation signatures are verified: only allocations signed by the extender get a GPU");
-            Some(file)
-        }
-        None => {
-            tracing::warn!(
-                "no --allocation-keys-file: allocations are NOT protected; any pod created with spec.nodeName and hand-written gpushare allocation annotations gets the GPU they name"
-            );
-            None
-        }
-    };
+    let keyring_file = open_keyring(config.allocation_keys_file.as_deref())?;
     let gpus = backend.gpus()?;
     for gpu in &gpus {
         tracing::info!(gpu = gpu.index, uuid = %gpu.uuid, model = %gpu.model, mem_gib = gpu.mem_gib, numa = ?gpu.numa_node, "found GPU");
@@ -379,165 +363,277 @@ async fn run_inner(
     metrics
         .gpus
         .set(i64::try_from(gpus.len()).unwrap_or(i64::MAX));
-    let inventory: node::Inventory = watch::Sender::new(Arc::new(gpus));
+    let listener = bind_metrics(config.metrics_listen).await?;
+    let plugin = Plugin {
+        keys: Keys::new(&config.domain),
+        config,
+        backend,
+        client,
+        metrics,
+        inventory: watch::Sender::new(Arc::new(gpus)),
+        ready: Arc::new(AtomicBool::new(false)),
+        token: token.clone(),
+    };
+    let mut tasks = plugin.spawn(listener, registry, keyring_file);
+    tasks.push((
+        "shutdown signal",
+        tokio::spawn(forward_shutdown(shutdown, token.clone())),
+    ));
+    supervise(tasks, token).await
+}
 
-    let listener = metrics::bind(config.metrics_listen)
+/// Opens the keyring that allocations are verified with; without one, says loudly that
+/// they are not.
+fn open_keyring(path: Option<&Path>) -> Result<Option<KeyringFile>> {
+    let Some(path) = path else {
+        tracing::warn!(
+            "no --allocation-keys-file: allocations are NOT protected; any pod created with spec.nodeName and hand-written gpushare allocation annotations gets the GPU they name"
+        );
+        return Ok(None);
+    };
+    let file = KeyringFile::open(path)?;
+    let keyring = file.keyring().current();
+    let ids: Vec<&str> = keyring.ids().collect();
+    tracing::info!(file = %path.display(), keys = ?ids, "allocation signatures are verified: only allocations signed by the extender get a GPU");
+    Ok(Some(file))
+}
+
+/// Binds the address of `/healthz`, `/readyz` and `/metrics` before anything starts, so a
+/// taken port fails the start at once.
+async fn bind_metrics(addr: SocketAddr) -> Result<tokio::net::TcpListener> {
+    let listener = metrics::bind(addr)
         .await
-        .map_err(|source| Error::MetricsBind {
-            addr: config.metrics_listen,
-            source,
-        })?;
+        .map_err(|source| Error::MetricsBind { addr, source })?;
     if let Ok(addr) = listener.local_addr() {
         tracing::info!(%addr, "serving /healthz, /readyz and /metrics");
     }
-    let ready = Arc::new(AtomicBool::new(false));
-    let (pods, pod_tasks) = PodCache::start(
-        client.clone(),
-        &config.node_name,
-        keys.clone(),
-        keyring_file.as_ref().map(KeyringFile::keyring),
-        metrics.clone(),
-        config.allocation_marks,
-        token.clone(),
-    );
-    let allocated = Arc::new(tokio::sync::Notify::new());
-    let pods_for_health = pods.clone();
-    let usage = (config.usage_period_ms > 0).then(|| usage::UsageReader {
-        backend: backend.clone(),
-        socket: config.pod_resources_socket.clone(),
-        resource: config.resource.clone(),
-        pods: pods.clone(),
-        inventory: inventory.clone(),
-        metrics: metrics.clone(),
-        proc_root: config.proc_root.clone(),
-        period: Duration::from_millis(config.usage_period_ms.max(100)),
-        publish: usage::PublishPolicy {
-            key: keys.node_usage.clone(),
-            min_change_mib: config.usage_annotation_min_change_mib,
-            min_interval: Duration::from_millis(config.usage_annotation_min_interval_ms),
-        },
-    });
-    let usage_client = client.clone();
-    let state = Arc::new(PluginState {
-        node: config.node_name.clone(),
-        resource: config.resource.clone(),
-        inventory: inventory.clone(),
-        pods: pods.clone(),
-        metrics: metrics.clone(),
-        pending_wait: Duration::from_millis(config.pending_pod_wait_ms),
-        allocated: allocated.clone(),
-        enforcement: config.enforcement,
-        mps_pipe_directory: config.mps_pipe_directory.clone(),
-        cdi_devices: config.cdi_devices,
-    });
-    let checker = pod_resources::Checker {
-        socket: config.pod_resources_socket.clone(),
-        resource: config.resource.clone(),
-        pods,
-        inventory: inventory.clone(),
-        metrics: metrics.clone(),
-        period: Duration::from_millis(config.pod_resources_period_ms.max(100)),
-        allocated,
-    };
+    Ok(listener)
+}
 
-    let mut tasks: Vec<(&'static str, JoinHandle<Result<()>>)> = vec![
-        (
-            "device plugin server",
-            tokio::spawn(server::serve_and_register(
-                state,
-                config.device_plugin_dir.clone(),
-                ready.clone(),
-                token.clone(),
-            )),
-        ),
-        (
-            "kubelet PodResources check",
-            tokio::spawn({
-                let (client, node, token) =
-                    (client.clone(), config.node_name.clone(), token.clone());
-                async move {
-                    checker.run(client, node, token).await;
-                    Ok(())
-                }
-            }),
-        ),
-        (
-            "GPU health",
-            tokio::spawn({
-                let (inventory, metrics, token) =
-                    (inventory.clone(), metrics.clone(), token.clone());
-                async move { Ok(node::watch_health(backend, inventory, metrics, token).await?) }
-            }),
-        ),
-        (
-            "unhealthy GPU reporter",
-            tokio::spawn({
-                let reporter = gpu_health::HealthReporter {
-                    client: client.clone(),
-                    node: config.node_name.clone(),
-                    pods: pods_for_health,
-                    metrics: metrics.clone(),
-                    condition: format!("{}/GpuHealthy", config.domain),
-                    evict: config.evict_on_unhealthy,
-                };
-                let (rx, token) = (inventory.subscribe(), token.clone());
-                async move {
-                    reporter.run(rx, token).await;
-                    Ok(())
-                }
-            }),
-        ),
-        (
-            "inventory publisher",
-            tokio::spawn({
-                let (node, rx, serving, token) = (
-                    config.node_name.clone(),
-                    inventory.subscribe(),
-                    ready.clone(),
-                    token.clone(),
-                );
-                async move {
-                    node::publish(client, node, keys, rx, serving, metrics, token).await;
-                    Ok(())
-                }
-            }),
-        ),
-        (
-            "metrics server",
-            tokio::spawn({
-                let token = token.clone();
-                async move {
-                    metrics::serve(listener, Arc::new(registry), ready, token)
-                        .await
-                        .map_err(|source| Error::MetricsBind {
-                            addr: config.metrics_listen,
-                            source,
-                        })
-                }
-            }),
-        ),
-    ];
-    // The pod view's tasks end only on shutdown: any other end stops the plugin loudly.
-    for (name, task) in pod_tasks {
-        tasks.push((name, gpushare_runtime::as_supervised(task)));
+/// Cancels `token` when `shutdown` resolves; ends either way once `token` is cancelled.
+/// Supervised like the rest: it ends only once the token is cancelled, which the
+/// supervisor takes as a clean end.
+async fn forward_shutdown(
+    shutdown: impl Future<Output = ()> + Send + 'static,
+    token: CancellationToken,
+) -> Result<()> {
+    tokio::select! {
+        () = shutdown => token.cancel(),
+        () = token.cancelled() => {}
     }
-    if let Some(reader) = usage {
-        let (node, token) = (config.node_name.clone(), token.clone());
-        tasks.push((
-            "GPU memory use",
-            tokio::spawn(async move {
-                reader.run(usage_client, node, token).await;
-                Ok(())
-            }),
-        ));
+    Ok(())
+}
+
+/// A long-lived task of the plugin, named for the supervisor.
+type Task = (&'static str, JoinHandle<Result<()>>);
+
+/// What the plugin's long-lived tasks are built from, once the start-up checks passed.
+struct Plugin {
+    config: Config,
+    backend: Arc<dyn GpuBackend>,
+    client: kube::Client,
+    keys: Keys,
+    metrics: Metrics,
+    inventory: node::Inventory,
+    /// True while registered with kubelet and it has the device list (`/readyz`).
+    ready: Arc<AtomicBool>,
+    token: CancellationToken,
+}
+
+impl Plugin {
+    /// Spawns every long-lived task: the device plugin server, the kubelet check, GPU
+    /// health, its reporter, the inventory publisher, the metrics server, the pod cache's
+    /// tasks, and, when configured, the usage reader and the keyring watch. Each ends only
+    /// on shutdown; the caller supervises them.
+    fn spawn(
+        self,
+        listener: tokio::net::TcpListener,
+        registry: Registry,
+        keyring_file: Option<KeyringFile>,
+    ) -> Vec<Task> {
+        let (pods, pod_tasks) = PodCache::start(
+            self.client.clone(),
+            &self.config.node_name,
+            self.keys.clone(),
+            keyring_file.as_ref().map(KeyringFile::keyring),
+            self.metrics.clone(),
+            self.config.allocation_marks,
+            self.token.clone(),
+        );
+        let allocated = Arc::new(tokio::sync::Notify::new());
+        let mut tasks = vec![
+            self.device_plugin_server(pods.clone(), allocated.clone()),
+            self.pod_resources_check(pods.clone(), allocated),
+            self.gpu_health(),
+            self.unhealthy_gpu_reporter(pods.clone()),
+            self.inventory_publisher(),
+            self.metrics_server(listener, registry),
+        ];
+        // The pod view's tasks end only on shutdown: any other end stops the plugin loudly.
+        for (name, task) in pod_tasks {
+            tasks.push((name, gpushare_runtime::as_supervised(task)));
+        }
+        if self.config.usage_period_ms > 0 {
+            tasks.push(self.usage_reader(pods));
+        }
+        if let Some(file) = keyring_file {
+            tasks.push((
+                "allocation keyring",
+                tokio::spawn(watch_keyring(file, self.token.clone())),
+            ));
+        }
+        tasks
     }
-    if let Some(file) = keyring_file {
-        tasks.push((
-            "allocation keyring",
-            tokio::spawn(watch_keyring(file, token.clone())),
-        ));
+
+    /// Serves the plugin socket and keeps it registered with kubelet ([`server`]).
+    fn device_plugin_server(
+        &self,
+        pods: Arc<PodCache>,
+        allocated: Arc<tokio::sync::Notify>,
+    ) -> Task {
+        let config = &self.config;
+        let state = Arc::new(PluginState {
+            node: config.node_name.clone(),
+            resource: config.resource.clone(),
+            inventory: self.inventory.clone(),
+            pods,
+            metrics: self.metrics.clone(),
+            pending_wait: Duration::from_millis(config.pending_pod_wait_ms),
+            allocated,
+            enforcement: config.enforcement,
+            mps_pipe_directory: config.mps_pipe_directory.clone(),
+            cdi_devices: config.cdi_devices,
+        });
+        let serve = server::serve_and_register(
+            state,
+            config.device_plugin_dir.clone(),
+            self.ready.clone(),
+            self.token.clone(),
+        );
+        ("device plugin server", tokio::spawn(serve))
     }
-    supervise(tasks, token).await
+
+    /// Compares kubelet's PodResources listing with the allocations ([`pod_resources`]).
+    fn pod_resources_check(
+        &self,
+        pods: Arc<PodCache>,
+        allocated: Arc<tokio::sync::Notify>,
+    ) -> Task {
+        let checker = pod_resources::Checker {
+            socket: self.config.pod_resources_socket.clone(),
+            resource: self.config.resource.clone(),
+            pods,
+            inventory: self.inventory.clone(),
+            metrics: self.metrics.clone(),
+            period: Duration::from_millis(self.config.pod_resources_period_ms.max(100)),
+            allocated,
+        };
+        let (client, node, token) = (
+            self.client.clone(),
+            self.config.node_name.clone(),
+            self.token.clone(),
+        );
+        let task = tokio::spawn(async move {
+            checker.run(client, node, token).await;
+            Ok(())
+        });
+        ("kubelet PodResources check", task)
+    }
+
+    /// Applies the backend's health reports to the inventory ([`node::watch_health`]).
+    fn gpu_health(&self) -> Task {
+        let (backend, inventory, metrics, token) = (
+            self.backend.clone(),
+            self.inventory.clone(),
+            self.metrics.clone(),
+            self.token.clone(),
+        );
+        let task = tokio::spawn(async move {
+            Ok(node::watch_health(backend, inventory, metrics, token).await?)
+        });
+        ("GPU health", task)
+    }
+
+    /// Tells the pods of a GPU that turned unhealthy ([`gpu_health`]).
+    fn unhealthy_gpu_reporter(&self, pods: Arc<PodCache>) -> Task {
+        let reporter = gpu_health::HealthReporter {
+            client: self.client.clone(),
+            node: self.config.node_name.clone(),
+            pods,
+            metrics: self.metrics.clone(),
+            condition: format!("{}/GpuHealthy", self.config.domain),
+            evict: self.config.evict_on_unhealthy,
+        };
+        let (rx, token) = (self.inventory.subscribe(), self.token.clone());
+        let task = tokio::spawn(async move {
+            reporter.run(rx, token).await;
+            Ok(())
+        });
+        ("unhealthy GPU reporter", task)
+    }
+
+    /// Keeps the node's inventory annotation and labels up to date ([`node::publish`]).
+    fn inventory_publisher(&self) -> Task {
+        let (client, node, keys, rx, serving, metrics, token) = (
+            self.client.clone(),
+            self.config.node_name.clone(),
+            self.keys.clone(),
+            self.inventory.subscribe(),
+            self.ready.clone(),
+            self.metrics.clone(),
+            self.token.clone(),
+        );
+        let task = tokio::spawn(async move {
+            node::publish(client, node, keys, rx, serving, metrics, token).await;
+            Ok(())
+        });
+        ("inventory publisher", task)
+    }
+
+    /// Serves `/healthz`, `/readyz` and `/metrics` on `listener`.
+    fn metrics_server(&self, listener: tokio::net::TcpListener, registry: Registry) -> Task {
+        let (addr, ready, token) = (
+            self.config.metrics_listen,
+            self.ready.clone(),
+            self.token.clone(),
+        );
+        let task = tokio::spawn(async move {
+            metrics::serve(listener, Arc::new(registry), ready, token)
+                .await
+                .map_err(|source| Error::MetricsBind { addr, source })
+        });
+        ("metrics server", task)
+    }
+
+    /// Measures what each pod really uses ([`usage`]).
+    fn usage_reader(&self, pods: Arc<PodCache>) -> Task {
+        let config = &self.config;
+        let reader = usage::UsageReader {
+            backend: self.backend.clone(),
+            socket: config.pod_resources_socket.clone(),
+            resource: config.resource.clone(),
+            pods,
+            inventory: self.inventory.clone(),
+            metrics: self.metrics.clone(),
+            proc_root: config.proc_root.clone(),
+            period: Duration::from_millis(config.usage_period_ms.max(100)),
+            publish: usage::PublishPolicy {
+                key: self.keys.node_usage.clone(),
+                min_change_mib: config.usage_annotation_min_change_mib,
+                min_interval: Duration::from_millis(config.usage_annotation_min_interval_ms),
+            },
+        };
+        let (client, node, token) = (
+            self.client.clone(),
+            config.node_name.clone(),
+            self.token.clone(),
+        );
+        let task = tokio::spawn(async move {
+            reader.run(client, node, token).await;
+            Ok(())
+        });
+        ("GPU memory use", task)
+    }
 }
 
 /// Re-reads the keyring file every [`KEYRING_POLL`] until `token` is cancelled, so a

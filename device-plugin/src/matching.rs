@@ -420,63 +420,19 @@ pub fn plan_from_facts(
             }
         })
         .collect();
-    let marked = |view: &PodView, name: &str| view.allocation.allocated.iter().any(|n| n == name);
-    // Donors, best first: holding nothing at all, then the most recently bound.
-    let mut donors: Vec<usize> = (0..views.len())
-        .filter(|&i| eligible[i] && !views[i].running())
-        .collect();
-    sort_by_bind_time(views, &mut donors);
-    donors.reverse();
-    donors.sort_by_key(|&i| facts.pod(&views[i].key).is_some_and(|p| p.holds_any()));
+    let donors = Donors::new(views, facts, &eligible, &proven);
 
     let mut changed = std::collections::BTreeSet::new();
-    let take_mark =
-        |views: &mut [Arc<PodView>], gib: u64, except: Option<usize>| -> Option<usize> {
-            for &donor in &donors {
-                if Some(donor) == except {
-                    continue;
-                }
-                let found = views[donor]
-                    .allocation
-                    .containers
-                    .iter()
-                    .enumerate()
-                    .find(|(pos, c)| {
-                        c.gib == gib && !proven[donor][*pos] && marked(&views[donor], &c.name)
-                    })
-                    .map(|(_, c)| c.name.clone());
-                if let Some(name) = found {
-                    let alloc = &mut Arc::make_mut(&mut views[donor]).allocation;
-                    alloc.allocated.retain(|n| *n != name);
-                    alloc.assigned = false;
-                    return Some(donor);
-                }
-            }
-            None
-        };
-
     let mut targets: Vec<usize> = (0..views.len())
-        .filter(|&i| {
-            views[i]
-                .allocation
-                .containers
-                .iter()
-                .enumerate()
-                .any(|(pos, c)| proven[i][pos] && !marked(&views[i], &c.name))
-        })
+        .filter(|&i| unmarked_proven(&views[i], &proven[i]).next().is_some())
         .collect();
     sort_by_bind_time(views, &mut targets);
     for target in targets {
-        let missing: Vec<(String, u64)> = views[target]
-            .allocation
-            .containers
-            .iter()
-            .enumerate()
-            .filter(|(pos, c)| proven[target][*pos] && !marked(&views[target], &c.name))
-            .map(|(_, c)| (c.name.clone(), c.gib))
+        let missing: Vec<(String, u64)> = unmarked_proven(&views[target], &proven[target])
+            .map(|c| (c.name.clone(), c.gib))
             .collect();
         for (name, gib) in missing {
-            if let Some(donor) = take_mark(views, gib, Some(target)) {
+            if let Some(donor) = donors.take_mark(views, gib, Some(target)) {
                 changed.insert(donor);
             }
             Arc::make_mut(&mut views[target]).mark_allocated(&name);
@@ -485,7 +441,7 @@ pub fn plan_from_facts(
     }
     let mut compensated = Vec::with_capacity(intruders.len());
     for intruder in intruders {
-        if let Some(donor) = take_mark(views, intruder.gib, None) {
+        if let Some(donor) = donors.take_mark(views, intruder.gib, None) {
             changed.insert(donor);
         }
         compensated.push((intruder.uid.clone(), intruder.container.clone()));
@@ -493,6 +449,82 @@ pub fn plan_from_facts(
     FactsPlan {
         marks: changed.into_iter().map(|i| (i, views[i].marks())).collect(),
         compensated,
+    }
+}
+
+/// Whether `view` carries a mark for its container `name`.
+fn marked(view: &PodView, name: &str) -> bool {
+    view.allocation.allocated.iter().any(|n| n == name)
+}
+
+/// The containers of `view` that kubelet proves allocated (`proven`, by position) but that
+/// carry no mark.
+fn unmarked_proven<'a>(
+    view: &'a PodView,
+    proven: &'a [bool],
+) -> impl Iterator<Item = &'a ContainerRequest> {
+    view.allocation
+        .containers
+        .iter()
+        .enumerate()
+        .filter(move |(pos, c)| proven[*pos] && !marked(view, &c.name))
+        .map(|(_, c)| c)
+}
+
+/// The pods a mark may be taken from in [`plan_from_facts`].
+struct Donors<'a> {
+    /// Indices into the views, best first: eligible pods that are not running, those
+    /// kubelet lists holding nothing of ours first, then the most recently bound.
+    order: Vec<usize>,
+    /// Which containers kubelet proves allocated, per view (by position): their marks stay.
+    proven: &'a [Vec<bool>],
+}
+
+impl<'a> Donors<'a> {
+    fn new(
+        views: &[Arc<PodView>],
+        facts: &facts::KubeletFacts,
+        eligible: &[bool],
+        proven: &'a [Vec<bool>],
+    ) -> Self {
+        let mut order: Vec<usize> = (0..views.len())
+            .filter(|&i| eligible[i] && !views[i].running())
+            .collect();
+        sort_by_bind_time(views, &mut order);
+        order.reverse();
+        order.sort_by_key(|&i| facts.pod(&views[i].key).is_some_and(|p| p.holds_any()));
+        Self { order, proven }
+    }
+
+    /// Takes the mark of one `gib` GiB container kubelet does not prove allocated from the
+    /// best donor other than `except`; returns that donor.
+    fn take_mark(
+        &self,
+        views: &mut [Arc<PodView>],
+        gib: u64,
+        except: Option<usize>,
+    ) -> Option<usize> {
+        for &donor in &self.order {
+            if Some(donor) == except {
+                continue;
+            }
+            let found = views[donor]
+                .allocation
+                .containers
+                .iter()
+                .enumerate()
+                .find(|(pos, c)| {
+                    c.gib == gib && !self.proven[donor][*pos] && marked(&views[donor], &c.name)
+                })
+                .map(|(_, c)| c.name.clone());
+            if let Some(name) = found {
+                let alloc = &mut Arc::make_mut(&mut views[donor]).allocation;
+                alloc.allocated.retain(|n| *n != name);
+                alloc.assigned = false;
+                return Some(donor);
+            }
+        }
+        None
     }
 }
 

@@ -151,104 +151,125 @@ impl Metrics {
             usage_patches: Family::default(),
         };
         let sub = registry.sub_registry_with_prefix("gpushare_device_plugin");
+        // In this order: it is the order of `/metrics`.
+        metrics.register_allocate(sub);
+        metrics.register_node(sub);
+        metrics.register_kubelet(sub);
+        metrics.register_usage(sub);
+        metrics
+    }
+
+    /// Registers the Allocate path's metrics.
+    fn register_allocate(&self, sub: &mut Registry) {
         sub.register(
             "allocations",
             "Containers allocated",
-            metrics.allocations.clone(),
+            self.allocations.clone(),
         );
         sub.register(
             "allocate_errors",
             "Allocate calls refused, by reason",
-            metrics.allocate_errors.clone(),
+            self.allocate_errors.clone(),
         );
         sub.register(
             "forged_allocations",
             "Allocate calls refused because the pod's allocation is not signed by the gpushare extender",
-            metrics.forged_allocations.clone(),
+            self.forged_allocations.clone(),
         );
         sub.register(
             "allocate_duration_seconds",
             "Time to answer an Allocate call",
-            metrics.allocate_duration.clone(),
+            self.allocate_duration.clone(),
         );
-        sub.register("gpus_healthy", "Healthy GPUs", metrics.gpus_healthy.clone());
-        sub.register("gpus", "GPUs on the node", metrics.gpus.clone());
+    }
+
+    /// Registers the metrics of the node's GPUs, of the registration and of the plugin's API writes.
+    fn register_node(&self, sub: &mut Registry) {
+        sub.register("gpus_healthy", "Healthy GPUs", self.gpus_healthy.clone());
+        sub.register("gpus", "GPUs on the node", self.gpus.clone());
         sub.register(
             "registrations",
             "Successful registrations with kubelet",
-            metrics.registrations.clone(),
+            self.registrations.clone(),
         );
         sub.register(
             "pod_patches",
             "Pod allocation-mark patches, by result",
-            metrics.pod_patches.clone(),
+            self.pod_patches.clone(),
         );
         sub.register(
             "node_patches",
             "Node inventory patches, by result",
-            metrics.node_patches.clone(),
+            self.node_patches.clone(),
         );
+    }
+
+    /// Registers what kubelet's PodResources API and GPU health changes showed.
+    fn register_kubelet(&self, sub: &mut Registry) {
         sub.register(
             "kubelet_mismatches",
             "Containers kubelet reports holding GPU memory devices their pod was not given, by kind (wrong_gpu: devices of another GPU than the pod's; no_allocation: a pod without its own gpushare allocation)",
-            metrics.kubelet_mismatches.clone(),
+            self.kubelet_mismatches.clone(),
         );
         sub.register(
             "marks_from_kubelet",
             "Pod allocation marks corrected from what kubelet's PodResources API reports containers hold",
-            metrics.marks_from_kubelet.clone(),
+            self.marks_from_kubelet.clone(),
         );
         sub.register(
             "pod_resources_up",
             "1 while kubelet's PodResources API answers, else 0 (marks are then reconciled from pod phases)",
-            metrics.pod_resources_up.clone(),
+            self.pod_resources_up.clone(),
         );
         sub.register(
             "pods_on_unhealthy_gpu",
             "Running pods whose GPU turned unhealthy (an Event and a pod condition each)",
-            metrics.pods_on_unhealthy_gpu.clone(),
+            self.pods_on_unhealthy_gpu.clone(),
         );
         sub.register(
             "unhealthy_gpu_evictions",
             "Pods evicted because their GPU turned unhealthy (--evict-on-unhealthy)",
-            metrics.evictions.clone(),
+            self.evictions.clone(),
         );
+    }
+
+    /// Registers the GPU memory use metrics ([`crate::usage`]).
+    fn register_usage(&self, sub: &mut Registry) {
         sub.register(
             "gpu_allocated_bytes",
             "GPU memory kubelet gave pods on each GPU (its PodResources API: one device per GiB)",
-            metrics.gpu_allocated_bytes.clone(),
+            self.gpu_allocated_bytes.clone(),
         );
         sub.register(
             "gpu_used_bytes",
             "GPU memory every process on each GPU uses (NVML process lists, or the simulated usage file)",
-            metrics.gpu_used_bytes.clone(),
+            self.gpu_used_bytes.clone(),
         );
         sub.register(
             "gpu_unattributed_bytes",
             "GPU memory used on each GPU by processes not traced to a gpushare pod (host processes, other pods, or all of them when the plugin cannot see the host's /proc)",
-            metrics.gpu_unattributed_bytes.clone(),
+            self.gpu_unattributed_bytes.clone(),
         );
         sub.register(
             "pod_allocated_bytes",
             "GPU memory kubelet gave each pod on each GPU",
-            metrics.pod_allocated_bytes.clone(),
+            self.pod_allocated_bytes.clone(),
         );
         sub.register(
             "pod_used_bytes",
             "GPU memory each pod's processes use on each GPU",
-            metrics.pod_used_bytes.clone(),
+            self.pod_used_bytes.clone(),
         );
         sub.register(
             "pods_over_share",
             "Pods whose processes use more GPU memory than they were given on some GPU",
-            metrics.pods_over_share.clone(),
+            self.pods_over_share.clone(),
         );
         sub.register(
             "usage_patches",
             "Node GPU usage annotation patches, by result",
-            metrics.usage_patches.clone(),
+            self.usage_patches.clone(),
         );
-        metrics
     }
 
     /// Exports a usage measurement, removing the label sets of `previous` that are gone;

@@ -158,9 +158,21 @@ enum Reachable {
 impl Checker {
     /// Lists, compares and reconciles until `shutdown`; reports findings through
     /// `client`'s Events. Never fails: an unreadable socket is logged and retried.
+    ///
+    /// The Event publisher runs inside this future rather than as a task of its own, so that
+    /// whoever supervises this one supervises both: a publisher that died would otherwise
+    /// leave findings dropped without a word.
     pub async fn run(self, client: kube::Client, node: String, shutdown: CancellationToken) {
         let (events, rx) = mpsc::channel(EVENT_QUEUE);
-        tokio::spawn(publish_events(client, node, rx, shutdown.clone()));
+        tokio::join!(
+            self.check(events, shutdown.clone()),
+            publish_events(client, node, rx, shutdown.clone()),
+        );
+    }
+
+    /// The check's loop: lists, compares, reconciles, queues an Event per new finding on
+    /// `events`.
+    async fn check(&self, events: mpsc::Sender<(Finding, String)>, shutdown: CancellationToken) {
         let mut reachable = Reachable::Unknown;
         let mut reported: HashSet<(String, &'static str, String)> = HashSet::new();
         loop {

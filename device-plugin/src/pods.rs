@@ -1,16 +1,16 @@
 //! The node's pods, as the plugin needs them to answer `Allocate` without an API call.
 //!
 //! A reflector watches only the pods bound to this node (`spec.nodeName=<node>`); every
-//! decision reads that local store. On top of it sits an *overlay* of the marks this plugin
+//! decision reads that local store, each pod read once per resourceVersion
+//! (`pod_views`). On top of it sits an *overlay* of the marks this plugin
 //! has decided but the API server may not show yet (`allocated`, `assigned`): an Allocate
 //! that marks a container is visible to the very next Allocate, even before our patch has
 //! round-tripped through the watch. The overlay entry is dropped once the store shows the
 //! same marks and no write is outstanding.
 //!
-//! With `--allocation-marks` the marks are written in one background worker, in decision
-//! order, with retries, so an Allocate answers in microseconds and never waits for the API
-//! server. The worker always writes the *latest* marks of a pod, so a slow write can never
-//! overwrite a newer decision. Without it (the default) the marks stay in the overlay: what
+//! With `--allocation-marks` the marks are written by one background worker
+//! (`mark_writer`), so an Allocate answers in microseconds and never waits for the
+//! API server. Without it (the default) the marks stay in the overlay: what
 //! outlives this process is kubelet's own record, a `startTime` in the pod's status once
 //! kubelet admitted the pod (and so allocated each of its containers), and its PodResources
 //! listing; a pod with a `startTime` is never matched again ([`matching::PodView::admitted`]).
@@ -25,16 +25,17 @@
 //! kubelet reports each container holds ([`crate::matching::plan_from_facts`]); otherwise
 //! [`crate::matching::plan_reconcile`] infers from pod phases which pod kubelet started and
 //! moves the marks that landed on a same-sized twin back to it.
+//!
+//! Everything these decisions read and change sits behind one lock (`State` says why).
 
 use std::collections::{HashMap, HashSet};
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard};
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
-use futures::StreamExt;
+use futures::{Stream, StreamExt};
 use gpushare_contract::{ContainerRequest, Keys, PodAllocation, SharedKeyring};
 use k8s_openapi::api::core::v1::Pod;
-use kube::api::{Patch, PatchParams};
 use kube::runtime::reflector::{self, Store};
 use kube::runtime::{WatchStreamExt, watcher};
 use kube::{Api, Client};
@@ -42,18 +43,17 @@ use tokio::sync::{mpsc, watch};
 use tokio::task::JoinHandle;
 use tokio_util::sync::CancellationToken;
 
-use crate::facts::{self, BarePod, Finding, KubeletFacts};
-use crate::matching::{self, Intruder, Marks, PodView, Trust};
+use crate::facts::{self, Finding, KubeletFacts};
+use crate::mark_writer::MarkWriter;
+use crate::matching::{self, Intruder, Marks, PodView};
 use crate::metrics::Metrics;
+use crate::pod_views::{KubeletContext, Reader, ViewCache};
 
 /// How often reconcile runs without pod events.
 pub const RECONCILE_PERIOD: Duration = Duration::from_secs(2);
 /// How long a pod must have been seen Running before its marks are reconciled (kubelet's
 /// status writes lag its admissions; see [`matching::plan_reconcile`]).
 pub const RECONCILE_AFTER_RUNNING: Duration = Duration::from_secs(5);
-/// Attempts for one pod patch before waiting for the next reconcile.
-const PATCH_ATTEMPTS: u32 = 6;
-
 /// Why no container could be claimed.
 #[derive(Debug)]
 pub enum ClaimError<E> {
@@ -89,6 +89,7 @@ pub struct Claim<T> {
     pub checked: T,
 }
 
+/// A pod's marks as decided here.
 #[derive(Debug)]
 struct Overlay {
     namespace: String,
@@ -98,41 +99,28 @@ struct Overlay {
     dirty: bool,
 }
 
-/// A pod as last read.
-#[derive(Debug)]
-struct ParsedPod {
-    /// The resourceVersion it was read at.
-    version: String,
-    /// The keyring generation it was read at.
-    generation: u64,
-    /// Its view; `None` when it is not bound here or carries no readable allocation.
-    view: Option<Arc<PodView>>,
-    /// When this plugin first read the pod: kubelet listings older than that do not judge it.
-    first_seen: std::time::Instant,
-}
-
-/// What reading the pods collects for comparing them with a kubelet listing taken at
-/// `taken_at`.
-#[derive(Debug)]
-struct KubeletContext {
-    taken_at: std::time::Instant,
-    /// UIDs of pods first read before the listing was taken.
-    judged: HashSet<String>,
-    /// Pods bound here, not finished, without an allocation the plugin can read.
-    bare: Vec<BarePod>,
-    /// UIDs of every pod in the cache.
-    live: HashSet<String>,
-}
-
-impl KubeletContext {
-    fn new(taken_at: std::time::Instant) -> Self {
-        Self {
-            taken_at,
-            judged: HashSet::new(),
-            bare: Vec::new(),
-            live: HashSet::new(),
-        }
-    }
+/// What the cache's decisions read and change, behind one lock.
+///
+/// Why one lock: Allocate, preview, reconcile and the kubelet check each read the pods
+/// through the parse cache with the overlay applied, and may change the overlay (and the
+/// reconcile state) in the same breath. These were five locks, but every path that took one
+/// of them held the overlay lock around it, or took it right after, so they bought no
+/// concurrency and asked every change to keep their nesting order. One lock keeps that order
+/// by construction. It is held for in-memory work only: no API call and no `.await` under it.
+#[derive(Debug, Default)]
+struct State {
+    /// Our marks the API server may not show yet, by UID.
+    overlay: HashMap<String, Overlay>,
+    /// Pods already read: re-reading unchanged annotations on each Allocate would make its
+    /// cost grow with the node's pod count.
+    views: ViewCache,
+    /// When each pod was first seen Running.
+    running_since: HashMap<String, Instant>,
+    /// kubelet's last PodResources listing; `None` when it could not be read.
+    facts: Option<KubeletFacts>,
+    /// Containers of pods without an allocation of their own whose stray mark has been given
+    /// back (`(uid, container)`), so each is given back once.
+    compensated: HashSet<(String, String)>,
 }
 
 /// The node-scoped pod cache with our pending marks.
@@ -142,19 +130,9 @@ pub struct PodCache {
     /// Verifies the extender's signatures; `None`: allocations are not verified.
     keyring: Option<SharedKeyring>,
     store: Store<Pod>,
+    /// Whether the watch has listed the node's pods once (a flag, not worth the lock).
     synced: AtomicBool,
-    overlay: Mutex<HashMap<String, Overlay>>,
-    /// Pods already read, by UID, with the resourceVersion they were read at: each Allocate
-    /// looks at every pod on the node, and re-reading unchanged annotations each time would
-    /// make Allocate cost grow with the node's pod count.
-    parsed: Mutex<HashMap<String, ParsedPod>>,
-    /// When each pod was first seen Running.
-    running_since: Mutex<HashMap<String, std::time::Instant>>,
-    /// kubelet's last PodResources listing; `None` when it could not be read.
-    facts: Mutex<Option<Arc<KubeletFacts>>>,
-    /// Containers of pods without an allocation of their own whose stray mark has been given
-    /// back (`(uid, container)`), so each is given back once.
-    compensated: Mutex<HashSet<(String, String)>>,
+    state: Mutex<State>,
     metrics: Metrics,
     changes: watch::Sender<u64>,
     patches: mpsc::UnboundedSender<String>,
@@ -171,6 +149,9 @@ impl std::fmt::Debug for PodCache {
     }
 }
 
+/// The cache's long-lived tasks, named for the supervisor.
+type Tasks = Vec<(&'static str, JoinHandle<()>)>;
+
 impl PodCache {
     /// Starts watching the pods bound to `node`, the patch worker and the reconcile loop;
     /// all stop on `shutdown`. With `keyring`, only allocations it verifies are acted on;
@@ -185,60 +166,82 @@ impl PodCache {
         metrics: Metrics,
         write_marks: bool,
         shutdown: CancellationToken,
-    ) -> (Arc<Self>, Vec<(&'static str, JoinHandle<()>)>) {
+    ) -> (Arc<Self>, Tasks) {
         let (store, writer) = reflector::store();
-        let (patches, patch_rx) = mpsc::unbounded_channel();
+        let (cache, patch_queue) = Self::new(node, keys, keyring, metrics, write_marks, store);
+        let api: Api<Pod> = Api::all(client.clone());
+        let config = watcher::Config::default().fields(&format!("spec.nodeName={node}"));
+        let events = reflector::reflector(writer, watcher(api, config).default_backoff());
+        let tasks = cache.spawn(events, client, patch_queue, shutdown);
+        (cache, tasks)
+    }
+
+    /// A cache reading `store`, and the queue of pods whose marks are to be written.
+    fn new(
+        node: &str,
+        keys: Keys,
+        keyring: Option<SharedKeyring>,
+        metrics: Metrics,
+        write_marks: bool,
+        store: Store<Pod>,
+    ) -> (Arc<Self>, mpsc::UnboundedReceiver<String>) {
+        let (patches, patch_queue) = mpsc::unbounded_channel();
         let cache = Arc::new(Self {
             node: node.to_owned(),
             keys,
             keyring,
             store,
             synced: AtomicBool::new(false),
-            overlay: Mutex::new(HashMap::new()),
-            parsed: Mutex::new(HashMap::new()),
-            running_since: Mutex::new(HashMap::new()),
-            facts: Mutex::new(None),
-            compensated: Mutex::new(HashSet::new()),
-            metrics: metrics.clone(),
+            state: Mutex::new(State::default()),
+            metrics,
             changes: watch::Sender::new(0),
             patches,
             write_marks,
         });
-        let api: Api<Pod> = Api::all(client.clone());
-        let config = watcher::Config::default().fields(&format!("spec.nodeName={node}"));
-        let stream = reflector::reflector(writer, watcher(api, config).default_backoff());
-        let tasks = vec![
+        (cache, patch_queue)
+    }
+
+    /// Spawns the watch over `events` (which fill the store), the patch worker and the
+    /// reconcile loop.
+    fn spawn(
+        self: &Arc<Self>,
+        events: impl Stream<Item = Result<watcher::Event<Pod>, watcher::Error>> + Send + 'static,
+        client: Client,
+        patch_queue: mpsc::UnboundedReceiver<String>,
+        shutdown: CancellationToken,
+    ) -> Tasks {
+        let writer = MarkWriter {
+            cache: self.clone(),
+            client,
+            keys: self.keys.clone(),
+            metrics: self.metrics.clone(),
+        };
+        vec![
             (
                 "pod watch",
-                tokio::spawn(cache.clone().watch_pods(stream, shutdown.clone())),
+                tokio::spawn(self.clone().watch_pods(events, shutdown.clone())),
             ),
             (
                 "pod patch worker",
-                tokio::spawn(cache.clone().patch_worker(
-                    client,
-                    patch_rx,
-                    metrics,
-                    shutdown.clone(),
-                )),
+                tokio::spawn(writer.run(patch_queue, shutdown.clone())),
             ),
             (
                 "pod reconcile loop",
-                tokio::spawn(cache.clone().reconcile_loop(shutdown)),
+                tokio::spawn(self.clone().reconcile_loop(shutdown)),
             ),
-        ];
-        (cache, tasks)
+        ]
     }
 
     async fn watch_pods(
         self: Arc<Self>,
-        stream: impl futures::Stream<Item = Result<watcher::Event<Pod>, watcher::Error>>,
+        events: impl Stream<Item = Result<watcher::Event<Pod>, watcher::Error>>,
         shutdown: CancellationToken,
     ) {
-        let mut stream = std::pin::pin!(stream);
+        let mut events = std::pin::pin!(events);
         loop {
             let item = tokio::select! {
                 () = shutdown.cancelled() => return,
-                item = stream.next() => item,
+                item = events.next() => item,
             };
             match item {
                 Some(Ok(event)) => {
@@ -255,143 +258,39 @@ impl PodCache {
         }
     }
 
-    fn lock(&self) -> MutexGuard<'_, HashMap<String, Overlay>> {
+    fn lock(&self) -> MutexGuard<'_, State> {
         // A poisoned lock only means another thread panicked mid-update of plain data.
-        self.overlay
+        self.state
             .lock()
             .unwrap_or_else(std::sync::PoisonError::into_inner)
     }
 
+    fn reader(&self) -> Reader<'_> {
+        Reader {
+            node: &self.node,
+            keys: &self.keys,
+            keyring: self.keyring.as_ref(),
+        }
+    }
+
     /// Pods bound here that carry an allocation, with our marks applied.
-    fn views(&self, overlay: &HashMap<String, Overlay>) -> Vec<Arc<PodView>> {
-        self.collect_views(overlay, None, None)
+    fn views(&self, state: &mut State) -> Vec<Arc<PodView>> {
+        self.collect_views(state, None, None)
     }
 
     /// Pods bound here that carry an allocation, with our marks applied; with `stored`, also
     /// the marks as the API server has them, by UID; with `kubelet`, what comparing them
     /// with a kubelet listing needs.
-    ///
-    /// Why shared views: Allocate runs this over every pod on the node (1,000 in the load
-    /// harness); a cache hit costs a reference count, and only views our unsaved marks
-    /// change are copied.
     fn collect_views(
         &self,
-        overlay: &HashMap<String, Overlay>,
-        mut stored: Option<&mut HashMap<String, Marks>>,
-        mut kubelet: Option<&mut KubeletContext>,
+        state: &mut State,
+        stored: Option<&mut HashMap<String, Marks>>,
+        kubelet: Option<&mut KubeletContext>,
     ) -> Vec<Arc<PodView>> {
-        let mut views = Vec::new();
-        let mut parsed = self
-            .parsed
-            .lock()
-            .unwrap_or_else(std::sync::PoisonError::into_inner);
-        let pods = self.store.state();
-        let generation = self.keyring.as_ref().map_or(0, SharedKeyring::generation);
-        // Forget pods that left the store, so the cache stays the size of the node.
-        if parsed.len() > pods.len() {
-            let live: std::collections::HashSet<&str> = pods
-                .iter()
-                .filter_map(|pod| pod.metadata.uid.as_deref())
-                .collect();
-            parsed.retain(|uid, _| live.contains(uid.as_str()));
-        }
-        let now = std::time::Instant::now();
-        for pod in &pods {
-            let uid = pod.metadata.uid.as_deref().unwrap_or_default();
-            let version = pod.metadata.resource_version.as_deref().unwrap_or_default();
-            let (view, first_seen) = match parsed.get(uid) {
-                Some(entry) if entry.version == version && entry.generation == generation => {
-                    (entry.view.clone(), entry.first_seen)
-                }
-                entry => {
-                    let first_seen = entry.map_or(now, |entry| entry.first_seen);
-                    let view = self.read_view(pod).map(Arc::new);
-                    parsed.insert(
-                        uid.to_owned(),
-                        ParsedPod {
-                            version: version.to_owned(),
-                            generation,
-                            view: view.clone(),
-                            first_seen,
-                        },
-                    );
-                    (view, first_seen)
-                }
-            };
-            if let Some(kubelet) = kubelet.as_deref_mut() {
-                kubelet.live.insert(uid.to_owned());
-                if first_seen < kubelet.taken_at {
-                    kubelet.judged.insert(uid.to_owned());
-                }
-                let here = pod.spec.as_ref().and_then(|spec| spec.node_name.as_deref())
-                    == Some(self.node.as_str());
-                let phase = pod
-                    .status
-                    .as_ref()
-                    .and_then(|status| status.phase.as_deref());
-                if view.is_none() && here && !gpushare_contract::request::phase_is_finished(phase) {
-                    kubelet.bare.push(BarePod {
-                        key: gpushare_contract::request::pod_key(pod),
-                        uid: uid.to_owned(),
-                    });
-                }
-            }
-            let Some(mut view) = view else {
-                continue;
-            };
-            if let Some(stored) = stored.as_deref_mut() {
-                stored.insert(uid.to_owned(), view.marks());
-            }
-            if let Some(entry) = overlay.get(uid)
-                && view.marks() != entry.marks
-            {
-                Arc::make_mut(&mut view).set_marks(&entry.marks);
-            }
-            views.push(view);
-        }
-        views
-    }
-
-    /// A pod bound here with a readable allocation, as the matching logic sees it, its
-    /// signature checked.
-    fn read_view(&self, pod: &Pod) -> Option<PodView> {
-        let node = pod.spec.as_ref().and_then(|spec| spec.node_name.clone());
-        if node.as_deref() != Some(self.node.as_str()) {
-            return None;
-        }
-        let annotations = pod.metadata.annotations.as_ref()?;
-        let key = gpushare_contract::request::pod_key(pod);
-        let allocation = match PodAllocation::from_annotations(&self.keys, annotations) {
-            Ok(allocation) => allocation?,
-            Err(err) => {
-                tracing::debug!(pod = %key, error = %err, "ignoring pod with unreadable allocation annotations");
-                return None;
-            }
-        };
-        let uid = pod.metadata.uid.clone().unwrap_or_default();
-        let trust = match &self.keyring {
-            None => Trust::Unchecked,
-            Some(keyring) => match keyring.current().verify(&uid, &self.node, &allocation) {
-                Ok(_) => Trust::Verified,
-                Err(why) => {
-                    tracing::warn!(pod = %key, %uid, %why, "pod carries a gpushare allocation the extender did not sign; it will get no GPU");
-                    Trust::Refused(why.to_string())
-                }
-            },
-        };
-        Some(PodView {
-            key,
-            uid,
-            node,
-            phase: pod.status.as_ref().and_then(|status| status.phase.clone()),
-            deleting: pod.metadata.deletion_timestamp.is_some(),
-            admitted: pod
-                .status
-                .as_ref()
-                .is_some_and(|status| status.start_time.is_some()),
-            allocation,
-            trust,
-        })
+        let State { overlay, views, .. } = state;
+        let ours = |uid: &str| overlay.get(uid).map(|entry| &entry.marks);
+        self.reader()
+            .views(&self.store.state(), views, ours, stored, kubelet)
     }
 
     fn record(&self, overlay: &mut HashMap<String, Overlay>, view: &PodView, marks: Marks) {
@@ -414,8 +313,8 @@ impl PodCache {
     /// Live pods (not finished, not being deleted) whose allocation, trusted, is on the GPU
     /// with `uuid` (a multi-GPU pod: on any of its GPUs): `(namespace/name, uid)`.
     pub fn pods_on_gpu(&self, uuid: &str) -> Vec<(String, String)> {
-        let overlay = self.lock();
-        self.views(&overlay)
+        let views = self.views(&mut self.lock());
+        views
             .iter()
             .filter(|view| {
                 view.allocation.gpus().any(|(_, gpu)| gpu == uuid)
@@ -438,8 +337,8 @@ impl PodCache {
         sizes: &[u64],
         mut check: impl FnMut(&PodView, &ContainerRequest) -> Result<T, E>,
     ) -> Result<Vec<Claim<T>>, ClaimError<E>> {
-        let mut overlay = self.lock();
-        let mut views = self.views(&overlay);
+        let mut state = self.lock();
+        let mut views = self.views(&mut state);
         let mut claims = Vec::with_capacity(sizes.len());
         let mut changed = Vec::new();
         for &gib in sizes {
@@ -461,7 +360,7 @@ impl PodCache {
         }
         for index in changed {
             let marks = views[index].marks();
-            self.record(&mut overlay, &views[index], marks);
+            self.record(&mut state.overlay, &views[index], marks);
         }
         Ok(claims)
     }
@@ -500,8 +399,7 @@ impl PodCache {
     /// The pod whose allocation is not the extender's that an Allocate of `gib` devices
     /// would have matched, and why it is refused.
     fn untrusted(&self, gib: u64) -> Option<(String, String)> {
-        let overlay = self.lock();
-        let views = self.views(&overlay);
+        let views = self.views(&mut self.lock());
         matching::find_untrusted(&views, &self.node, gib)
             .map(|(index, why)| (views[index].key.clone(), why.to_owned()))
     }
@@ -514,8 +412,7 @@ impl PodCache {
         loop {
             changes.borrow_and_update();
             let found = {
-                let overlay = self.lock();
-                let views = self.views(&overlay);
+                let views = self.views(&mut self.lock());
                 matching::find_pending(&views, &self.node, gib).map(|(i, _)| {
                     views[i]
                         .allocation
@@ -539,49 +436,21 @@ impl PodCache {
     /// ([`matching::plan_reconcile`]); re-queues unwritten marks and forgets overlay entries
     /// the API server has caught up with.
     pub fn reconcile(&self) {
-        let facts = self.facts();
-        let mut overlay = self.lock();
+        self.reconcile_locked(&mut self.lock());
+    }
+
+    fn reconcile_locked(&self, state: &mut State) {
         let mut stored = HashMap::new();
-        let mut kubelet = facts
+        let mut kubelet = state
+            .facts
             .as_ref()
             .map(|facts| KubeletContext::new(facts.taken_at));
-        let mut views = self.collect_views(&overlay, Some(&mut stored), kubelet.as_mut());
-        let settled = {
-            let mut since = self
-                .running_since
-                .lock()
-                .unwrap_or_else(std::sync::PoisonError::into_inner);
-            let now = std::time::Instant::now();
-            since.retain(|uid, _| views.iter().any(|v| v.uid == *uid && v.running()));
-            for view in views.iter().filter(|v| v.running()) {
-                since.entry(view.uid.clone()).or_insert(now);
-            }
-            since
-                .iter()
-                .filter(|(_, at)| now.duration_since(**at) >= RECONCILE_AFTER_RUNNING)
-                .map(|(uid, _)| uid.clone())
-                .collect::<HashSet<String>>()
-        };
-        let plan = match (&facts, &kubelet) {
-            (Some(facts), Some(kubelet)) => {
-                let intruders = self.intruders(&views, facts, kubelet);
-                let plan = matching::plan_from_facts(
-                    &mut views,
-                    &self.node,
-                    facts,
-                    |view| kubelet.judged.contains(&view.uid),
-                    &intruders,
-                );
-                self.lock_compensated().extend(plan.compensated);
-                for (index, marks) in &plan.marks {
-                    tracing::info!(pod = %views[*index].key, allocated = ?marks.allocated, assigned = marks.assigned, "corrected allocation marks from what kubelet reports the pod's containers hold");
-                }
-                self.metrics
-                    .marks_from_kubelet
-                    .inc_by(plan.marks.len() as u64);
-                plan.marks
-            }
-            _ => {
+        let mut views = self.collect_views(state, Some(&mut stored), kubelet.as_mut());
+        // Kept up to date with facts too, so that phases can take over at once without them.
+        let settled = settled(&mut state.running_since, &views);
+        let plan = match kubelet {
+            Some(kubelet) => self.plan_from_facts(state, &mut views, &kubelet),
+            None => {
                 let plan = matching::plan_reconcile(&mut views, &self.node, |view| {
                     settled.contains(&view.uid)
                 });
@@ -593,7 +462,7 @@ impl PodCache {
         };
         let moved = !plan.is_empty();
         for (index, marks) in plan {
-            self.record(&mut overlay, &views[index], marks);
+            self.record(&mut state.overlay, &views[index], marks);
         }
         if moved {
             // An Allocate waiting for a pending pod of this size (`claim`) looks again: a mark
@@ -601,10 +470,53 @@ impl PodCache {
             // no pod event would come to wake it.
             self.changes.send_modify(|n| *n += 1);
         }
+        self.settle_overlay(&mut state.overlay, &stored);
+    }
+
+    /// The marks [`matching::plan_from_facts`] corrects from kubelet's listing, logged and
+    /// counted; remembers the intruders it compensated.
+    fn plan_from_facts(
+        &self,
+        state: &mut State,
+        views: &mut [Arc<PodView>],
+        kubelet: &KubeletContext,
+    ) -> Vec<(usize, Marks)> {
+        let State {
+            facts: Some(facts),
+            compensated,
+            ..
+        } = state
+        else {
+            return Vec::new();
+        };
+        let intruders = intruders(compensated, views, facts, kubelet);
+        let plan = matching::plan_from_facts(
+            views,
+            &self.node,
+            facts,
+            |view| kubelet.judged.contains(&view.uid),
+            &intruders,
+        );
+        compensated.extend(plan.compensated);
+        for (index, marks) in &plan.marks {
+            tracing::info!(pod = %views[*index].key, allocated = ?marks.allocated, assigned = marks.assigned, "corrected allocation marks from what kubelet reports the pod's containers hold");
+        }
+        self.metrics
+            .marks_from_kubelet
+            .inc_by(plan.marks.len() as u64);
+        plan.marks
+    }
+
+    /// Re-queues the unwritten marks and forgets the entries the API server shows as
+    /// `stored` (and, once the watch has synced, those of pods gone from the node).
+    fn settle_overlay(
+        &self,
+        overlay: &mut HashMap<String, Overlay>,
+        stored: &HashMap<String, Marks>,
+    ) {
         let synced = self.synced.load(Ordering::Relaxed);
-        let present: HashSet<&String> = stored.keys().collect();
         overlay.retain(|uid, entry| {
-            if !present.contains(uid) {
+            if !stored.contains_key(uid) {
                 return !synced;
             }
             if entry.dirty {
@@ -618,66 +530,9 @@ impl PodCache {
     /// Takes kubelet's latest PodResources listing (`None`: it could not be read, marks are
     /// reconciled from pod phases again) and reconciles with it.
     pub fn set_facts(&self, facts: Option<KubeletFacts>) {
-        *self
-            .facts
-            .lock()
-            .unwrap_or_else(std::sync::PoisonError::into_inner) = facts.map(Arc::new);
-        self.reconcile();
-    }
-
-    fn facts(&self) -> Option<Arc<KubeletFacts>> {
-        self.facts
-            .lock()
-            .unwrap_or_else(std::sync::PoisonError::into_inner)
-            .clone()
-    }
-
-    fn lock_compensated(&self) -> MutexGuard<'_, HashSet<(String, String)>> {
-        self.compensated
-            .lock()
-            .unwrap_or_else(std::sync::PoisonError::into_inner)
-    }
-
-    /// Containers of pods here without an allocation the plugin acts on that kubelet reports
-    /// holding devices, not yet accounted for (see [`matching::plan_from_facts`]).
-    fn intruders(
-        &self,
-        views: &[Arc<PodView>],
-        facts: &KubeletFacts,
-        kubelet: &KubeletContext,
-    ) -> Vec<Intruder> {
-        let mut compensated = self.lock_compensated();
-        let live: HashSet<&str> = views
-            .iter()
-            .map(|view| view.uid.as_str())
-            .chain(kubelet.bare.iter().map(|pod| pod.uid.as_str()))
-            .collect();
-        compensated.retain(|(uid, _)| live.contains(uid.as_str()));
-        let untrusted = views
-            .iter()
-            .filter(|view| !view.trusted())
-            .map(|view| (view.key.as_str(), view.uid.as_str()));
-        let bare = kubelet
-            .bare
-            .iter()
-            .map(|pod| (pod.key.as_str(), pod.uid.as_str()));
-        let mut intruders = Vec::new();
-        for (key, uid) in untrusted.chain(bare) {
-            if !kubelet.judged.contains(uid) {
-                continue;
-            }
-            let Some(pod) = facts.pod(key) else { continue };
-            for (container, ids) in &pod.containers {
-                if !compensated.contains(&(uid.to_owned(), container.clone())) {
-                    intruders.push(Intruder {
-                        uid: uid.to_owned(),
-                        container: container.clone(),
-                        gib: u64::try_from(ids.len()).unwrap_or(u64::MAX),
-                    });
-                }
-            }
-        }
-        intruders
+        let mut state = self.lock();
+        state.facts = facts;
+        self.reconcile_locked(&mut state);
     }
 
     /// Where kubelet's `facts` disagree with the allocations here (see [`facts::check`]),
@@ -688,10 +543,8 @@ impl PodCache {
         facts: &KubeletFacts,
         gpu_uuid: impl Fn(u32) -> Option<String>,
     ) -> (Vec<Finding>, HashSet<String>) {
-        let overlay = self.lock();
         let mut kubelet = KubeletContext::new(facts.taken_at);
-        let views = self.collect_views(&overlay, None, Some(&mut kubelet));
-        drop(overlay);
+        let views = self.collect_views(&mut self.lock(), None, Some(&mut kubelet));
         let findings = facts::check(&views, &kubelet.bare, facts, gpu_uuid, |uid| {
             kubelet.judged.contains(uid)
         });
@@ -711,10 +564,11 @@ impl PodCache {
         }
     }
 
-    /// The latest unwritten marks of `uid`, marked as being written.
-    fn take_dirty(&self, uid: &str) -> Option<(String, String, Marks)> {
-        let mut overlay = self.lock();
-        let entry = overlay.get_mut(uid)?;
+    /// The latest unwritten marks of `uid` (`(namespace, name, marks)`), marked as being
+    /// written.
+    pub(crate) fn take_dirty(&self, uid: &str) -> Option<(String, String, Marks)> {
+        let mut state = self.lock();
+        let entry = state.overlay.get_mut(uid)?;
         if !entry.dirty {
             return None;
         }
@@ -726,77 +580,116 @@ impl PodCache {
         ))
     }
 
-    fn set_dirty(&self, uid: &str) {
-        if let Some(entry) = self.lock().get_mut(uid) {
+    /// Marks `uid`'s marks unwritten again: writing them failed.
+    pub(crate) fn set_dirty(&self, uid: &str) {
+        if let Some(entry) = self.lock().overlay.get_mut(uid) {
             entry.dirty = true;
         }
     }
 
-    fn forget(&self, uid: &str) {
-        self.lock().remove(uid);
+    /// Drops `uid`'s marks: the pod is gone, or another pod has its name now.
+    pub(crate) fn forget(&self, uid: &str) {
+        self.lock().overlay.remove(uid);
     }
+}
 
-    async fn patch_worker(
-        self: Arc<Self>,
-        client: Client,
-        mut queue: mpsc::UnboundedReceiver<String>,
-        metrics: Metrics,
-        shutdown: CancellationToken,
-    ) {
-        loop {
-            let uid = tokio::select! {
-                () = shutdown.cancelled() => return,
-                uid = queue.recv() => match uid { Some(uid) => uid, None => return },
-            };
-            let Some((namespace, name, marks)) = self.take_dirty(&uid) else {
-                continue;
-            };
-            let api: Api<Pod> = Api::namespaced(client.clone(), &namespace);
-            // The UID is a precondition: a pod recreated under the same name (a different
-            // pod) answers 409 instead of taking the old pod's marks.
-            let patch = serde_json::json!({
-                "metadata": {
-                    "uid": uid.as_str(),
-                    "annotations": {
-                        self.keys.allocated.as_str(): marks.allocated.join(","),
-                        self.keys.assigned.as_str(): marks.assigned.to_string(),
-                    }
-                }
-            });
-            let mut attempt = 0;
-            loop {
-                match api
-                    .patch(&name, &PatchParams::default(), &Patch::Merge(&patch))
-                    .await
-                {
-                    Ok(_) => {
-                        Metrics::patch(&metrics.pod_patches, true);
-                        tracing::debug!(pod = %format!("{namespace}/{name}"), allocated = ?marks.allocated, assigned = marks.assigned, "wrote allocation marks");
-                        break;
-                    }
-                    Err(kube::Error::Api(status)) if status.code == 404 || status.code == 409 => {
-                        tracing::debug!(pod = %format!("{namespace}/{name}"), %uid, reason = %status.message, "pod gone or recreated; its marks are dropped");
-                        Metrics::patch(&metrics.pod_patches, false);
-                        self.forget(&uid);
-                        break;
-                    }
-                    Err(err) => {
-                        Metrics::patch(&metrics.pod_patches, false);
-                        attempt += 1;
-                        if attempt >= PATCH_ATTEMPTS {
-                            tracing::error!(pod = %format!("{namespace}/{name}"), error = %err, "cannot write allocation marks; will retry at the next reconcile");
-                            self.set_dirty(&uid);
-                            break;
-                        }
-                        tracing::warn!(pod = %format!("{namespace}/{name}"), error = %err, attempt, "writing allocation marks failed; retrying");
-                        let backoff = Duration::from_millis(100 << attempt);
-                        tokio::select! {
-                            () = shutdown.cancelled() => return,
-                            () = tokio::time::sleep(backoff) => {}
-                        }
-                    }
-                }
+/// The UIDs of pods that have been Running for [`RECONCILE_AFTER_RUNNING`], keeping
+/// `running_since` to the pods of `views` Running now.
+fn settled(
+    running_since: &mut HashMap<String, Instant>,
+    views: &[Arc<PodView>],
+) -> HashSet<String> {
+    let now = Instant::now();
+    running_since.retain(|uid, _| views.iter().any(|v| v.uid == *uid && v.running()));
+    for view in views.iter().filter(|v| v.running()) {
+        running_since.entry(view.uid.clone()).or_insert(now);
+    }
+    running_since
+        .iter()
+        .filter(|(_, at)| now.duration_since(**at) >= RECONCILE_AFTER_RUNNING)
+        .map(|(uid, _)| uid.clone())
+        .collect()
+}
+
+/// Containers of pods here without an allocation the plugin acts on that kubelet reports
+/// holding devices, not yet accounted for in `compensated` (see
+/// [`matching::plan_from_facts`]); forgets the compensations of pods gone.
+fn intruders(
+    compensated: &mut HashSet<(String, String)>,
+    views: &[Arc<PodView>],
+    facts: &KubeletFacts,
+    kubelet: &KubeletContext,
+) -> Vec<Intruder> {
+    let live: HashSet<&str> = views
+        .iter()
+        .map(|view| view.uid.as_str())
+        .chain(kubelet.bare.iter().map(|pod| pod.uid.as_str()))
+        .collect();
+    compensated.retain(|(uid, _)| live.contains(uid.as_str()));
+    let untrusted = views
+        .iter()
+        .filter(|view| !view.trusted())
+        .map(|view| (view.key.as_str(), view.uid.as_str()));
+    let bare = kubelet
+        .bare
+        .iter()
+        .map(|pod| (pod.key.as_str(), pod.uid.as_str()));
+    let mut intruders = Vec::new();
+    for (key, uid) in untrusted.chain(bare) {
+        if !kubelet.judged.contains(uid) {
+            continue;
+        }
+        let Some(pod) = facts.pod(key) else { continue };
+        for (container, ids) in &pod.containers {
+            if !compensated.contains(&(uid.to_owned(), container.clone())) {
+                intruders.push(Intruder {
+                    uid: uid.to_owned(),
+                    container: container.clone(),
+                    gib: u64::try_from(ids.len()).unwrap_or(u64::MAX),
+                });
             }
         }
+    }
+    intruders
+}
+
+#[cfg(test)]
+mod tests {
+    use gpushare_contract::DEFAULT_DOMAIN;
+    use gpushare_runtime::{Stopped, as_supervised, supervise};
+    use prometheus_client::registry::Registry;
+
+    use super::*;
+
+    /// A client that is never called: these tests never write marks.
+    fn unused_client() -> Client {
+        let config = kube::Config::new("http://127.0.0.1:9".parse().unwrap());
+        Client::try_from(config).unwrap()
+    }
+
+    /// The pod watch is one of the tasks the caller supervises: if its stream ends, the
+    /// supervisor names it and stops the others, rather than Allocate answering from a
+    /// store nothing fills any more.
+    #[tokio::test]
+    async fn the_supervisor_notices_the_pod_watch_ending() {
+        let (store, _writer) = reflector::store();
+        let metrics = Metrics::new(&mut Registry::default());
+        let keys = Keys::new(DEFAULT_DOMAIN);
+        let (cache, patch_queue) = PodCache::new("n1", keys, None, metrics, true, store);
+        let token = CancellationToken::new();
+        let ended = futures::stream::empty();
+        let tasks = cache
+            .spawn(ended, unused_client(), patch_queue, token.clone())
+            .into_iter()
+            .map(|(name, task)| (name, as_supervised::<crate::Error>(task)))
+            .collect();
+        // The deadline only bounds a failure: the watch ends at once.
+        let outcome = tokio::time::timeout(Duration::from_secs(30), supervise(tasks, token))
+            .await
+            .expect("the supervisor noticed nothing");
+        assert!(
+            matches!(outcome, Err(Stopped::Ended("pod watch"))),
+            "{outcome:?}"
+        );
     }
 }

@@ -26,7 +26,7 @@ use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::Duration;
 
-use gpushare_proto::socket_file::{self, BoundSocket, identity};
+use gpushare_proto::socket_file::{self, BoundSocket, FileIdentity, identity};
 use gpushare_proto::v1beta1::RegisterRequest;
 use gpushare_proto::v1beta1::device_plugin_server::DevicePluginServer;
 use gpushare_proto::v1beta1::registration_client::RegistrationClient;
@@ -103,22 +103,53 @@ pub async fn serve_and_register(
     ready: Arc<AtomicBool>,
     shutdown: CancellationToken,
 ) -> Result<(), Error> {
-    let socket = dir.join(SOCKET_NAME);
-    let kubelet = dir.join(KUBELET_SOCKET);
+    let plugin = Plugin {
+        socket: dir.join(SOCKET_NAME),
+        kubelet: dir.join(KUBELET_SOCKET),
+        state,
+        ready,
+        shutdown,
+    };
     let mut bound = None;
-    while !shutdown.is_cancelled() {
-        let generation = shutdown.child_token();
-        wait_for_predecessor(&socket, &shutdown).await;
-        if shutdown.is_cancelled() {
+    while !plugin.shutdown.is_cancelled() {
+        wait_for_predecessor(&plugin.socket, &plugin.shutdown).await;
+        if plugin.shutdown.is_cancelled() {
             break;
         }
+        bound = Some(plugin.serve_generation().await?);
+    }
+    remove_own_socket(bound.as_ref());
+    tracing::info!("device plugin stopped");
+    Ok(())
+}
+
+/// The plugin socket and what serving it needs.
+struct Plugin {
+    /// Our socket.
+    socket: PathBuf,
+    /// kubelet's registration socket.
+    kubelet: PathBuf,
+    state: Arc<PluginState>,
+    ready: Arc<AtomicBool>,
+    shutdown: CancellationToken,
+}
+
+/// The server of one generation of the socket.
+type ServerTask = tokio::task::JoinHandle<Result<(), tonic::transport::Error>>;
+
+impl Plugin {
+    /// One generation: binds the socket, serves it, registers, and watches until kubelet
+    /// restarts, the socket vanishes, the server ends or shutdown; then stops this
+    /// generation's server. Returns the socket file it bound.
+    async fn serve_generation(&self) -> Result<BoundSocket, Error> {
+        let generation = self.shutdown.child_token();
         let (listener, socket_file) =
-            BoundSocket::bind(&socket).map_err(|source| Error::Socket {
-                path: socket.clone(),
+            BoundSocket::bind(&self.socket).map_err(|source| Error::Socket {
+                path: self.socket.clone(),
                 source,
             })?;
         let announced = Arc::new(tokio::sync::Notify::new());
-        let service = GpuMemService::new(state.clone(), generation.clone(), announced.clone());
+        let service = GpuMemService::new(self.state.clone(), generation.clone(), announced.clone());
         let mut server = tokio::spawn(
             Server::builder()
                 .add_service(DevicePluginServer::new(service))
@@ -128,72 +159,18 @@ pub async fn serve_and_register(
                 ),
         );
         let mut server_done = false;
-        tracing::info!(socket = %socket.display(), "serving the device plugin API");
+        tracing::info!(socket = %self.socket.display(), "serving the device plugin API");
 
-        // Register, retrying until kubelet answers.
-        let mut registered = None;
-        while registered.is_none() && !shutdown.is_cancelled() {
-            if !socket_file.in_place() {
-                break;
-            }
-            if let Some(kubelet_id) = identity(&kubelet) {
-                match register(&kubelet, &state.resource).await {
-                    Ok(()) => {
-                        registered = Some(kubelet_id);
-                        break;
-                    }
-                    Err(err) => {
-                        tracing::warn!(kubelet = %kubelet.display(), error = %err, "registration failed; retrying")
-                    }
-                }
-            } else {
-                tracing::debug!(kubelet = %kubelet.display(), "waiting for kubelet's socket");
-            }
-            tokio::select! {
-                () = shutdown.cancelled() => {}
-                () = tokio::time::sleep(POLL) => {}
-            }
-        }
-
-        if let Some(kubelet_id) = registered {
-            state.metrics.registrations.inc();
-            tracing::info!(resource = %state.resource, node = %state.node, "registered with kubelet");
-            // Watch for a kubelet restart or our socket vanishing.
-            loop {
-                tokio::select! {
-                    () = shutdown.cancelled() => break,
-                    () = announced.notified(), if !ready.load(Ordering::Relaxed) => {
-                        ready.store(true, Ordering::Relaxed);
-                        tracing::info!("kubelet has the device list; ready");
-                    }
-                    () = tokio::time::sleep(POLL) => {}
-                    result = &mut server => {
-                        server_done = true;
-                        match result {
-                            Ok(Ok(())) => tracing::warn!("device plugin server stopped; restarting"),
-                            Ok(Err(err)) => tracing::error!(error = %err, "device plugin server failed; restarting"),
-                            Err(err) => tracing::error!(error = %err, "device plugin server crashed; restarting"),
-                        }
-                        break;
-                    }
-                }
-                if !socket_file.in_place() {
-                    tracing::info!(socket = %socket.display(), "our socket was removed or replaced (kubelet restart?); serving again and re-registering");
-                    break;
-                }
-                let now = identity(&kubelet);
-                if now.is_some() && now != Some(kubelet_id) {
-                    tracing::info!(
-                        "kubelet.sock was recreated (kubelet restarted); re-registering"
-                    );
-                    break;
-                }
-            }
-            ready.store(false, Ordering::Relaxed);
+        if let Some(kubelet_id) = self.register_until_answered(&socket_file).await {
+            self.state.metrics.registrations.inc();
+            tracing::info!(resource = %self.state.resource, node = %self.state.node, "registered with kubelet");
+            server_done = self
+                .watch(kubelet_id, &socket_file, &announced, &mut server)
+                .await;
+            self.ready.store(false, Ordering::Relaxed);
         }
 
         generation.cancel();
-        bound = Some(socket_file);
         if !server_done {
             match server.await {
                 Ok(Err(err)) => {
@@ -203,8 +180,71 @@ pub async fn serve_and_register(
                 Ok(Ok(())) => {}
             }
         }
+        Ok(socket_file)
     }
-    remove_own_socket(bound.as_ref());
-    tracing::info!("device plugin stopped");
-    Ok(())
+
+    /// Registers, retrying every [`POLL`] until kubelet answers; the identity of the
+    /// kubelet socket it registered on. `None`: shutdown, or our socket file went away.
+    async fn register_until_answered(&self, socket_file: &BoundSocket) -> Option<FileIdentity> {
+        let kubelet = &self.kubelet;
+        while !self.shutdown.is_cancelled() {
+            if !socket_file.in_place() {
+                break;
+            }
+            if let Some(kubelet_id) = identity(kubelet) {
+                match register(kubelet, &self.state.resource).await {
+                    Ok(()) => return Some(kubelet_id),
+                    Err(err) => {
+                        tracing::warn!(kubelet = %kubelet.display(), error = %err, "registration failed; retrying")
+                    }
+                }
+            } else {
+                tracing::debug!(kubelet = %kubelet.display(), "waiting for kubelet's socket");
+            }
+            tokio::select! {
+                () = self.shutdown.cancelled() => {}
+                () = tokio::time::sleep(POLL) => {}
+            }
+        }
+        None
+    }
+
+    /// Watches, while registered, for a kubelet restart (its socket recreated), our socket
+    /// vanishing, the server ending or shutdown; turns ready once kubelet has the device
+    /// list. Returns whether the server ended (so it is not awaited again).
+    async fn watch(
+        &self,
+        kubelet_id: FileIdentity,
+        socket_file: &BoundSocket,
+        announced: &tokio::sync::Notify,
+        server: &mut ServerTask,
+    ) -> bool {
+        loop {
+            tokio::select! {
+                () = self.shutdown.cancelled() => return false,
+                () = announced.notified(), if !self.ready.load(Ordering::Relaxed) => {
+                    self.ready.store(true, Ordering::Relaxed);
+                    tracing::info!("kubelet has the device list; ready");
+                }
+                () = tokio::time::sleep(POLL) => {}
+                result = &mut *server => {
+                    match result {
+                        Ok(Ok(())) => tracing::warn!("device plugin server stopped; restarting"),
+                        Ok(Err(err)) => tracing::error!(error = %err, "device plugin server failed; restarting"),
+                        Err(err) => tracing::error!(error = %err, "device plugin server crashed; restarting"),
+                    }
+                    return true;
+                }
+            }
+            if !socket_file.in_place() {
+                tracing::info!(socket = %self.socket.display(), "our socket was removed or replaced (kubelet restart?); serving again and re-registering");
+                return false;
+            }
+            let now = identity(&self.kubelet);
+            if now.is_some() && now != Some(kubelet_id) {
+                tracing::info!("kubelet.sock was recreated (kubelet restarted); re-registering");
+                return false;
+            }
+        }
+    }
 }

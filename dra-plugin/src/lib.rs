@@ -36,8 +36,8 @@ use std::net::SocketAddr;
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
 
-use gpushare_contract::DEFAULT_DOMAIN;
 use gpushare_contract::env::Enforcement;
+use gpushare_contract::{DEFAULT_DOMAIN, GpuInfo};
 use gpushare_device_plugin::BackendKind;
 use gpushare_device_plugin::backend::{
     BackendError, GpuBackend, nvml::NvmlBackend, simulated::SimulatedBackend,
@@ -217,6 +217,11 @@ impl Config {
         })
     }
 
+    /// The DRA socket: `<plugin dir>/dra.sock`.
+    fn dra_socket(&self) -> PathBuf {
+        self.plugin_dir.join(DRA_SOCKET)
+    }
+
     /// The registration socket: `<registry dir>/<driver>-reg.sock`.
     pub fn registration_socket(&self) -> PathBuf {
         self.registry_dir
@@ -272,29 +277,15 @@ pub async fn run_with_client(
     }
     // A rollout's old pod may still be shutting down: its checkpoint and sockets are ours
     // only once it let go.
-    let dra_socket = config.plugin_dir.join(DRA_SOCKET);
-    let registration_socket = config.registration_socket();
+    let (dra_socket, registration_socket) = (config.dra_socket(), config.registration_socket());
     let mut shutdown = std::pin::pin!(shutdown);
     tokio::select! {
         () = &mut shutdown => return Ok(()),
         () = wait_for_predecessor([&registration_socket, &dra_socket]) => {}
     }
-    let checkpoint_path = config.plugin_dir.join(CHECKPOINT);
-    let checkpoint = checkpoint::Checkpoint::load(&checkpoint_path)?;
+    let checkpoint = checkpoint::Checkpoint::load(&config.plugin_dir.join(CHECKPOINT))?;
     // Bound before anything is published or served: a taken port fails the start at once.
-    let probe_listener = tokio::net::TcpListener::bind(config.probe_addr)
-        .await
-        .map_err(|source| Error::ProbeBind {
-            addr: config.probe_addr,
-            source,
-        })?;
-    // What was bound (port 0 picks one): the address the logs and errors name.
-    let probe_addr = probe_listener
-        .local_addr()
-        .map_err(|source| Error::ProbeBind {
-            addr: config.probe_addr,
-            source,
-        })?;
+    let probes = bind_probes(config.probe_addr).await?;
     let slices = kube::Api::<ResourceSlice>::all(client.clone());
     // Every GPU is healthy at start (the backend's contract), so no taint can be dropped yet.
     slice::publish(
@@ -311,50 +302,7 @@ pub async fn run_with_client(
     })?;
 
     let stop = CancellationToken::new();
-    let node = Arc::new(service::Node {
-        driver: config.driver_name.clone(),
-        node: config.node_name.clone(),
-        gpus: gpus.clone(),
-        cdi_dir: config.cdi_dir.clone(),
-        checkpoint_path,
-        enforcement: cdi::EnforcementConfig {
-            mode: config.enforcement,
-            mps_pipe_directory: config.mps_pipe_directory.clone(),
-        },
-    });
-    let (dra_listener, dra_file) = bind(&dra_socket)?;
-    // Both servers read through `authority::unix_incoming`: kubelet may send the socket path
-    // as `:authority`, which h2 would reset the call for.
-    let dra = tokio::spawn(
-        Server::builder()
-            .add_service(DraPluginServer::new(service::DraService::new(
-                node, client, checkpoint,
-            )))
-            .serve_with_incoming_shutdown(
-                authority::unix_incoming(dra_listener),
-                stop.clone().cancelled_owned(),
-            ),
-    );
-    let (registration_listener, registration_file) = bind(&registration_socket)?;
-    let (registered, registration_state) =
-        tokio::sync::watch::channel(service::RegistrationState::default());
-    let registration = tokio::spawn(
-        Server::builder()
-            .add_service(RegistrationServer::new(service::RegistrationService::new(
-                config.driver_name.clone(),
-                dra_socket.clone(),
-                registered,
-            )))
-            .serve_with_incoming_shutdown(
-                authority::unix_incoming(registration_listener),
-                stop.clone().cancelled_owned(),
-            ),
-    );
-    let probe_server = tokio::spawn(probes::serve(
-        probe_listener,
-        registration_state,
-        stop.clone(),
-    ));
+    let mut servers = Servers::start(&config, gpus.clone(), client, checkpoint, probes, &stop)?;
     // Health changes re-publish the slice from now on (the servers are up: nothing below
     // can fail before the task is stopped and awaited).
     let health = tokio::spawn(
@@ -367,59 +315,185 @@ pub async fn run_with_client(
         }
         .run(stop.clone()),
     );
-    tracing::info!(dra = %dra_socket.display(), registration = %registration_socket.display(), probes = %probe_addr, "serving");
+    tracing::info!(dra = %servers.dra.socket.display(), registration = %servers.registration.socket.display(), probes = %servers.probe_addr, "serving");
 
-    // Either server ending before shutdown is a failure: the plugin ends loudly, and its
-    // DaemonSet restarts it.
-    let ended = |which: &'static str, path: &Path, result: JoinResult| -> Error {
-        match result {
-            Ok(Err(source)) => Error::Serve { which, source },
-            Ok(Ok(())) => io(path)(std::io::Error::other(format!("the {which} server stopped"))),
-            Err(join) => io(path)(std::io::Error::other(join)),
-        }
-    };
-    let (mut dra, mut registration, mut probe_server) = (dra, registration, probe_server);
-    let (mut dra_done, mut registration_done, mut probe_server_done) = (false, false, false);
-    let outcome = tokio::select! {
-        () = &mut shutdown => Ok(()),
-        result = &mut dra => {
-            dra_done = true;
-            Err(ended("DRA", &dra_socket, result))
-        }
-        result = &mut registration => {
-            registration_done = true;
-            Err(ended("registration", &registration_socket, result))
-        }
-        result = &mut probe_server => {
-            probe_server_done = true;
-            let source = match result {
-                Ok(Err(source)) => source,
-                Ok(Ok(())) => std::io::Error::other("it stopped"),
-                Err(join) => std::io::Error::other(join),
-            };
-            Err(Error::Probes { addr: probe_addr, source })
-        }
-    };
+    let outcome = servers.until_one_ends(shutdown).await;
     stop.cancel();
     let _ = health.await;
-    // Registration socket first: kubelet must stop finding us before the DRA socket goes. A
-    // successor's files at the same paths stay.
-    for file in [&registration_file, &dra_file] {
-        if let Err(err) = file.remove() {
-            tracing::warn!(path = %file.path().display(), error = %err, "cannot remove our socket");
-        }
-    }
-    for (handle, done) in [(dra, dra_done), (registration, registration_done)] {
-        if done {
-            continue;
-        }
-        if let Ok(Err(err)) = handle.await {
-            tracing::warn!(error = %err, "a gRPC server ended with an error on shutdown");
-        }
-    }
-    if !probe_server_done && let Ok(Err(err)) = probe_server.await {
-        tracing::warn!(error = %err, "the probe server ended with an error on shutdown");
-    }
+    servers.stop().await;
     tracing::info!("DRA plugin stopped");
     outcome
+}
+
+/// Binds the probe address; what was bound (port 0 picks one) is the address the logs and
+/// errors name.
+async fn bind_probes(addr: SocketAddr) -> Result<(tokio::net::TcpListener, SocketAddr)> {
+    let bind_error = |source| Error::ProbeBind { addr, source };
+    let listener = tokio::net::TcpListener::bind(addr)
+        .await
+        .map_err(bind_error)?;
+    let bound = listener.local_addr().map_err(bind_error)?;
+    Ok((listener, bound))
+}
+
+/// One of the plugin's servers, named in errors.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Which {
+    Dra,
+    Registration,
+    Probes,
+}
+
+/// A gRPC server on a unix socket.
+struct GrpcServer {
+    /// The socket's path.
+    socket: PathBuf,
+    /// The socket file, removed when the server stops (unless a successor's replaced it).
+    file: BoundSocket,
+    task: tokio::task::JoinHandle<std::result::Result<(), tonic::transport::Error>>,
+}
+
+/// The plugin's servers, from their start until they are stopped.
+struct Servers {
+    dra: GrpcServer,
+    registration: GrpcServer,
+    probes: tokio::task::JoinHandle<std::io::Result<()>>,
+    probe_addr: SocketAddr,
+    /// The server that ended first (already awaited), if one did.
+    ended: Option<Which>,
+}
+
+impl Servers {
+    /// Serves the DRA socket, then the registration socket, then the probes on `probes`
+    /// (a listener and the address it is bound to); all stop on `stop`.
+    fn start(
+        config: &Config,
+        gpus: Vec<GpuInfo>,
+        client: kube::Client,
+        checkpoint: checkpoint::Checkpoint,
+        (probe_listener, probe_addr): (tokio::net::TcpListener, SocketAddr),
+        stop: &CancellationToken,
+    ) -> Result<Self> {
+        let node = Arc::new(service::Node {
+            driver: config.driver_name.clone(),
+            node: config.node_name.clone(),
+            gpus,
+            cdi_dir: config.cdi_dir.clone(),
+            checkpoint_path: config.plugin_dir.join(CHECKPOINT),
+            enforcement: cdi::EnforcementConfig {
+                mode: config.enforcement,
+                mps_pipe_directory: config.mps_pipe_directory.clone(),
+            },
+        });
+        let dra_socket = config.dra_socket();
+        let (dra_listener, dra_file) = bind(&dra_socket)?;
+        // Both servers read through `authority::unix_incoming`: kubelet may send the socket
+        // path as `:authority`, which h2 would reset the call for.
+        let dra = tokio::spawn(
+            Server::builder()
+                .add_service(DraPluginServer::new(service::DraService::new(
+                    node, client, checkpoint,
+                )))
+                .serve_with_incoming_shutdown(
+                    authority::unix_incoming(dra_listener),
+                    stop.clone().cancelled_owned(),
+                ),
+        );
+        let registration_socket = config.registration_socket();
+        let (registration_listener, registration_file) = bind(&registration_socket)?;
+        let (registered, registration_state) =
+            tokio::sync::watch::channel(service::RegistrationState::default());
+        let registration = tokio::spawn(
+            Server::builder()
+                .add_service(RegistrationServer::new(service::RegistrationService::new(
+                    config.driver_name.clone(),
+                    dra_socket.clone(),
+                    registered,
+                )))
+                .serve_with_incoming_shutdown(
+                    authority::unix_incoming(registration_listener),
+                    stop.clone().cancelled_owned(),
+                ),
+        );
+        let probes = tokio::spawn(probes::serve(
+            probe_listener,
+            registration_state,
+            stop.clone(),
+        ));
+        Ok(Self {
+            dra: GrpcServer {
+                socket: dra_socket,
+                file: dra_file,
+                task: dra,
+            },
+            registration: GrpcServer {
+                socket: registration_socket,
+                file: registration_file,
+                task: registration,
+            },
+            probes,
+            probe_addr,
+            ended: None,
+        })
+    }
+
+    /// Waits for `shutdown`, or for a server to end: before shutdown, that is a failure,
+    /// and the plugin ends loudly (its DaemonSet restarts it).
+    async fn until_one_ends(&mut self, shutdown: impl Future<Output = ()>) -> Result<()> {
+        let ended = |which: &'static str, path: &Path, result: JoinResult| -> Error {
+            match result {
+                Ok(Err(source)) => Error::Serve { which, source },
+                Ok(Ok(())) => {
+                    io(path)(std::io::Error::other(format!("the {which} server stopped")))
+                }
+                Err(join) => io(path)(std::io::Error::other(join)),
+            }
+        };
+        let (which, error) = tokio::select! {
+            () = shutdown => return Ok(()),
+            result = &mut self.dra.task => {
+                (Which::Dra, ended("DRA", &self.dra.socket, result))
+            }
+            result = &mut self.registration.task => {
+                (Which::Registration, ended("registration", &self.registration.socket, result))
+            }
+            result = &mut self.probes => {
+                let source = match result {
+                    Ok(Err(source)) => source,
+                    Ok(Ok(())) => std::io::Error::other("it stopped"),
+                    Err(join) => std::io::Error::other(join),
+                };
+                (Which::Probes, Error::Probes { addr: self.probe_addr, source })
+            }
+        };
+        self.ended = Some(which);
+        Err(error)
+    }
+
+    /// Removes the sockets and waits for the servers to end (`stop` must be cancelled).
+    async fn stop(self) {
+        // Registration socket first: kubelet must stop finding us before the DRA socket goes.
+        // A successor's files at the same paths stay.
+        for file in [&self.registration.file, &self.dra.file] {
+            if let Err(err) = file.remove() {
+                tracing::warn!(path = %file.path().display(), error = %err, "cannot remove our socket");
+            }
+        }
+        for (server, which) in [
+            (self.dra.task, Which::Dra),
+            (self.registration.task, Which::Registration),
+        ] {
+            if self.ended == Some(which) {
+                continue;
+            }
+            if let Ok(Err(err)) = server.await {
+                tracing::warn!(error = %err, "a gRPC server ended with an error on shutdown");
+            }
+        }
+        if self.ended != Some(Which::Probes)
+            && let Ok(Err(err)) = self.probes.await
+        {
+            tracing::warn!(error = %err, "the probe server ended with an error on shutdown");
+        }
+    }
 }
