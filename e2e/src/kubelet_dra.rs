@@ -422,7 +422,27 @@ impl Worker {
         }
     }
 
+    /// Admits a pod with claims, as kubelet does: prepares its claims
+    /// ([`Self::prepare_claims`]), applies their CDI devices to its containers
+    /// ([`Self::cdi_env`]), and writes it Running.
     async fn admit(&self, pod: &Pod) -> anyhow::Result<()> {
+        let namespace = pod.namespace().unwrap_or_default();
+        let pod_uid = pod.metadata.uid.clone().unwrap_or_default();
+        let by_name = self.prepare_claims(pod).await?;
+        let env = self.cdi_env(pod, &by_name)?;
+        let key = format!("{namespace}/{}", pod.name_any());
+        {
+            let mut state = self.lock();
+            state.env.insert(pod_uid.clone(), env);
+            state.admitted.insert(pod_uid, key.clone());
+        }
+        self.set_running(pod, &key).await
+    }
+
+    /// Finds each claim of `pod` (it must be reserved for the pod) and prepares those not
+    /// prepared here yet; one prepared already gains the pod as a user. Returns each claim's
+    /// UID by its name in the pod.
+    async fn prepare_claims(&self, pod: &Pod) -> anyhow::Result<HashMap<String, String>> {
         let namespace = pod.namespace().unwrap_or_default();
         let pod_uid = pod.metadata.uid.clone().unwrap_or_default();
         let api: Api<ResourceClaim> = Api::namespaced(self.client.clone(), &namespace);
@@ -462,73 +482,97 @@ impl Worker {
                 });
                 continue;
             }
-            let drivers: HashSet<String> = claim
-                .status
-                .as_ref()
-                .and_then(|s| s.allocation.as_ref())
-                .and_then(|a| a.devices.as_ref())
-                .and_then(|d| d.results.as_ref())
-                .into_iter()
-                .flatten()
-                .map(|r| r.driver.clone())
-                .collect();
-            anyhow::ensure!(
-                drivers.len() <= 1,
-                "ResourceClaim {namespace}/{name} has devices of several drivers; this kubelet prepares one driver per claim"
-            );
-            let Some(driver) = drivers.into_iter().next() else {
-                continue;
-            };
-            let mut plugin = self.lock().plugins.get(&driver).cloned().with_context(|| {
-                format!(
-                    "DRA driver {driver} is not registered on node {}",
-                    self.node
-                )
-            })?;
-            self.lock().prepare_calls += 1;
-            let answer = plugin
-                .node_prepare_resources(NodePrepareResourcesRequest {
-                    claims: vec![Claim {
-                        namespace: namespace.clone(),
-                        uid: uid.clone(),
-                        name: name.clone(),
-                    }],
-                })
-                .await
-                .map_err(|status| anyhow::anyhow!("NodePrepareResources: {}", status.message()))?
-                .into_inner();
-            let result = answer.claims.get(&uid).with_context(|| {
-                format!("NodePrepareResources answered nothing for claim {namespace}/{name}")
-            })?;
-            anyhow::ensure!(
-                result.error.is_empty(),
-                "NodePrepareResources for claim {namespace}/{name}: {}",
-                result.error
-            );
-            let devices = result
-                .devices
-                .iter()
-                .flat_map(|d| {
-                    let requests = if d.request_names.is_empty() {
-                        vec![String::new()]
-                    } else {
-                        d.request_names.clone()
-                    };
-                    requests.into_iter().map(|r| (r, d.cdi_device_ids.clone()))
-                })
-                .collect();
-            self.lock().claims.insert(
-                uid,
-                PreparedClaim {
-                    namespace: namespace.clone(),
-                    name: name.clone(),
-                    driver,
-                    devices,
-                    pods: HashSet::from([pod_uid.clone()]),
-                },
-            );
+            self.prepare_claim(&claim, (&namespace, &name), uid, &pod_uid)
+                .await?;
         }
-        // The runtime's part: each container's CDI devices, their env applied in order.
+        Ok(by_name)
+    }
+
+    /// NodePrepareResources for the claim `namespace/name` (UID `uid`), not prepared here
+    /// yet, with the driver of its devices (a claim without devices needs none); the claim is
+    /// then held for the pod `pod_uid`.
+    async fn prepare_claim(
+        &self,
+        claim: &ResourceClaim,
+        (namespace, name): (&str, &str),
+        uid: String,
+        pod_uid: &str,
+    ) -> anyhow::Result<()> {
+        let drivers: HashSet<String> = claim
+            .status
+            .as_ref()
+            .and_then(|s| s.allocation.as_ref())
+            .and_then(|a| a.devices.as_ref())
+            .and_then(|d| d.results.as_ref())
+            .into_iter()
+            .flatten()
+            .map(|r| r.driver.clone())
+            .collect();
+        anyhow::ensure!(
+            drivers.len() <= 1,
+            "ResourceClaim {namespace}/{name} has devices of several drivers; this kubelet prepares one driver per claim"
+        );
+        let Some(driver) = drivers.into_iter().next() else {
+            return Ok(());
+        };
+        let mut plugin = self.lock().plugins.get(&driver).cloned().with_context(|| {
+            format!(
+                "DRA driver {driver} is not registered on node {}",
+                self.node
+            )
+        })?;
+        self.lock().prepare_calls += 1;
+        let answer = plugin
+            .node_prepare_resources(NodePrepareResourcesRequest {
+                claims: vec![Claim {
+                    namespace: namespace.to_owned(),
+                    uid: uid.clone(),
+                    name: name.to_owned(),
+                }],
+            })
+            .await
+            .map_err(|status| anyhow::anyhow!("NodePrepareResources: {}", status.message()))?
+            .into_inner();
+        let result = answer.claims.get(&uid).with_context(|| {
+            format!("NodePrepareResources answered nothing for claim {namespace}/{name}")
+        })?;
+        anyhow::ensure!(
+            result.error.is_empty(),
+            "NodePrepareResources for claim {namespace}/{name}: {}",
+            result.error
+        );
+        let devices = result
+            .devices
+            .iter()
+            .flat_map(|d| {
+                let requests = if d.request_names.is_empty() {
+                    vec![String::new()]
+                } else {
+                    d.request_names.clone()
+                };
+                requests.into_iter().map(|r| (r, d.cdi_device_ids.clone()))
+            })
+            .collect();
+        self.lock().claims.insert(
+            uid,
+            PreparedClaim {
+                namespace: namespace.to_owned(),
+                name: name.to_owned(),
+                driver,
+                devices,
+                pods: HashSet::from([pod_uid.to_owned()]),
+            },
+        );
+        Ok(())
+    }
+
+    /// The runtime's part: each container's CDI devices, from the prepared claims it uses
+    /// (`by_name`: claim UID by pod claim name), their env applied in order.
+    fn cdi_env(
+        &self,
+        pod: &Pod,
+        by_name: &HashMap<String, String>,
+    ) -> anyhow::Result<BTreeMap<String, BTreeMap<String, String>>> {
         let specs = read_cdi_specs(&self.cdi_dir);
         let mut env: BTreeMap<String, BTreeMap<String, String>> = BTreeMap::new();
         for container in pod.spec.iter().flat_map(|s| s.containers.iter()) {
@@ -571,12 +615,12 @@ impl Worker {
             }
             env.insert(container.name.clone(), vars);
         }
-        let key = format!("{namespace}/{}", pod.name_any());
-        {
-            let mut state = self.lock();
-            state.env.insert(pod_uid.clone(), env);
-            state.admitted.insert(pod_uid, key.clone());
-        }
+        Ok(env)
+    }
+
+    /// Writes the pod `key` Running, as kubelet does once its containers started.
+    async fn set_running(&self, pod: &Pod, key: &str) -> anyhow::Result<()> {
+        let namespace = pod.namespace().unwrap_or_default();
         let pods: Api<Pod> = Api::namespaced(self.client.clone(), &namespace);
         let now = jiff::Timestamp::now().to_string();
         let status = serde_json::json!({"status": {

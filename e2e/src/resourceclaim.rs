@@ -30,6 +30,7 @@
 //! the DRA scheduler driver does here).
 
 use std::collections::{BTreeMap, HashMap, HashSet};
+use std::ops::ControlFlow;
 use std::sync::Arc;
 
 use k8s_openapi::api::core::v1::{ObjectReference, Pod, PodResourceClaim, PodResourceClaimStatus};
@@ -289,91 +290,113 @@ impl Passes {
     /// Creates the claims of `pod`'s templates that do not exist yet and records them in
     /// its status.
     async fn sync_pod(&mut self, pod: &Pod, claims: &[Arc<ResourceClaim>]) {
-        let namespace = pod.namespace().unwrap_or_default();
-        let pod_uid = pod.metadata.uid.clone().unwrap_or_default();
         let mut new_statuses: BTreeMap<String, String> = BTreeMap::new();
         for pod_claim in pod
             .spec
             .iter()
             .flat_map(|s| s.resource_claims.iter().flatten())
         {
-            match claim_name(pod, pod_claim) {
-                Err(ClaimNameError::NotCreatedYet { .. }) => {}
-                Err(error) => {
-                    tracing::warn!(pod = %pod.name_any(), %error, "cannot handle the pod claim");
-                    return;
-                }
-                Ok(None) => continue,
-                Ok(Some((name, check_owner))) => {
-                    let existing = claims.iter().find(|c| {
-                        c.namespace().as_deref() == Some(namespace.as_str()) && c.name_any() == name
-                    });
-                    match existing {
-                        Some(claim) if !check_owner || is_for_pod(pod, claim).is_ok() => continue,
-                        Some(_) => {
-                            tracing::warn!(pod = %pod.name_any(), claim = %name, "the claim created for the pod is no longer owned by it; creating a new one")
-                        }
-                        // Recorded, but deleted since (by accident): created again.
-                        None => {}
-                    }
+            match self.claim_for(pod, pod_claim, claims).await {
+                ControlFlow::Break(()) => return,
+                ControlFlow::Continue(None) => {}
+                ControlFlow::Continue(Some(claim)) => {
+                    new_statuses.insert(pod_claim.name.clone(), claim);
                 }
             }
-            let Some(template_name) = &pod_claim.resource_claim_template_name else {
-                continue;
-            };
-            let key = (pod_uid.clone(), pod_claim.name.clone());
-            let orphan = claims
-                .iter()
-                .map(|c| (**c).clone())
-                .chain(self.created.get(&key).cloned())
-                .find(|c| {
-                    is_for_pod(pod, c).is_ok()
-                        && c.annotations().get(POD_CLAIM_ANNOTATION) == Some(&pod_claim.name)
-                });
-            let claim = match orphan {
-                Some(claim) => claim,
-                None => {
-                    let template = self.templates.state().into_iter().find(|t| {
-                        t.namespace().as_deref() == Some(namespace.as_str())
-                            && t.name_any() == *template_name
-                    });
-                    let Some(template) = template else {
-                        let message = format!(
-                            "resource claim template \"{template_name}\": resourceclaimtemplates.resource.k8s.io \"{template_name}\" not found"
-                        );
-                        self.failed(pod, &pod_claim.name, &message).await;
-                        return;
-                    };
-                    let api: Api<ResourceClaim> = Api::namespaced(self.client.clone(), &namespace);
-                    match api
-                        .create(
-                            &PostParams::default(),
-                            &claim_from_template(pod, pod_claim, &template),
-                        )
-                        .await
-                    {
-                        Ok(created) => {
-                            tracing::info!(pod = %pod.name_any(), claim = %created.name_any(), "created the ResourceClaim from its template");
-                            self.created.insert(key, created.clone());
-                            created
-                        }
-                        Err(error) => {
-                            self.failed(
-                                pod,
-                                &pod_claim.name,
-                                &format!("create ResourceClaim: {error}"),
-                            )
-                            .await;
-                            return;
-                        }
-                    }
-                }
-            };
-            new_statuses.insert(pod_claim.name.clone(), claim.name_any());
         }
         if new_statuses.is_empty() {
             return;
         }
+        self.record_statuses(pod, new_statuses).await;
+    }
+
+    /// The claim to record in `pod`'s status for `pod_claim`: `Continue(None)` when there is
+    /// nothing to record (its claim exists and is the pod's, or it names no template),
+    /// `Continue(Some(name))` once a claim of the pod's is found or created, `Break` when the
+    /// pod is to be left until the next pass (logged, or reported in an Event).
+    async fn claim_for(
+        &mut self,
+        pod: &Pod,
+        pod_claim: &PodResourceClaim,
+        claims: &[Arc<ResourceClaim>],
+    ) -> ControlFlow<(), Option<String>> {
+        if !needs_claim(pod, pod_claim, claims)? {
+            return ControlFlow::Continue(None);
+        }
+        let Some(template_name) = &pod_claim.resource_claim_template_name else {
+            return ControlFlow::Continue(None);
+        };
+        let key = (
+            pod.metadata.uid.clone().unwrap_or_default(),
+            pod_claim.name.clone(),
+        );
+        let orphan = claims
+            .iter()
+            .map(|c| (**c).clone())
+            .chain(self.created.get(&key).cloned())
+            .find(|c| {
+                is_for_pod(pod, c).is_ok()
+                    && c.annotations().get(POD_CLAIM_ANNOTATION) == Some(&pod_claim.name)
+            });
+        let claim = match orphan {
+            Some(claim) => claim,
+            None => {
+                self.create_from_template(pod, pod_claim, template_name, key)
+                    .await?
+            }
+        };
+        ControlFlow::Continue(Some(claim.name_any()))
+    }
+
+    /// Creates `pod_claim`'s claim from the template `template_name` and remembers it under
+    /// `key` until the claim store shows it; `Break` when the template is missing or the
+    /// create failed (reported).
+    async fn create_from_template(
+        &mut self,
+        pod: &Pod,
+        pod_claim: &PodResourceClaim,
+        template_name: &str,
+        key: (String, String),
+    ) -> ControlFlow<(), ResourceClaim> {
+        let namespace = pod.namespace().unwrap_or_default();
+        let template = self.templates.state().into_iter().find(|t| {
+            t.namespace().as_deref() == Some(namespace.as_str()) && t.name_any() == *template_name
+        });
+        let Some(template) = template else {
+            let message = format!(
+                "resource claim template \"{template_name}\": resourceclaimtemplates.resource.k8s.io \"{template_name}\" not found"
+            );
+            self.failed(pod, &pod_claim.name, &message).await;
+            return ControlFlow::Break(());
+        };
+        let api: Api<ResourceClaim> = Api::namespaced(self.client.clone(), &namespace);
+        match api
+            .create(
+                &PostParams::default(),
+                &claim_from_template(pod, pod_claim, &template),
+            )
+            .await
+        {
+            Ok(created) => {
+                tracing::info!(pod = %pod.name_any(), claim = %created.name_any(), "created the ResourceClaim from its template");
+                self.created.insert(key, created.clone());
+                ControlFlow::Continue(created)
+            }
+            Err(error) => {
+                self.failed(
+                    pod,
+                    &pod_claim.name,
+                    &format!("create ResourceClaim: {error}"),
+                )
+                .await;
+                ControlFlow::Break(())
+            }
+        }
+    }
+
+    /// Adds `new_statuses` (pod claim → claim name) to the pod's
+    /// `status.resourceClaimStatuses`.
+    async fn record_statuses(&self, pod: &Pod, new_statuses: BTreeMap<String, String>) {
         // A merge patch replaces the list: send the recorded entries with the new ones.
         let mut statuses: BTreeMap<String, Option<String>> = pod
             .status
@@ -393,6 +416,7 @@ impl Passes {
                 resource_claim_name,
             })
             .collect();
+        let namespace = pod.namespace().unwrap_or_default();
         let api: Api<Pod> = Api::namespaced(self.client.clone(), &namespace);
         let patch = json!({"status": {"resourceClaimStatuses": statuses}});
         if let Err(error) = api
@@ -486,6 +510,41 @@ impl Passes {
             }
             Err(error) => {
                 tracing::debug!(claim = %claim.name_any(), %error, "deleting the generated claim failed; retrying")
+            }
+        }
+    }
+}
+
+/// Whether `pod_claim` of `pod` needs a claim made (or found) for it: not while the claim
+/// it names exists and, when generated, is still the pod's. `Break` when the pod claim
+/// cannot be handled at all (logged), which leaves the whole pod until the next pass.
+fn needs_claim(
+    pod: &Pod,
+    pod_claim: &PodResourceClaim,
+    claims: &[Arc<ResourceClaim>],
+) -> ControlFlow<(), bool> {
+    let namespace = pod.namespace().unwrap_or_default();
+    match claim_name(pod, pod_claim) {
+        Err(ClaimNameError::NotCreatedYet { .. }) => ControlFlow::Continue(true),
+        Err(error) => {
+            tracing::warn!(pod = %pod.name_any(), %error, "cannot handle the pod claim");
+            ControlFlow::Break(())
+        }
+        Ok(None) => ControlFlow::Continue(false),
+        Ok(Some((name, check_owner))) => {
+            let existing = claims.iter().find(|c| {
+                c.namespace().as_deref() == Some(namespace.as_str()) && c.name_any() == name
+            });
+            match existing {
+                Some(claim) if !check_owner || is_for_pod(pod, claim).is_ok() => {
+                    ControlFlow::Continue(false)
+                }
+                Some(_) => {
+                    tracing::warn!(pod = %pod.name_any(), claim = %name, "the claim created for the pod is no longer owned by it; creating a new one");
+                    ControlFlow::Continue(true)
+                }
+                // Recorded, but deleted since (by accident): created again.
+                None => ControlFlow::Continue(true),
             }
         }
     }

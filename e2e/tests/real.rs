@@ -1121,7 +1121,7 @@ fn helm_upgrade_in_a_burst(c: &KitCluster) -> Outcome<'_> {
 async fn upgrade_in_a_burst(c: &KitCluster, residents: &[Pod]) -> anyhow::Result<()> {
     // On the fake nodes only: a GPU pod kubelet admits on the real node while its device
     // plugin restarts fails ("no healthy devices present"), as with any device plugin
-    // (README, "Known limits"); the residents there must not be touched.
+    // (docs/operating.md, "Known limits"); the residents there must not be touched.
     let burst = Burst::start(c, "upgrade", 300, true);
     tokio::time::sleep(Duration::from_secs(2)).await;
     let chart = chart_dir(c);

@@ -53,33 +53,41 @@
 //! once. A pod with finalizers is only marked; it goes once an update empties its finalizers.
 
 pub mod admission;
+mod binding;
+mod deletes;
 mod discovery;
+mod faults;
 mod handlers;
 mod managed;
 mod objects;
 mod patch;
+mod reads;
 mod resources;
 mod selector;
+mod stats;
 mod status;
 mod store;
 mod table;
 mod watch;
 mod webhooks;
+mod writes;
 
-use std::collections::{BTreeMap, BTreeSet, HashMap};
+use std::collections::HashMap;
 use std::net::SocketAddr;
 use std::path::Path;
 use std::sync::{Arc, Mutex, RwLock};
 use std::time::Duration;
 
-use rand::rngs::StdRng;
-use rand::{Rng, SeedableRng};
+use rand::Rng;
 use tokio::task::JoinHandle;
-use tokio::time::Instant;
 use tokio_util::sync::CancellationToken;
 
 use self::admission::AdmissionPolicies;
 use self::store::Store;
+
+pub use self::faults::Faults;
+pub(crate) use self::faults::Release;
+pub use self::stats::{Call, Stats};
 
 /// The user a request without credentials acts as: the cluster admin. Admission policies
 /// still apply to it, as they do to a real cluster-admin.
@@ -421,384 +429,6 @@ impl Verb {
             Verb::Patch => "patch",
             Verb::Delete => "delete",
         }
-    }
-}
-
-/// A write stall: until when, and what becomes of the writes it held.
-#[derive(Clone, Copy, Debug)]
-struct Stall {
-    until: Instant,
-    /// Fail the held writes (unapplied) instead of applying them.
-    fail: bool,
-}
-
-/// What becomes of an accepted write once faults let it go.
-pub(crate) enum Release {
-    /// Apply it.
-    Apply,
-    /// Answer with this error, unapplied.
-    Fail(status::ApiError),
-}
-
-/// Fault injection, shared by every request. Cheap to clone.
-#[derive(Clone)]
-pub struct Faults {
-    inner: Arc<Mutex<FaultState>>,
-    drop_watches: Arc<tokio::sync::watch::Sender<u64>>,
-    /// The current write stall, if any.
-    stall: Arc<tokio::sync::watch::Sender<Option<Stall>>>,
-    /// Bearer tokens cut off from the server (a network partition of one client).
-    cut: Arc<tokio::sync::watch::Sender<std::collections::BTreeSet<String>>>,
-    store: Arc<Store>,
-}
-
-struct FaultState {
-    latency: Duration,
-    write_latency: Duration,
-    errors: HashMap<Verb, (f64, u16)>,
-    rng: StdRng,
-}
-
-impl Faults {
-    fn new(store: Arc<Store>) -> Self {
-        let (drop_watches, _) = tokio::sync::watch::channel(0);
-        let (stall, _) = tokio::sync::watch::channel(None);
-        let (cut, _) = tokio::sync::watch::channel(std::collections::BTreeSet::new());
-        Self {
-            inner: Arc::new(Mutex::new(FaultState {
-                latency: Duration::ZERO,
-                write_latency: Duration::ZERO,
-                errors: HashMap::new(),
-                // Seeded: a failing run can be replayed.
-                rng: StdRng::seed_from_u64(0x6770_7573_6861_7265),
-            })),
-            drop_watches: Arc::new(drop_watches),
-            stall: Arc::new(stall),
-            cut: Arc::new(cut),
-            store,
-        }
-    }
-
-    /// Cuts the client holding `token` off, as a network partition would: its requests hang
-    /// until [`Faults::heal`] (or until it gives up), then fail with a 503, unapplied; its open
-    /// watches end now (every client's do; the others reconnect at once).
-    pub fn cut(&self, token: &str) {
-        self.cut.send_modify(|cut| {
-            cut.insert(token.to_owned());
-        });
-        self.drop_watches();
-    }
-
-    /// Ends the cut of `token`.
-    pub fn heal(&self, token: &str) {
-        self.cut.send_modify(|cut| {
-            cut.remove(token);
-        });
-    }
-
-    /// If the request's bearer token is cut off: waits until it is healed or the server shuts
-    /// down, and returns true (the request is then refused, unapplied).
-    pub(crate) async fn hold_if_cut(
-        &self,
-        authorization: Option<&str>,
-        cancel: &CancellationToken,
-    ) -> bool {
-        let Some(token) = authorization.and_then(|h| h.strip_prefix("Bearer ")) else {
-            return false;
-        };
-        let mut cut = self.cut.subscribe();
-        if !cut.borrow_and_update().contains(token) {
-            return false;
-        }
-        loop {
-            tokio::select! {
-                () = cancel.cancelled() => return true,
-                changed = cut.changed() => {
-                    if changed.is_err() || !cut.borrow_and_update().contains(token) {
-                        return true;
-                    }
-                }
-            }
-        }
-    }
-
-    fn state(&self) -> std::sync::MutexGuard<'_, FaultState> {
-        self.inner
-            .lock()
-            .unwrap_or_else(|poison| poison.into_inner())
-    }
-
-    /// Delay added before every request is handled.
-    pub fn set_latency(&self, d: Duration) {
-        self.state().latency = d;
-    }
-
-    /// Delay added to every write once it is accepted (after any stall). The write is applied
-    /// after the delay even if its client gave up meanwhile.
-    pub fn set_write_latency(&self, d: Duration) {
-        self.state().write_latency = d;
-    }
-
-    /// Freezes writes for `d` from now, as a frozen etcd would: every write arriving before
-    /// the returned instant hangs until then and is applied afterwards, in whatever order the
-    /// held writes wake up, even if its client timed out or hung up meanwhile (so a client
-    /// that retries may find its first attempt already applied). Consistent reads (a GET, a
-    /// list without `resourceVersion=0`) wait for the end of the stall too, and are then
-    /// answered; watches and lists served from the watch cache answer as usual. Calling it again moves the end of the stall to `d` from now; `Duration::ZERO`
-    /// ends a stall at once.
-    pub fn stall_writes(&self, d: Duration) -> Instant {
-        self.start_stall(d, false)
-    }
-
-    /// Like [`Faults::stall_writes`], but when the stall ends every write it held fails,
-    /// unapplied, with a 500 `etcdserver: leader changed` (as when etcd loses its leader with
-    /// the uncommitted proposals): a client that gave up meanwhile never learns that its write
-    /// did not happen.
-    pub fn stall_writes_then_fail(&self, d: Duration) -> Instant {
-        self.start_stall(d, true)
-    }
-
-    fn start_stall(&self, d: Duration, fail: bool) -> Instant {
-        let until = Instant::now() + d;
-        self.stall.send_replace(Some(Stall { until, fail }));
-        until
-    }
-
-    /// Whether writes arriving now are held.
-    pub fn writes_stalled(&self) -> bool {
-        self.stall
-            .borrow()
-            .is_some_and(|stall| stall.until > Instant::now())
-    }
-
-    /// Answers `rate` (0.0..=1.0) of the requests with `verb` with `status` as a real
-    /// `metav1.Status` (429 carries `Retry-After: 1`). A rate of 0 removes the fault.
-    pub fn set_error_rate(&self, verb: Verb, rate: f64, status: u16) {
-        let mut state = self.state();
-        if rate <= 0.0 {
-            state.errors.remove(&verb);
-        } else {
-            state.errors.insert(verb, (rate.min(1.0), status));
-        }
-    }
-
-    /// Ends every open watch stream now (as an API server restart or a load balancer would).
-    pub fn drop_watches(&self) {
-        self.drop_watches.send_modify(|generation| *generation += 1);
-    }
-
-    /// Forgets history: a watch from any older resourceVersion gets a 410 Expired event.
-    pub fn compact(&self) {
-        self.store.write(store::Inner::compact);
-    }
-
-    /// No latency, no errors, no write stall.
-    pub fn clear(&self) {
-        let mut state = self.state();
-        state.latency = Duration::ZERO;
-        state.write_latency = Duration::ZERO;
-        state.errors.clear();
-        drop(state);
-        self.stall.send_replace(None);
-    }
-
-    pub(crate) fn latency(&self) -> Duration {
-        self.state().latency
-    }
-
-    /// Holds a read that etcd itself must answer (a GET, or a list that is not served from the
-    /// watch cache) until the current stall ends: with etcd frozen, a quorum read waits like a
-    /// write. False when the server shuts down meanwhile.
-    pub(crate) async fn hold_consistent_read(&self, cancel: &CancellationToken) -> bool {
-        let mut stall = self.stall.subscribe();
-        loop {
-            let current = *stall.borrow_and_update();
-            let Some(current) = current.filter(|s| s.until > Instant::now()) else {
-                return true;
-            };
-            tokio::select! {
-                () = cancel.cancelled() => return false,
-                () = tokio::time::sleep_until(current.until) => {}
-                _ = stall.changed() => {}
-            }
-        }
-    }
-
-    /// Holds an accepted write through the current stall, then its write latency, and says
-    /// what becomes of it. `None` if the server shut down meanwhile (nothing is applied).
-    pub(crate) async fn hold_write(&self, cancel: &CancellationToken) -> Option<Release> {
-        let mut stall = self.stall.subscribe();
-        // The stall that held the write, as it was when the write was let go.
-        let mut held_by: Option<Stall> = None;
-        loop {
-            let current = *stall.borrow_and_update();
-            let Some(current) = current.filter(|s| s.until > Instant::now()) else {
-                // Ended by time: the stall decides; ended by `clear`: the write goes through.
-                if current.is_none() {
-                    held_by = None;
-                }
-                break;
-            };
-            held_by = Some(current);
-            tokio::select! {
-                () = cancel.cancelled() => return None,
-                () = tokio::time::sleep_until(current.until) => {}
-                // The stall was moved or ended: look again.
-                _ = stall.changed() => {}
-            }
-        }
-        if held_by.is_some_and(|s| s.fail) {
-            return Some(Release::Fail(status::ApiError::new(
-                500,
-                "InternalError",
-                "Internal error occurred: etcdserver: leader changed",
-            )));
-        }
-        let latency = self.state().write_latency;
-        if !latency.is_zero() {
-            tokio::select! {
-                () = cancel.cancelled() => return None,
-                () = tokio::time::sleep(latency) => {}
-            }
-        }
-        Some(Release::Apply)
-    }
-
-    /// The status code to fail this request with, if the dice say so.
-    pub(crate) fn draw_error(&self, verb: Verb) -> Option<u16> {
-        let mut state = self.state();
-        let (rate, status) = *state.errors.get(&verb)?;
-        (state.rng.random::<f64>() < rate).then_some(status)
-    }
-
-    pub(crate) fn drop_signal(&self) -> tokio::sync::watch::Receiver<u64> {
-        self.drop_watches.subscribe()
-    }
-}
-
-/// One kind of request, in the terms an RBAC authorizer decides on: who asked
-/// (the username this server resolved from the credentials), for which API group and
-/// resource (with its subresource: `pods/binding`, `nodes/status`), with which verb.
-#[derive(Clone, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
-pub struct Call {
-    /// The username, e.g. `system:serviceaccount:kube-system:gpushare-extender`.
-    pub user: String,
-    /// The API group: `""` for the core group, `events.k8s.io`, `coordination.k8s.io`.
-    pub group: String,
-    /// The resource, `resource/subresource` for a subresource.
-    pub resource: String,
-    /// What was asked; [`Verb::rbac`] is the verb RBAC checks.
-    pub verb: Verb,
-}
-
-impl std::fmt::Display for Call {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        let group = if self.group.is_empty() {
-            "core"
-        } else {
-            &self.group
-        };
-        write!(
-            f,
-            "{} {} {group}/{}",
-            self.user,
-            self.verb.rbac(),
-            self.resource
-        )
-    }
-}
-
-/// Request counters, by caller. Every request this server routes to a resource counts,
-/// failed ones (injected faults, refusals) included: a call the caller made is a call it
-/// needs permission for. Cheap to clone.
-#[derive(Clone, Default)]
-pub struct Stats {
-    calls: Arc<Mutex<BTreeMap<Call, u64>>>,
-    /// The field selectors lists and watches asked for, by resource.
-    field_selectors: Arc<Mutex<BTreeMap<String, BTreeSet<String>>>>,
-}
-
-impl Stats {
-    fn calls_mut(&self) -> std::sync::MutexGuard<'_, BTreeMap<Call, u64>> {
-        self.calls
-            .lock()
-            .unwrap_or_else(|poison| poison.into_inner())
-    }
-
-    pub(crate) fn record(&self, user: &str, verb: Verb, group: &str, resource: &str) {
-        let call = Call {
-            user: user.to_owned(),
-            group: group.to_owned(),
-            resource: resource.to_owned(),
-            verb,
-        };
-        *self.calls_mut().entry(call).or_default() += 1;
-    }
-
-    pub(crate) fn record_field_selector(&self, resource: &str, selector: &str) {
-        self.field_selectors
-            .lock()
-            .unwrap_or_else(|poison| poison.into_inner())
-            .entry(resource.to_owned())
-            .or_default()
-            .insert(selector.to_owned());
-    }
-
-    /// The distinct field selectors lists and watches of `resource` asked for.
-    pub fn field_selectors(&self, resource: &str) -> BTreeSet<String> {
-        self.field_selectors
-            .lock()
-            .unwrap_or_else(|poison| poison.into_inner())
-            .get(resource)
-            .cloned()
-            .unwrap_or_default()
-    }
-
-    /// Requests seen so far with `verb` on `resource` ("pods", "nodes", "events", "leases",
-    /// "pods/binding", "pods/status", "nodes/status"), by anyone, in any API group, failed
-    /// ones included.
-    pub fn count(&self, verb: Verb, resource: &str) -> u64 {
-        self.calls_mut()
-            .iter()
-            .filter(|(call, _)| call.verb == verb && call.resource == resource)
-            .map(|(_, n)| n)
-            .sum()
-    }
-
-    /// Create + Update + Patch + Delete requests on every resource except events.
-    pub fn writes(&self) -> u64 {
-        self.calls_mut()
-            .iter()
-            .filter(|(call, _)| call.verb.is_write() && call.resource != "events")
-            .map(|(_, n)| n)
-            .sum()
-    }
-
-    /// Create + Update + Patch + Delete requests on every resource, events included.
-    pub fn writes_including_events(&self) -> u64 {
-        self.calls_mut()
-            .iter()
-            .filter(|(call, _)| call.verb.is_write())
-            .map(|(_, n)| n)
-            .sum()
-    }
-
-    /// Every kind of request seen so far, with how many times each was made.
-    pub fn calls(&self) -> BTreeMap<Call, u64> {
-        self.calls_mut().clone()
-    }
-
-    /// The kinds of request `user` made so far, with how many times each was made.
-    pub fn calls_by(&self, user: &str) -> BTreeMap<Call, u64> {
-        self.calls_mut()
-            .iter()
-            .filter(|(call, _)| call.user == user)
-            .map(|(call, n)| (call.clone(), *n))
-            .collect()
-    }
-
-    pub fn reset(&self) {
-        self.calls_mut().clear();
     }
 }
 

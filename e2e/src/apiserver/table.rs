@@ -51,61 +51,8 @@ fn columns(kind: Kind) -> Vec<Value> {
     );
     let age = column("Age", "string", "", 0, "CreationTimestamp of the object.");
     match kind {
-        Kind::Pod => vec![
-            name,
-            column(
-                "Ready",
-                "string",
-                "",
-                0,
-                "The aggregate readiness state of this pod for accepting traffic.",
-            ),
-            column(
-                "Status",
-                "string",
-                "",
-                0,
-                "The aggregate status of the containers in this pod.",
-            ),
-            column(
-                "Restarts",
-                "string",
-                "",
-                0,
-                "The number of times the containers in this pod have been restarted.",
-            ),
-            age,
-            column("IP", "string", "", 1, "IP address allocated to the pod."),
-            column(
-                "Node",
-                "string",
-                "",
-                1,
-                "Name of the Node this pod is assigned to.",
-            ),
-            column(
-                "Nominated Node",
-                "string",
-                "",
-                1,
-                "Name of the node nominated for this pod.",
-            ),
-            column("Readiness Gates", "string", "", 1, "Pod readiness gates."),
-        ],
-        Kind::Node => vec![
-            name,
-            column("Status", "string", "", 0, "The status of the node."),
-            column("Roles", "string", "", 0, "The roles of the node."),
-            age,
-            column(
-                "Version",
-                "string",
-                "",
-                0,
-                "Kubelet Version reported by the node.",
-            ),
-            column("Internal-IP", "string", "", 1, "Internal IP of the node."),
-        ],
+        Kind::Pod => pod_columns(name, age),
+        Kind::Node => node_columns(name, age),
         Kind::Event | Kind::EventV1 => vec![
             name,
             column("Type", "string", "", 0, "Type of this event."),
@@ -158,6 +105,69 @@ fn columns(kind: Kind) -> Vec<Value> {
     }
 }
 
+/// The real server's pod columns, between the `name` and `age` columns given.
+fn pod_columns(name: Value, age: Value) -> Vec<Value> {
+    vec![
+        name,
+        column(
+            "Ready",
+            "string",
+            "",
+            0,
+            "The aggregate readiness state of this pod for accepting traffic.",
+        ),
+        column(
+            "Status",
+            "string",
+            "",
+            0,
+            "The aggregate status of the containers in this pod.",
+        ),
+        column(
+            "Restarts",
+            "string",
+            "",
+            0,
+            "The number of times the containers in this pod have been restarted.",
+        ),
+        age,
+        column("IP", "string", "", 1, "IP address allocated to the pod."),
+        column(
+            "Node",
+            "string",
+            "",
+            1,
+            "Name of the Node this pod is assigned to.",
+        ),
+        column(
+            "Nominated Node",
+            "string",
+            "",
+            1,
+            "Name of the node nominated for this pod.",
+        ),
+        column("Readiness Gates", "string", "", 1, "Pod readiness gates."),
+    ]
+}
+
+/// The real server's node columns, around the `name` and `age` columns given.
+fn node_columns(name: Value, age: Value) -> Vec<Value> {
+    vec![
+        name,
+        column("Status", "string", "", 0, "The status of the node."),
+        column("Roles", "string", "", 0, "The roles of the node."),
+        age,
+        column(
+            "Version",
+            "string",
+            "",
+            0,
+            "Kubelet Version reported by the node.",
+        ),
+        column("Internal-IP", "string", "", 1, "Internal IP of the node."),
+    ]
+}
+
 /// `5s`, `3m20s`, `4h`, `2d`, as `kubectl get` shows ages.
 fn age(object: &Value) -> String {
     let Some(created) =
@@ -193,117 +203,9 @@ fn or_none(s: String) -> String {
 fn cells(kind: Kind, object: &Value) -> Vec<Value> {
     let name = json!(meta_str(object, "name").unwrap_or(""));
     match kind {
-        Kind::Pod => {
-            let statuses = object
-                .pointer("/status/containerStatuses")
-                .and_then(Value::as_array);
-            let total = object
-                .pointer("/spec/containers")
-                .and_then(Value::as_array)
-                .map_or(0, Vec::len);
-            let ready = statuses.map_or(0, |s| {
-                s.iter()
-                    .filter(|c| c.get("ready").and_then(Value::as_bool) == Some(true))
-                    .count()
-            });
-            let restarts: i64 = statuses.map_or(0, |s| {
-                s.iter()
-                    .filter_map(|c| c.get("restartCount").and_then(Value::as_i64))
-                    .sum()
-            });
-            let status = if object.pointer("/metadata/deletionTimestamp").is_some() {
-                "Terminating".to_owned()
-            } else {
-                let reason = text(object, "/status/reason");
-                if reason.is_empty() {
-                    text(object, "/status/phase")
-                } else {
-                    reason
-                }
-            };
-            vec![
-                name,
-                json!(format!("{ready}/{total}")),
-                json!(status),
-                json!(restarts),
-                json!(age(object)),
-                json!(or_none(text(object, "/status/podIP"))),
-                json!(or_none(text(object, "/spec/nodeName"))),
-                json!(or_none(text(object, "/status/nominatedNodeName"))),
-                json!("<none>"),
-            ]
-        }
-        Kind::Node => {
-            let conditions = object
-                .pointer("/status/conditions")
-                .and_then(Value::as_array);
-            let ready = conditions.is_some_and(|c| {
-                c.iter().any(|c| {
-                    c.get("type").and_then(Value::as_str) == Some("Ready")
-                        && c.get("status").and_then(Value::as_str) == Some("True")
-                })
-            });
-            let mut status = if ready { "Ready" } else { "NotReady" }.to_owned();
-            if object
-                .pointer("/spec/unschedulable")
-                .and_then(Value::as_bool)
-                == Some(true)
-            {
-                status.push_str(",SchedulingDisabled");
-            }
-            let roles: Vec<&str> = object
-                .pointer("/metadata/labels")
-                .and_then(Value::as_object)
-                .map(|labels| {
-                    labels
-                        .keys()
-                        .filter_map(|k| k.strip_prefix("node-role.kubernetes.io/"))
-                        .collect()
-                })
-                .unwrap_or_default();
-            let internal_ip = object
-                .pointer("/status/addresses")
-                .and_then(Value::as_array)
-                .and_then(|a| {
-                    a.iter()
-                        .find(|a| a.get("type").and_then(Value::as_str) == Some("InternalIP"))
-                })
-                .and_then(|a| a.get("address").and_then(Value::as_str))
-                .unwrap_or("")
-                .to_owned();
-            vec![
-                name,
-                json!(status),
-                json!(or_none(roles.join(","))),
-                json!(age(object)),
-                json!(text(object, "/status/nodeInfo/kubeletVersion")),
-                json!(or_none(internal_ip)),
-            ]
-        }
-        Kind::Event | Kind::EventV1 => {
-            let about = if kind == Kind::Event {
-                "/involvedObject"
-            } else {
-                "/regarding"
-            };
-            let message = if kind == Kind::Event {
-                "/message"
-            } else {
-                "/note"
-            };
-            vec![
-                name,
-                json!(text(object, "/type")),
-                json!(text(object, "/reason")),
-                json!(format!(
-                    "{}/{}",
-                    text(object, &format!("{about}/kind")).to_lowercase(),
-                    text(object, &format!("{about}/name"))
-                )),
-                json!(text(object, message)),
-                json!(age(object)),
-            ]
-        }
+        Kind::Pod => pod_cells(name, object),
+        Kind::Node => node_cells(name, object),
+        Kind::Event | Kind::EventV1 => event_cells(kind, name, object),
         Kind::Lease => vec![
             name,
             json!(text(object, "/spec/holderIdentity")),
@@ -316,27 +218,149 @@ fn cells(kind: Kind, object: &Value) -> Vec<Value> {
             json!(text(object, "/spec/pool/name")),
             json!(age(object)),
         ],
-        Kind::ResourceClaim => {
-            let allocated = object
-                .pointer("/status/allocation")
-                .is_some_and(|a| !a.is_null());
-            let reserved = object
-                .pointer("/status/reservedFor")
-                .and_then(Value::as_array)
-                .is_some_and(|r| !r.is_empty());
-            let state = match (allocated, reserved) {
-                (true, true) => "allocated,reserved",
-                (true, false) => "allocated",
-                (false, _) => "pending",
-            };
-            vec![name, json!(state), json!(age(object))]
-        }
+        Kind::ResourceClaim => vec![name, json!(claim_state(object)), json!(age(object))],
         Kind::DeviceClass | Kind::ResourceClaimTemplate => vec![name, json!(age(object))],
         Kind::MutatingWebhookConfiguration => vec![
             name,
             json!(object["webhooks"].as_array().map_or(0, Vec::len)),
             json!(age(object)),
         ],
+    }
+}
+
+/// A pod's row: Ready (`ready/total`), Status (Terminating, else the reason, else the
+/// phase), Restarts, Age, IP, Node, Nominated Node, Readiness Gates.
+fn pod_cells(name: Value, object: &Value) -> Vec<Value> {
+    let statuses = object
+        .pointer("/status/containerStatuses")
+        .and_then(Value::as_array);
+    let total = object
+        .pointer("/spec/containers")
+        .and_then(Value::as_array)
+        .map_or(0, Vec::len);
+    let ready = statuses.map_or(0, |s| {
+        s.iter()
+            .filter(|c| c.get("ready").and_then(Value::as_bool) == Some(true))
+            .count()
+    });
+    let restarts: i64 = statuses.map_or(0, |s| {
+        s.iter()
+            .filter_map(|c| c.get("restartCount").and_then(Value::as_i64))
+            .sum()
+    });
+    let status = if object.pointer("/metadata/deletionTimestamp").is_some() {
+        "Terminating".to_owned()
+    } else {
+        let reason = text(object, "/status/reason");
+        if reason.is_empty() {
+            text(object, "/status/phase")
+        } else {
+            reason
+        }
+    };
+    vec![
+        name,
+        json!(format!("{ready}/{total}")),
+        json!(status),
+        json!(restarts),
+        json!(age(object)),
+        json!(or_none(text(object, "/status/podIP"))),
+        json!(or_none(text(object, "/spec/nodeName"))),
+        json!(or_none(text(object, "/status/nominatedNodeName"))),
+        json!("<none>"),
+    ]
+}
+
+/// A node's row: Status (Ready or NotReady, `,SchedulingDisabled` when cordoned), Roles,
+/// Age, Version, Internal-IP.
+fn node_cells(name: Value, object: &Value) -> Vec<Value> {
+    let conditions = object
+        .pointer("/status/conditions")
+        .and_then(Value::as_array);
+    let ready = conditions.is_some_and(|c| {
+        c.iter().any(|c| {
+            c.get("type").and_then(Value::as_str) == Some("Ready")
+                && c.get("status").and_then(Value::as_str) == Some("True")
+        })
+    });
+    let mut status = if ready { "Ready" } else { "NotReady" }.to_owned();
+    if object
+        .pointer("/spec/unschedulable")
+        .and_then(Value::as_bool)
+        == Some(true)
+    {
+        status.push_str(",SchedulingDisabled");
+    }
+    let roles: Vec<&str> = object
+        .pointer("/metadata/labels")
+        .and_then(Value::as_object)
+        .map(|labels| {
+            labels
+                .keys()
+                .filter_map(|k| k.strip_prefix("node-role.kubernetes.io/"))
+                .collect()
+        })
+        .unwrap_or_default();
+    let internal_ip = object
+        .pointer("/status/addresses")
+        .and_then(Value::as_array)
+        .and_then(|a| {
+            a.iter()
+                .find(|a| a.get("type").and_then(Value::as_str) == Some("InternalIP"))
+        })
+        .and_then(|a| a.get("address").and_then(Value::as_str))
+        .unwrap_or("")
+        .to_owned();
+    vec![
+        name,
+        json!(status),
+        json!(or_none(roles.join(","))),
+        json!(age(object)),
+        json!(text(object, "/status/nodeInfo/kubeletVersion")),
+        json!(or_none(internal_ip)),
+    ]
+}
+
+/// An event's row (core/v1 `involvedObject`/`message`, or `events.k8s.io/v1`
+/// `regarding`/`note`): Type, Reason, Object (`kind/name`), Message, Age.
+fn event_cells(kind: Kind, name: Value, object: &Value) -> Vec<Value> {
+    let about = if kind == Kind::Event {
+        "/involvedObject"
+    } else {
+        "/regarding"
+    };
+    let message = if kind == Kind::Event {
+        "/message"
+    } else {
+        "/note"
+    };
+    vec![
+        name,
+        json!(text(object, "/type")),
+        json!(text(object, "/reason")),
+        json!(format!(
+            "{}/{}",
+            text(object, &format!("{about}/kind")).to_lowercase(),
+            text(object, &format!("{about}/name"))
+        )),
+        json!(text(object, message)),
+        json!(age(object)),
+    ]
+}
+
+/// A claim's State: `allocated,reserved`, `allocated` or `pending`.
+fn claim_state(object: &Value) -> &'static str {
+    let allocated = object
+        .pointer("/status/allocation")
+        .is_some_and(|a| !a.is_null());
+    let reserved = object
+        .pointer("/status/reservedFor")
+        .and_then(Value::as_array)
+        .is_some_and(|r| !r.is_empty());
+    match (allocated, reserved) {
+        (true, true) => "allocated,reserved",
+        (true, false) => "allocated",
+        (false, _) => "pending",
     }
 }
 

@@ -32,7 +32,10 @@ use crate::cluster::{binaries, wait_for};
 use crate::scenarios::Harness;
 use crate::tools;
 
+mod drain_cost;
+mod fake_nodes;
 pub mod load;
+mod stand_in;
 
 /// The kit's set-up steps, in `build.sh`'s words: prebuilt binaries, etcd, certificates,
 /// scripts. The stamp file records which kit archive the cache was made from.

@@ -32,36 +32,26 @@
 //! CEL selectors that read `device.capacity` (the attributes and the driver are available).
 //! Node choice is the first feasible node by name: kube-scheduler's DRA plugin does not score
 //! and the default scores (least allocated CPU and memory) do not see devices.
+//!
+//! This module is the allocation, pure; the control loop that watches, writes the claims'
+//! status and binds is `dra_scheduler.rs` ([`DraScheduler`], re-exported here).
 
 use std::collections::{BTreeMap, HashMap, HashSet};
 use std::sync::Arc;
-use std::time::Duration;
 
-use futures::StreamExt;
 use gpushare_dra_plugin::quantity::{self, GIB};
-use k8s_openapi::api::core::v1::{
-    Binding, Node, NodeSelector, NodeSelectorRequirement, NodeSelectorTerm, ObjectReference, Pod,
-};
+use k8s_openapi::api::core::v1::{NodeSelector, NodeSelectorRequirement, NodeSelectorTerm};
 use k8s_openapi::api::resource::v1::{
     AllocationResult, CapacityRequestPolicy, Device, DeviceAllocationResult, DeviceAttribute,
-    DeviceClass, DeviceRequestAllocationResult, DeviceTaint, DeviceToleration, ResourceClaim,
-    ResourceClaimConsumerReference, ResourceClaimStatus, ResourceSlice,
+    DeviceClass, DeviceRequest, DeviceRequestAllocationResult, DeviceTaint, DeviceToleration,
+    ResourceClaim, ResourceSlice,
 };
 use k8s_openapi::apimachinery::pkg::api::resource::Quantity;
-use k8s_openapi::apimachinery::pkg::apis::meta::v1::ObjectMeta;
-use kube::api::{Api, Patch, PatchParams, PostParams};
-use kube::runtime::reflector::{self, Store};
-use kube::runtime::{WatchStreamExt, watcher};
-use kube::{Client, Resource, ResourceExt};
+use kube::ResourceExt;
 use serde_json::json;
-use tokio::sync::Notify;
-use tokio::task::JoinHandle;
-use tokio_util::sync::CancellationToken;
 
-use crate::resourceclaim;
-
-/// How often a pass runs without any watch event (the backoff of unschedulable pods).
-const RETRY: Duration = Duration::from_millis(500);
+pub(crate) use super::control_loop::{next_pass, stop_tasks, watch};
+pub use super::dra_scheduler::DraScheduler;
 
 /// A device, as allocations name it.
 #[derive(Clone, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
@@ -316,18 +306,13 @@ pub fn allocate(
         claim.namespace().unwrap_or_default(),
         claim.name_any()
     );
-    let unsupported = |what: &str| {
-        AllocateError::Unsupported(format!(
-            "claim {key}: {what} is not supported by this scheduler"
-        ))
-    };
     let devices = &claim.spec.devices;
     if devices
         .as_ref()
         .and_then(|d| d.constraints.as_ref())
         .is_some_and(|c| !c.is_empty())
     {
-        return Err(unsupported("constraints"));
+        return Err(unsupported(&key, "constraints"));
     }
     let mut local: Vec<&Arc<ResourceSlice>> = slices
         .iter()
@@ -337,15 +322,64 @@ pub fn allocate(
     let mut trial = usage.clone();
     let mut results = Vec::new();
     for request in devices.iter().flat_map(|d| d.requests.iter().flatten()) {
+        let wanted = Wanted::of(&key, request, classes)?;
+        let mut taken: HashSet<DeviceId> = HashSet::new();
+        for _ in 0..wanted.count.max(0) {
+            let Some((id, hold)) = choose_device(&local, &wanted, &trial, &taken)? else {
+                return Err(wanted.no_fit(&key));
+            };
+            taken.insert(id.clone());
+            trial.hold(&id, &hold);
+            results.push(request_result(&request.name, id, hold));
+        }
+    }
+    *usage = trial;
+    Ok(AllocationResult {
+        devices: Some(DeviceAllocationResult {
+            results: Some(results),
+            config: None,
+        }),
+        node_selector: Some(node_selector(node)),
+        allocation_timestamp: None,
+    })
+}
+
+/// The error for a claim (`key`) asking for `what`, which this scheduler does not implement.
+fn unsupported(key: &str, what: &str) -> AllocateError {
+    AllocateError::Unsupported(format!(
+        "claim {key}: {what} is not supported by this scheduler"
+    ))
+}
+
+/// One `exactly` request of a claim, read and checked before any device is looked at.
+struct Wanted<'a> {
+    /// The device class every device must belong to.
+    class: &'a str,
+    /// How many devices (`ExactCount`).
+    count: i64,
+    /// The class's CEL selectors, then the request's.
+    expressions: Vec<&'a str>,
+    /// `capacity.requests`, in bytes (or units) per capacity name.
+    requested: BTreeMap<&'a str, u128>,
+    tolerations: Option<&'a [DeviceToleration]>,
+}
+
+impl<'a> Wanted<'a> {
+    /// Reads `request` of claim `key`, refusing the shapes this scheduler does not implement.
+    fn of(
+        key: &str,
+        request: &'a DeviceRequest,
+        classes: &'a HashMap<String, Arc<DeviceClass>>,
+    ) -> Result<Self, AllocateError> {
         let Some(exactly) = &request.exactly else {
-            return Err(unsupported("firstAvailable"));
+            return Err(unsupported(key, "firstAvailable"));
         };
         if exactly.admin_access == Some(true) {
-            return Err(unsupported("adminAccess"));
+            return Err(unsupported(key, "adminAccess"));
         }
         let count = match exactly.allocation_mode.as_deref() {
             None | Some("ExactCount") => exactly.count.unwrap_or(1),
-            Some(mode) => return Err(unsupported(&format!("allocationMode {mode}"))),
+            Some(mode) => return Err(unsupported(key, &format!("allocationMode {mode}"))),
         };
         let class = classes.get(&exactly.device_class_name).ok_or_else(|| {
             AllocateError::NoFit(format!(
@@ -374,113 +408,152 @@ pub fn allocate(
             })?;
             requested.insert(name, bytes);
         }
-        let mut taken: HashSet<DeviceId> = HashSet::new();
-        for _ in 0..count.max(0) {
-            let mut chosen = None;
-            'devices: for slice in &local {
-                'devices_inner: for device in slice.spec.devices.iter().flatten() {
-                    let id = DeviceId {
-                        driver: slice.spec.driver.clone(),
-                        pool: slice.spec.pool.name.clone(),
-                        device: device.name.clone(),
-                    };
-                    if taken.contains(&id)
-                        || !all_taints_tolerated(device, exactly.tolerations.as_deref())
-                        || !selects(&expressions, &id.driver, device)?
-                    {
-                        continue;
-                    }
-                    let shared = device.allow_multiple_allocations == Some(true);
-                    if !shared {
-                        if trial.in_use(&id) || !requested.is_empty() {
-                            continue;
-                        }
-                        chosen = Some((id, None));
-                        break 'devices;
-                    }
-                    if trial.exclusive.contains(&id) {
-                        continue;
-                    }
-                    let capacities = device.capacity.clone().unwrap_or_default();
-                    if requested.keys().any(|name| !capacities.contains_key(*name)) {
-                        continue;
-                    }
-                    let mut consumed = BTreeMap::new();
-                    for (name, capacity) in &capacities {
-                        let value = quantity::bytes(&capacity.value.0).map_err(|e| {
-                            AllocateError::Unsupported(format!("device {}: {e}", device.name))
-                        })?;
-                        let Some(amount) = consumption(
-                            requested.get(name.as_str()).copied(),
-                            value,
-                            capacity.request_policy.as_ref(),
-                        )
-                        .map_err(AllocateError::Unsupported)?
-                        else {
-                            continue 'devices_inner;
-                        };
-                        if trial.consumed(&id, name).saturating_add(amount) > value {
-                            continue 'devices_inner;
-                        }
-                        consumed.insert(name.clone(), amount);
-                    }
-                    chosen = Some((id, Some(consumed)));
-                    break 'devices;
+        Ok(Wanted {
+            class: &exactly.device_class_name,
+            count,
+            expressions,
+            requested,
+            tolerations: exactly.tolerations.as_deref(),
+        })
+    }
+
+    /// Why no device of the node could serve one more device of this request of claim `key`.
+    fn no_fit(&self, key: &str) -> AllocateError {
+        let wanted = self
+            .requested
+            .iter()
+            .map(|(name, bytes)| format!("{} of {name}", quantity_of(*bytes).0))
+            .collect::<Vec<_>>()
+            .join(", ");
+        let wanted = if wanted.is_empty() {
+            "a device".to_owned()
+        } else {
+            wanted
+        };
+        AllocateError::NoFit(format!(
+            "cannot allocate all claims: no device of class {} has {wanted} free for claim {key}",
+            self.class
+        ))
+    }
+}
+
+/// How an allocation holds a device: whole, or a share consuming some of its capacities.
+enum Hold {
+    Whole,
+    Share(BTreeMap<String, u128>),
+}
+
+impl Usage {
+    /// Counts `hold` of `id` as used.
+    fn hold(&mut self, id: &DeviceId, hold: &Hold) {
+        match hold {
+            Hold::Share(consumed) => {
+                let entry = self.consumed.entry(id.clone()).or_default();
+                for (name, amount) in consumed {
+                    let slot = entry.entry(name.clone()).or_default();
+                    *slot = slot.saturating_add(*amount);
                 }
             }
-            let Some((id, consumed)) = chosen else {
-                let wanted = requested
-                    .iter()
-                    .map(|(name, bytes)| format!("{} of {name}", quantity_of(*bytes).0))
-                    .collect::<Vec<_>>()
-                    .join(", ");
-                let wanted = if wanted.is_empty() {
-                    "a device".to_owned()
-                } else {
-                    wanted
-                };
-                return Err(AllocateError::NoFit(format!(
-                    "cannot allocate all claims: no device of class {} has {wanted} free for claim {key}",
-                    exactly.device_class_name
-                )));
-            };
-            taken.insert(id.clone());
-            match &consumed {
-                Some(consumed) => {
-                    let entry = trial.consumed.entry(id.clone()).or_default();
-                    for (name, amount) in consumed {
-                        let slot = entry.entry(name.clone()).or_default();
-                        *slot = slot.saturating_add(*amount);
-                    }
-                }
-                None => {
-                    trial.exclusive.insert(id.clone());
-                }
+            Hold::Whole => {
+                self.exclusive.insert(id.clone());
             }
-            results.push(DeviceRequestAllocationResult {
-                request: request.name.clone(),
-                driver: id.driver,
-                pool: id.pool,
-                device: id.device,
-                share_id: consumed.as_ref().map(|_| random_uid()),
-                consumed_capacity: consumed.map(|c| {
-                    c.into_iter()
-                        .map(|(name, amount)| (name, quantity_of(amount)))
-                        .collect()
-                }),
-                ..DeviceRequestAllocationResult::default()
-            });
         }
     }
-    *usage = trial;
-    Ok(AllocationResult {
-        devices: Some(DeviceAllocationResult {
-            results: Some(results),
-            config: None,
+}
+
+/// The first device of `local` (slices in name order, devices in slice order) that can serve
+/// one device of `wanted` beside `trial`, skipping those this request has `taken` already.
+fn choose_device(
+    local: &[&Arc<ResourceSlice>],
+    wanted: &Wanted<'_>,
+    trial: &Usage,
+    taken: &HashSet<DeviceId>,
+) -> Result<Option<(DeviceId, Hold)>, AllocateError> {
+    for slice in local {
+        for device in slice.spec.devices.iter().flatten() {
+            let id = DeviceId {
+                driver: slice.spec.driver.clone(),
+                pool: slice.spec.pool.name.clone(),
+                device: device.name.clone(),
+            };
+            if taken.contains(&id)
+                || !all_taints_tolerated(device, wanted.tolerations)
+                || !selects(&wanted.expressions, &id.driver, device)?
+            {
+                continue;
+            }
+            if let Some(hold) = fit(device, &id, &wanted.requested, trial)? {
+                return Ok(Some((id, hold)));
+            }
+        }
+    }
+    Ok(None)
+}
+
+/// How `device` (`id`) can serve a request for `requested` beside `trial`: whole when it is
+/// not shareable and unused (and nothing is requested of its capacity), else a share when
+/// every capacity has room for the request rounded to its policy; `None` when it cannot.
+fn fit(
+    device: &Device,
+    id: &DeviceId,
+    requested: &BTreeMap<&str, u128>,
+    trial: &Usage,
+) -> Result<Option<Hold>, AllocateError> {
+    let shared = device.allow_multiple_allocations == Some(true);
+    if !shared {
+        if trial.in_use(id) || !requested.is_empty() {
+            return Ok(None);
+        }
+        return Ok(Some(Hold::Whole));
+    }
+    if trial.exclusive.contains(id) {
+        return Ok(None);
+    }
+    let capacities = device.capacity.clone().unwrap_or_default();
+    if requested.keys().any(|name| !capacities.contains_key(*name)) {
+        return Ok(None);
+    }
+    let mut consumed = BTreeMap::new();
+    for (name, capacity) in &capacities {
+        let value = quantity::bytes(&capacity.value.0)
+            .map_err(|e| AllocateError::Unsupported(format!("device {}: {e}", device.name)))?;
+        let Some(amount) = consumption(
+            requested.get(name.as_str()).copied(),
+            value,
+            capacity.request_policy.as_ref(),
+        )
+        .map_err(AllocateError::Unsupported)?
+        else {
+            return Ok(None);
+        };
+        if trial.consumed(id, name).saturating_add(amount) > value {
+            return Ok(None);
+        }
+        consumed.insert(name.clone(), amount);
+    }
+    Ok(Some(Hold::Share(consumed)))
+}
+
+/// The allocation result of `request` holding device `id` as `hold`: a share gets a fresh
+/// `shareID` and records its `consumedCapacity`.
+fn request_result(request: &str, id: DeviceId, hold: Hold) -> DeviceRequestAllocationResult {
+    let consumed = match hold {
+        Hold::Whole => None,
+        Hold::Share(consumed) => Some(consumed),
+    };
+    DeviceRequestAllocationResult {
+        request: request.to_owned(),
+        driver: id.driver,
+        pool: id.pool,
+        device: id.device,
+        share_id: consumed.as_ref().map(|_| random_uid()),
+        consumed_capacity: consumed.map(|c| {
+            c.into_iter()
+                .map(|(name, amount)| (name, quantity_of(amount)))
+                .collect()
         }),
-        node_selector: Some(node_selector(node)),
-        allocation_timestamp: None,
-    })
+        ..DeviceRequestAllocationResult::default()
+    }
 }
 
 fn random_uid() -> String {
@@ -525,465 +598,10 @@ pub fn allocated_node(claim: &ResourceClaim) -> Option<String> {
         .flatten()
 }
 
-// ---- The driver: watches, passes, writes ----
-
-/// The stores a pass reads.
-#[derive(Clone)]
-struct Stores {
-    pods: Store<Pod>,
-    nodes: Store<Node>,
-    claims: Store<ResourceClaim>,
-    slices: Store<ResourceSlice>,
-    classes: Store<DeviceClass>,
-}
-
-/// Schedules pods that use ResourceClaims, and releases claims their pods no longer need.
-pub struct DraScheduler {
-    stop: CancellationToken,
-    tasks: Vec<JoinHandle<()>>,
-}
-
-/// A reflector store of every `K`, kept by a task pushed on `tasks` that wakes `notify` on
-/// each event and ends with `stop`; `who` names the watcher in warnings. Shared by the
-/// in-process control loops (this scheduler, the resourceclaim controller).
-pub(crate) fn watch<K>(
-    who: &'static str,
-    client: &Client,
-    notify: &Arc<Notify>,
-    stop: &CancellationToken,
-    tasks: &mut Vec<JoinHandle<()>>,
-) -> Store<K>
-where
-    K: Resource<DynamicType = ()>
-        + Clone
-        + std::fmt::Debug
-        + serde::de::DeserializeOwned
-        + Send
-        + Sync
-        + 'static,
-{
-    let (store, writer) = reflector::store();
-    let api: Api<K> = Api::all(client.clone());
-    let notify = notify.clone();
-    let stop = stop.clone();
-    tasks.push(tokio::spawn(async move {
-        let stream = watcher(api, watcher::Config::default())
-            .default_backoff()
-            .reflect(writer);
-        let mut stream = std::pin::pin!(stream);
-        loop {
-            tokio::select! {
-                () = stop.cancelled() => return,
-                event = stream.next() => match event {
-                    Some(Ok(_)) => notify.notify_one(),
-                    Some(Err(err)) => tracing::warn!(error = %err, "{who} watch failed"),
-                    None => return,
-                },
-            }
-        }
-    }));
-    store
-}
-
-/// Waits for the next pass of a control loop: a watch event, or [`RETRY`] at the latest.
-/// `false` once `stop` is cancelled.
-pub(crate) async fn next_pass(stop: &CancellationToken, notify: &Notify) -> bool {
-    tokio::select! {
-        () = stop.cancelled() => false,
-        () = notify.notified() => true,
-        () = tokio::time::sleep(RETRY) => true,
-    }
-}
-
-/// Cancels `stop` and waits for every task of a control loop.
-pub(crate) async fn stop_tasks(stop: CancellationToken, tasks: Vec<JoinHandle<()>>) {
-    stop.cancel();
-    for task in tasks {
-        let _ = task.await;
-    }
-}
-
-impl DraScheduler {
-    /// Starts watching and scheduling through `client`.
-    pub fn start(client: Client) -> Self {
-        let stop = CancellationToken::new();
-        let notify = Arc::new(Notify::new());
-        let mut tasks = Vec::new();
-        let stores = Stores {
-            pods: watch("DRA scheduler", &client, &notify, &stop, &mut tasks),
-            nodes: watch("DRA scheduler", &client, &notify, &stop, &mut tasks),
-            claims: watch("DRA scheduler", &client, &notify, &stop, &mut tasks),
-            slices: watch("DRA scheduler", &client, &notify, &stop, &mut tasks),
-            classes: watch("DRA scheduler", &client, &notify, &stop, &mut tasks),
-        };
-        let loop_stop = stop.clone();
-        tasks.push(tokio::spawn(async move {
-            let mut scheduler = Passes {
-                client,
-                stores,
-                written: HashMap::new(),
-            };
-            for store in [
-                scheduler.stores.pods.wait_until_ready().await.is_ok(),
-                scheduler.stores.nodes.wait_until_ready().await.is_ok(),
-                scheduler.stores.claims.wait_until_ready().await.is_ok(),
-                scheduler.stores.slices.wait_until_ready().await.is_ok(),
-                scheduler.stores.classes.wait_until_ready().await.is_ok(),
-            ] {
-                if !store {
-                    return;
-                }
-            }
-            loop {
-                scheduler.pass().await;
-                if !next_pass(&loop_stop, &notify).await {
-                    return;
-                }
-            }
-        }));
-        Self { stop, tasks }
-    }
-
-    /// Stops every task.
-    pub async fn shutdown(self) {
-        stop_tasks(self.stop, self.tasks).await;
-    }
-}
-
-struct Passes {
-    client: Client,
-    stores: Stores,
-    /// Claims as this scheduler last wrote them, until the watch shows that version (the
-    /// assume cache: the next pass must not allocate what was just allocated).
-    written: HashMap<(String, String), ResourceClaim>,
-}
-
-fn rv(claim: &ResourceClaim) -> u64 {
-    claim
-        .metadata
-        .resource_version
-        .as_deref()
-        .and_then(|v| v.parse().ok())
-        .unwrap_or(0)
-}
-
-fn claim_key(claim: &ResourceClaim) -> (String, String) {
-    (claim.namespace().unwrap_or_default(), claim.name_any())
-}
-
-impl Passes {
-    /// The claims as they are now: the store, or what this scheduler wrote if newer.
-    fn claims(&mut self) -> HashMap<(String, String), ResourceClaim> {
-        let mut claims: HashMap<_, _> = self
-            .stores
-            .claims
-            .state()
-            .into_iter()
-            .map(|c| (claim_key(&c), (*c).clone()))
-            .collect();
-        self.written.retain(|key, written| match claims.get(key) {
-            Some(stored) if rv(stored) >= rv(written) => false,
-            // Deleted since: forget it.
-            None => false,
-            Some(_) => true,
-        });
-        for (key, written) in &self.written {
-            claims.insert(key.clone(), written.clone());
-        }
-        claims
-    }
-
-    async fn pass(&mut self) {
-        self.release().await;
-        let mut pods: Vec<Arc<Pod>> = self
-            .stores
-            .pods
-            .state()
-            .into_iter()
-            .filter(|pod| {
-                pod.spec.as_ref().is_some_and(|s| {
-                    s.node_name.is_none()
-                        && s.resource_claims.as_ref().is_some_and(|c| !c.is_empty())
-                }) && pod.metadata.deletion_timestamp.is_none()
-            })
-            .collect();
-        pods.sort_by(|a, b| {
-            (
-                a.metadata.creation_timestamp.as_ref().map(|t| t.0),
-                a.name_any(),
-            )
-                .cmp(&(
-                    b.metadata.creation_timestamp.as_ref().map(|t| t.0),
-                    b.name_any(),
-                ))
-        });
-        for pod in pods {
-            self.schedule(&pod).await;
-        }
-    }
-
-    /// As the resourceclaim controller: reservations of pods that are gone or finished are
-    /// removed, and a claim reserved for no one is deallocated.
-    async fn release(&mut self) {
-        let live: HashSet<String> = self
-            .stores
-            .pods
-            .state()
-            .iter()
-            .filter(|pod| !gpushare_contract::request::pod_is_finished(pod))
-            .filter_map(|pod| pod.metadata.uid.clone())
-            .collect();
-        for (_, claim) in self.claims() {
-            let Some(status) = &claim.status else {
-                continue;
-            };
-            let reserved = status.reserved_for.clone().unwrap_or_default();
-            let kept: Vec<_> = reserved
-                .iter()
-                .filter(|r| r.resource != "pods" || live.contains(&r.uid))
-                .cloned()
-                .collect();
-            if kept.len() == reserved.len() && !(kept.is_empty() && status.allocation.is_some()) {
-                continue;
-            }
-            let mut updated = claim.clone();
-            updated.status = Some(ResourceClaimStatus {
-                allocation: if kept.is_empty() {
-                    None
-                } else {
-                    status.allocation.clone()
-                },
-                reserved_for: (!kept.is_empty()).then_some(kept),
-                devices: status.devices.clone(),
-            });
-            if let Err(error) = self.write_status(&updated).await {
-                tracing::debug!(claim = ?claim_key(&claim), %error, "releasing the claim failed; retrying");
-            }
-        }
-    }
-
-    async fn write_status(&mut self, claim: &ResourceClaim) -> Result<(), String> {
-        let (namespace, name) = claim_key(claim);
-        let api: Api<ResourceClaim> = Api::namespaced(self.client.clone(), &namespace);
-        let stored = api
-            .replace_status(&name, &PostParams::default(), claim)
-            .await
-            .map_err(kube_message)?;
-        self.written.insert(claim_key(&stored), stored);
-        Ok(())
-    }
-
-    async fn schedule(&mut self, pod: &Pod) {
-        let namespace = pod.namespace().unwrap_or_default();
-        let pod_key = format!("{namespace}/{}", pod.name_any());
-        let claims = self.claims();
-        let mut mine = Vec::new();
-        for entry in pod
-            .spec
-            .iter()
-            .flat_map(|s| s.resource_claims.iter().flatten())
-        {
-            let (name, check_owner) = match resourceclaim::claim_name(pod, entry) {
-                Ok(Some(found)) => found,
-                // The controller recorded that no claim is needed.
-                Ok(None) => continue,
-                // As upstream's PreEnqueue: the pod waits, without a condition, until the
-                // resourceclaim controller created its claim.
-                Err(error @ resourceclaim::ClaimNameError::NotCreatedYet { .. }) => {
-                    tracing::debug!(pod = %pod_key, %error, "waiting for the claim");
-                    return;
-                }
-                Err(error) => {
-                    self.unschedulable(pod, &error.to_string()).await;
-                    return;
-                }
-            };
-            match claims.get(&(namespace.clone(), name.clone())) {
-                Some(claim) => {
-                    if check_owner && let Err(message) = resourceclaim::is_for_pod(pod, claim) {
-                        self.unschedulable(pod, &message).await;
-                        return;
-                    }
-                    mine.push(claim.clone());
-                }
-                None => {
-                    self.unschedulable(pod, &format!("resourceclaim \"{name}\" not found"))
-                        .await;
-                    return;
-                }
-            }
-        }
-        let mut nodes: Vec<Arc<Node>> = self
-            .stores
-            .nodes
-            .state()
-            .into_iter()
-            .filter(|n| {
-                !n.spec
-                    .as_ref()
-                    .and_then(|s| s.unschedulable)
-                    .unwrap_or(false)
-            })
-            .collect();
-        nodes.sort_by_key(|n| n.name_any());
-        if let Some(node) = mine.iter().find_map(allocated_node) {
-            nodes.retain(|n| n.name_any() == node);
-        }
-        let slices = self.stores.slices.state();
-        let classes: HashMap<String, Arc<DeviceClass>> = self
-            .stores
-            .classes
-            .state()
-            .into_iter()
-            .map(|c| (c.name_any(), c))
-            .collect();
-        let base = Usage::of(claims.values());
-        let mut reasons: BTreeMap<String, usize> = BTreeMap::new();
-        let mut placed = None;
-        for node in &nodes {
-            let name = node.name_any();
-            let mut usage = base.clone();
-            let mut allocations = Vec::new();
-            let mut failed = None;
-            for claim in &mine {
-                if claim
-                    .status
-                    .as_ref()
-                    .is_some_and(|s| s.allocation.is_some())
-                {
-                    allocations.push(None);
-                    continue;
-                }
-                match allocate(claim, &name, &slices, &classes, &mut usage) {
-                    Ok(allocation) => allocations.push(Some(allocation)),
-                    Err(AllocateError::Unsupported(message)) => {
-                        self.unschedulable(pod, &message).await;
-                        return;
-                    }
-                    Err(AllocateError::NoFit(message)) => {
-                        failed = Some(message);
-                        break;
-                    }
-                }
-            }
-            match failed {
-                Some(reason) => *reasons.entry(reason).or_default() += 1,
-                None => {
-                    placed = Some((name, allocations));
-                    break;
-                }
-            }
-        }
-        let Some((node, allocations)) = placed else {
-            let detail = reasons
-                .iter()
-                .map(|(reason, count)| format!("{count} {reason}"))
-                .collect::<Vec<_>>()
-                .join(", ");
-            self.unschedulable(
-                pod,
-                &format!("0/{} nodes are available: {detail}.", nodes.len()),
-            )
-            .await;
-            return;
-        };
-        // PreBind: each claim gets its allocation (if new) and the pod in reservedFor.
-        let reference = ResourceClaimConsumerReference {
-            api_group: Some(String::new()),
-            resource: "pods".to_owned(),
-            name: pod.name_any(),
-            uid: pod.metadata.uid.clone().unwrap_or_default(),
-        };
-        for (claim, allocation) in mine.iter().zip(allocations) {
-            let mut updated = claim.clone();
-            let status = updated
-                .status
-                .get_or_insert_with(ResourceClaimStatus::default);
-            if let Some(allocation) = allocation {
-                status.allocation = Some(allocation);
-            }
-            let reserved = status.reserved_for.get_or_insert_with(Vec::new);
-            if !reserved.iter().any(|r| r.uid == reference.uid) {
-                reserved.push(reference.clone());
-            }
-            if let Err(error) = self.write_status(&updated).await {
-                tracing::info!(pod = %pod_key, claim = ?claim_key(claim), %error, "reserving the claim failed; the pod is retried");
-                return;
-            }
-        }
-        let binding = Binding {
-            metadata: ObjectMeta {
-                name: Some(pod.name_any()),
-                namespace: Some(namespace.clone()),
-                uid: pod.metadata.uid.clone(),
-                ..ObjectMeta::default()
-            },
-            target: ObjectReference {
-                kind: Some("Node".to_owned()),
-                name: Some(node.clone()),
-                ..ObjectReference::default()
-            },
-        };
-        let api: Api<Pod> = Api::namespaced(self.client.clone(), &namespace);
-        match api
-            .create_subresource::<_, serde_json::Value>(
-                "binding",
-                &pod.name_any(),
-                &PostParams::default(),
-                &binding,
-            )
-            .await
-        {
-            Ok(_) => tracing::info!(pod = %pod_key, %node, "bound with its claims allocated"),
-            Err(error) => {
-                tracing::info!(pod = %pod_key, error = %kube_message(error), "binding failed; the claims are released when the pod goes")
-            }
-        }
-    }
-
-    /// Sets `PodScheduled=False`, reason `Unschedulable`, unless already so with `message`.
-    async fn unschedulable(&self, pod: &Pod, message: &str) {
-        let already = pod
-            .status
-            .as_ref()
-            .and_then(|s| s.conditions.as_ref())
-            .into_iter()
-            .flatten()
-            .any(|c| c.type_ == "PodScheduled" && c.message.as_deref() == Some(message));
-        if already {
-            return;
-        }
-        let api: Api<Pod> =
-            Api::namespaced(self.client.clone(), &pod.namespace().unwrap_or_default());
-        let patch = json!({"status": {"conditions": [{
-            "type": "PodScheduled",
-            "status": "False",
-            "reason": "Unschedulable",
-            "message": message,
-            "lastTransitionTime": jiff::Timestamp::now().to_string(),
-        }]}});
-        if let Err(error) = api
-            .patch_status(
-                &pod.name_any(),
-                &PatchParams::default(),
-                &Patch::Strategic(patch),
-            )
-            .await
-        {
-            tracing::debug!(pod = %pod.name_any(), error = %kube_message(error), "cannot report why the pod waits");
-        }
-    }
-}
-
-fn kube_message(error: kube::Error) -> String {
-    match error {
-        kube::Error::Api(status) => status.message,
-        other => other.to_string(),
-    }
-}
-
 #[cfg(test)]
 mod tests {
+    use k8s_openapi::api::resource::v1::ResourceClaimStatus;
+
     use super::*;
 
     fn slice(node: &str, gpus: &[u64]) -> Arc<ResourceSlice> {

@@ -1,28 +1,26 @@
-//! The moving parts: two watches feeding the state, one scheduling loop (one pod at a time, as
-//! kube-scheduler's `scheduleOne`), and a bind task per placed pod so binds overlap with the
-//! next cycles.
+//! The moving parts: two watches feeding the state (`watches.rs`), one scheduling loop (one
+//! pod at a time, as kube-scheduler's `scheduleOne`), and a bind task per placed pod so binds
+//! overlap with the next cycles.
 //!
 //! No API call blocks a scheduling cycle (upstream's `SchedulerAsyncAPICalls`, on by default
 //! since v1.34): Events and `PodScheduled` updates are sent by tasks of their own, at most one
 //! update in flight per pod and only the latest one queued, so a slow or stalled API server
 //! delays what users read, never the scheduling of other pods.
 
-use std::collections::{HashMap, HashSet};
+use std::collections::{BTreeMap, HashMap, HashSet};
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::{Duration, Instant};
 
 use anyhow::Context as _;
-use futures::{StreamExt, future};
+use futures::future;
 use k8s_openapi::api::core::v1::{
     Binding, Event, EventSource, Node, ObjectReference, Pod, PodCondition,
 };
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::{ObjectMeta, Time};
 use k8s_openapi::jiff::Timestamp;
+use kube::Api;
 use kube::api::{Patch, PatchParams, PostParams};
-use kube::runtime::WatchStreamExt;
-use kube::runtime::watcher::{self, Event as WatchEvent};
-use kube::{Api, Resource};
 use rand::SeedableRng;
 use rand::rngs::StdRng;
 use tokio::sync::{Notify, Semaphore, oneshot};
@@ -36,8 +34,9 @@ use super::framework::{
     self, ExtenderPriorities, NodeScore, add_extender_priorities, fit_error_message,
     select_scored_host,
 };
-use super::state::{FailureKind, PodKey, Popped, QueueConfig, State, pod_key};
+use super::state::{Candidate, FailureKind, PodKey, Popped, QueueConfig, State};
 use super::stats::StatsRecorder;
+use super::watches::watch;
 use super::wire::ExtenderBindingArgs;
 
 /// How long `start` waits for the first list of Pods and Nodes.
@@ -54,7 +53,7 @@ pub struct Shared {
     client: kube::Client,
     extenders: Vec<HttpExtender>,
     state: Mutex<State>,
-    wake: Notify,
+    pub(super) wake: Notify,
     pub stats: StatsRecorder,
     binds: Arc<Semaphore>,
     pub cancel: CancellationToken,
@@ -92,7 +91,7 @@ enum CycleFailure {
 impl Shared {
     /// The state is only mutated synchronously; a panic while holding it would be a bug already
     /// reported by the panicking task, so the lock is taken over rather than poisoning the driver.
-    fn state(&self) -> MutexGuard<'_, State> {
+    pub(super) fn state(&self) -> MutexGuard<'_, State> {
         self.state.lock().unwrap_or_else(|p| p.into_inner())
     }
 
@@ -180,121 +179,6 @@ pub async fn start(
     Ok((shared, tasks))
 }
 
-// ---- Watches ----
-
-/// How the state takes in one kind of watched object.
-trait Watched:
-    Resource + Clone + serde::de::DeserializeOwned + std::fmt::Debug + Send + 'static
-{
-    /// For logs.
-    const KIND: &'static str;
-    /// The state's key of the object.
-    fn key(&self) -> String;
-    /// An add or update; `now` is when it arrived.
-    fn apply(self, state: &mut State, now: Instant);
-    /// A deletion.
-    fn delete(&self, state: &mut State, now: Instant);
-    /// After a (re)list: forget every object the list did not contain.
-    fn retain(state: &mut State, listed: &HashSet<String>);
-}
-
-impl Watched for Pod {
-    const KIND: &'static str = "pod";
-
-    fn key(&self) -> String {
-        pod_key(self)
-    }
-
-    fn apply(self, state: &mut State, now: Instant) {
-        if state.apply_pod(self) {
-            // A pod finished and freed its node's resources.
-            state.move_all_to_active_or_backoff(now);
-        }
-    }
-
-    fn delete(&self, state: &mut State, now: Instant) {
-        state.delete_pod(&pod_key(self));
-        state.move_all_to_active_or_backoff(now);
-    }
-
-    fn retain(state: &mut State, listed: &HashSet<String>) {
-        state.retain_pods(listed);
-    }
-}
-
-impl Watched for Node {
-    const KIND: &'static str = "node";
-
-    fn key(&self) -> String {
-        self.metadata.name.clone().unwrap_or_default()
-    }
-
-    fn apply(self, state: &mut State, now: Instant) {
-        state.apply_node(self);
-        state.move_all_to_active_or_backoff(now);
-    }
-
-    fn delete(&self, state: &mut State, _now: Instant) {
-        state.delete_node(self.metadata.name.as_deref().unwrap_or_default());
-    }
-
-    fn retain(state: &mut State, listed: &HashSet<String>) {
-        state.retain_nodes(listed);
-    }
-}
-
-/// Feeds one watch into the state until cancelled; `synced` fires after the first list.
-async fn watch<K: Watched>(shared: Arc<Shared>, api: Api<K>, synced: oneshot::Sender<()>) {
-    let mut synced = Some(synced);
-    let mut listing: Option<HashSet<String>> = None;
-    let stream = watcher(api);
-    futures::pin_mut!(stream);
-    loop {
-        let event = tokio::select! {
-            _ = shared.cancel.cancelled() => return,
-            event = stream.next() => event,
-        };
-        let Some(event) = event else { return };
-        let now = Instant::now();
-        let mut state = shared.state();
-        match event {
-            Err(error) => {
-                warn!(%error, kind = K::KIND, "watch failed; retrying");
-                continue;
-            }
-            Ok(WatchEvent::Init) => listing = Some(HashSet::new()),
-            Ok(WatchEvent::InitApply(object)) => {
-                if let Some(seen) = listing.as_mut() {
-                    seen.insert(object.key());
-                }
-                object.apply(&mut state, now);
-            }
-            Ok(WatchEvent::InitDone) => {
-                if let Some(seen) = listing.take() {
-                    K::retain(&mut state, &seen);
-                }
-                state.move_all_to_active_or_backoff(now);
-                if let Some(tx) = synced.take() {
-                    let _ = tx.send(());
-                }
-            }
-            Ok(WatchEvent::Apply(object)) => object.apply(&mut state, now),
-            Ok(WatchEvent::Delete(object)) => object.delete(&mut state, now),
-        }
-        drop(state);
-        shared.wake.notify_one();
-    }
-}
-
-fn watcher<K>(
-    api: Api<K>,
-) -> impl futures::Stream<Item = Result<WatchEvent<K>, watcher::Error>> + Send
-where
-    K: Resource + Clone + serde::de::DeserializeOwned + std::fmt::Debug + Send + 'static,
-{
-    watcher::watcher(api, watcher::Config::default()).default_backoff()
-}
-
 // ---- Scheduling loop ----
 
 async fn schedule_loop(shared: Arc<Shared>) {
@@ -380,15 +264,31 @@ async fn find_host(shared: &Shared, pod: &Pod) -> Result<String, CycleFailure> {
     };
     let num_all = filtered.num_all_nodes;
     let mut statuses = filtered.statuses;
-    let mut feasible = filtered.feasible;
-    let unschedulable = |statuses: &std::collections::BTreeMap<String, Vec<String>>| {
+    let unschedulable = |statuses: &BTreeMap<String, Vec<String>>| {
         CycleFailure::Unschedulable(fit_error_message(num_all, statuses.values()))
     };
+    if filtered.feasible.is_empty() {
+        return Err(unschedulable(&statuses));
+    }
+    let feasible = pass_extenders(shared, pod, filtered.feasible, &mut statuses).await?;
     if feasible.is_empty() {
         return Err(unschedulable(&statuses));
     }
+    if let [only] = feasible.as_slice() {
+        return Ok(only.name.clone());
+    }
+    prioritize(shared, pod, &feasible).await
+}
 
-    // findNodesThatPassExtenders
+/// `findNodesThatPassExtenders`: each extender with a filter verb that is interested in
+/// `pod` narrows `feasible` in turn, its reasons added to `statuses`. An ignorable extender's
+/// error is skipped; another's fails the cycle.
+async fn pass_extenders(
+    shared: &Shared,
+    pod: &Pod,
+    mut feasible: Vec<Candidate>,
+    statuses: &mut BTreeMap<String, Vec<String>>,
+) -> Result<Vec<Candidate>, CycleFailure> {
     for extender in &shared.extenders {
         if feasible.is_empty() {
             break;
@@ -428,16 +328,18 @@ async fn find_host(shared: &Shared, pod: &Pod) -> Result<String, CycleFailure> {
             .filter_map(|&i| feasible.get(i).cloned())
             .collect();
     }
-    if feasible.is_empty() {
-        return Err(unschedulable(&statuses));
-    }
-    if let [only] = feasible.as_slice() {
-        return Ok(only.name.clone());
-    }
+    Ok(feasible)
+}
 
-    // prioritizeNodes: default scores plus every interested extender's, concurrently. An
-    // extender without a prioritize verb answers too (score 0, weight 0), as upstream's
-    // HTTPExtender.Prioritize does, which matters for the tie-breaker.
+/// `prioritizeNodes`: default scores plus every interested extender's, concurrently, then
+/// the best total (ties at random). An extender without a prioritize verb answers too
+/// (score 0, weight 0), as upstream's HTTPExtender.Prioritize does, which matters for the
+/// tie-breaker.
+async fn prioritize(
+    shared: &Shared,
+    pod: &Pod,
+    feasible: &[Candidate],
+) -> Result<String, CycleFailure> {
     let nodes: Vec<_> = feasible.iter().map(|c| c.node.clone()).collect();
     let mut scores: Vec<NodeScore> = feasible
         .iter()

@@ -20,22 +20,29 @@
 //! ```
 //!
 //! - [`wire`]: the extender JSON (PascalCase keys, Go's case-insensitive decoding).
-//! - `framework`: the default profile's filters and scores, and the FitError message.
+//! - `framework`: the default profile's filters and the FitError message, with the paths of
+//!   `requests` (what pods request and nodes hold) and `scoring` (scores, host pick).
 //! - `configuration`: a `KubeSchedulerConfiguration` file (as the chart renders it) read into a
 //!   [`SchedulerConfig`].
 //! - `state`: the cache (bound + assumed pods per node) and the scheduling queue.
 //! - `extender`: the HTTP client for one extender.
-//! - `driver`: the watches, the scheduling loop and the bind tasks.
+//! - `driver`: the scheduling loop and the bind tasks; `watches`: the Pod and Node watches.
 //! - [`dra`]: DRA mode: claims allocated with consumable capacity, as kube-scheduler's
-//!   DynamicResources plugin does, and released as the resourceclaim controller does.
+//!   DynamicResources plugin does, and released as the resourceclaim controller does; its
+//!   control loop is `dra_scheduler`, on the plumbing of `control_loop`.
 
 mod configuration;
+mod control_loop;
 pub mod dra;
+mod dra_scheduler;
 mod driver;
 mod extender;
 pub mod framework;
+mod requests;
+mod scoring;
 mod state;
 mod stats;
+mod watches;
 pub mod wire;
 
 use std::sync::Arc;

@@ -1,0 +1,239 @@
+//! The read verbs: get, list (with `limit`/`continue` pages and selectors), the namespace
+//! list, and a watch request read from the query.
+//!
+//! Reads never change the store, so they live apart from the writes: what a client sees of
+//! the state, and how pages and watches line up on one resourceVersion, is here in one place.
+
+use std::time::Duration;
+
+use http::StatusCode;
+use serde_json::{Value, json};
+
+use super::handlers::{Params, Reply, Target};
+use super::objects::meta_str;
+use super::resources::Kind;
+use super::selector::Selector;
+use super::status::{ApiError, ApiResult};
+use super::store::Key;
+use super::watch::{Start, WatchRequest};
+use super::{App, discovery, table};
+
+/// Watch length when the client gives no `timeoutSeconds`.
+const DEFAULT_WATCH_TIMEOUT: Duration = Duration::from_secs(1800);
+
+/// A GET, as a Table when the client asked for one (`as_table`).
+pub(super) fn get_as(app: &App, target: &Target, as_table: Option<table::Include>) -> Reply {
+    get(app, target).map(|(code, object)| match as_table {
+        Some(include) => {
+            let metadata = json!({"resourceVersion": meta_str(&object, "resourceVersion")});
+            (
+                code,
+                table::table(target.kind, &[object], metadata, include),
+            )
+        }
+        None => (code, object),
+    })
+}
+
+/// A list, as a Table when the client asked for one (`as_table`).
+pub(super) fn list_as(
+    app: &App,
+    target: &Target,
+    params: &Params,
+    as_table: Option<table::Include>,
+) -> Reply {
+    list(app, target, params).map(|(code, list)| match as_table {
+        Some(include) => {
+            let items = list["items"].as_array().cloned().unwrap_or_default();
+            (
+                code,
+                table::table(target.kind, &items, list["metadata"].clone(), include),
+            )
+        }
+        None => (code, list),
+    })
+}
+
+fn get(app: &App, target: &Target) -> Reply {
+    app.store.read(|store| {
+        store
+            .get(target.kind, &target.key())
+            .cloned()
+            .map(|object| (StatusCode::OK, object))
+            .ok_or_else(|| ApiError::not_found(target.kind.plural(), target.name()))
+    })
+}
+
+fn selector(target: &Target, params: &Params) -> ApiResult<Selector> {
+    Selector::parse(
+        target.kind,
+        params.get("labelSelector").map(String::as_str),
+        params.get("fieldSelector").map(String::as_str),
+    )
+}
+
+/// A continue token: the list's resourceVersion and the last key it returned, hex-encoded so
+/// it survives any URL handling.
+fn encode_continue(rv: u64, key: &Key) -> String {
+    let raw = format!("{rv}\n{}\n{}", key.0, key.1);
+    raw.bytes().map(|b| format!("{b:02x}")).collect()
+}
+
+fn decode_continue(token: &str) -> ApiResult<(u64, Key)> {
+    let invalid = || ApiError::bad_request(format!("invalid continue token {token:?}"));
+    if !token.len().is_multiple_of(2) || !token.is_ascii() {
+        return Err(invalid());
+    }
+    let bytes: Vec<u8> = (0..token.len())
+        .step_by(2)
+        .map(|i| u8::from_str_radix(&token[i..i + 2], 16))
+        .collect::<Result<_, _>>()
+        .map_err(|_| invalid())?;
+    let text = String::from_utf8(bytes).map_err(|_| invalid())?;
+    let mut parts = text.splitn(3, '\n');
+    let rv = parts
+        .next()
+        .and_then(|rv| rv.parse().ok())
+        .ok_or_else(invalid)?;
+    let ns = parts.next().ok_or_else(invalid)?.to_owned();
+    let name = parts.next().ok_or_else(invalid)?.to_owned();
+    Ok((rv, (ns, name)))
+}
+
+/// Lists. Pages (`limit`/`continue`) are cut from the current state after the last key
+/// returned; every page reports the first page's resourceVersion, so a client that then
+/// watches from it replays whatever changed meanwhile and converges.
+fn list(app: &App, target: &Target, params: &Params) -> Reply {
+    let selector = selector(target, params)?;
+    let limit = match params.get("limit").filter(|l| !l.is_empty()) {
+        Some(limit) => Some(
+            limit
+                .parse::<usize>()
+                .map_err(|_| ApiError::bad_request(format!("invalid limit {limit:?}")))?,
+        ),
+        None => None,
+    }
+    .filter(|l| *l > 0);
+    let after = match params.get("continue").filter(|c| !c.is_empty()) {
+        Some(token) => Some(decode_continue(token)?),
+        None => None,
+    };
+    app.store.read(|store| {
+        let list_rv = match &after {
+            Some((rv, _)) => {
+                if store.is_expired(*rv).is_some() {
+                    return Err(ApiError::expired(
+                        "The provided continue parameter is too old to display a consistent list result. You can start a new list without the continue parameter.",
+                    ));
+                }
+                *rv
+            }
+            None => store.resource_version(),
+        };
+        let mut items = Vec::new();
+        let mut next = None;
+        let matching = store
+            .list(target.kind, target.namespace.as_deref())
+            .filter(|(key, _)| after.as_ref().is_none_or(|(_, last)| *key > last))
+            .filter(|(_, object)| selector.matches(object));
+        for (key, object) in matching {
+            if limit.is_some_and(|limit| items.len() == limit) {
+                next = Some(encode_continue(list_rv, &items_last_key(&items, key)));
+                break;
+            }
+            items.push((key.clone(), object.clone()));
+        }
+        let mut metadata = json!({"resourceVersion": list_rv.to_string()});
+        if let Some(token) = next {
+            metadata["continue"] = json!(token);
+        }
+        let items: Vec<Value> = items.into_iter().map(|(_, object)| object).collect();
+        Ok((
+            StatusCode::OK,
+            json!({
+                "kind": format!("{}List", target.kind.kind()),
+                "apiVersion": target.kind.api_version(),
+                "metadata": metadata,
+                "items": items,
+            }),
+        ))
+    })
+}
+
+fn items_last_key(items: &[(Key, Value)], fallback: &Key) -> Key {
+    items
+        .last()
+        .map(|(key, _)| key.clone())
+        .unwrap_or_else(|| fallback.clone())
+}
+
+pub(super) fn namespace_list(app: &App) -> Value {
+    let mut names: Vec<String> = ["default", "kube-system", "kube-public", "kube-node-lease"]
+        .iter()
+        .map(|s| (*s).to_owned())
+        .collect();
+    app.store.read(|store| {
+        for kind in Kind::ALL.into_iter().filter(|k| k.namespaced()) {
+            for ((ns, _), _) in store.list(kind, None) {
+                if !names.contains(ns) {
+                    names.push(ns.clone());
+                }
+            }
+        }
+    });
+    names.sort();
+    let rv = app.store.read(|store| store.resource_version());
+    json!({
+        "kind": "NamespaceList",
+        "apiVersion": "v1",
+        "metadata": {"resourceVersion": rv.to_string()},
+        "items": names.iter().map(|n| discovery::namespace(n)).collect::<Vec<_>>(),
+    })
+}
+
+pub(super) fn watch_request(
+    target: &Target,
+    params: &Params,
+    as_table: Option<table::Include>,
+) -> ApiResult<WatchRequest> {
+    let selector = selector(target, params)?;
+    let start = match params.get("resourceVersion").map(String::as_str) {
+        None | Some("") | Some("0") => Start::Current,
+        Some(rv) => Start::After(
+            rv.parse()
+                .map_err(|_| ApiError::bad_request(format!("invalid resourceVersion {rv:?}")))?,
+        ),
+    };
+    let flag = |name: &str| params.get(name).is_some_and(|v| v == "true" || v == "1");
+    let timeout = match params.get("timeoutSeconds") {
+        Some(secs) => Duration::from_secs(
+            secs.parse()
+                .map_err(|_| ApiError::bad_request(format!("invalid timeoutSeconds {secs:?}")))?,
+        ),
+        None => DEFAULT_WATCH_TIMEOUT,
+    };
+    Ok(WatchRequest {
+        kind: target.kind,
+        namespace: target.namespace.clone(),
+        selector,
+        start,
+        bookmarks: flag("allowWatchBookmarks"),
+        initial_events_end: flag("sendInitialEvents") && flag("allowWatchBookmarks"),
+        timeout,
+        as_table,
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn continue_tokens_round_trip() {
+        let key = ("ns".to_owned(), "a\nb".to_owned());
+        let token = encode_continue(42, &key);
+        assert_eq!(decode_continue(&token).unwrap(), (42, key));
+        assert!(decode_continue("zz").is_err());
+        assert!(decode_continue("abc").is_err());
+    }
+}

@@ -1,0 +1,208 @@
+//! The writes that store an object: create, update (PUT) and patch, with what every one of
+//! them goes through on the way in: defaulting and validation, fields of disabled features
+//! dropped, the admission policies in force, managedFields, the resourceVersion check.
+//!
+//! Each runs under the store's write lock from reading the current object to storing the
+//! new one (see `handlers.rs` for why a write runs in a task of its own).
+
+use http::StatusCode;
+use serde_json::Value;
+
+use super::admission::{AdmissionRequest, Operation};
+use super::handlers::{Params, Reply, Target, dry_run, parse_body, part};
+use super::objects::{self, meta_str};
+use super::patch::{self, PatchKind};
+use super::resources::Kind;
+use super::status::{ApiError, ApiResult};
+use super::{App, Caller, managed};
+
+/// Runs the admission policies in force on a create or update of `target`, on `object` as it
+/// would be stored (defaulted; an update's patched or replaced result).
+fn admit(
+    app: &App,
+    user: &Caller,
+    target: &Target,
+    operation: Operation,
+    object: &Value,
+    old_object: Option<&Value>,
+) -> ApiResult<()> {
+    let policies = app.access.policies();
+    if policies.is_empty() {
+        return Ok(());
+    }
+    let api_version = target.kind.api_version();
+    let (group, version) = api_version.split_once('/').unwrap_or(("", api_version));
+    // As upstream names a refused object: its name, else its generateName.
+    let name = meta_str(object, "name")
+        .filter(|n| !n.is_empty())
+        .or_else(|| meta_str(object, "generateName"))
+        .unwrap_or("");
+    let request = AdmissionRequest {
+        operation,
+        username: &user.name,
+        node_claim: user.node.as_deref(),
+        group,
+        version,
+        resource: target.kind.plural(),
+        subresource: target.subresource.as_deref().unwrap_or(""),
+        kind: target.kind.kind(),
+        namespace: target.namespace.as_deref().unwrap_or(""),
+        name,
+        object,
+        old_object,
+    };
+    policies.admit(&request).map_err(|denial| {
+        tracing::debug!(user = %user.name, resource = %target.resource(), name, policy = %denial.policy, "admission denied");
+        ApiError::new(
+            denial.code(),
+            denial.status_reason(),
+            denial.status_message(target.kind.plural(), name),
+        )
+        .with_details(target.kind.plural(), name)
+    })
+}
+
+pub(super) fn create(
+    app: &App,
+    (user, manager): (&Caller, &str),
+    target: &Target,
+    params: &Params,
+    content_type: &str,
+    body: &[u8],
+) -> Reply {
+    let object = parse_body(content_type, body)?;
+    let mut object = objects::prepare_create(target.kind, object, target.namespace.as_deref())?;
+    app.access
+        .drop_disabled_fields(target.kind, &mut object, None);
+    admit(app, user, target, Operation::Create, &object, None)?;
+    managed::track_create(&mut object, manager, target.kind.has_status());
+    let name = meta_str(&object, "name").unwrap_or("").to_owned();
+    let key = (target.namespace.clone().unwrap_or_default(), name.clone());
+    app.store.write(|store| {
+        if store.get(target.kind, &key).is_some() {
+            return Err(ApiError::already_exists(target.kind.plural(), &name));
+        }
+        if dry_run(params) {
+            return Ok((StatusCode::CREATED, object));
+        }
+        Ok((StatusCode::CREATED, store.create(target.kind, key, object)))
+    })
+}
+
+/// Shared by update and patch: store `new` over the current object, unless nothing changed.
+fn store_update(
+    store: &mut super::store::Inner,
+    (app, user, manager): (&App, &Caller, &str),
+    target: &Target,
+    current: &Value,
+    new: Value,
+    params: &Params,
+) -> Reply {
+    let mut prepared = objects::prepare_update(target.kind, current, new, part(target))?;
+    app.access
+        .drop_disabled_fields(target.kind, &mut prepared, Some(current));
+    // The body's managedFields are not taken: the server records who changed what.
+    managed::keep_entries(current, &mut prepared);
+    admit(
+        app,
+        user,
+        target,
+        Operation::Update,
+        &prepared,
+        Some(current),
+    )?;
+    if &prepared == current || dry_run(params) {
+        return Ok((StatusCode::OK, prepared));
+    }
+    managed::track_update(
+        current,
+        &mut prepared,
+        manager,
+        target.subresource.as_deref(),
+    );
+    let finished = prepared.pointer("/metadata/deletionTimestamp").is_some()
+        && prepared
+            .pointer("/metadata/finalizers")
+            .and_then(Value::as_array)
+            .is_none_or(|f| f.is_empty())
+        && target.kind == Kind::Pod
+        && current
+            .pointer("/metadata/finalizers")
+            .and_then(Value::as_array)
+            .is_some_and(|f| !f.is_empty());
+    let stored = store.update(target.kind, target.key(), prepared);
+    if finished {
+        // The last finalizer is gone from an object being deleted: it goes now.
+        store.delete(target.kind, &target.key());
+    }
+    Ok((StatusCode::OK, stored))
+}
+
+pub(super) fn current_or_404<'a>(
+    store: &'a super::store::Inner,
+    target: &Target,
+) -> ApiResult<&'a Value> {
+    store
+        .get(target.kind, &target.key())
+        .ok_or_else(|| ApiError::not_found(target.kind.plural(), target.name()))
+}
+
+pub(super) fn update(
+    app: &App,
+    (user, manager): (&Caller, &str),
+    target: &Target,
+    params: &Params,
+    content_type: &str,
+    body: &[u8],
+) -> Reply {
+    let new = parse_body(content_type, body)?;
+    let body_name = meta_str(&new, "name").unwrap_or("");
+    if body_name != target.name() {
+        return Err(ApiError::bad_request(format!(
+            "the name of the object ({body_name}) does not match the name on the URL ({})",
+            target.name()
+        )));
+    }
+    app.store.write(|store| {
+        let current = current_or_404(store, target)?.clone();
+        let body_rv = meta_str(&new, "resourceVersion").unwrap_or("");
+        if !body_rv.is_empty() && Some(body_rv) != meta_str(&current, "resourceVersion") {
+            return Err(ApiError::stale(target.kind.plural(), target.name()));
+        }
+        store_update(store, (app, user, manager), target, &current, new, params)
+    })
+}
+
+pub(super) fn patch_object(
+    app: &App,
+    (user, manager): (&Caller, &str),
+    target: &Target,
+    params: &Params,
+    content_type: &str,
+    body: &[u8],
+) -> Reply {
+    let kind = PatchKind::from_content_type(content_type)?;
+    app.store.write(|store| {
+        let current = current_or_404(store, target)?.clone();
+        let patched = patch::apply(kind, &current, body)?;
+        if patched.pointer("/metadata/resourceVersion")
+            != current.pointer("/metadata/resourceVersion")
+        {
+            return Err(ApiError::stale(target.kind.plural(), target.name()));
+        }
+        let patched_name = patched.pointer("/metadata/name").and_then(Value::as_str);
+        if patched_name != Some(target.name()) {
+            return Err(ApiError::bad_request(
+                "a patch may not change metadata.name",
+            ));
+        }
+        store_update(
+            store,
+            (app, user, manager),
+            target,
+            &current,
+            patched,
+            params,
+        )
+    })
+}

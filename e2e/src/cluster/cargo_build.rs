@@ -1,0 +1,121 @@
+//! Builds our binaries (`gpushare-extender`, `gpushare-device-plugin`,
+//! `gpushare-dra-plugin`, `kubectl-gpushare`) once per process, with the same cargo, profile
+//! and target folder as the running test, or finds prebuilt ones in `GPUSHARE_BIN_DIR`.
+//!
+//! The nested build selects this crate's package beside theirs. This crate depends on the
+//! binaries' libraries, so the selection resolves the same features as `cargo run -p
+//! gpushare-e2e --bin demo` did: every dependency the demo compiled is reused, and a cold
+//! start compiles each once (before, the two selections differed in a few features deep in
+//! the graph, and the nested build compiled most of it a second time).
+//!
+//! Separate because it runs cargo, not the cluster: its environment handling (the runner's
+//! `CARGO_*` variables kept out of the nested build) is its own concern.
+
+use std::path::{Path, PathBuf};
+use std::sync::OnceLock;
+
+use anyhow::{Context, bail};
+
+/// Paths to our binaries, built once per process with the same cargo and profile as the
+/// running test or demo.
+#[derive(Debug, Clone)]
+pub struct Binaries {
+    /// `gpushare-extender`
+    pub extender: PathBuf,
+    /// `gpushare-device-plugin`
+    pub device_plugin: PathBuf,
+    /// `gpushare-dra-plugin` (DRA mode, see [`crate::cluster_dra`])
+    pub dra_plugin: PathBuf,
+    /// `kubectl-gpushare`, the kubectl plugin
+    pub kubectl_gpushare: PathBuf,
+}
+
+/// The packages whose binaries the harness runs, and those binaries.
+const BINARIES: [(&str, &str); 4] = [
+    ("gpushare-extender", "gpushare-extender"),
+    ("gpushare-device-plugin", "gpushare-device-plugin"),
+    ("gpushare-dra-plugin", "gpushare-dra-plugin"),
+    ("kubectl-gpushare", "kubectl-gpushare"),
+];
+
+/// Builds (if needed) and finds our binaries. `GPUSHARE_BIN_DIR` points at prebuilt ones.
+pub fn binaries() -> anyhow::Result<Binaries> {
+    static BUILT: OnceLock<Result<Binaries, String>> = OnceLock::new();
+    BUILT
+        .get_or_init(|| build_binaries().map_err(|e| format!("{e:#}")))
+        .clone()
+        .map_err(anyhow::Error::msg)
+}
+
+fn build_binaries() -> anyhow::Result<Binaries> {
+    let in_dir = |dir: &Path| Binaries {
+        extender: dir.join("gpushare-extender"),
+        device_plugin: dir.join("gpushare-device-plugin"),
+        dra_plugin: dir.join("gpushare-dra-plugin"),
+        kubectl_gpushare: dir.join("kubectl-gpushare"),
+    };
+    if let Some(dir) = std::env::var_os("GPUSHARE_BIN_DIR") {
+        return Ok(in_dir(Path::new(&dir)));
+    }
+    // The running executable lives in <target>/<profile>/[deps/]name: build into the same place.
+    let exe = std::env::current_exe().context("locating the running executable")?;
+    let profile_dir = exe
+        .ancestors()
+        .find(|dir| {
+            matches!(
+                dir.file_name().and_then(|n| n.to_str()),
+                Some("debug" | "release")
+            )
+        })
+        .context("the running executable is not under a cargo target/<profile> folder")?
+        .to_path_buf();
+    let target_dir = profile_dir.parent().context("target dir")?;
+    let release = profile_dir.ends_with("release");
+    let cargo = std::env::var_os("CARGO").unwrap_or_else(|| "cargo".into());
+    let workspace = Path::new(env!("CARGO_MANIFEST_DIR"))
+        .parent()
+        .context("workspace root")?;
+    let mut build = std::process::Command::new(cargo);
+    // `cargo run` / `cargo test` hand their child the package's CARGO_* variables; some
+    // crates read such variables at compile time, so passing them on would make this
+    // nested build rebuild what a plain `cargo build` already built.
+    for (name, _) in std::env::vars_os() {
+        let name = name.to_string_lossy();
+        let from_runner = [
+            "CARGO_PKG_",
+            "CARGO_MANIFEST_",
+            "CARGO_BIN_",
+            "CARGO_CRATE_",
+        ]
+        .iter()
+        .any(|prefix| name.starts_with(prefix))
+            || matches!(
+                &*name,
+                "CARGO_PRIMARY_PACKAGE" | "CARGO_TARGET_TMPDIR" | "OUT_DIR"
+            );
+        if from_runner {
+            build.env_remove(&*name);
+        }
+    }
+    build
+        .current_dir(workspace)
+        .args(["build", "--quiet", "-p", env!("CARGO_PKG_NAME")]);
+    for (package, _) in BINARIES {
+        build.args(["-p", package]);
+    }
+    for (_, binary) in BINARIES {
+        build.args(["--bin", binary]);
+    }
+    build.arg("--target-dir").arg(target_dir);
+    if release {
+        build.arg("--release");
+    }
+    let status = build
+        .status()
+        .context("running cargo build for our binaries")?;
+    if !status.success() {
+        let binaries: Vec<&str> = BINARIES.iter().map(|(_, binary)| *binary).collect();
+        bail!("cargo build of {} failed ({status})", binaries.join(", "));
+    }
+    Ok(in_dir(&profile_dir))
+}

@@ -1,0 +1,162 @@
+//! Fake nodes for load on the real cluster: Node objects in bulk with no kubelet behind them,
+//! opted in to gpushare with GPUs published as the device plugin publishes them, and, in DRA
+//! mode, a ResourceSlice for each as the DRA plugin would publish it.
+//!
+//! They give the real schedulers a thousand-node cluster to place a backlog on while the kit
+//! runs one real kubelet; [`super::load::NodeStandIn`] plays the kubelets they lack.
+
+use anyhow::Context;
+use futures::{StreamExt, TryStreamExt, stream};
+use k8s_openapi::api::core::v1::Node;
+use k8s_openapi::api::resource::v1::ResourceSlice;
+use k8s_openapi::apimachinery::pkg::api::resource::Quantity;
+use kube::api::{Api, DeleteParams, ListParams, Patch, PatchParams, PostParams};
+use kube::{Client, ResourceExt};
+use serde_json::json;
+
+use crate::fixtures;
+
+/// The label every fake node carries (`fake=true`), so they can be deleted in one call.
+pub const FAKE_LABEL: &str = "fake";
+/// How many API calls the harness keeps in flight when it creates objects in bulk.
+pub(super) const BULK_CALLS: usize = 16;
+
+/// Node objects with no kubelet behind them, `<prefix>-0` .. `<prefix>-<count - 1>`, opted in
+/// (`gpushare=true`), with the GPUs of `gpus` (GiB each) published as the device plugin
+/// publishes them and `extra` extended resources beside `example.com/gpu-mem`. Pods bound there
+/// never run.
+pub async fn create_fake_gpu_nodes(
+    client: &Client,
+    prefix: &str,
+    count: usize,
+    gpus: &[u64],
+    extra: &[(&str, u64)],
+) -> anyhow::Result<()> {
+    let nodes: Api<Node> = Api::all(client.clone());
+    stream::iter(0..count)
+        .map(|i| {
+            let nodes = nodes.clone();
+            async move {
+                let name = format!("{prefix}-{i}");
+                let mut node = fixtures::node(&name)
+                    .gpushare()
+                    .gpus(gpus)
+                    .cpu("64")
+                    .memory("512Gi")
+                    .label(FAKE_LABEL, "true")
+                    .build();
+                let status = node.status.get_or_insert_default();
+                for resources in [&mut status.capacity, &mut status.allocatable] {
+                    let resources = resources.get_or_insert_default();
+                    resources.insert("pods".to_owned(), Quantity("500".to_owned()));
+                    for (resource, amount) in extra {
+                        resources.insert((*resource).to_owned(), Quantity(amount.to_string()));
+                    }
+                }
+                let created = nodes
+                    .create(&PostParams::default(), &node)
+                    .await
+                    .with_context(|| format!("creating node {name}"))?;
+                // The API server drops a new node's status: write it.
+                nodes
+                    .patch_status(
+                        &name,
+                        &PatchParams::default(),
+                        &Patch::Merge(json!({ "status": node.status })),
+                    )
+                    .await
+                    .with_context(|| format!("writing the status of node {name}"))?;
+                // Admission taints a new node not-ready until its kubelet says otherwise;
+                // none will.
+                let taints = created.spec.and_then(|s| s.taints).unwrap_or_default();
+                if !taints.is_empty() {
+                    let kept: Vec<_> = taints
+                        .into_iter()
+                        .filter(|t| t.key != "node.kubernetes.io/not-ready")
+                        .collect();
+                    nodes
+                        .patch(
+                            &name,
+                            &PatchParams::default(),
+                            &Patch::Merge(json!({ "spec": { "taints": kept } })),
+                        )
+                        .await
+                        .with_context(|| format!("untainting node {name}"))?;
+                }
+                anyhow::Ok(())
+            }
+        })
+        .buffer_unordered(BULK_CALLS)
+        .try_collect::<Vec<()>>()
+        .await?;
+    Ok(())
+}
+
+/// Deletes every fake node (not waiting for them to go).
+pub async fn delete_fake_nodes(client: &Client) -> anyhow::Result<()> {
+    Api::<Node>::all(client.clone())
+        .delete_collection(
+            &DeleteParams::default(),
+            &ListParams::default().labels(&format!("{FAKE_LABEL}=true")),
+        )
+        .await?;
+    Ok(())
+}
+
+/// A ResourceSlice for each fake node `<prefix>-0` .., as the DRA plugin publishes one for its
+/// node (`gpushare_dra_plugin::slice::build`): one device per GPU of `gpus` (GiB each), with
+/// consumable `memory`.
+pub async fn publish_fake_slices(
+    client: &Client,
+    prefix: &str,
+    count: usize,
+    gpus: &[u64],
+    driver: &str,
+) -> anyhow::Result<()> {
+    use gpushare_contract::inventory::GpuInfo;
+    use gpushare_dra_plugin::slice::{self, Unhealthy};
+    let slices: Api<ResourceSlice> = Api::all(client.clone());
+    stream::iter(0..count)
+        .map(|i| {
+            let slices = slices.clone();
+            async move {
+                let node = format!("{prefix}-{i}");
+                let infos: Vec<GpuInfo> = gpus
+                    .iter()
+                    .zip(0u32..)
+                    .map(|(gib, index)| GpuInfo {
+                        index,
+                        uuid: format!("GPU-{node}-{index}"),
+                        model: "Fake".to_owned(),
+                        mem_gib: *gib,
+                        healthy: true,
+                        numa_node: None,
+                    })
+                    .collect();
+                let mut built = slice::build(&node, driver, &infos, 1, Unhealthy::Taint);
+                built
+                    .labels_mut()
+                    .insert(FAKE_LABEL.to_owned(), "true".to_owned());
+                slices
+                    .create(&PostParams::default(), &built)
+                    .await
+                    .with_context(|| format!("creating the ResourceSlice of {node}"))?;
+                anyhow::Ok(())
+            }
+        })
+        .buffer_unordered(BULK_CALLS)
+        .try_collect::<Vec<()>>()
+        .await?;
+    Ok(())
+}
+
+/// Deletes the slices [`publish_fake_slices`] made.
+pub async fn delete_fake_slices(client: &Client) -> anyhow::Result<()> {
+    Api::<ResourceSlice>::all(client.clone())
+        .delete_collection(
+            &DeleteParams::default(),
+            &ListParams::default().labels(&format!("{FAKE_LABEL}=true")),
+        )
+        .await?;
+    Ok(())
+}

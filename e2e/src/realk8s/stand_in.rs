@@ -1,0 +1,203 @@
+//! A stand-in for the kubelets (and device plugins) of the fake nodes: it writes each bound
+//! pod's status as kubelet does when it admits the pod and, when asked, the device plugin's
+//! allocation marks as the plugin's ServiceAccount on the pod's node.
+//!
+//! Why: no kubelet ever admits a fake node's pods, so without this the allocator's twin rule
+//! would keep later pods off a GPU still waiting for its device, and the API server would be
+//! spared the status write every real node makes (see [`super::load`]).
+
+use std::collections::HashSet;
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use futures::StreamExt;
+use gpushare_contract::{Keys, PodAllocation};
+use k8s_openapi::api::core::v1::Pod;
+use kube::api::{Api, Patch, PatchParams};
+use kube::runtime::{WatchStreamExt, watcher};
+use kube::{Client, ResourceExt};
+use serde_json::json;
+use tokio::sync::Semaphore;
+use tokio::task::JoinHandle;
+
+/// How many pods the node stand-in writes at once: a thousand kubelets write their own pods in
+/// parallel, so it must keep up with a drain (with 16 it ran behind, and most writes landed
+/// after the last bind).
+const STAND_IN_CALLS: usize = 512;
+
+/// Plays kubelet (and, with marks, the device plugin) of every fake node: once a pod in the
+/// namespace is bound to a node whose name starts with the prefix, writes its status after
+/// `delay` as kubelet does when it admits the pod (a `startTime`; kubelet then writes more,
+/// this writes only that one), and with `marks` also the allocation marks of a GPU pod, as
+/// the plugin's ServiceAccount on that node (`devicePlugin.allocationMarks=true`). Runs in
+/// both drains: kube-scheduler alone's pods get their status as much as the chart's. Stops
+/// when dropped.
+pub struct NodeStandIn {
+    task: JoinHandle<()>,
+    written: Arc<AtomicUsize>,
+    marked: Arc<AtomicUsize>,
+    failed: Arc<Mutex<Vec<String>>>,
+}
+
+/// What [`NodeStandIn`] writes for each bound pod.
+#[derive(Debug, Clone)]
+pub struct StandInConfig {
+    /// Only pods bound to nodes whose names start with this.
+    pub node_prefix: String,
+    /// How long after the bind (kubelet admitting the pod).
+    pub delay: Duration,
+    /// Also the device plugin's marks, as `system:serviceaccount:<this>` (`namespace/name`);
+    /// `None`: no marks (the chart's default).
+    pub marks_as: Option<String>,
+}
+
+impl NodeStandIn {
+    /// Starts watching `namespace`.
+    pub fn start(client: Client, namespace: &str, config: StandInConfig) -> Self {
+        let written = Arc::new(AtomicUsize::new(0));
+        let marked = Arc::new(AtomicUsize::new(0));
+        let failed = Arc::new(Mutex::new(Vec::new()));
+        let plugin_user = config.marks_as.as_deref().map(|account| {
+            let (sa_namespace, sa_name) =
+                account.split_once('/').unwrap_or(("kube-system", account));
+            format!("system:serviceaccount:{sa_namespace}:{sa_name}")
+        });
+        let pods: Api<Pod> = Api::namespaced(client.clone(), namespace);
+        let task = tokio::spawn({
+            let (written, marked, failed) = (written.clone(), marked.clone(), failed.clone());
+            async move {
+                let keys = Keys::default();
+                let writes = Arc::new(Semaphore::new(STAND_IN_CALLS));
+                let mut started: HashSet<String> = HashSet::new();
+                let mut events = watcher(pods.clone(), watcher::Config::default())
+                    .default_backoff()
+                    .applied_objects()
+                    .boxed();
+                while let Some(event) = events.next().await {
+                    let Ok(pod) = event else { continue };
+                    let Some(node) = pod.spec.as_ref().and_then(|s| s.node_name.clone()) else {
+                        continue;
+                    };
+                    let uid = pod.uid().unwrap_or_default();
+                    if !node.starts_with(&config.node_prefix) || !started.insert(uid.clone()) {
+                        continue;
+                    }
+                    let mark = plugin_user.clone().and_then(|user| {
+                        let allocation =
+                            PodAllocation::from_annotations(&keys, pod.annotations()).ok()??;
+                        let names: Vec<&str> =
+                            allocation.containers.iter().map(|c| &*c.name).collect();
+                        let body = json!({ "metadata": { "uid": uid, "annotations": {
+                            keys.assigned.as_str(): "true",
+                            keys.allocated.as_str(): names.join(","),
+                        }}});
+                        Some((user, body))
+                    });
+                    let (client, pods, name) = (client.clone(), pods.clone(), pod.name_any());
+                    let (writes, written, marked, failed) = (
+                        writes.clone(),
+                        written.clone(),
+                        marked.clone(),
+                        failed.clone(),
+                    );
+                    let namespace = pod.namespace().unwrap_or_default();
+                    let delay = config.delay;
+                    tokio::spawn(async move {
+                        tokio::time::sleep(delay).await;
+                        let Ok(_permit) = writes.acquire().await else {
+                            return;
+                        };
+                        let fail = |error: String| {
+                            if let Ok(mut failed) = failed.lock() {
+                                failed.push(format!("{name}: {error}"));
+                            }
+                        };
+                        // The plugin's mark comes first: Allocate is part of admission.
+                        if let Some((user, body)) = &mark {
+                            match patch_as(&client, user, &node, &namespace, &name, body).await {
+                                Ok(()) => {
+                                    marked.fetch_add(1, Ordering::Relaxed);
+                                }
+                                Err(error) => fail(format!("mark: {error:#}")),
+                            }
+                        }
+                        let status = json!({ "status": {
+                            "startTime": jiff::Timestamp::now().to_string(),
+                        }});
+                        match pods
+                            .patch_status(&name, &PatchParams::default(), &Patch::Merge(&status))
+                            .await
+                        {
+                            Ok(_) => {
+                                written.fetch_add(1, Ordering::Relaxed);
+                            }
+                            Err(error) => fail(format!("status: {error:#}")),
+                        }
+                    });
+                }
+            }
+        });
+        Self {
+            task,
+            written,
+            marked,
+            failed,
+        }
+    }
+
+    /// Pods whose status was written so far.
+    pub fn statuses(&self) -> usize {
+        self.written.load(Ordering::Relaxed)
+    }
+
+    /// Pods marked allocated so far.
+    pub fn marked(&self) -> usize {
+        self.marked.load(Ordering::Relaxed)
+    }
+
+    /// The writes the API server refused, each with its error.
+    pub fn refused(&self) -> Vec<String> {
+        self.failed.lock().map(|f| f.clone()).unwrap_or_default()
+    }
+}
+
+impl Drop for NodeStandIn {
+    fn drop(&mut self) {
+        self.task.abort();
+    }
+}
+
+/// A merge patch of pod `namespace/name` by the admin impersonating `user` with the node claim
+/// (`authentication.kubernetes.io/node-name`) a plugin pod's projected token carries.
+async fn patch_as(
+    client: &Client,
+    user: &str,
+    node: &str,
+    namespace: &str,
+    name: &str,
+    body: &serde_json::Value,
+) -> anyhow::Result<()> {
+    let request = kube::core::Request::new(format!("/api/v1/namespaces/{namespace}/pods")).patch(
+        name,
+        &PatchParams::default(),
+        &Patch::Merge(body),
+    )?;
+    let (mut parts, body) = request.into_parts();
+    for (header, value) in [
+        ("impersonate-user", user),
+        ("impersonate-group", "system:serviceaccounts"),
+        (
+            "impersonate-extra-authentication.kubernetes.io%2fnode-name",
+            node,
+        ),
+    ] {
+        parts
+            .headers
+            .insert(http::HeaderName::from_static(header), value.parse()?);
+    }
+    client
+        .request::<Pod>(http::Request::from_parts(parts, body))
+        .await?;
+    Ok(())
+}

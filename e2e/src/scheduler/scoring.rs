@@ -1,0 +1,292 @@
+//! The default profile's scores and the pick of a host: `NodeResourcesFit` (its scoring
+//! strategy as the profile configures it) and `NodeResourcesBalancedAllocation` on a 0..=100
+//! scale, extender scores added as upstream's `prioritizeNodes` adds them, and the host picked
+//! as upstream's score heap picks it (ties at random).
+//!
+//! Kept apart from the filters: a filter says whether a node may take a pod, a score only
+//! which of the feasible nodes is best. The public items are re-exported from
+//! [`super::framework`].
+
+use rand::Rng;
+
+use super::requests::{CPU, EPHEMERAL_STORAGE, MEMORY, Milli, NodeUsage, PodUsage, Resources};
+
+/// `framework.MaxNodeScore`.
+pub const MAX_NODE_SCORE: i64 = 100;
+
+/// `NodeResourcesFitArgs.scoringStrategy.type`.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum FitStrategy {
+    /// Prefers the emptier node: `(capacity - requested) * 100 / capacity`.
+    LeastAllocated,
+    /// Prefers the fuller node: `min(requested, capacity) * 100 / capacity`.
+    MostAllocated,
+}
+
+impl FitStrategy {
+    /// One resource's score on 0..=100 for `requested` (the pod included) of `capacity`
+    /// (upstream's `leastRequestedScore` / `mostRequestedScore`); 0 without capacity.
+    pub fn resource_score(self, requested: Milli, capacity: Milli) -> i64 {
+        if capacity <= 0 {
+            return 0;
+        }
+        let score = match self {
+            FitStrategy::LeastAllocated if requested > capacity => 0,
+            FitStrategy::LeastAllocated => {
+                (capacity - requested) * i128::from(MAX_NODE_SCORE) / capacity
+            }
+            FitStrategy::MostAllocated => {
+                requested.min(capacity) * i128::from(MAX_NODE_SCORE) / capacity
+            }
+        };
+        i64::try_from(score).unwrap_or(0)
+    }
+}
+
+/// `NodeResourcesFitArgs.scoringStrategy`: the strategy and the resources it weighs.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct FitScoring {
+    pub strategy: FitStrategy,
+    /// Resource name and weight, in the profile's order.
+    pub resources: Vec<(String, i64)>,
+}
+
+impl Default for FitScoring {
+    /// Upstream's default: LeastAllocated over cpu and memory, weight 1 each.
+    fn default() -> Self {
+        FitScoring {
+            strategy: FitStrategy::LeastAllocated,
+            resources: vec![(CPU.to_owned(), 1), (MEMORY.to_owned(), 1)],
+        }
+    }
+}
+
+impl FitScoring {
+    /// `NodeResourcesFit`'s score for a pod with `pod_usage` on a node with `usage`, as
+    /// upstream's `resourceAllocationScorer`: cpu and memory count the scoring defaults for
+    /// containers without requests; an extended resource the pod does not request, or the node
+    /// does not have, is left out of the weighted mean.
+    pub fn score(&self, allocatable: &Resources, usage: &NodeUsage, pod_usage: &PodUsage) -> i64 {
+        let mut weighted = 0i64;
+        let mut weight_sum = 0i64;
+        for (name, weight) in &self.resources {
+            let Some((capacity, requested)) =
+                Self::capacity_and_requested(name, allocatable, usage, pod_usage)
+            else {
+                continue;
+            };
+            weighted += self.strategy.resource_score(requested, capacity) * weight;
+            weight_sum += weight;
+        }
+        if weight_sum == 0 {
+            return 0;
+        }
+        weighted / weight_sum
+    }
+
+    /// `calculateResourceAllocatableRequest`: the node's allocatable amount and what it would
+    /// carry with the pod; `None` where upstream returns `(0, 0)` and skips the resource.
+    fn capacity_and_requested(
+        name: &str,
+        allocatable: &Resources,
+        usage: &NodeUsage,
+        pod_usage: &PodUsage,
+    ) -> Option<(Milli, Milli)> {
+        let requested_of = |resources: &Resources| resources.get(name).copied().unwrap_or_default();
+        let (node_requested, pod_request) = match name {
+            CPU => (usage.non_zero_cpu, pod_usage.non_zero_cpu),
+            MEMORY => (usage.non_zero_memory, pod_usage.non_zero_memory),
+            EPHEMERAL_STORAGE => (
+                requested_of(&usage.requested),
+                requested_of(&pod_usage.requested),
+            ),
+            _ => {
+                let pod_request = requested_of(&pod_usage.requested);
+                if pod_request == 0 {
+                    return None;
+                }
+                (requested_of(&usage.requested), pod_request)
+            }
+        };
+        let capacity = allocatable.get(name).copied().unwrap_or_default();
+        (capacity > 0).then_some((capacity, node_requested + pod_request))
+    }
+}
+
+/// `NodeResourcesFit` scored as `fit` says plus `NodeResourcesBalancedAllocation` (cpu and
+/// memory), weight 1 each, for a pod with `pod_usage` on a node with `usage`.
+pub fn default_score(
+    fit: &FitScoring,
+    allocatable: &Resources,
+    usage: &NodeUsage,
+    pod_usage: &PodUsage,
+) -> i64 {
+    let capacity = |name: &str| allocatable.get(name).copied().unwrap_or_default();
+    let fit_score = fit.score(allocatable, usage, pod_usage);
+
+    let fraction = |name: &str| -> Option<f64> {
+        let cap = capacity(name);
+        if cap <= 0 {
+            return None;
+        }
+        let requested = usage.requested.get(name).copied().unwrap_or_default()
+            + pod_usage.requested.get(name).copied().unwrap_or_default();
+        Some((requested as f64 / cap as f64).min(1.0))
+    };
+    let balanced = match (fraction(CPU), fraction(MEMORY)) {
+        (Some(cpu), Some(memory)) => {
+            let std = (cpu - memory).abs() / 2.0;
+            ((1.0 - std) * MAX_NODE_SCORE as f64) as i64
+        }
+        _ => MAX_NODE_SCORE,
+    };
+    fit_score + balanced
+}
+
+/// An extender's prioritize score on the scheduler's scale.
+pub fn extender_score(score: i64, weight: i64) -> i64 {
+    score
+        .saturating_mul(weight)
+        .saturating_mul(MAX_NODE_SCORE / crate::scheduler::wire::MAX_EXTENDER_PRIORITY)
+}
+
+/// One candidate in `prioritizeNodes`' result (`framework.NodePluginScores`): the sum of its
+/// weighted plugin and extender scores, and the tie-breaker upstream draws for it.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct NodeScore {
+    pub name: String,
+    pub total: i64,
+    /// `Randomizer`: drawn only for nodes named in some interested extender's answer; every
+    /// other node keeps 0 and so loses a tie to any node that was named.
+    pub randomizer: u64,
+}
+
+impl NodeScore {
+    /// A candidate with its score plugins' total, before any extender.
+    pub fn new(name: impl Into<String>, total: i64) -> Self {
+        Self {
+            name: name.into(),
+            total,
+            randomizer: 0,
+        }
+    }
+}
+
+/// One interested extender's prioritize answer and its `weight`. An extender configured
+/// without a prioritize verb still answers in upstream (`HTTPExtender.Prioritize`): every
+/// node with score 0, weight 0 ([`ExtenderPriorities::without_verb`]).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct ExtenderPriorities {
+    pub priorities: Vec<crate::scheduler::wire::HostPriority>,
+    pub weight: i64,
+}
+
+impl ExtenderPriorities {
+    /// What upstream makes up for an interested extender that has no prioritize verb.
+    pub fn without_verb(nodes: &[NodeScore]) -> Self {
+        Self {
+            priorities: nodes
+                .iter()
+                .map(|n| crate::scheduler::wire::HostPriority {
+                    host: n.name.clone(),
+                    score: 0,
+                })
+                .collect(),
+            weight: 0,
+        }
+    }
+}
+
+/// Adds the extenders' answers to the candidates exactly as upstream's `prioritizeNodes` does.
+///
+/// - Each listed host gets `score × weight × (MaxNodeScore / MaxExtenderPriority)`, in Go's
+///   wrapping `int64` arithmetic, with no range check on `score`; a host listed twice counts twice.
+/// - A candidate an answer leaves out gets nothing from it: the same total as score 0. Only its
+///   tie-breaker differs: a node named by any answer draws a random `Randomizer`, the others
+///   keep 0.
+/// - Hosts that are not candidates are ignored.
+///
+/// Extenders whose prioritize failed are not passed in: upstream logs and ignores them.
+pub fn add_extender_priorities<R: Rng + ?Sized>(
+    nodes: &mut [NodeScore],
+    answers: &[ExtenderPriorities],
+    rng: &mut R,
+) {
+    let scale = MAX_NODE_SCORE / crate::scheduler::wire::MAX_EXTENDER_PRIORITY;
+    let mut by_host: std::collections::HashMap<&str, i64> = std::collections::HashMap::new();
+    for answer in answers {
+        for priority in &answer.priorities {
+            let added = priority
+                .score
+                .wrapping_mul(answer.weight)
+                .wrapping_mul(scale);
+            let total = by_host.entry(priority.host.as_str()).or_insert(0);
+            *total = total.wrapping_add(added);
+        }
+    }
+    for node in nodes {
+        if let Some(added) = by_host.get(node.name.as_str()) {
+            node.total = node.total.wrapping_add(*added);
+            // Go's rand.Int(): a non-negative 63-bit number.
+            node.randomizer = rng.random::<u64>() >> 1;
+        }
+    }
+}
+
+/// `newSortedNodeScores(list).Pop()`: the node `container/heap` puts on top when it heapifies
+/// the list in its order, higher total first, then higher `Randomizer`. Among equals (all with
+/// `Randomizer` 0) the winner is decided by the heap's sift-down order, not by chance.
+pub fn select_scored_host(nodes: &[NodeScore]) -> Option<&str> {
+    let less = |a: &NodeScore, b: &NodeScore| {
+        a.total > b.total || (a.total == b.total && a.randomizer > b.randomizer)
+    };
+    let mut heap: Vec<&NodeScore> = nodes.iter().collect();
+    let n = heap.len();
+    // heap.Init: down(h, i, n) for i from n/2-1 down to 0.
+    for start in (0..n / 2).rev() {
+        let mut i = start;
+        loop {
+            let left = 2 * i + 1;
+            if left >= n {
+                break;
+            }
+            let mut child = left;
+            if left + 1 < n && less(heap[left + 1], heap[left]) {
+                child = left + 1;
+            }
+            if !less(heap[child], heap[i]) {
+                break;
+            }
+            heap.swap(i, child);
+            i = child;
+        }
+    }
+    heap.first().map(|node| node.name.as_str())
+}
+
+/// `selectHost` of older kube-scheduler releases: the highest total; ties broken uniformly at
+/// random by reservoir sampling. The packing simulator still uses it; the scheduler driver
+/// follows today's upstream ([`add_extender_priorities`], [`select_scored_host`]).
+pub fn select_host<'a, R: Rng + ?Sized>(
+    scores: &'a [(String, i64)],
+    rng: &mut R,
+) -> Option<&'a str> {
+    let mut best: Option<(&str, i64)> = None;
+    let mut ties = 0u32;
+    for (name, score) in scores {
+        match best {
+            Some((_, top)) if *score < top => {}
+            Some((_, top)) if *score == top => {
+                ties += 1;
+                if rng.random_range(0..ties) == 0 {
+                    best = Some((name, *score));
+                }
+            }
+            _ => {
+                best = Some((name, *score));
+                ties = 1;
+            }
+        }
+    }
+    best.map(|(name, _)| name)
+}
