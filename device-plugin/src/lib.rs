@@ -82,7 +82,7 @@ pub const LEGACY_ENV: &[&str] = &[
     "USAGE_PERIOD_MS",
 ];
 
-pub mod backend;
+pub use gpushare_runtime::gpu as backend;
 pub mod devices;
 pub mod facts;
 pub mod gpu_health;
@@ -102,14 +102,7 @@ use metrics::Metrics;
 use pods::PodCache;
 use service::PluginState;
 
-/// Where GPUs come from.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
-pub enum BackendKind {
-    /// Real GPUs through NVML.
-    Nvml,
-    /// GPUs from `--simulate-gpus`.
-    Simulated,
-}
+pub use backend::BackendKind;
 
 /// Command line and environment configuration.
 #[derive(Debug, Clone, clap::Parser)]

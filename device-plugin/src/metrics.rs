@@ -355,16 +355,18 @@ struct HttpState {
 }
 
 /// Serves `/healthz`, `/readyz` (ready once registered with kubelet) and `/metrics` on
-/// `listener` until `shutdown`.
+/// `listener` until `shutdown`, on the accept loop every gpushare server runs
+/// (`gpushare_runtime::http`).
 pub async fn serve(
     listener: tokio::net::TcpListener,
     registry: Arc<Registry>,
     ready: Arc<AtomicBool>,
     shutdown: CancellationToken,
 ) -> std::io::Result<()> {
-    axum::serve(listener, router(registry, ready))
-        .with_graceful_shutdown(shutdown.cancelled_owned())
-        .await
+    gpushare_runtime::http::Server::new(listener, router(registry, ready))
+        .serve(shutdown.cancelled_owned())
+        .await;
+    Ok(())
 }
 
 /// The routes of the metrics server.

@@ -11,14 +11,14 @@
 //! match carries one it did not sign, the answer is `PermissionDenied` naming that pod
 //! ([`AllocateError::Forged`]), counted in `gpushare_device_plugin_forged_allocations_total`.
 
-use std::collections::HashMap;
 use std::pin::Pin;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use futures::{Stream, StreamExt};
 use gpushare_contract::env::Enforcement;
-use gpushare_contract::{ContainerRequest, GpuInfo, env};
+use gpushare_contract::env::comma_list;
+use gpushare_contract::{ContainerRequest, GpuInfo};
 use gpushare_proto::v1beta1::device_plugin_server::DevicePlugin;
 use gpushare_proto::v1beta1::{
     AllocateRequest, AllocateResponse, CdiDevice, ContainerAllocateResponse,
@@ -242,69 +242,7 @@ pub fn check_gpus(
     Ok(checked)
 }
 
-/// `items` joined with commas: how the environment lists a multi-GPU container's GPUs.
-fn comma_list<T: ToString>(items: impl IntoIterator<Item = T>) -> String {
-    items
-        .into_iter()
-        .map(|item| item.to_string())
-        .collect::<Vec<_>>()
-        .join(",")
-}
-
-/// The environment of a container pinned to `gpus` (the pod's GPUs, the first one first):
-/// the placement, and what the enforcer of `enforcement` reads (see `gpushare_contract::env`).
-/// `pod_gib_per_gpu` is what the pod holds on each GPU ([`PodAllocation::pod_gib`]).
-///
-/// A one-GPU container gets exactly the variables it always got. A container spread over N
-/// GPUs sees them all: comma lists of UUIDs and indices, `GPUSHARE_GPU_COUNT`, its total
-/// (`GPUSHARE_CONTAINER_MEM_GIB`) and its share of each GPU
-/// (`GPUSHARE_CONTAINER_MEM_GIB_PER_GPU`), the pod's total, the smallest GPU's size (what a
-/// per-device fraction must be computed against), and the enforcer's limit on every device.
-///
-/// [`PodAllocation::pod_gib`]: gpushare_contract::PodAllocation::pod_gib
-pub fn container_env(
-    gpus: &[GpuInfo],
-    container: &ContainerRequest,
-    pod_gib_per_gpu: u64,
-    (enforcement, mps_pipe_directory): (Enforcement, &str),
-) -> HashMap<String, String> {
-    let count = gpus.len().max(1);
-    let count_u64 = u64::try_from(count).unwrap_or(u64::MAX);
-    let uuids = comma_list(gpus.iter().map(|gpu| gpu.uuid.as_str()));
-    let gib_per_gpu = container.gib / count_u64;
-    let mut vars = HashMap::from([
-        (env::NVIDIA_VISIBLE_DEVICES.to_owned(), uuids.clone()),
-        (
-            env::GPU_INDEX.to_owned(),
-            comma_list(gpus.iter().map(|gpu| gpu.index)),
-        ),
-        (env::GPU_UUID.to_owned(), uuids),
-        (env::CONTAINER_GIB.to_owned(), container.gib.to_string()),
-        (
-            env::POD_GIB.to_owned(),
-            pod_gib_per_gpu.saturating_mul(count_u64).to_string(),
-        ),
-        (
-            env::GPU_TOTAL_GIB.to_owned(),
-            gpus.iter()
-                .map(|gpu| gpu.mem_gib)
-                .min()
-                .unwrap_or_default()
-                .to_string(),
-        ),
-    ]);
-    if count > 1 {
-        vars.insert(env::GPU_COUNT.to_owned(), count.to_string());
-        vars.insert(
-            env::CONTAINER_GIB_PER_GPU.to_owned(),
-            gib_per_gpu.to_string(),
-        );
-    }
-    for (name, value) in enforcement.env_on(gib_per_gpu, count, mps_pipe_directory) {
-        vars.insert(name.to_owned(), value);
-    }
-    vars
-}
+pub use gpushare_contract::env::container_env;
 
 /// The CDI kind the NVIDIA container toolkit gives GPUs in the spec it generates.
 pub const NVIDIA_CDI_KIND: &str = "nvidia.com/gpu";
@@ -601,88 +539,6 @@ mod tests {
             },
             trust: Trust::Verified,
         }
-    }
-
-    fn container(gib: u64) -> ContainerRequest {
-        ContainerRequest {
-            name: "main".into(),
-            gib,
-            init: false,
-        }
-    }
-
-    fn vars(pairs: &[(&str, &str)]) -> HashMap<String, String> {
-        pairs
-            .iter()
-            .map(|(k, v)| ((*k).to_owned(), (*v).to_owned()))
-            .collect()
-    }
-
-    #[test]
-    fn a_one_gpu_container_gets_the_variables_it_always_got() {
-        let env = container_env(
-            &[gpu(2, 24, true)],
-            &container(4),
-            6,
-            (Enforcement::Mps, "/run/mps"),
-        );
-        assert_eq!(
-            env,
-            vars(&[
-                (env::NVIDIA_VISIBLE_DEVICES, "GPU-2"),
-                (env::GPU_INDEX, "2"),
-                (env::GPU_UUID, "GPU-2"),
-                (env::CONTAINER_GIB, "4"),
-                (env::POD_GIB, "6"),
-                (env::GPU_TOTAL_GIB, "24"),
-                (env::CUDA_MPS_PINNED_DEVICE_MEM_LIMIT, "0=4G"),
-                (env::CUDA_MPS_PIPE_DIRECTORY, "/run/mps"),
-            ])
-        );
-    }
-
-    #[test]
-    fn a_two_gpu_container_sees_both_gpus_and_its_share_of_each() {
-        // 16 GiB spread over GPUs 3 and 1 (the extender's order), 8 GiB on each.
-        let env = container_env(
-            &[gpu(3, 24, true), gpu(1, 16, true)],
-            &container(16),
-            8,
-            (Enforcement::Mps, "/run/mps"),
-        );
-        assert_eq!(
-            env,
-            vars(&[
-                (env::NVIDIA_VISIBLE_DEVICES, "GPU-3,GPU-1"),
-                (env::GPU_INDEX, "3,1"),
-                (env::GPU_UUID, "GPU-3,GPU-1"),
-                (env::GPU_COUNT, "2"),
-                (env::CONTAINER_GIB, "16"),
-                (env::CONTAINER_GIB_PER_GPU, "8"),
-                (env::POD_GIB, "16"),
-                (env::GPU_TOTAL_GIB, "16"),
-                (env::CUDA_MPS_PINNED_DEVICE_MEM_LIMIT, "0=8G,1=8G"),
-                (env::CUDA_MPS_PIPE_DIRECTORY, "/run/mps"),
-            ])
-        );
-    }
-
-    #[test]
-    fn an_exclusive_container_is_limited_to_its_share_of_each_whole_gpu() {
-        // A whole-GPU pod on 2 × 24 GiB: gpu-mem 48, 24 booked on each GPU.
-        let env = container_env(
-            &[gpu(0, 24, true), gpu(1, 24, true)],
-            &container(48),
-            24,
-            (Enforcement::Toolkit, "/run/mps"),
-        );
-        assert_eq!(env[env::NVIDIA_VISIBLE_DEVICES], "GPU-0,GPU-1");
-        assert_eq!(env[env::GPU_COUNT], "2");
-        assert_eq!(env[env::CONTAINER_GIB], "48");
-        assert_eq!(env[env::CONTAINER_GIB_PER_GPU], "24");
-        assert_eq!(env[env::POD_GIB], "48");
-        assert_eq!(env[env::GPU_TOTAL_GIB], "24");
-        assert_eq!(env[env::NVIDIA_GPU_MEMORY_LIMIT], "24576");
     }
 
     #[test]

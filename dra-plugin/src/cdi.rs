@@ -13,8 +13,8 @@
 use std::path::{Path, PathBuf};
 
 use gpushare_contract::env::Enforcement;
+use gpushare_contract::env::container_env;
 use gpushare_contract::{ContainerRequest, GpuInfo};
-use gpushare_device_plugin::service::container_env;
 use serde_json::{Value, json};
 
 use crate::prepare::{PreparedDevice, cdi_name};
@@ -33,7 +33,7 @@ pub struct EnforcementConfig {
 
 /// The environment every device of a claim carries, as `NAME=value` strings: the claim's
 /// GPUs as one container sees them, by extender mode's contract
-/// ([`gpushare_device_plugin::service::container_env`]): one GPU gets exactly the one-GPU
+/// ([`gpushare_contract::env::container_env`]): one GPU gets exactly the one-GPU
 /// variables; N GPUs (a request with `count: N`, the same share of each, checked by
 /// [`crate::prepare::plan`]) get the comma lists, `GPUSHARE_GPU_COUNT` and the per-GPU share.
 /// Every device carries the same list, so however the runtime merges their edits, the

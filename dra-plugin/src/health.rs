@@ -18,7 +18,7 @@ use std::time::Duration;
 
 use futures::StreamExt;
 use gpushare_contract::GpuInfo;
-use gpushare_device_plugin::backend::GpuBackend;
+use gpushare_runtime::gpu::GpuBackend;
 use k8s_openapi::api::resource::v1::ResourceSlice;
 use kube::Api;
 use kube::runtime::{WatchStreamExt, watcher};

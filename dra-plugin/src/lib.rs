@@ -19,7 +19,7 @@
 //! allocates shares of it to ResourceClaims, never more than the GPU holds. What is left for
 //! the node is to turn an allocation into what a container sees ([`prepare`], [`cdi`]) and
 //! to remember it ([`checkpoint`]). The GPU backends are the device plugin's
-//! ([`gpushare_device_plugin::backend`]): one inventory code path for both modes.
+//! ([`gpushare_runtime::gpu`]): one inventory code path for both modes.
 //!
 //! Health ([`health`]): the backend's health reports (NVML XID events, or the simulated
 //! health file) re-publish the slice, where an unhealthy GPU's device carries a `NoSchedule`
@@ -38,15 +38,15 @@ use std::sync::Arc;
 
 use gpushare_contract::env::Enforcement;
 use gpushare_contract::{DEFAULT_DOMAIN, GpuInfo};
-use gpushare_device_plugin::BackendKind;
-use gpushare_device_plugin::backend::{
-    BackendError, GpuBackend, nvml::NvmlBackend, simulated::SimulatedBackend,
-};
 use gpushare_proto::DEFAULT_PLUGIN_REGISTRY_DIR;
 use gpushare_proto::authority;
 use gpushare_proto::dra::v1::dra_plugin_server::DraPluginServer;
 use gpushare_proto::pluginregistration::registration_server::RegistrationServer;
 use gpushare_proto::socket_file::{self, BoundSocket, Released};
+use gpushare_runtime::gpu::BackendKind;
+use gpushare_runtime::gpu::{
+    BackendError, GpuBackend, nvml::NvmlBackend, simulated::SimulatedBackend,
+};
 use k8s_openapi::api::resource::v1::ResourceSlice;
 use tokio::net::UnixListener;
 use tokio_util::sync::CancellationToken;
@@ -199,6 +199,10 @@ pub enum Error {
         #[source]
         source: std::io::Error,
     },
+    /// The GPU health watch ended before shutdown: unhealthy GPUs would no longer be tainted
+    /// in the slice, so the plugin stops rather than publish a health it no longer watches.
+    #[error("the GPU health watch ended before shutdown: {0}")]
+    HealthEnded(String),
 }
 
 /// `Result` with this crate's [`Error`].
@@ -305,7 +309,7 @@ pub async fn run_with_client(
     let mut servers = Servers::start(&config, gpus.clone(), client, checkpoint, probes, &stop)?;
     // Health changes re-publish the slice from now on (the servers are up: nothing below
     // can fail before the task is stopped and awaited).
-    let health = tokio::spawn(
+    let mut health = tokio::spawn(
         health::Health {
             backend,
             slices,
@@ -317,9 +321,20 @@ pub async fn run_with_client(
     );
     tracing::info!(dra = %servers.dra.socket.display(), registration = %servers.registration.socket.display(), probes = %servers.probe_addr, "serving");
 
-    let outcome = servers.until_one_ends(shutdown).await;
+    let outcome = tokio::select! {
+        outcome = servers.until_one_ends(shutdown) => outcome,
+        ended = &mut health => Err(Error::HealthEnded(match ended {
+            Ok(()) => "it returned".to_owned(),
+            Err(join) => join.to_string(),
+        })),
+    };
+    if let Err(error) = &outcome {
+        tracing::error!(%error, "stopping");
+    }
     stop.cancel();
-    let _ = health.await;
+    if !health.is_finished() {
+        let _ = health.await;
+    }
     servers.stop().await;
     tracing::info!("DRA plugin stopped");
     outcome

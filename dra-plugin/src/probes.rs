@@ -35,15 +35,17 @@ pub fn router(registration: watch::Receiver<RegistrationState>) -> Router {
         .with_state(registration)
 }
 
-/// Serves the probes on `listener` until `stop`.
+/// Serves the probes on `listener` until `stop`, on the accept loop every gpushare server
+/// runs (`gpushare_runtime::http`).
 pub async fn serve(
     listener: TcpListener,
     registration: watch::Receiver<RegistrationState>,
     stop: CancellationToken,
 ) -> std::io::Result<()> {
-    axum::serve(listener, router(registration))
-        .with_graceful_shutdown(stop.cancelled_owned())
-        .await
+    gpushare_runtime::http::Server::new(listener, router(registration))
+        .serve(stop.cancelled_owned())
+        .await;
+    Ok(())
 }
 
 /// Ready only once kubelet registered the plugin; otherwise why not, for whoever reads the

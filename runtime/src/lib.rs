@@ -17,6 +17,8 @@
 #![cfg_attr(test, allow(clippy::unwrap_used))]
 
 pub mod env;
+#[cfg(feature = "gpu")]
+pub mod gpu;
 pub mod http;
 pub mod logging;
 pub mod signal;

@@ -8,7 +8,7 @@
 //! What pods "use" comes from `--simulate-usage-file`, JSON mapping `namespace/name` to MiB
 //! (a number) or to a size (`"512Mi"`, `"5Gi"`), re-read at every usage poll:
 //! `{"default/a": "5Gi", "default/b": 512}`. A pod's use is spread over the GPUs it holds,
-//! as kubelet lists them ([`crate::usage`]); a missing file means nothing is in use.
+//! as kubelet lists them (the device plugin's `usage` module); a missing file means nothing is in use.
 
 use std::collections::BTreeSet;
 use std::path::PathBuf;

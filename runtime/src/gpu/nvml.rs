@@ -9,7 +9,7 @@
 //! Memory in use comes from NVML's running compute and graphics process lists of each GPU
 //! (a process using both APIs is listed in both with the same figure, so it is counted once).
 //! The PIDs are the host's: tracing them to pods needs the host's `/proc`
-//! ([`crate::usage`]).
+//! (the device plugin's `usage` module).
 
 use std::collections::BTreeMap;
 use std::sync::atomic::{AtomicBool, Ordering};

@@ -1,12 +1,14 @@
-//! Where the GPUs come from: NVML on a real node, a simulation in tests and demos.
+//! Where the GPUs come from: NVML on a real node, a simulation in tests and demos (feature
+//! `gpu`; the two plugins turn it on).
 //!
-//! The rest of the plugin sees GPUs only through [`GpuBackend`], so every path above it
-//! (devices, Allocate, inventory publishing, health) runs unchanged on a laptop without a GPU.
+//! Both plugins see GPUs only through [`GpuBackend`], so every path above it (devices,
+//! Allocate, ResourceSlices, inventory publishing, health) runs unchanged on a laptop without
+//! a GPU, and the device plugin and the DRA plugin read the same GPUs the same way.
 //! Health is reported as changes (`index`, `healthy`) from a blocking watch loop, because
 //! NVML's event API is blocking; the loop runs on a blocking thread and stops when asked.
 //!
 //! GPU memory in use ([`GpuBackend::memory_in_use`]) is reported by whoever the backend can
-//! name: NVML knows processes (host PIDs), which [`crate::usage`] traces to pods through their
+//! name: NVML knows processes (host PIDs), which the device plugin's `usage` module traces to pods through their
 //! cgroups; the simulation is told per pod, so the same path is tested without a GPU.
 
 use std::sync::atomic::AtomicBool;
@@ -15,6 +17,15 @@ use gpushare_contract::GpuInfo;
 
 pub mod nvml;
 pub mod simulated;
+
+/// Where GPUs come from (the plugins' `--gpu-backend`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
+pub enum BackendKind {
+    /// Real GPUs through NVML.
+    Nvml,
+    /// GPUs from `--simulate-gpus`.
+    Simulated,
+}
 
 /// Why the GPUs could not be listed or watched.
 #[derive(Debug, thiserror::Error)]
