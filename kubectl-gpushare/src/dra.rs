@@ -21,7 +21,7 @@
 use std::collections::BTreeMap;
 
 use k8s_openapi::api::core::v1::{Node, Pod};
-use k8s_openapi::api::resource::v1::{Device, ResourceClaim, ResourceSlice};
+use k8s_openapi::api::resource::v1::{Device, ResourceClaim, ResourceClaimStatus, ResourceSlice};
 use kube::api::{Api, ListParams};
 
 use crate::cluster::Cluster;
@@ -117,6 +117,12 @@ fn internal_ip(node: Option<&Node>) -> String {
         .unwrap_or_default()
 }
 
+/// Where each device of our driver is: (pool, device) → (node, GPU index).
+type DeviceIndex = BTreeMap<(String, String), (String, u32)>;
+
+/// The live pods by (namespace, name).
+type LivePods<'a> = BTreeMap<(String, String), &'a Pod>;
+
 /// The rows of every node with a slice of `driver`, sorted by name.
 pub fn node_usage(
     objects: &DraObjects,
@@ -124,9 +130,29 @@ pub fn node_usage(
     pods: &[Pod],
     driver: &str,
 ) -> Vec<NodeUsage> {
+    let (mut by_node, devices) = slice_rows(objects, nodes, driver);
+    let live = live_pods(pods);
+    for claim in &objects.claims {
+        add_claim(&mut by_node, &devices, &live, claim, driver);
+    }
+    let mut out: Vec<NodeUsage> = by_node.into_values().collect();
+    for node in &mut out {
+        node.gpus.sort_by_key(|g| g.index);
+        node.pods
+            .sort_by(|a, b| (&a.namespace, &a.name, a.gpu).cmp(&(&b.namespace, &b.name, b.gpu)));
+    }
+    out
+}
+
+/// A row for every node with a slice of `driver`, holding the GPUs its slices publish with
+/// nothing allocated yet, and where each of those devices is.
+fn slice_rows(
+    objects: &DraObjects,
+    nodes: &[Node],
+    driver: &str,
+) -> (BTreeMap<String, NodeUsage>, DeviceIndex) {
     let mut by_node: BTreeMap<String, NodeUsage> = BTreeMap::new();
-    // (pool, device) → (node, GPU index).
-    let mut devices: BTreeMap<(String, String), (String, u32)> = BTreeMap::new();
+    let mut devices = DeviceIndex::new();
     for slice in objects.slices.iter().filter(|s| s.spec.driver == driver) {
         let Some(node) = slice.spec.node_name.clone() else {
             continue;
@@ -144,32 +170,43 @@ pub fn node_usage(
             measured: false,
         });
         for device in slice.spec.devices.iter().flatten() {
-            let Some(index) = device_index(device) else {
+            let Some(gpu) = device_gpu(device) else {
                 continue;
             };
-            let total = device
-                .capacity
-                .as_ref()
-                .and_then(|c| c.get(MEMORY))
-                .and_then(|c| quantity_bytes(&c.value.0))
-                .unwrap_or(0);
             devices.insert(
                 (slice.spec.pool.name.clone(), device.name.clone()),
-                (node.clone(), index),
+                (node.clone(), gpu.index),
             );
-            usage.gpus.push(GpuUsage {
-                index,
-                model: attribute_string(device, "model"),
-                uuid: attribute_string(device, "uuid"),
-                total_gib: whole_gib(total, false),
-                allocated_gib: 0,
-                healthy: !tainted(device),
-                used_mib: None,
-            });
+            usage.gpus.push(gpu);
         }
     }
-    let live: BTreeMap<(String, String), &Pod> = pods
-        .iter()
+    (by_node, devices)
+}
+
+/// The GPU row of a published device, nothing allocated yet; `None` when the device names
+/// no GPU index.
+fn device_gpu(device: &Device) -> Option<GpuUsage> {
+    let index = device_index(device)?;
+    let total = device
+        .capacity
+        .as_ref()
+        .and_then(|c| c.get(MEMORY))
+        .and_then(|c| quantity_bytes(&c.value.0))
+        .unwrap_or(0);
+    Some(GpuUsage {
+        index,
+        model: attribute_string(device, "model"),
+        uuid: attribute_string(device, "uuid"),
+        total_gib: whole_gib(total, false),
+        allocated_gib: 0,
+        healthy: !tainted(device),
+        used_mib: None,
+    })
+}
+
+/// The pods that have not finished, by (namespace, name).
+fn live_pods(pods: &[Pod]) -> LivePods<'_> {
+    pods.iter()
         .filter(|p| is_active(p))
         .map(|p| {
             (
@@ -180,72 +217,86 @@ pub fn node_usage(
                 p,
             )
         })
-        .collect();
-    for claim in &objects.claims {
-        let Some(status) = &claim.status else {
+        .collect()
+}
+
+/// Books each allocation result of `driver` in `claim`'s status on its GPU (once, however
+/// many pods share the claim) and adds a row for each live pod the claim is reserved for.
+fn add_claim(
+    by_node: &mut BTreeMap<String, NodeUsage>,
+    devices: &DeviceIndex,
+    live: &LivePods<'_>,
+    claim: &ResourceClaim,
+    driver: &str,
+) {
+    let Some(status) = &claim.status else {
+        return;
+    };
+    let results = status
+        .allocation
+        .as_ref()
+        .and_then(|a| a.devices.as_ref())
+        .and_then(|d| d.results.as_ref());
+    let namespace = claim.metadata.namespace.clone().unwrap_or_default();
+    for result in results.into_iter().flatten().filter(|r| r.driver == driver) {
+        let Some((node, index)) = devices.get(&(result.pool.clone(), result.device.clone())) else {
             continue;
         };
-        let results = status
-            .allocation
+        let Some(usage) = by_node.get_mut(node) else {
+            continue;
+        };
+        let consumed = result
+            .consumed_capacity
             .as_ref()
-            .and_then(|a| a.devices.as_ref())
-            .and_then(|d| d.results.as_ref());
-        let namespace = claim.metadata.namespace.clone().unwrap_or_default();
-        for result in results.into_iter().flatten().filter(|r| r.driver == driver) {
-            let Some((node, index)) = devices.get(&(result.pool.clone(), result.device.clone()))
-            else {
-                continue;
-            };
-            let Some(usage) = by_node.get_mut(node) else {
-                continue;
-            };
-            let consumed = result
-                .consumed_capacity
-                .as_ref()
-                .and_then(|c| c.get(MEMORY))
-                .and_then(|q| quantity_bytes(&q.0));
-            let gpu = usage.gpus.iter_mut().find(|g| g.index == *index);
-            // A device allocated whole (no consumed capacity) holds all of it.
-            let gib = match (consumed, &gpu) {
-                (Some(bytes), _) => whole_gib(bytes, true),
-                (None, Some(gpu)) => gpu.total_gib,
-                (None, None) => 0,
-            };
-            if let Some(gpu) = gpu {
-                gpu.allocated_gib = gpu.allocated_gib.saturating_add(gib);
-            }
-            for consumer in status.reserved_for.iter().flatten() {
-                if consumer.resource != "pods" {
-                    continue;
-                }
-                let Some(pod) = live.get(&(namespace.clone(), consumer.name.clone())) else {
-                    continue;
-                };
-                if pod.metadata.uid.as_deref() != Some(consumer.uid.as_str()) {
-                    continue;
-                }
-                usage.pods.push(PodUsage {
-                    namespace: namespace.clone(),
-                    name: consumer.name.clone(),
-                    gpu: Some(*index),
-                    gib,
-                    scheduler: pod
-                        .spec
-                        .as_ref()
-                        .and_then(|s| s.scheduler_name.clone())
-                        .unwrap_or_else(|| "default-scheduler".to_owned()),
-                    used_mib: None,
-                });
-            }
+            .and_then(|c| c.get(MEMORY))
+            .and_then(|q| quantity_bytes(&q.0));
+        let gpu = usage.gpus.iter_mut().find(|g| g.index == *index);
+        // A device allocated whole (no consumed capacity) holds all of it.
+        let gib = match (consumed, &gpu) {
+            (Some(bytes), _) => whole_gib(bytes, true),
+            (None, Some(gpu)) => gpu.total_gib,
+            (None, None) => 0,
+        };
+        if let Some(gpu) = gpu {
+            gpu.allocated_gib = gpu.allocated_gib.saturating_add(gib);
         }
+        push_reserved_pods(&mut usage.pods, status, &namespace, live, *index, gib);
     }
-    let mut out: Vec<NodeUsage> = by_node.into_values().collect();
-    for node in &mut out {
-        node.gpus.sort_by_key(|g| g.index);
-        node.pods
-            .sort_by(|a, b| (&a.namespace, &a.name, a.gpu).cmp(&(&b.namespace, &b.name, b.gpu)));
+}
+
+/// Adds a row on GPU `index` holding `gib` for each pod `status` is reserved for that is
+/// live, the very pod (same UID) and not one recreated under its name.
+fn push_reserved_pods(
+    rows: &mut Vec<PodUsage>,
+    status: &ResourceClaimStatus,
+    namespace: &str,
+    live: &LivePods<'_>,
+    index: u32,
+    gib: u64,
+) {
+    for consumer in status.reserved_for.iter().flatten() {
+        if consumer.resource != "pods" {
+            continue;
+        }
+        let Some(pod) = live.get(&(namespace.to_owned(), consumer.name.clone())) else {
+            continue;
+        };
+        if pod.metadata.uid.as_deref() != Some(consumer.uid.as_str()) {
+            continue;
+        }
+        rows.push(PodUsage {
+            namespace: namespace.to_owned(),
+            name: consumer.name.clone(),
+            gpu: Some(index),
+            gib,
+            scheduler: pod
+                .spec
+                .as_ref()
+                .and_then(|s| s.scheduler_name.clone())
+                .unwrap_or_else(|| "default-scheduler".to_owned()),
+            used_mib: None,
+        });
     }
-    out
 }
 
 /// Adds the DRA rows to `usage` (the extender-mode rows): a node that has GPUs in a slice

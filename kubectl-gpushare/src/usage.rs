@@ -187,41 +187,18 @@ fn measured_use(node: &Node, settings: &Settings) -> Option<NodeMemoryUse> {
 /// bound, or finished are ignored.
 pub fn cluster_usage(nodes: &[Node], pods: &[Pod], settings: &Settings) -> Vec<NodeUsage> {
     let mut by_node: BTreeMap<String, NodeUsage> = BTreeMap::new();
+    // Node → (namespace/name → MiB), from each node's usage annotation.
     let mut used_by_pod: BTreeMap<String, BTreeMap<String, u64>> = BTreeMap::new();
     for node in nodes.iter().filter(|n| is_gpu_node(n, settings)) {
         let Some(name) = node.metadata.name.clone() else {
             continue;
         };
-        let (gpus, source) = node_gpus(node, settings);
         let measured = measured_use(node, settings);
-        let gpus = gpus
-            .into_iter()
-            .map(|gpu| GpuUsage {
-                used_mib: measured
-                    .as_ref()
-                    .and_then(|m| m.gpus.get(&gpu.index).copied()),
-                index: gpu.index,
-                model: gpu.model,
-                uuid: gpu.uuid,
-                total_gib: gpu.mem_gib,
-                allocated_gib: 0,
-                healthy: gpu.healthy,
-            })
-            .collect();
         if let Some(measured) = &measured {
             used_by_pod.insert(name.clone(), measured.pods.clone());
         }
-        by_node.insert(
-            name.clone(),
-            NodeUsage {
-                name,
-                ip: internal_ip(node),
-                gpus,
-                pods: Vec::new(),
-                source,
-                measured: measured.is_some(),
-            },
-        );
+        let row = node_row(node, name.clone(), measured.as_ref(), settings);
+        by_node.insert(name, row);
     }
     for pod in pods.iter().filter(|p| is_active(p)) {
         let Some(spec) = pod.spec.as_ref() else {
@@ -237,29 +214,7 @@ pub fn cluster_usage(nodes: &[Node], pods: &[Pod], settings: &Settings) -> Vec<N
         let allocation = PodAllocation::from_annotations(&settings.keys, &annotations)
             .ok()
             .flatten();
-        // One row per GPU the pod holds: a multi-GPU pod shows on each of its GPUs, with what
-        // it holds there (the whole GPU when exclusive).
-        let mut rows: Vec<(Option<u32>, u64)> = Vec::new();
-        match allocation {
-            Some(a) => {
-                for (index, _) in a.gpus() {
-                    match usage.gpus.iter_mut().find(|g| g.index == index) {
-                        Some(gpu) => {
-                            let held = if a.exclusive {
-                                a.pod_gib.max(gpu.total_gib)
-                            } else {
-                                a.pod_gib
-                            };
-                            gpu.allocated_gib += held;
-                            rows.push((Some(index), held));
-                        }
-                        None => rows.push((None, a.pod_gib)),
-                    }
-                }
-            }
-            None => rows.push((None, request.pod_gib)),
-        }
-        let (gpu, gib) = rows.remove(0);
+        let rows = hold_gpus(&mut usage.gpus, allocation.as_ref(), request.pod_gib);
         let namespace = pod.metadata.namespace.clone().unwrap_or_default();
         let name = pod.metadata.name.clone().unwrap_or_default();
         let used_mib = used_by_pod
@@ -269,25 +224,13 @@ pub fn cluster_usage(nodes: &[Node], pods: &[Pod], settings: &Settings) -> Vec<N
             .scheduler_name
             .clone()
             .unwrap_or_else(|| "default-scheduler".to_owned());
-        // The pod's measured use shows once, on its first GPU's row.
-        usage.pods.push(PodUsage {
-            namespace: namespace.clone(),
-            name: name.clone(),
+        push_pod_rows(
+            &mut usage.pods,
+            (namespace, name),
+            scheduler,
+            rows,
             used_mib,
-            gpu,
-            gib,
-            scheduler: scheduler.clone(),
-        });
-        for (gpu, gib) in rows {
-            usage.pods.push(PodUsage {
-                namespace: namespace.clone(),
-                name: name.clone(),
-                used_mib: None,
-                gpu,
-                gib,
-                scheduler: scheduler.clone(),
-            });
-        }
+        );
     }
     let mut nodes: Vec<NodeUsage> = by_node.into_values().collect();
     for node in &mut nodes {
@@ -295,4 +238,97 @@ pub fn cluster_usage(nodes: &[Node], pods: &[Pod], settings: &Settings) -> Vec<N
             .sort_by(|a, b| (&a.namespace, &a.name).cmp(&(&b.namespace, &b.name)));
     }
     nodes
+}
+
+/// The row of GPU node `name`, its GPUs with nothing placed on them yet and their measured
+/// use, if the device plugin publishes it (`measured`).
+fn node_row(
+    node: &Node,
+    name: String,
+    measured: Option<&NodeMemoryUse>,
+    settings: &Settings,
+) -> NodeUsage {
+    let (gpus, source) = node_gpus(node, settings);
+    let gpus = gpus
+        .into_iter()
+        .map(|gpu| GpuUsage {
+            used_mib: measured.and_then(|m| m.gpus.get(&gpu.index).copied()),
+            index: gpu.index,
+            model: gpu.model,
+            uuid: gpu.uuid,
+            total_gib: gpu.mem_gib,
+            allocated_gib: 0,
+            healthy: gpu.healthy,
+        })
+        .collect();
+    NodeUsage {
+        name,
+        ip: internal_ip(node),
+        gpus,
+        pods: Vec::new(),
+        source,
+        measured: measured.is_some(),
+    }
+}
+
+/// Books a pod's `allocation` on the node's `gpus` and returns its rows: one per GPU the pod
+/// holds (a multi-GPU pod shows on each of its GPUs), with what it holds there (the whole
+/// GPU when exclusive); a GPU missing from the list, or no allocation at all (`requested_gib`
+/// pending), gives a row without a GPU. Never empty.
+fn hold_gpus(
+    gpus: &mut [GpuUsage],
+    allocation: Option<&PodAllocation>,
+    requested_gib: u64,
+) -> Vec<(Option<u32>, u64)> {
+    let mut rows: Vec<(Option<u32>, u64)> = Vec::new();
+    match allocation {
+        Some(a) => {
+            for (index, _) in a.gpus() {
+                match gpus.iter_mut().find(|g| g.index == index) {
+                    Some(gpu) => {
+                        let held = if a.exclusive {
+                            a.pod_gib.max(gpu.total_gib)
+                        } else {
+                            a.pod_gib
+                        };
+                        gpu.allocated_gib += held;
+                        rows.push((Some(index), held));
+                    }
+                    None => rows.push((None, a.pod_gib)),
+                }
+            }
+        }
+        None => rows.push((None, requested_gib)),
+    }
+    rows
+}
+
+/// Adds the pod `(namespace, name)`'s `rows` (from [`hold_gpus`]) to `pods`. Its measured
+/// use shows once, on its first GPU's row.
+fn push_pod_rows(
+    pods: &mut Vec<PodUsage>,
+    (namespace, name): (String, String),
+    scheduler: String,
+    mut rows: Vec<(Option<u32>, u64)>,
+    used_mib: Option<u64>,
+) {
+    let (gpu, gib) = rows.remove(0);
+    pods.push(PodUsage {
+        namespace: namespace.clone(),
+        name: name.clone(),
+        used_mib,
+        gpu,
+        gib,
+        scheduler: scheduler.clone(),
+    });
+    for (gpu, gib) in rows {
+        pods.push(PodUsage {
+            namespace: namespace.clone(),
+            name: name.clone(),
+            used_mib: None,
+            gpu,
+            gib,
+            scheduler: scheduler.clone(),
+        });
+    }
 }

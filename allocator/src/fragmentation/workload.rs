@@ -1,0 +1,217 @@
+//! The distribution of pod shapes the measure is taken against, learned online. FGD is given
+//! the task distribution; a scheduler is not, so it follows what arrives: a decaying
+//! histogram of GPU sizes (each with its pods' mean CPU and memory) weighted by the GiB the
+//! pods bring, and, after a restart, the same histogram learned at once from the pods
+//! running. This is the only state of the measure that changes; each change re-derives the
+//! [`Prepared`] form the loops read.
+
+use super::prepared::Prepared;
+use super::{Host, MAX_SHAPES, Shape};
+
+/// How much an observation's weight decays per later observation: a weight halves after
+/// about 350 pods, so the shapes follow what is arriving now.
+const DECAY: f64 = 0.998;
+
+/// The distribution of pod shapes the fragmentation is measured against.
+#[derive(Debug, Clone, Default, PartialEq)]
+pub struct Workload {
+    /// Shapes and their (decayed) weights; at most [`MAX_SHAPES`].
+    shapes: Vec<(Shape, f64)>,
+    /// Derived from `shapes` each time they change.
+    pub(super) prepared: Prepared,
+}
+
+// Weights are finite sums and products of finite numbers, never NaN: equality is total.
+impl Eq for Workload {}
+
+impl Workload {
+    /// An empty workload: until a pod is observed, placement is plain binpack.
+    pub fn new() -> Self {
+        Self::default()
+    }
+
+    /// A fixed workload (weights need not sum to 1); the [`MAX_SHAPES`] heaviest are kept.
+    pub fn from_shapes(shapes: impl IntoIterator<Item = (Shape, f64)>) -> Self {
+        let mut shapes: Vec<(Shape, f64)> = shapes
+            .into_iter()
+            .filter(|(shape, weight)| shape.gpu_gib > 0 && *weight > 0.0)
+            .collect();
+        shapes.sort_by(|a, b| b.1.total_cmp(&a.1));
+        shapes.truncate(MAX_SHAPES);
+        let prepared = Prepared::new(&shapes, None);
+        Self { shapes, prepared }
+    }
+
+    /// A workload learned from a population of pods at once (the pods bound when an extender
+    /// starts), then `recent`'s shapes on top: what observing the population's pods one by
+    /// one, then the recent ones, would have learned, without the arbitrary order.
+    ///
+    /// Each GPU size weighs the GiB its pods hold, scaled so that the population weighs at
+    /// most as much as a steady stream of such pods would (about `1 / (1 − DECAY)` = 500 of
+    /// them): new pods then move the shapes as fast as they would have before the restart.
+    /// The population is what is running, which over-represents long-running pods; it is
+    /// forgotten as pods arrive.
+    pub fn from_population(pods: impl IntoIterator<Item = Shape>, recent: &Workload) -> Self {
+        // GPU size → (pods, Σ CPU, Σ memory), in size order so the result is deterministic.
+        let mut groups: std::collections::BTreeMap<u64, (u64, u128, u128)> = Default::default();
+        for pod in pods.into_iter().filter(|pod| pod.gpu_gib > 0) {
+            let group = groups.entry(pod.gpu_gib).or_default();
+            group.0 += 1;
+            group.1 += u128::from(pod.host.milli_cpu);
+            group.2 += u128::from(pod.host.memory_mib);
+        }
+        let count: u64 = groups.values().map(|group| group.0).sum();
+        let scale = (1.0 / (1.0 - DECAY) / count.max(1) as f64).min(1.0);
+        let mut shapes: Vec<(Shape, f64)> = groups
+            .into_iter()
+            .map(|(gpu_gib, (pods, cpu, memory))| {
+                let mean = |sum: u128| u64::try_from(sum / u128::from(pods)).unwrap_or(u64::MAX);
+                let shape = Shape {
+                    gpu_gib,
+                    host: Host::new(mean(cpu), mean(memory)),
+                };
+                (shape, (gpu_gib * pods) as f64 * scale)
+            })
+            .collect();
+        for &(shape, weight) in recent.shapes() {
+            match shapes.iter_mut().find(|(s, _)| s.gpu_gib == shape.gpu_gib) {
+                Some((known, known_weight)) => {
+                    let mean = |old: u64, new: u64| {
+                        ((old as f64 * *known_weight + new as f64 * weight)
+                            / (*known_weight + weight))
+                            .round() as u64
+                    };
+                    known.host.milli_cpu = mean(known.host.milli_cpu, shape.host.milli_cpu);
+                    known.host.memory_mib = mean(known.host.memory_mib, shape.host.memory_mib);
+                    *known_weight += weight;
+                }
+                None => shapes.push((shape, weight)),
+            }
+        }
+        Self::from_shapes(shapes)
+    }
+
+    /// Records a pod placed now. Pods are grouped by GPU size; a group keeps the mean CPU
+    /// and memory of its pods and weighs the GiB they brought, decaying. When all groups are
+    /// taken, the lightest gives way if it weighs less than the new pod.
+    pub fn observe(&mut self, shape: Shape) {
+        if shape.gpu_gib == 0 {
+            return;
+        }
+        self.learn(shape);
+        self.prepared = Prepared::new(&self.shapes, Some(&self.prepared));
+    }
+
+    fn learn(&mut self, shape: Shape) {
+        let add = shape.gpu_gib as f64;
+        for (_, weight) in &mut self.shapes {
+            *weight *= DECAY;
+        }
+        if let Some((known, weight)) = self
+            .shapes
+            .iter_mut()
+            .find(|(s, _)| s.gpu_gib == shape.gpu_gib)
+        {
+            let mean = |old: u64, new: u64| {
+                ((old as f64 * *weight + new as f64 * add) / (*weight + add)).round() as u64
+            };
+            known.host.milli_cpu = mean(known.host.milli_cpu, shape.host.milli_cpu);
+            known.host.memory_mib = mean(known.host.memory_mib, shape.host.memory_mib);
+            *weight += add;
+            return;
+        }
+        if self.shapes.len() < MAX_SHAPES {
+            self.shapes.push((shape, add));
+            return;
+        }
+        if let Some(lightest) = self
+            .shapes
+            .iter_mut()
+            .min_by(|a, b| a.1.total_cmp(&b.1))
+            .filter(|(_, weight)| *weight < add)
+        {
+            *lightest = (shape, add);
+        }
+    }
+
+    /// The shapes and their weights.
+    pub fn shapes(&self) -> &[(Shape, f64)] {
+        &self.shapes
+    }
+
+    /// True before any pod was observed.
+    pub fn is_empty(&self) -> bool {
+        self.shapes.is_empty()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::fragmentation::fixtures::shape;
+
+    #[test]
+    fn a_population_teaches_what_its_pods_would_and_weighs_like_a_stream() {
+        let pods = [shape(4, 2), shape(4, 4), shape(16, 8)];
+        let learned = Workload::from_population(pods, &Workload::new());
+        // Heaviest first: 16 GiB from one pod, 8 GiB from two; CPU is the group's mean.
+        assert_eq!(
+            learned.shapes(),
+            &[(shape(16, 8), 16.0), (shape(4, 3), 8.0)]
+        );
+        // The order of the pods does not matter.
+        let reversed = Workload::from_population(pods.into_iter().rev(), &Workload::new());
+        assert_eq!(reversed, learned);
+        // Waiting pods learned meanwhile count on top.
+        let mut recent = Workload::new();
+        recent.observe(shape(2, 1));
+        recent.observe(shape(16, 8));
+        let merged = Workload::from_population(pods, &recent);
+        assert_eq!(merged.shapes().len(), 3);
+        assert!(merged.shapes()[0].1 > 31.0, "{merged:?}");
+        // Ten thousand running pods weigh as 500 recent ones would.
+        let many = Workload::from_population(vec![shape(4, 2); 10_000], &Workload::new());
+        assert!((many.shapes()[0].1 - 2_000.0).abs() < 1e-6, "{many:?}");
+        assert_eq!(
+            Workload::from_population([], &Workload::new()),
+            Workload::new()
+        );
+    }
+
+    #[test]
+    fn the_workload_learns_and_forgets_shapes() {
+        let mut workload = Workload::new();
+        assert!(workload.is_empty());
+        for _ in 0..100 {
+            workload.observe(shape(4, 2));
+        }
+        // One group per GPU size, holding its pods' mean CPU and memory.
+        workload.observe(Shape {
+            gpu_gib: 4,
+            host: Host::new(6000, 8192),
+        });
+        assert_eq!(workload.shapes().len(), 1);
+        let cpu = workload.shapes()[0].0.host.milli_cpu;
+        assert!((2001..2100).contains(&cpu), "{cpu}");
+        for gib in 1..=20 {
+            workload.observe(shape(gib, 1));
+        }
+        assert_eq!(workload.shapes().len(), MAX_SHAPES);
+        assert!(
+            workload.shapes().iter().any(|(s, _)| s.gpu_gib == 4),
+            "the heavy size stays: {workload:?}"
+        );
+        // Weighted by GiB: one 20 GiB pod weighs as much as five 4 GiB pods.
+        let weight = |w: &Workload, gib| {
+            w.shapes()
+                .iter()
+                .find(|(s, _)| s.gpu_gib == gib)
+                .map_or(0.0, |(_, weight)| *weight)
+        };
+        assert!(weight(&workload, 20) > 19.0);
+        // CPU-only pods are not GPU shapes.
+        let before = workload.clone();
+        workload.observe(Shape::default());
+        assert_eq!(workload, before);
+    }
+}
