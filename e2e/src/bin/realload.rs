@@ -111,6 +111,30 @@ async fn main() -> anyhow::Result<()> {
 
 /// One install in `mode`, its rounds, and the pods/s of each round: (alone, the mode's drain).
 async fn run_mode(kit: &Kit, args: &Args, mode: Mode) -> anyhow::Result<Vec<(f64, f64)>> {
+    let cluster = install(kit, args, mode).await?;
+    let client = cluster.client();
+    let stand_in = (!args.without_kubelets).then(|| start_stand_in(&client, args));
+    let mut figures: Vec<(f64, f64)> = Vec::new();
+    for round in 1..=args.rounds {
+        if let Some(pods_per_s) = run_round(&cluster, args, mode, round).await? {
+            figures.push(pods_per_s);
+        }
+    }
+    if let Some(stand_in) = &stand_in {
+        report_stand_in(stand_in);
+    }
+    if mode == Mode::Extender {
+        extender_memory(&cluster);
+    } else {
+        load::delete_fake_slices(&client).await?;
+    }
+    load::delete_fake_nodes(&client).await?;
+    Ok(figures)
+}
+
+/// Installs the chart in `mode` with `--set`, then adds the fake GPU nodes (and, in DRA mode,
+/// their ResourceSlices).
+async fn install(kit: &Kit, args: &Args, mode: Mode) -> anyhow::Result<KitCluster> {
     let helm_args: Vec<String> = args
         .set
         .iter()
@@ -137,87 +161,104 @@ async fn run_mode(kit: &Kit, args: &Args, mode: Mode) -> anyhow::Result<Vec<(f64
         "{} nodes × {} × {} GiB; backlogs of {} pods of {} GiB",
         args.nodes, args.gpus, args.gpu_gib, args.pods, args.pod_gib
     );
-    let stand_in = (!args.without_kubelets).then(|| {
-        NodeStandIn::start(
-            client.clone(),
-            "default",
-            StandInConfig {
-                node_prefix: "load-".to_owned(),
-                delay: Duration::from_millis(args.allocate_after_ms),
-                marks_as: args
-                    .plugin_marks
-                    .then(|| "kube-system/gpushare-device-plugin".to_owned()),
-            },
-        )
-    });
+    Ok(cluster)
+}
+
+/// The fake nodes' kubelets: each bound pod's status (and, with `--plugin-marks`, the device
+/// plugin's marks) written after `--allocate-after-ms`.
+fn start_stand_in(client: &kube::Client, args: &Args) -> NodeStandIn {
+    NodeStandIn::start(
+        client.clone(),
+        "default",
+        StandInConfig {
+            node_prefix: "load-".to_owned(),
+            delay: Duration::from_millis(args.allocate_after_ms),
+            marks_as: args
+                .plugin_marks
+                .then(|| "kube-system/gpushare-device-plugin".to_owned()),
+        },
+    )
+}
+
+/// Round `round`: kube-scheduler alone (unless `--chart-only`), then the mode's drain, each
+/// reported and checked; the pods/s of both when both ran.
+async fn run_round(
+    cluster: &KitCluster,
+    args: &Args,
+    mode: Mode,
+    round: usize,
+) -> anyhow::Result<Option<(f64, f64)>> {
     let timeout = Duration::from_secs(args.timeout_s);
-    let mut figures: Vec<(f64, f64)> = Vec::new();
-    for round in 1..=args.rounds {
-        let alone = if args.chart_only {
-            None
-        } else {
-            let prefix = format!("alone-{round}");
-            let drain = load::drain(
-                &cluster,
-                Drainer::KubeSchedulerAlone {
-                    percentage: args.alone_percentage,
-                },
-                &prefix,
-                args.pods,
-                args.pod_gib,
-                timeout,
-            )
-            .await?;
-            report(&format!("round {round}: kube-scheduler alone"), &drain);
-            load::delete_backlog(&cluster, &prefix).await?;
-            Some(drain)
-        };
-        let (prefix, drainer, what) = match mode {
-            Mode::Extender => (format!("chart-{round}"), Drainer::Chart, "the chart"),
-            Mode::Dra => (format!("dra-{round}"), Drainer::Dra, "DRA mode"),
-        };
-        let drained =
-            load::drain(&cluster, drainer, &prefix, args.pods, args.pod_gib, timeout).await?;
-        report(&format!("round {round}: {what}"), &drained);
-        match mode {
-            Mode::Extender => check_allocations(&cluster, &prefix).await?,
-            Mode::Dra => {
-                let (claims, devices) =
-                    load::check_dra_allocations(&client, &prefix, args.pods, args.gpu_gib).await?;
-                println!(
-                    "  checked: {claims} claims allocated; {devices} GPUs in use, none over-committed"
-                );
-            }
-        }
-        load::delete_backlog(&cluster, &prefix).await?;
-        if let Some(alone) = alone {
-            println!(
-                "round {round}: {what} drains at {:.2} of kube-scheduler alone ({:.1} / {:.1} pods/s)",
-                drained.pods_per_s / alone.pods_per_s,
-                drained.pods_per_s,
-                alone.pods_per_s
-            );
-            figures.push((alone.pods_per_s, drained.pods_per_s));
-        }
-    }
-    if let Some(stand_in) = &stand_in {
-        println!(
-            "node stand-in: {} pod statuses written, {} pods marked allocated, {} writes refused",
-            stand_in.statuses(),
-            stand_in.marked(),
-            stand_in.refused().len()
-        );
-        if let Some(first) = stand_in.refused().first() {
-            println!("  the first refused: {first}");
-        }
-    }
-    if mode == Mode::Extender {
-        extender_memory(&cluster);
+    let alone = if args.chart_only {
+        None
     } else {
-        load::delete_fake_slices(&client).await?;
+        Some(drain_alone(cluster, args, round, timeout).await?)
+    };
+    let (prefix, drainer, what) = match mode {
+        Mode::Extender => (format!("chart-{round}"), Drainer::Chart, "the chart"),
+        Mode::Dra => (format!("dra-{round}"), Drainer::Dra, "DRA mode"),
+    };
+    let drained = load::drain(cluster, drainer, &prefix, args.pods, args.pod_gib, timeout).await?;
+    report(&format!("round {round}: {what}"), &drained);
+    match mode {
+        Mode::Extender => check_allocations(cluster, &prefix).await?,
+        Mode::Dra => {
+            let (claims, devices) =
+                load::check_dra_allocations(&cluster.client(), &prefix, args.pods, args.gpu_gib)
+                    .await?;
+            println!(
+                "  checked: {claims} claims allocated; {devices} GPUs in use, none over-committed"
+            );
+        }
     }
-    load::delete_fake_nodes(&client).await?;
-    Ok(figures)
+    load::delete_backlog(cluster, &prefix).await?;
+    let Some(alone) = alone else {
+        return Ok(None);
+    };
+    println!(
+        "round {round}: {what} drains at {:.2} of kube-scheduler alone ({:.1} / {:.1} pods/s)",
+        drained.pods_per_s / alone.pods_per_s,
+        drained.pods_per_s,
+        alone.pods_per_s
+    );
+    Ok(Some((alone.pods_per_s, drained.pods_per_s)))
+}
+
+/// Round `round`'s backlog drained by kube-scheduler alone, reported and deleted.
+async fn drain_alone(
+    cluster: &KitCluster,
+    args: &Args,
+    round: usize,
+    timeout: Duration,
+) -> anyhow::Result<Drain> {
+    let prefix = format!("alone-{round}");
+    let drain = load::drain(
+        cluster,
+        Drainer::KubeSchedulerAlone {
+            percentage: args.alone_percentage,
+        },
+        &prefix,
+        args.pods,
+        args.pod_gib,
+        timeout,
+    )
+    .await?;
+    report(&format!("round {round}: kube-scheduler alone"), &drain);
+    load::delete_backlog(cluster, &prefix).await?;
+    Ok(drain)
+}
+
+/// What the node stand-in wrote and had refused over the whole install.
+fn report_stand_in(stand_in: &NodeStandIn) {
+    println!(
+        "node stand-in: {} pod statuses written, {} pods marked allocated, {} writes refused",
+        stand_in.statuses(),
+        stand_in.marked(),
+        stand_in.refused().len()
+    );
+    if let Some(first) = stand_in.refused().first() {
+        println!("  the first refused: {first}");
+    }
 }
 
 fn parse_mode(text: &str) -> Result<Mode, String> {

@@ -21,6 +21,12 @@
 mod allocate;
 #[path = "../load/extender.rs"]
 mod extender;
+#[path = "../load/extender_drive.rs"]
+mod extender_drive;
+#[path = "../load/extender_http.rs"]
+mod extender_http;
+#[path = "../load/extender_metrics.rs"]
+mod extender_metrics;
 #[path = "../load/report.rs"]
 mod report;
 

@@ -27,8 +27,8 @@ use gpushare_e2e::scheduler::framework::{
     num_feasible_nodes_to_find, num_feasible_nodes_to_find_at,
 };
 use gpushare_perf::realistic::{
-    Cause, NodesToScore, Profile, RequestForm, Run, Strategy, TaskKind, TaskMix, generate_nodes,
-    generate_tasks, replay,
+    Cause, NodesToScore, Profile, RequestForm, Run, SimNode, Strategy, Task, TaskKind, TaskMix,
+    generate_nodes, generate_tasks, replay,
 };
 
 /// Compares gpushare's policies with BestFit and FGD on generated realistic clusters.
@@ -155,33 +155,62 @@ fn strategies() -> Vec<Strategy> {
     .collect()
 }
 
+/// One generated cluster and its task stream.
+type Trace = (Vec<SimNode>, Vec<Task>);
+
+/// A strategy's number in the report (from 0), the strategy, and its replay of each trace.
+type Replayed = (usize, Strategy, Vec<Run>);
+
 fn main() {
     let args = Args::parse();
     let mix = args.mix.task_mix();
-    let form = if args.exclusive_whole {
-        RequestForm::Exclusive
-    } else {
-        RequestForm::Plain
-    };
-    let to_score = if args.score_all_nodes {
-        NodesToScore::All
-    } else if args.percentage_of_nodes_to_score > 0 {
-        NodesToScore::Percentage(args.percentage_of_nodes_to_score)
-    } else {
-        NodesToScore::Adaptive
-    };
+    let form = args.request_form();
+    let to_score = args.nodes_to_score();
     let strategies: Vec<(usize, Strategy)> = strategies()
         .into_iter()
         .enumerate()
         .filter(|(i, _)| args.only.is_empty() || args.only.contains(&(i + 1)))
         .collect();
-    let traces: Vec<_> = (0..args.seeds)
+    let traces: Vec<Trace> = (0..args.seeds)
         .map(|seed| {
             let nodes = generate_nodes(args.nodes, seed);
             let tasks = generate_tasks(&nodes, &mix, args.demand, seed);
             (nodes, tasks)
         })
         .collect();
+    print_setup(&args, form, to_score, &traces);
+    println!();
+    let results = replay_all(&strategies, &traces, form, to_score);
+    print_at_full(&results);
+    println!();
+    print_curves(&results);
+}
+
+impl Args {
+    /// How gpushare pods ask for whole- and multi-GPU tasks.
+    fn request_form(&self) -> RequestForm {
+        if self.exclusive_whole {
+            RequestForm::Exclusive
+        } else {
+            RequestForm::Plain
+        }
+    }
+
+    /// Which nodes kube-scheduler filters and scores for gpushare's strategies.
+    fn nodes_to_score(&self) -> NodesToScore {
+        if self.score_all_nodes {
+            NodesToScore::All
+        } else if self.percentage_of_nodes_to_score > 0 {
+            NodesToScore::Percentage(self.percentage_of_nodes_to_score)
+        } else {
+            NodesToScore::Adaptive
+        }
+    }
+}
+
+/// The report's preamble: the cluster and task stream of seed 0, how kube-scheduler looks at
+/// the nodes, the task mix, and the ceiling without multi-GPU tasks.
+fn print_setup(args: &Args, form: RequestForm, to_score: NodesToScore, traces: &[Trace]) {
     let (nodes, tasks) = &traces[0];
     let gpus: u32 = nodes.iter().map(|n| n.gpus).sum();
     println!(
@@ -226,9 +255,16 @@ fn main() {
             gib as f64 * 100.0 / all.max(1) as f64
         );
     }
-    // What a strategy that refuses multi-GPU tasks and places every other task could reach
-    // at 100 %.
-    let ceiling = traces
+    println!(
+        "  ceiling at 100% demand without multi-GPU tasks: {:.1}% (every other task placed)",
+        ceiling_without_multi_gpu(traces) * 100.0
+    );
+}
+
+/// What a strategy that refuses multi-GPU tasks and places every other task could reach at
+/// 100 %, averaged over the traces.
+fn ceiling_without_multi_gpu(traces: &[Trace]) -> f64 {
+    traces
         .iter()
         .map(|(nodes, tasks)| {
             let capacity: u64 = nodes.iter().map(|n| u64::from(n.gpus) * n.gpu_gib).sum();
@@ -245,14 +281,19 @@ fn main() {
             single as f64 / capacity as f64
         })
         .sum::<f64>()
-        / traces.len() as f64;
-    println!(
-        "  ceiling at 100% demand without multi-GPU tasks: {:.1}% (every other task placed)",
-        ceiling * 100.0
-    );
-    println!();
-    let mut results: Vec<(usize, Strategy, Vec<Run>)> = Vec::new();
-    for &(i, strategy) in &strategies {
+        / traces.len() as f64
+}
+
+/// Each strategy replayed on every trace (its seed drives kube-scheduler's tie-break), the
+/// time each took on stderr.
+fn replay_all(
+    strategies: &[(usize, Strategy)],
+    traces: &[Trace],
+    form: RequestForm,
+    to_score: NodesToScore,
+) -> Vec<Replayed> {
+    let mut results: Vec<Replayed> = Vec::new();
+    for &(i, strategy) in strategies {
         let start = std::time::Instant::now();
         let runs: Vec<Run> = traces
             .iter()
@@ -266,6 +307,12 @@ fn main() {
         );
         results.push((i, strategy, runs));
     }
+    results
+}
+
+/// The table at 100 % arrived demand: allocation, failures by cause, stranded memory and the
+/// surplus of exclusive whole-GPU tasks, means over seeds.
+fn print_at_full(results: &[Replayed]) {
     println!(
         "At 100% arrived GPU demand (failed tasks: % of arrived tasks, by cause; outside walk: of the failed, tasks no node of kube-scheduler's walk took while a node it did not reach would have, mean tasks per seed in brackets; stranded: free GPU memory / idle GPUs on nodes without CPU or memory for a median GPU task; whole surplus: GPU memory booked beyond their request by exclusive whole-GPU tasks on larger GPUs, not counted in allocation):"
     );
@@ -278,51 +325,59 @@ fn main() {
         "|---|---|---|---|{}---|---|---|---|",
         "---|".repeat(Cause::ALL.len())
     );
-    for (i, strategy, runs) in &results {
-        let n = runs.len() as f64;
-        let allocation: Vec<f64> = runs.iter().map(|r| r.at_full.allocation).collect();
-        let (low, high) = allocation
-            .iter()
-            .fold((f64::MAX, f64::MIN), |(l, h), a| (l.min(*a), h.max(*a)));
-        print!(
-            "| {} | {} | **{:.1}%** | {:.1}–{:.1}% |",
-            i + 1,
-            strategy.name(),
-            allocation.iter().sum::<f64>() / n * 100.0,
-            low * 100.0,
-            high * 100.0
-        );
-        for c in 0..Cause::ALL.len() {
-            let failed: f64 = runs
-                .iter()
-                .map(|r| r.at_full.failed[c] as f64 / r.at_full.arrived.max(1) as f64)
-                .sum();
-            print!(" {:.1}% |", failed / n * 100.0);
-        }
-        let outside: f64 = runs
-            .iter()
-            .map(|r| r.at_full.failed_outside_walk as f64 / r.at_full.arrived.max(1) as f64)
-            .sum();
-        let outside_tasks: f64 = runs
-            .iter()
-            .map(|r| r.at_full.failed_outside_walk as f64)
-            .sum();
-        print!(
-            " {:.2}% ({:.1} tasks) |",
-            outside / n * 100.0,
-            outside_tasks / n
-        );
-        let stranded: f64 = runs.iter().map(|r| r.at_full.stranded).sum::<f64>() / n;
-        let idle: f64 = runs.iter().map(|r| r.at_full.stranded_gpus).sum::<f64>() / n;
-        let surplus: f64 = runs.iter().map(|r| r.at_full.whole_surplus).sum::<f64>() / n;
-        println!(
-            " {:.1}% | {:.1}% | {:.1}% |",
-            stranded * 100.0,
-            idle * 100.0,
-            surplus * 100.0
-        );
+    for (i, strategy, runs) in results {
+        print_at_full_row(*i, *strategy, runs);
     }
-    println!();
+}
+
+/// One strategy's row of [`print_at_full`].
+fn print_at_full_row(i: usize, strategy: Strategy, runs: &[Run]) {
+    let n = runs.len() as f64;
+    let allocation: Vec<f64> = runs.iter().map(|r| r.at_full.allocation).collect();
+    let (low, high) = allocation
+        .iter()
+        .fold((f64::MAX, f64::MIN), |(l, h), a| (l.min(*a), h.max(*a)));
+    print!(
+        "| {} | {} | **{:.1}%** | {:.1}–{:.1}% |",
+        i + 1,
+        strategy.name(),
+        allocation.iter().sum::<f64>() / n * 100.0,
+        low * 100.0,
+        high * 100.0
+    );
+    for c in 0..Cause::ALL.len() {
+        let failed: f64 = runs
+            .iter()
+            .map(|r| r.at_full.failed[c] as f64 / r.at_full.arrived.max(1) as f64)
+            .sum();
+        print!(" {:.1}% |", failed / n * 100.0);
+    }
+    let outside: f64 = runs
+        .iter()
+        .map(|r| r.at_full.failed_outside_walk as f64 / r.at_full.arrived.max(1) as f64)
+        .sum();
+    let outside_tasks: f64 = runs
+        .iter()
+        .map(|r| r.at_full.failed_outside_walk as f64)
+        .sum();
+    print!(
+        " {:.2}% ({:.1} tasks) |",
+        outside / n * 100.0,
+        outside_tasks / n
+    );
+    let stranded: f64 = runs.iter().map(|r| r.at_full.stranded).sum::<f64>() / n;
+    let idle: f64 = runs.iter().map(|r| r.at_full.stranded_gpus).sum::<f64>() / n;
+    let surplus: f64 = runs.iter().map(|r| r.at_full.whole_surplus).sum::<f64>() / n;
+    println!(
+        " {:.1}% | {:.1}% | {:.1}% |",
+        stranded * 100.0,
+        idle * 100.0,
+        surplus * 100.0
+    );
+}
+
+/// The allocation ratio of each strategy as arrived demand climbs, means over seeds.
+fn print_curves(results: &[Replayed]) {
     println!("Allocation ratio against arrived GPU demand:");
     print!("| # | strategy |");
     let tenths: Vec<usize> = vec![5, 7, 8, 9, 10, 11, 12, 13];
@@ -331,7 +386,7 @@ fn main() {
     }
     println!();
     println!("|---|---|{}", "---|".repeat(tenths.len()));
-    for (i, strategy, runs) in &results {
+    for (i, strategy, runs) in results {
         print!("| {} | {} |", i + 1, strategy.name());
         for &t in &tenths {
             let mean = runs

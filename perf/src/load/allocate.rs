@@ -44,6 +44,8 @@ const KUBELET_NODE: &str = "nobody";
 const GPUS: u64 = 8;
 /// How many error messages the report quotes.
 const QUOTED: usize = 3;
+/// GiB of the sentinel pod, the last created: a size no other pod has.
+const SENTINEL_GIB: u64 = GPUS + 1;
 
 /// What phase 2 builds and drives.
 #[derive(Debug, Clone)]
@@ -127,6 +129,8 @@ pub async fn run(cfg: &Config, bins: &Binaries, log_dir: &Path) -> anyhow::Resul
     result
 }
 
+/// Waits for the plugin, creates the pods, then times one Allocate per pod and prints the
+/// results.
 async fn measure(
     cfg: &Config,
     api: &ApiServer,
@@ -135,82 +139,16 @@ async fn measure(
     pid: Option<u32>,
 ) -> anyhow::Result<()> {
     let client = api.client();
-    let started = Instant::now();
-    kubelet
-        .wait_registered(RESOURCE, Duration::from_secs(60))
-        .await?;
-    figure(
-        "plugin start → registered and listed",
-        secs(started.elapsed()),
-    );
-    let devices: Vec<String> = kubelet
-        .devices(RESOURCE)
-        .into_iter()
-        .filter(|(_, healthy)| *healthy)
-        .map(|(id, _)| id)
-        .collect();
-    figure("devices advertised (1 per GiB)", devices.len());
-    if devices.is_empty() {
-        bail!("the device plugin advertised no healthy devices");
-    }
+    let devices = registered_devices(kubelet).await?;
     let gpus = published_gpus(&client).await?;
-
-    // Set-up: the pods, then the sentinel.
-    let keys = Keys::default();
-    let base = jiff::Timestamp::now();
-    let started = Instant::now();
-    let creates = (0..cfg.pods).map(|i| {
-        let bind_time =
-            base + jiff::SignedDuration::from_millis(i64::try_from(i).unwrap_or(i64::MAX));
-        let gib = size(i);
-        pending_pod(
-            &format!("alloc-{i:05}"),
-            gib,
-            gpu_of(gib),
-            &gpus,
-            &keys,
-            &bind_time.to_string(),
-        )
-        .create(&client)
-    });
-    futures::stream::iter(creates)
-        .buffer_unordered(cfg.setup_concurrency)
-        .try_for_each(|_| async { Ok(()) })
-        .await?;
-    let sentinel_gib = GPUS + 1;
-    pending_pod(
-        "alloc-sentinel",
-        sentinel_gib,
-        0,
-        &gpus,
-        &keys,
-        &base.to_string(),
-    )
-    .create(&client)
-    .await?;
-    figure("set-up: pods created", secs(started.elapsed()));
+    create_pods(cfg, &client, &gpus).await?;
 
     let socket = plugin_socket(plugin_dir)?;
     let mut plugin = DevicePluginClient::new(connect(&socket).await?);
     let mut ids = devices.iter().cycle();
     let mut take = |n: u64| -> Vec<String> { ids.by_ref().take(n as usize).cloned().collect() };
 
-    let started = Instant::now();
-    let sentinel = allocate_request(take(sentinel_gib));
-    let deadline = Instant::now() + Duration::from_secs(120);
-    while let Err(status) = plugin.allocate(sentinel.clone()).await {
-        if Instant::now() >= deadline {
-            bail!(
-                "the device plugin never allocated the sentinel pod: {}",
-                status.message()
-            );
-        }
-        tokio::time::sleep(Duration::from_millis(20)).await;
-    }
-    figure(
-        "plugin watch caught up (sentinel allocated)",
-        secs(started.elapsed()),
-    );
+    wait_for_sentinel(&mut plugin, take(SENTINEL_GIB)).await?;
     let stats = api.stats();
     // The sentinel's mark is the first pod patch; let it land before counting.
     let _ = wait_for("the sentinel's mark", Duration::from_secs(10), || async {
@@ -255,6 +193,91 @@ async fn measure(
         figure("  error", message);
     }
     figure("device plugin peak RSS (VmHWM)", proc_memory(pid, "VmHWM"));
+    Ok(())
+}
+
+/// Waits until the plugin has registered and kubelet listed its devices; the healthy ones.
+async fn registered_devices(kubelet: &KubeletDriver) -> anyhow::Result<Vec<String>> {
+    let started = Instant::now();
+    kubelet
+        .wait_registered(RESOURCE, Duration::from_secs(60))
+        .await?;
+    figure(
+        "plugin start → registered and listed",
+        secs(started.elapsed()),
+    );
+    let devices: Vec<String> = kubelet
+        .devices(RESOURCE)
+        .into_iter()
+        .filter(|(_, healthy)| *healthy)
+        .map(|(id, _)| id)
+        .collect();
+    figure("devices advertised (1 per GiB)", devices.len());
+    if devices.is_empty() {
+        bail!("the device plugin advertised no healthy devices");
+    }
+    Ok(devices)
+}
+
+/// Set-up: the pods, then the sentinel.
+async fn create_pods(cfg: &Config, client: &kube::Client, gpus: &[GpuInfo]) -> anyhow::Result<()> {
+    let keys = Keys::default();
+    let base = jiff::Timestamp::now();
+    let started = Instant::now();
+    let creates = (0..cfg.pods).map(|i| {
+        let bind_time =
+            base + jiff::SignedDuration::from_millis(i64::try_from(i).unwrap_or(i64::MAX));
+        let gib = size(i);
+        pending_pod(
+            &format!("alloc-{i:05}"),
+            gib,
+            gpu_of(gib),
+            gpus,
+            &keys,
+            &bind_time.to_string(),
+        )
+        .create(client)
+    });
+    futures::stream::iter(creates)
+        .buffer_unordered(cfg.setup_concurrency)
+        .try_for_each(|_| async { Ok(()) })
+        .await?;
+    pending_pod(
+        "alloc-sentinel",
+        SENTINEL_GIB,
+        0,
+        gpus,
+        &keys,
+        &base.to_string(),
+    )
+    .create(client)
+    .await?;
+    figure("set-up: pods created", secs(started.elapsed()));
+    Ok(())
+}
+
+/// Retries Allocate for the sentinel (`devices`) until it succeeds: the plugin's watch then
+/// holds every pod created before it.
+async fn wait_for_sentinel(
+    plugin: &mut DevicePluginClient<Channel>,
+    devices: Vec<String>,
+) -> anyhow::Result<()> {
+    let started = Instant::now();
+    let sentinel = allocate_request(devices);
+    let deadline = Instant::now() + Duration::from_secs(120);
+    while let Err(status) = plugin.allocate(sentinel.clone()).await {
+        if Instant::now() >= deadline {
+            bail!(
+                "the device plugin never allocated the sentinel pod: {}",
+                status.message()
+            );
+        }
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    figure(
+        "plugin watch caught up (sentinel allocated)",
+        secs(started.elapsed()),
+    );
     Ok(())
 }
 

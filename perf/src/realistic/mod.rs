@@ -20,9 +20,29 @@
 //!   allocation ratio (GPU GiB allocated / GPU GiB in the cluster) against arrived demand;
 //!   failed tasks by cause; free GPU memory stranded on nodes without CPU or memory
 //! ```
+//!
+//! The files, one job each:
+//! - `generator`: the seeded clusters and task streams;
+//! - `sim`: the replay itself, and what it measures ([`Run`], [`Snapshot`]);
+//! - `strategy`: what a replay compares ([`Strategy`], [`Profile`], [`RequestForm`],
+//!   [`NodesToScore`]) and why a task failed ([`Cause`]);
+//! - `nodes`: the cluster as the replay books it, the same for every strategy;
+//! - `kube_scheduler`: kube-scheduler's walk over the nodes and its tie-break;
+//! - `scores`: kube-scheduler's score plugins, integer for integer as upstream;
+//! - `gpushare`: a gpushare pod through kube-scheduler, the extender and the allocator;
+//! - `dra`: gpushare's DRA mode, kube-scheduler allocating the claims itself;
+//! - `best_fit`, `fgd`: the idealized baselines.
 
+mod best_fit;
+mod dra;
+mod fgd;
 pub mod generator;
+mod gpushare;
+mod kube_scheduler;
+mod nodes;
+mod scores;
 pub mod sim;
+mod strategy;
 
 pub use generator::{
     GpuModel, MODELS, Models, NODE_TYPES, NodeType, SimNode, Task, TaskKind, TaskMix,

@@ -1,0 +1,97 @@
+//! gpushare's DRA mode: kube-scheduler allocates each task's claim itself, with its default
+//! scores and the allocator's first fit on the node it picks.
+//!
+//! Kept apart from gpushare's extender path because nothing of the extender takes part: no
+//! allocator, no extender scores, devices taken in the slice's order.
+
+use super::generator::Task;
+use super::kube_scheduler::{KubeScheduler, Missed, select_host};
+use super::nodes::Nodes;
+use super::scores::default_score;
+
+/// The devices kube-scheduler's DRA allocator gives `task`'s claim on a node whose GPUs have
+/// `free` GiB: the first `gpus` of them, in the slice's order, with the share free.
+pub(super) fn first_fit_devices(free: &[u64], task: &Task) -> Option<Vec<usize>> {
+    let wanted = task.gpus.max(1) as usize;
+    let picked: Vec<usize> = free
+        .iter()
+        .enumerate()
+        .filter(|(_, free)| **free >= task.gpu_gib)
+        .map(|(g, _)| g)
+        .take(wanted)
+        .collect();
+    (picked.len() == wanted).then_some(picked)
+}
+
+/// [`Strategy::DraFirstFit`]: kube-scheduler's walk with the DynamicResources filter, its
+/// default scores, and the allocator's first fit on the node it picks.
+///
+/// [`Strategy::DraFirstFit`]: super::Strategy::DraFirstFit
+pub(super) fn dra_first_fit(
+    state: &Nodes<'_>,
+    task: &Task,
+    kube: &mut KubeScheduler,
+) -> Result<(usize, Vec<usize>), Missed> {
+    let feasible = |n: usize| {
+        state.model_ok(n, task)
+            && state.host_free(n).fits(task.host)
+            && first_fit_devices(&state.free[n], task).is_some()
+    };
+    let walk = kube.walk(state.specs.len(), feasible);
+    let chosen = select_host(
+        walk.feasible.iter().map(|&n| {
+            (
+                n,
+                default_score(state.specs[n].host, state.used[n], task.host),
+            )
+        }),
+        &mut kube.rng,
+    );
+    match chosen {
+        Some(n) => first_fit_devices(&state.free[n], task)
+            .map(|gpus| (n, gpus))
+            .ok_or(Missed::Everywhere),
+        None if walk.unvisited().any(feasible) => Err(Missed::OutsideWalk),
+        None => Err(Missed::Everywhere),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::realistic::generator::TaskKind;
+    use gpushare_allocator::fragmentation::Host;
+
+    fn task(kind: TaskKind, gpus: u32, gpu_gib: u64) -> Task {
+        Task {
+            kind,
+            gpus,
+            gpu_gib,
+            host: Host::new(1_000, 1_024),
+            model: None,
+        }
+    }
+
+    #[test]
+    fn the_dra_allocator_takes_the_first_gpus_with_the_share_free() {
+        let free = [2, 8, 16, 8];
+        // First fit, not best fit: the 8 GiB GPU before the 16 and the later 8.
+        assert_eq!(
+            first_fit_devices(&free, &task(TaskKind::Fractional, 1, 4)),
+            Some(vec![1])
+        );
+        // N distinct GPUs, in the slice's order.
+        assert_eq!(
+            first_fit_devices(&free, &task(TaskKind::Multi, 2, 8)),
+            Some(vec![1, 2])
+        );
+        assert_eq!(
+            first_fit_devices(&free, &task(TaskKind::Multi, 3, 16)),
+            None
+        );
+        assert_eq!(
+            first_fit_devices(&free, &task(TaskKind::Whole, 1, 16)),
+            Some(vec![2])
+        );
+    }
+}

@@ -1,0 +1,277 @@
+//! The vocabulary of a replay: what is compared (a [`Strategy`], with kube-scheduler's
+//! [`Profile`] for gpushare's), how gpushare pods ask ([`RequestForm`]), how many nodes
+//! kube-scheduler looks at ([`NodesToScore`]), and why a task found no node ([`Cause`]).
+//!
+//! Kept apart from the replay so that adding a strategy or a profile starts here, with its
+//! name in the report, and the replay only dispatches on it.
+
+use gpushare_allocator::Policy;
+
+use super::generator::Task;
+use super::gpushare::is_whole;
+
+/// kube-scheduler's node scores as a scheduler profile configures them.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Profile {
+    /// The default profile: `NodeResourcesFit` LeastAllocated + `NodeResourcesBalancedAllocation`,
+    /// plus the extender's score × `weight` × 10. What the chart shipped before.
+    Default {
+        /// The extender's weight.
+        weight: i64,
+    },
+    /// Both resource scores disabled: the extender's score alone orders the nodes.
+    ExtenderOnly,
+    /// No extender prioritize: `NodeResourcesFit` with `scoringStrategy` MostAllocated on the
+    /// GPU-memory resource alone (weight 1) + `NodeResourcesBalancedAllocation` on CPU and
+    /// memory (weight 1), both plugins weight 1 ([`native_most_allocated_score`]). The
+    /// extender still filters and binds.
+    ///
+    /// [`native_most_allocated_score`]: super::scores::native_most_allocated_score
+    NativeMostAllocated,
+    /// The extender's `--filter-keep-best=1`: its filter passes only the node kube-scheduler
+    /// would rank best with the default profile and weight 1 (its default CPU and memory
+    /// scores + ours × 10; the first of them in the walk's order), and kube-scheduler binds
+    /// that one without scoring.
+    FilterKeepBest,
+    /// A profile that weighs kube-scheduler's CPU and memory scores against ours:
+    /// `NodeResourcesFit` LeastAllocated (`least`) or MostAllocated (`most`) on CPU and
+    /// memory, `NodeResourcesBalancedAllocation` (`balanced`), and the extender's score ×
+    /// `extender` × 10; the filter keeps the best node (ties to the first in the walk).
+    Weighted {
+        /// LeastAllocated's plugin weight (0: off).
+        least: i64,
+        /// MostAllocated's plugin weight (0: off).
+        most: i64,
+        /// BalancedAllocation's plugin weight (0: off).
+        balanced: i64,
+        /// The extender's weight.
+        extender: i64,
+    },
+}
+
+impl Profile {
+    /// Whether the extender scores the candidates (in prioritize, or in filter to keep the
+    /// best).
+    pub(super) fn extender_scores(self) -> bool {
+        !matches!(self, Profile::NativeMostAllocated)
+    }
+
+    /// How the report names the profile.
+    pub(super) fn label(self) -> String {
+        match self {
+            Profile::Default { weight } => format!("default scores, weight {weight}"),
+            Profile::ExtenderOnly => "extender scores only".to_owned(),
+            Profile::NativeMostAllocated => {
+                "native MostAllocated on gpu-mem, no prioritize".to_owned()
+            }
+            Profile::FilterKeepBest => {
+                "filter keeps the node kube-scheduler would rank best, no scoring".to_owned()
+            }
+            Profile::Weighted {
+                least,
+                most,
+                balanced,
+                extender,
+            } => format!(
+                "keeps the best by LeastAllocated ×{least}, MostAllocated ×{most}, BalancedAllocation ×{balanced}, ours ×{extender}"
+            ),
+        }
+    }
+}
+
+/// How a gpushare pod asks for a whole- or multi-GPU task (fractional tasks always ask for
+/// a shared slice of one GPU). BestFit and FGD place tasks themselves and ignore it.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub enum RequestForm {
+    /// `gpus: N`, not exclusive, the total GiB: a slice of the task's GiB on each of N
+    /// distinct GPUs of one node; the rest of each GPU stays free for other pods.
+    #[default]
+    Plain,
+    /// `gpus: N` with `exclusive`: N empty GPUs of at least the task's GiB, booked in full (a
+    /// larger GPU's surplus is lost to other pods).
+    Exclusive,
+}
+
+/// Which nodes kube-scheduler filters and scores for a pod (`percentageOfNodesToScore`).
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub enum NodesToScore {
+    /// kube-scheduler's default, the adaptive percentage: its filters walk the nodes round
+    /// robin from where the previous pod's walk stopped, and stop once
+    /// [`num_feasible_nodes_to_find`] nodes pass (all of them below 100 nodes; 41 %, 492 nodes,
+    /// at 1,200). Only those reach the extender's filter and the scores.
+    ///
+    /// [`num_feasible_nodes_to_find`]: gpushare_e2e::scheduler::framework::num_feasible_nodes_to_find
+    #[default]
+    Adaptive,
+    /// Every feasible node is filtered by the extender and scored (`percentageOfNodesToScore:
+    /// 100`).
+    All,
+    /// An explicit `percentageOfNodesToScore` (1-99), as the chart's dedicated scheduler may
+    /// set: the walk stops at that share of the nodes, never below 100 of them.
+    Percentage(u32),
+}
+
+/// A way of placing tasks.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Strategy {
+    /// gpushare: the extender's prioritize and bind under `policy` (`None`: no prioritize,
+    /// binpack at bind: the classic extender), nodes ordered by `profile`. Fractional tasks
+    /// are shared slices of one GPU; whole- and multi-GPU tasks ask as a pod does, in the
+    /// replay's [`RequestForm`] (see [`gpushare_request`]).
+    ///
+    /// [`gpushare_request`]: super::gpushare_request
+    Gpushare {
+        /// The extender's policy; `None` is "classic" (filter and bind only).
+        policy: Option<Policy>,
+        /// How kube-scheduler scores.
+        profile: Profile,
+    },
+    /// gpushare's fragmentation policy, nodes ordered by `profile` (multi-GPU tasks, and
+    /// whole-GPU tasks asked for with `exclusive`, scored and placed as binpack does, as the
+    /// allocator does).
+    Fragmentation {
+        /// How kube-scheduler scores.
+        profile: Profile,
+    },
+    /// BestFit (FGD's baseline): the node with the least weighted free GPU, CPU and memory
+    /// after placing, the snuggest GPUs on it. Places CPU-only tasks too.
+    BestFit {
+        /// Places multi-GPU tasks (else refuses them).
+        multi_gpu: bool,
+    },
+    /// FGD: the node and GPUs whose placement adds the least expected fragmentation, measured
+    /// against the true shape distribution of the whole task stream. Places CPU-only tasks
+    /// unless `cpu_pods_by_default` hands them to the default scheduler, as a gpushare
+    /// cluster does.
+    Fgd {
+        /// Places multi-GPU tasks (else refuses them).
+        multi_gpu: bool,
+        /// CPU-only tasks go through the default scheduler.
+        cpu_pods_by_default: bool,
+    },
+    /// gpushare's DRA mode: kube-scheduler allocates each task's claim itself (a request of
+    /// `gpus` devices with `gpu_gib` of `memory` each). Its walk, with the DynamicResources
+    /// filter among its filters, its default scores (nothing scores devices in 1.36), and on
+    /// the node it picks the allocator's first fit: the first GPUs in the slice's order with
+    /// the share free, distinct.
+    DraFirstFit,
+}
+
+impl Strategy {
+    /// Name in the report.
+    pub fn name(self) -> String {
+        match self {
+            Strategy::Gpushare { policy, profile } => {
+                let policy = policy.map_or("classic".to_owned(), |p| format!("gpushare {p}"));
+                format!("{policy} ({})", profile.label())
+            }
+            Strategy::Fragmentation { profile } => {
+                format!("gpushare fragmentation ({})", profile.label())
+            }
+            Strategy::BestFit { multi_gpu } => {
+                format!(
+                    "BestFit ({}idealized: every node)",
+                    if multi_gpu { "places multi-GPU, " } else { "" }
+                )
+            }
+            Strategy::Fgd {
+                multi_gpu,
+                cpu_pods_by_default,
+            } => format!(
+                "FGD ({}{}idealized: every node)",
+                if multi_gpu { "places multi-GPU, " } else { "" },
+                if cpu_pods_by_default {
+                    "CPU-only pods by default scheduler, "
+                } else {
+                    ""
+                }
+            ),
+            Strategy::DraFirstFit => {
+                "DRA mode (kube-scheduler's allocator: default scores, first-fit devices)"
+                    .to_owned()
+            }
+        }
+    }
+
+    /// Whether kube-scheduler's walk picks the nodes (else the strategy sees every node).
+    pub(super) fn walks(self) -> bool {
+        self.is_gpushare() || self == Strategy::DraFirstFit
+    }
+
+    pub(super) fn is_gpushare(self) -> bool {
+        matches!(
+            self,
+            Strategy::Gpushare { .. } | Strategy::Fragmentation { .. }
+        )
+    }
+
+    pub(super) fn places_multi_gpu(self) -> bool {
+        match self {
+            Strategy::Gpushare { .. } | Strategy::Fragmentation { .. } | Strategy::DraFirstFit => {
+                true
+            }
+            Strategy::BestFit { multi_gpu } | Strategy::Fgd { multi_gpu, .. } => multi_gpu,
+        }
+    }
+
+    /// Whether `task` takes its GPUs whole under this strategy and `form` (a gpushare
+    /// exclusive pod); otherwise only the task's GiB is booked on each GPU.
+    pub(super) fn books_whole(self, task: &Task, form: RequestForm) -> bool {
+        self.is_gpushare() && form == RequestForm::Exclusive && is_whole(task)
+    }
+
+    pub(super) fn cpu_pods_by_default_scheduler(self) -> bool {
+        match self {
+            Strategy::Gpushare { .. } | Strategy::Fragmentation { .. } | Strategy::DraFirstFit => {
+                true
+            }
+            Strategy::BestFit { .. } => false,
+            Strategy::Fgd {
+                cpu_pods_by_default,
+                ..
+            } => cpu_pods_by_default,
+        }
+    }
+}
+
+/// Why a task found no node.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub enum Cause {
+    /// No node (of the model it names) has the GPU memory free.
+    Gpu,
+    /// Nodes with the GPU memory have too little CPU.
+    Cpu,
+    /// Nodes with the GPU memory have too little memory.
+    Memory,
+    /// Nodes with the GPU memory lack CPU and memory (or one each).
+    Both,
+    /// A multi-GPU task, which the strategy does not place (BestFit and FGD without
+    /// `multi_gpu`).
+    MultiGpu,
+    /// A node had room, but the strategy's rules refused it.
+    Other,
+}
+
+impl Cause {
+    /// Every cause, in report order.
+    pub const ALL: [Cause; 6] = [
+        Cause::Gpu,
+        Cause::Cpu,
+        Cause::Memory,
+        Cause::Both,
+        Cause::MultiGpu,
+        Cause::Other,
+    ];
+
+    /// Column name.
+    pub fn name(self) -> &'static str {
+        match self {
+            Cause::Gpu => "GPU",
+            Cause::Cpu => "CPU",
+            Cause::Memory => "memory",
+            Cause::Both => "CPU+mem",
+            Cause::MultiGpu => "multi-GPU",
+            Cause::Other => "other",
+        }
+    }
+}
