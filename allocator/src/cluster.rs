@@ -14,6 +14,7 @@ use std::sync::Arc;
 // the keys are our own cluster's names, so a fast non-DoS-resistant hash is the right trade.
 use rustc_hash::FxHashMap as HashMap;
 
+use crate::demand_mix::DemandMix;
 use crate::fragmentation::{Host, Workload};
 use crate::{Gpu, Placement, PodId, PodPlacement, Policy, Refusal, Request, Unfit};
 
@@ -35,6 +36,9 @@ pub struct Cluster {
     hosts: HashMap<PodId, (Arc<str>, Host)>,
     /// Recent pod shapes, for [`Policy::Fragmentation`].
     workload: Workload,
+    /// How much of the recent GPU demand is multi-GPU, for the ranking
+    /// ([`Cluster::scheduler_totals`]).
+    demand: DemandMix,
 }
 
 impl Cluster {

@@ -46,6 +46,7 @@
 #![cfg_attr(test, allow(clippy::unwrap_used))]
 
 mod cluster;
+pub mod demand_mix;
 pub mod fragmentation;
 pub mod kube_scores;
 mod unfit;

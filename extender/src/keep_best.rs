@@ -9,6 +9,12 @@
 //! else for a pod without soft preferences (it turns ImageLocality and the default topology
 //! spreading off while this is on).
 //!
+//! One deliberate difference: while multi-GPU pods bring a quarter or more of the recent GPU
+//! demand, the ranking leaves kube-scheduler's LeastAllocated out
+//! ([`gpushare_allocator::demand_mix`]): spreading small pods' CPU over every node would leave
+//! none with the CPU a multi-GPU job needs. Pods that step aside are scored by kube-scheduler
+//! with its profile, LeastAllocated included.
+//!
 //! A pod whose placement other score plugins would move is not narrowed: its own preferred
 //! node or pod (anti-)affinity, a `ScheduleAnyway` topology spread constraint, or a
 //! candidate node with a `PreferNoSchedule` taint it does not tolerate

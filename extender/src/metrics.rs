@@ -52,6 +52,9 @@ pub struct Metrics {
     /// filter calls that passed every fitting node although `--filter-keep-best` is on, by
     /// why (see [`crate::keep_best::StepAside`]).
     pub keep_best_stepped_aside: Family<StepAsideLabels, Counter>,
+    /// The share of recent GPU demand in multi-GPU pods, as the filter that keeps the best
+    /// last read it (`gpushare_allocator::demand_mix`).
+    pub multi_gpu_demand_share: Gauge<f64, std::sync::atomic::AtomicU64>,
 }
 
 /// Labels of a filter that did not narrow to the best node.
@@ -87,6 +90,7 @@ impl Metrics {
             paced: Counter::default(),
             paced_seconds: Counter::default(),
             keep_best_stepped_aside: Family::default(),
+            multi_gpu_demand_share: Gauge::default(),
         };
         let sub = registry.sub_registry_with_prefix("gpushare_extender");
         sub.register(
@@ -144,6 +148,11 @@ impl Metrics {
             "filter_keep_best_stepped_aside",
             "filter calls that passed every fitting node although filterKeepBest is on, because kube-scheduler's scores would weigh something the extender does not model",
             metrics.keep_best_stepped_aside.clone(),
+        );
+        sub.register(
+            "multi_gpu_demand_share",
+            format!("Share of the recent GPU demand in multi-GPU pods; from {} the filter that keeps the best ranks without kube-scheduler's LeastAllocated score", gpushare_allocator::demand_mix::MULTI_GPU_HEAVY),
+            metrics.multi_gpu_demand_share.clone(),
         );
         metrics
     }

@@ -814,6 +814,55 @@ async fn keep_best_ranks_as_kube_scheduler_would_and_steps_aside_for_soft_prefer
     }
 }
 
+/// Where multi-GPU jobs bring much of the GPU demand arriving, the filter that keeps the best
+/// ranks without LeastAllocated (it would spread small pods' CPU over every node and leave
+/// none with the CPU such a job needs): of two nodes our score ties, the one whose CPU and
+/// memory stay balanced wins, not the emptier one; and the gauge says why.
+#[tokio::test]
+async fn keep_best_leaves_least_allocated_out_while_multi_gpu_jobs_dominate_the_demand() {
+    let roomy = |name: &str| {
+        node(name)
+            .gpushare()
+            .gpus(&[16])
+            .cpu("8")
+            .memory("32Gi")
+            .build()
+    };
+    // With the pod, busy: CPU 5/8, memory 21/32 Gi (balanced); idle: CPU 4/8, memory 1/32.
+    // LeastAllocated + BalancedAllocation = 200 − 100 × the larger fraction: idle wins; by
+    // BalancedAllocation alone busy does.
+    let resident = pod("resident")
+        .cpu("1")
+        .memory("20Gi")
+        .on_node("busy")
+        .build();
+    let small = pod("small").gpu_mem(4).cpu("4").memory("1Gi").build();
+    let filter =
+        |pod: &Pod| json!({"Pod": pod, "Nodes": null, "NodeNames": ["busy", "idle"]}).to_string();
+    let multi_gpu_jobs: Vec<Pod> = (0..4)
+        .map(|i| {
+            pod(&format!("job-{i}"))
+                .gpu_mem(64)
+                .annotation(&Keys::default().request_gpus, "8")
+                .build()
+        })
+        .collect();
+    for (jobs, kept) in [(vec![], "idle"), (multi_gpu_jobs, "busy")] {
+        let pods = [vec![resident.clone(), small.clone()], jobs].concat();
+        let h = harness(vec![roomy("busy"), roomy("idle")], pods);
+        h.state.set_filter_keep_best(1);
+        let (_, answer) = post(&h, "filter", &filter(&small)).await;
+        assert_eq!(answer["NodeNames"], json!([kept]), "{answer}");
+        let (_, _, metrics) = call_raw(&h.app, "GET", "/metrics", "").await;
+        let share: f64 = metrics
+            .lines()
+            .find_map(|line| line.strip_prefix("gpushare_extender_multi_gpu_demand_share "))
+            .and_then(|value| value.parse().ok())
+            .unwrap_or_else(|| panic!("no demand share in {metrics}"));
+        assert_eq!(share >= 0.25, kept == "busy", "{share}");
+    }
+}
+
 /// When filter passes one node, kube-scheduler binds the pod there next, while its next cycles
 /// already run: filter holds the pod's memory from then on, so the next pods' filters see it
 /// taken. A second filter of the same pod (its attempt failed) replaces the hold instead of

@@ -166,6 +166,7 @@ pub fn pod(name: &str) -> PodBuilder {
         containers: Vec::new(),
         init_containers: Vec::new(),
         cpu: None,
+        memory: None,
         scheduler_name: None,
         annotations: BTreeMap::new(),
         node_name: None,
@@ -179,17 +180,23 @@ pub struct PodBuilder {
     containers: Vec<(String, u64)>,
     init_containers: Vec<(String, u64)>,
     cpu: Option<String>,
+    memory: Option<String>,
     scheduler_name: Option<String>,
     annotations: BTreeMap<String, String>,
     node_name: Option<String>,
 }
 
-fn container(name: &str, gib: u64, cpu: Option<&str>) -> Container {
+/// A container asking `gib` of GPU memory and, as requests, `cpu` and `memory`.
+fn container(name: &str, gib: u64, (cpu, memory): (Option<&str>, Option<&str>)) -> Container {
     let mut limits = BTreeMap::new();
     if gib > 0 {
         limits.insert(DEFAULT_RESOURCE.to_owned(), Quantity(gib.to_string()));
     }
-    let requests = cpu.map(|cpu| BTreeMap::from([("cpu".to_owned(), Quantity(cpu.to_owned()))]));
+    let requests: BTreeMap<String, Quantity> = [("cpu", cpu), ("memory", memory)]
+        .into_iter()
+        .filter_map(|(resource, q)| Some((resource.to_owned(), Quantity(q?.to_owned()))))
+        .collect();
+    let requests = (!requests.is_empty()).then_some(requests);
     let resources = (!limits.is_empty() || requests.is_some()).then(|| ResourceRequirements {
         limits: (!limits.is_empty()).then_some(limits),
         requests,
@@ -235,6 +242,12 @@ impl PodBuilder {
         self
     }
 
+    /// Memory request of every app container.
+    pub fn memory(mut self, q: &str) -> Self {
+        self.memory = Some(q.to_owned());
+        self
+    }
+
     pub fn scheduler_name(mut self, s: &str) -> Self {
         self.scheduler_name = Some(s.to_owned());
         self
@@ -256,11 +269,11 @@ impl PodBuilder {
         if containers.is_empty() {
             containers.push(("main".to_owned(), 0));
         }
-        let cpu = self.cpu.as_deref();
+        let requests = (self.cpu.as_deref(), self.memory.as_deref());
         let init: Vec<Container> = self
             .init_containers
             .iter()
-            .map(|(name, gib)| container(name, *gib, None))
+            .map(|(name, gib)| container(name, *gib, (None, None)))
             .collect();
         Pod {
             metadata: ObjectMeta {
@@ -272,7 +285,7 @@ impl PodBuilder {
             spec: Some(PodSpec {
                 containers: containers
                     .iter()
-                    .map(|(name, gib)| container(name, *gib, cpu))
+                    .map(|(name, gib)| container(name, *gib, requests))
                     .collect(),
                 init_containers: (!init.is_empty()).then_some(init),
                 scheduler_name: self.scheduler_name,

@@ -5,6 +5,7 @@
 use std::sync::Arc;
 
 use super::{Cluster, Node};
+use crate::demand_mix::DemandMix;
 use crate::fragmentation::{self, Before, FreeSummary, Host, NodeFree, Placing, Shape, Workload};
 use crate::{PodId, Request, kube_scores};
 
@@ -25,6 +26,18 @@ impl Node {
             non_zero: self.host_scored,
         };
         kube_scores::default_scores(allocatable, requested, pod)
+    }
+
+    /// [`Node::default_scores`] with LeastAllocated weighing `least_weight`.
+    pub fn ranking_scores(&self, pod: Host, least_weight: i64) -> i64 {
+        let Some(allocatable) = self.host else {
+            return 0;
+        };
+        let requested = kube_scores::Requested {
+            actual: self.host_used,
+            non_zero: self.host_scored,
+        };
+        kube_scores::weighted_scores(allocatable, requested, pod, least_weight)
     }
 
     /// The node's free CPU and memory ([`Host::UNLIMITED`] when its allocatable is unknown).
@@ -148,6 +161,17 @@ impl Cluster {
         self.workload.observe(shape);
     }
 
+    /// Records the GPU demand of a pod that arrives asking `pod_gib` in all over `gpus` GPUs:
+    /// the ranking ([`Cluster::scheduler_totals`]) follows how much of it is multi-GPU.
+    pub fn observe_demand(&mut self, pod_gib: u64, gpus: u32) {
+        self.demand.observe(pod_gib, gpus > 1);
+    }
+
+    /// The recent GPU demand's mix.
+    pub fn demand(&self) -> &DemandMix {
+        &self.demand
+    }
+
     /// Learns the workload again from the GPU pods booked now, with the shapes observed so
     /// far on top ([`Workload::from_population`]): after a restart, the first pod list holds
     /// mostly bound pods, which are never observed as arriving, so without this a restarted
@@ -167,6 +191,17 @@ impl Cluster {
                 })
         });
         self.workload = Workload::from_population(population, &self.workload);
+        // The demand mix likewise, from every GPU pod booked, if none arrived yet.
+        if self.demand.is_empty() {
+            for node in self.nodes.values() {
+                for placement in node.pods.values() {
+                    let gpus = 1 + placement.more_gpus.len() as u64;
+                    let multi = gpus > 1;
+                    self.demand
+                        .observe(placement.pod_gib.saturating_mul(gpus), multi);
+                }
+            }
+        }
     }
 
     /// The workload of recent pod shapes.
@@ -207,9 +242,10 @@ impl Cluster {
 
     /// How kube-scheduler would rank `nodes` for `request` with scores: our
     /// [`Cluster::scores`] × `extender_weight` × 10, plus its default CPU and memory scores on
-    /// each node ([`Node::default_scores`]). What the filter that keeps only the best node
-    /// ranks by (see [`kube_scores`]). A node that does not fit totals its default scores
-    /// alone; the caller passes only nodes that fit.
+    /// each node ([`Node::default_scores`]), except that LeastAllocated is left out while the
+    /// recent demand is multi-GPU heavy ([`crate::demand_mix`]). What the filter that keeps
+    /// only the best node ranks by (see [`kube_scores`]). A node that does not fit totals its
+    /// default scores alone; the caller passes only nodes that fit.
     pub fn scheduler_totals(
         &self,
         nodes: &[&str],
@@ -218,6 +254,7 @@ impl Cluster {
         extender_weight: i64,
     ) -> Vec<i64> {
         let ours = self.scores(nodes, request, policy);
+        let least_weight = self.demand.least_allocated_weight();
         nodes
             .iter()
             .zip(ours)
@@ -225,7 +262,7 @@ impl Cluster {
                 let defaults = self
                     .nodes
                     .get(*name)
-                    .map_or(0, |node| node.default_scores(request.host));
+                    .map_or(0, |node| node.ranking_scores(request.host, least_weight));
                 i64::from(score)
                     .saturating_mul(extender_weight)
                     .saturating_mul(kube_scores::EXTENDER_SCORE_SCALE)
@@ -356,15 +393,21 @@ mod tests {
         assert!(cluster.node("n1").is_none());
     }
 
-    #[test]
-    fn scheduler_totals_add_the_default_scores_to_ours_times_weight() {
+    /// Two nodes with one empty GPU each, "busy" with 6 of its 8 CPUs taken, and a pod asking
+    /// 4 GiB and one CPU.
+    fn busy_and_idle() -> (Cluster, Request) {
         let mut cluster = Cluster::new();
         for name in ["busy", "idle"] {
             cluster.set_node(name, gpus(1), true);
             cluster.set_node_host(name, Some(Host::new(8_000, 32_768)));
         }
         cluster.set_pod_host("cpu-hog".into(), "busy", Host::new(6_000, 8_192));
-        let pod = request(4, 1);
+        (cluster, request(4, 1))
+    }
+
+    #[test]
+    fn scheduler_totals_add_the_default_scores_to_ours_times_weight() {
+        let (cluster, pod) = busy_and_idle();
         let ours = cluster.scores(&["busy", "idle"], &pod, Policy::Binpack);
         assert_eq!(ours, vec![10, 10]);
         let totals = cluster.scheduler_totals(&["busy", "idle"], &pod, Policy::Binpack, 2);
@@ -372,6 +415,38 @@ mod tests {
         let idle = cluster.node("idle").unwrap().default_scores(pod.host);
         assert!(idle > busy, "{idle} vs {busy}");
         assert_eq!(totals, vec![200 + busy, 200 + idle]);
+    }
+
+    /// While multi-GPU pods bring a quarter of the recent GPU demand, the ranking leaves
+    /// LeastAllocated out: the CPU-busy node no longer loses for being busy, and loses only
+    /// its BalancedAllocation points; once the demand is one-GPU again, LeastAllocated is back.
+    #[test]
+    fn the_ranking_leaves_least_allocated_out_while_the_demand_is_multi_gpu_heavy() {
+        let (mut cluster, pod) = busy_and_idle();
+        let scores = |least_weight| {
+            ["busy", "idle"].map(|name| {
+                let node = cluster.node(name).unwrap();
+                100 + node.ranking_scores(pod.host, least_weight)
+            })
+        };
+        let (with_least, without_least) = (scores(1), scores(0));
+        let busy = cluster.node("busy").unwrap();
+        assert_eq!(with_least[0], 100 + busy.default_scores(pod.host));
+        let totals = |cluster: &Cluster| {
+            cluster.scheduler_totals(&["busy", "idle"], &pod, Policy::Binpack, 1)
+        };
+        assert_eq!(totals(&cluster), with_least);
+        for _ in 0..50 {
+            cluster.observe_demand(4, 1);
+            cluster.observe_demand(64, 8);
+        }
+        assert!(cluster.demand().multi_gpu_share() > 0.9);
+        assert_eq!(totals(&cluster), without_least);
+        assert!(with_least[1] - with_least[0] > without_least[1] - without_least[0]);
+        for _ in 0..3_000 {
+            cluster.observe_demand(4, 1);
+        }
+        assert_eq!(totals(&cluster), with_least);
     }
 
     #[test]

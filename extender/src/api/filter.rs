@@ -170,6 +170,10 @@ impl<'a> Fits<'_, 'a> {
         if let Some(why) = stepped_aside {
             self.state.metrics().keep_best_stepped_aside(why);
         }
+        if keep_best.keep > 0 {
+            let share = self.view.cluster.demand().multi_gpu_share();
+            self.state.metrics().multi_gpu_demand_share.set(share);
+        }
         if passing.is_empty() {
             write_reasons(self.view.settings(), candidates, rejected, result);
         } else {

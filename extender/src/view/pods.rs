@@ -202,22 +202,25 @@ impl View {
         }
     }
 
-    /// A GPU pod seen waiting for the first time: its shape joins the workload the
-    /// fragmentation policy measures against (one-GPU shapes only: multi-GPU pods are
-    /// placed per slice, see `gpushare_allocator::Cluster::scores`).
+    /// A GPU pod seen waiting for the first time: its demand joins the recent demand mix the
+    /// ranking follows (`gpushare_allocator::demand_mix`), and a one-GPU pod's shape the
+    /// workload the fragmentation policy measures against (multi-GPU pods are placed per
+    /// slice, see `gpushare_allocator::Cluster::scores`).
     fn observe_if_newly_waiting(&mut self, key: &str, ask: &Ask, host: Host) {
         if let Ask::Pending(request) = ask
             && let Ok(request) = request.as_ref()
-            && !request.is_multi()
             && self
                 .pods
                 .get(key)
                 .is_none_or(|known| known.node_name.is_none() && known.ask == Ask::Nothing)
         {
-            self.cluster.observe(Shape {
-                gpu_gib: request.pod_gib,
-                host,
-            });
+            self.cluster.observe_demand(request.pod_gib, request.gpus);
+            if !request.is_multi() {
+                self.cluster.observe(Shape {
+                    gpu_gib: request.pod_gib,
+                    host,
+                });
+            }
         }
     }
 

@@ -72,7 +72,8 @@ pub(super) fn gpushare(
     let cluster = cluster.ok_or(Missed::Everywhere)?;
     let request = gpushare_request(task, form);
     // The extender's view sees the pod arrive (pending) before the scheduler asks about it;
-    // as the extender, it learns one-GPU shapes only.
+    // as the extender, it follows the demand mix and learns one-GPU shapes only.
+    cluster.observe_demand(request.pod_gib, request.gpus);
     if !request.is_multi() {
         cluster.observe(Shape {
             gpu_gib: request.pod_gib,
@@ -84,9 +85,15 @@ pub(super) fn gpushare(
     let extender: Option<Vec<u8>> = policy
         .filter(|_| candidates.len() > 1 && profile.extender_scores())
         .map(|policy| cluster.scores(&names, &request, policy));
+    // The filter that keeps the best ranks as the extender does: LeastAllocated counts
+    // unless the recent demand is multi-GPU heavy (`gpushare_allocator::demand_mix`).
+    let least_weight = cluster.demand().least_allocated_weight();
     let totals = candidates.iter().enumerate().map(|(c, &n)| {
         let theirs = extender.as_ref().map_or(0, |s| i64::from(s[c]) * 10);
-        (n, total(profile, state, n, task, &request, theirs))
+        (
+            n,
+            total(profile, state, (n, least_weight), task, &request, theirs),
+        )
     });
     let n = if matches!(profile, Profile::FilterKeepBest | Profile::Weighted { .. }) {
         // The first of the highest totals: the one node the filter passes.
@@ -141,11 +148,12 @@ fn filter(
 }
 
 /// Node `n`'s total under `profile`, the extender's score × 10 being `theirs` (0 when it does
-/// not score).
+/// not score); `least_weight` is LeastAllocated's weight in the extender's own ranking (the
+/// filter that keeps the best).
 fn total(
     profile: Profile,
     state: &Nodes<'_>,
-    n: usize,
+    (n, least_weight): (usize, i64),
     task: &Task,
     request: &Request,
     theirs: i64,
@@ -155,7 +163,11 @@ fn total(
             default_score(state.specs[n].host, state.used[n], task.host) + theirs * weight
         }
         Profile::FilterKeepBest => {
-            default_score(state.specs[n].host, state.used[n], task.host) + theirs
+            let (allocatable, requested) =
+                (state.specs[n].host, state.used[n].saturating_add(task.host));
+            least_weight * kube_scores::least_allocated(allocatable, requested)
+                + kube_scores::balanced_allocation(allocatable, requested)
+                + theirs
         }
         Profile::Weighted {
             least,

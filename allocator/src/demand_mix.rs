@@ -1,0 +1,105 @@
+//! How much of the GPU demand arriving lately comes in multi-GPU pods, and what that changes
+//! in the ranking of the filter that keeps only the best node.
+//!
+//! Why: kube-scheduler's `NodeResourcesFit` LeastAllocated score spreads pods' CPU and
+//! memory over every node. Where pods share GPUs that helps (a node whose CPU is nearly gone
+//! strands its free GPU memory, and LeastAllocated steers pods away from it), but where jobs
+//! of 2, 4 and 8 whole GPUs bring a large share of the demand it leaves no node with the CPU
+//! such a job needs. On the realistic generator, leaving it out gains most on the
+//! multi-GPU-heavy mix and costs on the sharing mixes (docs/performance.md, "Workload
+//! mixes"). So the ranking leaves LeastAllocated out while multi-GPU pods bring at least
+//! [`MULTI_GPU_HEAVY`] of the GPU GiB that arrived lately, and counts it otherwise.
+//!
+//! "Lately" decays as the fragmentation workload does (a pod's weight halves after about
+//! 350 later pods), so the ranking follows the mix that is arriving now.
+
+/// The share of recent GPU demand in multi-GPU pods from which the ranking leaves
+/// LeastAllocated out. The generator's default and model-pinned mixes bring about 8 % of it
+/// in multi-GPU jobs, the multi-GPU-heavy mix about half.
+pub const MULTI_GPU_HEAVY: f64 = 0.25;
+
+/// How much an observation's weight decays per later observation (as the workload's).
+const DECAY: f64 = 0.998;
+
+/// The recent GPU demand, all of it and the part in multi-GPU pods, decaying.
+#[derive(Debug, Clone, Copy, Default, PartialEq)]
+pub struct DemandMix {
+    /// Decayed GiB asked by every GPU pod.
+    all: f64,
+    /// Decayed GiB asked by pods spread over several GPUs (or taking GPUs whole).
+    multi: f64,
+}
+
+impl DemandMix {
+    /// Records a GPU pod asking `gib` in all, `multi` when it takes several (or whole) GPUs.
+    pub fn observe(&mut self, gib: u64, multi: bool) {
+        if gib == 0 {
+            return;
+        }
+        self.all = self.all * DECAY + gib as f64;
+        self.multi = self.multi * DECAY + if multi { gib as f64 } else { 0.0 };
+    }
+
+    /// The share of recent GPU demand in multi-GPU pods, 0 before any GPU pod.
+    pub fn multi_gpu_share(&self) -> f64 {
+        if self.all > 0.0 {
+            self.multi / self.all
+        } else {
+            0.0
+        }
+    }
+
+    /// The weight of kube-scheduler's LeastAllocated score in the ranking: 0 while the
+    /// recent demand is multi-GPU heavy, 1 otherwise.
+    pub fn least_allocated_weight(&self) -> i64 {
+        if self.multi_gpu_share() >= MULTI_GPU_HEAVY {
+            0
+        } else {
+            1
+        }
+    }
+
+    /// Whether nothing has been observed yet.
+    pub fn is_empty(&self) -> bool {
+        self.all == 0.0
+    }
+}
+
+// Sums and products of finite numbers, never NaN: equality is total.
+impl Eq for DemandMix {}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn least_allocated_leaves_the_ranking_while_multi_gpu_pods_bring_a_quarter_of_the_demand() {
+        let mut mix = DemandMix::default();
+        assert_eq!(mix.least_allocated_weight(), 1);
+        for _ in 0..100 {
+            mix.observe(8, false);
+        }
+        mix.observe(0, true);
+        assert_eq!(mix.multi_gpu_share(), 0.0);
+        assert_eq!(mix.least_allocated_weight(), 1);
+        // Half the GiB in 8-GPU jobs from now on: the share climbs past a quarter.
+        let mut switched_after = None;
+        for i in 0..1_000 {
+            mix.observe(8, false);
+            if i % 8 == 0 {
+                mix.observe(64, true);
+            }
+            if switched_after.is_none() && mix.least_allocated_weight() == 0 {
+                switched_after = Some(i);
+            }
+        }
+        let after = switched_after.expect("the ranking left LeastAllocated out");
+        assert!(after < 400, "took {after} pods");
+        assert!((0.45..0.55).contains(&mix.multi_gpu_share()));
+        // Sharing pods only again: the share decays below a quarter and it comes back.
+        for _ in 0..2_000 {
+            mix.observe(4, false);
+        }
+        assert_eq!(mix.least_allocated_weight(), 1);
+    }
+}
