@@ -2,11 +2,15 @@
 //! `gpushare-dra-plugin`, `kubectl-gpushare`) once per process, with the same cargo, profile
 //! and target folder as the running test, or finds prebuilt ones in `GPUSHARE_BIN_DIR`.
 //!
-//! The nested build selects this crate's package beside theirs. This crate depends on the
-//! binaries' libraries, so the selection resolves the same features as `cargo run -p
-//! gpushare-e2e --bin demo` did: every dependency the demo compiled is reused, and a cold
-//! start compiles each once (before, the two selections differed in a few features deep in
-//! the graph, and the nested build compiled most of it a second time).
+//! The nested build selects what the outer build selected, so that it resolves the same
+//! features and reuses every dependency already compiled (a selection that differs in a few
+//! features deep in the graph compiles most of it a second time):
+//! - in release (`cargo run --release -p gpushare-e2e --bin demo`, realload, the load
+//!   harness) this crate's package beside the binaries' packages: this crate depends on the
+//!   binaries' libraries, so the two resolve alike and a cold demo compiles each crate once;
+//! - in a test (debug), the workspace's libraries, binaries and tests, as the README's test
+//!   command builds them (dev-dependencies add features): a no-op after that command, and
+//!   after `cargo test -p gpushare-e2e …` the rest of the workspace's tests are compiled once.
 //!
 //! Separate because it runs cargo, not the cluster: its environment handling (the runner's
 //! `CARGO_*` variables kept out of the nested build) is its own concern.
@@ -97,19 +101,24 @@ fn build_binaries() -> anyhow::Result<Binaries> {
             build.env_remove(&*name);
         }
     }
-    build
-        .current_dir(workspace)
-        .args(["build", "--quiet", "-p", env!("CARGO_PKG_NAME")]);
-    for (package, _) in BINARIES {
-        build.args(["-p", package]);
-    }
-    for (_, binary) in BINARIES {
-        build.args(["--bin", binary]);
+    build.current_dir(workspace).args(["build", "--quiet"]);
+    if release {
+        // The demo, realload, the load harness: this crate beside the binaries' packages.
+        build.args(["--release", "-p", env!("CARGO_PKG_NAME")]);
+        for (package, _) in BINARIES {
+            build.args(["-p", package]);
+        }
+        for (_, binary) in BINARIES {
+            build.args(["--bin", binary]);
+        }
+    } else {
+        // A test: what the README's `cargo test --workspace --all-targets` builds, whose
+        // dev-dependencies add features (tokio's test-util among them). Built with the same
+        // selection, the binaries are already there; built without dev-dependencies, most of
+        // the graph would compile a second time.
+        build.args(["--workspace", "--lib", "--bins", "--tests"]);
     }
     build.arg("--target-dir").arg(target_dir);
-    if release {
-        build.arg("--release");
-    }
     let status = build
         .status()
         .context("running cargo build for our binaries")?;
