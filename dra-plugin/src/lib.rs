@@ -15,7 +15,7 @@
 //! ```
 //!
 //! In DRA mode nothing of gpushare sits on the scheduling path: each GPU is published as
-//! one device with a consumable `memory` capacity ([`slice`]) and kube-scheduler itself
+//! one device with a consumable `memory` capacity ([`mod@slice`]) and kube-scheduler itself
 //! allocates shares of it to ResourceClaims, never more than the GPU holds. What is left for
 //! the node is to turn an allocation into what a container sees ([`prepare`], [`cdi`]) and
 //! to remember it ([`checkpoint`]). The GPU backends are the device plugin's
@@ -23,7 +23,7 @@
 //!
 //! Health ([`health`]): the backend's health reports (NVML XID events, or the simulated
 //! health file) re-publish the slice, where an unhealthy GPU's device carries a `NoSchedule`
-//! taint so that no new claim gets it ([`slice`] says why a taint and when a withdrawal).
+//! taint so that no new claim gets it ([`mod@slice`] says why a taint and when a withdrawal).
 //!
 //! Probes ([`probes`]): `/healthz`, and `/readyz` that turns ready only once kubelet has
 //! reported the registration successful, so that a rollout waits for kubelet rather than for

@@ -196,7 +196,7 @@ impl Node {
         }
     }
 
-    /// The GPU holding `placement`'s memory now (its first GPU, see [`Node::slot_of`]), if it
+    /// The GPU holding `placement`'s memory now (its first GPU, see `Node::slot_of`), if it
     /// is on the node.
     pub fn gpu_of(&self, placement: &PodPlacement) -> Option<&GpuUsage> {
         self.slot(placement).map(|pos| &self.gpus[pos])

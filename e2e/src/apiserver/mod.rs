@@ -42,7 +42,7 @@
 //! verb), so a test can hold the chart's RBAC against the calls our binaries really make.
 //!
 //! Field managers: every create, update and patch records its manager in
-//! `metadata.managedFields` ([`managed`]), so objects read and watched here are as large as on
+//! `metadata.managedFields` (`managed`), so objects read and watched here are as large as on
 //! a real server and clients pay the same to decode them; bindings record none, as upstream.
 //!
 //! Graceful pod deletion: deleting a pod that is bound to a node with a grace period > 0

@@ -23,10 +23,8 @@ pub enum Profile {
     ExtenderOnly,
     /// No extender prioritize: `NodeResourcesFit` with `scoringStrategy` MostAllocated on the
     /// GPU-memory resource alone (weight 1) + `NodeResourcesBalancedAllocation` on CPU and
-    /// memory (weight 1), both plugins weight 1 ([`native_most_allocated_score`]). The
+    /// memory (weight 1), both plugins weight 1 (`scores::native_most_allocated_score`). The
     /// extender still filters and binds.
-    ///
-    /// [`native_most_allocated_score`]: super::scores::native_most_allocated_score
     NativeMostAllocated,
     /// The extender's `--filter-keep-best=1`: its filter passes only the node kube-scheduler
     /// would rank best with the default profile and weight 1 (its default CPU and memory
