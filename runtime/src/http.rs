@@ -184,7 +184,7 @@ impl Server {
                         let connection = Connection { builder: builder.clone(), app: app.clone(), peer };
                         let watcher = graceful.watcher();
                         match &tls {
-                            None => connections.spawn(connection.serve_plain(stream, watcher)),
+                            None => connections.spawn(connection.serve_stream(stream, watcher)),
                             Some(acceptor) => connections.spawn(connection.serve_tls(acceptor.clone(), stream, watcher)),
                         };
                     }
@@ -226,10 +226,6 @@ struct Connection {
 }
 
 impl Connection {
-    async fn serve_plain(self, stream: TcpStream, watcher: hyper_util::server::graceful::Watcher) {
-        self.serve_stream(stream, watcher).await;
-    }
-
     async fn serve_tls(
         self,
         acceptor: TlsAcceptor,
@@ -316,22 +312,22 @@ mod tests {
         server.await.unwrap();
     }
 
-    /// Shutdown releases the port at once and lets the request under way finish.
+    /// Shutdown releases the port at once and lets the request under way finish: the
+    /// handler is held until the port refuses connections, then answers.
     #[tokio::test]
     async fn shutdown_releases_the_port_and_finishes_the_request_under_way() {
         let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
         let addr = listener.local_addr().unwrap();
-        let (entered_tx, entered_rx) = tokio::sync::oneshot::channel::<()>();
-        let entered = Arc::new(std::sync::Mutex::new(Some(entered_tx)));
+        let entered = Arc::new(tokio::sync::Notify::new());
+        let release = Arc::new(tokio::sync::Notify::new());
+        let (in_handler, held) = (entered.clone(), release.clone());
         let app = Router::new().route(
             "/",
             axum::routing::get(move || {
-                let entered = entered.lock().unwrap().take();
+                let (in_handler, held) = (in_handler.clone(), held.clone());
                 async move {
-                    if let Some(entered) = entered {
-                        let _ = entered.send(());
-                    }
-                    tokio::time::sleep(Duration::from_millis(300)).await;
+                    in_handler.notify_one();
+                    held.notified().await;
                     "slow answer"
                 }
             }),
@@ -339,13 +335,18 @@ mod tests {
         let stop = tokio_util::sync::CancellationToken::new();
         let server = tokio::spawn(Server::new(listener, app).serve(stop.clone().cancelled_owned()));
         let request = tokio::spawn(get(addr));
-        entered_rx.await.unwrap();
+        entered.notified().await;
         stop.cancel();
-        tokio::time::sleep(Duration::from_millis(50)).await;
-        assert!(
-            TcpStream::connect(addr).await.is_err(),
-            "the port still accepts after shutdown"
-        );
+        let mut refused = false;
+        for _ in 0..500 {
+            if TcpStream::connect(addr).await.is_err() {
+                refused = true;
+                break;
+            }
+            tokio::time::sleep(Duration::from_millis(10)).await;
+        }
+        assert!(refused, "the port still accepts after shutdown");
+        release.notify_one();
         let response = request.await.unwrap();
         assert!(response.ends_with("slow answer"), "{response}");
         server.await.unwrap();

@@ -222,7 +222,12 @@ mod tests {
         set.spawn("server", std::future::pending());
         let still_held = set.tasks[0].1.abort_handle();
         drop(set);
-        tokio::task::yield_now().await;
+        for _ in 0..100 {
+            if still_held.is_finished() {
+                break;
+            }
+            tokio::task::yield_now().await;
+        }
         assert!(still_held.is_finished());
         assert!(!waiting.is_finished() && !server.is_finished());
         waiting.abort();

@@ -264,7 +264,7 @@ async fn drive(
     addr: SocketAddr,
     pid: Option<u32>,
 ) -> anyhow::Result<()> {
-    let before = Counters::before(api, client, addr, pid).await?;
+    let before = Counters::read(api, client, addr, (pid, Moment::Before)).await?;
     let mut drive = Drive::new(
         http,
         pending,
@@ -276,7 +276,7 @@ async fn drive(
     let started = Instant::now();
     let tally = drive.run(cfg.concurrency).await?;
     let elapsed = started.elapsed();
-    let after = Counters::after(api, client, addr, pid).await?;
+    let after = Counters::read(api, client, addr, (pid, Moment::After)).await?;
     report_throughput(cfg, &tally, &drive, elapsed);
     figure(
         "extender's own time per call (its histogram)",
@@ -312,20 +312,30 @@ struct Counters {
 }
 
 impl Counters {
-    async fn before(
+    /// Reads every counter, before the drive (`Moment::Before`) or after it. The extender's
+    /// own `/metrics` scrapes cost it CPU: before the drive they come first and after it
+    /// last, so the drive's CPU figure leaves them out.
+    async fn read(
         api: &ApiServer,
         client: &kube::Client,
         addr: SocketAddr,
-        pid: Option<u32>,
+        (pid, moment): (Option<u32>, Moment),
     ) -> anyhow::Result<Self> {
+        let scrape = || async { (bind_outcomes(addr).await, handler_seconds(addr).await) };
+        let scraped_first = match moment {
+            Moment::Before => Some(scrape().await),
+            Moment::After => None,
+        };
         let stats = api.stats();
-        let outcomes = bind_outcomes(addr).await;
-        let handled = handler_seconds(addr).await;
         let writes = stats.writes();
         let all_writes = stats.writes_including_events();
         let cpu = proc_cpu_seconds(pid);
         let bindings = stats.count(Verb::Create, "pods/binding");
         let reads = api_reads(api);
+        let (outcomes, handled) = match scraped_first {
+            Some(scraped) => scraped,
+            None => scrape().await,
+        };
         let events = events_by_reason(client).await?;
         Ok(Self {
             outcomes,
@@ -338,33 +348,13 @@ impl Counters {
             events,
         })
     }
+}
 
-    async fn after(
-        api: &ApiServer,
-        client: &kube::Client,
-        addr: SocketAddr,
-        pid: Option<u32>,
-    ) -> anyhow::Result<Self> {
-        let stats = api.stats();
-        let writes = stats.writes();
-        let all_writes = stats.writes_including_events();
-        let cpu = proc_cpu_seconds(pid);
-        let bindings = stats.count(Verb::Create, "pods/binding");
-        let reads = api_reads(api);
-        let outcomes = bind_outcomes(addr).await;
-        let handled = handler_seconds(addr).await;
-        let events = events_by_reason(client).await?;
-        Ok(Self {
-            outcomes,
-            handled,
-            writes,
-            all_writes,
-            cpu,
-            bindings,
-            reads,
-            events,
-        })
-    }
+/// When [`Counters::read`] reads: before the drive or after it.
+#[derive(Debug, Clone, Copy)]
+enum Moment {
+    Before,
+    After,
 }
 
 /// Pods scheduled, cycles, wall time, binds/s and the latency of each verb.
