@@ -65,6 +65,10 @@ const GROUPS: &[Group] = &[
                 "keep_best_packs_and_steps_aside_for_soft_preferences",
                 keep_best_packs_and_steps_aside_for_soft_preferences,
             ),
+            (
+                "keep_best_follows_the_multi_gpu_demand",
+                keep_best_follows_the_multi_gpu_demand,
+            ),
             // Last of all: it uninstalls the release and installs it again.
             (
                 "gpu_pods_right_after_helm_install",
@@ -1033,64 +1037,63 @@ fn keep_best_packs_and_steps_aside_for_soft_preferences(c: &KitCluster) -> Outco
     })
 }
 
+/// `pod`, allowed only on `nodes` (required node affinity) and, with `prefers`, preferring
+/// that one (preferred node affinity, weight 100).
+fn limited_to(mut pod: Pod, nodes: &[&str], prefers: Option<&str>) -> anyhow::Result<Pod> {
+    // One term per node (terms are ORed): a field selector takes one value.
+    let terms: Vec<serde_json::Value> = nodes
+        .iter()
+        .map(|node| {
+            serde_json::json!({"matchFields": [
+            {"key": "metadata.name", "operator": "In", "values": [node]}]})
+        })
+        .collect();
+    let mut affinity = serde_json::json!({"nodeAffinity": {
+        "requiredDuringSchedulingIgnoredDuringExecution": {"nodeSelectorTerms": terms}}});
+    if let Some(node) = prefers {
+        affinity["nodeAffinity"]["preferredDuringSchedulingIgnoredDuringExecution"] = serde_json::json!([
+            {"weight": 100, "preference": {"matchFields": [
+                {"key": "metadata.name", "operator": "In", "values": [node]}]}}]);
+    }
+    pod.spec.as_mut().context("pod spec")?.affinity = Some(serde_json::from_value(affinity)?);
+    Ok(pod)
+}
+
+/// Creates `pod` and waits up to a minute for the node it is bound to.
+async fn create_and_wait_bound(pods: &Api<Pod>, pod: Pod) -> anyhow::Result<String> {
+    let name = pod.metadata.name.clone().context("pod name")?;
+    pods.create(&PostParams::default(), &pod).await?;
+    wait_for(
+        &format!("{name} to be bound"),
+        Duration::from_secs(60),
+        || {
+            let pods = pods.clone();
+            let name = name.clone();
+            async move { pods.get(&name).await.ok()?.spec?.node_name }
+        },
+    )
+    .await
+}
+
 async fn keep_best_on_fake_nodes(c: &KitCluster) -> anyhow::Result<()> {
     let pods: Api<Pod> = Api::namespaced(c.client(), "default");
-    let on = |name: &str, nodes: &[&str], prefers: Option<&str>| -> anyhow::Result<Pod> {
-        let mut pod = fixtures::pod(name).gpu_mem(4).build();
-        // One term per node (terms are ORed): a field selector takes one value.
-        let terms: Vec<serde_json::Value> = nodes
-            .iter()
-            .map(|node| {
-                serde_json::json!({"matchFields": [
-                {"key": "metadata.name", "operator": "In", "values": [node]}]})
-            })
-            .collect();
-        let mut affinity = serde_json::json!({"nodeAffinity": {
-            "requiredDuringSchedulingIgnoredDuringExecution": {"nodeSelectorTerms": terms}}});
-        if let Some(node) = prefers {
-            affinity["nodeAffinity"]["preferredDuringSchedulingIgnoredDuringExecution"] = serde_json::json!([
-                {"weight": 100, "preference": {"matchFields": [
-                    {"key": "metadata.name", "operator": "In", "values": [node]}]}}]);
-        }
-        pod.spec.as_mut().context("pod spec")?.affinity = Some(serde_json::from_value(affinity)?);
-        Ok(pod)
-    };
-    let bound_to = |name: &'static str| {
-        let pods = pods.clone();
-        async move {
-            wait_for(
-                &format!("{name} to be bound"),
-                Duration::from_secs(60),
-                || {
-                    let pods = pods.clone();
-                    async move { pods.get(name).await.ok()?.spec?.node_name }
-                },
-            )
-            .await
-        }
-    };
-    pods.create(
-        &PostParams::default(),
-        &on("keep-first", &["keep-0"], None)?,
+    let gib4 = |name: &str| fixtures::pod(name).gpu_mem(4).build();
+    let first = create_and_wait_bound(&pods, limited_to(gib4("keep-first"), &["keep-0"], None)?);
+    ensure!(first.await? == "keep-0");
+    let plain = create_and_wait_bound(
+        &pods,
+        limited_to(gib4("keep-plain"), &["keep-0", "keep-1"], None)?,
     )
     .await?;
-    ensure!(bound_to("keep-first").await? == "keep-0");
-    pods.create(
-        &PostParams::default(),
-        &on("keep-plain", &["keep-0", "keep-1"], None)?,
-    )
-    .await?;
-    let plain = bound_to("keep-plain").await?;
     ensure!(
         plain == "keep-0",
         "the plain pod should pack onto keep-0, the node the extender ranks best: {plain}"
     );
-    pods.create(
-        &PostParams::default(),
-        &on("keep-prefers", &["keep-0", "keep-1"], Some("keep-1"))?,
+    let prefers = create_and_wait_bound(
+        &pods,
+        limited_to(gib4("keep-prefers"), &["keep-0", "keep-1"], Some("keep-1"))?,
     )
     .await?;
-    let prefers = bound_to("keep-prefers").await?;
     ensure!(
         prefers == "keep-1",
         "the pod preferring keep-1 should be scored by kube-scheduler and land there: {prefers}"
@@ -1099,6 +1102,86 @@ async fn keep_best_on_fake_nodes(c: &KitCluster) -> anyhow::Result<()> {
     for name in ["keep-first", "keep-plain", "keep-prefers"] {
         pods.delete(name, &Default::default()).await?;
     }
+    Ok(())
+}
+
+/// The ranking of the filter that keeps the best follows the demand mix
+/// (`gpushare_allocator::demand_mix`) on the real cluster. Two pairs of empty fake nodes
+/// (64 cores, 512 GiB), the first of each holding a CPU-light, memory-heavy pod; a GPU pod
+/// asking half a node's cores may go on either node of a pair. With kube-scheduler's
+/// LeastAllocated in the ranking it goes on the emptier node; while pending 8-GPU jobs bring
+/// most of the recent GPU demand, the ranking leaves LeastAllocated out and BalancedAllocation
+/// sends it to the node where it evens CPU and memory out. The jobs are what the extender's
+/// pod watch sees waiting: no node here has 8 GPUs, so they stay pending.
+fn keep_best_follows_the_multi_gpu_demand(c: &KitCluster) -> Outcome<'_> {
+    Box::pin(async move {
+        let nodes = FakeNodes::create(c, "mix")?;
+        let result = ranking_follows_the_demand(c).await;
+        let pods: Api<Pod> = Api::namespaced(c.client(), "default");
+        let _ = pods
+            .delete_collection(
+                &Default::default(),
+                &ListParams::default().labels("gpushare-test=demand-mix"),
+            )
+            .await;
+        nodes.delete(c)?;
+        result
+    })
+}
+
+async fn ranking_follows_the_demand(c: &KitCluster) -> anyhow::Result<()> {
+    let pods: Api<Pod> = Api::namespaced(c.client(), "default");
+    let labelled = |mut pod: Pod| {
+        pod.metadata
+            .labels
+            .get_or_insert_default()
+            .insert("gpushare-test".into(), "demand-mix".into());
+        pod
+    };
+    // With the GPU pod: busy node CPU 33/64, memory 328/512 GiB; idle node CPU 32/64, memory
+    // 8/512. LeastAllocated + BalancedAllocation: busy 42 + 94, idle 74 + 76, so idle wins;
+    // by BalancedAllocation alone busy does. Our own score ties: all GPUs are empty.
+    let small = |name: &str, pair: [&str; 2]| -> anyhow::Result<Pod> {
+        let pod = fixtures::pod(name)
+            .gpu_mem(4)
+            .cpu("32")
+            .memory("8Gi")
+            .build();
+        Ok(labelled(limited_to(pod, &pair, None)?))
+    };
+    for (resident, node) in [("mix-resident-0", "mix-0"), ("mix-resident-2", "mix-2")] {
+        let pod = fixtures::pod(resident)
+            .cpu("1")
+            .memory("320Gi")
+            .on_node(node)
+            .build();
+        pods.create(&PostParams::default(), &labelled(pod)).await?;
+    }
+    let before =
+        create_and_wait_bound(&pods, small("mix-small-before", ["mix-0", "mix-1"])?).await?;
+    ensure!(
+        before == "mix-1",
+        "with little multi-GPU demand the ranking counts LeastAllocated: the GPU pod should \
+         go on the emptier mix-1, not {before}"
+    );
+    // 24 jobs of 8 × 16 GiB: 3,072 GiB of demand, more than any recent single-GPU stream
+    // weighs (a stream of 4 GiB pods levels off below 2,000 GiB as it decays).
+    let keys = Keys::default();
+    for i in 0..24 {
+        let job = fixtures::pod(&format!("mix-job-{i}"))
+            .gpu_mem(128)
+            .annotation(&keys.request_gpus, "8")
+            .build();
+        pods.create(&PostParams::default(), &labelled(job)).await?;
+    }
+    wait_unschedulable(c, "mix-job-23").await?;
+    let after = create_and_wait_bound(&pods, small("mix-small-after", ["mix-2", "mix-3"])?).await?;
+    ensure!(
+        after == "mix-2",
+        "with 8-GPU jobs bringing most of the recent demand the ranking leaves LeastAllocated \
+         out: the GPU pod should go on mix-2, where it balances CPU and memory, not {after}"
+    );
+    check_no_overcommit(&c.client()).await?;
     Ok(())
 }
 
