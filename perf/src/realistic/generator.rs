@@ -16,6 +16,14 @@
 //! The numbers below are our reading of those descriptions; they are round on purpose and
 //! live in one place ([`NODE_TYPES`], [`TaskMix`]) so they can be argued with.
 //!
+//! Every task fits some node of the cluster when that node is empty: a trace records tasks
+//! that ran. Sizes are drawn independently, so a multi-GPU job is then fitted to the machines
+//! it was meant for: it pins only models whose nodes have its GPUs, and asks no more CPU and
+//! memory than its GPUs' share of a node of the model it targets (or, where no such node has
+//! enough GPUs, of the smallest node that does). Before, 8-GPU jobs drawn at 24 or 32 cores
+//! per GPU asked more CPU than any node has: 1.3 % of the default mix's GPU demand and 5.3 %
+//! of the multi-GPU-heavy mix's could never be placed.
+//!
 //! Units are gpushare's: GPU memory in whole GiB (a "whole GPU" task asks for all of its
 //! model's memory; a fractional one for its share of it), CPU in millicores, memory in MiB.
 
@@ -405,17 +413,63 @@ pub fn generate_tasks(nodes: &[SimNode], mix: &TaskMix, demand: f64, seed: u64) 
         } else {
             Some(Models::one(model))
         };
+        // A multi-GPU job pins models whose nodes can hold it, and asks for no more CPU and
+        // memory than its share of such a node: it was sized for the machines it runs on.
+        let models = models.filter(|&m| {
+            kind != TaskKind::Multi || nodes.iter().any(|n| holds(n, gpus, gpu_gib, Some(m)))
+        });
+        let mut host = Host::new(milli_cpu, memory_mib);
+        if kind == TaskKind::Multi {
+            host = sized_for_its_nodes(nodes, (gpus, gpu_gib, models), model, host);
+        }
         let task = Task {
             kind,
             gpus,
             gpu_gib,
-            host: Host::new(milli_cpu, memory_mib),
+            host,
             model: models,
         };
         arrived += task.demand_gib();
         tasks.push(task);
     }
     tasks
+}
+
+/// Whether `node` has `gpus` GPUs of at least `gpu_gib` of `models`.
+fn holds(node: &SimNode, gpus: u32, gpu_gib: u64, models: Option<Models>) -> bool {
+    node.gpus >= gpus && node.gpu_gib >= gpu_gib && models.is_none_or(|m| m.contains(node.model))
+}
+
+/// `host` cut to what its GPUs' share of a node brings (`gpus / node GPUs` of the node's CPU
+/// and memory): a node of the model it targets where one can hold it, else the smallest
+/// share among the nodes that can (a job meant to run wherever its GPUs fit).
+fn sized_for_its_nodes(
+    nodes: &[SimNode],
+    (gpus, gpu_gib, models): (u32, u64, Option<Models>),
+    target: usize,
+    host: Host,
+) -> Host {
+    let share = |node: &SimNode| {
+        let of = |v: u64| v * u64::from(gpus) / u64::from(node.gpus);
+        Host::new(of(node.host.milli_cpu), of(node.host.memory_mib))
+    };
+    let holders = nodes
+        .iter()
+        .filter(|node| holds(node, gpus, gpu_gib, models));
+    let cap = holders
+        .clone()
+        .find(|node| node.model == target)
+        .map(share)
+        .or_else(|| {
+            holders.map(share).reduce(|a, b| {
+                Host::new(a.milli_cpu.min(b.milli_cpu), a.memory_mib.min(b.memory_mib))
+            })
+        })
+        .unwrap_or_default();
+    Host::new(
+        host.milli_cpu.min(cap.milli_cpu),
+        host.memory_mib.min(cap.memory_mib),
+    )
 }
 
 /// A value drawn from `(value, weight)` pairs.
@@ -531,5 +585,40 @@ mod tests {
                 .iter()
                 .all(|t| matches!(t.kind, TaskKind::CpuOnly | TaskKind::Fractional))
         );
+    }
+
+    #[test]
+    fn every_task_fits_an_empty_node_of_its_cluster() {
+        let nodes = generate_nodes(1_200, 0);
+        let fits_empty = |task: &Task| {
+            nodes.iter().any(|node| {
+                task.model.is_none_or(|m| m.contains(node.model))
+                    && node.gpus >= task.gpus
+                    && node.gpu_gib >= task.gpu_gib
+                    && node.host.fits(task.host)
+            })
+        };
+        for mix in [
+            TaskMix::default(),
+            TaskMix::multi_gpu_heavy(),
+            TaskMix::model_pinned(),
+            TaskMix::all_sharing(),
+        ] {
+            let tasks = generate_tasks(&nodes, &mix, 1.3, 0);
+            let unplaceable: Vec<&Task> = tasks.iter().filter(|t| !fits_empty(t)).collect();
+            assert!(unplaceable.is_empty(), "{mix:?}: {unplaceable:?}");
+        }
+        // A job that targets a model whose nodes have its GPUs asks at most its share of one:
+        // a 4-GPU A100-80 job at most half of a 128-core, 1 TiB node.
+        let heavy = generate_tasks(&nodes, &TaskMix::multi_gpu_heavy(), 1.3, 0);
+        let a100_80 = heavy
+            .iter()
+            .filter(|t| t.kind == TaskKind::Multi && t.gpus == 4 && t.gpu_gib == 80);
+        let mut seen = 0;
+        for task in a100_80 {
+            assert!(Host::new(64_000, 512 * 1024).fits(task.host), "{task:?}");
+            seen += 1;
+        }
+        assert!(seen > 0);
     }
 }
