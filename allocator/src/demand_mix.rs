@@ -10,6 +10,10 @@
 //! mixes"). So the ranking leaves LeastAllocated out while multi-GPU pods bring at least
 //! [`MULTI_GPU_HEAVY`] of the GPU GiB that arrived lately, and counts it otherwise.
 //!
+//! The same share decides how the fragmentation policy scores multi-GPU pods
+//! ([`crate::Cluster::scores`]): by the measure while they are rare, as binpack while they
+//! are common, because the measure learns one-GPU shapes only.
+//!
 //! "Lately" decays as the fragmentation workload does (a pod's weight halves after about
 //! 350 later pods), so the ranking follows the mix that is arriving now.
 
@@ -49,14 +53,15 @@ impl DemandMix {
         }
     }
 
+    /// Whether multi-GPU pods bring at least [`MULTI_GPU_HEAVY`] of the recent GPU demand.
+    pub fn is_multi_gpu_heavy(&self) -> bool {
+        self.multi_gpu_share() >= MULTI_GPU_HEAVY
+    }
+
     /// The weight of kube-scheduler's LeastAllocated score in the ranking: 0 while the
     /// recent demand is multi-GPU heavy, 1 otherwise.
     pub fn least_allocated_weight(&self) -> i64 {
-        if self.multi_gpu_share() >= MULTI_GPU_HEAVY {
-            0
-        } else {
-            1
-        }
+        if self.is_multi_gpu_heavy() { 0 } else { 1 }
     }
 
     /// Whether nothing has been observed yet.

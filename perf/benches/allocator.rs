@@ -151,6 +151,19 @@ fn filter_and_prioritize(c: &mut Criterion) {
                 b.iter(|| cluster.scores(refs, black_box(&request), policy))
             });
         }
+        // A 2-GPU pod: scored by the measure on the GPUs bind would take, node by node.
+        if matches!(fill, Fill::Uniform) {
+            let two_gpus = Request {
+                gpus: 2,
+                pod_gib: 8,
+                containers: vec![8],
+                ..request.clone()
+            };
+            let name = "fragmentation, 2 GPUs";
+            group.bench_with_input(BenchmarkId::new(name, nodes), &refs, |b, refs| {
+                b.iter(|| cluster.scores(refs, black_box(&two_gpus), Policy::Fragmentation))
+            });
+        }
     }
     group.finish();
 }

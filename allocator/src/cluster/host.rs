@@ -99,6 +99,46 @@ impl Node {
         self.fragmentation_best(&placing).map(|(pos, _)| pos)
     }
 
+    /// How good the node is for a multi-GPU or exclusive `request` under the fragmentation
+    /// measure, its slices on the GPUs at `taken` (those bind would take): the fragmentation
+    /// the placement removes (negative when it adds some), then, worth less than 1/64 GiB,
+    /// how full the node's GPUs are afterwards, so that equal changes pack. O(GPUs × shapes).
+    fn fragmentation_goodness_multi(
+        &self,
+        taken: &[usize],
+        request: &Request,
+        workload: &Workload,
+    ) -> f64 {
+        let held = |pos: usize| {
+            let free = self.gpus[pos].free_gib();
+            if request.exclusive {
+                free
+            } else {
+                request.gib_per_gpu().min(free)
+            }
+        };
+        let view = self.free_view();
+        let after = NodeFree {
+            gpus: view.gpus,
+            free: |i: usize| {
+                let (free, total) = (view.free)(i)?;
+                let held = if taken.contains(&i) { held(i) } else { 0 };
+                Some((free - held, total))
+            },
+            host: view.host.saturating_sub(request.host),
+        };
+        let removed = Before::new(workload, &view).fragmentation(workload)
+            - Before::new(workload, &after).fragmentation(workload);
+        let (total, used) = self.healthy_totals();
+        let added: u64 = taken.iter().map(|&pos| held(pos)).sum();
+        let fullness = if total == 0 {
+            1.0
+        } else {
+            (used.saturating_add(added) as f64 / total as f64).min(1.0)
+        };
+        removed + fullness / 64.0
+    }
+
     /// How good the node is for `request` under the fragmentation measure, placed on the GPU
     /// at `pos` (the one [`Node::decide`](super::Node) chose, twin rule included).
     fn fragmentation_goodness(&self, pos: usize, request: &Request, workload: &Workload) -> f64 {
@@ -202,6 +242,24 @@ impl Cluster {
                 }
             }
         }
+    }
+
+    /// [`Cluster::scores`] under [`crate::Policy::Fragmentation`] for a multi-GPU or
+    /// exclusive request: each fitting node's goodness with the request on the GPUs bind
+    /// would take there, ranked by [`fragmentation::relative_scores`].
+    pub(super) fn fragmentation_scores_multi(&self, nodes: &[&str], request: &Request) -> Vec<u8> {
+        let goodness: Vec<Option<f64>> = nodes
+            .iter()
+            .map(|name| {
+                let node = self.nodes.get(*name)?;
+                let choice = node
+                    .choose(request, crate::Policy::Fragmentation, &self.workload)
+                    .ok()?;
+                let taken: Vec<usize> = std::iter::once(choice.first).chain(choice.more).collect();
+                Some(node.fragmentation_goodness_multi(&taken, request, &self.workload))
+            })
+            .collect();
+        fragmentation::relative_scores(&goodness)
     }
 
     /// The workload of recent pod shapes.
@@ -477,6 +535,62 @@ mod tests {
         assert_eq!(
             placed.gpu, 2,
             "the 6 GiB gap, keeping 8 and 16 for 8 GiB pods"
+        );
+    }
+
+    /// A 2-GPU pod under the fragmentation policy: binpack would put it on the fuller node,
+    /// where its CPU leaves the host room for one more typical pod and strands the rest of
+    /// the GPUs' memory; the measure puts it on the roomy node instead, while multi-GPU pods
+    /// are rare. Once they bring a large share of the demand it is scored as binpack again.
+    #[test]
+    fn multi_gpu_pods_are_scored_by_the_measure_while_they_are_rare() {
+        let mut cluster = Cluster::new();
+        for (name, cores) in [("fuller", 10), ("roomy", 64)] {
+            cluster.set_node(name, gpus(4), true);
+            cluster.set_node_host(name, Some(Host::new(cores * 1_000, 1 << 20)));
+        }
+        cluster.upsert_pod(
+            "resident".into(),
+            "fuller",
+            crate::PodPlacement {
+                more_gpus: Vec::new(),
+                exclusive: false,
+                gpu: 0,
+                uuid: "GPU-0".into(),
+                pod_gib: 8,
+                pending: vec![],
+                assigned: true,
+            },
+        );
+        for _ in 0..20 {
+            cluster.observe(Shape {
+                gpu_gib: 8,
+                host: Host::new(2_000, 4_096),
+            });
+            cluster.observe_demand(8, 1);
+        }
+        let two_gpus = Request {
+            gpus: 2,
+            pod_gib: 16,
+            containers: vec![16],
+            host: Host::new(8_000, 8_192),
+            ..request(16, 8)
+        };
+        let nodes = ["fuller", "roomy"];
+        let binpack = cluster.scores(&nodes, &two_gpus, Policy::Binpack);
+        assert_eq!(binpack, vec![10, 1], "binpack prefers the fuller node");
+        assert_eq!(
+            cluster.scores(&nodes, &two_gpus, Policy::Fragmentation),
+            vec![1, 10],
+            "on the fuller node only 2 cores would be left: one 8 GiB pod, 32 GiB stranded"
+        );
+        for _ in 0..50 {
+            cluster.observe_demand(64, 8);
+        }
+        assert!(cluster.demand().is_multi_gpu_heavy());
+        assert_eq!(
+            cluster.scores(&nodes, &two_gpus, Policy::Fragmentation),
+            binpack
         );
     }
 }

@@ -204,8 +204,8 @@ impl View {
 
     /// A GPU pod seen waiting for the first time: its demand joins the recent demand mix the
     /// ranking follows (`gpushare_allocator::demand_mix`), and a one-GPU pod's shape the
-    /// workload the fragmentation policy measures against (multi-GPU pods are placed per
-    /// slice, see `gpushare_allocator::Cluster::scores`).
+    /// workload the fragmentation policy measures against (the measure learns one-GPU shapes
+    /// only; how multi-GPU pods are scored: `gpushare_allocator::Cluster::scores`).
     fn observe_if_newly_waiting(&mut self, key: &str, ask: &Ask, host: Host) {
         if let Ask::Pending(request) = ask
             && let Ok(request) = request.as_ref()

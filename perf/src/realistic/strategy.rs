@@ -125,8 +125,9 @@ pub enum Strategy {
         profile: Profile,
     },
     /// gpushare's fragmentation policy, nodes ordered by `profile` (multi-GPU tasks, and
-    /// whole-GPU tasks asked for with `exclusive`, scored and placed as binpack does, as the
-    /// allocator does).
+    /// whole-GPU tasks asked for with `exclusive`, take their GPUs as binpack does and are
+    /// scored by the measure unless the recent demand is multi-GPU heavy, as the allocator
+    /// does).
     Fragmentation {
         /// How kube-scheduler scores.
         profile: Profile,
