@@ -99,8 +99,8 @@ impl Node {
         self.fragmentation_best(&placing).map(|(pos, _)| pos)
     }
 
-    /// How good the node is for a multi-GPU or exclusive `request` under the fragmentation
-    /// measure, its slices on the GPUs at `taken` (those bind would take): the fragmentation
+    /// How good the node is for a multi-GPU `request` under the fragmentation measure, its
+    /// slices on the GPUs at `taken` (those bind would take): the fragmentation
     /// the placement removes (negative when it adds some), then, worth less than 1/64 GiB,
     /// how full the node's GPUs are afterwards, so that equal changes pack. O(GPUs × shapes).
     fn fragmentation_goodness_multi(
@@ -109,14 +109,7 @@ impl Node {
         request: &Request,
         workload: &Workload,
     ) -> f64 {
-        let held = |pos: usize| {
-            let free = self.gpus[pos].free_gib();
-            if request.exclusive {
-                free
-            } else {
-                request.gib_per_gpu().min(free)
-            }
-        };
+        let held = |pos: usize| request.gib_per_gpu().min(self.gpus[pos].free_gib());
         let view = self.free_view();
         let after = NodeFree {
             gpus: view.gpus,
@@ -244,8 +237,8 @@ impl Cluster {
         }
     }
 
-    /// [`Cluster::scores`] under [`crate::Policy::Fragmentation`] for a multi-GPU or
-    /// exclusive request: each fitting node's goodness with the request on the GPUs bind
+    /// [`Cluster::scores`] under [`crate::Policy::Fragmentation`] for a multi-GPU request
+    /// (shared slices): each fitting node's goodness with the request on the GPUs bind
     /// would take there, ranked by [`fragmentation::relative_scores`].
     pub(super) fn fragmentation_scores_multi(&self, nodes: &[&str], request: &Request) -> Vec<u8> {
         let goodness: Vec<Option<f64>> = nodes

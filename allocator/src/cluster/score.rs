@@ -73,19 +73,21 @@ impl Cluster {
     /// round to 1), and the scheduler's own spreading scores then decide — fragmenting GPUs.
     /// Ranking among the candidates keeps the packing preference decisive at any fill level.
     ///
-    /// Under the fragmentation policy, a multi-GPU or exclusive request is scored by the
+    /// Under the fragmentation policy, a multi-GPU request (shared slices) is scored by the
     /// measure too (what its slices on the GPUs bind would take cost the node), except while
     /// multi-GPU pods bring a large share of the recent demand
-    /// ([`crate::demand_mix::MULTI_GPU_HEAVY`]): the measure learns one-GPU shapes only,
-    /// and where large jobs are common it would spend the nodes they need, so they are
-    /// scored as binpack then. Model-restricted requests are scored as binpack: the measure
-    /// is about slices of any GPU of the node.
+    /// ([`crate::demand_mix::MULTI_GPU_HEAVY`]): the measure learns one-GPU shapes only, and
+    /// where large jobs are common it would spend the nodes they need, so they are scored as
+    /// binpack then. Exclusive requests (empty GPUs, booked in full) are scored as binpack:
+    /// by the measure they packed worse (docs/performance.md, "Workload mixes").
+    /// Model-restricted requests are scored as binpack: the measure is about slices of any
+    /// GPU of the node.
     pub fn scores(&self, nodes: &[&str], request: &Request, policy: Policy) -> Vec<u8> {
         if policy == Policy::Fragmentation && request.models.is_any() {
             if !request.is_multi() {
                 return self.fragmentation_scores(nodes, request);
             }
-            if !self.demand.is_multi_gpu_heavy() {
+            if !request.exclusive && !self.demand.is_multi_gpu_heavy() {
                 return self.fragmentation_scores_multi(nodes, request);
             }
         }
