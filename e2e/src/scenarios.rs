@@ -86,6 +86,15 @@ pub async fn delete_pod(h: &impl Harness, name: &str) -> anyhow::Result<()> {
     .await
 }
 
+/// Waits until the pod in `pods` is bound and returns its node's name.
+pub async fn wait_bound(pods: &Api<Pod>, name: &str) -> anyhow::Result<String> {
+    wait_for(&format!("{name} to be bound"), START_TIMEOUT, || {
+        let pods = pods.clone();
+        async move { pods.get(name).await.ok()?.spec?.node_name }
+    })
+    .await
+}
+
 /// Waits until the pod runs and returns it.
 pub async fn wait_running(h: &impl Harness, name: &str) -> anyhow::Result<Pod> {
     let pods: Api<Pod> = Api::namespaced(h.client(), h.namespace());

@@ -20,7 +20,7 @@ use gpushare_e2e::fixtures;
 use gpushare_e2e::realk8s::{Kit, KitCluster, Mode};
 use gpushare_e2e::scenarios::{
     Harness, allocation, check_no_overcommit, check_pinned, create_gpu_pod, delete_pod, phase,
-    wait_running, wait_unschedulable,
+    wait_bound, wait_running, wait_unschedulable,
 };
 use k8s_openapi::api::core::v1::Pod;
 use kube::api::{Api, ListParams, Patch, PatchParams, PostParams};
@@ -1063,16 +1063,7 @@ fn limited_to(mut pod: Pod, nodes: &[&str], prefers: Option<&str>) -> anyhow::Re
 async fn create_and_wait_bound(pods: &Api<Pod>, pod: Pod) -> anyhow::Result<String> {
     let name = pod.metadata.name.clone().context("pod name")?;
     pods.create(&PostParams::default(), &pod).await?;
-    wait_for(
-        &format!("{name} to be bound"),
-        Duration::from_secs(60),
-        || {
-            let pods = pods.clone();
-            let name = name.clone();
-            async move { pods.get(&name).await.ok()?.spec?.node_name }
-        },
-    )
-    .await
+    wait_bound(pods, &name).await
 }
 
 async fn keep_best_on_fake_nodes(c: &KitCluster) -> anyhow::Result<()> {

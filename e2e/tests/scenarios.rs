@@ -19,7 +19,7 @@ use gpushare_e2e::cluster::{
 use gpushare_e2e::fixtures;
 use gpushare_e2e::scenarios::{
     Harness, Quiet, RealCluster, allocation, check_no_overcommit, check_pinned, create_gpu_pod,
-    notebook, phase, placements, scheduling_message, wait_running,
+    notebook, phase, placements, scheduling_message, wait_bound, wait_running,
 };
 use k8s_openapi::api::core::v1::{Node, Pod};
 use kube::api::{Api, ListParams, Patch, PatchParams, PostParams};
@@ -100,19 +100,7 @@ async fn create_stream(
     for (i, gib) in sizes.iter().enumerate() {
         let name = format!("{prefix}-{i}-{gib}g");
         create_gpu_pod(cluster, &name, *gib).await?;
-        wait_for(
-            &format!("{name} to be bound"),
-            Duration::from_secs(60),
-            || {
-                let pods = pods.clone();
-                let name = name.clone();
-                async move {
-                    let pod = pods.get(&name).await.ok()?;
-                    pod.spec.as_ref()?.node_name.as_ref().map(|_| ())
-                }
-            },
-        )
-        .await?;
+        wait_bound(&pods, &name).await?;
         names.push(name);
     }
     Ok(names)

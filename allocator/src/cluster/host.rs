@@ -109,27 +109,21 @@ impl Node {
         request: &Request,
         workload: &Workload,
     ) -> f64 {
-        let held = |pos: usize| request.gib_per_gpu().min(self.gpus[pos].free_gib());
+        let per_gpu = request.gib_per_gpu();
         let view = self.free_view();
         let after = NodeFree {
             gpus: view.gpus,
             free: |i: usize| {
                 let (free, total) = (view.free)(i)?;
-                let held = if taken.contains(&i) { held(i) } else { 0 };
-                Some((free - held, total))
+                let held = if taken.contains(&i) { per_gpu } else { 0 };
+                Some((free.saturating_sub(held), total))
             },
             host: view.host.saturating_sub(request.host),
         };
-        let removed = Before::new(workload, &view).fragmentation(workload)
-            - Before::new(workload, &after).fragmentation(workload);
-        let (total, used) = self.healthy_totals();
-        let added: u64 = taken.iter().map(|&pos| held(pos)).sum();
-        let fullness = if total == 0 {
-            1.0
-        } else {
-            (used.saturating_add(added) as f64 / total as f64).min(1.0)
-        };
-        removed + fullness / 64.0
+        let before = Before::new(workload, &view);
+        let removed =
+            before.fragmentation(workload) - Before::new(workload, &after).fragmentation(workload);
+        removed + before.fullness_after(per_gpu * taken.len() as u64) / 64.0
     }
 
     /// How good the node is for `request` under the fragmentation measure, placed on the GPU

@@ -183,7 +183,7 @@ impl Before {
 
     /// How full the node's GPUs are once `need` GiB more are used, from 0 to 1: the same for
     /// every GPU of the node, so computed once per node.
-    pub(super) fn fullness_after(&self, need: u64) -> f64 {
+    pub(crate) fn fullness_after(&self, need: u64) -> f64 {
         let used_after = self
             .total_gib
             .saturating_sub(self.total_free.saturating_sub(need));
