@@ -6,8 +6,8 @@
 //! `NodeResourcesBalancedAllocation` plus our prioritize score × weight × 10) must be chosen by
 //! the extender. Leaving them out packed worse once CPU ran short (docs/performance.md,
 //! "Cost to kube-scheduler", keeping the best node in filter): LeastAllocated steers pods away from nodes whose CPU is nearly
-//! gone, where the GPU memory left would be stranded. The extender leaves LeastAllocated out
-//! only while multi-GPU pods dominate the demand ([`crate::demand_mix`]).
+//! gone, where the GPU memory left would be stranded. The extender leaves both out only while
+//! multi-GPU pods dominate the demand ([`crate::demand_mix`]).
 //!
 //! Upstream's arithmetic, integer for integer where it is integer:
 //! - `NodeResourcesFit`, LeastAllocated over CPU and memory (weight 1 each):
@@ -68,28 +68,10 @@ pub struct Requested {
 /// `NodeResourcesFit` (LeastAllocated) + `NodeResourcesBalancedAllocation`, both weight 1,
 /// for `pod` on a node with `allocatable` and `requested` already.
 pub fn default_scores(allocatable: Host, requested: Requested, pod: Host) -> i64 {
-    weighted_scores(allocatable, requested, pod, 1)
-}
-
-/// [`default_scores`] with LeastAllocated weighing `least_weight` (the ranking leaves it out
-/// while the recent demand is multi-GPU heavy, see [`crate::demand_mix`]).
-pub fn weighted_scores(
-    allocatable: Host,
-    requested: Requested,
-    pod: Host,
-    least_weight: i64,
-) -> i64 {
-    let least = match least_weight {
-        0 => 0,
-        weight => {
-            weight
-                * least_allocated(
-                    allocatable,
-                    requested.non_zero.saturating_add(non_zero(pod)),
-                )
-        }
-    };
-    least + balanced_allocation(allocatable, requested.actual.saturating_add(pod))
+    least_allocated(
+        allocatable,
+        requested.non_zero.saturating_add(non_zero(pod)),
+    ) + balanced_allocation(allocatable, requested.actual.saturating_add(pod))
 }
 
 /// LeastAllocated over CPU and memory, equally weighted, for the node's requests with the

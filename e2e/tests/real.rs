@@ -1098,12 +1098,13 @@ async fn keep_best_on_fake_nodes(c: &KitCluster) -> anyhow::Result<()> {
 
 /// The ranking of the filter that keeps the best follows the demand mix
 /// (`gpushare_allocator::demand_mix`) on the real cluster. Two pairs of empty fake nodes
-/// (64 cores, 512 GiB), the first of each holding a CPU-light, memory-heavy pod; a GPU pod
-/// asking half a node's cores may go on either node of a pair. With kube-scheduler's
-/// LeastAllocated in the ranking it goes on the emptier node; while pending 8-GPU jobs bring
-/// most of the recent GPU demand, the ranking leaves LeastAllocated out and BalancedAllocation
-/// sends it to the node where it evens CPU and memory out. The jobs are what the extender's
-/// pod watch sees waiting: no node here has 8 GPUs, so they stay pending.
+/// (64 cores, 512 GiB, 4 × 16 GiB), the first of each holding a GPU pod that takes nearly all
+/// of its CPU and memory; a small GPU pod may go on either node of a pair. Our score prefers
+/// the node whose GPU is already in use; kube-scheduler's LeastAllocated prefers the empty
+/// node by more. With the resource scores in the ranking the pod goes on the empty node;
+/// while pending 8-GPU jobs bring most of the recent GPU demand, the ranking is our score
+/// alone and the pod goes on the node it packs. The jobs are what the extender's pod watch
+/// sees waiting: no node here has 8 GPUs, so they stay pending.
 fn keep_best_follows_the_multi_gpu_demand(c: &KitCluster) -> Outcome<'_> {
     Box::pin(async move {
         let nodes = FakeNodes::create(c, "mix")?;
@@ -1129,31 +1130,34 @@ async fn ranking_follows_the_demand(c: &KitCluster) -> anyhow::Result<()> {
             .insert("gpushare-test".into(), "demand-mix".into());
         pod
     };
-    // With the GPU pod: busy node CPU 33/64, memory 328/512 GiB; idle node CPU 32/64, memory
-    // 8/512. LeastAllocated + BalancedAllocation: busy 42 + 94, idle 74 + 76, so idle wins;
-    // by BalancedAllocation alone busy does. Our own score ties: all GPUs are empty.
+    // With the small pod: the resident's node CPU 62.1/64, memory 500.25/512 GiB; the empty
+    // node CPU 0.1/64, memory 0.25/512. LeastAllocated + BalancedAllocation: 2 + 99 against
+    // 99 + 99; our score × 10: 100 against 10 (the resident's GPU is the fuller, and any
+    // shape learned loses at most the one pod the small pod takes there). With the resource
+    // scores the empty node wins, 208 to 201; by our score alone the resident's does.
     let small = |name: &str, pair: [&str; 2]| -> anyhow::Result<Pod> {
         let pod = fixtures::pod(name)
             .gpu_mem(4)
-            .cpu("32")
-            .memory("8Gi")
+            .cpu("100m")
+            .memory("256Mi")
             .build();
         Ok(labelled(limited_to(pod, &pair, None)?))
     };
     for (resident, node) in [("mix-resident-0", "mix-0"), ("mix-resident-2", "mix-2")] {
         let pod = fixtures::pod(resident)
-            .cpu("1")
-            .memory("320Gi")
-            .on_node(node)
+            .gpu_mem(4)
+            .cpu("62")
+            .memory("500Gi")
             .build();
-        pods.create(&PostParams::default(), &labelled(pod)).await?;
+        let bound = create_and_wait_bound(&pods, labelled(limited_to(pod, &[node], None)?)).await?;
+        ensure!(bound == node, "{resident} went on {bound}, not {node}");
     }
     let before =
         create_and_wait_bound(&pods, small("mix-small-before", ["mix-0", "mix-1"])?).await?;
     ensure!(
         before == "mix-1",
         "with little multi-GPU demand the ranking counts LeastAllocated: the GPU pod should \
-         go on the emptier mix-1, not {before}"
+         go on the empty mix-1, not {before}"
     );
     // 24 jobs of 8 × 16 GiB: 3,072 GiB of demand, more than any recent single-GPU stream
     // weighs (a stream of 4 GiB pods levels off below 2,000 GiB as it decays).
@@ -1169,8 +1173,8 @@ async fn ranking_follows_the_demand(c: &KitCluster) -> anyhow::Result<()> {
     let after = create_and_wait_bound(&pods, small("mix-small-after", ["mix-2", "mix-3"])?).await?;
     ensure!(
         after == "mix-2",
-        "with 8-GPU jobs bringing most of the recent demand the ranking leaves LeastAllocated \
-         out: the GPU pod should go on mix-2, where it balances CPU and memory, not {after}"
+        "with 8-GPU jobs bringing most of the recent demand the ranking is our score alone: \
+         the GPU pod should go on mix-2, whose GPU is in use, not {after}"
     );
     check_no_overcommit(&c.client()).await?;
     Ok(())

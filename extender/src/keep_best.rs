@@ -10,10 +10,10 @@
 //! spreading off while this is on).
 //!
 //! One deliberate difference: while multi-GPU pods bring a quarter or more of the recent GPU
-//! demand, the ranking leaves kube-scheduler's LeastAllocated out
-//! ([`gpushare_allocator::demand_mix`]): spreading small pods' CPU over every node would leave
-//! none with the CPU a multi-GPU job needs. Pods that step aside are scored by kube-scheduler
-//! with its profile, LeastAllocated included.
+//! demand, the ranking leaves kube-scheduler's CPU and memory scores out and is our score
+//! alone ([`gpushare_allocator::demand_mix`]): spreading small pods' CPU over every node would
+//! leave none with the GPUs and the CPU a multi-GPU job needs. Pods that step aside are
+//! scored by kube-scheduler with its profile, its CPU and memory scores included.
 //!
 //! A pod whose placement other score plugins would move is not narrowed: its own preferred
 //! node or pod (anti-)affinity, a `ScheduleAnyway` topology spread constraint, or a

@@ -151,7 +151,7 @@ impl Metrics {
         );
         sub.register(
             "multi_gpu_demand_share",
-            format!("Share of the recent GPU demand in multi-GPU pods; from {} the filter that keeps the best ranks without kube-scheduler's LeastAllocated score", gpushare_allocator::demand_mix::MULTI_GPU_HEAVY),
+            format!("Share of the recent GPU demand in multi-GPU pods; from {} the filter that keeps the best ranks by our score alone, without kube-scheduler's CPU and memory scores", gpushare_allocator::demand_mix::MULTI_GPU_HEAVY),
             metrics.multi_gpu_demand_share.clone(),
         );
         metrics

@@ -9,7 +9,7 @@ use axum::http::StatusCode;
 use common::{BindMode, PREFIX, bind_body, call, call_raw, fixture, harness};
 use gpushare_contract::{ContainerRequest, Keyring, Keys, PodAllocation, SharedKeyring};
 use gpushare_extender::reservation::Phase;
-use gpushare_testkit::fixtures::{node, pod};
+use gpushare_testkit::fixtures::{PodBuilder, node, pod};
 use k8s_openapi::api::core::v1::Pod;
 use serde_json::{Value, json};
 
@@ -17,6 +17,11 @@ const FIXTURE_UID: &str = "647c79bc-629b-49c7-a3dd-034bd088a0ab";
 
 /// A pod already bound to `node`, holding `gib` on GPU `gpu`, as the watch shows it.
 fn bound(name: &str, node_name: &str, gpu: u32, gib: u64, assigned: bool) -> Pod {
+    bound_builder(name, node_name, gpu, gib, assigned).build()
+}
+
+/// [`bound`], still to be built (to ask for CPU and memory too).
+fn bound_builder(name: &str, node_name: &str, gpu: u32, gib: u64, assigned: bool) -> PodBuilder {
     let allocation = PodAllocation {
         more_gpus: Vec::new(),
         exclusive: false,
@@ -41,7 +46,7 @@ fn bound(name: &str, node_name: &str, gpu: u32, gib: u64, assigned: bool) -> Pod
     for (k, v) in allocation.to_annotations(&Keys::default()) {
         builder = builder.annotation(&k, &v);
     }
-    builder.build()
+    builder
 }
 
 /// `POST {PREFIX}/{verb}` with `body`, as kube-scheduler calls the extender.
@@ -815,11 +820,12 @@ async fn keep_best_ranks_as_kube_scheduler_would_and_steps_aside_for_soft_prefer
 }
 
 /// Where multi-GPU jobs bring much of the GPU demand arriving, the filter that keeps the best
-/// ranks without LeastAllocated (it would spread small pods' CPU over every node and leave
-/// none with the CPU such a job needs): of two nodes our score ties, the one whose CPU and
-/// memory stay balanced wins, not the emptier one; and the gauge says why.
+/// ranks by our score alone, without kube-scheduler's CPU and memory scores (LeastAllocated
+/// would spread small pods' CPU over every node and leave none with the CPU such a job
+/// needs): the node our score prefers wins although its CPU is nearly gone, and the gauge
+/// says why.
 #[tokio::test]
-async fn keep_best_leaves_least_allocated_out_while_multi_gpu_jobs_dominate_the_demand() {
+async fn keep_best_ranks_by_our_score_alone_while_multi_gpu_jobs_dominate_the_demand() {
     let roomy = |name: &str| {
         node(name)
             .gpushare()
@@ -828,15 +834,15 @@ async fn keep_best_leaves_least_allocated_out_while_multi_gpu_jobs_dominate_the_
             .memory("32Gi")
             .build()
     };
-    // With the pod, busy: CPU 5/8, memory 21/32 Gi (balanced); idle: CPU 4/8, memory 1/32.
-    // LeastAllocated + BalancedAllocation = 200 − 100 × the larger fraction: idle wins; by
-    // BalancedAllocation alone busy does.
-    let resident = pod("resident")
-        .cpu("1")
-        .memory("20Gi")
-        .on_node("busy")
+    // busy holds a 4 GiB GPU pod asking 7.8 CPUs and 31 GiB. With the small pod: busy CPU
+    // 7.9/8, memory 31.25/32 Gi; idle CPU 0.1/8, memory 0.25/32. LeastAllocated +
+    // BalancedAllocation: busy 1 + 99, idle 98 + 99; our score × 10: busy 100 (its GPU is
+    // the fuller), idle 10. With the resource scores idle wins, 207 to 200; by ours, busy.
+    let resident = bound_builder("resident", "busy", 0, 4, true)
+        .cpu("7800m")
+        .memory("31Gi")
         .build();
-    let small = pod("small").gpu_mem(4).cpu("4").memory("1Gi").build();
+    let small = pod("small").gpu_mem(4).cpu("100m").memory("256Mi").build();
     let filter =
         |pod: &Pod| json!({"Pod": pod, "Nodes": null, "NodeNames": ["busy", "idle"]}).to_string();
     let multi_gpu_jobs: Vec<Pod> = (0..4)

@@ -28,18 +28,6 @@ impl Node {
         kube_scores::default_scores(allocatable, requested, pod)
     }
 
-    /// [`Node::default_scores`] with LeastAllocated weighing `least_weight`.
-    pub fn ranking_scores(&self, pod: Host, least_weight: i64) -> i64 {
-        let Some(allocatable) = self.host else {
-            return 0;
-        };
-        let requested = kube_scores::Requested {
-            actual: self.host_used,
-            non_zero: self.host_scored,
-        };
-        kube_scores::weighted_scores(allocatable, requested, pod, least_weight)
-    }
-
     /// The node's free CPU and memory ([`Host::UNLIMITED`] when its allocatable is unknown).
     pub fn host_free(&self) -> Host {
         self.host.map_or(Host::UNLIMITED, |allocatable| {
@@ -287,10 +275,10 @@ impl Cluster {
 
     /// How kube-scheduler would rank `nodes` for `request` with scores: our
     /// [`Cluster::scores`] × `extender_weight` × 10, plus its default CPU and memory scores on
-    /// each node ([`Node::default_scores`]), except that LeastAllocated is left out while the
-    /// recent demand is multi-GPU heavy ([`crate::demand_mix`]). What the filter that keeps
-    /// only the best node ranks by (see [`kube_scores`]). A node that does not fit totals its
-    /// default scores alone; the caller passes only nodes that fit.
+    /// each node ([`Node::default_scores`]), except that those are left out, and our score
+    /// alone ranks, while the recent demand is multi-GPU heavy ([`crate::demand_mix`]). What
+    /// the filter that keeps only the best node ranks by (see [`kube_scores`]). A node that
+    /// does not fit totals its default scores alone; the caller passes only nodes that fit.
     pub fn scheduler_totals(
         &self,
         nodes: &[&str],
@@ -299,7 +287,7 @@ impl Cluster {
         extender_weight: i64,
     ) -> Vec<i64> {
         let ours = self.scores(nodes, request, policy);
-        let least_weight = self.demand.least_allocated_weight();
+        let counts_defaults = self.demand.counts_resource_scores();
         nodes
             .iter()
             .zip(ours)
@@ -307,7 +295,8 @@ impl Cluster {
                 let defaults = self
                     .nodes
                     .get(*name)
-                    .map_or(0, |node| node.ranking_scores(request.host, least_weight));
+                    .filter(|_| counts_defaults)
+                    .map_or(0, |node| node.default_scores(request.host));
                 i64::from(score)
                     .saturating_mul(extender_weight)
                     .saturating_mul(kube_scores::EXTENDER_SCORE_SCALE)
@@ -463,35 +452,29 @@ mod tests {
     }
 
     /// While multi-GPU pods bring a quarter of the recent GPU demand, the ranking leaves
-    /// LeastAllocated out: the CPU-busy node no longer loses for being busy, and loses only
-    /// its BalancedAllocation points; once the demand is one-GPU again, LeastAllocated is back.
+    /// kube-scheduler's CPU and memory scores out: the CPU-busy node no longer loses for being
+    /// busy, and our score alone decides (here it ties); once the demand is one-GPU again,
+    /// the resource scores are back.
     #[test]
-    fn the_ranking_leaves_least_allocated_out_while_the_demand_is_multi_gpu_heavy() {
+    fn the_ranking_is_ours_alone_while_the_demand_is_multi_gpu_heavy() {
         let (mut cluster, pod) = busy_and_idle();
-        let scores = |least_weight| {
-            ["busy", "idle"].map(|name| {
-                let node = cluster.node(name).unwrap();
-                100 + node.ranking_scores(pod.host, least_weight)
-            })
-        };
-        let (with_least, without_least) = (scores(1), scores(0));
-        let busy = cluster.node("busy").unwrap();
-        assert_eq!(with_least[0], 100 + busy.default_scores(pod.host));
         let totals = |cluster: &Cluster| {
             cluster.scheduler_totals(&["busy", "idle"], &pod, Policy::Binpack, 1)
         };
-        assert_eq!(totals(&cluster), with_least);
+        let with_defaults =
+            ["busy", "idle"].map(|name| 100 + cluster.node(name).unwrap().default_scores(pod.host));
+        assert_eq!(totals(&cluster), with_defaults);
+        assert!(with_defaults[1] > with_defaults[0], "{with_defaults:?}");
         for _ in 0..50 {
             cluster.observe_demand(4, 1);
             cluster.observe_demand(64, 8);
         }
         assert!(cluster.demand().multi_gpu_share() > 0.9);
-        assert_eq!(totals(&cluster), without_least);
-        assert!(with_least[1] - with_least[0] > without_least[1] - without_least[0]);
+        assert_eq!(totals(&cluster), vec![100, 100]);
         for _ in 0..3_000 {
             cluster.observe_demand(4, 1);
         }
-        assert_eq!(totals(&cluster), with_least);
+        assert_eq!(totals(&cluster), with_defaults);
     }
 
     #[test]

@@ -85,14 +85,15 @@ pub(super) fn gpushare(
     let extender: Option<Vec<u8>> = policy
         .filter(|_| candidates.len() > 1 && profile.extender_scores())
         .map(|policy| cluster.scores(&names, &request, policy));
-    // The filter that keeps the best ranks as the extender does: LeastAllocated counts
-    // unless the recent demand is multi-GPU heavy (`gpushare_allocator::demand_mix`).
-    let least_weight = cluster.demand().least_allocated_weight();
+    // The filter that keeps the best ranks as the extender does: kube-scheduler's CPU and
+    // memory scores count unless the recent demand is multi-GPU heavy
+    // (`gpushare_allocator::demand_mix`).
+    let counts_defaults = cluster.demand().counts_resource_scores();
     let totals = candidates.iter().enumerate().map(|(c, &n)| {
         let theirs = extender.as_ref().map_or(0, |s| i64::from(s[c]) * 10);
         (
             n,
-            total(profile, state, (n, least_weight), task, &request, theirs),
+            total(profile, state, (n, counts_defaults), task, &request, theirs),
         )
     });
     let n = if matches!(profile, Profile::FilterKeepBest | Profile::Weighted { .. }) {
@@ -148,12 +149,12 @@ fn filter(
 }
 
 /// Node `n`'s total under `profile`, the extender's score × 10 being `theirs` (0 when it does
-/// not score); `least_weight` is LeastAllocated's weight in the extender's own ranking (the
-/// filter that keeps the best).
+/// not score); `counts_defaults` says whether the extender's own ranking (the filter that
+/// keeps the best) counts kube-scheduler's CPU and memory scores.
 fn total(
     profile: Profile,
     state: &Nodes<'_>,
-    (n, least_weight): (usize, i64),
+    (n, counts_defaults): (usize, bool),
     task: &Task,
     request: &Request,
     theirs: i64,
@@ -162,13 +163,10 @@ fn total(
         Profile::Default { weight } => {
             default_score(state.specs[n].host, state.used[n], task.host) + theirs * weight
         }
-        Profile::FilterKeepBest => {
-            let (allocatable, requested) =
-                (state.specs[n].host, state.used[n].saturating_add(task.host));
-            least_weight * kube_scores::least_allocated(allocatable, requested)
-                + kube_scores::balanced_allocation(allocatable, requested)
-                + theirs
+        Profile::FilterKeepBest if counts_defaults => {
+            default_score(state.specs[n].host, state.used[n], task.host) + theirs
         }
+        Profile::FilterKeepBest => theirs,
         Profile::Weighted {
             least,
             most,

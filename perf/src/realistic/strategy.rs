@@ -28,7 +28,8 @@ pub enum Profile {
     NativeMostAllocated,
     /// The extender's `--filter-keep-best=1`: its filter passes only the node kube-scheduler
     /// would rank best with the default profile and weight 1 (its default CPU and memory
-    /// scores + ours × 10; the first of them in the walk's order), and kube-scheduler binds
+    /// scores + ours × 10, or ours alone while multi-GPU pods bring a quarter or more of the
+    /// recent GPU demand; the first of them in the walk's order), and kube-scheduler binds
     /// that one without scoring.
     FilterKeepBest,
     /// A profile that weighs kube-scheduler's CPU and memory scores against ours:
