@@ -70,7 +70,7 @@ mod fixtures;
 
 pub use free::{FreeSummary, NodeFree};
 pub use measure::{Before, Placing};
-pub use rank::{best_gpu, best_gpu_placing, best_gpu_summarized, relative_scores};
+pub use rank::{best_gpu, best_gpu_among, best_gpu_placing, best_gpu_summarized, relative_scores};
 pub use workload::Workload;
 
 /// CPU and memory: what a pod requests, a node has allocatable, or has free.

@@ -163,6 +163,15 @@ fn filter_and_prioritize(c: &mut Criterion) {
             group.bench_with_input(BenchmarkId::new(name, nodes), &refs, |b, refs| {
                 b.iter(|| cluster.scores(refs, black_box(&two_gpus), Policy::Fragmentation))
             });
+            // A pod naming its GPU model: every node's GPUs checked against it first.
+            let named_model = Request {
+                models: gpushare_allocator::ModelFilter::parse(["bench"]),
+                ..request.clone()
+            };
+            let name = "fragmentation, named model";
+            group.bench_with_input(BenchmarkId::new(name, nodes), &refs, |b, refs| {
+                b.iter(|| cluster.scores(refs, black_box(&named_model), Policy::Fragmentation))
+            });
         }
     }
     group.finish();

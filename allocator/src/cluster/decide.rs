@@ -88,7 +88,7 @@ impl Node {
             return Err(self.no_model(request));
         }
         if let Some((pos, _)) = scan.best {
-            if policy == Policy::Fragmentation && !filtered {
+            if policy == Policy::Fragmentation {
                 return Ok(self.fragmentation_gpu(request, workload).unwrap_or(pos));
             }
             return Ok(pos);

@@ -2,12 +2,13 @@
 //! (allocatable, and requested by the pods bound to it, GPU pods or not) and the workload of
 //! recent pod shapes. See [`crate::fragmentation`] for the measure.
 
+use std::cell::RefCell;
 use std::sync::Arc;
 
 use super::{Cluster, Node};
 use crate::demand_mix::DemandMix;
 use crate::fragmentation::{self, Before, FreeSummary, Host, NodeFree, Placing, Shape, Workload};
-use crate::{PodId, Request, kube_scores};
+use crate::{ModelFilter, PodId, Request, kube_scores};
 
 impl Node {
     /// No pod is booked here, GPU or not: a node that left the watch can be forgotten.
@@ -77,14 +78,39 @@ impl Node {
         fragmentation::best_gpu_placing(placing, &self.free_view())
     }
 
-    /// The GPU (position) the fragmentation measure picks for `request`, if any has room.
+    /// [`Node::fragmentation_best`] for `request`, which may name GPU models: the same on a
+    /// node whose GPUs are all of models it allows; otherwise GPU by GPU among those it
+    /// allows ([`fragmentation::best_gpu_among`]), the node's fragmentation counting all of
+    /// them; `None` where it allows none.
+    fn fragmentation_best_for<'a>(
+        &'a self,
+        models: &ModelMemo<'a>,
+        placing: &Placing,
+    ) -> Option<(usize, f64)> {
+        if models.filter.is_any() {
+            return self.fragmentation_best(placing);
+        }
+        let allowed = |pos: usize| models.allows(&self.gpus[pos].gpu.model);
+        let count = (0..self.gpus.len()).filter(|&pos| allowed(pos)).count();
+        if count == self.gpus.len() {
+            return self.fragmentation_best(placing);
+        }
+        if count == 0 {
+            return None;
+        }
+        fragmentation::best_gpu_among(placing, &self.free_view(), allowed)
+    }
+
+    /// The GPU (position) the fragmentation measure picks for `request`, if any it may take
+    /// has room.
     pub(super) fn fragmentation_gpu(
         &self,
         request: &Request,
         workload: &Workload,
     ) -> Option<usize> {
         let placing = Placing::new(workload, request.pod_gib, request.host);
-        self.fragmentation_best(&placing).map(|(pos, _)| pos)
+        self.fragmentation_best_for(&ModelMemo::new(&request.models), &placing)
+            .map(|(pos, _)| pos)
     }
 
     /// How good the node is for a multi-GPU `request` under the fragmentation measure, its
@@ -125,6 +151,32 @@ impl Node {
             request.pod_gib,
             request.host,
         )
+    }
+}
+
+/// A request's model filter asked GPU by GPU while nodes are scored: each distinct model name
+/// is normalized and checked once per call, not once per GPU (node GPUs name a few models).
+struct ModelMemo<'a> {
+    filter: &'a ModelFilter,
+    seen: RefCell<Vec<(&'a str, bool)>>,
+}
+
+impl<'a> ModelMemo<'a> {
+    fn new(filter: &'a ModelFilter) -> Self {
+        Self {
+            filter,
+            seen: RefCell::default(),
+        }
+    }
+
+    /// Whether the filter allows a GPU of `model`.
+    fn allows(&self, model: &'a str) -> bool {
+        if let Some(&(_, allowed)) = self.seen.borrow().iter().find(|(seen, _)| *seen == model) {
+            return allowed;
+        }
+        let allowed = self.filter.allows(model);
+        self.seen.borrow_mut().push((model, allowed));
+        allowed
     }
 }
 
@@ -247,6 +299,7 @@ impl Cluster {
     /// [`fragmentation::relative_scores`].
     pub(super) fn fragmentation_scores(&self, nodes: &[&str], request: &Request) -> Vec<u8> {
         let placing = Placing::for_many_nodes(&self.workload, request.pod_gib, request.host);
+        let models = ModelMemo::new(&request.models);
         let goodness: Vec<Option<f64>> = nodes
             .iter()
             .map(|name| {
@@ -256,7 +309,7 @@ impl Cluster {
                     // is what best_gpu finds, in the same pass over the GPUs.
                     node.check_node().ok()?;
                     return node
-                        .fragmentation_best(&placing)
+                        .fragmentation_best_for(&models, &placing)
                         .map(|(_, goodness)| goodness);
                 }
                 // Fit and the twin rule first (O(GPUs)); a pinned pod has no GPU to choose.
@@ -266,7 +319,7 @@ impl Cluster {
                 if matches!(node.pin(request), Ok(Some(_))) {
                     return Some(node.fragmentation_goodness(pos, request, &self.workload));
                 }
-                node.fragmentation_best(&placing)
+                node.fragmentation_best_for(&models, &placing)
                     .map(|(_, goodness)| goodness)
             })
             .collect();
@@ -334,6 +387,19 @@ mod tests {
             .collect()
     }
 
+    /// A one-GPU pod bound to GPU `gpu`, holding `gib` there.
+    fn running(gpu: u32, gib: u64) -> crate::PodPlacement {
+        crate::PodPlacement {
+            more_gpus: Vec::new(),
+            exclusive: false,
+            gpu,
+            uuid: format!("GPU-{gpu}").into(),
+            pod_gib: gib,
+            pending: vec![],
+            assigned: true,
+        }
+    }
+
     fn request(gib: u64, cores: u64) -> Request {
         Request {
             models: Default::default(),
@@ -345,8 +411,9 @@ mod tests {
         }
     }
 
-    #[test]
-    fn a_node_whose_cpu_would_strand_its_gpus_scores_low() {
+    /// Two nodes of 2 × 16 GiB, "tight" with 16 cores and "roomy" with 64, that have seen ten
+    /// pods of `shape`.
+    fn tight_and_roomy(shape: Shape) -> Cluster {
         let mut cluster = Cluster::new();
         for name in ["tight", "roomy"] {
             cluster.set_node(name, gpus(2), true);
@@ -354,11 +421,17 @@ mod tests {
         cluster.set_node_host("tight", Some(Host::new(16_000, 1 << 20)));
         cluster.set_node_host("roomy", Some(Host::new(64_000, 1 << 20)));
         for _ in 0..10 {
-            cluster.observe(Shape {
-                gpu_gib: 16,
-                host: Host::new(8_000, 8 * 4096),
-            });
+            cluster.observe(shape);
         }
+        cluster
+    }
+
+    #[test]
+    fn a_node_whose_cpu_would_strand_its_gpus_scores_low() {
+        let mut cluster = tight_and_roomy(Shape {
+            gpu_gib: 16,
+            host: Host::new(8_000, 8 * 4096),
+        });
         let big = request(16, 12);
         let scores = cluster.scores(&["tight", "roomy"], &big, Policy::Fragmentation);
         assert_eq!(scores, vec![1, 10]);
@@ -488,15 +561,6 @@ mod tests {
             });
         }
         // GPU 0 empty, GPU 1 has 8 free, GPU 2 has 6 free.
-        let running = |gpu, gib: u64| crate::PodPlacement {
-            more_gpus: Vec::new(),
-            exclusive: false,
-            gpu,
-            uuid: format!("GPU-{gpu}").into(),
-            pod_gib: gib,
-            pending: vec![],
-            assigned: true,
-        };
         cluster.upsert_pod("a".into(), "n1", running(1, 8));
         cluster.upsert_pod("b".into(), "n1", running(2, 10));
         let placed = cluster
@@ -505,6 +569,43 @@ mod tests {
         assert_eq!(
             placed.gpu, 2,
             "the 6 GiB gap, keeping 8 and 16 for 8 GiB pods"
+        );
+    }
+
+    /// A pod that names GPU models is measured too, on the GPUs of its models: across nodes
+    /// it scores as the same pod naming none would where every GPU is of its model, and on
+    /// a node with GPUs of two models bind takes the GPU of its model the measure prefers
+    /// (binpack would take the snuggest).
+    #[test]
+    fn model_restricted_pods_are_measured_on_their_models_gpus() {
+        let mut cluster = tight_and_roomy(Shape {
+            gpu_gib: 8,
+            host: Host::new(3_000, 1_024),
+        });
+        let t4_only = |gib, cores| Request {
+            models: crate::ModelFilter::parse(["T4"]),
+            ..request(gib, cores)
+        };
+        let nodes = ["tight", "roomy"];
+        let plain = cluster.scores(&nodes, &request(16, 12), Policy::Fragmentation);
+        assert_eq!(plain, vec![1, 10]);
+        assert_eq!(
+            cluster.scores(&nodes, &t4_only(16, 12), Policy::Fragmentation),
+            plain
+        );
+        // GPUs 0 and 1 are T4s with 9 and 12 GiB free, GPU 2 an A10 with 4 free.
+        let mut mixed = gpus(3);
+        mixed[2].model = "A10".into();
+        cluster.set_node("mixed", mixed, true);
+        cluster.upsert_pod("a".into(), "mixed", running(0, 7));
+        cluster.upsert_pod("b".into(), "mixed", running(1, 4));
+        cluster.upsert_pod("c".into(), "mixed", running(2, 12));
+        let placed = cluster
+            .reserve("p".into(), "mixed", &t4_only(4, 1), Policy::Fragmentation)
+            .unwrap();
+        assert_eq!(
+            placed.gpu, 1,
+            "12 → 8 GiB keeps room for an 8 GiB pod; 9 → 5 would not"
         );
     }
 

@@ -79,11 +79,11 @@ impl Cluster {
     /// ([`crate::demand_mix::MULTI_GPU_HEAVY`]): the measure learns one-GPU shapes only, and
     /// where large jobs are common it would spend the nodes they need, so they are scored as
     /// binpack then. Exclusive requests (empty GPUs, booked in full) are scored as binpack:
-    /// by the measure they packed worse (docs/performance.md, "Workload mixes").
-    /// Model-restricted requests are scored as binpack: the measure is about slices of any
-    /// GPU of the node.
+    /// by the measure they packed worse (docs/performance.md, "Workload mixes"). A request
+    /// that names GPU models is measured on the GPUs of those models; the node's
+    /// fragmentation counts all of its GPUs.
     pub fn scores(&self, nodes: &[&str], request: &Request, policy: Policy) -> Vec<u8> {
-        if policy == Policy::Fragmentation && request.models.is_any() {
+        if policy == Policy::Fragmentation {
             if !request.is_multi() {
                 return self.fragmentation_scores(nodes, request);
             }

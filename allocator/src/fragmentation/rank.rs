@@ -73,6 +73,17 @@ pub fn best_gpu_placing<F: Fn(usize) -> Option<(u64, u64)>>(
     if summary.is_complete() {
         return best_gpu_summarized(placing, &summary, node.host);
     }
+    best_gpu_among(placing, node, |_| true)
+}
+
+/// [`best_gpu_placing`] among the GPUs `allowed` says the pod may take (those of the models
+/// it asks for), read GPU by GPU: the node's fragmentation counts all of its GPUs, the pod
+/// goes only on an allowed one.
+pub fn best_gpu_among<F: Fn(usize) -> Option<(u64, u64)>>(
+    placing: &Placing,
+    node: &NodeFree<F>,
+    allowed: impl Fn(usize) -> bool,
+) -> Option<(usize, f64)> {
     let (workload, need) = (placing.workload, placing.need);
     let before = Before::new(workload, node);
     if before.max_free.is_none_or(|max| max < need) {
@@ -80,14 +91,14 @@ pub fn best_gpu_placing<F: Fn(usize) -> Option<(u64, u64)>>(
     }
     let cost = before.after_host(workload, placing.host);
     let fullness = before.fullness_after(need);
-    // Each free amount once, at its first GPU.
+    // Each free amount once, at its first allowed GPU.
     let mut seen: Vec<u64> = Vec::new();
     let mut best = None;
     for i in 0..node.gpus {
         let Some((free, _)) = (node.free)(i) else {
             continue;
         };
-        if free < need || seen.contains(&free) {
+        if free < need || seen.contains(&free) || !allowed(i) {
             continue;
         }
         seen.push(free);

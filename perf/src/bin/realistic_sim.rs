@@ -6,6 +6,8 @@
 //! gpushare pods ask for whole- and multi-GPU tasks in the plain form (`gpus: N` and the total
 //! GiB: slices that leave the rest of each GPU to others); `--exclusive-whole` makes them ask
 //! with `exclusive` (empty GPUs booked in full).
+//! `--models-in-request` makes tasks pinned to GPU models name them in the request (gpushare's
+//! model annotation) instead of node affinity on the model label.
 //!
 //! kube-scheduler, for gpushare's strategies, filters and scores the nodes as it does by
 //! default: a walk round the nodes, resumed pod after pod, that stops at
@@ -19,6 +21,7 @@
 //! cargo run --release -p gpushare-perf --bin realistic-sim -- --nodes 1200 --seeds 10 --exclusive-whole
 //! cargo run --release -p gpushare-perf --bin realistic-sim -- --nodes 1200 --seeds 10 --score-all-nodes
 //! cargo run --release -p gpushare-perf --bin realistic-sim -- --nodes 1200 --seeds 10 --mix multi-gpu-heavy
+//! cargo run --release -p gpushare-perf --bin realistic-sim -- --nodes 1200 --seeds 10 --mix model-pinned --models-in-request
 //! ```
 
 use clap::Parser;
@@ -51,6 +54,16 @@ struct Args {
     /// in full) instead of as `gpus: N` shared slices.
     #[arg(long, env = "SIM_EXCLUSIVE_WHOLE", default_value_t = false)]
     exclusive_whole: bool,
+    /// gpushare pods pinned to GPU models name them in the request (gpushare's model
+    /// annotation) instead of node affinity on the model label, which kube-scheduler's walk
+    /// reads.
+    #[arg(
+        long,
+        env = "SIM_MODELS_IN_REQUEST",
+        default_value_t = false,
+        conflicts_with = "exclusive_whole"
+    )]
+    models_in_request: bool,
     /// kube-scheduler filters and scores every node for gpushare's strategies
     /// (`percentageOfNodesToScore: 100`) instead of its default walk, which stops at
     /// `numFeasibleNodesToFind` feasible nodes.
@@ -191,6 +204,8 @@ impl Args {
     fn request_form(&self) -> RequestForm {
         if self.exclusive_whole {
             RequestForm::Exclusive
+        } else if self.models_in_request {
+            RequestForm::ModelsInRequest
         } else {
             RequestForm::Plain
         }
@@ -224,6 +239,8 @@ fn print_setup(args: &Args, form: RequestForm, to_score: NodesToScore, traces: &
         match form {
             RequestForm::Plain => "`gpus: N`, shared",
             RequestForm::Exclusive => "`gpus: N`, `exclusive`",
+            RequestForm::ModelsInRequest =>
+                "`gpus: N`, shared; pinned tasks name their models in the request",
         }
     );
     match to_score {

@@ -6,7 +6,7 @@
 //! (`gpushare_allocator`): what the report says about gpushare is decided here.
 
 use gpushare_allocator::fragmentation::{Host, Shape};
-use gpushare_allocator::{Cluster, Gpu, PodId, Policy, Request, kube_scores};
+use gpushare_allocator::{Cluster, Gpu, ModelFilter, PodId, Policy, Request, kube_scores};
 
 use super::generator::{MODELS, SimNode, Task, TaskKind};
 use super::kube_scheduler::{KubeScheduler, Missed, select_host};
@@ -45,15 +45,26 @@ pub(super) fn is_whole(task: &Task) -> bool {
 /// The request a gpushare pod for `task` makes: fractional tasks a shared slice of one GPU;
 /// whole- and multi-GPU tasks `gpus: N` and the total GiB, which in the plain `form` is N
 /// shared slices of the task's GiB and with [`RequestForm::Exclusive`] N empty GPUs of at
-/// least the task's GiB each, booked in full.
+/// least the task's GiB each, booked in full. With [`RequestForm::ModelsInRequest`] the GPU
+/// models a task is pinned to are in the request.
 pub fn gpushare_request(task: &Task, form: RequestForm) -> Request {
+    let models = match task.model {
+        Some(models) if form == RequestForm::ModelsInRequest => ModelFilter::parse(
+            MODELS
+                .iter()
+                .enumerate()
+                .filter(|(m, _)| models.contains(*m))
+                .map(|(_, model)| model.name),
+        ),
+        _ => ModelFilter::default(),
+    };
     Request {
         gpus: task.gpus.max(1),
         exclusive: form == RequestForm::Exclusive && is_whole(task),
         pod_gib: task.demand_gib(),
         containers: vec![task.demand_gib()],
         host: task.host,
-        ..Request::default()
+        models,
     }
 }
 
@@ -110,9 +121,10 @@ pub(super) fn gpushare(
     Ok((n, gpus))
 }
 
-/// kube-scheduler's filters (the model's node label; CPU, memory and the GPU-memory resource,
-/// the node's total, as `NodeResourcesFit` counts them) pick the nodes its walk finds; the
-/// extender's filter (the allocator's fit) runs on those alone. The nodes that pass both, or
+/// kube-scheduler's filters (the model's node label, unless the request names the models;
+/// CPU, memory and the GPU-memory resource, the node's total, as `NodeResourcesFit` counts
+/// them) pick the nodes its walk finds; the extender's filter (the allocator's fit, models
+/// included) runs on those alone. The nodes that pass both, or
 /// why there are none.
 fn filter(
     state: &Nodes<'_>,
@@ -123,7 +135,7 @@ fn filter(
 ) -> Result<Vec<usize>, Missed> {
     let walk = kube.walk(state.specs.len(), |n| {
         let spec = &state.specs[n];
-        state.model_ok(n, task)
+        (!request.models.is_any() || state.model_ok(n, task))
             && state.host_free(n).fits(task.host)
             && state.requested_gib[n] + request.pod_gib <= u64::from(spec.gpus) * spec.gpu_gib
     });

@@ -287,8 +287,10 @@ fn stranded(state: &Nodes<'_>, typical: Host) -> (u64, u64) {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::realistic::generator::{Models, TaskKind, TaskMix, generate_nodes, generate_tasks};
-    use gpushare_allocator::GpuUsage;
+    use crate::realistic::generator::{
+        MODELS, Models, TaskKind, TaskMix, generate_nodes, generate_tasks,
+    };
+    use gpushare_allocator::{GpuUsage, ModelFilter};
     use gpushare_e2e::scheduler::framework::num_feasible_nodes_to_find;
 
     /// binpack, classic, fragmentation (extender scores only) and native MostAllocated.
@@ -319,6 +321,44 @@ mod tests {
             gpu_gib,
             host: Host::new(1_000, 1_024),
             model: None,
+        }
+    }
+
+    /// With [`RequestForm::ModelsInRequest`] a pinned task names its models in the request:
+    /// kube-scheduler's walk passes both nodes, the extender keeps the one of its model.
+    #[test]
+    fn a_pin_in_the_request_is_honoured_by_the_extender() {
+        let node = |model: usize| SimNode {
+            model,
+            gpus: 2,
+            gpu_gib: MODELS[model].gib,
+            host: Host::new(64_000, 262_144),
+        };
+        let nodes = [node(0), node(6)];
+        let pinned = Task {
+            model: Some(Models::one(6)),
+            ..task(TaskKind::Fractional, 1, 8)
+        };
+        let request = |form| gpushare_request(&pinned, form);
+        assert!(request(RequestForm::Plain).models.is_any());
+        assert_eq!(
+            request(RequestForm::ModelsInRequest).models,
+            ModelFilter::parse(["A100-80"])
+        );
+        for form in [RequestForm::Plain, RequestForm::ModelsInRequest] {
+            let (run, state, _) = replay_to_end(
+                &nodes,
+                &[pinned, pinned],
+                Strategy::Fragmentation {
+                    profile: Profile::FilterKeepBest,
+                },
+                form,
+                NodesToScore::Adaptive,
+                0,
+            );
+            assert_eq!(run.end.failed, [0; 6], "{form:?}");
+            assert_eq!(state.free[0], [15, 15], "{form:?}");
+            assert_eq!(state.free[1].iter().sum::<u64>(), 160 - 16, "{form:?}");
         }
     }
 

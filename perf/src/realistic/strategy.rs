@@ -89,6 +89,10 @@ pub enum RequestForm {
     /// `gpus: N` with `exclusive`: N empty GPUs of at least the task's GiB, booked in full (a
     /// larger GPU's surplus is lost to other pods).
     Exclusive,
+    /// [`RequestForm::Plain`], and a task pinned to GPU models names them in its request
+    /// (gpushare's model annotation) instead of node affinity on the model label:
+    /// kube-scheduler's walk does not know the pin, the extender's filter and scores do.
+    ModelsInRequest,
 }
 
 /// Which nodes kube-scheduler filters and scores for a pod (`percentageOfNodesToScore`).
