@@ -8,6 +8,8 @@
 //! with `exclusive` (empty GPUs booked in full).
 //! `--models-in-request` makes tasks pinned to GPU models name them in the request (gpushare's
 //! model annotation) instead of node affinity on the model label.
+//! `--host-scale K` multiplies every node's CPU and memory by K after the tasks are drawn: a
+//! what-if that shows how much of what is not allocated CPU and memory cost.
 //!
 //! kube-scheduler, for gpushare's strategies, filters and scores the nodes as it does by
 //! default: a walk round the nodes, resumed pod after pod, that stops at
@@ -26,6 +28,7 @@
 
 use clap::Parser;
 use gpushare_allocator::Policy;
+use gpushare_allocator::fragmentation::Host;
 use gpushare_e2e::scheduler::framework::{
     num_feasible_nodes_to_find, num_feasible_nodes_to_find_at,
 };
@@ -79,6 +82,10 @@ struct Args {
     /// only.
     #[arg(long, env = "SIM_MIX", value_enum, default_value_t = Mix::Default)]
     mix: Mix,
+    /// What-if: every node's CPU and memory multiplied by this (tasks unchanged), to read how
+    /// much of what is not allocated is lost to CPU and memory rather than to GPU geometry.
+    #[arg(long, env = "SIM_HOST_SCALE", default_value_t = 1, value_parser = clap::value_parser!(u64).range(1..=1000))]
+    host_scale: u64,
 }
 
 /// The named task mixes (see `TaskMix`).
@@ -186,8 +193,15 @@ fn main() {
         .collect();
     let traces: Vec<Trace> = (0..args.seeds)
         .map(|seed| {
-            let nodes = generate_nodes(args.nodes, seed);
+            let mut nodes = generate_nodes(args.nodes, seed);
+            // The tasks are drawn for the nodes as generated, then the nodes grow.
             let tasks = generate_tasks(&nodes, &mix, args.demand, seed);
+            for node in &mut nodes {
+                node.host = Host::new(
+                    node.host.milli_cpu * args.host_scale,
+                    node.host.memory_mib * args.host_scale,
+                );
+            }
             (nodes, tasks)
         })
         .collect();
@@ -243,6 +257,12 @@ fn print_setup(args: &Args, form: RequestForm, to_score: NodesToScore, traces: &
                 "`gpus: N`, shared; pinned tasks name their models in the request",
         }
     );
+    if args.host_scale > 1 {
+        println!(
+            "  what-if: every node's CPU and memory × {} (tasks drawn for the nodes as generated)",
+            args.host_scale
+        );
+    }
     match to_score {
         NodesToScore::Adaptive => println!(
             "  kube-scheduler (gpushare rows): filters round robin until {} feasible nodes of {} (adaptive percentageOfNodesToScore), the extender filters and scores those",
