@@ -69,6 +69,10 @@ const GROUPS: &[Group] = &[
                 "keep_best_follows_the_multi_gpu_demand",
                 keep_best_follows_the_multi_gpu_demand,
             ),
+            (
+                "the_gpu_model_annotation_picks_the_gpu",
+                the_gpu_model_annotation_picks_the_gpu,
+            ),
             // Last of all: it uninstalls the release and installs it again.
             (
                 "gpu_pods_right_after_helm_install",
@@ -756,8 +760,15 @@ struct FakeNodes {
 
 impl FakeNodes {
     fn create(c: &KitCluster, prefix: &str) -> anyhow::Result<Self> {
-        let inventory: Vec<serde_json::Value> = (0..4)
-            .map(|i| serde_json::json!({"index": i, "uuid": format!("GPU-fake-{i}"), "model": "Fake", "memGiB": 16, "healthy": true}))
+        Self::create_with_models(c, prefix, ["Fake"; 4])
+    }
+
+    /// [`FakeNodes::create`], GPU `i` of each node of model `models[i]`.
+    fn create_with_models(c: &KitCluster, prefix: &str, models: [&str; 4]) -> anyhow::Result<Self> {
+        let inventory: Vec<serde_json::Value> = models
+            .iter()
+            .enumerate()
+            .map(|(i, model)| serde_json::json!({"index": i, "uuid": format!("GPU-fake-{i}"), "model": model, "memGiB": 16, "healthy": true}))
             .collect();
         let annotations = serde_json::json!({
             "gpushare.example.com/v1.gpus": serde_json::to_string(&inventory)?,
@@ -1175,6 +1186,73 @@ async fn ranking_follows_the_demand(c: &KitCluster) -> anyhow::Result<()> {
         after == "mix-2",
         "with 8-GPU jobs bringing most of the recent demand the ranking is our score alone: \
          the GPU pod should go on mix-2, whose GPU is in use, not {after}"
+    );
+    check_no_overcommit(&c.client()).await?;
+    Ok(())
+}
+
+/// The `gpushare.example.com/gpu-model` annotation on the real cluster (docs/contract.md,
+/// "Choosing GPU models"): fake nodes whose GPUs alternate two models, which node affinity
+/// cannot tell apart. Pods naming one model, or refusing it, get GPUs of the models they allow
+/// (picked by the fragmentation measure among those); a pod naming a model no node has waits
+/// with the extender's reason; nothing is over-committed.
+fn the_gpu_model_annotation_picks_the_gpu(c: &KitCluster) -> Outcome<'_> {
+    Box::pin(async move {
+        let nodes =
+            FakeNodes::create_with_models(c, "models", ["Fake-A", "Fake-B", "Fake-A", "Fake-B"])?;
+        let result = annotated_pods_get_their_models(c).await;
+        let pods: Api<Pod> = Api::namespaced(c.client(), "default");
+        let _ = pods
+            .delete_collection(
+                &Default::default(),
+                &ListParams::default().labels("gpushare-test=gpu-model"),
+            )
+            .await;
+        nodes.delete(c)?;
+        result
+    })
+}
+
+async fn annotated_pods_get_their_models(c: &KitCluster) -> anyhow::Result<()> {
+    let pods: Api<Pod> = Api::namespaced(c.client(), "default");
+    let keys = Keys::default();
+    let annotated = |name: &str, models: &str| -> anyhow::Result<Pod> {
+        let mut pod = fixtures::pod(name)
+            .gpu_mem(4)
+            .annotation(&keys.request_models, models)
+            .build();
+        pod.metadata
+            .labels
+            .get_or_insert_default()
+            .insert("gpushare-test".into(), "gpu-model".into());
+        limited_to(pod, &["models-0", "models-1"], None)
+    };
+    // Three pods each way: more than one GPU of the model a node has, so the measure
+    // chooses among them as the GPUs fill.
+    let cases = [("b", "Fake-B", [1, 3]), ("not-b", "!Fake-B", [0, 2])];
+    for (prefix, models, _) in cases {
+        for i in 0..3 {
+            let pod = annotated(&format!("model-{prefix}-{i}"), models)?;
+            pods.create(&PostParams::default(), &pod).await?;
+        }
+    }
+    for (prefix, models, gpus) in cases {
+        for i in 0..3 {
+            let name = format!("model-{prefix}-{i}");
+            wait_bound(&pods, &name).await?;
+            let gpu = allocation(&pods.get(&name).await?)?.gpu_index;
+            ensure!(
+                gpus.contains(&gpu),
+                "{name} ({models}) got GPU {gpu}, not one of {gpus:?}"
+            );
+        }
+    }
+    pods.create(&PostParams::default(), &annotated("model-c", "Fake-C")?)
+        .await?;
+    let reason = wait_unschedulable(c, "model-c").await?;
+    ensure!(
+        reason.contains("needs a GPU of model fake-c"),
+        "model-c should wait for a Fake-C GPU: {reason}"
     );
     check_no_overcommit(&c.client()).await?;
     Ok(())
