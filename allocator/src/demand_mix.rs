@@ -21,8 +21,8 @@
 //! 350 later pods), so the ranking follows the mix that is arriving now.
 
 /// The share of recent GPU demand in multi-GPU pods from which the ranking leaves
-/// kube-scheduler's CPU and memory scores out. The generator's default and model-pinned mixes bring about 8 % of it
-/// in multi-GPU jobs, the multi-GPU-heavy mix about half.
+/// kube-scheduler's CPU and memory scores out. The generator's default and model-pinned mixes
+/// bring about 8 % of it in multi-GPU jobs, the multi-GPU-heavy mix about half.
 pub const MULTI_GPU_HEAVY: f64 = 0.25;
 
 /// How much an observation's weight decays per later observation (as the workload's).

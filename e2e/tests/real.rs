@@ -1114,7 +1114,8 @@ async fn keep_best_on_fake_nodes(c: &KitCluster) -> anyhow::Result<()> {
 /// the node whose GPU is already in use; kube-scheduler's LeastAllocated prefers the empty
 /// node by more. With the resource scores in the ranking the pod goes on the empty node;
 /// while pending 8-GPU jobs bring most of the recent GPU demand, the ranking is our score
-/// alone and the pod goes on the node it packs. The jobs are what the extender's pod watch
+/// alone and the pod goes on the node it packs (that BalancedAllocation is left out too,
+/// which could not outweigh our score here, the allocator's unit tests check). The jobs are what the extender's pod watch
 /// sees waiting: no node here has 8 GPUs, so they stay pending.
 fn keep_best_follows_the_multi_gpu_demand(c: &KitCluster) -> Outcome<'_> {
     Box::pin(async move {

@@ -822,8 +822,10 @@ async fn keep_best_ranks_as_kube_scheduler_would_and_steps_aside_for_soft_prefer
 /// Where multi-GPU jobs bring much of the GPU demand arriving, the filter that keeps the best
 /// ranks by our score alone, without kube-scheduler's CPU and memory scores (LeastAllocated
 /// would spread small pods' CPU over every node and leave none with the CPU such a job
-/// needs): the node our score prefers wins although its CPU is nearly gone, and the gauge
-/// says why.
+/// needs): the node our score prefers wins although its CPU is nearly gone and LeastAllocated
+/// prefers the other by more than our score does, and the gauge says why. (That
+/// BalancedAllocation is out too shows in the totals: the allocator's
+/// `the_ranking_is_ours_alone_while_the_demand_is_multi_gpu_heavy`.)
 #[tokio::test]
 async fn keep_best_ranks_by_our_score_alone_while_multi_gpu_jobs_dominate_the_demand() {
     let roomy = |name: &str| {

@@ -305,8 +305,9 @@ impl Cluster {
             .map(|name| {
                 let node = self.nodes.get(*name)?;
                 if node.pending.is_empty() {
-                    // No twin can pin the pod: it fits where a healthy GPU has room, which
-                    // is what best_gpu finds, in the same pass over the GPUs.
+                    // No twin can pin the pod: it fits where a healthy GPU of a model it
+                    // allows has room, which is what best_gpu finds, in the same pass over
+                    // the GPUs.
                     node.check_node().ok()?;
                     return node
                         .fragmentation_best_for(&models, &placing)
@@ -331,7 +332,8 @@ impl Cluster {
     /// each node ([`Node::default_scores`]), except that those are left out, and our score
     /// alone ranks, while the recent demand is multi-GPU heavy ([`crate::demand_mix`]). What
     /// the filter that keeps only the best node ranks by (see [`kube_scores`]). A node that
-    /// does not fit totals its default scores alone; the caller passes only nodes that fit.
+    /// does not fit totals its default scores alone (0 while they are left out); the caller
+    /// passes only nodes that fit.
     pub fn scheduler_totals(
         &self,
         nodes: &[&str],
@@ -573,9 +575,10 @@ mod tests {
     }
 
     /// A pod that names GPU models is measured too, on the GPUs of its models: across nodes
-    /// it scores as the same pod naming none would where every GPU is of its model, and on
-    /// a node with GPUs of two models bind takes the GPU of its model the measure prefers
-    /// (binpack would take the snuggest).
+    /// it scores as the same pod naming none would where every GPU is of its model; on a node
+    /// with GPUs of two models bind takes the GPU of its models the measure prefers (binpack
+    /// would take the snuggest), whether the pod names its model or refuses the other; a node
+    /// with none of its models scores 0; a multi-GPU pod's slices go on GPUs of its models.
     #[test]
     fn model_restricted_pods_are_measured_on_their_models_gpus() {
         let mut cluster = tight_and_roomy(Shape {
@@ -600,13 +603,42 @@ mod tests {
         cluster.upsert_pod("a".into(), "mixed", running(0, 7));
         cluster.upsert_pod("b".into(), "mixed", running(1, 4));
         cluster.upsert_pod("c".into(), "mixed", running(2, 12));
+        // Refusing the A10 is the same filter here; an A10-only node takes neither.
+        let not_a10 = Request {
+            models: crate::ModelFilter::parse(["!A10"]),
+            ..request(4, 1)
+        };
+        let mut a10s = gpus(1);
+        a10s[0].model = "A10".into();
+        cluster.set_node("a10s", a10s, true);
+        for pod in [&t4_only(4, 1), &not_a10] {
+            let scores = cluster.scores(&["mixed", "a10s"], pod, Policy::Fragmentation);
+            assert_eq!(scores, vec![10, 0], "{pod:?}");
+            let gpu = cluster.choose_gpu("mixed", pod, Policy::Fragmentation);
+            assert_eq!(
+                gpu,
+                Ok(1),
+                "12 → 8 GiB keeps room for an 8 GiB pod; 9 → 5 would not"
+            );
+        }
+        // Two slices of T4s: the measure scores them on the two T4s, never the A10.
+        let two_t4s = Request {
+            gpus: 2,
+            pod_gib: 4,
+            containers: vec![4],
+            ..t4_only(2, 1)
+        };
+        let scores = cluster.scores(&["mixed", "a10s"], &two_t4s, Policy::Fragmentation);
+        assert_eq!(scores, vec![10, 0]);
+        let mut taken = cluster
+            .choose_gpus("mixed", &two_t4s, Policy::Fragmentation)
+            .unwrap();
+        taken.sort_unstable();
+        assert_eq!(taken, [0, 1]);
         let placed = cluster
             .reserve("p".into(), "mixed", &t4_only(4, 1), Policy::Fragmentation)
             .unwrap();
-        assert_eq!(
-            placed.gpu, 1,
-            "12 → 8 GiB keeps room for an 8 GiB pod; 9 → 5 would not"
-        );
+        assert_eq!(placed.gpu, 1);
     }
 
     /// A 2-GPU pod under the fragmentation policy: binpack would put it on the fuller node,

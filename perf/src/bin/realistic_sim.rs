@@ -84,7 +84,12 @@ struct Args {
     mix: Mix,
     /// What-if: every node's CPU and memory multiplied by this (tasks unchanged), to read how
     /// much of what is not allocated is lost to CPU and memory rather than to GPU geometry.
-    #[arg(long, env = "SIM_HOST_SCALE", default_value_t = 1, value_parser = clap::value_parser!(u64).range(1..=1000))]
+    #[arg(
+        long,
+        env = "SIM_HOST_SCALE",
+        default_value_t = 1,
+        value_parser = clap::value_parser!(u64).range(1..=1000)
+    )]
     host_scale: u64,
 }
 
@@ -253,8 +258,9 @@ fn print_setup(args: &Args, form: RequestForm, to_score: NodesToScore, traces: &
         match form {
             RequestForm::Plain => "`gpus: N`, shared",
             RequestForm::Exclusive => "`gpus: N`, `exclusive`",
-            RequestForm::ModelsInRequest =>
-                "`gpus: N`, shared; pinned tasks name their models in the request",
+            RequestForm::ModelsInRequest => {
+                "`gpus: N`, shared; pinned tasks name their models in the request"
+            }
         }
     );
     if args.host_scale > 1 {

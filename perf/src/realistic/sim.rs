@@ -324,17 +324,19 @@ mod tests {
         }
     }
 
-    /// With [`RequestForm::ModelsInRequest`] a pinned task names its models in the request:
-    /// kube-scheduler's walk passes both nodes, the extender keeps the one of its model.
+    /// With [`RequestForm::ModelsInRequest`] a pinned task names its models in the request,
+    /// which kube-scheduler's walk does not read: on 150 T4 nodes and one A100-80 node last,
+    /// a walk of 100 feasible nodes finds only T4s and the extender keeps none of them, where
+    /// node affinity would have made the walk go on to the A100. On two nodes the extender
+    /// keeps the one of the model.
     #[test]
-    fn a_pin_in_the_request_is_honoured_by_the_extender() {
+    fn a_pin_in_the_request_is_honoured_by_the_extender_not_the_walk() {
         let node = |model: usize| SimNode {
             model,
             gpus: 2,
             gpu_gib: MODELS[model].gib,
             host: Host::new(64_000, 262_144),
         };
-        let nodes = [node(0), node(6)];
         let pinned = Task {
             model: Some(Models::one(6)),
             ..task(TaskKind::Fractional, 1, 8)
@@ -345,13 +347,30 @@ mod tests {
             request(RequestForm::ModelsInRequest).models,
             ModelFilter::parse(["A100-80"])
         );
+        let row_11 = Strategy::Fragmentation {
+            profile: Profile::FilterKeepBest,
+        };
+        let mut many: Vec<SimNode> = vec![node(0); 150];
+        many.push(node(6));
+        let walk = NodesToScore::Percentage(1);
+        let by_affinity = replay(&many, &[pinned], row_11, RequestForm::Plain, walk, 0);
+        assert_eq!(by_affinity.end.failed, [0; 6]);
+        let in_request = replay(
+            &many,
+            &[pinned],
+            row_11,
+            RequestForm::ModelsInRequest,
+            walk,
+            0,
+        );
+        assert_eq!(in_request.end.failed.iter().sum::<usize>(), 1);
+        assert_eq!(in_request.end.failed_outside_walk, 1);
+        let two = [node(0), node(6)];
         for form in [RequestForm::Plain, RequestForm::ModelsInRequest] {
             let (run, state, _) = replay_to_end(
-                &nodes,
+                &two,
                 &[pinned, pinned],
-                Strategy::Fragmentation {
-                    profile: Profile::FilterKeepBest,
-                },
+                row_11,
                 form,
                 NodesToScore::Adaptive,
                 0,
