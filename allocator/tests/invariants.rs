@@ -1,14 +1,17 @@
 //! Property tests: whatever sequence of binds, failed binds, deletions and device
-//! allocations happens, for one-GPU, multi-GPU and whole-GPU pods alike, no GPU is
-//! over-committed, a multi-GPU pod holds N distinct GPUs, a whole GPU holds one pod, the twin
-//! rule holds (pending containers of one size all span the same GPUs), and rebuilding from
-//! the placements (as after a restart) gives the same state as following the events.
+//! allocations happens, for one-GPU, multi-GPU and whole-GPU pods alike, under every policy
+//! and with or without a GPU model filter, no GPU is over-committed, a multi-GPU pod holds N
+//! distinct GPUs, a whole GPU holds one pod, no pod holds a GPU of a model it refuses, a
+//! node scores above 0 exactly when the pod fits it, the twin rule holds (pending containers
+//! of one size all span the same GPUs), and rebuilding from the placements (as after a
+//! restart) gives the same state as following the events.
 
 #![allow(clippy::unwrap_used)]
 
 use std::collections::{BTreeMap, BTreeSet};
 
-use gpushare_allocator::{Cluster, Gpu, PodId, PodPlacement, Policy, Request};
+use gpushare_allocator::fragmentation::Shape;
+use gpushare_allocator::{Cluster, Gpu, ModelFilter, PodId, PodPlacement, Policy, Request};
 use proptest::prelude::*;
 
 #[derive(Debug, Clone)]
@@ -17,9 +20,11 @@ enum Op {
         pod: u8,
         node: u8,
         containers: Vec<u64>,
-        spread: bool,
+        policy: Policy,
         gpus: u32,
         exclusive: bool,
+        /// The pod's `gpu-model` annotation, if any.
+        models: Option<&'static str>,
     },
     Release {
         pod: u8,
@@ -44,15 +49,20 @@ enum Op {
 
 fn op() -> impl Strategy<Value = Op> {
     prop_oneof![
-        4 => (0..16u8, 0..3u8, prop::collection::vec(1..=6u64, 1..3), any::<bool>(), 1..=3u32, prop::bool::weighted(0.15)).prop_map(
-            |(pod, node, containers, spread, gpus, exclusive)| Op::Reserve {
+        4 => (
+            (0..16u8, 0..3u8, prop::collection::vec(1..=6u64, 1..3)),
+            (prop::sample::select(vec![Policy::Binpack, Policy::Spread, Policy::Fragmentation]), 1..=3u32, prop::bool::weighted(0.15)),
+            prop::sample::select(vec![None, Some("A"), Some("!A"), Some("C")]),
+        ).prop_map(
+            |((pod, node, containers), (policy, gpus, exclusive), models)| Op::Reserve {
                 pod,
                 node,
                 // Each container's GiB is a multiple of the GPU count, as the contract demands.
                 containers: containers.iter().map(|gib| gib * u64::from(gpus)).collect(),
-                spread,
+                policy,
                 gpus,
                 exclusive,
+                models,
             }
         ),
         1 => (0..16u8).prop_map(|pod| Op::Release { pod }),
@@ -68,11 +78,12 @@ fn node_name(node: u8) -> String {
 }
 
 /// Three nodes: 2×8, 16+24, 3×12 GiB (the last with GPUs 0 and 1 on NUMA node 0, GPU 2 on 1).
+/// GPUs of model A and B alternate, from A.
 fn initial_nodes() -> BTreeMap<String, Vec<Gpu>> {
     let gpu = |index, total_gib| Gpu {
         index,
         uuid: format!("GPU-{index}"),
-        model: String::new(),
+        model: if index % 2 == 0 { "A" } else { "B" }.to_owned(),
         numa: (total_gib == 12).then_some(i64::from(index == 2)),
         total_gib,
         healthy: true,
@@ -82,6 +93,18 @@ fn initial_nodes() -> BTreeMap<String, Vec<Gpu>> {
         (node_name(1), vec![gpu(0, 16), gpu(1, 24)]),
         (node_name(2), vec![gpu(0, 12), gpu(1, 12), gpu(2, 12)]),
     ])
+}
+
+/// `cluster` having seen pods of 1 to 6 GiB, so the fragmentation policy measures instead of
+/// packing as binpack does before it has seen any.
+fn taught(mut cluster: Cluster) -> Cluster {
+    for gpu_gib in 1..=6 {
+        cluster.observe(Shape {
+            gpu_gib,
+            host: Default::default(),
+        });
+    }
+    cluster
 }
 
 fn check(cluster: &Cluster, nodes: &BTreeMap<String, Vec<Gpu>>) -> Result<(), TestCaseError> {
@@ -132,12 +155,12 @@ fn check(cluster: &Cluster, nodes: &BTreeMap<String, Vec<Gpu>>) -> Result<(), Te
                 .map(move |(uid, placement)| (uid.clone(), name.to_owned(), placement.clone()))
         })
         .collect();
-    let rebuilt = Cluster::rebuild(
+    let rebuilt = taught(Cluster::rebuild(
         nodes
             .iter()
             .map(|(name, gpus)| (name.clone(), gpus.clone(), true)),
         pods.into_iter().rev(),
-    );
+    ));
     prop_assert_eq!(&rebuilt, cluster);
     Ok(())
 }
@@ -148,17 +171,20 @@ proptest! {
     #[test]
     fn never_over_commits_and_keeps_the_twin_rule(ops in prop::collection::vec(op(), 1..80)) {
         let mut nodes = initial_nodes();
-        let mut cluster = Cluster::rebuild(
+        let mut cluster = taught(Cluster::rebuild(
             nodes.iter().map(|(name, gpus)| (name.clone(), gpus.clone(), true)),
             [],
-        );
+        ));
         for op in ops {
             match op {
-                Op::Reserve { pod, node, containers, spread, gpus, exclusive } => {
-                    let request = Request { gpus, exclusive, pod_gib: containers.iter().sum(), containers, host: Default::default(), models: Default::default() };
-                    let policy = if spread { Policy::Spread } else { Policy::Binpack };
+                Op::Reserve { pod, node, containers, policy, gpus, exclusive, models } => {
+                    let models = ModelFilter::parse(models);
+                    let request = Request { gpus, exclusive, pod_gib: containers.iter().sum(), containers, host: Default::default(), models };
                     let name = node_name(node);
                     let fits = cluster.fit(&name, &request);
+                    // A node scores above 0 exactly when the pod fits it.
+                    let scores = cluster.scores(&[&name, "n0"], &request, policy);
+                    prop_assert_eq!(scores[0] > 0, fits.is_ok(), "{:?} vs {:?}", scores, fits);
                     let uid = PodId::from(pod.to_string());
                     let already = cluster.pod(&uid).is_some();
                     let result = cluster.reserve(uid, &name, &request, policy);
@@ -167,6 +193,11 @@ proptest! {
                     if let Ok(placement) = result {
                         prop_assert_eq!(placement.more_gpus.len() + 1, gpus as usize);
                         prop_assert_eq!(placement.pod_gib * u64::from(gpus), request.pod_gib);
+                        let gpus = &nodes[&name];
+                        for index in std::iter::once(placement.gpu).chain(placement.more_gpus.iter().map(|(index, _)| *index)) {
+                            let model = &gpus[index as usize].model;
+                            prop_assert!(request.models.allows(model), "{} got GPU {} of model {}", request.models, index, model);
+                        }
                     }
                 }
                 Op::Release { pod } => {
