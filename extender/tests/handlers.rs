@@ -762,14 +762,6 @@ async fn filter_keeps_only_the_best_nodes_when_asked() {
 /// says why.
 #[tokio::test]
 async fn keep_best_ranks_as_kube_scheduler_would_and_steps_aside_for_soft_preferences() {
-    let roomy = |name: &str| {
-        node(name)
-            .gpushare()
-            .gpus(&[16])
-            .cpu("8")
-            .memory("32Gi")
-            .build()
-    };
     let hog = pod("cpu-hog").cpu("6").on_node("busy").build();
     let gpu_pod = pod("trainer").gpu_mem(4).cpu("1").build();
     let h = harness(
@@ -819,23 +811,36 @@ async fn keep_best_ranks_as_kube_scheduler_would_and_steps_aside_for_soft_prefer
     }
 }
 
+/// A gpushare node with one 16 GiB GPU, 8 CPUs and 32 GiB.
+fn roomy(name: &str) -> k8s_openapi::api::core::v1::Node {
+    node(name)
+        .gpushare()
+        .gpus(&[16])
+        .cpu("8")
+        .memory("32Gi")
+        .build()
+}
+
+/// Four pending jobs of 8 × 8 GiB: multi-GPU pods then bring most of the GPU demand.
+fn eight_gpu_jobs() -> Vec<Pod> {
+    (0..4)
+        .map(|i| {
+            pod(&format!("job-{i}"))
+                .gpu_mem(64)
+                .annotation(&Keys::default().request_gpus, "8")
+                .build()
+        })
+        .collect()
+}
+
 /// Where multi-GPU jobs bring much of the GPU demand arriving, the filter that keeps the best
 /// ranks by our score alone, without kube-scheduler's CPU and memory scores (LeastAllocated
 /// would spread small pods' CPU over every node and leave none with the CPU such a job
 /// needs): the node our score prefers wins although its CPU is nearly gone and LeastAllocated
 /// prefers the other by more than our score does, and the gauge says why. (That
-/// BalancedAllocation is out too shows in the totals: the allocator's
-/// `the_ranking_is_ours_alone_while_the_demand_is_multi_gpu_heavy`.)
+/// BalancedAllocation is out too shows where our score ties, in the next test.)
 #[tokio::test]
 async fn keep_best_ranks_by_our_score_alone_while_multi_gpu_jobs_dominate_the_demand() {
-    let roomy = |name: &str| {
-        node(name)
-            .gpushare()
-            .gpus(&[16])
-            .cpu("8")
-            .memory("32Gi")
-            .build()
-    };
     // busy holds a 4 GiB GPU pod asking 7.8 CPUs and 31 GiB. With the small pod: busy CPU
     // 7.9/8, memory 31.25/32 Gi; idle CPU 0.1/8, memory 0.25/32. LeastAllocated +
     // BalancedAllocation: busy 1 + 99, idle 98 + 99; our score × 10: busy 100 (its GPU is
@@ -847,15 +852,7 @@ async fn keep_best_ranks_by_our_score_alone_while_multi_gpu_jobs_dominate_the_de
     let small = pod("small").gpu_mem(4).cpu("100m").memory("256Mi").build();
     let filter =
         |pod: &Pod| json!({"Pod": pod, "Nodes": null, "NodeNames": ["busy", "idle"]}).to_string();
-    let multi_gpu_jobs: Vec<Pod> = (0..4)
-        .map(|i| {
-            pod(&format!("job-{i}"))
-                .gpu_mem(64)
-                .annotation(&Keys::default().request_gpus, "8")
-                .build()
-        })
-        .collect();
-    for (jobs, kept) in [(vec![], "idle"), (multi_gpu_jobs, "busy")] {
+    for (jobs, kept) in [(vec![], "idle"), (eight_gpu_jobs(), "busy")] {
         let pods = [vec![resident.clone(), small.clone()], jobs].concat();
         let h = harness(vec![roomy("busy"), roomy("idle")], pods);
         h.state.set_filter_keep_best(1);
@@ -868,6 +865,31 @@ async fn keep_best_ranks_by_our_score_alone_while_multi_gpu_jobs_dominate_the_de
             .and_then(|value| value.parse().ok())
             .unwrap_or_else(|| panic!("no demand share in {metrics}"));
         assert_eq!(share >= 0.25, kept == "busy", "{share}");
+    }
+}
+
+/// The same switch where our score ties: two nodes with one empty 16 GiB GPU each, "busy"
+/// holding a CPU-light, memory-heavy pod. With the small pod: busy CPU 5/8, memory 21/32 Gi,
+/// which BalancedAllocation likes; idle CPU 4/8, memory 1/32. While the demand is one-GPU,
+/// LeastAllocated + BalancedAllocation keep idle (73 + 76 against 35 + 98); while multi-GPU
+/// jobs dominate, nothing but our tied score counts and the filter keeps the first
+/// candidate, idle, where BalancedAllocation alone would keep busy.
+#[tokio::test]
+async fn keep_best_counts_no_resource_score_while_multi_gpu_jobs_dominate_the_demand() {
+    let resident = pod("resident")
+        .cpu("1")
+        .memory("20Gi")
+        .on_node("busy")
+        .build();
+    let small = pod("small").gpu_mem(4).cpu("4").memory("1Gi").build();
+    let filter =
+        |pod: &Pod| json!({"Pod": pod, "Nodes": null, "NodeNames": ["idle", "busy"]}).to_string();
+    for jobs in [vec![], eight_gpu_jobs()] {
+        let pods = [vec![resident.clone(), small.clone()], jobs].concat();
+        let h = harness(vec![roomy("busy"), roomy("idle")], pods);
+        h.state.set_filter_keep_best(1);
+        let (_, answer) = post(&h, "filter", &filter(&small)).await;
+        assert_eq!(answer["NodeNames"], json!(["idle"]), "{answer}");
     }
 }
 
