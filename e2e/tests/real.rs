@@ -1115,33 +1115,42 @@ async fn keep_best_on_fake_nodes(c: &KitCluster) -> anyhow::Result<()> {
 /// node by more. With the resource scores in the ranking the pod goes on the empty node;
 /// while pending 8-GPU jobs bring most of the recent GPU demand, the ranking is our score
 /// alone and the pod goes on the node it packs (that BalancedAllocation is left out too,
-/// which could not outweigh our score here, the allocator's unit tests check). The jobs are what the extender's pod watch
-/// sees waiting: no node here has 8 GPUs, so they stay pending.
+/// which could not outweigh our score here, the extender's handlers tests check). The jobs
+/// are what the extender's pod watch sees waiting: no node here has 8 GPUs, so they stay
+/// pending.
 fn keep_best_follows_the_multi_gpu_demand(c: &KitCluster) -> Outcome<'_> {
     Box::pin(async move {
         let nodes = FakeNodes::create(c, "mix")?;
         let result = ranking_follows_the_demand(c).await;
-        let pods: Api<Pod> = Api::namespaced(c.client(), "default");
-        let _ = pods
-            .delete_collection(
-                &Default::default(),
-                &ListParams::default().labels("gpushare-test=demand-mix"),
-            )
-            .await;
+        delete_test_pods(c, "demand-mix").await;
         nodes.delete(c)?;
         result
     })
 }
 
+/// `pod` labelled `gpushare-test=<value>`, so that its scenario can delete it with the others.
+fn test_labelled(mut pod: Pod, value: &str) -> Pod {
+    pod.metadata
+        .labels
+        .get_or_insert_default()
+        .insert("gpushare-test".into(), value.into());
+    pod
+}
+
+/// Deletes the pods labelled `gpushare-test=<value>` ([`test_labelled`]), best effort.
+async fn delete_test_pods(c: &KitCluster, value: &str) {
+    let pods: Api<Pod> = Api::namespaced(c.client(), "default");
+    let _ = pods
+        .delete_collection(
+            &Default::default(),
+            &ListParams::default().labels(&format!("gpushare-test={value}")),
+        )
+        .await;
+}
+
 async fn ranking_follows_the_demand(c: &KitCluster) -> anyhow::Result<()> {
     let pods: Api<Pod> = Api::namespaced(c.client(), "default");
-    let labelled = |mut pod: Pod| {
-        pod.metadata
-            .labels
-            .get_or_insert_default()
-            .insert("gpushare-test".into(), "demand-mix".into());
-        pod
-    };
+    let labelled = |pod: Pod| test_labelled(pod, "demand-mix");
     // With the small pod: the resident's node CPU 62.1/64, memory 500.25/512 GiB; the empty
     // node CPU 0.1/64, memory 0.25/512. LeastAllocated + BalancedAllocation: 2 + 99 against
     // 99 + 99; our score × 10: 100 against 10 (the resident's GPU is the fuller, and any
@@ -1202,13 +1211,7 @@ fn the_gpu_model_annotation_picks_the_gpu(c: &KitCluster) -> Outcome<'_> {
         let nodes =
             FakeNodes::create_with_models(c, "models", ["Fake-A", "Fake-B", "Fake-A", "Fake-B"])?;
         let result = annotated_pods_get_their_models(c).await;
-        let pods: Api<Pod> = Api::namespaced(c.client(), "default");
-        let _ = pods
-            .delete_collection(
-                &Default::default(),
-                &ListParams::default().labels("gpushare-test=gpu-model"),
-            )
-            .await;
+        delete_test_pods(c, "gpu-model").await;
         nodes.delete(c)?;
         result
     })
@@ -1218,15 +1221,15 @@ async fn annotated_pods_get_their_models(c: &KitCluster) -> anyhow::Result<()> {
     let pods: Api<Pod> = Api::namespaced(c.client(), "default");
     let keys = Keys::default();
     let annotated = |name: &str, models: &str| -> anyhow::Result<Pod> {
-        let mut pod = fixtures::pod(name)
+        let pod = fixtures::pod(name)
             .gpu_mem(4)
             .annotation(&keys.request_models, models)
             .build();
-        pod.metadata
-            .labels
-            .get_or_insert_default()
-            .insert("gpushare-test".into(), "gpu-model".into());
-        limited_to(pod, &["models-0", "models-1"], None)
+        limited_to(
+            test_labelled(pod, "gpu-model"),
+            &["models-0", "models-1"],
+            None,
+        )
     };
     // Three pods each way: more than one GPU of the model a node has, so the measure
     // chooses among them as the GPUs fill.

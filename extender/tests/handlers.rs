@@ -833,6 +833,22 @@ fn eight_gpu_jobs() -> Vec<Pod> {
         .collect()
 }
 
+/// The filter's answer, keeping the best node, for `small` on two [`roomy`] nodes "busy" (where
+/// `resident` runs) and "idle", offered in `order`, with `jobs` pending besides.
+async fn kept_of_two(
+    resident: &Pod,
+    small: &Pod,
+    jobs: Vec<Pod>,
+    order: [&str; 2],
+) -> (common::Harness, Value) {
+    let pods = [vec![resident.clone(), small.clone()], jobs].concat();
+    let h = harness(vec![roomy("busy"), roomy("idle")], pods);
+    h.state.set_filter_keep_best(1);
+    let body = json!({"Pod": small, "Nodes": null, "NodeNames": order}).to_string();
+    let (_, answer) = post(&h, "filter", &body).await;
+    (h, answer)
+}
+
 /// Where multi-GPU jobs bring much of the GPU demand arriving, the filter that keeps the best
 /// ranks by our score alone, without kube-scheduler's CPU and memory scores (LeastAllocated
 /// would spread small pods' CPU over every node and leave none with the CPU such a job
@@ -850,13 +866,8 @@ async fn keep_best_ranks_by_our_score_alone_while_multi_gpu_jobs_dominate_the_de
         .memory("31Gi")
         .build();
     let small = pod("small").gpu_mem(4).cpu("100m").memory("256Mi").build();
-    let filter =
-        |pod: &Pod| json!({"Pod": pod, "Nodes": null, "NodeNames": ["busy", "idle"]}).to_string();
     for (jobs, kept) in [(vec![], "idle"), (eight_gpu_jobs(), "busy")] {
-        let pods = [vec![resident.clone(), small.clone()], jobs].concat();
-        let h = harness(vec![roomy("busy"), roomy("idle")], pods);
-        h.state.set_filter_keep_best(1);
-        let (_, answer) = post(&h, "filter", &filter(&small)).await;
+        let (h, answer) = kept_of_two(&resident, &small, jobs, ["busy", "idle"]).await;
         assert_eq!(answer["NodeNames"], json!([kept]), "{answer}");
         let (_, _, metrics) = call_raw(&h.app, "GET", "/metrics", "").await;
         let share: f64 = metrics
@@ -882,13 +893,8 @@ async fn keep_best_counts_no_resource_score_while_multi_gpu_jobs_dominate_the_de
         .on_node("busy")
         .build();
     let small = pod("small").gpu_mem(4).cpu("4").memory("1Gi").build();
-    let filter =
-        |pod: &Pod| json!({"Pod": pod, "Nodes": null, "NodeNames": ["idle", "busy"]}).to_string();
     for jobs in [vec![], eight_gpu_jobs()] {
-        let pods = [vec![resident.clone(), small.clone()], jobs].concat();
-        let h = harness(vec![roomy("busy"), roomy("idle")], pods);
-        h.state.set_filter_keep_best(1);
-        let (_, answer) = post(&h, "filter", &filter(&small)).await;
+        let (_, answer) = kept_of_two(&resident, &small, jobs, ["idle", "busy"]).await;
         assert_eq!(answer["NodeNames"], json!(["idle"]), "{answer}");
     }
 }
