@@ -49,6 +49,9 @@ pub struct Keys {
     pub node_gpu_model_prefix: String,
     /// Node labels `<prefix><GiB>: "true"`, one per GPU memory size on the node.
     pub node_gpu_mem_prefix: String,
+    /// Node taint (`PreferNoSchedule`, no value) the extender keeps on nodes with an idle
+    /// GPU, so that pods asking for no GPU prefer the other nodes.
+    pub node_idle_gpu_taint: String,
 }
 
 impl Keys {
@@ -73,6 +76,7 @@ impl Keys {
             node_gpu_count: format!("{domain}/gpu-count"),
             node_gpu_model_prefix: format!("{domain}/gpu-model."),
             node_gpu_mem_prefix: format!("{domain}/gpu-mem-gib."),
+            node_idle_gpu_taint: format!("{domain}/idle-gpu"),
         }
     }
 

@@ -473,6 +473,8 @@ async fn record_calls(
 ) -> anyhow::Result<BTreeMap<String, BTreeMap<Call, u64>>> {
     // As the chart runs it: electing a leader over its Lease (get, create, then update).
     spec.extender_args.push("--leader-elect=true".to_owned());
+    // As the chart's default values run it: keeping the idle-GPU taint (get, then patch).
+    spec.extender_args.push("--idle-gpu-taint=true".to_owned());
     let cluster = TestCluster::start(spec).await?;
     let result = exercise(&cluster).await;
     if result.is_err() {
@@ -507,12 +509,38 @@ async fn exercise(cluster: &TestCluster) -> anyhow::Result<()> {
         }
     };
 
+    // The node's one GPU is idle: the extender taints it, and takes the taint off once pods
+    // hold memory there.
+    let idle_gpu_taint = |wanted: bool| async move {
+        let node: k8s_openapi::api::core::v1::Node = kube::Api::all(cluster.client.clone())
+            .get("gpu-node-1")
+            .await
+            .ok()?;
+        let taints = node.spec?.taints.unwrap_or_default();
+        let carries = taints
+            .iter()
+            .any(|t| t.key == "gpushare.example.com/idle-gpu" && t.effect == "PreferNoSchedule");
+        (carries == wanted).then_some(())
+    };
+    wait_for(
+        "the extender to taint the node with an idle GPU",
+        Duration::from_secs(30),
+        || idle_gpu_taint(true),
+    )
+    .await?;
+
     // Scheduled, bound, allocated and run: watches, Bindings, Events, the plugin's patches.
     for name in ["a", "b"] {
         create_gpu_pod(cluster, name, 4).await?;
     }
     let a = wait_running(cluster, "a").await?;
     wait_running(cluster, "b").await?;
+    wait_for(
+        "the extender to take the idle-GPU taint off the node",
+        Duration::from_secs(30),
+        || idle_gpu_taint(false),
+    )
+    .await?;
 
     // A Binding answered 500: the extender cannot tell whether it landed and reads the pod.
     // The pod is for a scheduler nobody runs, so only this test's bind call places it.

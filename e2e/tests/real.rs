@@ -66,6 +66,10 @@ const GROUPS: &[Group] = &[
                 keep_best_packs_and_steps_aside_for_soft_preferences,
             ),
             (
+                "cpu_only_pods_prefer_nodes_whose_gpus_are_in_use",
+                cpu_only_pods_prefer_nodes_whose_gpus_are_in_use,
+            ),
+            (
                 "keep_best_follows_the_multi_gpu_demand",
                 keep_best_follows_the_multi_gpu_demand,
             ),
@@ -1199,6 +1203,77 @@ async fn ranking_follows_the_demand(c: &KitCluster) -> anyhow::Result<()> {
     );
     check_no_overcommit(&c.client()).await?;
     Ok(())
+}
+
+/// The idle-GPU taint (`extender.idleGpuTaint`, on by default) on the real cluster: the
+/// extender taints the fake nodes, whose GPUs are all idle; once GPU pods fill one node's
+/// GPUs it takes the taint off there. A CPU-only pod (the cluster's default scheduler places
+/// it) allowed on that node and on an idle one goes on the busy node, where LeastAllocated
+/// and BalancedAllocation prefer the idle one (about 147 against 199): kube-scheduler's
+/// TaintToleration (weight 3) decides. Allowed on the idle node alone, it still goes there.
+/// Once the GPU pods are gone the busy node is tainted again.
+fn cpu_only_pods_prefer_nodes_whose_gpus_are_in_use(c: &KitCluster) -> Outcome<'_> {
+    Box::pin(async move {
+        let nodes = FakeNodes::create(c, "idle")?;
+        let result = cpu_only_pods_on_fake_nodes(c).await;
+        delete_test_pods(c, "idle-gpu").await;
+        nodes.delete(c)?;
+        result
+    })
+}
+
+/// Waits up to 30 s for `node` to carry the idle-GPU taint (`wanted`) or not.
+async fn wait_idle_gpu_taint(c: &KitCluster, node: &str, wanted: bool) -> anyhow::Result<()> {
+    let nodes: Api<k8s_openapi::api::core::v1::Node> = Api::all(c.client());
+    let what = format!(
+        "{node} to {} the idle-GPU taint",
+        if wanted { "carry" } else { "lose" }
+    );
+    wait_for(&what, Duration::from_secs(30), || async {
+        let node = nodes.get(node).await.ok()?;
+        let carries = (node.spec?.taints.into_iter().flatten())
+            .any(|t| t.key == "gpushare.example.com/idle-gpu" && t.effect == "PreferNoSchedule");
+        (carries == wanted).then_some(())
+    })
+    .await
+}
+
+async fn cpu_only_pods_on_fake_nodes(c: &KitCluster) -> anyhow::Result<()> {
+    let pods: Api<Pod> = Api::namespaced(c.client(), "default");
+    let labelled = |pod: Pod| test_labelled(pod, "idle-gpu");
+    for node in ["idle-0", "idle-1"] {
+        wait_idle_gpu_taint(c, node, true).await?;
+    }
+    // idle-0's four GPUs taken whole, with 8 cores and 16 GiB each.
+    for gpu in 0..4 {
+        let pod = fixtures::pod(&format!("idle-gpu-{gpu}"))
+            .gpu_mem(16)
+            .cpu("8")
+            .memory("16Gi")
+            .build();
+        let bound = create_and_wait_bound(&pods, labelled(limited_to(pod, &["idle-0"], None)?));
+        ensure!(bound.await? == "idle-0");
+    }
+    wait_idle_gpu_taint(c, "idle-0", false).await?;
+    let cpu_only = |name: &str, nodes: &[&str]| -> anyhow::Result<Pod> {
+        let pod = fixtures::pod(name).cpu("1").memory("1Gi").build();
+        Ok(labelled(limited_to(pod, nodes, None)?))
+    };
+    let busy = create_and_wait_bound(&pods, cpu_only("idle-cpu", &["idle-0", "idle-1"])?).await?;
+    ensure!(
+        busy == "idle-0",
+        "the CPU-only pod should prefer idle-0, whose GPUs are in use, to idle-1 with its \
+         idle GPUs (and idle-GPU taint), not go on {busy}"
+    );
+    let only = create_and_wait_bound(&pods, cpu_only("idle-cpu-only", &["idle-1"])?).await?;
+    ensure!(only == "idle-1", "the taint is a preference: {only}");
+    check_no_overcommit(&c.client()).await?;
+    // At once: no kubelet behind a fake node confirms a graceful deletion.
+    let now = kube::api::DeleteParams::default().grace_period(0);
+    for gpu in 0..4 {
+        pods.delete(&format!("idle-gpu-{gpu}"), &now).await?;
+    }
+    wait_idle_gpu_taint(c, "idle-0", true).await
 }
 
 /// The `gpushare.example.com/gpu-model` annotation on the real cluster (docs/contract.md,

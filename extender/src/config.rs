@@ -46,6 +46,13 @@ pub struct Config {
     #[arg(long, env = "GPUSHARE_PRIORITIZE_WEIGHT", default_value_t = 1,
           value_parser = clap::value_parser!(i64).range(0..=1_000_000))]
     pub prioritize_weight: i64,
+    /// Keep the `PreferNoSchedule` taint `<domain>/idle-gpu` on every node taking part that
+    /// has a GPU nothing is booked on (and off the others), so that pods asking for no GPU
+    /// prefer nodes whose GPUs are in use. Only the replica that binds writes it; with false,
+    /// the taint is taken off the nodes that still carry it. Needs `get` and `patch` on
+    /// nodes.
+    #[arg(long, env = "GPUSHARE_IDLE_GPU_TAINT", default_value_t = false, action = clap::ArgAction::Set)]
+    pub idle_gpu_taint: bool,
     /// Runtime worker threads (0: one per CPU the process may use, which honours the
     /// container's CPU limit: the chart's limit of 1 CPU gives one). Each call from
     /// kube-scheduler arrives alone in its serial scheduling cycle; with fewer threads it is
@@ -204,6 +211,7 @@ impl Default for Config {
             policy: Policy::Fragmentation,
             filter_keep_best: 0,
             prioritize_weight: 1,
+            idle_gpu_taint: false,
             worker_threads: 0,
             monitor_listen: None,
             tls_cert: None,

@@ -40,6 +40,7 @@ pub mod api;
 pub mod bind;
 pub mod config;
 pub mod forward;
+pub mod idle_gpu_taint;
 pub mod keep_best;
 pub mod kube_io;
 pub mod leader;
@@ -178,6 +179,10 @@ pub async fn serve(
     tasks.spawn(
         "pod watch",
         watch::watch_pods(client.clone(), state.clone()),
+    );
+    tasks.spawn(
+        "idle-GPU taint",
+        idle_gpu_taint::keep_idle_gpu_taints(client.clone(), state.clone(), config.idle_gpu_taint),
     );
     tasks.spawn(
         "event recorder",

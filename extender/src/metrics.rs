@@ -55,6 +55,16 @@ pub struct Metrics {
     /// The share of recent GPU demand in multi-GPU pods, as the filter that keeps the best
     /// last read it (`gpushare_allocator::demand_mix`).
     pub multi_gpu_demand_share: Gauge<f64, std::sync::atomic::AtomicU64>,
+    /// Idle-GPU taint writes by outcome ([`crate::idle_gpu_taint`]).
+    pub idle_gpu_taint_writes: Family<TaintWriteLabels, Counter>,
+}
+
+/// Labels of an idle-GPU taint write.
+#[derive(Debug, Clone, PartialEq, Eq, Hash, EncodeLabelSet)]
+pub struct TaintWriteLabels {
+    /// added, removed, unchanged (the node already was as wanted), retry (it changed
+    /// between read and write, is gone, or the API server failed).
+    pub outcome: &'static str,
 }
 
 /// Labels of a filter that did not narrow to the best node.
@@ -91,6 +101,7 @@ impl Metrics {
             paced_seconds: Counter::default(),
             keep_best_stepped_aside: Family::default(),
             multi_gpu_demand_share: Gauge::default(),
+            idle_gpu_taint_writes: Family::default(),
         };
         let sub = registry.sub_registry_with_prefix("gpushare_extender");
         sub.register(
@@ -154,6 +165,11 @@ impl Metrics {
             format!("Share of the recent GPU demand in multi-GPU pods; from {} the filter that keeps the best ranks by our score alone, without kube-scheduler's CPU and memory scores", gpushare_allocator::demand_mix::MULTI_GPU_HEAVY),
             metrics.multi_gpu_demand_share.clone(),
         );
+        sub.register(
+            "idle_gpu_taint_writes",
+            "Writes of the idle-GPU taint (PreferNoSchedule on nodes with a GPU nothing is booked on), by outcome",
+            metrics.idle_gpu_taint_writes.clone(),
+        );
         metrics
     }
 
@@ -162,6 +178,15 @@ impl Metrics {
         self.keep_best_stepped_aside
             .get_or_create(&StepAsideLabels {
                 reason: why.label(),
+            })
+            .inc();
+    }
+
+    /// Counts an idle-GPU taint write.
+    pub fn record_idle_gpu_taint(&self, outcome: crate::idle_gpu_taint::Outcome) {
+        self.idle_gpu_taint_writes
+            .get_or_create(&TaintWriteLabels {
+                outcome: outcome.label(),
             })
             .inc();
     }

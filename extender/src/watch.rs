@@ -3,7 +3,7 @@
 //! `InitDone`, so the allocator is rebuilt from one consistent list, never from half of one.
 
 use futures::{Stream, StreamExt};
-use k8s_openapi::api::core::v1::{Node, NodeStatus};
+use k8s_openapi::api::core::v1::{Node, NodeSpec, NodeStatus, Taint};
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::ObjectMeta;
 use kube::Api;
 use kube::runtime::WatchStreamExt;
@@ -122,15 +122,25 @@ fn keep_domain_annotations(metadata: &mut ObjectMeta, domain: &str) {
     }
 }
 
-/// Keeps only what the view reads of a Node: name, labels, gpushare's annotations, the
-/// capacity of the resource (the fallback when no inventory is published) and the
-/// allocatable CPU and memory (the fragmentation policy weighs them).
+/// Keeps only what the view reads of a Node: name, labels, gpushare's annotations, its
+/// `PreferNoSchedule` taints (the filter that keeps the best steps aside for them, and the
+/// idle-GPU taint is among them), the capacity of the resource (the fallback when no
+/// inventory is published) and the allocatable CPU and memory (the fragmentation policy
+/// weighs them).
 fn trim_node(node: &mut Node, resource: &str, domain: &str) {
     node.metadata.managed_fields = None;
     if let Some(annotations) = node.metadata.annotations.as_mut() {
         annotations.retain(|key, _| key.starts_with(domain));
     }
-    node.spec = None;
+    node.spec = node.spec.take().and_then(|spec| {
+        let soft: Vec<Taint> = (spec.taints.into_iter().flatten())
+            .filter(|taint| taint.effect == "PreferNoSchedule")
+            .collect();
+        (!soft.is_empty()).then(|| NodeSpec {
+            taints: Some(soft),
+            ..NodeSpec::default()
+        })
+    });
     if let Some(status) = node.status.as_mut() {
         let capacity = status.capacity.take().map(|mut capacity| {
             capacity.retain(|key, _| key == resource);
@@ -220,5 +230,34 @@ mod tests {
                 .pod_gib,
             4
         );
+    }
+
+    #[test]
+    fn the_node_watch_keeps_the_soft_taints_and_nothing_else_of_the_spec() {
+        let node = |taints: serde_json::Value| -> Node {
+            serde_json::from_value(serde_json::json!({
+                "metadata": {"name": "n1"},
+                "spec": {"podCIDR": "10.0.0.0/24", "providerID": "x://n1", "taints": taints}
+            }))
+            .unwrap()
+        };
+        let mut tainted = node(serde_json::json!([
+            {"key": "node.kubernetes.io/not-ready", "effect": "NoSchedule"},
+            {"key": "gpushare.example.com/idle-gpu", "effect": "PreferNoSchedule"}
+        ]));
+        trim_node(&mut tainted, "example.com/gpu-mem", "gpushare.example.com/");
+        let spec = tainted.spec.unwrap();
+        assert_eq!(spec.pod_cidr, None);
+        assert_eq!(spec.provider_id, None);
+        let kept: Vec<&str> = spec
+            .taints
+            .iter()
+            .flatten()
+            .map(|t| t.key.as_str())
+            .collect();
+        assert_eq!(kept, ["gpushare.example.com/idle-gpu"]);
+        let mut hard = node(serde_json::json!([{"key": "k", "effect": "NoExecute"}]));
+        trim_node(&mut hard, "example.com/gpu-mem", "gpushare.example.com/");
+        assert_eq!(hard.spec, None);
     }
 }

@@ -33,7 +33,7 @@
 //! - `nodes.rs`: applying nodes: GPUs, eligibility, allocatable CPU and memory, soft taints;
 //! - `reservations.rs`: the view's side of bind's reservations and filter's holds ([`Hold`]).
 
-use std::collections::HashMap;
+use std::collections::{HashMap, HashSet};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
@@ -120,6 +120,9 @@ pub struct View {
     /// TaintToleration score reads them, so the filter that keeps the best node steps aside
     /// where one could move the choice ([`crate::keep_best`]).
     prefer_no_schedule: HashMap<Arc<str>, Vec<Taint>>,
+    /// The nodes that carry the idle-GPU taint ([`crate::idle_gpu_taint`]), which is kept
+    /// out of `prefer_no_schedule`: it is aimed at pods that ask for no GPU memory.
+    idle_gpu_tainted: HashSet<Arc<str>>,
 }
 
 impl View {
@@ -136,6 +139,7 @@ impl View {
             synced_at: None,
             bind_grace: Duration::ZERO,
             prefer_no_schedule: HashMap::new(),
+            idle_gpu_tainted: HashSet::new(),
         }
     }
 
@@ -144,6 +148,29 @@ impl View {
         self.prefer_no_schedule
             .get(node)
             .map_or(&[], |taints| taints.as_slice())
+    }
+
+    /// The nodes whose idle-GPU taint is not what it should be, each with whether it should
+    /// carry it: a present node taking part, with a healthy GPU nothing is booked on
+    /// (reservations count), should while `enabled`; no other node should. Nodes not present
+    /// are left alone. In name order, so that a capped pass reaches every node in turn.
+    pub fn idle_gpu_taint_drift(&self, enabled: bool) -> Vec<(Arc<str>, bool)> {
+        let mut drift: Vec<(Arc<str>, bool)> = self
+            .cluster
+            .nodes()
+            .filter(|(_, node)| node.is_present())
+            .filter_map(|(name, node)| {
+                let idle = node
+                    .gpus()
+                    .iter()
+                    .any(|usage| usage.gpu.healthy && usage.used_gib == 0);
+                let wanted = enabled && node.is_eligible() && idle;
+                (wanted != self.idle_gpu_tainted.contains(name))
+                    .then(|| (self.cluster.node_name(name), wanted))
+            })
+            .collect();
+        drift.sort_unstable();
+        drift
     }
 
     /// The settings the view reads objects with.

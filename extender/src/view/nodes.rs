@@ -1,6 +1,6 @@
 //! Applying what the node watch delivers: each node's GPUs (its inventory annotation, or else
 //! its capacity split over its GPU count), whether it takes part, its allocatable CPU and
-//! memory, and its `PreferNoSchedule` taints.
+//! memory, its `PreferNoSchedule` taints, and whether it carries the idle-GPU taint.
 //!
 //! Why a node that leaves the list may stay: its pods' memory is booked on it until those
 //! pods go, so the allocator keeps it, not present, and drops it with its last pod (see
@@ -16,16 +16,16 @@ use k8s_openapi::api::core::v1::{Node, Taint};
 use super::View;
 use super::facts::node_host;
 
-/// The node's `PreferNoSchedule` taints (kube-scheduler's TaintToleration score reads them).
-fn soft_taints(node: &Node) -> Vec<Taint> {
-    node.spec
-        .as_ref()
-        .and_then(|spec| spec.taints.as_ref())
+/// The node's `PreferNoSchedule` taints (kube-scheduler's TaintToleration score reads them)
+/// but the idle-GPU taint `ours`, and whether it carries that one.
+fn soft_taints(node: &Node, ours: &str) -> (Vec<Taint>, bool) {
+    let taints = node.spec.as_ref().and_then(|spec| spec.taints.as_ref());
+    let soft = taints
         .into_iter()
         .flatten()
-        .filter(|taint| taint.effect == "PreferNoSchedule")
-        .cloned()
-        .collect()
+        .filter(|t| t.effect == "PreferNoSchedule");
+    let (idle_gpu, others): (Vec<&Taint>, Vec<&Taint>) = soft.partition(|t| t.key == ours);
+    (others.into_iter().cloned().collect(), !idle_gpu.is_empty())
 }
 
 impl View {
@@ -37,12 +37,18 @@ impl View {
         let (gpus, eligible) = self.read_node(node);
         self.cluster.set_node(name, gpus, eligible);
         self.cluster.set_node_host(name, node_host(node));
-        let soft_taints = soft_taints(node);
+        let (soft_taints, idle_gpu_tainted) =
+            soft_taints(node, &self.settings.keys.node_idle_gpu_taint);
         if soft_taints.is_empty() {
             self.prefer_no_schedule.remove(name);
         } else {
             self.prefer_no_schedule
                 .insert(self.cluster.node_name(name), soft_taints);
+        }
+        if idle_gpu_tainted {
+            self.idle_gpu_tainted.insert(self.cluster.node_name(name));
+        } else {
+            self.idle_gpu_tainted.remove(name);
         }
     }
 
@@ -51,6 +57,7 @@ impl View {
         if let Some(name) = node.metadata.name.as_deref() {
             self.cluster.remove_node(name);
             self.prefer_no_schedule.remove(name);
+            self.idle_gpu_tainted.remove(name);
         }
     }
 
@@ -69,6 +76,7 @@ impl View {
         for name in gone {
             self.cluster.remove_node(&name);
             self.prefer_no_schedule.remove(&name);
+            self.idle_gpu_tainted.remove(&name);
         }
         for node in nodes {
             self.apply_node(node);
@@ -109,8 +117,63 @@ impl View {
 #[cfg(test)]
 mod tests {
     use gpushare_testkit::fixtures::node;
+    use k8s_openapi::api::core::v1::{Node, Taint};
 
     use super::super::testing::{allocated, view};
+
+    /// `node` with `PreferNoSchedule` taints `keys`.
+    fn tainted(mut node: Node, keys: &[&str]) -> Node {
+        let taints = keys.iter().map(|key| Taint {
+            key: (*key).to_owned(),
+            effect: "PreferNoSchedule".to_owned(),
+            ..Taint::default()
+        });
+        node.spec.get_or_insert_with(Default::default).taints = Some(taints.collect());
+        node
+    }
+
+    #[test]
+    fn the_idle_gpu_taint_should_be_on_the_nodes_with_a_gpu_nothing_is_booked_on() {
+        let ours = "gpushare.example.com/idle-gpu";
+        let mut view = view();
+        // n1: two GPUs, one busy then both; n2: idle; n3: idle but not taking part, and
+        // carrying the taint from before; n4: its one GPU unhealthy.
+        view.apply_node(&node("n1").gpushare().gpus(&[16, 16]).build());
+        view.apply_node(&tainted(node("n2").gpushare().gpus(&[16]).build(), &[ours]));
+        view.apply_node(&tainted(
+            node("n3").gpus(&[16]).build(),
+            &[ours, "dedicated"],
+        ));
+        view.apply_node(&node("n4").gpushare().gpus(&[16]).unhealthy(0).build());
+        view.replace_pods(&[allocated("a", "u1", 0, 4)]);
+        let drift = |view: &super::View, enabled| {
+            view.idle_gpu_taint_drift(enabled)
+                .into_iter()
+                .map(|(name, wanted)| (name.to_string(), wanted))
+                .collect::<Vec<_>>()
+        };
+        // n1 still has an idle GPU and lacks the taint; n3 carries it and takes no part.
+        assert_eq!(
+            drift(&view, true),
+            [("n1".to_owned(), true), ("n3".to_owned(), false)]
+        );
+        // With both GPUs booked, n1 should not carry it.
+        view.replace_pods(&[allocated("a", "u1", 0, 4), allocated("b", "u2", 1, 4)]);
+        assert_eq!(drift(&view, true), [("n3".to_owned(), false)]);
+        // Off: every node that carries it should lose it.
+        assert_eq!(
+            drift(&view, false),
+            [("n2".to_owned(), false), ("n3".to_owned(), false)]
+        );
+        // The taint is not one the filter that keeps the best steps aside for; the node's
+        // other soft taints are.
+        assert!(view.prefer_no_schedule_taints("n2").is_empty());
+        assert_eq!(view.prefer_no_schedule_taints("n3").len(), 1);
+        // Once the watch shows it gone, and the node deleted, nothing is left to do.
+        view.apply_node(&node("n3").gpus(&[16]).build());
+        view.delete_node(&node("n2").build());
+        assert!(drift(&view, false).is_empty());
+    }
 
     #[test]
     fn capacity_fallback_splits_over_the_gpu_count() {

@@ -2,9 +2,10 @@
 //! where the previous pod's stopped, until `numFeasibleNodesToFind` pass), its `selectHost`
 //! tie-break, and the default profile that places CPU-only pods.
 //!
-//! Kept apart because every strategy that goes through kube-scheduler (gpushare's, DRA mode,
-//! CPU-only pods in a gpushare cluster) shares one of these per replay, and the walk decides
-//! which nodes the extender ever sees.
+//! Kept apart because every strategy that goes through kube-scheduler (gpushare's, DRA mode)
+//! keeps one of these per replay, and the walk decides which nodes the extender ever sees;
+//! CPU-only pods go through the cluster's default scheduler, another process with a walk of
+//! its own.
 
 use gpushare_e2e::scheduler::framework::{
     num_feasible_nodes_to_find, num_feasible_nodes_to_find_at,
@@ -14,7 +15,7 @@ use rand::{Rng, SeedableRng};
 
 use super::generator::Task;
 use super::nodes::Nodes;
-use super::scores::default_score;
+use super::scores::{default_score, taint_toleration};
 use super::strategy::NodesToScore;
 
 /// kube-scheduler as the replay keeps it from pod to pod: where its next walk over the nodes
@@ -129,19 +130,25 @@ pub(super) fn select_host(
     best.map(|(n, _)| n)
 }
 
-/// A CPU-only pod in a gpushare cluster: the default scheduler's profile places it among the
-/// nodes its walk finds with room for the pod's CPU and memory.
+/// A CPU-only pod in a gpushare cluster: the cluster's default scheduler (its own walk, see
+/// `Placer`) places it among the nodes its walk finds with room for the pod's CPU and
+/// memory, by its CPU and memory scores and, where gpushare's extender taints the nodes
+/// with an idle GPU (`idle_gpu_taint`), its `TaintToleration` score.
 pub(super) fn default_scheduler(
     state: &Nodes<'_>,
     task: &Task,
     kube: &mut KubeScheduler,
+    idle_gpu_taint: bool,
 ) -> Option<usize> {
     let walk = kube.walk(state.specs.len(), |n| state.host_free(n).fits(task.host));
+    let tainted = |n: usize| idle_gpu_taint && state.has_idle_gpu(n);
+    let any_tainted = walk.feasible.iter().any(|&n| tainted(n));
     select_host(
         walk.feasible.iter().map(|&n| {
             (
                 n,
-                default_score(state.specs[n].host, state.used[n], task.host),
+                default_score(state.specs[n].host, state.used[n], task.host)
+                    + taint_toleration(tainted(n), any_tainted),
             )
         }),
         &mut kube.rng,

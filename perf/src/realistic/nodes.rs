@@ -41,6 +41,13 @@ impl<'a> Nodes<'a> {
         self.specs[n].host.saturating_sub(self.used[n])
     }
 
+    /// Whether node `n` has a GPU nothing is booked on: the extender's idle-GPU taint
+    /// (`extender.idleGpuTaint`) is on the node while it does.
+    pub(super) fn has_idle_gpu(&self, n: usize) -> bool {
+        let size = self.specs[n].gpu_gib;
+        self.free[n].contains(&size)
+    }
+
     pub(super) fn model_ok(&self, n: usize, task: &Task) -> bool {
         task.model.is_none_or(|m| m.contains(self.specs[n].model))
     }

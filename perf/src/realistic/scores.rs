@@ -20,6 +20,19 @@ pub fn default_score(allocatable: Host, used: Host, pod: Host) -> i64 {
         + kube_scores::balanced_allocation(allocatable, requested)
 }
 
+/// kube-scheduler's `TaintToleration` score for a pod that does not tolerate gpushare's
+/// idle-GPU taint (`PreferNoSchedule`), weight 3 as in its default profile: a node's raw
+/// score counts such taints, reverse-normalized over the nodes scored, so while any of them
+/// carries the taint, the ones without it score 100 × 3 more; while none does, all tie.
+pub fn taint_toleration(tainted: bool, any_tainted: bool) -> i64 {
+    const WEIGHT: i64 = 3;
+    if any_tainted && !tainted {
+        100 * WEIGHT
+    } else {
+        0
+    }
+}
+
 /// `NodeResourcesBalancedAllocation` on CPU and memory.
 pub(super) fn balanced_allocation(allocatable: Host, used: Host, pod: Host) -> i64 {
     kube_scores::balanced_allocation(allocatable, used.saturating_add(pod))

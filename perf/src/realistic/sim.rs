@@ -11,6 +11,11 @@
 //! `numFeasibleNodesToFind` feasible nodes; the extender filters and scores only those. A pod
 //! none of them takes fails, even when a node the walk did not reach would have taken it.
 //! BestFit and FGD are idealized baselines: they always look at every node.
+//!
+//! CPU-only pods in a gpushare cluster go through the cluster's default scheduler: a process
+//! of its own beside the chart's dedicated one, so with a walk of its own, at kube-scheduler's
+//! adaptive percentage whatever the dedicated profile's is. With gpushare's extender it
+//! prefers nodes without an idle GPU (`extender.idleGpuTaint`, `Strategy::taints_idle_gpus`).
 
 use gpushare_allocator::fragmentation::Host;
 use gpushare_allocator::{Cluster, PodId, Policy};
@@ -128,13 +133,21 @@ fn replay_to_end<'a>(
     (run, state, placer.cluster)
 }
 
+/// Mixed into the seed of the default scheduler's tie-breaks.
+const DEFAULT_SCHEDULER: u64 = 0x0064_6566_6175_6c74;
+
 /// What places the tasks of one replay: the strategy, and what it keeps from task to task.
 struct Placer {
     strategy: Strategy,
     form: RequestForm,
     /// One kube-scheduler for the whole replay: its walk resumes where the previous pod's
-    /// stopped, GPU and CPU-only pods alike.
+    /// stopped.
     kube: KubeScheduler,
+    /// The cluster's default scheduler, which places CPU-only pods: its own walk, adaptive.
+    /// (The classic extender and DRA mode run in it, GPU pods too; they are given `kube`,
+    /// which differs from this only in where the walk starts, and in the percentage when
+    /// one is given.)
+    default_kube: KubeScheduler,
     /// The allocator's cluster, as the extender keeps it (gpushare's strategies).
     cluster: Option<Cluster>,
     /// The task population FGD weighs (FGD only).
@@ -158,6 +171,7 @@ impl Placer {
             strategy,
             form,
             kube: KubeScheduler::new(to_score, seed),
+            default_kube: KubeScheduler::new(NodesToScore::Adaptive, seed ^ DEFAULT_SCHEDULER),
             cluster: strategy.is_gpushare().then(|| gpushare_cluster(nodes)),
             fgd_shapes: matches!(strategy, Strategy::Fgd { .. }).then(|| fgd::shapes(tasks)),
         }
@@ -173,7 +187,8 @@ impl Placer {
         task: &Task,
     ) -> Result<(usize, Vec<usize>), Missed> {
         if task.gpus == 0 && self.strategy.cpu_pods_by_default_scheduler() {
-            return default_scheduler(state, task, &mut self.kube)
+            let taint = self.strategy.taints_idle_gpus();
+            return default_scheduler(state, task, &mut self.default_kube, taint)
                 .map(|n| (n, Vec::new()))
                 .ok_or(Missed::Everywhere);
         }
@@ -321,6 +336,50 @@ mod tests {
             gpu_gib,
             host: Host::new(1_000, 1_024),
             model: None,
+        }
+    }
+
+    /// gpushare's extender taints the nodes with an idle GPU, so the default scheduler sends a
+    /// CPU-only pod to the node whose GPU is in use, although LeastAllocated prefers the empty
+    /// one (which it does with the classic extender, which taints nothing).
+    #[test]
+    fn cpu_only_pods_go_where_the_gpus_are_in_use_when_the_extender_taints_idle_ones() {
+        let node = SimNode {
+            model: 1,
+            gpus: 1,
+            gpu_gib: 16,
+            host: Host::new(64_000, 262_144),
+        };
+        let (nodes, tasks) = (
+            [node, node],
+            [task(TaskKind::Whole, 1, 16), task(TaskKind::CpuOnly, 0, 0)],
+        );
+        let tainting = Strategy::Fragmentation {
+            profile: Profile::FilterKeepBest,
+        };
+        let classic = Strategy::Gpushare {
+            policy: None,
+            profile: Profile::Default { weight: 1 },
+        };
+        assert!(tainting.taints_idle_gpus() && !classic.taints_idle_gpus());
+        for (strategy, together) in [(tainting, true), (classic, false)] {
+            let (run, state, _) = replay_to_end(
+                &nodes,
+                &tasks,
+                strategy,
+                RequestForm::Plain,
+                NodesToScore::Adaptive,
+                0,
+            );
+            assert_eq!(run.end.failed, [0; 6], "{strategy:?}");
+            let gpu_node = (0..2).find(|&n| state.free[n] == [0]).unwrap();
+            // Both tasks ask for one core.
+            assert_eq!(
+                state.used[gpu_node].milli_cpu == 2_000,
+                together,
+                "{strategy:?}: {:?}",
+                state.used
+            );
         }
     }
 

@@ -51,6 +51,15 @@ pub enum Profile {
 impl Profile {
     /// Whether the extender scores the candidates (in prioritize, or in filter to keep the
     /// best).
+    /// Whether kube-scheduler scores the pod with its profile's plugins (TaintToleration
+    /// among them, which no profile here turns off): not where the filter keeps one node.
+    pub(super) fn scored_by_kube_scheduler(self) -> bool {
+        matches!(
+            self,
+            Profile::Default { .. } | Profile::ExtenderOnly | Profile::NativeMostAllocated
+        )
+    }
+
     pub(super) fn extender_scores(self) -> bool {
         !matches!(self, Profile::NativeMostAllocated)
     }
@@ -222,6 +231,19 @@ impl Strategy {
     /// exclusive pod); otherwise only the task's GiB is booked on each GPU.
     pub(super) fn books_whole(self, task: &Task, form: RequestForm) -> bool {
         self.is_gpushare() && form == RequestForm::Exclusive && is_whole(task)
+    }
+
+    /// Whether gpushare's extender runs, and so taints the nodes with an idle GPU
+    /// (`extender.idleGpuTaint`, on in the chart): not with the classic extender, DRA mode,
+    /// or the idealized strategies.
+    pub(super) fn taints_idle_gpus(self) -> bool {
+        matches!(
+            self,
+            Strategy::Gpushare {
+                policy: Some(_),
+                ..
+            } | Strategy::Fragmentation { .. }
+        )
     }
 
     pub(super) fn cpu_pods_by_default_scheduler(self) -> bool {
