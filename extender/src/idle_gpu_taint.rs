@@ -131,15 +131,18 @@ pub async fn set_idle_gpu_taint(
 
 /// Keeps the idle-GPU taint on the nodes that should carry it (`enabled`), and off the
 /// others, every [`PERIOD`], while this replica leads and the view has synced. Runs until
-/// aborted; an API error is logged and the node tried again on the next pass.
+/// aborted. A pass that met API errors logs one warning (how many, and the first), and its
+/// nodes are tried again on the next pass.
 pub async fn keep_idle_gpu_taints(client: kube::Client, state: AppState, enabled: bool) {
     let nodes: Api<Node> = Api::all(client);
     let key = state.view().settings().keys.node_idle_gpu_taint.clone();
+    tracing::info!(enabled, taint = %key, "keeping the idle-GPU taint (PreferNoSchedule) on nodes with an idle GPU");
     let mut tick = tokio::time::interval(PERIOD);
     tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
     loop {
         tick.tick().await;
         if !state.leadership().is_leader() {
+            state.metrics().idle_gpu_tainted_nodes.set(0);
             continue;
         }
         let drift: Vec<(Arc<str>, bool)> = {
@@ -147,18 +150,28 @@ pub async fn keep_idle_gpu_taints(client: kube::Client, state: AppState, enabled
             if !view.is_synced() {
                 continue;
             }
+            state
+                .metrics()
+                .idle_gpu_tainted_nodes
+                .set(view.idle_gpu_tainted_nodes() as i64);
             view.idle_gpu_taint_drift(enabled)
         };
+        let mut failed: Option<(Arc<str>, kube::Error)> = None;
+        let mut failures = 0;
         for (name, wanted) in drift.into_iter().take(WRITES_PER_PASS) {
             let outcome = match set_idle_gpu_taint(&nodes, &name, &key, wanted).await {
                 Ok(outcome) => outcome,
                 Err(error) => {
-                    tracing::warn!(node = %name, %error, wanted, "cannot update the idle-GPU taint; trying again");
+                    failures += 1;
+                    failed.get_or_insert((name.clone(), error));
                     Outcome::Retry
                 }
             };
             tracing::debug!(node = %name, wanted, outcome = outcome.label(), "idle-GPU taint");
             state.metrics().record_idle_gpu_taint(outcome);
+        }
+        if let Some((node, error)) = failed {
+            tracing::warn!(failures, first = %node, %error, "cannot update the idle-GPU taint of some nodes; trying again");
         }
     }
 }

@@ -57,6 +57,8 @@ pub struct Metrics {
     pub multi_gpu_demand_share: Gauge<f64, std::sync::atomic::AtomicU64>,
     /// Idle-GPU taint writes by outcome ([`crate::idle_gpu_taint`]).
     pub idle_gpu_taint_writes: Family<TaintWriteLabels, Counter>,
+    /// Nodes carrying the idle-GPU taint, as the leader's node watch last showed them.
+    pub idle_gpu_tainted_nodes: Gauge,
 }
 
 /// Labels of an idle-GPU taint write.
@@ -102,6 +104,7 @@ impl Metrics {
             keep_best_stepped_aside: Family::default(),
             multi_gpu_demand_share: Gauge::default(),
             idle_gpu_taint_writes: Family::default(),
+            idle_gpu_tainted_nodes: Gauge::default(),
         };
         let sub = registry.sub_registry_with_prefix("gpushare_extender");
         sub.register(
@@ -169,6 +172,11 @@ impl Metrics {
             "idle_gpu_taint_writes",
             "Writes of the idle-GPU taint (PreferNoSchedule on nodes with a GPU nothing is booked on), by outcome",
             metrics.idle_gpu_taint_writes.clone(),
+        );
+        sub.register(
+            "idle_gpu_tainted_nodes",
+            "Nodes carrying the idle-GPU taint, as the leader's node watch last showed them (0 on a follower: only the leader reads it)",
+            metrics.idle_gpu_tainted_nodes.clone(),
         );
         metrics
     }

@@ -173,6 +173,11 @@ impl View {
         drift
     }
 
+    /// How many nodes carry the idle-GPU taint, as the node watch last showed them.
+    pub fn idle_gpu_tainted_nodes(&self) -> usize {
+        self.idle_gpu_tainted.len()
+    }
+
     /// The settings the view reads objects with.
     pub fn settings(&self) -> &Settings {
         &self.settings
