@@ -3,6 +3,7 @@
 //! ```text
 //!  kubectl create pod ──▶ API server ──AdmissionReview (HTTPS, caBundle)──▶ /mutate-pods
 //!                                   ◀── JSONPatch: /spec/schedulerName = gpushare-scheduler
+//!                                       (+ /spec/tolerations: the idle-GPU taint, when on)
 //! ```
 //!
 //! Why: a pod asking for GPU memory must be scheduled through the gpushare extender, or no

@@ -4,7 +4,8 @@
 //! the resource but is scheduled by the default scheduler would be placed without the
 //! extender, so no GPU would be chosen for it and the device plugin could not pin it. The
 //! webhook closes that gap at CREATE: such a pod gets a JSON Patch setting
-//! `/spec/schedulerName`. Everything else is admitted untouched, and a pod whose request is
+//! `/spec/schedulerName` (and, with the idle-GPU taint on, a toleration of it: that taint is
+//! meant for pods that ask for no GPU). Everything else is admitted untouched, and a pod whose request is
 //! malformed is refused with a message naming the value, which is friendlier than a pod that
 //! stays Pending forever.
 
@@ -39,6 +40,11 @@ pub struct AdmissionState {
     /// Annotation keys, for the multi-GPU layout annotations (`<domain>/gpus`,
     /// `<domain>/exclusive`) checked with the request.
     pub keys: Keys,
+    /// Whether a routed pod also gets a toleration of the extender's idle-GPU taint
+    /// (`<domain>/idle-gpu`, `PreferNoSchedule`): the taint steers pods that ask for no GPU
+    /// away from idle GPUs, and must not outweigh a GPU pod's own soft preferences when
+    /// kube-scheduler scores it.
+    pub tolerate_idle_gpu_taint: bool,
 }
 
 impl AdmissionState {
@@ -48,7 +54,14 @@ impl AdmissionState {
             resource: resource.into(),
             scheduler_name: scheduler_name.into(),
             keys: Keys::default(),
+            tolerate_idle_gpu_taint: false,
         }
+    }
+
+    /// The same, giving routed pods a toleration of the idle-GPU taint.
+    pub fn with_idle_gpu_toleration(mut self, tolerate: bool) -> Self {
+        self.tolerate_idle_gpu_taint = tolerate;
+        self
     }
 
     /// The same, with annotation keys under `domain`.
@@ -69,6 +82,35 @@ pub fn router(state: AdmissionState) -> Router {
     Router::new()
         .route(MUTATE_PODS_PATH, post(mutate_pods))
         .with_state(state)
+}
+
+/// The JSON Patch operation giving `pod` a toleration of the `PreferNoSchedule` taint `key`,
+/// unless one of its tolerations already covers it.
+fn idle_gpu_toleration(pod: &Pod, key: &str) -> Option<serde_json::Value> {
+    let toleration = json!({"key": key, "operator": "Exists", "effect": "PreferNoSchedule"});
+    let tolerations = pod.spec.as_ref().and_then(|spec| spec.tolerations.as_ref());
+    // As kube-scheduler matches them: no key tolerates every key (with `Exists`), no effect
+    // every effect, and `Equal` (the default) needs the taint's empty value.
+    let covered = tolerations.into_iter().flatten().any(|t| {
+        let exists = t.operator.as_deref() == Some("Exists");
+        let key_ok = match t.key.as_deref() {
+            None | Some("") => exists,
+            Some(k) => k == key,
+        };
+        let value_ok = exists || t.value.as_deref().is_none_or(str::is_empty);
+        let effect = t.effect.as_deref();
+        let effect_ok = effect.is_none_or(|e| e.is_empty() || e == "PreferNoSchedule");
+        key_ok && value_ok && effect_ok
+    });
+    match (covered, tolerations) {
+        (true, _) => None,
+        (false, Some(_)) => {
+            Some(json!({"op": "add", "path": "/spec/tolerations/-", "value": toleration}))
+        }
+        (false, None) => {
+            Some(json!({"op": "add", "path": "/spec/tolerations", "value": [toleration]}))
+        }
+    }
 }
 
 /// A body that is not an AdmissionReview: the API server never sends one, so whoever did
@@ -166,11 +208,15 @@ pub fn review_pod(state: &AdmissionState, request: &AdmissionRequest) -> Admissi
                 scheduler = %state.scheduler_name,
                 "routing pod to the gpushare scheduler"
             );
-            let patch = json!([{
+            let mut patch = vec![json!({
                 "op": "add",
                 "path": "/spec/schedulerName",
                 "value": state.scheduler_name,
-            }]);
+            })];
+            if state.tolerate_idle_gpu_taint {
+                patch.extend(idle_gpu_toleration(&pod, &state.keys.node_idle_gpu_taint));
+            }
+            let patch = serde_json::Value::Array(patch);
             let mut response = AdmissionResponse::allow(uid);
             response.patch = Some(BASE64.encode(patch.to_string()));
             response.patch_type = Some(PATCH_TYPE_JSON_PATCH.to_owned());

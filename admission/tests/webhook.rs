@@ -51,18 +51,26 @@ fn review(kind: &str, object: Value) -> Value {
 }
 
 async fn post(body: Vec<u8>) -> (http::StatusCode, Vec<u8>) {
+    post_to(state(), body).await
+}
+
+async fn post_to(state: AdmissionState, body: Vec<u8>) -> (http::StatusCode, Vec<u8>) {
     let request = http::Request::post("/mutate-pods")
         .header("content-type", "application/json")
         .body(Body::from(body))
         .unwrap();
-    let response = router(state()).oneshot(request).await.unwrap();
+    let response = router(state).oneshot(request).await.unwrap();
     let status = response.status();
     let bytes = response.into_body().collect().await.unwrap().to_bytes();
     (status, bytes.to_vec())
 }
 
 async fn admit(review: Value) -> AdmissionReview {
-    let (status, body) = post(serde_json::to_vec(&review).unwrap()).await;
+    admit_by(state(), review).await
+}
+
+async fn admit_by(state: AdmissionState, review: Value) -> AdmissionReview {
+    let (status, body) = post_to(state, serde_json::to_vec(&review).unwrap()).await;
     assert_eq!(status, 200, "{}", String::from_utf8_lossy(&body));
     let out: AdmissionReview = serde_json::from_slice(&body).unwrap();
     assert_eq!(out.api_version, "admission.k8s.io/v1");
@@ -98,6 +106,60 @@ async fn pod_asking_for_gpu_memory_is_routed_to_the_gpushare_scheduler() {
         expected["spec"]["schedulerName"] = json!("gpushare-scheduler");
         assert_eq!(patched, expected);
     }
+}
+
+/// With the idle-GPU taint on, a routed pod also tolerates it (appended to its own
+/// tolerations, or as the first), unless a toleration of its own already covers it.
+#[tokio::test]
+async fn routed_pods_tolerate_the_idle_gpu_taint_when_it_is_on() {
+    let tolerating = state().with_idle_gpu_toleration(true);
+    let ours = json!({"key": "gpushare.example.com/idle-gpu", "operator": "Exists", "effect": "PreferNoSchedule"});
+    let theirs =
+        json!({"key": "dedicated", "operator": "Equal", "value": "ml", "effect": "NoSchedule"});
+    let routed = |tolerations: Option<Value>| {
+        let mut object = pod(Some("4"), None);
+        if let Some(tolerations) = tolerations {
+            object["spec"]["tolerations"] = tolerations;
+        }
+        object
+    };
+    let cases = [
+        (None, json!([ours])),
+        (Some(json!([theirs])), json!([theirs, ours])),
+        // Already covered: by the key with `Equal` and no value, by `Exists` on every key.
+        (
+            Some(json!([{"key": "gpushare.example.com/idle-gpu"}])),
+            json!([{"key": "gpushare.example.com/idle-gpu"}]),
+        ),
+        (
+            Some(json!([{"operator": "Exists"}])),
+            json!([{"operator": "Exists"}]),
+        ),
+        // Another effect does not cover it.
+        (
+            Some(
+                json!([{"key": "gpushare.example.com/idle-gpu", "operator": "Exists", "effect": "NoSchedule"}]),
+            ),
+            json!([{"key": "gpushare.example.com/idle-gpu", "operator": "Exists", "effect": "NoSchedule"}, ours]),
+        ),
+    ];
+    for (tolerations, expected) in cases {
+        let object = routed(tolerations);
+        let out = admit_by(tolerating.clone(), review("Pod", object.clone())).await;
+        let patched = apply_patch(&out, object);
+        assert_eq!(patched["spec"]["schedulerName"], "gpushare-scheduler");
+        assert_eq!(patched["spec"]["tolerations"], expected);
+    }
+    // Off (the default), and for a pod that is not routed: no toleration.
+    let out = admit(review("Pod", routed(None))).await;
+    assert!(
+        apply_patch(&out, routed(None))["spec"]
+            .get("tolerations")
+            .is_none()
+    );
+    let chosen = pod(Some("4"), Some("my-scheduler"));
+    let out = admit_by(tolerating, review("Pod", chosen)).await;
+    assert!(out.response.unwrap().patch.is_none());
 }
 
 #[tokio::test]

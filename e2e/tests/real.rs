@@ -1211,6 +1211,7 @@ async fn ranking_follows_the_demand(c: &KitCluster) -> anyhow::Result<()> {
 /// it) allowed on that node and on an idle one goes on the busy node, where LeastAllocated
 /// and BalancedAllocation prefer the idle one (about 147 against 199): kube-scheduler's
 /// TaintToleration (weight 3) decides. Allowed on the idle node alone, it still goes there.
+/// GPU pods tolerate the taint, so it does not override their own preferred node affinity.
 /// Once the GPU pods are gone the busy node is tainted again.
 fn cpu_only_pods_prefer_nodes_whose_gpus_are_in_use(c: &KitCluster) -> Outcome<'_> {
     Box::pin(async move {
@@ -1267,6 +1268,35 @@ async fn cpu_only_pods_on_fake_nodes(c: &KitCluster) -> anyhow::Result<()> {
     );
     let only = create_and_wait_bound(&pods, cpu_only("idle-cpu-only", &["idle-1"])?).await?;
     ensure!(only == "idle-1", "the taint is a preference: {only}");
+    // GPU pods tolerate it (the routing policy adds the toleration), so it does not outweigh
+    // their own preferences where kube-scheduler scores them: idle-2's four GPUs each hold
+    // 12 GiB (no idle GPU, no taint), and a 4 GiB pod that may go on idle-2 or idle-3 and
+    // prefers idle-3 goes there (without the toleration TaintToleration's 300 points for
+    // idle-2 beat the preference's 200).
+    for gpu in 0..4 {
+        let pod = fixtures::pod(&format!("idle-part-{gpu}"))
+            .gpu_mem(12)
+            .build();
+        let bound = create_and_wait_bound(&pods, labelled(limited_to(pod, &["idle-2"], None)?));
+        ensure!(bound.await? == "idle-2");
+    }
+    wait_idle_gpu_taint(c, "idle-2", false).await?;
+    let prefers = fixtures::pod("idle-prefers").gpu_mem(4).build();
+    let prefers = labelled(limited_to(prefers, &["idle-2", "idle-3"], Some("idle-3"))?);
+    let placed = create_and_wait_bound(&pods, prefers).await?;
+    let tolerates = (pods.get("idle-prefers").await?.spec)
+        .and_then(|spec| spec.tolerations)
+        .into_iter()
+        .flatten()
+        .any(|t| t.key.as_deref() == Some("gpushare.example.com/idle-gpu"));
+    ensure!(
+        placed == "idle-3",
+        "the GPU pod preferring idle-3 should go there, not on {placed}"
+    );
+    ensure!(
+        tolerates,
+        "the routed GPU pod should tolerate the idle-GPU taint"
+    );
     check_no_overcommit(&c.client()).await?;
     // At once: no kubelet behind a fake node confirms a graceful deletion.
     let now = kube::api::DeleteParams::default().grace_period(0);

@@ -375,7 +375,9 @@ async fn serve_webhook(config: Config, client: kube::Client, stop: CancellationT
         stop.clone().cancelled_owned(),
     );
     let router = gpushare_admission::router(
-        AdmissionState::new(&config.resource, &config.scheduler_name).with_domain(&config.domain),
+        AdmissionState::new(&config.resource, &config.scheduler_name)
+            .with_domain(&config.domain)
+            .with_idle_gpu_toleration(config.idle_gpu_taint),
     );
     tracing::info!(addr = %config.webhook_listen, "admission webhook listening");
     let serving = gpushare_admission::serve_tls(

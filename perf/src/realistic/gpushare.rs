@@ -11,7 +11,7 @@ use gpushare_allocator::{Cluster, Gpu, ModelFilter, PodId, Policy, Request, kube
 use super::generator::{MODELS, SimNode, Task, TaskKind};
 use super::kube_scheduler::{KubeScheduler, Missed, select_host};
 use super::nodes::Nodes;
-use super::scores::{default_score, native_most_allocated_score, taint_toleration};
+use super::scores::{default_score, native_most_allocated_score};
 use super::strategy::{Profile, RequestForm};
 
 pub(super) fn gpushare_cluster(nodes: &[SimNode]) -> Cluster {
@@ -100,21 +100,12 @@ pub(super) fn gpushare(
     // memory scores count unless the recent demand is multi-GPU heavy
     // (`gpushare_allocator::demand_mix`).
     let counts_defaults = cluster.demand().counts_resource_scores();
-    // gpushare's extender (a policy: not the classic one) taints the nodes with an idle GPU;
-    // kube-scheduler's TaintToleration reads that where it scores the pod.
-    let tainted = |n: usize| policy.is_some() && state.has_idle_gpu(n);
-    let any_tainted = candidates.iter().any(|&n| tainted(n));
+    // The idle-GPU taint does not count: the chart's routing gives GPU pods a toleration.
     let totals = candidates.iter().enumerate().map(|(c, &n)| {
         let theirs = extender.as_ref().map_or(0, |s| i64::from(s[c]) * 10);
-        let taint = taint_toleration(tainted(n), any_tainted);
         (
             n,
-            total(profile, state, (n, counts_defaults), task, &request, theirs)
-                + if profile.scored_by_kube_scheduler() {
-                    taint
-                } else {
-                    0
-                },
+            total(profile, state, (n, counts_defaults), task, &request, theirs),
         )
     });
     let n = if matches!(profile, Profile::FilterKeepBest | Profile::Weighted { .. }) {

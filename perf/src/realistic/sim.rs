@@ -15,7 +15,9 @@
 //! CPU-only pods in a gpushare cluster go through the cluster's default scheduler: a process
 //! of its own beside the chart's dedicated one, so with a walk of its own, at kube-scheduler's
 //! adaptive percentage whatever the dedicated profile's is. With gpushare's extender it
-//! prefers nodes without an idle GPU (`extender.idleGpuTaint`, `Strategy::taints_idle_gpus`).
+//! prefers nodes without an idle GPU (`extender.idleGpuTaint`, `Strategy::taints_idle_gpus`);
+//! GPU pods tolerate that taint (the chart's routing adds the toleration), as in the chart's
+//! dedicated mode.
 
 use gpushare_allocator::fragmentation::Host;
 use gpushare_allocator::{Cluster, PodId, Policy};

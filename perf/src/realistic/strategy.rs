@@ -51,15 +51,6 @@ pub enum Profile {
 impl Profile {
     /// Whether the extender scores the candidates (in prioritize, or in filter to keep the
     /// best).
-    /// Whether kube-scheduler scores the pod with its profile's plugins (TaintToleration
-    /// among them, which no profile here turns off): not where the filter keeps one node.
-    pub(super) fn scored_by_kube_scheduler(self) -> bool {
-        matches!(
-            self,
-            Profile::Default { .. } | Profile::ExtenderOnly | Profile::NativeMostAllocated
-        )
-    }
-
     pub(super) fn extender_scores(self) -> bool {
         !matches!(self, Profile::NativeMostAllocated)
     }
