@@ -175,6 +175,19 @@ fn handlers(c: &mut Criterion) {
     }
 }
 
+/// The idle-GPU taint loop's scan of the view every 2 s (`View::idle_gpu_taint_drift`), under
+/// the view's read lock: every GPU of every node, none idle here (the whole walk).
+fn idle_gpu_taint_scan(c: &mut Criterion) {
+    let mut group = c.benchmark_group("idle-GPU taint drift (8 GPUs per node)");
+    for nodes in [1_000, 5_000] {
+        let (state, _) = state(nodes, Policy::Fragmentation);
+        group.bench_function(BenchmarkId::from_parameter(nodes), |b| {
+            b.iter(|| black_box(state.view().idle_gpu_taint_drift(true).len()))
+        });
+    }
+    group.finish();
+}
+
 /// Exact p50 / p99 / max of single calls at 5,000 nodes (a handful of calls when run as a
 /// test, i.e. without `--bench`).
 fn tail_latency() {
@@ -259,7 +272,7 @@ fn print_percentiles(label: &str, mut times: Vec<Duration>) {
 criterion_group! {
     name = benches;
     config = Criterion::default().sample_size(20);
-    targets = handlers
+    targets = handlers, idle_gpu_taint_scan
 }
 
 fn main() {
