@@ -153,7 +153,8 @@ impl View {
     /// The nodes whose idle-GPU taint is not what it should be, each with whether it should
     /// carry it: a present node taking part, with a healthy GPU nothing is booked on
     /// (reservations count), should while `enabled`; no other node should. Nodes not present
-    /// are left alone. In name order, so that a capped pass reaches every node in turn.
+    /// are left alone. In name order: a pass capped at a number of writes takes the first,
+    /// and the next pass those still left.
     pub fn idle_gpu_taint_drift(&self, enabled: bool) -> Vec<(Arc<str>, bool)> {
         let mut drift: Vec<(Arc<str>, bool)> = self
             .cluster
