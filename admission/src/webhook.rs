@@ -17,6 +17,7 @@ use axum::response::{IntoResponse, Response};
 use axum::routing::post;
 use base64::Engine as _;
 use base64::engine::general_purpose::STANDARD as BASE64;
+use gpushare_contract::taints::{idle_gpu_taint, tolerates};
 use gpushare_contract::{DEFAULT_RESOURCE, Keys, pod_request_with};
 use k8s_openapi::api::core::v1::Pod;
 use serde_json::json;
@@ -89,19 +90,11 @@ pub fn router(state: AdmissionState) -> Router {
 fn idle_gpu_toleration(pod: &Pod, key: &str) -> Option<serde_json::Value> {
     let toleration = json!({"key": key, "operator": "Exists", "effect": "PreferNoSchedule"});
     let tolerations = pod.spec.as_ref().and_then(|spec| spec.tolerations.as_ref());
-    // As kube-scheduler matches them: no key tolerates every key (with `Exists`), no effect
-    // every effect, and `Equal` (the default) needs the taint's empty value.
-    let covered = tolerations.into_iter().flatten().any(|t| {
-        let exists = t.operator.as_deref() == Some("Exists");
-        let key_ok = match t.key.as_deref() {
-            None | Some("") => exists,
-            Some(k) => k == key,
-        };
-        let value_ok = exists || t.value.as_deref().is_none_or(str::is_empty);
-        let effect = t.effect.as_deref();
-        let effect_ok = effect.is_none_or(|e| e.is_empty() || e == "PreferNoSchedule");
-        key_ok && value_ok && effect_ok
-    });
+    let taint = idle_gpu_taint(key);
+    let covered = tolerations
+        .into_iter()
+        .flatten()
+        .any(|t| tolerates(t, &taint));
     match (covered, tolerations) {
         (true, _) => None,
         (false, Some(_)) => {

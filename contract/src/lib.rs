@@ -29,6 +29,7 @@ pub mod quantity;
 pub mod request;
 pub mod scope;
 pub mod signature;
+pub mod taints;
 pub mod usage;
 
 pub use allocation::{AllocationError, GpuRef, PodAllocation};

@@ -18,10 +18,12 @@
 //! that fits, a pod still goes to a tainted one. `realistic-sim` measures what it gains
 //! (docs/performance.md).
 //!
-//! GPU pods: the filter that keeps the best node does not step aside for this taint (the
-//! view keeps it apart from the node's other soft taints), so it places them as before. Where
-//! kube-scheduler scores a GPU pod itself (the filter passing every fitting node), the taint
-//! counts for it too, and it prefers, among the nodes that fit it, those without an idle GPU.
+//! GPU pods: the chart's routing gives the pods it routes a toleration of the taint
+//! (`gpushare_admission`, and the routing policy), so it never outweighs their own soft
+//! preferences, and the filter that keeps the best node places them as before. A GPU pod
+//! without the toleration (not routed) meets it like any `PreferNoSchedule` taint: the filter
+//! steps aside, and kube-scheduler's scores prefer, among the nodes that fit it, those
+//! without an idle GPU.
 //!
 //! The taint's list is read and written whole (a Node's taints have no merge key); the write
 //! carries the resourceVersion it read, so a taint someone else set meanwhile is never lost:
@@ -33,6 +35,7 @@
 use std::sync::Arc;
 use std::time::Duration;
 
+use gpushare_contract::taints::idle_gpu_taint;
 use k8s_openapi::api::core::v1::{Node, Taint};
 use kube::Api;
 use kube::api::{Patch, PatchParams};
@@ -80,11 +83,7 @@ pub fn with_idle_gpu_taint(taints: &[Taint], key: &str, wanted: bool) -> Option<
     }
     let mut updated: Vec<Taint> = taints.iter().filter(|t| !ours(t)).cloned().collect();
     if wanted {
-        updated.push(Taint {
-            key: key.to_owned(),
-            effect: "PreferNoSchedule".to_owned(),
-            ..Taint::default()
-        });
+        updated.push(idle_gpu_taint(key));
     }
     Some(updated)
 }

@@ -24,7 +24,8 @@
 use std::borrow::Cow;
 
 use gpushare_allocator::{Policy, Request};
-use k8s_openapi::api::core::v1::{Pod, Taint, Toleration};
+use gpushare_contract::taints::tolerates;
+use k8s_openapi::api::core::v1::{Pod, Toleration};
 use serde_json::value::RawValue;
 
 use crate::view::View;
@@ -98,31 +99,6 @@ pub fn soft_preferences(pod: &Pod) -> Option<StepAside> {
     soft_spread.then_some(StepAside::SoftTopologySpread)
 }
 
-/// Whether `toleration` tolerates `taint`, as kube-scheduler matches them (an empty key
-/// matches every key, an empty effect every effect, `Exists` any value).
-pub fn tolerates(toleration: &Toleration, taint: &Taint) -> bool {
-    if let Some(effect) = toleration.effect.as_deref()
-        && !effect.is_empty()
-        && effect != taint.effect
-    {
-        return false;
-    }
-    let key = toleration.key.as_deref().unwrap_or_default();
-    if !key.is_empty() && key != taint.key {
-        return false;
-    }
-    match toleration.operator.as_deref().unwrap_or("Equal") {
-        "Exists" => true,
-        "" | "Equal" => {
-            toleration.value.as_deref().unwrap_or_default()
-                == taint.value.as_deref().unwrap_or_default()
-        }
-        // Operators this build does not know (numeric comparisons): not tolerated, so the
-        // pod is scored by kube-scheduler, which does know.
-        _ => false,
-    }
-}
-
 /// How filter narrows the fitting nodes: how many it keeps (0: all) and what it ranks them by.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct KeepBest {
@@ -186,43 +162,6 @@ mod tests {
     use k8s_openapi::api::core::v1::{
         Affinity, NodeAffinity, PodSpec, PreferredSchedulingTerm, TopologySpreadConstraint,
     };
-
-    fn taint(key: &str, value: Option<&str>) -> Taint {
-        Taint {
-            key: key.to_owned(),
-            value: value.map(str::to_owned),
-            effect: "PreferNoSchedule".to_owned(),
-            ..Default::default()
-        }
-    }
-
-    fn toleration(key: &str, operator: &str, value: &str, effect: &str) -> Toleration {
-        Toleration {
-            key: Some(key.to_owned()).filter(|k| !k.is_empty()),
-            operator: Some(operator.to_owned()),
-            value: Some(value.to_owned()).filter(|v| !v.is_empty()),
-            effect: Some(effect.to_owned()).filter(|e| !e.is_empty()),
-            ..Default::default()
-        }
-    }
-
-    #[test]
-    fn tolerations_match_as_kube_scheduler_matches_them() {
-        let t = taint("gpu", Some("a100"));
-        assert!(tolerates(&toleration("", "Exists", "", ""), &t));
-        assert!(tolerates(&toleration("gpu", "Exists", "", ""), &t));
-        assert!(tolerates(
-            &toleration("gpu", "Equal", "a100", "PreferNoSchedule"),
-            &t
-        ));
-        assert!(!tolerates(&toleration("gpu", "Equal", "t4", ""), &t));
-        assert!(!tolerates(
-            &toleration("gpu", "Exists", "", "NoSchedule"),
-            &t
-        ));
-        assert!(!tolerates(&toleration("other", "Exists", "", ""), &t));
-        assert!(!tolerates(&toleration("gpu", "Lt", "5", ""), &t));
-    }
 
     #[test]
     fn soft_preferences_are_named_and_hard_ones_are_not() {

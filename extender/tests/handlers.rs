@@ -801,6 +801,21 @@ async fn keep_best_ranks_as_kube_scheduler_would_and_steps_aside_for_soft_prefer
     .unwrap();
     let (_, kept) = post(&h, "filter", &filter(&tolerant)).await;
     assert_eq!(kept["NodeNames"], json!(["idle"]), "{kept}");
+    // The idle-GPU taint is met the same way: a routed pod carries the toleration the
+    // webhook adds, and is narrowed as before.
+    let mut idle_gpu = roomy("idle");
+    idle_gpu.spec.get_or_insert_default().taints = serde_json::from_value(json!([
+        {"key": "gpushare.example.com/idle-gpu", "effect": "PreferNoSchedule"}
+    ]))
+    .unwrap();
+    h.state.view_mut().apply_node(&idle_gpu);
+    let mut routed = gpu_pod.clone();
+    routed.spec.as_mut().unwrap().tolerations = serde_json::from_value(json!([
+        {"key": "gpushare.example.com/idle-gpu", "operator": "Exists", "effect": "PreferNoSchedule"}
+    ]))
+    .unwrap();
+    let (_, kept) = post(&h, "filter", &filter(&routed)).await;
+    assert_eq!(kept["NodeNames"], json!(["idle"]), "{kept}");
 
     let (_, _, metrics) = call_raw(&h.app, "GET", "/metrics", "").await;
     for reason in ["preferred_node_affinity", "prefer_no_schedule_taint"] {

@@ -33,7 +33,7 @@
 //! - `nodes.rs`: applying nodes: GPUs, eligibility, allocatable CPU and memory, soft taints;
 //! - `reservations.rs`: the view's side of bind's reservations and filter's holds ([`Hold`]).
 
-use std::collections::{HashMap, HashSet};
+use std::collections::HashMap;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
@@ -120,9 +120,6 @@ pub struct View {
     /// TaintToleration score reads them, so the filter that keeps the best node steps aside
     /// where one could move the choice ([`crate::keep_best`]).
     prefer_no_schedule: HashMap<Arc<str>, Vec<Taint>>,
-    /// The nodes that carry the idle-GPU taint ([`crate::idle_gpu_taint`]), which is kept
-    /// out of `prefer_no_schedule`: it is aimed at pods that ask for no GPU memory.
-    idle_gpu_tainted: HashSet<Arc<str>>,
 }
 
 impl View {
@@ -139,7 +136,6 @@ impl View {
             synced_at: None,
             bind_grace: Duration::ZERO,
             prefer_no_schedule: HashMap::new(),
-            idle_gpu_tainted: HashSet::new(),
         }
     }
 
@@ -166,7 +162,7 @@ impl View {
                     .iter()
                     .any(|usage| usage.gpu.healthy && usage.used_gib == 0);
                 let wanted = enabled && node.is_eligible() && idle;
-                (wanted != self.idle_gpu_tainted.contains(name))
+                (wanted != self.carries_idle_gpu_taint(name))
                     .then(|| (self.cluster.node_name(name), wanted))
             })
             .collect();
@@ -174,9 +170,20 @@ impl View {
         drift
     }
 
+    /// Whether `node` carries the idle-GPU taint ([`crate::idle_gpu_taint`]), as the node
+    /// watch last showed it.
+    fn carries_idle_gpu_taint(&self, node: &str) -> bool {
+        let key = &self.settings.keys.node_idle_gpu_taint;
+        self.prefer_no_schedule_taints(node)
+            .iter()
+            .any(|taint| taint.key == *key)
+    }
+
     /// How many nodes carry the idle-GPU taint, as the node watch last showed them.
     pub fn idle_gpu_tainted_nodes(&self) -> usize {
-        self.idle_gpu_tainted.len()
+        let key = &self.settings.keys.node_idle_gpu_taint;
+        let tainted = |taints: &&Vec<Taint>| taints.iter().any(|taint| taint.key == *key);
+        self.prefer_no_schedule.values().filter(tainted).count()
     }
 
     /// The settings the view reads objects with.

@@ -1,6 +1,6 @@
 //! Applying what the node watch delivers: each node's GPUs (its inventory annotation, or else
 //! its capacity split over its GPU count), whether it takes part, its allocatable CPU and
-//! memory, its `PreferNoSchedule` taints, and whether it carries the idle-GPU taint.
+//! memory, and its `PreferNoSchedule` taints (the idle-GPU taint among them).
 //!
 //! Why a node that leaves the list may stay: its pods' memory is booked on it until those
 //! pods go, so the allocator keeps it, not present, and drops it with its last pod (see
@@ -16,16 +16,16 @@ use k8s_openapi::api::core::v1::{Node, Taint};
 use super::View;
 use super::facts::node_host;
 
-/// The node's `PreferNoSchedule` taints (kube-scheduler's TaintToleration score reads them)
-/// but the idle-GPU taint `ours`, and whether it carries that one.
-fn soft_taints(node: &Node, ours: &str) -> (Vec<Taint>, bool) {
-    let taints = node.spec.as_ref().and_then(|spec| spec.taints.as_ref());
-    let soft = taints
+/// The node's `PreferNoSchedule` taints (kube-scheduler's TaintToleration score reads them).
+fn soft_taints(node: &Node) -> Vec<Taint> {
+    node.spec
+        .as_ref()
+        .and_then(|spec| spec.taints.as_ref())
         .into_iter()
         .flatten()
-        .filter(|t| t.effect == "PreferNoSchedule");
-    let (idle_gpu, others): (Vec<&Taint>, Vec<&Taint>) = soft.partition(|t| t.key == ours);
-    (others.into_iter().cloned().collect(), !idle_gpu.is_empty())
+        .filter(|taint| taint.effect == "PreferNoSchedule")
+        .cloned()
+        .collect()
 }
 
 impl View {
@@ -37,18 +37,12 @@ impl View {
         let (gpus, eligible) = self.read_node(node);
         self.cluster.set_node(name, gpus, eligible);
         self.cluster.set_node_host(name, node_host(node));
-        let (soft_taints, idle_gpu_tainted) =
-            soft_taints(node, &self.settings.keys.node_idle_gpu_taint);
+        let soft_taints = soft_taints(node);
         if soft_taints.is_empty() {
             self.prefer_no_schedule.remove(name);
         } else {
             self.prefer_no_schedule
                 .insert(self.cluster.node_name(name), soft_taints);
-        }
-        if idle_gpu_tainted {
-            self.idle_gpu_tainted.insert(self.cluster.node_name(name));
-        } else {
-            self.idle_gpu_tainted.remove(name);
         }
     }
 
@@ -57,7 +51,6 @@ impl View {
         if let Some(name) = node.metadata.name.as_deref() {
             self.cluster.remove_node(name);
             self.prefer_no_schedule.remove(name);
-            self.idle_gpu_tainted.remove(name);
         }
     }
 
@@ -76,7 +69,6 @@ impl View {
         for name in gone {
             self.cluster.remove_node(&name);
             self.prefer_no_schedule.remove(&name);
-            self.idle_gpu_tainted.remove(&name);
         }
         for node in nodes {
             self.apply_node(node);
@@ -165,10 +157,11 @@ mod tests {
             drift(&view, false),
             [("n2".to_owned(), false), ("n3".to_owned(), false)]
         );
-        // The taint is not one the filter that keeps the best steps aside for; the node's
-        // other soft taints are.
-        assert!(view.prefer_no_schedule_taints("n2").is_empty());
-        assert_eq!(view.prefer_no_schedule_taints("n3").len(), 1);
+        // It is a soft taint like the others: the filter that keeps the best steps aside for
+        // a pod that does not tolerate it (routed GPU pods do).
+        assert_eq!(view.prefer_no_schedule_taints("n2").len(), 1);
+        assert_eq!(view.prefer_no_schedule_taints("n3").len(), 2);
+        assert_eq!(view.idle_gpu_tainted_nodes(), 2);
         // Once the watch shows it gone, and the node deleted, nothing is left to do.
         view.apply_node(&node("n3").gpus(&[16]).build());
         view.delete_node(&node("n2").build());
