@@ -547,6 +547,13 @@ mod tests {
             "a 4 GiB container is still waiting for device allocation on GPU 0, which has no room (pod needs 4 GiB, 0 GiB free); retry once it starts"
         );
         assert!(!err.is_unresolvable());
+        assert!(err.awaits_admission());
+        assert!(
+            !cluster
+                .fit("n1", &request(17))
+                .unwrap_err()
+                .awaits_admission()
+        );
         // Once "a" is allocated the pin goes away.
         cluster.upsert_pod("a".into(), "n1", running(0, 4));
         assert_eq!(

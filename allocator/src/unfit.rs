@@ -182,6 +182,19 @@ impl Unfit {
                 | Unfit::NoModel { .. }
         )
     }
+
+    /// True when the node waits for kubelet to admit a pod already bound there (a container
+    /// of the same size still waiting for device allocation): it clears when that pod
+    /// starts, a pod status update that kube-scheduler does not requeue waiting pods for.
+    pub fn awaits_admission(&self) -> bool {
+        matches!(
+            self,
+            Unfit::TwinBlocked { .. }
+                | Unfit::TwinConflict { .. }
+                | Unfit::TwinShape { .. }
+                | Unfit::TwinModel { .. }
+        )
+    }
 }
 
 /// Why [`crate::Cluster::reserve`] booked nothing.

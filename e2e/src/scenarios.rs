@@ -87,12 +87,26 @@ pub async fn delete_pod(h: &impl Harness, name: &str) -> anyhow::Result<()> {
 }
 
 /// Waits until the pod in `pods` is bound and returns its node's name.
+/// On timeout the error carries the pod's last scheduling message, so a failure tells a
+/// refused pod (and why) from one kube-scheduler never tried again.
 pub async fn wait_bound(pods: &Api<Pod>, name: &str) -> anyhow::Result<String> {
-    wait_for(&format!("{name} to be bound"), START_TIMEOUT, || {
+    let bound = wait_for(&format!("{name} to be bound"), START_TIMEOUT, || {
         let pods = pods.clone();
         async move { pods.get(name).await.ok()?.spec?.node_name }
     })
-    .await
+    .await;
+    match bound {
+        Ok(node) => Ok(node),
+        Err(error) => {
+            let pod = pods.get(name).await.ok();
+            let why = match pod.as_ref().map(scheduling_message) {
+                Some(Some(message)) => format!("last scheduling message: {message}"),
+                Some(None) => "no scheduling message".into(),
+                None => "gone".into(),
+            };
+            Err(error.context(format!("pod {name}: {why}")))
+        }
+    }
 }
 
 /// Waits until the pod runs and returns it.

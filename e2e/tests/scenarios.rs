@@ -300,6 +300,54 @@ async fn cpu_only_pods_prefer_the_node_whose_gpu_is_in_use() -> anyhow::Result<(
     .await
 }
 
+/// The twin rule against kube-scheduler's queue. `first` (16 GiB) is bound to `twin-a` but
+/// not admitted (its kubelet holds it); `second` (16 GiB) can only join its GPU, which has no
+/// room, so no node passes for it. Once `first` is admitted `second` must bind, although that
+/// admission is no cluster change the scheduler requeues pods for, and although NodeAffinity
+/// rejected `twin-b` (a pod some plugin rejected waits for such a change or, here as in
+/// kube-scheduler, five minutes). It binds because the extender answers an error, which is
+/// retried after backoff. The real tier checks the same on kube-scheduler
+/// (`a_pod_behind_its_twin_binds_once_kubelet_admits_the_twin`).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_pod_behind_its_twin_binds_once_kubelet_admits_the_twin() -> anyhow::Result<()> {
+    let spec = ClusterSpec::labelled(&[("twin-a", &[16, 16]), ("twin-b", &[16])])
+        .with_unschedulable_retry(Duration::from_secs(300));
+    with_cluster(spec, async |cluster| {
+        let pods: Api<Pod> = Api::namespaced(cluster.client.clone(), "default");
+        let on_twin_a = |name: &str| -> anyhow::Result<Pod> {
+            let mut pod = fixtures::pod(name).gpu_mem(16).build();
+            let affinity = serde_json::json!({"nodeAffinity": {
+            "requiredDuringSchedulingIgnoredDuringExecution": {"nodeSelectorTerms": [
+                {"matchFields": [{"key": "metadata.name", "operator": "In", "values": ["twin-a"]}]}
+            ]}}});
+            pod.spec.as_mut().context("pod spec")?.affinity =
+                Some(serde_json::from_value(affinity)?);
+            Ok(pod)
+        };
+        let kubelet = &cluster.nodes["twin-a"].kubelet;
+        kubelet.hold("default", "first");
+        pods.create(&PostParams::default(), &on_twin_a("first")?)
+            .await?;
+        ensure!(wait_bound(&pods, "first").await? == "twin-a");
+        pods.create(&PostParams::default(), &on_twin_a("second")?)
+            .await?;
+        let refused = wait_for("second to be refused", Duration::from_secs(30), || async {
+            scheduling_message(&pods.get("second").await.ok()?)
+        })
+        .await?;
+        kubelet.release("default", "first");
+        let bound = wait_bound(&pods, "second").await;
+        ensure!(bound? == "twin-a");
+        ensure!(
+            refused.contains("until kubelet admits a pod bound before it"),
+            "second should have waited for first's admission: {refused}"
+        );
+        check_no_overcommit(&cluster.client).await?;
+        Ok(())
+    })
+    .await
+}
+
 /// The `fragmentation` policy end to end, with the real extender, device plugins and kubelet
 /// drivers: the same mixed stream as above, then whole-GPU pods. Every container runs on the
 /// GPU its annotations name, nothing is over-committed, and whole GPUs stay free.

@@ -205,6 +205,22 @@ fn config(extender: ExtenderConfig) -> SchedulerConfig {
     }
 }
 
+/// A driver calling `fake` that retries an unschedulable pod only on a cluster change (within
+/// any test's deadline).
+async fn start_without_unschedulable_retry(
+    client: &kube::Client,
+    fake: &FakeExtender,
+) -> anyhow::Result<SchedulerDriver> {
+    SchedulerDriver::start(
+        client.clone(),
+        SchedulerConfig {
+            unschedulable_retry: Duration::from_secs(3600),
+            ..config(ExtenderConfig::gpushare(&fake.url_prefix))
+        },
+    )
+    .await
+}
+
 async fn node_of(client: &kube::Client, name: &str) -> Option<String> {
     let api: Api<Pod> = Api::namespaced(client.clone(), "default");
     api.get(name)
@@ -802,15 +818,8 @@ async fn an_unschedulable_pod_is_placed_once_the_cluster_changes() -> anyhow::Re
     node("n1").gpushare().gpus(&[4]).create(&client).await?;
     pod("hog").gpu_mem(4).on_node("n1").create(&client).await?;
     let fake = FakeExtender::start(permissive(client.clone())).await?;
-    let driver = SchedulerDriver::start(
-        client.clone(),
-        SchedulerConfig {
-            // Only a cluster change can bring the pod back within the test's deadline.
-            unschedulable_retry: Duration::from_secs(3600),
-            ..config(ExtenderConfig::gpushare(&fake.url_prefix))
-        },
-    )
-    .await?;
+    // Only a cluster change can bring the pod back within the test's deadline.
+    let driver = start_without_unschedulable_retry(&client, &fake).await?;
     pod("a").gpu_mem(4).create(&client).await?;
     eventually("a FitError", || async {
         driver.pending_reason("default", "a").as_deref()
@@ -825,6 +834,49 @@ async fn an_unschedulable_pod_is_placed_once_the_cluster_changes() -> anyhow::Re
     node("n2").gpushare().gpus(&[8]).create(&client).await?;
     assert_eq!(wait_bound(&client, "a").await, "n2");
     assert_eq!(driver.pending_reason("default", "a"), None);
+    driver.shutdown().await;
+    Ok(())
+}
+
+/// A pod only the extender rejected (no plugin of the scheduler's own rejected a node) has no
+/// cluster event to wait for: kube-scheduler retries it after its backoff
+/// (`determineSchedulingHintForInFlightPod`: no rejecting plugin, `queueAfterBackoff`).
+#[tokio::test]
+async fn a_pod_only_the_extender_rejected_is_retried_after_its_backoff() -> anyhow::Result<()> {
+    let server = ApiServer::start().await?;
+    let client = server.client();
+    node("n1").gpushare().gpus(&[16]).create(&client).await?;
+    let filters = Arc::new(std::sync::atomic::AtomicUsize::new(0));
+    let seen = filters.clone();
+    let bind_client = client.clone();
+    let handler: Handler = Arc::new(move |verb, body| {
+        let seen = seen.clone();
+        let client = bind_client.clone();
+        Box::pin(async move {
+            match verb.as_str() {
+                // The first filter rejects every node, the next ones pass them.
+                "filter" if seen.fetch_add(1, std::sync::atomic::Ordering::SeqCst) == 0 => {
+                    let failed: serde_json::Map<String, Value> = offered(&body)
+                        .into_iter()
+                        .map(|n| (n, json!("not yet")))
+                        .collect();
+                    (
+                        StatusCode::OK,
+                        json!({"NodeNames": [], "FailedNodes": failed, "Error": ""}),
+                    )
+                }
+                "filter" => (StatusCode::OK, pass_all(&body)),
+                "bind" => bind_via_api(&client, &body).await,
+                _ => (StatusCode::NOT_FOUND, Value::Null),
+            }
+        })
+    });
+    let fake = FakeExtender::start(handler).await?;
+    // No cluster change comes: only the backoff can bring the pod back in time.
+    let driver = start_without_unschedulable_retry(&client, &fake).await?;
+    pod("a").gpu_mem(4).create(&client).await?;
+    assert_eq!(wait_bound(&client, "a").await, "n1");
+    assert_eq!(filters.load(std::sync::atomic::Ordering::SeqCst), 2);
     driver.shutdown().await;
     Ok(())
 }

@@ -59,6 +59,9 @@ pub struct Metrics {
     pub idle_gpu_taint_writes: Family<TaintWriteLabels, Counter>,
     /// Nodes carrying the idle-GPU taint, as the leader's node watch last showed them.
     pub idle_gpu_tainted_nodes: Gauge,
+    /// filter calls answered with an error so that kube-scheduler retries after its backoff:
+    /// no node passed, and one waited for kubelet to admit a pod already bound there.
+    pub filter_awaiting_admission: Counter,
 }
 
 /// Labels of an idle-GPU taint write.
@@ -105,6 +108,7 @@ impl Metrics {
             multi_gpu_demand_share: Gauge::default(),
             idle_gpu_taint_writes: Family::default(),
             idle_gpu_tainted_nodes: Gauge::default(),
+            filter_awaiting_admission: Counter::default(),
         };
         let sub = registry.sub_registry_with_prefix("gpushare_extender");
         sub.register(
@@ -157,6 +161,11 @@ impl Metrics {
             "filter_paced_seconds",
             "Seconds filter calls waited for the Binding write queue to shorten, in all",
             metrics.paced_seconds.clone(),
+        );
+        sub.register(
+            "filter_awaiting_admission",
+            "filter calls answered with an error, so that kube-scheduler retries after its backoff: no node passed, and one waits for kubelet to admit a pod of the same size bound there",
+            metrics.filter_awaiting_admission.clone(),
         );
         sub.register(
             "filter_keep_best_stepped_aside",

@@ -317,6 +317,50 @@ async fn each_rejected_node_gets_its_own_reason_even_when_they_repeat() {
 }
 
 #[tokio::test]
+async fn a_node_waiting_for_kubelet_to_admit_a_twin_is_an_error_kube_scheduler_retries() {
+    // "twin" (4 GiB, not admitted yet) fills GPU 0 with "filler"; GPU 1 is empty. The
+    // fixture pod's 4 GiB must join its twin on GPU 0, which has no room: no node passes.
+    let h = harness(
+        vec![node("node-a").gpushare().gpus(&[16, 16]).build()],
+        vec![
+            fixture_pod(),
+            bound("twin", "node-a", 0, 4, false),
+            bound("filler", "node-a", 0, 12, true),
+        ],
+    );
+    let args = json!({"Pod": fixture_pod(), "Nodes": null, "NodeNames": ["node-a"]});
+    let (status, answer) = post(&h, "filter", &args.to_string()).await;
+    assert_eq!(status, StatusCode::OK);
+    let error = answer["Error"].as_str().unwrap_or_default();
+    assert!(
+        error.starts_with(
+            "no node can take the pod until kubelet admits a pod bound before it; node node-a: \
+             a 4 GiB container is still waiting for device allocation on GPU 0"
+        ),
+        "{answer}"
+    );
+    assert_eq!(answer["FailedNodes"], json!({}), "{answer}");
+    let metrics = call(&h.app, "GET", "/metrics", "").await.1;
+    assert!(
+        metrics
+            .as_str()
+            .unwrap_or_default()
+            .contains("gpushare_extender_filter_awaiting_admission_total 1"),
+        "{metrics}"
+    );
+    // kubelet admits the twin: the next try passes node-a, for GPU 1.
+    let mut admitted = bound("twin", "node-a", 0, 4, false);
+    admitted.metadata.uid = Some("uid-twin".into());
+    admitted.status.get_or_insert_default().start_time = Some(
+        k8s_openapi::apimachinery::pkg::apis::meta::v1::Time(jiff::Timestamp::UNIX_EPOCH),
+    );
+    h.state.view_mut().apply_pod(&admitted);
+    let (_, answer) = post(&h, "filter", &args.to_string()).await;
+    assert_eq!(answer["NodeNames"], json!(["node-a"]), "{answer}");
+    assert_eq!(answer["Error"], json!(""), "{answer}");
+}
+
+#[tokio::test]
 async fn unknown_and_unlabelled_nodes_fail_unresolvably_with_reasons() {
     let h = harness(
         vec![

@@ -12,8 +12,7 @@ use anyhow::{Context, ensure};
 
 use super::{
     ALLOCATION_KEYS, DEDICATED_SCHEDULER, Extender, RELEASE, RELEASE_NAMESPACE,
-    SCHEDULER_BACKOFF_MAX, SCHEDULER_UNSCHEDULABLE_RETRY, TestCluster,
-    dedicated_scheduler_configuration,
+    SCHEDULER_BACKOFF_MAX, TestCluster, dedicated_scheduler_configuration,
 };
 use crate::scheduler::{ExtenderConfig, SchedulerConfig, SchedulerDriver};
 
@@ -98,7 +97,7 @@ impl TestCluster {
             binding_cycle_delay: self.spec.binding_cycle_delay,
             backoff_initial: Duration::from_millis(50),
             backoff_max: SCHEDULER_BACKOFF_MAX,
-            unschedulable_retry: SCHEDULER_UNSCHEDULABLE_RETRY,
+            unschedulable_retry: self.spec.unschedulable_retry,
             ..SchedulerConfig::default()
         };
         let config = if self.spec.dedicated {

@@ -34,6 +34,10 @@ pub struct ClusterSpec {
     pub scheduler_values: Vec<String>,
     /// The scheduler driver's [`SchedulerConfig::binding_cycle_delay`](crate::scheduler::SchedulerConfig::binding_cycle_delay) (default none).
     pub binding_cycle_delay: Duration,
+    /// How soon the scheduler driver retries an unschedulable pod with no cluster change
+    /// (default [`SCHEDULER_UNSCHEDULABLE_RETRY`](super::SCHEDULER_UNSCHEDULABLE_RETRY), short so
+    /// scenarios stay quick; kube-scheduler's is five minutes).
+    pub unschedulable_retry: Duration,
 }
 
 /// The scheduler name of the chart's dedicated mode.
@@ -55,6 +59,7 @@ impl ClusterSpec {
             dedicated: false,
             scheduler_values: Vec::new(),
             binding_cycle_delay: Duration::ZERO,
+            unschedulable_retry: super::SCHEDULER_UNSCHEDULABLE_RETRY,
         }
     }
 
@@ -96,6 +101,13 @@ impl ClusterSpec {
     /// come first (see [`SchedulerConfig::binding_cycle_delay`](crate::scheduler::SchedulerConfig::binding_cycle_delay)).
     pub fn with_binding_cycle_delay(mut self, delay: Duration) -> Self {
         self.binding_cycle_delay = delay;
+        self
+    }
+
+    /// Retries an unschedulable pod only on a cluster change or after `retry`: kube-scheduler's
+    /// five minutes, for a scenario that must not pass on the short default's retries.
+    pub fn with_unschedulable_retry(mut self, retry: Duration) -> Self {
+        self.unschedulable_retry = retry;
         self
     }
 

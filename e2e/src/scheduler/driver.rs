@@ -84,7 +84,9 @@ struct BindJob {
 
 /// How a scheduling cycle ended without a node.
 enum CycleFailure {
-    Unschedulable(String),
+    /// No node fits; whether one of the scheduler's own plugins rejected a node (else only
+    /// extenders did).
+    Unschedulable(String, bool),
     Error(String),
 }
 
@@ -234,7 +236,7 @@ async fn schedule_one(shared: &Arc<Shared>, popped: Popped) -> Option<BindJob> {
         stats.cycle_latencies.push(started.elapsed());
         match &outcome {
             Ok(_) => stats.assumed += 1,
-            Err(CycleFailure::Unschedulable(_)) => stats.unschedulable += 1,
+            Err(CycleFailure::Unschedulable(..)) => stats.unschedulable += 1,
             Err(CycleFailure::Error(_)) => stats.scheduling_errors += 1,
         }
     }
@@ -246,8 +248,12 @@ async fn schedule_one(shared: &Arc<Shared>, popped: Popped) -> Option<BindJob> {
                 .assume(&popped, &host)
                 .then_some(BindJob { popped, host })
         }
-        Err(CycleFailure::Unschedulable(message)) => {
-            fail(shared, &popped, FailureKind::Unschedulable, message);
+        Err(CycleFailure::Unschedulable(message, by_plugins)) => {
+            let kind = match by_plugins {
+                true => FailureKind::Unschedulable,
+                false => FailureKind::UnschedulableByExtendersOnly,
+            };
+            fail(shared, &popped, kind, message);
             None
         }
         Err(CycleFailure::Error(message)) => {
@@ -264,8 +270,13 @@ async fn find_host(shared: &Shared, pod: &Pod) -> Result<String, CycleFailure> {
     };
     let num_all = filtered.num_all_nodes;
     let mut statuses = filtered.statuses;
+    // Upstream's Diagnosis.UnschedulablePlugins: empty when only extenders rejected nodes.
+    let rejected_by_plugins = !statuses.is_empty();
     let unschedulable = |statuses: &BTreeMap<String, Vec<String>>| {
-        CycleFailure::Unschedulable(fit_error_message(num_all, statuses.values()))
+        CycleFailure::Unschedulable(
+            fit_error_message(num_all, statuses.values()),
+            rejected_by_plugins,
+        )
     };
     if filtered.feasible.is_empty() {
         return Err(unschedulable(&statuses));
@@ -408,7 +419,7 @@ fn fail(shared: &Arc<Shared>, popped: &Popped, kind: FailureKind, message: Strin
         &message,
     );
     let reason = match kind {
-        FailureKind::Unschedulable => "Unschedulable",
+        FailureKind::Unschedulable | FailureKind::UnschedulableByExtendersOnly => "Unschedulable",
         FailureKind::Error => "SchedulerError",
     };
     queue_pod_scheduled(shared, &popped.key, reason, message);

@@ -56,8 +56,13 @@ pub enum Phase {
 /// How a scheduling or binding attempt failed.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum FailureKind {
-    /// No node fits (a FitError): wait for the cluster to change.
+    /// No node fits (a FitError) and one of the scheduler's own plugins rejected a node:
+    /// wait for the cluster to change.
     Unschedulable,
+    /// No node fits, but only extenders rejected nodes: no plugin names a cluster event to
+    /// wait for, so upstream retries the pod after its backoff (`queueAfterBackoff` in
+    /// `determineSchedulingHintForInFlightPod`, `pkg/scheduler/backend/queue`).
+    UnschedulableByExtendersOnly,
     /// Something failed (an extender, a bind): retry after backoff.
     Error,
 }

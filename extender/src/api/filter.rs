@@ -175,6 +175,11 @@ impl<'a> Fits<'_, 'a> {
             self.state.metrics().multi_gpu_demand_share.set(share);
         }
         if passing.is_empty() {
+            if let Some(error) = awaiting_admission(self.view.settings(), candidates, &rejected) {
+                self.state.metrics().filter_awaiting_admission.inc();
+                result.error = error;
+                return;
+            }
             write_reasons(self.view.settings(), candidates, rejected, result);
         } else {
             result.failed_nodes = Default::default();
@@ -233,6 +238,39 @@ pub(super) fn hold_for_bind(
 /// How long filter holds memory for a pod whose bind has not come: kube-scheduler calls bind
 /// milliseconds after filter unless its binding cycle is stuck or gone.
 const HOLD_FOR: Duration = Duration::from_secs(5);
+
+/// The error filter answers when no node passed and one of them waits for kubelet to admit a
+/// pod already bound there ([`Unfit::awaits_admission`]); `None` when none waits.
+///
+/// Why an error and not failed nodes: kube-scheduler puts a pod no node passed for in its
+/// unschedulable set, and takes it out again only for a cluster event that one of the plugins
+/// which rejected other nodes (NodeAffinity, NodeResourcesFit…) names, or after five minutes.
+/// The pod that blocks this one starting is a status update of an assigned pod, which none of
+/// them names: the pod would wait minutes for memory that frees in a second. A pod whose
+/// scheduling failed with an error, by contrast, is retried after its backoff (1 s, doubling
+/// to 10 s) whatever happens meanwhile (`determineSchedulingHintForInFlightPod` in upstream's
+/// `pkg/scheduler/backend/queue/scheduling_queue.go`: no rejecting plugin, `queueAfterBackoff`).
+fn awaiting_admission(
+    settings: &Settings,
+    candidates: &[Candidate<'_>],
+    rejected: &[(usize, Unfit)],
+) -> Option<String> {
+    let mut waiting = rejected
+        .iter()
+        .filter(|(_, unfit)| unfit.awaits_admission());
+    let (first, unfit) = waiting.next()?;
+    let others = waiting.count();
+    let node = &candidates[*first].0;
+    let more = match others {
+        0 => String::new(),
+        1 => " (and 1 more node)".to_owned(),
+        n => format!(" (and {n} more nodes)"),
+    };
+    Some(format!(
+        "no node can take the pod until kubelet admits a pod bound before it; node {node}{more}: {}",
+        unfit_reason(settings, node, unfit)
+    ))
+}
 
 /// Writes why each `rejected` candidate fails into `result`'s failed or unresolvable nodes.
 ///
