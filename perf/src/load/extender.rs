@@ -454,6 +454,13 @@ fn report_outcomes(tally: &Tally, before: &Counters, after: &Counters) {
         figure("  refused", message);
     }
     figure("cycles where no node passed filter", tally.unfit);
+    figure(
+        "filter errors (pod requeued; a node waits for an admission)",
+        tally.filter_errors.len(),
+    );
+    for message in tally.filter_errors.iter().take(QUOTED) {
+        figure("  filter error", message);
+    }
     figure("pods left unscheduled", tally.unscheduled);
     figure("call errors", tally.errors.len());
     for message in tally.errors.iter().take(QUOTED) {

@@ -10,7 +10,7 @@ use std::collections::{HashMap, VecDeque};
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
 
-use anyhow::{Context, bail};
+use anyhow::Context;
 use gpushare_e2e::scheduler::wire::{self, ExtenderArgs, ExtenderBindingArgs};
 use k8s_openapi::api::core::v1::Pod;
 
@@ -23,7 +23,8 @@ use crate::report::Latencies;
 const MAX_ATTEMPTS: u32 = 20;
 
 /// The drive: pending pods handed out one at a time to `concurrency` workers; a pod whose
-/// bind was refused goes to the back of the queue, as kube-scheduler requeues it.
+/// bind was refused, or whose filter failed, goes to the back of the queue, as kube-scheduler
+/// requeues it.
 pub struct Drive {
     pub http: Http,
     pods: Vec<Pod>,
@@ -48,6 +49,8 @@ pub struct Tally {
     pub bound: u64,
     /// Cycles in which no node passed filter.
     pub unfit: u64,
+    /// Filter calls answered with an error (the pod requeued, as a refused bind's).
+    pub filter_errors: Vec<String>,
     /// Pods given up on (out of attempts, or a call failed).
     pub unscheduled: u64,
     pub refusals: Vec<String>,
@@ -61,6 +64,7 @@ impl Tally {
         self.bind.extend(other.bind);
         self.bound += other.bound;
         self.unfit += other.unfit;
+        self.filter_errors.extend(other.filter_errors);
         self.unscheduled += other.unscheduled;
         self.refusals.extend(other.refusals);
         self.errors.extend(other.errors);
@@ -173,7 +177,10 @@ impl Drive {
         tally.filter.push(took);
         let filtered = wire::decode_filter_result(&answer)?;
         if !filtered.error.is_empty() {
-            bail!("filter of pod {name}: {}", filtered.error);
+            // kube-scheduler retries a pod whose filter failed after its backoff (the
+            // extender answers an error while the only nodes left wait for an admission).
+            tally.filter_errors.push(filtered.error);
+            return Ok(false);
         }
         let passed = filtered.node_names.unwrap_or_default();
         let Some(first) = passed.first() else {
