@@ -98,11 +98,13 @@ pub async fn wait_bound(pods: &Api<Pod>, name: &str) -> anyhow::Result<String> {
     match bound {
         Ok(node) => Ok(node),
         Err(error) => {
-            let pod = pods.get(name).await.ok();
-            let why = match pod.as_ref().map(scheduling_message) {
-                Some(Some(message)) => format!("last scheduling message: {message}"),
-                Some(None) => "no scheduling message".into(),
-                None => "gone".into(),
+            let why = match pods.get_opt(name).await {
+                Ok(Some(pod)) => match scheduling_message(&pod) {
+                    Some(message) => format!("last scheduling message: {message}"),
+                    None => "no scheduling message".into(),
+                },
+                Ok(None) => "gone".into(),
+                Err(read) => format!("reading it failed: {read}"),
             };
             Err(error.context(format!("pod {name}: {why}")))
         }
