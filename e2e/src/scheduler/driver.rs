@@ -84,9 +84,9 @@ struct BindJob {
 
 /// How a scheduling cycle ended without a node.
 enum CycleFailure {
-    /// No node fits; whether one of the scheduler's own plugins rejected a node (else only
-    /// extenders did).
-    Unschedulable(String, bool),
+    /// No node fits; the kind says whether one of the scheduler's own plugins rejected a
+    /// node or only extenders did.
+    Unschedulable(String, FailureKind),
     Error(String),
 }
 
@@ -248,11 +248,7 @@ async fn schedule_one(shared: &Arc<Shared>, popped: Popped) -> Option<BindJob> {
                 .assume(&popped, &host)
                 .then_some(BindJob { popped, host })
         }
-        Err(CycleFailure::Unschedulable(message, by_plugins)) => {
-            let kind = match by_plugins {
-                true => FailureKind::Unschedulable,
-                false => FailureKind::UnschedulableByExtendersOnly,
-            };
+        Err(CycleFailure::Unschedulable(message, kind)) => {
             fail(shared, &popped, kind, message);
             None
         }
@@ -271,12 +267,12 @@ async fn find_host(shared: &Shared, pod: &Pod) -> Result<String, CycleFailure> {
     let num_all = filtered.num_all_nodes;
     let mut statuses = filtered.statuses;
     // Upstream's Diagnosis.UnschedulablePlugins: empty when only extenders rejected nodes.
-    let rejected_by_plugins = !statuses.is_empty();
+    let kind = match statuses.is_empty() {
+        true => FailureKind::UnschedulableByExtendersOnly,
+        false => FailureKind::Unschedulable,
+    };
     let unschedulable = |statuses: &BTreeMap<String, Vec<String>>| {
-        CycleFailure::Unschedulable(
-            fit_error_message(num_all, statuses.values()),
-            rejected_by_plugins,
-        )
+        CycleFailure::Unschedulable(fit_error_message(num_all, statuses.values()), kind)
     };
     if filtered.feasible.is_empty() {
         return Err(unschedulable(&statuses));
