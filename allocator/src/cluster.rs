@@ -6,7 +6,8 @@
 //! - `node`: one node's GPUs, pods and the totals derived from them (booking, unbooking);
 //! - `decide`: which GPU(s) of a node a request gets, or why none (policy, twin rule, NUMA);
 //! - `score`: the read-only questions of the scheduling path (fit, scores, choose a GPU);
-//! - `host`: what the fragmentation policy adds (CPU and memory, the learned workload).
+//! - `host`: what the fragmentation policy adds (CPU and memory, the learned workload);
+//! - `preempt`: which pods must go so a more important pod fits on one GPU.
 
 use std::sync::Arc;
 
@@ -21,9 +22,11 @@ use crate::{Gpu, Placement, PodId, PodPlacement, Policy, Refusal, Request, Unfit
 mod decide;
 mod host;
 mod node;
+mod preempt;
 mod score;
 
 pub use node::{GpuSet, GpuUsage, Node};
+pub use preempt::{Evictable, Eviction};
 
 /// Every node's GPUs and the pods booked on them.
 #[derive(Debug, Clone, Default, PartialEq, Eq)]

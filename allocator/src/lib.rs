@@ -54,7 +54,7 @@ mod unfit;
 use std::fmt;
 use std::sync::Arc;
 
-pub use cluster::{Cluster, GpuSet, GpuUsage, Node};
+pub use cluster::{Cluster, Evictable, Eviction, GpuSet, GpuUsage, Node};
 pub use unfit::{GpuList, Refusal, Unfit};
 
 /// A pod's identity: its UID, so a pod recreated under the same name is a different pod.

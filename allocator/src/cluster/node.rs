@@ -125,7 +125,7 @@ impl Node {
 
     /// Where every GPU of `placement` sits now, each once; GPUs gone from the node are
     /// left out.
-    fn slots(&self, placement: &PodPlacement) -> Vec<usize> {
+    pub(super) fn slots(&self, placement: &PodPlacement) -> Vec<usize> {
         let mut slots: Vec<usize> = std::iter::once((placement.gpu, &placement.uuid))
             .chain(
                 placement
@@ -141,7 +141,7 @@ impl Node {
     }
 
     /// GiB `placement` holds on a GPU of `total_gib`: all of it when exclusive.
-    fn held(placement: &PodPlacement, total_gib: u64) -> u64 {
+    pub(super) fn held(placement: &PodPlacement, total_gib: u64) -> u64 {
         if placement.exclusive {
             placement.pod_gib.max(total_gib)
         } else {
