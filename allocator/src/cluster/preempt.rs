@@ -206,7 +206,7 @@ impl Cluster {
                 .saturating_add(i64::from(pod.priority));
             victims.push(pod);
         }
-        victims.sort_by(|a, b| b.priority.cmp(&a.priority));
+        victims.sort_by_key(|pod| std::cmp::Reverse(pod.priority));
         eviction.victims = victims.into_iter().map(|pod| pod.uid.clone()).collect();
         let choice = scratch
             .choose(request, Policy::Binpack, &self.workload)
