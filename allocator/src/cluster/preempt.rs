@@ -469,7 +469,11 @@ mod tests {
         assert!(eviction.victims.is_empty());
     }
 
-    fn node_strategy() -> impl Strategy<Value = (Vec<u64>, Vec<(u64, i32, bool)>, u64, u32, bool)> {
+    /// GPU sizes; pods as (GiB, priority: 0 is not listed, waiting for its device); the
+    /// request's GiB per GPU, GPUs and whether whole.
+    type NodeCase = (Vec<u64>, Vec<(u64, i32, bool)>, u64, u32, bool);
+
+    fn node_strategy() -> impl Strategy<Value = NodeCase> {
         (
             prop::collection::vec(prop::sample::select(vec![8u64, 15, 16, 24]), 1..5),
             prop::collection::vec((1u64..9, 0i32..4, any::<bool>()), 0..14),
