@@ -62,6 +62,38 @@ pub struct Metrics {
     /// filter calls answered with an error so that kube-scheduler retries after its backoff:
     /// no node passed, and one waited for kubelet to admit a pod already bound there.
     pub filter_awaiting_admission: Counter,
+    /// preempt answers by outcome ([`PreemptLabels`]).
+    pub preempt_answers: Family<PreemptLabels, Counter>,
+    /// Victims of preempt calls, as kube-scheduler proposed them and as answered.
+    pub preempt_victims: Family<VictimLabels, Counter>,
+    /// Candidate nodes a preempt answer dropped: no eviction of lower-priority pods there
+    /// makes room on one GPU.
+    pub preempt_nodes_dropped: Counter,
+    /// Unbound pods nominated for a node by preemption, and how many have their memory held.
+    pub nominations: Family<NominationLabels, Gauge>,
+}
+
+/// Labels of a preempt answer.
+#[derive(Debug, Clone, PartialEq, Eq, Hash, EncodeLabelSet)]
+pub struct PreemptLabels {
+    /// victims (some node kept), no_node (every candidate dropped), not_ours (the pod asks
+    /// for no GPU memory: kube-scheduler's proposal passed through), unreadable (its request
+    /// cannot be read), not_synced.
+    pub outcome: &'static str,
+}
+
+/// Labels of a preempt call's victims.
+#[derive(Debug, Clone, PartialEq, Eq, Hash, EncodeLabelSet)]
+pub struct VictimLabels {
+    /// proposed (by kube-scheduler, on every candidate node), answered (by the extender).
+    pub by: &'static str,
+}
+
+/// Labels of the nomination gauge.
+#[derive(Debug, Clone, PartialEq, Eq, Hash, EncodeLabelSet)]
+pub struct NominationLabels {
+    /// nominated (all), held (memory booked on the nominated node).
+    pub state: &'static str,
 }
 
 /// Labels of an idle-GPU taint write.
@@ -109,6 +141,10 @@ impl Metrics {
             idle_gpu_taint_writes: Family::default(),
             idle_gpu_tainted_nodes: Gauge::default(),
             filter_awaiting_admission: Counter::default(),
+            preempt_answers: Family::default(),
+            preempt_victims: Family::default(),
+            preempt_nodes_dropped: Counter::default(),
+            nominations: Family::default(),
         };
         let sub = registry.sub_registry_with_prefix("gpushare_extender");
         sub.register(
@@ -187,7 +223,53 @@ impl Metrics {
             "Nodes carrying the idle-GPU taint, as the leader's node watch last showed them (0 on a follower: only the leader reads it)",
             metrics.idle_gpu_tainted_nodes.clone(),
         );
+        sub.register(
+            "preempt_answers",
+            "preempt answers by outcome: victims (a node kept), no_node (no eviction of lower-priority pods makes room on one GPU anywhere), not_ours, unreadable, not_synced",
+            metrics.preempt_answers.clone(),
+        );
+        sub.register(
+            "preempt_victims",
+            "Victims in preempt calls: proposed by kube-scheduler (by the node's total) and answered by the extender (per GPU)",
+            metrics.preempt_victims.clone(),
+        );
+        sub.register(
+            "preempt_nodes_dropped",
+            "Candidate nodes a preempt answer dropped because no eviction there makes room on one GPU",
+            metrics.preempt_nodes_dropped.clone(),
+        );
+        sub.register(
+            "nominations",
+            "Unbound pods nominated for a node by preemption (state=nominated), and those whose memory is held there (state=held)",
+            metrics.nominations.clone(),
+        );
         metrics
+    }
+
+    /// Sets the nomination gauges from (nominated, held).
+    pub fn set_nominations(&self, (nominated, held): (usize, usize)) {
+        let gauge = |count: usize| i64::try_from(count).unwrap_or(i64::MAX);
+        for (state, count) in [("nominated", nominated), ("held", held)] {
+            self.nominations
+                .get_or_create(&NominationLabels { state })
+                .set(gauge(count));
+        }
+    }
+
+    /// Counts a preempt answer.
+    pub fn preempt_answer(&self, outcome: &'static str) {
+        self.preempt_answers
+            .get_or_create(&PreemptLabels { outcome })
+            .inc();
+    }
+
+    /// Counts the victims kube-scheduler proposed and those answered.
+    pub fn preempt_victims(&self, proposed: usize, answered: usize) {
+        for (by, count) in [("proposed", proposed), ("answered", answered)] {
+            self.preempt_victims
+                .get_or_create(&VictimLabels { by })
+                .inc_by(count as u64);
+        }
     }
 
     /// Counts a filter that passed every fitting node for `why`.

@@ -10,9 +10,10 @@
 //! docs/performance.md) and allocates only what is kept.
 //!
 //! What is kept is exactly what [`crate::watch`] kept before by trimming a full Pod: the
-//! metadata except labels, owner references and managed fields; the node name; each
-//! container's and init container's name, resources and restart policy; the phase and the
-//! start time (kubelet admitted the pod: see [`crate::view::PodFacts`]). A test
+//! metadata except labels, owner references and managed fields; the node name and the
+//! priority (preemption weighs it); each container's and init container's name, resources
+//! and restart policy; the phase, the start time (kubelet admitted the pod: see
+//! [`crate::view::PodFacts`]) and the node a preemption nominated the pod for. A test
 //! holds the two equal on varied pods. Annotations are kept whole here and cut to gpushare's
 //! domain by the watch, which knows the domain.
 
@@ -83,6 +84,7 @@ struct LeanMeta {
 #[serde(rename_all = "camelCase")]
 struct LeanSpec {
     node_name: Option<String>,
+    priority: Option<i32>,
     #[serde(default)]
     containers: Option<Vec<LeanContainer>>,
     init_containers: Option<Vec<LeanContainer>>,
@@ -101,6 +103,7 @@ struct LeanContainer {
 struct LeanStatus {
     phase: Option<String>,
     start_time: Option<Time>,
+    nominated_node_name: Option<String>,
 }
 
 impl LeanContainer {
@@ -149,6 +152,7 @@ impl<'de> Deserialize<'de> for WatchedPod {
             });
         let spec = lean.spec.map(|s| PodSpec {
             node_name: s.node_name,
+            priority: s.priority,
             containers: s
                 .containers
                 .unwrap_or_default()
@@ -165,6 +169,7 @@ impl<'de> Deserialize<'de> for WatchedPod {
         let status = lean.status.map(|s| PodStatus {
             phase: s.phase,
             start_time: s.start_time,
+            nominated_node_name: s.nominated_node_name,
             ..PodStatus::default()
         });
         Ok(WatchedPod(Pod {
@@ -197,6 +202,7 @@ mod tests {
         if let Some(spec) = pod.spec.as_mut() {
             *spec = PodSpec {
                 node_name: spec.node_name.take(),
+                priority: spec.priority.take(),
                 containers: spec.containers.iter_mut().map(trim).collect(),
                 init_containers: spec
                     .init_containers
@@ -209,6 +215,7 @@ mod tests {
             *status = PodStatus {
                 phase: status.phase.take(),
                 start_time: status.start_time.take(),
+                nominated_node_name: status.nominated_node_name.take(),
                 ..PodStatus::default()
             };
         }
@@ -237,6 +244,7 @@ mod tests {
             "spec": {
                 "nodeName": "gpu-node-3",
                 "schedulerName": "gpushare-scheduler",
+                "priority": 1000,
                 "containers": [
                     {"name": "main", "image": "img", "env": [{"name": "A", "value": "1"}],
                      "resources": {"limits": {"example.com/gpu-mem": "4", "cpu": "2"},
@@ -251,6 +259,7 @@ mod tests {
             },
             "status": {
                 "phase": "Running", "podIP": "10.0.0.1", "qosClass": "Burstable",
+                "nominatedNodeName": "gpu-node-3",
                 "startTime": "2026-11-23T21:40:02Z",
                 "conditions": [{"type": "Ready", "status": "True"}],
                 "containerStatuses": [{"name": "main", "ready": true, "restartCount": 0,

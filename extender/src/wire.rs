@@ -209,6 +209,120 @@ pub struct ExtenderBindingResult {
     pub error: String,
 }
 
+/// `ExtenderPreemptionArgs`: the body of `preempt`. With `nodeCacheCapable: true`
+/// kube-scheduler sends `NodeNameToMetaVictims` (UIDs), otherwise `NodeNameToVictims` (whole
+/// pods, of which only the UIDs are read here); the other map is `null`.
+#[derive(Debug, Deserialize)]
+pub struct ExtenderPreemptionArgs {
+    /// The pod that needs room (the preemptor).
+    #[serde(rename = "Pod", alias = "pod", default)]
+    pub pod: Option<Pod>,
+    /// Candidate nodes with the victims kube-scheduler proposes there, as whole pods.
+    #[serde(rename = "NodeNameToVictims", alias = "nodeNameToVictims", default)]
+    pub node_name_to_victims: Option<BTreeMap<String, Option<Victims>>>,
+    /// Candidate nodes with the victims kube-scheduler proposes there, as UIDs.
+    #[serde(
+        rename = "NodeNameToMetaVictims",
+        alias = "nodeNameToMetaVictims",
+        default
+    )]
+    pub node_name_to_meta_victims: Option<BTreeMap<String, Option<MetaVictims>>>,
+}
+
+/// `Victims`: whole pods (only their UIDs are decoded).
+#[derive(Debug, Default, Deserialize)]
+pub struct Victims {
+    /// The pods.
+    #[serde(rename = "Pods", alias = "pods", default)]
+    pub pods: Option<Vec<Option<UidOnly>>>,
+    /// How many of them a PodDisruptionBudget protects.
+    #[serde(rename = "NumPDBViolations", alias = "numPDBViolations", default)]
+    pub num_pdb_violations: i64,
+}
+
+/// A pod object of which only `metadata.uid` is read.
+#[derive(Debug, Default, Deserialize)]
+pub struct UidOnly {
+    /// Its metadata.
+    #[serde(default)]
+    pub metadata: UidMeta,
+}
+
+/// `metadata.uid`.
+#[derive(Debug, Default, Deserialize)]
+pub struct UidMeta {
+    /// The UID.
+    #[serde(default)]
+    pub uid: Option<String>,
+}
+
+/// `MetaVictims`: victims by UID; what the answer carries too.
+#[derive(Debug, Default, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct MetaVictims {
+    /// The pods, most important first (kube-scheduler ranks candidate nodes by the priority
+    /// of the first).
+    #[serde(rename = "Pods", alias = "pods", default)]
+    pub pods: Vec<MetaPod>,
+    /// How many of them a PodDisruptionBudget protects.
+    #[serde(rename = "NumPDBViolations", alias = "numPDBViolations", default)]
+    pub num_pdb_violations: i64,
+}
+
+/// `MetaPod`: a pod by UID.
+#[derive(Debug, Default, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct MetaPod {
+    /// The pod's UID.
+    #[serde(rename = "UID", alias = "uid", default)]
+    pub uid: String,
+}
+
+/// `ExtenderPreemptionResult`: the nodes kept, each with the victims to evict there.
+#[derive(Debug, Default, Serialize, Deserialize)]
+pub struct ExtenderPreemptionResult {
+    /// Node name → victims. A node left out is not preempted on.
+    #[serde(rename = "NodeNameToMetaVictims", default)]
+    pub node_name_to_meta_victims: BTreeMap<String, MetaVictims>,
+}
+
+impl ExtenderPreemptionArgs {
+    /// The candidate nodes with the UIDs proposed on each and their budget violations, from
+    /// whichever form was sent (`MetaVictims` when both were).
+    pub fn proposals(&self) -> BTreeMap<&str, (Vec<&str>, i64)> {
+        if let Some(meta) = &self.node_name_to_meta_victims {
+            return meta
+                .iter()
+                .map(|(node, victims)| {
+                    let victims = victims.as_ref();
+                    let uids = victims.map_or_else(Vec::new, |v| {
+                        v.pods.iter().map(|pod| pod.uid.as_str()).collect()
+                    });
+                    let violations = victims.map_or(0, |v| v.num_pdb_violations);
+                    (node.as_str(), (uids, violations))
+                })
+                .collect();
+        }
+        let Some(whole) = &self.node_name_to_victims else {
+            return BTreeMap::new();
+        };
+        whole
+            .iter()
+            .map(|(node, victims)| {
+                let victims = victims.as_ref();
+                let uids = victims
+                    .and_then(|v| v.pods.as_ref())
+                    .map_or_else(Vec::new, |pods| {
+                        pods.iter()
+                            .flatten()
+                            .filter_map(|pod| pod.metadata.uid.as_deref())
+                            .collect()
+                    });
+                let violations = victims.map_or(0, |v| v.num_pdb_violations);
+                (node.as_str(), (uids, violations))
+            })
+            .collect()
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -250,6 +364,45 @@ mod tests {
         assert_eq!(
             result.failed_nodes.iter().last(),
             Some(("node-a", "unhealthy"))
+        );
+    }
+}
+
+#[cfg(test)]
+mod preemption_tests {
+    use super::*;
+
+    #[test]
+    fn preemption_args_read_either_form_and_the_answer_is_what_kube_scheduler_decodes() {
+        let meta = r#"{"Pod":{"metadata":{"uid":"p"}},"NodeNameToVictims":null,
+            "NodeNameToMetaVictims":{"n1":{"Pods":[{"UID":"a"},{"UID":"b"}],"NumPDBViolations":1},"n2":null}}"#;
+        let args: ExtenderPreemptionArgs = serde_json::from_str(meta).unwrap();
+        let proposals = args.proposals();
+        assert_eq!(proposals["n1"], (vec!["a", "b"], 1));
+        assert_eq!(proposals["n2"], (vec![], 0));
+        let whole = r#"{"Pod":null,"NodeNameToVictims":{"n1":{"Pods":[{"metadata":{"uid":"a","name":"x"},"spec":{"containers":[]}},null],"NumPDBViolations":0}},"NodeNameToMetaVictims":null}"#;
+        let args: ExtenderPreemptionArgs = serde_json::from_str(whole).unwrap();
+        assert_eq!(args.proposals()["n1"], (vec!["a"], 0));
+        let empty: ExtenderPreemptionArgs = serde_json::from_str("{}").unwrap();
+        assert!(empty.proposals().is_empty());
+        assert!(
+            serde_json::from_str::<ExtenderPreemptionArgs>(r#"{"NodeNameToMetaVictims":[1]}"#)
+                .is_err()
+        );
+        // The form upstream's types_test pins.
+        let mut answer = ExtenderPreemptionResult::default();
+        answer.node_name_to_meta_victims.insert(
+            "foo".into(),
+            MetaVictims {
+                pods: vec![MetaPod {
+                    uid: "myuid".into(),
+                }],
+                num_pdb_violations: 1,
+            },
+        );
+        assert_eq!(
+            serde_json::to_string(&answer).unwrap(),
+            r#"{"NodeNameToMetaVictims":{"foo":{"Pods":[{"UID":"myuid"}],"NumPDBViolations":1}}}"#
         );
     }
 }

@@ -6,53 +6,16 @@
 mod common;
 
 use axum::http::StatusCode;
-use common::{BindMode, PREFIX, bind_body, call, call_raw, fixture, harness};
-use gpushare_contract::{ContainerRequest, Keyring, Keys, PodAllocation, SharedKeyring};
+use common::{
+    BindMode, PREFIX, bind_body, bound, bound_builder, call, call_raw, fixture, harness, post,
+};
+use gpushare_contract::{Keyring, Keys, PodAllocation, SharedKeyring};
 use gpushare_extender::reservation::Phase;
-use gpushare_testkit::fixtures::{PodBuilder, node, pod};
+use gpushare_testkit::fixtures::{node, pod};
 use k8s_openapi::api::core::v1::Pod;
 use serde_json::{Value, json};
 
 const FIXTURE_UID: &str = "647c79bc-629b-49c7-a3dd-034bd088a0ab";
-
-/// A pod already bound to `node`, holding `gib` on GPU `gpu`, as the watch shows it.
-fn bound(name: &str, node_name: &str, gpu: u32, gib: u64, assigned: bool) -> Pod {
-    bound_builder(name, node_name, gpu, gib, assigned).build()
-}
-
-/// [`bound`], still to be built (to ask for CPU and memory too).
-fn bound_builder(name: &str, node_name: &str, gpu: u32, gib: u64, assigned: bool) -> PodBuilder {
-    let allocation = PodAllocation {
-        more_gpus: Vec::new(),
-        exclusive: false,
-        gpu_index: gpu,
-        gpu_uuid: format!("GPU-{node_name}-{gpu}"),
-        pod_gib: gib,
-        containers: vec![ContainerRequest {
-            name: "main".into(),
-            gib,
-            init: false,
-        }],
-        bind_time: "2026-11-22T10:00:00Z".into(),
-        assigned,
-        allocated: if assigned {
-            vec!["main".into()]
-        } else {
-            vec![]
-        },
-        signature: None,
-    };
-    let mut builder = pod(name).gpu_mem(gib).on_node(node_name);
-    for (k, v) in allocation.to_annotations(&Keys::default()) {
-        builder = builder.annotation(&k, &v);
-    }
-    builder
-}
-
-/// `POST {PREFIX}/{verb}` with `body`, as kube-scheduler calls the extender.
-async fn post(h: &common::Harness, verb: &str, body: &str) -> (StatusCode, Value) {
-    call(&h.app, "POST", &format!("{PREFIX}/{verb}"), body).await
-}
 
 /// The captured bind request (gpu-pod-3 to node-a), answered.
 async fn captured_bind(h: &common::Harness) -> Value {

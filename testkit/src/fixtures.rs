@@ -12,7 +12,7 @@ use gpushare_contract::{
     DEFAULT_NODE_LABEL_KEY, DEFAULT_NODE_LABEL_VALUE, DEFAULT_RESOURCE, GpuInfo, Keys, inventory,
 };
 use k8s_openapi::api::core::v1::{
-    Container, Node, NodeCondition, NodeStatus, Pod, PodSpec, ResourceRequirements,
+    Container, Node, NodeCondition, NodeStatus, Pod, PodSpec, PodStatus, ResourceRequirements,
 };
 use k8s_openapi::apimachinery::pkg::api::resource::Quantity;
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::ObjectMeta;
@@ -170,6 +170,8 @@ pub fn pod(name: &str) -> PodBuilder {
         scheduler_name: None,
         annotations: BTreeMap::new(),
         node_name: None,
+        priority: None,
+        nominated_node: None,
     }
 }
 
@@ -184,6 +186,8 @@ pub struct PodBuilder {
     scheduler_name: Option<String>,
     annotations: BTreeMap<String, String>,
     node_name: Option<String>,
+    priority: Option<i32>,
+    nominated_node: Option<String>,
 }
 
 /// A container asking `gib` of GPU memory and, as requests, `cpu` and `memory`.
@@ -264,6 +268,18 @@ impl PodBuilder {
         self
     }
 
+    /// `spec.priority`, as the API server's priority admission sets it from the class.
+    pub fn priority(mut self, priority: i32) -> Self {
+        self.priority = Some(priority);
+        self
+    }
+
+    /// `status.nominatedNodeName`: kube-scheduler evicted pods on `node` for this one.
+    pub fn nominated(mut self, node: &str) -> Self {
+        self.nominated_node = Some(node.to_owned());
+        self
+    }
+
     pub fn build(self) -> Pod {
         let mut containers = self.containers;
         if containers.is_empty() {
@@ -290,9 +306,13 @@ impl PodBuilder {
                 init_containers: (!init.is_empty()).then_some(init),
                 scheduler_name: self.scheduler_name,
                 node_name: self.node_name,
+                priority: self.priority,
                 ..Default::default()
             }),
-            status: None,
+            status: self.nominated_node.map(|node| PodStatus {
+                nominated_node_name: Some(node),
+                ..Default::default()
+            }),
         }
     }
 

@@ -235,6 +235,10 @@ extenders:
     weight: {{ .Values.scheduler.extender.weight }}
     {{- end }}
     bindVerb: bind
+    {{- if .Values.scheduler.extender.preempt }}
+    # Victims chosen per GPU: only pods whose going makes room on one GPU.
+    preemptVerb: preempt
+    {{- end }}
     {{- if .Values.extender.tls.enabled }}
     # Verified against the CA of the extender's certificate (the Secret's ca.crt, mounted).
     enableHTTPS: true

@@ -50,7 +50,7 @@ fn filter_answer<'a>(state: &AppState, args: &'a ExtenderArgs<'a>) -> ExtenderFi
     let mut result = ExtenderFilterResult::default();
     let mut passing: Vec<usize> = Vec::with_capacity(candidates.len());
     let pod_uid = pod_uid(args);
-    release_holds(state, pod_uid.as_ref());
+    let released = release_holds(state, pod_uid.as_ref());
     // The request to hold memory for, when exactly one node passes.
     let mut to_hold: Option<Request> = None;
     let view = state.view();
@@ -91,6 +91,11 @@ fn filter_answer<'a>(state: &AppState, args: &'a ExtenderArgs<'a>) -> ExtenderFi
     drop(view);
     if let (Some(request), Some(uid), [only]) = (to_hold, pod_uid, passing.as_slice()) {
         hold_for_bind(state, args, uid, &candidates[*only].0, &request);
+    }
+    // What this filter gave back may be a nomination's booking (its own pod's, when it
+    // held nothing again) or make room for one (`crate::view`'s nominations).
+    if released && state.view().has_unbooked_nominations() {
+        state.view_mut().book_nominations();
     }
     if args.node_names.is_some() {
         result.node_names = Some(passing.iter().map(|&i| candidates[i].0.clone()).collect());
@@ -187,19 +192,22 @@ impl<'a> Fits<'_, 'a> {
     }
 }
 
-/// Gives back, before a filter, the holds whose bind did not come in time, and the hold of the
-/// pod being filtered (its earlier attempt ended without a bind). The write lock is taken only
-/// when there are reservations at all.
-fn release_holds(state: &AppState, pod_uid: Option<&PodId>) {
-    if state.view().reservation_count() == 0 {
-        return;
+/// Gives back, before a filter, the holds whose bind did not come in time, and the hold (or
+/// nomination booking) of the pod being filtered (its earlier attempt ended without a bind).
+/// The write lock is taken only when there are reservations or booked nominations at all.
+/// True when something was given back.
+fn release_holds(state: &AppState, pod_uid: Option<&PodId>) -> bool {
+    {
+        let view = state.view();
+        if view.reservation_count() == 0 && view.nominations().1 == 0 {
+            return false;
+        }
     }
     let mut view = state.view_mut();
-    if let Some(uid) = pod_uid {
-        view.release_hold(uid);
-    }
-    view.release_lapsed_holds(Instant::now());
+    let own = pod_uid.is_some_and(|uid| view.release_hold(uid));
+    let lapsed = view.release_lapsed_holds(Instant::now());
     state.update_reservation_gauges(&view);
+    own || lapsed > 0
 }
 
 /// Holds `request`'s memory on `node` for the pod kube-scheduler is about to bind there:

@@ -7,8 +7,8 @@
 //! This file holds the shared state, the routes and the thin handlers; each verb with
 //! decisions of its own has a file: `filter.rs` (which nodes pass, and the hold for a single
 //! one), `prioritize.rs` (scores, and the hold for a sole best), `inspect.rs` (the view as
-//! JSON), with `args.rs` reading what filter and prioritize are sent. Binding is in
-//! [`crate::bind`].
+//! JSON), `preempt.rs` (which pods to evict so a preemptor gets room on one GPU), with
+//! `args.rs` reading what filter and prioritize are sent. Binding is in [`crate::bind`].
 
 use std::sync::atomic::{AtomicI64, AtomicUsize, Ordering};
 use std::sync::{Arc, RwLock, RwLockReadGuard, RwLockWriteGuard};
@@ -37,6 +37,7 @@ use crate::wire::{ExtenderBindingArgs, ExtenderBindingResult};
 mod args;
 mod filter;
 mod inspect;
+mod preempt;
 mod prioritize;
 
 pub(crate) use filter::unfit_reason;
@@ -211,16 +212,18 @@ impl AppState {
         metrics
             .reservations_held
             .set(gauge(view.reservations_in(Phase::Held)));
+        metrics.set_nominations(view.nominations());
     }
 }
 
-/// The extender's routes: `{prefix}/filter|prioritize|bind|inspect[/{node}]`, `/healthz`,
+/// The extender's routes: `{prefix}/filter|prioritize|bind|preempt|inspect[/{node}]`, `/healthz`,
 /// `/readyz`, `/metrics`; bodies larger than `body_limit` bytes get a 413.
 pub fn router(state: AppState, prefix: &str, body_limit: usize) -> Router {
     let verbs = Router::new()
         .route("/filter", post(filter::filter))
         .route("/prioritize", post(prioritize::prioritize))
         .route("/bind", post(bind))
+        .route("/preempt", post(preempt::preempt))
         .route("/inspect", get(inspect::inspect_all))
         .route("/inspect/{node}", get(inspect::inspect_node))
         .route("/identity", get(identity));

@@ -198,6 +198,11 @@ pub struct PodFacts {
     pub(super) ask: Ask,
     pub(super) allocation: AllocationFacts,
     pub(super) host: Host,
+    /// `spec.priority` (0 when unset, as kube-scheduler reads it).
+    pub(super) priority: i32,
+    /// `status.nominatedNodeName` of a pod not bound yet: the node kube-scheduler evicted
+    /// pods on for it.
+    pub(super) nominated_node: Option<Box<str>>,
 }
 
 impl PodFacts {
@@ -238,9 +243,16 @@ impl PodFacts {
             uid: PodId::from(uid),
             finished: gpushare_contract::request::pod_is_finished(pod),
             ask: Ask::new(request, node_name.is_some()),
+            nominated_node: pod
+                .status
+                .as_ref()
+                .and_then(|s| s.nominated_node_name.as_deref())
+                .filter(|n| !n.is_empty() && node_name.is_none())
+                .map(Box::from),
             node_name,
             allocation,
             host: pod_host(pod),
+            priority: pod.spec.as_ref().and_then(|s| s.priority).unwrap_or(0),
         })
     }
 

@@ -31,7 +31,9 @@
 //!   gets, the spare record kept ([`CachedPod`]);
 //! - `relist.rs`: rebuilding the pods from a complete list, carrying over what must survive it;
 //! - `nodes.rs`: applying nodes: GPUs, eligibility, allocatable CPU and memory, soft taints;
-//! - `reservations.rs`: the view's side of bind's reservations and filter's holds ([`Hold`]).
+//! - `reservations.rs`: the view's side of bind's reservations and filter's holds ([`Hold`]);
+//! - `preemption.rs`: which pods a preemptor may evict, and memory held for the pods preemption
+//!   made room for.
 
 use std::collections::HashMap;
 use std::sync::Arc;
@@ -46,6 +48,7 @@ use crate::reservation::Reservations;
 mod facts;
 mod nodes;
 mod pods;
+mod preemption;
 mod relist;
 mod reservations;
 #[cfg(test)]
@@ -120,6 +123,8 @@ pub struct View {
     /// TaintToleration score reads them, so the filter that keeps the best node steps aside
     /// where one could move the choice ([`crate::keep_best`]).
     prefer_no_schedule: HashMap<Arc<str>, Vec<Taint>>,
+    /// Unbound pods nominated for a node by preemption (see `preemption.rs`).
+    nominations: HashMap<PodId, preemption::Nomination>,
 }
 
 impl View {
@@ -136,6 +141,7 @@ impl View {
             synced_at: None,
             bind_grace: Duration::ZERO,
             prefer_no_schedule: HashMap::new(),
+            nominations: HashMap::new(),
         }
     }
 

@@ -31,6 +31,8 @@ pub struct CachedPod {
     pub bad_annotations: bool,
     /// The CPU and memory it requests (the fragmentation policy weighs them at bind).
     pub host: Host,
+    /// `spec.priority`: which pods a preemptor may displace.
+    pub priority: i32,
 }
 
 impl CachedPod {
@@ -123,6 +125,8 @@ impl View {
             ask,
             allocation,
             host,
+            priority,
+            nominated_node,
         } = facts;
         let (key, uid) = self.shared_ids(key, uid);
         self.forget_if_recreated(&key, &uid);
@@ -142,6 +146,14 @@ impl View {
             true => None,
             false => allocation_warning(&key, &uid, &allocation),
         };
+        self.follow_nomination(
+            &uid,
+            nominated_node.as_deref(),
+            finished,
+            &ask,
+            host,
+            priority,
+        );
         match node_name.as_deref() {
             _ if finished => {
                 self.cluster.remove_pod(&uid);
@@ -171,9 +183,38 @@ impl View {
                 ask,
                 bad_annotations,
                 host,
+                priority,
             },
         );
+        self.book_nominations();
         warning
+    }
+
+    /// Starts, moves or ends the pod's nomination (see `preemption.rs`): only an unbound,
+    /// unfinished pod with a readable request is held for.
+    fn follow_nomination(
+        &mut self,
+        uid: &PodId,
+        nominated: Option<&str>,
+        finished: bool,
+        ask: &Ask,
+        host: Host,
+        priority: i32,
+    ) {
+        let request = match ask {
+            Ask::Pending(request) if !finished => request.as_ref().as_ref().ok(),
+            _ => None,
+        };
+        match (nominated, request) {
+            (Some(node), Some(request)) => {
+                let request = Request {
+                    host,
+                    ..to_request(request)
+                };
+                self.nominate(uid, node, request, priority);
+            }
+            _ => self.end_nomination(uid),
+        }
     }
 
     /// The pod's key and UID as the view already holds them, if it does: keep sharing the
@@ -344,9 +385,11 @@ impl View {
             self.pods.remove(key);
         }
         self.pod_keys.remove(uid);
+        self.nominations.remove(uid);
         self.reservations.remove(uid);
         self.cluster.remove_pod(uid);
         self.cluster.remove_pod_host(uid);
+        self.book_nominations();
     }
 }
 

@@ -34,6 +34,8 @@ impl View {
         let kept = self.untrusted_bookings(&pods);
         self.pods.clear();
         self.pod_keys.clear();
+        // Bookings go with the pods; the listed pods' nominations are followed anew.
+        self.nominations.clear();
         self.cluster.forget_pods();
         for (uid, node, placement) in kept {
             self.cluster.upsert_pod(uid, &node, placement);

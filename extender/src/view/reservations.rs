@@ -119,7 +119,14 @@ impl View {
 
     /// Gives back the pod's hold, if it has one: its bind came (and decides anew), or filter
     /// runs for it again.
+    ///
+    /// What a preemption nomination booked for the pod is given back too (filter and bind
+    /// decide for the pod itself); [`View::book_nominations`] books it again if they leave
+    /// the pod without a booking.
     pub fn release_hold(&mut self, uid: &PodId) -> bool {
+        if self.unbook_nomination(uid) {
+            return true;
+        }
         if self
             .reservations
             .get(uid)
@@ -138,6 +145,9 @@ impl View {
         for uid in &lapsed {
             self.release_hold(uid);
         }
+        if !lapsed.is_empty() {
+            self.book_nominations();
+        }
         lapsed.len()
     }
 
@@ -147,6 +157,7 @@ impl View {
         let settled = self.reservations.settle(uid, ticket, outcome);
         if settled == Settled::Released {
             self.cluster.release(uid);
+            self.book_nominations();
         }
         settled
     }

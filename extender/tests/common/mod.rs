@@ -12,10 +12,12 @@ use axum::body::Body;
 use axum::http::{Request, StatusCode};
 use futures::future::BoxFuture;
 use gpushare_allocator::Policy;
+use gpushare_contract::{ContainerRequest, Keys, PodAllocation};
 use gpushare_extender::{
     AppState, BindError, BindTiming, Binder, BindingTarget, EventSink, PodOnServer, Settings,
     router,
 };
+use gpushare_testkit::fixtures::{PodBuilder, pod};
 use http_body_util::BodyExt;
 use k8s_openapi::api::core::v1::{Node, Pod};
 use prometheus_client::registry::Registry;
@@ -267,4 +269,49 @@ pub fn fixture(name: &str) -> String {
 pub fn bind_body(pod: &str, uid: &str, node: &str) -> String {
     serde_json::json!({"PodName": pod, "PodNamespace": "default", "PodUID": uid, "Node": node})
         .to_string()
+}
+
+/// A pod already bound to `node`, holding `gib` on GPU `gpu`, as the watch shows it.
+pub fn bound(name: &str, node_name: &str, gpu: u32, gib: u64, assigned: bool) -> Pod {
+    bound_builder(name, node_name, gpu, gib, assigned).build()
+}
+
+/// [`bound`], still to be built (to ask for CPU and memory too).
+pub fn bound_builder(
+    name: &str,
+    node_name: &str,
+    gpu: u32,
+    gib: u64,
+    assigned: bool,
+) -> PodBuilder {
+    let allocation = PodAllocation {
+        more_gpus: Vec::new(),
+        exclusive: false,
+        gpu_index: gpu,
+        gpu_uuid: format!("GPU-{node_name}-{gpu}"),
+        pod_gib: gib,
+        containers: vec![ContainerRequest {
+            name: "main".into(),
+            gib,
+            init: false,
+        }],
+        bind_time: "2026-11-22T10:00:00Z".into(),
+        assigned,
+        allocated: if assigned {
+            vec!["main".into()]
+        } else {
+            vec![]
+        },
+        signature: None,
+    };
+    let mut builder = pod(name).gpu_mem(gib).on_node(node_name);
+    for (k, v) in allocation.to_annotations(&Keys::default()) {
+        builder = builder.annotation(&k, &v);
+    }
+    builder
+}
+
+/// `POST {PREFIX}/{verb}` with `body`, as kube-scheduler calls the extender.
+pub async fn post(h: &Harness, verb: &str, body: &str) -> (StatusCode, Value) {
+    call(&h.app, "POST", &format!("{PREFIX}/{verb}"), body).await
 }

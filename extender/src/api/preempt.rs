@@ -1,0 +1,248 @@
+//! `POST {prefix}/preempt`: which pods to evict on each candidate node so that the preemptor
+//! gets room on one GPU, or which candidates to drop because no eviction there gives it.
+//!
+//! Why: kube-scheduler proposes victims by the node's total of the resource. On a node whose
+//! GPUs each have a little free, it evicts one small pod here and one there, frees memory on
+//! both GPUs and room on neither: pods die for nothing and the preemptor still waits. Here
+//! each candidate node is decided per GPU by the allocation core
+//! ([`gpushare_allocator::Cluster::eviction`]) among the node's pods of lower priority than
+//! the preemptor, whether kube-scheduler proposed them or not (it resolves the answer's UIDs
+//! among all the node's pods: `convertPodUIDToPod` in upstream's `pkg/scheduler/extender.go`).
+//!
+//! What is kept of kube-scheduler's proposal: the victims that hold no GPU memory on the
+//! node (it chose them for CPU, memory or another resource), after ours. A pod that asks
+//! for no GPU memory gets the proposal back unchanged. Whatever cannot be decided (the
+//! preemptor's request is unreadable, the view is not synced) drops every node: no pod is
+//! evicted on a guess, and kube-scheduler tries again later.
+
+use std::collections::BTreeMap;
+use std::time::Instant;
+
+use axum::body::Bytes;
+use axum::extract::State;
+use axum::response::Response;
+use gpushare_allocator::{Eviction, PodId};
+use gpushare_contract::pod_request_with;
+
+use super::{AppState, bad_request, json_response};
+use crate::kube_io::PodEvent;
+use crate::view::{View, pod_host, to_request};
+use crate::wire::{ExtenderPreemptionArgs, ExtenderPreemptionResult, MetaPod, MetaVictims};
+
+/// `POST {prefix}/preempt`.
+#[tracing::instrument(skip_all, fields(pod))]
+pub(super) async fn preempt(State(state): State<AppState>, body: Bytes) -> Response {
+    let started = Instant::now();
+    let response = match serde_json::from_slice::<ExtenderPreemptionArgs>(&body) {
+        Ok(args) => json_response(&preempt_answer(&state, &args)),
+        Err(error) => bad_request("preempt", &error),
+    };
+    state.metrics().observe("preempt", started);
+    response
+}
+
+/// The node an answer kept, with the eviction decided there.
+struct Kept<'a> {
+    node: &'a str,
+    eviction: Eviction,
+    /// kube-scheduler's victims on the node that hold no GPU memory there.
+    others: Vec<&'a str>,
+}
+
+fn preempt_answer(state: &AppState, args: &ExtenderPreemptionArgs) -> ExtenderPreemptionResult {
+    let proposals = args.proposals();
+    let proposed: usize = proposals.values().map(|(uids, _)| uids.len()).sum();
+    let Some(pod) = args.pod.as_ref() else {
+        state.metrics().preempt_answer("unreadable");
+        return ExtenderPreemptionResult::default();
+    };
+    let pod_name = format!(
+        "{}/{}",
+        pod.metadata.namespace.as_deref().unwrap_or_default(),
+        pod.metadata.name.as_deref().unwrap_or_default()
+    );
+    tracing::Span::current().record("pod", tracing::field::display(&pod_name));
+    let settings = state.view().settings().clone();
+    let request = match pod_request_with(pod, &settings.resource, &settings.keys) {
+        Ok(Some(request)) => gpushare_allocator::Request {
+            host: pod_host(pod),
+            ..to_request(&request)
+        },
+        Ok(None) => {
+            state.metrics().preempt_answer("not_ours");
+            return pass_through(&proposals);
+        }
+        Err(error) => {
+            tracing::warn!(%error, "preempt: the preemptor's request cannot be read; no node is preempted on");
+            state.metrics().preempt_answer("unreadable");
+            return ExtenderPreemptionResult::default();
+        }
+    };
+    let priority = pod.spec.as_ref().and_then(|s| s.priority).unwrap_or(0);
+    let uid = pod.metadata.uid.as_deref().map(PodId::from);
+    let mut view = state.view_mut();
+    if !view.is_synced() {
+        drop(view);
+        state.metrics().preempt_answer("not_synced");
+        return ExtenderPreemptionResult::default();
+    }
+    // Its own hold or nomination booking must not count against it.
+    let released = uid.as_ref().is_some_and(|uid| view.release_hold(uid));
+    let mut kept: Vec<Kept<'_>> = Vec::new();
+    let mut dropped = 0_u64;
+    for (&node, (uids, _)) in &proposals {
+        let evictable = view.evictable_on(node, priority);
+        match view.cluster.eviction(node, &request, &evictable) {
+            Some(eviction) => {
+                let booked_here = |uid: &str| {
+                    view.cluster
+                        .pod(&PodId::from(uid))
+                        .is_some_and(|(on, _)| on == node)
+                };
+                let others = uids.iter().copied().filter(|u| !booked_here(u)).collect();
+                kept.push(Kept {
+                    node,
+                    eviction,
+                    others,
+                });
+            }
+            None => dropped += 1,
+        }
+    }
+    if released {
+        view.book_nominations();
+    }
+    let event = kept
+        .iter()
+        .min_by_key(|k| {
+            let e = &k.eviction;
+            (
+                e.budget_violations,
+                e.highest_priority,
+                e.priority_sum,
+                e.victims.len(),
+            )
+        })
+        .map(|best| event_note(&view, best, kept.len(), &proposals));
+    state.update_reservation_gauges(&view);
+    drop(view);
+    state.metrics().preempt_nodes_dropped.inc_by(dropped);
+    let mut answer = ExtenderPreemptionResult::default();
+    for Kept {
+        node,
+        eviction,
+        others,
+    } in &kept
+    {
+        let pods = eviction
+            .victims
+            .iter()
+            .map(PodId::as_str)
+            .chain(others.iter().copied())
+            .map(|uid| MetaPod {
+                uid: uid.to_owned(),
+            })
+            .collect();
+        let victims = MetaVictims {
+            pods,
+            num_pdb_violations: i64::try_from(eviction.budget_violations).unwrap_or(i64::MAX),
+        };
+        answer
+            .node_name_to_meta_victims
+            .insert((*node).to_owned(), victims);
+    }
+    let answered: usize = answer
+        .node_name_to_meta_victims
+        .values()
+        .map(|v| v.pods.len())
+        .sum();
+    state.metrics().preempt_victims(proposed, answered);
+    state.metrics().preempt_answer(if kept.is_empty() {
+        "no_node"
+    } else {
+        "victims"
+    });
+    tracing::info!(
+        candidates = proposals.len(),
+        kept = kept.len(),
+        proposed,
+        answered,
+        "preempt answered"
+    );
+    if let (Some(note), Some(uid)) = (event, uid) {
+        state.events().send(PodEvent {
+            namespace: pod.metadata.namespace.clone().unwrap_or_default(),
+            name: pod.metadata.name.clone().unwrap_or_default(),
+            uid: uid.to_string(),
+            warning: false,
+            reason: "GpuPreemption",
+            note,
+        });
+    }
+    answer
+}
+
+/// kube-scheduler's proposal, unchanged (a pod that asks for no GPU memory).
+fn pass_through(proposals: &BTreeMap<&str, (Vec<&str>, i64)>) -> ExtenderPreemptionResult {
+    let mut answer = ExtenderPreemptionResult::default();
+    for (node, (uids, violations)) in proposals {
+        let pods = uids
+            .iter()
+            .map(|uid| MetaPod {
+                uid: (*uid).to_owned(),
+            })
+            .collect();
+        answer.node_name_to_meta_victims.insert(
+            (*node).to_owned(),
+            MetaVictims {
+                pods,
+                num_pdb_violations: *violations,
+            },
+        );
+    }
+    answer
+}
+
+/// What the preemptor's Event says: the node kube-scheduler will most likely pick (the best
+/// by its own ranking), the GPUs freed there, the pods to evict and those it had proposed.
+fn event_note(
+    view: &View,
+    best: &Kept<'_>,
+    kept: usize,
+    proposals: &BTreeMap<&str, (Vec<&str>, i64)>,
+) -> String {
+    let name = |uid: &str| {
+        view.pod_key(&PodId::from(uid))
+            .map_or_else(|| uid.to_owned(), |(ns, name)| format!("{ns}/{name}"))
+    };
+    let gpus: Vec<String> = best.eviction.gpus.iter().map(u32::to_string).collect();
+    let victims: Vec<String> = best
+        .eviction
+        .victims
+        .iter()
+        .map(|uid| name(uid.as_str()))
+        .collect();
+    let theirs: Vec<String> = proposals
+        .get(best.node)
+        .map(|(uids, _)| uids.iter().map(|uid| name(uid)).collect())
+        .unwrap_or_default();
+    let more = match kept {
+        0 | 1 => String::new(),
+        n => format!(" ({} other candidate nodes kept)", n - 1),
+    };
+    let evicting = if victims.is_empty() {
+        "nothing to evict".to_owned()
+    } else {
+        format!("evicting {}", victims.join(", "))
+    };
+    format!(
+        "preemption on node {}: GPU {} gets room for the pod by {evicting}; kube-scheduler proposed {}{more}",
+        best.node,
+        gpus.join(","),
+        if theirs.is_empty() {
+            "none".to_owned()
+        } else {
+            theirs.join(", ")
+        }
+    )
+}
