@@ -19,7 +19,8 @@
 //! - [`front`]: a round-robin TCP front over several extender replicas, as a Service is.
 //! - [`realk8s`]: the real-Kubernetes tier: the kit of `../shared/realk8s` set up, the chart
 //!   installed by helm, container environments read from the real runtime's record.
-//! - [`scenarios`]: the user stories, written once, run here and on a real cluster.
+//! - [`scenarios`]: the user stories, written once, run here and on a real cluster;
+//!   [`preemption`]: the preemption stories, likewise.
 //! - [`tools`]: installs kubectl and helm from the project's own script, for tests that need them.
 
 pub mod apiserver;
@@ -29,6 +30,7 @@ pub use gpushare_testkit::fixtures;
 pub mod front;
 pub mod kubelet;
 pub mod kubelet_dra;
+pub mod preemption;
 pub mod realk8s;
 pub mod resourceclaim;
 pub mod scenarios;

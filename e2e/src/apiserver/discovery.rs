@@ -50,7 +50,8 @@ pub(crate) fn groups() -> Value {
             group("admissionregistration.k8s.io", "v1"),
             group("coordination.k8s.io", "v1"),
             group("events.k8s.io", "v1"),
-            group("resource.k8s.io", "v1")
+            group("resource.k8s.io", "v1"),
+            group("scheduling.k8s.io", "v1")
         ]
     })
 }
@@ -63,6 +64,7 @@ pub(crate) fn group_doc(name: &str) -> Option<Value> {
             | "coordination.k8s.io"
             | "events.k8s.io"
             | "resource.k8s.io"
+            | "scheduling.k8s.io"
     )
     .then(|| {
         let mut doc = group(name, "v1");
@@ -120,6 +122,13 @@ pub(crate) fn resources(group_version: &str) -> Option<Value> {
             &[],
         )],
         "events.k8s.io/v1" => vec![resource("events", "Event", true, RW, &["ev"])],
+        "scheduling.k8s.io/v1" => vec![resource(
+            "priorityclasses",
+            "PriorityClass",
+            false,
+            RW,
+            &["pc"],
+        )],
         "resource.k8s.io/v1" => vec![
             resource("deviceclasses", "DeviceClass", false, RW, &[]),
             resource("resourceclaims", "ResourceClaim", true, RW, &[]),

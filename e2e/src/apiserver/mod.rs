@@ -51,6 +51,10 @@
 //! pod after `min(grace, 2s)` — there is no kubelet here to confirm. A delete with
 //! `gracePeriodSeconds=0`, of an unbound pod, or of a pod in a terminal phase removes it at
 //! once. A pod with finalizers is only marked; it goes once an update empties its finalizers.
+//!
+//! Priority: a pod's `priorityClassName` resolves to `spec.priority` at create, from the
+//! `PriorityClass` objects stored here (`priority`), as the real server's Priority admission
+//! does; a pod that writes `spec.priority` itself, or names no class that exists, is refused.
 
 pub mod admission;
 mod binding;
@@ -61,6 +65,7 @@ mod handlers;
 mod managed;
 mod objects;
 mod patch;
+mod priority;
 mod reads;
 mod resources;
 mod selector;

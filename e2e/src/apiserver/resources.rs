@@ -23,10 +23,13 @@ pub(crate) enum Kind {
     /// `resource.k8s.io/v1`, namespaced: the claim spec kube-controller-manager stamps out
     /// once per pod that names it (`resourceClaimTemplateName`).
     ResourceClaimTemplate,
+    /// `scheduling.k8s.io/v1`, cluster-scoped: what a pod's `priorityClassName` resolves to
+    /// at admission (see `priority.rs`).
+    PriorityClass,
 }
 
 impl Kind {
-    pub const ALL: [Kind; 10] = [
+    pub const ALL: [Kind; 11] = [
         Kind::Pod,
         Kind::Node,
         Kind::Event,
@@ -37,6 +40,7 @@ impl Kind {
         Kind::ResourceClaim,
         Kind::DeviceClass,
         Kind::ResourceClaimTemplate,
+        Kind::PriorityClass,
     ];
 
     pub fn plural(self) -> &'static str {
@@ -50,6 +54,7 @@ impl Kind {
             Kind::ResourceClaim => "resourceclaims",
             Kind::DeviceClass => "deviceclasses",
             Kind::ResourceClaimTemplate => "resourceclaimtemplates",
+            Kind::PriorityClass => "priorityclasses",
         }
     }
 
@@ -64,6 +69,7 @@ impl Kind {
             Kind::ResourceClaim => "ResourceClaim",
             Kind::DeviceClass => "DeviceClass",
             Kind::ResourceClaimTemplate => "ResourceClaimTemplate",
+            Kind::PriorityClass => "PriorityClass",
         }
     }
 
@@ -77,6 +83,7 @@ impl Kind {
             | Kind::ResourceClaim
             | Kind::DeviceClass
             | Kind::ResourceClaimTemplate => "resource.k8s.io/v1",
+            Kind::PriorityClass => "scheduling.k8s.io/v1",
         }
     }
 
@@ -91,6 +98,7 @@ impl Kind {
             | Kind::ResourceClaim
             | Kind::DeviceClass
             | Kind::ResourceClaimTemplate => "resource.k8s.io",
+            Kind::PriorityClass => "scheduling.k8s.io",
         }
     }
 
@@ -101,6 +109,7 @@ impl Kind {
                 | Kind::MutatingWebhookConfiguration
                 | Kind::ResourceSlice
                 | Kind::DeviceClass
+                | Kind::PriorityClass
         )
     }
 
@@ -124,6 +133,7 @@ impl Kind {
             ("resource.k8s.io/v1", "resourceclaims") => Some(Kind::ResourceClaim),
             ("resource.k8s.io/v1", "deviceclasses") => Some(Kind::DeviceClass),
             ("resource.k8s.io/v1", "resourceclaimtemplates") => Some(Kind::ResourceClaimTemplate),
+            ("scheduling.k8s.io/v1", "priorityclasses") => Some(Kind::PriorityClass),
             _ => None,
         }
     }
@@ -174,7 +184,9 @@ impl Kind {
                 "type",
             ],
             Kind::Lease => &["metadata.name", "metadata.namespace"],
-            Kind::MutatingWebhookConfiguration | Kind::DeviceClass => &["metadata.name"],
+            Kind::MutatingWebhookConfiguration | Kind::DeviceClass | Kind::PriorityClass => {
+                &["metadata.name"]
+            }
             // As upstream: a node's plugin lists only its own slices.
             Kind::ResourceSlice => &["metadata.name", "spec.nodeName", "spec.driver"],
             Kind::ResourceClaim | Kind::ResourceClaimTemplate => {

@@ -90,7 +90,7 @@ fn columns(kind: Kind) -> Vec<Value> {
             ),
             age,
         ],
-        Kind::DeviceClass | Kind::ResourceClaimTemplate => vec![name, age],
+        Kind::DeviceClass | Kind::ResourceClaimTemplate | Kind::PriorityClass => vec![name, age],
         Kind::MutatingWebhookConfiguration => vec![
             name,
             column(
@@ -219,7 +219,9 @@ fn cells(kind: Kind, object: &Value) -> Vec<Value> {
             json!(age(object)),
         ],
         Kind::ResourceClaim => vec![name, json!(claim_state(object)), json!(age(object))],
-        Kind::DeviceClass | Kind::ResourceClaimTemplate => vec![name, json!(age(object))],
+        Kind::DeviceClass | Kind::ResourceClaimTemplate | Kind::PriorityClass => {
+            vec![name, json!(age(object))]
+        }
         Kind::MutatingWebhookConfiguration => vec![
             name,
             json!(object["webhooks"].as_array().map_or(0, Vec::len)),

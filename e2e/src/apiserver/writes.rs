@@ -74,6 +74,10 @@ pub(super) fn create(
     let mut object = objects::prepare_create(target.kind, object, target.namespace.as_deref())?;
     app.access
         .drop_disabled_fields(target.kind, &mut object, None);
+    if target.kind == Kind::Pod {
+        app.store
+            .read(|store| super::priority::admit_pod(store, &mut object))?;
+    }
     admit(app, user, target, Operation::Create, &object, None)?;
     managed::track_create(&mut object, manager, target.kind.has_status());
     let name = meta_str(&object, "name").unwrap_or("").to_owned();

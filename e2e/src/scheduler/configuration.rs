@@ -267,10 +267,6 @@ fn fit_scoring(plugin_config: &[PluginConfig]) -> anyhow::Result<FitScoring> {
 }
 
 fn extender_config(extender: Extender) -> anyhow::Result<ExtenderConfig> {
-    ensure!(
-        extender.preempt_verb.is_none(),
-        "preemptVerb is not modelled"
-    );
     let verb = |v: Option<String>| v.filter(|v| !v.is_empty());
     let prioritize_verb = verb(extender.prioritize_verb);
     ensure!(
@@ -287,6 +283,7 @@ fn extender_config(extender: Extender) -> anyhow::Result<ExtenderConfig> {
         filter_verb: verb(extender.filter_verb),
         prioritize_verb,
         bind_verb: verb(extender.bind_verb),
+        preempt_verb: verb(extender.preempt_verb),
         weight: extender.weight,
         node_cache_capable: extender.node_cache_capable,
         managed_resources: extender

@@ -34,6 +34,7 @@ use super::framework::{
     self, ExtenderPriorities, NodeScore, add_extender_priorities, fit_error_message,
     select_scored_host,
 };
+use super::preemption;
 use super::state::{Candidate, FailureKind, PodKey, Popped, QueueConfig, State};
 use super::stats::StatsRecorder;
 use super::watches::watch;
@@ -91,6 +92,16 @@ enum CycleFailure {
 }
 
 impl Shared {
+    /// The configured extenders.
+    pub(super) fn extenders(&self) -> &[HttpExtender] {
+        &self.extenders
+    }
+
+    /// The API client.
+    pub(super) fn client(&self) -> &kube::Client {
+        &self.client
+    }
+
     /// The state is only mutated synchronously; a panic while holding it would be a bug already
     /// reported by the panicking task, so the lock is taken over rather than poisoning the driver.
     pub(super) fn state(&self) -> MutexGuard<'_, State> {
@@ -259,8 +270,11 @@ async fn schedule_one(shared: &Arc<Shared>, popped: Popped) -> Option<BindJob> {
     }
 }
 
-/// Filters, extenders, scoring: `schedulePod`.
+/// Filters, extenders, scoring: `schedulePod`, then preemption when no node fits.
 async fn find_host(shared: &Shared, pod: &Pod) -> Result<String, CycleFailure> {
+    if let Some(node) = nominated_node_fits(shared, pod).await? {
+        return Ok(node);
+    }
     let Some(filtered) = shared.state().filter(pod) else {
         return Err(CycleFailure::Error(framework::reasons::NO_NODES.to_owned()));
     };
@@ -274,11 +288,33 @@ async fn find_host(shared: &Shared, pod: &Pod) -> Result<String, CycleFailure> {
     let unschedulable = |statuses: &BTreeMap<String, Vec<String>>| {
         CycleFailure::Unschedulable(fit_error_message(num_all, statuses.values()), kind)
     };
-    if filtered.feasible.is_empty() {
-        return Err(unschedulable(&statuses));
-    }
-    let feasible = pass_extenders(shared, pod, filtered.feasible, &mut statuses).await?;
+    // Nodes preemption cannot help: a built-in filter other than resource fit rejected them,
+    // or an extender put them among its unresolvable ones.
+    let mut unresolvable: HashSet<String> = statuses
+        .iter()
+        .filter(|(_, reasons)| reasons.iter().any(|r| preemption::is_unresolvable(r)))
+        .map(|(node, _)| node.clone())
+        .collect();
+    let feasible = match filtered.feasible.is_empty() {
+        true => Vec::new(),
+        false => {
+            pass_extenders(
+                shared,
+                pod,
+                filtered.feasible,
+                &mut statuses,
+                &mut unresolvable,
+            )
+            .await?
+        }
+    };
     if feasible.is_empty() {
+        if let Some(node) = preemption::post_filter(shared, pod, &unresolvable)
+            .await
+            .map_err(CycleFailure::Error)?
+        {
+            debug!(pod = %super::state::pod_key(pod), %node, "preemption nominated the pod");
+        }
         return Err(unschedulable(&statuses));
     }
     if let [only] = feasible.as_slice() {
@@ -295,6 +331,7 @@ async fn pass_extenders(
     pod: &Pod,
     mut feasible: Vec<Candidate>,
     statuses: &mut BTreeMap<String, Vec<String>>,
+    unresolvable: &mut HashSet<String>,
 ) -> Result<Vec<Candidate>, CycleFailure> {
     for extender in &shared.extenders {
         if feasible.is_empty() {
@@ -320,6 +357,7 @@ async fn pass_extenders(
                 .entry(node.clone())
                 .or_default()
                 .push(reason.clone());
+            unresolvable.insert(node.clone());
         }
         for (node, reason) in &outcome.failed {
             if !outcome.failed_and_unresolvable.contains_key(node) {
@@ -336,6 +374,34 @@ async fn pass_extenders(
             .collect();
     }
     Ok(feasible)
+}
+
+/// `evaluateNominatedNode`: a pod that preemption nominated for a node tries that node alone
+/// first (built-in filters, then the extenders' filter with that one node); `Some(node)` when
+/// it passes, `None` to search every node.
+async fn nominated_node_fits(shared: &Shared, pod: &Pod) -> Result<Option<String>, CycleFailure> {
+    let Some(node) = pod
+        .status
+        .as_ref()
+        .and_then(|s| s.nominated_node_name.clone())
+        .filter(|n| !n.is_empty())
+    else {
+        return Ok(None);
+    };
+    let Some(candidate) = shared.state().filter_one(pod, &node) else {
+        return Ok(None);
+    };
+    let mut statuses = BTreeMap::new();
+    let mut unresolvable = HashSet::new();
+    let passed = pass_extenders(
+        shared,
+        pod,
+        vec![candidate],
+        &mut statuses,
+        &mut unresolvable,
+    )
+    .await?;
+    Ok((!passed.is_empty()).then_some(node))
 }
 
 /// `prioritizeNodes`: default scores plus every interested extender's, concurrently, then

@@ -84,6 +84,20 @@ struct Accounted {
     uid: String,
     usage: PodUsage,
     assumed: bool,
+    /// `spec.priority`: preemption evicts only pods below the preemptor's.
+    priority: i32,
+    /// Deleted, waiting out its grace period (a victim on its way out).
+    terminating: bool,
+}
+
+/// A pod counted on a node, as preemption's dry run weighs it.
+#[derive(Clone, Debug)]
+pub struct NodePod {
+    pub key: PodKey,
+    pub uid: String,
+    pub priority: i32,
+    pub usage: PodUsage,
+    pub terminating: bool,
 }
 
 #[derive(Debug)]
@@ -253,13 +267,17 @@ impl State {
         }
     }
 
-    fn account(&mut self, key: &str, uid: String, node: String, usage: PodUsage, assumed: bool) {
+    fn account(&mut self, key: &str, pod: &Pod, node: String, usage: PodUsage, assumed: bool) {
+        let uid = pod_uid(pod);
+        let priority = pod.spec.as_ref().and_then(|s| s.priority).unwrap_or(0);
+        let terminating = pod.metadata.deletion_timestamp.is_some();
         if let Some(old) = self.accounted.get_mut(key)
             && old.node == node
             && old.uid == uid
             && old.usage == usage
         {
             old.assumed = assumed;
+            old.terminating = terminating;
             return;
         }
         self.unaccount(key);
@@ -271,6 +289,8 @@ impl State {
                 uid,
                 usage,
                 assumed,
+                priority,
+                terminating,
             },
         );
     }
@@ -308,7 +328,7 @@ impl State {
             self.pending.remove(&key);
             self.reasons.remove(&key);
             let usage = PodUsage::of(&pod);
-            self.account(&key, uid, node, usage, false);
+            self.account(&key, &pod, node, usage, false);
             return false;
         }
         if self.accounted.get(&key).is_some_and(|a| a.uid != uid) {
@@ -519,6 +539,26 @@ impl State {
         Some(filtered)
     }
 
+    /// The built-in filters on `node` alone (a nominated node), with its default score;
+    /// `None` when the node is unknown or rejects the pod.
+    pub fn filter_one(&self, pod: &Pod, node: &str) -> Option<Candidate> {
+        let entry = self.nodes.get(node)?;
+        let usage = self.usage.get(node).cloned().unwrap_or_default();
+        let requests = framework::pod_requests(pod, false);
+        let reasons =
+            framework::filter_node(pod, &requests, &entry.node, &entry.allocatable, &usage);
+        reasons.is_empty().then(|| Candidate {
+            node: entry.node.clone(),
+            name: node.to_owned(),
+            score: framework::default_score(
+                &self.config.fit_scoring,
+                &entry.allocatable,
+                &usage,
+                &PodUsage::of(pod),
+            ),
+        })
+    }
+
     /// The scheduler's "assume": the pod's resources count on `node` from now on, before the bind.
     /// False if the pod went away (or changed) during the cycle.
     pub fn assume(&mut self, popped: &Popped, node: &str) -> bool {
@@ -530,14 +570,29 @@ impl State {
         }
         p.phase = Phase::Binding;
         let usage = PodUsage::of(&popped.pod);
-        self.account(
-            &popped.key,
-            popped.uid.clone(),
-            node.to_owned(),
-            usage,
-            true,
-        );
+        self.account(&popped.key, &popped.pod, node.to_owned(), usage, true);
         true
+    }
+
+    /// The pods counted on `node` (bound and assumed), for preemption's dry run.
+    pub fn pods_on(&self, node: &str) -> Vec<NodePod> {
+        self.accounted
+            .iter()
+            .filter(|(_, a)| a.node == node)
+            .map(|(key, a)| NodePod {
+                key: key.clone(),
+                uid: a.uid.clone(),
+                priority: a.priority,
+                usage: a.usage.clone(),
+                terminating: a.terminating,
+            })
+            .collect()
+    }
+
+    /// What `node` carries now and its entry, if it is known.
+    pub fn node_and_usage(&self, node: &str) -> Option<(&NodeEntry, NodeUsage)> {
+        let entry = self.nodes.get(node)?;
+        Some((entry, self.usage.get(node).cloned().unwrap_or_default()))
     }
 
     /// The bind succeeded: wait for the watch to show the pod on its node.

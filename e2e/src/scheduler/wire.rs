@@ -80,6 +80,69 @@ pub struct ExtenderBindingResult {
     pub error: String,
 }
 
+/// Victims on one node by UID (`extenderv1.MetaVictims`): what a `nodeCacheCapable`
+/// extender's preempt call is sent, and what every preempt answer carries.
+#[derive(Clone, Debug, Default, PartialEq)]
+pub struct MetaVictims {
+    pub uids: Vec<String>,
+    pub num_pdb_violations: i64,
+}
+
+/// Body of `POST {urlPrefix}/{preemptVerb}` (`extenderv1.ExtenderPreemptionArgs`): the pod
+/// and, per candidate node, the victims kube-scheduler's dry run chose. `nodeCacheCapable`
+/// sends `NodeNameToMetaVictims` (UIDs) and `"NodeNameToVictims":null`; otherwise the
+/// victims go as whole pods and the meta map is `null`.
+#[derive(Clone, Debug, PartialEq)]
+pub struct ExtenderPreemptionArgs {
+    pub pod: Pod,
+    /// Node → (victim pods, PDB violations), when not `nodeCacheCapable`.
+    pub node_name_to_victims: Option<BTreeMap<String, (Vec<Pod>, i64)>>,
+    pub node_name_to_meta_victims: Option<BTreeMap<String, MetaVictims>>,
+}
+
+impl Serialize for MetaVictims {
+    fn serialize<S: Serializer>(&self, serializer: S) -> Result<S::Ok, S::Error> {
+        let pods: Vec<Value> = self
+            .uids
+            .iter()
+            .map(|uid| serde_json::json!({ "UID": uid }))
+            .collect();
+        let mut s = serializer.serialize_struct("MetaVictims", 2)?;
+        s.serialize_field("Pods", &pods)?;
+        s.serialize_field("NumPDBViolations", &self.num_pdb_violations)?;
+        s.end()
+    }
+}
+
+impl Serialize for ExtenderPreemptionArgs {
+    fn serialize<S: Serializer>(&self, serializer: S) -> Result<S::Ok, S::Error> {
+        let pod = without_type_meta(&self.pod).map_err(S::Error::custom)?;
+        let whole = match &self.node_name_to_victims {
+            None => None,
+            Some(map) => {
+                let mut out = Map::new();
+                for (node, (pods, violations)) in map {
+                    let pods = pods
+                        .iter()
+                        .map(without_type_meta)
+                        .collect::<Result<Vec<_>, _>>()
+                        .map_err(S::Error::custom)?;
+                    out.insert(
+                        node.clone(),
+                        serde_json::json!({"Pods": pods, "NumPDBViolations": violations}),
+                    );
+                }
+                Some(Value::Object(out))
+            }
+        };
+        let mut s = serializer.serialize_struct("ExtenderPreemptionArgs", 3)?;
+        s.serialize_field("Pod", &pod)?;
+        s.serialize_field("NodeNameToVictims", &whole)?;
+        s.serialize_field("NodeNameToMetaVictims", &self.node_name_to_meta_victims)?;
+        s.end()
+    }
+}
+
 /// Why an extender's answer could not be decoded, worded like Go's `encoding/json` errors.
 #[derive(Debug, thiserror::Error)]
 pub enum DecodeError {
@@ -370,4 +433,58 @@ pub fn decode_binding_args(body: &[u8]) -> Result<ExtenderBindingArgs, DecodeErr
         pod_uid: string(field(map, "PodUID"), "ExtenderBindingArgs.PodUID")?,
         node: string(field(map, "Node"), "ExtenderBindingArgs.Node")?,
     })
+}
+
+/// Decodes a preempt answer (`extenderv1.ExtenderPreemptionResult`): node → victims by UID,
+/// whatever form the call was sent in. A missing or `null` map is no candidate at all.
+pub fn decode_preemption_result(body: &[u8]) -> Result<BTreeMap<String, MetaVictims>, DecodeError> {
+    const WHAT: &str = "ExtenderPreemptionResult.NodeNameToMetaVictims";
+    let value = parse(body)?;
+    let Some(map) = object(&value, "ExtenderPreemptionResult")? else {
+        return Ok(BTreeMap::new());
+    };
+    let Some(nodes) = field(map, "NodeNameToMetaVictims")
+        .map(|v| object(v, WHAT))
+        .transpose()?
+        .flatten()
+    else {
+        return Ok(BTreeMap::new());
+    };
+    let mut out = BTreeMap::new();
+    for (node, victims) in nodes {
+        let Some(victims) = object(victims, WHAT)? else {
+            out.insert(node.clone(), MetaVictims::default());
+            continue;
+        };
+        let uids = match field(victims, "Pods") {
+            None | Some(Value::Null) => Vec::new(),
+            Some(Value::Array(pods)) => pods
+                .iter()
+                .map(|pod| {
+                    let pod = object(pod, "MetaVictims.Pods")?;
+                    string(pod.and_then(|p| field(p, "UID")), "MetaPod.UID")
+                })
+                .collect::<Result<Vec<_>, _>>()?,
+            Some(other) => return Err(type_error("MetaVictims.Pods", other, "[]*MetaPod")),
+        };
+        let num_pdb_violations = match field(victims, "NumPDBViolations") {
+            None | Some(Value::Null) => 0,
+            Some(Value::Number(n)) => n.as_i64().ok_or_else(|| {
+                type_error(
+                    "MetaVictims.NumPDBViolations",
+                    &Value::Number(n.clone()),
+                    "int64",
+                )
+            })?,
+            Some(other) => return Err(type_error("MetaVictims.NumPDBViolations", other, "int64")),
+        };
+        out.insert(
+            node.clone(),
+            MetaVictims {
+                uids,
+                num_pdb_violations,
+            },
+        );
+    }
+    Ok(out)
 }

@@ -1,0 +1,381 @@
+//! Preemption stories, written once and run on both clusters (in-process and real): a more
+//! important GPU pod arrives on a full node, and the pods evicted for it must be exactly those
+//! whose going makes room on one GPU.
+//!
+//! Every story runs on one node with GPUs of 15 and 16 GiB (the real kit's `node-k`), with
+//! pods pinned to it by node affinity, and priorities from PriorityClasses the story creates
+//! (`gpushare-e2e-low` 10, `-mid` 100, `-high` 100000), as a user would set them. The fill is
+//! placed one pod at a time, each pod's class checked against the GPU it landed on, so the
+//! layout each story needs does not rest on a guess of the placement policy's choice.
+
+use std::collections::{BTreeMap, BTreeSet};
+use std::time::{Duration, Instant};
+
+use anyhow::{Context, ensure};
+use k8s_openapi::api::core::v1::Pod;
+use k8s_openapi::api::scheduling::v1::PriorityClass;
+use kube::api::{Api, DeleteParams, ListParams, PostParams};
+
+use crate::cluster::wait_for;
+use crate::fixtures::pod;
+use crate::scenarios::{Harness, START_TIMEOUT, allocation, check_no_overcommit, wait_bound};
+
+/// The label every pod of a story carries, with the story's name.
+const STORY_LABEL: &str = "gpushare-e2e-preemption";
+
+/// The classes the stories use, by name and value.
+pub const CLASSES: [(&str, i32); 3] = [
+    ("gpushare-e2e-low", 10),
+    ("gpushare-e2e-mid", 100),
+    ("gpushare-e2e-high", 100_000),
+];
+
+/// Creates the stories' PriorityClasses (those that exist are left as they are).
+pub async fn create_priority_classes(h: &impl Harness) -> anyhow::Result<()> {
+    let classes: Api<PriorityClass> = Api::all(h.client());
+    for (name, value) in CLASSES {
+        let class: PriorityClass = serde_json::from_value(serde_json::json!({
+            "apiVersion": "scheduling.k8s.io/v1",
+            "kind": "PriorityClass",
+            "metadata": {"name": name},
+            "value": value,
+        }))?;
+        match classes.create(&PostParams::default(), &class).await {
+            Ok(_) => {}
+            Err(kube::Error::Api(status)) if status.code == 409 => {}
+            Err(error) => return Err(error).with_context(|| format!("creating {name}")),
+        }
+    }
+    Ok(())
+}
+
+/// A pod of `story` asking `gib` (over `gpus` GPUs), of priority class `class`, pinned to
+/// `node`.
+fn story_pod(
+    h: &impl Harness,
+    story: &str,
+    name: &str,
+    node: &str,
+    gib: u64,
+    gpus: u32,
+    class: &str,
+) -> anyhow::Result<Pod> {
+    let mut builder = pod(name).namespace(h.namespace()).gpu_mem(gib);
+    if gpus > 1 {
+        builder = builder.annotation("gpushare.example.com/gpus", &gpus.to_string());
+    }
+    let mut pod = h.prepare(builder.build());
+    pod.metadata
+        .labels
+        .get_or_insert_default()
+        .insert(STORY_LABEL.to_owned(), story.to_owned());
+    let spec = pod.spec.as_mut().context("pod spec")?;
+    spec.priority_class_name = Some(class.to_owned());
+    spec.affinity = Some(serde_json::from_value(
+        serde_json::json!({"nodeAffinity": {
+        "requiredDuringSchedulingIgnoredDuringExecution": {"nodeSelectorTerms": [
+            {"matchFields": [{"key": "metadata.name", "operator": "In", "values": [node]}]}
+        ]}}}),
+    )?);
+    Ok(pod)
+}
+
+/// The fill of a story: each pod's name, GPU index and class.
+pub type Fill = Vec<(String, u32, &'static str)>;
+
+/// Which class a fill pod that lands on a GPU should have, given the pods placed before it.
+type Want = fn(gpu: u32, placed: &Fill) -> &'static str;
+
+/// Fills the GPUs of `node` with 4 GiB pods, one at a time, until no GPU has 4 GiB free; each
+/// pod gets the class `want` gives for the GPU it lands on. The class is guessed from where
+/// the last pod went (or the only GPU with room); a pod that lands elsewhere with the wrong
+/// class is deleted and created again with the right one, which lands where it did.
+async fn fill(h: &impl Harness, story: &str, node: &str, want: Want) -> anyhow::Result<Fill> {
+    let pods: Api<Pod> = Api::namespaced(h.client(), h.namespace());
+    let sizes: BTreeMap<u32, u64> = gpu_sizes(h, node).await?;
+    let mut used: BTreeMap<u32, u64> = sizes.keys().map(|gpu| (*gpu, 0)).collect();
+    let mut placed: Fill = Vec::new();
+    for i in 0.. {
+        let room: Vec<u32> = (used.iter())
+            .filter(|(gpu, used)| sizes[gpu] - **used >= 4)
+            .map(|(gpu, _)| *gpu)
+            .collect();
+        let Some(&some_room) = room.first() else {
+            break;
+        };
+        let guess = match placed.last() {
+            Some((_, last, _)) if room.contains(last) => *last,
+            _ => some_room,
+        };
+        let name = format!("{story}-{i}");
+        let mut class = want(guess, &placed);
+        let mut gpu = place(h, story, &name, node, class).await?;
+        if want(gpu, &placed) != class {
+            delete_now(&pods, &name).await?;
+            class = want(gpu, &placed);
+            let again = place(h, story, &name, node, class).await?;
+            ensure!(
+                again == gpu,
+                "{name} went to GPU {gpu}, then to GPU {again}"
+            );
+            gpu = again;
+        }
+        *used.entry(gpu).or_default() += 4;
+        placed.push((name, gpu, class));
+    }
+    for (name, _, _) in &placed {
+        wait_for(&format!("{name} to run"), START_TIMEOUT, || async {
+            let pod = pods.get(name).await.ok()?;
+            (crate::scenarios::phase(&pod) == "Running").then_some(())
+        })
+        .await?;
+    }
+    Ok(placed)
+}
+
+/// Creates fill pod `name` (4 GiB, `class`) and returns the GPU it is bound to.
+async fn place(
+    h: &impl Harness,
+    story: &str,
+    name: &str,
+    node: &str,
+    class: &str,
+) -> anyhow::Result<u32> {
+    let pods: Api<Pod> = Api::namespaced(h.client(), h.namespace());
+    pods.create(
+        &PostParams::default(),
+        &story_pod(h, story, name, node, 4, 1, class)?,
+    )
+    .await?;
+    ensure!(
+        wait_bound(&pods, name).await? == node,
+        "{name} bound elsewhere"
+    );
+    Ok(allocation(&pods.get(name).await?)?.gpu_index)
+}
+
+/// Deletes pod `name` at once and waits until it is gone.
+async fn delete_now(pods: &Api<Pod>, name: &str) -> anyhow::Result<()> {
+    let params = DeleteParams {
+        grace_period_seconds: Some(0),
+        ..DeleteParams::default()
+    };
+    pods.delete(name, &params).await?;
+    wait_for(&format!("{name} to be gone"), START_TIMEOUT, || async {
+        pods.get_opt(name).await.ok()?.is_none().then_some(())
+    })
+    .await
+}
+
+/// Each GPU's size on `node`, from its published inventory.
+async fn gpu_sizes(h: &impl Harness, node: &str) -> anyhow::Result<BTreeMap<u32, u64>> {
+    let node = Api::<k8s_openapi::api::core::v1::Node>::all(h.client())
+        .get(node)
+        .await?;
+    let gpus = crate::scenarios::published_gpus(&node).context("no GPU inventory")??;
+    Ok(gpus.into_iter().map(|g| (g.index, g.mem_gib)).collect())
+}
+
+/// What a story's preemption did.
+#[derive(Debug)]
+pub struct Preempted {
+    /// The fill's pods that are gone or going, with their GPU and class.
+    pub evicted: Fill,
+    /// The preemptor's GPUs, once it is bound (`None` when it is not).
+    pub gpus: Option<Vec<u32>>,
+    /// Seconds from the preemptor's creation to its bind.
+    pub bound_after: Option<f64>,
+}
+
+/// Creates the preemptor (`gib` over `gpus` GPUs, class high) and waits up to `wait` for its
+/// bind, then reports which of `fill` were evicted.
+async fn preempt(
+    h: &impl Harness,
+    story: &str,
+    node: &str,
+    gib: u64,
+    gpus: u32,
+    fill: &Fill,
+    wait: Duration,
+) -> anyhow::Result<Preempted> {
+    let pods: Api<Pod> = Api::namespaced(h.client(), h.namespace());
+    let name = format!("{story}-important");
+    let started = Instant::now();
+    pods.create(
+        &PostParams::default(),
+        &story_pod(h, story, &name, node, gib, gpus, CLASSES[2].0)?,
+    )
+    .await?;
+    let bound = wait_for(&format!("{name} to be bound"), wait, || async {
+        pods.get(&name).await.ok()?.spec?.node_name
+    })
+    .await;
+    let bound_after = bound.is_ok().then(|| started.elapsed().as_secs_f64());
+    let gpus = match bound {
+        Ok(_) => Some(
+            allocation(&pods.get(&name).await?)?
+                .gpus()
+                .map(|(i, _)| i)
+                .collect(),
+        ),
+        Err(_) => None,
+    };
+    let mut evicted = Vec::new();
+    for (pod_name, gpu, class) in fill {
+        let going = match pods.get_opt(pod_name).await? {
+            None => true,
+            Some(pod) => pod.metadata.deletion_timestamp.is_some(),
+        };
+        if going {
+            evicted.push((pod_name.clone(), *gpu, *class));
+        }
+    }
+    check_no_overcommit(&h.client()).await?;
+    Ok(Preempted {
+        evicted,
+        gpus,
+        bound_after,
+    })
+}
+
+/// Deletes every pod of `story` at once.
+pub async fn clean_up(h: &impl Harness, story: &str) -> anyhow::Result<()> {
+    let pods: Api<Pod> = Api::namespaced(h.client(), h.namespace());
+    let selector = format!("{STORY_LABEL}={story}");
+    let params = DeleteParams {
+        grace_period_seconds: Some(0),
+        ..DeleteParams::default()
+    };
+    pods.delete_collection(&params, &ListParams::default().labels(&selector))
+        .await?;
+    wait_for(
+        &format!("the pods of {story} to be gone"),
+        START_TIMEOUT,
+        || async {
+            let left = pods
+                .list(&ListParams::default().labels(&selector))
+                .await
+                .ok()?;
+            left.items.is_empty().then_some(())
+        },
+    )
+    .await
+}
+
+/// Story 1, the issue's: seven 4 GiB pods fill GPUs of 15 and 16 GiB (3 + 4), the first pod
+/// on each GPU of low priority, the rest mid; an 8 GiB pod of high priority arrives.
+pub async fn eight_gib_among_seven(
+    h: &impl Harness,
+    node: &str,
+    wait: Duration,
+) -> anyhow::Result<(Fill, Preempted)> {
+    let story = "seven";
+    create_priority_classes(h).await?;
+    // The first pod on each GPU low, the others mid.
+    let want: Want = |gpu, placed| match placed.iter().any(|(_, g, _)| *g == gpu) {
+        false => CLASSES[0].0,
+        true => CLASSES[1].0,
+    };
+    let fill = fill(h, story, node, want).await?;
+    let gpus: BTreeSet<u32> = fill.iter().map(|(_, gpu, _)| *gpu).collect();
+    ensure!(
+        fill.len() == 7 && gpus.len() == 2,
+        "the fill should be 3 + 4 pods on two GPUs: {fill:?}"
+    );
+    let outcome = preempt(h, story, node, 8, 1, &fill, wait).await?;
+    Ok((fill, outcome))
+}
+
+/// Checks story 1 with the extender's preempt verb: exactly two pods evicted, both from the
+/// GPU the preemptor got, the low one there among them.
+pub fn check_eight_gib_among_seven(fill: &Fill, outcome: &Preempted) -> anyhow::Result<()> {
+    let gpu = outcome
+        .gpus
+        .as_ref()
+        .and_then(|gpus| gpus.first().copied())
+        .with_context(|| {
+            format!(
+                "the 8 GiB pod was not bound; evicted: {:?}",
+                outcome.evicted
+            )
+        })?;
+    ensure!(
+        outcome.evicted.len() == 2 && outcome.evicted.iter().all(|(_, g, _)| *g == gpu),
+        "two pods of GPU {gpu} should have been evicted: {:?} (fill {fill:?})",
+        outcome.evicted
+    );
+    ensure!(
+        outcome
+            .evicted
+            .iter()
+            .any(|(_, _, class)| *class == CLASSES[0].0),
+        "the low pod of GPU {gpu} should be among them: {:?}",
+        outcome.evicted
+    );
+    Ok(())
+}
+
+/// Story 2: GPUs of 15 and 16 GiB full of 4 GiB pods, those of the GPU the first pod went to
+/// of mid priority, those of the other low; a high pod asking 8 GiB on each of 2 GPUs arrives. By
+/// the node's total, the four low pods would go (16 GiB free on one GPU, 3 on the other).
+pub async fn two_gpus_of_eight(
+    h: &impl Harness,
+    node: &str,
+    wait: Duration,
+) -> anyhow::Result<(Fill, Preempted)> {
+    let story = "twogpu";
+    create_priority_classes(h).await?;
+    // Mid on the GPU the first pod went to, low on the other.
+    let want: Want = |gpu, placed| match placed.first() {
+        Some((_, first, _)) if *first != gpu => CLASSES[0].0,
+        _ => CLASSES[1].0,
+    };
+    let fill = fill(h, story, node, want).await?;
+    let outcome = preempt(h, story, node, 16, 2, &fill, wait).await?;
+    Ok((fill, outcome))
+}
+
+/// Checks story 2 with the verb: two GPUs for the pod, two pods evicted from each (the fewest
+/// that free 8 GiB on both).
+pub fn check_two_gpus_of_eight(fill: &Fill, outcome: &Preempted) -> anyhow::Result<()> {
+    let gpus = outcome.gpus.as_ref().with_context(|| {
+        format!(
+            "the 2-GPU pod was not bound; evicted: {:?}",
+            outcome.evicted
+        )
+    })?;
+    ensure!(gpus.len() == 2, "two GPUs: {gpus:?}");
+    let mut per_gpu: BTreeMap<u32, usize> = BTreeMap::new();
+    for (_, gpu, _) in &outcome.evicted {
+        *per_gpu.entry(*gpu).or_default() += 1;
+    }
+    ensure!(
+        per_gpu.values().all(|n| *n == 2) && per_gpu.len() == 2,
+        "two pods of each GPU should have been evicted: {:?} (fill {fill:?})",
+        outcome.evicted
+    );
+    Ok(())
+}
+
+/// Story 3: the node full of low pods; a high pod asking 20 GiB (more than any GPU has)
+/// arrives, and is given `wait` to bind. By the node's total (31 GiB) five pods would go.
+pub async fn too_large_for_any_gpu(
+    h: &impl Harness,
+    node: &str,
+    wait: Duration,
+) -> anyhow::Result<(Fill, Preempted)> {
+    let story = "toolarge";
+    create_priority_classes(h).await?;
+    let fill = fill(h, story, node, |_, _| CLASSES[0].0).await?;
+    let outcome = preempt(h, story, node, 20, 1, &fill, wait).await?;
+    Ok((fill, outcome))
+}
+
+/// Checks story 3 with the verb: nobody evicted, the pod not bound.
+pub fn check_too_large_for_any_gpu(outcome: &Preempted) -> anyhow::Result<()> {
+    ensure!(
+        outcome.evicted.is_empty() && outcome.gpus.is_none(),
+        "pods were evicted for a pod no eviction can place: {outcome:?}"
+    );
+    Ok(())
+}
