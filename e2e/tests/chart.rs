@@ -1045,7 +1045,17 @@ fn check_scheduler(rendered: &Rendered, prefix: &str, resource: &str) -> anyhow:
         "{plugin_config:?}"
     );
     ensure!(extender.bind_verb == "bind");
-    ensure!(extender.preempt_verb.is_none());
+    // Preemption victims are chosen per GPU by the extender, unless turned off.
+    ensure!(extender.preempt_verb.as_deref() == Some("preempt"));
+    let without = render(prefix, ns, &["--set", "scheduler.extender.preempt=false"])?;
+    let config_map: ConfigMap = without.get("ConfigMap", &format!("{name}-config"))?;
+    let text = config_map
+        .data
+        .as_ref()
+        .and_then(|d| d.get("scheduler-config.yaml"))
+        .context("no scheduler-config.yaml")?;
+    let config: KubeSchedulerConfiguration = serde_yaml::from_str(text)?;
+    ensure!(config.extenders[0].preempt_verb.is_none(), "{text}");
     ensure!(!extender.ignorable);
     // HTTPS, verified against the CA of the extender's certificate, mounted alone.
     ensure!(extender.enable_https);

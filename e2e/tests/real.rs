@@ -17,6 +17,7 @@ use anyhow::{Context, bail, ensure};
 use gpushare_contract::{Keys, env};
 use gpushare_e2e::cluster::wait_for;
 use gpushare_e2e::fixtures;
+use gpushare_e2e::preemption;
 use gpushare_e2e::realk8s::{Kit, KitCluster, Mode};
 use gpushare_e2e::scenarios::{
     Harness, START_TIMEOUT, allocation, check_no_overcommit, check_pinned, create_gpu_pod,
@@ -58,6 +59,18 @@ const GROUPS: &[Group] = &[
                 "toolkit_enforcement_after_helm_upgrade",
                 toolkit_enforcement_after_helm_upgrade,
             ),
+            (
+                "preemption_frees_one_gpu_for_an_8_gib_pod",
+                preemption_frees_one_gpu_for_an_8_gib_pod,
+            ),
+            (
+                "preemption_gives_a_two_gpu_pod_two_gpus",
+                preemption_gives_a_two_gpu_pod_two_gpus,
+            ),
+            (
+                "preemption_evicts_nobody_for_a_pod_no_gpu_can_hold",
+                preemption_evicts_nobody_for_a_pod_no_gpu_can_hold,
+            ),
             // Last: they add Node objects with no kubelet behind them.
             ("leader_killed_in_a_burst", leader_killed_in_a_burst),
             ("helm_upgrade_in_a_burst", helm_upgrade_in_a_burst),
@@ -90,11 +103,24 @@ const GROUPS: &[Group] = &[
     },
     Group {
         mode: Mode::Extender,
-        helm_args: &["--set", "allocationPolicy.enabled=false"],
-        scenarios: &[(
-            "forgeries_without_the_policy_are_refused_at_allocate",
-            forgeries_without_the_policy_are_refused_at_allocate,
-        )],
+        // Two switches of different features in one install, to spare the tier a third:
+        // neither scenario touches what the other turns off.
+        helm_args: &[
+            "--set",
+            "allocationPolicy.enabled=false",
+            "--set",
+            "scheduler.extender.preempt=false",
+        ],
+        scenarios: &[
+            (
+                "forgeries_without_the_policy_are_refused_at_allocate",
+                forgeries_without_the_policy_are_refused_at_allocate,
+            ),
+            (
+                "without_the_preempt_verb_two_pods_die_for_nothing",
+                without_the_preempt_verb_two_pods_die_for_nothing,
+            ),
+        ],
     },
     Group {
         mode: Mode::Dra,
@@ -2044,4 +2070,81 @@ async fn unhealthy_gpu(c: &KitCluster) -> anyhow::Result<()> {
         || async { device_taints(c, &device).ok()?.is_empty().then_some(()) },
     )
     .await
+}
+
+/// The node of the kit, with GPUs of 15 and 16 GiB.
+const KIT_NODE: &str = "node-k";
+
+/// How long a preemptor may take to be bound (the bar: running within 60 s).
+const PREEMPTOR_WAIT: Duration = Duration::from_secs(60);
+
+/// The scenario with the chart's default install: seven 4 GiB pods (3 + 4), the least
+/// important of each GPU at priority 10, the others 100; an 8 GiB pod at 100000 evicts
+/// exactly two pods, both of the GPU it gets (the low one there and one more), and runs.
+fn preemption_frees_one_gpu_for_an_8_gib_pod(c: &KitCluster) -> Outcome<'_> {
+    Box::pin(async move {
+        let (fill, outcome) =
+            preemption::eight_gib_among_seven(c, KIT_NODE, PREEMPTOR_WAIT).await?;
+        preemption::check_eight_gib_among_seven(&fill, &outcome)?;
+        let running = wait_running(c, "seven-important").await?;
+        check_pinned(c, &running).await?;
+        println!(
+            "  preemption: evicted {:?}, bound after {:.1} s",
+            outcome.evicted,
+            outcome.bound_after.unwrap_or_default()
+        );
+        Ok(())
+    })
+}
+
+/// A 2-GPU × 8 GiB pod of high priority on the node full of 4 GiB pods (mid on one GPU, low on
+/// the other): it gets both GPUs, and two pods of each go (the fewest that free 8 GiB on both;
+/// by the node's total, the four low pods of one GPU would have gone).
+fn preemption_gives_a_two_gpu_pod_two_gpus(c: &KitCluster) -> Outcome<'_> {
+    Box::pin(async move {
+        let (fill, outcome) = preemption::two_gpus_of_eight(c, KIT_NODE, PREEMPTOR_WAIT).await?;
+        preemption::check_two_gpus_of_eight(&fill, &outcome)?;
+        let running = wait_running(c, "twogpu-important").await?;
+        check_pinned(c, &running).await?;
+        println!(
+            "  preemption: evicted {:?}, bound after {:.1} s",
+            outcome.evicted,
+            outcome.bound_after.unwrap_or_default()
+        );
+        Ok(())
+    })
+}
+
+/// A 20 GiB pod of high priority on the node full of low pods: no GPU has 20 GiB, so nobody
+/// is evicted (by the node's total, 31 GiB, five pods would be).
+fn preemption_evicts_nobody_for_a_pod_no_gpu_can_hold(c: &KitCluster) -> Outcome<'_> {
+    Box::pin(async move {
+        let (_, outcome) =
+            preemption::too_large_for_any_gpu(c, KIT_NODE, Duration::from_secs(15)).await?;
+        preemption::check_too_large_for_any_gpu(&outcome)
+    })
+}
+
+/// The scenario with `scheduler.extender.preempt=false`: kube-scheduler alone evicts
+/// the two least important pods, one of each GPU, and the 8 GiB pod still waits. What the
+/// verb changes, on the real scheduler.
+fn without_the_preempt_verb_two_pods_die_for_nothing(c: &KitCluster) -> Outcome<'_> {
+    Box::pin(async move {
+        let (fill, outcome) =
+            preemption::eight_gib_among_seven(c, KIT_NODE, Duration::from_secs(20)).await?;
+        ensure!(
+            preemption::check_eight_gib_among_seven(&fill, &outcome).is_err(),
+            "kube-scheduler alone freed one GPU: {outcome:?}"
+        );
+        let gpus: BTreeSet<u32> = outcome.evicted.iter().map(|(_, gpu, _)| *gpu).collect();
+        ensure!(
+            outcome.evicted.len() == 2 && gpus.len() == 2 && outcome.gpus.is_none(),
+            "expected one pod of each GPU evicted and the 8 GiB pod waiting: {outcome:?}"
+        );
+        println!(
+            "  without the verb: evicted {:?}, the 8 GiB pod still waits after 20 s",
+            outcome.evicted
+        );
+        Ok(())
+    })
 }
