@@ -185,6 +185,8 @@ pub struct Preempted {
     pub gpus: Option<Vec<u32>>,
     /// Seconds from the preemptor's creation to its bind.
     pub bound_after: Option<f64>,
+    /// When the preemptor was created.
+    pub created: Instant,
 }
 
 /// Creates the preemptor (`gib` over `gpus` GPUs, class high) and waits up to `wait` for its
@@ -235,6 +237,7 @@ async fn preempt(
         evicted,
         gpus,
         bound_after,
+        created: started,
     })
 }
 

@@ -2087,11 +2087,13 @@ fn preemption_frees_one_gpu_for_an_8_gib_pod(c: &KitCluster) -> Outcome<'_> {
             preemption::eight_gib_among_seven(c, KIT_NODE, PREEMPTOR_WAIT).await?;
         preemption::check_eight_gib_among_seven(&fill, &outcome)?;
         let running = wait_running(c, "seven-important").await?;
+        let to_running = outcome.created.elapsed().as_secs_f64();
         check_pinned(c, &running).await?;
         println!(
-            "  preemption: evicted {:?}, bound after {:.1} s",
+            "  preemption: evicted {:?}, bound after {:.1} s, running after {:.1} s",
             outcome.evicted,
-            outcome.bound_after.unwrap_or_default()
+            outcome.bound_after.unwrap_or_default(),
+            to_running
         );
         Ok(())
     })
@@ -2105,11 +2107,13 @@ fn preemption_gives_a_two_gpu_pod_two_gpus(c: &KitCluster) -> Outcome<'_> {
         let (fill, outcome) = preemption::two_gpus_of_eight(c, KIT_NODE, PREEMPTOR_WAIT).await?;
         preemption::check_two_gpus_of_eight(&fill, &outcome)?;
         let running = wait_running(c, "twogpu-important").await?;
+        let to_running = outcome.created.elapsed().as_secs_f64();
         check_pinned(c, &running).await?;
         println!(
-            "  preemption: evicted {:?}, bound after {:.1} s",
+            "  preemption: evicted {:?}, bound after {:.1} s, running after {:.1} s",
             outcome.evicted,
-            outcome.bound_after.unwrap_or_default()
+            outcome.bound_after.unwrap_or_default(),
+            to_running
         );
         Ok(())
     })
