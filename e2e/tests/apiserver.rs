@@ -1165,3 +1165,80 @@ async fn admission_policies_see_who_calls_and_the_patched_result() {
     assert_eq!(api_error(err), (401, "Unauthorized".to_owned()));
     server.shutdown().await;
 }
+
+/// The Priority admission: `priorityClassName` becomes `spec.priority` (and its preemption
+/// policy), a pod with no class gets 0 (or the global default's), and a pod that writes
+/// `spec.priority` itself or names an unknown class is refused, as on a real server.
+#[tokio::test]
+async fn priority_classes_resolve_at_admission() {
+    use k8s_openapi::api::scheduling::v1::PriorityClass;
+    let server = ApiServer::start().await.unwrap();
+    let client = server.client();
+    let classes: Api<PriorityClass> = Api::all(client.clone());
+    let class = |name: &str, value: i32, default: bool| -> PriorityClass {
+        serde_json::from_value(json!({
+            "metadata": {"name": name}, "value": value, "globalDefault": default,
+            "preemptionPolicy": if value > 500 { "Never" } else { "PreemptLowerPriority" },
+        }))
+        .unwrap()
+    };
+    classes
+        .create(&PostParams::default(), &class("batch", 100, false))
+        .await
+        .unwrap();
+    let pods: Api<Pod> = Api::namespaced(client.clone(), "default");
+    let mut with_class = pod("a").gpu_mem(1).build();
+    with_class.spec.as_mut().unwrap().priority_class_name = Some("batch".into());
+    let stored = pods
+        .create(&PostParams::default(), &with_class)
+        .await
+        .unwrap();
+    let spec = stored.spec.unwrap();
+    assert_eq!(spec.priority, Some(100));
+    assert_eq!(
+        spec.preemption_policy.as_deref(),
+        Some("PreemptLowerPriority")
+    );
+    let plain = pods
+        .create(&PostParams::default(), &pod("b").gpu_mem(1).build())
+        .await
+        .unwrap();
+    assert_eq!(plain.spec.unwrap().priority, Some(0));
+    let mut critical = pod("c").build();
+    critical.spec.as_mut().unwrap().priority_class_name = Some("system-node-critical".into());
+    let stored = pods
+        .create(&PostParams::default(), &critical)
+        .await
+        .unwrap();
+    assert_eq!(stored.spec.unwrap().priority, Some(2_000_001_000));
+    // Written by hand, or an unknown class: refused.
+    let hand_written = pod("d").priority(5).build();
+    let (code, reason) = api_error(
+        pods.create(&PostParams::default(), &hand_written)
+            .await
+            .unwrap_err(),
+    );
+    assert_eq!((code, reason.as_str()), (403, "Forbidden"));
+    let mut unknown = pod("e").build();
+    unknown.spec.as_mut().unwrap().priority_class_name = Some("nope".into());
+    let err = pods
+        .create(&PostParams::default(), &unknown)
+        .await
+        .unwrap_err();
+    assert!(
+        err.to_string().contains("no PriorityClass with name nope"),
+        "{err}"
+    );
+    // A global default applies to pods with no class.
+    classes
+        .create(&PostParams::default(), &class("everyone", 1000, true))
+        .await
+        .unwrap();
+    let defaulted = pods
+        .create(&PostParams::default(), &pod("f").build())
+        .await
+        .unwrap();
+    let spec = defaulted.spec.unwrap();
+    assert_eq!(spec.priority, Some(1000));
+    assert_eq!(spec.preemption_policy.as_deref(), Some("Never"));
+}

@@ -120,6 +120,10 @@ const GROUPS: &[Group] = &[
                 "without_the_preempt_verb_two_pods_die_for_nothing",
                 without_the_preempt_verb_two_pods_die_for_nothing,
             ),
+            (
+                "without_the_preempt_verb_the_two_gpu_pod_waits",
+                without_the_preempt_verb_the_two_gpu_pod_waits,
+            ),
         ],
     },
     Group {
@@ -2147,6 +2151,29 @@ fn without_the_preempt_verb_two_pods_die_for_nothing(c: &KitCluster) -> Outcome<
         );
         println!(
             "  without the verb: evicted {:?}, the 8 GiB pod still waits after 20 s",
+            outcome.evicted
+        );
+        Ok(())
+    })
+}
+
+/// The 2-GPU story with `scheduler.extender.preempt=false`: kube-scheduler alone evicts the
+/// four low pods, all of one GPU (16 GiB free there, 3 on the other), and the pod waits.
+fn without_the_preempt_verb_the_two_gpu_pod_waits(c: &KitCluster) -> Outcome<'_> {
+    Box::pin(async move {
+        let (fill, outcome) =
+            preemption::two_gpus_of_eight(c, KIT_NODE, Duration::from_secs(20)).await?;
+        ensure!(
+            preemption::check_two_gpus_of_eight(&fill, &outcome).is_err(),
+            "kube-scheduler alone made room on two GPUs: {outcome:?}"
+        );
+        let gpus: BTreeSet<u32> = outcome.evicted.iter().map(|(_, gpu, _)| *gpu).collect();
+        ensure!(
+            outcome.evicted.len() == 4 && gpus.len() == 1 && outcome.gpus.is_none(),
+            "expected the four low pods of one GPU evicted and the pod waiting: {outcome:?}"
+        );
+        println!(
+            "  without the verb: evicted {:?}, the 2-GPU pod still waits after 20 s",
             outcome.evicted
         );
         Ok(())

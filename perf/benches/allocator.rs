@@ -1,6 +1,7 @@
 //! Criterion benchmarks of the pure allocation core: what the extender does per scheduling
-//! cycle (filter and prioritize over every candidate node), per bind (decide + book), and
-//! once at start-up (rebuild the view from every pod's annotations).
+//! cycle (filter and prioritize over every candidate node), per bind (decide + book), per
+//! preempt call (the cheapest eviction on each candidate node), and once at start-up (rebuild
+//! the view from every pod's annotations).
 //!
 //! ```sh
 //! cargo bench -p gpushare-perf --bench allocator
@@ -11,7 +12,7 @@ use std::hint::black_box;
 
 use criterion::{BenchmarkId, Criterion, criterion_group, criterion_main};
 use gpushare_allocator::fragmentation::{Host, MAX_SHAPES, Shape};
-use gpushare_allocator::{Cluster, Gpu, PodId, PodPlacement, Policy, Request};
+use gpushare_allocator::{Cluster, Evictable, Gpu, PodId, PodPlacement, Policy, Request};
 use gpushare_contract::{ContainerRequest, Keys, PodAllocation};
 
 const GPUS_PER_NODE: u32 = 8;
@@ -266,9 +267,63 @@ fn rebuild_from_annotations(c: &mut Criterion) {
     });
 }
 
+/// The preempt verb's core: per candidate node, the cheapest eviction that makes room on one
+/// GPU (or two), among 80 evictable pods (8 GPUs × 10 pods of 2 GiB, 12 GiB free each); a
+/// preempt call decides up to 100 candidate nodes (kube-scheduler's `minCandidateNodesAbsolute`).
+fn preemption(c: &mut Criterion) {
+    let (cluster, names) = busy_cluster(100);
+    let evictable_on = |node: &str| -> Vec<Evictable> {
+        let node = cluster.node(node).expect("bench node");
+        node.pods()
+            .enumerate()
+            .map(|(i, (uid, _))| Evictable {
+                uid: uid.clone(),
+                priority: (i % 3) as i32,
+                violates_budget: false,
+            })
+            .collect()
+    };
+    let candidates: Vec<(String, Vec<Evictable>)> = names
+        .iter()
+        .map(|name| (name.clone(), evictable_on(name)))
+        .collect();
+    let mut group = c.benchmark_group("preempt");
+    for (what, gpus) in [("20 GiB on one GPU", 1), ("20 GiB on each of 2 GPUs", 2)] {
+        let request = Request {
+            models: Default::default(),
+            gpus,
+            exclusive: false,
+            pod_gib: 20 * u64::from(gpus),
+            containers: vec![20 * u64::from(gpus)],
+            host: Host::default(),
+        };
+        group.bench_function(BenchmarkId::new("one node, 80 pods", what), |b| {
+            let (node, evictable) = &candidates[0];
+            b.iter(|| {
+                cluster
+                    .eviction(node, black_box(&request), evictable)
+                    .is_some()
+            })
+        });
+        group.bench_function(BenchmarkId::new("100 candidate nodes", what), |b| {
+            b.iter(|| {
+                candidates
+                    .iter()
+                    .filter(|(node, evictable)| {
+                        cluster
+                            .eviction(node, black_box(&request), evictable)
+                            .is_some()
+                    })
+                    .count()
+            })
+        });
+    }
+    group.finish();
+}
+
 criterion_group! {
     name = benches;
     config = Criterion::default().sample_size(20);
-    targets = filter_and_prioritize, bind_decision, rebuild_from_annotations
+    targets = filter_and_prioritize, bind_decision, rebuild_from_annotations, preemption
 }
 criterion_main!(benches);

@@ -210,6 +210,23 @@ impl Node {
             .collect()
     }
 
+    /// A copy of the node without its pod records, for trying bookings on (preemption):
+    /// the decision reads the per-GPU totals and the pending sizes, never the records, and
+    /// copying 80 pods' records per try was most of the cost.
+    pub(super) fn scratch(&self) -> Node {
+        Node {
+            present: self.present,
+            eligible: self.eligible,
+            gpus: self.gpus.clone(),
+            pods: HashMap::default(),
+            pending: self.pending.clone(),
+            host: self.host,
+            host_used: self.host_used,
+            host_scored: self.host_scored,
+            free_summary: self.free_summary,
+        }
+    }
+
     /// Recomputes every derived total from the pods (after the GPU list changed).
     pub(super) fn rebook(&mut self) {
         for usage in &mut self.gpus {

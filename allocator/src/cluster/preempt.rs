@@ -159,10 +159,10 @@ impl Cluster {
         if pool.is_empty() {
             return None;
         }
-        let mut scratch = node.clone();
+        let mut scratch = node.scratch();
         for pod in &pool {
-            if let Some(placement) = scratch.pods.get(&pod.uid).cloned() {
-                scratch.unbook(&placement);
+            if let Some(placement) = node.pods.get(&pod.uid) {
+                scratch.unbook(placement);
             }
         }
         let fits = |scratch: &Node| {

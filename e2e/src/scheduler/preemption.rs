@@ -122,16 +122,15 @@ pub(super) async fn post_filter(
         {
             return Ok(None);
         }
-        for name in state.nodes.keys() {
-            if unresolvable.contains(name) {
+        for (name, lower) in state.lower_pods_by_node(priority) {
+            if unresolvable.contains(&name) {
                 continue;
             }
-            let Some((entry, usage)) = state.node_and_usage(name) else {
+            let Some((entry, usage)) = state.node_and_usage(&name) else {
                 continue;
             };
-            if let Some(victims) = select_victims(pod, priority, entry, usage, state.pods_on(name))
-            {
-                candidates.insert(name.clone(), victims);
+            if let Some(victims) = select_victims(pod, priority, entry, usage, lower) {
+                candidates.insert(name, victims);
             }
         }
     }
@@ -245,5 +244,77 @@ async fn evict(shared: &Shared, pod: &Pod, node: &str, victims: &[NodePod]) {
         .await
     {
         warn!(pod = %preemptor, %error, "could not set the nominated node");
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use std::sync::Arc;
+
+    use super::super::requests::{PodUsage, allocatable};
+    use super::*;
+    use crate::fixtures::{node, pod};
+
+    /// The node by kube-scheduler's eyes: 31 GiB of `example.com/gpu-mem` in all,
+    /// seven 4 GiB pods, `low-0` and `low-1` at 10, the others at 100.
+    fn seven() -> (NodeEntry, NodeUsage, Vec<NodePod>) {
+        let node = node("node-k").gpushare().gpus(&[15, 16]).build();
+        let entry = NodeEntry {
+            allocatable: allocatable(&node),
+            node: Arc::new(node),
+        };
+        let mut usage = NodeUsage::default();
+        let mut pods = Vec::new();
+        for (name, priority) in [
+            ("low-0", 10),
+            ("mid-0", 100),
+            ("mid-1", 100),
+            ("low-1", 10),
+            ("mid-2", 100),
+            ("mid-3", 100),
+            ("mid-4", 100),
+        ] {
+            let pod_usage = PodUsage::of(&pod(name).gpu_mem(4).build());
+            usage.add(&pod_usage);
+            pods.push(NodePod {
+                key: format!("default/{name}"),
+                uid: format!("uid-{name}"),
+                priority,
+                usage: pod_usage,
+                terminating: false,
+            });
+        }
+        (entry, usage, pods)
+    }
+
+    fn keys(victims: &[NodePod]) -> Vec<&str> {
+        victims.iter().map(|v| v.key.as_str()).collect()
+    }
+
+    #[test]
+    fn the_dry_run_picks_victims_by_the_nodes_total() {
+        let (entry, usage, pods) = seven();
+        let preemptor = pod("important").gpu_mem(8).build();
+        // 3 GiB free in all: the two least important pods free 8 more, whatever their GPUs.
+        let victims = select_victims(&preemptor, 100_000, &entry, usage.clone(), pods.clone());
+        assert_eq!(keys(&victims.unwrap()), ["default/low-0", "default/low-1"]);
+        // Below priority 100 only the two low pods may go: still enough by the total.
+        let victims = select_victims(&preemptor, 100, &entry, usage.clone(), pods.clone());
+        assert_eq!(victims.map(|v| v.len()), Some(2));
+        // Nobody below priority 10; and 40 GiB fits the node's total whoever goes.
+        assert!(select_victims(&preemptor, 10, &entry, usage.clone(), pods.clone()).is_none());
+        let huge = pod("huge").gpu_mem(40).build();
+        assert!(select_victims(&huge, 100_000, &entry, usage.clone(), pods.clone()).is_none());
+        // A pod that fits the total already has no victim: the node is dropped.
+        let small = pod("small").gpu_mem(3).build();
+        assert!(select_victims(&small, 100_000, &entry, usage, pods).is_none());
+    }
+
+    #[test]
+    fn only_resource_fit_failures_are_resolvable() {
+        assert!(!is_unresolvable("Insufficient example.com/gpu-mem"));
+        assert!(!is_unresolvable(reasons::TOO_MANY_PODS));
+        assert!(is_unresolvable(reasons::NODE_AFFINITY));
+        assert!(is_unresolvable("node(s) had untolerated taint {a: b}"));
     }
 }

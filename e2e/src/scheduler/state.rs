@@ -589,6 +589,23 @@ impl State {
             .collect()
     }
 
+    /// The pods below `priority` counted on each node (bound and assumed), in one pass: what
+    /// preemption's dry run may evict. Empty when no pod is below it (the common case of a
+    /// cluster without priorities, where the dry run then costs nothing).
+    pub fn lower_pods_by_node(&self, priority: i32) -> HashMap<String, Vec<NodePod>> {
+        let mut by_node: HashMap<String, Vec<NodePod>> = HashMap::new();
+        for (key, a) in self.accounted.iter().filter(|(_, a)| a.priority < priority) {
+            by_node.entry(a.node.clone()).or_default().push(NodePod {
+                key: key.clone(),
+                uid: a.uid.clone(),
+                priority: a.priority,
+                usage: a.usage.clone(),
+                terminating: a.terminating,
+            });
+        }
+        by_node
+    }
+
     /// What `node` carries now and its entry, if it is known.
     pub fn node_and_usage(&self, node: &str) -> Option<(&NodeEntry, NodeUsage)> {
         let entry = self.nodes.get(node)?;
