@@ -250,7 +250,9 @@ impl Cluster {
 mod tests {
     use super::*;
 
-    fn gpu(index: u32, total_gib: u64) -> Gpu {
+    /// A healthy Tesla T4 of `total_gib` with index `index` (UUID `GPU-<index>`); the other
+    /// modules' tests build their nodes with it too.
+    pub(super) fn gpu(index: u32, total_gib: u64) -> Gpu {
         Gpu {
             index,
             uuid: format!("GPU-{index}"),

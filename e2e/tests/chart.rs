@@ -1000,16 +1000,20 @@ struct ManagedResource {
     ignored_by_scheduler: bool,
 }
 
+/// The dedicated scheduler's `scheduler-config.yaml`, from the ConfigMap of scheduler `name`.
+fn scheduler_config_text(rendered: &Rendered, name: &str) -> anyhow::Result<String> {
+    let config_map: ConfigMap = rendered.get("ConfigMap", &format!("{name}-config"))?;
+    config_map
+        .data
+        .and_then(|mut d| d.remove("scheduler-config.yaml"))
+        .context("no scheduler-config.yaml")
+}
+
 fn check_scheduler(rendered: &Rendered, prefix: &str, resource: &str) -> anyhow::Result<()> {
     let ns = &rendered.namespace;
     let name = format!("{prefix}-scheduler");
-    let config_map: ConfigMap = rendered.get("ConfigMap", &format!("{name}-config"))?;
-    let text = config_map
-        .data
-        .as_ref()
-        .and_then(|d| d.get("scheduler-config.yaml"))
-        .context("no scheduler-config.yaml")?;
-    let config: KubeSchedulerConfiguration = serde_yaml::from_str(text)?;
+    let text = scheduler_config_text(rendered, &name)?;
+    let config: KubeSchedulerConfiguration = serde_yaml::from_str(&text)?;
     ensure!(config.api_version == "kubescheduler.config.k8s.io/v1");
     ensure!(config.kind == "KubeSchedulerConfiguration");
     ensure!(config.profiles[0].scheduler_name == "gpushare-scheduler");
@@ -1048,13 +1052,8 @@ fn check_scheduler(rendered: &Rendered, prefix: &str, resource: &str) -> anyhow:
     // Preemption victims are chosen per GPU by the extender, unless turned off.
     ensure!(extender.preempt_verb.as_deref() == Some("preempt"));
     let without = render(prefix, ns, &["--set", "scheduler.extender.preempt=false"])?;
-    let config_map: ConfigMap = without.get("ConfigMap", &format!("{name}-config"))?;
-    let text = config_map
-        .data
-        .as_ref()
-        .and_then(|d| d.get("scheduler-config.yaml"))
-        .context("no scheduler-config.yaml")?;
-    let config: KubeSchedulerConfiguration = serde_yaml::from_str(text)?;
+    let text = scheduler_config_text(&without, &name)?;
+    let config: KubeSchedulerConfiguration = serde_yaml::from_str(&text)?;
     ensure!(config.extenders[0].preempt_verb.is_none(), "{text}");
     ensure!(!extender.ignorable);
     // HTTPS, verified against the CA of the extender's certificate, mounted alone.

@@ -2082,6 +2082,25 @@ const KIT_NODE: &str = "node-k";
 /// How long a preemptor may take to be bound (the bar: running within 60 s).
 const PREEMPTOR_WAIT: Duration = Duration::from_secs(60);
 
+/// Waits for the preemptor `name` to run, checks its containers see its GPUs, and prints
+/// what its preemption took.
+async fn preemptor_runs_pinned(
+    c: &KitCluster,
+    name: &str,
+    outcome: &preemption::Preempted,
+) -> anyhow::Result<()> {
+    let running = wait_running(c, name).await?;
+    let to_running = outcome.created.elapsed().as_secs_f64();
+    check_pinned(c, &running).await?;
+    println!(
+        "  preemption: evicted {:?}, bound after {:.1} s, running after {:.1} s",
+        outcome.evicted,
+        outcome.bound_after.unwrap_or_default(),
+        to_running
+    );
+    Ok(())
+}
+
 /// The scenario with the chart's default install: seven 4 GiB pods (3 + 4), the least
 /// important of each GPU at priority 10, the others 100; an 8 GiB pod at 100000 evicts
 /// exactly two pods, both of the GPU it gets (the low one there and one more), and runs.
@@ -2090,16 +2109,7 @@ fn preemption_frees_one_gpu_for_an_8_gib_pod(c: &KitCluster) -> Outcome<'_> {
         let (fill, outcome) =
             preemption::eight_gib_among_seven(c, KIT_NODE, PREEMPTOR_WAIT).await?;
         preemption::check_eight_gib_among_seven(&fill, &outcome)?;
-        let running = wait_running(c, "seven-important").await?;
-        let to_running = outcome.created.elapsed().as_secs_f64();
-        check_pinned(c, &running).await?;
-        println!(
-            "  preemption: evicted {:?}, bound after {:.1} s, running after {:.1} s",
-            outcome.evicted,
-            outcome.bound_after.unwrap_or_default(),
-            to_running
-        );
-        Ok(())
+        preemptor_runs_pinned(c, "seven-important", &outcome).await
     })
 }
 
@@ -2110,16 +2120,7 @@ fn preemption_gives_a_two_gpu_pod_two_gpus(c: &KitCluster) -> Outcome<'_> {
     Box::pin(async move {
         let (fill, outcome) = preemption::two_gpus_of_eight(c, KIT_NODE, PREEMPTOR_WAIT).await?;
         preemption::check_two_gpus_of_eight(&fill, &outcome)?;
-        let running = wait_running(c, "twogpu-important").await?;
-        let to_running = outcome.created.elapsed().as_secs_f64();
-        check_pinned(c, &running).await?;
-        println!(
-            "  preemption: evicted {:?}, bound after {:.1} s, running after {:.1} s",
-            outcome.evicted,
-            outcome.bound_after.unwrap_or_default(),
-            to_running
-        );
-        Ok(())
+        preemptor_runs_pinned(c, "twogpu-important", &outcome).await
     })
 }
 

@@ -9,9 +9,8 @@ mod common;
 
 use std::sync::Arc;
 
-use common::{FakeBinder, PREFIX, call, fast_timing, settings, with_uid};
+use common::{FakeBinder, PREFIX, bound_builder, call, fast_timing, settings, with_uid};
 use gpushare_allocator::Policy;
-use gpushare_contract::{ContainerRequest, Keys, PodAllocation};
 use gpushare_extender::{AppState, EventSink, router};
 use gpushare_testkit::fixtures::{node, pod};
 use k8s_openapi::api::core::v1::{Node, Pod};
@@ -44,30 +43,11 @@ fn bound(name: &str, node_name: &str, gpu: u32, gib: u64) -> Pod {
 
 /// [`bound`], requesting `cpu` when given.
 fn bound_with_cpu(name: &str, node_name: &str, gpu: u32, gib: u64, cpu: Option<&str>) -> Pod {
-    let allocation = PodAllocation {
-        more_gpus: Vec::new(),
-        exclusive: false,
-        gpu_index: gpu,
-        gpu_uuid: format!("GPU-{node_name}-{gpu}"),
-        pod_gib: gib,
-        containers: vec![ContainerRequest {
-            name: "main".into(),
-            gib,
-            init: false,
-        }],
-        bind_time: "2026-11-22T10:00:00Z".into(),
-        assigned: true,
-        allocated: vec!["main".into()],
-        signature: None,
-    };
-    let mut builder = pod(name).gpu_mem(gib).on_node(node_name);
-    if let Some(cpu) = cpu {
-        builder = builder.cpu(cpu);
+    let builder = bound_builder(name, node_name, gpu, gib, true);
+    match cpu {
+        Some(cpu) => builder.cpu(cpu).build(),
+        None => builder.build(),
     }
-    for (k, v) in allocation.to_annotations(&Keys::default()) {
-        builder = builder.annotation(&k, &v);
-    }
-    builder.build()
 }
 
 /// kube-scheduler's prioritize call for `pod` over these node names.

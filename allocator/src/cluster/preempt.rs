@@ -274,20 +274,10 @@ fn combinations(
 mod tests {
     use proptest::prelude::*;
 
+    use super::super::tests::gpu;
     use super::*;
     use crate::fragmentation::Host;
     use crate::{Gpu, PodPlacement};
-
-    fn gpu(index: u32, total_gib: u64) -> Gpu {
-        Gpu {
-            index,
-            uuid: format!("GPU-{index}"),
-            model: "Tesla T4".into(),
-            numa: None,
-            total_gib,
-            healthy: true,
-        }
-    }
 
     fn request(gib: u64, gpus: u32) -> Request {
         Request {

@@ -227,6 +227,25 @@ pub fn with_uid(mut pod: Pod) -> Pod {
     pod
 }
 
+/// One request through the router with a body of any bytes; the answer's status and text.
+pub async fn call_bytes(
+    app: &Router,
+    method: &str,
+    path: &str,
+    body: Vec<u8>,
+) -> (StatusCode, String) {
+    let request = Request::builder()
+        .method(method)
+        .uri(path)
+        .header("content-type", "application/json")
+        .body(Body::from(body))
+        .unwrap();
+    let response = app.clone().oneshot(request).await.unwrap();
+    let status = response.status();
+    let bytes = response.into_body().collect().await.unwrap().to_bytes();
+    (status, String::from_utf8_lossy(&bytes).into_owned())
+}
+
 /// One request through the router; the body parsed as JSON when it is JSON.
 pub async fn call(app: &Router, method: &str, path: &str, body: &str) -> (StatusCode, Value) {
     let (status, _, text) = call_raw(app, method, path, body).await;
