@@ -11,6 +11,7 @@ use std::sync::OnceLock;
 
 use axum::body::Body;
 use gpushare_admission::{AdmissionState, router};
+use gpushare_testkit::json::replace_at;
 use http_body_util::BodyExt as _;
 use proptest::prelude::*;
 use serde_json::{Value, json};
@@ -83,29 +84,6 @@ fn any_json() -> impl Strategy<Value = Value> {
                 .prop_map(|map| Value::Object(map.into_iter().collect())),
         ]
     })
-}
-
-/// `value` with the subtree at the path `steps` picks replaced by `replacement`.
-fn replace_at(value: &mut Value, steps: &[usize], replacement: Value) {
-    let Some((&step, rest)) = steps.split_first() else {
-        *value = replacement;
-        return;
-    };
-    let child = match value {
-        Value::Array(items) if !items.is_empty() => {
-            let len = items.len();
-            &mut items[step % len]
-        }
-        Value::Object(map) if !map.is_empty() => {
-            let len = map.len();
-            map.values_mut().nth(step % len).unwrap()
-        }
-        _ => {
-            *value = replacement;
-            return;
-        }
-    };
-    replace_at(child, rest, replacement);
 }
 
 /// A 200 is an AdmissionReview answering the request's uid; anything else is a 400.

@@ -17,6 +17,7 @@ use axum::Router;
 use axum::http::StatusCode;
 use common::{PREFIX, bound, call, fixture, harness};
 use gpushare_testkit::fixtures::{node, pod};
+use gpushare_testkit::json::replace_at;
 use proptest::prelude::*;
 use serde_json::{Value, json};
 
@@ -137,30 +138,6 @@ fn protocol_json() -> impl Strategy<Value = Value> {
                 .prop_map(|map| Value::Object(map.into_iter().collect())),
         ]
     })
-}
-
-/// `value` with the subtree at the path `steps` picks (each step an index, taken modulo the
-/// children there) replaced by `replacement`.
-fn replace_at(value: &mut Value, steps: &[usize], replacement: Value) {
-    let Some((&step, rest)) = steps.split_first() else {
-        *value = replacement;
-        return;
-    };
-    let child = match value {
-        Value::Array(items) if !items.is_empty() => {
-            let len = items.len();
-            &mut items[step % len]
-        }
-        Value::Object(map) if !map.is_empty() => {
-            let len = map.len();
-            map.values_mut().nth(step % len).unwrap()
-        }
-        _ => {
-            *value = replacement;
-            return;
-        }
-    };
-    replace_at(child, rest, replacement);
 }
 
 fn captured() -> Vec<Value> {
