@@ -14,11 +14,12 @@ use std::process::ExitCode;
 use std::time::{Duration, Instant};
 
 use anyhow::{Context, bail, ensure};
+use base64::Engine as _;
 use gpushare_contract::{Keys, env};
 use gpushare_e2e::cluster::wait_for;
 use gpushare_e2e::fixtures;
 use gpushare_e2e::preemption;
-use gpushare_e2e::realk8s::{Kit, KitCluster, Mode};
+use gpushare_e2e::realk8s::{Kit, KitCluster, Mode, barrage, load};
 use gpushare_e2e::scenarios::{
     Harness, START_TIMEOUT, allocation, check_no_overcommit, check_pinned, create_gpu_pod,
     delete_pod, phase, scheduling_message, wait_bound, wait_running, wait_unschedulable,
@@ -70,6 +71,10 @@ const GROUPS: &[Group] = &[
             (
                 "preemption_evicts_nobody_for_a_pod_no_gpu_can_hold",
                 preemption_evicts_nobody_for_a_pod_no_gpu_can_hold,
+            ),
+            (
+                "the_scheduler_port_withstands_a_barrage",
+                the_scheduler_port_withstands_a_barrage,
             ),
             // Last: they add Node objects with no kubelet behind them.
             ("leader_killed_in_a_burst", leader_killed_in_a_burst),
@@ -2176,6 +2181,115 @@ fn without_the_preempt_verb_the_two_gpu_pod_waits(c: &KitCluster) -> Outcome<'_>
         println!(
             "  without the verb: evicted {:?}, the 2-GPU pod still waits after 20 s",
             outcome.evicted
+        );
+        Ok(())
+    })
+}
+
+/// The extender replicas in kube-system: (pod name, `ip:port` of the scheduler port, restarts).
+async fn extender_replicas(c: &KitCluster) -> anyhow::Result<Vec<(String, String, i32)>> {
+    let pods: Api<Pod> = Api::namespaced(c.client(), "kube-system");
+    let list = pods
+        .list(&ListParams::default().labels("app.kubernetes.io/component=extender"))
+        .await?;
+    let mut replicas = Vec::new();
+    for pod in list.items {
+        let name = pod.metadata.name.clone().unwrap_or_default();
+        let status = pod.status.clone().unwrap_or_default();
+        let ip = status
+            .pod_ip
+            .clone()
+            .with_context(|| format!("{name} has no IP"))?;
+        let container = pod
+            .spec
+            .as_ref()
+            .and_then(|s| s.containers.iter().find(|c| c.name == "extender"))
+            .with_context(|| format!("{name} has no extender container"))?;
+        let port = container
+            .ports
+            .iter()
+            .flatten()
+            .find(|p| p.name.as_deref() == Some("scheduler"))
+            .map(|p| p.container_port)
+            .with_context(|| format!("{name} has no scheduler port"))?;
+        let restarts = status
+            .container_statuses
+            .iter()
+            .flatten()
+            .map(|s| s.restart_count)
+            .sum();
+        replicas.push((name, format!("{ip}:{port}"), restarts));
+    }
+    replicas.sort();
+    Ok(replicas)
+}
+
+/// A barrage of bad input at every extender replica's scheduler port, with 200 connections
+/// left in the middle of a TLS handshake meanwhile: every request gets a clear answer (200
+/// with the protocol's JSON, or 400/413 with a JSON error), no replica restarts, and 20 GPU
+/// pods created right after all run.
+fn the_scheduler_port_withstands_a_barrage(c: &KitCluster) -> Outcome<'_> {
+    Box::pin(async move {
+        let before = extender_replicas(c).await?;
+        ensure!(!before.is_empty(), "no extender replicas");
+        let ca = c.kubectl(&[
+            "-n",
+            "kube-system",
+            "get",
+            "secret",
+            "gpushare-extender-tls",
+            "-o",
+            r"jsonpath={.data.ca\.crt}",
+        ])?;
+        let ca = String::from_utf8(base64::engine::general_purpose::STANDARD.decode(ca.trim())?)?;
+        let mut pending = serde_json::to_value(fixtures::pod("barrage").gpu_mem(1).build())?;
+        pending["metadata"]["uid"] = serde_json::json!("barrage-uid");
+        let started = Instant::now();
+        let mut answered = 0;
+        for (name, address, _) in &before {
+            let stalled = barrage::stall_handshakes(address).await?;
+            let report = barrage::send(
+                address,
+                "gpushare-extender.kube-system.svc",
+                &ca,
+                "/gpushare-scheduler",
+                &pending,
+            )
+            .await?;
+            drop(stalled);
+            let unclear = report.unclear();
+            ensure!(unclear.is_empty(), "{name}: {unclear:#?}");
+            answered += report.answers.len();
+        }
+        let after = extender_replicas(c).await?;
+        ensure!(
+            before
+                .iter()
+                .map(|(n, _, r)| (n, r))
+                .eq(after.iter().map(|(n, _, r)| (n, r))),
+            "a replica restarted or was replaced: before {before:?}, after {after:?}"
+        );
+        // Memory stays bounded: the 8 MiB bodies are read and dropped, nothing accumulates.
+        let peaks: Vec<(String, f64)> = load::chart_processes(c)
+            .into_iter()
+            .filter(|(pod, _)| pod.starts_with("gpushare-extender-"))
+            .filter_map(|(pod, pid)| Some((pod, load::rss_mib(pid)?.0)))
+            .collect();
+        ensure!(
+            peaks.iter().all(|(_, peak)| *peak < 256.0),
+            "an extender's peak RSS passed 256 MiB: {peaks:?}"
+        );
+        for i in 0..20 {
+            create_gpu_pod(c, &format!("after-barrage-{i}"), 1).await?;
+        }
+        for i in 0..20 {
+            wait_running(c, &format!("after-barrage-{i}")).await?;
+        }
+        println!(
+            "  barrage: {answered} bad requests over {} replicas, {} stalled handshakes at each, in {:.1} s: every answer clear, no restart, peak RSS {peaks:?} MiB, 20 GPU pods ran after",
+            before.len(),
+            barrage::STALLED_HANDSHAKES,
+            started.elapsed().as_secs_f64()
         );
         Ok(())
     })

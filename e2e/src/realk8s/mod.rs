@@ -32,6 +32,7 @@ use crate::cluster::{binaries, wait_for};
 use crate::scenarios::Harness;
 use crate::tools;
 
+pub mod barrage;
 mod drain_cost;
 mod fake_nodes;
 pub mod load;
