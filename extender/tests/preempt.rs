@@ -7,7 +7,11 @@
 mod common;
 
 use axum::http::StatusCode;
+use std::time::Instant;
+
 use common::{PREFIX, bind_body, bound_builder, call, call_raw, harness, post};
+use gpushare_allocator::{Policy, Request};
+use gpushare_extender::view::Hold;
 use gpushare_testkit::fixtures::{node, pod};
 use k8s_openapi::api::core::v1::Pod;
 use serde_json::{Value, json};
@@ -310,4 +314,82 @@ async fn a_nomination_ends_when_kube_scheduler_clears_it() {
         post(&h, "filter", &filter).await.1["NodeNames"],
         json!(["node-n"])
     );
+}
+
+/// GiB booked on each GPU of `node`, by index.
+fn used(h: &common::Harness, node: &str) -> Vec<u64> {
+    let view = h.state.view();
+    let node = view.cluster.node(node).unwrap();
+    node.gpus().iter().map(|usage| usage.used_gib).collect()
+}
+
+#[tokio::test]
+async fn a_relist_books_a_nomination_only_once_every_pod_is_back() {
+    // GPU 0 full of pods that sort after the nominated pod, GPU 1 with 8 GiB free.
+    let mut pods: Vec<Pod> = (0..4)
+        .map(|i| bound_builder(&format!("z-full-{i}"), "node-n", 0, 4, true).build())
+        .collect();
+    pods.push(bound_builder("z-half", "node-n", 1, 8, true).build());
+    let mut nominated = pod("a-important")
+        .gpu_mem(8)
+        .priority(1000)
+        .nominated("node-n")
+        .build();
+    nominated.metadata.uid = Some("uid-a-important".into());
+    pods.insert(0, nominated);
+    let h = harness(
+        vec![node("node-n").gpushare().gpus(&[16, 16]).build()],
+        pods.clone(),
+    );
+    // Booked on the GPU with room, not on the one whose pods were not replayed yet.
+    assert_eq!(used(&h, "node-n"), [16, 16]);
+    assert_eq!(h.state.view().nominations(), (1, 1));
+    // The same on a relist.
+    let listed: Vec<Pod> = pods.into_iter().map(common::with_uid).collect();
+    h.state.view_mut().replace_pods(&listed);
+    assert_eq!(used(&h, "node-n"), [16, 16]);
+}
+
+#[tokio::test]
+async fn a_nominated_pods_bind_is_not_refused_when_another_hold_lapses() {
+    let pods = vec![
+        bound_builder("p0", "node-n", 0, 8, true)
+            .priority(10)
+            .build(),
+    ];
+    let h = harness(
+        vec![node("node-n").gpushare().gpus(&[16, 16]).build()],
+        pods,
+    );
+    let mut nominated = pod("important")
+        .gpu_mem(8)
+        .priority(1000)
+        .nominated("node-n")
+        .build();
+    nominated.metadata.uid = Some("uid-important".into());
+    h.state.view_mut().apply_pod(&nominated);
+    assert_eq!(h.state.view().nominations(), (1, 1));
+    // Another pod's hold, lapsed by the time the bind comes: giving it back books waiting
+    // nominations, which must not book again the one the bind is deciding for.
+    let request = Request {
+        pod_gib: 4,
+        containers: vec![4],
+        ..Request::default()
+    };
+    let hold = Hold {
+        uid: "uid-other".into(),
+        namespace: "default",
+        name: "other",
+        node: "node-n",
+        until: Instant::now(),
+    };
+    assert!(h.state.view_mut().hold(hold, &request, Policy::Binpack));
+    let (_, answer) = call(
+        &h.app,
+        "POST",
+        &format!("{PREFIX}/bind"),
+        &bind_body("important", "uid-important", "node-n"),
+    )
+    .await;
+    assert_eq!(answer["Error"], "", "{answer}");
 }

@@ -51,6 +51,8 @@ fn filter_answer<'a>(state: &AppState, args: &'a ExtenderArgs<'a>) -> ExtenderFi
     let mut passing: Vec<usize> = Vec::with_capacity(candidates.len());
     let pod_uid = pod_uid(args);
     let released = release_holds(state, pod_uid.as_ref());
+    // The pod whose own nomination booking ends its decision here (no hold made for it).
+    let mut resume = pod_uid.clone();
     // The request to hold memory for, when exactly one node passes.
     let mut to_hold: Option<Request> = None;
     let view = state.view();
@@ -90,12 +92,17 @@ fn filter_answer<'a>(state: &AppState, args: &'a ExtenderArgs<'a>) -> ExtenderFi
     }
     drop(view);
     if let (Some(request), Some(uid), [only]) = (to_hold, pod_uid, passing.as_slice()) {
+        resume = None;
         hold_for_bind(state, args, uid, &candidates[*only].0, &request);
     }
     // What this filter gave back may be a nomination's booking (its own pod's, when it
     // held nothing again) or make room for one (`crate::view`'s nominations).
     if released && state.view().has_unbooked_nominations() {
-        state.view_mut().book_nominations();
+        let mut view = state.view_mut();
+        match &resume {
+            Some(uid) => view.resume_nomination(uid),
+            None => view.book_nominations(),
+        }
     }
     if args.node_names.is_some() {
         result.node_names = Some(passing.iter().map(|&i| candidates[i].0.clone()).collect());
@@ -204,8 +211,8 @@ fn release_holds(state: &AppState, pod_uid: Option<&PodId>) -> bool {
         }
     }
     let mut view = state.view_mut();
-    let own = pod_uid.is_some_and(|uid| view.release_hold(uid));
     let lapsed = view.release_lapsed_holds(Instant::now());
+    let own = pod_uid.is_some_and(|uid| view.release_hold(uid));
     state.update_reservation_gauges(&view);
     own || lapsed > 0
 }

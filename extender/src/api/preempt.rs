@@ -85,9 +85,17 @@ fn preempt_answer(state: &AppState, args: &ExtenderPreemptionArgs) -> ExtenderPr
     // write lock) when it has one, which is rare; otherwise the candidates are decided under
     // the read lock, so filters go on meanwhile (a 2-GPU preemptor over 100 nodes of 80 pods
     // takes tens of milliseconds: `cargo bench -p gpushare-perf --bench allocator -- preempt`).
-    let booked = uid
-        .as_ref()
-        .is_some_and(|uid| state.view().cluster.pod(uid).is_some());
+    let (synced, booked) = {
+        let view = state.view();
+        let booked = uid
+            .as_ref()
+            .is_some_and(|uid| view.cluster.pod(uid).is_some());
+        (view.is_synced(), booked)
+    };
+    if !synced {
+        state.metrics().preempt_answer("not_synced");
+        return ExtenderPreemptionResult::default();
+    }
     let guard = if booked {
         let mut view = state.view_mut();
         if let Some(uid) = &uid {
@@ -98,10 +106,6 @@ fn preempt_answer(state: &AppState, args: &ExtenderPreemptionArgs) -> ExtenderPr
         Guard::Read(state.view())
     };
     let view: &View = &guard;
-    if !view.is_synced() {
-        state.metrics().preempt_answer("not_synced");
-        return ExtenderPreemptionResult::default();
-    }
     let mut kept: Vec<Kept<'_>> = Vec::new();
     let mut dropped = 0_u64;
     for (&node, (uids, _)) in &proposals {
@@ -113,7 +117,14 @@ fn preempt_answer(state: &AppState, args: &ExtenderPreemptionArgs) -> ExtenderPr
                         .pod(&PodId::from(uid))
                         .is_some_and(|(on, _)| on == node)
                 };
-                let others = uids.iter().copied().filter(|u| !booked_here(u)).collect();
+                let others: Vec<&str> = uids.iter().copied().filter(|u| !booked_here(u)).collect();
+                // Nothing to evict (the pod fits there already, freed since kube-scheduler's
+                // dry run): kube-scheduler takes a node with no victim as an error that fails
+                // the whole preemption, so the node is left out; the pod is retried anyway.
+                if eviction.victims.is_empty() && others.is_empty() {
+                    dropped += 1;
+                    continue;
+                }
                 kept.push(Kept {
                     node,
                     eviction,
@@ -136,7 +147,9 @@ fn preempt_answer(state: &AppState, args: &ExtenderPreemptionArgs) -> ExtenderPr
         })
         .map(|best| event_note(view, best, kept.len(), &proposals));
     if let Guard::Write(mut view) = guard {
-        view.book_nominations();
+        if let Some(uid) = &uid {
+            view.resume_nomination(uid);
+        }
         state.update_reservation_gauges(&view);
     }
     state.metrics().preempt_nodes_dropped.inc_by(dropped);

@@ -47,8 +47,8 @@ pub(super) fn decide(
     // What filter held for the pod ends here: the bind decides anew, and books the same GPU
     // unless something changed since. Holds of other pods whose bind never came end too (a
     // bind passed on from a follower reaches the leader with no filter before it).
-    view.release_hold(&uid);
     view.release_lapsed_holds(std::time::Instant::now());
+    view.release_hold(&uid);
     let ToBind { bound_to, asked } = the_pod(view, args, &uid, pod_key)?;
     // Retries: the same pod already placed, by the watch or by an earlier bind.
     if let Some(retried) = retry(view, &uid, node, bound_to.as_deref(), pod_key) {

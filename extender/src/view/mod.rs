@@ -125,6 +125,8 @@ pub struct View {
     prefer_no_schedule: HashMap<Arc<str>, Vec<Taint>>,
     /// Unbound pods nominated for a node by preemption (see `preemption.rs`).
     nominations: HashMap<PodId, preemption::Nomination>,
+    /// True while a relist replays the listed pods: nominations wait for the end of it.
+    replaying: bool,
 }
 
 impl View {
@@ -142,6 +144,7 @@ impl View {
             bind_grace: Duration::ZERO,
             prefer_no_schedule: HashMap::new(),
             nominations: HashMap::new(),
+            replaying: false,
         }
     }
 

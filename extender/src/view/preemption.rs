@@ -16,16 +16,26 @@
 //! node as soon as it fits there (usually when the last victim's deletion reaches the watch),
 //! the most important nominated pods first. The booking is the pod's own, keyed by its UID
 //! like a filter hold: filter and bind give it back before they decide for the pod itself
-//! ([`View::release_hold`]), and it is booked again whenever the pod is left without one. It
+//! ([`View::release_hold`]), and it is not booked again while they do ([`DECIDING`]): filter
+//! books it back when it held nothing for the pod ([`View::resume_nomination`]), a bind
+//! replaces it with its own reservation. Otherwise it is booked whenever the pod is left
+//! without one (not in the middle of a relist: only once every listed pod and reservation is
+//! back, so the nominated pod cannot take memory a pod not yet replayed holds). It
 //! ends when the pod is bound (its annotations book it), deleted, finished or no longer
 //! nominated (kube-scheduler clears the nomination when it places the pod elsewhere or a more
 //! important preemptor takes the node).
 
 use std::sync::Arc;
+use std::time::{Duration, Instant};
 
 use gpushare_allocator::{Evictable, PodId, PodPlacement, Policy, Request};
 
 use super::View;
+
+/// How long a nomination whose booking filter, bind or preempt gave back stays unbooked
+/// while they decide for the pod: longer than any of them takes, short enough that a bind
+/// that fails without settling leaves the GPU unheld only briefly.
+pub const DECIDING: Duration = Duration::from_secs(2);
 
 /// A pod nominated for a node by preemption, waiting to be bound.
 #[derive(Debug, Clone)]
@@ -38,6 +48,9 @@ pub(super) struct Nomination {
     priority: i32,
     /// Whether its memory is booked in the allocator now.
     booked: bool,
+    /// Until when it is left unbooked: its booking was given back for a decision about the
+    /// pod itself ([`DECIDING`]).
+    deciding_until: Option<Instant>,
 }
 
 impl View {
@@ -77,6 +90,7 @@ impl View {
                 request,
                 priority,
                 booked: false,
+                deciding_until: None,
             },
         );
     }
@@ -91,8 +105,9 @@ impl View {
         }
     }
 
-    /// Gives back what pod `uid`'s nomination booked, keeping the nomination (filter or bind
-    /// decides for the pod itself next). True when something was given back.
+    /// Gives back what pod `uid`'s nomination booked, keeping the nomination, and leaves it
+    /// unbooked for [`DECIDING`] (filter, bind or preempt decides for the pod itself next).
+    /// True when something was given back.
     pub(super) fn unbook_nomination(&mut self, uid: &PodId) -> bool {
         let Some(nomination) = self.nominations.get_mut(uid) else {
             return false;
@@ -101,22 +116,34 @@ impl View {
             return false;
         }
         nomination.booked = false;
+        nomination.deciding_until = Some(Instant::now() + DECIDING);
         if self.reservations.get(uid).is_none() {
             self.cluster.release(uid);
         }
         true
     }
 
+    /// Ends the decision about pod `uid` (filter held nothing for it, or preempt answered):
+    /// its nomination may be booked again, and is if it fits.
+    pub fn resume_nomination(&mut self, uid: &PodId) {
+        if let Some(nomination) = self.nominations.get_mut(uid) {
+            nomination.deciding_until = None;
+        }
+        self.book_nominations();
+    }
+
     /// Books every nomination not booked yet whose request fits its node now, the most
-    /// important first; pods with a hold or a bind under way are left to those.
+    /// important first; pods with a hold or a bind under way are left to those, and so are
+    /// pods being decided for. Nothing during a relist's replay.
     pub fn book_nominations(&mut self) {
-        if self.nominations.values().all(|n| n.booked) {
+        if self.replaying || self.nominations.values().all(|n| n.booked) {
             return;
         }
+        let now = Instant::now();
         let mut waiting: Vec<(i32, PodId)> = self
             .nominations
             .iter()
-            .filter(|(_, n)| !n.booked)
+            .filter(|(_, n)| !n.booked && n.deciding_until.is_none_or(|until| until <= now))
             .map(|(uid, n)| (n.priority, uid.clone()))
             .collect();
         waiting.sort_by(|a, b| b.0.cmp(&a.0).then_with(|| a.1.cmp(&b.1)));

@@ -34,8 +34,10 @@ impl View {
         let kept = self.untrusted_bookings(&pods);
         self.pods.clear();
         self.pod_keys.clear();
-        // Bookings go with the pods; the listed pods' nominations are followed anew.
+        // Bookings go with the pods; the listed pods' nominations are followed anew, and
+        // booked only once every listed pod and kept reservation is back.
         self.nominations.clear();
+        self.replaying = true;
         self.cluster.forget_pods();
         for (uid, node, placement) in kept {
             self.cluster.upsert_pod(uid, &node, placement);
@@ -45,6 +47,8 @@ impl View {
             .filter_map(|facts| self.apply_facts(facts))
             .collect();
         self.restore_waiting_reservations(reservations);
+        self.replaying = false;
+        self.book_nominations();
         // The first list after a start: the fragmentation policy learns the shapes of the
         // pods bound before (a restarted extender scores like the one it replaces).
         if !self.pods_synced {
