@@ -53,6 +53,14 @@ fn preemptor(name: &str, gib: u64, priority: i32) -> Pod {
     pod
 }
 
+/// The 8 GiB pod `name` (UID `uid-<name>`, priority 1000) that preemption nominated for
+/// `node`, as the watch shows it.
+fn nominated_for(name: &str, node: &str) -> Pod {
+    let mut pod = pod(name).gpu_mem(8).priority(1000).nominated(node).build();
+    pod.metadata.uid = Some(format!("uid-{name}"));
+    pod
+}
+
 /// The preempt body kube-scheduler sends with `nodeCacheCapable: true`: `node` with `victims`.
 fn meta_args(pod: &Pod, node: &str, victims: &[&str]) -> String {
     let pods: Vec<Value> = victims
@@ -246,12 +254,7 @@ async fn the_gpu_freed_for_a_nominated_preemptor_is_held_for_it() {
     let gone = victims(&answer, "node-n");
     assert_eq!(gone.len(), 2);
     // kube-scheduler nominates the preemptor, then the victims' deletions reach the watch.
-    let mut nominated = pod("important")
-        .gpu_mem(8)
-        .priority(1000)
-        .nominated("node-n")
-        .build();
-    nominated.metadata.uid = important.metadata.uid.clone();
+    let nominated = nominated_for("important", "node-n");
     h.state.view_mut().apply_pod(&nominated);
     for pod in pods
         .iter()
@@ -295,12 +298,7 @@ async fn a_nomination_ends_when_kube_scheduler_clears_it() {
             .build(),
     ];
     let h = harness(vec![node("node-n").gpushare().gpus(&[16]).build()], pods);
-    let mut nominated = pod("important")
-        .gpu_mem(8)
-        .priority(1000)
-        .nominated("node-n")
-        .build();
-    nominated.metadata.uid = Some("uid-important".into());
+    let mut nominated = nominated_for("important", "node-n");
     h.state.view_mut().apply_pod(&nominated);
     assert_eq!(h.state.view().nominations(), (1, 1));
     let small = preemptor("small", 4, 0);
@@ -330,12 +328,7 @@ async fn a_relist_books_a_nomination_only_once_every_pod_is_back() {
         .map(|i| bound_builder(&format!("z-full-{i}"), "node-n", 0, 4, true).build())
         .collect();
     pods.push(bound_builder("z-half", "node-n", 1, 8, true).build());
-    let mut nominated = pod("a-important")
-        .gpu_mem(8)
-        .priority(1000)
-        .nominated("node-n")
-        .build();
-    nominated.metadata.uid = Some("uid-a-important".into());
+    let nominated = nominated_for("a-important", "node-n");
     pods.insert(0, nominated);
     let h = harness(
         vec![node("node-n").gpushare().gpus(&[16, 16]).build()],
@@ -361,12 +354,7 @@ async fn a_nominated_pods_bind_is_not_refused_when_another_hold_lapses() {
         vec![node("node-n").gpushare().gpus(&[16, 16]).build()],
         pods,
     );
-    let mut nominated = pod("important")
-        .gpu_mem(8)
-        .priority(1000)
-        .nominated("node-n")
-        .build();
-    nominated.metadata.uid = Some("uid-important".into());
+    let nominated = nominated_for("important", "node-n");
     h.state.view_mut().apply_pod(&nominated);
     assert_eq!(h.state.view().nominations(), (1, 1));
     // Another pod's hold, lapsed by the time the bind comes: giving it back books waiting
