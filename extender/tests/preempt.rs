@@ -75,6 +75,16 @@ fn meta_args(pod: &Pod, node: &str, victims: &[&str]) -> String {
     .to_string()
 }
 
+/// kube-scheduler's preempt call for `pod` with `victims` proposed on `node`, answered.
+async fn preempt_on(
+    h: &common::Harness,
+    pod: &Pod,
+    node: &str,
+    victims: &[&str],
+) -> (axum::http::StatusCode, Value) {
+    post(h, "preempt", &meta_args(pod, node, victims)).await
+}
+
 /// The victims answered for `node`, by pod name (UIDs are `uid-<name>`).
 fn victims(answer: &Value, node: &str) -> Vec<String> {
     answer["NodeNameToMetaVictims"][node]["Pods"]
@@ -100,12 +110,7 @@ async fn an_8_gib_preemptor_evicts_two_pods_of_one_gpu_not_the_two_kube_schedule
     let h = seven_pods();
     let pod = preemptor("important", 8, 100_000);
     // kube-scheduler proposes the two least important pods, one from each GPU.
-    let (status, answer) = post(
-        &h,
-        "preempt",
-        &meta_args(&pod, "node-k", &["low-0", "low-1"]),
-    )
-    .await;
+    let (status, answer) = preempt_on(&h, &pod, "node-k", &["low-0", "low-1"]).await;
     assert_eq!(status, StatusCode::OK);
     let names = victims(&answer, "node-k");
     assert_eq!(names.len(), 2, "{answer}");
@@ -141,22 +146,12 @@ async fn a_preemptor_no_eviction_can_place_drops_the_node() {
     let h = seven_pods();
     // 20 GiB fits on no GPU of 15 or 16, whoever goes.
     let pod = preemptor("huge", 20, 100_000);
-    let (_, answer) = post(
-        &h,
-        "preempt",
-        &meta_args(&pod, "node-k", &["low-0", "low-1", "mid-1-1"]),
-    )
-    .await;
+    let (_, answer) = preempt_on(&h, &pod, "node-k", &["low-0", "low-1", "mid-1-1"]).await;
     assert_eq!(answer, json!({"NodeNameToMetaVictims": {}}));
     // A preemptor above only the two least important pods: one from each GPU frees room on
     // neither, and pods of its own priority or above never go.
     let pod = preemptor("modest", 8, 100);
-    let (_, answer) = post(
-        &h,
-        "preempt",
-        &meta_args(&pod, "node-k", &["low-0", "low-1"]),
-    )
-    .await;
+    let (_, answer) = preempt_on(&h, &pod, "node-k", &["low-0", "low-1"]).await;
     assert_eq!(answer, json!({"NodeNameToMetaVictims": {}}));
     // A 7 GiB one at that priority needs only the low pod of GPU 0 gone.
     let pod = preemptor("small", 7, 100);
@@ -245,12 +240,7 @@ async fn the_gpu_freed_for_a_nominated_preemptor_is_held_for_it() {
         pods.clone(),
     );
     let important = preemptor("important", 8, 1000);
-    let (_, answer) = post(
-        &h,
-        "preempt",
-        &meta_args(&important, "node-n", &["p0", "p1"]),
-    )
-    .await;
+    let (_, answer) = preempt_on(&h, &important, "node-n", &["p0", "p1"]).await;
     let gone = victims(&answer, "node-n");
     assert_eq!(gone.len(), 2);
     // kube-scheduler nominates the preemptor, then the victims' deletions reach the watch.
