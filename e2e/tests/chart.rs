@@ -991,6 +991,10 @@ struct Extender {
 #[serde(deny_unknown_fields, rename_all = "camelCase")]
 struct ExtenderTlsConfig {
     ca_file: String,
+    #[serde(default)]
+    cert_file: Option<String>,
+    #[serde(default)]
+    key_file: Option<String>,
 }
 
 #[derive(Debug, Deserialize)]
@@ -1058,20 +1062,47 @@ fn check_scheduler(rendered: &Rendered, prefix: &str, resource: &str) -> anyhow:
     ensure!(!extender.ignorable);
     // HTTPS, verified against the CA of the extender's certificate, mounted alone.
     ensure!(extender.enable_https);
-    let ca_file = &extender
+    let tls = extender
         .tls_config
         .as_ref()
-        .context("enableHTTPS without tlsConfig trusts any certificate")?
-        .ca_file;
-    ensure!(ca_file == "/etc/gpushare/extender-ca/ca.crt", "{ca_file}");
+        .context("enableHTTPS without tlsConfig trusts any certificate")?;
+    ensure!(tls.ca_file == "/etc/gpushare/extender-ca/ca.crt", "{tls:?}");
+    // It presents the client certificate the extender asks for, mounted from the client
+    // Secret without the replicas' key.
+    ensure!(
+        tls.cert_file.as_deref() == Some("/etc/gpushare/scheduler-client/tls.crt")
+            && tls.key_file.as_deref() == Some("/etc/gpushare/scheduler-client/tls.key"),
+        "{tls:?}"
+    );
     let deployment: Deployment = rendered.get("Deployment", &name)?;
     let pod = deployment
         .spec
         .and_then(|s| s.template.spec)
         .context("no scheduler pod spec")?;
-    let ca_volume = pod
-        .volumes
+    let volumes = pod.volumes.unwrap_or_default();
+    let client_volume = volumes
+        .iter()
+        .find(|v| v.name == "client-certificate")
+        .and_then(|v| v.secret.clone())
+        .context("no client-certificate volume")?;
+    ensure!(
+        client_volume.secret_name.as_deref() == Some(&*format!("{prefix}-extender-client-tls"))
+    );
+    let items: Vec<(String, String)> = client_volume
+        .items
         .unwrap_or_default()
+        .into_iter()
+        .map(|item| (item.key, item.path))
+        .collect();
+    ensure!(
+        items
+            == [
+                ("scheduler.crt".to_owned(), "tls.crt".to_owned()),
+                ("scheduler.key".to_owned(), "tls.key".to_owned())
+            ],
+        "the scheduler must get its own certificate only, got {items:?}"
+    );
+    let ca_volume = volumes
         .into_iter()
         .find(|v| v.name == "extender-ca")
         .and_then(|v| v.secret)
@@ -1555,7 +1586,7 @@ fn default_values_render_a_dedicated_scheduler_install() -> anyhow::Result<()> {
         ("PodDisruptionBudget", 1),
         ("Role", 3),
         ("RoleBinding", 4),
-        ("Secret", 2),
+        ("Secret", 3),
         ("Service", 2),
         ("ServiceAccount", 4),
         ("ValidatingAdmissionPolicy", 1),
@@ -1589,6 +1620,9 @@ fn default_values_render_a_dedicated_scheduler_install() -> anyhow::Result<()> {
             "--advertise-url=https://$(POD_IP):39999",
             "--leader-forward-ca=/etc/gpushare/extender-tls/ca.crt",
             "--leader-forward-server-name=gpushare-extender.kube-system.svc",
+            "--client-ca=/etc/gpushare/client-tls/ca.crt",
+            "--leader-forward-cert=/etc/gpushare/client-tls/extender.crt",
+            "--leader-forward-key=/etc/gpushare/client-tls/extender.key",
         ],
     )?;
     let deployment: k8s_openapi::api::apps::v1::Deployment =
@@ -2168,5 +2202,92 @@ async fn native_gpu_scoring_replaces_prioritize_for_binpack_only() -> anyhow::Re
         refused.is_err_and(|e| format!("{e:#}").contains("needs the extender's prioritize")),
         "nativeGpuScoring with fragmentation must fail to render"
     );
+    Ok(())
+}
+
+/// The extender's pod spec in `rendered`.
+fn extender_pod(rendered: &Rendered) -> anyhow::Result<PodSpec> {
+    let deployment: Deployment = rendered.get("Deployment", "gpushare-extender")?;
+    deployment
+        .spec
+        .and_then(|s| s.template.spec)
+        .context("no extender pod spec")
+}
+
+/// `extender.tls.clientAuth`: the replicas mount the client CA and their own certificate (not
+/// the scheduler's key); the upgrade grace is rendered only on an upgrade that finds no client
+/// Secret yet (`helm template --is-upgrade` finds none), ten minutes from now; turned off,
+/// nothing of it is rendered and the scheduler presents no certificate.
+#[test]
+fn client_certificates_guard_the_scheduler_port() -> anyhow::Result<()> {
+    let installed = render("gpushare", "kube-system", &[])?;
+    let pod = extender_pod(&installed)?;
+    let extender_args = args(container(&pod, "extender")?);
+    ensure!(
+        !extender_args
+            .iter()
+            .any(|a| a.starts_with("--accept-uncertified-until")),
+        "an install needs no grace: {extender_args:?}"
+    );
+    let volume = pod
+        .volumes
+        .unwrap_or_default()
+        .into_iter()
+        .find(|v| v.name == "client-tls")
+        .and_then(|v| v.secret)
+        .context("no client-tls volume")?;
+    let keys: Vec<String> = volume
+        .items
+        .unwrap_or_default()
+        .into_iter()
+        .map(|i| i.key)
+        .collect();
+    ensure!(
+        keys == ["ca.crt", "extender.crt", "extender.key"],
+        "{keys:?}"
+    );
+    let secret: Secret = installed.get("Secret", "gpushare-extender-client-tls")?;
+    let data = secret.data.unwrap_or_default();
+    let names: Vec<&String> = data.keys().collect();
+    ensure!(
+        names
+            == [
+                "ca.crt",
+                "extender.crt",
+                "extender.key",
+                "scheduler.crt",
+                "scheduler.key"
+            ],
+        "{names:?}"
+    );
+
+    let upgraded = render("gpushare", "kube-system", &["--is-upgrade"])?;
+    let upgraded_args = args(container(&extender_pod(&upgraded)?, "extender")?);
+    let until = upgraded_args
+        .iter()
+        .find_map(|a| a.strip_prefix("--accept-uncertified-until="))
+        .context("the first upgrade with client certificates renders the grace")?;
+    let until: jiff::Timestamp = until.parse()?;
+    let minutes = until.duration_since(jiff::Timestamp::now()).as_secs() / 60;
+    ensure!((8..=10).contains(&minutes), "grace ends in {minutes} min");
+
+    let off = render(
+        "gpushare",
+        "kube-system",
+        &["--set", "extender.tls.clientAuth.enabled=false"],
+    )?;
+    ensure!(
+        off.get::<Secret>("Secret", "gpushare-extender-client-tls")
+            .is_err()
+    );
+    let off_args = args(container(&extender_pod(&off)?, "extender")?);
+    ensure!(
+        !off_args
+            .iter()
+            .any(|a| a.starts_with("--client-ca") || a.starts_with("--leader-forward-cert")),
+        "{off_args:?}"
+    );
+    let text = scheduler_config_text(&off, "gpushare-scheduler")?;
+    ensure!(!text.contains("certFile"), "{text}");
     Ok(())
 }

@@ -741,3 +741,138 @@ async fn a_malformed_keyring_stops_startup_with_a_clear_error() -> anyhow::Resul
     );
     Ok(())
 }
+
+/// One `POST {PREFIX}/filter` over TLS with `client`, verifying the extender as the
+/// scheduler does: the status and body, or why there was no answer.
+async fn filter_over_tls(
+    addr: SocketAddr,
+    client: std::sync::Arc<rustls::ClientConfig>,
+) -> Result<(u16, String), String> {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let body = json!({"Pod": pod("p").gpu_mem(1).build(), "NodeNames": ["n1"]}).to_string();
+    let exchange = async {
+        let tcp = tokio::net::TcpStream::connect(addr).await?;
+        let name =
+            rustls::pki_types::ServerName::try_from(gpushare_e2e::cluster::EXTENDER_SERVICE_HOST)
+                .map_err(std::io::Error::other)?;
+        let mut tls = tokio_rustls::TlsConnector::from(client)
+            .connect(name, tcp)
+            .await?;
+        let request = format!(
+            "POST {PREFIX}/filter HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\nContent-Length: {}\r\nConnection: close\r\n\r\n{body}",
+            body.len()
+        );
+        tls.write_all(request.as_bytes()).await?;
+        let mut response = String::new();
+        tls.read_to_string(&mut response).await?;
+        std::io::Result::Ok(response)
+    };
+    let response = exchange.await.map_err(|e| e.to_string())?;
+    let status = response
+        .get(9..12)
+        .and_then(|s| s.parse().ok())
+        .ok_or_else(|| format!("not HTTP: {response:?}"))?;
+    let body = response
+        .split_once("\r\n\r\n")
+        .map(|(_, b)| b.to_owned())
+        .unwrap_or_default();
+    Ok((status, body))
+}
+
+/// With the chart's client CA, the scheduler port answers the scheduler's certificate, refuses
+/// a caller with none (403, with what to present), and fails the handshake of a certificate of
+/// another CA; both refusals are counted.
+#[tokio::test]
+async fn with_a_client_ca_only_the_schedulers_certificate_is_answered() -> anyhow::Result<()> {
+    let server = ApiServer::start().await?;
+    let client = server.client();
+    let nodes: Api<Node> = Api::all(client.clone());
+    nodes
+        .create(
+            &Default::default(),
+            &node("n1").gpushare().gpus(&[16]).build(),
+        )
+        .await?;
+    let dir = tempfile::tempdir()?;
+    let tls = gpushare_e2e::cluster::ExtenderTls::generate(dir.path())?;
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await?;
+    let addr = listener.local_addr()?;
+    let monitor = gpushare_e2e::cluster::free_port()?;
+    let config = Config {
+        listen: addr,
+        monitor_listen: Some(SocketAddr::from(([127, 0, 0, 1], monitor))),
+        tls_cert: Some(tls.cert_file.clone()),
+        tls_key: Some(tls.key_file.clone()),
+        client_ca: Some(tls.client_ca_file.clone()),
+        ..Config::default()
+    };
+    let task = tokio::spawn(serve(config, client, listener, std::future::pending()));
+    let monitor = SocketAddr::from(([127, 0, 0, 1], monitor));
+    wait_for(
+        "the extender to be ready",
+        Duration::from_secs(20),
+        || async {
+            let (status, _) = gpushare_e2e::cluster::http_get(monitor, "/readyz")
+                .await
+                .ok()?;
+            (status == 200).then_some(())
+        },
+    )
+    .await?;
+
+    let (status, body) = filter_over_tls(addr, tls.client_config())
+        .await
+        .map_err(anyhow::Error::msg)?;
+    assert_eq!(status, 200, "{body}");
+    assert!(body.contains("\"n1\""), "{body}");
+
+    let (status, body) = filter_over_tls(addr, tls.client_config_as(None)?)
+        .await
+        .map_err(anyhow::Error::msg)?;
+    assert_eq!(status, 403, "{body}");
+    assert!(body.contains("client certificate"), "{body}");
+
+    let stranger = gpushare_e2e::cluster::ClientCa::generate("not the chart's")?;
+    let identity = stranger.issue("gpushare-scheduler")?;
+    let foreign = filter_over_tls(addr, tls.client_config_as(Some(&identity))?).await;
+    assert!(
+        foreign.is_err() || foreign.as_ref().is_ok_and(|(status, _)| *status != 200),
+        "a certificate of another CA was answered: {foreign:?}"
+    );
+
+    // The replicas' own calls (the leader probe, passed-on binds) present their certificate:
+    // past the guard, this extender (no election) answers /identity 404, not 403.
+    let url = format!("https://{addr}");
+    let as_replica = gpushare_extender::forward::Forwarder::new(
+        PREFIX,
+        Some(&tls.cert_file.with_file_name("ca.crt")),
+        Some((&tls.replica_identity.0, &tls.replica_identity.1)),
+        gpushare_e2e::cluster::EXTENDER_SERVICE_HOST,
+    )?;
+    let probe = as_replica.probe(&url, Duration::from_secs(5)).await;
+    assert!(format!("{probe:?}").contains("404"), "{probe:?}");
+    let anonymous = gpushare_extender::forward::Forwarder::new(
+        PREFIX,
+        Some(&tls.cert_file.with_file_name("ca.crt")),
+        None,
+        gpushare_e2e::cluster::EXTENDER_SERVICE_HOST,
+    )?;
+    let probe = anonymous.probe(&url, Duration::from_secs(5)).await;
+    assert!(format!("{probe:?}").contains("403"), "{probe:?}");
+
+    wait_for(
+        "both refusals to be counted",
+        Duration::from_secs(5),
+        || async {
+            let (_, text) = gpushare_e2e::cluster::http_get(monitor, "/metrics")
+                .await
+                .ok()?;
+            (text.contains(r#"caller_refusals_total{reason="no_client_certificate"} 2"#)
+                && text.contains(r#"caller_refusals_total{reason="untrusted_certificate"} 1"#))
+            .then_some(())
+        },
+    )
+    .await?;
+    task.abort();
+    Ok(())
+}

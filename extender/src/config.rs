@@ -70,6 +70,22 @@ pub struct Config {
     /// PEM private key for --tls-cert.
     #[arg(long, env = "GPUSHARE_TLS_KEY", requires = "tls_cert")]
     pub tls_key: Option<PathBuf>,
+    /// CA (PEM) of the client certificates --listen accepts: with it, filter, prioritize,
+    /// bind, preempt, inspect and identity answer only callers presenting a certificate of
+    /// this CA (kube-scheduler's `tlsConfig.certFile`, the replicas' --leader-forward-cert);
+    /// others get a 403, and a certificate of another CA fails the handshake. Needs
+    /// --tls-cert. Read once at start.
+    #[arg(long, env = "GPUSHARE_CLIENT_CA", requires = "tls_cert")]
+    pub client_ca: Option<PathBuf>,
+    /// Until this instant (RFC 3339, e.g. `2026-11-27T18:00:00Z`), --client-ca also lets
+    /// callers without a certificate through: for the upgrade that turns client
+    /// certificates on, while the old scheduler still calls (see `api::callers`).
+    #[arg(
+        long,
+        env = "GPUSHARE_ACCEPT_UNCERTIFIED_UNTIL",
+        requires = "client_ca"
+    )]
+    pub accept_uncertified_until: Option<jiff::Timestamp>,
     /// Log format.
     #[arg(long, env = "GPUSHARE_LOG_FORMAT", value_enum, default_value = "text")]
     pub log_format: LogFormat,
@@ -178,6 +194,21 @@ pub struct Config {
     /// CA (PEM) to verify the leader's certificate with when passing a bind on over HTTPS.
     #[arg(long, env = "GPUSHARE_LEADER_FORWARD_CA")]
     pub leader_forward_ca: Option<PathBuf>,
+    /// Client certificate (PEM) presented to the leader when passing a bind on and when
+    /// probing it, for a leader that asks for one (--client-ca). Read once at start.
+    #[arg(
+        long,
+        env = "GPUSHARE_LEADER_FORWARD_CERT",
+        requires = "leader_forward_key"
+    )]
+    pub leader_forward_cert: Option<PathBuf>,
+    /// Private key (PEM) of --leader-forward-cert.
+    #[arg(
+        long,
+        env = "GPUSHARE_LEADER_FORWARD_KEY",
+        requires = "leader_forward_cert"
+    )]
+    pub leader_forward_key: Option<PathBuf>,
     /// The name the leader's certificate must carry (the Service's name).
     #[arg(
         long,
@@ -216,6 +247,8 @@ impl Default for Config {
             monitor_listen: None,
             tls_cert: None,
             tls_key: None,
+            client_ca: None,
+            accept_uncertified_until: None,
             log_format: LogFormat::Text,
             bind_grace_ms: 2000,
             bind_timeout_ms: 2500,
@@ -240,6 +273,8 @@ impl Default for Config {
             leader_probe_holder: true,
             advertise_url: None,
             leader_forward_ca: None,
+            leader_forward_cert: None,
+            leader_forward_key: None,
             leader_forward_server_name: "gpushare-extender.kube-system.svc".to_owned(),
         }
     }
@@ -265,6 +300,29 @@ mod tests {
         assert_eq!(fragmentation.policy, Policy::Fragmentation);
         assert!(Config::try_parse_from(["x", "--policy", "random"]).is_err());
         assert!(Config::try_parse_from(["x", "--tls-cert", "c.pem"]).is_err());
+        assert!(Config::try_parse_from(["x", "--client-ca", "ca.pem"]).is_err());
+        let grace = Config::try_parse_from([
+            "x",
+            "--tls-cert=c",
+            "--tls-key=k",
+            "--client-ca=ca",
+            "--accept-uncertified-until=2026-11-27T18:00:00Z",
+        ])
+        .unwrap();
+        assert_eq!(
+            grace.accept_uncertified_until.map(|t| t.to_string()),
+            Some("2026-11-27T18:00:00Z".to_owned())
+        );
+        assert!(
+            Config::try_parse_from([
+                "x",
+                "--tls-cert=c",
+                "--tls-key=k",
+                "--client-ca=ca",
+                "--accept-uncertified-until=soon",
+            ])
+            .is_err()
+        );
         assert!(!parsed.webhook_enabled);
         let webhook = Config::try_parse_from(["x", "--webhook-enabled", "true"]).unwrap();
         assert!(webhook.webhook_enabled);

@@ -64,6 +64,9 @@ pub enum Error {
         /// What is wrong.
         detail: String,
     },
+    /// The client certificate or key cannot be used (`--leader-forward-cert`/`-key`).
+    #[error("--leader-forward-cert/--leader-forward-key: {0}")]
+    Identity(String),
 }
 
 /// Result of this module.
@@ -112,8 +115,14 @@ impl std::fmt::Debug for Forwarder {
 
 impl Forwarder {
     /// A forwarder to `{prefix}/bind`, verifying `server_name` with the CA in `ca` (PEM) for
-    /// HTTPS leaders; without a CA only plain-HTTP leaders can be reached.
-    pub fn new(prefix: &str, ca: Option<&std::path::Path>, server_name: &str) -> Result<Self> {
+    /// HTTPS leaders, presenting `identity` (certificate and key files) to leaders that ask
+    /// for a client certificate; without a CA only plain-HTTP leaders can be reached.
+    pub fn new(
+        prefix: &str,
+        ca: Option<&std::path::Path>,
+        identity: Option<(&std::path::Path, &std::path::Path)>,
+        server_name: &str,
+    ) -> Result<Self> {
         let prefix = prefix.trim_end_matches('/');
         let prefix = if prefix.is_empty() || prefix.starts_with('/') {
             prefix.to_owned()
@@ -139,11 +148,20 @@ impl Forwarder {
                     return Err(ca_error("no certificate in it".to_owned()));
                 }
                 let provider = Arc::new(rustls::crypto::ring::default_provider());
-                let config = rustls::ClientConfig::builder_with_provider(provider)
+                let builder = rustls::ClientConfig::builder_with_provider(provider)
                     .with_safe_default_protocol_versions()
                     .map_err(|e| ca_error(e.to_string()))?
-                    .with_root_certificates(roots)
-                    .with_no_client_auth();
+                    .with_root_certificates(roots);
+                let config = match identity {
+                    None => builder.with_no_client_auth(),
+                    Some((cert, key)) => {
+                        let (chain, key) = gpushare_runtime::http::load_identity(cert, key)
+                            .map_err(|e| Error::Identity(e.to_string()))?;
+                        builder
+                            .with_client_auth_cert(chain, key)
+                            .map_err(|e| Error::Identity(e.to_string()))?
+                    }
+                };
                 let name = ServerName::try_from(server_name.to_owned())
                     .map_err(|e| ca_error(format!("server name {server_name}: {e}")))?;
                 Some((TlsConnector::from(Arc::new(config)), name))
@@ -364,7 +382,7 @@ mod tests {
 
     #[tokio::test]
     async fn a_bind_reaches_the_leader_marked_and_its_answer_comes_back() {
-        let forwarder = Forwarder::new("/gpushare-scheduler", None, "x").unwrap();
+        let forwarder = Forwarder::new("/gpushare-scheduler", None, None, "x").unwrap();
         let body = br#"{"PodName":"p","PodNamespace":"default","PodUID":"u","Node":"n1"}"#;
         let (url, seen) = leader(r#"{"Error":"node n1 is full"}"#).await;
         let answer = forwarder
@@ -391,7 +409,7 @@ mod tests {
 
     #[tokio::test]
     async fn a_probe_proves_the_holder_gone_only_by_a_refusal_or_another_identity() {
-        let forwarder = Forwarder::new("/gpushare-scheduler", None, "x").unwrap();
+        let forwarder = Forwarder::new("/gpushare-scheduler", None, None, "x").unwrap();
         let wait = Duration::from_secs(5);
         let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
         let url = format!("http://{}", listener.local_addr().unwrap());
@@ -415,8 +433,11 @@ mod tests {
 
     #[test]
     fn the_bind_path_follows_the_prefix() {
-        let forwarder = Forwarder::new("/gpushare-scheduler/", None, "x").unwrap();
+        let forwarder = Forwarder::new("/gpushare-scheduler/", None, None, "x").unwrap();
         assert_eq!(forwarder.path, "/gpushare-scheduler/bind");
-        assert_eq!(Forwarder::new("p", None, "x").unwrap().path, "/p/bind");
+        assert_eq!(
+            Forwarder::new("p", None, None, "x").unwrap().path,
+            "/p/bind"
+        );
     }
 }

@@ -63,7 +63,8 @@ use prometheus_client::registry::Registry;
 use tokio::net::TcpListener;
 use tokio_util::sync::CancellationToken;
 
-pub use api::{AppState, DEFAULT_BODY_LIMIT, NOT_SYNCED, router};
+pub use api::callers::Callers;
+pub use api::{AppState, DEFAULT_BODY_LIMIT, NOT_SYNCED, router, scheduler_router};
 pub use bind::BindTiming;
 pub use config::{Config, LogFormat};
 pub use kube_io::{BindError, Binder, BindingTarget, EventSink, KubeBinder, PodOnServer};
@@ -139,7 +140,19 @@ pub async fn serve(
         true => Some(election_config(&config, &state)?),
         false => None,
     };
-    let app = router(state.clone(), &config.prefix, config.max_request_bytes);
+    let callers = match config.client_ca {
+        Some(_) => Callers::certified(config.accept_uncertified_until, state.metrics()),
+        None => Callers::anyone(state.metrics()),
+    };
+    if let Some(until) = config.accept_uncertified_until {
+        tracing::warn!(%until, "until {until}, callers without a client certificate are let through (--accept-uncertified-until)");
+    }
+    let app = api::scheduler_router(
+        state.clone(),
+        &config.prefix,
+        config.max_request_bytes,
+        callers.clone(),
+    );
     let addr = listener.local_addr().map_err(Error::Serve)?;
     // The scheduler port stays bound until this function ends, after the Lease is released
     // and the last write ended, even if the HTTP server's task dies first: a follower takes a
@@ -161,6 +174,7 @@ pub async fn serve(
             tls,
             stop.clone(),
             election.is_some().then(|| state.leadership().clone()),
+            Some(callers),
         ),
     );
     if let Some(addr) = config.monitor_listen {
@@ -169,7 +183,7 @@ pub async fn serve(
             .map_err(|source| Error::Listen { addr, source })?;
         tracing::info!(%addr, "serving /healthz, /readyz and /metrics over plain HTTP on {addr}");
         let monitor = api::monitor_router(state.clone());
-        let serving = server::serve_http(listener, monitor, None, stop.clone(), None);
+        let serving = server::serve_http(listener, monitor, None, stop.clone(), None, None);
         tasks.spawn("monitoring HTTP server", serving);
     }
     tasks.spawn(
@@ -257,10 +271,14 @@ const SCHEDULER_SERVER: &str = "HTTP server";
 /// The leader election task, stopped first on shutdown so the Lease is handed over.
 const ELECTOR: &str = "leader election";
 
-/// The scheduler port's TLS from `--tls-cert` and `--tls-key` (both or neither).
+/// The scheduler port's TLS from `--tls-cert` and `--tls-key` (both or neither), asking
+/// clients for a certificate of `--client-ca` when set.
 fn tls_from_flags(config: &Config) -> Result<Option<server::TlsAcceptor>, Error> {
     match (&config.tls_cert, &config.tls_key) {
-        (Some(cert), Some(key)) => Ok(Some(server::tls_acceptor(cert, key)?)),
+        (Some(cert), Some(key)) => Ok(Some(match &config.client_ca {
+            Some(ca) => server::tls_acceptor_asking_clients(cert, key, ca)?,
+            None => server::tls_acceptor(cert, key)?,
+        })),
         (None, None) => Ok(None),
         _ => Err(Error::TlsIncomplete),
     }
@@ -323,9 +341,14 @@ fn election_config(config: &Config, state: &AppState) -> Result<leader::Election
             "--leader-retry-period-ms must be below --leader-renew-deadline-ms",
         ));
     }
+    let identity = config
+        .leader_forward_cert
+        .as_deref()
+        .zip(config.leader_forward_key.as_deref());
     state.set_forwarder(forward::Forwarder::new(
         &config.prefix,
         config.leader_forward_ca.as_deref(),
+        identity,
         &config.leader_forward_server_name,
     )?);
     let identity = leader::identity(&config.pod_name);

@@ -71,6 +71,27 @@ pub struct Metrics {
     pub preempt_nodes_dropped: Counter,
     /// Unbound pods nominated for a node by preemption, and how many have their memory held.
     pub nominations: Family<NominationLabels, Gauge>,
+    /// Calls and handshakes the scheduler port refused, by why ([`RefusalReason`]).
+    pub caller_refusals: Family<RefusalLabels, Counter>,
+    /// Calls without a client certificate let through while `--accept-uncertified-until`
+    /// lasts (`crate::api::callers`).
+    pub uncertified_calls_in_grace: Counter,
+}
+
+/// Why the scheduler port refused a caller.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum RefusalReason {
+    /// A call without a client certificate (403).
+    NoClientCertificate,
+    /// A handshake with a certificate not of the client CA.
+    UntrustedCertificate,
+}
+
+/// Labels of a refused caller.
+#[derive(Debug, Clone, PartialEq, Eq, Hash, EncodeLabelSet)]
+pub struct RefusalLabels {
+    /// no_client_certificate, untrusted_certificate.
+    pub reason: &'static str,
 }
 
 /// Labels of a preempt answer.
@@ -120,6 +141,17 @@ pub struct ResolutionLabels {
 }
 
 impl Metrics {
+    /// Counts a refused caller.
+    pub fn refuse_caller(&self, reason: RefusalReason) {
+        let reason = match reason {
+            RefusalReason::NoClientCertificate => "no_client_certificate",
+            RefusalReason::UntrustedCertificate => "untrusted_certificate",
+        };
+        self.caller_refusals
+            .get_or_create(&RefusalLabels { reason })
+            .inc();
+    }
+
     /// Creates the metrics and registers them under `gpushare_extender_` in `registry`.
     pub fn register(registry: &mut Registry) -> Self {
         let metrics = Self {
@@ -145,6 +177,8 @@ impl Metrics {
             preempt_victims: Family::default(),
             preempt_nodes_dropped: Counter::default(),
             nominations: Family::default(),
+            caller_refusals: Family::default(),
+            uncertified_calls_in_grace: Counter::default(),
         };
         let sub = registry.sub_registry_with_prefix("gpushare_extender");
         sub.register(
@@ -222,6 +256,16 @@ impl Metrics {
             "idle_gpu_tainted_nodes",
             "Nodes carrying the idle-GPU taint, as the leader's node watch last showed them (0 on a follower: only the leader reads it)",
             metrics.idle_gpu_tainted_nodes.clone(),
+        );
+        sub.register(
+            "caller_refusals",
+            "Callers the scheduler port refused: no_client_certificate (a verb called without the client certificate, answered 403), untrusted_certificate (a handshake with a certificate of another CA)",
+            metrics.caller_refusals.clone(),
+        );
+        sub.register(
+            "uncertified_calls_in_grace",
+            "Calls without a client certificate let through while the upgrade grace (--accept-uncertified-until) lasts",
+            metrics.uncertified_calls_in_grace.clone(),
         );
         sub.register(
             "preempt_answers",

@@ -19,10 +19,15 @@ use gpushare_runtime::http::Server;
 
 use crate::leader::Leadership;
 
-pub use gpushare_runtime::http::{TlsAcceptor, TlsError, tls_acceptor};
+pub use gpushare_runtime::http::{
+    TlsAcceptor, TlsError, tls_acceptor, tls_acceptor_asking_clients,
+};
+
+use crate::api::callers::Callers;
 
 /// Serves `app` on `listener` (over TLS when `tls` is given) until `stop` is cancelled,
-/// then drains. With `leadership`, connections are let go while the replica is cut off from
+/// then drains. Handshakes refused for a client certificate of another CA count against
+/// `callers`. With `leadership`, connections are let go while the replica is cut off from
 /// the API server (see the module docs).
 pub async fn serve_http(
     listener: TcpListener,
@@ -30,8 +35,12 @@ pub async fn serve_http(
     tls: Option<TlsAcceptor>,
     stop: CancellationToken,
     leadership: Option<Leadership>,
+    callers: Option<Callers>,
 ) {
     let mut server = Server::new(listener, app).tls(tls);
+    if let Some(callers) = callers {
+        server = server.on_refused_handshake(move || callers.count_untrusted_handshake());
+    }
     if let Some(leadership) = leadership {
         server = server.let_go_while(
             move || !leadership.reaches_api(),

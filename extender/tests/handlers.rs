@@ -1180,3 +1180,81 @@ async fn a_bind_gives_back_holds_that_lapsed() {
     assert_eq!(used_on_node_a(&h), 4);
     assert!(h.state.view().reservation(&"uid-gone".into()).is_none());
 }
+
+/// With a client CA, every verb answers only a caller whose TLS connection proved a
+/// certificate of it: others get a 403 with a JSON error, counted; health stays open.
+#[tokio::test]
+async fn with_a_client_ca_the_verbs_answer_only_certified_callers() {
+    use axum::body::Body;
+    use gpushare_runtime::http::ClientCertificate;
+    use http_body_util::BodyExt as _;
+    use tower::ServiceExt as _;
+
+    let h = fixture_cluster();
+    let callers = gpushare_extender::Callers::certified(None, h.state.metrics());
+    let app = gpushare_extender::scheduler_router(
+        h.state.clone(),
+        PREFIX,
+        gpushare_extender::DEFAULT_BODY_LIMIT,
+        callers,
+    );
+    let send = |method: &str, path: String, body: String, client: Option<ClientCertificate>| {
+        let mut request = axum::http::Request::builder()
+            .method(method)
+            .uri(path)
+            .header("content-type", "application/json")
+            .body(Body::from(body))
+            .unwrap();
+        if let Some(client) = client {
+            request.extensions_mut().insert(client);
+        }
+        let app = app.clone();
+        async move {
+            let response = app.oneshot(request).await.unwrap();
+            let status = response.status();
+            let bytes = response.into_body().collect().await.unwrap().to_bytes();
+            (status, serde_json::from_slice::<Value>(&bytes).ok())
+        }
+    };
+    let filter = fixture("filter-request-nodenames.json");
+    let calls = [
+        ("POST", "filter", filter.clone()),
+        ("POST", "prioritize", filter.clone()),
+        ("POST", "bind", fixture("bind-request.json")),
+        ("POST", "preempt", "{}".to_owned()),
+        ("GET", "inspect", String::new()),
+        ("GET", "inspect/node-a", String::new()),
+        ("GET", "identity", String::new()),
+    ];
+    for client in [None, Some(ClientCertificate::Absent)] {
+        for (method, verb, body) in &calls {
+            let (status, answer) =
+                send(method, format!("{PREFIX}/{verb}"), body.clone(), client).await;
+            assert_eq!(status, StatusCode::FORBIDDEN, "{verb} with {client:?}");
+            let error = answer.and_then(|a| a["error"].as_str().map(str::to_owned));
+            assert!(
+                error.is_some_and(|e| e.contains("client certificate")),
+                "{verb}: the refusal says what is missing"
+            );
+        }
+    }
+    assert_eq!(used_on_node_a(&h), 0, "a refused filter held nothing");
+    let (status, _) = send("GET", "/healthz".to_owned(), String::new(), None).await;
+    assert_eq!(status, StatusCode::OK, "health needs no certificate");
+    let (status, answer) = send(
+        "POST",
+        format!("{PREFIX}/filter"),
+        filter,
+        Some(ClientCertificate::Verified),
+    )
+    .await;
+    assert_eq!(status, StatusCode::OK);
+    assert_eq!(answer.unwrap()["NodeNames"], json!(["node-a"]));
+    let (_, _, text) = call_raw(&h.app, "GET", "/metrics", "").await;
+    assert!(
+        text.contains(
+            "gpushare_extender_caller_refusals_total{reason=\"no_client_certificate\"} 14"
+        ),
+        "{text}"
+    );
+}

@@ -75,41 +75,110 @@ pub enum TlsError {
 /// Loads a PEM certificate chain and private key into a TLS acceptor offering HTTP/2 and
 /// HTTP/1.1.
 pub fn tls_acceptor(cert: &Path, key: &Path) -> Result<TlsAcceptor, TlsError> {
-    let read = |path: &Path| {
-        std::fs::read(path).map_err(|source| TlsError::Read {
-            path: path.display().to_string(),
-            source,
-        })
-    };
-    let pem_error = |path: &Path, what, detail: String| TlsError::Pem {
+    acceptor(cert, key, None)
+}
+
+/// As [`tls_acceptor`], and asks each client for a certificate of the CA(s) in `client_ca`.
+///
+/// A client that presents one signed by another CA fails the handshake; one that presents
+/// none is let through, and each of its requests carries [`ClientCertificate::Absent`], so the
+/// application answers it (a clear 403, a counted refusal, or a migration grace) rather than
+/// a bare TLS alert. Requests over a verified certificate carry
+/// [`ClientCertificate::Verified`].
+pub fn tls_acceptor_asking_clients(
+    cert: &Path,
+    key: &Path,
+    client_ca: &Path,
+) -> Result<TlsAcceptor, TlsError> {
+    acceptor(cert, key, Some(client_ca))
+}
+
+fn read_pem_file(path: &Path) -> Result<Vec<u8>, TlsError> {
+    std::fs::read(path).map_err(|source| TlsError::Read {
+        path: path.display().to_string(),
+        source,
+    })
+}
+
+fn pem_error(path: &Path, what: &'static str, detail: String) -> TlsError {
+    TlsError::Pem {
         path: path.display().to_string(),
         what,
         detail,
-    };
-    let cert_pem = read(cert)?;
-    let certs: Vec<CertificateDer<'static>> = CertificateDer::pem_slice_iter(&cert_pem)
+    }
+}
+
+/// Every certificate in the PEM file at `path`; none is an error.
+fn certificates(path: &Path) -> Result<Vec<CertificateDer<'static>>, TlsError> {
+    let pem = read_pem_file(path)?;
+    let certs: Vec<CertificateDer<'static>> = CertificateDer::pem_slice_iter(&pem)
         .collect::<Result<_, _>>()
-        .map_err(|e| pem_error(cert, "certificate", e.to_string()))?;
+        .map_err(|e| pem_error(path, "certificate", e.to_string()))?;
     if certs.is_empty() {
         return Err(pem_error(
-            cert,
+            path,
             "certificate",
             "no CERTIFICATE block".to_owned(),
         ));
     }
-    let key_pem = read(key)?;
+    Ok(certs)
+}
+
+/// A certificate chain and its private key from PEM files: a server's, or the one a client
+/// presents (`rustls::ClientConfig`'s `with_client_auth_cert`).
+pub fn load_identity(
+    cert: &Path,
+    key: &Path,
+) -> Result<(Vec<CertificateDer<'static>>, PrivateKeyDer<'static>), TlsError> {
+    let certs = certificates(cert)?;
+    let key_pem = read_pem_file(key)?;
     let key_der = PrivateKeyDer::from_pem_slice(&key_pem)
         .map_err(|e| pem_error(key, "private key", e.to_string()))?;
+    Ok((certs, key_der))
+}
+
+fn acceptor(cert: &Path, key: &Path, client_ca: Option<&Path>) -> Result<TlsAcceptor, TlsError> {
+    let (certs, key_der) = load_identity(cert, key)?;
     let provider = Arc::new(rustls::crypto::ring::default_provider());
-    let mut config = rustls::ServerConfig::builder_with_provider(provider)
+    let builder = rustls::ServerConfig::builder_with_provider(provider.clone())
         .with_safe_default_protocol_versions()
-        .map_err(TlsError::Config)?
-        .with_no_client_auth()
+        .map_err(TlsError::Config)?;
+    let builder = match client_ca {
+        None => builder.with_no_client_auth(),
+        Some(path) => {
+            let mut roots = rustls::RootCertStore::empty();
+            for ca in certificates(path)? {
+                roots
+                    .add(ca)
+                    .map_err(|e| pem_error(path, "CA certificate", e.to_string()))?;
+            }
+            let verifier =
+                rustls::server::WebPkiClientVerifier::builder_with_provider(roots.into(), provider)
+                    .allow_unauthenticated()
+                    .build()
+                    .map_err(|e| pem_error(path, "CA certificate", e.to_string()))?;
+            builder.with_client_cert_verifier(verifier)
+        }
+    };
+    let mut config = builder
         .with_single_cert(certs, key_der)
         .map_err(TlsError::Config)?;
     config.alpn_protocols = vec![b"h2".to_vec(), b"http/1.1".to_vec()];
     Ok(TlsAcceptor::from(Arc::new(config)))
 }
+
+/// What the client of a TLS connection proved, attached to each of its requests (an
+/// `http::Extensions` entry; absent on plain-HTTP servers).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum ClientCertificate {
+    /// It presented a certificate that chains to the acceptor's client CA.
+    Verified,
+    /// It presented none.
+    Absent,
+}
+
+/// Called for each handshake refused because of the client's certificate.
+type OnRefused = Arc<dyn Fn() + Send + Sync>;
 
 /// A condition under which every open connection is asked to close (see the module docs).
 type LetGo = Arc<dyn Fn() -> bool + Send + Sync>;
@@ -121,6 +190,7 @@ pub struct Server {
     tls: Option<TlsAcceptor>,
     drain: Duration,
     let_go: Option<(LetGo, &'static str)>,
+    on_refused: Option<OnRefused>,
 }
 
 impl Server {
@@ -132,7 +202,15 @@ impl Server {
             tls: None,
             drain: DEFAULT_DRAIN,
             let_go: None,
+            on_refused: None,
         }
+    }
+
+    /// Calls `refused` for each TLS handshake that fails on the client's certificate (one
+    /// not of the client CA, see [`tls_acceptor_asking_clients`]), for a metric.
+    pub fn on_refused_handshake(mut self, refused: impl Fn() + Send + Sync + 'static) -> Self {
+        self.on_refused = Some(Arc::new(refused));
+        self
     }
 
     /// Serves over TLS with this acceptor (its configuration may resolve certificates per
@@ -168,6 +246,7 @@ impl Server {
             tls,
             drain,
             let_go,
+            on_refused,
         } = self;
         let mut graceful = GracefulShutdown::new();
         let mut check = tokio::time::interval(LET_GO_CHECK);
@@ -184,8 +263,8 @@ impl Server {
                         let connection = Connection { builder: builder.clone(), app: app.clone(), peer };
                         let watcher = graceful.watcher();
                         match &tls {
-                            None => connections.spawn(connection.serve_stream(stream, watcher)),
-                            Some(acceptor) => connections.spawn(connection.serve_tls(acceptor.clone(), stream, watcher)),
+                            None => connections.spawn(connection.serve_stream(stream, watcher, None)),
+                            Some(acceptor) => connections.spawn(connection.serve_tls(acceptor.clone(), stream, watcher, on_refused.clone())),
                         };
                     }
                     Err(error) => {
@@ -231,20 +310,42 @@ impl Connection {
         acceptor: TlsAcceptor,
         stream: TcpStream,
         watcher: hyper_util::server::graceful::Watcher,
+        on_refused: Option<OnRefused>,
     ) {
         let peer = self.peer;
         match tokio::time::timeout(HANDSHAKE_TIMEOUT, acceptor.accept(stream)).await {
-            Ok(Ok(stream)) => self.serve_stream(stream, watcher).await,
-            Ok(Err(error)) => tracing::debug!(%peer, %error, "TLS handshake failed"),
+            Ok(Ok(stream)) => {
+                let client = match stream.get_ref().1.peer_certificates() {
+                    Some(certs) if !certs.is_empty() => ClientCertificate::Verified,
+                    _ => ClientCertificate::Absent,
+                };
+                self.serve_stream(stream, watcher, Some(client)).await
+            }
+            Ok(Err(error)) => {
+                if refused_for_its_certificate(&error)
+                    && let Some(refused) = &on_refused
+                {
+                    refused();
+                }
+                tracing::debug!(%peer, %error, "TLS handshake failed")
+            }
             Err(_) => tracing::debug!(%peer, "TLS handshake timed out"),
         }
     }
 
-    async fn serve_stream<S>(self, stream: S, watcher: hyper_util::server::graceful::Watcher)
-    where
+    async fn serve_stream<S>(
+        self,
+        stream: S,
+        watcher: hyper_util::server::graceful::Watcher,
+        client: Option<ClientCertificate>,
+    ) where
         S: tokio::io::AsyncRead + tokio::io::AsyncWrite + Unpin + Send + 'static,
     {
-        let service = TowerToHyperService::new(self.app);
+        let app = match client {
+            None => self.app,
+            Some(client) => self.app.layer(axum::Extension(client)),
+        };
+        let service = TowerToHyperService::new(app);
         let connection = self
             .builder
             .serve_connection(TokioIo::new(stream), service)
@@ -253,6 +354,19 @@ impl Connection {
             tracing::debug!(peer = %self.peer, %error, "connection ended with an error");
         }
     }
+}
+
+/// Whether a failed handshake failed on the client's certificate (rustls' error, wrapped).
+fn refused_for_its_certificate(error: &std::io::Error) -> bool {
+    error
+        .get_ref()
+        .and_then(|inner| inner.downcast_ref::<rustls::Error>())
+        .is_some_and(|e| {
+            matches!(
+                e,
+                rustls::Error::InvalidCertificate(_) | rustls::Error::NoCertificatesPresented
+            )
+        })
 }
 
 #[cfg(test)]
@@ -383,5 +497,130 @@ mod tests {
         assert!(get(addr).await.ends_with("ok"));
         stop.cancel();
         server.await.unwrap();
+    }
+
+    /// A CA that signs client certificates, and one such certificate (PEM cert, PEM key).
+    struct ClientCa {
+        issuer: rcgen::Issuer<'static, rcgen::KeyPair>,
+        pem: String,
+    }
+
+    impl ClientCa {
+        fn new() -> Self {
+            let key = rcgen::KeyPair::generate().unwrap();
+            let mut params = rcgen::CertificateParams::new(Vec::new()).unwrap();
+            params.is_ca = rcgen::IsCa::Ca(rcgen::BasicConstraints::Unconstrained);
+            let pem = params.self_signed(&key).unwrap().pem();
+            Self {
+                issuer: rcgen::Issuer::new(params, key),
+                pem,
+            }
+        }
+
+        fn client(&self) -> (String, String) {
+            let key = rcgen::KeyPair::generate().unwrap();
+            let mut params = rcgen::CertificateParams::new(Vec::new()).unwrap();
+            params.extended_key_usages = vec![rcgen::ExtendedKeyUsagePurpose::ClientAuth];
+            let cert = params.signed_by(&key, &self.issuer).unwrap();
+            (cert.pem(), key.serialize_pem())
+        }
+    }
+
+    /// A TLS exchange of `GET /` trusting `server_pem`, presenting `identity` if any.
+    async fn get_over_tls(
+        addr: std::net::SocketAddr,
+        server_pem: &str,
+        identity: Option<(String, String)>,
+    ) -> std::io::Result<String> {
+        let mut roots = rustls::RootCertStore::empty();
+        for cert in CertificateDer::pem_slice_iter(server_pem.as_bytes()) {
+            roots.add(cert.unwrap()).unwrap();
+        }
+        let provider = Arc::new(rustls::crypto::ring::default_provider());
+        let builder = rustls::ClientConfig::builder_with_provider(provider)
+            .with_safe_default_protocol_versions()
+            .unwrap()
+            .with_root_certificates(roots);
+        let config = match identity {
+            None => builder.with_no_client_auth(),
+            Some((cert, key)) => {
+                let chain = CertificateDer::pem_slice_iter(cert.as_bytes())
+                    .collect::<Result<Vec<_>, _>>()
+                    .unwrap();
+                let key = PrivateKeyDer::from_pem_slice(key.as_bytes()).unwrap();
+                builder.with_client_auth_cert(chain, key).unwrap()
+            }
+        };
+        let connector = tokio_rustls::TlsConnector::from(Arc::new(config));
+        let name = rustls::pki_types::ServerName::try_from("localhost").unwrap();
+        let stream = TcpStream::connect(addr).await?;
+        let mut stream = connector.connect(name, stream).await?;
+        stream
+            .write_all(b"GET / HTTP/1.1\r\nhost: x\r\nconnection: close\r\n\r\n")
+            .await?;
+        let mut response = String::new();
+        stream.read_to_string(&mut response).await?;
+        Ok(response)
+    }
+
+    #[tokio::test]
+    async fn requests_say_whether_the_client_proved_a_certificate_of_the_client_ca() {
+        let dir = tempfile::tempdir().unwrap();
+        let _ = self_signed(dir.path());
+        let server_pem = std::fs::read_to_string(dir.path().join("tls.crt")).unwrap();
+        let ours = ClientCa::new();
+        std::fs::write(dir.path().join("client-ca.crt"), &ours.pem).unwrap();
+        let acceptor = tls_acceptor_asking_clients(
+            &dir.path().join("tls.crt"),
+            &dir.path().join("tls.key"),
+            &dir.path().join("client-ca.crt"),
+        )
+        .unwrap();
+        let app = Router::new().route(
+            "/",
+            axum::routing::get(
+                |client: Option<axum::Extension<ClientCertificate>>| async move {
+                    format!("{:?}", client.map(|axum::Extension(c)| c))
+                },
+            ),
+        );
+        let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let addr = listener.local_addr().unwrap();
+        let refused = Arc::new(std::sync::atomic::AtomicUsize::new(0));
+        let counted = refused.clone();
+        let stop = tokio_util::sync::CancellationToken::new();
+        let server = tokio::spawn(
+            Server::new(listener, app)
+                .tls(Some(acceptor))
+                .on_refused_handshake(move || {
+                    counted.fetch_add(1, Ordering::SeqCst);
+                })
+                .serve(stop.clone().cancelled_owned()),
+        );
+
+        let verified = get_over_tls(addr, &server_pem, Some(ours.client())).await;
+        assert!(verified.unwrap().ends_with("Some(Verified)"));
+        let absent = get_over_tls(addr, &server_pem, None).await;
+        assert!(absent.unwrap().ends_with("Some(Absent)"));
+        let foreign = get_over_tls(addr, &server_pem, Some(ClientCa::new().client())).await;
+        assert!(
+            !foreign.as_deref().unwrap_or("").contains("200 OK"),
+            "a certificate of another CA was served: {foreign:?}"
+        );
+        let counted = wait_until(|| refused.load(Ordering::SeqCst) == 1).await;
+        assert!(counted, "the refused handshake was not counted");
+        stop.cancel();
+        server.await.unwrap();
+    }
+
+    /// Waits (at most 5 s) for `condition`.
+    async fn wait_until(condition: impl Fn() -> bool) -> bool {
+        for _ in 0..500 {
+            if condition() {
+                return true;
+            }
+            tokio::time::sleep(Duration::from_millis(10)).await;
+        }
+        condition()
     }
 }

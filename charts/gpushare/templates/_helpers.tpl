@@ -58,6 +58,39 @@
 /etc/gpushare/extender-tls
 {{- end }}
 
+{{/* Whether the scheduler port asks callers for a client certificate (extender mode, HTTPS). */}}
+{{- define "gpushare.clientAuth" -}}
+{{- if and (ne .Values.mode "dra") .Values.extender.tls.enabled .Values.extender.tls.clientAuth.enabled }}true{{ end }}
+{{- end }}
+
+{{/* The Secret with the client CA and the certificates of the scheduler and the replicas. */}}
+{{- define "gpushare.clientTls.secretName" -}}
+{{- printf "%s-extender-client-tls" (include "gpushare.fullname" .) | trunc 63 | trimSuffix "-" }}
+{{- end }}
+
+{{/* Where the extender mounts the client CA and its own client certificate. */}}
+{{- define "gpushare.clientTls.dir" -}}
+/etc/gpushare/client-tls
+{{- end }}
+
+{{/* Where the scheduler mounts its client certificate. */}}
+{{- define "gpushare.clientTls.schedulerDir" -}}
+/etc/gpushare/scheduler-client
+{{- end }}
+
+{{/*
+The end of the upgrade grace (RFC 3339), only on the `helm upgrade` that creates the client
+Secret: the release existed without client certificates, so its scheduler has none yet.
+Empty on install, on `helm template`, and on every later upgrade.
+*/}}
+{{- define "gpushare.clientAuth.graceUntil" -}}
+{{- if and (include "gpushare.clientAuth" .) .Release.IsUpgrade }}
+{{- if not (lookup "v1" "Secret" .Release.Namespace (include "gpushare.clientTls.secretName" .)) }}
+{{- dateInZone "2006-01-02T15:04:05Z" (now | dateModify (printf "+%dm" (int .Values.extender.tls.clientAuth.upgradeGraceMinutes))) "UTC" }}
+{{- end }}
+{{- end }}
+{{- end }}
+
 {{/* Where the scheduler mounts the extender's CA (ca.crt only). */}}
 {{- define "gpushare.extenderTls.caDir" -}}
 /etc/gpushare/extender-ca
@@ -244,6 +277,11 @@ extenders:
     enableHTTPS: true
     tlsConfig:
       caFile: {{ include "gpushare.extenderTls.caDir" . }}/ca.crt
+      {{- if include "gpushare.clientAuth" . }}
+      # The client certificate the extender asks for (extender.tls.clientAuth).
+      certFile: {{ include "gpushare.clientTls.schedulerDir" . }}/tls.crt
+      keyFile: {{ include "gpushare.clientTls.schedulerDir" . }}/tls.key
+      {{- end }}
     {{- else }}
     enableHTTPS: false
     {{- end }}

@@ -34,9 +34,10 @@ pub struct Extender {
 /// certificate names (`<service>.<namespace>.svc`).
 pub const EXTENDER_SERVICE_HOST: &str = "gpushare-extender.kube-system.svc";
 
-/// The extender's serving certificate as the chart's `<release>-extender-tls` Secret holds
-/// it: a CA that kube-scheduler's `tlsConfig` trusts, and a certificate for the Service's
-/// names signed by it.
+/// The extender's certificates as the chart's Secrets hold them: `<release>-extender-tls`
+/// (a CA that kube-scheduler's `tlsConfig` trusts, and a certificate for the Service's names
+/// signed by it) and `<release>-extender-client-tls` (a client CA, and the client
+/// certificates of the scheduler and of the replicas, which the extender asks for).
 #[derive(Clone)]
 pub struct ExtenderTls {
     /// PEM of the CA (the Secret's `ca.crt`, the scheduler's `tlsConfig.caFile`).
@@ -44,6 +45,13 @@ pub struct ExtenderTls {
     /// `tls.crt` and `tls.key`, as mounted into the extender.
     pub cert_file: PathBuf,
     pub key_file: PathBuf,
+    /// The client CA (`--client-ca`).
+    pub client_ca_file: PathBuf,
+    /// The replicas' client certificate and key (`--leader-forward-cert`/`-key`).
+    pub replica_identity: (PathBuf, PathBuf),
+    /// The scheduler's client certificate and key, PEM (`tlsConfig.certFile`/`keyFile`).
+    scheduler_identity: (String, String),
+    /// Trusting the CA and presenting the scheduler's certificate.
     client: Arc<rustls::ClientConfig>,
 }
 
@@ -56,35 +64,50 @@ impl std::fmt::Debug for ExtenderTls {
 }
 
 impl ExtenderTls {
-    /// A fresh CA and serving certificate for [`EXTENDER_SERVICE_HOST`], written into `dir`.
+    /// A fresh CA and serving certificate for [`EXTENDER_SERVICE_HOST`], and a fresh client
+    /// CA with the scheduler's and the replicas' certificates, written into `dir`.
     pub fn generate(dir: &Path) -> anyhow::Result<Self> {
-        use rustls::pki_types::CertificateDer;
-        use rustls::pki_types::pem::PemObject as _;
         let ca = gpushare_admission::SelfSignedCa::generate(&gpushare_admission::CertConfig::new(
             "gpushare-extender",
             "kube-system",
         ))?;
         ca.write_pem_files(dir)?;
-        let mut roots = rustls::RootCertStore::empty();
-        for cert in CertificateDer::pem_slice_iter(ca.ca_pem().as_bytes()) {
-            roots.add(cert?)?;
-        }
-        let provider = Arc::new(rustls::crypto::ring::default_provider());
-        let client = rustls::ClientConfig::builder_with_provider(provider)
-            .with_safe_default_protocol_versions()?
-            .with_root_certificates(roots)
-            .with_no_client_auth();
+        let clients = ClientCa::generate("gpushare-extender-client-ca")?;
+        let client_ca_file = dir.join("client-ca.crt");
+        std::fs::write(&client_ca_file, &clients.pem)?;
+        let (cert, key) = clients.issue("gpushare-extender")?;
+        let replica_identity = (
+            dir.join("extender-client.crt"),
+            dir.join("extender-client.key"),
+        );
+        std::fs::write(&replica_identity.0, cert)?;
+        std::fs::write(&replica_identity.1, key)?;
+        let scheduler_identity = clients.issue("gpushare-scheduler")?;
+        let client = client_config(ca.ca_pem(), Some(&scheduler_identity))?;
         Ok(Self {
             ca_pem: ca.ca_pem().to_owned(),
             cert_file: dir.join("tls.crt"),
             key_file: dir.join("tls.key"),
-            client: Arc::new(client),
+            client_ca_file,
+            replica_identity,
+            scheduler_identity,
+            client,
         })
     }
 
-    /// A client configuration trusting the CA (no ALPN set; callers add theirs).
+    /// A client configuration trusting the CA and presenting the scheduler's certificate
+    /// (no ALPN set; callers add theirs).
     pub fn client_config(&self) -> Arc<rustls::ClientConfig> {
         self.client.clone()
+    }
+
+    /// A client configuration trusting the CA and presenting `identity` (PEM certificate and
+    /// key), or no certificate: a caller that is not the scheduler.
+    pub fn client_config_as(
+        &self,
+        identity: Option<&(String, String)>,
+    ) -> anyhow::Result<Arc<rustls::ClientConfig>> {
+        client_config(&self.ca_pem, identity)
     }
 
     /// What the scheduler's extender stanza says about TLS (as the chart renders it).
@@ -92,7 +115,77 @@ impl ExtenderTls {
         ExtenderTlsConfig {
             ca_pem: self.ca_pem.clone(),
             server_name: EXTENDER_SERVICE_HOST.to_owned(),
+            cert_pem: self.scheduler_identity.0.clone(),
+            key_pem: self.scheduler_identity.1.clone(),
         }
+    }
+}
+
+/// A client configuration trusting `ca_pem`, presenting `identity` if given.
+fn client_config(
+    ca_pem: &str,
+    identity: Option<&(String, String)>,
+) -> anyhow::Result<Arc<rustls::ClientConfig>> {
+    use rustls::pki_types::pem::PemObject as _;
+    use rustls::pki_types::{CertificateDer, PrivateKeyDer};
+    let mut roots = rustls::RootCertStore::empty();
+    for cert in CertificateDer::pem_slice_iter(ca_pem.as_bytes()) {
+        roots.add(cert?)?;
+    }
+    let provider = Arc::new(rustls::crypto::ring::default_provider());
+    let builder = rustls::ClientConfig::builder_with_provider(provider)
+        .with_safe_default_protocol_versions()?
+        .with_root_certificates(roots);
+    let config = match identity {
+        None => builder.with_no_client_auth(),
+        Some((cert, key)) => builder.with_client_auth_cert(
+            CertificateDer::pem_slice_iter(cert.as_bytes()).collect::<Result<Vec<_>, _>>()?,
+            PrivateKeyDer::from_pem_slice(key.as_bytes())?,
+        )?,
+    };
+    Ok(Arc::new(config))
+}
+
+/// A CA that issues client certificates, as the chart's `genCA` and `genSignedCert` make them.
+pub struct ClientCa {
+    issuer: rcgen::Issuer<'static, rcgen::KeyPair>,
+    /// The CA certificate, PEM.
+    pub pem: String,
+}
+
+impl ClientCa {
+    /// A fresh CA named `name`.
+    pub fn generate(name: &str) -> anyhow::Result<Self> {
+        let key = rcgen::KeyPair::generate()?;
+        let mut params = rcgen::CertificateParams::new(Vec::new())?;
+        params
+            .distinguished_name
+            .push(rcgen::DnType::CommonName, name);
+        params.is_ca = rcgen::IsCa::Ca(rcgen::BasicConstraints::Unconstrained);
+        params.key_usages = vec![
+            rcgen::KeyUsagePurpose::KeyCertSign,
+            rcgen::KeyUsagePurpose::DigitalSignature,
+        ];
+        let pem = params.self_signed(&key)?.pem();
+        Ok(Self {
+            issuer: rcgen::Issuer::new(params, key),
+            pem,
+        })
+    }
+
+    /// A client certificate for `name` and its key, PEM.
+    pub fn issue(&self, name: &str) -> anyhow::Result<(String, String)> {
+        let key = rcgen::KeyPair::generate()?;
+        let mut params = rcgen::CertificateParams::new(Vec::new())?;
+        params
+            .distinguished_name
+            .push(rcgen::DnType::CommonName, name);
+        params.extended_key_usages = vec![
+            rcgen::ExtendedKeyUsagePurpose::ServerAuth,
+            rcgen::ExtendedKeyUsagePurpose::ClientAuth,
+        ];
+        let cert = params.signed_by(&key, &self.issuer)?;
+        Ok((cert.pem(), key.serialize_pem()))
     }
 }
 
@@ -190,6 +283,9 @@ impl Extender {
                 tls.key_file.display().to_string(),
                 "--monitor-listen".to_owned(),
                 format!("127.0.0.1:{monitor_port}"),
+                format!("--client-ca={}", tls.client_ca_file.display()),
+                format!("--leader-forward-cert={}", tls.replica_identity.0.display()),
+                format!("--leader-forward-key={}", tls.replica_identity.1.display()),
             ]);
         }
         args.extend_from_slice(extra);

@@ -70,7 +70,7 @@ pub use chart::{
     DEVICE_PLUGIN_USER, EXTENDER_USER, RELEASE, RELEASE_NAMESPACE, allocation_policy_yaml,
     dedicated_scheduler_configuration, render_allocation_policy, render_chart_template,
 };
-pub use extender::{EXTENDER_SERVICE_HOST, Extender, ExtenderTls, RESTART_BIND_RETRY};
+pub use extender::{ClientCa, EXTENDER_SERVICE_HOST, Extender, ExtenderTls, RESTART_BIND_RETRY};
 pub use faults::overlap_rollout;
 pub(crate) use http::dechunk;
 pub use http::{http_get, http_post_json};

@@ -115,11 +115,23 @@ fn connector(config: &ExtenderConfig) -> Result<HttpsConnector<HttpConnector>, E
             .map_err(|e| fail(format!("tlsConfig caData: {e}")))?;
     }
     let provider = Arc::new(rustls::crypto::ring::default_provider());
-    let client_config = rustls::ClientConfig::builder_with_provider(provider)
+    let builder = rustls::ClientConfig::builder_with_provider(provider)
         .with_safe_default_protocol_versions()
         .map_err(|e| fail(e.to_string()))?
-        .with_root_certificates(roots)
-        .with_no_client_auth();
+        .with_root_certificates(roots);
+    // Upstream's `makeTransport` presents `certFile`/`keyFile` (or their data) when set.
+    let client_config = if tls.cert_pem.trim().is_empty() {
+        builder.with_no_client_auth()
+    } else {
+        let chain = CertificateDer::pem_slice_iter(tls.cert_pem.as_bytes())
+            .collect::<Result<Vec<_>, _>>()
+            .map_err(|e| fail(format!("tlsConfig certData: {e}")))?;
+        let key = rustls::pki_types::PrivateKeyDer::from_pem_slice(tls.key_pem.as_bytes())
+            .map_err(|e| fail(format!("tlsConfig keyData: {e}")))?;
+        builder
+            .with_client_auth_cert(chain, key)
+            .map_err(|e| fail(format!("tlsConfig certData and keyData: {e}")))?
+    };
     let mut http = HttpConnector::new();
     http.set_nodelay(true);
     http.enforce_http(false);

@@ -88,6 +88,10 @@ pub struct ExtenderTlsConfig {
     pub ca_pem: String,
     /// `serverName`: the name checked against the certificate; empty means the URL's host.
     pub server_name: String,
+    /// `certData`/`certFile`: the client certificate presented (PEM); empty: none.
+    pub cert_pem: String,
+    /// `keyData`/`keyFile`: its private key (PEM).
+    pub key_pem: String,
 }
 
 impl ExtenderConfig {

@@ -25,6 +25,7 @@ use gpushare_allocator::Policy;
 use prometheus_client::registry::Registry;
 use serde::Serialize;
 
+use self::callers::Callers;
 use crate::bind::BindTiming;
 use crate::bind::slots::{Pacing, WriteSlots};
 use crate::kube_io::{Binder, EventSink};
@@ -35,6 +36,7 @@ use crate::view::{Settings, View};
 use crate::wire::{ExtenderBindingArgs, ExtenderBindingResult};
 
 mod args;
+pub mod callers;
 mod filter;
 mod inspect;
 mod preempt;
@@ -217,8 +219,20 @@ impl AppState {
 }
 
 /// The extender's routes: `{prefix}/filter|prioritize|bind|preempt|inspect[/{node}]`, `/healthz`,
-/// `/readyz`, `/metrics`; bodies larger than `body_limit` bytes get a 413.
+/// `/readyz`, `/metrics`; bodies larger than `body_limit` bytes get a 413. Anyone may call the
+/// verbs ([`scheduler_router`] sets who may).
 pub fn router(state: AppState, prefix: &str, body_limit: usize) -> Router {
+    let callers = Callers::anyone(state.metrics());
+    scheduler_router(state, prefix, body_limit, callers)
+}
+
+/// As [`router`], with the verbs answering only `callers` ([`callers`]).
+pub fn scheduler_router(
+    state: AppState,
+    prefix: &str,
+    body_limit: usize,
+    callers: Callers,
+) -> Router {
     let verbs = Router::new()
         .route("/filter", post(filter::filter))
         .route("/prioritize", post(prioritize::prioritize))
@@ -226,7 +240,11 @@ pub fn router(state: AppState, prefix: &str, body_limit: usize) -> Router {
         .route("/preempt", post(preempt::preempt))
         .route("/inspect", get(inspect::inspect_all))
         .route("/inspect/{node}", get(inspect::inspect_node))
-        .route("/identity", get(identity));
+        .route("/identity", get(identity))
+        .route_layer(axum::middleware::from_fn_with_state(
+            callers,
+            callers::admit,
+        ));
     let prefix = prefix.trim_end_matches('/');
     let app = if prefix.is_empty() {
         verbs
