@@ -73,6 +73,10 @@ const GROUPS: &[Group] = &[
                 preemption_evicts_nobody_for_a_pod_no_gpu_can_hold,
             ),
             (
+                "only_kube_scheduler_may_call_the_extender",
+                only_kube_scheduler_may_call_the_extender,
+            ),
+            (
                 "the_scheduler_port_withstands_a_barrage",
                 the_scheduler_port_withstands_a_barrage,
             ),
@@ -1083,7 +1087,8 @@ async fn burst_with_kills(c: &KitCluster) -> anyhow::Result<()> {
 }
 
 /// `helm upgrade` of the running release in the middle of a burst: new extender and device
-/// plugin images and changed values, so both roll (the extender's Deployment one pod at a
+/// plugin images and changed values, among them client certificates turned on for a release
+/// that had none (the upgrade grace lets the old scheduler through while it rolls), so both roll (the extender's Deployment one pod at a
 /// time, the plugin's DaemonSet on the real node). No create is refused, every pod is bound
 /// with an allocation, none failed, nothing is over-committed, and the GPU pods already
 /// running on the real node keep running, never restarted.
@@ -1498,9 +1503,31 @@ async fn upgrade_in_a_burst(c: &KitCluster, residents: &[Pod]) -> anyhow::Result
     // On the fake nodes only: a GPU pod kubelet admits on the real node while its device
     // plugin restarts fails ("no healthy devices present"), as with any device plugin
     // (docs/operating.md, "Known limits"); the residents there must not be touched.
+    let chart = chart_dir(c);
+    // The release as a chart without client certificates left it (no client Secret, a
+    // scheduler that presents nothing), so the upgrade below crosses the switch.
+    c.helm(&[
+        "upgrade",
+        "gpushare",
+        &chart.to_string_lossy(),
+        "-n",
+        "kube-system",
+        "--reuse-values",
+        "--set",
+        "extender.tls.clientAuth.enabled=false",
+    ])?;
+    for deployment in ["deploy/gpushare-extender", "deploy/gpushare-scheduler"] {
+        c.kubectl(&[
+            "-n",
+            "kube-system",
+            "rollout",
+            "status",
+            deployment,
+            "--timeout=120s",
+        ])?;
+    }
     let burst = Burst::start(c, "upgrade", 300, true);
     tokio::time::sleep(Duration::from_secs(2)).await;
-    let chart = chart_dir(c);
     let upgraded = Instant::now();
     c.helm(&[
         "upgrade",
@@ -1515,6 +1542,8 @@ async fn upgrade_in_a_burst(c: &KitCluster, residents: &[Pod]) -> anyhow::Result
         "devicePlugin.image.tag=next",
         "--set",
         "extender.bindWritesInFlight=48",
+        "--set",
+        "extender.tls.clientAuth.enabled=true",
     ])?;
     c.kubectl(&[
         "-n",
@@ -1547,7 +1576,31 @@ async fn upgrade_in_a_burst(c: &KitCluster, residents: &[Pod]) -> anyhow::Result
         images.matches(":next").count() >= 3,
         "the upgrade did not roll the new images out: {images}"
     );
+    let args = c.kubectl(&[
+        "-n",
+        "kube-system",
+        "get",
+        "deploy/gpushare-extender",
+        "-o",
+        "jsonpath={.spec.template.spec.containers[0].args}",
+    ])?;
+    ensure!(
+        args.contains("--client-ca") && args.contains("--accept-uncertified-until"),
+        "the upgrade did not turn client certificates on with the grace: {args}"
+    );
     burst.finish(c).await?;
+    let mut in_grace = Vec::new();
+    for (name, address, _) in extender_replicas(c).await? {
+        let ip = address.split(':').next().unwrap_or_default();
+        let (_, metrics) =
+            gpushare_e2e::cluster::http_get(format!("{ip}:9090").parse()?, "/metrics").await?;
+        let grace = metrics
+            .lines()
+            .find(|l| l.starts_with("gpushare_extender_uncertified_calls_in_grace_total"))
+            .map(str::to_owned);
+        in_grace.push((name, grace));
+    }
+    println!("  calls without a certificate let through in the grace: {in_grace:?}");
     for before in residents {
         let now = survived(c, before, "the upgrade").await?;
         check_pinned(c, &now).await?;
@@ -2187,6 +2240,106 @@ fn without_the_preempt_verb_the_two_gpu_pod_waits(c: &KitCluster) -> Outcome<'_>
 }
 
 /// The extender replicas in kube-system: (pod name, `ip:port` of the scheduler port, restarts).
+/// One key of a Secret in kube-system, decoded.
+fn secret_text(c: &KitCluster, secret: &str, key: &str) -> anyhow::Result<String> {
+    let escaped = key.replace('.', r"\.");
+    let data = c.kubectl(&[
+        "-n",
+        "kube-system",
+        "get",
+        "secret",
+        secret,
+        "-o",
+        &format!("jsonpath={{.data.{escaped}}}"),
+    ])?;
+    let bytes = base64::engine::general_purpose::STANDARD
+        .decode(data.trim())
+        .with_context(|| format!("{secret} {key}"))?;
+    Ok(String::from_utf8(bytes)?)
+}
+
+/// A caller verifying the extender with the chart's CA and presenting `identity`.
+fn caller_with(
+    c: &KitCluster,
+    identity: Option<(String, String)>,
+) -> anyhow::Result<barrage::Caller> {
+    Ok(barrage::Caller {
+        ca_pem: secret_text(c, "gpushare-extender-tls", "ca.crt")?,
+        identity,
+    })
+}
+
+/// The chart's kube-scheduler as a caller: its client certificate from the client Secret.
+fn scheduler_caller(c: &KitCluster) -> anyhow::Result<barrage::Caller> {
+    let secret = "gpushare-extender-client-tls";
+    let identity = (
+        secret_text(c, secret, "scheduler.crt")?,
+        secret_text(c, secret, "scheduler.key")?,
+    );
+    caller_with(c, Some(identity))
+}
+
+/// Only kube-scheduler (and the replicas) may call the extender: from the host, an address
+/// that is not kube-scheduler's, each replica answers filter, prioritize, bind, preempt and
+/// inspect without a client certificate with a 403 and a JSON error, and with a certificate
+/// of another CA not at all; with the scheduler's certificate it answers. Both refusals are
+/// counted on the monitoring port, and the chart's scheduler still runs a GPU pod.
+fn only_kube_scheduler_may_call_the_extender(c: &KitCluster) -> Outcome<'_> {
+    Box::pin(async move {
+        let replicas = extender_replicas(c).await?;
+        ensure!(!replicas.is_empty(), "no extender replicas");
+        let scheduler = scheduler_caller(c)?;
+        let anonymous = caller_with(c, None)?;
+        let stranger_ca = gpushare_e2e::cluster::ClientCa::generate("not the chart's CA")?;
+        let stranger = caller_with(c, Some(stranger_ca.issue("gpushare-scheduler")?))?;
+        let mut pending = serde_json::to_value(fixtures::pod("stranger").gpu_mem(1).build())?;
+        pending["metadata"]["uid"] = serde_json::json!("stranger-uid");
+        let service = "gpushare-extender.kube-system.svc";
+        let prefix = "/gpushare-scheduler";
+        for (name, address, _) in &replicas {
+            for (verb, answer) in
+                barrage::callers(address, service, &anonymous, prefix, &pending).await?
+            {
+                ensure!(
+                    answer == Ok((403, true)),
+                    "{name}: {verb} without a client certificate: {answer:?}"
+                );
+            }
+            for (verb, answer) in
+                barrage::callers(address, service, &stranger, prefix, &pending).await?
+            {
+                ensure!(
+                    answer.is_err(),
+                    "{name}: {verb} with a certificate of another CA was answered: {answer:?}"
+                );
+            }
+            let answers = barrage::callers(address, service, &scheduler, prefix, &pending).await?;
+            let (verb, inspect) = &answers[4];
+            ensure!(
+                *inspect == Ok((200, true)),
+                "{name}: {verb} with the scheduler's certificate: {inspect:?}"
+            );
+            let ip = address.split(':').next().unwrap_or_default();
+            let monitor: std::net::SocketAddr = format!("{ip}:9090").parse()?;
+            let (_, metrics) = gpushare_e2e::cluster::http_get(monitor, "/metrics").await?;
+            let refusals: Vec<&str> = metrics
+                .lines()
+                .filter(|l| l.starts_with("gpushare_extender_caller_refusals_total"))
+                .collect();
+            ensure!(
+                refusals.iter().any(|l| l.contains("no_client_certificate"))
+                    && refusals.iter().any(|l| l.contains("untrusted_certificate")),
+                "{name}: refusals not counted: {refusals:?}"
+            );
+            println!("  {name}: {refusals:?}");
+        }
+        create_gpu_pod(c, "after-strangers", 1).await?;
+        wait_running(c, "after-strangers").await?;
+        delete_pod(c, "after-strangers").await?;
+        Ok(())
+    })
+}
+
 async fn extender_replicas(c: &KitCluster) -> anyhow::Result<Vec<(String, String, i32)>> {
     let pods: Api<Pod> = Api::namespaced(c.client(), "kube-system");
     let list = pods
@@ -2232,16 +2385,7 @@ fn the_scheduler_port_withstands_a_barrage(c: &KitCluster) -> Outcome<'_> {
     Box::pin(async move {
         let before = extender_replicas(c).await?;
         ensure!(!before.is_empty(), "no extender replicas");
-        let ca = c.kubectl(&[
-            "-n",
-            "kube-system",
-            "get",
-            "secret",
-            "gpushare-extender-tls",
-            "-o",
-            r"jsonpath={.data.ca\.crt}",
-        ])?;
-        let ca = String::from_utf8(base64::engine::general_purpose::STANDARD.decode(ca.trim())?)?;
+        let scheduler = scheduler_caller(c)?;
         let mut pending = serde_json::to_value(fixtures::pod("barrage").gpu_mem(1).build())?;
         pending["metadata"]["uid"] = serde_json::json!("barrage-uid");
         let started = Instant::now();
@@ -2251,7 +2395,7 @@ fn the_scheduler_port_withstands_a_barrage(c: &KitCluster) -> Outcome<'_> {
             let report = barrage::send(
                 address,
                 "gpushare-extender.kube-system.svc",
-                &ca,
+                &scheduler,
                 "/gpushare-scheduler",
                 &pending,
             )

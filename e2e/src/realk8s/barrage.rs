@@ -5,7 +5,8 @@
 //!
 //! The calls verify the replica's certificate against the chart's CA (the Secret's `ca.crt`)
 //! for the Service's name, as kube-scheduler does, and dial the pod's address directly, so
-//! each replica gets the whole barrage.
+//! each replica gets the whole barrage. They present the scheduler's client certificate, so
+//! the bodies reach the decoders; [`callers`] asks the same verbs without it.
 
 use std::sync::Arc;
 use std::time::Duration;
@@ -112,57 +113,125 @@ pub async fn stall_handshakes(address: &str) -> anyhow::Result<Vec<TcpStream>> {
     Ok(streams)
 }
 
-/// Sends the barrage to the replica at `address` (`ip:port`), verified against `ca_pem` for
+/// Who calls: the extender's CA to verify it by, and the client certificate presented.
+#[derive(Clone)]
+pub struct Caller {
+    /// The CA of the extender's certificate (the Secret `<release>-extender-tls`'s `ca.crt`).
+    pub ca_pem: String,
+    /// The client certificate and key presented (PEM), if any.
+    pub identity: Option<(String, String)>,
+}
+
+impl Caller {
+    /// An HTTP client that verifies the extender for `server_name` and presents the identity.
+    fn client(&self, server_name: &str) -> anyhow::Result<Client<HttpsConnector, Full<Bytes>>> {
+        use rustls::pki_types::pem::PemObject as _;
+        use rustls::pki_types::{CertificateDer, PrivateKeyDer, ServerName};
+        let mut roots = rustls::RootCertStore::empty();
+        for cert in CertificateDer::pem_slice_iter(self.ca_pem.as_bytes()) {
+            roots.add(cert?)?;
+        }
+        let provider = Arc::new(rustls::crypto::ring::default_provider());
+        let builder = rustls::ClientConfig::builder_with_provider(provider)
+            .with_safe_default_protocol_versions()?
+            .with_root_certificates(roots);
+        let tls = match &self.identity {
+            None => builder.with_no_client_auth(),
+            Some((cert, key)) => builder.with_client_auth_cert(
+                CertificateDer::pem_slice_iter(cert.as_bytes()).collect::<Result<Vec<_>, _>>()?,
+                PrivateKeyDer::from_pem_slice(key.as_bytes())?,
+            )?,
+        };
+        let name = ServerName::try_from(server_name.to_owned())?;
+        let connector = HttpsConnectorBuilder::new()
+            .with_tls_config(tls)
+            .https_only()
+            .with_server_name_resolver(FixedServerNameResolver::new(name))
+            .enable_all_versions()
+            .build();
+        Ok(Client::builder(TokioExecutor::new()).build(connector))
+    }
+}
+
+type HttpsConnector =
+    hyper_rustls::HttpsConnector<hyper_util::client::legacy::connect::HttpConnector>;
+
+/// One request with a 30 s bound: the status and whether the body was JSON, or why none came.
+async fn ask(
+    client: &Client<HttpsConnector, Full<Bytes>>,
+    request: http::Request<Full<Bytes>>,
+) -> Result<(u16, bool), String> {
+    let answer = tokio::time::timeout(Duration::from_secs(30), async {
+        let response = client.request(request).await?;
+        let status = response.status().as_u16();
+        let bytes = response.into_body().collect().await?.to_bytes();
+        anyhow::Ok((status, serde_json::from_slice::<Value>(&bytes).is_ok()))
+    })
+    .await;
+    match answer {
+        Ok(Ok(answer)) => Ok(answer),
+        Ok(Err(error)) => Err(format!("{error:#}")),
+        Err(_) => Err("no answer in 30 s".into()),
+    }
+}
+
+/// Sends the barrage to the replica at `address` (`ip:port`) as `caller`, verifying it for
 /// `server_name`, under `prefix` (`/gpushare-scheduler`); `pod` is a pending pod's JSON.
 pub async fn send(
     address: &str,
     server_name: &str,
-    ca_pem: &str,
+    caller: &Caller,
     prefix: &str,
     pod: &Value,
 ) -> anyhow::Result<BarrageReport> {
-    use rustls::pki_types::pem::PemObject as _;
-    use rustls::pki_types::{CertificateDer, ServerName};
-    let mut roots = rustls::RootCertStore::empty();
-    for cert in CertificateDer::pem_slice_iter(ca_pem.as_bytes()) {
-        roots.add(cert?)?;
-    }
-    let provider = Arc::new(rustls::crypto::ring::default_provider());
-    let tls = rustls::ClientConfig::builder_with_provider(provider)
-        .with_safe_default_protocol_versions()?
-        .with_root_certificates(roots)
-        .with_no_client_auth();
-    let name = ServerName::try_from(server_name.to_owned())?;
-    let connector = HttpsConnectorBuilder::new()
-        .with_tls_config(tls)
-        .https_only()
-        .with_server_name_resolver(FixedServerNameResolver::new(name))
-        .enable_all_versions()
-        .build();
-    let client: Client<_, Full<Bytes>> = Client::builder(TokioExecutor::new()).build(connector);
+    let client = caller.client(server_name)?;
     let mut report = BarrageReport::default();
     for verb in ["filter", "prioritize", "bind", "preempt"] {
         for (what, body) in bodies(pod) {
             let request = http::Request::post(format!("https://{address}{prefix}/{verb}"))
                 .header(http::header::CONTENT_TYPE, "application/json")
                 .body(Full::new(Bytes::from(body)))?;
-            let answer = tokio::time::timeout(Duration::from_secs(30), async {
-                let response = client.request(request).await?;
-                let status = response.status().as_u16();
-                let bytes = response.into_body().collect().await?.to_bytes();
-                anyhow::Ok((status, serde_json::from_slice::<Value>(&bytes).is_ok()))
-            })
-            .await;
-            match answer {
-                Ok(Ok((status, json))) => report.answers.push((verb, what, status, json)),
-                Ok(Err(error)) => report
-                    .unanswered
-                    .push((format!("{verb} {what}"), format!("{error:#}"))),
-                Err(_) => report
-                    .unanswered
-                    .push((format!("{verb} {what}"), "no answer in 30 s".into())),
+            match ask(&client, request).await {
+                Ok((status, json)) => report.answers.push((verb, what, status, json)),
+                Err(why) => report.unanswered.push((format!("{verb} {what}"), why)),
             }
         }
     }
     Ok(report)
+}
+
+/// Each verb of the replica at `address` asked once by `caller` (well-formed bodies built on
+/// `pod`): per verb, the status and whether the body was JSON, or why no answer came.
+pub async fn callers(
+    address: &str,
+    server_name: &str,
+    caller: &Caller,
+    prefix: &str,
+    pod: &Value,
+) -> anyhow::Result<Vec<(&'static str, Result<(u16, bool), String>)>> {
+    let client = caller.client(server_name)?;
+    let filter = json!({"Pod": pod, "NodeNames": ["node-k"]}).to_string();
+    let bind = json!({"PodName": "barrage", "PodNamespace": "default",
+        "PodUID": "barrage-uid", "Node": "node-k"})
+    .to_string();
+    let preempt = json!({"Pod": pod, "NodeNameToMetaVictims": {}}).to_string();
+    let calls: [(&'static str, &str, Option<String>); 5] = [
+        ("filter", "filter", Some(filter.clone())),
+        ("prioritize", "prioritize", Some(filter)),
+        ("bind", "bind", Some(bind)),
+        ("preempt", "preempt", Some(preempt)),
+        ("inspect", "inspect", None),
+    ];
+    let mut out = Vec::new();
+    for (verb, path, body) in calls {
+        let url = format!("https://{address}{prefix}/{path}");
+        let request = match body {
+            Some(body) => http::Request::post(url)
+                .header(http::header::CONTENT_TYPE, "application/json")
+                .body(Full::new(Bytes::from(body)))?,
+            None => http::Request::get(url).body(Full::new(Bytes::new()))?,
+        };
+        out.push((verb, ask(&client, request).await));
+    }
+    Ok(out)
 }

@@ -8,7 +8,8 @@
 //! decisions of its own has a file: `filter.rs` (which nodes pass, and the hold for a single
 //! one), `prioritize.rs` (scores, and the hold for a sole best), `inspect.rs` (the view as
 //! JSON), `preempt.rs` (which pods to evict so a preemptor gets room on one GPU), with
-//! `args.rs` reading what filter and prioritize are sent. Binding is in [`crate::bind`].
+//! `args.rs` reading what filter and prioritize are sent, and `callers.rs` (who may call the
+//! verbs at all: a client certificate of `--client-ca`). Binding is in [`crate::bind`].
 
 use std::sync::atomic::{AtomicI64, AtomicUsize, Ordering};
 use std::sync::{Arc, RwLock, RwLockReadGuard, RwLockWriteGuard};
