@@ -31,6 +31,9 @@ fn main() {
             .args(["--crate-name", &soname.replace(['.', '-'], "_")])
             .arg("-C")
             .arg(format!("link-arg=-Wl,-soname,{soname}"))
+            // Its own references (cuGetProcAddress's answers) bind to its own functions, as
+            // in the real driver, not to an interposer's functions of the same name.
+            .args(["-C", "link-arg=-Wl,-Bsymbolic"])
             .arg("-o")
             .arg(out.join(soname))
             .arg(source)

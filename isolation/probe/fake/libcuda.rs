@@ -27,9 +27,11 @@ const NOT_FOUND: CuResult = 500;
 struct Driver {
     mem: Vec<u64>,
     used: Vec<u64>,
-    /// pointer or handle -> (device, bytes)
-    allocs: HashMap<u64, (usize, u64)>,
+    /// pointer or handle -> (device, bytes, the entry point that allocated it)
+    allocs: HashMap<u64, (usize, u64, &'static str)>,
     next: u64,
+    /// The entry point of the last free.
+    last_free: &'static str,
 }
 
 static DRIVER: Mutex<Option<Driver>> = Mutex::new(None);
@@ -67,7 +69,7 @@ fn current() -> Result<usize, CuResult> {
     }
 }
 
-fn alloc_impl(dev: usize, bytes: u64) -> Result<u64, CuResult> {
+fn alloc_impl(dev: usize, bytes: u64, by: &'static str) -> Result<u64, CuResult> {
     with_driver(|d| {
         if dev >= d.mem.len() {
             return Err(INVALID_DEVICE);
@@ -81,18 +83,22 @@ fn alloc_impl(dev: usize, bytes: u64) -> Result<u64, CuResult> {
         d.used[dev] += bytes;
         let ptr = d.next;
         d.next += bytes.div_ceil(1 << 21).max(1) << 21;
-        d.allocs.insert(ptr, (dev, bytes));
+        d.allocs.insert(ptr, (dev, bytes, by));
         Ok(ptr)
     })
 }
 
-fn free_impl(ptr: u64) -> CuResult {
-    code(with_driver(|d| match d.allocs.remove(&ptr) {
-        Some((dev, bytes)) => {
+/// Frees `ptr` if one of `allocators` allocated it (each entry point passes its own list, so
+/// that no two are the same code: rustc would merge them into one address).
+fn free_impl(ptr: u64, allocators: &[&str], freer: &'static str) -> CuResult {
+    code(with_driver(|d| match d.allocs.get(&ptr) {
+        Some(&(dev, bytes, by)) if allocators.contains(&by) => {
+            d.last_free = freer;
+            d.allocs.remove(&ptr);
             d.used[dev] -= bytes;
             Ok(())
         }
-        None => Err(INVALID_VALUE),
+        _ => Err(INVALID_VALUE),
     }))
 }
 
@@ -104,8 +110,8 @@ unsafe fn out<T>(p: *mut T, value: T) -> Result<(), CuResult> {
     Ok(())
 }
 
-unsafe fn alloc_current(dptr: *mut u64, bytes: u64) -> CuResult {
-    code(current().and_then(|dev| alloc_impl(dev, bytes)).and_then(|p| unsafe { out(dptr, p) }))
+unsafe fn alloc_current(dptr: *mut u64, bytes: u64, by: &'static str) -> CuResult {
+    code(current().and_then(|dev| alloc_impl(dev, bytes, by)).and_then(|p| unsafe { out(dptr, p) }))
 }
 
 #[no_mangle]
@@ -119,6 +125,7 @@ pub extern "C" fn cuInit(_flags: c_uint) -> CuResult {
             used: vec![0; count],
             allocs: HashMap::new(),
             next: 0x7f00_0000_0000,
+            last_free: "",
         });
     }
     SUCCESS
@@ -206,7 +213,7 @@ pub unsafe extern "C" fn cuDeviceGetDefaultMemPool(pool: *mut *mut c_void, dev: 
 
 #[no_mangle]
 pub unsafe extern "C" fn cuMemAlloc_v2(dptr: *mut u64, bytes: usize) -> CuResult {
-    unsafe { alloc_current(dptr, bytes as u64) }
+    unsafe { alloc_current(dptr, bytes as u64, "cuMemAlloc_v2") }
 }
 
 #[no_mangle]
@@ -221,7 +228,7 @@ pub unsafe extern "C" fn cuMemAllocPitch_v2(
     if pitch.is_null() {
         return INVALID_VALUE;
     }
-    let r = unsafe { alloc_current(dptr, (p * height) as u64) };
+    let r = unsafe { alloc_current(dptr, (p * height) as u64, "cuMemAllocPitch_v2") };
     if r == SUCCESS {
         unsafe { pitch.write(p) };
     }
@@ -230,17 +237,17 @@ pub unsafe extern "C" fn cuMemAllocPitch_v2(
 
 #[no_mangle]
 pub unsafe extern "C" fn cuMemAllocManaged(dptr: *mut u64, bytes: usize, _flags: c_uint) -> CuResult {
-    unsafe { alloc_current(dptr, bytes as u64) }
+    unsafe { alloc_current(dptr, bytes as u64, "cuMemAllocManaged") }
 }
 
 #[no_mangle]
 pub unsafe extern "C" fn cuMemAllocAsync(dptr: *mut u64, bytes: usize, _stream: *mut c_void) -> CuResult {
-    unsafe { alloc_current(dptr, bytes as u64) }
+    unsafe { alloc_current(dptr, bytes as u64, "cuMemAllocAsync") }
 }
 
 #[no_mangle]
 pub unsafe extern "C" fn cuMemAllocAsync_ptsz(dptr: *mut u64, bytes: usize, _stream: *mut c_void) -> CuResult {
-    unsafe { alloc_current(dptr, bytes as u64) }
+    unsafe { alloc_current(dptr, bytes as u64, "cuMemAllocAsync_ptsz") }
 }
 
 #[no_mangle]
@@ -250,7 +257,7 @@ pub unsafe extern "C" fn cuMemAllocFromPoolAsync(
     _pool: *mut c_void,
     _stream: *mut c_void,
 ) -> CuResult {
-    unsafe { alloc_current(dptr, bytes as u64) }
+    unsafe { alloc_current(dptr, bytes as u64, "cuMemAllocFromPoolAsync") }
 }
 
 #[no_mangle]
@@ -260,7 +267,7 @@ pub unsafe extern "C" fn cuMemAllocFromPoolAsync_ptsz(
     _pool: *mut c_void,
     _stream: *mut c_void,
 ) -> CuResult {
-    unsafe { alloc_current(dptr, bytes as u64) }
+    unsafe { alloc_current(dptr, bytes as u64, "cuMemAllocFromPoolAsync_ptsz") }
 }
 
 /// The head of `CUmemAllocationProp`: type, requested handle types, location { type, id }.
@@ -285,14 +292,14 @@ pub unsafe extern "C" fn cuMemCreate(
     let dev = unsafe { (*prop).location_id };
     code(
         valid_device(dev)
-            .and_then(|()| alloc_impl(dev as usize, size as u64))
+            .and_then(|()| alloc_impl(dev as usize, size as u64, "cuMemCreate"))
             .and_then(|h| unsafe { out(handle, h) }),
     )
 }
 
 #[no_mangle]
 pub extern "C" fn cuMemRelease(handle: u64) -> CuResult {
-    free_impl(handle)
+    free_impl(handle, &["cuMemCreate"], "cuMemRelease")
 }
 
 #[repr(C)]
@@ -328,7 +335,7 @@ pub unsafe extern "C" fn cuArrayCreate_v2(array: *mut *mut c_void, desc: *const 
     }
     let d = unsafe { &*desc };
     let bytes = d.width as u64 * d.height.max(1) as u64 * element_bytes(d.format) * d.channels as u64;
-    code(current().and_then(|dev| alloc_impl(dev, bytes)).and_then(|p| unsafe { out(array, p as *mut c_void) }))
+    code(current().and_then(|dev| alloc_impl(dev, bytes, "cuArrayCreate_v2")).and_then(|p| unsafe { out(array, p as *mut c_void) }))
 }
 
 #[no_mangle]
@@ -342,7 +349,7 @@ pub unsafe extern "C" fn cuArray3DCreate_v2(array: *mut *mut c_void, desc: *cons
         * d.depth.max(1) as u64
         * element_bytes(d.format)
         * d.channels as u64;
-    code(current().and_then(|dev| alloc_impl(dev, bytes)).and_then(|p| unsafe { out(array, p as *mut c_void) }))
+    code(current().and_then(|dev| alloc_impl(dev, bytes, "cuArray3DCreate_v2")).and_then(|p| unsafe { out(array, p as *mut c_void) }))
 }
 
 #[no_mangle]
@@ -360,32 +367,32 @@ pub unsafe extern "C" fn cuMipmappedArrayCreate(
         let dim = |x: usize| (x >> level).max(1) as u64;
         bytes += dim(d.width) * dim(d.height) * dim(d.depth) * element_bytes(d.format) * d.channels as u64;
     }
-    code(current().and_then(|dev| alloc_impl(dev, bytes)).and_then(|p| unsafe { out(array, p as *mut c_void) }))
+    code(current().and_then(|dev| alloc_impl(dev, bytes, "cuMipmappedArrayCreate")).and_then(|p| unsafe { out(array, p as *mut c_void) }))
 }
 
 #[no_mangle]
 pub extern "C" fn cuMemFree_v2(ptr: u64) -> CuResult {
-    free_impl(ptr)
+    free_impl(ptr, &["cuMemAlloc_v2", "cuMemAllocPitch_v2", "cuMemAllocManaged", "cuMemAllocAsync", "cuMemAllocAsync_ptsz", "cuMemAllocFromPoolAsync", "cuMemAllocFromPoolAsync_ptsz"], "cuMemFree_v2")
 }
 
 #[no_mangle]
 pub extern "C" fn cuMemFreeAsync(ptr: u64, _stream: *mut c_void) -> CuResult {
-    free_impl(ptr)
+    free_impl(ptr, &["cuMemAlloc_v2", "cuMemAllocPitch_v2", "cuMemAllocManaged", "cuMemAllocAsync", "cuMemAllocAsync_ptsz", "cuMemAllocFromPoolAsync", "cuMemAllocFromPoolAsync_ptsz"], "cuMemFreeAsync")
 }
 
 #[no_mangle]
 pub extern "C" fn cuMemFreeAsync_ptsz(ptr: u64, _stream: *mut c_void) -> CuResult {
-    free_impl(ptr)
+    free_impl(ptr, &["cuMemAlloc_v2", "cuMemAllocPitch_v2", "cuMemAllocManaged", "cuMemAllocAsync", "cuMemAllocAsync_ptsz", "cuMemAllocFromPoolAsync", "cuMemAllocFromPoolAsync_ptsz"], "cuMemFreeAsync_ptsz")
 }
 
 #[no_mangle]
 pub extern "C" fn cuArrayDestroy(array: *mut c_void) -> CuResult {
-    free_impl(array as u64)
+    free_impl(array as u64, &["cuArrayCreate_v2", "cuArray3DCreate_v2"], "cuArrayDestroy")
 }
 
 #[no_mangle]
 pub extern "C" fn cuMipmappedArrayDestroy(array: *mut c_void) -> CuResult {
-    free_impl(array as u64)
+    free_impl(array as u64, &["cuMipmappedArrayCreate"], "cuMipmappedArrayDestroy")
 }
 
 #[no_mangle]
