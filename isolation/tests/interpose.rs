@@ -439,3 +439,37 @@ fn bad_limits_pass_everything_through_with_one_line_on_stderr() {
     assert_eq!(mib(out.one("cuda", "total")), FAKE_GPU_MIB);
     assert_eq!(out.stderr.lines().count(), 1, "{}", out.stderr);
 }
+
+#[test]
+fn threads_allocating_at_once_fill_the_share_exactly() {
+    let container = Container::one_gpu(4);
+    for via in WAYS {
+        let out = container.run(via, &["threads:8:1", "info", "free", "info"]);
+        assert_eq!(out.one("threads", "allocated"), 4096, "{via}");
+        assert_eq!(out.all("cuda", "free"), [0, 4096 * MIB], "{via}");
+        assert_eq!(out.one("free", "result"), 0, "{via}");
+    }
+}
+
+#[test]
+fn a_forked_child_counts_in_a_slot_of_its_own() {
+    let container = Container::one_gpu(4);
+    for via in WAYS {
+        // The second child's allocation fits only once the first child's share is back,
+        // which needs the first child to have had its own slot (and to be dead).
+        let out = container.run(
+            via,
+            &[
+                "alloc:mem:3072",
+                "fork-alloc:1024",
+                "fork-alloc:1024",
+                "info",
+                "free",
+                "info",
+            ],
+        );
+        assert_eq!(out.allocs(), [0, 0, 0], "{via}: {:?}", out.lines);
+        assert_eq!(out.all("fork", "status"), [0, 0], "{via}");
+        assert_eq!(out.all("cuda", "free"), [1024 * MIB, 4096 * MIB], "{via}");
+    }
+}

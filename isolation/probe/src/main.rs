@@ -21,6 +21,11 @@
 //!                       mipmap; D: the device a vmm allocation names (default: the current one)
 //!   free                free all kept allocations, each   -> free count=N result=CODE (first error)
 //!                       with its matching call
+//!   threads:N:MIB       N threads (each making the current -> threads n=N mib=MIB allocated=COUNT
+//!                       device current) allocate MIB MiB
+//!                       (cuMemAlloc_v2) until refused; kept
+//!   fork-alloc:MIB      fork; the child allocates MIB MiB   -> alloc path=mem mib=MIB result=CODE (child)
+//!                       and exits without freeing            fork child=PID status=STATUS
 //!   hold                print `holding`, wait until killed
 //! ```
 //! B are bytes; CODE is the driver's result (0 success, 2 CUDA_ERROR_OUT_OF_MEMORY). A failed
@@ -460,6 +465,44 @@ impl Probe {
         Ok(format!("alloc path={path} mib={mib} result={r}"))
     }
 
+    fn threads(&mut self, n: usize, mib: usize) -> String {
+        let dev = self.current_device();
+        let cuda = &self.cuda;
+        let kept: Vec<Vec<u64>> = std::thread::scope(|s| {
+            let workers: Vec<_> = (0..n)
+                .map(|_| {
+                    s.spawn(move || {
+                        let mut ctx: Ptr = std::ptr::null_mut();
+                        let mut mine = Vec::new();
+                        // SAFETY: places for the answers; the context from the driver.
+                        unsafe {
+                            if (cuda.primary_ctx_retain)(&mut ctx, dev) != 0
+                                || (cuda.ctx_set_current)(ctx) != 0
+                            {
+                                return mine;
+                            }
+                            for _ in 0..1_000_000 {
+                                let mut ptr = 0u64;
+                                if (cuda.mem_alloc)(&mut ptr, mib << 20) != 0 {
+                                    break;
+                                }
+                                mine.push(ptr);
+                            }
+                        }
+                        mine
+                    })
+                })
+                .collect();
+            workers
+                .into_iter()
+                .map(|w| w.join().unwrap_or_default())
+                .collect()
+        });
+        let allocated: usize = kept.iter().map(Vec::len).sum();
+        self.kept.extend(kept.into_iter().flatten().map(Kept::Mem));
+        format!("threads n={n} mib={mib} allocated={allocated}")
+    }
+
     fn free(&mut self) -> String {
         let c = &self.cuda;
         let count = self.kept.len();
@@ -495,7 +538,9 @@ fn run(args: Vec<String>) -> Result<(), String> {
                 println!(
                     "usage: gpushare-isolation-probe [--via link|dlsym|getproc] STEP... (see the source's header)"
                 );
-                println!("steps: device:N info alloc:PATH:MIB[:DEV] free hold");
+                println!(
+                    "steps: device:N info alloc:PATH:MIB[:DEV] free threads:N:MIB fork-alloc:MIB hold"
+                );
                 return Ok(());
             }
             _ => steps.push(arg),
@@ -545,6 +590,25 @@ fn run(args: Vec<String>) -> Result<(), String> {
                 say(probe.alloc(path, number(2)?, dev)?)
             }
             "free" => say(probe.free()),
+            "threads" => say(probe.threads(number(1)?, number(2)?)),
+            "fork-alloc" => {
+                let mib = number(1)?;
+                // SAFETY: the child allocates, prints and leaves with _exit.
+                let pid = unsafe { libc::fork() };
+                if pid < 0 {
+                    return Err("fork failed".into());
+                }
+                if pid == 0 {
+                    let line = probe.alloc("mem", mib, None)?;
+                    say(line);
+                    // SAFETY: ends the child without running the parent's destructors.
+                    unsafe { libc::_exit(0) };
+                }
+                let mut status = 0;
+                // SAFETY: our child and a place for its status.
+                unsafe { libc::waitpid(pid, &mut status, 0) };
+                say(format!("fork child={pid} status={status}"));
+            }
             "hold" => {
                 say("holding".into());
                 loop {
