@@ -10,6 +10,8 @@ fn main() {
     let out = std::env::var("OUT_DIR").expect("cargo sets OUT_DIR");
     let out = Path::new(&out);
     let rustc = std::env::var("RUSTC").unwrap_or_else(|_| "rustc".into());
+    // The probe's target (cargo sets TARGET for build scripts), so that it can link them.
+    let target = std::env::var("TARGET").expect("cargo sets TARGET");
     for (source, soname, link) in [
         ("fake/libcuda.rs", "libcuda.so.1", "libcuda.so"),
         (
@@ -29,6 +31,7 @@ fn main() {
                 "opt-level=2",
             ])
             .args(["--crate-name", &soname.replace(['.', '-'], "_")])
+            .args(["--target", &target])
             .arg("-C")
             .arg(format!("link-arg=-Wl,-soname,{soname}"))
             // Its own references (cuGetProcAddress's answers) bind to its own functions, as

@@ -29,8 +29,8 @@
 //!
 //! # Protocol
 //!
-//! - Create: `open(O_CREAT)`, `flock(LOCK_EX)`, an empty file gets its size and header,
-//!   magic last; `flock(LOCK_UN)`. The lock is only taken at open, never on allocation.
+//! - Create: `open(O_CREAT)`, `flock(LOCK_EX)`, an empty file (or one whose creator died
+//!   before writing the magic) gets its size and header, magic last; `flock(LOCK_UN)`. The lock is only taken at open, never on allocation.
 //! - Allocate: a CAS loop on `used[gpu]` that refuses past `share[gpu]` (bumping
 //!   `refused[gpu]`), then the slot's `used[gpu]` grows. The total is reserved first, so a
 //!   process killed between the two steps can only leave the budget too full, never over.
@@ -488,7 +488,13 @@ fn init_or_check(
         reason,
     };
     let len = file.metadata().map_err(io("reading its size"))?.len();
-    if len == 0 {
+    let mut magic = [0u8; 8];
+    if len == FILE_LEN as u64 {
+        file.read_exact_at(&mut magic, 0)
+            .map_err(io("reading its header"))?;
+    }
+    // Empty, or sized by a creator that died before its magic: (re)write the header.
+    if len == 0 || (len == FILE_LEN as u64 && magic == [0; 8]) {
         file.set_len(FILE_LEN as u64).map_err(io("sizing"))?;
         let mut header = vec![0u8; HEADER_LEN];
         let put32 =

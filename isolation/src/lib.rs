@@ -72,6 +72,19 @@
 //! - NVML indexes are taken for CUDA ordinals (true with `CUDA_DEVICE_ORDER=PCI_BUS_ID` or
 //!   one GPU).
 //! - Processes sharing a budget must share a pid namespace (dead slots are found by pid).
+//! - Entry points we do not hook pass unchanged: the 32-bit v1 `cuMemAlloc`/`cuMemGetInfo`
+//!   of pre-3.2 programs, host allocations (`cuMemAllocHost`, `cuMemCreate` on a host
+//!   location), graph-node allocations (`cuGraphAddMemAllocNode`).
+//! - `cuMemFreeAsync` gives bytes back at once, not when the stream reaches the free.
+//! - A process killed between reserving a total and recording it in its slot (two atomic
+//!   steps) leaves those bytes counted until the container restarts: never over the share.
+//!
+//! # Linking the rlib
+//!
+//! The rlib carries the same `#[no_mangle]` exports, so a Rust program that links it (for
+//! the [`reader`], say) defines `dlsym` and the hooked names itself: its own `dlsym` calls
+//! go through ours. Without limits in its environment that is a pure pass-through; a program
+//! that wants the driver's real answers anyway asks glibc's `dlsym` (see the bench).
 //!
 //! # Unsafe code
 //!

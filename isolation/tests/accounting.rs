@@ -129,6 +129,11 @@ fn the_file_is_shared_by_path_and_refuses_other_limits() {
     assert!(a.try_reserve(None, 0, 4000 * MIB));
     assert!(!b.try_reserve(None, 0, 100 * MIB));
     assert!(Budget::open(&path, &Limits::new(vec![2048 * MIB])).is_err());
+    // A file its creator left sized but without a header is set up again.
+    let orphan = dir.path().join("orphan");
+    std::fs::write(&orphan, vec![0u8; gpushare_isolation::budget::FILE_LEN]).unwrap();
+    let c = Budget::open(&orphan, &Limits::new(vec![MIB])).unwrap();
+    assert!(c.try_reserve(None, 0, MIB));
     std::fs::write(dir.path().join("junk"), b"not a budget").unwrap();
     assert!(Budget::open(&dir.path().join("junk"), &Limits::new(vec![MIB])).is_err());
 }

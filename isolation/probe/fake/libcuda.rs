@@ -111,7 +111,11 @@ unsafe fn out<T>(p: *mut T, value: T) -> Result<(), CuResult> {
 }
 
 unsafe fn alloc_current(dptr: *mut u64, bytes: u64, by: &'static str) -> CuResult {
-    code(current().and_then(|dev| alloc_impl(dev, bytes, by)).and_then(|p| unsafe { out(dptr, p) }))
+    code(
+        current()
+            .and_then(|dev| alloc_impl(dev, bytes, by))
+            .and_then(|p| unsafe { out(dptr, p) }),
+    )
 }
 
 #[no_mangle]
@@ -180,7 +184,11 @@ fn valid_device(dev: c_int) -> Result<(), CuResult> {
 }
 
 #[no_mangle]
-pub unsafe extern "C" fn cuCtxCreate_v2(pctx: *mut *mut c_void, _flags: c_uint, dev: c_int) -> CuResult {
+pub unsafe extern "C" fn cuCtxCreate_v2(
+    pctx: *mut *mut c_void,
+    _flags: c_uint,
+    dev: c_int,
+) -> CuResult {
     code(valid_device(dev).and_then(|()| {
         CURRENT.with(|c| c.set(dev));
         unsafe { out(pctx, ctx_of(dev)) }
@@ -208,7 +216,10 @@ pub unsafe extern "C" fn cuCtxGetDevice(device: *mut c_int) -> CuResult {
 
 #[no_mangle]
 pub unsafe extern "C" fn cuDeviceGetDefaultMemPool(pool: *mut *mut c_void, dev: c_int) -> CuResult {
-    code(valid_device(dev).and_then(|()| unsafe { out(pool, (0x9000 + dev as usize * 0x10) as *mut c_void) }))
+    code(
+        valid_device(dev)
+            .and_then(|()| unsafe { out(pool, (0x9000 + dev as usize * 0x10) as *mut c_void) }),
+    )
 }
 
 #[no_mangle]
@@ -236,17 +247,29 @@ pub unsafe extern "C" fn cuMemAllocPitch_v2(
 }
 
 #[no_mangle]
-pub unsafe extern "C" fn cuMemAllocManaged(dptr: *mut u64, bytes: usize, _flags: c_uint) -> CuResult {
+pub unsafe extern "C" fn cuMemAllocManaged(
+    dptr: *mut u64,
+    bytes: usize,
+    _flags: c_uint,
+) -> CuResult {
     unsafe { alloc_current(dptr, bytes as u64, "cuMemAllocManaged") }
 }
 
 #[no_mangle]
-pub unsafe extern "C" fn cuMemAllocAsync(dptr: *mut u64, bytes: usize, _stream: *mut c_void) -> CuResult {
+pub unsafe extern "C" fn cuMemAllocAsync(
+    dptr: *mut u64,
+    bytes: usize,
+    _stream: *mut c_void,
+) -> CuResult {
     unsafe { alloc_current(dptr, bytes as u64, "cuMemAllocAsync") }
 }
 
 #[no_mangle]
-pub unsafe extern "C" fn cuMemAllocAsync_ptsz(dptr: *mut u64, bytes: usize, _stream: *mut c_void) -> CuResult {
+pub unsafe extern "C" fn cuMemAllocAsync_ptsz(
+    dptr: *mut u64,
+    bytes: usize,
+    _stream: *mut c_void,
+) -> CuResult {
     unsafe { alloc_current(dptr, bytes as u64, "cuMemAllocAsync_ptsz") }
 }
 
@@ -329,17 +352,28 @@ fn element_bytes(format: c_uint) -> u64 {
 }
 
 #[no_mangle]
-pub unsafe extern "C" fn cuArrayCreate_v2(array: *mut *mut c_void, desc: *const ArrayDescriptor) -> CuResult {
+pub unsafe extern "C" fn cuArrayCreate_v2(
+    array: *mut *mut c_void,
+    desc: *const ArrayDescriptor,
+) -> CuResult {
     if desc.is_null() {
         return INVALID_VALUE;
     }
     let d = unsafe { &*desc };
-    let bytes = d.width as u64 * d.height.max(1) as u64 * element_bytes(d.format) * d.channels as u64;
-    code(current().and_then(|dev| alloc_impl(dev, bytes, "cuArrayCreate_v2")).and_then(|p| unsafe { out(array, p as *mut c_void) }))
+    let bytes =
+        d.width as u64 * d.height.max(1) as u64 * element_bytes(d.format) * d.channels as u64;
+    code(
+        current()
+            .and_then(|dev| alloc_impl(dev, bytes, "cuArrayCreate_v2"))
+            .and_then(|p| unsafe { out(array, p as *mut c_void) }),
+    )
 }
 
 #[no_mangle]
-pub unsafe extern "C" fn cuArray3DCreate_v2(array: *mut *mut c_void, desc: *const Array3dDescriptor) -> CuResult {
+pub unsafe extern "C" fn cuArray3DCreate_v2(
+    array: *mut *mut c_void,
+    desc: *const Array3dDescriptor,
+) -> CuResult {
     if desc.is_null() {
         return INVALID_VALUE;
     }
@@ -349,7 +383,11 @@ pub unsafe extern "C" fn cuArray3DCreate_v2(array: *mut *mut c_void, desc: *cons
         * d.depth.max(1) as u64
         * element_bytes(d.format)
         * d.channels as u64;
-    code(current().and_then(|dev| alloc_impl(dev, bytes, "cuArray3DCreate_v2")).and_then(|p| unsafe { out(array, p as *mut c_void) }))
+    code(
+        current()
+            .and_then(|dev| alloc_impl(dev, bytes, "cuArray3DCreate_v2"))
+            .and_then(|p| unsafe { out(array, p as *mut c_void) }),
+    )
 }
 
 #[no_mangle]
@@ -365,34 +403,86 @@ pub unsafe extern "C" fn cuMipmappedArrayCreate(
     let mut bytes = 0;
     for level in 0..levels.max(1) {
         let dim = |x: usize| (x >> level).max(1) as u64;
-        bytes += dim(d.width) * dim(d.height) * dim(d.depth) * element_bytes(d.format) * d.channels as u64;
+        bytes += dim(d.width)
+            * dim(d.height)
+            * dim(d.depth)
+            * element_bytes(d.format)
+            * d.channels as u64;
     }
-    code(current().and_then(|dev| alloc_impl(dev, bytes, "cuMipmappedArrayCreate")).and_then(|p| unsafe { out(array, p as *mut c_void) }))
+    code(
+        current()
+            .and_then(|dev| alloc_impl(dev, bytes, "cuMipmappedArrayCreate"))
+            .and_then(|p| unsafe { out(array, p as *mut c_void) }),
+    )
 }
 
 #[no_mangle]
 pub extern "C" fn cuMemFree_v2(ptr: u64) -> CuResult {
-    free_impl(ptr, &["cuMemAlloc_v2", "cuMemAllocPitch_v2", "cuMemAllocManaged", "cuMemAllocAsync", "cuMemAllocAsync_ptsz", "cuMemAllocFromPoolAsync", "cuMemAllocFromPoolAsync_ptsz"], "cuMemFree_v2")
+    free_impl(
+        ptr,
+        &[
+            "cuMemAlloc_v2",
+            "cuMemAllocPitch_v2",
+            "cuMemAllocManaged",
+            "cuMemAllocAsync",
+            "cuMemAllocAsync_ptsz",
+            "cuMemAllocFromPoolAsync",
+            "cuMemAllocFromPoolAsync_ptsz",
+        ],
+        "cuMemFree_v2",
+    )
 }
 
 #[no_mangle]
 pub extern "C" fn cuMemFreeAsync(ptr: u64, _stream: *mut c_void) -> CuResult {
-    free_impl(ptr, &["cuMemAlloc_v2", "cuMemAllocPitch_v2", "cuMemAllocManaged", "cuMemAllocAsync", "cuMemAllocAsync_ptsz", "cuMemAllocFromPoolAsync", "cuMemAllocFromPoolAsync_ptsz"], "cuMemFreeAsync")
+    free_impl(
+        ptr,
+        &[
+            "cuMemAlloc_v2",
+            "cuMemAllocPitch_v2",
+            "cuMemAllocManaged",
+            "cuMemAllocAsync",
+            "cuMemAllocAsync_ptsz",
+            "cuMemAllocFromPoolAsync",
+            "cuMemAllocFromPoolAsync_ptsz",
+        ],
+        "cuMemFreeAsync",
+    )
 }
 
 #[no_mangle]
 pub extern "C" fn cuMemFreeAsync_ptsz(ptr: u64, _stream: *mut c_void) -> CuResult {
-    free_impl(ptr, &["cuMemAlloc_v2", "cuMemAllocPitch_v2", "cuMemAllocManaged", "cuMemAllocAsync", "cuMemAllocAsync_ptsz", "cuMemAllocFromPoolAsync", "cuMemAllocFromPoolAsync_ptsz"], "cuMemFreeAsync_ptsz")
+    free_impl(
+        ptr,
+        &[
+            "cuMemAlloc_v2",
+            "cuMemAllocPitch_v2",
+            "cuMemAllocManaged",
+            "cuMemAllocAsync",
+            "cuMemAllocAsync_ptsz",
+            "cuMemAllocFromPoolAsync",
+            "cuMemAllocFromPoolAsync_ptsz",
+        ],
+        "cuMemFreeAsync_ptsz",
+    )
 }
 
 #[no_mangle]
 pub extern "C" fn cuArrayDestroy(array: *mut c_void) -> CuResult {
-    free_impl(array as u64, &["cuArrayCreate_v2", "cuArray3DCreate_v2"], "cuArrayDestroy")
+    free_impl(
+        array as u64,
+        &["cuArrayCreate_v2", "cuArray3DCreate_v2"],
+        "cuArrayDestroy",
+    )
 }
 
 #[no_mangle]
 pub extern "C" fn cuMipmappedArrayDestroy(array: *mut c_void) -> CuResult {
-    free_impl(array as u64, &["cuMipmappedArrayCreate"], "cuMipmappedArrayDestroy")
+    free_impl(
+        array as u64,
+        &["cuMipmappedArrayCreate"],
+        "cuMipmappedArrayDestroy",
+    )
 }
 
 #[no_mangle]
@@ -400,7 +490,9 @@ pub unsafe extern "C" fn cuMemGetInfo_v2(free: *mut usize, total: *mut usize) ->
     code(
         current()
             .and_then(|dev| with_driver(|d| Ok((d.mem[dev] - d.used[dev], d.mem[dev]))))
-            .and_then(|(f, t)| unsafe { out(free, f as usize).and_then(|()| out(total, t as usize)) }),
+            .and_then(|(f, t)| unsafe {
+                out(free, f as usize).and_then(|()| out(total, t as usize))
+            }),
     )
 }
 

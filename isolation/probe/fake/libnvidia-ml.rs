@@ -17,7 +17,10 @@ const INVALID_ARGUMENT: NvmlReturn = 2;
 static INITIALIZED: AtomicBool = AtomicBool::new(false);
 
 fn env_u64(name: &str, default: u64) -> u64 {
-    std::env::var(name).ok().and_then(|v| v.parse().ok()).unwrap_or(default)
+    std::env::var(name)
+        .ok()
+        .and_then(|v| v.parse().ok())
+        .unwrap_or(default)
 }
 
 fn count() -> u32 {
@@ -64,7 +67,10 @@ pub unsafe extern "C" fn nvmlDeviceGetCount_v2(n: *mut c_uint) -> NvmlReturn {
 }
 
 #[no_mangle]
-pub unsafe extern "C" fn nvmlDeviceGetHandleByIndex_v2(index: c_uint, device: *mut *mut c_void) -> NvmlReturn {
+pub unsafe extern "C" fn nvmlDeviceGetHandleByIndex_v2(
+    index: c_uint,
+    device: *mut *mut c_void,
+) -> NvmlReturn {
     if !INITIALIZED.load(Ordering::Acquire) {
         return UNINITIALIZED;
     }
@@ -104,7 +110,10 @@ pub struct MemoryV2 {
 }
 
 #[no_mangle]
-pub unsafe extern "C" fn nvmlDeviceGetMemoryInfo(device: *mut c_void, memory: *mut Memory) -> NvmlReturn {
+pub unsafe extern "C" fn nvmlDeviceGetMemoryInfo(
+    device: *mut c_void,
+    memory: *mut Memory,
+) -> NvmlReturn {
     if let Err(e) = index_of(device) {
         return e;
     }
@@ -112,12 +121,21 @@ pub unsafe extern "C" fn nvmlDeviceGetMemoryInfo(device: *mut c_void, memory: *m
         return INVALID_ARGUMENT;
     }
     let total = env_u64("FAKE_GPU_MEM_MIB", 16384) << 20;
-    unsafe { memory.write(Memory { total, free: total, used: 0 }) };
+    unsafe {
+        memory.write(Memory {
+            total,
+            free: total,
+            used: 0,
+        })
+    };
     SUCCESS
 }
 
 #[no_mangle]
-pub unsafe extern "C" fn nvmlDeviceGetMemoryInfo_v2(device: *mut c_void, memory: *mut MemoryV2) -> NvmlReturn {
+pub unsafe extern "C" fn nvmlDeviceGetMemoryInfo_v2(
+    device: *mut c_void,
+    memory: *mut MemoryV2,
+) -> NvmlReturn {
     if let Err(e) = index_of(device) {
         return e;
     }
@@ -126,6 +144,14 @@ pub unsafe extern "C" fn nvmlDeviceGetMemoryInfo_v2(device: *mut c_void, memory:
     }
     let total = env_u64("FAKE_GPU_MEM_MIB", 16384) << 20;
     let version = unsafe { (*memory).version };
-    unsafe { memory.write(MemoryV2 { version, total, reserved: 0, free: total, used: 0 }) };
+    unsafe {
+        memory.write(MemoryV2 {
+            version,
+            total,
+            reserved: 0,
+            free: total,
+            used: 0,
+        })
+    };
     SUCCESS
 }
