@@ -750,32 +750,100 @@ fn hook_for(name: &[u8]) -> Option<*const c_void> {
         .map(|(_, hook)| hook)
 }
 
-/// # Safety
-/// As `dlsym`. The real `dlsym` answers; for a driver or NVML name we hook, and only when
-/// it found something and limits are set, the answer is our hook instead.
-///
-/// Known gap: the real `dlsym` sees this library as its caller, so `RTLD_NEXT` lookups of
-/// names we do not hook resolve from after this library, not after the true caller.
-#[unsafe(no_mangle)]
-pub unsafe extern "C" fn dlsym(handle: *mut c_void, symbol: *const c_char) -> *mut c_void {
+/// What our `dlsym` does with a lookup: answer it (`answer` non-null: our hook), or jump to
+/// glibc's `dlsym` (`real`, with the caller's arguments and return address untouched).
+#[repr(C)]
+struct Route {
+    answer: *mut c_void,
+    real: *const c_void,
+}
+
+/// Decides a `dlsym` lookup. Only a driver or NVML name we hook, which the real `dlsym`
+/// finds, with limits set, is answered here; everything else goes to glibc's.
+extern "C" fn dlsym_route(handle: *mut c_void, symbol: *const c_char) -> Route {
     let Some(real) = driver::real_dlsym() else {
-        return std::ptr::null_mut();
+        return Route {
+            answer: std::ptr::null_mut(),
+            real: std::ptr::null(),
+        };
     };
-    // SAFETY: the caller's arguments, unchanged.
-    let found = unsafe { real(handle, symbol) };
-    if found.is_null() || symbol.is_null() {
-        return found;
+    let pass = Route {
+        answer: std::ptr::null_mut(),
+        real: real as *const c_void,
+    };
+    if symbol.is_null() {
+        return pass;
     }
     // SAFETY: a non-null, NUL-terminated name from the caller.
     let name = unsafe { CStr::from_ptr(symbol) }.to_bytes();
     if !(name.starts_with(b"cu") || name.starts_with(b"nvml")) {
         // Every other lookup (std's weak symbols among them) stays on this fast path, which
         // touches no state: no recursion into our own set-up.
-        return found;
+        return pass;
     }
-    std::panic::catch_unwind(|| match hook_for(name) {
-        Some(hook) if state().is_some() => hook as *mut c_void,
-        _ => found,
-    })
-    .unwrap_or(found)
+    let hook = std::panic::catch_unwind(|| {
+        let hook = hook_for(name)?;
+        state()?;
+        // SAFETY: the caller's arguments. Only names we hook are looked up from here (an
+        // RTLD_NEXT lookup of them resolves from after this library, which is where the
+        // driver is).
+        let found = unsafe { real(handle, symbol) };
+        (!found.is_null()).then_some(hook.cast_mut())
+    });
+    match hook {
+        Ok(Some(hook)) => Route {
+            answer: hook,
+            real: pass.real,
+        },
+        _ => pass,
+    }
 }
+
+/// # Safety
+/// As `dlsym`. A trampoline: it asks `dlsym_route`, then returns our hook, or tail-jumps to
+/// glibc's `dlsym` with the caller's arguments and return address on the stack, so that
+/// glibc sees the true caller (what `RTLD_NEXT` is relative to).
+#[cfg(target_arch = "x86_64")]
+#[unsafe(naked)]
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn dlsym(handle: *mut c_void, symbol: *const c_char) -> *mut c_void {
+    // Entry: rsp = 8 mod 16. Two pushes and 8 bytes make the call 16-aligned. `Route` comes
+    // back in rax (answer) and rdx (real).
+    std::arch::naked_asm!(
+        "push rdi",
+        "push rsi",
+        "sub rsp, 8",
+        "call {route}",
+        "add rsp, 8",
+        "pop rsi",
+        "pop rdi",
+        "test rax, rax",
+        "jnz 2f",
+        "test rdx, rdx",
+        "jz 2f",
+        "jmp rdx",
+        "2:",
+        "ret",
+        route = sym dlsym_route,
+    )
+}
+
+/// # Safety
+/// As `dlsym`. On architectures without the trampoline, the real `dlsym` is called from
+/// here, so an `RTLD_NEXT` lookup resolves from after this library, not after its caller.
+#[cfg(not(target_arch = "x86_64"))]
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn dlsym(handle: *mut c_void, symbol: *const c_char) -> *mut c_void {
+    let route = dlsym_route(handle, symbol);
+    if !route.answer.is_null() || route.real.is_null() {
+        return route.answer;
+    }
+    // SAFETY: glibc's dlsym, with the caller's arguments.
+    unsafe {
+        let real = std::mem::transmute::<*const c_void, DlsymFn>(route.real);
+        real(handle, symbol)
+    }
+}
+
+#[cfg(not(target_arch = "x86_64"))]
+type DlsymFn = unsafe extern "C" fn(*mut c_void, *const c_char) -> *mut c_void;

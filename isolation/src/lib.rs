@@ -27,7 +27,9 @@
 //!    which forwards to the real one found with `dlopen("libcuda.so.1")` and the real `dlsym`.
 //! 2. **`dlopen` + `dlsym`**: we export `dlsym`. The real one (from
 //!    `dlvsym(RTLD_NEXT, "dlsym", "GLIBC_2.2.5")`, else `GLIBC_2.34`) answers; when the name is
-//!    one we hook and limits are set, our hook is answered instead.
+//!    one we hook, the driver has it and limits are set, our hook is answered instead. Any
+//!    other lookup is a tail-jump to glibc's `dlsym` that touches no state (no recursion
+//!    into our set-up, and `RTLD_NEXT` stays relative to the true caller).
 //! 3. **`cuGetProcAddress`(`_v2`)**: CUDA 11.3+ runtimes fetch every entry point by base name
 //!    (`"cuMemAlloc"`), for a CUDA version and per-thread-stream flags. We let the driver
 //!    answer, and if its answer is the real address of an entry point we hook (say
@@ -65,8 +67,9 @@
 //!
 //! - Programs that talk to `/dev/nvidia*` directly, or link the driver statically: they never
 //!   pass through the dynamic linker.
-//! - `RTLD_NEXT` lookups of names we do not hook, made through our `dlsym`, resolve from after
-//!   this library rather than after their caller.
+//! - Off x86_64, `RTLD_NEXT` lookups made through our `dlsym` resolve from after this
+//!   library rather than after their caller. On x86_64 our `dlsym` is a trampoline that
+//!   tail-jumps to glibc's, so glibc sees the true caller.
 //! - Memory the driver takes for itself (contexts, module code, pool reservations beyond the
 //!   bytes requested): only requested bytes count, so the device's real use is higher.
 //! - NVML indexes are taken for CUDA ordinals (true with `CUDA_DEVICE_ORDER=PCI_BUS_ID` or

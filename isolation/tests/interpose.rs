@@ -473,3 +473,14 @@ fn a_forked_child_counts_in_a_slot_of_its_own() {
         assert_eq!(out.all("cuda", "free"), [1024 * MIB, 4096 * MIB], "{via}");
     }
 }
+
+#[test]
+fn dlsym_rtld_next_stays_relative_to_its_caller() {
+    // The probe asks dlsym(RTLD_NEXT, "dlsym"): after the probe comes the interposer, so the
+    // answer is the interposer's dlsym, as RTLD_DEFAULT's is. Resolved relative to the
+    // interposer instead, it would be glibc's.
+    for container in [Container::one_gpu(4), Container::unlimited()] {
+        let out = container.run("link", &["rtld-next"]);
+        assert_eq!(out.one("rtld-next", "same"), 1);
+    }
+}

@@ -26,6 +26,10 @@
 //!                       (cuMemAlloc_v2) until refused; kept
 //!   fork-alloc:MIB      fork; the child allocates MIB MiB   -> alloc path=mem mib=MIB result=CODE (child)
 //!                       and exits without freeing            fork child=PID status=STATUS
+//!   rtld-next           whether dlsym(RTLD_NEXT, "dlsym")    -> rtld-next same=0|1
+//!                       from this program finds the same
+//!                       dlsym as RTLD_DEFAULT (it should:
+//!                       the interposer keeps the caller)
 //!   hold                print `holding`, wait until killed
 //! ```
 //! B are bytes; CODE is the driver's result (0 success, 2 CUDA_ERROR_OUT_OF_MEMORY). A failed
@@ -539,7 +543,7 @@ fn run(args: Vec<String>) -> Result<(), String> {
                     "usage: gpushare-isolation-probe [--via link|dlsym|getproc] STEP... (see the source's header)"
                 );
                 println!(
-                    "steps: device:N info alloc:PATH:MIB[:DEV] free threads:N:MIB fork-alloc:MIB hold"
+                    "steps: device:N info alloc:PATH:MIB[:DEV] free threads:N:MIB fork-alloc:MIB rtld-next hold"
                 );
                 return Ok(());
             }
@@ -591,6 +595,19 @@ fn run(args: Vec<String>) -> Result<(), String> {
             }
             "free" => say(probe.free()),
             "threads" => say(probe.threads(number(1)?, number(2)?)),
+            "rtld-next" => {
+                // SAFETY: lookups with pseudo-handles and a NUL-terminated name.
+                let (next, default) = unsafe {
+                    (
+                        libc::dlsym(libc::RTLD_NEXT, c"dlsym".as_ptr()),
+                        libc::dlsym(libc::RTLD_DEFAULT, c"dlsym".as_ptr()),
+                    )
+                };
+                say(format!(
+                    "rtld-next same={}",
+                    u8::from(!next.is_null() && next == default)
+                ));
+            }
             "fork-alloc" => {
                 let mib = number(1)?;
                 // SAFETY: the child allocates, prints and leaves with _exit.
