@@ -331,6 +331,33 @@ impl Budget {
         None
     }
 
+    /// Gives up the slots of process `pid` started at `start_time` (non-zero): those of an
+    /// earlier program of this process, before it called `exec`. Returns their bytes.
+    pub fn release_slots_of(&self, pid: u32, start_time: u64) -> u64 {
+        if start_time == 0 {
+            return 0;
+        }
+        let mut released = 0;
+        for slot in 0..SLOTS {
+            let p = self.slot_pid(slot);
+            if p.load(Ordering::Acquire) != pid
+                || self.slot_start(slot).load(Ordering::Acquire) != start_time
+                || p.compare_exchange(pid, RECLAIMING, Ordering::AcqRel, Ordering::Relaxed)
+                    .is_err()
+            {
+                continue;
+            }
+            for gpu in 0..self.gpu_count {
+                let bytes = self.slot_used(slot, gpu).swap(0, Ordering::AcqRel);
+                saturating_sub(self.total(gpu), bytes);
+                released += bytes;
+            }
+            self.slot_start(slot).store(0, Ordering::Relaxed);
+            p.store(0, Ordering::Release);
+        }
+        released
+    }
+
     /// Gives slot `slot` up, and what it holds with it.
     pub fn release_slot(&self, slot: usize) {
         if slot >= SLOTS {

@@ -69,6 +69,9 @@ impl Interposer {
             _ => {}
         }
         let (pid, start) = budget::this_process();
+        // A slot of this very process (same pid, same start) is an earlier program's, before
+        // `exec`: its driver state died with it.
+        self.budget.release_slots_of(pid, start);
         let claimed = self.budget.claim_slot(pid, start).unwrap_or(NO_SLOT);
         match self
             .slot

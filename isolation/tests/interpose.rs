@@ -484,3 +484,15 @@ fn dlsym_rtld_next_stays_relative_to_its_caller() {
         assert_eq!(out.one("rtld-next", "same"), 1);
     }
 }
+
+#[test]
+fn a_program_gives_its_share_back_when_its_process_execs_another() {
+    let container = Container::one_gpu(4);
+    for via in WAYS {
+        // The same process (pid and start time), a new program: the old one's 3072 MiB
+        // died with its driver state.
+        let out = container.run(via, &["alloc:mem:3072", "exec", "alloc:mem:4096", "info"]);
+        assert_eq!(out.allocs(), [0, 0], "{via}: {:?}", out.lines);
+        assert_eq!(out.one("cuda", "free"), 0, "{via}");
+    }
+}

@@ -30,6 +30,9 @@
 //!                       from this program finds the same
 //!                       dlsym as RTLD_DEFAULT (it should:
 //!                       the interposer keeps the caller)
+//!   exec                exec this probe (same --via) with   -> exec
+//!                       the steps that follow: a new program
+//!                       in the same process
 //!   hold                print `holding`, wait until killed
 //! ```
 //! B are bytes; CODE is the driver's result (0 success, 2 CUDA_ERROR_OUT_OF_MEMORY). A failed
@@ -571,7 +574,8 @@ fn run(args: Vec<String>) -> Result<(), String> {
         let _ = writeln!(out, "{line}");
         let _ = out.flush();
     };
-    for step in steps {
+    let mut steps = steps.into_iter();
+    while let Some(step) = steps.next() {
         let parts: Vec<&str> = step.split(':').collect();
         let number = |i: usize| -> Result<usize, String> {
             parts
@@ -595,6 +599,16 @@ fn run(args: Vec<String>) -> Result<(), String> {
             }
             "free" => say(probe.free()),
             "threads" => say(probe.threads(number(1)?, number(2)?)),
+            "exec" => {
+                say("exec".into());
+                let exe = std::env::current_exe().map_err(|e| format!("current_exe: {e}"))?;
+                let err = std::os::unix::process::CommandExt::exec(
+                    std::process::Command::new(exe)
+                        .args(["--via", &via])
+                        .args(steps.by_ref()),
+                );
+                return Err(format!("exec: {err}"));
+            }
             "rtld-next" => {
                 // SAFETY: lookups with pseudo-handles and a NUL-terminated name.
                 let (next, default) = unsafe {
