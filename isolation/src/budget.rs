@@ -39,6 +39,9 @@
 //!   zombie, or its start time differs: the pid was reused) is taken by CAS to `u32::MAX`,
 //!   its bytes are subtracted from the totals and it is freed. Run when an allocation would
 //!   otherwise be refused and whenever memory is queried.
+//! - A process claims its slot on its first allocation (a fork child claims its own). A
+//!   program that `exec`s leaves a slot with its pid and start time: the new program frees it
+//!   before claiming (the old driver state died with the exec).
 
 use std::fs::{File, OpenOptions};
 use std::os::fd::AsRawFd;

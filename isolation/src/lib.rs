@@ -61,7 +61,8 @@
 //!
 //! No panic crosses the FFI boundary (every export runs in `catch_unwind`). If the limits are
 //! malformed or the budget file cannot be opened, one line goes to stderr and every call
-//! passes through. `fork` is handled (the child gets its own slot and an empty ledger).
+//! passes through. `fork` is handled (the child gets its own slot and an empty ledger), and
+//! so is `exec` (the new program drops the old one's slot).
 //!
 //! # What it cannot catch
 //!
