@@ -1,0 +1,137 @@
+//! What the interposer adds to an allocation + free pair (budget: at most 1 µs).
+//!
+//! - `straight`: `cuMemAlloc_v2` + `cuMemFree_v2` of the fake driver, called through
+//!   pointers from `dlsym`: the baseline.
+//! - `interposed`: the same pair through this crate's exported hooks (as a preloaded program
+//!   reaches them), with limits set: `cuCtxGetDevice` through the real (fake) driver, the
+//!   budget's CAS, the ledger, and the forwarded call.
+//! - `core`: `Interposer::allocate` + `free` around a no-op driver: the accounting alone.
+//!
+//! The fake driver is loaded by path before the hooks look for `libcuda.so.1`, so they find
+//! it by its soname.
+
+use std::ffi::{CString, c_int, c_void};
+use std::hint::black_box;
+use std::sync::atomic::{AtomicU64, Ordering};
+
+use criterion::{Criterion, criterion_group, criterion_main};
+use gpushare_isolation::ledger::Kind;
+use gpushare_isolation::{Interposer, Limits};
+
+unsafe extern "C" {
+    // This crate's hooks: the rlib defines them.
+    fn cuMemAlloc_v2(dptr: *mut u64, bytes: usize) -> c_int;
+    fn cuMemFree_v2(dptr: u64) -> c_int;
+}
+
+type Alloc = unsafe extern "C" fn(*mut u64, usize) -> c_int;
+type Free = unsafe extern "C" fn(u64) -> c_int;
+
+struct Fake {
+    alloc: Alloc,
+    free: Free,
+}
+
+/// Loads the fake driver, initialises it and makes device 0 current.
+fn load_fake() -> Fake {
+    let path = gpushare_isolation_probe::fake_driver_dir().join("libcuda.so.1");
+    let path = CString::new(path.into_os_string().into_encoded_bytes()).unwrap();
+    // SAFETY: a NUL-terminated path; the library stays loaded.
+    let handle = unsafe { libc::dlopen(path.as_ptr(), libc::RTLD_NOW | libc::RTLD_GLOBAL) };
+    assert!(!handle.is_null(), "loading the fake driver");
+    // This binary links the rlib, whose `dlsym` would answer our hooks: ask glibc's.
+    // SAFETY: NUL-terminated names.
+    let real_dlsym =
+        unsafe { libc::dlvsym(libc::RTLD_NEXT, c"dlsym".as_ptr(), c"GLIBC_2.2.5".as_ptr()) };
+    assert!(!real_dlsym.is_null(), "glibc's dlsym");
+    // SAFETY: glibc's dlsym has this signature.
+    let real_dlsym = unsafe {
+        std::mem::transmute::<
+            *mut c_void,
+            unsafe extern "C" fn(*mut c_void, *const std::ffi::c_char) -> *mut c_void,
+        >(real_dlsym)
+    };
+    let find = |name: &std::ffi::CStr| {
+        // SAFETY: a handle from dlopen and a NUL-terminated name.
+        let p = unsafe { real_dlsym(handle, name.as_ptr()) };
+        assert!(!p.is_null(), "{name:?}");
+        p
+    };
+    // SAFETY: every transmute is of the fake driver's entry point of that name to its
+    // signature; every call gets places for its answers.
+    unsafe {
+        let init =
+            std::mem::transmute::<*mut c_void, unsafe extern "C" fn(u32) -> c_int>(find(c"cuInit"));
+        let ctx_create = std::mem::transmute::<
+            *mut c_void,
+            unsafe extern "C" fn(*mut *mut c_void, u32, c_int) -> c_int,
+        >(find(c"cuCtxCreate_v2"));
+        assert_eq!(init(0), 0);
+        let mut ctx = std::ptr::null_mut();
+        assert_eq!(ctx_create(&mut ctx, 0, 0), 0);
+        Fake {
+            alloc: std::mem::transmute::<*mut c_void, Alloc>(find(c"cuMemAlloc_v2")),
+            free: std::mem::transmute::<*mut c_void, Free>(find(c"cuMemFree_v2")),
+        }
+    }
+}
+
+fn bench(c: &mut Criterion) {
+    let dir = tempfile::tempdir().unwrap();
+    // SAFETY: set before any other thread runs, and read by the hooks' set-up.
+    unsafe {
+        std::env::set_var("GPUSHARE_CONTAINER_MEM_GIB", "8");
+        std::env::set_var("GPUSHARE_ISOLATION_DIR", dir.path());
+    }
+    let fake = load_fake();
+    let bytes = 1usize << 20;
+
+    let mut group = c.benchmark_group("alloc_free_1MiB");
+    group.bench_function("straight", |b| {
+        b.iter(|| {
+            let mut p = 0u64;
+            // SAFETY: the fake's entry points with a place for the pointer.
+            unsafe {
+                assert_eq!((fake.alloc)(&mut p, black_box(bytes)), 0);
+                assert_eq!((fake.free)(black_box(p)), 0);
+            }
+        })
+    });
+    group.bench_function("interposed", |b| {
+        b.iter(|| {
+            let mut p = 0u64;
+            // SAFETY: the hooks, with a place for the pointer.
+            unsafe {
+                assert_eq!(cuMemAlloc_v2(&mut p, black_box(bytes)), 0);
+                assert_eq!(cuMemFree_v2(black_box(p)), 0);
+            }
+        })
+    });
+    let limits = Limits::new(vec![8 << 30]);
+    let core = Interposer::open(&limits, &dir.path().join("core.v1")).unwrap();
+    let next = AtomicU64::new(1);
+    group.bench_function("core", |b| {
+        b.iter(|| {
+            let key = next.fetch_add(1, Ordering::Relaxed);
+            assert_eq!(
+                core.allocate(Kind::Pointer, 0, black_box(bytes as u64), || Ok(key)),
+                0
+            );
+            assert_eq!(core.free(Kind::Pointer, black_box(key), || 0), 0);
+        })
+    });
+    group.finish();
+
+    // The hooks really forward to the fake (which frees what they allocated) and count (past
+    // the share they refuse).
+    let mut p = 0u64;
+    // SAFETY: as above.
+    unsafe {
+        assert_eq!(cuMemAlloc_v2(&mut p, 1 << 30), 0);
+        assert_eq!((fake.free)(p), 0);
+        assert_eq!(cuMemAlloc_v2(&mut p, 8 << 30), 2);
+    }
+}
+
+criterion_group!(benches, bench);
+criterion_main!(benches);

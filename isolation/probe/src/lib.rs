@@ -1,0 +1,16 @@
+//! Test support for `gpushare-isolation`, never shipped in the interposer.
+//!
+//! - A fake NVIDIA driver: `libcuda.so.1` and `libnvidia-ml.so.1` with simulated GPUs
+//!   (`FAKE_GPU_COUNT`, default 1; `FAKE_GPU_MEM_MIB` per GPU, default 16384), built by
+//!   `build.rs` from `fake/*.rs` into [`fake_driver_dir`]. Put that directory on
+//!   `LD_LIBRARY_PATH` to run a program against it.
+//! - The probe, `gpushare-isolation-probe` (`src/main.rs`): reaches the driver by linking, by
+//!   `dlopen`+`dlsym` or by `cuGetProcAddress`, runs scripted steps and prints one
+//!   machine-readable line per step. Its CLI is documented in `src/main.rs` and by `--help`.
+
+use std::path::Path;
+
+/// The directory holding the fake `libcuda.so.1` and `libnvidia-ml.so.1`.
+pub fn fake_driver_dir() -> &'static Path {
+    Path::new(env!("GPUSHARE_FAKE_DRIVER_DIR"))
+}

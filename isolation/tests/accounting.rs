@@ -1,0 +1,285 @@
+//! The accounting core without a driver: the budget file, the ledger and the interposer's
+//! allocate/free, with threads and forked processes racing.
+
+use std::path::PathBuf;
+use std::sync::atomic::{AtomicU64, Ordering};
+
+use gpushare_isolation::ledger::Kind;
+use gpushare_isolation::{
+    Budget, CUDA_ERROR_OUT_OF_MEMORY, CUDA_SUCCESS, Interposer, Limits, Snapshot,
+};
+use proptest::prelude::*;
+
+const MIB: u64 = 1 << 20;
+
+fn budget_file(dir: &tempfile::TempDir) -> PathBuf {
+    dir.path().join("budget.v1")
+}
+
+/// A process that has exited and been reaped: its pid is dead (until reused).
+fn dead_pid() -> u32 {
+    let mut child = std::process::Command::new("true").spawn().unwrap();
+    let pid = child.id();
+    child.wait().unwrap();
+    pid
+}
+
+#[test]
+fn an_allocation_past_the_share_is_refused_and_never_reaches_the_driver() {
+    let dir = tempfile::tempdir().unwrap();
+    let ip = Interposer::open(&Limits::new(vec![4096 * MIB]), &budget_file(&dir)).unwrap();
+    assert_eq!(
+        ip.allocate(Kind::Pointer, 0, 3072 * MIB, || Ok(0x1000)),
+        CUDA_SUCCESS
+    );
+    let mut reached = false;
+    let refused = ip.allocate(Kind::Pointer, 0, 2048 * MIB, || {
+        reached = true;
+        Ok(0x2000)
+    });
+    assert_eq!(refused, CUDA_ERROR_OUT_OF_MEMORY);
+    assert!(!reached);
+    assert_eq!(ip.budget().used(0), 3072 * MIB);
+    assert_eq!(ip.budget().refused_count(0), 1);
+    // A GPU the container has no share of refuses everything.
+    assert_eq!(
+        ip.allocate(Kind::Pointer, 1, MIB, || Ok(0x3000)),
+        CUDA_ERROR_OUT_OF_MEMORY
+    );
+}
+
+#[test]
+fn frees_give_back_exactly_what_was_counted() {
+    let dir = tempfile::tempdir().unwrap();
+    let ip = Interposer::open(
+        &Limits::new(vec![4096 * MIB, 2048 * MIB]),
+        &budget_file(&dir),
+    )
+    .unwrap();
+    assert_eq!(ip.allocate(Kind::Pointer, 0, 100 * MIB, || Ok(0x10)), 0);
+    assert_eq!(ip.allocate(Kind::Handle, 1, 200 * MIB, || Ok(0x10)), 0);
+    // The driver fails: nothing stays counted.
+    assert_eq!(ip.allocate(Kind::Pointer, 0, 300 * MIB, || Err(999)), 999);
+    // Pitched: the estimate is replaced by the real size.
+    assert_eq!(
+        ip.allocate_sized(Kind::Pointer, 0, 10 * MIB, || Ok((0x20, 12 * MIB))),
+        0
+    );
+    assert_eq!(ip.budget().used(0), 112 * MIB);
+    assert_eq!(ip.budget().used(1), 200 * MIB);
+    // A free the driver refuses keeps the count; an unknown key passes without changing it.
+    assert_eq!(ip.free(Kind::Pointer, 0x10, || 1), 1);
+    assert_eq!(ip.free(Kind::Pointer, 0x999, || 0), 0);
+    assert_eq!(ip.budget().used(0), 112 * MIB);
+    // Same key, other kind: each gives back its own.
+    assert_eq!(ip.free(Kind::Handle, 0x10, || 0), 0);
+    assert_eq!(ip.budget().used(1), 0);
+    assert_eq!(ip.free(Kind::Pointer, 0x10, || 0), 0);
+    assert_eq!(ip.free(Kind::Pointer, 0x20, || 0), 0);
+    assert_eq!(ip.budget().used(0), 0);
+    assert!(ip.ledger().is_empty());
+}
+
+#[test]
+fn memory_shows_the_share_and_the_smaller_free() {
+    let dir = tempfile::tempdir().unwrap();
+    let ip = Interposer::open(&Limits::new(vec![4096 * MIB]), &budget_file(&dir)).unwrap();
+    assert_eq!(ip.memory(0, 80_000 * MIB), (4096 * MIB, 4096 * MIB));
+    ip.allocate(Kind::Pointer, 0, 1024 * MIB, || Ok(1));
+    assert_eq!(ip.memory(0, 80_000 * MIB), (3072 * MIB, 4096 * MIB));
+    // The GPU is fuller than the share says: the driver's free wins.
+    assert_eq!(ip.memory(0, 500 * MIB), (500 * MIB, 4096 * MIB));
+}
+
+#[test]
+fn a_dead_process_share_comes_back_when_an_allocation_needs_it() {
+    let dir = tempfile::tempdir().unwrap();
+    let limits = Limits::new(vec![4096 * MIB]);
+    let budget = Budget::open(&budget_file(&dir), &limits).unwrap();
+    let dead = budget.claim_slot(dead_pid(), 0).unwrap();
+    assert!(budget.try_reserve(Some(dead), 0, 3072 * MIB));
+    let me = budget.claim_slot(std::process::id(), 0).unwrap();
+    assert!(budget.try_reserve(Some(me), 0, 2048 * MIB));
+    assert_eq!(budget.used(0), 2048 * MIB);
+    assert_eq!(budget.slot_bytes(dead, 0), 0);
+    assert_eq!(budget.refused_count(0), 0);
+}
+
+#[test]
+fn a_reused_pid_is_told_from_its_dead_predecessor() {
+    let dir = tempfile::tempdir().unwrap();
+    let budget = Budget::open(&budget_file(&dir), &Limits::new(vec![MIB])).unwrap();
+    // Our own (live) pid, but a start time that is not ours: a predecessor's slot.
+    let stale = budget.claim_slot(std::process::id(), 1).unwrap();
+    assert!(budget.try_reserve(Some(stale), 0, MIB));
+    assert_eq!(budget.reclaim_dead(), MIB);
+    // A live process with an unknown start time is left alone.
+    let live = budget.claim_slot(std::process::id(), 0).unwrap();
+    assert!(budget.try_reserve(Some(live), 0, MIB));
+    assert_eq!(budget.reclaim_dead(), 0);
+    assert_eq!(budget.used(0), MIB);
+}
+
+#[test]
+fn the_file_is_shared_by_path_and_refuses_other_limits() {
+    let dir = tempfile::tempdir().unwrap();
+    let path = budget_file(&dir);
+    let a = Budget::open(&path, &Limits::new(vec![4096 * MIB])).unwrap();
+    let b = Budget::open(&path, &Limits::new(vec![4096 * MIB])).unwrap();
+    assert!(a.try_reserve(None, 0, 4000 * MIB));
+    assert!(!b.try_reserve(None, 0, 100 * MIB));
+    assert!(Budget::open(&path, &Limits::new(vec![2048 * MIB])).is_err());
+    // A file its creator left sized but without a header is set up again.
+    let orphan = dir.path().join("orphan");
+    std::fs::write(&orphan, vec![0u8; gpushare_isolation::budget::FILE_LEN]).unwrap();
+    let c = Budget::open(&orphan, &Limits::new(vec![MIB])).unwrap();
+    assert!(c.try_reserve(None, 0, MIB));
+    std::fs::write(dir.path().join("junk"), b"not a budget").unwrap();
+    assert!(Budget::open(&dir.path().join("junk"), &Limits::new(vec![MIB])).is_err());
+}
+
+#[test]
+fn the_reader_sees_used_bytes_refusals_and_processes() {
+    let dir = tempfile::tempdir().unwrap();
+    let path = budget_file(&dir);
+    let ip = Interposer::open(&Limits::new(vec![4096 * MIB, 2048 * MIB]), &path).unwrap();
+    ip.allocate(Kind::Pointer, 1, 1500 * MIB, || Ok(1));
+    ip.allocate(Kind::Pointer, 1, 1000 * MIB, || Ok(2));
+    let snapshot = Snapshot::read(&path).unwrap();
+    assert_eq!(snapshot.gpus.len(), 2);
+    assert_eq!(
+        (
+            snapshot.gpus[0].share,
+            snapshot.gpus[0].used,
+            snapshot.gpus[0].refused
+        ),
+        (4096 * MIB, 0, 0)
+    );
+    assert_eq!(
+        (
+            snapshot.gpus[1].share,
+            snapshot.gpus[1].used,
+            snapshot.gpus[1].refused
+        ),
+        (2048 * MIB, 1500 * MIB, 1)
+    );
+    assert_eq!(snapshot.processes.len(), 1);
+    assert_eq!(snapshot.processes[0].pid, std::process::id());
+    assert_eq!(snapshot.processes[0].used, vec![0, 1500 * MIB]);
+    assert!(Snapshot::parse(b"short").is_err());
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig { cases: 24, ..ProptestConfig::default() })]
+
+    /// Threads of one process allocating and freeing at once never hold more than the share,
+    /// and when all is freed nothing stays counted.
+    #[test]
+    fn threads_racing_never_pass_the_share(
+        share_mib in 1u64..64,
+        work in prop::collection::vec(prop::collection::vec((1u64..24, any::<bool>()), 1..60), 2..6),
+    ) {
+        let dir = tempfile::tempdir().unwrap();
+        let share = share_mib * MIB;
+        let ip = Interposer::open(&Limits::new(vec![share]), &budget_file(&dir)).unwrap();
+        let next_key = AtomicU64::new(1);
+        let over = AtomicU64::new(0);
+        std::thread::scope(|s| {
+            for ops in &work {
+                let (ip, next_key, over) = (&ip, &next_key, &over);
+                s.spawn(move || {
+                    let mut held = Vec::new();
+                    for &(mib, free_one) in ops {
+                        let key = next_key.fetch_add(1, Ordering::Relaxed);
+                        if ip.allocate(Kind::Pointer, 0, mib * MIB, || Ok(key)) == CUDA_SUCCESS {
+                            held.push(key);
+                        }
+                        if ip.budget().used(0) > share {
+                            over.fetch_add(1, Ordering::Relaxed);
+                        }
+                        if free_one && let Some(key) = held.pop() {
+                            assert_eq!(ip.free(Kind::Pointer, key, || CUDA_SUCCESS), CUDA_SUCCESS);
+                        }
+                    }
+                    for key in held {
+                        assert_eq!(ip.free(Kind::Pointer, key, || CUDA_SUCCESS), CUDA_SUCCESS);
+                    }
+                });
+            }
+        });
+        prop_assert_eq!(over.load(Ordering::Relaxed), 0);
+        prop_assert_eq!(ip.budget().used(0), 0);
+        prop_assert!(ip.ledger().is_empty());
+    }
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig { cases: 12, ..ProptestConfig::default() })]
+
+    /// Processes (forked, each with its own mapping and slot) reserving at once never hold
+    /// more than the share together; once they are dead, their bytes all come back.
+    #[test]
+    fn processes_racing_never_pass_the_share_and_the_dead_give_it_back(
+        share_mib in 1u64..256,
+        work in prop::collection::vec(prop::collection::vec(1u64..32, 1..40), 2..6),
+    ) {
+        let dir = tempfile::tempdir().unwrap();
+        let path = budget_file(&dir);
+        let limits = Limits::new(vec![share_mib * MIB]);
+        let budget = Budget::open(&path, &limits).unwrap();
+        let children = race_in_children(&path, &limits, &work);
+        prop_assert!(children.iter().all(|ok| *ok), "a child failed: {children:?}");
+        let snapshot = Snapshot::read(&path).unwrap();
+        let held: u64 = snapshot.processes.iter().map(|p| p.used[0]).sum();
+        prop_assert!(snapshot.gpus[0].used <= share_mib * MIB);
+        prop_assert_eq!(snapshot.gpus[0].used, held);
+        // Every child is dead and reaped: reclaiming gives all back.
+        prop_assert_eq!(budget.reclaim_dead(), held);
+        prop_assert_eq!(budget.used(0), 0);
+        prop_assert!(Snapshot::read(&path).unwrap().processes.is_empty());
+    }
+}
+
+/// Forks one child per list of sizes; each opens the budget, takes a slot, waits for the
+/// start, reserves every size it can (keeping them) and exits. Returns whether each exited 0.
+fn race_in_children(path: &std::path::Path, limits: &Limits, work: &[Vec<u64>]) -> Vec<bool> {
+    let mut fds = [0; 2];
+    // SAFETY: a place for two descriptors.
+    assert_eq!(unsafe { libc::pipe(fds.as_mut_ptr()) }, 0);
+    let [start_read, start_write] = fds;
+    let mut pids = Vec::new();
+    for sizes in work {
+        // Everything the child needs is ready before the fork.
+        let budget = Budget::open(path, limits).unwrap();
+        // SAFETY: the child only touches the mapping, reads a pipe and calls _exit.
+        let pid = unsafe { libc::fork() };
+        assert!(pid >= 0, "fork failed");
+        if pid == 0 {
+            // SAFETY: in the child: the descriptors are ours; _exit skips every destructor.
+            unsafe {
+                libc::close(start_write);
+                let slot = budget.claim_slot(libc::getpid() as u32, 0);
+                let mut byte = 0u8;
+                libc::read(start_read, (&raw mut byte).cast(), 1);
+                for &mib in sizes {
+                    budget.try_reserve(slot, 0, mib * MIB);
+                }
+                libc::_exit(if slot.is_some() { 0 } else { 3 });
+            }
+        }
+        pids.push(pid);
+    }
+    // SAFETY: our descriptors; closing the write end starts every child at once.
+    unsafe {
+        libc::close(start_read);
+        libc::close(start_write);
+    }
+    pids.into_iter()
+        .map(|pid| {
+            let mut status = 0;
+            // SAFETY: our own child and a place for its status.
+            let waited = unsafe { libc::waitpid(pid, &mut status, 0) };
+            waited == pid && libc::WIFEXITED(status) && libc::WEXITSTATUS(status) == 0
+        })
+        .collect()
+}
