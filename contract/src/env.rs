@@ -40,10 +40,24 @@ pub const NVIDIA_GPU_MEMORY_REQUEST: &str = "NVIDIA_GPU_MEMORY_REQUEST";
 pub const CUDA_MPS_PINNED_DEVICE_MEM_LIMIT: &str = "CUDA_MPS_PINNED_DEVICE_MEM_LIMIT";
 /// Where the MPS control daemon's pipes are (the same path inside and outside).
 pub const CUDA_MPS_PIPE_DIRECTORY: &str = "CUDA_MPS_PIPE_DIRECTORY";
+/// The dynamic loader's list of libraries loaded into every program before its own.
+pub const LD_PRELOAD: &str = "LD_PRELOAD";
+/// Where the isolation interposer keeps the container's budget file (its accounting
+/// directory, see `isolation/`).
+pub const ISOLATION_DIR: &str = "GPUSHARE_ISOLATION_DIR";
+/// Where the isolation interposer is mounted in a container ([`Enforcement::Preload`]).
+pub const ISOLATION_LIBRARY_IN_CONTAINER: &str = "/usr/local/lib/gpushare/libgpushare_isolation.so";
+/// Where a container's accounting directory is mounted ([`Enforcement::Preload`]).
+pub const ISOLATION_DIR_IN_CONTAINER: &str = "/var/run/gpushare/isolation";
 
 /// How a container's share of GPU memory is enforced (the device plugin's `--enforcement`).
 ///
 /// Which to pick, and what each does not stop:
+/// - [`Enforcement::Preload`]: gpushare's interposer (`libgpushare_isolation.so`, mounted
+///   and preloaded into every process of the container) counts every allocation through the
+///   CUDA driver API and NVML and refuses those past the share; programs see the share as
+///   the GPU's memory. Works on today's drivers. It cannot stop a program that talks to the
+///   driver's device files itself or links the driver statically.
 /// - [`Enforcement::None`]: the container is told its share (`GPUSHARE_CONTAINER_MEM_GIB`) and
 ///   trusted to keep to it. Nothing stops it from taking more.
 /// - [`Enforcement::Toolkit`]: the driver enforces the limit on the container's cgroup, set
@@ -61,6 +75,8 @@ pub enum Enforcement {
     Toolkit,
     /// MPS pinned device memory limits.
     Mps,
+    /// gpushare's interposer, preloaded into the container.
+    Preload,
 }
 
 impl std::fmt::Display for Enforcement {
@@ -69,13 +85,14 @@ impl std::fmt::Display for Enforcement {
             Enforcement::None => "none",
             Enforcement::Toolkit => "toolkit",
             Enforcement::Mps => "mps",
+            Enforcement::Preload => "preload",
         })
     }
 }
 
 /// An enforcement mode that is none of `none`, `toolkit`, `mps`.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
-#[error("unknown enforcement mode {0:?}: use \"none\", \"toolkit\" or \"mps\"")]
+#[error("unknown enforcement mode {0:?}: use \"preload\", \"none\", \"toolkit\" or \"mps\"")]
 pub struct UnknownEnforcement(pub String);
 
 impl std::str::FromStr for Enforcement {
@@ -86,6 +103,7 @@ impl std::str::FromStr for Enforcement {
             "none" => Ok(Enforcement::None),
             "toolkit" => Ok(Enforcement::Toolkit),
             "mps" => Ok(Enforcement::Mps),
+            "preload" => Ok(Enforcement::Preload),
             _ => Err(UnknownEnforcement(s.to_owned())),
         }
     }
@@ -110,6 +128,12 @@ impl Enforcement {
         let gib = gib_per_gpu;
         match self {
             Enforcement::None => Vec::new(),
+            // The share itself is read from GPUSHARE_CONTAINER_MEM_GIB(_PER_GPU), which every
+            // container gets; the mounts are the device plugin's (host paths).
+            Enforcement::Preload => vec![
+                (LD_PRELOAD, ISOLATION_LIBRARY_IN_CONTAINER.to_owned()),
+                (ISOLATION_DIR, ISOLATION_DIR_IN_CONTAINER.to_owned()),
+            ],
             Enforcement::Toolkit => {
                 let mib = gib.saturating_mul(1024).to_string();
                 vec![

@@ -169,11 +169,28 @@ pub struct Config {
     /// How often kubelet's PodResources API is read (also shortly after each Allocate).
     #[arg(long, env = "GPUSHARE_POD_RESOURCES_PERIOD_MS", default_value_t = 5000)]
     pub pod_resources_period_ms: u64,
-    /// How each container's share is enforced: `none` (it is told its share, see
+    /// How each container's share is enforced: `preload` (gpushare's interposer, mounted
+    /// and preloaded into the container: see `isolation/`), `none` (it is told its share, see
     /// `gpushare_contract::env`), `toolkit` (the NVIDIA container toolkit's memory-limit CDI
     /// hook: `NVIDIA_GPU_MEMORY_LIMIT`), `mps` (an MPS control daemon's pinned-memory limit).
     #[arg(long, env = "GPUSHARE_ENFORCEMENT", default_value = "none")]
     pub enforcement: Enforcement,
+    /// The interposer in this plugin's image, installed on the host at start
+    /// (`--enforcement preload`).
+    #[arg(
+        long,
+        env = "GPUSHARE_ISOLATION_LIBRARY",
+        default_value = "/usr/lib/gpushare/libgpushare_isolation.so"
+    )]
+    pub isolation_library: PathBuf,
+    /// The host directory (mounted at the same path) the interposer is installed in and each
+    /// container's accounting directory is made in (`--enforcement preload`).
+    #[arg(
+        long,
+        env = "GPUSHARE_ISOLATION_HOST_DIR",
+        default_value = "/var/lib/gpushare/isolation"
+    )]
+    pub isolation_host_dir: PathBuf,
     /// Evict the running pods of a GPU that turns unhealthy (they get an Event and a pod
     /// condition either way), so their controllers re-create them elsewhere.
     #[arg(long, env = "GPUSHARE_EVICT_ON_UNHEALTHY", default_value_t = false, action = clap::ArgAction::Set)]
@@ -262,6 +279,11 @@ pub enum Error {
         #[source]
         source: std::io::Error,
     },
+    /// The isolation library could not be installed (`--enforcement preload`).
+    #[error(
+        "cannot install the isolation library into --isolation-host-dir: {0}; fix the path or run with --enforcement none"
+    )]
+    Isolation(#[source] std::io::Error),
     /// A supervised task ended before shutdown.
     #[error("the {0} task ended unexpectedly")]
     TaskEnded(&'static str),
@@ -347,6 +369,7 @@ async fn run_inner(
     let token = CancellationToken::new();
     let _stop_all = token.clone().drop_guard();
     let keyring_file = open_keyring(config.allocation_keys_file.as_deref())?;
+    let isolation = install_isolation(&config)?;
     let gpus = backend.gpus()?;
     for gpu in &gpus {
         tracing::info!(gpu = gpu.index, uuid = %gpu.uuid, model = %gpu.model, mem_gib = gpu.mem_gib, numa = ?gpu.numa_node, "found GPU");
@@ -366,6 +389,7 @@ async fn run_inner(
         inventory: watch::Sender::new(Arc::new(gpus)),
         ready: Arc::new(AtomicBool::new(false)),
         token: token.clone(),
+        isolation,
     };
     let mut tasks = plugin.spawn(listener, registry, keyring_file);
     tasks.push((
@@ -373,6 +397,20 @@ async fn run_inner(
         tokio::spawn(forward_shutdown(shutdown, token.clone())),
     ));
     supervise(tasks, token).await
+}
+
+/// With `--enforcement preload`, installs the interposer from the image into the host
+/// directory containers mount it from.
+fn install_isolation(config: &Config) -> Result<Option<service::Isolation>> {
+    if config.enforcement != Enforcement::Preload {
+        return Ok(None);
+    }
+    let host_dir = config.isolation_host_dir.clone();
+    let library =
+        gpushare_runtime::isolation::install_library(&config.isolation_library, &host_dir)
+            .map_err(Error::Isolation)?;
+    tracing::info!(library = %library.display(), "isolation: containers get this interposer preloaded and are held to their share");
+    Ok(Some(service::Isolation { library, host_dir }))
 }
 
 /// Opens the keyring that allocations are verified with; without one, says loudly that
@@ -431,6 +469,8 @@ struct Plugin {
     /// True while registered with kubelet and it has the device list (`/readyz`).
     ready: Arc<AtomicBool>,
     token: CancellationToken,
+    /// Where the interposer was installed (`--enforcement preload`).
+    isolation: Option<service::Isolation>,
 }
 
 impl Plugin {
@@ -496,6 +536,7 @@ impl Plugin {
             enforcement: config.enforcement,
             mps_pipe_directory: config.mps_pipe_directory.clone(),
             cdi_devices: config.cdi_devices,
+            isolation: self.isolation.clone(),
         });
         let serve = server::serve_and_register(
             state,

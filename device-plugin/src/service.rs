@@ -11,13 +11,14 @@
 //! match carries one it did not sign, the answer is `PermissionDenied` naming that pod
 //! ([`AllocateError::Forged`]), counted in `gpushare_device_plugin_forged_allocations_total`.
 
+use std::path::PathBuf;
 use std::pin::Pin;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use futures::{Stream, StreamExt};
 use gpushare_contract::env::Enforcement;
-use gpushare_contract::env::comma_list;
+use gpushare_contract::env::{self, comma_list};
 use gpushare_contract::{ContainerRequest, GpuInfo};
 use gpushare_proto::v1beta1::device_plugin_server::DevicePlugin;
 use gpushare_proto::v1beta1::{
@@ -60,6 +61,42 @@ pub struct PluginState {
     pub mps_pipe_directory: String,
     /// Whether Allocate also names each container's GPUs as CDI devices ([`cdi_devices`]).
     pub cdi_devices: bool,
+    /// The installed interposer ([`Enforcement::Preload`]).
+    pub isolation: Option<Isolation>,
+}
+
+/// The interposer as installed on this node ([`Enforcement::Preload`]).
+#[derive(Debug, Clone)]
+pub struct Isolation {
+    /// The library on the host, under its versioned name.
+    pub library: PathBuf,
+    /// The host directory holding `containers/<name>`, the accounting directories.
+    pub host_dir: PathBuf,
+}
+
+impl Isolation {
+    /// The mounts that load the interposer into a container of `pod` (`namespace/name`) and
+    /// give it a fresh accounting directory, named `<namespace>_<pod>_<container>_<n>`
+    /// (Kubernetes names hold no `_`; `<n>` tells apart containers of a re-created pod).
+    pub fn mounts(&self, pod: &str, container: &str) -> std::io::Result<Vec<Mount>> {
+        let stamp = std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .map_or(0, |d| d.as_nanos());
+        let name = format!("{}_{container}_{stamp:x}", pod.replace('/', "_"));
+        let dir = gpushare_runtime::isolation::accounting_dir(&self.host_dir, &name)?;
+        Ok(vec![
+            Mount {
+                container_path: env::ISOLATION_LIBRARY_IN_CONTAINER.to_owned(),
+                host_path: self.library.display().to_string(),
+                read_only: true,
+            },
+            Mount {
+                container_path: env::ISOLATION_DIR_IN_CONTAINER.to_owned(),
+                host_path: dir.display().to_string(),
+                read_only: false,
+            },
+        ])
+    }
 }
 
 /// The options sent at registration and from `GetDevicePluginOptions`.
@@ -158,6 +195,16 @@ pub enum AllocateError {
         /// every GPU index of the pod (named in the message when more than one)
         set: Vec<u32>,
     },
+    /// The container's accounting directory could not be made (`--enforcement preload`).
+    #[error(
+        "pod {pod}: cannot make its isolation accounting directory under --isolation-host-dir: {why}"
+    )]
+    Isolation {
+        /// namespace/name
+        pod: String,
+        /// the cause
+        why: String,
+    },
 }
 
 /// ` (one of its GPUs 1,3)` for a multi-GPU pod, nothing for a one-GPU pod.
@@ -180,6 +227,7 @@ impl AllocateError {
             Self::UnknownGpu { .. } => "unknown_gpu",
             Self::UuidMismatch { .. } => "gpu_uuid_mismatch",
             Self::UnhealthyGpu { .. } => "gpu_unhealthy",
+            Self::Isolation { .. } => "isolation_dir",
         }
     }
 }
@@ -191,7 +239,9 @@ impl From<AllocateError> for Status {
             AllocateError::NoDevices { .. } | AllocateError::UnknownDevices { .. } => {
                 Status::invalid_argument(message)
             }
-            AllocateError::UnhealthyGpu { .. } => Status::unavailable(message),
+            AllocateError::UnhealthyGpu { .. } | AllocateError::Isolation { .. } => {
+                Status::unavailable(message)
+            }
             AllocateError::Forged { .. } => Status::permission_denied(message),
             AllocateError::NoPendingPod { .. }
             | AllocateError::UnknownGpu { .. }
@@ -272,7 +322,7 @@ pub fn container_mounts(enforcement: Enforcement, mps_pipe_directory: &str) -> V
             host_path: mps_pipe_directory.to_owned(),
             read_only: false,
         }],
-        Enforcement::None | Enforcement::Toolkit => Vec::new(),
+        Enforcement::None | Enforcement::Toolkit | Enforcement::Preload => Vec::new(),
     }
 }
 
@@ -351,33 +401,47 @@ impl GpuMemService {
             })?;
         let container_responses = claims
             .iter()
-            .map(|claim| {
-                tracing::info!(
-                    pod = %claim.pod,
-                    container = %claim.container.name,
-                    gpu = %comma_list(claim.checked.iter().map(|gpu| gpu.index)),
-                    uuid = %comma_list(claim.checked.iter().map(|gpu| gpu.uuid.as_str())),
-                    gib = claim.container.gib,
-                    "allocated"
-                );
-                let enforcement = (state.enforcement, state.mps_pipe_directory.as_str());
-                ContainerAllocateResponse {
-                    envs: container_env(
-                        &claim.checked,
-                        &claim.container,
-                        claim.allocation.pod_gib,
-                        enforcement,
-                    ),
-                    mounts: container_mounts(state.enforcement, &state.mps_pipe_directory),
-                    cdi_devices: if state.cdi_devices {
-                        cdi_devices(&claim.checked)
-                    } else {
-                        Vec::new()
-                    },
-                    ..Default::default()
-                }
-            })
-            .collect();
+            .map(
+                |claim| -> Result<ContainerAllocateResponse, AllocateError> {
+                    tracing::info!(
+                        pod = %claim.pod,
+                        container = %claim.container.name,
+                        gpu = %comma_list(claim.checked.iter().map(|gpu| gpu.index)),
+                        uuid = %comma_list(claim.checked.iter().map(|gpu| gpu.uuid.as_str())),
+                        gib = claim.container.gib,
+                        "allocated"
+                    );
+                    let enforcement = (state.enforcement, state.mps_pipe_directory.as_str());
+                    let mut mounts = container_mounts(state.enforcement, &state.mps_pipe_directory);
+                    if let (Enforcement::Preload, Some(isolation)) =
+                        (state.enforcement, &state.isolation)
+                    {
+                        let preload = isolation
+                            .mounts(&claim.pod, &claim.container.name)
+                            .map_err(|e| AllocateError::Isolation {
+                                pod: claim.pod.clone(),
+                                why: e.to_string(),
+                            })?;
+                        mounts.extend(preload);
+                    }
+                    Ok(ContainerAllocateResponse {
+                        envs: container_env(
+                            &claim.checked,
+                            &claim.container,
+                            claim.allocation.pod_gib,
+                            enforcement,
+                        ),
+                        mounts,
+                        cdi_devices: if state.cdi_devices {
+                            cdi_devices(&claim.checked)
+                        } else {
+                            Vec::new()
+                        },
+                        ..Default::default()
+                    })
+                },
+            )
+            .collect::<Result<_, _>>()?;
         Ok(AllocateResponse {
             container_responses,
         })

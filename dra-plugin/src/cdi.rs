@@ -82,7 +82,7 @@ pub fn spec(
             "containerPath": enforcement.mps_pipe_directory,
             "options": ["rbind", "rw"],
         })],
-        Enforcement::None | Enforcement::Toolkit => Vec::new(),
+        Enforcement::None | Enforcement::Toolkit | Enforcement::Preload => Vec::new(),
     };
     let env = claim_env(devices, enforcement);
     let devices: Vec<Value> = devices

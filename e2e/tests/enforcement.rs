@@ -94,5 +94,51 @@ async fn each_enforcement_mode_gives_containers_what_its_enforcer_reads() -> any
             "{mounts:?}"
         );
     }
+    // preload: the interposer, installed from the plugin's image into the host directory
+    // under a versioned name, mounted read-only and preloaded; each container gets an
+    // accounting directory of its own, mounted writable where the interposer looks for it.
+    let dir = tempfile::tempdir()?;
+    let library = dir.path().join("libgpushare_isolation.so");
+    std::fs::write(&library, b"the interposer's bytes")?;
+    let host = dir.path().join("host");
+    let seen = run_pods(&[
+        "--enforcement",
+        "preload",
+        "--isolation-library",
+        &library.display().to_string(),
+        "--isolation-host-dir",
+        &host.display().to_string(),
+    ])
+    .await?;
+    let mut accounting = Vec::new();
+    for (vars, mounts) in &seen {
+        ensure!(
+            vars.get(env::LD_PRELOAD).map(String::as_str)
+                == Some(env::ISOLATION_LIBRARY_IN_CONTAINER)
+                && vars.get(env::ISOLATION_DIR).map(String::as_str)
+                    == Some(env::ISOLATION_DIR_IN_CONTAINER)
+                && vars.contains_key(env::CONTAINER_GIB),
+            "{vars:?}"
+        );
+        let [(lib_in, lib_host, lib_ro), (dir_in, dir_host, dir_ro)] = &mounts[..] else {
+            anyhow::bail!("two mounts expected: {mounts:?}");
+        };
+        ensure!(
+            lib_in == env::ISOLATION_LIBRARY_IN_CONTAINER && *lib_ro,
+            "{mounts:?}"
+        );
+        ensure!(
+            lib_host.starts_with(&host.join("lib").display().to_string())
+                && std::fs::read(lib_host)? == b"the interposer's bytes",
+            "{lib_host}"
+        );
+        ensure!(
+            dir_in == env::ISOLATION_DIR_IN_CONTAINER && !*dir_ro,
+            "{mounts:?}"
+        );
+        ensure!(std::path::Path::new(dir_host).is_dir(), "{dir_host}");
+        accounting.push(dir_host.clone());
+    }
+    ensure!(accounting[0] != accounting[1], "{accounting:?}");
     Ok(())
 }

@@ -500,6 +500,9 @@ pub fn check_enforcement(
             Ok(Enforcement::None) => out.push(Finding::ok(format!(
                 "enforcement: none ({ns}/{name}): containers are told their share and trusted to keep to it; `kubectl gpushare top -d` shows pods over their share"
             ))),
+            Ok(Enforcement::Preload) => out.push(Finding::ok(format!(
+                "enforcement: preload ({ns}/{name}): each GPU container gets gpushare's interposer preloaded and is held to its share (refused past it, shown its share as the GPU's memory); a program that talks to the driver's device files itself or links the driver statically passes by"
+            ))),
             Ok(Enforcement::Mps) => out.push(Finding::ok(format!(
                 "enforcement: mps ({ns}/{name}): the MPS control daemon on each GPU node cannot be seen from the API; on a node, `echo get_server_list | nvidia-cuda-mps-control` must answer"
             ))),

@@ -20,6 +20,7 @@ pub mod env;
 #[cfg(feature = "gpu")]
 pub mod gpu;
 pub mod http;
+pub mod isolation;
 pub mod logging;
 pub mod signal;
 pub mod supervise;

@@ -1,0 +1,127 @@
+//! The node side of isolation (`--enforcement preload`): putting the interposer
+//! (`libgpushare_isolation.so`, see `isolation/`) where containers can mount it, and making
+//! each container's accounting directory.
+//!
+//! Both plugins do this, the device plugin for Allocate's mounts and the DRA plugin for its
+//! CDI specs. The library is copied from the plugin's image to a host directory under a
+//! versioned name (its size and a hash of its bytes), written beside and renamed into
+//! place: a container started earlier keeps the file it mounted, byte for byte, while a
+//! plugin upgrade installs its own next to it.
+
+use std::io;
+use std::path::{Path, PathBuf};
+
+/// The interposer's file name in the plugin image and, versioned, on the host.
+pub const LIBRARY_NAME: &str = "libgpushare_isolation";
+
+/// Copies the library at `source` into `<host_dir>/lib/` under a name of its content
+/// (`libgpushare_isolation-<size>-<hash>.so`) and returns that path. An identical file
+/// already there is kept as is (containers may have it mounted).
+pub fn install_library(source: &Path, host_dir: &Path) -> io::Result<PathBuf> {
+    let bytes = std::fs::read(source).map_err(|e| {
+        io::Error::new(
+            e.kind(),
+            format!(
+                "reading the isolation library {} (the plugin image ships it; --isolation-library names it): {e}",
+                source.display()
+            ),
+        )
+    })?;
+    let dir = host_dir.join("lib");
+    std::fs::create_dir_all(&dir)?;
+    let name = format!("{LIBRARY_NAME}-{}-{:016x}.so", bytes.len(), fnv1a(&bytes));
+    let target = dir.join(name);
+    if std::fs::read(&target).is_ok_and(|existing| existing == bytes) {
+        return Ok(target);
+    }
+    let partial = dir.join(format!(".{LIBRARY_NAME}-{}.partial", std::process::id()));
+    std::fs::write(&partial, &bytes)?;
+    set_mode(&partial, 0o755)?;
+    std::fs::rename(&partial, &target)?;
+    Ok(target)
+}
+
+/// Makes (or keeps) the accounting directory `name` under `<host_dir>/containers/`, writable
+/// by whatever user the container runs as (only that container mounts it).
+pub fn accounting_dir(host_dir: &Path, name: &str) -> io::Result<PathBuf> {
+    if name.is_empty() || name.contains('/') || name.starts_with('.') {
+        return Err(io::Error::new(
+            io::ErrorKind::InvalidInput,
+            format!("{name:?} cannot name an accounting directory"),
+        ));
+    }
+    let dir = host_dir.join("containers").join(name);
+    std::fs::create_dir_all(&dir)?;
+    set_mode(&dir, 0o777)?;
+    Ok(dir)
+}
+
+/// Removes accounting directory `name`; a missing one is fine.
+pub fn remove_accounting_dir(host_dir: &Path, name: &str) -> io::Result<()> {
+    match std::fs::remove_dir_all(host_dir.join("containers").join(name)) {
+        Err(e) if e.kind() != io::ErrorKind::NotFound => Err(e),
+        _ => Ok(()),
+    }
+}
+
+fn set_mode(path: &Path, mode: u32) -> io::Result<()> {
+    use std::os::unix::fs::PermissionsExt as _;
+    std::fs::set_permissions(path, std::fs::Permissions::from_mode(mode))
+}
+
+/// FNV-1a, 64 bits: a name for the library's content (not a security measure: the host
+/// directory is the plugin's own).
+fn fnv1a(bytes: &[u8]) -> u64 {
+    bytes.iter().fold(0xcbf2_9ce4_8422_2325, |hash, byte| {
+        (hash ^ u64::from(*byte)).wrapping_mul(0x0000_0100_0000_01b3)
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_library_is_installed_under_a_name_of_its_content_and_kept() {
+        let dir = tempfile::tempdir().unwrap();
+        let source = dir.path().join("libgpushare_isolation.so");
+        std::fs::write(&source, b"version one").unwrap();
+        let host = dir.path().join("host");
+        let first = install_library(&source, &host).unwrap();
+        assert_eq!(std::fs::read(&first).unwrap(), b"version one");
+        assert_eq!(install_library(&source, &host).unwrap(), first);
+
+        // An upgrade installs beside it: a running container's file stays.
+        std::fs::write(&source, b"version two").unwrap();
+        let second = install_library(&source, &host).unwrap();
+        assert_ne!(first, second);
+        assert_eq!(std::fs::read(&first).unwrap(), b"version one");
+        assert_eq!(std::fs::read(&second).unwrap(), b"version two");
+        let leftovers: Vec<_> = std::fs::read_dir(host.join("lib"))
+            .unwrap()
+            .filter_map(|e| e.ok())
+            .filter(|e| e.file_name().to_string_lossy().ends_with(".partial"))
+            .collect();
+        assert!(leftovers.is_empty());
+    }
+
+    #[test]
+    fn a_missing_library_names_the_flag() {
+        let dir = tempfile::tempdir().unwrap();
+        let error = install_library(&dir.path().join("absent.so"), dir.path()).unwrap_err();
+        assert!(error.to_string().contains("--isolation-library"), "{error}");
+    }
+
+    #[test]
+    fn accounting_dirs_are_made_and_removed_by_name_only() {
+        let dir = tempfile::tempdir().unwrap();
+        let made = accounting_dir(dir.path(), "default_pod_main_1").unwrap();
+        assert!(made.is_dir());
+        for bad in ["", "../x", "a/b", ".hidden"] {
+            assert!(accounting_dir(dir.path(), bad).is_err(), "{bad}");
+        }
+        remove_accounting_dir(dir.path(), "default_pod_main_1").unwrap();
+        assert!(!made.exists());
+        remove_accounting_dir(dir.path(), "default_pod_main_1").unwrap();
+    }
+}
