@@ -1,31 +1,9 @@
 //! The budget file: one per container, shared by all its processes through `mmap(MAP_SHARED)`,
 //! updated with atomics only.
 //!
-//! # Layout, version 1
-//!
-//! Native-endian (little-endian on x86_64 and aarch64); every field is 8-byte aligned or a
-//! `u32` pair within 8 bytes; the file is [`FILE_LEN`] bytes.
-//!
-//! ```text
-//! header, HEADER_LEN = 512 bytes
-//!   0  magic        [u8; 8]  b"GPUSHRBG"        written last, once the rest is in place
-//!   8  version      u32      1
-//!  12  header_len   u32      512
-//!  16  gpu_count    u32      GPUs with a share (1..=16)
-//!  20  slot_count   u32      1024
-//!  24  slot_len     u32      144
-//!  28  max_gpus     u32      16                 length of the per-GPU arrays below
-//!  32  share        [u64; 16]  bytes each GPU may hold (by CUDA ordinal)
-//! 160  used         [u64; 16]  bytes held on each GPU now: the sum over live slots (atomic)
-//! 288  refused      [u64; 16]  allocations refused on each GPU so far (atomic)
-//! 416  zero padding up to 512
-//! slots, slot i at HEADER_LEN + i * SLOT_LEN (SLOT_LEN = 144)
-//!   0  pid          u32      0: free; u32::MAX: being reclaimed; else the holder's pid (atomic)
-//!   4  zero         u32
-//!   8  start_time   u64      the holder's start (clock ticks after boot, /proc/PID/stat field
-//!                            22), 0 unknown: tells a reused pid from its dead predecessor
-//!  16  used         [u64; 16]  bytes this process holds on each GPU (atomic)
-//! ```
+//! The file's bytes and name, and the safe reader, are in `gpushare-isolation-budget`
+//! ([`gpushare_isolation_budget::layout`]); what is here is the mapping and the atomics that
+//! write it.
 //!
 //! # Protocol
 //!
@@ -50,43 +28,11 @@ use std::path::{Path, PathBuf};
 use std::ptr::NonNull;
 use std::sync::atomic::{AtomicU32, AtomicU64, Ordering};
 
-use crate::limits::Limits;
-
-/// The file's first 8 bytes.
-pub const MAGIC: [u8; 8] = *b"GPUSHRBG";
-/// The layout version this crate writes and reads.
-pub const VERSION: u32 = 1;
-/// The most GPUs a container may have a share of.
-pub const MAX_GPUS: usize = 16;
-/// Process slots.
-pub const SLOTS: usize = 1024;
-/// Header bytes.
-pub const HEADER_LEN: usize = 512;
-/// Bytes per slot.
-pub const SLOT_LEN: usize = 144;
-/// The file's length.
-pub const FILE_LEN: usize = HEADER_LEN + SLOTS * SLOT_LEN;
-
-pub(crate) const OFF_VERSION: usize = 8;
-pub(crate) const OFF_HEADER_LEN: usize = 12;
-pub(crate) const OFF_GPU_COUNT: usize = 16;
-pub(crate) const OFF_SLOT_COUNT: usize = 20;
-pub(crate) const OFF_SLOT_LEN: usize = 24;
-pub(crate) const OFF_MAX_GPUS: usize = 28;
-pub(crate) const OFF_SHARE: usize = 32;
-pub(crate) const OFF_USED: usize = OFF_SHARE + 8 * MAX_GPUS;
-pub(crate) const OFF_REFUSED: usize = OFF_USED + 8 * MAX_GPUS;
-pub(crate) const SLOT_PID: usize = 0;
-pub(crate) const SLOT_START: usize = 8;
-pub(crate) const SLOT_USED: usize = 16;
-/// A slot's pid while it is being reclaimed.
-pub(crate) const RECLAIMING: u32 = u32::MAX;
-
-/// The environment variable naming the budget files' directory.
-pub const ENV_DIR: &str = "GPUSHARE_ISOLATION_DIR";
-/// The environment variable naming the budget (default `default`): processes with the same
-/// directory, key and limits share one budget.
-pub const ENV_KEY: &str = "GPUSHARE_ISOLATION_KEY";
+use gpushare_isolation_budget::Limits;
+use gpushare_isolation_budget::layout::{
+    ENV_DIR, ENV_KEY, FILE_LEN, HEADER_LEN, Header, MAX_GPUS, OFF_REFUSED, OFF_USED, RECLAIMING,
+    SLOT_LEN, SLOT_PID, SLOT_START, SLOT_USED, SLOTS, VERSION, budget_path,
+};
 
 /// What went wrong with a budget file.
 #[derive(Debug, thiserror::Error)]
@@ -114,26 +60,6 @@ pub enum Error {
 
 /// `Result` with this module's [`Error`].
 pub type Result<T, E = Error> = std::result::Result<T, E>;
-
-/// The budget file for `limits` in `dir` under `key`:
-/// `budget-KEY-COUNTxSHAREMiB.v1`, e.g. `budget-default-2x2048MiB.v1`.
-pub fn budget_path(dir: &Path, key: &str, limits: &Limits) -> PathBuf {
-    let key: String = key
-        .chars()
-        .map(|c| {
-            if c.is_ascii_alphanumeric() || c == '-' || c == '_' {
-                c
-            } else {
-                '_'
-            }
-        })
-        .collect();
-    let share_mib = limits.share(0) >> 20;
-    dir.join(format!(
-        "budget-{key}-{}x{share_mib}MiB.v{VERSION}",
-        limits.shares().len()
-    ))
-}
 
 /// The budget file this process's environment names: `$GPUSHARE_ISOLATION_DIR` (default
 /// `$TMPDIR/gpushare-isolation-UID`), key `$GPUSHARE_ISOLATION_KEY` (default `default`).
@@ -208,7 +134,7 @@ impl Budget {
         shares[..gpu_count].copy_from_slice(limits.shares());
 
         flock(&file, libc::LOCK_EX).map_err(io("locking"))?;
-        let checked = init_or_check(&file, path, gpu_count, &shares);
+        let checked = init_or_check(&file, path, &Header::of(limits));
         let unlocked = flock(&file, libc::LOCK_UN).map_err(io("unlocking"));
         checked?;
         unlocked?;
@@ -500,12 +426,7 @@ fn flock(file: &File, op: libc::c_int) -> std::io::Result<()> {
 }
 
 /// Under the file lock: writes the header of an empty file, or checks an existing one.
-fn init_or_check(
-    file: &File,
-    path: &Path,
-    gpu_count: usize,
-    shares: &[u64; MAX_GPUS],
-) -> Result<()> {
+fn init_or_check(file: &File, path: &Path, want: &Header) -> Result<()> {
     let io = |what| {
         move |source| Error::Io {
             path: path.to_path_buf(),
@@ -526,22 +447,10 @@ fn init_or_check(
     // Empty, or sized by a creator that died before its magic: (re)write the header.
     if len == 0 || (len == FILE_LEN as u64 && magic == [0; 8]) {
         file.set_len(FILE_LEN as u64).map_err(io("sizing"))?;
-        let mut header = vec![0u8; HEADER_LEN];
-        let put32 =
-            |h: &mut [u8], off: usize, v: u32| h[off..off + 4].copy_from_slice(&v.to_ne_bytes());
-        put32(&mut header, OFF_VERSION, VERSION);
-        put32(&mut header, OFF_HEADER_LEN, HEADER_LEN as u32);
-        put32(&mut header, OFF_GPU_COUNT, gpu_count as u32);
-        put32(&mut header, OFF_SLOT_COUNT, SLOTS as u32);
-        put32(&mut header, OFF_SLOT_LEN, SLOT_LEN as u32);
-        put32(&mut header, OFF_MAX_GPUS, MAX_GPUS as u32);
-        for (gpu, share) in shares.iter().enumerate() {
-            let off = OFF_SHARE + 8 * gpu;
-            header[off..off + 8].copy_from_slice(&share.to_ne_bytes());
-        }
+        let header = want.encode();
         file.write_all_at(&header[8..], 8)
             .map_err(io("writing its header"))?;
-        file.write_all_at(&MAGIC, 0)
+        file.write_all_at(&header[..8], 0)
             .map_err(io("writing its header"))?;
         return Ok(());
     }
@@ -553,12 +462,11 @@ fn init_or_check(
     let mut header = vec![0u8; HEADER_LEN];
     file.read_exact_at(&mut header, 0)
         .map_err(io("reading its header"))?;
-    let header = crate::reader::Header::parse(&header).map_err(|e| mismatch(e.to_string()))?;
-    if header.shares != shares[..gpu_count] {
+    let header = Header::parse(&header).map_err(|e| mismatch(e.to_string()))?;
+    if header.shares != want.shares {
         return Err(mismatch(format!(
             "made for shares {:?}, not {:?}: another container's limits under the same key",
-            header.shares,
-            &shares[..gpu_count]
+            header.shares, want.shares
         )));
     }
     Ok(())

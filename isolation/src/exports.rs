@@ -9,11 +9,12 @@ use std::ffi::{CStr, c_char, c_int, c_uint, c_void};
 use std::panic::AssertUnwindSafe;
 use std::sync::OnceLock;
 
+use gpushare_isolation_budget::Limits;
+
 use crate::budget;
 use crate::driver::{self, DevicePtr, Handle, Status};
 use crate::interposer::Interposer;
 use crate::ledger::Kind;
-use crate::limits::Limits;
 
 /// This process's accounting: see [`state`].
 static STATE: OnceLock<Option<Interposer>> = OnceLock::new();

@@ -9,9 +9,11 @@ use std::path::Path;
 use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
 use std::time::Instant;
 
-use crate::budget::{self, Budget, SLOTS};
+use gpushare_isolation_budget::Limits;
+use gpushare_isolation_budget::layout::SLOTS;
+
+use crate::budget::{self, Budget};
 use crate::ledger::{Entry, Kind, Ledger};
-use crate::limits::Limits;
 
 /// `CUDA_SUCCESS`.
 pub const CUDA_SUCCESS: i32 = 0;

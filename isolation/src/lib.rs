@@ -18,8 +18,8 @@
 //!
 //! A preloaded library comes first in symbol resolution, needs no change to the image or the
 //! program, and sees every process of the container (the plugin sets `LD_PRELOAD` and the
-//! limits in the container's environment). Limits come from [`limits`]; without them every
-//! call passes through unchanged.
+//! limits in the container's environment). Limits come from
+//! [`gpushare_isolation_budget::limits`]; without them every call passes through unchanged.
 //!
 //! # The three ways to the driver
 //!
@@ -52,10 +52,11 @@
 //!
 //! # One budget per container
 //!
-//! All processes of a container share one [`budget`] file (layout and protocol documented
-//! there, versioned): atomics in a shared mapping, no lock on the allocation path. A process
-//! that dies without freeing gives its bytes back when another allocation would be refused or
-//! memory is queried. The plugin reads the file with the safe [`reader`].
+//! All processes of a container share one [`budget`] file (protocol documented there; the
+//! versioned layout, the file's name and the limits are in `gpushare-isolation-budget`):
+//! atomics in a shared mapping, no lock on the allocation path. A process that dies without
+//! freeing gives its bytes back when another allocation would be refused or memory is
+//! queried. The plugin reads the file with that crate's safe reader, never through this one.
 //!
 //! # Never takes the program down
 //!
@@ -83,12 +84,12 @@
 //! - A process killed between reserving a total and recording it in its slot (two atomic
 //!   steps) leaves those bytes counted until the container restarts: never over the share.
 //!
-//! # Linking the rlib
+//! # Never link the rlib into another program
 //!
-//! The rlib carries the same `#[no_mangle]` exports, so a Rust program that links it (for
-//! the [`reader`], say) defines `dlsym` and the hooked names itself: its own `dlsym` calls
-//! go through ours. Without limits in its environment that is a pure pass-through; a program
-//! that wants the driver's real answers anyway asks glibc's `dlsym` (see the bench).
+//! The rlib exists for this crate's tests and bench (the accounting core, and the hooks the
+//! bench calls). It carries the same `#[no_mangle]` exports, so a program that links it
+//! defines `dlsym` and the hooked names itself, and its own driver and NVML calls go through
+//! ours. A program that wants to read budgets links `gpushare-isolation-budget`.
 //!
 //! # Unsafe code
 //!
@@ -102,10 +103,8 @@ mod driver;
 mod exports;
 mod interposer;
 pub mod ledger;
-pub mod limits;
-pub mod reader;
 
-pub use budget::{Budget, budget_path};
+pub use budget::Budget;
+/// The limits an [`Interposer`] and a [`Budget`] are opened for.
+pub use gpushare_isolation_budget::Limits;
 pub use interposer::{CUDA_ERROR_OUT_OF_MEMORY, CUDA_SUCCESS, Interposer};
-pub use limits::Limits;
-pub use reader::Snapshot;

@@ -14,7 +14,8 @@ use std::sync::OnceLock;
 use std::time::{Duration, Instant};
 
 use anyhow::{Context, bail};
-use gpushare_isolation::{Limits, Snapshot, budget_path};
+// The budget crate, not this one: the test does not link the interposer's exports itself.
+use gpushare_isolation_budget::{Limits, Snapshot, budget_path};
 
 const MIB: u64 = 1 << 20;
 const WAYS: [&str; 3] = ["link", "dlsym", "getproc"];

@@ -8,7 +8,7 @@
 //! G may have a fraction (`1.5`); shares are rounded down to whole MiB. A GPU ordinal past the
 //! count has no share: the container was granted none of it.
 
-use crate::budget::MAX_GPUS;
+use crate::layout::MAX_GPUS;
 
 /// One GPU's share (`GPUSHARE_CONTAINER_MEM_GIB`).
 pub const ENV_MEM_GIB: &str = "GPUSHARE_CONTAINER_MEM_GIB";
