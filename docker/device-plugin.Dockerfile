@@ -12,8 +12,9 @@ COPY . .
 RUN --mount=type=cache,target=/usr/local/cargo/registry \
     --mount=type=cache,target=/usr/local/cargo/git \
     --mount=type=cache,target=/src/target \
-    cargo build --release --locked -p gpushare-device-plugin \
-    && install -D -m 0755 target/release/gpushare-device-plugin /out/gpushare-device-plugin
+    cargo build --release --locked -p gpushare-device-plugin -p gpushare-isolation \
+    && install -D -m 0755 target/release/gpushare-device-plugin /out/gpushare-device-plugin \
+    && install -D -m 0755 target/release/libgpushare_isolation.so /out/libgpushare_isolation.so
 
 # glibc with dlopen, which NVML needs: libnvidia-ml.so.1 is not in the image, the NVIDIA
 # container runtime injects it (NVIDIA_VISIBLE_DEVICES=all, NVIDIA_DRIVER_CAPABILITIES=utility).
@@ -24,6 +25,9 @@ LABEL org.opencontainers.image.title="gpushare-device-plugin" \
       org.opencontainers.image.description="kubelet device plugin advertising GPU memory in GiB and pinning containers to their GPU" \
       org.opencontainers.image.licenses="Apache-2.0"
 COPY --from=builder /out/gpushare-device-plugin /usr/local/bin/gpushare-device-plugin
+# The isolation interposer, installed on the host at start (--enforcement preload) and
+# mounted into GPU containers from there.
+COPY --from=builder /out/libgpushare_isolation.so /usr/lib/gpushare/libgpushare_isolation.so
 ENV NVIDIA_VISIBLE_DEVICES=all \
     NVIDIA_DRIVER_CAPABILITIES=utility
 EXPOSE 9400

@@ -12,8 +12,9 @@ COPY . .
 RUN --mount=type=cache,target=/usr/local/cargo/registry \
     --mount=type=cache,target=/usr/local/cargo/git \
     --mount=type=cache,target=/src/target \
-    cargo build --release --locked -p gpushare-dra-plugin \
-    && install -D -m 0755 target/release/gpushare-dra-plugin /out/gpushare-dra-plugin
+    cargo build --release --locked -p gpushare-dra-plugin -p gpushare-isolation \
+    && install -D -m 0755 target/release/gpushare-dra-plugin /out/gpushare-dra-plugin \
+    && install -D -m 0755 target/release/libgpushare_isolation.so /out/libgpushare_isolation.so
 
 # glibc with dlopen, which NVML needs: libnvidia-ml.so.1 is not in the image, the NVIDIA
 # container runtime injects it (NVIDIA_VISIBLE_DEVICES=all, NVIDIA_DRIVER_CAPABILITIES=utility).
@@ -24,6 +25,9 @@ LABEL org.opencontainers.image.title="gpushare-dra-plugin" \
       org.opencontainers.image.description="kubelet DRA plugin publishing GPUs with consumable memory capacity and preparing claims as CDI devices" \
       org.opencontainers.image.licenses="Apache-2.0"
 COPY --from=builder /out/gpushare-dra-plugin /usr/local/bin/gpushare-dra-plugin
+# The isolation interposer, installed on the host at start (--enforcement preload) and
+# mounted into GPU containers from there.
+COPY --from=builder /out/libgpushare_isolation.so /usr/lib/gpushare/libgpushare_isolation.so
 ENV NVIDIA_VISIBLE_DEVICES=all \
     NVIDIA_DRIVER_CAPABILITIES=utility
 ENTRYPOINT ["/usr/local/bin/gpushare-dra-plugin"]

@@ -12,8 +12,8 @@
 
 use std::path::{Path, PathBuf};
 
-use gpushare_contract::env::Enforcement;
 use gpushare_contract::env::container_env;
+use gpushare_contract::env::{self, Enforcement};
 use gpushare_contract::{ContainerRequest, GpuInfo};
 use serde_json::{Value, json};
 
@@ -29,6 +29,23 @@ pub struct EnforcementConfig {
     pub mode: Enforcement,
     /// The MPS control daemon's pipe directory (mode `mps`).
     pub mps_pipe_directory: String,
+    /// The installed interposer (mode `preload`).
+    pub isolation: Option<Isolation>,
+}
+
+/// The interposer as installed on this node (mode `preload`).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Isolation {
+    /// The library on the host, under its versioned name.
+    pub library: PathBuf,
+    /// The host directory holding `containers/<name>`, the accounting directories.
+    pub host_dir: PathBuf,
+}
+
+/// The accounting directory's name of claim `uid`: every container using the claim shares
+/// its budget, as they share its memory.
+pub fn accounting_dir_name(uid: &str) -> String {
+    format!("claim-{uid}")
 }
 
 /// The environment every device of a claim carries, as `NAME=value` strings: the claim's
@@ -82,7 +99,22 @@ pub fn spec(
             "containerPath": enforcement.mps_pipe_directory,
             "options": ["rbind", "rw"],
         })],
-        Enforcement::None | Enforcement::Toolkit | Enforcement::Preload => Vec::new(),
+        Enforcement::Preload => match &enforcement.isolation {
+            Some(isolation) => vec![
+                json!({
+                    "hostPath": isolation.library,
+                    "containerPath": env::ISOLATION_LIBRARY_IN_CONTAINER,
+                    "options": ["bind", "ro"],
+                }),
+                json!({
+                    "hostPath": isolation.host_dir.join("containers").join(accounting_dir_name(uid)),
+                    "containerPath": env::ISOLATION_DIR_IN_CONTAINER,
+                    "options": ["bind", "rw"],
+                }),
+            ],
+            None => Vec::new(),
+        },
+        Enforcement::None | Enforcement::Toolkit => Vec::new(),
     };
     let env = claim_env(devices, enforcement);
     let devices: Vec<Value> = devices
@@ -158,6 +190,7 @@ mod tests {
         let mps = EnforcementConfig {
             mode: Enforcement::Mps,
             mps_pipe_directory: "/run/mps".into(),
+            isolation: None,
         };
         let spec = spec_mps(&device, &mps);
         let edits = &spec["devices"][0]["containerEdits"];
@@ -168,6 +201,45 @@ mod tests {
                 .contains(&json!("CUDA_MPS_PINNED_DEVICE_MEM_LIMIT=0=4G"))
         );
         assert_eq!(edits["mounts"][0]["hostPath"], "/run/mps");
+    }
+
+    #[test]
+    fn preload_mounts_the_interposer_and_the_claims_accounting_directory() {
+        let device = PreparedDevice {
+            request: "gpu".into(),
+            pool: "n1".into(),
+            device: "gpu-0".into(),
+            gpu_index: 0,
+            gpu_uuid: "GPU-0".into(),
+            gpu_mem_gib: 16,
+            gib: 4,
+            cdi_device_id: "k/c=claim-u1-gpu-0".into(),
+        };
+        let preload = EnforcementConfig {
+            mode: Enforcement::Preload,
+            mps_pipe_directory: String::new(),
+            isolation: Some(Isolation {
+                library: "/var/lib/gpushare/isolation/lib/libgpushare_isolation-1-2.so".into(),
+                host_dir: "/var/lib/gpushare/isolation".into(),
+            }),
+        };
+        let spec = spec("k/c", "u1", &[device], &preload);
+        let edits = &spec["devices"][0]["containerEdits"];
+        let env = edits["env"].as_array().unwrap();
+        assert!(env.contains(&json!(format!(
+            "LD_PRELOAD={}",
+            env::ISOLATION_LIBRARY_IN_CONTAINER
+        ))));
+        assert!(env.contains(&json!("GPUSHARE_CONTAINER_MEM_GIB=4")));
+        assert_eq!(
+            edits["mounts"],
+            json!([
+                {"hostPath": "/var/lib/gpushare/isolation/lib/libgpushare_isolation-1-2.so",
+                 "containerPath": env::ISOLATION_LIBRARY_IN_CONTAINER, "options": ["bind", "ro"]},
+                {"hostPath": "/var/lib/gpushare/isolation/containers/claim-u1",
+                 "containerPath": env::ISOLATION_DIR_IN_CONTAINER, "options": ["bind", "rw"]},
+            ])
+        );
     }
 
     #[test]
@@ -185,6 +257,7 @@ mod tests {
         let toolkit = EnforcementConfig {
             mode: Enforcement::Toolkit,
             mps_pipe_directory: String::new(),
+            isolation: None,
         };
         let spec = spec("k/c", "u1", &[device(1), device(0)], &toolkit);
         let envs: Vec<&Value> = (0..2)

@@ -117,10 +117,27 @@ pub struct Config {
     /// `--gpu-backend simulated`); missing or empty: all healthy.
     #[arg(long, env = "GPUSHARE_SIMULATE_HEALTH_FILE")]
     pub simulate_health_file: Option<PathBuf>,
-    /// How each container's share is enforced, as in the device plugin: `none`, `toolkit`
+    /// How each container's share is enforced, as in the device plugin: `preload`
+    /// (gpushare's interposer, see `isolation/`), `none`, `toolkit`
     /// (`NVIDIA_GPU_MEMORY_LIMIT` for the NVIDIA toolkit's CDI hook) or `mps`.
     #[arg(long, env = "GPUSHARE_ENFORCEMENT", default_value = "none")]
     pub enforcement: Enforcement,
+    /// The interposer in this plugin's image, installed on the host at start
+    /// (`--enforcement preload`).
+    #[arg(
+        long,
+        env = "GPUSHARE_ISOLATION_LIBRARY",
+        default_value = "/usr/lib/gpushare/libgpushare_isolation.so"
+    )]
+    pub isolation_library: PathBuf,
+    /// The host directory (mounted at the same path) the interposer is installed in and each
+    /// claim's accounting directory is made in (`--enforcement preload`).
+    #[arg(
+        long,
+        env = "GPUSHARE_ISOLATION_HOST_DIR",
+        default_value = "/var/lib/gpushare/isolation"
+    )]
+    pub isolation_host_dir: PathBuf,
     /// The MPS control daemon's pipe directory on the host, mounted into containers at the
     /// same path (`--enforcement mps`).
     #[arg(
@@ -144,6 +161,11 @@ pub enum Error {
     /// The GPUs could not be listed.
     #[error(transparent)]
     Backend(#[from] BackendError),
+    /// The isolation library could not be installed (`--enforcement preload`).
+    #[error(
+        "cannot install the isolation library into --isolation-host-dir: {0}; fix the path or run with --enforcement none"
+    )]
+    Isolation(#[source] std::io::Error),
     /// No Kubernetes client could be built.
     #[error("cannot build a Kubernetes client (in-cluster or KUBECONFIG): {0}")]
     Client(#[source] kube::Error),
@@ -378,6 +400,20 @@ struct Servers {
     ended: Option<Which>,
 }
 
+/// With `--enforcement preload`, installs the interposer from the image into the host
+/// directory the CDI specs mount it from.
+fn install_isolation(config: &Config) -> Result<Option<cdi::Isolation>> {
+    if config.enforcement != Enforcement::Preload {
+        return Ok(None);
+    }
+    let host_dir = config.isolation_host_dir.clone();
+    let library =
+        gpushare_runtime::isolation::install_library(&config.isolation_library, &host_dir)
+            .map_err(Error::Isolation)?;
+    tracing::info!(library = %library.display(), "isolation: claims' containers get this interposer preloaded and are held to their share");
+    Ok(Some(cdi::Isolation { library, host_dir }))
+}
+
 impl Servers {
     /// Serves the DRA socket, then the registration socket, then the probes on `probes`
     /// (a listener and the address it is bound to); all stop on `stop`.
@@ -398,6 +434,7 @@ impl Servers {
             enforcement: cdi::EnforcementConfig {
                 mode: config.enforcement,
                 mps_pipe_directory: config.mps_pipe_directory.clone(),
+                isolation: install_isolation(config)?,
             },
         });
         let dra_socket = config.dra_socket();

@@ -111,6 +111,12 @@ impl<C: ClaimSource> DraService<C> {
             &node.cdi_kind(),
         )
         .map_err(|err| err.to_string())?;
+        if let Some(isolation) = &node.enforcement.isolation {
+            let name = cdi::accounting_dir_name(&claim.uid);
+            gpushare_runtime::isolation::accounting_dir(&isolation.host_dir, &name).map_err(
+                |err| format!("making the claim's isolation accounting directory {name}: {err}"),
+            )?;
+        }
         let path = cdi::spec_path(&node.cdi_dir, &node.driver, &claim.uid);
         let spec = cdi::spec(&node.cdi_kind(), &claim.uid, &devices, &node.enforcement);
         cdi::write(&path, &spec)
@@ -148,6 +154,14 @@ impl<C: ClaimSource> DraService<C> {
         if result.is_err() {
             checkpoint.claims.insert(claim.uid.clone(), prepared);
         } else {
+            if let Some(isolation) = &self.node.enforcement.isolation {
+                let name = cdi::accounting_dir_name(&claim.uid);
+                if let Err(err) =
+                    gpushare_runtime::isolation::remove_accounting_dir(&isolation.host_dir, &name)
+                {
+                    tracing::warn!(uid = %claim.uid, %err, "could not remove the claim's isolation accounting directory");
+                }
+            }
             tracing::info!(claim = %format!("{}/{}", claim.namespace, claim.name), uid = %claim.uid, "unprepared");
         }
         result

@@ -52,6 +52,17 @@ fn allocated(name: &str, uid: &str, device: &str, memory: &str) -> ResourceClaim
 }
 
 fn node(dir: &Path) -> Arc<Node> {
+    node_with(
+        dir,
+        gpushare_dra_plugin::cdi::EnforcementConfig {
+            mode: gpushare_contract::env::Enforcement::Toolkit,
+            mps_pipe_directory: String::new(),
+            isolation: None,
+        },
+    )
+}
+
+fn node_with(dir: &Path, enforcement: gpushare_dra_plugin::cdi::EnforcementConfig) -> Arc<Node> {
     Arc::new(Node {
         driver: DRIVER.to_owned(),
         node: "n1".to_owned(),
@@ -67,10 +78,7 @@ fn node(dir: &Path) -> Arc<Node> {
             .collect(),
         cdi_dir: dir.join("cdi"),
         checkpoint_path: dir.join("checkpoint.json"),
-        enforcement: gpushare_dra_plugin::cdi::EnforcementConfig {
-            mode: gpushare_contract::env::Enforcement::Toolkit,
-            mps_pipe_directory: String::new(),
-        },
+        enforcement,
     })
 }
 
@@ -83,7 +91,18 @@ async fn serve(
     DraPluginClient<tonic::transport::Channel>,
     CancellationToken,
 ) {
-    let node = node(dir);
+    serve_node(node(dir), dir, claims).await
+}
+
+/// [`serve`] for a given node.
+async fn serve_node(
+    node: Arc<Node>,
+    dir: &Path,
+    claims: Claims,
+) -> (
+    DraPluginClient<tonic::transport::Channel>,
+    CancellationToken,
+) {
     std::fs::create_dir_all(&node.cdi_dir).unwrap();
     let checkpoint = Checkpoint::load(&node.checkpoint_path).unwrap();
     let socket = dir.join("dra.sock");
@@ -262,5 +281,62 @@ async fn registration_names_the_driver_and_its_socket() {
         *seen.borrow(),
         RegistrationState::Refused("plugin already registered".to_owned())
     );
+    stop.cancel();
+}
+
+/// `--enforcement preload`: Prepare makes the claim's accounting directory and its spec
+/// mounts it with the interposer; Unprepare removes the directory with the spec.
+#[tokio::test]
+async fn preload_gives_each_claim_an_accounting_directory_for_its_life() {
+    let dir = tempfile::tempdir().unwrap();
+    let claims = Claims::default();
+    claims.0.lock().unwrap().insert(
+        ("ns".into(), "a".into()),
+        allocated("a", "ua", "gpu-0", "2Gi"),
+    );
+    let host_dir = dir.path().join("isolation");
+    let node = node_with(
+        dir.path(),
+        gpushare_dra_plugin::cdi::EnforcementConfig {
+            mode: gpushare_contract::env::Enforcement::Preload,
+            mps_pipe_directory: String::new(),
+            isolation: Some(gpushare_dra_plugin::cdi::Isolation {
+                library: host_dir.join("lib").join("libgpushare_isolation-1-2.so"),
+                host_dir: host_dir.clone(),
+            }),
+        },
+    );
+    let (mut client, stop) = serve_node(node, dir.path(), claims).await;
+    let answer = client
+        .node_prepare_resources(NodePrepareResourcesRequest {
+            claims: vec![claim("a", "ua")],
+        })
+        .await
+        .unwrap()
+        .into_inner();
+    assert_eq!(answer.claims["ua"].error, "");
+    let accounting = host_dir.join("containers").join("claim-ua");
+    assert!(accounting.is_dir());
+    let spec_path = dir
+        .path()
+        .join("cdi")
+        .join("gpushare.example.com-claim-ua.json");
+    let spec: serde_json::Value =
+        serde_json::from_slice(&std::fs::read(&spec_path).unwrap()).unwrap();
+    let mounts = &spec["devices"][0]["containerEdits"]["mounts"];
+    assert_eq!(mounts[1]["hostPath"], accounting.display().to_string());
+    assert!(env_of(&spec).contains(&format!(
+        "LD_PRELOAD={}",
+        gpushare_contract::env::ISOLATION_LIBRARY_IN_CONTAINER
+    )));
+    let done = client
+        .node_unprepare_resources(NodeUnprepareResourcesRequest {
+            claims: vec![claim("a", "ua")],
+        })
+        .await
+        .unwrap()
+        .into_inner();
+    assert!(done.claims.values().all(|c| c.error.is_empty()), "{done:?}");
+    assert!(!accounting.exists());
     stop.cancel();
 }
