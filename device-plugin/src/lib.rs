@@ -191,6 +191,14 @@ pub struct Config {
         default_value = "/var/lib/gpushare/isolation"
     )]
     pub isolation_host_dir: PathBuf,
+    /// Namespaces whose containers get no interposer (`--enforcement preload`): an admin's
+    /// way out for workloads that must reach the whole GPU.
+    #[arg(
+        long,
+        env = "GPUSHARE_ISOLATION_EXEMPT_NAMESPACES",
+        value_delimiter = ','
+    )]
+    pub isolation_exempt_namespaces: Vec<String>,
     /// Evict the running pods of a GPU that turns unhealthy (they get an Event and a pod
     /// condition either way), so their controllers re-create them elsewhere.
     #[arg(long, env = "GPUSHARE_EVICT_ON_UNHEALTHY", default_value_t = false, action = clap::ArgAction::Set)]
@@ -410,7 +418,17 @@ fn install_isolation(config: &Config) -> Result<Option<service::Isolation>> {
         gpushare_runtime::isolation::install_library(&config.isolation_library, &host_dir)
             .map_err(Error::Isolation)?;
     tracing::info!(library = %library.display(), "isolation: containers get this interposer preloaded and are held to their share");
-    Ok(Some(service::Isolation { library, host_dir }))
+    let exempt_namespaces = config
+        .isolation_exempt_namespaces
+        .iter()
+        .map(|ns| ns.trim().to_owned())
+        .filter(|ns| !ns.is_empty())
+        .collect();
+    Ok(Some(service::Isolation {
+        library,
+        host_dir,
+        exempt_namespaces,
+    }))
 }
 
 /// Opens the keyring that allocations are verified with; without one, says loudly that

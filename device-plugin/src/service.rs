@@ -72,9 +72,17 @@ pub struct Isolation {
     pub library: PathBuf,
     /// The host directory holding `containers/<name>`, the accounting directories.
     pub host_dir: PathBuf,
+    /// Namespaces whose containers get no interposer.
+    pub exempt_namespaces: std::collections::BTreeSet<String>,
 }
 
 impl Isolation {
+    /// Whether containers of `pod` (`namespace/name`) get the interposer.
+    pub fn applies_to(&self, pod: &str) -> bool {
+        let namespace = pod.split_once('/').map_or(pod, |(ns, _)| ns);
+        !self.exempt_namespaces.contains(namespace)
+    }
+
     /// The mounts that load the interposer into a container of `pod` (`namespace/name`) and
     /// give it a fresh accounting directory, named `<namespace>_<pod>_<container>_<n>`
     /// (Kubernetes names hold no `_`; `<n>` tells apart containers of a re-created pod).
@@ -411,11 +419,17 @@ impl GpuMemService {
                         gib = claim.container.gib,
                         "allocated"
                     );
-                    let enforcement = (state.enforcement, state.mps_pipe_directory.as_str());
-                    let mut mounts = container_mounts(state.enforcement, &state.mps_pipe_directory);
-                    if let (Enforcement::Preload, Some(isolation)) =
-                        (state.enforcement, &state.isolation)
-                    {
+                    let mode = match (state.enforcement, &state.isolation) {
+                        (Enforcement::Preload, Some(isolation))
+                            if !isolation.applies_to(&claim.pod) =>
+                        {
+                            Enforcement::None
+                        }
+                        (mode, _) => mode,
+                    };
+                    let enforcement = (mode, state.mps_pipe_directory.as_str());
+                    let mut mounts = container_mounts(mode, &state.mps_pipe_directory);
+                    if let (Enforcement::Preload, Some(isolation)) = (mode, &state.isolation) {
                         let preload = isolation
                             .mounts(&claim.pod, &claim.container.name)
                             .map_err(|e| AllocateError::Isolation {
@@ -555,6 +569,28 @@ impl DevicePlugin for GpuMemService {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn isolation_skips_exempt_namespaces_and_gives_each_container_its_own_directory() {
+        let dir = tempfile::tempdir().unwrap();
+        let isolation = Isolation {
+            library: dir.path().join("lib.so"),
+            host_dir: dir.path().to_owned(),
+            exempt_namespaces: ["trusted".to_owned()].into(),
+        };
+        assert!(isolation.applies_to("default/a"));
+        assert!(!isolation.applies_to("trusted/a"));
+        let first = isolation.mounts("default/a", "main").unwrap();
+        let second = isolation.mounts("default/a", "main").unwrap();
+        assert_eq!(first[0].host_path, second[0].host_path, "one library");
+        assert_ne!(first[1].host_path, second[1].host_path, "a directory each");
+        assert!(first[0].read_only && !first[1].read_only);
+        assert!(
+            first[1].host_path.contains("/containers/default_a_main_"),
+            "{}",
+            first[1].host_path
+        );
+    }
     use crate::matching::Trust;
     use gpushare_contract::{GpuRef, PodAllocation};
 

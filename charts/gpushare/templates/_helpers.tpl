@@ -199,8 +199,11 @@ forced by webhook.routeWith=admissionPolicy, or `auto` where the cluster serves 
 {{- if and .Values.networkPolicy.enabled (not (include "gpushare.dedicated" .)) (not .Values.networkPolicy.schedulerPeers) }}
 {{- fail "networkPolicy.enabled in default-scheduler mode needs networkPolicy.schedulerPeers: the peers (usually an ipBlock of the control-plane nodes) your kube-scheduler calls the extender from" }}
 {{- end }}
-{{- if not (has .Values.devicePlugin.enforcement.mode (list "none" "toolkit" "mps")) }}
-{{- fail (printf "devicePlugin.enforcement.mode must be \"none\", \"toolkit\" or \"mps\", not %q" .Values.devicePlugin.enforcement.mode) }}
+{{- if not (has .Values.devicePlugin.enforcement.mode (list "" "preload" "none" "toolkit" "mps")) }}
+{{- fail (printf "devicePlugin.enforcement.mode must be empty (it is deprecated: use isolation.mode), \"preload\", \"none\", \"toolkit\" or \"mps\", not %q" .Values.devicePlugin.enforcement.mode) }}
+{{- end }}
+{{- if not (has .Values.isolation.mode (list "preload" "none" "toolkit" "mps")) }}
+{{- fail (printf "isolation.mode must be \"preload\", \"none\", \"toolkit\" or \"mps\", not %q" .Values.isolation.mode) }}
 {{- end }}
 {{- if not (has .Values.devicePlugin.gpuBackend (list "nvml" "simulated")) }}
 {{- fail (printf "devicePlugin.gpuBackend must be \"nvml\" or \"simulated\", not %q" .Values.devicePlugin.gpuBackend) }}
@@ -291,4 +294,9 @@ extenders:
     managedResources:
       - name: {{ .Values.resourceName }}
         ignoredByScheduler: false
+{{- end }}
+
+{{/* The isolation mode the plugins run with: devicePlugin.enforcement.mode (deprecated) when set, else isolation.mode. */}}
+{{- define "gpushare.isolationMode" -}}
+{{- .Values.devicePlugin.enforcement.mode | default .Values.isolation.mode -}}
 {{- end }}

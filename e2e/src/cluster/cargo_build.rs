@@ -32,6 +32,8 @@ pub struct Binaries {
     pub dra_plugin: PathBuf,
     /// `kubectl-gpushare`, the kubectl plugin
     pub kubectl_gpushare: PathBuf,
+    /// `libgpushare_isolation.so`, the interposer the plugins install (`isolation/`)
+    pub isolation_library: PathBuf,
 }
 
 /// The packages whose binaries the harness runs, and those binaries.
@@ -57,6 +59,7 @@ fn build_binaries() -> anyhow::Result<Binaries> {
         device_plugin: dir.join("gpushare-device-plugin"),
         dra_plugin: dir.join("gpushare-dra-plugin"),
         kubectl_gpushare: dir.join("kubectl-gpushare"),
+        isolation_library: dir.join("libgpushare_isolation.so"),
     };
     if let Some(dir) = std::env::var_os("GPUSHARE_BIN_DIR") {
         return Ok(in_dir(Path::new(&dir)));
@@ -111,6 +114,7 @@ fn build_binaries() -> anyhow::Result<Binaries> {
         for (_, binary) in BINARIES {
             build.args(["--bin", binary]);
         }
+        build.args(["-p", "gpushare-isolation", "--lib"]);
     } else {
         // A test: what the README's `cargo test --workspace --all-targets` builds, whose
         // dev-dependencies add features (tokio's test-util among them). Built with the same

@@ -202,9 +202,22 @@ impl Kit {
     pub async fn up(&self, mode: Mode, helm_args: &[&str]) -> anyhow::Result<KitCluster> {
         self.down();
         let started = std::time::Instant::now();
+        // The plugins install the interposer from "their image", here this build's, into a
+        // host directory of the kit's own (never a host-wide path).
+        let isolation = [
+            format!(
+                "isolation.libraryPath={}",
+                binaries()?.isolation_library.display()
+            ),
+            format!(
+                "isolation.hostDir={}",
+                self.root.join("isolation").display()
+            ),
+        ];
         let output = self
             .script("chart-cluster.sh")
             .arg("up")
+            .args(isolation.iter().flat_map(|value| ["--set", value.as_str()]))
             .args(helm_args)
             .env("MODE", mode.as_str())
             .output()
