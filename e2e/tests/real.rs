@@ -44,6 +44,10 @@ const GROUPS: &[Group] = &[
         scenarios: &[
             ("readme_story", readme_story),
             ("the_readme_pod_runs_pinned", the_readme_pod_runs_pinned),
+            (
+                "a_gpu_container_is_held_to_its_share",
+                a_gpu_container_is_held_to_its_share,
+            ),
             ("two_gpu_and_exclusive_pods", two_gpu_and_exclusive_pods),
             (
                 "forged_allocations_are_refused",
@@ -146,6 +150,10 @@ const GROUPS: &[Group] = &[
             (
                 "the_readme_pod_runs_unchanged_in_dra_mode",
                 the_readme_pod_runs_unchanged_in_dra_mode,
+            ),
+            (
+                "a_dra_container_is_held_to_its_share",
+                a_dra_container_is_held_to_its_share,
             ),
             ("dra_claims_run_and_free", dra_claims_run_and_free),
             (
@@ -603,6 +611,175 @@ fn kubelet_restart_keeps_gpu_pods(c: &KitCluster) -> Outcome<'_> {
         }
         running_pinned(c, "after", 5).await?;
         check_no_overcommit(&c.client()).await?;
+        Ok(())
+    })
+}
+
+/// The probe's steps in both modes' isolation scenarios: what it sees, 3,000 MiB granted,
+/// 2,000 MiB more refused (a 4 GiB share), 1,000 MiB through VMM granted, then it holds.
+const PROBE_STEPS: &[&str] = &[
+    "--via",
+    "dlsym",
+    "info",
+    "alloc:mem:3000",
+    "alloc:mem:2000",
+    "alloc:vmm:1000",
+    "hold",
+];
+
+/// Checks the probe's report of [`PROBE_STEPS`] (up to `hold`) under a 4 GiB share.
+fn check_probe_report(name: &str, report: &str) -> anyhow::Result<()> {
+    let share = 4u64 << 30;
+    for wanted in [
+        format!("cuda dev=0 total={share} "),
+        format!("nvml dev=0 total={share} "),
+        "alloc path=mem mib=3000 result=0".to_owned(),
+        "alloc path=mem mib=2000 result=2".to_owned(),
+        "alloc path=vmm mib=1000 result=0".to_owned(),
+    ] {
+        ensure!(
+            report.lines().any(|line| line.starts_with(&wanted)),
+            "{name}: the probe did not report {wanted:?}:\n{report}"
+        );
+    }
+    Ok(())
+}
+
+/// Isolation on the real kubelet, extender mode: a 4 GiB pod whose image the kit's runtime
+/// runs as the probe (a CUDA program, here against the fake driver's 16 GiB GPU). kubelet
+/// starts it with the interposer the device plugin installed under the kit's isolation
+/// directory, mounted read-only and preloaded, and its accounting directory: it sees 4 GiB
+/// through CUDA and NVML, gets 3,000 MiB, is refused 2,000 MiB more, gets 1,000 MiB through
+/// VMM.
+fn a_gpu_container_is_held_to_its_share(c: &KitCluster) -> Outcome<'_> {
+    Box::pin(async move {
+        let name = "held";
+        let mut pod = serde_json::to_value(fixtures::pod(name).gpu_mem(4).build())?;
+        let probe = gpushare_e2e::realk8s::probe_container(PROBE_STEPS);
+        let container = &mut pod["spec"]["containers"][0];
+        for key in ["image", "args", "env"] {
+            container[key] = probe[key].clone();
+        }
+        pod["spec"]["restartPolicy"] = serde_json::json!("Never");
+        let pods: Api<Pod> = Api::namespaced(c.client(), "default");
+        pods.create(&PostParams::default(), &serde_json::from_value(pod)?)
+            .await?;
+        let running = wait_running(c, name).await?;
+        let report = wait_for(
+            "the probe to report and hold",
+            Duration::from_secs(60),
+            || async {
+                let logs = c.kubectl(&["logs", name, "-c", "main"]).ok()?;
+                logs.contains("holding").then_some(logs)
+            },
+        )
+        .await?;
+        check_probe_report(name, &report)?;
+        let report: Vec<&str> = report
+            .lines()
+            .filter(|line| !line.starts_with("ERROR: ld.so"))
+            .collect();
+        let uid = running.metadata.uid.clone().unwrap_or_default();
+        let created = c
+            .created(&uid, "main")?
+            .context("the runtime recorded no container")?;
+        let mounts = created.mounts.unwrap_or_default();
+        let library = c.kit().root().join("isolation").join("lib");
+        ensure!(
+            mounts
+                .iter()
+                .any(|m| m.starts_with(&*library.to_string_lossy())
+                    && m.ends_with(&format!(":{}", env::ISOLATION_LIBRARY_IN_CONTAINER))),
+            "the installed interposer is not mounted: {mounts:?}"
+        );
+        ensure!(
+            created.env.get(env::LD_PRELOAD).map(String::as_str)
+                == Some(env::ISOLATION_LIBRARY_IN_CONTAINER),
+            "{:?}",
+            created.env
+        );
+        // The kit's runtime starts its shell with the container's environment before the
+        // mounts are in place, so the dynamic loader complains there (filtered above).
+        println!("  {name}: {}", report.join(" | "));
+        delete_pod(c, name).await?;
+        gpushare_e2e::realk8s::remove_isolation_placeholders();
+        Ok(())
+    })
+}
+
+/// Isolation on the real kubelet, DRA mode: a 4 GiB pod's claim is prepared by the DRA
+/// plugin, whose CDI spec mounts the interposer it installed and the claim's accounting
+/// directory and preloads it. The kit's runtime applies no CDI spec, so the probe is run as a
+/// CDI runtime would run the container (the spec's mounts and environment, in a private
+/// mount namespace): it sees 4 GiB through CUDA and NVML and is refused past it.
+fn a_dra_container_is_held_to_its_share(c: &KitCluster) -> Outcome<'_> {
+    Box::pin(async move {
+        let name = "held-dra";
+        create_gpu_pod(c, name, 4).await?;
+        let cdi = cdi_of(c, name, "main").await?;
+        let [device] = &cdi[..] else {
+            bail!("{name} should get one CDI device: {cdi:?}");
+        };
+        let (kind, device) = device
+            .split_once('=')
+            .context("a CDI name is kind=device")?;
+        let args = c.kubectl(&["-n", "kube-system", "get", "ds", "-o", "jsonpath={..args}"])?;
+        let cdi_dir = args
+            .split(['"', ',', ' ', '[', ']'])
+            .find_map(|arg| arg.strip_prefix("--cdi-dir="))
+            .context("no --cdi-dir among the DaemonSets' args")?;
+        let mut edits = None;
+        for entry in std::fs::read_dir(cdi_dir)? {
+            let text = std::fs::read_to_string(entry?.path()).unwrap_or_default();
+            let Ok(spec) = serde_json::from_str::<serde_json::Value>(&text) else {
+                continue;
+            };
+            if spec["kind"] != kind {
+                continue;
+            }
+            edits = spec["devices"]
+                .as_array()
+                .into_iter()
+                .flatten()
+                .find(|d| d["name"] == device)
+                .map(|d| d["containerEdits"].clone());
+            if edits.is_some() {
+                break;
+            }
+        }
+        let edits =
+            edits.with_context(|| format!("no CDI spec in {cdi_dir} defines {kind}={device}"))?;
+        let mut argv = vec![
+            gpushare_e2e::cluster::binaries()?
+                .isolation_probe
+                .display()
+                .to_string(),
+        ];
+        argv.extend(
+            PROBE_STEPS
+                .iter()
+                .take_while(|step| **step != "hold")
+                .map(|step| (*step).to_owned()),
+        );
+        let probe = gpushare_e2e::realk8s::probe_container(&[]);
+        let extra_env: Vec<(String, String)> = probe["env"]
+            .as_array()
+            .into_iter()
+            .flatten()
+            .filter_map(|v| {
+                Some((
+                    v["name"].as_str()?.to_owned(),
+                    v["value"].as_str()?.to_owned(),
+                ))
+            })
+            .collect();
+        let report = gpushare_e2e::realk8s::run_with_cdi_edits(&edits, &argv, &extra_env)?;
+        check_probe_report(name, &report)?;
+        println!(
+            "  {name}: {}",
+            report.lines().collect::<Vec<_>>().join(" | ")
+        );
+        delete_pod(c, name).await?;
         Ok(())
     })
 }

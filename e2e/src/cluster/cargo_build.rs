@@ -34,6 +34,8 @@ pub struct Binaries {
     pub kubectl_gpushare: PathBuf,
     /// `libgpushare_isolation.so`, the interposer the plugins install (`isolation/`)
     pub isolation_library: PathBuf,
+    /// `gpushare-isolation-probe`, a CUDA program against the fake driver (`isolation/probe`)
+    pub isolation_probe: PathBuf,
 }
 
 /// The packages whose binaries the harness runs, and those binaries.
@@ -60,6 +62,7 @@ fn build_binaries() -> anyhow::Result<Binaries> {
         dra_plugin: dir.join("gpushare-dra-plugin"),
         kubectl_gpushare: dir.join("kubectl-gpushare"),
         isolation_library: dir.join("libgpushare_isolation.so"),
+        isolation_probe: dir.join("gpushare-isolation-probe"),
     };
     if let Some(dir) = std::env::var_os("GPUSHARE_BIN_DIR") {
         return Ok(in_dir(Path::new(&dir)));
@@ -115,6 +118,12 @@ fn build_binaries() -> anyhow::Result<Binaries> {
             build.args(["--bin", binary]);
         }
         build.args(["-p", "gpushare-isolation", "--lib"]);
+        build.args([
+            "-p",
+            "gpushare-isolation-probe",
+            "--bin",
+            "gpushare-isolation-probe",
+        ]);
     } else {
         // A test: what the README's `cargo test --workspace --all-targets` builds, whose
         // dev-dependencies add features (tokio's test-util among them). Built with the same

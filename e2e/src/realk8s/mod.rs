@@ -219,6 +219,14 @@ impl Kit {
             .arg("up")
             .args(isolation.iter().flat_map(|value| ["--set", value.as_str()]))
             .args(helm_args)
+            // Pods of the probe's image run for real: a CUDA program against the fake driver.
+            .env(
+                "FAKECRI_EXTRA",
+                format!(
+                    "-exec-image {PROBE_IMAGE}={}",
+                    binaries()?.isolation_probe.display()
+                ),
+            )
             .env("MODE", mode.as_str())
             .output()
             .context("running chart-cluster.sh up")?;
@@ -262,6 +270,111 @@ impl Drop for DownOnDrop {
     }
 }
 
+/// Pods whose image names this run `gpushare-isolation-probe` for real (the kit's
+/// `-exec-image`), with the fake driver on `LD_LIBRARY_PATH` ([`probe_container`]).
+pub const PROBE_IMAGE: &str = "gpushare-isolation-probe";
+
+/// A container of image [`PROBE_IMAGE`] running the probe with `args` against the fake
+/// driver (one 16 GiB GPU): `--via dlsym info alloc:mem:3000 … hold` (see
+/// `isolation/probe/src/main.rs`).
+pub fn probe_container(args: &[&str]) -> serde_json::Value {
+    serde_json::json!({
+        "image": format!("example.com/{PROBE_IMAGE}:test"),
+        "args": args,
+        "env": [
+            {"name": "LD_LIBRARY_PATH",
+             "value": gpushare_isolation_probe::fake_driver_dir().display().to_string()},
+            {"name": "FAKE_GPU_MEM_MIB", "value": "16384"},
+        ],
+    })
+}
+
+/// Removes what starting an isolated container left on this machine's own filesystem: the
+/// kit's runtime (and [`run_with_cdi_edits`]) shares the host's root and makes each mount's
+/// target before binding over it in the container's namespace, so an empty file stands at
+/// the interposer's container path and an empty directory at the accounting directory's.
+/// Only empty placeholders are removed.
+pub fn remove_isolation_placeholders() {
+    use gpushare_contract::env::{ISOLATION_DIR_IN_CONTAINER, ISOLATION_LIBRARY_IN_CONTAINER};
+    let library = Path::new(ISOLATION_LIBRARY_IN_CONTAINER);
+    if std::fs::metadata(library).is_ok_and(|m| m.is_file() && m.len() == 0) {
+        let _ = std::fs::remove_file(library);
+    }
+    for dir in [
+        library.parent(),
+        Some(Path::new(ISOLATION_DIR_IN_CONTAINER)),
+    ]
+    .into_iter()
+    .flatten()
+    {
+        // remove_dir removes only an empty directory.
+        let _ = std::fs::remove_dir(dir);
+        if let Some(parent) = dir.parent().filter(|p| p.ends_with("gpushare")) {
+            let _ = std::fs::remove_dir(parent);
+        }
+    }
+}
+
+/// Runs `argv` as a CDI-enabled runtime would run a container given CDI `edits` (a device's
+/// `containerEdits`): their bind mounts in a private mount namespace, their environment plus
+/// `extra_env`. The kit's runtime records CDI device names but applies no spec, so DRA
+/// scenarios that need the spec applied run the program this way. Returns what it printed
+/// (stdout, then stderr).
+pub fn run_with_cdi_edits(
+    edits: &serde_json::Value,
+    argv: &[String],
+    extra_env: &[(String, String)],
+) -> anyhow::Result<String> {
+    let quote = |s: &str| format!("'{}'", s.replace('\'', r"'\''"));
+    let mut script = String::from("set -e; mount --make-rprivate /\n");
+    for mount in edits["mounts"].as_array().into_iter().flatten() {
+        let (Some(src), Some(dst)) = (mount["hostPath"].as_str(), mount["containerPath"].as_str())
+        else {
+            bail!("a CDI mount without hostPath or containerPath: {mount}");
+        };
+        let (src, dst) = (quote(src), quote(dst));
+        script.push_str(&format!(
+            "if [ -d {src} ]; then mkdir -p {dst}; else mkdir -p \"$(dirname {dst})\"; [ -e {dst} ] || touch {dst}; fi\nmount --bind {src} {dst}\n"
+        ));
+        let options = mount["options"].as_array().into_iter().flatten();
+        if options.filter_map(|o| o.as_str()).any(|o| o == "ro") {
+            script.push_str(&format!("mount -o remount,bind,ro {dst}\n"));
+        }
+    }
+    script.push_str("exec env \"$@\"");
+    let mut env: Vec<String> = edits["env"]
+        .as_array()
+        .into_iter()
+        .flatten()
+        .filter_map(|v| v.as_str().map(str::to_owned))
+        .collect();
+    env.extend(extra_env.iter().map(|(k, v)| format!("{k}={v}")));
+    let output = Command::new("unshare")
+        .args([
+            "--mount",
+            "--propagation",
+            "private",
+            "/bin/sh",
+            "-c",
+            &script,
+            "sh",
+        ])
+        .args(&env)
+        .args(argv)
+        .env_clear()
+        .env(
+            "PATH",
+            "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin",
+        )
+        .output()
+        .context("running unshare")?;
+    Ok(format!(
+        "{}{}",
+        String::from_utf8_lossy(&output.stdout),
+        String::from_utf8_lossy(&output.stderr)
+    ))
+}
+
 /// One container as the kit's runtime recorded it at CreateContainer: what kubelet passed
 /// from our plugins' answers.
 #[derive(Debug, Clone, Deserialize)]
@@ -281,6 +394,9 @@ pub struct CreatedContainer {
     /// Fully-qualified CDI device names (DRA mode).
     #[serde(default)]
     pub cdi: Option<Vec<String>>,
+    /// `hostPath:containerPath` of each mount kubelet passed (the device plugin's among them).
+    #[serde(default)]
+    pub mounts: Option<Vec<String>>,
 }
 
 /// The real cluster with the chart installed; taken down when dropped (unless
