@@ -86,6 +86,7 @@ pub use gpushare_runtime::gpu as backend;
 pub mod devices;
 pub mod facts;
 pub mod gpu_health;
+pub mod isolation_usage;
 mod mark_writer;
 pub mod matching;
 pub mod metrics;
@@ -473,6 +474,9 @@ async fn forward_shutdown(
     Ok(())
 }
 
+/// How often the interposer's budget files are read ([`isolation_usage`]).
+const ISOLATION_READ_PERIOD: Duration = Duration::from_secs(10);
+
 /// A long-lived task of the plugin, named for the supervisor.
 type Task = (&'static str, JoinHandle<Result<()>>);
 
@@ -523,6 +527,9 @@ impl Plugin {
         // The pod view's tasks end only on shutdown: any other end stops the plugin loudly.
         for (name, task) in pod_tasks {
             tasks.push((name, gpushare_runtime::as_supervised(task)));
+        }
+        if let Some(isolation) = &self.isolation {
+            tasks.push(self.isolation_reader(pods.clone(), isolation));
         }
         if self.config.usage_period_ms > 0 {
             tasks.push(self.usage_reader(pods));
@@ -658,6 +665,23 @@ impl Plugin {
     }
 
     /// Measures what each pod really uses ([`usage`]).
+    /// Reads what each container's interposer counted ([`isolation_usage`]).
+    fn isolation_reader(&self, pods: Arc<PodCache>, isolation: &service::Isolation) -> Task {
+        let reader = isolation_usage::IsolationReader {
+            host_dir: isolation.host_dir.clone(),
+            metrics: self.metrics.clone(),
+            pods,
+            inventory: self.inventory.clone(),
+            period: ISOLATION_READ_PERIOD,
+        };
+        let token = self.token.clone();
+        let task = tokio::spawn(async move {
+            reader.run(token).await;
+            Ok(())
+        });
+        ("isolation usage reader", task)
+    }
+
     fn usage_reader(&self, pods: Arc<PodCache>) -> Task {
         let config = &self.config;
         let reader = usage::UsageReader {

@@ -83,6 +83,26 @@ pub struct Metrics {
     pub pods_over_share: Gauge<i64, AtomicI64>,
     /// Node usage annotation patches, by result.
     pub usage_patches: Family<ResultLabels, Counter>,
+    /// Each container's share of each GPU, as its interposer holds it
+    /// ([`crate::isolation_usage`]).
+    pub isolated_share_bytes: Family<ContainerGpuLabels, Gauge<i64, AtomicI64>>,
+    /// Bytes each container holds on each GPU, as its interposer counted them.
+    pub isolated_used_bytes: Family<ContainerGpuLabels, Gauge<i64, AtomicI64>>,
+    /// Allocations the interposer refused each container so far (past its share).
+    pub isolated_refused_allocations: Family<ContainerGpuLabels, Gauge<i64, AtomicI64>>,
+}
+
+/// Labels of a per-container, per-GPU metric of the interposer.
+#[derive(Debug, Clone, Hash, PartialEq, Eq, PartialOrd, Ord, EncodeLabelSet)]
+pub struct ContainerGpuLabels {
+    /// The pod's namespace.
+    pub namespace: String,
+    /// The pod's name.
+    pub pod: String,
+    /// The container.
+    pub container: String,
+    /// The GPU, as the container numbers it.
+    pub gpu: u32,
 }
 
 /// Labels of a per-GPU metric.
@@ -149,6 +169,9 @@ impl Metrics {
             pod_used_bytes: Family::default(),
             pods_over_share: Gauge::default(),
             usage_patches: Family::default(),
+            isolated_share_bytes: Family::default(),
+            isolated_used_bytes: Family::default(),
+            isolated_refused_allocations: Family::default(),
         };
         let sub = registry.sub_registry_with_prefix("gpushare_device_plugin");
         // In this order: it is the order of `/metrics`.
@@ -259,6 +282,21 @@ impl Metrics {
             "pod_used_bytes",
             "GPU memory each pod's processes use on each GPU",
             self.pod_used_bytes.clone(),
+        );
+        sub.register(
+            "isolated_share_bytes",
+            "Each container's share of each GPU, as the isolation interposer holds it (isolation.mode preload)",
+            self.isolated_share_bytes.clone(),
+        );
+        sub.register(
+            "isolated_used_bytes",
+            "GPU memory each container holds on each GPU, as the isolation interposer counted it",
+            self.isolated_used_bytes.clone(),
+        );
+        sub.register(
+            "isolated_refused_allocations",
+            "Allocations the isolation interposer refused each container so far, because they would pass its share",
+            self.isolated_refused_allocations.clone(),
         );
         sub.register(
             "pods_over_share",

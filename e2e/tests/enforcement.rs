@@ -142,3 +142,98 @@ async fn each_enforcement_mode_gives_containers_what_its_enforcer_reads() -> any
     ensure!(accounting[0] != accounting[1], "{accounting:?}");
     Ok(())
 }
+
+/// `--enforcement preload`, with the interposer this build made: a process run as the
+/// container would run (the library and accounting directory kubelet was told to mount, the
+/// share it was given) is held to its share, and the plugin reads what the interposer counted
+/// into `/metrics` without any view of the container's processes.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn preload_holds_a_container_and_its_use_reaches_metrics() -> anyhow::Result<()> {
+    let bins = gpushare_e2e::cluster::binaries()?;
+    let dir = tempfile::tempdir()?;
+    let host = dir.path().join("host");
+    let args = [
+        "--enforcement".to_owned(),
+        "preload".to_owned(),
+        format!("--isolation-library={}", bins.isolation_library.display()),
+        format!("--isolation-host-dir={}", host.display()),
+    ];
+    let args: Vec<&str> = args.iter().map(String::as_str).collect();
+    let cluster =
+        TestCluster::start(ClusterSpec::labelled(&[("n1", &[16])]).with_device_plugin_args(&args))
+            .await?;
+    let result = async {
+        create_gpu_pod(&cluster, "notebook", 4).await?;
+        wait_running(&cluster, "notebook").await?;
+        let kubelet = &cluster.nodes["n1"].kubelet;
+        let vars = kubelet
+            .container_env("default", "notebook", "main")
+            .ok_or_else(|| anyhow::anyhow!("no environment"))?;
+        let mounts = kubelet.container_mounts("default", "notebook", "main");
+        let host_of = |inside: &str| {
+            mounts
+                .iter()
+                .find(|(container, _, _)| container == inside)
+                .map(|(_, host, _)| host.clone())
+                .ok_or_else(|| anyhow::anyhow!("{inside} is not mounted: {mounts:?}"))
+        };
+        // The container's view: its environment, with the mounts' host paths for the paths
+        // it sees them at.
+        let output = std::process::Command::new(&bins.isolation_probe)
+            .args(["info", "alloc:mem:3000", "alloc:mem:2000"])
+            .env_clear()
+            .envs(
+                vars.iter()
+                    .filter(|(name, _)| name.starts_with("GPUSHARE_")),
+            )
+            .env(
+                env::LD_PRELOAD,
+                host_of(env::ISOLATION_LIBRARY_IN_CONTAINER)?,
+            )
+            .env(
+                env::ISOLATION_DIR,
+                host_of(env::ISOLATION_DIR_IN_CONTAINER)?,
+            )
+            .env(
+                "LD_LIBRARY_PATH",
+                gpushare_isolation_probe::fake_driver_dir(),
+            )
+            .output()?;
+        let report = String::from_utf8_lossy(&output.stdout);
+        for wanted in [
+            "cuda dev=0 total=4294967296 ",
+            "alloc path=mem mib=3000 result=0",
+            "alloc path=mem mib=2000 result=2",
+        ] {
+            ensure!(
+                report.lines().any(|line| line.starts_with(wanted)),
+                "{wanted:?} not in {report}"
+            );
+        }
+        let addr = cluster.device_plugin_metrics("n1")?;
+        let labels = r#"{namespace="default",pod="notebook",container="main",gpu="0"}"#;
+        let want = [
+            format!("gpushare_device_plugin_isolated_share_bytes{labels} 4294967296"),
+            format!("gpushare_device_plugin_isolated_used_bytes{labels} 3145728000"),
+            format!("gpushare_device_plugin_isolated_refused_allocations{labels} 1"),
+        ];
+        gpushare_e2e::cluster::wait_for(
+            "the interposer's count on /metrics",
+            std::time::Duration::from_secs(30),
+            || async {
+                let (_, body) = gpushare_e2e::cluster::http_get(addr, "/metrics")
+                    .await
+                    .ok()?;
+                want.iter().all(|line| body.contains(line)).then_some(())
+            },
+        )
+        .await?;
+        anyhow::Ok(())
+    }
+    .await;
+    if result.is_err() {
+        eprintln!("{}", cluster.log_tail(40));
+    }
+    cluster.shutdown().await;
+    result
+}
