@@ -14,7 +14,7 @@
 //! the reader cannot parse, is skipped for that pass.
 
 use std::collections::{BTreeMap, BTreeSet};
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -74,59 +74,26 @@ impl IsolationReader {
     /// One pass: every container's figures, and the directories whose pod holds no
     /// allocation here now (those already absent in `absent_before` are removed).
     pub fn pass(&self, absent_before: &BTreeSet<String>) -> (Vec<ContainerUse>, BTreeSet<String>) {
-        let root = self.host_dir.join("containers");
-        let live = self.live_pods();
-        let mut uses = Vec::new();
+        let live = live_pods(&self.pods, &self.inventory);
         let mut absent = BTreeSet::new();
-        let Ok(entries) = std::fs::read_dir(&root) else {
-            return (uses, absent);
-        };
-        for entry in entries.flatten() {
-            let name = entry.file_name().to_string_lossy().into_owned();
-            let Some((pod, container)) = parse_dir_name(&name) else {
-                continue;
-            };
-            if !live.contains(&pod) {
-                if absent_before.contains(&name) {
-                    match gpushare_runtime::isolation::remove_accounting_dir(&self.host_dir, &name)
-                    {
-                        Ok(()) => {
-                            tracing::debug!(%pod, %container, "removed the accounting directory of a pod that is gone")
-                        }
-                        Err(error) => {
-                            tracing::warn!(%pod, %container, %error, "cannot remove an accounting directory")
-                        }
-                    }
-                } else {
-                    absent.insert(name);
-                }
+        for (name, pod, container) in accounting_dirs(&self.host_dir) {
+            if live.contains_key(&pod) {
                 continue;
             }
-            let Ok(budgets) = budgets_in(&entry.path()) else {
+            if !absent_before.contains(&name) {
+                absent.insert(name);
                 continue;
-            };
-            for (_, snapshot) in budgets {
-                let Ok(snapshot) = snapshot else { continue };
-                uses.extend(snapshot.gpus.iter().map(|gpu| ContainerUse {
-                    pod: pod.clone(),
-                    container: container.clone(),
-                    gpu: gpu.gpu,
-                    share: gpu.share,
-                    used: gpu.used,
-                    refused: gpu.refused,
-                }));
+            }
+            match gpushare_runtime::isolation::remove_accounting_dir(&self.host_dir, &name) {
+                Ok(()) => {
+                    tracing::debug!(%pod, %container, "removed the accounting directory of a pod that is gone")
+                }
+                Err(error) => {
+                    tracing::warn!(%pod, %container, %error, "cannot remove an accounting directory")
+                }
             }
         }
-        (uses, absent)
-    }
-
-    /// The pods (`namespace/name`) holding an allocation on one of this node's GPUs.
-    fn live_pods(&self) -> BTreeSet<String> {
-        let gpus = self.inventory.borrow().clone();
-        gpus.iter()
-            .flat_map(|gpu| self.pods.pods_on_gpu(&gpu.uuid))
-            .map(|(key, _)| key)
-            .collect()
+        (container_uses(&self.host_dir, &live), absent)
     }
 
     fn export(&self, uses: &[ContainerUse]) {
@@ -166,6 +133,60 @@ impl IsolationReader {
                 .set(gauge(refused));
         }
     }
+}
+
+/// The pods (`namespace/name`) holding an allocation on one of this node's GPUs, with the
+/// indexes of those GPUs.
+pub fn live_pods(pods: &PodCache, inventory: &Inventory) -> BTreeMap<String, Vec<u32>> {
+    let gpus = inventory.borrow().clone();
+    let mut live: BTreeMap<String, Vec<u32>> = BTreeMap::new();
+    for gpu in gpus.iter() {
+        for (key, _) in pods.pods_on_gpu(&gpu.uuid) {
+            live.entry(key).or_default().push(gpu.index);
+        }
+    }
+    live
+}
+
+/// The accounting directories under `<host_dir>/containers`: (name, `namespace/pod`,
+/// container).
+fn accounting_dirs(host_dir: &Path) -> Vec<(String, String, String)> {
+    let Ok(entries) = std::fs::read_dir(host_dir.join("containers")) else {
+        return Vec::new();
+    };
+    entries
+        .flatten()
+        .filter_map(|entry| {
+            let name = entry.file_name().to_string_lossy().into_owned();
+            let (pod, container) = parse_dir_name(&name)?;
+            Some((name, pod, container))
+        })
+        .collect()
+}
+
+/// What the interposers of the containers of `live` pods counted, per GPU.
+pub fn container_uses(host_dir: &Path, live: &BTreeMap<String, Vec<u32>>) -> Vec<ContainerUse> {
+    let mut uses = Vec::new();
+    for (name, pod, container) in accounting_dirs(host_dir) {
+        if !live.contains_key(&pod) {
+            continue;
+        }
+        let Ok(budgets) = budgets_in(&host_dir.join("containers").join(&name)) else {
+            continue;
+        };
+        for (_, snapshot) in budgets {
+            let Ok(snapshot) = snapshot else { continue };
+            uses.extend(snapshot.gpus.iter().map(|gpu| ContainerUse {
+                pod: pod.clone(),
+                container: container.clone(),
+                gpu: gpu.gpu,
+                share: gpu.share,
+                used: gpu.used,
+                refused: gpu.refused,
+            }));
+        }
+    }
+    uses
 }
 
 /// `<namespace>_<pod>_<container>_<n>` (as [`crate::service::Isolation::mounts`] names them)

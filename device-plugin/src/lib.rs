@@ -176,22 +176,9 @@ pub struct Config {
     /// hook: `NVIDIA_GPU_MEMORY_LIMIT`), `mps` (an MPS control daemon's pinned-memory limit).
     #[arg(long, env = "GPUSHARE_ENFORCEMENT", default_value = "none")]
     pub enforcement: Enforcement,
-    /// The interposer in this plugin's image, installed on the host at start
-    /// (`--enforcement preload`).
-    #[arg(
-        long,
-        env = "GPUSHARE_ISOLATION_LIBRARY",
-        default_value = "/usr/lib/gpushare/libgpushare_isolation.so"
-    )]
-    pub isolation_library: PathBuf,
-    /// The host directory (mounted at the same path) the interposer is installed in and each
-    /// container's accounting directory is made in (`--enforcement preload`).
-    #[arg(
-        long,
-        env = "GPUSHARE_ISOLATION_HOST_DIR",
-        default_value = "/var/lib/gpushare/isolation"
-    )]
-    pub isolation_host_dir: PathBuf,
+    /// Where the interposer comes from and goes (`--enforcement preload`).
+    #[command(flatten)]
+    pub isolation: gpushare_runtime::isolation::IsolationArgs,
     /// Namespaces whose containers get no interposer (`--enforcement preload`): an admin's
     /// way out for workloads that must reach the whole GPU.
     #[arg(
@@ -414,11 +401,8 @@ fn install_isolation(config: &Config) -> Result<Option<service::Isolation>> {
     if config.enforcement != Enforcement::Preload {
         return Ok(None);
     }
-    let host_dir = config.isolation_host_dir.clone();
-    let library =
-        gpushare_runtime::isolation::install_library(&config.isolation_library, &host_dir)
-            .map_err(Error::Isolation)?;
-    tracing::info!(library = %library.display(), "isolation: containers get this interposer preloaded and are held to their share");
+    let host_dir = config.isolation.isolation_host_dir.clone();
+    let library = config.isolation.install().map_err(Error::Isolation)?;
     let exempt_namespaces = config
         .isolation_exempt_namespaces
         .iter()
@@ -531,7 +515,7 @@ impl Plugin {
         if let Some(isolation) = &self.isolation {
             tasks.push(self.isolation_reader(pods.clone(), isolation));
         }
-        if self.config.usage_period_ms > 0 {
+        if self.config.usage_period_ms > 0 || self.isolation.is_some() {
             tasks.push(self.usage_reader(pods));
         }
         if let Some(file) = keyring_file {
@@ -664,7 +648,6 @@ impl Plugin {
         ("metrics server", task)
     }
 
-    /// Measures what each pod really uses ([`usage`]).
     /// Reads what each container's interposer counted ([`isolation_usage`]).
     fn isolation_reader(&self, pods: Arc<PodCache>, isolation: &service::Isolation) -> Task {
         let reader = isolation_usage::IsolationReader {
@@ -682,9 +665,18 @@ impl Plugin {
         ("isolation usage reader", task)
     }
 
+    /// Measures what each pod really uses ([`usage`]): with the interposer
+    /// (`--enforcement preload`) what it counted in each container, else the backend's
+    /// process lists (`--usage-period-ms`).
     fn usage_reader(&self, pods: Arc<PodCache>) -> Task {
         let config = &self.config;
+        let interposer = self.isolation.as_ref().map(|i| i.host_dir.clone());
+        let period = match (&interposer, config.usage_period_ms) {
+            (Some(_), 0) => ISOLATION_READ_PERIOD,
+            (_, ms) => Duration::from_millis(ms.max(100)),
+        };
         let reader = usage::UsageReader {
+            interposer,
             backend: self.backend.clone(),
             socket: config.pod_resources_socket.clone(),
             resource: config.resource.clone(),
@@ -692,7 +684,7 @@ impl Plugin {
             inventory: self.inventory.clone(),
             metrics: self.metrics.clone(),
             proc_root: config.proc_root.clone(),
-            period: Duration::from_millis(config.usage_period_ms.max(100)),
+            period,
             publish: usage::PublishPolicy {
                 key: self.keys.node_usage.clone(),
                 min_change_mib: config.usage_annotation_min_change_mib,

@@ -373,6 +373,10 @@ pub struct PublishPolicy {
 pub struct UsageReader {
     /// Where memory use is measured.
     pub backend: Arc<dyn GpuBackend>,
+    /// With `Some(isolation host dir)`, pods' use is what their interposers counted (the
+    /// accounting directories, [`crate::isolation_usage`]) instead of the backend's: no
+    /// process lists, no `hostPID`. The driver's own overhead per process is not in it.
+    pub interposer: Option<PathBuf>,
     /// kubelet's PodResources socket.
     pub socket: PathBuf,
     /// The resource whose devices are ours.
@@ -466,7 +470,11 @@ impl UsageReader {
     /// One measurement; a failure is said once.
     async fn measure(&self, said: &mut Said) -> Measured {
         let backend = self.backend.clone();
-        let uses = match tokio::task::spawn_blocking(move || backend.memory_in_use()).await {
+        let measured = match &self.interposer {
+            Some(host_dir) => Ok(Ok(Some(self.interposer_uses(host_dir)))),
+            None => tokio::task::spawn_blocking(move || backend.memory_in_use()).await,
+        };
+        let uses = match measured {
             Ok(Ok(Some(uses))) => {
                 said.backend_error = None;
                 uses
@@ -520,6 +528,23 @@ impl UsageReader {
         }
         said.pids_unknown = report.unknown_pids > 0;
         Measured::Report(report)
+    }
+
+    /// Each pod's use as its containers' interposers counted it: on its GPU, or spread over
+    /// its GPUs (a multi-GPU pod's ordinals are its own).
+    fn interposer_uses(&self, host_dir: &Path) -> Vec<MemoryUse> {
+        let live = crate::isolation_usage::live_pods(&self.pods, &self.inventory);
+        crate::isolation_usage::container_uses(host_dir, &live)
+            .into_iter()
+            .map(|usage| MemoryUse {
+                gpu: match live.get(&usage.pod).map(Vec::as_slice) {
+                    Some([only]) => Some(*only),
+                    _ => None,
+                },
+                user: MemoryUser::Pod(usage.pod),
+                bytes: usage.used,
+            })
+            .collect()
     }
 
     /// Writes the annotation; returns whether it was written.

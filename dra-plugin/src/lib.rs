@@ -122,22 +122,9 @@ pub struct Config {
     /// (`NVIDIA_GPU_MEMORY_LIMIT` for the NVIDIA toolkit's CDI hook) or `mps`.
     #[arg(long, env = "GPUSHARE_ENFORCEMENT", default_value = "none")]
     pub enforcement: Enforcement,
-    /// The interposer in this plugin's image, installed on the host at start
-    /// (`--enforcement preload`).
-    #[arg(
-        long,
-        env = "GPUSHARE_ISOLATION_LIBRARY",
-        default_value = "/usr/lib/gpushare/libgpushare_isolation.so"
-    )]
-    pub isolation_library: PathBuf,
-    /// The host directory (mounted at the same path) the interposer is installed in and each
-    /// claim's accounting directory is made in (`--enforcement preload`).
-    #[arg(
-        long,
-        env = "GPUSHARE_ISOLATION_HOST_DIR",
-        default_value = "/var/lib/gpushare/isolation"
-    )]
-    pub isolation_host_dir: PathBuf,
+    /// Where the interposer comes from and goes (`--enforcement preload`).
+    #[command(flatten)]
+    pub isolation: gpushare_runtime::isolation::IsolationArgs,
     /// The MPS control daemon's pipe directory on the host, mounted into containers at the
     /// same path (`--enforcement mps`).
     #[arg(
@@ -406,11 +393,8 @@ fn install_isolation(config: &Config) -> Result<Option<cdi::Isolation>> {
     if config.enforcement != Enforcement::Preload {
         return Ok(None);
     }
-    let host_dir = config.isolation_host_dir.clone();
-    let library =
-        gpushare_runtime::isolation::install_library(&config.isolation_library, &host_dir)
-            .map_err(Error::Isolation)?;
-    tracing::info!(library = %library.display(), "isolation: claims' containers get this interposer preloaded and are held to their share");
+    let host_dir = config.isolation.isolation_host_dir.clone();
+    let library = config.isolation.install().map_err(Error::Isolation)?;
     Ok(Some(cdi::Isolation { library, host_dir }))
 }
 

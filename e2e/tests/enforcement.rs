@@ -5,6 +5,11 @@ use anyhow::ensure;
 use gpushare_contract::env;
 use gpushare_e2e::cluster::{ClusterSpec, TestCluster};
 use gpushare_e2e::scenarios::{check_pinned, create_gpu_pod, wait_running};
+use k8s_openapi::api::core::v1::{Node, Pod};
+use kube::Api;
+use kube::api::ListParams;
+use kubectl_gpushare::render::render_top_details;
+use kubectl_gpushare::usage::{Settings, cluster_usage};
 
 /// Starts a one-node cluster whose device plugin runs with `args`, runs a 4 GiB and a
 /// 12 GiB pod on it, and returns each one's environment and mounts.
@@ -157,6 +162,9 @@ async fn preload_holds_a_container_and_its_use_reaches_metrics() -> anyhow::Resu
         "preload".to_owned(),
         format!("--isolation-library={}", bins.isolation_library.display()),
         format!("--isolation-host-dir={}", host.display()),
+        // Every change reaches the node annotation `top -d` reads, at once.
+        "--usage-annotation-min-interval-ms=0".to_owned(),
+        "--usage-annotation-min-change-mib=1".to_owned(),
     ];
     let args: Vec<&str> = args.iter().map(String::as_str).collect();
     let cluster =
@@ -228,6 +236,45 @@ async fn preload_holds_a_container_and_its_use_reaches_metrics() -> anyhow::Resu
             },
         )
         .await?;
+        // `kubectl gpushare top -d` shows it as the pod's use, from the node annotation.
+        let row = gpushare_e2e::cluster::wait_for(
+            "top -d to show the notebook's use",
+            std::time::Duration::from_secs(30),
+            || async {
+                let nodes = Api::<Node>::all(cluster.client.clone())
+                    .list(&ListParams::default())
+                    .await
+                    .ok()?
+                    .items;
+                let pods = Api::<Pod>::all(cluster.client.clone())
+                    .list(&ListParams::default())
+                    .await
+                    .ok()?
+                    .items;
+                let text = render_top_details(&cluster_usage(&nodes, &pods, &Settings::default()));
+                text.lines()
+                    .find(|line| line.split_whitespace().nth(1) == Some("notebook"))
+                    .filter(|line| line.trim_end().ends_with("2.9"))
+                    .map(str::to_owned)
+            },
+        )
+        .await;
+        let row = match row {
+            Ok(row) => row,
+            Err(error) => {
+                let nodes = Api::<Node>::all(cluster.client.clone())
+                    .list(&ListParams::default())
+                    .await?
+                    .items;
+                let pods = Api::<Pod>::all(cluster.client.clone())
+                    .list(&ListParams::default())
+                    .await?
+                    .items;
+                let text = render_top_details(&cluster_usage(&nodes, &pods, &Settings::default()));
+                anyhow::bail!("{error}:\n{text}");
+            }
+        };
+        println!("top -d: {row}");
         anyhow::Ok(())
     }
     .await;

@@ -11,6 +11,36 @@
 use std::io;
 use std::path::{Path, PathBuf};
 
+/// The plugins' flags for `--enforcement preload` (flattened into each one's `Config`).
+#[derive(Debug, Clone, PartialEq, Eq, clap::Args)]
+pub struct IsolationArgs {
+    /// The interposer in this plugin's image, installed on the host at start
+    /// (`--enforcement preload`).
+    #[arg(
+        long,
+        env = "GPUSHARE_ISOLATION_LIBRARY",
+        default_value = "/usr/lib/gpushare/libgpushare_isolation.so"
+    )]
+    pub isolation_library: PathBuf,
+    /// The host directory (mounted at the same path) the interposer is installed in and each
+    /// container's or claim's accounting directory is made in (`--enforcement preload`).
+    #[arg(
+        long,
+        env = "GPUSHARE_ISOLATION_HOST_DIR",
+        default_value = "/var/lib/gpushare/isolation"
+    )]
+    pub isolation_host_dir: PathBuf,
+}
+
+impl IsolationArgs {
+    /// Installs the interposer ([`install_library`]); returns its host path.
+    pub fn install(&self) -> io::Result<PathBuf> {
+        let library = install_library(&self.isolation_library, &self.isolation_host_dir)?;
+        tracing::info!(library = %library.display(), "isolation: GPU containers get this interposer preloaded and are held to their share");
+        Ok(library)
+    }
+}
+
 /// The interposer's file name in the plugin image and, versioned, on the host.
 pub const LIBRARY_NAME: &str = "libgpushare_isolation";
 
