@@ -179,14 +179,6 @@ pub struct Config {
     /// Where the interposer comes from and goes (`--enforcement preload`).
     #[command(flatten)]
     pub isolation: gpushare_runtime::isolation::IsolationArgs,
-    /// Namespaces whose containers get no interposer (`--enforcement preload`): an admin's
-    /// way out for workloads that must reach the whole GPU.
-    #[arg(
-        long,
-        env = "GPUSHARE_ISOLATION_EXEMPT_NAMESPACES",
-        value_delimiter = ','
-    )]
-    pub isolation_exempt_namespaces: Vec<String>,
     /// Evict the running pods of a GPU that turns unhealthy (they get an Event and a pod
     /// condition either way), so their controllers re-create them elsewhere.
     #[arg(long, env = "GPUSHARE_EVICT_ON_UNHEALTHY", default_value_t = false, action = clap::ArgAction::Set)]
@@ -403,16 +395,10 @@ fn install_isolation(config: &Config) -> Result<Option<service::Isolation>> {
     }
     let host_dir = config.isolation.isolation_host_dir.clone();
     let library = config.isolation.install().map_err(Error::Isolation)?;
-    let exempt_namespaces = config
-        .isolation_exempt_namespaces
-        .iter()
-        .map(|ns| ns.trim().to_owned())
-        .filter(|ns| !ns.is_empty())
-        .collect();
     Ok(Some(service::Isolation {
         library,
         host_dir,
-        exempt_namespaces,
+        exempt_namespaces: config.isolation.exempt_namespaces(),
     }))
 }
 

@@ -40,6 +40,28 @@ pub struct Isolation {
     pub library: PathBuf,
     /// The host directory holding `containers/<name>`, the accounting directories.
     pub host_dir: PathBuf,
+    /// Namespaces whose claims' containers get no interposer.
+    pub exempt_namespaces: std::collections::BTreeSet<String>,
+}
+
+impl EnforcementConfig {
+    /// The enforcement for a claim in `namespace`: the node's, except none of the interposer
+    /// in an exempt namespace.
+    pub fn for_namespace(&self, namespace: &str) -> Self {
+        match &self.isolation {
+            Some(isolation)
+                if self.mode == Enforcement::Preload
+                    && isolation.exempt_namespaces.contains(namespace) =>
+            {
+                Self {
+                    mode: Enforcement::None,
+                    mps_pipe_directory: self.mps_pipe_directory.clone(),
+                    isolation: None,
+                }
+            }
+            _ => self.clone(),
+        }
+    }
 }
 
 /// The accounting directory's name of claim `uid`: every container using the claim shares
@@ -221,8 +243,27 @@ mod tests {
             isolation: Some(Isolation {
                 library: "/var/lib/gpushare/isolation/lib/libgpushare_isolation-1-2.so".into(),
                 host_dir: "/var/lib/gpushare/isolation".into(),
+                exempt_namespaces: ["trusted".to_owned()].into(),
             }),
         };
+        let exempt = spec(
+            "k/c",
+            "u1",
+            &[device.clone()],
+            &preload.for_namespace("trusted"),
+        );
+        assert!(
+            exempt["devices"][0]["containerEdits"]
+                .get("mounts")
+                .is_none()
+        );
+        assert!(
+            !exempt["devices"][0]["containerEdits"]["env"]
+                .as_array()
+                .unwrap()
+                .iter()
+                .any(|v| v.as_str().is_some_and(|v| v.starts_with("LD_PRELOAD=")))
+        );
         let spec = spec("k/c", "u1", &[device], &preload);
         let edits = &spec["devices"][0]["containerEdits"];
         let env = edits["env"].as_array().unwrap();

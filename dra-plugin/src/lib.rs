@@ -395,7 +395,11 @@ fn install_isolation(config: &Config) -> Result<Option<cdi::Isolation>> {
     }
     let host_dir = config.isolation.isolation_host_dir.clone();
     let library = config.isolation.install().map_err(Error::Isolation)?;
-    Ok(Some(cdi::Isolation { library, host_dir }))
+    Ok(Some(cdi::Isolation {
+        library,
+        host_dir,
+        exempt_namespaces: config.isolation.exempt_namespaces(),
+    }))
 }
 
 impl Servers {

@@ -111,14 +111,15 @@ impl<C: ClaimSource> DraService<C> {
             &node.cdi_kind(),
         )
         .map_err(|err| err.to_string())?;
-        if let Some(isolation) = &node.enforcement.isolation {
+        let enforcement = node.enforcement.for_namespace(&claim.namespace);
+        if let Some(isolation) = &enforcement.isolation {
             let name = cdi::accounting_dir_name(&claim.uid);
             gpushare_runtime::isolation::accounting_dir(&isolation.host_dir, &name).map_err(
                 |err| format!("making the claim's isolation accounting directory {name}: {err}"),
             )?;
         }
         let path = cdi::spec_path(&node.cdi_dir, &node.driver, &claim.uid);
-        let spec = cdi::spec(&node.cdi_kind(), &claim.uid, &devices, &node.enforcement);
+        let spec = cdi::spec(&node.cdi_kind(), &claim.uid, &devices, &enforcement);
         cdi::write(&path, &spec)
             .map_err(|err| format!("writing CDI spec {}: {err}", path.display()))?;
         checkpoint.claims.insert(

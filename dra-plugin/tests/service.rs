@@ -303,6 +303,7 @@ async fn preload_gives_each_claim_an_accounting_directory_for_its_life() {
             isolation: Some(gpushare_dra_plugin::cdi::Isolation {
                 library: host_dir.join("lib").join("libgpushare_isolation-1-2.so"),
                 host_dir: host_dir.clone(),
+                exempt_namespaces: Default::default(),
             }),
         },
     );

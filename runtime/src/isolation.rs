@@ -30,9 +30,26 @@ pub struct IsolationArgs {
         default_value = "/var/lib/gpushare/isolation"
     )]
     pub isolation_host_dir: PathBuf,
+    /// Namespaces whose containers get no interposer (`--enforcement preload`): an admin's
+    /// way out for workloads that must reach the whole GPU.
+    #[arg(
+        long,
+        env = "GPUSHARE_ISOLATION_EXEMPT_NAMESPACES",
+        value_delimiter = ','
+    )]
+    pub isolation_exempt_namespaces: Vec<String>,
 }
 
 impl IsolationArgs {
+    /// `--isolation-exempt-namespaces`, trimmed, without empty names.
+    pub fn exempt_namespaces(&self) -> std::collections::BTreeSet<String> {
+        self.isolation_exempt_namespaces
+            .iter()
+            .map(|ns| ns.trim().to_owned())
+            .filter(|ns| !ns.is_empty())
+            .collect()
+    }
+
     /// Installs the interposer ([`install_library`]); returns its host path.
     pub fn install(&self) -> io::Result<PathBuf> {
         let library = install_library(&self.isolation_library, &self.isolation_host_dir)?;
