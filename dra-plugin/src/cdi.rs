@@ -249,7 +249,7 @@ mod tests {
         let exempt = spec(
             "k/c",
             "u1",
-            &[device.clone()],
+            std::slice::from_ref(&device),
             &preload.for_namespace("trusted"),
         );
         assert!(
