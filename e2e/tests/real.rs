@@ -698,6 +698,7 @@ fn a_gpu_container_is_held_to_its_share(c: &KitCluster) -> Outcome<'_> {
             "{:?}",
             created.env
         );
+        upgrade_keeps_the_running_containers_library(c, name, &mounts).await?;
         // The kit's runtime starts its shell with the container's environment before the
         // mounts are in place, so the dynamic loader complains there (filtered above).
         println!("  {name}: {}", report.join(" | "));
@@ -705,6 +706,71 @@ fn a_gpu_container_is_held_to_its_share(c: &KitCluster) -> Outcome<'_> {
         gpushare_e2e::realk8s::remove_isolation_placeholders();
         Ok(())
     })
+}
+
+/// A device plugin upgrade that brings another interposer while the probe of pod `name` runs
+/// with the one in `mounts`: the new one is installed beside it, the running container's file
+/// stays byte for byte, and the container runs on, never restarted.
+async fn upgrade_keeps_the_running_containers_library(
+    c: &KitCluster,
+    name: &str,
+    mounts: &[String],
+) -> anyhow::Result<()> {
+    let suffix = format!(":{}", env::ISOLATION_LIBRARY_IN_CONTAINER);
+    let mounted = mounts
+        .iter()
+        .find_map(|m| m.strip_suffix(&suffix))
+        .context("no interposer mount")?;
+    let before = std::fs::read(mounted)?;
+    // The same library with one byte more at its end (the loader reads what the ELF headers
+    // point to): another build, as an upgrade brings.
+    let next = c.kit().root().join("libgpushare_isolation-next.so");
+    let mut bytes = std::fs::read(gpushare_e2e::cluster::binaries()?.isolation_library)?;
+    bytes.push(0);
+    std::fs::write(&next, &bytes)?;
+    let flag = format!("--isolation-library={}", next.display());
+    c.helm(&[
+        "upgrade",
+        "gpushare",
+        &chart_dir(c).to_string_lossy(),
+        "-n",
+        "kube-system",
+        "--reuse-values",
+        "--set",
+        &format!("isolation.libraryPath={}", next.display()),
+    ])?;
+    plugin_ready_with(c, |container| {
+        container.args.iter().flatten().any(|arg| *arg == flag)
+    })
+    .await?;
+    ensure!(
+        std::fs::read(mounted)? == before,
+        "the upgrade changed the running container's interposer"
+    );
+    let installed = std::fs::read_dir(c.kit().root().join("isolation").join("lib"))?
+        .filter_map(|e| e.ok())
+        .filter(|e| e.file_name().to_string_lossy().ends_with(".so"))
+        .count();
+    ensure!(
+        installed == 2,
+        "{installed} libraries installed, two expected"
+    );
+    let pod = Api::<Pod>::namespaced(c.client(), "default")
+        .get(name)
+        .await?;
+    let status = pod.status.unwrap_or_default();
+    let restarts: i32 = status
+        .container_statuses
+        .iter()
+        .flatten()
+        .map(|s| s.restart_count)
+        .sum();
+    ensure!(
+        status.phase.as_deref() == Some("Running") && restarts == 0,
+        "{name} did not run on through the upgrade: {:?}, {restarts} restarts",
+        status.phase
+    );
+    Ok(())
 }
 
 /// Isolation on the real kubelet, DRA mode: a 4 GiB pod's claim is prepared by the DRA
