@@ -57,16 +57,24 @@ pub struct IsolationReader {
 }
 
 impl IsolationReader {
-    /// Reads every period until `token` is cancelled.
+    /// Reads every period until `token` is cancelled. The files are read on a blocking
+    /// thread, off the plugin's async workers.
     pub async fn run(self, token: CancellationToken) {
+        let reader = Arc::new(self);
         let mut absent_before = BTreeSet::new();
         loop {
-            let (uses, absent) = self.pass(&absent_before);
-            self.export(&uses);
+            let (pass, before) = (reader.clone(), absent_before.clone());
+            let Ok((uses, absent)) = tokio::task::spawn_blocking(move || pass.pass(&before)).await
+            else {
+                tracing::warn!("reading the isolation budget files crashed; retrying");
+                tokio::time::sleep(reader.period).await;
+                continue;
+            };
+            reader.export(&uses);
             absent_before = absent;
             tokio::select! {
                 () = token.cancelled() => return,
-                () = tokio::time::sleep(self.period) => {}
+                () = tokio::time::sleep(reader.period) => {}
             }
         }
     }

@@ -405,6 +405,23 @@ impl std::fmt::Debug for UsageReader {
     }
 }
 
+/// Each pod's use as its containers' interposers counted it: on its GPU, or spread over its
+/// GPUs (a multi-GPU pod's ordinals are its own).
+fn interposer_uses(pods: &PodCache, inventory: &Inventory, host_dir: &Path) -> Vec<MemoryUse> {
+    let live = crate::isolation_usage::live_pods(pods, inventory);
+    crate::isolation_usage::container_uses(host_dir, &live)
+        .into_iter()
+        .map(|usage| MemoryUse {
+            gpu: match live.get(&usage.pod).map(Vec::as_slice) {
+                Some([only]) => Some(*only),
+                _ => None,
+            },
+            user: MemoryUser::Pod(usage.pod),
+            bytes: usage.used,
+        })
+        .collect()
+}
+
 /// The outcome of one measurement.
 #[derive(Debug)]
 enum Measured {
@@ -471,7 +488,14 @@ impl UsageReader {
     async fn measure(&self, said: &mut Said) -> Measured {
         let backend = self.backend.clone();
         let measured = match &self.interposer {
-            Some(host_dir) => Ok(Ok(Some(self.interposer_uses(host_dir)))),
+            Some(host_dir) => {
+                let (pods, inventory, host_dir) =
+                    (self.pods.clone(), self.inventory.clone(), host_dir.clone());
+                tokio::task::spawn_blocking(move || {
+                    Ok(Some(interposer_uses(&pods, &inventory, &host_dir)))
+                })
+                .await
+            }
             None => tokio::task::spawn_blocking(move || backend.memory_in_use()).await,
         };
         let uses = match measured {
@@ -528,23 +552,6 @@ impl UsageReader {
         }
         said.pids_unknown = report.unknown_pids > 0;
         Measured::Report(report)
-    }
-
-    /// Each pod's use as its containers' interposers counted it: on its GPU, or spread over
-    /// its GPUs (a multi-GPU pod's ordinals are its own).
-    fn interposer_uses(&self, host_dir: &Path) -> Vec<MemoryUse> {
-        let live = crate::isolation_usage::live_pods(&self.pods, &self.inventory);
-        crate::isolation_usage::container_uses(host_dir, &live)
-            .into_iter()
-            .map(|usage| MemoryUse {
-                gpu: match live.get(&usage.pod).map(Vec::as_slice) {
-                    Some([only]) => Some(*only),
-                    _ => None,
-                },
-                user: MemoryUser::Pod(usage.pod),
-                bytes: usage.used,
-            })
-            .collect()
     }
 
     /// Writes the annotation; returns whether it was written.

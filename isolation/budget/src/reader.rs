@@ -7,7 +7,6 @@
 //! still count until a process of the container allocates or asks for memory).
 //! [`budgets_in`] reads every budget file of a directory.
 
-use std::fs::File;
 use std::io::Read;
 use std::path::{Path, PathBuf};
 
@@ -79,14 +78,21 @@ pub struct Snapshot {
 }
 
 impl Snapshot {
-    /// Reads the budget file at `path`. Only a regular file of [`FILE_LEN`] bytes is read
-    /// (the directory is writable from containers: what is planted there is not read whole).
+    /// Reads the budget file at `path`. Only a regular file of [`FILE_LEN`] bytes is read:
+    /// the directory is writable from containers, so the file is opened without following a
+    /// link and without blocking (a FIFO planted there, or swapped in after the listing,
+    /// cannot hang the reader), and what it turns out to be is checked on the open file.
     pub fn read(path: &Path) -> Result<Self> {
+        use std::os::unix::fs::OpenOptionsExt as _;
         let io = |source| Error::Io {
             path: path.to_path_buf(),
             source,
         };
-        let file = File::open(path).map_err(io)?;
+        let file = std::fs::OpenOptions::new()
+            .read(true)
+            .custom_flags(libc::O_NONBLOCK | libc::O_NOFOLLOW)
+            .open(path)
+            .map_err(io)?;
         let meta = file.metadata().map_err(io)?;
         if !meta.is_file() {
             return Err(FormatError::new("not a regular file").into());
@@ -169,6 +175,30 @@ pub fn budgets_in(dir: &Path) -> Result<Vec<(PathBuf, Result<Snapshot>)>> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// A FIFO or a link where a budget file should be is refused at once, never waited on.
+    #[test]
+    fn a_planted_fifo_or_link_is_refused_without_blocking() {
+        let dir = tempfile::tempdir().unwrap();
+        let fifo = dir.path().join("budget-default-1x4096MiB.v1");
+        let made = std::process::Command::new("mkfifo")
+            .arg(&fifo)
+            .status()
+            .unwrap();
+        assert!(made.success());
+        let link = dir.path().join("budget-other-1x4096MiB.v1");
+        std::os::unix::fs::symlink("/dev/zero", &link).unwrap();
+        let (done, answer) = std::sync::mpsc::channel();
+        let paths = [fifo, link];
+        std::thread::spawn(move || {
+            let results: Vec<bool> = paths.iter().map(|p| Snapshot::read(p).is_err()).collect();
+            let _ = done.send(results);
+        });
+        let results = answer
+            .recv_timeout(std::time::Duration::from_secs(5))
+            .expect("reading a planted FIFO blocked");
+        assert_eq!(results, [true, true]);
+    }
     use crate::Limits;
     use crate::layout::budget_path;
 
