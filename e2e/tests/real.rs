@@ -722,6 +722,15 @@ async fn upgrade_keeps_the_running_containers_library(
         .find_map(|m| m.strip_suffix(&suffix))
         .context("no interposer mount")?;
     let before = std::fs::read(mounted)?;
+    let libraries = || -> anyhow::Result<usize> {
+        Ok(
+            std::fs::read_dir(c.kit().root().join("isolation").join("lib"))?
+                .filter_map(|e| e.ok())
+                .filter(|e| e.file_name().to_string_lossy().ends_with(".so"))
+                .count(),
+        )
+    };
+    let installed_before = libraries()?;
     // The same library with one byte more at its end (the loader reads what the ELF headers
     // point to): another build, as an upgrade brings.
     let next = c.kit().root().join("libgpushare_isolation-next.so");
@@ -747,13 +756,10 @@ async fn upgrade_keeps_the_running_containers_library(
         std::fs::read(mounted)? == before,
         "the upgrade changed the running container's interposer"
     );
-    let installed = std::fs::read_dir(c.kit().root().join("isolation").join("lib"))?
-        .filter_map(|e| e.ok())
-        .filter(|e| e.file_name().to_string_lossy().ends_with(".so"))
-        .count();
+    let installed = libraries()?;
     ensure!(
-        installed == 2,
-        "{installed} libraries installed, two expected"
+        installed == installed_before + 1,
+        "{installed} libraries installed after the upgrade, {installed_before} before"
     );
     let pod = Api::<Pod>::namespaced(c.client(), "default")
         .get(name)

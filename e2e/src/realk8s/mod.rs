@@ -203,7 +203,8 @@ impl Kit {
         self.down();
         let started = std::time::Instant::now();
         // The plugins install the interposer from "their image", here this build's, into a
-        // host directory of the kit's own (never a host-wide path).
+        // host directory of the kit's own (never a host-wide path), fresh for each cluster.
+        let _ = std::fs::remove_dir_all(self.root.join("isolation"));
         let isolation = [
             format!(
                 "isolation.libraryPath={}",
