@@ -5,7 +5,8 @@
 //! subtree replaced by arbitrary JSON; a longer run:
 //! `PROPTEST_CASES=20000 cargo test -p gpushare-admission --test bad_input`.
 
-#![allow(clippy::unwrap_used)] // a test failing on unexpected data is the point
+// Test helpers outside #[test] functions: a failed unwrap is a failed test.
+#![allow(clippy::unwrap_used, clippy::expect_used)]
 
 use std::sync::OnceLock;
 

@@ -1,7 +1,8 @@
 //! The webhook over real HTTPS: a client trusting only the generated CA gets an answer, and
 //! a rotation changes the certificate the next handshake sees without restarting the server.
 
-#![allow(clippy::unwrap_used)] // a test failing on unexpected data is the point
+// Test helpers outside #[test] functions: a failed unwrap is a failed test.
+#![allow(clippy::unwrap_used, clippy::expect_used)]
 
 use std::sync::Arc;
 

@@ -1,6 +1,7 @@
 //! The `/mutate-pods` handler through the axum router, as the API server would call it.
 
-#![allow(clippy::unwrap_used)] // a test failing on unexpected data is the point
+// Test helpers outside #[test] functions: a failed unwrap is a failed test.
+#![allow(clippy::unwrap_used, clippy::expect_used)]
 
 use axum::body::Body;
 use base64::Engine as _;

@@ -43,8 +43,6 @@
 //! are kept up to date on every change, and the pending-size map is only consulted for the
 //! (few) container sizes of the pod being placed.
 
-#![cfg_attr(test, allow(clippy::unwrap_used))]
-
 mod cluster;
 pub mod demand_mix;
 pub mod fragmentation;

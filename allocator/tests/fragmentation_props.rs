@@ -8,8 +8,6 @@
 //! - the per-GPU change the decision reads ([`Before::delta`], computed in O(shapes)) equals
 //!   the node's fragmentation measured from scratch after the placement, minus before.
 
-#![allow(clippy::unwrap_used)]
-
 use std::collections::BTreeMap;
 
 use gpushare_allocator::fragmentation::{self, Before, Host, NodeFree, Shape, Workload};

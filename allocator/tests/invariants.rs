@@ -6,8 +6,6 @@
 //! of one size all span the same GPUs), and rebuilding from the placements (as after a
 //! restart) gives the same state as following the events.
 
-#![allow(clippy::unwrap_used)]
-
 use std::collections::{BTreeMap, BTreeSet};
 
 use gpushare_allocator::fragmentation::Shape;

@@ -3,6 +3,9 @@
 //! follows what kubelet says about the registration, and the probe server stops with the
 //! plugin.
 
+// Test helpers outside #[test] functions: a failed unwrap is a failed test.
+#![allow(clippy::unwrap_used, clippy::expect_used)]
+
 use std::net::SocketAddr;
 use std::path::Path;
 use std::sync::{Arc, Mutex};

@@ -1,6 +1,9 @@
 //! The DRA and registration services over real unix sockets, as kubelet calls them, with
 //! claims served from a map instead of the API server.
 
+// Test helpers outside #[test] functions: a failed unwrap is a failed test.
+#![allow(clippy::unwrap_used, clippy::expect_used)]
+
 use std::collections::HashMap;
 use std::path::Path;
 use std::sync::{Arc, Mutex};

@@ -5,8 +5,6 @@
 //! exactly what its binary calls: the calls our real binaries make against the in-process
 //! cluster, recorded by its API server by caller.
 
-#![allow(clippy::unwrap_used)] // a test failing on unexpected data is the point
-
 use std::collections::{BTreeMap, BTreeSet};
 use std::path::PathBuf;
 use std::process::Command;

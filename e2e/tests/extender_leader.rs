@@ -3,8 +3,6 @@
 //! binds, a follower passes kube-scheduler's bind on to it, and never a bind that was itself
 //! passed on.
 
-#![allow(clippy::unwrap_used)]
-
 use std::net::SocketAddr;
 use std::time::Duration;
 

@@ -1,8 +1,6 @@
 //! The extender, run in-process as in production (watches, HTTP on 127.0.0.1:0, Binding
 //! writes), against gpushare-e2e's in-process API server.
 
-#![allow(clippy::unwrap_used)]
-
 use std::collections::{BTreeMap, BTreeSet};
 use std::net::SocketAddr;
 use std::time::Duration;

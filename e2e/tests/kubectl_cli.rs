@@ -2,8 +2,6 @@
 //! kubeconfig file, as a user would run it. It prints the same as the golden files of
 //! `kubectl-gpushare/tests/golden.rs` for the same cluster, which both read from one module.
 
-#![allow(clippy::unwrap_used)] // a test failing on unexpected data is the point
-
 #[path = "../../kubectl-gpushare/tests/common/mod.rs"]
 mod common;
 

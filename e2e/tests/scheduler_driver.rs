@@ -3,7 +3,6 @@
 //! records every body it receives and answers as each test needs.
 
 // A test that cannot unwrap has failed; the panic message is the report.
-#![allow(clippy::unwrap_used)]
 
 use std::collections::BTreeSet;
 use std::sync::{Arc, Mutex};

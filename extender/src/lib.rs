@@ -34,8 +34,6 @@
 //! checks before it hands out a GPU; and an allocation on a pod that does not verify is not
 //! trusted to lower what the extender has booked ([`view`]).
 
-#![cfg_attr(test, allow(clippy::unwrap_used))]
-
 pub mod api;
 pub mod bind;
 pub mod config;

@@ -181,7 +181,6 @@ impl<'de> Deserialize<'de> for WatchedPod {
 }
 
 #[cfg(test)]
-#[allow(clippy::unwrap_used)] // a test that cannot unwrap has failed
 mod tests {
     use super::*;
     use serde_json::{Value, json};

@@ -7,7 +7,8 @@
 //! arbitrary JSON. CI runs proptest's default number of cases per property; a longer run:
 //! `PROPTEST_CASES=20000 cargo test -p gpushare-extender --test bad_input`.
 
-#![allow(clippy::unwrap_used)]
+// Test helpers outside #[test] functions: a failed unwrap is a failed test.
+#![allow(clippy::unwrap_used, clippy::expect_used)]
 
 mod common;
 

@@ -1,7 +1,8 @@
 //! The extender's HTTP handlers on a state built directly (no API server): the captured
 //! kube-scheduler requests, the design-doc example, refusals and their reasons.
 
-#![allow(clippy::unwrap_used)]
+// Test helpers outside #[test] functions: a failed unwrap is a failed test.
+#![allow(clippy::unwrap_used, clippy::expect_used)]
 
 mod common;
 

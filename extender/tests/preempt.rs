@@ -2,7 +2,8 @@
 //! the node's total against the extender's per-GPU answer, nodes dropped, pods that are not
 //! ours, and the memory held for a nominated preemptor.
 
-#![allow(clippy::unwrap_used)]
+// Test helpers outside #[test] functions: a failed unwrap is a failed test.
+#![allow(clippy::unwrap_used, clippy::expect_used)]
 
 mod common;
 

@@ -3,7 +3,8 @@
 //! pods' CPU from their requests; the answer prefers the node the placement fragments less,
 //! where `binpack` prefers the fuller one.
 
-#![allow(clippy::unwrap_used)]
+// Test helpers outside #[test] functions: a failed unwrap is a failed test.
+#![allow(clippy::unwrap_used, clippy::expect_used)]
 
 mod common;
 

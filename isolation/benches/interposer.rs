@@ -10,6 +10,9 @@
 //! The fake driver is loaded by path before the hooks look for `libcuda.so.1`, so they find
 //! it by its soname.
 
+// Test helpers outside #[test] functions: a failed unwrap is a failed test.
+#![allow(clippy::unwrap_used, clippy::expect_used)]
+
 use std::ffi::{CString, c_int, c_void};
 use std::hint::black_box;
 use std::sync::atomic::{AtomicU64, Ordering};

@@ -2,6 +2,9 @@
 //! allocate/free, with threads and forked processes racing. The reader's own tests are in
 //! gpushare-isolation-budget.
 
+// Test helpers outside #[test] functions: a failed unwrap is a failed test.
+#![allow(clippy::unwrap_used, clippy::expect_used)]
+
 use std::path::PathBuf;
 use std::sync::atomic::{AtomicU64, Ordering};
 

@@ -7,6 +7,9 @@
 //! from `GPUSHARE_ISOLATION_BIN_DIR` (holding `libgpushare_isolation.so` and
 //! `gpushare-isolation-probe`).
 
+// Test helpers outside #[test] functions: a failed unwrap is a failed test.
+#![allow(clippy::unwrap_used, clippy::expect_used)]
+
 use std::io::{BufRead, BufReader};
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};

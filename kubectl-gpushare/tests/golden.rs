@@ -1,7 +1,5 @@
 //! `top` and `doctor` output over fixed objects, compared with files in `tests/golden/`.
 
-#![allow(clippy::unwrap_used)] // a test failing on unexpected data is the point
-
 mod common;
 
 use gpushare_testkit::fixtures::{node, pod};

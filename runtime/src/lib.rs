@@ -14,8 +14,6 @@
 //! DRA plugin borrowed the device plugin's. A fix made to one copy (a JSON format, a missed
 //! SIGTERM, a TLS handshake with no timeout) missed the others.
 
-#![cfg_attr(test, allow(clippy::unwrap_used))]
-
 pub mod env;
 #[cfg(feature = "gpu")]
 pub mod gpu;

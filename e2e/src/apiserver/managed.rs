@@ -263,7 +263,6 @@ fn merge(owned: &mut Value, extra: &Value) {
 }
 
 #[cfg(test)]
-#[allow(clippy::unwrap_used)] // a test that cannot unwrap has failed
 mod tests {
     use super::*;
 

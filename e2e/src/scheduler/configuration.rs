@@ -337,7 +337,6 @@ fn go_duration(text: &str) -> anyhow::Result<Duration> {
 }
 
 #[cfg(test)]
-#[allow(clippy::unwrap_used)] // a test that cannot unwrap has failed
 mod tests {
     use super::*;
 

@@ -327,7 +327,6 @@ pub fn fit_error_message<'a>(
 }
 
 #[cfg(test)]
-#[allow(clippy::unwrap_used)] // a test that cannot unwrap has failed
 mod tests {
     use super::*;
     use crate::fixtures::{node, pod};

@@ -685,7 +685,6 @@ impl State {
 }
 
 #[cfg(test)]
-#[allow(clippy::unwrap_used)] // a test that cannot unwrap has failed
 mod tests {
     use super::*;
     use crate::fixtures::{node, pod};

@@ -114,7 +114,6 @@ impl WriteSlots {
 }
 
 #[cfg(test)]
-#[allow(clippy::unwrap_used)] // a test that cannot unwrap has failed
 mod tests {
     use super::*;
 

@@ -2,7 +2,8 @@
 //! (`e2e/tests/kubectl_cli.rs`, which compiles this file by path), so both must print the
 //! same thing for the same objects.
 
-#![allow(dead_code)] // each test binary uses part of it
+// Each test binary uses part of it; a failed unwrap in a helper is a failed test.
+#![allow(dead_code, clippy::unwrap_used, clippy::expect_used)]
 
 use std::path::PathBuf;
 
