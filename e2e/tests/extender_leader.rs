@@ -333,24 +333,29 @@ async fn one_of_two_leads_and_a_graceful_stop_hands_the_lease_over() {
     };
     let (a, stop_a, task_a) = start("a");
     let (b, stop_b, _task_b) = start("b");
-    let leaders = || (a.is_leader(), b.is_leader());
-    let deadline = Instant::now() + Duration::from_secs(10);
-    while leaders() == (false, false) && Instant::now() < deadline {
-        tokio::time::sleep(Duration::from_millis(20)).await;
-    }
-    tokio::time::sleep(Duration::from_millis(300)).await;
-    let (a_leads, b_leads) = leaders();
-    assert!(a_leads != b_leads, "exactly one leads: {:?}", leaders());
-    let (leader, follower, stop_leader) = if a_leads {
-        (&a, &b, stop_a)
-    } else {
-        (&b, &a, stop_b)
+    // Until one leads and the other knows where to pass binds, never both lead.
+    let knows_the_leader = |follower: &Leadership| {
+        matches!(
+            follower.gate(Instant::now(), Duration::from_secs(1)),
+            Gate::Forward { .. }
+        )
     };
-    // The follower knows where to pass binds.
-    assert!(matches!(
-        follower.gate(Instant::now(), Duration::from_secs(1)),
-        Gate::Forward { .. }
-    ));
+    let deadline = Instant::now() + Duration::from_secs(10);
+    let (leader, follower, stop_leader) = loop {
+        let (a_leads, b_leads) = (a.is_leader(), b.is_leader());
+        assert!(!(a_leads && b_leads), "both replicas lead");
+        if a_leads && knows_the_leader(&b) {
+            break (&a, &b, stop_a);
+        }
+        if b_leads && knows_the_leader(&a) {
+            break (&b, &a, stop_b);
+        }
+        assert!(
+            Instant::now() < deadline,
+            "no leader with a follower that knows it after 10 s"
+        );
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    };
     stop_leader.cancel();
     let deadline = Instant::now() + Duration::from_secs(10);
     while !follower.is_leader() && Instant::now() < deadline {
