@@ -15,22 +15,10 @@ use axum::response::Response;
 use gpushare_allocator::{PodId, Request, Unfit};
 
 use super::args::{Candidate, candidates, pod_uid, read_request};
-use super::{AppState, NOT_SYNCED, bad_request, json_response_sized};
+use super::{AppState, bad_request, json_response_sized};
 use crate::keep_best::KeepBest;
-use crate::view::{Hold, Settings, View};
+use crate::view::{Hold, NOT_SYNCED, Settings, View, unfit_reason};
 use crate::wire::{ExtenderArgs, ExtenderFilterResult, RawNodeListOut};
-
-/// Why `node` cannot take the pod, as kube-scheduler and the pod's events will show it.
-pub(crate) fn unfit_reason(settings: &Settings, node: &str, unfit: &Unfit) -> String {
-    match unfit {
-        Unfit::UnknownNode => format!("node {node} is unknown to the gpushare extender"),
-        Unfit::NotEligible => format!(
-            "node {node} does not take part in GPU sharing (label {}={} not set)",
-            settings.label_key, settings.label_value
-        ),
-        other => other.to_string(),
-    }
-}
 
 /// `POST {prefix}/filter`.
 #[tracing::instrument(skip_all)]

@@ -43,10 +43,7 @@ mod inspect;
 mod preempt;
 mod prioritize;
 
-pub(crate) use filter::unfit_reason;
-
-/// What `/filter` and `/bind` answer before the watches have listed everything.
-pub const NOT_SYNCED: &str = "extender view not synced yet";
+pub use crate::view::NOT_SYNCED;
 
 /// Default for the largest request body accepted (`--max-request-bytes`): a 5,000-node
 /// `NodeNames` call is about 150 KB, a full `Nodes` list of the same cluster tens of MiB.

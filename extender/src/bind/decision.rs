@@ -12,10 +12,9 @@ use gpushare_allocator::{Placement, PodId, PodPlacement, Policy, Refusal, Reques
 use gpushare_contract::{ContainerRequest, GpuRef, PodAllocation, RequestError};
 
 use super::Write;
-use crate::api::{NOT_SYNCED, unfit_reason};
 use crate::kube_io::BindingTarget;
 use crate::reservation::Phase;
-use crate::view::View;
+use crate::view::{NOT_SYNCED, View, unfit_reason};
 use crate::wire::ExtenderBindingArgs;
 
 /// What bind decided under the lock.

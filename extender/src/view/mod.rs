@@ -39,7 +39,7 @@ use std::collections::HashMap;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use gpushare_allocator::{Cluster, PodId};
+use gpushare_allocator::{Cluster, PodId, Unfit};
 use gpushare_contract::{Scope, SharedKeyring};
 use k8s_openapi::api::core::v1::Taint;
 
@@ -57,6 +57,21 @@ mod testing;
 pub use facts::{Ask, PodFacts, node_host, pod_host, to_request};
 pub use pods::{CachedPod, PodWarning};
 pub use reservations::Hold;
+
+/// What filter, prioritize and bind answer before the watches have listed everything.
+pub const NOT_SYNCED: &str = "extender view not synced yet";
+
+/// Why `node` cannot take the pod, as kube-scheduler and the pod's events will show it.
+pub fn unfit_reason(settings: &Settings, node: &str, unfit: &Unfit) -> String {
+    match unfit {
+        Unfit::UnknownNode => format!("node {node} is unknown to the gpushare extender"),
+        Unfit::NotEligible => format!(
+            "node {node} does not take part in GPU sharing (label {}={} not set)",
+            settings.label_key, settings.label_value
+        ),
+        other => other.to_string(),
+    }
+}
 
 /// What the view needs to read nodes and pods: the [`Scope`] the extender serves (its
 /// fields read through `Deref`), and the keyring allocations are signed and verified with.
