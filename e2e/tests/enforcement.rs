@@ -5,11 +5,6 @@ use anyhow::ensure;
 use gpushare_contract::env;
 use gpushare_e2e::cluster::{ClusterSpec, TestCluster};
 use gpushare_e2e::scenarios::{check_pinned, create_gpu_pod, wait_running};
-use k8s_openapi::api::core::v1::{Node, Pod};
-use kube::Api;
-use kube::api::ListParams;
-use kubectl_gpushare::render::render_top_details;
-use kubectl_gpushare::usage::{Settings, cluster_usage};
 
 /// Starts a one-node cluster whose device plugin runs with `args`, runs a 4 GiB and a
 /// 12 GiB pod on it, and returns each one's environment and mounts.
@@ -241,39 +236,16 @@ async fn preload_holds_a_container_and_its_use_reaches_metrics() -> anyhow::Resu
             "top -d to show the notebook's use",
             std::time::Duration::from_secs(30),
             || async {
-                let nodes = Api::<Node>::all(cluster.client.clone())
-                    .list(&ListParams::default())
+                let text = gpushare_e2e::cluster::top_details(&cluster.client)
                     .await
-                    .ok()?
-                    .items;
-                let pods = Api::<Pod>::all(cluster.client.clone())
-                    .list(&ListParams::default())
-                    .await
-                    .ok()?
-                    .items;
-                let text = render_top_details(&cluster_usage(&nodes, &pods, &Settings::default()));
+                    .ok()?;
                 text.lines()
                     .find(|line| line.split_whitespace().nth(1) == Some("notebook"))
                     .filter(|line| line.trim_end().ends_with("2.9"))
                     .map(str::to_owned)
             },
         )
-        .await;
-        let row = match row {
-            Ok(row) => row,
-            Err(error) => {
-                let nodes = Api::<Node>::all(cluster.client.clone())
-                    .list(&ListParams::default())
-                    .await?
-                    .items;
-                let pods = Api::<Pod>::all(cluster.client.clone())
-                    .list(&ListParams::default())
-                    .await?
-                    .items;
-                let text = render_top_details(&cluster_usage(&nodes, &pods, &Settings::default()));
-                anyhow::bail!("{error}:\n{text}");
-            }
-        };
+        .await?;
         println!("top -d: {row}");
         anyhow::Ok(())
     }

@@ -11,11 +11,8 @@ use gpushare_contract::Keys;
 use gpushare_contract::usage::NodeMemoryUse;
 use gpushare_e2e::cluster::{ClusterSpec, TestCluster, http_get, wait_for, with_cluster};
 use gpushare_e2e::scenarios::{allocation, create_gpu_pod, wait_running};
-use k8s_openapi::api::core::v1::{Node, Pod};
+use k8s_openapi::api::core::v1::Node;
 use kube::Api;
-use kube::api::ListParams;
-use kubectl_gpushare::render::render_top_details;
-use kubectl_gpushare::usage::{Settings, cluster_usage};
 
 const NODE: &str = "n1";
 const WAIT: Duration = Duration::from_secs(60);
@@ -56,19 +53,7 @@ async fn wait_metrics(cluster: &TestCluster, want: &[String]) -> anyhow::Result<
 
 /// `kubectl gpushare top -d` over what the API server has now.
 async fn top_details(cluster: &TestCluster) -> anyhow::Result<String> {
-    let nodes = Api::<Node>::all(cluster.client.clone())
-        .list(&ListParams::default())
-        .await?
-        .items;
-    let pods = Api::<Pod>::all(cluster.client.clone())
-        .list(&ListParams::default())
-        .await?
-        .items;
-    Ok(render_top_details(&cluster_usage(
-        &nodes,
-        &pods,
-        &Settings::default(),
-    )))
+    gpushare_e2e::cluster::top_details(&cluster.client).await
 }
 
 /// The row of pod `name` in `top -d`'s pod table, split into cells.

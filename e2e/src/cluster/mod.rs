@@ -96,6 +96,26 @@ pub const RESOURCE: &str = gpushare_contract::DEFAULT_RESOURCE;
 
 /// Runs `body` on a fresh cluster started from `spec`, then shuts it down; on failure,
 /// prints the tail of our binaries' logs first.
+/// `kubectl gpushare top -d` over what the API server at `client` has now.
+pub async fn top_details(client: &Client) -> anyhow::Result<String> {
+    use kube::api::ListParams;
+    let nodes = Api::<k8s_openapi::api::core::v1::Node>::all(client.clone())
+        .list(&ListParams::default())
+        .await?
+        .items;
+    let pods = Api::<Pod>::all(client.clone())
+        .list(&ListParams::default())
+        .await?
+        .items;
+    Ok(kubectl_gpushare::render::render_top_details(
+        &kubectl_gpushare::usage::cluster_usage(
+            &nodes,
+            &pods,
+            &kubectl_gpushare::usage::Settings::default(),
+        ),
+    ))
+}
+
 pub async fn with_cluster(
     spec: ClusterSpec,
     body: impl AsyncFnOnce(&mut TestCluster) -> anyhow::Result<()>,
