@@ -24,6 +24,8 @@ pub const CUDA_ERROR_OUT_OF_MEMORY: i32 = 2;
 const UNCLAIMED: usize = usize::MAX;
 /// Every slot was taken: count without one.
 const NO_SLOT: usize = usize::MAX - 1;
+/// A thread is claiming the slot; the others wait for it.
+const CLAIMING: usize = usize::MAX - 2;
 /// Memory queries reclaim dead processes' bytes at most this often.
 const QUERY_RECLAIM_EVERY_MS: u64 = 200;
 
@@ -64,30 +66,33 @@ impl Interposer {
     }
 
     /// This process's slot, claimed on first use; `None` when all are taken.
+    ///
+    /// One thread claims while the others wait: the claim first gives up the slots of this
+    /// very process (an earlier program's, before `exec`), and a second thread doing that
+    /// after the first had claimed would give up the first's slot, and the bytes it already
+    /// counted, letting the container past its share.
     fn slot(&self) -> Option<usize> {
-        match self.slot.load(Ordering::Acquire) {
-            s if s < SLOTS => return Some(s),
-            NO_SLOT => return None,
-            _ => {}
-        }
-        let (pid, start) = budget::this_process();
-        // A slot of this very process (same pid, same start) is an earlier program's, before
-        // `exec`: its driver state died with it.
-        self.budget.release_slots_of(pid, start);
-        let claimed = self.budget.claim_slot(pid, start).unwrap_or(NO_SLOT);
-        match self
-            .slot
-            .compare_exchange(UNCLAIMED, claimed, Ordering::AcqRel, Ordering::Acquire)
-        {
-            Ok(_) => (claimed < SLOTS).then_some(claimed),
-            Err(other) => {
-                // Another thread claimed first: keep its slot, give ours back.
-                if claimed < SLOTS {
-                    self.budget.release_slot(claimed);
-                }
-                (other < SLOTS).then_some(other)
+        loop {
+            match self.slot.compare_exchange(
+                UNCLAIMED,
+                CLAIMING,
+                Ordering::AcqRel,
+                Ordering::Acquire,
+            ) {
+                Ok(_) => break,
+                Err(s) if s < SLOTS => return Some(s),
+                Err(NO_SLOT) => return None,
+                // Another thread is claiming: a few microseconds.
+                Err(_) => std::thread::yield_now(),
             }
         }
+        let (pid, start) = budget::this_process();
+        self.budget.release_slots_of(pid, start);
+        let claimed = self.budget.claim_slot(pid, start).unwrap_or(NO_SLOT);
+        // Only this thread moves the slot out of CLAIMING; a fork child starts over from
+        // UNCLAIMED (`after_fork_in_child`).
+        self.slot.store(claimed, Ordering::Release);
+        (claimed < SLOTS).then_some(claimed)
     }
 
     /// An allocation of `bytes` on `gpu`: past the share it is refused with

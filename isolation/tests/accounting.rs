@@ -173,6 +173,42 @@ fn the_reader_sees_what_the_interposer_counted() {
     assert_eq!(snapshot.processes[0].used, vec![0, 1500 * MIB]);
 }
 
+/// Threads that make a fresh process's first allocations all at once (they claim its slot
+/// together) fill the share exactly. A claim used to give up the slots of "an earlier program
+/// of this process", which a claim a moment earlier by another thread looked like: its bytes
+/// were forgotten and the threads got past the share.
+#[test]
+fn threads_claiming_the_slot_together_fill_the_share_exactly() {
+    const THREADS: usize = 8;
+    let share = 64 * MIB;
+    for _ in 0..50 {
+        let dir = tempfile::tempdir().unwrap();
+        let ip = Interposer::open(&Limits::new(vec![share]), &budget_file(&dir)).unwrap();
+        let next_key = AtomicU64::new(1);
+        let start = std::sync::Barrier::new(THREADS);
+        let granted: u64 = std::thread::scope(|s| {
+            let threads: Vec<_> = (0..THREADS)
+                .map(|_| {
+                    s.spawn(|| {
+                        start.wait();
+                        let mut granted = 0;
+                        loop {
+                            let key = next_key.fetch_add(1, Ordering::Relaxed);
+                            if ip.allocate(Kind::Pointer, 0, MIB, || Ok(key)) != CUDA_SUCCESS {
+                                return granted;
+                            }
+                            granted += MIB;
+                        }
+                    })
+                })
+                .collect();
+            threads.into_iter().map(|t| t.join().unwrap()).sum()
+        });
+        assert_eq!(granted, share);
+        assert_eq!(ip.budget().used(0), share);
+    }
+}
+
 proptest! {
     #![proptest_config(ProptestConfig { cases: 24, ..ProptestConfig::default() })]
 
