@@ -1011,6 +1011,67 @@ fn scheduler_config_text(rendered: &Rendered, name: &str) -> anyhow::Result<Stri
         .context("no scheduler-config.yaml")
 }
 
+/// The chart rendered in DRA mode, with `extra` arguments.
+fn render_dra(extra: &[&str]) -> anyhow::Result<Rendered> {
+    let mut args = vec!["--set", "mode=dra"];
+    args.extend_from_slice(extra);
+    render("gpushare", "kube-system", &args)
+}
+
+/// The JSON patch expression of the `dra.gpuMem` MutatingAdmissionPolicy, its whitespace
+/// runs made single spaces.
+fn claims_policy_patch(rendered: &Rendered) -> String {
+    rendered.of_kind("MutatingAdmissionPolicy")[0]["spec"]["mutations"][0]["jsonPatch"]
+        ["expression"]
+        .as_str()
+        .unwrap_or_default()
+        .split_whitespace()
+        .collect::<Vec<_>>()
+        .join(" ")
+}
+
+/// DRA mode's profile: no extender, MostAllocated on CPU and memory (the score that packs),
+/// the spreading scores off, a short walk, and a client that can write a claim and a Binding
+/// per pod.
+fn check_dra_scheduler(rendered: &Rendered) -> anyhow::Result<()> {
+    let text = scheduler_config_text(rendered, "gpushare-scheduler")?;
+    let config: serde_yaml::Value = serde_yaml::from_str(&text)?;
+    ensure!(config.get("extenders").is_none(), "{text}");
+    ensure!(
+        config["clientConnection"]["qps"].as_f64() == Some(400.0),
+        "{text}"
+    );
+    let profile = &config["profiles"][0];
+    ensure!(profile["schedulerName"] == "gpushare-scheduler");
+    ensure!(
+        profile["percentageOfNodesToScore"].as_u64() == Some(1),
+        "{text}"
+    );
+    let disabled: Vec<&str> = profile["plugins"]["score"]["disabled"]
+        .as_sequence()
+        .context("no disabled score plugins")?
+        .iter()
+        .filter_map(|p| p["name"].as_str())
+        .collect();
+    ensure!(disabled == ["NodeResourcesBalancedAllocation", "ImageLocality"]);
+    let fit = profile["pluginConfig"]
+        .as_sequence()
+        .context("no pluginConfig")?
+        .iter()
+        .find(|c| c["name"] == "NodeResourcesFit")
+        .context("no NodeResourcesFit args")?;
+    let strategy = &fit["args"]["scoringStrategy"];
+    ensure!(strategy["type"] == "MostAllocated", "{text}");
+    let scored: Vec<&str> = strategy["resources"]
+        .as_sequence()
+        .context("no scored resources")?
+        .iter()
+        .filter_map(|r| r["name"].as_str())
+        .collect();
+    ensure!(scored == ["cpu", "memory"]);
+    Ok(())
+}
+
 fn check_scheduler(rendered: &Rendered, prefix: &str, resource: &str) -> anyhow::Result<()> {
     let ns = &rendered.namespace;
     let name = format!("{prefix}-scheduler");
@@ -1748,10 +1809,9 @@ fn non_default_values_render_a_default_scheduler_install() -> anyhow::Result<()>
 }
 
 #[test]
-fn dra_mode_installs_the_dra_driver_and_nothing_of_extender_mode() -> anyhow::Result<()> {
-    let rendered = render("gpushare", "kube-system", &["--set", "mode=dra"])?;
-    let kinds = rendered.kinds();
-    let want: BTreeMap<String, usize> = [
+fn dra_mode_installs_the_dra_driver_its_scheduler_and_nothing_of_extender_mode()
+-> anyhow::Result<()> {
+    let driver_only: BTreeMap<String, usize> = [
         ("ClusterRole", 1),
         ("ClusterRoleBinding", 1),
         ("DaemonSet", 1),
@@ -1766,9 +1826,35 @@ fn dra_mode_installs_the_dra_driver_and_nothing_of_extender_mode() -> anyhow::Re
     .into_iter()
     .map(|(k, n)| (k.to_owned(), n))
     .collect();
-    assert_eq!(kinds, want);
+    // The chart's own kube-scheduler (scheduler.mode=dedicated, the default) comes too: its
+    // ServiceAccount, three bindings, its leader-election Role and binding, config, Deployment.
+    let mut with_scheduler = driver_only.clone();
+    for (kind, more) in [
+        ("ServiceAccount", 1),
+        ("ClusterRoleBinding", 2),
+        ("Role", 1),
+        ("RoleBinding", 2),
+        ("ConfigMap", 1),
+        ("Deployment", 1),
+    ] {
+        *with_scheduler.entry(kind.to_owned()).or_default() += more;
+    }
+    let rendered = render_dra(&[])?;
+    assert_eq!(rendered.kinds(), with_scheduler);
     let ds = rendered.of_kind("DaemonSet")[0];
     assert_eq!(ds["metadata"]["name"], "gpushare-dra-plugin");
+    check_dra_scheduler(&rendered)?;
+    let expression = claims_policy_patch(&rendered);
+    assert!(
+        expression.contains(r#"path: "/spec/schedulerName", value: "gpushare-scheduler""#),
+        "the claims policy sends the pods it turns to the chart's scheduler: {expression}"
+    );
+
+    // With the operator's own kube-scheduler, only the driver, and pods keep their scheduler.
+    let rendered = render_dra(&["--set", "scheduler.mode=default-scheduler"])?;
+    assert_eq!(rendered.kinds(), driver_only);
+    let expression = claims_policy_patch(&rendered);
+    assert!(!expression.contains("schedulerName"), "{expression}");
 
     // `example.com/gpu-mem: N` in DRA mode: one template per GiB, in each namespace named,
     // asking the chart's DeviceClass for N GiB of one GPU (the real tier runs the README's

@@ -2026,6 +2026,12 @@ fn the_readme_pod_runs_unchanged_in_dra_mode(c: &KitCluster) -> Outcome<'_> {
             !limits.contains_key("example.com/gpu-mem"),
             "the pod kept its extended resource in DRA mode: {limits:?}"
         );
+        // The policy also sends it to the chart's scheduler, whose profile allocates it.
+        ensure!(
+            spec.scheduler_name.as_deref() == Some("gpushare-scheduler"),
+            "the pod should go to the chart's scheduler: {:?}",
+            spec.scheduler_name
+        );
         let cdi = cdi_of(c, &name, "main").await?;
         ensure!(
             cdi.len() == 1 && cdi[0].starts_with("gpushare.example.com/"),

@@ -223,9 +223,13 @@ forced by webhook.routeWith=admissionPolicy, or `auto` where the cluster serves 
 apiVersion: kubescheduler.config.k8s.io/v1
 kind: KubeSchedulerConfiguration
 # scheduler.clientConnection and scheduler.parallelism.
+{{- $client := .Values.scheduler.clientConnection }}
+{{- if eq .Values.mode "dra" }}
+{{- $client = .Values.dra.scheduler.clientConnection }}
+{{- end }}
 clientConnection:
-  qps: {{ .Values.scheduler.clientConnection.qps }}
-  burst: {{ int64 .Values.scheduler.clientConnection.burst }}
+  qps: {{ $client.qps }}
+  burst: {{ int64 $client.burst }}
 parallelism: {{ int64 .Values.scheduler.parallelism }}
 leaderElection:
   leaderElect: true
@@ -234,6 +238,33 @@ leaderElection:
   resourceNamespace: {{ .Release.Namespace }}
 profiles:
   - schedulerName: {{ .Values.scheduler.schedulerName }}
+    {{- if eq .Values.mode "dra" }}
+    # DRA mode: kube-scheduler allocates the claims itself (first fit over each node's
+    # devices, in the order the DRA plugin publishes them) and nothing scores what claims
+    # leave free. MostAllocated on CPU and memory sends each pod to the node holding the most
+    # pods already, so nodes fill one after another and so do their GPUs, where the default
+    # LeastAllocated spreads pods over the emptiest nodes and opens a GPU for nearly each.
+    # dra.scheduler.percentageOfNodesToScore sets how many nodes it walks per pod.
+    percentageOfNodesToScore: {{ int64 .Values.dra.scheduler.percentageOfNodesToScore }}
+    plugins:
+      score:
+        disabled:
+          - name: NodeResourcesBalancedAllocation
+          - name: ImageLocality
+    pluginConfig:
+      - name: NodeResourcesFit
+        args:
+          scoringStrategy:
+            type: MostAllocated
+            resources:
+              - name: cpu
+                weight: 1
+              - name: memory
+                weight: 1
+      - name: PodTopologySpread
+        args:
+          defaultingType: List
+    {{- else }}
     # scheduler.percentageOfNodesToScore (0: kube-scheduler's adaptive default).
     percentageOfNodesToScore: {{ int64 .Values.scheduler.percentageOfNodesToScore }}
     {{- if .Values.scheduler.nativeGpuScoring }}
@@ -263,6 +294,8 @@ profiles:
         args:
           defaultingType: List
     {{- end }}
+    {{- end }}
+{{- if ne .Values.mode "dra" }}
 extenders:
   - urlPrefix: {{ include "gpushare.extenderUrlPrefix" . }}
     filterVerb: filter
@@ -294,6 +327,7 @@ extenders:
     managedResources:
       - name: {{ .Values.resourceName }}
         ignoredByScheduler: false
+{{- end }}
 {{- end }}
 
 {{/* The isolation mode the plugins run with: devicePlugin.enforcement.mode (deprecated) when set, else isolation.mode. */}}

@@ -30,7 +30,7 @@ use anyhow::{Context, ensure};
 use clap::Parser;
 use gpushare_contract::DEFAULT_DOMAIN;
 use gpushare_e2e::realk8s::load::{
-    self, BASELINE_RESOURCE, Drain, Drainer, NodeStandIn, StandInConfig,
+    self, BASELINE_RESOURCE, Backlog, Drain, Drainer, NodeStandIn, StandInConfig,
 };
 use gpushare_e2e::realk8s::{Kit, KitCluster, Mode};
 use gpushare_e2e::scenarios::{Harness, allocation, check_no_overcommit};
@@ -56,6 +56,9 @@ struct Args {
     /// GiB each pod asks for.
     #[arg(long, default_value_t = 4)]
     pod_gib: u64,
+    /// CPU each pod requests, millicores (0: none; kube-scheduler scores such a pod as 100m).
+    #[arg(long, default_value_t = 0)]
+    pod_cpu_millis: u64,
     /// Rounds (each drains one backlog with kube-scheduler alone, then one with the chart).
     #[arg(long, default_value_t = 1)]
     rounds: usize,
@@ -196,9 +199,14 @@ async fn run_round(
     };
     let (prefix, drainer, what) = match mode {
         Mode::Extender => (format!("chart-{round}"), Drainer::Chart, "the chart"),
+        Mode::Dra if load::chart_runs_a_scheduler(cluster).await? => (
+            format!("dra-{round}"),
+            Drainer::DraChart,
+            "DRA mode (the chart's scheduler)",
+        ),
         Mode::Dra => (format!("dra-{round}"), Drainer::Dra, "DRA mode"),
     };
-    let drained = load::drain(cluster, drainer, &prefix, args.pods, args.pod_gib, timeout).await?;
+    let drained = load::drain(cluster, drainer, &prefix, backlog(args), timeout).await?;
     report(&format!("round {round}: {what}"), &drained);
     match mode {
         Mode::Extender => check_allocations(cluster, &prefix).await?,
@@ -224,6 +232,15 @@ async fn run_round(
     Ok(Some((alone.pods_per_s, drained.pods_per_s)))
 }
 
+/// Each round's backlog, as the arguments say.
+fn backlog(args: &Args) -> Backlog {
+    Backlog {
+        count: args.pods,
+        gib: args.pod_gib,
+        cpu_millis: args.pod_cpu_millis,
+    }
+}
+
 /// Round `round`'s backlog drained by kube-scheduler alone, reported and deleted.
 async fn drain_alone(
     cluster: &KitCluster,
@@ -238,8 +255,7 @@ async fn drain_alone(
             percentage: args.alone_percentage,
         },
         &prefix,
-        args.pods,
-        args.pod_gib,
+        backlog(args),
         timeout,
     )
     .await?;

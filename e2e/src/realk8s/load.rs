@@ -29,8 +29,10 @@ use std::time::{Duration, Instant};
 use anyhow::{Context, ensure};
 use futures::{StreamExt, TryStreamExt, stream};
 use gpushare_contract::DEFAULT_RESOURCE;
+use k8s_openapi::api::apps::v1::Deployment;
 use k8s_openapi::api::core::v1::Pod;
 use k8s_openapi::api::resource::v1::ResourceClaim;
+use k8s_openapi::apimachinery::pkg::api::resource::Quantity;
 use kube::api::{Api, DeleteParams, ListParams, PostParams};
 use kube::{Client, ResourceExt};
 
@@ -62,6 +64,9 @@ pub enum Drainer {
     /// (`example.com/gpu-mem` turned into a claim from a template). Started once
     /// kube-controller-manager has made every pod's claim, so claim creation is not in it.
     Dra,
+    /// DRA mode with the chart's dedicated kube-scheduler (its packing profile, no extender)
+    /// allocating the claims, started as `Dra` is once every claim exists.
+    DraChart,
 }
 
 /// The extended resource the kube-scheduler-alone pods ask for: not gpushare's, so neither
@@ -111,6 +116,13 @@ fn scale_chart_scheduler(cluster: &KitCluster, replicas: u32) -> anyhow::Result<
     Ok(())
 }
 
+/// Whether the install runs the chart's dedicated kube-scheduler (`scheduler.mode`).
+pub async fn chart_runs_a_scheduler(cluster: &KitCluster) -> anyhow::Result<bool> {
+    let deployments: Api<Deployment> = Api::namespaced(cluster.client(), "kube-system");
+    let name = CHART_SCHEDULER.trim_start_matches("deploy/");
+    Ok(deployments.get_opt(name).await?.is_some())
+}
+
 async fn chart_scheduler_pods(cluster: &KitCluster) -> anyhow::Result<Vec<Pod>> {
     let pods: Api<Pod> = Api::namespaced(cluster.client(), "kube-system");
     Ok(pods
@@ -154,15 +166,32 @@ pub async fn point_service_at_leader(cluster: &KitCluster) -> anyhow::Result<Str
     Ok(pod.to_owned())
 }
 
-/// Creates `count` pods named `<prefix>-<i>` labelled `load=<prefix>`, each asking for `gib`
-/// of `resource` (for [`BASELINE_RESOURCE`], with `default-scheduler` named).
+/// A backlog's pods: how many, the GiB each asks for, and the CPU each requests
+/// (millicores; 0: none, so kube-scheduler scores each as 100m).
+#[derive(Debug, Clone, Copy)]
+pub struct Backlog {
+    /// Pods.
+    pub count: usize,
+    /// GiB each.
+    pub gib: u64,
+    /// CPU request of each, millicores.
+    pub cpu_millis: u64,
+}
+
+/// Creates the `backlog`'s pods, named `<prefix>-<i>` and labelled `load=<prefix>`, each
+/// asking for its GiB of `resource` (for [`BASELINE_RESOURCE`], with `default-scheduler`
+/// named).
 async fn create_backlog(
     client: &Client,
     prefix: &str,
-    count: usize,
-    gib: u64,
+    backlog: Backlog,
     resource: &str,
 ) -> anyhow::Result<()> {
+    let Backlog {
+        count,
+        gib,
+        cpu_millis,
+    } = backlog;
     let pods: Api<Pod> = Api::namespaced(client.clone(), "default");
     stream::iter(0..count)
         .map(|i| {
@@ -171,6 +200,16 @@ async fn create_backlog(
                 let mut pod = fixtures::pod(&format!("{prefix}-{i}")).gpu_mem(gib).build();
                 pod.labels_mut()
                     .insert("load".to_owned(), prefix.to_owned());
+                if cpu_millis > 0 {
+                    for container in &mut pod.spec.get_or_insert_default().containers {
+                        container
+                            .resources
+                            .get_or_insert_default()
+                            .requests
+                            .get_or_insert_default()
+                            .insert("cpu".to_owned(), Quantity(format!("{cpu_millis}m")));
+                    }
+                }
                 if resource != DEFAULT_RESOURCE {
                     let spec = pod.spec.get_or_insert_default();
                     spec.scheduler_name = Some("default-scheduler".to_owned());
@@ -197,21 +236,21 @@ async fn create_backlog(
     Ok(())
 }
 
-/// Drains a backlog of `count` pods of `gib` with `drainer`: stops it, creates the backlog,
-/// starts it, waits until every pod is bound (at most `timeout`), and measures. Leaves the pods
-/// in place for the caller's checks.
+/// Drains `backlog` with `drainer`: stops it, creates the backlog, starts it, waits until
+/// every pod is bound (at most `timeout`), and measures. Leaves the pods in place for the
+/// caller's checks.
 pub async fn drain(
     cluster: &KitCluster,
     drainer: Drainer,
     prefix: &str,
-    count: usize,
-    gib: u64,
+    backlog: Backlog,
     timeout: Duration,
 ) -> anyhow::Result<Drain> {
     let client = cluster.client();
+    let count = backlog.count;
     let resource = stop_drainer(cluster, drainer).await?;
-    create_backlog(&client, prefix, count, gib, resource).await?;
-    if drainer == Drainer::Dra {
+    create_backlog(&client, prefix, backlog, resource).await?;
+    if matches!(drainer, Drainer::Dra | Drainer::DraChart) {
         wait_for_claims(&client, prefix, count).await?;
     }
     let clock = BindClock::start(client.clone(), "default", &format!("load={prefix}"));
@@ -255,7 +294,7 @@ async fn stop_drainer(cluster: &KitCluster, drainer: Drainer) -> anyhow::Result<
             cluster.script("realk8s.sh", &["sched-stop"])?;
             DEFAULT_RESOURCE
         }
-        Drainer::Chart => {
+        Drainer::Chart | Drainer::DraChart => {
             scale_chart_scheduler(cluster, 0)?;
             wait_for(
                 "the chart's scheduler to stop",
@@ -292,8 +331,10 @@ async fn start_drainer(cluster: &KitCluster, drainer: Drainer) -> anyhow::Result
             ensure!(status.success(), "realk8s.sh sched-start failed ({status})");
             "https://127.0.0.1:10259/metrics".to_owned()
         }
-        Drainer::Chart => {
-            point_service_at_leader(cluster).await?;
+        Drainer::Chart | Drainer::DraChart => {
+            if drainer == Drainer::Chart {
+                point_service_at_leader(cluster).await?;
+            }
             scale_chart_scheduler(cluster, 1)?;
             let ip = chart_scheduler_pods(cluster)
                 .await?
