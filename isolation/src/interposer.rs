@@ -73,17 +73,21 @@ impl Interposer {
     /// counted, letting the container past its share.
     fn slot(&self) -> Option<usize> {
         loop {
-            match self.slot.compare_exchange(
-                UNCLAIMED,
-                CLAIMING,
-                Ordering::AcqRel,
-                Ordering::Acquire,
-            ) {
-                Ok(_) => break,
-                Err(s) if s < SLOTS => return Some(s),
-                Err(NO_SLOT) => return None,
+            // A plain load first: every allocation passes here, and a write (even a failed
+            // compare-exchange) would bounce the line between the threads' caches.
+            match self.slot.load(Ordering::Acquire) {
+                s if s < SLOTS => return Some(s),
+                NO_SLOT => return None,
+                UNCLAIMED
+                    if self
+                        .slot
+                        .compare_exchange(UNCLAIMED, CLAIMING, Ordering::AcqRel, Ordering::Acquire)
+                        .is_ok() =>
+                {
+                    break;
+                }
                 // Another thread is claiming: a few microseconds.
-                Err(_) => std::thread::yield_now(),
+                _ => std::thread::yield_now(),
             }
         }
         let (pid, start) = budget::this_process();

@@ -241,10 +241,11 @@ profiles:
     {{- if eq .Values.mode "dra" }}
     # DRA mode: kube-scheduler allocates the claims itself (first fit over each node's
     # devices, in the order the DRA plugin publishes them) and nothing scores what claims
-    # leave free. MostAllocated on CPU and memory sends each pod to the node holding the most
-    # pods already, so nodes fill one after another and so do their GPUs, where the default
-    # LeastAllocated spreads pods over the emptiest nodes and opens a GPU for nearly each.
-    # dra.scheduler.percentageOfNodesToScore sets how many nodes it walks per pod.
+    # leave free. MostAllocated on CPU and memory sends each pod to the node whose CPU and
+    # memory are most requested, so where GPU pods request CPU, nodes and their GPUs fill one
+    # after another (the default LeastAllocated spreads pods over the emptiest nodes). Scores
+    # are whole percents: pods requesting almost no CPU tie on every node and still spread
+    # (docs/dra.md, "Packing"). dra.scheduler.percentageOfNodesToScore sets the walk.
     percentageOfNodesToScore: {{ int64 .Values.dra.scheduler.percentageOfNodesToScore }}
     plugins:
       score:

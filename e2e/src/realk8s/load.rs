@@ -64,7 +64,7 @@ pub enum Drainer {
     /// (`example.com/gpu-mem` turned into a claim from a template). Started once
     /// kube-controller-manager has made every pod's claim, so claim creation is not in it.
     Dra,
-    /// DRA mode with the chart's dedicated kube-scheduler (its packing profile, no extender)
+    /// DRA mode with the chart's dedicated kube-scheduler (its DRA profile, no extender)
     /// allocating the claims, started as `Dra` is once every claim exists.
     DraChart,
 }
