@@ -18,6 +18,10 @@
 //! that every GPU pod holds an allocation and no GPU is over-committed, and prints the
 //! extender replicas' memory. Needs root, like the real tier (docs/testing.md).
 //!
+//! `--modes dra-plain` is DRA's own ceiling for the same nodes: DRA mode's install without
+//! its slices, a plain driver's ResourceSlice per fake node (whole devices, no capacity), and
+//! pods each claiming one device from a template, allocated by the kit's kube-scheduler.
+//!
 //! `--modes dra` measures DRA mode the same way: the chart's DRA install, a ResourceSlice per
 //! fake node as the DRA plugin publishes it, and GPU pods (`example.com/gpu-mem: 4`, turned
 //! into claims by the chart's policy) drained by the kit's kube-scheduler allocating the
@@ -33,6 +37,27 @@ use gpushare_e2e::realk8s::load::{
     self, BASELINE_RESOURCE, Backlog, Drain, Drainer, NodeStandIn, StandInConfig,
 };
 use gpushare_e2e::realk8s::{Kit, KitCluster, Mode};
+
+/// What a run measures: one of the kit's installs, or DRA's own ceiling on DRA mode's install.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Load {
+    /// Extender mode: the chart's drain.
+    Extender,
+    /// DRA mode: the chart's policy, slices and scheduler.
+    Dra,
+    /// `dra-plain`: a plain driver's whole devices (no capacity), one per pod, allocated by
+    /// the kit's kube-scheduler on the same nodes (DRA mode's install, none of its slices).
+    DraPlain,
+}
+
+impl Load {
+    fn install(self) -> Mode {
+        match self {
+            Load::Extender => Mode::Extender,
+            Load::Dra | Load::DraPlain => Mode::Dra,
+        }
+    }
+}
 use gpushare_e2e::scenarios::{Harness, allocation, check_no_overcommit};
 use k8s_openapi::api::core::v1::Pod;
 use kube::ResourceExt;
@@ -84,9 +109,10 @@ struct Args {
     #[arg(long, default_value_t = 600)]
     timeout_s: u64,
     /// Installs to measure, one after another, each drained against kube-scheduler alone
-    /// in the same install: `extender`, `dra`, or both (`--modes extender,dra`).
+    /// in the same install: `extender`, `dra`, `dra-plain` (DRA's own ceiling: a plain
+    /// driver's whole devices on the same nodes), or several (`--modes extender,dra,dra-plain`).
     #[arg(long, value_delimiter = ',', default_value = "extender", value_parser = parse_mode)]
-    modes: Vec<Mode>,
+    modes: Vec<Load>,
     /// `helm install` values (`--set key=value`), repeatable.
     #[arg(long = "set")]
     set: Vec<String>,
@@ -113,7 +139,7 @@ async fn main() -> anyhow::Result<()> {
 }
 
 /// One install in `mode`, its rounds, and the pods/s of each round: (alone, the mode's drain).
-async fn run_mode(kit: &Kit, args: &Args, mode: Mode) -> anyhow::Result<Vec<(f64, f64)>> {
+async fn run_mode(kit: &Kit, args: &Args, mode: Load) -> anyhow::Result<Vec<(f64, f64)>> {
     let cluster = install(kit, args, mode).await?;
     let client = cluster.client();
     let stand_in = (!args.without_kubelets).then(|| start_stand_in(&client, args));
@@ -126,7 +152,7 @@ async fn run_mode(kit: &Kit, args: &Args, mode: Mode) -> anyhow::Result<Vec<(f64
     if let Some(stand_in) = &stand_in {
         report_stand_in(stand_in);
     }
-    if mode == Mode::Extender {
+    if mode == Load::Extender {
         extender_memory(&cluster);
     } else {
         load::delete_fake_slices(&client).await?;
@@ -137,7 +163,7 @@ async fn run_mode(kit: &Kit, args: &Args, mode: Mode) -> anyhow::Result<Vec<(f64
 
 /// Installs the chart in `mode` with `--set`, then adds the fake GPU nodes (and, in DRA mode,
 /// their ResourceSlices).
-async fn install(kit: &Kit, args: &Args, mode: Mode) -> anyhow::Result<KitCluster> {
+async fn install(kit: &Kit, args: &Args, mode: Load) -> anyhow::Result<KitCluster> {
     let helm_args: Vec<String> = args
         .set
         .iter()
@@ -145,7 +171,7 @@ async fn install(kit: &Kit, args: &Args, mode: Mode) -> anyhow::Result<KitCluste
         .collect();
     let helm_refs: Vec<&str> = helm_args.iter().map(String::as_str).collect();
     println!("installing the chart ({mode:?} mode) {helm_refs:?}");
-    let cluster = kit.up(mode, &helm_refs).await?;
+    let cluster = kit.up(mode.install(), &helm_refs).await?;
     let client = cluster.client();
     let gpus = vec![args.gpu_gib; args.gpus];
     let per_node = args.gpu_gib * args.gpus as u64;
@@ -157,8 +183,14 @@ async fn install(kit: &Kit, args: &Args, mode: Mode) -> anyhow::Result<KitCluste
         &[(BASELINE_RESOURCE, per_node)],
     )
     .await?;
-    if mode == Mode::Dra {
-        load::publish_fake_slices(&client, "load", args.nodes, &gpus, DEFAULT_DOMAIN).await?;
+    match mode {
+        Load::Extender => {}
+        Load::Dra => {
+            load::publish_fake_slices(&client, "load", args.nodes, &gpus, DEFAULT_DOMAIN).await?
+        }
+        Load::DraPlain => {
+            load::publish_plain_slices(&client, "load", args.nodes, args.gpus).await?
+        }
     }
     println!(
         "{} nodes × {} × {} GiB; backlogs of {} pods of {} GiB",
@@ -188,7 +220,7 @@ fn start_stand_in(client: &kube::Client, args: &Args) -> NodeStandIn {
 async fn run_round(
     cluster: &KitCluster,
     args: &Args,
-    mode: Mode,
+    mode: Load,
     round: usize,
 ) -> anyhow::Result<Option<(f64, f64)>> {
     let timeout = Duration::from_secs(args.timeout_s);
@@ -198,19 +230,24 @@ async fn run_round(
         Some(drain_alone(cluster, args, round, timeout).await?)
     };
     let (prefix, drainer, what) = match mode {
-        Mode::Extender => (format!("chart-{round}"), Drainer::Chart, "the chart"),
-        Mode::Dra if load::chart_runs_a_scheduler(cluster).await? => (
+        Load::Extender => (format!("chart-{round}"), Drainer::Chart, "the chart"),
+        Load::DraPlain => (
+            format!("plain-{round}"),
+            Drainer::DraPlain,
+            "a plain DRA driver (whole devices)",
+        ),
+        Load::Dra if load::chart_runs_a_scheduler(cluster).await? => (
             format!("dra-{round}"),
             Drainer::DraChart,
             "DRA mode (the chart's scheduler)",
         ),
-        Mode::Dra => (format!("dra-{round}"), Drainer::Dra, "DRA mode"),
+        Load::Dra => (format!("dra-{round}"), Drainer::Dra, "DRA mode"),
     };
     let drained = load::drain(cluster, drainer, &prefix, backlog(args), timeout).await?;
     report(&format!("round {round}: {what}"), &drained);
     match mode {
-        Mode::Extender => check_allocations(cluster, &prefix).await?,
-        Mode::Dra => {
+        Load::Extender => check_allocations(cluster, &prefix).await?,
+        Load::Dra | Load::DraPlain => {
             let (claims, devices) =
                 load::check_dra_allocations(&cluster.client(), &prefix, args.pods, args.gpu_gib)
                     .await?;
@@ -277,11 +314,12 @@ fn report_stand_in(stand_in: &NodeStandIn) {
     }
 }
 
-fn parse_mode(text: &str) -> Result<Mode, String> {
+fn parse_mode(text: &str) -> Result<Load, String> {
     match text {
-        "extender" => Ok(Mode::Extender),
-        "dra" => Ok(Mode::Dra),
-        other => Err(format!("{other}: want extender or dra")),
+        "extender" => Ok(Load::Extender),
+        "dra" => Ok(Load::Dra),
+        "dra-plain" => Ok(Load::DraPlain),
+        other => Err(format!("{other}: want extender, dra or dra-plain")),
     }
 }
 

@@ -8,7 +8,7 @@
 use anyhow::Context;
 use futures::{StreamExt, TryStreamExt, stream};
 use k8s_openapi::api::core::v1::Node;
-use k8s_openapi::api::resource::v1::ResourceSlice;
+use k8s_openapi::api::resource::v1::{DeviceClass, ResourceClaimTemplate, ResourceSlice};
 use k8s_openapi::apimachinery::pkg::api::resource::Quantity;
 use kube::api::{Api, DeleteParams, ListParams, Patch, PatchParams, PostParams};
 use kube::{Client, ResourceExt};
@@ -150,13 +150,85 @@ pub async fn publish_fake_slices(
     Ok(())
 }
 
-/// Deletes the slices [`publish_fake_slices`] made.
+/// The driver of the plain DRA baseline ([`publish_plain_slices`]): whole devices, no
+/// capacity, as a vendor's GPU driver publishes them.
+pub const PLAIN_DRIVER: &str = "plain.gpushare-load.example.com";
+/// The DeviceClass and ResourceClaimTemplate (in `default`) of the plain baseline.
+pub const PLAIN_CLASS: &str = "plain-gpu";
+
+/// The plain DRA baseline on the fake nodes `<prefix>-0` ..: a DeviceClass of
+/// [`PLAIN_DRIVER`], a ResourceClaimTemplate asking for one whole device of it, and a
+/// ResourceSlice per node with `gpus` devices `gpu-<i>` (no attributes, no capacity, one
+/// claim each), labelled as the fake nodes are.
+pub async fn publish_plain_slices(
+    client: &Client,
+    prefix: &str,
+    count: usize,
+    gpus: usize,
+) -> anyhow::Result<()> {
+    let class: DeviceClass = serde_json::from_value(json!({
+        "metadata": {"name": PLAIN_CLASS, "labels": {FAKE_LABEL: "true"}},
+        "spec": {"selectors": [{"cel": {
+            "expression": format!("device.driver == '{PLAIN_DRIVER}'")
+        }}]}
+    }))?;
+    Api::<DeviceClass>::all(client.clone())
+        .create(&PostParams::default(), &class)
+        .await
+        .context("creating the plain DeviceClass")?;
+    let template: ResourceClaimTemplate = serde_json::from_value(json!({
+        "metadata": {"name": PLAIN_CLASS, "labels": {FAKE_LABEL: "true"}},
+        "spec": {"spec": {"devices": {"requests": [
+            {"name": "gpu", "exactly": {"deviceClassName": PLAIN_CLASS}}
+        ]}}}
+    }))?;
+    Api::<ResourceClaimTemplate>::namespaced(client.clone(), "default")
+        .create(&PostParams::default(), &template)
+        .await
+        .context("creating the plain ResourceClaimTemplate")?;
+    let slices: Api<ResourceSlice> = Api::all(client.clone());
+    stream::iter(0..count)
+        .map(|i| {
+            let slices = slices.clone();
+            async move {
+                let node = format!("{prefix}-{i}");
+                let devices: Vec<_> = (0..gpus)
+                    .map(|d| json!({"name": format!("gpu-{d}")}))
+                    .collect();
+                let slice: ResourceSlice = serde_json::from_value(json!({
+                    "metadata": {"name": format!("{node}-plain"), "labels": {FAKE_LABEL: "true"}},
+                    "spec": {
+                        "driver": PLAIN_DRIVER,
+                        "nodeName": node,
+                        "pool": {"name": node, "generation": 1, "resourceSliceCount": 1},
+                        "devices": devices,
+                    }
+                }))?;
+                slices
+                    .create(&PostParams::default(), &slice)
+                    .await
+                    .with_context(|| format!("creating the plain ResourceSlice of {node}"))?;
+                anyhow::Ok(())
+            }
+        })
+        .buffer_unordered(BULK_CALLS)
+        .try_collect::<Vec<()>>()
+        .await?;
+    Ok(())
+}
+
+/// Deletes the slices [`publish_fake_slices`] and [`publish_plain_slices`] made, and the
+/// plain baseline's class and template.
 pub async fn delete_fake_slices(client: &Client) -> anyhow::Result<()> {
+    let fake = ListParams::default().labels(&format!("{FAKE_LABEL}=true"));
     Api::<ResourceSlice>::all(client.clone())
-        .delete_collection(
-            &DeleteParams::default(),
-            &ListParams::default().labels(&format!("{FAKE_LABEL}=true")),
-        )
+        .delete_collection(&DeleteParams::default(), &fake)
+        .await?;
+    Api::<DeviceClass>::all(client.clone())
+        .delete_collection(&DeleteParams::default(), &fake)
+        .await?;
+    Api::<ResourceClaimTemplate>::namespaced(client.clone(), "default")
+        .delete_collection(&DeleteParams::default(), &fake)
         .await?;
     Ok(())
 }

@@ -30,7 +30,7 @@ use anyhow::{Context, ensure};
 use futures::{StreamExt, TryStreamExt, stream};
 use gpushare_contract::DEFAULT_RESOURCE;
 use k8s_openapi::api::apps::v1::Deployment;
-use k8s_openapi::api::core::v1::Pod;
+use k8s_openapi::api::core::v1::{Pod, PodResourceClaim, ResourceClaim as ContainerClaim};
 use k8s_openapi::api::resource::v1::ResourceClaim;
 use k8s_openapi::apimachinery::pkg::api::resource::Quantity;
 use kube::api::{Api, DeleteParams, ListParams, PostParams};
@@ -45,7 +45,8 @@ use crate::scenarios::Harness;
 
 pub use super::drain_cost::{BindClock, chart_processes, rss_mib};
 pub use super::fake_nodes::{
-    FAKE_LABEL, create_fake_gpu_nodes, delete_fake_nodes, delete_fake_slices, publish_fake_slices,
+    FAKE_LABEL, PLAIN_CLASS, PLAIN_DRIVER, create_fake_gpu_nodes, delete_fake_nodes,
+    delete_fake_slices, publish_fake_slices, publish_plain_slices,
 };
 pub use super::stand_in::{NodeStandIn, StandInConfig};
 
@@ -64,6 +65,10 @@ pub enum Drainer {
     /// (`example.com/gpu-mem` turned into a claim from a template). Started once
     /// kube-controller-manager has made every pod's claim, so claim creation is not in it.
     Dra,
+    /// The plain DRA baseline: the kit's own kube-scheduler (as `Dra`) allocating one whole
+    /// device of a plain driver to each pod's claim ([`publish_plain_slices`]: no capacity),
+    /// on the same fake nodes. DRA's own ceiling, beside which DRA mode's drains stand.
+    DraPlain,
     /// DRA mode with the chart's dedicated kube-scheduler (its DRA profile, no extender)
     /// allocating the claims, started as `Dra` is once every claim exists.
     DraChart,
@@ -210,7 +215,9 @@ async fn create_backlog(
                             .insert("cpu".to_owned(), Quantity(format!("{cpu_millis}m")));
                     }
                 }
-                if resource != DEFAULT_RESOURCE {
+                if resource == PLAIN_CLASS {
+                    plain_claim(&mut pod);
+                } else if resource != DEFAULT_RESOURCE {
                     let spec = pod.spec.get_or_insert_default();
                     spec.scheduler_name = Some("default-scheduler".to_owned());
                     for container in &mut spec.containers {
@@ -236,6 +243,31 @@ async fn create_backlog(
     Ok(())
 }
 
+/// Makes `pod` (a GPU pod) a plain DRA pod: its `example.com/gpu-mem` gone, a claim from the
+/// [`PLAIN_CLASS`] template instead, and `default-scheduler` named.
+fn plain_claim(pod: &mut Pod) {
+    let spec = pod.spec.get_or_insert_default();
+    spec.scheduler_name = Some("default-scheduler".to_owned());
+    spec.resource_claims = Some(vec![PodResourceClaim {
+        name: "gpu".to_owned(),
+        resource_claim_template_name: Some(PLAIN_CLASS.to_owned()),
+        ..PodResourceClaim::default()
+    }]);
+    for container in &mut spec.containers {
+        let resources = container.resources.get_or_insert_default();
+        if let Some(limits) = resources.limits.as_mut() {
+            limits.remove(DEFAULT_RESOURCE);
+        }
+        if let Some(requests) = resources.requests.as_mut() {
+            requests.remove(DEFAULT_RESOURCE);
+        }
+        resources.claims = Some(vec![ContainerClaim {
+            name: "gpu".to_owned(),
+            ..ContainerClaim::default()
+        }]);
+    }
+}
+
 /// Drains `backlog` with `drainer`: stops it, creates the backlog, starts it, waits until
 /// every pod is bound (at most `timeout`), and measures. Leaves the pods in place for the
 /// caller's checks.
@@ -250,7 +282,10 @@ pub async fn drain(
     let count = backlog.count;
     let resource = stop_drainer(cluster, drainer).await?;
     create_backlog(&client, prefix, backlog, resource).await?;
-    if matches!(drainer, Drainer::Dra | Drainer::DraChart) {
+    if matches!(
+        drainer,
+        Drainer::Dra | Drainer::DraPlain | Drainer::DraChart
+    ) {
         wait_for_claims(&client, prefix, count).await?;
     }
     let clock = BindClock::start(client.clone(), "default", &format!("load={prefix}"));
@@ -294,6 +329,10 @@ async fn stop_drainer(cluster: &KitCluster, drainer: Drainer) -> anyhow::Result<
             cluster.script("realk8s.sh", &["sched-stop"])?;
             DEFAULT_RESOURCE
         }
+        Drainer::DraPlain => {
+            cluster.script("realk8s.sh", &["sched-stop"])?;
+            PLAIN_CLASS
+        }
         Drainer::Chart | Drainer::DraChart => {
             scale_chart_scheduler(cluster, 0)?;
             wait_for(
@@ -316,7 +355,7 @@ async fn stop_drainer(cluster: &KitCluster, drainer: Drainer) -> anyhow::Result<
 /// Starts the scheduler of `drainer` and returns the URL of its metrics.
 async fn start_drainer(cluster: &KitCluster, drainer: Drainer) -> anyhow::Result<String> {
     Ok(match drainer {
-        Drainer::KubeSchedulerAlone { .. } | Drainer::Dra => {
+        Drainer::KubeSchedulerAlone { .. } | Drainer::Dra | Drainer::DraPlain => {
             let percentage = match drainer {
                 Drainer::KubeSchedulerAlone { percentage } => percentage,
                 _ => 0,
@@ -432,7 +471,9 @@ async fn wait_for_claims(client: &Client, prefix: &str, count: usize) -> anyhow:
 }
 
 /// DRA mode's audit of a drain: every claim of the backlog `prefix` allocated, and no
-/// device's `memory` given out beyond `gpu_gib`. Returns (claims allocated, devices in use).
+/// device's `memory` given out beyond `gpu_gib` (a device allocated without consumed
+/// capacity, the plain baseline's, is taken whole). Returns (claims allocated, devices in
+/// use).
 pub async fn check_dra_allocations(
     client: &Client,
     prefix: &str,
@@ -460,18 +501,19 @@ pub async fn check_dra_allocations(
             .and_then(|d| d.results.as_deref())
             .unwrap_or_default()
         {
-            let memory = result
-                .consumed_capacity
-                .as_ref()
-                .and_then(|c| c.get("memory"))
-                .and_then(|q| q.0.strip_suffix("Gi"))
-                .and_then(|n| n.parse::<u64>().ok())
-                .with_context(|| {
-                    format!(
-                        "claim {} has no whole-GiB consumed memory",
-                        claim.name_any()
-                    )
-                })?;
+            let memory = match &result.consumed_capacity {
+                None => gpu_gib,
+                Some(consumed) => consumed
+                    .get("memory")
+                    .and_then(|q| q.0.strip_suffix("Gi"))
+                    .and_then(|n| n.parse::<u64>().ok())
+                    .with_context(|| {
+                        format!(
+                            "claim {} has no whole-GiB consumed memory",
+                            claim.name_any()
+                        )
+                    })?,
+            };
             *used
                 .entry((result.pool.clone(), result.device.clone()))
                 .or_default() += memory;
