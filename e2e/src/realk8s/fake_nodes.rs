@@ -115,25 +115,40 @@ pub async fn publish_fake_slices(
 ) -> anyhow::Result<()> {
     use gpushare_contract::inventory::GpuInfo;
     use gpushare_dra_plugin::slice::{self, Unhealthy};
+    create_slices(client, prefix, count, |node| {
+        let infos: Vec<GpuInfo> = gpus
+            .iter()
+            .zip(0u32..)
+            .map(|(gib, index)| GpuInfo {
+                index,
+                uuid: format!("GPU-{node}-{index}"),
+                model: "Fake".to_owned(),
+                mem_gib: *gib,
+                healthy: true,
+                numa_node: None,
+            })
+            .collect();
+        Ok(slice::build(node, driver, &infos, 1, Unhealthy::Taint))
+    })
+    .await
+}
+
+/// Creates the slice `build` makes for each fake node `<prefix>-0` .., labelled as the fake
+/// nodes are, [`BULK_CALLS`] at a time.
+async fn create_slices(
+    client: &Client,
+    prefix: &str,
+    count: usize,
+    build: impl Fn(&str) -> anyhow::Result<ResourceSlice>,
+) -> anyhow::Result<()> {
     let slices: Api<ResourceSlice> = Api::all(client.clone());
+    let build = &build;
     stream::iter(0..count)
         .map(|i| {
             let slices = slices.clone();
             async move {
                 let node = format!("{prefix}-{i}");
-                let infos: Vec<GpuInfo> = gpus
-                    .iter()
-                    .zip(0u32..)
-                    .map(|(gib, index)| GpuInfo {
-                        index,
-                        uuid: format!("GPU-{node}-{index}"),
-                        model: "Fake".to_owned(),
-                        mem_gib: *gib,
-                        healthy: true,
-                        numa_node: None,
-                    })
-                    .collect();
-                let mut built = slice::build(&node, driver, &infos, 1, Unhealthy::Taint);
+                let mut built = build(&node)?;
                 built
                     .labels_mut()
                     .insert(FAKE_LABEL.to_owned(), "true".to_owned());
@@ -186,35 +201,21 @@ pub async fn publish_plain_slices(
         .create(&PostParams::default(), &template)
         .await
         .context("creating the plain ResourceClaimTemplate")?;
-    let slices: Api<ResourceSlice> = Api::all(client.clone());
-    stream::iter(0..count)
-        .map(|i| {
-            let slices = slices.clone();
-            async move {
-                let node = format!("{prefix}-{i}");
-                let devices: Vec<_> = (0..gpus)
-                    .map(|d| json!({"name": format!("gpu-{d}")}))
-                    .collect();
-                let slice: ResourceSlice = serde_json::from_value(json!({
-                    "metadata": {"name": format!("{node}-plain"), "labels": {FAKE_LABEL: "true"}},
-                    "spec": {
-                        "driver": PLAIN_DRIVER,
-                        "nodeName": node,
-                        "pool": {"name": node, "generation": 1, "resourceSliceCount": 1},
-                        "devices": devices,
-                    }
-                }))?;
-                slices
-                    .create(&PostParams::default(), &slice)
-                    .await
-                    .with_context(|| format!("creating the plain ResourceSlice of {node}"))?;
-                anyhow::Ok(())
+    create_slices(client, prefix, count, |node| {
+        let devices: Vec<_> = (0..gpus)
+            .map(|d| json!({"name": format!("gpu-{d}")}))
+            .collect();
+        Ok(serde_json::from_value(json!({
+            "metadata": {"name": format!("{node}-plain")},
+            "spec": {
+                "driver": PLAIN_DRIVER,
+                "nodeName": node,
+                "pool": {"name": node, "generation": 1, "resourceSliceCount": 1},
+                "devices": devices,
             }
-        })
-        .buffer_unordered(BULK_CALLS)
-        .try_collect::<Vec<()>>()
-        .await?;
-    Ok(())
+        }))?)
+    })
+    .await
 }
 
 /// Deletes the slices [`publish_fake_slices`] and [`publish_plain_slices`] made, and the
