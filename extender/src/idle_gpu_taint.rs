@@ -40,7 +40,7 @@ use k8s_openapi::api::core::v1::{Node, Taint};
 use kube::Api;
 use kube::api::{Patch, PatchParams};
 
-use crate::api::AppState;
+use crate::scheduling::Scheduling;
 
 /// How often the taints are compared with the view.
 pub const PERIOD: Duration = Duration::from_secs(2);
@@ -132,7 +132,7 @@ pub async fn set_idle_gpu_taint(
 /// others, every [`PERIOD`], while this replica leads and the view has synced. Runs until
 /// aborted. A pass that met API errors logs one warning (how many, and the first), and its
 /// nodes are tried again on the next pass.
-pub async fn keep_idle_gpu_taints(client: kube::Client, state: AppState, enabled: bool) {
+pub async fn keep_idle_gpu_taints(client: kube::Client, state: Scheduling, enabled: bool) {
     let nodes: Api<Node> = Api::all(client);
     let key = state.view().settings().keys.node_idle_gpu_taint.clone();
     tracing::info!(enabled, taint = %key, "keeping the idle-GPU taint (PreferNoSchedule) on nodes with an idle GPU");
@@ -167,7 +167,7 @@ pub async fn keep_idle_gpu_taints(client: kube::Client, state: AppState, enabled
                 }
             };
             tracing::debug!(node = %name, wanted, outcome = outcome.label(), "idle-GPU taint");
-            state.metrics().record_idle_gpu_taint(outcome);
+            state.metrics().record_idle_gpu_taint(outcome.label());
         }
         if let Some((node, error)) = failed {
             tracing::warn!(failures, first = %node, %error, "cannot update the idle-GPU taint of some nodes; trying again");

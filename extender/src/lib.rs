@@ -2,16 +2,26 @@
 //! one GPU, not by the node-wide sum kube-scheduler sees.
 //!
 //! ```text
-//!  kube-scheduler ──POST {prefix}/filter, /prioritize, /bind──▶ api (axum handlers: routing, wire)
+//!  kube-scheduler ──POST {prefix}/filter, /prioritize, /bind──▶ api (axum: decode, encode)
+//!                                                                 │ one method call each
+//!                                                     scheduling::Scheduling (the domain:
+//!                                                      filter, prioritize, preempt, bind)
 //!                                                                 │ read / short write lock
 //!  API server ──watch Nodes, Pods──▶ watch ──apply──▶ view::View ─┤ (allocator::Cluster inside,
 //!                                                                 │  reservation::Reservations)
-//!                                  bind: decide + reserve ────────┘
+//!                         scheduling::bind: decide + reserve ─────┘
 //!                                    │ spawn: one task per Binding, runs to a settled end
 //!  API server ◀──POST pods/{name}/binding (annotations = decision)── kube_io::Binder
 //!  API server ◀──GET pod, re-POST binding (only if the answer was ambiguous)
 //!  API server ◀──Events (background task, bounded queue)──────────── kube_io::record_events
 //! ```
+//!
+//! Layers, each importing only those below it (no module imports one that imports it back):
+//! `wire` (the protocol's types), `reservation`, `view` and `keep_best` (state and ranking),
+//! `kube_io` (the API calls), `metrics`, `forward` and `leader` (election apart from the
+//! write fence), then `scheduling` (the domain over all of these), then its adapters: `api`
+//! (HTTP), `watch` (the API server's events), `idle_gpu_taint` (a periodic pass), and at the
+//! top `server`, `config` and this file, which wire them together.
 //!
 //! Why this shape: every decision is made by the pure allocator on an in-memory view that the
 //! watches keep current, so `filter` and `prioritize` never call the API server. `bind`
@@ -35,7 +45,6 @@
 //! trusted to lower what the extender has booked ([`view`]).
 
 pub mod api;
-pub mod bind;
 pub mod config;
 pub mod forward;
 pub mod idle_gpu_taint;
@@ -45,6 +54,7 @@ pub mod leader;
 pub mod metrics;
 pub mod reservation;
 pub mod routing_check;
+pub mod scheduling;
 pub mod server;
 pub mod view;
 pub mod watch;
@@ -62,11 +72,12 @@ use tokio::net::TcpListener;
 use tokio_util::sync::CancellationToken;
 
 pub use api::callers::Callers;
-pub use api::{AppState, DEFAULT_BODY_LIMIT, NOT_SYNCED, router, scheduler_router};
-pub use bind::BindTiming;
+pub use api::{DEFAULT_BODY_LIMIT, router, scheduler_router};
 pub use config::{Config, LogFormat};
 pub use kube_io::{BindError, Binder, BindingTarget, EventSink, KubeBinder, PodOnServer};
-pub use view::{Settings, View};
+pub use scheduling::Scheduling;
+pub use scheduling::bind::BindTiming;
+pub use view::{NOT_SYNCED, Settings, View};
 
 /// Why the extender stopped.
 #[derive(Debug, thiserror::Error)]
@@ -303,8 +314,8 @@ fn app_state(
     settings: Settings,
     client: &kube::Client,
     events: EventSink,
-) -> AppState {
-    let state = AppState::new(
+) -> Scheduling {
+    let state = Scheduling::new(
         settings,
         config.policy,
         Arc::new(KubeBinder::new(client.clone())),
@@ -327,7 +338,7 @@ fn app_state(
 }
 
 /// The election settings from the flags, and the follower's forwarding client.
-fn election_config(config: &Config, state: &AppState) -> Result<leader::ElectionConfig, Error> {
+fn election_config(config: &Config, state: &Scheduling) -> Result<leader::ElectionConfig, Error> {
     let timing = config.lease_timing();
     if timing.renew_deadline >= timing.duration {
         return Err(Error::LeaderTiming(

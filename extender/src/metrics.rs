@@ -316,21 +316,18 @@ impl Metrics {
         }
     }
 
-    /// Counts a filter that passed every fitting node for `why`.
-    pub fn keep_best_stepped_aside(&self, why: crate::keep_best::StepAside) {
+    /// Counts a filter that passed every fitting node for `reason` (the label of a
+    /// `keep_best::StepAside`).
+    pub fn keep_best_stepped_aside(&self, reason: &'static str) {
         self.keep_best_stepped_aside
-            .get_or_create(&StepAsideLabels {
-                reason: why.label(),
-            })
+            .get_or_create(&StepAsideLabels { reason })
             .inc();
     }
 
-    /// Counts an idle-GPU taint write.
-    pub fn record_idle_gpu_taint(&self, outcome: crate::idle_gpu_taint::Outcome) {
+    /// Counts an idle-GPU taint write by `outcome` (the label of an `idle_gpu_taint::Outcome`).
+    pub fn record_idle_gpu_taint(&self, outcome: &'static str) {
         self.idle_gpu_taint_writes
-            .get_or_create(&TaintWriteLabels {
-                outcome: outcome.label(),
-            })
+            .get_or_create(&TaintWriteLabels { outcome })
             .inc();
     }
 

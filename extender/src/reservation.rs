@@ -1,7 +1,7 @@
 //! The lifecycle of the GPU memory that `bind` books before its Binding write is known to
 //! have landed, and of what `filter` holds for a pod when it passes one node only. Pure
 //! bookkeeping: no I/O, and no clock of its own (times are handed in). The I/O that drives it
-//! is in [`crate::bind`]; the watch and relists end it through [`crate::view::View`].
+//! is in [`crate::scheduling::bind`]; the watch and relists end it through [`crate::view::View`].
 //!
 //! ```text
 //!   filter passes one node ──hold──▶ Held ──bind comes, filter runs again for the pod,

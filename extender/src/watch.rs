@@ -9,13 +9,13 @@ use kube::Api;
 use kube::runtime::WatchStreamExt;
 use kube::runtime::watcher::{self, Event};
 
-use crate::api::AppState;
 use crate::kube_io::PodEvent;
+use crate::scheduling::Scheduling;
 use crate::view::{PodFacts, PodWarning};
 use crate::watched_pod::WatchedPod;
 
 /// Follows Nodes until the stream ends (it ends only if the watcher gives up).
-pub async fn watch_nodes(client: kube::Client, state: AppState) {
+pub async fn watch_nodes(client: kube::Client, state: Scheduling) {
     let api: Api<Node> = Api::all(client);
     let (resource, domain) = watched_names(&state);
     let stream = watcher::watcher(api, watcher::Config::default())
@@ -48,7 +48,7 @@ pub const UNFINISHED_PODS: &str = "status.phase!=Succeeded,status.phase!=Failed"
 
 /// Follows Pods until the stream ends (it ends only if the watcher gives up). Pods are
 /// decoded lean ([`WatchedPod`]), then cut to gpushare's annotations.
-pub async fn watch_pods(client: kube::Client, state: AppState) {
+pub async fn watch_pods(client: kube::Client, state: Scheduling) {
     let api: Api<WatchedPod> = Api::all(client);
     let (_, domain) = watched_names(&state);
     let stream = watcher::watcher(api, watcher::Config::default().fields(UNFINISHED_PODS))
@@ -99,7 +99,7 @@ pub async fn watch_pods(client: kube::Client, state: AppState) {
 }
 
 /// The resource name and the annotation domain prefix (`<domain>/`) the view reads.
-fn watched_names(state: &AppState) -> (String, String) {
+fn watched_names(state: &Scheduling) -> (String, String) {
     let view = state.view();
     let settings = view.settings();
     let domain = settings

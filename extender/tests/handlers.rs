@@ -401,7 +401,7 @@ async fn unsynced_view_answers_error_and_readyz_is_503() {
     let h = fixture_cluster();
     let unsynced = common::harness(vec![], vec![]);
     // A fresh state that never listed: build one by hand.
-    let state = gpushare_extender::AppState::new(
+    let state = gpushare_extender::Scheduling::new(
         gpushare_extender::Settings::new(
             "example.com/gpu-mem",
             "gpushare.example.com",

@@ -12,7 +12,7 @@ use std::sync::Arc;
 
 use common::{FakeBinder, PREFIX, bound_builder, call, fast_timing, settings, with_uid};
 use gpushare_allocator::Policy;
-use gpushare_extender::{AppState, EventSink, router};
+use gpushare_extender::{EventSink, Scheduling, router};
 use gpushare_testkit::fixtures::{node, pod};
 use k8s_openapi::api::core::v1::{Node, Pod};
 use prometheus_client::registry::Registry;
@@ -20,7 +20,7 @@ use serde_json::{Value, json};
 
 /// A synced state under `policy` over these nodes and pods, and its router.
 fn app(policy: Policy, nodes: &[Node], pods: Vec<Pod>) -> axum::Router {
-    let state = AppState::new(
+    let state = Scheduling::new(
         settings(),
         policy,
         Arc::new(FakeBinder::default()),

@@ -26,7 +26,7 @@ use futures::future::BoxFuture;
 use gpushare_allocator::fragmentation::{Host, MAX_SHAPES, Shape};
 use gpushare_allocator::{PodId, PodPlacement, Policy};
 use gpushare_extender::{
-    AppState, BindError, BindTiming, Binder, BindingTarget, EventSink, PodOnServer, Settings,
+    Scheduling, BindError, BindTiming, Binder, BindingTarget, EventSink, PodOnServer, Settings,
     router,
 };
 use gpushare_testkit::fixtures::node;
@@ -64,18 +64,18 @@ enum Fill {
     Varied,
 }
 
-fn state(nodes: usize, policy: Policy) -> (AppState, Vec<String>) {
+fn state(nodes: usize, policy: Policy) -> (Scheduling, Vec<String>) {
     state_filled(nodes, policy, Fill::Uniform)
 }
 
-fn state_filled(nodes: usize, policy: Policy, fill: Fill) -> (AppState, Vec<String>) {
+fn state_filled(nodes: usize, policy: Policy, fill: Fill) -> (Scheduling, Vec<String>) {
     let (events, _rx) = EventSink::channel();
     let settings = Settings::new(
         gpushare_contract::DEFAULT_RESOURCE,
         gpushare_contract::DEFAULT_DOMAIN,
         "gpushare=true",
     );
-    let state = AppState::new(
+    let state = Scheduling::new(
         settings,
         policy,
         Arc::new(NoBinder),

@@ -12,11 +12,12 @@ use axum::http::StatusCode;
 use axum::response::{IntoResponse, Response};
 use serde::Serialize;
 
-use super::{AppState, ErrorBody, json_response};
+use super::{ErrorBody, json_response};
+use crate::scheduling::Scheduling;
 use crate::view::View;
 
 /// `GET {prefix}/inspect`.
-pub(super) async fn inspect_all(State(state): State<AppState>) -> Response {
+pub(super) async fn inspect_all(State(state): State<Scheduling>) -> Response {
     let started = Instant::now();
     let view = state.view();
     let mut nodes: Vec<InspectNode> = view
@@ -34,7 +35,7 @@ pub(super) async fn inspect_all(State(state): State<AppState>) -> Response {
 
 /// `GET {prefix}/inspect/{node}`.
 pub(super) async fn inspect_node(
-    State(state): State<AppState>,
+    State(state): State<Scheduling>,
     Path(node): Path<String>,
 ) -> Response {
     let started = Instant::now();

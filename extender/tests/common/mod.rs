@@ -14,7 +14,7 @@ use futures::future::BoxFuture;
 use gpushare_allocator::Policy;
 use gpushare_contract::{ContainerRequest, Keys, PodAllocation};
 use gpushare_extender::{
-    AppState, BindError, BindTiming, Binder, BindingTarget, EventSink, PodOnServer, Settings,
+    BindError, BindTiming, Binder, BindingTarget, EventSink, PodOnServer, Scheduling, Settings,
     router,
 };
 use gpushare_testkit::fixtures::{PodBuilder, pod};
@@ -128,7 +128,7 @@ impl Binder for FakeBinder {
 }
 
 pub struct Harness {
-    pub state: AppState,
+    pub state: Scheduling,
     pub binder: Arc<FakeBinder>,
     pub app: Router,
 }
@@ -160,7 +160,7 @@ pub fn harness_timed(
     pods: Vec<Pod>,
 ) -> Harness {
     let binder = Arc::new(FakeBinder::default());
-    let state = AppState::new(
+    let state = Scheduling::new(
         settings,
         Policy::Binpack,
         binder.clone(),

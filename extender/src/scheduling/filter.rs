@@ -1,4 +1,4 @@
-//! `POST {prefix}/filter`: which candidate nodes can take the pod's request on one GPU, and
+//! Filter: which candidate nodes can take the pod's request on one GPU, and
 //! why each other one cannot; when a single node passes, its memory is held for the bind that
 //! follows.
 //!
@@ -9,31 +9,18 @@
 use std::sync::atomic::Ordering;
 use std::time::{Duration, Instant};
 
-use axum::body::Bytes;
-use axum::extract::State;
-use axum::response::Response;
 use gpushare_allocator::{PodId, Request, Unfit};
 
+use super::Scheduling;
 use super::args::{Candidate, candidates, pod_uid, read_request};
-use super::{AppState, bad_request, json_response_sized};
 use crate::keep_best::KeepBest;
 use crate::view::{Hold, NOT_SYNCED, Settings, View, unfit_reason};
 use crate::wire::{ExtenderArgs, ExtenderFilterResult, RawNodeListOut};
 
-/// `POST {prefix}/filter`.
-#[tracing::instrument(skip_all)]
-pub(super) async fn filter(State(state): State<AppState>, body: Bytes) -> Response {
-    state.pace().await;
-    let started = Instant::now();
-    let response = match serde_json::from_slice::<ExtenderArgs<'_>>(&body) {
-        Ok(args) => json_response_sized(&filter_answer(&state, &args), body.len()),
-        Err(error) => bad_request("filter", &error),
-    };
-    state.metrics().observe("filter", started);
-    response
-}
-
-fn filter_answer<'a>(state: &AppState, args: &'a ExtenderArgs<'a>) -> ExtenderFilterResult<'a> {
+pub(super) fn filter_answer<'a>(
+    state: &Scheduling,
+    args: &'a ExtenderArgs<'a>,
+) -> ExtenderFilterResult<'a> {
     let candidates = candidates(args);
     let mut result = ExtenderFilterResult::default();
     let mut passing: Vec<usize> = Vec::with_capacity(candidates.len());
@@ -128,7 +115,7 @@ fn only_reserved_node<'a>(
 
 /// What filter checks each candidate against: the pod's `request` on the current view.
 struct Fits<'s, 'a> {
-    state: &'s AppState,
+    state: &'s Scheduling,
     view: &'s View,
     args: &'a ExtenderArgs<'a>,
     request: &'s Request,
@@ -168,7 +155,7 @@ impl<'a> Fits<'_, 'a> {
             passing,
         );
         if let Some(why) = stepped_aside {
-            self.state.metrics().keep_best_stepped_aside(why);
+            self.state.metrics().keep_best_stepped_aside(why.label());
         }
         if keep_best.keep > 0 {
             let share = self.view.cluster.demand().multi_gpu_share();
@@ -191,7 +178,7 @@ impl<'a> Fits<'_, 'a> {
 /// nomination booking) of the pod being filtered (its earlier attempt ended without a bind).
 /// The write lock is taken only when there are reservations or booked nominations at all.
 /// True when something was given back.
-fn release_holds(state: &AppState, pod_uid: Option<&PodId>) -> bool {
+fn release_holds(state: &Scheduling, pod_uid: Option<&PodId>) -> bool {
     {
         let view = state.view();
         if view.reservation_count() == 0 && view.nominations().1 == 0 {
@@ -211,7 +198,7 @@ fn release_holds(state: &AppState, pod_uid: Option<&PodId>) -> bool {
 /// lasts until the pod's bind comes, so the filters of the pods scheduled meanwhile see the
 /// memory taken ([`crate::reservation`], "Why holds").
 pub(super) fn hold_for_bind(
-    state: &AppState,
+    state: &Scheduling,
     args: &ExtenderArgs<'_>,
     uid: PodId,
     node: &str,

@@ -1,4 +1,4 @@
-//! `POST {prefix}/preempt`: which pods to evict on each candidate node so that the preemptor
+//! Preempt: which pods to evict on each candidate node so that the preemptor
 //! gets room on one GPU, or which candidates to drop because no eviction there gives it.
 //!
 //! Why: kube-scheduler proposes victims by the node's total of the resource. On a node whose
@@ -17,30 +17,14 @@
 
 use std::collections::BTreeMap;
 use std::sync::{RwLockReadGuard, RwLockWriteGuard};
-use std::time::Instant;
 
-use axum::body::Bytes;
-use axum::extract::State;
-use axum::response::Response;
 use gpushare_allocator::{Eviction, PodId};
 use gpushare_contract::pod_request_with;
 
-use super::{AppState, bad_request, json_response};
+use super::Scheduling;
 use crate::kube_io::PodEvent;
 use crate::view::{View, pod_host, to_request};
 use crate::wire::{ExtenderPreemptionArgs, ExtenderPreemptionResult, MetaPod, MetaVictims};
-
-/// `POST {prefix}/preempt`.
-#[tracing::instrument(skip_all, fields(pod))]
-pub(super) async fn preempt(State(state): State<AppState>, body: Bytes) -> Response {
-    let started = Instant::now();
-    let response = match serde_json::from_slice::<ExtenderPreemptionArgs>(&body) {
-        Ok(args) => json_response(&preempt_answer(&state, &args)),
-        Err(error) => bad_request("preempt", &error),
-    };
-    state.metrics().observe("preempt", started);
-    response
-}
 
 /// The node an answer kept, with the eviction decided there.
 struct Kept<'a> {
@@ -50,7 +34,10 @@ struct Kept<'a> {
     others: Vec<&'a str>,
 }
 
-fn preempt_answer(state: &AppState, args: &ExtenderPreemptionArgs) -> ExtenderPreemptionResult {
+pub(super) fn preempt_answer(
+    state: &Scheduling,
+    args: &ExtenderPreemptionArgs,
+) -> ExtenderPreemptionResult {
     let proposals = args.proposals();
     let proposed: usize = proposals.values().map(|(uids, _)| uids.len()).sum();
     let Some(pod) = args.pod.as_ref() else {

@@ -32,7 +32,7 @@ use std::time::Duration;
 use gpushare_allocator::PodId;
 use tokio::sync::oneshot;
 
-use crate::api::AppState;
+use super::Scheduling;
 use crate::kube_io::{BindError, BindingTarget, PodEvent, PodOnServer};
 use crate::leader::Gate;
 use crate::reservation::{Outcome, Phase, Settled, Ticket};
@@ -95,8 +95,8 @@ impl Write {
 /// Binds a pod if this replica leads, passes the call on to the leader if another replica
 /// does (`body` as kube-scheduler sent it; never a call that was itself `forwarded`), and
 /// refuses it retryably otherwise. The error is the text kube-scheduler reports.
-pub async fn bind_or_forward(
-    state: &AppState,
+pub(super) async fn bind_or_forward(
+    state: &Scheduling,
     args: &ExtenderBindingArgs,
     body: &[u8],
     forwarded: bool,
@@ -135,7 +135,7 @@ pub async fn bind_or_forward(
 /// Binds a pod in leadership term `term`; the Binding write ends by `deadline` (within the
 /// lease, see [`crate::leader`]); the error is the text kube-scheduler reports.
 pub async fn bind_pod(
-    state: &AppState,
+    state: &Scheduling,
     args: &ExtenderBindingArgs,
     deadline: tokio::time::Instant,
     term: u64,
@@ -196,7 +196,7 @@ const TRANSIENT_REFUSALS: &[&str] = &[
 
 /// Logs and counts a refused bind, and records an Event for one a person should look at.
 fn refused(
-    state: &AppState,
+    state: &Scheduling,
     namespace: &str,
     name: &str,
     uid: &str,
@@ -240,7 +240,7 @@ async fn timed<T>(
 }
 
 /// Settles the write's reservation, keeping the gauges current.
-fn settle(state: &AppState, write: &Write, outcome: Outcome) -> Settled {
+fn settle(state: &Scheduling, write: &Write, outcome: Outcome) -> Settled {
     let mut view = state.view_mut();
     let settled = view.settle_reservation(&write.uid, write.ticket, outcome);
     state.update_reservation_gauges(&view);
@@ -250,7 +250,7 @@ fn settle(state: &AppState, write: &Write, outcome: Outcome) -> Settled {
 /// Writes the Binding and drives its reservation to an end; sends the first answer for
 /// kube-scheduler to `answer` (nobody may be listening any more).
 async fn drive(
-    state: AppState,
+    state: Scheduling,
     write: Write,
     deadline: tokio::time::Instant,
     answer: oneshot::Sender<Result<(), String>>,
@@ -315,7 +315,7 @@ async fn drive(
 /// it with the deadline the write must end by. After a wait the leadership is asked again: the
 /// lease may have moved on meanwhile, and the write's budget counts from now.
 async fn write_slot(
-    state: &AppState,
+    state: &Scheduling,
     write: &Write,
     deadline: tokio::time::Instant,
 ) -> Result<(Option<slots::WriteSlot>, tokio::time::Instant), (&'static str, String)> {
@@ -355,12 +355,12 @@ async fn write_slot(
 /// Counts and logs a landed Binding. No Event: the pod's annotations, kube-scheduler's own
 /// `Scheduled` event, `inspect` and `kubectl gpushare top` tell that story, and an Event per
 /// bind would double the API writes of every scheduled pod. Refusals do get Events.
-fn bound(state: &AppState, write: &Write) {
+fn bound(state: &Scheduling, write: &Write) {
     state.metrics().bind("bound");
     tracing::info!(pod = %write.pod_key(), node = %write.target.node, gpu = write.gpu, uuid = %write.uuid, gib = write.gib, "bound");
 }
 
-fn refused_write(state: &AppState, write: &Write, reason: &'static str, message: &str) {
+fn refused_write(state: &Scheduling, write: &Write, reason: &'static str, message: &str) {
     let target = &write.target;
     refused(
         state,
@@ -376,7 +376,7 @@ fn refused_write(state: &AppState, write: &Write, reason: &'static str, message:
 /// same Binding while it is unbound (a first write still on its way makes the re-post fail
 /// with a conflict; the next read then sees it). Ends when the reservation is settled, or
 /// when the watch, a relist or a deletion ended it first.
-async fn resolve(state: &AppState, write: &Write) {
+async fn resolve(state: &Scheduling, write: &Write) {
     let timing = state.bind_timing();
     let mut pause = timing.backoff_initial;
     loop {
@@ -410,7 +410,7 @@ async fn resolve(state: &AppState, write: &Write) {
 }
 
 /// One step of [`resolve`]: what the API server says now, if it said anything.
-async fn resolve_once(state: &AppState, write: &Write, timeout: Duration) -> Option<Outcome> {
+async fn resolve_once(state: &Scheduling, write: &Write, timeout: Duration) -> Option<Outcome> {
     let target = &write.target;
     let read = timed(
         timeout,

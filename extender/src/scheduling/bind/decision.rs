@@ -4,7 +4,7 @@
 //!
 //! Why all of it under one lock: the check that the memory is free and the booking of it
 //! must be one step, or two binds could both see the same GiB free. Nothing here waits on
-//! the network; the write runs afterwards, in its own task ([`crate::bind`]).
+//! the network; the write runs afterwards, in its own task ([`super`]).
 
 use std::sync::Arc;
 

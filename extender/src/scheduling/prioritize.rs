@@ -1,52 +1,50 @@
-//! `POST {prefix}/prioritize`: the policy's score of each candidate, and a hold on the one
+//! Prioritize: the policy's score of each candidate, and a hold on the one
 //! scored above all others.
 //!
 //! Why the answer leaves hosts out: see [`compact_priorities`]; why a sole best is held: see
 //! [`sole_best`].
 
-use std::time::Instant;
+use std::borrow::Cow;
 
-use axum::body::Bytes;
-use axum::extract::State;
-use axum::response::Response;
-
+use super::Scheduling;
 use super::args::{candidates, pod_uid, read_request};
 use super::filter::hold_for_bind;
-use super::{AppState, bad_request, json_response_sized};
 use crate::wire::{ExtenderArgs, HostPriority};
 
-/// `POST {prefix}/prioritize`.
-#[tracing::instrument(skip_all)]
-pub(super) async fn prioritize(State(state): State<AppState>, body: Bytes) -> Response {
-    let started = Instant::now();
-    let response = match serde_json::from_slice::<ExtenderArgs<'_>>(&body) {
-        Ok(args) => {
-            let candidates = candidates(&args);
-            let view = state.view();
-            let request = read_request(&args, view.settings())
-                .ok()
-                .flatten()
-                .filter(|_| view.is_synced());
-            let names: Vec<&str> = candidates.iter().map(|(name, _)| &**name).collect();
-            let raw = match &request {
-                Some(request) => view.cluster.scores(&names, request, state.inner.policy),
-                None => vec![0; names.len()],
-            };
-            drop(view);
-            if let (Some(request), Some(best), Some(uid)) =
-                (&request, sole_best(&raw), pod_uid(&args))
-            {
-                hold_for_bind(&state, &args, uid, names[best], request);
-            }
-            let scores = compact_priorities(&names, &raw);
-            // `{"Host":"<name>","Score":10},` per listed node.
-            let size = scores.iter().map(|h| h.host.len() + 24).sum::<usize>() + 2;
-            json_response_sized(&scores, size)
-        }
-        Err(error) => bad_request("prioritize", &error),
+/// The policy's score of each candidate of a prioritize call, as [`Scores::answer`] sends it.
+#[derive(Debug)]
+pub struct Scores<'a> {
+    names: Vec<Cow<'a, str>>,
+    raw: Vec<u8>,
+}
+
+impl Scores<'_> {
+    /// The prioritize answer: the scores, the ones at the bottom left out
+    /// ([`compact_priorities`]).
+    pub fn answer(&self) -> Vec<HostPriority<'_>> {
+        compact_priorities(&self.names, &self.raw)
+    }
+}
+
+/// Scores `args`'s candidates; the candidate scored above all others is held for the bind.
+pub(super) fn prioritize_answer<'a>(state: &Scheduling, args: &'a ExtenderArgs<'a>) -> Scores<'a> {
+    let names: Vec<Cow<'a, str>> = candidates(args).into_iter().map(|(name, _)| name).collect();
+    let view = state.view();
+    let request = read_request(args, view.settings())
+        .ok()
+        .flatten()
+        .filter(|_| view.is_synced());
+    let borrowed: Vec<&str> = names.iter().map(|name| &**name).collect();
+    let raw = match &request {
+        Some(request) => view.cluster.scores(&borrowed, request, state.inner.policy),
+        None => vec![0; names.len()],
     };
-    state.metrics().observe("prioritize", started);
-    response
+    drop(view);
+    if let (Some(request), Some(best), Some(uid)) = (&request, sole_best(&raw), pod_uid(args)) {
+        hold_for_bind(state, args, uid, borrowed[best], request);
+    }
+    drop(borrowed);
+    Scores { names, raw }
 }
 
 /// The position of the one candidate scored above all others, if one is (a tie has none).
@@ -79,14 +77,14 @@ fn sole_best(raw: &[u8]) -> Option<usize> {
 /// One thing does change: upstream draws a random tie-breaker only for hosts a list names, so a
 /// host left out loses a tie of totals to one that is listed, and ties among hosts left out go
 /// by the order of its score heap rather than by chance.
-fn compact_priorities<'a>(names: &[&'a str], raw: &[u8]) -> Vec<HostPriority<'a>> {
+fn compact_priorities<'a, S: AsRef<str>>(names: &'a [S], raw: &[u8]) -> Vec<HostPriority<'a>> {
     let lowest = raw.iter().copied().min().unwrap_or(0);
     names
         .iter()
         .zip(raw)
         .filter(|(_, score)| **score > lowest)
         .map(|(name, score)| HostPriority {
-            host: name,
+            host: name.as_ref(),
             score: i64::from(score - lowest),
         })
         .collect()
@@ -171,6 +169,6 @@ mod tests {
             ]
         );
         assert!(compact_priorities(&names, &[10; 4]).is_empty());
-        assert!(compact_priorities(&[], &[]).is_empty());
+        assert!(compact_priorities::<&str>(&[], &[]).is_empty());
     }
 }
