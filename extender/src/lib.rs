@@ -195,43 +195,14 @@ pub async fn serve(
         let serving = server::serve_http(listener, monitor, None, stop.clone(), None, None);
         tasks.spawn("monitoring HTTP server", serving);
     }
-    tasks.spawn(
-        "node watch",
-        watch::watch_nodes(client.clone(), state.clone()),
-    );
-    tasks.spawn(
-        "pod watch",
-        watch::watch_pods(client.clone(), state.clone()),
-    );
-    tasks.spawn(
-        "idle-GPU taint",
-        idle_gpu_taint::keep_idle_gpu_taints(client.clone(), state.clone(), config.idle_gpu_taint),
-    );
-    tasks.spawn(
-        "event recorder",
-        kube_io::record_events(client.clone(), event_rx),
-    );
-    if let Some(file) = keyring_file {
-        tasks.spawn("keyring watch", watch_keyring(file));
-    }
-    let elect_stop = CancellationToken::new();
-    if let Some(election) = election {
-        let leadership = state.leadership().clone();
-        let elector = leader::run(
-            client.clone(),
-            election,
-            leadership,
-            state.metrics().clone(),
-            elect_stop.clone(),
-        );
-        tasks.spawn(ELECTOR, elector);
-    }
-    if config.webhook_enabled {
-        tasks.spawn(
-            "admission webhook",
-            serve_webhook(config.clone(), client, stop.clone()),
-        );
-    }
+    let background = Background {
+        client,
+        state: state.clone(),
+        event_rx,
+        keyring_file,
+        election,
+    };
+    let elect_stop = background.spawn(&mut tasks, &config, &stop);
 
     let result = tokio::select! {
         () = shutdown => {
@@ -251,6 +222,70 @@ pub async fn serve(
         tracing::error!(%error, "extender stopping");
     }
     result
+}
+
+/// The extender's tasks beside its servers: the watches that keep the view, the idle-GPU
+/// taint pass, the event recorder, the keyring watch, the election and the webhook.
+struct Background {
+    client: kube::Client,
+    state: Scheduling,
+    event_rx: tokio::sync::mpsc::Receiver<kube_io::PodEvent>,
+    keyring_file: Option<KeyringFile>,
+    election: Option<leader::ElectionConfig>,
+}
+
+impl Background {
+    /// Spawns them into `tasks`; the webhook stops with `stop`. Returns the token that stops
+    /// the election (first, at shutdown: see [`Stopping`]).
+    fn spawn(
+        self,
+        tasks: &mut TaskSet,
+        config: &Config,
+        stop: &CancellationToken,
+    ) -> CancellationToken {
+        tasks.spawn(
+            "node watch",
+            watch::watch_nodes(self.client.clone(), self.state.clone()),
+        );
+        tasks.spawn(
+            "pod watch",
+            watch::watch_pods(self.client.clone(), self.state.clone()),
+        );
+        tasks.spawn(
+            "idle-GPU taint",
+            idle_gpu_taint::keep_idle_gpu_taints(
+                self.client.clone(),
+                self.state.clone(),
+                config.idle_gpu_taint,
+            ),
+        );
+        tasks.spawn(
+            "event recorder",
+            kube_io::record_events(self.client.clone(), self.event_rx),
+        );
+        if let Some(file) = self.keyring_file {
+            tasks.spawn("keyring watch", watch_keyring(file));
+        }
+        let elect_stop = CancellationToken::new();
+        if let Some(election) = self.election {
+            let leadership = self.state.leadership().clone();
+            let elector = leader::run(
+                self.client.clone(),
+                election,
+                leadership,
+                self.state.metrics().clone(),
+                elect_stop.clone(),
+            );
+            tasks.spawn(ELECTOR, elector);
+        }
+        if config.webhook_enabled {
+            tasks.spawn(
+                "admission webhook",
+                serve_webhook(config.clone(), self.client, stop.clone()),
+            );
+        }
+        elect_stop
+    }
 }
 
 /// The extender's shutdown, in order: stop binding and hand the Lease over once the last

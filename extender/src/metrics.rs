@@ -181,113 +181,123 @@ impl Metrics {
             uncertified_calls_in_grace: Counter::default(),
         };
         let sub = registry.sub_registry_with_prefix("gpushare_extender");
+        metrics.register_requests_and_binds(sub);
+        metrics.register_filter_preempt_and_callers(sub);
+        metrics
+    }
+
+    /// Registers the request, bind, reservation and leadership metrics.
+    fn register_requests_and_binds(&self, sub: &mut Registry) {
         sub.register(
             "requests",
             "Extender requests by verb",
-            metrics.requests.clone(),
+            self.requests.clone(),
         );
         sub.register(
             "request_duration_seconds",
             "Time to answer an extender request, by verb",
-            metrics.latency.clone(),
+            self.latency.clone(),
         );
-        sub.register("binds", "Bind outcomes by reason", metrics.binds.clone());
+        sub.register("binds", "Bind outcomes by reason", self.binds.clone());
         sub.register(
             "reservations",
             "GPU memory reservations made at bind and not yet seen in the pod watch",
-            metrics.reservations.clone(),
+            self.reservations.clone(),
         );
         sub.register(
             "reservations_resolving",
             "Reservations whose Binding got no clear answer and is being resolved by reading the pod",
-            metrics.reservations_resolving.clone(),
+            self.reservations_resolving.clone(),
         );
         sub.register(
             "reservations_held",
             "GPU memory held for pods between the filter or prioritize call that decided their node and their bind",
-            metrics.reservations_held.clone(),
+            self.reservations_held.clone(),
         );
         sub.register(
             "bind_resolutions",
             "How resolutions of ambiguous Binding writes ended",
-            metrics.resolutions.clone(),
+            self.resolutions.clone(),
         );
         sub.register(
             "leader",
             "1 while this replica leads and binds (always 1 without leader election), else 0",
-            metrics.leader.clone(),
+            self.leader.clone(),
         );
         sub.register(
             "leader_acquisitions",
             "How often this replica became the leader",
-            metrics.leader_acquisitions.clone(),
+            self.leader_acquisitions.clone(),
         );
+    }
+
+    /// Registers what filter, the idle-GPU taint, preempt and the caller check count.
+    fn register_filter_preempt_and_callers(&self, sub: &mut Registry) {
         sub.register(
             "filter_paced",
             "filter calls that waited because as many binds waited for a Binding write slot as there are slots",
-            metrics.paced.clone(),
+            self.paced.clone(),
         );
         sub.register(
             "filter_paced_seconds",
             "Seconds filter calls waited for the Binding write queue to shorten, in all",
-            metrics.paced_seconds.clone(),
+            self.paced_seconds.clone(),
         );
         sub.register(
             "filter_awaiting_admission",
             "filter calls answered with an error, so that kube-scheduler retries after its backoff: no node passed, and one waits for kubelet to admit a pod of the same size bound there",
-            metrics.filter_awaiting_admission.clone(),
+            self.filter_awaiting_admission.clone(),
         );
         sub.register(
             "filter_keep_best_stepped_aside",
             "filter calls that passed every fitting node although filterKeepBest is on, because kube-scheduler's scores would weigh something the extender does not model",
-            metrics.keep_best_stepped_aside.clone(),
+            self.keep_best_stepped_aside.clone(),
         );
         sub.register(
             "multi_gpu_demand_share",
             format!("Share of the recent GPU demand in multi-GPU pods; from {} the filter that keeps the best ranks by our score alone, without kube-scheduler's CPU and memory scores", gpushare_allocator::demand_mix::MULTI_GPU_HEAVY),
-            metrics.multi_gpu_demand_share.clone(),
+            self.multi_gpu_demand_share.clone(),
         );
         sub.register(
             "idle_gpu_taint_writes",
             "Writes of the idle-GPU taint (PreferNoSchedule on nodes with a GPU nothing is booked on), by outcome",
-            metrics.idle_gpu_taint_writes.clone(),
+            self.idle_gpu_taint_writes.clone(),
         );
         sub.register(
             "idle_gpu_tainted_nodes",
             "Nodes carrying the idle-GPU taint, as the leader's node watch last showed them (0 on a follower: only the leader reads it)",
-            metrics.idle_gpu_tainted_nodes.clone(),
+            self.idle_gpu_tainted_nodes.clone(),
         );
         sub.register(
             "caller_refusals",
             "Callers the scheduler port refused: no_client_certificate (a verb called without the client certificate, answered 403), untrusted_certificate (a handshake with a certificate of another CA)",
-            metrics.caller_refusals.clone(),
+            self.caller_refusals.clone(),
         );
         sub.register(
             "uncertified_calls_in_grace",
             "Calls without a client certificate let through while the upgrade grace (--accept-uncertified-until) lasts",
-            metrics.uncertified_calls_in_grace.clone(),
+            self.uncertified_calls_in_grace.clone(),
         );
         sub.register(
             "preempt_answers",
             "preempt answers by outcome: victims (a node kept), no_node (no eviction of lower-priority pods makes room on one GPU anywhere), not_ours, unreadable, not_synced",
-            metrics.preempt_answers.clone(),
+            self.preempt_answers.clone(),
         );
         sub.register(
             "preempt_victims",
             "Victims in preempt calls: proposed by kube-scheduler (by the node's total) and answered by the extender (per GPU)",
-            metrics.preempt_victims.clone(),
+            self.preempt_victims.clone(),
         );
         sub.register(
             "preempt_nodes_dropped",
             "Candidate nodes a preempt answer dropped because no eviction there makes room on one GPU",
-            metrics.preempt_nodes_dropped.clone(),
+            self.preempt_nodes_dropped.clone(),
         );
         sub.register(
             "nominations",
             "Unbound pods nominated for a node by preemption (state=nominated), and those whose memory is held there (state=held)",
-            metrics.nominations.clone(),
+            self.nominations.clone(),
         );
-        metrics
     }
 
     /// Sets the nomination gauges from (nominated, held).

@@ -50,21 +50,10 @@ pub(super) fn preempt_answer(
         pod.metadata.name.as_deref().unwrap_or_default()
     );
     tracing::Span::current().record("pod", tracing::field::display(&pod_name));
-    let settings = state.view().settings().clone();
-    let request = match pod_request_with(pod, &settings.resource, &settings.keys) {
-        Ok(Some(request)) => gpushare_allocator::Request {
-            host: pod_host(pod),
-            ..to_request(&request)
-        },
-        Ok(None) => {
-            state.metrics().preempt_answer("not_ours");
-            return pass_through(&proposals);
-        }
-        Err(error) => {
-            tracing::warn!(%error, "preempt: the preemptor's request cannot be read; no node is preempted on");
-            state.metrics().preempt_answer("unreadable");
-            return ExtenderPreemptionResult::default();
-        }
+    let request = match preemptor_request(state, pod) {
+        Ok(Some(request)) => request,
+        Ok(None) => return pass_through(&proposals),
+        Err(()) => return ExtenderPreemptionResult::default(),
     };
     let priority = pod.spec.as_ref().and_then(|s| s.priority).unwrap_or(0);
     let uid = pod.metadata.uid.as_deref().map(PodId::from);
@@ -93,34 +82,7 @@ pub(super) fn preempt_answer(
         Guard::Read(state.view())
     };
     let view: &View = &guard;
-    let mut kept: Vec<Kept<'_>> = Vec::new();
-    let mut dropped = 0_u64;
-    for (&node, (uids, _)) in &proposals {
-        let evictable = view.evictable_on(node, priority);
-        match view.cluster.eviction(node, &request, &evictable) {
-            Some(eviction) => {
-                let booked_here = |uid: &str| {
-                    view.cluster
-                        .pod(&PodId::from(uid))
-                        .is_some_and(|(on, _)| on == node)
-                };
-                let others: Vec<&str> = uids.iter().copied().filter(|u| !booked_here(u)).collect();
-                // Nothing to evict (the pod fits there already, freed since kube-scheduler's
-                // dry run): kube-scheduler takes a node with no victim as an error that fails
-                // the whole preemption, so the node is left out; the pod is retried anyway.
-                if eviction.victims.is_empty() && others.is_empty() {
-                    dropped += 1;
-                    continue;
-                }
-                kept.push(Kept {
-                    node,
-                    eviction,
-                    others,
-                });
-            }
-            None => dropped += 1,
-        }
-    }
+    let (kept, dropped) = decide_nodes(view, &request, priority, &proposals);
     let event = kept
         .iter()
         .min_by_key(|k| {
@@ -140,30 +102,7 @@ pub(super) fn preempt_answer(
         state.update_reservation_gauges(&view);
     }
     state.metrics().preempt_nodes_dropped.inc_by(dropped);
-    let mut answer = ExtenderPreemptionResult::default();
-    for Kept {
-        node,
-        eviction,
-        others,
-    } in &kept
-    {
-        let pods = eviction
-            .victims
-            .iter()
-            .map(PodId::as_str)
-            .chain(others.iter().copied())
-            .map(|uid| MetaPod {
-                uid: uid.to_owned(),
-            })
-            .collect();
-        let victims = MetaVictims {
-            pods,
-            num_pdb_violations: i64::try_from(eviction.budget_violations).unwrap_or(i64::MAX),
-        };
-        answer
-            .node_name_to_meta_victims
-            .insert((*node).to_owned(), victims);
-    }
+    let answer = to_answer(&kept);
     let answered: usize = answer
         .node_name_to_meta_victims
         .values()
@@ -191,6 +130,99 @@ pub(super) fn preempt_answer(
             reason: "GpuPreemption",
             note,
         });
+    }
+    answer
+}
+
+/// The preemptor's request in the allocator's form; `None` when it asks for no GPU memory
+/// (counted), an error when it cannot be read (counted and logged).
+fn preemptor_request(
+    state: &Scheduling,
+    pod: &k8s_openapi::api::core::v1::Pod,
+) -> Result<Option<gpushare_allocator::Request>, ()> {
+    let settings = state.view().settings().clone();
+    match pod_request_with(pod, &settings.resource, &settings.keys) {
+        Ok(Some(request)) => Ok(Some(gpushare_allocator::Request {
+            host: pod_host(pod),
+            ..to_request(&request)
+        })),
+        Ok(None) => {
+            state.metrics().preempt_answer("not_ours");
+            Ok(None)
+        }
+        Err(error) => {
+            tracing::warn!(%error, "preempt: the preemptor's request cannot be read; no node is preempted on");
+            state.metrics().preempt_answer("unreadable");
+            Err(())
+        }
+    }
+}
+
+/// Decides each proposed node per GPU: the eviction that gives `request` room on one GPU
+/// among the node's pods of lower `priority`, or the node dropped (the count).
+fn decide_nodes<'a>(
+    view: &View,
+    request: &gpushare_allocator::Request,
+    priority: i32,
+    proposals: &BTreeMap<&'a str, (Vec<&'a str>, i64)>,
+) -> (Vec<Kept<'a>>, u64) {
+    let mut kept: Vec<Kept<'_>> = Vec::new();
+    let mut dropped = 0_u64;
+    for (&node, (uids, _)) in proposals {
+        let evictable = view.evictable_on(node, priority);
+        match view.cluster.eviction(node, request, &evictable) {
+            Some(eviction) => {
+                let booked_here = |uid: &str| {
+                    view.cluster
+                        .pod(&PodId::from(uid))
+                        .is_some_and(|(on, _)| on == node)
+                };
+                let others: Vec<&str> = uids.iter().copied().filter(|u| !booked_here(u)).collect();
+                // Nothing to evict (the pod fits there already, freed since kube-scheduler's
+                // dry run): kube-scheduler takes a node with no victim as an error that fails
+                // the whole preemption, so the node is left out; the pod is retried anyway.
+                if eviction.victims.is_empty() && others.is_empty() {
+                    dropped += 1;
+                    continue;
+                }
+                kept.push(Kept {
+                    node,
+                    eviction,
+                    others,
+                });
+            }
+            None => dropped += 1,
+        }
+    }
+    (kept, dropped)
+}
+
+/// The answer kube-scheduler reads: per kept node, our victims then its own that hold no GPU
+/// memory there.
+fn to_answer(kept: &[Kept<'_>]) -> ExtenderPreemptionResult {
+    let mut answer = ExtenderPreemptionResult::default();
+    for Kept {
+        node,
+        eviction,
+        others,
+    } in kept
+    {
+        let pods = eviction
+            .victims
+            .iter()
+            .map(PodId::as_str)
+            .chain(others.iter().copied())
+            .map(|uid| MetaPod {
+                uid: uid.to_owned(),
+            })
+            .collect();
+        let victims = MetaVictims {
+            pods,
+            num_pdb_violations: i64::try_from(eviction.budget_violations).unwrap_or(i64::MAX),
+        };
+        answer
+            .node_name_to_meta_victims
+            .insert((*node).to_owned(), victims);
     }
     answer
 }
