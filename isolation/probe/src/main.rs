@@ -534,7 +534,8 @@ impl Probe {
     }
 }
 
-fn run(args: Vec<String>) -> Result<(), String> {
+/// `--via` and the steps; `None` after printing the usage (`--help`).
+fn parse_args(args: Vec<String>) -> Result<Option<(String, Vec<String>)>, String> {
     let mut via = "link".to_string();
     let mut steps = Vec::new();
     let mut args = args.into_iter();
@@ -548,11 +549,33 @@ fn run(args: Vec<String>) -> Result<(), String> {
                 println!(
                     "steps: device:N info alloc:PATH:MIB[:DEV] free threads:N:MIB fork-alloc:MIB rtld-next hold"
                 );
-                return Ok(());
+                return Ok(None);
             }
             _ => steps.push(arg),
         }
     }
+    Ok(Some((via, steps)))
+}
+
+/// Whether `dlsym(RTLD_NEXT, "dlsym")` finds the same `dlsym` as the default lookup.
+fn rtld_next_line() -> String {
+    // SAFETY: lookups with pseudo-handles and a NUL-terminated name.
+    let (next, default) = unsafe {
+        (
+            libc::dlsym(libc::RTLD_NEXT, c"dlsym".as_ptr()),
+            libc::dlsym(libc::RTLD_DEFAULT, c"dlsym".as_ptr()),
+        )
+    };
+    format!(
+        "rtld-next same={}",
+        u8::from(!next.is_null() && next == default)
+    )
+}
+
+fn run(args: Vec<String>) -> Result<(), String> {
+    let Some((via, steps)) = parse_args(args)? else {
+        return Ok(());
+    };
     let (cuda, nvml) = connect(&via)?;
     // SAFETY: flags 0.
     let r = unsafe { (cuda.init)(0) };
@@ -609,19 +632,7 @@ fn run(args: Vec<String>) -> Result<(), String> {
                 );
                 return Err(format!("exec: {err}"));
             }
-            "rtld-next" => {
-                // SAFETY: lookups with pseudo-handles and a NUL-terminated name.
-                let (next, default) = unsafe {
-                    (
-                        libc::dlsym(libc::RTLD_NEXT, c"dlsym".as_ptr()),
-                        libc::dlsym(libc::RTLD_DEFAULT, c"dlsym".as_ptr()),
-                    )
-                };
-                say(format!(
-                    "rtld-next same={}",
-                    u8::from(!next.is_null() && next == default)
-                ));
-            }
+            "rtld-next" => say(rtld_next_line()),
             "fork-alloc" => {
                 let mib = number(1)?;
                 // SAFETY: the child allocates, prints and leaves with _exit.
