@@ -13,7 +13,7 @@
 //!                          │
 //!          ┌───────────────┴───────────────┐
 //!          ▼                               ▼
-//!   check(): findings, reported      matching::plan_from_facts(): marks follow
+//!   check(): findings, reported      facts_plan::plan_from_facts(): marks follow
 //!   as Events and a metric           what kubelet holds, not guesses
 //! ```
 //!
@@ -41,7 +41,7 @@ use std::collections::{BTreeMap, BTreeSet, HashMap, HashSet};
 use std::sync::Arc;
 use std::time::Instant;
 
-use crate::matching::PodView;
+use crate::view::{PodView, Trust};
 
 /// What kubelet reported for one pod: the containers that hold devices of our resource.
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
@@ -307,7 +307,7 @@ pub fn check(
         };
         if !view.trusted() {
             let why = match &view.trust {
-                crate::matching::Trust::Refused(why) => {
+                Trust::Refused(why) => {
                     format!("its allocation is not signed by the gpushare extender: {why}")
                 }
                 _ => "its allocation is not trusted".to_owned(),
@@ -386,7 +386,6 @@ fn unallocated(
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::matching::Trust;
     use gpushare_contract::{ContainerRequest, PodAllocation};
 
     fn view(name: &str, gpu: u32, containers: &[(&str, u64, bool)]) -> Arc<PodView> {

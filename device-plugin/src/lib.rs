@@ -26,14 +26,15 @@
 //! each container (device IDs name their GPU): a container holding devices of a GPU its pod
 //! was not given, or a pod holding another pod's allocation, becomes a Warning Event on the
 //! pod and `gpushare_device_plugin_kubelet_mismatches_total`, and the allocation marks
-//! follow these facts ([`facts`], [`matching::plan_from_facts`]). Without the socket (older
+//! follow these facts ([`facts`], [`facts_plan`]). Without the socket (older
 //! kubelets) the plugin works as before.
 //!
 //! Every long-lived task (the servers, the pod watch and its workers, the checks and
-//! publishers, even the shutdown signal's relay) runs under
-//! [`gpushare_runtime::supervise()`]: the first to end before shutdown is logged by name
-//! and stops the plugin, rather than leaving it up with part of it gone (a dead pod watch
-//! would leave Allocate answering from a frozen view).
+//! publishers) runs in one [`gpushare_runtime::TaskSet`], as in the extender and the DRA
+//! plugin: the first to end, fail or panic before shutdown is logged by name and stops the
+//! plugin, rather than leaving it up with part of it gone (a dead pod watch would leave
+//! Allocate answering from a frozen view). On shutdown they are all told to stop at once
+//! and waited for (the server removes its socket on the way out).
 //!
 //! [`usage`] measures what each pod really uses (NVML process lists traced to pods through
 //! their cgroups, or a simulated usage file) against what kubelet gave it, on `/metrics` and
@@ -47,11 +48,11 @@ use std::sync::atomic::AtomicBool;
 use std::time::Duration;
 
 use gpushare_contract::env::Enforcement;
-use gpushare_contract::{DEFAULT_DOMAIN, DEFAULT_RESOURCE, KeyringError, KeyringFile, Keys};
+use gpushare_contract::{DEFAULT_DOMAIN, DEFAULT_RESOURCE, KeyringFile, Keys};
 use gpushare_proto::{DEFAULT_DEVICE_PLUGIN_DIR, DEFAULT_POD_RESOURCES_SOCKET};
+use gpushare_runtime::TaskSet;
 use prometheus_client::registry::Registry;
 use tokio::sync::watch;
-use tokio::task::JoinHandle;
 use tokio_util::sync::CancellationToken;
 
 pub use gpushare_runtime::LogFormat;
@@ -83,8 +84,11 @@ pub const LEGACY_ENV: &[&str] = &[
 ];
 
 pub use gpushare_runtime::gpu as backend;
+pub mod attribution;
 pub mod devices;
+mod error;
 pub mod facts;
+pub mod facts_plan;
 pub mod gpu_health;
 pub mod isolation_usage;
 mod mark_writer;
@@ -97,8 +101,11 @@ pub mod pods;
 pub mod server;
 pub mod service;
 pub mod usage;
+pub mod view;
 
-use backend::{BackendError, GpuBackend, nvml::NvmlBackend, simulated::SimulatedBackend};
+pub use error::{Error, Result};
+
+use backend::{GpuBackend, nvml::NvmlBackend, simulated::SimulatedBackend};
 use metrics::Metrics;
 use pods::PodCache;
 use service::PluginState;
@@ -232,63 +239,6 @@ pub struct Config {
 /// How often the keyring file is checked for changes.
 pub const KEYRING_POLL: Duration = Duration::from_secs(5);
 
-/// Why the plugin stopped.
-#[derive(Debug, thiserror::Error)]
-pub enum Error {
-    /// The configuration is unusable.
-    #[error("invalid configuration: {0}")]
-    Config(String),
-    /// The allocation keyring cannot be read.
-    #[error("--allocation-keys-file: {0}")]
-    Keyring(#[from] KeyringError),
-    /// The GPUs could not be listed or watched.
-    #[error(transparent)]
-    Backend(#[from] BackendError),
-    /// No Kubernetes client could be built.
-    #[error("cannot build a Kubernetes client (in-cluster service account or KUBECONFIG): {0}")]
-    Kube(#[source] kube::Error),
-    /// The metrics address could not be bound.
-    #[error("cannot listen on {addr} for metrics: {source}")]
-    MetricsBind {
-        /// the address
-        addr: SocketAddr,
-        /// the cause
-        #[source]
-        source: std::io::Error,
-    },
-    /// The plugin socket could not be created.
-    #[error(
-        "cannot create the plugin socket {path}: {source}; is --device-plugin-dir kubelet's device plugin directory and writable?"
-    )]
-    Socket {
-        /// the socket path
-        path: PathBuf,
-        /// the cause
-        #[source]
-        source: std::io::Error,
-    },
-    /// The isolation library could not be installed (`--enforcement preload`).
-    #[error(
-        "cannot install the isolation library into --isolation-host-dir: {0}; fix the path or run with --enforcement none"
-    )]
-    Isolation(#[source] std::io::Error),
-    /// A supervised task ended before shutdown.
-    #[error("the {0} task ended unexpectedly")]
-    TaskEnded(&'static str),
-    /// A supervised task panicked.
-    #[error("the {task} task crashed: {source}")]
-    TaskCrashed {
-        /// which task
-        task: &'static str,
-        /// the panic
-        #[source]
-        source: tokio::task::JoinError,
-    },
-}
-
-/// `Result` with this crate's [`Error`].
-pub type Result<T, E = Error> = std::result::Result<T, E>;
-
 impl Config {
     fn simulated_sizes(&self) -> Result<Vec<u64>> {
         self.simulate_gpus
@@ -379,12 +329,8 @@ async fn run_inner(
         token: token.clone(),
         isolation,
     };
-    let mut tasks = plugin.spawn(listener, registry, keyring_file);
-    tasks.push((
-        "shutdown signal",
-        tokio::spawn(forward_shutdown(shutdown, token.clone())),
-    ));
-    supervise(tasks, token).await
+    let tasks = plugin.spawn(listener, registry, keyring_file);
+    supervise(tasks, shutdown, token).await
 }
 
 /// With `--enforcement preload`, installs the interposer from the image into the host
@@ -430,25 +376,11 @@ async fn bind_metrics(addr: SocketAddr) -> Result<tokio::net::TcpListener> {
     Ok(listener)
 }
 
-/// Cancels `token` when `shutdown` resolves; ends either way once `token` is cancelled.
-/// Supervised like the rest: it ends only once the token is cancelled, which the
-/// supervisor takes as a clean end.
-async fn forward_shutdown(
-    shutdown: impl Future<Output = ()> + Send + 'static,
-    token: CancellationToken,
-) -> Result<()> {
-    tokio::select! {
-        () = shutdown => token.cancel(),
-        () = token.cancelled() => {}
-    }
-    Ok(())
-}
-
 /// How often the interposer's budget files are read ([`isolation_usage`]).
 const ISOLATION_READ_PERIOD: Duration = Duration::from_secs(10);
 
-/// A long-lived task of the plugin, named for the supervisor.
-type Task = (&'static str, JoinHandle<Result<()>>);
+/// The plugin's long-lived tasks, named for the supervisor.
+type Tasks = TaskSet<Result<()>>;
 
 /// What the plugin's long-lived tasks are built from, once the start-up checks passed.
 struct Plugin {
@@ -475,7 +407,7 @@ impl Plugin {
         listener: tokio::net::TcpListener,
         registry: Registry,
         keyring_file: Option<KeyringFile>,
-    ) -> Vec<Task> {
+    ) -> Tasks {
         let (pods, pod_tasks) = PodCache::start(
             self.client.clone(),
             &self.config.node_name,
@@ -486,29 +418,31 @@ impl Plugin {
             self.token.clone(),
         );
         let allocated = Arc::new(tokio::sync::Notify::new());
-        let mut tasks = vec![
-            self.device_plugin_server(pods.clone(), allocated.clone()),
-            self.pod_resources_check(pods.clone(), allocated),
-            self.gpu_health(),
-            self.unhealthy_gpu_reporter(pods.clone()),
-            self.inventory_publisher(),
-            self.metrics_server(listener, registry),
-        ];
+        let mut tasks = Tasks::default();
+        self.device_plugin_server(&mut tasks, pods.clone(), allocated.clone());
+        self.pod_resources_check(&mut tasks, pods.clone(), allocated);
+        self.gpu_health(&mut tasks);
+        self.unhealthy_gpu_reporter(&mut tasks, pods.clone());
+        self.inventory_publisher(&mut tasks);
+        self.metrics_server(&mut tasks, listener, registry);
         // The pod view's tasks end only on shutdown: any other end stops the plugin loudly.
         for (name, task) in pod_tasks {
-            tasks.push((name, gpushare_runtime::as_supervised(task)));
+            tasks.spawn(name, async move {
+                task.await;
+                Ok(())
+            });
         }
         if let Some(isolation) = &self.isolation {
-            tasks.push(self.isolation_reader(pods.clone(), isolation));
+            self.isolation_reader(&mut tasks, pods.clone(), isolation);
         }
         if self.config.usage_period_ms > 0 || self.isolation.is_some() {
-            tasks.push(self.usage_reader(pods));
+            self.usage_reader(&mut tasks, pods);
         }
         if let Some(file) = keyring_file {
-            tasks.push((
+            tasks.spawn(
                 "allocation keyring",
-                tokio::spawn(watch_keyring(file, self.token.clone())),
-            ));
+                watch_keyring(file, self.token.clone()),
+            );
         }
         tasks
     }
@@ -516,9 +450,10 @@ impl Plugin {
     /// Serves the plugin socket and keeps it registered with kubelet ([`server`]).
     fn device_plugin_server(
         &self,
+        tasks: &mut Tasks,
         pods: Arc<PodCache>,
         allocated: Arc<tokio::sync::Notify>,
-    ) -> Task {
+    ) {
         let config = &self.config;
         let state = Arc::new(PluginState {
             node: config.node_name.clone(),
@@ -539,15 +474,16 @@ impl Plugin {
             self.ready.clone(),
             self.token.clone(),
         );
-        ("device plugin server", tokio::spawn(serve))
+        tasks.spawn("device plugin server", serve);
     }
 
     /// Compares kubelet's PodResources listing with the allocations ([`pod_resources`]).
     fn pod_resources_check(
         &self,
+        tasks: &mut Tasks,
         pods: Arc<PodCache>,
         allocated: Arc<tokio::sync::Notify>,
-    ) -> Task {
+    ) {
         let checker = pod_resources::Checker {
             socket: self.config.pod_resources_socket.clone(),
             resource: self.config.resource.clone(),
@@ -562,29 +498,27 @@ impl Plugin {
             self.config.node_name.clone(),
             self.token.clone(),
         );
-        let task = tokio::spawn(async move {
+        tasks.spawn("kubelet PodResources check", async move {
             checker.run(client, node, token).await;
             Ok(())
         });
-        ("kubelet PodResources check", task)
     }
 
     /// Applies the backend's health reports to the inventory ([`node::watch_health`]).
-    fn gpu_health(&self) -> Task {
+    fn gpu_health(&self, tasks: &mut Tasks) {
         let (backend, inventory, metrics, token) = (
             self.backend.clone(),
             self.inventory.clone(),
             self.metrics.clone(),
             self.token.clone(),
         );
-        let task = tokio::spawn(async move {
+        tasks.spawn("GPU health", async move {
             Ok(node::watch_health(backend, inventory, metrics, token).await?)
         });
-        ("GPU health", task)
     }
 
     /// Tells the pods of a GPU that turned unhealthy ([`gpu_health`]).
-    fn unhealthy_gpu_reporter(&self, pods: Arc<PodCache>) -> Task {
+    fn unhealthy_gpu_reporter(&self, tasks: &mut Tasks, pods: Arc<PodCache>) {
         let reporter = gpu_health::HealthReporter {
             client: self.client.clone(),
             node: self.config.node_name.clone(),
@@ -594,15 +528,14 @@ impl Plugin {
             evict: self.config.evict_on_unhealthy,
         };
         let (rx, token) = (self.inventory.subscribe(), self.token.clone());
-        let task = tokio::spawn(async move {
+        tasks.spawn("unhealthy GPU reporter", async move {
             reporter.run(rx, token).await;
             Ok(())
         });
-        ("unhealthy GPU reporter", task)
     }
 
     /// Keeps the node's inventory annotation and labels up to date ([`node::publish`]).
-    fn inventory_publisher(&self) -> Task {
+    fn inventory_publisher(&self, tasks: &mut Tasks) {
         let (client, node, keys, rx, serving, metrics, token) = (
             self.client.clone(),
             self.config.node_name.clone(),
@@ -612,30 +545,38 @@ impl Plugin {
             self.metrics.clone(),
             self.token.clone(),
         );
-        let task = tokio::spawn(async move {
+        tasks.spawn("inventory publisher", async move {
             node::publish(client, node, keys, rx, serving, metrics, token).await;
             Ok(())
         });
-        ("inventory publisher", task)
     }
 
     /// Serves `/healthz`, `/readyz` and `/metrics` on `listener`.
-    fn metrics_server(&self, listener: tokio::net::TcpListener, registry: Registry) -> Task {
+    fn metrics_server(
+        &self,
+        tasks: &mut Tasks,
+        listener: tokio::net::TcpListener,
+        registry: Registry,
+    ) {
         let (addr, ready, token) = (
             self.config.metrics_listen,
             self.ready.clone(),
             self.token.clone(),
         );
-        let task = tokio::spawn(async move {
+        tasks.spawn("metrics server", async move {
             metrics::serve(listener, Arc::new(registry), ready, token)
                 .await
                 .map_err(|source| Error::MetricsBind { addr, source })
         });
-        ("metrics server", task)
     }
 
     /// Reads what each container's interposer counted ([`isolation_usage`]).
-    fn isolation_reader(&self, pods: Arc<PodCache>, isolation: &service::Isolation) -> Task {
+    fn isolation_reader(
+        &self,
+        tasks: &mut Tasks,
+        pods: Arc<PodCache>,
+        isolation: &service::Isolation,
+    ) {
         let reader = isolation_usage::IsolationReader {
             host_dir: isolation.host_dir.clone(),
             metrics: self.metrics.clone(),
@@ -644,17 +585,16 @@ impl Plugin {
             period: ISOLATION_READ_PERIOD,
         };
         let token = self.token.clone();
-        let task = tokio::spawn(async move {
+        tasks.spawn("isolation usage reader", async move {
             reader.run(token).await;
             Ok(())
         });
-        ("isolation usage reader", task)
     }
 
     /// Measures what each pod really uses ([`usage`]): with the interposer
     /// (`--enforcement preload`) what it counted in each container, else the backend's
     /// process lists (`--usage-period-ms`).
-    fn usage_reader(&self, pods: Arc<PodCache>) -> Task {
+    fn usage_reader(&self, tasks: &mut Tasks, pods: Arc<PodCache>) {
         let config = &self.config;
         let interposer = self.isolation.as_ref().map(|i| i.host_dir.clone());
         let period = match (&interposer, config.usage_period_ms) {
@@ -682,11 +622,10 @@ impl Plugin {
             config.node_name.clone(),
             self.token.clone(),
         );
-        let task = tokio::spawn(async move {
+        tasks.spawn("GPU memory use", async move {
             reader.run(client, node, token).await;
             Ok(())
         });
-        ("GPU memory use", task)
     }
 }
 
@@ -705,53 +644,102 @@ async fn watch_keyring(mut file: KeyringFile, token: CancellationToken) -> Resul
     }
 }
 
-/// Waits for the first of `tasks` to end ([`gpushare_runtime::supervise`]): one that
-/// ends, panics or fails before shutdown stops the plugin with its reason.
+/// Runs the plugin's `tasks` until `shutdown`, as every gpushare binary runs its own
+/// ([`gpushare_runtime::TaskSet`]): the first to end, fail or panic before it stops the
+/// plugin, logged with its name; a task that fails hands its own error up. Then every task
+/// is told to stop (`token`) and waited for, so the server removes its socket; their errors
+/// on the way out are logged, not returned.
 async fn supervise(
-    tasks: Vec<(&'static str, JoinHandle<Result<()>>)>,
+    mut tasks: Tasks,
+    shutdown: impl Future<Output = ()>,
     token: CancellationToken,
 ) -> Result<()> {
-    gpushare_runtime::supervise(tasks, token)
-        .await
-        .map_err(|stopped| match stopped {
-            gpushare_runtime::Stopped::Ended(task) => Error::TaskEnded(task),
-            gpushare_runtime::Stopped::Crashed { task, source } => {
-                Error::TaskCrashed { task, source }
-            }
-            gpushare_runtime::Stopped::Failed { error, .. } => error,
-        })
+    let outcome = tokio::select! {
+        () = shutdown => Ok(()),
+        (task, ended) = tasks.first_outcome() => {
+            let error = match ended {
+                Ok(Ok(())) => Error::TaskEnded(task),
+                Ok(Err(error)) => error,
+                Err(source) => Error::TaskCrashed { task, source },
+            };
+            tracing::error!(task, %error, "stopping");
+            Err(error)
+        }
+    };
+    token.cancel();
+    for (task, ended) in tasks.join_all().await {
+        if let Ok(Err(error)) = ended {
+            tracing::warn!(task, %error, "task failed during shutdown");
+        }
+    }
+    outcome
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
 
+    /// A task that runs until it is told to stop, then reports it did.
+    fn stops_on(token: &CancellationToken, stopped: tokio::sync::oneshot::Sender<()>) -> Tasks {
+        let mut tasks = Tasks::default();
+        let token = token.clone();
+        tasks.spawn("server", async move {
+            token.cancelled().await;
+            let _ = stopped.send(());
+            Ok(())
+        });
+        tasks
+    }
+
     /// The supervisor's reasons become the plugin's errors: a long-lived task that ends
     /// before shutdown (a pod watch gone quiet would leave Allocate answering from a frozen
-    /// view) is named; one that fails hands its own error up.
+    /// view) is named, and the others are stopped and waited for; one that panics is named
+    /// as crashed; one that fails hands its own error up.
     #[tokio::test]
     async fn a_task_that_ends_before_shutdown_stops_the_plugin() {
         let token = CancellationToken::new();
-        let waits = tokio::spawn({
-            let token = token.clone();
-            async move {
-                token.cancelled().await;
-                Ok(())
-            }
-        });
-        let ended = tokio::spawn(async { Ok(()) });
-        let outcome = supervise(vec![("server", waits), ("pod watch", ended)], token).await;
+        let (stopped, server_stopped) = tokio::sync::oneshot::channel();
+        let mut tasks = stops_on(&token, stopped);
+        tasks.spawn("pod watch", async { Ok(()) });
+        let outcome = supervise(tasks, std::future::pending(), token).await;
         assert!(
             matches!(outcome, Err(Error::TaskEnded("pod watch"))),
             "{outcome:?}"
         );
+        assert_eq!(server_stopped.await, Ok(()), "the server was stopped");
 
-        let token = CancellationToken::new();
-        let fails = tokio::spawn(async { Err(Error::TaskEnded("inner")) });
-        let outcome = supervise(vec![("keyring", fails)], token).await;
+        let mut tasks = Tasks::default();
+        tasks.spawn("GPU memory use", async { panic!("the usage reader broke") });
+        let outcome = supervise(tasks, std::future::pending(), CancellationToken::new()).await;
+        assert!(
+            matches!(
+                outcome,
+                Err(Error::TaskCrashed {
+                    task: "GPU memory use",
+                    ..
+                })
+            ),
+            "{outcome:?}"
+        );
+
+        let mut tasks = Tasks::default();
+        tasks.spawn("keyring", async { Err(Error::TaskEnded("inner")) });
+        let outcome = supervise(tasks, std::future::pending(), CancellationToken::new()).await;
         assert!(
             matches!(outcome, Err(Error::TaskEnded("inner"))),
             "{outcome:?}"
         );
+    }
+
+    /// Shutdown is a clean end, and every task is told to stop and waited for before the
+    /// plugin returns.
+    #[tokio::test]
+    async fn shutdown_stops_every_task_and_waits_for_it() {
+        let token = CancellationToken::new();
+        let (stopped, mut server_stopped) = tokio::sync::oneshot::channel();
+        let tasks = stops_on(&token, stopped);
+        let outcome = supervise(tasks, std::future::ready(()), token).await;
+        assert!(outcome.is_ok(), "{outcome:?}");
+        assert_eq!(server_stopped.try_recv(), Ok(()));
     }
 }

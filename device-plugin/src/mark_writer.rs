@@ -6,6 +6,10 @@
 //! this one worker writes them in decision order, with retries. It takes a pod's *latest*
 //! marks when it gets to it, so a slow write can never overwrite a newer decision, and a pod
 //! queued twice is written once.
+//!
+//! The worker reaches the marks through [`MarkStore`], which the pod cache implements: all
+//! it needs is one pod's marks at a time and a way to say how the write went. Naming the
+//! cache here had the cache and its worker import each other.
 
 use std::sync::Arc;
 use std::time::Duration;
@@ -17,17 +21,27 @@ use kube::{Api, Client};
 use tokio::sync::mpsc;
 use tokio_util::sync::CancellationToken;
 
-use crate::matching::Marks;
 use crate::metrics::Metrics;
-use crate::pods::PodCache;
+use crate::view::Marks;
 
 /// Attempts for one pod patch before waiting for the next reconcile.
 const PATCH_ATTEMPTS: u32 = 6;
 
+/// Where the marks wait to be written: the pod cache's overlay ([`crate::pods`]).
+pub(crate) trait MarkStore: Send + Sync {
+    /// The latest unwritten marks of `uid` (`(namespace, name, marks)`), marked as being
+    /// written.
+    fn take_dirty(&self, uid: &str) -> Option<(String, String, Marks)>;
+    /// Marks `uid`'s marks unwritten again: writing them failed.
+    fn set_dirty(&self, uid: &str);
+    /// Drops `uid`'s marks: the pod is gone, or another pod has its name now.
+    fn forget(&self, uid: &str);
+}
+
 /// The worker: writes the marks of each queued pod.
-pub(crate) struct MarkWriter {
+pub(crate) struct MarkWriter<S> {
     /// Holds the marks, and learns how each write went.
-    pub(crate) cache: Arc<PodCache>,
+    pub(crate) cache: Arc<S>,
     /// Writes the pods.
     pub(crate) client: Client,
     /// The annotation keys of the marks.
@@ -48,7 +62,7 @@ enum Written {
     Shutdown,
 }
 
-impl MarkWriter {
+impl<S: MarkStore> MarkWriter<S> {
     /// Writes the marks of each UID from `queue` until `shutdown` (or until the queue's
     /// senders are gone).
     pub(crate) async fn run(

@@ -21,7 +21,7 @@ use prometheus_client::metrics::histogram::{Histogram, exponential_buckets};
 use prometheus_client::registry::Registry;
 use tokio_util::sync::CancellationToken;
 
-use crate::usage::Report;
+use crate::attribution::Report;
 
 /// A label naming why something failed, or `ok`.
 #[derive(Debug, Clone, Hash, PartialEq, Eq, EncodeLabelSet)]
@@ -500,7 +500,7 @@ mod tests {
 
     #[tokio::test]
     async fn usage_is_exported_and_pods_gone_disappear() {
-        use crate::usage::{GpuMemory, Held};
+        use crate::attribution::{GpuMemory, Held};
         let mut registry = Registry::default();
         let metrics = Metrics::new(&mut registry);
         let app = router(Arc::new(registry), Arc::new(AtomicBool::new(true)));

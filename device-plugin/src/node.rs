@@ -12,13 +12,13 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::Duration;
 
 use gpushare_contract::{GpuInfo, Keys, inventory};
+use gpushare_runtime::gpu::{BackendError, GpuBackend};
 use k8s_openapi::api::core::v1::Node;
 use kube::api::{Patch, PatchParams};
 use kube::{Api, Client};
 use tokio::sync::watch;
 use tokio_util::sync::CancellationToken;
 
-use crate::backend::{BackendError, GpuBackend};
 use crate::metrics::Metrics;
 
 /// The current GPUs; every reader subscribes.

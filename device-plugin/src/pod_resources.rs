@@ -10,7 +10,7 @@
 //! ```
 //!
 //! What is compared and why lives in [`crate::facts`]; how the marks follow the facts in
-//! [`crate::matching::plan_from_facts`]. This module is the I/O: dialing the socket, turning
+//! [`crate::facts_plan::plan_from_facts`]. This module is the I/O: dialing the socket, turning
 //! kubelet's answer into facts (our resource only; nothing in it is trusted to be
 //! well-formed), publishing Events.
 //!

@@ -19,7 +19,7 @@ use gpushare_contract::{Keys, PodAllocation, SharedKeyring};
 use k8s_openapi::api::core::v1::Pod;
 
 use crate::facts::BarePod;
-use crate::matching::{Marks, PodView, Trust};
+use crate::view::{Marks, PodView, Trust};
 
 /// What a pod is read against.
 #[derive(Debug, Clone, Copy)]

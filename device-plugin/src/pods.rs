@@ -13,16 +13,16 @@
 //! API server. Without it (the default) the marks stay in the overlay: what
 //! outlives this process is kubelet's own record, a `startTime` in the pod's status once
 //! kubelet admitted the pod (and so allocated each of its containers), and its PodResources
-//! listing; a pod with a `startTime` is never matched again ([`matching::PodView::admitted`]).
+//! listing; a pod with a `startTime` is never matched again ([`PodView::admitted`]).
 //!
 //! With a keyring, each pod's allocation is verified when it is read (once per resourceVersion
-//! and keyring generation) and carried as [`matching::Trust`]: matching considers only
+//! and keyring generation) and carried as [`Trust`]: matching considers only
 //! allocations the extender signed, and when nothing else waits for a size, the pod that
 //! would have matched is named in the refusal ([`ClaimError::Untrusted`]).
 //!
 //! Reconcile runs on every pod event and every two seconds. When kubelet's PodResources API
 //! answered last time ([`PodCache::set_facts`], from [`crate::pod_resources`]), marks follow what
-//! kubelet reports each container holds ([`crate::matching::plan_from_facts`]); otherwise
+//! kubelet reports each container holds ([`crate::facts_plan::plan_from_facts`]); otherwise
 //! [`crate::matching::plan_reconcile`] infers from pod phases which pod kubelet started and
 //! moves the marks that landed on a same-sized twin back to it.
 //!
@@ -33,21 +33,23 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::{Duration, Instant};
 
-use futures::{Stream, StreamExt};
+use futures::future::BoxFuture;
+use futures::{FutureExt, Stream, StreamExt};
 use gpushare_contract::{ContainerRequest, Keys, PodAllocation, SharedKeyring};
 use k8s_openapi::api::core::v1::Pod;
 use kube::runtime::reflector::{self, Store};
 use kube::runtime::{WatchStreamExt, watcher};
 use kube::{Api, Client};
 use tokio::sync::{mpsc, watch};
-use tokio::task::JoinHandle;
 use tokio_util::sync::CancellationToken;
 
 use crate::facts::{self, Finding, KubeletFacts};
-use crate::mark_writer::MarkWriter;
-use crate::matching::{self, Intruder, Marks, PodView};
+use crate::facts_plan::{self, Intruder};
+use crate::mark_writer::{MarkStore, MarkWriter};
+use crate::matching;
 use crate::metrics::Metrics;
 use crate::pod_views::{KubeletContext, Reader, ViewCache};
+use crate::view::{Marks, PodView, Trust};
 
 /// How often reconcile runs without pod events.
 pub const RECONCILE_PERIOD: Duration = Duration::from_secs(2);
@@ -149,15 +151,15 @@ impl std::fmt::Debug for PodCache {
     }
 }
 
-/// The cache's long-lived tasks, named for the supervisor.
-type Tasks = Vec<(&'static str, JoinHandle<()>)>;
+/// The cache's long-lived tasks, named, for the caller to spawn and supervise.
+type Tasks = Vec<(&'static str, BoxFuture<'static, ()>)>;
 
 impl PodCache {
-    /// Starts watching the pods bound to `node`, the patch worker and the reconcile loop;
-    /// all stop on `shutdown`. With `keyring`, only allocations it verifies are acted on;
-    /// with `write_marks`, the marks are written on the pods. Returns the cache and those
-    /// tasks, for the caller to supervise: should one end before `shutdown`, Allocate would
-    /// answer from a frozen view.
+    /// The cache of the pods bound to `node`, and the tasks that keep it (the watch, the
+    /// patch worker and the reconcile loop), all stopping on `shutdown`, for the caller to
+    /// spawn and supervise: should one end before `shutdown`, Allocate would answer from a
+    /// frozen view. With `keyring`, only allocations it verifies are acted on; with
+    /// `write_marks`, the marks are written on the pods.
     pub fn start(
         client: Client,
         node: &str,
@@ -172,7 +174,7 @@ impl PodCache {
         let api: Api<Pod> = Api::all(client.clone());
         let config = watcher::Config::default().fields(&format!("spec.nodeName={node}"));
         let events = reflector::reflector(writer, watcher(api, config).default_backoff());
-        let tasks = cache.spawn(events, client, patch_queue, shutdown);
+        let tasks = cache.tasks(events, client, patch_queue, shutdown);
         (cache, tasks)
     }
 
@@ -201,9 +203,9 @@ impl PodCache {
         (cache, patch_queue)
     }
 
-    /// Spawns the watch over `events` (which fill the store), the patch worker and the
-    /// reconcile loop.
-    fn spawn(
+    /// The watch over `events` (which fill the store), the patch worker and the reconcile
+    /// loop.
+    fn tasks(
         self: &Arc<Self>,
         events: impl Stream<Item = Result<watcher::Event<Pod>, watcher::Error>> + Send + 'static,
         client: Client,
@@ -219,15 +221,15 @@ impl PodCache {
         vec![
             (
                 "pod watch",
-                tokio::spawn(self.clone().watch_pods(events, shutdown.clone())),
+                self.clone().watch_pods(events, shutdown.clone()).boxed(),
             ),
             (
                 "pod patch worker",
-                tokio::spawn(writer.run(patch_queue, shutdown.clone())),
+                writer.run(patch_queue, shutdown.clone()).boxed(),
             ),
             (
                 "pod reconcile loop",
-                tokio::spawn(self.clone().reconcile_loop(shutdown)),
+                self.clone().reconcile_loop(shutdown).boxed(),
             ),
         ]
     }
@@ -320,10 +322,7 @@ impl PodCache {
                 view.allocation.gpus().any(|(_, gpu)| gpu == uuid)
                     && !view.deleting
                     && !gpushare_contract::request::phase_is_finished(view.phase.as_deref())
-                    && matches!(
-                        view.trust,
-                        matching::Trust::Verified | matching::Trust::Unchecked
-                    )
+                    && matches!(view.trust, Trust::Verified | Trust::Unchecked)
             })
             .map(|view| (view.key.clone(), view.uid.clone()))
             .collect()
@@ -432,7 +431,7 @@ impl PodCache {
     }
 
     /// Fixes marks from what kubelet reports the containers hold when its PodResources API
-    /// answered ([`matching::plan_from_facts`]), else from pod phases
+    /// answered ([`facts_plan::plan_from_facts`]), else from pod phases
     /// ([`matching::plan_reconcile`]); re-queues unwritten marks and forgets overlay entries
     /// the API server has caught up with.
     pub fn reconcile(&self) {
@@ -473,7 +472,7 @@ impl PodCache {
         self.settle_overlay(&mut state.overlay, &stored);
     }
 
-    /// The marks [`matching::plan_from_facts`] corrects from kubelet's listing, logged and
+    /// The marks [`facts_plan::plan_from_facts`] corrects from kubelet's listing, logged and
     /// counted; remembers the intruders it compensated.
     fn plan_from_facts(
         &self,
@@ -490,7 +489,7 @@ impl PodCache {
             return Vec::new();
         };
         let intruders = intruders(compensated, views, facts, kubelet);
-        let plan = matching::plan_from_facts(
+        let plan = facts_plan::plan_from_facts(
             views,
             &self.node,
             facts,
@@ -563,10 +562,12 @@ impl PodCache {
             self.reconcile();
         }
     }
+}
 
-    /// The latest unwritten marks of `uid` (`(namespace, name, marks)`), marked as being
-    /// written.
-    pub(crate) fn take_dirty(&self, uid: &str) -> Option<(String, String, Marks)> {
+/// The overlay is where the mark writer finds the marks to write, and learns how each write
+/// went.
+impl MarkStore for PodCache {
+    fn take_dirty(&self, uid: &str) -> Option<(String, String, Marks)> {
         let mut state = self.lock();
         let entry = state.overlay.get_mut(uid)?;
         if !entry.dirty {
@@ -580,15 +581,13 @@ impl PodCache {
         ))
     }
 
-    /// Marks `uid`'s marks unwritten again: writing them failed.
-    pub(crate) fn set_dirty(&self, uid: &str) {
+    fn set_dirty(&self, uid: &str) {
         if let Some(entry) = self.lock().overlay.get_mut(uid) {
             entry.dirty = true;
         }
     }
 
-    /// Drops `uid`'s marks: the pod is gone, or another pod has its name now.
-    pub(crate) fn forget(&self, uid: &str) {
+    fn forget(&self, uid: &str) {
         self.lock().overlay.remove(uid);
     }
 }
@@ -613,7 +612,7 @@ fn settled(
 
 /// Containers of pods here without an allocation the plugin acts on that kubelet reports
 /// holding devices, not yet accounted for in `compensated` (see
-/// [`matching::plan_from_facts`]); forgets the compensations of pods gone.
+/// [`facts_plan::plan_from_facts`]); forgets the compensations of pods gone.
 fn intruders(
     compensated: &mut HashSet<(String, String)>,
     views: &[Arc<PodView>],
@@ -656,7 +655,7 @@ fn intruders(
 #[cfg(test)]
 mod tests {
     use gpushare_contract::DEFAULT_DOMAIN;
-    use gpushare_runtime::{Stopped, as_supervised, supervise};
+    use gpushare_runtime::TaskSet;
     use prometheus_client::registry::Registry;
 
     use super::*;
@@ -678,18 +677,14 @@ mod tests {
         let (cache, patch_queue) = PodCache::new("n1", keys, None, metrics, true, store);
         let token = CancellationToken::new();
         let ended = futures::stream::empty();
-        let tasks = cache
-            .spawn(ended, unused_client(), patch_queue, token.clone())
-            .into_iter()
-            .map(|(name, task)| (name, as_supervised::<crate::Error>(task)))
-            .collect();
+        let mut tasks = TaskSet::default();
+        for (name, task) in cache.tasks(ended, unused_client(), patch_queue, token) {
+            tasks.spawn(name, task);
+        }
         // The deadline only bounds a failure: the watch ends at once.
-        let outcome = tokio::time::timeout(Duration::from_secs(30), supervise(tasks, token))
+        let ended = tokio::time::timeout(Duration::from_secs(30), tasks.first_ended())
             .await
             .expect("the supervisor noticed nothing");
-        assert!(
-            matches!(outcome, Err(Stopped::Ended("pod watch"))),
-            "{outcome:?}"
-        );
+        assert_eq!(ended, "pod watch");
     }
 }

@@ -35,7 +35,7 @@ use tokio_stream::wrappers::UnixListenerStream;
 use tokio_util::sync::CancellationToken;
 use tonic::transport::Server;
 
-use crate::Error;
+use crate::error::Error;
 use crate::service::{GpuMemService, PluginState, options};
 
 /// The plugin's socket file name inside the device plugin directory.

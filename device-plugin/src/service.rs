@@ -32,10 +32,11 @@ use tokio_util::sync::CancellationToken;
 use tonic::{Request, Response, Status};
 
 use crate::devices;
-use crate::matching::{self, PodView};
+use crate::matching;
 use crate::metrics::Metrics;
 use crate::node::Inventory;
 use crate::pods::{ClaimError, PodCache};
+use crate::view::PodView;
 
 /// What the service needs, shared across socket restarts.
 #[derive(Debug)]
@@ -591,7 +592,7 @@ mod tests {
             first[1].host_path
         );
     }
-    use crate::matching::Trust;
+    use crate::view::Trust;
     use gpushare_contract::{GpuRef, PodAllocation};
 
     fn gpu(index: u32, mem_gib: u64, healthy: bool) -> GpuInfo {

@@ -29,6 +29,12 @@
 //! reported the registration successful, so that a rollout waits for kubelet rather than for
 //! the process.
 //!
+//! The servers and the health watch run in one [`gpushare_runtime::TaskSet`], as the
+//! extender's and the device plugin's tasks do: the first to end, fail or panic before
+//! shutdown is logged by name and ends the plugin (its DaemonSet restarts it). Shutdown
+//! stops the health watch first, then removes the sockets (registration first), then waits
+//! for the servers.
+//!
 //! Not done yet: metrics.
 
 use std::future::Future;
@@ -43,6 +49,7 @@ use gpushare_proto::authority;
 use gpushare_proto::dra::v1::dra_plugin_server::DraPluginServer;
 use gpushare_proto::pluginregistration::registration_server::RegistrationServer;
 use gpushare_proto::socket_file::{self, BoundSocket, Released};
+use gpushare_runtime::TaskSet;
 use gpushare_runtime::gpu::BackendKind;
 use gpushare_runtime::gpu::{
     BackendError, GpuBackend, nvml::NvmlBackend, simulated::SimulatedBackend,
@@ -208,10 +215,20 @@ pub enum Error {
         #[source]
         source: std::io::Error,
     },
-    /// The GPU health watch ended before shutdown: unhealthy GPUs would no longer be tainted
-    /// in the slice, so the plugin stops rather than publish a health it no longer watches.
-    #[error("the GPU health watch ended before shutdown: {0}")]
-    HealthEnded(String),
+    /// A long-lived task (a server, the GPU health watch) ended before shutdown: the plugin
+    /// stops rather than run with part of it gone (without the health watch, it would publish
+    /// a health it no longer watches: unhealthy GPUs would no longer be tainted in the slice).
+    #[error("the {0} task ended before shutdown")]
+    TaskEnded(&'static str),
+    /// A long-lived task panicked.
+    #[error("the {task} task crashed: {source}")]
+    TaskCrashed {
+        /// which task
+        task: &'static str,
+        /// the panic
+        #[source]
+        source: tokio::task::JoinError,
+    },
 }
 
 /// `Result` with this crate's [`Error`].
@@ -242,8 +259,11 @@ impl Config {
     }
 }
 
-type JoinResult =
-    std::result::Result<std::result::Result<(), tonic::transport::Error>, tokio::task::JoinError>;
+/// The plugin's long-lived tasks, named for the supervisor.
+type Tasks = TaskSet<Result<()>>;
+
+/// The health watch's task: stopped first on shutdown, before the sockets go.
+const GPU_HEALTH: &str = "GPU health watch";
 
 /// Runs the plugin with a client found the standard way (in-cluster or `KUBECONFIG`)
 /// until `shutdown` resolves.
@@ -315,36 +335,49 @@ pub async fn run_with_client(
     })?;
 
     let stop = CancellationToken::new();
-    let mut servers = Servers::start(&config, gpus.clone(), client, checkpoint, probes, &stop)?;
-    // Health changes re-publish the slice from now on (the servers are up: nothing below
-    // can fail before the task is stopped and awaited).
-    let mut health = tokio::spawn(
-        health::Health {
-            backend,
-            slices,
-            node: config.node_name.clone(),
-            driver: config.driver_name.clone(),
-            gpus,
-        }
-        .run(stop.clone()),
-    );
-    tracing::info!(dra = %servers.dra.socket.display(), registration = %servers.registration.socket.display(), probes = %servers.probe_addr, "serving");
+    let mut tasks = Tasks::default();
+    let servers = Servers::start(
+        &config,
+        gpus.clone(),
+        client,
+        checkpoint,
+        probes,
+        &stop,
+        &mut tasks,
+    )?;
+    // Health changes re-publish the slice from now on; its end before shutdown ends the
+    // plugin like a server's (`Error::TaskEnded` says why).
+    let health = health::Health {
+        backend,
+        slices,
+        node: config.node_name.clone(),
+        driver: config.driver_name.clone(),
+        gpus,
+    };
+    let health_stop = stop.clone();
+    tasks.spawn(GPU_HEALTH, async move {
+        health.run(health_stop).await;
+        Ok(())
+    });
+    tracing::info!(dra = %servers.dra.path().display(), registration = %servers.registration.path().display(), probes = %servers.probe_addr, "serving");
 
     let outcome = tokio::select! {
-        outcome = servers.until_one_ends(shutdown) => outcome,
-        ended = &mut health => Err(Error::HealthEnded(match ended {
-            Ok(()) => "it returned".to_owned(),
-            Err(join) => join.to_string(),
-        })),
+        () = &mut shutdown => Ok(()),
+        (task, ended) = tasks.first_outcome() => {
+            let error = match ended {
+                Ok(Ok(())) => Error::TaskEnded(task),
+                Ok(Err(error)) => error,
+                Err(source) => Error::TaskCrashed { task, source },
+            };
+            tracing::error!(task, %error, "stopping");
+            Err(error)
+        }
     };
-    if let Err(error) = &outcome {
-        tracing::error!(%error, "stopping");
-    }
     stop.cancel();
-    if !health.is_finished() {
+    if let Some(health) = tasks.take(GPU_HEALTH) {
         let _ = health.await;
     }
-    servers.stop().await;
+    servers.stop(tasks).await;
     tracing::info!("DRA plugin stopped");
     outcome
 }
@@ -360,31 +393,15 @@ async fn bind_probes(addr: SocketAddr) -> Result<(tokio::net::TcpListener, Socke
     Ok((listener, bound))
 }
 
-/// One of the plugin's servers, named in errors.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-enum Which {
-    Dra,
-    Registration,
-    Probes,
-}
-
-/// A gRPC server on a unix socket.
-struct GrpcServer {
-    /// The socket's path.
-    socket: PathBuf,
-    /// The socket file, removed when the server stops (unless a successor's replaced it).
-    file: BoundSocket,
-    task: tokio::task::JoinHandle<std::result::Result<(), tonic::transport::Error>>,
-}
-
-/// The plugin's servers, from their start until they are stopped.
+/// The plugin's sockets, from the start of its servers until they are stopped (the servers
+/// themselves run in the plugin's [`Tasks`]).
 struct Servers {
-    dra: GrpcServer,
-    registration: GrpcServer,
-    probes: tokio::task::JoinHandle<std::io::Result<()>>,
+    /// The DRA socket's file, removed on shutdown (unless a successor's replaced it).
+    dra: BoundSocket,
+    /// The registration socket's file, the same.
+    registration: BoundSocket,
+    /// Where the probes are served.
     probe_addr: SocketAddr,
-    /// The server that ended first (already awaited), if one did.
-    ended: Option<Which>,
 }
 
 /// With `--enforcement preload`, installs the interposer from the image into the host
@@ -404,7 +421,7 @@ fn install_isolation(config: &Config) -> Result<Option<cdi::Isolation>> {
 
 impl Servers {
     /// Serves the DRA socket, then the registration socket, then the probes on `probes`
-    /// (a listener and the address it is bound to); all stop on `stop`.
+    /// (a listener and the address it is bound to), in `tasks`; all stop on `stop`.
     fn start(
         config: &Config,
         gpus: Vec<GpuInfo>,
@@ -412,6 +429,7 @@ impl Servers {
         checkpoint: checkpoint::Checkpoint,
         (probe_listener, probe_addr): (tokio::net::TcpListener, SocketAddr),
         stop: &CancellationToken,
+        tasks: &mut Tasks,
     ) -> Result<Self> {
         let node = Arc::new(service::Node {
             driver: config.driver_name.clone(),
@@ -426,114 +444,71 @@ impl Servers {
             },
         });
         let dra_socket = config.dra_socket();
-        let (dra_listener, dra_file) = bind(&dra_socket)?;
+        let (dra_listener, dra) = bind(&dra_socket)?;
         // Both servers read through `authority::unix_incoming`: kubelet may send the socket
         // path as `:authority`, which h2 would reset the call for.
-        let dra = tokio::spawn(
-            Server::builder()
-                .add_service(DraPluginServer::new(service::DraService::new(
-                    node, client, checkpoint,
-                )))
-                .serve_with_incoming_shutdown(
-                    authority::unix_incoming(dra_listener),
-                    stop.clone().cancelled_owned(),
-                ),
-        );
+        let serving = Server::builder()
+            .add_service(DraPluginServer::new(service::DraService::new(
+                node, client, checkpoint,
+            )))
+            .serve_with_incoming_shutdown(
+                authority::unix_incoming(dra_listener),
+                stop.clone().cancelled_owned(),
+            );
+        tasks.spawn("DRA gRPC server", async move {
+            serving.await.map_err(|source| Error::Serve {
+                which: "DRA",
+                source,
+            })
+        });
         let registration_socket = config.registration_socket();
-        let (registration_listener, registration_file) = bind(&registration_socket)?;
+        let (registration_listener, registration) = bind(&registration_socket)?;
         let (registered, registration_state) =
             tokio::sync::watch::channel(service::RegistrationState::default());
-        let registration = tokio::spawn(
-            Server::builder()
-                .add_service(RegistrationServer::new(service::RegistrationService::new(
-                    config.driver_name.clone(),
-                    dra_socket.clone(),
-                    registered,
-                )))
-                .serve_with_incoming_shutdown(
-                    authority::unix_incoming(registration_listener),
-                    stop.clone().cancelled_owned(),
-                ),
-        );
-        let probes = tokio::spawn(probes::serve(
-            probe_listener,
-            registration_state,
-            stop.clone(),
-        ));
+        let serving = Server::builder()
+            .add_service(RegistrationServer::new(service::RegistrationService::new(
+                config.driver_name.clone(),
+                dra_socket,
+                registered,
+            )))
+            .serve_with_incoming_shutdown(
+                authority::unix_incoming(registration_listener),
+                stop.clone().cancelled_owned(),
+            );
+        tasks.spawn("registration gRPC server", async move {
+            serving.await.map_err(|source| Error::Serve {
+                which: "registration",
+                source,
+            })
+        });
+        let serving = probes::serve(probe_listener, registration_state, stop.clone());
+        tasks.spawn("probe server", async move {
+            serving.await.map_err(|source| Error::Probes {
+                addr: probe_addr,
+                source,
+            })
+        });
         Ok(Self {
-            dra: GrpcServer {
-                socket: dra_socket,
-                file: dra_file,
-                task: dra,
-            },
-            registration: GrpcServer {
-                socket: registration_socket,
-                file: registration_file,
-                task: registration,
-            },
-            probes,
+            dra,
+            registration,
             probe_addr,
-            ended: None,
         })
     }
 
-    /// Waits for `shutdown`, or for a server to end: before shutdown, that is a failure,
-    /// and the plugin ends loudly (its DaemonSet restarts it).
-    async fn until_one_ends(&mut self, shutdown: impl Future<Output = ()>) -> Result<()> {
-        let ended = |which: &'static str, path: &Path, result: JoinResult| -> Error {
-            match result {
-                Ok(Err(source)) => Error::Serve { which, source },
-                Ok(Ok(())) => {
-                    io(path)(std::io::Error::other(format!("the {which} server stopped")))
-                }
-                Err(join) => io(path)(std::io::Error::other(join)),
-            }
-        };
-        let (which, error) = tokio::select! {
-            () = shutdown => return Ok(()),
-            result = &mut self.dra.task => {
-                (Which::Dra, ended("DRA", &self.dra.socket, result))
-            }
-            result = &mut self.registration.task => {
-                (Which::Registration, ended("registration", &self.registration.socket, result))
-            }
-            result = &mut self.probes => {
-                let source = match result {
-                    Ok(Err(source)) => source,
-                    Ok(Ok(())) => std::io::Error::other("it stopped"),
-                    Err(join) => std::io::Error::other(join),
-                };
-                (Which::Probes, Error::Probes { addr: self.probe_addr, source })
-            }
-        };
-        self.ended = Some(which);
-        Err(error)
-    }
-
-    /// Removes the sockets and waits for the servers to end (`stop` must be cancelled).
-    async fn stop(self) {
+    /// Removes the sockets, then waits for the servers left in `tasks` to end (`stop` must
+    /// be cancelled), in the order they were started.
+    async fn stop(self, tasks: Tasks) {
         // Registration socket first: kubelet must stop finding us before the DRA socket goes.
         // A successor's files at the same paths stay.
-        for file in [&self.registration.file, &self.dra.file] {
+        for file in [&self.registration, &self.dra] {
             if let Err(err) = file.remove() {
                 tracing::warn!(path = %file.path().display(), error = %err, "cannot remove our socket");
             }
         }
-        for (server, which) in [
-            (self.dra.task, Which::Dra),
-            (self.registration.task, Which::Registration),
-        ] {
-            if self.ended == Some(which) {
-                continue;
+        for (task, ended) in tasks.join_all().await {
+            if let Ok(Err(error)) = ended {
+                tracing::warn!(task, %error, "a server ended with an error on shutdown");
             }
-            if let Ok(Err(err)) = server.await {
-                tracing::warn!(error = %err, "a gRPC server ended with an error on shutdown");
-            }
-        }
-        if self.ended != Some(Which::Probes)
-            && let Ok(Err(err)) = self.probes.await
-        {
-            tracing::warn!(error = %err, "the probe server ended with an error on shutdown");
         }
     }
 }

@@ -10,10 +10,10 @@
 //! container sees them all as extender mode's multi-GPU pods do (`cdi::claim_env`).
 
 use gpushare_contract::GpuInfo;
+use gpushare_contract::quantity::{self, GIB};
 use k8s_openapi::api::resource::v1::ResourceClaim;
 use serde::{Deserialize, Serialize};
 
-use crate::quantity::{self, GIB};
 use crate::slice::{MEMORY, device_index};
 
 /// One allocated device, ready for a container.

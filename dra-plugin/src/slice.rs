@@ -28,6 +28,7 @@
 use std::collections::BTreeMap;
 
 use gpushare_contract::GpuInfo;
+use gpushare_contract::quantity::gib;
 use k8s_openapi::api::resource::v1::{
     CapacityRequestPolicy, CapacityRequestPolicyRange, Device, DeviceAttribute, DeviceCapacity,
     DeviceTaint, ResourcePool, ResourceSlice, ResourceSliceSpec,
@@ -35,8 +36,6 @@ use k8s_openapi::api::resource::v1::{
 use k8s_openapi::apimachinery::pkg::api::resource::Quantity;
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::ObjectMeta;
 use kube::api::{Api, PostParams};
-
-use crate::quantity::gib;
 
 /// The capacity every device offers, in whole GiB.
 pub const MEMORY: &str = "memory";

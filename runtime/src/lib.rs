@@ -4,7 +4,8 @@
 //!   main ─ parse args (legacy env names read as flags: env::with_legacy_env)
 //!        ─ logging::init_tracing(format)        RUST_LOG, text or JSON lines
 //!        ─ run(config, signal::shutdown_signal())
-//!             ├─ supervise::supervise(tasks)    the first task to end ends them all
+//!             ├─ supervise::TaskSet             named tasks: the first to end before shutdown
+//!             │                                 ends the process; stopped in the binary's order
 //!             └─ http::Server::serve            every HTTP(S) port: TLS handshake timeout,
 //!                                               graceful drain, GOAWAY on demand
 //! ```
@@ -25,4 +26,4 @@ pub mod supervise;
 
 pub use logging::{LogFormat, init_tracing};
 pub use signal::shutdown_signal;
-pub use supervise::{Stopped, TaskSet, as_supervised, supervise};
+pub use supervise::TaskSet;

@@ -2,123 +2,92 @@
 //! and one that ends or panics before it ends the process loudly, rather than leaving it up
 //! with part of it gone (a pod watch that died would leave Allocate answering from a frozen
 //! view).
+//!
+//! The extender, the device plugin and the DRA plugin run their tasks the same way:
+//!
+//! ```text
+//!   tasks = TaskSet::default(); tasks.spawn("pod watch", …) …   named, owned by the set
+//!   select! { shutdown                         => Ok
+//!             (task, how) = tasks.first_outcome() => Err(…task…), logged }
+//!   then stop in the binary's own order:  take(name) and await the tasks that go first
+//!                                         (the extender's Lease, the DRA plugin's health),
+//!                                         join_all() the rest, or drop the set (aborts them)
+//! ```
+//!
+//! Why the owner and not the set decides the order: each binary's shutdown has one of its
+//! own (the extender hands its Lease over before its servers drain; the DRA plugin stops
+//! re-publishing health before its sockets go), which one cancellation for all could not say.
+
+use std::future::Future;
 
 use tokio::task::{JoinError, JoinHandle};
-use tokio_util::sync::CancellationToken;
-
-/// Why the supervised tasks stopped other than by shutdown.
-#[derive(Debug, thiserror::Error)]
-pub enum Stopped<E: std::error::Error + 'static> {
-    /// A task returned before shutdown was asked for.
-    #[error("{0} ended before shutdown")]
-    Ended(&'static str),
-    /// A task panicked.
-    #[error("{task} crashed: {source}")]
-    Crashed {
-        /// The task's name.
-        task: &'static str,
-        /// Its panic.
-        #[source]
-        source: JoinError,
-    },
-    /// A task returned an error.
-    #[error("{task} failed: {error}")]
-    Failed {
-        /// The task's name.
-        task: &'static str,
-        /// What it returned.
-        #[source]
-        error: E,
-    },
-}
-
-/// A task that returns nothing, as [`supervise`] takes it: its panic stays a panic (so
-/// [`supervise`] reports it as [`Stopped::Crashed`]); an abort counts as its end.
-pub fn as_supervised<E: Send + 'static>(task: JoinHandle<()>) -> JoinHandle<Result<(), E>> {
-    tokio::spawn(async move {
-        match task.await {
-            Err(error) if error.is_panic() => std::panic::resume_unwind(error.into_panic()),
-            _ => Ok(()),
-        }
-    })
-}
-
-/// Waits for the first of `tasks` to end; anything but a clean end once `token` is cancelled
-/// (shutdown) is an error, logged. Then cancels `token`, so the others stop, and waits for
-/// them (their errors during shutdown are logged, not returned).
-pub async fn supervise<E: std::error::Error + Send + 'static>(
-    tasks: Vec<(&'static str, JoinHandle<Result<(), E>>)>,
-    token: CancellationToken,
-) -> Result<(), Stopped<E>> {
-    if tasks.is_empty() {
-        token.cancelled().await;
-        return Ok(());
-    }
-    let (names, handles): (Vec<_>, Vec<_>) = tasks.into_iter().unzip();
-    let (first, index, rest) = futures::future::select_all(handles).await;
-    let task = names[index];
-    let outcome = match first {
-        Ok(Ok(())) if token.is_cancelled() => Ok(()),
-        Ok(Ok(())) => Err(Stopped::Ended(task)),
-        Ok(Err(error)) => Err(Stopped::Failed { task, error }),
-        Err(source) => Err(Stopped::Crashed { task, source }),
-    };
-    if let Err(error) = &outcome {
-        tracing::error!(task, %error, "stopping");
-    }
-    token.cancel();
-    for handle in rest {
-        if let Ok(Err(error)) = handle.await {
-            tracing::warn!(%error, "task failed during shutdown");
-        }
-    }
-    outcome
-}
 
 /// Named long-lived tasks owned together: each is aborted when the set is dropped (so
 /// dropping a server's future stops everything it started), and [`TaskSet::first_ended`]
-/// names the first to end. For an owner whose shutdown has an order of its own (the
-/// extender hands its Lease over before its servers drain), where [`supervise`]'s single
-/// token would stop everything at once.
-#[derive(Debug, Default)]
-pub struct TaskSet {
-    tasks: Vec<(&'static str, JoinHandle<()>)>,
+/// names the first to end. `T` is what each task returns: `()`, or a `Result` for tasks that
+/// can fail, whose error [`TaskSet::first_outcome`] hands back with the task's name.
+#[derive(Debug)]
+pub struct TaskSet<T = ()> {
+    /// In the order they were spawned.
+    tasks: Vec<(&'static str, JoinHandle<T>)>,
 }
 
-impl TaskSet {
+impl<T> Default for TaskSet<T> {
+    fn default() -> Self {
+        Self { tasks: Vec::new() }
+    }
+}
+
+impl<T: Send + 'static> TaskSet<T> {
     /// Spawns `task` under `name`.
-    pub fn spawn(
-        &mut self,
-        name: &'static str,
-        task: impl std::future::Future<Output = ()> + Send + 'static,
-    ) {
+    pub fn spawn(&mut self, name: &'static str, task: impl Future<Output = T> + Send + 'static) {
         self.tasks.push((name, tokio::spawn(task)));
     }
 
     /// Waits for the first task to end (return, panic or abort) and names it; it leaves the
     /// set. Never completes while the set is empty.
     pub async fn first_ended(&mut self) -> &'static str {
+        self.first_outcome().await.0
+    }
+
+    /// Like [`TaskSet::first_ended`], with how the task ended: what it returned, or its panic
+    /// (or abort) as the `Err`.
+    pub async fn first_outcome(&mut self) -> (&'static str, Result<T, JoinError>) {
         if self.tasks.is_empty() {
             return std::future::pending().await;
         }
-        let ended = {
+        let (outcome, ended) = {
             let handles = self.tasks.iter_mut().map(|(_, handle)| handle);
-            let (_, index, _) = futures::future::select_all(handles).await;
-            index
+            let (outcome, index, _) = futures::future::select_all(handles).await;
+            (outcome, index)
         };
-        let (name, _) = self.tasks.swap_remove(ended);
-        name
+        let (name, _) = self.tasks.remove(ended);
+        (name, outcome)
     }
 
     /// Takes the task named `name` out of the set (it is no longer aborted with the set),
-    /// to wait for it on its own.
-    pub fn take(&mut self, name: &str) -> Option<JoinHandle<()>> {
+    /// to wait for it on its own. `None` when there is none, or it already ended.
+    pub fn take(&mut self, name: &str) -> Option<JoinHandle<T>> {
         let index = self.tasks.iter().position(|(n, _)| *n == name)?;
-        Some(self.tasks.swap_remove(index).1)
+        Some(self.tasks.remove(index).1)
+    }
+
+    /// Waits for every task left, one after the other in the order they were spawned, and
+    /// names each with how it ended. For the end of a shutdown the owner has already asked
+    /// for: a task that does not stop keeps this waiting. Dropped before it completes, it
+    /// aborts the tasks not yet awaited, as dropping the set does.
+    pub async fn join_all(mut self) -> Vec<(&'static str, Result<T, JoinError>)> {
+        let mut ended = Vec::with_capacity(self.tasks.len());
+        while let Some((_, handle)) = self.tasks.first_mut() {
+            let outcome = handle.await;
+            let (name, _) = self.tasks.remove(0);
+            ended.push((name, outcome));
+        }
+        ended
     }
 }
 
-impl Drop for TaskSet {
+impl<T> Drop for TaskSet<T> {
     fn drop(&mut self) {
         for (_, handle) in &self.tasks {
             handle.abort();
@@ -128,78 +97,38 @@ impl Drop for TaskSet {
 
 #[cfg(test)]
 mod tests {
+    use std::time::Duration;
+
+    use tokio_util::sync::CancellationToken;
+
     use super::*;
 
-    #[derive(Debug, thiserror::Error)]
-    #[error("broken")]
+    #[derive(Debug, PartialEq, Eq)]
     struct Broken;
 
-    fn waits(token: CancellationToken) -> JoinHandle<Result<(), Broken>> {
-        tokio::spawn(async move {
-            token.cancelled().await;
-            Ok(())
-        })
-    }
-
-    /// A long-lived task that ends before shutdown stops the rest, naming it; one that
-    /// panics is a crash; one that fails hands its error up; the same end after shutdown is
-    /// clean.
+    /// The first task to end comes back named, with how it ended: a clean return, its
+    /// error, or its panic; the others stay in the set.
     #[tokio::test]
-    async fn the_first_task_to_end_before_shutdown_stops_them_all() {
-        let token = CancellationToken::new();
-        let tasks = vec![
-            ("server", waits(token.clone())),
-            ("pod watch", tokio::spawn(async { Ok(()) })),
-        ];
-        let outcome = supervise(tasks, token.clone()).await;
-        assert!(
-            matches!(outcome, Err(Stopped::Ended("pod watch"))),
-            "{outcome:?}"
-        );
-        assert!(token.is_cancelled());
+    async fn the_first_task_to_end_is_named_with_how_it_ended() {
+        let mut set: TaskSet<Result<(), Broken>> = TaskSet::default();
+        set.spawn("server", std::future::pending());
+        set.spawn("pod watch", async { Ok(()) });
+        let (task, outcome) = set.first_outcome().await;
+        assert_eq!(task, "pod watch");
+        assert!(matches!(outcome, Ok(Ok(()))), "{outcome:?}");
 
-        let token = CancellationToken::new();
-        let panics = as_supervised(tokio::spawn(async {
-            panic!("the watch stream broke");
-        }));
-        let outcome = supervise(
-            vec![("server", waits(token.clone())), ("pod watch", panics)],
-            token,
-        )
-        .await;
-        assert!(
-            matches!(
-                outcome,
-                Err(Stopped::Crashed {
-                    task: "pod watch",
-                    ..
-                })
-            ),
-            "{outcome:?}"
-        );
+        set.spawn("worker", async { Err(Broken) });
+        let (task, outcome) = set.first_outcome().await;
+        assert_eq!(task, "worker");
+        assert!(matches!(outcome, Ok(Err(Broken))), "{outcome:?}");
 
-        let token = CancellationToken::new();
-        let fails = tokio::spawn(async { Err(Broken) });
-        let outcome = supervise(
-            vec![("server", waits(token.clone())), ("worker", fails)],
-            token,
-        )
-        .await;
-        assert!(
-            matches!(
-                outcome,
-                Err(Stopped::Failed {
-                    task: "worker",
-                    error: Broken
-                })
-            ),
-            "{outcome:?}"
-        );
+        set.spawn("reflector", async { panic!("the watch stream broke") });
+        let (task, outcome) = set.first_outcome().await;
+        assert_eq!(task, "reflector");
+        assert!(outcome.is_err_and(|join| join.is_panic()));
 
-        let token = CancellationToken::new();
-        token.cancel();
-        let outcome = supervise(vec![("server", waits(token.clone()))], token).await;
-        assert!(outcome.is_ok(), "{outcome:?}");
+        let names: Vec<_> = set.tasks.iter().map(|(name, _)| *name).collect();
+        assert_eq!(names, ["server"]);
     }
 
     /// The set names the first task to end, and aborts the rest when dropped.
@@ -222,15 +151,62 @@ mod tests {
         set.spawn("server", std::future::pending());
         let still_held = set.tasks[0].1.abort_handle();
         drop(set);
+        wait_finished(&still_held).await;
+        assert!(!waiting.is_finished() && !server.is_finished());
+        waiting.abort();
+        server.abort();
+    }
+
+    /// At the end of a shutdown every task left is waited for, and comes back in the order
+    /// it was spawned (not the order it ended in), named with how it ended; dropped before
+    /// it is done, the wait aborts what it has not awaited yet.
+    #[tokio::test]
+    async fn join_all_waits_for_the_rest_in_spawn_order() {
+        let token = CancellationToken::new();
+        let stops = |result| {
+            let token = token.clone();
+            async move {
+                token.cancelled().await;
+                result
+            }
+        };
+        let mut set = TaskSet::default();
+        set.spawn("probes", stops(Ok(())));
+        set.spawn("dra", stops(Err(Broken)));
+        set.spawn("already done", async { Ok(()) });
+        token.cancel();
+        let ended: Vec<_> = set
+            .join_all()
+            .await
+            .into_iter()
+            .map(|(name, outcome)| (name, outcome.unwrap()))
+            .collect();
+        assert_eq!(
+            ended,
+            [
+                ("probes", Ok(())),
+                ("dra", Err(Broken)),
+                ("already done", Ok(()))
+            ]
+        );
+
+        let mut set = TaskSet::default();
+        set.spawn("stuck", std::future::pending::<()>());
+        let stuck = set.tasks[0].1.abort_handle();
+        let gave_up = tokio::time::timeout(Duration::ZERO, set.join_all()).await;
+        assert!(gave_up.is_err());
+        wait_finished(&stuck).await;
+    }
+
+    /// Yields until the aborted task behind `handle` is gone (an abort lands at the task's
+    /// next poll).
+    async fn wait_finished(handle: &tokio::task::AbortHandle) {
         for _ in 0..100 {
-            if still_held.is_finished() {
+            if handle.is_finished() {
                 break;
             }
             tokio::task::yield_now().await;
         }
-        assert!(still_held.is_finished());
-        assert!(!waiting.is_finished() && !server.is_finished());
-        waiting.abort();
-        server.abort();
+        assert!(handle.is_finished());
     }
 }

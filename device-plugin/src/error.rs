@@ -1,0 +1,69 @@
+//! Why the plugin stopped: one error type for the start-up checks, the servers and the
+//! supervisor ([`crate::run`] returns it; `main` prints it).
+//!
+//! Why a module of its own: the device plugin server ([`crate::server`]) fails with it too;
+//! defined in the crate root, which runs that server, it had the server import the root
+//! that imports the server.
+
+use std::net::SocketAddr;
+use std::path::PathBuf;
+
+use gpushare_contract::KeyringError;
+use gpushare_runtime::gpu::BackendError;
+
+/// Why the plugin stopped.
+#[derive(Debug, thiserror::Error)]
+pub enum Error {
+    /// The configuration is unusable.
+    #[error("invalid configuration: {0}")]
+    Config(String),
+    /// The allocation keyring cannot be read.
+    #[error("--allocation-keys-file: {0}")]
+    Keyring(#[from] KeyringError),
+    /// The GPUs could not be listed or watched.
+    #[error(transparent)]
+    Backend(#[from] BackendError),
+    /// No Kubernetes client could be built.
+    #[error("cannot build a Kubernetes client (in-cluster service account or KUBECONFIG): {0}")]
+    Kube(#[source] kube::Error),
+    /// The metrics address could not be bound.
+    #[error("cannot listen on {addr} for metrics: {source}")]
+    MetricsBind {
+        /// the address
+        addr: SocketAddr,
+        /// the cause
+        #[source]
+        source: std::io::Error,
+    },
+    /// The plugin socket could not be created.
+    #[error(
+        "cannot create the plugin socket {path}: {source}; is --device-plugin-dir kubelet's device plugin directory and writable?"
+    )]
+    Socket {
+        /// the socket path
+        path: PathBuf,
+        /// the cause
+        #[source]
+        source: std::io::Error,
+    },
+    /// The isolation library could not be installed (`--enforcement preload`).
+    #[error(
+        "cannot install the isolation library into --isolation-host-dir: {0}; fix the path or run with --enforcement none"
+    )]
+    Isolation(#[source] std::io::Error),
+    /// A supervised task ended before shutdown.
+    #[error("the {0} task ended unexpectedly")]
+    TaskEnded(&'static str),
+    /// A supervised task panicked.
+    #[error("the {task} task crashed: {source}")]
+    TaskCrashed {
+        /// which task
+        task: &'static str,
+        /// the panic
+        #[source]
+        source: tokio::task::JoinError,
+    },
+}
+
+/// `Result` with this crate's [`Error`].
+pub type Result<T, E = Error> = std::result::Result<T, E>;
