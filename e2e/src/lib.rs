@@ -5,16 +5,15 @@
 //!   is strict, with fault injection.
 //! - [`scheduler`]: drives pending pods through an HTTP extender exactly as kube-scheduler does.
 //! - [`kubelet`]: registers device plugins over a real unix socket and admits pods as kubelet
-//!   does.
-//! - [`kubelet_dra`]: the DRA side of a kubelet: plugin registration, Prepare/Unprepare over
-//!   real sockets, and CDI devices applied to containers.
+//!   does; [`kubelet::dra`]: the DRA side of a kubelet: plugin registration,
+//!   Prepare/Unprepare over real sockets, and CDI devices applied to containers.
 //! - [`resourceclaim`]: kube-controller-manager's resourceclaim controller: one claim per pod
 //!   from a ResourceClaimTemplate, deleted when the pod no longer needs it.
 //! - [`fixtures`]: builders for nodes and pods shared by every test (`gpushare-testkit`'s,
 //!   re-exported).
 //! - [`cluster`]: the whole system — our real binaries as child processes on simulated GPUs —
-//!   started, faulted and stopped in one place, for the scenarios, the demo and the load harness.
-//! - [`cluster_dra`]: the same in DRA mode: the real `gpushare-dra-plugin` per node, the DRA
+//!   started, faulted and stopped in one place, for the scenarios, the demo and the load harness;
+//!   [`cluster::dra`]: the same in DRA mode: the real `gpushare-dra-plugin` per node, the DRA
 //!   scheduler driver, no extender.
 //! - [`front`]: a round-robin TCP front over several extender replicas, as a Service is.
 //! - [`realk8s`]: the real-Kubernetes tier: the kit of `../shared/realk8s` set up, the chart
@@ -24,12 +23,11 @@
 //! - [`tools`]: installs kubectl and helm from the project's own script, for tests that need them.
 
 pub mod apiserver;
+mod chunked;
 pub mod cluster;
-pub mod cluster_dra;
 pub use gpushare_testkit::fixtures;
 pub mod front;
 pub mod kubelet;
-pub mod kubelet_dra;
 pub mod preemption;
 pub mod realk8s;
 pub mod resourceclaim;

@@ -773,7 +773,7 @@ async fn rbac_grants_exactly_what_each_binary_calls() -> anyhow::Result<()> {
 /// never used; calls from any identity but the plugin's and the harness's are named too.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn rbac_grants_the_dra_plugin_exactly_what_it_calls() -> anyhow::Result<()> {
-    use gpushare_e2e::cluster_dra::{DRA_PLUGIN_USER, DraCluster, phase};
+    use gpushare_e2e::cluster::dra::{DRA_PLUGIN_USER, DraCluster, phase};
     let values = "mode=dra";
     let rendered = render(RELEASE, RELEASE_NAMESPACE, &["--set", values])?;
     let chart_user =

@@ -6,7 +6,7 @@
 use std::collections::BTreeMap;
 use std::time::Duration;
 
-use gpushare_e2e::cluster_dra::{DraCluster, GpuUse, key, node_of, phase, unschedulable_message};
+use gpushare_e2e::cluster::dra::{DraCluster, GpuUse, key, node_of, phase, unschedulable_message};
 use k8s_openapi::api::core::v1::Pod;
 use k8s_openapi::api::events::v1::Event;
 use k8s_openapi::api::resource::v1::ResourceClaim;
@@ -609,7 +609,7 @@ async fn top_shows_dra_allocations_per_gpu() -> anyhow::Result<()> {
         &mut usage,
         &nodes,
         &pods,
-        gpushare_e2e::cluster_dra::DRIVER,
+        gpushare_e2e::cluster::dra::DRIVER,
     )
     .await;
 

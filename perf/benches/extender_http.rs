@@ -26,7 +26,7 @@ use futures::future::BoxFuture;
 use gpushare_allocator::fragmentation::{Host, MAX_SHAPES, Shape};
 use gpushare_allocator::{PodId, PodPlacement, Policy};
 use gpushare_extender::{
-    Scheduling, BindError, BindTiming, Binder, BindingTarget, EventSink, PodOnServer, Settings,
+    BindError, BindTiming, Binder, BindingTarget, EventSink, PodOnServer, Scheduling, Settings,
     router,
 };
 use gpushare_testkit::fixtures::node;

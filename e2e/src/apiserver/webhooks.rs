@@ -424,7 +424,7 @@ async fn post(
         .to_ascii_lowercase()
         .contains("transfer-encoding: chunked")
     {
-        crate::cluster::dechunk(rest)
+        crate::chunked::dechunk(rest)
     } else {
         rest.to_owned()
     };

@@ -28,7 +28,7 @@ pub struct Binaries {
     pub extender: PathBuf,
     /// `gpushare-device-plugin`
     pub device_plugin: PathBuf,
-    /// `gpushare-dra-plugin` (DRA mode, see [`crate::cluster_dra`])
+    /// `gpushare-dra-plugin` (DRA mode, see [`super::dra`])
     pub dra_plugin: PathBuf,
     /// `kubectl-gpushare`, the kubectl plugin
     pub kubectl_gpushare: PathBuf,

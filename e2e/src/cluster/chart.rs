@@ -119,3 +119,6 @@ pub(super) async fn install_webhook_configuration(client: &Client) -> anyhow::Re
         .await?;
     Ok(())
 }
+
+#[cfg(test)]
+mod policy_tests;

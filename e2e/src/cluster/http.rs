@@ -1,12 +1,15 @@
 //! A minimal HTTP/1.1 client: one request per connection, answer read to the end, chunked
 //! bodies joined. Enough for health probes and the extender's calls, with no client library.
 //!
-//! Separate because it is plain protocol code, used by the extender handle, the tests and
-//! the API server's webhook client ([`dechunk`]).
+//! Separate because it is plain protocol code, used by the extender handle and the tests;
+//! chunked bodies are joined by [`crate::chunked`], which the API server's webhook client
+//! shares.
 
 use std::net::SocketAddr;
 
 use anyhow::Context;
+
+use crate::chunked::dechunk;
 
 /// A minimal HTTP/1.1 GET over a fresh connection (no client library needed for two probes).
 pub async fn http_get(addr: SocketAddr, path: &str) -> anyhow::Result<(u16, String)> {
@@ -74,20 +77,4 @@ pub(super) async fn exchange_on(
         body.to_owned()
     };
     Ok((status, body))
-}
-
-/// The body of a `Transfer-Encoding: chunked` answer, joined.
-pub(crate) fn dechunk(mut body: &str) -> String {
-    let mut out = String::new();
-    while let Some((size, rest)) = body.split_once("\r\n") {
-        let Ok(size) = usize::from_str_radix(size.trim(), 16) else {
-            break;
-        };
-        if size == 0 || rest.len() < size {
-            break;
-        }
-        out.push_str(&rest[..size]);
-        body = rest[size..].trim_start_matches("\r\n");
-    }
-    out
 }

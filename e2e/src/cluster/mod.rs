@@ -36,7 +36,9 @@
 //! - `spec`: what a cluster is made of ([`ClusterSpec`]);
 //! - `node`: one simulated GPU node, its device plugin and kubelet driver ([`SimNode`]);
 //! - `scheduling`: the extender and the scheduler driver, wired as the chart wires them;
-//! - `faults`: crashes, restarts, rollouts and unhealthy GPUs a scenario inflicts.
+//! - `faults`: crashes, restarts, rollouts and unhealthy GPUs a scenario inflicts;
+//! - [`dra`]: the same cluster in DRA mode ([`dra::DraCluster`]): the real
+//!   `gpushare-dra-plugin` per node, the DRA scheduler driver, no extender.
 //!
 //! This file holds [`TestCluster`] itself: starting, inspecting and shutting it down.
 
@@ -56,6 +58,7 @@ use crate::scheduler::SchedulerDriver;
 
 mod cargo_build;
 mod chart;
+pub mod dra;
 mod extender;
 mod faults;
 mod http;
@@ -72,7 +75,6 @@ pub use chart::{
 };
 pub use extender::{ClientCa, EXTENDER_SERVICE_HOST, Extender, ExtenderTls, RESTART_BIND_RETRY};
 pub use faults::overlap_rollout;
-pub(crate) use http::dechunk;
 pub use http::{http_get, http_post_json};
 pub use node::{SimNode, node_allocatable};
 pub use ports::{free_port, service_port};

@@ -1,6 +1,6 @@
 //! gpushare in DRA mode, in one process tree: the in-process API server, the DRA scheduler
 //! driver ([`crate::scheduler::dra`]) and per node a DRA kubelet driver
-//! ([`crate::kubelet_dra`]) with the REAL `gpushare-dra-plugin` binary on simulated GPUs.
+//! ([`crate::kubelet::dra`]) with the REAL `gpushare-dra-plugin` binary on simulated GPUs.
 //! No extender, no device plugin: the scheduler allocates GPU-memory shares itself.
 //!
 //! The DeviceClass is the one the chart installs in DRA mode (less `extendedResourceName`,
@@ -22,10 +22,10 @@ use kube::api::{Api, DeleteParams, ListParams, PostParams};
 use kube::{Client, ResourceExt};
 use serde_json::json;
 
+use super::{Process, binaries};
 use crate::apiserver::ApiServer;
-use crate::cluster::{Process, binaries};
 use crate::fixtures::node;
-use crate::kubelet_dra::DraKubelet;
+use crate::kubelet::dra::DraKubelet;
 use crate::resourceclaim::ClaimController;
 use crate::scheduler::dra::DraScheduler;
 
@@ -333,14 +333,14 @@ impl DraCluster {
     }
 
     /// Rolls the plugin of `node` as a DaemonSet rollout does
-    /// ([`crate::cluster::overlap_rollout`]); returns once every driver it had registered is
+    /// ([`super::overlap_rollout`]); returns once every driver it had registered is
     /// registered again.
     pub async fn roll_plugin(&mut self, node: &str) -> anyhow::Result<()> {
         let node = self.node_mut(node)?;
         let before = node.kubelet.registrations();
         let drivers = node.kubelet.drivers();
         let old = node.plugin.take().context("no DRA plugin running")?;
-        let new = crate::cluster::overlap_rollout(
+        let new = super::overlap_rollout(
             old,
             &node.plugin_log,
             || node.spawn_plugin(),
