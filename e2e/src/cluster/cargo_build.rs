@@ -5,12 +5,14 @@
 //! The nested build selects what the outer build selected, so that it resolves the same
 //! features and reuses every dependency already compiled (a selection that differs in a few
 //! features deep in the graph compiles most of it a second time):
-//! - in release (`cargo run --release -p gpushare-e2e --bin demo`, realload, the load
-//!   harness) this crate's package beside the binaries' packages: this crate depends on the
-//!   binaries' libraries, so the two resolve alike and a cold demo compiles each crate once;
-//! - in a test (debug), the workspace's libraries, binaries and tests, as the README's test
-//!   command builds them (dev-dependencies add features): a no-op after that command, and
-//!   after `cargo test -p gpushare-e2e …` the rest of the workspace's tests are compiled once.
+//! - from one of this crate's binaries (`cargo run -p gpushare-e2e --bin demo`, realload,
+//!   kubesim), in whichever profile it was built: this crate's package beside the binaries'
+//!   packages. This crate depends on the binaries' libraries, so the two resolve alike and a
+//!   cold demo compiles each crate once, then only links the binaries;
+//! - from a test (its executable lives in `deps/`): the workspace's libraries, binaries and
+//!   tests, as the README's test command builds them (dev-dependencies add features): a no-op
+//!   after that command, and after `cargo test -p gpushare-e2e …` the rest of the workspace's
+//!   tests are compiled once.
 //!
 //! Separate because it runs cargo, not the cluster: its environment handling (the runner's
 //! `CARGO_*` variables kept out of the nested build) is its own concern.
@@ -81,6 +83,10 @@ fn build_binaries() -> anyhow::Result<Binaries> {
         .to_path_buf();
     let target_dir = profile_dir.parent().context("target dir")?;
     let release = profile_dir.ends_with("release");
+    // Test executables live in `<profile>/deps/`, this crate's binaries in `<profile>/`.
+    let from_a_test = exe
+        .parent()
+        .is_some_and(|dir| dir.file_name().is_some_and(|name| name == "deps"));
     let cargo = std::env::var_os("CARGO").unwrap_or_else(|| "cargo".into());
     let workspace = Path::new(env!("CARGO_MANIFEST_DIR"))
         .parent()
@@ -109,8 +115,11 @@ fn build_binaries() -> anyhow::Result<Binaries> {
     }
     build.current_dir(workspace).args(["build", "--quiet"]);
     if release {
-        // The demo, realload, the load harness: this crate beside the binaries' packages.
-        build.args(["--release", "-p", env!("CARGO_PKG_NAME")]);
+        build.arg("--release");
+    }
+    if !from_a_test {
+        // The demo, realload, kubesim: this crate beside the binaries' packages.
+        build.args(["-p", env!("CARGO_PKG_NAME")]);
         for (package, _) in BINARIES {
             build.args(["-p", package]);
         }
