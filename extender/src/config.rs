@@ -53,6 +53,16 @@ pub struct Config {
     /// nodes.
     #[arg(long, env = "GPUSHARE_IDLE_GPU_TAINT", default_value_t = false, action = clap::ArgAction::Set)]
     pub idle_gpu_taint: bool,
+    /// DRA mode: the driver whose ResourceSlices describe the GPUs. With it the extender
+    /// ranks nodes for kube-scheduler's DRA allocation (filter keeps the best node, prioritize
+    /// scores; no bind): GPUs come from these slices, what is booked from the allocated
+    /// ResourceClaims, a pod's request from its claims of `--dra-device-class`. Needs `list`
+    /// and `watch` on resourceslices and resourceclaims.
+    #[arg(long, env = "GPUSHARE_DRA_DRIVER", requires = "dra_device_class")]
+    pub dra_driver: Option<String>,
+    /// DRA mode: the DeviceClass whose claims are GPU shares (see `--dra-driver`).
+    #[arg(long, env = "GPUSHARE_DRA_DEVICE_CLASS", requires = "dra_driver")]
+    pub dra_device_class: Option<String>,
     /// Runtime worker threads (0: one per CPU the process may use, which honours the
     /// container's CPU limit: the chart's limit of 1 CPU gives one). Each call from
     /// kube-scheduler arrives alone in its serial scheduling cycle; with fewer threads it is
@@ -219,6 +229,14 @@ pub struct Config {
 }
 
 impl Config {
+    /// The DRA names from `--dra-driver` and `--dra-device-class`: DRA mode when both are set.
+    pub fn dra_names(&self) -> Option<crate::view::DraNames> {
+        Some(crate::view::DraNames {
+            driver: self.dra_driver.clone()?,
+            device_class: self.dra_device_class.clone()?,
+        })
+    }
+
     /// The Lease timing from the flags.
     pub fn lease_timing(&self) -> crate::leader::LeaseTiming {
         use std::time::Duration;
@@ -243,6 +261,8 @@ impl Default for Config {
             filter_keep_best: 0,
             prioritize_weight: 1,
             idle_gpu_taint: false,
+            dra_driver: None,
+            dra_device_class: None,
             worker_threads: 0,
             monitor_listen: None,
             tls_cert: None,

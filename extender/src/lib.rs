@@ -251,6 +251,16 @@ impl Background {
             "pod watch",
             watch::watch_pods(self.client.clone(), self.state.clone()),
         );
+        if let Some(names) = config.dra_names() {
+            tasks.spawn(
+                "ResourceSlice watch",
+                watch::watch_slices(self.client.clone(), self.state.clone(), names.driver),
+            );
+            tasks.spawn(
+                "ResourceClaim watch",
+                watch::watch_claims(self.client.clone(), self.state.clone()),
+            );
+        }
         tasks.spawn(
             "idle-GPU taint",
             idle_gpu_taint::keep_idle_gpu_taints(
@@ -330,7 +340,11 @@ fn tls_from_flags(config: &Config) -> Result<Option<server::TlsAcceptor>, Error>
 
 /// The extender's settings from the flags, with the allocation keyring when one is given.
 fn settings_and_keyring(config: &Config) -> Result<(Settings, Option<KeyringFile>), Error> {
-    let settings = Settings::new(&config.resource, &config.domain, &config.node_label);
+    let mut settings = Settings::new(&config.resource, &config.domain, &config.node_label);
+    if let Some(names) = config.dra_names() {
+        tracing::info!(driver = %names.driver, device_class = %names.device_class, "DRA mode: GPUs from the driver's ResourceSlices, requests and bookings from ResourceClaims of the class; no bind");
+        settings = settings.with_dra(names);
+    }
     let Some(path) = &config.allocation_keys_file else {
         tracing::warn!(
             "no --allocation-keys-file: allocations are NOT signed, so the device plugin cannot tell them from hand-written annotations (and one that verifies refuses them)"

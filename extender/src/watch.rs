@@ -1,9 +1,11 @@
 //! Keeps the view in step with the API server: one watch over Nodes, one over Pods (all
-//! namespaces, decoded lean: [`WatchedPod`]). A (re)list is buffered and swapped in whole at
+//! namespaces, decoded lean: [`WatchedPod`]), and in DRA mode one over our driver's
+//! ResourceSlices and one over ResourceClaims. A (re)list is buffered and swapped in whole at
 //! `InitDone`, so the allocator is rebuilt from one consistent list, never from half of one.
 
 use futures::{Stream, StreamExt};
 use k8s_openapi::api::core::v1::{Node, NodeSpec, NodeStatus, Taint};
+use k8s_openapi::api::resource::v1::{ResourceClaim, ResourceSlice};
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::ObjectMeta;
 use kube::Api;
 use kube::runtime::WatchStreamExt;
@@ -93,6 +95,62 @@ pub async fn watch_pods(client: kube::Client, state: Scheduling) {
                 warn(warning.into_iter().collect());
             }
             Event::Delete(WatchedPod(pod)) => state.view_mut().delete_pod(&pod),
+        },
+    )
+    .await;
+}
+
+/// Follows our driver's ResourceSlices (DRA mode) until the stream ends.
+pub async fn watch_slices(client: kube::Client, state: Scheduling, driver: String) {
+    let api: Api<ResourceSlice> = Api::all(client);
+    let selector = format!("spec.driver={driver}");
+    let stream = watcher::watcher(api, watcher::Config::default().fields(&selector))
+        .default_backoff()
+        .modify(|slice| slice.metadata.managed_fields = None);
+    follow(
+        stream,
+        "resourceslices",
+        |event, buffer: &mut Vec<ResourceSlice>| match event {
+            Event::Init => buffer.clear(),
+            Event::InitApply(slice) => buffer.push(slice),
+            Event::InitDone => {
+                let slices = std::mem::take(buffer);
+                state.view_mut().replace_slices(&slices);
+                tracing::info!(slices = slices.len(), "ResourceSlice watch synced");
+            }
+            Event::Apply(slice) => state.view_mut().apply_slice(&slice),
+            Event::Delete(slice) => state.view_mut().delete_slice(&slice),
+        },
+    )
+    .await;
+}
+
+/// Follows ResourceClaims (DRA mode, all namespaces) until the stream ends: what each asks,
+/// and what the allocated ones book.
+pub async fn watch_claims(client: kube::Client, state: Scheduling) {
+    let api: Api<ResourceClaim> = Api::all(client);
+    let stream = watcher::watcher(api, watcher::Config::default())
+        .default_backoff()
+        .modify(|claim| claim.metadata.managed_fields = None);
+    follow(
+        stream,
+        "resourceclaims",
+        |event, buffer: &mut Vec<ResourceClaim>| match event {
+            Event::Init => buffer.clear(),
+            Event::InitApply(claim) => buffer.push(claim),
+            Event::InitDone => {
+                let claims = std::mem::take(buffer);
+                let mut view = state.view_mut();
+                view.replace_claims(&claims);
+                state.update_reservation_gauges(&view);
+                tracing::info!(claims = claims.len(), "ResourceClaim watch synced");
+            }
+            Event::Apply(claim) => {
+                let mut view = state.view_mut();
+                view.apply_claim(&claim);
+                state.update_reservation_gauges(&view);
+            }
+            Event::Delete(claim) => state.view_mut().delete_claim(&claim),
         },
     )
     .await;

@@ -10,7 +10,7 @@ use gpushare_allocator::{PodId, Request};
 use gpushare_contract::pod_request_with;
 use serde_json::value::RawValue;
 
-use crate::view::{Settings, pod_host, to_request};
+use crate::view::{View, pod_host, to_request};
 use crate::wire::{ExtenderArgs, raw_node_name};
 
 /// A candidate node: its name, with its raw object when kube-scheduler sent objects.
@@ -39,14 +39,19 @@ pub(super) fn pod_uid(args: &ExtenderArgs<'_>) -> Option<PodId> {
         .map(PodId::from)
 }
 
-/// The pod's request, or the reason every node fails.
+/// The pod's request, or the reason every node fails. In DRA mode it is read from the pod's
+/// claims ([`View::dra_request`]), and a pod the extender cannot size is passed on unranked.
 pub(super) fn read_request(
     args: &ExtenderArgs<'_>,
-    settings: &Settings,
+    view: &View,
 ) -> Result<Option<Request>, String> {
     let Some(pod) = args.pod.as_ref() else {
         return Err("the request carries no Pod".to_owned());
     };
+    let settings = view.settings();
+    if settings.dra.is_some() {
+        return Ok(view.dra_request(pod));
+    }
     pod_request_with(pod, &settings.resource, &settings.keys)
         .map(|r| {
             r.map(|r| Request {

@@ -31,7 +31,7 @@ pub(super) fn filter_answer<'a>(
     // The request to hold memory for, when exactly one node passes.
     let mut to_hold: Option<Request> = None;
     let view = state.view();
-    match read_request(args, view.settings()) {
+    match read_request(args, &view) {
         // Not ours: every node passes untouched.
         Ok(None) => passing.extend(0..candidates.len()),
         Ok(Some(_)) | Err(_) if !view.is_synced() => {
@@ -140,6 +140,12 @@ impl<'a> Fits<'_, 'a> {
                 Ok(()) => passing.push(i),
                 Err(unfit) => rejected.push((i, unfit)),
             }
+        }
+        if passing.is_empty() && self.view.settings().dra.is_some() {
+            // DRA mode: kube-scheduler's allocator found every candidate fit, and it is the
+            // authority; a view that disagrees (a hold, a claim not seen yet) ranks nothing.
+            passing.extend(0..candidates.len());
+            return;
         }
         let inner = &self.state.inner;
         let keep_best = KeepBest {

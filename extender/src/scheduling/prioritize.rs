@@ -30,7 +30,7 @@ impl Scores<'_> {
 pub(super) fn prioritize_answer<'a>(state: &Scheduling, args: &'a ExtenderArgs<'a>) -> Scores<'a> {
     let names: Vec<Cow<'a, str>> = candidates(args).into_iter().map(|(name, _)| name).collect();
     let view = state.view();
-    let request = read_request(args, view.settings())
+    let request = read_request(args, &view)
         .ok()
         .flatten()
         .filter(|_| view.is_synced());

@@ -45,6 +45,7 @@ use k8s_openapi::api::core::v1::Taint;
 
 use crate::reservation::Reservations;
 
+mod dra;
 mod facts;
 mod nodes;
 mod pods;
@@ -54,6 +55,7 @@ mod reservations;
 #[cfg(test)]
 mod testing;
 
+pub use dra::{ClaimAsk, DraNames};
 pub use facts::{Ask, PodFacts, node_host, pod_host, to_request};
 pub use pods::{CachedPod, PodWarning};
 pub use reservations::Hold;
@@ -80,6 +82,9 @@ pub struct Settings {
     scope: Scope,
     /// The keyring the extender signs with; with one, allocations on pods are verified.
     pub keyring: Option<SharedKeyring>,
+    /// DRA mode: GPUs come from these ResourceSlices and requests from claims of this class
+    /// (`dra.rs`); `None` in extender mode.
+    pub dra: Option<DraNames>,
 }
 
 impl Settings {
@@ -88,7 +93,14 @@ impl Settings {
         Self {
             scope: Scope::new(resource, domain, node_label),
             keyring: None,
+            dra: None,
         }
+    }
+
+    /// These settings in DRA mode, reading `names`' slices and claims.
+    pub fn with_dra(mut self, names: DraNames) -> Self {
+        self.dra = Some(names);
+        self
     }
 
     /// These settings, signing and verifying allocations with `keyring`.
@@ -142,6 +154,8 @@ pub struct View {
     nominations: HashMap<PodId, preemption::Nomination>,
     /// True while a relist replays the listed pods: nominations wait for the end of it.
     replaying: bool,
+    /// DRA mode's slices, claims and their bookings (`dra.rs`).
+    dra: dra::DraState,
 }
 
 impl View {
@@ -160,6 +174,7 @@ impl View {
             prefer_no_schedule: HashMap::new(),
             nominations: HashMap::new(),
             replaying: false,
+            dra: dra::DraState::default(),
         }
     }
 
@@ -215,9 +230,11 @@ impl View {
         &self.settings
     }
 
-    /// True once both watches have listed everything.
+    /// True once the watches have listed everything (in DRA mode, slices and claims too).
     pub fn is_synced(&self) -> bool {
-        self.nodes_synced && self.pods_synced
+        self.nodes_synced
+            && self.pods_synced
+            && (self.settings.dra.is_none() || self.dra.is_synced())
     }
 
     /// Marks the node watch as listed.

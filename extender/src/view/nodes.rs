@@ -80,6 +80,12 @@ impl View {
     /// evenly over the `gpu-count` label (1 when absent).
     fn read_node(&self, node: &Node) -> (Vec<Gpu>, bool) {
         let name = node.metadata.name.as_deref().unwrap_or_default();
+        if self.settings.dra.is_some() {
+            // DRA mode: the GPUs are our slices' devices; a node with one takes part.
+            let gpus = self.dra_gpus(name);
+            let eligible = !gpus.is_empty();
+            return (gpus, eligible);
+        }
         let eligible = node
             .metadata
             .labels

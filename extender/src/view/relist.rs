@@ -42,6 +42,7 @@ impl View {
         for (uid, node, placement) in kept {
             self.cluster.upsert_pod(uid, &node, placement);
         }
+        self.rebook_claims();
         let warnings = pods
             .into_iter()
             .filter_map(|facts| self.apply_facts(facts))
