@@ -14,7 +14,7 @@ use std::time::{Duration, Instant};
 use anyhow::{Context, ensure};
 use k8s_openapi::api::core::v1::Pod;
 use k8s_openapi::api::scheduling::v1::PriorityClass;
-use kube::api::{Api, DeleteParams, ListParams, PostParams};
+use kube::api::{Api, DeleteParams, PostParams};
 
 use crate::cluster::wait_for;
 use crate::fixtures::pod;
@@ -239,30 +239,6 @@ async fn preempt(
         bound_after,
         created: started,
     })
-}
-
-/// Deletes every pod of `story` at once.
-pub async fn clean_up(h: &impl Harness, story: &str) -> anyhow::Result<()> {
-    let pods: Api<Pod> = Api::namespaced(h.client(), h.namespace());
-    let selector = format!("{STORY_LABEL}={story}");
-    let params = DeleteParams {
-        grace_period_seconds: Some(0),
-        ..DeleteParams::default()
-    };
-    pods.delete_collection(&params, &ListParams::default().labels(&selector))
-        .await?;
-    wait_for(
-        &format!("the pods of {story} to be gone"),
-        START_TIMEOUT,
-        || async {
-            let left = pods
-                .list(&ListParams::default().labels(&selector))
-                .await
-                .ok()?;
-            left.items.is_empty().then_some(())
-        },
-    )
-    .await
 }
 
 /// Story 1, the issue's: seven 4 GiB pods fill GPUs of 15 and 16 GiB (3 + 4), the first pod

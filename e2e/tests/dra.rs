@@ -442,28 +442,6 @@ async fn a_plugin_crash_loses_no_prepared_claim() -> anyhow::Result<()> {
     Ok(())
 }
 
-/// kubelet restarted under running claimed pods: like the real one, the new kubelet deletes
-/// the node's ResourceSlices as it starts. The pods keep running, the plugin publishes its
-/// slice again, and the next pod is allocated and prepared there (the plugin published once
-/// at start, and no claim could be allocated after a restart: found on the real cluster).
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn after_a_kubelet_restart_the_node_offers_its_gpus_again() -> anyhow::Result<()> {
-    let mut cluster = DraCluster::start(&[("gpu-node-1", &[15])]).await?;
-    for name in ["notebook-1", "notebook-2"] {
-        cluster.create_gpu_pod(name, 4).await?;
-    }
-    wait_for_running(&cluster, "two notebooks running", 2).await?;
-    cluster.restart_kubelet("gpu-node-1").await?;
-    cluster.create_gpu_pod("notebook-3", 4).await?;
-    wait_for_running(&cluster, "notebook-3 running after the kubelet restart", 3).await?;
-    let slices = cluster.slices().await?;
-    assert_eq!(slices.len(), 1, "the node's slice is published again");
-    let gpus = cluster.gpu_use().await?;
-    assert_eq!(gpus[0].claimed_gib, 12);
-    cluster.shutdown().await;
-    Ok(())
-}
-
 /// A claim of two GPUs (one request, `count: 2`, 4 GiB of each): kube-scheduler's allocator
 /// gives it two distinct GPUs and the container sees both, with extender mode's multi-GPU
 /// environment (the plugin once refused any claim of more than one device).

@@ -244,62 +244,6 @@ async fn two_nodes_mixed_stream_packs_nodes_and_keeps_whole_gpus_free() -> anyho
     .await
 }
 
-/// The idle-GPU taint end to end, as the chart runs the extender (`--idle-gpu-taint=true`):
-/// both nodes start tainted; once a GPU pod holds the one GPU of a node, its taint goes, and a
-/// CPU-only pod goes on that node, where LeastAllocated prefers the other (the scheduler
-/// driver scores TaintToleration as kube-scheduler does). The real tier checks the same on
-/// real kube-scheduler (`cpu_only_pods_prefer_nodes_whose_gpus_are_in_use`).
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn cpu_only_pods_prefer_the_node_whose_gpu_is_in_use() -> anyhow::Result<()> {
-    let mut spec = ClusterSpec::labelled(&[("left", &[16]), ("right", &[16])]);
-    spec.extender_args.push("--idle-gpu-taint=true".to_owned());
-    with_cluster(spec, async |cluster| {
-        let nodes: Api<Node> = Api::all(cluster.client.clone());
-        let tainted = |name: &'static str, wanted: bool| {
-            let nodes = nodes.clone();
-            async move {
-                let taints = nodes.get(name).await.ok()?.spec?.taints.unwrap_or_default();
-                let carries = taints.iter().any(|t| {
-                    t.key == "gpushare.example.com/idle-gpu" && t.effect == "PreferNoSchedule"
-                });
-                (carries == wanted).then_some(())
-            }
-        };
-        for name in ["left", "right"] {
-            wait_for(
-                "both nodes to carry the idle-GPU taint",
-                Duration::from_secs(30),
-                || tainted(name, true),
-            )
-            .await?;
-        }
-        let pods: Api<Pod> = Api::namespaced(cluster.client.clone(), "default");
-        let gpu = fixtures::pod("gpu").gpu_mem(16).cpu("2").build();
-        pods.create(&PostParams::default(), &gpu).await?;
-        let busy = wait_bound(&pods, "gpu").await?;
-        let (busy, idle) = if busy == "left" {
-            ("left", "right")
-        } else {
-            ("right", "left")
-        };
-        wait_for(
-            "the busy node to lose the taint",
-            Duration::from_secs(30),
-            || tainted(busy, false),
-        )
-        .await?;
-        let cpu_only = fixtures::pod("cpu-only").cpu("1").build();
-        pods.create(&PostParams::default(), &cpu_only).await?;
-        let placed = wait_bound(&pods, "cpu-only").await?;
-        ensure!(
-            placed == busy,
-            "the CPU-only pod should go on {busy}, whose GPU is in use, not on {idle}"
-        );
-        Ok(())
-    })
-    .await
-}
-
 /// The twin rule against kube-scheduler's queue. `first` (16 GiB) is bound to `twin-a` but
 /// not admitted (its kubelet holds it); `second` (16 GiB) can only join its GPU, which has no
 /// room, so no node passes for it. Once `first` is admitted `second` must bind, although that

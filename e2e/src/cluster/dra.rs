@@ -51,8 +51,6 @@ pub struct DraNode {
     pub cdi_dir: PathBuf,
     /// The simulated GPUs' health file (indices of unhealthy GPUs).
     pub health_file: PathBuf,
-    /// kubelet's plugin registration directory.
-    registry_dir: PathBuf,
     plugin: Option<Process>,
     plugin_args: Vec<String>,
     plugin_log: PathBuf,
@@ -248,14 +246,13 @@ impl DraCluster {
             .map(|a| (*a).to_owned())
             .collect();
             let log = dir.path().join(format!("dra-plugin-{name}.log"));
-            let kubelet = DraKubelet::start(client.clone(), name, registry.clone(), cdi.clone());
+            let kubelet = DraKubelet::start(client.clone(), name, registry, cdi.clone());
             let mut node = DraNode {
                 name: (*name).to_owned(),
                 kubelet,
                 plugin_dir,
                 cdi_dir: cdi,
                 health_file,
-                registry_dir: registry,
                 plugin: None,
                 plugin_args: args,
                 plugin_log: log,
@@ -312,24 +309,6 @@ impl DraCluster {
         }
         node.plugin = Some(node.spawn_plugin()?);
         node.wait_registered_again(before).await
-    }
-
-    /// Restarts the kubelet of `node` under its running pods: the old one stops, a new one
-    /// starts (deleting the node's ResourceSlices, as kubelet does) and the plugin registers
-    /// with it. Returns once it has.
-    pub async fn restart_kubelet(&mut self, node: &str) -> anyhow::Result<()> {
-        let client = self.client.clone();
-        let node = self.node_mut(node)?;
-        node.kubelet.stop().await;
-        node.kubelet = DraKubelet::start(
-            client,
-            &node.name,
-            node.registry_dir.clone(),
-            node.cdi_dir.clone(),
-        );
-        node.kubelet
-            .wait_registered(DRIVER, Duration::from_secs(60))
-            .await
     }
 
     /// Rolls the plugin of `node` as a DaemonSet rollout does

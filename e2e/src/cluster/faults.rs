@@ -43,13 +43,6 @@ impl TestCluster {
         self.start_extender().await
     }
 
-    /// [`kill_extender`](Self::kill_extender), then [`restart_extender`](Self::restart_extender);
-    /// the scheduler driver is not touched.
-    pub async fn crash_and_restart_extender_in_place(&mut self) -> anyhow::Result<()> {
-        self.kill_extender().await;
-        self.restart_extender().await
-    }
-
     /// SIGKILLs the extender `times` times, `gap` apart, starting a fresh one on the same port
     /// right after each kill, as kubelet restarts a crashed container: a later kill may hit
     /// the new process while it is still starting up. Returns once the last one is ready.

@@ -382,22 +382,6 @@ impl TestCluster {
         .await
     }
 
-    /// Why the scheduler left a pod pending, once it has said so.
-    pub async fn wait_pending_reason(
-        &self,
-        namespace: &str,
-        name: &str,
-        timeout: Duration,
-    ) -> anyhow::Result<String> {
-        let scheduler = self.scheduler.as_ref().context("scheduler not running")?;
-        wait_for(
-            &format!("a pending reason for {namespace}/{name}"),
-            timeout,
-            || async { scheduler.pending_reason(namespace, name) },
-        )
-        .await
-    }
-
     /// Stops everything this cluster started.
     pub async fn shutdown(mut self) {
         if let Some(scheduler) = self.scheduler.take() {

@@ -16,9 +16,8 @@
 //! A failed Prepare is retried on the next sweep, and recorded ([`DraKubelet::errors`]), as
 //! kubelet keeps a pod in ContainerCreating with an event.
 //!
-//! As kubelet does when it starts, it deletes every ResourceSlice of its node in the
-//! background ("no driver has registered yet"): a plugin must notice and publish again, or
-//! the node offers nothing after a kubelet restart (found on the real cluster).
+//! kubelet's start-up deletion of its node's ResourceSlices is not copied here: the real
+//! tier's `dra_kubelet_restart_keeps_claimed_pods` restarts a real kubelet instead.
 
 use std::collections::{BTreeMap, HashMap, HashSet};
 use std::path::{Path, PathBuf};
@@ -32,8 +31,8 @@ use gpushare_proto::dra::v1::{Claim, NodePrepareResourcesRequest, NodeUnprepareR
 use gpushare_proto::pluginregistration::registration_client::RegistrationClient;
 use gpushare_proto::pluginregistration::{InfoRequest, RegistrationStatus};
 use k8s_openapi::api::core::v1::Pod;
-use k8s_openapi::api::resource::v1::{ResourceClaim, ResourceSlice};
-use kube::api::{DeleteParams, ListParams, Patch, PatchParams, Preconditions};
+use k8s_openapi::api::resource::v1::ResourceClaim;
+use kube::api::{DeleteParams, Patch, PatchParams, Preconditions};
 use kube::runtime::reflector::{self, Store};
 use kube::runtime::{WatchStreamExt, watcher};
 use kube::{Api, Client, ResourceExt};
@@ -166,15 +165,10 @@ impl DraKubelet {
         (state.prepare_calls, state.unprepare_calls)
     }
 
-    /// Stops the driver.
-    pub async fn shutdown(mut self) {
-        self.stop().await;
-    }
-
-    /// Stops the driver and waits until it has (a kubelet process ending).
-    pub async fn stop(&mut self) {
+    /// Stops the driver and waits until it has.
+    pub async fn shutdown(self) {
         self.stop.cancel();
-        let _ = (&mut self.task).await;
+        let _ = self.task.await;
     }
 }
 
@@ -184,31 +178,6 @@ struct Worker {
     registry_dir: PathBuf,
     cdi_dir: PathBuf,
     state: Arc<Mutex<State>>,
-}
-
-/// kubelet's start-up wipe: every ResourceSlice of `node`, whatever its driver, is deleted
-/// (kubelet sends one DeleteCollection; the in-process API server takes deletes one by one),
-/// retried until the API server takes it.
-async fn wipe_slices(client: Client, node: String) {
-    let slices: Api<ResourceSlice> = Api::all(client);
-    let selector = ListParams::default().fields(&format!("spec.nodeName={node}"));
-    loop {
-        let wiped = async {
-            for slice in slices.list(&selector).await? {
-                slices
-                    .delete(&slice.name_any(), &DeleteParams::default())
-                    .await?;
-            }
-            anyhow::Ok(())
-        };
-        match wiped.await {
-            Ok(()) => return,
-            Err(error) => {
-                tracing::warn!(%node, %error, "DRA kubelet: deleting the node's ResourceSlices failed; retrying");
-                tokio::time::sleep(Duration::from_millis(200)).await;
-            }
-        }
-    }
 }
 
 fn pod_done(pod: &Pod) -> bool {
@@ -225,7 +194,6 @@ impl Worker {
     }
 
     async fn run(self, stop: CancellationToken) {
-        tokio::spawn(wipe_slices(self.client.clone(), self.node.clone()));
         let api: Api<Pod> = Api::all(self.client.clone());
         let (store, writer) = reflector::store();
         let config = watcher::Config::default().fields(&format!("spec.nodeName={}", self.node));

@@ -11,10 +11,13 @@
 //! `NodeResourcesFit` (its `scoringStrategy` as the profile configures it: LeastAllocated on cpu
 //! and memory by default, or MostAllocated on the resources a profile names, as the chart's
 //! dedicated profile scores GPU memory) and `NodeResourcesBalancedAllocation`, both weight 1,
-//! on a 0..=100 scale, and `TaintToleration` (weight 3) where a node has `PreferNoSchedule`
-//! taints (gpushare's idle-GPU taint). Extender scores are added on top exactly as upstream's
+//! on a 0..=100 scale. Extender scores are added on top exactly as upstream's
 //! `prioritizeNodes` adds them (`weight * (MaxNodeScore / MaxExtenderPriority)`, a host an
 //! answer leaves out counts as 0), and the host is picked as upstream's score heap picks it.
+//! `TaintToleration`'s score (`PreferNoSchedule` taints, such as gpushare's idle-GPU taint) is
+//! left out: it decides nothing in-process (the one cluster that keeps the idle-GPU taint, the
+//! chart's RBAC check, has a single node), and the real tier checks it on kube-scheduler
+//! (`cpu_only_pods_prefer_nodes_whose_gpus_are_in_use` in `tests/real.rs`).
 //!
 //! The filters are here; what pods request and nodes hold is in `requests.rs`, the scores
 //! and the pick of a host in `scoring.rs`, re-exported here so that every path stays
@@ -32,8 +35,7 @@ pub use super::requests::{
 };
 pub use super::scoring::{
     ExtenderPriorities, FitScoring, FitStrategy, MAX_NODE_SCORE, NodeScore,
-    TAINT_TOLERATION_WEIGHT, add_extender_priorities, default_score, extender_score, select_host,
-    select_scored_host, taint_toleration_scores,
+    add_extender_priorities, default_score, extender_score, select_host, select_scored_host,
 };
 
 /// Upstream's reason strings (what users read in `FailedScheduling`).
@@ -84,27 +86,6 @@ fn pod_tolerates(pod: &Pod, taint: &Taint) -> bool {
         .into_iter()
         .flatten()
         .any(|t| tolerates(t, taint))
-}
-
-/// `TaintToleration`'s raw score: how many of the node's `PreferNoSchedule` taints the pod
-/// does not tolerate, counting only its tolerations of that effect or of none (upstream's
-/// `PreScore` keeps those).
-pub fn intolerable_prefer_no_schedule(pod: &Pod, node: &Node) -> i64 {
-    let tolerations: Vec<&Toleration> = (pod.spec.as_ref())
-        .and_then(|s| s.tolerations.as_ref())
-        .into_iter()
-        .flatten()
-        .filter(|t| {
-            t.effect
-                .as_deref()
-                .is_none_or(|e| e.is_empty() || e == "PreferNoSchedule")
-        })
-        .collect();
-    let taints = node.spec.as_ref().and_then(|s| s.taints.as_ref());
-    let intolerable = taints.into_iter().flatten().filter(|taint| {
-        taint.effect == "PreferNoSchedule" && !tolerations.iter().any(|t| tolerates(t, taint))
-    });
-    intolerable.count() as i64
 }
 
 /// The taints the scheduler sees: the node's own, plus the not-ready taint the node lifecycle
@@ -335,54 +316,6 @@ mod tests {
     use rand::rngs::StdRng;
 
     const GPU: &str = "example.com/gpu-mem";
-
-    #[test]
-    fn taint_toleration_scores_prefer_nodes_without_intolerable_soft_taints() {
-        let taint = |key: &str, effect: &str| Taint {
-            key: key.to_owned(),
-            effect: effect.to_owned(),
-            ..Taint::default()
-        };
-        let mut tainted = node("n1").build();
-        tainted.spec = Some(NodeSpec {
-            taints: Some(vec![
-                taint("idle", "PreferNoSchedule"),
-                taint("other", "PreferNoSchedule"),
-                taint("hard", "NoSchedule"),
-            ]),
-            ..NodeSpec::default()
-        });
-        let plain = pod("p").build();
-        assert_eq!(intolerable_prefer_no_schedule(&plain, &tainted), 2);
-        assert_eq!(
-            intolerable_prefer_no_schedule(&plain, &node("n2").build()),
-            0
-        );
-        // A toleration of the key (any effect, or PreferNoSchedule) counts; one of another
-        // effect does not.
-        let tolerating = |effect: Option<&str>| {
-            let mut p = pod("t").build();
-            p.spec.as_mut().unwrap().tolerations = Some(vec![Toleration {
-                key: Some("idle".to_owned()),
-                operator: Some("Exists".to_owned()),
-                effect: effect.map(str::to_owned),
-                ..Toleration::default()
-            }]);
-            p
-        };
-        assert_eq!(
-            intolerable_prefer_no_schedule(&tolerating(None), &tainted),
-            1
-        );
-        let soft = tolerating(Some("PreferNoSchedule"));
-        assert_eq!(intolerable_prefer_no_schedule(&soft, &tainted), 1);
-        let hard = tolerating(Some("NoSchedule"));
-        assert_eq!(intolerable_prefer_no_schedule(&hard, &tainted), 2);
-        // Reverse-normalized over the scored nodes, weight 3; all alike without taints.
-        assert_eq!(taint_toleration_scores(&[2, 0, 1]), [0, 300, 150]);
-        assert_eq!(taint_toleration_scores(&[0, 0]), [300, 300]);
-        assert!(taint_toleration_scores(&[]).is_empty());
-    }
 
     #[test]
     fn quantities_parse_to_milli_units() {

@@ -113,27 +113,6 @@ impl FitScoring {
     }
 }
 
-/// `TaintToleration`'s weight in the default profile.
-pub const TAINT_TOLERATION_WEIGHT: i64 = 3;
-
-/// `TaintToleration`'s weighted scores for the scored nodes' raw counts of intolerable
-/// `PreferNoSchedule` taints: upstream's `DefaultNormalizeScore` reversed
-/// (`100 − 100 × count / max count`; every node 100 when none has any), times the weight.
-pub fn taint_toleration_scores(counts: &[i64]) -> Vec<i64> {
-    let max = counts.iter().copied().max().unwrap_or(0);
-    counts
-        .iter()
-        .map(|&count| {
-            let normalized = if max == 0 {
-                MAX_NODE_SCORE
-            } else {
-                MAX_NODE_SCORE - MAX_NODE_SCORE * count / max
-            };
-            normalized * TAINT_TOLERATION_WEIGHT
-        })
-        .collect()
-}
-
 /// `NodeResourcesFit` scored as `fit` says plus `NodeResourcesBalancedAllocation` (cpu and
 /// memory), weight 1 each, for a pod with `pod_usage` on a node with `usage`.
 pub fn default_score(

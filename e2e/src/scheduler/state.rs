@@ -529,13 +529,6 @@ impl State {
             }
         }
         self.next_start_node_index = (start + processed) % all;
-        let counts: Vec<i64> = (filtered.feasible.iter())
-            .map(|c| framework::intolerable_prefer_no_schedule(pod, &c.node))
-            .collect();
-        let taint_scores = framework::taint_toleration_scores(&counts);
-        for (candidate, taint_score) in filtered.feasible.iter_mut().zip(taint_scores) {
-            candidate.score += taint_score;
-        }
         Some(filtered)
     }
 
