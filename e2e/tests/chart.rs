@@ -1033,10 +1033,28 @@ fn claims_policy_patch(rendered: &Rendered) -> String {
 /// DRA mode's profile: no extender, MostAllocated on CPU and memory (the score that packs),
 /// the spreading scores off, a short walk, and a client that can write a claim and a Binding
 /// per pod.
-fn check_dra_scheduler(rendered: &Rendered) -> anyhow::Result<()> {
+/// The DRA profile; `ranking`: it calls the extender to rank (filter and prioritize, no
+/// bind, no preempt, ignorable, every pod of the profile), else no extender.
+fn check_dra_scheduler(rendered: &Rendered, ranking: bool) -> anyhow::Result<()> {
     let text = scheduler_config_text(rendered, "gpushare-scheduler")?;
     let config: serde_yaml::Value = serde_yaml::from_str(&text)?;
-    ensure!(config.get("extenders").is_none(), "{text}");
+    if ranking {
+        let extender = &config["extenders"][0];
+        ensure!(
+            extender["urlPrefix"]
+                == "https://gpushare-extender.kube-system.svc:39999/gpushare-scheduler",
+            "{text}"
+        );
+        ensure!(extender["filterVerb"] == "filter", "{text}");
+        ensure!(extender["prioritizeVerb"] == "prioritize", "{text}");
+        ensure!(extender["ignorable"].as_bool() == Some(true), "{text}");
+        for absent in ["bindVerb", "preemptVerb", "managedResources"] {
+            ensure!(extender.get(absent).is_none(), "{absent}: {text}");
+        }
+        ensure!(config["extenders"].as_sequence().map(Vec::len) == Some(1));
+    } else {
+        ensure!(config.get("extenders").is_none(), "{text}");
+    }
     ensure!(
         config["clientConnection"]["qps"].as_f64() == Some(400.0),
         "{text}"
@@ -1069,6 +1087,47 @@ fn check_dra_scheduler(rendered: &Rendered) -> anyhow::Result<()> {
         .filter_map(|r| r["name"].as_str())
         .collect();
     ensure!(scored == ["cpu", "memory"]);
+    Ok(())
+}
+
+/// The extender in DRA mode: it reads our driver's slices and claims of the chart's class,
+/// may list and watch them, and can neither bind nor read pods one by one.
+fn check_dra_extender(rendered: &Rendered) -> anyhow::Result<()> {
+    let deployment = rendered
+        .of_kind("Deployment")
+        .into_iter()
+        .find(|d| d["metadata"]["name"] == "gpushare-extender")
+        .context("no extender Deployment")?;
+    let args: Vec<&str> = deployment["spec"]["template"]["spec"]["containers"][0]["args"]
+        .as_array()
+        .context("no args")?
+        .iter()
+        .filter_map(|a| a.as_str())
+        .collect();
+    ensure!(
+        args.contains(&"--dra-driver=gpushare.example.com"),
+        "{args:?}"
+    );
+    ensure!(
+        args.contains(&"--dra-device-class=gpu-mem.gpushare.example.com"),
+        "{args:?}"
+    );
+    ensure!(
+        !args.iter().any(|a| a.starts_with("--allocation-keys-file")),
+        "{args:?}"
+    );
+    let role = rendered
+        .of_kind("ClusterRole")
+        .into_iter()
+        .find(|r| r["metadata"]["name"] == "gpushare-extender")
+        .context("no extender ClusterRole")?;
+    let rules = role["rules"].to_string();
+    ensure!(
+        rules.contains(r#""resources":["resourceslices","resourceclaims"]"#),
+        "{rules}"
+    );
+    ensure!(!rules.contains("pods/binding"), "{rules}");
+    ensure!(!rules.contains(r#""verbs":["get"]"#), "{rules}");
     Ok(())
 }
 
@@ -1809,8 +1868,8 @@ fn non_default_values_render_a_default_scheduler_install() -> anyhow::Result<()>
 }
 
 #[test]
-fn dra_mode_installs_the_dra_driver_its_scheduler_and_nothing_of_extender_mode()
--> anyhow::Result<()> {
+fn dra_mode_installs_the_dra_driver_its_scheduler_and_the_extender_that_ranks() -> anyhow::Result<()>
+{
     let driver_only: BTreeMap<String, usize> = [
         ("ClusterRole", 1),
         ("ClusterRoleBinding", 1),
@@ -1839,11 +1898,33 @@ fn dra_mode_installs_the_dra_driver_its_scheduler_and_nothing_of_extender_mode()
     ] {
         *with_scheduler.entry(kind.to_owned()).or_default() += more;
     }
+    // dra.scheduler.ranking (the default) adds the extender, which ranks only: its
+    // ServiceAccount, Service, TLS Secret, Deployment, PodDisruptionBudget, ClusterRole and
+    // binding, Lease Role and binding.
+    let mut with_ranking = with_scheduler.clone();
+    for (kind, more) in [
+        ("ServiceAccount", 1),
+        ("Service", 1),
+        ("Secret", 1),
+        ("Deployment", 1),
+        ("PodDisruptionBudget", 1),
+        ("ClusterRole", 1),
+        ("ClusterRoleBinding", 1),
+        ("Role", 1),
+        ("RoleBinding", 1),
+    ] {
+        *with_ranking.entry(kind.to_owned()).or_default() += more;
+    }
     let rendered = render_dra(&[])?;
-    assert_eq!(rendered.kinds(), with_scheduler);
+    assert_eq!(rendered.kinds(), with_ranking);
     let ds = rendered.of_kind("DaemonSet")[0];
     assert_eq!(ds["metadata"]["name"], "gpushare-dra-plugin");
-    check_dra_scheduler(&rendered)?;
+    check_dra_scheduler(&rendered, true)?;
+    check_dra_extender(&rendered)?;
+
+    let rendered = render_dra(&["--set", "dra.scheduler.ranking=false"])?;
+    assert_eq!(rendered.kinds(), with_scheduler);
+    check_dra_scheduler(&rendered, false)?;
     let expression = claims_policy_patch(&rendered);
     assert!(
         expression.contains(r#"path: "/spec/schedulerName", value: "gpushare-scheduler""#),

@@ -168,6 +168,15 @@ const GROUPS: &[Group] = &[
                 "dra_unhealthy_gpu_is_tainted_and_avoided",
                 dra_unhealthy_gpu_is_tainted_and_avoided,
             ),
+            // Last: they add Node objects with no kubelet behind them, and stop the extender.
+            (
+                "dra_pods_go_to_the_fuller_node_and_gpu",
+                dra_pods_go_to_the_fuller_node_and_gpu,
+            ),
+            (
+                "dra_pods_schedule_with_the_extender_stopped",
+                dra_pods_schedule_with_the_extender_stopped,
+            ),
         ],
     },
 ];
@@ -2690,6 +2699,125 @@ fn the_scheduler_port_withstands_a_barrage(c: &KitCluster) -> Outcome<'_> {
             barrage::STALLED_HANDSHAKES,
             started.elapsed().as_secs_f64()
         );
+        Ok(())
+    })
+}
+
+/// The driver our DRA plugin publishes as (the chart's `dra.driverName`, by default its
+/// `domain`).
+const DRA_DRIVER: &str = "gpushare.example.com";
+
+/// DRA mode with the extender's ranking (`dra.scheduler.ranking`, the default) on the real
+/// kube-scheduler: of two empty fake nodes (4 × 16 GiB each, our driver's slice on each),
+/// once a first 4 GiB pod holds a share on `rank-0`, five more that may go on either go
+/// there too, and onto its first GPU until it is full: the extender's filter passes the node
+/// whose GPUs the claims fill best, and kube-scheduler's first-fit allocator takes the first
+/// device with room. Without the ranking (the profile's MostAllocated alone, and these pods
+/// request no CPU) both nodes tie for every pod: all five on `rank-0` would be 1 chance in 32.
+fn dra_pods_go_to_the_fuller_node_and_gpu(c: &KitCluster) -> Outcome<'_> {
+    Box::pin(async move {
+        let client = c.client();
+        load::create_fake_gpu_nodes(&client, "rank", 2, &[16; 4], &[]).await?;
+        load::publish_fake_slices(&client, "rank", 2, &[16; 4], DRA_DRIVER).await?;
+        let result = dra_ranked_onto_the_fuller_node(c).await;
+        load::delete_fake_slices(&client).await?;
+        load::delete_fake_nodes(&client).await?;
+        result
+    })
+}
+
+async fn dra_ranked_onto_the_fuller_node(c: &KitCluster) -> anyhow::Result<()> {
+    let pods: Api<Pod> = Api::namespaced(c.client(), "default");
+    let gib4 = |name: &str| fixtures::pod(name).gpu_mem(4).build();
+    let first = create_and_wait_bound(&pods, limited_to(gib4("ranked-0"), &["rank-0"], None)?);
+    ensure!(first.await? == "rank-0");
+    for i in 1..=5 {
+        let name = format!("ranked-{i}");
+        let pod = limited_to(gib4(&name), &["rank-0", "rank-1"], None)?;
+        let node = create_and_wait_bound(&pods, pod).await?;
+        ensure!(
+            node == "rank-0",
+            "{name} went to {node}: the extender should have passed rank-0 alone, whose GPU the claims fill"
+        );
+    }
+    let mut per_gpu = std::collections::BTreeMap::<String, usize>::new();
+    for i in 0..=5 {
+        for (device, consumed) in claimed_devices(c, &format!("ranked-{i}"))? {
+            ensure!(consumed == "4Gi", "ranked-{i}: {device} {consumed}");
+            *per_gpu.entry(device).or_default() += 1;
+        }
+    }
+    let expected =
+        std::collections::BTreeMap::from([("gpu-0".to_owned(), 4), ("gpu-1".to_owned(), 2)]);
+    ensure!(
+        per_gpu == expected,
+        "first fit should fill rank-0's first GPU before its second: {per_gpu:?}"
+    );
+    Ok(())
+}
+
+/// DRA mode without the extender: with its Deployment scaled to nothing, the README's pod
+/// still runs with its 4 GiB claim (the profile's extender is `ignorable`: kube-scheduler
+/// skips it and its own allocator decides), and once the extender is back so does the next.
+fn dra_pods_schedule_with_the_extender_stopped(c: &KitCluster) -> Outcome<'_> {
+    Box::pin(async move {
+        let scale = |replicas: &str| {
+            c.kubectl(&[
+                "-n",
+                "kube-system",
+                "scale",
+                "deploy/gpushare-extender",
+                &format!("--replicas={replicas}"),
+            ])
+        };
+        let replicas = c.kubectl(&[
+            "-n",
+            "kube-system",
+            "get",
+            "deploy/gpushare-extender",
+            "-o",
+            "jsonpath={.spec.replicas}",
+        ])?;
+        scale("0")?;
+        c.kubectl(&[
+            "-n",
+            "kube-system",
+            "wait",
+            "--for=delete",
+            "pod",
+            "-l",
+            "app.kubernetes.io/component=extender",
+            "--timeout=90s",
+        ])?;
+        let pods: Api<Pod> = Api::namespaced(c.client(), "default");
+        let pod = readme_pod()?;
+        let name = pod.metadata.name.clone().unwrap_or_default();
+        pods.create(&PostParams::default(), &pod).await?;
+        let outcome = async {
+            wait_running(c, &name).await?;
+            let claims = claims_of(c, &name)?;
+            ensure!(
+                claims == [("4Gi".to_owned(), true)],
+                "{name} should run with one allocated 4Gi claim while the extender is down: {claims:?}"
+            );
+            anyhow::Ok(())
+        }
+        .await;
+        scale(replicas.trim())?;
+        c.kubectl(&[
+            "-n",
+            "kube-system",
+            "rollout",
+            "status",
+            "deploy/gpushare-extender",
+            "--timeout=120s",
+        ])?;
+        outcome?;
+        delete_pod(c, &name).await?;
+        let mut again = readme_pod()?;
+        again.metadata.name = Some("after-the-extender-came-back".to_owned());
+        pods.create(&PostParams::default(), &again).await?;
+        wait_running(c, "after-the-extender-came-back").await?;
         Ok(())
     })
 }

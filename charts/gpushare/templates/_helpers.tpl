@@ -158,9 +158,27 @@ forced by webhook.routeWith=admissionPolicy, or `auto` where the cluster serves 
 {{- end }}
 {{- end }}
 
-{{/* Routed by the extender's webhook: older clusters, or webhook.routeWith=webhook. */}}
+{{/* Routed by the extender's webhook: older clusters, or webhook.routeWith=webhook (extender
+mode only: in DRA mode the dra-gpu-mem policy routes). */}}
 {{- define "gpushare.webhookEnabled" -}}
-{{- if and (include "gpushare.routingEnabled" .) (not (include "gpushare.routingPolicy" .)) }}true{{ end }}
+{{- if and (ne .Values.mode "dra") (include "gpushare.routingEnabled" .) (not (include "gpushare.routingPolicy" .)) }}true{{ end }}
+{{- end }}
+
+{{/* DRA mode ranks nodes through the extender (dra.scheduler.ranking, under the dedicated
+scheduler): its filter keeps the best node, prioritize scores, kube-scheduler allocates and
+binds. */}}
+{{- define "gpushare.draRanking" -}}
+{{- if and (eq .Values.mode "dra") (include "gpushare.dedicated" .) .Values.dra.scheduler.ranking }}true{{ end }}
+{{- end }}
+
+{{/* The extender runs: always in extender mode, in DRA mode for its ranking. */}}
+{{- define "gpushare.extenderRuns" -}}
+{{- if or (ne .Values.mode "dra") (include "gpushare.draRanking" .) }}true{{ end }}
+{{- end }}
+
+{{/* Allocations are signed: extender mode only (in DRA mode kube-scheduler writes them). */}}
+{{- define "gpushare.signing" -}}
+{{- if and (ne .Values.mode "dra") .Values.allocationSigning.enabled }}true{{ end }}
 {{- end }}
 
 {{/* The extender's URL as kube-scheduler calls it. */}}
@@ -240,12 +258,14 @@ profiles:
   - schedulerName: {{ .Values.scheduler.schedulerName }}
     {{- if eq .Values.mode "dra" }}
     # DRA mode: kube-scheduler allocates the claims itself (first fit over each node's
-    # devices, in the order the DRA plugin publishes them) and nothing scores what claims
-    # leave free. MostAllocated on CPU and memory sends each pod to the node whose CPU and
-    # memory are most requested, so where GPU pods request CPU, nodes and their GPUs fill one
-    # after another (the default LeastAllocated spreads pods over the emptiest nodes). Scores
-    # are whole percents: pods requesting almost no CPU tie on every node and still spread
-    # (docs/dra.md, "Packing"). dra.scheduler.percentageOfNodesToScore sets the walk.
+    # devices, in the order the DRA plugin publishes them) and scores nothing by what claims
+    # leave free. With dra.scheduler.ranking the extender does: its filter keeps the node it
+    # ranks best among those kube-scheduler found fit (extenders, below). Without it,
+    # MostAllocated on CPU and memory sends each pod to the node whose CPU and memory are
+    # most requested, so where GPU pods request CPU, nodes and their GPUs fill one after
+    # another; scores are whole percents, so pods requesting almost no CPU tie on every node
+    # and spread (docs/dra.md, "Packing"). dra.scheduler.percentageOfNodesToScore sets the
+    # walk.
     percentageOfNodesToScore: {{ int64 .Values.dra.scheduler.percentageOfNodesToScore }}
     plugins:
       score:
@@ -296,7 +316,7 @@ profiles:
           defaultingType: List
     {{- end }}
     {{- end }}
-{{- if ne .Values.mode "dra" }}
+{{- if include "gpushare.extenderRuns" . }}
 extenders:
   - urlPrefix: {{ include "gpushare.extenderUrlPrefix" . }}
     filterVerb: filter
@@ -304,10 +324,14 @@ extenders:
     prioritizeVerb: prioritize
     weight: {{ .Values.scheduler.extender.weight }}
     {{- end }}
+    {{- if eq .Values.mode "dra" }}
+    # DRA mode: the extender only ranks; kube-scheduler allocates the claims and binds.
+    {{- else }}
     bindVerb: bind
     {{- if .Values.scheduler.extender.preempt }}
     # Victims chosen per GPU: only pods whose going makes room on one GPU.
     preemptVerb: preempt
+    {{- end }}
     {{- end }}
     {{- if .Values.extender.tls.enabled }}
     # Verified against the CA of the extender's certificate (the Secret's ca.crt, mounted).
@@ -324,10 +348,17 @@ extenders:
     {{- end }}
     nodeCacheCapable: true
     httpTimeout: {{ .Values.scheduler.extender.httpTimeout }}
+    {{- if eq .Values.mode "dra" }}
+    # Down or slow, the extender is skipped and DRA pods still schedule (first fit);
+    # kube-scheduler's allocator decides what fits either way. Every pod of this profile is
+    # a GPU pod (the dra-gpu-mem policy routes them), so no managedResources.
+    ignorable: true
+    {{- else }}
     ignorable: {{ .Values.scheduler.extender.ignorable }}
     managedResources:
       - name: {{ .Values.resourceName }}
         ignoredByScheduler: false
+    {{- end }}
 {{- end }}
 {{- end }}
 

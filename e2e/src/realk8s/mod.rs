@@ -48,7 +48,8 @@ const STAMP: &str = ".gpushare-kit-stamp";
 pub enum Mode {
     /// kube-scheduler extender, device plugin, admission webhook.
     Extender,
-    /// Dynamic Resource Allocation: the DRA kubelet plugin, no extender.
+    /// Dynamic Resource Allocation: the DRA kubelet plugin, and the extender to rank nodes
+    /// (`dra.scheduler.ranking`).
     Dra,
 }
 
