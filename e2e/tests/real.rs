@@ -1803,14 +1803,7 @@ async fn upgrade_in_a_burst(c: &KitCluster, residents: &[Pod]) -> anyhow::Result
         "--set",
         "extender.tls.clientAuth.enabled=true",
     ])?;
-    c.kubectl(&[
-        "-n",
-        "kube-system",
-        "rollout",
-        "status",
-        "deploy/gpushare-extender",
-        "--timeout=120s",
-    ])?;
+    extender_rolled_out(c)?;
     plugin_ready_with(c, |container| {
         container
             .image
@@ -2804,14 +2797,7 @@ fn dra_pods_schedule_with_the_extender_stopped(c: &KitCluster) -> Outcome<'_> {
         }
         .await;
         scale(replicas.trim())?;
-        c.kubectl(&[
-            "-n",
-            "kube-system",
-            "rollout",
-            "status",
-            "deploy/gpushare-extender",
-            "--timeout=120s",
-        ])?;
+        extender_rolled_out(c)?;
         outcome?;
         delete_pod(c, &name).await?;
         let mut again = readme_pod()?;
@@ -2820,4 +2806,16 @@ fn dra_pods_schedule_with_the_extender_stopped(c: &KitCluster) -> Outcome<'_> {
         wait_running(c, "after-the-extender-came-back").await?;
         Ok(())
     })
+}
+
+/// Waits (two minutes at most) for the extender's Deployment to finish rolling out.
+fn extender_rolled_out(c: &KitCluster) -> anyhow::Result<String> {
+    c.kubectl(&[
+        "-n",
+        "kube-system",
+        "rollout",
+        "status",
+        "deploy/gpushare-extender",
+        "--timeout=120s",
+    ])
 }
