@@ -51,18 +51,9 @@ pub enum Error {
         "cannot install the isolation library into --isolation-host-dir: {0}; fix the path or run with --enforcement none"
     )]
     Isolation(#[source] std::io::Error),
-    /// A supervised task ended before shutdown.
-    #[error("the {0} task ended unexpectedly")]
-    TaskEnded(&'static str),
-    /// A supervised task panicked.
-    #[error("the {task} task crashed: {source}")]
-    TaskCrashed {
-        /// which task
-        task: &'static str,
-        /// the panic
-        #[source]
-        source: tokio::task::JoinError,
-    },
+    /// A supervised task returned or panicked before shutdown.
+    #[error(transparent)]
+    Task(#[from] gpushare_runtime::TaskStopped),
 }
 
 /// `Result` with this crate's [`Error`].

@@ -654,18 +654,7 @@ async fn supervise(
     shutdown: impl Future<Output = ()>,
     token: CancellationToken,
 ) -> Result<()> {
-    let outcome = tokio::select! {
-        () = shutdown => Ok(()),
-        (task, ended) = tasks.first_outcome() => {
-            let error = match ended {
-                Ok(Ok(())) => Error::TaskEnded(task),
-                Ok(Err(error)) => error,
-                Err(source) => Error::TaskCrashed { task, source },
-            };
-            tracing::error!(task, %error, "stopping");
-            Err(error)
-        }
-    };
+    let outcome = tasks.until_shutdown(shutdown).await;
     token.cancel();
     for (task, ended) in tasks.join_all().await {
         if let Ok(Err(error)) = ended {
@@ -677,6 +666,8 @@ async fn supervise(
 
 #[cfg(test)]
 mod tests {
+    use gpushare_runtime::TaskStopped;
+
     use super::*;
 
     /// A task that runs until it is told to stop, then reports it did.
@@ -703,7 +694,7 @@ mod tests {
         tasks.spawn("pod watch", async { Ok(()) });
         let outcome = supervise(tasks, std::future::pending(), token).await;
         assert!(
-            matches!(outcome, Err(Error::TaskEnded("pod watch"))),
+            matches!(outcome, Err(Error::Task(TaskStopped::Ended("pod watch")))),
             "{outcome:?}"
         );
         assert_eq!(server_stopped.await, Ok(()), "the server was stopped");
@@ -714,19 +705,21 @@ mod tests {
         assert!(
             matches!(
                 outcome,
-                Err(Error::TaskCrashed {
+                Err(Error::Task(TaskStopped::Crashed {
                     task: "GPU memory use",
                     ..
-                })
+                }))
             ),
             "{outcome:?}"
         );
 
         let mut tasks = Tasks::default();
-        tasks.spawn("keyring", async { Err(Error::TaskEnded("inner")) });
+        tasks.spawn("keyring", async {
+            Err(Error::Task(TaskStopped::Ended("inner")))
+        });
         let outcome = supervise(tasks, std::future::pending(), CancellationToken::new()).await;
         assert!(
-            matches!(outcome, Err(Error::TaskEnded("inner"))),
+            matches!(outcome, Err(Error::Task(TaskStopped::Ended("inner")))),
             "{outcome:?}"
         );
     }

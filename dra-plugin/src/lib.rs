@@ -215,20 +215,12 @@ pub enum Error {
         #[source]
         source: std::io::Error,
     },
-    /// A long-lived task (a server, the GPU health watch) ended before shutdown: the plugin
-    /// stops rather than run with part of it gone (without the health watch, it would publish
-    /// a health it no longer watches: unhealthy GPUs would no longer be tainted in the slice).
-    #[error("the {0} task ended before shutdown")]
-    TaskEnded(&'static str),
-    /// A long-lived task panicked.
-    #[error("the {task} task crashed: {source}")]
-    TaskCrashed {
-        /// which task
-        task: &'static str,
-        /// the panic
-        #[source]
-        source: tokio::task::JoinError,
-    },
+    /// A long-lived task (a server, the GPU health watch) returned or panicked before
+    /// shutdown: the plugin stops rather than run with part of it gone (without the health
+    /// watch, it would publish a health it no longer watches: unhealthy GPUs would no longer
+    /// be tainted in the slice).
+    #[error(transparent)]
+    Task(#[from] gpushare_runtime::TaskStopped),
 }
 
 /// `Result` with this crate's [`Error`].
@@ -346,7 +338,7 @@ pub async fn run_with_client(
         &mut tasks,
     )?;
     // Health changes re-publish the slice from now on; its end before shutdown ends the
-    // plugin like a server's (`Error::TaskEnded` says why).
+    // plugin like a server's (`Error::Task` says why).
     let health = health::Health {
         backend,
         slices,
@@ -361,18 +353,7 @@ pub async fn run_with_client(
     });
     tracing::info!(dra = %servers.dra.path().display(), registration = %servers.registration.path().display(), probes = %servers.probe_addr, "serving");
 
-    let outcome = tokio::select! {
-        () = &mut shutdown => Ok(()),
-        (task, ended) = tasks.first_outcome() => {
-            let error = match ended {
-                Ok(Ok(())) => Error::TaskEnded(task),
-                Ok(Err(error)) => error,
-                Err(source) => Error::TaskCrashed { task, source },
-            };
-            tracing::error!(task, %error, "stopping");
-            Err(error)
-        }
-    };
+    let outcome = tasks.until_shutdown(&mut shutdown).await;
     stop.cancel();
     if let Some(health) = tasks.take(GPU_HEALTH) {
         let _ = health.await;

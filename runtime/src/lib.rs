@@ -26,4 +26,4 @@ pub mod supervise;
 
 pub use logging::{LogFormat, init_tracing};
 pub use signal::shutdown_signal;
-pub use supervise::TaskSet;
+pub use supervise::{TaskSet, TaskStopped};

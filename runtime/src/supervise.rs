@@ -7,8 +7,9 @@
 //!
 //! ```text
 //!   tasks = TaskSet::default(); tasks.spawn("pod watch", …) …   named, owned by the set
-//!   select! { shutdown                         => Ok
-//!             (task, how) = tasks.first_outcome() => Err(…task…), logged }
+//!   tasks.until_shutdown(shutdown)             Ok at shutdown; the first task to end before
+//!                                              it: its error, or TaskStopped, logged
+//!   (the extender selects on first_ended itself: any end of its tasks is an error there)
 //!   then stop in the binary's own order:  take(name) and await the tasks that go first
 //!                                         (the extender's Lease, the DRA plugin's health),
 //!                                         join_all() the rest, or drop the set (aborts them)
@@ -21,6 +22,23 @@
 use std::future::Future;
 
 use tokio::task::{JoinError, JoinHandle};
+
+/// A supervised task that stopped before shutdown without an error of its own.
+#[derive(Debug, thiserror::Error)]
+pub enum TaskStopped {
+    /// It returned.
+    #[error("the {0} task ended before shutdown")]
+    Ended(&'static str),
+    /// It panicked.
+    #[error("the {task} task crashed: {source}")]
+    Crashed {
+        /// Which task.
+        task: &'static str,
+        /// The panic.
+        #[source]
+        source: JoinError,
+    },
+}
 
 /// Named long-lived tasks owned together: each is aborted when the set is dropped (so
 /// dropping a server's future stops everything it started), and [`TaskSet::first_ended`]
@@ -84,6 +102,29 @@ impl<T: Send + 'static> TaskSet<T> {
             ended.push((name, outcome));
         }
         ended
+    }
+}
+
+impl<E> TaskSet<Result<(), E>>
+where
+    E: std::fmt::Display + From<TaskStopped> + Send + 'static,
+{
+    /// Runs until `shutdown` (`Ok`) or until a task ends first: then its error, or a
+    /// [`TaskStopped`] when it returned or panicked, logged with the task's name. The tasks
+    /// left stay in the set, for the owner to stop in its own order.
+    pub async fn until_shutdown(&mut self, shutdown: impl Future<Output = ()>) -> Result<(), E> {
+        tokio::select! {
+            () = shutdown => Ok(()),
+            (task, ended) = self.first_outcome() => {
+                let error = match ended {
+                    Ok(Ok(())) => E::from(TaskStopped::Ended(task)),
+                    Ok(Err(error)) => error,
+                    Err(source) => E::from(TaskStopped::Crashed { task, source }),
+                };
+                tracing::error!(task, %error, "stopping");
+                Err(error)
+            }
+        }
     }
 }
 
@@ -208,5 +249,52 @@ mod tests {
             tokio::task::yield_now().await;
         }
         assert!(handle.is_finished());
+    }
+
+    #[derive(Debug, thiserror::Error)]
+    enum Failed {
+        #[error("own: {0}")]
+        Own(&'static str),
+        #[error(transparent)]
+        Stopped(#[from] TaskStopped),
+    }
+
+    /// `until_shutdown`: a clean end at shutdown; before it, the first task to end stops the
+    /// owner, with its own error or why it stopped, and the others stay in the set.
+    #[tokio::test]
+    async fn until_shutdown_hands_up_the_first_end_before_shutdown() {
+        let mut set: TaskSet<Result<(), Failed>> = TaskSet::default();
+        set.spawn("server", std::future::pending());
+        assert!(set.until_shutdown(std::future::ready(())).await.is_ok());
+
+        set.spawn("pod watch", async { Ok(()) });
+        let outcome = set.until_shutdown(std::future::pending()).await;
+        assert!(
+            matches!(
+                outcome,
+                Err(Failed::Stopped(TaskStopped::Ended("pod watch")))
+            ),
+            "{outcome:?}"
+        );
+        set.spawn("keyring", async { Err(Failed::Own("unreadable")) });
+        let outcome = set.until_shutdown(std::future::pending()).await;
+        assert!(
+            matches!(outcome, Err(Failed::Own("unreadable"))),
+            "{outcome:?}"
+        );
+        set.spawn("reflector", async { panic!("the watch stream broke") });
+        let outcome = set.until_shutdown(std::future::pending()).await;
+        assert!(
+            matches!(
+                outcome,
+                Err(Failed::Stopped(TaskStopped::Crashed {
+                    task: "reflector",
+                    ..
+                }))
+            ),
+            "{outcome:?}"
+        );
+        let names: Vec<_> = set.tasks.iter().map(|(name, _)| *name).collect();
+        assert_eq!(names, ["server"]);
     }
 }
