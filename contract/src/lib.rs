@@ -21,6 +21,7 @@
 //! (`floor(bytes / 2^30)`), and pods ask for whole GiB.
 
 pub mod allocation;
+pub mod dra;
 pub mod env;
 pub mod host;
 pub mod inventory;

@@ -37,22 +37,7 @@ use k8s_openapi::apimachinery::pkg::api::resource::Quantity;
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::ObjectMeta;
 use kube::api::{Api, PostParams};
 
-/// The capacity every device offers, in whole GiB.
-pub const MEMORY: &str = "memory";
-
-/// The device name of GPU `index`: a DNS label, stable across restarts.
-pub fn device_name(index: u32) -> String {
-    format!("gpu-{index}")
-}
-
-/// The GPU index a device name stands for, if it is one of ours.
-pub fn device_index(name: &str) -> Option<u32> {
-    let digits = name.strip_prefix("gpu-")?;
-    if digits.is_empty() || !digits.bytes().all(|b| b.is_ascii_digit()) {
-        return None;
-    }
-    digits.parse().ok()
-}
+pub use gpushare_contract::dra::{MEMORY, device_index, device_name};
 
 /// The name of `node`'s slice for `driver`.
 pub fn slice_name(node: &str, driver: &str) -> String {
@@ -349,13 +334,5 @@ mod tests {
             again.spec, stamped.spec,
             "an unchanged slice is not written again"
         );
-    }
-
-    #[test]
-    fn device_names_round_trip() {
-        assert_eq!(device_index(&device_name(7)), Some(7));
-        for other in ["gpu-", "gpu-x", "cpu-1", "gpu--1", "gpu-+1"] {
-            assert_eq!(device_index(other), None, "{other}");
-        }
     }
 }

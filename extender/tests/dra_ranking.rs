@@ -157,6 +157,15 @@ async fn filter_keeps_the_node_claims_filled_most_and_holds_until_the_claim_is_a
         [4, 0],
         "a deleted claim frees its share"
     );
+
+    // A relist without a node's slice takes its GPUs away; a deleted slice too.
+    h.state
+        .view_mut()
+        .replace_slices(&[slice("empty", &[16, 16]), slice("fuller", &[16, 16])]);
+    assert!(used(&h.app, "half").await.is_empty());
+    assert_eq!(used(&h.app, "fuller").await, [4, 0]);
+    h.state.view_mut().delete_slice(&slice("empty", &[]));
+    assert!(used(&h.app, "empty").await.is_empty());
 }
 
 /// A pod the extender cannot rank (no claim of our class, or one not seen yet) passes every

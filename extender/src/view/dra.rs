@@ -17,11 +17,12 @@
 //! kube-scheduler's first fit decides. Nothing here can over-commit a GPU: the extender only
 //! narrows the nodes kube-scheduler already found fit.
 
-use std::collections::{BTreeMap, HashMap, HashSet};
+use std::collections::HashMap;
 use std::sync::Arc;
 
 use gpushare_allocator::fragmentation::{Host, Shape};
 use gpushare_allocator::{Gpu, ModelFilter, PodId, PodPlacement, Request};
+use gpushare_contract::dra::{MEMORY, device_index};
 use gpushare_contract::quantity::{self, GIB};
 use k8s_openapi::api::core::v1::Pod;
 use k8s_openapi::api::resource::v1::{Device, ResourceClaim, ResourceSlice};
@@ -29,9 +30,6 @@ use k8s_openapi::apimachinery::pkg::api::resource::Quantity;
 
 use super::View;
 use super::facts::pod_host;
-
-/// The capacity our devices offer and claims consume, in bytes.
-const MEMORY: &str = "memory";
 
 /// The names DRA mode reads: our driver's slices and claims of our device class.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -62,8 +60,11 @@ struct ClaimRecord {
 /// DRA mode's part of the view.
 #[derive(Debug, Default)]
 pub(super) struct DraState {
-    /// Each slice's node and GPUs, by slice name.
-    slices: HashMap<String, (Arc<str>, Vec<Gpu>)>,
+    /// Our slices' GPUs, by node then slice name (a node has one slice of ours; the map
+    /// keeps any other a driver might publish), so a node's GPUs are read without a scan.
+    node_slices: HashMap<Arc<str>, HashMap<String, Vec<Gpu>>>,
+    /// The node of each slice, by slice name.
+    slice_nodes: HashMap<String, Arc<str>>,
     /// Claims by `namespace/name`.
     claims: HashMap<String, ClaimRecord>,
     /// What each allocated claim books (node, placement), by claim UID: booked again after
@@ -115,15 +116,6 @@ fn device_gpu(device: &Device) -> Option<Gpu> {
     })
 }
 
-/// The GPU index of a device name `gpu-<index>`.
-fn device_index(name: &str) -> Option<u32> {
-    let digits = name.strip_prefix("gpu-")?;
-    if digits.is_empty() || !digits.bytes().all(|b| b.is_ascii_digit()) {
-        return None;
-    }
-    digits.parse().ok()
-}
-
 /// The `namespace/name` key of an object.
 fn object_key(namespace: Option<&str>, name: Option<&str>) -> Option<String> {
     Some(format!("{}/{}", namespace.unwrap_or_default(), name?))
@@ -139,10 +131,10 @@ impl View {
     pub(super) fn dra_gpus(&self, node: &str) -> Vec<Gpu> {
         let mut gpus: Vec<Gpu> = self
             .dra
-            .slices
-            .values()
-            .filter(|(on, _)| **on == *node)
-            .flat_map(|(_, gpus)| gpus.iter().cloned())
+            .node_slices
+            .get(node)
+            .into_iter()
+            .flat_map(|slices| slices.values().flatten().cloned())
             .collect();
         gpus.sort_by_key(|gpu| gpu.index);
         gpus
@@ -153,6 +145,18 @@ impl View {
         let gpus = self.dra_gpus(node);
         let eligible = !gpus.is_empty();
         self.cluster.set_node(node, gpus, eligible);
+    }
+
+    /// Forgets slice `name`; returns the node it was on.
+    fn forget_slice(&mut self, name: &str) -> Option<Arc<str>> {
+        let node = self.dra.slice_nodes.remove(name)?;
+        if let Some(slices) = self.dra.node_slices.get_mut(&node) {
+            slices.remove(name);
+            if slices.is_empty() {
+                self.dra.node_slices.remove(&node);
+            }
+        }
+        Some(node)
     }
 
     /// Applies a ResourceSlice from the slice watch (other drivers' are ignored).
@@ -177,15 +181,17 @@ impl View {
             .filter_map(device_gpu)
             .collect();
         let node = self.cluster.node_name(node);
-        let before = self
-            .dra
-            .slices
-            .insert(name.to_owned(), (node.clone(), gpus));
-        if let Some((old, _)) = before
+        if let Some(old) = self.forget_slice(name)
             && old != node
         {
             self.refresh_dra_node(&old);
         }
+        self.dra.slice_nodes.insert(name.to_owned(), node.clone());
+        self.dra
+            .node_slices
+            .entry(node.clone())
+            .or_default()
+            .insert(name.to_owned(), gpus);
         self.refresh_dra_node(&node);
     }
 
@@ -194,21 +200,24 @@ impl View {
         let Some(name) = slice.metadata.name.as_deref() else {
             return;
         };
-        if let Some((node, _)) = self.dra.slices.remove(name) {
+        if let Some(node) = self.forget_slice(name) {
             self.refresh_dra_node(&node);
         }
     }
 
-    /// Replaces every slice with a fresh list (after the watch relisted).
+    /// Replaces every slice with a fresh list (after the watch relisted): the listed ones
+    /// are applied, and the nodes whose slices all went are set without GPUs.
     pub fn replace_slices(&mut self, slices: &[ResourceSlice]) {
-        let mut nodes: HashSet<Arc<str>> =
-            self.dra.slices.drain().map(|(_, (node, _))| node).collect();
+        let before: Vec<Arc<str>> = self.dra.node_slices.keys().cloned().collect();
+        self.dra.node_slices.clear();
+        self.dra.slice_nodes.clear();
         for slice in slices {
             self.apply_slice(slice);
         }
-        nodes.extend(self.dra.slices.values().map(|(node, _)| node.clone()));
-        for node in nodes {
-            self.refresh_dra_node(&node);
+        for node in before {
+            if !self.dra.node_slices.contains_key(&node) {
+                self.refresh_dra_node(&node);
+            }
         }
         self.dra.slices_synced = true;
         self.mark_synced_at();
@@ -381,14 +390,9 @@ impl View {
 
     /// Books the allocated claims again after a relist of pods rebuilt the allocation core.
     pub(super) fn rebook_claims(&mut self) {
-        let bookings: BTreeMap<_, _> = self
-            .dra
-            .bookings
-            .iter()
-            .map(|(uid, (node, placement))| (uid.clone(), (node.clone(), placement.clone())))
-            .collect();
-        for (uid, (node, placement)) in bookings {
-            self.cluster.upsert_pod(uid, &node, placement);
+        for (uid, (node, placement)) in &self.dra.bookings {
+            self.cluster
+                .upsert_pod(uid.clone(), node, placement.clone());
         }
     }
 
