@@ -13,7 +13,7 @@ use kube::runtime::watcher::{self, Event};
 
 use crate::kube_io::PodEvent;
 use crate::scheduling::Scheduling;
-use crate::view::{PodFacts, PodWarning};
+use crate::view::{PodFacts, PodWarning, View};
 use crate::watched_pod::WatchedPod;
 
 /// Follows Nodes until the stream ends (it ends only if the watcher gives up).
@@ -23,22 +23,13 @@ pub async fn watch_nodes(client: kube::Client, state: Scheduling) {
     let stream = watcher::watcher(api, watcher::Config::default())
         .default_backoff()
         .modify(move |node| trim_node(node, &resource, &domain));
-    follow(
-        stream,
-        "nodes",
-        |event, buffer: &mut Vec<Node>| match event {
-            Event::Init => buffer.clear(),
-            Event::InitApply(node) => buffer.push(node),
-            Event::InitDone => {
-                let nodes = std::mem::take(buffer);
-                state.view_mut().replace_nodes(&nodes);
-                tracing::info!(nodes = nodes.len(), "node watch synced");
-            }
-            Event::Apply(node) => state.view_mut().apply_node(&node),
-            Event::Delete(node) => state.view_mut().delete_node(&node),
-        },
-    )
-    .await;
+    let how = Changes {
+        replace: View::replace_nodes,
+        apply: View::apply_node,
+        delete: View::delete_node,
+        gauges: false,
+    };
+    follow_objects(stream, "node", &state, how).await;
 }
 
 /// The pods the extender watches: those not finished, as kube-scheduler's own pod informer
@@ -107,22 +98,13 @@ pub async fn watch_slices(client: kube::Client, state: Scheduling, driver: Strin
     let stream = watcher::watcher(api, watcher::Config::default().fields(&selector))
         .default_backoff()
         .modify(|slice| slice.metadata.managed_fields = None);
-    follow(
-        stream,
-        "resourceslices",
-        |event, buffer: &mut Vec<ResourceSlice>| match event {
-            Event::Init => buffer.clear(),
-            Event::InitApply(slice) => buffer.push(slice),
-            Event::InitDone => {
-                let slices = std::mem::take(buffer);
-                state.view_mut().replace_slices(&slices);
-                tracing::info!(slices = slices.len(), "ResourceSlice watch synced");
-            }
-            Event::Apply(slice) => state.view_mut().apply_slice(&slice),
-            Event::Delete(slice) => state.view_mut().delete_slice(&slice),
-        },
-    )
-    .await;
+    let how = Changes {
+        replace: View::replace_slices,
+        apply: View::apply_slice,
+        delete: View::delete_slice,
+        gauges: false,
+    };
+    follow_objects(stream, "ResourceSlice", &state, how).await;
 }
 
 /// Follows ResourceClaims (DRA mode, all namespaces) until the stream ends: what each asks,
@@ -132,28 +114,59 @@ pub async fn watch_claims(client: kube::Client, state: Scheduling) {
     let stream = watcher::watcher(api, watcher::Config::default())
         .default_backoff()
         .modify(|claim| claim.metadata.managed_fields = None);
-    follow(
-        stream,
-        "resourceclaims",
-        |event, buffer: &mut Vec<ResourceClaim>| match event {
-            Event::Init => buffer.clear(),
-            Event::InitApply(claim) => buffer.push(claim),
+    // A claim's allocation ends holds: the reservation gauges follow.
+    let how = Changes {
+        replace: View::replace_claims,
+        apply: View::apply_claim,
+        delete: View::delete_claim,
+        gauges: true,
+    };
+    follow_objects(stream, "ResourceClaim", &state, how).await;
+}
+
+/// How a watch of `K` changes the view: the whole list once (re)listed, one object, its
+/// deletion; `gauges`: the reservation gauges are set after each change.
+struct Changes<K> {
+    replace: fn(&mut View, &[K]),
+    apply: fn(&mut View, &K),
+    delete: fn(&mut View, &K),
+    gauges: bool,
+}
+
+/// Follows a watch of `K` (`what`, for the logs) into the view until the stream ends: a
+/// (re)list is buffered and applied whole at `InitDone`.
+async fn follow_objects<K, S>(stream: S, what: &'static str, state: &Scheduling, how: Changes<K>)
+where
+    S: Stream<Item = Result<Event<K>, watcher::Error>>,
+{
+    let change = |event: Event<K>, buffer: &mut Vec<K>| {
+        // The list is buffered without the lock; only changes to the view take it.
+        let view = match event {
+            Event::Init => return buffer.clear(),
+            Event::InitApply(object) => return buffer.push(object),
             Event::InitDone => {
-                let claims = std::mem::take(buffer);
+                let objects = std::mem::take(buffer);
                 let mut view = state.view_mut();
-                view.replace_claims(&claims);
-                state.update_reservation_gauges(&view);
-                tracing::info!(claims = claims.len(), "ResourceClaim watch synced");
+                (how.replace)(&mut view, &objects);
+                tracing::info!(objects = objects.len(), "{what} watch synced");
+                view
             }
-            Event::Apply(claim) => {
+            Event::Apply(object) => {
                 let mut view = state.view_mut();
-                view.apply_claim(&claim);
-                state.update_reservation_gauges(&view);
+                (how.apply)(&mut view, &object);
+                view
             }
-            Event::Delete(claim) => state.view_mut().delete_claim(&claim),
-        },
-    )
-    .await;
+            Event::Delete(object) => {
+                let mut view = state.view_mut();
+                (how.delete)(&mut view, &object);
+                view
+            }
+        };
+        if how.gauges {
+            state.update_reservation_gauges(&view);
+        }
+    };
+    follow(stream, what, change).await;
 }
 
 /// The resource name and the annotation domain prefix (`<domain>/`) the view reads.
