@@ -34,7 +34,7 @@ use anyhow::{Context, ensure};
 use clap::Parser;
 use gpushare_contract::DEFAULT_DOMAIN;
 use gpushare_e2e::realk8s::load::{
-    self, BASELINE_RESOURCE, Backlog, Drain, Drainer, NodeStandIn, StandInConfig,
+    self, BASELINE_RESOURCE, Backlog, Drain, Drainer, Mix, NodeStandIn, StandInConfig,
 };
 use gpushare_e2e::realk8s::{Kit, KitCluster, Mode};
 
@@ -116,11 +116,25 @@ struct Args {
     /// `helm install` values (`--set key=value`), repeatable.
     #[arg(long = "set")]
     set: Vec<String>,
+    /// The backlog's pod shapes instead of `--pod-gib` alone: `GIB[:WEIGHT]` or
+    /// `GPUSxGIB[:WEIGHT]`, comma-separated (`1:30,2:30,4:25,8:10,2x8:5`). Multi-GPU shapes
+    /// need extender mode; kube-scheduler alone's pods ask for each shape's total.
+    #[arg(long, value_parser = Mix::parse)]
+    mix: Option<Mix>,
+    /// Extender mode, after the rounds: the chart binds this many pods of the mix and keeps
+    /// them; then each extender replica is restarted (seconds from its start to Ready, with
+    /// those pods bound) and one more backlog is drained while the leader is SIGKILLed at
+    /// its half (seconds until another replica holds the Lease and binding resumes).
+    #[arg(long, default_value_t = 0)]
+    resident: usize,
 }
 
 #[tokio::main(flavor = "multi_thread", worker_threads = 2)]
 async fn main() -> anyhow::Result<()> {
     let args = Args::parse();
+    if mix(&args).has_multi_gpu() && args.modes.iter().any(|m| *m != Load::Extender) {
+        anyhow::bail!("multi-GPU shapes in --mix need --modes extender");
+    }
     let kit = Kit::locate()?.context("no ../shared/realk8s beside the repository")?;
     let mut summary = Vec::new();
     for mode in &args.modes {
@@ -148,6 +162,9 @@ async fn run_mode(kit: &Kit, args: &Args, mode: Load) -> anyhow::Result<Vec<(f64
         if let Some(pods_per_s) = run_round(&cluster, args, mode, round).await? {
             figures.push(pods_per_s);
         }
+    }
+    if mode == Load::Extender && args.resident > 0 {
+        resident_checks(&cluster, args).await?;
     }
     if let Some(stand_in) = &stand_in {
         report_stand_in(stand_in);
@@ -192,9 +209,15 @@ async fn install(kit: &Kit, args: &Args, mode: Load) -> anyhow::Result<KitCluste
             load::publish_plain_slices(&client, "load", args.nodes, args.gpus).await?
         }
     }
+    let asked = mix(args).total_gib(args.pods);
     println!(
-        "{} nodes × {} × {} GiB; backlogs of {} pods of {} GiB",
-        args.nodes, args.gpus, args.gpu_gib, args.pods, args.pod_gib
+        "{} nodes × {} × {} GiB; backlogs of {} pods ({:?}), {asked} GiB: at least {} GPUs",
+        args.nodes,
+        args.gpus,
+        args.gpu_gib,
+        args.pods,
+        mix(args).shapes(),
+        asked.div_ceil(args.gpu_gib)
     );
     Ok(cluster)
 }
@@ -243,7 +266,7 @@ async fn run_round(
         ),
         Load::Dra => (format!("dra-{round}"), Drainer::Dra, "DRA mode"),
     };
-    let drained = load::drain(cluster, drainer, &prefix, backlog(args), timeout).await?;
+    let drained = load::drain(cluster, drainer, &prefix, &backlog(args), timeout).await?;
     report(&format!("round {round}: {what}"), &drained);
     match mode {
         Load::Extender => check_allocations(cluster, &prefix).await?,
@@ -273,9 +296,80 @@ async fn run_round(
 fn backlog(args: &Args) -> Backlog {
     Backlog {
         count: args.pods,
-        gib: args.pod_gib,
+        mix: mix(args),
         cpu_millis: args.pod_cpu_millis,
     }
+}
+
+/// `--mix`, or every pod `--pod-gib` on one GPU.
+fn mix(args: &Args) -> Mix {
+    args.mix
+        .clone()
+        .unwrap_or_else(|| Mix::uniform(args.pod_gib))
+}
+
+/// `--resident`: the chart binds that many pods and keeps them; each extender replica is
+/// restarted and timed to Ready; a backlog is drained through the Service proxy while the
+/// leader is killed at its half.
+async fn resident_checks(cluster: &KitCluster, args: &Args) -> anyhow::Result<()> {
+    let resident = Backlog {
+        count: args.resident,
+        ..backlog(args)
+    };
+    // Drained as fast as the chart goes; give it the time it needs at 20 pods/s.
+    let slow = Duration::from_secs(args.timeout_s.max(args.resident as u64 / 20));
+    let drained = load::drain(cluster, Drainer::Chart, "resident", &resident, slow).await?;
+    report(
+        &format!(
+            "resident: the chart binds {} pods and keeps them",
+            args.resident
+        ),
+        &drained,
+    );
+    check_allocations(cluster, "resident").await?;
+    extender_memory(cluster);
+    // The follower first: binding goes on meanwhile; then the leader, whose Lease moves.
+    let leader = load::leader_pod(cluster)?;
+    let mut replicas: Vec<String> = load::chart_processes(cluster)
+        .into_iter()
+        .map(|(pod, _)| pod)
+        .filter(|pod| pod.starts_with("gpushare-extender-"))
+        .collect();
+    replicas.sort_by_key(|pod| *pod == leader);
+    for pod in replicas {
+        let role = if pod == leader {
+            "the leader"
+        } else {
+            "a follower"
+        };
+        let seconds = load::restart_to_ready(cluster, &pod).await?;
+        println!(
+            "{pod} ({role}) killed and restarted with {} pods bound: Ready {seconds:.2} s after its start",
+            args.resident
+        );
+    }
+    let timeout = Duration::from_secs(args.timeout_s);
+    let (drained, takeover) = load::drain_with(
+        cluster,
+        Drainer::ChartViaProxy,
+        "killed",
+        &backlog(args),
+        timeout,
+        |clock| load::kill_leader_after(cluster, clock, args.pods / 2),
+    )
+    .await?;
+    report(
+        "leader killed mid-drain (through the Service proxy)",
+        &drained,
+    );
+    println!(
+        "  the leader SIGKILLed at {} of {} pods bound: Lease taken over after {:.2} s, binding resumed after {:.2} s",
+        takeover.killed_at_pods, args.pods, takeover.lease_s, takeover.resumed_s
+    );
+    check_allocations(cluster, "killed").await?;
+    load::delete_backlog(cluster, "killed").await?;
+    load::delete_backlog(cluster, "resident").await?;
+    Ok(())
 }
 
 /// Round `round`'s backlog drained by kube-scheduler alone, reported and deleted.
@@ -292,7 +386,7 @@ async fn drain_alone(
             percentage: args.alone_percentage,
         },
         &prefix,
-        backlog(args),
+        &backlog(args),
         timeout,
     )
     .await?;

@@ -23,7 +23,9 @@
 //! re-exported here.
 
 use std::collections::BTreeMap;
+use std::future::Future;
 use std::path::PathBuf;
+use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use anyhow::{Context, ensure};
@@ -48,6 +50,8 @@ pub use super::fake_nodes::{
     FAKE_LABEL, PLAIN_CLASS, PLAIN_DRIVER, create_fake_gpu_nodes, delete_fake_nodes,
     delete_fake_slices, publish_fake_slices, publish_plain_slices,
 };
+pub use super::mix::{Mix, Shape};
+pub use super::scale::{Takeover, kill_leader_after, leader_pod, restart_to_ready};
 pub use super::stand_in::{NodeStandIn, StandInConfig};
 
 /// Which scheduler drains a backlog.
@@ -60,6 +64,10 @@ pub enum Drainer {
     /// The chart's dedicated kube-scheduler calling the extender, on GPU pods, with the
     /// extender Service's name resolving to the leader.
     Chart,
+    /// As `Chart`, with the Service's name resolving to the kit's proxy, which sends each
+    /// connection to a random Ready replica as kube-proxy does: for a drain that kills one.
+    /// Slower than `Chart` (a userspace hop); its pods/s are not the chart's figure.
+    ChartViaProxy,
     /// DRA mode: the kit's own kube-scheduler (as `KubeSchedulerAlone`, adaptive
     /// `percentageOfNodesToScore`) allocating the claims the chart's policy gave GPU pods
     /// (`example.com/gpu-mem` turned into a claim from a template). Started once
@@ -143,66 +151,113 @@ async fn chart_scheduler_pods(cluster: &KitCluster) -> anyhow::Result<Vec<Pod>> 
 /// from now on, as kube-proxy's per-connection choice would land a scheduler's connection on
 /// one replica (the kit's userspace proxy is a hop that must not be timed).
 pub async fn point_service_at_leader(cluster: &KitCluster) -> anyhow::Result<String> {
-    let holder = cluster.extender_lease_holder()?;
-    let pod = holder
-        .rsplit_once('_')
-        .map_or(holder.as_str(), |(pod, _)| pod);
+    let pod = super::scale::leader_pod(cluster)?;
     let ip = Api::<Pod>::namespaced(cluster.client(), "kube-system")
-        .get(pod)
+        .get(&pod)
         .await?
         .status
         .and_then(|s| s.pod_ip)
         .with_context(|| format!("the leader {pod} has no pod IP"))?;
+    point_extender_name(cluster, &ip)?;
+    Ok(pod)
+}
+
+/// Makes the extender Service's name resolve to the kit's Service proxy again (each
+/// connection to a random Ready replica, as kube-proxy does), in the pods started from now
+/// on: what a drain that kills a replica needs.
+pub fn point_service_at_proxy(cluster: &KitCluster) -> anyhow::Result<()> {
+    let saved = proxy_ip_file(cluster);
+    let Ok(ip) = std::fs::read_to_string(&saved) else {
+        // Never pointed elsewhere: the name still resolves to the proxy.
+        return Ok(());
+    };
+    point_extender_name(cluster, ip.trim())
+}
+
+/// Where [`point_extender_name`] keeps the proxy's address for [`point_service_at_proxy`].
+fn proxy_ip_file(cluster: &KitCluster) -> PathBuf {
+    proxy_ip_path(cluster.kit())
+}
+
+fn proxy_ip_path(kit: &super::Kit) -> PathBuf {
+    kit.root().join("run").join("extender-proxy-ip")
+}
+
+/// Forgets the proxy address kept by [`point_service_at_leader`]: the kit's `up` starts a new
+/// proxy.
+pub(super) fn forget_proxy_ip(kit: &super::Kit) {
+    let _ = std::fs::remove_file(proxy_ip_path(kit));
+}
+
+/// Rewrites the extender Service's line of the pods' extra hosts to `ip`; the first time,
+/// keeps the proxy's address it replaces.
+fn point_extender_name(cluster: &KitCluster, ip: &str) -> anyhow::Result<()> {
     let hosts: PathBuf = cluster.kit().root().join("run").join("hosts-extra");
     let text = std::fs::read_to_string(&hosts)?;
     let mut pointed = false;
+    let mut replaced = None;
     let lines: Vec<String> = text
         .lines()
         .map(|line| match line.split_once(' ') {
-            Some((_, names)) if names.contains("gpushare-extender.kube-system.svc") => {
+            Some((was, names)) if names.contains("gpushare-extender.kube-system.svc") => {
                 pointed = true;
+                replaced = Some(was.to_owned());
                 format!("{ip} {names}")
             }
             _ => line.to_owned(),
         })
         .collect();
     ensure!(pointed, "no gpushare-extender line in {}", hosts.display());
+    let saved = proxy_ip_file(cluster);
+    if let Some(was) = replaced.filter(|_| !saved.exists()) {
+        std::fs::write(&saved, was)?;
+    }
     std::fs::write(&hosts, lines.join("\n") + "\n")?;
-    Ok(pod.to_owned())
+    Ok(())
 }
 
-/// A backlog's pods: how many, the GiB each asks for, and the CPU each requests
+/// A backlog's pods: how many, the shapes they take, and the CPU each requests
 /// (millicores; 0: none, so kube-scheduler scores each as 100m).
-#[derive(Debug, Clone, Copy)]
+#[derive(Debug, Clone)]
 pub struct Backlog {
     /// Pods.
     pub count: usize,
-    /// GiB each.
-    pub gib: u64,
+    /// The shapes pods take, each by its weight ([`Mix::shape_of`]).
+    pub mix: Mix,
     /// CPU request of each, millicores.
     pub cpu_millis: u64,
 }
 
 /// Creates the `backlog`'s pods, named `<prefix>-<i>` and labelled `load=<prefix>`, each
-/// asking for its GiB of `resource` (for [`BASELINE_RESOURCE`], with `default-scheduler`
-/// named).
+/// asking for its shape's GiB of `resource` (for [`BASELINE_RESOURCE`], with
+/// `default-scheduler` named; a multi-GPU shape's total, as one amount).
 async fn create_backlog(
     client: &Client,
     prefix: &str,
-    backlog: Backlog,
+    backlog: &Backlog,
     resource: &str,
 ) -> anyhow::Result<()> {
     let Backlog {
         count,
-        gib,
+        mix,
         cpu_millis,
     } = backlog;
+    let cpu_millis = *cpu_millis;
     let pods: Api<Pod> = Api::namespaced(client.clone(), "default");
-    stream::iter(0..count)
+    stream::iter(0..*count)
         .map(|i| {
             let pods = pods.clone();
+            let shape = mix.shape_of(i);
             async move {
-                let mut pod = fixtures::pod(&format!("{prefix}-{i}")).gpu_mem(gib).build();
+                let mut builder =
+                    fixtures::pod(&format!("{prefix}-{i}")).gpu_mem(shape.total_gib());
+                if shape.gpus > 1 && resource == DEFAULT_RESOURCE {
+                    builder = builder.annotation(
+                        &format!("{}/gpus", gpushare_contract::DEFAULT_DOMAIN),
+                        &shape.gpus.to_string(),
+                    );
+                }
+                let mut pod = builder.build();
                 pod.labels_mut()
                     .insert("load".to_owned(), prefix.to_owned());
                 if cpu_millis > 0 {
@@ -275,9 +330,30 @@ pub async fn drain(
     cluster: &KitCluster,
     drainer: Drainer,
     prefix: &str,
-    backlog: Backlog,
+    backlog: &Backlog,
     timeout: Duration,
 ) -> anyhow::Result<Drain> {
+    let (drain, ()) = drain_with(cluster, drainer, prefix, backlog, timeout, |_| async {
+        Ok(())
+    })
+    .await?;
+    Ok(drain)
+}
+
+/// [`drain`], with `during` run beside the wait for the binds (it sees the drain's
+/// [`BindClock`]): a fault injected mid-drain, and what it measured.
+pub async fn drain_with<T, F, Fut>(
+    cluster: &KitCluster,
+    drainer: Drainer,
+    prefix: &str,
+    backlog: &Backlog,
+    timeout: Duration,
+    during: F,
+) -> anyhow::Result<(Drain, T)>
+where
+    F: FnOnce(Arc<BindClock>) -> Fut,
+    Fut: Future<Output = anyhow::Result<T>>,
+{
     let client = cluster.client();
     let count = backlog.count;
     let resource = stop_drainer(cluster, drainer).await?;
@@ -288,12 +364,17 @@ pub async fn drain(
     ) {
         wait_for_claims(&client, prefix, count).await?;
     }
-    let clock = BindClock::start(client.clone(), "default", &format!("load={prefix}"));
+    let clock = Arc::new(BindClock::start(
+        client.clone(),
+        "default",
+        &format!("load={prefix}"),
+    ));
     // Counted from before the scheduler starts: a process started since counts whole.
     let cpu_before = cpu_by_pid(cluster);
     let calls_before = api_requests(&client).await?;
     let metrics_url = start_drainer(cluster, drainer).await?;
-    let moments = clock.wait_for(count, timeout).await?;
+    let (moments, seen) = tokio::join!(clock.wait_for(count, timeout), during(clock.clone()));
+    let (moments, seen) = (moments?, seen?);
     let calls_after = api_requests(&client).await?;
     let cpu_seconds = cpu_since(cluster, &cpu_before);
     let (seconds, per_second_p50) = throughput(&moments, count);
@@ -306,7 +387,7 @@ pub async fn drain(
         .filter(|(_, per_pod)| *per_pod > 0.0)
         .collect();
     let scheduler_metrics = scheduler_metrics(cluster, &metrics_url)?;
-    Ok(Drain {
+    let drain = Drain {
         pods: count,
         seconds,
         pods_per_s: (count.saturating_sub(1)) as f64 / seconds.max(1e-9),
@@ -314,7 +395,8 @@ pub async fn drain(
         api_calls_per_pod,
         cpu_seconds,
         scheduler_metrics,
-    })
+    };
+    Ok((drain, seen))
 }
 
 /// Stops the scheduler of `drainer` (waiting for the chart's to be gone) and says which
@@ -333,7 +415,7 @@ async fn stop_drainer(cluster: &KitCluster, drainer: Drainer) -> anyhow::Result<
             cluster.script("realk8s.sh", &["sched-stop"])?;
             PLAIN_CLASS
         }
-        Drainer::Chart | Drainer::DraChart => {
+        Drainer::Chart | Drainer::ChartViaProxy | Drainer::DraChart => {
             scale_chart_scheduler(cluster, 0)?;
             wait_for(
                 "the chart's scheduler to stop",
@@ -370,9 +452,13 @@ async fn start_drainer(cluster: &KitCluster, drainer: Drainer) -> anyhow::Result
             ensure!(status.success(), "realk8s.sh sched-start failed ({status})");
             "https://127.0.0.1:10259/metrics".to_owned()
         }
-        Drainer::Chart | Drainer::DraChart => {
-            if drainer == Drainer::Chart {
-                point_service_at_leader(cluster).await?;
+        Drainer::Chart | Drainer::ChartViaProxy | Drainer::DraChart => {
+            match drainer {
+                Drainer::Chart => {
+                    point_service_at_leader(cluster).await?;
+                }
+                Drainer::ChartViaProxy => point_service_at_proxy(cluster)?,
+                _ => {}
             }
             scale_chart_scheduler(cluster, 1)?;
             let ip = chart_scheduler_pods(cluster)
@@ -429,7 +515,7 @@ pub async fn delete_backlog(cluster: &KitCluster, prefix: &str) -> anyhow::Resul
     .await?;
     wait_for(
         &format!("the pods of {prefix} to be gone"),
-        Duration::from_secs(120),
+        Duration::from_secs(600),
         || {
             let pods = pods.clone();
             let selector = selector.clone();

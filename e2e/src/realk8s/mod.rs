@@ -36,6 +36,8 @@ pub mod barrage;
 mod drain_cost;
 mod fake_nodes;
 pub mod load;
+mod mix;
+mod scale;
 mod stand_in;
 
 /// The kit's set-up steps, in `build.sh`'s words: prebuilt binaries, etcd, certificates,
@@ -206,6 +208,8 @@ impl Kit {
         // The plugins install the interposer from "their image", here this build's, into a
         // host directory of the kit's own (never a host-wide path), fresh for each cluster.
         let _ = std::fs::remove_dir_all(self.root.join("isolation"));
+        // A new Service proxy writes the hosts afresh: what a load run kept of the last is stale.
+        load::forget_proxy_ip(self);
         let isolation = [
             format!(
                 "isolation.libraryPath={}",

@@ -1,0 +1,162 @@
+//! The checks `realload --resident N` runs once the chart has bound a cluster's worth of pods:
+//! how long a restarted extender takes from its start to Ready, and how long binding stops
+//! when the leader is killed in the middle of a drain.
+//!
+//! Why measured from outside: Ready is what kube-proxy and the scheduler see (the replica's
+//! `/readyz` answering 200), and the start is the new process's own start time in `/proc`,
+//! so neither kubelet's restart delay nor the probe period is in the figure.
+
+use std::net::SocketAddr;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use anyhow::{Context, ensure};
+use k8s_openapi::api::core::v1::Pod;
+use kube::api::Api;
+
+use super::KitCluster;
+use super::drain_cost::BindClock;
+use crate::cluster::http_get;
+use crate::cluster::wait_for;
+use crate::scenarios::Harness;
+
+/// The chart's `extender.monitorPort` default: `/readyz` over plain HTTP.
+const EXTENDER_MONITOR_PORT: u16 = 9090;
+
+/// The pod name of the extender Lease's holder (`<pod>_<suffix>`).
+pub fn leader_pod(cluster: &KitCluster) -> anyhow::Result<String> {
+    let holder = cluster.extender_lease_holder()?;
+    ensure!(!holder.is_empty(), "no extender holds the Lease");
+    Ok(holder
+        .rsplit_once('_')
+        .map_or(holder.as_str(), |(pod, _)| pod)
+        .to_owned())
+}
+
+/// The host pid of `pod`'s extender container (its latest start).
+fn extender_pid(cluster: &KitCluster, pod: &str) -> Option<u32> {
+    cluster
+        .script("chart-cluster.sh", &["pid", pod, "extender"])
+        .ok()?
+        .trim()
+        .parse()
+        .ok()
+}
+
+/// SIGKILLs `pod`'s extender, waits until kubelet has started it again and its `/readyz`
+/// answers 200, and returns the seconds from the new process's start to that answer.
+pub async fn restart_to_ready(cluster: &KitCluster, pod: &str) -> anyhow::Result<f64> {
+    let old = extender_pid(cluster, pod).with_context(|| format!("no host pid for {pod}"))?;
+    let ip = Api::<Pod>::namespaced(cluster.client(), "kube-system")
+        .get(pod)
+        .await?
+        .status
+        .and_then(|s| s.pod_ip)
+        .with_context(|| format!("{pod} has no pod IP"))?;
+    let readyz: SocketAddr = format!("{ip}:{EXTENDER_MONITOR_PORT}").parse()?;
+    kill(old)?;
+    let new = wait_for(
+        &format!("kubelet to start {pod}'s extender again"),
+        Duration::from_secs(180),
+        || async { extender_pid(cluster, pod).filter(|pid| *pid != old) },
+    )
+    .await?;
+    let deadline = Instant::now() + Duration::from_secs(180);
+    loop {
+        if matches!(http_get(readyz, "/readyz").await, Ok((200, _))) {
+            break;
+        }
+        ensure!(
+            Instant::now() < deadline,
+            "{pod}'s extender not Ready 180 s after its restart"
+        );
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    let ready_at = seconds_since_boot()?;
+    Ok(ready_at - process_start(new)?)
+}
+
+/// What a leader kill in the middle of a drain cost.
+#[derive(Debug, Clone, Copy)]
+pub struct Takeover {
+    /// Pods bound when the leader was killed.
+    pub killed_at_pods: usize,
+    /// Seconds from the kill until another replica held the Lease.
+    pub lease_s: f64,
+    /// Seconds from the kill until a pod was bound after that takeover.
+    pub resumed_s: f64,
+}
+
+/// Once `clock` has seen `after_pods` binds, SIGKILLs the leading extender; waits until
+/// another replica holds the Lease and binds a pod. A bind the dead leader wrote just before
+/// dying does not count: only binds seen after the takeover do.
+pub async fn kill_leader_after(
+    cluster: &KitCluster,
+    clock: Arc<BindClock>,
+    after_pods: usize,
+) -> anyhow::Result<Takeover> {
+    // Who leads is read first: the kubectl calls take longer than binds do.
+    let holder = cluster.extender_lease_holder()?;
+    let leader = leader_pod(cluster)?;
+    let pid = extender_pid(cluster, &leader).with_context(|| format!("no pid for {leader}"))?;
+    wait_for(
+        &format!("{after_pods} binds before the leader kill"),
+        Duration::from_secs(600),
+        || async { (clock.count() >= after_pods).then_some(()) },
+    )
+    .await?;
+    let killed_at_pods = clock.count();
+    let killed = Instant::now();
+    kill(pid)?;
+    wait_for(
+        "another replica to take the Lease",
+        Duration::from_secs(30),
+        || async {
+            let now = cluster.extender_lease_holder().ok()?;
+            (!now.is_empty() && now != holder).then_some(())
+        },
+    )
+    .await?;
+    let lease_s = killed.elapsed().as_secs_f64();
+    let at_takeover = clock.count();
+    wait_for("binding to resume", Duration::from_secs(60), || async {
+        (clock.count() > at_takeover).then_some(())
+    })
+    .await?;
+    Ok(Takeover {
+        killed_at_pods,
+        lease_s,
+        resumed_s: killed.elapsed().as_secs_f64(),
+    })
+}
+
+fn kill(pid: u32) -> anyhow::Result<()> {
+    let status = std::process::Command::new("kill")
+        .args(["-9", &pid.to_string()])
+        .status()?;
+    ensure!(status.success(), "kill -9 {pid}: {status}");
+    Ok(())
+}
+
+/// `/proc/uptime`'s first field.
+fn seconds_since_boot() -> anyhow::Result<f64> {
+    let uptime = std::fs::read_to_string("/proc/uptime")?;
+    uptime
+        .split_whitespace()
+        .next()
+        .and_then(|s| s.parse().ok())
+        .context("unreadable /proc/uptime")
+}
+
+/// When `pid` started, in seconds since boot (`/proc/<pid>/stat`'s `starttime`, in clock
+/// ticks: 100 a second on Linux).
+fn process_start(pid: u32) -> anyhow::Result<f64> {
+    let stat = std::fs::read_to_string(format!("/proc/{pid}/stat"))?;
+    // Fields after the command (which may hold spaces) in parentheses; starttime is field 22.
+    let ticks: f64 = stat
+        .rsplit_once(')')
+        .and_then(|(_, rest)| rest.split_whitespace().nth(19))
+        .and_then(|s| s.parse().ok())
+        .with_context(|| format!("no start time in /proc/{pid}/stat"))?;
+    Ok(ticks / 100.0)
+}
