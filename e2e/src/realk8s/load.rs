@@ -505,30 +505,35 @@ fn scheduler_metrics(cluster: &KitCluster, url: &str) -> anyhow::Result<String> 
 pub async fn delete_backlog(cluster: &KitCluster, prefix: &str) -> anyhow::Result<()> {
     let pods: Api<Pod> = Api::namespaced(cluster.client(), "default");
     let selector = format!("load={prefix}");
-    pods.delete_collection(
-        &DeleteParams {
-            grace_period_seconds: Some(0),
-            ..DeleteParams::default()
-        },
-        &ListParams::default().labels(&selector),
-    )
-    .await?;
-    wait_for(
-        &format!("the pods of {prefix} to be gone"),
-        Duration::from_secs(600),
-        || {
-            let pods = pods.clone();
-            let selector = selector.clone();
-            async move {
-                let list = pods
-                    .list(&ListParams::default().labels(&selector))
-                    .await
-                    .ok()?;
-                list.items.is_empty().then_some(())
-            }
-        },
-    )
-    .await
+    let deadline = Instant::now() + Duration::from_secs(900);
+    loop {
+        // One pod is enough to know some are left; listing tens of thousands each time is not.
+        let left = pods
+            .list(&ListParams::default().labels(&selector).limit(1))
+            .await;
+        if left.as_ref().is_ok_and(|l| l.items.is_empty()) {
+            return Ok(());
+        }
+        ensure!(
+            Instant::now() < deadline,
+            "the pods of {prefix} are not gone after 900 s"
+        );
+        // A collection delete of tens of thousands of pods can outlast the client's timeout,
+        // which ends it part way: ask again until none is left.
+        if let Err(error) = pods
+            .delete_collection(
+                &DeleteParams {
+                    grace_period_seconds: Some(0),
+                    ..DeleteParams::default()
+                },
+                &ListParams::default().labels(&selector),
+            )
+            .await
+        {
+            println!("  deleting the pods of {prefix}: {error}; asking again");
+        }
+        tokio::time::sleep(Duration::from_secs(1)).await;
+    }
 }
 
 /// Waits until kube-controller-manager has made a claim for each of the `count` pods of the
