@@ -5,6 +5,8 @@
 //! cargo run --release -p gpushare-e2e --bin realload -- --rounds 3
 //! cargo run --release -p gpushare-e2e --bin realload -- --set extender.filterKeepBest=1
 //! cargo run --release -p gpushare-e2e --bin realload -- --modes extender,dra
+//! cargo run --release -p gpushare-e2e --bin realload -- --nodes 5000 --gpus 8 --pods 5000 \
+//!     --mix 1:30,2:30,4:25,8:10,2x8:5 --rounds 3 --resident 40000
 //! ```
 //!
 //! It installs the chart (extender mode, its defaults plus any `--set`), adds Node objects in
@@ -17,6 +19,12 @@
 //! last, API calls per pod, CPU seconds per process and the scheduler's own metrics, checks
 //! that every GPU pod holds an allocation and no GPU is over-committed, and prints the
 //! extender replicas' memory. Needs root, like the real tier (docs/testing.md).
+//!
+//! `--mix` draws each backlog from several shapes (GiB, and GPUs for whole-node spreads), the
+//! same pods in both drains. `--resident N` (extender mode) then has the chart bind N pods and
+//! keep them, restarts each extender replica and times it from its start to Ready with those
+//! pods bound, and drains one more backlog while the leader is SIGKILLed at its half
+//! (`realk8s::scale`).
 //!
 //! `--modes dra-plain` is DRA's own ceiling for the same nodes: DRA mode's install without
 //! its slices, a plain driver's ResourceSlice per fake node (whole devices, no capacity), and
