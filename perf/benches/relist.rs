@@ -18,8 +18,7 @@ use gpushare_contract::{DEFAULT_DOMAIN, DEFAULT_RESOURCE, Keys};
 use gpushare_extender::view::PodFacts;
 use gpushare_extender::watched_pod::WatchedPod;
 use gpushare_extender::{Settings, View};
-use gpushare_perf::workload::{bound_pod, node_name};
-use gpushare_testkit::fixtures::node;
+use gpushare_perf::workload::{gpushare_nodes, listed_bound_pod};
 use kube::core::ObjectList;
 
 const NODES: usize = 5_000;
@@ -33,8 +32,7 @@ fn pages(pods: usize) -> Vec<String> {
     let keys = Keys::default();
     let built: Vec<serde_json::Value> = (0..pods)
         .map(|i| {
-            let mut pod = bound_pod(i, NODES, GPUS, &keys, "2026-01-01T00:00:00Z").build();
-            pod.metadata.uid = Some(format!("{i:08x}-0000-4000-8000-{i:012x}"));
+            let pod = listed_bound_pod(i, NODES, GPUS, &keys, "2026-01-01T00:00:00Z");
             serde_json::to_value(pod).expect("a built pod serializes")
         })
         .collect();
@@ -55,11 +53,7 @@ fn pages(pods: usize) -> Vec<String> {
 /// A view holding the nodes, as after the node watch's list.
 fn view_with_nodes(settings: &Settings) -> View {
     let mut view = View::new(settings.clone());
-    let gpus = vec![GPU_GIB; GPUS as usize];
-    let nodes: Vec<_> = (0..NODES)
-        .map(|i| node(&node_name(i)).gpushare().gpus(&gpus).build())
-        .collect();
-    view.replace_nodes(&nodes);
+    view.replace_nodes(&gpushare_nodes(NODES, GPUS, GPU_GIB));
     view
 }
 

@@ -2,7 +2,8 @@
 //! already-bound pods, with the annotations the extender and the device plugin leave behind.
 
 use gpushare_contract::{ContainerRequest, Keys, PodAllocation};
-use gpushare_testkit::fixtures::{PodBuilder, pod};
+use gpushare_testkit::fixtures::{PodBuilder, node, pod};
+use k8s_openapi::api::core::v1::{Node, Pod};
 
 /// Largest GiB of an already-bound pod (sizes are 1..=this).
 pub const MAX_BOUND_GIB: u64 = 2;
@@ -10,6 +11,21 @@ pub const MAX_BOUND_GIB: u64 = 2;
 /// Name of node `i`.
 pub fn node_name(i: usize) -> String {
     format!("load-node-{i:05}")
+}
+
+/// `count` nodes labelled gpushare=true, each with `gpus` GPUs of `gpu_gib`.
+pub fn gpushare_nodes(count: usize, gpus: u32, gpu_gib: u64) -> Vec<Node> {
+    let sizes = vec![gpu_gib; gpus as usize];
+    (0..count)
+        .map(|i| node(&node_name(i)).gpushare().gpus(&sizes).build())
+        .collect()
+}
+
+/// [`bound_pod`] as the API server lists it: with a UUID-shaped UID of its own.
+pub fn listed_bound_pod(i: usize, nodes: usize, gpus: u32, keys: &Keys, bind_time: &str) -> Pod {
+    let mut pod = bound_pod(i, nodes, gpus, keys, bind_time).build();
+    pod.metadata.uid = Some(format!("{i:08x}-0000-4000-8000-{i:012x}"));
+    pod
 }
 
 /// Bound pod `i`: spread round-robin over `nodes` nodes, then over each node's `gpus` GPUs,

@@ -357,13 +357,14 @@ async fn resident_checks(cluster: &KitCluster, args: &Args) -> anyhow::Result<()
         );
     }
     let timeout = Duration::from_secs(args.timeout_s);
+    let leader = load::Leader::find(cluster)?;
     let (drained, takeover) = load::drain_with(
         cluster,
         Drainer::ChartViaProxy,
         "killed",
         &backlog(args),
         timeout,
-        |clock| load::kill_leader_after(cluster, clock, args.pods / 2),
+        |clock| load::kill_leader_after(cluster, clock, leader, args.pods / 2, args.pods),
     )
     .await?;
     report(

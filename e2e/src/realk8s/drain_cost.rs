@@ -152,25 +152,36 @@ pub fn chart_processes(cluster: &KitCluster) -> Vec<(String, u32)> {
             } else {
                 return None;
             };
-            let pid = cluster
-                .script("chart-cluster.sh", &["pid", pod, container])
-                .ok()?
-                .trim()
-                .parse()
-                .ok()?;
-            Some((pod.to_owned(), pid))
+            Some((pod.to_owned(), container_pid(cluster, pod, container)?))
         })
         .collect()
 }
 
-/// User plus system CPU seconds of `pid` so far.
-fn cpu_seconds(pid: u32) -> Option<f64> {
+/// The host pid the kit's runtime started for `pod`'s `container` (its latest start).
+pub(super) fn container_pid(cluster: &KitCluster, pod: &str, container: &str) -> Option<u32> {
+    cluster
+        .script("chart-cluster.sh", &["pid", pod, container])
+        .ok()?
+        .trim()
+        .parse()
+        .ok()
+}
+
+/// Field `number` (1-based, as `man proc` counts) of `/proc/<pid>/stat`, in clock ticks
+/// where it is a time: 100 a second on Linux.
+pub(super) fn stat_field(pid: u32, number: usize) -> Option<f64> {
     let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).ok()?;
-    // Fields after the command (which may hold spaces) in parentheses.
-    let fields: Vec<&str> = stat.rsplit_once(')')?.1.split_whitespace().collect();
-    let ticks: f64 = fields.get(11)?.parse::<f64>().ok()? + fields.get(12)?.parse::<f64>().ok()?;
-    // CLK_TCK is 100 on Linux.
-    Some(ticks / 100.0)
+    // The fields after the command (which may hold spaces) in parentheses start at field 3.
+    let rest = stat.rsplit_once(')')?.1;
+    rest.split_whitespace()
+        .nth(number.checked_sub(3)?)?
+        .parse()
+        .ok()
+}
+
+/// User plus system CPU seconds of `pid` so far (`utime` and `stime`, fields 14 and 15).
+fn cpu_seconds(pid: u32) -> Option<f64> {
+    Some((stat_field(pid, 14)? + stat_field(pid, 15)?) / 100.0)
 }
 
 /// Peak and current resident memory of `pid` (`VmHWM`, `VmRSS`), in MiB.

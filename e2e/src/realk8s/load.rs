@@ -51,7 +51,7 @@ pub use super::fake_nodes::{
     delete_fake_slices, publish_fake_slices, publish_plain_slices,
 };
 pub use super::mix::{Mix, Shape};
-pub use super::scale::{Takeover, kill_leader_after, leader_pod, restart_to_ready};
+pub use super::scale::{Leader, Takeover, kill_leader_after, leader_pod, restart_to_ready};
 pub use super::stand_in::{NodeStandIn, StandInConfig};
 
 /// Which scheduler drains a backlog.

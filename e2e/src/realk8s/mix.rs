@@ -142,9 +142,10 @@ mod tests {
 
     #[test]
     fn malformed_shapes_say_which_part() {
-        for bad in ["", "0", "4:0", "x4", "17x1", "4.5", "2x", "a:1"] {
-            let error = Mix::parse(bad).unwrap_err();
-            assert!(!error.is_empty(), "{bad}");
+        assert!(Mix::parse("").unwrap_err().contains("at least one shape"));
+        for bad in ["0", "4:0", "x4", "17x1", "4.5", "2x", "a:1"] {
+            let error = Mix::parse(&format!("2:1,{bad}")).unwrap_err();
+            assert!(error.starts_with(&format!("{bad}: ")), "{bad}: {error}");
         }
         assert!(Mix::parse("17x1").unwrap_err().contains("at most 16 GPUs"));
     }

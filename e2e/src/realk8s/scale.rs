@@ -15,7 +15,7 @@ use k8s_openapi::api::core::v1::Pod;
 use kube::api::Api;
 
 use super::KitCluster;
-use super::drain_cost::BindClock;
+use super::drain_cost::{BindClock, container_pid, stat_field};
 use crate::cluster::http_get;
 use crate::cluster::wait_for;
 use crate::scenarios::Harness;
@@ -35,12 +35,7 @@ pub fn leader_pod(cluster: &KitCluster) -> anyhow::Result<String> {
 
 /// The host pid of `pod`'s extender container (its latest start).
 fn extender_pid(cluster: &KitCluster, pod: &str) -> Option<u32> {
-    cluster
-        .script("chart-cluster.sh", &["pid", pod, "extender"])
-        .ok()?
-        .trim()
-        .parse()
-        .ok()
+    container_pid(cluster, pod, "extender")
 }
 
 /// SIGKILLs `pod`'s extender, waits until kubelet has started it again and its `/readyz`
@@ -87,18 +82,35 @@ pub struct Takeover {
     pub resumed_s: f64,
 }
 
-/// Once `clock` has seen `after_pods` binds, SIGKILLs the leading extender; waits until
-/// another replica holds the Lease and binds a pod. A bind the dead leader wrote just before
-/// dying does not count: only binds seen after the takeover do.
+/// The extender replica to kill: who held the Lease, its pod and its host pid, read before
+/// the drain starts (the kubectl calls take longer than a small drain does).
+#[derive(Debug, Clone)]
+pub struct Leader {
+    holder: String,
+    pid: u32,
+}
+
+impl Leader {
+    /// The Lease's holder now.
+    pub fn find(cluster: &KitCluster) -> anyhow::Result<Self> {
+        let holder = cluster.extender_lease_holder()?;
+        let pod = leader_pod(cluster)?;
+        let pid = extender_pid(cluster, &pod).with_context(|| format!("no pid for {pod}"))?;
+        Ok(Leader { holder, pid })
+    }
+}
+
+/// Once `clock` has seen `after_pods` of the drain's `pods` bound, SIGKILLs `leader`; waits
+/// until another replica holds the Lease and binds a pod. A bind the dead leader wrote just
+/// before dying does not count: only binds seen after the takeover do.
 pub async fn kill_leader_after(
     cluster: &KitCluster,
     clock: Arc<BindClock>,
+    leader: Leader,
     after_pods: usize,
+    pods: usize,
 ) -> anyhow::Result<Takeover> {
-    // Who leads is read first: the kubectl calls take longer than binds do.
-    let holder = cluster.extender_lease_holder()?;
-    let leader = leader_pod(cluster)?;
-    let pid = extender_pid(cluster, &leader).with_context(|| format!("no pid for {leader}"))?;
+    let Leader { holder, pid } = leader;
     wait_for(
         &format!("{after_pods} binds before the leader kill"),
         Duration::from_secs(600),
@@ -106,6 +118,10 @@ pub async fn kill_leader_after(
     )
     .await?;
     let killed_at_pods = clock.count();
+    ensure!(
+        killed_at_pods < pods,
+        "all {pods} pods were bound before the leader kill: drain a larger backlog"
+    );
     let killed = Instant::now();
     kill(pid)?;
     wait_for(
@@ -122,7 +138,14 @@ pub async fn kill_leader_after(
     wait_for("binding to resume", Duration::from_secs(60), || async {
         (clock.count() > at_takeover).then_some(())
     })
-    .await?;
+    .await
+    .with_context(|| {
+        format!(
+            "{} pods bound when the leader was killed, {at_takeover} at the takeover, {} now",
+            killed_at_pods,
+            clock.count()
+        )
+    })?;
     Ok(Takeover {
         killed_at_pods,
         lease_s,
@@ -148,15 +171,8 @@ fn seconds_since_boot() -> anyhow::Result<f64> {
         .context("unreadable /proc/uptime")
 }
 
-/// When `pid` started, in seconds since boot (`/proc/<pid>/stat`'s `starttime`, in clock
-/// ticks: 100 a second on Linux).
+/// When `pid` started, in seconds since boot (`starttime`, field 22 of `/proc/<pid>/stat`).
 fn process_start(pid: u32) -> anyhow::Result<f64> {
-    let stat = std::fs::read_to_string(format!("/proc/{pid}/stat"))?;
-    // Fields after the command (which may hold spaces) in parentheses; starttime is field 22.
-    let ticks: f64 = stat
-        .rsplit_once(')')
-        .and_then(|(_, rest)| rest.split_whitespace().nth(19))
-        .and_then(|s| s.parse().ok())
-        .with_context(|| format!("no start time in /proc/{pid}/stat"))?;
+    let ticks = stat_field(pid, 22).with_context(|| format!("no start time for pid {pid}"))?;
     Ok(ticks / 100.0)
 }

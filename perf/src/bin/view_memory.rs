@@ -20,8 +20,7 @@ use clap::Parser;
 use gpushare_contract::{DEFAULT_DOMAIN, DEFAULT_RESOURCE, Keys};
 use gpushare_extender::view::PodFacts;
 use gpushare_extender::{Settings, View};
-use gpushare_perf::workload::{bound_pod, node_name};
-use gpushare_testkit::fixtures::node;
+use gpushare_perf::workload::{gpushare_nodes, listed_bound_pod};
 
 #[global_allocator]
 static HEAP: dhat::Alloc = dhat::Alloc;
@@ -64,22 +63,14 @@ fn main() -> anyhow::Result<()> {
     let mut view = View::new(settings.clone());
     let before = live();
 
-    let gpus = vec![args.gpu_gib; args.gpus as usize];
-    let nodes: Vec<_> = (0..args.nodes)
-        .map(|i| node(&node_name(i)).gpushare().gpus(&gpus).build())
-        .collect();
+    let nodes = gpushare_nodes(args.nodes, args.gpus, args.gpu_gib);
     view.replace_nodes(&nodes);
     drop(nodes);
     let with_nodes = live();
 
     let keys = Keys::default();
     let bind_time = "2026-01-01T00:00:00Z";
-    let build = |i: usize| {
-        let mut pod = bound_pod(i, args.nodes, args.gpus, &keys, bind_time).build();
-        // What the API server assigns: a UUID-shaped UID.
-        pod.metadata.uid = Some(format!("{:08x}-0000-4000-8000-{i:012x}", i));
-        pod
-    };
+    let build = |i: usize| listed_bound_pod(i, args.nodes, args.gpus, &keys, bind_time);
     let buffer: Vec<PodFacts> = (0..args.pods)
         .filter_map(|i| PodFacts::read(&build(i), &settings).filter(|f| f.concerns_gpushare()))
         .collect();
