@@ -34,7 +34,7 @@ use gpushare_e2e::scheduler::framework::{
 };
 use gpushare_perf::realistic::{
     Cause, NodesToScore, Profile, RequestForm, Run, SimNode, Strategy, Task, TaskKind, TaskMix,
-    generate_nodes, generate_tasks, replay,
+    TraceMix, generate_nodes, generate_tasks, replay, trace_nodes, trace_tasks,
 };
 
 /// Compares gpushare's policies with BestFit and FGD on generated realistic clusters.
@@ -77,10 +77,11 @@ struct Args {
     /// below 100 of them.
     #[arg(long, env = "SIM_PERCENTAGE_OF_NODES_TO_SCORE", default_value_t = 0, value_parser = clap::value_parser!(u32).range(0..100))]
     percentage_of_nodes_to_score: u32,
-    /// The task mix: the generator's default, about half the GPU demand in multi-GPU jobs,
-    /// about a third of GPU tasks pinned to one or two GPU models, or fractional GPU tasks
-    /// only.
-    #[arg(long, env = "SIM_MIX", value_enum, default_value_t = Mix::Default)]
+    /// The task mix: one of the public trace's four workloads on its own cluster (`trace-*`,
+    /// the calibrated generator), or the earlier generator's default, about half the GPU
+    /// demand in multi-GPU jobs, about a third of GPU tasks pinned to one or two GPU models,
+    /// or fractional GPU tasks only.
+    #[arg(long, env = "SIM_MIX", value_enum, default_value_t = Mix::TraceDefault)]
     mix: Mix,
     /// What-if: every node's CPU and memory multiplied by this (tasks unchanged), to read how
     /// much of what is not allocated is lost to CPU and memory rather than to GPU geometry.
@@ -93,9 +94,14 @@ struct Args {
     host_scale: u64,
 }
 
-/// The named task mixes (see `TaskMix`).
+/// The named task mixes: the trace-calibrated generator's four workloads (`TraceMix`), and the
+/// earlier generator's mixes (`TaskMix`).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
 enum Mix {
+    TraceDefault,
+    TraceGpushare100,
+    TraceGpuspec33,
+    TraceMultigpu50,
     Default,
     MultiGpuHeavy,
     ModelPinned,
@@ -103,12 +109,27 @@ enum Mix {
 }
 
 impl Mix {
-    fn task_mix(self) -> TaskMix {
+    /// The cluster and the task stream of `seed`, to `demand` × its GPU memory.
+    fn generate(self, nodes: usize, demand: f64, seed: u64) -> Trace {
+        let trace = |mix: TraceMix| {
+            let nodes = trace_nodes(nodes, seed);
+            let tasks = trace_tasks(&nodes, mix, demand, seed);
+            (nodes, tasks)
+        };
+        let ours = |mix: TaskMix| {
+            let nodes = generate_nodes(nodes, seed);
+            let tasks = generate_tasks(&nodes, &mix, demand, seed);
+            (nodes, tasks)
+        };
         match self {
-            Mix::Default => TaskMix::default(),
-            Mix::MultiGpuHeavy => TaskMix::multi_gpu_heavy(),
-            Mix::ModelPinned => TaskMix::model_pinned(),
-            Mix::AllSharing => TaskMix::all_sharing(),
+            Mix::TraceDefault => trace(TraceMix::Default),
+            Mix::TraceGpushare100 => trace(TraceMix::Gpushare100),
+            Mix::TraceGpuspec33 => trace(TraceMix::Gpuspec33),
+            Mix::TraceMultigpu50 => trace(TraceMix::Multigpu50),
+            Mix::Default => ours(TaskMix::default()),
+            Mix::MultiGpuHeavy => ours(TaskMix::multi_gpu_heavy()),
+            Mix::ModelPinned => ours(TaskMix::model_pinned()),
+            Mix::AllSharing => ours(TaskMix::all_sharing()),
         }
     }
 }
@@ -188,7 +209,6 @@ type Replayed = (usize, Strategy, Vec<Run>);
 
 fn main() {
     let args = Args::parse();
-    let mix = args.mix.task_mix();
     let form = args.request_form();
     let to_score = args.nodes_to_score();
     let strategies: Vec<(usize, Strategy)> = strategies()
@@ -198,9 +218,8 @@ fn main() {
         .collect();
     let traces: Vec<Trace> = (0..args.seeds)
         .map(|seed| {
-            let mut nodes = generate_nodes(args.nodes, seed);
             // The tasks are drawn for the nodes as generated, then the nodes grow.
-            let tasks = generate_tasks(&nodes, &mix, args.demand, seed);
+            let (mut nodes, tasks) = args.mix.generate(args.nodes, args.demand, seed);
             for node in &mut nodes {
                 node.host = Host::new(
                     node.host.milli_cpu * args.host_scale,

@@ -40,8 +40,9 @@ pub struct GpuModel {
     pub gib: u64,
 }
 
-/// The GPU models of the generated clusters.
-pub const MODELS: [GpuModel; 7] = [
+/// The GPU models of the generated clusters: seven for the generator below, and the trace's
+/// anonymised G2 and G3 for the calibrated one (`calibrated.rs`), which shares the rest.
+pub const MODELS: [GpuModel; 9] = [
     GpuModel {
         name: "T4",
         gib: 15,
@@ -69,6 +70,14 @@ pub const MODELS: [GpuModel; 7] = [
     GpuModel {
         name: "A100-80",
         gib: 80,
+    },
+    GpuModel {
+        name: "G2",
+        gib: 32,
+    },
+    GpuModel {
+        name: "G3",
+        gib: 40,
     },
 ];
 
@@ -214,7 +223,7 @@ impl TaskKind {
 /// The GPU models a task may run on, a bit per [`MODELS`] index (a pod's node affinity on
 /// the model label, `In` one or two models).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
-pub struct Models(u8);
+pub struct Models(u16);
 
 impl Models {
     /// Exactly this model.
@@ -227,9 +236,14 @@ impl Models {
         Self((1 << a) | (1 << b))
     }
 
+    /// Each of these models.
+    pub fn of(models: &[usize]) -> Self {
+        Self(models.iter().fold(0, |bits, m| bits | (1 << m)))
+    }
+
     /// Whether `model` is one of them.
     pub fn contains(self, model: usize) -> bool {
-        model < 8 && self.0 & (1 << model) != 0
+        model < MODELS.len() && self.0 & (1 << model) != 0
     }
 
     /// How many models.
@@ -473,7 +487,7 @@ fn sized_for_its_nodes(
 }
 
 /// A value drawn from `(value, weight)` pairs.
-fn pick<T: Copy>(rng: &mut StdRng, weighted: &[(T, u32)]) -> T {
+pub(super) fn pick<T: Copy>(rng: &mut StdRng, weighted: &[(T, u32)]) -> T {
     let total: u32 = weighted.iter().map(|(_, w)| w).sum();
     let mut at = rng.random_range(0..total.max(1));
     for &(value, weight) in weighted {
@@ -497,7 +511,8 @@ mod tests {
             assert!(nodes.iter().any(|n| n.gpus == gpus), "{gpus}-GPU nodes");
         }
         let models: std::collections::BTreeSet<usize> = nodes.iter().map(|n| n.model).collect();
-        assert_eq!(models.len(), MODELS.len(), "every model appears");
+        let typed: std::collections::BTreeSet<usize> = NODE_TYPES.iter().map(|t| t.model).collect();
+        assert_eq!(models, typed, "every model of the node types appears");
         // 8-GPU servers have 8 to 16 cores per GPU, 2-GPU ones 32: CPU per GPU varies.
         let per_gpu = |n: &SimNode| n.host.milli_cpu / 1000 / u64::from(n.gpus);
         assert!(nodes.iter().any(|n| per_gpu(n) == 8));

@@ -22,7 +22,8 @@
 //! ```
 //!
 //! The files, one job each:
-//! - `generator`: the seeded clusters and task streams;
+//! - `generator`: the seeded clusters and task streams, our reading of the papers;
+//! - `calibrated`: the public trace's own cluster and task shapes, from its published figures;
 //! - `sim`: the replay itself, and what it measures ([`Run`], [`Snapshot`]);
 //! - `strategy`: what a replay compares ([`Strategy`], [`Profile`], [`RequestForm`],
 //!   [`NodesToScore`]) and why a task failed ([`Cause`]);
@@ -34,6 +35,7 @@
 //! - `best_fit`, `fgd`: the idealized baselines.
 
 mod best_fit;
+pub mod calibrated;
 mod dra;
 mod fgd;
 pub mod generator;
@@ -44,6 +46,7 @@ mod scores;
 pub mod sim;
 mod strategy;
 
+pub use calibrated::{TRACE_NODE_TYPES, TraceMix, trace_nodes, trace_tasks};
 pub use generator::{
     GpuModel, MODELS, Models, NODE_TYPES, NodeType, SimNode, Task, TaskKind, TaskMix,
     generate_nodes, generate_tasks,

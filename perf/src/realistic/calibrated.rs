@@ -1,0 +1,533 @@
+//! The trace-calibrated generator: the public Alibaba GPU-sharing trace's own cluster and task
+//! shapes (cluster-trace-gpu-v2023, the data of Weng et al., "Beware of Fragmentation",
+//! USENIX ATC'23), drawn from the figures in `../shared/traces/alibaba-gpu-v2023.md`.
+//!
+//! What comes from the trace's figures:
+//! - the nodes: its 15 node types (GPU model, GPUs, cores, memory) in its counts, scaled to
+//!   the cluster's size by largest remainder, in an order each seed shuffles;
+//! - the tasks of each of the paper's four workloads ([`TraceMix`]): the share of each shape
+//!   (CPU-only, sharing, 1, 2, 4 or 8 whole GPUs), and per shape its CPU and memory from the
+//!   published quantiles (p10, p50, p90, max), piecewise linear between them; a sharing task's
+//!   GPU share likewise (p10, p50, p90);
+//! - gpuspec33's model pins: 29.3 % of its tasks name one of the listed sets of GPU models,
+//!   in the listed shares.
+//!
+//! What the trace's figures leave open, and what we chose:
+//! - no minimum is published: below p10 a value stays at p10 (and a sharing task's share
+//!   above p90 at p90);
+//! - CPU and memory are drawn at the same quantile (a task that asks for much CPU asks for
+//!   much memory): drawn independently, a p90 CPU with a p10 memory is a task no trace shows;
+//! - every task ran on some node, so it is drawn for one: a GPU task for a node type with its
+//!   GPUs (and of its models, when pinned), picked by that type's share of such GPUs; its CPU
+//!   and memory are drawn below what an empty node of that type holds, and for 2-, 4- and
+//!   8-GPU jobs below their GPUs' share of it (a quantile drawn in `[0, F(cap))`, so the shape
+//!   below the cap keeps the trace's proportions). A CPU-only task fits the largest node.
+//! - GPU memory per model, since gpushare counts GiB: T4 15, P100 16, V100M16 16, V100M32 32,
+//!   A10 24; the trace's anonymised G2 and G3 get 32 and 40. A sharing task asks its share of
+//!   its target model's GiB (at least 1, at most all but 1); a whole-GPU task all of it.
+
+use gpushare_allocator::fragmentation::Host;
+use rand::rngs::StdRng;
+use rand::seq::SliceRandom;
+use rand::{Rng, SeedableRng};
+
+use super::generator::{MODELS, Models, SimNode, Task, TaskKind, pick};
+
+/// Indices into [`MODELS`] of the trace's GPU models.
+const T4: usize = 0;
+const P100: usize = 1;
+const V100M16: usize = 2;
+const V100M32: usize = 3;
+const A10: usize = 4;
+const G2: usize = 7;
+const G3: usize = 8;
+
+/// One of the trace's node types and how many of its 1,213 nodes are of it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct TraceNodeType {
+    /// Index into [`MODELS`].
+    pub model: usize,
+    /// GPUs per node.
+    pub gpus: u32,
+    /// Cores.
+    pub cores: u64,
+    /// Memory, GiB.
+    pub memory_gib: u64,
+    /// Nodes of this type in the trace.
+    pub count: u32,
+}
+
+const fn node(count: u32, model: usize, gpus: u32, cores: u64, memory_gib: u64) -> TraceNodeType {
+    TraceNodeType {
+        model,
+        gpus,
+        cores,
+        memory_gib,
+        count,
+    }
+}
+
+/// The trace's nodes: 1,213 nodes, 6,212 GPUs.
+pub const TRACE_NODE_TYPES: [TraceNodeType; 15] = [
+    node(549, G2, 8, 96, 384),
+    node(387, T4, 2, 104, 512),
+    node(107, P100, 2, 16, 120),
+    node(39, G3, 8, 128, 768),
+    node(28, V100M16, 4, 32, 128),
+    node(22, P100, 2, 64, 256),
+    node(21, V100M32, 8, 96, 768),
+    node(19, V100M16, 1, 8, 32),
+    node(17, T4, 4, 96, 384),
+    node(9, V100M32, 4, 48, 368),
+    node(7, V100M16, 8, 64, 256),
+    node(3, P100, 1, 8, 60),
+    node(2, P100, 2, 8, 60),
+    node(2, A10, 1, 128, 1024),
+    node(1, V100M16, 8, 82, 336),
+];
+
+/// `count` nodes of the trace's types in the trace's proportions (largest remainder), in an
+/// order `seed` shuffles: kube-scheduler's walk meets them in that order.
+pub fn trace_nodes(count: usize, seed: u64) -> Vec<SimNode> {
+    let total: u64 = TRACE_NODE_TYPES.iter().map(|t| u64::from(t.count)).sum();
+    let exact: Vec<(u64, u64)> = TRACE_NODE_TYPES
+        .iter()
+        .map(|t| {
+            let scaled = u64::from(t.count) * count as u64;
+            (scaled / total, scaled % total)
+        })
+        .collect();
+    let mut per_type: Vec<u64> = exact.iter().map(|(whole, _)| *whole).collect();
+    let short = count as u64 - per_type.iter().sum::<u64>();
+    let mut by_remainder: Vec<usize> = (0..exact.len()).collect();
+    by_remainder.sort_by_key(|&i| std::cmp::Reverse(exact[i].1));
+    for &i in by_remainder.iter().take(short as usize) {
+        per_type[i] += 1;
+    }
+    let mut nodes: Vec<SimNode> = TRACE_NODE_TYPES
+        .iter()
+        .zip(per_type)
+        .flat_map(|(t, n)| {
+            std::iter::repeat_n(
+                SimNode {
+                    model: t.model,
+                    gpus: t.gpus,
+                    gpu_gib: MODELS[t.model].gib,
+                    host: Host::new(t.cores * 1000, t.memory_gib * 1024),
+                },
+                n as usize,
+            )
+        })
+        .collect();
+    nodes.shuffle(&mut StdRng::seed_from_u64(seed ^ 0x7472_6163_6520));
+    nodes
+}
+
+/// A quantile function through the published points: p10, p50, p90 and the maximum, linear
+/// between them, p10 below the 10th percentile.
+#[derive(Debug, Clone, Copy, PartialEq)]
+struct Quantiles([f64; 4]);
+
+impl Quantiles {
+    const AT: [f64; 4] = [0.1, 0.5, 0.9, 1.0];
+
+    /// The value at quantile `u` (0 ≤ u ≤ 1).
+    fn at(self, u: f64) -> f64 {
+        let v = self.0;
+        if u <= Self::AT[0] {
+            return v[0];
+        }
+        for i in 1..4 {
+            if u <= Self::AT[i] {
+                let t = (u - Self::AT[i - 1]) / (Self::AT[i] - Self::AT[i - 1]);
+                return v[i - 1] + t * (v[i] - v[i - 1]);
+            }
+        }
+        v[3]
+    }
+
+    /// The largest quantile whose value is at most `x` (1 when every value is).
+    fn below(self, x: f64) -> f64 {
+        let v = self.0;
+        if x < v[0] {
+            return 0.0;
+        }
+        for i in 1..4 {
+            if x < v[i] {
+                let t = (x - v[i - 1]) / (v[i] - v[i - 1]);
+                return Self::AT[i - 1] + t * (Self::AT[i] - Self::AT[i - 1]);
+            }
+        }
+        1.0
+    }
+}
+
+/// A task shape of the trace: its GPUs (0: CPU-only; 1 with a share: sharing), and its CPU
+/// (cores) and memory (GiB) quantiles.
+#[derive(Debug, Clone, Copy, PartialEq)]
+struct TraceShape {
+    kind: TaskKind,
+    gpus: u32,
+    cores: Quantiles,
+    memory_gib: Quantiles,
+}
+
+/// The shapes, in the order of [`TraceMix::shares`]: CPU-only, sharing, 1, 2, 4, 8 GPUs
+/// (default and multigpu50 pooled, as published).
+const SHAPES: [TraceShape; 6] = [
+    TraceShape {
+        kind: TaskKind::CpuOnly,
+        gpus: 0,
+        cores: Quantiles([8.0, 12.5, 32.0, 32.0]),
+        memory_gib: Quantiles([30.0, 50.0, 56.0, 64.0]),
+    },
+    TraceShape {
+        kind: TaskKind::Fractional,
+        gpus: 1,
+        cores: Quantiles([3.2, 4.0, 11.9, 12.0]),
+        memory_gib: Quantiles([5.0, 15.0, 46.0, 46.0]),
+    },
+    TraceShape {
+        kind: TaskKind::Whole,
+        gpus: 1,
+        cores: Quantiles([3.2, 11.4, 16.0, 24.2]),
+        memory_gib: Quantiles([5.0, 47.0, 63.0, 123.0]),
+    },
+    TraceShape {
+        kind: TaskKind::Multi,
+        gpus: 2,
+        cores: Quantiles([6.0, 16.2, 30.2, 30.2]),
+        memory_gib: Quantiles([42.0, 65.0, 157.0, 157.0]),
+    },
+    TraceShape {
+        kind: TaskKind::Multi,
+        gpus: 4,
+        cores: Quantiles([32.0, 32.2, 60.2, 60.2]),
+        memory_gib: Quantiles([128.0, 129.0, 313.0, 313.0]),
+    },
+    TraceShape {
+        kind: TaskKind::Multi,
+        gpus: 8,
+        cores: Quantiles([64.2, 88.0, 120.0, 120.2]),
+        memory_gib: Quantiles([257.0, 320.0, 625.0, 720.0]),
+    },
+];
+
+/// A sharing task's GPU share, milli-GPU: p10, p50, p90 (held at p90 above).
+const SHARE_MILLI: Quantiles = Quantiles([230.0, 470.0, 810.0, 810.0]);
+
+/// gpuspec33's model constraints and their shares of pinned tasks, percent.
+const PINS: [(&[usize], u32); 8] = [
+    (&[T4], 54),
+    (&[G2], 14),
+    (&[P100], 12),
+    (&[V100M16, V100M32], 6),
+    (&[P100, V100M16, V100M32], 4),
+    (&[G3], 4),
+    (&[G2, P100, T4, V100M16, V100M32], 2),
+    (&[P100, T4, V100M16, V100M32], 1),
+];
+
+/// The paper's four workloads.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum TraceMix {
+    /// The trace as recorded.
+    Default,
+    /// Every GPU task shares a GPU.
+    Gpushare100,
+    /// The default with 29.3 % of tasks pinned to GPU models.
+    Gpuspec33,
+    /// About half the GPU demand in jobs of 2, 4 and 8 whole GPUs.
+    Multigpu50,
+}
+
+impl TraceMix {
+    /// Every workload, in report order.
+    pub const ALL: [TraceMix; 4] = [
+        TraceMix::Default,
+        TraceMix::Gpushare100,
+        TraceMix::Gpuspec33,
+        TraceMix::Multigpu50,
+    ];
+
+    /// The workload's name in the trace.
+    pub fn name(self) -> &'static str {
+        match self {
+            TraceMix::Default => "default",
+            TraceMix::Gpushare100 => "gpushare100",
+            TraceMix::Gpuspec33 => "gpuspec33",
+            TraceMix::Multigpu50 => "multigpu50",
+        }
+    }
+
+    /// Share of tasks of each shape of [`SHAPES`], in tenths of a percent.
+    fn shares(self) -> [u32; 6] {
+        match self {
+            TraceMix::Default | TraceMix::Gpuspec33 => [133, 378, 480, 2, 2, 5],
+            TraceMix::Gpushare100 => [133, 867, 0, 0, 0, 0],
+            TraceMix::Multigpu50 => [120, 340, 432, 25, 23, 61],
+        }
+    }
+
+    /// Tenths of a percent of all tasks that name GPU models.
+    fn pinned(self) -> u32 {
+        match self {
+            TraceMix::Gpuspec33 => 293,
+            _ => 0,
+        }
+    }
+}
+
+/// Tasks of `mix` for `nodes`, drawn until their GPU GiB reach `demand` × the cluster's
+/// (FGD's protocol: 1.3; the figure is read at 1.0).
+pub fn trace_tasks(nodes: &[SimNode], mix: TraceMix, demand: f64, seed: u64) -> Vec<Task> {
+    let mut rng = StdRng::seed_from_u64(seed ^ 0x7472_6163_6574);
+    let capacity: u64 = nodes.iter().map(|n| u64::from(n.gpus) * n.gpu_gib).sum();
+    let types = node_types(nodes);
+    let largest = types
+        .iter()
+        .map(|(n, _)| n.host)
+        .fold(Host::default(), |a, b| {
+            Host::new(a.milli_cpu.max(b.milli_cpu), a.memory_mib.max(b.memory_mib))
+        });
+    let shapes: Vec<(usize, u32)> = (0..SHAPES.len()).zip(mix.shares()).collect();
+    // Tasks that are pinned, as a share of GPU tasks (CPU-only tasks name no GPU model).
+    let gpu_share: u32 = mix.shares()[1..].iter().sum();
+    let target = (capacity as f64 * demand) as u64;
+    let (mut tasks, mut arrived) = (Vec::new(), 0u64);
+    while arrived < target && capacity > 0 {
+        let shape = SHAPES[pick(&mut rng, &shapes)];
+        let task = if shape.gpus == 0 {
+            let host = draw_host(&mut rng, &shape, largest);
+            Task {
+                kind: shape.kind,
+                gpus: 0,
+                gpu_gib: 0,
+                host,
+                model: None,
+            }
+        } else {
+            let pinned = rng.random_range(0..gpu_share.max(1)) < mix.pinned();
+            let pin = if pinned {
+                draw_pin(&mut rng, &types, shape.gpus)
+            } else {
+                None
+            };
+            let Some((spec, _)) = draw_target(&mut rng, &types, shape.gpus, pin) else {
+                continue;
+            };
+            let cap = if shape.gpus > 1 {
+                let of = |v: u64| v * u64::from(shape.gpus) / u64::from(spec.gpus);
+                Host::new(of(spec.host.milli_cpu), of(spec.host.memory_mib))
+            } else {
+                spec.host
+            };
+            let gib = spec.gpu_gib;
+            let gpu_gib = if shape.kind == TaskKind::Fractional {
+                let share = SHARE_MILLI.at(rng.random::<f64>()) / 1000.0;
+                ((gib as f64 * share).round() as u64).clamp(1, gib - 1)
+            } else {
+                gib
+            };
+            Task {
+                kind: shape.kind,
+                gpus: shape.gpus,
+                gpu_gib,
+                host: draw_host(&mut rng, &shape, cap),
+                model: pin,
+            }
+        };
+        arrived += task.demand_gib();
+        tasks.push(task);
+    }
+    tasks
+}
+
+/// The distinct node types of `nodes` and how many GPUs of each the cluster has.
+fn node_types(nodes: &[SimNode]) -> Vec<(SimNode, u32)> {
+    let mut types: Vec<(SimNode, u32)> = Vec::new();
+    for node in nodes {
+        match types.iter_mut().find(|(t, _)| t == node) {
+            Some((_, gpus)) => *gpus += node.gpus,
+            None => types.push((*node, node.gpus)),
+        }
+    }
+    types
+}
+
+/// A node type for a task of `gpus` GPUs (of `pin`'s models, if any), by its share of the
+/// cluster's GPUs on such nodes.
+fn draw_target(
+    rng: &mut StdRng,
+    types: &[(SimNode, u32)],
+    gpus: u32,
+    pin: Option<Models>,
+) -> Option<(SimNode, u32)> {
+    let fitting: Vec<((SimNode, u32), u32)> = types
+        .iter()
+        .filter(|(t, _)| t.gpus >= gpus && pin.is_none_or(|m| m.contains(t.model)))
+        .map(|&(t, n)| ((t, n), n))
+        .collect();
+    (!fitting.is_empty()).then(|| pick(rng, &fitting))
+}
+
+/// A model constraint from [`PINS`] that some node of `types` with `gpus` GPUs meets.
+fn draw_pin(rng: &mut StdRng, types: &[(SimNode, u32)], gpus: u32) -> Option<Models> {
+    let possible: Vec<(Models, u32)> = PINS
+        .iter()
+        .map(|&(models, share)| (Models::of(models), share))
+        .filter(|(m, _)| {
+            types
+                .iter()
+                .any(|(t, _)| t.gpus >= gpus && m.contains(t.model))
+        })
+        .collect();
+    (!possible.is_empty()).then(|| pick(rng, &possible))
+}
+
+/// CPU and memory of `shape` at one quantile, drawn below what `cap` holds.
+fn draw_host(rng: &mut StdRng, shape: &TraceShape, cap: Host) -> Host {
+    let cap_cores = cap.milli_cpu as f64 / 1000.0;
+    let cap_gib = cap.memory_mib as f64 / 1024.0;
+    let top = shape
+        .cores
+        .below(cap_cores)
+        .min(shape.memory_gib.below(cap_gib));
+    let u = rng.random::<f64>() * top;
+    let milli_cpu = ((shape.cores.at(u) * 1000.0).round() as u64).min(cap.milli_cpu);
+    let memory_mib = ((shape.memory_gib.at(u) * 1024.0).round() as u64).min(cap.memory_mib);
+    Host::new(milli_cpu, memory_mib)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_trace_cluster_keeps_its_node_counts_and_scales_by_largest_remainder() {
+        let nodes = trace_nodes(1_213, 0);
+        for t in TRACE_NODE_TYPES {
+            let of = nodes
+                .iter()
+                .filter(|n| {
+                    n.model == t.model
+                        && n.gpus == t.gpus
+                        && n.host == Host::new(t.cores * 1000, t.memory_gib * 1024)
+                })
+                .count();
+            assert_eq!(of, t.count as usize, "{t:?}");
+        }
+        assert_eq!(nodes.iter().map(|n| n.gpus).sum::<u32>(), 6_212);
+        let scaled = trace_nodes(1_200, 3);
+        assert_eq!(scaled.len(), 1_200);
+        assert_eq!(scaled, trace_nodes(1_200, 3), "same seed, same nodes");
+        assert_ne!(scaled, trace_nodes(1_200, 4), "a seed shuffles the order");
+        let g2 = scaled.iter().filter(|n| n.model == G2).count();
+        assert_eq!(g2, 543, "549 × 1200 / 1213 = 543.1");
+    }
+
+    #[test]
+    fn quantiles_interpolate_between_the_published_points_and_invert() {
+        let q = Quantiles([64.2, 88.0, 120.0, 120.2]);
+        assert_eq!(q.at(0.0), 64.2, "held at p10 below it");
+        assert_eq!(q.at(0.5), 88.0);
+        assert!((q.at(0.7) - 104.0).abs() < 1e-9);
+        assert_eq!(q.at(1.0), 120.2);
+        assert!((q.below(96.0) - 0.6).abs() < 1e-9);
+        assert_eq!(q.below(60.0), 0.0);
+        assert_eq!(q.below(500.0), 1.0);
+        for u in [0.2, 0.45, 0.5, 0.77, 0.95] {
+            assert!((q.below(q.at(u)) - u).abs() < 1e-9, "{u}");
+        }
+    }
+
+    #[test]
+    fn each_workload_draws_the_published_shares_and_every_task_fits_an_empty_node() {
+        let nodes = trace_nodes(1_200, 1);
+        for mix in TraceMix::ALL {
+            let tasks = trace_tasks(&nodes, mix, 1.3, 1);
+            let share = |gpus: u32, kind: TaskKind| {
+                let of = tasks
+                    .iter()
+                    .filter(|t| t.gpus == gpus && t.kind == kind)
+                    .count();
+                of as f64 * 1000.0 / tasks.len() as f64
+            };
+            let drawn = [
+                share(0, TaskKind::CpuOnly),
+                share(1, TaskKind::Fractional),
+                share(1, TaskKind::Whole),
+                share(2, TaskKind::Multi),
+                share(4, TaskKind::Multi),
+                share(8, TaskKind::Multi),
+            ];
+            for (drawn, published) in drawn.iter().zip(mix.shares()) {
+                let slack = 6.0 + f64::from(published) * 0.1;
+                assert!(
+                    (drawn - f64::from(published)).abs() < slack,
+                    "{mix:?}: {drawn:.1}‰ against {published}‰"
+                );
+            }
+            for task in &tasks {
+                let fits = nodes.iter().any(|n| {
+                    task.model.is_none_or(|m| m.contains(n.model))
+                        && n.gpus >= task.gpus
+                        && n.gpu_gib >= task.gpu_gib
+                        && n.host.fits(task.host)
+                });
+                assert!(fits, "{mix:?}: {task:?}");
+            }
+            let pinned = tasks.iter().filter(|t| t.model.is_some()).count() as f64;
+            let pinned = pinned * 1000.0 / tasks.len() as f64;
+            assert!(
+                (pinned - f64::from(mix.pinned())).abs() < 25.0,
+                "{mix:?}: {pinned:.1}‰ pinned"
+            );
+        }
+    }
+
+    #[test]
+    fn cpu_and_memory_follow_the_quantiles_under_each_nodes_cap() {
+        let nodes = trace_nodes(1_200, 2);
+        let tasks = trace_tasks(&nodes, TraceMix::Multigpu50, 1.3, 2);
+        let median = |mut v: Vec<u64>| {
+            v.sort_unstable();
+            v[v.len() / 2]
+        };
+        let cores = |gpus: u32, kind: TaskKind| {
+            let of = tasks.iter().filter(|t| t.gpus == gpus && t.kind == kind);
+            median(of.map(|t| t.host.milli_cpu).collect()) as f64 / 1000.0
+        };
+        // Sharing and whole-GPU tasks are rarely capped: their medians are the trace's.
+        assert!((cores(1, TaskKind::Fractional) - 4.0).abs() < 0.4);
+        assert!((cores(1, TaskKind::Whole) - 11.4).abs() < 1.0);
+        // 8-GPU jobs drawn for 96-core G2 nodes stay below 96 cores and 384 GiB; the
+        // trace's largest go to G3 (128 cores, 768 GiB).
+        let eight: Vec<&Task> = tasks.iter().filter(|t| t.gpus == 8).collect();
+        assert!(eight.len() > 100);
+        assert!(eight.iter().any(|t| t.host.milli_cpu > 100_000));
+        let on_g2 = eight.iter().filter(|t| t.gpu_gib == MODELS[G2].gib).count();
+        let fit_g2 = eight
+            .iter()
+            .filter(|t| Host::new(96_000, 384 * 1024).fits(t.host))
+            .count();
+        assert!(
+            fit_g2 >= on_g2,
+            "{fit_g2} of {on_g2} G2-sized jobs fit a G2 node"
+        );
+        // CPU and memory are drawn at one quantile: a task's CPU and memory sit at the same
+        // place in their distributions (where neither is held at p10).
+        let shape = SHAPES[2];
+        let mut inside = 0;
+        for task in tasks.iter().filter(|t| t.kind == TaskKind::Whole) {
+            let cores = task.host.milli_cpu as f64 / 1000.0;
+            let gib = task.host.memory_mib as f64 / 1024.0;
+            if cores > 3.21 && gib > 5.01 {
+                let (u, v) = (shape.cores.below(cores), shape.memory_gib.below(gib));
+                assert!((u - v).abs() < 0.01, "{task:?}: {u} against {v}");
+                inside += 1;
+            }
+        }
+        assert!(inside > 1_000);
+    }
+}
