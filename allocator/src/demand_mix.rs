@@ -15,7 +15,9 @@
 //!
 //! The same share decides how the fragmentation policy scores multi-GPU pods
 //! ([`crate::Cluster::scores`]): by the measure while they are rare, as binpack while they
-//! are common, because the measure learns one-GPU shapes only.
+//! are common. The measure learns multi-GPU shapes too ([`crate::fragmentation::Gang`]), but
+//! scoring multi-GPU pods by it while they are common moved the trace's multigpu50 mix by
+//! 0.1 point only (docs/performance.md), so the switch stays.
 //!
 //! "Lately" decays as the fragmentation workload does (a pod's weight halves after about
 //! 350 later pods), so the ranking follows the mix that is arriving now.

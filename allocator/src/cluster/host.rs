@@ -7,7 +7,9 @@ use std::sync::Arc;
 
 use super::{Cluster, Node};
 use crate::demand_mix::DemandMix;
-use crate::fragmentation::{self, Before, FreeSummary, Host, NodeFree, Placing, Shape, Workload};
+use crate::fragmentation::{
+    self, Before, FreeSummary, Gang, Host, NodeFree, Placing, Shape, Workload,
+};
 use crate::{ModelFilter, PodId, Request, kube_scores};
 
 impl Node {
@@ -228,6 +230,32 @@ impl Cluster {
         self.workload.observe(shape);
     }
 
+    /// Records the shape of a pod that asks for GPU memory on several GPUs (shared slices):
+    /// the measure then counts the jobs of its size each node can still take.
+    pub fn observe_gang(&mut self, gang: Gang) {
+        self.workload.observe_gang(gang);
+    }
+
+    /// Records a GPU pod that arrives asking `gib_per_gpu` on each of `gpus` GPUs (whole
+    /// ones when `exclusive`) with `host`: the demand mix always, and the shape the measure
+    /// learns, one-GPU or multi-GPU, unless its GPUs are its alone (the measure knows no
+    /// such shape).
+    pub fn observe_arrival(&mut self, gpus: u32, gib_per_gpu: u64, exclusive: bool, host: Host) {
+        self.observe_demand(gib_per_gpu.saturating_mul(u64::from(gpus)), gpus);
+        if exclusive {
+            return;
+        }
+        let shape = Shape {
+            gpu_gib: gib_per_gpu,
+            host,
+        };
+        if gpus > 1 {
+            self.observe_gang(Gang { gpus, shape });
+        } else {
+            self.observe(shape);
+        }
+    }
+
     /// Records the GPU demand of a pod that arrives asking `pod_gib` in all over `gpus` GPUs:
     /// the ranking ([`Cluster::scheduler_totals`]) follows how much of it is multi-GPU.
     pub fn observe_demand(&mut self, pod_gib: u64, gpus: u32) {
@@ -244,20 +272,36 @@ impl Cluster {
     /// mostly bound pods, which are never observed as arriving, so without this a restarted
     /// extender would score as binpack until new pods taught it the shapes again.
     pub fn relearn_workload(&mut self) {
-        // Multi-GPU and whole-GPU pods are not shapes the measure knows (as when observed).
-        let population = self.nodes.values().flat_map(|node| {
-            node.pods
-                .iter()
-                .filter(|(_, placement)| placement.more_gpus.is_empty() && !placement.exclusive)
-                .map(|(uid, placement)| Shape {
+        // Exclusive pods are not shapes the measure knows (as when observed); one-GPU pods
+        // are shapes, multi-GPU ones gangs.
+        let host_of = |uid: &PodId| {
+            self.hosts
+                .get(uid)
+                .map_or(Host::default(), |(_, host)| *host)
+        };
+        let shared = || {
+            self.nodes.values().flat_map(|node| {
+                node.pods
+                    .iter()
+                    .filter(|(_, placement)| !placement.exclusive)
+            })
+        };
+        let singles = shared()
+            .filter(|(_, placement)| placement.more_gpus.is_empty())
+            .map(|(uid, placement)| Shape {
+                gpu_gib: placement.pod_gib,
+                host: host_of(uid),
+            });
+        let gangs = shared()
+            .filter(|(_, placement)| !placement.more_gpus.is_empty())
+            .map(|(uid, placement)| Gang {
+                gpus: u32::try_from(1 + placement.more_gpus.len()).unwrap_or(u32::MAX),
+                shape: Shape {
                     gpu_gib: placement.pod_gib,
-                    host: self
-                        .hosts
-                        .get(uid)
-                        .map_or(Host::default(), |(_, host)| *host),
-                })
-        });
-        self.workload = Workload::from_population(population, &self.workload);
+                    host: host_of(uid),
+                },
+            });
+        self.workload = Workload::from_populations(singles, gangs, &self.workload);
         // The demand mix likewise, from every GPU pod booked, if none arrived yet.
         if self.demand.is_empty() {
             for node in self.nodes.values() {

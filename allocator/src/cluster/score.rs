@@ -76,9 +76,8 @@ impl Cluster {
     /// Under the fragmentation policy, a multi-GPU request (shared slices) is scored by the
     /// measure too (what its slices on the GPUs bind would take cost the node), except while
     /// multi-GPU pods bring a large share of the recent demand
-    /// ([`crate::demand_mix::MULTI_GPU_HEAVY`]): the measure learns one-GPU shapes only, and
-    /// where large jobs are common it would spend the nodes they need, so they are scored as
-    /// binpack then. Exclusive requests (empty GPUs, booked in full) are scored as binpack:
+    /// ([`crate::demand_mix::MULTI_GPU_HEAVY`]): they are scored as binpack then, which
+    /// packed as well (the measure also counting the multi-GPU shapes it learned). Exclusive requests (empty GPUs, booked in full) are scored as binpack:
     /// by the measure they packed worse (docs/performance.md, "Workload mixes"). A request
     /// that names GPU models is measured on the GPUs of those models; the node's
     /// fragmentation counts all of its GPUs.

@@ -19,6 +19,12 @@ pub(super) struct Divisor {
 }
 
 impl Divisor {
+    /// Division by zero: never limits in [`cap`].
+    pub(super) const ZERO: Divisor = Divisor {
+        d: 0,
+        reciprocal: 0.0,
+    };
+
     pub(super) fn new(d: u64) -> Self {
         let reciprocal = if d == 0 || d >= 1 << 32 {
             0.0

@@ -5,7 +5,7 @@
 //! division.
 
 use super::divisor::to_f64;
-use super::{FreeSummary, Host, MAX_SHAPES, NodeFree, Workload};
+use super::{FreeSummary, Host, MAX_GANGS, MAX_SHAPES, NodeFree, Workload};
 
 /// What the measure precomputes of a node before trying its GPUs: O(shapes) from its
 /// [`FreeSummary`] (O(GPUs × shapes) read GPU by GPU), no heap.
@@ -27,6 +27,10 @@ pub struct Before {
     host: Host,
     /// GiB of all healthy GPUs, for the fullness tie-break.
     total_gib: u64,
+    /// Per multi-GPU shape: healthy GPUs with its GiB free.
+    gang_free: [u64; MAX_GANGS],
+    /// Per multi-GPU shape: how many of it the node can take now.
+    gang_runs: [u64; MAX_GANGS],
 }
 
 /// What a pod's placement on a node costs each shape, whichever GPU it takes, from
@@ -40,6 +44,9 @@ pub(super) struct HostCost {
     lost: [u64; MAX_SHAPES],
     /// Per shape, `slots − limit`: slots the GPU may lose before they cost a pod.
     spare: [u64; MAX_SHAPES],
+    /// The host's free CPU and memory once the pod's are gone: what caps the multi-GPU
+    /// shapes afterwards.
+    host_after: Host,
 }
 
 impl Before {
@@ -57,6 +64,9 @@ impl Before {
             before.total_gib = before.total_gib.saturating_add(total);
             before.total_free = before.total_free.saturating_add(free);
             before.max_free = Some(before.max_free.map_or(free, |max| max.max(free)));
+            for (count, gang) in before.gang_free.iter_mut().zip(&w.gangs) {
+                *count += u64::from(free >= gang.gib);
+            }
             if free < w.min_gib {
                 continue;
             }
@@ -65,7 +75,14 @@ impl Before {
             }
         }
         before.runs = w.runs(&before.slots, before.host);
+        before.gang_runs = before.gang_runs_under(workload, before.host);
         before
+    }
+
+    /// Per multi-GPU shape, the pods of it the node takes with `free` CPU and memory.
+    fn gang_runs_under(&self, workload: &Workload, free: Host) -> [u64; MAX_GANGS] {
+        let gangs = &workload.prepared.gangs;
+        std::array::from_fn(|k| gangs[k].runs(self.gang_free[k], free))
     }
 
     /// Reads a node from its complete `summary` and its host's `free` CPU and memory: one
@@ -83,17 +100,22 @@ impl Before {
         before.total_free = summary.total_free;
         before.max_free = summary.max_free;
         for (_, amount, count) in summary.amounts() {
+            let count = u64::from(count);
+            for (free, gang) in before.gang_free.iter_mut().zip(&w.gangs) {
+                *free += if amount >= gang.gib { count } else { 0 };
+            }
             if amount < w.min_gib {
                 continue;
             }
-            let count = u64::from(count);
             for (slots, quotient) in before.slots.iter_mut().zip(w.quotients(amount)) {
                 *slots += count * quotient;
             }
         }
-        let (runs, limits) = w.runs_before_after(&before.slots, free, free.saturating_sub(pod));
+        let after = free.saturating_sub(pod);
+        let (runs, limits) = w.runs_before_after(&before.slots, free, after);
         before.runs = runs;
-        let cost = before.cost_given(&limits);
+        before.gang_runs = before.gang_runs_under(workload, free);
+        let cost = before.cost_given(&limits, after);
         (before, cost)
     }
 
@@ -106,20 +128,32 @@ impl Before {
             runs: [0; MAX_SHAPES],
             host,
             total_gib: 0,
+            gang_free: [0; MAX_GANGS],
+            gang_runs: [0; MAX_GANGS],
         }
     }
 
     /// The node's expected fragmentation now, in GiB.
     pub fn fragmentation(&self, workload: &Workload) -> f64 {
         let w = &workload.prepared;
-        (0..MAX_SHAPES)
+        let singles: f64 = (0..MAX_SHAPES)
             .map(|m| {
                 let lost = self
                     .total_free
                     .saturating_sub(self.runs[m].saturating_mul(w.gib[m].d));
                 w.weight[m] * lost as f64
             })
-            .sum()
+            .sum();
+        let gangs: f64 = (0..MAX_GANGS)
+            .map(|k| {
+                let gang = &w.gangs[k];
+                let used = self.gang_runs[k]
+                    .saturating_mul(gang.gpus)
+                    .saturating_mul(gang.gib);
+                gang.weight * self.total_free.saturating_sub(used) as f64
+            })
+            .sum();
+        singles + gangs
     }
 
     /// What placing a pod of `host` costs each shape whichever GPU it goes on (see
@@ -128,18 +162,18 @@ impl Before {
     pub(super) fn after_host(&self, workload: &Workload, host: Host) -> HostCost {
         // Per shape, an upper bound on the pods of it the node takes afterwards: today's
         // slots, capped by what the host has left; ≤ runs and ≤ slots.
-        let limits = workload
-            .prepared
-            .runs(&self.slots, self.host.saturating_sub(host));
-        self.cost_given(&limits)
+        let after = self.host.saturating_sub(host);
+        let limits = workload.prepared.runs(&self.slots, after);
+        self.cost_given(&limits, after)
     }
 
     /// The [`HostCost`] given each shape's runs once the pod's CPU and memory are gone.
     #[inline]
-    fn cost_given(&self, limits: &[u64; MAX_SHAPES]) -> HostCost {
+    fn cost_given(&self, limits: &[u64; MAX_SHAPES], host_after: Host) -> HostCost {
         HostCost {
             lost: std::array::from_fn(|m| self.runs[m].saturating_sub(limits[m])),
             spare: std::array::from_fn(|m| self.slots[m].saturating_sub(limits[m])),
+            host_after,
         }
     }
 
@@ -148,18 +182,20 @@ impl Before {
     pub fn delta(&self, workload: &Workload, free: u64, need: u64, host: Host) -> f64 {
         let cost = self.after_host(workload, host);
         let taken = Placing::new(workload, need, host).taken(free);
-        self.delta_with(workload, need, &taken, &cost)
+        self.delta_with(workload, (free, need), &taken, &cost)
     }
 
     /// [`Before::delta`] given [`Before::after_host`] and, per shape, the slots the GPU
     /// loses (`taken`, from [`Placing::taken`]). With `lost = free − runs × size` per shape,
     /// the change is `−need` (the pod's GiB leave the free memory) plus `size` per pod of
-    /// the shape the node can no longer take: O(shapes).
+    /// the shape the node can no longer take: O(shapes). A multi-GPU shape loses a pod when
+    /// the GPU (with `free` GiB) drops below its GiB per GPU and the node's GPUs that still
+    /// have it no longer make up as many pods, or when the host no longer holds as many.
     #[inline]
     fn delta_with(
         &self,
         workload: &Workload,
-        need: u64,
+        (free, need): (u64, u64),
         taken: &[u64; MAX_SHAPES],
         cost: &HostCost,
     ) -> f64 {
@@ -168,6 +204,15 @@ impl Before {
         for (m, taken) in taken.iter().enumerate() {
             let pods_lost = cost.lost[m] + taken.saturating_sub(cost.spare[m]);
             delta += w.weighted_gib[m] * to_f64(pods_lost);
+        }
+        for (k, gang) in w.gangs.iter().enumerate() {
+            if self.gang_runs[k] == 0 {
+                continue;
+            }
+            let drops = free >= gang.gib && free.saturating_sub(need) < gang.gib;
+            let left = self.gang_free[k].saturating_sub(u64::from(drops));
+            let pods_lost = self.gang_runs[k].saturating_sub(gang.runs(left, cost.host_after));
+            delta += gang.weighted_gib * to_f64(pods_lost);
         }
         delta
     }
@@ -207,7 +252,7 @@ impl Before {
         let fragmentation = if workload.is_empty() {
             0.0
         } else {
-            self.delta_with(workload, placing.need, &placing.taken(free), cost)
+            self.delta_with(workload, (free, placing.need), &placing.taken(free), cost)
         };
         -fragmentation + fullness / 64.0
     }
@@ -299,5 +344,36 @@ mod tests {
         // No CPU left for the shape: every free GiB is lost.
         let starved = Before::new(&workload, &node(&[16, 6, 2], Host::new(2_000, 1 << 20)));
         assert_eq!(starved.fragmentation(&workload), 24.0);
+    }
+
+    #[test]
+    fn a_multi_gpu_shape_counts_the_jobs_a_node_can_still_take_whole() {
+        use crate::fragmentation::Gang;
+        let gang = Gang {
+            gpus: 4,
+            shape: shape(16, 8),
+        };
+        let workload = Workload::from_shapes([(shape(4, 1), 1.0)]).with_gangs([(gang, 1.0)]);
+        let roomy = Host::new(64_000, 1 << 20);
+        // Four empty GPUs hold one job: nothing is lost to it; with one GPU partly used,
+        // the job no longer fits and every free GiB is lost to it (weight one half).
+        let whole = Before::new(&workload, &node(&[16, 16, 16, 16], roomy));
+        assert_eq!(whole.fragmentation(&workload), 0.0);
+        let split = Before::new(&workload, &node(&[16, 16, 16, 12], roomy));
+        assert_eq!(split.fragmentation(&workload), 60.0 / 2.0);
+        // So a 4 GiB pod keeps the whole node whole: placing it there costs the job's 64 GiB
+        // (× its weight), on the split node nothing more than its own GiB.
+        let pod = Host::new(1_000, 4_096);
+        let on_whole = whole.delta(&workload, 16, 4, pod);
+        let on_split = split.delta(&workload, 12, 4, pod);
+        assert_eq!(on_whole - on_split, 64.0 / 2.0);
+        assert!(whole.goodness(&workload, 16, 4, pod) < split.goodness(&workload, 12, 4, pod));
+        // A host too small for the job's CPU loses it as surely as a split GPU.
+        let starved = Before::new(
+            &workload,
+            &node(&[16, 16, 16, 16], Host::new(6_000, 1 << 20)),
+        );
+        // (The 4 GiB shape: 6 cores take 6 pods, 40 GiB lost, × one half; the job: all 64.)
+        assert_eq!(starved.fragmentation(&workload), 40.0 / 2.0 + 64.0 / 2.0);
     }
 }

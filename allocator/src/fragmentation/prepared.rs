@@ -5,7 +5,7 @@
 //! here when it changes, in fixed arrays the compiler unrolls, not per node.
 
 use super::divisor::{Divisor, cap, cap_before_after};
-use super::{Host, MAX_SHAPES, Shape};
+use super::{Gang, Host, MAX_GANGS, MAX_SHAPES, Shape};
 
 /// The GPU size of an unused shape entry: larger than any GPU, within [`Divisor`]'s fast
 /// range.
@@ -53,19 +53,64 @@ pub(super) struct Prepared {
     pub(super) min_gib: u64,
     /// `⌊x / size⌋` of every shape for small `x`: depends on the GPU sizes only.
     pub(super) quotients: Quotients,
+    /// The multi-GPU shapes, normalized with the one-GPU ones.
+    pub(super) gangs: [PreparedGang; MAX_GANGS],
+}
+
+/// A multi-GPU shape as the loops read it. An unused entry needs more GiB than any GPU has,
+/// so no node takes one and it costs nothing.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub(super) struct PreparedGang {
+    /// GPUs per pod (1 for an unused entry, so that dividing by it is safe).
+    pub(super) gpus: u64,
+    /// GiB on each GPU.
+    pub(super) gib: u64,
+    /// Normalized weight.
+    pub(super) weight: f64,
+    /// weight × GiB in all: what one pod of it fewer costs, in expected GiB.
+    pub(super) weighted_gib: f64,
+    pub(super) cpu: Divisor,
+    pub(super) memory: Divisor,
+}
+
+impl PreparedGang {
+    const UNUSED: PreparedGang = PreparedGang {
+        gpus: 1,
+        gib: UNUSED_GIB,
+        weight: 0.0,
+        weighted_gib: 0.0,
+        cpu: Divisor::ZERO,
+        memory: Divisor::ZERO,
+    };
+
+    /// How many pods of it a node takes with `gpus_free` GPUs that have its GiB free and
+    /// `free` CPU and memory.
+    #[inline]
+    pub(super) fn runs(&self, gpus_free: u64, free: Host) -> u64 {
+        cap(
+            cap(gpus_free / self.gpus, free.milli_cpu, self.cpu),
+            free.memory_mib,
+            self.memory,
+        )
+    }
 }
 
 impl Default for Prepared {
     fn default() -> Self {
-        Self::new(&[], None)
+        Self::new(&[], &[], None)
     }
 }
 
 impl Prepared {
     /// Prepares `shapes`; `previous`'s quotient table is reused when the GPU sizes are the
     /// same (weights and CPU means move with every pod, the sizes rarely).
-    pub(super) fn new(shapes: &[(Shape, f64)], previous: Option<&Prepared>) -> Self {
-        let total: f64 = shapes.iter().map(|(_, w)| w).sum();
+    pub(super) fn new(
+        shapes: &[(Shape, f64)],
+        gangs: &[(Gang, f64)],
+        previous: Option<&Prepared>,
+    ) -> Self {
+        let total: f64 =
+            shapes.iter().map(|(_, w)| w).sum::<f64>() + gangs.iter().map(|(_, w)| w).sum::<f64>();
         let total = if total > 0.0 { total } else { 1.0 };
         let mut prepared = Prepared {
             weight: [0.0; MAX_SHAPES],
@@ -78,7 +123,19 @@ impl Prepared {
             memory: [Divisor::new(0); MAX_SHAPES],
             min_gib: u64::MAX,
             quotients: Quotients::default(),
+            gangs: [PreparedGang::UNUSED; MAX_GANGS],
         };
+        for (m, (gang, weight)) in gangs.iter().take(MAX_GANGS).enumerate() {
+            prepared.weight_sum += weight / total;
+            prepared.gangs[m] = PreparedGang {
+                gpus: u64::from(gang.gpus.max(1)),
+                gib: gang.shape.gpu_gib,
+                weight: weight / total,
+                weighted_gib: weight / total * gang.gib() as f64,
+                cpu: Divisor::new(gang.shape.host.milli_cpu),
+                memory: Divisor::new(gang.shape.host.memory_mib),
+            };
+        }
         let mut sizes = [UNUSED_GIB; MAX_SHAPES];
         for (m, (shape, weight)) in shapes.iter().take(MAX_SHAPES).enumerate() {
             prepared.weight[m] = weight / total;

@@ -6,7 +6,7 @@
 //! [`Prepared`] form the loops read.
 
 use super::prepared::Prepared;
-use super::{Host, MAX_SHAPES, Shape};
+use super::{Gang, Host, MAX_GANGS, MAX_SHAPES, Shape};
 
 /// How much an observation's weight decays per later observation: a weight halves after
 /// about 350 pods, so the shapes follow what is arriving now.
@@ -17,6 +17,9 @@ const DECAY: f64 = 0.998;
 pub struct Workload {
     /// Shapes and their (decayed) weights; at most [`MAX_SHAPES`].
     shapes: Vec<(Shape, f64)>,
+    /// Multi-GPU shapes and their (decayed) weights, on the same scale; at most
+    /// [`MAX_GANGS`].
+    gangs: Vec<(Gang, f64)>,
     /// Derived from `shapes` each time they change.
     pub(super) prepared: Prepared,
 }
@@ -38,8 +41,26 @@ impl Workload {
             .collect();
         shapes.sort_by(|a, b| b.1.total_cmp(&a.1));
         shapes.truncate(MAX_SHAPES);
-        let prepared = Prepared::new(&shapes, None);
-        Self { shapes, prepared }
+        let prepared = Prepared::new(&shapes, &[], None);
+        Self {
+            shapes,
+            gangs: Vec::new(),
+            prepared,
+        }
+    }
+
+    /// This workload with multi-GPU `gangs` too (weights on the shapes' scale); the
+    /// [`MAX_GANGS`] heaviest are kept.
+    pub fn with_gangs(mut self, gangs: impl IntoIterator<Item = (Gang, f64)>) -> Self {
+        self.gangs.extend(
+            gangs
+                .into_iter()
+                .filter(|(gang, weight)| gang.gpus > 1 && gang.shape.gpu_gib > 0 && *weight > 0.0),
+        );
+        self.gangs.sort_by(|a, b| b.1.total_cmp(&a.1));
+        self.gangs.truncate(MAX_GANGS);
+        self.prepared = Prepared::new(&self.shapes, &self.gangs, None);
+        self
     }
 
     /// A workload learned from a population of pods at once (the pods bound when an extender
@@ -52,16 +73,21 @@ impl Workload {
     /// The population is what is running, which over-represents long-running pods; it is
     /// forgotten as pods arrive.
     pub fn from_population(pods: impl IntoIterator<Item = Shape>, recent: &Workload) -> Self {
+        let pods: Vec<Shape> = pods.into_iter().filter(|pod| pod.gpu_gib > 0).collect();
+        Self::singles_from(&pods, recent, population_scale(pods.len()))
+            .with_gangs(recent.gangs.iter().copied())
+    }
+
+    /// [`Workload::from_population`]'s one-GPU shapes, each pod's GiB × `scale`.
+    fn singles_from(pods: &[Shape], recent: &Workload, scale: f64) -> Self {
         // GPU size → (pods, Σ CPU, Σ memory), in size order so the result is deterministic.
         let mut groups: std::collections::BTreeMap<u64, (u64, u128, u128)> = Default::default();
-        for pod in pods.into_iter().filter(|pod| pod.gpu_gib > 0) {
+        for pod in pods {
             let group = groups.entry(pod.gpu_gib).or_default();
             group.0 += 1;
             group.1 += u128::from(pod.host.milli_cpu);
             group.2 += u128::from(pod.host.memory_mib);
         }
-        let count: u64 = groups.values().map(|group| group.0).sum();
-        let scale = (1.0 / (1.0 - DECAY) / count.max(1) as f64).min(1.0);
         let mut shapes: Vec<(Shape, f64)> = groups
             .into_iter()
             .map(|(gpu_gib, (pods, cpu, memory))| {
@@ -91,6 +117,56 @@ impl Workload {
         Self::from_shapes(shapes)
     }
 
+    /// [`Workload::from_population`] with the multi-GPU pods of the population too: each
+    /// (GPUs, GiB per GPU) weighs the GiB its pods hold, on the same scale as the one-GPU
+    /// shapes, and `recent`'s multi-GPU shapes count on top.
+    pub fn from_populations(
+        pods: impl IntoIterator<Item = Shape>,
+        gangs: impl IntoIterator<Item = Gang>,
+        recent: &Workload,
+    ) -> Self {
+        let pods: Vec<Shape> = pods.into_iter().filter(|pod| pod.gpu_gib > 0).collect();
+        let gangs: Vec<Gang> = gangs
+            .into_iter()
+            .filter(|g| g.gpus > 1 && g.shape.gpu_gib > 0)
+            .collect();
+        // One scale for both kinds, so that they weigh as a stream of them would.
+        let scale = population_scale(pods.len() + gangs.len());
+        let learned = Self::singles_from(&pods, recent, scale);
+        let mut groups: std::collections::BTreeMap<(u32, u64), (u64, u128, u128)> =
+            Default::default();
+        for gang in &gangs {
+            let group = groups.entry((gang.gpus, gang.shape.gpu_gib)).or_default();
+            group.0 += 1;
+            group.1 += u128::from(gang.shape.host.milli_cpu);
+            group.2 += u128::from(gang.shape.host.memory_mib);
+        }
+        let mut weighted: Vec<(Gang, f64)> = groups
+            .into_iter()
+            .map(|((gpus, gpu_gib), (count, cpu, memory))| {
+                let mean = |sum: u128| u64::try_from(sum / u128::from(count)).unwrap_or(u64::MAX);
+                let gang = Gang {
+                    gpus,
+                    shape: Shape {
+                        gpu_gib,
+                        host: Host::new(mean(cpu), mean(memory)),
+                    },
+                };
+                (gang, (gang.gib() * count) as f64 * scale)
+            })
+            .collect();
+        for &(gang, weight) in &recent.gangs {
+            match weighted
+                .iter_mut()
+                .find(|(g, _)| (g.gpus, g.shape.gpu_gib) == (gang.gpus, gang.shape.gpu_gib))
+            {
+                Some((_, known)) => *known += weight,
+                None => weighted.push((gang, weight)),
+            }
+        }
+        learned.with_gangs(weighted)
+    }
+
     /// Records a pod placed now. Pods are grouped by GPU size; a group keeps the mean CPU
     /// and memory of its pods and weighs the GiB they brought, decaying. When all groups are
     /// taken, the lightest gives way if it weighs less than the new pod.
@@ -98,15 +174,54 @@ impl Workload {
         if shape.gpu_gib == 0 {
             return;
         }
+        self.decay();
         self.learn(shape);
-        self.prepared = Prepared::new(&self.shapes, Some(&self.prepared));
+        self.prepared = Prepared::new(&self.shapes, &self.gangs, Some(&self.prepared));
+    }
+
+    /// Records a multi-GPU pod placed now: as [`Workload::observe`], grouped by GPUs and GiB
+    /// per GPU, weighing the GiB it brought in all.
+    pub fn observe_gang(&mut self, gang: Gang) {
+        if gang.gpus < 2 || gang.shape.gpu_gib == 0 {
+            return;
+        }
+        self.decay();
+        let add = gang.gib() as f64;
+        let same = |g: &Gang| (g.gpus, g.shape.gpu_gib) == (gang.gpus, gang.shape.gpu_gib);
+        if let Some((known, weight)) = self.gangs.iter_mut().find(|(g, _)| same(g)) {
+            let mean = |old: u64, new: u64| {
+                ((old as f64 * *weight + new as f64 * add) / (*weight + add)).round() as u64
+            };
+            known.shape.host.milli_cpu =
+                mean(known.shape.host.milli_cpu, gang.shape.host.milli_cpu);
+            known.shape.host.memory_mib =
+                mean(known.shape.host.memory_mib, gang.shape.host.memory_mib);
+            *weight += add;
+        } else if self.gangs.len() < MAX_GANGS {
+            self.gangs.push((gang, add));
+        } else if let Some(lightest) = self
+            .gangs
+            .iter_mut()
+            .min_by(|a, b| a.1.total_cmp(&b.1))
+            .filter(|(_, weight)| *weight < add)
+        {
+            *lightest = (gang, add);
+        }
+        self.prepared = Prepared::new(&self.shapes, &self.gangs, Some(&self.prepared));
+    }
+
+    /// Every weight, one-GPU and multi-GPU, decays by one observation.
+    fn decay(&mut self) {
+        for (_, weight) in &mut self.shapes {
+            *weight *= DECAY;
+        }
+        for (_, weight) in &mut self.gangs {
+            *weight *= DECAY;
+        }
     }
 
     fn learn(&mut self, shape: Shape) {
         let add = shape.gpu_gib as f64;
-        for (_, weight) in &mut self.shapes {
-            *weight *= DECAY;
-        }
         if let Some((known, weight)) = self
             .shapes
             .iter_mut()
@@ -139,10 +254,21 @@ impl Workload {
         &self.shapes
     }
 
+    /// The multi-GPU shapes and their weights.
+    pub fn gangs(&self) -> &[(Gang, f64)] {
+        &self.gangs
+    }
+
     /// True before any pod was observed.
     pub fn is_empty(&self) -> bool {
-        self.shapes.is_empty()
+        self.shapes.is_empty() && self.gangs.is_empty()
     }
+}
+
+/// What each pod of a population of `count` weighs (× its GiB): the population weighs at most
+/// as much as a steady stream of about `1 / (1 − DECAY)` pods.
+fn population_scale(count: usize) -> f64 {
+    (1.0 / (1.0 - DECAY) / count.max(1) as f64).min(1.0)
 }
 
 #[cfg(test)]
@@ -213,5 +339,44 @@ mod tests {
         let before = workload.clone();
         workload.observe(Shape::default());
         assert_eq!(workload, before);
+    }
+
+    #[test]
+    fn multi_gpu_shapes_are_learned_beside_the_others_on_one_scale() {
+        use crate::fragmentation::Gang;
+        let gang = |gpus, gib, cores| Gang {
+            gpus,
+            shape: shape(gib, cores),
+        };
+        let mut workload = Workload::new();
+        workload.observe(shape(4, 1));
+        workload.observe_gang(gang(8, 16, 64));
+        workload.observe_gang(gang(8, 16, 32));
+        // One group per (GPUs, GiB), its CPU the mean, weighing the GiB brought in all, and
+        // every weight decays with every pod.
+        assert_eq!(workload.gangs().len(), 1);
+        let (learned, weight) = workload.gangs()[0];
+        assert_eq!(
+            learned.shape.host.milli_cpu, 47_984,
+            "(64 × 0.998 + 32) / 1.998 cores"
+        );
+        assert!((weight - (128.0 * DECAY + 128.0)).abs() < 1e-9, "{weight}");
+        assert!((workload.shapes()[0].1 - 4.0 * DECAY * DECAY).abs() < 1e-9);
+        // One GPU is no gang, and exclusive pods are never observed as one.
+        workload.observe_gang(gang(1, 16, 8));
+        assert_eq!(workload.gangs().len(), 1);
+        // A population: both kinds on one scale, recent gangs on top.
+        let relearned =
+            Workload::from_populations([shape(4, 1), shape(4, 1)], [gang(2, 8, 4)], &workload);
+        assert_eq!(relearned.shapes().len(), 1);
+        assert!((relearned.shapes()[0].1 - (8.0 + 4.0 * DECAY * DECAY)).abs() < 1e-9);
+        let gangs: Vec<(u32, u64)> = relearned
+            .gangs()
+            .iter()
+            .map(|(g, _)| (g.gpus, g.shape.gpu_gib))
+            .collect();
+        assert_eq!(gangs, [(8, 16), (2, 8)]);
+        assert_eq!(relearned.gangs()[1].1, 16.0);
+        assert!(!relearned.is_empty());
     }
 }

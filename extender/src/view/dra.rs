@@ -20,7 +20,7 @@
 use std::collections::HashMap;
 use std::sync::Arc;
 
-use gpushare_allocator::fragmentation::{Host, Shape};
+use gpushare_allocator::fragmentation::Host;
 use gpushare_allocator::{Gpu, ModelFilter, PodId, PodPlacement, Request};
 use gpushare_contract::dra::{MEMORY, device_index};
 use gpushare_contract::quantity::{self, GIB};
@@ -347,13 +347,7 @@ impl View {
 
     fn observe_claim(&mut self, ask: ClaimAsk) {
         self.cluster
-            .observe_demand(ask.gib * u64::from(ask.count), ask.count);
-        if ask.count == 1 {
-            self.cluster.observe(Shape {
-                gpu_gib: ask.gib,
-                host: Host::default(),
-            });
-        }
+            .observe_arrival(ask.count, ask.gib, false, Host::default());
     }
 
     fn unbook_claim(&mut self, uid: &PodId) {

@@ -9,7 +9,7 @@
 
 use std::sync::Arc;
 
-use gpushare_allocator::fragmentation::{Host, Shape};
+use gpushare_allocator::fragmentation::Host;
 use gpushare_allocator::{PodId, PodPlacement, Request};
 use gpushare_contract::{PodRequest, RequestError};
 use k8s_openapi::api::core::v1::Pod;
@@ -244,9 +244,9 @@ impl View {
     }
 
     /// A GPU pod seen waiting for the first time: its demand joins the recent demand mix the
-    /// ranking follows (`gpushare_allocator::demand_mix`), and a one-GPU pod's shape the
-    /// workload the fragmentation policy measures against (the measure learns one-GPU shapes
-    /// only; how multi-GPU pods are scored: `gpushare_allocator::Cluster::scores`).
+    /// ranking follows (`gpushare_allocator::demand_mix`), and its shape (one-GPU, or
+    /// multi-GPU shared slices) the workload the fragmentation policy measures against
+    /// (`gpushare_allocator::Cluster::observe_arrival`).
     fn observe_if_newly_waiting(&mut self, key: &str, ask: &Ask, host: Host) {
         if let Ask::Pending(request) = ask
             && let Ok(request) = request.as_ref()
@@ -255,13 +255,12 @@ impl View {
                 .get(key)
                 .is_none_or(|known| known.node_name.is_none() && known.ask == Ask::Nothing)
         {
-            self.cluster.observe_demand(request.pod_gib, request.gpus);
-            if !request.is_multi() {
-                self.cluster.observe(Shape {
-                    gpu_gib: request.pod_gib,
-                    host,
-                });
-            }
+            self.cluster.observe_arrival(
+                request.gpus,
+                request.gib_per_gpu(),
+                request.exclusive,
+                host,
+            );
         }
     }
 

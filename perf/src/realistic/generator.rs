@@ -77,7 +77,7 @@ pub const MODELS: [GpuModel; 9] = [
     },
     GpuModel {
         name: "G3",
-        gib: 40,
+        gib: 32,
     },
 ];
 

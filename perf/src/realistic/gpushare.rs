@@ -5,7 +5,7 @@
 //! Kept apart because this is the path that runs gpushare's real allocation core
 //! (`gpushare_allocator`): what the report says about gpushare is decided here.
 
-use gpushare_allocator::fragmentation::{Host, Shape};
+use gpushare_allocator::fragmentation::Host;
 use gpushare_allocator::{Cluster, Gpu, ModelFilter, PodId, Policy, Request, kube_scores};
 
 use super::generator::{MODELS, SimNode, Task, TaskKind};
@@ -83,14 +83,13 @@ pub(super) fn gpushare(
     let cluster = cluster.ok_or(Missed::Everywhere)?;
     let request = gpushare_request(task, form);
     // The extender's view sees the pod arrive (pending) before the scheduler asks about it;
-    // as the extender, it follows the demand mix and learns one-GPU shapes only.
-    cluster.observe_demand(request.pod_gib, request.gpus);
-    if !request.is_multi() {
-        cluster.observe(Shape {
-            gpu_gib: request.pod_gib,
-            host: task.host,
-        });
-    }
+    // as the extender, it follows the demand mix and learns its shape.
+    cluster.observe_arrival(
+        request.gpus,
+        request.gib_per_gpu(),
+        request.exclusive,
+        task.host,
+    );
     let candidates = filter(state, cluster, task, &request, kube)?;
     let names: Vec<&str> = candidates.iter().map(|&n| &*state.names[n]).collect();
     let extender: Option<Vec<u8>> = policy
