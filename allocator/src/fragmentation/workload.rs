@@ -73,48 +73,7 @@ impl Workload {
     /// The population is what is running, which over-represents long-running pods; it is
     /// forgotten as pods arrive.
     pub fn from_population(pods: impl IntoIterator<Item = Shape>, recent: &Workload) -> Self {
-        let pods: Vec<Shape> = pods.into_iter().filter(|pod| pod.gpu_gib > 0).collect();
-        Self::singles_from(&pods, recent, population_scale(pods.len()))
-            .with_gangs(recent.gangs.iter().copied())
-    }
-
-    /// [`Workload::from_population`]'s one-GPU shapes, each pod's GiB × `scale`.
-    fn singles_from(pods: &[Shape], recent: &Workload, scale: f64) -> Self {
-        // GPU size → (pods, Σ CPU, Σ memory), in size order so the result is deterministic.
-        let mut groups: std::collections::BTreeMap<u64, (u64, u128, u128)> = Default::default();
-        for pod in pods {
-            let group = groups.entry(pod.gpu_gib).or_default();
-            group.0 += 1;
-            group.1 += u128::from(pod.host.milli_cpu);
-            group.2 += u128::from(pod.host.memory_mib);
-        }
-        let mut shapes: Vec<(Shape, f64)> = groups
-            .into_iter()
-            .map(|(gpu_gib, (pods, cpu, memory))| {
-                let mean = |sum: u128| u64::try_from(sum / u128::from(pods)).unwrap_or(u64::MAX);
-                let shape = Shape {
-                    gpu_gib,
-                    host: Host::new(mean(cpu), mean(memory)),
-                };
-                (shape, (gpu_gib * pods) as f64 * scale)
-            })
-            .collect();
-        for &(shape, weight) in recent.shapes() {
-            match shapes.iter_mut().find(|(s, _)| s.gpu_gib == shape.gpu_gib) {
-                Some((known, known_weight)) => {
-                    let mean = |old: u64, new: u64| {
-                        ((old as f64 * *known_weight + new as f64 * weight)
-                            / (*known_weight + weight))
-                            .round() as u64
-                    };
-                    known.host.milli_cpu = mean(known.host.milli_cpu, shape.host.milli_cpu);
-                    known.host.memory_mib = mean(known.host.memory_mib, shape.host.memory_mib);
-                    *known_weight += weight;
-                }
-                None => shapes.push((shape, weight)),
-            }
-        }
-        Self::from_shapes(shapes)
+        Self::from_populations(pods, [], recent)
     }
 
     /// [`Workload::from_population`] with the multi-GPU pods of the population too: each
@@ -132,39 +91,15 @@ impl Workload {
             .collect();
         // One scale for both kinds, so that they weigh as a stream of them would.
         let scale = population_scale(pods.len() + gangs.len());
-        let learned = Self::singles_from(&pods, recent, scale);
-        let mut groups: std::collections::BTreeMap<(u32, u64), (u64, u128, u128)> =
-            Default::default();
-        for gang in &gangs {
-            let group = groups.entry((gang.gpus, gang.shape.gpu_gib)).or_default();
-            group.0 += 1;
-            group.1 += u128::from(gang.shape.host.milli_cpu);
-            group.2 += u128::from(gang.shape.host.memory_mib);
+        let mut shapes = grouped(&pods, scale);
+        for &(shape, weight) in &recent.shapes {
+            merge(&mut shapes, shape, weight);
         }
-        let mut weighted: Vec<(Gang, f64)> = groups
-            .into_iter()
-            .map(|((gpus, gpu_gib), (count, cpu, memory))| {
-                let mean = |sum: u128| u64::try_from(sum / u128::from(count)).unwrap_or(u64::MAX);
-                let gang = Gang {
-                    gpus,
-                    shape: Shape {
-                        gpu_gib,
-                        host: Host::new(mean(cpu), mean(memory)),
-                    },
-                };
-                (gang, (gang.gib() * count) as f64 * scale)
-            })
-            .collect();
+        let mut weighted = grouped(&gangs, scale);
         for &(gang, weight) in &recent.gangs {
-            match weighted
-                .iter_mut()
-                .find(|(g, _)| (g.gpus, g.shape.gpu_gib) == (gang.gpus, gang.shape.gpu_gib))
-            {
-                Some((_, known)) => *known += weight,
-                None => weighted.push((gang, weight)),
-            }
+            merge(&mut weighted, gang, weight);
         }
-        learned.with_gangs(weighted)
+        Self::from_shapes(shapes).with_gangs(weighted)
     }
 
     /// Records a pod placed now. Pods are grouped by GPU size; a group keeps the mean CPU
@@ -175,7 +110,7 @@ impl Workload {
             return;
         }
         self.decay();
-        self.learn(shape);
+        learn(&mut self.shapes, MAX_SHAPES, shape);
         self.prepared = Prepared::new(&self.shapes, &self.gangs, Some(&self.prepared));
     }
 
@@ -186,27 +121,7 @@ impl Workload {
             return;
         }
         self.decay();
-        let add = gang.gib() as f64;
-        let same = |g: &Gang| (g.gpus, g.shape.gpu_gib) == (gang.gpus, gang.shape.gpu_gib);
-        if let Some((known, weight)) = self.gangs.iter_mut().find(|(g, _)| same(g)) {
-            let mean = |old: u64, new: u64| {
-                ((old as f64 * *weight + new as f64 * add) / (*weight + add)).round() as u64
-            };
-            known.shape.host.milli_cpu =
-                mean(known.shape.host.milli_cpu, gang.shape.host.milli_cpu);
-            known.shape.host.memory_mib =
-                mean(known.shape.host.memory_mib, gang.shape.host.memory_mib);
-            *weight += add;
-        } else if self.gangs.len() < MAX_GANGS {
-            self.gangs.push((gang, add));
-        } else if let Some(lightest) = self
-            .gangs
-            .iter_mut()
-            .min_by(|a, b| a.1.total_cmp(&b.1))
-            .filter(|(_, weight)| *weight < add)
-        {
-            *lightest = (gang, add);
-        }
+        learn(&mut self.gangs, MAX_GANGS, gang);
         self.prepared = Prepared::new(&self.shapes, &self.gangs, Some(&self.prepared));
     }
 
@@ -217,35 +132,6 @@ impl Workload {
         }
         for (_, weight) in &mut self.gangs {
             *weight *= DECAY;
-        }
-    }
-
-    fn learn(&mut self, shape: Shape) {
-        let add = shape.gpu_gib as f64;
-        if let Some((known, weight)) = self
-            .shapes
-            .iter_mut()
-            .find(|(s, _)| s.gpu_gib == shape.gpu_gib)
-        {
-            let mean = |old: u64, new: u64| {
-                ((old as f64 * *weight + new as f64 * add) / (*weight + add)).round() as u64
-            };
-            known.host.milli_cpu = mean(known.host.milli_cpu, shape.host.milli_cpu);
-            known.host.memory_mib = mean(known.host.memory_mib, shape.host.memory_mib);
-            *weight += add;
-            return;
-        }
-        if self.shapes.len() < MAX_SHAPES {
-            self.shapes.push((shape, add));
-            return;
-        }
-        if let Some(lightest) = self
-            .shapes
-            .iter_mut()
-            .min_by(|a, b| a.1.total_cmp(&b.1))
-            .filter(|(_, weight)| *weight < add)
-        {
-            *lightest = (shape, add);
         }
     }
 
@@ -262,6 +148,112 @@ impl Workload {
     /// True before any pod was observed.
     pub fn is_empty(&self) -> bool {
         self.shapes.is_empty() && self.gangs.is_empty()
+    }
+}
+
+/// What the workload groups pods into: one-GPU shapes by GPU size, multi-GPU shapes by GPUs
+/// and GiB per GPU. A group keeps its pods' mean CPU and memory.
+trait Learned: Copy {
+    /// What pods of one group share.
+    fn key(&self) -> (u32, u64);
+    /// GiB a pod asks in all: what it weighs.
+    fn gib(&self) -> u64;
+    fn host(&self) -> Host;
+    fn host_mut(&mut self) -> &mut Host;
+}
+
+impl Learned for Shape {
+    fn key(&self) -> (u32, u64) {
+        (1, self.gpu_gib)
+    }
+    fn gib(&self) -> u64 {
+        self.gpu_gib
+    }
+    fn host(&self) -> Host {
+        self.host
+    }
+    fn host_mut(&mut self) -> &mut Host {
+        &mut self.host
+    }
+}
+
+impl Learned for Gang {
+    fn key(&self) -> (u32, u64) {
+        (self.gpus, self.shape.gpu_gib)
+    }
+    fn gib(&self) -> u64 {
+        Gang::gib(self)
+    }
+    fn host(&self) -> Host {
+        self.shape.host
+    }
+    fn host_mut(&mut self) -> &mut Host {
+        &mut self.shape.host
+    }
+}
+
+/// `pods` grouped, each group weighing its pods' GiB × `scale`, in key order so that the
+/// result is deterministic.
+fn grouped<T: Learned>(pods: &[T], scale: f64) -> Vec<(T, f64)> {
+    // Key → (a pod, pods, Σ CPU, Σ memory).
+    let mut groups: std::collections::BTreeMap<(u32, u64), (T, u64, u128, u128)> =
+        Default::default();
+    for pod in pods {
+        let group = groups.entry(pod.key()).or_insert((*pod, 0, 0, 0));
+        group.1 += 1;
+        group.2 += u128::from(pod.host().milli_cpu);
+        group.3 += u128::from(pod.host().memory_mib);
+    }
+    groups
+        .into_values()
+        .map(|(mut pod, count, cpu, memory)| {
+            let mean = |sum: u128| u64::try_from(sum / u128::from(count)).unwrap_or(u64::MAX);
+            *pod.host_mut() = Host::new(mean(cpu), mean(memory));
+            (pod, (pod.gib() * count) as f64 * scale)
+        })
+        .collect()
+}
+
+/// Adds `add` of `pod` to its group in `groups` (the group's CPU and memory move to the
+/// weighted mean); false when it has none.
+fn merge_into<T: Learned>(groups: &mut [(T, f64)], pod: T, add: f64) -> bool {
+    let Some((known, weight)) = groups.iter_mut().find(|(g, _)| g.key() == pod.key()) else {
+        return false;
+    };
+    let mean = |old: u64, new: u64| {
+        ((old as f64 * *weight + new as f64 * add) / (*weight + add)).round() as u64
+    };
+    let host = known.host();
+    *known.host_mut() = Host::new(
+        mean(host.milli_cpu, pod.host().milli_cpu),
+        mean(host.memory_mib, pod.host().memory_mib),
+    );
+    *weight += add;
+    true
+}
+
+/// [`merge_into`], or a group of its own.
+fn merge<T: Learned>(groups: &mut Vec<(T, f64)>, pod: T, add: f64) {
+    if !merge_into(groups, pod, add) {
+        groups.push((pod, add));
+    }
+}
+
+/// Learns a pod arriving now, weighing its GiB: into its group, else a new group while there
+/// are fewer than `max`, else in place of the lightest if that weighs less than the pod.
+fn learn<T: Learned>(groups: &mut Vec<(T, f64)>, max: usize, pod: T) {
+    let add = pod.gib() as f64;
+    if merge_into(groups, pod, add) {
+        return;
+    }
+    if groups.len() < max {
+        groups.push((pod, add));
+    } else if let Some(lightest) = groups
+        .iter_mut()
+        .min_by(|a, b| a.1.total_cmp(&b.1))
+        .filter(|(_, weight)| *weight < add)
+    {
+        *lightest = (pod, add);
     }
 }
 
