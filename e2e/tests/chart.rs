@@ -1018,16 +1018,71 @@ fn render_dra(extra: &[&str]) -> anyhow::Result<Rendered> {
     render("gpushare", "kube-system", &args)
 }
 
+/// The rendered object of `kind` named `name`, or null.
+fn named<'r>(rendered: &'r Rendered, kind: &str, name: &str) -> &'r serde_json::Value {
+    rendered
+        .of_kind(kind)
+        .into_iter()
+        .find(|o| o["metadata"]["name"] == name)
+        .unwrap_or(&serde_json::Value::Null)
+}
+
 /// The JSON patch expression of the `dra.gpuMem` MutatingAdmissionPolicy, its whitespace
 /// runs made single spaces.
 fn claims_policy_patch(rendered: &Rendered) -> String {
-    rendered.of_kind("MutatingAdmissionPolicy")[0]["spec"]["mutations"][0]["jsonPatch"]
-        ["expression"]
+    named(
+        rendered,
+        "MutatingAdmissionPolicy",
+        "gpushare-gpu-mem-claims",
+    )["spec"]["mutations"][0]["jsonPatch"]["expression"]
         .as_str()
         .unwrap_or_default()
         .split_whitespace()
         .collect::<Vec<_>>()
         .join(" ")
+}
+
+/// The policy that routes pods naming a claim template of our class: it reads templates as
+/// params, every one in the pod's namespace but the chart's own (whose pods the gpu-mem policy
+/// routes), tests the class, and sets the chart's scheduler; a miss only loses ranking.
+fn check_template_routing(rendered: &Rendered) -> anyhow::Result<()> {
+    let name = "gpushare-claim-templates";
+    let policy = &named(rendered, "MutatingAdmissionPolicy", name)["spec"];
+    ensure!(
+        policy["paramKind"]["kind"] == "ResourceClaimTemplate",
+        "{policy}"
+    );
+    ensure!(policy["failurePolicy"] == "Ignore", "{policy}");
+    let conditions = policy["matchConditions"].to_string();
+    ensure!(
+        conditions.contains("deviceClassName == 'gpu-mem.gpushare.example.com'"),
+        "{conditions}"
+    );
+    let patch = policy["mutations"][0]["jsonPatch"]["expression"].to_string();
+    ensure!(
+        patch.contains(r#"value: \"gpushare-scheduler\""#),
+        "{patch}"
+    );
+    let param = &named(rendered, "MutatingAdmissionPolicyBinding", name)["spec"]["paramRef"];
+    ensure!(param["parameterNotFoundAction"] == "Allow", "{param}");
+    ensure!(
+        param.get("namespace").is_none(),
+        "the pod's namespace: {param}"
+    );
+    let excluded = &param["selector"]["matchExpressions"][0];
+    ensure!(excluded["operator"] == "NotIn", "{param}");
+    let key = excluded["key"].as_str().unwrap_or_default();
+    for template in rendered.of_kind("ResourceClaimTemplate") {
+        let label = &template["metadata"]["labels"][key];
+        ensure!(
+            excluded["values"]
+                .as_array()
+                .is_some_and(|v| v.contains(label)),
+            "the chart's own template {} is excluded by {key}: {label}",
+            template["metadata"]["name"]
+        );
+    }
+    Ok(())
 }
 
 /// DRA mode's profile: no extender, MostAllocated on CPU and memory (the score that packs),
@@ -1886,9 +1941,12 @@ fn dra_mode_installs_the_dra_driver_its_scheduler_and_the_extender_that_ranks() 
     .map(|(k, n)| (k.to_owned(), n))
     .collect();
     // The chart's own kube-scheduler (scheduler.mode=dedicated, the default) comes too: its
-    // ServiceAccount, three bindings, its leader-election Role and binding, config, Deployment.
+    // ServiceAccount, three bindings, its leader-election Role and binding, config, Deployment;
+    // and the policy that routes pods naming a claim template of our class to it.
     let mut with_scheduler = driver_only.clone();
     for (kind, more) in [
+        ("MutatingAdmissionPolicy", 1),
+        ("MutatingAdmissionPolicyBinding", 1),
         ("ServiceAccount", 1),
         ("ClusterRoleBinding", 2),
         ("Role", 1),
@@ -1921,6 +1979,8 @@ fn dra_mode_installs_the_dra_driver_its_scheduler_and_the_extender_that_ranks() 
     assert_eq!(ds["metadata"]["name"], "gpushare-dra-plugin");
     check_dra_scheduler(&rendered, true)?;
     check_dra_extender(&rendered)?;
+
+    check_template_routing(&rendered)?;
 
     let rendered = render_dra(&["--set", "dra.scheduler.ranking=false"])?;
     assert_eq!(rendered.kinds(), with_scheduler);
@@ -1998,16 +2058,19 @@ fn dra_mode_installs_the_dra_driver_its_scheduler_and_the_extender_that_ranks() 
         "kube-system",
         &["--set", "mode=dra", "--set", "dra.gpuMem.enabled=false"],
     )?;
-    for kind in [
-        "ResourceClaimTemplate",
-        "MutatingAdmissionPolicy",
-        "ValidatingAdmissionPolicy",
-    ] {
+    for kind in ["ResourceClaimTemplate", "ValidatingAdmissionPolicy"] {
         ensure!(
             without.of_kind(kind).is_empty(),
             "{kind} rendered with dra.gpuMem.enabled=false"
         );
     }
+    // Pods naming templates of their own are still routed to the chart's scheduler.
+    let policies: Vec<&serde_json::Value> = without
+        .of_kind("MutatingAdmissionPolicy")
+        .into_iter()
+        .map(|p| &p["metadata"]["name"])
+        .collect();
+    ensure!(policies == ["gpushare-claim-templates"], "{policies:?}");
     Ok(())
 }
 

@@ -2167,7 +2167,26 @@ async fn survived(c: &KitCluster, before: &Pod, what: &str) -> anyhow::Result<Po
 
 /// Creates the ResourceClaimTemplate `template` (JSON) in `default`.
 async fn create_claim_template(c: &KitCluster, template: serde_json::Value) -> anyhow::Result<()> {
-    let templates: Api<kube::api::DynamicObject> = Api::namespaced_with(
+    let name = template["metadata"]["name"]
+        .as_str()
+        .context("a template has a name")?
+        .to_owned();
+    claim_templates(c)
+        .create(&PostParams::default(), &serde_json::from_value(template)?)
+        .await?;
+    // The routing policy reads templates from the API server's cache: a pod created the
+    // moment after its template may miss it (and go to the default profile, first fit).
+    wait_for(
+        &format!("the API server to route pods naming template {name}"),
+        Duration::from_secs(30),
+        || async { (admitted_scheduler(c, &name).await.ok()? == ROUTED).then_some(()) },
+    )
+    .await
+}
+
+/// ResourceClaimTemplates in `default`.
+fn claim_templates(c: &KitCluster) -> Api<kube::api::DynamicObject> {
+    Api::namespaced_with(
         c.client(),
         "default",
         &kube::api::ApiResource::from_gvk(&kube::api::GroupVersionKind::gvk(
@@ -2175,11 +2194,27 @@ async fn create_claim_template(c: &KitCluster, template: serde_json::Value) -> a
             "v1",
             "ResourceClaimTemplate",
         )),
-    );
-    templates
-        .create(&PostParams::default(), &serde_json::from_value(template)?)
+    )
+}
+
+/// The chart's DRA-mode scheduler profile, which routed pods name.
+const ROUTED: &str = "gpushare-scheduler";
+
+/// The `schedulerName` a pod naming claim template `template` gets from admission: a
+/// server-side dry-run create (admission runs, nothing is stored).
+async fn admitted_scheduler(c: &KitCluster, template: &str) -> anyhow::Result<String> {
+    let pods: Api<Pod> = Api::namespaced(c.client(), "default");
+    let dry_run = PostParams {
+        dry_run: true,
+        ..PostParams::default()
+    };
+    let pod = pods
+        .create(&dry_run, &templated_pod("routing-probe", template)?)
         .await?;
-    Ok(())
+    Ok(pod
+        .spec
+        .and_then(|spec| spec.scheduler_name)
+        .unwrap_or_default())
 }
 
 /// A template of one request of `count` devices of gpushare's class, `memory` of each.
@@ -2205,6 +2240,31 @@ fn templated_pod(name: &str, template: &str) -> anyhow::Result<Pod> {
                             "resources": {"claims": [{"name": "gpus"}]}}]
         }
     }))?)
+}
+
+/// A pod naming a template of another DeviceClass keeps the default scheduler.
+async fn the_routing_reads_the_class(c: &KitCluster) -> anyhow::Result<()> {
+    let other = "other.gpushare.example.com";
+    let class = serde_json::json!({
+        "apiVersion": "resource.k8s.io/v1", "kind": "DeviceClass",
+        "metadata": {"name": other}, "spec": {}
+    });
+    c.kubectl_stdin(&["apply", "-f", "-"], &class.to_string())?;
+    let mut template = gpus_template("other-class", 1, "4Gi");
+    template["spec"]["spec"]["devices"]["requests"][0]["exactly"] = serde_json::json!({
+        "deviceClassName": other
+    });
+    claim_templates(c)
+        .create(&PostParams::default(), &serde_json::from_value(template)?)
+        .await?;
+    // Once the cache has it (a template of ours created after it is routed), it stays so.
+    create_claim_template(c, gpus_template("after-other", 1, "4Gi")).await?;
+    let scheduler = admitted_scheduler(c, "other-class").await?;
+    ensure!(
+        scheduler == "default-scheduler",
+        "a pod naming a template of another class should keep the default scheduler: {scheduler}"
+    );
+    Ok(())
 }
 
 /// The devices (`gpu-<index>`) and consumed memory of the claims of `pod`.
@@ -2253,11 +2313,18 @@ fn dra_two_gpu_and_whole_gpu_claims(c: &KitCluster) -> Outcome<'_> {
         let pods: Api<Pod> = Api::namespaced(c.client(), "default");
         let specs_before = claim_specs()?;
         create_claim_template(c, gpus_template("two-gpus-4g", 2, "4Gi")).await?;
-        pods.create(
-            &PostParams::default(),
-            &templated_pod("two", "two-gpus-4g")?,
-        )
-        .await?;
+        let two = pods
+            .create(
+                &PostParams::default(),
+                &templated_pod("two", "two-gpus-4g")?,
+            )
+            .await?;
+        let scheduler = two.spec.and_then(|spec| spec.scheduler_name);
+        ensure!(
+            scheduler.as_deref() == Some(ROUTED),
+            "a pod naming a template of gpushare's class should go to {ROUTED}: {scheduler:?}"
+        );
+        the_routing_reads_the_class(c).await?;
         let cdi = cdi_of(c, "two", "main").await?;
         ensure!(
             cdi.len() == 2,
