@@ -25,6 +25,7 @@ mod node;
 mod preempt;
 mod score;
 
+use decide::Choice;
 pub use node::{GpuSet, GpuUsage, Node};
 pub use preempt::{Evictable, Eviction};
 
@@ -178,6 +179,35 @@ impl Cluster {
         request: &Request,
         policy: Policy,
     ) -> Result<Placement, Refusal> {
+        self.reserve_choosing(uid, node_name, request, |node, workload| {
+            node.choose(request, policy, workload)
+        })
+    }
+
+    /// [`Cluster::reserve`], but the GPUs booked are the first that take the request, in
+    /// index order, whatever a policy would prefer: what kube-scheduler's DRA allocator takes
+    /// on the node it chose (first fit over the slice's devices, which our plugin publishes in
+    /// index order). DRA mode's holds book with it, so the filters that run before the
+    /// claim's allocation is watched see the GPU that allocation will name.
+    pub fn reserve_first_fit(
+        &mut self,
+        uid: PodId,
+        node_name: &str,
+        request: &Request,
+    ) -> Result<Placement, Refusal> {
+        self.reserve_choosing(uid, node_name, request, |node, workload| {
+            node.first_fit(request, workload)
+        })
+    }
+
+    /// Books `request` for pod `uid` on the GPUs of `node_name` that `choose` picks.
+    fn reserve_choosing(
+        &mut self,
+        uid: PodId,
+        node_name: &str,
+        request: &Request,
+        choose: impl FnOnce(&Node, &Workload) -> Result<Choice, Unfit>,
+    ) -> Result<Placement, Refusal> {
         if let Some((node, placement)) = self.pod(&uid) {
             return Err(Refusal::AlreadyPlaced {
                 node: node.to_owned(),
@@ -189,7 +219,7 @@ impl Cluster {
             None => return Err(Unfit::UnknownNode.into()),
         };
         let node = self.nodes.get_mut(node_name).ok_or(Unfit::UnknownNode)?;
-        let choice = node.choose(request, policy, &self.workload)?;
+        let choice = choose(node, &self.workload)?;
         let gpu = Arc::clone(&node.gpus[choice.first].gpu);
         let more: Vec<Arc<Gpu>> = choice
             .more
@@ -296,17 +326,16 @@ mod tests {
         cluster
     }
 
+    /// The GiB free on each GPU of `node`, in index order.
+    fn free_gib(cluster: &Cluster, node: &str) -> Vec<u64> {
+        let gpus = cluster.node(node).unwrap().gpus();
+        gpus.iter().map(GpuUsage::free_gib).collect()
+    }
+
     #[test]
     fn design_doc_example_binpacks_onto_the_gpu_with_8_free() {
         let cluster = design_doc_node();
-        let free: Vec<u64> = cluster
-            .node("n1")
-            .unwrap()
-            .gpus()
-            .iter()
-            .map(GpuUsage::free_gib)
-            .collect();
-        assert_eq!(free, vec![12, 8, 4, 16]);
+        assert_eq!(free_gib(&cluster, "n1"), vec![12, 8, 4, 16]);
         assert_eq!(
             cluster.choose_gpu("n1", &request(8), Policy::Binpack),
             Ok(1)
@@ -318,6 +347,41 @@ mod tests {
             .unwrap();
         assert_eq!((placed.gpu, placed.uuid.as_str()), (1, "GPU-1"));
         assert_eq!(cluster.node("n1").unwrap().gpus()[1].free_gib(), 0);
+    }
+
+    #[test]
+    fn first_fit_takes_the_lowest_gpus_with_room_whatever_the_policy_prefers() {
+        // Free 12, 8, 4, 16: binpack would take GPU 1 for 8 GiB; first fit takes GPU 0.
+        let mut cluster = design_doc_node();
+        let placed = cluster
+            .reserve_first_fit("p".into(), "n1", &request(8))
+            .unwrap();
+        assert_eq!((placed.gpu, placed.uuid.as_str()), (0, "GPU-0"));
+        // Now 4, 8, 4, 16: two slices of 6 GiB go to GPUs 1 and 3, the first two with room.
+        let placed = cluster
+            .reserve_first_fit("q".into(), "n1", &multi(2, 6, false))
+            .unwrap();
+        assert_eq!((placed.gpu, placed.more_gpus.len()), (1, 1));
+        assert_eq!(placed.more_gpus[0].0, 3);
+        assert_eq!(free_gib(&cluster, "n1"), vec![4, 2, 4, 10]);
+        // What fits nowhere is refused as a policy's choice refuses it, and books nothing.
+        assert_eq!(
+            cluster.reserve_first_fit("r".into(), "n1", &request(11)),
+            Err(cluster
+                .reserve("r".into(), "n1", &request(11), Policy::Binpack)
+                .unwrap_err())
+        );
+        assert!(
+            cluster
+                .reserve_first_fit("r".into(), "n1", &multi(2, 5, false))
+                .is_err()
+        );
+        assert!(
+            cluster
+                .reserve_first_fit("r".into(), "n1", &multi(1, 16, true))
+                .is_err()
+        );
+        assert_eq!(cluster.pod_count(), 5);
     }
 
     /// A pod bound to the GPU with `uuid`, recorded at `index`, with a container still waiting.

@@ -168,6 +168,39 @@ async fn filter_keeps_the_node_claims_filled_most_and_holds_until_the_claim_is_a
     assert!(used(&h.app, "empty").await.is_empty());
 }
 
+/// The hold books the GPU kube-scheduler's allocator will take (the first device with room),
+/// not the one the extender's policy prefers, so the pods filtered before the allocation is
+/// watched see each GPU as it will be.
+#[tokio::test]
+async fn the_hold_books_the_gpu_first_fit_takes() {
+    let nodes = vec![node("n").gpushare().build()];
+    let h = harness_with(dra_settings(), nodes, vec![]);
+    {
+        let mut view = h.state.view_mut();
+        view.replace_slices(&[slice("n", &[16, 16])]);
+        view.replace_claims(&[
+            claim("a", 4, Some(("n", 1)), None),
+            claim("pending", 4, None, None),
+        ]);
+    }
+    h.state.set_filter_keep_best(1);
+    let pod = claiming_pod("trainer", "pending");
+    let (_, answer) = call(
+        &h.app,
+        "POST",
+        &format!("{PREFIX}/filter"),
+        &filter_args(&pod, &["n"]),
+    )
+    .await;
+    assert_eq!(answer["NodeNames"], json!(["n"]), "{answer}");
+    // The policy would fill gpu-1 (the fuller); first fit takes gpu-0.
+    assert_eq!(used(&h.app, "n").await, [4, 4], "held where first fit goes");
+    h.state
+        .view_mut()
+        .apply_claim(&claim("pending", 4, Some(("n", 0)), Some("uid-trainer")));
+    assert_eq!(used(&h.app, "n").await, [4, 4], "counted once");
+}
+
 /// A pod the extender cannot rank (no claim of our class, or one not seen yet) passes every
 /// node kube-scheduler found fit, and so does one the view finds no room for: in DRA mode
 /// kube-scheduler's allocator decides what fits, the extender only ranks.

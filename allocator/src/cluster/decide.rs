@@ -35,6 +35,30 @@ impl Node {
         })
     }
 
+    /// The first GPUs, in index order, that each take the request's slice (one for a one-GPU
+    /// request, N distinct ones for `gpus: N`; exclusive: empty ones), whatever a policy would
+    /// prefer: kube-scheduler's DRA allocator takes devices so. Where none (or too few) take
+    /// it, the refusal is the one [`Node::choose`] gives, so a first-fit booking and a
+    /// policy's agree on whether the request fits.
+    pub(crate) fn first_fit(
+        &self,
+        request: &Request,
+        workload: &Workload,
+    ) -> Result<Choice, Unfit> {
+        self.check_node()?;
+        let wanted = request.gpus.max(1) as usize;
+        let mut taken = (0..self.gpus.len()).filter(|&pos| self.takes_slice(pos, request));
+        let first = taken.next();
+        let more: Vec<usize> = taken.take(wanted - 1).collect();
+        match first {
+            Some(first) if more.len() + 1 == wanted => Ok(Choice { first, more }),
+            _ => Err(self
+                .choose(request, Policy::Binpack, workload)
+                .err()
+                .unwrap_or(Unfit::NoGpus)),
+        }
+    }
+
     /// Why no GPU of the node is of a model `request` allows.
     fn no_model(&self, request: &Request) -> Unfit {
         let mut models: Vec<&str> = self.gpus.iter().map(|u| u.gpu.model.as_str()).collect();

@@ -88,6 +88,12 @@ impl View {
     /// bind must see the memory taken ([`crate::reservation`], "Why holds"). A hold the pod
     /// already had is given back first; a pod already booked otherwise (its bind under way or
     /// its Binding written) gets none. False when nothing was held.
+    ///
+    /// The GPUs held are those the pod will get: the policy's choice in extender mode (bind
+    /// decides with it), the first with room in DRA mode (kube-scheduler's allocator takes
+    /// devices so, [`Cluster::reserve_first_fit`]).
+    ///
+    /// [`Cluster::reserve_first_fit`]: gpushare_allocator::Cluster::reserve_first_fit
     pub fn hold(&mut self, hold: Hold<'_>, request: &Request, policy: Policy) -> bool {
         let Hold {
             uid,
@@ -97,12 +103,16 @@ impl View {
             until,
         } = hold;
         self.release_hold(&uid);
-        if self.reservations.get(&uid).is_some()
-            || self
-                .cluster
-                .reserve(uid.clone(), node, request, policy)
-                .is_err()
-        {
+        if self.reservations.get(&uid).is_some() {
+            return false;
+        }
+        // In DRA mode kube-scheduler's allocator, not the policy, picks the GPUs: first fit.
+        let booked = if self.settings.dra.is_some() {
+            self.cluster.reserve_first_fit(uid.clone(), node, request)
+        } else {
+            self.cluster.reserve(uid.clone(), node, request, policy)
+        };
+        if booked.is_err() {
             return false;
         }
         let Some((_, placement)) = self.cluster.pod(&uid) else {
