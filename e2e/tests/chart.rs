@@ -1085,6 +1085,27 @@ fn check_template_routing(rendered: &Rendered) -> anyhow::Result<()> {
     Ok(())
 }
 
+/// Whether both DRA policies that route GPU pods to the chart's scheduler (the gpu-mem one,
+/// the claim-template one) give them a toleration of the idle-GPU taint: `wanted` where the
+/// extender runs (it ranks) and keeps the taint, else neither carries one.
+fn check_dra_idle_gpu_toleration(rendered: &Rendered, wanted: bool) -> anyhow::Result<()> {
+    for name in ["gpushare-gpu-mem-claims", "gpushare-claim-templates"] {
+        let mutations = &named(rendered, "MutatingAdmissionPolicy", name)["spec"]["mutations"];
+        let tolerates = mutations.as_array().is_some_and(|all| {
+            all.iter().any(|m| {
+                let patch = m["jsonPatch"]["expression"].as_str().unwrap_or_default();
+                patch.contains("path: '/spec/tolerations/-'")
+                    && patch.contains("key: 'gpushare.example.com/idle-gpu', operator: 'Exists', effect: 'PreferNoSchedule'")
+            })
+        });
+        ensure!(
+            tolerates == wanted,
+            "{name}: toleration {tolerates}, wanted {wanted}: {mutations}"
+        );
+    }
+    Ok(())
+}
+
 /// DRA mode's profile: no extender, MostAllocated on CPU and memory (the score that packs),
 /// the spreading scores off, a short walk, and a client that can write a claim and a Binding
 /// per pod.
@@ -1981,10 +2002,14 @@ fn dra_mode_installs_the_dra_driver_its_scheduler_and_the_extender_that_ranks() 
     check_dra_extender(&rendered)?;
 
     check_template_routing(&rendered)?;
+    check_dra_idle_gpu_toleration(&rendered, true)?;
+    let without_taint = render_dra(&["--set", "extender.idleGpuTaint=false"])?;
+    check_dra_idle_gpu_toleration(&without_taint, false)?;
 
     let rendered = render_dra(&["--set", "dra.scheduler.ranking=false"])?;
     assert_eq!(rendered.kinds(), with_scheduler);
     check_dra_scheduler(&rendered, false)?;
+    check_dra_idle_gpu_toleration(&rendered, false)?;
     let expression = claims_policy_patch(&rendered);
     assert!(
         expression.contains(r#"path: "/spec/schedulerName", value: "gpushare-scheduler""#),

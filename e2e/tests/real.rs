@@ -1552,6 +1552,15 @@ async fn wait_idle_gpu_taint(c: &KitCluster, node: &str, wanted: bool) -> anyhow
     .await
 }
 
+/// Whether pod `name` tolerates the idle-GPU taint (as admitted).
+async fn tolerates_idle_gpu_taint(pods: &Api<Pod>, name: &str) -> anyhow::Result<bool> {
+    let tolerations = pods.get(name).await?.spec.and_then(|spec| spec.tolerations);
+    Ok(tolerations
+        .into_iter()
+        .flatten()
+        .any(|t| t.key.as_deref() == Some("gpushare.example.com/idle-gpu")))
+}
+
 async fn cpu_only_pods_on_fake_nodes(c: &KitCluster) -> anyhow::Result<()> {
     let pods: Api<Pod> = Api::namespaced(c.client(), "default");
     let labelled = |pod: Pod| test_labelled(pod, "idle-gpu");
@@ -1597,11 +1606,7 @@ async fn cpu_only_pods_on_fake_nodes(c: &KitCluster) -> anyhow::Result<()> {
     let prefers = fixtures::pod("idle-prefers").gpu_mem(4).build();
     let prefers = labelled(limited_to(prefers, &["idle-2", "idle-3"], Some("idle-3"))?);
     let placed = create_and_wait_bound(&pods, prefers).await?;
-    let tolerates = (pods.get("idle-prefers").await?.spec)
-        .and_then(|spec| spec.tolerations)
-        .into_iter()
-        .flatten()
-        .any(|t| t.key.as_deref() == Some("gpushare.example.com/idle-gpu"));
+    let tolerates = tolerates_idle_gpu_taint(&pods, "idle-prefers").await?;
     ensure!(
         placed == "idle-3",
         "the GPU pod preferring idle-3 should go there, not on {placed}"
@@ -2774,6 +2779,9 @@ const DRA_DRIVER: &str = "gpushare.example.com";
 /// whose GPUs the claims fill best, and kube-scheduler's first-fit allocator takes the first
 /// device with room. Without the ranking (the profile's MostAllocated alone, and these pods
 /// request no CPU) both nodes tie for every pod: all five on `rank-0` would be 1 chance in 32.
+/// The five are created once both nodes carry the idle-GPU taint (each has idle GPUs): the
+/// chart's policy gives DRA pods its toleration, without which the filter steps aside for
+/// them and the nodes tie again.
 fn dra_pods_go_to_the_fuller_node_and_gpu(c: &KitCluster) -> Outcome<'_> {
     Box::pin(async move {
         let client = c.client();
@@ -2791,6 +2799,12 @@ async fn dra_ranked_onto_the_fuller_node(c: &KitCluster) -> anyhow::Result<()> {
     let gib4 = |name: &str| fixtures::pod(name).gpu_mem(4).build();
     let first = create_and_wait_bound(&pods, limited_to(gib4("ranked-0"), &["rank-0"], None)?);
     ensure!(first.await? == "rank-0");
+    // Both nodes have idle GPUs: with the idle-GPU taint on both, a pod that does not
+    // tolerate it makes the filter step aside, and the two nodes tie in kube-scheduler's
+    // scores.
+    for node in ["rank-0", "rank-1"] {
+        wait_idle_gpu_taint(c, node, true).await?;
+    }
     for i in 1..=5 {
         let name = format!("ranked-{i}");
         let pod = limited_to(gib4(&name), &["rank-0", "rank-1"], None)?;
@@ -2800,6 +2814,11 @@ async fn dra_ranked_onto_the_fuller_node(c: &KitCluster) -> anyhow::Result<()> {
             "{name} went to {node}: the extender should have passed rank-0 alone, whose GPU the claims fill"
         );
     }
+    let tolerates = tolerates_idle_gpu_taint(&pods, "ranked-1").await?;
+    ensure!(
+        tolerates,
+        "the chart's gpu-mem policy should give DRA pods a toleration of the idle-GPU taint"
+    );
     let mut per_gpu = std::collections::BTreeMap::<String, usize>::new();
     for i in 0..=5 {
         for (device, consumed) in claimed_devices(c, &format!("ranked-{i}"))? {

@@ -176,6 +176,34 @@ binds. */}}
 {{- if or (ne .Values.mode "dra") (include "gpushare.draRanking" .) }}true{{ end }}
 {{- end }}
 
+{{/* The extender keeps the idle-GPU taint (extender.idleGpuTaint): in extender mode, and in DRA mode with its ranking. */}}
+{{- define "gpushare.idleGpuTaint" -}}
+{{- if and (include "gpushare.extenderRuns" .) .Values.extender.idleGpuTaint }}true{{ end }}
+{{- end }}
+
+{{/*
+A MutatingAdmissionPolicy mutation (a list item) that gives a GPU pod a toleration of the
+idle-GPU taint, unless one of its tolerations already covers it: the taint is meant for pods
+that ask for no GPU. Without it, the filter that keeps the best node steps aside for a GPU pod
+whenever a candidate carries the taint, and kube-scheduler's TaintToleration score (weight 3)
+decides instead of the extender's ranking.
+*/}}
+{{- define "gpushare.idleGpuTolerationMutation" -}}
+{{- $key := printf "%s/idle-gpu" .Values.domain }}
+{{- $toleration := printf "Object.spec.tolerations{key: '%s', operator: 'Exists', effect: 'PreferNoSchedule'}" $key -}}
+- patchType: JSONPatch
+  jsonPatch:
+    expression: >-
+      has(object.spec.tolerations) && object.spec.tolerations.exists(t,
+      (!has(t.effect) || t.effect == '' || t.effect == 'PreferNoSchedule') &&
+      ((has(t.operator) && t.operator == 'Exists' && (!has(t.key) || t.key == '' || t.key == '{{ $key }}')) ||
+      (has(t.key) && t.key == '{{ $key }}' && (!has(t.value) || t.value == ''))))
+      ? []
+      : has(object.spec.tolerations)
+      ? [JSONPatch{op: 'add', path: '/spec/tolerations/-', value: {{ $toleration }}}]
+      : [JSONPatch{op: 'add', path: '/spec/tolerations', value: [{{ $toleration }}]}]
+{{- end }}
+
 {{/* Allocations are signed: extender mode only (in DRA mode kube-scheduler writes them). */}}
 {{- define "gpushare.signing" -}}
 {{- if and (ne .Values.mode "dra") .Values.allocationSigning.enabled }}true{{ end }}
