@@ -36,7 +36,9 @@
 //! books the memory from the filter on; the bind gives it back and decides in the same step,
 //! so it books the same GPU unless something changed. A hold lapses after a few seconds, so
 //! memory is never kept for a bind that does not come (a later plugin refused the pod, or the
-//! scheduler went away).
+//! scheduler went away). In DRA mode no bind comes: the hold ends when the pod's claim is
+//! watched allocated, which kube-scheduler writes in its binding cycle, so it lapses only
+//! after a minute (`DRA_HOLD_FOR` in `scheduling/filter.rs`).
 //!
 //! Each reservation carries a [`Ticket`]: the task that drives one bind attempt settles only
 //! its own reservation, never a later one for the same pod.

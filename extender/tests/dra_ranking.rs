@@ -195,6 +195,11 @@ async fn the_hold_books_the_gpu_first_fit_takes() {
     assert_eq!(answer["NodeNames"], json!(["n"]), "{answer}");
     // The policy would fill gpu-1 (the fuller); first fit takes gpu-0.
     assert_eq!(used(&h.app, "n").await, [4, 4], "held where first fit goes");
+    // kube-scheduler writes the allocation in its binding cycle, which a loaded API server
+    // can hold for many seconds: the hold outlasts extender mode's 5 s.
+    let later = std::time::Instant::now() + std::time::Duration::from_secs(20);
+    assert_eq!(h.state.view_mut().release_lapsed_holds(later), 0);
+    assert_eq!(used(&h.app, "n").await, [4, 4], "still held 20 s on");
     h.state
         .view_mut()
         .apply_claim(&claim("pending", 4, Some(("n", 0)), Some("uid-trainer")));
