@@ -10,6 +10,8 @@
 //! model annotation) instead of node affinity on the model label.
 //! `--host-scale K` multiplies every node's CPU and memory by K after the tasks are drawn: a
 //! what-if that shows how much of what is not allocated CPU and memory cost.
+//! The preamble prints two ceilings at 100 %: without multi-GPU tasks, and from the GPU sizes
+//! alone (`size_ceiling`: tasks asking more of the larger GPUs than they hold).
 //!
 //! kube-scheduler, for gpushare's strategies, filters and scores the nodes as it does by
 //! default: a walk round the nodes, resumed pod after pod, that stops at
@@ -34,7 +36,7 @@ use gpushare_e2e::scheduler::framework::{
 };
 use gpushare_perf::realistic::{
     Cause, NodesToScore, Profile, RequestForm, Run, SimNode, Strategy, Task, TaskKind, TaskMix,
-    TraceMix, generate_nodes, generate_tasks, replay, trace_nodes, trace_tasks,
+    TraceMix, generate_nodes, generate_tasks, replay, size_ceiling, trace_nodes, trace_tasks,
 };
 
 /// Compares gpushare's policies with BestFit and FGD on generated realistic clusters.
@@ -320,6 +322,37 @@ fn print_setup(args: &Args, form: RequestForm, to_score: NodesToScore, traces: &
     println!(
         "  ceiling at 100% demand without multi-GPU tasks: {:.1}% (every other task placed)",
         ceiling_without_multi_gpu(traces) * 100.0
+    );
+    print_size_ceiling(traces);
+}
+
+/// The ceiling GPU sizes alone set at 100 % (`size_ceiling`), each seed's: where tasks ask
+/// more of the larger GPUs than they hold, no placement allocates it all.
+fn print_size_ceiling(traces: &[Trace]) {
+    let ceilings: Vec<_> = traces
+        .iter()
+        .filter_map(|(nodes, tasks)| size_ceiling(nodes, tasks))
+        .collect();
+    let Some(tightest) = ceilings
+        .iter()
+        .min_by(|a, b| a.allocation_at_most().total_cmp(&b.allocation_at_most()))
+    else {
+        return;
+    };
+    let mean = ceilings.iter().map(|c| c.allocation_at_most()).sum::<f64>() / ceilings.len() as f64;
+    if tightest.allocation_at_most() >= 1.0 {
+        println!(
+            "  ceiling at 100% demand from GPU sizes: none (no GPU size is asked more than it holds)"
+        );
+        return;
+    }
+    println!(
+        "  ceiling at 100% demand from GPU sizes: {:.1}% (lowest seed {:.1}%: tasks needing more than {} GiB per GPU ask {:.1}% of the cluster's GiB, those GPUs hold {:.1}%)",
+        mean * 100.0,
+        tightest.allocation_at_most() * 100.0,
+        tightest.above_gib,
+        tightest.asked * 100.0,
+        tightest.held * 100.0
     );
 }
 

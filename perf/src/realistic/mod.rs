@@ -36,6 +36,7 @@
 
 mod best_fit;
 pub mod calibrated;
+mod ceiling;
 mod dra;
 mod fgd;
 pub mod generator;
@@ -47,6 +48,7 @@ pub mod sim;
 mod strategy;
 
 pub use calibrated::{TRACE_NODE_TYPES, TraceMix, trace_nodes, trace_tasks};
+pub use ceiling::{SizeCeiling, size_ceiling};
 pub use generator::{
     GpuModel, MODELS, Models, NODE_TYPES, NodeType, SimNode, Task, TaskKind, TaskMix,
     generate_nodes, generate_tasks,
