@@ -10,6 +10,12 @@
 //! model annotation) instead of node affinity on the model label.
 //! `--host-scale K` multiplies every node's CPU and memory by K after the tasks are drawn: a
 //! what-if that shows how much of what is not allocated CPU and memory cost.
+//! `--trace-protocol` replays a `trace-*` mix as the public trace counts it: whole-GPU tasks
+//! ask for whole GPUs of any model (`exclusive`, the smallest GPU's GiB:
+//! `whole_gpus_of_any_model`), and demand and allocation are counted in GPUs
+//! (`Measure::Gpus`). Only the strategies whose pods ask in that form run (not BestFit, FGD or
+//! DRA mode, which would share those GPUs). `--count-gpus` counts in GPUs alone, the tasks as
+//! drawn.
 //! The preamble prints two ceilings at 100 %: without multi-GPU tasks, and from the GPU sizes
 //! alone (`size_ceiling`: tasks asking more of the larger GPUs than they hold).
 //!
@@ -35,8 +41,9 @@ use gpushare_e2e::scheduler::framework::{
     num_feasible_nodes_to_find, num_feasible_nodes_to_find_at,
 };
 use gpushare_perf::realistic::{
-    Cause, NodesToScore, Profile, RequestForm, Run, SimNode, Strategy, Task, TaskKind, TaskMix,
-    TraceMix, generate_nodes, generate_tasks, replay, size_ceiling, trace_nodes, trace_tasks,
+    Cause, Measure, NodesToScore, Profile, RequestForm, Run, SimNode, Strategy, Task, TaskKind,
+    TaskMix, TraceMix, generate_nodes, generate_tasks, replay_measured, size_ceiling, trace_nodes,
+    trace_tasks, whole_gpus_of_any_model,
 };
 
 /// Compares gpushare's policies with BestFit and FGD on generated realistic clusters.
@@ -94,6 +101,21 @@ struct Args {
         value_parser = clap::value_parser!(u64).range(1..=1000)
     )]
     host_scale: u64,
+    /// The public trace's own protocol (`trace-*` mixes only): whole-GPU tasks ask for whole
+    /// GPUs of any model (`exclusive`, the smallest GPU's GiB) instead of the GiB of the model
+    /// they were drawn for, and demand and allocation are counted in GPUs, not GiB. Runs only
+    /// the strategies whose pods ask with `exclusive`.
+    #[arg(
+        long,
+        env = "SIM_TRACE_PROTOCOL",
+        default_value_t = false,
+        conflicts_with_all = ["exclusive_whole", "models_in_request"]
+    )]
+    trace_protocol: bool,
+    /// Count demand and allocation in GPUs, as the public trace does (`trace-*` mixes only),
+    /// the tasks as drawn: what `--trace-protocol` does to the measure alone.
+    #[arg(long, env = "SIM_COUNT_GPUS", default_value_t = false)]
+    count_gpus: bool,
 }
 
 /// The named task mixes: the trace-calibrated generator's four workloads (`TraceMix`), and the
@@ -111,6 +133,14 @@ enum Mix {
 }
 
 impl Mix {
+    /// Whether it is one of the trace-calibrated workloads.
+    fn is_trace(self) -> bool {
+        matches!(
+            self,
+            Mix::TraceDefault | Mix::TraceGpushare100 | Mix::TraceGpuspec33 | Mix::TraceMultigpu50
+        )
+    }
+
     /// The cluster and the task stream of `seed`, to `demand` × its GPU memory.
     fn generate(self, nodes: usize, demand: f64, seed: u64) -> Trace {
         let trace = |mix: TraceMix| {
@@ -203,6 +233,21 @@ fn strategies() -> Vec<Strategy> {
     .collect()
 }
 
+/// How many of `tasks` arrive until their milli-GPU reach `demand` × the cluster's GPUs.
+fn until_gpu_demand(nodes: &[SimNode], tasks: &[Task], demand: f64) -> usize {
+    let gpus: u64 = nodes.iter().map(|n| u64::from(n.gpus)).sum();
+    let target = (gpus as f64 * 1000.0 * demand) as u64;
+    let mut arrived = 0;
+    tasks
+        .iter()
+        .take_while(|t| {
+            let before = arrived;
+            arrived += t.milli;
+            before < target
+        })
+        .count()
+}
+
 /// One generated cluster and its task stream.
 type Trace = (Vec<SimNode>, Vec<Task>);
 
@@ -211,17 +256,34 @@ type Replayed = (usize, Strategy, Vec<Run>);
 
 fn main() {
     let args = Args::parse();
+    if args.measure() == Measure::Gpus && !args.mix.is_trace() {
+        eprintln!("--trace-protocol and --count-gpus replay the trace-* mixes only");
+        std::process::exit(2);
+    }
     let form = args.request_form();
     let to_score = args.nodes_to_score();
     let strategies: Vec<(usize, Strategy)> = strategies()
         .into_iter()
         .enumerate()
         .filter(|(i, _)| args.only.is_empty() || args.only.contains(&(i + 1)))
+        .filter(|(_, s)| !args.trace_protocol || s.is_gpushare())
         .collect();
     let traces: Vec<Trace> = (0..args.seeds)
         .map(|seed| {
             // The tasks are drawn for the nodes as generated, then the nodes grow.
-            let (mut nodes, tasks) = args.mix.generate(args.nodes, args.demand, seed);
+            let (mut nodes, tasks) = match args.measure() {
+                Measure::Gib => args.mix.generate(args.nodes, args.demand, seed),
+                Measure::Gpus => {
+                    // Drawn well past the demand in GiB, then cut where it reaches it in
+                    // GPUs (the stream is the same draw whatever its length).
+                    let (nodes, mut tasks) = args.mix.generate(args.nodes, args.demand * 2.0, seed);
+                    if args.trace_protocol {
+                        whole_gpus_of_any_model(&nodes, &mut tasks);
+                    }
+                    tasks.truncate(until_gpu_demand(&nodes, &tasks, args.demand));
+                    (nodes, tasks)
+                }
+            };
             for node in &mut nodes {
                 node.host = Host::new(
                     node.host.milli_cpu * args.host_scale,
@@ -233,7 +295,7 @@ fn main() {
         .collect();
     print_setup(&args, form, to_score, &traces);
     println!();
-    let results = replay_all(&strategies, &traces, form, to_score);
+    let results = replay_all(&strategies, &traces, (form, args.measure()), to_score);
     print_at_full(&results);
     println!();
     print_curves(&results);
@@ -242,12 +304,21 @@ fn main() {
 impl Args {
     /// How gpushare pods ask for whole- and multi-GPU tasks.
     fn request_form(&self) -> RequestForm {
-        if self.exclusive_whole {
+        if self.exclusive_whole || self.trace_protocol {
             RequestForm::Exclusive
         } else if self.models_in_request {
             RequestForm::ModelsInRequest
         } else {
             RequestForm::Plain
+        }
+    }
+
+    /// What demand and allocation are counted in.
+    fn measure(&self) -> Measure {
+        if self.trace_protocol || self.count_gpus {
+            Measure::Gpus
+        } else {
+            Measure::Gib
         }
     }
 
@@ -307,11 +378,25 @@ fn print_setup(args: &Args, form: RequestForm, to_score: NodesToScore, traces: &
             )
         }
     }
-    println!("  BestFit and FGD: idealized, every node looked at");
+    if args.trace_protocol {
+        println!(
+            "  the trace's protocol: whole-GPU tasks ask for whole GPUs of any model (`exclusive`, the smallest GPU's GiB), demand and allocation counted in GPUs; BestFit, FGD and DRA mode not run"
+        );
+    } else {
+        if args.count_gpus {
+            println!("  demand and allocation counted in GPUs (--count-gpus)");
+        }
+        println!("  BestFit and FGD: idealized, every node looked at");
+    }
+    // Each task's demand in the measure the replay counts.
+    let demand = |t: &Task| match args.measure() {
+        Measure::Gib => t.demand_gib(),
+        Measure::Gpus => t.milli,
+    };
     for kind in TaskKind::ALL {
         let of: Vec<_> = tasks.iter().filter(|t| t.kind == kind).collect();
-        let gib: u64 = of.iter().map(|t| t.demand_gib()).sum();
-        let all: u64 = tasks.iter().map(|t| t.demand_gib()).sum();
+        let gib: u64 = of.iter().map(|t| demand(t)).sum();
+        let all: u64 = tasks.iter().map(demand).sum();
         println!(
             "  {:<15} {:>5.1}% of tasks, {:>5.1}% of GPU demand",
             kind.name(),
@@ -319,11 +404,14 @@ fn print_setup(args: &Args, form: RequestForm, to_score: NodesToScore, traces: &
             gib as f64 * 100.0 / all.max(1) as f64
         );
     }
-    println!(
-        "  ceiling at 100% demand without multi-GPU tasks: {:.1}% (every other task placed)",
-        ceiling_without_multi_gpu(traces) * 100.0
-    );
-    print_size_ceiling(traces);
+    // Both ceilings count GiB.
+    if args.measure() == Measure::Gib {
+        println!(
+            "  ceiling at 100% demand without multi-GPU tasks: {:.1}% (every other task placed)",
+            ceiling_without_multi_gpu(traces) * 100.0
+        );
+        print_size_ceiling(traces);
+    }
 }
 
 /// The ceiling GPU sizes alone set at 100 % (`size_ceiling`), each seed's: where tasks ask
@@ -384,7 +472,7 @@ fn ceiling_without_multi_gpu(traces: &[Trace]) -> f64 {
 fn replay_all(
     strategies: &[(usize, Strategy)],
     traces: &[Trace],
-    form: RequestForm,
+    form: (RequestForm, Measure),
     to_score: NodesToScore,
 ) -> Vec<Replayed> {
     let mut results: Vec<Replayed> = Vec::new();
@@ -393,7 +481,9 @@ fn replay_all(
         let runs: Vec<Run> = traces
             .iter()
             .zip(0..)
-            .map(|((nodes, tasks), seed)| replay(nodes, tasks, strategy, form, to_score, seed))
+            .map(|((nodes, tasks), seed)| {
+                replay_measured(nodes, tasks, strategy, form, to_score, seed)
+            })
             .collect();
         eprintln!(
             "{}: {:.1} s",

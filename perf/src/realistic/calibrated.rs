@@ -27,6 +27,9 @@
 //!   V100M32, so that a whole-GPU task drawn for one fits the other, as in the trace, where a
 //!   whole GPU is one GPU whatever its model). A sharing task asks its share of
 //!   its target model's GiB (at least 1, at most all but 1); a whole-GPU task all of it.
+//!   So on multigpu50 the 32 GiB tasks ask more than the 32 GiB GPUs hold
+//!   (`super::ceiling`); [`whole_gpus_of_any_model`] replays the trace's own protocol
+//!   instead, and each task carries its demand as the trace counts it ([`Task::milli`]).
 
 use gpushare_allocator::fragmentation::Host;
 use rand::rngs::StdRng;
@@ -307,6 +310,7 @@ pub fn trace_tasks(nodes: &[SimNode], mix: TraceMix, demand: f64, seed: u64) -> 
                 gpu_gib: 0,
                 host,
                 model: None,
+                milli: 0,
             }
         } else {
             let pinned = rng.random_range(0..gpu_share.max(1)) < mix.pinned();
@@ -325,11 +329,12 @@ pub fn trace_tasks(nodes: &[SimNode], mix: TraceMix, demand: f64, seed: u64) -> 
                 spec.host
             };
             let gib = spec.gpu_gib;
-            let gpu_gib = if shape.kind == TaskKind::Fractional {
+            let (gpu_gib, milli) = if shape.kind == TaskKind::Fractional {
                 let share = SHARE_MILLI.at(rng.random::<f64>()) / 1000.0;
-                ((gib as f64 * share).round() as u64).clamp(1, gib - 1)
+                let gpu_gib = ((gib as f64 * share).round() as u64).clamp(1, gib - 1);
+                (gpu_gib, (share * 1000.0).round() as u64)
             } else {
-                gib
+                (gib, u64::from(shape.gpus) * 1000)
             };
             Task {
                 kind: shape.kind,
@@ -337,12 +342,35 @@ pub fn trace_tasks(nodes: &[SimNode], mix: TraceMix, demand: f64, seed: u64) -> 
                 gpu_gib,
                 host: draw_host(&mut rng, &shape, cap),
                 model: pin,
+                milli,
             }
         };
         arrived += task.demand_gib();
         tasks.push(task);
     }
     tasks
+}
+
+/// The trace's own protocol for whole-GPU tasks: a task of N whole GPUs asks for N GPUs of
+/// any model (of its models, when pinned), where the generator ties it to the GiB of the
+/// model it was drawn for. In gpushare's terms it asks, with `exclusive`, for the smallest GPU
+/// its models come in on nodes with N GPUs or more: any of their GPUs takes it, booked whole
+/// (replayed with [`RequestForm::Exclusive`](super::sim::RequestForm::Exclusive)). Its CPU
+/// and memory, and every other task, stay as drawn.
+pub fn whole_gpus_of_any_model(nodes: &[SimNode], tasks: &mut [Task]) {
+    for task in tasks
+        .iter_mut()
+        .filter(|t| matches!(t.kind, TaskKind::Whole | TaskKind::Multi))
+    {
+        let smallest = nodes
+            .iter()
+            .filter(|n| n.gpus >= task.gpus && task.model.is_none_or(|m| m.contains(n.model)))
+            .map(|n| n.gpu_gib)
+            .min();
+        if let Some(gib) = smallest {
+            task.gpu_gib = gib;
+        }
+    }
 }
 
 /// The distinct node types of `nodes` and how many GPUs of each the cluster has.
@@ -486,6 +514,51 @@ mod tests {
                 "{mix:?}: {pinned:.1}‰ pinned"
             );
         }
+    }
+
+    #[test]
+    fn under_the_traces_protocol_whole_gpu_tasks_take_any_gpu_of_their_models() {
+        let nodes = trace_nodes(1_200, 4);
+        let drawn = trace_tasks(&nodes, TraceMix::Gpuspec33, 1.3, 4);
+        let mut any = drawn.clone();
+        whole_gpus_of_any_model(&nodes, &mut any);
+        let smallest = |gpus: u32, models: Option<Models>| {
+            nodes
+                .iter()
+                .filter(|n| n.gpus >= gpus && models.is_none_or(|m| m.contains(n.model)))
+                .map(|n| n.gpu_gib)
+                .min()
+        };
+        // T4 (15 GiB) for one, two and four GPUs; 16 GiB V100M16 nodes for eight.
+        assert_eq!(smallest(1, None), Some(15));
+        assert_eq!(smallest(8, None), Some(16));
+        let mut changed = 0;
+        for (before, after) in drawn.iter().zip(&any) {
+            assert_eq!((before.host, before.model), (after.host, after.model));
+            assert_eq!(before.milli, after.milli);
+            match before.kind {
+                TaskKind::Whole | TaskKind::Multi => {
+                    assert_eq!(before.milli, u64::from(before.gpus) * 1000);
+                    assert_eq!(Some(after.gpu_gib), smallest(after.gpus, after.model));
+                    changed += usize::from(after.gpu_gib != before.gpu_gib);
+                }
+                TaskKind::Fractional => {
+                    assert_eq!(before, after);
+                    assert!((230..=810).contains(&before.milli), "{before:?}");
+                }
+                TaskKind::CpuOnly => assert_eq!((before, before.milli), (after, 0)),
+            }
+        }
+        // Most whole-GPU tasks were drawn for 32 GiB GPUs.
+        assert!(changed > drawn.len() / 4, "{changed} of {}", drawn.len());
+        let pinned_to_g3 = any.iter().find(|t| {
+            t.gpus > 0 && t.model == Some(Models::of(&[G3])) && t.kind != TaskKind::Fractional
+        });
+        assert_eq!(
+            pinned_to_g3.map(|t| t.gpu_gib),
+            Some(32),
+            "G3 has only 32 GiB GPUs"
+        );
     }
 
     #[test]

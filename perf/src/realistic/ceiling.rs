@@ -106,6 +106,7 @@ mod tests {
             gpu_gib,
             host: Host::new(1_000, 1_024),
             model: None,
+            milli: u64::from(gpus) * 1000,
         }
     }
 

@@ -270,6 +270,11 @@ pub struct Task {
     pub host: Host,
     /// The GPU models it must run on, if it names any.
     pub model: Option<Models>,
+    /// GPU demand as the public trace counts it, in milli-GPU: 1000 per whole GPU, a
+    /// sharing task's share of the GPU it was drawn for (read by [`Measure::Gpus`]).
+    ///
+    /// [`Measure::Gpus`]: super::sim::Measure::Gpus
+    pub milli: u64,
 }
 
 impl Task {
@@ -442,6 +447,7 @@ pub fn generate_tasks(nodes: &[SimNode], mix: &TaskMix, demand: f64, seed: u64) 
             gpu_gib,
             host,
             model: models,
+            milli: (gpu_share * 1000.0).round() as u64,
         };
         arrived += task.demand_gib();
         tasks.push(task);

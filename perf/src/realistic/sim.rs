@@ -34,12 +34,24 @@ pub use super::gpushare::gpushare_request;
 pub use super::scores::{Scored, default_score, most_allocated};
 pub use super::strategy::{Cause, NodesToScore, Profile, RequestForm, Strategy};
 
+/// What demand and allocation are counted in.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub enum Measure {
+    /// GPU GiB, over the cluster's: gpushare's unit.
+    #[default]
+    Gib,
+    /// GPUs, as the public trace counts them: demand is the tasks' milli-GPU
+    /// ([`Task::milli`]), allocation each GPU's booked share of its memory (a GPU booked whole
+    /// counts 1 whatever its size), over the cluster's GPUs.
+    Gpus,
+}
+
 /// The state at one point of the replay.
 #[derive(Debug, Clone, Default, PartialEq)]
 pub struct Snapshot {
-    /// GPU GiB arrived so far / GPU GiB of the cluster.
+    /// Demand arrived so far / the cluster's, in the replay's [`Measure`].
     pub demand: f64,
-    /// GPU GiB allocated / GPU GiB of the cluster.
+    /// Allocated / the cluster's, in the replay's [`Measure`].
     pub allocation: f64,
     /// Tasks arrived so far.
     pub arrived: usize,
@@ -84,6 +96,18 @@ pub fn replay(
     replay_to_end(nodes, tasks, strategy, form, to_score, seed).0
 }
 
+/// [`replay`], demand and allocation counted in `measure`.
+pub fn replay_measured(
+    nodes: &[SimNode],
+    tasks: &[Task],
+    strategy: Strategy,
+    (form, measure): (RequestForm, Measure),
+    to_score: NodesToScore,
+    seed: u64,
+) -> Run {
+    replay_counting(nodes, tasks, strategy, (form, measure), to_score, seed).0
+}
+
 /// [`replay`], with the cluster as the replay and (for gpushare) the allocator left it.
 fn replay_to_end<'a>(
     nodes: &'a [SimNode],
@@ -93,9 +117,21 @@ fn replay_to_end<'a>(
     to_score: NodesToScore,
     seed: u64,
 ) -> (Run, Nodes<'a>, Option<Cluster>) {
+    replay_counting(nodes, tasks, strategy, (form, Measure::Gib), to_score, seed)
+}
+
+/// [`replay_to_end`] in `measure`.
+fn replay_counting<'a>(
+    nodes: &'a [SimNode],
+    tasks: &[Task],
+    strategy: Strategy,
+    (form, measure): (RequestForm, Measure),
+    to_score: NodesToScore,
+    seed: u64,
+) -> (Run, Nodes<'a>, Option<Cluster>) {
     let mut state = Nodes::new(nodes);
     let mut placer = Placer::new(nodes, tasks, strategy, form, (to_score, seed));
-    let meter = Meter::new(nodes, tasks);
+    let meter = Meter::new(nodes, tasks, measure);
     let mut run = Run::default();
     let mut snapshot = Snapshot::default();
     let mut gib = Gib::default();
@@ -103,6 +139,7 @@ fn replay_to_end<'a>(
     for (i, task) in tasks.iter().enumerate() {
         snapshot.arrived += 1;
         gib.arrived += task.demand_gib();
+        gib.arrived_milli += task.milli;
         match placer.place(&state, i, task) {
             Ok((n, gpus)) => {
                 gib.surplus += state.place(n, task, &gpus, strategy.books_whole(task, form));
@@ -122,7 +159,7 @@ fn replay_to_end<'a>(
                 snapshot.failed_outside_walk += usize::from(missed == Missed::OutsideWalk);
             }
         }
-        while next_tenth <= 13 && gib.arrived * 10 >= meter.capacity * next_tenth {
+        while next_tenth <= 13 && meter.demand_reached(&gib, next_tenth) {
             let now = meter.take(&state, &snapshot, &gib);
             run.curve.push((next_tenth as f64 / 10.0, now.allocation));
             if next_tenth == 10 {
@@ -231,6 +268,8 @@ impl Placer {
 struct Gib {
     /// Arrived so far (placed or not).
     arrived: u64,
+    /// Milli-GPU arrived so far ([`Task::milli`]).
+    arrived_milli: u64,
     /// Asked for by the tasks placed.
     allocated: u64,
     /// Booked beyond their request by tasks that take their GPUs whole.
@@ -245,14 +284,24 @@ struct Meter {
     /// GPUs of the cluster.
     total_gpus: u64,
     typical: Host,
+    measure: Measure,
 }
 
 impl Meter {
-    fn new(nodes: &[SimNode], tasks: &[Task]) -> Self {
+    fn new(nodes: &[SimNode], tasks: &[Task], measure: Measure) -> Self {
         Self {
             capacity: nodes.iter().map(|n| u64::from(n.gpus) * n.gpu_gib).sum(),
             total_gpus: nodes.iter().map(|n| u64::from(n.gpus)).sum(),
             typical: typical_gpu_task(tasks),
+            measure,
+        }
+    }
+
+    /// Whether arrived demand has reached `tenths` / 10 of the cluster's.
+    fn demand_reached(&self, gib: &Gib, tenths: u64) -> bool {
+        match self.measure {
+            Measure::Gib => gib.arrived * 10 >= self.capacity * tenths,
+            Measure::Gpus => gib.arrived_milli * 10 >= self.total_gpus * 1000 * tenths,
         }
     }
 
@@ -260,15 +309,42 @@ impl Meter {
     fn take(&self, state: &Nodes<'_>, snapshot: &Snapshot, gib: &Gib) -> Snapshot {
         let capacity = self.capacity;
         let (stranded, stranded_gpus) = stranded(state, self.typical);
+        let (demand, allocation) = match self.measure {
+            Measure::Gib => (
+                gib.arrived as f64 / capacity as f64,
+                gib.allocated as f64 / capacity as f64,
+            ),
+            Measure::Gpus => {
+                let gpus = self.total_gpus.max(1) as f64;
+                (
+                    gib.arrived_milli as f64 / 1000.0 / gpus,
+                    booked_gpus(state) / gpus,
+                )
+            }
+        };
         Snapshot {
-            demand: gib.arrived as f64 / capacity as f64,
-            allocation: gib.allocated as f64 / capacity as f64,
+            demand,
+            allocation,
             stranded: stranded as f64 / capacity as f64,
             stranded_gpus: stranded_gpus as f64 / self.total_gpus as f64,
             whole_surplus: gib.surplus as f64 / capacity as f64,
             ..snapshot.clone()
         }
     }
+}
+
+/// GPUs booked, each counting its booked share of its memory.
+fn booked_gpus(state: &Nodes<'_>) -> f64 {
+    state
+        .free
+        .iter()
+        .zip(state.specs)
+        .filter(|(_, spec)| spec.gpu_gib > 0)
+        .map(|(free, spec)| {
+            let size = spec.gpu_gib as f64;
+            free.iter().map(|f| 1.0 - *f as f64 / size).sum::<f64>()
+        })
+        .sum()
 }
 
 /// The median CPU and memory of single-GPU tasks: a node with less free cannot take a
@@ -338,6 +414,7 @@ mod tests {
             gpu_gib,
             host: Host::new(1_000, 1_024),
             model: None,
+            milli: u64::from(gpus) * 1000,
         }
     }
 
@@ -547,6 +624,55 @@ mod tests {
         );
         assert_eq!(run.end.failed, [0; 6]);
         assert_eq!(run.end.whole_surplus, 0.0);
+    }
+
+    #[test]
+    fn counted_in_gpus_a_whole_gpu_counts_one_and_a_shared_one_its_booked_share() {
+        // 2 × 16 GiB and 2 × 32 GiB: 4 GPUs, 96 GiB.
+        let node = |model: usize, gpu_gib: u64| SimNode {
+            model,
+            gpus: 2,
+            gpu_gib,
+            host: Host::new(64_000, 262_144),
+        };
+        let nodes = [node(1, 16), node(3, 32)];
+        // Three whole GPUs of any model (`exclusive`, 16 GiB), then a quarter of a GPU
+        // drawn for a 32 GiB model (8 GiB): 3.25 GPUs of 4 arrive, 56 GiB of 96.
+        let tasks = [
+            task(TaskKind::Whole, 1, 16),
+            task(TaskKind::Whole, 1, 16),
+            task(TaskKind::Whole, 1, 16),
+            Task {
+                milli: 250,
+                ..task(TaskKind::Fractional, 1, 8)
+            },
+        ];
+        let binpack = Strategy::Gpushare {
+            policy: Some(Policy::Binpack),
+            profile: Profile::ExtenderOnly,
+        };
+        let form = (RequestForm::Exclusive, Measure::Gpus);
+        let run = replay_measured(&nodes, &tasks, binpack, form, NodesToScore::All, 0);
+        assert_eq!(run.end.failed, [0; 6]);
+        assert_eq!(run.end.demand, 3.25 / 4.0);
+        // Three GPUs booked whole, whatever their size, and 8 of the last one's 32 GiB.
+        assert_eq!(run.end.allocation, 3.25 / 4.0);
+        // Counted in GiB, the same replay books 16 + 16 + 32 + 8 of 96 GiB, and reads the
+        // GiB the tasks asked for.
+        let gib = replay(
+            &nodes,
+            &tasks,
+            binpack,
+            RequestForm::Exclusive,
+            NodesToScore::All,
+            0,
+        );
+        assert_eq!(gib.end.allocation, 56.0 / 96.0);
+        assert_eq!(gib.end.whole_surplus, 16.0 / 96.0);
+        // Demand reaches 50 % of the GPUs with the second task, 75 % with the third.
+        assert_eq!(run.curve.len(), 8, "{:?}", run.curve);
+        assert_eq!(run.curve[4], (0.5, 0.5));
+        assert_eq!(run.curve[6], (0.7, 0.75));
     }
 
     #[test]

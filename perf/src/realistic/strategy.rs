@@ -202,7 +202,10 @@ impl Strategy {
         self.is_gpushare() || self == Strategy::DraFirstFit
     }
 
-    pub(super) fn is_gpushare(self) -> bool {
+    /// Whether pods go through an extender's allocator (gpushare's policies, the classic
+    /// extender) and ask in the replay's [`RequestForm`]: not the idealized baselines, not DRA
+    /// mode.
+    pub fn is_gpushare(self) -> bool {
         matches!(
             self,
             Strategy::Gpushare { .. } | Strategy::Fragmentation { .. }
