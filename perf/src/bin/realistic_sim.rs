@@ -380,7 +380,7 @@ fn print_setup(args: &Args, form: RequestForm, to_score: NodesToScore, traces: &
     }
     if args.trace_protocol {
         println!(
-            "  the trace's protocol: whole-GPU tasks ask for whole GPUs of any model (`exclusive`, the smallest GPU's GiB), demand and allocation counted in GPUs; BestFit, FGD and DRA mode not run"
+            "  the trace's protocol: whole-GPU tasks ask for whole GPUs of any model (`exclusive`, the smallest GPU's GiB), demand and allocation counted in GPUs (a GPU booked whole counts 1: its surplus is allocation); BestFit, FGD and DRA mode not run"
         );
     } else {
         if args.count_gpus {

@@ -263,7 +263,7 @@ impl Placer {
     }
 }
 
-/// GPU GiB counted as the replay goes.
+/// Demand counted as the replay goes: GPU GiB, and milli-GPU for [`Measure::Gpus`].
 #[derive(Debug, Clone, Copy, Default)]
 struct Gib {
     /// Arrived so far (placed or not).
