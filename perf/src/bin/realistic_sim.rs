@@ -16,8 +16,8 @@
 //! (`Measure::Gpus`). Only the strategies whose pods ask in that form run (not BestFit, FGD or
 //! DRA mode, which would share those GPUs). `--count-gpus` counts in GPUs alone, the tasks as
 //! drawn.
-//! The preamble prints two ceilings at 100 %: without multi-GPU tasks, and from the GPU sizes
-//! alone (`size_ceiling`: tasks asking more of the larger GPUs than they hold).
+//! The preamble prints two ceilings at 100 %: without multi-GPU tasks, and from the GPUs
+//! alone (`placement_ceiling`: tasks that fit only some GPUs asking more than those hold).
 //!
 //! kube-scheduler, for gpushare's strategies, filters and scores the nodes as it does by
 //! default: a walk round the nodes, resumed pod after pod, that stops at
@@ -42,8 +42,8 @@ use gpushare_e2e::scheduler::framework::{
 };
 use gpushare_perf::realistic::{
     Cause, Measure, NodesToScore, Profile, RequestForm, Run, SimNode, Strategy, Task, TaskKind,
-    TaskMix, TraceMix, generate_nodes, generate_tasks, replay_measured, size_ceiling, trace_nodes,
-    trace_tasks, whole_gpus_of_any_model,
+    TaskMix, TraceMix, arrivals_until, generate_nodes, generate_tasks, placement_ceiling,
+    replay_measured, trace_nodes, trace_tasks, whole_gpus_of_any_model,
 };
 
 /// Compares gpushare's policies with BestFit and FGD on generated realistic clusters.
@@ -233,21 +233,6 @@ fn strategies() -> Vec<Strategy> {
     .collect()
 }
 
-/// How many of `tasks` arrive until their milli-GPU reach `demand` × the cluster's GPUs.
-fn until_gpu_demand(nodes: &[SimNode], tasks: &[Task], demand: f64) -> usize {
-    let gpus: u64 = nodes.iter().map(|n| u64::from(n.gpus)).sum();
-    let target = (gpus as f64 * 1000.0 * demand) as u64;
-    let mut arrived = 0;
-    tasks
-        .iter()
-        .take_while(|t| {
-            let before = arrived;
-            arrived += t.milli;
-            before < target
-        })
-        .count()
-}
-
 /// One generated cluster and its task stream.
 type Trace = (Vec<SimNode>, Vec<Task>);
 
@@ -280,7 +265,7 @@ fn main() {
                     if args.trace_protocol {
                         whole_gpus_of_any_model(&nodes, &mut tasks);
                     }
-                    tasks.truncate(until_gpu_demand(&nodes, &tasks, args.demand));
+                    tasks.truncate(arrivals_until(&nodes, &tasks, Measure::Gpus, args.demand));
                     (nodes, tasks)
                 }
             };
@@ -404,43 +389,53 @@ fn print_setup(args: &Args, form: RequestForm, to_score: NodesToScore, traces: &
             gib as f64 * 100.0 / all.max(1) as f64
         );
     }
-    // Both ceilings count GiB.
+    // This one counts GiB.
     if args.measure() == Measure::Gib {
         println!(
             "  ceiling at 100% demand without multi-GPU tasks: {:.1}% (every other task placed)",
             ceiling_without_multi_gpu(traces) * 100.0
         );
-        print_size_ceiling(traces);
     }
+    print_placement_ceiling(traces, args.measure());
 }
 
-/// The ceiling GPU sizes alone set at 100 % (`size_ceiling`), each seed's: where tasks ask
-/// more of the larger GPUs than they hold, no placement allocates it all.
-fn print_size_ceiling(traces: &[Trace]) {
-    let ceilings: Vec<_> = traces
+/// The ceiling the GPUs alone set at 100 % (`placement_ceiling`), each seed's: where the
+/// tasks that fit only some GPU classes ask more than those hold, no placement allocates it
+/// all.
+fn print_placement_ceiling(traces: &[Trace], measure: Measure) {
+    let ceilings: Vec<f64> = traces
         .iter()
-        .filter_map(|(nodes, tasks)| size_ceiling(nodes, tasks))
+        .map(|(nodes, tasks)| {
+            placement_ceiling(nodes, tasks, measure).map_or(1.0, |c| c.allocation_at_most)
+        })
         .collect();
-    let Some(tightest) = ceilings
+    let lowest = traces
         .iter()
-        .min_by(|a, b| a.allocation_at_most().total_cmp(&b.allocation_at_most()))
-    else {
-        return;
-    };
-    let mean = ceilings.iter().map(|c| c.allocation_at_most()).sum::<f64>() / ceilings.len() as f64;
-    if tightest.allocation_at_most() >= 1.0 {
+        .filter_map(|(nodes, tasks)| placement_ceiling(nodes, tasks, measure))
+        .min_by(|a, b| a.allocation_at_most.total_cmp(&b.allocation_at_most));
+    let Some(lowest) = lowest else {
         println!(
-            "  ceiling at 100% demand from GPU sizes: none (no GPU size is asked more than it holds)"
+            "  ceiling at 100% demand from the GPUs: none (no set of GPU classes is asked more than it holds)"
         );
         return;
-    }
+    };
+    let mean = ceilings.iter().sum::<f64>() / ceilings.len() as f64;
+    let classes: Vec<String> = lowest
+        .classes
+        .iter()
+        .map(|c| format!("{c} ({} GiB)", c.gpu_gib))
+        .collect();
     println!(
-        "  ceiling at 100% demand from GPU sizes: {:.1}% (lowest seed {:.1}%: tasks needing more than {} GiB per GPU ask {:.1}% of the cluster's GiB, those GPUs hold {:.1}%)",
+        "  ceiling at 100% demand from the GPUs: {:.1}% (lowest seed {:.1}%: tasks that fit only {} ask {:.1}% of the cluster, those GPUs hold {:.1}%)",
         mean * 100.0,
-        tightest.allocation_at_most() * 100.0,
-        tightest.above_gib,
-        tightest.asked * 100.0,
-        tightest.held * 100.0
+        lowest.allocation_at_most * 100.0,
+        if classes.is_empty() {
+            "no GPU".to_string()
+        } else {
+            classes.join(", ")
+        },
+        lowest.asked * 100.0,
+        lowest.held * 100.0
     );
 }
 

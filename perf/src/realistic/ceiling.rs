@@ -1,94 +1,194 @@
-//! What the cluster's GPU sizes alone leave placeable at 100 % arrived demand, whatever
-//! places the tasks.
+//! What the cluster's GPUs alone leave placeable at 100 % arrived demand, whatever places the
+//! tasks.
 //!
-//! A task asking more GiB per GPU than a GPU holds never goes on it. So for every GPU size
-//! `s` of the cluster, the GiB asked by tasks needing more than `s` per GPU can only be
-//! allocated on the GPUs larger than `s`: what they ask beyond those GPUs' GiB is lost in
-//! any placement. The trace-calibrated generator ties a whole-GPU task to the GiB of the
-//! model it was drawn for (the trace asks for a whole GPU of any model), and on multigpu50
-//! its 32 GiB tasks ask more than the 32 GiB GPUs hold: this is the figure that shows it.
+//! A task goes only on nodes with enough GPUs of one of its models, each with its GiB: its
+//! GPU classes (model, GPUs per node, GiB per GPU). For any set `S` of classes, the tasks that
+//! fit only classes of `S` are placed within what `S` holds, and every other task books at
+//! most its own most. So the allocation is at most
+//!
+//! ```text
+//!   held(S) + Σ over tasks that fit some class outside S of most(task)
+//! ```
+//!
+//! for every `S`, and the ceiling is the least of these (Hall's condition read as a bound;
+//! CPU and memory are not counted, so it is an upper bound). In GiB a task's most is its GiB;
+//! counted in GPUs, its GiB over the smallest GPU it fits, at most one GPU per GPU it asks
+//! for (a whole GPU of any model is one GPU wherever it lands).
+//!
+//! On multigpu50 the generator's 32 GiB tasks ask more than the 32 GiB GPUs hold (it ties a
+//! whole-GPU task to the GiB of the model it was drawn for; the trace asks for a whole GPU of
+//! any model), and on gpuspec33 the tasks pinned to T4 and P100 ask more than those hold. This
+//! is the figure that shows it. Counted in GPUs it is loose: a sharing task's most is its
+//! share of the smallest GPU it fits, where it may well not land.
 
-use super::generator::{SimNode, Task};
+use super::generator::{MODELS, SimNode, Task};
+use super::sim::{Measure, arrivals_until};
 
-/// The tightest GPU size of a cluster for a task stream: the GiB asked of the GPUs larger
-/// than `above_gib` against what those GPUs hold, shares of the cluster's GPU GiB.
-#[derive(Debug, Clone, Copy, PartialEq)]
-pub struct SizeCeiling {
-    /// The GPU size (GiB): tasks asking more per GPU fit only larger GPUs.
-    pub above_gib: u64,
-    /// GiB asked by tasks needing more than `above_gib` per GPU.
-    pub asked: f64,
-    /// GiB of the GPUs larger than `above_gib`.
-    pub held: f64,
+/// A GPU class: nodes of one GPU model with as many GPUs of as many GiB.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord)]
+pub struct GpuClass {
+    /// Index into [`MODELS`].
+    pub model: usize,
+    /// GPUs per node.
+    pub gpus: u32,
+    /// GiB per GPU.
+    pub gpu_gib: u64,
 }
 
-impl SizeCeiling {
-    /// The most any placement allocates: all but what the larger GPUs cannot hold.
-    pub fn allocation_at_most(&self) -> f64 {
-        1.0 - (self.asked - self.held).max(0.0)
+impl std::fmt::Display for GpuClass {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        let name = MODELS.get(self.model).map_or("?", |m| m.name);
+        write!(f, "{name} ×{}", self.gpus)
     }
 }
 
-/// For the tasks arriving until their GiB reach the cluster's (100 % arrived demand), the
-/// GPU size whose larger GPUs are asked the most beyond what they hold (the smallest size on
-/// a tie); model pins are not counted, so the ceiling is an upper bound. `None` for a
-/// cluster whose GPUs are all of one size (the last task's overshoot of 100 % is not a
-/// size's doing).
-pub fn size_ceiling(nodes: &[SimNode], tasks: &[Task]) -> Option<SizeCeiling> {
-    let capacity: u64 = nodes.iter().map(|n| u64::from(n.gpus) * n.gpu_gib).sum();
-    if capacity == 0 {
+/// The tightest set of GPU classes for a task stream: its classes, what they hold, what the
+/// tasks that fit only them ask, and the bound, as shares of the cluster's (in the measure).
+#[derive(Debug, Clone, PartialEq)]
+pub struct Ceiling {
+    /// The classes of the set.
+    pub classes: Vec<GpuClass>,
+    /// What the set's GPUs hold.
+    pub held: f64,
+    /// What the tasks that fit only the set ask (at least).
+    pub asked: f64,
+    /// The most any placement allocates.
+    pub allocation_at_most: f64,
+}
+
+/// The most classes whose sets are enumerated (2^16 sets).
+const MAX_CLASSES: usize = 16;
+
+/// For the tasks arriving until their demand reaches the cluster's (100 %, in `measure`), the
+/// set of GPU classes that bounds the allocation the most. `None` when no set bounds it below
+/// 100 %, or when the cluster has more than sixteen classes.
+pub fn placement_ceiling(nodes: &[SimNode], tasks: &[Task], measure: Measure) -> Option<Ceiling> {
+    let mut classes: Vec<GpuClass> = nodes
+        .iter()
+        .filter(|n| n.gpus > 0)
+        .map(|n| GpuClass {
+            model: n.model,
+            gpus: n.gpus,
+            gpu_gib: n.gpu_gib,
+        })
+        .collect();
+    classes.sort_unstable();
+    classes.dedup();
+    if classes.is_empty() || classes.len() > MAX_CLASSES {
         return None;
     }
-    let mut arrived_tasks = Vec::new();
-    let mut arrived = 0;
-    for task in tasks {
-        if arrived >= capacity {
-            break;
-        }
-        arrived += task.demand_gib();
-        arrived_tasks.push(task);
-    }
-    // Each distinct GPU size below the largest: above the largest nothing is held or fits.
-    let mut sizes: Vec<u64> = nodes.iter().map(|n| n.gpu_gib).collect();
-    sizes.sort_unstable();
-    sizes.dedup();
-    sizes.pop();
-    let share = |gib: u64| gib as f64 / capacity as f64;
-    sizes
-        .into_iter()
-        .map(|above| {
-            let asked = arrived_tasks
+    // What each class holds, in the measure.
+    let held: Vec<f64> = classes
+        .iter()
+        .map(|c| {
+            let of = nodes
                 .iter()
-                .filter(|t| t.gpu_gib > above)
-                .map(|t| t.demand_gib())
-                .sum();
-            let held = nodes
-                .iter()
-                .filter(|n| n.gpu_gib > above)
-                .map(|n| u64::from(n.gpus) * n.gpu_gib)
-                .sum();
-            SizeCeiling {
-                above_gib: above,
-                asked: share(asked),
-                held: share(held),
+                .filter(|n| (n.model, n.gpus, n.gpu_gib) == (c.model, c.gpus, c.gpu_gib));
+            let per_node = match measure {
+                Measure::Gib => (u64::from(c.gpus) * c.gpu_gib) as f64,
+                Measure::Gpus => f64::from(c.gpus),
+            };
+            of.count() as f64 * per_node
+        })
+        .collect();
+    let total: f64 = held.iter().sum();
+    // The arrived GPU tasks grouped by the classes they fit: (mask, least, most).
+    let mut groups: Vec<(u32, f64, f64)> = Vec::new();
+    let arrived = &tasks[..arrivals_until(nodes, tasks, measure, 1.0)];
+    for task in arrived.iter().filter(|t| t.gpus > 0) {
+        let fits = |c: &GpuClass| {
+            task.model.is_none_or(|m| m.contains(c.model))
+                && c.gpus >= task.gpus
+                && c.gpu_gib >= task.gpu_gib
+        };
+        let mask = classes
+            .iter()
+            .enumerate()
+            .filter(|(_, c)| fits(c))
+            .fold(0u32, |mask, (i, _)| mask | 1 << i);
+        let sizes = classes.iter().filter(|c| fits(c)).map(|c| c.gpu_gib);
+        let (least, most) = match measure {
+            Measure::Gib => (task.demand_gib() as f64, task.demand_gib() as f64),
+            Measure::Gpus => {
+                let share = |size: u64| (task.gpu_gib as f64 / size as f64).min(1.0);
+                let gpus = f64::from(task.gpus);
+                let (smallest, largest) =
+                    sizes.fold((u64::MAX, 0), |(s, l), x| (s.min(x), l.max(x)));
+                // A task that fits nowhere books nothing, and asks at least a GPU's share.
+                let largest = if largest == 0 {
+                    task.gpu_gib.max(1)
+                } else {
+                    largest
+                };
+                (
+                    gpus * share(largest),
+                    if smallest == u64::MAX {
+                        0.0
+                    } else {
+                        gpus * share(smallest)
+                    },
+                )
             }
-        })
-        .fold(None, |tightest: Option<SizeCeiling>, c| match tightest {
-            Some(t) if t.asked - t.held >= c.asked - c.held => Some(t),
-            _ => Some(c),
-        })
+        };
+        match groups.iter_mut().find(|(m, _, _)| *m == mask) {
+            Some(group) => {
+                group.1 += least;
+                group.2 += most;
+            }
+            None => groups.push((mask, least, most)),
+        }
+    }
+    let mut tightest: Option<(u32, f64)> = None;
+    for set in 0u32..(1 << classes.len()) {
+        let held_by_set: f64 = (0..classes.len())
+            .filter(|i| set & (1 << i) != 0)
+            .map(|i| held[i])
+            .sum();
+        let others: f64 = groups
+            .iter()
+            .filter(|(mask, _, _)| mask & !set != 0)
+            .map(|(_, _, most)| most)
+            .sum();
+        let bound = (held_by_set + others).min(total);
+        if tightest.is_none_or(|(_, least)| bound < least - 1e-9) {
+            tightest = Some((set, bound));
+        }
+    }
+    let (set, bound) = tightest?;
+    if bound >= total - 1e-9 {
+        return None;
+    }
+    let in_set = |i: usize| set & (1 << i) != 0;
+    Some(Ceiling {
+        classes: (0..classes.len())
+            .filter(|&i| in_set(i))
+            .map(|i| classes[i])
+            .collect(),
+        held: (0..classes.len())
+            .filter(|&i| in_set(i))
+            .map(|i| held[i])
+            .sum::<f64>()
+            / total,
+        asked: groups
+            .iter()
+            .filter(|(mask, _, _)| mask & !set == 0)
+            .map(|(_, least, _)| least)
+            .sum::<f64>()
+            / total,
+        allocation_at_most: bound / total,
+    })
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
     use crate::realistic::calibrated::{TraceMix, trace_nodes, trace_tasks};
-    use crate::realistic::generator::TaskKind;
+    use crate::realistic::generator::{Models, TaskKind};
     use gpushare_allocator::fragmentation::Host;
 
-    fn node(gpus: u32, gpu_gib: u64) -> SimNode {
+    fn node(model: usize, gpus: u32, gpu_gib: u64) -> SimNode {
         SimNode {
-            model: 0,
+            model,
             gpus,
             gpu_gib,
             host: Host::new(64_000, 256 * 1024),
@@ -114,35 +214,103 @@ mod tests {
     fn tasks_too_large_for_the_small_gpus_are_held_only_by_the_large_ones() {
         // 2 × 16 GiB and 2 × 32 GiB: 96 GiB. Three 32 GiB tasks (96 GiB) arrive by 100 %:
         // the 32 GiB GPUs hold two of them, so at most 64 of 96 GiB are allocated.
-        let nodes = [node(2, 16), node(2, 32)];
+        let nodes = [node(1, 2, 16), node(3, 2, 32)];
         let tasks = [whole(1, 32), whole(2, 32), whole(1, 16)];
-        let ceiling = size_ceiling(&nodes, &tasks).unwrap();
-        assert_eq!(ceiling.above_gib, 16);
+        let ceiling = placement_ceiling(&nodes, &tasks, Measure::Gib).unwrap();
+        assert_eq!(
+            ceiling.classes,
+            [GpuClass {
+                model: 3,
+                gpus: 2,
+                gpu_gib: 32
+            }]
+        );
         assert_eq!((ceiling.asked, ceiling.held), (1.0, 64.0 / 96.0));
-        assert!((ceiling.allocation_at_most() - 64.0 / 96.0).abs() < 1e-12);
-        // The 16 GiB task arrived after 100 %: it does not count.
+        assert!((ceiling.allocation_at_most - 64.0 / 96.0).abs() < 1e-12);
+        // The 16 GiB task arrived after 100 %: it does not count. Nor does a task that fits.
         let fits = [whole(1, 16), whole(1, 32), whole(1, 16), whole(1, 32)];
-        let ceiling = size_ceiling(&nodes, &fits).unwrap();
-        assert_eq!(ceiling.allocation_at_most(), 1.0, "{ceiling:?}");
-        assert_eq!(size_ceiling(&[], &tasks), None);
-        assert_eq!(size_ceiling(&[node(2, 32)], &tasks), None, "one size");
+        assert_eq!(placement_ceiling(&nodes, &fits, Measure::Gib), None);
+        assert_eq!(placement_ceiling(&[], &tasks, Measure::Gib), None);
     }
 
     #[test]
-    fn on_multigpu50_the_32_gib_gpus_are_asked_more_than_they_hold() {
+    fn pinned_tasks_and_gpus_per_node_bound_it_too() {
+        // Two T4 ×2 nodes (4 GPUs of 15 GiB) and one 8-GPU node of 32 GiB: 12 GPUs.
+        let nodes = [node(0, 2, 15), node(0, 2, 15), node(7, 8, 32)];
+        let t4 = Some(Models::one(0));
+        let pinned = |gpus| Task {
+            model: t4,
+            ..whole(gpus, 15)
+        };
+        // Six whole T4 GPUs and six GPUs of any model arrive: 12 GPUs. The T4s take four of
+        // the six pinned; counted in GPUs, at most 4 + 6 of 12 are allocated.
+        let mut tasks = vec![pinned(1); 6];
+        tasks.extend(vec![whole(1, 15); 6]);
+        let ceiling = placement_ceiling(&nodes, &tasks, Measure::Gpus).unwrap();
+        assert_eq!(
+            ceiling.classes,
+            [GpuClass {
+                model: 0,
+                gpus: 2,
+                gpu_gib: 15
+            }]
+        );
+        assert_eq!((ceiling.held, ceiling.asked), (4.0 / 12.0, 6.0 / 12.0));
+        assert!((ceiling.allocation_at_most - 10.0 / 12.0).abs() < 1e-12);
+        // A 4-GPU job fits no node of two T4s: only the 8-GPU node holds it. Of three such
+        // jobs (12 GPUs), at most 8 GPUs are allocated; the one-GPU task arrives after 100 %.
+        let tasks = [whole(4, 32), whole(4, 32), whole(4, 32), whole(1, 15)];
+        let ceiling = placement_ceiling(&nodes, &tasks, Measure::Gpus).unwrap();
+        assert_eq!(
+            ceiling.classes,
+            [GpuClass {
+                model: 7,
+                gpus: 8,
+                gpu_gib: 32
+            }]
+        );
+        assert_eq!((ceiling.held, ceiling.asked), (8.0 / 12.0, 1.0));
+        assert!(
+            (ceiling.allocation_at_most - 8.0 / 12.0).abs() < 1e-12,
+            "{ceiling:?}"
+        );
+        // Counted in GPUs, a 15 GiB slice on a 32 GiB GPU books 15/32 of it: three 4-GPU
+        // jobs of 15 GiB slices book at most 5.625 GPUs wherever they go.
+        let slices = [whole(4, 15), whole(4, 15), whole(4, 15)];
+        let ceiling = placement_ceiling(&nodes, &slices, Measure::Gpus).unwrap();
+        assert_eq!(ceiling.classes, []);
+        assert!(
+            (ceiling.allocation_at_most - 5.625 / 12.0).abs() < 1e-12,
+            "{ceiling:?}"
+        );
+    }
+
+    #[test]
+    fn on_the_trace_mixes_the_ceilings_name_the_32_gib_gpus_and_the_pinned_small_ones() {
         for seed in 0..3 {
             let nodes = trace_nodes(1_200, seed);
-            let over = |mix| {
+            let ceiling = |mix, measure| {
                 let tasks = trace_tasks(&nodes, mix, 1.3, seed);
-                size_ceiling(&nodes, &tasks).unwrap()
+                placement_ceiling(&nodes, &tasks, measure)
             };
-            let multigpu50 = over(TraceMix::Multigpu50);
-            // Above 16 GiB: the 24 and 32 GiB GPUs (above 24 is within a fraction of it).
-            assert!(multigpu50.above_gib >= 16, "seed {seed}: {multigpu50:?}");
+            // In GiB, multigpu50's 32 GiB tasks ask more than the 32 GiB GPUs hold.
+            let multigpu50 = ceiling(TraceMix::Multigpu50, Measure::Gib).unwrap();
+            assert!(
+                multigpu50.classes.iter().all(|c| c.gpu_gib >= 24),
+                "{multigpu50:?}"
+            );
             assert!(multigpu50.asked > multigpu50.held, "{multigpu50:?}");
-            assert!(multigpu50.allocation_at_most() < 0.998, "{multigpu50:?}");
-            // On the default mix the large GPUs are asked less than they hold.
-            assert_eq!(over(TraceMix::Default).allocation_at_most(), 1.0);
+            assert!(multigpu50.allocation_at_most < 0.998, "{multigpu50:?}");
+            // gpuspec33's tasks pinned to T4 and P100 ask more than those GPUs hold.
+            let gpuspec33 = ceiling(TraceMix::Gpuspec33, Measure::Gib).unwrap();
+            assert!(
+                gpuspec33.classes.iter().all(|c| c.model <= 1),
+                "{gpuspec33:?}"
+            );
+            assert!(gpuspec33.asked > gpuspec33.held, "{gpuspec33:?}");
+            assert!(gpuspec33.allocation_at_most < 0.98, "{gpuspec33:?}");
+            // The default mix in GiB: no set of classes is over-asked.
+            assert_eq!(ceiling(TraceMix::Default, Measure::Gib), None);
         }
     }
 }

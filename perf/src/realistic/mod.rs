@@ -50,12 +50,12 @@ mod strategy;
 pub use calibrated::{
     TRACE_NODE_TYPES, TraceMix, trace_nodes, trace_tasks, whole_gpus_of_any_model,
 };
-pub use ceiling::{SizeCeiling, size_ceiling};
+pub use ceiling::{Ceiling, GpuClass, placement_ceiling};
 pub use generator::{
     GpuModel, MODELS, Models, NODE_TYPES, NodeType, SimNode, Task, TaskKind, TaskMix,
     generate_nodes, generate_tasks,
 };
 pub use sim::{
     Cause, Measure, NodesToScore, Profile, RequestForm, Run, Scored, Snapshot, Strategy,
-    gpushare_request, most_allocated, replay, replay_measured,
+    arrivals_until, gpushare_request, most_allocated, replay, replay_measured,
 };

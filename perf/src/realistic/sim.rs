@@ -108,6 +108,30 @@ pub fn replay_measured(
     replay_counting(nodes, tasks, strategy, (form, measure), to_score, seed).0
 }
 
+/// How many of `tasks` arrive until their demand reaches `demand` × the cluster's, in
+/// `measure`: the one that reaches it included, as the replay reads each tenth.
+pub fn arrivals_until(nodes: &[SimNode], tasks: &[Task], measure: Measure, demand: f64) -> usize {
+    let (capacity, of): (u64, fn(&Task) -> u64) = match measure {
+        Measure::Gib => (
+            nodes.iter().map(|n| u64::from(n.gpus) * n.gpu_gib).sum(),
+            Task::demand_gib,
+        ),
+        Measure::Gpus => (nodes.iter().map(|n| u64::from(n.gpus) * 1000).sum(), |t| {
+            t.milli
+        }),
+    };
+    let target = (capacity as f64 * demand) as u64;
+    let mut arrived = 0;
+    tasks
+        .iter()
+        .take_while(|t| {
+            let before = arrived;
+            arrived += of(t);
+            before < target
+        })
+        .count()
+}
+
 /// [`replay`], with the cluster as the replay and (for gpushare) the allocator left it.
 fn replay_to_end<'a>(
     nodes: &'a [SimNode],
