@@ -183,7 +183,7 @@ pub fn placement_ceiling(nodes: &[SimNode], tasks: &[Task], measure: Measure) ->
 mod tests {
     use super::*;
     use crate::realistic::calibrated::{TraceMix, trace_nodes, trace_tasks};
-    use crate::realistic::generator::{Models, TaskKind};
+    use crate::realistic::generator::{Models, TaskKind, test_task};
     use gpushare_allocator::fragmentation::Host;
 
     fn node(model: usize, gpus: u32, gpu_gib: u64) -> SimNode {
@@ -196,18 +196,12 @@ mod tests {
     }
 
     fn whole(gpus: u32, gpu_gib: u64) -> Task {
-        Task {
-            kind: if gpus > 1 {
-                TaskKind::Multi
-            } else {
-                TaskKind::Whole
-            },
-            gpus,
-            gpu_gib,
-            host: Host::new(1_000, 1_024),
-            model: None,
-            milli: u64::from(gpus) * 1000,
-        }
+        let kind = if gpus > 1 {
+            TaskKind::Multi
+        } else {
+            TaskKind::Whole
+        };
+        test_task(kind, gpus, gpu_gib)
     }
 
     #[test]

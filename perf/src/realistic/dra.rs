@@ -59,19 +59,7 @@ pub(super) fn dra_first_fit(
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::realistic::generator::TaskKind;
-    use gpushare_allocator::fragmentation::Host;
-
-    fn task(kind: TaskKind, gpus: u32, gpu_gib: u64) -> Task {
-        Task {
-            kind,
-            gpus,
-            gpu_gib,
-            host: Host::new(1_000, 1_024),
-            model: None,
-            milli: u64::from(gpus) * 1000,
-        }
-    }
+    use crate::realistic::generator::{TaskKind, test_task as task};
 
     #[test]
     fn the_dra_allocator_takes_the_first_gpus_with_the_share_free() {

@@ -284,6 +284,20 @@ impl Task {
     }
 }
 
+/// A task of `kind` asking `gpus` × `gpu_gib` with one core and 1 GiB, no model: the tests'
+/// task.
+#[cfg(test)]
+pub(super) fn test_task(kind: TaskKind, gpus: u32, gpu_gib: u64) -> Task {
+    Task {
+        kind,
+        gpus,
+        gpu_gib,
+        host: Host::new(1_000, 1_024),
+        model: None,
+        milli: u64::from(gpus) * 1000,
+    }
+}
+
 /// The task mix: shares of each kind and the distributions their sizes are drawn from.
 #[derive(Debug, Clone, PartialEq)]
 pub struct TaskMix {

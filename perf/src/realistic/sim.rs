@@ -405,7 +405,7 @@ fn stranded(state: &Nodes<'_>, typical: Host) -> (u64, u64) {
 mod tests {
     use super::*;
     use crate::realistic::generator::{
-        MODELS, Models, TaskKind, TaskMix, generate_nodes, generate_tasks,
+        MODELS, Models, TaskKind, TaskMix, generate_nodes, generate_tasks, test_task as task,
     };
     use gpushare_allocator::{GpuUsage, ModelFilter};
     use gpushare_e2e::scheduler::framework::num_feasible_nodes_to_find;
@@ -429,17 +429,6 @@ mod tests {
                 profile: Profile::NativeMostAllocated,
             },
         ]
-    }
-
-    fn task(kind: TaskKind, gpus: u32, gpu_gib: u64) -> Task {
-        Task {
-            kind,
-            gpus,
-            gpu_gib,
-            host: Host::new(1_000, 1_024),
-            model: None,
-            milli: u64::from(gpus) * 1000,
-        }
     }
 
     /// gpushare's extender taints the nodes with an idle GPU, so the default scheduler sends a
