@@ -403,15 +403,13 @@ fn print_setup(args: &Args, form: RequestForm, to_score: NodesToScore, traces: &
 /// tasks that fit only some GPU classes ask more than those hold, no placement allocates it
 /// all.
 fn print_placement_ceiling(traces: &[Trace], measure: Measure) {
-    let ceilings: Vec<f64> = traces
+    let ceilings: Vec<_> = traces
         .iter()
-        .map(|(nodes, tasks)| {
-            placement_ceiling(nodes, tasks, measure).map_or(1.0, |c| c.allocation_at_most)
-        })
+        .map(|(nodes, tasks)| placement_ceiling(nodes, tasks, measure))
         .collect();
-    let lowest = traces
+    let lowest = ceilings
         .iter()
-        .filter_map(|(nodes, tasks)| placement_ceiling(nodes, tasks, measure))
+        .flatten()
         .min_by(|a, b| a.allocation_at_most.total_cmp(&b.allocation_at_most));
     let Some(lowest) = lowest else {
         println!(
@@ -419,7 +417,11 @@ fn print_placement_ceiling(traces: &[Trace], measure: Measure) {
         );
         return;
     };
-    let mean = ceilings.iter().sum::<f64>() / ceilings.len() as f64;
+    let mean = ceilings
+        .iter()
+        .map(|c| c.as_ref().map_or(1.0, |c| c.allocation_at_most))
+        .sum::<f64>()
+        / ceilings.len() as f64;
     let classes: Vec<String> = lowest
         .classes
         .iter()
