@@ -374,10 +374,7 @@ fn print_setup(args: &Args, form: RequestForm, to_score: NodesToScore, traces: &
         println!("  BestFit and FGD: idealized, every node looked at");
     }
     // Each task's demand in the measure the replay counts.
-    let demand = |t: &Task| match args.measure() {
-        Measure::Gib => t.demand_gib(),
-        Measure::Gpus => t.milli,
-    };
+    let demand = |t: &Task| args.measure().demand(t);
     for kind in TaskKind::ALL {
         let of: Vec<_> = tasks.iter().filter(|t| t.kind == kind).collect();
         let gib: u64 = of.iter().map(|t| demand(t)).sum();

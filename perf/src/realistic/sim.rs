@@ -46,6 +46,27 @@ pub enum Measure {
     Gpus,
 }
 
+impl Measure {
+    /// A task's demand: its GPU GiB, or its milli-GPU.
+    pub fn demand(self, task: &Task) -> u64 {
+        match self {
+            Measure::Gib => task.demand_gib(),
+            Measure::Gpus => task.milli,
+        }
+    }
+
+    /// The cluster's: its GPU GiB, or its GPUs in milli-GPU.
+    pub fn capacity(self, nodes: &[SimNode]) -> u64 {
+        nodes
+            .iter()
+            .map(|n| match self {
+                Measure::Gib => u64::from(n.gpus) * n.gpu_gib,
+                Measure::Gpus => u64::from(n.gpus) * 1000,
+            })
+            .sum()
+    }
+}
+
 /// The state at one point of the replay.
 #[derive(Debug, Clone, Default, PartialEq)]
 pub struct Snapshot {
@@ -111,22 +132,13 @@ pub fn replay_measured(
 /// How many of `tasks` arrive until their demand reaches `demand` × the cluster's, in
 /// `measure`: the one that reaches it included, as the replay reads each tenth.
 pub fn arrivals_until(nodes: &[SimNode], tasks: &[Task], measure: Measure, demand: f64) -> usize {
-    let (capacity, of): (u64, fn(&Task) -> u64) = match measure {
-        Measure::Gib => (
-            nodes.iter().map(|n| u64::from(n.gpus) * n.gpu_gib).sum(),
-            Task::demand_gib,
-        ),
-        Measure::Gpus => (nodes.iter().map(|n| u64::from(n.gpus) * 1000).sum(), |t| {
-            t.milli
-        }),
-    };
-    let target = (capacity as f64 * demand) as u64;
+    let target = (measure.capacity(nodes) as f64 * demand) as u64;
     let mut arrived = 0;
     tasks
         .iter()
         .take_while(|t| {
             let before = arrived;
-            arrived += of(t);
+            arrived += measure.demand(t);
             before < target
         })
         .count()
@@ -314,7 +326,7 @@ struct Meter {
 impl Meter {
     fn new(nodes: &[SimNode], tasks: &[Task], measure: Measure) -> Self {
         Self {
-            capacity: nodes.iter().map(|n| u64::from(n.gpus) * n.gpu_gib).sum(),
+            capacity: Measure::Gib.capacity(nodes),
             total_gpus: nodes.iter().map(|n| u64::from(n.gpus)).sum(),
             typical: typical_gpu_task(tasks),
             measure,
