@@ -27,6 +27,7 @@ use std::os::unix::fs::{FileExt, OpenOptionsExt};
 use std::path::{Path, PathBuf};
 use std::ptr::NonNull;
 use std::sync::atomic::{AtomicU32, AtomicU64, Ordering};
+use std::time::Instant;
 
 use gpushare_isolation_budget::Limits;
 use gpushare_isolation_budget::layout::{
@@ -84,7 +85,24 @@ pub struct Budget {
     map: NonNull<u8>,
     gpu_count: usize,
     shares: [u64; MAX_GPUS],
+    /// Per slot, the `(pid, start time)` this process last found alive there and when: a
+    /// reclaim reads `/proc` for a live process at most once a second (see `reclaim_dead`).
+    seen_alive: Box<[SeenAlive]>,
+    epoch: Instant,
 }
+
+/// One slot's last proof of life, see [`Budget::reclaim_dead`].
+#[derive(Default)]
+struct SeenAlive {
+    pid: AtomicU32,
+    start: AtomicU64,
+    /// Milliseconds after the budget's epoch, plus one; 0 never.
+    at_ms: AtomicU64,
+}
+
+/// How long a process seen alive through `/proc` is taken as alive while `kill(pid, 0)`
+/// still finds it.
+const SEEN_ALIVE_MS: u64 = 1000;
 
 // SAFETY: the mapping lives as long as the Budget, and all access to it goes through atomics
 // (or, at creation, through the file before anyone else can see it).
@@ -162,6 +180,8 @@ impl Budget {
             map,
             gpu_count,
             shares,
+            seen_alive: (0..SLOTS).map(|_| SeenAlive::default()).collect(),
+            epoch: Instant::now(),
         })
     }
 
@@ -287,6 +307,12 @@ impl Budget {
         released
     }
 
+    /// Whether a slot is held under `pid` (an earlier program of this process, before
+    /// `exec`, or this one).
+    pub fn has_slot_of(&self, pid: u32) -> bool {
+        (0..SLOTS).any(|slot| self.slot_pid(slot).load(Ordering::Relaxed) == pid)
+    }
+
     /// Gives slot `slot` up, and what it holds with it.
     pub fn release_slot(&self, slot: usize) {
         if slot >= SLOTS {
@@ -304,12 +330,24 @@ impl Budget {
     /// container's total would pass the GPU's share: then reclaims the dead and tries once
     /// more, and on refusal counts it and returns false.
     pub fn try_reserve(&self, slot: Option<usize>, gpu: usize, bytes: u64) -> bool {
+        self.try_reserve_with(slot, gpu, bytes, || false)
+    }
+
+    /// As [`try_reserve`](Self::try_reserve); before refusing, `make_room` may also give
+    /// bytes back (the caller's own stale charges) and says whether it did.
+    pub fn try_reserve_with(
+        &self,
+        slot: Option<usize>,
+        gpu: usize,
+        bytes: u64,
+        make_room: impl FnOnce() -> bool,
+    ) -> bool {
         if gpu >= self.gpu_count {
             return false;
         }
         let share = self.shares[gpu];
         let total = self.total(gpu);
-        let mut reclaimed = false;
+        let mut make_room = Some(make_room);
         let mut current = total.load(Ordering::Relaxed);
         loop {
             match current.checked_add(bytes).filter(|next| *next <= share) {
@@ -325,9 +363,9 @@ impl Budget {
                     }
                 }
                 None => {
-                    if !reclaimed {
-                        reclaimed = true;
-                        if self.reclaim_dead() > 0 {
+                    if let Some(make_room) = make_room.take() {
+                        let reclaimed = self.reclaim_dead_holding(Some(gpu)) > 0;
+                        if make_room() | reclaimed {
                             current = total.load(Ordering::Relaxed);
                             continue;
                         }
@@ -341,6 +379,15 @@ impl Budget {
             self.slot_used(slot, gpu).fetch_add(bytes, Ordering::AcqRel);
         }
         true
+    }
+
+    /// Whether `bytes` more would fit `gpu`'s share now (nothing is reserved).
+    pub fn fits(&self, gpu: usize, bytes: u64) -> bool {
+        gpu < self.gpu_count
+            && self
+                .used(gpu)
+                .checked_add(bytes)
+                .is_some_and(|next| next <= self.shares[gpu])
     }
 
     /// Adds `bytes` on `gpu` for `slot` even past the share: the driver already gave them
@@ -368,6 +415,16 @@ impl Budget {
 
     /// Frees the slots of dead processes and gives their bytes back; returns those bytes.
     pub fn reclaim_dead(&self) -> u64 {
+        self.reclaim_dead_holding(None)
+    }
+
+    /// As [`reclaim_dead`](Self::reclaim_dead), looking only at slots that hold bytes on
+    /// `gpu` when one is named (a refused allocation there gains nothing from the others).
+    ///
+    /// Cheap enough for the refusal path: a slot's process is first asked with
+    /// `kill(pid, 0)`; `/proc/PID/stat` (zombie, reused pid) is read only for a process this
+    /// one has not seen alive under the same pid and start time in the last second.
+    pub fn reclaim_dead_holding(&self, gpu: Option<usize>) -> u64 {
         let mut reclaimed = 0;
         for slot in 0..SLOTS {
             let p = self.slot_pid(slot);
@@ -375,8 +432,13 @@ impl Budget {
             if pid == 0 || pid == RECLAIMING {
                 continue;
             }
+            if let Some(gpu) = gpu
+                && self.slot_bytes(slot, gpu) == 0
+            {
+                continue;
+            }
             let start = self.slot_start(slot).load(Ordering::Acquire);
-            if !process_is_dead(pid, start) {
+            if !self.is_dead(slot, pid, start) {
                 continue;
             }
             if p.compare_exchange(pid, RECLAIMING, Ordering::AcqRel, Ordering::Relaxed)
@@ -393,6 +455,32 @@ impl Budget {
             p.store(0, Ordering::Release);
         }
         reclaimed
+    }
+
+    /// Whether the process in `slot` is gone, remembering a proof of life (see
+    /// [`reclaim_dead_holding`](Self::reclaim_dead_holding)).
+    fn is_dead(&self, slot: usize, pid: u32, start: u64) -> bool {
+        if !process_exists(pid) {
+            return true;
+        }
+        let seen = &self.seen_alive[slot];
+        let now = self.epoch.elapsed().as_millis() as u64 + 1;
+        let at = seen.at_ms.load(Ordering::Acquire);
+        if at != 0
+            && now.saturating_sub(at) < SEEN_ALIVE_MS
+            && seen.pid.load(Ordering::Relaxed) == pid
+            && seen.start.load(Ordering::Relaxed) == start
+        {
+            return false;
+        }
+        let dead = process_is_dead(pid, start);
+        if !dead {
+            seen.at_ms.store(0, Ordering::Release);
+            seen.pid.store(pid, Ordering::Relaxed);
+            seen.start.store(start, Ordering::Relaxed);
+            seen.at_ms.store(now, Ordering::Release);
+        }
+        dead
     }
 }
 
@@ -484,15 +572,19 @@ pub(crate) fn proc_stat(pid: u32) -> Option<(char, u64)> {
     Some((state, start))
 }
 
-/// Whether process `pid`, started at `start_time` (0 unknown), is gone.
-pub(crate) fn process_is_dead(pid: u32, start_time: u64) -> bool {
+/// Whether a process `pid` exists (a zombie does): `kill(pid, 0)` does not answer ESRCH.
+fn process_exists(pid: u32) -> bool {
     let Ok(pid_t) = libc::pid_t::try_from(pid) else {
-        return true;
+        return false;
     };
     // SAFETY: signal 0 only checks that the process exists.
-    if unsafe { libc::kill(pid_t, 0) } != 0
-        && std::io::Error::last_os_error().raw_os_error() == Some(libc::ESRCH)
-    {
+    let answered = unsafe { libc::kill(pid_t, 0) };
+    answered == 0 || std::io::Error::last_os_error().raw_os_error() != Some(libc::ESRCH)
+}
+
+/// Whether process `pid`, started at `start_time` (0 unknown), is gone.
+pub(crate) fn process_is_dead(pid: u32, start_time: u64) -> bool {
+    if !process_exists(pid) {
         return true;
     }
     match proc_stat(pid) {

@@ -1,5 +1,10 @@
-//! Finding the real driver: the real `dlsym` (ours is the interposer's), `libcuda.so.1` and
-//! `libnvidia-ml.so.1`, and the entry points we forward to, resolved once.
+//! Finding the real driver: the real `dlsym` (ours is the interposer's), the CUDA driver and
+//! NVML, and the entry points we forward to, resolved once.
+//!
+//! Which driver: the one the program uses. A program that opens the driver by path
+//! (`NUMBA_CUDA_DRIVER`, a compat driver beside the host's) binds the hooks to that object
+//! on its first lookup of a hooked name ([`bind_cuda`]); otherwise the driver already loaded
+//! as `libcuda.so.1`, or found in the process's global scope, or `libcuda.so.1` loaded now.
 
 use std::ffi::{CStr, c_char, c_int, c_uint, c_void};
 use std::sync::OnceLock;
@@ -96,7 +101,26 @@ macro_rules! entry_points {
 entry_points! {
     /// The CUDA driver's entry points that the hooks forward to or use.
     Cuda {
+        ctx_get_current = "cuCtxGetCurrent": fn(*mut Handle);
         ctx_get_device = "cuCtxGetDevice": fn(*mut c_int);
+        device_get_uuid = "cuDeviceGetUuid": fn(*mut [u8; 16], c_int);
+        device_get_uuid_v2 = "cuDeviceGetUuid_v2": fn(*mut [u8; 16], c_int);
+        device_get_attribute = "cuDeviceGetAttribute": fn(*mut c_int, c_int, c_int);
+        ctx_create_v2 = "cuCtxCreate_v2": fn(*mut Handle, c_uint, c_int);
+        ctx_create_v3 = "cuCtxCreate_v3": fn(*mut Handle, *mut c_void, c_int, c_uint, c_int);
+        ctx_create_v4 = "cuCtxCreate_v4": fn(*mut Handle, *mut c_void, c_uint, c_int);
+        ctx_destroy = "cuCtxDestroy_v2": fn(Handle);
+        primary_retain = "cuDevicePrimaryCtxRetain": fn(*mut Handle, c_int);
+        primary_release = "cuDevicePrimaryCtxRelease": fn(c_int);
+        primary_release_v2 = "cuDevicePrimaryCtxRelease_v2": fn(c_int);
+        primary_reset = "cuDevicePrimaryCtxReset": fn(c_int);
+        primary_reset_v2 = "cuDevicePrimaryCtxReset_v2": fn(c_int);
+        ctx_set_limit = "cuCtxSetLimit": fn(c_int, usize);
+        ctx_get_limit = "cuCtxGetLimit": fn(*mut usize, c_int);
+        ctx_synchronize = "cuCtxSynchronize": fn();
+        stream_synchronize = "cuStreamSynchronize": fn(Handle);
+        stream_synchronize_ptsz = "cuStreamSynchronize_ptsz": fn(Handle);
+        event_synchronize = "cuEventSynchronize": fn(Handle);
         mem_alloc = "cuMemAlloc_v2": fn(*mut DevicePtr, usize);
         mem_alloc_pitch = "cuMemAllocPitch_v2": fn(*mut DevicePtr, *mut usize, usize, usize, c_uint);
         mem_alloc_managed = "cuMemAllocManaged": fn(*mut DevicePtr, usize, c_uint);
@@ -104,8 +128,17 @@ entry_points! {
         mem_alloc_async_ptsz = "cuMemAllocAsync_ptsz": fn(*mut DevicePtr, usize, Handle);
         mem_alloc_pool = "cuMemAllocFromPoolAsync": fn(*mut DevicePtr, usize, Handle, Handle);
         mem_alloc_pool_ptsz = "cuMemAllocFromPoolAsync_ptsz": fn(*mut DevicePtr, usize, Handle, Handle);
+        device_get_mem_pool = "cuDeviceGetMemPool": fn(*mut Handle, c_int);
+        device_get_default_mem_pool = "cuDeviceGetDefaultMemPool": fn(*mut Handle, c_int);
+        mem_pool_get_attribute = "cuMemPoolGetAttribute": fn(Handle, c_int, *mut c_void);
+        mem_pool_create = "cuMemPoolCreate": fn(*mut Handle, *const c_void);
+        mem_pool_destroy = "cuMemPoolDestroy": fn(Handle);
+        mem_pool_trim_to = "cuMemPoolTrimTo": fn(Handle, usize);
         mem_create = "cuMemCreate": fn(*mut u64, usize, *const c_void, u64);
         mem_release = "cuMemRelease": fn(u64);
+        mem_map = "cuMemMap": fn(DevicePtr, usize, usize, u64, u64);
+        mem_unmap = "cuMemUnmap": fn(DevicePtr, usize);
+        mem_retain_handle = "cuMemRetainAllocationHandle": fn(*mut u64, *mut c_void);
         array_create = "cuArrayCreate_v2": fn(*mut Handle, *const c_void);
         array3d_create = "cuArray3DCreate_v2": fn(*mut Handle, *const c_void);
         mipmap_create = "cuMipmappedArrayCreate": fn(*mut Handle, *const c_void, c_uint);
@@ -114,8 +147,20 @@ entry_points! {
         mem_free_async_ptsz = "cuMemFreeAsync_ptsz": fn(DevicePtr, Handle);
         array_destroy = "cuArrayDestroy": fn(Handle);
         mipmap_destroy = "cuMipmappedArrayDestroy": fn(Handle);
+        graph_add_mem_alloc_node = "cuGraphAddMemAllocNode": fn(*mut Handle, Handle, *const Handle, usize, *mut c_void);
+        graph_launch = "cuGraphLaunch": fn(Handle, Handle);
+        graph_launch_ptsz = "cuGraphLaunch_ptsz": fn(Handle, Handle);
+        graph_upload = "cuGraphUpload": fn(Handle, Handle);
+        graph_upload_ptsz = "cuGraphUpload_ptsz": fn(Handle, Handle);
+        device_get_graph_mem_attribute = "cuDeviceGetGraphMemAttribute": fn(c_int, c_int, *mut c_void);
+        device_graph_mem_trim = "cuDeviceGraphMemTrim": fn(c_int);
         mem_get_info = "cuMemGetInfo_v2": fn(*mut usize, *mut usize);
         device_total_mem = "cuDeviceTotalMem_v2": fn(*mut usize, c_int);
+        v1_mem_alloc = "cuMemAlloc": fn(*mut u32, c_uint);
+        v1_mem_alloc_pitch = "cuMemAllocPitch": fn(*mut u32, *mut c_uint, c_uint, c_uint, c_uint);
+        v1_mem_free = "cuMemFree": fn(u32);
+        v1_mem_get_info = "cuMemGetInfo": fn(*mut c_uint, *mut c_uint);
+        v1_device_total_mem = "cuDeviceTotalMem": fn(*mut c_uint, c_int);
         get_proc_address = "cuGetProcAddress": fn(*const c_char, *mut Handle, c_int, u64);
         get_proc_address_v2 = "cuGetProcAddress_v2": fn(*const c_char, *mut Handle, c_int, u64, *mut c_int);
     }
@@ -125,50 +170,134 @@ entry_points! {
     /// NVML's entry points that the hooks forward to or use.
     Nvml {
         device_get_index = "nvmlDeviceGetIndex": fn(Handle, *mut c_uint);
+        device_get_uuid = "nvmlDeviceGetUUID": fn(Handle, *mut c_char, c_uint);
+        device_by_uuid = "nvmlDeviceGetHandleByUUID": fn(*const c_char, *mut Handle);
         memory_info = "nvmlDeviceGetMemoryInfo": fn(Handle, *mut c_void);
         memory_info_v2 = "nvmlDeviceGetMemoryInfo_v2": fn(Handle, *mut c_void);
     }
 }
 
+/// A loaded driver library: its handle and where it is mapped (which object answered a
+/// lookup is told by its base address).
+struct Object {
+    handle: Handle,
+    base: usize,
+}
+
+// SAFETY: a dlopen handle and an address, both valid in every thread.
+unsafe impl Send for Object {}
+// SAFETY: as above.
+unsafe impl Sync for Object {}
+
 /// The loaded CUDA driver.
 pub struct RealCuda {
     /// Its entry points.
     pub fns: Cuda,
-    /// `(index into exports::cuda_hooks, real address)` of every hooked entry point the
-    /// driver has: what `cuGetProcAddress` answers may be swapped for one of these hooks.
+    /// `(index into hooks::CUDA, real address)` of every hooked entry point the driver has:
+    /// what `cuGetProcAddress` answers may be swapped for one of these hooks.
     pub swaps: Vec<(usize, usize)>,
 }
 
-/// The real CUDA driver, loaded on first use; `None` if `libcuda.so.1` cannot be loaded.
+/// The object that holds `address`: its file name and base address (`dladdr`).
+pub fn object_of(address: *const c_void) -> Option<(std::ffi::CString, usize)> {
+    let mut info = libc::Dl_info {
+        dli_fname: std::ptr::null(),
+        dli_fbase: std::ptr::null_mut(),
+        dli_sname: std::ptr::null(),
+        dli_saddr: std::ptr::null_mut(),
+    };
+    // SAFETY: dladdr only reads the address and fills `info`.
+    if address.is_null()
+        || unsafe { libc::dladdr(address, &mut info) } == 0
+        || info.dli_fname.is_null()
+    {
+        return None;
+    }
+    // SAFETY: dladdr's file name is a NUL-terminated string of the loaded object.
+    let name = unsafe { CStr::from_ptr(info.dli_fname) }.to_owned();
+    Some((name, info.dli_fbase as usize))
+}
+
+/// Whether a file name is a library of that family: `libcuda.so*` for the driver.
+fn is_named(path: &CStr, prefix: &[u8]) -> bool {
+    let bytes = path.to_bytes();
+    let base = bytes.rsplit(|b| *b == b'/').next().unwrap_or(bytes);
+    base.starts_with(prefix)
+}
+
+/// The library that `probe` (a name it exports) is found in: the one already loaded under
+/// `soname`, else whichever the process has in its global scope (linked by any path), else
+/// `soname` loaded now.
+fn find_object(soname: &CStr, probe: &CStr) -> Option<Object> {
+    // SAFETY: a NUL-terminated name; RTLD_NOLOAD only finds an object already loaded.
+    let loaded = unsafe { libc::dlopen(soname.as_ptr(), libc::RTLD_NOW | libc::RTLD_NOLOAD) };
+    let handle = if !loaded.is_null() {
+        loaded
+    } else if let Some((path, _)) = object_of(lookup(libc::RTLD_DEFAULT, probe)) {
+        // SAFETY: the path of an object already loaded.
+        unsafe { libc::dlopen(path.as_ptr(), libc::RTLD_NOW | libc::RTLD_NOLOAD) }
+    } else {
+        dlopen(soname)
+    };
+    if handle.is_null() {
+        return None;
+    }
+    let base = object_of(lookup(handle, probe)).map_or(0, |(_, base)| base);
+    Some(Object { handle, base })
+}
+
+static CUDA_OBJECT: OnceLock<Option<Object>> = OnceLock::new();
+
+/// Binds the hooks to the CUDA driver that holds `address` (a lookup of the program's
+/// found it there), unless they are bound to one already. Returns whether the hooks now
+/// forward to that very object: false for an object that is not a `libcuda.so*` (the
+/// program's own stand-in, another library) or another driver than the one bound.
+pub fn bind_cuda(address: *const c_void) -> bool {
+    let Some((path, base)) = object_of(address) else {
+        return false;
+    };
+    if !is_named(&path, b"libcuda.so") {
+        return false;
+    }
+    let bound = CUDA_OBJECT.get_or_init(|| {
+        // SAFETY: the path of an object already loaded.
+        let handle = unsafe { libc::dlopen(path.as_ptr(), libc::RTLD_NOW | libc::RTLD_NOLOAD) };
+        (!handle.is_null()).then_some(Object { handle, base })
+    });
+    bound.as_ref().is_some_and(|o| o.base == base)
+}
+
+/// The real CUDA driver, loaded on first use: the object [`bind_cuda`] bound, else the
+/// one [`find_object`] finds; `None` if there is none.
 pub fn cuda() -> Option<&'static RealCuda> {
     static CUDA: OnceLock<Option<RealCuda>> = OnceLock::new();
     CUDA.get_or_init(|| {
-        let handle = dlopen(c"libcuda.so.1");
-        if handle.is_null() {
-            return None;
-        }
-        let swaps = crate::exports::cuda_hooks()
+        let object = CUDA_OBJECT
+            .get_or_init(|| find_object(c"libcuda.so.1", c"cuInit"))
+            .as_ref()?;
+        let swaps = crate::hooks::CUDA
             .iter()
             .enumerate()
-            .filter_map(|(index, (name, _))| {
-                let real = lookup(handle, name);
+            .filter_map(|(index, hook)| {
+                let real = lookup(object.handle, hook.name);
                 (!real.is_null()).then_some((index, real as usize))
             })
             .collect();
         Some(RealCuda {
-            fns: Cuda::resolve(|name| lookup(handle, name)),
+            fns: Cuda::resolve(|name| lookup(object.handle, name)),
             swaps,
         })
     })
     .as_ref()
 }
 
-/// The real NVML, loaded on first use; `None` if `libnvidia-ml.so.1` cannot be loaded.
+/// The real NVML, loaded on first use (as [`cuda`], for `libnvidia-ml.so.1`); `None` if it
+/// cannot be found.
 pub fn nvml() -> Option<&'static Nvml> {
     static NVML: OnceLock<Option<Nvml>> = OnceLock::new();
     NVML.get_or_init(|| {
-        let handle = dlopen(c"libnvidia-ml.so.1");
-        (!handle.is_null()).then(|| Nvml::resolve(|name| lookup(handle, name)))
+        let object = find_object(c"libnvidia-ml.so.1", c"nvmlInit_v2")?;
+        Some(Nvml::resolve(|name| lookup(object.handle, name)))
     })
     .as_ref()
 }

@@ -1,17 +1,15 @@
-//! The process's own record of what it holds: pointer or handle → (GPU, bytes), so that a
-//! free gives back exactly what its allocation counted.
+//! The process's own record of what it holds: pointer or handle → (GPU, bytes, context), so
+//! that a free gives back exactly what its allocation counted, and a context's destruction
+//! gives back everything made in it.
 //!
-//! Sharded by key over small spin locks, so threads allocating at once seldom meet. Spin
-//! locks rather than `std::sync::Mutex` because of `fork`: the atfork handlers take every
-//! shard before the fork and let go after it in both processes, so the child never inherits a
-//! shard locked by a thread that does not exist there.
+//! Sharded by key over small spin locks ([`crate::spin`]), so threads allocating at once
+//! seldom meet; `fork` takes every shard (see that module).
 
-use std::cell::UnsafeCell;
 use std::hash::{BuildHasher, Hash};
-use std::ops::{Deref, DerefMut};
-use std::sync::atomic::{AtomicBool, Ordering};
 
 use rustc_hash::{FxBuildHasher, FxHashMap};
+
+use crate::spin::SpinLock;
 
 /// What a key names: each kind has its own free call, and values of different kinds may
 /// coincide.
@@ -19,21 +17,44 @@ use rustc_hash::{FxBuildHasher, FxHashMap};
 pub enum Kind {
     /// A device pointer (`cuMemAlloc*`, freed by `cuMemFree*`).
     Pointer,
-    /// A VMM handle (`cuMemCreate`, freed by `cuMemRelease`).
+    /// A pointer from a stream-ordered pool: its bytes are the pool's reservation, counted
+    /// per pool; the entry only names the pool (`Entry::pool`) for the free.
+    PoolPointer,
+    /// A VMM handle (`cuMemCreate`, given back when released and mapped nowhere).
     Handle,
     /// A `CUarray` (`cuArrayCreate`, `cuArray3DCreate`, freed by `cuArrayDestroy`).
     Array,
     /// A `CUmipmappedArray` (freed by `cuMipmappedArrayDestroy`).
     Mipmapped,
+    /// A context's own memory (key: the `CUcontext`).
+    Context,
+    /// What `cuCtxSetLimit` raised a limit by (key: the `CUcontext`; the `CUlimit` here).
+    Limit(u8),
 }
 
 /// What an allocation counted.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
 pub struct Entry {
-    /// CUDA ordinal.
+    /// The GPU's index in the container's budget.
     pub gpu: usize,
     /// Bytes counted.
     pub bytes: u64,
+    /// The context it was made in (0: none or unknown); destroying or resetting that
+    /// context gives it back.
+    pub ctx: u64,
+    /// For [`Kind::PoolPointer`], the pool.
+    pub pool: u64,
+}
+
+impl Entry {
+    /// `bytes` on `gpu`, made in no known context.
+    pub fn new(gpu: usize, bytes: u64) -> Self {
+        Self {
+            gpu,
+            bytes,
+            ..Self::default()
+        }
+    }
 }
 
 const SHARDS: usize = 64;
@@ -77,6 +98,35 @@ impl Ledger {
         self.shard(kind, key).lock().remove(&(kind, key))
     }
 
+    /// The entry under `key`, left in place.
+    pub fn get(&self, kind: Kind, key: u64) -> Option<Entry> {
+        self.shard(kind, key).lock().get(&(kind, key)).copied()
+    }
+
+    /// Changes the entry under `key` (inserting `Entry::default()` first if there is none);
+    /// returns what `change` returns.
+    pub fn update<T>(&self, kind: Kind, key: u64, change: impl FnOnce(&mut Entry) -> T) -> T {
+        let mut shard = self.shard(kind, key).lock();
+        let entry = shard.entry((kind, key)).or_default();
+        change(entry)
+    }
+
+    /// Takes every entry made in context `ctx` (of every kind that belongs to a context).
+    pub fn take_context(&self, ctx: u64) -> Vec<(Kind, Entry)> {
+        let mut taken = Vec::new();
+        for shard in &self.shards {
+            shard.lock().retain(|&(kind, _), entry| {
+                if entry.ctx == ctx && kind != Kind::Handle {
+                    taken.push((kind, *entry));
+                    false
+                } else {
+                    true
+                }
+            });
+        }
+        taken
+    }
+
     /// How many allocations are recorded.
     pub fn len(&self) -> usize {
         self.shards.iter().map(|s| s.lock().len()).sum()
@@ -109,79 +159,9 @@ impl Ledger {
             // SAFETY: lock_all took every shard in the thread that forked, the only thread of
             // the child, so nothing else can touch the map.
             unsafe {
-                (*shard.value.get()).clear();
+                shard.locked_value().clear();
                 shard.raw_unlock();
             }
         }
-    }
-}
-
-struct SpinLock<T> {
-    locked: AtomicBool,
-    value: UnsafeCell<T>,
-}
-
-// SAFETY: the value is only reached by the thread that holds `locked`.
-unsafe impl<T: Send> Sync for SpinLock<T> {}
-
-impl<T> SpinLock<T> {
-    fn new(value: T) -> Self {
-        Self {
-            locked: AtomicBool::new(false),
-            value: UnsafeCell::new(value),
-        }
-    }
-
-    fn raw_lock(&self) {
-        let mut spins = 0u32;
-        while self
-            .locked
-            .compare_exchange_weak(false, true, Ordering::Acquire, Ordering::Relaxed)
-            .is_err()
-        {
-            spins += 1;
-            if spins < 64 {
-                std::hint::spin_loop();
-            } else {
-                std::thread::yield_now();
-            }
-        }
-    }
-
-    /// # Safety
-    /// The caller holds the lock (took it with `raw_lock`) and keeps no reference into it.
-    unsafe fn raw_unlock(&self) {
-        self.locked.store(false, Ordering::Release);
-    }
-
-    fn lock(&self) -> Guard<'_, T> {
-        self.raw_lock();
-        Guard { lock: self }
-    }
-}
-
-struct Guard<'a, T> {
-    lock: &'a SpinLock<T>,
-}
-
-impl<T> Deref for Guard<'_, T> {
-    type Target = T;
-    fn deref(&self) -> &T {
-        // SAFETY: the guard holds the lock.
-        unsafe { &*self.lock.value.get() }
-    }
-}
-
-impl<T> DerefMut for Guard<'_, T> {
-    fn deref_mut(&mut self) -> &mut T {
-        // SAFETY: the guard holds the lock, and &mut self makes this the only reference.
-        unsafe { &mut *self.lock.value.get() }
-    }
-}
-
-impl<T> Drop for Guard<'_, T> {
-    fn drop(&mut self) {
-        // SAFETY: the guard took the lock and its borrows end with it.
-        unsafe { self.lock.raw_unlock() };
     }
 }

@@ -99,12 +99,19 @@
 //! says why it is sound (`clippy::undocumented_unsafe_blocks` is denied).
 
 pub mod budget;
+mod devices;
+mod dlsym;
 mod driver;
-mod exports;
+mod hooks;
 mod interposer;
 pub mod ledger;
+mod process;
+pub mod settings;
+mod spin;
 
 pub use budget::Budget;
 /// The limits an [`Interposer`] and a [`Budget`] are opened for.
 pub use gpushare_isolation_budget::Limits;
+pub use interposer::Place;
 pub use interposer::{CUDA_ERROR_OUT_OF_MEMORY, CUDA_SUCCESS, Interposer};
+pub use settings::Settings;

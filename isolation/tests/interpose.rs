@@ -164,6 +164,9 @@ impl Container {
             .env("FAKE_GPU_COUNT", self.fake_gpus.to_string())
             .env("FAKE_GPU_MEM_MIB", FAKE_GPU_MIB.to_string())
             .env("GPUSHARE_ISOLATION_DIR", self.dir.path())
+            // These tests count allocations alone; what contexts cost is
+            // real_programs.rs's.
+            .env("GPUSHARE_CONTEXT_MIB", "0")
             .envs(self.vars.iter().map(|(k, v)| (k, v)))
             .args(["--via", via])
             .args(steps);

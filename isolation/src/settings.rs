@@ -1,0 +1,198 @@
+//! What the interposer reads from the container's environment besides the shares
+//! ([`gpushare_isolation_budget::Limits`]): which GPU each share is for, what a context
+//! costs, and what to do with managed memory.
+//!
+//! - `GPUSHARE_GPU_UUID`: the container's GPUs, comma-separated, in the order of its shares
+//!   (the device plugin sets it). Budgets are keyed by these UUIDs, not by CUDA ordinals:
+//!   `CUDA_VISIBLE_DEVICES` renumbers ordinals per process, so two processes may call the
+//!   same GPU 0 and 1, or different GPUs 0. Without it (or with an entry that is not a
+//!   `GPU-` UUID), NVML's index stands for the GPU, else the CUDA ordinal.
+//! - `GPUSHARE_CONTEXT_MIB`: what each CUDA context costs the device (its code, stacks,
+//!   heap), charged to the container when the context is made. Default
+//!   [`DEFAULT_CONTEXT_MIB`]; the device plugin can set it per GPU model.
+//! - `GPUSHARE_MANAGED_MEMORY`: `charge` (default) counts `cuMemAllocManaged` in full on the
+//!   current GPU; `ignore` lets it pass uncounted, for programs that oversubscribe on
+//!   purpose (the driver pages managed memory out under pressure instead of failing).
+
+/// The container's GPU UUIDs (`GPU-…`), in the order of its shares.
+pub const ENV_GPU_UUID: &str = "GPUSHARE_GPU_UUID";
+/// MiB each CUDA context is charged.
+pub const ENV_CONTEXT_MIB: &str = "GPUSHARE_CONTEXT_MIB";
+/// `charge` or `ignore`.
+pub const ENV_MANAGED_MEMORY: &str = "GPUSHARE_MANAGED_MEMORY";
+/// What a context is charged when `GPUSHARE_CONTEXT_MIB` is unset: about what a CUDA 12/13
+/// context with lazy module loading holds on a data-centre GPU.
+pub const DEFAULT_CONTEXT_MIB: u64 = 256;
+
+/// What `cuMemAllocManaged` does to the budget.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum Managed {
+    /// Counted in full on the current GPU, held to the share.
+    #[default]
+    Charge,
+    /// Not counted.
+    Ignore,
+}
+
+/// A GPU's UUID, its 16 bytes (`CUuuid`).
+pub type Uuid = [u8; 16];
+
+/// See the module doc.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Settings {
+    /// The container's GPUs in share order; empty: identify GPUs by NVML index or ordinal.
+    pub uuids: Vec<Uuid>,
+    /// Bytes charged per context.
+    pub context_bytes: u64,
+    /// Managed memory.
+    pub managed: Managed,
+}
+
+impl Default for Settings {
+    fn default() -> Self {
+        Self {
+            uuids: Vec::new(),
+            context_bytes: DEFAULT_CONTEXT_MIB << 20,
+            managed: Managed::Charge,
+        }
+    }
+}
+
+/// Why the environment's settings cannot be used.
+#[derive(Debug, thiserror::Error, PartialEq, Eq)]
+#[error("{name}={value:?} is not {expected}")]
+pub struct Invalid {
+    name: &'static str,
+    value: String,
+    expected: &'static str,
+}
+
+impl Settings {
+    /// The settings the process environment holds.
+    pub fn from_env() -> Result<Self, Invalid> {
+        Self::parse(|name| std::env::var(name).ok())
+    }
+
+    /// The settings that `var` (an environment lookup) holds.
+    pub fn parse(var: impl Fn(&str) -> Option<String>) -> Result<Self, Invalid> {
+        let set = |name: &str| var(name).filter(|v| !v.trim().is_empty());
+        let mut settings = Self::default();
+        if let Some(list) = set(ENV_GPU_UUID) {
+            let parsed: Option<Vec<Uuid>> = list.split(',').map(parse_uuid).collect();
+            settings.uuids = parsed.unwrap_or_default();
+        }
+        if let Some(mib) = set(ENV_CONTEXT_MIB) {
+            let mib: u64 = mib
+                .trim()
+                .parse()
+                .ok()
+                .filter(|m| *m <= 1 << 20)
+                .ok_or(Invalid {
+                    name: ENV_CONTEXT_MIB,
+                    value: mib,
+                    expected: "a whole number of MiB",
+                })?;
+            settings.context_bytes = mib << 20;
+        }
+        if let Some(mode) = set(ENV_MANAGED_MEMORY) {
+            settings.managed = match mode.trim().to_ascii_lowercase().as_str() {
+                "charge" => Managed::Charge,
+                "ignore" => Managed::Ignore,
+                _ => {
+                    return Err(Invalid {
+                        name: ENV_MANAGED_MEMORY,
+                        value: mode,
+                        expected: "charge or ignore",
+                    });
+                }
+            };
+        }
+        Ok(settings)
+    }
+
+    /// The budget index of the GPU with `uuid`, if the container was given it; `None` when
+    /// no UUIDs are set too.
+    pub fn gpu_of_uuid(&self, uuid: &Uuid) -> Option<usize> {
+        self.uuids.iter().position(|u| u == uuid)
+    }
+}
+
+/// `GPU-xxxxxxxx-xxxx-xxxx-xxxx-xxxxxxxxxxxx` (any case) as 16 bytes.
+pub fn parse_uuid(text: &str) -> Option<Uuid> {
+    let hex: Vec<u8> = text
+        .trim()
+        .strip_prefix("GPU-")?
+        .bytes()
+        .filter(|b| *b != b'-')
+        .collect();
+    if hex.len() != 32 {
+        return None;
+    }
+    let mut uuid = [0u8; 16];
+    for (i, pair) in hex.chunks(2).enumerate() {
+        let digit = |b: u8| (b as char).to_digit(16);
+        uuid[i] = (digit(pair[0])? * 16 + digit(pair[1])?) as u8;
+    }
+    Some(uuid)
+}
+
+/// The 16 bytes as NVML writes them: `GPU-xxxxxxxx-xxxx-xxxx-xxxx-xxxxxxxxxxxx`.
+pub fn format_uuid(uuid: &Uuid) -> String {
+    let hex: String = uuid.iter().map(|b| format!("{b:02x}")).collect();
+    format!(
+        "GPU-{}-{}-{}-{}-{}",
+        &hex[0..8],
+        &hex[8..12],
+        &hex[12..16],
+        &hex[16..20],
+        &hex[20..32]
+    )
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn env<'a>(pairs: &'a [(&'a str, &'a str)]) -> impl Fn(&str) -> Option<String> + 'a {
+        move |name| {
+            pairs
+                .iter()
+                .find(|(n, _)| *n == name)
+                .map(|(_, v)| v.to_string())
+        }
+    }
+
+    #[test]
+    fn uuids_read_back_as_written_in_share_order() {
+        let a = "GPU-0a1b2c3d-0000-1111-2222-333344445555";
+        let b = "GPU-FFFFFFFF-0000-1111-2222-333344445556";
+        let settings = Settings::parse(env(&[(ENV_GPU_UUID, &format!("{a},{b}"))])).unwrap();
+        assert_eq!(settings.uuids.len(), 2);
+        assert_eq!(format_uuid(&settings.uuids[0]), a);
+        assert_eq!(format_uuid(&settings.uuids[1]), b.to_ascii_lowercase());
+        assert_eq!(settings.gpu_of_uuid(&settings.uuids[1]), Some(1));
+        assert_eq!(settings.gpu_of_uuid(&[0; 16]), None);
+    }
+
+    #[test]
+    fn a_list_that_is_not_all_uuids_is_not_used() {
+        let settings = Settings::parse(env(&[(ENV_GPU_UUID, "GPU-1,MIG-abc")])).unwrap();
+        assert!(settings.uuids.is_empty());
+    }
+
+    #[test]
+    fn context_charge_and_managed_mode() {
+        let settings = Settings::parse(env(&[])).unwrap();
+        assert_eq!(settings.context_bytes, DEFAULT_CONTEXT_MIB << 20);
+        assert_eq!(settings.managed, Managed::Charge);
+        let settings = Settings::parse(env(&[
+            (ENV_CONTEXT_MIB, "0"),
+            (ENV_MANAGED_MEMORY, "Ignore"),
+        ]))
+        .unwrap();
+        assert_eq!(settings.context_bytes, 0);
+        assert_eq!(settings.managed, Managed::Ignore);
+        assert!(Settings::parse(env(&[(ENV_CONTEXT_MIB, "-1")])).is_err());
+        assert!(Settings::parse(env(&[(ENV_MANAGED_MEMORY, "evict")])).is_err());
+    }
+}
