@@ -9,7 +9,9 @@ use std::path::PathBuf;
 use std::sync::atomic::{AtomicU64, Ordering};
 
 use gpushare_isolation::ledger::Kind;
-use gpushare_isolation::{Budget, CUDA_ERROR_OUT_OF_MEMORY, CUDA_SUCCESS, Interposer, Limits};
+use gpushare_isolation::{
+    Budget, CUDA_ERROR_OUT_OF_MEMORY, CUDA_SUCCESS, Interposer, Limits, Place, Settings,
+};
 use gpushare_isolation_budget::Snapshot;
 use gpushare_isolation_budget::layout::FILE_LEN;
 use proptest::prelude::*;
@@ -322,4 +324,183 @@ fn race_in_children(path: &std::path::Path, limits: &Limits, work: &[Vec<u64>]) 
             waited == pid && libc::WIFEXITED(status) && libc::WEXITSTATUS(status) == 0
         })
         .collect()
+}
+
+/// An interposer charging `context_mib` per context, over one GPU with a share of `gib`.
+fn with_contexts(dir: &tempfile::TempDir, gib: u64, context_mib: u64) -> Interposer {
+    let settings = Settings {
+        context_bytes: context_mib * MIB,
+        ..Settings::default()
+    };
+    Interposer::open_with(&Limits::new(vec![gib << 30]), settings, &budget_file(dir)).unwrap()
+}
+
+#[test]
+fn a_context_is_charged_and_everything_made_in_it_comes_back_with_it() {
+    let dir = tempfile::tempdir().unwrap();
+    let ip = with_contexts(&dir, 4, 256);
+    assert_eq!(ip.create_context(0, || Ok(0xc0)), Ok(0xc0));
+    assert_eq!(ip.budget().used(0), 256 * MIB);
+    let here = Place { gpu: 0, ctx: 0xc0 };
+    assert_eq!(
+        ip.allocate_at(Kind::Pointer, here, 3840 * MIB, || Ok(1)),
+        CUDA_SUCCESS
+    );
+    // 256 MiB + 3.75 GiB held: nothing more fits.
+    assert_eq!(
+        ip.allocate_at(Kind::Pointer, here, 1024 * MIB, || Ok(2)),
+        CUDA_ERROR_OUT_OF_MEMORY
+    );
+    // A context that does not fit is refused like an allocation.
+    assert_eq!(
+        ip.create_context(0, || Ok(0xc1)),
+        Err(CUDA_ERROR_OUT_OF_MEMORY)
+    );
+    assert_eq!(ip.drop_context(0xc0), 4096 * MIB);
+    assert_eq!(ip.budget().used(0), 0);
+    // Seen again (a primary context used after a reset): charged again.
+    ip.ensure_context(0xc0, 0);
+    ip.ensure_context(0xc0, 0);
+    assert_eq!(ip.budget().used(0), 256 * MIB);
+}
+
+#[test]
+fn a_primary_context_is_charged_once_and_goes_with_its_last_release() {
+    let dir = tempfile::tempdir().unwrap();
+    let ip = with_contexts(&dir, 4, 256);
+    assert_eq!(ip.retain_primary(0, 0, || Ok(0xd0)), CUDA_SUCCESS);
+    assert_eq!(ip.retain_primary(0, 0, || Ok(0xd0)), CUDA_SUCCESS);
+    assert_eq!(ip.budget().used(0), 256 * MIB);
+    let here = Place { gpu: 0, ctx: 0xd0 };
+    assert_eq!(
+        ip.allocate_at(Kind::Pointer, here, 1024 * MIB, || Ok(1)),
+        CUDA_SUCCESS
+    );
+    ip.reset_primary(0);
+    assert_eq!(
+        ip.budget().used(0),
+        0,
+        "a reset frees everything in the context"
+    );
+    ip.ensure_context(0xd0, 0);
+    ip.release_primary(0);
+    assert_eq!(ip.budget().used(0), 256 * MIB, "one retain is still held");
+    ip.release_primary(0);
+    assert_eq!(ip.budget().used(0), 0);
+}
+
+#[test]
+fn a_pool_is_charged_what_it_reserves_until_it_gives_it_back() {
+    let dir = tempfile::tempdir().unwrap();
+    let ip = Interposer::open(
+        &Limits::new(vec![4096 * MIB, 4096 * MIB]),
+        &budget_file(&dir),
+    )
+    .unwrap();
+    let pool = 0x9000;
+    ip.pool_created(pool, 1);
+    let on_gpu1 = Place { gpu: 1, ctx: 0 };
+    // 3 GiB from an empty pool: the pool grows by 3 GiB, on the pool's GPU.
+    let code = ip.allocate_from_pool(
+        on_gpu1,
+        pool,
+        3072 * MIB,
+        0,
+        || Ok(0x100),
+        || Some(3072 * MIB),
+    );
+    assert_eq!(code, CUDA_SUCCESS);
+    assert_eq!((ip.budget().used(0), ip.budget().used(1)), (0, 3072 * MIB));
+    // Freed back to the pool, which keeps it (a raised release threshold).
+    assert_eq!(ip.free_pointer(0x100, || 0), (CUDA_SUCCESS, Some(pool)));
+    ip.refresh_pool(pool, Some(3072 * MIB));
+    assert_eq!(
+        ip.allocate(Kind::Pointer, 1, 3072 * MIB, || Ok(0x200)),
+        CUDA_ERROR_OUT_OF_MEMORY
+    );
+    // Reusing what the pool holds needs no room.
+    let code = ip.allocate_from_pool(
+        on_gpu1,
+        pool,
+        2048 * MIB,
+        3072 * MIB,
+        || Ok(0x300),
+        || Some(3072 * MIB),
+    );
+    assert_eq!(code, CUDA_SUCCESS);
+    assert_eq!(ip.budget().used(1), 3072 * MIB);
+    // Trimmed: the reservation comes back.
+    ip.free_pointer(0x300, || 0);
+    assert_eq!(ip.refresh_pool(pool, Some(0)), 3072 * MIB);
+    assert_eq!(
+        ip.allocate(Kind::Pointer, 1, 3072 * MIB, || Ok(0x200)),
+        CUDA_SUCCESS
+    );
+    // A destroyed pool's charge goes with it.
+    ip.allocate_from_pool(
+        on_gpu1,
+        pool,
+        512 * MIB,
+        0,
+        || Ok(0x400),
+        || Some(512 * MIB),
+    );
+    assert_eq!(ip.refresh_pool(pool, None), 512 * MIB);
+    assert_eq!(ip.budget().used(1), 3072 * MIB);
+}
+
+#[test]
+fn a_vmm_handle_counts_until_it_is_released_and_mapped_nowhere() {
+    let dir = tempfile::tempdir().unwrap();
+    let ip = Interposer::open(&Limits::new(vec![4096 * MIB]), &budget_file(&dir)).unwrap();
+    let (handle, va) = (0x77, 0x7000_0000);
+    assert_eq!(
+        ip.allocate(Kind::Handle, 0, 3072 * MIB, || Ok(handle)),
+        CUDA_SUCCESS
+    );
+    ip.mapped(va, 3072 * MIB, handle);
+    ip.released(handle);
+    assert_eq!(ip.budget().used(0), 3072 * MIB, "still mapped");
+    ip.retained(handle);
+    ip.unmapped(va, 3072 * MIB);
+    assert_eq!(ip.budget().used(0), 3072 * MIB, "still retained");
+    ip.released(handle);
+    assert_eq!(ip.budget().used(0), 0);
+}
+
+#[test]
+fn raising_a_context_limit_is_charged_and_lowering_gives_it_back() {
+    let dir = tempfile::tempdir().unwrap();
+    let ip = Interposer::open(&Limits::new(vec![4096 * MIB]), &budget_file(&dir)).unwrap();
+    let here = Place { gpu: 0, ctx: 0xc0 };
+    let mut reached = false;
+    let code = ip.change_limit(here, 2, i128::from(8192 * MIB), || {
+        reached = true;
+        0
+    });
+    assert_eq!((code, reached), (CUDA_ERROR_OUT_OF_MEMORY, false));
+    assert_eq!(
+        ip.change_limit(here, 2, i128::from(1024 * MIB), || 0),
+        CUDA_SUCCESS
+    );
+    assert_eq!(ip.budget().used(0), 1024 * MIB);
+    assert_eq!(
+        ip.change_limit(here, 2, -i128::from(512 * MIB), || 0),
+        CUDA_SUCCESS
+    );
+    assert_eq!(ip.budget().used(0), 512 * MIB);
+    assert_eq!(ip.drop_context(0xc0), 512 * MIB);
+}
+
+#[test]
+fn graph_memory_is_charged_what_each_gpu_reserves() {
+    let dir = tempfile::tempdir().unwrap();
+    let ip = Interposer::open(&Limits::new(vec![4096 * MIB]), &budget_file(&dir)).unwrap();
+    assert!(!ip.would_fit(0, 6144 * MIB));
+    assert_eq!(ip.budget().refused_count(0), 1);
+    assert!(ip.would_fit(0, 3072 * MIB));
+    assert_eq!(ip.budget().used(0), 0, "nothing stays reserved");
+    ip.set_graph_charge(0, 3072 * MIB);
+    assert!(!ip.would_fit(0, 3072 * MIB));
+    assert_eq!(ip.set_graph_charge(0, 0), 3072 * MIB);
 }
