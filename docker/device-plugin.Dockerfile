@@ -7,14 +7,24 @@
 ARG RUST_IMAGE=rust:1-bookworm
 
 FROM ${RUST_IMAGE} AS builder
+# pip and objdump for scripts/build-interposer.sh: zig (the linker) comes from PyPI, and the
+# result's glibc symbol versions are checked with objdump.
+RUN apt-get update \
+    && apt-get install -y --no-install-recommends python3-pip binutils \
+    && rm -rf /var/lib/apt/lists/*
 WORKDIR /src
 COPY . .
+# The plugin: a plain release build. The interposer is preloaded into containers whatever their
+# glibc, so it is linked against a glibc 2.17 baseline instead (zig cc as the linker); the script
+# fails if the library needs a newer GLIBC_ symbol version (docs/isolation.md).
 RUN --mount=type=cache,target=/usr/local/cargo/registry \
     --mount=type=cache,target=/usr/local/cargo/git \
     --mount=type=cache,target=/src/target \
-    cargo build --release --locked -p gpushare-device-plugin -p gpushare-isolation \
+    --mount=type=cache,target=/src/.tools \
+    cargo build --release --locked -p gpushare-device-plugin \
+    && scripts/build-interposer.sh \
     && install -D -m 0755 target/release/gpushare-device-plugin /out/gpushare-device-plugin \
-    && install -D -m 0755 target/release/libgpushare_isolation.so /out/libgpushare_isolation.so
+    && install -D -m 0755 target/interposer/libgpushare_isolation.so /out/libgpushare_isolation.so
 
 # glibc with dlopen, which NVML needs: libnvidia-ml.so.1 is not in the image, the NVIDIA
 # container runtime injects it (NVIDIA_VISIBLE_DEVICES=all, NVIDIA_DRIVER_CAPABILITIES=utility).

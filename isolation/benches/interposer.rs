@@ -7,6 +7,10 @@
 //!   budget's CAS, the ledger, and the forwarded call.
 //! - `core`: `Interposer::allocate` + `free` around a no-op driver: the accounting alone.
 //!
+//! - `refused_30_live`: an allocation refused while 30 other live processes hold bytes in
+//!   the container's budget: every refusal first looks for dead processes to reclaim
+//!   (budget: under 20 µs).
+//!
 //! The fake driver is loaded by path before the hooks look for `libcuda.so.1`, so they find
 //! it by its soname.
 
@@ -79,6 +83,15 @@ fn load_fake() -> Fake {
     }
 }
 
+const MIB: u64 = 1 << 20;
+
+/// A process's start time, `/proc/PID/stat` field 22.
+fn start_time(pid: u32) -> u64 {
+    let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).unwrap();
+    let rest = &stat[stat.rfind(')').unwrap() + 1..];
+    rest.split_whitespace().nth(19).unwrap().parse().unwrap()
+}
+
 fn bench(c: &mut Criterion) {
     let dir = tempfile::tempdir().unwrap();
     // SAFETY: set before any other thread runs, and read by the hooks' set-up.
@@ -124,6 +137,33 @@ fn bench(c: &mut Criterion) {
         })
     });
     group.finish();
+
+    // 30 live processes (sleepers) with slots holding bytes, and the share full.
+    let full = Interposer::open(&limits, &dir.path().join("full.v1")).unwrap();
+    let mut sleepers: Vec<_> = (0..30)
+        .map(|_| {
+            std::process::Command::new("sleep")
+                .arg("120")
+                .spawn()
+                .unwrap()
+        })
+        .collect();
+    for sleeper in &sleepers {
+        let pid = sleeper.id();
+        let slot = full.budget().claim_slot(pid, start_time(pid)).unwrap();
+        assert!(full.budget().try_reserve(Some(slot), 0, 256 * MIB));
+    }
+    assert_eq!(full.budget().used(0), 30 * 256 * MIB);
+    assert_eq!(full.allocate(Kind::Pointer, 0, 512 * MIB, || Ok(1)), 0);
+    c.bench_function("refused_30_live", |b| {
+        b.iter(|| {
+            assert_eq!(full.allocate(Kind::Pointer, 0, black_box(MIB), || Ok(2)), 2);
+        })
+    });
+    for sleeper in &mut sleepers {
+        let _ = sleeper.kill();
+        let _ = sleeper.wait();
+    }
 
     // The hooks really forward to the fake (which frees what they allocated) and count (past
     // the share they refuse).

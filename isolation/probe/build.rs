@@ -21,6 +21,7 @@ fn main() {
         ),
     ] {
         println!("cargo:rerun-if-changed={source}");
+        println!("cargo:rerun-if-changed=fake/state.rs");
         let status = Command::new(&rustc)
             .args([
                 "--edition",

@@ -206,11 +206,12 @@ pub fn object_of(address: *const c_void) -> Option<(std::ffi::CString, usize)> {
         dli_sname: std::ptr::null(),
         dli_saddr: std::ptr::null_mut(),
     };
+    if address.is_null() {
+        return None;
+    }
     // SAFETY: dladdr only reads the address and fills `info`.
-    if address.is_null()
-        || unsafe { libc::dladdr(address, &mut info) } == 0
-        || info.dli_fname.is_null()
-    {
+    let found = unsafe { libc::dladdr(address, &mut info) };
+    if found == 0 || info.dli_fname.is_null() {
         return None;
     }
     // SAFETY: dladdr's file name is a NUL-terminated string of the loaded object.

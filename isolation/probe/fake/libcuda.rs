@@ -1,19 +1,61 @@
 //! A fake `libcuda.so.1` for gpushare-isolation's tests: simulated GPUs, no hardware.
 //!
 //! Compiled by this crate's `build.rs` with `rustc --crate-type cdylib` (soname
-//! `libcuda.so.1`); std only, so that it needs no crate. GPUs: `FAKE_GPU_COUNT` (default 1),
-//! each with `FAKE_GPU_MEM_MIB` MiB (default 16384). Pointers and handles are numbers, never
-//! memory. It implements just what the probe and the interposer call, with the driver's
-//! signatures and error codes.
+//! `libcuda.so.1`); std only, so that it needs no crate. Pointers and handles are numbers,
+//! never memory. It implements just what the probe and the interposer call, with the
+//! driver's signatures and error codes, and takes device memory the way a real GPU does.
+//!
+//! # Environment
+//!
+//! | variable | default | meaning |
+//! |---|---|---|
+//! | `FAKE_GPU_COUNT` | 1 | physical GPUs |
+//! | `FAKE_GPU_MEM_MIB` | 16384 | memory of each |
+//! | `FAKE_GPU_STATE` | unset | a file holding what each physical GPU holds, shared by every process naming it (format in `state.rs`); unset: each process sees a device of its own |
+//! | `FAKE_CONTEXT_MIB` | 0 | device memory a context takes (primary or created), its default limits included |
+//! | `FAKE_MANAGED_ON_HOST` | unset | `1`: `cuMemAllocManaged` takes no device memory (host-resident until touched); unset: it takes device memory, as before |
+//! | `CUDA_VISIBLE_DEVICES` | all | CUDA ordinals → physical GPUs: indices or `GPU-` UUIDs (prefixes), parsing stops at the first invalid or repeated entry |
+//!
+//! Physical GPU `i` has the UUID whose 16 bytes are 15 zeros then `i` (as `cuDeviceGetUuid`
+//! returns it), written `GPU-00000000-0000-0000-0000-0000000000ii` (`ii` two hex digits, as
+//! NVML's `nvmlDeviceGetUUID` returns it).
+//!
+//! # What takes device memory
+//!
+//! - Contexts: each `cuCtxCreate_v2`, and a device's primary context from its first
+//!   `cuDevicePrimaryCtxRetain` until its last `cuDevicePrimaryCtxRelease_v2` or a
+//!   `cuDevicePrimaryCtxReset_v2`. An allocation belongs to the context current when it was
+//!   made; destroying the context frees it. `cuCtxSetLimit` takes or gives back the change
+//!   (heap and printf FIFO: bytes; stack: bytes × 16 SMs × 64 threads), from the defaults
+//!   (8 MiB, 1 MiB, 1 KiB) which the context's cost includes.
+//! - Plain allocations (`cuMemAlloc_v2`, pitch, arrays, the 32-bit v1 `cuMemAlloc` and
+//!   `cuMemAllocPitch`, whose pointers are 32-bit values of their own range).
+//! - Stream-ordered pools: an allocation reuses the pool's reserved-unused bytes and reserves
+//!   the rest; `cuMemFreeAsync` (or `cuMemFree_v2`) returns bytes to the pool; at every
+//!   synchronisation (`cuStreamSynchronize`(`_ptsz`), `cuCtxSynchronize`,
+//!   `cuEventSynchronize`) each pool keeps max(used, release threshold) reserved;
+//!   `cuMemPoolTrimTo` keeps max(used, min).
+//! - VMM: `cuMemCreate`'s memory comes back once every reference is released
+//!   (`cuMemRelease`; `cuMemRetainAllocationHandle` adds one) and no mapping uses it.
+//! - Graphs: a device's graph pool reserves, at `cuGraphUpload` or `cuGraphLaunch`, enough for
+//!   every allocation node of the graph on top of the graph allocations alive; it keeps that
+//!   until `cuDeviceGraphMemTrim`. Nodes the graph frees itself (`cuGraphAddMemFreeNode`, or a
+//!   `cuMemFreeAsync` captured) are not alive after the launch; the others are until freed.
+//!   `cuMemAllocAsync` on a capturing stream adds a node and takes nothing.
+//! - Managed memory: see `FAKE_MANAGED_ON_HOST`.
 //!
 //! Exported functions never call each other (an LD_PRELOADed interposer would catch the
-//! call); they call private `*_impl` functions.
+//! call); they call private `*_impl` functions. Functions that would compile to the same code
+//! record their own name, so that rustc does not merge them into one address.
 #![allow(non_snake_case, clippy::missing_safety_doc)]
 
 use std::cell::Cell;
-use std::collections::HashMap;
+use std::collections::{BTreeMap, HashMap};
 use std::ffi::{c_char, c_int, c_uint, c_void, CStr};
+use std::path::PathBuf;
 use std::sync::Mutex;
+
+include!("state.rs");
 
 type CuResult = c_int;
 const SUCCESS: CuResult = 0;
@@ -22,23 +64,120 @@ const OUT_OF_MEMORY: CuResult = 2;
 const NOT_INITIALIZED: CuResult = 3;
 const INVALID_DEVICE: CuResult = 101;
 const INVALID_CONTEXT: CuResult = 201;
+const INVALID_HANDLE: CuResult = 400;
 const NOT_FOUND: CuResult = 500;
+const NOT_SUPPORTED: CuResult = 801;
+const STREAM_CAPTURE_UNSUPPORTED: CuResult = 900;
+
+const MIB: u64 = 1 << 20;
+/// `CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT` and `..._MAX_THREADS_PER_MULTIPROCESSOR`.
+const SMS: u64 = 16;
+const THREADS_PER_SM: u64 = 64;
+const DEFAULT_LIMITS: [u64; 3] = [1024, MIB, 8 * MIB]; // stack, printf FIFO, malloc heap
+
+/// Where an allocation's bytes are held.
+#[derive(Clone, Copy, PartialEq)]
+enum Holder {
+    /// Device memory of its own (`bytes` of it; 0 for host-resident managed memory).
+    Plain,
+    /// A stream-ordered pool's reservation.
+    Pool(u64),
+    /// A device's graph pool (CUDA ordinal).
+    Graph(usize),
+}
+
+struct Alloc {
+    phys: usize,
+    /// Device bytes taken (plain), or bytes used in the pool.
+    bytes: u64,
+    by: &'static str,
+    ctx: u64,
+    holder: Holder,
+}
+
+struct Ctx {
+    dev: usize,
+    phys: usize,
+    /// Device bytes this context itself takes now.
+    charged: u64,
+    /// stack, printf FIFO, heap.
+    limits: [u64; 3],
+}
+
+#[derive(Default)]
+struct Pool {
+    dev: usize,
+    phys: usize,
+    reserved: u64,
+    used: u64,
+    threshold: u64,
+    reserved_high: u64,
+    used_high: u64,
+}
+
+#[derive(Default, Clone, Copy)]
+struct GraphPool {
+    reserved: u64,
+    used: u64,
+    reserved_high: u64,
+    used_high: u64,
+}
+
+#[derive(Clone, Copy)]
+struct Node {
+    dev: usize,
+    bytes: u64,
+    dptr: u64,
+    freed_in_graph: bool,
+}
+
+struct Vmm {
+    phys: usize,
+    bytes: u64,
+    refs: u32,
+    maps: u32,
+}
 
 struct Driver {
-    mem: Vec<u64>,
+    mem: u64,
+    gpus: usize,
+    /// CUDA ordinal -> physical GPU.
+    visible: Vec<usize>,
+    state: Option<PathBuf>,
+    pid: u32,
+    start: u64,
+    /// What this process holds on each physical GPU.
     used: Vec<u64>,
-    /// pointer or handle -> (device, bytes, the entry point that allocated it)
-    allocs: HashMap<u64, (usize, u64, &'static str)>,
+    context_cost: u64,
+    managed_on_host: bool,
+    allocs: HashMap<u64, Alloc>,
     next: u64,
-    /// The entry point of the last free.
-    last_free: &'static str,
+    next_v1: u32,
+    next_va: u64,
+    next_graph_ptr: u64,
+    next_handle: u64,
+    ctxs: HashMap<u64, Ctx>,
+    primary_refs: Vec<u32>,
+    pools: HashMap<u64, Pool>,
+    current_pool: Vec<u64>,
+    vmm: HashMap<u64, Vmm>,
+    /// virtual address -> (size, handle)
+    maps: BTreeMap<u64, (u64, u64)>,
+    reservations: HashMap<u64, u64>,
+    graph_pools: Vec<GraphPool>,
+    graphs: HashMap<u64, Vec<Node>>,
+    execs: HashMap<u64, Vec<Node>>,
+    /// stream -> the graph it is capturing into
+    streams: HashMap<u64, Option<u64>>,
+    /// The entry point of the last call that records one.
+    last_call: &'static str,
 }
 
 static DRIVER: Mutex<Option<Driver>> = Mutex::new(None);
 
 thread_local! {
-    /// The current context's device, -1 for none.
-    static CURRENT: Cell<i32> = const { Cell::new(-1) };
+    /// The current context's handle, 0 for none.
+    static CURRENT: Cell<u64> = const { Cell::new(0) };
 }
 
 fn env_u64(name: &str, default: u64) -> u64 {
@@ -46,6 +185,362 @@ fn env_u64(name: &str, default: u64) -> u64 {
         .ok()
         .and_then(|v| v.parse().ok())
         .unwrap_or(default)
+}
+
+fn uuid_bytes(phys: usize) -> [u8; 16] {
+    let mut b = [0u8; 16];
+    b[15] = phys as u8;
+    b
+}
+
+fn uuid_string(phys: usize) -> String {
+    format!("GPU-00000000-0000-0000-0000-0000000000{:02x}", phys as u8)
+}
+
+/// `CUDA_VISIBLE_DEVICES` as the driver reads it.
+fn visible_devices(gpus: usize) -> Vec<usize> {
+    let Ok(list) = std::env::var("CUDA_VISIBLE_DEVICES") else {
+        return (0..gpus).collect();
+    };
+    let mut visible = Vec::new();
+    for entry in list.split(',') {
+        let entry = entry.trim();
+        let phys = if entry.starts_with("GPU-") {
+            let matching: Vec<usize> = (0..gpus)
+                .filter(|&i| uuid_string(i).starts_with(entry))
+                .collect();
+            if matching.len() == 1 {
+                Some(matching[0])
+            } else {
+                None
+            }
+        } else {
+            entry.parse::<usize>().ok().filter(|&i| i < gpus)
+        };
+        match phys {
+            Some(p) if !visible.contains(&p) => visible.push(p),
+            _ => break,
+        }
+    }
+    visible
+}
+
+fn own_start(pid: u32) -> u64 {
+    state::start_time(pid).unwrap_or(0)
+}
+
+impl Driver {
+    /// After a fork, the child holds nothing of its own yet.
+    fn own_process(&mut self) {
+        let pid = std::process::id();
+        if pid != self.pid {
+            self.pid = pid;
+            self.start = own_start(pid);
+            self.used = vec![0; self.gpus];
+        }
+    }
+
+    fn publish(&self, entries: &mut Vec<state::Entry>) {
+        entries.retain(|e| e.pid != self.pid);
+        entries.push(state::Entry {
+            pid: self.pid,
+            start: self.start,
+            used: self.used.clone(),
+        });
+    }
+
+    /// Takes `bytes` of device memory on physical GPU `phys`, or says OUT_OF_MEMORY.
+    fn charge(&mut self, phys: usize, bytes: u64) -> Result<(), CuResult> {
+        self.own_process();
+        if bytes == 0 {
+            return Ok(());
+        }
+        let Some(path) = self.state.clone() else {
+            if self.used[phys] + bytes > self.mem {
+                return Err(OUT_OF_MEMORY);
+            }
+            self.used[phys] += bytes;
+            return Ok(());
+        };
+        state::update(&path, |entries| {
+            let others: u64 = entries
+                .iter()
+                .filter(|e| e.pid != self.pid)
+                .map(|e| e.used.get(phys).copied().unwrap_or(0))
+                .sum();
+            if others + self.used[phys] + bytes > self.mem {
+                return Err(OUT_OF_MEMORY);
+            }
+            self.used[phys] += bytes;
+            self.publish(entries);
+            Ok(())
+        })
+        .unwrap_or(Err(NOT_SUPPORTED))
+    }
+
+    fn uncharge(&mut self, phys: usize, bytes: u64) {
+        self.own_process();
+        if bytes == 0 {
+            return;
+        }
+        self.used[phys] = self.used[phys].saturating_sub(bytes);
+        if let Some(path) = self.state.clone() {
+            let _ = state::update(&path, |entries| self.publish(entries));
+        }
+    }
+
+    /// What physical GPU `phys` holds: every live process's bytes, or this process's.
+    fn device_used(&self, phys: usize) -> u64 {
+        match &self.state {
+            Some(path) => state::device_used(path, self.gpus)[phys],
+            None => self.used[phys],
+        }
+    }
+
+    fn phys(&self, dev: c_int) -> Result<usize, CuResult> {
+        if dev < 0 {
+            return Err(INVALID_DEVICE);
+        }
+        self.visible
+            .get(dev as usize)
+            .copied()
+            .ok_or(INVALID_DEVICE)
+    }
+
+    fn handle(&mut self) -> u64 {
+        self.next_handle += 0x10;
+        self.next_handle
+    }
+
+    fn address(&mut self, bytes: u64) -> u64 {
+        let ptr = self.next;
+        self.next += bytes.div_ceil(1 << 21).max(1) << 21;
+        ptr
+    }
+
+    fn context_mut(&mut self, ctx: u64) -> Result<&mut Ctx, CuResult> {
+        self.ctxs.get_mut(&ctx).ok_or(INVALID_CONTEXT)
+    }
+
+    /// The current context: (handle, CUDA ordinal, physical GPU).
+    fn current(&self) -> Result<(u64, usize, usize), CuResult> {
+        let ctx = CURRENT.with(|c| c.get());
+        self.ctxs
+            .get(&ctx)
+            .map(|c| (ctx, c.dev, c.phys))
+            .ok_or(INVALID_CONTEXT)
+    }
+
+    fn create_context(&mut self, handle: u64, dev: usize) -> Result<(), CuResult> {
+        let phys = self.phys(dev as c_int)?;
+        self.charge(phys, self.context_cost)?;
+        self.ctxs.insert(
+            handle,
+            Ctx {
+                dev,
+                phys,
+                charged: self.context_cost,
+                limits: DEFAULT_LIMITS,
+            },
+        );
+        Ok(())
+    }
+
+    /// Frees everything allocated in `ctx` and the context itself.
+    fn destroy_context(&mut self, ctx: u64) -> Result<(), CuResult> {
+        let c = self.ctxs.remove(&ctx).ok_or(INVALID_CONTEXT)?;
+        let mine: Vec<u64> = self
+            .allocs
+            .iter()
+            .filter(|(_, a)| a.ctx == ctx)
+            .map(|(&p, _)| p)
+            .collect();
+        for ptr in mine {
+            self.release_alloc(ptr);
+        }
+        self.trim_pools(|_, p| p.dev == c.dev, |_| 0);
+        self.uncharge(c.phys, c.charged);
+        CURRENT.with(|cur| {
+            if cur.get() == ctx {
+                cur.set(0)
+            }
+        });
+        Ok(())
+    }
+
+    /// Takes an allocation out of the books and gives its bytes to where they came from.
+    fn release_alloc(&mut self, ptr: u64) -> Option<Alloc> {
+        let a = self.allocs.remove(&ptr)?;
+        match a.holder {
+            Holder::Plain => self.uncharge(a.phys, a.bytes),
+            Holder::Pool(p) => {
+                if let Some(pool) = self.pools.get_mut(&p) {
+                    pool.used = pool.used.saturating_sub(a.bytes);
+                }
+            }
+            Holder::Graph(dev) => {
+                let gp = &mut self.graph_pools[dev];
+                gp.used = gp.used.saturating_sub(a.bytes);
+            }
+        }
+        Some(a)
+    }
+
+    /// Releases the reservation of every pool `which` picks down to max(used, keep(pool)).
+    fn trim_pools(&mut self, which: impl Fn(u64, &Pool) -> bool, keep: impl Fn(&Pool) -> u64) {
+        let mut released = Vec::new();
+        for (_, pool) in self.pools.iter_mut().filter(|(&h, p)| which(h, p)) {
+            let target = pool.used.max(keep(pool));
+            if pool.reserved > target {
+                released.push((pool.phys, pool.reserved - target));
+                pool.reserved = target;
+            }
+        }
+        for (phys, bytes) in released {
+            self.uncharge(phys, bytes);
+        }
+    }
+
+    fn default_pool(dev: usize) -> u64 {
+        0x9000 + dev as u64 * 0x10
+    }
+
+    /// The pool of that handle (a device's default pool comes into being when first named).
+    fn pool_mut(&mut self, handle: u64) -> Result<&mut Pool, CuResult> {
+        if !self.pools.contains_key(&handle) {
+            let dev = (0..self.visible.len()).find(|&d| Self::default_pool(d) == handle);
+            let Some(dev) = dev else {
+                return Err(INVALID_VALUE);
+            };
+            let phys = self.visible[dev];
+            self.pools.insert(
+                handle,
+                Pool {
+                    dev,
+                    phys,
+                    ..Pool::default()
+                },
+            );
+        }
+        self.pools.get_mut(&handle).ok_or(INVALID_VALUE)
+    }
+
+    /// An allocation of `bytes` from `pool` in the current context.
+    fn pool_alloc(&mut self, pool: u64, bytes: u64, by: &'static str) -> Result<u64, CuResult> {
+        let (ctx, _, _) = self.current()?;
+        if bytes == 0 {
+            return Err(INVALID_VALUE);
+        }
+        let p = self.pool_mut(pool)?;
+        let (phys, grow) = (p.phys, bytes.saturating_sub(p.reserved - p.used));
+        self.charge(phys, grow)?;
+        let p = self.pool_mut(pool)?;
+        p.reserved += grow;
+        p.used += bytes;
+        p.reserved_high = p.reserved_high.max(p.reserved);
+        p.used_high = p.used_high.max(p.used);
+        let ptr = self.address(bytes);
+        self.allocs.insert(
+            ptr,
+            Alloc {
+                phys,
+                bytes,
+                by,
+                ctx,
+                holder: Holder::Pool(pool),
+            },
+        );
+        Ok(ptr)
+    }
+
+    /// `cuMemAllocAsync` on `stream`: a graph node when it is capturing, else from the
+    /// current device's current pool.
+    fn async_alloc(&mut self, stream: u64, bytes: u64, by: &'static str) -> Result<u64, CuResult> {
+        let (_, dev, _) = self.current()?;
+        if let Some(Some(graph)) = self.streams.get(&stream).copied() {
+            return self.add_node(graph, dev, bytes);
+        }
+        let pool = self.current_pool[dev];
+        self.pool_alloc(pool, bytes, by)
+    }
+
+    fn add_node(&mut self, graph: u64, dev: usize, bytes: u64) -> Result<u64, CuResult> {
+        if bytes == 0 {
+            return Err(INVALID_VALUE);
+        }
+        let dptr = self.next_graph_ptr;
+        self.next_graph_ptr += bytes.div_ceil(1 << 21).max(1) << 21;
+        let nodes = self.graphs.get_mut(&graph).ok_or(INVALID_VALUE)?;
+        nodes.push(Node {
+            dev,
+            bytes,
+            dptr,
+            freed_in_graph: false,
+        });
+        Ok(dptr)
+    }
+
+    /// A free on `stream`: marks the node freed when it is capturing, else frees.
+    fn async_free(&mut self, stream: u64, ptr: u64, by: &'static str) -> Result<(), CuResult> {
+        self.last_call = by;
+        if let Some(Some(graph)) = self.streams.get(&stream).copied() {
+            let nodes = self.graphs.get_mut(&graph).ok_or(INVALID_VALUE)?;
+            let node = nodes
+                .iter_mut()
+                .find(|n| n.dptr == ptr)
+                .ok_or(STREAM_CAPTURE_UNSUPPORTED)?;
+            node.freed_in_graph = true;
+            return Ok(());
+        }
+        self.release_alloc(ptr).map(|_| ()).ok_or(INVALID_VALUE)
+    }
+
+    /// Reserves graph-pool memory for `exec`'s nodes; with `run`, its unfreed nodes become
+    /// allocations.
+    fn graph_reserve(&mut self, exec: u64, run: bool) -> Result<(), CuResult> {
+        let nodes = self.execs.get(&exec).ok_or(INVALID_VALUE)?.clone();
+        if run
+            && nodes
+                .iter()
+                .any(|n| !n.freed_in_graph && self.allocs.contains_key(&n.dptr))
+        {
+            return Err(INVALID_VALUE);
+        }
+        for dev in 0..self.visible.len() {
+            let peak: u64 = nodes.iter().filter(|n| n.dev == dev).map(|n| n.bytes).sum();
+            if peak == 0 {
+                continue;
+            }
+            let gp = self.graph_pools[dev];
+            let need = gp.used + peak;
+            if need > gp.reserved {
+                self.charge(self.visible[dev], need - gp.reserved)?;
+                self.graph_pools[dev].reserved = need;
+            }
+            let gp = &mut self.graph_pools[dev];
+            gp.reserved_high = gp.reserved_high.max(gp.reserved);
+            if run {
+                gp.used_high = gp.used_high.max(gp.used + peak);
+            }
+        }
+        if run {
+            let ctx = CURRENT.with(|c| c.get());
+            for n in nodes.iter().filter(|n| !n.freed_in_graph) {
+                self.graph_pools[n.dev].used += n.bytes;
+                self.allocs.insert(
+                    n.dptr,
+                    Alloc {
+                        phys: self.visible[n.dev],
+                        bytes: n.bytes,
+                        by: "cuGraphLaunch",
+                        ctx,
+                        holder: Holder::Graph(n.dev),
+                    },
+                );
+            }
+        }
+        Ok(())
+    }
 }
 
 fn with_driver<T>(f: impl FnOnce(&mut Driver) -> Result<T, CuResult>) -> Result<T, CuResult> {
@@ -60,48 +555,6 @@ fn code(r: Result<(), CuResult>) -> CuResult {
     r.err().unwrap_or(SUCCESS)
 }
 
-fn current() -> Result<usize, CuResult> {
-    let dev = CURRENT.with(|c| c.get());
-    if dev < 0 {
-        Err(INVALID_CONTEXT)
-    } else {
-        Ok(dev as usize)
-    }
-}
-
-fn alloc_impl(dev: usize, bytes: u64, by: &'static str) -> Result<u64, CuResult> {
-    with_driver(|d| {
-        if dev >= d.mem.len() {
-            return Err(INVALID_DEVICE);
-        }
-        if bytes == 0 {
-            return Err(INVALID_VALUE);
-        }
-        if d.used[dev] + bytes > d.mem[dev] {
-            return Err(OUT_OF_MEMORY);
-        }
-        d.used[dev] += bytes;
-        let ptr = d.next;
-        d.next += bytes.div_ceil(1 << 21).max(1) << 21;
-        d.allocs.insert(ptr, (dev, bytes, by));
-        Ok(ptr)
-    })
-}
-
-/// Frees `ptr` if one of `allocators` allocated it (each entry point passes its own list, so
-/// that no two are the same code: rustc would merge them into one address).
-fn free_impl(ptr: u64, allocators: &[&str], freer: &'static str) -> CuResult {
-    code(with_driver(|d| match d.allocs.get(&ptr) {
-        Some(&(dev, bytes, by)) if allocators.contains(&by) => {
-            d.last_free = freer;
-            d.allocs.remove(&ptr);
-            d.used[dev] -= bytes;
-            Ok(())
-        }
-        _ => Err(INVALID_VALUE),
-    }))
-}
-
 unsafe fn out<T>(p: *mut T, value: T) -> Result<(), CuResult> {
     if p.is_null() {
         return Err(INVALID_VALUE);
@@ -110,77 +563,147 @@ unsafe fn out<T>(p: *mut T, value: T) -> Result<(), CuResult> {
     Ok(())
 }
 
+/// A plain allocation of `bytes` in the current context (`device_bytes` of them on the
+/// device); a 32-bit address when `v1`.
+fn alloc_impl(bytes: u64, device_bytes: u64, by: &'static str, v1: bool) -> Result<u64, CuResult> {
+    with_driver(|d| {
+        let (ctx, _, phys) = d.current()?;
+        if bytes == 0 {
+            return Err(INVALID_VALUE);
+        }
+        d.charge(phys, device_bytes)?;
+        let ptr = if v1 {
+            d.next_v1 += 0x10_0000;
+            u64::from(d.next_v1)
+        } else {
+            d.address(bytes)
+        };
+        d.allocs.insert(
+            ptr,
+            Alloc {
+                phys,
+                bytes: device_bytes,
+                by,
+                ctx,
+                holder: Holder::Plain,
+            },
+        );
+        Ok(ptr)
+    })
+}
+
+/// Frees `ptr` if one of `allocators` allocated it (each entry point passes its own list, so
+/// that no two are the same code).
+fn free_impl(ptr: u64, allocators: &[&str], freer: &'static str) -> CuResult {
+    code(with_driver(|d| match d.allocs.get(&ptr) {
+        Some(a) if allocators.contains(&a.by) => {
+            d.last_call = freer;
+            d.release_alloc(ptr);
+            Ok(())
+        }
+        _ => Err(INVALID_VALUE),
+    }))
+}
+
 unsafe fn alloc_current(dptr: *mut u64, bytes: u64, by: &'static str) -> CuResult {
-    code(
-        current()
-            .and_then(|dev| alloc_impl(dev, bytes, by))
-            .and_then(|p| unsafe { out(dptr, p) }),
-    )
+    if dptr.is_null() {
+        return INVALID_VALUE;
+    }
+    code(alloc_impl(bytes, bytes, by, false).and_then(|p| unsafe { out(dptr, p) }))
 }
 
 #[no_mangle]
 pub extern "C" fn cuInit(_flags: c_uint) -> CuResult {
     let mut guard = DRIVER.lock().unwrap_or_else(|e| e.into_inner());
     if guard.is_none() {
-        let count = env_u64("FAKE_GPU_COUNT", 1) as usize;
-        let mem = env_u64("FAKE_GPU_MEM_MIB", 16384) << 20;
-        *guard = Some(Driver {
-            mem: vec![mem; count],
-            used: vec![0; count],
+        let gpus = env_u64("FAKE_GPU_COUNT", 1) as usize;
+        let visible = visible_devices(gpus);
+        let pid = std::process::id();
+        let state = std::env::var_os("FAKE_GPU_STATE").map(PathBuf::from);
+        let driver = Driver {
+            mem: env_u64("FAKE_GPU_MEM_MIB", 16384) << 20,
+            gpus,
+            primary_refs: vec![0; visible.len()],
+            current_pool: (0..visible.len()).map(Driver::default_pool).collect(),
+            graph_pools: vec![GraphPool::default(); visible.len()],
+            visible,
+            state,
+            pid,
+            start: own_start(pid),
+            used: vec![0; gpus],
+            context_cost: env_u64("FAKE_CONTEXT_MIB", 0) << 20,
+            managed_on_host: std::env::var("FAKE_MANAGED_ON_HOST").as_deref() == Ok("1"),
             allocs: HashMap::new(),
             next: 0x7f00_0000_0000,
-            last_free: "",
-        });
+            next_v1: 0x1000_0000,
+            next_va: 0x6000_0000_0000,
+            next_graph_ptr: 0x5000_0000_0000,
+            next_handle: 0x10_0000,
+            ctxs: HashMap::new(),
+            pools: HashMap::new(),
+            vmm: HashMap::new(),
+            maps: BTreeMap::new(),
+            reservations: HashMap::new(),
+            graphs: HashMap::new(),
+            execs: HashMap::new(),
+            streams: HashMap::new(),
+            last_call: "",
+        };
+        // A new program image (exec keeps the pid) holds nothing yet.
+        if let Some(path) = &driver.state {
+            let _ = state::update(path, |entries| driver.publish(entries));
+        }
+        *guard = Some(driver);
     }
     SUCCESS
 }
 
 #[no_mangle]
 pub unsafe extern "C" fn cuDeviceGetCount(count: *mut c_int) -> CuResult {
-    code(with_driver(|d| Ok(d.mem.len() as c_int)).and_then(|n| unsafe { out(count, n) }))
+    code(with_driver(|d| Ok(d.visible.len() as c_int)).and_then(|n| unsafe { out(count, n) }))
 }
 
 #[no_mangle]
 pub unsafe extern "C" fn cuDeviceGet(device: *mut c_int, ordinal: c_int) -> CuResult {
+    code(with_driver(|d| d.phys(ordinal).map(|_| ordinal)).and_then(|o| unsafe { out(device, o) }))
+}
+
+fn valid_device(dev: c_int) -> Result<usize, CuResult> {
+    with_driver(|d| d.phys(dev))
+}
+
+#[no_mangle]
+pub unsafe extern "C" fn cuDeviceGetUuid(uuid: *mut [u8; 16], dev: c_int) -> CuResult {
+    code(valid_device(dev).and_then(|p| unsafe { out(uuid, uuid_bytes(p)) }))
+}
+
+#[no_mangle]
+pub unsafe extern "C" fn cuDeviceGetUuid_v2(uuid: *mut [u8; 16], dev: c_int) -> CuResult {
     code(
         with_driver(|d| {
-            if ordinal < 0 || ordinal as usize >= d.mem.len() {
-                Err(INVALID_DEVICE)
-            } else {
-                Ok(ordinal)
-            }
+            d.last_call = "cuDeviceGetUuid_v2";
+            d.phys(dev)
         })
-        .and_then(|o| unsafe { out(device, o) }),
+        .and_then(|p| unsafe { out(uuid, uuid_bytes(p)) }),
     )
 }
 
-fn ctx_of(dev: c_int) -> *mut c_void {
-    (0x1000 + dev as usize * 0x10) as *mut c_void
+#[no_mangle]
+pub unsafe extern "C" fn cuDeviceGetAttribute(
+    value: *mut c_int,
+    attr: c_int,
+    dev: c_int,
+) -> CuResult {
+    code(valid_device(dev).and_then(|_| match attr {
+        16 => unsafe { out(value, SMS as c_int) },
+        39 => unsafe { out(value, THREADS_PER_SM as c_int) },
+        _ => Err(INVALID_VALUE),
+    }))
 }
 
-fn device_of(ctx: *mut c_void) -> Result<c_int, CuResult> {
-    let raw = ctx as usize;
-    if raw < 0x1000 || (raw - 0x1000) % 0x10 != 0 {
-        return Err(INVALID_CONTEXT);
-    }
-    let dev = ((raw - 0x1000) / 0x10) as c_int;
-    with_driver(|d| {
-        if dev as usize >= d.mem.len() {
-            Err(INVALID_CONTEXT)
-        } else {
-            Ok(dev)
-        }
-    })
-}
-
-fn valid_device(dev: c_int) -> Result<(), CuResult> {
-    with_driver(|d| {
-        if dev < 0 || dev as usize >= d.mem.len() {
-            Err(INVALID_DEVICE)
-        } else {
-            Ok(())
-        }
-    })
+/// Primary context handles: one per CUDA ordinal.
+fn primary_of(dev: usize) -> u64 {
+    0x1000 + dev as u64 * 0x10
 }
 
 #[no_mangle]
@@ -189,37 +712,380 @@ pub unsafe extern "C" fn cuCtxCreate_v2(
     _flags: c_uint,
     dev: c_int,
 ) -> CuResult {
-    code(valid_device(dev).and_then(|()| {
-        CURRENT.with(|c| c.set(dev));
-        unsafe { out(pctx, ctx_of(dev)) }
+    if pctx.is_null() {
+        return INVALID_VALUE;
+    }
+    code(
+        with_driver(|d| {
+            d.phys(dev)?;
+            let h = d.handle();
+            d.create_context(h, dev as usize)?;
+            CURRENT.with(|c| c.set(h));
+            Ok(h)
+        })
+        .and_then(|h| unsafe { out(pctx, h as *mut c_void) }),
+    )
+}
+
+#[no_mangle]
+pub extern "C" fn cuCtxDestroy_v2(ctx: *mut c_void) -> CuResult {
+    code(with_driver(|d| {
+        if d.ctxs
+            .get(&(ctx as u64))
+            .is_some_and(|_| (ctx as u64) < 0x10_0000)
+        {
+            return Err(INVALID_CONTEXT); // a primary context
+        }
+        d.destroy_context(ctx as u64)
     }))
 }
 
 #[no_mangle]
 pub unsafe extern "C" fn cuDevicePrimaryCtxRetain(pctx: *mut *mut c_void, dev: c_int) -> CuResult {
-    code(valid_device(dev).and_then(|()| unsafe { out(pctx, ctx_of(dev)) }))
+    if pctx.is_null() {
+        return INVALID_VALUE;
+    }
+    code(
+        with_driver(|d| {
+            d.phys(dev)?;
+            let dev = dev as usize;
+            let h = primary_of(dev);
+            if d.primary_refs[dev] == 0 {
+                d.create_context(h, dev)?;
+            }
+            d.primary_refs[dev] += 1;
+            Ok(h)
+        })
+        .and_then(|h| unsafe { out(pctx, h as *mut c_void) }),
+    )
+}
+
+#[no_mangle]
+pub extern "C" fn cuDevicePrimaryCtxRelease_v2(dev: c_int) -> CuResult {
+    code(with_driver(|d| {
+        d.phys(dev)?;
+        let dev = dev as usize;
+        if d.primary_refs[dev] == 0 {
+            return Err(INVALID_CONTEXT);
+        }
+        d.primary_refs[dev] -= 1;
+        if d.primary_refs[dev] == 0 {
+            d.destroy_context(primary_of(dev))?;
+        }
+        Ok(())
+    }))
+}
+
+#[no_mangle]
+pub extern "C" fn cuDevicePrimaryCtxReset_v2(dev: c_int) -> CuResult {
+    code(with_driver(|d| {
+        d.phys(dev)?;
+        let dev = dev as usize;
+        d.last_call = "cuDevicePrimaryCtxReset_v2";
+        if d.primary_refs[dev] > 0 {
+            d.primary_refs[dev] = 0;
+            d.destroy_context(primary_of(dev))?;
+        }
+        Ok(())
+    }))
 }
 
 #[no_mangle]
 pub extern "C" fn cuCtxSetCurrent(ctx: *mut c_void) -> CuResult {
     if ctx.is_null() {
-        CURRENT.with(|c| c.set(-1));
+        CURRENT.with(|c| c.set(0));
         return SUCCESS;
     }
-    code(device_of(ctx).map(|dev| CURRENT.with(|c| c.set(dev))))
+    code(with_driver(|d| {
+        d.context_mut(ctx as u64)?;
+        CURRENT.with(|c| c.set(ctx as u64));
+        Ok(())
+    }))
+}
+
+#[no_mangle]
+pub unsafe extern "C" fn cuCtxGetCurrent(pctx: *mut *mut c_void) -> CuResult {
+    code(unsafe { out(pctx, CURRENT.with(|c| c.get()) as *mut c_void) })
 }
 
 #[no_mangle]
 pub unsafe extern "C" fn cuCtxGetDevice(device: *mut c_int) -> CuResult {
-    code(current().and_then(|dev| unsafe { out(device, dev as c_int) }))
+    code(with_driver(|d| d.current()).and_then(|(_, dev, _)| unsafe { out(device, dev as c_int) }))
+}
+
+fn limit_cost(limit: usize, value: u64) -> u64 {
+    if limit == 0 {
+        value * SMS * THREADS_PER_SM
+    } else {
+        value
+    }
+}
+
+#[no_mangle]
+pub extern "C" fn cuCtxSetLimit(limit: c_int, value: usize) -> CuResult {
+    if !(0..=2).contains(&limit) {
+        return INVALID_VALUE;
+    }
+    let limit = limit as usize;
+    code(with_driver(|d| {
+        let (ctx, _, phys) = d.current()?;
+        let c = d.context_mut(ctx)?;
+        let (old, new) = (
+            limit_cost(limit, c.limits[limit]),
+            limit_cost(limit, value as u64),
+        );
+        if new > old {
+            d.charge(phys, new - old)?;
+        } else {
+            d.uncharge(phys, old - new);
+        }
+        let c = d.context_mut(ctx)?;
+        c.limits[limit] = value as u64;
+        c.charged = (c.charged + new).saturating_sub(old);
+        Ok(())
+    }))
+}
+
+#[no_mangle]
+pub unsafe extern "C" fn cuCtxGetLimit(value: *mut usize, limit: c_int) -> CuResult {
+    if !(0..=2).contains(&limit) {
+        return INVALID_VALUE;
+    }
+    code(
+        with_driver(|d| {
+            let (ctx, _, _) = d.current()?;
+            Ok(d.context_mut(ctx)?.limits[limit as usize])
+        })
+        .and_then(|v| unsafe { out(value, v as usize) }),
+    )
+}
+
+fn synchronize(by: &'static str) -> CuResult {
+    code(with_driver(|d| {
+        d.last_call = by;
+        d.trim_pools(|_, _| true, |p| p.threshold);
+        Ok(())
+    }))
+}
+
+#[no_mangle]
+pub extern "C" fn cuCtxSynchronize() -> CuResult {
+    synchronize("cuCtxSynchronize")
+}
+
+#[no_mangle]
+pub extern "C" fn cuStreamSynchronize(_stream: *mut c_void) -> CuResult {
+    synchronize("cuStreamSynchronize")
+}
+
+#[no_mangle]
+pub extern "C" fn cuStreamSynchronize_ptsz(_stream: *mut c_void) -> CuResult {
+    synchronize("cuStreamSynchronize_ptsz")
+}
+
+#[no_mangle]
+pub extern "C" fn cuEventSynchronize(_event: *mut c_void) -> CuResult {
+    synchronize("cuEventSynchronize")
+}
+
+#[no_mangle]
+pub unsafe extern "C" fn cuStreamCreate(stream: *mut *mut c_void, _flags: c_uint) -> CuResult {
+    code(
+        with_driver(|d| {
+            d.current()?;
+            let h = d.handle();
+            d.streams.insert(h, None);
+            Ok(h)
+        })
+        .and_then(|h| unsafe { out(stream, h as *mut c_void) }),
+    )
+}
+
+#[no_mangle]
+pub extern "C" fn cuStreamDestroy_v2(stream: *mut c_void) -> CuResult {
+    code(with_driver(|d| {
+        d.streams
+            .remove(&(stream as u64))
+            .map(|_| ())
+            .ok_or(INVALID_HANDLE)
+    }))
+}
+
+#[no_mangle]
+pub extern "C" fn cuStreamBeginCapture_v2(stream: *mut c_void, _mode: c_int) -> CuResult {
+    code(with_driver(|d| {
+        let graph = d.handle();
+        match d.streams.get_mut(&(stream as u64)) {
+            Some(s @ None) => *s = Some(graph),
+            Some(Some(_)) => return Err(STREAM_CAPTURE_UNSUPPORTED),
+            None => return Err(INVALID_HANDLE),
+        }
+        d.graphs.insert(graph, Vec::new());
+        Ok(())
+    }))
+}
+
+#[no_mangle]
+pub unsafe extern "C" fn cuStreamEndCapture(
+    stream: *mut c_void,
+    graph: *mut *mut c_void,
+) -> CuResult {
+    code(
+        with_driver(|d| match d.streams.get_mut(&(stream as u64)) {
+            Some(s @ Some(_)) => Ok(s.take().unwrap_or(0)),
+            _ => Err(INVALID_VALUE),
+        })
+        .and_then(|g| unsafe { out(graph, g as *mut c_void) }),
+    )
 }
 
 #[no_mangle]
 pub unsafe extern "C" fn cuDeviceGetDefaultMemPool(pool: *mut *mut c_void, dev: c_int) -> CuResult {
     code(
         valid_device(dev)
-            .and_then(|()| unsafe { out(pool, (0x9000 + dev as usize * 0x10) as *mut c_void) }),
+            .and_then(|_| unsafe { out(pool, Driver::default_pool(dev as usize) as *mut c_void) }),
     )
+}
+
+#[no_mangle]
+pub unsafe extern "C" fn cuDeviceGetMemPool(pool: *mut *mut c_void, dev: c_int) -> CuResult {
+    code(
+        with_driver(|d| {
+            d.phys(dev)?;
+            Ok(d.current_pool[dev as usize])
+        })
+        .and_then(|p| unsafe { out(pool, p as *mut c_void) }),
+    )
+}
+
+#[no_mangle]
+pub extern "C" fn cuDeviceSetMemPool(dev: c_int, pool: *mut c_void) -> CuResult {
+    code(with_driver(|d| {
+        d.phys(dev)?;
+        if d.pool_mut(pool as u64)?.dev != dev as usize {
+            return Err(INVALID_VALUE);
+        }
+        d.current_pool[dev as usize] = pool as u64;
+        Ok(())
+    }))
+}
+
+/// The head of `CUmemAllocationProp` and of `CUmemPoolProps`: type, requested handle
+/// types, location { type, id }.
+#[repr(C)]
+pub struct AllocationPropHead {
+    kind: c_int,
+    handle_types: c_int,
+    location_type: c_int,
+    location_id: c_int,
+}
+
+/// `CU_MEM_LOCATION_TYPE_DEVICE`.
+const LOCATION_DEVICE: c_int = 1;
+
+#[no_mangle]
+pub unsafe extern "C" fn cuMemPoolCreate(
+    pool: *mut *mut c_void,
+    props: *const AllocationPropHead,
+) -> CuResult {
+    if props.is_null() || pool.is_null() {
+        return INVALID_VALUE;
+    }
+    let (kind, dev) = unsafe { ((*props).location_type, (*props).location_id) };
+    if kind != LOCATION_DEVICE {
+        return NOT_SUPPORTED;
+    }
+    code(
+        with_driver(|d| {
+            let phys = d.phys(dev)?;
+            let h = d.handle();
+            d.pools.insert(
+                h,
+                Pool {
+                    dev: dev as usize,
+                    phys,
+                    ..Pool::default()
+                },
+            );
+            Ok(h)
+        })
+        .and_then(|h| unsafe { out(pool, h as *mut c_void) }),
+    )
+}
+
+#[no_mangle]
+pub extern "C" fn cuMemPoolDestroy(pool: *mut c_void) -> CuResult {
+    code(with_driver(|d| {
+        let h = pool as u64;
+        let p = d.pool_mut(h)?;
+        if Driver::default_pool(p.dev) == h {
+            return Err(INVALID_VALUE);
+        }
+        let (dev, phys, reserved) = (p.dev, p.phys, p.reserved);
+        // Outstanding allocations die with the pool.
+        d.allocs.retain(|_, a| a.holder != Holder::Pool(h));
+        d.pools.remove(&h);
+        d.uncharge(phys, reserved);
+        if d.current_pool[dev] == h {
+            d.current_pool[dev] = Driver::default_pool(dev);
+        }
+        Ok(())
+    }))
+}
+
+#[no_mangle]
+pub unsafe extern "C" fn cuMemPoolSetAttribute(
+    pool: *mut c_void,
+    attr: c_int,
+    value: *mut c_void,
+) -> CuResult {
+    if value.is_null() {
+        return INVALID_VALUE;
+    }
+    let v = unsafe { *(value as *const u64) };
+    code(with_driver(|d| {
+        let p = d.pool_mut(pool as u64)?;
+        match attr {
+            4 => p.threshold = v,
+            6 if v == 0 => p.reserved_high = p.reserved,
+            8 if v == 0 => p.used_high = p.used,
+            1..=3 => {} // reuse policies
+            _ => return Err(INVALID_VALUE),
+        }
+        Ok(())
+    }))
+}
+
+#[no_mangle]
+pub unsafe extern "C" fn cuMemPoolGetAttribute(
+    pool: *mut c_void,
+    attr: c_int,
+    value: *mut c_void,
+) -> CuResult {
+    code(
+        with_driver(|d| {
+            let p = d.pool_mut(pool as u64)?;
+            match attr {
+                4 => Ok(p.threshold),
+                5 => Ok(p.reserved),
+                6 => Ok(p.reserved_high),
+                7 => Ok(p.used),
+                8 => Ok(p.used_high),
+                _ => Err(INVALID_VALUE),
+            }
+        })
+        .and_then(|v| unsafe { out(value as *mut u64, v) }),
+    )
+}
+
+#[no_mangle]
+pub extern "C" fn cuMemPoolTrimTo(pool: *mut c_void, min_bytes_to_keep: usize) -> CuResult {
+    code(with_driver(|d| {
+        let h = pool as u64;
+        d.pool_mut(h)?;
+        d.trim_pools(|p, _| p == h, |_| min_bytes_to_keep as u64);
+        Ok(())
+    }))
 }
 
 #[no_mangle]
@@ -252,54 +1118,78 @@ pub unsafe extern "C" fn cuMemAllocManaged(
     bytes: usize,
     _flags: c_uint,
 ) -> CuResult {
-    unsafe { alloc_current(dptr, bytes as u64, "cuMemAllocManaged") }
+    if dptr.is_null() {
+        return INVALID_VALUE;
+    }
+    let on_host = with_driver(|d| Ok(d.managed_on_host)).unwrap_or(false);
+    let device_bytes = if on_host { 0 } else { bytes as u64 };
+    code(
+        alloc_impl(bytes as u64, device_bytes, "cuMemAllocManaged", false)
+            .and_then(|p| unsafe { out(dptr, p) }),
+    )
+}
+
+unsafe fn async_current(
+    dptr: *mut u64,
+    bytes: usize,
+    stream: *mut c_void,
+    by: &'static str,
+) -> CuResult {
+    if dptr.is_null() {
+        return INVALID_VALUE;
+    }
+    code(
+        with_driver(|d| d.async_alloc(stream as u64, bytes as u64, by))
+            .and_then(|p| unsafe { out(dptr, p) }),
+    )
 }
 
 #[no_mangle]
 pub unsafe extern "C" fn cuMemAllocAsync(
     dptr: *mut u64,
     bytes: usize,
-    _stream: *mut c_void,
+    stream: *mut c_void,
 ) -> CuResult {
-    unsafe { alloc_current(dptr, bytes as u64, "cuMemAllocAsync") }
+    unsafe { async_current(dptr, bytes, stream, "cuMemAllocAsync") }
 }
 
 #[no_mangle]
 pub unsafe extern "C" fn cuMemAllocAsync_ptsz(
     dptr: *mut u64,
     bytes: usize,
-    _stream: *mut c_void,
+    stream: *mut c_void,
 ) -> CuResult {
-    unsafe { alloc_current(dptr, bytes as u64, "cuMemAllocAsync_ptsz") }
+    unsafe { async_current(dptr, bytes, stream, "cuMemAllocAsync_ptsz") }
+}
+
+unsafe fn from_pool(dptr: *mut u64, bytes: usize, pool: *mut c_void, by: &'static str) -> CuResult {
+    if dptr.is_null() {
+        return INVALID_VALUE;
+    }
+    code(
+        with_driver(|d| d.pool_alloc(pool as u64, bytes as u64, by))
+            .and_then(|p| unsafe { out(dptr, p) }),
+    )
 }
 
 #[no_mangle]
 pub unsafe extern "C" fn cuMemAllocFromPoolAsync(
     dptr: *mut u64,
     bytes: usize,
-    _pool: *mut c_void,
+    pool: *mut c_void,
     _stream: *mut c_void,
 ) -> CuResult {
-    unsafe { alloc_current(dptr, bytes as u64, "cuMemAllocFromPoolAsync") }
+    unsafe { from_pool(dptr, bytes, pool, "cuMemAllocFromPoolAsync") }
 }
 
 #[no_mangle]
 pub unsafe extern "C" fn cuMemAllocFromPoolAsync_ptsz(
     dptr: *mut u64,
     bytes: usize,
-    _pool: *mut c_void,
+    pool: *mut c_void,
     _stream: *mut c_void,
 ) -> CuResult {
-    unsafe { alloc_current(dptr, bytes as u64, "cuMemAllocFromPoolAsync_ptsz") }
-}
-
-/// The head of `CUmemAllocationProp`: type, requested handle types, location { type, id }.
-#[repr(C)]
-pub struct AllocationPropHead {
-    kind: c_int,
-    handle_types: c_int,
-    location_type: c_int,
-    location_id: c_int,
+    unsafe { from_pool(dptr, bytes, pool, "cuMemAllocFromPoolAsync_ptsz") }
 }
 
 #[no_mangle]
@@ -309,20 +1199,166 @@ pub unsafe extern "C" fn cuMemCreate(
     prop: *const AllocationPropHead,
     _flags: u64,
 ) -> CuResult {
-    if prop.is_null() {
+    if prop.is_null() || handle.is_null() || size == 0 {
         return INVALID_VALUE;
     }
     let dev = unsafe { (*prop).location_id };
     code(
-        valid_device(dev)
-            .and_then(|()| alloc_impl(dev as usize, size as u64, "cuMemCreate"))
-            .and_then(|h| unsafe { out(handle, h) }),
+        with_driver(|d| {
+            let phys = d.phys(dev)?;
+            d.charge(phys, size as u64)?;
+            let h = d.handle();
+            d.vmm.insert(
+                h,
+                Vmm {
+                    phys,
+                    bytes: size as u64,
+                    refs: 1,
+                    maps: 0,
+                },
+            );
+            Ok(h)
+        })
+        .and_then(|h| unsafe { out(handle, h) }),
     )
+}
+
+impl Driver {
+    /// Gives a VMM allocation's memory back once it is released and mapped nowhere.
+    fn vmm_settle(&mut self, h: u64) {
+        if let Some(v) = self.vmm.get(&h) {
+            if v.refs == 0 && v.maps == 0 {
+                let (phys, bytes) = (v.phys, v.bytes);
+                self.vmm.remove(&h);
+                self.uncharge(phys, bytes);
+            }
+        }
+    }
 }
 
 #[no_mangle]
 pub extern "C" fn cuMemRelease(handle: u64) -> CuResult {
-    free_impl(handle, &["cuMemCreate"], "cuMemRelease")
+    code(with_driver(|d| {
+        let v = d.vmm.get_mut(&handle).ok_or(INVALID_VALUE)?;
+        if v.refs == 0 {
+            return Err(INVALID_VALUE);
+        }
+        v.refs -= 1;
+        d.vmm_settle(handle);
+        Ok(())
+    }))
+}
+
+#[no_mangle]
+pub unsafe extern "C" fn cuMemAddressReserve(
+    ptr: *mut u64,
+    size: usize,
+    _alignment: usize,
+    _addr: u64,
+    _flags: u64,
+) -> CuResult {
+    if size == 0 {
+        return INVALID_VALUE;
+    }
+    code(
+        with_driver(|d| {
+            let va = d.next_va;
+            d.next_va += (size as u64).div_ceil(1 << 21).max(1) << 21;
+            d.reservations.insert(va, size as u64);
+            Ok(va)
+        })
+        .and_then(|va| unsafe { out(ptr, va) }),
+    )
+}
+
+#[no_mangle]
+pub extern "C" fn cuMemAddressFree(ptr: u64, _size: usize) -> CuResult {
+    code(with_driver(|d| {
+        d.reservations.remove(&ptr).map(|_| ()).ok_or(INVALID_VALUE)
+    }))
+}
+
+#[no_mangle]
+pub extern "C" fn cuMemMap(
+    ptr: u64,
+    size: usize,
+    _offset: usize,
+    handle: u64,
+    _flags: u64,
+) -> CuResult {
+    code(with_driver(|d| {
+        let v = d.vmm.get_mut(&handle).ok_or(INVALID_HANDLE)?;
+        if v.refs == 0 || (size as u64) > v.bytes {
+            return Err(INVALID_VALUE);
+        }
+        let inside = d
+            .reservations
+            .iter()
+            .any(|(&va, &len)| va <= ptr && ptr + size as u64 <= va + len);
+        if !inside || d.maps.range(ptr..ptr + size as u64).next().is_some() {
+            return Err(INVALID_VALUE);
+        }
+        v.maps += 1;
+        d.maps.insert(ptr, (size as u64, handle));
+        Ok(())
+    }))
+}
+
+#[no_mangle]
+pub extern "C" fn cuMemUnmap(ptr: u64, size: usize) -> CuResult {
+    code(with_driver(|d| {
+        let inside: Vec<u64> = d
+            .maps
+            .range(ptr..ptr + size as u64)
+            .map(|(&va, _)| va)
+            .collect();
+        if inside.is_empty() {
+            return Err(INVALID_VALUE);
+        }
+        for va in inside {
+            if let Some((_, h)) = d.maps.remove(&va) {
+                if let Some(v) = d.vmm.get_mut(&h) {
+                    v.maps -= 1;
+                }
+                d.vmm_settle(h);
+            }
+        }
+        Ok(())
+    }))
+}
+
+#[no_mangle]
+pub extern "C" fn cuMemSetAccess(
+    _ptr: u64,
+    _size: usize,
+    _desc: *const c_void,
+    _count: usize,
+) -> CuResult {
+    code(with_driver(|d| {
+        d.last_call = "cuMemSetAccess";
+        Ok(())
+    }))
+}
+
+#[no_mangle]
+pub unsafe extern "C" fn cuMemRetainAllocationHandle(
+    handle: *mut u64,
+    addr: *mut c_void,
+) -> CuResult {
+    let addr = addr as u64;
+    code(
+        with_driver(|d| {
+            let (_, &(_, h)) = d
+                .maps
+                .range(..=addr)
+                .next_back()
+                .filter(|(&va, &(len, _))| addr < va + len)
+                .ok_or(INVALID_VALUE)?;
+            d.vmm.get_mut(&h).ok_or(INVALID_VALUE)?.refs += 1;
+            Ok(h)
+        })
+        .and_then(|h| unsafe { out(handle, h) }),
+    )
 }
 
 #[repr(C)]
@@ -351,6 +1387,13 @@ fn element_bytes(format: c_uint) -> u64 {
     }
 }
 
+unsafe fn array_out(array: *mut *mut c_void, bytes: u64, by: &'static str) -> CuResult {
+    if array.is_null() {
+        return INVALID_VALUE;
+    }
+    code(alloc_impl(bytes, bytes, by, false).and_then(|p| unsafe { out(array, p as *mut c_void) }))
+}
+
 #[no_mangle]
 pub unsafe extern "C" fn cuArrayCreate_v2(
     array: *mut *mut c_void,
@@ -362,11 +1405,7 @@ pub unsafe extern "C" fn cuArrayCreate_v2(
     let d = unsafe { &*desc };
     let bytes =
         d.width as u64 * d.height.max(1) as u64 * element_bytes(d.format) * d.channels as u64;
-    code(
-        current()
-            .and_then(|dev| alloc_impl(dev, bytes, "cuArrayCreate_v2"))
-            .and_then(|p| unsafe { out(array, p as *mut c_void) }),
-    )
+    unsafe { array_out(array, bytes, "cuArrayCreate_v2") }
 }
 
 #[no_mangle]
@@ -383,11 +1422,7 @@ pub unsafe extern "C" fn cuArray3DCreate_v2(
         * d.depth.max(1) as u64
         * element_bytes(d.format)
         * d.channels as u64;
-    code(
-        current()
-            .and_then(|dev| alloc_impl(dev, bytes, "cuArray3DCreate_v2"))
-            .and_then(|p| unsafe { out(array, p as *mut c_void) }),
-    )
+    unsafe { array_out(array, bytes, "cuArray3DCreate_v2") }
 }
 
 #[no_mangle]
@@ -409,62 +1444,38 @@ pub unsafe extern "C" fn cuMipmappedArrayCreate(
             * element_bytes(d.format)
             * d.channels as u64;
     }
-    code(
-        current()
-            .and_then(|dev| alloc_impl(dev, bytes, "cuMipmappedArrayCreate"))
-            .and_then(|p| unsafe { out(array, p as *mut c_void) }),
-    )
+    unsafe { array_out(array, bytes, "cuMipmappedArrayCreate") }
 }
+
+/// What `cuMemFree_v2` and `cuMemFreeAsync` free.
+const DEVICE_POINTERS: [&str; 8] = [
+    "cuMemAlloc_v2",
+    "cuMemAllocPitch_v2",
+    "cuMemAllocManaged",
+    "cuMemAllocAsync",
+    "cuMemAllocAsync_ptsz",
+    "cuMemAllocFromPoolAsync",
+    "cuMemAllocFromPoolAsync_ptsz",
+    "cuGraphLaunch",
+];
 
 #[no_mangle]
 pub extern "C" fn cuMemFree_v2(ptr: u64) -> CuResult {
-    free_impl(
-        ptr,
-        &[
-            "cuMemAlloc_v2",
-            "cuMemAllocPitch_v2",
-            "cuMemAllocManaged",
-            "cuMemAllocAsync",
-            "cuMemAllocAsync_ptsz",
-            "cuMemAllocFromPoolAsync",
-            "cuMemAllocFromPoolAsync_ptsz",
-        ],
-        "cuMemFree_v2",
-    )
+    free_impl(ptr, &DEVICE_POINTERS, "cuMemFree_v2")
 }
 
 #[no_mangle]
-pub extern "C" fn cuMemFreeAsync(ptr: u64, _stream: *mut c_void) -> CuResult {
-    free_impl(
-        ptr,
-        &[
-            "cuMemAlloc_v2",
-            "cuMemAllocPitch_v2",
-            "cuMemAllocManaged",
-            "cuMemAllocAsync",
-            "cuMemAllocAsync_ptsz",
-            "cuMemAllocFromPoolAsync",
-            "cuMemAllocFromPoolAsync_ptsz",
-        ],
-        "cuMemFreeAsync",
-    )
+pub extern "C" fn cuMemFreeAsync(ptr: u64, stream: *mut c_void) -> CuResult {
+    code(with_driver(|d| {
+        d.async_free(stream as u64, ptr, "cuMemFreeAsync")
+    }))
 }
 
 #[no_mangle]
-pub extern "C" fn cuMemFreeAsync_ptsz(ptr: u64, _stream: *mut c_void) -> CuResult {
-    free_impl(
-        ptr,
-        &[
-            "cuMemAlloc_v2",
-            "cuMemAllocPitch_v2",
-            "cuMemAllocManaged",
-            "cuMemAllocAsync",
-            "cuMemAllocAsync_ptsz",
-            "cuMemAllocFromPoolAsync",
-            "cuMemAllocFromPoolAsync_ptsz",
-        ],
-        "cuMemFreeAsync_ptsz",
-    )
+pub extern "C" fn cuMemFreeAsync_ptsz(ptr: u64, stream: *mut c_void) -> CuResult {
+    code(with_driver(|d| {
+        d.async_free(stream as u64, ptr, "cuMemFreeAsync_ptsz")
+    }))
 }
 
 #[no_mangle]
@@ -485,28 +1496,291 @@ pub extern "C" fn cuMipmappedArrayDestroy(array: *mut c_void) -> CuResult {
     )
 }
 
+/// (free, total) of the current device: total minus what every process holds on it.
+fn mem_info() -> Result<(u64, u64), CuResult> {
+    with_driver(|d| {
+        let (_, _, phys) = d.current()?;
+        Ok((d.mem.saturating_sub(d.device_used(phys)), d.mem))
+    })
+}
+
 #[no_mangle]
 pub unsafe extern "C" fn cuMemGetInfo_v2(free: *mut usize, total: *mut usize) -> CuResult {
-    code(
-        current()
-            .and_then(|dev| with_driver(|d| Ok((d.mem[dev] - d.used[dev], d.mem[dev]))))
-            .and_then(|(f, t)| unsafe {
-                out(free, f as usize).and_then(|()| out(total, t as usize))
-            }),
-    )
+    // Either place may be NULL: only the other is written.
+    code(mem_info().map(|(f, t)| unsafe {
+        if !free.is_null() {
+            free.write(f as usize);
+        }
+        if !total.is_null() {
+            total.write(t as usize);
+        }
+    }))
 }
 
 #[no_mangle]
 pub unsafe extern "C" fn cuDeviceTotalMem_v2(bytes: *mut usize, dev: c_int) -> CuResult {
     code(
-        valid_device(dev)
-            .and_then(|()| with_driver(|d| Ok(d.mem[dev as usize])))
-            .and_then(|t| unsafe { out(bytes, t as usize) }),
+        with_driver(|d| d.phys(dev).map(|_| d.mem)).and_then(|t| unsafe { out(bytes, t as usize) }),
     )
 }
 
+// The 32-bit v1 entry points of pre-3.2 programs. Sizes past 4 GiB read as u32::MAX.
+
+fn clamp32(v: u64) -> u32 {
+    v.min(u32::MAX as u64) as u32
+}
+
+#[no_mangle]
+pub unsafe extern "C" fn cuMemAlloc(dptr: *mut u32, bytes: c_uint) -> CuResult {
+    if dptr.is_null() {
+        return INVALID_VALUE;
+    }
+    code(
+        alloc_impl(bytes as u64, bytes as u64, "cuMemAlloc", true)
+            .and_then(|p| unsafe { out(dptr, p as u32) }),
+    )
+}
+
+#[no_mangle]
+pub unsafe extern "C" fn cuMemAllocPitch(
+    dptr: *mut u32,
+    pitch: *mut u32,
+    width: c_uint,
+    height: c_uint,
+    _element: c_uint,
+) -> CuResult {
+    if dptr.is_null() || pitch.is_null() {
+        return INVALID_VALUE;
+    }
+    let p = (width as u64).div_ceil(512) * 512;
+    let bytes = p * height as u64;
+    if bytes > u32::MAX as u64 {
+        return INVALID_VALUE;
+    }
+    code(
+        alloc_impl(bytes, bytes, "cuMemAllocPitch", true)
+            .and_then(|ptr| unsafe { out(dptr, ptr as u32).and_then(|()| out(pitch, p as u32)) }),
+    )
+}
+
+#[no_mangle]
+pub extern "C" fn cuMemFree(ptr: c_uint) -> CuResult {
+    free_impl(ptr as u64, &["cuMemAlloc", "cuMemAllocPitch"], "cuMemFree")
+}
+
+#[no_mangle]
+pub unsafe extern "C" fn cuMemGetInfo(free: *mut u32, total: *mut u32) -> CuResult {
+    code(
+        mem_info().and_then(|(f, t)| unsafe {
+            out(free, clamp32(f)).and_then(|()| out(total, clamp32(t)))
+        }),
+    )
+}
+
+#[no_mangle]
+pub unsafe extern "C" fn cuDeviceTotalMem(bytes: *mut u32, dev: c_int) -> CuResult {
+    code(
+        with_driver(|d| {
+            d.last_call = "cuDeviceTotalMem";
+            d.phys(dev).map(|_| d.mem)
+        })
+        .and_then(|t| unsafe { out(bytes, clamp32(t)) }),
+    )
+}
+
+// Graphs and their memory.
+
+/// `CUmemPoolProps` (CUDA 12, 88 bytes).
+#[repr(C)]
+pub struct PoolProps {
+    head: AllocationPropHead,
+    win32_security_attributes: *mut c_void,
+    max_size: usize,
+    usage: u16,
+    reserved: [u8; 54],
+}
+
+/// `CUDA_MEM_ALLOC_NODE_PARAMS` (CUDA 12, 120 bytes).
+#[repr(C)]
+pub struct MemAllocNodeParams {
+    pool_props: PoolProps,
+    access_descs: *const c_void,
+    access_desc_count: usize,
+    bytesize: usize,
+    dptr: u64,
+}
+
+#[no_mangle]
+pub unsafe extern "C" fn cuGraphCreate(graph: *mut *mut c_void, _flags: c_uint) -> CuResult {
+    code(
+        with_driver(|d| {
+            let h = d.handle();
+            d.graphs.insert(h, Vec::new());
+            Ok(h)
+        })
+        .and_then(|h| unsafe { out(graph, h as *mut c_void) }),
+    )
+}
+
+#[no_mangle]
+pub extern "C" fn cuGraphDestroy(graph: *mut c_void) -> CuResult {
+    code(with_driver(|d| {
+        d.graphs
+            .remove(&(graph as u64))
+            .map(|_| ())
+            .ok_or(INVALID_VALUE)
+    }))
+}
+
+#[no_mangle]
+pub unsafe extern "C" fn cuGraphAddMemAllocNode(
+    node: *mut *mut c_void,
+    graph: *mut c_void,
+    _deps: *const *mut c_void,
+    _count: usize,
+    params: *mut MemAllocNodeParams,
+) -> CuResult {
+    if params.is_null() || node.is_null() {
+        return INVALID_VALUE;
+    }
+    let (kind, dev, bytes) = unsafe {
+        let p = &*params;
+        (
+            p.pool_props.head.location_type,
+            p.pool_props.head.location_id,
+            p.bytesize as u64,
+        )
+    };
+    if kind != LOCATION_DEVICE {
+        return INVALID_VALUE;
+    }
+    code(
+        with_driver(|d| {
+            d.phys(dev)?;
+            d.add_node(graph as u64, dev as usize, bytes)
+        })
+        .and_then(|dptr| unsafe {
+            (*params).dptr = dptr;
+            out(node, dptr as *mut c_void)
+        }),
+    )
+}
+
+#[no_mangle]
+pub unsafe extern "C" fn cuGraphAddMemFreeNode(
+    node: *mut *mut c_void,
+    graph: *mut c_void,
+    _deps: *const *mut c_void,
+    _count: usize,
+    dptr: u64,
+) -> CuResult {
+    code(
+        with_driver(|d| {
+            let nodes = d.graphs.get_mut(&(graph as u64)).ok_or(INVALID_VALUE)?;
+            let n = nodes
+                .iter_mut()
+                .find(|n| n.dptr == dptr)
+                .ok_or(INVALID_VALUE)?;
+            n.freed_in_graph = true;
+            Ok(dptr + 1)
+        })
+        .and_then(|h| unsafe { out(node, h as *mut c_void) }),
+    )
+}
+
+fn instantiate(graph: u64, by: &'static str) -> Result<u64, CuResult> {
+    with_driver(|d| {
+        d.last_call = by;
+        let nodes = d.graphs.get(&graph).ok_or(INVALID_VALUE)?.clone();
+        let h = d.handle();
+        d.execs.insert(h, nodes);
+        Ok(h)
+    })
+}
+
+#[no_mangle]
+pub unsafe extern "C" fn cuGraphInstantiateWithFlags(
+    exec: *mut *mut c_void,
+    graph: *mut c_void,
+    _flags: u64,
+) -> CuResult {
+    code(
+        instantiate(graph as u64, "cuGraphInstantiateWithFlags")
+            .and_then(|h| unsafe { out(exec, h as *mut c_void) }),
+    )
+}
+
+#[no_mangle]
+pub unsafe extern "C" fn cuGraphInstantiate_v2(
+    exec: *mut *mut c_void,
+    graph: *mut c_void,
+    _error_node: *mut *mut c_void,
+    _log: *mut c_char,
+    _log_size: usize,
+) -> CuResult {
+    code(
+        instantiate(graph as u64, "cuGraphInstantiate_v2")
+            .and_then(|h| unsafe { out(exec, h as *mut c_void) }),
+    )
+}
+
+#[no_mangle]
+pub extern "C" fn cuGraphUpload(exec: *mut c_void, _stream: *mut c_void) -> CuResult {
+    code(with_driver(|d| d.graph_reserve(exec as u64, false)))
+}
+
+#[no_mangle]
+pub extern "C" fn cuGraphLaunch(exec: *mut c_void, _stream: *mut c_void) -> CuResult {
+    code(with_driver(|d| d.graph_reserve(exec as u64, true)))
+}
+
+#[no_mangle]
+pub extern "C" fn cuGraphExecDestroy(exec: *mut c_void) -> CuResult {
+    code(with_driver(|d| {
+        d.execs
+            .remove(&(exec as u64))
+            .map(|_| ())
+            .ok_or(INVALID_VALUE)
+    }))
+}
+
+#[no_mangle]
+pub unsafe extern "C" fn cuDeviceGetGraphMemAttribute(
+    dev: c_int,
+    attr: c_int,
+    value: *mut c_void,
+) -> CuResult {
+    code(
+        with_driver(|d| {
+            d.phys(dev)?;
+            let gp = d.graph_pools[dev as usize];
+            match attr {
+                0 => Ok(gp.used),
+                1 => Ok(gp.used_high),
+                2 => Ok(gp.reserved),
+                3 => Ok(gp.reserved_high),
+                _ => Err(INVALID_VALUE),
+            }
+        })
+        .and_then(|v| unsafe { out(value as *mut u64, v) }),
+    )
+}
+
+#[no_mangle]
+pub extern "C" fn cuDeviceGraphMemTrim(dev: c_int) -> CuResult {
+    code(with_driver(|d| {
+        let phys = d.phys(dev)?;
+        let gp = &mut d.graph_pools[dev as usize];
+        let release = gp.reserved - gp.used;
+        gp.reserved = gp.used;
+        d.uncharge(phys, release);
+        Ok(())
+    }))
+}
+
 /// `cuGetProcAddress`'s resolution: a base name, the caller's CUDA version and flags
-/// (bit 1: per-thread default stream) pick the variant, as the real driver does.
+/// (bit 1: per-thread default stream) pick the variant, as the real driver does; below
+/// 3020 the memory functions are the 32-bit v1 ones.
 fn proc_address(symbol: *const c_char, version: c_int, flags: u64) -> *mut c_void {
     if symbol.is_null() {
         return std::ptr::null_mut();
@@ -514,16 +1788,43 @@ fn proc_address(symbol: *const c_char, version: c_int, flags: u64) -> *mut c_voi
     // SAFETY: a NUL-terminated name from the caller.
     let name = unsafe { CStr::from_ptr(symbol) }.to_bytes();
     let ptsz = flags & 2 != 0;
+    let v1 = version < 3020;
     let f: *mut c_void = match name {
         b"cuInit" => cuInit as *mut c_void,
         b"cuDeviceGetCount" => cuDeviceGetCount as *mut c_void,
         b"cuDeviceGet" => cuDeviceGet as *mut c_void,
+        b"cuDeviceGetUuid" if version >= 11040 => cuDeviceGetUuid_v2 as *mut c_void,
+        b"cuDeviceGetUuid" => cuDeviceGetUuid as *mut c_void,
+        b"cuDeviceGetAttribute" => cuDeviceGetAttribute as *mut c_void,
         b"cuCtxCreate" => cuCtxCreate_v2 as *mut c_void,
+        b"cuCtxDestroy" => cuCtxDestroy_v2 as *mut c_void,
+        b"cuCtxGetCurrent" => cuCtxGetCurrent as *mut c_void,
+        b"cuCtxSynchronize" => cuCtxSynchronize as *mut c_void,
+        b"cuCtxSetLimit" => cuCtxSetLimit as *mut c_void,
+        b"cuCtxGetLimit" => cuCtxGetLimit as *mut c_void,
         b"cuDevicePrimaryCtxRetain" => cuDevicePrimaryCtxRetain as *mut c_void,
+        b"cuDevicePrimaryCtxRelease" => cuDevicePrimaryCtxRelease_v2 as *mut c_void,
+        b"cuDevicePrimaryCtxReset" => cuDevicePrimaryCtxReset_v2 as *mut c_void,
         b"cuCtxSetCurrent" => cuCtxSetCurrent as *mut c_void,
         b"cuCtxGetDevice" => cuCtxGetDevice as *mut c_void,
+        b"cuStreamCreate" => cuStreamCreate as *mut c_void,
+        b"cuStreamDestroy" => cuStreamDestroy_v2 as *mut c_void,
+        b"cuStreamSynchronize" if ptsz => cuStreamSynchronize_ptsz as *mut c_void,
+        b"cuStreamSynchronize" => cuStreamSynchronize as *mut c_void,
+        b"cuEventSynchronize" => cuEventSynchronize as *mut c_void,
+        b"cuStreamBeginCapture" => cuStreamBeginCapture_v2 as *mut c_void,
+        b"cuStreamEndCapture" => cuStreamEndCapture as *mut c_void,
         b"cuDeviceGetDefaultMemPool" => cuDeviceGetDefaultMemPool as *mut c_void,
+        b"cuDeviceGetMemPool" => cuDeviceGetMemPool as *mut c_void,
+        b"cuDeviceSetMemPool" => cuDeviceSetMemPool as *mut c_void,
+        b"cuMemPoolCreate" => cuMemPoolCreate as *mut c_void,
+        b"cuMemPoolDestroy" => cuMemPoolDestroy as *mut c_void,
+        b"cuMemPoolSetAttribute" => cuMemPoolSetAttribute as *mut c_void,
+        b"cuMemPoolGetAttribute" => cuMemPoolGetAttribute as *mut c_void,
+        b"cuMemPoolTrimTo" => cuMemPoolTrimTo as *mut c_void,
+        b"cuMemAlloc" if v1 => cuMemAlloc as *mut c_void,
         b"cuMemAlloc" => cuMemAlloc_v2 as *mut c_void,
+        b"cuMemAllocPitch" if v1 => cuMemAllocPitch as *mut c_void,
         b"cuMemAllocPitch" => cuMemAllocPitch_v2 as *mut c_void,
         b"cuMemAllocManaged" => cuMemAllocManaged as *mut c_void,
         b"cuMemAllocAsync" if ptsz => cuMemAllocAsync_ptsz as *mut c_void,
@@ -532,16 +1833,36 @@ fn proc_address(symbol: *const c_char, version: c_int, flags: u64) -> *mut c_voi
         b"cuMemAllocFromPoolAsync" => cuMemAllocFromPoolAsync as *mut c_void,
         b"cuMemCreate" => cuMemCreate as *mut c_void,
         b"cuMemRelease" => cuMemRelease as *mut c_void,
+        b"cuMemAddressReserve" => cuMemAddressReserve as *mut c_void,
+        b"cuMemAddressFree" => cuMemAddressFree as *mut c_void,
+        b"cuMemMap" => cuMemMap as *mut c_void,
+        b"cuMemUnmap" => cuMemUnmap as *mut c_void,
+        b"cuMemSetAccess" => cuMemSetAccess as *mut c_void,
+        b"cuMemRetainAllocationHandle" => cuMemRetainAllocationHandle as *mut c_void,
         b"cuArrayCreate" => cuArrayCreate_v2 as *mut c_void,
         b"cuArray3DCreate" => cuArray3DCreate_v2 as *mut c_void,
         b"cuMipmappedArrayCreate" => cuMipmappedArrayCreate as *mut c_void,
+        b"cuMemFree" if v1 => cuMemFree as *mut c_void,
         b"cuMemFree" => cuMemFree_v2 as *mut c_void,
         b"cuMemFreeAsync" if ptsz => cuMemFreeAsync_ptsz as *mut c_void,
         b"cuMemFreeAsync" => cuMemFreeAsync as *mut c_void,
         b"cuArrayDestroy" => cuArrayDestroy as *mut c_void,
         b"cuMipmappedArrayDestroy" => cuMipmappedArrayDestroy as *mut c_void,
+        b"cuMemGetInfo" if v1 => cuMemGetInfo as *mut c_void,
         b"cuMemGetInfo" => cuMemGetInfo_v2 as *mut c_void,
+        b"cuDeviceTotalMem" if v1 => cuDeviceTotalMem as *mut c_void,
         b"cuDeviceTotalMem" => cuDeviceTotalMem_v2 as *mut c_void,
+        b"cuGraphCreate" => cuGraphCreate as *mut c_void,
+        b"cuGraphDestroy" => cuGraphDestroy as *mut c_void,
+        b"cuGraphAddMemAllocNode" => cuGraphAddMemAllocNode as *mut c_void,
+        b"cuGraphAddMemFreeNode" => cuGraphAddMemFreeNode as *mut c_void,
+        b"cuGraphInstantiateWithFlags" => cuGraphInstantiateWithFlags as *mut c_void,
+        b"cuGraphInstantiate" => cuGraphInstantiate_v2 as *mut c_void,
+        b"cuGraphUpload" => cuGraphUpload as *mut c_void,
+        b"cuGraphLaunch" => cuGraphLaunch as *mut c_void,
+        b"cuGraphExecDestroy" => cuGraphExecDestroy as *mut c_void,
+        b"cuDeviceGetGraphMemAttribute" => cuDeviceGetGraphMemAttribute as *mut c_void,
+        b"cuDeviceGraphMemTrim" => cuDeviceGraphMemTrim as *mut c_void,
         b"cuGetProcAddress" if version >= 12000 => cuGetProcAddress_v2 as *mut c_void,
         b"cuGetProcAddress" => cuGetProcAddress as *mut c_void,
         _ => std::ptr::null_mut(),

@@ -2,17 +2,25 @@
 //!
 //! Compiled by this crate's `build.rs` with `rustc --crate-type cdylib` (soname
 //! `libnvidia-ml.so.1`); std only. GPUs: `FAKE_GPU_COUNT` (default 1), each with
-//! `FAKE_GPU_MEM_MIB` MiB (default 16384), all of it free. Device handles are numbers that are
-//! not the index, so that a caller must ask `nvmlDeviceGetIndex`.
+//! `FAKE_GPU_MEM_MIB` MiB (default 16384). Without `FAKE_GPU_STATE` all of it is free; with
+//! it, used is what every live process holds on that physical GPU (the file `libcuda.rs`
+//! keeps, format in `state.rs`) and free is total minus used. NVML ignores
+//! `CUDA_VISIBLE_DEVICES`: its index is the physical index. UUIDs as `libcuda.rs` documents
+//! (`GPU-00000000-0000-0000-0000-0000000000ii`). Device handles are numbers that are not the
+//! index, so that a caller must ask `nvmlDeviceGetIndex`.
 #![allow(non_snake_case, clippy::missing_safety_doc)]
 
-use std::ffi::{c_int, c_uint, c_void};
+use std::ffi::{c_char, c_int, c_uint, c_void, CStr};
 use std::sync::atomic::{AtomicBool, Ordering};
+
+include!("state.rs");
 
 type NvmlReturn = c_int;
 const SUCCESS: NvmlReturn = 0;
 const UNINITIALIZED: NvmlReturn = 1;
 const INVALID_ARGUMENT: NvmlReturn = 2;
+const NOT_FOUND: NvmlReturn = 6;
+const INSUFFICIENT_SIZE: NvmlReturn = 7;
 
 static INITIALIZED: AtomicBool = AtomicBool::new(false);
 
@@ -93,6 +101,68 @@ pub unsafe extern "C" fn nvmlDeviceGetIndex(device: *mut c_void, index: *mut c_u
     }
 }
 
+fn uuid_string(index: u32) -> String {
+    format!("GPU-00000000-0000-0000-0000-0000000000{:02x}", index as u8)
+}
+
+/// (total, used) of physical GPU `index`.
+fn usage(index: u32) -> (u64, u64) {
+    let total = env_u64("FAKE_GPU_MEM_MIB", 16384) << 20;
+    let used = match std::env::var_os("FAKE_GPU_STATE") {
+        Some(path) => state::device_used(std::path::Path::new(&path), count() as usize)
+            .get(index as usize)
+            .copied()
+            .unwrap_or(0),
+        None => 0,
+    };
+    (total, used.min(total))
+}
+
+#[no_mangle]
+pub unsafe extern "C" fn nvmlDeviceGetUUID(
+    device: *mut c_void,
+    uuid: *mut c_char,
+    length: c_uint,
+) -> NvmlReturn {
+    let i = match index_of(device) {
+        Ok(i) => i,
+        Err(e) => return e,
+    };
+    if uuid.is_null() {
+        return INVALID_ARGUMENT;
+    }
+    let s = uuid_string(i);
+    if s.len() + 1 > length as usize {
+        return INSUFFICIENT_SIZE;
+    }
+    unsafe {
+        std::ptr::copy_nonoverlapping(s.as_ptr(), uuid as *mut u8, s.len());
+        uuid.add(s.len()).write(0);
+    }
+    SUCCESS
+}
+
+#[no_mangle]
+pub unsafe extern "C" fn nvmlDeviceGetHandleByUUID(
+    uuid: *const c_char,
+    device: *mut *mut c_void,
+) -> NvmlReturn {
+    if !INITIALIZED.load(Ordering::Acquire) {
+        return UNINITIALIZED;
+    }
+    if uuid.is_null() || device.is_null() {
+        return INVALID_ARGUMENT;
+    }
+    let wanted = unsafe { CStr::from_ptr(uuid) }.to_string_lossy();
+    match (0..count()).find(|&i| uuid_string(i) == wanted) {
+        Some(i) => {
+            unsafe { device.write(handle_of(i)) };
+            SUCCESS
+        }
+        None => NOT_FOUND,
+    }
+}
+
 #[repr(C)]
 pub struct Memory {
     total: u64,
@@ -114,18 +184,19 @@ pub unsafe extern "C" fn nvmlDeviceGetMemoryInfo(
     device: *mut c_void,
     memory: *mut Memory,
 ) -> NvmlReturn {
-    if let Err(e) = index_of(device) {
-        return e;
-    }
+    let i = match index_of(device) {
+        Ok(i) => i,
+        Err(e) => return e,
+    };
     if memory.is_null() {
         return INVALID_ARGUMENT;
     }
-    let total = env_u64("FAKE_GPU_MEM_MIB", 16384) << 20;
+    let (total, used) = usage(i);
     unsafe {
         memory.write(Memory {
             total,
-            free: total,
-            used: 0,
+            free: total - used,
+            used,
         })
     };
     SUCCESS
@@ -136,21 +207,22 @@ pub unsafe extern "C" fn nvmlDeviceGetMemoryInfo_v2(
     device: *mut c_void,
     memory: *mut MemoryV2,
 ) -> NvmlReturn {
-    if let Err(e) = index_of(device) {
-        return e;
-    }
+    let i = match index_of(device) {
+        Ok(i) => i,
+        Err(e) => return e,
+    };
     if memory.is_null() {
         return INVALID_ARGUMENT;
     }
-    let total = env_u64("FAKE_GPU_MEM_MIB", 16384) << 20;
+    let (total, used) = usage(i);
     let version = unsafe { (*memory).version };
     unsafe {
         memory.write(MemoryV2 {
             version,
             total,
             reserved: 0,
-            free: total,
-            used: 0,
+            free: total - used,
+            used,
         })
     };
     SUCCESS

@@ -1,0 +1,801 @@
+//! The ways real programs take GPU memory, against a fake driver that takes it the way a GPU
+//! does (`isolation/probe/fake/libcuda.rs`): contexts, stream-ordered pools that keep their
+//! reservation, VMM handles released while mapped, graph memory, context limits, the 32-bit
+//! v1 entry points, `CUDA_VISIBLE_DEVICES`, a driver opened by path, managed memory.
+//!
+//! What must hold, read from the fake's device state (`FAKE_GPU_STATE`: what every process
+//! holds on each physical GPU, contexts included): the container's processes never hold more
+//! than its share on any GPU; allocations within the share succeed; the reports are right.
+//!
+//! The test builds the interposer and both probes (`gpushare-isolation-probe`, and
+//! `gpushare-isolation-probe-dl`, which does not link the driver), as `interpose.rs` does, or
+//! takes them from `GPUSHARE_ISOLATION_BIN_DIR`.
+
+// Test helpers outside #[test] functions: a failed unwrap is a failed test.
+#![allow(clippy::unwrap_used, clippy::expect_used)]
+
+use std::collections::HashMap;
+use std::io::{BufRead, BufReader, Write};
+use std::path::{Path, PathBuf};
+use std::process::{Child, ChildStdin, ChildStdout, Command, Stdio};
+use std::sync::OnceLock;
+
+use anyhow::{Context, bail};
+
+const MIB: u64 = 1 << 20;
+const GIB: u64 = 1 << 30;
+const WAYS: [&str; 3] = ["link", "dlsym", "getproc"];
+
+struct Built {
+    interposer: PathBuf,
+    probe: PathBuf,
+    probe_dl: PathBuf,
+}
+
+fn built() -> &'static Built {
+    static BUILT: OnceLock<Result<Built, String>> = OnceLock::new();
+    BUILT
+        .get_or_init(|| build().map_err(|e| format!("{e:#}")))
+        .as_ref()
+        .expect("building the interposer and the probes")
+}
+
+fn build() -> anyhow::Result<Built> {
+    let in_dir = |dir: &Path| Built {
+        interposer: dir.join("libgpushare_isolation.so"),
+        probe: dir.join("gpushare-isolation-probe"),
+        probe_dl: dir.join("gpushare-isolation-probe-dl"),
+    };
+    if let Some(dir) = std::env::var_os("GPUSHARE_ISOLATION_BIN_DIR") {
+        return Ok(in_dir(Path::new(&dir)));
+    }
+    // This test runs from <target>/<profile>/deps: build into the same place.
+    let exe = std::env::current_exe().context("locating the test executable")?;
+    let profile_dir = exe
+        .ancestors()
+        .find(|d| {
+            matches!(
+                d.file_name().and_then(|n| n.to_str()),
+                Some("debug" | "release")
+            )
+        })
+        .context("the test executable is not under a cargo target/<profile> folder")?
+        .to_path_buf();
+    let target_dir = profile_dir.parent().context("target folder")?;
+    let cargo = std::env::var_os("CARGO").unwrap_or_else(|| "cargo".into());
+    let mut build = Command::new(cargo);
+    // The runner's per-package variables would make the nested build differ from a plain one.
+    for (name, _) in std::env::vars_os() {
+        let name = name.to_string_lossy();
+        if [
+            "CARGO_PKG_",
+            "CARGO_MANIFEST_",
+            "CARGO_BIN_",
+            "CARGO_CRATE_",
+        ]
+        .iter()
+        .any(|p| name.starts_with(p))
+            || matches!(
+                &*name,
+                "CARGO_PRIMARY_PACKAGE" | "CARGO_TARGET_TMPDIR" | "OUT_DIR"
+            )
+        {
+            build.env_remove(&*name);
+        }
+    }
+    build
+        .current_dir(env!("CARGO_MANIFEST_DIR"))
+        .args(["build", "--quiet", "--lib", "--bins"])
+        .args(["-p", "gpushare-isolation", "-p", "gpushare-isolation-probe"])
+        .arg("--target-dir")
+        .arg(target_dir);
+    if profile_dir.ends_with("release") {
+        build.arg("--release");
+    }
+    let status = build.status().context("running cargo build")?;
+    if !status.success() {
+        bail!("cargo build of the interposer and the probes failed ({status})");
+    }
+    Ok(in_dir(&profile_dir))
+}
+
+/// The UUID the fake gives physical GPU `i` (documented in `fake/libcuda.rs`).
+fn uuid(i: usize) -> String {
+    format!("GPU-00000000-0000-0000-0000-0000000000{i:02x}")
+}
+
+/// A node: fake GPUs and the state file every process on it shares.
+struct Node {
+    dir: tempfile::TempDir,
+    gpus: usize,
+    mem_mib: u64,
+    context_mib: u64,
+}
+
+impl Node {
+    fn new(gpus: usize, mem_mib: u64, context_mib: u64) -> Self {
+        Self {
+            dir: tempfile::tempdir().unwrap(),
+            gpus,
+            mem_mib,
+            context_mib,
+        }
+    }
+
+    fn state(&self) -> PathBuf {
+        self.dir.path().join("gpu-state")
+    }
+
+    /// What the device holds: bytes per physical GPU for each live process.
+    fn holdings(&self) -> HashMap<u32, Vec<u64>> {
+        let text = std::fs::read_to_string(self.state()).unwrap_or_default();
+        text.lines()
+            .filter(|l| !l.starts_with('#') && !l.trim().is_empty())
+            .filter_map(|l| {
+                let words: Vec<u64> = l
+                    .split_whitespace()
+                    .map(|w| w.parse().unwrap_or_else(|_| panic!("bad state line {l}")))
+                    .collect();
+                let (pid, start) = (words[0] as u32, words[1]);
+                let mut used = words[2..].to_vec();
+                used.resize(self.gpus, 0);
+                (start_time(pid) == Some(start)).then_some((pid, used))
+            })
+            .collect()
+    }
+
+    /// What physical GPU `gpu` holds, for every process.
+    fn device(&self, gpu: usize) -> u64 {
+        self.holdings().values().map(|u| u[gpu]).sum()
+    }
+
+    /// What physical GPU `gpu` holds for the processes `pids`.
+    fn held_by(&self, pids: &[u32], gpu: usize) -> u64 {
+        self.holdings()
+            .iter()
+            .filter(|(pid, _)| pids.contains(pid))
+            .map(|(_, u)| u[gpu])
+            .sum()
+    }
+}
+
+/// The start time of a live, not zombie, process (field 22 of /proc/PID/stat).
+fn start_time(pid: u32) -> Option<u64> {
+    let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).ok()?;
+    let fields: Vec<&str> = stat[stat.rfind(')')? + 1..].split_whitespace().collect();
+    if matches!(fields.first(), Some(&"Z" | &"X") | None) {
+        return None;
+    }
+    fields.get(19)?.parse().ok()
+}
+
+/// A container on a node: its environment and a budget directory of its own.
+struct Container<'n> {
+    node: &'n Node,
+    dir: tempfile::TempDir,
+    vars: Vec<(&'static str, String)>,
+}
+
+impl<'n> Container<'n> {
+    /// Physical GPUs `gpus` (in share order), a share of `gib` GiB on each.
+    fn new(node: &'n Node, gpus: &[usize], gib: u32) -> Self {
+        let limits = if gpus.len() == 1 {
+            vec![("GPUSHARE_CONTAINER_MEM_GIB", gib.to_string())]
+        } else {
+            vec![
+                ("GPUSHARE_GPU_COUNT", gpus.len().to_string()),
+                ("GPUSHARE_CONTAINER_MEM_GIB_PER_GPU", gib.to_string()),
+            ]
+        };
+        let uuids: Vec<String> = gpus.iter().map(|&g| uuid(g)).collect();
+        let mut vars = limits;
+        vars.push(("GPUSHARE_GPU_UUID", uuids.join(",")));
+        vars.push(("GPUSHARE_CONTEXT_MIB", node.context_mib.to_string()));
+        Self {
+            node,
+            dir: tempfile::tempdir().unwrap(),
+            vars,
+        }
+    }
+
+    fn with(mut self, name: &'static str, value: &str) -> Self {
+        self.vars.push((name, value.to_string()));
+        self
+    }
+
+    fn command(&self, probe: &Path, via: &str, steps: &[&str]) -> Command {
+        let built = built();
+        let mut command = Command::new(probe);
+        for (name, _) in std::env::vars_os() {
+            let name = name.to_string_lossy();
+            if name.starts_with("GPUSHARE_")
+                || name.starts_with("FAKE_")
+                || name == "CUDA_VISIBLE_DEVICES"
+            {
+                command.env_remove(&*name);
+            }
+        }
+        command
+            .env("LD_PRELOAD", &built.interposer)
+            .env(
+                "LD_LIBRARY_PATH",
+                gpushare_isolation_probe::fake_driver_dir(),
+            )
+            .env("FAKE_GPU_COUNT", self.node.gpus.to_string())
+            .env("FAKE_GPU_MEM_MIB", self.node.mem_mib.to_string())
+            .env("FAKE_GPU_STATE", self.node.state())
+            .env("FAKE_CONTEXT_MIB", self.node.context_mib.to_string())
+            .env("FAKE_MANAGED_ON_HOST", "1")
+            .env("GPUSHARE_ISOLATION_DIR", self.dir.path())
+            .envs(self.vars.iter().map(|(k, v)| (k, v)))
+            .args(["--via", via])
+            .args(steps);
+        command
+    }
+
+    /// Starts the linked probe; stop at each `wait` step with [`Session::stop`].
+    fn start(&self, via: &str, steps: &[&str]) -> Session {
+        self.start_command(self.command(&built().probe, via, steps), steps)
+    }
+
+    fn start_command(&self, mut command: Command, steps: &[&str]) -> Session {
+        let mut child = command
+            .stdin(Stdio::piped())
+            .stdout(Stdio::piped())
+            .stderr(Stdio::piped())
+            .spawn()
+            .unwrap();
+        let stdout = BufReader::new(child.stdout.take().unwrap());
+        let stdin = child.stdin.take();
+        Session {
+            pid: child.id(),
+            child,
+            stdout,
+            stdin,
+            steps: steps.join(" "),
+        }
+    }
+
+    /// Runs the probe to its end; its output.
+    fn run(&self, via: &str, steps: &[&str]) -> Output {
+        let out = self
+            .command(&built().probe, via, steps)
+            .stdin(Stdio::null())
+            .output()
+            .unwrap();
+        let lines = String::from_utf8_lossy(&out.stdout)
+            .lines()
+            .map(str::to_owned)
+            .collect();
+        let output = Output { lines };
+        assert!(
+            out.status.success(),
+            "probe --via {via} {steps:?} failed: {}\n{:?}\n{}",
+            out.status,
+            output.lines,
+            String::from_utf8_lossy(&out.stderr)
+        );
+        output
+    }
+}
+
+/// A running probe, stopped at its `wait` and `hold` steps.
+struct Session {
+    child: Child,
+    pid: u32,
+    stdout: BufReader<ChildStdout>,
+    stdin: Option<ChildStdin>,
+    steps: String,
+}
+
+impl Session {
+    /// Resumes (after the first call) and reads up to the next `waiting` or `holding`.
+    fn stop(&mut self) -> Output {
+        let mut lines = Vec::new();
+        loop {
+            let mut line = String::new();
+            let n = self.stdout.read_line(&mut line).unwrap();
+            let line = line.trim_end().to_owned();
+            if n == 0 || line.starts_with("error") {
+                let mut stderr = String::new();
+                if let Some(mut e) = self.child.stderr.take() {
+                    let _ = std::io::Read::read_to_string(&mut e, &mut stderr);
+                }
+                panic!(
+                    "the probe ({}) ended before its next stop: {lines:?} {line}\n{stderr}",
+                    self.steps
+                );
+            }
+            if line == "waiting" || line == "holding" {
+                return Output { lines };
+            }
+            lines.push(line);
+        }
+    }
+
+    /// Lets a `wait` step go on.
+    fn resume(&mut self) {
+        let stdin = self.stdin.as_mut().unwrap();
+        stdin.write_all(b"\n").unwrap();
+        stdin.flush().unwrap();
+    }
+
+    /// Resumes and reads up to the next stop.
+    fn next(&mut self) -> Output {
+        self.resume();
+        self.stop()
+    }
+}
+
+impl Drop for Session {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+struct Output {
+    lines: Vec<String>,
+}
+
+impl Output {
+    /// Field `key` of every line that starts with `word`.
+    fn all(&self, word: &str, key: &str) -> Vec<u64> {
+        self.lines
+            .iter()
+            .filter(|l| l.split(' ').next() == Some(word))
+            .map(|l| {
+                l.split(' ')
+                    .find_map(|kv| kv.strip_prefix(key)?.strip_prefix('='))
+                    .unwrap_or_else(|| panic!("no {key} in {l}"))
+                    .parse()
+                    .unwrap_or_else(|_| panic!("{key} in {l} is not a number"))
+            })
+            .collect()
+    }
+
+    /// The allocation results, in order.
+    fn allocs(&self) -> Vec<u64> {
+        self.all("alloc", "result")
+    }
+
+    /// Field `key` of the only (or last) line that starts with `word`.
+    fn one(&self, word: &str, key: &str) -> u64 {
+        *self
+            .all(word, key)
+            .last()
+            .unwrap_or_else(|| panic!("no {word} line in {:?}", self.lines))
+    }
+}
+
+/// Asserts that physical GPU `gpu` holds at most `limit` bytes (for every process).
+fn assert_device_within(node: &Node, gpu: usize, limit: u64, what: &str, out: &Output) {
+    let held = node.device(gpu);
+    assert!(
+        held <= limit,
+        "{what}: GPU {gpu} holds {} MiB, past {} MiB: {:?}\nstate: {:?}",
+        held / MIB,
+        limit / MIB,
+        out.lines,
+        node.holdings()
+    );
+}
+
+#[test]
+fn a_pool_keeping_its_reservation_counts_against_the_share() {
+    let node = Node::new(1, 16384, 0);
+    let container = Container::new(&node, &[0], 4);
+    let mut p = container.start(
+        "link",
+        &[
+            "pool-threshold:4096",
+            "pool-alloc:3072",
+            "pool-free",
+            "sync",
+            "alloc:mem:3072",
+            "info",
+            "wait",
+            "trim:0",
+            "alloc:mem:3072",
+            "info",
+            "wait",
+        ],
+    );
+    let out = p.stop();
+    assert_device_within(
+        &node,
+        0,
+        4 * GIB,
+        "pool kept 3 GiB, then cuMemAlloc 3 GiB",
+        &out,
+    );
+    assert_eq!(out.allocs(), [0, 2], "{:?}", out.lines);
+    let out = p.next();
+    assert_eq!(out.one("trim", "result"), 0);
+    assert_eq!(out.allocs(), [0], "after trim:0: {:?}", out.lines);
+    assert_device_within(&node, 0, 4 * GIB, "after trim:0", &out);
+}
+
+#[test]
+fn a_pool_on_another_gpu_is_charged_on_that_gpu() {
+    let node = Node::new(2, 16384, 0);
+    let container = Container::new(&node, &[0, 1], 4);
+    let mut p = container.start(
+        "link",
+        &[
+            "pool-create:1",
+            "pool-alloc-from:3072",
+            "pool-alloc-from:2048",
+            "info",
+            "wait",
+        ],
+    );
+    let out = p.stop();
+    assert_eq!(out.one("pool-create", "result"), 0);
+    assert_device_within(&node, 1, 4 * GIB, "a pool on GPU 1", &out);
+    assert_eq!(out.allocs(), [0, 2], "GPU 1's share: {:?}", out.lines);
+    assert_eq!(out.one("cuda", "dev"), 0);
+    assert_eq!(
+        out.one("cuda", "free"),
+        4 * GIB,
+        "GPU 0 (current) holds nothing: {:?}",
+        out.lines
+    );
+}
+
+#[test]
+fn vmm_memory_released_while_mapped_still_counts() {
+    let node = Node::new(1, 16384, 0);
+    let container = Container::new(&node, &[0], 4);
+    for via in WAYS {
+        let mut p = container.start(
+            via,
+            &[
+                "vmm-map:3072",
+                "vmm-map:3072",
+                "vmm-map:3072",
+                "info",
+                "wait",
+                "vmm-unmap",
+                "vmm-map:3072",
+                "info",
+                "wait",
+            ],
+        );
+        let out = p.stop();
+        assert_device_within(&node, 0, 4 * GIB, via, &out);
+        assert_eq!(out.allocs(), [0, 2, 2], "{via}: {:?}", out.lines);
+        assert_eq!(out.one("cuda", "free"), GIB, "{via}: {:?}", out.lines);
+        let out = p.next();
+        assert_eq!(out.one("vmm-unmap", "result"), 0, "{via}");
+        assert_eq!(out.allocs(), [0], "{via}: after vmm-unmap: {:?}", out.lines);
+        assert_device_within(&node, 0, 4 * GIB, via, &out);
+    }
+}
+
+#[test]
+fn graph_memory_counts_against_the_share_until_trimmed() {
+    let node = Node::new(1, 16384, 0);
+    let container = Container::new(&node, &[0], 4);
+    for kind in ["graph-alloc", "graph-capture"] {
+        let [big, fits] = [6144, 3072].map(|m| format!("{kind}:{m}"));
+        let mut p = container.start(
+            "link",
+            &[
+                &big,
+                "wait",
+                &fits,
+                "alloc:mem:3072",
+                "wait",
+                "graph-trim",
+                "alloc:mem:3072",
+                "wait",
+            ],
+        );
+        let out = p.stop();
+        assert_device_within(&node, 0, 4 * GIB, &big, &out);
+        assert_eq!(out.one(kind, "result"), 2, "{big}: {:?}", out.lines);
+        let out = p.next();
+        assert_eq!(out.one(kind, "result"), 0, "{fits}: {:?}", out.lines);
+        assert_eq!(
+            out.allocs(),
+            [2],
+            "{fits}: the graph pool keeps 3 GiB: {:?}",
+            out.lines
+        );
+        assert_device_within(&node, 0, 4 * GIB, &fits, &out);
+        let out = p.next();
+        assert_eq!(out.one("graph-trim", "result"), 0, "{kind}");
+        assert_eq!(
+            out.allocs(),
+            [0],
+            "{kind}: after graph-trim: {:?}",
+            out.lines
+        );
+        assert_device_within(&node, 0, 4 * GIB, kind, &out);
+    }
+}
+
+#[test]
+fn a_context_limit_past_the_share_is_refused() {
+    let node = Node::new(1, 16384, 0);
+    let container = Container::new(&node, &[0], 4);
+    let mut p = container.start("link", &["limit:heap:8192", "info", "wait"]);
+    let out = p.stop();
+    assert_device_within(&node, 0, 4 * GIB, "an 8 GiB heap", &out);
+    assert_eq!(out.one("limit", "result"), 2, "{:?}", out.lines);
+}
+
+#[test]
+fn the_v1_entry_points_are_held_to_the_share() {
+    // 3 GiB: the v1 cuMemGetInfo reports in 32 bits, and 4 GiB does not fit.
+    let node = Node::new(1, 16384, 0);
+    let container = Container::new(&node, &[0], 3);
+    for via in WAYS {
+        let mut p = container.start(
+            via,
+            &[
+                "v1-alloc:2048",
+                "v1-alloc:2048",
+                "v1-info",
+                "wait",
+                "v1-free",
+                "alloc:mem:3072",
+                "wait",
+            ],
+        );
+        let out = p.stop();
+        assert_device_within(&node, 0, 3 * GIB, via, &out);
+        assert_eq!(out.allocs(), [0, 2], "{via}: {:?}", out.lines);
+        assert_eq!(
+            out.one("v1-info", "total"),
+            3 * GIB,
+            "{via}: {:?}",
+            out.lines
+        );
+        assert_eq!(out.one("v1-info", "free"), GIB, "{via}: {:?}", out.lines);
+        let out = p.next();
+        assert_eq!(out.one("v1-free", "result"), 0, "{via}");
+        assert_eq!(out.allocs(), [0], "{via}: after v1-free: {:?}", out.lines);
+        assert_device_within(&node, 0, 3 * GIB, via, &out);
+    }
+}
+
+#[test]
+fn contexts_count_against_the_share() {
+    // 256 MiB per context; a neighbour on the same 8 GiB GPU needs all of its 4 GiB.
+    let node = Node::new(1, 8192, 256);
+    let container = Container::new(&node, &[0], 4);
+    let mut holders: Vec<Session> = Vec::new();
+    let mut results = Vec::new();
+    for i in 0..4 {
+        let mut holder = container.start("link", &["alloc:mem:1024", "info", "hold"]);
+        let out = holder.stop();
+        holders.push(holder);
+        let pids: Vec<u32> = holders.iter().map(|h| h.pid).collect();
+        let held = node.held_by(&pids, 0);
+        assert!(
+            held <= 4 * GIB,
+            "process {i}: the container holds {} MiB: {:?}\nstate: {:?}",
+            held / MIB,
+            out.lines,
+            node.holdings()
+        );
+        results.push(out.one("alloc", "result"));
+        assert_eq!(out.one("cuda", "total"), 4 * GIB, "process {i}");
+        for word in ["nvml", "nvml2"] {
+            assert_eq!(out.one(word, "total"), 4 * GIB, "process {i} {word}");
+            assert_eq!(
+                out.one(word, "used") + out.one(word, "free"),
+                4 * GIB,
+                "process {i} {word}: {:?}",
+                out.lines
+            );
+        }
+        if i == 0 {
+            assert_eq!(
+                out.one("nvml", "used"),
+                1280 * MIB,
+                "its context and 1 GiB: {:?}",
+                out.lines
+            );
+        }
+    }
+    assert!(
+        results.contains(&2),
+        "four processes of 256 MiB + 1 GiB under 4 GiB: {results:?}"
+    );
+    let neighbour = Container::new(&node, &[0], 4);
+    let mut other = neighbour.start("link", &["alloc:mem:3840", "hold"]);
+    let out = other.stop();
+    assert_eq!(
+        out.allocs(),
+        [0],
+        "the neighbour's 4 GiB less its context: {:?}\nstate: {:?}",
+        out.lines,
+        node.holdings()
+    );
+}
+
+#[test]
+fn cuda_visible_devices_maps_ordinals_to_physical_gpus() {
+    let node = Node::new(2, 16384, 0);
+    let container = Container::new(&node, &[0, 1], 4);
+    let start = |visible: Option<&str>, steps: &[&str]| {
+        let mut command = container.command(&built().probe, "link", steps);
+        if let Some(v) = visible {
+            command.env("CUDA_VISIBLE_DEVICES", v);
+        }
+        container.start_command(command, steps)
+    };
+    // Different GPUs: both fit.
+    let mut a = start(Some("0"), &["uuid", "alloc:mem:3072", "hold"]);
+    let out_a = a.stop();
+    let mut b = start(Some("1"), &["uuid", "alloc:mem:3072", "hold"]);
+    let out_b = b.stop();
+    assert_eq!(out_a.allocs(), [0], "{:?}", out_a.lines);
+    assert_eq!(
+        out_b.allocs(),
+        [0],
+        "CUDA_VISIBLE_DEVICES=1 is GPU 1: {:?}",
+        out_b.lines
+    );
+    for gpu in 0..2 {
+        assert_device_within(&node, gpu, 4 * GIB, "A and B", &out_b);
+    }
+    drop((a, b));
+    // The same GPU under two ordinals: one is refused.
+    let mut c = start(Some("1,0"), &["device:1", "uuid", "alloc:mem:3072", "hold"]);
+    let out_c = c.stop();
+    assert!(
+        out_c.lines.iter().any(|l| l.contains(&uuid(0))),
+        "ordinal 1 under 1,0 is GPU 0: {:?}",
+        out_c.lines
+    );
+    let mut d = start(None, &["alloc:mem:3072", "hold"]);
+    let out_d = d.stop();
+    for gpu in 0..2 {
+        assert_device_within(&node, gpu, 4 * GIB, "C (1,0: ordinal 1) and D", &out_d);
+    }
+    assert_eq!(out_c.allocs(), [0], "{:?}", out_c.lines);
+    assert_eq!(out_d.allocs(), [2], "GPU 0 is C's: {:?}", out_d.lines);
+}
+
+#[test]
+fn a_reset_or_destroyed_context_gives_its_memory_back() {
+    let node = Node::new(1, 16384, 0);
+    let container = Container::new(&node, &[0], 4);
+    let mut p = container.start(
+        "link",
+        &[
+            "alloc:mem:3072",
+            "reset",
+            "alloc:mem:3072",
+            "alloc:mem:2048",
+            "wait",
+            "ctx-create",
+            "alloc:mem:1024",
+            "ctx-destroy",
+            "alloc:mem:1024",
+            "wait",
+        ],
+    );
+    let out = p.stop();
+    assert_eq!(out.one("reset", "result"), 0);
+    assert_eq!(
+        out.allocs(),
+        [0, 0, 2],
+        "the reset freed 3 GiB, and the share still holds: {:?}",
+        out.lines
+    );
+    assert_device_within(&node, 0, 4 * GIB, "reset", &out);
+    let out = p.next();
+    assert_eq!(out.one("ctx-create", "result"), 0);
+    assert_eq!(out.one("ctx-destroy", "result"), 0);
+    assert_eq!(
+        out.allocs(),
+        [0, 0],
+        "cuCtxDestroy freed 1 GiB: {:?}",
+        out.lines
+    );
+    assert_device_within(&node, 0, 4 * GIB, "ctx-destroy", &out);
+}
+
+#[test]
+fn a_driver_opened_by_path_is_held_to_the_share() {
+    let node = Node::new(1, 16384, 0);
+    let container = Container::new(&node, &[0], 1);
+    // The driver under another file name; no libcuda.so.1 anywhere the loader looks.
+    let drivers = tempfile::tempdir().unwrap();
+    let fake = gpushare_isolation_probe::fake_driver_dir();
+    let cuda = drivers.path().join("libcuda.so.550.1");
+    std::fs::copy(fake.join("libcuda.so.1"), &cuda).unwrap();
+    std::fs::copy(
+        fake.join("libnvidia-ml.so.1"),
+        drivers.path().join("libnvidia-ml.so.1"),
+    )
+    .unwrap();
+    let via = format!("path:{}", cuda.display());
+    let steps = ["info", "alloc:mem:900", "alloc:mem:200", "info", "wait"];
+    let probe_dl = &built().probe_dl;
+    let mut command = container.command(probe_dl, &via, &steps);
+    command.env("LD_LIBRARY_PATH", drivers.path());
+    let mut p = container.start_command(command, &steps);
+    let out = p.stop();
+    assert_device_within(&node, 0, GIB, "by path", &out);
+    assert_eq!(out.all("cuda", "total"), [GIB; 2], "{:?}", out.lines);
+    assert_eq!(out.allocs(), [0, 2], "{:?}", out.lines);
+
+    // The scenario is real: the driver is not found by its soname there.
+    let mut command = container.command(probe_dl, "dlsym", &["info"]);
+    command.env("LD_LIBRARY_PATH", drivers.path());
+    let out = command.output().unwrap();
+    assert!(
+        String::from_utf8_lossy(&out.stdout).contains("error message=dlopen"),
+        "libcuda.so.1 was found: {}",
+        String::from_utf8_lossy(&out.stdout)
+    );
+}
+
+#[test]
+fn reports_show_the_share_whatever_the_call() {
+    let node = Node::new(2, 16384, 0);
+    let container = Container::new(&node, &[0], 4);
+    let out = container.run("link", &["info-null-free", "info", "nvml-info:1"]);
+    assert_eq!(out.one("info-null-free", "result"), 0, "{:?}", out.lines);
+    assert_eq!(
+        out.one("info-null-free", "total"),
+        4 * GIB,
+        "{:?}",
+        out.lines
+    );
+    for word in ["nvml", "nvml2"] {
+        assert_eq!(out.one(word, "total"), 4 * GIB, "{word}");
+        assert_eq!(
+            out.one(word, "used") + out.one(word, "free"),
+            out.one(word, "total"),
+            "{word}: {:?}",
+            out.lines
+        );
+    }
+    // NVML index 1: a GPU that is not the container's.
+    assert_eq!(out.one("nvml-info", "result"), 0, "{:?}", out.lines);
+    assert_ne!(out.one("nvml-info", "total"), 0, "{:?}", out.lines);
+    assert_eq!(out.one("nvml-info", "free"), 0, "{:?}", out.lines);
+}
+
+#[test]
+fn an_exec_gives_the_old_programs_memory_back_at_once() {
+    let node = Node::new(1, 16384, 0);
+    let container = Container::new(&node, &[0], 4);
+    let mut p = container.start("link", &["alloc:mem:3072", "exec", "wait"]);
+    let out = p.stop();
+    assert_eq!(out.allocs(), [0], "{:?}", out.lines);
+    // The new program never allocates; another process sees the whole share free.
+    let other = container.run("link", &["info"]);
+    assert_eq!(
+        other.one("cuda", "free"),
+        4 * GIB,
+        "while the exec'd program runs: {:?}",
+        other.lines
+    );
+    assert_eq!(node.device(0), 0, "the device: {:?}", node.holdings());
+}
+
+#[test]
+fn managed_memory_is_charged_unless_ignored() {
+    let node = Node::new(1, 16384, 0);
+    let charged = Container::new(&node, &[0], 4);
+    let out = charged.run("link", &["alloc:managed:6144"]);
+    assert_eq!(out.allocs(), [2], "charged by default: {:?}", out.lines);
+    let ignored = Container::new(&node, &[0], 4).with("GPUSHARE_MANAGED_MEMORY", "ignore");
+    let mut p = ignored.start("link", &["alloc:managed:6144", "wait"]);
+    let out = p.stop();
+    assert_eq!(
+        out.allocs(),
+        [0],
+        "GPUSHARE_MANAGED_MEMORY=ignore: {:?}",
+        out.lines
+    );
+    assert_eq!(node.device(0), 0, "managed memory stays on the host");
+}
