@@ -110,7 +110,8 @@ command -v nvcc >/dev/null 2>&1 && nvcc --version | tail -1
 
 # --- 1. the probe under a 1 GiB share ----------------------------------------------------------
 echo "== the probe, 1 GiB share"
-probe_env=(GPUSHARE_CONTAINER_MEM_GIB=1 GPUSHARE_ISOLATION_DIR="$BUDGETS/probe")
+# Allocation counting alone here: no per-context charge (section 2 measures that).
+probe_env=(GPUSHARE_CONTAINER_MEM_GIB=1 GPUSHARE_CONTEXT_MIB=0 GPUSHARE_ISOLATION_DIR="$BUDGETS/probe")
 mkdir -p "$BUDGETS/probe"
 for via in link dlsym getproc; do
     out=$(env "${probe_env[@]}" GPUSHARE_ISOLATION_KEY=$via LD_PRELOAD="$LIB" timeout 60 \

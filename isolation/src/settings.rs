@@ -20,9 +20,10 @@ pub const ENV_GPU_UUID: &str = "GPUSHARE_GPU_UUID";
 pub const ENV_CONTEXT_MIB: &str = "GPUSHARE_CONTEXT_MIB";
 /// `charge` or `ignore`.
 pub const ENV_MANAGED_MEMORY: &str = "GPUSHARE_MANAGED_MEMORY";
-/// What a context is charged when `GPUSHARE_CONTEXT_MIB` is unset: about what a CUDA 12/13
-/// context with lazy module loading holds on a data-centre GPU.
-pub const DEFAULT_CONTEXT_MIB: u64 = 256;
+/// What a context is charged when `GPUSHARE_CONTEXT_MIB` is unset: about what a CUDA 13
+/// context holds on a data-centre GPU (527-529 MiB measured on an H200, driver 580, by
+/// `scripts/gpu-check.sh`; smaller GPUs hold less).
+pub const DEFAULT_CONTEXT_MIB: u64 = 512;
 
 /// What `cuMemAllocManaged` does to the budget.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
