@@ -217,7 +217,8 @@ async fn preload_holds_a_container_and_its_use_reaches_metrics() -> anyhow::Resu
         let labels = r#"{namespace="default",pod="notebook",container="main",gpu="0"}"#;
         let want = [
             format!("gpushare_device_plugin_isolated_share_bytes{labels} 4294967296"),
-            format!("gpushare_device_plugin_isolated_used_bytes{labels} 3145728000"),
+            // 3,000 MiB and the probe's context, charged the interposer's default 512 MiB.
+            format!("gpushare_device_plugin_isolated_used_bytes{labels} 3682598912"),
             format!("gpushare_device_plugin_isolated_refused_allocations{labels} 1"),
         ];
         gpushare_e2e::cluster::wait_for(
@@ -241,7 +242,7 @@ async fn preload_holds_a_container_and_its_use_reaches_metrics() -> anyhow::Resu
                     .ok()?;
                 text.lines()
                     .find(|line| line.split_whitespace().nth(1) == Some("notebook"))
-                    .filter(|line| line.trim_end().ends_with("2.9"))
+                    .filter(|line| line.trim_end().ends_with("3.4"))
                     .map(str::to_owned)
             },
         )

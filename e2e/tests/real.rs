@@ -625,14 +625,15 @@ fn kubelet_restart_keeps_gpu_pods(c: &KitCluster) -> Outcome<'_> {
 }
 
 /// The probe's steps in both modes' isolation scenarios: what it sees, 3,000 MiB granted,
-/// 2,000 MiB more refused (a 4 GiB share), 1,000 MiB through VMM granted, then it holds.
+/// 2,000 MiB more refused (a 4 GiB share, of which its context is charged 512 MiB), 500 MiB
+/// through VMM granted, then it holds.
 const PROBE_STEPS: &[&str] = &[
     "--via",
     "dlsym",
     "info",
     "alloc:mem:3000",
     "alloc:mem:2000",
-    "alloc:vmm:1000",
+    "alloc:vmm:500",
     "hold",
 ];
 
@@ -644,7 +645,7 @@ fn check_probe_report(name: &str, report: &str) -> anyhow::Result<()> {
         format!("nvml dev=0 total={share} "),
         "alloc path=mem mib=3000 result=0".to_owned(),
         "alloc path=mem mib=2000 result=2".to_owned(),
-        "alloc path=vmm mib=1000 result=0".to_owned(),
+        "alloc path=vmm mib=500 result=0".to_owned(),
     ] {
         ensure!(
             report.lines().any(|line| line.starts_with(&wanted)),
@@ -658,8 +659,8 @@ fn check_probe_report(name: &str, report: &str) -> anyhow::Result<()> {
 /// runs as the probe (a CUDA program, here against the fake driver's 16 GiB GPU). kubelet
 /// starts it with the interposer the device plugin installed under the kit's isolation
 /// directory, mounted read-only and preloaded, and its accounting directory: it sees 4 GiB
-/// through CUDA and NVML, gets 3,000 MiB, is refused 2,000 MiB more, gets 1,000 MiB through
-/// VMM.
+/// through CUDA and NVML, gets 3,000 MiB, is refused 2,000 MiB more, gets 500 MiB through
+/// VMM (its context is charged 512 MiB).
 fn a_gpu_container_is_held_to_its_share(c: &KitCluster) -> Outcome<'_> {
     Box::pin(async move {
         let name = "held";
