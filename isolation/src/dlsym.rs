@@ -97,9 +97,42 @@ pub unsafe extern "C" fn dlsym(handle: *mut c_void, symbol: *const c_char) -> *m
 }
 
 /// # Safety
-/// As `dlsym`. On architectures without the trampoline, the real `dlsym` is called from
+/// As `dlsym`: the aarch64 trampoline. The frame record (x29, x30) and the caller's two
+/// arguments are saved, `dlsym_route` asked (`Route` comes back in x0 and x1), everything
+/// restored; then our hook is returned, or glibc's `dlsym` is entered by `br x17` with the
+/// caller's arguments and return address (x30) untouched, so that glibc sees the true caller.
+/// x16/x17 are the intra-procedure-call registers: free to use here, and a branch through
+/// them may land on a `bti c` landing pad.
+#[cfg(target_arch = "aarch64")]
+#[unsafe(naked)]
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn dlsym(handle: *mut c_void, symbol: *const c_char) -> *mut c_void {
+    std::arch::naked_asm!(
+        "stp x29, x30, [sp, #-32]!",
+        "mov x29, sp",
+        "stp x0, x1, [sp, #16]",
+        "bl {route}",
+        "mov x16, x0",
+        "mov x17, x1",
+        "ldp x0, x1, [sp, #16]",
+        "ldp x29, x30, [sp], #32",
+        "cbnz x16, 2f",
+        "cbz x17, 3f",
+        "br x17",
+        "2:",
+        "mov x0, x16",
+        "ret",
+        "3:",
+        "mov x0, xzr",
+        "ret",
+        route = sym dlsym_route,
+    )
+}
+
+/// # Safety
+/// As `dlsym`. On architectures without a trampoline, the real `dlsym` is called from
 /// here, so an `RTLD_NEXT` lookup resolves from after this library, not after its caller.
-#[cfg(not(target_arch = "x86_64"))]
+#[cfg(not(any(target_arch = "x86_64", target_arch = "aarch64")))]
 #[unsafe(no_mangle)]
 pub unsafe extern "C" fn dlsym(handle: *mut c_void, symbol: *const c_char) -> *mut c_void {
     let route = dlsym_route(handle, symbol);
@@ -113,5 +146,5 @@ pub unsafe extern "C" fn dlsym(handle: *mut c_void, symbol: *const c_char) -> *m
     }
 }
 
-#[cfg(not(target_arch = "x86_64"))]
+#[cfg(not(any(target_arch = "x86_64", target_arch = "aarch64")))]
 type DlsymFn = unsafe extern "C" fn(*mut c_void, *const c_char) -> *mut c_void;

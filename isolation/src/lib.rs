@@ -21,34 +21,45 @@
 //! limits in the container's environment). Limits come from
 //! [`gpushare_isolation_budget::limits`]; without them every call passes through unchanged.
 //!
-//! # The three ways to the driver
+//! # The ways to the driver
 //!
 //! 1. **Linked**: the program's undefined `cuMemAlloc_v2` binds to our export of that name,
-//!    which forwards to the real one found with `dlopen("libcuda.so.1")` and the real `dlsym`.
-//! 2. **`dlopen` + `dlsym`**: we export `dlsym`. The real one (from
-//!    `dlvsym(RTLD_NEXT, "dlsym", "GLIBC_2.2.5")`, else `GLIBC_2.34`) answers; when the name is
-//!    one we hook, the driver has it and limits are set, our hook is answered instead. Any
-//!    other lookup is a tail-jump to glibc's `dlsym` that touches no state (no recursion
-//!    into our set-up, and `RTLD_NEXT` stays relative to the true caller).
+//!    which forwards to the real one in the driver (`driver`: the `libcuda.so.1` already
+//!    loaded, else the one in the process's global scope, else `libcuda.so.1` loaded now).
+//! 2. **`dlopen` + `dlsym`**: we export `dlsym` (module `dlsym`). The real one
+//!    (from `dlvsym(RTLD_NEXT, "dlsym", "GLIBC_2.2.5")`, else `GLIBC_2.34`/`2.17`) answers;
+//!    when the name is one we hook, limits are set and the object that answered is the
+//!    driver the hooks forward to (a driver opened by path binds them to itself, found by
+//!    `dladdr`, if it is the first the program uses), our hook is answered instead. Any
+//!    other lookup is a tail-jump to glibc's `dlsym` that touches no state.
 //! 3. **`cuGetProcAddress`(`_v2`)**: CUDA 11.3+ runtimes fetch every entry point by base name
 //!    (`"cuMemAlloc"`), for a CUDA version and per-thread-stream flags. We let the driver
 //!    answer, and if its answer is the real address of an entry point we hook (say
-//!    `cuMemAllocAsync_ptsz`), swap in our hook of that exact variant. Variants we do not hook
-//!    (the 32-bit v1 `cuMemAlloc`) pass unchanged; `cuGetProcAddress` itself is hooked.
+//!    `cuMemAllocAsync_ptsz`, or the 32-bit v1 `cuMemAlloc` for a version before 3.2), swap
+//!    in our hook of that exact variant.
+//!
+//! All the hooks are in one table (`hooks`), which all three read.
 //!
 //! # What is counted
 //!
-//! Every allocation path, on the current context's device (`cuCtxGetDevice`) unless the call
-//! names one: `cuMemAlloc_v2`, `cuMemAllocPitch_v2` (estimated, then the real pitch),
-//! `cuMemAllocManaged`, `cuMemAllocAsync`(`_ptsz`), `cuMemAllocFromPoolAsync`(`_ptsz`),
-//! `cuMemCreate` (on `prop->location.id`), `cuArrayCreate_v2`, `cuArray3DCreate_v2` and
-//! `cuMipmappedArrayCreate` (estimated from the descriptor), and their frees. An allocation
-//! that would take the container past its share on that GPU returns
-//! `CUDA_ERROR_OUT_OF_MEMORY` and never reaches the driver. `cuMemGetInfo_v2`,
-//! `cuDeviceTotalMem_v2` and `nvmlDeviceGetMemoryInfo`(`_v2`) report the share as total and
-//! `min(share - used, the driver's free)` as free. The accounting is [`Interposer`]; the
-//! process keeps pointer → (GPU, bytes) in a [`ledger::Ledger`] so that frees give back
-//! exactly what was counted.
+//! What the GPU holds for the container, on the GPU the driver puts it on (see
+//! [`Interposer`] for how each holder is charged, and `docs/isolation.md`
+//! for the table of cases):
+//! - allocations per pointer or handle: `cuMemAlloc` (v2 and v1), `cuMemAllocPitch`,
+//!   `cuMemAllocManaged` (unless `GPUSHARE_MANAGED_MEMORY=ignore`), the arrays (estimated from
+//!   their descriptors);
+//! - each context, [`Settings::context_bytes`], from its creation to its destruction or
+//!   reset, which also gives back everything made in it;
+//! - stream-ordered pools, what each reserves, on its own GPU;
+//! - VMM handles (`cuMemCreate`), until released and mapped nowhere;
+//! - graph memory, what each GPU's graph pool reserves (a node asking more than is left is
+//!   refused when added); `cuCtxSetLimit` raises of the heap, printf buffer and stack.
+//!
+//! An allocation that would take the container past its share on that GPU returns
+//! `CUDA_ERROR_OUT_OF_MEMORY` and never reaches the driver. `cuMemGetInfo`,
+//! `cuDeviceTotalMem` and `nvmlDeviceGetMemoryInfo`(`_v2`) report the share as total,
+//! `min(share - used, the driver's free)` as free and the rest as used. GPUs are told apart by
+//! UUID (`devices`), so `CUDA_VISIBLE_DEVICES` cannot make two processes count one GPU as two.
 //!
 //! # One budget per container
 //!
@@ -56,14 +67,16 @@
 //! versioned layout, the file's name and the limits are in `gpushare-isolation-budget`):
 //! atomics in a shared mapping, no lock on the allocation path. A process that dies without
 //! freeing gives its bytes back when another allocation would be refused or memory is
-//! queried. The plugin reads the file with that crate's safe reader, never through this one.
+//! queried; a program started by `exec` gives back the earlier one's when the library is
+//! loaded. The plugin reads the file with that crate's safe reader, never through this one.
 //!
 //! # Never takes the program down
 //!
 //! No panic crosses the FFI boundary (every export runs in `catch_unwind`). If the limits are
 //! malformed or the budget file cannot be opened, one line goes to stderr and every call
-//! passes through. `fork` is handled (the child gets its own slot and an empty ledger), and
-//! so is `exec` (the new program drops the old one's slot).
+//! passes through. `fork` is handled (the child gets its own slot and an empty record).
+//! The shipped library needs no glibc symbol newer than 2.17 (`scripts/build-interposer.sh`),
+//! so it loads in old images.
 //!
 //! # What it cannot catch
 //!
@@ -72,15 +85,12 @@
 //! - Off x86_64, `RTLD_NEXT` lookups made through our `dlsym` resolve from after this
 //!   library rather than after their caller. On x86_64 our `dlsym` is a trampoline that
 //!   tail-jumps to glibc's, so glibc sees the true caller.
-//! - Memory the driver takes for itself (contexts, module code, pool reservations beyond the
-//!   bytes requested): only requested bytes count, so the device's real use is higher.
-//! - NVML indexes are taken for CUDA ordinals (true with `CUDA_DEVICE_ORDER=PCI_BUS_ID` or
-//!   one GPU).
+//! - A context costs what `GPUSHARE_CONTEXT_MIB` says, not what the driver took; module code
+//!   loaded later is not counted.
+//! - Graph memory is held to the share node by node; a graph whose nodes fit one by one but
+//!   not together runs past it (then everything else is refused until it is trimmed).
 //! - Processes sharing a budget must share a pid namespace (dead slots are found by pid).
-//! - Entry points we do not hook pass unchanged: the 32-bit v1 `cuMemAlloc`/`cuMemGetInfo`
-//!   of pre-3.2 programs, host allocations (`cuMemAllocHost`, `cuMemCreate` on a host
-//!   location), graph-node allocations (`cuGraphAddMemAllocNode`).
-//! - `cuMemFreeAsync` gives bytes back at once, not when the stream reaches the free.
+//! - A second CUDA driver in one process (after the first was bound) is passed through.
 //! - A process killed between reserving a total and recording it in its slot (two atomic
 //!   steps) leaves those bytes counted until the container restarts: never over the share.
 //!

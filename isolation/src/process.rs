@@ -62,14 +62,19 @@ fn set_up() -> Option<Interposer> {
 
 /// Run when the library is loaded into a program: a program started by `exec` gives back
 /// at once what the earlier program of its process held (the driver freed it with that
-/// program), instead of at its first allocation, which a launcher may never make. Only
-/// where limits are set: elsewhere nothing is touched until a hook is called.
+/// program), instead of at its first allocation, which a launcher may never make.
+///
+/// Only where limits are set and the budget file already exists (an earlier program that held
+/// a slot made it): a process that never uses the GPU creates nothing and prints nothing.
 extern "C" fn on_load() {
     let _ = std::panic::catch_unwind(|| {
-        if matches!(Limits::from_env(), Ok(Some(_))) {
-            state().map(Interposer::forget_earlier_program)
-        } else {
-            None
+        let Ok(Some(limits)) = Limits::from_env() else {
+            return;
+        };
+        if budget::path_from_env(&limits).exists()
+            && let Some(interposer) = state()
+        {
+            interposer.forget_earlier_program();
         }
     });
 }
