@@ -82,9 +82,10 @@
 //!
 //! - Programs that talk to `/dev/nvidia*` directly, or link the driver statically: they never
 //!   pass through the dynamic linker.
-//! - Off x86_64, `RTLD_NEXT` lookups made through our `dlsym` resolve from after this
-//!   library rather than after their caller. On x86_64 our `dlsym` is a trampoline that
-//!   tail-jumps to glibc's, so glibc sees the true caller.
+//! - Off x86_64 and aarch64, `RTLD_NEXT` lookups made through our `dlsym` may resolve from
+//!   after this library rather than after their caller. On those two our `dlsym` is a
+//!   trampoline that jumps to glibc's with the caller's return address, so glibc sees the
+//!   true caller.
 //! - A context costs what `GPUSHARE_CONTEXT_MIB` says, not what the driver took; module code
 //!   loaded later is not counted.
 //! - Graph memory is held to the share node by node; a graph whose nodes fit one by one but
