@@ -8,8 +8,8 @@
 #     nvidia-smi shows 1024 MiB; without the library the driver's own total is seen.
 #  2. What one CUDA context costs on this GPU, measured without the library (NVML's device-wide
 #     used memory before vs while a process holds a bare context: PyTorch's, and cuCtxCreate
-#     alone): `context-cost mib=N`. The runs below get GPUSHARE_CONTEXT_MIB=N, the charge the
-#     interposer makes per context (a library that does not know the variable ignores it).
+#     alone): `context-cost mib=N`. The runs below leave the library to measure each context
+#     itself (or, with GPUSHARE_CHECK_CONTEXT=configured, get GPUSHARE_CONTEXT_MIB=N).
 #  3. The programs users run, each in its own process under a 4 GiB share (a fresh
 #     GPUSHARE_ISOLATION_DIR each, GPUSHARE_GPU_UUID the GPU's UUID): PyTorch filling memory
 #     under each of its allocators (default, expandable segments, cudaMallocAsync and its pool
@@ -33,6 +33,9 @@
 #   GPUSHARE_CHECK_SHARE_GIB=4      the scenarios' share
 #   GPUSHARE_CHECK_SLACK_MIB        the slack (default max(64 MiB, 2 % of the share))
 #   GPUSHARE_CHECK_TIMEOUT=60       seconds per scenario
+#   GPUSHARE_CHECK_CONTEXT=measured the library measures each context (its default);
+#                                   `configured`: GPUSHARE_CONTEXT_MIB is set to the figure
+#                                   measured in section 2
 #   GPUSHARE_CHECK_BUDGET_S=210     no scenario starts after this many seconds (the whole run
 #                                   must fit the GPU machine's few minutes); later ones SKIP
 #   PYTHON=python3                  the Python with torch, jax, cuda-bindings, nvidia-ml-py
@@ -141,7 +144,11 @@ echo "$ctx_out"
 CONTEXT_MIB=$(echo "$ctx_out" | sed -n 's/^context-cost mib=\([0-9]*\).*/\1/p')
 if [ -n "$CONTEXT_MIB" ]; then
     pass "context cost measured: $CONTEXT_MIB MiB"
-    export GPUSHARE_CONTEXT_MIB=$CONTEXT_MIB
+    # The library measures each context itself unless told a figure; GPUSHARE_CHECK_CONTEXT=
+    # configured hands it the figure measured here instead.
+    if [ "${GPUSHARE_CHECK_CONTEXT:-measured}" = configured ]; then
+        export GPUSHARE_CONTEXT_MIB=$CONTEXT_MIB
+    fi
 else
     fail "context cost not measured (GPUSHARE_CONTEXT_MIB left unset)"
 fi

@@ -89,6 +89,8 @@ pub struct Budget {
     /// reclaim reads `/proc` for a live process at most once a second (see `reclaim_dead`).
     seen_alive: Box<[SeenAlive]>,
     epoch: Instant,
+    /// The file, kept open for [`Budget::exclusive`].
+    file: File,
 }
 
 /// One slot's last proof of life, see [`Budget::reclaim_dead`].
@@ -182,6 +184,7 @@ impl Budget {
             shares,
             seen_alive: (0..SLOTS).map(|_| SeenAlive::default()).collect(),
             epoch: Instant::now(),
+            file,
         })
     }
 
@@ -216,6 +219,14 @@ impl Budget {
 
     fn slot_used(&self, slot: usize, gpu: usize) -> &AtomicU64 {
         self.u64_at(HEADER_LEN + slot * SLOT_LEN + SLOT_USED + 8 * gpu)
+    }
+
+    /// Holds the file's lock until the guard goes: the container's processes take turns
+    /// (a context is measured while no other process of the container makes one). `None`
+    /// when the lock cannot be taken.
+    pub fn exclusive(&self) -> Option<Exclusive<'_>> {
+        flock(&self.file, libc::LOCK_EX).ok()?;
+        Some(Exclusive { file: &self.file })
     }
 
     /// GPUs with a share.
@@ -481,6 +492,17 @@ impl Budget {
             seen.at_ms.store(now, Ordering::Release);
         }
         dead
+    }
+}
+
+/// The budget file's lock, held: see [`Budget::exclusive`].
+pub struct Exclusive<'a> {
+    file: &'a File,
+}
+
+impl Drop for Exclusive<'_> {
+    fn drop(&mut self) {
+        let _ = flock(self.file, libc::LOCK_UN);
     }
 }
 

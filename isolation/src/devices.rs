@@ -108,3 +108,33 @@ pub fn gpu_of_nvml(settings: &Settings, device: Handle) -> Option<usize> {
     // SAFETY: the caller's device handle and a place for the answer.
     (unsafe { index_of(device, &mut index) } == 0).then_some(index as usize)
 }
+
+/// What the driver has free on CUDA device `ordinal` now, from NVML (device-wide, every
+/// process's use counted): for measuring what a context takes. NVML is initialised and shut
+/// down around the read (both are reference-counted, so a program's own use is untouched).
+pub fn driver_free(ordinal: c_int) -> Option<u64> {
+    let uuid = cuda_uuid(ordinal)?;
+    let nvml = driver::nvml()?;
+    let (init, shutdown, by_uuid, memory_info) = (
+        nvml.init?,
+        nvml.shutdown?,
+        nvml.device_by_uuid?,
+        nvml.memory_info?,
+    );
+    let text = std::ffi::CString::new(format_uuid(&uuid)).ok()?;
+    // SAFETY: no arguments.
+    if unsafe { init() } != 0 {
+        return None;
+    }
+    let mut device: Handle = std::ptr::null_mut();
+    let mut memory = [0u64; 3];
+    // SAFETY: a NUL-terminated UUID and places for the answers (nvmlMemory_t is three u64s:
+    // total, free, used).
+    let read = unsafe {
+        by_uuid(text.as_ptr(), &mut device) == 0
+            && memory_info(device, memory.as_mut_ptr().cast()) == 0
+    };
+    // SAFETY: balances the init above.
+    unsafe { shutdown() };
+    read.then_some(memory[1])
+}

@@ -169,6 +169,8 @@ entry_points! {
 entry_points! {
     /// NVML's entry points that the hooks forward to or use.
     Nvml {
+        init = "nvmlInit_v2": fn();
+        shutdown = "nvmlShutdown": fn();
         device_get_index = "nvmlDeviceGetIndex": fn(Handle, *mut c_uint);
         device_get_uuid = "nvmlDeviceGetUUID": fn(Handle, *mut c_char, c_uint);
         device_by_uuid = "nvmlDeviceGetHandleByUUID": fn(*const c_char, *mut Handle);

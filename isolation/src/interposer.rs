@@ -95,6 +95,8 @@ pub struct Interposer {
     vmm: SpinLock<Vmm>,
     primaries: SpinLock<FxHashMap<i32, Primary>>,
     graph_charged: [AtomicU64; MAX_GPUS],
+    /// Per GPU, what the last context measured took (0: none measured).
+    measured_context: [AtomicU64; MAX_GPUS],
     /// The last context found charged: the allocation path's fast check.
     last_ctx: AtomicU64,
     make_room: RoomMaker,
@@ -115,6 +117,7 @@ impl Interposer {
     pub fn open(limits: &Limits, path: &Path) -> budget::Result<Self> {
         let settings = Settings {
             context_bytes: 0,
+            measure_context: false,
             ..Settings::default()
         };
         Self::open_with(limits, settings, path)
@@ -134,6 +137,7 @@ impl Interposer {
             vmm: SpinLock::new(Vmm::default()),
             primaries: SpinLock::new(FxHashMap::default()),
             graph_charged: std::array::from_fn(|_| AtomicU64::new(0)),
+            measured_context: std::array::from_fn(|_| AtomicU64::new(0)),
             last_ctx: AtomicU64::new(0),
             make_room: |_| false,
         })
@@ -370,20 +374,51 @@ impl Interposer {
         gpu: usize,
         create: impl FnOnce() -> Result<u64, i32>,
     ) -> Result<u64, i32> {
-        let bytes = self.settings.context_bytes;
+        self.create_context_measured(gpu, create, || None)
+    }
+
+    /// As [`create_context`](Self::create_context); `measured` then says what the context
+    /// really took (`None`: unknown), which becomes its charge, and this process's estimate
+    /// for the next context on that GPU.
+    pub fn create_context_measured(
+        &self,
+        gpu: usize,
+        create: impl FnOnce() -> Result<u64, i32>,
+        measured: impl FnOnce() -> Option<u64>,
+    ) -> Result<u64, i32> {
+        let estimate = self.context_estimate(gpu);
         let slot = self.slot();
-        if !self.reserve(slot, gpu, bytes) {
+        if !self.reserve(slot, gpu, estimate) {
             return Err(CUDA_ERROR_OUT_OF_MEMORY);
         }
         match create() {
             Ok(ctx) => {
+                let bytes = match measured() {
+                    Some(bytes) => {
+                        if let Some(remembered) = self.measured_context.get(gpu) {
+                            remembered.store(bytes, Ordering::Relaxed);
+                        }
+                        self.adjust(slot, gpu, estimate, bytes);
+                        bytes
+                    }
+                    None => estimate,
+                };
                 self.record_context(slot, ctx, gpu, bytes);
                 Ok(ctx)
             }
             Err(code) => {
-                self.budget.release(slot, gpu, bytes);
+                self.budget.release(slot, gpu, estimate);
                 Err(code)
             }
+        }
+    }
+
+    /// What a context on `gpu` is charged before (or without) a measure: the last measured
+    /// in this process, else the configured figure.
+    fn context_estimate(&self, gpu: usize) -> u64 {
+        match self.measured_context.get(gpu).map(|m| m.load(Ordering::Relaxed)) {
+            Some(measured) if measured > 0 && self.settings.measure_context => measured,
+            _ => self.settings.context_bytes,
         }
     }
 
@@ -409,7 +444,7 @@ impl Interposer {
         }
         if self.ledger.get(Kind::Context, ctx).is_none() {
             let slot = self.slot();
-            let bytes = self.settings.context_bytes;
+            let bytes = self.context_estimate(gpu);
             self.budget.add(slot, gpu, bytes);
             self.record_context(slot, ctx, gpu, bytes);
         } else {
@@ -433,12 +468,13 @@ impl Interposer {
     }
 
     /// `cuDevicePrimaryCtxRetain` of device `ordinal` (budget GPU `gpu`): the first retain
-    /// makes the primary context, and charges it.
+    /// makes the primary context, and charges it (what `measured` says it took, if it can).
     pub fn retain_primary(
         &self,
         ordinal: i32,
         gpu: usize,
         retain: impl FnOnce() -> Result<u64, i32>,
+        measured: impl FnOnce() -> Option<u64>,
     ) -> i32 {
         let first = self
             .primaries
@@ -454,7 +490,7 @@ impl Interposer {
                 Err(code) => code,
             };
         }
-        match self.create_context(gpu, retain) {
+        match self.create_context_measured(gpu, retain, measured) {
             Ok(ctx) => {
                 self.count_retain(ordinal, ctx);
                 CUDA_SUCCESS

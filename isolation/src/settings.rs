@@ -8,8 +8,9 @@
 //!   same GPU 0 and 1, or different GPUs 0. Without it (or with an entry that is not a
 //!   `GPU-` UUID), NVML's index stands for the GPU, else the CUDA ordinal.
 //! - `GPUSHARE_CONTEXT_MIB`: what each CUDA context costs the device (its code, stacks,
-//!   heap), charged to the container when the context is made. Default
-//!   [`DEFAULT_CONTEXT_MIB`]; the device plugin can set it per GPU model.
+//!   heap), charged to the container when the context is made. Unset, a context is charged
+//!   what the driver's free memory dropped by while it was made (NVML, read around the
+//!   creation), and [`DEFAULT_CONTEXT_MIB`] where that cannot be read; set, exactly that.
 //! - `GPUSHARE_MANAGED_MEMORY`: `charge` (default) counts `cuMemAllocManaged` in full on the
 //!   current GPU; `ignore` lets it pass uncounted, for programs that oversubscribe on
 //!   purpose (the driver pages managed memory out under pressure instead of failing).
@@ -43,8 +44,11 @@ pub type Uuid = [u8; 16];
 pub struct Settings {
     /// The container's GPUs in share order; empty: identify GPUs by NVML index or ordinal.
     pub uuids: Vec<Uuid>,
-    /// Bytes charged per context.
+    /// Bytes charged per context (when measured: until the measure is in).
     pub context_bytes: u64,
+    /// Whether a context is charged what the driver's free memory dropped by while it was
+    /// made (`GPUSHARE_CONTEXT_MIB` unset) rather than `context_bytes`.
+    pub measure_context: bool,
     /// Managed memory.
     pub managed: Managed,
 }
@@ -54,6 +58,7 @@ impl Default for Settings {
         Self {
             uuids: Vec::new(),
             context_bytes: DEFAULT_CONTEXT_MIB << 20,
+            measure_context: true,
             managed: Managed::Charge,
         }
     }
@@ -94,6 +99,7 @@ impl Settings {
                     expected: "a whole number of MiB",
                 })?;
             settings.context_bytes = mib << 20;
+            settings.measure_context = false;
         }
         if let Some(mode) = set(ENV_MANAGED_MEMORY) {
             settings.managed = match mode.trim().to_ascii_lowercase().as_str() {
@@ -188,6 +194,7 @@ mod tests {
     fn context_charge_and_managed_mode() {
         let settings = Settings::parse(env(&[])).unwrap();
         assert_eq!(settings.context_bytes, DEFAULT_CONTEXT_MIB << 20);
+        assert!(settings.measure_context);
         assert_eq!(settings.managed, Managed::Charge);
         let settings = Settings::parse(env(&[
             (ENV_CONTEXT_MIB, "0"),
@@ -195,6 +202,7 @@ mod tests {
         ]))
         .unwrap();
         assert_eq!(settings.context_bytes, 0);
+        assert!(!settings.measure_context);
         assert_eq!(settings.managed, Managed::Ignore);
         assert!(Settings::parse(env(&[(ENV_CONTEXT_MIB, "-1")])).is_err());
         assert!(Settings::parse(env(&[(ENV_MANAGED_MEMORY, "evict")])).is_err());

@@ -330,6 +330,7 @@ fn race_in_children(path: &std::path::Path, limits: &Limits, work: &[Vec<u64>]) 
 fn with_contexts(dir: &tempfile::TempDir, gib: u64, context_mib: u64) -> Interposer {
     let settings = Settings {
         context_bytes: context_mib * MIB,
+        measure_context: false,
         ..Settings::default()
     };
     Interposer::open_with(&Limits::new(vec![gib << 30]), settings, &budget_file(dir)).unwrap()
@@ -368,8 +369,8 @@ fn a_context_is_charged_and_everything_made_in_it_comes_back_with_it() {
 fn a_primary_context_is_charged_once_and_goes_with_its_last_release() {
     let dir = tempfile::tempdir().unwrap();
     let ip = with_contexts(&dir, 4, 256);
-    assert_eq!(ip.retain_primary(0, 0, || Ok(0xd0)), CUDA_SUCCESS);
-    assert_eq!(ip.retain_primary(0, 0, || Ok(0xd0)), CUDA_SUCCESS);
+    assert_eq!(ip.retain_primary(0, 0, || Ok(0xd0), || None), CUDA_SUCCESS);
+    assert_eq!(ip.retain_primary(0, 0, || Ok(0xd0), || None), CUDA_SUCCESS);
     assert_eq!(ip.budget().used(0), 256 * MIB);
     let here = Place { gpu: 0, ctx: 0xd0 };
     assert_eq!(

@@ -11,6 +11,29 @@ use crate::driver::{self, Handle, Status};
 use crate::interposer::Interposer;
 use crate::process::{forward, guard, here, read_out, real, state};
 
+/// What the driver's free memory on device `ordinal` dropped by during `make` (NVML, read
+/// around it), with `make`'s answer; the drop is `None` when it cannot be read or makes no
+/// sense (other processes freed more meanwhile). The container's processes take turns
+/// (the budget file's lock), so that two contexts made at once are not each charged both.
+fn measuring<T>(
+    interposer: &Interposer,
+    ordinal: c_int,
+    make: impl FnOnce() -> T,
+) -> (T, Option<u64>) {
+    if !interposer.settings().measure_context {
+        return (make(), None);
+    }
+    let _turn = interposer.budget().exclusive();
+    let before = devices::driver_free(ordinal);
+    let made = make();
+    let after = devices::driver_free(ordinal);
+    let drop = match (before, after) {
+        (Some(before), Some(after)) => before.checked_sub(after).filter(|d| *d > 0),
+        _ => None,
+    };
+    (made, drop)
+}
+
 /// A context made on device `ordinal` by `call`, which writes it to `pctx`.
 fn create(pctx: *mut Handle, ordinal: c_int, call: impl FnOnce() -> Status) -> Status {
     let Some(interposer) = state() else {
@@ -19,10 +42,20 @@ fn create(pctx: *mut Handle, ordinal: c_int, call: impl FnOnce() -> Status) -> S
     let Some(gpu) = devices::gpu_of_ordinal(interposer.settings(), ordinal) else {
         return call();
     };
-    match interposer.create_context(gpu, || match call() {
-        0 => Ok(read_out(pctx.cast_const()) as u64),
-        code => Err(code),
-    }) {
+    let drop = std::cell::Cell::new(None);
+    let made = interposer.create_context_measured(
+        gpu,
+        || {
+            let (status, measured) = measuring(interposer, ordinal, call);
+            drop.set(measured);
+            match status {
+                0 => Ok(read_out(pctx.cast_const()) as u64),
+                code => Err(code),
+            }
+        },
+        || drop.get(),
+    );
+    match made {
         Ok(_) => 0,
         Err(code) => code,
     }
@@ -105,10 +138,20 @@ pub unsafe extern "C" fn cuDevicePrimaryCtxRetain(pctx: *mut Handle, dev: c_int)
         let Some(gpu) = devices::gpu_of_ordinal(interposer.settings(), dev) else {
             return call();
         };
-        interposer.retain_primary(dev, gpu, || match call() {
-            0 => Ok(read_out(pctx.cast_const()) as u64),
-            code => Err(code),
-        })
+        let drop = std::cell::Cell::new(None);
+        interposer.retain_primary(
+            dev,
+            gpu,
+            || {
+                let (status, measured) = measuring(interposer, dev, call);
+                drop.set(measured);
+                match status {
+                    0 => Ok(read_out(pctx.cast_const()) as u64),
+                    code => Err(code),
+                }
+            },
+            || drop.get(),
+        )
     })
 }
 
