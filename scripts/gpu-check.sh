@@ -144,6 +144,8 @@ echo "$ctx_out"
 CONTEXT_MIB=$(echo "$ctx_out" | sed -n 's/^context-cost mib=\([0-9]*\).*/\1/p')
 if [ -n "$CONTEXT_MIB" ]; then
     pass "context cost measured: $CONTEXT_MIB MiB"
+    # What the scenarios size themselves by (scripts/gpu-check/scenarios.py).
+    export GPUSHARE_CHECK_CONTEXT_MIB=$CONTEXT_MIB
     # The library measures each context itself unless told a figure; GPUSHARE_CHECK_CONTEXT=
     # configured hands it the figure measured here instead.
     if [ "${GPUSHARE_CHECK_CONTEXT:-measured}" = configured ]; then

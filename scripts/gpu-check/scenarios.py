@@ -65,7 +65,8 @@ def share_mib():
 
 def context_mib():
     try:
-        return int(os.environ.get("GPUSHARE_CONTEXT_MIB", "0"))
+        return int(os.environ.get("GPUSHARE_CHECK_CONTEXT_MIB")
+                   or os.environ.get("GPUSHARE_CONTEXT_MIB", "0"))
     except ValueError:
         return 0
 
