@@ -5,8 +5,9 @@
 //! keeps what is charged per holder rather than per call where the driver keeps memory past
 //! the call that made it:
 //!
-//! - **contexts**: each is charged [`Settings::context_bytes`] when made (or first seen),
-//!   and given back, with everything made in it, when destroyed or reset;
+//! - **contexts**: each is charged what it took (measured by the hooks) or
+//!   [`Settings::context_bytes`] when made (or first seen), and given back, with everything
+//!   made in it, when destroyed or reset;
 //! - **stream-ordered pools**: a pool is charged what it reserves, read from the driver
 //!   after each allocation, free, trim and synchronisation, on the pool's own GPU;
 //! - **VMM handles**: charged at `cuMemCreate`, given back when the last reference goes

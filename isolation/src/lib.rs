@@ -48,8 +48,9 @@
 //! - allocations per pointer or handle: `cuMemAlloc` (v2 and v1), `cuMemAllocPitch`,
 //!   `cuMemAllocManaged` (unless `GPUSHARE_MANAGED_MEMORY=ignore`), the arrays (estimated from
 //!   their descriptors);
-//! - each context, [`Settings::context_bytes`], from its creation to its destruction or
-//!   reset, which also gives back everything made in it;
+//! - each context, what it took (measured through NVML around its creation) or
+//!   [`Settings::context_bytes`], from its creation to its destruction or reset, which also
+//!   gives back everything made in it;
 //! - stream-ordered pools, what each reserves, on its own GPU;
 //! - VMM handles (`cuMemCreate`), until released and mapped nowhere;
 //! - graph memory, what each GPU's graph pool reserves (a node asking more than is left is
@@ -86,8 +87,9 @@
 //!   after this library rather than after their caller. On those two our `dlsym` is a
 //!   trampoline that jumps to glibc's with the caller's return address, so glibc sees the
 //!   true caller.
-//! - A context costs what `GPUSHARE_CONTEXT_MIB` says, not what the driver took; module code
-//!   loaded later is not counted.
+//! - A context is charged what the GPU's free memory dropped by while it was made (another
+//!   container's allocations at that moment move it), or `GPUSHARE_CONTEXT_MIB` / 512 MiB
+//!   where NVML cannot say; module code loaded later is not counted.
 //! - Graph memory is held to the share node by node; a graph whose nodes fit one by one but
 //!   not together runs past it (then everything else is refused until it is trimmed).
 //! - Processes sharing a budget must share a pid namespace (dead slots are found by pid).
