@@ -1,7 +1,10 @@
 //! Builds the fake driver (`fake/libcuda.rs`, `fake/libnvidia-ml.rs`) into `$OUT_DIR` as
 //! `libcuda.so.1` and `libnvidia-ml.so.1` (their sonames), with `libcuda.so` and
 //! `libnvidia-ml.so` links for the linker, so that the probe links to the driver by name as a
-//! real program does. Only the probe links them: nothing here reaches the interposer's `.so`.
+//! real program does; and `fake/libcuda.rs` again as `libcuda.so.550` (its soname too, no
+//! link), a driver that a program opens by path and that `dlopen("libcuda.so.1")` never
+//! finds (a compat driver, a `NUMBA_CUDA_DRIVER` target). Only the probe links them: nothing
+//! here reaches the interposer's `.so`.
 
 use std::path::Path;
 use std::process::Command;
@@ -13,12 +16,13 @@ fn main() {
     // The probe's target (cargo sets TARGET for build scripts), so that it can link them.
     let target = std::env::var("TARGET").expect("cargo sets TARGET");
     for (source, soname, link) in [
-        ("fake/libcuda.rs", "libcuda.so.1", "libcuda.so"),
+        ("fake/libcuda.rs", "libcuda.so.1", Some("libcuda.so")),
         (
             "fake/libnvidia-ml.rs",
             "libnvidia-ml.so.1",
-            "libnvidia-ml.so",
+            Some("libnvidia-ml.so"),
         ),
+        ("fake/libcuda.rs", "libcuda.so.550", None),
     ] {
         println!("cargo:rerun-if-changed={source}");
         println!("cargo:rerun-if-changed=fake/state.rs");
@@ -44,9 +48,11 @@ fn main() {
             .status()
             .expect("running rustc for the fake driver");
         assert!(status.success(), "rustc failed on {source}");
-        let link = out.join(link);
-        let _ = std::fs::remove_file(&link);
-        std::os::unix::fs::symlink(soname, &link).expect("linking the fake driver");
+        if let Some(link) = link {
+            let link = out.join(link);
+            let _ = std::fs::remove_file(&link);
+            std::os::unix::fs::symlink(soname, &link).expect("linking the fake driver");
+        }
     }
     println!("cargo:rustc-link-search=native={}", out.display());
     println!("cargo:rustc-env=GPUSHARE_FAKE_DRIVER_DIR={}", out.display());

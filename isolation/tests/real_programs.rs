@@ -701,33 +701,64 @@ fn a_reset_or_destroyed_context_gives_its_memory_back() {
     assert_device_within(&node, 0, 4 * GIB, "ctx-destroy", &out);
 }
 
-#[test]
-fn a_driver_opened_by_path_is_held_to_the_share() {
+/// Runs `probe --via path:DRIVER` (1 GiB share; `library_path`: its `LD_LIBRARY_PATH`, else
+/// the fake's directory) up to its `wait`: 900 MiB fit, 200 MiB more do not, and the driver
+/// the program opened holds the 900 MiB itself (its `fakeHeldBytes`, no hooked call), so
+/// the hooks forwarded to that file and not to another driver.
+fn run_by_path(probe: &Path, driver: &Path, library_path: Option<&Path>) {
     let node = Node::new(1, 16384, 0);
     let container = Container::new(&node, &[0], 1);
-    // The driver under another file name; no libcuda.so.1 anywhere the loader looks.
+    let via = format!("path:{}", driver.display());
+    let steps = [
+        "info",
+        "alloc:mem:900",
+        "alloc:mem:200",
+        "info",
+        "held:0",
+        "wait",
+    ];
+    let mut command = container.command(probe, &via, &steps);
+    if let Some(dir) = library_path {
+        command.env("LD_LIBRARY_PATH", dir);
+    }
+    let mut p = container.start_command(command, &steps);
+    let out = p.stop();
+    let what = format!("{} --via {via}", probe.display());
+    assert_device_within(&node, 0, GIB, &what, &out);
+    assert_eq!(
+        out.all("cuda", "total"),
+        [GIB; 2],
+        "{what}: {:?}",
+        out.lines
+    );
+    assert_eq!(out.allocs(), [0, 2], "{what}: {:?}", out.lines);
+    assert_eq!(
+        out.one("held", "bytes"),
+        900 * MIB,
+        "{what}: the driver opened by path served the calls: {:?}",
+        out.lines
+    );
+}
+
+#[test]
+fn a_driver_opened_by_path_is_held_to_the_share() {
+    // A driver of another soname (libcuda.so.550) under another file name, as a compat
+    // driver or a NUMBA_CUDA_DRIVER target is; no libcuda.so.1 anywhere the loader looks.
     let drivers = tempfile::tempdir().unwrap();
     let fake = gpushare_isolation_probe::fake_driver_dir();
-    let cuda = drivers.path().join("libcuda.so.550.1");
-    std::fs::copy(fake.join("libcuda.so.1"), &cuda).unwrap();
+    let cuda = drivers.path().join("libcuda.so.550.54.15");
+    std::fs::copy(fake.join("libcuda.so.550"), &cuda).unwrap();
     std::fs::copy(
         fake.join("libnvidia-ml.so.1"),
         drivers.path().join("libnvidia-ml.so.1"),
     )
     .unwrap();
-    let via = format!("path:{}", cuda.display());
-    let steps = ["info", "alloc:mem:900", "alloc:mem:200", "info", "wait"];
-    let probe_dl = &built().probe_dl;
-    let mut command = container.command(probe_dl, &via, &steps);
-    command.env("LD_LIBRARY_PATH", drivers.path());
-    let mut p = container.start_command(command, &steps);
-    let out = p.stop();
-    assert_device_within(&node, 0, GIB, "by path", &out);
-    assert_eq!(out.all("cuda", "total"), [GIB; 2], "{:?}", out.lines);
-    assert_eq!(out.allocs(), [0, 2], "{:?}", out.lines);
+    run_by_path(&built().probe_dl, &cuda, Some(drivers.path()));
 
-    // The scenario is real: the driver is not found by its soname there.
-    let mut command = container.command(probe_dl, "dlsym", &["info"]);
+    // The scenario is real: no driver is found by the soname libcuda.so.1 there.
+    let node = Node::new(1, 16384, 0);
+    let container = Container::new(&node, &[0], 1);
+    let mut command = container.command(&built().probe_dl, "dlsym", &["info"]);
     command.env("LD_LIBRARY_PATH", drivers.path());
     let out = command.output().unwrap();
     assert!(
@@ -735,6 +766,20 @@ fn a_driver_opened_by_path_is_held_to_the_share() {
         "libcuda.so.1 was found: {}",
         String::from_utf8_lossy(&out.stdout)
     );
+}
+
+#[test]
+fn a_driver_opened_by_path_beside_the_systems_is_the_one_served() {
+    // libcuda.so.1 is found by soname (the fake's directory is on LD_LIBRARY_PATH), and the
+    // program opens another driver by path: the hooks forward to the file it opened.
+    let fake = gpushare_isolation_probe::fake_driver_dir();
+    run_by_path(&built().probe_dl, &fake.join("libcuda.so.550"), None);
+    // The probe that links libcuda.so.1, so that it is loaded first, opening a copy of it
+    // (the same soname, another file) by path.
+    let drivers = tempfile::tempdir().unwrap();
+    let copy = drivers.path().join("libcuda.so.1.compat");
+    std::fs::copy(fake.join("libcuda.so.1"), &copy).unwrap();
+    run_by_path(&built().probe, &copy, None);
 }
 
 #[test]

@@ -1,7 +1,7 @@
 //! A fake `libcuda.so.1` for gpushare-isolation's tests: simulated GPUs, no hardware.
 //!
 //! Compiled by this crate's `build.rs` with `rustc --crate-type cdylib` (soname
-//! `libcuda.so.1`); std only, so that it needs no crate. Pointers and handles are numbers,
+//! `libcuda.so.1`, and again as `libcuda.so.550`: a driver of another soname); std only, so that it needs no crate. Pointers and handles are numbers,
 //! never memory. It implements just what the probe and the interposer call, with the
 //! driver's signatures and error codes, and takes device memory the way a real GPU does.
 //!
@@ -43,6 +43,10 @@
 //!   `cuMemFreeAsync` captured) are not alive after the launch; the others are until freed.
 //!   `cuMemAllocAsync` on a capturing stream adds a node and takes nothing.
 //! - Managed memory: see `FAKE_MANAGED_ON_HOST`.
+//!
+//! One export is not the driver's: `fakeHeldBytes(phys)`, what this copy of the fake holds for
+//! this process on physical GPU `phys` (0 before its `cuInit`), which tells a test which of two
+//! copies loaded in one process served the calls.
 //!
 //! Exported functions never call each other (an LD_PRELOADed interposer would catch the
 //! call); they call private `*_impl` functions. Functions that would compile to the same code
@@ -553,6 +557,13 @@ fn with_driver<T>(f: impl FnOnce(&mut Driver) -> Result<T, CuResult>) -> Result<
 
 fn code(r: Result<(), CuResult>) -> CuResult {
     r.err().unwrap_or(SUCCESS)
+}
+
+/// Not a driver entry point: what this copy of the fake holds for this process on physical
+/// GPU `phys` (0 if this copy was never initialized, or `phys` is not a GPU).
+#[no_mangle]
+pub extern "C" fn fakeHeldBytes(phys: c_uint) -> u64 {
+    with_driver(|d| Ok(d.used.get(phys as usize).copied().unwrap_or(0))).unwrap_or(0)
 }
 
 unsafe fn out<T>(p: *mut T, value: T) -> Result<(), CuResult> {

@@ -93,6 +93,12 @@
 //!   info-null-free      cuMemGetInfo_v2(NULL, &total)       -> info-null-free total=B result=CODE
 //!   uuid                cuDeviceGetUuid_v2, current device  -> uuid dev=N uuid=GPU-... result=CODE
 //!   nvml-info:I         NVML memory info of NVML index I    -> nvml-info index=I total=B free=B used=B result=CODE
+//!   held:P              what the fake driver the probe       -> held gpu=P bytes=B
+//!                       looked up (the FILE of --via path:,
+//!                       libcuda.so.1 otherwise) holds for this
+//!                       process on physical GPU P: its own
+//!                       fakeHeldBytes, not a hooked call, so it
+//!                       tells which loaded copy served the calls
 //! ```
 //! B are bytes; CODE is the driver's result (0 success, 2 CUDA_ERROR_OUT_OF_MEMORY; -1: the
 //! step was not reached because an earlier one failed). A failed

@@ -301,24 +301,33 @@ type GetProcV2 = unsafe extern "C" fn(*const c_char, *mut Ptr, c_int, u64, *mut 
 /// The driver linked by name, when this probe links it.
 pub type Linked = fn() -> (Cuda, Nvml);
 
-fn connect(via: &str, linked: Option<Linked>) -> Result<(Cuda, Nvml), String> {
+/// The driver's entry points, NVML's, and the handle the driver was looked up in
+/// (`RTLD_DEFAULT` when linked).
+fn connect(via: &str, linked: Option<Linked>) -> Result<(Cuda, Nvml, Ptr), String> {
     if let Some(path) = via.strip_prefix("path:") {
         let path = std::ffi::CString::new(path).map_err(|_| "a NUL in the path")?;
         let handle = dlopen_with(&path, libc::RTLD_NOW | libc::RTLD_LOCAL)?;
         return Ok((
             Cuda::lookup(|name, _, _| real_dlsym(handle, name))?,
             nvml_by_dlsym()?,
+            handle,
         ));
     }
     match via {
-        "link" => linked.map(|linked| linked()).ok_or_else(|| {
-            "this probe does not link the driver: --via dlsym, getproc or path:FILE".into()
-        }),
+        "link" => linked
+            .map(|linked| {
+                let (cuda, nvml) = linked();
+                (cuda, nvml, libc::RTLD_DEFAULT)
+            })
+            .ok_or_else(|| {
+                "this probe does not link the driver: --via dlsym, getproc or path:FILE".into()
+            }),
         "dlsym" => {
             let handle = dlopen(c"libcuda.so.1")?;
             Ok((
                 Cuda::lookup(|name, _, _| real_dlsym(handle, name))?,
                 nvml_by_dlsym()?,
+                handle,
             ))
         }
         "getproc" => {
@@ -347,7 +356,7 @@ fn connect(via: &str, linked: Option<Linked>) -> Result<(Cuda, Nvml), String> {
                 let r = unsafe { v2(base.as_ptr(), &mut p, version, flags & !V1, &mut status) };
                 if r == 0 { p } else { std::ptr::null_mut() }
             })?;
-            Ok((cuda, nvml_by_dlsym()?))
+            Ok((cuda, nvml_by_dlsym()?, handle))
         }
         other => Err(format!(
             "unknown --via {other}: link, dlsym, getproc or path:FILE"
@@ -357,6 +366,8 @@ fn connect(via: &str, linked: Option<Linked>) -> Result<(Cuda, Nvml), String> {
 
 struct Probe {
     cuda: Cuda,
+    /// The handle the driver was looked up in.
+    driver: Ptr,
     nvml: Nvml,
     nvml_ready: bool,
     kept: Vec<Kept>,
@@ -880,6 +891,20 @@ impl Probe {
         )
     }
 
+    /// What the fake driver the probe looked up (not the one the interposer may forward to)
+    /// holds for this process on physical GPU `phys` (its `fakeHeldBytes`).
+    fn held(&self, phys: c_uint) -> Result<String, String> {
+        let held = real_dlsym(self.driver, c"fakeHeldBytes");
+        if held.is_null() {
+            return Err("fakeHeldBytes not found: not the fake driver".into());
+        }
+        // SAFETY: the fake's fakeHeldBytes has this signature.
+        let held = unsafe { std::mem::transmute::<Ptr, unsafe extern "C" fn(c_uint) -> u64>(held) };
+        // SAFETY: a plain number argument.
+        let bytes = unsafe { held(phys) };
+        Ok(format!("held gpu={phys} bytes={bytes}"))
+    }
+
     fn nvml_info(&mut self, index: c_uint) -> String {
         if !self.nvml_ready {
             // SAFETY: no arguments.
@@ -1015,7 +1040,7 @@ fn run(args: Vec<String>, linked: Option<Linked>) -> Result<(), String> {
     let Some((via, steps)) = parse_args(args)? else {
         return Ok(());
     };
-    let (cuda, nvml) = connect(&via, linked)?;
+    let (cuda, nvml, driver) = connect(&via, linked)?;
     // SAFETY: flags 0.
     let r = unsafe { (cuda.init)(0) };
     if r != 0 {
@@ -1023,6 +1048,7 @@ fn run(args: Vec<String>, linked: Option<Linked>) -> Result<(), String> {
     }
     let mut probe = Probe {
         cuda,
+        driver,
         nvml,
         nvml_ready: false,
         kept: Vec::new(),
@@ -1100,6 +1126,7 @@ fn run(args: Vec<String>, linked: Option<Linked>) -> Result<(), String> {
             "info-null-free" => say(probe.info_null_free()),
             "uuid" => say(probe.uuid()),
             "nvml-info" => say(probe.nvml_info(number(1)? as c_uint)),
+            "held" => say(probe.held(number(1)? as c_uint)?),
             "threads" => say(probe.threads(number(1)?, number(2)?)),
             "exec" => {
                 say("exec".into());
