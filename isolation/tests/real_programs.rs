@@ -618,6 +618,35 @@ fn contexts_count_against_the_share() {
 }
 
 #[test]
+fn a_context_is_charged_what_it_took_when_no_figure_is_set() {
+    // 300 MiB per context, and no GPUSHARE_CONTEXT_MIB: the interposer measures (through NVML).
+    let node = Node::new(1, 16384, 300);
+    let mut container = Container::new(&node, &[0], 4);
+    container
+        .vars
+        .retain(|(name, _)| *name != "GPUSHARE_CONTEXT_MIB");
+    // Two processes making their contexts at once: each is charged its own, not both.
+    let mut a = container.start("link", &["alloc:mem:1024", "hold"]);
+    let mut b = container.start("link", &["alloc:mem:1024", "hold"]);
+    let (out_a, out_b) = (a.stop(), b.stop());
+    assert_eq!((out_a.allocs(), out_b.allocs()), (vec![0], vec![0]));
+    // A third context: three of 300 MiB and 2 GiB leave 1,148 MiB.
+    let out = container.run(
+        "link",
+        &["info", "alloc:mem:1200", "alloc:mem:1100", "info"],
+    );
+    assert_eq!(
+        out.all("nvml", "used"),
+        [2948 * MIB, 4048 * MIB],
+        "{:?}\nstate: {:?}",
+        out.lines,
+        node.holdings()
+    );
+    assert_eq!(out.allocs(), [2, 0], "{:?}", out.lines);
+    assert_device_within(&node, 0, 4 * GIB, "measured contexts", &out);
+}
+
+#[test]
 fn cuda_visible_devices_maps_ordinals_to_physical_gpus() {
     let node = Node::new(2, 16384, 0);
     let container = Container::new(&node, &[0, 1], 4);
