@@ -7,6 +7,10 @@
 //!
 //! [`container_env`] builds it, for the device plugin's `Allocate` and the DRA plugin's CDI
 //! devices alike, so both modes hand a container the same variables.
+//!
+//! With [`Enforcement::Preload`], the interposer's own settings ride along when a plugin is
+//! given them ([`IsolationOptions`], the chart's `isolation.contextMiB` and
+//! `isolation.managedMemory`): `GPUSHARE_CONTEXT_MIB` and `GPUSHARE_MANAGED_MEMORY`.
 
 use std::collections::HashMap;
 
@@ -49,6 +53,14 @@ pub const ISOLATION_DIR: &str = "GPUSHARE_ISOLATION_DIR";
 pub const ISOLATION_LIBRARY_IN_CONTAINER: &str = "/usr/local/lib/gpushare/libgpushare_isolation.so";
 /// Where a container's accounting directory is mounted ([`Enforcement::Preload`]).
 pub const ISOLATION_DIR_IN_CONTAINER: &str = "/var/run/gpushare/isolation";
+/// MiB the interposer charges each CUDA context of the container
+/// ([`IsolationOptions::context_mib`]); the interposer's `isolation::settings` reads it.
+pub const ISOLATION_CONTEXT_MIB: &str = "GPUSHARE_CONTEXT_MIB";
+/// What the interposer does with `cuMemAllocManaged`, `charge` or `ignore`
+/// ([`ManagedMemory`]).
+pub const ISOLATION_MANAGED_MEMORY: &str = "GPUSHARE_MANAGED_MEMORY";
+/// The largest [`ISOLATION_CONTEXT_MIB`] the interposer accepts (1 TiB); it refuses more.
+pub const MAX_CONTEXT_MIB: u64 = 1 << 20;
 
 /// How a container's share of GPU memory is enforced (the device plugin's `--enforcement`).
 ///
@@ -109,11 +121,103 @@ impl std::str::FromStr for Enforcement {
     }
 }
 
+/// What the interposer ([`Enforcement::Preload`]) does with managed memory
+/// (`cuMemAllocManaged`), [`ISOLATION_MANAGED_MEMORY`] in the container.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub enum ManagedMemory {
+    /// Counted in full on the current GPU and held to the share, like device memory: the
+    /// wall stays for programs that use managed memory within their share.
+    #[default]
+    Charge,
+    /// Not counted: for programs that oversubscribe on purpose (RAPIDS managed mode), whose
+    /// pages the driver moves to the host under pressure. They may then hold device memory
+    /// past the share while the GPU has it free.
+    Ignore,
+}
+
+impl std::fmt::Display for ManagedMemory {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(match self {
+            ManagedMemory::Charge => "charge",
+            ManagedMemory::Ignore => "ignore",
+        })
+    }
+}
+
+/// A managed-memory choice that is neither `charge` nor `ignore`.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[error("unknown managed-memory choice {0:?}: use \"charge\" or \"ignore\"")]
+pub struct UnknownManagedMemory(pub String);
+
+impl std::str::FromStr for ManagedMemory {
+    type Err = UnknownManagedMemory;
+
+    fn from_str(s: &str) -> Result<Self, Self::Err> {
+        // As the interposer reads it: trimmed, any case.
+        match s.trim().to_ascii_lowercase().as_str() {
+            "charge" => Ok(ManagedMemory::Charge),
+            "ignore" => Ok(ManagedMemory::Ignore),
+            _ => Err(UnknownManagedMemory(s.to_owned())),
+        }
+    }
+}
+
+/// The interposer's settings for every container of a node ([`Enforcement::Preload`] only;
+/// the plugins' `--isolation-context-mib` and `--isolation-managed-memory`).
+///
+/// A setting left at its default adds no variable: the interposer then applies its own
+/// default (a context charged what it took, managed memory charged), so a node that was not
+/// asked for these hands containers exactly the environment it did before, and the
+/// interposer's defaults stay the one place they are written down.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct IsolationOptions {
+    /// MiB charged per CUDA context ([`ISOLATION_CONTEXT_MIB`]); `None`: the interposer's
+    /// default. A value given is passed even when it equals that default.
+    pub context_mib: Option<u64>,
+    /// Managed memory ([`ISOLATION_MANAGED_MEMORY`]); passed only when not
+    /// [`ManagedMemory::Charge`].
+    pub managed_memory: ManagedMemory,
+}
+
+impl IsolationOptions {
+    /// The variables that carry these settings to the interposer; none for the defaults.
+    pub fn env(&self) -> Vec<(&'static str, String)> {
+        let mut vars = Vec::new();
+        if let Some(mib) = self.context_mib {
+            vars.push((ISOLATION_CONTEXT_MIB, mib.to_string()));
+        }
+        if self.managed_memory != ManagedMemory::Charge {
+            vars.push((ISOLATION_MANAGED_MEMORY, self.managed_memory.to_string()));
+        }
+        vars
+    }
+}
+
+/// What a node's enforcer is configured with besides each container's share (the plugins'
+/// flags): read by the mode it belongs to, ignored by the others.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct EnforcerSettings<'a> {
+    /// The MPS control daemon's pipe directory ([`Enforcement::Mps`]).
+    pub mps_pipe_directory: &'a str,
+    /// The interposer's settings ([`Enforcement::Preload`]).
+    pub isolation: IsolationOptions,
+}
+
+impl<'a> EnforcerSettings<'a> {
+    /// Settings with the MPS pipe directory `dir` and the interposer's defaults.
+    pub fn mps(dir: &'a str) -> Self {
+        Self {
+            mps_pipe_directory: dir,
+            isolation: IsolationOptions::default(),
+        }
+    }
+}
+
 impl Enforcement {
-    /// The variables that carry a container's `gib` share to the enforcer; `mps_pipe_dir` is
-    /// the MPS daemon's pipe directory (used in [`Enforcement::Mps`] only).
-    pub fn env(self, gib: u64, mps_pipe_dir: &str) -> Vec<(&'static str, String)> {
-        self.env_on(gib, 1, mps_pipe_dir)
+    /// The variables that carry a container's `gib` share to the enforcer, configured with
+    /// `settings`.
+    pub fn env(self, gib: u64, settings: &EnforcerSettings<'_>) -> Vec<(&'static str, String)> {
+        self.env_on(gib, 1, settings)
     }
 
     /// As [`Enforcement::env`] for a container granted `gib_per_gpu` on each of `gpus` GPUs.
@@ -123,17 +227,21 @@ impl Enforcement {
         self,
         gib_per_gpu: u64,
         gpus: usize,
-        mps_pipe_dir: &str,
+        settings: &EnforcerSettings<'_>,
     ) -> Vec<(&'static str, String)> {
         let gib = gib_per_gpu;
         match self {
             Enforcement::None => Vec::new(),
             // The share itself is read from GPUSHARE_CONTAINER_MEM_GIB(_PER_GPU), which every
             // container gets; the mounts are the device plugin's (host paths).
-            Enforcement::Preload => vec![
-                (LD_PRELOAD, ISOLATION_LIBRARY_IN_CONTAINER.to_owned()),
-                (ISOLATION_DIR, ISOLATION_DIR_IN_CONTAINER.to_owned()),
-            ],
+            Enforcement::Preload => {
+                let mut vars = vec![
+                    (LD_PRELOAD, ISOLATION_LIBRARY_IN_CONTAINER.to_owned()),
+                    (ISOLATION_DIR, ISOLATION_DIR_IN_CONTAINER.to_owned()),
+                ];
+                vars.extend(settings.isolation.env());
+                vars
+            }
             Enforcement::Toolkit => {
                 let mib = gib.saturating_mul(1024).to_string();
                 vec![
@@ -149,7 +257,10 @@ impl Enforcement {
                         .collect::<Vec<_>>()
                         .join(","),
                 ),
-                (CUDA_MPS_PIPE_DIRECTORY, mps_pipe_dir.to_owned()),
+                (
+                    CUDA_MPS_PIPE_DIRECTORY,
+                    settings.mps_pipe_directory.to_owned(),
+                ),
             ],
         }
     }
@@ -165,7 +276,8 @@ pub fn comma_list<T: ToString>(items: impl IntoIterator<Item = T>) -> String {
 }
 
 /// The environment of a container pinned to `gpus` (the pod's GPUs, the first one first):
-/// the placement, and what the enforcer of `enforcement` reads (see this module).
+/// the placement, and what the enforcer of `enforcement`, configured with `settings`, reads
+/// (see this module).
 /// `pod_gib_per_gpu` is what the pod holds on each GPU ([`PodAllocation::pod_gib`]).
 ///
 /// A one-GPU container gets exactly the variables it always got. A container spread over N
@@ -179,7 +291,7 @@ pub fn container_env(
     gpus: &[GpuInfo],
     container: &ContainerRequest,
     pod_gib_per_gpu: u64,
-    (enforcement, mps_pipe_directory): (Enforcement, &str),
+    (enforcement, settings): (Enforcement, &EnforcerSettings<'_>),
 ) -> HashMap<String, String> {
     let count = gpus.len().max(1);
     let count_u64 = u64::try_from(count).unwrap_or(u64::MAX);
@@ -210,7 +322,7 @@ pub fn container_env(
         vars.insert(GPU_COUNT.to_owned(), count.to_string());
         vars.insert(CONTAINER_GIB_PER_GPU.to_owned(), gib_per_gpu.to_string());
     }
-    for (name, value) in enforcement.env_on(gib_per_gpu, count, mps_pipe_directory) {
+    for (name, value) in enforcement.env_on(gib_per_gpu, count, settings) {
         vars.insert(name.to_owned(), value);
     }
     vars
@@ -253,7 +365,7 @@ mod tests {
             &[gpu(2, 24, true)],
             &container(4),
             6,
-            (Enforcement::Mps, "/run/mps"),
+            (Enforcement::Mps, &EnforcerSettings::mps("/run/mps")),
         );
         assert_eq!(
             env,
@@ -277,7 +389,7 @@ mod tests {
             &[gpu(3, 24, true), gpu(1, 16, true)],
             &container(16),
             8,
-            (Enforcement::Mps, "/run/mps"),
+            (Enforcement::Mps, &EnforcerSettings::mps("/run/mps")),
         );
         assert_eq!(
             env,
@@ -303,7 +415,7 @@ mod tests {
             &[gpu(0, 24, true), gpu(1, 24, true)],
             &container(48),
             24,
-            (Enforcement::Toolkit, "/run/mps"),
+            (Enforcement::Toolkit, &EnforcerSettings::mps("/run/mps")),
         );
         assert_eq!(env[env::NVIDIA_VISIBLE_DEVICES], "GPU-0,GPU-1");
         assert_eq!(env[env::GPU_COUNT], "2");
@@ -316,16 +428,20 @@ mod tests {
 
     #[test]
     fn each_mode_carries_the_share_its_enforcer_reads() {
-        assert!(Enforcement::None.env(4, "/tmp/nvidia-mps").is_empty());
+        assert!(
+            Enforcement::None
+                .env(4, &EnforcerSettings::mps("/tmp/nvidia-mps"))
+                .is_empty()
+        );
         assert_eq!(
-            Enforcement::Toolkit.env(4, "/tmp/nvidia-mps"),
+            Enforcement::Toolkit.env(4, &EnforcerSettings::mps("/tmp/nvidia-mps")),
             vec![
                 (NVIDIA_GPU_MEMORY_LIMIT, "4096".to_owned()),
                 (NVIDIA_GPU_MEMORY_REQUEST, "4096".to_owned()),
             ]
         );
         assert_eq!(
-            Enforcement::Mps.env(12, "/run/mps"),
+            Enforcement::Mps.env(12, &EnforcerSettings::mps("/run/mps")),
             vec![
                 (CUDA_MPS_PINNED_DEVICE_MEM_LIMIT, "0=12G".to_owned()),
                 (CUDA_MPS_PIPE_DIRECTORY, "/run/mps".to_owned()),
@@ -336,12 +452,170 @@ mod tests {
     #[test]
     fn multi_gpu_limits_cover_every_visible_device() {
         assert_eq!(
-            Enforcement::Mps.env_on(8, 2, "/run/mps")[0],
+            Enforcement::Mps.env_on(8, 2, &EnforcerSettings::mps("/run/mps"))[0],
             (CUDA_MPS_PINNED_DEVICE_MEM_LIMIT, "0=8G,1=8G".to_owned())
         );
         assert_eq!(
-            Enforcement::Toolkit.env_on(8, 2, "/run/mps")[0],
+            Enforcement::Toolkit.env_on(8, 2, &EnforcerSettings::mps("/run/mps"))[0],
             (NVIDIA_GPU_MEMORY_LIMIT, "8192".to_owned())
+        );
+    }
+
+    #[test]
+    fn preload_passes_the_interposers_settings_only_when_given() {
+        let preload = |isolation: IsolationOptions| {
+            container_env(
+                &[gpu(2, 24, true)],
+                &container(4),
+                6,
+                (
+                    Enforcement::Preload,
+                    &EnforcerSettings {
+                        mps_pipe_directory: "/run/mps",
+                        isolation,
+                    },
+                ),
+            )
+        };
+        let today = vars(&[
+            (env::NVIDIA_VISIBLE_DEVICES, "GPU-2"),
+            (env::GPU_INDEX, "2"),
+            (env::GPU_UUID, "GPU-2"),
+            (env::CONTAINER_GIB, "4"),
+            (env::POD_GIB, "6"),
+            (env::GPU_TOTAL_GIB, "24"),
+            (env::LD_PRELOAD, ISOLATION_LIBRARY_IN_CONTAINER),
+            (env::ISOLATION_DIR, ISOLATION_DIR_IN_CONTAINER),
+        ]);
+        // Not asked: the environment containers always got; the interposer's defaults apply.
+        assert_eq!(preload(IsolationOptions::default()), today);
+
+        let asked = preload(IsolationOptions {
+            context_mib: Some(640),
+            managed_memory: ManagedMemory::Ignore,
+        });
+        let mut want = today.clone();
+        want.insert("GPUSHARE_CONTEXT_MIB".into(), "640".into());
+        want.insert("GPUSHARE_MANAGED_MEMORY".into(), "ignore".into());
+        assert_eq!(asked, want);
+
+        // Each on its own; a context figure equal to the default is still passed (asked for).
+        let context_only = preload(IsolationOptions {
+            context_mib: Some(512),
+            ..IsolationOptions::default()
+        });
+        assert_eq!(
+            context_only.get("GPUSHARE_CONTEXT_MIB").map(String::as_str),
+            Some("512")
+        );
+        assert!(!context_only.contains_key("GPUSHARE_MANAGED_MEMORY"));
+        let zero = preload(IsolationOptions {
+            context_mib: Some(0),
+            ..IsolationOptions::default()
+        });
+        assert_eq!(
+            zero.get("GPUSHARE_CONTEXT_MIB").map(String::as_str),
+            Some("0")
+        );
+        let managed_only = preload(IsolationOptions {
+            managed_memory: ManagedMemory::Ignore,
+            ..IsolationOptions::default()
+        });
+        assert_eq!(
+            managed_only
+                .get("GPUSHARE_MANAGED_MEMORY")
+                .map(String::as_str),
+            Some("ignore")
+        );
+        assert!(!managed_only.contains_key("GPUSHARE_CONTEXT_MIB"));
+    }
+
+    #[test]
+    fn a_multi_gpu_preload_container_gets_the_settings_once() {
+        let env = container_env(
+            &[gpu(3, 24, true), gpu(1, 16, true)],
+            &container(16),
+            8,
+            (
+                Enforcement::Preload,
+                &EnforcerSettings {
+                    mps_pipe_directory: "",
+                    isolation: IsolationOptions {
+                        context_mib: Some(300),
+                        managed_memory: ManagedMemory::Ignore,
+                    },
+                },
+            ),
+        );
+        assert_eq!(env[ISOLATION_CONTEXT_MIB], "300");
+        assert_eq!(env[ISOLATION_MANAGED_MEMORY], "ignore");
+        assert_eq!(env[env::GPU_UUID], "GPU-3,GPU-1");
+    }
+
+    #[test]
+    fn other_modes_carry_no_interposer_settings() {
+        let asked = EnforcerSettings {
+            mps_pipe_directory: "/run/mps",
+            isolation: IsolationOptions {
+                context_mib: Some(640),
+                managed_memory: ManagedMemory::Ignore,
+            },
+        };
+        for mode in [Enforcement::None, Enforcement::Toolkit, Enforcement::Mps] {
+            let with = container_env(&[gpu(0, 16, true)], &container(4), 4, (mode, &asked));
+            let without = container_env(
+                &[gpu(0, 16, true)],
+                &container(4),
+                4,
+                (mode, &EnforcerSettings::mps("/run/mps")),
+            );
+            assert_eq!(with, without, "{mode}");
+            assert!(!with.contains_key(ISOLATION_CONTEXT_MIB), "{mode}");
+            assert!(!with.contains_key(ISOLATION_MANAGED_MEMORY), "{mode}");
+        }
+    }
+
+    #[test]
+    fn managed_memory_parses_as_the_interposer_reads_it() {
+        for choice in [ManagedMemory::Charge, ManagedMemory::Ignore] {
+            assert_eq!(choice.to_string().parse::<ManagedMemory>(), Ok(choice));
+        }
+        assert_eq!(
+            " IGNORE ".parse::<ManagedMemory>(),
+            Ok(ManagedMemory::Ignore)
+        );
+        let err = "off".parse::<ManagedMemory>().unwrap_err();
+        assert_eq!(
+            err.to_string(),
+            r#"unknown managed-memory choice "off": use "charge" or "ignore""#
+        );
+    }
+
+    /// The interposer cannot link this crate (it is loaded into every program of a
+    /// container), so it names the variables itself; its source must name the same ones,
+    /// with the same words and the same limit.
+    #[test]
+    fn the_interposer_reads_the_variables_named_here() {
+        let settings = include_str!("../../isolation/src/settings.rs");
+        for needle in [
+            format!("ENV_CONTEXT_MIB: &str = \"{ISOLATION_CONTEXT_MIB}\""),
+            format!("ENV_MANAGED_MEMORY: &str = \"{ISOLATION_MANAGED_MEMORY}\""),
+            format!("\"{}\" => Managed::Charge", ManagedMemory::Charge),
+            format!("\"{}\" => Managed::Ignore", ManagedMemory::Ignore),
+        ] {
+            assert!(
+                settings.contains(&needle),
+                "isolation/src/settings.rs lacks {needle}"
+            );
+        }
+        assert!(MAX_CONTEXT_MIB.is_power_of_two());
+        let limit = format!(
+            ".filter(|m| *m <= 1 << {})",
+            MAX_CONTEXT_MIB.trailing_zeros()
+        );
+        assert!(
+            settings.contains(&limit),
+            "isolation/src/settings.rs lacks {limit}"
         );
     }
 

@@ -345,6 +345,7 @@ fn install_isolation(config: &Config) -> Result<Option<service::Isolation>> {
         library,
         host_dir,
         exempt_namespaces: config.isolation.exempt_namespaces(),
+        options: config.isolation.options(),
     }))
 }
 

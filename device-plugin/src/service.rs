@@ -17,8 +17,8 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use futures::{Stream, StreamExt};
-use gpushare_contract::env::Enforcement;
 use gpushare_contract::env::{self, comma_list};
+use gpushare_contract::env::{Enforcement, EnforcerSettings, IsolationOptions};
 use gpushare_contract::{ContainerRequest, GpuInfo};
 use gpushare_proto::v1beta1::device_plugin_server::DevicePlugin;
 use gpushare_proto::v1beta1::{
@@ -75,6 +75,8 @@ pub struct Isolation {
     pub host_dir: PathBuf,
     /// Namespaces whose containers get no interposer.
     pub exempt_namespaces: std::collections::BTreeSet<String>,
+    /// The interposer's settings, passed to every container it is loaded into.
+    pub options: IsolationOptions,
 }
 
 impl Isolation {
@@ -323,6 +325,29 @@ pub fn cdi_devices(gpus: &[GpuInfo]) -> Vec<CdiDevice> {
         .collect()
 }
 
+/// How the containers of `pod` (`namespace/name`) are enforced on a node running `mode`:
+/// that mode, with the MPS pipe directory and the interposer's settings (`isolation`, the
+/// installed interposer, present with [`Enforcement::Preload`]), except no interposer in a
+/// namespace exempt from it.
+pub fn container_enforcement<'a>(
+    mode: Enforcement,
+    isolation: Option<&Isolation>,
+    mps_pipe_directory: &'a str,
+    pod: &str,
+) -> (Enforcement, EnforcerSettings<'a>) {
+    let mode = match (mode, isolation) {
+        (Enforcement::Preload, Some(isolation)) if !isolation.applies_to(pod) => Enforcement::None,
+        (mode, _) => mode,
+    };
+    let settings = EnforcerSettings {
+        mps_pipe_directory,
+        isolation: isolation
+            .map(|isolation| isolation.options)
+            .unwrap_or_default(),
+    };
+    (mode, settings)
+}
+
 /// What a container needs mounted for `enforcement`: the MPS daemon's pipe directory.
 pub fn container_mounts(enforcement: Enforcement, mps_pipe_directory: &str) -> Vec<Mount> {
     match enforcement {
@@ -420,15 +445,12 @@ impl GpuMemService {
                         gib = claim.container.gib,
                         "allocated"
                     );
-                    let mode = match (state.enforcement, &state.isolation) {
-                        (Enforcement::Preload, Some(isolation))
-                            if !isolation.applies_to(&claim.pod) =>
-                        {
-                            Enforcement::None
-                        }
-                        (mode, _) => mode,
-                    };
-                    let enforcement = (mode, state.mps_pipe_directory.as_str());
+                    let (mode, settings) = container_enforcement(
+                        state.enforcement,
+                        state.isolation.as_ref(),
+                        &state.mps_pipe_directory,
+                        &claim.pod,
+                    );
                     let mut mounts = container_mounts(mode, &state.mps_pipe_directory);
                     if let (Enforcement::Preload, Some(isolation)) = (mode, &state.isolation) {
                         let preload = isolation
@@ -444,7 +466,7 @@ impl GpuMemService {
                             &claim.checked,
                             &claim.container,
                             claim.allocation.pod_gib,
-                            enforcement,
+                            (mode, &settings),
                         ),
                         mounts,
                         cdi_devices: if state.cdi_devices {
@@ -578,6 +600,7 @@ mod tests {
             library: dir.path().join("lib.so"),
             host_dir: dir.path().to_owned(),
             exempt_namespaces: ["trusted".to_owned()].into(),
+            options: IsolationOptions::default(),
         };
         assert!(isolation.applies_to("default/a"));
         assert!(!isolation.applies_to("trusted/a"));
@@ -592,6 +615,49 @@ mod tests {
             first[1].host_path
         );
     }
+
+    #[test]
+    fn preload_containers_get_the_interposers_settings_except_where_exempt() {
+        let isolation = Isolation {
+            library: "/var/lib/gpushare/isolation/lib/lib.so".into(),
+            host_dir: "/var/lib/gpushare/isolation".into(),
+            exempt_namespaces: ["trusted".to_owned()].into(),
+            options: IsolationOptions {
+                context_mib: Some(640),
+                managed_memory: env::ManagedMemory::Ignore,
+            },
+        };
+        let env_of = |pod: &str| {
+            let (mode, settings) =
+                container_enforcement(Enforcement::Preload, Some(&isolation), "", pod);
+            container_env(&[gpu(0, 16, true)], &main(4), 4, (mode, &settings))
+        };
+        let held = env_of("default/a");
+        assert_eq!(held[env::LD_PRELOAD], env::ISOLATION_LIBRARY_IN_CONTAINER);
+        assert_eq!(held[env::ISOLATION_CONTEXT_MIB], "640");
+        assert_eq!(held[env::ISOLATION_MANAGED_MEMORY], "ignore");
+        let exempt = env_of("trusted/a");
+        for name in [
+            env::LD_PRELOAD,
+            env::ISOLATION_CONTEXT_MIB,
+            env::ISOLATION_MANAGED_MEMORY,
+        ] {
+            assert!(!exempt.contains_key(name), "{name} in an exempt namespace");
+        }
+        // Another mode keeps its own variables and its pipe directory.
+        let (mode, settings) = container_enforcement(Enforcement::Mps, None, "/run/mps", "a/b");
+        assert_eq!(mode, Enforcement::Mps);
+        assert_eq!(settings, EnforcerSettings::mps("/run/mps"));
+    }
+
+    fn main(gib: u64) -> ContainerRequest {
+        ContainerRequest {
+            name: "main".into(),
+            gib,
+            init: false,
+        }
+    }
+
     use crate::view::Trust;
     use gpushare_contract::{GpuRef, PodAllocation};
 

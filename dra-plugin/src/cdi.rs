@@ -13,7 +13,7 @@
 use std::path::{Path, PathBuf};
 
 use gpushare_contract::env::container_env;
-use gpushare_contract::env::{self, Enforcement};
+use gpushare_contract::env::{self, Enforcement, EnforcerSettings, IsolationOptions};
 use gpushare_contract::{ContainerRequest, GpuInfo};
 use serde_json::{Value, json};
 
@@ -42,6 +42,8 @@ pub struct Isolation {
     pub host_dir: PathBuf,
     /// Namespaces whose claims' containers get no interposer.
     pub exempt_namespaces: std::collections::BTreeSet<String>,
+    /// The interposer's settings, passed to every container it is loaded into.
+    pub options: IsolationOptions,
 }
 
 impl EnforcementConfig {
@@ -95,15 +97,19 @@ pub fn claim_env(devices: &[PreparedDevice], enforcement: &EnforcementConfig) ->
         gib: per_gpu.saturating_mul(u64::try_from(devices.len()).unwrap_or(u64::MAX)),
         init: false,
     };
-    let mut vars: Vec<String> = container_env(
-        &gpus,
-        &request,
-        per_gpu,
-        (enforcement.mode, &enforcement.mps_pipe_directory),
-    )
-    .into_iter()
-    .map(|(name, value)| format!("{name}={value}"))
-    .collect();
+    let settings = EnforcerSettings {
+        mps_pipe_directory: &enforcement.mps_pipe_directory,
+        isolation: enforcement
+            .isolation
+            .as_ref()
+            .map(|isolation| isolation.options)
+            .unwrap_or_default(),
+    };
+    let mut vars: Vec<String> =
+        container_env(&gpus, &request, per_gpu, (enforcement.mode, &settings))
+            .into_iter()
+            .map(|(name, value)| format!("{name}={value}"))
+            .collect();
     vars.sort();
     vars
 }
@@ -244,6 +250,10 @@ mod tests {
                 library: "/var/lib/gpushare/isolation/lib/libgpushare_isolation-1-2.so".into(),
                 host_dir: "/var/lib/gpushare/isolation".into(),
                 exempt_namespaces: ["trusted".to_owned()].into(),
+                options: IsolationOptions {
+                    context_mib: Some(300),
+                    managed_memory: env::ManagedMemory::Ignore,
+                },
             }),
         };
         let exempt = spec(
@@ -257,13 +267,22 @@ mod tests {
                 .get("mounts")
                 .is_none()
         );
-        assert!(
-            !exempt["devices"][0]["containerEdits"]["env"]
-                .as_array()
-                .unwrap()
-                .iter()
-                .any(|v| v.as_str().is_some_and(|v| v.starts_with("LD_PRELOAD=")))
-        );
+        for name in [
+            env::LD_PRELOAD,
+            env::ISOLATION_CONTEXT_MIB,
+            env::ISOLATION_MANAGED_MEMORY,
+        ] {
+            assert!(
+                !exempt["devices"][0]["containerEdits"]["env"]
+                    .as_array()
+                    .unwrap()
+                    .iter()
+                    .any(|v| v
+                        .as_str()
+                        .is_some_and(|v| v.starts_with(&format!("{name}=")))),
+                "{name} in an exempt namespace"
+            );
+        }
         let spec = spec("k/c", "u1", &[device], &preload);
         let edits = &spec["devices"][0]["containerEdits"];
         let env = edits["env"].as_array().unwrap();
@@ -272,6 +291,11 @@ mod tests {
             env::ISOLATION_LIBRARY_IN_CONTAINER
         ))));
         assert!(env.contains(&json!("GPUSHARE_CONTAINER_MEM_GIB=4")));
+        assert!(env.contains(&json!("GPUSHARE_CONTEXT_MIB=300")), "{env:?}");
+        assert!(
+            env.contains(&json!("GPUSHARE_MANAGED_MEMORY=ignore")),
+            "{env:?}"
+        );
         assert_eq!(
             edits["mounts"],
             json!([

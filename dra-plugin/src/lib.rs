@@ -397,6 +397,7 @@ fn install_isolation(config: &Config) -> Result<Option<cdi::Isolation>> {
         library,
         host_dir,
         exempt_namespaces: config.isolation.exempt_namespaces(),
+        options: config.isolation.options(),
     }))
 }
 

@@ -307,6 +307,10 @@ async fn preload_gives_each_claim_an_accounting_directory_for_its_life() {
                 library: host_dir.join("lib").join("libgpushare_isolation-1-2.so"),
                 host_dir: host_dir.clone(),
                 exempt_namespaces: Default::default(),
+                options: gpushare_contract::env::IsolationOptions {
+                    context_mib: Some(640),
+                    managed_memory: gpushare_contract::env::ManagedMemory::Ignore,
+                },
             }),
         },
     );
@@ -329,10 +333,18 @@ async fn preload_gives_each_claim_an_accounting_directory_for_its_life() {
         serde_json::from_slice(&std::fs::read(&spec_path).unwrap()).unwrap();
     let mounts = &spec["devices"][0]["containerEdits"]["mounts"];
     assert_eq!(mounts[1]["hostPath"], accounting.display().to_string());
-    assert!(env_of(&spec).contains(&format!(
+    let env = env_of(&spec);
+    assert!(env.contains(&format!(
         "LD_PRELOAD={}",
         gpushare_contract::env::ISOLATION_LIBRARY_IN_CONTAINER
     )));
+    // The interposer's settings (--isolation-context-mib, --isolation-managed-memory).
+    for wanted in ["GPUSHARE_CONTEXT_MIB=640", "GPUSHARE_MANAGED_MEMORY=ignore"] {
+        assert!(
+            env.contains(&wanted.to_owned()),
+            "{wanted} missing: {env:?}"
+        );
+    }
     let done = client
         .node_unprepare_resources(NodeUnprepareResourcesRequest {
             claims: vec![claim("a", "ua")],

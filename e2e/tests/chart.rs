@@ -2142,6 +2142,153 @@ fn log_format_reaches_every_binary() -> anyhow::Result<()> {
     Ok(())
 }
 
+/// `isolation.contextMiB` and `isolation.managedMemory` reach both plugins as flags, in
+/// `preload` mode only and only when set away from the interposer's default; the binaries
+/// accept what the chart renders, and the settings they read are the ones each container's
+/// environment carries (`GPUSHARE_CONTEXT_MIB`, `GPUSHARE_MANAGED_MEMORY`).
+#[test]
+fn the_interposers_settings_reach_both_plugins_in_preload_mode() -> anyhow::Result<()> {
+    use clap::Parser as _;
+    use gpushare_contract::env::{
+        self, Enforcement, EnforcerSettings, IsolationOptions, ManagedMemory,
+    };
+    const SETTINGS: [&str; 2] = ["--isolation-context-mib", "--isolation-managed-memory"];
+
+    /// The plugin's args as its binary reads them, with the node name the downward API gives.
+    fn plugin_args(rendered: &Rendered, mode: &str) -> anyhow::Result<Vec<String>> {
+        let (daemonset, name) = match mode {
+            "dra" => ("gpushare-dra-plugin", "dra-plugin"),
+            _ => ("gpushare-device-plugin", "device-plugin"),
+        };
+        let ds: DaemonSet = rendered.get("DaemonSet", daemonset)?;
+        let spec = ds.spec.and_then(|s| s.template.spec).context("pod spec")?;
+        let argv = [format!("gpushare-{name}"), "--node-name=n1".to_owned()];
+        Ok(argv
+            .into_iter()
+            .chain(args(container(&spec, name)?))
+            .collect())
+    }
+    /// What the plugin's binary makes of `argv`: its enforcement mode and the interposer's
+    /// settings.
+    fn parsed(mode: &str, argv: &[String]) -> anyhow::Result<(Enforcement, IsolationOptions)> {
+        Ok(if mode == "dra" {
+            let config = gpushare_dra_plugin::Config::try_parse_from(argv)
+                .context("the DRA plugin refuses the chart's args")?;
+            (config.enforcement, config.isolation.options())
+        } else {
+            let config = gpushare_device_plugin::Config::try_parse_from(argv)
+                .context("the device plugin refuses the chart's args")?;
+            (config.enforcement, config.isolation.options())
+        })
+    }
+
+    let values = tempfile::tempdir()?;
+    let zero = values.path().join("zero.yaml");
+    // A values file gives numbers as floats, --set as integers: both render the same.
+    std::fs::write(&zero, "isolation:\n  contextMiB: 0\n")?;
+    let zero = zero.to_str().context("path")?;
+    for mode in ["extender", "dra"] {
+        let set_mode = format!("mode={mode}");
+
+        // Not set: no flags; the interposer's defaults, so containers get no variable.
+        let rendered = render("gpushare", "kube-system", &["--set", &set_mode])?;
+        let argv = plugin_args(&rendered, mode)?;
+        ensure!(
+            !argv
+                .iter()
+                .any(|a| SETTINGS.iter().any(|f| a.starts_with(f))),
+            "{mode}: {argv:?}"
+        );
+        ensure!(
+            parsed(mode, &argv)? == (Enforcement::Preload, IsolationOptions::default()),
+            "{mode}: {argv:?}"
+        );
+
+        // Set: both flags, read back as set, and carried into the container's environment.
+        let rendered = render(
+            "gpushare",
+            "kube-system",
+            &[
+                "--set",
+                &set_mode,
+                "--set",
+                "isolation.contextMiB=640",
+                "--set",
+                "isolation.managedMemory=ignore",
+            ],
+        )?;
+        let argv = plugin_args(&rendered, mode)?;
+        for want in [
+            "--isolation-context-mib=640",
+            "--isolation-managed-memory=ignore",
+        ] {
+            ensure!(
+                argv.iter().any(|a| a == want),
+                "{mode}: {argv:?} lacks {want}"
+            );
+        }
+        let (enforcement, options) = parsed(mode, &argv)?;
+        ensure!(
+            options
+                == IsolationOptions {
+                    context_mib: Some(640),
+                    managed_memory: ManagedMemory::Ignore,
+                },
+            "{mode}: {options:?}"
+        );
+        let vars = enforcement.env(
+            4,
+            &EnforcerSettings {
+                mps_pipe_directory: "",
+                isolation: options,
+            },
+        );
+        for want in [
+            (env::ISOLATION_CONTEXT_MIB, "640"),
+            (env::ISOLATION_MANAGED_MEMORY, "ignore"),
+        ] {
+            ensure!(
+                vars.iter().any(|(k, v)| (*k, v.as_str()) == want),
+                "{mode}: {vars:?} lacks {want:?}"
+            );
+        }
+
+        let rendered = render("gpushare", "kube-system", &["--set", &set_mode, "-f", zero])?;
+        let argv = plugin_args(&rendered, mode)?;
+        ensure!(
+            argv.iter().any(|a| a == "--isolation-context-mib=0"),
+            "{mode}: {argv:?}"
+        );
+        ensure!(parsed(mode, &argv)?.1.context_mib == Some(0), "{mode}");
+
+        // Another isolation mode: the settings are the interposer's, so no flags.
+        for other in ["none", "mps", "toolkit"] {
+            let rendered = render(
+                "gpushare",
+                "kube-system",
+                &[
+                    "--set",
+                    &set_mode,
+                    "--set",
+                    &format!("isolation.mode={other}"),
+                    "--set",
+                    "isolation.contextMiB=640",
+                    "--set",
+                    "isolation.managedMemory=ignore",
+                ],
+            )?;
+            let argv = plugin_args(&rendered, mode)?;
+            ensure!(
+                !argv
+                    .iter()
+                    .any(|a| SETTINGS.iter().any(|f| a.starts_with(f))),
+                "{mode}/{other}: {argv:?}"
+            );
+        }
+    }
+    Ok(())
+}
+
 /// DRA mode: the plugin's pod is ready only once kubelet has registered the driver, through
 /// the binary's own probe paths on the port it is told to listen on; the args the chart
 /// passes are ones the binary accepts, and `dra.probePort` moves the flag and the port
@@ -2234,6 +2381,18 @@ fn impossible_values_fail_with_a_clear_message() -> anyhow::Result<()> {
         (
             "metrics.serviceMonitor.enabled=true",
             "monitoring.coreos.com/v1",
+        ),
+        (
+            "isolation.contextMiB=1048577",
+            "isolation.contextMiB must be empty",
+        ),
+        (
+            "isolation.contextMiB=1.5",
+            "isolation.contextMiB must be empty",
+        ),
+        (
+            "isolation.managedMemory=off",
+            "isolation.managedMemory must be \"charge\" or \"ignore\"",
         ),
     ] {
         let output = helm(&[

@@ -417,7 +417,11 @@ impl Interposer {
     /// What a context on `gpu` is charged before (or without) a measure: the last measured
     /// in this process, else the configured figure.
     fn context_estimate(&self, gpu: usize) -> u64 {
-        match self.measured_context.get(gpu).map(|m| m.load(Ordering::Relaxed)) {
+        match self
+            .measured_context
+            .get(gpu)
+            .map(|m| m.load(Ordering::Relaxed))
+        {
             Some(measured) if measured > 0 && self.settings.measure_context => measured,
             _ => self.settings.context_bytes,
         }

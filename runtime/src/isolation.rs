@@ -11,6 +11,8 @@
 use std::io;
 use std::path::{Path, PathBuf};
 
+use gpushare_contract::env::{IsolationOptions, MAX_CONTEXT_MIB, ManagedMemory};
+
 /// The plugins' flags for `--enforcement preload` (flattened into each one's `Config`).
 #[derive(Debug, Clone, PartialEq, Eq, clap::Args)]
 pub struct IsolationArgs {
@@ -38,6 +40,27 @@ pub struct IsolationArgs {
         value_delimiter = ','
     )]
     pub isolation_exempt_namespaces: Vec<String>,
+    /// MiB the interposer charges each CUDA context, passed to every container as
+    /// `GPUSHARE_CONTEXT_MIB` (`--enforcement preload`). Unset: not passed, and the
+    /// interposer charges what each context took (measured through NVML; 527-529 MiB on an
+    /// H200), or 512 MiB where it cannot tell.
+    #[arg(
+        long,
+        env = "GPUSHARE_ISOLATION_CONTEXT_MIB",
+        value_parser = clap::value_parser!(u64).range(..=MAX_CONTEXT_MIB)
+    )]
+    pub isolation_context_mib: Option<u64>,
+    /// What the interposer does with `cuMemAllocManaged` (`--enforcement preload`):
+    /// `charge` counts it in full on the current GPU, held to the share; `ignore` lets it
+    /// pass uncounted, for programs that oversubscribe on purpose. `ignore` is passed to
+    /// every container as `GPUSHARE_MANAGED_MEMORY`; `charge` is the interposer's default
+    /// and is not passed.
+    #[arg(
+        long,
+        env = "GPUSHARE_ISOLATION_MANAGED_MEMORY",
+        default_value = "charge"
+    )]
+    pub isolation_managed_memory: ManagedMemory,
 }
 
 impl IsolationArgs {
@@ -48,6 +71,15 @@ impl IsolationArgs {
             .map(|ns| ns.trim().to_owned())
             .filter(|ns| !ns.is_empty())
             .collect()
+    }
+
+    /// The interposer's settings every container is given
+    /// (`--isolation-context-mib`, `--isolation-managed-memory`).
+    pub fn options(&self) -> IsolationOptions {
+        IsolationOptions {
+            context_mib: self.isolation_context_mib,
+            managed_memory: self.isolation_managed_memory,
+        }
     }
 
     /// Installs the interposer ([`install_library`]); returns its host path.
@@ -127,6 +159,58 @@ fn fnv1a(bytes: &[u8]) -> u64 {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use clap::Parser as _;
+
+    #[derive(Debug, clap::Parser)]
+    struct Flags {
+        #[command(flatten)]
+        isolation: IsolationArgs,
+    }
+
+    fn options(args: &[&str]) -> Result<IsolationOptions, clap::Error> {
+        let argv = std::iter::once("plugin").chain(args.iter().copied());
+        Flags::try_parse_from(argv).map(|flags| flags.isolation.options())
+    }
+
+    #[test]
+    fn the_interposers_settings_default_to_its_own_and_parse_from_flags() {
+        assert_eq!(options(&[]).unwrap(), IsolationOptions::default());
+        assert_eq!(
+            options(&[
+                "--isolation-context-mib=640",
+                "--isolation-managed-memory=ignore"
+            ])
+            .unwrap(),
+            IsolationOptions {
+                context_mib: Some(640),
+                managed_memory: ManagedMemory::Ignore,
+            }
+        );
+        assert_eq!(
+            options(&["--isolation-context-mib", "0"])
+                .unwrap()
+                .context_mib,
+            Some(0)
+        );
+        assert_eq!(
+            options(&["--isolation-context-mib=1048576"])
+                .unwrap()
+                .context_mib,
+            Some(1 << 20)
+        );
+    }
+
+    #[test]
+    fn settings_the_interposer_would_refuse_are_refused_at_start() {
+        for bad in [
+            "--isolation-context-mib=1048577",
+            "--isolation-context-mib=-1",
+            "--isolation-context-mib=half",
+            "--isolation-managed-memory=off",
+        ] {
+            assert!(options(&[bad]).is_err(), "{bad} accepted");
+        }
+    }
 
     #[test]
     fn the_library_is_installed_under_a_name_of_its_content_and_kept() {

@@ -251,6 +251,10 @@ decides instead of the extender's ranking.
 {{- if not (has .Values.isolation.mode (list "preload" "none" "toolkit" "mps")) }}
 {{- fail (printf "isolation.mode must be \"preload\", \"none\", \"toolkit\" or \"mps\", not %q" .Values.isolation.mode) }}
 {{- end }}
+{{- if not (has .Values.isolation.managedMemory (list "charge" "ignore")) }}
+{{- fail (printf "isolation.managedMemory must be \"charge\" or \"ignore\", not %q" .Values.isolation.managedMemory) }}
+{{- end }}
+{{- $_ := include "gpushare.isolation.contextMiB" . }}
 {{- if not (has .Values.devicePlugin.gpuBackend (list "nvml" "simulated")) }}
 {{- fail (printf "devicePlugin.gpuBackend must be \"nvml\" or \"simulated\", not %q" .Values.devicePlugin.gpuBackend) }}
 {{- end }}
@@ -393,4 +397,39 @@ extenders:
 {{/* The isolation mode the plugins run with: devicePlugin.enforcement.mode (deprecated) when set, else isolation.mode. */}}
 {{- define "gpushare.isolationMode" -}}
 {{- .Values.devicePlugin.enforcement.mode | default .Values.isolation.mode -}}
+{{- end }}
+
+{{/* isolation.contextMiB as the plugins take it: empty when unset (null or ""), else the
+     whole number of MiB (a values file gives it as a float, --set as an integer); fails on
+     anything the interposer would refuse. */}}
+{{- define "gpushare.isolation.contextMiB" -}}
+{{- $mib := .Values.isolation.contextMiB }}
+{{- if not (or (kindIs "invalid" $mib) (eq (toString $mib) "")) }}
+{{- $whole := kindIs "int64" $mib }}
+{{- if kindIs "float64" $mib }}
+{{- $whole = eq (float64 (int64 $mib)) $mib }}
+{{- end }}
+{{- if or (not $whole) (lt (int64 $mib) 0) (gt (int64 $mib) 1048576) }}
+{{- fail (printf "isolation.contextMiB must be empty (the interposer's default, 512 MiB) or a whole number of MiB from 0 to 1048576, not %v" $mib) }}
+{{- end }}
+{{- int64 $mib }}
+{{- end }}
+{{- end }}
+
+{{/* The plugins' flags for isolation.mode preload (both modes): where the interposer comes
+     from and goes, who is exempt, and its settings, each of these passed only when set away
+     from the interposer's default (a plugin not asked hands containers the environment it
+     always did). */}}
+{{- define "gpushare.isolation.args" -}}
+- --isolation-library={{ .Values.isolation.libraryPath }}
+- --isolation-host-dir={{ .Values.isolation.hostDir }}
+{{- with .Values.isolation.exemptNamespaces }}
+- --isolation-exempt-namespaces={{ join "," . }}
+{{- end }}
+{{- with include "gpushare.isolation.contextMiB" . }}
+- --isolation-context-mib={{ . }}
+{{- end }}
+{{- if ne .Values.isolation.managedMemory "charge" }}
+- --isolation-managed-memory={{ .Values.isolation.managedMemory }}
+{{- end }}
 {{- end }}
