@@ -23,7 +23,7 @@
 
 use std::fs::{File, OpenOptions};
 use std::os::fd::AsRawFd;
-use std::os::unix::fs::{FileExt, OpenOptionsExt};
+use std::os::unix::fs::{FileExt, OpenOptionsExt, PermissionsExt};
 use std::path::{Path, PathBuf};
 use std::ptr::NonNull;
 use std::sync::atomic::{AtomicU32, AtomicU64, Ordering};
@@ -556,6 +556,10 @@ fn init_or_check(file: &File, path: &Path, want: &Header) -> Result<()> {
     }
     // Empty, or sized by a creator that died before its magic: (re)write the header.
     if len == 0 || (len == FILE_LEN as u64 && magic == [0; 8]) {
+        // Writable by every user of the container whatever the creator's umask: an image
+        // whose root entrypoint queries the GPU before it starts the application as another
+        // user must not lock that user out of the budget. Best effort: only the owner may.
+        let _ = file.set_permissions(std::fs::Permissions::from_mode(0o666));
         file.set_len(FILE_LEN as u64).map_err(io("sizing"))?;
         let header = want.encode();
         file.write_all_at(&header[8..], 8)

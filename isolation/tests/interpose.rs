@@ -503,3 +503,29 @@ fn a_program_gives_its_share_back_when_its_process_execs_another() {
         assert_eq!(out.one("cuda", "free"), 0, "{via}");
     }
 }
+
+#[test]
+fn the_budget_is_writable_by_every_user_whatever_the_creators_umask() {
+    // A root entrypoint that queries the GPU under umask 077, before the application runs as
+    // another user: the file it creates must still be the application's to write.
+    use std::os::unix::fs::PermissionsExt;
+    let container = Container::one_gpu(4);
+    let probe = container.command("link", &["alloc:mem:1"]);
+    let mut shell = Command::new("sh");
+    shell
+        .arg("-c")
+        .arg("umask 077; exec \"$@\"")
+        .arg("sh")
+        .arg(probe.get_program())
+        .args(probe.get_args())
+        .envs(probe.get_envs().filter_map(|(k, v)| Some((k, v?))));
+    let out = shell.output().unwrap();
+    assert!(out.status.success(), "{out:?}");
+    let path = budget_path(
+        container.dir.path(),
+        "default",
+        &Limits::new(vec![4096 * MIB]),
+    );
+    let mode = std::fs::metadata(&path).unwrap().permissions().mode() & 0o777;
+    assert_eq!(mode, 0o666, "{}", path.display());
+}
