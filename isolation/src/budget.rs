@@ -89,8 +89,8 @@ pub struct Budget {
     /// reclaim reads `/proc` for a live process at most once a second (see `reclaim_dead`).
     seen_alive: Box<[SeenAlive]>,
     epoch: Instant,
-    /// The file, kept open for [`Budget::exclusive`].
-    file: File,
+    /// The file, for [`Budget::exclusive`].
+    path: PathBuf,
 }
 
 /// One slot's last proof of life, see [`Budget::reclaim_dead`].
@@ -153,11 +153,20 @@ impl Budget {
         let mut shares = [0u64; MAX_GPUS];
         shares[..gpu_count].copy_from_slice(limits.shares());
 
-        flock(&file, libc::LOCK_EX).map_err(io("locking"))?;
-        let checked = init_or_check(&file, path, &Header::of(limits));
-        let unlocked = flock(&file, libc::LOCK_UN).map_err(io("unlocking"));
-        checked?;
-        unlocked?;
+        // A file already made is only checked: its magic is written last, so a full header
+        // is a finished one, and no lock is needed (every process of the container opens
+        // it, and none should wait on another to start). Only a file still to be made is
+        // made under the lock.
+        let want = Header::of(limits);
+        if !is_made(&file) {
+            flock(&file, libc::LOCK_EX).map_err(io("locking"))?;
+            let checked = init_or_check(&file, path, &want);
+            let unlocked = flock(&file, libc::LOCK_UN).map_err(io("unlocking"));
+            checked?;
+            unlocked?;
+        } else {
+            init_or_check(&file, path, &want)?;
+        }
 
         // SAFETY: a fresh shared read-write mapping of FILE_LEN bytes of a file that is that
         // long (checked above); the kernel picks the address.
@@ -184,7 +193,7 @@ impl Budget {
             shares,
             seen_alive: (0..SLOTS).map(|_| SeenAlive::default()).collect(),
             epoch: Instant::now(),
-            file,
+            path: path.to_path_buf(),
         })
     }
 
@@ -221,12 +230,27 @@ impl Budget {
         self.u64_at(HEADER_LEN + slot * SLOT_LEN + SLOT_USED + 8 * gpu)
     }
 
-    /// Holds the file's lock until the guard goes: the container's processes take turns
-    /// (a context is measured while no other process of the container makes one). `None`
-    /// when the lock cannot be taken.
-    pub fn exclusive(&self) -> Option<Exclusive<'_>> {
-        flock(&self.file, libc::LOCK_EX).ok()?;
-        Some(Exclusive { file: &self.file })
+    /// The file's lock, held until the guard goes, so that the container's processes and
+    /// threads take turns (a context is measured while no other one is being made). The
+    /// lock is taken on a descriptor of its own (threads and fork children share the
+    /// budget's), and waited for at most `patience`: `None` when it could not be taken
+    /// (its holder may be stuck in the driver), and the caller goes on without its turn.
+    pub fn exclusive(&self, patience: std::time::Duration) -> Option<Exclusive> {
+        let file = OpenOptions::new()
+            .read(true)
+            .custom_flags(libc::O_CLOEXEC)
+            .open(&self.path)
+            .ok()?;
+        let deadline = Instant::now() + patience;
+        loop {
+            match flock(&file, libc::LOCK_EX | libc::LOCK_NB) {
+                Ok(()) => return Some(Exclusive { _file: file }),
+                Err(_) if Instant::now() < deadline => {
+                    std::thread::sleep(std::time::Duration::from_millis(2));
+                }
+                Err(_) => return None,
+            }
+        }
     }
 
     /// GPUs with a share.
@@ -495,15 +519,10 @@ impl Budget {
     }
 }
 
-/// The budget file's lock, held: see [`Budget::exclusive`].
-pub struct Exclusive<'a> {
-    file: &'a File,
-}
-
-impl Drop for Exclusive<'_> {
-    fn drop(&mut self) {
-        let _ = flock(self.file, libc::LOCK_UN);
-    }
+/// The budget file's lock, held: see [`Budget::exclusive`]. Closing its descriptor lets
+/// it go.
+pub struct Exclusive {
+    _file: File,
 }
 
 impl Drop for Budget {
@@ -533,6 +552,15 @@ fn flock(file: &File, op: libc::c_int) -> std::io::Result<()> {
             return Err(err);
         }
     }
+}
+
+/// Whether the file is a finished budget file: its length, and its magic in place (the
+/// header's last write).
+fn is_made(file: &File) -> bool {
+    let mut magic = [0u8; 8];
+    file.metadata().is_ok_and(|m| m.len() == FILE_LEN as u64)
+        && file.read_exact_at(&mut magic, 0).is_ok()
+        && magic == gpushare_isolation_budget::layout::MAGIC
 }
 
 /// Under the file lock: writes the header of an empty file, or checks an existing one.

@@ -74,6 +74,9 @@ fn cuda_uuid(ordinal: c_int) -> Option<Uuid> {
 
 /// NVML's index of the device with `uuid`.
 fn nvml_index_of(uuid: &Uuid) -> Option<usize> {
+    if !nvml_ready() {
+        return None;
+    }
     let nvml = driver::nvml()?;
     let (by_uuid, index_of) = (nvml.device_by_uuid?, nvml.device_get_index?);
     let text = std::ffi::CString::new(format_uuid(uuid)).ok()?;
@@ -109,23 +112,31 @@ pub fn gpu_of_nvml(settings: &Settings, device: Handle) -> Option<usize> {
     (unsafe { index_of(device, &mut index) } == 0).then_some(index as usize)
 }
 
+/// Initialises NVML for this process's own reads, once (`nvmlInit_v2` is reference-counted
+/// and never shut down here, so a program's own `nvmlShutdown` leaves ours standing);
+/// whether NVML can be read.
+pub fn nvml_ready() -> bool {
+    static READY: AtomicU8 = AtomicU8::new(UNKNOWN);
+    match READY.load(Ordering::Acquire) {
+        UNKNOWN => {
+            let ready = driver::nvml()
+                .and_then(|n| n.init)
+                // SAFETY: no arguments.
+                .is_some_and(|init| unsafe { init() } == 0);
+            READY.store(if ready { 1 } else { NONE }, Ordering::Release);
+            ready
+        }
+        code => code == 1,
+    }
+}
+
 /// What the driver has free on CUDA device `ordinal` now, from NVML (device-wide, every
-/// process's use counted): for measuring what a context takes. NVML is initialised and shut
-/// down around the read (both are reference-counted, so a program's own use is untouched).
+/// process's use counted): for measuring what a context takes. Needs [`nvml_ready`].
 pub fn driver_free(ordinal: c_int) -> Option<u64> {
     let uuid = cuda_uuid(ordinal)?;
     let nvml = driver::nvml()?;
-    let (init, shutdown, by_uuid, memory_info) = (
-        nvml.init?,
-        nvml.shutdown?,
-        nvml.device_by_uuid?,
-        nvml.memory_info?,
-    );
+    let (by_uuid, memory_info) = (nvml.device_by_uuid?, nvml.memory_info?);
     let text = std::ffi::CString::new(format_uuid(&uuid)).ok()?;
-    // SAFETY: no arguments.
-    if unsafe { init() } != 0 {
-        return None;
-    }
     let mut device: Handle = std::ptr::null_mut();
     let mut memory = [0u64; 3];
     // SAFETY: a NUL-terminated UUID and places for the answers (nvmlMemory_t is three u64s:
@@ -134,7 +145,5 @@ pub fn driver_free(ordinal: c_int) -> Option<u64> {
         by_uuid(text.as_ptr(), &mut device) == 0
             && memory_info(device, memory.as_mut_ptr().cast()) == 0
     };
-    // SAFETY: balances the init above.
-    unsafe { shutdown() };
     read.then_some(memory[1])
 }

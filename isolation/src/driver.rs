@@ -170,7 +170,6 @@ entry_points! {
     /// NVML's entry points that the hooks forward to or use.
     Nvml {
         init = "nvmlInit_v2": fn();
-        shutdown = "nvmlShutdown": fn();
         device_get_index = "nvmlDeviceGetIndex": fn(Handle, *mut c_uint);
         device_get_uuid = "nvmlDeviceGetUUID": fn(Handle, *mut c_char, c_uint);
         device_by_uuid = "nvmlDeviceGetHandleByUUID": fn(*const c_char, *mut Handle);
@@ -262,45 +261,66 @@ pub fn bind_cuda(address: *const c_void) -> bool {
     if !is_named(&path, b"libcuda.so") {
         return false;
     }
-    let bound = CUDA_OBJECT.get_or_init(|| {
-        // SAFETY: the path of an object already loaded.
-        let handle = unsafe { libc::dlopen(path.as_ptr(), libc::RTLD_NOW | libc::RTLD_NOLOAD) };
-        (!handle.is_null()).then_some(Object { handle, base })
-    });
+    let bound = match CUDA_OBJECT.get() {
+        Some(bound) => bound,
+        None => {
+            // SAFETY: the path of an object already loaded (RTLD_NOLOAD loads nothing).
+            let handle = unsafe { libc::dlopen(path.as_ptr(), libc::RTLD_NOW | libc::RTLD_NOLOAD) };
+            let object = (!handle.is_null()).then_some(Object { handle, base });
+            CUDA_OBJECT.get_or_init(|| object)
+        }
+    };
     bound.as_ref().is_some_and(|o| o.base == base)
 }
 
+static CUDA: OnceLock<Option<RealCuda>> = OnceLock::new();
+
 /// The real CUDA driver, loaded on first use: the object [`bind_cuda`] bound, else the
 /// one [`find_object`] finds; `None` if there is none.
+///
+/// The library is found and loaded outside the `OnceLock`s' set-up (only the result is
+/// stored there): loading runs the driver's constructors, and one that looked up a hooked
+/// name would come back here while the set-up was still running.
 pub fn cuda() -> Option<&'static RealCuda> {
-    static CUDA: OnceLock<Option<RealCuda>> = OnceLock::new();
-    CUDA.get_or_init(|| {
-        let object = CUDA_OBJECT
-            .get_or_init(|| find_object(c"libcuda.so.1", c"cuInit"))
-            .as_ref()?;
-        let swaps = crate::hooks::CUDA
+    if let Some(cuda) = CUDA.get() {
+        return cuda.as_ref();
+    }
+    let object = match CUDA_OBJECT.get() {
+        Some(object) => object,
+        None => {
+            let found = find_object(c"libcuda.so.1", c"cuInit");
+            CUDA_OBJECT.get_or_init(|| found)
+        }
+    }
+    .as_ref();
+    let real = object.map(|object| RealCuda {
+        fns: Cuda::resolve(|name| lookup(object.handle, name)),
+        swaps: crate::hooks::CUDA
             .iter()
             .enumerate()
             .filter_map(|(index, hook)| {
                 let real = lookup(object.handle, hook.name);
                 (!real.is_null()).then_some((index, real as usize))
             })
-            .collect();
-        Some(RealCuda {
-            fns: Cuda::resolve(|name| lookup(object.handle, name)),
-            swaps,
-        })
-    })
-    .as_ref()
+            .collect(),
+    });
+    CUDA.get_or_init(|| real).as_ref()
+}
+
+/// The real CUDA driver if a hook has loaded it already; never loads it (for re-reads that
+/// only matter once the program uses the driver).
+pub fn cuda_if_loaded() -> Option<&'static RealCuda> {
+    CUDA.get().and_then(Option::as_ref)
 }
 
 /// The real NVML, loaded on first use (as [`cuda`], for `libnvidia-ml.so.1`); `None` if it
 /// cannot be found.
 pub fn nvml() -> Option<&'static Nvml> {
     static NVML: OnceLock<Option<Nvml>> = OnceLock::new();
-    NVML.get_or_init(|| {
-        let object = find_object(c"libnvidia-ml.so.1", c"nvmlInit_v2")?;
-        Some(Nvml::resolve(|name| lookup(object.handle, name)))
-    })
-    .as_ref()
+    if let Some(nvml) = NVML.get() {
+        return nvml.as_ref();
+    }
+    let found = find_object(c"libnvidia-ml.so.1", c"nvmlInit_v2")
+        .map(|object| Nvml::resolve(|name| lookup(object.handle, name)));
+    NVML.get_or_init(|| found).as_ref()
 }

@@ -59,6 +59,8 @@ pub struct Place {
 struct PoolCharge {
     gpu: usize,
     charged: u64,
+    /// Bumped by each allocation's charge: a re-read begun before one is stale.
+    seq: u64,
 }
 
 /// VMM handles and their references: the creation, each mapping, each retain.
@@ -454,6 +456,13 @@ impl Interposer {
             self.record_context(slot, ctx, gpu, bytes);
         } else {
             self.last_ctx.store(ctx, Ordering::Release);
+            // A destruction or reset may have taken the charge meanwhile: the fast path
+            // must not skip a context that is no longer charged.
+            if self.ledger.get(Kind::Context, ctx).is_none() {
+                let _ = self
+                    .last_ctx
+                    .compare_exchange(ctx, 0, Ordering::AcqRel, Ordering::Relaxed);
+            }
         }
     }
 
@@ -573,9 +582,14 @@ impl Interposer {
 
     /// A pool made on `gpu`: its reservation is charged there.
     pub fn pool_created(&self, pool: u64, gpu: usize) {
-        self.pools
-            .lock()
-            .insert(pool, PoolCharge { gpu, charged: 0 });
+        self.pools.lock().insert(
+            pool,
+            PoolCharge {
+                gpu,
+                charged: 0,
+                seq: 0,
+            },
+        );
     }
 
     /// The GPU a pool we know is on.
@@ -614,7 +628,11 @@ impl Interposer {
                     // The driver cannot say: the pool is charged what was asked of it.
                     None => {
                         let mut pools = self.pools.lock();
-                        let charge = pools.entry(pool).or_insert(PoolCharge { gpu, charged: 0 });
+                        let charge = pools.entry(pool).or_insert(PoolCharge {
+                            gpu,
+                            charged: 0,
+                            seq: 0,
+                        });
                         charge.charged = charge.charged.saturating_add(hold);
                     }
                 }
@@ -646,41 +664,59 @@ impl Interposer {
     ) {
         let (gpu, old) = {
             let mut pools = self.pools.lock();
-            let charge = pools.entry(pool).or_insert(PoolCharge { gpu, charged: 0 });
+            let charge = pools.entry(pool).or_insert(PoolCharge {
+                gpu,
+                charged: 0,
+                seq: 0,
+            });
             let old = charge.charged;
             charge.charged = reserved;
+            charge.seq = charge.seq.wrapping_add(1);
             (charge.gpu, old)
         };
         self.adjust(slot, gpu, old.saturating_add(held), reserved);
     }
 
-    /// Re-reads `pool`: `reserved` is its reservation now, `None` for a pool that is gone.
-    /// Returns the bytes given back.
+    /// Re-reads `pool`: `reserved` is its reservation now (`None`: the driver could not
+    /// say, and the charge stays). Returns the bytes given back.
     pub fn refresh_pool(&self, pool: u64, reserved: Option<u64>) -> u64 {
-        let slot = self.slot();
-        match reserved {
-            Some(now) => {
-                let Some((gpu, old)) = ({
-                    let mut pools = self.pools.lock();
-                    pools.get_mut(&pool).map(|charge| {
-                        let old = charge.charged;
-                        charge.charged = now;
-                        (charge.gpu, old)
-                    })
-                }) else {
-                    return 0;
-                };
-                self.adjust(slot, gpu, old, now);
-                old.saturating_sub(now)
-            }
-            None => {
-                let gone = self.pools.lock().remove(&pool);
-                gone.map_or(0, |charge| {
-                    self.budget.release(slot, charge.gpu, charge.charged);
-                    charge.charged
+        self.refresh_pool_with(pool, || reserved)
+    }
+
+    /// As [`refresh_pool`](Self::refresh_pool), `read` reading the reservation; a reading
+    /// begun before an allocation from the pool charged it is dropped (it may predate
+    /// the growth that allocation made).
+    pub fn refresh_pool_with(&self, pool: u64, read: impl FnOnce() -> Option<u64>) -> u64 {
+        let Some(seq) = self.pools.lock().get(&pool).map(|p| p.seq) else {
+            return 0;
+        };
+        let Some(now) = read() else {
+            return 0;
+        };
+        let Some((gpu, old)) = ({
+            let mut pools = self.pools.lock();
+            pools
+                .get_mut(&pool)
+                .filter(|charge| charge.seq == seq)
+                .map(|charge| {
+                    let old = charge.charged;
+                    charge.charged = now;
+                    (charge.gpu, old)
                 })
-            }
-        }
+        }) else {
+            return 0;
+        };
+        self.adjust(self.slot(), gpu, old, now);
+        old.saturating_sub(now)
+    }
+
+    /// `pool` was destroyed: its charge goes. Returns it.
+    pub fn pool_destroyed(&self, pool: u64) -> u64 {
+        let gone = self.pools.lock().remove(&pool);
+        gone.map_or(0, |charge| {
+            self.budget.release(self.slot(), charge.gpu, charge.charged);
+            charge.charged
+        })
     }
 
     // ---- VMM ----

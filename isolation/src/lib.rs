@@ -92,6 +92,10 @@
 //!   where NVML cannot say; module code loaded later is not counted.
 //! - Graph memory is held to the share node by node; a graph whose nodes fit one by one but
 //!   not together runs past it (then everything else is refused until it is trimmed).
+//! - Memory the driver grows on its own at a kernel launch (local memory for a kernel that
+//!   needs more than the stack limit) is not counted; nor are graph memory nodes added by
+//!   `cuGraphAddNode` or changed in an instantiated graph (they are counted when the graph
+//!   runs, not refused node by node).
 //! - Processes sharing a budget must share a pid namespace (dead slots are found by pid).
 //! - A second CUDA driver in one process (after the first was bound) is passed through.
 //! - A process killed between reserving a total and recording it in its slot (two atomic

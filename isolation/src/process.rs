@@ -65,7 +65,8 @@ fn set_up() -> Option<Interposer> {
 /// program), instead of at its first allocation, which a launcher may never make.
 ///
 /// Only where limits are set and the budget file already exists (an earlier program that held
-/// a slot made it): a process that never uses the GPU creates nothing and prints nothing.
+/// a slot made it): a process that never uses the GPU creates nothing. Opening a finished
+/// budget takes no lock, so no process start waits on another process of the container.
 extern "C" fn on_load() {
     let _ = std::panic::catch_unwind(|| {
         let Ok(Some(limits)) = Limits::from_env() else {
@@ -218,13 +219,17 @@ pub(crate) fn refresh_pools(interposer: &Interposer) -> u64 {
     interposer
         .pools()
         .into_iter()
-        .map(|pool| interposer.refresh_pool(pool, pool_attribute(pool, POOL_RESERVED)))
+        .map(|pool| interposer.refresh_pool_with(pool, || pool_attribute(pool, POOL_RESERVED)))
         .sum()
 }
 
 /// Re-reads the graph memory every GPU of the container reserves in this process.
+///
+/// Only once the program has used the driver: a memory query through NVML before then must
+/// not load the driver (and so bind the hooks to the default one).
 pub(crate) fn refresh_graph_memory(interposer: &Interposer) -> u64 {
-    let Ok(get) = real(|c| c.device_get_graph_mem_attribute) else {
+    let Some(get) = driver::cuda_if_loaded().and_then(|c| c.fns.device_get_graph_mem_attribute)
+    else {
         return 0;
     };
     let mut given_back = 0;

@@ -446,7 +446,9 @@ fn a_pool_is_charged_what_it_reserves_until_it_gives_it_back() {
         || Ok(0x400),
         || Some(512 * MIB),
     );
-    assert_eq!(ip.refresh_pool(pool, None), 512 * MIB);
+    // A pool the driver cannot be asked about keeps its charge; a destroyed one loses it.
+    assert_eq!(ip.refresh_pool(pool, None), 0);
+    assert_eq!(ip.pool_destroyed(pool), 512 * MIB);
     assert_eq!(ip.budget().used(1), 3072 * MIB);
 }
 

@@ -11,24 +11,38 @@ use crate::driver::{self, Handle, Status};
 use crate::interposer::Interposer;
 use crate::process::{forward, guard, here, read_out, real, state};
 
+/// How long a context's maker waits for its turn to measure (another process of the
+/// container making one) before it goes on unmeasured.
+const MEASURE_PATIENCE: std::time::Duration = std::time::Duration::from_secs(2);
+/// The least a context is taken to cost: a smaller drop is noise (a retain of a context
+/// already made), not a context.
+const MEASURE_MIN: u64 = 32 << 20;
+
 /// What the driver's free memory on device `ordinal` dropped by during `make` (NVML, read
 /// around it), with `make`'s answer; the drop is `None` when it cannot be read or makes no
-/// sense (other processes freed more meanwhile). The container's processes take turns
-/// (the budget file's lock), so that two contexts made at once are not each charged both.
+/// sense: under 32 MiB, or over four times the configured charge (another process took or
+/// gave memory meanwhile). The container's processes and threads take turns (the budget
+/// file's lock, on a descriptor of each maker's own), so that two contexts made at once
+/// are not each charged both; a maker that waits 2 s for its turn goes on unmeasured.
 fn measuring<T>(
     interposer: &Interposer,
     ordinal: c_int,
     make: impl FnOnce() -> T,
 ) -> (T, Option<u64>) {
-    if !interposer.settings().measure_context {
+    if !interposer.settings().measure_context || !devices::nvml_ready() {
         return (make(), None);
     }
-    let _turn = interposer.budget().exclusive();
+    let Some(_turn) = interposer.budget().exclusive(MEASURE_PATIENCE) else {
+        return (make(), None);
+    };
     let before = devices::driver_free(ordinal);
     let made = make();
     let after = devices::driver_free(ordinal);
+    let most = interposer.settings().context_bytes.saturating_mul(4);
     let drop = match (before, after) {
-        (Some(before), Some(after)) => before.checked_sub(after).filter(|d| *d > 0),
+        (Some(before), Some(after)) => before
+            .checked_sub(after)
+            .filter(|d| (MEASURE_MIN..=most).contains(d)),
         _ => None,
     };
     (made, drop)

@@ -26,7 +26,7 @@ pub(super) fn free_pointer(key: DevicePtr, call: impl FnOnce() -> Status) -> Sta
     };
     let (code, pool) = interposer.free_pointer(key, call);
     if let Some(pool) = pool {
-        interposer.refresh_pool(pool, pool_attribute(pool, POOL_RESERVED));
+        interposer.refresh_pool_with(pool, || pool_attribute(pool, POOL_RESERVED));
     }
     code
 }
@@ -224,7 +224,7 @@ pub unsafe extern "C" fn cuMemPoolDestroy(pool: Handle) -> Status {
         if status == 0
             && let Some(interposer) = state()
         {
-            interposer.refresh_pool(pool as u64, None);
+            interposer.pool_destroyed(pool as u64);
         }
         status
     })
@@ -239,7 +239,8 @@ pub unsafe extern "C" fn cuMemPoolTrimTo(pool: Handle, keep: usize) -> Status {
         if status == 0
             && let Some(interposer) = state()
         {
-            interposer.refresh_pool(pool as u64, pool_attribute(pool as u64, POOL_RESERVED));
+            interposer
+                .refresh_pool_with(pool as u64, || pool_attribute(pool as u64, POOL_RESERVED));
         }
         status
     })
