@@ -105,6 +105,10 @@ struct SeenAlive {
 /// How long a process seen alive through `/proc` is taken as alive while `kill(pid, 0)`
 /// still finds it.
 const SEEN_ALIVE_MS: u64 = 1000;
+/// How long a process seen alive through `/proc` is taken as alive without asking: a
+/// process that dies is reclaimed at most this much later (refusals come in bursts, an
+/// allocator retrying after it emptied its cache).
+const TRUSTED_ALIVE_MS: u64 = 50;
 
 // SAFETY: the mapping lives as long as the Budget, and all access to it goes through atomics
 // (or, at creation, through the file before anyone else can see it).
@@ -456,11 +460,15 @@ impl Budget {
     /// As [`reclaim_dead`](Self::reclaim_dead), looking only at slots that hold bytes on
     /// `gpu` when one is named (a refused allocation there gains nothing from the others).
     ///
-    /// Cheap enough for the refusal path: a slot's process is first asked with
-    /// `kill(pid, 0)`; `/proc/PID/stat` (zombie, reused pid) is read only for a process this
-    /// one has not seen alive under the same pid and start time in the last second.
+    /// Cheap enough for the refusal path: `/proc/PID/stat` (zombie, reused pid) is read only
+    /// for a process this one has not seen alive under the same pid and start time in the
+    /// last second; within that second it is asked with `kill(pid, 0)`, and within 50 ms of
+    /// the last look not at all.
     pub fn reclaim_dead_holding(&self, gpu: Option<usize>) -> u64 {
         let mut reclaimed = 0;
+        // Milliseconds after the epoch plus one, read once a pass (a clock read each slot
+        // would be most of a refusal's cost).
+        let mut now = None;
         for slot in 0..SLOTS {
             let p = self.slot_pid(slot);
             let pid = p.load(Ordering::Acquire);
@@ -473,7 +481,8 @@ impl Budget {
                 continue;
             }
             let start = self.slot_start(slot).load(Ordering::Acquire);
-            if !self.is_dead(slot, pid, start) {
+            let now = *now.get_or_insert_with(|| self.epoch.elapsed().as_millis() as u64 + 1);
+            if !self.is_dead(slot, pid, start, now) {
                 continue;
             }
             if p.compare_exchange(pid, RECLAIMING, Ordering::AcqRel, Ordering::Relaxed)
@@ -492,21 +501,22 @@ impl Budget {
         reclaimed
     }
 
-    /// Whether the process in `slot` is gone, remembering a proof of life (see
+    /// Whether the process in `slot` is gone at `now` (milliseconds after the epoch, plus
+    /// one), remembering a proof of life (see
     /// [`reclaim_dead_holding`](Self::reclaim_dead_holding)).
-    fn is_dead(&self, slot: usize, pid: u32, start: u64) -> bool {
-        if !process_exists(pid) {
-            return true;
-        }
+    fn is_dead(&self, slot: usize, pid: u32, start: u64, now: u64) -> bool {
         let seen = &self.seen_alive[slot];
-        let now = self.epoch.elapsed().as_millis() as u64 + 1;
         let at = seen.at_ms.load(Ordering::Acquire);
-        if at != 0
-            && now.saturating_sub(at) < SEEN_ALIVE_MS
+        let age = (at != 0
             && seen.pid.load(Ordering::Relaxed) == pid
-            && seen.start.load(Ordering::Relaxed) == start
-        {
-            return false;
+            && seen.start.load(Ordering::Relaxed) == start)
+            .then(|| now.saturating_sub(at));
+        match age {
+            // Seen alive a moment ago: no system call at all.
+            Some(age) if age < TRUSTED_ALIVE_MS => return false,
+            // Seen alive lately: only whether it still exists.
+            Some(age) if age < SEEN_ALIVE_MS => return !process_exists(pid),
+            _ => {}
         }
         let dead = process_is_dead(pid, start);
         if !dead {
