@@ -29,7 +29,8 @@
 # Usage, from anywhere: scripts/gpu-check.sh
 #   GPUSHARE_ISOLATION_BIN_DIR=DIR  use DIR's libgpushare_isolation.so and
 #                                   gpushare-isolation-probe (no cargo needed); unset: build
-#                                   them with cargo
+#                                   the shipped library (scripts/build-interposer.sh) and the
+#                                   probes with cargo
 #   GPUSHARE_CHECK_SHARE_GIB=4      the scenarios' share
 #   GPUSHARE_CHECK_SLACK_MIB        the slack (default max(64 MiB, 2 % of the share))
 #   GPUSHARE_CHECK_TIMEOUT=60       seconds per scenario
@@ -74,9 +75,15 @@ if [ -n "${GPUSHARE_ISOLATION_BIN_DIR:-}" ]; then
     BIN=$(cd "$GPUSHARE_ISOLATION_BIN_DIR" 2>/dev/null && pwd) ||
         { echo "FAIL GPUSHARE_ISOLATION_BIN_DIR=$GPUSHARE_ISOLATION_BIN_DIR is no directory"; exit 1; }
 elif command -v cargo >/dev/null 2>&1; then
-    cargo build --release --quiet -p gpushare-isolation -p gpushare-isolation-probe ||
-        { echo "FAIL cargo build"; exit 1; }
-    BIN=$ROOT/target/release
+    # The library that ships (glibc 2.17 baseline), not the one `cargo build` links here,
+    # beside the probes.
+    { scripts/build-interposer.sh &&
+        cargo build --release --quiet -p gpushare-isolation-probe --bins; } ||
+        { echo "FAIL building the library or the probes"; exit 1; }
+    BIN=$ROOT/target/interposer/gpu-check-bin
+    mkdir -p "$BIN"
+    cp target/interposer/libgpushare_isolation.so target/release/gpushare-isolation-probe \
+        target/release/gpushare-isolation-probe-dl "$BIN/"
 else
     echo "FAIL no GPUSHARE_ISOLATION_BIN_DIR and no cargo to build the library"
     exit 1
