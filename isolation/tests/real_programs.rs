@@ -552,10 +552,12 @@ fn a_context_is_charged_what_it_took_when_no_figure_is_set() {
     container
         .vars
         .retain(|(name, _)| *name != "GPUSHARE_CONTEXT_MIB");
-    // Two processes making their contexts at once: each is charged its own, not both.
+    // Two processes, one after the other (a measure is a drop of the device's free memory:
+    // another process allocating during it would be counted in).
     let mut a = container.start("link", &["alloc:mem:1024", "hold"]);
+    let out_a = a.stop();
     let mut b = container.start("link", &["alloc:mem:1024", "hold"]);
-    let (out_a, out_b) = (a.stop(), b.stop());
+    let out_b = b.stop();
     assert_eq!((out_a.allocs(), out_b.allocs()), (vec![0], vec![0]));
     // A third context: three of 300 MiB and 2 GiB leave 1,148 MiB.
     let out = container.run(
