@@ -10,6 +10,9 @@
 //! - `pods`: `namespace/name` → MiB the pod's processes use, over all its GPUs. Every pod
 //!   that holds GPU memory devices on the node is listed, so `0` (measured, nothing in use)
 //!   differs from absent (not measured).
+//! - `counted` (optional): `namespace/name` → MiB the isolation interposer counted for the
+//!   pod, when it is loaded and `pods` holds the driver's own figures:
+//!   `{"gpus":{"0":6144},"pods":{"default/a":6144},"counted":{"default/a":3072}}`.
 //!
 //! It is for people, not for scheduling: the extender does not read it, and it is written
 //! only when a value moved noticeably (see the device plugin's `usage` module), so it can
@@ -31,6 +34,11 @@ pub struct NodeMemoryUse {
     /// `namespace/name` → MiB its processes use.
     #[serde(default)]
     pub pods: BTreeMap<String, u64>,
+    /// `namespace/name` → MiB the isolation interposer counted for it, where the interposer
+    /// is loaded and `pods` holds the driver's figures; absent otherwise. A pod whose driver
+    /// figure is well above its counted one runs something the interposer does not see.
+    #[serde(default, skip_serializing_if = "BTreeMap::is_empty")]
+    pub counted: BTreeMap<String, u64>,
 }
 
 /// Why a usage annotation could not be read.
@@ -67,6 +75,7 @@ mod tests {
         let usage = NodeMemoryUse {
             gpus: BTreeMap::from([(0, 6144), (1, 512)]),
             pods: BTreeMap::from([("default/a".to_owned(), 5120), ("ml/b".to_owned(), 0)]),
+            counted: BTreeMap::new(),
         };
         let text = usage.encode();
         assert_eq!(
@@ -79,6 +88,16 @@ mod tests {
             NodeMemoryUse::default()
         );
         assert!(NodeMemoryUse::decode(r#"{"pods":{"a":-1}}"#).is_err());
+        let counted = NodeMemoryUse {
+            counted: BTreeMap::from([("default/a".to_owned(), 3072)]),
+            ..usage
+        };
+        let text = counted.encode();
+        assert!(
+            text.ends_with(r#","counted":{"default/a":3072}}"#),
+            "{text}"
+        );
+        assert_eq!(NodeMemoryUse::decode(&text).unwrap(), counted);
         assert!(NodeMemoryUse::decode("nope").is_err());
         assert_eq!(mib_from_bytes(3 << 20 | 5), 3);
     }

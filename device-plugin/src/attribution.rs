@@ -91,6 +91,29 @@ pub fn pid_owner(proc_root: &Path, pid: u32) -> PidOwner {
 /// `namespace/name` → GPU UUID → bytes held, from kubelet's listing: one device per GiB.
 pub type Holdings = BTreeMap<String, BTreeMap<String, u64>>;
 
+/// `namespace/name` → GPU UUID → the containers holding devices of it, from kubelet's listing.
+pub type Holders = BTreeMap<String, BTreeMap<String, BTreeSet<String>>>;
+
+/// Which containers of each pod hold devices of each GPU in kubelet's listing `facts`: the
+/// driver names processes, not containers, so a pod's use of a GPU is labelled with the
+/// containers that were given it (one, in all but multi-container GPU pods).
+pub fn holders(facts: &KubeletFacts) -> Holders {
+    let mut holders = Holders::new();
+    for (key, pod) in facts.pods() {
+        for (container, ids) in &pod.containers {
+            for uuid in ids.iter().filter_map(|id| device_gpu(id)) {
+                holders
+                    .entry(key.to_owned())
+                    .or_default()
+                    .entry(uuid.to_owned())
+                    .or_default()
+                    .insert(container.clone());
+            }
+        }
+    }
+    holders
+}
+
 /// What each pod holds per GPU in kubelet's listing `facts`.
 pub fn holdings(facts: &KubeletFacts) -> Holdings {
     let mut held = Holdings::new();
@@ -119,8 +142,20 @@ pub fn holdings(facts: &KubeletFacts) -> Holdings {
 pub struct Held {
     /// Bytes kubelet gave it there.
     pub allocated: u64,
-    /// Bytes its processes use there.
+    /// Bytes its processes use there: the driver's figures (NVML, or the simulated usage
+    /// file) when the plugin measures them, else what the interposer counted.
     pub used: u64,
+    /// Bytes the isolation interposer counted for it there, when it is loaded and the driver's
+    /// figures are `used` ([`with_counted`]): the two differ for a program the interposer does
+    /// not see (a static binary, one that dropped `LD_PRELOAD`) or a tampered budget.
+    pub counted: Option<u64>,
+}
+
+impl Held {
+    /// Bytes used past the allocation (0 within it).
+    pub fn over_share(&self) -> u64 {
+        self.used.saturating_sub(self.allocated)
+    }
 }
 
 /// One GPU's memory.
@@ -147,9 +182,55 @@ pub struct Report {
     pub pods: BTreeMap<String, BTreeMap<u32, Held>>,
     /// GPU processes whose `/proc/<pid>` could not be read.
     pub unknown_pids: usize,
+    /// `(namespace/name, GPU index)` → the containers given that GPU, joined with `+`
+    /// (see [`holders`]); absent where kubelet's listing names none.
+    pub containers: BTreeMap<(String, u32), String>,
 }
 
 impl Report {
+    /// Adds the containers that hold each pod's GPUs (kubelet's listing, [`holders`]).
+    pub fn with_holders(mut self, holders: &Holders) -> Self {
+        let index_of: HashMap<&str, u32> = self
+            .gpus
+            .iter()
+            .map(|g| (g.uuid.as_str(), g.index))
+            .collect();
+        for (key, by_uuid) in holders {
+            for (uuid, containers) in by_uuid {
+                if let Some(&index) = index_of.get(uuid.as_str()) {
+                    let names: Vec<&str> = containers.iter().map(String::as_str).collect();
+                    self.containers
+                        .insert((key.clone(), index), names.join("+"));
+                }
+            }
+        }
+        self
+    }
+
+    /// Adds what the interposer counted (`counted`, a report over the same GPUs made from its
+    /// budget files) beside the driver's figures.
+    pub fn with_counted(mut self, counted: &Report) -> Self {
+        for (key, gpus) in &mut self.pods {
+            for (index, held) in gpus.iter_mut() {
+                held.counted = Some(
+                    counted
+                        .pods
+                        .get(key)
+                        .and_then(|gpus| gpus.get(index))
+                        .map_or(0, |c| c.used),
+                );
+            }
+        }
+        self
+    }
+
+    /// The containers given GPU `index` of pod `key`, joined with `+`; empty if unknown.
+    pub fn containers_of(&self, key: &str, index: u32) -> &str {
+        self.containers
+            .get(&(key.to_owned(), index))
+            .map_or("", String::as_str)
+    }
+
     /// Pods whose processes use more than they hold on some GPU.
     pub fn over_share(&self) -> BTreeSet<String> {
         self.pods
@@ -173,6 +254,17 @@ impl Report {
                 .map(|(key, gpus)| {
                     let used = gpus.values().map(|held| held.used).sum::<u64>();
                     (key.clone(), mib_from_bytes(used))
+                })
+                .collect(),
+            counted: self
+                .pods
+                .iter()
+                .filter_map(|(key, gpus)| {
+                    let counted = gpus
+                        .values()
+                        .map(|held| held.counted)
+                        .sum::<Option<u64>>()?;
+                    Some((key.clone(), mib_from_bytes(counted)))
                 })
                 .collect(),
         }
@@ -438,6 +530,56 @@ mod tests {
             holdings(&facts),
             holdings_of(&[("default/a", &[(0, 3), (1, 1)])])
         );
+        // Which containers were given each GPU: the label of the pod's use there.
+        let report = attribute(
+            &[gpu(0), gpu(1)],
+            Some(&holdings(&facts)),
+            &HashMap::new(),
+            &[],
+            |_| PidOwner::Unknown,
+        )
+        .with_holders(&holders(&facts));
+        assert_eq!(report.containers_of("default/a", 0), "main+side");
+        assert_eq!(report.containers_of("default/a", 1), "main");
+        assert_eq!(report.containers_of("default/b", 0), "");
+    }
+
+    #[test]
+    fn the_interposers_count_is_shown_beside_the_drivers() {
+        let gpus = [gpu(0)];
+        let held = holdings_of(&[("default/a", &[(0, 4)]), ("default/b", &[(0, 2)])]);
+        let driver = [
+            MemoryUse {
+                gpu: Some(0),
+                user: MemoryUser::Pod("default/a".into()),
+                bytes: 6 * GIB,
+            },
+            MemoryUse {
+                gpu: Some(0),
+                user: MemoryUser::Pod("default/b".into()),
+                bytes: GIB,
+            },
+        ];
+        let counted = [MemoryUse {
+            gpu: Some(0),
+            user: MemoryUser::Pod("default/a".into()),
+            bytes: 3 * GIB,
+        }];
+        let none = |_| PidOwner::Unknown;
+        let counted = attribute(&gpus, Some(&held), &HashMap::new(), &counted, none);
+        let report =
+            attribute(&gpus, Some(&held), &HashMap::new(), &driver, none).with_counted(&counted);
+        let a = report.pods["default/a"][&0];
+        assert_eq!(
+            (a.used, a.counted, a.over_share()),
+            (6 * GIB, Some(3 * GIB), 2 * GIB)
+        );
+        // b's interposer counted nothing: 0, not unknown.
+        assert_eq!(report.pods["default/b"][&0].counted, Some(0));
+        let annotation = report.annotation();
+        assert_eq!(annotation.pods["default/a"], 6144);
+        assert_eq!(annotation.counted["default/a"], 3072);
+        assert_eq!(annotation.counted["default/b"], 0);
     }
 
     #[test]
@@ -468,7 +610,8 @@ mod tests {
             a[&0],
             Held {
                 allocated: 4 * GIB,
-                used: 4 * GIB
+                used: 4 * GIB,
+                counted: None,
             }
         );
         let b = &report.pods["default/b"];
@@ -476,14 +619,16 @@ mod tests {
             b[&0],
             Held {
                 allocated: 2 * GIB,
-                used: 5 * GIB
+                used: 5 * GIB,
+                counted: None,
             }
         );
         assert_eq!(
             b[&1],
             Held {
                 allocated: 0,
-                used: GIB
+                used: GIB,
+                counted: None,
             }
         );
         assert_eq!(

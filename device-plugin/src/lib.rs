@@ -95,6 +95,7 @@ mod mark_writer;
 pub mod matching;
 pub mod metrics;
 pub mod node;
+pub mod over_share;
 pub mod pod_resources;
 mod pod_views;
 pub mod pods;
@@ -190,6 +191,20 @@ pub struct Config {
     /// condition either way), so their controllers re-create them elsewhere.
     #[arg(long, env = "GPUSHARE_EVICT_ON_UNHEALTHY", default_value_t = false, action = clap::ArgAction::Set)]
     pub evict_on_unhealthy: bool,
+    /// What is done about a pod whose processes use more GPU memory than it was given, by
+    /// the driver's count ([`over_share`]): `report` (a Warning Event `GpuMemoryOverShare`
+    /// once per episode, and the metrics) or `evict` (the same, then an eviction once it
+    /// stayed over for `--over-share-grace-seconds`). Measured every usage period.
+    #[arg(
+        long,
+        env = "GPUSHARE_OVER_SHARE",
+        value_enum,
+        default_value = "report"
+    )]
+    pub over_share: over_share::OverShareMode,
+    /// How long a pod may stay over its share before `--over-share evict` evicts it.
+    #[arg(long, env = "GPUSHARE_OVER_SHARE_GRACE_SECONDS", default_value_t = 30)]
+    pub over_share_grace_seconds: u64,
     /// The MPS control daemon's pipe directory on the host, mounted into containers at the
     /// same path (`--enforcement mps`).
     #[arg(
@@ -592,9 +607,10 @@ impl Plugin {
         });
     }
 
-    /// Measures what each pod really uses ([`usage`]): with the interposer
-    /// (`--enforcement preload`) what it counted in each container, else the backend's
-    /// process lists (`--usage-period-ms`).
+    /// Measures what each pod really uses ([`usage`]): the backend's process lists
+    /// (`--usage-period-ms` above 0), with what the interposer counted beside them
+    /// (`--enforcement preload`), or what the interposer counted alone; pods over their
+    /// share are told and, with `--over-share evict`, evicted ([`over_share`]).
     fn usage_reader(&self, tasks: &mut Tasks, pods: Arc<PodCache>) {
         let config = &self.config;
         let interposer = self.isolation.as_ref().map(|i| i.host_dir.clone());
@@ -604,6 +620,11 @@ impl Plugin {
         };
         let reader = usage::UsageReader {
             interposer,
+            driver: config.usage_period_ms > 0,
+            over_share: over_share::Policy {
+                mode: config.over_share,
+                grace: Duration::from_secs(config.over_share_grace_seconds),
+            },
             backend: self.backend.clone(),
             socket: config.pod_resources_socket.clone(),
             resource: config.resource.clone(),

@@ -90,6 +90,29 @@ pub struct Metrics {
     pub isolated_used_bytes: Family<ContainerGpuLabels, Gauge<i64, AtomicI64>>,
     /// Allocations the interposer refused each container so far (past its share).
     pub isolated_refused_allocations: Family<ContainerGpuLabels, Gauge<i64, AtomicI64>>,
+    /// Bytes each pod's containers use on each GPU by the driver's count
+    /// (`gpushare_container_gpu_memory_used_bytes`, [`crate::over_share`]).
+    pub container_used_bytes: Family<ContainerUseLabels, Gauge<i64, AtomicI64>>,
+    /// Of those, bytes past what kubelet gave the pod there
+    /// (`gpushare_container_over_share_bytes`).
+    pub container_over_share_bytes: Family<ContainerUseLabels, Gauge<i64, AtomicI64>>,
+    /// Episodes of a pod over its share of a GPU (each told once by an Event).
+    pub over_share_episodes: Counter,
+    /// Pods evicted for staying over their share (`--over-share evict`).
+    pub over_share_evictions: Counter,
+}
+
+/// Labels of a per-container, per-GPU metric of the driver's figures.
+#[derive(Debug, Clone, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct ContainerUseLabels {
+    /// The pod's namespace.
+    pub namespace: String,
+    /// The pod's name.
+    pub pod: String,
+    /// The containers given the GPU (kubelet's listing), joined with `+`; empty if unknown.
+    pub container: String,
+    /// The GPU's index on the node.
+    pub gpu: String,
 }
 
 /// Labels of a per-container, per-GPU metric of the interposer.
@@ -131,6 +154,7 @@ pub struct PodGpuLabels {
 pub struct ExportedUsage {
     gpus: HashSet<GpuLabels>,
     pods: HashSet<PodGpuLabels>,
+    containers: HashSet<ContainerUseLabels>,
 }
 
 fn bytes_gauge(bytes: u64) -> i64 {
@@ -172,6 +196,10 @@ impl Metrics {
             isolated_share_bytes: Family::default(),
             isolated_used_bytes: Family::default(),
             isolated_refused_allocations: Family::default(),
+            container_used_bytes: Family::default(),
+            container_over_share_bytes: Family::default(),
+            over_share_episodes: Counter::default(),
+            over_share_evictions: Counter::default(),
         };
         let sub = registry.sub_registry_with_prefix("gpushare_device_plugin");
         // In this order: it is the order of `/metrics`.
@@ -179,6 +207,7 @@ impl Metrics {
         metrics.register_node(sub);
         metrics.register_kubelet(sub);
         metrics.register_usage(sub);
+        metrics.register_over_share(registry);
         metrics
     }
 
@@ -310,6 +339,34 @@ impl Metrics {
         );
     }
 
+    /// Registers the per-container figures of the over-share watch ([`crate::over_share`]):
+    /// under `gpushare_container_*`, the names dashboards and alerts use whichever plugin
+    /// exports them.
+    fn register_over_share(&self, registry: &mut Registry) {
+        let container = registry.sub_registry_with_prefix("gpushare_container");
+        container.register(
+            "gpu_memory_used_bytes",
+            "GPU memory each pod's containers use on each GPU, by the driver's count (NVML process lists, or the simulated usage file); with the interposer alone, what it counted",
+            self.container_used_bytes.clone(),
+        );
+        container.register(
+            "over_share_bytes",
+            "GPU memory each pod's containers use on each GPU past what kubelet gave the pod there (0 within the share)",
+            self.container_over_share_bytes.clone(),
+        );
+        let plugin = registry.sub_registry_with_prefix("gpushare_device_plugin");
+        plugin.register(
+            "over_share_episodes",
+            "Times a pod went over its share of a GPU (each told by a GpuMemoryOverShare Event)",
+            self.over_share_episodes.clone(),
+        );
+        plugin.register(
+            "over_share_evictions",
+            "Pods evicted for staying over their share of a GPU past the grace period (--over-share evict)",
+            self.over_share_evictions.clone(),
+        );
+    }
+
     /// Exports a usage measurement, removing the label sets of `previous` that are gone;
     /// returns what is exported now.
     pub fn record_usage(&self, report: &Report, previous: ExportedUsage) -> ExportedUsage {
@@ -345,6 +402,19 @@ impl Metrics {
                     .get_or_create(&labels)
                     .set(bytes_gauge(held.used));
                 now.pods.insert(labels);
+                let labels = ContainerUseLabels {
+                    namespace: namespace.to_owned(),
+                    pod: pod.to_owned(),
+                    container: report.containers_of(key, *index).to_owned(),
+                    gpu: index.to_string(),
+                };
+                self.container_used_bytes
+                    .get_or_create(&labels)
+                    .set(bytes_gauge(held.used));
+                self.container_over_share_bytes
+                    .get_or_create(&labels)
+                    .set(bytes_gauge(held.over_share()));
+                now.containers.insert(labels);
             }
         }
         self.pods_over_share
@@ -357,6 +427,10 @@ impl Metrics {
         for gone in previous.pods.difference(&now.pods) {
             self.pod_allocated_bytes.remove(gone);
             self.pod_used_bytes.remove(gone);
+        }
+        for gone in previous.containers.difference(&now.containers) {
+            self.container_used_bytes.remove(gone);
+            self.container_over_share_bytes.remove(gone);
         }
         now
     }
@@ -516,10 +590,22 @@ mod tests {
             pods: pods
                 .iter()
                 .map(|&(key, allocated, used)| {
-                    (key.to_owned(), [(0, Held { allocated, used })].into())
+                    (
+                        key.to_owned(),
+                        [(
+                            0,
+                            Held {
+                                allocated,
+                                used,
+                                counted: None,
+                            },
+                        )]
+                        .into(),
+                    )
                 })
                 .collect(),
             unknown_pids: 0,
+            containers: [(("default/a".to_owned(), 0), "main".to_owned())].into(),
         };
         let exported = metrics.record_usage(
             &report(&[("default/a", 2 * gib, 5 * gib), ("ml/b", 4 * gib, gib)]),
@@ -533,6 +619,9 @@ mod tests {
             "gpushare_device_plugin_pod_used_bytes{namespace=\"default\",pod=\"a\",gpu=\"0\"} 5368709120",
             "gpushare_device_plugin_pod_used_bytes{namespace=\"ml\",pod=\"b\",gpu=\"0\"} 1073741824",
             "gpushare_device_plugin_pods_over_share 1",
+            "gpushare_container_gpu_memory_used_bytes{namespace=\"default\",pod=\"a\",container=\"main\",gpu=\"0\"} 5368709120",
+            "gpushare_container_over_share_bytes{namespace=\"default\",pod=\"a\",container=\"main\",gpu=\"0\"} 3221225472",
+            "gpushare_container_over_share_bytes{namespace=\"ml\",pod=\"b\",container=\"\",gpu=\"0\"} 0",
         ] {
             assert!(
                 body.lines().any(|l| l == line),

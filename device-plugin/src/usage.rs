@@ -15,7 +15,16 @@
 //! **Allocated** (what kubelet's PodResources API says each pod's containers hold) and
 //! **used** (the backend's processes, traced to pods through their cgroups) are put together
 //! in [`crate::attribution`], which says how and why; this module is the I/O around it:
-//! reading the backend, kubelet and the pod cache every period, exporting, publishing.
+//! reading the backend, kubelet and the pod cache every period, exporting, publishing, and
+//! handing each measurement to the over-share watch ([`crate::over_share`]).
+//!
+//! **Two counts.** With the isolation interposer loaded (`--enforcement preload`) each
+//! container also counts its own use, in its budget file. That count lives inside the
+//! container, so a program that gets past the interposer (a static binary, one that drops
+//! `LD_PRELOAD`, a rewritten budget) is missing from it; the driver's process lists are not.
+//! So when the driver's figures are read (`--usage-period-ms` above 0, which needs the host's
+//! PID namespace with NVML) they are each pod's use, and the interposer's count is published
+//! beside them (`counted`); when they are not, the interposer's count is the use.
 //!
 //! **Publishing.** `kubectl gpushare top -d` reads the cluster through the API server only,
 //! so the measurement must be on an object: the node annotation `<domain>/v1.usage`
@@ -40,7 +49,7 @@ use kube::{Api, Client};
 use tokio::time::Instant;
 use tokio_util::sync::CancellationToken;
 
-use crate::attribution::{Report, attribute, holdings, pid_owner};
+use crate::attribution::{PidOwner, Report, attribute, holders, holdings, pid_owner};
 use crate::metrics::{ExportedUsage, Metrics};
 use crate::node::Inventory;
 use crate::pods::PodCache;
@@ -86,10 +95,16 @@ pub struct PublishPolicy {
 pub struct UsageReader {
     /// Where memory use is measured.
     pub backend: Arc<dyn GpuBackend>,
-    /// With `Some(isolation host dir)`, pods' use is what their interposers counted (the
-    /// accounting directories, [`crate::isolation_usage`]) instead of the backend's: no
-    /// process lists, no `hostPID`. The driver's own overhead per process is not in it.
+    /// Whether the backend's figures (NVML process lists, which need the host's PID
+    /// namespace, or the simulated usage file) are read: `--usage-period-ms` above 0.
+    pub driver: bool,
+    /// `Some(isolation host dir)`: what each pod's interposers counted (the accounting
+    /// directories, [`crate::isolation_usage`]) is read too. It is pods' use when the
+    /// driver's figures are not read (no `hostPID` needed), and shown beside them when they
+    /// are.
     pub interposer: Option<PathBuf>,
+    /// What is done about a pod over its share ([`crate::over_share`]).
+    pub over_share: crate::over_share::Policy,
     /// kubelet's PodResources socket.
     pub socket: PathBuf,
     /// The resource whose devices are ours.
@@ -158,7 +173,14 @@ impl UsageReader {
     /// A backend that cannot measure (simulated GPUs without a usage file) is said once and
     /// the loop idles.
     pub async fn run(self, client: Client, node: String, shutdown: CancellationToken) {
-        let api: Api<Node> = Api::all(client);
+        let api: Api<Node> = Api::all(client.clone());
+        let mut tracker = crate::over_share::Tracker::new(self.over_share);
+        let actor = crate::over_share::Actor {
+            client,
+            node: node.clone(),
+            pods: self.pods.clone(),
+            metrics: self.metrics.clone(),
+        };
         let mut said = Said::default();
         let mut published: Option<(Published, Instant)> = None;
         let mut exported = ExportedUsage::default();
@@ -166,6 +188,8 @@ impl UsageReader {
             match self.measure(&mut said).await {
                 Measured::Report(report) => {
                     exported = self.metrics.record_usage(&report, exported);
+                    let actions = tracker.observe(&report, Instant::now());
+                    actor.act(actions, &report, &mut tracker).await;
                     let now = Published {
                         usage: report.annotation(),
                         over: report.over_share(),
@@ -199,42 +223,52 @@ impl UsageReader {
 
     /// One measurement; a failure is said once.
     async fn measure(&self, said: &mut Said) -> Measured {
-        let backend = self.backend.clone();
-        let measured = match &self.interposer {
+        let counted = match &self.interposer {
             Some(host_dir) => {
                 let (pods, inventory, host_dir) =
                     (self.pods.clone(), self.inventory.clone(), host_dir.clone());
-                tokio::task::spawn_blocking(move || {
-                    Ok(Some(interposer_uses(&pods, &inventory, &host_dir)))
-                })
-                .await
+                tokio::task::spawn_blocking(move || interposer_uses(&pods, &inventory, &host_dir))
+                    .await
+                    .ok()
             }
-            None => tokio::task::spawn_blocking(move || backend.memory_in_use()).await,
+            None => None,
         };
-        let uses = match measured {
-            Ok(Ok(Some(uses))) => {
-                said.backend_error = None;
-                uses
-            }
-            Ok(Ok(None)) => return Measured::NotMeasurable,
-            Ok(Err(err)) => {
-                let text = err.to_string();
-                if said.backend_error.as_deref() != Some(&text) {
-                    tracing::warn!(error = %text, "cannot read GPU memory use; retrying");
+        let driver = if self.driver {
+            let backend = self.backend.clone();
+            match tokio::task::spawn_blocking(move || backend.memory_in_use()).await {
+                Ok(Ok(uses)) => {
+                    said.backend_error = None;
+                    uses
                 }
-                said.backend_error = Some(text);
-                return Measured::Failed;
+                Ok(Err(err)) => {
+                    let text = err.to_string();
+                    if said.backend_error.as_deref() != Some(&text) {
+                        tracing::warn!(error = %text, "cannot read GPU memory use; retrying");
+                    }
+                    said.backend_error = Some(text);
+                    return Measured::Failed;
+                }
+                Err(join) => {
+                    tracing::warn!(error = %join, "GPU memory read crashed; retrying");
+                    said.backend_error = Some(join.to_string());
+                    return Measured::Failed;
+                }
             }
-            Err(join) => {
-                tracing::warn!(error = %join, "GPU memory read crashed; retrying");
-                said.backend_error = Some(join.to_string());
-                return Measured::Failed;
-            }
+        } else {
+            None
         };
-        let held = match crate::pod_resources::list(&self.socket, &self.resource).await {
+        // The driver's figures when there are any; else what the interposer counted, which
+        // is then the only figure (and is not shown twice).
+        let (uses, counted) = match (driver, counted) {
+            (Some(driver), counted) => (driver, counted),
+            (None, Some(counted)) => (counted, None),
+            (None, None) if self.interposer.is_some() => return Measured::Failed,
+            (None, None) => return Measured::NotMeasurable,
+        };
+        let listed = match crate::pod_resources::list(&self.socket, &self.resource).await {
             Ok(facts) => {
                 said.kubelet_down = Some(false);
-                Some(holdings(&facts))
+                Some((holdings(&facts), holders(&facts)))
             }
             Err(err) => {
                 if said.kubelet_down != Some(true) {
@@ -252,9 +286,18 @@ impl UsageReader {
             .collect();
         let proc_root = self.proc_root.clone();
         let report = tokio::task::spawn_blocking(move || {
-            attribute(&gpus, held.as_ref(), &key_of_uid, &uses, |pid| {
+            let held = listed.as_ref().map(|(held, _)| held);
+            let mut report = attribute(&gpus, held, &key_of_uid, &uses, |pid| {
                 pid_owner(&proc_root, pid)
-            })
+            });
+            if let Some(counted) = counted {
+                let counted = attribute(&gpus, held, &key_of_uid, &counted, |_| PidOwner::Unknown);
+                report = report.with_counted(&counted);
+            }
+            match &listed {
+                Some((_, holders)) => report.with_holders(holders),
+                None => report,
+            }
         })
         .await;
         let Ok(report) = report else {
@@ -299,6 +342,7 @@ mod tests {
             usage: NodeMemoryUse {
                 gpus: BTreeMap::from([(0, pods.iter().map(|p| p.1).sum())]),
                 pods: pods.iter().map(|&(k, v)| (k.to_owned(), v)).collect(),
+                counted: BTreeMap::new(),
             },
             over: over.iter().map(|s| (*s).to_owned()).collect(),
         }

@@ -11,8 +11,10 @@ use gpushare_contract::Keys;
 use gpushare_contract::usage::NodeMemoryUse;
 use gpushare_e2e::cluster::{ClusterSpec, TestCluster, http_get, wait_for, with_cluster};
 use gpushare_e2e::scenarios::{allocation, create_gpu_pod, wait_running};
-use k8s_openapi::api::core::v1::Node;
+use k8s_openapi::api::core::v1::{Node, Pod};
+use k8s_openapi::api::events::v1::Event;
 use kube::Api;
+use kube::api::ListParams;
 
 const NODE: &str = "n1";
 const WAIT: Duration = Duration::from_secs(60);
@@ -64,23 +66,38 @@ fn pod_row<'a>(text: &'a str, name: &str) -> anyhow::Result<Vec<&'a str>> {
         .with_context(|| format!("no row for pod {name} in\n{text}"))
 }
 
+/// One node with a 16 GiB GPU whose device plugin reads what pods use from `usage_file`
+/// every 200 ms, with `extra` flags.
+fn usage_spec(usage_file: &std::path::Path, extra: &[&str]) -> ClusterSpec {
+    let usage_arg = format!("--simulate-usage-file={}", usage_file.display());
+    let mut args = vec![usage_arg.as_str(), "--usage-period-ms=200"];
+    args.extend_from_slice(extra);
+    ClusterSpec::labelled(&[(NODE, &[16])]).with_device_plugin_args(&args)
+}
+
+/// Pods a (4 GiB) and b (2 GiB), running on the same GPU; returns its index.
+async fn a_and_b_on_one_gpu(cluster: &TestCluster) -> anyhow::Result<u32> {
+    create_gpu_pod(cluster, "a", 4).await?;
+    create_gpu_pod(cluster, "b", 2).await?;
+    let gpu = allocation(&wait_running(cluster, "a").await?)?.gpu_index;
+    ensure!(allocation(&wait_running(cluster, "b").await?)?.gpu_index == gpu);
+    Ok(gpu)
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_pod_over_its_share_shows_in_metrics_the_node_annotation_and_top() -> anyhow::Result<()> {
     let dir = tempfile::tempdir()?;
     let usage_file = dir.path().join("usage.json");
-    let usage_arg = format!("--simulate-usage-file={}", usage_file.display());
-    // Measured every 200 ms; the annotation may be rewritten at once, for any change of 1 MiB.
-    let spec = ClusterSpec::labelled(&[(NODE, &[16])]).with_device_plugin_args(&[
-        &usage_arg,
-        "--usage-period-ms=200",
-        "--usage-annotation-min-interval-ms=0",
-        "--usage-annotation-min-change-mib=1",
-    ]);
+    // The annotation may be rewritten at once, for any change of 1 MiB.
+    let spec = usage_spec(
+        &usage_file,
+        &[
+            "--usage-annotation-min-interval-ms=0",
+            "--usage-annotation-min-change-mib=1",
+        ],
+    );
     with_cluster(spec, async |cluster| {
-        create_gpu_pod(cluster, "a", 4).await?;
-        create_gpu_pod(cluster, "b", 2).await?;
-        let gpu = allocation(&wait_running(cluster, "a").await?)?.gpu_index;
-        ensure!(allocation(&wait_running(cluster, "b").await?)?.gpu_index == gpu);
+        let gpu = a_and_b_on_one_gpu(cluster).await?;
 
         // Nothing written yet: measured, nothing in use.
         wait_annotation(cluster, &[("default/a", 0), ("default/b", 0)]).await?;
@@ -138,6 +155,82 @@ async fn a_pod_over_its_share_shows_in_metrics_the_node_annotation_and_top() -> 
         let text = top_details(cluster).await?;
         ensure!(pod_row(&text, "b")?.last() == Some(&"1.0"), "{text}");
         ensure!(!text.contains("over its share"), "{text}");
+        Ok(())
+    })
+    .await
+}
+
+/// The node watch: a pod whose processes use more than its share by the driver's count
+/// (here the simulated usage file, as NVML's process lists would say) is told once by a
+/// Warning Event, shows in `gpushare_container_over_share_bytes`, and with `--over-share
+/// evict` is evicted after the grace period, while its GPU's other pod keeps running.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_pod_over_its_share_is_told_then_evicted_and_its_neighbour_stays() -> anyhow::Result<()> {
+    let dir = tempfile::tempdir()?;
+    let usage_file = dir.path().join("usage.json");
+    let spec = usage_spec(
+        &usage_file,
+        &["--over-share=evict", "--over-share-grace-seconds=2"],
+    );
+    with_cluster(spec, async |cluster| {
+        let gpu = a_and_b_on_one_gpu(cluster).await?;
+        let pods: Api<Pod> = Api::namespaced(cluster.client.clone(), "default");
+
+        // a takes 6 GiB of its 4; b stays within its 2.
+        std::fs::write(&usage_file, r#"{"default/a": "6Gi", "default/b": "1Gi"}"#)?;
+        let over = |pod: &str, bytes: u64| {
+            format!(
+                "gpushare_container_over_share_bytes{{namespace=\"default\",pod=\"{pod}\",container=\"main\",gpu=\"{gpu}\"}} {bytes}"
+            )
+        };
+        wait_metrics(cluster, &[over("a", 2 * GIB), over("b", 0)]).await?;
+        let events: Api<Event> = Api::namespaced(cluster.client.clone(), "default");
+        let told = |reason: &'static str| {
+            let events = events.clone();
+            async move {
+                let listed = events.list(&ListParams::default()).await.ok()?;
+                let about: Vec<(String, String)> = listed
+                    .into_iter()
+                    .filter(|e| e.reason.as_deref() == Some(reason))
+                    .filter_map(|e| Some((e.regarding?.name?, e.note.unwrap_or_default())))
+                    .collect();
+                (!about.is_empty()).then_some(about)
+            }
+        };
+        let reported = wait_for("the GpuMemoryOverShare Event", WAIT, || {
+            told("GpuMemoryOverShare")
+        })
+        .await?;
+        ensure!(reported.len() == 1, "one Event per episode: {reported:?}");
+        let (about, note) = &reported[0];
+        ensure!(about == "a", "the Event is about {about}");
+        ensure!(
+            note.contains("uses 6144 MiB of GPU") && note.contains("share of 4096 MiB"),
+            "{note}"
+        );
+
+        wait_for("a to be evicted", WAIT, || async {
+            pods.get_opt("a").await.ok()?.is_none().then_some(())
+        })
+        .await?;
+        let evicted = wait_for("the eviction's Event", WAIT, || {
+            told("GpuMemoryOverShareEvicted")
+        })
+        .await?;
+        ensure!(evicted.len() == 1 && evicted[0].0 == "a", "{evicted:?}");
+        let stats = cluster.api.stats();
+        ensure!(
+            stats.count(gpushare_e2e::apiserver::Verb::Create, "pods/eviction") == 1,
+            "one eviction"
+        );
+        let b = pods.get("b").await?;
+        ensure!(
+            gpushare_e2e::scenarios::phase(&b) == "Running",
+            "the neighbour keeps running"
+        );
+        // b never went over: no Event about it, ever.
+        let reported = told("GpuMemoryOverShare").await.unwrap_or_default();
+        ensure!(reported.iter().all(|(pod, _)| pod == "a"), "{reported:?}");
         Ok(())
     })
     .await

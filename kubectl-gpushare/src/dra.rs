@@ -168,6 +168,7 @@ fn slice_rows(
             pods: Vec::new(),
             source: GpuSource::ResourceSlice,
             measured: false,
+            counted: false,
         });
         for device in slice.spec.devices.iter().flatten() {
             let Some(gpu) = device_gpu(device) else {
@@ -295,6 +296,7 @@ fn push_reserved_pods(
                 .and_then(|s| s.scheduler_name.clone())
                 .unwrap_or_else(|| "default-scheduler".to_owned()),
             used_mib: None,
+            counted_mib: None,
         });
     }
 }
@@ -465,6 +467,7 @@ mod tests {
             pods: Vec::new(),
             source: GpuSource::None,
             measured: false,
+            counted: false,
         };
         let mut usage = vec![empty.clone()];
         merge(&mut usage, &objects, &[], &[], DRIVER);

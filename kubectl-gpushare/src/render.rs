@@ -111,6 +111,7 @@ pub fn render_top_details(nodes: &[NodeUsage]) -> String {
             );
             header.push("PENDING(Allocated)".to_owned());
             header.extend(used_header(node));
+            header.extend(counted_header(node));
             let mut rows = vec![header];
             for pod in &node.pods {
                 let mut row = vec![pod.namespace.clone(), pod.name.clone()];
@@ -120,6 +121,11 @@ pub fn render_top_details(nodes: &[NodeUsage]) -> String {
                 }));
                 row.push(if pod.gpu.is_none() { pod.gib } else { 0 }.to_string());
                 row.extend(pod_used_cell(node, pod));
+                row.extend(counted_header(node).map(|_| {
+                    pod.counted_mib
+                        .filter(|_| pod.used_mib.is_some())
+                        .map_or_else(|| "-".to_owned(), gib_from_mib)
+                }));
                 rows.push(row);
             }
             out.push_str(&table(&rows));
@@ -180,6 +186,13 @@ const OVER_SHARE_NOTE: &str =
 /// `top -d` reads as before where nothing is measured.
 fn used_header(node: &NodeUsage) -> Option<String> {
     node.measured.then(|| "USED(GiB)".to_owned())
+}
+
+/// The COUNTED column's header, where the plugin publishes what the interposer counted
+/// beside the driver's figures: a pod whose USED is well above its COUNTED runs something
+/// the interposer does not see.
+fn counted_header(node: &NodeUsage) -> Option<String> {
+    (node.measured && node.counted).then(|| "COUNTED(GiB)".to_owned())
 }
 
 /// GiB with one decimal: MiB figures are exact, GiB ones would hide a 600 MiB overrun.
@@ -259,6 +272,7 @@ mod tests {
                 ("default/b".to_owned(), 512),
             ]
             .into(),
+            counted: Default::default(),
         };
         n1.metadata
             .annotations
@@ -288,6 +302,38 @@ PENDING  -              -         0                -          -
 Allocated/Total on node: 14/32 (43%)
 ";
         assert!(text.starts_with(want), "{text}");
+    }
+
+    #[test]
+    fn top_details_shows_what_the_interposer_counted_beside_the_drivers_figure() {
+        let mut n1 = node("n1").gpushare().gpus(&[16]).build();
+        // a runs something the interposer does not see: the driver says 6 GiB, it counted 3.
+        let measured = NodeMemoryUse {
+            gpus: [(0, 7168)].into(),
+            pods: [
+                ("default/a".to_owned(), 6144),
+                ("default/b".to_owned(), 1024),
+            ]
+            .into(),
+            counted: [
+                ("default/a".to_owned(), 3072),
+                ("default/b".to_owned(), 1024),
+            ]
+            .into(),
+        };
+        n1.metadata
+            .annotations
+            .get_or_insert_default()
+            .insert(Keys::default().node_usage, measured.encode());
+        let pods = vec![placed("a", 0, 4), placed("b", 0, 2)];
+        let text = render_top_details(&cluster_usage(&[n1], &pods, &Settings::default()));
+        let want = "\
+NAMESPACE  NAME  GPU0(Allocated)  PENDING(Allocated)  USED(GiB)  COUNTED(GiB)
+default    a     4                0                   6.0!       3.0
+default    b     2                0                   1.0        1.0
+";
+        assert!(text.contains(want), "{text}");
+        assert!(text.contains(OVER_SHARE_NOTE), "{text}");
     }
 
     #[test]

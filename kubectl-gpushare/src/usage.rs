@@ -55,6 +55,9 @@ pub struct PodUsage {
     pub scheduler: String,
     /// MiB its processes use, as the device plugin last published; `None`: not measured.
     pub used_mib: Option<u64>,
+    /// MiB the isolation interposer counted for it, where the plugin publishes that beside
+    /// the driver's figure; `None`: not published.
+    pub counted_mib: Option<u64>,
 }
 
 impl PodUsage {
@@ -80,6 +83,8 @@ pub struct NodeUsage {
     pub source: GpuSource,
     /// Whether the device plugin publishes measured GPU memory use on this node.
     pub measured: bool,
+    /// Whether it publishes what the interposer counted beside the driver's figures.
+    pub counted: bool,
 }
 
 /// Where a node's GPU list came from.
@@ -187,8 +192,10 @@ fn measured_use(node: &Node, settings: &Settings) -> Option<NodeMemoryUse> {
 /// bound, or finished are ignored.
 pub fn cluster_usage(nodes: &[Node], pods: &[Pod], settings: &Settings) -> Vec<NodeUsage> {
     let mut by_node: BTreeMap<String, NodeUsage> = BTreeMap::new();
-    // Node → (namespace/name → MiB), from each node's usage annotation.
+    // Node → (namespace/name → MiB), from each node's usage annotation: the driver's figures
+    // (or the interposer's alone), and the interposer's beside them.
     let mut used_by_pod: BTreeMap<String, BTreeMap<String, u64>> = BTreeMap::new();
+    let mut counted_by_pod: BTreeMap<String, BTreeMap<String, u64>> = BTreeMap::new();
     for node in nodes.iter().filter(|n| is_gpu_node(n, settings)) {
         let Some(name) = node.metadata.name.clone() else {
             continue;
@@ -196,6 +203,7 @@ pub fn cluster_usage(nodes: &[Node], pods: &[Pod], settings: &Settings) -> Vec<N
         let measured = measured_use(node, settings);
         if let Some(measured) = &measured {
             used_by_pod.insert(name.clone(), measured.pods.clone());
+            counted_by_pod.insert(name.clone(), measured.counted.clone());
         }
         let row = node_row(node, name.clone(), measured.as_ref(), settings);
         by_node.insert(name, row);
@@ -217,9 +225,13 @@ pub fn cluster_usage(nodes: &[Node], pods: &[Pod], settings: &Settings) -> Vec<N
         let rows = hold_gpus(&mut usage.gpus, allocation.as_ref(), request.pod_gib);
         let namespace = pod.metadata.namespace.clone().unwrap_or_default();
         let name = pod.metadata.name.clone().unwrap_or_default();
+        let key = format!("{namespace}/{name}");
         let used_mib = used_by_pod
             .get(&usage.name)
-            .and_then(|pods| pods.get(&format!("{namespace}/{name}")).copied());
+            .and_then(|pods| pods.get(&key).copied());
+        let counted_mib = counted_by_pod
+            .get(&usage.name)
+            .and_then(|pods| pods.get(&key).copied());
         let scheduler = spec
             .scheduler_name
             .clone()
@@ -229,7 +241,7 @@ pub fn cluster_usage(nodes: &[Node], pods: &[Pod], settings: &Settings) -> Vec<N
             (namespace, name),
             scheduler,
             rows,
-            used_mib,
+            (used_mib, counted_mib),
         );
     }
     let mut nodes: Vec<NodeUsage> = by_node.into_values().collect();
@@ -268,6 +280,7 @@ fn node_row(
         pods: Vec::new(),
         source,
         measured: measured.is_some(),
+        counted: measured.is_some_and(|m| !m.counted.is_empty()),
     }
 }
 
@@ -310,13 +323,14 @@ fn push_pod_rows(
     (namespace, name): (String, String),
     scheduler: String,
     mut rows: Vec<(Option<u32>, u64)>,
-    used_mib: Option<u64>,
+    (used_mib, counted_mib): (Option<u64>, Option<u64>),
 ) {
     let (gpu, gib) = rows.remove(0);
     pods.push(PodUsage {
         namespace: namespace.clone(),
         name: name.clone(),
         used_mib,
+        counted_mib,
         gpu,
         gib,
         scheduler: scheduler.clone(),
@@ -326,6 +340,7 @@ fn push_pod_rows(
             namespace: namespace.clone(),
             name: name.clone(),
             used_mib: None,
+            counted_mib: None,
             gpu,
             gib,
             scheduler: scheduler.clone(),
