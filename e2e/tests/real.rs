@@ -118,13 +118,29 @@ const GROUPS: &[Group] = &[
         mode: Mode::Extender,
         // Two switches of different features in one install, to spare the tier a third:
         // neither scenario touches what the other turns off.
+        // And the node watch by the driver's figures (the simulated backend's usage file),
+        // evicting past a 2 s grace: no other scenario of the group writes that file.
         helm_args: &[
             "--set",
             "allocationPolicy.enabled=false",
             "--set",
             "scheduler.extender.preempt=false",
+            "--set",
+            "devicePlugin.usage.enabled=true",
+            "--set",
+            "devicePlugin.usage.periodSeconds=1",
+            "--set",
+            "isolation.overShare=evict",
+            "--set",
+            "isolation.overShareGraceSeconds=2",
+            "--set-json",
+            r#"devicePlugin.extraEnv=[{"name":"GPUSHARE_SIMULATE_USAGE_FILE","value":"/tmp/gpushare-realk8s-usage.json"}]"#,
         ],
         scenarios: &[
+            (
+                "a_pod_over_its_share_by_the_drivers_count_is_evicted",
+                a_pod_over_its_share_by_the_drivers_count_is_evicted,
+            ),
             (
                 "forgeries_without_the_policy_are_refused_at_allocate",
                 forgeries_without_the_policy_are_refused_at_allocate,
@@ -446,6 +462,127 @@ async fn running_pinned(c: &KitCluster, name: &str, gib: u64) -> anyhow::Result<
     let pod = wait_running(c, name).await?;
     check_pinned(c, &pod).await?;
     Ok(pod)
+}
+
+/// The simulated backend's usage file (`devicePlugin.extraEnv`): what the driver says each
+/// pod uses, as NVML's process lists would.
+const USAGE_FILE: &str = "/tmp/gpushare-realk8s-usage.json";
+
+/// The node watch on the real kubelet: a pod whose processes use more than its share by the
+/// driver's count (as a program without the interposer would) gets a `GpuMemoryOverShare`
+/// Event and shows in `gpushare_container_over_share_bytes`; `isolation.overShare: evict`
+/// evicts it after the grace period, and its GPU's other pod keeps running.
+fn a_pod_over_its_share_by_the_drivers_count_is_evicted(c: &KitCluster) -> Outcome<'_> {
+    Box::pin(async move {
+        std::fs::write(USAGE_FILE, "")?;
+        let result = over_share_eviction(c).await;
+        std::fs::write(USAGE_FILE, "")?;
+        for name in ["runaway", "neighbour"] {
+            if Api::<Pod>::namespaced(c.client(), "default")
+                .get_opt(name)
+                .await?
+                .is_some()
+            {
+                delete_pod(c, name).await?;
+            }
+        }
+        result
+    })
+}
+
+async fn over_share_eviction(c: &KitCluster) -> anyhow::Result<()> {
+    let runaway = running_pinned(c, "runaway", 4).await?;
+    let neighbour = running_pinned(c, "neighbour", 4).await?;
+    let gpu = allocation(&runaway)?.gpu_index;
+    ensure!(
+        allocation(&neighbour)?.gpu_index == gpu,
+        "bin-packing puts both 4 GiB pods on one GPU"
+    );
+    std::fs::write(
+        USAGE_FILE,
+        r#"{"default/runaway": "7Gi", "default/neighbour": "3Gi"}"#,
+    )?;
+    let events: Api<k8s_openapi::api::events::v1::Event> = Api::namespaced(c.client(), "default");
+    let told = |reason: &'static str| {
+        let events = events.clone();
+        async move {
+            let listed = events.list(&ListParams::default()).await.ok()?;
+            let about: Vec<(String, String)> = listed
+                .into_iter()
+                .filter(|e| e.reason.as_deref() == Some(reason))
+                .filter_map(|e| Some((e.regarding?.name?, e.note.unwrap_or_default())))
+                .collect();
+            (!about.is_empty()).then_some(about)
+        }
+    };
+    let reported = wait_for(
+        "the GpuMemoryOverShare Event",
+        Duration::from_secs(60),
+        || told("GpuMemoryOverShare"),
+    )
+    .await?;
+    ensure!(
+        reported.len() == 1 && reported[0].0 == "runaway",
+        "one Event, about the runaway: {reported:?}"
+    );
+    ensure!(
+        reported[0].1.contains("uses 7168 MiB") && reported[0].1.contains("share of 4096 MiB"),
+        "{reported:?}"
+    );
+    wait_for(
+        "the runaway to be evicted",
+        Duration::from_secs(60),
+        || async {
+            Api::<Pod>::namespaced(c.client(), "default")
+                .get_opt("runaway")
+                .await
+                .ok()?
+                .is_none()
+                .then_some(())
+        },
+    )
+    .await?;
+    let metrics = device_plugin_metrics(c).await?;
+    let evictions = metrics
+        .lines()
+        .find(|l| l.starts_with("gpushare_device_plugin_over_share_evictions_total"))
+        .unwrap_or_default();
+    ensure!(
+        evictions.ends_with(" 1"),
+        "one eviction counted: {evictions:?}"
+    );
+    let neighbour_line = format!(
+        "gpushare_container_over_share_bytes{{namespace=\"default\",pod=\"neighbour\",container=\"main\",gpu=\"{gpu}\"}} 0"
+    );
+    ensure!(
+        metrics.lines().any(|l| l == neighbour_line),
+        "{neighbour_line} missing from\n{metrics}"
+    );
+    let neighbour = Api::<Pod>::namespaced(c.client(), "default")
+        .get("neighbour")
+        .await?;
+    ensure!(
+        phase(&neighbour) == "Running",
+        "the neighbour keeps running"
+    );
+    Ok(())
+}
+
+/// `/metrics` of the device plugin pod on the kit's node.
+async fn device_plugin_metrics(c: &KitCluster) -> anyhow::Result<String> {
+    let ip = c.kubectl(&[
+        "-n",
+        "kube-system",
+        "get",
+        "pods",
+        "-l",
+        "app.kubernetes.io/component=device-plugin",
+        "-o",
+        "jsonpath={.items[0].status.podIP}",
+    ])?;
+    let (_, body) =
+        gpushare_e2e::cluster::http_get(format!("{}:9400", ip.trim()).parse()?, "/metrics").await?;
+    Ok(body)
 }
 
 /// The forgeries found on a real cluster, refused by the API server itself: a hand-written
