@@ -2406,7 +2406,14 @@ fn impossible_values_fail_with_a_clear_message() -> anyhow::Result<()> {
         ])?;
         let stderr = String::from_utf8_lossy(&output.stderr);
         assert!(!output.status.success(), "{set} rendered");
-        assert!(stderr.contains(needle), "{set}: {stderr}");
+        // values.schema.json refuses most of these before the templates do, naming the value
+        // by its path; the templates' messages stay for `--skip-schema-validation`.
+        let key = set.split_once('=').map_or(set, |(key, _)| key);
+        let by_schema = format!("at '/{}'", key.replace('.', "/"));
+        assert!(
+            stderr.contains(needle) || stderr.contains(&by_schema),
+            "{set}: {stderr}"
+        );
     }
     Ok(())
 }
@@ -2432,10 +2439,9 @@ fn a_misspelt_field_is_reported_with_its_path() {
     );
 }
 
-/// Every value in values.yaml is documented in the README's table (maps of settings are
-/// walked; lists and free-form maps such as `resources` are one entry).
-#[test]
-fn every_value_is_documented_in_the_readme() -> anyhow::Result<()> {
+/// The values of values.yaml, by dotted path: maps of settings are walked; lists and
+/// free-form maps such as `resources` are one entry.
+fn value_leaves() -> anyhow::Result<Vec<String>> {
     fn leaves(prefix: &str, value: &serde_yaml::Value, out: &mut Vec<String>) {
         match value {
             serde_yaml::Value::Mapping(map)
@@ -2454,12 +2460,54 @@ fn every_value_is_documented_in_the_readme() -> anyhow::Result<()> {
             _ => out.push(prefix.to_owned()),
         }
     }
-    let dir = chart_dir();
     let values: serde_yaml::Value =
-        serde_yaml::from_str(&std::fs::read_to_string(dir.join("values.yaml"))?)?;
-    let readme = std::fs::read_to_string(dir.join("README.md"))?;
+        serde_yaml::from_str(&std::fs::read_to_string(chart_dir().join("values.yaml"))?)?;
     let mut keys = Vec::new();
     leaves("", &values, &mut keys);
+    Ok(keys)
+}
+
+/// Every value in values.yaml is in values.schema.json (so helm checks it), and a typo'd
+/// key or a value of the wrong type fails `helm template`, naming it.
+#[test]
+fn every_value_is_in_the_schema_and_typos_fail_by_name() -> anyhow::Result<()> {
+    let schema: Value = serde_json::from_str(&std::fs::read_to_string(
+        chart_dir().join("values.schema.json"),
+    )?)?;
+    ensure!(
+        schema["additionalProperties"] == false,
+        "top level is closed"
+    );
+    let missing: Vec<String> = value_leaves()?
+        .into_iter()
+        .filter(|path| {
+            let node = path
+                .split('.')
+                .try_fold(&schema, |node, key| node["properties"].get(key));
+            node.is_none_or(|node| node["type"].is_null())
+        })
+        .collect();
+    ensure!(missing.is_empty(), "values without a schema: {missing:?}");
+    for (set, named) in [
+        ("extender.replica=3", "'replica' not allowed"),
+        ("extender.replicas=two", "/extender/replicas"),
+        ("isolation.overShare=kill", "/isolation/overShare"),
+        ("devicePlugin.usage.enabledd=true", "'enabledd' not allowed"),
+    ] {
+        let err = render("gpushare", "kube-system", &["--set", set])
+            .err()
+            .with_context(|| format!("--set {set} rendered"))?
+            .to_string();
+        ensure!(err.contains(named), "--set {set}: {err}");
+    }
+    Ok(())
+}
+
+/// Every value in values.yaml is documented in the README's table.
+#[test]
+fn every_value_is_documented_in_the_readme() -> anyhow::Result<()> {
+    let readme = std::fs::read_to_string(chart_dir().join("README.md"))?;
+    let keys = value_leaves()?;
     let missing: Vec<_> = keys
         .iter()
         .filter(|k| !readme.contains(&format!("| `{k}` |")))
@@ -2506,8 +2554,14 @@ async fn the_dedicated_profile_scores_a_share_of_the_nodes() -> anyhow::Result<(
             &[format!("scheduler.percentageOfNodesToScore={bad}")],
         )
         .await;
+        // The schema refuses it first, naming the value; the template's own check stays for
+        // `--skip-schema-validation`.
         ensure!(
-            refused.is_err_and(|e| format!("{e:#}").contains("must be a whole number from 0")),
+            refused.is_err_and(|e| {
+                let e = format!("{e:#}");
+                e.contains("must be a whole number from 0")
+                    || e.contains("at '/scheduler/percentageOfNodesToScore'")
+            }),
             "percentageOfNodesToScore={bad} must fail to render"
         );
     }
