@@ -2503,6 +2503,35 @@ fn every_value_is_in_the_schema_and_typos_fail_by_name() -> anyhow::Result<()> {
     Ok(())
 }
 
+/// The chart renders for the Kubernetes it states (its allocation policy is the GA
+/// ValidatingAdmissionPolicy of 1.30) and refuses older clusters with a message naming the
+/// minimum, rather than rendering objects the API server does not serve.
+#[test]
+fn the_chart_renders_for_the_kubernetes_it_states_and_refuses_older() -> anyhow::Result<()> {
+    let chart = chart_dir();
+    let chart = chart.to_str().context("chart path")?;
+    let oldest = helm(&["template", "x", chart, "--kube-version", "1.30.0"])?;
+    ensure!(
+        oldest.status.success(),
+        "1.30: {}",
+        String::from_utf8_lossy(&oldest.stderr)
+    );
+    let text = String::from_utf8_lossy(&oldest.stdout);
+    ensure!(
+        text.contains(
+            "apiVersion: admissionregistration.k8s.io/v1\nkind: ValidatingAdmissionPolicy"
+        ),
+        "the allocation policy renders on 1.30"
+    );
+    let older = helm(&["template", "x", chart, "--kube-version", "1.29.9"])?;
+    let stderr = String::from_utf8_lossy(&older.stderr);
+    ensure!(
+        !older.status.success() && stderr.contains(">=1.30.0"),
+        "1.29 must be refused naming the minimum: {stderr}"
+    );
+    Ok(())
+}
+
 /// Every value in values.yaml is documented in the README's table.
 #[test]
 fn every_value_is_documented_in_the_readme() -> anyhow::Result<()> {
