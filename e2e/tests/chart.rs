@@ -2532,6 +2532,55 @@ fn the_chart_renders_for_the_kubernetes_it_states_and_refuses_older() -> anyhow:
     Ok(())
 }
 
+/// GitOps tools (Argo CD, Flux) render the chart without cluster access, so `lookup` finds
+/// nothing and generated keys would change on every sync. With every Secret supplied, two
+/// renders are byte-identical and hold no key material, and the Secrets named are mounted.
+#[test]
+fn with_existing_secrets_two_renders_are_identical() -> anyhow::Result<()> {
+    let supplied = [
+        "--set",
+        "extender.tls.existingSecret=serving",
+        "--set",
+        "extender.tls.clientAuth.existingSecret=callers",
+        "--set",
+        "allocationSigning.existingSecret=signing",
+    ];
+    let text = |extra: &[&str]| -> anyhow::Result<String> {
+        let chart = chart_dir();
+        let mut args = vec![
+            "template",
+            "gpushare",
+            chart.to_str().context("chart path")?,
+            "--kube-version",
+            KUBE_VERSION,
+        ];
+        args.extend_from_slice(extra);
+        let output = helm(&args)?;
+        ensure!(
+            output.status.success(),
+            "{}",
+            String::from_utf8_lossy(&output.stderr)
+        );
+        Ok(String::from_utf8(output.stdout)?)
+    };
+    // Without them, keys are generated: the renders differ (the test can tell).
+    ensure!(text(&[])? != text(&[])?, "generated keys differ per render");
+    let first = text(&supplied)?;
+    ensure!(first == text(&supplied)?, "two renders differ");
+    let rendered = render("gpushare", "kube-system", &supplied)?;
+    ensure!(
+        rendered.of_kind("Secret").is_empty(),
+        "no Secret is generated"
+    );
+    for name in ["serving", "callers", "signing"] {
+        ensure!(
+            first.contains(&format!("secretName: {name}\n")),
+            "Secret {name} is not mounted"
+        );
+    }
+    Ok(())
+}
+
 /// Every value in values.yaml is documented in the README's table.
 #[test]
 fn every_value_is_documented_in_the_readme() -> anyhow::Result<()> {

@@ -65,7 +65,11 @@
 
 {{/* The Secret with the client CA and the certificates of the scheduler and the replicas. */}}
 {{- define "gpushare.clientTls.secretName" -}}
+{{- if .Values.extender.tls.clientAuth.existingSecret }}
+{{- .Values.extender.tls.clientAuth.existingSecret }}
+{{- else }}
 {{- printf "%s-extender-client-tls" (include "gpushare.fullname" .) | trunc 63 | trimSuffix "-" }}
+{{- end }}
 {{- end }}
 
 {{/* Where the extender mounts the client CA and its own client certificate. */}}
@@ -81,10 +85,12 @@
 {{/*
 The end of the upgrade grace (RFC 3339), only on the `helm upgrade` that creates the client
 Secret: the release existed without client certificates, so its scheduler has none yet.
-Empty on install, on `helm template`, and on every later upgrade.
+Empty on install, on `helm template`, on every later upgrade, and with
+extender.tls.clientAuth.existingSecret (the certificates exist before the upgrade, and a
+render must not depend on the clock).
 */}}
 {{- define "gpushare.clientAuth.graceUntil" -}}
-{{- if and (include "gpushare.clientAuth" .) .Release.IsUpgrade }}
+{{- if and (include "gpushare.clientAuth" .) .Release.IsUpgrade (not .Values.extender.tls.clientAuth.existingSecret) }}
 {{- if not (lookup "v1" "Secret" .Release.Namespace (include "gpushare.clientTls.secretName" .)) }}
 {{- dateInZone "2006-01-02T15:04:05Z" (now | dateModify (printf "+%dm" (int .Values.extender.tls.clientAuth.upgradeGraceMinutes))) "UTC" }}
 {{- end }}
