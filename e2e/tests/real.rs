@@ -138,6 +138,10 @@ const GROUPS: &[Group] = &[
         ],
         scenarios: &[
             (
+                "pod_security_restricted_default_and_a_baseline_release_namespace",
+                pod_security_restricted_default_and_a_baseline_release_namespace,
+            ),
+            (
                 "a_pod_over_its_share_by_the_drivers_count_is_evicted",
                 a_pod_over_its_share_by_the_drivers_count_is_evicted,
             ),
@@ -462,6 +466,58 @@ async fn running_pinned(c: &KitCluster, name: &str, gib: u64) -> anyhow::Result<
     let pod = wait_running(c, name).await?;
     check_pinned(c, &pod).await?;
     Ok(pod)
+}
+
+/// Pod Security as a production cluster sets it: with `default` enforcing `restricted`, a
+/// `helm upgrade` still passes its routing check (the dry-run pod is admitted there); with the
+/// release namespace enforcing `baseline`, the chart refuses to render against the cluster,
+/// saying the node plugin needs `privileged`, instead of installing a DaemonSet whose pods
+/// are refused.
+fn pod_security_restricted_default_and_a_baseline_release_namespace(c: &KitCluster) -> Outcome<'_> {
+    Box::pin(async move {
+        let label = |namespace: &str, value: Option<&str>| {
+            let label = match value {
+                Some(level) => format!("pod-security.kubernetes.io/enforce={level}"),
+                None => "pod-security.kubernetes.io/enforce-".to_owned(),
+            };
+            c.kubectl(&["label", "namespace", namespace, &label, "--overwrite"])
+        };
+        let chart = chart_dir(c);
+        let chart = chart.to_string_lossy();
+        label("default", Some("restricted"))?;
+        let upgraded = c.helm(&[
+            "upgrade",
+            "gpushare",
+            &chart,
+            "-n",
+            "kube-system",
+            "--reuse-values",
+            "--wait",
+        ]);
+        label("default", None)?;
+        upgraded.context("helm upgrade with default enforcing restricted (the routing check)")?;
+
+        label("kube-system", Some("baseline"))?;
+        let rendered = c.helm(&[
+            "template",
+            "gpushare",
+            &chart,
+            "-n",
+            "kube-system",
+            "--dry-run=server",
+        ]);
+        label("kube-system", None)?;
+        let error = match rendered {
+            Ok(_) => bail!("the chart rendered for a release namespace enforcing baseline"),
+            Err(error) => format!("{error:#}"),
+        };
+        ensure!(
+            error.contains("enforces Pod Security \"baseline\"")
+                && error.contains("pod-security.kubernetes.io/enforce=privileged"),
+            "{error}"
+        );
+        Ok(())
+    })
 }
 
 /// The simulated backend's usage file (`devicePlugin.extraEnv`): what the driver says each

@@ -128,16 +128,37 @@ pub async fn run(config: RoutingCheckConfig) -> Result<(), Error> {
 
 /// The dry-run pod: one container asking for 1 unit of the resource, no `schedulerName`,
 /// and `forged` as an allocation annotation when given.
+///
+/// It is admitted like any pod of the namespace, so it meets Pod Security `restricted`
+/// (non-root, no privilege escalation, no capabilities, seccomp `RuntimeDefault`) and has
+/// CPU and memory requests and limits (a ResourceQuota may require them): a namespace that
+/// enforces either must not fail `helm install`.
 fn probe_pod(config: &RoutingCheckConfig, forged: Option<&str>) -> Pod {
     let mut pod = serde_json::json!({
         "apiVersion": "v1",
         "kind": "Pod",
         "metadata": {"name": "gpushare-routing-check", "namespace": config.namespace},
-        "spec": {"containers": [{
-            "name": "check",
-            "image": "registry.k8s.io/pause:3.10",
-            "resources": {"limits": {config.resource.as_str(): "1"}},
-        }]},
+        "spec": {
+            "securityContext": {
+                "runAsNonRoot": true,
+                "runAsUser": 65535,
+                "runAsGroup": 65535,
+                "seccompProfile": {"type": "RuntimeDefault"},
+            },
+            "containers": [{
+                "name": "check",
+                "image": "registry.k8s.io/pause:3.10",
+                "resources": {
+                    "requests": {"cpu": "10m", "memory": "16Mi"},
+                    "limits": {config.resource.as_str(): "1", "cpu": "10m", "memory": "16Mi"},
+                },
+                "securityContext": {
+                    "allowPrivilegeEscalation": false,
+                    "readOnlyRootFilesystem": true,
+                    "capabilities": {"drop": ["ALL"]},
+                },
+            }],
+        },
     });
     if let Some(key) = forged {
         pod["metadata"]["annotations"] = serde_json::json!({ key: "0" });
@@ -226,6 +247,33 @@ mod tests {
             .expect("limits");
         assert_eq!(limits["example.com/gpu-mem"].0, "1");
         assert_eq!(pod.metadata.annotations, None);
+        // Pod Security `restricted`, checked field by field as the API server's admission does.
+        let pod_security = spec.security_context.as_ref().expect("pod securityContext");
+        assert_eq!(pod_security.run_as_non_root, Some(true));
+        assert!(pod_security.run_as_user.is_some_and(|uid| uid != 0));
+        assert_eq!(
+            pod_security
+                .seccomp_profile
+                .as_ref()
+                .map(|p| p.type_.as_str()),
+            Some("RuntimeDefault")
+        );
+        let container = &spec.containers[0];
+        let security = container
+            .security_context
+            .as_ref()
+            .expect("securityContext");
+        assert_eq!(security.allow_privilege_escalation, Some(false));
+        assert_eq!(security.privileged, None);
+        let drop = security.capabilities.as_ref().and_then(|c| c.drop.as_ref());
+        assert_eq!(drop.map(Vec::as_slice), Some(&["ALL".to_owned()][..]));
+        assert!(spec.volumes.is_none() && spec.host_network.is_none());
+        // A ResourceQuota on CPU and memory needs both requests and limits.
+        let resources = container.resources.as_ref().expect("resources");
+        for list in [&resources.requests, &resources.limits] {
+            let list = list.as_ref().expect("requests and limits");
+            assert!(list.contains_key("cpu") && list.contains_key("memory"));
+        }
         let forged = probe_pod(&config(), Some("gpushare.example.com/v1.check"));
         assert!(
             forged

@@ -439,3 +439,20 @@ extenders:
 - --isolation-managed-memory={{ .Values.isolation.managedMemory }}
 {{- end }}
 {{- end }}
+
+{{/*
+The node plugins (device plugin, DRA plugin) run as root with hostPath volumes: Pod Security
+admits them only at `privileged`. A release namespace that enforces `baseline` or `restricted`
+would let helm install everything and then refuse the DaemonSet's pods, so installing fails
+here with what to do. Only where helm can read the Namespace (install/upgrade; `helm template`
+has no cluster and skips it).
+*/}}
+{{- define "gpushare.podSecurityCheck" -}}
+{{- $ns := lookup "v1" "Namespace" "" .Release.Namespace }}
+{{- if $ns }}
+{{- $level := index ($ns.metadata.labels | default dict) "pod-security.kubernetes.io/enforce" | default "privileged" }}
+{{- if ne $level "privileged" }}
+{{- fail (printf "namespace %s enforces Pod Security %q, but the gpushare node plugin runs as root with hostPath volumes (kubelet's plugin sockets) and is admitted only at \"privileged\": label it pod-security.kubernetes.io/enforce=privileged, or install into a namespace that is (kube-system is, unless relabelled)" .Release.Namespace $level) }}
+{{- end }}
+{{- end }}
+{{- end }}
