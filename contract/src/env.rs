@@ -53,6 +53,9 @@ pub const ISOLATION_DIR: &str = "GPUSHARE_ISOLATION_DIR";
 pub const ISOLATION_LIBRARY_IN_CONTAINER: &str = "/usr/local/lib/gpushare/libgpushare_isolation.so";
 /// Where a container's accounting directory is mounted ([`Enforcement::Preload`]).
 pub const ISOLATION_DIR_IN_CONTAINER: &str = "/var/run/gpushare/isolation";
+/// Where a container's limits file is mounted, read-only ([`Enforcement::Preload`]): the
+/// interposer takes its limits and its budget's path from it, not from the environment.
+pub const ISOLATION_LIMITS_IN_CONTAINER: &str = "/var/run/gpushare/limits";
 /// MiB the interposer charges each CUDA context of the container
 /// ([`IsolationOptions::context_mib`]); the interposer's `isolation::settings` reads it.
 pub const ISOLATION_CONTEXT_MIB: &str = "GPUSHARE_CONTEXT_MIB";
@@ -616,6 +619,19 @@ mod tests {
         assert!(
             settings.contains(&limit),
             "isolation/src/settings.rs lacks {limit}"
+        );
+    }
+
+    /// The interposer's budget crate names the limits file's path too (contract cannot
+    /// link it): the two must agree.
+    #[test]
+    fn the_interposer_reads_the_limits_file_mounted_here() {
+        let prepared = include_str!("../../isolation/budget/src/prepared.rs");
+        let needle =
+            format!("LIMITS_FILE_IN_CONTAINER: &str = \"{ISOLATION_LIMITS_IN_CONTAINER}\"");
+        assert!(
+            prepared.contains(&needle),
+            "isolation/budget/src/prepared.rs lacks {needle}"
         );
     }
 

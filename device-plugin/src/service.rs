@@ -86,15 +86,32 @@ impl Isolation {
         !self.exempt_namespaces.contains(namespace)
     }
 
-    /// The mounts that load the interposer into a container of `pod` (`namespace/name`) and
-    /// give it a fresh accounting directory, named `<namespace>_<pod>_<container>_<n>`
-    /// (Kubernetes names hold no `_`; `<n>` tells apart containers of a re-created pod).
-    pub fn mounts(&self, pod: &str, container: &str) -> std::io::Result<Vec<Mount>> {
+    /// The mounts that load the interposer into a container of `pod` (`namespace/name`),
+    /// granted `shares` (bytes per GPU) of the GPUs `uuids` (in the same order), and give it
+    /// a fresh accounting directory, named `<namespace>_<pod>_<container>_<n>` (Kubernetes
+    /// names hold no `_`; `<n>` tells apart containers of a re-created pod). The accounting
+    /// is prepared here, before the container starts: its budget, and the read-only limits
+    /// file the interposer takes its limits from
+    /// ([`gpushare_runtime::isolation::prepare_accounting`]).
+    pub fn mounts(
+        &self,
+        pod: &str,
+        container: &str,
+        shares: &[u64],
+        uuids: &[String],
+    ) -> std::io::Result<Vec<Mount>> {
         let stamp = std::time::SystemTime::now()
             .duration_since(std::time::UNIX_EPOCH)
             .map_or(0, |d| d.as_nanos());
         let name = format!("{}_{container}_{stamp:x}", pod.replace('/', "_"));
-        let dir = gpushare_runtime::isolation::accounting_dir(&self.host_dir, &name)?;
+        let accounting = gpushare_runtime::isolation::prepare_accounting(
+            &self.host_dir,
+            &name,
+            shares,
+            uuids,
+            self.options,
+        )?;
+        let dir = accounting.dir;
         Ok(vec![
             Mount {
                 container_path: env::ISOLATION_LIBRARY_IN_CONTAINER.to_owned(),
@@ -106,8 +123,25 @@ impl Isolation {
                 host_path: dir.display().to_string(),
                 read_only: false,
             },
+            Mount {
+                container_path: env::ISOLATION_LIMITS_IN_CONTAINER.to_owned(),
+                host_path: accounting.limits_file.display().to_string(),
+                read_only: true,
+            },
         ])
     }
+}
+
+/// A container's shares for the interposer's budget, bytes per GPU, and the GPUs' UUIDs in
+/// the same order: what [`container_env`] passes as `GPUSHARE_CONTAINER_MEM_GIB` (one GPU)
+/// or `GPUSHARE_CONTAINER_MEM_GIB_PER_GPU` on `GPUSHARE_GPU_COUNT` GPUs.
+pub fn isolation_shares(gpus: &[GpuInfo], gib: u64) -> (Vec<u64>, Vec<String>) {
+    let count = gpus.len().max(1);
+    let per_gpu = gib / u64::try_from(count).unwrap_or(u64::MAX);
+    (
+        vec![per_gpu.saturating_mul(1 << 30); count],
+        gpus.iter().map(|gpu| gpu.uuid.clone()).collect(),
+    )
 }
 
 /// The options sent at registration and from `GetDevicePluginOptions`.
@@ -453,8 +487,9 @@ impl GpuMemService {
                     );
                     let mut mounts = container_mounts(mode, &state.mps_pipe_directory);
                     if let (Enforcement::Preload, Some(isolation)) = (mode, &state.isolation) {
+                        let (shares, uuids) = isolation_shares(&claim.checked, claim.container.gib);
                         let preload = isolation
-                            .mounts(&claim.pod, &claim.container.name)
+                            .mounts(&claim.pod, &claim.container.name, &shares, &uuids)
                             .map_err(|e| AllocateError::Isolation {
                                 pod: claim.pod.clone(),
                                 why: e.to_string(),
@@ -604,16 +639,49 @@ mod tests {
         };
         assert!(isolation.applies_to("default/a"));
         assert!(!isolation.applies_to("trusted/a"));
-        let first = isolation.mounts("default/a", "main").unwrap();
-        let second = isolation.mounts("default/a", "main").unwrap();
+        let (shares, uuids) = isolation_shares(&[gpu(0, 16, true), gpu(1, 16, true)], 8);
+        assert_eq!(shares, [4 << 30, 4 << 30]);
+        let first = isolation
+            .mounts("default/a", "main", &shares, &uuids)
+            .unwrap();
+        let second = isolation
+            .mounts("default/a", "main", &shares, &uuids)
+            .unwrap();
         assert_eq!(first[0].host_path, second[0].host_path, "one library");
         assert_ne!(first[1].host_path, second[1].host_path, "a directory each");
-        assert!(first[0].read_only && !first[1].read_only);
+        assert_ne!(
+            first[2].host_path, second[2].host_path,
+            "a limits file each"
+        );
+        assert!(first[0].read_only && !first[1].read_only && first[2].read_only);
         assert!(
             first[1].host_path.contains("/containers/default_a_main_"),
             "{}",
             first[1].host_path
         );
+        assert_eq!(first[2].container_path, env::ISOLATION_LIMITS_IN_CONTAINER);
+        assert_eq!(
+            env::ISOLATION_LIMITS_IN_CONTAINER,
+            gpushare_isolation_budget::LIMITS_FILE_IN_CONTAINER
+        );
+        // Prepared before the container starts: the limits file names the budget as the
+        // container sees it, and the budget is there, for these shares.
+        let limits = gpushare_isolation_budget::PreparedLimits::parse(
+            &std::fs::read_to_string(&first[2].host_path).unwrap(),
+        )
+        .unwrap();
+        assert_eq!(limits.shares, shares);
+        assert_eq!(limits.uuids, ["GPU-0", "GPU-1"]);
+        let name = limits
+            .budget
+            .strip_prefix(env::ISOLATION_DIR_IN_CONTAINER)
+            .unwrap();
+        let snapshot = gpushare_isolation_budget::Snapshot::read(
+            &std::path::Path::new(&first[1].host_path).join(name),
+        )
+        .unwrap();
+        assert_eq!(snapshot.gpus.len(), 2);
+        assert_eq!(snapshot.gpus[1].share, 4 << 30);
     }
 
     #[test]

@@ -66,6 +66,22 @@ impl EnforcementConfig {
     }
 }
 
+/// The claim's shares for the interposer's budget, bytes per GPU (each device's GiB), and
+/// the GPUs' UUIDs in the same order.
+pub fn isolation_shares(devices: &[PreparedDevice]) -> (Vec<u64>, Vec<String>) {
+    devices
+        .iter()
+        .map(|device| (device.gib.saturating_mul(1 << 30), device.gpu_uuid.clone()))
+        .unzip()
+}
+
+/// Claim `uid`'s limits file on the host (written by
+/// `gpushare_runtime::isolation::prepare_accounting`), mounted read-only at
+/// [`env::ISOLATION_LIMITS_IN_CONTAINER`].
+pub fn limits_file(host_dir: &Path, uid: &str) -> PathBuf {
+    host_dir.join("limits").join(accounting_dir_name(uid))
+}
+
 /// The accounting directory's name of claim `uid`: every container using the claim shares
 /// its budget, as they share its memory.
 pub fn accounting_dir_name(uid: &str) -> String {
@@ -138,6 +154,11 @@ pub fn spec(
                     "hostPath": isolation.host_dir.join("containers").join(accounting_dir_name(uid)),
                     "containerPath": env::ISOLATION_DIR_IN_CONTAINER,
                     "options": ["bind", "rw"],
+                }),
+                json!({
+                    "hostPath": limits_file(&isolation.host_dir, uid),
+                    "containerPath": env::ISOLATION_LIMITS_IN_CONTAINER,
+                    "options": ["bind", "ro"],
                 }),
             ],
             None => Vec::new(),
@@ -303,6 +324,8 @@ mod tests {
                  "containerPath": env::ISOLATION_LIBRARY_IN_CONTAINER, "options": ["bind", "ro"]},
                 {"hostPath": "/var/lib/gpushare/isolation/containers/claim-u1",
                  "containerPath": env::ISOLATION_DIR_IN_CONTAINER, "options": ["bind", "rw"]},
+                {"hostPath": "/var/lib/gpushare/isolation/limits/claim-u1",
+                 "containerPath": env::ISOLATION_LIMITS_IN_CONTAINER, "options": ["bind", "ro"]},
             ])
         );
     }

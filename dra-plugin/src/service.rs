@@ -113,10 +113,18 @@ impl<C: ClaimSource> DraService<C> {
         .map_err(|err| err.to_string())?;
         let enforcement = node.enforcement.for_namespace(&claim.namespace);
         if let Some(isolation) = &enforcement.isolation {
+            // The claim's budget and the read-only limits file its containers' interposer
+            // reads, made before any container starts.
             let name = cdi::accounting_dir_name(&claim.uid);
-            gpushare_runtime::isolation::accounting_dir(&isolation.host_dir, &name).map_err(
-                |err| format!("making the claim's isolation accounting directory {name}: {err}"),
-            )?;
+            let (shares, uuids) = cdi::isolation_shares(&devices);
+            gpushare_runtime::isolation::prepare_accounting(
+                &isolation.host_dir,
+                &name,
+                &shares,
+                &uuids,
+                isolation.options,
+            )
+            .map_err(|err| format!("preparing the claim's isolation accounting {name}: {err}"))?;
         }
         let path = cdi::spec_path(&node.cdi_dir, &node.driver, &claim.uid);
         let spec = cdi::spec(&node.cdi_kind(), &claim.uid, &devices, &enforcement);
@@ -160,7 +168,7 @@ impl<C: ClaimSource> DraService<C> {
                 if let Err(err) =
                     gpushare_runtime::isolation::remove_accounting_dir(&isolation.host_dir, &name)
                 {
-                    tracing::warn!(uid = %claim.uid, %err, "could not remove the claim's isolation accounting directory");
+                    tracing::warn!(uid = %claim.uid, %err, "could not remove the claim's isolation accounting directory and limits file");
                 }
             }
             tracing::info!(claim = %format!("{}/{}", claim.namespace, claim.name), uid = %claim.uid, "unprepared");

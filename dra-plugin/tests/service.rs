@@ -287,8 +287,9 @@ async fn registration_names_the_driver_and_its_socket() {
     stop.cancel();
 }
 
-/// `--enforcement preload`: Prepare makes the claim's accounting directory and its spec
-/// mounts it with the interposer; Unprepare removes the directory with the spec.
+/// `--enforcement preload`: Prepare makes the claim's accounting directory with its budget,
+/// and its limits file, and its spec mounts them with the interposer (the limits file
+/// read-only); Unprepare removes both with the spec.
 #[tokio::test]
 async fn preload_gives_each_claim_an_accounting_directory_for_its_life() {
     let dir = tempfile::tempdir().unwrap();
@@ -333,6 +334,30 @@ async fn preload_gives_each_claim_an_accounting_directory_for_its_life() {
         serde_json::from_slice(&std::fs::read(&spec_path).unwrap()).unwrap();
     let mounts = &spec["devices"][0]["containerEdits"]["mounts"];
     assert_eq!(mounts[1]["hostPath"], accounting.display().to_string());
+    let limits_file = host_dir.join("limits").join("claim-ua");
+    assert_eq!(mounts[2]["hostPath"], limits_file.display().to_string());
+    assert_eq!(
+        mounts[2]["containerPath"],
+        gpushare_contract::env::ISOLATION_LIMITS_IN_CONTAINER
+    );
+    assert_eq!(mounts[2]["options"], serde_json::json!(["bind", "ro"]));
+    // Prepared before any container starts: the limits file names the claim's budget, which
+    // is there, for the claim's share, with the node's settings.
+    let limits = gpushare_isolation_budget::PreparedLimits::parse(
+        &std::fs::read_to_string(&limits_file).unwrap(),
+    )
+    .unwrap();
+    assert_eq!(limits.shares, [2 << 30]);
+    assert_eq!(limits.context_mib, Some(640));
+    assert_eq!(limits.managed_memory.as_deref(), Some("ignore"));
+    let budget = accounting.join(limits.budget.file_name().unwrap());
+    assert_eq!(
+        limits.budget,
+        std::path::Path::new(gpushare_contract::env::ISOLATION_DIR_IN_CONTAINER)
+            .join(budget.file_name().unwrap())
+    );
+    let snapshot = gpushare_isolation_budget::Snapshot::read(&budget).unwrap();
+    assert_eq!(snapshot.gpus[0].share, 2 << 30);
     let env = env_of(&spec);
     assert!(env.contains(&format!(
         "LD_PRELOAD={}",
@@ -354,5 +379,6 @@ async fn preload_gives_each_claim_an_accounting_directory_for_its_life() {
         .into_inner();
     assert!(done.claims.values().all(|c| c.error.is_empty()), "{done:?}");
     assert!(!accounting.exists());
+    assert!(!limits_file.exists());
     stop.cancel();
 }

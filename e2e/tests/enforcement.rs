@@ -96,7 +96,8 @@ async fn each_enforcement_mode_gives_containers_what_its_enforcer_reads() -> any
     }
     // preload: the interposer, installed from the plugin's image into the host directory
     // under a versioned name, mounted read-only and preloaded; each container gets an
-    // accounting directory of its own, mounted writable where the interposer looks for it.
+    // accounting directory of its own, mounted writable where the interposer looks for it,
+    // and a limits file naming its budget, mounted read-only.
     let dir = tempfile::tempdir()?;
     let library = dir.path().join("libgpushare_isolation.so");
     std::fs::write(&library, b"the interposer's bytes")?;
@@ -120,8 +121,13 @@ async fn each_enforcement_mode_gives_containers_what_its_enforcer_reads() -> any
                 && vars.contains_key(env::CONTAINER_GIB),
             "{vars:?}"
         );
-        let [(lib_in, lib_host, lib_ro), (dir_in, dir_host, dir_ro)] = &mounts[..] else {
-            anyhow::bail!("two mounts expected: {mounts:?}");
+        let [
+            (lib_in, lib_host, lib_ro),
+            (dir_in, dir_host, dir_ro),
+            (limits_in, limits_host, limits_ro),
+        ] = &mounts[..]
+        else {
+            anyhow::bail!("three mounts expected: {mounts:?}");
         };
         ensure!(
             lib_in == env::ISOLATION_LIBRARY_IN_CONTAINER && *lib_ro,
@@ -137,6 +143,22 @@ async fn each_enforcement_mode_gives_containers_what_its_enforcer_reads() -> any
             "{mounts:?}"
         );
         ensure!(std::path::Path::new(dir_host).is_dir(), "{dir_host}");
+        ensure!(
+            limits_in == env::ISOLATION_LIMITS_IN_CONTAINER && *limits_ro,
+            "{mounts:?}"
+        );
+        // Outside the writable directory, and naming a budget the plugin made in it.
+        let limits = std::fs::read_to_string(limits_host)?;
+        let budget = limits
+            .lines()
+            .find_map(|line| line.strip_prefix("budget="))
+            .and_then(|path| path.strip_prefix(env::ISOLATION_DIR_IN_CONTAINER))
+            .ok_or_else(|| anyhow::anyhow!("no budget in the limits file: {limits}"))?;
+        ensure!(
+            !limits_host.starts_with(dir_host.as_str())
+                && std::path::Path::new(&format!("{dir_host}{budget}")).is_file(),
+            "{limits_host}: {limits}"
+        );
         accounting.push(dir_host.clone());
     }
     ensure!(accounting[0] != accounting[1], "{accounting:?}");
@@ -181,7 +203,17 @@ async fn preload_holds_a_container_and_its_use_reaches_metrics() -> anyhow::Resu
                 .ok_or_else(|| anyhow::anyhow!("{inside} is not mounted: {mounts:?}"))
         };
         // The container's view: its environment, with the mounts' host paths for the paths
-        // it sees them at.
+        // it sees them at; its limits file, with the budget's host path for the path it sees
+        // it at (named by GPUSHARE_ISOLATION_LIMITS_FILE, as there is no
+        // /var/run/gpushare/limits here).
+        let accounting_dir = host_of(env::ISOLATION_DIR_IN_CONTAINER)?;
+        let limits = std::fs::read_to_string(host_of(env::ISOLATION_LIMITS_IN_CONTAINER)?)?
+            .replace(
+                &format!("budget={}", env::ISOLATION_DIR_IN_CONTAINER),
+                &format!("budget={accounting_dir}"),
+            );
+        let limits_file = dir.path().join("limits-as-seen");
+        std::fs::write(&limits_file, limits)?;
         let output = std::process::Command::new(&bins.isolation_probe)
             .args(["info", "alloc:mem:3000", "alloc:mem:2000"])
             .env_clear()
@@ -193,10 +225,8 @@ async fn preload_holds_a_container_and_its_use_reaches_metrics() -> anyhow::Resu
                 env::LD_PRELOAD,
                 host_of(env::ISOLATION_LIBRARY_IN_CONTAINER)?,
             )
-            .env(
-                env::ISOLATION_DIR,
-                host_of(env::ISOLATION_DIR_IN_CONTAINER)?,
-            )
+            .env(env::ISOLATION_DIR, &accounting_dir)
+            .env("GPUSHARE_ISOLATION_LIMITS_FILE", &limits_file)
             .env(
                 "LD_LIBRARY_PATH",
                 gpushare_isolation_probe::fake_driver_dir(),

@@ -895,6 +895,19 @@ fn a_gpu_container_is_held_to_its_share(c: &KitCluster) -> Outcome<'_> {
                     && m.ends_with(&format!(":{}", env::ISOLATION_LIBRARY_IN_CONTAINER))),
             "the installed interposer is not mounted: {mounts:?}"
         );
+        // Its limits come from the file the plugin wrote before it started, mounted read-only
+        // outside its writable accounting directory: its environment cannot raise them.
+        ensure!(
+            mounts.iter().any(|m| m.starts_with(
+                &*c.kit()
+                    .root()
+                    .join("isolation")
+                    .join("limits")
+                    .to_string_lossy()
+            ) && m
+                .ends_with(&format!(":{}", env::ISOLATION_LIMITS_IN_CONTAINER))),
+            "the limits file is not mounted: {mounts:?}"
+        );
         ensure!(
             created.env.get(env::LD_PRELOAD).map(String::as_str)
                 == Some(env::ISOLATION_LIBRARY_IN_CONTAINER),
@@ -1048,7 +1061,9 @@ fn a_dra_container_is_held_to_its_share(c: &KitCluster) -> Outcome<'_> {
                 ))
             })
             .collect();
-        let report = gpushare_e2e::realk8s::run_with_cdi_edits(&edits, &argv, &extra_env)?;
+        let report = gpushare_e2e::realk8s::run_with_cdi_edits(&edits, &argv, &extra_env);
+        gpushare_e2e::realk8s::remove_isolation_placeholders();
+        let report = report?;
         check_probe_report(name, &report)?;
         println!(
             "  {name}: {}",

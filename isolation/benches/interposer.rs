@@ -23,7 +23,7 @@ use std::sync::atomic::{AtomicU64, Ordering};
 
 use criterion::{Criterion, criterion_group, criterion_main};
 use gpushare_isolation::ledger::Kind;
-use gpushare_isolation::{Interposer, Limits};
+use gpushare_isolation::{Budget, Interposer, Limits};
 
 unsafe extern "C" {
     // This crate's hooks: the rlib defines them.
@@ -164,6 +164,29 @@ fn bench(c: &mut Criterion) {
         let _ = sleeper.kill();
         let _ = sleeper.wait();
     }
+
+    // The same with 30 holders that lock their slots (each its own open file description,
+    // as 30 processes have, maybe in other PID namespaces): one F_OFD_GETLK per slot past
+    // the 50 ms proof of life.
+    let locked = Interposer::open(&limits, &dir.path().join("locked.v1")).unwrap();
+    let holders: Vec<Budget> = (0..30)
+        .map(|i| {
+            let holder = Budget::open(&dir.path().join("locked.v1"), &limits).unwrap();
+            let slot = holder.claim_own_slot(1_000_000 + i, 1).unwrap();
+            assert!(holder.try_reserve(Some(slot), 0, 256 * MIB));
+            holder
+        })
+        .collect();
+    assert_eq!(locked.allocate(Kind::Pointer, 0, 512 * MIB, || Ok(1)), 0);
+    c.bench_function("refused_30_live_locked", |b| {
+        b.iter(|| {
+            assert_eq!(
+                locked.allocate(Kind::Pointer, 0, black_box(MIB), || Ok(2)),
+                2
+            );
+        })
+    });
+    drop(holders);
 
     // The hooks really forward to the fake (which frees what they allocated) and count (past
     // the share they refuse).

@@ -128,8 +128,13 @@ impl Interposer {
 
     /// Opens the budget at `path` for `limits` and `settings`.
     pub fn open_with(limits: &Limits, settings: Settings, path: &Path) -> budget::Result<Self> {
-        Ok(Self {
-            budget: Budget::open(path, limits)?,
+        Ok(Self::with_budget(Budget::open(path, limits)?, settings))
+    }
+
+    /// The accounting over `budget` (opened, prepared or closed) with `settings`.
+    pub fn with_budget(budget: Budget, settings: Settings) -> Self {
+        Self {
+            budget,
             ledger: Ledger::default(),
             settings,
             slot: AtomicUsize::new(UNCLAIMED),
@@ -143,7 +148,7 @@ impl Interposer {
             measured_context: std::array::from_fn(|_| AtomicU64::new(0)),
             last_ctx: AtomicU64::new(0),
             make_room: |_| false,
-        })
+        }
     }
 
     /// Sets what re-reads the driver's figures before an allocation is refused.
@@ -194,7 +199,7 @@ impl Interposer {
         }
         let (pid, start) = budget::this_process();
         self.budget.release_slots_of(pid, start);
-        let claimed = self.budget.claim_slot(pid, start).unwrap_or(NO_SLOT);
+        let claimed = self.budget.claim_own_slot(pid, start).unwrap_or(NO_SLOT);
         // Only this thread moves the slot out of CLAIMING; a fork child starts over from
         // UNCLAIMED (`after_fork_in_child`).
         self.slot.store(claimed, Ordering::Release);
@@ -833,6 +838,7 @@ impl Interposer {
     /// allocation) and an empty record: the parent's contexts, pools and mappings are the
     /// parent's.
     pub(crate) fn after_fork_in_child(&self) {
+        self.budget.forget_lock_in_child();
         self.slot.store(UNCLAIMED, Ordering::Release);
         self.last_ctx.store(0, Ordering::Release);
         for charged in &self.graph_charged {

@@ -17,9 +17,12 @@
 //! # Why preload
 //!
 //! A preloaded library comes first in symbol resolution, needs no change to the image or the
-//! program, and sees every process of the container (the plugin sets `LD_PRELOAD` and the
-//! limits in the container's environment). Limits come from
-//! [`gpushare_isolation_budget::limits`]; without them every call passes through unchanged.
+//! program, and sees every process of the container (the plugin sets `LD_PRELOAD` in the
+//! container's environment). Limits come from the read-only limits file the plugin mounts
+//! (`gpushare_isolation_budget::prepared`), which no process of the container can change
+//! for its children, and only where there is none from the environment
+//! ([`gpushare_isolation_budget::limits`]); see `source`. Without either, every call passes
+//! through unchanged.
 //!
 //! # The ways to the driver
 //!
@@ -73,9 +76,17 @@
 //!
 //! # Never takes the program down
 //!
-//! No panic crosses the FFI boundary (every export runs in `catch_unwind`). If the limits are
-//! malformed or the budget file cannot be opened, one line goes to stderr and every call
-//! passes through. `fork` is handled (the child gets its own slot and an empty record).
+//! No panic crosses the FFI boundary (every export runs in `catch_unwind`). `fork` is
+//! handled (the child gets its own slot and an empty record).
+//!
+//! # Fails closed
+//!
+//! Limits that are set but cannot be applied (a malformed limits file or variable, a budget
+//! that cannot be opened, mapped or validated, a prepared budget that is missing) do not
+//! let the program past them: every allocation, of every kind, context creation included,
+//! returns `CUDA_ERROR_OUT_OF_MEMORY`, and one line on stderr says why and what to do.
+//! Queries still answer, every GPU full: the share as total (the driver's total where the
+//! shares could not be read) and nothing free.
 //! The shipped library needs no glibc symbol newer than 2.17 (`scripts/build-interposer.sh`),
 //! so it loads in old images.
 //!
@@ -96,7 +107,11 @@
 //!   needs more than the stack limit) is not counted; nor are graph memory nodes added by
 //!   `cuGraphAddNode` or changed in an instantiated graph (they are counted when the graph
 //!   runs, not refused node by node).
-//! - Processes sharing a budget must share a pid namespace (dead slots are found by pid).
+//! - Processes sharing a budget across PID namespaces (a DRA claim's containers) are told
+//!   apart by their slot locks (open-file-description locks); on a filesystem without them,
+//!   dead slots are found by pid, which only holds within one PID namespace.
+//! - A child created without `fork`'s handlers (a raw `clone`) that does not `exec` keeps
+//!   its parent's slot lock, and so the parent's slot alive, until it exits.
 //! - A second CUDA driver in one process (after the first was bound) is passed through.
 //! - A process killed between reserving a total and recording it in its slot (two atomic
 //!   steps) leaves those bytes counted until the container restarts: never over the share.
@@ -124,6 +139,7 @@ mod interposer;
 pub mod ledger;
 mod process;
 pub mod settings;
+mod source;
 mod spin;
 
 pub use budget::Budget;

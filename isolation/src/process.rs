@@ -1,4 +1,5 @@
-//! This process's interposer state and what every hook shares: set-up from the environment,
+//! This process's interposer state and what every hook shares: set-up (from the limits
+//! file or the environment, see [`crate::source`]),
 //! `fork` handlers, the panic guard, the real entry points, and where the current
 //! allocation goes ([`here`]).
 
@@ -6,73 +7,68 @@ use std::ffi::{c_int, c_void};
 use std::panic::AssertUnwindSafe;
 use std::sync::OnceLock;
 
-use gpushare_isolation_budget::Limits;
-
-use crate::budget;
+use crate::budget::Budget;
 use crate::devices;
 use crate::driver::{self, Handle, Status};
 use crate::interposer::{Interposer, Place};
-use crate::settings::Settings;
+use crate::source;
 
 /// This process's accounting: see [`state`].
 static STATE: OnceLock<Option<Interposer>> = OnceLock::new();
 
-/// This process's accounting, set up on first use from the environment; `None` when no
-/// limits are set or the budget cannot be opened (then every hook passes through, and one
-/// line on stderr says why).
+/// This process's accounting, set up on first use ([`crate::source`]): `None` when no
+/// limits are set (then every hook passes through). Limits that are set but cannot be
+/// applied give an interposer over a closed budget, which refuses every allocation (one line
+/// on stderr says why).
 pub(crate) fn state() -> Option<&'static Interposer> {
     STATE.get_or_init(set_up).as_ref()
 }
 
 fn set_up() -> Option<Interposer> {
-    let limits = match Limits::from_env() {
-        Ok(Some(limits)) => limits,
+    let opened = match source::resolve() {
         Ok(None) => return None,
-        Err(e) => {
-            eprintln!("gpushare-isolation: not limiting GPU memory: {e}");
-            return None;
+        Ok(Some(resolved)) => resolved.open().map(|budget| (budget, resolved.settings)),
+        Err(failure) => Err(failure),
+    };
+    let (budget, settings) = match opened {
+        Ok(opened) => opened,
+        Err(failure) => {
+            eprintln!("{}", failure.message());
+            match Budget::closed(failure.limits.as_ref()) {
+                Ok(closed) => (closed, failure.settings),
+                Err(e) => {
+                    eprintln!("gpushare-isolation: cannot even refuse GPU memory: {e}");
+                    return None;
+                }
+            }
         }
     };
-    let settings = match Settings::from_env() {
-        Ok(settings) => settings,
-        Err(e) => {
-            eprintln!("gpushare-isolation: not limiting GPU memory: {e}");
-            return None;
-        }
+    // SAFETY: plain functions that only read `STATE` without blocking on it.
+    unsafe {
+        libc::pthread_atfork(
+            Some(before_fork),
+            Some(after_fork_parent),
+            Some(after_fork_child),
+        )
     };
-    let path = budget::path_from_env(&limits);
-    match Interposer::open_with(&limits, settings, &path) {
-        Ok(interposer) => {
-            // SAFETY: plain functions that only read `STATE` without blocking on it.
-            unsafe {
-                libc::pthread_atfork(
-                    Some(before_fork),
-                    Some(after_fork_parent),
-                    Some(after_fork_child),
-                )
-            };
-            Some(interposer.with_room_maker(make_room))
-        }
-        Err(e) => {
-            eprintln!("gpushare-isolation: not limiting GPU memory: {e}");
-            None
-        }
-    }
+    Some(Interposer::with_budget(budget, settings).with_room_maker(make_room))
 }
 
 /// Run when the library is loaded into a program: a program started by `exec` gives back
 /// at once what the earlier program of its process held (the driver freed it with that
 /// program), instead of at its first allocation, which a launcher may never make.
 ///
-/// Only where limits are set and the budget file already exists (an earlier program that held
-/// a slot made it): a process that never uses the GPU creates nothing. Opening a finished
-/// budget takes no lock, so no process start waits on another process of the container.
+/// Only where limits are set (found as [`state`] finds them: the limits file, else the
+/// environment) and the budget file already exists (the plugin prepared it, or an earlier
+/// program that held a slot made it): a process that never uses the GPU creates nothing.
+/// Opening a finished budget takes no lock, so no process start waits on another process of
+/// the container.
 extern "C" fn on_load() {
     let _ = std::panic::catch_unwind(|| {
-        let Ok(Some(limits)) = Limits::from_env() else {
+        let Ok(Some(resolved)) = source::resolve() else {
             return;
         };
-        if budget::path_from_env(&limits).exists()
+        if resolved.budget.exists()
             && let Some(interposer) = state()
         {
             interposer.forget_earlier_program();

@@ -2,6 +2,10 @@
 //! ([`gpushare_isolation_budget::Limits`]): which GPU each share is for, what a context
 //! costs, and what to do with managed memory.
 //!
+//! Where a limits file is mounted (or named, see `crate::source`) these come from its
+//! `uuid`, `context_mib` and `managed_memory` lines instead, read by the same rules, and
+//! the variables below are ignored.
+//!
 //! - `GPUSHARE_GPU_UUID`: the container's GPUs, comma-separated, in the order of its shares
 //!   (the device plugin sets it). Budgets are keyed by these UUIDs, not by CUDA ordinals:
 //!   `CUDA_VISIBLE_DEVICES` renumbers ordinals per process, so two processes may call the

@@ -507,3 +507,94 @@ fn graph_memory_is_charged_what_each_gpu_reserves() {
     assert!(!ip.would_fit(0, 3072 * MIB));
     assert_eq!(ip.set_graph_charge(0, 0), 3072 * MIB);
 }
+
+/// A slot locked by its holder (here: another open file description of this process, as a
+/// process of another PID namespace would hold it) is alive whatever its pid says here:
+/// neither reclaimed nor given up as an earlier program's. Once the lock goes (the holder's
+/// descriptor closed, as at its death), its bytes come back.
+#[test]
+fn a_locked_slot_is_alive_whatever_its_pid_and_free_once_its_lock_goes() {
+    let dir = tempfile::tempdir().unwrap();
+    let path = budget_file(&dir);
+    let limits = Limits::new(vec![4096 * MIB]);
+    let holder = Budget::open(&path, &limits).unwrap();
+    // A pid that is dead here, and a start time, as another namespace's process has them.
+    let pid = dead_pid();
+    let slot = holder.claim_own_slot(pid, 7).unwrap();
+    assert!(holder.try_reserve(Some(slot), 0, 3072 * MIB));
+
+    let other = Budget::open(&path, &limits).unwrap();
+    assert_eq!(
+        other.reclaim_dead(),
+        0,
+        "a live holder's slot was reclaimed"
+    );
+    assert!(!other.try_reserve(None, 0, 2048 * MIB));
+    assert_eq!(
+        other.release_slots_of(pid, 7),
+        0,
+        "given up as an earlier program's"
+    );
+    assert!(!other.has_slot_of(pid));
+    assert_eq!(other.used(0), 3072 * MIB);
+
+    // Without the lock the same slot is judged by its (dead) pid.
+    let unlocked = other.claim_slot(pid, 7).unwrap();
+    assert!(other.try_reserve(Some(unlocked), 0, MIB));
+    assert_eq!(other.reclaim_dead(), MIB);
+
+    drop(holder);
+    // A process that has not seen the slot alive yet (no proof of life cached).
+    let later = Budget::open(&path, &limits).unwrap();
+    assert_eq!(later.reclaim_dead(), 3072 * MIB);
+    assert_eq!(later.used(0), 0);
+    assert!(Snapshot::read(&path).unwrap().processes.is_empty());
+}
+
+/// A budget that could not be applied refuses memory of every kind, and nothing given back
+/// opens room in it; queries show it full.
+#[test]
+fn a_closed_budget_refuses_every_kind_of_memory() {
+    let share = 4096 * MIB;
+    let closed = Budget::closed(Some(&Limits::new(vec![share]))).unwrap();
+    assert!(closed.is_closed());
+    let settings = Settings {
+        context_bytes: 0,
+        measure_context: false,
+        ..Settings::default()
+    };
+    let ip = Interposer::with_budget(closed, settings);
+    let place = Place { gpu: 0, ctx: 0 };
+    let never = || -> Result<u64, i32> { panic!("the driver was reached") };
+    assert_eq!(ip.memory(0, 80_000 * MIB), (0, share));
+    // A context charged nothing is refused too: the driver would hold memory for it.
+    assert_eq!(ip.create_context(0, never), Err(CUDA_ERROR_OUT_OF_MEMORY));
+    for kind in [Kind::Pointer, Kind::Handle] {
+        assert_eq!(ip.allocate(kind, 0, MIB, never), CUDA_ERROR_OUT_OF_MEMORY);
+    }
+    assert_eq!(
+        ip.allocate(Kind::Pointer, 0, 0, never),
+        CUDA_ERROR_OUT_OF_MEMORY
+    );
+    let pool_never = || -> Option<u64> { panic!("the driver was reached") };
+    assert_eq!(
+        ip.allocate_from_pool(place, 9, MIB, 2 * MIB, never, pool_never),
+        CUDA_ERROR_OUT_OF_MEMORY,
+        "room in a pool does not let an allocation through"
+    );
+    assert_eq!(
+        ip.change_limit(place, 2, 1 << 20, || panic!("the driver was reached")),
+        CUDA_ERROR_OUT_OF_MEMORY
+    );
+    assert!(!ip.would_fit(0, 1));
+    // Charges moving down give nothing back.
+    ip.set_graph_charge(0, 512 * MIB);
+    ip.set_graph_charge(0, 0);
+    ip.budget().release(None, 0, share);
+    assert_eq!(ip.memory(0, 80_000 * MIB), (0, share));
+    assert_eq!(
+        ip.allocate(Kind::Pointer, 0, MIB, never),
+        CUDA_ERROR_OUT_OF_MEMORY
+    );
+    assert_eq!(ip.budget().refused_count(0), 8);
+}

@@ -11,11 +11,14 @@
 #![allow(clippy::unwrap_used, clippy::expect_used)]
 
 use std::io::{BufRead, BufReader};
-use std::process::{Child, Command, Stdio};
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, ExitStatus, Stdio};
 use std::time::{Duration, Instant};
 
 // The budget crate, not this one: the test does not link the interposer's exports itself.
-use gpushare_isolation_budget::{Limits, Snapshot, budget_path};
+use gpushare_isolation_budget::{
+    ENV_LIMITS_FILE, Limits, PreparedLimits, Snapshot, budget_path, prepare,
+};
 
 const MIB: u64 = 1 << 20;
 const WAYS: [&str; 3] = ["link", "dlsym", "getproc"];
@@ -65,6 +68,42 @@ impl Container {
             ],
             fake_gpus: count,
         }
+    }
+
+    /// One GPU with a share of `gib`, prepared as the plugins prepare a container: the
+    /// budget and a limits file naming it (under `prepared/`), the limits file named by
+    /// `GPUSHARE_ISOLATION_LIMITS_FILE`; no limits in the environment. Every user may reach
+    /// both (a test runs the probe as another user).
+    fn prepared(gib: u32) -> Self {
+        use std::os::unix::fs::PermissionsExt as _;
+        let dir = tempfile::tempdir().unwrap();
+        let prepared = dir.path().join("prepared");
+        std::fs::create_dir(&prepared).unwrap();
+        for d in [dir.path(), &prepared] {
+            std::fs::set_permissions(d, std::fs::Permissions::from_mode(0o755)).unwrap();
+        }
+        let limits = Limits::new(vec![u64::from(gib) << 30]);
+        let budget = budget_path(&prepared, "container", &limits);
+        let limits_file = prepared.join("limits");
+        let limits = PreparedLimits {
+            budget,
+            shares: limits.shares().to_vec(),
+            uuids: Vec::new(),
+            context_mib: Some(0),
+            managed_memory: None,
+        };
+        prepare(&limits.budget, &limits_file, &limits).unwrap();
+        Self {
+            dir,
+            vars: vec![(ENV_LIMITS_FILE, limits_file.display().to_string())],
+            fake_gpus: 1,
+        }
+    }
+
+    /// The budget [`Container::prepared`] made.
+    fn prepared_budget(&self) -> PathBuf {
+        let text = std::fs::read_to_string(self.dir.path().join("prepared/limits")).unwrap();
+        PreparedLimits::parse(&text).unwrap().budget
     }
 
     /// No limits at all.
@@ -118,13 +157,29 @@ impl Container {
         }
     }
 
+    /// Runs `command` (a probe, maybe [`wrap`]ped) to its end, whatever its exit.
+    fn output(&self, mut command: Command) -> (ExitStatus, Output) {
+        let out = command.stdin(Stdio::null()).output().unwrap();
+        (
+            out.status,
+            Output {
+                lines: String::from_utf8_lossy(&out.stdout)
+                    .lines()
+                    .map(str::to_owned)
+                    .collect(),
+                stderr: String::from_utf8_lossy(&out.stderr).into_owned(),
+            },
+        )
+    }
+
     /// Starts the probe and waits until it holds (its last step is `hold`).
     fn hold(&self, via: &str, steps: &[&str]) -> Holder {
-        let mut child = self
-            .command(via, steps)
-            .stdout(Stdio::piped())
-            .spawn()
-            .unwrap();
+        self.hold_command(self.command(via, steps))
+    }
+
+    /// Starts `command` (a probe, maybe [`wrap`]ped) and waits until it holds.
+    fn hold_command(&self, mut command: Command) -> Holder {
+        let mut child = command.stdout(Stdio::piped()).spawn().unwrap();
         let mut lines = Vec::new();
         let mut reader = BufReader::new(child.stdout.take().unwrap());
         loop {
@@ -152,6 +207,23 @@ impl Container {
 struct Holder {
     child: Child,
     output: Output,
+}
+
+/// `probe` run through `prefix` (`unshare ...`, `setpriv ...`): same arguments and
+/// environment.
+fn wrap(prefix: &[&str], probe: &Command) -> Command {
+    let mut command = Command::new(prefix[0]);
+    command
+        .args(&prefix[1..])
+        .arg(probe.get_program())
+        .args(probe.get_args());
+    for (name, value) in probe.get_envs() {
+        match value {
+            Some(value) => command.env(name, value),
+            None => command.env_remove(name),
+        };
+    }
+    command
 }
 
 impl Holder {
@@ -350,18 +422,46 @@ fn without_the_variables_nothing_changes() {
     assert_eq!(std::fs::read_dir(container.dir.path()).unwrap().count(), 0);
 }
 
+/// The one line a process that refuses everything says, or a failure.
+fn the_refusal_line(out: &Output) -> &str {
+    assert_eq!(out.stderr.lines().count(), 1, "{}", out.stderr);
+    let line = out.stderr.trim_end();
+    assert!(
+        line.starts_with("gpushare-isolation: refusing all GPU memory: "),
+        "{line}"
+    );
+    line
+}
+
+/// Limits that are set but cannot be applied refuse everything: even device 0's context (a
+/// context holds device memory too), so the probe cannot start.
+fn assert_refused_at_start(status: ExitStatus, out: &Output) {
+    assert!(!status.success(), "{:?}", out.lines);
+    assert_eq!(
+        out.lines,
+        ["error message=making_device_0_current:_device_dev=0_result=2"],
+        "{}",
+        out.stderr
+    );
+}
+
 #[test]
-fn bad_limits_pass_everything_through_with_one_line_on_stderr() {
+fn bad_limits_refuse_everything_with_one_line_on_stderr() {
     let mut container = Container::unlimited();
     container.vars = vec![("GPUSHARE_CONTAINER_MEM_GIB", "four".into())];
-    let out = container.run("link", &["alloc:mem:8192", "info", "alloc:mem:1"]);
-    assert_eq!(out.allocs(), [0, 0]);
-    assert_eq!(mib(out.one("cuda", "total")), FAKE_GPU_MIB);
-    assert_eq!(out.stderr.lines().count(), 1, "{}", out.stderr);
+    let (status, out) = container.output(container.command("link", &["alloc:mem:8192"]));
+    assert_refused_at_start(status, &out);
     assert!(
+        the_refusal_line(&out).contains("GPUSHARE_CONTAINER_MEM_GIB"),
+        "{}",
         out.stderr
-            .starts_with("gpushare-isolation: not limiting GPU memory")
     );
+    // A query still answers: no share is known, so the driver's total, nothing free.
+    let (status, out) = container.output(container.command("link", &["no-context", "nvml-info:0"]));
+    assert!(status.success(), "{out:?}", out = out.lines);
+    assert_eq!(out.one("nvml-info", "result"), 0);
+    assert_eq!(mib(out.one("nvml-info", "total")), FAKE_GPU_MIB);
+    assert_eq!(out.one("nvml-info", "free"), 0);
 
     // A budget directory that cannot be made (a file is in the way).
     let mut container = Container::one_gpu(4);
@@ -370,10 +470,235 @@ fn bad_limits_pass_everything_through_with_one_line_on_stderr() {
     container
         .vars
         .push(("GPUSHARE_ISOLATION_DIR", blocked.display().to_string()));
-    let out = container.run("getproc", &["alloc:mem:8192", "info"]);
-    assert_eq!(out.allocs(), [0]);
-    assert_eq!(mib(out.one("cuda", "total")), FAKE_GPU_MIB);
-    assert_eq!(out.stderr.lines().count(), 1, "{}", out.stderr);
+    let (status, out) = container.output(container.command("getproc", &["alloc:mem:8192"]));
+    assert_refused_at_start(status, &out);
+    the_refusal_line(&out);
+}
+
+#[test]
+fn a_budget_that_fails_validation_refuses_everything_and_says_why() {
+    // One byte over the header (its version), then a file of the wrong length: each refuses
+    // everything, in a prepared container and in one run from the environment.
+    type Damage = fn(&Path);
+    let damage: [(&str, Damage); 2] = [
+        ("a byte over the header", |path| {
+            use std::os::unix::fs::FileExt as _;
+            let file = std::fs::OpenOptions::new().write(true).open(path).unwrap();
+            file.write_all_at(&[7], 8).unwrap();
+        }),
+        ("the wrong length", |path| {
+            let file = std::fs::OpenOptions::new().write(true).open(path).unwrap();
+            file.set_len(4096).unwrap();
+        }),
+    ];
+    for (what, damage) in damage {
+        let prepared = Container::prepared(4);
+        let budget = prepared.prepared_budget();
+        damage(&budget);
+        let (status, out) = prepared.output(prepared.command("link", &["alloc:mem:1"]));
+        assert_refused_at_start(status, &out);
+        let line = the_refusal_line(&out);
+        assert!(
+            line.contains(&budget.display().to_string()),
+            "{what}: {line}"
+        );
+        assert!(line.contains("restart the pod"), "{what}: {line}");
+        // A query still answers: the share as total, nothing free.
+        let (status, out) =
+            prepared.output(prepared.command("dlsym", &["no-context", "nvml-info:0", "device:0"]));
+        assert!(status.success(), "{what}: {:?}", out.lines);
+        assert_eq!(out.one("nvml-info", "result"), 0, "{what}");
+        assert_eq!(mib(out.one("nvml-info", "total")), 4096, "{what}");
+        assert_eq!(out.one("nvml-info", "free"), 0, "{what}");
+        assert_eq!(out.one("device", "result"), 2, "{what}: no context either");
+        the_refusal_line(&out);
+
+        // Limits from the environment: a damaged budget is not passed over either.
+        let from_env = Container::one_gpu(4);
+        let path = budget_path(from_env.dir.path(), "default", &Limits::new(vec![4 << 30]));
+        assert_eq!(from_env.run("link", &["alloc:mem:1"]).allocs(), [0]);
+        damage(&path);
+        let (status, out) = from_env.output(from_env.command("link", &["alloc:mem:1"]));
+        assert_refused_at_start(status, &out);
+        the_refusal_line(&out);
+    }
+    // A limits file that names no budget there: refused too (the budget is never made here).
+    let prepared = Container::prepared(4);
+    let budget = prepared.prepared_budget();
+    std::fs::remove_file(&budget).unwrap();
+    let (status, out) = prepared.output(prepared.command("link", &["alloc:mem:1"]));
+    assert_refused_at_start(status, &out);
+    the_refusal_line(&out);
+    assert!(!budget.exists());
+}
+
+#[test]
+fn a_child_cannot_raise_its_limit_or_leave_its_budget_through_the_environment() {
+    let container = Container::prepared(4);
+    for via in WAYS {
+        let mut command = container.command(via, &["alloc:mem:3072", "alloc:mem:2048", "info"]);
+        command
+            .env("GPUSHARE_CONTAINER_MEM_GIB", "16")
+            .env("GPUSHARE_GPU_COUNT", "1")
+            .env("GPUSHARE_CONTAINER_MEM_GIB_PER_GPU", "16")
+            .env("GPUSHARE_ISOLATION_KEY", "another")
+            .env("GPUSHARE_MANAGED_MEMORY", "ignore");
+        let (status, out) = container.output(command);
+        assert!(status.success(), "{via}: {:?}\n{}", out.lines, out.stderr);
+        assert_eq!(out.allocs(), [0, 2], "{via}: {:?}", out.lines);
+        assert_eq!(mib(out.one("cuda", "total")), 4096, "{via}");
+        assert_eq!(out.stderr, "", "{via}");
+        // Counted in the prepared budget (the probe is gone, not yet reclaimed).
+        let snapshot = Snapshot::read(&container.prepared_budget()).unwrap();
+        assert_eq!(snapshot.gpus[0].share, 4096 * MIB, "{via}");
+        assert!(
+            snapshot.processes.iter().any(|p| p.used == [3072 * MIB]),
+            "{via}: {snapshot:?}"
+        );
+        assert_eq!(
+            snapshot.gpus[0].refused,
+            1 + WAYS.iter().position(|w| *w == via).unwrap() as u64
+        );
+        // Reclaimed for the next way.
+        assert_eq!(container.run(via, &["info"]).allocs(), [0; 0]);
+    }
+    // Nothing made where the environment points.
+    let made: Vec<_> = std::fs::read_dir(container.dir.path())
+        .unwrap()
+        .map(|e| e.unwrap().file_name())
+        .collect();
+    assert_eq!(made, ["prepared"]);
+}
+
+/// A prefix that runs a program in a new PID namespace, `None` where the kernel allows none.
+fn pid_namespace() -> Option<&'static [&'static str]> {
+    const AS_ROOT: &[&str] = &["unshare", "--pid", "--fork", "--kill-child"];
+    const IN_USER_NS: &[&str] = &[
+        "unshare",
+        "--user",
+        "--map-root-user",
+        "--pid",
+        "--fork",
+        "--kill-child",
+    ];
+    [AS_ROOT, IN_USER_NS].into_iter().find(|prefix| {
+        Command::new(prefix[0])
+            .args(&prefix[1..])
+            .arg("true")
+            .stdout(Stdio::null())
+            .stderr(Stdio::null())
+            .status()
+            .is_ok_and(|s| s.success())
+    })
+}
+
+#[test]
+fn two_pid_namespaces_sharing_a_budget_never_pass_it() {
+    let Some(prefix) = pid_namespace() else {
+        eprintln!(
+            "SKIPPED two_pid_namespaces_sharing_a_budget_never_pass_it: the kernel refuses \
+             a new PID namespace (unshare --pid, with or without a user namespace)"
+        );
+        return;
+    };
+    // Prepared by the plugin, and made from the environment: both judge slots by their locks.
+    for container in [Container::prepared(4), Container::one_gpu(4)] {
+        let budget = if container.vars[0].0 == ENV_LIMITS_FILE {
+            container.prepared_budget()
+        } else {
+            budget_path(
+                container.dir.path(),
+                "default",
+                &Limits::new(vec![4096 * MIB]),
+            )
+        };
+        // A: pid 1 of its namespace, 3 GiB held.
+        let a = container.hold_command(wrap(
+            prefix,
+            &container.command("link", &["alloc:mem:3072", "hold"]),
+        ));
+        assert_eq!(a.output.allocs(), [0]);
+        for via in WAYS {
+            // B: pid 1 of another namespace, where A's pid means another process (or itself).
+            let b = wrap(
+                prefix,
+                &container.command(via, &["info", "alloc:mem:3072", "info"]),
+            );
+            let (status, out) = container.output(b);
+            assert!(status.success(), "{via}: {:?}\n{}", out.lines, out.stderr);
+            assert_eq!(out.allocs(), [2], "{via}: B got A's share: {:?}", out.lines);
+            assert_eq!(out.all("cuda", "free"), [1024 * MIB; 2], "{via}");
+            let snapshot = Snapshot::read(&budget).unwrap();
+            assert_eq!(
+                snapshot.gpus[0].used,
+                3072 * MIB,
+                "{via}: A's 3 GiB still counted"
+            );
+        }
+        // A gone: its lock went with it, and B gets the share back.
+        a.kill();
+        let deadline = Instant::now() + Duration::from_secs(5);
+        loop {
+            let b = wrap(prefix, &container.command("link", &["alloc:mem:3072"]));
+            let (status, out) = container.output(b);
+            assert!(status.success(), "{:?}\n{}", out.lines, out.stderr);
+            if out.allocs() == [0] {
+                break;
+            }
+            assert!(
+                Instant::now() < deadline,
+                "A's 3 GiB not back 5 s after it died"
+            );
+            std::thread::sleep(Duration::from_millis(50));
+        }
+    }
+}
+
+/// A fork child outliving its parent does not keep the parent's slot alive: it let go of
+/// the parent's slot lock (its copy of the lock descriptor) at the fork.
+#[test]
+fn a_forked_child_does_not_keep_its_dead_parents_share() {
+    let container = Container::prepared(4);
+    let parent = container.hold("link", &["alloc:mem:3072", "fork-sleep", "hold"]);
+    assert_eq!(parent.output.allocs(), [0]);
+    let child = parent.output.one("fork-sleep", "child");
+    let child = libc::pid_t::try_from(child).unwrap();
+    parent.kill();
+    let deadline = Instant::now() + Duration::from_secs(5);
+    let back = loop {
+        let free = mib(container.run("link", &["info"]).one("cuda", "free"));
+        if free == 4096 || Instant::now() >= deadline {
+            break free;
+        }
+        std::thread::sleep(Duration::from_millis(50));
+    };
+    // SAFETY: signals the sleeping child this test's probe forked.
+    unsafe { libc::kill(child, libc::SIGKILL) };
+    assert_eq!(back, 4096, "the parent's 3 GiB kept by its live child");
+}
+
+#[test]
+fn a_prepared_budget_serves_another_user() {
+    // The plugin (root) prepares the budget; the container runs as another user.
+    // SAFETY: getuid has no preconditions.
+    let root = unsafe { libc::getuid() } == 0;
+    let container = Container::prepared(4);
+    let probe = container.command("link", &["alloc:mem:3072", "alloc:mem:2048", "info"]);
+    let command = if root {
+        wrap(
+            &["setpriv", "--reuid=1000", "--regid=1000", "--clear-groups"],
+            &probe,
+        )
+    } else {
+        eprintln!("a_prepared_budget_serves_another_user: not root, the probe runs as this user");
+        probe
+    };
+    let (status, out) = container.output(command);
+    assert!(status.success(), "{:?}\n{}", out.lines, out.stderr);
+    assert_eq!(out.allocs(), [0, 2], "{:?}", out.lines);
+    assert_eq!(out.stderr, "");
+    let snapshot = Snapshot::read(&container.prepared_budget()).unwrap();
+    assert_eq!(snapshot.gpus[0].used, 3072 * MIB);
 }
 
 #[test]

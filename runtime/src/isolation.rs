@@ -7,11 +7,25 @@
 //! versioned name (its size and a hash of its bytes), written beside and renamed into
 //! place: a container started earlier keeps the file it mounted, byte for byte, while a
 //! plugin upgrade installs its own next to it.
+//!
+//! Each container's (or DRA claim's) accounting is prepared before it starts
+//! ([`prepare_accounting`]): the budget file in its accounting directory
+//! (`<host_dir>/containers/<name>/`, mounted read-write), and a limits file naming the
+//! budget and the shares at `<host_dir>/limits/<name>`, mounted read-only at
+//! [`LIMITS_FILE_IN_CONTAINER`]. The interposer takes its limits from that file, not from
+//! the environment any process may change for its children. The accounting directory is
+//! root's, mode 0755: a container user cannot delete or replace the budget (the budget
+//! itself is 0666, so any user maps it), and the limits file lies outside the read-write
+//! mount, so it cannot be rewritten through it.
 
 use std::io;
 use std::path::{Path, PathBuf};
 
-use gpushare_contract::env::{IsolationOptions, MAX_CONTEXT_MIB, ManagedMemory};
+use gpushare_contract::env::{
+    ISOLATION_DIR_IN_CONTAINER, IsolationOptions, MAX_CONTEXT_MIB, ManagedMemory,
+};
+pub use gpushare_isolation_budget::prepared::LIMITS_FILE_IN_CONTAINER;
+use gpushare_isolation_budget::{Limits, PreparedLimits, budget_path};
 
 /// The plugins' flags for `--enforcement preload` (flattened into each one's `Config`).
 #[derive(Debug, Clone, PartialEq, Eq, clap::Args)]
@@ -120,27 +134,91 @@ pub fn install_library(source: &Path, host_dir: &Path) -> io::Result<PathBuf> {
     Ok(target)
 }
 
-/// Makes (or keeps) the accounting directory `name` under `<host_dir>/containers/`, writable
-/// by whatever user the container runs as (only that container mounts it).
+/// Makes (or keeps) the accounting directory `name` under `<host_dir>/containers/`: root's
+/// (the plugin's), mode 0755. The interposer creates nothing there; the budget in it is
+/// made by [`prepare_accounting`], writable by every user.
 pub fn accounting_dir(host_dir: &Path, name: &str) -> io::Result<PathBuf> {
+    check_name(name)?;
+    let dir = host_dir.join("containers").join(name);
+    std::fs::create_dir_all(&dir)?;
+    set_mode(&dir, 0o755)?;
+    Ok(dir)
+}
+
+/// A container's (or claim's) accounting, prepared: see [`prepare_accounting`].
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Accounting {
+    /// The accounting directory on the host, mounted read-write at
+    /// [`ISOLATION_DIR_IN_CONTAINER`].
+    pub dir: PathBuf,
+    /// The budget file in it, on the host.
+    pub budget: PathBuf,
+    /// The limits file on the host, mounted read-only at [`LIMITS_FILE_IN_CONTAINER`].
+    pub limits_file: PathBuf,
+}
+
+/// Prepares the accounting of container (or claim) `name` before it starts: its accounting
+/// directory ([`accounting_dir`]) with the budget for `shares` (bytes per GPU, in share
+/// order; `uuids` the GPUs in the same order) in it, and its limits file at
+/// `<host_dir>/limits/<name>` (root's, mode 0444, outside the directory the container may
+/// write), with the node's `options`. A budget already there for the same shares is kept (a
+/// restarted container keeps what its processes hold).
+pub fn prepare_accounting(
+    host_dir: &Path,
+    name: &str,
+    shares: &[u64],
+    uuids: &[String],
+    options: IsolationOptions,
+) -> io::Result<Accounting> {
+    let dir = accounting_dir(host_dir, name)?;
+    let limits_dir = host_dir.join("limits");
+    std::fs::create_dir_all(&limits_dir)?;
+    set_mode(&limits_dir, 0o755)?;
+    let budget = budget_path(&dir, "container", &Limits::new(shares.to_vec()));
+    let file_name = budget.file_name().ok_or_else(|| {
+        io::Error::new(
+            io::ErrorKind::InvalidInput,
+            format!("no budget file name under {}", dir.display()),
+        )
+    })?;
+    let limits = PreparedLimits {
+        budget: Path::new(ISOLATION_DIR_IN_CONTAINER).join(file_name),
+        shares: shares.to_vec(),
+        uuids: uuids.to_vec(),
+        context_mib: options.context_mib,
+        managed_memory: Some(options.managed_memory.to_string()),
+    };
+    let limits_file = limits_dir.join(name);
+    gpushare_isolation_budget::prepare(&budget, &limits_file, &limits)?;
+    Ok(Accounting {
+        dir,
+        budget,
+        limits_file,
+    })
+}
+
+/// Removes accounting directory `name` and its limits file; missing ones are fine.
+pub fn remove_accounting_dir(host_dir: &Path, name: &str) -> io::Result<()> {
+    check_name(name)?;
+    let missing_is_fine = |result: io::Result<()>| match result {
+        Err(e) if e.kind() != io::ErrorKind::NotFound => Err(e),
+        _ => Ok(()),
+    };
+    missing_is_fine(std::fs::remove_dir_all(
+        host_dir.join("containers").join(name),
+    ))?;
+    missing_is_fine(std::fs::remove_file(host_dir.join("limits").join(name)))
+}
+
+/// Whether `name` may name an accounting directory (one path component, not hidden).
+fn check_name(name: &str) -> io::Result<()> {
     if name.is_empty() || name.contains('/') || name.starts_with('.') {
         return Err(io::Error::new(
             io::ErrorKind::InvalidInput,
             format!("{name:?} cannot name an accounting directory"),
         ));
     }
-    let dir = host_dir.join("containers").join(name);
-    std::fs::create_dir_all(&dir)?;
-    set_mode(&dir, 0o777)?;
-    Ok(dir)
-}
-
-/// Removes accounting directory `name`; a missing one is fine.
-pub fn remove_accounting_dir(host_dir: &Path, name: &str) -> io::Result<()> {
-    match std::fs::remove_dir_all(host_dir.join("containers").join(name)) {
-        Err(e) if e.kind() != io::ErrorKind::NotFound => Err(e),
-        _ => Ok(()),
-    }
+    Ok(())
 }
 
 fn set_mode(path: &Path, mode: u32) -> io::Result<()> {
@@ -254,5 +332,65 @@ mod tests {
         remove_accounting_dir(dir.path(), "default_pod_main_1").unwrap();
         assert!(!made.exists());
         remove_accounting_dir(dir.path(), "default_pod_main_1").unwrap();
+        assert!(remove_accounting_dir(dir.path(), "..").is_err());
+    }
+
+    #[test]
+    fn a_container_is_prepared_with_its_budget_and_a_read_only_limits_file_outside_it() {
+        use gpushare_isolation_budget::{Snapshot, budgets_in};
+        use std::os::unix::fs::PermissionsExt as _;
+        const GIB: u64 = 1 << 30;
+        let dir = tempfile::tempdir().unwrap();
+        let uuids = vec!["GPU-a".to_owned(), "GPU-b".to_owned()];
+        let options = IsolationOptions {
+            context_mib: Some(300),
+            managed_memory: ManagedMemory::Ignore,
+        };
+        let made = prepare_accounting(dir.path(), "ns_pod_main_1", &[4 * GIB; 2], &uuids, options)
+            .unwrap();
+        let mode = |p: &Path| std::fs::metadata(p).unwrap().permissions().mode() & 0o777;
+        assert_eq!(made.dir, dir.path().join("containers/ns_pod_main_1"));
+        assert_eq!(
+            mode(&made.dir),
+            0o755,
+            "root's: a container user cannot replace it"
+        );
+        assert_eq!(mode(&made.budget), 0o666, "any container user maps it");
+        assert_eq!(mode(&made.limits_file), 0o444);
+        assert!(
+            !made.limits_file.starts_with(&made.dir),
+            "outside the read-write mount"
+        );
+        // The device plugin's reader finds the budget where it looks.
+        let found = budgets_in(&made.dir).unwrap();
+        assert_eq!(found.len(), 1);
+        assert_eq!(found[0].0, made.budget);
+        let shares: Vec<u64> = Snapshot::read(&made.budget)
+            .unwrap()
+            .gpus
+            .iter()
+            .map(|g| g.share)
+            .collect();
+        assert_eq!(shares, [4 * GIB; 2]);
+
+        let limits =
+            PreparedLimits::parse(&std::fs::read_to_string(&made.limits_file).unwrap()).unwrap();
+        let name = made.budget.file_name().unwrap();
+        assert_eq!(
+            limits.budget,
+            Path::new(ISOLATION_DIR_IN_CONTAINER).join(name)
+        );
+        assert_eq!(limits.shares, [4 * GIB; 2]);
+        assert_eq!(limits.uuids, uuids);
+        assert_eq!(limits.context_mib, Some(300));
+        assert_eq!(limits.managed_memory.as_deref(), Some("ignore"));
+
+        // Prepared again (a restart): the same files. Removed: both go.
+        let again = prepare_accounting(dir.path(), "ns_pod_main_1", &[4 * GIB; 2], &uuids, options)
+            .unwrap();
+        assert_eq!(again, made);
+        remove_accounting_dir(dir.path(), "ns_pod_main_1").unwrap();
+        assert!(!made.dir.exists());
+        assert!(!made.limits_file.exists());
     }
 }

@@ -300,11 +300,19 @@ pub fn probe_container(args: &[&str]) -> serde_json::Value {
 /// target before binding over it in the container's namespace, so an empty file stands at
 /// the interposer's container path and an empty directory at the accounting directory's.
 /// Only empty placeholders are removed.
+///
+/// The limits file's placeholder matters most: the interposer reads `/var/run/gpushare/limits`
+/// wherever it exists, so an empty one left here would make every interposed program on this
+/// machine refuse all GPU memory.
 pub fn remove_isolation_placeholders() {
-    use gpushare_contract::env::{ISOLATION_DIR_IN_CONTAINER, ISOLATION_LIBRARY_IN_CONTAINER};
+    use gpushare_contract::env::{
+        ISOLATION_DIR_IN_CONTAINER, ISOLATION_LIBRARY_IN_CONTAINER, ISOLATION_LIMITS_IN_CONTAINER,
+    };
     let library = Path::new(ISOLATION_LIBRARY_IN_CONTAINER);
-    if std::fs::metadata(library).is_ok_and(|m| m.is_file() && m.len() == 0) {
-        let _ = std::fs::remove_file(library);
+    for file in [library, Path::new(ISOLATION_LIMITS_IN_CONTAINER)] {
+        if std::fs::metadata(file).is_ok_and(|m| m.is_file() && m.len() == 0) {
+            let _ = std::fs::remove_file(file);
+        }
     }
     for dir in [
         library.parent(),

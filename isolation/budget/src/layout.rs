@@ -22,11 +22,24 @@
 //! 416  zero padding up to 512
 //! slots, slot i at HEADER_LEN + i * SLOT_LEN (SLOT_LEN = 144)
 //!   0  pid          u32      0: free; u32::MAX: being reclaimed; else the holder's pid (atomic)
-//!   4  zero         u32
+//!   4  flags        u32      bit 0 (SLOT_LOCKED): the holder holds an open-file-description
+//!                            lock (F_OFD_SETLK, F_WRLCK) on this slot's bytes; written before
+//!                            the pid is, cleared before the slot is freed (atomic)
 //!   8  start_time   u64      the holder's start (clock ticks after boot, /proc/PID/stat field
 //!                            22), 0 unknown: tells a reused pid from its dead predecessor
 //!  16  used         [u64; 16]  bytes this process holds on each GPU (atomic)
 //! ```
+//!
+//! # Liveness
+//!
+//! A slot marked [`SLOT_LOCKED`] belongs to a live process exactly while someone holds a lock
+//! on its byte range (`HEADER_LEN + i * SLOT_LEN`, `SLOT_LEN` bytes): the kernel drops an
+//! open-file-description lock when its holder's last descriptor closes, that is when the
+//! process dies or `exec`s, whatever PID namespace it lived in and whatever its PID is
+//! reused for. A slot without the mark (a filesystem without OFD locks, or an earlier
+//! interposer, which wrote 0 here) is judged by its pid and start time. Readers that only
+//! read (the [`reader`](crate::reader)) ignore the flags. Version 1 either way: a version-1
+//! file from before the flags has 0 there, which reads as "no lock".
 //!
 //! # Name
 //!
@@ -74,6 +87,10 @@ pub const OFF_USED: usize = OFF_SHARE + 8 * MAX_GPUS;
 pub const OFF_REFUSED: usize = OFF_USED + 8 * MAX_GPUS;
 /// Slot offset of `pid` (`u32`).
 pub const SLOT_PID: usize = 0;
+/// Slot offset of `flags` (`u32`).
+pub const SLOT_FLAGS: usize = 4;
+/// `flags` bit: the slot's holder holds an OFD lock on the slot's bytes (see the module doc).
+pub const SLOT_LOCKED: u32 = 1;
 /// Slot offset of `start_time` (`u64`).
 pub const SLOT_START: usize = 8;
 /// Slot offset of `used` (`[u64; MAX_GPUS]`).

@@ -16,13 +16,19 @@
 //! - [`layout`]: the bytes (versioned) and the file's name ([`budget_path`], [`budget_key`]),
 //!   and the environment variables naming the directory and the key.
 //! - [`limits`]: the container's shares, from the environment the plugin sets.
+//! - [`prepared`]: what the plugin prepares before a container starts: its budget file and
+//!   the read-only limits file that names it ([`PreparedLimits`], [`prepare`]).
 //! - [`reader`]: a [`Snapshot`] of one file, or of every file in a directory ([`budgets_in`]):
 //!   per GPU the share, the bytes held and the allocations refused; per process its bytes.
 
 pub mod layout;
 pub mod limits;
+pub mod prepared;
 pub mod reader;
 
 pub use layout::{ENV_DIR, ENV_KEY, budget_key, budget_path};
 pub use limits::Limits;
+pub use prepared::{
+    ENV_LIMITS_FILE, LIMITS_FILE_IN_CONTAINER, LimitsFormatError, PreparedLimits, prepare,
+};
 pub use reader::{GpuUsage, ProcessUsage, Snapshot, budgets_in};

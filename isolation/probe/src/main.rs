@@ -19,7 +19,9 @@
 //! only where they are found by soname. gpushare-isolation-probe-dl (src/dl.rs, same steps)
 //! links neither: it runs where only a driver opened by path exists.
 //!
-//! Steps (device 0 is made current first):
+//! Steps (device 0 is made current first, unless the first step is `no-context`):
+//!   no-context          (first only) make no device current: what a process without a
+//!                       context is still told
 //!   device:N            make device N current             -> device dev=N result=CODE
 //!   info                memory as the program sees it     -> cuda dev=N total=B free=B result=CODE
 //!                         (cuMemGetInfo_v2)                  cuda-total dev=N total=B result=CODE
@@ -35,6 +37,7 @@
 //!                       (cuMemAlloc_v2) until refused; kept
 //!   fork-alloc:MIB      fork; the child allocates MIB MiB   -> alloc path=mem mib=MIB result=CODE (child)
 //!                       and exits without freeing            fork child=PID status=STATUS
+//!   fork-sleep          fork; the child sleeps until killed -> fork-sleep child=PID
 //!   rtld-next           whether dlsym(RTLD_NEXT, "dlsym")    -> rtld-next same=0|1
 //!                       from this program finds the same
 //!                       dlsym as RTLD_DEFAULT (it should:

@@ -1004,10 +1004,10 @@ fn parse_args(args: Vec<String>) -> Result<Option<(String, Vec<String>)>, String
             }
             "-h" | "--help" => {
                 println!(
-                    "usage: gpushare-isolation-probe[-dl] [--via link|dlsym|getproc|path:FILE] STEP... (see src/main.rs's header)"
+                    "usage: gpushare-isolation-probe[-dl] [--via link|dlsym|getproc|path:FILE] [no-context] STEP... (see src/main.rs's header)"
                 );
                 println!(
-                    "steps: device:N info alloc:PATH:MIB[:DEV] free threads:N:MIB fork-alloc:MIB rtld-next exec wait hold \
+                    "steps: device:N info alloc:PATH:MIB[:DEV] free threads:N:MIB fork-alloc:MIB fork-sleep rtld-next exec wait hold \
                      ctx-create ctx-destroy reset pool-alloc:MIB pool-free sync pool-threshold:MIB trim:MIB \
                      pool-create:D pool-alloc-from:MIB vmm-map:MIB[:D] vmm-unmap graph-alloc:MIB graph-capture:MIB \
                      graph-trim limit:heap|printf:MIB limit:stack:KIB v1-alloc:MIB v1-info v1-free info-null-free \
@@ -1057,9 +1057,15 @@ fn run(args: Vec<String>, linked: Option<Linked>) -> Result<(), String> {
         pool: std::ptr::null_mut(),
         mapped: Vec::new(),
     };
-    let first = probe.device(0);
-    if !first.ends_with("result=0") {
-        return Err(format!("making device 0 current: {first}"));
+    // A first step `no-context` skips making device 0 current (to see what a process that
+    // gets no context is still told).
+    let no_context = steps.first().is_some_and(|s| s == "no-context");
+    let steps: Vec<String> = steps.into_iter().skip(usize::from(no_context)).collect();
+    if !no_context {
+        let first = probe.device(0);
+        if !first.ends_with("result=0") {
+            return Err(format!("making device 0 current: {first}"));
+        }
     }
     let mut out = std::io::stdout().lock();
     let mut say = |line: String| {
@@ -1156,6 +1162,20 @@ fn run(args: Vec<String>, linked: Option<Linked>) -> Result<(), String> {
                 // SAFETY: our child and a place for its status.
                 unsafe { libc::waitpid(pid, &mut status, 0) };
                 say(format!("fork child={pid} status={status}"));
+            }
+            "fork-sleep" => {
+                // SAFETY: the child only sleeps until it is killed.
+                let pid = unsafe { libc::fork() };
+                if pid < 0 {
+                    return Err("fork failed".into());
+                }
+                if pid == 0 {
+                    loop {
+                        // SAFETY: waits for a signal; no state of the parent is touched.
+                        unsafe { libc::pause() };
+                    }
+                }
+                say(format!("fork-sleep child={pid}"));
             }
             "wait" => {
                 say("waiting".into());

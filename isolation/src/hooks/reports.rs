@@ -4,12 +4,24 @@
 //!
 //! Used includes the contexts' charge, so NVML's `used + free == total`. A GPU the
 //! container has no share of keeps the driver's total and shows nothing free.
+//!
+//! A process that refuses everything (limits set but not applicable, see
+//! `crate::source`) shows each GPU full: the share as total where the shares could be read,
+//! else the driver's total, and nothing free.
 
 use std::ffi::{c_int, c_uint, c_void};
 
 use crate::devices;
 use crate::driver::{self, Handle, Status};
+use crate::interposer::Interposer;
 use crate::process::{forward, guard, here, read_out, real, real_nvml, state};
+
+/// `gpu` if the budget has a share for it to show: not a GPU of a refusing budget whose
+/// shares could not be read (that one keeps the driver's total and shows nothing free).
+fn with_share(interposer: &Interposer, gpu: Option<usize>) -> Option<usize> {
+    let budget = interposer.budget();
+    gpu.filter(|gpu| !budget.is_closed() || *gpu < budget.gpu_count())
+}
 
 /// `(free, total)` the program sees for the current context's GPU, given the driver's.
 fn shown_here(driver_free: u64, driver_total: u64) -> (u64, u64) {
@@ -17,7 +29,7 @@ fn shown_here(driver_free: u64, driver_total: u64) -> (u64, u64) {
         return (driver_free, driver_total);
     };
     match here(interposer) {
-        Some(here) => match here.gpu {
+        Some(here) => match with_share(interposer, here.gpu) {
             Some(gpu) => interposer.memory(gpu, driver_free),
             None => (0, driver_total),
         },
@@ -90,7 +102,10 @@ pub unsafe extern "C" fn cuMemGetInfo(free: *mut c_uint, total: *mut c_uint) -> 
 /// The share of device `device`, if the container has one there.
 fn share_of(device: c_int) -> Option<u64> {
     let interposer = state()?;
-    let gpu = devices::gpu_of_ordinal(interposer.settings(), device)?;
+    let gpu = with_share(
+        interposer,
+        devices::gpu_of_ordinal(interposer.settings(), device),
+    )?;
     Some(interposer.budget().share(gpu))
 }
 
@@ -148,13 +163,18 @@ struct NvmlMemoryV2 {
 /// total and free; `None` to leave NVML's answer as it is (no limits).
 fn nvml_view(device: Handle, nvml_total: u64, nvml_free: u64) -> Option<(u64, u64, u64)> {
     let interposer = state()?;
-    Some(match devices::gpu_of_nvml(interposer.settings(), device) {
-        Some(gpu) => {
-            let (free, total) = interposer.memory(gpu, nvml_free);
-            (total, free, total - free)
-        }
-        None => (nvml_total, 0, nvml_total),
-    })
+    Some(
+        match with_share(
+            interposer,
+            devices::gpu_of_nvml(interposer.settings(), device),
+        ) {
+            Some(gpu) => {
+                let (free, total) = interposer.memory(gpu, nvml_free);
+                (total, free, total - free)
+            }
+            None => (nvml_total, 0, nvml_total),
+        },
+    )
 }
 
 /// # Safety
