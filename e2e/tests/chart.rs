@@ -1455,6 +1455,7 @@ fn check_routing_hook(rendered: &Rendered, prefix: &str) -> anyhow::Result<()> {
             "--resource=example.com/gpu-mem",
             "--scheduler-name=gpushare-scheduler",
             "--forged-annotation=gpushare.example.com/v1.routing-check",
+            "--probe-image=registry.k8s.io/pause:3.10",
             "--timeout-seconds=240",
             "--log-format=text",
         ]
@@ -2576,6 +2577,53 @@ fn with_existing_secrets_two_renders_are_identical() -> anyhow::Result<()> {
         ensure!(
             first.contains(&format!("secretName: {name}\n")),
             "Secret {name} is not mounted"
+        );
+    }
+    Ok(())
+}
+
+/// `global.imageRegistry` moves every image the chart names, in both modes: the containers of
+/// every workload and hook, and the routing check's dry-run probe image.
+#[test]
+fn global_image_registry_moves_every_image() -> anyhow::Result<()> {
+    for mode in ["extender", "dra"] {
+        let rendered = render(
+            "gpushare",
+            "kube-system",
+            &[
+                "--set",
+                &format!("mode={mode}"),
+                "--set",
+                "global.imageRegistry=mirror.corp:5000",
+            ],
+        )?;
+        let mut images = Vec::new();
+        for doc in &rendered.docs {
+            let spec = &doc["spec"]["template"]["spec"];
+            for list in ["containers", "initContainers"] {
+                for container in spec[list].as_array().into_iter().flatten() {
+                    images.push(container["image"].as_str().unwrap_or_default().to_owned());
+                    for arg in container["args"].as_array().into_iter().flatten() {
+                        if let Some(image) =
+                            arg.as_str().and_then(|a| a.strip_prefix("--probe-image="))
+                        {
+                            images.push(image.to_owned());
+                        }
+                    }
+                }
+            }
+        }
+        ensure!(images.len() >= 3, "{mode}: {images:?}");
+        let elsewhere: Vec<&String> = images
+            .iter()
+            .filter(|image| !image.starts_with("mirror.corp:5000/"))
+            .collect();
+        ensure!(elsewhere.is_empty(), "{mode}: not moved: {elsewhere:?}");
+        ensure!(
+            images
+                .iter()
+                .any(|i| i == "mirror.corp:5000/kube-scheduler:v1.36.0"),
+            "{mode}: the registry host is replaced, not prefixed: {images:?}"
         );
     }
     Ok(())

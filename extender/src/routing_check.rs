@@ -52,6 +52,15 @@ pub struct RoutingCheckConfig {
     /// gpushare (`<domain>/v1.<anything>`); empty when no allocation policy is installed.
     #[arg(long, env = "GPUSHARE_FORGED_ANNOTATION", default_value = "")]
     pub forged_annotation: String,
+    /// The image of the dry-run pods (never pulled or run: they are not stored). Admission
+    /// sees it, so a cluster with an image allowlist needs one it allows (the chart passes
+    /// `routingCheck.probeImage`, through `global.imageRegistry`).
+    #[arg(
+        long,
+        env = "GPUSHARE_CHECK_PROBE_IMAGE",
+        default_value = "registry.k8s.io/pause:3.10"
+    )]
+    pub probe_image: String,
     /// Give up (and fail the hook, so helm reports it) after this many seconds.
     #[arg(long, env = "GPUSHARE_CHECK_TIMEOUT_SECONDS", default_value_t = 240)]
     pub timeout_seconds: u64,
@@ -147,7 +156,7 @@ fn probe_pod(config: &RoutingCheckConfig, forged: Option<&str>) -> Pod {
             },
             "containers": [{
                 "name": "check",
-                "image": "registry.k8s.io/pause:3.10",
+                "image": config.probe_image,
                 "resources": {
                     "requests": {"cpu": "10m", "memory": "16Mi"},
                     "limits": {config.resource.as_str(): "1", "cpu": "10m", "memory": "16Mi"},

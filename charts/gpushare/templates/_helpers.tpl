@@ -125,7 +125,29 @@ app.kubernetes.io/component: {{ .component }}
 
 {{/* image reference; the tag defaults to the chart's appVersion. Call with (dict "image" .Values.x.image "ctx" $). */}}
 {{- define "gpushare.image" -}}
-{{- printf "%s:%s" .image.repository (default .ctx.Chart.AppVersion .image.tag) }}
+{{- include "gpushare.registry" (dict "ref" (printf "%s:%s" .image.repository (default .ctx.Chart.AppVersion .image.tag)) "ctx" .ctx) }}
+{{- end }}
+
+{{/*
+An image reference (`ref`) moved to global.imageRegistry when that is set: the registry host
+of `ref` (its first path part when that has a `.` or `:`, or is `localhost`) is replaced, or
+the registry is put in front when `ref` names none (`ghcr.io/example/gpushare-extender:0.1.0`
+→ `mirror.corp:5000/example/gpushare-extender:0.1.0`, `registry.k8s.io/pause:3.10` →
+`mirror.corp:5000/pause:3.10`). Every image the chart names goes through here.
+*/}}
+{{- define "gpushare.registry" -}}
+{{- $ref := .ref }}
+{{- $registry := trimSuffix "/" ((.ctx.Values.global | default dict).imageRegistry | default "") }}
+{{- if $registry }}
+{{- $parts := splitList "/" $ref }}
+{{- $host := first $parts }}
+{{- if and (gt (len $parts) 1) (or (contains "." $host) (contains ":" $host) (eq $host "localhost")) }}
+{{- $ref = join "/" (rest $parts) }}
+{{- end }}
+{{- printf "%s/%s" $registry $ref }}
+{{- else }}
+{{- $ref }}
+{{- end }}
 {{- end }}
 
 {{/* kube-scheduler image tag: values, or the cluster's own vMAJOR.MINOR.0. */}}
