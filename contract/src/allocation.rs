@@ -63,6 +63,98 @@ pub struct PodAllocation {
     pub signature: Option<String>,
 }
 
+/// Alibaba Cloud's gpushare (gpushare-scheduler-extender with gpushare-device-plugin): the
+/// annotations its extender writes on each pod it binds. gpushare reads them on pods that were
+/// placed before the switch (docs/migrating.md), so they count on their GPUs without a restart.
+pub mod classic {
+    use std::collections::BTreeMap;
+
+    /// The index of the GPU the classic extender chose.
+    pub const GPU_INDEX: &str = "ALIYUN_COM_GPU_MEM_IDX";
+    /// The pod's GPU memory there, in the resource's unit (GiB, the classic default).
+    pub const POD_MEM: &str = "ALIYUN_COM_GPU_MEM_POD";
+    /// The GPU's total memory, in the same unit.
+    pub const DEVICE_MEM: &str = "ALIYUN_COM_GPU_MEM_DEV";
+    /// `true` once the classic device plugin allocated the pod.
+    pub const ASSIGNED: &str = "ALIYUN_COM_GPU_MEM_ASSIGNED";
+
+    /// A pod the classic extender placed: on GPU `gpu_index`, holding `pod_gib`.
+    #[derive(Debug, Clone, Copy, PartialEq, Eq)]
+    pub struct ClassicPlacement {
+        /// The GPU's index on its node.
+        pub gpu_index: u32,
+        /// GiB it holds there.
+        pub pod_gib: u64,
+    }
+
+    impl ClassicPlacement {
+        /// The placement as gpushare records one (one GPU, shared, allocated, unsigned), for
+        /// readers that book allocations: a classic pod counts where it was placed.
+        pub fn as_allocation(&self) -> super::PodAllocation {
+            super::PodAllocation {
+                gpu_index: self.gpu_index,
+                gpu_uuid: String::new(),
+                more_gpus: Vec::new(),
+                pod_gib: self.pod_gib,
+                exclusive: false,
+                containers: Vec::new(),
+                bind_time: String::new(),
+                assigned: true,
+                allocated: Vec::new(),
+                signature: None,
+            }
+        }
+    }
+
+    /// The classic placement in `annotations`, if they hold one: a GPU index and the pod's
+    /// memory, both whole numbers (a pod the classic extender never placed has neither; a
+    /// negative or malformed index, as written for a pod it could not place, is none).
+    pub fn placement(annotations: &BTreeMap<String, String>) -> Option<ClassicPlacement> {
+        let number = |key: &str| annotations.get(key)?.trim().parse::<u64>().ok();
+        let gpu_index = u32::try_from(number(GPU_INDEX)?).ok()?;
+        let pod_gib = number(POD_MEM).filter(|gib| *gib > 0)?;
+        Some(ClassicPlacement { gpu_index, pod_gib })
+    }
+
+    #[cfg(test)]
+    mod tests {
+        use super::*;
+
+        fn annotations(pairs: &[(&str, &str)]) -> BTreeMap<String, String> {
+            pairs
+                .iter()
+                .map(|(k, v)| ((*k).to_owned(), (*v).to_owned()))
+                .collect()
+        }
+
+        #[test]
+        fn a_classic_placement_is_read_and_anything_else_is_none() {
+            let placed = annotations(&[
+                (GPU_INDEX, "1"),
+                (POD_MEM, "6"),
+                (DEVICE_MEM, "16"),
+                (ASSIGNED, "true"),
+            ]);
+            assert_eq!(
+                placement(&placed),
+                Some(ClassicPlacement {
+                    gpu_index: 1,
+                    pod_gib: 6
+                })
+            );
+            for bad in [
+                annotations(&[]),
+                annotations(&[(GPU_INDEX, "1")]),
+                annotations(&[(GPU_INDEX, "-1"), (POD_MEM, "6")]),
+                annotations(&[(GPU_INDEX, "one"), (POD_MEM, "6")]),
+                annotations(&[(GPU_INDEX, "0"), (POD_MEM, "0")]),
+            ] {
+                assert_eq!(placement(&bad), None, "{bad:?}");
+            }
+        }
+    }
+}
+
 /// Why allocation annotations could not be read.
 #[derive(Debug, thiserror::Error)]
 pub enum AllocationError {

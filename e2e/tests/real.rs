@@ -157,6 +157,11 @@ const GROUPS: &[Group] = &[
                 "without_the_preempt_verb_the_two_gpu_pod_waits",
                 without_the_preempt_verb_the_two_gpu_pod_waits,
             ),
+            // Last: it adds Node objects with no kubelet behind them.
+            (
+                "pods_placed_by_the_classic_gpushare_keep_their_gpus",
+                pods_placed_by_the_classic_gpushare_keep_their_gpus,
+            ),
         ],
     },
     Group {
@@ -518,6 +523,93 @@ fn pod_security_restricted_default_and_a_baseline_release_namespace(c: &KitClust
         );
         Ok(())
     })
+}
+
+/// A way in from Alibaba's gpushare: a node whose GPU 0 already runs a 12 GiB pod placed by
+/// the classic extender (its `ALIYUN_COM_GPU_MEM_*` annotations, no gpushare ones, bound
+/// before the switch; created here with `nodeName`, which this group's values allow). Eight
+/// 8 GiB pods then ask for that node's four 16 GiB GPUs: six fit, none on GPU 0 (8 more there
+/// would over-commit it), two wait, and the classic pod runs on untouched.
+fn pods_placed_by_the_classic_gpushare_keep_their_gpus(c: &KitCluster) -> Outcome<'_> {
+    Box::pin(async move {
+        let nodes = FakeNodes::create(c, "classic")?;
+        let result = classic_pods_keep_their_gpus(c).await;
+        let pods: Api<Pod> = Api::namespaced(c.client(), "default");
+        for i in 0..8 {
+            let _ = pods
+                .delete(&format!("after-switch-{i}"), &Default::default())
+                .await;
+        }
+        let _ = pods.delete("placed-by-classic", &Default::default()).await;
+        nodes.delete(c)?;
+        result
+    })
+}
+
+async fn classic_pods_keep_their_gpus(c: &KitCluster) -> anyhow::Result<()> {
+    use gpushare_contract::allocation::classic;
+    let pods: Api<Pod> = Api::namespaced(c.client(), "default");
+    let mut old = fixtures::pod("placed-by-classic")
+        .gpu_mem(12)
+        .on_node("classic-0")
+        .annotation(classic::GPU_INDEX, "0")
+        .annotation(classic::POD_MEM, "12")
+        .annotation(classic::DEVICE_MEM, "16")
+        .annotation(classic::ASSIGNED, "true")
+        .build();
+    old.metadata.namespace = Some("default".into());
+    pods.create(&PostParams::default(), &old).await?;
+    let mut bound = Vec::new();
+    for i in 0..8 {
+        let pod = limited_to(
+            fixtures::pod(&format!("after-switch-{i}"))
+                .gpu_mem(8)
+                .build(),
+            &["classic-0"],
+            None,
+        )?;
+        pods.create(&PostParams::default(), &pod).await?;
+    }
+    // Six fit beside the classic pod (GPUs 1 to 3, two each); wait for them, then look at all.
+    let settled = wait_for(
+        "six of the eight to be bound with an allocation",
+        Duration::from_secs(90),
+        || async {
+            let mut placed = Vec::new();
+            for i in 0..8 {
+                let pod = pods.get(&format!("after-switch-{i}")).await.ok()?;
+                if pod.spec.as_ref()?.node_name.is_some() {
+                    placed.push((i, allocation(&pod).ok()?.gpu_index));
+                }
+            }
+            (placed.len() >= 6).then_some(placed)
+        },
+    )
+    .await?;
+    bound.extend(settled);
+    ensure!(
+        bound.iter().all(|(_, gpu)| *gpu != 0),
+        "a pod went onto GPU 0, which the classic pod fills: {bound:?}"
+    );
+    ensure!(bound.len() == 6, "more than six bound: {bound:?}");
+    for i in (0..8).filter(|i| !bound.iter().any(|(b, _)| b == i)) {
+        let why = wait_unschedulable(c, &format!("after-switch-{i}")).await?;
+        let pod = pods.get(&format!("after-switch-{i}")).await?;
+        ensure!(
+            pod.spec
+                .as_ref()
+                .and_then(|s| s.node_name.as_ref())
+                .is_none(),
+            "after-switch-{i} was bound after all: {why}"
+        );
+    }
+    let old = pods.get("placed-by-classic").await?;
+    ensure!(
+        old.metadata.deletion_timestamp.is_none()
+            && old.spec.as_ref().and_then(|s| s.node_name.as_deref()) == Some("classic-0"),
+        "the classic pod keeps its place"
+    );
+    Ok(())
 }
 
 /// The simulated backend's usage file (`devicePlugin.extraEnv`): what the driver says each

@@ -182,16 +182,21 @@ fn watched_names(state: &Scheduling) -> (String, String) {
     (settings.resource.clone(), domain)
 }
 
-/// Keeps only gpushare's annotations (`<domain>/…`) of a watched pod: the rest of what
-/// [`WatchedPod`] decodes is what the view reads.
+/// Keeps only gpushare's annotations (`<domain>/…`) of a watched pod, and the classic
+/// gpushare's (`ALIYUN_COM_GPU_MEM_…`, pods it placed before the switch: docs/migrating.md):
+/// the rest of what [`WatchedPod`] decodes is what the view reads.
 ///
 /// Why: a relist of a large cluster is buffered until it is complete; other annotations
 /// (`last-applied-configuration`, for one) can be KiBs per pod.
 fn keep_domain_annotations(metadata: &mut ObjectMeta, domain: &str) {
     if let Some(annotations) = metadata.annotations.as_mut() {
-        annotations.retain(|key, _| key.starts_with(domain));
+        annotations.retain(|key, _| key.starts_with(domain) || key.starts_with(CLASSIC_PREFIX));
     }
 }
+
+/// What the classic gpushare's pod annotations start with
+/// ([`gpushare_contract::allocation::classic`]).
+const CLASSIC_PREFIX: &str = "ALIYUN_COM_GPU_MEM_";
 
 /// Keeps only what the view reads of a Node: name, labels, gpushare's annotations, its
 /// `PreferNoSchedule` taints (the filter that keeps the best steps aside for them, and the
@@ -255,7 +260,7 @@ mod tests {
             "metadata": {
                 "name": "p", "namespace": "ns", "uid": "u1",
                 "labels": {"app": "x"},
-                "annotations": {"gpushare.example.com/v1.gpu-index": "1", "kubectl.kubernetes.io/last-applied-configuration": "{…}"},
+                "annotations": {"gpushare.example.com/v1.gpu-index": "1", "ALIYUN_COM_GPU_MEM_IDX": "0", "kubectl.kubernetes.io/last-applied-configuration": "{…}"},
                 "managedFields": [{"manager": "kubectl"}]
             },
             "spec": {
@@ -269,10 +274,14 @@ mod tests {
         }))
         .unwrap();
         keep_domain_annotations(&mut pod.metadata, "gpushare.example.com/");
+        assert!(gpushare_contract::allocation::classic::GPU_INDEX.starts_with(CLASSIC_PREFIX));
         let annotations: BTreeMap<_, _> = pod.metadata.annotations.clone().unwrap();
         assert_eq!(
             annotations.keys().collect::<Vec<_>>(),
-            vec!["gpushare.example.com/v1.gpu-index"]
+            vec![
+                "ALIYUN_COM_GPU_MEM_IDX",
+                "gpushare.example.com/v1.gpu-index"
+            ]
         );
         assert!(pod.metadata.labels.is_none() && pod.metadata.managed_fields.is_none());
         let spec = pod.spec.as_ref().unwrap();

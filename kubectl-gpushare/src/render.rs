@@ -305,6 +305,33 @@ Allocated/Total on node: 14/32 (43%)
     }
 
     #[test]
+    fn a_pod_the_classic_gpushare_placed_shows_on_its_gpu() {
+        use gpushare_contract::allocation::classic;
+        let n1 = node("n1").gpushare().gpus(&[16, 16]).build();
+        let old = pod("old")
+            .gpu_mem(12)
+            .on_node("n1")
+            .annotation(classic::GPU_INDEX, "1")
+            .annotation(classic::POD_MEM, "12")
+            .build();
+        let text = render_top_details(&cluster_usage(
+            &[n1],
+            &[old, placed("a", 0, 4)],
+            &Settings::default(),
+        ));
+        let want = "\
+NAMESPACE  NAME  GPU0(Allocated)  GPU1(Allocated)  PENDING(Allocated)
+default    a     4                0                0
+default    old   0                12               0
+";
+        assert!(text.contains(want), "{text}");
+        assert!(
+            text.contains("Allocated/Total on node: 16/32 (50%)"),
+            "{text}"
+        );
+    }
+
+    #[test]
     fn top_details_shows_what_the_interposer_counted_beside_the_drivers_figure() {
         let mut n1 = node("n1").gpushare().gpus(&[16]).build();
         // a runs something the interposer does not see: the driver says 6 GiB, it counted 3.

@@ -13,6 +13,7 @@
 
 use std::collections::BTreeMap;
 
+use gpushare_contract::allocation::classic;
 use gpushare_contract::usage::{MIB_PER_GIB, NodeMemoryUse};
 use gpushare_contract::{GpuInfo, PodAllocation, inventory, pod_request};
 use k8s_openapi::api::core::v1::{Node, Pod};
@@ -219,9 +220,12 @@ pub fn cluster_usage(nodes: &[Node], pods: &[Pod], settings: &Settings) -> Vec<N
             continue;
         };
         let annotations = pod.metadata.annotations.clone().unwrap_or_default();
+        // gpushare's allocation, else one Alibaba's classic gpushare placed before the switch
+        // (docs/migrating.md): the extender books both.
         let allocation = PodAllocation::from_annotations(&settings.keys, &annotations)
             .ok()
-            .flatten();
+            .flatten()
+            .or_else(|| classic::placement(&annotations).map(|c| c.as_allocation()));
         let rows = hold_gpus(&mut usage.gpus, allocation.as_ref(), request.pod_gib);
         let namespace = pod.metadata.namespace.clone().unwrap_or_default();
         let name = pod.metadata.name.clone().unwrap_or_default();

@@ -11,6 +11,7 @@ use std::sync::Arc;
 
 use gpushare_allocator::fragmentation::Host;
 use gpushare_allocator::{ModelFilter, PodId, PodPlacement, Request};
+use gpushare_contract::allocation::classic;
 use gpushare_contract::{Keys, PodAllocation, PodRequest, RequestError, host, pod_request_with};
 use k8s_openapi::api::core::v1::{Node, Pod};
 
@@ -110,7 +111,20 @@ impl AllocationFacts {
             return Self::Absent;
         };
         match PodAllocation::from_annotations(&settings.keys, annotations) {
-            Ok(None) => Self::Absent,
+            // A pod Alibaba's classic gpushare placed before the switch: counted on its GPU
+            // as it was placed (never signed: it predates the keyring; docs/migrating.md).
+            Ok(None) => match (node, classic::placement(annotations)) {
+                (Some(_), Some(classic)) => Self::Readable(PodPlacement {
+                    more_gpus: Vec::new(),
+                    exclusive: false,
+                    gpu: classic.gpu_index,
+                    uuid: "".into(),
+                    pod_gib: classic.pod_gib,
+                    pending: Vec::new(),
+                    assigned: true,
+                }),
+                _ => Self::Absent,
+            },
             Ok(Some(allocation)) => {
                 if let (Some(keyring), Some(node)) = (&settings.keyring, node)
                     && let Err(why) = keyring.current().verify(uid, node, &allocation)
@@ -350,6 +364,38 @@ mod tests {
         view.apply_pod(&allocated("a", "ua", 0, 1));
         assert_eq!(view.reservation_count(), 0);
         assert_eq!(used(&view, 0), 4);
+    }
+
+    #[test]
+    fn pods_the_classic_extender_placed_count_on_their_gpus() {
+        let mut view = signing_view();
+        view.apply_node(&node("n1").gpushare().gpus(&[16, 16]).build());
+        let classic_pod = |name: &str, uid: &str, gpu: &str, gib: u64| {
+            let built = pod(name)
+                .gpu_mem(gib)
+                .on_node("n1")
+                .annotation(classic::GPU_INDEX, gpu)
+                .annotation(classic::POD_MEM, &gib.to_string())
+                .annotation(classic::ASSIGNED, "true")
+                .build();
+            with_uid(built, uid)
+        };
+        // Unsigned, yet booked as placed (they predate the keyring): no warning.
+        assert!(
+            view.apply_pod(&classic_pod("old-a", "u1", "1", 6))
+                .is_none()
+        );
+        assert!(
+            view.apply_pod(&classic_pod("old-b", "u2", "1", 4))
+                .is_none()
+        );
+        assert_eq!(used(&view, 1), 10);
+        assert_eq!(used(&view, 0), 0);
+        // Not bound: nothing to count.
+        let mut pending = classic_pod("old-c", "u3", "0", 4);
+        pending.spec.as_mut().unwrap().node_name = None;
+        view.apply_pod(&pending);
+        assert_eq!(used(&view, 0), 0);
     }
 
     #[test]
