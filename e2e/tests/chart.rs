@@ -1770,20 +1770,21 @@ fn default_values_render_a_dedicated_scheduler_install() -> anyhow::Result<()> {
     let rendered = render("gpushare", "kube-system", &[])?;
     check_all_typed(&rendered)?;
     let kinds = rendered.kinds();
+    // With the uninstall cleanup hook's ServiceAccount, ClusterRole and binding, and Job.
     let want: BTreeMap<String, usize> = [
-        ("ClusterRole", 2),
-        ("ClusterRoleBinding", 4),
+        ("ClusterRole", 3),
+        ("ClusterRoleBinding", 5),
         ("ConfigMap", 1),
         ("DaemonSet", 1),
         ("Deployment", 2),
-        ("Job", 1),
+        ("Job", 2),
         ("MutatingWebhookConfiguration", 1),
         ("PodDisruptionBudget", 1),
         ("Role", 3),
         ("RoleBinding", 4),
         ("Secret", 3),
         ("Service", 2),
-        ("ServiceAccount", 4),
+        ("ServiceAccount", 5),
         ("ValidatingAdmissionPolicy", 1),
         ("ValidatingAdmissionPolicyBinding", 1),
     ]
@@ -1947,15 +1948,18 @@ fn non_default_values_render_a_default_scheduler_install() -> anyhow::Result<()>
 #[test]
 fn dra_mode_installs_the_dra_driver_its_scheduler_and_the_extender_that_ranks() -> anyhow::Result<()>
 {
+    // The driver, and the uninstall cleanup hook (ServiceAccount, ClusterRole and binding,
+    // Job), which every install has.
     let driver_only: BTreeMap<String, usize> = [
-        ("ClusterRole", 1),
-        ("ClusterRoleBinding", 1),
+        ("ClusterRole", 2),
+        ("ClusterRoleBinding", 2),
         ("DaemonSet", 1),
         ("DeviceClass", 1),
+        ("Job", 1),
         ("MutatingAdmissionPolicy", 1),
         ("MutatingAdmissionPolicyBinding", 1),
         ("ResourceClaimTemplate", 80),
-        ("ServiceAccount", 1),
+        ("ServiceAccount", 2),
         ("ValidatingAdmissionPolicy", 1),
         ("ValidatingAdmissionPolicyBinding", 1),
     ]

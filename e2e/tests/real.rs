@@ -2184,6 +2184,36 @@ fn gpu_pods_right_after_helm_install(c: &KitCluster) -> Outcome<'_> {
         let values_file = c.kit().root().join("run").join("reinstall-values.json");
         std::fs::write(&values_file, values)?;
         c.helm(&["uninstall", "gpushare", "-n", "kube-system", "--wait"])?;
+        // The post-delete hook has removed every label, annotation and taint of gpushare's
+        // domain from the node (helm waits for it); the admin's opt-in label stays.
+        let node: k8s_openapi::api::core::v1::Node =
+            serde_json::from_str(&c.kubectl(&["get", "node", "node-k", "-o", "json"])?)?;
+        let ours = |key: &String| key.starts_with("gpushare.example.com/");
+        let left: Vec<String> = node
+            .metadata
+            .labels
+            .iter()
+            .chain(node.metadata.annotations.iter())
+            .flatten()
+            .map(|(key, _)| key.clone())
+            .chain(
+                node.spec
+                    .iter()
+                    .flat_map(|s| s.taints.iter().flatten())
+                    .map(|t| t.key.clone()),
+            )
+            .filter(ours)
+            .collect();
+        ensure!(left.is_empty(), "helm uninstall left on node-k: {left:?}");
+        ensure!(
+            node.metadata
+                .labels
+                .as_ref()
+                .and_then(|l| l.get("gpushare"))
+                .map(String::as_str)
+                == Some("true"),
+            "the opt-in label is the admin's"
+        );
         // The old device plugin's resource is gone from the node before the new one comes.
         wait_for(
             "node-k to advertise no GPU memory after the uninstall",

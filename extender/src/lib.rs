@@ -45,6 +45,7 @@
 //! trusted to lower what the extender has booked ([`view`]).
 
 pub mod api;
+pub mod cleanup;
 pub mod config;
 pub mod forward;
 pub mod idle_gpu_taint;

@@ -1,9 +1,10 @@
 //! `gpushare-extender`: parses its configuration and runs the extender until SIGTERM or ctrl-c.
 //! `gpushare-extender check-routing ...` runs the chart's install hook instead
-//! (`gpushare_extender::routing_check`).
+//! (`gpushare_extender::routing_check`), `gpushare-extender cleanup-nodes ...` its uninstall
+//! hook (`gpushare_extender::cleanup`).
 
 use clap::Parser;
-use gpushare_extender::routing_check;
+use gpushare_extender::{cleanup, routing_check};
 
 fn main() -> anyhow::Result<()> {
     if std::env::args().nth(1).as_deref() == Some(routing_check::SUBCOMMAND) {
@@ -14,6 +15,15 @@ fn main() -> anyhow::Result<()> {
             .build()?;
         gpushare_runtime::init_tracing(config.log_format);
         runtime.block_on(routing_check::run(config))?;
+        return Ok(());
+    }
+    if std::env::args().nth(1).as_deref() == Some(cleanup::SUBCOMMAND) {
+        let config = cleanup::CleanupConfig::parse_from(std::env::args_os().skip(1));
+        let runtime = tokio::runtime::Builder::new_current_thread()
+            .enable_all()
+            .build()?;
+        gpushare_runtime::init_tracing(config.log_format);
+        runtime.block_on(cleanup::run(config))?;
         return Ok(());
     }
     let config = gpushare_extender::Config::parse();
