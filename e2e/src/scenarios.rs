@@ -486,3 +486,23 @@ pub async fn placements(
     }
     Ok(out)
 }
+
+/// The `events.k8s.io` Events of `namespace` with `reason`: (the object's name, the note)
+/// each; `None` while there is none (or the API cannot be read), for [`wait_for`].
+pub async fn events_with_reason(
+    client: &Client,
+    namespace: &str,
+    reason: &str,
+) -> Option<Vec<(String, String)>> {
+    let events: Api<k8s_openapi::api::events::v1::Event> =
+        Api::namespaced(client.clone(), namespace);
+    let about: Vec<(String, String)> = events
+        .list(&ListParams::default())
+        .await
+        .ok()?
+        .into_iter()
+        .filter(|e| e.reason.as_deref() == Some(reason))
+        .filter_map(|e| Some((e.regarding?.name?, e.note.unwrap_or_default())))
+        .collect();
+    (!about.is_empty()).then_some(about)
+}

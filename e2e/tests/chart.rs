@@ -54,6 +54,24 @@ fn helm(args: &[&str]) -> anyhow::Result<std::process::Output> {
 
 /// `helm template` with `extra` arguments; the documents as JSON.
 fn render(release: &str, namespace: &str, extra: &[&str]) -> anyhow::Result<Rendered> {
+    let text = render_text(release, namespace, extra)?;
+    let mut docs = Vec::new();
+    for doc in serde_yaml::Deserializer::from_str(&text) {
+        let yaml = serde_yaml::Value::deserialize(doc)?;
+        if yaml.is_null() {
+            continue;
+        }
+        docs.push(serde_json::to_value(&yaml)?);
+    }
+    Ok(Rendered {
+        release: release.to_owned(),
+        namespace: namespace.to_owned(),
+        docs,
+    })
+}
+
+/// `helm template` with `extra` arguments, as it printed it.
+fn render_text(release: &str, namespace: &str, extra: &[&str]) -> anyhow::Result<String> {
     let chart = chart_dir();
     let mut args = vec![
         "template",
@@ -71,20 +89,7 @@ fn render(release: &str, namespace: &str, extra: &[&str]) -> anyhow::Result<Rend
         "helm template failed: {}",
         String::from_utf8_lossy(&output.stderr)
     );
-    let text = String::from_utf8(output.stdout)?;
-    let mut docs = Vec::new();
-    for doc in serde_yaml::Deserializer::from_str(&text) {
-        let yaml = serde_yaml::Value::deserialize(doc)?;
-        if yaml.is_null() {
-            continue;
-        }
-        docs.push(serde_json::to_value(&yaml)?);
-    }
-    Ok(Rendered {
-        release: release.to_owned(),
-        namespace: namespace.to_owned(),
-        docs,
-    })
+    Ok(String::from_utf8(output.stdout)?)
 }
 
 struct Rendered {
@@ -2550,24 +2555,7 @@ fn with_existing_secrets_two_renders_are_identical() -> anyhow::Result<()> {
         "--set",
         "allocationSigning.existingSecret=signing",
     ];
-    let text = |extra: &[&str]| -> anyhow::Result<String> {
-        let chart = chart_dir();
-        let mut args = vec![
-            "template",
-            "gpushare",
-            chart.to_str().context("chart path")?,
-            "--kube-version",
-            KUBE_VERSION,
-        ];
-        args.extend_from_slice(extra);
-        let output = helm(&args)?;
-        ensure!(
-            output.status.success(),
-            "{}",
-            String::from_utf8_lossy(&output.stderr)
-        );
-        Ok(String::from_utf8(output.stdout)?)
-    };
+    let text = |extra: &[&str]| render_text("gpushare", "kube-system", extra);
     // Without them, keys are generated: the renders differ (the test can tell).
     ensure!(text(&[])? != text(&[])?, "generated keys differ per render");
     let first = text(&supplied)?;

@@ -650,18 +650,10 @@ async fn over_share_eviction(c: &KitCluster) -> anyhow::Result<()> {
         USAGE_FILE,
         r#"{"default/runaway": "7Gi", "default/neighbour": "3Gi"}"#,
     )?;
-    let events: Api<k8s_openapi::api::events::v1::Event> = Api::namespaced(c.client(), "default");
+    let client = c.client();
     let told = |reason: &'static str| {
-        let events = events.clone();
-        async move {
-            let listed = events.list(&ListParams::default()).await.ok()?;
-            let about: Vec<(String, String)> = listed
-                .into_iter()
-                .filter(|e| e.reason.as_deref() == Some(reason))
-                .filter_map(|e| Some((e.regarding?.name?, e.note.unwrap_or_default())))
-                .collect();
-            (!about.is_empty()).then_some(about)
-        }
+        let client = client.clone();
+        async move { gpushare_e2e::scenarios::events_with_reason(&client, "default", reason).await }
     };
     let reported = wait_for(
         "the GpuMemoryOverShare Event",

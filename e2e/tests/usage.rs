@@ -12,9 +12,7 @@ use gpushare_contract::usage::NodeMemoryUse;
 use gpushare_e2e::cluster::{ClusterSpec, TestCluster, http_get, wait_for, with_cluster};
 use gpushare_e2e::scenarios::{allocation, create_gpu_pod, wait_running};
 use k8s_openapi::api::core::v1::{Node, Pod};
-use k8s_openapi::api::events::v1::Event;
 use kube::Api;
-use kube::api::ListParams;
 
 const NODE: &str = "n1";
 const WAIT: Duration = Duration::from_secs(60);
@@ -184,18 +182,10 @@ async fn a_pod_over_its_share_is_told_then_evicted_and_its_neighbour_stays() -> 
             )
         };
         wait_metrics(cluster, &[over("a", 2 * GIB), over("b", 0)]).await?;
-        let events: Api<Event> = Api::namespaced(cluster.client.clone(), "default");
+        let client = cluster.client.clone();
         let told = |reason: &'static str| {
-            let events = events.clone();
-            async move {
-                let listed = events.list(&ListParams::default()).await.ok()?;
-                let about: Vec<(String, String)> = listed
-                    .into_iter()
-                    .filter(|e| e.reason.as_deref() == Some(reason))
-                    .filter_map(|e| Some((e.regarding?.name?, e.note.unwrap_or_default())))
-                    .collect();
-                (!about.is_empty()).then_some(about)
-            }
+            let client = client.clone();
+            async move { gpushare_e2e::scenarios::events_with_reason(&client, "default", reason).await }
         };
         let reported = wait_for("the GpuMemoryOverShare Event", WAIT, || {
             told("GpuMemoryOverShare")

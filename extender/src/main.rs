@@ -7,24 +7,17 @@ use clap::Parser;
 use gpushare_extender::{cleanup, routing_check};
 
 fn main() -> anyhow::Result<()> {
-    if std::env::args().nth(1).as_deref() == Some(routing_check::SUBCOMMAND) {
-        // The subcommand stands where clap expects the program's name.
-        let config = routing_check::RoutingCheckConfig::parse_from(std::env::args_os().skip(1));
-        let runtime = tokio::runtime::Builder::new_current_thread()
-            .enable_all()
-            .build()?;
-        gpushare_runtime::init_tracing(config.log_format);
-        runtime.block_on(routing_check::run(config))?;
-        return Ok(());
-    }
-    if std::env::args().nth(1).as_deref() == Some(cleanup::SUBCOMMAND) {
-        let config = cleanup::CleanupConfig::parse_from(std::env::args_os().skip(1));
-        let runtime = tokio::runtime::Builder::new_current_thread()
-            .enable_all()
-            .build()?;
-        gpushare_runtime::init_tracing(config.log_format);
-        runtime.block_on(cleanup::run(config))?;
-        return Ok(());
+    match std::env::args().nth(1).as_deref() {
+        Some(routing_check::SUBCOMMAND) => {
+            return job(
+                |c: &routing_check::RoutingCheckConfig| c.log_format,
+                routing_check::run,
+            );
+        }
+        Some(cleanup::SUBCOMMAND) => {
+            return job(|c: &cleanup::CleanupConfig| c.log_format, cleanup::run);
+        }
+        _ => {}
     }
     let config = gpushare_extender::Config::parse();
     let mut runtime = tokio::runtime::Builder::new_multi_thread();
@@ -36,5 +29,25 @@ fn main() -> anyhow::Result<()> {
         gpushare_runtime::init_tracing(config.log_format);
         gpushare_extender::run(config, gpushare_runtime::shutdown_signal()).await
     })?;
+    Ok(())
+}
+
+/// Runs one of the chart's hook jobs: its configuration parsed from the arguments after the
+/// subcommand (which stands where clap expects the program's name), on a single thread.
+fn job<C, F, E>(
+    log_format: impl FnOnce(&C) -> gpushare_extender::config::LogFormat,
+    run: impl FnOnce(C) -> F,
+) -> anyhow::Result<()>
+where
+    C: Parser,
+    F: std::future::Future<Output = Result<(), E>>,
+    E: std::error::Error + Send + Sync + 'static,
+{
+    let config = C::parse_from(std::env::args_os().skip(1));
+    let runtime = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()?;
+    gpushare_runtime::init_tracing(log_format(&config));
+    runtime.block_on(run(config))?;
     Ok(())
 }
