@@ -544,8 +544,10 @@ const BURST_SIZES: [u64; 4] = [2, 4, 8, 4];
 const BOUND_BEFORE_FAULT: usize = 100;
 /// How long after recovery every pod should be bound and running (printed as met or missed).
 const DRAIN_TARGET: Duration = Duration::from_secs(30);
-/// After this long, pods still not running are stuck: the test fails.
-const STUCK_AFTER: Duration = Duration::from_secs(90);
+/// After this long, pods still not running are stuck: the test fails. Not a speed target
+/// (that is `DRAIN_TARGET`, printed): long enough that a 900-pod drain on a loaded 2-core
+/// machine (about 10 binds/s after three extender kills) is not taken for pods lost.
+const STUCK_AFTER: Duration = Duration::from_secs(180);
 
 /// Starts the 200-node cluster (once the big-cluster slot is free) and reports how long it
 /// took and how much memory it holds.
