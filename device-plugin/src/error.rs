@@ -51,6 +51,28 @@ pub enum Error {
         "cannot install the isolation library into --isolation-host-dir: {0}; fix the path or run with --enforcement none"
     )]
     Isolation(#[source] std::io::Error),
+    /// Another device plugin on this node serves devices that kubelet recorded for our
+    /// resource name ([`crate::registrations`]): registering too would have the two replace
+    /// each other at kubelet.
+    #[error(
+        "another device plugin already registered {resource} on this node: {} serves {shared} of the devices kubelet's checkpoint lists for {resource} (e.g. {}); \
+         two plugins registering one resource name replace each other at kubelet on every registration, and the pods of one lose their accounting. \
+         Remove the other plugin from this node (Alibaba's classic gpushare: delete its DaemonSet, docs/migrating.md step 3), \
+         or give gpushare another resource name (--resource, the chart's resourceName, the same in the extender); \
+         see charts/gpushare/README.md, \"Next to NVIDIA's device plugin or the GPU Operator\"",
+        socket.display(),
+        examples.join(", ")
+    )]
+    RegisteredElsewhere {
+        /// our resource name
+        resource: String,
+        /// the other plugin's socket
+        socket: PathBuf,
+        /// how many of the devices it serves kubelet recorded for `resource`
+        shared: usize,
+        /// a few of those device IDs
+        examples: Vec<String>,
+    },
     /// A supervised task returned or panicked before shutdown.
     #[error(transparent)]
     Task(#[from] gpushare_runtime::TaskStopped),

@@ -51,6 +51,7 @@ use gpushare_contract::env::Enforcement;
 use gpushare_contract::{DEFAULT_DOMAIN, DEFAULT_RESOURCE, KeyringFile, Keys};
 use gpushare_proto::{DEFAULT_DEVICE_PLUGIN_DIR, DEFAULT_POD_RESOURCES_SOCKET};
 use gpushare_runtime::TaskSet;
+use gpushare_runtime::uninstall::UninstallWatch;
 use prometheus_client::registry::Registry;
 use tokio::sync::watch;
 use tokio_util::sync::CancellationToken;
@@ -99,6 +100,7 @@ pub mod over_share;
 pub mod pod_resources;
 mod pod_views;
 pub mod pods;
+pub mod registrations;
 pub mod server;
 pub mod service;
 pub mod usage;
@@ -120,6 +122,10 @@ pub struct Config {
     /// The node this plugin runs on (usually from the downward API).
     #[arg(long, env = "GPUSHARE_NODE_NAME")]
     pub node_name: String,
+    /// This plugin's DaemonSet: watched, so that a plugin stopping after it was deleted
+    /// removes its isolation files (an uninstall).
+    #[command(flatten)]
+    pub own_daemon_set: gpushare_runtime::uninstall::OwnDaemonSet,
     /// kubelet's device plugin directory (holds kubelet.sock).
     #[arg(long, env = "GPUSHARE_DEVICE_PLUGIN_DIR", default_value = DEFAULT_DEVICE_PLUGIN_DIR)]
     pub device_plugin_dir: PathBuf,
@@ -318,6 +324,14 @@ async fn run_inner(
     if config.node_name.trim().is_empty() {
         return Err(Error::Config("--node-name (NODE_NAME) is empty".into()));
     }
+    // Another plugin serving our resource name here would replace us at kubelet (and we it)
+    // on every registration: refuse before anything is served.
+    registrations::refuse_if_registered_elsewhere(
+        &config.device_plugin_dir,
+        &config.resource,
+        &config.device_plugin_dir.join(server::SOCKET_NAME),
+    )
+    .await?;
     // However this ends (an error, or the caller dropping it), every task is told to stop.
     let token = CancellationToken::new();
     let _stop_all = token.clone().drop_guard();
@@ -344,8 +358,18 @@ async fn run_inner(
         token: token.clone(),
         isolation,
     };
+    // With isolation, watched from now on: a plugin stopping after its DaemonSet was deleted
+    // removes what it installed on the node.
+    let host_dir = plugin.isolation.as_ref().map(|i| i.host_dir.clone());
+    let uninstall = host_dir
+        .as_ref()
+        .map(|_| UninstallWatch::start(plugin.client.clone(), &plugin.config.own_daemon_set));
     let tasks = plugin.spawn(listener, registry, keyring_file);
-    supervise(tasks, shutdown, token).await
+    let outcome = supervise(tasks, shutdown, token).await;
+    if let (Ok(()), Some(host_dir), Some(uninstall)) = (&outcome, host_dir, uninstall) {
+        uninstall.leave_node_if_uninstalled(&host_dir);
+    }
+    outcome
 }
 
 /// With `--enforcement preload`, installs the interposer from the image into the host

@@ -97,6 +97,10 @@ pub struct Config {
     /// The node this plugin runs on (usually from the downward API).
     #[arg(long, env = "GPUSHARE_NODE_NAME")]
     pub node_name: String,
+    /// This plugin's DaemonSet: watched, so that a plugin stopping after it was deleted
+    /// removes its isolation files (an uninstall).
+    #[command(flatten)]
+    pub own_daemon_set: gpushare_runtime::uninstall::OwnDaemonSet,
     /// The DRA driver name: DeviceClasses select it, allocations name it, and it is the
     /// vendor of the CDI devices.
     #[arg(long, env = "GPUSHARE_DRA_DRIVER_NAME", default_value = DEFAULT_DOMAIN)]
@@ -328,6 +332,11 @@ pub async fn run_with_client(
 
     let stop = CancellationToken::new();
     let mut tasks = Tasks::default();
+    // With isolation, watched from now on: a plugin stopping after its DaemonSet was deleted
+    // removes what it installed on the node.
+    let uninstall = (config.enforcement == Enforcement::Preload).then(|| {
+        gpushare_runtime::uninstall::UninstallWatch::start(client.clone(), &config.own_daemon_set)
+    });
     let servers = Servers::start(
         &config,
         gpus.clone(),
@@ -359,6 +368,9 @@ pub async fn run_with_client(
         let _ = health.await;
     }
     servers.stop(tasks).await;
+    if let (Ok(()), Some(uninstall)) = (&outcome, uninstall) {
+        uninstall.leave_node_if_uninstalled(&config.isolation.isolation_host_dir);
+    }
     tracing::info!("DRA plugin stopped");
     outcome
 }

@@ -1,5 +1,5 @@
-//! kubectl and helm for the tests that need the real tools, installed on first use by the
-//! project's own `scripts/install-tools.sh` into `<repo>/.tools/bin` (gitignored).
+//! kubectl, helm and promtool for the tests that need the real tools, installed on first use
+//! by the project's own `scripts/install-tools.sh` into `<repo>/.tools/bin` (gitignored).
 //!
 //! Installation is idempotent and serialized twice over: a process-wide mutex for test
 //! threads, and an exclusive file lock on `.tools/.install.lock` for parallel test binaries.
@@ -27,6 +27,11 @@ pub fn kubectl() -> anyhow::Result<PathBuf> {
 /// Path to a helm binary, installing it on first use.
 pub fn helm() -> anyhow::Result<PathBuf> {
     tool("helm")
+}
+
+/// Path to a promtool binary (Prometheus's rule checker), installing it on first use.
+pub fn promtool() -> anyhow::Result<PathBuf> {
+    tool("promtool")
 }
 
 fn is_executable(path: &Path) -> bool {

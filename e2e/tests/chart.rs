@@ -184,6 +184,8 @@ fn check_all_typed(rendered: &Rendered) -> anyhow::Result<()> {
             }
             "ConfigMap" => round_trip::<ConfigMap>(doc)?,
             "Job" => round_trip::<k8s_openapi::api::batch::v1::Job>(doc)?,
+            // `helm test` (templates/tests/check-install.yaml).
+            "Pod" => round_trip::<Pod>(doc)?,
             "MutatingWebhookConfiguration" => round_trip::<MutatingWebhookConfiguration>(doc)?,
             "ValidatingAdmissionPolicy" => round_trip::<ValidatingAdmissionPolicy>(doc)?,
             "ValidatingAdmissionPolicyBinding" => {
@@ -193,6 +195,11 @@ fn check_all_typed(rendered: &Rendered) -> anyhow::Result<()> {
                 ensure!(doc["apiVersion"] == "monitoring.coreos.com/v1");
                 ensure!(doc["spec"]["selector"]["matchLabels"].is_object());
                 ensure!(doc["spec"]["endpoints"][0]["port"].is_string());
+            }
+            // Its rules are checked by promtool (`the_alerts_pass_promtool_and_their_unit_tests`).
+            "PrometheusRule" => {
+                ensure!(doc["apiVersion"] == "monitoring.coreos.com/v1");
+                ensure!(doc["spec"]["groups"].is_array());
             }
             other => bail!("unexpected kind {other} rendered"),
         }
@@ -462,11 +469,31 @@ fn rbac_problems(
             show(not_granted)
         ));
     }
-    let unused: Vec<&Grant> = granted.difference(&used).collect();
+    let only_on_uninstall = uninstall_only_grants(what);
+    let unused: Vec<&Grant> = granted
+        .difference(&used)
+        .filter(|grant| !only_on_uninstall.contains(grant))
+        .collect();
     if !unused.is_empty() {
         problems.push(format!("{context}: granted but unused: {}", show(unused)));
     }
     Ok(problems)
+}
+
+/// What `what` is granted for a path no in-process cluster walks: a node plugin watches its
+/// own DaemonSet, named by the chart, to tell `helm uninstall` from a restart as it stops
+/// (`gpushare_runtime::uninstall`); the in-process harness runs the plugins outside any
+/// DaemonSet. The real tier's `gpu_pods_right_after_helm_install` shows the grants suffice:
+/// without them the plugin keeps its files, and that scenario fails on what it finds under
+/// the isolation host directory.
+fn uninstall_only_grants(what: &str) -> BTreeSet<Grant> {
+    match what {
+        "device-plugin" | "dra-plugin" => BTreeSet::from([
+            grant("apps", "daemonsets", "list"),
+            grant("apps", "daemonsets", "watch"),
+        ]),
+        _ => BTreeSet::new(),
+    }
 }
 
 /// Runs a small cluster through every path that needs a permission and returns the calls
@@ -1775,21 +1802,25 @@ fn default_values_render_a_dedicated_scheduler_install() -> anyhow::Result<()> {
     let rendered = render("gpushare", "kube-system", &[])?;
     check_all_typed(&rendered)?;
     let kinds = rendered.kinds();
-    // With the uninstall cleanup hook's ServiceAccount, ClusterRole and binding, and Job.
+    // With the uninstall cleanup hook's ServiceAccount, ClusterRole and binding, Role and
+    // binding (the test pod's deletion), and Job; `helm test`'s ServiceAccount, ClusterRole
+    // and binding, two Roles and bindings (the Lease, the routing namespace) and Pod; and the
+    // device plugin's Role and binding to watch its own DaemonSet.
     let want: BTreeMap<String, usize> = [
-        ("ClusterRole", 3),
-        ("ClusterRoleBinding", 5),
+        ("ClusterRole", 4),
+        ("ClusterRoleBinding", 6),
         ("ConfigMap", 1),
         ("DaemonSet", 1),
         ("Deployment", 2),
         ("Job", 2),
         ("MutatingWebhookConfiguration", 1),
+        ("Pod", 1),
         ("PodDisruptionBudget", 1),
-        ("Role", 3),
-        ("RoleBinding", 4),
+        ("Role", 7),
+        ("RoleBinding", 8),
         ("Secret", 3),
         ("Service", 2),
-        ("ServiceAccount", 5),
+        ("ServiceAccount", 6),
         ("ValidatingAdmissionPolicy", 1),
         ("ValidatingAdmissionPolicyBinding", 1),
     ]
@@ -1953,18 +1984,23 @@ fn non_default_values_render_a_default_scheduler_install() -> anyhow::Result<()>
 #[test]
 fn dra_mode_installs_the_dra_driver_its_scheduler_and_the_extender_that_ranks() -> anyhow::Result<()>
 {
-    // The driver, and the uninstall cleanup hook (ServiceAccount, ClusterRole and binding,
-    // Job), which every install has.
+    // The driver (with the Role to watch its own DaemonSet), the uninstall cleanup hook
+    // (ServiceAccount, ClusterRole and binding, the Role and binding that delete the test
+    // pod, Job), and `helm test` (ServiceAccount, ClusterRole and binding, Pod), which every
+    // install has.
     let driver_only: BTreeMap<String, usize> = [
-        ("ClusterRole", 2),
-        ("ClusterRoleBinding", 2),
+        ("ClusterRole", 3),
+        ("ClusterRoleBinding", 3),
         ("DaemonSet", 1),
         ("DeviceClass", 1),
         ("Job", 1),
         ("MutatingAdmissionPolicy", 1),
         ("MutatingAdmissionPolicyBinding", 1),
+        ("Pod", 1),
         ("ResourceClaimTemplate", 80),
-        ("ServiceAccount", 2),
+        ("Role", 2),
+        ("RoleBinding", 2),
+        ("ServiceAccount", 3),
         ("ValidatingAdmissionPolicy", 1),
         ("ValidatingAdmissionPolicyBinding", 1),
     ]
@@ -1989,7 +2025,7 @@ fn dra_mode_installs_the_dra_driver_its_scheduler_and_the_extender_that_ranks() 
     }
     // dra.scheduler.ranking (the default) adds the extender, which ranks only: its
     // ServiceAccount, Service, TLS Secret, Deployment, PodDisruptionBudget, ClusterRole and
-    // binding, Lease Role and binding.
+    // binding, Lease Role and binding; and the test's Role and binding to read that Lease.
     let mut with_ranking = with_scheduler.clone();
     for (kind, more) in [
         ("ServiceAccount", 1),
@@ -1999,8 +2035,8 @@ fn dra_mode_installs_the_dra_driver_its_scheduler_and_the_extender_that_ranks() 
         ("PodDisruptionBudget", 1),
         ("ClusterRole", 1),
         ("ClusterRoleBinding", 1),
-        ("Role", 1),
-        ("RoleBinding", 1),
+        ("Role", 2),
+        ("RoleBinding", 2),
     ] {
         *with_ranking.entry(kind.to_owned()).or_default() += more;
     }
@@ -2873,5 +2909,325 @@ fn client_certificates_guard_the_scheduler_port() -> anyhow::Result<()> {
     );
     let text = scheduler_config_text(&off, "gpushare-scheduler")?;
     ensure!(!text.contains("certFile"), "{text}");
+    Ok(())
+}
+
+/// Runs the real promtool (installed like helm, by scripts/install-tools.sh: a promtool that
+/// cannot be installed fails the test, it is never skipped) with `args`; its output.
+fn promtool(args: &[&std::ffi::OsStr]) -> anyhow::Result<String> {
+    let promtool = gpushare_e2e::tools::promtool()?;
+    let output = Command::new(&promtool)
+        .args(args)
+        .output()
+        .with_context(|| format!("running {}", promtool.display()))?;
+    let text = format!(
+        "{}{}",
+        String::from_utf8_lossy(&output.stdout),
+        String::from_utf8_lossy(&output.stderr)
+    );
+    ensure!(
+        output.status.success(),
+        "promtool {args:?} failed ({}):\n{text}",
+        output.status
+    );
+    Ok(text)
+}
+
+/// The chart's alerts, rendered as a PrometheusRule, pass `promtool check rules`, and the unit
+/// tests of tests/alerts.test.yaml pass against the rendered groups (laid out where the tests
+/// look for files/alerts.yaml): each alert fires on the series that should fire it, with the
+/// labels and annotations written there, and not on the others. Every alert has a severity, a
+/// summary and a description, and unit tests that fire it and that must not.
+#[test]
+fn the_alerts_pass_promtool_and_their_unit_tests() -> anyhow::Result<()> {
+    let rendered = render(
+        "prod",
+        "gpu-system",
+        &[
+            "--api-versions",
+            "monitoring.coreos.com/v1",
+            "--set",
+            "monitoring.prometheusRule.enabled=true",
+            "--set-string",
+            "monitoring.prometheusRule.labels.release=kps",
+            "--set",
+            "metrics.serviceMonitor.enabled=true",
+        ],
+    )?;
+    // The alerts name a device plugin's node by the `node` label its ServiceMonitor adds, and
+    // a workload's pod by the series' own `pod` (honorLabels keeps it from `exported_pod`).
+    let plugin_monitor = rendered
+        .of_kind("ServiceMonitor")
+        .into_iter()
+        .find(|m| m["metadata"]["name"] == "prod-gpushare-device-plugin")
+        .context("the device plugin's ServiceMonitor")?;
+    let endpoint = &plugin_monitor["spec"]["endpoints"][0];
+    ensure!(endpoint["honorLabels"] == true, "{endpoint}");
+    ensure!(
+        endpoint["relabelings"]
+            .as_array()
+            .into_iter()
+            .flatten()
+            .any(
+                |r| r["sourceLabels"] == serde_json::json!(["__meta_kubernetes_pod_node_name"])
+                    && r["targetLabel"] == "node"
+            ),
+        "{endpoint}"
+    );
+    let rules = rendered.of_kind("PrometheusRule");
+    ensure!(rules.len() == 1, "one PrometheusRule, not {}", rules.len());
+    let rule = rules[0];
+    check_all_typed(&Rendered {
+        release: rendered.release.clone(),
+        namespace: rendered.namespace.clone(),
+        docs: vec![rule.clone()],
+    })?;
+    ensure!(rule["metadata"]["name"] == "prod-gpushare-alerts");
+    ensure!(rule["metadata"]["namespace"] == "gpu-system");
+    ensure!(
+        rule["metadata"]["labels"]["release"] == "kps",
+        "monitoring.prometheusRule.labels reach the rule: {}",
+        rule["metadata"]["labels"]
+    );
+    let groups = &rule["spec"]["groups"];
+    // What promtool's unit tests read from the chart is what the chart renders.
+    let source: serde_yaml::Value = serde_yaml::from_str(&std::fs::read_to_string(
+        chart_dir().join("files/alerts.yaml"),
+    )?)?;
+    ensure!(
+        serde_json::to_value(&source)?["groups"] == *groups,
+        "the rendered groups differ from files/alerts.yaml"
+    );
+
+    let mut alerts = BTreeSet::new();
+    for group in groups.as_array().context("groups")? {
+        for rule in group["rules"].as_array().context("rules")? {
+            let name = rule["alert"].as_str().context("a rule that is no alert")?;
+            ensure!(
+                ["critical", "warning"]
+                    .contains(&rule["labels"]["severity"].as_str().unwrap_or("")),
+                "{name}: severity must be critical or warning: {}",
+                rule["labels"]
+            );
+            for annotation in ["summary", "description"] {
+                ensure!(
+                    rule["annotations"][annotation]
+                        .as_str()
+                        .is_some_and(|text| !text.trim().is_empty()),
+                    "{name} has no {annotation}"
+                );
+            }
+            ensure!(alerts.insert(name.to_owned()), "{name} twice");
+        }
+    }
+
+    let dir = tempfile::tempdir()?;
+    for sub in ["files", "tests"] {
+        std::fs::create_dir(dir.path().join(sub))?;
+    }
+    let rules_file = dir.path().join("files/alerts.yaml");
+    std::fs::write(
+        &rules_file,
+        serde_yaml::to_string(&serde_json::json!({ "groups": groups }))?,
+    )?;
+    let tests_file = dir.path().join("tests/alerts.test.yaml");
+    std::fs::copy(chart_dir().join("tests/alerts.test.yaml"), &tests_file)?;
+    let checked = promtool(&["check".as_ref(), "rules".as_ref(), rules_file.as_os_str()])?;
+    ensure!(
+        checked.contains(&format!("SUCCESS: {} rules found", alerts.len())),
+        "{checked}"
+    );
+    promtool(&["test".as_ref(), "rules".as_ref(), tests_file.as_os_str()])?;
+
+    let tests: serde_yaml::Value = serde_yaml::from_str(&std::fs::read_to_string(&tests_file)?)?;
+    let (mut fired, mut quiet) = (BTreeSet::new(), BTreeSet::new());
+    for group in tests["tests"].as_sequence().context("tests")? {
+        for case in group["alert_rule_test"].as_sequence().into_iter().flatten() {
+            let name = case["alertname"].as_str().context("alertname")?.to_owned();
+            ensure!(alerts.contains(&name), "tests name an unknown alert {name}");
+            match case["exp_alerts"].as_sequence() {
+                Some(expected) if !expected.is_empty() => fired.insert(name),
+                _ => quiet.insert(name),
+            };
+        }
+    }
+    let never_fired: Vec<_> = alerts.difference(&fired).collect();
+    let never_quiet: Vec<_> = alerts.difference(&quiet).collect();
+    ensure!(
+        never_fired.is_empty() && never_quiet.is_empty(),
+        "alerts without a test that fires them: {never_fired:?}; without one where they must not: {never_quiet:?}"
+    );
+    Ok(())
+}
+
+/// The metric names the extender and the device plugin export, as PromQL sees them: counters
+/// with `_total`, histograms as `_bucket`, `_sum` and `_count`. A labelled family is encoded
+/// only once it has a series, so each gets one here; a family registered and not given one is
+/// caught by counting the registry's descriptors.
+fn exported_metrics() -> anyhow::Result<BTreeSet<String>> {
+    use gpushare_device_plugin::metrics::{
+        ContainerGpuLabels, ContainerUseLabels, GpuLabels, PodGpuLabels,
+    };
+    let mut registry = prometheus_client::registry::Registry::default();
+    let extender = gpushare_extender::metrics::Metrics::register(&mut registry);
+    extender.observe("filter", std::time::Instant::now());
+    extender.bind("bound");
+    extender.resolution("landed");
+    extender.keep_best_stepped_aside("soft_topology_spread");
+    extender.record_idle_gpu_taint("added");
+    extender.preempt_answer("victims");
+    extender.preempt_victims(1, 1);
+    extender.set_nominations((1, 1));
+    extender.refuse_caller(gpushare_extender::metrics::RefusalReason::NoClientCertificate);
+    let plugin = gpushare_device_plugin::metrics::Metrics::new(&mut registry);
+    plugin.allocate_error("no_pending_pod");
+    for family in [
+        &plugin.pod_patches,
+        &plugin.node_patches,
+        &plugin.usage_patches,
+    ] {
+        gpushare_device_plugin::metrics::Metrics::patch(family, true);
+    }
+    plugin.kubelet_mismatch("wrong_gpu");
+    let gpu = GpuLabels {
+        gpu: "0".into(),
+        uuid: "GPU-0".into(),
+    };
+    for family in [
+        &plugin.gpu_allocated_bytes,
+        &plugin.gpu_used_bytes,
+        &plugin.gpu_unattributed_bytes,
+    ] {
+        family.get_or_create(&gpu).set(0);
+    }
+    let pod = PodGpuLabels {
+        namespace: "ml".into(),
+        pod: "a".into(),
+        gpu: "0".into(),
+    };
+    for family in [&plugin.pod_allocated_bytes, &plugin.pod_used_bytes] {
+        family.get_or_create(&pod).set(0);
+    }
+    let isolated = ContainerGpuLabels {
+        namespace: "ml".into(),
+        pod: "a".into(),
+        container: "main".into(),
+        gpu: 0,
+    };
+    for family in [
+        &plugin.isolated_share_bytes,
+        &plugin.isolated_used_bytes,
+        &plugin.isolated_refused_allocations,
+    ] {
+        family.get_or_create(&isolated).set(0);
+    }
+    let container = ContainerUseLabels {
+        namespace: "ml".into(),
+        pod: "a".into(),
+        container: "main".into(),
+        gpu: "0".into(),
+    };
+    for family in [
+        &plugin.container_used_bytes,
+        &plugin.container_over_share_bytes,
+    ] {
+        family.get_or_create(&container).set(0);
+    }
+    let mut text = String::new();
+    prometheus_client::encoding::text::encode(&mut text, &registry)?;
+    let registered = format!("{registry:?}").matches("Descriptor {").count();
+    let encoded = text.lines().filter(|l| l.starts_with("# TYPE ")).count();
+    ensure!(
+        registered == encoded,
+        "{registered} metrics registered, {encoded} encoded: give the new labelled family a series in exported_metrics()"
+    );
+    let mut names = BTreeSet::new();
+    for line in text.lines() {
+        let Some(described) = line.strip_prefix("# TYPE ") else {
+            continue;
+        };
+        let (name, kind) = described.split_once(' ').context("a TYPE line")?;
+        match kind {
+            "counter" => {
+                names.insert(format!("{name}_total"));
+            }
+            "histogram" => {
+                for suffix in ["_bucket", "_sum", "_count"] {
+                    names.insert(format!("{name}{suffix}"));
+                }
+            }
+            _ => {
+                names.insert(name.to_owned());
+            }
+        }
+    }
+    ensure!(names.len() > 40, "too few metrics found: {names:?}");
+    Ok(names)
+}
+
+/// The `gpushare_…` metric names in `text`: words of PromQL's name characters starting with
+/// `gpushare_`, but Rust paths (`gpushare_runtime::…`) and `*` patterns (`gpushare_container_*`).
+fn metric_names_in(text: &str) -> BTreeSet<String> {
+    let is_name = |c: char| c.is_ascii_alphanumeric() || c == '_';
+    let mut names = BTreeSet::new();
+    let mut rest = text;
+    while let Some(at) = rest.find("gpushare_") {
+        let starts_word = !rest[..at].ends_with(is_name);
+        let word_len = rest[at..]
+            .find(|c: char| !is_name(c))
+            .unwrap_or(rest.len() - at);
+        let word = &rest[at..at + word_len];
+        let after = &rest[at + word_len..];
+        if starts_word && !after.starts_with("::") && !after.starts_with('*') {
+            names.insert(word.to_owned());
+        }
+        rest = after;
+    }
+    names
+}
+
+/// The alerts use only metrics the binaries export, and docs/operating.md's tables list every
+/// one of them and name no other.
+#[test]
+fn the_alerts_and_the_operating_guide_name_only_metrics_that_exist() -> anyhow::Result<()> {
+    let exported = exported_metrics()?;
+    let alerts = std::fs::read_to_string(chart_dir().join("files/alerts.yaml"))?;
+    let used = metric_names_in(&alerts);
+    ensure!(used.len() >= 10, "{used:?}");
+    let unknown: Vec<_> = used.difference(&exported).collect();
+    ensure!(
+        unknown.is_empty(),
+        "alerts on metrics nobody exports: {unknown:?}"
+    );
+
+    let guide = std::fs::read_to_string(chart_dir().join("../../docs/operating.md"))?;
+    let named = metric_names_in(&guide);
+    let unlisted: Vec<_> = exported
+        .iter()
+        .filter(|name| {
+            // A histogram is listed by its own name.
+            let listed = ["_bucket", "_sum", "_count"]
+                .iter()
+                .find_map(|suffix| name.strip_suffix(suffix))
+                .unwrap_or(name);
+            !guide.contains(&format!("| `{listed}` |"))
+        })
+        .collect();
+    ensure!(
+        unlisted.is_empty(),
+        "exported but not in docs/operating.md's metric tables: {unlisted:?}"
+    );
+    let histograms: BTreeSet<String> = exported
+        .iter()
+        .filter_map(|name| name.strip_suffix("_bucket").map(str::to_owned))
+        .collect();
+    let not_exported: Vec<_> = named
+        .iter()
+        .filter(|name| !exported.contains(*name) && !histograms.contains(*name))
+        .collect();
+    ensure!(
+        not_exported.is_empty(),
+        "docs/operating.md names metrics nobody exports: {not_exported:?}"
+    );
     Ok(())
 }

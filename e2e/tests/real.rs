@@ -2157,11 +2157,19 @@ async fn upgrade_in_a_burst(c: &KitCluster, residents: &[Pod]) -> anyhow::Result
     Ok(())
 }
 
-/// `helm install` followed at once by GPU pods, as a CI job or an operator's script does: the
-/// release is uninstalled and installed again with the same values, and six pods are created
-/// the moment `helm install` returns. Every one is admitted, routed to gpushare's scheduler
-/// and runs on the GPU its allocation names (before the install hook, all six kept
-/// `default-scheduler`: the API server had not loaded the routing policy yet).
+/// An uninstall that leaves nothing, then an install as production clusters take it, then
+/// `helm install` followed at once by GPU pods, as a CI job or an operator's script does:
+/// - `helm uninstall` leaves no label, annotation or taint of gpushare's domain on the node
+///   (the post-delete hook) and no file under the kit's `isolation.hostDir` (each plugin,
+///   stopping, finds its DaemonSet gone and removes what it installed);
+/// - the release is installed again with the same values into `gpushare-system`, a namespace
+///   labelled Pod Security `privileged`, while `default` (where the routing check asks)
+///   enforces `restricted`: the install's routing check passes there;
+/// - six pods are created the moment `helm install` returns: every one is admitted, routed to
+///   gpushare's scheduler and runs on the GPU its allocation names (before the install hook,
+///   all six kept `default-scheduler`: the API server had not loaded the routing policy yet);
+/// - `helm test` passes: the extender answers and leads, node-k offers GPU memory, GPU pods
+///   are routed; and the uninstall that follows leaves no test pod behind.
 fn gpu_pods_right_after_helm_install(c: &KitCluster) -> Outcome<'_> {
     Box::pin(async move {
         let values = c.helm(&[
@@ -2224,17 +2232,57 @@ fn gpu_pods_right_after_helm_install(c: &KitCluster) -> Outcome<'_> {
             },
         )
         .await?;
+        let host_dir = c.kit().root().join("isolation");
+        let mut left = Vec::new();
+        wait_for(
+            "no file under isolation.hostDir after the uninstall",
+            Duration::from_secs(60),
+            || {
+                left = files_under(&host_dir);
+                std::future::ready(left.is_empty().then_some(()))
+            },
+        )
+        .await
+        .with_context(|| format!("left under {}: {left:?}", host_dir.display()))?;
+
+        // Installed again into a namespace of its own, labelled privileged, while default
+        // (where the routing check's dry-run pods go) enforces restricted.
+        const NAMESPACE: &str = "gpushare-system";
+        c.kubectl(&["create", "namespace", NAMESPACE])?;
+        c.kubectl(&[
+            "label",
+            "namespace",
+            NAMESPACE,
+            "pod-security.kubernetes.io/enforce=privileged",
+        ])?;
+        c.proxy_services(&["gpushare-system/gpushare-extender"])
+            .await?;
+        c.kubectl(&[
+            "label",
+            "namespace",
+            "default",
+            "pod-security.kubernetes.io/enforce=restricted",
+            "--overwrite",
+        ])?;
         let chart = chart_dir(c);
         let installed = Instant::now();
-        c.helm(&[
+        let install = c.helm(&[
             "install",
             "gpushare",
             &chart.to_string_lossy(),
             "-n",
-            "kube-system",
+            NAMESPACE,
             "-f",
             &values_file.to_string_lossy(),
+        ]);
+        c.kubectl(&[
+            "label",
+            "namespace",
+            "default",
+            "pod-security.kubernetes.io/enforce-",
         ])?;
+        install
+            .context("helm install into a privileged namespace, default enforcing restricted")?;
         println!(
             "  helm install returned in {:.1} s (its hook waits until GPU pods are routed)",
             installed.elapsed().as_secs_f64()
@@ -2255,8 +2303,47 @@ fn gpu_pods_right_after_helm_install(c: &KitCluster) -> Outcome<'_> {
             check_pinned(c, &pod).await?;
         }
         check_no_overcommit(&c.client()).await?;
+        let tested = c
+            .helm(&[
+                "test",
+                "gpushare",
+                "-n",
+                NAMESPACE,
+                "--logs",
+                "--timeout",
+                "3m",
+            ])
+            .context("helm test")?;
+        for line in tested
+            .lines()
+            .filter(|l| l.starts_with("ok") || l.starts_with("FAIL"))
+        {
+            println!("  helm test: {line}");
+        }
+        // The test pod is a hook helm keeps (for --logs): the uninstall's hook deletes it.
+        c.helm(&["uninstall", "gpushare", "-n", NAMESPACE, "--wait"])?;
+        let left = c.kubectl(&["get", "pods", "-n", NAMESPACE, "-o", "name"])?;
+        ensure!(
+            !left.contains("check-install"),
+            "helm uninstall left the test pod: {left}"
+        );
         Ok(())
     })
+}
+
+/// Every file (not directory) under `dir`, recursively; none when it does not exist.
+fn files_under(dir: &std::path::Path) -> Vec<std::path::PathBuf> {
+    let mut files = Vec::new();
+    let mut pending = vec![dir.to_path_buf()];
+    while let Some(dir) = pending.pop() {
+        for entry in std::fs::read_dir(&dir).into_iter().flatten().flatten() {
+            match entry.file_type() {
+                Ok(kind) if kind.is_dir() => pending.push(entry.path()),
+                _ => files.push(entry.path()),
+            }
+        }
+    }
+    files
 }
 
 /// The pod of the README's "On a real cluster", exactly as written there: the same YAML must

@@ -14,15 +14,18 @@
 //! deletes, it does not wait for the pods to end), and one of them could write again. So the
 //! sweep runs until two passes a few seconds apart find nothing left, within a deadline.
 //!
+//! `helm test`'s pod is a test hook, which `helm uninstall` does not delete either: the hook
+//! deletes it first (`--delete-pods`).
+//!
 //! A node changed by someone else between read and write is read again: each patch carries
 //! the resourceVersion it was computed from.
 
 use std::time::Duration;
 
 use clap::Parser;
-use k8s_openapi::api::core::v1::Node;
+use k8s_openapi::api::core::v1::{Node, Pod};
 use kube::Api;
-use kube::api::{ListParams, Patch, PatchParams};
+use kube::api::{DeleteParams, ListParams, Patch, PatchParams};
 
 use crate::config::LogFormat;
 
@@ -39,6 +42,13 @@ pub struct CleanupConfig {
     /// Seconds between the passes that must both find nothing left.
     #[arg(long, env = "GPUSHARE_CLEANUP_SETTLE_SECONDS", default_value_t = 5)]
     pub settle_seconds: u64,
+    /// Pods of the release that helm leaves behind (`helm test`'s pod: a test hook is not
+    /// deleted with the release), deleted first; absent ones are fine.
+    #[arg(long, env = "GPUSHARE_CLEANUP_PODS", value_delimiter = ',')]
+    pub delete_pods: Vec<String>,
+    /// The namespace of `--delete-pods` (the release namespace).
+    #[arg(long, env = "GPUSHARE_POD_NAMESPACE", default_value = "kube-system")]
+    pub namespace: String,
     /// Give up (and fail the hook, so helm reports it) after this many seconds.
     #[arg(long, env = "GPUSHARE_CLEANUP_TIMEOUT_SECONDS", default_value_t = 120)]
     pub timeout_seconds: u64,
@@ -112,6 +122,16 @@ pub fn cleanup_patch(node: &Node, domain: &str) -> Option<serde_json::Value> {
 /// Sweeps until two passes `settle_seconds` apart find nothing, or the timeout.
 pub async fn run(config: CleanupConfig) -> Result<(), Error> {
     let client = kube::Client::try_default().await.map_err(Error::Client)?;
+    let pods: Api<Pod> = Api::namespaced(client.clone(), &config.namespace);
+    for name in &config.delete_pods {
+        match pods.delete(name, &DeleteParams::default()).await {
+            Ok(_) => tracing::info!(pod = %name, "deleted the release's leftover pod"),
+            Err(kube::Error::Api(status)) if status.code == 404 => {}
+            Err(error) => {
+                tracing::warn!(pod = %name, %error, "cannot delete the release's leftover pod")
+            }
+        }
+    }
     let nodes: Api<Node> = Api::all(client);
     let deadline = tokio::time::Instant::now() + Duration::from_secs(config.timeout_seconds);
     let mut clean_passes = 0;

@@ -49,6 +49,7 @@ pub mod cleanup;
 pub mod config;
 pub mod forward;
 pub mod idle_gpu_taint;
+pub mod install_check;
 pub mod keep_best;
 pub mod kube_io;
 pub mod leader;

@@ -1,10 +1,11 @@
 //! `gpushare-extender`: parses its configuration and runs the extender until SIGTERM or ctrl-c.
 //! `gpushare-extender check-routing ...` runs the chart's install hook instead
 //! (`gpushare_extender::routing_check`), `gpushare-extender cleanup-nodes ...` its uninstall
-//! hook (`gpushare_extender::cleanup`).
+//! hook (`gpushare_extender::cleanup`), `gpushare-extender check-install ...` its `helm test`
+//! (`gpushare_extender::install_check`).
 
 use clap::Parser;
-use gpushare_extender::{cleanup, routing_check};
+use gpushare_extender::{cleanup, install_check, routing_check};
 
 fn main() -> anyhow::Result<()> {
     match std::env::args().nth(1).as_deref() {
@@ -16,6 +17,12 @@ fn main() -> anyhow::Result<()> {
         }
         Some(cleanup::SUBCOMMAND) => {
             return job(|c: &cleanup::CleanupConfig| c.log_format, cleanup::run);
+        }
+        Some(install_check::SUBCOMMAND) => {
+            return job(
+                |c: &install_check::InstallCheckConfig| c.log_format,
+                install_check::run,
+            );
         }
         _ => {}
     }

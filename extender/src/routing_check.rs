@@ -38,6 +38,20 @@ pub struct RoutingCheckConfig {
     /// Namespace of the dry-run pods: one the routing covers (not excluded, not kube-system).
     #[arg(long, env = "GPUSHARE_CHECK_NAMESPACE", default_value = "default")]
     pub namespace: String,
+    /// What the dry-run pods ask for and what must come back.
+    #[command(flatten)]
+    pub probe: RoutingProbe,
+    /// Give up (and fail the hook, so helm reports it) after this many seconds.
+    #[arg(long, env = "GPUSHARE_CHECK_TIMEOUT_SECONDS", default_value_t = 240)]
+    pub timeout_seconds: u64,
+    /// Log format.
+    #[arg(long, env = "GPUSHARE_LOG_FORMAT", value_enum, default_value = "text")]
+    pub log_format: LogFormat,
+}
+
+/// The dry-run pods' request and the answer routing must give (also `check-install`'s).
+#[derive(Debug, Clone, clap::Args)]
+pub struct RoutingProbe {
     /// The extended resource GPU pods ask for.
     #[arg(long, env = "GPUSHARE_RESOURCE", default_value = DEFAULT_RESOURCE)]
     pub resource: String,
@@ -61,12 +75,6 @@ pub struct RoutingCheckConfig {
         default_value = "registry.k8s.io/pause:3.10"
     )]
     pub probe_image: String,
-    /// Give up (and fail the hook, so helm reports it) after this many seconds.
-    #[arg(long, env = "GPUSHARE_CHECK_TIMEOUT_SECONDS", default_value_t = 240)]
-    pub timeout_seconds: u64,
-    /// Log format.
-    #[arg(long, env = "GPUSHARE_LOG_FORMAT", value_enum, default_value = "text")]
-    pub log_format: LogFormat,
 }
 
 /// Why routing is not (yet) in place.
@@ -93,27 +101,12 @@ pub enum Error {
 pub async fn run(config: RoutingCheckConfig) -> Result<(), Error> {
     let client = kube::Client::try_default().await.map_err(Error::Client)?;
     let pods: Api<Pod> = Api::namespaced(client, &config.namespace);
-    let dry_run = PostParams {
-        dry_run: true,
-        field_manager: Some("gpushare-routing-check".to_owned()),
-    };
     let started = Instant::now();
     let deadline = started + Duration::from_secs(config.timeout_seconds);
     let mut last_logged: Option<Instant> = None;
     loop {
-        let finding = match routed(
-            &pods.create(&dry_run, &probe_pod(&config, None)).await,
-            &config.scheduler_name,
-        ) {
-            Err(reason) => reason,
-            Ok(()) if config.forged_annotation.is_empty() => break,
-            Ok(()) => {
-                let forged = probe_pod(&config, Some(&config.forged_annotation));
-                match refused(&pods.create(&dry_run, &forged).await) {
-                    Ok(()) => break,
-                    Err(reason) => reason,
-                }
-            }
+        let Err(finding) = ask_once(&pods, &config.probe).await else {
+            break;
         };
         if Instant::now() >= deadline {
             return Err(Error::NotRouted {
@@ -129,10 +122,28 @@ pub async fn run(config: RoutingCheckConfig) -> Result<(), Error> {
     }
     tracing::info!(
         seconds = started.elapsed().as_secs_f64(),
-        scheduler = %config.scheduler_name,
+        scheduler = %config.probe.scheduler_name,
         "the API server routes GPU pods"
     );
     Ok(())
+}
+
+/// One round of both checks with `pods` (of a namespace the routing covers): `Ok` when the
+/// API server routes GPU pods (and refuses forged allocations), else what it did instead.
+pub async fn ask_once(pods: &Api<Pod>, config: &RoutingProbe) -> Result<(), String> {
+    let dry_run = PostParams {
+        dry_run: true,
+        field_manager: Some("gpushare-routing-check".to_owned()),
+    };
+    routed(
+        &pods.create(&dry_run, &probe_pod(config, None)).await,
+        &config.scheduler_name,
+    )?;
+    if config.forged_annotation.is_empty() {
+        return Ok(());
+    }
+    let forged = probe_pod(config, Some(&config.forged_annotation));
+    refused(&pods.create(&dry_run, &forged).await)
 }
 
 /// The dry-run pod: one container asking for 1 unit of the resource, no `schedulerName`,
@@ -142,11 +153,11 @@ pub async fn run(config: RoutingCheckConfig) -> Result<(), Error> {
 /// (non-root, no privilege escalation, no capabilities, seccomp `RuntimeDefault`) and has
 /// CPU and memory requests and limits (a ResourceQuota may require them): a namespace that
 /// enforces either must not fail `helm install`.
-fn probe_pod(config: &RoutingCheckConfig, forged: Option<&str>) -> Pod {
+fn probe_pod(config: &RoutingProbe, forged: Option<&str>) -> Pod {
     let mut pod = serde_json::json!({
         "apiVersion": "v1",
         "kind": "Pod",
-        "metadata": {"name": "gpushare-routing-check", "namespace": config.namespace},
+        "metadata": {"name": "gpushare-routing-check"},
         "spec": {
             "securityContext": {
                 "runAsNonRoot": true,
@@ -222,12 +233,13 @@ fn refused(answer: &Result<Pod, kube::Error>) -> Result<(), String> {
 mod tests {
     use super::*;
 
-    fn config() -> RoutingCheckConfig {
+    fn config() -> RoutingProbe {
         RoutingCheckConfig::parse_from([
             "check-routing",
             "--scheduler-name=gpushare-scheduler",
             "--forged-annotation=gpushare.example.com/v1.check",
         ])
+        .probe
     }
 
     fn api_error(code: u16, message: &str) -> kube::Error {

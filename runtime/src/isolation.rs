@@ -210,6 +210,32 @@ pub fn remove_accounting_dir(host_dir: &Path, name: &str) -> io::Result<()> {
     missing_is_fine(std::fs::remove_file(host_dir.join("limits").join(name)))
 }
 
+/// What a plugin puts under its host directory, each removed by [`remove_installation`]:
+/// the installed interposers, the accounting directories and the limits files.
+pub const INSTALLED_DIRS: [&str; 3] = ["lib", "containers", "limits"];
+
+/// Removes everything a plugin put under `host_dir` ([`INSTALLED_DIRS`]), for an uninstall:
+/// the directory itself stays (the chart's hostPath volume makes it; an admin may have
+/// pointed it somewhere shared). Containers still running keep the files they mounted (a
+/// bind mount holds its file, not its name); a plugin installed again prepares new ones.
+/// Missing directories are fine; returns how many of them were there.
+pub fn remove_installation(host_dir: &Path) -> io::Result<usize> {
+    let mut removed = 0;
+    for dir in INSTALLED_DIRS {
+        match std::fs::remove_dir_all(host_dir.join(dir)) {
+            Ok(()) => removed += 1,
+            Err(e) if e.kind() == io::ErrorKind::NotFound => {}
+            Err(e) => {
+                return Err(io::Error::new(
+                    e.kind(),
+                    format!("removing {}: {e}", host_dir.join(dir).display()),
+                ));
+            }
+        }
+    }
+    Ok(removed)
+}
+
 /// Whether `name` may name an accounting directory (one path component, not hidden).
 fn check_name(name: &str) -> io::Result<()> {
     if name.is_empty() || name.contains('/') || name.starts_with('.') {
@@ -333,6 +359,31 @@ mod tests {
         assert!(!made.exists());
         remove_accounting_dir(dir.path(), "default_pod_main_1").unwrap();
         assert!(remove_accounting_dir(dir.path(), "..").is_err());
+    }
+
+    #[test]
+    fn an_uninstall_removes_what_the_plugin_put_there_and_nothing_else() {
+        let dir = tempfile::tempdir().unwrap();
+        let source = dir.path().join("libgpushare_isolation.so");
+        std::fs::write(&source, b"interposer").unwrap();
+        let host = dir.path().join("host");
+        install_library(&source, &host).unwrap();
+        prepare_accounting(
+            &host,
+            "ns_pod_main_1",
+            &[1 << 30],
+            &["GPU-a".to_owned()],
+            IsolationOptions::default(),
+        )
+        .unwrap();
+        std::fs::write(host.join("an-admins-file"), b"kept").unwrap();
+        assert_eq!(remove_installation(&host).unwrap(), 3);
+        let left: Vec<_> = std::fs::read_dir(&host)
+            .unwrap()
+            .map(|e| e.unwrap().file_name())
+            .collect();
+        assert_eq!(left, ["an-admins-file"]);
+        assert_eq!(remove_installation(&host).unwrap(), 0);
     }
 
     #[test]

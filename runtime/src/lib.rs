@@ -23,6 +23,8 @@ pub mod isolation;
 pub mod logging;
 pub mod signal;
 pub mod supervise;
+#[cfg(feature = "kube")]
+pub mod uninstall;
 
 pub use logging::{LogFormat, init_tracing};
 pub use signal::shutdown_signal;

@@ -478,3 +478,8 @@ has no cluster and skips it).
 {{- end }}
 {{- end }}
 {{- end }}
+
+{{/* The `helm test` pod (and its ServiceAccount and grants): templates/tests/check-install.yaml. */}}
+{{- define "gpushare.checkInstall.name" -}}
+{{- printf "%s-check-install" (include "gpushare.fullname" .) | trunc 63 | trimSuffix "-" }}
+{{- end }}

@@ -452,6 +452,41 @@ impl KitCluster {
         Ok(String::from_utf8_lossy(&output.stdout).into_owned())
     }
 
+    /// Restarts the kit's Service proxy (its `svcproxy.py`, kube-proxy's stand-in) for
+    /// `services` (`namespace/name`), which the kit starts for `kube-system/gpushare-extender`
+    /// only: a release installed in another namespace needs its own. Pods started from now on
+    /// resolve the names; `chart-cluster.sh down` stops the new proxy (same pid file).
+    pub async fn proxy_services(&self, services: &[&str]) -> anyhow::Result<()> {
+        let run = self.kit.root().join("run");
+        let pid_file = run.join("svcproxy.pid");
+        if let Ok(pid) = std::fs::read_to_string(&pid_file) {
+            let _ = Command::new("kill").arg(pid.trim()).status();
+        }
+        let hosts = run.join("hosts-extra");
+        let _ = std::fs::remove_file(&hosts);
+        let log = std::fs::File::create(run.join("svcproxy.log"))?;
+        let child = Command::new("setsid")
+            .arg("python3")
+            .arg(self.kit.root().join("harness").join("svcproxy.py"))
+            .arg("--hosts-out")
+            .arg(&hosts)
+            .args(services)
+            .env("REALK8S", self.kit.root())
+            .stdin(std::process::Stdio::null())
+            .stdout(log.try_clone()?)
+            .stderr(log)
+            .spawn()
+            .context("starting the kit's svcproxy.py")?;
+        std::fs::write(&pid_file, child.id().to_string())?;
+        for _ in 0..100 {
+            if std::fs::metadata(&hosts).is_ok_and(|m| m.len() > 0) {
+                return Ok(());
+            }
+            tokio::time::sleep(std::time::Duration::from_millis(100)).await;
+        }
+        bail!("the Service proxy wrote no hosts for {services:?}")
+    }
+
     /// The extender Lease's `holderIdentity` (`<pod>_<suffix>`).
     pub fn extender_lease_holder(&self) -> anyhow::Result<String> {
         self.kubectl(&[
