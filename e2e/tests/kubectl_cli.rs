@@ -133,3 +133,74 @@ async fn unreachable_cluster_says_where_it_tried() -> anyhow::Result<()> {
     assert!(stderr.contains("check KUBECONFIG"), "{stderr}");
     Ok(())
 }
+
+/// `scripts/krew-manifest.sh` packs this build's binary for krew: the manifest names the
+/// chart's appVersion, the archive's true sha256 and its address under the base URL, and the
+/// archive holds exactly what the manifest's `files` copy, the binary byte for byte.
+#[test]
+fn the_krew_manifest_describes_the_archive_it_was_made_with() -> anyhow::Result<()> {
+    use anyhow::{Context as _, ensure};
+    let root = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("..");
+    let binary = gpushare_e2e::cluster::binaries()?.kubectl_gpushare;
+    let out = tempfile::tempdir()?;
+    let made = std::process::Command::new("bash")
+        .arg(root.join("scripts/krew-manifest.sh"))
+        .arg("https://downloads.example/v1/")
+        .arg("--bin")
+        .arg(&binary)
+        .arg("--out")
+        .arg(out.path())
+        .output()?;
+    ensure!(
+        made.status.success(),
+        "krew-manifest.sh failed: {}",
+        String::from_utf8_lossy(&made.stderr)
+    );
+    let manifest: serde_yaml::Value =
+        serde_yaml::from_str(&std::fs::read_to_string(out.path().join("gpushare.yaml"))?)?;
+    let chart = std::fs::read_to_string(root.join("charts/gpushare/Chart.yaml"))?;
+    let app_version = chart
+        .lines()
+        .find_map(|l| l.strip_prefix("appVersion:"))
+        .context("appVersion")?
+        .trim()
+        .trim_matches('"');
+    ensure!(manifest["kind"] == "Plugin" && manifest["metadata"]["name"] == "gpushare");
+    ensure!(manifest["spec"]["version"].as_str() == Some(format!("v{app_version}").as_str()));
+    let platform = &manifest["spec"]["platforms"][0];
+    let uri = platform["uri"].as_str().context("uri")?;
+    let archive_name = uri
+        .strip_prefix("https://downloads.example/v1/")
+        .context("uri under the base URL")?;
+    let archive = out.path().join(archive_name);
+    let sum = std::process::Command::new("sha256sum").arg(&archive).output()?;
+    let sum = String::from_utf8_lossy(&sum.stdout);
+    ensure!(
+        platform["sha256"].as_str() == sum.split_whitespace().next(),
+        "manifest sha256 {:?}, archive {sum}",
+        platform["sha256"]
+    );
+    let unpacked = tempfile::tempdir()?;
+    let status = std::process::Command::new("tar")
+        .arg("-xzf")
+        .arg(&archive)
+        .arg("-C")
+        .arg(unpacked.path())
+        .status()?;
+    ensure!(status.success());
+    let mut listed: Vec<String> = std::fs::read_dir(unpacked.path())?
+        .map(|e| Ok(e?.file_name().to_string_lossy().into_owned()))
+        .collect::<anyhow::Result<_>>()?;
+    listed.sort();
+    let mut copied: Vec<String> = platform["files"]
+        .as_sequence()
+        .context("files")?
+        .iter()
+        .filter_map(|f| f["from"].as_str().map(str::to_owned))
+        .collect();
+    copied.sort();
+    ensure!(listed == copied, "archive {listed:?}, manifest copies {copied:?}");
+    ensure!(std::fs::read(unpacked.path().join("kubectl-gpushare"))? == std::fs::read(&binary)?);
+    ensure!(platform["bin"] == "kubectl-gpushare");
+    Ok(())
+}
