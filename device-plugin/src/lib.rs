@@ -343,9 +343,7 @@ async fn run_inner(
     }
     let mut registry = Registry::default();
     let metrics = Metrics::new(&mut registry);
-    metrics
-        .gpus
-        .set(i64::try_from(gpus.len()).unwrap_or(i64::MAX));
+    metrics.record_gpus(&gpus);
     let listener = bind_metrics(config.metrics_listen).await?;
     let plugin = Plugin {
         keys: Keys::new(&config.domain),

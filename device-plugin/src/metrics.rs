@@ -13,6 +13,8 @@ use axum::extract::State;
 use axum::http::{StatusCode, header};
 use axum::response::IntoResponse;
 use axum::routing::get;
+use gpushare_contract::GpuInfo;
+use gpushare_runtime::metrics::label_value;
 use prometheus_client::encoding::EncodeLabelSet;
 use prometheus_client::metrics::counter::Counter;
 use prometheus_client::metrics::family::Family;
@@ -48,10 +50,14 @@ pub struct Metrics {
     pub forged_allocations: Counter,
     /// Time to answer an Allocate call.
     pub allocate_duration: Histogram,
-    /// Healthy GPUs on the node.
+    /// Healthy GPUs on the node ([`Metrics::record_gpus`]).
     pub gpus_healthy: Gauge<i64, AtomicI64>,
-    /// GPUs on the node.
+    /// GPUs on the node ([`Metrics::record_gpus`]).
     pub gpus: Gauge<i64, AtomicI64>,
+    /// 1 while each GPU is healthy, else 0 ([`Metrics::record_gpus`]).
+    pub gpu_healthy: Family<GpuLabels, Gauge<i64, AtomicI64>>,
+    /// The memory of each GPU the plugin offers, in bytes ([`Metrics::record_gpus`]).
+    pub gpu_capacity_bytes: Family<GpuModelLabels, Gauge<i64, AtomicI64>>,
     /// Successful registrations with kubelet.
     pub registrations: Counter,
     /// Pod annotation patches (allocated/assigned marks), by result.
@@ -137,6 +143,17 @@ pub struct GpuLabels {
     pub uuid: String,
 }
 
+/// Labels of a per-GPU metric that names the model.
+#[derive(Debug, Clone, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct GpuModelLabels {
+    /// The GPU's index on the node.
+    pub gpu: String,
+    /// Its UUID.
+    pub uuid: String,
+    /// Its product name (escaped for the text format).
+    pub model: String,
+}
+
 /// Labels of a per-pod, per-GPU metric.
 #[derive(Debug, Clone, Hash, PartialEq, Eq, EncodeLabelSet)]
 pub struct PodGpuLabels {
@@ -178,6 +195,8 @@ impl Metrics {
             allocate_duration: Histogram::new(exponential_buckets(0.0001, 2.0, 16)),
             gpus_healthy: Gauge::default(),
             gpus: Gauge::default(),
+            gpu_healthy: Family::default(),
+            gpu_capacity_bytes: Family::default(),
             registrations: Counter::default(),
             pod_patches: Family::default(),
             node_patches: Family::default(),
@@ -239,6 +258,16 @@ impl Metrics {
     fn register_node(&self, sub: &mut Registry) {
         sub.register("gpus_healthy", "Healthy GPUs", self.gpus_healthy.clone());
         sub.register("gpus", "GPUs on the node", self.gpus.clone());
+        sub.register(
+            "gpu_healthy",
+            "1 while the GPU is healthy, 0 while it is withdrawn from kubelet (a critical XID, or the simulated health file)",
+            self.gpu_healthy.clone(),
+        );
+        sub.register(
+            "gpu_capacity_bytes",
+            "Memory of each GPU the plugin offers kubelet (whole GiB, one device each), in bytes",
+            self.gpu_capacity_bytes.clone(),
+        );
         sub.register(
             "registrations",
             "Successful registrations with kubelet",
@@ -365,6 +394,33 @@ impl Metrics {
             "Pods evicted for staying over their share of a GPU past the grace period (--over-share evict)",
             self.over_share_evictions.clone(),
         );
+    }
+
+    /// Exports the node's GPUs as the inventory has them now: how many, how many healthy,
+    /// each one's health and size. Called at start and on every health change; the set of
+    /// GPUs is read once at start and never changes, so no series is ever left behind.
+    pub fn record_gpus(&self, gpus: &[GpuInfo]) {
+        let count = |n: usize| i64::try_from(n).unwrap_or(i64::MAX);
+        self.gpus.set(count(gpus.len()));
+        self.gpus_healthy
+            .set(count(gpus.iter().filter(|gpu| gpu.healthy).count()));
+        for gpu in gpus {
+            let labels = GpuLabels {
+                gpu: gpu.index.to_string(),
+                uuid: gpu.uuid.clone(),
+            };
+            self.gpu_healthy
+                .get_or_create(&labels)
+                .set(i64::from(gpu.healthy));
+            let labels = GpuModelLabels {
+                gpu: labels.gpu,
+                uuid: labels.uuid,
+                model: label_value(&gpu.model).into_owned(),
+            };
+            self.gpu_capacity_bytes
+                .get_or_create(&labels)
+                .set(bytes_gauge(gpu.mem_gib.saturating_mul(1 << 30)));
+        }
     }
 
     /// Exports a usage measurement, removing the label sets of `previous` that are gone;

@@ -27,10 +27,6 @@ pub type Inventory = watch::Sender<Arc<Vec<GpuInfo>>>;
 /// How long to wait before retrying a failed Node patch.
 const RETRY: Duration = Duration::from_secs(1);
 
-fn count_healthy(gpus: &[GpuInfo]) -> i64 {
-    i64::try_from(gpus.iter().filter(|gpu| gpu.healthy).count()).unwrap_or(i64::MAX)
-}
-
 /// Records `healthy` for GPU `index`; returns whether anything changed.
 pub fn set_health(inventory: &Inventory, index: u32, healthy: bool) -> bool {
     inventory.send_if_modified(
@@ -45,7 +41,7 @@ pub fn set_health(inventory: &Inventory, index: u32, healthy: bool) -> bool {
 }
 
 /// Runs the backend's blocking health watch on a blocking thread until `shutdown`, applying
-/// its reports to `inventory`.
+/// its reports to `inventory` and to the GPU metrics ([`Metrics::record_gpus`]).
 pub async fn watch_health(
     backend: Arc<dyn GpuBackend>,
     inventory: Inventory,
@@ -61,7 +57,7 @@ pub async fn watch_health(
     }
     let stop = Arc::new(AtomicBool::new(false));
     let _guard = StopOnDrop(stop.clone());
-    metrics.gpus_healthy.set(count_healthy(&inventory.borrow()));
+    metrics.record_gpus(&inventory.borrow());
     let blocking_stop = stop.clone();
     let mut task = tokio::task::spawn_blocking(move || {
         backend.watch_health(&blocking_stop, &mut |index, healthy| {
@@ -71,7 +67,7 @@ pub async fn watch_health(
                 } else {
                     tracing::warn!(gpu = index, "GPU is unhealthy; its devices are withdrawn");
                 }
-                metrics.gpus_healthy.set(count_healthy(&inventory.borrow()));
+                metrics.record_gpus(&inventory.borrow());
             }
         })
     });
@@ -214,7 +210,7 @@ async fn write(
         .await
     {
         Ok(_) => {
-            tracing::info!(%node, gpus = gpus.len(), healthy = count_healthy(&shown), serving, "published GPU inventory");
+            tracing::info!(%node, gpus = gpus.len(), healthy = shown.iter().filter(|gpu| gpu.healthy).count(), serving, "published GPU inventory");
             true
         }
         Err(err) => {
@@ -238,6 +234,61 @@ mod tests {
             mem_gib,
             healthy: true,
             numa_node: None,
+        }
+    }
+
+    /// A backend whose health watch reports GPU 1 unhealthy, then ends.
+    struct OneFailure;
+
+    impl GpuBackend for OneFailure {
+        fn gpus(&self) -> Result<Vec<GpuInfo>, BackendError> {
+            Ok(vec![gpu(0, "Tesla T4", 15), gpu(1, "Tesla T4", 15)])
+        }
+
+        fn watch_health(
+            &self,
+            _stop: &AtomicBool,
+            report: &mut dyn FnMut(u32, bool),
+        ) -> Result<(), BackendError> {
+            report(1, false);
+            Ok(())
+        }
+    }
+
+    /// The served text of `registry`'s samples.
+    fn samples(registry: &prometheus_client::registry::Registry) -> Vec<String> {
+        let mut text = String::new();
+        prometheus_client::encoding::text::encode(&mut text, registry).unwrap();
+        text.lines()
+            .filter(|l| !l.starts_with('#'))
+            .map(str::to_owned)
+            .collect()
+    }
+
+    #[tokio::test]
+    async fn the_health_watch_exports_each_gpu_its_health_and_the_count() {
+        let mut registry = prometheus_client::registry::Registry::default();
+        let metrics = Metrics::new(&mut registry);
+        let backend = Arc::new(OneFailure);
+        let inventory = Inventory::new(Arc::new(backend.gpus().unwrap()));
+        let token = CancellationToken::new();
+        watch_health(backend, inventory.clone(), metrics, token)
+            .await
+            .unwrap();
+
+        assert!(!inventory.borrow()[1].healthy);
+        let samples = samples(&registry);
+        for line in [
+            "gpushare_device_plugin_gpus 2",
+            "gpushare_device_plugin_gpus_healthy 1",
+            "gpushare_device_plugin_gpu_healthy{gpu=\"0\",uuid=\"GPU-0\"} 1",
+            "gpushare_device_plugin_gpu_healthy{gpu=\"1\",uuid=\"GPU-1\"} 0",
+            "gpushare_device_plugin_gpu_capacity_bytes{gpu=\"1\",uuid=\"GPU-1\",model=\"Tesla T4\"} 16106127360",
+        ] {
+            assert!(
+                samples.iter().any(|l| l == line),
+                "{line} missing from {samples:#?}"
+            );
         }
     }
 

@@ -2999,6 +2999,15 @@ fn the_alerts_pass_promtool_and_their_unit_tests() -> anyhow::Result<()> {
         "the rendered groups differ from files/alerts.yaml"
     );
 
+    check_alerts(groups, "alerts.yaml", "alerts.test.yaml")
+}
+
+/// Checks rule `groups` as the chart renders them: every alert has a severity (critical or
+/// warning), a summary and a description, and a unique name; laid out as `files/{rules}`
+/// beside the chart's `tests/{tests}` in a temporary directory, they pass `promtool check
+/// rules` and the unit tests, and every alert has a test that fires it and one where it must
+/// not.
+fn check_alerts(groups: &Value, rules: &str, tests: &str) -> anyhow::Result<()> {
     let mut alerts = BTreeSet::new();
     for group in groups.as_array().context("groups")? {
         for rule in group["rules"].as_array().context("rules")? {
@@ -3025,13 +3034,13 @@ fn the_alerts_pass_promtool_and_their_unit_tests() -> anyhow::Result<()> {
     for sub in ["files", "tests"] {
         std::fs::create_dir(dir.path().join(sub))?;
     }
-    let rules_file = dir.path().join("files/alerts.yaml");
+    let rules_file = dir.path().join("files").join(rules);
     std::fs::write(
         &rules_file,
         serde_yaml::to_string(&serde_json::json!({ "groups": groups }))?,
     )?;
-    let tests_file = dir.path().join("tests/alerts.test.yaml");
-    std::fs::copy(chart_dir().join("tests/alerts.test.yaml"), &tests_file)?;
+    let tests_file = dir.path().join("tests").join(tests);
+    std::fs::copy(chart_dir().join("tests").join(tests), &tests_file)?;
     let checked = promtool(&["check".as_ref(), "rules".as_ref(), rules_file.as_os_str()])?;
     ensure!(
         checked.contains(&format!("SUCCESS: {} rules found", alerts.len())),
@@ -3039,9 +3048,9 @@ fn the_alerts_pass_promtool_and_their_unit_tests() -> anyhow::Result<()> {
     );
     promtool(&["test".as_ref(), "rules".as_ref(), tests_file.as_os_str()])?;
 
-    let tests: serde_yaml::Value = serde_yaml::from_str(&std::fs::read_to_string(&tests_file)?)?;
+    let cases: serde_yaml::Value = serde_yaml::from_str(&std::fs::read_to_string(&tests_file)?)?;
     let (mut fired, mut quiet) = (BTreeSet::new(), BTreeSet::new());
-    for group in tests["tests"].as_sequence().context("tests")? {
+    for group in cases["tests"].as_sequence().context("tests")? {
         for case in group["alert_rule_test"].as_sequence().into_iter().flatten() {
             let name = case["alertname"].as_str().context("alertname")?.to_owned();
             ensure!(alerts.contains(&name), "tests name an unknown alert {name}");
@@ -3066,7 +3075,7 @@ fn the_alerts_pass_promtool_and_their_unit_tests() -> anyhow::Result<()> {
 /// caught by counting the registry's descriptors.
 fn exported_metrics() -> anyhow::Result<BTreeSet<String>> {
     use gpushare_device_plugin::metrics::{
-        ContainerGpuLabels, ContainerUseLabels, GpuLabels, PodGpuLabels,
+        ContainerGpuLabels, ContainerUseLabels, GpuLabels, GpuModelLabels, PodGpuLabels,
     };
     let mut registry = prometheus_client::registry::Registry::default();
     let extender = gpushare_extender::metrics::Metrics::register(&mut registry);
@@ -3097,9 +3106,16 @@ fn exported_metrics() -> anyhow::Result<BTreeSet<String>> {
         &plugin.gpu_allocated_bytes,
         &plugin.gpu_used_bytes,
         &plugin.gpu_unattributed_bytes,
+        &plugin.gpu_healthy,
     ] {
         family.get_or_create(&gpu).set(0);
     }
+    let model = GpuModelLabels {
+        gpu: "0".into(),
+        uuid: "GPU-0".into(),
+        model: "Tesla T4".into(),
+    };
+    plugin.gpu_capacity_bytes.get_or_create(&model).set(0);
     let pod = PodGpuLabels {
         namespace: "ml".into(),
         pod: "a".into(),
@@ -3141,6 +3157,19 @@ fn exported_metrics() -> anyhow::Result<BTreeSet<String>> {
         registered == encoded,
         "{registered} metrics registered, {encoded} encoded: give the new labelled family a series in exported_metrics()"
     );
+    // The extender's per-GPU gauges are computed from its view on each scrape (a collector,
+    // not registered families): described with or without series, so counted apart.
+    let mut from_view = prometheus_client::registry::Registry::default();
+    let view = gpushare_extender::View::new(gpushare_extender::Settings::new(
+        gpushare_contract::DEFAULT_RESOURCE,
+        gpushare_contract::DEFAULT_DOMAIN,
+        "gpushare=true",
+    ));
+    gpushare_extender::metrics::GpuGauges::register(
+        &mut from_view,
+        std::sync::Arc::new(std::sync::RwLock::new(view)),
+    );
+    prometheus_client::encoding::text::encode(&mut text, &from_view)?;
     let mut names = BTreeSet::new();
     for line in text.lines() {
         let Some(described) = line.strip_prefix("# TYPE ") else {
@@ -3228,6 +3257,514 @@ fn the_alerts_and_the_operating_guide_name_only_metrics_that_exist() -> anyhow::
     ensure!(
         not_exported.is_empty(),
         "docs/operating.md names metrics nobody exports: {not_exported:?}"
+    );
+    Ok(())
+}
+
+/// Every component that serves /metrics gets a ServiceMonitor in both modes, each selecting
+/// its component's one Service and naming a port that Service has: in extender mode the
+/// extender and the device plugin; in DRA mode the extender that ranks (the DRA plugin serves
+/// no /metrics: dra-plugin's `other_paths_are_not_found`). In DRA mode the PrometheusRule holds
+/// files/alerts-dra.yaml, which passes promtool and its unit tests and uses only exported
+/// metrics. DRA mode without the ranking has nothing to scrape or alert on, and says so
+/// rather than rendering nothing.
+#[test]
+fn both_modes_monitor_every_component_that_serves_metrics() -> anyhow::Result<()> {
+    let monitoring = [
+        "--api-versions",
+        "monitoring.coreos.com/v1",
+        "--set",
+        "metrics.serviceMonitor.enabled=true",
+        "--set",
+        "monitoring.prometheusRule.enabled=true",
+    ];
+    let extender_mode = render("gpushare", "kube-system", &monitoring)?;
+    ensure!(
+        monitored(&extender_mode)? == ["gpushare-device-plugin", "gpushare-extender"],
+        "extender mode"
+    );
+
+    let dra = render_dra(&monitoring)?;
+    check_all_typed(&Rendered {
+        release: dra.release.clone(),
+        namespace: dra.namespace.clone(),
+        docs: [dra.of_kind("ServiceMonitor"), dra.of_kind("PrometheusRule")]
+            .concat()
+            .into_iter()
+            .cloned()
+            .collect(),
+    })?;
+    ensure!(monitored(&dra)? == ["gpushare-extender"], "DRA mode");
+    let rules = dra.of_kind("PrometheusRule");
+    ensure!(rules.len() == 1, "one PrometheusRule, not {}", rules.len());
+    let groups = &rules[0]["spec"]["groups"];
+    let text = std::fs::read_to_string(chart_dir().join("files/alerts-dra.yaml"))?;
+    let source: serde_yaml::Value = serde_yaml::from_str(&text)?;
+    ensure!(
+        serde_json::to_value(&source)?["groups"] == *groups,
+        "the rendered groups differ from files/alerts-dra.yaml"
+    );
+    check_alerts(groups, "alerts-dra.yaml", "alerts-dra.test.yaml")?;
+    let exported = exported_metrics()?;
+    let used = metric_names_in(&text);
+    ensure!(!used.is_empty(), "files/alerts-dra.yaml names no metric");
+    let unknown: Vec<_> = used.difference(&exported).collect();
+    ensure!(
+        unknown.is_empty(),
+        "DRA alerts on metrics nobody exports: {unknown:?}"
+    );
+
+    for key in [
+        "metrics.serviceMonitor.enabled",
+        "monitoring.prometheusRule.enabled",
+    ] {
+        let set = format!("{key}=true");
+        let err = render_dra(&[
+            "--api-versions",
+            "monitoring.coreos.com/v1",
+            "--set",
+            "dra.scheduler.ranking=false",
+            "--set",
+            &set,
+        ])
+        .err()
+        .with_context(|| format!("DRA mode without ranking rendered {key}"))?
+        .to_string();
+        ensure!(
+            err.contains(&format!("{key}: nothing to")) && err.contains("dra.scheduler.ranking"),
+            "{key}: {err}"
+        );
+    }
+    Ok(())
+}
+
+/// The names of the rendered ServiceMonitors, sorted, each checked to select exactly one
+/// rendered Service of the namespaces it watches, by labels, and to scrape `/metrics` on a
+/// port that Service names.
+fn monitored(rendered: &Rendered) -> anyhow::Result<Vec<String>> {
+    let mut names = Vec::new();
+    for monitor in rendered.of_kind("ServiceMonitor") {
+        let name = monitor["metadata"]["name"].as_str().context("unnamed")?;
+        let labels = monitor["spec"]["selector"]["matchLabels"]
+            .as_object()
+            .with_context(|| format!("{name}: no matchLabels"))?;
+        let namespaces = monitor["spec"]["namespaceSelector"]["matchNames"]
+            .as_array()
+            .with_context(|| format!("{name}: no namespaces"))?;
+        let services: Vec<&Value> = rendered
+            .of_kind("Service")
+            .into_iter()
+            .filter(|s| {
+                namespaces.contains(&s["metadata"]["namespace"])
+                    && labels
+                        .iter()
+                        .all(|(key, value)| s["metadata"]["labels"][key] == *value)
+            })
+            .collect();
+        ensure!(
+            services.len() == 1,
+            "{name} selects {} Services",
+            services.len()
+        );
+        let endpoint = &monitor["spec"]["endpoints"][0];
+        ensure!(endpoint["path"] == "/metrics", "{name}: {endpoint}");
+        ensure!(
+            services[0]["spec"]["ports"]
+                .as_array()
+                .into_iter()
+                .flatten()
+                .any(|port| port["name"] == endpoint["port"]),
+            "{name}: Service {} has no port {}",
+            services[0]["metadata"]["name"],
+            endpoint["port"]
+        );
+        names.push(name.to_owned());
+    }
+    names.sort();
+    Ok(names)
+}
+
+/// Grafana's own variables the dashboard may refer to, with a value Grafana could give each
+/// (`None`: not one to use in a query).
+const GRAFANA_BUILTINS: [(&str, Option<&str>); 4] = [
+    ("__rate_interval", Some("2m")),
+    ("__interval", Some("30s")),
+    ("__range", Some("6h")),
+    ("__all", None),
+];
+
+/// files/dashboard.json, parsed.
+fn dashboard() -> anyhow::Result<Value> {
+    let path = chart_dir().join("files/dashboard.json");
+    serde_json::from_str(&std::fs::read_to_string(&path)?)
+        .with_context(|| format!("{} is no JSON", path.display()))
+}
+
+/// The dashboard's panels and rows, with the panels inside collapsed rows.
+fn dashboard_panels(dashboard: &Value) -> Vec<&Value> {
+    let mut panels = Vec::new();
+    for panel in dashboard["panels"].as_array().into_iter().flatten() {
+        panels.push(panel);
+        panels.extend(panel["panels"].as_array().into_iter().flatten());
+    }
+    panels
+}
+
+/// The dashboard's variables, by name.
+fn dashboard_variables(dashboard: &Value) -> BTreeMap<&str, &Value> {
+    dashboard["templating"]["list"]
+        .as_array()
+        .into_iter()
+        .flatten()
+        .filter_map(|variable| Some((variable["name"].as_str()?, variable)))
+        .collect()
+}
+
+/// Every PromQL expression of the dashboard, named: each panel target's `expr`, and the
+/// series selector of each query variable, which must be `label_values(selector, label)`.
+fn dashboard_queries(dashboard: &Value) -> anyhow::Result<Vec<(String, String)>> {
+    let mut queries = Vec::new();
+    for panel in dashboard_panels(dashboard) {
+        for target in panel["targets"].as_array().into_iter().flatten() {
+            let expr = target["expr"]
+                .as_str()
+                .with_context(|| format!("panel {}: a target without expr", panel["title"]))?;
+            let ref_id = target["refId"].as_str().unwrap_or("?");
+            queries.push((format!("panel_{}_{ref_id}", panel["id"]), expr.to_owned()));
+        }
+    }
+    for (name, variable) in dashboard_variables(dashboard) {
+        if variable["type"] != "query" {
+            continue;
+        }
+        let query = variable["query"]["query"]
+            .as_str()
+            .or(variable["query"].as_str())
+            .with_context(|| format!("variable {name} has no query"))?;
+        let selector = query
+            .trim()
+            .strip_prefix("label_values(")
+            .and_then(|args| args.strip_suffix(')'))
+            .and_then(|args| args.rsplit_once(','))
+            .map(|(selector, _label)| selector.trim())
+            .with_context(|| {
+                format!("variable {name}: {query} is no label_values(selector, label)")
+            })?;
+        queries.push((format!("variable_{name}"), selector.to_owned()));
+    }
+    Ok(queries)
+}
+
+/// A Grafana variable reference at the start of `text` (just after a `$`): `name`,
+/// `{name}` or `{name:format}`; the name and the length of the reference after the `$`.
+fn variable_reference(text: &str) -> Option<(&str, usize)> {
+    let is_name = |c: char| c.is_ascii_alphanumeric() || c == '_';
+    let (name, len) = match text.strip_prefix('{') {
+        Some(braced) => {
+            let end = braced.find('}')?;
+            (braced[..end].split(':').next()?, end + 2)
+        }
+        None => {
+            let end = text.find(|c: char| !is_name(c)).unwrap_or(text.len());
+            (&text[..end], end)
+        }
+    };
+    // `$1` and the like are no variables (label_replace's groups).
+    (!name.is_empty() && !name.starts_with(|c: char| c.is_ascii_digit())).then_some((name, len))
+}
+
+/// Every string anywhere in `value`.
+fn strings_in<'v>(value: &'v Value, out: &mut Vec<&'v str>) {
+    match value {
+        Value::String(text) => out.push(text),
+        Value::Array(items) => items.iter().for_each(|item| strings_in(item, out)),
+        Value::Object(map) => map.values().for_each(|item| strings_in(item, out)),
+        _ => {}
+    }
+}
+
+/// `expr` with the dashboard's variables replaced by what Grafana could put there: a query
+/// variable's value for "All" (a regex), a duration for the built-in intervals. Fails on a
+/// reference to anything else.
+fn with_legal_values(expr: &str, variables: &BTreeMap<&str, &Value>) -> anyhow::Result<String> {
+    let mut out = String::new();
+    let mut rest = expr;
+    while let Some(at) = rest.find('$') {
+        out.push_str(&rest[..at]);
+        let after = &rest[at + 1..];
+        let Some((name, len)) = variable_reference(after) else {
+            out.push('$');
+            rest = after;
+            continue;
+        };
+        let builtin = GRAFANA_BUILTINS
+            .iter()
+            .find(|(builtin, _)| *builtin == name)
+            .and_then(|(_, value)| *value);
+        let value = match (builtin, variables.get(name)) {
+            (Some(value), _) => value,
+            (None, Some(variable)) if variable["type"] == "query" => {
+                variable["allValue"].as_str().unwrap_or(".*")
+            }
+            _ => bail!("{expr}: ${name} is no query variable of the dashboard"),
+        };
+        out.push_str(value);
+        rest = &after[len..];
+    }
+    out.push_str(rest);
+    Ok(out)
+}
+
+/// Whether docs/operating.md's metric tables list `name`: in a row of its own, or for a
+/// histogram's `_bucket`, `_sum` and `_count`, in the histogram's row.
+fn listed_in_guide(guide: &str, name: &str) -> bool {
+    guide.contains(&format!("| `{name}` |"))
+        || ["_bucket", "_sum", "_count"]
+            .iter()
+            .filter_map(|suffix| name.strip_suffix(suffix))
+            .any(|histogram| guide.contains(&format!("| `{histogram}` | histogram |")))
+}
+
+/// With `monitoring.dashboards.enabled` the chart renders files/dashboard.json, as it is, in a
+/// ConfigMap carrying the label (and value) Grafana's sidecar loads and the annotations given;
+/// without it, none.
+#[test]
+fn the_dashboard_renders_for_grafanas_sidecar() -> anyhow::Result<()> {
+    let source = dashboard()?;
+    let find = |rendered: &Rendered| {
+        rendered
+            .of_kind("ConfigMap")
+            .into_iter()
+            .find(|c| c["metadata"]["name"] == "prod-gpushare-dashboard")
+            .cloned()
+    };
+    ensure!(
+        find(&render("prod", "gpu-system", &[])?).is_none(),
+        "a dashboard without monitoring.dashboards.enabled"
+    );
+    let sidecar_defaults = vec!["--set", "monitoring.dashboards.enabled=true"];
+    let mut sidecar_settings = sidecar_defaults.clone();
+    sidecar_settings.extend([
+        "--set",
+        "monitoring.dashboards.label=gpu_dashboards",
+        "--set-string",
+        "monitoring.dashboards.labelValue=yes",
+        "--set-string",
+        "monitoring.dashboards.annotations.grafana_folder=GPU",
+    ]);
+    for (extra, label, value, annotations) in [
+        (sidecar_defaults, "grafana_dashboard", "1", Value::Null),
+        (
+            sidecar_settings,
+            "gpu_dashboards",
+            "yes",
+            serde_json::json!({ "grafana_folder": "GPU" }),
+        ),
+    ] {
+        let rendered = render("prod", "gpu-system", &extra)?;
+        let config_map = find(&rendered).context("no dashboard ConfigMap")?;
+        check_all_typed(&Rendered {
+            release: rendered.release.clone(),
+            namespace: rendered.namespace.clone(),
+            docs: vec![config_map.clone()],
+        })?;
+        let metadata = &config_map["metadata"];
+        ensure!(metadata["namespace"] == "gpu-system", "{metadata}");
+        ensure!(metadata["labels"][label] == value, "{metadata}");
+        ensure!(metadata["annotations"] == annotations, "{metadata}");
+        let data = config_map["data"]["gpushare.json"]
+            .as_str()
+            .context("no gpushare.json in the ConfigMap")?;
+        let rendered_dashboard: Value =
+            serde_json::from_str(data).context("the ConfigMap's dashboard is no JSON")?;
+        ensure!(
+            rendered_dashboard == source,
+            "the ConfigMap's dashboard differs from files/dashboard.json"
+        );
+    }
+    Ok(())
+}
+
+/// Every panel of the dashboard queries Prometheus through the `datasource` variable, with at
+/// least one expression; the variables operators filter by (node, namespace, GPU model) are
+/// `label_values` queries through that data source; every variable referred to anywhere in
+/// the dashboard is one it defines or one of Grafana's; it has the four rows.
+#[test]
+fn every_dashboard_panel_has_queries_and_every_reference_resolves() -> anyhow::Result<()> {
+    let dashboard = dashboard()?;
+    ensure!(
+        dashboard["schemaVersion"].as_u64().is_some_and(|v| v >= 36),
+        "schemaVersion {}",
+        dashboard["schemaVersion"]
+    );
+    let variables = dashboard_variables(&dashboard);
+    let datasource = variables
+        .get("datasource")
+        .context("no datasource variable")?;
+    ensure!(
+        datasource["type"] == "datasource" && datasource["query"] == "prometheus",
+        "{datasource}"
+    );
+    let through_variable = serde_json::json!({ "type": "prometheus", "uid": "${datasource}" });
+    for name in ["node", "namespace", "model"] {
+        let variable = variables
+            .get(name)
+            .with_context(|| format!("no variable {name}"))?;
+        ensure!(
+            variable["type"] == "query" && variable["datasource"] == through_variable,
+            "{name}: {variable}"
+        );
+    }
+    // Checks that each query variable is a label_values query.
+    dashboard_queries(&dashboard)?;
+
+    let mut ids = BTreeSet::new();
+    let mut rows = Vec::new();
+    for panel in dashboard_panels(&dashboard) {
+        let title = panel["title"].as_str().unwrap_or_default();
+        ensure!(!title.is_empty(), "panel {} has no title", panel["id"]);
+        let id = panel["id"]
+            .as_u64()
+            .with_context(|| format!("{title}: no id"))?;
+        ensure!(ids.insert(id), "panel id {id} twice");
+        let grid = &panel["gridPos"];
+        let (x, w) = (grid["x"].as_u64(), grid["w"].as_u64());
+        ensure!(
+            x.zip(w).is_some_and(|(x, w)| w > 0 && x + w <= 24) && grid["h"].as_u64() > Some(0),
+            "{title}: gridPos {grid}"
+        );
+        if panel["type"] == "row" {
+            rows.push(title);
+            continue;
+        }
+        ensure!(
+            panel["datasource"] == through_variable,
+            "{title}: datasource {}",
+            panel["datasource"]
+        );
+        let targets = panel["targets"]
+            .as_array()
+            .filter(|targets| !targets.is_empty())
+            .with_context(|| format!("{title}: no targets"))?;
+        let mut ref_ids = BTreeSet::new();
+        for target in targets {
+            ensure!(
+                target["expr"]
+                    .as_str()
+                    .is_some_and(|e| !e.trim().is_empty()),
+                "{title}: a target without expr: {target}"
+            );
+            ensure!(
+                ref_ids.insert(target["refId"].as_str().unwrap_or_default()),
+                "{title}: refId {} twice, or none",
+                target["refId"]
+            );
+            ensure!(
+                target["datasource"].is_null() || target["datasource"] == through_variable,
+                "{title}: target datasource {}",
+                target["datasource"]
+            );
+        }
+    }
+    for row in [
+        "Cluster",
+        "Nodes and GPUs",
+        "Namespaces and pods",
+        "Control plane",
+    ] {
+        ensure!(
+            rows.iter().any(|title| title.starts_with(row)),
+            "no row {row}: {rows:?}"
+        );
+    }
+
+    let mut strings = Vec::new();
+    strings_in(&dashboard, &mut strings);
+    let mut unresolved = BTreeSet::new();
+    for text in strings {
+        for (at, _) in text.match_indices('$') {
+            if let Some((name, _)) = variable_reference(&text[at + 1..])
+                && !variables.contains_key(name)
+                && !GRAFANA_BUILTINS.iter().any(|(builtin, _)| *builtin == name)
+            {
+                unresolved.insert(name.to_owned());
+            }
+        }
+        ensure!(
+            !text.contains("[["),
+            "deprecated [[variable]] syntax: {text}"
+        );
+    }
+    ensure!(
+        unresolved.is_empty(),
+        "references to variables the dashboard does not define: {unresolved:?}"
+    );
+    Ok(())
+}
+
+/// Every expression of the dashboard (panel targets and the variables' series selectors), its
+/// variables given values Grafana could give them, parses as PromQL: written as recording
+/// rules, they pass `promtool check rules` (which does refuse a broken expression, as the
+/// first check shows).
+#[test]
+fn every_dashboard_expression_parses_as_promql() -> anyhow::Result<()> {
+    let dir = tempfile::tempdir()?;
+    let check = |name: &str, rules: &[Value]| -> anyhow::Result<String> {
+        let file = dir.path().join(name);
+        std::fs::write(
+            &file,
+            serde_yaml::to_string(
+                &serde_json::json!({ "groups": [{ "name": "dashboard", "rules": rules }] }),
+            )?,
+        )?;
+        promtool(&["check".as_ref(), "rules".as_ref(), file.as_os_str()])
+    };
+    let broken = [
+        serde_json::json!({ "record": "dashboard:broken", "expr": "sum(gpushare_extender_leader" }),
+    ];
+    ensure!(
+        check("broken.yaml", &broken).is_err(),
+        "promtool passed a broken expression"
+    );
+
+    let dashboard = dashboard()?;
+    let variables = dashboard_variables(&dashboard);
+    let rules = dashboard_queries(&dashboard)?
+        .into_iter()
+        .map(|(name, expr)| {
+            Ok(serde_json::json!({
+                "record": format!("dashboard:{name}"),
+                "expr": with_legal_values(&expr, &variables)?,
+            }))
+        })
+        .collect::<anyhow::Result<Vec<Value>>>()?;
+    ensure!(!rules.is_empty(), "the dashboard has no expression");
+    let checked = check("dashboard.yaml", &rules)?;
+    ensure!(
+        checked.contains(&format!("SUCCESS: {} rules found", rules.len())),
+        "{checked}"
+    );
+    Ok(())
+}
+
+/// Every expression of the dashboard names a gpushare metric, and each it names is one
+/// docs/operating.md's tables list.
+#[test]
+fn the_dashboard_names_only_metrics_the_operating_guide_lists() -> anyhow::Result<()> {
+    let guide = std::fs::read_to_string(chart_dir().join("../../docs/operating.md"))?;
+    let mut used = BTreeSet::new();
+    for (name, expr) in dashboard_queries(&dashboard()?)? {
+        let names = metric_names_in(&expr);
+        ensure!(!names.is_empty(), "{name} names no gpushare metric: {expr}");
+        used.extend(names);
+    }
+    let unlisted: Vec<_> = used
+        .iter()
+        .filter(|name| !listed_in_guide(&guide, name))
+        .collect();
+    ensure!(
+        unlisted.is_empty(),
+        "the dashboard uses metrics docs/operating.md does not list: {unlisted:?}"
     );
     Ok(())
 }

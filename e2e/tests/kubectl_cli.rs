@@ -173,7 +173,9 @@ fn the_krew_manifest_describes_the_archive_it_was_made_with() -> anyhow::Result<
         .strip_prefix("https://downloads.example/v1/")
         .context("uri under the base URL")?;
     let archive = out.path().join(archive_name);
-    let sum = std::process::Command::new("sha256sum").arg(&archive).output()?;
+    let sum = std::process::Command::new("sha256sum")
+        .arg(&archive)
+        .output()?;
     let sum = String::from_utf8_lossy(&sum.stdout);
     ensure!(
         platform["sha256"].as_str() == sum.split_whitespace().next(),
@@ -199,7 +201,10 @@ fn the_krew_manifest_describes_the_archive_it_was_made_with() -> anyhow::Result<
         .filter_map(|f| f["from"].as_str().map(str::to_owned))
         .collect();
     copied.sort();
-    ensure!(listed == copied, "archive {listed:?}, manifest copies {copied:?}");
+    ensure!(
+        listed == copied,
+        "archive {listed:?}, manifest copies {copied:?}"
+    );
     ensure!(std::fs::read(unpacked.path().join("kubectl-gpushare"))? == std::fs::read(&binary)?);
     ensure!(platform["bin"] == "kubectl-gpushare");
     Ok(())

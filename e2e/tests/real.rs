@@ -137,6 +137,11 @@ const GROUPS: &[Group] = &[
             r#"devicePlugin.extraEnv=[{"name":"GPUSHARE_SIMULATE_USAGE_FILE","value":"/tmp/gpushare-realk8s-usage.json"}]"#,
         ],
         scenarios: &[
+            // First: it checks the cluster's GPU memory totals, with only its own pods.
+            (
+                "a_real_prometheus_answers_the_dashboard_and_the_alerts",
+                a_real_prometheus_answers_the_dashboard_and_the_alerts,
+            ),
             (
                 "pod_security_restricted_default_and_a_baseline_release_namespace",
                 pod_security_restricted_default_and_a_baseline_release_namespace,
@@ -614,6 +619,279 @@ async fn classic_pods_keep_their_gpus(c: &KitCluster) -> anyhow::Result<()> {
 
 /// The simulated backend's usage file (`devicePlugin.extraEnv`): what the driver says each
 /// pod uses, as NVML's process lists would.
+/// The chart's metrics as a cluster's Prometheus sees them: a real Prometheus discovers the
+/// extender and device plugin through the ServiceMonitors the chart renders for this install
+/// (translated as the Prometheus Operator does, [`gpushare_e2e::realk8s::prometheus`]) and
+/// evaluates the chart's alert rules. Two GPU pods (4 and 8 GiB) run, the driver's figures say
+/// they use 3 and 5 GiB. Then: every target is up; one extender leads; per GPU, the allocated
+/// bytes are the shares booked there and the capacities the node's 15 + 16 GiB (every
+/// extender replica exports them: `max` across replicas); each pod's
+/// used bytes are the driver's figures, under the plugin's `node`; both GPUs are healthy;
+/// every alert rule evaluates without error and none fires on this healthy cluster; and every
+/// expression of the dashboard evaluates.
+fn a_real_prometheus_answers_the_dashboard_and_the_alerts(c: &KitCluster) -> Outcome<'_> {
+    Box::pin(async move {
+        let result = prometheus_answers(c).await;
+        std::fs::write(USAGE_FILE, "")?;
+        let pods: Api<Pod> = Api::namespaced(c.client(), "default");
+        for name in ["seen-a", "seen-b"] {
+            let _ = pods.delete(name, &Default::default()).await;
+        }
+        result
+    })
+}
+
+async fn prometheus_answers(c: &KitCluster) -> anyhow::Result<()> {
+    use gpushare_e2e::realk8s::prometheus::{Prometheus, discover, scrape_config};
+    use serde::Deserialize as _;
+    const GIB: f64 = (1u64 << 30) as f64;
+    let chart = chart_dir(c);
+    let values_file = release_values(c, "prometheus-values.yaml")?;
+    let rendered = c.helm(&[
+        "template",
+        "gpushare",
+        &chart.to_string_lossy(),
+        "-n",
+        "kube-system",
+        "-f",
+        &values_file.to_string_lossy(),
+        "--set",
+        "metrics.serviceMonitor.enabled=true",
+        "--api-versions",
+        "monitoring.coreos.com/v1",
+        "--show-only",
+        "templates/servicemonitor.yaml",
+    ])?;
+    let sd_dir = tempfile::tempdir()?;
+    let mut jobs = Vec::new();
+    for doc in serde_yaml::Deserializer::from_str(&rendered) {
+        let monitor = serde_json::to_value(serde_yaml::Value::deserialize(doc)?)?;
+        if monitor["kind"] != "ServiceMonitor" {
+            continue;
+        }
+        let targets = sd_dir.path().join(format!("targets-{}.json", jobs.len()));
+        let groups = discover(&c.client(), &monitor, 0).await?;
+        ensure!(!groups.is_empty(), "no endpoint for {monitor}");
+        std::fs::write(&targets, serde_json::to_string(&groups)?)?;
+        jobs.push(scrape_config(&monitor, 0, &targets)?);
+    }
+    ensure!(jobs.len() >= 2, "ServiceMonitors rendered: {rendered}");
+    let tools = gpushare_e2e::tools::promtool()?
+        .parent()
+        .context("tools dir")?
+        .to_path_buf();
+    let alerts = chart.join("files").join("alerts.yaml");
+    let prometheus = Prometheus::start(&tools, jobs, std::slice::from_ref(&alerts)).await?;
+
+    let a = running_pinned(c, "seen-a", 4).await?;
+    let b = running_pinned(c, "seen-b", 8).await?;
+    std::fs::write(
+        USAGE_FILE,
+        r#"{"default/seen-a": "3Gi", "default/seen-b": "5Gi"}"#,
+    )?;
+    let mut booked = std::collections::BTreeMap::<u32, f64>::new();
+    for (pod, gib) in [(&a, 4.0), (&b, 8.0)] {
+        *booked.entry(allocation(pod)?.gpu_index).or_default() += gib * GIB;
+    }
+    let by = |expr: &str, label: &str| -> anyhow::Result<std::collections::BTreeMap<String, f64>> {
+        Ok(prometheus
+            .query(expr)?
+            .into_iter()
+            .map(|s| {
+                let key = s.labels.get(label).and_then(|v| v.as_str()).unwrap_or("");
+                (key.to_owned(), s.value)
+            })
+            .collect())
+    };
+    let used = r#"sum by (pod) (gpushare_device_plugin_pod_used_bytes{namespace="default",node="node-k"})"#;
+    let mut last = String::new();
+    wait_for(
+        "Prometheus to show both pods' use and their bookings",
+        Duration::from_secs(90),
+        || {
+            let seen = (|| -> anyhow::Result<bool> {
+                let used = by(used, "pod")?;
+                let allocated = by(
+                    r#"max by (gpu) (gpushare_gpu_allocated_bytes{node="node-k"})"#,
+                    "gpu",
+                )?;
+                let targets = prometheus.targets()?;
+                let all_up = targets.iter().all(|(_, health, _)| health == "up");
+                last = format!("used {used:?}, allocated {allocated:?}, targets {targets:?}");
+                let want_allocated: std::collections::BTreeMap<String, f64> = booked
+                    .iter()
+                    .map(|(gpu, bytes)| (gpu.to_string(), *bytes))
+                    .collect();
+                Ok(all_up
+                    && used.get("seen-a") == Some(&(3.0 * GIB))
+                    && used.get("seen-b") == Some(&(5.0 * GIB))
+                    && allocated
+                        .iter()
+                        .filter(|(_, v)| **v > 0.0)
+                        .map(|(k, v)| (k.clone(), *v))
+                        .collect::<std::collections::BTreeMap<_, _>>()
+                        == want_allocated)
+            })();
+            std::future::ready(matches!(seen, Ok(true)).then_some(()))
+        },
+    )
+    .await
+    .with_context(|| format!("last seen: {last}\n{}", prometheus.log()))?;
+    for (job, health, error) in prometheus.targets()? {
+        ensure!(health == "up", "target {job} is {health}: {error}");
+    }
+    let one = |expr: &str| -> anyhow::Result<f64> {
+        let samples = prometheus.query(expr)?;
+        ensure!(samples.len() == 1, "{expr}: {samples:?}");
+        Ok(samples[0].value)
+    };
+    ensure!(one("sum(gpushare_extender_leader)")? == 1.0, "one leader");
+    ensure!(
+        one(r#"sum(max by (gpu) (gpushare_gpu_capacity_bytes{node="node-k"}))"#)? == 31.0 * GIB,
+        "capacity of node-k's 15 and 16 GiB GPUs"
+    );
+    let healthy = by(
+        r#"gpushare_device_plugin_gpu_healthy{node="node-k"}"#,
+        "uuid",
+    )?;
+    ensure!(
+        healthy.len() == 2 && healthy.values().all(|v| *v == 1.0),
+        "both GPUs healthy: {healthy:?}"
+    );
+    println!("  Prometheus: targets up, 1 leader, allocated per GPU {booked:?}, used 3 and 5 GiB");
+
+    // A few evaluations of every rule, then none may have failed and none may fire here.
+    tokio::time::sleep(Duration::from_secs(3)).await;
+    let rules = prometheus.rules()?;
+    ensure!(
+        !rules.is_empty(),
+        "no rule loaded from {}",
+        alerts.display()
+    );
+    for (rule, health, error) in &rules {
+        ensure!(health == "ok", "rule {rule} is {health}: {error}");
+    }
+    let text: serde_yaml::Value = serde_yaml::from_str(&std::fs::read_to_string(&alerts)?)?;
+    let mut alerts_checked = 0;
+    for group in text["groups"].as_sequence().into_iter().flatten() {
+        for rule in group["rules"].as_sequence().into_iter().flatten() {
+            let (Some(name), Some(expr)) = (rule["alert"].as_str(), rule["expr"].as_str()) else {
+                continue;
+            };
+            let firing = prometheus.query(expr)?;
+            ensure!(
+                firing.is_empty(),
+                "alert {name} would fire on a healthy cluster: {firing:?}"
+            );
+            alerts_checked += 1;
+        }
+    }
+    println!(
+        "  Prometheus: {} rules healthy, {alerts_checked} alert expressions quiet",
+        rules.len()
+    );
+
+    // Every expression of the dashboard, its variables set to this cluster's values.
+    let dashboard: serde_json::Value = serde_json::from_str(&std::fs::read_to_string(
+        chart.join("files").join("dashboard.json"),
+    )?)?;
+    let mut exprs = Vec::new();
+    collect_exprs(&dashboard["panels"], &mut exprs);
+    ensure!(!exprs.is_empty(), "the dashboard has no expression");
+    let mut empty = Vec::new();
+    for expr in &exprs {
+        let concrete = dashboard_expr(expr);
+        let samples = prometheus
+            .query(&concrete)
+            .with_context(|| format!("dashboard expression {expr}"))?;
+        if samples.is_empty() {
+            empty.push(concrete);
+        }
+    }
+    println!(
+        "  Prometheus: {} dashboard expressions evaluate, {} with series now",
+        exprs.len(),
+        exprs.len() - empty.len()
+    );
+    for expr in &empty {
+        println!("    no series yet: {expr}");
+    }
+    Ok(())
+}
+
+/// The kube-system release's values (`helm get values`), written to the kit's run folder as
+/// `name`, for a `helm template` or `helm install -f` of the same install.
+fn release_values(c: &KitCluster, name: &str) -> anyhow::Result<std::path::PathBuf> {
+    let values = c.helm(&[
+        "get",
+        "values",
+        "gpushare",
+        "-n",
+        "kube-system",
+        "-o",
+        "yaml",
+    ])?;
+    let file = c.kit().root().join("run").join(name);
+    std::fs::write(&file, values)?;
+    Ok(file)
+}
+
+/// Every `targets[].expr` under `panels` (rows nest their panels).
+fn collect_exprs(panels: &serde_json::Value, exprs: &mut Vec<String>) {
+    for panel in panels.as_array().into_iter().flatten() {
+        for target in panel["targets"].as_array().into_iter().flatten() {
+            if let Some(expr) = target["expr"].as_str() {
+                exprs.push(expr.to_owned());
+            }
+        }
+        collect_exprs(&panel["panels"], exprs);
+    }
+}
+
+/// A dashboard expression with Grafana's variables replaced as Grafana would for this
+/// cluster: node-k, the default namespace, any model, one-minute ranges.
+fn dashboard_expr(expr: &str) -> String {
+    let mut out = expr.to_owned();
+    for (from, to) in [
+        ("$__rate_interval", "1m"),
+        ("${__rate_interval}", "1m"),
+        ("$__interval", "1m"),
+        ("$__range", "5m"),
+        ("${node}", "node-k"),
+        ("$node", "node-k"),
+        ("${namespace}", "default"),
+        ("$namespace", "default"),
+    ] {
+        out = out.replace(from, to);
+    }
+    // Any other variable (a model, a GPU): all of them.
+    let mut rest = String::new();
+    let mut chars = out.chars().peekable();
+    while let Some(c) = chars.next() {
+        // `$1` in a label_replace is the regex's group, not a variable.
+        if c != '$' || chars.peek().is_some_and(char::is_ascii_digit) {
+            rest.push(c);
+            continue;
+        }
+        if chars.peek() == Some(&'{') {
+            for c in chars.by_ref() {
+                if c == '}' {
+                    break;
+                }
+            }
+        } else {
+            while chars
+                .peek()
+                .is_some_and(|c| c.is_ascii_alphanumeric() || *c == '_')
+            {
+                chars.next();
+            }
+        }
+        rest.push_str(".*");
+    }
+    rest
+}
+
 const USAGE_FILE: &str = "/tmp/gpushare-realk8s-usage.json";
 
 /// The node watch on the real kubelet: a pod whose processes use more than its share by the
@@ -2172,17 +2450,7 @@ async fn upgrade_in_a_burst(c: &KitCluster, residents: &[Pod]) -> anyhow::Result
 ///   are routed; and the uninstall that follows leaves no test pod behind.
 fn gpu_pods_right_after_helm_install(c: &KitCluster) -> Outcome<'_> {
     Box::pin(async move {
-        let values = c.helm(&[
-            "get",
-            "values",
-            "gpushare",
-            "-n",
-            "kube-system",
-            "-o",
-            "json",
-        ])?;
-        let values_file = c.kit().root().join("run").join("reinstall-values.json");
-        std::fs::write(&values_file, values)?;
+        let values_file = release_values(c, "reinstall-values.yaml")?;
         c.helm(&["uninstall", "gpushare", "-n", "kube-system", "--wait"])?;
         // The post-delete hook has removed every label, annotation and taint of gpushare's
         // domain from the node (helm waits for it); the admin's opt-in label stays.

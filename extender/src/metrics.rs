@@ -1,4 +1,5 @@
-//! The extender's Prometheus metrics, registered in a registry the caller passes in.
+//! The extender's Prometheus metrics, registered in a registry the caller passes in; the
+//! per-GPU gauges read from the view at scrape time are [`GpuGauges`].
 
 use prometheus_client::encoding::EncodeLabelSet;
 use prometheus_client::metrics::counter::Counter;
@@ -6,6 +7,12 @@ use prometheus_client::metrics::family::Family;
 use prometheus_client::metrics::gauge::Gauge;
 use prometheus_client::metrics::histogram::{Histogram, exponential_buckets};
 use prometheus_client::registry::Registry;
+
+use crate::scheduling::Unschedulable;
+
+mod gpus;
+
+pub use gpus::GpuGauges;
 
 /// Labels of a per-verb metric.
 #[derive(Debug, Clone, PartialEq, Eq, Hash, EncodeLabelSet)]
@@ -76,6 +83,15 @@ pub struct Metrics {
     /// Calls without a client certificate let through while `--accept-uncertified-until`
     /// lasts (`crate::api::callers`).
     pub uncertified_calls_in_grace: Counter,
+    /// filter calls that left no node for a GPU pod, by why ([`Unschedulable`]).
+    pub unschedulable: Family<UnschedulableLabels, Counter>,
+}
+
+/// Labels of a filter call that left no node for a GPU pod.
+#[derive(Debug, Clone, PartialEq, Eq, Hash, EncodeLabelSet)]
+pub struct UnschedulableLabels {
+    /// fragmentation, no_capacity ([`Unschedulable::label`]).
+    pub reason: &'static str,
 }
 
 /// Why the scheduler port refused a caller.
@@ -179,7 +195,14 @@ impl Metrics {
             nominations: Family::default(),
             caller_refusals: Family::default(),
             uncertified_calls_in_grace: Counter::default(),
+            unschedulable: Family::default(),
         };
+        // Every reason from the start, so that `increase()` sees the first one.
+        for reason in Unschedulable::ALL {
+            drop(metrics.unschedulable.get_or_create(&UnschedulableLabels {
+                reason: reason.label(),
+            }));
+        }
         let sub = registry.sub_registry_with_prefix("gpushare_extender");
         metrics.register_requests_and_binds(sub);
         metrics.register_filter_preempt_and_callers(sub);
@@ -247,6 +270,11 @@ impl Metrics {
             "filter_awaiting_admission",
             "filter calls answered with an error, so that kube-scheduler retries after its backoff: no node passed, and one waits for kubelet to admit a pod of the same size bound there",
             self.filter_awaiting_admission.clone(),
+        );
+        sub.register(
+            "unschedulable",
+            "filter calls that left no node for a GPU pod, by why: fragmentation (some node had the memory free on its GPUs in total, but not on one GPU, or not on as many as the pod wants), no_capacity (no node had it free at all)",
+            self.unschedulable.clone(),
         );
         sub.register(
             "filter_keep_best_stepped_aside",
@@ -338,6 +366,15 @@ impl Metrics {
     pub fn record_idle_gpu_taint(&self, outcome: &'static str) {
         self.idle_gpu_taint_writes
             .get_or_create(&TaintWriteLabels { outcome })
+            .inc();
+    }
+
+    /// Counts a filter call that left no node for a GPU pod.
+    pub fn unschedulable(&self, why: Unschedulable) {
+        self.unschedulable
+            .get_or_create(&UnschedulableLabels {
+                reason: why.label(),
+            })
             .inc();
     }
 

@@ -21,6 +21,7 @@ pub mod gpu;
 pub mod http;
 pub mod isolation;
 pub mod logging;
+pub mod metrics;
 pub mod signal;
 pub mod supervise;
 #[cfg(feature = "kube")]

@@ -37,6 +37,7 @@ mod drain_cost;
 mod fake_nodes;
 pub mod load;
 mod mix;
+pub mod prometheus;
 mod scale;
 mod stand_in;
 

@@ -11,8 +11,8 @@ use std::time::{Duration, Instant};
 
 use gpushare_allocator::{PodId, Request, Unfit};
 
-use super::Scheduling;
 use super::args::{Candidate, candidates, pod_uid, read_request};
+use super::{Scheduling, Unschedulable};
 use crate::keep_best::KeepBest;
 use crate::view::{Hold, NOT_SYNCED, Settings, View, unfit_reason};
 use crate::wire::{ExtenderArgs, ExtenderFilterResult, RawNodeListOut};
@@ -123,7 +123,8 @@ struct Fits<'s, 'a> {
 
 impl<'a> Fits<'_, 'a> {
     /// Passes the candidates the request fits on, narrowed to the best ones with
-    /// `--filter-keep-best`; when none passes, says why each failed.
+    /// `--filter-keep-best`; when none passes, says why each failed and counts why none did
+    /// ([`Unschedulable`]; not when one waits for kubelet's admission, counted apart).
     fn filter(
         &self,
         candidates: &[Candidate<'a>],
@@ -172,6 +173,16 @@ impl<'a> Fits<'_, 'a> {
                 self.state.metrics().filter_awaiting_admission.inc();
                 result.error = error;
                 return;
+            }
+            if !candidates.is_empty() {
+                let why = Unschedulable::classify(
+                    &self.view.cluster,
+                    self.request,
+                    rejected
+                        .iter()
+                        .map(|(i, unfit)| (&*candidates[*i].0, unfit)),
+                );
+                self.state.metrics().unschedulable(why);
             }
             write_reasons(self.view.settings(), candidates, rejected, result);
         } else {
@@ -327,4 +338,137 @@ fn reserved_node<'v>(view: &'v View, args: &ExtenderArgs<'_>) -> Option<&'v str>
     let uid = args.pod.as_ref()?.metadata.uid.as_deref()?;
     view.reservation(&PodId::from(uid))
         .map(|reservation| reservation.node.as_str())
+}
+
+#[cfg(test)]
+mod tests {
+    use std::borrow::Cow;
+    use std::sync::Arc;
+
+    use futures::future::BoxFuture;
+    use gpushare_allocator::{PodPlacement, Policy};
+    use gpushare_testkit::fixtures::{node, pod};
+    use prometheus_client::registry::Registry;
+
+    use super::*;
+    use crate::kube_io::{BindError, Binder, BindingTarget, EventSink, PodOnServer};
+    use crate::scheduling::bind::BindTiming;
+
+    /// Filter never binds.
+    struct NoBinds;
+
+    impl Binder for NoBinds {
+        fn bind(&self, _: BindingTarget) -> BoxFuture<'_, Result<(), BindError>> {
+            unreachable!("filter does not bind")
+        }
+
+        fn read_pod<'a>(
+            &'a self,
+            _: &'a str,
+            _: &'a str,
+        ) -> BoxFuture<'a, Result<Option<PodOnServer>, BindError>> {
+            unreachable!("filter reads no pod")
+        }
+    }
+
+    /// Node n1 with two 16 GiB GPUs, 10 GiB booked on each, as the served registry shows it.
+    fn split_node() -> Scheduling {
+        let state = Scheduling::new(
+            Settings::new(
+                gpushare_contract::DEFAULT_RESOURCE,
+                gpushare_contract::DEFAULT_DOMAIN,
+                "gpushare=true",
+            ),
+            Policy::Binpack,
+            Arc::new(NoBinds),
+            BindTiming::default(),
+            EventSink::disabled(),
+            Registry::default(),
+        );
+        let mut view = state.view_mut();
+        view.replace_nodes(&[node("n1").gpushare().gpus(&[16, 16]).build()]);
+        view.set_pods_synced();
+        for index in 0..2u32 {
+            let placement = PodPlacement {
+                gpu: index,
+                uuid: format!("GPU-n1-{index}").into(),
+                pod_gib: 10,
+                assigned: true,
+                ..PodPlacement::default()
+            };
+            view.cluster
+                .upsert_pod(format!("running-{index}").as_str().into(), "n1", placement);
+        }
+        drop(view);
+        state
+    }
+
+    /// Filters a pod of `gib` GiB over n1: the nodes passed, and those failed.
+    fn filter(state: &Scheduling, gib: u64) -> (Vec<String>, Vec<String>) {
+        let mut pod = pod("p").gpu_mem(gib).build();
+        pod.metadata.uid = Some(format!("uid-{gib}"));
+        let args = ExtenderArgs {
+            pod: Some(pod),
+            nodes: None,
+            node_names: Some(vec![Cow::Borrowed("n1")]),
+        };
+        let result = state.filter(&args);
+        let passed = result.node_names.into_iter().flatten();
+        let failed = result.failed_nodes.iter();
+        (
+            passed.map(Cow::into_owned).collect(),
+            failed.map(|(node, _)| node.to_owned()).collect(),
+        )
+    }
+
+    fn scrape(state: &Scheduling) -> String {
+        let mut text = String::new();
+        prometheus_client::encoding::text::encode(&mut text, state.registry()).unwrap();
+        text
+    }
+
+    fn has(text: &str, line: &str) -> bool {
+        text.lines().any(|l| l == line)
+    }
+
+    #[test]
+    fn a_gpu_pod_no_node_takes_is_counted_by_why_from_zero() {
+        let state = split_node();
+        let text = scrape(&state);
+        for reason in ["fragmentation", "no_capacity"] {
+            let line = format!("gpushare_extender_unschedulable_total{{reason=\"{reason}\"}} 0");
+            assert!(has(&text, &line), "{line} missing from\n{text}");
+        }
+
+        // 6 + 6 GiB free: 8 fits on neither GPU; 14 is more than is free at all.
+        assert_eq!(filter(&state, 8), (vec![], vec!["n1".to_owned()]));
+        filter(&state, 14);
+        filter(&state, 14);
+        // A pod that fits is not counted.
+        assert_eq!(filter(&state, 4).0, ["n1"]);
+        let text = scrape(&state);
+        for line in [
+            "gpushare_extender_unschedulable_total{reason=\"fragmentation\"} 1",
+            "gpushare_extender_unschedulable_total{reason=\"no_capacity\"} 2",
+        ] {
+            assert!(has(&text, line), "{line} missing from\n{text}");
+        }
+    }
+
+    #[test]
+    fn the_served_registry_has_each_gpu_of_the_view() {
+        let state = split_node();
+        let text = scrape(&state);
+        for line in [
+            "gpushare_gpu_capacity_bytes{node=\"n1\",gpu=\"1\",uuid=\"GPU-n1-1\",model=\"Simulated GPU\"} 17179869184",
+            "gpushare_gpu_allocated_bytes{node=\"n1\",gpu=\"1\",uuid=\"GPU-n1-1\",model=\"Simulated GPU\"} 10737418240",
+        ] {
+            assert!(has(&text, line), "{line} missing from\n{text}");
+        }
+        // The 4 GiB pod's hold (one node passed) counts at once.
+        filter(&state, 4);
+        let text = scrape(&state);
+        let line = "gpushare_gpu_allocated_bytes{node=\"n1\",gpu=\"0\",uuid=\"GPU-n1-0\",model=\"Simulated GPU\"} 15032385536";
+        assert!(has(&text, line), "{line} missing from\n{text}");
+    }
 }

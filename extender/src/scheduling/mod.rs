@@ -21,7 +21,7 @@ use prometheus_client::registry::Registry;
 
 use crate::kube_io::{Binder, EventSink};
 use crate::leader::Leadership;
-use crate::metrics::Metrics;
+use crate::metrics::{GpuGauges, Metrics};
 use crate::reservation::Phase;
 use crate::view::{Settings, View};
 use crate::wire::{
@@ -36,8 +36,10 @@ pub mod bind;
 mod filter;
 mod preempt;
 mod prioritize;
+mod unschedulable;
 
 pub use prioritize::Scores;
+pub use unschedulable::Unschedulable;
 
 /// The extender's state and decisions, shared by the HTTP handlers, the watches and the
 /// background passes (cheap to clone).
@@ -47,7 +49,9 @@ pub struct Scheduling {
 }
 
 struct Inner {
-    view: RwLock<View>,
+    /// Shared with the per-GPU gauges, which read it on each scrape
+    /// ([`crate::metrics::GpuGauges`]).
+    view: Arc<RwLock<View>>,
     policy: Policy,
     /// `--filter-keep-best`: 0 passes every fitting node.
     filter_keep_best: AtomicUsize,
@@ -79,9 +83,11 @@ impl Scheduling {
         let metrics = Metrics::register(&mut registry);
         // Without an election this instance always binds; `serve` switches it to elected.
         metrics.leader.set(1);
+        let view = Arc::new(RwLock::new(View::new(settings)));
+        GpuGauges::register(&mut registry, view.clone());
         Self {
             inner: Arc::new(Inner {
-                view: RwLock::new(View::new(settings)),
+                view,
                 policy,
                 filter_keep_best: AtomicUsize::new(0),
                 prioritize_weight: AtomicI64::new(1),
