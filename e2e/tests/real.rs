@@ -177,6 +177,11 @@ const GROUPS: &[Group] = &[
             r#"dra.extraEnv=[{"name":"GPUSHARE_SIMULATE_HEALTH_FILE","value":"/tmp/gpushare-realk8s-unhealthy-gpus"}]"#,
         ],
         scenarios: &[
+            // First: it checks node-k's GPU memory with nothing else booked.
+            (
+                "dra_a_real_prometheus_answers_the_dashboard_and_the_alerts",
+                dra_a_real_prometheus_answers_the_dashboard_and_the_alerts,
+            ),
             (
                 "the_readme_pod_runs_unchanged_in_dra_mode",
                 the_readme_pod_runs_unchanged_in_dra_mode,
@@ -641,10 +646,53 @@ fn a_real_prometheus_answers_the_dashboard_and_the_alerts(c: &KitCluster) -> Out
     })
 }
 
-async fn prometheus_answers(c: &KitCluster) -> anyhow::Result<()> {
+/// DRA mode's metrics on a real Prometheus: the ServiceMonitor the chart renders there (the
+/// extender that ranks; the DRA plugin serves no metrics) is scraped, one extender leads,
+/// node-k's GPUs show their 15 + 16 GiB from the driver's ResourceSlices, the DRA alert rules
+/// evaluate without error and stay quiet, and every dashboard expression evaluates.
+fn dra_a_real_prometheus_answers_the_dashboard_and_the_alerts(c: &KitCluster) -> Outcome<'_> {
+    Box::pin(async move {
+        const GIB: f64 = (1u64 << 30) as f64;
+        let (prometheus, alerts, _discovery) = chart_prometheus(c, "alerts-dra.yaml").await?;
+        let capacity = r#"sum(max by (gpu) (gpushare_gpu_capacity_bytes{node="node-k"}))"#;
+        let mut last = String::new();
+        wait_for(
+            "Prometheus to scrape the extender",
+            Duration::from_secs(90),
+            || {
+                let seen = (|| -> anyhow::Result<bool> {
+                    let targets = prometheus.targets()?;
+                    let leaders = prometheus.query("sum(gpushare_extender_leader)")?;
+                    let gpus = prometheus.query(capacity)?;
+                    last = format!("targets {targets:?}, leaders {leaders:?}, capacity {gpus:?}");
+                    Ok(!targets.is_empty()
+                        && targets.iter().all(|(_, health, _)| health == "up")
+                        && leaders.first().map(|s| s.value) == Some(1.0)
+                        && gpus.first().map(|s| s.value) == Some(31.0 * GIB))
+                })();
+                std::future::ready(matches!(seen, Ok(true)).then_some(()))
+            },
+        )
+        .await
+        .with_context(|| format!("last seen: {last}\n{}", prometheus.log()))?;
+        println!("  Prometheus (DRA): extender up and leading, node-k's GPUs 31 GiB");
+        quiet_rules_and_dashboard(&prometheus, &alerts).await
+    })
+}
+
+/// A real Prometheus scraping what the chart's ServiceMonitors select in this install, with
+/// the chart's alert rules `files/<alerts>` loaded; the discovery files live as long as the
+/// returned folder.
+async fn chart_prometheus(
+    c: &KitCluster,
+    alerts: &str,
+) -> anyhow::Result<(
+    gpushare_e2e::realk8s::prometheus::Prometheus,
+    std::path::PathBuf,
+    tempfile::TempDir,
+)> {
     use gpushare_e2e::realk8s::prometheus::{Prometheus, discover, scrape_config};
     use serde::Deserialize as _;
-    const GIB: f64 = (1u64 << 30) as f64;
     let chart = chart_dir(c);
     let values_file = release_values(c, "prometheus-values.yaml")?;
     let rendered = c.helm(&[
@@ -675,14 +723,23 @@ async fn prometheus_answers(c: &KitCluster) -> anyhow::Result<()> {
         std::fs::write(&targets, serde_json::to_string(&groups)?)?;
         jobs.push(scrape_config(&monitor, 0, &targets)?);
     }
-    ensure!(jobs.len() >= 2, "ServiceMonitors rendered: {rendered}");
+    ensure!(!jobs.is_empty(), "no ServiceMonitor rendered: {rendered}");
     let tools = gpushare_e2e::tools::promtool()?
         .parent()
         .context("tools dir")?
         .to_path_buf();
-    let alerts = chart.join("files").join("alerts.yaml");
+    let alerts = chart.join("files").join(alerts);
     let prometheus = Prometheus::start(&tools, jobs, std::slice::from_ref(&alerts)).await?;
+    Ok((prometheus, alerts, sd_dir))
+}
 
+async fn prometheus_answers(c: &KitCluster) -> anyhow::Result<()> {
+    const GIB: f64 = (1u64 << 30) as f64;
+    let (prometheus, alerts, _discovery) = chart_prometheus(c, "alerts.yaml").await?;
+    ensure!(
+        prometheus.targets()?.len() >= 2,
+        "the extender and the device plugin are scraped"
+    );
     let a = running_pinned(c, "seen-a", 4).await?;
     let b = running_pinned(c, "seen-b", 8).await?;
     std::fs::write(
@@ -760,6 +817,15 @@ async fn prometheus_answers(c: &KitCluster) -> anyhow::Result<()> {
     );
     println!("  Prometheus: targets up, 1 leader, allocated per GPU {booked:?}, used 3 and 5 GiB");
 
+    quiet_rules_and_dashboard(&prometheus, &alerts).await
+}
+
+/// Every rule of `alerts` evaluates without error and no alert expression returns a series
+/// (this cluster is healthy); every expression of the chart's dashboard evaluates.
+async fn quiet_rules_and_dashboard(
+    prometheus: &gpushare_e2e::realk8s::prometheus::Prometheus,
+    alerts: &std::path::Path,
+) -> anyhow::Result<()> {
     // A few evaluations of every rule, then none may have failed and none may fire here.
     tokio::time::sleep(Duration::from_secs(3)).await;
     let rules = prometheus.rules()?;
@@ -771,7 +837,7 @@ async fn prometheus_answers(c: &KitCluster) -> anyhow::Result<()> {
     for (rule, health, error) in &rules {
         ensure!(health == "ok", "rule {rule} is {health}: {error}");
     }
-    let text: serde_yaml::Value = serde_yaml::from_str(&std::fs::read_to_string(&alerts)?)?;
+    let text: serde_yaml::Value = serde_yaml::from_str(&std::fs::read_to_string(alerts)?)?;
     let mut alerts_checked = 0;
     for group in text["groups"].as_sequence().into_iter().flatten() {
         for rule in group["rules"].as_sequence().into_iter().flatten() {
@@ -792,9 +858,9 @@ async fn prometheus_answers(c: &KitCluster) -> anyhow::Result<()> {
     );
 
     // Every expression of the dashboard, its variables set to this cluster's values.
-    let dashboard: serde_json::Value = serde_json::from_str(&std::fs::read_to_string(
-        chart.join("files").join("dashboard.json"),
-    )?)?;
+    let dashboard_file = alerts.with_file_name("dashboard.json");
+    let dashboard: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(&dashboard_file)?)?;
     let mut exprs = Vec::new();
     collect_exprs(&dashboard["panels"], &mut exprs);
     ensure!(!exprs.is_empty(), "the dashboard has no expression");
