@@ -97,7 +97,7 @@ async fn fill(h: &impl Harness, story: &str, node: &str, want: Want) -> anyhow::
     let mut placed: Fill = Vec::new();
     for i in 0.. {
         let room: Vec<u32> = (used.iter())
-            .filter(|(gpu, used)| sizes[gpu] - **used >= 4)
+            .filter(|(gpu, used)| sizes.get(gpu).copied().unwrap_or(0).saturating_sub(**used) >= 4)
             .map(|(gpu, _)| *gpu)
             .collect();
         let Some(&some_room) = room.first() else {
@@ -120,7 +120,16 @@ async fn fill(h: &impl Harness, story: &str, node: &str, want: Want) -> anyhow::
             );
             gpu = again;
         }
-        *used.entry(gpu).or_default() += 4;
+        let now = used.entry(gpu).or_default();
+        *now += 4;
+        let size = sizes.get(&gpu).copied().unwrap_or(0);
+        ensure!(
+            *now <= size,
+            "{name} (4 GiB) landed on GPU {gpu} of {size} GiB, where this story's pods already \
+             held {} GiB: over-committed, or another story's pods were still there; placed \
+             before it: {placed:?}",
+            *now - 4
+        );
         placed.push((name, gpu, class));
     }
     for (name, _, _) in &placed {
