@@ -356,15 +356,14 @@ async fn run_inner(
         token: token.clone(),
         isolation,
     };
-    // With isolation, watched from now on: a plugin stopping after its DaemonSet was deleted
-    // removes what it installed on the node.
-    let host_dir = plugin.isolation.as_ref().map(|i| i.host_dir.clone());
-    let uninstall = host_dir
-        .as_ref()
-        .map(|_| UninstallWatch::start(plugin.client.clone(), &plugin.config.own_daemon_set));
+    // Watched from now on: a plugin stopping after its DaemonSet was deleted removes what was
+    // installed on the node, in every enforcement mode (an earlier preload install may have
+    // left files there).
+    let host_dir = plugin.config.isolation.isolation_host_dir.clone();
+    let uninstall = UninstallWatch::start(plugin.client.clone(), &plugin.config.own_daemon_set);
     let tasks = plugin.spawn(listener, registry, keyring_file);
     let outcome = supervise(tasks, shutdown, token).await;
-    if let (Ok(()), Some(host_dir), Some(uninstall)) = (&outcome, host_dir, uninstall) {
+    if outcome.is_ok() {
         uninstall.leave_node_if_uninstalled(&host_dir);
     }
     outcome
