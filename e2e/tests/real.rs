@@ -443,15 +443,6 @@ fn two_gpu_and_exclusive_pods(c: &KitCluster) -> Outcome<'_> {
     })
 }
 
-/// The chart, as the kit's project folder holds it.
-fn chart_dir(c: &KitCluster) -> std::path::PathBuf {
-    c.kit()
-        .root()
-        .join("project")
-        .join("charts")
-        .join("gpushare")
-}
-
 /// A user the chart does not trust.
 const ATTACKER: &str = "system:serviceaccount:default:notebook";
 
@@ -497,7 +488,7 @@ fn pod_security_restricted_default_and_a_baseline_release_namespace(c: &KitClust
             };
             c.kubectl(&["label", "namespace", namespace, &label, "--overwrite"])
         };
-        let chart = chart_dir(c);
+        let chart = c.chart_dir();
         let chart = chart.to_string_lossy();
         label("default", Some("restricted"))?;
         let upgraded = c.helm(&[
@@ -693,8 +684,8 @@ async fn chart_prometheus(
 )> {
     use gpushare_e2e::realk8s::prometheus::{Prometheus, discover, scrape_config};
     use serde::Deserialize as _;
-    let chart = chart_dir(c);
-    let values_file = release_values(c, "prometheus-values.yaml")?;
+    let chart = c.chart_dir();
+    let values_file = c.release_values("prometheus-values.yaml")?;
     let rendered = c.helm(&[
         "template",
         "gpushare",
@@ -881,23 +872,6 @@ async fn quiet_rules_and_dashboard(
         println!("    no series yet: {expr}");
     }
     Ok(())
-}
-
-/// The kube-system release's values (`helm get values`), written to the kit's run folder as
-/// `name`, for a `helm template` or `helm install -f` of the same install.
-fn release_values(c: &KitCluster, name: &str) -> anyhow::Result<std::path::PathBuf> {
-    let values = c.helm(&[
-        "get",
-        "values",
-        "gpushare",
-        "-n",
-        "kube-system",
-        "-o",
-        "yaml",
-    ])?;
-    let file = c.kit().root().join("run").join(name);
-    std::fs::write(&file, values)?;
-    Ok(file)
 }
 
 /// Every `targets[].expr` under `panels` (rows nest their panels).
@@ -1383,7 +1357,7 @@ async fn upgrade_keeps_the_running_containers_library(
     c.helm(&[
         "upgrade",
         "gpushare",
-        &chart_dir(c).to_string_lossy(),
+        &c.chart_dir().to_string_lossy(),
         "-n",
         "kube-system",
         "--reuse-values",
@@ -1504,7 +1478,7 @@ fn a_dra_container_is_held_to_its_share(c: &KitCluster) -> Outcome<'_> {
 /// container gets `NVIDIA_GPU_MEMORY_LIMIT` (MiB) for its share.
 fn toolkit_enforcement_after_helm_upgrade(c: &KitCluster) -> Outcome<'_> {
     Box::pin(async move {
-        let chart = chart_dir(c);
+        let chart = c.chart_dir();
         let chart = chart.to_string_lossy();
         c.helm(&[
             "upgrade",
@@ -2401,7 +2375,7 @@ async fn upgrade_in_a_burst(c: &KitCluster, residents: &[Pod]) -> anyhow::Result
     // On the fake nodes only: a GPU pod kubelet admits on the real node while its device
     // plugin restarts fails ("no healthy devices present"), as with any device plugin
     // (docs/operating.md, "Known limits"); the residents there must not be touched.
-    let chart = chart_dir(c);
+    let chart = c.chart_dir();
     // The release as a chart without client certificates left it (no client Secret, a
     // scheduler that presents nothing), so the upgrade below crosses the switch.
     c.helm(&[
@@ -2514,7 +2488,7 @@ async fn upgrade_in_a_burst(c: &KitCluster, residents: &[Pod]) -> anyhow::Result
 ///   are routed; and the uninstall that follows leaves no test pod behind.
 fn gpu_pods_right_after_helm_install(c: &KitCluster) -> Outcome<'_> {
     Box::pin(async move {
-        let values_file = release_values(c, "reinstall-values.yaml")?;
+        let values_file = c.release_values("reinstall-values.yaml")?;
         c.helm(&["uninstall", "gpushare", "-n", "kube-system", "--wait"])?;
         // The post-delete hook has removed every label, annotation and taint of gpushare's
         // domain from the node (helm waits for it); the admin's opt-in label stays.
@@ -2596,7 +2570,7 @@ fn gpu_pods_right_after_helm_install(c: &KitCluster) -> Outcome<'_> {
             "pod-security.kubernetes.io/enforce=restricted",
             "--overwrite",
         ])?;
-        let chart = chart_dir(c);
+        let chart = c.chart_dir();
         let installed = Instant::now();
         let install = c.helm(&[
             "install",

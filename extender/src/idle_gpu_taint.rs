@@ -2,9 +2,10 @@
 //! gpushare node with a healthy GPU nothing is booked on, kept by the replica that binds.
 //!
 //! ```text
-//!  every 2 s, leader only:  view.idle_gpu_taint_drift()  ──▶  nodes whose taint is wrong
-//!                           for each (at most 100):  GET node ──▶ taints ± ours ──▶
-//!                           merge patch with the resourceVersion read (a 409: next pass)
+//!  every 2 s, leader only:  view.idle_gpu_taint_drift()  ──▶  nodes whose taint is wrong,
+//!                           each with its taints and resourceVersion as the watch showed them
+//!                           for each (at most 100):  taints ± ours ──▶
+//!                           merge patch with that resourceVersion (a 409: next pass)
 //!  node watch ──▶ view (which nodes carry it)  ──▶  the drift shrinks to nothing
 //! ```
 //!
@@ -25,9 +26,12 @@
 //! steps aside, and kube-scheduler's scores prefer, among the nodes that fit it, those
 //! without an idle GPU.
 //!
-//! The taint's list is read and written whole (a Node's taints have no merge key); the write
-//! carries the resourceVersion it read, so a taint someone else set meanwhile is never lost:
-//! the write fails with 409 and the node is tried again on the next pass. With the flag off
+//! The taint's list is written whole (a Node's taints have no merge key), computed from the
+//! list the node watch last delivered, and the write carries that resourceVersion: a taint
+//! someone else set since is never lost, the write fails with 409 and the node is tried again
+//! on the next pass, by when the watch has shown the change. No read before the write: on the
+//! real cluster the reads doubled what the taint cost the API server, which serves every
+//! node write to every node watcher while Bindings wait (docs/performance.md). With the flag off
 //! the same loop takes the taint off every node that still carries it, so turning it off in
 //! the chart cleans up. Writes are capped per pass, so a burst that fills a thousand nodes at
 //! once costs the API server a hundred node writes every 2 s, not a thousand at once.
@@ -41,6 +45,7 @@ use kube::Api;
 use kube::api::{Patch, PatchParams};
 
 use crate::scheduling::Scheduling;
+use crate::view::TaintDrift;
 
 /// How often the taints are compared with the view.
 pub const PERIOD: Duration = Duration::from_secs(2);
@@ -55,9 +60,9 @@ pub enum Outcome {
     Added,
     /// The taint was taken off.
     Removed,
-    /// The node already was as wanted (the watch had not shown it yet).
+    /// The node already was as wanted when the watch last showed it.
     Unchanged,
-    /// The node changed between the read and the write, or is gone: next pass.
+    /// The node changed since the watch showed it, or is gone: next pass.
     Retry,
 }
 
@@ -88,35 +93,25 @@ pub fn with_idle_gpu_taint(taints: &[Taint], key: &str, wanted: bool) -> Option<
     Some(updated)
 }
 
-/// Sets the taint `key` on node `name` as `wanted`: reads the node, then writes its taints
-/// back with the resourceVersion it read.
+/// Sets the taint `key` on `drift`'s node as it wants, from its taints as the watch showed
+/// them, with their resourceVersion (no read first).
 pub async fn set_idle_gpu_taint(
     nodes: &Api<Node>,
-    name: &str,
+    drift: &TaintDrift,
     key: &str,
-    wanted: bool,
 ) -> Result<Outcome, kube::Error> {
-    let node = match nodes.get_opt(name).await? {
-        Some(node) => node,
-        None => return Ok(Outcome::Retry),
-    };
-    let taints = node
-        .spec
-        .as_ref()
-        .and_then(|spec| spec.taints.as_deref())
-        .unwrap_or_default();
-    let Some(updated) = with_idle_gpu_taint(taints, key, wanted) else {
+    let Some(updated) = with_idle_gpu_taint(&drift.seen.taints, key, drift.wanted) else {
         return Ok(Outcome::Unchanged);
     };
     let patch = serde_json::json!({
-        "metadata": { "resourceVersion": node.metadata.resource_version },
+        "metadata": { "resourceVersion": drift.seen.resource_version },
         "spec": { "taints": updated },
     });
     match nodes
-        .patch(name, &PatchParams::default(), &Patch::Merge(&patch))
+        .patch(&drift.node, &PatchParams::default(), &Patch::Merge(&patch))
         .await
     {
-        Ok(_) => Ok(if wanted {
+        Ok(_) => Ok(if drift.wanted {
             Outcome::Added
         } else {
             Outcome::Removed
@@ -144,7 +139,7 @@ pub async fn keep_idle_gpu_taints(client: kube::Client, state: Scheduling, enabl
             state.metrics().idle_gpu_tainted_nodes.set(0);
             continue;
         }
-        let drift: Vec<(Arc<str>, bool)> = {
+        let drift: Vec<TaintDrift> = {
             let view = state.view();
             if !view.is_synced() {
                 continue;
@@ -157,16 +152,16 @@ pub async fn keep_idle_gpu_taints(client: kube::Client, state: Scheduling, enabl
         };
         let mut failed: Option<(Arc<str>, kube::Error)> = None;
         let mut failures = 0;
-        for (name, wanted) in drift.into_iter().take(WRITES_PER_PASS) {
-            let outcome = match set_idle_gpu_taint(&nodes, &name, &key, wanted).await {
+        for drift in drift.iter().take(WRITES_PER_PASS) {
+            let outcome = match set_idle_gpu_taint(&nodes, drift, &key).await {
                 Ok(outcome) => outcome,
                 Err(error) => {
                     failures += 1;
-                    failed.get_or_insert((name.clone(), error));
+                    failed.get_or_insert((drift.node.clone(), error));
                     Outcome::Retry
                 }
             };
-            tracing::debug!(node = %name, wanted, outcome = outcome.label(), "idle-GPU taint");
+            tracing::debug!(node = %drift.node, wanted = drift.wanted, outcome = outcome.label(), "idle-GPU taint");
             state.metrics().record_idle_gpu_taint(outcome.label());
         }
         if let Some((node, error)) = failed {

@@ -31,6 +31,49 @@ pub struct BindLabels {
     pub reason: &'static str,
 }
 
+/// A stage of the bind path on the replica that binds, in the order a bind passes them.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum BindStage {
+    /// From the handler's start to the decision made: waiting for the view's lock (filters,
+    /// the watches and other binds hold it) and deciding under it.
+    Decide,
+    /// Waiting for one of the Binding write slots (`--bind-writes-in-flight`).
+    WriteSlot,
+    /// The Binding write itself, as this replica's client sees it: the API server's
+    /// admission and storage, and the client's own connection queue.
+    BindingWrite,
+    /// From the decision to the answer handed back to the HTTP handler (the two stages above,
+    /// and settling the reservation under the view's lock).
+    Answer,
+}
+
+impl BindStage {
+    /// Every stage, in order.
+    pub const ALL: [BindStage; 4] = [
+        BindStage::Decide,
+        BindStage::WriteSlot,
+        BindStage::BindingWrite,
+        BindStage::Answer,
+    ];
+
+    /// The metric label.
+    pub fn label(self) -> &'static str {
+        match self {
+            BindStage::Decide => "decide",
+            BindStage::WriteSlot => "write_slot",
+            BindStage::BindingWrite => "binding_write",
+            BindStage::Answer => "answer",
+        }
+    }
+}
+
+/// Labels of a bind stage's duration.
+#[derive(Debug, Clone, PartialEq, Eq, Hash, EncodeLabelSet)]
+pub struct BindStageLabels {
+    /// decide, write_slot, binding_write, answer ([`BindStage::label`]).
+    pub stage: &'static str,
+}
+
 /// Every metric the extender exports.
 #[derive(Debug, Clone)]
 pub struct Metrics {
@@ -40,6 +83,8 @@ pub struct Metrics {
     pub latency: Family<VerbLabels, Histogram>,
     /// Bind outcomes by reason.
     pub binds: Family<BindLabels, Counter>,
+    /// Seconds each stage of a bind this replica decides took ([`BindStage`]).
+    pub bind_stages: Family<BindStageLabels, Histogram>,
     /// Reservations awaiting confirmation by the pod watch.
     pub reservations: Gauge,
     /// Reservations whose Binding got no clear answer and is being resolved.
@@ -176,6 +221,9 @@ impl Metrics {
                 Histogram::new(exponential_buckets(0.000_025, 4.0, 10))
             }),
             binds: Family::default(),
+            bind_stages: Family::new_with_constructor(|| {
+                Histogram::new(exponential_buckets(0.000_1, 2.0, 16))
+            }),
             reservations: Gauge::default(),
             reservations_resolving: Gauge::default(),
             reservations_held: Gauge::default(),
@@ -197,6 +245,11 @@ impl Metrics {
             uncertified_calls_in_grace: Counter::default(),
             unschedulable: Family::default(),
         };
+        for stage in BindStage::ALL {
+            drop(metrics.bind_stages.get_or_create(&BindStageLabels {
+                stage: stage.label(),
+            }));
+        }
         // Every reason from the start, so that `increase()` sees the first one.
         for reason in Unschedulable::ALL {
             drop(metrics.unschedulable.get_or_create(&UnschedulableLabels {
@@ -222,6 +275,11 @@ impl Metrics {
             self.latency.clone(),
         );
         sub.register("binds", "Bind outcomes by reason", self.binds.clone());
+        sub.register(
+            "bind_stage_duration_seconds",
+            "Time each stage of a bind this replica decides took: decide (the view's lock and the decision), write_slot (waiting for a Binding write slot), binding_write (the Binding's API call), answer (from the decision to the answer)",
+            self.bind_stages.clone(),
+        );
         sub.register(
             "reservations",
             "GPU memory reservations made at bind and not yet seen in the pod watch",
@@ -398,6 +456,15 @@ impl Metrics {
         self.latency
             .get_or_create(&labels)
             .observe(started.elapsed().as_secs_f64());
+    }
+
+    /// Records how long a stage of a bind took.
+    pub fn bind_stage(&self, stage: BindStage, took: std::time::Duration) {
+        self.bind_stages
+            .get_or_create(&BindStageLabels {
+                stage: stage.label(),
+            })
+            .observe(took.as_secs_f64());
     }
 
     /// Counts a bind outcome.

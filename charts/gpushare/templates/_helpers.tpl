@@ -210,26 +210,32 @@ binds. */}}
 {{- end }}
 
 {{/*
-A MutatingAdmissionPolicy mutation (a list item) that gives a GPU pod a toleration of the
-idle-GPU taint, unless one of its tolerations already covers it: the taint is meant for pods
-that ask for no GPU. Without it, the filter that keeps the best node steps aside for a GPU pod
-whenever a candidate carries the taint, and kube-scheduler's TaintToleration score (weight 3)
-decides instead of the extender's ranking.
+The JSON patches (a CEL list expression) that give a GPU pod a toleration of the idle-GPU
+taint, unless one of its tolerations already covers it: the taint is meant for pods that ask
+for no GPU. Without it, the filter that keeps the best node steps aside for a GPU pod whenever
+a candidate carries the taint, and kube-scheduler's TaintToleration score (weight 3) decides
+instead of the extender's ranking.
 */}}
-{{- define "gpushare.idleGpuTolerationMutation" -}}
+{{- define "gpushare.idleGpuTolerationPatches" -}}
 {{- $key := printf "%s/idle-gpu" .Values.domain }}
 {{- $toleration := printf "Object.spec.tolerations{key: '%s', operator: 'Exists', effect: 'PreferNoSchedule'}" $key -}}
+(has(object.spec.tolerations) && object.spec.tolerations.exists(t,
+(!has(t.effect) || t.effect == '' || t.effect == 'PreferNoSchedule') &&
+((has(t.operator) && t.operator == 'Exists' && (!has(t.key) || t.key == '' || t.key == '{{ $key }}')) ||
+(has(t.key) && t.key == '{{ $key }}' && (!has(t.value) || t.value == ''))))
+? []
+: has(object.spec.tolerations)
+? [JSONPatch{op: 'add', path: '/spec/tolerations/-', value: {{ $toleration }}}]
+: [JSONPatch{op: 'add', path: '/spec/tolerations', value: [{{ $toleration }}]}])
+{{- end }}
+
+{{/* The idle-GPU toleration ("gpushare.idleGpuTolerationPatches") as a mutation of its own (a
+list item of a MutatingAdmissionPolicy's mutations). */}}
+{{- define "gpushare.idleGpuTolerationMutation" -}}
 - patchType: JSONPatch
   jsonPatch:
     expression: >-
-      has(object.spec.tolerations) && object.spec.tolerations.exists(t,
-      (!has(t.effect) || t.effect == '' || t.effect == 'PreferNoSchedule') &&
-      ((has(t.operator) && t.operator == 'Exists' && (!has(t.key) || t.key == '' || t.key == '{{ $key }}')) ||
-      (has(t.key) && t.key == '{{ $key }}' && (!has(t.value) || t.value == ''))))
-      ? []
-      : has(object.spec.tolerations)
-      ? [JSONPatch{op: 'add', path: '/spec/tolerations/-', value: {{ $toleration }}}]
-      : [JSONPatch{op: 'add', path: '/spec/tolerations', value: [{{ $toleration }}]}]
+      {{ include "gpushare.idleGpuTolerationPatches" . | nindent 6 | trim }}
 {{- end }}
 
 {{/* Allocations are signed: extender mode only (in DRA mode kube-scheduler writes them). */}}

@@ -9,6 +9,13 @@
 //!     --mix 1:30,2:30,4:25,8:10,2x8:5 --rounds 3 --resident 40000
 //! ```
 //!
+//! First, unless `--alone-in-install-only` or `--chart-only`, it uninstalls the chart again
+//! and has kube-scheduler alone drain each round's backlog on the cluster without it (a user's
+//! alternative is no gpushare at all), then installs the chart again with the same values;
+//! the chart's figures are reported against that drain and against alone's in the install.
+//! `--creation-only` measures only how fast pods are created, with and without the chart
+//! (`--without KIND/NAME` deletes one of its objects first: what that object costs).
+//!
 //! It installs the chart (extender mode, its defaults plus any `--set`), adds Node objects in
 //! bulk (each with 4 × 16 GiB of `example.com/gpu-mem` and as much of a second resource
 //! gpushare does not manage), plays their kubelets (`realk8s::load::NodeStandIn`: each bound
@@ -16,7 +23,8 @@
 //! then, each round, drains a backlog of 4 GiB pods twice: once with the kit's kube-scheduler
 //! alone (pods asking for the other resource) and once with the chart's dedicated
 //! kube-scheduler and the extender (GPU pods). It prints pods/s from the first bind to the
-//! last, API calls per pod, CPU seconds per process and the scheduler's own metrics, checks
+//! last, API calls per pod, CPU seconds per process, the scheduler's own metrics and where the
+//! bind time went (`realk8s::latency`), checks
 //! that every GPU pod holds an allocation and no GPU is over-committed, and prints the
 //! extender replicas' memory. Needs root, like the real tier (docs/testing.md).
 //!
@@ -42,7 +50,8 @@ use anyhow::{Context, ensure};
 use clap::Parser;
 use gpushare_contract::DEFAULT_DOMAIN;
 use gpushare_e2e::realk8s::load::{
-    self, BASELINE_RESOURCE, Backlog, Drain, Drainer, Mix, NodeStandIn, StandInConfig,
+    self, BASELINE_RESOURCE, Backlog, Creating, Creation, Drain, Drainer, Mix, NodeStandIn,
+    StandInConfig,
 };
 use gpushare_e2e::realk8s::{Kit, KitCluster, Mode};
 
@@ -101,6 +110,23 @@ struct Args {
     /// Skip kube-scheduler alone.
     #[arg(long)]
     chart_only: bool,
+    /// Measure only how fast pods are created (no drain): pods asking for no GPU and GPU
+    /// pods, `--pods` of each per round, with the chart installed, then (unless
+    /// `--chart-only`) with it uninstalled.
+    #[arg(long)]
+    creation_only: bool,
+    /// With `--creation-only`: which pods to create, `plain` (asking for no GPU), `gpu`, or
+    /// both (`plain,gpu`).
+    #[arg(long, value_delimiter = ',', default_value = "plain,gpu", value_parser = parse_creating)]
+    creating: Vec<Creating>,
+    /// Objects of the install to delete before measuring (`kubectl delete` names, such as
+    /// `validatingadmissionpolicybinding/gpushare-allocations`): what one of them costs.
+    #[arg(long = "without")]
+    without: Vec<String>,
+    /// Compare only with kube-scheduler alone inside the chart's install (its admission on
+    /// every write), not also on the same cluster with the chart uninstalled.
+    #[arg(long)]
+    alone_in_install_only: bool,
     /// How long after a bind the stand-in writes the pod's status (kubelet admitting it).
     #[arg(long, default_value_t = 200)]
     allocate_after_ms: u64,
@@ -144,12 +170,17 @@ async fn main() -> anyhow::Result<()> {
         anyhow::bail!("multi-GPU shapes in --mix need --modes extender");
     }
     let kit = Kit::locate()?.context("no ../shared/realk8s beside the repository")?;
+    if args.creation_only {
+        return creation_rates(&kit, &args).await;
+    }
     let mut summary = Vec::new();
     for mode in &args.modes {
         let figures = run_mode(&kit, &args, *mode).await?;
         summary.push((*mode, figures));
     }
-    println!("\nsummary, pods/s (drain / kube-scheduler alone in the same install):");
+    println!(
+        "\nsummary, pods/s (drain / kube-scheduler alone without the chart, or in the same install with --alone-in-install-only):"
+    );
     for (mode, figures) in summary {
         let rounds: Vec<String> = figures
             .iter()
@@ -161,14 +192,47 @@ async fn main() -> anyhow::Result<()> {
 }
 
 /// One install in `mode`, its rounds, and the pods/s of each round: (alone, the mode's drain).
+/// Unless `--alone-in-install-only`, kube-scheduler alone first drains each round's backlog on
+/// the same cluster with the chart uninstalled (a user's alternative: no gpushare at all),
+/// then the chart is installed again; the figures returned are against that drain.
 async fn run_mode(kit: &Kit, args: &Args, mode: Load) -> anyhow::Result<Vec<(f64, f64)>> {
     let cluster = install(kit, args, mode).await?;
     let client = cluster.client();
+    let without_chart = !args.chart_only && !args.alone_in_install_only;
+    let values = if without_chart {
+        println!("uninstalling the chart: kube-scheduler alone drains first without it");
+        Some(cluster.uninstall_chart()?)
+    } else {
+        None
+    };
+    add_nodes(&cluster, args, mode).await?;
     let stand_in = (!args.without_kubelets).then(|| start_stand_in(&client, args));
+    let mut alone_without_chart = Vec::new();
+    if let Some(values) = values {
+        let timeout = Duration::from_secs(args.timeout_s);
+        for round in 1..=args.rounds {
+            let drain = drain_alone(&cluster, args, &format!("bare-{round}"), timeout).await?;
+            report(
+                &format!("round {round}: kube-scheduler alone, the chart not installed"),
+                &drain,
+            );
+            alone_without_chart.push(drain.pods_per_s);
+        }
+        println!("installing the chart again");
+        cluster.install_again(&values)?;
+    }
     let mut figures: Vec<(f64, f64)> = Vec::new();
     for round in 1..=args.rounds {
-        if let Some(pods_per_s) = run_round(&cluster, args, mode, round).await? {
-            figures.push(pods_per_s);
+        if let Some((alone_in_install, drained)) = run_round(&cluster, args, mode, round).await? {
+            let Some(alone) = alone_without_chart.get(round - 1).copied() else {
+                figures.push((alone_in_install, drained));
+                continue;
+            };
+            println!(
+                "round {round}: against kube-scheduler alone without the chart: {:.2} ({drained:.1} / {alone:.1} pods/s)",
+                drained / alone
+            );
+            figures.push((alone, drained));
         }
     }
     if mode == Load::Extender && args.resident > 0 {
@@ -186,8 +250,8 @@ async fn run_mode(kit: &Kit, args: &Args, mode: Load) -> anyhow::Result<Vec<(f64
     Ok(figures)
 }
 
-/// Installs the chart in `mode` with `--set`, then adds the fake GPU nodes (and, in DRA mode,
-/// their ResourceSlices).
+/// Brings the kit's cluster up with the chart installed in `mode` with `--set`, less the
+/// objects `--without` names.
 async fn install(kit: &Kit, args: &Args, mode: Load) -> anyhow::Result<KitCluster> {
     let helm_args: Vec<String> = args
         .set
@@ -197,6 +261,81 @@ async fn install(kit: &Kit, args: &Args, mode: Load) -> anyhow::Result<KitCluste
     let helm_refs: Vec<&str> = helm_args.iter().map(String::as_str).collect();
     println!("installing the chart ({mode:?} mode) {helm_refs:?}");
     let cluster = kit.up(mode.install(), &helm_refs).await?;
+    for object in &args.without {
+        println!("deleting {object} from the install");
+        cluster.kubectl(&["delete", "-n", "kube-system", object])?;
+    }
+    Ok(cluster)
+}
+
+/// `--creation-only`: pods created per second, without and with a GPU request, with the
+/// chart installed and then with it uninstalled, `--rounds` times each, and the API server's
+/// CPU per pod created.
+async fn creation_rates(kit: &Kit, args: &Args) -> anyhow::Result<()> {
+    let cluster = install(kit, args, Load::Extender).await?;
+    let kinds: Vec<(Creating, &str)> = [(Creating::Plain, "no GPU"), (Creating::Gpu, "GPU")]
+        .into_iter()
+        .filter(|(kind, _)| args.creating.contains(kind))
+        .collect();
+    let mut measured: Vec<(bool, usize, Creation)> = Vec::new();
+    let settings: &[bool] = if args.chart_only {
+        &[true]
+    } else {
+        &[true, false]
+    };
+    for &installed in settings {
+        if !installed {
+            cluster.uninstall_chart()?;
+        }
+        let setting = if installed {
+            "the chart installed"
+        } else {
+            "no chart"
+        };
+        for round in 1..=args.rounds {
+            for (index, (kind, what)) in kinds.iter().enumerate() {
+                let prefix = format!("create-{round}");
+                let created = load::creation_rate(&cluster, *kind, &prefix, &backlog(args)).await?;
+                println!(
+                    "round {round}, {setting}: pods asking for {what} created at {:.1} pods/s, the API server {:.2} CPU-ms a pod",
+                    created.per_s, created.api_server_cpu_ms
+                );
+                measured.push((installed, index, created));
+            }
+        }
+    }
+    println!("\nsummary, with the chart / without it (mean over rounds):");
+    for (index, (_, what)) in kinds.iter().enumerate() {
+        let mean = |installed: bool, field: fn(&Creation) -> f64| {
+            let all: Vec<f64> = measured
+                .iter()
+                .filter(|(i, k, _)| *i == installed && *k == index)
+                .map(|(_, _, c)| field(c))
+                .collect();
+            all.iter().sum::<f64>() / all.len().max(1) as f64
+        };
+        let (rate_with, rate_without) = (mean(true, |c| c.per_s), mean(false, |c| c.per_s));
+        let (cpu_with, cpu_without) = (
+            mean(true, |c| c.api_server_cpu_ms),
+            mean(false, |c| c.api_server_cpu_ms),
+        );
+        if args.chart_only {
+            println!(
+                "  pods asking for {what}: {rate_with:.1} pods/s; the API server {cpu_with:.2} CPU-ms a pod"
+            );
+            continue;
+        }
+        println!(
+            "  pods asking for {what}: {rate_with:.1} / {rate_without:.1} pods/s = {:.2}; the API server {cpu_with:.2} / {cpu_without:.2} CPU-ms a pod = {:.2}",
+            rate_with / rate_without,
+            cpu_with / cpu_without
+        );
+    }
+    Ok(())
+}
+
+/// Adds the fake GPU nodes (and, in DRA mode, their ResourceSlices).
+async fn add_nodes(cluster: &KitCluster, args: &Args, mode: Load) -> anyhow::Result<()> {
     let client = cluster.client();
     let gpus = vec![args.gpu_gib; args.gpus];
     let per_node = args.gpu_gib * args.gpus as u64;
@@ -227,7 +366,7 @@ async fn install(kit: &Kit, args: &Args, mode: Load) -> anyhow::Result<KitCluste
         mix(args).shapes(),
         asked.div_ceil(args.gpu_gib)
     );
-    Ok(cluster)
+    Ok(())
 }
 
 /// The fake nodes' kubelets: each bound pod's status (and, with `--plugin-marks`, the device
@@ -258,7 +397,9 @@ async fn run_round(
     let alone = if args.chart_only {
         None
     } else {
-        Some(drain_alone(cluster, args, round, timeout).await?)
+        let drain = drain_alone(cluster, args, &format!("alone-{round}"), timeout).await?;
+        report(&format!("round {round}: kube-scheduler alone"), &drain);
+        Some(drain)
     };
     let (prefix, drainer, what) = match mode {
         Load::Extender => (format!("chart-{round}"), Drainer::Chart, "the chart"),
@@ -381,26 +522,24 @@ async fn resident_checks(cluster: &KitCluster, args: &Args) -> anyhow::Result<()
     Ok(())
 }
 
-/// Round `round`'s backlog drained by kube-scheduler alone, reported and deleted.
+/// A backlog named `prefix` drained by kube-scheduler alone, then deleted.
 async fn drain_alone(
     cluster: &KitCluster,
     args: &Args,
-    round: usize,
+    prefix: &str,
     timeout: Duration,
 ) -> anyhow::Result<Drain> {
-    let prefix = format!("alone-{round}");
     let drain = load::drain(
         cluster,
         Drainer::KubeSchedulerAlone {
             percentage: args.alone_percentage,
         },
-        &prefix,
+        prefix,
         &backlog(args),
         timeout,
     )
     .await?;
-    report(&format!("round {round}: kube-scheduler alone"), &drain);
-    load::delete_backlog(cluster, &prefix).await?;
+    load::delete_backlog(cluster, prefix).await?;
     Ok(drain)
 }
 
@@ -417,6 +556,14 @@ fn report_stand_in(stand_in: &NodeStandIn) {
     }
 }
 
+fn parse_creating(text: &str) -> Result<Creating, String> {
+    match text {
+        "plain" => Ok(Creating::Plain),
+        "gpu" => Ok(Creating::Gpu),
+        other => Err(format!("{other}: want plain or gpu")),
+    }
+}
+
 fn parse_mode(text: &str) -> Result<Load, String> {
     match text {
         "extender" => Ok(Load::Extender),
@@ -428,8 +575,8 @@ fn parse_mode(text: &str) -> Result<Load, String> {
 
 fn report(title: &str, drain: &Drain) {
     println!(
-        "{title}: {} pods in {:.2} s = {:.1} pods/s (median second {} pods)",
-        drain.pods, drain.seconds, drain.pods_per_s, drain.per_second_p50
+        "{title}: {} pods in {:.2} s = {:.1} pods/s (median second {} pods); created at {:.1} pods/s",
+        drain.pods, drain.seconds, drain.pods_per_s, drain.per_second_p50, drain.created_per_s
     );
     let calls: Vec<String> = drain
         .api_calls_per_pod
@@ -444,6 +591,9 @@ fn report(title: &str, drain: &Drain) {
         .collect();
     println!("  CPU seconds: {}", cpu.join(", "));
     for line in drain.scheduler_metrics.lines() {
+        println!("  {line}");
+    }
+    for line in &drain.bind_latency {
         println!("  {line}");
     }
 }

@@ -195,11 +195,12 @@ pub fn rss_mib(pid: u32) -> Option<(f64, f64)> {
     Some((field("VmHWM:")?, field("VmRSS:")?))
 }
 
-/// The API server's `apiserver_request_total`, summed by verb.
+/// The API server's `apiserver_request_total`, summed by verb and resource (`PATCH nodes`,
+/// `POST pods/binding`; watches and lists by verb alone).
 pub(super) async fn api_requests(client: &Client) -> anyhow::Result<BTreeMap<String, f64>> {
     let request = http::Request::get("/metrics").body(Vec::new())?;
     let text = client.request_text(request).await?;
-    let mut by_verb = BTreeMap::new();
+    let mut by_call = BTreeMap::new();
     for line in text.lines() {
         let Some(rest) = line.strip_prefix("apiserver_request_total{") else {
             continue;
@@ -207,14 +208,22 @@ pub(super) async fn api_requests(client: &Client) -> anyhow::Result<BTreeMap<Str
         let Some((labels, value)) = rest.rsplit_once("} ") else {
             continue;
         };
-        let verb = labels
-            .split(',')
-            .find_map(|l| l.strip_prefix("verb=\""))
-            .map(|v| v.trim_end_matches('"').to_owned())
-            .unwrap_or_default();
-        *by_verb.entry(verb).or_insert(0.0) += value.parse::<f64>().unwrap_or(0.0);
+        let label = |name: &str| {
+            labels
+                .split(',')
+                .find_map(|l| l.strip_prefix(name)?.strip_prefix("=\""))
+                .map(|v| v.trim_end_matches('"'))
+                .unwrap_or_default()
+        };
+        let verb = label("verb");
+        let call = match (verb, label("resource"), label("subresource")) {
+            ("WATCH" | "LIST" | "GET", _, _) | (_, "", _) => verb.to_owned(),
+            (_, resource, "") => format!("{verb} {resource}"),
+            (_, resource, sub) => format!("{verb} {resource}/{sub}"),
+        };
+        *by_call.entry(call).or_insert(0.0) += value.parse::<f64>().unwrap_or(0.0);
     }
-    Ok(by_verb)
+    Ok(by_call)
 }
 
 /// CPU seconds so far of every process of the drain, by pid.

@@ -41,6 +41,7 @@ use kube::{Client, ResourceExt};
 use super::KitCluster;
 use super::drain_cost::{api_requests, cpu_by_pid, cpu_since};
 use super::fake_nodes::BULK_CALLS;
+use super::latency::BindLatency;
 use crate::cluster::wait_for;
 use crate::fixtures;
 use crate::scenarios::Harness;
@@ -95,6 +96,9 @@ pub struct Drain {
     pub seconds: f64,
     /// Pods bound per second from the first bind to the last.
     pub pods_per_s: f64,
+    /// Pods created per second (the scheduler stopped: the API server and its admission
+    /// only, `BULK_CALLS` creations in flight).
+    pub created_per_s: f64,
     /// The median of the whole seconds' bind counts (the last, partial second left out).
     pub per_second_p50: usize,
     /// API server requests during the drain per pod, by verb.
@@ -103,6 +107,8 @@ pub struct Drain {
     pub cpu_seconds: BTreeMap<String, f64>,
     /// The scheduler's own summary (attempt latency quantiles, attempts by result).
     pub scheduler_metrics: String,
+    /// Where the bind time went ([`super::latency::BindLatency`]), a line per histogram.
+    pub bind_latency: Vec<String>,
 }
 
 /// The chart's scheduler Deployment.
@@ -357,7 +363,9 @@ where
     let client = cluster.client();
     let count = backlog.count;
     let resource = stop_drainer(cluster, drainer).await?;
+    let creating = Instant::now();
     create_backlog(&client, prefix, backlog, resource).await?;
+    let created_per_s = count as f64 / creating.elapsed().as_secs_f64().max(1e-9);
     if matches!(
         drainer,
         Drainer::Dra | Drainer::DraPlain | Drainer::DraChart
@@ -372,10 +380,18 @@ where
     // Counted from before the scheduler starts: a process started since counts whole.
     let cpu_before = cpu_by_pid(cluster);
     let calls_before = api_requests(&client).await?;
+    let extender = match drainer {
+        Drainer::Chart => Some(super::latency::leader_monitor_addr(cluster).await?),
+        _ => None,
+    };
+    let latency_before = BindLatency::read(&client, extender).await?;
     let metrics_url = start_drainer(cluster, drainer).await?;
     let (moments, seen) = tokio::join!(clock.wait_for(count, timeout), during(clock.clone()));
     let (moments, seen) = (moments?, seen?);
     let calls_after = api_requests(&client).await?;
+    let bind_latency = BindLatency::read(&client, extender)
+        .await?
+        .lines_since(&latency_before);
     let cpu_seconds = cpu_since(cluster, &cpu_before);
     let (seconds, per_second_p50) = throughput(&moments, count);
     let api_calls_per_pod = calls_after
@@ -391,10 +407,12 @@ where
         pods: count,
         seconds,
         pods_per_s: (count.saturating_sub(1)) as f64 / seconds.max(1e-9),
+        created_per_s,
         per_second_p50,
         api_calls_per_pod,
         cpu_seconds,
         scheduler_metrics,
+        bind_latency,
     };
     Ok((drain, seen))
 }
@@ -442,14 +460,7 @@ async fn start_drainer(cluster: &KitCluster, drainer: Drainer) -> anyhow::Result
                 Drainer::KubeSchedulerAlone { percentage } => percentage,
                 _ => 0,
             };
-            let mut start = cluster.kit().script("realk8s.sh");
-            let status = start
-                .arg("sched-start")
-                .env("PCT_NODES", percentage.to_string())
-                .stdout(std::process::Stdio::null())
-                .stderr(std::process::Stdio::null())
-                .status()?;
-            ensure!(status.success(), "realk8s.sh sched-start failed ({status})");
+            start_kit_scheduler(cluster, percentage)?;
             "https://127.0.0.1:10259/metrics".to_owned()
         }
         Drainer::Chart | Drainer::ChartViaProxy | Drainer::DraChart => {
@@ -469,6 +480,21 @@ async fn start_drainer(cluster: &KitCluster, drainer: Drainer) -> anyhow::Result
             format!("https://{ip}:10259/metrics")
         }
     })
+}
+
+/// Starts the kit's own kube-scheduler with `percentageOfNodesToScore` `percentage` (0:
+/// adaptive). Its output goes nowhere: it runs on after the script returns.
+fn start_kit_scheduler(cluster: &KitCluster, percentage: u32) -> anyhow::Result<()> {
+    let status = cluster
+        .kit()
+        .script("realk8s.sh")
+        .arg("sched-start")
+        .env("PCT_NODES", percentage.to_string())
+        .stdout(std::process::Stdio::null())
+        .stderr(std::process::Stdio::null())
+        .status()?;
+    ensure!(status.success(), "realk8s.sh sched-start failed ({status})");
+    Ok(())
 }
 
 /// From the bind `moments` (earliest first, at least one) of a drain of `count` pods: the
@@ -499,6 +525,65 @@ fn scheduler_metrics(cluster: &KitCluster, url: &str) -> anyhow::Result<String> 
         .env("SCHED_METRICS_URL", url)
         .output()?;
     Ok(String::from_utf8_lossy(&output.stdout).into_owned())
+}
+
+/// Which pods [`creation_rate`] creates.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Creating {
+    /// Pods asking for no GPU ([`BASELINE_RESOURCE`], `default-scheduler` named): what every
+    /// other workload of the cluster creates.
+    Plain,
+    /// GPU pods (`example.com/gpu-mem`), as users write them: routed by the chart's
+    /// admission when it is installed.
+    Gpu,
+}
+
+/// How fast a backlog was created, and what it cost the API server.
+#[derive(Debug, Clone, Copy)]
+pub struct Creation {
+    /// Pods created per second.
+    pub per_s: f64,
+    /// The API server's CPU milliseconds per pod created (its admission included).
+    pub api_server_cpu_ms: f64,
+}
+
+/// Creates `backlog`'s pods as `kind` (named `<prefix>-<i>`, no scheduler to take them while
+/// they are created: the kit's and the chart's are stopped meanwhile), returns pods created
+/// and deletes them.
+pub async fn creation_rate(
+    cluster: &KitCluster,
+    kind: Creating,
+    prefix: &str,
+    backlog: &Backlog,
+) -> anyhow::Result<Creation> {
+    cluster.script("realk8s.sh", &["sched-stop"])?;
+    let chart_scheduler = chart_runs_a_scheduler(cluster).await?;
+    if chart_scheduler {
+        scale_chart_scheduler(cluster, 0)?;
+    }
+    let resource = match kind {
+        Creating::Plain => BASELINE_RESOURCE,
+        Creating::Gpu => DEFAULT_RESOURCE,
+    };
+    let cpu_before = cpu_by_pid(cluster);
+    let creating = Instant::now();
+    create_backlog(&cluster.client(), prefix, backlog, resource).await?;
+    let rate = backlog.count as f64 / creating.elapsed().as_secs_f64().max(1e-9);
+    let api_server_cpu = cpu_since(cluster, &cpu_before)
+        .get("kube-apiserver")
+        .copied()
+        .unwrap_or(0.0);
+    delete_backlog(cluster, prefix).await?;
+    // Both schedulers run again: the cluster's own pods (the chart's hooks among them) need
+    // them.
+    start_kit_scheduler(cluster, 0)?;
+    if chart_scheduler {
+        scale_chart_scheduler(cluster, 1)?;
+    }
+    Ok(Creation {
+        per_s: rate,
+        api_server_cpu_ms: api_server_cpu * 1e3 / backlog.count.max(1) as f64,
+    })
 }
 
 /// Deletes the pods of a drain and waits until they are gone.

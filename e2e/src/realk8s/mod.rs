@@ -35,6 +35,7 @@ use crate::tools;
 pub mod barrage;
 mod drain_cost;
 mod fake_nodes;
+pub mod latency;
 pub mod load;
 mod mix;
 pub mod prometheus;
@@ -521,6 +522,58 @@ impl KitCluster {
             input.write_all(stdin.as_bytes())?;
         }
         stdout_of("kubectl", args, &child.wait_with_output()?)
+    }
+
+    /// The chart in the checkout the kit runs (`<kit>/project/charts/gpushare`).
+    pub fn chart_dir(&self) -> PathBuf {
+        self.kit
+            .root()
+            .join("project")
+            .join("charts")
+            .join("gpushare")
+    }
+
+    /// The release's user-supplied values (`helm get values`), written to `name` in the kit's
+    /// run folder, for an install of the same release later.
+    pub fn release_values(&self, name: &str) -> anyhow::Result<PathBuf> {
+        let values = self.helm(&[
+            "get",
+            "values",
+            "gpushare",
+            "-n",
+            "kube-system",
+            "-o",
+            "yaml",
+        ])?;
+        let file = self.kit.root().join("run").join(name);
+        std::fs::write(&file, values)?;
+        Ok(file)
+    }
+
+    /// Uninstalls the release from kube-system (its post-delete hook included) and returns
+    /// the values it was installed with, for [`KitCluster::install_again`].
+    pub fn uninstall_chart(&self) -> anyhow::Result<PathBuf> {
+        let values = self.release_values("uninstalled-values.yaml")?;
+        self.helm(&["uninstall", "gpushare", "-n", "kube-system", "--wait"])?;
+        Ok(values)
+    }
+
+    /// Installs the release into kube-system again with `values` and waits until its
+    /// Deployments and DaemonSets are ready.
+    pub fn install_again(&self, values: &Path) -> anyhow::Result<()> {
+        self.helm(&[
+            "install",
+            "gpushare",
+            &self.chart_dir().to_string_lossy(),
+            "-n",
+            "kube-system",
+            "-f",
+            &values.to_string_lossy(),
+            "--wait",
+            "--timeout",
+            "5m",
+        ])?;
+        Ok(())
     }
 
     /// Runs `helm` against the cluster; returns stdout.

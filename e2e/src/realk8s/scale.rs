@@ -21,7 +21,7 @@ use crate::cluster::wait_for;
 use crate::scenarios::Harness;
 
 /// The chart's `extender.monitorPort` default: `/readyz` over plain HTTP.
-const EXTENDER_MONITOR_PORT: u16 = 9090;
+pub(super) const EXTENDER_MONITOR_PORT: u16 = 9090;
 
 /// The pod name of the extender Lease's holder (`<pod>_<suffix>`).
 pub fn leader_pod(cluster: &KitCluster) -> anyhow::Result<String> {

@@ -35,6 +35,7 @@ use tokio::sync::oneshot;
 use super::Scheduling;
 use crate::kube_io::{BindError, BindingTarget, PodEvent, PodOnServer};
 use crate::leader::Gate;
+use crate::metrics::BindStage;
 use crate::reservation::{Outcome, Phase, Settled, Ticket};
 use crate::wire::ExtenderBindingArgs;
 use decision::{Decision, decide};
@@ -141,6 +142,7 @@ pub async fn bind_pod(
     term: u64,
 ) -> Result<(), String> {
     let pod_key = format!("{}/{}", args.pod_namespace, args.pod_name);
+    let started = tokio::time::Instant::now();
     let decision = {
         let mut view = state.view_mut();
         let decision = decide(&mut view, state.policy(), args, &pod_key).map(|d| match d {
@@ -150,6 +152,10 @@ pub async fn bind_pod(
         state.update_reservation_gauges(&view);
         decision
     };
+    let decided = tokio::time::Instant::now();
+    state
+        .metrics()
+        .bind_stage(BindStage::Decide, decided - started);
     let write = match decision {
         Ok(Decision::AlreadyBound) => {
             state.metrics().bind("already_bound");
@@ -170,7 +176,11 @@ pub async fn bind_pod(
     };
     let (answer_tx, answer_rx) = oneshot::channel();
     tokio::spawn(drive(state.clone(), write, deadline, answer_tx));
-    match answer_rx.await {
+    let answer = answer_rx.await;
+    state
+        .metrics()
+        .bind_stage(BindStage::Answer, decided.elapsed());
+    match answer {
         Ok(answer) => answer,
         // The task ended without an answer: it panicked. Its reservation stays booked (safe);
         // the next relist or the pod's deletion ends it.
@@ -257,7 +267,13 @@ async fn drive(
 ) {
     let pod_key = write.pod_key();
     let node = write.target.node.clone();
-    let (slot, deadline) = match write_slot(&state, &write, deadline).await {
+    let waiting = tokio::time::Instant::now();
+    let granted = write_slot(&state, &write, deadline).await;
+    let writing = tokio::time::Instant::now();
+    state
+        .metrics()
+        .bind_stage(BindStage::WriteSlot, writing - waiting);
+    let (slot, deadline) = match granted {
         Ok(granted) => granted,
         Err((reason, message)) => {
             settle(&state, &write, Outcome::NotLanded);
@@ -268,6 +284,9 @@ async fn drive(
     };
     let under_way = state.leadership().write_started(deadline);
     let first = timed_until(deadline, state.binder().bind(write.target.clone())).await;
+    state
+        .metrics()
+        .bind_stage(BindStage::BindingWrite, writing.elapsed());
     drop(under_way);
     drop(slot);
     let outcome = match &first {

@@ -150,12 +150,36 @@ pub struct View {
     /// TaintToleration score reads them, so the filter that keeps the best node steps aside
     /// where one could move the choice ([`crate::keep_best`]).
     prefer_no_schedule: HashMap<Arc<str>, Vec<Taint>>,
+    /// Each node's taints and resourceVersion as the watch last showed them: the idle-GPU
+    /// taint is written from them, with no read first ([`crate::idle_gpu_taint`]).
+    node_taints: HashMap<Arc<str>, NodeTaints>,
     /// Unbound pods nominated for a node by preemption (see `preemption.rs`).
     nominations: HashMap<PodId, preemption::Nomination>,
     /// True while a relist replays the listed pods: nominations wait for the end of it.
     replaying: bool,
     /// DRA mode's slices, claims and their bookings (`dra.rs`).
     dra: dra::DraState,
+}
+
+/// A node's taints and the resourceVersion they were read at, from the node watch.
+#[derive(Debug, Clone, Default, PartialEq)]
+pub struct NodeTaints {
+    /// The node's resourceVersion when the watch showed it.
+    pub resource_version: String,
+    /// Its taints then, every effect.
+    pub taints: Vec<Taint>,
+}
+
+/// A node whose idle-GPU taint is not what it should be.
+#[derive(Debug, Clone, PartialEq)]
+pub struct TaintDrift {
+    /// The node.
+    pub node: Arc<str>,
+    /// Whether it should carry the taint.
+    pub wanted: bool,
+    /// Its taints as the watch last showed them: the write starts from these and fails (409)
+    /// if the node changed since.
+    pub seen: NodeTaints,
 }
 
 impl View {
@@ -172,6 +196,7 @@ impl View {
             synced_at: None,
             bind_grace: Duration::ZERO,
             prefer_no_schedule: HashMap::new(),
+            node_taints: HashMap::new(),
             nominations: HashMap::new(),
             replaying: false,
             dra: dra::DraState::default(),
@@ -186,12 +211,12 @@ impl View {
     }
 
     /// The nodes whose idle-GPU taint is not what it should be, each with whether it should
-    /// carry it: a present node taking part, with a healthy GPU nothing is booked on
-    /// (reservations count), should while `enabled`; no other node should. Nodes not present
-    /// are left alone. In name order: a pass capped at a number of writes takes the first,
-    /// and the next pass those still left.
-    pub fn idle_gpu_taint_drift(&self, enabled: bool) -> Vec<(Arc<str>, bool)> {
-        let mut drift: Vec<(Arc<str>, bool)> = self
+    /// carry it and its taints as the watch last showed them: a present node taking part, with
+    /// a healthy GPU nothing is booked on (reservations count), should while `enabled`; no
+    /// other node should. Nodes not present are left alone. In name order: a pass capped at a
+    /// number of writes takes the first, and the next pass those still left.
+    pub fn idle_gpu_taint_drift(&self, enabled: bool) -> Vec<TaintDrift> {
+        let mut drift: Vec<TaintDrift> = self
             .cluster
             .nodes()
             .filter(|(_, node)| node.is_present())
@@ -201,11 +226,14 @@ impl View {
                     .iter()
                     .any(|usage| usage.gpu.healthy && usage.used_gib == 0);
                 let wanted = enabled && node.is_eligible() && idle;
-                (wanted != self.carries_idle_gpu_taint(name))
-                    .then(|| (self.cluster.node_name(name), wanted))
+                (wanted != self.carries_idle_gpu_taint(name)).then(|| TaintDrift {
+                    node: self.cluster.node_name(name),
+                    wanted,
+                    seen: self.node_taints.get(name).cloned().unwrap_or_default(),
+                })
             })
             .collect();
-        drift.sort_unstable();
+        drift.sort_unstable_by(|a, b| a.node.cmp(&b.node));
         drift
     }
 

@@ -13,8 +13,8 @@ use gpushare_allocator::Gpu;
 use gpushare_contract::{GpuInfo, inventory};
 use k8s_openapi::api::core::v1::{Node, Taint};
 
-use super::View;
 use super::facts::node_host;
+use super::{NodeTaints, View};
 
 /// The node's `PreferNoSchedule` taints (kube-scheduler's TaintToleration score reads them).
 fn soft_taints(node: &Node) -> Vec<Taint> {
@@ -37,6 +37,18 @@ impl View {
         let (gpus, eligible) = self.read_node(node);
         self.cluster.set_node(name, gpus, eligible);
         self.cluster.set_node_host(name, node_host(node));
+        let all_taints = node
+            .spec
+            .as_ref()
+            .and_then(|spec| spec.taints.clone())
+            .unwrap_or_default();
+        self.node_taints.insert(
+            self.cluster.node_name(name),
+            NodeTaints {
+                resource_version: node.metadata.resource_version.clone().unwrap_or_default(),
+                taints: all_taints,
+            },
+        );
         let soft_taints = soft_taints(node);
         if soft_taints.is_empty() {
             self.prefer_no_schedule.remove(name);
@@ -51,6 +63,7 @@ impl View {
         if let Some(name) = node.metadata.name.as_deref() {
             self.cluster.remove_node(name);
             self.prefer_no_schedule.remove(name);
+            self.node_taints.remove(name);
         }
     }
 
@@ -69,6 +82,7 @@ impl View {
         for name in gone {
             self.cluster.remove_node(&name);
             self.prefer_no_schedule.remove(&name);
+            self.node_taints.remove(&name);
         }
         for node in nodes {
             self.apply_node(node);
@@ -147,7 +161,7 @@ mod tests {
         let drift = |view: &super::View, enabled| {
             view.idle_gpu_taint_drift(enabled)
                 .into_iter()
-                .map(|(name, wanted)| (name.to_string(), wanted))
+                .map(|drift| (drift.node.to_string(), drift.wanted))
                 .collect::<Vec<_>>()
         };
         // n1 still has an idle GPU and lacks the taint; n3 carries it and takes no part.
@@ -168,6 +182,15 @@ mod tests {
         assert_eq!(view.prefer_no_schedule_taints("n2").len(), 1);
         assert_eq!(view.prefer_no_schedule_taints("n3").len(), 2);
         assert_eq!(view.idle_gpu_tainted_nodes(), 2);
+        // Each drift carries the node's taints as the watch showed them, every effect, for a
+        // write without a read first.
+        let n3 = view
+            .idle_gpu_taint_drift(true)
+            .into_iter()
+            .find(|d| &*d.node == "n3")
+            .unwrap();
+        let keys: Vec<&str> = n3.seen.taints.iter().map(|t| t.key.as_str()).collect();
+        assert_eq!(keys, [ours, "dedicated"]);
         // Once the watch shows it gone, and the node deleted, nothing is left to do.
         view.apply_node(&node("n3").gpus(&[16]).build());
         view.delete_node(&node("n2").build());

@@ -318,3 +318,116 @@ fn dedicated_mode_requires_the_gpushare_scheduler() {
     // The harness's mode has no such rule.
     assert_eq!(create(policies(), ADMIN, &gpu_pod(4)), Ok(()));
 }
+
+/// The policy without its `matchConditions`: every matched request evaluated.
+fn unnarrowed(sets: &[&str]) -> AdmissionPolicies {
+    let yaml = render_allocation_policy(sets).expect("helm renders the chart");
+    let mut documents = Vec::new();
+    for document in serde_yaml::Deserializer::from_str(&yaml) {
+        let mut doc = <serde_yaml::Value as serde::Deserialize>::deserialize(document).unwrap();
+        if let Some(spec) = doc
+            .get_mut("spec")
+            .and_then(serde_yaml::Value::as_mapping_mut)
+        {
+            spec.remove("matchConditions");
+        }
+        documents.push(serde_yaml::to_string(&doc).unwrap());
+    }
+    AdmissionPolicies::from_yaml(&documents.join("---\n")).expect("the policy loads")
+}
+
+/// The `matchConditions` only spare the API server work (a status write that leaves the
+/// annotations alone, a pod asking for no GPU, a routed GPU pod): on every kind of request
+/// the chart's policy decides as the same policy evaluating everything.
+#[test]
+fn the_match_conditions_change_no_verdict() {
+    let with_status = |pod: &Value| {
+        let mut pod = pod.clone();
+        pod["status"] = json!({"phase": "Running"});
+        pod
+    };
+    let routed = {
+        let mut pod = gpu_pod(4);
+        pod["spec"]["schedulerName"] = json!("gpushare-scheduler");
+        pod
+    };
+    let mut no_scheduler_named = gpu_pod(4);
+    no_scheduler_named["spec"]
+        .as_object_mut()
+        .unwrap()
+        .remove("schedulerName");
+    let mut init_only = plain_pod();
+    init_only["spec"]["initContainers"] = json!([{"name": "i", "image": "x",
+        "resources": {"requests": {"example.com/gpu-mem": 2}}}]);
+    let pods = [
+        plain_pod(),
+        gpu_pod(4),
+        routed.clone(),
+        no_scheduler_named,
+        init_only,
+        on_node(gpu_pod(4), "n1"),
+        on_node(routed.clone(), "n1"),
+        on_node(plain_pod(), "n1"),
+        annotate(plain_pod(), INDEX, "0"),
+        annotate(routed.clone(), INDEX, "0"),
+        annotate(plain_pod(), "example.com/other", "x"),
+    ];
+    let users = [
+        ADMIN,
+        "alice",
+        "system:node:n1",
+        EXTENDER_USER,
+        DEVICE_PLUGIN_USER,
+    ];
+    for sets in [&[][..], &["scheduler.mode=dedicated"][..]] {
+        let narrowed = if sets.is_empty() {
+            policies()
+        } else {
+            dedicated()
+        };
+        let everything = unnarrowed(sets);
+        let verdict = |policies: &AdmissionPolicies, request: &AdmissionRequest<'_>| {
+            policies.admit(request).map_err(|denial| denial.code())
+        };
+        for user in users {
+            for node in [None, Some("n1"), Some("n2")] {
+                for pod in &pods {
+                    let mut created = request(Operation::Create, user, "", pod, None);
+                    created.node_claim = node;
+                    assert_eq!(
+                        verdict(narrowed, &created),
+                        verdict(&everything, &created),
+                        "{sets:?} create by {user} ({node:?}): {pod}"
+                    );
+                    let old = on_node(pod.clone(), "n1");
+                    let changes = [
+                        with_status(&old),
+                        annotate(old.clone(), INDEX, "1"),
+                        annotate(old.clone(), ASSIGNED, "true"),
+                        annotate(old.clone(), "example.com/other", "y"),
+                        {
+                            let mut removed = old.clone();
+                            removed["metadata"]
+                                .as_object_mut()
+                                .unwrap()
+                                .remove("annotations");
+                            removed
+                        },
+                    ];
+                    for new in &changes {
+                        for subresource in ["", "status"] {
+                            let mut updated =
+                                request(Operation::Update, user, subresource, new, Some(&old));
+                            updated.node_claim = node;
+                            assert_eq!(
+                                verdict(narrowed, &updated),
+                                verdict(&everything, &updated),
+                                "{sets:?} update of {subresource:?} by {user} ({node:?}): {old} -> {new}"
+                            );
+                        }
+                    }
+                }
+            }
+        }
+    }
+}
