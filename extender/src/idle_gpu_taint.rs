@@ -29,9 +29,9 @@
 //! The taint's list is written whole (a Node's taints have no merge key), computed from the
 //! list the node watch last delivered, and the write carries that resourceVersion: a taint
 //! someone else set since is never lost, the write fails with 409 and the node is tried again
-//! on the next pass, by when the watch has shown the change. No read before the write: on the
-//! real cluster the reads doubled what the taint cost the API server, which serves every
-//! node write to every node watcher while Bindings wait (docs/performance.md). With the flag off
+//! on the next pass, by when the watch has shown the change. No read before the write: a read
+//! is one more request per write for the API server, which is busy with the Bindings while
+//! the taint follows a drain (docs/performance.md). With the flag off
 //! the same loop takes the taint off every node that still carries it, so turning it off in
 //! the chart cleans up. Writes are capped per pass, so a burst that fills a thousand nodes at
 //! once costs the API server a hundred node writes every 2 s, not a thousand at once.

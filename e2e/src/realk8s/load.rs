@@ -548,8 +548,8 @@ pub struct Creation {
 }
 
 /// Creates `backlog`'s pods as `kind` (named `<prefix>-<i>`, no scheduler to take them while
-/// they are created: the kit's and the chart's are stopped meanwhile), returns pods created
-/// and deletes them.
+/// they are created: the kit's and the chart's are stopped meanwhile), measures how fast they
+/// were created and what that cost the API server, then deletes them.
 pub async fn creation_rate(
     cluster: &KitCluster,
     kind: Creating,
