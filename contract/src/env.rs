@@ -14,24 +14,28 @@
 
 use std::collections::HashMap;
 
+// The interposer's side: every variable it reads is named there, once, and written here by
+// those names (the tests read what `container_env` writes back through its parsers).
+use gpushare_isolation_budget as reader_side;
+
 use crate::{ContainerRequest, GpuInfo};
 
 /// The GPU's UUID; read by the NVIDIA container runtime.
 pub const NVIDIA_VISIBLE_DEVICES: &str = "NVIDIA_VISIBLE_DEVICES";
 /// Index of the GPU on the node.
 pub const GPU_INDEX: &str = "GPUSHARE_GPU_INDEX";
-/// UUID of the GPU (same as `NVIDIA_VISIBLE_DEVICES`).
-pub const GPU_UUID: &str = "GPUSHARE_GPU_UUID";
+/// UUID of the GPU (same as `NVIDIA_VISIBLE_DEVICES`); the interposer keys budgets by it.
+pub const GPU_UUID: &str = reader_side::settings::ENV_GPU_UUID;
 /// GiB granted to this container.
-pub const CONTAINER_GIB: &str = "GPUSHARE_CONTAINER_MEM_GIB";
+pub const CONTAINER_GIB: &str = reader_side::limits::ENV_MEM_GIB;
 /// GiB the whole pod holds on the GPU.
 pub const POD_GIB: &str = "GPUSHARE_POD_MEM_GIB";
 /// Total GiB of the GPU (of the smallest, for a multi-GPU pod).
 pub const GPU_TOTAL_GIB: &str = "GPUSHARE_GPU_MEM_GIB";
 /// Number of GPUs the container sees; `GPUSHARE_CONTAINER_MEM_GIB` is spread evenly over them.
-pub const GPU_COUNT: &str = "GPUSHARE_GPU_COUNT";
+pub const GPU_COUNT: &str = reader_side::limits::ENV_GPU_COUNT;
 /// GiB granted to this container on each of its GPUs.
-pub const CONTAINER_GIB_PER_GPU: &str = "GPUSHARE_CONTAINER_MEM_GIB_PER_GPU";
+pub const CONTAINER_GIB_PER_GPU: &str = reader_side::limits::ENV_MEM_GIB_PER_GPU;
 
 /// MiB the container may allocate on its GPU, for the NVIDIA container toolkit's
 /// `apply-cuda-memory-limits` CDI hook (sets the limit through NVML on the container's
@@ -48,22 +52,22 @@ pub const CUDA_MPS_PIPE_DIRECTORY: &str = "CUDA_MPS_PIPE_DIRECTORY";
 pub const LD_PRELOAD: &str = "LD_PRELOAD";
 /// Where the isolation interposer keeps the container's budget file (its accounting
 /// directory, see `isolation/`).
-pub const ISOLATION_DIR: &str = "GPUSHARE_ISOLATION_DIR";
+pub const ISOLATION_DIR: &str = reader_side::ENV_DIR;
 /// Where the isolation interposer is mounted in a container ([`Enforcement::Preload`]).
 pub const ISOLATION_LIBRARY_IN_CONTAINER: &str = "/usr/local/lib/gpushare/libgpushare_isolation.so";
 /// Where a container's accounting directory is mounted ([`Enforcement::Preload`]).
 pub const ISOLATION_DIR_IN_CONTAINER: &str = "/var/run/gpushare/isolation";
 /// Where a container's limits file is mounted, read-only ([`Enforcement::Preload`]): the
 /// interposer takes its limits and its budget's path from it, not from the environment.
-pub const ISOLATION_LIMITS_IN_CONTAINER: &str = "/var/run/gpushare/limits";
+pub const ISOLATION_LIMITS_IN_CONTAINER: &str = reader_side::LIMITS_FILE_IN_CONTAINER;
 /// MiB the interposer charges each CUDA context of the container
 /// ([`IsolationOptions::context_mib`]); the interposer's `isolation::settings` reads it.
-pub const ISOLATION_CONTEXT_MIB: &str = "GPUSHARE_CONTEXT_MIB";
+pub const ISOLATION_CONTEXT_MIB: &str = reader_side::settings::ENV_CONTEXT_MIB;
 /// What the interposer does with `cuMemAllocManaged`, `charge` or `ignore`
 /// ([`ManagedMemory`]).
-pub const ISOLATION_MANAGED_MEMORY: &str = "GPUSHARE_MANAGED_MEMORY";
+pub const ISOLATION_MANAGED_MEMORY: &str = reader_side::settings::ENV_MANAGED_MEMORY;
 /// The largest [`ISOLATION_CONTEXT_MIB`] the interposer accepts (1 TiB); it refuses more.
-pub const MAX_CONTEXT_MIB: u64 = 1 << 20;
+pub const MAX_CONTEXT_MIB: u64 = reader_side::prepared::MAX_CONTEXT_MIB;
 
 /// How a container's share of GPU memory is enforced (the device plugin's `--enforcement`).
 ///
@@ -594,45 +598,77 @@ mod tests {
         );
     }
 
-    /// The interposer cannot link this crate (it is loaded into every program of a
-    /// container), so it names the variables itself; its source must name the same ones,
-    /// with the same words and the same limit.
+    /// What a container is handed reads back, through the interposer's own parsers, as the
+    /// share and the settings it was granted.
     #[test]
-    fn the_interposer_reads_the_variables_named_here() {
-        let settings = include_str!("../../isolation/src/settings.rs");
-        for needle in [
-            format!("ENV_CONTEXT_MIB: &str = \"{ISOLATION_CONTEXT_MIB}\""),
-            format!("ENV_MANAGED_MEMORY: &str = \"{ISOLATION_MANAGED_MEMORY}\""),
-            format!("\"{}\" => Managed::Charge", ManagedMemory::Charge),
-            format!("\"{}\" => Managed::Ignore", ManagedMemory::Ignore),
+    fn the_interposer_reads_what_a_container_is_handed() {
+        use reader_side::settings::{Managed, Settings, format_uuid};
+        use reader_side::{Limits, settings::parse_uuid};
+        let uuid = |i: u32| format!("GPU-{i:08x}-0000-1111-2222-333344445555");
+        let on = |indices: &[u32]| -> Vec<GpuInfo> {
+            indices
+                .iter()
+                .map(|&i| GpuInfo {
+                    uuid: uuid(i),
+                    ..gpu(i, 16, true)
+                })
+                .collect()
+        };
+        let preload = |context_mib, managed_memory| EnforcerSettings {
+            mps_pipe_directory: "",
+            isolation: IsolationOptions {
+                context_mib,
+                managed_memory,
+            },
+        };
+        let charge = preload(None, ManagedMemory::Charge);
+        let ignore = preload(Some(640), ManagedMemory::Ignore);
+        for (gpus, gib, settings) in [
+            (on(&[3]), 4, &charge),
+            (on(&[1, 0]), 8, &charge),
+            (on(&[2]), 1, &ignore),
+            (on(&[0, 1, 2, 3]), 64, &ignore),
         ] {
-            assert!(
-                settings.contains(&needle),
-                "isolation/src/settings.rs lacks {needle}"
+            let vars = container_env(
+                &gpus,
+                &container(gib),
+                gib,
+                (Enforcement::Preload, settings),
             );
+            let lookup = |name: &str| vars.get(name).cloned();
+            let count = gpus.len() as u64;
+            let limits = Limits::parse(lookup).unwrap().expect("limits set");
+            assert_eq!(
+                limits.shares(),
+                vec![(gib / count) << 30; gpus.len()],
+                "{vars:?}"
+            );
+            let read = Settings::parse(lookup).unwrap();
+            let uuids: Vec<String> = read.uuids.iter().map(format_uuid).collect();
+            let granted: Vec<String> = gpus.iter().map(|g| g.uuid.clone()).collect();
+            assert_eq!(uuids, granted, "{vars:?}");
+            assert!(granted.iter().all(|u| parse_uuid(u).is_some()));
+            let isolation = settings.isolation;
+            assert_eq!(read.measure_context, isolation.context_mib.is_none());
+            if let Some(mib) = isolation.context_mib {
+                assert_eq!(read.context_bytes, mib << 20);
+            }
+            let managed = match isolation.managed_memory {
+                ManagedMemory::Charge => Managed::Charge,
+                ManagedMemory::Ignore => Managed::Ignore,
+            };
+            assert_eq!(read.managed, managed);
         }
-        assert!(MAX_CONTEXT_MIB.is_power_of_two());
-        let limit = format!(
-            ".filter(|m| *m <= 1 << {})",
-            MAX_CONTEXT_MIB.trailing_zeros()
+        // The largest context charge the plugins accept is one the interposer takes.
+        let largest = preload(Some(MAX_CONTEXT_MIB), ManagedMemory::Charge);
+        let vars = container_env(
+            &on(&[0]),
+            &container(1),
+            1,
+            (Enforcement::Preload, &largest),
         );
-        assert!(
-            settings.contains(&limit),
-            "isolation/src/settings.rs lacks {limit}"
-        );
-    }
-
-    /// The interposer's budget crate names the limits file's path too (contract cannot
-    /// link it): the two must agree.
-    #[test]
-    fn the_interposer_reads_the_limits_file_mounted_here() {
-        let prepared = include_str!("../../isolation/budget/src/prepared.rs");
-        let needle =
-            format!("LIMITS_FILE_IN_CONTAINER: &str = \"{ISOLATION_LIMITS_IN_CONTAINER}\"");
-        assert!(
-            prepared.contains(&needle),
-            "isolation/budget/src/prepared.rs lacks {needle}"
-        );
+        let read = Settings::parse(|name: &str| vars.get(name).cloned()).unwrap();
+        assert_eq!(read.context_bytes, MAX_CONTEXT_MIB << 20);
     }
 
     #[test]

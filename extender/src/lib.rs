@@ -2,26 +2,38 @@
 //! one GPU, not by the node-wide sum kube-scheduler sees.
 //!
 //! ```text
-//!  kube-scheduler ──POST {prefix}/filter, /prioritize, /bind──▶ api (axum: decode, encode)
+//!  kube-scheduler ──POST {prefix}/filter, /prioritize, /bind──▶ http (axum: decode, encode;
+//!                                                                 │  a follower's bind passed
+//!                                                                 │  on to the leader: forward)
 //!                                                                 │ one method call each
 //!                                                     scheduling::Scheduling (the domain:
 //!                                                      filter, prioritize, preempt, bind)
 //!                                                                 │ read / short write lock
-//!  API server ──watch Nodes, Pods──▶ watch ──apply──▶ view::View ─┤ (allocator::Cluster inside,
-//!                                                                 │  reservation::Reservations)
+//!  API server ──watch Nodes, Pods──▶ kube_io::watch ──apply──▶ scheduling::view::View
+//!                                                     (allocator::Cluster inside, and
+//!                                                      view::reservations)
 //!                         scheduling::bind: decide + reserve ─────┘
 //!                                    │ spawn: one task per Binding, runs to a settled end
-//!  API server ◀──POST pods/{name}/binding (annotations = decision)── kube_io::Binder
-//!  API server ◀──GET pod, re-POST binding (only if the answer was ambiguous)
-//!  API server ◀──Events (background task, bounded queue)──────────── kube_io::record_events
+//!  API server ◀──POST pods/{name}/binding (annotations = decision)── scheduling::ports::Binder
+//!  API server ◀──GET pod, re-POST binding (only if the answer was ambiguous)    (kube_io::writes)
+//!  API server ◀──Events (background task, bounded queue)──── kube_io::writes::record_events
 //! ```
 //!
-//! Layers, each importing only those below it (no module imports one that imports it back):
-//! `wire` (the protocol's types), `reservation`, `view` and `keep_best` (state and ranking),
-//! `kube_io` (the API calls), `metrics`, `forward` and `leader` (election apart from the
-//! write fence), then `scheduling` (the domain over all of these), then its adapters: `api`
-//! (HTTP), `watch` (the API server's events), `idle_gpu_taint` (a periodic pass), and at the
-//! top `server`, `config` and this file, which wire them together.
+//! The rooms, each importing only those named before it:
+//! - `wire`: the protocol's types, kube-scheduler's JSON.
+//! - `scheduling`: the domain. Its state is `scheduling::view` (nodes, GPUs, bookings and,
+//!   in `view::reservations`, what bind and filter book before the watch shows it); its
+//!   ranking is `scheduling::keep_best`; what it needs of the API server is the narrow ports
+//!   of `scheduling::ports`. It never imports the rooms below.
+//! - `leader`: the Lease election, the write fence the domain asks before it binds, and the
+//!   client that reaches the leader (`leader::forward`).
+//! - `metrics`: what every room counts.
+//! - `kube_io`: the Kubernetes I/O: the watches that feed the view, the writes behind the
+//!   ports, the idle-GPU taint's node patches.
+//! - `http`: the adapter for kube-scheduler, `kubectl gpushare` and probes; it passes a
+//!   follower's binds on to the leader.
+//! - at the top, `server`, `config` and this file, which wire them together; `cleanup`,
+//!   `install_check` and `routing_check` are the binary's other subcommands.
 //!
 //! Why this shape: every decision is made by the pure allocator on an in-memory view that the
 //! watches keep current, so `filter` and `prioritize` never call the API server. `bind`
@@ -30,37 +42,30 @@
 //! copies onto the pod. The write runs in a task of its own, so kube-scheduler cutting the
 //! call at its `httpTimeout` cannot strand the reservation; a clear refusal releases it, an
 //! ambiguous answer is settled by reading the pod, and the watched pod replaces it when it
-//! arrives (the lifecycle is drawn in [`reservation`]). After a restart the view is rebuilt
+//! arrives (the lifecycle is drawn in [`scheduling::view::reservations`]). After a restart the view is rebuilt
 //! from the pods' annotations before the extender answers (`/readyz` stays 503 until then).
 //!
 //! With `--leader-elect`, several replicas run behind one Service and only the holder of a
 //! Lease binds ([`leader`]: election, and the fence that ends every write of a leader within
 //! its lease); the others keep their views warm, answer filter and prioritize, and pass bind
-//! on to the leader ([`forward`]). `/readyz` then also says whether the replica reaches the
+//! on to the leader ([`leader::forward`]). `/readyz` then also says whether the replica reaches the
 //! API server.
 //!
 //! With `--allocation-keys-file`, each decision carries an HMAC signature
 //! (`<domain>/v1.signature`, see [`gpushare_contract::signature`]) that the device plugin
 //! checks before it hands out a GPU; and an allocation on a pod that does not verify is not
-//! trusted to lower what the extender has booked ([`view`]).
+//! trusted to lower what the extender has booked ([`scheduling::view`]).
 
-pub mod api;
 pub mod cleanup;
 pub mod config;
-pub mod forward;
-pub mod idle_gpu_taint;
+pub mod http;
 pub mod install_check;
-pub mod keep_best;
 pub mod kube_io;
 pub mod leader;
 pub mod metrics;
-pub mod reservation;
 pub mod routing_check;
 pub mod scheduling;
 pub mod server;
-pub mod view;
-pub mod watch;
-pub mod watched_pod;
 pub mod wire;
 
 use std::future::Future;
@@ -73,13 +78,17 @@ use prometheus_client::registry::Registry;
 use tokio::net::TcpListener;
 use tokio_util::sync::CancellationToken;
 
-pub use api::callers::Callers;
-pub use api::{DEFAULT_BODY_LIMIT, router, scheduler_router};
 pub use config::{Config, LogFormat};
-pub use kube_io::{BindError, Binder, BindingTarget, EventSink, KubeBinder, PodOnServer};
-pub use scheduling::Scheduling;
+pub use http::callers::Callers;
+pub use http::{DEFAULT_BODY_LIMIT, router, scheduler_router};
+pub use kube_io::writes::KubeBinder;
+
+use kube_io::{idle_gpu_taint, watch};
+use leader::forward;
 pub use scheduling::bind::BindTiming;
-pub use view::{NOT_SYNCED, Settings, View};
+pub use scheduling::ports::{BindError, Binder, BindingTarget, EventSink, PodOnServer};
+pub use scheduling::view::{NOT_SYNCED, Settings, View};
+pub use scheduling::{Ranking, Scheduling};
 
 /// Why the extender stopped.
 #[derive(Debug, thiserror::Error)]
@@ -147,9 +156,12 @@ pub async fn serve(
     let (settings, keyring_file) = settings_and_keyring(&config)?;
     let (events, event_rx) = EventSink::channel();
     let state = app_state(&config, settings, &client, events);
-    let election = match config.leader_elect {
-        true => Some(election_config(&config, &state)?),
-        false => None,
+    let (election, forwarder) = match config.leader_elect {
+        true => {
+            let (election, forwarder) = election_config(&config, &state)?;
+            (Some(election), Some(forwarder))
+        }
+        false => (None, None),
     };
     let callers = match config.client_ca {
         Some(_) => Callers::certified(config.accept_uncertified_until, state.metrics()),
@@ -158,8 +170,12 @@ pub async fn serve(
     if let Some(until) = config.accept_uncertified_until {
         tracing::warn!(%until, "until {until}, callers without a client certificate are let through (--accept-uncertified-until)");
     }
-    let app = api::scheduler_router(
-        state.clone(),
+    let adapter = http::Adapter {
+        domain: state.clone(),
+        forwarder,
+    };
+    let app = http::scheduler_router(
+        adapter,
         &config.prefix,
         config.max_request_bytes,
         callers.clone(),
@@ -193,7 +209,7 @@ pub async fn serve(
             .await
             .map_err(|source| Error::Listen { addr, source })?;
         tracing::info!(%addr, "serving /healthz, /readyz and /metrics over plain HTTP on {addr}");
-        let monitor = api::monitor_router(state.clone());
+        let monitor = http::monitor_router(state.clone());
         let serving = server::serve_http(listener, monitor, None, stop.clone(), None, None);
         tasks.spawn("monitoring HTTP server", serving);
     }
@@ -231,7 +247,7 @@ pub async fn serve(
 struct Background {
     client: kube::Client,
     state: Scheduling,
-    event_rx: tokio::sync::mpsc::Receiver<kube_io::PodEvent>,
+    event_rx: tokio::sync::mpsc::Receiver<scheduling::ports::PodEvent>,
     keyring_file: Option<KeyringFile>,
     election: Option<leader::ElectionConfig>,
 }
@@ -273,7 +289,7 @@ impl Background {
         );
         tasks.spawn(
             "event recorder",
-            kube_io::record_events(self.client.clone(), self.event_rx),
+            kube_io::writes::record_events(self.client.clone(), self.event_rx),
         );
         if let Some(file) = self.keyring_file {
             tasks.spawn("keyring watch", watch_keyring(file));
@@ -366,9 +382,14 @@ fn app_state(
     client: &kube::Client,
     events: EventSink,
 ) -> Scheduling {
+    let ranking = Ranking {
+        policy: config.policy,
+        filter_keep_best: config.filter_keep_best,
+        prioritize_weight: config.prioritize_weight,
+    };
     let state = Scheduling::new(
         settings,
-        config.policy,
+        ranking,
         Arc::new(KubeBinder::new(client.clone())),
         BindTiming {
             timeout: Duration::from_millis(config.bind_timeout_ms),
@@ -380,8 +401,6 @@ fn app_state(
         events,
         Registry::default(),
     );
-    state.set_filter_keep_best(config.filter_keep_best);
-    state.set_prioritize_weight(config.prioritize_weight);
     state
         .view_mut()
         .set_bind_grace(Duration::from_millis(config.bind_grace_ms));
@@ -389,7 +408,10 @@ fn app_state(
 }
 
 /// The election settings from the flags, and the follower's forwarding client.
-fn election_config(config: &Config, state: &Scheduling) -> Result<leader::ElectionConfig, Error> {
+fn election_config(
+    config: &Config,
+    state: &Scheduling,
+) -> Result<(leader::ElectionConfig, forward::Forwarder), Error> {
     let timing = config.lease_timing();
     if timing.renew_deadline >= timing.duration {
         return Err(Error::LeaderTiming(
@@ -405,20 +427,17 @@ fn election_config(config: &Config, state: &Scheduling) -> Result<leader::Electi
         .leader_forward_cert
         .as_deref()
         .zip(config.leader_forward_key.as_deref());
-    state.set_forwarder(forward::Forwarder::new(
+    let forwarder = forward::Forwarder::new(
         &config.prefix,
         config.leader_forward_ca.as_deref(),
         identity,
         &config.leader_forward_server_name,
-    )?);
+    )?;
     let identity = leader::identity(&config.pod_name);
     state.leadership().elect(timing, &identity);
     state.metrics().leader.set(0);
     let election = leader::ElectionConfig {
-        holder_probe: config
-            .leader_probe_holder
-            .then(|| state.forwarder())
-            .flatten(),
+        holder_probe: config.leader_probe_holder.then(|| forwarder.clone()),
         probe_after: Duration::from_millis(config.bind_grace_ms),
         namespace: config.namespace.clone(),
         lease_name: config.leader_lease.clone(),
@@ -432,7 +451,7 @@ fn election_config(config: &Config, state: &Scheduling) -> Result<leader::Electi
             "no --advertise-url: while this replica leads, the others refuse binds instead of passing them on (kube-scheduler retries)"
         );
     }
-    Ok(election)
+    Ok((election, forwarder))
 }
 
 /// Serves the mutating admission webhook over HTTPS with a certificate the extender makes

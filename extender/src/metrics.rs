@@ -1,5 +1,6 @@
 //! The extender's Prometheus metrics, registered in a registry the caller passes in; the
-//! per-GPU gauges read from the view at scrape time are [`GpuGauges`].
+//! per-GPU gauges read from the view at scrape time are the domain's
+//! ([`GpuGauges`](crate::scheduling::gauges::GpuGauges)).
 
 use prometheus_client::encoding::EncodeLabelSet;
 use prometheus_client::metrics::counter::Counter;
@@ -7,12 +8,6 @@ use prometheus_client::metrics::family::Family;
 use prometheus_client::metrics::gauge::Gauge;
 use prometheus_client::metrics::histogram::{Histogram, exponential_buckets};
 use prometheus_client::registry::Registry;
-
-use crate::scheduling::Unschedulable;
-
-mod gpus;
-
-pub use gpus::GpuGauges;
 
 /// Labels of a per-verb metric.
 #[derive(Debug, Clone, PartialEq, Eq, Hash, EncodeLabelSet)]
@@ -102,12 +97,12 @@ pub struct Metrics {
     /// Seconds filter calls waited for it, in all.
     pub paced_seconds: Counter<f64, std::sync::atomic::AtomicU64>,
     /// filter calls that passed every fitting node although `--filter-keep-best` is on, by
-    /// why (see [`crate::keep_best::StepAside`]).
+    /// why (see [`crate::scheduling::keep_best::StepAside`]).
     pub keep_best_stepped_aside: Family<StepAsideLabels, Counter>,
     /// The share of recent GPU demand in multi-GPU pods, as the filter that keeps the best
     /// last read it (`gpushare_allocator::demand_mix`).
     pub multi_gpu_demand_share: Gauge<f64, std::sync::atomic::AtomicU64>,
-    /// Idle-GPU taint writes by outcome ([`crate::idle_gpu_taint`]).
+    /// Idle-GPU taint writes by outcome ([`crate::kube_io::idle_gpu_taint`]).
     pub idle_gpu_taint_writes: Family<TaintWriteLabels, Counter>,
     /// Nodes carrying the idle-GPU taint, as the leader's node watch last showed them.
     pub idle_gpu_tainted_nodes: Gauge,
@@ -126,16 +121,18 @@ pub struct Metrics {
     /// Calls and handshakes the scheduler port refused, by why ([`RefusalReason`]).
     pub caller_refusals: Family<RefusalLabels, Counter>,
     /// Calls without a client certificate let through while `--accept-uncertified-until`
-    /// lasts (`crate::api::callers`).
+    /// lasts (`crate::http::callers`).
     pub uncertified_calls_in_grace: Counter,
-    /// filter calls that left no node for a GPU pod, by why ([`Unschedulable`]).
+    /// filter calls that left no node for a GPU pod, by why
+    /// ([`Unschedulable`](crate::scheduling::Unschedulable)).
     pub unschedulable: Family<UnschedulableLabels, Counter>,
 }
 
 /// Labels of a filter call that left no node for a GPU pod.
 #[derive(Debug, Clone, PartialEq, Eq, Hash, EncodeLabelSet)]
 pub struct UnschedulableLabels {
-    /// fragmentation, no_capacity ([`Unschedulable::label`]).
+    /// fragmentation, no_capacity
+    /// ([`Unschedulable::label`](crate::scheduling::Unschedulable::label)).
     pub reason: &'static str,
 }
 
@@ -248,12 +245,6 @@ impl Metrics {
         for stage in BindStage::ALL {
             drop(metrics.bind_stages.get_or_create(&BindStageLabels {
                 stage: stage.label(),
-            }));
-        }
-        // Every reason from the start, so that `increase()` sees the first one.
-        for reason in Unschedulable::ALL {
-            drop(metrics.unschedulable.get_or_create(&UnschedulableLabels {
-                reason: reason.label(),
             }));
         }
         let sub = registry.sub_registry_with_prefix("gpushare_extender");
@@ -427,12 +418,19 @@ impl Metrics {
             .inc();
     }
 
-    /// Counts a filter call that left no node for a GPU pod.
-    pub fn unschedulable(&self, why: Unschedulable) {
+    /// Starts the count of filter calls that left no node for a GPU pod for `reason` at 0,
+    /// so that `increase()` sees the first one.
+    pub fn count_unschedulable_from_zero(&self, reason: &'static str) {
+        drop(
+            self.unschedulable
+                .get_or_create(&UnschedulableLabels { reason }),
+        );
+    }
+
+    /// Counts a filter call that left no node for a GPU pod, for `reason`.
+    pub fn unschedulable(&self, reason: &'static str) {
         self.unschedulable
-            .get_or_create(&UnschedulableLabels {
-                reason: why.label(),
-            })
+            .get_or_create(&UnschedulableLabels { reason })
             .inc();
     }
 

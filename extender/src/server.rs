@@ -23,7 +23,7 @@ pub use gpushare_runtime::http::{
     TlsAcceptor, TlsError, tls_acceptor, tls_acceptor_asking_clients,
 };
 
-use crate::api::callers::Callers;
+use crate::http::callers::Callers;
 
 /// Serves `app` on `listener` (over TLS when `tls` is given) until `stop` is cancelled,
 /// then drains. Handshakes refused for a client certificate of another CA count against

@@ -6,8 +6,8 @@
 
 mod common;
 
-use common::{PREFIX, call, harness_with, settings};
-use gpushare_extender::view::DraNames;
+use common::{PREFIX, call, harness_keeping_best, settings};
+use gpushare_extender::scheduling::view::DraNames;
 use gpushare_testkit::fixtures::{node, pod};
 use k8s_openapi::api::core::v1::Pod;
 use k8s_openapi::api::resource::v1::{ResourceClaim, ResourceSlice};
@@ -114,7 +114,7 @@ async fn filter_keeps_the_node_claims_filled_most_and_holds_until_the_claim_is_a
     let nodes = ["empty", "fuller", "half"]
         .map(|name| node(name).gpushare().build())
         .to_vec();
-    let h = harness_with(dra_settings(), nodes, vec![]);
+    let h = harness_keeping_best(1, dra_settings(), nodes, vec![]);
     {
         let mut view = h.state.view_mut();
         view.replace_slices(&[
@@ -129,7 +129,6 @@ async fn filter_keeps_the_node_claims_filled_most_and_holds_until_the_claim_is_a
         ]);
         assert!(view.is_synced());
     }
-    h.state.set_filter_keep_best(1);
     assert_eq!(used(&h.app, "fuller").await, [12, 0]);
 
     let pod = claiming_pod("trainer", "pending");
@@ -174,7 +173,7 @@ async fn filter_keeps_the_node_claims_filled_most_and_holds_until_the_claim_is_a
 #[tokio::test]
 async fn the_hold_books_the_gpu_first_fit_takes() {
     let nodes = vec![node("n").gpushare().build()];
-    let h = harness_with(dra_settings(), nodes, vec![]);
+    let h = harness_keeping_best(1, dra_settings(), nodes, vec![]);
     {
         let mut view = h.state.view_mut();
         view.replace_slices(&[slice("n", &[16, 16])]);
@@ -183,7 +182,6 @@ async fn the_hold_books_the_gpu_first_fit_takes() {
             claim("pending", 4, None, None),
         ]);
     }
-    h.state.set_filter_keep_best(1);
     let pod = claiming_pod("trainer", "pending");
     let (_, answer) = call(
         &h.app,
@@ -214,7 +212,7 @@ async fn pods_it_cannot_rank_pass_every_candidate() {
     let nodes = ["one", "two"]
         .map(|name| node(name).gpushare().build())
         .to_vec();
-    let h = harness_with(dra_settings(), nodes, vec![]);
+    let h = harness_keeping_best(1, dra_settings(), nodes, vec![]);
     {
         let mut view = h.state.view_mut();
         view.replace_slices(&[slice("one", &[8]), slice("two", &[8])]);
@@ -224,7 +222,6 @@ async fn pods_it_cannot_rank_pass_every_candidate() {
             claim("big", 4, None, None),
         ]);
     }
-    h.state.set_filter_keep_best(1);
     let filter = async |pod: &Pod| {
         let (_, answer) = call(
             &h.app,

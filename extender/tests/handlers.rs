@@ -8,10 +8,11 @@ mod common;
 
 use axum::http::StatusCode;
 use common::{
-    BindMode, PREFIX, bind_body, bound, bound_builder, call, call_raw, fixture, harness, post,
+    BindMode, PREFIX, bind_body, bound, bound_builder, call, call_raw, fixture, harness,
+    harness_keeping_best, post,
 };
 use gpushare_contract::{Keyring, Keys, PodAllocation, SharedKeyring};
-use gpushare_extender::reservation::Phase;
+use gpushare_extender::scheduling::view::reservations::Phase;
 use gpushare_testkit::fixtures::{node, pod};
 use k8s_openapi::api::core::v1::Pod;
 use serde_json::{Value, json};
@@ -369,6 +370,8 @@ async fn pods_without_the_resource_pass_untouched_and_score_zero() {
     let h = fixture_cluster();
     let mut args = serde_json::from_str::<Value>(&fixture("filter-request-nodes.json")).unwrap();
     args["Pod"]["spec"]["containers"][0]["resources"] = json!({});
+    // Another pod than the one the view holds waiting (whose reading filter would use).
+    args["Pod"]["metadata"]["uid"] = json!("uid-not-watched-yet");
     let (_, answer) = post(&h, "filter", &args.to_string()).await;
     assert_eq!(answer["Nodes"]["items"], args["Nodes"]["items"]);
     let (status, scores) = post(&h, "prioritize", &args.to_string()).await;
@@ -383,6 +386,8 @@ async fn a_malformed_quantity_fails_every_node_with_the_pods_name() {
         serde_json::from_str::<Value>(&fixture("filter-request-nodenames.json")).unwrap();
     args["Pod"]["spec"]["containers"][0]["resources"]["limits"]["example.com/gpu-mem"] =
         json!("4.5");
+    // A pod the watch has not shown yet: filter reads the object sent.
+    args["Pod"]["metadata"]["uid"] = json!("uid-not-watched-yet");
     let (status, answer) = post(&h, "filter", &args.to_string()).await;
     assert_eq!(status, StatusCode::OK);
     assert_eq!(answer["NodeNames"], json!([]));
@@ -407,7 +412,7 @@ async fn unsynced_view_answers_error_and_readyz_is_503() {
             "gpushare.example.com",
             "gpushare=true",
         ),
-        gpushare_allocator::Policy::Binpack,
+        gpushare_extender::Ranking::by(gpushare_allocator::Policy::Binpack),
         unsynced.binder.clone(),
         common::fast_timing(),
         gpushare_extender::EventSink::disabled(),
@@ -548,14 +553,19 @@ async fn a_pod_deleted_while_its_binding_is_resolved_gives_its_memory_back() {
     assert_eq!(used_on_node_a(&h), 0);
 }
 
-#[tokio::test]
+/// Paused clock: the caller's 5 ms, the write's 200 ms and the bind path's 500 ms client
+/// timeout elapse in that order whatever the machine's speed.
+#[tokio::test(start_paused = true)]
 async fn a_caller_that_goes_away_does_not_leak_the_reservation() {
     let h = fixture_cluster();
     // Well past the caller's 5 ms, well within the bind path's 500 ms client timeout.
     *h.binder.delay.lock().unwrap() = std::time::Duration::from_millis(200);
     // kube-scheduler's httpTimeout fires: the handler future is dropped mid-write.
     let cut = tokio::time::timeout(std::time::Duration::from_millis(5), captured_bind(&h)).await;
-    assert!(cut.is_err());
+    assert!(
+        cut.is_err(),
+        "the bind answered before its caller went away"
+    );
     assert_eq!(phase_of_fixture_pod(&h), Some(Phase::Writing));
     // The write goes on in its own task and the reservation ends written, not stranded.
     common::eventually("the write", || {
@@ -695,7 +705,7 @@ async fn inspect_metrics_and_health() {
 #[tokio::test]
 async fn the_monitor_router_serves_health_and_metrics_and_nothing_else() {
     let h = fixture_cluster();
-    let monitor = gpushare_extender::api::monitor_router(h.state.clone());
+    let monitor = gpushare_extender::http::monitor_router(h.state.clone());
     for path in ["/healthz", "/readyz"] {
         let (status, _, body) = common::call_raw(&monitor, "GET", path, "").await;
         assert_eq!((status, body.as_str()), (StatusCode::OK, "ok"), "{path}");
@@ -722,20 +732,25 @@ async fn the_monitor_router_serves_health_and_metrics_and_nothing_else() {
 async fn filter_keeps_only_the_best_nodes_when_asked() {
     // Binpack (the harness's policy) ranks the fuller nodes first: half-3 (12 of 16 GiB
     // taken), then half-2 (8), then empty; full cannot take the 4 GiB pod at all.
-    let h = harness(
-        vec![
-            node("empty").gpushare().gpus(&[16]).build(),
-            node("half-2").gpushare().gpus(&[16]).build(),
-            node("half-3").gpushare().gpus(&[16]).build(),
-            node("full").gpushare().gpus(&[16]).build(),
-        ],
-        vec![
-            fixture_pod(),
-            bound("a", "half-2", 0, 8, true),
-            bound("b", "half-3", 0, 12, true),
-            bound("c", "full", 0, 16, true),
-        ],
-    );
+    let keeping = |n: usize| {
+        harness_keeping_best(
+            n,
+            common::settings(),
+            vec![
+                node("empty").gpushare().gpus(&[16]).build(),
+                node("half-2").gpushare().gpus(&[16]).build(),
+                node("half-3").gpushare().gpus(&[16]).build(),
+                node("full").gpushare().gpus(&[16]).build(),
+            ],
+            vec![
+                fixture_pod(),
+                bound("a", "half-2", 0, 8, true),
+                bound("b", "half-3", 0, 12, true),
+                bound("c", "full", 0, 16, true),
+            ],
+        )
+    };
+    let h = keeping(0);
     let args = json!({
         "Pod": fixture_pod(),
         "Nodes": null,
@@ -747,19 +762,16 @@ async fn filter_keeps_only_the_best_nodes_when_asked() {
     let (_, every) = post(&h, "filter", &args).await;
     assert_eq!(passed(&every), json!(["empty", "half-3", "half-2"]));
 
-    h.state.set_filter_keep_best(1);
-    let (status, best) = post(&h, "filter", &args).await;
+    let (status, best) = post(&keeping(1), "filter", &args).await;
     assert_eq!(status, StatusCode::OK);
     assert_eq!(passed(&best), json!(["half-3"]));
     assert_eq!(best["FailedNodes"], json!({}), "{best}");
 
-    h.state.set_filter_keep_best(2);
-    let (_, two) = post(&h, "filter", &args).await;
+    let (_, two) = post(&keeping(2), "filter", &args).await;
     assert_eq!(passed(&two), json!(["half-3", "half-2"]));
 
     // More to keep than fit: every fitting node.
-    h.state.set_filter_keep_best(5);
-    let (_, all) = post(&h, "filter", &args).await;
+    let (_, all) = post(&keeping(5), "filter", &args).await;
     assert_eq!(passed(&all), passed(&every));
 }
 
@@ -772,11 +784,12 @@ async fn filter_keeps_only_the_best_nodes_when_asked() {
 async fn keep_best_ranks_as_kube_scheduler_would_and_steps_aside_for_soft_preferences() {
     let hog = pod("cpu-hog").cpu("6").on_node("busy").build();
     let gpu_pod = pod("trainer").gpu_mem(4).cpu("1").build();
-    let h = harness(
+    let h = harness_keeping_best(
+        1,
+        common::settings(),
         vec![roomy("busy"), roomy("idle")],
         vec![hog, gpu_pod.clone()],
     );
-    h.state.set_filter_keep_best(1);
     let filter =
         |pod: &Pod| json!({"Pod": pod, "Nodes": null, "NodeNames": ["busy", "idle"]}).to_string();
     let (_, kept) = post(&h, "filter", &filter(&gpu_pod)).await;
@@ -865,8 +878,12 @@ async fn kept_of_two(
     order: [&str; 2],
 ) -> (common::Harness, Value) {
     let pods = [vec![resident.clone(), small.clone()], jobs].concat();
-    let h = harness(vec![roomy("busy"), roomy("idle")], pods);
-    h.state.set_filter_keep_best(1);
+    let h = harness_keeping_best(
+        1,
+        common::settings(),
+        vec![roomy("busy"), roomy("idle")],
+        pods,
+    );
     let body = json!({"Pod": small, "Nodes": null, "NodeNames": order}).to_string();
     let (_, answer) = post(&h, "filter", &body).await;
     (h, answer)
@@ -1049,8 +1066,9 @@ fn one_gpu_with_pods(timing: gpushare_extender::BindTiming, names: &[&str]) -> c
 
 /// With one write slot, a second bind waits for the first write to end, and then writes; a
 /// bind that waits longer than its slot wait is refused with its memory released and nothing
-/// written, so kube-scheduler retries it against a less busy API server.
-#[tokio::test]
+/// written, so kube-scheduler retries it against a less busy API server. Paused clock: the
+/// writes' delays and the slot wait elapse in the order their durations say.
+#[tokio::test(start_paused = true)]
 async fn binds_beyond_the_writes_in_flight_wait_for_a_slot_or_are_refused() {
     let timing = gpushare_extender::BindTiming {
         writes_in_flight: 1,
@@ -1086,7 +1104,12 @@ async fn binds_beyond_the_writes_in_flight_wait_for_a_slot_or_are_refused() {
             post(&h, "bind", &bind_body("stuck", "uid-stuck", "node-a")).await
         },
         async {
-            tokio::time::sleep(std::time::Duration::from_millis(20)).await;
+            // third comes once stuck's write holds the only slot.
+            let slots = h.state.bind_slots().unwrap();
+            common::eventually("stuck's write to take the only slot", || {
+                slots.try_take().is_none()
+            })
+            .await;
             bind("third").await
         }
     );
@@ -1104,8 +1127,9 @@ async fn binds_beyond_the_writes_in_flight_wait_for_a_slot_or_are_refused() {
 /// While as many binds wait for a write slot as there are slots, filter waits for the queue
 /// to shorten before it answers: kube-scheduler's cycle, where filter runs, then goes at the
 /// pace Bindings commit instead of piling binds up until they are refused. With no queue,
-/// filter does not wait.
-#[tokio::test]
+/// filter does not wait. Paused clock: the first write's 300 ms elapse only once every task
+/// waits.
+#[tokio::test(start_paused = true)]
 async fn filter_waits_while_the_bind_queue_is_as_long_as_the_write_slots() {
     let timing = gpushare_extender::BindTiming {
         writes_in_flight: 1,
@@ -1126,7 +1150,11 @@ async fn filter_waits_while_the_bind_queue_is_as_long_as_the_write_slots() {
     };
     let filter_after_the_queue_forms = async {
         // first writes, second waits for its slot: the queue is as long as the slots.
-        tokio::time::sleep(std::time::Duration::from_millis(50)).await;
+        let slots = h.state.bind_slots().unwrap();
+        common::eventually("second to wait for the slot first writes in", || {
+            slots.waiting() == 1
+        })
+        .await;
         let (_, answer) = post(&h, "filter", &fixture("filter-request-nodenames.json")).await;
         (answer, h.binder.calls().len())
     };
@@ -1164,7 +1192,7 @@ async fn a_bind_gives_back_holds_that_lapsed() {
         ..Default::default()
     };
     let held = h.state.view_mut().hold(
-        gpushare_extender::view::Hold {
+        gpushare_extender::scheduling::view::Hold {
             uid: "uid-gone".into(),
             namespace: "default",
             name: "gone",
@@ -1194,7 +1222,10 @@ async fn with_a_client_ca_the_verbs_answer_only_certified_callers() {
     let h = fixture_cluster();
     let callers = gpushare_extender::Callers::certified(None, h.state.metrics());
     let app = gpushare_extender::scheduler_router(
-        h.state.clone(),
+        gpushare_extender::http::Adapter {
+            domain: h.state.clone(),
+            forwarder: None,
+        },
         PREFIX,
         gpushare_extender::DEFAULT_BODY_LIMIT,
         callers,

@@ -12,7 +12,7 @@ use std::time::Instant;
 
 use common::{PREFIX, bind_body, bound_builder, call, call_raw, harness, post};
 use gpushare_allocator::{Policy, Request};
-use gpushare_extender::view::Hold;
+use gpushare_extender::scheduling::view::Hold;
 use gpushare_testkit::fixtures::{node, pod};
 use k8s_openapi::api::core::v1::Pod;
 use serde_json::{Value, json};

@@ -22,7 +22,7 @@ use serde_json::{Value, json};
 fn app(policy: Policy, nodes: &[Node], pods: Vec<Pod>) -> axum::Router {
     let state = Scheduling::new(
         settings(),
-        policy,
+        gpushare_extender::Ranking::by(policy),
         Arc::new(FakeBinder::default()),
         fast_timing(),
         EventSink::disabled(),

@@ -194,10 +194,15 @@ unsafe impl Sync for Object {}
 pub struct RealCuda {
     /// Its entry points.
     pub fns: Cuda,
-    /// `(index into hooks::CUDA, real address)` of every hooked entry point the driver has:
-    /// what `cuGetProcAddress` answers may be swapped for one of these hooks.
-    pub swaps: Vec<(usize, usize)>,
+    /// The loaded object, for lookups of other names (the hooks' own table, which this
+    /// module does not know: it only finds the driver).
+    pub handle: Handle,
 }
+
+// SAFETY: a table of function addresses and a dlopen handle, valid in every thread.
+unsafe impl Send for RealCuda {}
+// SAFETY: as above.
+unsafe impl Sync for RealCuda {}
 
 /// The object that holds `address`: its file name and base address (`dladdr`).
 pub fn object_of(address: *const c_void) -> Option<(std::ffi::CString, usize)> {
@@ -295,14 +300,7 @@ pub fn cuda() -> Option<&'static RealCuda> {
     .as_ref();
     let real = object.map(|object| RealCuda {
         fns: Cuda::resolve(|name| lookup(object.handle, name)),
-        swaps: crate::hooks::CUDA
-            .iter()
-            .enumerate()
-            .filter_map(|(index, hook)| {
-                let real = lookup(object.handle, hook.name);
-                (!real.is_null()).then_some((index, real as usize))
-            })
-            .collect(),
+        handle: object.handle,
     });
     CUDA.get_or_init(|| real).as_ref()
 }

@@ -138,7 +138,9 @@ mod hooks;
 mod interposer;
 pub mod ledger;
 mod process;
-pub mod settings;
+/// The settings besides the shares, read by the budget crate's rules (the plugins link the
+/// same parse to check what they write).
+pub use gpushare_isolation_budget::settings;
 mod source;
 mod spin;
 

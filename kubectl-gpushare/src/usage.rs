@@ -15,7 +15,7 @@ use std::collections::BTreeMap;
 
 use gpushare_contract::allocation::classic;
 use gpushare_contract::usage::{MIB_PER_GIB, NodeMemoryUse};
-use gpushare_contract::{GpuInfo, PodAllocation, inventory, pod_request};
+use gpushare_contract::{GpuInfo, PodAllocation, inventory, pod_request_with};
 use k8s_openapi::api::core::v1::{Node, Pod};
 
 /// What to read: the resource name, the annotation domain and the participation label, as
@@ -216,7 +216,7 @@ pub fn cluster_usage(nodes: &[Node], pods: &[Pod], settings: &Settings) -> Vec<N
         let Some(usage) = spec.node_name.as_ref().and_then(|n| by_node.get_mut(n)) else {
             continue;
         };
-        let Ok(Some(request)) = pod_request(pod, &settings.resource) else {
+        let Ok(Some(request)) = pod_request_with(pod, &settings.resource, &settings.keys) else {
             continue;
         };
         let annotations = pod.metadata.annotations.clone().unwrap_or_default();

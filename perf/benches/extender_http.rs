@@ -77,7 +77,7 @@ fn state_filled(nodes: usize, policy: Policy, fill: Fill) -> (Scheduling, Vec<St
     );
     let state = Scheduling::new(
         settings,
-        policy,
+        gpushare_extender::Ranking::by(policy),
         Arc::new(NoBinder),
         BindTiming::default(),
         events,

@@ -15,8 +15,8 @@ use std::hint::black_box;
 
 use criterion::{Criterion, criterion_group, criterion_main};
 use gpushare_contract::{DEFAULT_DOMAIN, DEFAULT_RESOURCE, Keys};
-use gpushare_extender::view::PodFacts;
-use gpushare_extender::watched_pod::WatchedPod;
+use gpushare_extender::kube_io::watched_pod::WatchedPod;
+use gpushare_extender::scheduling::view::PodFacts;
 use gpushare_extender::{Settings, View};
 use gpushare_perf::workload::{gpushare_nodes, listed_bound_pod};
 use kube::core::ObjectList;

@@ -13,7 +13,7 @@
 use std::hint::black_box;
 
 use criterion::{Criterion, criterion_group, criterion_main};
-use gpushare_extender::watched_pod::WatchedPod;
+use gpushare_extender::kube_io::watched_pod::WatchedPod;
 use k8s_openapi::api::core::v1::Pod;
 use serde_json::json;
 

@@ -375,6 +375,9 @@ mod tests {
     use std::sync::atomic::{AtomicBool, Ordering};
     use tokio::io::{AsyncReadExt, AsyncWriteExt};
 
+    /// How long a test waits for what should come soon: only a hung test reaches it.
+    const PATIENCE: Duration = Duration::from_secs(60);
+
     fn self_signed(dir: &Path) -> TlsAcceptor {
         let key = rcgen::KeyPair::generate().unwrap();
         let cert = rcgen::CertificateParams::new(vec!["localhost".to_owned()])
@@ -451,15 +454,14 @@ mod tests {
         let request = tokio::spawn(get(addr));
         entered.notified().await;
         stop.cancel();
-        let mut refused = false;
-        for _ in 0..500 {
-            if TcpStream::connect(addr).await.is_err() {
-                refused = true;
-                break;
-            }
+        let deadline = tokio::time::Instant::now() + PATIENCE;
+        while TcpStream::connect(addr).await.is_ok() {
+            assert!(
+                tokio::time::Instant::now() < deadline,
+                "the port still accepts connections {PATIENCE:?} after shutdown"
+            );
             tokio::time::sleep(Duration::from_millis(10)).await;
         }
-        assert!(refused, "the port still accepts after shutdown");
         release.notify_one();
         let response = request.await.unwrap();
         assert!(response.ends_with("slow answer"), "{response}");
@@ -489,10 +491,12 @@ mod tests {
         let n = kept.read(&mut buf).await.unwrap();
         assert!(String::from_utf8_lossy(&buf[..n]).contains("ok"));
         cut_off.store(true, Ordering::Relaxed);
-        let closed = tokio::time::timeout(Duration::from_secs(5), kept.read(&mut buf)).await;
+        // The accept loop looks at the condition every LET_GO_CHECK; PATIENCE only ends a
+        // hung test.
+        let closed = tokio::time::timeout(PATIENCE, kept.read(&mut buf)).await;
         assert!(
             matches!(closed, Ok(Ok(0)) | Ok(Err(_))),
-            "the kept-alive connection stayed open: {closed:?}"
+            "the kept-alive connection was not closed while the let-go condition held: {closed:?}"
         );
         assert!(get(addr).await.ends_with("ok"));
         stop.cancel();
@@ -607,20 +611,24 @@ mod tests {
             !foreign.as_deref().unwrap_or("").contains("200 OK"),
             "a certificate of another CA was served: {foreign:?}"
         );
-        let counted = wait_until(|| refused.load(Ordering::SeqCst) == 1).await;
-        assert!(counted, "the refused handshake was not counted");
+        wait_until("the refused handshake to be counted", || {
+            refused.load(Ordering::SeqCst) == 1
+        })
+        .await;
         stop.cancel();
         server.await.unwrap();
     }
 
-    /// Waits (at most 5 s) for `condition`.
-    async fn wait_until(condition: impl Fn() -> bool) -> bool {
-        for _ in 0..500 {
-            if condition() {
-                return true;
-            }
+    /// Waits until `condition` holds, checking every 10 ms; fails the test, naming `what`,
+    /// after [`PATIENCE`].
+    async fn wait_until(what: &str, condition: impl Fn() -> bool) {
+        let deadline = tokio::time::Instant::now() + PATIENCE;
+        while !condition() {
+            assert!(
+                tokio::time::Instant::now() < deadline,
+                "timed out after {PATIENCE:?} waiting for {what}"
+            );
             tokio::time::sleep(Duration::from_millis(10)).await;
         }
-        condition()
     }
 }

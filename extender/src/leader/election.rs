@@ -19,7 +19,7 @@ pub struct ElectionConfig {
     /// Asks the holder's published URL who serves there, to take the Lease over at once
     /// when it is not the holder any more (see "Why a lease can end early" in the module
     /// docs); `None`: the Lease is always waited out.
-    pub holder_probe: Option<crate::forward::Forwarder>,
+    pub holder_probe: Option<crate::leader::forward::Forwarder>,
     /// How long after its start this replica begins to probe: its own bind grace, during
     /// which it would refuse binds as leader (a container kubelet restarted in the dead
     /// leader's pod must not win the Lease from a follower that can bind at once).

@@ -89,7 +89,7 @@ struct Elected {
     term: u64,
     /// When the last election round got an answer from the API server.
     answered_at: Option<Instant>,
-    /// This process's `holderIdentity`, answered at `/identity` (see [`crate::forward::Probe`]).
+    /// This process's `holderIdentity`, answered at `/identity` (see [`crate::leader::forward::Probe`]).
     identity: String,
 }
 

@@ -41,7 +41,7 @@
 //! `holderIdentity`, and keeps that listening socket open until it has released the Lease: on
 //! a graceful stop, and on any error of its own, the socket closes only after its last write
 //! ended (`crate::serve` holds a copy of it to the end). So each round a follower asks the
-//! holder's address who serves there ([`crate::forward::Probe`]): a refused connection (nothing listens) or
+//! holder's address who serves there ([`crate::leader::forward::Probe`]): a refused connection (nothing listens) or
 //! another identity (a restarted container in the same pod) means no process of the holder
 //! is left to write, and the follower takes the Lease over at once, with the same
 //! compare-and-swap as an expired one. Anything else (the holder answering, a timeout, a
@@ -64,6 +64,7 @@ use std::time::Duration;
 
 mod election;
 mod fence;
+pub mod forward;
 #[cfg(test)]
 mod tests;
 

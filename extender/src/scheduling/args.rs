@@ -7,10 +7,10 @@
 use std::borrow::Cow;
 
 use gpushare_allocator::{PodId, Request};
-use gpushare_contract::pod_request_with;
+use gpushare_contract::RequestError;
 use serde_json::value::RawValue;
 
-use crate::view::{View, pod_host, to_request};
+use crate::scheduling::view::View;
 use crate::wire::{ExtenderArgs, raw_node_name};
 
 /// A candidate node: its name, with its raw object when kube-scheduler sent objects.
@@ -39,25 +39,29 @@ pub(super) fn pod_uid(args: &ExtenderArgs<'_>) -> Option<PodId> {
         .map(PodId::from)
 }
 
-/// The pod's request, or the reason every node fails. In DRA mode it is read from the pod's
-/// claims ([`View::dra_request`]), and a pod the extender cannot size is passed on unranked.
+/// Why a filter or prioritize call's pod cannot be sized: the reason every node fails.
+#[derive(Debug, thiserror::Error)]
+pub(super) enum Unsized {
+    /// kube-scheduler sent no pod.
+    #[error("the request carries no Pod")]
+    NoPod,
+    /// The pod's request cannot be read.
+    #[error(transparent)]
+    Request(#[from] RequestError),
+}
+
+/// The pod's request, or why every node fails. In DRA mode it is read from the pod's claims
+/// ([`View::dra_request`]), and a pod the extender cannot size is passed on unranked.
 pub(super) fn read_request(
     args: &ExtenderArgs<'_>,
     view: &View,
-) -> Result<Option<Request>, String> {
+) -> Result<Option<Request>, Unsized> {
     let Some(pod) = args.pod.as_ref() else {
-        return Err("the request carries no Pod".to_owned());
+        return Err(Unsized::NoPod);
     };
     let settings = view.settings();
     if settings.dra.is_some() {
         return Ok(view.dra_request(pod));
     }
-    pod_request_with(pod, &settings.resource, &settings.keys)
-        .map(|r| {
-            r.map(|r| Request {
-                host: pod_host(pod),
-                ..to_request(&r)
-            })
-        })
-        .map_err(|e| e.to_string())
+    Ok(view.request_of(pod)?)
 }

@@ -1,5 +1,5 @@
 //! `bind`: decide under the view lock, book the memory, then write the Binding from a task of
-//! its own that drives the reservation to an end (see [`crate::reservation`]).
+//! its own that drives the reservation to an end (see [`crate::scheduling::view::reservations`]).
 //!
 //! The decision (may the pod be bound there, which GPU, the reservation and the Binding's
 //! annotations) is in `decision.rs`; this file drives the write and settles its reservation.
@@ -33,11 +33,12 @@ use gpushare_allocator::PodId;
 use tokio::sync::oneshot;
 
 use super::Scheduling;
-use crate::kube_io::{BindError, BindingTarget, PodEvent, PodOnServer};
 use crate::leader::Gate;
 use crate::metrics::BindStage;
-use crate::reservation::{Outcome, Phase, Settled, Ticket};
+use crate::scheduling::ports::{BindError, BindingTarget, PodEvent, PodOnServer};
+use crate::scheduling::view::reservations::{Outcome, Phase, Settled, Ticket};
 use crate::wire::ExtenderBindingArgs;
+pub use decision::Refused;
 use decision::{Decision, decide};
 
 /// How long the bind path waits on the API server, and how it retries a resolution.
@@ -93,43 +94,40 @@ impl Write {
     }
 }
 
-/// Binds a pod if this replica leads, passes the call on to the leader if another replica
-/// does (`body` as kube-scheduler sent it; never a call that was itself `forwarded`), and
-/// refuses it retryably otherwise. The error is the text kube-scheduler reports.
-pub(super) async fn bind_or_forward(
+/// Why a bind was not done here: kube-scheduler reports the text.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum BindRefusal {
+    /// Another replica leads, at `url`: the HTTP adapter may pass the bind on to it. Not
+    /// counted here: the adapter counts what it did with it.
+    #[error("this extender replica does not lead ({leader} does); retry")]
+    Follower {
+        /// The leader's base URL.
+        url: String,
+        /// Its pod name.
+        leader: String,
+    },
+    /// Refused or failed, counted under its reason; the text kube-scheduler reports.
+    #[error("{0}")]
+    Refused(String),
+}
+
+/// Binds `args`'s pod when this replica may (see [`crate::leader`]); otherwise says who
+/// leads or why it cannot now.
+pub(super) async fn bind_here(
     state: &Scheduling,
     args: &ExtenderBindingArgs,
-    body: &[u8],
-    forwarded: bool,
-) -> Result<(), String> {
-    let refuse = |reason: &'static str, message: String| {
-        state.metrics().bind(reason);
-        tracing::debug!(pod = %format_args!("{}/{}", args.pod_namespace, args.pod_name), %message, "bind not taken");
-        Err(message)
-    };
-    let timeout = state.bind_timing().timeout;
+) -> Result<(), BindRefusal> {
     let now = tokio::time::Instant::now();
-    match state.leadership().gate(now, timeout) {
-        Gate::Bind { budget, term } => bind_pod(state, args, now + budget, term).await,
-        Gate::Forward { url, leader } => match (forwarded, state.forwarder()) {
-            (false, Some(forwarder)) => match forwarder.forward(&url, body, timeout).await {
-                Ok(answer) => {
-                    state.metrics().bind("forwarded");
-                    answer
-                }
-                Err(error) => refuse(
-                    "forward_failed",
-                    format!(
-                        "the extender leader {leader} did not answer this bind ({error}); retry"
-                    ),
-                ),
-            },
-            _ => refuse(
-                "not_leader",
-                format!("this extender replica does not lead ({leader} does); retry"),
-            ),
-        },
-        Gate::Refuse { reason, message } => refuse(reason, message),
+    match state.leadership().gate(now, state.bind_timing().timeout) {
+        Gate::Bind { budget, term } => bind_pod(state, args, now + budget, term)
+            .await
+            .map_err(BindRefusal::Refused),
+        Gate::Forward { url, leader } => Err(BindRefusal::Follower { url, leader }),
+        Gate::Refuse { reason, message } => {
+            state.metrics().bind(reason);
+            tracing::debug!(pod = %format_args!("{}/{}", args.pod_namespace, args.pod_name), %message, "bind not taken");
+            Err(BindRefusal::Refused(message))
+        }
     }
 }
 
@@ -162,7 +160,7 @@ pub async fn bind_pod(
             return Ok(());
         }
         Ok(Decision::Write(write)) => write,
-        Err((reason, message)) => {
+        Err(Refused { reason, message }) => {
             refused(
                 state,
                 &args.pod_namespace,
@@ -275,7 +273,7 @@ async fn drive(
         .bind_stage(BindStage::WriteSlot, writing - waiting);
     let (slot, deadline) = match granted {
         Ok(granted) => granted,
-        Err((reason, message)) => {
+        Err(Refused { reason, message }) => {
             settle(&state, &write, Outcome::NotLanded);
             refused_write(&state, &write, reason, &message);
             let _ = answer.send(Err(message));
@@ -337,7 +335,7 @@ async fn write_slot(
     state: &Scheduling,
     write: &Write,
     deadline: tokio::time::Instant,
-) -> Result<(Option<slots::WriteSlot>, tokio::time::Instant), (&'static str, String)> {
+) -> Result<(Option<slots::WriteSlot>, tokio::time::Instant), Refused> {
     let Some(slots) = state.bind_slots() else {
         return Ok((None, deadline));
     };
@@ -347,7 +345,7 @@ async fn write_slot(
     let timing = state.bind_timing();
     let waited = tokio::time::Instant::now();
     let Some(slot) = slots.take(timing.slot_wait).await else {
-        return Err((
+        return Err(Refused::new(
             "slow_api",
             format!(
                 "the API server is slow: {} Bindings of this extender are in flight and this one waited {} ms for its turn; GPU {} released, retry",
@@ -360,8 +358,8 @@ async fn write_slot(
     let now = tokio::time::Instant::now();
     match state.leadership().gate(now, timing.timeout) {
         Gate::Bind { budget, term } if term == write.term => Ok((Some(slot), now + budget)),
-        Gate::Refuse { reason, message } => Err((reason, message)),
-        _ => Err((
+        Gate::Refuse { reason, message } => Err(Refused { reason, message }),
+        _ => Err(Refused::new(
             "not_leader",
             format!(
                 "this extender replica stopped leading while the bind waited {} ms for its turn; retry",

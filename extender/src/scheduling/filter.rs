@@ -6,15 +6,14 @@
 //! cycle, with hundreds of nodes, so it must answer from memory under a read lock; the only
 //! writes are the holds (see [`hold_for_bind`]) and the release of lapsed ones.
 
-use std::sync::atomic::Ordering;
 use std::time::{Duration, Instant};
 
 use gpushare_allocator::{PodId, Request, Unfit};
 
 use super::args::{Candidate, candidates, pod_uid, read_request};
 use super::{Scheduling, Unschedulable};
-use crate::keep_best::KeepBest;
-use crate::view::{Hold, NOT_SYNCED, Settings, View, unfit_reason};
+use crate::scheduling::keep_best::KeepBest;
+use crate::scheduling::view::{Hold, NOT_SYNCED, Settings, View, unfit_reason};
 use crate::wire::{ExtenderArgs, ExtenderFilterResult, RawNodeListOut};
 
 pub(super) fn filter_answer<'a>(
@@ -37,7 +36,8 @@ pub(super) fn filter_answer<'a>(
         Ok(Some(_)) | Err(_) if !view.is_synced() => {
             result.error = NOT_SYNCED.to_owned();
         }
-        Err(reason) => {
+        Err(unsized_pod) => {
+            let reason = unsized_pod.to_string();
             for (name, _) in &candidates {
                 result
                     .failed_and_unresolvable_nodes
@@ -71,7 +71,7 @@ pub(super) fn filter_answer<'a>(
         hold_for_bind(state, args, uid, &candidates[*only].0, &request);
     }
     // What this filter gave back may be a nomination's booking (its own pod's, when it
-    // held nothing again) or make room for one (`crate::view`'s nominations).
+    // held nothing again) or make room for one (`crate::scheduling::view`'s nominations).
     if released && state.view().has_unbooked_nominations() {
         let mut view = state.view_mut();
         match &resume {
@@ -148,11 +148,11 @@ impl<'a> Fits<'_, 'a> {
             passing.extend(0..candidates.len());
             return;
         }
-        let inner = &self.state.inner;
+        let ranking = self.state.inner.ranking;
         let keep_best = KeepBest {
-            keep: inner.filter_keep_best.load(Ordering::Relaxed),
-            policy: inner.policy,
-            prioritize_weight: inner.prioritize_weight.load(Ordering::Relaxed),
+            keep: ranking.filter_keep_best,
+            policy: ranking.policy,
+            prioritize_weight: ranking.prioritize_weight,
         };
         let stepped_aside = keep_best.narrow(
             self.view,
@@ -182,7 +182,7 @@ impl<'a> Fits<'_, 'a> {
                         .iter()
                         .map(|(i, unfit)| (&*candidates[*i].0, unfit)),
                 );
-                self.state.metrics().unschedulable(why);
+                self.state.metrics().unschedulable(why.label());
             }
             write_reasons(self.view.settings(), candidates, rejected, result);
         } else {
@@ -213,7 +213,7 @@ fn release_holds(state: &Scheduling, pod_uid: Option<&PodId>) -> bool {
 /// exactly one node passed filter (kube-scheduler does not score a single node), or
 /// prioritize scored one node above all others (`sole_best` in `prioritize.rs`). The hold
 /// lasts until the pod's bind comes, so the filters of the pods scheduled meanwhile see the
-/// memory taken ([`crate::reservation`], "Why holds").
+/// memory taken ([`crate::scheduling::view::reservations`], "Why holds").
 pub(super) fn hold_for_bind(
     state: &Scheduling,
     args: &ExtenderArgs<'_>,
@@ -243,7 +243,7 @@ pub(super) fn hold_for_bind(
         node,
         until: Instant::now() + hold_for,
     };
-    view.hold(hold, request, state.inner.policy);
+    view.hold(hold, request, state.policy());
     state.update_reservation_gauges(&view);
 }
 
@@ -351,8 +351,8 @@ mod tests {
     use prometheus_client::registry::Registry;
 
     use super::*;
-    use crate::kube_io::{BindError, Binder, BindingTarget, EventSink, PodOnServer};
     use crate::scheduling::bind::BindTiming;
+    use crate::scheduling::ports::{BindError, Binder, BindingTarget, EventSink, PodOnServer};
 
     /// Filter never binds.
     struct NoBinds;
@@ -379,7 +379,7 @@ mod tests {
                 gpushare_contract::DEFAULT_DOMAIN,
                 "gpushare=true",
             ),
-            Policy::Binpack,
+            crate::scheduling::Ranking::by(Policy::Binpack),
             Arc::new(NoBinds),
             BindTiming::default(),
             EventSink::disabled(),

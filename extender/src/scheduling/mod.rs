@@ -8,36 +8,41 @@
 //! hold for a sole best), [`Scheduling::preempt`] (which pods to evict so a preemptor gets
 //! room on one GPU) and [`Scheduling::bind`].
 //!
-//! Why apart from the HTTP layer: the handlers in [`crate::api`] only decode, call one method
+//! Why apart from the HTTP layer: the handlers in [`crate::http`] only decode, call one method
 //! and encode, so everything the extender decides can be asked (and tested) without a
 //! server, and the watches and the idle-GPU taint pass, which change or read the same state,
 //! depend on this module rather than on the web framework's.
 
-use std::sync::atomic::{AtomicI64, AtomicUsize, Ordering};
 use std::sync::{Arc, RwLock, RwLockReadGuard, RwLockWriteGuard};
 
 use gpushare_allocator::Policy;
 use prometheus_client::registry::Registry;
 
-use crate::kube_io::{Binder, EventSink};
 use crate::leader::Leadership;
-use crate::metrics::{GpuGauges, Metrics};
-use crate::reservation::Phase;
-use crate::view::{Settings, View};
+use crate::metrics::Metrics;
+use crate::scheduling::ports::{Binder, EventSink};
+use crate::scheduling::view::reservations::Phase;
+use crate::scheduling::view::{Settings, View};
 use crate::wire::{
     ExtenderArgs, ExtenderBindingArgs, ExtenderFilterResult, ExtenderPreemptionArgs,
     ExtenderPreemptionResult,
 };
 use bind::BindTiming;
 use bind::slots::{Pacing, WriteSlots};
+use gauges::GpuGauges;
 
 mod args;
 pub mod bind;
 mod filter;
+pub mod gauges;
+pub mod keep_best;
+pub mod ports;
 mod preempt;
 mod prioritize;
 mod unschedulable;
+pub mod view;
 
+pub use bind::BindRefusal;
 pub use prioritize::Scores;
 pub use unschedulable::Unschedulable;
 
@@ -50,13 +55,9 @@ pub struct Scheduling {
 
 struct Inner {
     /// Shared with the per-GPU gauges, which read it on each scrape
-    /// ([`crate::metrics::GpuGauges`]).
+    /// ([`GpuGauges`]).
     view: Arc<RwLock<View>>,
-    policy: Policy,
-    /// `--filter-keep-best`: 0 passes every fitting node.
-    filter_keep_best: AtomicUsize,
-    /// `--prioritize-weight`: what kube-scheduler multiplies our scores by.
-    prioritize_weight: AtomicI64,
+    ranking: Ranking,
     binder: Arc<dyn Binder>,
     bind_timing: BindTiming,
     /// Slots for Binding writes in flight (`None`: no limit); see [`bind`].
@@ -67,20 +68,55 @@ struct Inner {
     metrics: Metrics,
     registry: Arc<Registry>,
     leadership: Leadership,
-    forwarder: RwLock<Option<crate::forward::Forwarder>>,
+}
+
+/// How nodes and GPUs are ranked: fixed for the life of the process (the flags).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Ranking {
+    /// The GPU choice policy (`--policy`).
+    pub policy: Policy,
+    /// Filter passes only the `n` fitting nodes the policy scores best; 0 passes every one
+    /// (`--filter-keep-best`).
+    pub filter_keep_best: usize,
+    /// The weight kube-scheduler's extender stanza gives our prioritize scores: the filter
+    /// that keeps the best nodes ranks with it as kube-scheduler would
+    /// (`--prioritize-weight`).
+    pub prioritize_weight: i64,
+}
+
+impl Ranking {
+    /// `policy`, every fitting node passed, scores weighted 1.
+    pub fn by(policy: Policy) -> Self {
+        Self {
+            policy,
+            filter_keep_best: 0,
+            prioritize_weight: 1,
+        }
+    }
+
+    /// As it is, passing only the `n` best fitting nodes.
+    pub fn keeping_best(self, n: usize) -> Self {
+        Self {
+            filter_keep_best: n,
+            ..self
+        }
+    }
 }
 
 impl Scheduling {
     /// State over an empty, unsynced view; metrics are registered in `registry`.
     pub fn new(
         settings: Settings,
-        policy: Policy,
+        ranking: Ranking,
         binder: Arc<dyn Binder>,
         bind_timing: BindTiming,
         events: EventSink,
         mut registry: Registry,
     ) -> Self {
         let metrics = Metrics::register(&mut registry);
+        for why in Unschedulable::ALL {
+            metrics.count_unschedulable_from_zero(why.label());
+        }
         // Without an election this instance always binds; `serve` switches it to elected.
         metrics.leader.set(1);
         let view = Arc::new(RwLock::new(View::new(settings)));
@@ -88,9 +124,7 @@ impl Scheduling {
         Self {
             inner: Arc::new(Inner {
                 view,
-                policy,
-                filter_keep_best: AtomicUsize::new(0),
-                prioritize_weight: AtomicI64::new(1),
+                ranking,
                 binder,
                 bind_timing,
                 bind_slots: (bind_timing.writes_in_flight > 0)
@@ -102,7 +136,6 @@ impl Scheduling {
                 metrics,
                 registry: Arc::new(registry),
                 leadership: Leadership::default(),
-                forwarder: RwLock::new(None),
             }),
         }
     }
@@ -128,33 +161,18 @@ impl Scheduling {
         &self.inner.registry
     }
 
-    /// The event sink.
-    pub fn events(&self) -> &EventSink {
+    /// The event queue (the watch warns pods' owners through it too).
+    pub(crate) fn events(&self) -> &EventSink {
         &self.inner.events
     }
 
     /// The GPU choice policy.
-    pub fn policy(&self) -> Policy {
-        self.inner.policy
-    }
-
-    /// Makes filter pass only the `n` fitting nodes the policy scores best (0: all of them;
-    /// see `--filter-keep-best`).
-    pub fn set_filter_keep_best(&self, n: usize) {
-        self.inner.filter_keep_best.store(n, Ordering::Relaxed);
-    }
-
-    /// The weight kube-scheduler's extender stanza gives our prioritize scores: the filter
-    /// that keeps the best nodes ranks with it as kube-scheduler would (see
-    /// `--prioritize-weight`).
-    pub fn set_prioritize_weight(&self, weight: i64) {
-        self.inner
-            .prioritize_weight
-            .store(weight, Ordering::Relaxed);
+    fn policy(&self) -> Policy {
+        self.inner.ranking.policy
     }
 
     /// What writes Bindings and reads pods.
-    pub fn binder(&self) -> &dyn Binder {
+    fn binder(&self) -> &dyn Binder {
         &*self.inner.binder
     }
 
@@ -185,26 +203,8 @@ impl Scheduling {
         &self.inner.leadership
     }
 
-    /// How a follower passes binds on to the leader, if it does.
-    pub fn forwarder(&self) -> Option<crate::forward::Forwarder> {
-        self.inner
-            .forwarder
-            .read()
-            .unwrap_or_else(|e| e.into_inner())
-            .clone()
-    }
-
-    /// Sets [`Scheduling::forwarder`].
-    pub fn set_forwarder(&self, forwarder: crate::forward::Forwarder) {
-        *self
-            .inner
-            .forwarder
-            .write()
-            .unwrap_or_else(|e| e.into_inner()) = Some(forwarder);
-    }
-
     /// Sets the reservation gauges from `view`.
-    pub fn update_reservation_gauges(&self, view: &View) {
+    pub(crate) fn update_reservation_gauges(&self, view: &View) {
         let gauge = |count: usize| i64::try_from(count).unwrap_or(i64::MAX);
         let metrics = &self.inner.metrics;
         metrics.reservations.set(gauge(view.reservation_count()));
@@ -235,16 +235,10 @@ impl Scheduling {
         preempt::preempt_answer(self, args)
     }
 
-    /// kube-scheduler's bind: picks the GPU, books it and writes the Binding, or passes the
-    /// bind on to the leader (`body` is what was received, forwarded as is; `forwarded`: it
-    /// came from another replica, which is never passed on again). The error is the text
-    /// kube-scheduler reports.
-    pub async fn bind(
-        &self,
-        args: &ExtenderBindingArgs,
-        body: &[u8],
-        forwarded: bool,
-    ) -> Result<(), String> {
-        bind::bind_or_forward(self, args, body, forwarded).await
+    /// kube-scheduler's bind: picks the GPU, books it and writes the Binding when this
+    /// replica may bind; otherwise says who leads ([`BindRefusal::Follower`], which the HTTP
+    /// adapter passes on) or why it cannot now.
+    pub async fn bind(&self, args: &ExtenderBindingArgs) -> Result<(), BindRefusal> {
+        bind::bind_here(self, args).await
     }
 }

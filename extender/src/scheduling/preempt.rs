@@ -19,11 +19,10 @@ use std::collections::BTreeMap;
 use std::sync::{RwLockReadGuard, RwLockWriteGuard};
 
 use gpushare_allocator::{Eviction, PodId};
-use gpushare_contract::pod_request_with;
 
 use super::Scheduling;
-use crate::kube_io::PodEvent;
-use crate::view::{View, pod_host, to_request};
+use crate::scheduling::ports::PodEvent;
+use crate::scheduling::view::View;
 use crate::wire::{ExtenderPreemptionArgs, ExtenderPreemptionResult, MetaPod, MetaVictims};
 
 /// The node an answer kept, with the eviction decided there.
@@ -140,12 +139,9 @@ fn preemptor_request(
     state: &Scheduling,
     pod: &k8s_openapi::api::core::v1::Pod,
 ) -> Result<Option<gpushare_allocator::Request>, ()> {
-    let settings = state.view().settings().clone();
-    match pod_request_with(pod, &settings.resource, &settings.keys) {
-        Ok(Some(request)) => Ok(Some(gpushare_allocator::Request {
-            host: pod_host(pod),
-            ..to_request(&request)
-        })),
+    let read = state.view().request_of(pod);
+    match read {
+        Ok(Some(request)) => Ok(Some(request)),
         Ok(None) => {
             state.metrics().preempt_answer("not_ours");
             Ok(None)

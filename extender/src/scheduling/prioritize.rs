@@ -20,7 +20,7 @@ pub struct Scores<'a> {
 
 impl Scores<'_> {
     /// The prioritize answer: the scores, the ones at the bottom left out
-    /// ([`compact_priorities`]).
+    /// (`compact_priorities`).
     pub fn answer(&self) -> Vec<HostPriority<'_>> {
         compact_priorities(&self.names, &self.raw)
     }
@@ -36,7 +36,7 @@ pub(super) fn prioritize_answer<'a>(state: &Scheduling, args: &'a ExtenderArgs<'
         .filter(|_| view.is_synced());
     let borrowed: Vec<&str> = names.iter().map(|name| &**name).collect();
     let raw = match &request {
-        Some(request) => view.cluster.scores(&borrowed, request, state.inner.policy),
+        Some(request) => view.cluster.scores(&borrowed, request, state.policy()),
         None => vec![0; names.len()],
     };
     drop(view);
@@ -52,7 +52,7 @@ pub(super) fn prioritize_answer<'a>(state: &Scheduling, args: &'a ExtenderArgs<'
 /// Why prioritize holds it: our score is what sets GPU pods apart (kube-scheduler's own scores
 /// barely move for a pod's small CPU and memory request), so the node scored best alone is
 /// where the pod is bound next, and the filters of the pods scheduled before that bind must
-/// see its memory taken, as with filter's hold ([`crate::reservation`], "Why holds"). If
+/// see its memory taken, as with filter's hold ([`crate::scheduling::view::reservations`], "Why holds"). If
 /// kube-scheduler chooses another node, the bind gives the hold back and books there; until
 /// then the held node merely looked a little fuller. On a tie kube-scheduler draws the node,
 /// so nothing is held.

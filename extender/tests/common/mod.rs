@@ -14,8 +14,8 @@ use futures::future::BoxFuture;
 use gpushare_allocator::Policy;
 use gpushare_contract::{ContainerRequest, Keys, PodAllocation};
 use gpushare_extender::{
-    BindError, BindTiming, Binder, BindingTarget, EventSink, PodOnServer, Scheduling, Settings,
-    router,
+    BindError, BindTiming, Binder, BindingTarget, EventSink, PodOnServer, Ranking, Scheduling,
+    Settings, router,
 };
 use gpushare_testkit::fixtures::{PodBuilder, pod};
 use http_body_util::BodyExt;
@@ -159,10 +159,33 @@ pub fn harness_timed(
     nodes: Vec<Node>,
     pods: Vec<Pod>,
 ) -> Harness {
+    harness_ranked(settings, Ranking::by(Policy::Binpack), timing, nodes, pods)
+}
+
+/// [`harness_with`] whose filter passes only the `n` best fitting nodes
+/// (`--filter-keep-best`).
+pub fn harness_keeping_best(
+    n: usize,
+    settings: Settings,
+    nodes: Vec<Node>,
+    pods: Vec<Pod>,
+) -> Harness {
+    let ranking = Ranking::by(Policy::Binpack).keeping_best(n);
+    harness_ranked(settings, ranking, fast_timing(), nodes, pods)
+}
+
+/// The harness with every choice given.
+pub fn harness_ranked(
+    settings: Settings,
+    ranking: Ranking,
+    timing: BindTiming,
+    nodes: Vec<Node>,
+    pods: Vec<Pod>,
+) -> Harness {
     let binder = Arc::new(FakeBinder::default());
     let state = Scheduling::new(
         settings,
-        Policy::Binpack,
+        ranking,
         binder.clone(),
         timing,
         EventSink::disabled(),

@@ -18,6 +18,8 @@
 //! - [`limits`]: the container's shares, from the environment the plugin sets.
 //! - [`prepared`]: what the plugin prepares before a container starts: its budget file and
 //!   the read-only limits file that names it ([`PreparedLimits`], [`prepare`]).
+//! - [`settings`]: the interposer's other settings (GPU UUIDs, a context's charge, managed
+//!   memory), from the environment or the limits file.
 //! - [`reader`]: a [`Snapshot`] of one file, or of every file in a directory ([`budgets_in`]):
 //!   per GPU the share, the bytes held and the allocations refused; per process its bytes.
 
@@ -25,6 +27,7 @@ pub mod layout;
 pub mod limits;
 pub mod prepared;
 pub mod reader;
+pub mod settings;
 
 pub use layout::{ENV_DIR, ENV_KEY, budget_key, budget_path};
 pub use limits::Limits;
@@ -32,3 +35,14 @@ pub use prepared::{
     ENV_LIMITS_FILE, LIMITS_FILE_IN_CONTAINER, LimitsFormatError, PreparedLimits, prepare,
 };
 pub use reader::{GpuUsage, ProcessUsage, Snapshot, budgets_in};
+
+/// An environment lookup over `pairs`, for the parsers' tests.
+#[cfg(test)]
+fn test_env<'a>(pairs: &'a [(&'a str, &'a str)]) -> impl Fn(&str) -> Option<String> + 'a {
+    move |name| {
+        pairs
+            .iter()
+            .find(|(n, _)| *n == name)
+            .map(|(_, v)| v.to_string())
+    }
+}

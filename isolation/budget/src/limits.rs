@@ -104,15 +104,7 @@ fn gib_to_bytes(name: &'static str, value: &str) -> Result<u64, Error> {
 #[cfg(test)]
 mod tests {
     use super::*;
-
-    fn env<'a>(pairs: &'a [(&'a str, &'a str)]) -> impl Fn(&str) -> Option<String> + 'a {
-        move |name| {
-            pairs
-                .iter()
-                .find(|(n, _)| *n == name)
-                .map(|(_, v)| v.to_string())
-        }
-    }
+    use crate::test_env as env;
 
     #[test]
     fn no_variables_no_limits() {

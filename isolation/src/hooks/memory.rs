@@ -10,33 +10,7 @@ use crate::ledger::Kind;
 use crate::process::{forward, guard, here, read_out, state};
 use crate::settings::Managed;
 
-/// A counted allocation in the current context: `call` is the driver call, `out` where it
-/// writes the new pointer.
-pub(super) fn alloc_here<T: Copy + Default + Into<u64>>(
-    kind: Kind,
-    bytes: u64,
-    out: *const T,
-    call: impl FnOnce() -> Status,
-) -> Status {
-    let Some(interposer) = state() else {
-        return call();
-    };
-    let Some(here) = here(interposer) else {
-        // No current context: the driver refuses it itself.
-        return call();
-    };
-    interposer.allocate_at(kind, here.place(), bytes, || match call() {
-        0 => Ok(read_out(out).into()),
-        code => Err(code),
-    })
-}
-
-pub(super) fn free_counted(kind: Kind, key: u64, call: impl FnOnce() -> Status) -> Status {
-    match state() {
-        Some(interposer) => interposer.free(kind, key, call),
-        None => call(),
-    }
-}
+use super::{alloc_here, free_counted};
 
 /// `CUdeviceptr`s and handles as ledger keys.
 #[derive(Clone, Copy, Default)]
@@ -121,7 +95,7 @@ pub unsafe extern "C" fn cuMemAllocManaged(
 #[unsafe(no_mangle)]
 pub unsafe extern "C" fn cuMemFree_v2(dptr: DevicePtr) -> Status {
     guard(driver::CUDA_ERROR_UNKNOWN, || {
-        super::pools::free_pointer(dptr, || forward!(mem_free(dptr)))
+        super::free_pointer(dptr, || forward!(mem_free(dptr)))
     })
 }
 

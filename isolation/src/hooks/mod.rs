@@ -8,6 +8,10 @@
 use std::ffi::{CStr, c_void};
 use std::sync::LazyLock;
 
+use crate::driver::{DevicePtr, Status};
+use crate::ledger::Kind;
+use crate::process::{POOL_RESERVED, here, pool_attribute, read_out, state};
+
 mod contexts;
 mod graphs;
 mod memory;
@@ -116,4 +120,47 @@ pub(crate) fn hook_for(name: &[u8]) -> Option<*const c_void> {
         .iter()
         .find(|hook| hook.name.to_bytes() == name)
         .map(|hook| hook.address)
+}
+
+// What more than one family of hooks counts through: an allocation in the current context,
+// a free by key, a free of a pointer that may be a pool's.
+
+/// A counted allocation in the current context: `call` is the driver call, `out` where it
+/// writes the new pointer.
+pub(crate) fn alloc_here<T: Copy + Default + Into<u64>>(
+    kind: Kind,
+    bytes: u64,
+    out: *const T,
+    call: impl FnOnce() -> Status,
+) -> Status {
+    let Some(interposer) = state() else {
+        return call();
+    };
+    let Some(here) = here(interposer) else {
+        // No current context: the driver refuses it itself.
+        return call();
+    };
+    interposer.allocate_at(kind, here.place(), bytes, || match call() {
+        0 => Ok(read_out(out).into()),
+        code => Err(code),
+    })
+}
+
+pub(crate) fn free_counted(kind: Kind, key: u64, call: impl FnOnce() -> Status) -> Status {
+    match state() {
+        Some(interposer) => interposer.free(kind, key, call),
+        None => call(),
+    }
+}
+
+/// A free of a device pointer from `cuMemAlloc*` or from a pool (its pool re-read).
+pub(crate) fn free_pointer(key: DevicePtr, call: impl FnOnce() -> Status) -> Status {
+    let Some(interposer) = state() else {
+        return call();
+    };
+    let (code, pool) = interposer.free_pointer(key, call);
+    if let Some(pool) = pool {
+        interposer.refresh_pool_with(pool, || pool_attribute(pool, POOL_RESERVED));
+    }
+    code
 }

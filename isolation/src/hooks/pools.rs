@@ -19,18 +19,6 @@ use crate::process::{
     state,
 };
 
-/// A free of a device pointer from `cuMemAlloc*` or from a pool (its pool re-read).
-pub(super) fn free_pointer(key: DevicePtr, call: impl FnOnce() -> Status) -> Status {
-    let Some(interposer) = state() else {
-        return call();
-    };
-    let (code, pool) = interposer.free_pointer(key, call);
-    if let Some(pool) = pool {
-        interposer.refresh_pool_with(pool, || pool_attribute(pool, POOL_RESERVED));
-    }
-    code
-}
-
 /// The pool device `ordinal` allocates from now (`cuDeviceGetMemPool`).
 fn current_pool(ordinal: c_int) -> Option<u64> {
     let get = real(|c| c.device_get_mem_pool).ok()?;
@@ -67,7 +55,7 @@ fn alloc_from_pool(
         return call();
     };
     let Some(pool) = pool.or_else(|| current_pool(here.ordinal)) else {
-        return super::memory::alloc_here(crate::ledger::Kind::Pointer, bytes, dptr, call);
+        return super::alloc_here(crate::ledger::Kind::Pointer, bytes, dptr, call);
     };
     let gpu = match interposer.pool_gpu(pool) {
         Some(gpu) => gpu,
@@ -82,7 +70,7 @@ fn alloc_from_pool(
         pool_attribute(pool, POOL_USED),
     ) else {
         // A driver without pool attributes: count what was asked, per pointer.
-        return super::memory::alloc_here(crate::ledger::Kind::Pointer, bytes, dptr, call);
+        return super::alloc_here(crate::ledger::Kind::Pointer, bytes, dptr, call);
     };
     let place = Place { gpu, ctx: here.ctx };
     interposer.allocate_from_pool(
@@ -165,7 +153,7 @@ pub unsafe extern "C" fn cuMemAllocFromPoolAsync_ptsz(
 #[unsafe(no_mangle)]
 pub unsafe extern "C" fn cuMemFreeAsync(dptr: DevicePtr, stream: Handle) -> Status {
     guard(driver::CUDA_ERROR_UNKNOWN, || {
-        free_pointer(dptr, || forward!(mem_free_async(dptr, stream)))
+        super::free_pointer(dptr, || forward!(mem_free_async(dptr, stream)))
     })
 }
 
@@ -174,7 +162,7 @@ pub unsafe extern "C" fn cuMemFreeAsync(dptr: DevicePtr, stream: Handle) -> Stat
 #[unsafe(no_mangle)]
 pub unsafe extern "C" fn cuMemFreeAsync_ptsz(dptr: DevicePtr, stream: Handle) -> Status {
     guard(driver::CUDA_ERROR_UNKNOWN, || {
-        free_pointer(dptr, || forward!(mem_free_async_ptsz(dptr, stream)))
+        super::free_pointer(dptr, || forward!(mem_free_async_ptsz(dptr, stream)))
     })
 }
 

@@ -4,6 +4,7 @@
 //! or the v1 `cuMemAlloc` for an old version), our hook of that exact variant is swapped in.
 
 use std::ffi::{CStr, c_char, c_int};
+use std::sync::OnceLock;
 
 use crate::driver::{self, Handle, Status};
 use crate::process::{forward, guard, read_out, state};
@@ -17,6 +18,25 @@ pub(crate) fn base_name(name: &[u8]) -> &[u8] {
         Some((base, [b'_', b'v', digit])) if digit.is_ascii_digit() => base,
         _ => name,
     }
+}
+
+/// `(index into the table of hooks, real address)` of every hooked entry point `cuda` has:
+/// what `cuGetProcAddress` answers may be swapped for one of these hooks. Looked up once,
+/// outside the `OnceLock`'s set-up (as the driver itself is: `driver::cuda`).
+fn swaps(cuda: &driver::RealCuda) -> &'static [(usize, usize)] {
+    static SWAPS: OnceLock<Vec<(usize, usize)>> = OnceLock::new();
+    if let Some(swaps) = SWAPS.get() {
+        return swaps;
+    }
+    let found = super::CUDA
+        .iter()
+        .enumerate()
+        .filter_map(|(index, hook)| {
+            let real = driver::lookup(cuda.handle, hook.name);
+            (!real.is_null()).then_some((index, real as usize))
+        })
+        .collect();
+    SWAPS.get_or_init(|| found)
 }
 
 /// Swaps a real entry point that `cuGetProcAddress` answered for `symbol` for our hook of
@@ -33,7 +53,7 @@ fn swap_for_hook(symbol: *const c_char, pfn: *mut Handle) {
     let asked = unsafe { CStr::from_ptr(symbol) }.to_bytes();
     let answered = read_out(pfn.cast_const()) as usize;
     let hooks = &*super::CUDA;
-    let hook = cuda.swaps.iter().find_map(|&(index, real)| {
+    let hook = swaps(cuda).iter().find_map(|&(index, real)| {
         let hook = &hooks[index];
         (real == answered && base_name(hook.name.to_bytes()) == asked).then_some(hook.address)
     });

@@ -18,7 +18,7 @@
 
 use clap::Parser;
 use gpushare_contract::{DEFAULT_DOMAIN, DEFAULT_RESOURCE, Keys};
-use gpushare_extender::view::PodFacts;
+use gpushare_extender::scheduling::view::PodFacts;
 use gpushare_extender::{Settings, View};
 use gpushare_perf::workload::{gpushare_nodes, listed_bound_pod};
 

@@ -221,10 +221,14 @@ impl Drive {
         tally.bind.push(took);
         let result = wire::decode_binding_result(&answer)?;
         if result.error.is_empty() {
-            let gib = gpushare_contract::pod_request(pod, gpushare_contract::DEFAULT_RESOURCE)
-                .ok()
-                .flatten()
-                .map_or(0, |request| request.pod_gib);
+            let gib = gpushare_contract::pod_request_with(
+                pod,
+                gpushare_contract::DEFAULT_RESOURCE,
+                &gpushare_contract::Keys::default(),
+            )
+            .ok()
+            .flatten()
+            .map_or(0, |request| request.pod_gib);
             *self.requested().entry(node).or_default() += gib;
             tally.bound += 1;
             Ok(true)

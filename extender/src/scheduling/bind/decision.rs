@@ -12,9 +12,9 @@ use gpushare_allocator::{Placement, PodId, PodPlacement, Policy, Refusal, Reques
 use gpushare_contract::{ContainerRequest, GpuRef, PodAllocation, RequestError};
 
 use super::Write;
-use crate::kube_io::BindingTarget;
-use crate::reservation::Phase;
-use crate::view::{NOT_SYNCED, View, unfit_reason};
+use crate::scheduling::ports::BindingTarget;
+use crate::scheduling::view::reservations::Phase;
+use crate::scheduling::view::{NOT_SYNCED, View, unfit_reason};
 use crate::wire::ExtenderBindingArgs;
 
 /// What bind decided under the lock.
@@ -26,7 +26,24 @@ pub(super) enum Decision {
 }
 
 /// A refused bind: the metric's reason and the text kube-scheduler reports.
-pub(super) type Refused = (&'static str, String);
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[error("{message}")]
+pub struct Refused {
+    /// The `reason` label it is counted under (`gpushare_extender_binds_total`).
+    pub reason: &'static str,
+    /// What kube-scheduler reports.
+    pub message: String,
+}
+
+impl Refused {
+    /// A refusal counted under `reason`, reported as `message`.
+    pub(super) fn new(reason: &'static str, message: impl Into<String>) -> Self {
+        Self {
+            reason,
+            message: message.into(),
+        }
+    }
+}
 
 /// What a pod waiting to be bound asks for: the allocator's request and the containers as
 /// read (recorded in the allocation).
@@ -54,7 +71,7 @@ pub(super) fn decide(
         return retried;
     }
     if let Some(bound_to) = bound_to {
-        return Err((
+        return Err(Refused::new(
             "conflict",
             format!("pod {pod_key} is already bound to node {bound_to}"),
         ));
@@ -62,7 +79,7 @@ pub(super) fn decide(
     let asked = match asked {
         Ok(Some(asked)) => asked,
         Ok(None) => {
-            return Err((
+            return Err(Refused::new(
                 "no_request",
                 format!(
                     "pod {pod_key} asks for no {}; the gpushare extender binds only pods that do",
@@ -70,7 +87,7 @@ pub(super) fn decide(
                 ),
             ));
         }
-        Err(error) => return Err(("no_request", error.to_string())),
+        Err(error) => return Err(Refused::new("no_request", error.to_string())),
     };
     book(view, policy, args, uid, asked, pod_key)
 }
@@ -79,10 +96,10 @@ pub(super) fn decide(
 /// ([`View::bind_hold`]).
 fn may_bind_now(view: &View) -> Result<(), Refused> {
     if !view.is_synced() {
-        return Err(("not_synced", NOT_SYNCED.to_owned()));
+        return Err(Refused::new("not_synced", NOT_SYNCED.to_owned()));
     }
     if let Some(wait) = view.bind_hold() {
-        return Err((
+        return Err(Refused::new(
             "starting",
             format!(
                 "extender just started; binds resume in {} ms, once binds sent by a previous instance have landed",
@@ -109,13 +126,13 @@ fn the_pod(
     pod_key: &str,
 ) -> Result<ToBind, Refused> {
     let Some(cached) = view.pod(&args.pod_namespace, &args.pod_name) else {
-        return Err((
+        return Err(Refused::new(
             "pod_not_found",
             format!("pod {pod_key} (uid {uid}) not found"),
         ));
     };
     if cached.uid != *uid {
-        return Err((
+        return Err(Refused::new(
             "pod_recreated",
             format!(
                 "pod {pod_key} (uid {uid}) was recreated (now uid {}); not binding the old one",
@@ -146,17 +163,17 @@ fn retry(
     Some(match (placed_on == node, bound_to, phase) {
         (true, Some(n), _) if n == node => Ok(Decision::AlreadyBound),
         (true, None, Some(Phase::Written)) => Ok(Decision::AlreadyBound),
-        (true, None, Some(Phase::Writing | Phase::Resolving)) => Err((
+        (true, None, Some(Phase::Writing | Phase::Resolving)) => Err(Refused::new(
             "in_progress",
             format!("a bind of pod {pod_key} to node {node} is already under way; retry shortly"),
         )),
-        (false, None, Some(Phase::Writing | Phase::Resolving)) => Err((
+        (false, None, Some(Phase::Writing | Phase::Resolving)) => Err(Refused::new(
             "in_progress",
             format!(
                 "pod {pod_key} holds GPU memory on node {placed_on} while it is resolved whether its earlier Binding there landed; not binding it to {node} now, retry shortly"
             ),
         )),
-        _ => Err((
+        _ => Err(Refused::new(
             "conflict",
             format!(
                 "pod {pod_key} already holds GPU memory on node {placed_on}; not binding it to {node}"
@@ -180,14 +197,14 @@ fn book(
         .cluster
         .reserve(uid.clone(), node, &request, policy)
         .map_err(|refusal| match refusal {
-            Refusal::Unfit { reason } => (
+            Refusal::Unfit { reason } => Refused::new(
                 "unfit",
                 format!(
                     "cannot bind pod {pod_key} to node {node}: {}",
                     unfit_reason(view.settings(), node, &reason)
                 ),
             ),
-            other => ("conflict", format!("pod {pod_key}: {other}")),
+            other => Refused::new("conflict", format!("pod {pod_key}: {other}")),
         })?;
     let allocation = signed_allocation(view, &uid, node, &placement, containers);
     let annotations = allocation.to_annotations(&view.settings().keys);

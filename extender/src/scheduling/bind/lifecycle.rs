@@ -26,9 +26,9 @@ use k8s_openapi::api::core::v1::{Node, Pod};
 use proptest::prelude::*;
 
 use super::{Decision, decide, read_verdict};
-use crate::kube_io::{BindingTarget, PodOnServer};
-use crate::reservation::{Outcome, Phase, Settled, Ticket};
-use crate::view::{Settings, View};
+use crate::scheduling::ports::{BindingTarget, PodOnServer};
+use crate::scheduling::view::reservations::{Outcome, Phase, Settled, Ticket};
+use crate::scheduling::view::{Settings, View};
 use crate::wire::ExtenderBindingArgs;
 
 /// GiB each pod asks for; the GPUs below hold about half of them at once.

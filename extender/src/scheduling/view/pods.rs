@@ -5,7 +5,7 @@
 //! Why one function per case: a watched pod is one of a few things (not ours, waiting, bound,
 //! finished), and a bound pod's annotations are one of four (readable, salvageable, absent,
 //! not signed by us); each case books differently, and each is easier to check on its own
-//! against the rules in the module doc of [`crate::view`].
+//! against the rules in the module doc of [`crate::scheduling::view`].
 
 use std::sync::Arc;
 
@@ -14,7 +14,7 @@ use gpushare_allocator::{PodId, PodPlacement, Request};
 use gpushare_contract::{PodRequest, RequestError};
 use k8s_openapi::api::core::v1::Pod;
 
-use super::facts::{AllocationFacts, Ask, PodFacts, to_request};
+use super::facts::{AllocationFacts, Ask, PodFacts, read_pod_request, to_request};
 use super::{View, pod_key, split_key};
 
 /// A pod the extender cares about: it asks for the resource or carries an allocation.
@@ -109,6 +109,29 @@ fn allocation_warning(key: &str, uid: &PodId, allocation: &AllocationFacts) -> O
 }
 
 impl View {
+    /// What `pod` asks for, in the allocator's form: the view's own reading while the pod
+    /// waits to be bound (the one bind places, so filter, prioritize and preempt judge the
+    /// request bind will act on), or, for a pod the view does not hold as waiting (not seen
+    /// yet, or bound already), [`read_pod_request`] of the object given.
+    pub fn request_of(&self, pod: &Pod) -> Result<Option<Request>, RequestError> {
+        let held = pod
+            .metadata
+            .namespace
+            .as_deref()
+            .zip(pod.metadata.name.as_deref())
+            .and_then(|(namespace, name)| self.pod(namespace, name))
+            .filter(|cached| {
+                matches!(cached.ask, Ask::Pending(_))
+                    && pod.metadata.uid.as_deref() == Some(cached.uid.as_str())
+            });
+        match held {
+            Some(cached) => cached
+                .pending_request()
+                .map(|r| r.map(|(request, _)| request)),
+            None => read_pod_request(pod, &self.settings).map(|r| r.map(|(request, _)| request)),
+        }
+    }
+
     /// Applies a pod from the pod watch. Returns a warning for the pod's owner when its
     /// allocation annotations became unreadable.
     pub fn apply_pod(&mut self, pod: &Pod) -> Option<PodWarning> {
@@ -316,7 +339,7 @@ impl View {
     /// The booking of a bound pod whose allocation is not signed by us (`why`): what is
     /// booked for it stays; with nothing booked, its spec's request (`fallback`) is booked on
     /// the GPU the annotations name ("Why a signature that does not verify keeps the
-    /// booking" in [`crate::view`]).
+    /// booking" in [`crate::scheduling::view`]).
     fn untrusted_booking(
         &self,
         pod: &Bound<'_>,
@@ -400,6 +423,40 @@ mod tests {
 
     use super::super::testing::{allocated, reserve, used, view, with_uid};
     use super::*;
+
+    #[test]
+    fn filter_reads_the_request_bind_will_place() {
+        let mut view = view();
+        let keys = Keys::default();
+        let waiting = |gib: u64, gpus: &str| {
+            let mut pod = with_uid(pod("train").gpu_mem(gib).build(), "u-train");
+            pod.metadata.annotations = Some([(keys.request_gpus.clone(), gpus.to_owned())].into());
+            pod
+        };
+        // Not seen yet: read from the object kube-scheduler sent.
+        let sent = waiting(8, "2");
+        let read = view.request_of(&sent).unwrap().unwrap();
+        assert_eq!((read.pod_gib, read.gpus), (8, 2));
+        // Once the view holds it waiting, its reading wins over a different copy.
+        view.apply_pod(&waiting(16, "4"));
+        let read = view.request_of(&sent).unwrap().unwrap();
+        assert_eq!((read.pod_gib, read.gpus), (16, 4));
+        let (bind_reads, _) = view
+            .pod("default", "train")
+            .unwrap()
+            .pending_request()
+            .unwrap()
+            .unwrap();
+        assert_eq!(read, bind_reads);
+        // A recreated pod (another UID) is read from what was sent.
+        let recreated = with_uid(waiting(8, "2"), "u-other");
+        assert_eq!(view.request_of(&recreated).unwrap().unwrap().gpus, 2);
+        // So is an unreadable one the view does not hold.
+        let bad = with_uid(waiting(8, "x"), "u-bad");
+        let mut bad_named = bad.clone();
+        bad_named.metadata.name = Some("other".into());
+        assert!(view.request_of(&bad_named).is_err());
+    }
 
     #[test]
     fn every_bound_pods_cpu_and_memory_count_on_its_node() {

@@ -3,8 +3,8 @@
 //! Why rebuild rather than merge: the list is the truth, and pods the watch never reported
 //! gone (deleted while it was away) must leave the allocator. Two things must survive the
 //! rebuild all the same: a booking an unverified allocation is not trusted to lower ("Why a
-//! signature that does not verify keeps the booking" in [`crate::view`]), and the
-//! reservations of pods that still wait for their Binding ([`crate::reservation`]).
+//! signature that does not verify keeps the booking" in [`crate::scheduling::view`]), and the
+//! reservations of pods that still wait for their Binding ([`crate::scheduling::view::reservations`]).
 
 use std::collections::HashMap;
 use std::sync::Arc;
@@ -14,7 +14,7 @@ use k8s_openapi::api::core::v1::Pod;
 
 use super::facts::{AllocationFacts, PodFacts};
 use super::{PodWarning, View, pod_key};
-use crate::reservation::Reservation;
+use crate::scheduling::view::reservations::Reservation;
 
 impl View {
     /// Replaces every pod with a fresh list (after the watch relisted) and rebuilds the
@@ -101,7 +101,7 @@ mod tests {
     use gpushare_testkit::fixtures::{node, pod};
 
     use super::super::testing::{allocated, reserve, used, view, with_uid};
-    use crate::reservation::{Outcome, Phase, Settled};
+    use crate::scheduling::view::reservations::{Outcome, Phase, Settled};
 
     #[test]
     fn relist_keeps_reservations_of_waiting_pods_only() {

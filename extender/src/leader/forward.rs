@@ -1,5 +1,6 @@
-//! A follower passes kube-scheduler's `bind` on to the leader, so the scheduler may call any
-//! replica behind the Service. Filter and prioritize are answered by every replica from its
+//! How replicas reach the one that leads: a follower passes kube-scheduler's `bind` on to
+//! the leader (the HTTP adapter decides when, with this client), so the scheduler may call any
+//! replica behind the Service; and the election probes the Lease holder's address with it. Filter and prioritize are answered by every replica from its
 //! own view; only bind books memory, and only the leader binds.
 //!
 //! ```text

@@ -45,7 +45,7 @@ use kube::Api;
 use kube::api::{Patch, PatchParams};
 
 use crate::scheduling::Scheduling;
-use crate::view::TaintDrift;
+use crate::scheduling::view::TaintDrift;
 
 /// How often the taints are compared with the view.
 pub const PERIOD: Duration = Duration::from_secs(2);

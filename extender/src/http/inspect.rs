@@ -14,7 +14,7 @@ use serde::Serialize;
 
 use super::{ErrorBody, json_response};
 use crate::scheduling::Scheduling;
-use crate::view::View;
+use crate::scheduling::view::View;
 
 /// `GET {prefix}/inspect`.
 pub(super) async fn inspect_all(State(state): State<Scheduling>) -> Response {

@@ -1,8 +1,12 @@
 //! What the interposer reads from the container's environment besides the shares
-//! ([`gpushare_isolation_budget::Limits`]): which GPU each share is for, what a context
-//! costs, and what to do with managed memory.
+//! ([`crate::Limits`]): which GPU each share is for, what a context costs, and what to do
+//! with managed memory.
 //!
-//! Where a limits file is mounted (or named, see `crate::source`) these come from its
+//! Here rather than in the interposer so that the plugins, which write these variables
+//! (`gpushare-contract`'s `env`), name them from this one place and test that what they
+//! write reads back here.
+//!
+//! Where a limits file is mounted (or named: the interposer's `source` module) these come from its
 //! `uuid`, `context_mib` and `managed_memory` lines instead, read by the same rules, and
 //! the variables below are ignored.
 //!
@@ -18,6 +22,8 @@
 //! - `GPUSHARE_MANAGED_MEMORY`: `charge` (default) counts `cuMemAllocManaged` in full on the
 //!   current GPU; `ignore` lets it pass uncounted, for programs that oversubscribe on
 //!   purpose (the driver pages managed memory out under pressure instead of failing).
+
+use crate::prepared::MAX_CONTEXT_MIB;
 
 /// The container's GPU UUIDs (`GPU-…`), in the order of its shares.
 pub const ENV_GPU_UUID: &str = "GPUSHARE_GPU_UUID";
@@ -96,7 +102,7 @@ impl Settings {
                 .trim()
                 .parse()
                 .ok()
-                .filter(|m| *m <= 1 << 20)
+                .filter(|m| *m <= MAX_CONTEXT_MIB)
                 .ok_or(Invalid {
                     name: ENV_CONTEXT_MIB,
                     value: mib,
@@ -163,15 +169,7 @@ pub fn format_uuid(uuid: &Uuid) -> String {
 #[cfg(test)]
 mod tests {
     use super::*;
-
-    fn env<'a>(pairs: &'a [(&'a str, &'a str)]) -> impl Fn(&str) -> Option<String> + 'a {
-        move |name| {
-            pairs
-                .iter()
-                .find(|(n, _)| *n == name)
-                .map(|(_, v)| v.to_string())
-        }
-    }
+    use crate::test_env as env;
 
     #[test]
     fn uuids_read_back_as_written_in_share_order() {

@@ -11,10 +11,10 @@ use kube::Api;
 use kube::runtime::WatchStreamExt;
 use kube::runtime::watcher::{self, Event};
 
-use crate::kube_io::PodEvent;
+use crate::kube_io::watched_pod::WatchedPod;
 use crate::scheduling::Scheduling;
-use crate::view::{PodFacts, PodWarning, View};
-use crate::watched_pod::WatchedPod;
+use crate::scheduling::ports::PodEvent;
+use crate::scheduling::view::{PodFacts, PodWarning, View};
 
 /// Follows Nodes until the stream ends (it ends only if the watcher gives up).
 pub async fn watch_nodes(client: kube::Client, state: Scheduling) {
@@ -304,10 +304,14 @@ mod tests {
         );
         assert!(pod.status.as_ref().unwrap().pod_ip.is_none());
         assert_eq!(
-            gpushare_contract::pod_request(&pod, "example.com/gpu-mem")
-                .unwrap()
-                .unwrap()
-                .pod_gib,
+            gpushare_contract::pod_request_with(
+                &pod,
+                "example.com/gpu-mem",
+                &gpushare_contract::Keys::default()
+            )
+            .unwrap()
+            .unwrap()
+            .pod_gib,
             4
         );
     }

@@ -3,15 +3,15 @@
 //! the memory back together with the record, so the two never disagree.
 //!
 //! The lifecycle itself (phases, tickets, why each ends how it ends) is drawn in
-//! [`crate::reservation`]; the watch and relists end reservations in `pods.rs` and
+//! [`crate::scheduling::view::reservations`]; the watch and relists end reservations in `pods.rs` and
 //! `relist.rs`.
 
 use std::time::Instant;
 
 use gpushare_allocator::{PodId, PodPlacement, Policy, Request};
 
-use super::View;
-use crate::reservation::{Outcome, Phase, Reservation, Settled, Ticket};
+use super::{Outcome, Phase, Reservation, Settled, Ticket};
+use crate::scheduling::view::View;
 
 /// Which pod [`View::hold`] holds memory for, where, and until when.
 #[derive(Debug, Clone)]
@@ -85,7 +85,7 @@ impl View {
 
     /// Holds `request`'s memory for pod `uid` on `node` until `until`: filter passed that node
     /// alone, so kube-scheduler binds the pod there next, and the filters that run before the
-    /// bind must see the memory taken ([`crate::reservation`], "Why holds"). A hold the pod
+    /// bind must see the memory taken ([`crate::scheduling::view::reservations`], "Why holds"). A hold the pod
     /// already had is given back first; a pod already booked otherwise (its bind under way or
     /// its Binding written) gets none. False when nothing was held.
     ///

@@ -9,11 +9,11 @@
 //! cheaper per event (`cargo bench -p gpushare-perf --bench watch_decode`; figures in
 //! docs/performance.md) and allocates only what is kept.
 //!
-//! What is kept is exactly what [`crate::watch`] kept before by trimming a full Pod: the
+//! What is kept is exactly what [`crate::kube_io::watch`] kept before by trimming a full Pod: the
 //! metadata except labels, owner references and managed fields; the node name and the
 //! priority (preemption weighs it); each container's and init container's name, resources
 //! and restart policy; the phase, the start time (kubelet admitted the pod: see
-//! [`crate::view::PodFacts`]) and the node a preemption nominated the pod for. A test
+//! [`crate::scheduling::view::PodFacts`]) and the node a preemption nominated the pod for. A test
 //! holds the two equal on varied pods. Annotations are kept whole here and cut to gpushare's
 //! domain by the watch, which knows the domain.
 
@@ -281,7 +281,7 @@ mod tests {
         unbound["spec"].as_object_mut().unwrap().remove("nodeName");
         bare["spec"] = json!({"containers": [{"name": "c"}]});
         let fixture: Value = serde_json::from_str(include_str!(
-            "../tests/fixtures/filter-request-nodenames.json"
+            "../../tests/fixtures/filter-request-nodenames.json"
         ))
         .unwrap();
         for value in [

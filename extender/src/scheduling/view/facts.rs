@@ -42,7 +42,26 @@ impl Ask {
     }
 }
 
-/// The allocator's form of a pod request (CPU and memory: see [`pod_host`]).
+/// A pod's request as the contract reads it ([`pod_request_with`], which the view's facts
+/// keep) in the allocator's form, with the pod's CPU and memory: what filter, prioritize
+/// and preempt read of a pod the view does not hold as pending
+/// ([`View::request_of`](super::View::request_of) reads a pod the view holds waiting from
+/// [`CachedPod::pending_request`](super::CachedPod::pending_request) instead).
+pub fn read_pod_request(
+    pod: &Pod,
+    settings: &Settings,
+) -> Result<Option<(Request, PodRequest)>, RequestError> {
+    let Some(read) = pod_request_with(pod, &settings.resource, &settings.keys)? else {
+        return Ok(None);
+    };
+    let request = Request {
+        host: pod_host(pod),
+        ..to_request(&read)
+    };
+    Ok(Some((request, read)))
+}
+
+/// The allocator's form of a pod request, CPU and memory left out (see [`pod_host`]).
 pub fn to_request(request: &PodRequest) -> Request {
     Request {
         models: ModelFilter::parse(request.models.iter().map(String::as_str)),

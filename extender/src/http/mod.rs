@@ -5,29 +5,34 @@
 //! protocol's JSON gets a 400, with a JSON body naming the problem.
 //!
 //! The handlers are adapters: each decodes the body, asks [`Scheduling`] (the domain, which
-//! decides everything) and encodes its answer, timing the call. This file holds the routes and
-//! those handlers; `inspect.rs` renders the view as JSON for `kubectl gpushare`, and
-//! `callers.rs` says who may call the verbs at all (a client certificate of `--client-ca`).
+//! decides everything) and encodes its answer, timing the call. The one thing decided here is
+//! what a follower does with a bind the domain says another replica must make: pass the body
+//! on to the leader as received ([`forward`]), unless it came from another replica already.
+//! This file holds the routes and those handlers; `inspect.rs` renders the view as JSON for
+//! `kubectl gpushare`, and `callers.rs` says who may call the verbs at all (a client
+//! certificate of `--client-ca`).
 
 use std::time::Instant;
 
 use axum::Json;
 use axum::Router;
 use axum::body::Bytes;
-use axum::extract::{DefaultBodyLimit, State};
+use axum::extract::{DefaultBodyLimit, FromRef, State};
 use axum::http::{HeaderMap, StatusCode, header};
 use axum::response::{IntoResponse, Response};
 use axum::routing::{get, post};
 use serde::Serialize;
 
 use self::callers::Callers;
-use crate::scheduling::Scheduling;
-use crate::view::NOT_SYNCED;
+use crate::leader::forward::{self, Forwarder};
+use crate::scheduling::view::NOT_SYNCED;
+use crate::scheduling::{BindRefusal, Scheduling};
 use crate::wire::{
     ExtenderArgs, ExtenderBindingArgs, ExtenderBindingResult, ExtenderPreemptionArgs,
 };
 
 pub mod callers;
+
 mod inspect;
 
 /// Default for the largest request body accepted (`--max-request-bytes`): a 5,000-node
@@ -39,12 +44,36 @@ pub const DEFAULT_BODY_LIMIT: usize = 32 << 20;
 /// verbs ([`scheduler_router`] sets who may).
 pub fn router(state: Scheduling, prefix: &str, body_limit: usize) -> Router {
     let callers = Callers::anyone(state.metrics());
-    scheduler_router(state, prefix, body_limit, callers)
+    scheduler_router(
+        Adapter {
+            domain: state,
+            forwarder: None,
+        },
+        prefix,
+        body_limit,
+        callers,
+    )
+}
+
+/// What the handlers work with: the domain, and how a follower reaches the leader.
+#[derive(Clone)]
+pub struct Adapter {
+    /// The domain.
+    pub domain: Scheduling,
+    /// How binds are passed on to the leader (with leader election); `None`: a follower
+    /// refuses them retryably.
+    pub forwarder: Option<Forwarder>,
+}
+
+impl FromRef<Adapter> for Scheduling {
+    fn from_ref(adapter: &Adapter) -> Self {
+        adapter.domain.clone()
+    }
 }
 
 /// As [`router`], with the verbs answering only `callers` ([`callers`]).
 pub fn scheduler_router(
-    state: Scheduling,
+    state: Adapter,
     prefix: &str,
     body_limit: usize,
     callers: Callers,
@@ -75,7 +104,7 @@ pub fn scheduler_router(
 }
 
 /// This process's election identity, for a follower asking whether the Lease's holder still
-/// serves at the address it published (`crate::forward::Forwarder::probe`); 404 without an
+/// serves at the address it published (`crate::leader::forward::Forwarder::probe`); 404 without an
 /// election.
 async fn identity(State(state): State<Scheduling>) -> Response {
     match state.leadership().identity() {
@@ -89,10 +118,13 @@ async fn identity(State(state): State<Scheduling>) -> Response {
 pub fn monitor_router(state: Scheduling) -> Router {
     monitor_routes()
         .layer(DefaultBodyLimit::max(0))
-        .with_state(state)
+        .with_state(Adapter {
+            domain: state,
+            forwarder: None,
+        })
 }
 
-fn monitor_routes() -> Router<Scheduling> {
+fn monitor_routes() -> Router<Adapter> {
     Router::new()
         .route("/healthz", get(|| async { "ok" }))
         .route("/readyz", get(readyz))
@@ -177,7 +209,8 @@ async fn preempt(State(state): State<Scheduling>, body: Bytes) -> Response {
 
 /// `POST {prefix}/bind`.
 #[tracing::instrument(skip_all, fields(pod, node))]
-async fn bind(State(state): State<Scheduling>, headers: HeaderMap, body: Bytes) -> Response {
+async fn bind(State(adapter): State<Adapter>, headers: HeaderMap, body: Bytes) -> Response {
+    let state = &adapter.domain;
     let started = Instant::now();
     let response = match serde_json::from_slice::<ExtenderBindingArgs>(&body) {
         Ok(args) => {
@@ -187,10 +220,14 @@ async fn bind(State(state): State<Scheduling>, headers: HeaderMap, body: Bytes) 
                 tracing::field::display(format_args!("{}/{}", args.pod_namespace, args.pod_name)),
             );
             span.record("node", tracing::field::display(&args.node));
-            let forwarded = headers.contains_key(crate::forward::FORWARDED_HEADER);
-            let error = match state.bind(&args, &body, forwarded).await {
+            let forwarded = headers.contains_key(forward::FORWARDED_HEADER);
+            let error = match state.bind(&args).await {
                 Ok(()) => String::new(),
-                Err(reason) => reason,
+                Err(BindRefusal::Follower { url, leader }) => {
+                    let leader_said = pass_on(&adapter, (&url, &leader), &body, forwarded).await;
+                    leader_said.err().unwrap_or_default()
+                }
+                Err(BindRefusal::Refused(reason)) => reason,
             };
             let failed = !error.is_empty();
             let mut response = json_response(&ExtenderBindingResult { error });
@@ -208,6 +245,46 @@ async fn bind(State(state): State<Scheduling>, headers: HeaderMap, body: Bytes) 
     };
     state.metrics().observe("bind", started);
     response
+}
+
+/// A bind that `leader` (at `url`) must make: `body` passed on to it as received, unless it
+/// was `forwarded` here by another replica already (never passed on twice) or this replica
+/// has no way to reach it; counted under `forwarded`, `forward_failed` or `not_leader`.
+async fn pass_on(
+    adapter: &Adapter,
+    (url, leader): (&str, &str),
+    body: &[u8],
+    forwarded: bool,
+) -> Result<(), String> {
+    let state = &adapter.domain;
+    let refuse = |reason: &'static str, message: String| {
+        state.metrics().bind(reason);
+        tracing::debug!(%message, "bind not taken");
+        Err(message)
+    };
+    match (&adapter.forwarder, forwarded) {
+        (Some(forwarder), false) => {
+            match forwarder
+                .forward(url, body, state.bind_timing().timeout)
+                .await
+            {
+                Ok(answer) => {
+                    state.metrics().bind("forwarded");
+                    answer
+                }
+                Err(error) => refuse(
+                    "forward_failed",
+                    format!(
+                        "the extender leader {leader} did not answer this bind ({error}); retry"
+                    ),
+                ),
+            }
+        }
+        _ => refuse(
+            "not_leader",
+            format!("this extender replica does not lead ({leader} does); retry"),
+        ),
+    }
 }
 
 /// `GET /readyz`: 200 once both watches have listed and the view is built, and, with leader

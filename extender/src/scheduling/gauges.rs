@@ -25,7 +25,7 @@ use prometheus_client::encoding::DescriptorEncoder;
 use prometheus_client::metrics::MetricType;
 use prometheus_client::registry::Registry;
 
-use crate::view::View;
+use crate::scheduling::view::View;
 
 /// Bytes in a GiB, the unit the view counts in.
 const GIB: u64 = 1 << 30;
@@ -138,7 +138,7 @@ mod tests {
     use gpushare_testkit::fixtures::node;
 
     use super::*;
-    use crate::view::Settings;
+    use crate::scheduling::view::Settings;
 
     fn view() -> Arc<RwLock<View>> {
         Arc::new(RwLock::new(View::new(Settings::new(

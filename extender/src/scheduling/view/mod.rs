@@ -4,7 +4,7 @@
 //! Why reservations: between our Binding write and the watch delivering the bound pod, the
 //! memory must already count, or a second bind could take it. A reservation is booked in the
 //! allocator at the decision and ended by the watched pod (same UID) when it shows up bound,
-//! by a definitive answer to the write, or by a read of the pod ([`crate::reservation`]
+//! by a definitive answer to the write, or by a read of the pod ([`crate::scheduling::view::reservations`]
 //! draws the lifecycle). On a relist (restart, watch expiry) the allocator is rebuilt from
 //! the listed pods, and the reservations of pods still listed and unbound are booked on top.
 //!
@@ -43,7 +43,7 @@ use gpushare_allocator::{Cluster, PodId, Unfit};
 use gpushare_contract::{Scope, SharedKeyring};
 use k8s_openapi::api::core::v1::Taint;
 
-use crate::reservation::Reservations;
+use reservations::Reservations;
 
 mod dra;
 mod facts;
@@ -51,12 +51,12 @@ mod nodes;
 mod pods;
 mod preemption;
 mod relist;
-mod reservations;
+pub mod reservations;
 #[cfg(test)]
 mod testing;
 
 pub use dra::{ClaimAsk, DraNames};
-pub use facts::{Ask, PodFacts, node_host, pod_host, to_request};
+pub use facts::{Ask, PodFacts, node_host, pod_host, read_pod_request, to_request};
 pub use pods::{CachedPod, PodWarning};
 pub use reservations::Hold;
 
@@ -138,7 +138,7 @@ pub struct View {
     pods: HashMap<Arc<str>, CachedPod>,
     /// The `namespace/name` of those pods, by UID (the same shared string).
     pod_keys: HashMap<PodId, Arc<str>>,
-    /// Bookings made by bind that the watch has not shown yet (see [`crate::reservation`]).
+    /// Bookings made by bind that the watch has not shown yet (see [`crate::scheduling::view::reservations`]).
     reservations: Reservations,
     nodes_synced: bool,
     pods_synced: bool,
@@ -148,10 +148,10 @@ pub struct View {
     bind_grace: Duration,
     /// The `PreferNoSchedule` taints of the nodes that have any: kube-scheduler's
     /// TaintToleration score reads them, so the filter that keeps the best node steps aside
-    /// where one could move the choice ([`crate::keep_best`]).
+    /// where one could move the choice ([`crate::scheduling::keep_best`]).
     prefer_no_schedule: HashMap<Arc<str>, Vec<Taint>>,
     /// Each node's taints and resourceVersion as the watch last showed them: the idle-GPU
-    /// taint is written from them, with no read first ([`crate::idle_gpu_taint`]).
+    /// taint is written from them, with no read first ([`crate::kube_io::idle_gpu_taint`]).
     node_taints: HashMap<Arc<str>, NodeTaints>,
     /// Unbound pods nominated for a node by preemption (see `preemption.rs`).
     nominations: HashMap<PodId, preemption::Nomination>,
@@ -237,7 +237,7 @@ impl View {
         drift
     }
 
-    /// Whether `node` carries the idle-GPU taint ([`crate::idle_gpu_taint`]), as the node
+    /// Whether `node` carries the idle-GPU taint ([`crate::kube_io::idle_gpu_taint`]), as the node
     /// watch last showed it.
     fn carries_idle_gpu_taint(&self, node: &str) -> bool {
         let key = &self.settings.keys.node_idle_gpu_taint;

@@ -1,7 +1,7 @@
 //! The lifecycle of the GPU memory that `bind` books before its Binding write is known to
 //! have landed, and of what `filter` holds for a pod when it passes one node only. Pure
 //! bookkeeping: no I/O, and no clock of its own (times are handed in). The I/O that drives it
-//! is in [`crate::scheduling::bind`]; the watch and relists end it through [`crate::view::View`].
+//! is in [`crate::scheduling::bind`]; the watch and relists end it through [`crate::scheduling::view::View`].
 //!
 //! ```text
 //!   filter passes one node ──hold──▶ Held ──bind comes, filter runs again for the pod,
@@ -43,10 +43,14 @@
 //! Each reservation carries a [`Ticket`]: the task that drives one bind attempt settles only
 //! its own reservation, never a later one for the same pod.
 
+mod booking;
+
 use std::collections::HashMap;
 use std::time::Instant;
 
 use gpushare_allocator::{PodId, PodPlacement};
+
+pub use booking::Hold;
 
 /// Identifies one bind attempt's reservation.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]

@@ -8,7 +8,7 @@ use gpushare_testkit::fixtures::{node, pod};
 use k8s_openapi::api::core::v1::Pod;
 
 use super::{Settings, View};
-use crate::reservation::Ticket;
+use crate::scheduling::view::reservations::Ticket;
 
 /// An empty view with the default settings and no keyring.
 pub(super) fn view() -> View {

@@ -28,7 +28,7 @@ use gpushare_contract::taints::tolerates;
 use k8s_openapi::api::core::v1::{Pod, Toleration};
 use serde_json::value::RawValue;
 
-use crate::view::View;
+use crate::scheduling::view::View;
 
 /// Why every fitting node passes although keep-best is on: kube-scheduler's scores would
 /// weigh something the extender does not model.
