@@ -13,11 +13,12 @@ use axum::http::{Request, StatusCode};
 use futures::future::BoxFuture;
 use gpushare_allocator::Policy;
 use gpushare_contract::{ContainerRequest, Keys, PodAllocation};
+use gpushare_extender::scheduling::view::reservations::Phase;
 use gpushare_extender::{
     BindError, BindTiming, Binder, BindingTarget, EventSink, PodOnServer, Ranking, Scheduling,
     Settings, router,
 };
-use gpushare_testkit::fixtures::{PodBuilder, pod};
+use gpushare_testkit::fixtures::{PodBuilder, node, pod};
 use http_body_util::BodyExt;
 use k8s_openapi::api::core::v1::{Node, Pod};
 use prometheus_client::registry::Registry;
@@ -142,6 +143,44 @@ pub fn settings() -> Settings {
     )
 }
 
+/// The UID of the pod in the captured requests.
+pub const FIXTURE_UID: &str = "647c79bc-629b-49c7-a3dd-034bd088a0ab";
+
+/// The captured bind request (gpu-pod-3 to node-a), answered.
+pub async fn captured_bind(h: &Harness) -> Value {
+    post(h, "bind", &fixture("bind-request.json")).await.1
+}
+
+/// node-a: one empty 16 GiB GPU; node-b: one 8 GiB GPU with 6 GiB taken.
+pub fn fixture_cluster() -> Harness {
+    harness(
+        vec![
+            node("node-a").gpushare().gpus(&[16]).build(),
+            node("node-b").gpushare().gpus(&[8]).build(),
+        ],
+        vec![fixture_pod(), bound("busy", "node-b", 0, 6, true)],
+    )
+}
+
+/// GiB booked on node-a's GPU.
+pub fn used_on_node_a(h: &Harness) -> u64 {
+    h.state.view().cluster.node("node-a").unwrap().gpus()[0].used_gib
+}
+
+/// Where the captured pod's reservation is, if it has one.
+pub fn phase_of_fixture_pod(h: &Harness) -> Option<Phase> {
+    h.state
+        .view()
+        .reservation(&FIXTURE_UID.into())
+        .map(|r| r.phase)
+}
+
+/// The pod inside the captured requests (gpu-pod-3, 4 GiB).
+pub fn fixture_pod() -> Pod {
+    let args: Value = serde_json::from_str(&fixture("filter-request-nodenames.json")).unwrap();
+    serde_json::from_value(args["Pod"].clone()).unwrap()
+}
+
 /// A synced state over these nodes and pods (pods get a UID `uid-<name>` unless set).
 pub fn harness(nodes: Vec<Node>, pods: Vec<Pod>) -> Harness {
     harness_with(settings(), nodes, pods)
@@ -218,13 +257,14 @@ pub fn harness_ranked(
     Harness { state, binder, app }
 }
 
-/// Waits (at most 5 s) until `condition` holds, checking every 10 ms.
+/// Waits until `condition` holds, checking every 10 ms; fails a test hung for a minute (a
+/// deadline only a hang reaches, on a paused clock or a slow machine alike).
 pub async fn eventually(what: &str, condition: impl Fn() -> bool) {
-    let deadline = tokio::time::Instant::now() + Duration::from_secs(5);
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(60);
     while !condition() {
         assert!(
             tokio::time::Instant::now() < deadline,
-            "timed out after 5 s waiting for {what}"
+            "timed out after 60 s waiting for {what}"
         );
         tokio::time::sleep(Duration::from_millis(10)).await;
     }

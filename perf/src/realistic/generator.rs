@@ -282,6 +282,12 @@ impl Task {
     pub fn demand_gib(&self) -> u64 {
         u64::from(self.gpus) * self.gpu_gib
     }
+
+    /// Whether the task asks for whole GPUs: all of its GPU model's memory, on one GPU or
+    /// more (what a gpushare pod may ask for with `exclusive`).
+    pub(super) fn is_whole(&self) -> bool {
+        matches!(self.kind, TaskKind::Whole | TaskKind::Multi)
+    }
 }
 
 /// A task of `kind` asking `gpus` × `gpu_gib` with one core and 1 GiB, no model: the tests'

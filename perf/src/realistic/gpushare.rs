@@ -8,7 +8,7 @@
 use gpushare_allocator::fragmentation::Host;
 use gpushare_allocator::{Cluster, Gpu, ModelFilter, PodId, Policy, Request, kube_scores};
 
-use super::generator::{MODELS, SimNode, Task, TaskKind};
+use super::generator::{MODELS, SimNode, Task};
 use super::kube_scheduler::{KubeScheduler, Missed, select_host};
 use super::nodes::Nodes;
 use super::scores::{default_score, native_most_allocated_score};
@@ -37,11 +37,6 @@ pub(super) fn gpushare_cluster(nodes: &[SimNode]) -> Cluster {
     cluster
 }
 
-/// Whether a task asks for whole GPUs: all of its GPU model's memory, on one GPU or more.
-pub(super) fn is_whole(task: &Task) -> bool {
-    matches!(task.kind, TaskKind::Whole | TaskKind::Multi)
-}
-
 /// The request a gpushare pod for `task` makes: fractional tasks a shared slice of one GPU;
 /// whole- and multi-GPU tasks `gpus: N` and the total GiB, which in the plain `form` is N
 /// shared slices of the task's GiB and with [`RequestForm::Exclusive`] N empty GPUs of at
@@ -60,7 +55,7 @@ pub fn gpushare_request(task: &Task, form: RequestForm) -> Request {
     };
     Request {
         gpus: task.gpus.max(1),
-        exclusive: form == RequestForm::Exclusive && is_whole(task),
+        exclusive: form == RequestForm::Exclusive && task.is_whole(),
         pod_gib: task.demand_gib(),
         containers: vec![task.demand_gib()],
         host: task.host,

@@ -8,7 +8,6 @@
 use gpushare_allocator::Policy;
 
 use super::generator::Task;
-use super::gpushare::is_whole;
 
 /// kube-scheduler's node scores as a scheduler profile configures them.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -224,7 +223,7 @@ impl Strategy {
     /// Whether `task` takes its GPUs whole under this strategy and `form` (a gpushare
     /// exclusive pod); otherwise only the task's GiB is booked on each GPU.
     pub(super) fn books_whole(self, task: &Task, form: RequestForm) -> bool {
-        self.is_gpushare() && form == RequestForm::Exclusive && is_whole(task)
+        self.is_gpushare() && form == RequestForm::Exclusive && task.is_whole()
     }
 
     /// Whether gpushare's extender runs, and so taints the nodes with an idle GPU
