@@ -25,6 +25,7 @@
 pub mod apiserver;
 mod chunked;
 pub mod cluster;
+mod control_loop;
 pub use gpushare_testkit::fixtures;
 pub mod front;
 pub mod kubelet;

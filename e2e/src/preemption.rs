@@ -16,7 +16,7 @@ use k8s_openapi::api::core::v1::Pod;
 use k8s_openapi::api::scheduling::v1::PriorityClass;
 use kube::api::{Api, DeleteParams, PostParams};
 
-use crate::cluster::wait_for;
+use crate::cluster::{published_gpus, wait_for};
 use crate::fixtures::pod;
 use crate::scenarios::{Harness, START_TIMEOUT, allocation, check_no_overcommit, wait_bound};
 
@@ -181,7 +181,7 @@ async fn gpu_sizes(h: &impl Harness, node: &str) -> anyhow::Result<BTreeMap<u32,
     let node = Api::<k8s_openapi::api::core::v1::Node>::all(h.client())
         .get(node)
         .await?;
-    let gpus = crate::scenarios::published_gpus(&node).context("no GPU inventory")??;
+    let gpus = published_gpus(&node).context("no GPU inventory")??;
     Ok(gpus.into_iter().map(|g| (g.index, g.mem_gib)).collect())
 }
 

@@ -45,7 +45,7 @@ use tokio::sync::Notify;
 use tokio::task::JoinHandle;
 use tokio_util::sync::CancellationToken;
 
-use crate::scheduler::dra::{next_pass, stop_tasks, watch};
+use crate::control_loop::{next_pass, stop_tasks, watch};
 
 /// The annotation that ties a generated claim to its pod claim (upstream's
 /// `podResourceClaimAnnotation`).

@@ -15,12 +15,12 @@ use std::future::Future;
 use std::time::Duration;
 
 use anyhow::{Context, bail, ensure};
-use gpushare_contract::{Keys, PodAllocation, env, inventory};
+use gpushare_contract::{Keys, PodAllocation, env};
 use k8s_openapi::api::core::v1::{Node, Pod};
 use kube::Client;
 use kube::api::{Api, DeleteParams, ListParams, LogParams, PostParams};
 
-use crate::cluster::{TestCluster, wait_for};
+use crate::cluster::{TestCluster, published_gpus, wait_for};
 use crate::fixtures::pod;
 
 /// A cluster with gpushare installed, as the scenarios see it.
@@ -222,17 +222,6 @@ pub async fn check_pinned(h: &impl Harness, pod: &Pod) -> anyhow::Result<()> {
         );
     }
     Ok(())
-}
-
-/// The GPU inventory the device plugin published on `node` (`<domain>/v1.gpus`, the default
-/// domain); `None` when there is none.
-pub fn published_gpus(node: &Node) -> Option<anyhow::Result<Vec<gpushare_contract::GpuInfo>>> {
-    let text = node
-        .metadata
-        .annotations
-        .as_ref()?
-        .get(&Keys::default().node_gpus)?;
-    Some(inventory::decode(text).map_err(anyhow::Error::from))
 }
 
 /// GiB in use per (node, GPU index), from every active pod's annotations, checked against

@@ -6,11 +6,10 @@ use http::StatusCode;
 use serde_json::{Value, json};
 
 use super::App;
-use super::handlers::{Reply, Target, parse_body};
 use super::objects::{self, meta_mut, meta_str};
+use super::request::{Reply, Target, current_or_404, parse_body};
 use super::resources::Kind;
 use super::status::{self, ApiError};
-use super::writes::current_or_404;
 
 /// `POST .../pods/{name}/binding`: assigns the pod to a node, copying the Binding's
 /// annotations onto the pod, exactly once.

@@ -10,11 +10,10 @@ use http::StatusCode;
 use serde_json::{Value, json};
 
 use super::App;
-use super::handlers::{Params, Reply, Target, dry_run, parse_body};
 use super::objects::{self, DEFAULT_GRACE_SECONDS, meta_mut, meta_str};
+use super::request::{Params, Reply, Target, current_or_404, dry_run, parse_body};
 use super::resources::Kind;
 use super::status::{ApiError, ApiResult};
-use super::writes::current_or_404;
 
 /// The longest a graceful deletion waits before the pod is removed (no kubelet confirms here).
 const MAX_GRACE: Duration = Duration::from_secs(2);

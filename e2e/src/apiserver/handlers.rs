@@ -1,5 +1,6 @@
 //! Routing and dispatch: the one fallback handler every request goes through, the path
-//! parsed into a [`Target`], the verb, the injected faults, and the accepted write's task.
+//! parsed into a [`Target`] (`request.rs`), the verb, the injected faults, and the accepted
+//! write's task.
 //!
 //! One fallback handler parses the path itself (the Kubernetes URL grammar is easier to read
 //! as a match on segments than as a route table), applies injected faults, and dispatches to
@@ -9,60 +10,26 @@
 //! one", so the resourceVersion checks are race-free; and in a task of its own, so that a
 //! write, once accepted, is applied even if its client goes away (during a write stall too).
 
-use std::collections::HashMap;
-
 use axum::Router;
 use axum::body::Bytes;
 use axum::extract::{Query, State};
 use axum::response::{IntoResponse, Response};
-use http::{HeaderMap, Method, StatusCode, Uri, header};
+use http::{HeaderMap, Method, Uri, header};
 use serde_json::Value;
 
 use super::Caller;
 use super::admission::Operation;
 use super::binding::bind;
 use super::deletes::{delete, evict};
-use super::objects::{self, Part, meta_mut, meta_str};
+use super::objects::{self, meta_mut, meta_str};
+use super::request::{Params, Reply, Target, parse_body};
 use super::resources::Kind;
 use super::status::{ApiError, ApiResult};
-use super::store::Key;
 use super::writes::{create, patch_object, update};
 use super::{App, Release, Verb, discovery, managed, reads, table, watch};
 
 pub(crate) fn router(app: App) -> Router {
     Router::new().fallback(handle).with_state(app)
-}
-
-/// A request's query parameters.
-pub(super) type Params = HashMap<String, String>;
-
-/// A request for a served resource, parsed from the path.
-#[derive(Debug, Clone)]
-pub(super) struct Target {
-    pub(super) kind: Kind,
-    pub(super) namespace: Option<String>,
-    pub(super) name: Option<String>,
-    pub(super) subresource: Option<String>,
-}
-
-impl Target {
-    pub(super) fn resource(&self) -> String {
-        match &self.subresource {
-            Some(sub) => format!("{}/{sub}", self.kind.plural()),
-            None => self.kind.plural().to_owned(),
-        }
-    }
-
-    pub(super) fn key(&self) -> Key {
-        (
-            self.namespace.clone().unwrap_or_default(),
-            self.name.clone().unwrap_or_default(),
-        )
-    }
-
-    pub(super) fn name(&self) -> &str {
-        self.name.as_deref().unwrap_or("")
-    }
 }
 
 enum Route {
@@ -400,43 +367,6 @@ impl Write {
             Verb::Get | Verb::List | Verb::Watch => Err(ApiError::method_not_allowed()),
         }
     }
-}
-
-/// What a verb answers: the status code and the body, or the error.
-pub(super) type Reply = ApiResult<(StatusCode, Value)>;
-
-pub(super) fn part(target: &Target) -> Part {
-    if target.subresource.as_deref() == Some("status") {
-        Part::Status
-    } else {
-        Part::Main
-    }
-}
-
-pub(super) fn parse_body(content_type: &str, body: &[u8]) -> ApiResult<Value> {
-    let media = content_type.split(';').next().unwrap_or("").trim();
-    if !media.is_empty() && media != "application/json" && media != "*/*" {
-        if media == "application/yaml" {
-            return serde_yaml::from_slice(body)
-                .map_err(|err| ApiError::bad_request(format!("error decoding YAML: {err}")));
-        }
-        return Err(ApiError::unsupported_media_type(content_type));
-    }
-    let value: Value = serde_json::from_slice(body).map_err(|err| {
-        ApiError::bad_request(format!(
-            "couldn't get version/kind; json parse error: {err}"
-        ))
-    })?;
-    if !value.is_object() {
-        return Err(ApiError::bad_request(
-            "the body of the request must be a JSON object",
-        ));
-    }
-    Ok(value)
-}
-
-pub(super) fn dry_run(params: &Params) -> bool {
-    params.get("dryRun").is_some_and(|v| v == "All")
 }
 
 #[cfg(test)]

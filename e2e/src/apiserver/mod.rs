@@ -67,6 +67,7 @@ mod objects;
 mod patch;
 mod priority;
 mod reads;
+mod request;
 mod resources;
 mod selector;
 mod stats;

@@ -9,8 +9,8 @@ use std::time::Duration;
 use http::StatusCode;
 use serde_json::{Value, json};
 
-use super::handlers::{Params, Reply, Target};
 use super::objects::meta_str;
+use super::request::{Params, Reply, Target};
 use super::resources::Kind;
 use super::selector::Selector;
 use super::status::{ApiError, ApiResult};

@@ -9,9 +9,9 @@ use http::StatusCode;
 use serde_json::Value;
 
 use super::admission::{AdmissionRequest, Operation};
-use super::handlers::{Params, Reply, Target, dry_run, parse_body, part};
 use super::objects::{self, meta_str};
 use super::patch::{self, PatchKind};
+use super::request::{Params, Reply, Target, current_or_404, dry_run, parse_body, part};
 use super::resources::Kind;
 use super::status::{ApiError, ApiResult};
 use super::{App, Caller, managed};
@@ -140,15 +140,6 @@ fn store_update(
         store.delete(target.kind, &target.key());
     }
     Ok((StatusCode::OK, stored))
-}
-
-pub(super) fn current_or_404<'a>(
-    store: &'a super::store::Inner,
-    target: &Target,
-) -> ApiResult<&'a Value> {
-    store
-        .get(target.kind, &target.key())
-        .ok_or_else(|| ApiError::not_found(target.kind.plural(), target.name()))
 }
 
 pub(super) fn update(

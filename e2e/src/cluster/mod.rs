@@ -76,7 +76,7 @@ pub use chart::{
 pub use extender::{ClientCa, EXTENDER_SERVICE_HOST, Extender, ExtenderTls, RESTART_BIND_RETRY};
 pub use faults::overlap_rollout;
 pub use http::{http_get, http_post_json};
-pub use node::{SimNode, node_allocatable};
+pub use node::{SimNode, node_allocatable, published_gpus};
 pub use ports::{free_port, service_port};
 pub use process::{MemoryUse, Process, file_tail};
 pub use spec::{ClusterSpec, DEDICATED_SCHEDULER, DEFAULT_HTTP_TIMEOUT};

@@ -8,6 +8,7 @@ use std::path::PathBuf;
 use std::time::Duration;
 
 use anyhow::Context;
+use gpushare_contract::{Keys, inventory};
 use k8s_openapi::api::core::v1::Node;
 use kube::Client;
 use kube::api::Api;
@@ -111,7 +112,7 @@ impl NodeHost {
                 let nodes = nodes.clone();
                 async move {
                     let node = nodes.get(name).await.ok()?;
-                    let published = crate::scenarios::published_gpus(&node)?.ok()?;
+                    let published = published_gpus(&node)?.ok()?;
                     (published.len() == gpus.len() && published.iter().all(|g| g.healthy))
                         .then_some(())
                 }
@@ -175,6 +176,17 @@ pub(super) async fn wait_reregistered(kubelet: &KubeletDriver, before: u64) -> a
             },
         )
         .await
+}
+
+/// The GPU inventory the device plugin published on `node` (`<domain>/v1.gpus`, the default
+/// domain); `None` when there is none.
+pub fn published_gpus(node: &Node) -> Option<anyhow::Result<Vec<gpushare_contract::GpuInfo>>> {
+    let text = node
+        .metadata
+        .annotations
+        .as_ref()?
+        .get(&Keys::default().node_gpus)?;
+    Some(inventory::decode(text).map_err(anyhow::Error::from))
 }
 
 /// `status.allocatable[RESOURCE]` of a node, in GiB.

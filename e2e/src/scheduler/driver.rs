@@ -1,15 +1,15 @@
 //! The moving parts: two watches feeding the state (`watches.rs`), one scheduling loop (one
 //! pod at a time, as kube-scheduler's `scheduleOne`), and a bind task per placed pod so binds
-//! overlap with the next cycles.
+//! overlap with the next cycles; what they all hold is `shared.rs`.
 //!
 //! No API call blocks a scheduling cycle (upstream's `SchedulerAsyncAPICalls`, on by default
 //! since v1.34): Events and `PodScheduled` updates are sent by tasks of their own, at most one
 //! update in flight per pod and only the latest one queued, so a slow or stalled API server
 //! delays what users read, never the scheduling of other pods.
 
-use std::collections::{BTreeMap, HashMap, HashSet};
-use std::sync::atomic::{AtomicU64, Ordering};
-use std::sync::{Arc, Mutex, MutexGuard};
+use std::collections::{BTreeMap, HashSet};
+use std::sync::Arc;
+use std::sync::atomic::Ordering;
 use std::time::{Duration, Instant};
 
 use anyhow::Context as _;
@@ -21,22 +21,18 @@ use k8s_openapi::apimachinery::pkg::apis::meta::v1::{ObjectMeta, Time};
 use k8s_openapi::jiff::Timestamp;
 use kube::Api;
 use kube::api::{Patch, PatchParams, PostParams};
-use rand::SeedableRng;
-use rand::rngs::StdRng;
-use tokio::sync::{Notify, Semaphore, oneshot};
+use tokio::sync::oneshot;
 use tokio::task::{JoinHandle, JoinSet};
-use tokio_util::sync::CancellationToken;
 use tracing::{debug, info, warn};
 
 use super::SchedulerConfig;
-use super::extender::HttpExtender;
 use super::framework::{
     self, ExtenderPriorities, NodeScore, add_extender_priorities, fit_error_message,
     select_scored_host,
 };
 use super::preemption;
-use super::state::{Candidate, FailureKind, PodKey, Popped, QueueConfig, State};
-use super::stats::StatsRecorder;
+use super::shared::Shared;
+use super::state::{Candidate, FailureKind, PodKey, Popped};
 use super::watches::watch;
 use super::wire::ExtenderBindingArgs;
 
@@ -47,35 +43,6 @@ const EVENT_MESSAGE_LIMIT: usize = 1024;
 /// How long an event suppresses its repeats (client-go `tools/events`: an isomorphic event
 /// within 6 minutes only increments the first one's series, written every 30 minutes).
 const EVENT_SERIES_WINDOW: Duration = Duration::from_secs(6 * 60);
-
-/// Everything the tasks share.
-pub struct Shared {
-    pub config: SchedulerConfig,
-    client: kube::Client,
-    extenders: Vec<HttpExtender>,
-    state: Mutex<State>,
-    pub(super) wake: Notify,
-    pub stats: StatsRecorder,
-    binds: Arc<Semaphore>,
-    pub cancel: CancellationToken,
-    rng: Mutex<StdRng>,
-    event_seq: AtomicU64,
-    status_updates: Mutex<StatusUpdates>,
-    /// Events sent lately, and when.
-    recent_events: Mutex<HashMap<EventKey, Instant>>,
-}
-
-/// What makes two events the same one (client-go's "isomorphic" events): pod UID, type,
-/// reason, action and message.
-type EventKey = (String, String, String, String, String);
-
-/// `PodScheduled=False` updates waiting to be sent: the latest per pod, and the pods whose
-/// sender task is running.
-#[derive(Default)]
-struct StatusUpdates {
-    queued: HashMap<PodKey, (&'static str, String)>,
-    sending: HashSet<PodKey>,
-}
 
 /// A pod assumed on a node, waiting for its bind.
 struct BindJob {
@@ -91,70 +58,11 @@ enum CycleFailure {
     Error(String),
 }
 
-impl Shared {
-    /// The configured extenders.
-    pub(super) fn extenders(&self) -> &[HttpExtender] {
-        &self.extenders
-    }
-
-    /// The API client.
-    pub(super) fn client(&self) -> &kube::Client {
-        &self.client
-    }
-
-    /// The state is only mutated synchronously; a panic while holding it would be a bug already
-    /// reported by the panicking task, so the lock is taken over rather than poisoning the driver.
-    pub(super) fn state(&self) -> MutexGuard<'_, State> {
-        self.state.lock().unwrap_or_else(|p| p.into_inner())
-    }
-
-    pub fn pending_reason(&self, key: &str) -> Option<String> {
-        self.state().reasons.get(key).cloned()
-    }
-
-    fn status_updates(&self) -> MutexGuard<'_, StatusUpdates> {
-        self.status_updates
-            .lock()
-            .unwrap_or_else(|p| p.into_inner())
-    }
-}
-
 pub async fn start(
     client: kube::Client,
     config: SchedulerConfig,
 ) -> anyhow::Result<(Arc<Shared>, Vec<JoinHandle<()>>)> {
-    let stats = StatsRecorder::default();
-    let extenders = config
-        .extenders
-        .iter()
-        .cloned()
-        .map(|c| HttpExtender::new(c, stats.clone()))
-        .collect::<Result<Vec<_>, _>>()?;
-    let rng = match config.seed {
-        Some(seed) => StdRng::seed_from_u64(seed),
-        None => StdRng::from_os_rng(),
-    };
-    let shared = Arc::new(Shared {
-        state: Mutex::new(State::new(QueueConfig {
-            scheduler_name: config.scheduler_name.clone(),
-            backoff_initial: config.backoff_initial,
-            backoff_max: config.backoff_max,
-            unschedulable_retry: config.unschedulable_retry,
-            fit_scoring: config.fit_scoring.clone(),
-            percentage_of_nodes_to_score: config.percentage_of_nodes_to_score,
-        })),
-        binds: Arc::new(Semaphore::new(config.parallel_binds.max(1))),
-        config,
-        client: client.clone(),
-        extenders,
-        wake: Notify::new(),
-        stats,
-        cancel: CancellationToken::new(),
-        rng: Mutex::new(rng),
-        event_seq: AtomicU64::new(0),
-        status_updates: Mutex::new(StatusUpdates::default()),
-        recent_events: Mutex::new(HashMap::new()),
-    });
+    let shared = Arc::new(Shared::new(client.clone(), config)?);
 
     let (pods_synced, pods_ready) = oneshot::channel();
     let (nodes_synced, nodes_ready) = oneshot::channel();
@@ -188,7 +96,7 @@ pub async fn start(
         return Err(error.context("starting the scheduler driver"));
     }
     tasks.push(tokio::spawn(schedule_loop(shared.clone())));
-    info!(scheduler = %shared.config.scheduler_name, extenders = shared.extenders.len(), "scheduler driver started");
+    info!(scheduler = %shared.config.scheduler_name, extenders = shared.extenders().len(), "scheduler driver started");
     Ok((shared, tasks))
 }
 
@@ -333,7 +241,7 @@ async fn pass_extenders(
     statuses: &mut BTreeMap<String, Vec<String>>,
     unresolvable: &mut HashSet<String>,
 ) -> Result<Vec<Candidate>, CycleFailure> {
-    for extender in &shared.extenders {
+    for extender in shared.extenders() {
         if feasible.is_empty() {
             break;
         }
@@ -419,7 +327,7 @@ async fn prioritize(
         .map(|c| NodeScore::new(c.name.clone(), c.score))
         .collect();
     let calls = shared
-        .extenders
+        .extenders()
         .iter()
         .filter(|extender| extender.is_interested(pod))
         .map(|extender| {
@@ -579,7 +487,7 @@ async fn bind_job(shared: Arc<Shared>, job: BindJob) {
 async fn bind(shared: &Shared, pod: &Pod, host: &str) -> Result<(), String> {
     let namespace = pod.metadata.namespace.clone().unwrap_or_default();
     let name = pod.metadata.name.clone().unwrap_or_default();
-    for extender in &shared.extenders {
+    for extender in shared.extenders() {
         let Some(verb) = extender.bind_verb() else {
             continue;
         };
@@ -612,7 +520,7 @@ async fn bind(shared: &Shared, pod: &Pod, host: &str) -> Result<(), String> {
             ..ObjectReference::default()
         },
     };
-    let api: Api<Pod> = Api::namespaced(shared.client.clone(), &namespace);
+    let api: Api<Pod> = Api::namespaced(shared.client().clone(), &namespace);
     api.create_subresource::<_, serde_json::Value>(
         "binding",
         &name,
@@ -670,7 +578,7 @@ async fn update_pod_scheduled(shared: &Shared, pod: &Pod, reason: &str, message:
     let patch = serde_json::json!({ "status": { "conditions": updated } });
     let namespace = pod.metadata.namespace.as_deref().unwrap_or("default");
     let name = pod.metadata.name.as_deref().unwrap_or_default();
-    let api: Api<Pod> = Api::namespaced(shared.client.clone(), namespace);
+    let api: Api<Pod> = Api::namespaced(shared.client().clone(), namespace);
     if let Err(error) = api
         .patch_status(name, &PatchParams::default(), &Patch::Merge(&patch))
         .await
@@ -760,7 +668,7 @@ fn emit_event(shared: &Shared, pod: &Pod, type_: &str, reason: &str, action: &st
         count: Some(1),
         ..Event::default()
     };
-    let api: Api<Event> = Api::namespaced(shared.client.clone(), &namespace);
+    let api: Api<Event> = Api::namespaced(shared.client().clone(), &namespace);
     tokio::spawn(async move {
         if let Err(error) = api.create(&PostParams::default(), &event).await {
             warn!(pod = %format!("{namespace}/{pod_name}"), %error, "could not record event");

@@ -26,21 +26,21 @@
 //!   [`SchedulerConfig`].
 //! - `state`: the cache (bound + assumed pods per node) and the scheduling queue.
 //! - `extender`: the HTTP client for one extender.
-//! - `driver`: the scheduling loop and the bind tasks; `watches`: the Pod and Node watches.
+//! - `driver`: the scheduling loop and the bind tasks; `watches`: the Pod and Node watches;
+//!   `preemption`: the PostFilter; `shared`: what all their tasks hold.
 //! - [`dra`]: DRA mode: claims allocated with consumable capacity, as kube-scheduler's
 //!   DynamicResources plugin does, and released as the resourceclaim controller does; its
-//!   control loop is `dra_scheduler`, on the plumbing of `control_loop`.
+//!   control loop is `dra::driver`, on the plumbing of the crate's `control_loop`.
 
 mod configuration;
-mod control_loop;
 pub mod dra;
-mod dra_scheduler;
 mod driver;
 mod extender;
 pub mod framework;
 mod preemption;
 mod requests;
 mod scoring;
+mod shared;
 mod state;
 mod stats;
 mod watches;
@@ -161,7 +161,7 @@ impl Default for SchedulerConfig {
 
 /// A running scheduler. Dropping it stops its tasks; [`shutdown`](Self::shutdown) also waits.
 pub struct SchedulerDriver {
-    shared: Arc<driver::Shared>,
+    shared: Arc<shared::Shared>,
     tasks: Vec<JoinHandle<()>>,
 }
 

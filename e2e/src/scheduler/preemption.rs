@@ -30,9 +30,9 @@ use kube::Api;
 use kube::api::{DeleteParams, Patch, PatchParams};
 use tracing::{info, warn};
 
-use super::driver::Shared;
 use super::framework::{self, reasons};
 use super::requests::NodeUsage;
+use super::shared::Shared;
 use super::state::{NodeEntry, NodePod};
 
 /// upstream's `MaxInt32 + 1`, added to each victim's priority before summing.

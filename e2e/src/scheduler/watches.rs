@@ -17,7 +17,7 @@ use kube::{Api, Resource};
 use tokio::sync::oneshot;
 use tracing::warn;
 
-use super::driver::Shared;
+use super::shared::Shared;
 use super::state::{State, pod_key};
 
 /// How the state takes in one kind of watched object.

@@ -3,8 +3,10 @@
 //! resourceclaim controller does), then places pending pods with claims on the first node
 //! where [`allocate`] fits them all, writes the claims' status (PreBind) and binds.
 //!
-//! The allocation itself is pure and lives in [`super::dra`]; this module is the I/O
+//! The allocation itself is pure and lives in `allocate.rs`; this module is the I/O
 //! around it: stores, the assume cache of claims just written, status patches, bindings.
+//! Node choice is the first feasible node by name: kube-scheduler's DRA plugin does not
+//! score and the default scores (least allocated CPU and memory) do not see devices.
 
 use std::collections::{BTreeMap, HashMap, HashSet};
 use std::sync::Arc;
@@ -23,8 +25,10 @@ use tokio::sync::Notify;
 use tokio::task::JoinHandle;
 use tokio_util::sync::CancellationToken;
 
-use super::control_loop::{next_pass, stop_tasks, watch};
-use super::dra::{AllocateError, Usage, allocate, allocated_node};
+use super::AllocateError;
+use super::allocate::{allocate, allocated_node};
+use super::usage::Usage;
+use crate::control_loop::{next_pass, stop_tasks, watch};
 use crate::resourceclaim;
 
 /// The stores a pass reads.

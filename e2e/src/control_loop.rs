@@ -1,10 +1,11 @@
 //! The plumbing every in-process control loop shares (the DRA scheduler in
-//! [`super::dra`], the resourceclaim controller in [`crate::resourceclaim`]): a reflector
-//! store per watched kind that wakes the loop on each event, the wait for the next pass, and
-//! the stop.
+//! [`crate::scheduler::dra`], the resourceclaim controller in [`crate::resourceclaim`]): a
+//! reflector store per watched kind that wakes the loop on each event, the wait for the next
+//! pass, and the stop.
 //!
 //! Kept apart from the loops themselves so each loop reads as its own decisions, and so
-//! both wait and stop the same way.
+//! both wait and stop the same way; and at the crate's root, below both, so that neither
+//! loop imports the other's module for it.
 
 use std::sync::Arc;
 use std::time::Duration;

@@ -1,40 +1,11 @@
-//! Dynamic Resource Allocation for the in-process cluster: what kube-scheduler's
-//! DynamicResources plugin and kube-controller-manager's resourceclaim controller (its
-//! reservation bookkeeping; claims from templates are [`crate::resourceclaim`]'s) do, for
-//! the claim shapes gpushare's DRA mode uses. A pod's claims are found as upstream finds them
-//! ([`crate::resourceclaim::claim_name`]): a template's claim once the controller recorded
-//! it in the pod's status, and only if the pod controls it.
-//!
-//! ```text
-//!  watch Pods, Nodes, ResourceClaims, ResourceSlices, DeviceClasses ──▶ stores ──▶ pass
-//!  pass, per pending pod with claims (oldest first):
-//!     claims allocated already ─▶ their node only
-//!     nodes in name order: allocate every unallocated claim from the node's slices
-//!        (first fit, devices in slice order, consumable capacity summed per device)
-//!     fit  ─▶ PUT claim status {allocation, reservedFor += pod} ─▶ pods/binding
-//!     none ─▶ PodScheduled=False, Unschedulable, with every node's reason
-//!  then, as the resourceclaim controller: drop reservations of pods gone or finished;
-//!     a claim reserved for no one is deallocated
-//! ```
-//!
-//! Consumable capacity (KEP-5075) as upstream's allocator does it: a device with
-//! `allowMultipleAllocations` may serve many requests; a request consumes, per capacity of
-//! the device, what it asks for (`capacity.requests`) or else the policy's default (or the
-//! whole capacity without a policy), rounded up to the policy (`validRange` min/step/max,
-//! `validValues`); the sum over all allocations never exceeds the capacity's value. The
-//! allocation records `consumedCapacity` and a `shareID` per result. A device without
-//! `allowMultipleAllocations` is allocated at most once. A device with a `NoSchedule` or
-//! `NoExecute` taint (KEP-5055) goes only to requests that tolerate it; allocations made
-//! before the taint stay (this driver does not evict for `NoExecute`).
+//! A claim's devices on one node: each request read and checked (`Wanted`), then served
+//! first fit (slices in name order, devices in slice order), and the allocation result
+//! written as upstream writes it (a `shareID` and `consumedCapacity` per shared device, a
+//! node selector naming the node). Pure: the pass in `driver.rs` calls it per node.
 //!
 //! Refused with a clear message, not half-done: `firstAvailable`, `allocationMode: All`,
-//! `adminAccess`, claim `constraints`, slices not bound to one node (`allNodes`, `nodeSelector`, per-device node selection), and
-//! CEL selectors that read `device.capacity` (the attributes and the driver are available).
-//! Node choice is the first feasible node by name: kube-scheduler's DRA plugin does not score
-//! and the default scores (least allocated CPU and memory) do not see devices.
-//!
-//! This module is the allocation, pure; the control loop that watches, writes the claims'
-//! status and binds is `dra_scheduler.rs` ([`DraScheduler`], re-exported here).
+//! `adminAccess`, claim `constraints`, and slices not bound to one node (`allNodes`,
+//! `nodeSelector`, per-device node selection).
 
 use std::collections::{BTreeMap, HashMap, HashSet};
 use std::sync::Arc;
@@ -42,256 +13,15 @@ use std::sync::Arc;
 use gpushare_dra_plugin::quantity::{self, GIB};
 use k8s_openapi::api::core::v1::{NodeSelector, NodeSelectorRequirement, NodeSelectorTerm};
 use k8s_openapi::api::resource::v1::{
-    AllocationResult, CapacityRequestPolicy, Device, DeviceAllocationResult, DeviceAttribute,
-    DeviceClass, DeviceRequest, DeviceRequestAllocationResult, DeviceTaint, DeviceToleration,
-    ResourceClaim, ResourceSlice,
+    AllocationResult, DeviceAllocationResult, DeviceClass, DeviceRequest,
+    DeviceRequestAllocationResult, DeviceToleration, ResourceClaim, ResourceSlice,
 };
 use k8s_openapi::apimachinery::pkg::api::resource::Quantity;
 use kube::ResourceExt;
-use serde_json::json;
 
-pub(crate) use super::control_loop::{next_pass, stop_tasks, watch};
-pub use super::dra_scheduler::DraScheduler;
-
-/// A device, as allocations name it.
-#[derive(Clone, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
-pub struct DeviceId {
-    /// The driver.
-    pub driver: String,
-    /// The pool.
-    pub pool: String,
-    /// The device.
-    pub device: String,
-}
-
-/// What the allocated claims hold: capacity consumed per shareable device, and the devices
-/// held whole.
-#[derive(Clone, Debug, Default)]
-pub struct Usage {
-    consumed: HashMap<DeviceId, BTreeMap<String, u128>>,
-    exclusive: HashSet<DeviceId>,
-}
-
-impl Usage {
-    /// The usage of every allocated claim in `claims`.
-    pub fn of<'a>(claims: impl IntoIterator<Item = &'a ResourceClaim>) -> Self {
-        let mut usage = Self::default();
-        for claim in claims {
-            for result in allocation_results(claim) {
-                let id = DeviceId {
-                    driver: result.driver.clone(),
-                    pool: result.pool.clone(),
-                    device: result.device.clone(),
-                };
-                match &result.consumed_capacity {
-                    Some(consumed) => {
-                        let entry = usage.consumed.entry(id).or_default();
-                        for (name, value) in consumed {
-                            // A stored allocation with an unreadable quantity counts as the
-                            // largest possible use: never over-commit on bad data.
-                            let bytes = quantity::bytes(&value.0).unwrap_or(u128::MAX);
-                            let slot = entry.entry(name.clone()).or_default();
-                            *slot = slot.saturating_add(bytes);
-                        }
-                    }
-                    None => {
-                        usage.exclusive.insert(id);
-                    }
-                }
-            }
-        }
-        usage
-    }
-
-    /// Bytes (or units) of `capacity` consumed on `device`.
-    pub fn consumed(&self, device: &DeviceId, capacity: &str) -> u128 {
-        self.consumed
-            .get(device)
-            .and_then(|c| c.get(capacity))
-            .copied()
-            .unwrap_or(0)
-    }
-
-    fn in_use(&self, device: &DeviceId) -> bool {
-        self.exclusive.contains(device) || self.consumed.contains_key(device)
-    }
-}
-
-fn allocation_results(claim: &ResourceClaim) -> &[DeviceRequestAllocationResult] {
-    claim
-        .status
-        .as_ref()
-        .and_then(|s| s.allocation.as_ref())
-        .and_then(|a| a.devices.as_ref())
-        .and_then(|d| d.results.as_deref())
-        .unwrap_or(&[])
-}
-
-/// Why a claim could not be allocated.
-#[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]
-pub enum AllocateError {
-    /// The claim asks for something this scheduler does not implement.
-    #[error("{0}")]
-    Unsupported(String),
-    /// Not on this node.
-    #[error("{0}")]
-    NoFit(String),
-}
-
-/// The amount of a capacity a request consumes on a device, rounded to the device's
-/// policy; `None` when the policy cannot be met.
-fn consumption(
-    requested: Option<u128>,
-    value: u128,
-    policy: Option<&CapacityRequestPolicy>,
-) -> Result<Option<u128>, String> {
-    let parse = |q: &Quantity| quantity::bytes(&q.0).map_err(|e| e.to_string());
-    let Some(policy) = policy else {
-        return Ok(Some(requested.unwrap_or(value)));
-    };
-    let default = policy.default.as_ref().map(parse).transpose()?;
-    let mut amount = match (requested, default) {
-        (Some(r), _) => r,
-        (None, Some(d)) => d,
-        (None, None) => value,
-    };
-    if let Some(values) = &policy.valid_values {
-        let mut valid = values.iter().map(parse).collect::<Result<Vec<_>, _>>()?;
-        valid.sort_unstable();
-        return Ok(valid.into_iter().find(|v| *v >= amount));
-    }
-    if let Some(range) = &policy.valid_range {
-        let min = parse(&range.min)?;
-        amount = amount.max(min);
-        if let Some(step) = range
-            .step
-            .as_ref()
-            .map(parse)
-            .transpose()?
-            .filter(|s| *s > 0)
-        {
-            amount = min.saturating_add((amount - min).div_ceil(step).saturating_mul(step));
-        }
-        if let Some(max) = range.max.as_ref().map(parse).transpose()?
-            && amount > max
-        {
-            return Ok(None);
-        }
-    }
-    Ok(Some(amount))
-}
-
-/// `bytes` as a quantity: whole GiB as `NGi`, else plain units.
-pub fn quantity_of(bytes: u128) -> Quantity {
-    if bytes > 0 && bytes.is_multiple_of(GIB) {
-        Quantity(format!("{}Gi", bytes / GIB))
-    } else {
-        Quantity(bytes.to_string())
-    }
-}
-
-fn cel_attribute(value: &DeviceAttribute) -> serde_json::Value {
-    if let Some(s) = &value.string {
-        json!(s)
-    } else if let Some(i) = value.int {
-        json!(i)
-    } else if let Some(b) = value.bool {
-        json!(b)
-    } else if let Some(v) = &value.version {
-        json!(v)
-    } else {
-        serde_json::Value::Null
-    }
-}
-
-/// The `device` variable CEL selectors see: driver and attributes by domain (an unqualified
-/// attribute is in the driver's domain), as upstream.
-fn cel_device(driver: &str, device: &Device) -> serde_json::Value {
-    let mut domains: BTreeMap<String, serde_json::Map<String, serde_json::Value>> = BTreeMap::new();
-    for (name, value) in device.attributes.iter().flatten() {
-        let (domain, id) = name.split_once('/').unwrap_or((driver, name));
-        domains
-            .entry(domain.to_owned())
-            .or_default()
-            .insert(id.to_owned(), cel_attribute(value));
-    }
-    json!({"driver": driver, "attributes": domains})
-}
-
-fn selects(expressions: &[&str], driver: &str, device: &Device) -> Result<bool, AllocateError> {
-    if expressions.is_empty() {
-        return Ok(true);
-    }
-    let mut context = cel::Context::default();
-    let value = cel::to_value(cel_device(driver, device))
-        .map_err(|e| AllocateError::Unsupported(format!("device {}: {e}", device.name)))?;
-    context.add_variable_from_value("device", value);
-    for expression in expressions {
-        if expression.contains("device.capacity") {
-            return Err(AllocateError::Unsupported(format!(
-                "CEL selector {expression:?} reads device.capacity, which this scheduler does not offer; request capacity with capacity.requests instead"
-            )));
-        }
-        let program = cel::Program::compile(expression).map_err(|e| {
-            AllocateError::Unsupported(format!("CEL selector {expression:?} does not compile: {e}"))
-        })?;
-        match program.execute(&context) {
-            Ok(cel::Value::Bool(true)) => {}
-            Ok(cel::Value::Bool(false)) => return Ok(false),
-            Ok(other) => {
-                return Err(AllocateError::Unsupported(format!(
-                    "CEL selector {expression:?} gave {other:?}, not a bool"
-                )));
-            }
-            Err(e) => {
-                return Err(AllocateError::Unsupported(format!(
-                    "CEL selector {expression:?} failed on device {}: {e}",
-                    device.name
-                )));
-            }
-        }
-    }
-    Ok(true)
-}
-
-/// Upstream's `resourceclaim.ToleratesTaint`.
-fn tolerates(toleration: &DeviceToleration, taint: &DeviceTaint) -> bool {
-    if toleration
-        .effect
-        .as_deref()
-        .is_some_and(|e| !e.is_empty() && e != taint.effect)
-        || toleration
-            .key
-            .as_deref()
-            .is_some_and(|k| !k.is_empty() && k != taint.key)
-    {
-        return false;
-    }
-    match toleration.operator.as_deref() {
-        None | Some("" | "Equal") => {
-            toleration.value.as_deref().unwrap_or("") == taint.value.as_deref().unwrap_or("")
-        }
-        Some("Exists") => true,
-        Some(_) => false,
-    }
-}
-
-/// Whether a request with `tolerations` may get `device` (KEP-5055 device taints, beta in
-/// 1.36): every `NoSchedule` or `NoExecute` taint must be tolerated. Other effects (`None`,
-/// and unknown ones, which the API says to treat like `None`) keep no claim away.
-fn all_taints_tolerated(device: &Device, tolerations: Option<&[DeviceToleration]>) -> bool {
-    device
-        .taints
-        .iter()
-        .flatten()
-        .filter(|taint| matches!(taint.effect.as_str(), "NoSchedule" | "NoExecute"))
-        .all(|taint| {
-            tolerations
-                .unwrap_or_default()
-                .iter()
-                .any(|t| tolerates(t, taint))
-        })
-}
+use super::AllocateError;
+use super::device::{all_taints_tolerated, fit, selects};
+use super::usage::{DeviceId, Hold, Usage};
 
 /// Allocates `claim` from the slices of `node`, consuming from `usage` (updated on success).
 pub fn allocate(
@@ -437,30 +167,6 @@ impl<'a> Wanted<'a> {
     }
 }
 
-/// How an allocation holds a device: whole, or a share consuming some of its capacities.
-enum Hold {
-    Whole,
-    Share(BTreeMap<String, u128>),
-}
-
-impl Usage {
-    /// Counts `hold` of `id` as used.
-    fn hold(&mut self, id: &DeviceId, hold: &Hold) {
-        match hold {
-            Hold::Share(consumed) => {
-                let entry = self.consumed.entry(id.clone()).or_default();
-                for (name, amount) in consumed {
-                    let slot = entry.entry(name.clone()).or_default();
-                    *slot = slot.saturating_add(*amount);
-                }
-            }
-            Hold::Whole => {
-                self.exclusive.insert(id.clone());
-            }
-        }
-    }
-}
-
 /// The first device of `local` (slices in name order, devices in slice order) that can serve
 /// one device of `wanted` beside `trial`, skipping those this request has `taken` already.
 fn choose_device(
@@ -490,50 +196,6 @@ fn choose_device(
     Ok(None)
 }
 
-/// How `device` (`id`) can serve a request for `requested` beside `trial`: whole when it is
-/// not shareable and unused (and nothing is requested of its capacity), else a share when
-/// every capacity has room for the request rounded to its policy; `None` when it cannot.
-fn fit(
-    device: &Device,
-    id: &DeviceId,
-    requested: &BTreeMap<&str, u128>,
-    trial: &Usage,
-) -> Result<Option<Hold>, AllocateError> {
-    let shared = device.allow_multiple_allocations == Some(true);
-    if !shared {
-        if trial.in_use(id) || !requested.is_empty() {
-            return Ok(None);
-        }
-        return Ok(Some(Hold::Whole));
-    }
-    if trial.exclusive.contains(id) {
-        return Ok(None);
-    }
-    let capacities = device.capacity.clone().unwrap_or_default();
-    if requested.keys().any(|name| !capacities.contains_key(*name)) {
-        return Ok(None);
-    }
-    let mut consumed = BTreeMap::new();
-    for (name, capacity) in &capacities {
-        let value = quantity::bytes(&capacity.value.0)
-            .map_err(|e| AllocateError::Unsupported(format!("device {}: {e}", device.name)))?;
-        let Some(amount) = consumption(
-            requested.get(name.as_str()).copied(),
-            value,
-            capacity.request_policy.as_ref(),
-        )
-        .map_err(AllocateError::Unsupported)?
-        else {
-            return Ok(None);
-        };
-        if trial.consumed(id, name).saturating_add(amount) > value {
-            return Ok(None);
-        }
-        consumed.insert(name.clone(), amount);
-    }
-    Ok(Some(Hold::Share(consumed)))
-}
-
 /// The allocation result of `request` holding device `id` as `hold`: a share gets a fresh
 /// `shareID` and records its `consumedCapacity`.
 fn request_result(request: &str, id: DeviceId, hold: Hold) -> DeviceRequestAllocationResult {
@@ -553,6 +215,15 @@ fn request_result(request: &str, id: DeviceId, hold: Hold) -> DeviceRequestAlloc
                 .collect()
         }),
         ..DeviceRequestAllocationResult::default()
+    }
+}
+
+/// `bytes` as a quantity: whole GiB as `NGi`, else plain units.
+pub fn quantity_of(bytes: u128) -> Quantity {
+    if bytes > 0 && bytes.is_multiple_of(GIB) {
+        Quantity(format!("{}Gi", bytes / GIB))
+    } else {
+        Quantity(bytes.to_string())
     }
 }
 
@@ -601,8 +272,10 @@ pub fn allocated_node(claim: &ResourceClaim) -> Option<String> {
 #[cfg(test)]
 mod tests {
     use k8s_openapi::api::resource::v1::ResourceClaimStatus;
+    use serde_json::json;
 
     use super::*;
+    use crate::scheduler::dra::device::tolerates;
 
     fn slice(node: &str, gpus: &[u64]) -> Arc<ResourceSlice> {
         let infos: Vec<_> = gpus

@@ -1,0 +1,255 @@
+//! The scheduler's cache, as kube-scheduler's: nodes, and what every node already carries
+//! (pods bound to it and not terminal, plus pods *assumed* there whose bind is still in
+//! flight, so the next cycle cannot over-commit a node while a bind is pending); and what is
+//! read from it: the built-in filters and default scores, and the pods preemption's dry run
+//! weighs.
+//!
+//! One half of [`State`]; the scheduling queue is the other, in `queue.rs`.
+
+use std::collections::{BTreeMap, HashMap, HashSet};
+use std::sync::Arc;
+
+use k8s_openapi::api::core::v1::{Node, Pod};
+
+use super::{PodKey, State, pod_uid};
+use crate::scheduler::framework::{self, NodeUsage, PodUsage, Resources};
+
+#[derive(Debug)]
+pub(super) struct Accounted {
+    node: String,
+    pub(super) uid: String,
+    usage: PodUsage,
+    assumed: bool,
+    /// `spec.priority`: preemption evicts only pods below the preemptor's.
+    priority: i32,
+    /// Deleted, waiting out its grace period (a victim on its way out).
+    terminating: bool,
+}
+
+/// A pod counted on a node, as preemption's dry run weighs it.
+#[derive(Clone, Debug)]
+pub struct NodePod {
+    pub key: PodKey,
+    pub uid: String,
+    pub priority: i32,
+    pub usage: PodUsage,
+    pub terminating: bool,
+}
+
+#[derive(Debug)]
+pub struct NodeEntry {
+    pub node: Arc<Node>,
+    pub allocatable: Resources,
+}
+
+/// A feasible node with its default-plugin score.
+#[derive(Clone, Debug)]
+pub struct Candidate {
+    pub node: Arc<Node>,
+    pub name: String,
+    pub score: i64,
+}
+
+/// The built-in filter phase's result.
+#[derive(Debug, Default)]
+pub struct Filtered {
+    pub feasible: Vec<Candidate>,
+    /// Node → rejection reasons, for nodes that were evaluated and rejected.
+    pub statuses: BTreeMap<String, Vec<String>>,
+    pub num_all_nodes: usize,
+}
+
+impl State {
+    /// What a node carries now (bound and assumed pods).
+    #[cfg(test)]
+    pub fn usage(&self, node: &str) -> NodeUsage {
+        self.usage.get(node).cloned().unwrap_or_default()
+    }
+
+    pub(super) fn account(
+        &mut self,
+        key: &str,
+        pod: &Pod,
+        node: String,
+        usage: PodUsage,
+        assumed: bool,
+    ) {
+        let uid = pod_uid(pod);
+        let priority = pod.spec.as_ref().and_then(|s| s.priority).unwrap_or(0);
+        let terminating = pod.metadata.deletion_timestamp.is_some();
+        if let Some(old) = self.accounted.get_mut(key)
+            && old.node == node
+            && old.uid == uid
+            && old.usage == usage
+        {
+            old.assumed = assumed;
+            old.terminating = terminating;
+            return;
+        }
+        self.unaccount(key);
+        self.usage.entry(node.clone()).or_default().add(&usage);
+        self.accounted.insert(
+            key.to_owned(),
+            Accounted {
+                node,
+                uid,
+                usage,
+                assumed,
+                priority,
+                terminating,
+            },
+        );
+    }
+
+    /// Removes a pod's resources from its node; true if it held any.
+    pub(super) fn unaccount(&mut self, key: &str) -> bool {
+        let Some(old) = self.accounted.remove(key) else {
+            return false;
+        };
+        if let Some(usage) = self.usage.get_mut(&old.node) {
+            usage.remove(&old.usage);
+            if usage.pods == 0 {
+                self.usage.remove(&old.node);
+            }
+        }
+        true
+    }
+
+    pub fn apply_node(&mut self, node: Node) {
+        let name = node.metadata.name.clone().unwrap_or_default();
+        let allocatable = framework::allocatable(&node);
+        self.nodes.insert(
+            name,
+            NodeEntry {
+                node: Arc::new(node),
+                allocatable,
+            },
+        );
+    }
+
+    pub fn delete_node(&mut self, name: &str) {
+        self.nodes.remove(name);
+    }
+
+    pub fn retain_nodes(&mut self, listed: &HashSet<String>) {
+        self.nodes.retain(|name, _| listed.contains(name));
+    }
+
+    /// Built-in filters and default scores over the nodes, visiting at most enough nodes to find
+    /// `numFeasibleNodesToFind` feasible ones, starting where the previous cycle stopped.
+    /// `None` when the cluster has no nodes at all.
+    pub fn filter(&mut self, pod: &Pod) -> Option<Filtered> {
+        let all = self.nodes.len();
+        if all == 0 {
+            return None;
+        }
+        let requests = framework::pod_requests(pod, false);
+        let pod_usage = PodUsage::of(pod);
+        let want =
+            framework::num_feasible_nodes_to_find_at(all, self.config.percentage_of_nodes_to_score);
+        let start = self.next_start_node_index % all;
+        let entries: Vec<(&String, &NodeEntry)> = self.nodes.iter().collect();
+        let mut filtered = Filtered {
+            num_all_nodes: all,
+            ..Filtered::default()
+        };
+        let mut processed = 0;
+        for offset in 0..all {
+            let (name, entry) = entries[(start + offset) % all];
+            processed += 1;
+            let usage = self.usage.get(name).cloned().unwrap_or_default();
+            let reasons =
+                framework::filter_node(pod, &requests, &entry.node, &entry.allocatable, &usage);
+            if reasons.is_empty() {
+                filtered.feasible.push(Candidate {
+                    node: entry.node.clone(),
+                    name: name.clone(),
+                    score: framework::default_score(
+                        &self.config.fit_scoring,
+                        &entry.allocatable,
+                        &usage,
+                        &pod_usage,
+                    ),
+                });
+                if filtered.feasible.len() >= want {
+                    break;
+                }
+            } else {
+                filtered.statuses.insert(name.clone(), reasons);
+            }
+        }
+        self.next_start_node_index = (start + processed) % all;
+        Some(filtered)
+    }
+
+    /// The built-in filters on `node` alone (a nominated node), with its default score;
+    /// `None` when the node is unknown or rejects the pod.
+    pub fn filter_one(&self, pod: &Pod, node: &str) -> Option<Candidate> {
+        let entry = self.nodes.get(node)?;
+        let usage = self.usage.get(node).cloned().unwrap_or_default();
+        let requests = framework::pod_requests(pod, false);
+        let reasons =
+            framework::filter_node(pod, &requests, &entry.node, &entry.allocatable, &usage);
+        reasons.is_empty().then(|| Candidate {
+            node: entry.node.clone(),
+            name: node.to_owned(),
+            score: framework::default_score(
+                &self.config.fit_scoring,
+                &entry.allocatable,
+                &usage,
+                &PodUsage::of(pod),
+            ),
+        })
+    }
+
+    /// The pods counted on `node` (bound and assumed), for preemption's dry run.
+    pub fn pods_on(&self, node: &str) -> Vec<NodePod> {
+        self.accounted
+            .iter()
+            .filter(|(_, a)| a.node == node)
+            .map(|(key, a)| NodePod {
+                key: key.clone(),
+                uid: a.uid.clone(),
+                priority: a.priority,
+                usage: a.usage.clone(),
+                terminating: a.terminating,
+            })
+            .collect()
+    }
+
+    /// The pods below `priority` counted on each node (bound and assumed), in one pass: what
+    /// preemption's dry run may evict. Empty when no pod is below it (the common case of a
+    /// cluster without priorities, where the dry run then costs nothing).
+    pub fn lower_pods_by_node(&self, priority: i32) -> HashMap<String, Vec<NodePod>> {
+        let mut by_node: HashMap<String, Vec<NodePod>> = HashMap::new();
+        for (key, a) in self.accounted.iter().filter(|(_, a)| a.priority < priority) {
+            by_node.entry(a.node.clone()).or_default().push(NodePod {
+                key: key.clone(),
+                uid: a.uid.clone(),
+                priority: a.priority,
+                usage: a.usage.clone(),
+                terminating: a.terminating,
+            });
+        }
+        by_node
+    }
+
+    /// What `node` carries now and its entry, if it is known.
+    pub fn node_and_usage(&self, node: &str) -> Option<(&NodeEntry, NodeUsage)> {
+        let entry = self.nodes.get(node)?;
+        Some((entry, self.usage.get(node).cloned().unwrap_or_default()))
+    }
+
+    /// The bind failed: drop the assumption (unless the watch already confirmed the pod there).
+    pub fn forget(&mut self, key: &str, uid: &str, node: &str) -> bool {
+        if self
+            .accounted
+            .get(key)
+            .is_some_and(|a| a.assumed && a.uid == uid && a.node == node)
+        {
+            self.unaccount(key)
+        } else {
+            false
+        }
+    }
+}
