@@ -3084,6 +3084,8 @@ fn exported_metrics() -> anyhow::Result<BTreeSet<String>> {
     extender.resolution("landed");
     extender.keep_best_stepped_aside("soft_topology_spread");
     extender.record_idle_gpu_taint("added");
+    // The domain starts this family at 0 for each reason; here, one series.
+    extender.unschedulable("fragmentation");
     extender.preempt_answer("victims");
     extender.preempt_victims(1, 1);
     extender.set_nominations((1, 1));
