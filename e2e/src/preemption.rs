@@ -91,6 +91,7 @@ type Want = fn(gpu: u32, placed: &Fill) -> &'static str;
 /// the last pod went (or the only GPU with room); a pod that lands elsewhere with the wrong
 /// class is deleted and created again with the right one, which lands where it did.
 async fn fill(h: &impl Harness, story: &str, node: &str, want: Want) -> anyhow::Result<Fill> {
+    wait_no_gpu_pods_on(h, node).await?;
     let pods: Api<Pod> = Api::namespaced(h.client(), h.namespace());
     let sizes: BTreeMap<u32, u64> = gpu_sizes(h, node).await?;
     let mut used: BTreeMap<u32, u64> = sizes.keys().map(|gpu| (*gpu, 0)).collect();
@@ -140,6 +141,37 @@ async fn fill(h: &impl Harness, story: &str, node: &str, want: Want) -> anyhow::
         .await?;
     }
     Ok(placed)
+}
+
+/// Waits until no pod on `node` holds GPU memory (every one that asks for it is gone or
+/// finished). A story counts the GPUs' room from its own pods only: a pod an earlier story or
+/// scenario left terminating there would take room the count does not see, and a fill pod of
+/// a higher class would then preempt one of this story's instead of going where the count
+/// says it must.
+async fn wait_no_gpu_pods_on(h: &impl Harness, node: &str) -> anyhow::Result<()> {
+    let all: Api<Pod> = Api::all(h.client());
+    let keys = gpushare_contract::Keys::default();
+    wait_for(
+        &format!("the GPU pods left on {node} to be gone"),
+        START_TIMEOUT,
+        || async {
+            let pods = all.list(&Default::default()).await.ok()?;
+            let holding = pods.items.iter().any(|pod| {
+                pod.spec.as_ref().and_then(|s| s.node_name.as_deref()) == Some(node)
+                    && !gpushare_contract::request::pod_is_finished(pod)
+                    && matches!(
+                        gpushare_contract::pod_request_with(
+                            pod,
+                            gpushare_contract::DEFAULT_RESOURCE,
+                            &keys
+                        ),
+                        Ok(Some(_))
+                    )
+            });
+            (!holding).then_some(())
+        },
+    )
+    .await
 }
 
 /// Creates fill pod `name` (4 GiB, `class`) and returns the GPU it is bound to.
