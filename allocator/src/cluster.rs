@@ -234,6 +234,7 @@ impl Cluster {
             more_gpus: more.iter().map(|g| (g.index, g.uuid.clone())).collect(),
             pod_gib,
             exclusive: request.exclusive,
+            compute: request.compute,
         };
         let placement = PodPlacement {
             gpu: gpu.index,
@@ -246,6 +247,7 @@ impl Cluster {
             exclusive: request.exclusive,
             pending: request.containers.clone(),
             assigned: false,
+            compute: request.compute,
         };
         node.book(&placement);
         node.pods.insert(uid.clone(), placement);

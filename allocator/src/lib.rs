@@ -11,9 +11,9 @@
 //! ```text
 //!   Cluster
 //!    ├─ node "n1"  (eligible: labelled gpushare=true; present: seen in the node watch)
-//!    │   ├─ GPU 0  total 16 GiB, used 12 ──┐ used = Σ pod_gib of the pods on it
+//!    │   ├─ GPU 0  total 16 GiB, used 12 ──┐ used = Σ pod_gib of the pods on it (and Σ compute %)
 //!    │   ├─ GPU 1  total 24 GiB, used  4   │ free = total − used (saturating)
-//!    │   ├─ pods   uid → PodPlacement { gpu, pod_gib, pending container sizes, assigned }
+//!    │   ├─ pods   uid → PodPlacement { gpu, pod_gib, compute, pending container sizes, assigned }
 //!    │   └─ pending (size GiB, gpu) → count  ◀── the twin rule reads this
 //!    └─ node "n2" …
 //!   pod index: uid → node   (remove_pod / release without knowing the node)
@@ -34,7 +34,14 @@
 //! inventory books nothing on any other card; the index is used only when the allocation or
 //! the inventory has no UUIDs.
 //!
-//! **No over-commit.** [`Cluster::reserve`] never books a GPU beyond its memory. What the
+//! **Compute.** A pod may ask for a share of each of its GPUs' compute besides the memory
+//! ([`Request::compute`], percent of [`COMPUTE_PER_GPU`]). A GPU takes it only where both
+//! fit, and books both; a GPU whose compute is all booked counts as having no memory free
+//! for the fragmentation measure (nothing more can be placed there). Pods without it book
+//! no compute, so on GPUs only they share, memory alone decides, as before.
+//!
+//! **No over-commit.** [`Cluster::reserve`] never books a GPU beyond its memory or its
+//! compute. What the
 //! watch reports ([`Cluster::upsert_pod`]) is the truth and is kept even when it collides
 //! (for instance two pods' annotations after an outage); such a GPU shows as full, and all
 //! arithmetic saturates instead of going negative.
@@ -54,6 +61,10 @@ use std::sync::Arc;
 
 pub use cluster::{Cluster, Evictable, Eviction, GpuSet, GpuUsage, Node};
 pub use unfit::{GpuList, Refusal, Unfit};
+
+/// The compute of one GPU, in the percent a pod asks for (`gpu-compute`): a GPU is booked
+/// up to this much, as it is up to its memory.
+pub const COMPUTE_PER_GPU: u32 = 100;
 
 /// A pod's identity: its UID, so a pod recreated under the same name is a different pod.
 ///
@@ -121,6 +132,9 @@ pub struct Request {
     pub exclusive: bool,
     /// Which GPU models the pod may get (default: any).
     pub models: ModelFilter,
+    /// Percent of each GPU's compute the pod needs besides its memory (0: none): a GPU takes
+    /// the pod only where both fit.
+    pub compute: u32,
 }
 
 /// GPU models a pod requires or refuses, by name: `NVIDIA A10G` and `NVIDIA-A10G` (the node
@@ -200,6 +214,7 @@ impl Default for Request {
             gpus: 1,
             exclusive: false,
             models: ModelFilter::default(),
+            compute: 0,
         }
     }
 }
@@ -231,6 +246,8 @@ pub struct PodPlacement {
     pub pod_gib: u64,
     /// Whether the pod holds its GPUs whole: each is booked in full, whatever `pod_gib`.
     pub exclusive: bool,
+    /// Percent of each of its GPUs' compute the pod holds (0: none; exclusive: all of it).
+    pub compute: u32,
     /// Sizes (GiB) of the pod's containers still waiting for device allocation.
     pub pending: Vec<u64>,
     /// True once the device plugin has allocated every container; `pending` is then ignored.
@@ -259,6 +276,8 @@ pub struct Placement {
     pub pod_gib: u64,
     /// Whether the GPUs are the pod's alone.
     pub exclusive: bool,
+    /// Percent of each GPU's compute booked.
+    pub compute: u32,
 }
 
 impl Placement {
@@ -275,6 +294,7 @@ impl Placement {
                 .collect(),
             pod_gib: self.pod_gib,
             exclusive: self.exclusive,
+            compute: self.compute,
             pending: Vec::new(),
             assigned: true,
         }

@@ -22,14 +22,19 @@ fn gpus_word(count: usize) -> &'static str {
 
 /// How a multi-GPU request reads in a message: "2 GPUs with 8 GiB free each", or, for whole
 /// GPUs, "2 whole free GPUs of at least 8 GiB".
-fn slices(wanted: u32, per_gpu: u64, exclusive: bool) -> String {
+fn slices(wanted: u32, per_gpu: u64, exclusive: bool, compute: u32) -> String {
     let word = gpus_word(wanted as usize);
+    let compute = if compute > 0 {
+        format!(" and {compute} % compute")
+    } else {
+        String::new()
+    };
     if exclusive {
         format!("{wanted} whole free {word} of at least {per_gpu} GiB")
     } else if wanted == 1 {
-        format!("1 GPU with {per_gpu} GiB free")
+        format!("1 GPU with {per_gpu} GiB{compute} free")
     } else {
-        format!("{wanted} GPUs with {per_gpu} GiB free each")
+        format!("{wanted} GPUs with {per_gpu} GiB{compute} free each")
     }
 }
 
@@ -69,10 +74,24 @@ pub enum Unfit {
         /// index of that GPU
         gpu: u32,
     },
+    /// GPUs have the memory free, but not the compute the pod asks for besides.
+    #[error(
+        "needs {need} GiB and {compute} % compute on one GPU; the GPUs with that memory free have at most {free} % compute free (GPU {gpu})"
+    )]
+    ComputeBusy {
+        /// GiB the pod needs
+        need: u64,
+        /// percent of compute it needs
+        compute: u32,
+        /// the most compute free on a GPU with the memory free
+        free: u32,
+        /// index of that GPU
+        gpu: u32,
+    },
     /// A container of the same size waits for device allocation on a GPU without room.
     #[error(
         "a {size} GiB container is still waiting for device allocation on GPU {gpus}, which {}; retry once it starts",
-        blocked_why(*need, *free, *healthy)
+        blocked_why(*need, *free, *healthy, *compute)
     )]
     TwinBlocked {
         /// the shared container size
@@ -85,6 +104,9 @@ pub enum Unfit {
         free: u64,
         /// whether that GPU is healthy
         healthy: bool,
+        /// (percent the pod needs, percent free) when the GPU has the memory but not the
+        /// compute
+        compute: Option<(u32, u32)>,
     },
     /// The pod's containers have pending twins on two different GPUs.
     #[error(
@@ -136,7 +158,7 @@ pub enum Unfit {
         model: String,
     },
     /// Fewer healthy GPUs than the pod wants are large enough, even empty.
-    #[error("needs {}; node has {large_enough} healthy GPUs that large", slices(*wanted, *per_gpu, *exclusive))]
+    #[error("needs {}; node has {large_enough} healthy GPUs that large", slices(*wanted, *per_gpu, *exclusive, 0))]
     TooFewGpus {
         /// GPUs wanted
         wanted: u32,
@@ -148,7 +170,7 @@ pub enum Unfit {
         large_enough: usize,
     },
     /// Enough GPUs are large enough, but too few have room right now.
-    #[error("needs {}; node has {fitting}", slices(*wanted, *per_gpu, *exclusive))]
+    #[error("needs {}; node has {fitting}", slices(*wanted, *per_gpu, *exclusive, *compute))]
     TooFewFree {
         /// GPUs wanted
         wanted: u32,
@@ -156,16 +178,20 @@ pub enum Unfit {
         per_gpu: u64,
         /// whole GPUs
         exclusive: bool,
+        /// percent of compute on each (0: none asked)
+        compute: u32,
         /// GPUs that would take a slice now
         fitting: usize,
     },
 }
 
-fn blocked_why(need: u64, free: u64, healthy: bool) -> String {
-    if healthy {
-        format!("has no room (pod needs {need} GiB, {free} GiB free)")
-    } else {
-        "is unhealthy".to_owned()
+fn blocked_why(need: u64, free: u64, healthy: bool, compute: Option<(u32, u32)>) -> String {
+    match compute {
+        _ if !healthy => "is unhealthy".to_owned(),
+        Some((need, free)) => {
+            format!("has no compute room (pod needs {need} %, {free} % free)")
+        }
+        None => format!("has no room (pod needs {need} GiB, {free} GiB free)"),
     }
 }
 

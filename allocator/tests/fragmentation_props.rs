@@ -315,8 +315,7 @@ proptest! {
                             uuid: gpu.uuid.as_str().into(),
                             pod_gib: gib,
                             pending: vec![],
-                            assigned: true,
-                        },
+                            assigned: true, compute: 0, },
                     );
                 }
             }
@@ -324,7 +323,7 @@ proptest! {
         for (i, name) in nodes.keys().enumerate() {
             cluster.set_pod_host(PodId::from(format!("{name}-cpu")), name, host(cpu_used[i]));
         }
-        let request = Request { models: Default::default(), gpus: 1, exclusive: false, pod_gib: gib, containers: vec![gib], host: host(cores) };
+        let request = Request { models: Default::default(), gpus: 1, exclusive: false, pod_gib: gib, containers: vec![gib], host: host(cores), compute: 0, };
         let names: Vec<&str> = nodes.keys().map(String::as_str).collect();
         let scores = cluster.scores(&names, &request, Policy::Fragmentation);
         prop_assert_eq!(&cluster.scores(&names, &request, Policy::Fragmentation), &scores);

@@ -177,7 +177,7 @@ proptest! {
             match op {
                 Op::Reserve { pod, node, containers, policy, gpus, exclusive, models } => {
                     let models = ModelFilter::parse(models);
-                    let request = Request { gpus, exclusive, pod_gib: containers.iter().sum(), containers, host: Default::default(), models };
+                    let request = Request { gpus, exclusive, pod_gib: containers.iter().sum(), containers, host: Default::default(), models, compute: 0, };
                     let name = node_name(node);
                     let fits = cluster.fit(&name, &request);
                     // A node scores above 0 exactly when the pod fits it.

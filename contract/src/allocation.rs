@@ -9,7 +9,8 @@
 //! | `gpu-uuid` | extender | `"GPU-…"`, `"GPU-…,GPU-…"` (empty if the node has no inventory) |
 //! | `pod-gib` | extender | `"8"`: GiB on each of the pod's GPUs |
 //! | `exclusive` | extender | `"true"` when the pod holds its GPUs whole (absent otherwise) |
-//! | `containers` | extender | `[{"name":"main","gib":8,"init":false}]` |
+//! | `compute` | extender | `"30"`: percent of each of the pod's GPUs' compute (absent when it asked for none) |
+//! | `containers` | extender | `[{"name":"main","gib":8,"init":false}]`, with `"compute":30` where a container asked for compute |
 //! | `bind-time` | extender | RFC 3339 |
 //! | `assigned` | extender `"false"`, device plugin `"true"` | every container allocated |
 //! | `allocated` | device plugin | `"init,main"`: containers allocated so far |
@@ -51,6 +52,8 @@ pub struct PodAllocation {
     pub pod_gib: u64,
     /// True when the pod holds its GPUs whole: nothing else is placed on them.
     pub exclusive: bool,
+    /// Percent of each of its GPUs' compute the pod holds; 0 when it asked for none.
+    pub compute: u32,
     /// The containers that asked for GPU memory, in admission order.
     pub containers: Vec<ContainerRequest>,
     /// When the extender decided (RFC 3339).
@@ -97,6 +100,7 @@ pub mod classic {
                 more_gpus: Vec::new(),
                 pod_gib: self.pod_gib,
                 exclusive: false,
+                compute: 0,
                 containers: Vec::new(),
                 bind_time: String::new(),
                 assigned: true,
@@ -224,6 +228,9 @@ impl PodAllocation {
         if self.exclusive {
             annotations.insert(keys.exclusive.clone(), "true".to_owned());
         }
+        if self.compute > 0 {
+            annotations.insert(keys.compute.clone(), self.compute.to_string());
+        }
         annotations
     }
 
@@ -302,6 +309,16 @@ impl PodAllocation {
         };
         let more_gpus = gpus.map(|(index, uuid)| GpuRef { index, uuid }).collect();
         let pod_gib = number(&keys.pod_gib, required(&keys.pod_gib)?)?;
+        let compute = match annotations.get(&keys.compute) {
+            None => 0,
+            Some(value) => u32::try_from(number(&keys.compute, value)?)
+                .ok()
+                .filter(|&percent| percent <= crate::request::COMPUTE_PER_GPU)
+                .ok_or_else(|| AllocationError::NotANumber {
+                    key: keys.compute.clone(),
+                    value: value.clone(),
+                })?,
+        };
         let containers: Vec<ContainerRequest> = serde_json::from_str(required(&keys.containers)?)
             .map_err(|source| AllocationError::Containers {
             key: keys.containers.clone(),
@@ -324,6 +341,7 @@ impl PodAllocation {
             exclusive: annotations
                 .get(&keys.exclusive)
                 .is_some_and(|v| v == "true"),
+            compute,
             containers,
             bind_time: annotations
                 .get(&keys.bind_time)
@@ -362,17 +380,20 @@ mod tests {
                     name: "init".into(),
                     gib: 6,
                     init: true,
+                    compute: 0,
                 },
                 ContainerRequest {
                     name: "main".into(),
                     gib: 4,
                     init: false,
+                    compute: 0,
                 },
             ],
             bind_time: "2026-11-22T10:00:00Z".into(),
             assigned: false,
             allocated: vec![],
             signature: None,
+            compute: 0,
         }
     }
 
@@ -399,6 +420,25 @@ mod tests {
             PodAllocation::from_annotations(&keys, &annotations).unwrap(),
             Some(signed)
         );
+    }
+
+    #[test]
+    fn compute_round_trips_and_is_absent_when_none() {
+        let keys = Keys::default();
+        assert!(!sample().to_annotations(&keys).contains_key(&keys.compute));
+        let mut with = sample();
+        with.compute = 30;
+        with.containers[0].compute = 30;
+        let annotations = with.to_annotations(&keys);
+        assert_eq!(annotations[&keys.compute], "30");
+        assert!(annotations[&keys.containers].contains("\"compute\":30"));
+        assert_eq!(
+            PodAllocation::from_annotations(&keys, &annotations).unwrap(),
+            Some(with)
+        );
+        let mut bad = annotations.clone();
+        bad.insert(keys.compute.clone(), "101".into());
+        assert!(PodAllocation::from_annotations(&keys, &bad).is_err());
     }
 
     #[test]

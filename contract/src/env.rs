@@ -66,6 +66,19 @@ pub const ISOLATION_CONTEXT_MIB: &str = reader_side::settings::ENV_CONTEXT_MIB;
 /// What the interposer does with `cuMemAllocManaged`, `charge` or `ignore`
 /// ([`ManagedMemory`]).
 pub const ISOLATION_MANAGED_MEMORY: &str = reader_side::settings::ENV_MANAGED_MEMORY;
+/// Percent of each of its GPUs' SM time the container is given (only where its pod asked for
+/// compute; see [`crate::request`]): the interposer holds it ([`ISOLATION_COMPUTE_MODE`]).
+pub const COMPUTE_PERCENT: &str = reader_side::settings::ENV_COMPUTE_PERCENT;
+/// How the interposer holds [`COMPUTE_PERCENT`]: `shared` (its default), `capped` or `off`.
+pub const ISOLATION_COMPUTE_MODE: &str = reader_side::settings::ENV_COMPUTE_MODE;
+/// The node-wide directory where the interposers of every container on a GPU share its
+/// compute state ([`Enforcement::Preload`]).
+pub const ISOLATION_COMPUTE_DIR: &str = reader_side::settings::ENV_COMPUTE_DIR;
+/// Where the node-wide compute directory is mounted in a container ([`Enforcement::Preload`]).
+pub const ISOLATION_COMPUTE_DIR_IN_CONTAINER: &str = "/var/run/gpushare/compute";
+/// MPS's own share of a GPU's threads for the container's CUDA clients
+/// ([`Enforcement::Mps`]): the container's compute percent.
+pub const CUDA_MPS_ACTIVE_THREAD_PERCENTAGE: &str = "CUDA_MPS_ACTIVE_THREAD_PERCENTAGE";
 /// The largest [`ISOLATION_CONTEXT_MIB`] the interposer accepts (1 TiB); it refuses more.
 pub const MAX_CONTEXT_MIB: u64 = reader_side::prepared::MAX_CONTEXT_MIB;
 
@@ -184,7 +197,14 @@ pub struct IsolationOptions {
     /// Managed memory ([`ISOLATION_MANAGED_MEMORY`]); passed only when not
     /// [`ManagedMemory::Charge`].
     pub managed_memory: ManagedMemory,
+    /// How compute shares are held ([`ISOLATION_COMPUTE_MODE`], the chart's
+    /// `isolation.compute`); passed only when not [`ComputeMode::Shared`], and only to
+    /// containers with a compute share.
+    pub compute_mode: ComputeMode,
 }
+
+/// How the interposer holds a container's compute share (the interposer's own type).
+pub use reader_side::settings::ComputeMode;
 
 impl IsolationOptions {
     /// The variables that carry these settings to the interposer; none for the defaults.
@@ -332,6 +352,23 @@ pub fn container_env(
     for (name, value) in enforcement.env_on(gib_per_gpu, count, settings) {
         vars.insert(name.to_owned(), value);
     }
+    let compute_per_gpu = container.compute / u32::try_from(count).unwrap_or(u32::MAX);
+    if compute_per_gpu > 0 {
+        vars.insert(COMPUTE_PERCENT.to_owned(), compute_per_gpu.to_string());
+        match enforcement {
+            Enforcement::Preload if settings.isolation.compute_mode != ComputeMode::Shared => {
+                let mode = settings.isolation.compute_mode.as_str();
+                vars.insert(ISOLATION_COMPUTE_MODE.to_owned(), mode.to_owned());
+            }
+            Enforcement::Mps => {
+                vars.insert(
+                    CUDA_MPS_ACTIVE_THREAD_PERCENTAGE.to_owned(),
+                    compute_per_gpu.to_string(),
+                );
+            }
+            Enforcement::Preload | Enforcement::None | Enforcement::Toolkit => {}
+        }
+    }
     vars
 }
 
@@ -356,6 +393,7 @@ mod tests {
             name: "main".into(),
             gib,
             init: false,
+            compute: 0,
         }
     }
 
@@ -500,6 +538,7 @@ mod tests {
         let asked = preload(IsolationOptions {
             context_mib: Some(640),
             managed_memory: ManagedMemory::Ignore,
+            compute_mode: Default::default(),
         });
         let mut want = today.clone();
         want.insert("GPUSHARE_CONTEXT_MIB".into(), "640".into());
@@ -550,6 +589,7 @@ mod tests {
                     isolation: IsolationOptions {
                         context_mib: Some(300),
                         managed_memory: ManagedMemory::Ignore,
+                        compute_mode: Default::default(),
                     },
                 },
             ),
@@ -566,6 +606,7 @@ mod tests {
             isolation: IsolationOptions {
                 context_mib: Some(640),
                 managed_memory: ManagedMemory::Ignore,
+                compute_mode: Default::default(),
             },
         };
         for mode in [Enforcement::None, Enforcement::Toolkit, Enforcement::Mps] {
@@ -601,6 +642,53 @@ mod tests {
     /// What a container is handed reads back, through the interposer's own parsers, as the
     /// share and the settings it was granted.
     #[test]
+    fn a_compute_share_reaches_the_interposer_and_mps_per_gpu() {
+        use reader_side::settings::Settings;
+        let gpus = [gpu(0, 16, true), gpu(1, 16, true)];
+        let asked = ContainerRequest {
+            compute: 60,
+            ..container(8)
+        };
+        let capped = EnforcerSettings {
+            mps_pipe_directory: "",
+            isolation: IsolationOptions {
+                compute_mode: ComputeMode::Capped,
+                ..IsolationOptions::default()
+            },
+        };
+        let vars = container_env(&gpus, &asked, 4, (Enforcement::Preload, &capped));
+        assert_eq!(vars[COMPUTE_PERCENT], "30", "{vars:?}");
+        let read = Settings::parse(|name| vars.get(name).cloned()).unwrap();
+        let share = read.compute.expect("a compute share");
+        assert_eq!((share.percent, share.mode), (30, ComputeMode::Capped));
+        // The interposer's default mode is not written.
+        let shared = container_env(
+            &gpus,
+            &asked,
+            4,
+            (Enforcement::Preload, &EnforcerSettings::default()),
+        );
+        assert!(!shared.contains_key(ISOLATION_COMPUTE_MODE));
+        // MPS holds the share with its own thread percentage.
+        let mps = container_env(
+            &gpus,
+            &asked,
+            4,
+            (Enforcement::Mps, &EnforcerSettings::mps("/run/mps")),
+        );
+        assert_eq!(mps[CUDA_MPS_ACTIVE_THREAD_PERCENTAGE], "30");
+        // A container without compute gets none of these.
+        let plain = container_env(&gpus, &container(8), 4, (Enforcement::Mps, &capped));
+        for name in [
+            COMPUTE_PERCENT,
+            ISOLATION_COMPUTE_MODE,
+            CUDA_MPS_ACTIVE_THREAD_PERCENTAGE,
+        ] {
+            assert!(!plain.contains_key(name), "{name}");
+        }
+    }
+
+    #[test]
     fn the_interposer_reads_what_a_container_is_handed() {
         use reader_side::settings::{Managed, Settings, format_uuid};
         use reader_side::{Limits, settings::parse_uuid};
@@ -619,6 +707,7 @@ mod tests {
             isolation: IsolationOptions {
                 context_mib,
                 managed_memory,
+                compute_mode: Default::default(),
             },
         };
         let charge = preload(None, ManagedMemory::Charge);

@@ -28,6 +28,9 @@ pub struct Keys {
     /// Pod: `"true"` when the pod holds its GPUs whole, alone (written by the extender only
     /// then; see [`crate::PodAllocation::exclusive`]).
     pub exclusive: String,
+    /// Pod: percent of each of its GPUs' compute the pod holds (decimal; written only when
+    /// the pod asked for compute, see [`crate::request`]).
+    pub compute: String,
     /// Pod, set by the user: over how many GPUs of one node the pod's GPU memory is spread,
     /// evenly (`<domain>/gpus: "2"`; absent means one). See [`crate::request`].
     pub request_gpus: String,
@@ -68,6 +71,7 @@ impl Keys {
             allocated: key("allocated"),
             signature: key("signature"),
             exclusive: key("exclusive"),
+            compute: key("compute"),
             request_gpus: format!("{domain}/gpus"),
             request_exclusive: format!("{domain}/exclusive"),
             request_models: format!("{domain}/gpu-model"),
@@ -113,7 +117,7 @@ impl Keys {
 
     /// The keys of the allocation decision itself, which only the extender may write.
     /// Values a user set on these before bind are ignored and overwritten.
-    pub fn allocation_keys(&self) -> [&str; 9] {
+    pub fn allocation_keys(&self) -> [&str; 10] {
         [
             &self.gpu_index,
             &self.gpu_uuid,
@@ -124,6 +128,7 @@ impl Keys {
             &self.allocated,
             &self.signature,
             &self.exclusive,
+            &self.compute,
         ]
     }
 }
@@ -146,6 +151,7 @@ mod tests {
         assert_eq!(keys.signature, "gpu.acme.io/v1.signature");
         assert_eq!(keys.node_gpu_count, "gpu.acme.io/gpu-count");
         assert_eq!(keys.exclusive, "gpu.acme.io/v1.exclusive");
+        assert_eq!(keys.compute, "gpu.acme.io/v1.compute");
         assert_eq!(keys.request_gpus, "gpu.acme.io/gpus");
         assert_eq!(keys.request_exclusive, "gpu.acme.io/exclusive");
         assert_eq!(

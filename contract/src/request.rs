@@ -38,6 +38,20 @@
 //!   extender, which books the whole GPUs, is the one that keeps others off them).
 //! - Limits: all of a pod's GPU containers share the same N GPUs with the same split; at most
 //!   [`MAX_GPUS_PER_POD`] GPUs, all on one node.
+//!
+//! # Compute
+//!
+//! A container that asks for GPU memory may also ask for a share of its GPUs' SM time,
+//! in percent of one GPU: `<domain of the memory resource>/gpu-compute` (for
+//! `example.com/gpu-mem`, `example.com/gpu-compute`; see [`compute_resource_of`]). Read like
+//! the memory: per container the limit (else the request), the pod's total
+//! `max(sum over app containers and sidecars, largest plain init container)`, and, like the
+//! memory, the total over all the pod's GPUs (the device plugin advertises 100 units per
+//! GPU, so kube-scheduler's per-node count stays right): `gpu-compute: 60` with
+//! `<domain>/gpus: "2"` is 30 % of each GPU. Only whole percents; a container asking for
+//! compute without memory, a split that is not even, or more than 100 % of one GPU is
+//! refused with an error that says so. A pod that asks for none gets no compute guarantee and
+//! no cap.
 
 use k8s_openapi::api::core::v1::{Container, Pod};
 use serde::{Deserialize, Serialize};
@@ -58,6 +72,26 @@ pub struct ContainerRequest {
     /// True for init containers (including sidecars).
     #[serde(default)]
     pub init: bool,
+    /// Percent of one GPU's SM time over all the pod's GPUs (0: no compute share); absent
+    /// from the annotation when 0, so allocations without compute read as they always did.
+    #[serde(default, skip_serializing_if = "is_zero")]
+    pub compute: u32,
+}
+
+fn is_zero(value: &u32) -> bool {
+    *value == 0
+}
+
+/// The most percent of one GPU a pod may hold on each of its GPUs: the whole GPU.
+pub const COMPUTE_PER_GPU: u32 = 100;
+
+/// The compute resource that goes with the memory resource `memory_resource`: the same
+/// domain, named `gpu-compute` (`example.com/gpu-mem` → `example.com/gpu-compute`).
+pub fn compute_resource_of(memory_resource: &str) -> String {
+    match memory_resource.split_once('/') {
+        Some((domain, _)) => format!("{domain}/gpu-compute"),
+        None => "gpu-compute".to_owned(),
+    }
 }
 
 /// What a pod asks for.
@@ -75,9 +109,17 @@ pub struct PodRequest {
     /// GPU models allowed (`name`) or refused (`!name`), as written in `<domain>/gpu-model`;
     /// empty for any model.
     pub models: Vec<String>,
+    /// Percent of one GPU's SM time the pod holds while it runs, over all its GPUs (0: no
+    /// compute share; see the module doc).
+    pub pod_compute: u32,
 }
 
 impl PodRequest {
+    /// Percent of each of its GPUs the pod holds (0: no compute share).
+    pub fn compute_per_gpu(&self) -> u32 {
+        self.pod_compute / self.gpus.max(1)
+    }
+
     /// GiB the pod holds on each of its GPUs.
     pub fn gib_per_gpu(&self) -> u64 {
         self.pod_gib / u64::from(self.gpus.max(1))
@@ -149,6 +191,69 @@ pub enum RequestError {
         gpus: u32,
         /// the annotation key
         key: String,
+    },
+    /// A compute quantity is not a whole percent within what a pod may hold.
+    #[error(
+        "pod {pod}: container {container} asks for {resource}: {value:?}, which is not a whole percent from 0 to {max} (write e.g. \"30\" for 30 % of a GPU)"
+    )]
+    NotWholePercent {
+        /// namespace/name
+        pod: String,
+        /// container name
+        container: String,
+        /// the resource name
+        resource: String,
+        /// the value as written
+        value: String,
+        /// the most a container may write (a whole GPU on each of the most GPUs a pod may have)
+        max: u32,
+    },
+    /// A container asks for compute but no GPU memory: compute is a share of the GPUs its
+    /// memory is placed on.
+    #[error(
+        "pod {pod}: container {container} asks for {compute_resource} without {resource}; compute is a share of the GPU its memory is on, so ask for both"
+    )]
+    ComputeWithoutMemory {
+        /// namespace/name
+        pod: String,
+        /// container name
+        container: String,
+        /// the memory resource
+        resource: String,
+        /// the compute resource
+        compute_resource: String,
+    },
+    /// A container's compute cannot be split evenly over the pod's GPUs.
+    #[error(
+        "pod {pod}: container {container} asks for {compute} % of GPU compute spread over {gpus} GPUs; with {key} the compute of every container must be a multiple of {gpus}"
+    )]
+    UnevenCompute {
+        /// namespace/name
+        pod: String,
+        /// container name
+        container: String,
+        /// its percent
+        compute: u32,
+        /// number of GPUs
+        gpus: u32,
+        /// the annotation key
+        key: String,
+    },
+    /// The pod asks for more than a whole GPU's compute on each of its GPUs.
+    #[error(
+        "pod {pod} asks for {per_gpu} % of the compute of each of its GPUs ({resource}: {total} over {gpus} GPUs); at most {COMPUTE_PER_GPU} % of a GPU can be given"
+    )]
+    ComputeTooLarge {
+        /// namespace/name
+        pod: String,
+        /// the compute resource
+        resource: String,
+        /// the pod's total
+        total: u32,
+        /// number of GPUs
+        gpus: u32,
+        /// the total per GPU
+        per_gpu: u32,
     },
 }
 
@@ -226,6 +331,28 @@ pub fn pod_request_with(
             key: keys.request_gpus.clone(),
         });
     }
+    if let Some(container) = request
+        .containers
+        .iter()
+        .find(|c| c.compute % request.gpus != 0)
+    {
+        return Err(RequestError::UnevenCompute {
+            pod: pod_key(pod),
+            container: container.name.clone(),
+            compute: container.compute,
+            gpus: request.gpus,
+            key: keys.request_gpus.clone(),
+        });
+    }
+    if request.compute_per_gpu() > COMPUTE_PER_GPU {
+        return Err(RequestError::ComputeTooLarge {
+            pod: pod_key(pod),
+            resource: compute_resource_of(resource),
+            total: request.pod_compute,
+            gpus: request.gpus,
+            per_gpu: request.compute_per_gpu(),
+        });
+    }
     Ok(Some(request))
 }
 
@@ -237,34 +364,37 @@ fn pod_request(pod: &Pod, resource: &str) -> Result<Option<PodRequest>, RequestE
         return Ok(None);
     };
     let pod_key = pod_key(pod);
+    let compute_resource = compute_resource_of(resource);
     let mut containers = Vec::new();
-    let mut sidecar_sum = 0u64;
-    let mut largest_init = 0u64;
-    for container in spec.init_containers.iter().flatten() {
-        let Some(gib) = container_gib(&pod_key, container, resource)? else {
+    // (memory, compute) summed over app containers and sidecars, and the largest plain init.
+    let mut running = (0u64, 0u32);
+    let mut largest_init = (0u64, 0u32);
+    let init = spec.init_containers.iter().flatten().map(|c| (c, true));
+    for (container, is_init) in init.chain(spec.containers.iter().map(|c| (c, false))) {
+        let gib = container_gib(&pod_key, container, resource)?;
+        let compute = container_compute(&pod_key, container, &compute_resource)?;
+        let Some(gib) = gib else {
+            if compute.is_some() {
+                return Err(RequestError::ComputeWithoutMemory {
+                    pod: pod_key,
+                    container: container.name.clone(),
+                    resource: resource.to_owned(),
+                    compute_resource,
+                });
+            }
             continue;
         };
-        if container.restart_policy.as_deref() == Some("Always") {
-            sidecar_sum += gib;
+        let compute = compute.unwrap_or(0);
+        if is_init && container.restart_policy.as_deref() != Some("Always") {
+            largest_init = (largest_init.0.max(gib), largest_init.1.max(compute));
         } else {
-            largest_init = largest_init.max(gib);
+            running = (running.0 + gib, running.1.saturating_add(compute));
         }
         containers.push(ContainerRequest {
             name: container.name.clone(),
             gib,
-            init: true,
-        });
-    }
-    let mut app_sum = 0u64;
-    for container in &spec.containers {
-        let Some(gib) = container_gib(&pod_key, container, resource)? else {
-            continue;
-        };
-        app_sum += gib;
-        containers.push(ContainerRequest {
-            name: container.name.clone(),
-            gib,
-            init: false,
+            init: is_init,
+            compute,
         });
     }
     if containers.is_empty() {
@@ -272,10 +402,11 @@ fn pod_request(pod: &Pod, resource: &str) -> Result<Option<PodRequest>, RequestE
     }
     Ok(Some(PodRequest {
         containers,
-        pod_gib: (app_sum + sidecar_sum).max(largest_init),
+        pod_gib: running.0.max(largest_init.0),
         gpus: 1,
         exclusive: false,
         models: Vec::new(),
+        pod_compute: running.1.max(largest_init.1),
     }))
 }
 
@@ -299,14 +430,9 @@ pub fn pod_key(pod: &Pod) -> String {
     )
 }
 
-fn container_gib(
-    pod: &str,
-    container: &Container,
-    resource: &str,
-) -> Result<Option<u64>, RequestError> {
-    let Some(resources) = container.resources.as_ref() else {
-        return Ok(None);
-    };
+/// The container's limit for `resource`, else its request, as written.
+fn container_quantity<'a>(container: &'a Container, resource: &str) -> Option<&'a str> {
+    let resources = container.resources.as_ref()?;
     let quantity = resources
         .limits
         .as_ref()
@@ -316,11 +442,18 @@ fn container_gib(
                 .requests
                 .as_ref()
                 .and_then(|requests| requests.get(resource))
-        });
-    let Some(quantity) = quantity else {
+        })?;
+    Some(quantity.0.trim())
+}
+
+fn container_gib(
+    pod: &str,
+    container: &Container,
+    resource: &str,
+) -> Result<Option<u64>, RequestError> {
+    let Some(value) = container_quantity(container, resource) else {
         return Ok(None);
     };
-    let value = quantity.0.trim();
     let gib = parse_whole_gib(value).ok_or_else(|| RequestError::NotWholeGib {
         pod: pod.to_owned(),
         container: container.name.clone(),
@@ -337,6 +470,30 @@ fn container_gib(
         });
     }
     Ok((gib > 0).then_some(gib))
+}
+
+/// The container's compute percent (over all the pod's GPUs), `None` for none or 0. At most
+/// a whole GPU for each GPU a pod may have; the per-GPU limit is checked on the pod.
+fn container_compute(
+    pod: &str,
+    container: &Container,
+    resource: &str,
+) -> Result<Option<u32>, RequestError> {
+    let Some(value) = container_quantity(container, resource) else {
+        return Ok(None);
+    };
+    let max = COMPUTE_PER_GPU * MAX_GPUS_PER_POD;
+    let percent = parse_whole_gib(value)
+        .and_then(|p| u32::try_from(p).ok())
+        .filter(|&p| p <= max)
+        .ok_or_else(|| RequestError::NotWholePercent {
+            pod: pod.to_owned(),
+            container: container.name.clone(),
+            resource: resource.to_owned(),
+            value: value.to_owned(),
+            max,
+        })?;
+    Ok((percent > 0).then_some(percent))
 }
 
 /// A plain decimal integer, as the API server canonicalises whole quantities. Digits only:
@@ -545,6 +702,114 @@ mod tests {
             &[(&keys.request_gpus, "x")],
         );
         assert_eq!(pod_request_with(&p, RES, &keys).unwrap(), None);
+    }
+
+    fn with_compute(mut c: Container, compute: &str) -> Container {
+        if let Some(limits) = c.resources.as_mut().and_then(|r| r.limits.as_mut()) {
+            limits.insert(
+                "example.com/gpu-compute".to_owned(),
+                Quantity(compute.to_owned()),
+            );
+        }
+        c
+    }
+
+    #[test]
+    fn compute_is_summed_like_memory_and_spread_over_the_gpus() {
+        let keys = Keys::default();
+        assert_eq!(compute_resource_of(RES), "example.com/gpu-compute");
+        let p = pod(
+            vec![with_compute(container("init", Some("2"), None), "50")],
+            vec![
+                with_compute(container("a", Some("2"), None), "20"),
+                with_compute(container("b", Some("2"), None), "10"),
+                container("c", Some("2"), None),
+            ],
+        );
+        let request = pod_request_with(&p, RES, &keys).unwrap().unwrap();
+        assert_eq!((request.pod_compute, request.compute_per_gpu()), (50, 50));
+        let computes: Vec<u32> = request.containers.iter().map(|c| c.compute).collect();
+        assert_eq!(computes, vec![50, 20, 10, 0]);
+        let p = annotated(
+            pod(
+                vec![],
+                vec![with_compute(container("train", Some("16"), None), "60")],
+            ),
+            &[(&keys.request_gpus, "2")],
+        );
+        let two = pod_request_with(&p, RES, &keys).unwrap().unwrap();
+        assert_eq!((two.pod_compute, two.compute_per_gpu()), (60, 30));
+        // Without compute, nothing changes.
+        let p = pod(vec![], vec![container("a", Some("4"), None)]);
+        let plain = pod_request_with(&p, RES, &keys).unwrap().unwrap();
+        assert_eq!((plain.pod_compute, plain.containers[0].compute), (0, 0));
+    }
+
+    #[test]
+    fn compute_that_cannot_be_placed_is_refused_with_a_reason() {
+        let keys = Keys::default();
+        let only_compute = pod(
+            vec![],
+            vec![with_compute(
+                Container {
+                    name: "a".into(),
+                    resources: Some(ResourceRequirements {
+                        limits: Some(BTreeMap::new()),
+                        ..Default::default()
+                    }),
+                    ..Default::default()
+                },
+                "30",
+            )],
+        );
+        let err = pod_request_with(&only_compute, RES, &keys).unwrap_err();
+        assert!(
+            matches!(err, RequestError::ComputeWithoutMemory { .. }),
+            "{err}"
+        );
+        for bad in ["30.5", "-1", "1601", "30%"] {
+            let p = pod(
+                vec![],
+                vec![with_compute(container("a", Some("4"), None), bad)],
+            );
+            let err = pod_request_with(&p, RES, &keys).unwrap_err();
+            assert!(
+                matches!(err, RequestError::NotWholePercent { .. }),
+                "{bad}: {err}"
+            );
+            assert!(err.to_string().contains("gpu-compute"), "{err}");
+        }
+        let over = pod(
+            vec![],
+            vec![
+                with_compute(container("a", Some("4"), None), "60"),
+                with_compute(container("b", Some("4"), None), "50"),
+            ],
+        );
+        let err = pod_request_with(&over, RES, &keys).unwrap_err();
+        assert!(
+            matches!(err, RequestError::ComputeTooLarge { per_gpu: 110, .. }),
+            "{err}"
+        );
+        let uneven = annotated(
+            pod(
+                vec![],
+                vec![with_compute(container("a", Some("4"), None), "45")],
+            ),
+            &[(&keys.request_gpus, "2")],
+        );
+        let err = pod_request_with(&uneven, RES, &keys).unwrap_err();
+        assert!(
+            matches!(
+                err,
+                RequestError::UnevenCompute {
+                    compute: 45,
+                    gpus: 2,
+                    ..
+                }
+            ),
+            "{err}"
+        );
     }
 
     #[test]

@@ -92,10 +92,11 @@ type HmacSha256 = Hmac<Sha256>;
 /// str(pod_uid) str(node) u32(gpu_index) str(gpu_uuid) u64(pod_gib)
 /// u64(number of containers) { str(name) u64(gib) u8(init) }*
 /// ```
-/// A multi-GPU or exclusive allocation appends `u64(number of more GPUs) { u32(index)
-/// str(uuid) }* u8(exclusive)`. Only those allocations carry the tail, so every signature
-/// made before multi-GPU pods existed still verifies; and since the container list's length
-/// is counted, the tail cannot be mistaken for a container.
+/// A multi-GPU, exclusive or compute allocation appends `u64(number of more GPUs) { u32(index)
+/// str(uuid) }* u8(exclusive)`, and a compute allocation then `u32(compute) { u32(container
+/// compute) }*` (one per container, in order). Only those allocations carry the tail, so
+/// every signature made before multi-GPU pods (or compute) existed still verifies; and since
+/// the container list's length is counted, the tail cannot be mistaken for a container.
 /// `str(s)` is `u64(len(s))` then the UTF-8 bytes; integers are big-endian. Lengths make the
 /// encoding unambiguous: no two different inputs give the same bytes.
 pub fn canonical_v1(pod_uid: &str, node: &str, allocation: &PodAllocation) -> Vec<u8> {
@@ -116,13 +117,20 @@ pub fn canonical_v1(pod_uid: &str, node: &str, allocation: &PodAllocation) -> Ve
         out.extend_from_slice(&container.gib.to_be_bytes());
         out.push(u8::from(container.init));
     }
-    if !allocation.more_gpus.is_empty() || allocation.exclusive {
+    let compute = allocation.compute > 0 || allocation.containers.iter().any(|c| c.compute > 0);
+    if !allocation.more_gpus.is_empty() || allocation.exclusive || compute {
         out.extend_from_slice(&(allocation.more_gpus.len() as u64).to_be_bytes());
         for gpu in &allocation.more_gpus {
             out.extend_from_slice(&gpu.index.to_be_bytes());
             string(&mut out, &gpu.uuid);
         }
         out.push(u8::from(allocation.exclusive));
+    }
+    if compute {
+        out.extend_from_slice(&allocation.compute.to_be_bytes());
+        for container in &allocation.containers {
+            out.extend_from_slice(&container.compute.to_be_bytes());
+        }
     }
     out
 }
@@ -516,17 +524,20 @@ mod tests {
                     name: "init".into(),
                     gib: 6,
                     init: true,
+                    compute: 0,
                 },
                 ContainerRequest {
                     name: "main".into(),
                     gib: 4,
                     init: false,
+                    compute: 0,
                 },
             ],
             bind_time: "2026-11-22T10:00:00Z".into(),
             assigned: false,
             allocated: vec![],
             signature: None,
+            compute: 0,
         }
     }
 
@@ -543,6 +554,7 @@ mod tests {
                 name: "m".into(),
                 gib: 2,
                 init: true,
+                compute: 0,
             }],
             ..sample()
         };
@@ -634,12 +646,15 @@ mod tests {
             ("container name", |a| a.containers[1].name = "x".into()),
             ("container gib", |a| a.containers[1].gib = 1),
             ("container init", |a| a.containers[0].init = false),
+            ("compute", |a| a.compute = 30),
+            ("container compute", |a| a.containers[0].compute = 30),
             ("container dropped", |a| drop(a.containers.pop())),
             ("container added", |a| {
                 a.containers.push(ContainerRequest {
                     name: "side".into(),
                     gib: 1,
                     init: false,
+                    compute: 0,
                 })
             }),
             ("containers reordered", |a| a.containers.reverse()),

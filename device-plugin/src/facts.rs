@@ -408,12 +408,14 @@ mod tests {
                         name: name.into(),
                         gib,
                         init,
+                        compute: 0,
                     })
                     .collect(),
                 bind_time: "2026-11-22T10:00:00Z".into(),
                 assigned: false,
                 allocated: vec![],
                 signature: None,
+                compute: 0,
             },
             trust: Trust::Verified,
         })

@@ -86,6 +86,7 @@ pub const LEGACY_ENV: &[&str] = &[
 
 pub use gpushare_runtime::gpu as backend;
 pub mod attribution;
+pub mod compute;
 pub mod devices;
 mod error;
 pub mod facts;
@@ -512,6 +513,19 @@ impl Plugin {
             self.token.clone(),
         );
         tasks.spawn("device plugin server", serve);
+        let compute = server::serve_compute(
+            gpushare_contract::request::compute_resource_of(&config.resource),
+            (
+                config.node_name.clone(),
+                self.inventory.clone(),
+                self.metrics.clone(),
+            ),
+            config.device_plugin_dir.clone(),
+            // Not part of `/readyz`, which follows the memory resource (see `compute`).
+            Arc::new(AtomicBool::new(false)),
+            self.token.clone(),
+        );
+        tasks.spawn("compute device plugin server", compute);
     }
 
     /// Compares kubelet's PodResources listing with the allocations ([`pod_resources`]).

@@ -1,4 +1,6 @@
-//! Serving the plugin socket and staying registered with kubelet.
+//! Serving the plugin sockets and staying registered with kubelet: one for the memory
+//! resource ([`serve_and_register`]), one for the compute resource ([`serve_compute`],
+//! see [`crate::compute`]), each on its own socket with its own registration.
 //!
 //! ```text
 //!   bind <dir>/gpushare-gpu-mem.sock ─▶ serve DevicePlugin ─▶ Register on <dir>/kubelet.sock
@@ -27,15 +29,19 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::Duration;
 
 use gpushare_proto::socket_file::{self, BoundSocket, FileIdentity, identity};
-use gpushare_proto::v1beta1::RegisterRequest;
 use gpushare_proto::v1beta1::device_plugin_server::DevicePluginServer;
 use gpushare_proto::v1beta1::registration_client::RegistrationClient;
+use gpushare_proto::v1beta1::{DevicePluginOptions, RegisterRequest};
 use gpushare_proto::{KUBELET_SOCKET, VERSION};
 use tokio_stream::wrappers::UnixListenerStream;
 use tokio_util::sync::CancellationToken;
 use tonic::transport::Server;
+use tonic::transport::server::Router;
 
+use crate::compute::GpuComputeService;
 use crate::error::Error;
+use crate::metrics::Metrics;
+use crate::node::Inventory;
 use crate::service::{GpuMemService, PluginState, options};
 
 /// The plugin's socket file name inside the device plugin directory.
@@ -76,15 +82,15 @@ enum RegisterError {
     Timeout,
 }
 
-async fn register(kubelet: &Path, resource: &str) -> Result<(), RegisterError> {
+async fn register(kubelet: &Path, endpoint: &Endpoint) -> Result<(), RegisterError> {
     let attempt = async {
         let mut client = RegistrationClient::new(connect(kubelet).await?);
         client
             .register(RegisterRequest {
                 version: VERSION.to_owned(),
-                endpoint: SOCKET_NAME.to_owned(),
-                resource_name: resource.to_owned(),
-                options: Some(options()),
+                endpoint: endpoint.socket_name.to_owned(),
+                resource_name: endpoint.resource.clone(),
+                options: Some(endpoint.options),
             })
             .await?;
         Ok(())
@@ -94,8 +100,19 @@ async fn register(kubelet: &Path, resource: &str) -> Result<(), RegisterError> {
         .map_err(|_| RegisterError::Timeout)?
 }
 
-/// Serves the plugin socket in `dir` and keeps it registered with kubelet until `shutdown`.
-/// `ready` is true while registered and kubelet has had the device list twice
+/// What one registration with kubelet names: our socket, the resource, the options.
+struct Endpoint {
+    socket_name: &'static str,
+    resource: String,
+    options: DevicePluginOptions,
+}
+
+/// Builds the gRPC server of one socket generation from its stop token and the notify its
+/// streams ring once kubelet has had the list twice.
+type MakeRouter = Box<dyn Fn(CancellationToken, Arc<tokio::sync::Notify>) -> Router + Send + Sync>;
+
+/// Serves the memory resource's socket in `dir` and keeps it registered with kubelet until
+/// `shutdown`. `ready` is true while registered and kubelet has had the device list twice
 /// ([`crate::service::REANNOUNCE_AFTER`]).
 pub async fn serve_and_register(
     state: Arc<PluginState>,
@@ -103,10 +120,61 @@ pub async fn serve_and_register(
     ready: Arc<AtomicBool>,
     shutdown: CancellationToken,
 ) -> Result<(), Error> {
+    let endpoint = Endpoint {
+        socket_name: SOCKET_NAME,
+        resource: state.resource.clone(),
+        options: options(),
+    };
+    let (node, metrics) = (state.node.clone(), state.metrics.clone());
+    let make: MakeRouter = Box::new(move |generation, announced| {
+        let service = GpuMemService::new(state.clone(), generation, announced);
+        Server::builder().add_service(DevicePluginServer::new(service))
+    });
+    serve_endpoint(endpoint, make, (node, metrics), dir, ready, shutdown).await
+}
+
+/// Serves the compute resource `resource` ([`crate::compute`]) for `inventory`'s GPUs in
+/// `dir` and keeps it registered with kubelet until `shutdown`; `ready` as for memory.
+pub async fn serve_compute(
+    resource: String,
+    (node, inventory, metrics): (String, Inventory, Metrics),
+    dir: PathBuf,
+    ready: Arc<AtomicBool>,
+    shutdown: CancellationToken,
+) -> Result<(), Error> {
+    let endpoint = Endpoint {
+        socket_name: crate::compute::SOCKET_NAME,
+        resource,
+        options: crate::compute::options(),
+    };
+    let service_node = node.clone();
+    let make: MakeRouter = Box::new(move |generation, announced| {
+        let service = GpuComputeService::new(
+            service_node.clone(),
+            inventory.clone(),
+            generation,
+            announced,
+        );
+        Server::builder().add_service(DevicePluginServer::new(service))
+    });
+    serve_endpoint(endpoint, make, (node, metrics), dir, ready, shutdown).await
+}
+
+async fn serve_endpoint(
+    endpoint: Endpoint,
+    make_router: MakeRouter,
+    (node, metrics): (String, Metrics),
+    dir: PathBuf,
+    ready: Arc<AtomicBool>,
+    shutdown: CancellationToken,
+) -> Result<(), Error> {
     let plugin = Plugin {
-        socket: dir.join(SOCKET_NAME),
+        socket: dir.join(endpoint.socket_name),
         kubelet: dir.join(KUBELET_SOCKET),
-        state,
+        endpoint,
+        make_router,
+        node,
+        metrics,
         ready,
         shutdown,
     };
@@ -119,17 +187,20 @@ pub async fn serve_and_register(
         bound = Some(plugin.serve_generation().await?);
     }
     remove_own_socket(bound.as_ref());
-    tracing::info!("device plugin stopped");
+    tracing::info!(resource = %plugin.endpoint.resource, "device plugin stopped");
     Ok(())
 }
 
-/// The plugin socket and what serving it needs.
+/// A plugin socket and what serving it needs.
 struct Plugin {
     /// Our socket.
     socket: PathBuf,
     /// kubelet's registration socket.
     kubelet: PathBuf,
-    state: Arc<PluginState>,
+    endpoint: Endpoint,
+    make_router: MakeRouter,
+    node: String,
+    metrics: Metrics,
     ready: Arc<AtomicBool>,
     shutdown: CancellationToken,
 }
@@ -149,21 +220,18 @@ impl Plugin {
                 source,
             })?;
         let announced = Arc::new(tokio::sync::Notify::new());
-        let service = GpuMemService::new(self.state.clone(), generation.clone(), announced.clone());
         let mut server = tokio::spawn(
-            Server::builder()
-                .add_service(DevicePluginServer::new(service))
-                .serve_with_incoming_shutdown(
-                    UnixListenerStream::new(listener),
-                    generation.clone().cancelled_owned(),
-                ),
+            (self.make_router)(generation.clone(), announced.clone()).serve_with_incoming_shutdown(
+                UnixListenerStream::new(listener),
+                generation.clone().cancelled_owned(),
+            ),
         );
         let mut server_done = false;
         tracing::info!(socket = %self.socket.display(), "serving the device plugin API");
 
         if let Some(kubelet_id) = self.register_until_answered(&socket_file).await {
-            self.state.metrics.registrations.inc();
-            tracing::info!(resource = %self.state.resource, node = %self.state.node, "registered with kubelet");
+            self.metrics.registrations.inc();
+            tracing::info!(resource = %self.endpoint.resource, node = %self.node, "registered with kubelet");
             server_done = self
                 .watch(kubelet_id, &socket_file, &announced, &mut server)
                 .await;
@@ -192,7 +260,7 @@ impl Plugin {
                 break;
             }
             if let Some(kubelet_id) = identity(kubelet) {
-                match register(kubelet, &self.state.resource).await {
+                match register(kubelet, &self.endpoint).await {
                     Ok(()) => return Some(kubelet_id),
                     Err(err) => {
                         tracing::warn!(kubelet = %kubelet.display(), error = %err, "registration failed; retrying")
@@ -224,7 +292,7 @@ impl Plugin {
                 () = self.shutdown.cancelled() => return false,
                 () = announced.notified(), if !self.ready.load(Ordering::Relaxed) => {
                     self.ready.store(true, Ordering::Relaxed);
-                    tracing::info!("kubelet has the device list; ready");
+                    tracing::info!(resource = %self.endpoint.resource, "kubelet has the device list; ready");
                 }
                 () = tokio::time::sleep(POLL) => {}
                 result = &mut *server => {

@@ -183,8 +183,14 @@ impl GpuMemService {
                     let mut mounts = container_mounts(mode, &state.mps_pipe_directory);
                     if let (Enforcement::Preload, Some(isolation)) = (mode, &state.isolation) {
                         let (shares, uuids) = isolation_shares(&claim.checked, claim.container.gib);
+                        let compute = claim.container.compute
+                            / u32::try_from(claim.checked.len().max(1)).unwrap_or(u32::MAX);
                         let preload = isolation
-                            .mounts(&claim.pod, &claim.container.name, &shares, &uuids)
+                            .mounts(
+                                (&claim.pod, &claim.container.name),
+                                (&shares, &uuids),
+                                compute,
+                            )
                             .map_err(|e| AllocateError::Isolation {
                                 pod: claim.pod.clone(),
                                 why: e.to_string(),
@@ -215,7 +221,36 @@ impl GpuMemService {
     }
 }
 
-type DeviceStream = Pin<Box<dyn Stream<Item = Result<ListAndWatchResponse, Status>> + Send>>;
+/// A ListAndWatch stream: what `listed` makes of the inventory, sent at once, whenever the
+/// inventory changes, and once more after [`REANNOUNCE_AFTER`] (then `announced` rings);
+/// it ends when `stop` is cancelled. For both resources, memory and compute.
+pub type DeviceStream = Pin<Box<dyn Stream<Item = Result<ListAndWatchResponse, Status>> + Send>>;
+
+/// See [`DeviceStream`].
+pub fn device_stream(
+    inventory: &Inventory,
+    (stop, announced): (&CancellationToken, &Arc<tokio::sync::Notify>),
+    node: String,
+    listed: fn(&[gpushare_contract::GpuInfo]) -> Vec<gpushare_proto::v1beta1::Device>,
+) -> DeviceStream {
+    let watched = inventory.subscribe();
+    let announced = announced.clone();
+    let again = futures::stream::once(async move {
+        tokio::time::sleep(REANNOUNCE_AFTER).await;
+        let gpus = watched.borrow().clone();
+        announced.notify_one();
+        gpus
+    });
+    let lists = WatchStream::new(inventory.subscribe());
+    let stream = tokio_stream::StreamExt::merge(lists, again)
+        .map(move |gpus| {
+            let devices = listed(&gpus);
+            tracing::info!(%node, devices = devices.len(), healthy = gpus.iter().filter(|g| g.healthy).count(), "sending device list to kubelet");
+            Ok(ListAndWatchResponse { devices })
+        })
+        .take_until(stop.clone().cancelled_owned());
+    Box::pin(stream)
+}
 
 #[tonic::async_trait]
 impl DevicePlugin for GpuMemService {
@@ -232,24 +267,12 @@ impl DevicePlugin for GpuMemService {
         &self,
         _request: Request<Empty>,
     ) -> Result<Response<Self::ListAndWatchStream>, Status> {
-        let node = self.state.node.clone();
-        let inventory = self.state.inventory.subscribe();
-        let announced = self.announced.clone();
-        let again = futures::stream::once(async move {
-            tokio::time::sleep(REANNOUNCE_AFTER).await;
-            let gpus = inventory.borrow().clone();
-            announced.notify_one();
-            gpus
-        });
-        let lists = WatchStream::new(self.state.inventory.subscribe());
-        let stream = tokio_stream::StreamExt::merge(lists, again)
-            .map(move |gpus| {
-                let devices = devices::device_list(&gpus);
-                tracing::info!(%node, devices = devices.len(), healthy = gpus.iter().filter(|g| g.healthy).count(), "sending device list to kubelet");
-                Ok(ListAndWatchResponse { devices })
-            })
-            .take_until(self.stop.clone().cancelled_owned());
-        Ok(Response::new(Box::pin(stream)))
+        Ok(Response::new(device_stream(
+            &self.state.inventory,
+            (&self.stop, &self.announced),
+            self.state.node.clone(),
+            devices::device_list,
+        )))
     }
 
     async fn get_preferred_allocation(

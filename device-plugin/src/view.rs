@@ -162,12 +162,14 @@ pub(crate) mod fixtures {
                         name: name.into(),
                         gib,
                         init,
+                        compute: 0,
                     })
                     .collect(),
                 bind_time: format!("2026-11-22T10:00:{bind_second:02}Z"),
                 assigned: false,
                 allocated: vec![],
                 signature: None,
+                compute: 0,
             },
             trust: Trust::Verified,
         }

@@ -112,6 +112,7 @@ pub fn claim_env(devices: &[PreparedDevice], enforcement: &EnforcementConfig) ->
         name: String::new(),
         gib: per_gpu.saturating_mul(u64::try_from(devices.len()).unwrap_or(u64::MAX)),
         init: false,
+        compute: 0,
     };
     let settings = EnforcerSettings {
         mps_pipe_directory: &enforcement.mps_pipe_directory,
@@ -273,8 +274,7 @@ mod tests {
                 exempt_namespaces: ["trusted".to_owned()].into(),
                 options: IsolationOptions {
                     context_mib: Some(300),
-                    managed_memory: env::ManagedMemory::Ignore,
-                },
+                    managed_memory: env::ManagedMemory::Ignore, compute_mode: Default::default(), },
             }),
         };
         let exempt = spec(

@@ -2279,6 +2279,7 @@ fn the_interposers_settings_reach_both_plugins_in_preload_mode() -> anyhow::Resu
                 == IsolationOptions {
                     context_mib: Some(640),
                     managed_memory: ManagedMemory::Ignore,
+                    compute_mode: Default::default(),
                 },
             "{mode}: {options:?}"
         );

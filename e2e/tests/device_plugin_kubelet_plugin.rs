@@ -24,7 +24,24 @@ fn gpu_of(id: &str) -> &str {
 async fn registers_lists_one_device_per_gib_and_follows_health() -> anyhow::Result<()> {
     let mut cluster = Cluster::start(&[16, 16, 24], Some(AdmissionOrder::CreationTime)).await?;
     let kubelet = cluster.kubelet();
-    assert_eq!(kubelet.registered_resources(), vec![RESOURCE.to_owned()]);
+    let compute = gpushare_contract::request::compute_resource_of(RESOURCE);
+    // Memory and compute register apart, each on its own socket.
+    kubelet
+        .wait_until(WAIT, "both resources registered", |k| {
+            let mut registered = k.registered_resources();
+            registered.sort();
+            registered == [compute.clone(), RESOURCE.to_owned()]
+        })
+        .await?;
+    let units = kubelet.devices(&compute);
+    assert_eq!(units.len(), 300, "100 compute units per GPU");
+    assert_eq!(
+        units
+            .iter()
+            .filter(|(id, _)| id.starts_with(&format!("{}-c", uuid(2))))
+            .count(),
+        100
+    );
 
     let devices = kubelet.devices(RESOURCE);
     assert_eq!(devices.len(), 56);
@@ -66,15 +83,20 @@ async fn registers_lists_one_device_per_gib_and_follows_health() -> anyhow::Resu
         "3"
     );
 
-    // GPU 1 breaks: its devices turn unhealthy for kubelet and on the node.
+    // GPU 1 breaks: its devices (memory and compute) turn unhealthy for kubelet and on the
+    // node.
     cluster.set_unhealthy("1")?;
     kubelet
         .wait_until(WAIT, "GPU 1's devices unhealthy", |k| {
             let devices = k.devices(RESOURCE);
+            let units = k.devices(&compute);
             devices.len() == 56
                 && devices
                     .iter()
                     .all(|(id, healthy)| *healthy == (gpu_of(id) != uuid(1)))
+                && units
+                    .iter()
+                    .all(|(id, healthy)| *healthy == !id.starts_with(&format!("{}-c", uuid(1))))
         })
         .await?;
     eventually(WAIT, "GPU 1 unhealthy on the node", || async {

@@ -15,7 +15,7 @@ use std::time::{Duration, Instant};
 
 use anyhow::{Context, bail, ensure};
 use base64::Engine as _;
-use gpushare_contract::{Keys, env};
+use gpushare_contract::{DEFAULT_RESOURCE, Keys, env};
 use gpushare_e2e::cluster::wait_for;
 use gpushare_e2e::fixtures;
 use gpushare_e2e::preemption;
@@ -49,6 +49,10 @@ const GROUPS: &[Group] = &[
                 a_gpu_container_is_held_to_its_share,
             ),
             ("two_gpu_and_exclusive_pods", two_gpu_and_exclusive_pods),
+            (
+                "compute_shares_land_only_where_memory_and_compute_fit",
+                compute_shares_land_only_where_memory_and_compute_fit,
+            ),
             (
                 "forged_allocations_are_refused",
                 forged_allocations_are_refused,
@@ -437,6 +441,73 @@ fn two_gpu_and_exclusive_pods(c: &KitCluster) -> Outcome<'_> {
             allocation(&small)?.gpu_uuid != taken.gpu_uuid,
             "a shared pod landed on the exclusive pod's GPU {}",
             taken.gpu_uuid
+        );
+        check_no_overcommit(&c.client()).await?;
+        Ok(())
+    })
+}
+
+/// Pods asking for `gpu-mem: 4` and `gpu-compute: 60` on the node's two GPUs: memory would
+/// put three on one GPU, compute puts one on each, and the third waits, though the node's
+/// 200 compute units (kube-scheduler's count) have room for it; a pod without compute still
+/// takes the memory left; a deleted pod's compute goes to the waiting one.
+fn compute_shares_land_only_where_memory_and_compute_fit(c: &KitCluster) -> Outcome<'_> {
+    Box::pin(async move {
+        let compute = gpushare_contract::request::compute_resource_of(DEFAULT_RESOURCE);
+        let nodes: Api<k8s_openapi::api::core::v1::Node> = Api::all(c.client());
+        let what = format!("the device plugin to advertise 100 {compute} per GPU");
+        wait_for(&what, Duration::from_secs(60), || async {
+            let listed = nodes.list(&ListParams::default()).await.ok()?;
+            let advertised: Vec<String> = listed
+                .items
+                .into_iter()
+                .filter_map(|node| Some(node.status?.allocatable?.get(&compute)?.0.clone()))
+                .collect();
+            (advertised == ["200"]).then_some(())
+        })
+        .await?;
+        let pods: Api<Pod> = Api::namespaced(c.client(), "default");
+        for name in ["compute-1", "compute-2", "compute-3"] {
+            let pod = fixtures::pod(name).gpu_mem(4).gpu_compute(60).build();
+            pods.create(&PostParams::default(), &c.prepare(pod)).await?;
+        }
+        let mut gpus = BTreeSet::new();
+        for name in ["compute-1", "compute-2"] {
+            let pod = wait_running(c, name).await?;
+            check_pinned(c, &pod).await?;
+            let taken = allocation(&pod)?;
+            ensure!(
+                taken.compute == 60,
+                "{name} should hold 60 % of its GPU: {taken:?}"
+            );
+            let env = c.container_env(name, "main").await?;
+            ensure!(
+                env.get(env::COMPUTE_PERCENT).map(String::as_str) == Some("60"),
+                "{name} should be told its compute share: {env:?}"
+            );
+            gpus.insert(taken.gpu_uuid);
+        }
+        ensure!(
+            gpus.len() == 2,
+            "two 60 % pods must not share a GPU: {gpus:?}"
+        );
+        let reason = wait_unschedulable(c, "compute-3").await?;
+        ensure!(
+            reason.contains("compute"),
+            "compute-3 should wait for compute, and say so: {reason}"
+        );
+        let plain = running_pinned(c, "memory-only", 4).await?;
+        ensure!(
+            allocation(&plain)?.compute == 0,
+            "a pod without compute holds none"
+        );
+        let freed = allocation(&pods.get("compute-1").await?)?.gpu_uuid;
+        delete_pod(c, "compute-1").await?;
+        let third = wait_running(c, "compute-3").await?;
+        check_pinned(c, &third).await?;
+        ensure!(
+            allocation(&third)?.gpu_uuid == freed,
+            "compute-3 should take the compute compute-1 left on {freed}"
         );
         check_no_overcommit(&c.client()).await?;
         Ok(())
@@ -1131,11 +1202,13 @@ fn forgeries_without_the_policy_are_refused_at_allocate(c: &KitCluster) -> Outco
                 name: "main".into(),
                 gib: 5,
                 init: false,
+                compute: 0,
             }],
             bind_time: "2026-11-26T09:00:00Z".into(),
             assigned: false,
             allocated: Vec::new(),
             signature: None,
+            compute: 0,
         };
         let mut forged = fixtures::pod("forged").gpu_mem(5).on_node("node-k");
         for (k, v) in forged_allocation.to_annotations(&keys) {

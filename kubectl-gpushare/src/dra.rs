@@ -200,6 +200,7 @@ fn device_gpu(device: &Device) -> Option<GpuUsage> {
         uuid: attribute_string(device, "uuid"),
         total_gib: whole_gib(total, false),
         allocated_gib: 0,
+        allocated_compute: 0,
         healthy: !tainted(device),
         used_mib: None,
     })

@@ -134,6 +134,7 @@ pub fn render_top_details(nodes: &[NodeUsage]) -> String {
         let mut header = ["GPU", "MODEL", "UUID", "ALLOCATED/TOTAL"]
             .map(str::to_owned)
             .to_vec();
+        header.extend(compute_header(node));
         header.extend(used_header(node));
         header.push("HEALTHY".to_owned());
         let mut rows = vec![header];
@@ -149,6 +150,7 @@ pub fn render_top_details(nodes: &[NodeUsage]) -> String {
                     percent(gpu.allocated_gib, gpu.total_gib)
                 ),
             ];
+            row.extend(compute_header(node).map(|_| format!("{}%", gpu.allocated_compute)));
             row.extend(gpu_used_cell(node, gpu));
             row.push(if gpu.healthy { "yes" } else { "no" }.to_owned());
             rows.push(row);
@@ -159,6 +161,7 @@ pub fn render_top_details(nodes: &[NodeUsage]) -> String {
             "-".to_owned(),
             node.pending_gib().to_string(),
         ];
+        pending.extend(compute_header(node).map(|_| "-".to_owned()));
         pending.extend(used_header(node).map(|_| "-".to_owned()));
         pending.push("-".to_owned());
         rows.push(pending);
@@ -181,6 +184,15 @@ pub fn render_top_details(nodes: &[NodeUsage]) -> String {
 /// Why a pod is flagged in the USED column.
 const OVER_SHARE_NOTE: &str =
     "! over its share: its processes use more GPU memory than it was allocated\n";
+
+/// The COMPUTE column's header (percent of each GPU's compute held by pods that asked for
+/// `gpu-compute`), on nodes where a pod holds some, so `top -d` reads as before elsewhere.
+fn compute_header(node: &NodeUsage) -> Option<String> {
+    node.gpus
+        .iter()
+        .any(|gpu| gpu.allocated_compute > 0)
+        .then(|| "COMPUTE".to_owned())
+}
 
 /// The USED column's header, on nodes whose device plugin publishes measured use only, so
 /// `top -d` reads as before where nothing is measured.
@@ -361,6 +373,36 @@ default    b     2                0                   1.0        1.0
 ";
         assert!(text.contains(want), "{text}");
         assert!(text.contains(OVER_SHARE_NOTE), "{text}");
+    }
+
+    #[test]
+    fn top_details_shows_the_compute_held_where_pods_asked_for_it() {
+        let keys = Keys::default();
+        let gpu_node = || node("n1").gpushare().gpus(&[16, 16]).build();
+        let mut with_compute = placed("trainer", 1, 4);
+        with_compute
+            .metadata
+            .annotations
+            .get_or_insert_with(Default::default)
+            .insert(keys.compute.clone(), "30".to_owned());
+        let nodes = cluster_usage(
+            &[gpu_node()],
+            &[placed("notebook", 0, 4), with_compute],
+            &Settings::default(),
+        );
+        let out = render_top_details(&nodes);
+        assert!(out.contains("COMPUTE"), "{out}");
+        let gpu1 = out.lines().find(|l| l.starts_with("GPU1")).unwrap();
+        assert!(gpu1.contains("30%"), "{out}");
+        let gpu0 = out.lines().find(|l| l.starts_with("GPU0")).unwrap();
+        assert!(gpu0.contains(" 0%"), "{out}");
+        // Without compute anywhere, no column.
+        let plain = cluster_usage(
+            &[gpu_node()],
+            &[placed("notebook", 0, 4)],
+            &Settings::default(),
+        );
+        assert!(!render_top_details(&plain).contains("COMPUTE"));
     }
 
     #[test]

@@ -35,6 +35,8 @@ pub struct GpuUsage {
     pub total_gib: u64,
     /// GiB held by pods the extender placed here.
     pub allocated_gib: u64,
+    /// Percent of its compute held by pods that asked for compute (`gpu-compute`).
+    pub allocated_compute: u32,
     /// False when the device plugin reported the GPU unusable.
     pub healthy: bool,
     /// MiB in use on it, as the device plugin last published; `None`: not measured.
@@ -274,6 +276,7 @@ fn node_row(
             uuid: gpu.uuid,
             total_gib: gpu.mem_gib,
             allocated_gib: 0,
+            allocated_compute: 0,
             healthy: gpu.healthy,
         })
         .collect();
@@ -309,6 +312,7 @@ fn hold_gpus(
                             a.pod_gib
                         };
                         gpu.allocated_gib += held;
+                        gpu.allocated_compute = gpu.allocated_compute.saturating_add(a.compute);
                         rows.push((Some(index), held));
                     }
                     None => rows.push((None, a.pod_gib)),

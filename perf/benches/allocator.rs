@@ -73,6 +73,7 @@ fn cluster_filled(nodes: usize, fill: Fill) -> (Cluster, Vec<String>) {
                         pod_gib: 2,
                         pending: vec![],
                         assigned: true,
+                        compute: 0,
                     },
                 )
             })
@@ -89,6 +90,7 @@ fn filter_and_prioritize(c: &mut Criterion) {
         pod_gib: 4,
         containers: vec![4],
         host: Host::new(4_000, 16_384),
+        compute: 0,
     };
     let mut group = c.benchmark_group("filter");
     for nodes in [100, 1_000, 5_000] {
@@ -187,6 +189,7 @@ fn bind_decision(c: &mut Criterion) {
         pod_gib: 4,
         containers: vec![4],
         host: Host::new(4_000, 16_384),
+        compute: 0,
     };
     let node = names[2_500].clone();
     let uid = PodId::from("bench-pod");
@@ -215,11 +218,13 @@ fn rebuild_from_annotations(c: &mut Criterion) {
                     name: "main".into(),
                     gib: 2,
                     init: false,
+                    compute: 0,
                 }],
                 bind_time: "2026-11-22T10:00:00Z".into(),
                 assigned: true,
                 allocated: vec!["main".into()],
                 signature: None,
+                compute: 0,
             };
             (
                 format!("uid-{p}"),
@@ -259,6 +264,7 @@ fn rebuild_from_annotations(c: &mut Criterion) {
                         pod_gib: allocation.pod_gib,
                         pending,
                         assigned: allocation.assigned,
+                        compute: 0,
                     },
                 ))
             });
@@ -296,6 +302,7 @@ fn preemption(c: &mut Criterion) {
             pod_gib: 20 * u64::from(gpus),
             containers: vec![20 * u64::from(gpus)],
             host: Host::default(),
+            compute: 0,
         };
         group.bench_function(BenchmarkId::new("one node, 80 pods", what), |b| {
             let (node, evictable) = &candidates[0];

@@ -107,6 +107,7 @@ fn state_filled(nodes: usize, policy: Policy, fill: Fill) -> (Scheduling, Vec<St
                         pod_gib: 2,
                         pending: vec![],
                         assigned: true,
+                        compute: 0,
                     };
                     let uid = PodId::from(format!("{name}-{gpu}-{p}"));
                     view.cluster.upsert_pod(uid.clone(), name, placement);

@@ -544,6 +544,7 @@ pub fn replay(
                     host: profile.host(gib),
                     gpus,
                     exclusive: true,
+                    compute: 0,
                 };
                 match place(&mut state, id, request, profile.usage(gib)) {
                     Some(true) => placed += 1,

@@ -78,6 +78,7 @@ pub fn allocated_pod(
             name: "main".to_owned(),
             gib: placed.gib,
             init: false,
+            compute: 0,
         }],
         bind_time: bind_time.to_owned(),
         assigned: allocated,
@@ -87,6 +88,7 @@ pub fn allocated_pod(
             Vec::new()
         },
         signature: None,
+        compute: 0,
     };
     allocation.to_annotations(keys).iter().fold(
         pod(name).gpu_mem(placed.gib).on_node(placed.node),

@@ -22,10 +22,11 @@ use std::io;
 use std::path::{Path, PathBuf};
 
 use gpushare_contract::env::{
-    ISOLATION_DIR_IN_CONTAINER, IsolationOptions, MAX_CONTEXT_MIB, ManagedMemory,
+    ComputeMode, ISOLATION_COMPUTE_DIR_IN_CONTAINER, ISOLATION_DIR_IN_CONTAINER, IsolationOptions,
+    MAX_CONTEXT_MIB, ManagedMemory,
 };
 pub use gpushare_isolation_budget::prepared::LIMITS_FILE_IN_CONTAINER;
-use gpushare_isolation_budget::{Limits, PreparedLimits, budget_path};
+use gpushare_isolation_budget::{Limits, PreparedCompute, PreparedLimits, budget_path};
 
 /// The plugins' flags for `--enforcement preload` (flattened into each one's `Config`).
 #[derive(Debug, Clone, PartialEq, Eq, clap::Args)]
@@ -75,6 +76,24 @@ pub struct IsolationArgs {
         default_value = "charge"
     )]
     pub isolation_managed_memory: ManagedMemory,
+    /// How the interposer holds a container's compute share (`--enforcement preload`, pods
+    /// that ask for `gpu-compute`): `shared` (work-conserving: idle SM time may be used, each
+    /// gets at least its share under contention), `capped` (never above the share) or `off`.
+    /// `shared` is the interposer's default and is not passed.
+    #[arg(
+        long,
+        env = "GPUSHARE_ISOLATION_COMPUTE",
+        default_value = "shared",
+        value_parser = parse_compute_mode
+    )]
+    pub isolation_compute: ComputeMode,
+}
+
+/// `--isolation-compute`'s value.
+fn parse_compute_mode(text: &str) -> Result<ComputeMode, String> {
+    ComputeMode::parse(text).ok_or_else(|| {
+        format!("unknown compute mode {text:?}: use \"shared\", \"capped\" or \"off\"")
+    })
 }
 
 impl IsolationArgs {
@@ -93,6 +112,7 @@ impl IsolationArgs {
         IsolationOptions {
             context_mib: self.isolation_context_mib,
             managed_memory: self.isolation_managed_memory,
+            compute_mode: self.isolation_compute,
         }
     }
 
@@ -170,6 +190,32 @@ pub fn prepare_accounting(
     uuids: &[String],
     options: IsolationOptions,
 ) -> io::Result<Accounting> {
+    prepare_accounting_with_compute(host_dir, name, (shares, uuids), options, 0)
+}
+
+/// The node-wide directory, under `host_dir`, where the interposers of every container with a
+/// compute share keep each GPU's compute state; mounted read-write at
+/// [`ISOLATION_COMPUTE_DIR_IN_CONTAINER`]. Mode 1777: containers of any user write their
+/// own entries there (a shared, cooperative record: it holds programs to their share, not a
+/// hostile tenant, who could write into it).
+pub fn compute_dir(host_dir: &Path) -> io::Result<PathBuf> {
+    let dir = host_dir.join("compute");
+    std::fs::create_dir_all(&dir)?;
+    set_mode(&dir, 0o1777)?;
+    Ok(dir)
+}
+
+/// [`prepare_accounting`] for a container given `compute_percent` of each of its GPUs' SM
+/// time (0: no compute share): its limits file also says the share, the node's compute mode
+/// and where the node-wide compute state is mounted ([`compute_dir`]), which the interposer
+/// reads from there and not from the environment.
+pub fn prepare_accounting_with_compute(
+    host_dir: &Path,
+    name: &str,
+    (shares, uuids): (&[u64], &[String]),
+    options: IsolationOptions,
+    compute_percent: u32,
+) -> io::Result<Accounting> {
     let dir = accounting_dir(host_dir, name)?;
     let limits_dir = host_dir.join("limits");
     std::fs::create_dir_all(&limits_dir)?;
@@ -189,7 +235,18 @@ pub fn prepare_accounting(
         managed_memory: Some(options.managed_memory.to_string()),
     };
     let limits_file = limits_dir.join(name);
-    gpushare_isolation_budget::prepare(&budget, &limits_file, &limits)?;
+    let compute = match u8::try_from(compute_percent) {
+        Ok(percent) if percent > 0 => {
+            compute_dir(host_dir)?;
+            PreparedCompute {
+                percent: Some(percent),
+                mode: Some(options.compute_mode.as_str().to_owned()),
+                dir: Some(PathBuf::from(ISOLATION_COMPUTE_DIR_IN_CONTAINER)),
+            }
+        }
+        _ => PreparedCompute::default(),
+    };
+    gpushare_isolation_budget::prepare_with_compute(&budget, &limits_file, &limits, &compute)?;
     Ok(Accounting {
         dir,
         budget,
@@ -211,8 +268,9 @@ pub fn remove_accounting_dir(host_dir: &Path, name: &str) -> io::Result<()> {
 }
 
 /// What a plugin puts under its host directory, each removed by [`remove_installation`]:
-/// the installed interposers, the accounting directories and the limits files.
-pub const INSTALLED_DIRS: [&str; 3] = ["lib", "containers", "limits"];
+/// the installed interposers, the accounting directories, the limits files and the compute
+/// state.
+pub const INSTALLED_DIRS: [&str; 4] = ["lib", "containers", "limits", "compute"];
 
 /// Removes everything a plugin put under `host_dir` ([`INSTALLED_DIRS`]), for an uninstall:
 /// the directory itself stays (the chart's hostPath volume makes it; an admin may have
@@ -288,6 +346,7 @@ mod tests {
             IsolationOptions {
                 context_mib: Some(640),
                 managed_memory: ManagedMemory::Ignore,
+                compute_mode: Default::default(),
             }
         );
         assert_eq!(
@@ -396,6 +455,7 @@ mod tests {
         let options = IsolationOptions {
             context_mib: Some(300),
             managed_memory: ManagedMemory::Ignore,
+            compute_mode: Default::default(),
         };
         let made = prepare_accounting(dir.path(), "ns_pod_main_1", &[4 * GIB; 2], &uuids, options)
             .unwrap();

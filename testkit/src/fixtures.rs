@@ -172,6 +172,7 @@ pub fn pod(name: &str) -> PodBuilder {
         node_name: None,
         priority: None,
         nominated_node: None,
+        compute: 0,
     }
 }
 
@@ -188,6 +189,8 @@ pub struct PodBuilder {
     node_name: Option<String>,
     priority: Option<i32>,
     nominated_node: Option<String>,
+    /// Percent of GPU compute the `main` container asks for (0: none).
+    compute: u32,
 }
 
 /// A container asking `gib` of GPU memory and, as requests, `cpu` and `memory`.
@@ -226,6 +229,13 @@ impl PodBuilder {
             Some(main) => main.1 = gib,
             None => self.containers.insert(0, ("main".to_owned(), gib)),
         }
+        self
+    }
+
+    /// The `main` container also asks for `percent` of GPU compute (as a limit, beside its
+    /// memory).
+    pub fn gpu_compute(mut self, percent: u32) -> Self {
+        self.compute = percent;
         self
     }
 
@@ -301,7 +311,20 @@ impl PodBuilder {
             spec: Some(PodSpec {
                 containers: containers
                     .iter()
-                    .map(|(name, gib)| container(name, *gib, requests))
+                    .map(|(name, gib)| {
+                        let mut built = container(name, *gib, requests);
+                        if name == "main" && self.compute > 0 {
+                            let compute = gpushare_contract::request::compute_resource_of(
+                                DEFAULT_RESOURCE,
+                            );
+                            let limits = built.resources.get_or_insert_with(Default::default);
+                            limits
+                                .limits
+                                .get_or_insert_with(Default::default)
+                                .insert(compute, Quantity(self.compute.to_string()));
+                        }
+                        built
+                    })
                     .collect(),
                 init_containers: (!init.is_empty()).then_some(init),
                 scheduler_name: self.scheduler_name,

@@ -117,7 +117,7 @@ impl Node {
             }
             return Ok(pos);
         }
-        Err(scan.refusal(request.pod_gib, self.gpus.len()))
+        Err(scan.refusal(request, self.gpus.len()))
     }
 
     /// [`Node::decide`] for a one-GPU request the twin rule pins to `set` (by a pending
@@ -139,6 +139,7 @@ impl Node {
                 need,
                 free: 0,
                 healthy: false,
+                compute: None,
             });
         };
         let usage = &self.gpus[pos];
@@ -149,7 +150,7 @@ impl Node {
                 model: usage.gpu.model.clone(),
             });
         }
-        if usage.healthy && usage.free_gib() >= need {
+        if usage.healthy && usage.has_room(need, request.compute) {
             return Ok(pos);
         }
         Err(Unfit::TwinBlocked {
@@ -158,6 +159,7 @@ impl Node {
             need,
             free: usage.free_gib(),
             healthy: usage.healthy,
+            compute: compute_short(usage, need, request.compute),
         })
     }
 
@@ -172,6 +174,7 @@ impl Node {
             largest_free: None,
             largest_total: 0,
             any_model: false,
+            most_compute: None,
         };
         for (pos, usage) in self.gpus.iter().enumerate() {
             if filtered && !request.models.allows(&usage.gpu.model) {
@@ -187,6 +190,15 @@ impl Node {
                 scan.largest_free = Some((usage.index, free));
             }
             if free < need {
+                continue;
+            }
+            if usage.free_compute() < request.compute {
+                if scan
+                    .most_compute
+                    .is_none_or(|(_, most)| usage.free_compute() > most)
+                {
+                    scan.most_compute = Some((usage.index, usage.free_compute()));
+                }
                 continue;
             }
             let better = match (scan.best, policy) {
@@ -209,9 +221,9 @@ impl Node {
         usage.healthy
             && request.models.allows(&usage.gpu.model)
             && if exclusive {
-                usage.used_gib == 0 && usage.total_gib >= per_gpu
+                usage.used_gib == 0 && usage.used_compute == 0 && usage.total_gib >= per_gpu
             } else {
-                usage.free_gib() >= per_gpu
+                usage.has_room(per_gpu, request.compute)
             }
     }
 
@@ -264,6 +276,7 @@ impl Node {
                 wanted,
                 per_gpu,
                 exclusive,
+                compute: request.compute,
                 fitting: fitting.len(),
             });
         }
@@ -317,6 +330,8 @@ impl Node {
                 need: request.gib_per_gpu(),
                 free: usage.map_or(0, GpuUsage::free_gib),
                 healthy: usage.is_some_and(|u| u.healthy),
+                compute: usage
+                    .and_then(|u| compute_short(u, request.gib_per_gpu(), request.compute)),
             });
         }
         let mut positions = positions.into_iter().flatten();
@@ -397,6 +412,12 @@ impl Node {
     }
 }
 
+/// `(compute needed, compute free)` when `usage` has `gib` free but not `compute`.
+fn compute_short(usage: &GpuUsage, gib: u64, compute: u32) -> Option<(u32, u32)> {
+    (usage.free_gib() >= gib && usage.free_compute() < compute)
+        .then(|| (compute, usage.free_compute()))
+}
+
 /// What [`Node::scan_slice`] found on a node for a one-GPU request.
 struct SliceScan {
     /// Position and free GiB of the GPU the policy prefers among those with room.
@@ -407,12 +428,24 @@ struct SliceScan {
     largest_total: u64,
     /// Whether any GPU is of a model the request allows.
     any_model: bool,
+    /// Index and free compute of the GPU with the most compute free among those with the
+    /// memory free but too little compute (the first of them).
+    most_compute: Option<(u32, u32)>,
 }
 
 impl SliceScan {
-    /// Why no GPU took a request of `need` GiB on a node of `gpus` GPUs: none healthy, none
-    /// large enough, or all too full for now.
-    fn refusal(&self, need: u64, gpus: usize) -> Unfit {
+    /// Why no GPU took `request` on a node of `gpus` GPUs: none healthy, none large enough,
+    /// all too full for now, or those with the memory free short of compute.
+    fn refusal(&self, request: &Request, gpus: usize) -> Unfit {
+        let need = request.pod_gib;
+        if let (Some((gpu, free)), Some(_)) = (self.most_compute, self.largest_free) {
+            return Unfit::ComputeBusy {
+                need,
+                compute: request.compute,
+                free,
+                gpu,
+            };
+        }
         match self.largest_free {
             None => Unfit::AllUnhealthy { count: gpus },
             Some(_) if self.largest_total < need => Unfit::TooLarge {

@@ -44,7 +44,9 @@ impl Node {
             gpus: self.gpus.len(),
             free: |i: usize| {
                 let usage: &super::GpuUsage = &self.gpus[i];
-                usage.healthy.then(|| (usage.free_gib(), usage.total_gib))
+                usage
+                    .healthy
+                    .then(|| (usage.usable_free_gib(), usage.total_gib))
             },
             host: self.host_free(),
         }
@@ -111,6 +113,16 @@ impl Node {
         workload: &Workload,
     ) -> Option<usize> {
         let placing = Placing::new(workload, request.pod_gib, request.host);
+        if request.compute > 0 {
+            // Only GPUs with the compute free besides the memory: GPU by GPU.
+            let models = ModelMemo::new(&request.models);
+            let allowed = |pos: usize| {
+                let usage = &self.gpus[pos];
+                usage.free_compute() >= request.compute && models.allows(&usage.gpu.model)
+            };
+            return fragmentation::best_gpu_among(&placing, &self.free_view(), allowed)
+                .map(|(pos, _)| pos);
+        }
         self.fragmentation_best_for(&ModelMemo::new(&request.models), &placing)
             .map(|(pos, _)| pos)
     }
@@ -149,7 +161,7 @@ impl Node {
         let before = Before::new(workload, &view);
         before.goodness(
             workload,
-            self.gpus[pos].free_gib(),
+            self.gpus[pos].usable_free_gib(),
             request.pod_gib,
             request.host,
         )
@@ -443,6 +455,7 @@ mod tests {
             pod_gib: gib,
             pending: vec![],
             assigned: true,
+            compute: 0,
         }
     }
 
@@ -454,6 +467,7 @@ mod tests {
             pod_gib: gib,
             containers: vec![gib],
             host: Host::new(cores * 1000, cores * 4096),
+            compute: 0,
         }
     }
 
@@ -707,6 +721,7 @@ mod tests {
                 pod_gib: 8,
                 pending: vec![],
                 assigned: true,
+                compute: 0,
             },
         );
         for _ in 0..20 {

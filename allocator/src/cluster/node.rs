@@ -25,6 +25,9 @@ pub struct GpuUsage {
     pub gpu: Arc<Gpu>,
     /// GiB booked by pods on it; may exceed the total when the watch reports a collision.
     pub used_gib: u64,
+    /// Percent of its compute booked (of [`crate::COMPUTE_PER_GPU`]); may exceed it when the
+    /// watch reports a collision.
+    pub used_compute: u32,
     pub(super) total_gib: u64,
     pub(super) index: u32,
     pub(super) healthy: bool,
@@ -34,6 +37,7 @@ impl GpuUsage {
     pub(super) fn new(gpu: Gpu) -> Self {
         Self {
             used_gib: 0,
+            used_compute: 0,
             total_gib: gpu.total_gib,
             index: gpu.index,
             healthy: gpu.healthy,
@@ -44,6 +48,27 @@ impl GpuUsage {
     /// GiB still free (zero when over-booked).
     pub fn free_gib(&self) -> u64 {
         self.total_gib.saturating_sub(self.used_gib)
+    }
+
+    /// Percent of compute still free (zero when over-booked).
+    pub fn free_compute(&self) -> u32 {
+        crate::COMPUTE_PER_GPU.saturating_sub(self.used_compute)
+    }
+
+    /// GiB a new pod could still use: the free memory, or none once the compute is all
+    /// booked (memory behind a GPU whose compute is taken is stranded, as the fragmentation
+    /// measure counts it).
+    pub fn usable_free_gib(&self) -> u64 {
+        if self.free_compute() == 0 {
+            0
+        } else {
+            self.free_gib()
+        }
+    }
+
+    /// Whether `gib` and `compute` both fit in what is free.
+    pub fn has_room(&self, gib: u64, compute: u32) -> bool {
+        self.free_gib() >= gib && self.free_compute() >= compute
     }
 }
 
@@ -149,6 +174,15 @@ impl Node {
         }
     }
 
+    /// Percent of compute `placement` holds on each of its GPUs: all of it when exclusive.
+    pub(super) fn held_compute(placement: &PodPlacement) -> u32 {
+        if placement.exclusive {
+            crate::COMPUTE_PER_GPU
+        } else {
+            placement.compute
+        }
+    }
+
     /// The GPU set of `slots` (positions), as the twin rule keys it.
     fn set_of(&self, slots: &[usize]) -> GpuSet {
         let mut set: Vec<u32> = slots.iter().map(|&pos| self.gpus[pos].index).collect();
@@ -165,6 +199,9 @@ impl Node {
             let usage = &mut self.gpus[pos];
             let held = Self::held(placement, usage.total_gib);
             usage.used_gib = usage.used_gib.saturating_add(held);
+            usage.used_compute = usage
+                .used_compute
+                .saturating_add(Self::held_compute(placement));
         }
         self.refresh_free_summary();
         let set = self.set_of(&slots);
@@ -182,6 +219,9 @@ impl Node {
             let usage = &mut self.gpus[pos];
             let held = Self::held(placement, usage.total_gib);
             usage.used_gib = usage.used_gib.saturating_sub(held);
+            usage.used_compute = usage
+                .used_compute
+                .saturating_sub(Self::held_compute(placement));
         }
         self.refresh_free_summary();
         let set = self.set_of(&slots);
@@ -231,6 +271,7 @@ impl Node {
     pub(super) fn rebook(&mut self) {
         for usage in &mut self.gpus {
             usage.used_gib = 0;
+            usage.used_compute = 0;
         }
         self.pending.clear();
         let pods: Vec<PodPlacement> = self.pods.values().cloned().collect();

@@ -287,6 +287,7 @@ mod tests {
             gpus,
             exclusive: false,
             models: Default::default(),
+            compute: 0,
         }
     }
 
@@ -299,6 +300,7 @@ mod tests {
             exclusive: false,
             pending: vec![gib],
             assigned: true,
+            compute: 0,
         }
     }
 

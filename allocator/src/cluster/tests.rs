@@ -30,6 +30,7 @@ fn request(gib: u64) -> Request {
         pod_gib: gib,
         containers: vec![gib],
         host: Host::default(),
+        compute: 0,
     }
 }
 
@@ -42,6 +43,7 @@ fn running(gpu: u32, gib: u64) -> PodPlacement {
         pod_gib: gib,
         pending: vec![gib],
         assigned: true,
+        compute: 0,
     }
 }
 
@@ -62,6 +64,7 @@ fn multi(gpus: u32, per_gpu: u64, exclusive: bool) -> Request {
         pod_gib: per_gpu * u64::from(gpus),
         containers: vec![per_gpu * u64::from(gpus)],
         host: Host::default(),
+        compute: 0,
     }
 }
 

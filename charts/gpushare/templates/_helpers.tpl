@@ -288,6 +288,9 @@ list item of a MutatingAdmissionPolicy's mutations). */}}
 {{- if not (has .Values.isolation.managedMemory (list "charge" "ignore")) }}
 {{- fail (printf "isolation.managedMemory must be \"charge\" or \"ignore\", not %q" .Values.isolation.managedMemory) }}
 {{- end }}
+{{- if not (has .Values.isolation.compute (list "shared" "capped" "off")) }}
+{{- fail (printf "isolation.compute must be \"shared\", \"capped\" or \"off\", not %q" .Values.isolation.compute) }}
+{{- end }}
 {{- $_ := include "gpushare.isolation.contextMiB" . }}
 {{- if not (has .Values.devicePlugin.gpuBackend (list "nvml" "simulated")) }}
 {{- fail (printf "devicePlugin.gpuBackend must be \"nvml\" or \"simulated\", not %q" .Values.devicePlugin.gpuBackend) }}
@@ -465,6 +468,9 @@ extenders:
 {{- end }}
 {{- if ne .Values.isolation.managedMemory "charge" }}
 - --isolation-managed-memory={{ .Values.isolation.managedMemory }}
+{{- end }}
+{{- if ne .Values.isolation.compute "shared" }}
+- --isolation-compute={{ .Values.isolation.compute }}
 {{- end }}
 {{- end }}
 

@@ -36,26 +36,30 @@ impl Isolation {
     /// is prepared here, before the container starts: its budget, and the read-only limits
     /// file the interposer takes its limits from
     /// ([`gpushare_runtime::isolation::prepare_accounting`]).
+    ///
+    /// A container with a compute share (`compute_percent` of each GPU, 0 for none) also gets
+    /// the node-wide compute directory, where the interposers of every container on its GPUs
+    /// hold one another to their shares, and its limits file says the share
+    /// ([`gpushare_runtime::isolation::prepare_accounting_with_compute`]).
     pub fn mounts(
         &self,
-        pod: &str,
-        container: &str,
-        shares: &[u64],
-        uuids: &[String],
+        (pod, container): (&str, &str),
+        (shares, uuids): (&[u64], &[String]),
+        compute_percent: u32,
     ) -> std::io::Result<Vec<Mount>> {
         let stamp = std::time::SystemTime::now()
             .duration_since(std::time::UNIX_EPOCH)
             .map_or(0, |d| d.as_nanos());
         let name = format!("{}_{container}_{stamp:x}", pod.replace('/', "_"));
-        let accounting = gpushare_runtime::isolation::prepare_accounting(
+        let accounting = gpushare_runtime::isolation::prepare_accounting_with_compute(
             &self.host_dir,
             &name,
-            shares,
-            uuids,
+            (shares, uuids),
             self.options,
+            compute_percent,
         )?;
         let dir = accounting.dir;
-        Ok(vec![
+        let mut mounts = vec![
             Mount {
                 container_path: env::ISOLATION_LIBRARY_IN_CONTAINER.to_owned(),
                 host_path: self.library.display().to_string(),
@@ -71,7 +75,17 @@ impl Isolation {
                 host_path: accounting.limits_file.display().to_string(),
                 read_only: true,
             },
-        ])
+        ];
+        if compute_percent > 0 {
+            mounts.push(Mount {
+                container_path: env::ISOLATION_COMPUTE_DIR_IN_CONTAINER.to_owned(),
+                host_path: gpushare_runtime::isolation::compute_dir(&self.host_dir)?
+                    .display()
+                    .to_string(),
+                read_only: false,
+            });
+        }
+        Ok(mounts)
     }
 }
 
@@ -146,11 +160,16 @@ mod tests {
         let (shares, uuids) = isolation_shares(&[gpu(0, 16, true), gpu(1, 16, true)], 8);
         assert_eq!(shares, [4 << 30, 4 << 30]);
         let first = isolation
-            .mounts("default/a", "main", &shares, &uuids)
+            .mounts(("default/a", "main"), (&shares, &uuids), 0)
             .unwrap();
         let second = isolation
-            .mounts("default/a", "main", &shares, &uuids)
+            .mounts(("default/a", "main"), (&shares, &uuids), 0)
             .unwrap();
+        assert_eq!(
+            first.len(),
+            3,
+            "no compute directory without a compute share"
+        );
         assert_eq!(first[0].host_path, second[0].host_path, "one library");
         assert_ne!(first[1].host_path, second[1].host_path, "a directory each");
         assert_ne!(
@@ -189,6 +208,46 @@ mod tests {
     }
 
     #[test]
+    fn a_container_with_a_compute_share_gets_it_in_its_limits_file_and_the_node_directory() {
+        let dir = tempfile::tempdir().unwrap();
+        let isolation = Isolation {
+            library: dir.path().join("lib.so"),
+            host_dir: dir.path().to_owned(),
+            exempt_namespaces: Default::default(),
+            options: IsolationOptions {
+                compute_mode: env::ComputeMode::Capped,
+                ..IsolationOptions::default()
+            },
+        };
+        let (shares, uuids) = isolation_shares(&[gpu(0, 16, true)], 4);
+        let mounts = isolation
+            .mounts(("default/a", "main"), (&shares, &uuids), 30)
+            .unwrap();
+        let compute = mounts
+            .iter()
+            .find(|m| m.container_path == env::ISOLATION_COMPUTE_DIR_IN_CONTAINER)
+            .expect("the compute directory is mounted");
+        assert!(!compute.read_only);
+        let other = isolation
+            .mounts(("default/b", "main"), (&shares, &uuids), 50)
+            .unwrap();
+        assert!(
+            other.iter().any(|m| m.host_path == compute.host_path),
+            "one directory for every container of the node"
+        );
+        let text = std::fs::read_to_string(&mounts[2].host_path).unwrap();
+        let read = gpushare_isolation_budget::PreparedCompute::parse(&text).unwrap();
+        assert_eq!(read.percent, Some(30));
+        assert_eq!(read.mode.as_deref(), Some("capped"));
+        assert_eq!(
+            read.dir.as_deref(),
+            Some(std::path::Path::new(
+                env::ISOLATION_COMPUTE_DIR_IN_CONTAINER
+            ))
+        );
+    }
+
+    #[test]
     fn preload_containers_get_the_interposers_settings_except_where_exempt() {
         let isolation = Isolation {
             library: "/var/lib/gpushare/isolation/lib/lib.so".into(),
@@ -197,6 +256,7 @@ mod tests {
             options: IsolationOptions {
                 context_mib: Some(640),
                 managed_memory: env::ManagedMemory::Ignore,
+                compute_mode: Default::default(),
             },
         };
         let env_of = |pod: &str| {
@@ -227,6 +287,7 @@ mod tests {
             name: "main".into(),
             gib,
             init: false,
+            compute: 0,
         }
     }
 }

@@ -117,11 +117,13 @@ pub(super) mod tests {
                     name: "main".into(),
                     gib: pod_gib * u64::try_from(gpus.len()).unwrap(),
                     init: false,
+                    compute: 0,
                 }],
                 bind_time: "2026-11-22T10:00:00Z".into(),
                 assigned: false,
                 allocated: vec![],
                 signature: None,
+                compute: 0,
             },
             trust: Trust::Verified,
         }

@@ -217,6 +217,7 @@ pub fn allocation_on(
             name: name.to_owned(),
             gib,
             init,
+            compute: 0,
         })
         .collect();
     let app: u64 = containers.iter().filter(|c| !c.init).map(|c| c.gib).sum();
@@ -243,6 +244,7 @@ pub fn allocation_on(
         assigned: false,
         allocated: vec![],
         signature: None,
+        compute: 0,
     }
     .to_annotations(&Keys::default())
     .into_iter()

@@ -376,6 +376,7 @@ pub fn bound_builder(
             name: "main".into(),
             gib,
             init: false,
+            compute: 0,
         }],
         bind_time: "2026-11-22T10:00:00Z".into(),
         assigned,
@@ -385,6 +386,7 @@ pub fn bound_builder(
             vec![]
         },
         signature: None,
+        compute: 0,
     };
     let mut builder = pod(name).gpu_mem(gib).on_node(node_name);
     for (k, v) in allocation.to_annotations(&Keys::default()) {

@@ -19,10 +19,13 @@
 //! - [`prepared`]: what the plugin prepares before a container starts: its budget file and
 //!   the read-only limits file that names it ([`PreparedLimits`], [`prepare`]).
 //! - [`settings`]: the interposer's other settings (GPU UUIDs, a context's charge, managed
-//!   memory), from the environment or the limits file.
+//!   memory, the compute share), from the environment or the limits file.
+//! - [`compute`]: the per-GPU compute state file that the containers on one GPU share to hold
+//!   each other to their shares of its SM time (layout and name).
 //! - [`reader`]: a [`Snapshot`] of one file, or of every file in a directory ([`budgets_in`]):
 //!   per GPU the share, the bytes held and the allocations refused; per process its bytes.
 
+pub mod compute;
 pub mod layout;
 pub mod limits;
 pub mod prepared;
@@ -32,7 +35,8 @@ pub mod settings;
 pub use layout::{ENV_DIR, ENV_KEY, budget_key, budget_path};
 pub use limits::Limits;
 pub use prepared::{
-    ENV_LIMITS_FILE, LIMITS_FILE_IN_CONTAINER, LimitsFormatError, PreparedLimits, prepare,
+    ENV_LIMITS_FILE, LIMITS_FILE_IN_CONTAINER, LimitsFormatError, PreparedCompute, PreparedLimits,
+    prepare, prepare_with_compute,
 };
 pub use reader::{GpuUsage, ProcessUsage, Snapshot, budgets_in};
 

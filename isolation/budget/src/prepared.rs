@@ -24,10 +24,18 @@
 //! uuid=GPU-…,GPU-…
 //! context_mib=512           (optional: unset, a context is charged what it took)
 //! managed_memory=charge     (optional: charge or ignore)
+//! compute_percent=30        (optional: 1 to 100, the share of each GPU's SM time)
+//! compute_mode=shared       (optional: shared, capped or off)
+//! compute_dir=/var/run/gpushare/compute  (optional: the node-wide compute state directory)
 //! ```
 //!
 //! `share_mib` lists each GPU's share in share order (1 to [`MAX_GPUS`]), `uuid` the GPUs
 //! in the same order (may be empty: GPUs are then told apart by NVML index).
+//!
+//! The three `compute_*` lines are [`PreparedCompute`], written and read beside
+//! [`PreparedLimits`] (a struct of their own, so that the plugins' existing
+//! `PreparedLimits { .. }` stay as they are): [`prepare_with_compute`] writes both, and
+//! [`PreparedCompute::parse`] reads them from a file [`PreparedLimits::parse`] accepted.
 
 use std::fs::OpenOptions;
 use std::io::{self, Write as _};
@@ -98,23 +106,10 @@ impl PreparedLimits {
         text
     }
 
-    /// Parses a limits file's text, strictly.
+    /// Parses a limits file's text, strictly (its compute lines too, which
+    /// [`PreparedCompute::parse`] returns).
     pub fn parse(text: &str) -> Result<Self, LimitsFormatError> {
-        let mut fields: Vec<(&str, &str)> = Vec::new();
-        for line in text.lines() {
-            let line = line.trim();
-            if line.is_empty() || line.starts_with('#') {
-                continue;
-            }
-            let (key, value) = line
-                .split_once('=')
-                .ok_or_else(|| bad(format!("line {line:?} is not key=value")))?;
-            let (key, value) = (key.trim(), value.trim());
-            if fields.iter().any(|(k, _)| *k == key) {
-                return Err(bad(format!("{key} given twice")));
-            }
-            fields.push((key, value));
-        }
+        let fields = fields(text)?;
         let get = |key: &str| fields.iter().find(|(k, _)| *k == key).map(|(_, v)| *v);
         if let Some((key, _)) = fields.iter().find(|(k, _)| {
             ![
@@ -124,11 +119,15 @@ impl PreparedLimits {
                 "uuid",
                 "context_mib",
                 "managed_memory",
+                "compute_percent",
+                "compute_mode",
+                "compute_dir",
             ]
             .contains(k)
         }) {
             return Err(bad(format!("unknown key {key}")));
         }
+        PreparedCompute::from_fields(&fields)?;
         match get("version") {
             Some(v) if v == FORMAT_VERSION.to_string() => {}
             Some(v) => return Err(bad(format!("version {v}"))),
@@ -186,6 +185,88 @@ impl PreparedLimits {
     }
 }
 
+/// A limits file's `key=value` lines, each key at most once.
+fn fields(text: &str) -> Result<Vec<(&str, &str)>, LimitsFormatError> {
+    let mut fields: Vec<(&str, &str)> = Vec::new();
+    for line in text.lines() {
+        let line = line.trim();
+        if line.is_empty() || line.starts_with('#') {
+            continue;
+        }
+        let (key, value) = line
+            .split_once('=')
+            .ok_or_else(|| bad(format!("line {line:?} is not key=value")))?;
+        let (key, value) = (key.trim(), value.trim());
+        if fields.iter().any(|(k, _)| *k == key) {
+            return Err(bad(format!("{key} given twice")));
+        }
+        fields.push((key, value));
+    }
+    Ok(fields)
+}
+
+/// A limits file's compute lines: the container's share of its GPUs' SM time (see
+/// [`crate::settings`] for what each means). All `None`: no compute share.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct PreparedCompute {
+    /// `compute_percent`: 1 to 100.
+    pub percent: Option<u8>,
+    /// `compute_mode`: `shared`, `capped` or `off`; `None`: `shared`.
+    pub mode: Option<String>,
+    /// `compute_dir`: the node-wide compute state directory as the container sees it;
+    /// `None`: the budget file's directory.
+    pub dir: Option<PathBuf>,
+}
+
+impl PreparedCompute {
+    /// The compute lines of a limits file's text (read as strictly as
+    /// [`PreparedLimits::parse`] does; other keys are not looked at).
+    pub fn parse(text: &str) -> Result<Self, LimitsFormatError> {
+        Self::from_fields(&fields(text)?)
+    }
+
+    fn from_fields(fields: &[(&str, &str)]) -> Result<Self, LimitsFormatError> {
+        let get = |key: &str| fields.iter().find(|(k, _)| *k == key).map(|(_, v)| *v);
+        let percent = get("compute_percent")
+            .map(|p| {
+                crate::settings::parse_percent(p)
+                    .ok_or_else(|| bad(format!("compute_percent {p:?} is not 1 to 100")))
+            })
+            .transpose()?;
+        let mode = get("compute_mode")
+            .map(|m| {
+                crate::settings::ComputeMode::parse(m)
+                    .filter(|parsed| parsed.as_str() == m)
+                    .map(|_| m.to_owned())
+                    .ok_or_else(|| bad(format!("compute_mode {m:?}")))
+            })
+            .transpose()?;
+        let dir = get("compute_dir")
+            .map(|d| {
+                Some(PathBuf::from(d))
+                    .filter(|d| d.is_absolute())
+                    .ok_or_else(|| bad(format!("compute_dir {d} is not absolute")))
+            })
+            .transpose()?;
+        Ok(Self { percent, mode, dir })
+    }
+
+    /// Its lines of the file's text (none for the default).
+    pub fn encode(&self) -> String {
+        let mut text = String::new();
+        if let Some(percent) = self.percent {
+            text.push_str(&format!("compute_percent={percent}\n"));
+        }
+        if let Some(mode) = &self.mode {
+            text.push_str(&format!("compute_mode={mode}\n"));
+        }
+        if let Some(dir) = &self.dir {
+            text.push_str(&format!("compute_dir={}\n", dir.display()));
+        }
+        text
+    }
+}
+
 /// Prepares a container's accounting: the budget file at `budget_file` (its header for
 /// `limits.shares`, mode 0666 whatever the umask, so that whatever user the container runs
 /// as can map it) and the limits file at `limits_file` (written beside and renamed into
@@ -193,6 +274,21 @@ impl PreparedLimits {
 /// restarted container keeps what its live processes hold. One of other shares, or
 /// damaged, is made anew.
 pub fn prepare(budget_file: &Path, limits_file: &Path, limits: &PreparedLimits) -> io::Result<()> {
+    prepare_with_compute(
+        budget_file,
+        limits_file,
+        limits,
+        &PreparedCompute::default(),
+    )
+}
+
+/// As [`prepare`], with the container's compute lines in the limits file.
+pub fn prepare_with_compute(
+    budget_file: &Path,
+    limits_file: &Path,
+    limits: &PreparedLimits,
+    compute: &PreparedCompute,
+) -> io::Result<()> {
     if !(1..=MAX_GPUS).contains(&limits.shares.len()) {
         return Err(io::Error::new(
             io::ErrorKind::InvalidInput,
@@ -225,6 +321,7 @@ pub fn prepare(budget_file: &Path, limits_file: &Path, limits: &PreparedLimits) 
         .mode(0o600)
         .open(&partial)?;
     file.write_all(limits.encode().as_bytes())?;
+    file.write_all(compute.encode().as_bytes())?;
     file.sync_all()?;
     drop(file);
     std::fs::set_permissions(&partial, std::fs::Permissions::from_mode(0o444))?;
@@ -326,6 +423,12 @@ mod tests {
             "version=1\nbudget=/b\nshare_mib=4096\nshare_mib=8192\n",
             "version=1\nbudget=/b\nshare_mib=4096\nmem_gib=16\n",
             "version=1\nbudget=/b\nshare_mib=4096\njunk\n",
+            "version=1\nbudget=/b\nshare_mib=4096\ncompute_percent=0\n",
+            "version=1\nbudget=/b\nshare_mib=4096\ncompute_percent=101\n",
+            "version=1\nbudget=/b\nshare_mib=4096\ncompute_mode=hard\n",
+            "version=1\nbudget=/b\nshare_mib=4096\ncompute_mode=Shared\n",
+            "version=1\nbudget=/b\nshare_mib=4096\ncompute_dir=compute\n",
+            "version=1\nbudget=/b\nshare_mib=4096\ncompute_percent=30\ncompute_percent=40\n",
         ] {
             assert!(PreparedLimits::parse(bad).is_err(), "{bad:?} accepted");
         }
@@ -384,5 +487,26 @@ mod tests {
         std::fs::write(&budget, b"junk").unwrap();
         prepare(&budget, &limits_file, &other).unwrap();
         assert!(Snapshot::read(&budget).is_ok());
+    }
+
+    #[test]
+    fn compute_lines_read_back_as_written() {
+        let dir = tempfile::tempdir().unwrap();
+        let budget = dir.path().join("budget");
+        let limits_file = dir.path().join("limits");
+        let compute = PreparedCompute {
+            percent: Some(30),
+            mode: Some("capped".into()),
+            dir: Some("/var/run/gpushare/compute".into()),
+        };
+        prepare_with_compute(&budget, &limits_file, &limits(&budget), &compute).unwrap();
+        let text = std::fs::read_to_string(&limits_file).unwrap();
+        assert!(text.contains("\ncompute_percent=30\ncompute_mode=capped\n"), "{text}");
+        assert_eq!(PreparedLimits::parse(&text), Ok(limits(&budget)));
+        assert_eq!(PreparedCompute::parse(&text), Ok(compute));
+        // Without compute lines, none come back.
+        let plain = limits(&budget).encode();
+        assert_eq!(PreparedCompute::parse(&plain), Ok(PreparedCompute::default()));
+        assert_eq!(PreparedCompute::default().encode(), "");
     }
 }

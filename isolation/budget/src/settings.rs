@@ -22,6 +22,19 @@
 //! - `GPUSHARE_MANAGED_MEMORY`: `charge` (default) counts `cuMemAllocManaged` in full on the
 //!   current GPU; `ignore` lets it pass uncounted, for programs that oversubscribe on
 //!   purpose (the driver pages managed memory out under pressure instead of failing).
+//! - `GPUSHARE_COMPUTE_PERCENT`: the container's share of each of its GPUs' SM time, a whole
+//!   percent from 1 to 100, the same on every GPU it has. Unset: no compute guarantee and no
+//!   cap (kernel launches pass untouched).
+//! - `GPUSHARE_COMPUTE_MODE`: how the share is held ([`ComputeMode`]): `shared` (default,
+//!   work-conserving), `capped` (never above it) or `off` (not held).
+//! - `GPUSHARE_COMPUTE_DIR`: the node-wide directory, shared by every container on the node
+//!   and writable by them, where the per-GPU compute state lives ([`crate::compute`]). Unset:
+//!   the budget file's directory.
+//!
+//! The limits file's `compute_percent`, `compute_mode` and `compute_dir` lines stand for the
+//! three compute variables ([`crate::prepared::PreparedCompute`]).
+
+use std::path::PathBuf;
 
 use crate::prepared::MAX_CONTEXT_MIB;
 
@@ -31,6 +44,12 @@ pub const ENV_GPU_UUID: &str = "GPUSHARE_GPU_UUID";
 pub const ENV_CONTEXT_MIB: &str = "GPUSHARE_CONTEXT_MIB";
 /// `charge` or `ignore`.
 pub const ENV_MANAGED_MEMORY: &str = "GPUSHARE_MANAGED_MEMORY";
+/// The container's share of each GPU's SM time, in percent (1 to 100).
+pub const ENV_COMPUTE_PERCENT: &str = "GPUSHARE_COMPUTE_PERCENT";
+/// `shared`, `capped` or `off`.
+pub const ENV_COMPUTE_MODE: &str = "GPUSHARE_COMPUTE_MODE";
+/// The node-wide directory of the per-GPU compute state files.
+pub const ENV_COMPUTE_DIR: &str = "GPUSHARE_COMPUTE_DIR";
 /// What a context is charged when `GPUSHARE_CONTEXT_MIB` is unset: about what a CUDA 13
 /// context holds on a data-centre GPU (527-529 MiB measured on an H200, driver 580, by
 /// `scripts/gpu-check.sh`; smaller GPUs hold less).
@@ -44,6 +63,63 @@ pub enum Managed {
     Charge,
     /// Not counted.
     Ignore,
+}
+
+/// How a container's compute share is held at kernel launch.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum ComputeMode {
+    /// Work-conserving: the container may use SM time others leave idle, but under
+    /// contention its launches are held while it is over its share and another container
+    /// that wants time is under its own.
+    #[default]
+    Shared,
+    /// Never above the share, even alone on the GPU (for chargeback).
+    Capped,
+    /// Not held: launches pass untouched.
+    Off,
+}
+
+impl ComputeMode {
+    /// The mode's name, as the variable and the limits file spell it.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Self::Shared => "shared",
+            Self::Capped => "capped",
+            Self::Off => "off",
+        }
+    }
+
+    /// The mode a name (any case) spells, if any.
+    pub fn parse(text: &str) -> Option<Self> {
+        match text.trim().to_ascii_lowercase().as_str() {
+            "shared" => Some(Self::Shared),
+            "capped" => Some(Self::Capped),
+            "off" => Some(Self::Off),
+            _ => None,
+        }
+    }
+}
+
+impl std::fmt::Display for ComputeMode {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(self.as_str())
+    }
+}
+
+/// A container's share of its GPUs' SM time and how it is held.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct ComputeShare {
+    /// Percent of each GPU's SM time, 1 to 100.
+    pub percent: u8,
+    /// How it is held.
+    pub mode: ComputeMode,
+}
+
+impl ComputeShare {
+    /// Whether launches are held at all (`off` is not).
+    pub fn throttles(&self) -> bool {
+        self.mode != ComputeMode::Off
+    }
 }
 
 /// A GPU's UUID, its 16 bytes (`CUuuid`).
@@ -61,6 +137,10 @@ pub struct Settings {
     pub measure_context: bool,
     /// Managed memory.
     pub managed: Managed,
+    /// The compute share; `None`: no guarantee and no cap.
+    pub compute: Option<ComputeShare>,
+    /// Where the per-GPU compute state lives; `None`: the budget file's directory.
+    pub compute_dir: Option<PathBuf>,
 }
 
 impl Default for Settings {
@@ -70,6 +150,8 @@ impl Default for Settings {
             context_bytes: DEFAULT_CONTEXT_MIB << 20,
             measure_context: true,
             managed: Managed::Charge,
+            compute: None,
+            compute_dir: None,
         }
     }
 }
@@ -124,6 +206,33 @@ impl Settings {
                 }
             };
         }
+        let mode = match set(ENV_COMPUTE_MODE) {
+            None => ComputeMode::default(),
+            Some(mode) => ComputeMode::parse(&mode).ok_or(Invalid {
+                name: ENV_COMPUTE_MODE,
+                value: mode,
+                expected: "shared, capped or off",
+            })?,
+        };
+        if let Some(percent) = set(ENV_COMPUTE_PERCENT) {
+            let percent = parse_percent(&percent).ok_or(Invalid {
+                name: ENV_COMPUTE_PERCENT,
+                value: percent,
+                expected: "a whole percent from 1 to 100",
+            })?;
+            settings.compute = Some(ComputeShare { percent, mode });
+        }
+        if let Some(dir) = set(ENV_COMPUTE_DIR) {
+            let dir = PathBuf::from(dir.trim());
+            if !dir.is_absolute() {
+                return Err(Invalid {
+                    name: ENV_COMPUTE_DIR,
+                    value: dir.display().to_string(),
+                    expected: "an absolute path",
+                });
+            }
+            settings.compute_dir = Some(dir);
+        }
         Ok(settings)
     }
 
@@ -132,6 +241,14 @@ impl Settings {
     pub fn gpu_of_uuid(&self, uuid: &Uuid) -> Option<usize> {
         self.uuids.iter().position(|u| u == uuid)
     }
+}
+
+/// A compute share in percent: a whole number from 1 to 100.
+pub fn parse_percent(text: &str) -> Option<u8> {
+    text.trim()
+        .parse::<u8>()
+        .ok()
+        .filter(|p| (1..=100).contains(p))
 }
 
 /// `GPU-xxxxxxxx-xxxx-xxxx-xxxx-xxxxxxxxxxxx` (any case) as 16 bytes.
@@ -208,5 +325,52 @@ mod tests {
         assert_eq!(settings.managed, Managed::Ignore);
         assert!(Settings::parse(env(&[(ENV_CONTEXT_MIB, "-1")])).is_err());
         assert!(Settings::parse(env(&[(ENV_MANAGED_MEMORY, "evict")])).is_err());
+    }
+
+    #[test]
+    fn compute_share_and_mode() {
+        assert_eq!(Settings::parse(env(&[])).unwrap().compute, None);
+        let settings = Settings::parse(env(&[(ENV_COMPUTE_PERCENT, "30")])).unwrap();
+        assert_eq!(
+            settings.compute,
+            Some(ComputeShare {
+                percent: 30,
+                mode: ComputeMode::Shared
+            })
+        );
+        let settings = Settings::parse(env(&[
+            (ENV_COMPUTE_PERCENT, " 100 "),
+            (ENV_COMPUTE_MODE, "Capped"),
+            (ENV_COMPUTE_DIR, "/var/run/gpushare/compute"),
+        ]))
+        .unwrap();
+        let compute = settings.compute.unwrap();
+        assert_eq!((compute.percent, compute.mode), (100, ComputeMode::Capped));
+        assert!(compute.throttles());
+        assert_eq!(
+            settings.compute_dir.as_deref(),
+            Some(std::path::Path::new("/var/run/gpushare/compute"))
+        );
+        let off = Settings::parse(env(&[(ENV_COMPUTE_PERCENT, "5"), (ENV_COMPUTE_MODE, "off")]))
+            .unwrap()
+            .compute
+            .unwrap();
+        assert!(!off.throttles());
+        // A mode alone asks for nothing.
+        let settings = Settings::parse(env(&[(ENV_COMPUTE_MODE, "capped")])).unwrap();
+        assert_eq!(settings.compute, None);
+        for (name, value) in [
+            (ENV_COMPUTE_PERCENT, "0"),
+            (ENV_COMPUTE_PERCENT, "101"),
+            (ENV_COMPUTE_PERCENT, "30%"),
+            (ENV_COMPUTE_PERCENT, "12.5"),
+            (ENV_COMPUTE_MODE, "hard"),
+            (ENV_COMPUTE_DIR, "relative/dir"),
+        ] {
+            assert!(
+                Settings::parse(env(&[(name, value), (ENV_COMPUTE_PERCENT, "30")])).is_err(),
+                "{name}={value} accepted"
+            );
+        }
     }
 }

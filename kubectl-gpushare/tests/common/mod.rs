@@ -23,11 +23,13 @@ pub fn placed(builder: PodBuilder, gpu: u32, gib: u64) -> PodBuilder {
             name: "main".into(),
             gib,
             init: false,
+            compute: 0,
         }],
         bind_time: "2026-01-01T00:00:00Z".into(),
         assigned: true,
         allocated: vec!["main".into()],
         signature: None,
+        compute: 0,
     };
     allocation
         .to_annotations(&Keys::default())

@@ -60,6 +60,7 @@ pub fn gpushare_request(task: &Task, form: RequestForm) -> Request {
         containers: vec![task.demand_gib()],
         host: task.host,
         models,
+        compute: 0,
     }
 }
 

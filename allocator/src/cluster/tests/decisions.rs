@@ -149,6 +149,7 @@ fn twin_pins_on_two_gpus_conflict() {
         pod_gib: 5,
         containers: vec![2, 3],
         host: Host::default(),
+        compute: 0,
     };
     assert!(matches!(
         cluster.fit("n1", &both),
@@ -447,4 +448,132 @@ fn model_filters_pick_gpus_on_mixed_model_nodes() {
         .unwrap_err();
     assert!(matches!(err, Unfit::Busy { .. }), "{err}");
     assert!(cluster.fit("mixed", &request(4)).is_ok());
+}
+
+fn with_compute(mut request: Request, compute: u32) -> Request {
+    request.compute = compute;
+    request
+}
+
+#[test]
+fn a_gpu_takes_a_pod_only_where_its_memory_and_compute_both_fit() {
+    for policy in [Policy::Binpack, Policy::Spread, Policy::Fragmentation] {
+        let mut cluster = Cluster::new();
+        cluster.set_node("n", vec![gpu(0, 16), gpu(1, 16)], true);
+        // Three 4 GiB pods asking 40 % each: memory would take all three on one GPU, compute
+        // only two.
+        // (Sizes differ so that no pod is pinned to a twin still waiting for allocation.)
+        let mut gpus = Vec::new();
+        for (uid, gib) in [("a", 4), ("b", 5), ("c", 3)] {
+            let placement = cluster
+                .reserve(uid.into(), "n", &with_compute(request(gib), 40), policy)
+                .unwrap();
+            assert_eq!(placement.compute, 40);
+            gpus.push(placement.gpu);
+        }
+        for gpu in [0, 1] {
+            let used = cluster.node("n").unwrap().gpus()[gpu].used_compute;
+            assert!(used <= 100, "{policy}: GPU {gpu} booked {used} %");
+        }
+        assert_eq!(
+            gpus.iter().filter(|&&g| g == gpus[0]).count(),
+            2,
+            "{policy}: {gpus:?}"
+        );
+        // Both GPUs now have 7+ GiB free but at most 60 % compute: a 70 % pod fits nowhere,
+        // and the refusal says compute, not memory.
+        let err = cluster.fit("n", &with_compute(request(6), 70)).unwrap_err();
+        assert!(
+            matches!(
+                err,
+                Unfit::ComputeBusy {
+                    compute: 70,
+                    free: 60,
+                    ..
+                }
+            ),
+            "{policy}: {err}"
+        );
+        assert!(err.to_string().contains("70 % compute"), "{err}");
+        // A pod without compute still takes the memory.
+        cluster
+            .reserve("d".into(), "n", &request(4), policy)
+            .unwrap();
+        // Releasing a pod gives its compute back.
+        cluster.release(&"a".into());
+        cluster.fit("n", &with_compute(request(4), 60)).unwrap();
+    }
+}
+
+#[test]
+fn compute_counts_on_each_gpu_of_a_multi_gpu_pod_and_exclusive_takes_it_all() {
+    let mut cluster = Cluster::new();
+    cluster.set_node("n", vec![gpu(0, 16), gpu(1, 16), gpu(2, 16)], true);
+    cluster
+        .reserve(
+            "one".into(),
+            "n",
+            &with_compute(request(2), 80),
+            Policy::Binpack,
+        )
+        .unwrap();
+    // Two GPUs with 30 % each: GPU 0 (80 % booked) cannot be one of them.
+    // (Sizes differ so that no pod is pinned to a twin still waiting for allocation.)
+    let two = cluster
+        .reserve(
+            "two".into(),
+            "n",
+            &with_compute(multi(2, 4, false), 30),
+            Policy::Binpack,
+        )
+        .unwrap();
+    let mut taken: Vec<u32> = std::iter::once(two.gpu)
+        .chain(two.more_gpus.iter().map(|(index, _)| *index))
+        .collect();
+    taken.sort_unstable();
+    assert_eq!(taken, vec![1, 2]);
+    let err = cluster
+        .fit("n", &with_compute(multi(2, 3, false), 80))
+        .unwrap_err();
+    assert!(
+        matches!(
+            err,
+            Unfit::TooFewFree {
+                compute: 80,
+                fitting: 0,
+                ..
+            }
+        ),
+        "{err}"
+    );
+    assert!(err.to_string().contains("80 % compute"), "{err}");
+    // An exclusive pod books every GPU's compute whole: nothing with compute fits beside it.
+    let mut whole = Cluster::new();
+    whole.set_node("n", vec![gpu(0, 16), gpu(1, 16)], true);
+    whole
+        .reserve("x".into(), "n", &multi(1, 8, true), Policy::Binpack)
+        .unwrap();
+    let used: Vec<u32> = whole
+        .node("n")
+        .unwrap()
+        .gpus()
+        .iter()
+        .map(|g| g.used_compute)
+        .collect();
+    assert!(used.contains(&100), "{used:?}");
+}
+
+#[test]
+fn watched_bookings_of_compute_survive_a_rebuild() {
+    let booked = PodPlacement {
+        compute: 70,
+        ..running(0, 4)
+    };
+    let cluster = Cluster::rebuild(
+        [("n".to_owned(), vec![gpu(0, 16)], true)],
+        [("p".into(), "n".to_owned(), booked)],
+    );
+    assert_eq!(cluster.node("n").unwrap().gpus()[0].used_compute, 70);
+    assert!(cluster.fit("n", &with_compute(request(4), 31)).is_err());
+    cluster.fit("n", &with_compute(request(4), 30)).unwrap();
 }

@@ -225,6 +225,7 @@ fn book(
             pod_gib: placement.pod_gib,
             pending: request.containers.clone(),
             assigned: false,
+            compute: placement.compute,
         },
     );
     Ok(Decision::Write(Write {
@@ -271,6 +272,7 @@ fn signed_allocation(
         assigned: false,
         allocated: Vec::new(),
         signature: None,
+        compute: placement.compute,
     };
     if let Some(keyring) = &view.settings().keyring {
         allocation.signature = Some(keyring.current().sign(uid.as_str(), node, &allocation));

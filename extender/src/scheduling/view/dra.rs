@@ -294,6 +294,7 @@ impl View {
             exclusive: whole,
             pending: Vec::new(),
             assigned: true,
+            compute: 0,
         };
         Some((self.cluster.node_name(&first.pool), placement))
     }
@@ -430,6 +431,7 @@ impl View {
             gpus: ask.count,
             exclusive: false,
             models: ModelFilter::default(),
+            compute: 0,
         })
     }
 }

@@ -70,6 +70,7 @@ pub fn to_request(request: &PodRequest) -> Request {
         pod_gib: request.pod_gib,
         containers: request.containers.iter().map(|c| c.gib).collect(),
         host: Host::default(),
+        compute: request.compute_per_gpu(),
     }
 }
 
@@ -107,6 +108,14 @@ pub(super) enum AllocationFacts {
     },
 }
 
+/// What a pod's own spec asks for, over all its GPUs: what an allocation that cannot be
+/// trusted books instead of its own figures.
+#[derive(Debug, Clone, Copy)]
+struct SpecAsk {
+    gib: u64,
+    compute: u32,
+}
+
 /// The allocator's form of an allocation's GPUs after the first.
 fn more_gpus(allocation: &PodAllocation) -> Vec<(u32, Arc<str>)> {
     allocation
@@ -124,7 +133,7 @@ impl AllocationFacts {
         uid: &str,
         node: Option<&str>,
         annotations: Option<&BTreeMap<String, String>>,
-        spec_gib: Option<u64>,
+        spec: Option<SpecAsk>,
     ) -> Self {
         let Some(annotations) = annotations else {
             return Self::Absent;
@@ -141,6 +150,7 @@ impl AllocationFacts {
                     pod_gib: classic.pod_gib,
                     pending: Vec::new(),
                     assigned: true,
+                    compute: 0,
                 }),
                 _ => Self::Absent,
             },
@@ -148,7 +158,7 @@ impl AllocationFacts {
                 if let (Some(keyring), Some(node)) = (&settings.keyring, node)
                     && let Err(why) = keyring.current().verify(uid, node, &allocation)
                 {
-                    return Self::untrusted(why.to_string(), &allocation, spec_gib);
+                    return Self::untrusted(why.to_string(), &allocation, spec);
                 }
                 Self::Readable(PodPlacement {
                     more_gpus: more_gpus(&allocation),
@@ -158,26 +168,29 @@ impl AllocationFacts {
                     pod_gib: allocation.pod_gib,
                     pending: allocation.pending_containers().map(|c| c.gib).collect(),
                     assigned: allocation.assigned,
+                    compute: allocation.compute,
                 })
             }
             Err(error) => Self::salvage(&settings.keys, annotations, error.to_string()),
         }
     }
 
-    /// An allocation whose signature does not verify (`why`): the fallback books the spec's
-    /// `spec_gib` (none when it asks for nothing) on the GPUs the annotations name.
-    fn untrusted(why: String, allocation: &PodAllocation, spec_gib: Option<u64>) -> Self {
+    /// An allocation whose signature does not verify (`why`): the fallback books what the
+    /// `spec` asks (none when it asks for nothing) on the GPUs the annotations name.
+    fn untrusted(why: String, allocation: &PodAllocation, spec: Option<SpecAsk>) -> Self {
+        let gpus = allocation.gpu_count() as u64;
         Self::Untrusted {
             why,
-            fallback: spec_gib.filter(|gib| *gib > 0).map(|pod_gib| PodPlacement {
+            fallback: spec.filter(|ask| ask.gib > 0).map(|ask| PodPlacement {
                 more_gpus: more_gpus(allocation),
                 exclusive: false,
                 gpu: allocation.gpu_index,
                 uuid: allocation.gpu_uuid.as_str().into(),
                 // The spec's total, spread over the GPUs the annotations name.
-                pod_gib: pod_gib.div_ceil(allocation.gpu_count() as u64),
+                pod_gib: ask.gib.div_ceil(gpus),
                 pending: Vec::new(),
                 assigned: true,
+                compute: u32::try_from(u64::from(ask.compute).div_ceil(gpus)).unwrap_or(u32::MAX),
             }),
         }
     }
@@ -205,6 +218,7 @@ impl AllocationFacts {
                 pod_gib,
                 pending: Vec::new(),
                 assigned: true,
+                compute: 0,
             }),
         }
     }
@@ -251,17 +265,20 @@ impl PodFacts {
         let key = pod_key(metadata.namespace.as_deref()?, metadata.name.as_deref()?);
         let uid = metadata.uid.as_deref()?;
         let request = pod_request_with(pod, &settings.resource, &settings.keys);
-        let spec_gib = request
+        let spec = request
             .as_ref()
             .ok()
             .and_then(|r| r.as_ref())
-            .map(|r| r.pod_gib);
+            .map(|r| SpecAsk {
+                gib: r.pod_gib,
+                compute: r.pod_compute,
+            });
         let mut allocation = AllocationFacts::read(
             settings,
             uid,
             node_name.as_deref(),
             metadata.annotations.as_ref(),
-            spec_gib,
+            spec,
         );
         // kubelet sets `startTime` when it admits a pod, and admission is where it calls the
         // device plugin's Allocate for every container: nothing of the pod still waits for a

@@ -58,6 +58,7 @@ pub(super) fn reserve(view: &mut View, uid: &str, name: &str) -> Ticket {
         pod_gib: 4,
         containers: vec![4],
         host: Host::default(),
+        compute: 0,
     };
     let placed = view
         .cluster
@@ -81,6 +82,7 @@ pub(super) fn reserve(view: &mut View, uid: &str, name: &str) -> Ticket {
             pod_gib: 4,
             pending: vec![4],
             assigned: false,
+            compute: 0,
         },
     )
 }

@@ -228,6 +228,7 @@ mod tests {
                 pod_gib: 4,
                 pending: vec![4],
                 assigned: false,
+                compute: 0,
             },
             phase: Phase::Writing,
             ticket,
