@@ -24,7 +24,12 @@
 #     got = what the program allocated, device = what the GPU held for it at its peak less what
 #     it held before; pass = device <= share + slack, the program ran to its end, and the
 #     scenario's own conditions held (scripts/gpu-check/scenarios.py says what each does).
-#  4. SUMMARY passed=N failed=M skipped=K; the exit status is non-zero if any failed.
+#  4. Compute shares (scripts/gpu-check/compute.py): PyTorch matrix multiplies in processes
+#     that each stand for a container (their own budget, one node-wide compute directory):
+#     three at 20/30/50 % (shared) must get their share of the total within 5 points, one alone
+#     at 30 % shared at least 90 % of what it gets without the library, one alone at 30 %
+#     capped 30 % within 5 points. `COMPUTE run=...` lines give each one's throughput.
+#  5. SUMMARY passed=N failed=M skipped=K; the exit status is non-zero if any failed.
 #
 # Usage, from anywhere: scripts/gpu-check.sh
 #   GPUSHARE_ISOLATION_BIN_DIR=DIR  use DIR's libgpushare_isolation.so and
@@ -225,5 +230,18 @@ SCENARIO_GIB=2 scenario v1-control --control
 SCENARIO_GIB=2 scenario v1-alloc
 scenario cupy
 scenario numba
+
+# --- 4. compute shares --------------------------------------------------------------------------
+echo "== compute shares (scripts/gpu-check/compute.py)"
+if [ "$SECONDS" -ge "$BUDGET_S" ]; then
+    skip "compute: out of time (${SECONDS}s >= ${BUDGET_S}s)"
+elif ! "$PY" -c "import torch" >/dev/null 2>&1; then
+    skip "compute: torch is not installed"
+else
+    compute_out=$(timeout 240 "$PY" "$ROOT/scripts/gpu-check/compute.py" "$LIB" "$UUID" 8 2>&1)
+    echo "$compute_out"
+    passed=$((passed + $(grep -c '^RESULT compute-.* pass$' <<<"$compute_out")))
+    failed=$((failed + $(grep -c '^RESULT compute-.* fail' <<<"$compute_out")))
+fi
 
 summary

@@ -450,7 +450,8 @@ fn two_gpu_and_exclusive_pods(c: &KitCluster) -> Outcome<'_> {
 /// Pods asking for `gpu-mem: 4` and `gpu-compute: 60` on the node's two GPUs: memory would
 /// put three on one GPU, compute puts one on each, and the third waits, though the node's
 /// 200 compute units (kube-scheduler's count) have room for it; a pod without compute still
-/// takes the memory left; a deleted pod's compute goes to the waiting one.
+/// takes the memory left; a pod asking for compute alone waits with the reason; a deleted
+/// pod's compute goes to the waiting one.
 fn compute_shares_land_only_where_memory_and_compute_fit(c: &KitCluster) -> Outcome<'_> {
     Box::pin(async move {
         let compute = gpushare_contract::request::compute_resource_of(DEFAULT_RESOURCE);
@@ -500,6 +501,15 @@ fn compute_shares_land_only_where_memory_and_compute_fit(c: &KitCluster) -> Outc
         ensure!(
             allocation(&plain)?.compute == 0,
             "a pod without compute holds none"
+        );
+        // Compute alone is routed to gpushare's scheduler and refused, saying why.
+        let alone = fixtures::pod("compute-only").gpu_compute(30).build();
+        pods.create(&PostParams::default(), &c.prepare(alone))
+            .await?;
+        let reason = wait_unschedulable(c, "compute-only").await?;
+        ensure!(
+            reason.contains(&format!("{compute} without {DEFAULT_RESOURCE}")),
+            "a pod asking for compute alone should be refused with the reason: {reason}"
         );
         let freed = allocation(&pods.get("compute-1").await?)?.gpu_uuid;
         delete_pod(c, "compute-1").await?;

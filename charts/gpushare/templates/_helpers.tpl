@@ -427,8 +427,18 @@ extenders:
     managedResources:
       - name: {{ .Values.resourceName }}
         ignoredByScheduler: false
+      # A pod asking for compute alone comes here too, to be refused with the reason.
+      - name: {{ include "gpushare.computeResourceName" . }}
+        ignoredByScheduler: false
     {{- end }}
 {{- end }}
+{{- end }}
+
+{{/* The compute resource that goes with resourceName: its domain, named gpu-compute
+     (gpushare_contract::request::compute_resource_of). */}}
+{{- define "gpushare.computeResourceName" -}}
+{{- $parts := splitList "/" .Values.resourceName -}}
+{{- if gt (len $parts) 1 }}{{ index $parts 0 }}/gpu-compute{{ else }}gpu-compute{{ end -}}
 {{- end }}
 
 {{/* The isolation mode the plugins run with: devicePlugin.enforcement.mode (deprecated) when set, else isolation.mode. */}}
