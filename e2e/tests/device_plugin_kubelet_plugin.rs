@@ -96,7 +96,7 @@ async fn registers_lists_one_device_per_gib_and_follows_health() -> anyhow::Resu
                     .all(|(id, healthy)| *healthy == (gpu_of(id) != uuid(1)))
                 && units
                     .iter()
-                    .all(|(id, healthy)| *healthy == !id.starts_with(&format!("{}-c", uuid(1))))
+                    .all(|(id, healthy)| *healthy != id.starts_with(&format!("{}-c", uuid(1))))
         })
         .await?;
     eventually(WAIT, "GPU 1 unhealthy on the node", || async {
