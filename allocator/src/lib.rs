@@ -36,9 +36,10 @@
 //!
 //! **Compute.** A pod may ask for a share of each of its GPUs' compute besides the memory
 //! ([`Request::compute`], percent of [`COMPUTE_PER_GPU`]). A GPU takes it only where both
-//! fit, and books both; a GPU whose compute is all booked counts as having no memory free
-//! for the fragmentation measure (nothing more can be placed there). Pods without it book
-//! no compute, so on GPUs only they share, memory alone decides, as before.
+//! fit, and books both; under the fragmentation policy such a pod is measured only on the
+//! GPUs with its compute free. Pods without it book no compute and may go where the
+//! compute is all booked (they are promised none), so on GPUs only they share, memory alone
+//! decides, as before.
 //!
 //! **No over-commit.** [`Cluster::reserve`] never books a GPU beyond its memory or its
 //! compute. What the

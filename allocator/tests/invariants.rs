@@ -23,6 +23,8 @@ enum Op {
         exclusive: bool,
         /// The pod's `gpu-model` annotation, if any.
         models: Option<&'static str>,
+        /// Percent of each GPU's compute (0: none).
+        compute: u32,
     },
     Release {
         pod: u8,
@@ -50,9 +52,12 @@ fn op() -> impl Strategy<Value = Op> {
         4 => (
             (0..16u8, 0..3u8, prop::collection::vec(1..=6u64, 1..3)),
             (prop::sample::select(vec![Policy::Binpack, Policy::Spread, Policy::Fragmentation]), 1..=3u32, prop::bool::weighted(0.15)),
-            prop::sample::select(vec![None, Some("A"), Some("!A"), Some("C")]),
+            (
+                prop::sample::select(vec![None, Some("A"), Some("!A"), Some("C")]),
+                prop::sample::select(vec![0u32, 0, 30, 50, 70]),
+            ),
         ).prop_map(
-            |((pod, node, containers), (policy, gpus, exclusive), models)| Op::Reserve {
+            |((pod, node, containers), (policy, gpus, exclusive), (models, compute))| Op::Reserve {
                 pod,
                 node,
                 // Each container's GiB is a multiple of the GPU count, as the contract demands.
@@ -61,6 +66,7 @@ fn op() -> impl Strategy<Value = Op> {
                 gpus,
                 exclusive,
                 models,
+                compute,
             }
         ),
         1 => (0..16u8).prop_map(|pod| Op::Release { pod }),
@@ -115,6 +121,12 @@ fn check(cluster: &Cluster, nodes: &BTreeMap<String, Vec<Gpu>>) -> Result<(), Te
                 usage.used_gib,
                 usage.gpu.total_gib
             );
+            prop_assert!(
+                usage.used_compute <= gpushare_allocator::COMPUTE_PER_GPU,
+                "{name} GPU {} compute over-committed: {} %",
+                usage.gpu.index,
+                usage.used_compute
+            );
         }
         let mut gpus_by_size: BTreeMap<u64, BTreeSet<Vec<u32>>> = BTreeMap::new();
         let mut holders: BTreeMap<u32, Vec<bool>> = BTreeMap::new();
@@ -167,7 +179,7 @@ proptest! {
     #![proptest_config(ProptestConfig::with_cases(512))]
 
     #[test]
-    fn never_over_commits_and_keeps_the_twin_rule(ops in prop::collection::vec(op(), 1..80)) {
+    fn never_over_commits_memory_or_compute_and_keeps_the_twin_rule(ops in prop::collection::vec(op(), 1..80)) {
         let mut nodes = initial_nodes();
         let mut cluster = taught(Cluster::rebuild(
             nodes.iter().map(|(name, gpus)| (name.clone(), gpus.clone(), true)),
@@ -175,9 +187,9 @@ proptest! {
         ));
         for op in ops {
             match op {
-                Op::Reserve { pod, node, containers, policy, gpus, exclusive, models } => {
+                Op::Reserve { pod, node, containers, policy, gpus, exclusive, models, compute } => {
                     let models = ModelFilter::parse(models);
-                    let request = Request { gpus, exclusive, pod_gib: containers.iter().sum(), containers, host: Default::default(), models, compute: 0, };
+                    let request = Request { gpus, exclusive, pod_gib: containers.iter().sum(), containers, host: Default::default(), models, compute };
                     let name = node_name(node);
                     let fits = cluster.fit(&name, &request);
                     // A node scores above 0 exactly when the pod fits it.

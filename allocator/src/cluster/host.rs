@@ -44,9 +44,7 @@ impl Node {
             gpus: self.gpus.len(),
             free: |i: usize| {
                 let usage: &super::GpuUsage = &self.gpus[i];
-                usage
-                    .healthy
-                    .then(|| (usage.usable_free_gib(), usage.total_gib))
+                usage.healthy.then(|| (usage.free_gib(), usage.total_gib))
             },
             host: self.host_free(),
         }
@@ -161,7 +159,7 @@ impl Node {
         let before = Before::new(workload, &view);
         before.goodness(
             workload,
-            self.gpus[pos].usable_free_gib(),
+            self.gpus[pos].free_gib(),
             request.pod_gib,
             request.host,
         )
@@ -360,6 +358,13 @@ impl Cluster {
             .iter()
             .map(|name| {
                 let node = self.nodes.get(*name)?;
+                if request.compute > 0 {
+                    // Only GPUs with the compute free too: the decision bind takes, measured.
+                    let pos = node
+                        .decide(request, crate::Policy::Fragmentation, &self.workload)
+                        .ok()?;
+                    return Some(node.fragmentation_goodness(pos, request, &self.workload));
+                }
                 if node.pending.is_empty() {
                     // No twin can pin the pod: it fits where a healthy GPU of a model it
                     // allows has room, which is what best_gpu finds, in the same pass over

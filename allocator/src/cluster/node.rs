@@ -55,17 +55,6 @@ impl GpuUsage {
         crate::COMPUTE_PER_GPU.saturating_sub(self.used_compute)
     }
 
-    /// GiB a new pod could still use: the free memory, or none once the compute is all
-    /// booked (memory behind a GPU whose compute is taken is stranded, as the fragmentation
-    /// measure counts it).
-    pub fn usable_free_gib(&self) -> u64 {
-        if self.free_compute() == 0 {
-            0
-        } else {
-            self.free_gib()
-        }
-    }
-
     /// Whether `gib` and `compute` both fit in what is free.
     pub fn has_room(&self, gib: u64, compute: u32) -> bool {
         self.free_gib() >= gib && self.free_compute() >= compute

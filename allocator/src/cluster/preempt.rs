@@ -367,6 +367,35 @@ mod tests {
     }
 
     #[test]
+    fn a_pod_short_of_compute_evicts_the_compute_not_the_memory() {
+        // One 16 GiB GPU: a 2 GiB pod holding 70 % compute (priority 10) and two 4 GiB pods
+        // without compute (priority 5). A 4 GiB pod asking 50 % has the memory but not the
+        // compute: only the compute holder must go, though the others are less important.
+        let mut cluster = Cluster::new();
+        cluster.set_node("n", vec![gpu(0, 16)], true);
+        let busy = PodPlacement {
+            compute: 70,
+            ..on(0, 2)
+        };
+        cluster.upsert_pod("busy".into(), "n", busy);
+        cluster.upsert_pod("plain-1".into(), "n", on(0, 4));
+        cluster.upsert_pod("plain-2".into(), "n", on(0, 4));
+        let pods = vec![
+            evictable("busy", 10),
+            evictable("plain-1", 5),
+            evictable("plain-2", 5),
+        ];
+        let wanted = Request {
+            compute: 50,
+            containers: vec![3],
+            ..request(3, 1)
+        };
+        assert!(cluster.fit("n", &wanted).is_err());
+        let eviction = cluster.eviction("n", &wanted, &pods).unwrap();
+        assert_eq!(uids(&eviction), ["busy"]);
+    }
+
+    #[test]
     fn a_pod_no_eviction_can_place_evicts_nobody() {
         let (cluster, pods) = seven_pods();
         assert_eq!(cluster.eviction("n", &request(20, 1), &pods), None);
