@@ -146,7 +146,7 @@ pub struct Held {
     /// file) when the plugin measures them, else what the interposer counted.
     pub used: u64,
     /// Bytes the isolation interposer counted for it there, when it is loaded and the driver's
-    /// figures are `used` ([`with_counted`]): the two differ for a program the interposer does
+    /// figures are `used` ([`Report::with_counted`]): the two differ for a program the interposer does
     /// not see (a static binary, one that dropped `LD_PRELOAD`) or a tampered budget.
     pub counted: Option<u64>,
 }
