@@ -274,7 +274,9 @@ mod tests {
                 exempt_namespaces: ["trusted".to_owned()].into(),
                 options: IsolationOptions {
                     context_mib: Some(300),
-                    managed_memory: env::ManagedMemory::Ignore, compute_mode: Default::default(), },
+                    managed_memory: env::ManagedMemory::Ignore,
+                    compute_mode: Default::default(),
+                },
             }),
         };
         let exempt = spec(

@@ -310,7 +310,9 @@ async fn preload_gives_each_claim_an_accounting_directory_for_its_life() {
                 exempt_namespaces: Default::default(),
                 options: gpushare_contract::env::IsolationOptions {
                     context_mib: Some(640),
-                    managed_memory: gpushare_contract::env::ManagedMemory::Ignore, compute_mode: Default::default(), },
+                    managed_memory: gpushare_contract::env::ManagedMemory::Ignore,
+                    compute_mode: Default::default(),
+                },
             }),
         },
     );

@@ -7,6 +7,11 @@
 //!   budget's CAS, the ledger, and the forwarded call.
 //! - `core`: `Interposer::allocate` + `free` around a no-op driver: the accounting alone.
 //!
+//! - `launch/straight` and `launch/interposed`: a kernel launch (`cuLaunchKernel`, a 1-block
+//!   grid) of the fake driver, called directly and through this crate's hook with limits set
+//!   but no compute share: what the compute throttle costs a launch it does not hold
+//!   (budget: at most 1 µs; the difference of the two).
+//!
 //! - `refused_30_live`: an allocation refused while 30 other live processes hold bytes in
 //!   the container's budget: every refusal first looks for dead processes to reclaim
 //!   (budget: under 20 µs).
@@ -29,7 +34,34 @@ unsafe extern "C" {
     // This crate's hooks: the rlib defines them.
     fn cuMemAlloc_v2(dptr: *mut u64, bytes: usize) -> c_int;
     fn cuMemFree_v2(dptr: u64) -> c_int;
+    fn cuLaunchKernel(
+        f: *mut c_void,
+        grid_x: u32,
+        grid_y: u32,
+        grid_z: u32,
+        block_x: u32,
+        block_y: u32,
+        block_z: u32,
+        shared_mem_bytes: u32,
+        stream: *mut c_void,
+        params: *mut *mut c_void,
+        extra: *mut *mut c_void,
+    ) -> c_int;
 }
+
+type Launch = unsafe extern "C" fn(
+    *mut c_void,
+    u32,
+    u32,
+    u32,
+    u32,
+    u32,
+    u32,
+    u32,
+    *mut c_void,
+    *mut *mut c_void,
+    *mut *mut c_void,
+) -> c_int;
 
 type Alloc = unsafe extern "C" fn(*mut u64, usize) -> c_int;
 type Free = unsafe extern "C" fn(u64) -> c_int;
@@ -37,6 +69,7 @@ type Free = unsafe extern "C" fn(u64) -> c_int;
 struct Fake {
     alloc: Alloc,
     free: Free,
+    launch: Launch,
 }
 
 /// Loads the fake driver, initialises it and makes device 0 current.
@@ -79,6 +112,7 @@ fn load_fake() -> Fake {
         Fake {
             alloc: std::mem::transmute::<*mut c_void, Alloc>(find(c"cuMemAlloc_v2")),
             free: std::mem::transmute::<*mut c_void, Free>(find(c"cuMemFree_v2")),
+            launch: std::mem::transmute::<*mut c_void, Launch>(find(c"cuLaunchKernel")),
         }
     }
 }
@@ -134,6 +168,28 @@ fn bench(c: &mut Criterion) {
                 0
             );
             assert_eq!(core.free(Kind::Pointer, black_box(key), || 0), 0);
+        })
+    });
+    group.finish();
+
+    // A launch the throttle does not hold: no compute share is set. The fake runs a 1-block
+    // kernel for 1 µs of simulated time and returns at once.
+    let null: *mut c_void = std::ptr::null_mut();
+    let none: *mut *mut c_void = std::ptr::null_mut();
+    let f = std::ptr::dangling_mut::<c_void>();
+    let mut group = c.benchmark_group("launch");
+    group.bench_function("straight", |b| {
+        b.iter(|| {
+            // SAFETY: the fake's entry point: a grid, the default stream, no parameters.
+            let r = unsafe { (fake.launch)(f, black_box(1), 1, 1, 32, 1, 1, 0, null, none, none) };
+            assert_eq!(r, 0);
+        })
+    });
+    group.bench_function("interposed", |b| {
+        b.iter(|| {
+            // SAFETY: the hook, with the same arguments.
+            let r = unsafe { cuLaunchKernel(f, black_box(1), 1, 1, 32, 1, 1, 0, null, none, none) };
+            assert_eq!(r, 0);
         })
     });
     group.finish();

@@ -171,6 +171,21 @@ impl Budget {
         self.u64_at(HEADER_LEN + slot * SLOT_LEN + SLOT_USED + 8 * gpu)
     }
 
+    /// The container this budget is for, as a number no other container on the node shares
+    /// (the file's device and inode: every process of the container maps the same file,
+    /// whatever path it sees it under); `None` for a closed budget.
+    pub fn identity(&self) -> Option<u64> {
+        use std::os::unix::fs::MetadataExt as _;
+        let meta = self.file.as_ref()?.metadata().ok()?;
+        // Never 0, which marks a free entry where it is used.
+        Some((meta.dev().rotate_left(32) ^ meta.ino()).max(1))
+    }
+
+    /// The budget file's path as this process opened it.
+    pub fn path(&self) -> &Path {
+        &self.path
+    }
+
     /// GPUs with a share.
     pub fn gpu_count(&self) -> usize {
         self.gpu_count

@@ -64,7 +64,7 @@ fn resolve_ordinal(settings: &Settings, ordinal: c_int) -> Option<usize> {
 }
 
 /// The UUID of CUDA device `ordinal`.
-fn cuda_uuid(ordinal: c_int) -> Option<Uuid> {
+pub fn cuda_uuid(ordinal: c_int) -> Option<Uuid> {
     let cuda = driver::cuda()?;
     let get = cuda.fns.device_get_uuid_v2.or(cuda.fns.device_get_uuid)?;
     let mut uuid = [0u8; 16];

@@ -19,6 +19,8 @@ pub type Handle = *mut c_void;
 
 /// `CUDA_ERROR_NOT_INITIALIZED`: what a hook answers when the real driver cannot be loaded.
 pub const CUDA_ERROR_NOT_INITIALIZED: Status = 3;
+/// `CUDA_ERROR_NOT_READY`: an event's work has not completed yet.
+pub const CUDA_ERROR_NOT_READY: Status = 600;
 /// `CUDA_ERROR_NOT_FOUND`: the real driver lacks the entry point.
 pub const CUDA_ERROR_NOT_FOUND: Status = 500;
 /// `CUDA_ERROR_UNKNOWN`: a hook failed inside (a caught panic).
@@ -161,6 +163,20 @@ entry_points! {
         v1_mem_free = "cuMemFree": fn(u32);
         v1_mem_get_info = "cuMemGetInfo": fn(*mut c_uint, *mut c_uint);
         v1_device_total_mem = "cuDeviceTotalMem": fn(*mut c_uint, c_int);
+        launch_kernel = "cuLaunchKernel": fn(Handle, c_uint, c_uint, c_uint, c_uint, c_uint, c_uint, c_uint, Handle, *mut *mut c_void, *mut *mut c_void);
+        launch_kernel_ptsz = "cuLaunchKernel_ptsz": fn(Handle, c_uint, c_uint, c_uint, c_uint, c_uint, c_uint, c_uint, Handle, *mut *mut c_void, *mut *mut c_void);
+        launch_kernel_ex = "cuLaunchKernelEx": fn(*const c_void, Handle, *mut *mut c_void, *mut *mut c_void);
+        launch_kernel_ex_ptsz = "cuLaunchKernelEx_ptsz": fn(*const c_void, Handle, *mut *mut c_void, *mut *mut c_void);
+        launch_cooperative = "cuLaunchCooperativeKernel": fn(Handle, c_uint, c_uint, c_uint, c_uint, c_uint, c_uint, c_uint, Handle, *mut *mut c_void);
+        launch_cooperative_ptsz = "cuLaunchCooperativeKernel_ptsz": fn(Handle, c_uint, c_uint, c_uint, c_uint, c_uint, c_uint, c_uint, Handle, *mut *mut c_void);
+        event_create = "cuEventCreate": fn(*mut Handle, c_uint);
+        event_record = "cuEventRecord": fn(Handle, Handle);
+        event_record_ptsz = "cuEventRecord_ptsz": fn(Handle, Handle);
+        event_query = "cuEventQuery": fn(Handle);
+        event_elapsed = "cuEventElapsedTime": fn(*mut f32, Handle, Handle);
+        event_destroy = "cuEventDestroy_v2": fn(Handle);
+        stream_is_capturing = "cuStreamIsCapturing": fn(Handle, *mut c_int);
+        stream_is_capturing_ptsz = "cuStreamIsCapturing_ptsz": fn(Handle, *mut c_int);
         get_proc_address = "cuGetProcAddress": fn(*const c_char, *mut Handle, c_int, u64);
         get_proc_address_v2 = "cuGetProcAddress_v2": fn(*const c_char, *mut Handle, c_int, u64, *mut c_int);
     }

@@ -30,6 +30,7 @@ use gpushare_isolation_budget::layout::{MAX_GPUS, SLOTS};
 use rustc_hash::FxHashMap;
 
 use crate::budget::{self, Budget};
+use crate::compute::Throttle;
 use crate::ledger::Ledger;
 use crate::settings::Settings;
 use crate::spin::SpinLock;
@@ -91,6 +92,8 @@ pub struct Interposer {
     /// The last context found charged: the allocation path's fast check.
     last_ctx: AtomicU64,
     make_room: RoomMaker,
+    /// The compute share's throttle; `None`: launches pass untouched.
+    throttle: Option<Throttle>,
 }
 
 impl std::fmt::Debug for Interposer {
@@ -121,6 +124,15 @@ impl Interposer {
 
     /// The accounting over `budget` (opened, prepared or closed) with `settings`.
     pub fn with_budget(budget: Budget, settings: Settings) -> Self {
+        // The container's compute state is shared with the node's other containers, in the
+        // node-wide directory (else beside the budget); a closed budget holds no launch.
+        let throttle = budget.identity().and_then(|id| {
+            let dir = settings
+                .compute_dir
+                .clone()
+                .or_else(|| budget.path().parent().map(Path::to_path_buf))?;
+            Throttle::new(settings.compute, id, dir)
+        });
         Self {
             budget,
             ledger: Ledger::default(),
@@ -136,7 +148,14 @@ impl Interposer {
             measured_context: std::array::from_fn(|_| AtomicU64::new(0)),
             last_ctx: AtomicU64::new(0),
             make_room: |_| false,
+            throttle,
         }
+    }
+
+    /// The compute throttle, when the container has a compute share that is held.
+    #[inline]
+    pub fn throttle(&self) -> Option<&Throttle> {
+        self.throttle.as_ref()
     }
 
     /// Sets what re-reads the driver's figures before an allocation is refused.
@@ -257,6 +276,9 @@ impl Interposer {
         self.pools.raw_lock();
         self.vmm.raw_lock();
         self.primaries.raw_lock();
+        if let Some(throttle) = &self.throttle {
+            throttle.measure.raw_lock();
+        }
         self.locked_for_fork.store(true, Ordering::Release);
     }
 
@@ -269,6 +291,9 @@ impl Interposer {
                 self.pools.raw_unlock();
                 self.vmm.raw_unlock();
                 self.primaries.raw_unlock();
+                if let Some(throttle) = &self.throttle {
+                    throttle.measure.raw_unlock();
+                }
             }
         }
     }
@@ -294,6 +319,10 @@ impl Interposer {
                 self.pools.raw_unlock();
                 self.vmm.raw_unlock();
                 self.primaries.raw_unlock();
+                if let Some(throttle) = &self.throttle {
+                    throttle.measure.locked_value().forget();
+                    throttle.measure.raw_unlock();
+                }
             }
         }
     }

@@ -65,6 +65,14 @@
 //! `min(share - used, the driver's free)` as free and the rest as used. GPUs are told apart by
 //! UUID (`devices`), so `CUDA_VISIBLE_DEVICES` cannot make two processes count one GPU as two.
 //!
+//! # Compute: a share of SM time
+//!
+//! Where the container has a compute share (`GPUSHARE_COMPUTE_PERCENT`, or the limits file's
+//! `compute_percent`), every kernel and graph launch is held to it ([`compute`]): `shared`
+//! (work-conserving, the default) or `capped`. Busy time is measured with CUDA events around
+//! each held launch; the containers on one GPU share a file of atomics in the node-wide
+//! compute directory. Without a share a launch only finds that there is none.
+//!
 //! # One budget per container
 //!
 //! All processes of a container share one [`budget`] file (protocol documented there; the
@@ -131,6 +139,7 @@
 //! says why it is sound (`clippy::undocumented_unsafe_blocks` is denied).
 
 pub mod budget;
+pub mod compute;
 mod devices;
 mod dlsym;
 mod driver;
@@ -145,6 +154,7 @@ mod source;
 mod spin;
 
 pub use budget::Budget;
+pub use compute::Throttle;
 /// The limits an [`Interposer`] and a [`Budget`] are opened for.
 pub use gpushare_isolation_budget::Limits;
 pub use interposer::Place;

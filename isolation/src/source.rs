@@ -9,7 +9,7 @@
 //! context charge, the managed-memory mode and the budget's path all come from it
 //! ([`PreparedLimits`]), and the environment's `GPUSHARE_CONTAINER_MEM_GIB*`,
 //! `GPUSHARE_GPU_COUNT`, `GPUSHARE_ISOLATION_DIR`/`KEY`, `GPUSHARE_GPU_UUID`,
-//! `GPUSHARE_CONTEXT_MIB` and `GPUSHARE_MANAGED_MEMORY` are ignored: a process cannot give
+//! `GPUSHARE_CONTEXT_MIB`, `GPUSHARE_MANAGED_MEMORY` and `GPUSHARE_COMPUTE_*` are ignored: a process cannot give
 //! its children a bigger share or another budget. The budget it names must already exist
 //! (the plugin made it): it is never created here.
 //!
@@ -26,12 +26,15 @@ use std::os::unix::fs::OpenOptionsExt as _;
 use std::path::{Path, PathBuf};
 
 use gpushare_isolation_budget::prepared::{
-    ENV_LIMITS_FILE, LIMITS_FILE_IN_CONTAINER, LimitsFormatError, PreparedLimits,
+    ENV_LIMITS_FILE, LIMITS_FILE_IN_CONTAINER, LimitsFormatError, PreparedCompute, PreparedLimits,
 };
 use gpushare_isolation_budget::{Limits, limits};
 
 use crate::budget::{self, Budget};
-use crate::settings::{self, ENV_CONTEXT_MIB, ENV_GPU_UUID, ENV_MANAGED_MEMORY, Settings};
+use crate::settings::{
+    self, ENV_COMPUTE_DIR, ENV_COMPUTE_MODE, ENV_COMPUTE_PERCENT, ENV_CONTEXT_MIB, ENV_GPU_UUID,
+    ENV_MANAGED_MEMORY, Settings,
+};
 
 /// The longest limits file read (a real one is a few hundred bytes).
 const MAX_LIMITS_FILE: u64 = 64 << 10;
@@ -183,13 +186,18 @@ fn from_file(path: &Path) -> Result<Resolved, Box<Failure>> {
             },
         )
     })?;
+    // Parsed with the rest above: only the lines are taken here.
+    let compute = PreparedCompute::parse(&text).unwrap_or_default();
     let limits = Limits::new(prepared.shares.clone());
-    let settings = settings_of(&prepared).map_err(|source| {
-        let uuids = settings_of(&PreparedLimits {
-            context_mib: None,
-            managed_memory: None,
-            ..prepared.clone()
-        })
+    let settings = settings_of(&prepared, &compute).map_err(|source| {
+        let uuids = settings_of(
+            &PreparedLimits {
+                context_mib: None,
+                managed_memory: None,
+                ..prepared.clone()
+            },
+            &PreparedCompute::default(),
+        )
         .unwrap_or_default();
         fail(
             Some(limits.clone()),
@@ -209,11 +217,17 @@ fn from_file(path: &Path) -> Result<Resolved, Box<Failure>> {
 }
 
 /// The settings a limits file holds, read as the environment's are.
-fn settings_of(prepared: &PreparedLimits) -> Result<Settings, settings::Invalid> {
+fn settings_of(
+    prepared: &PreparedLimits,
+    compute: &PreparedCompute,
+) -> Result<Settings, settings::Invalid> {
     Settings::parse(|name| match name {
         ENV_GPU_UUID => Some(prepared.uuids.join(",")),
         ENV_CONTEXT_MIB => prepared.context_mib.map(|mib| mib.to_string()),
         ENV_MANAGED_MEMORY => prepared.managed_memory.clone(),
+        ENV_COMPUTE_PERCENT => compute.percent.map(|p| p.to_string()),
+        ENV_COMPUTE_MODE => compute.mode.clone(),
+        ENV_COMPUTE_DIR => compute.dir.as_ref().map(|d| d.display().to_string()),
         _ => None,
     })
 }

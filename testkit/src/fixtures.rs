@@ -314,9 +314,8 @@ impl PodBuilder {
                     .map(|(name, gib)| {
                         let mut built = container(name, *gib, requests);
                         if name == "main" && self.compute > 0 {
-                            let compute = gpushare_contract::request::compute_resource_of(
-                                DEFAULT_RESOURCE,
-                            );
+                            let compute =
+                                gpushare_contract::request::compute_resource_of(DEFAULT_RESOURCE);
                             let limits = built.resources.get_or_insert_with(Default::default);
                             limits
                                 .limits

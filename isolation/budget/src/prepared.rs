@@ -501,12 +501,18 @@ mod tests {
         };
         prepare_with_compute(&budget, &limits_file, &limits(&budget), &compute).unwrap();
         let text = std::fs::read_to_string(&limits_file).unwrap();
-        assert!(text.contains("\ncompute_percent=30\ncompute_mode=capped\n"), "{text}");
+        assert!(
+            text.contains("\ncompute_percent=30\ncompute_mode=capped\n"),
+            "{text}"
+        );
         assert_eq!(PreparedLimits::parse(&text), Ok(limits(&budget)));
         assert_eq!(PreparedCompute::parse(&text), Ok(compute));
         // Without compute lines, none come back.
         let plain = limits(&budget).encode();
-        assert_eq!(PreparedCompute::parse(&plain), Ok(PreparedCompute::default()));
+        assert_eq!(
+            PreparedCompute::parse(&plain),
+            Ok(PreparedCompute::default())
+        );
         assert_eq!(PreparedCompute::default().encode(), "");
     }
 }

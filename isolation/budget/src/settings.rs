@@ -351,10 +351,13 @@ mod tests {
             settings.compute_dir.as_deref(),
             Some(std::path::Path::new("/var/run/gpushare/compute"))
         );
-        let off = Settings::parse(env(&[(ENV_COMPUTE_PERCENT, "5"), (ENV_COMPUTE_MODE, "off")]))
-            .unwrap()
-            .compute
-            .unwrap();
+        let off = Settings::parse(env(&[
+            (ENV_COMPUTE_PERCENT, "5"),
+            (ENV_COMPUTE_MODE, "off"),
+        ]))
+        .unwrap()
+        .compute
+        .unwrap();
         assert!(!off.throttles());
         // A mode alone asks for nothing.
         let settings = Settings::parse(env(&[(ENV_COMPUTE_MODE, "capped")])).unwrap();

@@ -44,6 +44,23 @@
 //!   `cuMemAllocAsync` on a capturing stream adds a node and takes nothing.
 //! - Managed memory: see `FAKE_MANAGED_ON_HOST`.
 //!
+//! # Kernel execution
+//!
+//! A kernel launch (`cuLaunchKernel`, `cuLaunchKernelEx`, `cuLaunchCooperativeKernel`, each
+//! also `_ptsz`) holds its physical GPU for **as many microseconds as its grid has blocks**
+//! (gridDimX × gridDimY × gridDimZ; the function handle is not looked at, any non-null one
+//! does); a graph launch (`cuGraphLaunch`(`_ptsz`)) holds it for the sum of the kernels
+//! captured into the graph (a launch on a capturing stream adds to the graph and runs
+//! nothing). Work runs one piece at a time per GPU, in submission order across every process
+//! sharing `FAKE_GPU_STATE` (time-slicing at kernel granularity): it starts at max(now, the
+//! time the GPU is free). Launches return at once; `cuStreamSynchronize` waits for the
+//! stream's work (the default stream: all of the process's), `cuCtxSynchronize` for all of
+//! it, `cuEventSynchronize` for the event. An event (`cuEventRecord`) completes when the GPU
+//! reaches it (max(now, the GPU's free time)); `cuEventQuery` says `CUDA_ERROR_NOT_READY`
+//! (600) before then, and `cuEventElapsedTime` gives the milliseconds between two that have
+//! completed. Each run is logged in `FAKE_GPU_STATE.kernels` (format in `state.rs`), which
+//! the tests and the fake NVML's utilization read.
+//!
 //! One export is not the driver's: `fakeHeldBytes(phys)`, what this copy of the fake holds for
 //! this process on physical GPU `phys` (0 before its `cuInit`), which tells a test which of two
 //! copies loaded in one process served the calls.
@@ -142,6 +159,33 @@ struct Vmm {
     maps: u32,
 }
 
+/// A timing event.
+#[derive(Clone, Copy)]
+enum Event {
+    /// Made, never recorded.
+    Unrecorded,
+    /// Completes at this time.
+    At(u64),
+    /// Recorded at `recorded` on an idle `stream`: completes when this process's next work
+    /// on the stream starts, if that is submitted within [`BATCH_NS`] (the driver hands a
+    /// command and the launch after it to the GPU together, and a channel runs its commands
+    /// back to back in its time slice), else at `fallback` (when the GPU was next free).
+    Pending {
+        stream: u64,
+        recorded: u64,
+        fallback: u64,
+    },
+}
+
+impl Event {
+    fn time(self) -> Option<u64> {
+        match self {
+            Event::Unrecorded => None,
+            Event::At(at) | Event::Pending { fallback: at, .. } => Some(at),
+        }
+    }
+}
+
 struct Driver {
     mem: u64,
     gpus: usize,
@@ -175,6 +219,16 @@ struct Driver {
     streams: HashMap<u64, Option<u64>>,
     /// The entry point of the last call that records one.
     last_call: &'static str,
+    /// stream -> when the last work submitted on it ends (0: the default stream).
+    tails: HashMap<u64, u64>,
+    /// event -> when it completes.
+    events: HashMap<u64, Event>,
+    /// stream -> when work was last submitted on it.
+    submits: HashMap<u64, u64>,
+    /// graph -> nanoseconds of the kernels captured into it.
+    graph_kernels: HashMap<u64, u64>,
+    /// graph exec -> nanoseconds of its kernels.
+    exec_kernels: HashMap<u64, u64>,
 }
 
 static DRIVER: Mutex<Option<Driver>> = Mutex::new(None);
@@ -659,6 +713,11 @@ pub extern "C" fn cuInit(_flags: c_uint) -> CuResult {
             execs: HashMap::new(),
             streams: HashMap::new(),
             last_call: "",
+            tails: HashMap::new(),
+            events: HashMap::new(),
+            submits: HashMap::new(),
+            graph_kernels: HashMap::new(),
+            exec_kernels: HashMap::new(),
         };
         // A new program image (exec keeps the pid) holds nothing yet.
         if let Some(path) = &driver.state {
@@ -871,7 +930,12 @@ pub unsafe extern "C" fn cuCtxGetLimit(value: *mut usize, limit: c_int) -> CuRes
     )
 }
 
-fn synchronize(by: &'static str) -> CuResult {
+/// Waits (without the driver's lock) until what `until` picks is done, then trims the pools.
+fn synchronize(by: &'static str, until: impl FnOnce(&Driver) -> Result<u64, CuResult>) -> CuResult {
+    match with_driver(|d| until(d)) {
+        Ok(at) => timeline::sleep_until(at),
+        Err(e) => return e,
+    }
     code(with_driver(|d| {
         d.last_call = by;
         d.trim_pools(|_, _| true, |p| p.threshold);
@@ -881,22 +945,363 @@ fn synchronize(by: &'static str) -> CuResult {
 
 #[no_mangle]
 pub extern "C" fn cuCtxSynchronize() -> CuResult {
-    synchronize("cuCtxSynchronize")
+    synchronize("cuCtxSynchronize", |d| Ok(d.all_done()))
 }
 
 #[no_mangle]
-pub extern "C" fn cuStreamSynchronize(_stream: *mut c_void) -> CuResult {
-    synchronize("cuStreamSynchronize")
+pub extern "C" fn cuStreamSynchronize(stream: *mut c_void) -> CuResult {
+    synchronize("cuStreamSynchronize", |d| d.stream_done(stream as u64))
 }
 
 #[no_mangle]
-pub extern "C" fn cuStreamSynchronize_ptsz(_stream: *mut c_void) -> CuResult {
-    synchronize("cuStreamSynchronize_ptsz")
+pub extern "C" fn cuStreamSynchronize_ptsz(stream: *mut c_void) -> CuResult {
+    synchronize("cuStreamSynchronize_ptsz", |d| d.stream_done(stream as u64))
 }
 
 #[no_mangle]
-pub extern "C" fn cuEventSynchronize(_event: *mut c_void) -> CuResult {
-    synchronize("cuEventSynchronize")
+pub extern "C" fn cuEventSynchronize(event: *mut c_void) -> CuResult {
+    synchronize("cuEventSynchronize", |d| {
+        d.events
+            .get(&(event as u64))
+            .map(|e| e.time().unwrap_or(0))
+            .ok_or(INVALID_HANDLE)
+    })
+}
+
+// Kernels and events: a launch holds its GPU for as many microseconds as its grid has blocks
+// (gridDimX x gridDimY x gridDimZ; the function handle, block and parameters are not looked
+// at), in submission order across every process that shares the state file (`state.rs`'s
+// timeline). An event completes when the GPU reaches it in its stream: right after the
+// stream's earlier work; on an idle stream, with the stream's next work if that comes soon
+// (`Event::Pending`), else when the GPU was next free.
+
+/// `CUDA_ERROR_NOT_READY`.
+const NOT_READY: CuResult = 600;
+/// How soon after an event the stream's next work must come to start with it.
+const BATCH_NS: u64 = 1_000_000;
+
+impl Driver {
+    /// When work was last submitted on `stream` (the default stream: on any).
+    fn last_submit(&self, stream: u64) -> Option<u64> {
+        if stream == 0 {
+            self.submits.values().copied().max()
+        } else {
+            self.submits.get(&stream).copied()
+        }
+    }
+
+    /// When everything this process submitted is done.
+    fn all_done(&self) -> u64 {
+        self.tails.values().copied().max().unwrap_or(0)
+    }
+
+    /// When everything submitted on `stream` is done (the default stream waits for all).
+    fn stream_done(&self, stream: u64) -> Result<u64, CuResult> {
+        if stream == 0 {
+            return Ok(self.all_done());
+        }
+        if !self.streams.contains_key(&stream) {
+            return Err(INVALID_HANDLE);
+        }
+        Ok(self.tails.get(&stream).copied().unwrap_or(0))
+    }
+
+    /// `ns` of work on `stream` in the current context, submitted at `submitted`: captured
+    /// into the stream's graph, or run.
+    fn submit(
+        &mut self,
+        stream: u64,
+        ns: u64,
+        submitted: u64,
+        by: &'static str,
+    ) -> Result<(), CuResult> {
+        self.last_call = by;
+        let (_, _, phys) = self.current()?;
+        if stream != 0 {
+            match self.streams.get(&stream) {
+                Some(Some(graph)) => {
+                    *self.graph_kernels.entry(*graph).or_default() += ns;
+                    return Ok(());
+                }
+                Some(None) => {}
+                None => return Err(INVALID_HANDLE),
+            }
+        }
+        if ns == 0 {
+            return Ok(());
+        }
+        self.own_process();
+        let (start, end) = timeline::run(
+            self.state.as_deref(),
+            self.gpus,
+            phys,
+            ns,
+            self.pid,
+            submitted,
+        );
+        self.tails.insert(stream, end);
+        self.submits.insert(stream, submitted);
+        for event in self.events.values_mut() {
+            if let Event::Pending {
+                stream: s,
+                recorded,
+                ..
+            } = *event
+            {
+                if s == stream && submitted <= recorded + BATCH_NS {
+                    *event = Event::At(start);
+                }
+            }
+        }
+        Ok(())
+    }
+
+    fn launch(&mut self, grid: [c_uint; 3], stream: u64, by: &'static str) -> Result<(), CuResult> {
+        let submitted = timeline::now_ns();
+        let blocks = grid.iter().map(|&g| g as u64).product::<u64>();
+        if blocks == 0 {
+            return Err(INVALID_VALUE);
+        }
+        self.submit(stream, blocks * 1000, submitted, by)
+    }
+
+    fn graph_launch(&mut self, exec: u64, stream: u64, by: &'static str) -> Result<(), CuResult> {
+        let submitted = timeline::now_ns();
+        self.graph_reserve(exec, true)?;
+        let ns = self.exec_kernels.get(&exec).copied().unwrap_or(0);
+        self.submit(stream, ns, submitted, by)
+    }
+}
+
+#[no_mangle]
+pub extern "C" fn cuLaunchKernel(
+    _f: *mut c_void,
+    grid_x: c_uint,
+    grid_y: c_uint,
+    grid_z: c_uint,
+    _block_x: c_uint,
+    _block_y: c_uint,
+    _block_z: c_uint,
+    _shared: c_uint,
+    stream: *mut c_void,
+    _params: *mut *mut c_void,
+    _extra: *mut *mut c_void,
+) -> CuResult {
+    code(with_driver(|d| d.launch([grid_x, grid_y, grid_z], stream as u64, "cuLaunchKernel")))
+}
+
+#[no_mangle]
+pub extern "C" fn cuLaunchKernel_ptsz(
+    _f: *mut c_void,
+    grid_x: c_uint,
+    grid_y: c_uint,
+    grid_z: c_uint,
+    _block_x: c_uint,
+    _block_y: c_uint,
+    _block_z: c_uint,
+    _shared: c_uint,
+    stream: *mut c_void,
+    _params: *mut *mut c_void,
+    _extra: *mut *mut c_void,
+) -> CuResult {
+    code(with_driver(|d| d.launch([grid_x, grid_y, grid_z], stream as u64, "cuLaunchKernel_ptsz")))
+}
+
+#[no_mangle]
+pub extern "C" fn cuLaunchCooperativeKernel(
+    _f: *mut c_void,
+    grid_x: c_uint,
+    grid_y: c_uint,
+    grid_z: c_uint,
+    _block_x: c_uint,
+    _block_y: c_uint,
+    _block_z: c_uint,
+    _shared: c_uint,
+    stream: *mut c_void,
+    _params: *mut *mut c_void,
+) -> CuResult {
+    code(with_driver(|d| {
+        d.launch([grid_x, grid_y, grid_z], stream as u64, "cuLaunchCooperativeKernel")
+    }))
+}
+
+#[no_mangle]
+pub extern "C" fn cuLaunchCooperativeKernel_ptsz(
+    _f: *mut c_void,
+    grid_x: c_uint,
+    grid_y: c_uint,
+    grid_z: c_uint,
+    _block_x: c_uint,
+    _block_y: c_uint,
+    _block_z: c_uint,
+    _shared: c_uint,
+    stream: *mut c_void,
+    _params: *mut *mut c_void,
+) -> CuResult {
+    code(with_driver(|d| {
+        d.launch([grid_x, grid_y, grid_z], stream as u64, "cuLaunchCooperativeKernel_ptsz")
+    }))
+}
+
+/// `CUlaunchConfig`'s head: grid, block, shared memory, stream (attributes not read).
+#[repr(C)]
+pub struct LaunchConfig {
+    grid: [c_uint; 3],
+    block: [c_uint; 3],
+    shared: c_uint,
+    stream: *mut c_void,
+}
+
+unsafe fn launch_ex(config: *const LaunchConfig, by: &'static str) -> CuResult {
+    if config.is_null() {
+        return INVALID_VALUE;
+    }
+    let (grid, stream) = unsafe { ((*config).grid, (*config).stream as u64) };
+    code(with_driver(|d| d.launch(grid, stream, by)))
+}
+
+#[no_mangle]
+pub unsafe extern "C" fn cuLaunchKernelEx(
+    config: *const LaunchConfig,
+    _f: *mut c_void,
+    _params: *mut *mut c_void,
+    _extra: *mut *mut c_void,
+) -> CuResult {
+    unsafe { launch_ex(config, "cuLaunchKernelEx") }
+}
+
+#[no_mangle]
+pub unsafe extern "C" fn cuLaunchKernelEx_ptsz(
+    config: *const LaunchConfig,
+    _f: *mut c_void,
+    _params: *mut *mut c_void,
+    _extra: *mut *mut c_void,
+) -> CuResult {
+    unsafe { launch_ex(config, "cuLaunchKernelEx_ptsz") }
+}
+
+#[no_mangle]
+pub unsafe extern "C" fn cuEventCreate(event: *mut *mut c_void, _flags: c_uint) -> CuResult {
+    code(
+        with_driver(|d| {
+            d.current()?;
+            let h = d.handle();
+            d.events.insert(h, Event::Unrecorded);
+            Ok(h)
+        })
+        .and_then(|h| unsafe { out(event, h as *mut c_void) }),
+    )
+}
+
+#[no_mangle]
+pub extern "C" fn cuEventDestroy_v2(event: *mut c_void) -> CuResult {
+    code(with_driver(|d| {
+        d.events
+            .remove(&(event as u64))
+            .map(|_| ())
+            .ok_or(INVALID_HANDLE)
+    }))
+}
+
+fn event_record(event: u64, stream: u64, by: &'static str) -> CuResult {
+    code(with_driver(|d| {
+        d.last_call = by;
+        let (_, _, phys) = d.current()?;
+        if !d.events.contains_key(&event) || (stream != 0 && !d.streams.contains_key(&stream)) {
+            return Err(INVALID_HANDLE);
+        }
+        let tail = d.stream_done(stream)?;
+        let now = timeline::now_ns();
+        // Right after the stream's last work was submitted (an event after a launch: the
+        // fake's own launch may have taken longer than the kernel), or while it runs: it
+        // completes with that work.
+        let after_work = d
+            .last_submit(stream)
+            .is_some_and(|at| now.saturating_sub(at) <= BATCH_NS);
+        let recorded = if tail > now || (after_work && tail > 0) {
+            Event::At(tail)
+        } else {
+            let free = timeline::free_at(d.state.as_deref(), d.gpus, phys);
+            Event::Pending {
+                stream,
+                recorded: now,
+                fallback: free.max(now),
+            }
+        };
+        d.events.insert(event, recorded);
+        Ok(())
+    }))
+}
+
+#[no_mangle]
+pub extern "C" fn cuEventRecord(event: *mut c_void, stream: *mut c_void) -> CuResult {
+    event_record(event as u64, stream as u64, "cuEventRecord")
+}
+
+#[no_mangle]
+pub extern "C" fn cuEventRecord_ptsz(event: *mut c_void, stream: *mut c_void) -> CuResult {
+    event_record(event as u64, stream as u64, "cuEventRecord_ptsz")
+}
+
+#[no_mangle]
+pub extern "C" fn cuEventQuery(event: *mut c_void) -> CuResult {
+    code(with_driver(|d| match d.events.get(&(event as u64)).map(|e| e.time()) {
+        None => Err(INVALID_HANDLE),
+        Some(Some(at)) if at > timeline::now_ns() => Err(NOT_READY),
+        Some(_) => Ok(()),
+    }))
+}
+
+#[no_mangle]
+pub unsafe extern "C" fn cuEventElapsedTime(
+    ms: *mut f32,
+    start: *mut c_void,
+    end: *mut c_void,
+) -> CuResult {
+    code(
+        with_driver(|d| {
+            let at = |e: *mut c_void| {
+                d.events
+                    .get(&(e as u64))
+                    .and_then(|e| e.time())
+                    .ok_or(INVALID_HANDLE)
+            };
+            let (start, end) = (at(start)?, at(end)?);
+            if start.max(end) > timeline::now_ns() {
+                return Err(NOT_READY);
+            }
+            Ok(end.saturating_sub(start) as f32 / 1e6)
+        })
+        .and_then(|v| unsafe { out(ms, v) }),
+    )
+}
+
+fn is_capturing(stream: u64, by: &'static str) -> Result<c_int, CuResult> {
+    with_driver(|d| {
+        d.last_call = by;
+        match d.streams.get(&stream) {
+            Some(Some(_)) => Ok(1),
+            Some(None) => Ok(0),
+            None if stream == 0 => Ok(0),
+            None => Err(INVALID_HANDLE),
+        }
+    })
+}
+
+#[no_mangle]
+pub unsafe extern "C" fn cuStreamIsCapturing(stream: *mut c_void, status: *mut c_int) -> CuResult {
+    code(is_capturing(stream as u64, "cuStreamIsCapturing").and_then(|s| unsafe { out(status, s) }))
+}
+
+#[no_mangle]
+pub unsafe extern "C" fn cuStreamIsCapturing_ptsz(
+    stream: *mut c_void,
+    status: *mut c_int,
+) -> CuResult {
+    code(
+        is_capturing(stream as u64, "cuStreamIsCapturing_ptsz")
+            .and_then(|s| unsafe { out(status, s) }),
+    )
 }
 
 #[no_mangle]
@@ -1705,6 +2110,8 @@ fn instantiate(graph: u64, by: &'static str) -> Result<u64, CuResult> {
         let nodes = d.graphs.get(&graph).ok_or(INVALID_VALUE)?.clone();
         let h = d.handle();
         d.execs.insert(h, nodes);
+        let kernels = d.graph_kernels.get(&graph).copied().unwrap_or(0);
+        d.exec_kernels.insert(h, kernels);
         Ok(h)
     })
 }
@@ -1741,8 +2148,13 @@ pub extern "C" fn cuGraphUpload(exec: *mut c_void, _stream: *mut c_void) -> CuRe
 }
 
 #[no_mangle]
-pub extern "C" fn cuGraphLaunch(exec: *mut c_void, _stream: *mut c_void) -> CuResult {
-    code(with_driver(|d| d.graph_reserve(exec as u64, true)))
+pub extern "C" fn cuGraphLaunch(exec: *mut c_void, stream: *mut c_void) -> CuResult {
+    code(with_driver(|d| d.graph_launch(exec as u64, stream as u64, "cuGraphLaunch")))
+}
+
+#[no_mangle]
+pub extern "C" fn cuGraphLaunch_ptsz(exec: *mut c_void, stream: *mut c_void) -> CuResult {
+    code(with_driver(|d| d.graph_launch(exec as u64, stream as u64, "cuGraphLaunch_ptsz")))
 }
 
 #[no_mangle]
@@ -1823,6 +2235,20 @@ fn proc_address(symbol: *const c_char, version: c_int, flags: u64) -> *mut c_voi
         b"cuStreamSynchronize" if ptsz => cuStreamSynchronize_ptsz as *mut c_void,
         b"cuStreamSynchronize" => cuStreamSynchronize as *mut c_void,
         b"cuEventSynchronize" => cuEventSynchronize as *mut c_void,
+        b"cuEventCreate" => cuEventCreate as *mut c_void,
+        b"cuEventDestroy" => cuEventDestroy_v2 as *mut c_void,
+        b"cuEventRecord" if ptsz => cuEventRecord_ptsz as *mut c_void,
+        b"cuEventRecord" => cuEventRecord as *mut c_void,
+        b"cuEventQuery" => cuEventQuery as *mut c_void,
+        b"cuEventElapsedTime" => cuEventElapsedTime as *mut c_void,
+        b"cuStreamIsCapturing" if ptsz => cuStreamIsCapturing_ptsz as *mut c_void,
+        b"cuStreamIsCapturing" => cuStreamIsCapturing as *mut c_void,
+        b"cuLaunchKernel" if ptsz => cuLaunchKernel_ptsz as *mut c_void,
+        b"cuLaunchKernel" => cuLaunchKernel as *mut c_void,
+        b"cuLaunchKernelEx" if ptsz => cuLaunchKernelEx_ptsz as *mut c_void,
+        b"cuLaunchKernelEx" => cuLaunchKernelEx as *mut c_void,
+        b"cuLaunchCooperativeKernel" if ptsz => cuLaunchCooperativeKernel_ptsz as *mut c_void,
+        b"cuLaunchCooperativeKernel" => cuLaunchCooperativeKernel as *mut c_void,
         b"cuStreamBeginCapture" => cuStreamBeginCapture_v2 as *mut c_void,
         b"cuStreamEndCapture" => cuStreamEndCapture as *mut c_void,
         b"cuDeviceGetDefaultMemPool" => cuDeviceGetDefaultMemPool as *mut c_void,
@@ -1870,6 +2296,7 @@ fn proc_address(symbol: *const c_char, version: c_int, flags: u64) -> *mut c_voi
         b"cuGraphInstantiateWithFlags" => cuGraphInstantiateWithFlags as *mut c_void,
         b"cuGraphInstantiate" => cuGraphInstantiate_v2 as *mut c_void,
         b"cuGraphUpload" => cuGraphUpload as *mut c_void,
+        b"cuGraphLaunch" if ptsz => cuGraphLaunch_ptsz as *mut c_void,
         b"cuGraphLaunch" => cuGraphLaunch as *mut c_void,
         b"cuGraphExecDestroy" => cuGraphExecDestroy as *mut c_void,
         b"cuDeviceGetGraphMemAttribute" => cuDeviceGetGraphMemAttribute as *mut c_void,

@@ -8,6 +8,11 @@
 //! `CUDA_VISIBLE_DEVICES`: its index is the physical index. UUIDs as `libcuda.rs` documents
 //! (`GPU-00000000-0000-0000-0000-0000000000ii`). Device handles are numbers that are not the
 //! index, so that a caller must ask `nvmlDeviceGetIndex`.
+//!
+//! Utilization follows the kernels `libcuda.rs` runs (its log, `state.rs`'s timeline):
+//! `nvmlDeviceGetUtilizationRates` says what percent of the last second the GPU ran
+//! kernels, `nvmlDeviceGetProcessUtilization` the same per process (`smUtil`), over the
+//! last second or since `lastSeenTimeStamp` (µs of CLOCK_MONOTONIC) if that is later.
 #![allow(non_snake_case, clippy::missing_safety_doc)]
 
 use std::ffi::{c_char, c_int, c_uint, c_void, CStr};
@@ -225,5 +230,100 @@ pub unsafe extern "C" fn nvmlDeviceGetMemoryInfo_v2(
             used,
         })
     };
+    SUCCESS
+}
+
+/// The runs on physical GPU `index`, and the window [from, now) of the last second (or since
+/// `since_us`).
+fn recent_runs(index: u32, since_us: u64) -> (Vec<timeline::Run>, u64, u64) {
+    let state = std::env::var_os("FAKE_GPU_STATE").map(std::path::PathBuf::from);
+    let now = timeline::now_ns();
+    let from = now.saturating_sub(1_000_000_000).max(since_us.saturating_mul(1000));
+    let runs = timeline::runs(state.as_deref())
+        .into_iter()
+        .filter(|r| r.phys == index as usize && r.end > from && r.start < now)
+        .collect();
+    (runs, from, now)
+}
+
+fn percent(busy: u64, from: u64, to: u64) -> c_uint {
+    (busy * 100 / to.saturating_sub(from).max(1)).min(100) as c_uint
+}
+
+#[repr(C)]
+pub struct Utilization {
+    gpu: c_uint,
+    memory: c_uint,
+}
+
+#[no_mangle]
+pub unsafe extern "C" fn nvmlDeviceGetUtilizationRates(
+    device: *mut c_void,
+    utilization: *mut Utilization,
+) -> NvmlReturn {
+    let i = match index_of(device) {
+        Ok(i) => i,
+        Err(e) => return e,
+    };
+    if utilization.is_null() {
+        return INVALID_ARGUMENT;
+    }
+    let (runs, from, now) = recent_runs(i, 0);
+    let busy = timeline::busy_within(runs.into_iter(), from, now);
+    let gpu = percent(busy, from, now);
+    unsafe { utilization.write(Utilization { gpu, memory: 0 }) };
+    SUCCESS
+}
+
+/// `nvmlProcessUtilizationSample_t`.
+#[repr(C)]
+pub struct ProcessSample {
+    pid: c_uint,
+    time_stamp: u64,
+    sm_util: c_uint,
+    mem_util: c_uint,
+    enc_util: c_uint,
+    dec_util: c_uint,
+}
+
+#[no_mangle]
+pub unsafe extern "C" fn nvmlDeviceGetProcessUtilization(
+    device: *mut c_void,
+    samples: *mut ProcessSample,
+    count: *mut c_uint,
+    last_seen_us: u64,
+) -> NvmlReturn {
+    let i = match index_of(device) {
+        Ok(i) => i,
+        Err(e) => return e,
+    };
+    if count.is_null() {
+        return INVALID_ARGUMENT;
+    }
+    let (runs, from, now) = recent_runs(i, last_seen_us);
+    let mut pids: Vec<u32> = runs.iter().map(|r| r.pid).collect();
+    pids.sort_unstable();
+    pids.dedup();
+    let room = unsafe { count.read() } as usize;
+    unsafe { count.write(pids.len() as c_uint) };
+    if samples.is_null() {
+        return SUCCESS;
+    }
+    if room < pids.len() {
+        return INSUFFICIENT_SIZE;
+    }
+    for (n, pid) in pids.iter().enumerate() {
+        let busy = timeline::busy_within(runs.iter().copied().filter(|r| r.pid == *pid), from, now);
+        unsafe {
+            samples.add(n).write(ProcessSample {
+                pid: *pid,
+                time_stamp: now / 1000,
+                sm_util: percent(busy, from, now),
+                mem_util: 0,
+                enc_util: 0,
+                dec_util: 0,
+            })
+        };
+    }
     SUCCESS
 }

@@ -5,7 +5,10 @@
 //!   `build.rs` from `fake/*.rs` into [`fake_driver_dir`]. Put that directory on
 //!   `LD_LIBRARY_PATH` to run a program against it. The same directory holds the fake driver
 //!   built again as `libcuda.so.550` (that soname), for a driver opened by path that
-//!   `dlopen("libcuda.so.1")` does not find.
+//!   `dlopen("libcuda.so.1")` does not find. It also runs kernels as a time-sliced GPU does
+//!   (a launch holds its GPU for as many µs as its grid has blocks, one piece of work at a
+//!   time across every process sharing `FAKE_GPU_STATE`; events, synchronisation and NVML's
+//!   utilization follow), documented in `fake/libcuda.rs`.
 //! - The probe, `gpushare-isolation-probe` (`src/main.rs`): reaches the driver by linking, by
 //!   `dlopen`+`dlsym` or by `cuGetProcAddress`, runs scripted steps and prints one
 //!   machine-readable line per step. Its CLI is documented in `src/main.rs` and by `--help`.

@@ -96,6 +96,17 @@
 //!   info-null-free      cuMemGetInfo_v2(NULL, &total)       -> info-null-free total=B result=CODE
 //!   uuid                cuDeviceGetUuid_v2, current device  -> uuid dev=N uuid=GPU-... result=CODE
 //!   nvml-info:I         NVML memory info of NVML index I    -> nvml-info index=I total=B free=B used=B result=CODE
+//!   kernels:PATH:MS:US  back-to-back kernels of US µs each  -> kernels path=PATH us=US count=N result=CODE
+//!                       (the fake runs a kernel for as
+//!                       many µs as its grid has blocks),
+//!                       each followed by cuStreamSynchronize,
+//!                       for MS ms of wall time; PATH: launch
+//!                       launch-ptsz ex coop (cuLaunchKernel,
+//!                       _ptsz, Ex, Cooperative) graph
+//!                       graph-ptsz (one kernel captured into
+//!                       a graph, cuGraphLaunch(_ptsz) each time)
+//!   gpu-util            nvmlDeviceGetUtilizationRates of   -> gpu-util dev=N gpu=PERCENT result=CODE
+//!                       the current device
 //!   held:P              what the fake driver the probe       -> held gpu=P bytes=B
 //!                       looked up (the FILE of --via path:,
 //!                       libcuda.so.1 otherwise) holds for this
@@ -112,7 +123,7 @@ mod probe;
 
 use std::ffi::{c_int, c_uint};
 
-use probe::{Cuda, Nvml, NvmlMemory, NvmlMemoryV2, Ptr};
+use probe::{Cuda, Nvml, NvmlMemory, NvmlMemoryV2, NvmlUtilization, Ptr};
 
 /// The driver's symbols, linked by name.
 mod linked {
@@ -128,6 +139,7 @@ unsafe extern "C" {
     fn nvmlDeviceGetHandleByIndex_v2(index: c_uint, device: *mut Ptr) -> c_int;
     fn nvmlDeviceGetMemoryInfo(device: Ptr, memory: *mut NvmlMemory) -> c_int;
     fn nvmlDeviceGetMemoryInfo_v2(device: Ptr, memory: *mut NvmlMemoryV2) -> c_int;
+    fn nvmlDeviceGetUtilizationRates(device: Ptr, utilization: *mut NvmlUtilization) -> c_int;
 }
 
 fn linked() -> (Cuda, Nvml) {
@@ -135,6 +147,7 @@ fn linked() -> (Cuda, Nvml) {
         Cuda::linked(),
         Nvml {
             init: nvmlInit_v2,
+            utilization: nvmlDeviceGetUtilizationRates,
             handle_by_index: nvmlDeviceGetHandleByIndex_v2,
             memory_info: nvmlDeviceGetMemoryInfo,
             memory_info_v2: nvmlDeviceGetMemoryInfo_v2,

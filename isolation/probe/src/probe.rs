@@ -116,15 +116,41 @@ cuda_api! {
     graph_launch: cuGraphLaunch = "cuGraphLaunch", 0 => fn(Ptr, Ptr);
     graph_exec_destroy: cuGraphExecDestroy = "cuGraphExecDestroy", 0 => fn(Ptr);
     graph_mem_trim: cuDeviceGraphMemTrim = "cuDeviceGraphMemTrim", 0 => fn(c_int);
+    launch_kernel: cuLaunchKernel = "cuLaunchKernel", 0 => fn(Ptr, c_uint, c_uint, c_uint, c_uint, c_uint, c_uint, c_uint, Ptr, *mut Ptr, *mut Ptr);
+    launch_kernel_ptsz: cuLaunchKernel_ptsz = "cuLaunchKernel", PTSZ => fn(Ptr, c_uint, c_uint, c_uint, c_uint, c_uint, c_uint, c_uint, Ptr, *mut Ptr, *mut Ptr);
+    launch_kernel_ex: cuLaunchKernelEx = "cuLaunchKernelEx", 0 => fn(*const LaunchConfig, Ptr, *mut Ptr, *mut Ptr);
+    launch_cooperative: cuLaunchCooperativeKernel = "cuLaunchCooperativeKernel", 0 => fn(Ptr, c_uint, c_uint, c_uint, c_uint, c_uint, c_uint, c_uint, Ptr, *mut Ptr);
+    graph_launch_ptsz: cuGraphLaunch_ptsz = "cuGraphLaunch", PTSZ => fn(Ptr, Ptr);
+    stream_synchronize: cuStreamSynchronize = "cuStreamSynchronize", 0 => fn(Ptr);
     v1_alloc: cuMemAlloc = "cuMemAlloc", V1 => fn(*mut u32, c_uint);
     v1_free: cuMemFree = "cuMemFree", V1 => fn(c_uint);
     v1_get_info: cuMemGetInfo = "cuMemGetInfo", V1 => fn(*mut u32, *mut u32);
     v1_total_mem: cuDeviceTotalMem = "cuDeviceTotalMem", V1 => fn(*mut u32, c_int);
 }
 
+/// `CUlaunchConfig` (CUDA 12): grid, block, shared memory, stream, attributes.
+#[repr(C)]
+pub struct LaunchConfig {
+    grid: [c_uint; 3],
+    block: [c_uint; 3],
+    shared_mem_bytes: c_uint,
+    stream: Ptr,
+    attrs: Ptr,
+    num_attrs: c_uint,
+}
+
+/// `nvmlUtilization_t`: gpu, memory (percent).
+#[repr(C)]
+#[derive(Default)]
+pub struct NvmlUtilization {
+    gpu: c_uint,
+    memory: c_uint,
+}
+
 /// The NVML entry points the probe uses.
 pub struct Nvml {
     pub init: Fn0,
+    pub utilization: unsafe extern "C" fn(Ptr, *mut NvmlUtilization) -> c_int,
     pub handle_by_index: unsafe extern "C" fn(c_uint, *mut Ptr) -> c_int,
     pub memory_info: unsafe extern "C" fn(Ptr, *mut NvmlMemory) -> c_int,
     pub memory_info_v2: unsafe extern "C" fn(Ptr, *mut NvmlMemoryV2) -> c_int,
@@ -279,6 +305,10 @@ fn nvml_by_dlsym() -> Result<Nvml, String> {
     unsafe {
         Ok(Nvml {
             init: std::mem::transmute::<Ptr, Fn0>(find(c"nvmlInit_v2")?),
+            utilization: std::mem::transmute::<
+                Ptr,
+                unsafe extern "C" fn(Ptr, *mut NvmlUtilization) -> c_int,
+            >(find(c"nvmlDeviceGetUtilizationRates")?),
             handle_by_index: std::mem::transmute::<
                 Ptr,
                 unsafe extern "C" fn(c_uint, *mut Ptr) -> c_int,
@@ -805,6 +835,121 @@ impl Probe {
         )
     }
 
+    /// Back-to-back kernels of `us` µs each (the fake runs a kernel for as many µs as its
+    /// grid has blocks) through `path`, each waited for, for `ms` milliseconds.
+    fn kernels(&mut self, path: &str, ms: u64, us: c_uint) -> Result<String, String> {
+        let c = &self.cuda;
+        let null: Ptr = std::ptr::null_mut();
+        // Any non-null function: the fake does not look at it.
+        let f = 0x1 as Ptr;
+        let mut params: [Ptr; 1] = [null];
+        let (mut stream, mut graph, mut exec): (Ptr, Ptr, Ptr) = (null, null, null);
+        if path.starts_with("graph") {
+            // SAFETY: places for the answers; a kernel captured on the new stream.
+            let setup = unsafe {
+                [
+                    (c.stream_create)(&mut stream, 0),
+                    (c.stream_begin_capture)(stream, 0),
+                    (c.launch_kernel)(
+                        f,
+                        us,
+                        1,
+                        1,
+                        32,
+                        1,
+                        1,
+                        0,
+                        stream,
+                        params.as_mut_ptr(),
+                        std::ptr::null_mut(),
+                    ),
+                    (c.stream_end_capture)(stream, &mut graph),
+                    (c.graph_instantiate)(&mut exec, graph, 0),
+                ]
+            };
+            if let Some(r) = setup.into_iter().find(|&r| r != 0) {
+                return Ok(format!("kernels path={path} us={us} count=0 result={r}"));
+            }
+        }
+        let config = LaunchConfig {
+            grid: [us, 1, 1],
+            block: [32, 1, 1],
+            shared_mem_bytes: 0,
+            stream: null,
+            attrs: null,
+            num_attrs: 0,
+        };
+        let started = std::time::Instant::now();
+        let mut count = 0u64;
+        let mut result = 0;
+        while started.elapsed() < std::time::Duration::from_millis(ms) {
+            let p = params.as_mut_ptr();
+            let none = std::ptr::null_mut();
+            // SAFETY: the fake's launches with a grid, a stream (the default one) and
+            // parameters that live across the call.
+            let r = unsafe {
+                match path {
+                    "launch" => (c.launch_kernel)(f, us, 1, 1, 32, 1, 1, 0, null, p, none),
+                    "launch-ptsz" => {
+                        (c.launch_kernel_ptsz)(f, us, 1, 1, 32, 1, 1, 0, null, p, none)
+                    }
+                    "ex" => (c.launch_kernel_ex)(&config, f, p, none),
+                    "coop" => (c.launch_cooperative)(f, us, 1, 1, 32, 1, 1, 0, null, p),
+                    "graph" => (c.graph_launch)(exec, null),
+                    "graph-ptsz" => (c.graph_launch_ptsz)(exec, null),
+                    other => {
+                        return Err(format!(
+                            "unknown kernels path {other}: launch launch-ptsz ex coop graph"
+                        ));
+                    }
+                }
+            };
+            // SAFETY: the default stream.
+            let r = if r == 0 {
+                unsafe { (c.stream_synchronize)(null) }
+            } else {
+                r
+            };
+            if r != 0 {
+                result = r;
+                break;
+            }
+            count += 1;
+        }
+        if !exec.is_null() {
+            // SAFETY: handles made above, destroyed once.
+            unsafe {
+                (c.graph_exec_destroy)(exec);
+                (c.graph_destroy)(graph);
+                (c.stream_destroy)(stream);
+            }
+        }
+        Ok(format!(
+            "kernels path={path} us={us} count={count} result={result}"
+        ))
+    }
+
+    /// NVML's utilization of the current device (`nvmlDeviceGetUtilizationRates`).
+    fn gpu_util(&mut self) -> String {
+        let dev = self.current_device();
+        if !self.nvml_ready {
+            // SAFETY: no arguments.
+            self.nvml_ready = unsafe { (self.nvml.init)() } == 0;
+        }
+        let mut handle: Ptr = std::ptr::null_mut();
+        let mut u = NvmlUtilization::default();
+        // SAFETY: a place for the handle; the handle from NVML and a place for the answer.
+        let r = unsafe {
+            let r = (self.nvml.handle_by_index)(dev.max(0) as c_uint, &mut handle);
+            if r != 0 {
+                r
+            } else {
+                (self.nvml.utilization)(handle, &mut u)
+            }
+        };
+        format!("gpu-util dev={dev} gpu={} result={r}", u.gpu)
+    }
+
     fn graph_trim(&mut self) -> String {
         // SAFETY: a device ordinal.
         let r = unsafe { (self.cuda.graph_mem_trim)(self.current_device()) };
@@ -1011,7 +1156,7 @@ fn parse_args(args: Vec<String>) -> Result<Option<(String, Vec<String>)>, String
                      ctx-create ctx-destroy reset pool-alloc:MIB pool-free sync pool-threshold:MIB trim:MIB \
                      pool-create:D pool-alloc-from:MIB vmm-map:MIB[:D] vmm-unmap graph-alloc:MIB graph-capture:MIB \
                      graph-trim limit:heap|printf:MIB limit:stack:KIB v1-alloc:MIB v1-info v1-free info-null-free \
-                     uuid nvml-info:I"
+                     uuid nvml-info:I kernels:PATH:MS:US gpu-util"
                 );
                 return Ok(None);
             }
@@ -1132,6 +1277,13 @@ fn run(args: Vec<String>, linked: Option<Linked>) -> Result<(), String> {
             "info-null-free" => say(probe.info_null_free()),
             "uuid" => say(probe.uuid()),
             "nvml-info" => say(probe.nvml_info(number(1)? as c_uint)),
+            "kernels" => {
+                let path = parts
+                    .get(1)
+                    .ok_or_else(|| format!("step {step}: kernels:PATH:MS:US"))?;
+                say(probe.kernels(path, number(2)? as u64, number(3)? as c_uint)?)
+            }
+            "gpu-util" => say(probe.gpu_util()),
             "held" => say(probe.held(number(1)? as c_uint)?),
             "threads" => say(probe.threads(number(1)?, number(2)?)),
             "exec" => {

@@ -5,6 +5,9 @@
 //! A node asking more than the share has left is refused when it is added; afterwards each
 //! GPU's graph memory pool is charged what it reserves
 //! (`CU_GRAPH_MEM_ATTR_RESERVED_MEM_CURRENT`), re-read after each upload, launch and trim.
+//!
+//! A graph launch is also held to the compute share, as a kernel launch is
+//! (`launches::held`): graphs count.
 
 use std::ffi::{c_int, c_void};
 
@@ -13,6 +16,7 @@ use crate::driver::{self, Handle, Status};
 use crate::interposer::CUDA_ERROR_OUT_OF_MEMORY;
 use crate::process::{forward, guard, here, refresh_graph_memory, state};
 
+use super::launches::held;
 use super::pools::{LOCATION_DEVICE, LocationHead};
 
 /// `CUDA_MEM_ALLOC_NODE_PARAMS`: `CUmemPoolProps` (88 bytes: its location head,
@@ -82,20 +86,23 @@ fn after_graph_work(status: Status) -> Status {
 }
 
 /// # Safety
-/// As `cuGraphLaunch`.
+/// As `cuGraphLaunch`: held to the compute share as a kernel launch is (the whole graph is
+/// measured between two events).
 #[unsafe(no_mangle)]
 pub unsafe extern "C" fn cuGraphLaunch(exec: Handle, stream: Handle) -> Status {
     guard(driver::CUDA_ERROR_UNKNOWN, || {
-        after_graph_work(forward!(graph_launch(exec, stream)))
+        after_graph_work(held(stream, false, || forward!(graph_launch(exec, stream))))
     })
 }
 
 /// # Safety
-/// As `cuGraphLaunch_ptsz`.
+/// As `cuGraphLaunch_ptsz`: held as `cuGraphLaunch`.
 #[unsafe(no_mangle)]
 pub unsafe extern "C" fn cuGraphLaunch_ptsz(exec: Handle, stream: Handle) -> Status {
     guard(driver::CUDA_ERROR_UNKNOWN, || {
-        after_graph_work(forward!(graph_launch_ptsz(exec, stream)))
+        after_graph_work(held(stream, true, || {
+            forward!(graph_launch_ptsz(exec, stream))
+        }))
     })
 }
 

@@ -1,5 +1,6 @@
-//! The exported `extern "C"` hooks, by what they hold to the share, and the one table of
-//! them that `dlsym`, `cuGetProcAddress` and the driver's set-up read.
+//! The exported `extern "C"` hooks, by what they hold to the share (memory, or for
+//! `launches` and `cuGraphLaunch`, SM time), and the one table of them that `dlsym`,
+//! `cuGetProcAddress` and the driver's set-up read.
 //!
 //! Every hook runs inside [`guard`](crate::process::guard) (no panic crosses into C),
 //! forwards to the real entry point, and counts only when limits are set. Hooks never call
@@ -14,6 +15,7 @@ use crate::process::{POOL_RESERVED, here, pool_attribute, read_out, state};
 
 mod contexts;
 mod graphs;
+mod launches;
 mod memory;
 mod pools;
 mod proc_address;
@@ -79,6 +81,12 @@ pub(crate) static CUDA: LazyLock<Vec<Hook>> = LazyLock::new(|| {
         graphs::cuGraphAddMemAllocNode,
         graphs::cuGraphLaunch,
         graphs::cuGraphLaunch_ptsz,
+        launches::cuLaunchKernel,
+        launches::cuLaunchKernel_ptsz,
+        launches::cuLaunchKernelEx,
+        launches::cuLaunchKernelEx_ptsz,
+        launches::cuLaunchCooperativeKernel,
+        launches::cuLaunchCooperativeKernel_ptsz,
         graphs::cuGraphUpload,
         graphs::cuGraphUpload_ptsz,
         graphs::cuDeviceGraphMemTrim,

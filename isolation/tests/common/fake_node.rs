@@ -4,7 +4,7 @@
 //! end or stopped at its `wait` and `hold` steps, and what it printed.
 //!
 //! Kept apart from the scenarios so that the test file reads as what must hold; compiled
-//! only into that test (the other test files run no program on a fake node).
+//! into that test and into `compute.rs` (which also reads what kernels the fake GPUs ran).
 
 use std::collections::HashMap;
 use std::io::{BufRead, BufReader, Write};
@@ -41,6 +41,31 @@ impl Node {
 
     fn state(&self) -> PathBuf {
         self.dir.path().join("gpu-state")
+    }
+
+    /// The node-wide directory of the compute state files (`GPUSHARE_COMPUTE_DIR`).
+    #[allow(dead_code)] // compute.rs's; real_programs.rs runs no kernels
+    pub fn compute_dir(&self) -> &Path {
+        self.dir.path()
+    }
+
+    /// Every kernel (or graph) the fake GPUs ran: `(pid, physical GPU, start ns, end ns)`,
+    /// from the fake's log (`FAKE_GPU_STATE.kernels`, see `fake/state.rs`).
+    #[allow(dead_code)] // as compute_dir
+    pub fn runs(&self) -> Vec<(u32, usize, u64, u64)> {
+        let mut log = self.state().into_os_string();
+        log.push(".kernels");
+        std::fs::read_to_string(log)
+            .unwrap_or_default()
+            .lines()
+            .map(|l| {
+                let w: Vec<u64> = l
+                    .split_whitespace()
+                    .map(|w| w.parse().unwrap_or_else(|_| panic!("bad kernel line {l}")))
+                    .collect();
+                (w[0] as u32, w[1] as usize, w[2], w[3])
+            })
+            .collect()
     }
 
     /// What the device holds: bytes per physical GPU for each live process.
@@ -231,7 +256,7 @@ impl Session {
     }
 
     /// Lets a `wait` step go on.
-    fn resume(&mut self) {
+    pub fn resume(&mut self) {
         let stdin = self.stdin.as_mut().unwrap();
         stdin.write_all(b"\n").unwrap();
         stdin.flush().unwrap();
