@@ -448,7 +448,7 @@ fn two_gpu_and_exclusive_pods(c: &KitCluster) -> Outcome<'_> {
 }
 
 /// Pods asking for `gpu-mem: 4` and `gpu-compute: 60` on the node's two GPUs: memory would
-/// put three on one GPU, compute puts one on each, and the third waits, though the node's
+/// put three on one GPU, compute puts one on each (any two of them), and the third waits, though the node's
 /// 200 compute units (kube-scheduler's count) have room for it; a pod without compute still
 /// takes the memory left; a pod asking for compute alone waits with the reason; a deleted
 /// pod's compute goes to the waiting one.
@@ -468,12 +468,37 @@ fn compute_shares_land_only_where_memory_and_compute_fit(c: &KitCluster) -> Outc
         })
         .await?;
         let pods: Api<Pod> = Api::namespaced(c.client(), "default");
-        for name in ["compute-1", "compute-2", "compute-3"] {
+        let names = ["compute-1", "compute-2", "compute-3"];
+        for name in names {
             let pod = fixtures::pod(name).gpu_mem(4).gpu_compute(60).build();
             pods.create(&PostParams::default(), &c.prepare(pod)).await?;
         }
+        // kube-scheduler takes them in no promised order: any two run, one per GPU.
+        let running: Vec<String> = wait_for(
+            "two of the three compute pods to run",
+            Duration::from_secs(60),
+            || async {
+                let mut running = Vec::new();
+                for name in names {
+                    let pod = pods.get(name).await.ok()?;
+                    if phase(&pod) == "Running" {
+                        running.push(name.to_owned());
+                    }
+                }
+                (running.len() >= 2).then_some(running)
+            },
+        )
+        .await?;
+        ensure!(
+            running.len() == 2,
+            "three 60 % pods ran on two GPUs: {running:?}"
+        );
+        let waiting = names
+            .into_iter()
+            .find(|name| !running.iter().any(|r| r == name))
+            .context("one compute pod waits")?;
         let mut gpus = BTreeSet::new();
-        for name in ["compute-1", "compute-2"] {
+        for name in &running {
             let pod = wait_running(c, name).await?;
             check_pinned(c, &pod).await?;
             let taken = allocation(&pod)?;
@@ -492,10 +517,10 @@ fn compute_shares_land_only_where_memory_and_compute_fit(c: &KitCluster) -> Outc
             gpus.len() == 2,
             "two 60 % pods must not share a GPU: {gpus:?}"
         );
-        let reason = wait_unschedulable(c, "compute-3").await?;
+        let reason = wait_unschedulable(c, waiting).await?;
         ensure!(
             reason.contains("compute"),
-            "compute-3 should wait for compute, and say so: {reason}"
+            "{waiting} should wait for compute, and say so: {reason}"
         );
         let plain = running_pinned(c, "memory-only", 4).await?;
         ensure!(
@@ -511,13 +536,14 @@ fn compute_shares_land_only_where_memory_and_compute_fit(c: &KitCluster) -> Outc
             reason.contains(&format!("{compute} without {DEFAULT_RESOURCE}")),
             "a pod asking for compute alone should be refused with the reason: {reason}"
         );
-        let freed = allocation(&pods.get("compute-1").await?)?.gpu_uuid;
-        delete_pod(c, "compute-1").await?;
-        let third = wait_running(c, "compute-3").await?;
+        let gone = &running[0];
+        let freed = allocation(&pods.get(gone).await?)?.gpu_uuid;
+        delete_pod(c, gone).await?;
+        let third = wait_running(c, waiting).await?;
         check_pinned(c, &third).await?;
         ensure!(
             allocation(&third)?.gpu_uuid == freed,
-            "compute-3 should take the compute compute-1 left on {freed}"
+            "{waiting} should take the compute {gone} left on {freed}"
         );
         check_no_overcommit(&c.client()).await?;
         Ok(())
