@@ -352,7 +352,7 @@ pub fn container_env(
     for (name, value) in enforcement.env_on(gib_per_gpu, count, settings) {
         vars.insert(name.to_owned(), value);
     }
-    let compute_per_gpu = container.compute / u32::try_from(count).unwrap_or(u32::MAX);
+    let compute_per_gpu = container.compute_per_gpu(count);
     if compute_per_gpu > 0 {
         vars.insert(COMPUTE_PERCENT.to_owned(), compute_per_gpu.to_string());
         match enforcement {

@@ -78,6 +78,13 @@ pub struct ContainerRequest {
     pub compute: u32,
 }
 
+impl ContainerRequest {
+    /// Percent of each of `gpus` GPUs the container is given (0: no compute share).
+    pub fn compute_per_gpu(&self, gpus: usize) -> u32 {
+        self.compute / u32::try_from(gpus.max(1)).unwrap_or(u32::MAX)
+    }
+}
+
 fn is_zero(value: &u32) -> bool {
     *value == 0
 }

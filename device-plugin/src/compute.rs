@@ -25,13 +25,13 @@ use gpushare_contract::GpuInfo;
 use gpushare_proto::v1beta1::device_plugin_server::DevicePlugin;
 use gpushare_proto::v1beta1::{
     AllocateRequest, AllocateResponse, ContainerAllocateResponse, Device, DevicePluginOptions,
-    Empty, NumaNode, PreStartContainerRequest, PreStartContainerResponse,
-    PreferredAllocationRequest, PreferredAllocationResponse, TopologyInfo,
+    Empty, PreStartContainerRequest, PreStartContainerResponse, PreferredAllocationRequest,
+    PreferredAllocationResponse,
 };
-use gpushare_proto::{HEALTHY, UNHEALTHY};
 use tokio_util::sync::CancellationToken;
 use tonic::{Request, Response, Status};
 
+use crate::devices::device_of;
 use crate::node::Inventory;
 use crate::service::{DeviceStream, device_stream};
 
@@ -49,13 +49,7 @@ pub fn device_id(uuid: &str, unit: u32) -> String {
 pub fn device_list(gpus: &[GpuInfo]) -> Vec<Device> {
     gpus.iter()
         .flat_map(|gpu| {
-            (0..UNITS_PER_GPU).map(move |unit| Device {
-                id: device_id(&gpu.uuid, unit),
-                health: if gpu.healthy { HEALTHY } else { UNHEALTHY }.to_owned(),
-                topology: gpu.numa_node.map(|id| TopologyInfo {
-                    nodes: vec![NumaNode { id }],
-                }),
-            })
+            (0..UNITS_PER_GPU).map(move |unit| device_of(gpu, device_id(&gpu.uuid, unit)))
         })
         .collect()
 }
@@ -178,6 +172,8 @@ pub fn options() -> DevicePluginOptions {
 
 #[cfg(test)]
 mod tests {
+    use gpushare_proto::{HEALTHY, UNHEALTHY};
+
     use super::*;
 
     fn gpu(index: u32, healthy: bool) -> GpuInfo {

@@ -18,15 +18,21 @@ pub fn device_id(uuid: &str, slot: u64) -> String {
 pub fn device_list(gpus: &[GpuInfo]) -> Vec<Device> {
     gpus.iter()
         .flat_map(|gpu| {
-            (0..gpu.mem_gib).map(move |slot| Device {
-                id: device_id(&gpu.uuid, slot),
-                health: if gpu.healthy { HEALTHY } else { UNHEALTHY }.to_owned(),
-                topology: gpu.numa_node.map(|id| TopologyInfo {
-                    nodes: vec![NumaNode { id }],
-                }),
-            })
+            (0..gpu.mem_gib).map(move |slot| device_of(gpu, device_id(&gpu.uuid, slot)))
         })
         .collect()
+}
+
+/// Device `id` of `gpu`, as kubelet lists it: the GPU's health and NUMA node (the memory
+/// resource's GiB and the compute resource's units alike).
+pub fn device_of(gpu: &GpuInfo, id: String) -> Device {
+    Device {
+        id,
+        health: if gpu.healthy { HEALTHY } else { UNHEALTHY }.to_owned(),
+        topology: gpu.numa_node.map(|id| TopologyInfo {
+            nodes: vec![NumaNode { id }],
+        }),
+    }
 }
 
 /// The index of the GPU a device ID belongs to, read from the ID itself (`<uuid>-<slot>`,

@@ -183,8 +183,7 @@ impl GpuMemService {
                     let mut mounts = container_mounts(mode, &state.mps_pipe_directory);
                     if let (Enforcement::Preload, Some(isolation)) = (mode, &state.isolation) {
                         let (shares, uuids) = isolation_shares(&claim.checked, claim.container.gib);
-                        let compute = claim.container.compute
-                            / u32::try_from(claim.checked.len().max(1)).unwrap_or(u32::MAX);
+                        let compute = claim.container.compute_per_gpu(claim.checked.len());
                         let preload = isolation
                             .mounts(
                                 (&claim.pod, &claim.container.name),
