@@ -6,6 +6,12 @@
 /// number of GiB under our request policy).
 pub const MEMORY: &str = "memory";
 
+/// The capacity of compute every device offers: [`crate::request::COMPUTE_PER_GPU`] units, a
+/// percent of the GPU's SM time each. A claim that names none consumes none (the request
+/// policy's default is 0): memory-only claims get no compute guarantee and no cap, as pods
+/// without `gpu-compute` in extender mode.
+pub const COMPUTE: &str = "compute";
+
 /// The device name of GPU `index`: a DNS label, stable across restarts.
 pub fn device_name(index: u32) -> String {
     format!("gpu-{index}")

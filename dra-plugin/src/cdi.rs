@@ -108,11 +108,13 @@ pub fn claim_env(devices: &[PreparedDevice], enforcement: &EnforcementConfig) ->
         })
         .collect();
     let per_gpu = devices.first().map_or(0, |device| device.gib);
+    let compute_per_gpu = claim_compute(devices);
+    let count = devices.len().max(1);
     let request = ContainerRequest {
         name: String::new(),
-        gib: per_gpu.saturating_mul(u64::try_from(devices.len()).unwrap_or(u64::MAX)),
+        gib: per_gpu.saturating_mul(u64::try_from(count).unwrap_or(u64::MAX)),
         init: false,
-        compute: 0,
+        compute: compute_per_gpu.saturating_mul(u32::try_from(count).unwrap_or(u32::MAX)),
     };
     let settings = EnforcerSettings {
         mps_pipe_directory: &enforcement.mps_pipe_directory,
@@ -131,6 +133,12 @@ pub fn claim_env(devices: &[PreparedDevice], enforcement: &EnforcementConfig) ->
     vars
 }
 
+/// The percent of each of its GPUs' compute the claim holds (0: no compute share); the same
+/// on each, as [`crate::prepare::plan`] checks.
+pub fn claim_compute(devices: &[PreparedDevice]) -> u32 {
+    devices.first().map_or(0, |device| device.compute)
+}
+
 /// The CDI spec of claim `uid` with `devices`, of kind `kind` (`vendor/class`).
 pub fn spec(
     kind: &str,
@@ -145,7 +153,8 @@ pub fn spec(
             "options": ["rbind", "rw"],
         })],
         Enforcement::Preload => match &enforcement.isolation {
-            Some(isolation) => vec![
+            Some(isolation) => [
+
                 json!({
                     "hostPath": isolation.library,
                     "containerPath": env::ISOLATION_LIBRARY_IN_CONTAINER,
@@ -161,7 +170,19 @@ pub fn spec(
                     "containerPath": env::ISOLATION_LIMITS_IN_CONTAINER,
                     "options": ["bind", "ro"],
                 }),
-            ],
+            ]
+            .into_iter()
+            // A compute share: the node-wide compute state the interposers of every
+            // container on the GPU hold one another to their shares with (made by
+            // `gpushare_runtime::isolation::prepare_accounting_with_compute`).
+            .chain((claim_compute(devices) > 0).then(|| {
+                json!({
+                    "hostPath": gpushare_runtime::isolation::compute_dir_path(&isolation.host_dir),
+                    "containerPath": env::ISOLATION_COMPUTE_DIR_IN_CONTAINER,
+                    "options": ["bind", "rw"],
+                })
+            }))
+            .collect(),
             None => Vec::new(),
         },
         Enforcement::None | Enforcement::Toolkit => Vec::new(),
@@ -216,6 +237,7 @@ mod tests {
             gpu_uuid: "GPU-1".into(),
             gpu_mem_gib: 16,
             gib: 4,
+            compute: 0,
             cdi_device_id: "k/c=claim-u1-gpu-1".into(),
         };
         let spec = spec(
@@ -263,6 +285,7 @@ mod tests {
             gpu_uuid: "GPU-0".into(),
             gpu_mem_gib: 16,
             gib: 4,
+            compute: 0,
             cdi_device_id: "k/c=claim-u1-gpu-0".into(),
         };
         let preload = EnforcementConfig {
@@ -332,9 +355,9 @@ mod tests {
         );
     }
 
-    #[test]
-    fn every_device_of_a_two_gpu_claim_carries_both_gpus() {
-        let device = |index: u32| PreparedDevice {
+    /// GPU `index` of a claim of 4 GiB and `compute` percent of each of its GPUs.
+    fn claim_device(index: u32, compute: u32) -> PreparedDevice {
+        PreparedDevice {
             request: "gpus".into(),
             pool: "n1".into(),
             device: format!("gpu-{index}"),
@@ -342,8 +365,14 @@ mod tests {
             gpu_uuid: format!("GPU-{index}"),
             gpu_mem_gib: 16,
             gib: 4,
+            compute,
             cdi_device_id: format!("k/c=claim-u1-gpu-{index}"),
-        };
+        }
+    }
+
+    #[test]
+    fn every_device_of_a_two_gpu_claim_carries_both_gpus() {
+        let device = |index: u32| claim_device(index, 0);
         let toolkit = EnforcementConfig {
             mode: Enforcement::Toolkit,
             mps_pipe_directory: String::new(),
@@ -374,6 +403,61 @@ mod tests {
         ] {
             assert!(env.contains(&wanted), "{wanted} missing from {env:?}");
         }
+    }
+
+    #[test]
+    fn a_compute_share_reaches_the_interposer_and_mps() {
+        let device = |index: u32| claim_device(index, 30);
+        let preload = EnforcementConfig {
+            mode: Enforcement::Preload,
+            mps_pipe_directory: String::new(),
+            isolation: Some(Isolation {
+                library: "/i/lib/l.so".into(),
+                host_dir: "/i".into(),
+                exempt_namespaces: Default::default(),
+                options: IsolationOptions {
+                    compute_mode: env::ComputeMode::Capped,
+                    ..IsolationOptions::default()
+                },
+            }),
+        };
+        let both = spec("k/c", "u1", &[device(0), device(1)], &preload);
+        let edits = &both["devices"][1]["containerEdits"];
+        let env = edits["env"].as_array().unwrap();
+        // Per GPU, as in extender mode, on both GPUs of the claim.
+        assert!(
+            env.contains(&json!("GPUSHARE_COMPUTE_PERCENT=30")),
+            "{env:?}"
+        );
+        assert!(
+            env.contains(&json!("GPUSHARE_COMPUTE_MODE=capped")),
+            "{env:?}"
+        );
+        assert!(
+            edits["mounts"].as_array().unwrap().contains(&json!(
+                {"hostPath": "/i/compute", "containerPath": env::ISOLATION_COMPUTE_DIR_IN_CONTAINER,
+                 "options": ["bind", "rw"]}
+            )),
+            "{edits}"
+        );
+        let mps = EnforcementConfig {
+            mode: Enforcement::Mps,
+            mps_pipe_directory: "/run/mps".into(),
+            isolation: None,
+        };
+        let env = spec_mps(&device(0), &mps)["devices"][0]["containerEdits"]["env"].clone();
+        assert!(
+            env.as_array()
+                .unwrap()
+                .contains(&json!("CUDA_MPS_ACTIVE_THREAD_PERCENTAGE=30")),
+            "{env}"
+        );
+        // Without a compute share, none of it.
+        let plain = claim_device(0, 0);
+        let memory_only = spec("k/c", "u1", &[plain], &preload);
+        let edits = &memory_only["devices"][0]["containerEdits"];
+        assert!(!edits.to_string().contains("COMPUTE"), "{edits}");
+        assert_eq!(edits["mounts"].as_array().unwrap().len(), 3);
     }
 
     fn spec_mps(device: &PreparedDevice, mps: &EnforcementConfig) -> Value {

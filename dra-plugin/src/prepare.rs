@@ -5,7 +5,8 @@
 //! pool of a driver, and for a shareable device the capacity consumed. A result of another
 //! driver is someone else's business and is skipped. Ours must be in this node's pool and
 //! name one of this node's GPUs; `consumedCapacity.memory` is the share, in whole GiB (the
-//! request policy in the slice makes it so). A claim may hold several gpushare devices (a
+//! request policy in the slice makes it so), and `consumedCapacity.compute` the percent of the
+//! GPU's SM time the claim was given (none named: no compute share). A claim may hold several gpushare devices (a
 //! request with `count: N`): each on its own GPU and each with the same share, so the
 //! container sees them all as extender mode's multi-GPU pods do (`cdi::claim_env`).
 
@@ -14,7 +15,8 @@ use gpushare_contract::quantity::{self, GIB};
 use k8s_openapi::api::resource::v1::ResourceClaim;
 use serde::{Deserialize, Serialize};
 
-use crate::slice::{MEMORY, device_index};
+use crate::slice::{COMPUTE, MEMORY, device_index};
+use gpushare_contract::request::COMPUTE_PER_GPU;
 
 /// One allocated device, ready for a container.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
@@ -34,6 +36,10 @@ pub struct PreparedDevice {
     pub gpu_mem_gib: u64,
     /// The GiB this claim holds on the GPU.
     pub gib: u64,
+    /// The percent of the GPU's compute this claim holds (0: no compute share). Absent from
+    /// checkpoints written before compute was shared.
+    #[serde(default)]
+    pub compute: u32,
     /// The fully qualified CDI device name (`<kind>=<name>`).
     pub cdi_device_id: String,
 }
@@ -103,6 +109,18 @@ pub enum PrepareError {
         /// the quantity found
         value: String,
     },
+    /// The consumed compute is not a whole percent from 0 to 100.
+    #[error(
+        "claim {claim} consumes {value:?} of compute on {device}; compute is a whole percent of a GPU, 0 to {COMPUTE_PER_GPU}"
+    )]
+    BadCompute {
+        /// namespace/name
+        claim: String,
+        /// the device
+        device: String,
+        /// the quantity found
+        value: String,
+    },
     /// Two of the claim's devices are the same GPU.
     #[error(
         "claim {claim} holds {device} twice; a claim's GPUs must be distinct (ask for one request with count: N)"
@@ -120,7 +138,7 @@ pub enum PrepareError {
     UnevenShares {
         /// namespace/name
         claim: String,
-        /// the shares, e.g. `gpu-0: 4 GiB, gpu-1: 8 GiB`
+        /// the shares, e.g. `gpu-0: 4 GiB, gpu-1: 8 GiB` (and the compute, where one is given)
         shares: String,
     },
 }
@@ -200,6 +218,23 @@ pub fn plan(
                 u64::try_from(bytes / GIB).map_err(|_| bad())?
             }
         };
+        let compute = match result
+            .consumed_capacity
+            .as_ref()
+            .and_then(|c| c.get(COMPUTE))
+        {
+            None => 0,
+            Some(value) => quantity::milli(&value.0)
+                .ok()
+                .filter(|milli| milli % 1000 == 0)
+                .and_then(|milli| u32::try_from(milli / 1000).ok())
+                .filter(|&percent| percent <= COMPUTE_PER_GPU)
+                .ok_or_else(|| PrepareError::BadCompute {
+                    claim: key.clone(),
+                    device: result.device.clone(),
+                    value: value.0.clone(),
+                })?,
+        };
         devices.push(PreparedDevice {
             request: result.request.clone(),
             pool: result.pool.clone(),
@@ -208,6 +243,7 @@ pub fn plan(
             gpu_uuid: gpu.uuid.clone(),
             gpu_mem_gib: gpu.mem_gib,
             gib,
+            compute,
             cdi_device_id: format!("{cdi_kind}={}", cdi_name(uid, &result.device)),
         });
     }
@@ -222,10 +258,16 @@ pub fn plan(
             device: twice.device.clone(),
         });
     }
-    if devices.windows(2).any(|pair| pair[0].gib != pair[1].gib) {
+    if devices
+        .windows(2)
+        .any(|pair| (pair[0].gib, pair[0].compute) != (pair[1].gib, pair[1].compute))
+    {
         let shares = devices
             .iter()
-            .map(|d| format!("{}: {} GiB", d.device, d.gib))
+            .map(|d| match d.compute {
+                0 => format!("{}: {} GiB", d.device, d.gib),
+                percent => format!("{}: {} GiB and {percent} % compute", d.device, d.gib),
+            })
             .collect::<Vec<_>>()
             .join(", ");
         return Err(PrepareError::UnevenShares { claim: key, shares });
@@ -268,6 +310,11 @@ mod tests {
         r
     }
 
+    fn with_compute(mut result: serde_json::Value, compute: &str) -> serde_json::Value {
+        result["consumedCapacity"]["compute"] = json!(compute);
+        result
+    }
+
     const D: &str = "gpushare.example.com";
 
     #[test]
@@ -293,6 +340,54 @@ mod tests {
         let devices = plan(&c, "u1", D, "n1", &gpus(), "k/c").unwrap();
         let placed: Vec<(u32, u64)> = devices.iter().map(|d| (d.gpu_index, d.gib)).collect();
         assert_eq!(placed, [(1, 4), (0, 4)]);
+    }
+
+    #[test]
+    fn the_consumed_compute_is_the_claims_percent_of_each_gpu() {
+        let c = claim(json!([
+            with_compute(result(D, "n1", "gpu-0", Some("4Gi")), "30"),
+            with_compute(result(D, "n1", "gpu-1", Some("4Gi")), "30")
+        ]));
+        let devices = plan(&c, "u1", D, "n1", &gpus(), "k/c").unwrap();
+        assert_eq!(
+            devices.iter().map(|d| d.compute).collect::<Vec<_>>(),
+            [30, 30]
+        );
+        // None consumed (a memory-only claim, or "0"): no compute share.
+        for c in [
+            claim(json!([result(D, "n1", "gpu-0", Some("4Gi"))])),
+            claim(json!([with_compute(
+                result(D, "n1", "gpu-0", Some("4Gi")),
+                "0"
+            )])),
+        ] {
+            assert_eq!(
+                plan(&c, "u1", D, "n1", &gpus(), "k/c").unwrap()[0].compute,
+                0
+            );
+        }
+        for bad in ["101", "1500m", "x"] {
+            let c = claim(json!([with_compute(
+                result(D, "n1", "gpu-0", Some("4Gi")),
+                bad
+            )]));
+            let err = plan(&c, "u1", D, "n1", &gpus(), "k/c").unwrap_err();
+            assert!(
+                matches!(err, PrepareError::BadCompute { .. }),
+                "{bad}: {err}"
+            );
+        }
+        let c = claim(json!([
+            with_compute(result(D, "n1", "gpu-0", Some("4Gi")), "30"),
+            result(D, "n1", "gpu-1", Some("4Gi"))
+        ]));
+        let uneven = plan(&c, "u1", D, "n1", &gpus(), "k/c").unwrap_err();
+        assert!(
+            uneven
+                .to_string()
+                .contains("gpu-0: 4 GiB and 30 % compute, gpu-1: 4 GiB"),
+            "{uneven}"
+        );
     }
 
     #[test]

@@ -117,12 +117,12 @@ impl<C: ClaimSource> DraService<C> {
             // reads, made before any container starts.
             let name = cdi::accounting_dir_name(&claim.uid);
             let (shares, uuids) = cdi::isolation_shares(&devices);
-            gpushare_runtime::isolation::prepare_accounting(
+            gpushare_runtime::isolation::prepare_accounting_with_compute(
                 &isolation.host_dir,
                 &name,
-                &shares,
-                &uuids,
+                (&shares, &uuids),
                 isolation.options,
+                cdi::claim_compute(&devices),
             )
             .map_err(|err| format!("preparing the claim's isolation accounting {name}: {err}"))?;
         }
@@ -143,7 +143,7 @@ impl<C: ClaimSource> DraService<C> {
             return Err(err.to_string());
         }
         for device in &devices {
-            tracing::info!(claim = %format!("{}/{}", claim.namespace, claim.name), uid = %claim.uid, gpu = device.gpu_index, gib = device.gib, "prepared");
+            tracing::info!(claim = %format!("{}/{}", claim.namespace, claim.name), uid = %claim.uid, gpu = device.gpu_index, gib = device.gib, compute = device.compute, "prepared");
         }
         Ok(devices)
     }

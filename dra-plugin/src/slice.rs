@@ -5,7 +5,8 @@
 //! ```text
 //!   device gpu-<index>
 //!     attributes  index, uuid, model, memoryGiB (, numaNode)
-//!     capacity    memory = <GiB>Gi, requestPolicy: default 1Gi, validRange 1Gi..<GiB>Gi step 1Gi
+//!     capacity    memory  = <GiB>Gi, requestPolicy: default 1Gi, validRange 1Gi..<GiB>Gi step 1Gi
+//!                 compute = 100,     requestPolicy: default 0,   validRange 0..100 step 1
 //!     allowMultipleAllocations: true   (KEP-5075 consumable capacity)
 //! ```
 //!
@@ -13,6 +14,10 @@
 //! consuming part of `memory`, and never more in total than its value. The request policy
 //! makes every share a whole number of GiB (a request of 3.5Gi consumes 4Gi), matching the
 //! extender mode's unit, and a claim that names no memory consumes 1 GiB, not the whole GPU.
+//! `compute` is the GPU's SM time in percent, consumed the same way: claims asking for it
+//! never take more than 100 of a GPU together, and a claim that names none consumes none
+//! (without a request policy it would take the whole capacity, and a memory-only claim would
+//! shut every other claim out).
 //! [`build`] is pure; [`publish`] writes it.
 //!
 //! An unhealthy GPU stops being offered ([`Unhealthy`]). By default its device stays in the
@@ -37,7 +42,8 @@ use k8s_openapi::apimachinery::pkg::api::resource::Quantity;
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::ObjectMeta;
 use kube::api::{Api, PostParams};
 
-pub use gpushare_contract::dra::{MEMORY, device_index, device_name};
+pub use gpushare_contract::dra::{COMPUTE, MEMORY, device_index, device_name};
+use gpushare_contract::request::COMPUTE_PER_GPU;
 
 /// The name of `node`'s slice for `driver`.
 pub fn slice_name(node: &str, driver: &str) -> String {
@@ -108,10 +114,25 @@ pub fn device(gpu: &GpuInfo) -> Device {
             valid_values: None,
         }),
     };
+    let compute = DeviceCapacity {
+        value: Quantity(COMPUTE_PER_GPU.to_string()),
+        request_policy: Some(CapacityRequestPolicy {
+            default: Some(Quantity("0".to_owned())),
+            valid_range: Some(CapacityRequestPolicyRange {
+                min: Quantity("0".to_owned()),
+                step: Some(Quantity("1".to_owned())),
+                max: Some(Quantity(COMPUTE_PER_GPU.to_string())),
+            }),
+            valid_values: None,
+        }),
+    };
     Device {
         name: device_name(gpu.index),
         attributes: Some(attributes),
-        capacity: Some(BTreeMap::from([(MEMORY.to_owned(), memory)])),
+        capacity: Some(BTreeMap::from([
+            (MEMORY.to_owned(), memory),
+            (COMPUTE.to_owned(), compute),
+        ])),
         allow_multiple_allocations: Some(true),
         ..Device::default()
     }
@@ -285,6 +306,13 @@ mod tests {
         assert_eq!(memory["requestPolicy"]["default"], "1Gi");
         assert_eq!(memory["requestPolicy"]["validRange"]["step"], "1Gi");
         assert_eq!(memory["requestPolicy"]["validRange"]["max"], "24Gi");
+        // Compute: 100 percent, and a claim naming none consumes none.
+        let compute = &device["capacity"]["compute"];
+        assert_eq!(compute["value"], "100");
+        assert_eq!(compute["requestPolicy"]["default"], "0");
+        assert_eq!(compute["requestPolicy"]["validRange"]["min"], "0");
+        assert_eq!(compute["requestPolicy"]["validRange"]["step"], "1");
+        assert_eq!(compute["requestPolicy"]["validRange"]["max"], "100");
     }
 
     #[test]

@@ -1997,7 +1997,8 @@ fn dra_mode_installs_the_dra_driver_its_scheduler_and_the_extender_that_ranks() 
         ("MutatingAdmissionPolicy", 1),
         ("MutatingAdmissionPolicyBinding", 1),
         ("Pod", 1),
-        ("ResourceClaimTemplate", 80),
+        // One per GiB, and one per GiB and compute percent (12 by default).
+        ("ResourceClaimTemplate", 80 * 13),
         ("Role", 2),
         ("RoleBinding", 2),
         ("ServiceAccount", 3),
@@ -2070,7 +2071,7 @@ fn dra_mode_installs_the_dra_driver_its_scheduler_and_the_extender_that_ranks() 
 
     // `example.com/gpu-mem: N` in DRA mode: one template per GiB, in each namespace named,
     // asking the chart's DeviceClass for N GiB of one GPU (the real tier runs the README's
-    // pod through them).
+    // pod through them), and one per GiB and compute percent, asking for both.
     let rendered = render(
         "gpushare",
         "kube-system",
@@ -2081,9 +2082,11 @@ fn dra_mode_installs_the_dra_driver_its_scheduler_and_the_extender_that_ranks() 
             "dra.gpuMem.maxGiB=3",
             "--set-json",
             r#"dra.gpuMem.namespaces=["team-a","team-b"]"#,
+            "--set-json",
+            "dra.gpuMem.computePercents=[50]",
         ],
     )?;
-    let mut templates: Vec<(String, String, String)> = rendered
+    let mut templates: Vec<(String, String, String, String)> = rendered
         .of_kind("ResourceClaimTemplate")
         .into_iter()
         .map(|t| {
@@ -2102,22 +2105,36 @@ fn dra_mode_installs_the_dra_driver_its_scheduler_and_the_extender_that_ranks() 
                     .as_str()
                     .unwrap_or_default()
                     .to_owned(),
+                request["capacity"]["requests"]["compute"]
+                    .as_str()
+                    .unwrap_or_default()
+                    .to_owned(),
             ))
         })
         .collect::<anyhow::Result<_>>()?;
     templates.sort();
-    let want: Vec<(String, String, String)> = ["team-a", "team-b"]
+    let mut want: Vec<(String, String, String, String)> = ["team-a", "team-b"]
         .into_iter()
         .flat_map(|ns| {
-            (1..=3).map(move |gib| {
-                (
-                    ns.to_owned(),
-                    format!("gpushare-gpu-mem-{gib}"),
-                    format!("{gib}Gi"),
-                )
+            (1..=3).flat_map(move |gib| {
+                [
+                    (
+                        ns.to_owned(),
+                        format!("gpushare-gpu-mem-{gib}"),
+                        format!("{gib}Gi"),
+                        String::new(),
+                    ),
+                    (
+                        ns.to_owned(),
+                        format!("gpushare-gpu-mem-{gib}-c50"),
+                        format!("{gib}Gi"),
+                        "50".to_owned(),
+                    ),
+                ]
             })
         })
         .collect();
+    want.sort();
     assert_eq!(templates, want);
     let policy = &rendered.of_kind("MutatingAdmissionPolicy")[0];
     assert_eq!(

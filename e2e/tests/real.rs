@@ -194,6 +194,10 @@ const GROUPS: &[Group] = &[
                 "a_dra_container_is_held_to_its_share",
                 a_dra_container_is_held_to_its_share,
             ),
+            (
+                "dra_compute_shares_are_allocated_by_kube_scheduler",
+                dra_compute_shares_are_allocated_by_kube_scheduler,
+            ),
             ("dra_claims_run_and_free", dra_claims_run_and_free),
             (
                 "dra_two_gpu_and_whole_gpu_claims",
@@ -1513,39 +1517,7 @@ fn a_dra_container_is_held_to_its_share(c: &KitCluster) -> Outcome<'_> {
     Box::pin(async move {
         let name = "held-dra";
         create_gpu_pod(c, name, 4).await?;
-        let cdi = cdi_of(c, name, "main").await?;
-        let [device] = &cdi[..] else {
-            bail!("{name} should get one CDI device: {cdi:?}");
-        };
-        let (kind, device) = device
-            .split_once('=')
-            .context("a CDI name is kind=device")?;
-        let args = c.kubectl(&["-n", "kube-system", "get", "ds", "-o", "jsonpath={..args}"])?;
-        let cdi_dir = args
-            .split(['"', ',', ' ', '[', ']'])
-            .find_map(|arg| arg.strip_prefix("--cdi-dir="))
-            .context("no --cdi-dir among the DaemonSets' args")?;
-        let mut edits = None;
-        for entry in std::fs::read_dir(cdi_dir)? {
-            let text = std::fs::read_to_string(entry?.path()).unwrap_or_default();
-            let Ok(spec) = serde_json::from_str::<serde_json::Value>(&text) else {
-                continue;
-            };
-            if spec["kind"] != kind {
-                continue;
-            }
-            edits = spec["devices"]
-                .as_array()
-                .into_iter()
-                .flatten()
-                .find(|d| d["name"] == device)
-                .map(|d| d["containerEdits"].clone());
-            if edits.is_some() {
-                break;
-            }
-        }
-        let edits =
-            edits.with_context(|| format!("no CDI spec in {cdi_dir} defines {kind}={device}"))?;
+        let edits = cdi_edits(c, name).await?;
         let mut argv = vec![
             gpushare_e2e::cluster::binaries()?
                 .isolation_probe
@@ -2836,6 +2808,149 @@ async fn cdi_of(c: &KitCluster, name: &str, container: &str) -> anyhow::Result<V
         .created(&uid, container)?
         .with_context(|| format!("no CreateContainer recorded for {name}/{container}"))?;
     Ok(created.cdi.unwrap_or_default())
+}
+
+/// The CDI container edits our plugin wrote for the one CDI device of the `main` container
+/// of the running pod `name`, read from the plugin's `--cdi-dir`.
+async fn cdi_edits(c: &KitCluster, name: &str) -> anyhow::Result<serde_json::Value> {
+    let cdi = cdi_of(c, name, "main").await?;
+    let [device] = &cdi[..] else {
+        bail!("{name} should get one CDI device: {cdi:?}");
+    };
+    let (kind, device) = device
+        .split_once('=')
+        .context("a CDI name is kind=device")?;
+    let args = c.kubectl(&["-n", "kube-system", "get", "ds", "-o", "jsonpath={..args}"])?;
+    let cdi_dir = args
+        .split(['"', ',', ' ', '[', ']'])
+        .find_map(|arg| arg.strip_prefix("--cdi-dir="))
+        .context("no --cdi-dir among the DaemonSets' args")?;
+    for entry in std::fs::read_dir(cdi_dir)? {
+        let text = std::fs::read_to_string(entry?.path()).unwrap_or_default();
+        let Ok(spec) = serde_json::from_str::<serde_json::Value>(&text) else {
+            continue;
+        };
+        if spec["kind"] != kind {
+            continue;
+        }
+        if let Some(edits) = spec["devices"]
+            .as_array()
+            .into_iter()
+            .flatten()
+            .find(|d| d["name"] == device)
+        {
+            return Ok(edits["containerEdits"].clone());
+        }
+    }
+    bail!("no CDI spec in {cdi_dir} defines {kind}={device}")
+}
+
+/// DRA mode, compute beside memory: `gpu-mem: 1` and `gpu-compute: 60` become a claim from
+/// the chart's template asking for both capacities, and kube-scheduler's own allocator,
+/// counting the slice's `compute` capacity, puts two such pods on the node's two GPUs and
+/// keeps the third waiting until one leaves; the claim's container is told its share, and a
+/// percent the chart has no template for is refused at creation, naming those it has.
+fn dra_compute_shares_are_allocated_by_kube_scheduler(c: &KitCluster) -> Outcome<'_> {
+    Box::pin(async move {
+        let compute = gpushare_contract::request::compute_resource_of(DEFAULT_RESOURCE);
+        let pods: Api<Pod> = Api::namespaced(c.client(), "default");
+        let names = ["dra-compute-1", "dra-compute-2", "dra-compute-3"];
+        for name in names {
+            let pod = fixtures::pod(name).gpu_mem(1).gpu_compute(60).build();
+            let created = pods.create(&PostParams::default(), &pod).await?;
+            let limits = created
+                .spec
+                .and_then(|spec| spec.containers[0].resources.clone()?.limits)
+                .unwrap_or_default();
+            ensure!(
+                !limits.contains_key(&compute) && !limits.contains_key(DEFAULT_RESOURCE),
+                "{name} kept an extended resource in DRA mode: {limits:?}"
+            );
+        }
+        let running: Vec<String> = wait_for(
+            "two of the three compute pods to run",
+            Duration::from_secs(90),
+            || async {
+                let mut running = Vec::new();
+                for name in names {
+                    if phase(&pods.get(name).await.ok()?) == "Running" {
+                        running.push(name.to_owned());
+                    }
+                }
+                (running.len() >= 2).then_some(running)
+            },
+        )
+        .await?;
+        ensure!(
+            running.len() == 2,
+            "three 60 % claims ran on two GPUs: {running:?}"
+        );
+        let waiting = names
+            .into_iter()
+            .find(|name| !running.iter().any(|r| r == name))
+            .context("one compute pod waits")?;
+        let mut devices = BTreeSet::new();
+        for name in &running {
+            let claims = pod_claims(c, name)?;
+            let [claim] = &claims[..] else {
+                bail!("{name} should hold one claim: {claims:?}");
+            };
+            let asked = &claim["spec"]["devices"]["requests"][0]["exactly"]["capacity"]["requests"];
+            ensure!(
+                asked["memory"] == "1Gi" && asked["compute"] == "60",
+                "{name}'s claim should ask for 1Gi and 60 compute: {asked}"
+            );
+            let result = &claim["status"]["allocation"]["devices"]["results"][0];
+            ensure!(
+                result["consumedCapacity"]["compute"] == "60",
+                "{name}'s allocation should consume 60 compute: {result}"
+            );
+            devices.insert(result["device"].as_str().unwrap_or_default().to_owned());
+            let edits = cdi_edits(c, name).await?;
+            let said = format!("{}=60", env::COMPUTE_PERCENT);
+            ensure!(
+                edits["env"]
+                    .as_array()
+                    .into_iter()
+                    .flatten()
+                    .any(|v| v.as_str() == Some(said.as_str())),
+                "{name} should be told its compute share: {edits}"
+            );
+        }
+        ensure!(
+            devices.len() == 2,
+            "two 60 % claims must not share a GPU: {devices:?}"
+        );
+        let reason = wait_unschedulable(c, waiting).await?;
+        ensure!(
+            phase(&pods.get(waiting).await?) == "Pending",
+            "{waiting} should wait: {reason}"
+        );
+        // Memory-only claims consume no compute: one still fits beside them.
+        let plain = fixtures::pod("dra-memory-only").gpu_mem(1).build();
+        pods.create(&PostParams::default(), &plain).await?;
+        wait_running(c, "dra-memory-only").await?;
+        let refused = pods
+            .create(
+                &PostParams::default(),
+                &fixtures::pod("dra-compute-33")
+                    .gpu_mem(1)
+                    .gpu_compute(33)
+                    .build(),
+            )
+            .await;
+        match refused {
+            Err(kube::Error::Api(status)) => ensure!(
+                status.message.contains("gpushare-gpu-mem-unconverted")
+                    && status.message.contains("as one of 10, 20, 25"),
+                "a percent without a template should be refused naming those with one: {status:?}"
+            ),
+            other => bail!("a 33 % compute pod should be refused in DRA mode: {other:?}"),
+        }
+        delete_pod(c, &running[0]).await?;
+        wait_running(c, waiting).await?;
+        Ok(())
+    })
 }
 
 /// DRA mode: the README's pod, unchanged, runs with a claim of 4 GiB from the chart's

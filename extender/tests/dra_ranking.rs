@@ -95,6 +95,18 @@ fn filter_args(pod: &Pod, nodes: &[&str]) -> String {
     json!({"Pod": pod, "Nodes": null, "NodeNames": nodes}).to_string()
 }
 
+/// The extender's filter answer for `pod` over `nodes`.
+async fn filter(app: &axum::Router, pod: &Pod, nodes: &[&str]) -> Value {
+    let (_, answer) = call(
+        app,
+        "POST",
+        &format!("{PREFIX}/filter"),
+        &filter_args(pod, nodes),
+    )
+    .await;
+    answer
+}
+
 /// GiB used on each GPU of `node`, as `/inspect` shows them.
 async fn used(app: &axum::Router, node: &str) -> Vec<u64> {
     let (_, answer) = call(app, "GET", &format!("{PREFIX}/inspect/{node}"), "").await;
@@ -183,13 +195,7 @@ async fn the_hold_books_the_gpu_first_fit_takes() {
         ]);
     }
     let pod = claiming_pod("trainer", "pending");
-    let (_, answer) = call(
-        &h.app,
-        "POST",
-        &format!("{PREFIX}/filter"),
-        &filter_args(&pod, &["n"]),
-    )
-    .await;
+    let answer = filter(&h.app, &pod, &["n"]).await;
     assert_eq!(answer["NodeNames"], json!(["n"]), "{answer}");
     // The policy would fill gpu-1 (the fuller); first fit takes gpu-0.
     assert_eq!(used(&h.app, "n").await, [4, 4], "held where first fit goes");
@@ -202,6 +208,57 @@ async fn the_hold_books_the_gpu_first_fit_takes() {
         .view_mut()
         .apply_claim(&claim("pending", 4, Some(("n", 0)), Some("uid-trainer")));
     assert_eq!(used(&h.app, "n").await, [4, 4], "counted once");
+}
+
+/// A claim asking for compute (`capacity.requests.compute`, percent of a GPU) is held and
+/// booked with it: the hold goes where first fit finds both its memory and its compute, and
+/// the allocation's `consumedCapacity.compute` counts as kube-scheduler counts it.
+#[tokio::test]
+async fn compute_is_held_and_booked_beside_the_memory() {
+    let with_compute = |mut claim: ResourceClaim, percent: u32| {
+        let mut value = serde_json::to_value(&claim).unwrap();
+        value["spec"]["devices"]["requests"][0]["exactly"]["capacity"]["requests"]["compute"] =
+            json!(percent.to_string());
+        if let Some(result) = value.pointer_mut("/status/allocation/devices/results/0") {
+            result["consumedCapacity"]["compute"] = json!(percent.to_string());
+        }
+        claim = serde_json::from_value(value).unwrap();
+        claim
+    };
+    let nodes = vec![node("n").gpushare().build()];
+    let h = harness_keeping_best(1, dra_settings(), nodes, vec![]);
+    {
+        let mut view = h.state.view_mut();
+        view.replace_slices(&[slice("n", &[16, 16])]);
+        view.replace_claims(&[
+            with_compute(claim("a", 2, Some(("n", 0)), None), 60),
+            with_compute(claim("pending", 2, None, None), 60),
+        ]);
+    }
+    let (_, inspect) = call(&h.app, "GET", &format!("{PREFIX}/inspect/n"), "").await;
+    assert_eq!(inspect["gpus"][0]["usedCompute"], 60, "{inspect}");
+    assert_eq!(inspect["gpus"][0]["pods"][0]["compute"], 60, "{inspect}");
+
+    let pod = claiming_pod("trainer", "pending");
+    let answer = filter(&h.app, &pod, &["n"]).await;
+    assert_eq!(answer["NodeNames"], json!(["n"]), "{answer}");
+    // gpu-0 has the memory but only 40 % compute free: first fit takes gpu-1.
+    assert_eq!(used(&h.app, "n").await, [2, 2], "held where both fit");
+    let (_, inspect) = call(&h.app, "GET", &format!("{PREFIX}/inspect/n"), "").await;
+    assert_eq!(inspect["gpus"][1]["usedCompute"], 60, "{inspect}");
+    h.state.view_mut().apply_claim(&with_compute(
+        claim("pending", 2, Some(("n", 1)), Some("uid-trainer")),
+        60,
+    ));
+    let (_, inspect) = call(&h.app, "GET", &format!("{PREFIX}/inspect/n"), "").await;
+    assert_eq!(
+        (
+            &inspect["gpus"][0]["usedCompute"],
+            &inspect["gpus"][1]["usedCompute"]
+        ),
+        (&json!(60), &json!(60)),
+        "counted once: {inspect}"
+    );
 }
 
 /// A pod the extender cannot rank (no claim of our class, or one not seen yet) passes every
@@ -222,16 +279,7 @@ async fn pods_it_cannot_rank_pass_every_candidate() {
             claim("big", 4, None, None),
         ]);
     }
-    let filter = async |pod: &Pod| {
-        let (_, answer) = call(
-            &h.app,
-            "POST",
-            &format!("{PREFIX}/filter"),
-            &filter_args(pod, &["one", "two"]),
-        )
-        .await;
-        answer["NodeNames"].clone()
-    };
+    let filter = async |pod: &Pod| filter(&h.app, pod, &["one", "two"]).await["NodeNames"].clone();
     assert_eq!(
         filter(&claiming_pod("unseen", "not-yet")).await,
         json!(["one", "two"])

@@ -9,8 +9,9 @@
 //!  ResourceSlice (driver = ours), per device   ─▶ GPU row: index, model, uuid (attributes),
 //!                                                  total = capacity.memory,
 //!                                                  unhealthy = a NoSchedule/NoExecute taint
-//!  ResourceClaim status.allocation, per result ─▶ GPU allocated += consumedCapacity.memory
-//!      (our driver)       reservedFor pods     ─▶ pod row on that GPU, GiB = consumed
+//!  ResourceClaim status.allocation, per result ─▶ GPU allocated += consumedCapacity.memory,
+//!      (our driver)                                compute += consumedCapacity.compute
+//!                         reservedFor pods     ─▶ pod row on that GPU, GiB = consumed
 //! ```
 //!
 //! A claim's share counts on its GPU once, however many pods share the claim; each pod that
@@ -27,8 +28,7 @@ use kube::api::{Api, ListParams};
 use crate::cluster::Cluster;
 use crate::usage::{GpuSource, GpuUsage, NodeUsage, PodUsage, is_active};
 
-/// The capacity gpushare's DRA plugin offers on every GPU.
-const MEMORY: &str = "memory";
+use gpushare_contract::dra::{COMPUTE, MEMORY};
 const GIB: u128 = 1 << 30;
 
 /// What DRA mode holds: the slices and the claims.
@@ -259,8 +259,15 @@ fn add_claim(
             (None, Some(gpu)) => gpu.total_gib,
             (None, None) => 0,
         };
+        let compute = result
+            .consumed_capacity
+            .as_ref()
+            .and_then(|c| c.get(COMPUTE))
+            .and_then(|q| gpushare_contract::quantity::milli(&q.0).ok())
+            .map_or(0, |milli| u32::try_from(milli / 1000).unwrap_or(u32::MAX));
         if let Some(gpu) = gpu {
             gpu.allocated_gib = gpu.allocated_gib.saturating_add(gib);
+            gpu.allocated_compute = gpu.allocated_compute.saturating_add(compute);
         }
         push_reserved_pods(&mut usage.pods, status, &namespace, live, *index, gib);
     }
@@ -407,6 +414,12 @@ mod tests {
                 claim("c", "gpu-1", "2Gi", &[("done", "u4")]),
             ],
         };
+        let mut objects = objects;
+        // A compute share: the COMPUTE column of `top -d` reads it.
+        let mut with_compute = serde_json::to_value(&objects.claims[0]).unwrap();
+        with_compute["status"]["allocation"]["devices"]["results"][0]["consumedCapacity"]["compute"] =
+            json!("30");
+        objects.claims[0] = serde_json::from_value(with_compute).unwrap();
         let pods = [
             pod("nb-1", "u1", "Running"),
             pod("nb-2", "u2", "Running"),
@@ -427,12 +440,13 @@ mod tests {
                     g.allocated_gib,
                     g.total_gib,
                     g.healthy,
+                    g.allocated_compute,
                 )
             })
             .collect();
         assert_eq!(
             gpus,
-            [(0, "GPU-a", 7, 15, true), (1, "GPU-b", 2, 16, false)]
+            [(0, "GPU-a", 7, 15, true, 30), (1, "GPU-b", 2, 16, false, 0)]
         );
         let pods: Vec<_> = n1
             .pods

@@ -193,13 +193,18 @@ pub fn prepare_accounting(
     prepare_accounting_with_compute(host_dir, name, (shares, uuids), options, 0)
 }
 
+/// Where [`compute_dir`] is, without making it.
+pub fn compute_dir_path(host_dir: &Path) -> PathBuf {
+    host_dir.join("compute")
+}
+
 /// The node-wide directory, under `host_dir`, where the interposers of every container with a
 /// compute share keep each GPU's compute state; mounted read-write at
 /// [`ISOLATION_COMPUTE_DIR_IN_CONTAINER`]. Mode 1777: containers of any user write their
 /// own entries there (a shared, cooperative record: it holds programs to their share, not a
 /// hostile tenant, who could write into it).
 pub fn compute_dir(host_dir: &Path) -> io::Result<PathBuf> {
-    let dir = host_dir.join("compute");
+    let dir = compute_dir_path(host_dir);
     std::fs::create_dir_all(&dir)?;
     set_mode(&dir, 0o1777)?;
     Ok(dir)

@@ -80,6 +80,8 @@ struct InspectGpu {
     total_gib: u64,
     #[serde(rename = "usedGiB")]
     used_gib: u64,
+    /// Percent of the GPU's compute booked (`gpu-compute`; a whole-GPU pod books 100).
+    used_compute: u32,
     healthy: bool,
     pods: Vec<InspectPod>,
 }
@@ -91,6 +93,8 @@ struct InspectPod {
     name: String,
     uid: String,
     gib: u64,
+    /// Percent of the GPU's compute the pod holds (0: none asked).
+    compute: u32,
     assigned: bool,
     /// True while only bind's reservation, not yet the watch, knows the pod is here.
     reserved: bool,
@@ -113,6 +117,7 @@ fn inspect(view: &View, name: &str) -> InspectNode {
             model: usage.gpu.model.clone(),
             total_gib: usage.gpu.total_gib,
             used_gib: usage.used_gib,
+            used_compute: usage.used_compute,
             healthy: usage.gpu.healthy,
             pods: Vec::new(),
         })
@@ -134,6 +139,7 @@ fn inspect(view: &View, name: &str) -> InspectNode {
                 name: pod_name.to_owned(),
                 uid: uid.to_string(),
                 gib,
+                compute: placement.compute,
                 assigned: placement.assigned,
                 reserved: view.reservation(uid).is_some(),
             });

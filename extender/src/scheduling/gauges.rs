@@ -1,6 +1,7 @@
-//! Per-GPU capacity and booked memory, read from the view at scrape time:
-//! `gpushare_gpu_capacity_bytes` and `gpushare_gpu_allocated_bytes`, labelled `node`, `gpu`
-//! (the index), `uuid` and `model` (empty where the node's inventory does not say).
+//! Per-GPU capacity and booked memory and compute, read from the view at scrape time:
+//! `gpushare_gpu_capacity_bytes`, `gpushare_gpu_allocated_bytes` and
+//! `gpushare_gpu_compute_allocated_percent`, labelled `node`, `gpu` (the index), `uuid` and
+//! `model` (empty where the node's inventory does not say).
 //!
 //! Why a collector and not gauges set as the view changes: the figures are the view's own,
 //! computed on each scrape, so a node that left the view takes its series with it and no
@@ -47,6 +48,7 @@ struct Row {
     node: Arc<str>,
     gpu: Arc<Gpu>,
     allocated_gib: u64,
+    allocated_compute: u32,
 }
 
 impl GpuGauges {
@@ -70,6 +72,7 @@ impl GpuGauges {
                     node: name.clone(),
                     gpu: usage.gpu.clone(),
                     allocated_gib: usage.used_gib,
+                    allocated_compute: usage.used_compute,
                 }));
             }
             rows
@@ -79,23 +82,28 @@ impl GpuGauges {
     }
 }
 
-/// One of the gauges: its name, its help, and the GiB it reads of a GPU.
+/// One of the gauges: its name, its help, and the value it reads of a GPU.
 struct PerGpu {
     name: &'static str,
     help: &'static str,
-    gib: fn(&Row) -> u64,
+    value: fn(&Row) -> i64,
 }
 
-const GAUGES: [PerGpu; 2] = [
+const GAUGES: [PerGpu; 3] = [
     PerGpu {
         name: "gpushare_gpu_capacity_bytes",
         help: "Memory of each GPU as the extender's view has it (the node's inventory, or in DRA mode its ResourceSlice), in whole GiB",
-        gib: |row| row.gpu.total_gib,
+        value: |row| bytes(row.gpu.total_gib),
     },
     PerGpu {
         name: "gpushare_gpu_allocated_bytes",
         help: "GPU memory the extender's view has booked on each GPU: bound pods, binds not yet seen in the watch and memory held for pods about to be bound (DRA mode: allocated claims and holds)",
-        gib: |row| row.allocated_gib,
+        value: |row| bytes(row.allocated_gib),
+    },
+    PerGpu {
+        name: "gpushare_gpu_compute_allocated_percent",
+        help: "Percent of each GPU's compute (gpu-compute) the extender's view has booked, as for gpushare_gpu_allocated_bytes; a whole-GPU pod books 100",
+        value: |row| i64::from(row.allocated_compute),
     },
 ];
 
@@ -125,7 +133,7 @@ impl Collector for GpuGauges {
             for (row, labels) in rows.iter().zip(&labels) {
                 family
                     .encode_family(labels)?
-                    .encode_gauge(&bytes((gauge.gib)(row)))?;
+                    .encode_gauge(&(gauge.value)(row))?;
             }
         }
         Ok(())
@@ -160,10 +168,11 @@ mod tests {
         text.lines().filter(|l| !l.starts_with('#')).collect()
     }
 
-    fn book(view: &Arc<RwLock<View>>, uid: &str, node: &str, gib: u64) {
+    fn book(view: &Arc<RwLock<View>>, uid: &str, node: &str, (gib, compute): (u64, u32)) {
         let request = Request {
             pod_gib: gib,
             containers: vec![gib],
+            compute,
             ..Request::default()
         };
         let mut view = view.write().unwrap();
@@ -179,15 +188,16 @@ mod tests {
         view.write()
             .unwrap()
             .replace_nodes(&[n7.clone(), node("n1").gpushare().gpus(&[8]).build()]);
-        book(&view, "a", "node-7", 12);
+        book(&view, "a", "node-7", (12, 30));
 
         let text = scrape(&view);
-        let gpu = |metric: &str, node: &str, index: u32, gib: u64| {
+        let sample = |metric: &str, node: &str, index: u32, value: u64| {
             format!(
-                "gpushare_gpu_{metric}{{node=\"{node}\",gpu=\"{index}\",uuid=\"GPU-{node}-{index}\",model=\"Simulated GPU\"}} {}",
-                gib << 30
+                "gpushare_gpu_{metric}{{node=\"{node}\",gpu=\"{index}\",uuid=\"GPU-{node}-{index}\",model=\"Simulated GPU\"}} {value}"
             )
         };
+        let gpu =
+            |metric: &str, node: &str, index: u32, gib: u64| sample(metric, node, index, gib << 30);
         assert_eq!(
             samples(&text),
             [
@@ -197,6 +207,9 @@ mod tests {
                 gpu("allocated_bytes", "n1", 0, 0),
                 gpu("allocated_bytes", "node-7", 0, 12),
                 gpu("allocated_bytes", "node-7", 1, 0),
+                sample("compute_allocated_percent", "n1", 0, 0),
+                sample("compute_allocated_percent", "node-7", 0, 30),
+                sample("compute_allocated_percent", "node-7", 1, 0),
             ],
             "{text}"
         );
@@ -208,20 +221,18 @@ mod tests {
         view.write().unwrap().delete_node(&n7);
         let text = scrape(&view);
         assert!(!text.contains("node-7"), "{text}");
-        assert_eq!(samples(&text).len(), 2, "{text}");
+        assert_eq!(samples(&text).len(), 3, "{text}");
     }
 
     #[test]
-    fn an_empty_view_still_describes_both_gauges() {
+    fn an_empty_view_still_describes_every_gauge() {
         let text = scrape(&view());
-        assert!(
-            text.contains("# TYPE gpushare_gpu_capacity_bytes gauge"),
-            "{text}"
-        );
-        assert!(
-            text.contains("# TYPE gpushare_gpu_allocated_bytes gauge"),
-            "{text}"
-        );
+        for gauge in GAUGES {
+            assert!(
+                text.contains(&format!("# TYPE {} gauge", gauge.name)),
+                "{text}"
+            );
+        }
         assert!(samples(&text).is_empty(), "{text}");
     }
 

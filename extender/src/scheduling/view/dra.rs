@@ -22,8 +22,9 @@ use std::sync::Arc;
 
 use gpushare_allocator::fragmentation::Host;
 use gpushare_allocator::{Gpu, ModelFilter, PodId, PodPlacement, Request};
-use gpushare_contract::dra::{MEMORY, device_index};
+use gpushare_contract::dra::{COMPUTE, MEMORY, device_index};
 use gpushare_contract::quantity::{self, GIB};
+use gpushare_contract::request::COMPUTE_PER_GPU;
 use k8s_openapi::api::core::v1::Pod;
 use k8s_openapi::api::resource::v1::{Device, ResourceClaim, ResourceSlice};
 use k8s_openapi::apimachinery::pkg::api::resource::Quantity;
@@ -40,11 +41,13 @@ pub struct DraNames {
     pub device_class: String,
 }
 
-/// What a claim asks of our device class: `count` devices of `gib` each.
+/// What a claim asks of our device class: `count` devices of `gib` (and `compute`) each.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct ClaimAsk {
     /// GiB on each device.
     pub gib: u64,
+    /// Percent of each device's compute (0: none asked, none consumed).
+    pub compute: u32,
     /// How many devices.
     pub count: u32,
 }
@@ -85,6 +88,14 @@ impl DraState {
 fn gib_up(quantity: &Quantity) -> Option<u64> {
     let bytes = quantity::bytes(&quantity.0).ok()?;
     u64::try_from(bytes.div_ceil(GIB)).ok()
+}
+
+/// A compute capacity as a whole percent of a GPU, at most [`COMPUTE_PER_GPU`]; `None` for
+/// anything else (a claim the extender cannot size).
+fn compute_percent(quantity: &Quantity) -> Option<u32> {
+    let milli = quantity::milli(&quantity.0).ok()?;
+    let percent = u32::try_from(milli / 1000).ok()?;
+    (milli % 1000 == 0 && percent <= COMPUTE_PER_GPU).then_some(percent)
 }
 
 /// The GPU a device of our slice stands for; `None` for a device without memory capacity.
@@ -224,8 +235,9 @@ impl View {
     }
 
     /// What `claim` asks of our device class, when the extender can size it: one request
-    /// of our class naming an exact count (1 by default) and a memory capacity (1 GiB by
-    /// default, as our devices' request policy says).
+    /// of our class naming an exact count (1 by default), a memory capacity (1 GiB by
+    /// default, as our devices' request policy says) and a compute capacity (none by
+    /// default).
     fn claim_ask(&self, claim: &ResourceClaim) -> Option<ClaimAsk> {
         let class = &self.dra_names()?.device_class;
         let requests = claim.spec.devices.as_ref()?.requests.as_ref()?;
@@ -242,17 +254,21 @@ impl View {
         {
             return None;
         }
-        let gib = match exact
-            .capacity
-            .as_ref()
-            .and_then(|c| c.requests.as_ref())
-            .and_then(|r| r.get(MEMORY))
-        {
+        let capacity = exact.capacity.as_ref().and_then(|c| c.requests.as_ref());
+        let gib = match capacity.and_then(|r| r.get(MEMORY)) {
             Some(quantity) => gib_up(quantity)?,
             None => 1,
         };
+        let compute = match capacity.and_then(|r| r.get(COMPUTE)) {
+            Some(quantity) => compute_percent(quantity)?,
+            None => 0,
+        };
         let count = u32::try_from(exact.count.unwrap_or(1)).ok()?;
-        (gib > 0 && count > 0).then_some(ClaimAsk { gib, count })
+        (gib > 0 && count > 0).then_some(ClaimAsk {
+            gib,
+            compute,
+            count,
+        })
     }
 
     /// What an allocated claim books on our devices: its node and placement (the capacity it
@@ -273,16 +289,20 @@ impl View {
         let first = ours.first()?;
         let mut gpus = Vec::with_capacity(ours.len());
         let mut per_gpu = 0;
+        let mut compute = 0;
         let mut whole = false;
         for result in ours.iter().filter(|r| r.pool == first.pool) {
             gpus.push(device_index(&result.device)?);
-            match result
-                .consumed_capacity
-                .as_ref()
-                .and_then(|c| c.get(MEMORY))
-            {
+            let consumed = result.consumed_capacity.as_ref();
+            match consumed.and_then(|c| c.get(MEMORY)) {
                 Some(quantity) => per_gpu = per_gpu.max(gib_up(quantity)?),
                 None => whole = true,
+            }
+            if let Some(quantity) = consumed.and_then(|c| c.get(COMPUTE)) {
+                // What the API server accepted is what kube-scheduler counts: a value past
+                // the device's capacity is booked as the whole GPU's compute.
+                let percent = compute_percent(quantity).unwrap_or(COMPUTE_PER_GPU);
+                compute = compute.max(percent);
             }
         }
         let (&gpu, more) = gpus.split_first()?;
@@ -294,7 +314,7 @@ impl View {
             exclusive: whole,
             pending: Vec::new(),
             assigned: true,
-            compute: 0,
+            compute,
         };
         Some((self.cluster.node_name(&first.pool), placement))
     }
@@ -431,7 +451,7 @@ impl View {
             gpus: ask.count,
             exclusive: false,
             models: ModelFilter::default(),
-            compute: 0,
+            compute: ask.compute,
         })
     }
 }
