@@ -14,6 +14,11 @@
 //!   pod, when it is loaded and `pods` holds the driver's own figures:
 //!   `{"gpus":{"0":6144},"pods":{"default/a":6144},"counted":{"default/a":3072}}`.
 //!
+//! - `compute` (optional): `namespace/name` → percent of its GPUs' SM time its kernels ran
+//!   over the plugin's last period, as the interposer measured it, for pods with a compute
+//!   share (`gpu-compute`): `{"compute":{"default/a":28}}`. Over 100 / GPUs is not possible
+//!   for one pod; a pod using idle time in `shared` mode may pass its share.
+//!
 //! It is for people, not for scheduling: the extender does not read it, and it is written
 //! only when a value moved noticeably (see the device plugin's `usage` module), so it can
 //! lag the truth by that much. MiB, because GiB would hide a 600 MiB overrun of a 1 GiB share.
@@ -39,6 +44,10 @@ pub struct NodeMemoryUse {
     /// figure is well above its counted one runs something the interposer does not see.
     #[serde(default, skip_serializing_if = "BTreeMap::is_empty")]
     pub counted: BTreeMap<String, u64>,
+    /// `namespace/name` → percent of its GPUs' SM time its kernels ran over the last period
+    /// (the interposer's compute measurement); pods with a compute share only.
+    #[serde(default, skip_serializing_if = "BTreeMap::is_empty")]
+    pub compute: BTreeMap<String, u32>,
 }
 
 /// Why a usage annotation could not be read.
@@ -76,6 +85,7 @@ mod tests {
             gpus: BTreeMap::from([(0, 6144), (1, 512)]),
             pods: BTreeMap::from([("default/a".to_owned(), 5120), ("ml/b".to_owned(), 0)]),
             counted: BTreeMap::new(),
+            compute: Default::default(),
         };
         let text = usage.encode();
         assert_eq!(

@@ -267,6 +267,7 @@ impl Report {
                     Some((key.clone(), mib_from_bytes(counted)))
                 })
                 .collect(),
+            compute: Default::default(),
         }
     }
 }

@@ -87,6 +87,7 @@ pub const LEGACY_ENV: &[&str] = &[
 pub use gpushare_runtime::gpu as backend;
 pub mod attribution;
 pub mod compute;
+pub mod compute_usage;
 pub mod devices;
 mod error;
 pub mod facts;

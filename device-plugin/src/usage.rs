@@ -66,8 +66,13 @@ pub struct Published {
     pub over: BTreeSet<String>,
 }
 
+/// The smallest change, in points of a GPU's time, of a pod's compute use that is written
+/// (a training loop's use wobbles by a point or two every period).
+pub const COMPUTE_MIN_CHANGE: u64 = 5;
+
 /// Whether `now` differs enough from `last` to be written: another set of GPUs or pods,
-/// another set of pods over their share, or a value moved by `min_change_mib` or more.
+/// another set of pods over their share, a value moved by `min_change_mib` or more, or a
+/// pod's compute use by [`COMPUTE_MIN_CHANGE`] points.
 pub fn worth_writing(last: &Published, now: &Published, min_change_mib: u64) -> bool {
     fn moved<K: Ord>(a: &BTreeMap<K, u64>, b: &BTreeMap<K, u64>, min: u64) -> bool {
         !a.keys().eq(b.keys())
@@ -75,9 +80,19 @@ pub fn worth_writing(last: &Published, now: &Published, min_change_mib: u64) -> 
                 .zip(b.values())
                 .any(|(x, y)| x.abs_diff(*y) >= min)
     }
+    let percents = |map: &BTreeMap<String, u32>| -> BTreeMap<String, u64> {
+        map.iter()
+            .map(|(k, v)| (k.clone(), u64::from(*v)))
+            .collect()
+    };
     last.over != now.over
         || moved(&last.usage.gpus, &now.usage.gpus, min_change_mib.max(1))
         || moved(&last.usage.pods, &now.usage.pods, min_change_mib.max(1))
+        || moved(
+            &percents(&last.usage.compute),
+            &percents(&now.usage.compute),
+            COMPUTE_MIN_CHANGE,
+        )
 }
 
 /// How the annotation is written.
@@ -184,14 +199,17 @@ impl UsageReader {
         let mut said = Said::default();
         let mut published: Option<(Published, Instant)> = None;
         let mut exported = ExportedUsage::default();
+        let mut compute = crate::compute_usage::ComputeMeter::default();
         loop {
             match self.measure(&mut said).await {
                 Measured::Report(report) => {
                     exported = self.metrics.record_usage(&report, exported);
                     let actions = tracker.observe(&report, Instant::now());
                     actor.act(actions, &report, &mut tracker).await;
+                    let mut usage = report.annotation();
+                    usage.compute = self.compute_used(&mut compute).await;
                     let now = Published {
-                        usage: report.annotation(),
+                        usage,
                         over: report.over_share(),
                     };
                     let due = match &published {
@@ -219,6 +237,27 @@ impl UsageReader {
                 () = tokio::time::sleep(self.period) => {}
             }
         }
+    }
+
+    /// The percent of their GPUs' time the kernels of each pod with a compute share ran
+    /// since the last call, as the interposer measured it
+    /// ([`crate::compute_usage`]); empty without the interposer.
+    async fn compute_used(
+        &self,
+        meter: &mut crate::compute_usage::ComputeMeter,
+    ) -> BTreeMap<String, u32> {
+        let Some(host_dir) = self.interposer.clone() else {
+            return BTreeMap::new();
+        };
+        let (pods, inventory) = (self.pods.clone(), self.inventory.clone());
+        let busy = tokio::task::spawn_blocking(move || {
+            let live = crate::isolation_usage::live_pods(&pods, &inventory);
+            let gpus = inventory.borrow().clone();
+            crate::compute_usage::busy_by_pod(&host_dir, &live, &gpus)
+        })
+        .await
+        .unwrap_or_default();
+        meter.observe(std::time::Instant::now(), busy)
     }
 
     /// One measurement; a failure is said once.
@@ -343,6 +382,7 @@ mod tests {
                 gpus: BTreeMap::from([(0, pods.iter().map(|p| p.1).sum())]),
                 pods: pods.iter().map(|&(k, v)| (k.to_owned(), v)).collect(),
                 counted: BTreeMap::new(),
+                compute: Default::default(),
             },
             over: over.iter().map(|s| (*s).to_owned()).collect(),
         }
@@ -385,5 +425,14 @@ mod tests {
             !worth_writing(&last, &last, 0),
             "an unchanged measurement is never written"
         );
+        // Compute use: a wobble of a point or two is not written, five points are.
+        let with_compute = |percent: u32| {
+            let mut usage = last.clone();
+            usage.usage.compute = BTreeMap::from([("default/a".to_owned(), percent)]);
+            usage
+        };
+        assert!(worth_writing(&last, &with_compute(30), 256), "a pod starts");
+        assert!(!worth_writing(&with_compute(30), &with_compute(32), 256));
+        assert!(worth_writing(&with_compute(30), &with_compute(35), 256));
     }
 }

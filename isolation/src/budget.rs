@@ -177,8 +177,10 @@ impl Budget {
     pub fn identity(&self) -> Option<u64> {
         use std::os::unix::fs::MetadataExt as _;
         let meta = self.file.as_ref()?.metadata().ok()?;
-        // Never 0, which marks a free entry where it is used.
-        Some((meta.dev().rotate_left(32) ^ meta.ino()).max(1))
+        Some(gpushare_isolation_budget::compute::container_id(
+            meta.dev(),
+            meta.ino(),
+        ))
     }
 
     /// The budget file's path as this process opened it.

@@ -269,19 +269,24 @@ fn add_claim(
             gpu.allocated_gib = gpu.allocated_gib.saturating_add(gib);
             gpu.allocated_compute = gpu.allocated_compute.saturating_add(compute);
         }
-        push_reserved_pods(&mut usage.pods, status, &namespace, live, *index, gib);
+        push_reserved_pods(
+            &mut usage.pods,
+            (status, &namespace),
+            live,
+            *index,
+            (gib, compute),
+        );
     }
 }
 
-/// Adds a row on GPU `index` holding `gib` for each pod `status` is reserved for that is
+/// Adds a row on GPU `index` holding `gib` (and `compute` percent) for each pod `status` is reserved for that is
 /// live, the very pod (same UID) and not one recreated under its name.
 fn push_reserved_pods(
     rows: &mut Vec<PodUsage>,
-    status: &ResourceClaimStatus,
-    namespace: &str,
+    (status, namespace): (&ResourceClaimStatus, &str),
     live: &LivePods<'_>,
     index: u32,
-    gib: u64,
+    (gib, compute): (u64, u32),
 ) {
     for consumer in status.reserved_for.iter().flatten() {
         if consumer.resource != "pods" {
@@ -305,6 +310,8 @@ fn push_reserved_pods(
                 .unwrap_or_else(|| "default-scheduler".to_owned()),
             used_mib: None,
             counted_mib: None,
+            compute,
+            compute_used: None,
         });
     }
 }

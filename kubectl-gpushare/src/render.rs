@@ -110,6 +110,7 @@ pub fn render_top_details(nodes: &[NodeUsage]) -> String {
                     .map(|g| format!("GPU{}(Allocated)", g.index)),
             );
             header.push("PENDING(Allocated)".to_owned());
+            header.extend(compute_header(node));
             header.extend(used_header(node));
             header.extend(counted_header(node));
             let mut rows = vec![header];
@@ -120,6 +121,7 @@ pub fn render_top_details(nodes: &[NodeUsage]) -> String {
                     gib.to_string()
                 }));
                 row.push(if pod.gpu.is_none() { pod.gib } else { 0 }.to_string());
+                row.extend(compute_header(node).map(|_| pod_compute_cell(pod)));
                 row.extend(pod_used_cell(node, pod));
                 row.extend(counted_header(node).map(|_| {
                     pod.counted_mib
@@ -192,6 +194,16 @@ fn compute_header(node: &NodeUsage) -> Option<String> {
         .iter()
         .any(|gpu| gpu.allocated_compute > 0)
         .then(|| "COMPUTE".to_owned())
+}
+
+/// A pod's COMPUTE cell: the percent of each GPU it holds, and what its kernels ran lately
+/// where the device plugin publishes that (`30% (used 28%)`); `-` for a pod without a share.
+fn pod_compute_cell(pod: &PodUsage) -> String {
+    match (pod.compute, pod.compute_used) {
+        (0, _) => "-".to_owned(),
+        (share, Some(used)) => format!("{share}% (used {used}%)"),
+        (share, None) => format!("{share}%"),
+    }
 }
 
 /// The USED column's header, on nodes whose device plugin publishes measured use only, so
@@ -285,6 +297,7 @@ mod tests {
             ]
             .into(),
             counted: Default::default(),
+            compute: Default::default(),
         };
         n1.metadata
             .annotations
@@ -359,6 +372,7 @@ default    old   0                12               0
                 ("default/b".to_owned(), 1024),
             ]
             .into(),
+            compute: Default::default(),
         };
         n1.metadata
             .annotations
@@ -379,15 +393,18 @@ default    b     2                0                   1.0        1.0
     fn top_details_shows_the_compute_held_where_pods_asked_for_it() {
         let keys = Keys::default();
         let gpu_node = || node("n1").gpushare().gpus(&[16, 16]).build();
-        let mut with_compute = placed("trainer", 1, 4);
-        with_compute
-            .metadata
-            .annotations
-            .get_or_insert_with(Default::default)
-            .insert(keys.compute.clone(), "30".to_owned());
+        let trainer = || {
+            let mut with_compute = placed("trainer", 1, 4);
+            with_compute
+                .metadata
+                .annotations
+                .get_or_insert_with(Default::default)
+                .insert(keys.compute.clone(), "30".to_owned());
+            with_compute
+        };
         let nodes = cluster_usage(
             &[gpu_node()],
-            &[placed("notebook", 0, 4), with_compute],
+            &[placed("notebook", 0, 4), trainer()],
             &Settings::default(),
         );
         let out = render_top_details(&nodes);
@@ -396,6 +413,35 @@ default    b     2                0                   1.0        1.0
         assert!(gpu1.contains("30%"), "{out}");
         let gpu0 = out.lines().find(|l| l.starts_with("GPU0")).unwrap();
         assert!(gpu0.contains(" 0%"), "{out}");
+        // The pod rows: the share, and "-" for a pod without one.
+        let row = |name: &str| {
+            out.lines()
+                .find(|l| l.split_whitespace().nth(1) == Some(name))
+                .unwrap()
+                .to_owned()
+        };
+        assert!(
+            row("trainer").split_whitespace().any(|cell| cell == "30%"),
+            "{out}"
+        );
+        assert!(!row("notebook").contains('%'), "{out}");
+        // With the device plugin's measurement: what its kernels ran beside the share.
+        let mut measured = gpu_node();
+        let usage = NodeMemoryUse {
+            compute: [("default/trainer".to_owned(), 28)].into(),
+            ..NodeMemoryUse::default()
+        };
+        measured
+            .metadata
+            .annotations
+            .get_or_insert_with(Default::default)
+            .insert(keys.node_usage.clone(), usage.encode());
+        let out = render_top_details(&cluster_usage(
+            &[measured],
+            &[trainer()],
+            &Settings::default(),
+        ));
+        assert!(out.contains("30% (used 28%)"), "{out}");
         // Without compute anywhere, no column.
         let plain = cluster_usage(
             &[gpu_node()],

@@ -61,6 +61,11 @@ pub struct PodUsage {
     /// MiB the isolation interposer counted for it, where the plugin publishes that beside
     /// the driver's figure; `None`: not published.
     pub counted_mib: Option<u64>,
+    /// Percent of the GPU's compute it holds (`gpu-compute`; 0: none asked).
+    pub compute: u32,
+    /// Percent of its GPUs' time its kernels ran lately, as the interposer measured and the
+    /// device plugin published it; `None`: not published.
+    pub compute_used: Option<u32>,
 }
 
 impl PodUsage {
@@ -199,6 +204,7 @@ pub fn cluster_usage(nodes: &[Node], pods: &[Pod], settings: &Settings) -> Vec<N
     // (or the interposer's alone), and the interposer's beside them.
     let mut used_by_pod: BTreeMap<String, BTreeMap<String, u64>> = BTreeMap::new();
     let mut counted_by_pod: BTreeMap<String, BTreeMap<String, u64>> = BTreeMap::new();
+    let mut compute_by_pod: BTreeMap<String, BTreeMap<String, u32>> = BTreeMap::new();
     for node in nodes.iter().filter(|n| is_gpu_node(n, settings)) {
         let Some(name) = node.metadata.name.clone() else {
             continue;
@@ -207,6 +213,7 @@ pub fn cluster_usage(nodes: &[Node], pods: &[Pod], settings: &Settings) -> Vec<N
         if let Some(measured) = &measured {
             used_by_pod.insert(name.clone(), measured.pods.clone());
             counted_by_pod.insert(name.clone(), measured.counted.clone());
+            compute_by_pod.insert(name.clone(), measured.compute.clone());
         }
         let row = node_row(node, name.clone(), measured.as_ref(), settings);
         by_node.insert(name, row);
@@ -238,6 +245,9 @@ pub fn cluster_usage(nodes: &[Node], pods: &[Pod], settings: &Settings) -> Vec<N
         let counted_mib = counted_by_pod
             .get(&usage.name)
             .and_then(|pods| pods.get(&key).copied());
+        let compute_used = compute_by_pod
+            .get(&usage.name)
+            .and_then(|pods| pods.get(&key).copied());
         let scheduler = spec
             .scheduler_name
             .clone()
@@ -248,6 +258,7 @@ pub fn cluster_usage(nodes: &[Node], pods: &[Pod], settings: &Settings) -> Vec<N
             scheduler,
             rows,
             (used_mib, counted_mib),
+            (allocation.as_ref().map_or(0, |a| a.compute), compute_used),
         );
     }
     let mut nodes: Vec<NodeUsage> = by_node.into_values().collect();
@@ -325,13 +336,14 @@ fn hold_gpus(
 }
 
 /// Adds the pod `(namespace, name)`'s `rows` (from [`hold_gpus`]) to `pods`. Its measured
-/// use shows once, on its first GPU's row.
+/// use (memory and compute) shows once, on its first GPU's row; its compute share on each.
 fn push_pod_rows(
     pods: &mut Vec<PodUsage>,
     (namespace, name): (String, String),
     scheduler: String,
     mut rows: Vec<(Option<u32>, u64)>,
     (used_mib, counted_mib): (Option<u64>, Option<u64>),
+    (compute, compute_used): (u32, Option<u32>),
 ) {
     let (gpu, gib) = rows.remove(0);
     pods.push(PodUsage {
@@ -342,6 +354,8 @@ fn push_pod_rows(
         gpu,
         gib,
         scheduler: scheduler.clone(),
+        compute,
+        compute_used,
     });
     for (gpu, gib) in rows {
         pods.push(PodUsage {
@@ -352,6 +366,8 @@ fn push_pod_rows(
             gpu,
             gib,
             scheduler: scheduler.clone(),
+            compute,
+            compute_used: None,
         });
     }
 }

@@ -106,6 +106,21 @@ pub fn compute_path(dir: &Path, uuid: &str) -> PathBuf {
     dir.join(format!("compute-{safe}.v{VERSION}"))
 }
 
+/// The `id` of a container's entries: its budget file's device and inode, mixed (never 0,
+/// which marks a free entry). The interposer takes them from the file it has open, a node
+/// agent from the same file on the host (a bind mount keeps both), so the agent can tell
+/// whose entry is whose without asking the container.
+pub fn container_id(dev: u64, ino: u64) -> u64 {
+    (dev.rotate_left(32) ^ ino).max(1)
+}
+
+/// [`container_id`] of the budget file at `path`.
+pub fn budget_container_id(path: &Path) -> std::io::Result<u64> {
+    use std::os::unix::fs::MetadataExt as _;
+    let meta = std::fs::metadata(path)?;
+    Ok(container_id(meta.dev(), meta.ino()))
+}
+
 /// One container's line of a GPU's compute state, as read.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct ComputeUsage {
