@@ -16,8 +16,8 @@
 //!
 //! - `compute` (optional): `namespace/name` → percent of its GPUs' SM time its kernels ran
 //!   over the plugin's last period, as the interposer measured it, for pods with a compute
-//!   share (`gpu-compute`): `{"compute":{"default/a":28}}`. Over 100 / GPUs is not possible
-//!   for one pod; a pod using idle time in `shared` mode may pass its share.
+//!   share (`gpu-compute`), extender mode: `{"compute":{"default/a":28}}`; over all the GPUs
+//!   it holds, at most 100. A pod using idle time in `shared` mode may pass its share.
 //!
 //! It is for people, not for scheduling: the extender does not read it, and it is written
 //! only when a value moved noticeably (see the device plugin's `usage` module), so it can

@@ -1,12 +1,13 @@
 //! How much of its GPUs' SM time each pod with a compute share used, from the interposer's
 //! own measurement, for `kubectl gpushare top -d` (the `compute` of the usage annotation).
+//! Extender mode: DRA claims' accounting directories (`claim-<uid>`) name no pod.
 //!
 //! ```text
 //!   <isolation host dir>/containers/<ns>_<pod>_<container>_<n>/budget-….v1
 //!        └─ stat: device and inode ──▶ container id (gpushare_isolation_budget::compute::container_id)
 //!   <isolation host dir>/compute/compute-<GPU uuid>.v1          (one per GPU, every container's entry)
 //!        └─ entries: id, busy ns (the SM time its kernels ran, from CUDA events)
-//!   busy ns per pod, twice, a period apart ──▶ percent of the pod's GPUs' time
+//!   each entry's busy ns, twice, a period apart ──▶ per pod and GPU ──▶ percent of the pod's GPUs' time
 //! ```
 //!
 //! Why the interposer's figure and not NVML's per-process utilization: it is what holds the
@@ -14,8 +15,11 @@
 //! lag by a sixth of a second or more. The container's entry carries the id the interposer
 //! derives from its budget file; the plugin made that file (at Allocate) and reads the same
 //! device and inode on the host, so no name has to be trusted from inside the container.
-//! A container restarted with a new budget file starts a new entry from 0: such a counter
-//! going backwards counts from 0, never as a negative use.
+//! Differences are taken per entry, never per pod: an entry the meter sees for the first time
+//! (a restarted plugin, a new container, a pod back in the live list) only sets its baseline,
+//! and one whose counter went back (an entry taken over by a container whose budget file
+//! reuses a dead one's inode) too, so a counter's past never shows as one period's use.
+//! The state files are read as the budget files are: no link followed, no FIFO waited on.
 
 use std::collections::{BTreeMap, HashMap};
 use std::path::Path;
@@ -27,18 +31,29 @@ use gpushare_isolation_budget::compute::{budget_container_id, compute_path};
 
 use crate::isolation_usage::parse_dir_name;
 
-/// SM nanoseconds of kernels, by (`namespace/name` of the pod, GPU UUID).
-pub type BusyByPod = BTreeMap<(String, String), u64>;
+/// One container's entry in one GPU's compute state, as read.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct EntryBusy {
+    /// The pod, `namespace/name`.
+    pub pod: String,
+    /// How many GPUs the pod holds on the node.
+    pub pod_gpus: usize,
+    /// The GPU's UUID.
+    pub gpu: String,
+    /// The entry's container id.
+    pub id: u64,
+    /// SM nanoseconds the container's kernels ran on the GPU, since the entry was made.
+    pub busy_ns: u64,
+}
 
-/// SM nanoseconds each pod's kernels ran, summed over its containers, by (`namespace/name`,
-/// GPU UUID): what the compute state files of `gpus` under `host_dir` say, for the pods of
-/// `live` (`namespace/name`).
-pub fn busy_by_pod(
+/// The entries of the compute state files of `gpus` under `host_dir` that belong to the
+/// containers of the pods of `live` (`namespace/name` → the indexes of the GPUs it holds).
+pub fn entries(
     host_dir: &Path,
     live: &BTreeMap<String, Vec<u32>>,
     gpus: &[GpuInfo],
-) -> BusyByPod {
-    let mut pod_of_id: HashMap<u64, String> = HashMap::new();
+) -> Vec<EntryBusy> {
+    let mut pod_of_id: HashMap<u64, &str> = HashMap::new();
     let containers = host_dir.join("containers");
     for entry in std::fs::read_dir(&containers)
         .into_iter()
@@ -49,69 +64,91 @@ pub fn busy_by_pod(
         let Some((pod, _container)) = parse_dir_name(&name) else {
             continue;
         };
-        if !live.contains_key(&pod) {
+        let Some((pod, _)) = live.get_key_value(&pod) else {
             continue;
-        }
+        };
         for (path, _) in budgets_in(&entry.path()).unwrap_or_default() {
             if let Ok(id) = budget_container_id(&path) {
-                pod_of_id.insert(id, pod.clone());
+                pod_of_id.insert(id, pod.as_str());
             }
         }
     }
-    let mut busy = BTreeMap::new();
+    let mut found = Vec::new();
     if pod_of_id.is_empty() {
-        return busy;
+        return found;
     }
     let dir = gpushare_runtime::isolation::compute_dir_path(host_dir);
     for gpu in gpus {
-        let Ok(entries) = gpushare_isolation_budget::compute::read(&compute_path(&dir, &gpu.uuid))
+        let Ok(state) = gpushare_isolation_budget::compute::read(&compute_path(&dir, &gpu.uuid))
         else {
             continue;
         };
-        for entry in entries {
-            if let Some(pod) = pod_of_id.get(&entry.id) {
-                let total: &mut u64 = busy.entry((pod.clone(), gpu.uuid.clone())).or_default();
-                *total = total.saturating_add(entry.busy_ns);
+        for entry in state {
+            if let Some(&pod) = pod_of_id.get(&entry.id) {
+                found.push(EntryBusy {
+                    pod: pod.to_owned(),
+                    pod_gpus: live.get(pod).map_or(1, Vec::len).max(1),
+                    gpu: gpu.uuid.clone(),
+                    id: entry.id,
+                    busy_ns: entry.busy_ns,
+                });
             }
         }
     }
-    busy
+    found
 }
+
+/// Each entry's busy ns, by (container id, GPU UUID).
+type BusyByEntry = HashMap<(u64, String), u64>;
 
 /// Turns busy-time counters read a period apart into percents of the time in between.
 #[derive(Debug, Default)]
 pub struct ComputeMeter {
-    last: Option<(Instant, BusyByPod)>,
+    /// When the last entries were read, and what each had run.
+    last: Option<(Instant, BusyByEntry)>,
 }
 
 impl ComputeMeter {
-    /// The percent of its GPUs' time each pod's kernels ran since the last call (averaged
-    /// over the GPUs it has an entry on); empty on the first call, which only sets the
-    /// baseline. A pod seen for the first time counts from 0.
-    pub fn observe(&mut self, now: Instant, busy: BusyByPod) -> BTreeMap<String, u32> {
+    /// The percent of its GPUs' time each pod's kernels ran since the last call: per GPU its
+    /// containers' busy time (at most the time that passed), over all the GPUs it holds.
+    /// An entry seen for the first time, or whose counter went back (another container took
+    /// it over), only sets its baseline; a pod with no entry measured over the period is not
+    /// in the answer. At most 100.
+    pub fn observe(&mut self, now: Instant, entries: Vec<EntryBusy>) -> BTreeMap<String, u32> {
         let mut used = BTreeMap::new();
         if let Some((then, before)) = &self.last {
             let wall = now.saturating_duration_since(*then).as_nanos();
             if wall > 0 {
-                let mut per_pod: BTreeMap<&str, (u128, u128)> = BTreeMap::new();
-                for ((pod, gpu), &ns) in &busy {
-                    let earlier = before.get(&(pod.clone(), gpu.clone())).copied();
-                    // A counter that went back is a new entry (a restarted container).
-                    let ran = match earlier {
-                        Some(earlier) if earlier <= ns => ns - earlier,
-                        _ => ns,
+                let mut per_gpu: BTreeMap<(&str, &str), (u128, usize)> = BTreeMap::new();
+                for entry in &entries {
+                    let Some(&earlier) = before.get(&(entry.id, entry.gpu.clone())) else {
+                        continue;
                     };
-                    let (sum, gpus) = per_pod.entry(pod).or_default();
-                    *sum += u128::from(ran);
-                    *gpus += 1;
+                    let Some(ran) = entry.busy_ns.checked_sub(earlier) else {
+                        continue;
+                    };
+                    let slot = per_gpu
+                        .entry((&entry.pod, &entry.gpu))
+                        .or_insert((0, entry.pod_gpus));
+                    slot.0 = (slot.0 + u128::from(ran)).min(wall);
+                }
+                let mut per_pod: BTreeMap<&str, (u128, usize)> = BTreeMap::new();
+                for ((pod, _), (ran, gpus)) in per_gpu {
+                    let slot = per_pod.entry(pod).or_insert((0, gpus));
+                    slot.0 += ran;
                 }
                 for (pod, (ran, gpus)) in per_pod {
-                    let percent = (ran * 100 + wall * gpus / 2) / (wall * gpus);
-                    used.insert(pod.to_owned(), u32::try_from(percent).unwrap_or(u32::MAX));
+                    let of = wall * gpus as u128;
+                    let percent = ((ran * 100 + of / 2) / of).min(100);
+                    used.insert(pod.to_owned(), u32::try_from(percent).unwrap_or(100));
                 }
             }
         }
-        self.last = Some((now, busy));
+        let read = entries
+            .into_iter()
+            .map(|entry| ((entry.id, entry.gpu), entry.busy_ns))
+            .collect();
+        self.last = Some((now, read));
         used
     }
 }
@@ -164,7 +201,7 @@ mod tests {
     }
 
     #[test]
-    fn each_pods_busy_time_is_found_by_its_budget_files_identity() {
+    fn each_containers_entry_is_found_by_its_budget_files_identity() {
         let host = tempfile::tempdir().unwrap();
         let a = container(host.path(), "default/a", "main");
         let a_side = container(host.path(), "default/a", "side");
@@ -180,40 +217,73 @@ mod tests {
         std::fs::write(compute_path(&dir, "GPU-1"), b"not a state file").unwrap();
         let live = BTreeMap::from([
             ("default/a".to_owned(), vec![0]),
-            ("default/b".to_owned(), vec![0]),
+            ("default/b".to_owned(), vec![0, 1]),
         ]);
-        let busy = busy_by_pod(host.path(), &live, &[gpu(0), gpu(1)]);
-        assert_eq!(
-            busy,
-            BTreeMap::from([
-                (("default/a".to_owned(), "GPU-0".to_owned()), 1_500),
-                (("default/b".to_owned(), "GPU-0".to_owned()), 7_000),
-            ])
-        );
+        let mut found: Vec<(String, usize, u64, u64)> =
+            entries(host.path(), &live, &[gpu(0), gpu(1)])
+                .into_iter()
+                .map(|e| (e.pod, e.pod_gpus, e.id, e.busy_ns))
+                .collect();
+        found.sort();
+        let mut want = vec![
+            ("default/a".to_owned(), 1, a, 1_000),
+            ("default/a".to_owned(), 1, a_side, 500),
+            ("default/b".to_owned(), 2, b, 7_000),
+        ];
+        want.sort();
+        assert_eq!(found, want);
+    }
+
+    fn busy(pod: &str, pod_gpus: usize, gpu: &str, id: u64, busy_ns: u64) -> EntryBusy {
+        EntryBusy {
+            pod: pod.to_owned(),
+            pod_gpus,
+            gpu: gpu.to_owned(),
+            id,
+            busy_ns,
+        }
     }
 
     #[test]
-    fn counters_a_period_apart_become_percents() {
-        let key = |pod: &str, gpu: &str| (pod.to_owned(), gpu.to_owned());
+    fn counters_a_period_apart_become_percents_of_the_pods_gpus() {
+        const S: u64 = 1_000_000_000;
         let mut meter = ComputeMeter::default();
         let start = Instant::now();
-        let first = BTreeMap::from([(key("ns/a", "GPU-0"), 1_000_000_000)]);
-        assert!(meter.observe(start, first).is_empty(), "a baseline only");
-        let second = BTreeMap::from([
+        let at = |seconds: u64| start + Duration::from_secs(seconds);
+        let first = vec![
+            busy("ns/a", 1, "GPU-0", 1, S),
+            busy("ns/b", 2, "GPU-0", 2, 10 * S),
+            busy("ns/b", 2, "GPU-1", 3, 10 * S),
+        ];
+        assert!(meter.observe(at(0), first).is_empty(), "a baseline only");
+        let second = vec![
             // 300 ms of a second: 30 %.
-            (key("ns/a", "GPU-0"), 1_300_000_000),
-            // New this period, on two GPUs: 500 + 100 ms over two GPU-seconds.
-            (key("ns/b", "GPU-0"), 500_000_000),
-            (key("ns/b", "GPU-1"), 100_000_000),
-        ]);
-        let used = meter.observe(start + Duration::from_secs(1), second);
+            busy("ns/a", 1, "GPU-0", 1, S + 300_000_000),
+            // Two containers of one pod on one GPU, the new one a baseline only.
+            busy("ns/a", 1, "GPU-0", 7, 40 * S),
+            // 500 + 100 ms over two GPU-seconds.
+            busy("ns/b", 2, "GPU-0", 2, 10 * S + 500_000_000),
+            busy("ns/b", 2, "GPU-1", 3, 10 * S + 100_000_000),
+            // New to the meter with a long past (a restarted plugin, a pod back in the
+            // live list): not a figure yet, whatever its counter says.
+            busy("ns/c", 1, "GPU-1", 4, 99 * S),
+        ];
+        let used = meter.observe(at(1), second);
         assert_eq!(
             used,
             BTreeMap::from([("ns/a".to_owned(), 30), ("ns/b".to_owned(), 30)])
         );
-        // A counter that went back (a restarted container's new entry) counts from 0.
-        let third = BTreeMap::from([(key("ns/a", "GPU-0"), 200_000_000)]);
-        let used = meter.observe(start + Duration::from_secs(2), third);
-        assert_eq!(used, BTreeMap::from([("ns/a".to_owned(), 20)]));
+        let third = vec![
+            // Its counter went back (another container took the entry over): a baseline.
+            busy("ns/a", 1, "GPU-0", 1, 200_000_000),
+            // More than the time that passed (two containers' events overlapping): 100 % at most.
+            busy("ns/a", 1, "GPU-0", 7, 42 * S),
+            busy("ns/c", 1, "GPU-1", 4, 99 * S + 250_000_000),
+        ];
+        let used = meter.observe(at(2), third);
+        assert_eq!(
+            used,
+            BTreeMap::from([("ns/a".to_owned(), 100), ("ns/c".to_owned(), 25)])
+        );
     }
 }

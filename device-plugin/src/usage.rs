@@ -250,14 +250,21 @@ impl UsageReader {
             return BTreeMap::new();
         };
         let (pods, inventory) = (self.pods.clone(), self.inventory.clone());
-        let busy = tokio::task::spawn_blocking(move || {
+        let read = tokio::task::spawn_blocking(move || {
             let live = crate::isolation_usage::live_pods(&pods, &inventory);
             let gpus = inventory.borrow().clone();
-            crate::compute_usage::busy_by_pod(&host_dir, &live, &gpus)
-        })
-        .await
-        .unwrap_or_default();
-        meter.observe(std::time::Instant::now(), busy)
+            crate::compute_usage::entries(&host_dir, &live, &gpus)
+        });
+        // The files are read without blocking; a period is still the most one pass may take.
+        match tokio::time::timeout(self.period.max(Duration::from_secs(1)), read).await {
+            Ok(Ok(entries)) => meter.observe(std::time::Instant::now(), entries),
+            Ok(Err(_)) | Err(_) => {
+                tracing::warn!(
+                    "reading the compute state files failed or took a whole period; compute use is left out this time"
+                );
+                BTreeMap::new()
+            }
+        }
     }
 
     /// One measurement; a failure is said once.

@@ -391,6 +391,16 @@ mod tests {
     }
 
     #[test]
+    fn a_device_checkpointed_before_compute_reads_back_without_a_share() {
+        let device: PreparedDevice = serde_json::from_value(json!({
+            "request": "gpu", "pool": "n1", "device": "gpu-0", "gpuIndex": 0,
+            "gpuUuid": "GPU-0", "gpuMemGib": 16, "gib": 4, "cdiDeviceId": "k/c=claim-u1-gpu-0"
+        }))
+        .unwrap();
+        assert_eq!((device.gib, device.compute), (4, 0));
+    }
+
+    #[test]
     fn an_unshared_device_is_the_whole_gpu() {
         let c = claim(json!([result(D, "n1", "gpu-0", None)]));
         let devices = plan(&c, "u1", D, "n1", &gpus(), "k/c").unwrap();

@@ -266,10 +266,35 @@ pub fn remove_accounting_dir(host_dir: &Path, name: &str) -> io::Result<()> {
         Err(e) if e.kind() != io::ErrorKind::NotFound => Err(e),
         _ => Ok(()),
     };
-    missing_is_fine(std::fs::remove_dir_all(
-        host_dir.join("containers").join(name),
-    ))?;
+    let dir = host_dir.join("containers").join(name);
+    release_compute_entries(host_dir, &dir);
+    missing_is_fine(std::fs::remove_dir_all(dir))?;
     missing_is_fine(std::fs::remove_file(host_dir.join("limits").join(name)))
+}
+
+/// Frees, in every GPU's compute state under `host_dir`, the entries of the containers whose
+/// budget files are in accounting directory `dir`, before those files go (see
+/// `gpushare_isolation_budget::compute::release`: a later budget file may reuse a freed inode,
+/// hence the id). Best effort: a state file that cannot be read is left as it is (its
+/// entries go stale and are reclaimed by the interposers in time).
+fn release_compute_entries(host_dir: &Path, dir: &Path) {
+    use gpushare_isolation_budget::compute;
+    let ids: Vec<u64> = gpushare_isolation_budget::budgets_in(dir)
+        .unwrap_or_default()
+        .into_iter()
+        .filter_map(|(path, _)| compute::budget_container_id(&path).ok())
+        .collect();
+    if ids.is_empty() {
+        return;
+    }
+    let Ok(states) = std::fs::read_dir(compute_dir_path(host_dir)) else {
+        return;
+    };
+    for state in states.flatten() {
+        if state.file_name().to_string_lossy().starts_with("compute-") {
+            let _ = compute::release(&state.path(), &ids);
+        }
+    }
 }
 
 /// What a plugin puts under its host directory, each removed by [`remove_installation`]:
@@ -505,8 +530,27 @@ mod tests {
         let again = prepare_accounting(dir.path(), "ns_pod_main_1", &[4 * GIB; 2], &uuids, options)
             .unwrap();
         assert_eq!(again, made);
+        // The container's entry in a GPU's compute state is freed with it (a later budget
+        // file may reuse the inode); another container's stays.
+        let id = gpushare_isolation_budget::compute::budget_container_id(&made.budget).unwrap();
+        let state_dir = compute_dir(dir.path()).unwrap();
+        let state = gpushare_isolation_budget::compute::compute_path(&state_dir, "GPU-a");
+        let mut bytes = vec![0u8; gpushare_isolation_budget::compute::FILE_LEN];
+        let header = gpushare_isolation_budget::compute::header();
+        bytes[..header.len()].copy_from_slice(&header);
+        for (i, entry_id) in [id, 99].into_iter().enumerate() {
+            let at = header.len() + i * gpushare_isolation_budget::compute::ENTRY_LEN;
+            bytes[at..at + 8].copy_from_slice(&entry_id.to_ne_bytes());
+        }
+        std::fs::write(&state, &bytes).unwrap();
         remove_accounting_dir(dir.path(), "ns_pod_main_1").unwrap();
         assert!(!made.dir.exists());
         assert!(!made.limits_file.exists());
+        let left: Vec<u64> = gpushare_isolation_budget::compute::read(&state)
+            .unwrap()
+            .iter()
+            .map(|e| e.id)
+            .collect();
+        assert_eq!(left, [99]);
     }
 }

@@ -161,15 +161,68 @@ pub enum ReadError {
 }
 
 /// The containers in the compute state file at `path` (a copy of its bytes, read without
-/// locking: each figure is one aligned word).
+/// locking: each figure is one aligned word). Only a regular file of [`FILE_LEN`] bytes is
+/// read: the directory is writable from every container with a compute share, so the file
+/// is opened without following a link and without blocking (a FIFO or a link to
+/// `/dev/zero` planted there cannot hang the reader or fill its memory), what it is is
+/// checked on the open file, and no more than [`FILE_LEN`] + 1 bytes are read.
 pub fn read(path: &Path) -> Result<Vec<ComputeUsage>, ReadError> {
-    let bytes = std::fs::read(path).map_err(|source| ReadError::Io {
-        path: path.to_path_buf(),
-        source,
-    })?;
+    let (_, bytes) = open_state(path, false)?;
     parse(&bytes).ok_or_else(|| ReadError::Format {
         path: path.to_path_buf(),
     })
+}
+
+/// The state file at `path`, opened as [`read`] says (for writing too, with `write`), and its
+/// bytes, checked to be a state file's.
+fn open_state(path: &Path, write: bool) -> Result<(std::fs::File, Vec<u8>), ReadError> {
+    use std::io::Read as _;
+    let io = |source| ReadError::Io {
+        path: path.to_path_buf(),
+        source,
+    };
+    let format = || ReadError::Format {
+        path: path.to_path_buf(),
+    };
+    let mut file = crate::reader::open_unfollowed(path, write).map_err(io)?;
+    let meta = file.metadata().map_err(io)?;
+    if !meta.is_file() || meta.len() != FILE_LEN as u64 {
+        return Err(format());
+    }
+    let mut bytes = Vec::with_capacity(FILE_LEN);
+    (&mut file)
+        .take(FILE_LEN as u64 + 1)
+        .read_to_end(&mut bytes)
+        .map_err(io)?;
+    if parse(&bytes).is_none() {
+        return Err(format());
+    }
+    Ok((file, bytes))
+}
+
+/// Frees the entries of the containers `ids` in the compute state file at `path` (their `id`
+/// set to 0, one aligned 8-byte write each), for a node agent removing those containers'
+/// budget files: a budget file made later may get a freed inode, hence a gone container's id,
+/// and would otherwise find that container's entry as its own, counters included. An
+/// interposer that claims a freed entry starts it afresh. Opened as [`read`] opens, for
+/// writing. Returns how many entries were freed.
+pub fn release(path: &Path, ids: &[u64]) -> Result<usize, ReadError> {
+    use std::os::unix::fs::FileExt as _;
+    let (file, bytes) = open_state(path, true)?;
+    let mut freed = 0;
+    for at in (0..ENTRIES).map(|i| HEADER_LEN + i * ENTRY_LEN + ENTRY_ID) {
+        let mut word = [0u8; 8];
+        word.copy_from_slice(&bytes[at..at + 8]);
+        if ids.contains(&u64::from_ne_bytes(word)) {
+            file.write_at(&0u64.to_ne_bytes(), at as u64)
+                .map_err(|source| ReadError::Io {
+                    path: path.to_path_buf(),
+                    source,
+                })?;
+            freed += 1;
+        }
+    }
+    Ok(freed)
 }
 
 /// The containers in a compute state file's bytes; `None` if they are not one.
@@ -226,6 +279,59 @@ mod tests {
         assert_eq!(parse(&bytes[1..]), None);
         bytes[0] = b'X';
         assert_eq!(parse(&bytes), None);
+    }
+
+    /// A FIFO, a link to `/dev/zero` or a file of the wrong size where a state file should be
+    /// is refused at once, never waited on or read whole; a real one reads back.
+    #[test]
+    fn a_planted_fifo_or_link_is_refused_without_blocking() {
+        let dir = tempfile::tempdir().unwrap();
+        let fifo = compute_path(dir.path(), "GPU-fifo");
+        let made = std::process::Command::new("mkfifo")
+            .arg(&fifo)
+            .status()
+            .unwrap();
+        assert!(made.success());
+        let link = compute_path(dir.path(), "GPU-zero");
+        std::os::unix::fs::symlink("/dev/zero", &link).unwrap();
+        let short = compute_path(dir.path(), "GPU-short");
+        std::fs::write(&short, header()).unwrap();
+        let real = compute_path(dir.path(), "GPU-real");
+        let mut bytes = vec![0u8; FILE_LEN];
+        bytes[..HEADER_LEN].copy_from_slice(&header());
+        std::fs::write(&real, &bytes).unwrap();
+        let (done, answer) = std::sync::mpsc::channel();
+        let paths = [fifo, link, short, real];
+        std::thread::spawn(move || {
+            let results: Vec<bool> = paths.iter().map(|p| read(p).is_ok()).collect();
+            let _ = done.send(results);
+        });
+        let results = answer
+            .recv_timeout(std::time::Duration::from_secs(5))
+            .expect("reading a planted FIFO blocked");
+        assert_eq!(results, [false, false, false, true]);
+    }
+
+    #[test]
+    fn released_entries_are_free_and_the_others_untouched() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = compute_path(dir.path(), "GPU-0");
+        let mut bytes = vec![0u8; FILE_LEN];
+        bytes[..HEADER_LEN].copy_from_slice(&header());
+        for (i, id) in [11u64, 22, 33].into_iter().enumerate() {
+            let at = HEADER_LEN + i * ENTRY_LEN;
+            bytes[at + ENTRY_ID..at + ENTRY_ID + 8].copy_from_slice(&id.to_ne_bytes());
+            bytes[at + ENTRY_BUSY..at + ENTRY_BUSY + 8].copy_from_slice(&7u64.to_ne_bytes());
+        }
+        std::fs::write(&path, &bytes).unwrap();
+        assert_eq!(release(&path, &[22, 33, 44]).unwrap(), 2);
+        let left: Vec<(u64, u64)> = read(&path)
+            .unwrap()
+            .iter()
+            .map(|e| (e.id, e.busy_ns))
+            .collect();
+        assert_eq!(left, [(11, 7)]);
+        assert!(release(&dir.path().join("missing"), &[11]).is_err());
     }
 
     #[test]

@@ -77,22 +77,29 @@ pub struct Snapshot {
     pub processes: Vec<ProcessUsage>,
 }
 
+/// Opens `path` for reading (and writing, with `write`) without following a link and without
+/// blocking: files in directories containers can write are opened so, and what the open
+/// file is gets checked afterwards.
+pub(crate) fn open_unfollowed(path: &Path, write: bool) -> std::io::Result<std::fs::File> {
+    use std::os::unix::fs::OpenOptionsExt as _;
+    std::fs::OpenOptions::new()
+        .read(true)
+        .write(write)
+        .custom_flags(libc::O_NONBLOCK | libc::O_NOFOLLOW)
+        .open(path)
+}
+
 impl Snapshot {
     /// Reads the budget file at `path`. Only a regular file of [`FILE_LEN`] bytes is read:
     /// the directory is writable from containers, so the file is opened without following a
     /// link and without blocking (a FIFO planted there, or swapped in after the listing,
     /// cannot hang the reader), and what it turns out to be is checked on the open file.
     pub fn read(path: &Path) -> Result<Self> {
-        use std::os::unix::fs::OpenOptionsExt as _;
         let io = |source| Error::Io {
             path: path.to_path_buf(),
             source,
         };
-        let file = std::fs::OpenOptions::new()
-            .read(true)
-            .custom_flags(libc::O_NONBLOCK | libc::O_NOFOLLOW)
-            .open(path)
-            .map_err(io)?;
+        let file = open_unfollowed(path, false).map_err(io)?;
         let meta = file.metadata().map_err(io)?;
         if !meta.is_file() {
             return Err(FormatError::new("not a regular file").into());

@@ -90,12 +90,13 @@ fn gib_up(quantity: &Quantity) -> Option<u64> {
     u64::try_from(bytes.div_ceil(GIB)).ok()
 }
 
-/// A compute capacity as a whole percent of a GPU, at most [`COMPUTE_PER_GPU`]; `None` for
-/// anything else (a claim the extender cannot size).
+/// A compute capacity in percent of a GPU, rounded up to a whole one as our devices' request
+/// policy (step 1) makes kube-scheduler consume it; `None` past [`COMPUTE_PER_GPU`] (a
+/// claim no device can take, which the extender does not size).
 fn compute_percent(quantity: &Quantity) -> Option<u32> {
     let milli = quantity::milli(&quantity.0).ok()?;
-    let percent = u32::try_from(milli / 1000).ok()?;
-    (milli % 1000 == 0 && percent <= COMPUTE_PER_GPU).then_some(percent)
+    let percent = u32::try_from(milli.div_ceil(1000)).ok()?;
+    (percent <= COMPUTE_PER_GPU).then_some(percent)
 }
 
 /// The GPU a device of our slice stands for; `None` for a device without memory capacity.
