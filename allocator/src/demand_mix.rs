@@ -17,7 +17,8 @@
 //! ([`crate::Cluster::scores`]): by the measure while they are rare, as binpack while they
 //! are common. The measure learns multi-GPU shapes too ([`crate::fragmentation::Gang`]), but
 //! scoring multi-GPU pods by it while they are common moved the trace's multigpu50 mix by
-//! 0.1 point only (docs/performance.md), so the switch stays.
+//! 0.1 point only (on the generator before 2026-11-29; docs/performance.md), so the switch
+//! stays.
 //!
 //! "Lately" decays as the fragmentation workload does (a pod's weight halves after about
 //! 350 later pods), so the ranking follows the mix that is arriving now.

@@ -34,7 +34,8 @@
 //!   free / its GPUs⌋` of them, capped by its host, and loses every free GiB to the job
 //!   when it takes none. So a small pod on an 8-GPU node that still holds an 8-GPU job whole
 //!   costs that job, and goes where it costs nothing. On the trace's multigpu50 mix this
-//!   lifted the chart's default from 94.2 to 95.6 % (docs/performance.md).
+//!   lifted the chart's default from 94.2 to 95.6 % (on the generator as it drew multi-GPU
+//!   jobs before 2026-11-29; docs/performance.md).
 //! - Among placements that change `F` equally, the fuller node and then the fuller GPU win,
 //!   so ties pack instead of scattering.
 //!

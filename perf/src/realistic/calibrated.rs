@@ -17,11 +17,16 @@
 //!   above p90 at p90);
 //! - CPU and memory are drawn at the same quantile (a task that asks for much CPU asks for
 //!   much memory): drawn independently, a p90 CPU with a p10 memory is a task no trace shows;
-//! - every task ran on some node, so it is drawn for one: a GPU task for a node type with its
-//!   GPUs (and of its models, when pinned), picked by that type's share of such GPUs; its CPU
-//!   and memory are drawn below what an empty node of that type holds, and for 2-, 4- and
-//!   8-GPU jobs below their GPUs' share of it (a quantile drawn in `[0, F(cap))`, so the shape
-//!   below the cap keeps the trace's proportions). A CPU-only task fits the largest node.
+//! - every task ran on some node of the trace's cluster: a GPU task's CPU and memory are
+//!   drawn first, from its shape's quantiles, below what the largest node with its GPUs (of
+//!   its models, when pinned) holds (a quantile drawn in `[0, F(cap))`, so the shape below the
+//!   cap keeps the trace's proportions); then it is drawn for a node type that holds them
+//!   whole, with its GPUs and models, picked by that type's share of such GPUs. So, as the
+//!   trace's notes say, an 8-GPU job of 120 cores fits only G3. (Drawn the other way round,
+//!   a node type first and a multi-GPU job's CPU and memory capped at its GPUs' share of
+//!   it, no job outgrew the node it was drawn for: multigpu50 read 97.9 % under the trace's
+//!   protocol against 86.35 % in the replay of the real trace; drawn so, 88.3 %.) A CPU-only
+//!   task fits the largest node.
 //! - GPU memory per model, since gpushare counts GiB: T4 15, P100 16, V100M16 16, V100M32 32,
 //!   A10 24; the trace's anonymised G2 and G3 get 32 (nothing is published of them; 32 as
 //!   V100M32, so that a whole-GPU task drawn for one fits the other, as in the trace, where a
@@ -319,14 +324,12 @@ pub fn trace_tasks(nodes: &[SimNode], mix: TraceMix, demand: f64, seed: u64) -> 
             } else {
                 None
             };
-            let Some((spec, _)) = draw_target(&mut rng, &types, shape.gpus, pin) else {
+            // CPU and memory first, as the trace's quantiles say, then a node type that
+            // holds them whole (the task ran on some node of the trace's cluster).
+            let cap = largest_fitting(&types, shape.gpus, pin);
+            let host = draw_host(&mut rng, &shape, cap);
+            let Some((spec, _)) = draw_target(&mut rng, &types, shape.gpus, pin, host) else {
                 continue;
-            };
-            let cap = if shape.gpus > 1 {
-                let of = |v: u64| v * u64::from(shape.gpus) / u64::from(spec.gpus);
-                Host::new(of(spec.host.milli_cpu), of(spec.host.memory_mib))
-            } else {
-                spec.host
             };
             let gib = spec.gpu_gib;
             let (gpu_gib, milli) = if shape.kind == TaskKind::Fractional {
@@ -340,7 +343,7 @@ pub fn trace_tasks(nodes: &[SimNode], mix: TraceMix, demand: f64, seed: u64) -> 
                 kind: shape.kind,
                 gpus: shape.gpus,
                 gpu_gib,
-                host: draw_host(&mut rng, &shape, cap),
+                host,
                 model: pin,
                 milli,
             }
@@ -385,17 +388,41 @@ fn node_types(nodes: &[SimNode]) -> Vec<(SimNode, u32)> {
     types
 }
 
-/// A node type for a task of `gpus` GPUs (of `pin`'s models, if any), by its share of the
-/// cluster's GPUs on such nodes.
+/// Whether a node of type `t` has `gpus` GPUs of `pin`'s models (any, without a pin).
+fn takes_shape(t: &SimNode, gpus: u32, pin: Option<Models>) -> bool {
+    t.gpus >= gpus && pin.is_none_or(|m| m.contains(t.model))
+}
+
+/// The most cores and the most memory any node type with `gpus` GPUs (of `pin`'s models)
+/// has: no task of that shape can ask for more.
+fn largest_fitting(types: &[(SimNode, u32)], gpus: u32, pin: Option<Models>) -> Host {
+    types
+        .iter()
+        .filter(|(t, _)| takes_shape(t, gpus, pin))
+        .fold(Host::default(), |a, (t, _)| {
+            Host::new(
+                a.milli_cpu.max(t.host.milli_cpu),
+                a.memory_mib.max(t.host.memory_mib),
+            )
+        })
+}
+
+/// A node type for a task of `gpus` GPUs (of `pin`'s models, if any) asking for `host`, by
+/// its share of the cluster's GPUs on such nodes that hold `host` whole.
 fn draw_target(
     rng: &mut StdRng,
     types: &[(SimNode, u32)],
     gpus: u32,
     pin: Option<Models>,
+    host: Host,
 ) -> Option<(SimNode, u32)> {
     let fitting: Vec<((SimNode, u32), u32)> = types
         .iter()
-        .filter(|(t, _)| t.gpus >= gpus && pin.is_none_or(|m| m.contains(t.model)))
+        .filter(|(t, _)| {
+            takes_shape(t, gpus, pin)
+                && t.host.milli_cpu >= host.milli_cpu
+                && t.host.memory_mib >= host.memory_mib
+        })
         .map(|&(t, n)| ((t, n), n))
         .collect();
     (!fitting.is_empty()).then(|| pick(rng, &fitting))
@@ -562,7 +589,7 @@ mod tests {
     }
 
     #[test]
-    fn cpu_and_memory_follow_the_quantiles_under_each_nodes_cap() {
+    fn cpu_and_memory_follow_the_quantiles_and_pick_a_node_that_holds_them() {
         let nodes = trace_nodes(1_200, 2);
         let tasks = trace_tasks(&nodes, TraceMix::Multigpu50, 1.3, 2);
         let median = |mut v: Vec<u64>| {
@@ -576,26 +603,22 @@ mod tests {
         // Sharing and whole-GPU tasks are rarely capped: their medians are the trace's.
         assert!((cores(1, TaskKind::Fractional) - 4.0).abs() < 0.4);
         assert!((cores(1, TaskKind::Whole) - 11.4).abs() < 1.0);
-        // 8-GPU jobs drawn for 96-core G2 nodes stay below 96 cores and 384 GiB; the
-        // trace's largest go to G3 (128 cores, 768 GiB).
+        // 8-GPU jobs take the trace's CPU and memory whatever node they fit: those past a G2
+        // node (96 cores, 384 GiB) are the trace's share above it, and go to G3 (128 cores,
+        // 768 GiB), the only 8-GPU node that holds them.
         let eight: Vec<&Task> = tasks.iter().filter(|t| t.gpus == 8).collect();
         assert!(eight.len() > 100);
-        assert!(eight.iter().any(|t| t.host.milli_cpu > 100_000));
-        // Only jobs drawn for the larger 8-GPU nodes may outgrow a G2 node: at most their
-        // share of the 8-GPU nodes' GPUs (with slack for the draw).
         let g2 = Host::new(96_000, 384 * 1024);
         let beyond_g2 = eight.iter().filter(|t| !g2.fits(t.host)).count() as f64;
-        let eight_gpu_nodes = nodes.iter().filter(|n| n.gpus == 8);
-        let larger = eight_gpu_nodes
-            .clone()
-            .filter(|n| n.host != g2 && n.host.fits(g2));
-        let larger_share = larger.count() as f64 / eight_gpu_nodes.count() as f64;
-        assert!(beyond_g2 > 0.0);
+        let shape = SHAPES[5];
+        let expected = 1.0 - shape.cores.below(96.0).min(shape.memory_gib.below(384.0));
+        let observed = beyond_g2 / eight.len() as f64;
         assert!(
-            beyond_g2 <= 1.5 * larger_share * eight.len() as f64,
-            "{beyond_g2} of {} jobs outgrow a G2 node; {larger_share} of 8-GPU nodes are larger",
-            eight.len()
+            (observed - expected).abs() < 0.08,
+            "{observed:.2} of 8-GPU jobs outgrow a G2 node; the quantiles say {expected:.2}"
         );
+        let g3 = Host::new(128_000, 768 * 1024);
+        assert!(eight.iter().all(|t| g3.fits(t.host)));
         // CPU and memory are drawn at one quantile: a task's CPU and memory sit at the same
         // place in their distributions (where neither is held at p10).
         let shape = SHAPES[2];
