@@ -478,29 +478,7 @@ fn compute_shares_land_only_where_memory_and_compute_fit(c: &KitCluster) -> Outc
             pods.create(&PostParams::default(), &c.prepare(pod)).await?;
         }
         // kube-scheduler takes them in no promised order: any two run, one per GPU.
-        let running: Vec<String> = wait_for(
-            "two of the three compute pods to run",
-            Duration::from_secs(60),
-            || async {
-                let mut running = Vec::new();
-                for name in names {
-                    let pod = pods.get(name).await.ok()?;
-                    if phase(&pod) == "Running" {
-                        running.push(name.to_owned());
-                    }
-                }
-                (running.len() >= 2).then_some(running)
-            },
-        )
-        .await?;
-        ensure!(
-            running.len() == 2,
-            "three 60 % pods ran on two GPUs: {running:?}"
-        );
-        let waiting = names
-            .into_iter()
-            .find(|name| !running.iter().any(|r| r == name))
-            .context("one compute pod waits")?;
+        let (running, waiting) = two_of_three_run(&pods, names, Duration::from_secs(60)).await?;
         let mut gpus = BTreeSet::new();
         for name in &running {
             let pod = wait_running(c, name).await?;
@@ -552,6 +530,34 @@ fn compute_shares_land_only_where_memory_and_compute_fit(c: &KitCluster) -> Outc
         check_no_overcommit(&c.client()).await?;
         Ok(())
     })
+}
+
+/// Waits until two of the three 60 % compute pods `names` run (kube-scheduler promises no
+/// order among them), and checks that the third does not: returns the two and the third.
+async fn two_of_three_run(
+    pods: &Api<Pod>,
+    names: [&'static str; 3],
+    within: Duration,
+) -> anyhow::Result<(Vec<String>, &'static str)> {
+    let running: Vec<String> = wait_for("two of the three compute pods to run", within, || async {
+        let mut running = Vec::new();
+        for name in names {
+            if phase(&pods.get(name).await.ok()?) == "Running" {
+                running.push(name.to_owned());
+            }
+        }
+        (running.len() >= 2).then_some(running)
+    })
+    .await?;
+    ensure!(
+        running.len() == 2,
+        "three 60 % compute pods ran on two GPUs: {running:?}"
+    );
+    let waiting = names
+        .into_iter()
+        .find(|name| !running.iter().any(|r| r == name))
+        .context("one compute pod waits")?;
+    Ok((running, waiting))
 }
 
 /// A user the chart does not trust.
@@ -2867,28 +2873,7 @@ fn dra_compute_shares_are_allocated_by_kube_scheduler(c: &KitCluster) -> Outcome
                 "{name} kept an extended resource in DRA mode: {limits:?}"
             );
         }
-        let running: Vec<String> = wait_for(
-            "two of the three compute pods to run",
-            Duration::from_secs(90),
-            || async {
-                let mut running = Vec::new();
-                for name in names {
-                    if phase(&pods.get(name).await.ok()?) == "Running" {
-                        running.push(name.to_owned());
-                    }
-                }
-                (running.len() >= 2).then_some(running)
-            },
-        )
-        .await?;
-        ensure!(
-            running.len() == 2,
-            "three 60 % claims ran on two GPUs: {running:?}"
-        );
-        let waiting = names
-            .into_iter()
-            .find(|name| !running.iter().any(|r| r == name))
-            .context("one compute pod waits")?;
+        let (running, waiting) = two_of_three_run(&pods, names, Duration::from_secs(90)).await?;
         let mut devices = BTreeSet::new();
         for name in &running {
             let claims = pod_claims(c, name)?;
