@@ -789,17 +789,19 @@ fn dra_a_real_prometheus_answers_the_dashboard_and_the_alerts(c: &KitCluster) ->
 }
 
 /// A real Prometheus scraping what the chart's ServiceMonitors select in this install, with
-/// the chart's alert rules `files/<alerts>` loaded; the discovery files live as long as the
-/// returned folder.
+/// the chart's alert rules `files/<alerts>` loaded. Discovery follows the EndpointSlices as
+/// Prometheus' own Kubernetes discovery does: a task rewrites the file-discovery files every
+/// second (a replica that turns ready after the start, often the leader, is scraped too) as
+/// long as the returned [`LiveDiscovery`] lives.
 async fn chart_prometheus(
     c: &KitCluster,
     alerts: &str,
 ) -> anyhow::Result<(
     gpushare_e2e::realk8s::prometheus::Prometheus,
     std::path::PathBuf,
-    tempfile::TempDir,
+    LiveDiscovery,
 )> {
-    use gpushare_e2e::realk8s::prometheus::{Prometheus, discover, scrape_config};
+    use gpushare_e2e::realk8s::prometheus::{Prometheus, scrape_config};
     use serde::Deserialize as _;
     let chart = c.chart_dir();
     let values_file = c.release_values("prometheus-values.yaml")?;
@@ -819,6 +821,7 @@ async fn chart_prometheus(
         "templates/servicemonitor.yaml",
     ])?;
     let sd_dir = tempfile::tempdir()?;
+    let mut monitors = Vec::new();
     let mut jobs = Vec::new();
     for doc in serde_yaml::Deserializer::from_str(&rendered) {
         let monitor = serde_json::to_value(serde_yaml::Value::deserialize(doc)?)?;
@@ -826,19 +829,71 @@ async fn chart_prometheus(
             continue;
         }
         let targets = sd_dir.path().join(format!("targets-{}.json", jobs.len()));
-        let groups = discover(&c.client(), &monitor, 0).await?;
-        ensure!(!groups.is_empty(), "no endpoint for {monitor}");
-        std::fs::write(&targets, serde_json::to_string(&groups)?)?;
         jobs.push(scrape_config(&monitor, 0, &targets)?);
+        monitors.push((monitor, targets));
     }
     ensure!(!jobs.is_empty(), "no ServiceMonitor rendered: {rendered}");
+    write_discovery(&c.client(), &monitors).await?;
+    for (monitor, targets) in &monitors {
+        ensure!(
+            std::fs::read_to_string(targets)? != "[]",
+            "no endpoint for {monitor}"
+        );
+    }
+    let client = c.client();
+    let refresher = tokio::spawn(async move {
+        loop {
+            tokio::time::sleep(Duration::from_secs(1)).await;
+            if let Err(error) = write_discovery(&client, &monitors).await {
+                eprintln!("  Prometheus discovery: {error:#}");
+            }
+        }
+    });
     let tools = gpushare_e2e::tools::promtool()?
         .parent()
         .context("tools dir")?
         .to_path_buf();
     let alerts = chart.join("files").join(alerts);
     let prometheus = Prometheus::start(&tools, jobs, std::slice::from_ref(&alerts)).await?;
-    Ok((prometheus, alerts, sd_dir))
+    Ok((
+        prometheus,
+        alerts,
+        LiveDiscovery {
+            _dir: sd_dir,
+            refresher,
+        },
+    ))
+}
+
+/// The file-discovery folder of [`chart_prometheus`] and the task keeping it current.
+struct LiveDiscovery {
+    _dir: tempfile::TempDir,
+    refresher: tokio::task::JoinHandle<()>,
+}
+
+impl Drop for LiveDiscovery {
+    fn drop(&mut self) {
+        self.refresher.abort();
+    }
+}
+
+/// Each monitor's ready endpoints written to its discovery file, through a rename so that
+/// Prometheus never reads half a file; an unchanged file is left alone.
+async fn write_discovery(
+    client: &kube::Client,
+    monitors: &[(serde_json::Value, std::path::PathBuf)],
+) -> anyhow::Result<()> {
+    for (monitor, targets) in monitors {
+        let groups = gpushare_e2e::realk8s::prometheus::discover(client, monitor, 0).await?;
+        let text = serde_json::to_string(&groups)?;
+        if std::fs::read_to_string(targets).ok().as_deref() == Some(text.as_str()) {
+            continue;
+        }
+        let fresh = targets.with_extension("json.new");
+        std::fs::write(&fresh, &text)?;
+        std::fs::rename(&fresh, targets)?;
+    }
+    Ok(())
 }
 
 async fn prometheus_answers(c: &KitCluster) -> anyhow::Result<()> {
