@@ -5,16 +5,12 @@
 //!   is strict, with fault injection.
 //! - [`scheduler`]: drives pending pods through an HTTP extender exactly as kube-scheduler does.
 //! - [`kubelet`]: registers device plugins over a real unix socket and admits pods as kubelet
-//!   does; [`kubelet::dra`]: the DRA side of a kubelet: plugin registration,
-//!   Prepare/Unprepare over real sockets, and CDI devices applied to containers.
-//! - [`resourceclaim`]: kube-controller-manager's resourceclaim controller: one claim per pod
-//!   from a ResourceClaimTemplate, deleted when the pod no longer needs it.
+//!   does.
 //! - [`fixtures`]: builders for nodes and pods shared by every test (`gpushare-testkit`'s,
 //!   re-exported).
 //! - [`cluster`]: the whole system — our real binaries as child processes on simulated GPUs —
-//!   started, faulted and stopped in one place, for the scenarios, the demo and the load harness;
-//!   [`cluster::dra`]: the same in DRA mode: the real `gpushare-dra-plugin` per node, the DRA
-//!   scheduler driver, no extender.
+//!   started, faulted and stopped in one place, for the scenarios, the demo and the load harness.
+//!   DRA mode runs only on the real-Kubernetes tier ([`realk8s`]).
 //! - [`front`]: a round-robin TCP front over several extender replicas, as a Service is.
 //! - [`realk8s`]: the real-Kubernetes tier: the kit of `../shared/realk8s` set up, the chart
 //!   installed by helm, container environments read from the real runtime's record.
@@ -25,13 +21,11 @@
 pub mod apiserver;
 mod chunked;
 pub mod cluster;
-mod control_loop;
 pub use gpushare_testkit::fixtures;
 pub mod front;
 pub mod kubelet;
 pub mod preemption;
 pub mod realk8s;
-pub mod resourceclaim;
 pub mod scenarios;
 pub mod scheduler;
 pub mod tools;

@@ -6,21 +6,23 @@
 //! cluster, recorded by its API server by caller.
 
 use std::collections::{BTreeMap, BTreeSet};
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 use std::process::Command;
 use std::time::Duration;
 
 use anyhow::{Context, bail, ensure};
-use gpushare_e2e::apiserver::{ADMIN_USER, Call, Verb};
+use gpushare_e2e::apiserver::{ADMIN_USER, ApiServer, Call, Verb};
 use gpushare_e2e::cluster::{
-    ClusterSpec, DEVICE_PLUGIN_USER, EXTENDER_USER, RELEASE, RELEASE_NAMESPACE, TestCluster,
-    dedicated_scheduler_configuration, wait_for,
+    ClusterSpec, DEVICE_PLUGIN_USER, EXTENDER_USER, Process, RELEASE, RELEASE_NAMESPACE,
+    TestCluster, binaries, dedicated_scheduler_configuration, wait_for,
 };
 use gpushare_e2e::fixtures::pod;
 use gpushare_e2e::scenarios::{create_gpu_pod, delete_pod, wait_running};
 use gpushare_e2e::scheduler::SchedulerConfig;
 use gpushare_e2e::scheduler::framework::{FitScoring, FitStrategy};
 use gpushare_e2e::scheduler::wire::ExtenderBindingArgs;
+use gpushare_proto::dra::v1::dra_plugin_client::DraPluginClient;
+use gpushare_proto::dra::v1::{Claim, NodePrepareResourcesRequest};
 use k8s_openapi::api::admissionregistration::v1::{
     MutatingWebhookConfiguration, ValidatingAdmissionPolicy, ValidatingAdmissionPolicyBinding,
 };
@@ -30,7 +32,9 @@ use k8s_openapi::api::core::v1::{
 };
 use k8s_openapi::api::networking::v1::NetworkPolicy;
 use k8s_openapi::api::rbac::v1::{ClusterRole, ClusterRoleBinding, PolicyRule, Role, RoleBinding};
+use k8s_openapi::api::resource::v1::{ResourceClaim, ResourceSlice};
 use k8s_openapi::apimachinery::pkg::util::intstr::IntOrString;
+use kube::api::{Api, ListParams, Patch, PatchParams, PostParams};
 use serde::Deserialize;
 use serde::de::DeserializeOwned;
 use serde_json::Value;
@@ -798,98 +802,127 @@ async fn rbac_grants_exactly_what_each_binary_calls() -> anyhow::Result<()> {
 }
 
 /// DRA mode: what the chart (`mode=dra`) grants the DRA plugin's ServiceAccount, against
-/// the calls the real `gpushare-dra-plugin` makes on a DRA-mode cluster through every path
-/// that needs a permission: publishing its slice, preparing claims (from a template and
-/// named), re-publishing when a GPU turns unhealthy and back, starting again after a crash
-/// (its slice exists then), and unpreparing. Fails on a call not granted and on a grant
-/// never used; calls from any identity but the plugin's and the harness's are named too.
+/// the calls the real `gpushare-dra-plugin`, run as that ServiceAccount on the in-process
+/// API server, makes through every path that needs a permission: publishing its slice and
+/// watching it, re-publishing when a GPU turns unhealthy, and preparing an allocated claim
+/// (the test calls NodePrepareResources as kubelet does; no scheduler, no kubelet run).
+/// Fails on a call not granted and on a grant never used.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn rbac_grants_the_dra_plugin_exactly_what_it_calls() -> anyhow::Result<()> {
-    use gpushare_e2e::cluster::dra::{DRA_PLUGIN_USER, DraCluster, phase};
     let values = "mode=dra";
     let rendered = render(RELEASE, RELEASE_NAMESPACE, &["--set", values])?;
-    let chart_user =
-        service_account_user(&rendered, "DaemonSet", &format!("{RELEASE}-dra-plugin"))?;
-    ensure!(
-        chart_user == DRA_PLUGIN_USER,
-        "the chart runs the DRA plugin as {chart_user}, the e2e cluster as {DRA_PLUGIN_USER}"
-    );
-    let mut cluster = DraCluster::start(&[("gpu-node-1", &[16])]).await?;
-    let exercised = async {
-        let wait = Duration::from_secs(60);
-        cluster.create_claim_template("gpu-4g", 4).await?;
-        cluster.create_templated_pod("templated", "gpu-4g").await?;
-        cluster.create_gpu_pod("named", 2).await?;
-        cluster
-            .wait_until(wait, "both pods running", || async {
-                Ok(cluster
-                    .pods()
-                    .await?
-                    .iter()
-                    .filter(|p| phase(p) == "Running")
-                    .count()
-                    == 2)
-            })
-            .await?;
-        for unhealthy in [&[0][..], &[]] {
-            cluster.set_unhealthy("gpu-node-1", unhealthy)?;
-            cluster
-                .wait_until(wait, "the slice to follow the GPU's health", || async {
-                    let tainted = cluster
-                        .slices()
-                        .await?
-                        .iter()
-                        .flat_map(|s| s.spec.devices.iter().flatten())
-                        .any(|d| d.taints.as_ref().is_some_and(|t| !t.is_empty()));
-                    Ok(tainted != unhealthy.is_empty())
-                })
-                .await?;
-        }
-        cluster.crash_and_restart_plugin("gpu-node-1").await?;
-        cluster.delete_gpu_pod("named").await?;
-        cluster
-            .wait_until(wait, "pod named gone", || async {
-                Ok(!cluster
-                    .pods()
-                    .await?
-                    .iter()
-                    .any(|p| p.metadata.name.as_deref() == Some("named")))
-            })
-            .await?;
-        anyhow::Ok(())
-    }
-    .await;
-    let stats = cluster.api.stats();
-    cluster.shutdown().await;
-    exercised?;
-    let mut problems = Vec::new();
-    for (call, _) in stats.calls() {
-        if call.user != ADMIN_USER && call.user != DRA_PLUGIN_USER {
-            problems.push(format!("calls from an unexpected identity {}", call.user));
-        }
-    }
-    let calls = stats.calls_by(DRA_PLUGIN_USER);
-    eprintln!("dra-plugin ({DRA_PLUGIN_USER}) made, chart rendered with {values}:");
+    let user = service_account_user(&rendered, "DaemonSet", &format!("{RELEASE}-dra-plugin"))?;
+    let api = ApiServer::start().await?;
+    let dir = tempfile::tempdir()?;
+    let path = |name: &str| dir.path().join(name);
+    api.write_kubeconfig_as(&path("kubeconfig"), &user)?;
+    let arg = |name: &str| path(name).display().to_string();
+    let args = [
+        "--node-name",
+        "gpu-node-1",
+        "--gpu-backend",
+        "simulated",
+        "--simulate-gpus",
+        "16,16",
+        "--simulate-health-file",
+        &arg("unhealthy-gpus"),
+        "--plugin-dir",
+        &arg("plugin"),
+        "--registry-dir",
+        &arg("registry"),
+        "--cdi-dir",
+        &arg("cdi"),
+        "--probe-addr",
+        "127.0.0.1:0",
+    ]
+    .map(str::to_owned);
+    let plugin = Process::spawn(
+        "gpushare-dra-plugin",
+        &binaries()?.dra_plugin,
+        &args,
+        &path("kubeconfig"),
+        &path("dra-plugin.log"),
+    )?;
+    let exercised = exercise_dra_plugin(&api, &user, dir.path()).await;
+    plugin.stop().await;
+    exercised.with_context(|| format!("see {}", path("dra-plugin.log").display()))?;
+    let calls = api.stats().calls_by(&user);
+    eprintln!("dra-plugin ({user}) made, chart rendered with {values}:");
     for (call, n) in &calls {
-        eprintln!(
-            "  {} {}/{}: {n}",
-            call.verb.rbac(),
-            call.group,
-            call.resource
-        );
+        let (verb, group, resource) = (call.verb.rbac(), &call.group, &call.resource);
+        eprintln!("  {verb} {group}/{resource}: {n}");
     }
-    problems.extend(rbac_problems(
-        &rendered,
-        values,
-        "dra-plugin",
-        DRA_PLUGIN_USER,
-        &calls,
-    )?);
-    problems.dedup();
+    let problems = rbac_problems(&rendered, values, "dra-plugin", &user, &calls)?;
     ensure!(
         problems.is_empty(),
         "RBAC differs from the calls made:\n{}",
         problems.join("\n")
+    );
+    Ok(())
+}
+
+/// Drives the DRA plugin started in `dir` by the test above: waits for its slice and its
+/// slice watch, turns GPU 0 unhealthy until the slice carries the taint, then has it prepare
+/// a claim allocated 4 GiB of the healthy GPU 1 (by hand, as kube-scheduler would).
+async fn exercise_dra_plugin(api: &ApiServer, user: &str, dir: &Path) -> anyhow::Result<()> {
+    let wait = Duration::from_secs(60);
+    let slices = Api::<ResourceSlice>::all(api.client());
+    let tainted = |taints: bool| {
+        let slices = slices.clone();
+        async move {
+            let items = slices.list(&ListParams::default()).await.ok()?.items;
+            let has = items
+                .iter()
+                .flat_map(|s| s.spec.devices.iter().flatten())
+                .any(|d| d.taints.as_ref().is_some_and(|t| !t.is_empty()));
+            (!items.is_empty() && has == taints).then_some(())
+        }
+    };
+    wait_for("the plugin's slice", wait, || tainted(false)).await?;
+    wait_for("the plugin's slice watch", wait, || {
+        let watching = api
+            .stats()
+            .calls_by(user)
+            .keys()
+            .any(|c| c.verb == Verb::Watch && c.resource == "resourceslices");
+        async move { watching.then_some(()) }
+    })
+    .await?;
+    std::fs::write(dir.join("unhealthy-gpus"), "0")?;
+    wait_for("GPU 0's taint in the slice", wait, || tainted(true)).await?;
+
+    let claims = Api::<ResourceClaim>::namespaced(api.client(), "default");
+    let claim: ResourceClaim = serde_json::from_value(serde_json::json!({
+        "metadata": {"name": "gpu-4g", "namespace": "default"},
+        "spec": {"devices": {"requests": [{"name": "gpu", "exactly": {"deviceClassName": "gpu-mem"}}]}}
+    }))?;
+    let claim = claims.create(&PostParams::default(), &claim).await?;
+    let allocation = serde_json::json!({"status": {"allocation": {"devices": {"results": [{
+        "request": "gpu", "driver": gpushare_contract::DEFAULT_DOMAIN, "pool": "gpu-node-1",
+        "device": "gpu-1", "consumedCapacity": {"memory": "4Gi"}
+    }]}}}});
+    claims
+        .patch_status("gpu-4g", &PatchParams::default(), &Patch::Merge(allocation))
+        .await?;
+    let uid = claim.metadata.uid.context("a claim without a UID")?;
+    let socket = dir.join("plugin").join(gpushare_dra_plugin::DRA_SOCKET);
+    let mut plugin = DraPluginClient::new(gpushare_proto::connect_unix(&socket).await?);
+    let request = NodePrepareResourcesRequest {
+        claims: vec![Claim {
+            namespace: "default".to_owned(),
+            uid: uid.clone(),
+            name: "gpu-4g".to_owned(),
+        }],
+    };
+    let mut answer = plugin.node_prepare_resources(request).await?.into_inner();
+    let prepared = answer
+        .claims
+        .remove(&uid)
+        .context("no answer for the claim")?;
+    ensure!(
+        prepared.error.is_empty(),
+        "prepare failed: {}",
+        prepared.error
     );
     Ok(())
 }

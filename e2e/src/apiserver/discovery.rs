@@ -130,7 +130,6 @@ pub(crate) fn resources(group_version: &str) -> Option<Value> {
             &["pc"],
         )],
         "resource.k8s.io/v1" => vec![
-            resource("deviceclasses", "DeviceClass", false, RW, &[]),
             resource("resourceclaims", "ResourceClaim", true, RW, &[]),
             resource(
                 "resourceclaims/status",
@@ -140,13 +139,6 @@ pub(crate) fn resources(group_version: &str) -> Option<Value> {
                 &[],
             ),
             resource("resourceslices", "ResourceSlice", false, RW, &[]),
-            resource(
-                "resourceclaimtemplates",
-                "ResourceClaimTemplate",
-                true,
-                RW,
-                &[],
-            ),
         ],
         _ => return None,
     };

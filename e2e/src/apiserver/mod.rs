@@ -27,11 +27,9 @@
 //!
 //! Served: core/v1 `pods` (+ `status`, `binding`), `nodes` (+ `status`), `events`,
 //! `namespaces` (synthetic, read-only); `events.k8s.io/v1` `events`;
-//! `coordination.k8s.io/v1` `leases`; `resource.k8s.io/v1` `resourceslices`,
-//! `resourceclaims` (+ `status`), `resourceclaimtemplates`, `deviceclasses`; the discovery
-//! documents kubectl reads; `Table` renderings of gets, lists and watches for `kubectl get`.
-//! Feature gates are 1.36's defaults; [`ApiServer::set_dra_device_taints`] turns
-//! `DRADeviceTaints` off, as older clusters have it (device taints are dropped on write).
+//! `coordination.k8s.io/v1` `leases`; `resource.k8s.io/v1` `resourceslices` and
+//! `resourceclaims` (+ `status`), for the DRA plugin's RBAC check; the discovery documents
+//! kubectl reads; `Table` renderings of gets, lists and watches for `kubectl get`.
 //!
 //! Who calls, and admission: a request without credentials acts as [`ADMIN_USER`]; a
 //! kubeconfig from [`ApiServer::kubeconfig_yaml_as`] carries a bearer token this server maps
@@ -150,8 +148,6 @@ pub(crate) struct Access {
     /// Where the Services that webhooks name are served.
     pub(crate) services: webhooks::ServiceRoutes,
     policies: Arc<RwLock<Arc<AdmissionPolicies>>>,
-    /// The `DRADeviceTaints` feature gate (beta and on by default in 1.36).
-    device_taints: Arc<std::sync::atomic::AtomicBool>,
 }
 
 impl Access {
@@ -160,44 +156,6 @@ impl Access {
             tokens: Arc::default(),
             services: webhooks::ServiceRoutes::default(),
             policies: Arc::new(RwLock::new(Arc::new(AdmissionPolicies::none()))),
-            device_taints: Arc::new(std::sync::atomic::AtomicBool::new(true)),
-        }
-    }
-
-    /// As the real server's `dropDisabledFields`: with `DRADeviceTaints` off, a ResourceSlice
-    /// written loses its devices' `taints`, unless the stored one (`current`) uses them
-    /// already. Every other kind and field is left alone.
-    pub(crate) fn drop_disabled_fields(
-        &self,
-        kind: resources::Kind,
-        object: &mut serde_json::Value,
-        current: Option<&serde_json::Value>,
-    ) {
-        if kind != resources::Kind::ResourceSlice
-            || self
-                .device_taints
-                .load(std::sync::atomic::Ordering::Relaxed)
-        {
-            return;
-        }
-        let uses_taints = |slice: &serde_json::Value| {
-            slice
-                .pointer("/spec/devices")
-                .and_then(serde_json::Value::as_array)
-                .is_some_and(|devices| devices.iter().any(|d| d.get("taints").is_some()))
-        };
-        if current.is_some_and(uses_taints) {
-            return;
-        }
-        if let Some(devices) = object
-            .pointer_mut("/spec/devices")
-            .and_then(serde_json::Value::as_array_mut)
-        {
-            for device in devices {
-                if let Some(device) = device.as_object_mut() {
-                    device.remove("taints");
-                }
-            }
         }
     }
 
@@ -360,14 +318,6 @@ impl ApiServer {
             .policies
             .write()
             .unwrap_or_else(|poison| poison.into_inner()) = Arc::new(policies);
-    }
-
-    /// Turns the `DRADeviceTaints` feature gate on (the 1.36 default) or off (as before
-    /// 1.36: ResourceSlices written lose their devices' taints).
-    pub fn set_dra_device_taints(&self, enabled: bool) {
-        self.access
-            .device_taints
-            .store(enabled, std::sync::atomic::Ordering::Relaxed);
     }
 
     /// Hands out kubeconfigs of `username` as held by its pods on given nodes: a

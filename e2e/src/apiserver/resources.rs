@@ -18,18 +18,13 @@ pub(crate) enum Kind {
     ResourceSlice,
     /// `resource.k8s.io/v1`, namespaced, with a status (allocation, reservedFor).
     ResourceClaim,
-    /// `resource.k8s.io/v1`, cluster-scoped: which devices a request may get.
-    DeviceClass,
-    /// `resource.k8s.io/v1`, namespaced: the claim spec kube-controller-manager stamps out
-    /// once per pod that names it (`resourceClaimTemplateName`).
-    ResourceClaimTemplate,
     /// `scheduling.k8s.io/v1`, cluster-scoped: what a pod's `priorityClassName` resolves to
     /// at admission (see `priority.rs`).
     PriorityClass,
 }
 
 impl Kind {
-    pub const ALL: [Kind; 11] = [
+    pub const ALL: [Kind; 9] = [
         Kind::Pod,
         Kind::Node,
         Kind::Event,
@@ -38,8 +33,6 @@ impl Kind {
         Kind::MutatingWebhookConfiguration,
         Kind::ResourceSlice,
         Kind::ResourceClaim,
-        Kind::DeviceClass,
-        Kind::ResourceClaimTemplate,
         Kind::PriorityClass,
     ];
 
@@ -52,8 +45,6 @@ impl Kind {
             Kind::MutatingWebhookConfiguration => "mutatingwebhookconfigurations",
             Kind::ResourceSlice => "resourceslices",
             Kind::ResourceClaim => "resourceclaims",
-            Kind::DeviceClass => "deviceclasses",
-            Kind::ResourceClaimTemplate => "resourceclaimtemplates",
             Kind::PriorityClass => "priorityclasses",
         }
     }
@@ -67,8 +58,6 @@ impl Kind {
             Kind::MutatingWebhookConfiguration => "MutatingWebhookConfiguration",
             Kind::ResourceSlice => "ResourceSlice",
             Kind::ResourceClaim => "ResourceClaim",
-            Kind::DeviceClass => "DeviceClass",
-            Kind::ResourceClaimTemplate => "ResourceClaimTemplate",
             Kind::PriorityClass => "PriorityClass",
         }
     }
@@ -79,10 +68,7 @@ impl Kind {
             Kind::EventV1 => "events.k8s.io/v1",
             Kind::Lease => "coordination.k8s.io/v1",
             Kind::MutatingWebhookConfiguration => "admissionregistration.k8s.io/v1",
-            Kind::ResourceSlice
-            | Kind::ResourceClaim
-            | Kind::DeviceClass
-            | Kind::ResourceClaimTemplate => "resource.k8s.io/v1",
+            Kind::ResourceSlice | Kind::ResourceClaim => "resource.k8s.io/v1",
             Kind::PriorityClass => "scheduling.k8s.io/v1",
         }
     }
@@ -94,10 +80,7 @@ impl Kind {
             Kind::EventV1 => "events.k8s.io",
             Kind::Lease => "coordination.k8s.io",
             Kind::MutatingWebhookConfiguration => "admissionregistration.k8s.io",
-            Kind::ResourceSlice
-            | Kind::ResourceClaim
-            | Kind::DeviceClass
-            | Kind::ResourceClaimTemplate => "resource.k8s.io",
+            Kind::ResourceSlice | Kind::ResourceClaim => "resource.k8s.io",
             Kind::PriorityClass => "scheduling.k8s.io",
         }
     }
@@ -108,7 +91,6 @@ impl Kind {
             Kind::Node
                 | Kind::MutatingWebhookConfiguration
                 | Kind::ResourceSlice
-                | Kind::DeviceClass
                 | Kind::PriorityClass
         )
     }
@@ -131,8 +113,6 @@ impl Kind {
             }
             ("resource.k8s.io/v1", "resourceslices") => Some(Kind::ResourceSlice),
             ("resource.k8s.io/v1", "resourceclaims") => Some(Kind::ResourceClaim),
-            ("resource.k8s.io/v1", "deviceclasses") => Some(Kind::DeviceClass),
-            ("resource.k8s.io/v1", "resourceclaimtemplates") => Some(Kind::ResourceClaimTemplate),
             ("scheduling.k8s.io/v1", "priorityclasses") => Some(Kind::PriorityClass),
             _ => None,
         }
@@ -184,14 +164,10 @@ impl Kind {
                 "type",
             ],
             Kind::Lease => &["metadata.name", "metadata.namespace"],
-            Kind::MutatingWebhookConfiguration | Kind::DeviceClass | Kind::PriorityClass => {
-                &["metadata.name"]
-            }
+            Kind::MutatingWebhookConfiguration | Kind::PriorityClass => &["metadata.name"],
             // As upstream: a node's plugin lists only its own slices.
             Kind::ResourceSlice => &["metadata.name", "spec.nodeName", "spec.driver"],
-            Kind::ResourceClaim | Kind::ResourceClaimTemplate => {
-                &["metadata.name", "metadata.namespace"]
-            }
+            Kind::ResourceClaim => &["metadata.name", "metadata.namespace"],
         }
     }
 }

@@ -66,31 +66,7 @@ fn columns(kind: Kind) -> Vec<Value> {
             column("Holder", "string", "", 0, "The holder of the lease."),
             age,
         ],
-        Kind::ResourceSlice => vec![
-            name,
-            column(
-                "Node",
-                "string",
-                "",
-                0,
-                "The node whose devices the slice lists.",
-            ),
-            column("Driver", "string", "", 0, "The DRA driver."),
-            column("Pool", "string", "", 0, "The pool of devices."),
-            age,
-        ],
-        Kind::ResourceClaim => vec![
-            name,
-            column(
-                "State",
-                "string",
-                "",
-                0,
-                "allocated,reserved, allocated or pending.",
-            ),
-            age,
-        ],
-        Kind::DeviceClass | Kind::ResourceClaimTemplate | Kind::PriorityClass => vec![name, age],
+        Kind::ResourceSlice | Kind::ResourceClaim | Kind::PriorityClass => vec![name, age],
         Kind::MutatingWebhookConfiguration => vec![
             name,
             column(
@@ -211,15 +187,7 @@ fn cells(kind: Kind, object: &Value) -> Vec<Value> {
             json!(text(object, "/spec/holderIdentity")),
             json!(age(object)),
         ],
-        Kind::ResourceSlice => vec![
-            name,
-            json!(text(object, "/spec/nodeName")),
-            json!(text(object, "/spec/driver")),
-            json!(text(object, "/spec/pool/name")),
-            json!(age(object)),
-        ],
-        Kind::ResourceClaim => vec![name, json!(claim_state(object)), json!(age(object))],
-        Kind::DeviceClass | Kind::ResourceClaimTemplate | Kind::PriorityClass => {
+        Kind::ResourceSlice | Kind::ResourceClaim | Kind::PriorityClass => {
             vec![name, json!(age(object))]
         }
         Kind::MutatingWebhookConfiguration => vec![
@@ -348,22 +316,6 @@ fn event_cells(kind: Kind, name: Value, object: &Value) -> Vec<Value> {
         json!(text(object, message)),
         json!(age(object)),
     ]
-}
-
-/// A claim's State: `allocated,reserved`, `allocated` or `pending`.
-fn claim_state(object: &Value) -> &'static str {
-    let allocated = object
-        .pointer("/status/allocation")
-        .is_some_and(|a| !a.is_null());
-    let reserved = object
-        .pointer("/status/reservedFor")
-        .and_then(Value::as_array)
-        .is_some_and(|r| !r.is_empty());
-    match (allocated, reserved) {
-        (true, true) => "allocated,reserved",
-        (true, false) => "allocated",
-        (false, _) => "pending",
-    }
 }
 
 fn row(kind: Kind, object: &Value, include: Include) -> Value {

@@ -72,8 +72,6 @@ pub(super) fn create(
 ) -> Reply {
     let object = parse_body(content_type, body)?;
     let mut object = objects::prepare_create(target.kind, object, target.namespace.as_deref())?;
-    app.access
-        .drop_disabled_fields(target.kind, &mut object, None);
     if target.kind == Kind::Pod {
         app.store
             .read(|store| super::priority::admit_pod(store, &mut object))?;
@@ -103,8 +101,6 @@ fn store_update(
     params: &Params,
 ) -> Reply {
     let mut prepared = objects::prepare_update(target.kind, current, new, part(target))?;
-    app.access
-        .drop_disabled_fields(target.kind, &mut prepared, Some(current));
     // The body's managedFields are not taken: the server records who changed what.
     managed::keep_entries(current, &mut prepared);
     admit(

@@ -30,7 +30,7 @@ pub struct Binaries {
     pub extender: PathBuf,
     /// `gpushare-device-plugin`
     pub device_plugin: PathBuf,
-    /// `gpushare-dra-plugin` (DRA mode, see [`super::dra`])
+    /// `gpushare-dra-plugin` (installed by the real tier; run by `tests/chart.rs` for its RBAC)
     pub dra_plugin: PathBuf,
     /// `kubectl-gpushare`, the kubectl plugin
     pub kubectl_gpushare: PathBuf,

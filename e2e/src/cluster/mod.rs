@@ -36,9 +36,7 @@
 //! - `spec`: what a cluster is made of ([`ClusterSpec`]);
 //! - `node`: one simulated GPU node, its device plugin and kubelet driver ([`SimNode`]);
 //! - `scheduling`: the extender and the scheduler driver, wired as the chart wires them;
-//! - `faults`: crashes, restarts, rollouts and unhealthy GPUs a scenario inflicts;
-//! - [`dra`]: the same cluster in DRA mode ([`dra::DraCluster`]): the real
-//!   `gpushare-dra-plugin` per node, the DRA scheduler driver, no extender.
+//! - `faults`: crashes, restarts, rollouts and unhealthy GPUs a scenario inflicts.
 //!
 //! This file holds [`TestCluster`] itself: starting, inspecting and shutting it down.
 
@@ -58,7 +56,6 @@ use crate::scheduler::SchedulerDriver;
 
 mod cargo_build;
 mod chart;
-pub mod dra;
 mod extender;
 mod faults;
 mod http;

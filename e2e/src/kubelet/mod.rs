@@ -39,9 +39,6 @@
 //! - `status`: the pod status writer;
 //! - `pod_resources`: the PodResources API.
 //!
-//! [`dra`] is the DRA side of the same kubelet ([`dra::DraKubelet`]): plugin registration,
-//! Prepare/Unprepare over real sockets, and CDI devices applied to containers.
-//!
 //! This file holds the state they share and [`KubeletDriver`], the handle tests use.
 
 use std::collections::{BTreeMap, HashMap, HashSet};
@@ -65,7 +62,6 @@ use tonic::transport::Channel;
 mod admission;
 mod allocation;
 mod capacity;
-pub mod dra;
 mod plugin;
 mod pod_resources;
 mod registration;

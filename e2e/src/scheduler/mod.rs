@@ -28,12 +28,8 @@
 //! - `extender`: the HTTP client for one extender.
 //! - `driver`: the scheduling loop and the bind tasks; `watches`: the Pod and Node watches;
 //!   `preemption`: the PostFilter; `shared`: what all their tasks hold.
-//! - [`dra`]: DRA mode: claims allocated with consumable capacity, as kube-scheduler's
-//!   DynamicResources plugin does, and released as the resourceclaim controller does; its
-//!   control loop is `dra::driver`, on the plumbing of the crate's `control_loop`.
 
 mod configuration;
-pub mod dra;
 mod driver;
 mod extender;
 pub mod framework;
