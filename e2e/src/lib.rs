@@ -10,7 +10,8 @@
 //!   re-exported).
 //! - [`cluster`]: the whole system — our real binaries as child processes on simulated GPUs —
 //!   started, faulted and stopped in one place, for the scenarios, the demo and the load harness.
-//!   DRA mode runs only on the real-Kubernetes tier ([`realk8s`]).
+//!   DRA mode runs only on the real-Kubernetes tier ([`realk8s`]), apart from the DRA
+//!   plugin's RBAC check (`tests/chart.rs`), which runs the plugin alone on the API server.
 //! - [`front`]: a round-robin TCP front over several extender replicas, as a Service is.
 //! - [`realk8s`]: the real-Kubernetes tier: the kit of `../shared/realk8s` set up, the chart
 //!   installed by helm, container environments read from the real runtime's record.

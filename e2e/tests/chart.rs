@@ -803,9 +803,10 @@ async fn rbac_grants_exactly_what_each_binary_calls() -> anyhow::Result<()> {
 
 /// DRA mode: what the chart (`mode=dra`) grants the DRA plugin's ServiceAccount, against
 /// the calls the real `gpushare-dra-plugin`, run as that ServiceAccount on the in-process
-/// API server, makes through every path that needs a permission: publishing its slice and
-/// watching it, re-publishing when a GPU turns unhealthy, and preparing an allocated claim
-/// (the test calls NodePrepareResources as kubelet does; no scheduler, no kubelet run).
+/// API server, makes as it publishes its slice and watches it, re-publishes it when a GPU
+/// turns unhealthy, and prepares an allocated claim (the test calls NodePrepareResources as
+/// kubelet does; no scheduler, no kubelet run). The watch of its own DaemonSet, which tells
+/// `helm uninstall` from a restart, is not walked here (`uninstall_only_grants`).
 /// Fails on a call not granted and on a grant never used.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn rbac_grants_the_dra_plugin_exactly_what_it_calls() -> anyhow::Result<()> {

@@ -533,19 +533,23 @@ async fn an_unhealthy_gpu_gets_no_new_pods_until_it_recovers() -> anyhow::Result
 // can miss it without anything being stuck, so the test fails only past [`STUCK_AFTER`]
 // (speed is a figure to read, not an assertion; being stuck is a failure).
 
-/// The big clusters run one at a time, whatever the test threads do: 200 device plugins
-/// each are enough for two cores.
+/// The big clusters run one at a time, whatever the test threads do: a device plugin per node
+/// each, one such cluster is enough for two cores.
 static BIG_CLUSTER: tokio::sync::Semaphore = tokio::sync::Semaphore::const_new(1);
 
 /// How many nodes the fault tests run: `GPUSHARE_FAULT_NODES`, 60 unless set. The suite keeps
 /// the default (the promises are the same at any size, and 200 device plugins cost minutes of
 /// a two-core CI machine); docs/performance.md's drain figures are taken at 200.
+/// A value that is not a positive number fails the test: a figure taken at the wrong size
+/// would read as the documented one.
 fn big_nodes() -> usize {
-    std::env::var("GPUSHARE_FAULT_NODES")
-        .ok()
-        .and_then(|nodes| nodes.parse().ok())
-        .filter(|nodes| *nodes > 0)
-        .unwrap_or(60)
+    match std::env::var("GPUSHARE_FAULT_NODES") {
+        Err(_) => 60,
+        Ok(nodes) => match nodes.parse() {
+            Ok(nodes) if nodes > 0 => nodes,
+            _ => panic!("GPUSHARE_FAULT_NODES={nodes:?} is not a positive number of nodes"),
+        },
+    }
 }
 const BIG_GPUS: [u64; 4] = [16, 16, 16, 16];
 /// The burst: five pods a node (1,000 at 200 nodes).
@@ -634,7 +638,7 @@ impl std::fmt::Display for Progress {
 }
 
 /// The pods as a watch shows them: progress is read from a local cache, so that counting
-/// 1,000 pods several times a second costs the API server nothing.
+/// the burst's pods several times a second costs the API server nothing.
 struct PodWatch {
     pods: reflector::Store<Pod>,
     task: tokio::task::JoinHandle<()>,
