@@ -26,7 +26,7 @@ use super::request::{Params, Reply, Target, parse_body};
 use super::resources::Kind;
 use super::status::{ApiError, ApiResult};
 use super::writes::{create, patch_object, update};
-use super::{App, Release, Verb, discovery, managed, reads, table, watch};
+use super::{App, Release, Verb, discovery, managed, reads, watch};
 
 pub(crate) fn router(app: App) -> Router {
     Router::new().fallback(handle).with_state(app)
@@ -40,29 +40,12 @@ enum Route {
     Health,
 }
 
-fn route(path: &str, server: &str) -> ApiResult<Route> {
+fn route(path: &str) -> ApiResult<Route> {
     let segments: Vec<&str> = path.split('/').filter(|s| !s.is_empty()).collect();
     let not_found = || ApiError::path_not_found(path);
     let (group_version, rest) = match segments.as_slice() {
         ["version"] => return Ok(Route::Json(discovery::version())),
         ["healthz" | "livez" | "readyz", ..] => return Ok(Route::Health),
-        ["api"] => return Ok(Route::Json(discovery::core_versions(server))),
-        ["apis"] => return Ok(Route::Json(discovery::groups())),
-        ["api", "v1"] => {
-            return discovery::resources("v1")
-                .map(Route::Json)
-                .ok_or_else(not_found);
-        }
-        ["apis", group] => {
-            return discovery::group_doc(group)
-                .map(Route::Json)
-                .ok_or_else(not_found);
-        }
-        ["apis", group, version] => {
-            return discovery::resources(&format!("{group}/{version}"))
-                .map(Route::Json)
-                .ok_or_else(not_found);
-        }
         ["api", "v1", rest @ ..] => ("v1".to_owned(), rest),
         ["apis", group, version, rest @ ..] => (format!("{group}/{version}"), rest),
         _ => return Err(not_found()),
@@ -163,14 +146,13 @@ async fn handle(
         .and_then(|h| h.to_str().ok())
         .unwrap_or("")
         .to_owned();
-    let as_table = table::requested(&headers, params.get("includeObject").map(String::as_str));
     if !hold_consistent_read(&app, verb, &params).await {
         return ApiError::injected(503).into_response();
     }
     let result = match verb {
-        Verb::Get => reads::get_as(&app, &target, as_table),
-        Verb::List => reads::list_as(&app, &target, &params, as_table),
-        Verb::Watch => match reads::watch_request(&target, &params, as_table) {
+        Verb::Get => reads::get(&app, &target),
+        Verb::List => reads::list(&app, &target, &params),
+        Verb::Watch => match reads::watch_request(&target, &params) {
             Ok(request) => return watch::serve(app, request),
             Err(err) => Err(err),
         },
@@ -200,7 +182,7 @@ async fn handle(
 }
 
 /// Routes the request and finds who sends it: the resource it is for and the caller, or the
-/// whole response when there is nothing more to do (discovery, health, namespaces, a fault,
+/// whole response when there is nothing more to do (version, health, namespaces, a fault,
 /// no credentials, a path that does not exist).
 async fn resolve(
     app: &App,
@@ -208,12 +190,7 @@ async fn resolve(
     uri: &Uri,
     headers: &HeaderMap,
 ) -> Result<(Target, Caller), Response> {
-    let server = headers
-        .get(header::HOST)
-        .and_then(|h| h.to_str().ok())
-        .unwrap_or("127.0.0.1")
-        .to_owned();
-    let route = route(uri.path(), &server).map_err(IntoResponse::into_response)?;
+    let route = route(uri.path()).map_err(IntoResponse::into_response)?;
     let authorization = headers
         .get(header::AUTHORIZATION)
         .map(|h| h.to_str().unwrap_or(""));
@@ -375,7 +352,7 @@ mod tests {
 
     #[test]
     fn routes_parse() {
-        let r = |p: &str| route(p, "h");
+        let r = route;
         assert!(
             matches!(r("/api/v1/namespaces/default/pods/x/binding"), Ok(Route::Resource(t)) if t.subresource.as_deref() == Some("binding"))
         );

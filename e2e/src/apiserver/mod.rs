@@ -28,8 +28,8 @@
 //! Served: core/v1 `pods` (+ `status`, `binding`), `nodes` (+ `status`), `events`,
 //! `namespaces` (synthetic, read-only); `events.k8s.io/v1` `events`;
 //! `coordination.k8s.io/v1` `leases`; `resource.k8s.io/v1` `resourceslices` and
-//! `resourceclaims` (+ `status`), for the DRA plugin's RBAC check; the discovery documents
-//! kubectl reads; `Table` renderings of gets, lists and watches for `kubectl get`.
+//! `resourceclaims` (+ `status`), for the DRA plugin's RBAC check; `/version`. No discovery
+//! documents and no `Table` renderings: kubectl runs only against the real cluster.
 //!
 //! Who calls, and admission: a request without credentials acts as [`ADMIN_USER`]; a
 //! kubeconfig from [`ApiServer::kubeconfig_yaml_as`] carries a bearer token this server maps
@@ -49,10 +49,6 @@
 //! pod after `min(grace, 2s)` — there is no kubelet here to confirm. A delete with
 //! `gracePeriodSeconds=0`, of an unbound pod, or of a pod in a terminal phase removes it at
 //! once. A pod with finalizers is only marked; it goes once an update empties its finalizers.
-//!
-//! Priority: a pod's `priorityClassName` resolves to `spec.priority` at create, from the
-//! `PriorityClass` objects stored here (`priority`), as the real server's Priority admission
-//! does; a pod that writes `spec.priority` itself, or names no class that exists, is refused.
 
 pub mod admission;
 mod binding;
@@ -63,7 +59,6 @@ mod handlers;
 mod managed;
 mod objects;
 mod patch;
-mod priority;
 mod reads;
 mod request;
 mod resources;
@@ -71,7 +66,6 @@ mod selector;
 mod stats;
 mod status;
 mod store;
-mod table;
 mod watch;
 mod webhooks;
 mod writes;

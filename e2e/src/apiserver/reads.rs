@@ -9,52 +9,18 @@ use std::time::Duration;
 use http::StatusCode;
 use serde_json::{Value, json};
 
-use super::objects::meta_str;
 use super::request::{Params, Reply, Target};
 use super::resources::Kind;
 use super::selector::Selector;
 use super::status::{ApiError, ApiResult};
 use super::store::Key;
 use super::watch::{Start, WatchRequest};
-use super::{App, discovery, table};
+use super::{App, discovery};
 
 /// Watch length when the client gives no `timeoutSeconds`.
 const DEFAULT_WATCH_TIMEOUT: Duration = Duration::from_secs(1800);
 
-/// A GET, as a Table when the client asked for one (`as_table`).
-pub(super) fn get_as(app: &App, target: &Target, as_table: Option<table::Include>) -> Reply {
-    get(app, target).map(|(code, object)| match as_table {
-        Some(include) => {
-            let metadata = json!({"resourceVersion": meta_str(&object, "resourceVersion")});
-            (
-                code,
-                table::table(target.kind, &[object], metadata, include),
-            )
-        }
-        None => (code, object),
-    })
-}
-
-/// A list, as a Table when the client asked for one (`as_table`).
-pub(super) fn list_as(
-    app: &App,
-    target: &Target,
-    params: &Params,
-    as_table: Option<table::Include>,
-) -> Reply {
-    list(app, target, params).map(|(code, list)| match as_table {
-        Some(include) => {
-            let items = list["items"].as_array().cloned().unwrap_or_default();
-            (
-                code,
-                table::table(target.kind, &items, list["metadata"].clone(), include),
-            )
-        }
-        None => (code, list),
-    })
-}
-
-fn get(app: &App, target: &Target) -> Reply {
+pub(super) fn get(app: &App, target: &Target) -> Reply {
     app.store.read(|store| {
         store
             .get(target.kind, &target.key())
@@ -103,7 +69,7 @@ fn decode_continue(token: &str) -> ApiResult<(u64, Key)> {
 /// Lists. Pages (`limit`/`continue`) are cut from the current state after the last key
 /// returned; every page reports the first page's resourceVersion, so a client that then
 /// watches from it replays whatever changed meanwhile and converges.
-fn list(app: &App, target: &Target, params: &Params) -> Reply {
+pub(super) fn list(app: &App, target: &Target, params: &Params) -> Reply {
     let selector = selector(target, params)?;
     let limit = match params.get("limit").filter(|l| !l.is_empty()) {
         Some(limit) => Some(
@@ -191,11 +157,7 @@ pub(super) fn namespace_list(app: &App) -> Value {
     })
 }
 
-pub(super) fn watch_request(
-    target: &Target,
-    params: &Params,
-    as_table: Option<table::Include>,
-) -> ApiResult<WatchRequest> {
+pub(super) fn watch_request(target: &Target, params: &Params) -> ApiResult<WatchRequest> {
     let selector = selector(target, params)?;
     let start = match params.get("resourceVersion").map(String::as_str) {
         None | Some("") | Some("0") => Start::Current,
@@ -220,7 +182,6 @@ pub(super) fn watch_request(
         bookmarks: flag("allowWatchBookmarks"),
         initial_events_end: flag("sendInitialEvents") && flag("allowWatchBookmarks"),
         timeout,
-        as_table,
     })
 }
 

@@ -18,13 +18,10 @@ pub(crate) enum Kind {
     ResourceSlice,
     /// `resource.k8s.io/v1`, namespaced, with a status (allocation, reservedFor).
     ResourceClaim,
-    /// `scheduling.k8s.io/v1`, cluster-scoped: what a pod's `priorityClassName` resolves to
-    /// at admission (see `priority.rs`).
-    PriorityClass,
 }
 
 impl Kind {
-    pub const ALL: [Kind; 9] = [
+    pub const ALL: [Kind; 8] = [
         Kind::Pod,
         Kind::Node,
         Kind::Event,
@@ -33,7 +30,6 @@ impl Kind {
         Kind::MutatingWebhookConfiguration,
         Kind::ResourceSlice,
         Kind::ResourceClaim,
-        Kind::PriorityClass,
     ];
 
     pub fn plural(self) -> &'static str {
@@ -45,7 +41,6 @@ impl Kind {
             Kind::MutatingWebhookConfiguration => "mutatingwebhookconfigurations",
             Kind::ResourceSlice => "resourceslices",
             Kind::ResourceClaim => "resourceclaims",
-            Kind::PriorityClass => "priorityclasses",
         }
     }
 
@@ -58,7 +53,6 @@ impl Kind {
             Kind::MutatingWebhookConfiguration => "MutatingWebhookConfiguration",
             Kind::ResourceSlice => "ResourceSlice",
             Kind::ResourceClaim => "ResourceClaim",
-            Kind::PriorityClass => "PriorityClass",
         }
     }
 
@@ -69,7 +63,6 @@ impl Kind {
             Kind::Lease => "coordination.k8s.io/v1",
             Kind::MutatingWebhookConfiguration => "admissionregistration.k8s.io/v1",
             Kind::ResourceSlice | Kind::ResourceClaim => "resource.k8s.io/v1",
-            Kind::PriorityClass => "scheduling.k8s.io/v1",
         }
     }
 
@@ -81,17 +74,13 @@ impl Kind {
             Kind::Lease => "coordination.k8s.io",
             Kind::MutatingWebhookConfiguration => "admissionregistration.k8s.io",
             Kind::ResourceSlice | Kind::ResourceClaim => "resource.k8s.io",
-            Kind::PriorityClass => "scheduling.k8s.io",
         }
     }
 
     pub fn namespaced(self) -> bool {
         !matches!(
             self,
-            Kind::Node
-                | Kind::MutatingWebhookConfiguration
-                | Kind::ResourceSlice
-                | Kind::PriorityClass
+            Kind::Node | Kind::MutatingWebhookConfiguration | Kind::ResourceSlice
         )
     }
 
@@ -113,7 +102,6 @@ impl Kind {
             }
             ("resource.k8s.io/v1", "resourceslices") => Some(Kind::ResourceSlice),
             ("resource.k8s.io/v1", "resourceclaims") => Some(Kind::ResourceClaim),
-            ("scheduling.k8s.io/v1", "priorityclasses") => Some(Kind::PriorityClass),
             _ => None,
         }
     }
@@ -164,7 +152,7 @@ impl Kind {
                 "type",
             ],
             Kind::Lease => &["metadata.name", "metadata.namespace"],
-            Kind::MutatingWebhookConfiguration | Kind::PriorityClass => &["metadata.name"],
+            Kind::MutatingWebhookConfiguration => &["metadata.name"],
             // As upstream: a node's plugin lists only its own slices.
             Kind::ResourceSlice => &["metadata.name", "spec.nodeName", "spec.driver"],
             Kind::ResourceClaim => &["metadata.name", "metadata.namespace"],

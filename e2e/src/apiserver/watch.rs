@@ -24,7 +24,6 @@ use super::resources::Kind;
 use super::selector::Selector;
 use super::status::ApiError;
 use super::store::{Change, ChangeType};
-use super::table::{Include, table};
 
 /// How often a watch that allows bookmarks gets one.
 const BOOKMARK_INTERVAL: Duration = Duration::from_secs(1);
@@ -47,8 +46,6 @@ pub(crate) struct WatchRequest {
     /// `sendInitialEvents=true`: end the initial ADDED events with an annotated bookmark.
     pub initial_events_end: bool,
     pub timeout: Duration,
-    /// Send each object as a one-row `Table` (for `kubectl get -w`).
-    pub as_table: Option<Include>,
 }
 
 impl WatchRequest {
@@ -65,15 +62,8 @@ impl WatchRequest {
         namespace_ok && self.selector.matches(object)
     }
 
-    /// The watch event line for `object`, as a Table row when asked.
+    /// The watch event line for `object`.
     fn event(&self, kind: &str, object: &Value) -> Value {
-        let object = match self.as_table {
-            Some(include) => {
-                let metadata = json!({"resourceVersion": meta_str(object, "resourceVersion")});
-                table(self.kind, std::slice::from_ref(object), metadata, include)
-            }
-            None => object.clone(),
-        };
         json!({"type": kind, "object": object})
     }
 
@@ -100,11 +90,8 @@ impl WatchRequest {
             },
             ChangeType::Deleted => before.then_some("DELETED"),
         }?;
-        let line = match self.as_table {
-            Some(_) => line(&self.event(kind, &change.object)),
-            // The object is serialized once per change, whoever watches it.
-            None => format!("{{\"type\":\"{kind}\",\"object\":{}}}\n", change.json()),
-        };
+        // The object is serialized once per change, whoever watches it.
+        let line = format!("{{\"type\":\"{kind}\",\"object\":{}}}\n", change.json());
         Some(Bytes::from(line))
     }
 

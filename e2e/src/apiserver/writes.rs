@@ -72,10 +72,6 @@ pub(super) fn create(
 ) -> Reply {
     let object = parse_body(content_type, body)?;
     let mut object = objects::prepare_create(target.kind, object, target.namespace.as_deref())?;
-    if target.kind == Kind::Pod {
-        app.store
-            .read(|store| super::priority::admit_pod(store, &mut object))?;
-    }
     admit(app, user, target, Operation::Create, &object, None)?;
     managed::track_create(&mut object, manager, target.kind.has_status());
     let name = meta_str(&object, "name").unwrap_or("").to_owned();

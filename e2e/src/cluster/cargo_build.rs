@@ -5,8 +5,8 @@
 //! The nested build selects what the outer build selected, so that it resolves the same
 //! features and reuses every dependency already compiled (a selection that differs in a few
 //! features deep in the graph compiles most of it a second time):
-//! - from one of this crate's binaries (`cargo run -p gpushare-e2e --bin demo`, realload,
-//!   kubesim), in whichever profile it was built: this crate's package beside the binaries'
+//! - from one of this crate's binaries (`cargo run -p gpushare-e2e --bin demo`, realload),
+//!   in whichever profile it was built: this crate's package beside the binaries'
 //!   packages. This crate depends on the binaries' libraries, so the two resolve alike and a
 //!   cold demo compiles each crate once, then only links the binaries;
 //! - from a test (its executable lives in `deps/`): the workspace's libraries, binaries and
@@ -118,7 +118,7 @@ fn build_binaries() -> anyhow::Result<Binaries> {
         build.arg("--release");
     }
     if !from_a_test {
-        // The demo, realload, kubesim: this crate beside the binaries' packages.
+        // The demo, realload: this crate beside the binaries' packages.
         build.args(["-p", env!("CARGO_PKG_NAME")]);
         for (package, _) in BINARIES {
             build.args(["-p", package]);

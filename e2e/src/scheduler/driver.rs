@@ -7,7 +7,7 @@
 //! update in flight per pod and only the latest one queued, so a slow or stalled API server
 //! delays what users read, never the scheduling of other pods.
 
-use std::collections::{BTreeMap, HashSet};
+use std::collections::BTreeMap;
 use std::sync::Arc;
 use std::sync::atomic::Ordering;
 use std::time::{Duration, Instant};
@@ -30,7 +30,6 @@ use super::framework::{
     self, ExtenderPriorities, NodeScore, add_extender_priorities, fit_error_message,
     select_scored_host,
 };
-use super::preemption;
 use super::shared::Shared;
 use super::state::{Candidate, FailureKind, PodKey, Popped};
 use super::watches::watch;
@@ -178,11 +177,9 @@ async fn schedule_one(shared: &Arc<Shared>, popped: Popped) -> Option<BindJob> {
     }
 }
 
-/// Filters, extenders, scoring: `schedulePod`, then preemption when no node fits.
+/// Filters, extenders, scoring: `schedulePod`. No PostFilter: preemption is proven on the
+/// real cluster (`e2e/tests/real.rs`), not copied here.
 async fn find_host(shared: &Shared, pod: &Pod) -> Result<String, CycleFailure> {
-    if let Some(node) = nominated_node_fits(shared, pod).await? {
-        return Ok(node);
-    }
     let Some(filtered) = shared.state().filter(pod) else {
         return Err(CycleFailure::Error(framework::reasons::NO_NODES.to_owned()));
     };
@@ -196,33 +193,11 @@ async fn find_host(shared: &Shared, pod: &Pod) -> Result<String, CycleFailure> {
     let unschedulable = |statuses: &BTreeMap<String, Vec<String>>| {
         CycleFailure::Unschedulable(fit_error_message(num_all, statuses.values()), kind)
     };
-    // Nodes preemption cannot help: a built-in filter other than resource fit rejected them,
-    // or an extender put them among its unresolvable ones.
-    let mut unresolvable: HashSet<String> = statuses
-        .iter()
-        .filter(|(_, reasons)| reasons.iter().any(|r| preemption::is_unresolvable(r)))
-        .map(|(node, _)| node.clone())
-        .collect();
     let feasible = match filtered.feasible.is_empty() {
         true => Vec::new(),
-        false => {
-            pass_extenders(
-                shared,
-                pod,
-                filtered.feasible,
-                &mut statuses,
-                &mut unresolvable,
-            )
-            .await?
-        }
+        false => pass_extenders(shared, pod, filtered.feasible, &mut statuses).await?,
     };
     if feasible.is_empty() {
-        if let Some(node) = preemption::post_filter(shared, pod, &unresolvable)
-            .await
-            .map_err(CycleFailure::Error)?
-        {
-            debug!(pod = %super::state::pod_key(pod), %node, "preemption nominated the pod");
-        }
         return Err(unschedulable(&statuses));
     }
     if let [only] = feasible.as_slice() {
@@ -239,7 +214,6 @@ async fn pass_extenders(
     pod: &Pod,
     mut feasible: Vec<Candidate>,
     statuses: &mut BTreeMap<String, Vec<String>>,
-    unresolvable: &mut HashSet<String>,
 ) -> Result<Vec<Candidate>, CycleFailure> {
     for extender in shared.extenders() {
         if feasible.is_empty() {
@@ -265,7 +239,6 @@ async fn pass_extenders(
                 .entry(node.clone())
                 .or_default()
                 .push(reason.clone());
-            unresolvable.insert(node.clone());
         }
         for (node, reason) in &outcome.failed {
             if !outcome.failed_and_unresolvable.contains_key(node) {
@@ -282,34 +255,6 @@ async fn pass_extenders(
             .collect();
     }
     Ok(feasible)
-}
-
-/// `evaluateNominatedNode`: a pod that preemption nominated for a node tries that node alone
-/// first (built-in filters, then the extenders' filter with that one node); `Some(node)` when
-/// it passes, `None` to search every node.
-async fn nominated_node_fits(shared: &Shared, pod: &Pod) -> Result<Option<String>, CycleFailure> {
-    let Some(node) = pod
-        .status
-        .as_ref()
-        .and_then(|s| s.nominated_node_name.clone())
-        .filter(|n| !n.is_empty())
-    else {
-        return Ok(None);
-    };
-    let Some(candidate) = shared.state().filter_one(pod, &node) else {
-        return Ok(None);
-    };
-    let mut statuses = BTreeMap::new();
-    let mut unresolvable = HashSet::new();
-    let passed = pass_extenders(
-        shared,
-        pod,
-        vec![candidate],
-        &mut statuses,
-        &mut unresolvable,
-    )
-    .await?;
-    Ok((!passed.is_empty()).then_some(node))
 }
 
 /// `prioritizeNodes`: default scores plus every interested extender's, concurrently, then

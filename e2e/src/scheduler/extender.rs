@@ -13,7 +13,6 @@
 //! past `httpTimeout` is cancelled with a stream reset, the connection stays. Plain HTTP is
 //! HTTP/1.1 over a keep-alive pool, as Go's transport does without TLS.
 
-use std::collections::BTreeMap;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
@@ -186,14 +185,6 @@ impl HttpExtender {
             .filter(|v| !v.is_empty())
     }
 
-    /// `SupportsPreemption`: a preempt verb is configured.
-    pub fn preempt_verb(&self) -> Option<&str> {
-        self.config
-            .preempt_verb
-            .as_deref()
-            .filter(|v| !v.is_empty())
-    }
-
     pub fn bind_verb(&self) -> Option<&str> {
         self.config.bind_verb.as_deref().filter(|v| !v.is_empty())
     }
@@ -290,72 +281,6 @@ impl HttpExtender {
             url: self.url(verb),
             source,
         })
-    }
-
-    /// `ProcessPreemption`: the extender's victims per node, from kube-scheduler's `victims`
-    /// (node → pods, each `(uid, pod)`). `nodeCacheCapable` sends UIDs, otherwise the pods;
-    /// the answer is always by UID, and each node named must be known and each UID one of
-    /// that node's pods (`lookup`: node → the UIDs on it, `None` for an unknown node), or the
-    /// call fails as upstream's `convertToVictims` fails it.
-    pub async fn preempt(
-        &self,
-        verb: &str,
-        pod: &Pod,
-        victims: &BTreeMap<String, Vec<(String, Pod)>>,
-        lookup: impl Fn(&str) -> Option<Vec<String>>,
-    ) -> Result<BTreeMap<String, wire::MetaVictims>, ExtenderError> {
-        let mut pod = pod.clone();
-        pod.metadata.managed_fields = None;
-        let args = if self.config.node_cache_capable {
-            let meta = victims
-                .iter()
-                .map(|(node, pods)| {
-                    let uids = pods.iter().map(|(uid, _)| uid.clone()).collect();
-                    let meta = wire::MetaVictims {
-                        uids,
-                        num_pdb_violations: 0,
-                    };
-                    (node.clone(), meta)
-                })
-                .collect();
-            wire::ExtenderPreemptionArgs {
-                pod,
-                node_name_to_victims: None,
-                node_name_to_meta_victims: Some(meta),
-            }
-        } else {
-            let whole = victims
-                .iter()
-                .map(|(node, pods)| {
-                    let pods = pods.iter().map(|(_, pod)| pod.clone()).collect();
-                    (node.clone(), (pods, 0))
-                })
-                .collect();
-            wire::ExtenderPreemptionArgs {
-                pod,
-                node_name_to_victims: Some(whole),
-                node_name_to_meta_victims: None,
-            }
-        };
-        let body = self.send(Call::Preempt, verb, &args).await?;
-        let url = self.url(verb);
-        let answer =
-            wire::decode_preemption_result(&body).map_err(|source| ExtenderError::Decode {
-                verb: verb.to_owned(),
-                url: url.clone(),
-                source,
-            })?;
-        for (node, victims) in &answer {
-            let Some(on_node) = lookup(node) else {
-                return Err(ExtenderError::Reported(format!("node {node:?} not found")));
-            };
-            if let Some(uid) = victims.uids.iter().find(|uid| !on_node.contains(uid)) {
-                return Err(ExtenderError::Reported(format!(
-                    "extender: {url} claims to preempt pod (UID: {uid}) on node: {node}, but the pod is not found on that node"
-                )));
-            }
-        }
-        Ok(answer)
     }
 
     /// `Bind`: asks the extender to bind the pod.

@@ -35,7 +35,7 @@ pub use super::requests::{
 };
 pub use super::scoring::{
     ExtenderPriorities, FitScoring, FitStrategy, MAX_NODE_SCORE, NodeScore,
-    add_extender_priorities, default_score, extender_score, select_host, select_scored_host,
+    add_extender_priorities, default_score, extender_score, select_scored_host,
 };
 
 /// Upstream's reason strings (what users read in `FailedScheduling`).
@@ -692,37 +692,6 @@ mod tests {
             resources: vec![(gpushare_contract::DEFAULT_RESOURCE.to_owned(), 1)],
         };
         assert_eq!(nothing.score(&gpu_node, &NodeUsage::default(), &cpu_pod), 0);
-    }
-
-    #[test]
-    fn select_host_takes_the_best_and_breaks_ties_at_random() {
-        let mut rng = StdRng::seed_from_u64(7);
-        let scores = vec![
-            ("a".to_owned(), 5),
-            ("b".to_owned(), 9),
-            ("c".to_owned(), 1),
-        ];
-        assert_eq!(select_host(&scores, &mut rng), Some("b"));
-        assert_eq!(select_host(&[], &mut rng), None);
-
-        let tied = vec![
-            ("a".to_owned(), 5),
-            ("b".to_owned(), 5),
-            ("c".to_owned(), 5),
-        ];
-        let mut seen = std::collections::BTreeSet::new();
-        for _ in 0..200 {
-            seen.extend(select_host(&tied, &mut rng));
-        }
-        assert_eq!(seen.len(), 3, "every tied node is picked some of the time");
-
-        let again = |seed| {
-            let mut rng = StdRng::seed_from_u64(seed);
-            (0..20)
-                .map(|_| select_host(&tied, &mut rng).map(str::to_owned))
-                .collect::<Vec<_>>()
-        };
-        assert_eq!(again(42), again(42), "a seed makes placements reproducible");
     }
 
     #[test]

@@ -27,13 +27,13 @@
 //! - `state`: the cache (bound + assumed pods per node) and the scheduling queue.
 //! - `extender`: the HTTP client for one extender.
 //! - `driver`: the scheduling loop and the bind tasks; `watches`: the Pod and Node watches;
-//!   `preemption`: the PostFilter; `shared`: what all their tasks hold.
+//!   `shared`: what all their tasks hold. There is no PostFilter: preemption runs only on the
+//!   real cluster (`e2e/tests/real.rs`), whose kube-scheduler is upstream's own.
 
 mod configuration;
 mod driver;
 mod extender;
 pub mod framework;
-mod preemption;
 mod requests;
 mod scoring;
 mod shared;

@@ -263,30 +263,3 @@ pub fn select_scored_host(nodes: &[NodeScore]) -> Option<&str> {
     }
     heap.first().map(|node| node.name.as_str())
 }
-
-/// `selectHost` of older kube-scheduler releases: the highest total; ties broken uniformly at
-/// random by reservoir sampling. The packing simulator still uses it; the scheduler driver
-/// follows today's upstream ([`add_extender_priorities`], [`select_scored_host`]).
-pub fn select_host<'a, R: Rng + ?Sized>(
-    scores: &'a [(String, i64)],
-    rng: &mut R,
-) -> Option<&'a str> {
-    let mut best: Option<(&str, i64)> = None;
-    let mut ties = 0u32;
-    for (name, score) in scores {
-        match best {
-            Some((_, top)) if *score < top => {}
-            Some((_, top)) if *score == top => {
-                ties += 1;
-                if rng.random_range(0..ties) == 0 {
-                    best = Some((name, *score));
-                }
-            }
-            _ => {
-                best = Some((name, *score));
-                ties = 1;
-            }
-        }
-    }
-    best.map(|(name, _)| name)
-}

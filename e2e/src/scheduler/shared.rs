@@ -3,8 +3,7 @@
 //! `PodScheduled` updates sent by tasks of their own.
 //!
 //! Apart from the scheduling loop (`driver.rs`) so that the tasks around it (the watches in
-//! `watches.rs`, preemption's evictions in `preemption.rs`) hold the same handle without
-//! importing the loop that spawns them.
+//! `watches.rs`) hold the same handle without importing the loop that spawns them.
 
 use std::collections::{HashMap, HashSet};
 use std::sync::atomic::AtomicU64;

@@ -22,9 +22,6 @@ pub struct SchedulerStats {
     pub filter_calls: u64,
     pub prioritize_calls: u64,
     pub bind_calls: u64,
-    /// Preempt calls, and the preemptions carried out (victims deleted, pod nominated).
-    pub preempt_calls: u64,
-    pub preemptions: u64,
     /// Extender calls that failed (transport, status, decode or a reported `Error`).
     pub extender_errors: u64,
     /// Wall time of each extender call, by verb.
@@ -49,7 +46,6 @@ pub enum Call {
     Filter,
     Prioritize,
     Bind,
-    Preempt,
 }
 
 /// Shared handle the driver and its extenders record into.
@@ -93,7 +89,6 @@ impl StatsRecorder {
                 stats.bind_calls += 1;
                 stats.bind_latencies.push(latency);
             }
-            Call::Preempt => stats.preempt_calls += 1,
         }
         if !ok {
             stats.extender_errors += 1;

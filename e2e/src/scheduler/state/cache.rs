@@ -1,18 +1,17 @@
 //! The scheduler's cache, as kube-scheduler's: nodes, and what every node already carries
 //! (pods bound to it and not terminal, plus pods *assumed* there whose bind is still in
 //! flight, so the next cycle cannot over-commit a node while a bind is pending); and what is
-//! read from it: the built-in filters and default scores, and the pods preemption's dry run
-//! weighs.
+//! read from it: the built-in filters and default scores.
 //!
 //! One half of [`State`]; the scheduling queue is the other, in `queue.rs`.
 
-use std::collections::{BTreeMap, HashMap, HashSet};
+use std::collections::{BTreeMap, HashSet};
 use std::sync::Arc;
 
 use k8s_openapi::api::core::v1::{Node, Pod};
 
-use super::{PodKey, State, pod_uid};
-use crate::scheduler::framework::{self, NodeUsage, PodUsage, Resources};
+use super::{State, pod_uid};
+use crate::scheduler::framework::{self, PodUsage, Resources};
 
 #[derive(Debug)]
 pub(super) struct Accounted {
@@ -20,20 +19,6 @@ pub(super) struct Accounted {
     pub(super) uid: String,
     usage: PodUsage,
     assumed: bool,
-    /// `spec.priority`: preemption evicts only pods below the preemptor's.
-    priority: i32,
-    /// Deleted, waiting out its grace period (a victim on its way out).
-    terminating: bool,
-}
-
-/// A pod counted on a node, as preemption's dry run weighs it.
-#[derive(Clone, Debug)]
-pub struct NodePod {
-    pub key: PodKey,
-    pub uid: String,
-    pub priority: i32,
-    pub usage: PodUsage,
-    pub terminating: bool,
 }
 
 #[derive(Debug)]
@@ -62,7 +47,7 @@ pub struct Filtered {
 impl State {
     /// What a node carries now (bound and assumed pods).
     #[cfg(test)]
-    pub fn usage(&self, node: &str) -> NodeUsage {
+    pub fn usage(&self, node: &str) -> framework::NodeUsage {
         self.usage.get(node).cloned().unwrap_or_default()
     }
 
@@ -75,15 +60,12 @@ impl State {
         assumed: bool,
     ) {
         let uid = pod_uid(pod);
-        let priority = pod.spec.as_ref().and_then(|s| s.priority).unwrap_or(0);
-        let terminating = pod.metadata.deletion_timestamp.is_some();
         if let Some(old) = self.accounted.get_mut(key)
             && old.node == node
             && old.uid == uid
             && old.usage == usage
         {
             old.assumed = assumed;
-            old.terminating = terminating;
             return;
         }
         self.unaccount(key);
@@ -95,8 +77,6 @@ impl State {
                 uid,
                 usage,
                 assumed,
-                priority,
-                terminating,
             },
         );
     }
@@ -180,64 +160,6 @@ impl State {
         }
         self.next_start_node_index = (start + processed) % all;
         Some(filtered)
-    }
-
-    /// The built-in filters on `node` alone (a nominated node), with its default score;
-    /// `None` when the node is unknown or rejects the pod.
-    pub fn filter_one(&self, pod: &Pod, node: &str) -> Option<Candidate> {
-        let entry = self.nodes.get(node)?;
-        let usage = self.usage.get(node).cloned().unwrap_or_default();
-        let requests = framework::pod_requests(pod, false);
-        let reasons =
-            framework::filter_node(pod, &requests, &entry.node, &entry.allocatable, &usage);
-        reasons.is_empty().then(|| Candidate {
-            node: entry.node.clone(),
-            name: node.to_owned(),
-            score: framework::default_score(
-                &self.config.fit_scoring,
-                &entry.allocatable,
-                &usage,
-                &PodUsage::of(pod),
-            ),
-        })
-    }
-
-    /// The pods counted on `node` (bound and assumed), for preemption's dry run.
-    pub fn pods_on(&self, node: &str) -> Vec<NodePod> {
-        self.accounted
-            .iter()
-            .filter(|(_, a)| a.node == node)
-            .map(|(key, a)| NodePod {
-                key: key.clone(),
-                uid: a.uid.clone(),
-                priority: a.priority,
-                usage: a.usage.clone(),
-                terminating: a.terminating,
-            })
-            .collect()
-    }
-
-    /// The pods below `priority` counted on each node (bound and assumed), in one pass: what
-    /// preemption's dry run may evict. Empty when no pod is below it (the common case of a
-    /// cluster without priorities, where the dry run then costs nothing).
-    pub fn lower_pods_by_node(&self, priority: i32) -> HashMap<String, Vec<NodePod>> {
-        let mut by_node: HashMap<String, Vec<NodePod>> = HashMap::new();
-        for (key, a) in self.accounted.iter().filter(|(_, a)| a.priority < priority) {
-            by_node.entry(a.node.clone()).or_default().push(NodePod {
-                key: key.clone(),
-                uid: a.uid.clone(),
-                priority: a.priority,
-                usage: a.usage.clone(),
-                terminating: a.terminating,
-            });
-        }
-        by_node
-    }
-
-    /// What `node` carries now and its entry, if it is known.
-    pub fn node_and_usage(&self, node: &str) -> Option<(&NodeEntry, NodeUsage)> {
-        let entry = self.nodes.get(node)?;
-        Some((entry, self.usage.get(node).cloned().unwrap_or_default()))
     }
 
     /// The bind failed: drop the assumption (unless the watch already confirmed the pod there).

@@ -24,7 +24,7 @@ use super::framework::{self, NodeUsage, PodUsage};
 use cache::Accounted;
 use queue::ActiveEntry;
 
-pub use cache::{Candidate, NodeEntry, NodePod};
+pub use cache::{Candidate, NodeEntry};
 pub use queue::{FailureKind, PendingPod, Phase, Popped};
 
 /// `namespace/name`.
