@@ -1,5 +1,7 @@
 //! GPU model choice through node affinity: the device plugin labels its node with the models
-//! and memory sizes it has, and a pod that requires a model lands only where it is.
+//! and memory sizes it has, and a pod that requires a model lands only where it is. The
+//! model annotation that picks a GPU within a node runs on the real cluster
+//! (`the_gpu_model_annotation_picks_the_gpu` in `e2e/tests/real.rs`).
 
 use std::time::Duration;
 
@@ -7,9 +9,7 @@ use anyhow::{Context, ensure};
 use gpushare_contract::Keys;
 use gpushare_e2e::cluster::{ClusterSpec, wait_for, with_cluster};
 use gpushare_e2e::fixtures;
-use gpushare_e2e::scenarios::{
-    allocation, check_no_overcommit, check_pinned, phase, wait_running, wait_unschedulable,
-};
+use gpushare_e2e::scenarios::{check_no_overcommit, check_pinned, phase, wait_running};
 use k8s_openapi::api::core::v1::{
     Affinity, Node, NodeAffinity, NodeSelector, NodeSelectorRequirement, NodeSelectorTerm, Pod,
 };
@@ -74,48 +74,6 @@ async fn a_pod_requiring_a_gpu_model_runs_only_where_the_model_is() -> anyhow::R
                 .and_then(|s| s.node_name.as_ref())
                 .is_none(),
             "the A10 pod was bound to a node without A10s"
-        );
-        check_no_overcommit(&cluster.client)
-            .await
-            .context("over-commit")?;
-        Ok(())
-    })
-    .await
-}
-
-/// A 4 GiB pod annotated with `<domain>/gpu-model: models`.
-fn annotated(name: &str, models: &str) -> Pod {
-    fixtures::pod(name)
-        .gpu_mem(4)
-        .annotation(&Keys::default().request_models, models)
-        .build()
-}
-
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn on_a_node_with_two_models_the_annotation_picks_the_gpu() -> anyhow::Result<()> {
-    // One node, GPU 0 a T4, GPUs 1 and 2 A10Gs: node affinity cannot tell them apart.
-    let spec = ClusterSpec::labelled(&[("mixed", &[16, 24, 24])])
-        .with_device_plugin_args(&["--simulate-model", "Tesla T4|NVIDIA A10G"]);
-    with_cluster(spec, async |cluster| {
-        let pods: Api<Pod> = Api::namespaced(cluster.client.clone(), "default");
-        // Binpack alone would put a 4 GiB pod on the T4 (least free that fits).
-        pods.create(&PostParams::default(), &annotated("on-a10g", "NVIDIA-A10G"))
-            .await?;
-        pods.create(&PostParams::default(), &annotated("not-t4", "!Tesla T4"))
-            .await?;
-        pods.create(&PostParams::default(), &annotated("on-h100", "H100"))
-            .await?;
-        for name in ["on-a10g", "not-t4"] {
-            let pod = wait_running(cluster, name).await?;
-            let gpu = allocation(&pod)?.gpu_index;
-            ensure!(gpu == 1 || gpu == 2, "{name} got GPU {gpu}, a T4");
-            check_pinned(cluster, &pod).await?;
-        }
-        // No H100 anywhere: the filter says which model is missing.
-        let reason = wait_unschedulable(cluster, "on-h100").await?;
-        ensure!(
-            reason.contains("needs a GPU of model h100; node has NVIDIA A10G, Tesla T4"),
-            "{reason}"
         );
         check_no_overcommit(&cluster.client)
             .await

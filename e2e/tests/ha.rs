@@ -3,10 +3,12 @@
 //! Lease with the chart's settings. Only the leader binds; the follower answers filter and
 //! prioritize from its own view and passes binds on to the leader.
 //!
-//! Each scenario kills, restarts or cuts off the leader while pods are being scheduled, then
+//! Each scenario kills or cuts off the leader while pods are being scheduled, then
 //! checks what a user sees: every pod (they all fit) bound, running and pinned to its GPU, no
 //! GPU over-committed, no reservation left. The time from the fault to the first bind decided
-//! by the new leader is printed, not asserted (target: under 5 s).
+//! by the new leader is printed, not asserted (target: under 5 s). Repeated kills and rolling
+//! restarts run on the real cluster (`leader_killed_in_a_burst`, `helm_upgrade_in_a_burst` in
+//! `e2e/tests/real.rs`).
 //!
 //! `GPUSHARE_E2E_HA_REFUSE=1` runs the replicas without `--advertise-url`: followers then
 //! refuse binds instead of passing them on (kube-scheduler retries), for comparing the two.
@@ -149,13 +151,6 @@ impl Ha {
     async fn kill(&mut self, i: usize) {
         if let Some(extender) = self.replicas[i].extender.take() {
             extender.process.crash().await;
-        }
-    }
-
-    /// SIGTERM, as a rolling update or a drain does (the replica hands the Lease over).
-    async fn stop(&mut self, i: usize) {
-        if let Some(extender) = self.replicas[i].extender.take() {
-            extender.process.stop().await;
         }
     }
 
@@ -368,18 +363,6 @@ async fn burst(client: &kube::Client, count: usize, sizes: &[u64]) -> anyhow::Re
     Ok(())
 }
 
-/// Creates a 1 GiB pod every `every` until aborted (a steady flow of work to schedule).
-fn stream(client: kube::Client, every: Duration) -> tokio::task::JoinHandle<anyhow::Result<()>> {
-    tokio::spawn(async move {
-        let mut tick = tokio::time::interval(every);
-        for i in 0.. {
-            tick.tick().await;
-            create(&client, &format!("stream-{i}"), 1).await?;
-        }
-        Ok(())
-    })
-}
-
 /// Every pod bound, running and pinned; no GPU over-committed; no reservation left.
 async fn drain_and_check(test: &str, ha: &Ha, watch: &PodWatch) -> anyhow::Result<()> {
     let started = tokio::time::Instant::now();
@@ -461,12 +444,6 @@ async fn doctor_says(ha: &Ha) -> anyhow::Result<String> {
     )))
 }
 
-fn p50_max(mut times: Vec<Duration>) -> (Duration, Duration) {
-    times.sort();
-    let p50 = times.get(times.len() / 2).copied().unwrap_or_default();
-    (p50, times.last().copied().unwrap_or_default())
-}
-
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn the_leader_killed_mid_burst_every_pod_binds_once() -> anyhow::Result<()> {
     let test = "the_leader_killed_mid_burst_every_pod_binds_once";
@@ -498,77 +475,6 @@ async fn the_leader_killed_mid_burst_every_pod_binds_once() -> anyhow::Result<()
         // kubelet restarts the container: it comes back as the follower.
         ha.spawn(leader)?;
         ha.wait_ready(leader).await?;
-        drain_and_check(test, ha, &watch).await
-    })
-    .await
-}
-
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn ten_leader_kills_fail_over_and_lose_nothing() -> anyhow::Result<()> {
-    let test = "ten_leader_kills_fail_over_and_lose_nothing";
-    with_ha(async |ha| {
-        let watch = PodWatch::start(&ha.cluster.client).await?;
-        let flow = stream(ha.cluster.client.clone(), Duration::from_millis(300));
-        let mut failovers = Vec::new();
-        let result = async {
-            for _ in 0..10 {
-                let leader = ha.wait_leader(None).await?;
-                watch.wait_bound(watch.bound() + 1).await?;
-                ha.kill(leader).await;
-                let (wall, killed) = (jiff::Timestamp::now(), tokio::time::Instant::now());
-                failovers.push(watch.first_bind_after(wall, killed).await?);
-                ha.spawn(leader)?;
-                ha.wait_ready(leader).await?;
-            }
-            anyhow::Ok(())
-        }
-        .await;
-        flow.abort();
-        result?;
-        let (p50, max) = p50_max(failovers.clone());
-        eprintln!(
-            "[{test}] time from SIGKILL of the leader to the first bind decided after it, over {} kills: p50 {p50:.2?}, max {max:.2?} (target < 5 s); each: {:.2?}",
-            failovers.len(),
-            failovers
-        );
-        drain_and_check(test, ha, &watch).await
-    })
-    .await
-}
-
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn a_rolling_restart_of_both_replicas_loses_nothing() -> anyhow::Result<()> {
-    let test = "a_rolling_restart_of_both_replicas_loses_nothing";
-    with_ha(async |ha| {
-        let watch = PodWatch::start(&ha.cluster.client).await?;
-        let flow = stream(ha.cluster.client.clone(), Duration::from_millis(200));
-        let result = async {
-            let leader = ha.wait_leader(None).await?;
-            let follower = (leader + 1) % REPLICAS;
-            // The follower first, then the leader, as a rolling update of the Deployment
-            // replaces one pod at a time.
-            for i in [follower, leader] {
-                watch.wait_bound(watch.bound() + 3).await?;
-                let (wall, stopped) = (jiff::Timestamp::now(), tokio::time::Instant::now());
-                ha.stop(i).await;
-                let first = watch.first_bind_after(wall, stopped).await?;
-                eprintln!(
-                    "[{test}] SIGTERM to {} ({}): first bind decided after it {first:.2?} later",
-                    ha.replicas[i].name,
-                    if i == leader { "leader" } else { "follower" },
-                );
-                ha.spawn(i)?;
-                ha.wait_ready(i).await?;
-            }
-            ensure!(
-                ha.wait_leader(None).await? == follower,
-                "the leader's successor is the replica that did not stop"
-            );
-            anyhow::Ok(())
-        }
-        .await;
-        flow.abort();
-        result?;
         drain_and_check(test, ha, &watch).await
     })
     .await

@@ -16,13 +16,12 @@ use gpushare_e2e::cluster::{
     ClusterSpec, SCHEDULER_BACKOFF_MAX, SCHEDULER_UNSCHEDULABLE_RETRY, TestCluster, binaries,
     file_tail, wait_for, with_cluster,
 };
-use gpushare_e2e::fixtures;
 use gpushare_e2e::scenarios::{
     Harness, Quiet, RealCluster, allocation, check_no_overcommit, check_pinned, create_gpu_pod,
     notebook, phase, placements, scheduling_message, wait_bound, wait_running,
 };
 use k8s_openapi::api::core::v1::{Node, Pod};
-use kube::api::{Api, ListParams, Patch, PatchParams, PostParams};
+use kube::api::{Api, ListParams};
 use kube::runtime::{WatchStreamExt, reflector, watcher};
 
 /// Every pod in `names` ends up Running (and pinned right) or Pending with a reason, and
@@ -239,54 +238,6 @@ async fn two_nodes_mixed_stream_packs_nodes_and_keeps_whole_gpus_free() -> anyho
         let (running, pending) = settle(cluster, &large).await?;
         assert!(pending.is_empty(), "whole GPUs were kept free: {pending:?}");
         assert_eq!(running.len(), 4);
-        Ok(())
-    })
-    .await
-}
-
-/// The twin rule against kube-scheduler's queue. `first` (16 GiB) is bound to `twin-a` but
-/// not admitted (its kubelet holds it); `second` (16 GiB) can only join its GPU, which has no
-/// room, so no node passes for it. Once `first` is admitted `second` must bind, although that
-/// admission is no cluster change the scheduler requeues pods for, and although NodeAffinity
-/// rejected `twin-b` (a pod some plugin rejected waits for such a change or, here as in
-/// kube-scheduler, five minutes). It binds because the extender answers an error, which is
-/// retried after backoff. The real tier checks the same on kube-scheduler
-/// (`a_pod_behind_its_twin_binds_once_kubelet_admits_the_twin`).
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn a_pod_behind_its_twin_binds_once_kubelet_admits_the_twin() -> anyhow::Result<()> {
-    let spec = ClusterSpec::labelled(&[("twin-a", &[16, 16]), ("twin-b", &[16])])
-        .with_unschedulable_retry(Duration::from_secs(300));
-    with_cluster(spec, async |cluster| {
-        let pods: Api<Pod> = Api::namespaced(cluster.client.clone(), "default");
-        let on_twin_a = |name: &str| -> anyhow::Result<Pod> {
-            let mut pod = fixtures::pod(name).gpu_mem(16).build();
-            let affinity = serde_json::json!({"nodeAffinity": {
-            "requiredDuringSchedulingIgnoredDuringExecution": {"nodeSelectorTerms": [
-                {"matchFields": [{"key": "metadata.name", "operator": "In", "values": ["twin-a"]}]}
-            ]}}});
-            pod.spec.as_mut().context("pod spec")?.affinity =
-                Some(serde_json::from_value(affinity)?);
-            Ok(pod)
-        };
-        let kubelet = &cluster.nodes["twin-a"].kubelet;
-        kubelet.hold("default", "first");
-        pods.create(&PostParams::default(), &on_twin_a("first")?)
-            .await?;
-        ensure!(wait_bound(&pods, "first").await? == "twin-a");
-        pods.create(&PostParams::default(), &on_twin_a("second")?)
-            .await?;
-        let refused = wait_for("second to be refused", Duration::from_secs(30), || async {
-            scheduling_message(&pods.get("second").await.ok()?)
-        })
-        .await?;
-        kubelet.release("default", "first");
-        let bound = wait_bound(&pods, "second").await;
-        ensure!(bound? == "twin-a");
-        ensure!(
-            refused.contains("until kubelet admits a pod bound before it"),
-            "second should have waited for first's admission: {refused}"
-        );
-        check_no_overcommit(&cluster.client).await?;
         Ok(())
     })
     .await
@@ -973,210 +924,9 @@ async fn extender_killed_three_times_mid_burst_every_pod_that_fits_binds() -> an
     result
 }
 
-// ---- Allocations cannot be forged or escaped: the chart's admission policy, enforced by the
-// API server, against a user who tries. (The harness runs it in `default-scheduler` mode; the
-// dedicated mode's `schedulerName` rule is covered by the admission module's unit tests.)
-
-/// A user the policy does not trust (not gpushare's ServiceAccounts).
-const ATTACKER: &str = "system:serviceaccount:default:notebook";
-
-/// The prefix every refusal by the chart's policy carries, as the real API server words it.
-const REFUSED_BY_POLICY: &str = "is forbidden: ValidatingAdmissionPolicy 'gpushare-allocations' with binding 'gpushare-allocations' denied request: ";
-
-/// The write was refused by the allocation policy, with a message that contains `hint`.
-fn refused<T: std::fmt::Debug>(
-    result: Result<T, kube::Error>,
-    hint: &str,
-) -> anyhow::Result<String> {
-    match result {
-        Err(kube::Error::Api(status)) => {
-            ensure!(
-                status.code == 403
-                    && status.reason == "Forbidden"
-                    && status.message.contains(REFUSED_BY_POLICY)
-                    && status.message.contains(hint),
-                "expected a 403 from the allocation policy saying {hint:?}, got {status:?}"
-            );
-            Ok(status.message.clone())
-        }
-        Err(other) => anyhow::bail!("expected the allocation policy to refuse, got {other}"),
-        Ok(admitted) => anyhow::bail!("the write was admitted: {admitted:?}"),
-    }
-}
-
-/// The attacker's pod does not exist, and no GPU is over-committed.
-async fn attacker_got_nothing(cluster: &TestCluster, name: &str) -> anyhow::Result<()> {
-    let pods: Api<Pod> = Api::namespaced(cluster.client.clone(), "default");
-    ensure!(
-        pods.get_opt(name).await?.is_none(),
-        "the refused pod {name} exists"
-    );
-    check_no_overcommit(&cluster.client).await?;
-    Ok(())
-}
-
-/// An honest pod, scheduled by gpushare and running on its GPU, for the attacker to target.
-async fn running_victim(cluster: &TestCluster, name: &str, gib: u64) -> anyhow::Result<Pod> {
-    create_gpu_pod(cluster, name, gib).await?;
-    let pod = wait_running(cluster, name).await?;
-    check_pinned(cluster, &pod).await?;
-    Ok(pod)
-}
-
-fn gpushare_annotations(pod: &Pod) -> std::collections::BTreeMap<String, String> {
-    let prefix = format!("{}/v1.", gpushare_contract::DEFAULT_DOMAIN);
-    pod.metadata
-        .annotations
-        .clone()
-        .unwrap_or_default()
-        .into_iter()
-        .filter(|(key, _)| key.starts_with(&prefix))
-        .collect()
-}
-
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn a_pod_with_hand_written_allocation_annotations_is_refused() -> anyhow::Result<()> {
-    with_cluster(ClusterSpec::labelled(&[("n1", &[16])]), async |cluster| {
-        let keys = Keys::default();
-        let attacker = cluster.client_as(ATTACKER).await?;
-        let forged = fixtures::pod("forged")
-            .gpu_mem(4)
-            .annotation(&keys.gpu_index, "0")
-            .annotation(&keys.pod_gib, "4")
-            .annotation(&keys.assigned, "true")
-            .build();
-        // Neither a user nor the cluster admin may write gpushare's record by hand.
-        for client in [attacker, cluster.client.clone()] {
-            let pods: Api<Pod> = Api::namespaced(client, "default");
-            let message = refused(
-                pods.create(&PostParams::default(), &forged).await,
-                "remove them from the pod and let the scheduler place it",
-            )?;
-            ensure!(
-                message.starts_with("pods \"forged\" is forbidden"),
-                "{message}"
-            );
-        }
-        attacker_got_nothing(cluster, "forged").await?;
-        // The same pod without the forged record is scheduled as usual.
-        running_victim(cluster, "honest", 4).await?;
-        Ok(())
-    })
-    .await
-}
-
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn a_gpu_pod_created_with_node_name_is_refused() -> anyhow::Result<()> {
-    with_cluster(ClusterSpec::labelled(&[("n1", &[16])]), async |cluster| {
-        let pods: Api<Pod> = Api::namespaced(cluster.client_as(ATTACKER).await?, "default");
-        let bypass = fixtures::pod("bypass").gpu_mem(16).on_node("n1").build();
-        refused(
-            pods.create(&PostParams::default(), &bypass).await,
-            "remove spec.nodeName and choose nodes with a nodeSelector or node affinity",
-        )?;
-        attacker_got_nothing(cluster, "bypass").await?;
-        // A pod that asks for no GPU may still be created on a node.
-        let plain = fixtures::pod("plain").on_node("n1").build();
-        pods.create(&PostParams::default(), &plain).await?;
-        // And the whole GPU is still there for a scheduled pod.
-        running_victim(cluster, "whole", 16).await?;
-        Ok(())
-    })
-    .await
-}
-
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn a_running_pods_allocation_cannot_be_changed_or_removed() -> anyhow::Result<()> {
-    // With the marks on (off by default), the plugin writes on the pod too.
-    let spec = ClusterSpec::labelled(&[("n1", &[8, 8])])
-        .with_device_plugin_args(&["--allocation-marks", "true"]);
-    with_cluster(spec, async |cluster| {
-        let keys = Keys::default();
-        running_victim(cluster, "victim", 6).await?;
-        // The device plugin's own mark went through the policy (it acts as its
-        // ServiceAccount, which the policy trusts).
-        let admin: Api<Pod> = Api::namespaced(cluster.client.clone(), "default");
-        let victim = wait_for(
-            "the device plugin to mark the victim assigned",
-            Duration::from_secs(30),
-            || {
-                let admin = admin.clone();
-                async move {
-                    let pod = admin.get("victim").await.ok()?;
-                    allocation(&pod).ok()?.assigned.then_some(pod)
-                }
-            },
-        )
-        .await?;
-        let before = gpushare_annotations(&victim);
-        let gpu = allocation(&victim)?.gpu_index;
-        let pods: Api<Pod> = Api::namespaced(cluster.client_as(ATTACKER).await?, "default");
-        let hint = "cannot be set, changed or removed by hand";
-        // Move it to the other GPU, shrink what it holds, drop the record: patch and update.
-        let other = (1 - gpu).to_string();
-        for patch in [
-            serde_json::json!({"metadata": {"annotations": {keys.gpu_index.clone(): other}}}),
-            serde_json::json!({"metadata": {"annotations": {keys.pod_gib.clone(): "1"}}}),
-            serde_json::json!({"metadata": {"annotations": {keys.assigned.clone(): null}}}),
-        ] {
-            refused(
-                pods.patch("victim", &PatchParams::default(), &Patch::Merge(&patch))
-                    .await,
-                hint,
-            )?;
-        }
-        let mut stripped = pods.get("victim").await?;
-        stripped.metadata.annotations = None;
-        refused(
-            pods.replace("victim", &PostParams::default(), &stripped)
-                .await,
-            hint,
-        )?;
-        // Other changes to the pod still go through.
-        let label = serde_json::json!({"metadata": {"labels": {"team": "a"}}});
-        pods.patch("victim", &PatchParams::default(), &Patch::Merge(&label))
-            .await?;
-        // The pod keeps running on its GPU, its record unchanged.
-        let after = pods.get("victim").await?;
-        ensure!(
-            phase(&after) == "Running",
-            "the victim stopped: {}",
-            phase(&after)
-        );
-        ensure!(gpushare_annotations(&after) == before, "the record changed");
-        check_pinned(cluster, &after).await?;
-        check_no_overcommit(&cluster.client).await?;
-        Ok(())
-    })
-    .await
-}
-
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn another_pods_allocation_cannot_be_copied_onto_a_new_pod() -> anyhow::Result<()> {
-    with_cluster(ClusterSpec::labelled(&[("n1", &[8])]), async |cluster| {
-        let victim = running_victim(cluster, "victim", 6).await?;
-        let pods: Api<Pod> = Api::namespaced(cluster.client_as(ATTACKER).await?, "default");
-        let mut builder = fixtures::pod("thief").gpu_mem(6);
-        for (key, value) in gpushare_annotations(&victim) {
-            builder = builder.annotation(&key, &value);
-        }
-        // With the victim's node too, and without (letting the scheduler place it).
-        let on_node = builder.clone().on_node("n1").build();
-        let copied = builder.build();
-        for thief in [on_node, copied] {
-            refused(
-                pods.create(&PostParams::default(), &thief).await,
-                "are written only by gpushare",
-            )?;
-        }
-        attacker_got_nothing(cluster, "thief").await?;
-        let victim = pods.get("victim").await?;
-        ensure!(phase(&victim) == "Running");
-        check_pinned(cluster, &victim).await?;
-        Ok(())
-    })
-    .await
-}
+// Forged allocations (hand-written, copied, changed, with `nodeName`, and without the policy
+// at Allocate) are refused on the real cluster (`e2e/tests/real.rs`, the forgery scenarios)
+// and, rule by rule, in the policy's CEL unit tests (`e2e/src/cluster/chart/policy_tests.rs`).
 
 #[tokio::test]
 #[ignore = "needs cluster"]
@@ -1189,52 +939,4 @@ async fn notebook_story_on_a_real_cluster() -> anyhow::Result<()> {
     overcommit?;
     assert_eq!(outcome.sharing.len(), 3);
     Ok(())
-}
-
-/// Defense in depth, for clusters without the policy (it is off here): the forgery found on a
-/// real cluster — a pod created on the node with a hand-written record claiming 0 GiB while it
-/// asks for 6 — is refused by the device plugin at admission, because the extender did not
-/// sign that record. The pod fails, gets no GPU, and the honest pod keeps its GPU.
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn without_the_policy_an_unsigned_allocation_gets_no_gpu() -> anyhow::Result<()> {
-    let spec = ClusterSpec::labelled(&[("n1", &[8, 8])]).without_allocation_policy();
-    with_cluster(spec, async |cluster| {
-        let keys = Keys::default();
-        running_victim(cluster, "victim", 6).await?;
-        let forged = fixtures::pod("forged")
-            .gpu_mem(6)
-            .on_node("n1")
-            .annotation(&keys.gpu_index, "0")
-            .annotation(&keys.pod_gib, "0")
-            .annotation(&keys.containers, r#"[{"name":"main","gib":6}]"#)
-            .annotation(&keys.assigned, "false")
-            .build();
-        let pods: Api<Pod> = Api::namespaced(cluster.client_as(ATTACKER).await?, "default");
-        pods.create(&PostParams::default(), &forged).await?;
-        let admin: Api<Pod> = Api::namespaced(cluster.client.clone(), "default");
-        let failed = wait_for(
-            "the forged pod to fail admission",
-            Duration::from_secs(60),
-            || async {
-                let pod = admin.get("forged").await.ok()?;
-                (phase(&pod) == "Failed").then_some(pod)
-            },
-        )
-        .await?;
-        let message = failed
-            .status
-            .as_ref()
-            .and_then(|s| s.message.clone())
-            .unwrap_or_default();
-        ensure!(
-            message.contains("not signed by the gpushare extender")
-                && message.contains("delete it and let the scheduler place it"),
-            "{message}"
-        );
-        let victim = wait_running(cluster, "victim").await?;
-        check_pinned(cluster, &victim).await?;
-        check_no_overcommit(&cluster.client).await?;
-        Ok(())
-    })
-    .await
 }

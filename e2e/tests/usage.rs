@@ -2,7 +2,9 @@
 //! (`--simulate-usage-file`), traces it to the GPUs kubelet's PodResources API says the pod
 //! holds, and exports allocated vs used per pod and GPU on `/metrics`, publishes the node's
 //! `<domain>/v1.usage` annotation, and `kubectl gpushare top -d` (its library, on what the
-//! API server returns) shows USED beside ALLOCATED and flags the pod over its share.
+//! API server returns) shows USED beside ALLOCATED and flags the pod over its share. The
+//! Event and the eviction of a pod over its share run on the real cluster
+//! (`a_pod_over_its_share_by_the_drivers_count_is_evicted` in `e2e/tests/real.rs`).
 
 use std::time::Duration;
 
@@ -11,7 +13,7 @@ use gpushare_contract::Keys;
 use gpushare_contract::usage::NodeMemoryUse;
 use gpushare_e2e::cluster::{ClusterSpec, TestCluster, http_get, wait_for, with_cluster};
 use gpushare_e2e::scenarios::{allocation, create_gpu_pod, wait_running};
-use k8s_openapi::api::core::v1::{Node, Pod};
+use k8s_openapi::api::core::v1::Node;
 use kube::Api;
 
 const NODE: &str = "n1";
@@ -153,74 +155,6 @@ async fn a_pod_over_its_share_shows_in_metrics_the_node_annotation_and_top() -> 
         let text = top_details(cluster).await?;
         ensure!(pod_row(&text, "b")?.last() == Some(&"1.0"), "{text}");
         ensure!(!text.contains("over its share"), "{text}");
-        Ok(())
-    })
-    .await
-}
-
-/// The node watch: a pod whose processes use more than its share by the driver's count
-/// (here the simulated usage file, as NVML's process lists would say) is told once by a
-/// Warning Event, shows in `gpushare_container_over_share_bytes`, and with `--over-share
-/// evict` is evicted after the grace period, while its GPU's other pod keeps running.
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn a_pod_over_its_share_is_told_then_evicted_and_its_neighbour_stays() -> anyhow::Result<()> {
-    let dir = tempfile::tempdir()?;
-    let usage_file = dir.path().join("usage.json");
-    let spec = usage_spec(
-        &usage_file,
-        &["--over-share=evict", "--over-share-grace-seconds=2"],
-    );
-    with_cluster(spec, async |cluster| {
-        let gpu = a_and_b_on_one_gpu(cluster).await?;
-        let pods: Api<Pod> = Api::namespaced(cluster.client.clone(), "default");
-
-        // a takes 6 GiB of its 4; b stays within its 2.
-        std::fs::write(&usage_file, r#"{"default/a": "6Gi", "default/b": "1Gi"}"#)?;
-        let over = |pod: &str, bytes: u64| {
-            format!(
-                "gpushare_container_over_share_bytes{{namespace=\"default\",pod=\"{pod}\",container=\"main\",gpu=\"{gpu}\"}} {bytes}"
-            )
-        };
-        wait_metrics(cluster, &[over("a", 2 * GIB), over("b", 0)]).await?;
-        let client = cluster.client.clone();
-        let told = |reason: &'static str| {
-            let client = client.clone();
-            async move { gpushare_e2e::scenarios::events_with_reason(&client, "default", reason).await }
-        };
-        let reported = wait_for("the GpuMemoryOverShare Event", WAIT, || {
-            told("GpuMemoryOverShare")
-        })
-        .await?;
-        ensure!(reported.len() == 1, "one Event per episode: {reported:?}");
-        let (about, note) = &reported[0];
-        ensure!(about == "a", "the Event is about {about}");
-        ensure!(
-            note.contains("uses 6144 MiB of GPU") && note.contains("share of 4096 MiB"),
-            "{note}"
-        );
-
-        wait_for("a to be evicted", WAIT, || async {
-            pods.get_opt("a").await.ok()?.is_none().then_some(())
-        })
-        .await?;
-        let evicted = wait_for("the eviction's Event", WAIT, || {
-            told("GpuMemoryOverShareEvicted")
-        })
-        .await?;
-        ensure!(evicted.len() == 1 && evicted[0].0 == "a", "{evicted:?}");
-        let stats = cluster.api.stats();
-        ensure!(
-            stats.count(gpushare_e2e::apiserver::Verb::Create, "pods/eviction") == 1,
-            "one eviction"
-        );
-        let b = pods.get("b").await?;
-        ensure!(
-            gpushare_e2e::scenarios::phase(&b) == "Running",
-            "the neighbour keeps running"
-        );
-        // b never went over: no Event about it, ever.
-        let reported = told("GpuMemoryOverShare").await.unwrap_or_default();
-        ensure!(reported.iter().all(|(pod, _)| pod == "a"), "{reported:?}");
         Ok(())
     })
     .await

@@ -49,7 +49,6 @@ pub struct Faults {
 
 struct FaultState {
     latency: Duration,
-    write_latency: Duration,
     errors: HashMap<Verb, (f64, u16)>,
     rng: StdRng,
 }
@@ -62,7 +61,6 @@ impl Faults {
         Self {
             inner: Arc::new(Mutex::new(FaultState {
                 latency: Duration::ZERO,
-                write_latency: Duration::ZERO,
                 errors: HashMap::new(),
                 // Seeded: a failing run can be replayed.
                 rng: StdRng::seed_from_u64(0x6770_7573_6861_7265),
@@ -128,12 +126,6 @@ impl Faults {
         self.state().latency = d;
     }
 
-    /// Delay added to every write once it is accepted (after any stall). The write is applied
-    /// after the delay even if its client gave up meanwhile.
-    pub fn set_write_latency(&self, d: Duration) {
-        self.state().write_latency = d;
-    }
-
     /// Freezes writes for `d` from now, as a frozen etcd would: every write arriving before
     /// the returned instant hangs until then and is applied afterwards, in whatever order the
     /// held writes wake up, even if its client timed out or hung up meanwhile (so a client
@@ -191,7 +183,6 @@ impl Faults {
     pub fn clear(&self) {
         let mut state = self.state();
         state.latency = Duration::ZERO;
-        state.write_latency = Duration::ZERO;
         state.errors.clear();
         drop(state);
         self.stall.send_replace(None);
@@ -248,13 +239,6 @@ impl Faults {
                 "InternalError",
                 "Internal error occurred: etcdserver: leader changed",
             )));
-        }
-        let latency = self.state().write_latency;
-        if !latency.is_zero() {
-            tokio::select! {
-                () = cancel.cancelled() => return None,
-                () = tokio::time::sleep(latency) => {}
-            }
         }
         Some(Release::Apply)
     }

@@ -23,7 +23,7 @@
 //! thawed: the writes commit late, whoever still waits for them);
 //! [`Faults::stall_writes_then_fail`] holds them the same way and then fails every one of
 //! them unapplied (etcd lost its leader with the proposals). Reads and watches go on
-//! answering. [`Faults::set_write_latency`] delays writes the same way.
+//! answering.
 //!
 //! Served: core/v1 `pods` (+ `status`, `binding`), `nodes` (+ `status`), `events`,
 //! `namespaces` (synthetic, read-only); `events.k8s.io/v1` `events`;

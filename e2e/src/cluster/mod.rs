@@ -243,19 +243,6 @@ impl TestCluster {
         &self.kubeconfig
     }
 
-    /// A client acting as `username` (a user the allocation policy does not trust, unless
-    /// it is [`EXTENDER_USER`] or [`DEVICE_PLUGIN_USER`]).
-    pub async fn client_as(&self, username: &str) -> anyhow::Result<Client> {
-        let yaml = self.api.kubeconfig_yaml_as(username);
-        let kubeconfig = kube::config::Kubeconfig::from_yaml(&yaml)?;
-        let config = kube::Config::from_custom_kubeconfig(
-            kubeconfig,
-            &kube::config::KubeConfigOptions::default(),
-        )
-        .await?;
-        Ok(Client::try_from(config)?)
-    }
-
     /// Where the child processes' logs go.
     pub fn log_dir(&self) -> &Path {
         self.dir.path()
