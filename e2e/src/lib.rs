@@ -16,7 +16,7 @@
 //! - [`realk8s`]: the real-Kubernetes tier: the kit of `../shared/realk8s` set up, the chart
 //!   installed by helm, container environments read from the real runtime's record.
 //! - [`scenarios`]: the user stories, written once, run here and on a real cluster;
-//!   [`preemption`]: the preemption stories, likewise.
+//!   [`preemption`]: the preemption stories, run on the real cluster only.
 //! - [`tools`]: installs kubectl and helm from the project's own script, for tests that need them.
 
 pub mod apiserver;

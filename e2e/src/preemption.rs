@@ -1,4 +1,5 @@
-//! Preemption stories, written once and run on both clusters (in-process and real): a more
+//! Preemption stories, run on the real cluster (`e2e/tests/real.rs`), whose kube-scheduler is
+//! upstream's own (the scheduler driver does not preempt): a more
 //! important GPU pod arrives on a full node, and the pods evicted for it must be exactly those
 //! whose going makes room on one GPU.
 //!

@@ -20,7 +20,7 @@ use serde_json::json;
 /// How long a test waits for what should come: only a hung test reaches it.
 const DEADLINE: Duration = Duration::from_secs(60);
 
-/// A write stall or write latency that lasts past any test: the test ends it, or the server's
+/// A write stall that lasts past any test: the test ends it, or the server's
 /// shutdown does.
 const FOREVER: Duration = Duration::from_secs(3600);
 

@@ -1103,7 +1103,8 @@ const USAGE_FILE: &str = "/tmp/gpushare-realk8s-usage.json";
 /// The node watch on the real kubelet: a pod whose processes use more than its share by the
 /// driver's count (as a program without the interposer would) gets a `GpuMemoryOverShare`
 /// Event and shows in `gpushare_container_over_share_bytes`; `isolation.overShare: evict`
-/// evicts it after the grace period, and its GPU's other pod keeps running.
+/// evicts it after the grace period (a `GpuMemoryOverShareEvicted` Event), and its GPU's other
+/// pod keeps running.
 fn a_pod_over_its_share_by_the_drivers_count_is_evicted(c: &KitCluster) -> Outcome<'_> {
     Box::pin(async move {
         std::fs::write(USAGE_FILE, "")?;
@@ -1166,6 +1167,14 @@ async fn over_share_eviction(c: &KitCluster) -> anyhow::Result<()> {
         },
     )
     .await?;
+    let evicted = wait_for("the eviction's Event", Duration::from_secs(60), || {
+        told("GpuMemoryOverShareEvicted")
+    })
+    .await?;
+    ensure!(
+        evicted.len() == 1 && evicted[0].0 == "runaway",
+        "one eviction Event, about the runaway: {evicted:?}"
+    );
     let metrics = device_plugin_metrics(c).await?;
     let evictions = metrics
         .lines()

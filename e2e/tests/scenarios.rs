@@ -16,12 +16,13 @@ use gpushare_e2e::cluster::{
     ClusterSpec, SCHEDULER_BACKOFF_MAX, SCHEDULER_UNSCHEDULABLE_RETRY, TestCluster, binaries,
     file_tail, wait_for, with_cluster,
 };
+use gpushare_e2e::fixtures;
 use gpushare_e2e::scenarios::{
     Harness, Quiet, RealCluster, allocation, check_no_overcommit, check_pinned, create_gpu_pod,
     notebook, phase, placements, scheduling_message, wait_bound, wait_running,
 };
 use k8s_openapi::api::core::v1::{Node, Pod};
-use kube::api::{Api, ListParams};
+use kube::api::{Api, ListParams, PostParams};
 use kube::runtime::{WatchStreamExt, reflector, watcher};
 
 /// Every pod in `names` ends up Running (and pinned right) or Pending with a reason, and
@@ -238,6 +239,54 @@ async fn two_nodes_mixed_stream_packs_nodes_and_keeps_whole_gpus_free() -> anyho
         let (running, pending) = settle(cluster, &large).await?;
         assert!(pending.is_empty(), "whole GPUs were kept free: {pending:?}");
         assert_eq!(running.len(), 4);
+        Ok(())
+    })
+    .await
+}
+
+/// The twin rule against kube-scheduler's queue. `first` (16 GiB) is bound to `twin-a` but
+/// not admitted (its kubelet holds it); `second` (16 GiB) can only join its GPU, which has no
+/// room, so no node passes for it. Once `first` is admitted `second` must bind, although that
+/// admission is no cluster change the scheduler requeues pods for, and although NodeAffinity
+/// rejected `twin-b` (a pod some plugin rejected waits for such a change or, here as in
+/// kube-scheduler, five minutes). It binds because the extender answers an error, which is
+/// retried after backoff. The real tier checks the same on kube-scheduler
+/// (`a_pod_behind_its_twin_binds_once_kubelet_admits_the_twin`).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_pod_behind_its_twin_binds_once_kubelet_admits_the_twin() -> anyhow::Result<()> {
+    let spec = ClusterSpec::labelled(&[("twin-a", &[16, 16]), ("twin-b", &[16])])
+        .with_unschedulable_retry(Duration::from_secs(300));
+    with_cluster(spec, async |cluster| {
+        let pods: Api<Pod> = Api::namespaced(cluster.client.clone(), "default");
+        let on_twin_a = |name: &str| -> anyhow::Result<Pod> {
+            let mut pod = fixtures::pod(name).gpu_mem(16).build();
+            let affinity = serde_json::json!({"nodeAffinity": {
+            "requiredDuringSchedulingIgnoredDuringExecution": {"nodeSelectorTerms": [
+                {"matchFields": [{"key": "metadata.name", "operator": "In", "values": ["twin-a"]}]}
+            ]}}});
+            pod.spec.as_mut().context("pod spec")?.affinity =
+                Some(serde_json::from_value(affinity)?);
+            Ok(pod)
+        };
+        let kubelet = &cluster.nodes["twin-a"].kubelet;
+        kubelet.hold("default", "first");
+        pods.create(&PostParams::default(), &on_twin_a("first")?)
+            .await?;
+        ensure!(wait_bound(&pods, "first").await? == "twin-a");
+        pods.create(&PostParams::default(), &on_twin_a("second")?)
+            .await?;
+        let refused = wait_for("second to be refused", Duration::from_secs(30), || async {
+            scheduling_message(&pods.get("second").await.ok()?)
+        })
+        .await?;
+        kubelet.release("default", "first");
+        let bound = wait_bound(&pods, "second").await;
+        ensure!(bound? == "twin-a");
+        ensure!(
+            refused.contains("until kubelet admits a pod bound before it"),
+            "second should have waited for first's admission: {refused}"
+        );
+        check_no_overcommit(&cluster.client).await?;
         Ok(())
     })
     .await

@@ -30,7 +30,7 @@ fn namespace_uid(name: &str) -> String {
 }
 
 /// Any namespace exists and is Active: gpushare never manages namespaces, and clients that
-/// check for one (kubectl sometimes does) should find it.
+/// check for one should find it.
 pub(crate) fn namespace(name: &str) -> Value {
     json!({
         "kind": "Namespace",

@@ -1,5 +1,5 @@
 //! Fault injection: what a test does to the API server to see how gpushare copes with a
-//! cluster under stress (latency on every request or on writes, errors at a rate per verb,
+//! cluster under stress (latency on every request, errors at a rate per verb,
 //! a write stall that applies or fails the writes it held, a stalled etcd holding
 //! consistent reads, a client cut off, watches dropped, history compacted).
 //!
@@ -210,7 +210,7 @@ impl Faults {
         }
     }
 
-    /// Holds an accepted write through the current stall, then its write latency, and says
+    /// Holds an accepted write through the current stall, and says
     /// what becomes of it. `None` if the server shut down meanwhile (nothing is applied).
     pub(crate) async fn hold_write(&self, cancel: &CancellationToken) -> Option<Release> {
         let mut stall = self.stall.subscribe();

@@ -198,7 +198,7 @@ async fn resolve(
         return Err(ApiError::injected(503).into_response());
     }
     match (route, app.access.user(authorization)) {
-        // Discovery and health need no credentials here.
+        // `/version` and health need no credentials here.
         (Route::Json(doc), _) => Err(axum::Json(doc).into_response()),
         (Route::Health, _) => Err("ok".into_response()),
         (_, None) => Err(ApiError::new(401, "Unauthorized", "Unauthorized").into_response()),

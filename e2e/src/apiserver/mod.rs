@@ -6,12 +6,12 @@
 //! `/status`. A mock that answers "200 OK" to everything lets a test pass that would fail
 //! against a cluster. This server is a real HTTP server that speaks the real wire protocol
 //! (JSON bodies, `metav1.Status` errors, newline-delimited watch streams) and enforces those
-//! rules, so kube-rs clients, kube-runtime watchers and a real `kubectl` work against it.
+//! rules, so kube-rs clients and kube-runtime watchers work against it.
 //!
 //! ```text
-//!  kube::Client / kubectl ──HTTP──▶ axum fallback ──▶ faults (latency, errors) ──▶ handlers
+//!  kube::Client ──────────HTTP──▶ axum fallback ──▶ faults (latency, errors) ──▶ handlers
 //!                                                                                │
-//!                                        writes: spawned ──▶ stall, write latency ┤
+//!                                        writes: spawned ──▶ stall ──────────────┤
 //!                                                                                ▼
 //!                    watch streams ◀── history of changes ◀── store (one resourceVersion)
 //! ```
@@ -210,7 +210,7 @@ impl ApiServer {
     }
 
     /// Binds `addr` and serves until shutdown or drop.
-    pub async fn start_on(addr: SocketAddr) -> anyhow::Result<ApiServer> {
+    async fn start_on(addr: SocketAddr) -> anyhow::Result<ApiServer> {
         let listener = tokio::net::TcpListener::bind(addr)
             .await
             .map_err(|err| anyhow::anyhow!("binding the API server to {addr}: {err}"))?;

@@ -128,6 +128,8 @@ struct ResourceSpec {
 struct Extender {
     url_prefix: String,
     filter_verb: Option<String>,
+    /// Accepted as the chart renders it, and not acted on: this driver has no PostFilter
+    /// (preemption runs on the real cluster only).
     preempt_verb: Option<String>,
     prioritize_verb: Option<String>,
     #[serde(default)]
@@ -268,6 +270,9 @@ fn fit_scoring(plugin_config: &[PluginConfig]) -> anyhow::Result<FitScoring> {
 
 fn extender_config(extender: Extender) -> anyhow::Result<ExtenderConfig> {
     let verb = |v: Option<String>| v.filter(|v| !v.is_empty());
+    if let Some(preempt) = verb(extender.preempt_verb) {
+        tracing::debug!(%preempt, "preemptVerb ignored: the driver does not preempt");
+    }
     let prioritize_verb = verb(extender.prioritize_verb);
     ensure!(
         prioritize_verb.is_none() || extender.weight > 0,
@@ -283,7 +288,6 @@ fn extender_config(extender: Extender) -> anyhow::Result<ExtenderConfig> {
         filter_verb: verb(extender.filter_verb),
         prioritize_verb,
         bind_verb: verb(extender.bind_verb),
-        preempt_verb: verb(extender.preempt_verb),
         weight: extender.weight,
         node_cache_capable: extender.node_cache_capable,
         managed_resources: extender

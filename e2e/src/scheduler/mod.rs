@@ -58,8 +58,6 @@ pub struct ExtenderConfig {
     pub filter_verb: Option<String>,
     pub prioritize_verb: Option<String>,
     pub bind_verb: Option<String>,
-    /// `preemptVerb`: kube-scheduler's preemption asks the extender which victims to evict.
-    pub preempt_verb: Option<String>,
     /// Multiplies the extender's 0..=10 scores (then scaled ×10 to the scheduler's 0..=100).
     pub weight: i64,
     /// Send `NodeNames` instead of full `Nodes`.
@@ -91,7 +89,8 @@ pub struct ExtenderTlsConfig {
 }
 
 impl ExtenderConfig {
-    /// The configuration gpushare's chart installs: filter, prioritize, bind and preempt, weight 1,
+    /// The configuration gpushare's chart installs (less its preempt verb, which this driver
+    /// does not act on): filter, prioritize and bind, weight 1,
     /// `nodeCacheCapable: true`, managing `example.com/gpu-mem`.
     pub fn gpushare(url_prefix: &str) -> Self {
         ExtenderConfig {
@@ -99,7 +98,6 @@ impl ExtenderConfig {
             filter_verb: Some("filter".to_owned()),
             prioritize_verb: Some("prioritize".to_owned()),
             bind_verb: Some("bind".to_owned()),
-            preempt_verb: Some("preempt".to_owned()),
             weight: 1,
             node_cache_capable: true,
             managed_resources: vec![gpushare_contract::DEFAULT_RESOURCE.to_owned()],
