@@ -22,7 +22,7 @@ use std::sync::Arc;
 
 use gpushare_contract::GpuInfo;
 use k8s_openapi::api::core::v1::{ObjectReference, Pod};
-use kube::api::{Api, EvictParams, Patch, PatchParams};
+use kube::api::{Api, Patch, PatchParams};
 use kube::runtime::events::{Event, EventType, Recorder, Reporter};
 use tokio::sync::watch;
 use tokio_util::sync::CancellationToken;
@@ -119,7 +119,7 @@ impl HealthReporter {
             self.metrics.pods_on_unhealthy_gpu.inc();
             if self.evict {
                 let api: Api<Pod> = Api::namespaced(self.client.clone(), namespace);
-                match api.evict(name, &EvictParams::default()).await {
+                match api.evict(name, &crate::pods::eviction_of(&uid)).await {
                     Ok(_) => {
                         self.metrics.evictions.inc();
                     }

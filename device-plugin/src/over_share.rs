@@ -23,7 +23,7 @@ use std::collections::BTreeMap;
 use std::time::Duration;
 
 use k8s_openapi::api::core::v1::{ObjectReference, Pod};
-use kube::api::{Api, EvictParams};
+use kube::api::Api;
 use kube::runtime::events::{Event, EventType, Recorder, Reporter};
 use tokio::time::Instant;
 
@@ -221,7 +221,7 @@ impl Actor {
                 kind: Some("Pod".to_owned()),
                 namespace: Some(namespace.to_owned()),
                 name: Some(name.to_owned()),
-                uid,
+                uid: uid.clone(),
                 ..ObjectReference::default()
             };
             let event = Event {
@@ -238,10 +238,15 @@ impl Actor {
                 self.metrics.over_share_episodes.inc();
                 continue;
             }
+            // The pod on the GPU now is the one measured; without it there is nobody to evict.
+            let Some(uid) = uid else {
+                continue;
+            };
             let api: Api<Pod> = Api::namespaced(self.client.clone(), namespace);
-            match api.evict(name, &EvictParams::default()).await {
+            match api.evict(name, &crate::pods::eviction_of(&uid)).await {
                 Ok(_) => self.metrics.over_share_evictions.inc(),
-                Err(kube::Error::Api(status)) if status.code == 404 => 0,
+                // Gone, or a new pod under the same name (the UID precondition refused it).
+                Err(kube::Error::Api(status)) if status.code == 404 || status.code == 409 => 0,
                 Err(error) => {
                     tracing::warn!(pod = %finding.pod, %error, "cannot evict a pod over its GPU memory share; trying again at the next measurement");
                     tracker.eviction_failed(&finding.pod, finding.gpu);

@@ -37,6 +37,7 @@ use futures::future::BoxFuture;
 use futures::{FutureExt, Stream, StreamExt};
 use gpushare_contract::{ContainerRequest, Keys, PodAllocation, SharedKeyring};
 use k8s_openapi::api::core::v1::Pod;
+use kube::api::{DeleteParams, EvictParams, Preconditions};
 use kube::runtime::reflector::{self, Store};
 use kube::runtime::{WatchStreamExt, watcher};
 use kube::{Api, Client};
@@ -50,6 +51,23 @@ use crate::matching;
 use crate::metrics::Metrics;
 use crate::pod_views::{KubeletContext, Reader, ViewCache};
 use crate::view::{Marks, PodView, Trust};
+
+/// An Eviction of exactly the pod with `uid`. Evictions name a pod, and a pod's name outlives
+/// it: a StatefulSet's `web-0` (or any pod deleted and created again) comes back under the
+/// same name, and an eviction decided for the old one must not take the new one with it. The
+/// API server refuses the eviction with a conflict when the UID no longer matches.
+pub fn eviction_of(uid: &str) -> EvictParams {
+    EvictParams {
+        delete_options: Some(DeleteParams {
+            preconditions: Some(Preconditions {
+                uid: Some(uid.to_owned()),
+                resource_version: None,
+            }),
+            ..DeleteParams::default()
+        }),
+        ..EvictParams::default()
+    }
+}
 
 /// How often reconcile runs without pod events.
 pub const RECONCILE_PERIOD: Duration = Duration::from_secs(2);

@@ -103,11 +103,40 @@ pub async fn wait_bound(pods: &Api<Pod>, name: &str) -> anyhow::Result<String> {
                     Some(message) => format!("last scheduling message: {message}"),
                     None => "no scheduling message".into(),
                 },
-                Ok(None) => "gone".into(),
+                Ok(None) => format!("gone; {}", events_naming(pods, name).await),
                 Err(read) => format!("reading it failed: {read}"),
             };
             Err(error.context(format!("pod {name}: {why}")))
         }
+    }
+}
+
+/// The Events that name pod `name` (in any namespace), oldest first, as one line: they say
+/// who deleted a pod that is gone (kube-scheduler's preemption, an eviction, kubelet).
+async fn events_naming(pods: &Api<Pod>, name: &str) -> String {
+    let events: Api<k8s_openapi::api::core::v1::Event> = Api::all(pods.clone().into_client());
+    let params = ListParams::default().fields(&format!("involvedObject.name={name}"));
+    match events.list(&params).await {
+        Ok(list) if list.items.is_empty() => "no Event names it".into(),
+        Ok(mut list) => {
+            list.items
+                .sort_by_key(|e| e.metadata.creation_timestamp.clone());
+            let said: Vec<String> = (list.items.iter())
+                .map(|e| {
+                    format!(
+                        "{} by {}: {}",
+                        e.reason.as_deref().unwrap_or("?"),
+                        (e.reporting_component.as_deref())
+                            .filter(|c| !c.is_empty())
+                            .or(e.source.as_ref().and_then(|s| s.component.as_deref()))
+                            .unwrap_or("?"),
+                        e.message.as_deref().unwrap_or("")
+                    )
+                })
+                .collect();
+            format!("its Events: {}", said.join(" | "))
+        }
+        Err(error) => format!("listing its Events failed: {error}"),
     }
 }
 
