@@ -1,8 +1,8 @@
 //! The stories users judge gpushare by, written once and run on any cluster.
 //!
 //! A [`Harness`] is a cluster with gpushare installed: the in-process one
-//! ([`crate::cluster::TestCluster`], our real binaries on simulated GPUs) or a real one named by
-//! `KUBECONFIG` ([`RealCluster`]). The scenario code only talks to the Kubernetes API — creates
+//! ([`crate::cluster::TestCluster`], our real binaries on simulated GPUs) or the real one of
+//! the real tier (`crate::realk8s::KitCluster`). The scenario code only talks to the Kubernetes API — creates
 //! pods, reads their phase, conditions and annotations — plus one question the API cannot
 //! answer: which environment a container got from the device plugin.
 //!
@@ -14,11 +14,11 @@ use std::collections::{BTreeMap, HashMap};
 use std::future::Future;
 use std::time::Duration;
 
-use anyhow::{Context, bail, ensure};
+use anyhow::{Context, ensure};
 use gpushare_contract::{Keys, PodAllocation, env};
 use k8s_openapi::api::core::v1::{Node, Pod};
 use kube::Client;
-use kube::api::{Api, DeleteParams, ListParams, LogParams, PostParams};
+use kube::api::{Api, DeleteParams, ListParams, PostParams};
 
 use crate::cluster::{TestCluster, published_gpus, wait_for};
 use crate::fixtures::pod;
@@ -398,91 +398,6 @@ impl Harness for TestCluster {
             .values()
             .find_map(|node| node.kubelet.container_env("default", pod, container))
             .with_context(|| format!("no kubelet admitted container {container} of pod {pod}"))
-    }
-}
-
-/// A real cluster named by `KUBECONFIG`, with gpushare installed (see the README).
-///
-/// Pods run `busybox` printing their environment, so [`Harness::container_env`] reads it back
-/// from the container's log. Scenarios run in a fresh namespace that is deleted afterwards.
-pub struct RealCluster {
-    client: Client,
-    namespace: String,
-    image: String,
-}
-
-impl RealCluster {
-    /// Connects through the standard kubeconfig and creates the scenario namespace.
-    pub async fn connect(namespace: &str) -> anyhow::Result<Self> {
-        let client = Client::try_default()
-            .await
-            .context("connecting with KUBECONFIG")?;
-        let namespaces: Api<k8s_openapi::api::core::v1::Namespace> = Api::all(client.clone());
-        let ns = serde_json::from_value(serde_json::json!({"metadata": {"name": namespace}}))?;
-        if let Err(error) = namespaces.create(&PostParams::default(), &ns).await {
-            tracing::info!(%error, namespace, "namespace exists or cannot be created");
-        }
-        let image = std::env::var("GPUSHARE_E2E_IMAGE").unwrap_or_else(|_| "busybox:1.36".into());
-        Ok(Self {
-            client,
-            namespace: namespace.to_owned(),
-            image,
-        })
-    }
-
-    /// Deletes the scenario namespace.
-    pub async fn cleanup(self) -> anyhow::Result<()> {
-        let namespaces: Api<k8s_openapi::api::core::v1::Namespace> = Api::all(self.client.clone());
-        namespaces
-            .delete(&self.namespace, &DeleteParams::default())
-            .await?;
-        Ok(())
-    }
-}
-
-impl Harness for RealCluster {
-    fn client(&self) -> Client {
-        self.client.clone()
-    }
-
-    fn namespace(&self) -> &str {
-        &self.namespace
-    }
-
-    fn prepare(&self, mut pod: Pod) -> Pod {
-        if let Some(spec) = pod.spec.as_mut() {
-            for container in spec
-                .containers
-                .iter_mut()
-                .chain(spec.init_containers.iter_mut().flatten())
-            {
-                container.image = Some(self.image.clone());
-                container.command = Some(vec!["sh".into(), "-c".into(), "env; sleep 3600".into()]);
-            }
-        }
-        pod
-    }
-
-    async fn container_env(
-        &self,
-        pod: &str,
-        container: &str,
-    ) -> anyhow::Result<BTreeMap<String, String>> {
-        let pods: Api<Pod> = Api::namespaced(self.client.clone(), &self.namespace);
-        let params = LogParams {
-            container: Some(container.to_owned()),
-            ..LogParams::default()
-        };
-        let log = pods.logs(pod, &params).await?;
-        let env: BTreeMap<String, String> = log
-            .lines()
-            .filter_map(|line| line.split_once('='))
-            .map(|(k, v)| (k.to_owned(), v.to_owned()))
-            .collect();
-        if env.is_empty() {
-            bail!("container {container} of pod {pod} printed no environment");
-        }
-        Ok(env)
     }
 }
 

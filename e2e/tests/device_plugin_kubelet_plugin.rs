@@ -439,39 +439,6 @@ async fn hundred_pods_in_shuffled_order(marks: bool) -> anyhow::Result<()> {
 }
 
 #[tokio::test]
-async fn plugin_registers_again_after_a_kubelet_restart() -> anyhow::Result<()> {
-    let mut cluster = Cluster::start(&[16, 16], Some(AdmissionOrder::CreationTime)).await?;
-    assert_eq!(cluster.kubelet().registrations(RESOURCE), 1);
-    let kubelet = cluster.kubelet.as_mut().expect("kubelet");
-    kubelet.restart().await?;
-    assert!(kubelet.registered_resources().is_empty());
-    // The plugin polls every 500 ms; two seconds is ample.
-    kubelet
-        .wait_registered(RESOURCE, Duration::from_secs(2))
-        .await?;
-    assert_eq!(kubelet.registrations(RESOURCE), 2);
-    assert_eq!(kubelet.devices(RESOURCE).len(), 32);
-
-    // And it still allocates.
-    let mut a = pod("a").gpu_mem(2).on_node(NODE);
-    for (k, v) in allocation(1, &[("main", 2, false)], 1) {
-        a = a.annotation(&k, &v);
-    }
-    a.create(&cluster.client).await?;
-    let kubelet = cluster.kubelet();
-    kubelet
-        .wait_until(WAIT, "pod a admitted", |k| {
-            k.container_env("default", "a", "main").is_some()
-        })
-        .await?;
-    let env = kubelet
-        .container_env("default", "a", "main")
-        .unwrap_or_default();
-    assert_eq!(env[env::NVIDIA_VISIBLE_DEVICES], uuid(1));
-    cluster.stop().await
-}
-
-#[tokio::test]
 async fn unhealthy_or_unknown_gpus_fail_admission_with_a_reason() -> anyhow::Result<()> {
     let cluster = Cluster::start(&[16, 16], Some(AdmissionOrder::CreationTime)).await?;
     let kubelet = cluster.kubelet();

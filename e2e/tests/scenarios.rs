@@ -2,10 +2,6 @@
 //! (simulated GPUs) against the in-process API server, scheduler driver and kubelet drivers.
 //! Assertions are on what a user sees: pod phase, node, annotations, each container's
 //! environment, the scheduler's reason, and the no-over-commit promise.
-//!
-//! `notebook_story_on_a_real_cluster` runs the same story against the cluster `KUBECONFIG`
-//! names (gpushare installed, one labelled node with one free GPU of 14–16 GiB):
-//! `cargo test -p gpushare-e2e --test scenarios -- --ignored`.
 
 use std::time::Duration;
 
@@ -18,8 +14,8 @@ use gpushare_e2e::cluster::{
 };
 use gpushare_e2e::fixtures;
 use gpushare_e2e::scenarios::{
-    Harness, Quiet, RealCluster, allocation, check_no_overcommit, check_pinned, create_gpu_pod,
-    notebook, phase, placements, scheduling_message, wait_bound, wait_running,
+    Quiet, allocation, check_no_overcommit, check_pinned, create_gpu_pod, notebook, phase,
+    placements, scheduling_message, wait_bound, wait_running,
 };
 use k8s_openapi::api::core::v1::{Node, Pod};
 use kube::api::{Api, ListParams, PostParams};
@@ -292,36 +288,6 @@ async fn a_pod_behind_its_twin_binds_once_kubelet_admits_the_twin() -> anyhow::R
     .await
 }
 
-/// The `fragmentation` policy end to end, with the real extender, device plugins and kubelet
-/// drivers: the same mixed stream as above, then whole-GPU pods. Every container runs on the
-/// GPU its annotations name, nothing is over-committed, and whole GPUs stay free.
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn fragmentation_policy_runs_a_mixed_stream_pinned_and_never_over_commits()
--> anyhow::Result<()> {
-    let mut spec =
-        ClusterSpec::labelled(&[("node-a", &[16, 16, 16, 16]), ("node-b", &[16, 16, 16, 16])]);
-    spec.extender_args.push("--policy=fragmentation".to_owned());
-    with_cluster(spec, async |cluster| {
-        let small = create_stream(cluster, "small", &[1, 2, 4, 8, 3, 2, 1, 6, 5, 8]).await?;
-        let (running, pending) = settle(cluster, &small).await?;
-        assert!(pending.is_empty(), "all fit: {pending:?}");
-        assert_eq!(running.len(), small.len());
-        let where_ = placements(&*cluster, &small).await?;
-        let nodes: std::collections::BTreeSet<_> =
-            where_.values().map(|(node, _)| node.clone()).collect();
-        // Ties go to the fuller node, and a fuller node loses no more room for the learned
-        // small shapes: the stream stays on one node, as with binpack.
-        assert_eq!(nodes.len(), 1, "one node: {where_:?}");
-        // 40 GiB on 8 x 16 GiB: whole GPUs remain for whole-GPU pods.
-        let large = create_all(cluster, "large", &[16, 16, 16, 16]).await?;
-        let (running, pending) = settle(cluster, &large).await?;
-        assert!(pending.is_empty(), "whole GPUs were kept free: {pending:?}");
-        assert_eq!(running.len(), 4);
-        Ok(())
-    })
-    .await
-}
-
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn mixed_gpu_sizes_put_large_pods_on_the_large_gpu() -> anyhow::Result<()> {
     with_cluster(
@@ -343,49 +309,6 @@ async fn mixed_gpu_sizes_put_large_pods_on_the_large_gpu() -> anyhow::Result<()>
                 "binpack: the GPU with least free that fits (4 GiB left)"
             );
             check_no_overcommit(&cluster.client).await?;
-            Ok(())
-        },
-    )
-    .await
-}
-
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn extender_crash_mid_burst_never_over_commits() -> anyhow::Result<()> {
-    with_cluster(
-        ClusterSpec::labelled(&[("n1", &[16, 16]), ("n2", &[16, 16])]),
-        async |cluster| {
-            let sizes = [2, 3, 4, 5, 6, 2, 3, 4, 5, 6, 1, 2, 3, 4, 8, 6];
-            let names = create_all(cluster, "burst", &sizes).await?;
-            let pods: Api<Pod> = Api::namespaced(cluster.client.clone(), "default");
-            wait_for("a few binds", Duration::from_secs(60), || {
-                let pods = pods.clone();
-                async move {
-                    let list = pods.list(&ListParams::default()).await.ok()?;
-                    let bound = list
-                        .items
-                        .iter()
-                        .filter(|p| p.spec.as_ref().is_some_and(|s| s.node_name.is_some()))
-                        .count();
-                    (bound >= 3).then_some(())
-                }
-            })
-            .await?;
-            cluster.crash_and_restart_extender().await?;
-            let (running, pending) = settle(cluster, &names).await?;
-            ensure!(running.len() + pending.len() == names.len());
-            // 64 GiB of pods on 64 GiB of GPUs: whether the last ones fit depends on how the
-            // burst was packed. A pod may wait only with a reason, and only if no GPU has
-            // room for it now.
-            let usage = check_no_overcommit(&cluster.client).await?;
-            for (name, reason) in &pending {
-                assert!(!reason.is_empty(), "{name} pending without a reason");
-                let gib = size_of(name);
-                let room = usage.iter().find(|(_, (used, total))| total - used >= gib);
-                assert!(
-                    room.is_none(),
-                    "{name} ({gib} GiB) is pending ({reason}) though GPU {room:?} has room"
-                );
-            }
             Ok(())
         },
     )
@@ -976,16 +899,3 @@ async fn extender_killed_three_times_mid_burst_every_pod_that_fits_binds() -> an
 // Forged allocations (hand-written, copied, changed, with `nodeName`, and without the policy
 // at Allocate) are refused on the real cluster (`e2e/tests/real.rs`, the forgery scenarios)
 // and, rule by rule, in the policy's CEL unit tests (`e2e/src/cluster/chart/policy_tests.rs`).
-
-#[tokio::test]
-#[ignore = "needs cluster"]
-async fn notebook_story_on_a_real_cluster() -> anyhow::Result<()> {
-    let cluster = RealCluster::connect("gpushare-e2e").await?;
-    let result = notebook(&cluster, &Quiet).await;
-    let overcommit = check_no_overcommit(&cluster.client()).await;
-    cluster.cleanup().await?;
-    let outcome = result?;
-    overcommit?;
-    assert_eq!(outcome.sharing.len(), 3);
-    Ok(())
-}

@@ -101,15 +101,6 @@ impl ExtenderTls {
         self.client.clone()
     }
 
-    /// A client configuration trusting the CA and presenting `identity` (PEM certificate and
-    /// key), or no certificate: a caller that is not the scheduler.
-    pub fn client_config_as(
-        &self,
-        identity: Option<&(String, String)>,
-    ) -> anyhow::Result<Arc<rustls::ClientConfig>> {
-        client_config(&self.ca_pem, identity)
-    }
-
     /// What the scheduler's extender stanza says about TLS (as the chart renders it).
     pub fn scheduler_config(&self) -> ExtenderTlsConfig {
         ExtenderTlsConfig {

@@ -14,17 +14,6 @@ use super::node::wait_reregistered;
 use super::{Process, RESOURCE, TestCluster};
 
 impl TestCluster {
-    /// Kills the extender (as a crash would) and starts a fresh one on the same port; the
-    /// scheduler driver is restarted too (a new leader forgets every assumed pod).
-    pub async fn crash_and_restart_extender(&mut self) -> anyhow::Result<()> {
-        self.kill_extender().await;
-        if let Some(scheduler) = self.scheduler.take() {
-            scheduler.shutdown().await;
-        }
-        self.start_extender().await?;
-        self.start_scheduler().await
-    }
-
     /// SIGKILLs the extender, as an OOM kill or a node failure would. The scheduler driver
     /// keeps running and calling the extender's address: its calls fail with a transport
     /// error until [`TestCluster::restart_extender`], and the pods are requeued.

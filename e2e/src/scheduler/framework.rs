@@ -1,11 +1,14 @@
 //! The parts of kube-scheduler's default profile that decide where a pod may go, as pure functions.
 //!
-//! A real cluster rejects a node before any extender sees it when the node is cordoned, tainted,
-//! unready, does not match the pod's node selector/affinity, or lacks room for the pod's requests
-//! (cpu, memory, and every extended resource such as `example.com/gpu-mem`). The extender only
-//! sees what survives. Reproducing these filters (in upstream's plugin order, stopping at the first
-//! failing plugin per node, with upstream's reason strings) is what makes our end-to-end tests see
-//! the same extender traffic and the same `FailedScheduling` messages a real cluster would produce.
+//! A real cluster rejects a node before any extender sees it when the node is unready, does not
+//! match the pod's node selector/affinity, or lacks room for the pod's requests (cpu, memory, and
+//! every extended resource such as `example.com/gpu-mem`). The extender only sees what survives.
+//! Reproducing these filters (in upstream's plugin order, stopping at the first failing plugin per
+//! node, with upstream's reason strings) is what makes our end-to-end tests see the same extender
+//! traffic and the same `FailedScheduling` messages a real cluster would produce. Cordons, taints
+//! and tolerations are left to the real tier: no in-process test cordons or taints a node
+//! (gpushare's idle-GPU taint is `PreferNoSchedule`, which filters nothing), so only the
+//! not-ready taint the node lifecycle controller would add is modelled.
 //!
 //! Scoring approximates the default score plugins that differ between nodes in our clusters:
 //! `NodeResourcesFit` (its `scoringStrategy` as the profile configures it: LeastAllocated on cpu
@@ -25,9 +28,7 @@
 
 use std::collections::BTreeMap;
 
-use k8s_openapi::api::core::v1::{
-    Node, NodeSelectorRequirement, NodeSelectorTerm, Pod, Taint, Toleration,
-};
+use k8s_openapi::api::core::v1::{Node, NodeSelectorRequirement, NodeSelectorTerm, Pod};
 
 pub use super::requests::{
     CPU, DEFAULT_MEMORY_REQUEST, DEFAULT_MILLI_CPU_REQUEST, EPHEMERAL_STORAGE, MEMORY, Milli,
@@ -40,14 +41,14 @@ pub use super::scoring::{
 
 /// Upstream's reason strings (what users read in `FailedScheduling`).
 pub mod reasons {
-    pub const UNSCHEDULABLE: &str = "node(s) were unschedulable";
     pub const NODE_AFFINITY: &str = "node(s) didn't match Pod's node affinity/selector";
     pub const TOO_MANY_PODS: &str = "Too many pods";
     pub const NO_NODES: &str = "no nodes available to schedule pods";
 }
 
-const TAINT_NOT_READY: &str = "node.kubernetes.io/not-ready";
-const TAINT_UNSCHEDULABLE: &str = "node.kubernetes.io/unschedulable";
+/// What `TaintToleration` says of a node whose Ready condition is not True: the node
+/// lifecycle controller (which the in-process cluster lacks) taints it so.
+const NOT_READY: &str = "node(s) had untolerated taint {node.kubernetes.io/not-ready: }";
 
 fn is_ready(node: &Node) -> bool {
     node.status
@@ -56,55 +57,6 @@ fn is_ready(node: &Node) -> bool {
         .into_iter()
         .flatten()
         .any(|c| c.type_ == "Ready" && c.status == "True")
-}
-
-/// `v1helper.TolerationsTolerateTaint` for one toleration.
-fn tolerates(toleration: &Toleration, taint: &Taint) -> bool {
-    if let Some(effect) = toleration.effect.as_deref().filter(|e| !e.is_empty())
-        && effect != taint.effect
-    {
-        return false;
-    }
-    if let Some(key) = toleration.key.as_deref().filter(|k| !k.is_empty())
-        && key != taint.key
-    {
-        return false;
-    }
-    match toleration.operator.as_deref().unwrap_or("Equal") {
-        "Exists" => true,
-        "" | "Equal" => {
-            toleration.value.as_deref().unwrap_or("") == taint.value.as_deref().unwrap_or("")
-        }
-        _ => false,
-    }
-}
-
-fn pod_tolerates(pod: &Pod, taint: &Taint) -> bool {
-    pod.spec
-        .as_ref()
-        .and_then(|s| s.tolerations.as_ref())
-        .into_iter()
-        .flatten()
-        .any(|t| tolerates(t, taint))
-}
-
-/// The taints the scheduler sees: the node's own, plus the not-ready taint the node lifecycle
-/// controller would add to a node whose Ready condition is not True (our in-process cluster has no
-/// such controller).
-fn effective_taints(node: &Node) -> Vec<Taint> {
-    let mut taints: Vec<Taint> = node
-        .spec
-        .as_ref()
-        .and_then(|s| s.taints.clone())
-        .unwrap_or_default();
-    if !is_ready(node) && !taints.iter().any(|t| t.key == TAINT_NOT_READY) {
-        taints.push(Taint {
-            key: TAINT_NOT_READY.to_owned(),
-            effect: "NoSchedule".to_owned(),
-            ..Taint::default()
-        });
-    }
-    taints
 }
 
 fn label<'a>(node: &'a Node, key: &str) -> Option<&'a str> {
@@ -226,32 +178,9 @@ pub fn filter_node(
     allocatable: &Resources,
     usage: &NodeUsage,
 ) -> Vec<String> {
-    // NodeUnschedulable
-    let cordoned = node
-        .spec
-        .as_ref()
-        .and_then(|s| s.unschedulable)
-        .unwrap_or(false);
-    if cordoned {
-        let taint = Taint {
-            key: TAINT_UNSCHEDULABLE.to_owned(),
-            effect: "NoSchedule".to_owned(),
-            ..Taint::default()
-        };
-        if !pod_tolerates(pod, &taint) {
-            return vec![reasons::UNSCHEDULABLE.to_owned()];
-        }
-    }
-    // TaintToleration
-    let untolerated = effective_taints(node).into_iter().find(|taint| {
-        (taint.effect == "NoSchedule" || taint.effect == "NoExecute") && !pod_tolerates(pod, taint)
-    });
-    if let Some(taint) = untolerated {
-        return vec![format!(
-            "node(s) had untolerated taint {{{}: {}}}",
-            taint.key,
-            taint.value.as_deref().unwrap_or("")
-        )];
+    // TaintToleration, for the one taint in-process nodes get
+    if !is_ready(node) {
+        return vec![NOT_READY.to_owned()];
     }
     // NodeAffinity
     if !matches_node_affinity(pod, node) {
@@ -311,7 +240,6 @@ pub fn fit_error_message<'a>(
 mod tests {
     use super::*;
     use crate::fixtures::{node, pod};
-    use k8s_openapi::api::core::v1::{NodeSpec, PodSpec};
     use rand::SeedableRng;
     use rand::rngs::StdRng;
 
@@ -432,26 +360,13 @@ mod tests {
     }
 
     #[test]
-    fn cordoned_unready_and_unselected_nodes_are_rejected_first() {
-        let mut cordoned = node("n1").gpus(&[8]).build();
-        cordoned.spec = Some(NodeSpec {
-            unschedulable: Some(true),
-            ..NodeSpec::default()
-        });
+    fn unready_and_unselected_nodes_are_rejected_first() {
         let p = pod("a").gpu_mem(100).build();
-        assert_eq!(
-            check(&p, &cordoned, &NodeUsage::default()),
-            [reasons::UNSCHEDULABLE]
-        );
-
         let mut unready = node("n2").gpus(&[8]).build();
         if let Some(conditions) = unready.status.as_mut().and_then(|s| s.conditions.as_mut()) {
             conditions[0].status = "False".into();
         }
-        assert_eq!(
-            check(&p, &unready, &NodeUsage::default()),
-            ["node(s) had untolerated taint {node.kubernetes.io/not-ready: }"]
-        );
+        assert_eq!(check(&p, &unready, &NodeUsage::default()), [NOT_READY]);
 
         let mut selective = pod("b").gpu_mem(1).build();
         if let Some(spec) = selective.spec.as_mut() {
@@ -464,42 +379,6 @@ mod tests {
             check(&selective, &unlabelled, &NodeUsage::default()),
             [reasons::NODE_AFFINITY]
         );
-    }
-
-    #[test]
-    fn tolerations_match_like_upstream() {
-        let taint = Taint {
-            key: "gpu".into(),
-            value: Some("yes".into()),
-            effect: "NoSchedule".into(),
-            ..Taint::default()
-        };
-        let exists = Toleration {
-            key: Some("gpu".into()),
-            operator: Some("Exists".into()),
-            ..Toleration::default()
-        };
-        let wrong_value = Toleration {
-            key: Some("gpu".into()),
-            value: Some("no".into()),
-            ..Toleration::default()
-        };
-        let wrong_effect = Toleration {
-            operator: Some("Exists".into()),
-            effect: Some("NoExecute".into()),
-            ..Toleration::default()
-        };
-        assert!(tolerates(&exists, &taint));
-        assert!(!tolerates(&wrong_value, &taint));
-        assert!(!tolerates(&wrong_effect, &taint));
-        let p = Pod {
-            spec: Some(PodSpec {
-                tolerations: Some(vec![exists]),
-                ..PodSpec::default()
-            }),
-            ..Pod::default()
-        };
-        assert!(pod_tolerates(&p, &taint));
     }
 
     #[test]
