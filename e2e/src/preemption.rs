@@ -65,7 +65,7 @@ fn story_pod(
     if gpus > 1 {
         builder = builder.annotation("gpushare.example.com/gpus", &gpus.to_string());
     }
-    let mut pod = h.prepare(builder.build());
+    let mut pod = builder.build();
     pod.metadata
         .labels
         .get_or_insert_default()
@@ -191,21 +191,55 @@ async fn place(
     let mut tries = 0;
     let bound = loop {
         tries += 1;
-        pods.create(
-            &PostParams::default(),
-            &story_pod(h, story, name, node, 4, 1, class)?,
-        )
-        .await?;
+        let created = pods
+            .create(
+                &PostParams::default(),
+                &story_pod(h, story, name, node, 4, 1, class)?,
+            )
+            .await?;
         match wait_bound(&pods, name).await {
             Ok(bound) => break bound,
             Err(error) if tries == 1 && pods.get_opt(name).await?.is_none() => {
-                println!("  {name} vanished before its bind, creating it again: {error:#}");
+                let uid = created.metadata.uid.unwrap_or_default();
+                let said = scheduler_log_naming(h, name).await;
+                println!(
+                    "  {name} (uid {uid}) vanished before its bind, creating it again: {error:#}; \
+                     the scheduler's log of it: {said}"
+                );
             }
             Err(error) => return Err(error),
         }
     };
     ensure!(bound == node, "{name} bound elsewhere");
     Ok(allocation(&pods.get(name).await?)?.gpu_index)
+}
+
+/// The lines of the chart's kube-scheduler logs (`--v=2`: binds, failures, preemption
+/// victims) that name pod `name`, joined; what went wrong when they cannot be read.
+async fn scheduler_log_naming(h: &impl Harness, name: &str) -> String {
+    let system: Api<Pod> = Api::namespaced(h.client(), "kube-system");
+    let selector = kube::api::ListParams::default().labels("app.kubernetes.io/component=scheduler");
+    let schedulers = match system.list(&selector).await {
+        Ok(list) => list.items,
+        Err(error) => return format!("listing the schedulers failed: {error}"),
+    };
+    let needle = format!("/{name}\"");
+    let mut lines = Vec::new();
+    for scheduler in schedulers {
+        let pod = scheduler.metadata.name.unwrap_or_default();
+        match system.logs(&pod, &Default::default()).await {
+            Ok(log) => lines.extend(
+                log.lines()
+                    .filter(|line| line.contains(&needle))
+                    .map(|line| format!("{pod}: {line}")),
+            ),
+            Err(error) => lines.push(format!("{pod}: reading its log failed: {error}")),
+        }
+    }
+    match lines.is_empty() {
+        true => "no line names it".into(),
+        false => lines.join(" | "),
+    }
 }
 
 /// Deletes pod `name` at once and waits until it is gone.

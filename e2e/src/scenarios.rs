@@ -29,10 +29,6 @@ pub trait Harness: Sync {
     fn client(&self) -> Client;
     /// Namespace the scenario's pods go in.
     fn namespace(&self) -> &str;
-    /// Adapts a pod to this cluster (a real one needs an image that prints its environment).
-    fn prepare(&self, pod: Pod) -> Pod {
-        pod
-    }
     /// The environment `container` of `pod` got from the device plugin.
     fn container_env(
         &self,
@@ -62,10 +58,21 @@ pub const START_TIMEOUT: Duration = Duration::from_secs(60);
 
 /// Creates a pod asking for `gib` GiB in its `main` container.
 pub async fn create_gpu_pod(h: &impl Harness, name: &str, gib: u64) -> anyhow::Result<Pod> {
-    let pod = h.prepare(pod(name).namespace(h.namespace()).gpu_mem(gib).build());
-    Ok(Api::<Pod>::namespaced(h.client(), h.namespace())
+    Ok(create_pod(h, pod(name).namespace(h.namespace()).gpu_mem(gib).build()).await?)
+}
+
+/// Creates `pod` in the harness's namespace.
+pub async fn create_pod(h: &impl Harness, pod: Pod) -> kube::Result<Pod> {
+    Api::<Pod>::namespaced(h.client(), h.namespace())
         .create(&PostParams::default(), &pod)
-        .await?)
+        .await
+}
+
+/// The pod `name` of the harness's namespace, as the API server has it now.
+pub async fn get_pod(h: &impl Harness, name: &str) -> kube::Result<Pod> {
+    Api::<Pod>::namespaced(h.client(), h.namespace())
+        .get(name)
+        .await
 }
 
 /// Deletes a pod at once (grace 0) and waits until it is gone.
@@ -124,8 +131,14 @@ async fn events_naming(pods: &Api<Pod>, name: &str) -> String {
             let said: Vec<String> = (list.items.iter())
                 .map(|e| {
                     format!(
-                        "{} by {}: {}",
+                        "{} {} (uid {}) by {}: {}",
+                        e.last_timestamp
+                            .as_ref()
+                            .or(e.first_timestamp.as_ref())
+                            .map(|t| t.0.to_string())
+                            .unwrap_or_default(),
                         e.reason.as_deref().unwrap_or("?"),
+                        e.involved_object.uid.as_deref().unwrap_or("?"),
                         (e.reporting_component.as_deref())
                             .filter(|c| !c.is_empty())
                             .or(e.source.as_ref().and_then(|s| s.component.as_deref()))

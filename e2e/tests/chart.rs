@@ -74,6 +74,12 @@ fn render(release: &str, namespace: &str, extra: &[&str]) -> anyhow::Result<Rend
     })
 }
 
+/// The chart as release gpushare in kube-system, with each of `sets` a `--set`.
+fn render_sets(sets: &[&str]) -> anyhow::Result<Rendered> {
+    let args: Vec<&str> = sets.iter().flat_map(|set| ["--set", set]).collect();
+    render("gpushare", "kube-system", &args)
+}
+
 /// `helm template` with `extra` arguments, as it printed it.
 fn render_text(release: &str, namespace: &str, extra: &[&str]) -> anyhow::Result<String> {
     let chart = chart_dir();
@@ -107,14 +113,23 @@ impl Rendered {
         self.docs.iter().filter(|d| d["kind"] == kind).collect()
     }
 
+    /// The object of `kind` named `name`.
+    fn object(&self, kind: &str, name: &str) -> anyhow::Result<&Value> {
+        self.docs
+            .iter()
+            .find(|d| d["kind"] == kind && d["metadata"]["name"] == name)
+            .with_context(|| format!("no {kind} named {name} rendered"))
+    }
+
     /// The object of `kind` named `name`, parsed into `T` (already checked for lost fields).
     fn get<T: DeserializeOwned>(&self, kind: &str, name: &str) -> anyhow::Result<T> {
-        let doc = self
-            .of_kind(kind)
-            .into_iter()
-            .find(|d| d["metadata"]["name"] == name)
-            .with_context(|| format!("no {kind} named {name} rendered"))?;
-        Ok(serde_json::from_value(doc.clone())?)
+        Ok(serde_json::from_value(self.object(kind, name)?.clone())?)
+    }
+
+    /// The pod spec of the workload (Deployment, DaemonSet, Job) of `kind` named `name`.
+    fn pod_spec(&self, kind: &str, name: &str) -> anyhow::Result<PodSpec> {
+        let spec = &self.object(kind, name)?["spec"]["template"]["spec"];
+        serde_json::from_value(spec.clone()).with_context(|| format!("{kind} {name}: no pod spec"))
     }
 
     fn kinds(&self) -> BTreeMap<String, usize> {
@@ -126,6 +141,15 @@ impl Rendered {
         }
         kinds
     }
+}
+
+/// Counts of objects by kind: `base` with `more` of each kind added.
+fn plus(base: &BTreeMap<String, usize>, more: &[(&str, usize)]) -> BTreeMap<String, usize> {
+    let mut kinds = base.clone();
+    for (kind, n) in more {
+        *kinds.entry((*kind).to_owned()).or_default() += n;
+    }
+    kinds
 }
 
 /// Parses `doc` as `T`, serializes it back and fails on every key the typed value lost.
@@ -169,8 +193,8 @@ fn lost_keys(original: &Value, back: &Value, path: &str, lost: &mut Vec<String>)
 }
 
 /// Every document parses into its type by kind without losing a field.
-fn check_all_typed(rendered: &Rendered) -> anyhow::Result<()> {
-    for doc in &rendered.docs {
+fn check_all_typed<'a>(docs: impl IntoIterator<Item = &'a Value>) -> anyhow::Result<()> {
+    for doc in docs {
         let kind = doc["kind"].as_str().context("document without kind")?;
         match kind {
             "Deployment" => round_trip::<Deployment>(doc)?,
@@ -275,6 +299,31 @@ fn container<'a>(spec: &'a PodSpec, name: &str) -> anyhow::Result<&'a Container>
 
 fn args(c: &Container) -> Vec<String> {
     c.args.clone().unwrap_or_default()
+}
+
+/// The args of the extender of release gpushare.
+fn extender_args(rendered: &Rendered) -> anyhow::Result<Vec<String>> {
+    let spec = rendered.pod_spec("Deployment", "gpushare-extender")?;
+    Ok(args(container(&spec, "extender")?))
+}
+
+/// Fails naming the first of `want` missing from `args`.
+fn ensure_has(args: &[String], want: &[&str]) -> anyhow::Result<()> {
+    match want.iter().find(|w| !args.iter().any(|a| a == *w)) {
+        Some(missing) => bail!("args {args:?} lack {missing}"),
+        None => Ok(()),
+    }
+}
+
+/// Fails naming the first of `args` that starts with one of `prefixes`.
+fn ensure_lacks(args: &[String], prefixes: &[&str]) -> anyhow::Result<()> {
+    match args
+        .iter()
+        .find(|a| prefixes.iter().any(|p| a.starts_with(p)))
+    {
+        Some(found) => bail!("args {args:?} have {found}"),
+        None => Ok(()),
+    }
 }
 
 // ---------------------------------------------------------------------------------------
@@ -422,12 +471,7 @@ fn granted_to(rendered: &Rendered, namespace: &str, name: &str) -> anyhow::Resul
 /// The ServiceAccount of the chart's workload `kind`/`name`, as the username its token
 /// carries.
 fn service_account_user(rendered: &Rendered, kind: &str, name: &str) -> anyhow::Result<String> {
-    let doc = rendered
-        .of_kind(kind)
-        .into_iter()
-        .find(|d| d["metadata"]["name"] == name)
-        .with_context(|| format!("no {kind} named {name} rendered"))?;
-    let account = doc["spec"]["template"]["spec"]["serviceAccountName"]
+    let account = rendered.object(kind, name)?["spec"]["template"]["spec"]["serviceAccountName"]
         .as_str()
         .with_context(|| format!("{kind} {name} names no serviceAccountName"))?;
     Ok(format!(
@@ -437,8 +481,8 @@ fn service_account_user(rendered: &Rendered, kind: &str, name: &str) -> anyhow::
 }
 
 /// Holds what `rendered` (described as `render`) grants the ServiceAccount behind `user`
-/// against `calls` (that user's): every call granted, every grant used. The problems, one
-/// line each.
+/// against `calls` (that user's, printed for the log): every call granted, every grant used.
+/// The problems, one line each.
 fn rbac_problems(
     rendered: &Rendered,
     render: &str,
@@ -455,16 +499,17 @@ fn rbac_problems(
         .keys()
         .map(|call| grant(&call.group, &call.resource, call.verb.rbac()))
         .collect();
-    let show = |set: Vec<&Grant>| -> String {
-        set.iter()
-            .map(|(g, r, v)| {
-                let g = if g.is_empty() { "core" } else { g };
-                format!("{v} {g}/{r}")
-            })
-            .collect::<Vec<_>>()
-            .join(", ")
+    let show_one = |(g, r, v): &Grant| {
+        let g = if g.is_empty() { "core" } else { g };
+        format!("{v} {g}/{r}")
     };
+    let show = |set: Vec<&Grant>| set.into_iter().map(show_one).collect::<Vec<_>>().join(", ");
     let context = format!("{what} ({user}), chart rendered with {render}");
+    eprintln!("{context}, made:");
+    for (call, n) in calls {
+        let made = grant(&call.group, &call.resource, call.verb.rbac());
+        eprintln!("  {}: {n}", show_one(&made));
+    }
     let mut problems = Vec::new();
     let not_granted: Vec<&Grant> = used.difference(&granted).collect();
     if !not_granted.is_empty() {
@@ -527,21 +572,28 @@ async fn record_calls(
     Ok(by_user)
 }
 
+/// Whether `user` has called `verb` on `group`/`resource` (the core group is ""), for
+/// `wait_for` to poll.
+fn called(
+    api: &ApiServer,
+    user: &str,
+    verb: Verb,
+    group: &str,
+    resource: &str,
+) -> std::future::Ready<Option<()>> {
+    let calls = api.stats().calls_by(user);
+    let made = calls
+        .keys()
+        .any(|c| c.verb == verb && c.group == group && c.resource == resource);
+    std::future::ready(made.then_some(()))
+}
+
 /// Pods scheduled, run and deleted; a Binding that gets no clear answer (so the extender
 /// reads the pod back); a bind refused twice (an Event, then its series patched); a pod
 /// holding another pod's allocation (the device plugin's Event).
 async fn exercise(cluster: &TestCluster) -> anyhow::Result<()> {
-    let extender_calls = |verb: Verb, group: &str, resource: &str| {
-        let stats = cluster.api.stats();
-        let (group, resource) = (group.to_owned(), resource.to_owned());
-        async move {
-            stats
-                .calls_by(EXTENDER_USER)
-                .keys()
-                .any(|c| c.verb == verb && c.group == group && c.resource == resource)
-                .then_some(())
-        }
-    };
+    let extender_calls =
+        |verb, group, resource| called(&cluster.api, EXTENDER_USER, verb, group, resource);
 
     // The node's one GPU is idle: the extender taints it, and takes the taint off once pods
     // hold memory there.
@@ -676,22 +728,12 @@ async fn exercise(cluster: &TestCluster) -> anyhow::Result<()> {
         .on_node("gpu-node-1")
         .create(&cluster.client)
         .await?;
-    let plugin_event = || {
-        let stats = cluster.api.stats();
-        async move {
-            stats
-                .calls_by(DEVICE_PLUGIN_USER)
-                .keys()
-                .any(|c| {
-                    c.verb == Verb::Create && c.group == "events.k8s.io" && c.resource == "events"
-                })
-                .then_some(())
-        }
-    };
+    let plugin_calls =
+        |verb, group, resource| called(&cluster.api, DEVICE_PLUGIN_USER, verb, group, resource);
     wait_for(
         "the device plugin to report the intruder",
         Duration::from_secs(30),
-        plugin_event,
+        || plugin_calls(Verb::Create, "events.k8s.io", "events"),
     )
     .await?;
     delete_pod(cluster, "intruder").await?;
@@ -709,16 +751,7 @@ async fn exercise(cluster: &TestCluster) -> anyhow::Result<()> {
     let condition_set = wait_for(
         "the device plugin to set a pod's GPU health condition",
         Duration::from_secs(30),
-        || {
-            let stats = cluster.api.stats();
-            async move {
-                stats
-                    .calls_by(DEVICE_PLUGIN_USER)
-                    .keys()
-                    .any(|c| c.verb == Verb::Patch && c.resource == "pods/status")
-                    .then_some(())
-            }
-        },
+        || plugin_calls(Verb::Patch, "", "pods/status"),
     )
     .await;
     cluster.set_unhealthy("gpu-node-1", &[])?;
@@ -781,15 +814,6 @@ async fn rbac_grants_exactly_what_each_binary_calls() -> anyhow::Result<()> {
         let empty = BTreeMap::new();
         for (what, _, user) in identities {
             let calls = by_user.get(user).unwrap_or(&empty);
-            eprintln!("{what} ({user}) made, chart rendered with {render}:");
-            for (call, n) in calls {
-                let group = if call.group.is_empty() {
-                    "core"
-                } else {
-                    &call.group
-                };
-                eprintln!("  {} {group}/{}: {n}", call.verb.rbac(), call.resource);
-            }
             problems.extend(rbac_problems(&rendered, render, what, user, calls)?);
         }
     }
@@ -848,11 +872,6 @@ async fn rbac_grants_the_dra_plugin_exactly_what_it_calls() -> anyhow::Result<()
     plugin.stop().await;
     exercised.with_context(|| format!("see {}", path("dra-plugin.log").display()))?;
     let calls = api.stats().calls_by(&user);
-    eprintln!("dra-plugin ({user}) made, chart rendered with {values}:");
-    for (call, n) in &calls {
-        let (verb, group, resource) = (call.verb.rbac(), &call.group, &call.resource);
-        eprintln!("  {verb} {group}/{resource}: {n}");
-    }
     let problems = rbac_problems(&rendered, values, "dra-plugin", &user, &calls)?;
     ensure!(
         problems.is_empty(),
@@ -881,12 +900,7 @@ async fn exercise_dra_plugin(api: &ApiServer, user: &str, dir: &Path) -> anyhow:
     };
     wait_for("the plugin's slice", wait, || tainted(false)).await?;
     wait_for("the plugin's slice watch", wait, || {
-        let watching = api
-            .stats()
-            .calls_by(user)
-            .keys()
-            .any(|c| c.verb == Verb::Watch && c.resource == "resourceslices");
-        async move { watching.then_some(()) }
+        called(api, user, Verb::Watch, "resource.k8s.io", "resourceslices")
     })
     .await?;
     std::fs::write(dir.join("unhealthy-gpus"), "0")?;
@@ -1084,28 +1098,16 @@ fn render_dra(extra: &[&str]) -> anyhow::Result<Rendered> {
     render("gpushare", "kube-system", &args)
 }
 
-/// The rendered object of `kind` named `name`, or null.
-fn named<'r>(rendered: &'r Rendered, kind: &str, name: &str) -> &'r serde_json::Value {
-    rendered
-        .of_kind(kind)
-        .into_iter()
-        .find(|o| o["metadata"]["name"] == name)
-        .unwrap_or(&serde_json::Value::Null)
-}
-
 /// The JSON patch expression of the `dra.gpuMem` MutatingAdmissionPolicy, its whitespace
 /// runs made single spaces.
-fn claims_policy_patch(rendered: &Rendered) -> String {
-    named(
-        rendered,
-        "MutatingAdmissionPolicy",
-        "gpushare-gpu-mem-claims",
-    )["spec"]["mutations"][0]["jsonPatch"]["expression"]
+fn claims_policy_patch(rendered: &Rendered) -> anyhow::Result<String> {
+    let policy = rendered.object("MutatingAdmissionPolicy", "gpushare-gpu-mem-claims")?;
+    Ok(policy["spec"]["mutations"][0]["jsonPatch"]["expression"]
         .as_str()
         .unwrap_or_default()
         .split_whitespace()
         .collect::<Vec<_>>()
-        .join(" ")
+        .join(" "))
 }
 
 /// The policy that routes pods naming a claim template of our class: it reads templates as
@@ -1113,7 +1115,7 @@ fn claims_policy_patch(rendered: &Rendered) -> String {
 /// routes), tests the class, and sets the chart's scheduler; a miss only loses ranking.
 fn check_template_routing(rendered: &Rendered) -> anyhow::Result<()> {
     let name = "gpushare-claim-templates";
-    let policy = &named(rendered, "MutatingAdmissionPolicy", name)["spec"];
+    let policy = &rendered.object("MutatingAdmissionPolicy", name)?["spec"];
     ensure!(
         policy["paramKind"]["kind"] == "ResourceClaimTemplate",
         "{policy}"
@@ -1129,7 +1131,7 @@ fn check_template_routing(rendered: &Rendered) -> anyhow::Result<()> {
         patch.contains(r#"value: \"gpushare-scheduler\""#),
         "{patch}"
     );
-    let param = &named(rendered, "MutatingAdmissionPolicyBinding", name)["spec"]["paramRef"];
+    let param = &rendered.object("MutatingAdmissionPolicyBinding", name)?["spec"]["paramRef"];
     ensure!(param["parameterNotFoundAction"] == "Allow", "{param}");
     ensure!(
         param.get("namespace").is_none(),
@@ -1156,7 +1158,7 @@ fn check_template_routing(rendered: &Rendered) -> anyhow::Result<()> {
 /// extender runs (it ranks) and keeps the taint, else neither carries one.
 fn check_dra_idle_gpu_toleration(rendered: &Rendered, wanted: bool) -> anyhow::Result<()> {
     for name in ["gpushare-gpu-mem-claims", "gpushare-claim-templates"] {
-        let mutations = &named(rendered, "MutatingAdmissionPolicy", name)["spec"]["mutations"];
+        let mutations = &rendered.object("MutatingAdmissionPolicy", name)?["spec"]["mutations"];
         let tolerates = mutations.as_array().is_some_and(|all| {
             all.iter().any(|m| {
                 let patch = m["jsonPatch"]["expression"].as_str().unwrap_or_default();
@@ -1172,11 +1174,10 @@ fn check_dra_idle_gpu_toleration(rendered: &Rendered, wanted: bool) -> anyhow::R
     Ok(())
 }
 
-/// DRA mode's profile: no extender, MostAllocated on CPU and memory (the score that packs),
-/// the spreading scores off, a short walk, and a client that can write a claim and a Binding
-/// per pod.
-/// The DRA profile; `ranking`: it calls the extender to rank (filter and prioritize, no
-/// bind, no preempt, ignorable, every pod of the profile), else no extender.
+/// DRA mode's profile: MostAllocated on CPU and memory (the score that packs), the spreading
+/// scores off, a short walk, and a client that can write a claim and a Binding per pod; with
+/// `ranking`, it calls the extender to rank (filter and prioritize, no bind, no preempt,
+/// ignorable, every pod of the profile), else no extender.
 fn check_dra_scheduler(rendered: &Rendered, ranking: bool) -> anyhow::Result<()> {
     let text = scheduler_config_text(rendered, "gpushare-scheduler")?;
     let config: serde_yaml::Value = serde_yaml::from_str(&text)?;
@@ -1235,35 +1236,16 @@ fn check_dra_scheduler(rendered: &Rendered, ranking: bool) -> anyhow::Result<()>
 /// The extender in DRA mode: it reads our driver's slices and claims of the chart's class,
 /// may list and watch them, and can neither bind nor read pods one by one.
 fn check_dra_extender(rendered: &Rendered) -> anyhow::Result<()> {
-    let deployment = rendered
-        .of_kind("Deployment")
-        .into_iter()
-        .find(|d| d["metadata"]["name"] == "gpushare-extender")
-        .context("no extender Deployment")?;
-    let args: Vec<&str> = deployment["spec"]["template"]["spec"]["containers"][0]["args"]
-        .as_array()
-        .context("no args")?
-        .iter()
-        .filter_map(|a| a.as_str())
-        .collect();
-    ensure!(
-        args.contains(&"--dra-driver=gpushare.example.com"),
-        "{args:?}"
-    );
-    ensure!(
-        args.contains(&"--dra-device-class=gpu-mem.gpushare.example.com"),
-        "{args:?}"
-    );
-    ensure!(
-        !args.iter().any(|a| a.starts_with("--allocation-keys-file")),
-        "{args:?}"
-    );
-    let role = rendered
-        .of_kind("ClusterRole")
-        .into_iter()
-        .find(|r| r["metadata"]["name"] == "gpushare-extender")
-        .context("no extender ClusterRole")?;
-    let rules = role["rules"].to_string();
+    let args = extender_args(rendered)?;
+    ensure_has(
+        &args,
+        &[
+            "--dra-driver=gpushare.example.com",
+            "--dra-device-class=gpu-mem.gpushare.example.com",
+        ],
+    )?;
+    ensure_lacks(&args, &["--allocation-keys-file"])?;
+    let rules = rendered.object("ClusterRole", "gpushare-extender")?["rules"].to_string();
     ensure!(
         rules.contains(r#""resources":["resourceslices","resourceclaims"]"#),
         "{rules}"
@@ -1334,48 +1316,20 @@ fn check_scheduler(rendered: &Rendered, prefix: &str, resource: &str) -> anyhow:
             && tls.key_file.as_deref() == Some("/etc/gpushare/scheduler-client/tls.key"),
         "{tls:?}"
     );
-    let deployment: Deployment = rendered.get("Deployment", &name)?;
-    let pod = deployment
-        .spec
-        .and_then(|s| s.template.spec)
-        .context("no scheduler pod spec")?;
-    let volumes = pod.volumes.unwrap_or_default();
-    let client_volume = volumes
-        .iter()
-        .find(|v| v.name == "client-certificate")
-        .and_then(|v| v.secret.clone())
-        .context("no client-certificate volume")?;
+    let spec = rendered.pod_spec("Deployment", &name)?;
+    let (secret, items) = secret_volume(&spec, "client-certificate")?;
     ensure!(
-        client_volume.secret_name.as_deref() == Some(&*format!("{prefix}-extender-client-tls"))
+        secret == format!("{prefix}-extender-client-tls"),
+        "{secret}"
     );
-    let items: Vec<(String, String)> = client_volume
-        .items
-        .unwrap_or_default()
-        .into_iter()
-        .map(|item| (item.key, item.path))
-        .collect();
     ensure!(
-        items
-            == [
-                ("scheduler.crt".to_owned(), "tls.crt".to_owned()),
-                ("scheduler.key".to_owned(), "tls.key".to_owned())
-            ],
+        items == ["scheduler.crt -> tls.crt", "scheduler.key -> tls.key"],
         "the scheduler must get its own certificate only, got {items:?}"
     );
-    let ca_volume = volumes
-        .into_iter()
-        .find(|v| v.name == "extender-ca")
-        .and_then(|v| v.secret)
-        .context("no extender-ca volume")?;
-    ensure!(ca_volume.secret_name.as_deref() == Some(&*format!("{prefix}-extender-tls")));
-    let items: Vec<String> = ca_volume
-        .items
-        .unwrap_or_default()
-        .into_iter()
-        .map(|item| item.key)
-        .collect();
+    let (secret, items) = secret_volume(&spec, "extender-ca")?;
+    ensure!(secret == format!("{prefix}-extender-tls"), "{secret}");
     ensure!(
-        items == ["ca.crt"],
+        items == ["ca.crt -> ca.crt"],
         "the scheduler must get the CA only, got {items:?}"
     );
     ensure!(extender.http_timeout == "5s");
@@ -1387,19 +1341,12 @@ fn check_scheduler(rendered: &Rendered, prefix: &str, resource: &str) -> anyhow:
             .any(|r| r.name == resource && !r.ignored_by_scheduler)
     );
     // The URL's service and port exist.
-    let svc: Service = rendered.get("Service", &service)?;
-    let ports = svc.spec.and_then(|s| s.ports).unwrap_or_default();
+    let ports = service_ports(rendered, &service)?;
     ensure!(
-        ports
-            .iter()
-            .any(|p| p.name.as_deref() == Some("scheduler") && p.port == 39999)
+        ports.contains(&("scheduler".to_owned(), 39999)),
+        "{ports:?}"
     );
 
-    let deployment: Deployment = rendered.get("Deployment", &name)?;
-    let spec = deployment
-        .spec
-        .and_then(|s| s.template.spec)
-        .context("no pod spec")?;
     check_hardened(&name, &spec)?;
     let c = container(&spec, "kube-scheduler")?;
     ensure!(
@@ -1421,6 +1368,32 @@ fn check_scheduler(rendered: &Rendered, prefix: &str, resource: &str) -> anyhow:
     ensure!(reader.metadata.namespace.as_deref() == Some("kube-system"));
     ensure!(reader.role_ref.name == "extension-apiserver-authentication-reader");
     Ok(())
+}
+
+/// Volume `name` of `spec`: the Secret it mounts, and its items as `key -> path`.
+fn secret_volume(spec: &PodSpec, name: &str) -> anyhow::Result<(String, Vec<String>)> {
+    let secret = spec
+        .volumes
+        .iter()
+        .flatten()
+        .find(|v| v.name == name)
+        .and_then(|v| v.secret.as_ref())
+        .with_context(|| format!("no Secret volume {name}"))?;
+    let items = secret.items.iter().flatten();
+    Ok((
+        secret.secret_name.clone().unwrap_or_default(),
+        items.map(|i| format!("{} -> {}", i.key, i.path)).collect(),
+    ))
+}
+
+/// The ports of Service `name`, as (name, port).
+fn service_ports(rendered: &Rendered, name: &str) -> anyhow::Result<Vec<(String, i32)>> {
+    let svc: Service = rendered.get("Service", name)?;
+    let ports = svc.spec.and_then(|s| s.ports).unwrap_or_default();
+    Ok(ports
+        .into_iter()
+        .map(|p| (p.name.unwrap_or_default(), p.port))
+        .collect())
 }
 
 fn check_webhook(rendered: &Rendered, prefix: &str) -> anyhow::Result<()> {
@@ -1459,14 +1432,10 @@ fn check_webhook(rendered: &Rendered, prefix: &str) -> anyhow::Result<()> {
         && e.key == "kubernetes.io/metadata.name"
         && e.values.iter().flatten().any(|v| v == "kube-system")));
     // The Service's 443 reaches a container port named webhook.
-    let svc: Service = rendered.get("Service", &format!("{prefix}-extender"))?;
-    let ports = svc.spec.and_then(|s| s.ports).unwrap_or_default();
-    ensure!(ports.iter().any(|p| p.port == 443));
-    let deployment: Deployment = rendered.get("Deployment", &format!("{prefix}-extender"))?;
-    let spec = deployment
-        .spec
-        .and_then(|s| s.template.spec)
-        .context("no pod spec")?;
+    let extender = format!("{prefix}-extender");
+    let ports = service_ports(rendered, &extender)?;
+    ensure!(ports.iter().any(|(_, port)| *port == 443), "{ports:?}");
+    let spec = rendered.pod_spec("Deployment", &extender)?;
     let c = container(&spec, "extender")?;
     ensure!(
         c.ports
@@ -1484,17 +1453,8 @@ fn check_webhook(rendered: &Rendered, prefix: &str) -> anyhow::Result<()> {
 fn check_routing_hook(rendered: &Rendered, prefix: &str) -> anyhow::Result<()> {
     let name = format!("{prefix}-routing-check");
     let job: k8s_openapi::api::batch::v1::Job = rendered.get("Job", &name)?;
-    for (kind, doc) in ["ServiceAccount", "Role", "RoleBinding", "Job"]
-        .into_iter()
-        .filter_map(|kind| {
-            let doc = rendered
-                .of_kind(kind)
-                .into_iter()
-                .find(|d| d["metadata"]["name"] == name.as_str())?;
-            Some((kind, doc))
-        })
-    {
-        let annotations = &doc["metadata"]["annotations"];
+    for kind in ["ServiceAccount", "Role", "RoleBinding", "Job"] {
+        let annotations = &rendered.object(kind, &name)?["metadata"]["annotations"];
         ensure!(
             annotations["helm.sh/hook"] == "post-install,post-upgrade"
                 && annotations["helm.sh/hook-delete-policy"]
@@ -1539,11 +1499,7 @@ fn check_routing_hook(rendered: &Rendered, prefix: &str) -> anyhow::Result<()> {
 
 fn check_extender(rendered: &Rendered, prefix: &str, expect_args: &[&str]) -> anyhow::Result<()> {
     let name = format!("{prefix}-extender");
-    let deployment: Deployment = rendered.get("Deployment", &name)?;
-    let spec = deployment
-        .spec
-        .and_then(|s| s.template.spec)
-        .context("no pod spec")?;
+    let spec = rendered.pod_spec("Deployment", &name)?;
     check_hardened(&name, &spec)?;
     let pod_security = spec
         .security_context
@@ -1553,13 +1509,7 @@ fn check_extender(rendered: &Rendered, prefix: &str, expect_args: &[&str]) -> an
     ensure!(spec.service_account_name.as_deref() == Some(name.as_str()));
     let c = container(&spec, "extender")?;
     ensure!(c.image.as_deref() == Some("ghcr.io/example/gpushare-extender:0.1.0"));
-    let args = args(c);
-    for want in expect_args {
-        ensure!(
-            args.iter().any(|a| a == want),
-            "extender args {args:?} lack {want}"
-        );
-    }
+    ensure_has(&args(c), expect_args).context("the extender's args")?;
     let live = c
         .liveness_probe
         .as_ref()
@@ -1580,30 +1530,17 @@ fn check_extender(rendered: &Rendered, prefix: &str, expect_args: &[&str]) -> an
             "{probe:?}"
         );
     }
-    let ports: Vec<(String, i32)> = c
-        .ports
-        .iter()
-        .flatten()
-        .map(|p| (p.name.clone().unwrap_or_default(), p.container_port))
-        .collect();
-    ensure!(
-        ports.contains(&("http".to_owned(), 9090))
-            && ports.contains(&("scheduler".to_owned(), 39999)),
-        "{ports:?}"
-    );
-    let svc: Service = rendered.get("Service", &name)?;
-    let svc_ports: Vec<(String, i32)> = svc
-        .spec
-        .and_then(|s| s.ports)
-        .unwrap_or_default()
-        .into_iter()
-        .map(|p| (p.name.unwrap_or_default(), p.port))
-        .collect();
-    ensure!(
-        svc_ports.contains(&("http".to_owned(), 9090))
-            && svc_ports.contains(&("scheduler".to_owned(), 39999)),
-        "{svc_ports:?}"
-    );
+    let container_ports = c.ports.iter().flatten();
+    let container_ports =
+        container_ports.map(|p| (p.name.clone().unwrap_or_default(), p.container_port));
+    // The container's ports, and the Service's.
+    for ports in [container_ports.collect(), service_ports(rendered, &name)?] {
+        ensure!(
+            ports.contains(&("http".to_owned(), 9090))
+                && ports.contains(&("scheduler".to_owned(), 39999)),
+            "{ports:?}"
+        );
+    }
     Ok(())
 }
 
@@ -1670,18 +1607,9 @@ fn the_generated_extender_certificate_verifies_for_the_service_name() -> anyhow:
 
 #[test]
 fn the_network_policy_admits_only_the_scheduler_to_the_scheduler_port() -> anyhow::Result<()> {
-    let rendered = render(
-        "gpushare",
-        "kube-system",
-        &["--set", "networkPolicy.enabled=true"],
-    )?;
-    check_all_typed(&rendered)?;
-    let policy = rendered
-        .of_kind("NetworkPolicy")
-        .into_iter()
-        .find(|d| d["metadata"]["name"] == "gpushare-extender")
-        .context("no NetworkPolicy")?;
-    let spec = &policy["spec"];
+    let rendered = render_sets(&["networkPolicy.enabled=true"])?;
+    check_all_typed(&rendered.docs)?;
+    let spec = &rendered.object("NetworkPolicy", "gpushare-extender")?["spec"];
     assert_eq!(
         spec["podSelector"]["matchLabels"]["app.kubernetes.io/component"],
         "extender"
@@ -1711,18 +1639,11 @@ fn the_network_policy_admits_only_the_scheduler_to_the_scheduler_port() -> anyho
     assert!(rule_for("webhook").is_ok());
 
     // default-scheduler mode: the peers are the admin's to name.
-    let rendered = render(
-        "gpushare",
-        "kube-system",
-        &[
-            "--set",
-            "networkPolicy.enabled=true",
-            "--set",
-            "scheduler.mode=default-scheduler",
-            "--set",
-            "networkPolicy.schedulerPeers[0].ipBlock.cidr=10.0.0.0/24",
-        ],
-    )?;
+    let rendered = render_sets(&[
+        "networkPolicy.enabled=true",
+        "scheduler.mode=default-scheduler",
+        "networkPolicy.schedulerPeers[0].ipBlock.cidr=10.0.0.0/24",
+    ])?;
     let policy = rendered.of_kind("NetworkPolicy")[0].clone();
     assert_eq!(
         policy["spec"]["ingress"][0]["from"][1],
@@ -1740,14 +1661,9 @@ fn check_device_plugin(
     prefix: &str,
     label: (&str, &str),
     expect_args: &[&str],
-) -> anyhow::Result<DaemonSet> {
+) -> anyhow::Result<PodSpec> {
     let name = format!("{prefix}-device-plugin");
-    let ds: DaemonSet = rendered.get("DaemonSet", &name)?;
-    let spec = ds
-        .spec
-        .clone()
-        .and_then(|s| s.template.spec)
-        .context("no pod spec")?;
+    let spec = rendered.pod_spec("DaemonSet", &name)?;
     check_hardened(&name, &spec)?;
     let selector = spec.node_selector.clone().unwrap_or_default();
     ensure!(
@@ -1762,14 +1678,14 @@ fn check_device_plugin(
             .iter()
             .any(|t| t.key.as_deref() == Some("nvidia.com/gpu"))
     );
-    let volume = spec
-        .volumes
-        .iter()
-        .flatten()
-        .find(|v| v.name == "device-plugins")
-        .context("volume")?;
-    let host = volume.host_path.as_ref().context("hostPath")?;
-    ensure!(host.path == "/var/lib/kubelet/device-plugins");
+    let host_path = |volume: &str| {
+        let mut volumes = spec.volumes.iter().flatten();
+        let found = volumes
+            .find(|v| v.name == volume)
+            .and_then(|v| v.host_path.as_ref());
+        found.with_context(|| format!("no hostPath volume {volume}"))
+    };
+    ensure!(host_path("device-plugins")?.path == "/var/lib/kubelet/device-plugins");
     let c = container(&spec, "device-plugin")?;
     let env = c.env.clone().unwrap_or_default();
     let node_name = env
@@ -1792,14 +1708,7 @@ fn check_device_plugin(
         );
     }
     // kubelet's PodResources API: mounted read-only, its socket passed.
-    let pod_resources = spec
-        .volumes
-        .iter()
-        .flatten()
-        .find(|v| v.name == "pod-resources")
-        .and_then(|v| v.host_path.as_ref())
-        .context("pod-resources hostPath volume")?;
-    ensure!(pod_resources.path == "/var/lib/kubelet/pod-resources");
+    ensure!(host_path("pod-resources")?.path == "/var/lib/kubelet/pod-resources");
     let mount = c
         .volume_mounts
         .iter()
@@ -1807,15 +1716,9 @@ fn check_device_plugin(
         .find(|m| m.name == "pod-resources")
         .context("pod-resources mount")?;
     ensure!(mount.read_only == Some(true), "{mount:?}");
-    let args = args(c);
     let socket = "--pod-resources-socket=/var/lib/kubelet/pod-resources/kubelet.sock";
-    for want in expect_args.iter().chain([&socket]) {
-        ensure!(
-            args.iter().any(|a| a == want),
-            "device plugin args {args:?} lack {want}"
-        );
-    }
-    Ok(ds)
+    ensure_has(&args(c), &[expect_args, &[socket]].concat()).context("the device plugin's args")?;
+    Ok(spec)
 }
 
 #[test]
@@ -1834,33 +1737,33 @@ fn chart_lints() -> anyhow::Result<()> {
 #[test]
 fn default_values_render_a_dedicated_scheduler_install() -> anyhow::Result<()> {
     let rendered = render("gpushare", "kube-system", &[])?;
-    check_all_typed(&rendered)?;
+    check_all_typed(&rendered.docs)?;
     let kinds = rendered.kinds();
     // With the uninstall cleanup hook's ServiceAccount, ClusterRole and binding, Role and
     // binding (the test pod's deletion), and Job; `helm test`'s ServiceAccount, ClusterRole
     // and binding, two Roles and bindings (the Lease, the routing namespace) and Pod; and the
     // device plugin's Role and binding to watch its own DaemonSet.
-    let want: BTreeMap<String, usize> = [
-        ("ClusterRole", 4),
-        ("ClusterRoleBinding", 6),
-        ("ConfigMap", 1),
-        ("DaemonSet", 1),
-        ("Deployment", 2),
-        ("Job", 2),
-        ("MutatingWebhookConfiguration", 1),
-        ("Pod", 1),
-        ("PodDisruptionBudget", 1),
-        ("Role", 7),
-        ("RoleBinding", 8),
-        ("Secret", 3),
-        ("Service", 2),
-        ("ServiceAccount", 6),
-        ("ValidatingAdmissionPolicy", 1),
-        ("ValidatingAdmissionPolicyBinding", 1),
-    ]
-    .into_iter()
-    .map(|(k, n)| (k.to_owned(), n))
-    .collect();
+    let want = plus(
+        &BTreeMap::new(),
+        &[
+            ("ClusterRole", 4),
+            ("ClusterRoleBinding", 6),
+            ("ConfigMap", 1),
+            ("DaemonSet", 1),
+            ("Deployment", 2),
+            ("Job", 2),
+            ("MutatingWebhookConfiguration", 1),
+            ("Pod", 1),
+            ("PodDisruptionBudget", 1),
+            ("Role", 7),
+            ("RoleBinding", 8),
+            ("Secret", 3),
+            ("Service", 2),
+            ("ServiceAccount", 6),
+            ("ValidatingAdmissionPolicy", 1),
+            ("ValidatingAdmissionPolicyBinding", 1),
+        ],
+    );
     assert_eq!(kinds, want);
     check_extender(
         &rendered,
@@ -1891,8 +1794,7 @@ fn default_values_render_a_dedicated_scheduler_install() -> anyhow::Result<()> {
             "--leader-forward-key=/etc/gpushare/client-tls/extender.key",
         ],
     )?;
-    let deployment: k8s_openapi::api::apps::v1::Deployment =
-        rendered.get("Deployment", "gpushare-extender")?;
+    let deployment: Deployment = rendered.get("Deployment", "gpushare-extender")?;
     let strategy = deployment
         .spec
         .and_then(|s| s.strategy)
@@ -1953,7 +1855,7 @@ fn non_default_values_render_a_default_scheduler_install() -> anyhow::Result<()>
             "extender.image.tag=dev",
         ],
     )?;
-    check_all_typed(&rendered)?;
+    check_all_typed(&rendered.docs)?;
     let kinds = rendered.kinds();
     assert_eq!(kinds.get("ConfigMap"), None, "{kinds:?}");
     assert_eq!(kinds.get("MutatingWebhookConfiguration"), None, "{kinds:?}");
@@ -1964,47 +1866,34 @@ fn non_default_values_render_a_default_scheduler_install() -> anyhow::Result<()>
     );
     assert_eq!(kinds.get("ServiceMonitor"), Some(&2), "{kinds:?}");
 
-    let deployment: Deployment = rendered.get("Deployment", "prod-gpushare-extender")?;
-    let spec = deployment
-        .spec
-        .and_then(|s| s.template.spec)
-        .context("pod spec")?;
+    let spec = rendered.pod_spec("Deployment", "prod-gpushare-extender")?;
     let c = container(&spec, "extender")?;
     assert_eq!(
         c.image.as_deref(),
         Some("ghcr.io/example/gpushare-extender:dev")
     );
-    let args = args(c);
-    for want in [
+    let want = [
         "--resource=acme.io/vram",
         "--node-label=acme.io/gpu-share=yes",
         "--domain=gpu.acme.io",
         "--policy=spread",
-    ] {
-        assert!(args.iter().any(|a| a == want), "{args:?} lacks {want}");
-    }
+    ];
+    ensure_has(&args(c), &want)?;
     let env = c.env.clone().unwrap_or_default();
     assert!(
         env.iter()
             .any(|e| e.name == "GPUSHARE_WEBHOOK_ENABLED" && e.value.as_deref() == Some("false"))
     );
     // No webhook port without the webhook.
-    let svc: Service = rendered.get("Service", "prod-gpushare-extender")?;
-    assert!(
-        svc.spec
-            .and_then(|s| s.ports)
-            .unwrap_or_default()
-            .iter()
-            .all(|p| p.port != 443)
-    );
+    let ports = service_ports(&rendered, "prod-gpushare-extender")?;
+    assert!(ports.iter().all(|(_, port)| *port != 443), "{ports:?}");
 
-    let ds = check_device_plugin(
+    let spec = check_device_plugin(
         &rendered,
         "prod-gpushare",
         ("acme.io/gpu-share", "yes"),
         &["--resource=acme.io/vram", "--domain=gpu.acme.io"],
     )?;
-    let spec = ds.spec.and_then(|s| s.template.spec).context("pod spec")?;
     assert_eq!(spec.runtime_class_name.as_deref(), Some("nvidia"));
 
     check_rbac_bindings(&rendered, "prod-gpushare")?;
@@ -2022,59 +1911,59 @@ fn dra_mode_installs_the_dra_driver_its_scheduler_and_the_extender_that_ranks() 
     // (ServiceAccount, ClusterRole and binding, the Role and binding that delete the test
     // pod, Job), and `helm test` (ServiceAccount, ClusterRole and binding, Pod), which every
     // install has.
-    let driver_only: BTreeMap<String, usize> = [
-        ("ClusterRole", 3),
-        ("ClusterRoleBinding", 3),
-        ("DaemonSet", 1),
-        ("DeviceClass", 1),
-        ("Job", 1),
-        ("MutatingAdmissionPolicy", 1),
-        ("MutatingAdmissionPolicyBinding", 1),
-        ("Pod", 1),
-        // One per GiB, and one per GiB and compute percent (12 by default).
-        ("ResourceClaimTemplate", 80 * 13),
-        ("Role", 2),
-        ("RoleBinding", 2),
-        ("ServiceAccount", 3),
-        ("ValidatingAdmissionPolicy", 1),
-        ("ValidatingAdmissionPolicyBinding", 1),
-    ]
-    .into_iter()
-    .map(|(k, n)| (k.to_owned(), n))
-    .collect();
+    let driver_only = plus(
+        &BTreeMap::new(),
+        &[
+            ("ClusterRole", 3),
+            ("ClusterRoleBinding", 3),
+            ("DaemonSet", 1),
+            ("DeviceClass", 1),
+            ("Job", 1),
+            ("MutatingAdmissionPolicy", 1),
+            ("MutatingAdmissionPolicyBinding", 1),
+            ("Pod", 1),
+            // One per GiB, and one per GiB and compute percent (12 by default).
+            ("ResourceClaimTemplate", 80 * 13),
+            ("Role", 2),
+            ("RoleBinding", 2),
+            ("ServiceAccount", 3),
+            ("ValidatingAdmissionPolicy", 1),
+            ("ValidatingAdmissionPolicyBinding", 1),
+        ],
+    );
     // The chart's own kube-scheduler (scheduler.mode=dedicated, the default) comes too: its
     // ServiceAccount, three bindings, its leader-election Role and binding, config, Deployment;
     // and the policy that routes pods naming a claim template of our class to it.
-    let mut with_scheduler = driver_only.clone();
-    for (kind, more) in [
-        ("MutatingAdmissionPolicy", 1),
-        ("MutatingAdmissionPolicyBinding", 1),
-        ("ServiceAccount", 1),
-        ("ClusterRoleBinding", 2),
-        ("Role", 1),
-        ("RoleBinding", 2),
-        ("ConfigMap", 1),
-        ("Deployment", 1),
-    ] {
-        *with_scheduler.entry(kind.to_owned()).or_default() += more;
-    }
+    let with_scheduler = plus(
+        &driver_only,
+        &[
+            ("MutatingAdmissionPolicy", 1),
+            ("MutatingAdmissionPolicyBinding", 1),
+            ("ServiceAccount", 1),
+            ("ClusterRoleBinding", 2),
+            ("Role", 1),
+            ("RoleBinding", 2),
+            ("ConfigMap", 1),
+            ("Deployment", 1),
+        ],
+    );
     // dra.scheduler.ranking (the default) adds the extender, which ranks only: its
     // ServiceAccount, Service, TLS Secret, Deployment, PodDisruptionBudget, ClusterRole and
     // binding, Lease Role and binding; and the test's Role and binding to read that Lease.
-    let mut with_ranking = with_scheduler.clone();
-    for (kind, more) in [
-        ("ServiceAccount", 1),
-        ("Service", 1),
-        ("Secret", 1),
-        ("Deployment", 1),
-        ("PodDisruptionBudget", 1),
-        ("ClusterRole", 1),
-        ("ClusterRoleBinding", 1),
-        ("Role", 2),
-        ("RoleBinding", 2),
-    ] {
-        *with_ranking.entry(kind.to_owned()).or_default() += more;
-    }
+    let with_ranking = plus(
+        &with_scheduler,
+        &[
+            ("ServiceAccount", 1),
+            ("Service", 1),
+            ("Secret", 1),
+            ("Deployment", 1),
+            ("PodDisruptionBudget", 1),
+            ("ClusterRole", 1),
+            ("ClusterRoleBinding", 1),
+            ("Role", 2),
+            ("RoleBinding", 2),
+        ],
+    );
     let rendered = render_dra(&[])?;
     assert_eq!(rendered.kinds(), with_ranking);
     let ds = rendered.of_kind("DaemonSet")[0];
@@ -2091,7 +1980,7 @@ fn dra_mode_installs_the_dra_driver_its_scheduler_and_the_extender_that_ranks() 
     assert_eq!(rendered.kinds(), with_scheduler);
     check_dra_scheduler(&rendered, false)?;
     check_dra_idle_gpu_toleration(&rendered, false)?;
-    let expression = claims_policy_patch(&rendered);
+    let expression = claims_policy_patch(&rendered)?;
     assert!(
         expression.contains(r#"path: "/spec/schedulerName", value: "gpushare-scheduler""#),
         "the claims policy sends the pods it turns to the chart's scheduler: {expression}"
@@ -2100,70 +1989,45 @@ fn dra_mode_installs_the_dra_driver_its_scheduler_and_the_extender_that_ranks() 
     // With the operator's own kube-scheduler, only the driver, and pods keep their scheduler.
     let rendered = render_dra(&["--set", "scheduler.mode=default-scheduler"])?;
     assert_eq!(rendered.kinds(), driver_only);
-    let expression = claims_policy_patch(&rendered);
+    let expression = claims_policy_patch(&rendered)?;
     assert!(!expression.contains("schedulerName"), "{expression}");
 
     // `example.com/gpu-mem: N` in DRA mode: one template per GiB, in each namespace named,
     // asking the chart's DeviceClass for N GiB of one GPU (the real tier runs the README's
     // pod through them), and one per GiB and compute percent, asking for both.
-    let rendered = render(
-        "gpushare",
-        "kube-system",
-        &[
-            "--set",
-            "mode=dra",
-            "--set",
-            "dra.gpuMem.maxGiB=3",
-            "--set-json",
-            r#"dra.gpuMem.namespaces=["team-a","team-b"]"#,
-            "--set-json",
-            "dra.gpuMem.computePercents=[50]",
-        ],
-    )?;
-    let mut templates: Vec<(String, String, String, String)> = rendered
+    let rendered = render_dra(&[
+        "--set",
+        "dra.gpuMem.maxGiB=3",
+        "--set-json",
+        r#"dra.gpuMem.namespaces=["team-a","team-b"]"#,
+        "--set-json",
+        "dra.gpuMem.computePercents=[50]",
+    ])?;
+    let text = |v: &Value| v.as_str().unwrap_or_default().to_owned();
+    let mut templates: Vec<String> = rendered
         .of_kind("ResourceClaimTemplate")
         .into_iter()
         .map(|t| {
             let request = &t["spec"]["spec"]["devices"]["requests"][0]["exactly"];
             ensure!(request["deviceClassName"] == "gpu-mem.gpushare.example.com");
-            Ok((
-                t["metadata"]["namespace"]
-                    .as_str()
-                    .unwrap_or_default()
-                    .to_owned(),
-                t["metadata"]["name"]
-                    .as_str()
-                    .unwrap_or_default()
-                    .to_owned(),
-                request["capacity"]["requests"]["memory"]
-                    .as_str()
-                    .unwrap_or_default()
-                    .to_owned(),
-                request["capacity"]["requests"]["compute"]
-                    .as_str()
-                    .unwrap_or_default()
-                    .to_owned(),
+            let (metadata, capacity) = (&t["metadata"], &request["capacity"]["requests"]);
+            Ok(format!(
+                "{}/{}: memory={} compute={}",
+                text(&metadata["namespace"]),
+                text(&metadata["name"]),
+                text(&capacity["memory"]),
+                text(&capacity["compute"]),
             ))
         })
         .collect::<anyhow::Result<_>>()?;
     templates.sort();
-    let mut want: Vec<(String, String, String, String)> = ["team-a", "team-b"]
+    let mut want: Vec<String> = ["team-a", "team-b"]
         .into_iter()
         .flat_map(|ns| {
             (1..=3).flat_map(move |gib| {
                 [
-                    (
-                        ns.to_owned(),
-                        format!("gpushare-gpu-mem-{gib}"),
-                        format!("{gib}Gi"),
-                        String::new(),
-                    ),
-                    (
-                        ns.to_owned(),
-                        format!("gpushare-gpu-mem-{gib}-c50"),
-                        format!("{gib}Gi"),
-                        "50".to_owned(),
-                    ),
+                    format!("{ns}/gpushare-gpu-mem-{gib}: memory={gib}Gi compute="),
+                    format!("{ns}/gpushare-gpu-mem-{gib}-c50: memory={gib}Gi compute=50"),
                 ]
             })
         })
@@ -2175,11 +2039,7 @@ fn dra_mode_installs_the_dra_driver_its_scheduler_and_the_extender_that_ranks() 
         policy["spec"]["matchConstraints"]["namespaceSelector"]["matchExpressions"][0]["values"],
         serde_json::json!(["team-a", "team-b"])
     );
-    let without = render(
-        "gpushare",
-        "kube-system",
-        &["--set", "mode=dra", "--set", "dra.gpuMem.enabled=false"],
-    )?;
+    let without = render_dra(&["--set", "dra.gpuMem.enabled=false"])?;
     for kind in ["ResourceClaimTemplate", "ValidatingAdmissionPolicy"] {
         ensure!(
             without.of_kind(kind).is_empty(),
@@ -2199,43 +2059,25 @@ fn dra_mode_installs_the_dra_driver_its_scheduler_and_the_extender_that_ranks() 
 /// `logFormat` reaches every binary the chart runs, each in the form it reads.
 #[test]
 fn log_format_reaches_every_binary() -> anyhow::Result<()> {
-    let env_of = |ds: &DaemonSet, container_name: &str, key: &str| -> anyhow::Result<String> {
-        let spec = ds
-            .spec
-            .clone()
-            .and_then(|s| s.template.spec)
-            .context("no pod spec")?;
-        let c = container(&spec, container_name)?;
-        c.env
-            .iter()
-            .flatten()
-            .find(|e| e.name == key)
+    /// The `GPUSHARE_LOG_FORMAT` of the DaemonSet's container `name`.
+    fn log_format(rendered: &Rendered, daemonset: &str, name: &str) -> anyhow::Result<String> {
+        let spec = rendered.pod_spec("DaemonSet", daemonset)?;
+        let mut env = container(&spec, name)?.env.iter().flatten();
+        env.find(|e| e.name == "GPUSHARE_LOG_FORMAT")
             .and_then(|e| e.value.clone())
-            .with_context(|| format!("{container_name} has no {key}"))
-    };
-    let rendered = render("gpushare", "kube-system", &["--set", "logFormat=json"])?;
-    let plugin: DaemonSet = rendered.get("DaemonSet", "gpushare-device-plugin")?;
+            .with_context(|| format!("{name} has no GPUSHARE_LOG_FORMAT"))
+    }
+    let rendered = render_sets(&["logFormat=json"])?;
     assert_eq!(
-        env_of(&plugin, "device-plugin", "GPUSHARE_LOG_FORMAT")?,
+        log_format(&rendered, "gpushare-device-plugin", "device-plugin")?,
         "json"
     );
-    let extender: Deployment = rendered.get("Deployment", "gpushare-extender")?;
-    let spec = extender
-        .spec
-        .and_then(|s| s.template.spec)
-        .context("no extender pod spec")?;
-    let extender_args = args(container(&spec, "extender")?);
-    assert!(
-        extender_args.iter().any(|a| a == "--log-format=json"),
-        "{extender_args:?}"
+    ensure_has(&extender_args(&rendered)?, &["--log-format=json"])?;
+    let rendered = render_sets(&["mode=dra", "logFormat=json"])?;
+    assert_eq!(
+        log_format(&rendered, "gpushare-dra-plugin", "dra-plugin")?,
+        "json"
     );
-    let rendered = render(
-        "gpushare",
-        "kube-system",
-        &["--set", "mode=dra", "--set", "logFormat=json"],
-    )?;
-    let dra: DaemonSet = rendered.get("DaemonSet", "gpushare-dra-plugin")?;
-    assert_eq!(env_of(&dra, "dra-plugin", "GPUSHARE_LOG_FORMAT")?, "json");
     Ok(())
 }
 
@@ -2257,8 +2099,7 @@ fn the_interposers_settings_reach_both_plugins_in_preload_mode() -> anyhow::Resu
             "dra" => ("gpushare-dra-plugin", "dra-plugin"),
             _ => ("gpushare-device-plugin", "device-plugin"),
         };
-        let ds: DaemonSet = rendered.get("DaemonSet", daemonset)?;
-        let spec = ds.spec.and_then(|s| s.template.spec).context("pod spec")?;
+        let spec = rendered.pod_spec("DaemonSet", daemonset)?;
         let argv = [format!("gpushare-{name}"), "--node-name=n1".to_owned()];
         Ok(argv
             .into_iter()
@@ -2288,42 +2129,21 @@ fn the_interposers_settings_reach_both_plugins_in_preload_mode() -> anyhow::Resu
         let set_mode = format!("mode={mode}");
 
         // Not set: no flags; the interposer's defaults, so containers get no variable.
-        let rendered = render("gpushare", "kube-system", &["--set", &set_mode])?;
-        let argv = plugin_args(&rendered, mode)?;
-        ensure!(
-            !argv
-                .iter()
-                .any(|a| SETTINGS.iter().any(|f| a.starts_with(f))),
-            "{mode}: {argv:?}"
-        );
+        let argv = plugin_args(&render_sets(&[&set_mode])?, mode)?;
+        ensure_lacks(&argv, &SETTINGS).context(mode)?;
         ensure!(
             parsed(mode, &argv)? == (Enforcement::Preload, IsolationOptions::default()),
             "{mode}: {argv:?}"
         );
 
         // Set: both flags, read back as set, and carried into the container's environment.
-        let rendered = render(
-            "gpushare",
-            "kube-system",
-            &[
-                "--set",
-                &set_mode,
-                "--set",
-                "isolation.contextMiB=640",
-                "--set",
-                "isolation.managedMemory=ignore",
-            ],
-        )?;
-        let argv = plugin_args(&rendered, mode)?;
-        for want in [
+        let [context_mib, managed] = ["isolation.contextMiB=640", "isolation.managedMemory=ignore"];
+        let argv = plugin_args(&render_sets(&[&set_mode, context_mib, managed])?, mode)?;
+        let want = [
             "--isolation-context-mib=640",
             "--isolation-managed-memory=ignore",
-        ] {
-            ensure!(
-                argv.iter().any(|a| a == want),
-                "{mode}: {argv:?} lacks {want}"
-            );
-        }
+        ];
+        ensure_has(&argv, &want).context(mode)?;
         let (enforcement, options) = parsed(mode, &argv)?;
         ensure!(
             options
@@ -2353,35 +2173,15 @@ fn the_interposers_settings_reach_both_plugins_in_preload_mode() -> anyhow::Resu
 
         let rendered = render("gpushare", "kube-system", &["--set", &set_mode, "-f", zero])?;
         let argv = plugin_args(&rendered, mode)?;
-        ensure!(
-            argv.iter().any(|a| a == "--isolation-context-mib=0"),
-            "{mode}: {argv:?}"
-        );
+        ensure_has(&argv, &["--isolation-context-mib=0"]).context(mode)?;
         ensure!(parsed(mode, &argv)?.1.context_mib == Some(0), "{mode}");
 
         // Another isolation mode: the settings are the interposer's, so no flags.
         for other in ["none", "mps", "toolkit"] {
-            let rendered = render(
-                "gpushare",
-                "kube-system",
-                &[
-                    "--set",
-                    &set_mode,
-                    "--set",
-                    &format!("isolation.mode={other}"),
-                    "--set",
-                    "isolation.contextMiB=640",
-                    "--set",
-                    "isolation.managedMemory=ignore",
-                ],
-            )?;
+            let isolation = format!("isolation.mode={other}");
+            let rendered = render_sets(&[&set_mode, &isolation, context_mib, managed])?;
             let argv = plugin_args(&rendered, mode)?;
-            ensure!(
-                !argv
-                    .iter()
-                    .any(|a| SETTINGS.iter().any(|f| a.starts_with(f))),
-                "{mode}/{other}: {argv:?}"
-            );
+            ensure_lacks(&argv, &SETTINGS).with_context(|| format!("{mode}/{other}"))?;
         }
     }
     Ok(())
@@ -2395,15 +2195,11 @@ fn the_interposers_settings_reach_both_plugins_in_preload_mode() -> anyhow::Resu
 fn the_dra_plugin_is_probed_where_it_listens() -> anyhow::Result<()> {
     use clap::Parser as _;
     use gpushare_dra_plugin::probes::{HEALTHZ, READYZ};
-    for (extra, port) in [(None, 9402), (Some("dra.probePort=9555"), 9555)] {
-        let mut set = vec!["--set", "mode=dra"];
-        set.extend(extra.iter().flat_map(|e| ["--set", *e]));
-        let rendered = render("gpushare", "kube-system", &set)?;
-        let ds: DaemonSet = rendered.get("DaemonSet", "gpushare-dra-plugin")?;
-        let spec = ds
-            .spec
-            .and_then(|s| s.template.spec)
-            .context("no pod spec")?;
+    for (sets, port) in [
+        (&["mode=dra"][..], 9402),
+        (&["mode=dra", "dra.probePort=9555"], 9555),
+    ] {
+        let spec = render_sets(sets)?.pod_spec("DaemonSet", "gpushare-dra-plugin")?;
         check_hardened("gpushare-dra-plugin", &spec)?;
         let c = container(&spec, "dra-plugin")?;
 
@@ -2592,7 +2388,7 @@ fn every_value_is_in_the_schema_and_typos_fail_by_name() -> anyhow::Result<()> {
         ("isolation.overShare=kill", "/isolation/overShare"),
         ("devicePlugin.usage.enabledd=true", "'enabledd' not allowed"),
     ] {
-        let err = render("gpushare", "kube-system", &["--set", set])
+        let err = render_sets(&[set])
             .err()
             .with_context(|| format!("--set {set} rendered"))?
             .to_string();
@@ -2667,16 +2463,8 @@ fn with_existing_secrets_two_renders_are_identical() -> anyhow::Result<()> {
 #[test]
 fn global_image_registry_moves_every_image() -> anyhow::Result<()> {
     for mode in ["extender", "dra"] {
-        let rendered = render(
-            "gpushare",
-            "kube-system",
-            &[
-                "--set",
-                &format!("mode={mode}"),
-                "--set",
-                "global.imageRegistry=mirror.corp:5000",
-            ],
-        )?;
+        let mode_set = format!("mode={mode}");
+        let rendered = render_sets(&[&mode_set, "global.imageRegistry=mirror.corp:5000"])?;
         let mut images = Vec::new();
         for doc in &rendered.docs {
             let spec = &doc["spec"]["template"]["spec"];
@@ -2780,24 +2568,8 @@ async fn the_dedicated_profile_scores_a_share_of_the_nodes() -> anyhow::Result<(
 /// with `scheduler.nativeGpuScoring`, the extender keeps every fitting node.
 #[tokio::test]
 async fn keep_best_matches_the_profile_it_ranks_for() -> anyhow::Result<()> {
-    let extender_args = |sets: &[&str]| -> anyhow::Result<Vec<String>> {
-        let mut extra = Vec::new();
-        for set in sets {
-            extra.extend(["--set", set]);
-        }
-        let rendered = render("gpushare", "kube-system", &extra)?;
-        let deployment: Deployment = rendered.get("Deployment", "gpushare-extender")?;
-        let spec = deployment
-            .spec
-            .and_then(|s| s.template.spec)
-            .context("no pod spec")?;
-        Ok(args(container(&spec, "extender")?))
-    };
-    let has = |args: &[String], want: &str| args.iter().any(|a| a == want);
-
-    let default = extender_args(&["scheduler.extender.weight=3"])?;
-    ensure!(has(&default, "--filter-keep-best=1"), "{default:?}");
-    ensure!(has(&default, "--prioritize-weight=3"), "{default:?}");
+    let default = extender_args(&render_sets(&["scheduler.extender.weight=3"])?)?;
+    ensure_has(&default, &["--filter-keep-best=1", "--prioritize-weight=3"])?;
     let profile = dedicated_scheduler_configuration(&[], &[]).await?;
     let config: serde_yaml::Value = serde_yaml::from_str(&profile)?;
     let profile0 = &config["profiles"][0];
@@ -2821,8 +2593,11 @@ async fn keep_best_matches_the_profile_it_ranks_for() -> anyhow::Result<()> {
         &["policy=binpack", "scheduler.nativeGpuScoring=true"][..],
         &["scheduler.mode=default-scheduler"][..],
     ] {
-        let args = extender_args(sets)?;
-        ensure!(has(&args, "--filter-keep-best=0"), "{sets:?}: {args:?}");
+        ensure_has(
+            &extender_args(&render_sets(sets)?)?,
+            &["--filter-keep-best=0"],
+        )
+        .with_context(|| format!("{sets:?}"))?;
     }
     Ok(())
 }
@@ -2877,46 +2652,25 @@ async fn native_gpu_scoring_replaces_prioritize_for_binpack_only() -> anyhow::Re
     Ok(())
 }
 
-/// The extender's pod spec in `rendered`.
-fn extender_pod(rendered: &Rendered) -> anyhow::Result<PodSpec> {
-    let deployment: Deployment = rendered.get("Deployment", "gpushare-extender")?;
-    deployment
-        .spec
-        .and_then(|s| s.template.spec)
-        .context("no extender pod spec")
-}
-
 /// `extender.tls.clientAuth`: the replicas mount the client CA and their own certificate (not
 /// the scheduler's key); the upgrade grace is rendered only on an upgrade that finds no client
 /// Secret yet (`helm template --is-upgrade` finds none), ten minutes from now; turned off,
 /// nothing of it is rendered and the scheduler presents no certificate.
 #[test]
 fn client_certificates_guard_the_scheduler_port() -> anyhow::Result<()> {
-    let installed = render("gpushare", "kube-system", &[])?;
-    let pod = extender_pod(&installed)?;
-    let extender_args = args(container(&pod, "extender")?);
+    let installed = render_sets(&[])?;
+    ensure_lacks(&extender_args(&installed)?, &["--accept-uncertified-until"])
+        .context("an install needs no grace")?;
+    let pod = installed.pod_spec("Deployment", "gpushare-extender")?;
+    let (_, items) = secret_volume(&pod, "client-tls")?;
     ensure!(
-        !extender_args
-            .iter()
-            .any(|a| a.starts_with("--accept-uncertified-until")),
-        "an install needs no grace: {extender_args:?}"
-    );
-    let volume = pod
-        .volumes
-        .unwrap_or_default()
-        .into_iter()
-        .find(|v| v.name == "client-tls")
-        .and_then(|v| v.secret)
-        .context("no client-tls volume")?;
-    let keys: Vec<String> = volume
-        .items
-        .unwrap_or_default()
-        .into_iter()
-        .map(|i| i.key)
-        .collect();
-    ensure!(
-        keys == ["ca.crt", "extender.crt", "extender.key"],
-        "{keys:?}"
+        items
+            == [
+                "ca.crt -> ca.crt",
+                "extender.crt -> extender.crt",
+                "extender.key -> extender.key"
+            ],
+        "{items:?}"
     );
     let secret: Secret = installed.get("Secret", "gpushare-extender-client-tls")?;
     let data = secret.data.unwrap_or_default();
@@ -2934,7 +2688,7 @@ fn client_certificates_guard_the_scheduler_port() -> anyhow::Result<()> {
     );
 
     let upgraded = render("gpushare", "kube-system", &["--is-upgrade"])?;
-    let upgraded_args = args(container(&extender_pod(&upgraded)?, "extender")?);
+    let upgraded_args = extender_args(&upgraded)?;
     let until = upgraded_args
         .iter()
         .find_map(|a| a.strip_prefix("--accept-uncertified-until="))
@@ -2943,22 +2697,15 @@ fn client_certificates_guard_the_scheduler_port() -> anyhow::Result<()> {
     let minutes = until.duration_since(jiff::Timestamp::now()).as_secs() / 60;
     ensure!((8..=10).contains(&minutes), "grace ends in {minutes} min");
 
-    let off = render(
-        "gpushare",
-        "kube-system",
-        &["--set", "extender.tls.clientAuth.enabled=false"],
-    )?;
+    let off = render_sets(&["extender.tls.clientAuth.enabled=false"])?;
     ensure!(
         off.get::<Secret>("Secret", "gpushare-extender-client-tls")
             .is_err()
     );
-    let off_args = args(container(&extender_pod(&off)?, "extender")?);
-    ensure!(
-        !off_args
-            .iter()
-            .any(|a| a.starts_with("--client-ca") || a.starts_with("--leader-forward-cert")),
-        "{off_args:?}"
-    );
+    ensure_lacks(
+        &extender_args(&off)?,
+        &["--client-ca", "--leader-forward-cert"],
+    )?;
     let text = scheduler_config_text(&off, "gpushare-scheduler")?;
     ensure!(!text.contains("certFile"), "{text}");
     Ok(())
@@ -3008,11 +2755,7 @@ fn the_alerts_pass_promtool_and_their_unit_tests() -> anyhow::Result<()> {
     )?;
     // The alerts name a device plugin's node by the `node` label its ServiceMonitor adds, and
     // a workload's pod by the series' own `pod` (honorLabels keeps it from `exported_pod`).
-    let plugin_monitor = rendered
-        .of_kind("ServiceMonitor")
-        .into_iter()
-        .find(|m| m["metadata"]["name"] == "prod-gpushare-device-plugin")
-        .context("the device plugin's ServiceMonitor")?;
+    let plugin_monitor = rendered.object("ServiceMonitor", "prod-gpushare-device-plugin")?;
     let endpoint = &plugin_monitor["spec"]["endpoints"][0];
     ensure!(endpoint["honorLabels"] == true, "{endpoint}");
     ensure!(
@@ -3026,14 +2769,7 @@ fn the_alerts_pass_promtool_and_their_unit_tests() -> anyhow::Result<()> {
             ),
         "{endpoint}"
     );
-    let rules = rendered.of_kind("PrometheusRule");
-    ensure!(rules.len() == 1, "one PrometheusRule, not {}", rules.len());
-    let rule = rules[0];
-    check_all_typed(&Rendered {
-        release: rendered.release.clone(),
-        namespace: rendered.namespace.clone(),
-        docs: vec![rule.clone()],
-    })?;
+    let rule = check_alerts(&rendered, "alerts.yaml", "alerts.test.yaml")?;
     ensure!(rule["metadata"]["name"] == "prod-gpushare-alerts");
     ensure!(rule["metadata"]["namespace"] == "gpu-system");
     ensure!(
@@ -3041,25 +2777,27 @@ fn the_alerts_pass_promtool_and_their_unit_tests() -> anyhow::Result<()> {
         "monitoring.prometheusRule.labels reach the rule: {}",
         rule["metadata"]["labels"]
     );
-    let groups = &rule["spec"]["groups"];
-    // What promtool's unit tests read from the chart is what the chart renders.
-    let source: serde_yaml::Value = serde_yaml::from_str(&std::fs::read_to_string(
-        chart_dir().join("files/alerts.yaml"),
-    )?)?;
-    ensure!(
-        serde_json::to_value(&source)?["groups"] == *groups,
-        "the rendered groups differ from files/alerts.yaml"
-    );
-
-    check_alerts(groups, "alerts.yaml", "alerts.test.yaml")
+    Ok(())
 }
 
-/// Checks rule `groups` as the chart renders them: every alert has a severity (critical or
-/// warning), a summary and a description, and a unique name; laid out as `files/{rules}`
-/// beside the chart's `tests/{tests}` in a temporary directory, they pass `promtool check
-/// rules` and the unit tests, and every alert has a test that fires it and one where it must
-/// not.
-fn check_alerts(groups: &Value, rules: &str, tests: &str) -> anyhow::Result<()> {
+/// Checks the one PrometheusRule of `rendered`, and returns it: it parses, its groups are
+/// those of `files/{rules}` (what promtool's unit tests read from the chart is what the chart
+/// renders); every alert has a severity (critical or warning), a summary and a description,
+/// and a unique name; laid out as `files/{rules}` beside the chart's `tests/{tests}` in a
+/// temporary directory, the groups pass `promtool check rules` and the unit tests, and every
+/// alert has a test that fires it and one where it must not.
+fn check_alerts<'r>(rendered: &'r Rendered, rules: &str, tests: &str) -> anyhow::Result<&'r Value> {
+    let found = rendered.of_kind("PrometheusRule");
+    ensure!(found.len() == 1, "one PrometheusRule, not {}", found.len());
+    let prometheus_rule = found[0];
+    check_all_typed([prometheus_rule])?;
+    let groups = &prometheus_rule["spec"]["groups"];
+    let source = std::fs::read_to_string(chart_dir().join("files").join(rules))?;
+    let source: serde_yaml::Value = serde_yaml::from_str(&source)?;
+    ensure!(
+        serde_json::to_value(&source)?["groups"] == *groups,
+        "the rendered groups differ from files/{rules}"
+    );
     let mut alerts = BTreeSet::new();
     for group in groups.as_array().context("groups")? {
         for rule in group["rules"].as_array().context("rules")? {
@@ -3117,6 +2855,22 @@ fn check_alerts(groups: &Value, rules: &str, tests: &str) -> anyhow::Result<()> 
     ensure!(
         never_fired.is_empty() && never_quiet.is_empty(),
         "alerts without a test that fires them: {never_fired:?}; without one where they must not: {never_quiet:?}"
+    );
+    Ok(prometheus_rule)
+}
+
+/// files/`file` names at least `at_least` gpushare metrics, and only ones in `exported`.
+fn ensure_exported(file: &str, at_least: usize, exported: &BTreeSet<String>) -> anyhow::Result<()> {
+    let text = std::fs::read_to_string(chart_dir().join("files").join(file))?;
+    let used = metric_names_in(&text);
+    ensure!(
+        used.len() >= at_least,
+        "files/{file} names fewer than {at_least} metrics: {used:?}"
+    );
+    let unknown: Vec<_> = used.difference(exported).collect();
+    ensure!(
+        unknown.is_empty(),
+        "files/{file} alerts on metrics nobody exports: {unknown:?}"
     );
     Ok(())
 }
@@ -3274,27 +3028,13 @@ fn metric_names_in(text: &str) -> BTreeSet<String> {
 #[test]
 fn the_alerts_and_the_operating_guide_name_only_metrics_that_exist() -> anyhow::Result<()> {
     let exported = exported_metrics()?;
-    let alerts = std::fs::read_to_string(chart_dir().join("files/alerts.yaml"))?;
-    let used = metric_names_in(&alerts);
-    ensure!(used.len() >= 10, "{used:?}");
-    let unknown: Vec<_> = used.difference(&exported).collect();
-    ensure!(
-        unknown.is_empty(),
-        "alerts on metrics nobody exports: {unknown:?}"
-    );
+    ensure_exported("alerts.yaml", 10, &exported)?;
 
     let guide = std::fs::read_to_string(chart_dir().join("../../docs/operating.md"))?;
     let named = metric_names_in(&guide);
     let unlisted: Vec<_> = exported
         .iter()
-        .filter(|name| {
-            // A histogram is listed by its own name.
-            let listed = ["_bucket", "_sum", "_count"]
-                .iter()
-                .find_map(|suffix| name.strip_suffix(suffix))
-                .unwrap_or(name);
-            !guide.contains(&format!("| `{listed}` |"))
-        })
+        .filter(|name| !listed_in_guide(&guide, name))
         .collect();
     ensure!(
         unlisted.is_empty(),
@@ -3339,34 +3079,10 @@ fn both_modes_monitor_every_component_that_serves_metrics() -> anyhow::Result<()
     );
 
     let dra = render_dra(&monitoring)?;
-    check_all_typed(&Rendered {
-        release: dra.release.clone(),
-        namespace: dra.namespace.clone(),
-        docs: [dra.of_kind("ServiceMonitor"), dra.of_kind("PrometheusRule")]
-            .concat()
-            .into_iter()
-            .cloned()
-            .collect(),
-    })?;
+    check_all_typed(dra.of_kind("ServiceMonitor"))?;
     ensure!(monitored(&dra)? == ["gpushare-extender"], "DRA mode");
-    let rules = dra.of_kind("PrometheusRule");
-    ensure!(rules.len() == 1, "one PrometheusRule, not {}", rules.len());
-    let groups = &rules[0]["spec"]["groups"];
-    let text = std::fs::read_to_string(chart_dir().join("files/alerts-dra.yaml"))?;
-    let source: serde_yaml::Value = serde_yaml::from_str(&text)?;
-    ensure!(
-        serde_json::to_value(&source)?["groups"] == *groups,
-        "the rendered groups differ from files/alerts-dra.yaml"
-    );
-    check_alerts(groups, "alerts-dra.yaml", "alerts-dra.test.yaml")?;
-    let exported = exported_metrics()?;
-    let used = metric_names_in(&text);
-    ensure!(!used.is_empty(), "files/alerts-dra.yaml names no metric");
-    let unknown: Vec<_> = used.difference(&exported).collect();
-    ensure!(
-        unknown.is_empty(),
-        "DRA alerts on metrics nobody exports: {unknown:?}"
-    );
+    check_alerts(&dra, "alerts-dra.yaml", "alerts-dra.test.yaml")?;
+    ensure_exported("alerts-dra.yaml", 1, &exported_metrics()?)?;
 
     for key in [
         "metrics.serviceMonitor.enabled",
@@ -3585,15 +3301,11 @@ fn listed_in_guide(guide: &str, name: &str) -> bool {
 #[test]
 fn the_dashboard_renders_for_grafanas_sidecar() -> anyhow::Result<()> {
     let source = dashboard()?;
-    let find = |rendered: &Rendered| {
-        rendered
-            .of_kind("ConfigMap")
-            .into_iter()
-            .find(|c| c["metadata"]["name"] == "prod-gpushare-dashboard")
-            .cloned()
-    };
+    let name = "prod-gpushare-dashboard";
     ensure!(
-        find(&render("prod", "gpu-system", &[])?).is_none(),
+        render("prod", "gpu-system", &[])?
+            .object("ConfigMap", name)
+            .is_err(),
         "a dashboard without monitoring.dashboards.enabled"
     );
     let sidecar_defaults = vec!["--set", "monitoring.dashboards.enabled=true"];
@@ -3616,12 +3328,8 @@ fn the_dashboard_renders_for_grafanas_sidecar() -> anyhow::Result<()> {
         ),
     ] {
         let rendered = render("prod", "gpu-system", &extra)?;
-        let config_map = find(&rendered).context("no dashboard ConfigMap")?;
-        check_all_typed(&Rendered {
-            release: rendered.release.clone(),
-            namespace: rendered.namespace.clone(),
-            docs: vec![config_map.clone()],
-        })?;
+        let config_map = rendered.object("ConfigMap", name)?;
+        check_all_typed([config_map])?;
         let metadata = &config_map["metadata"];
         ensure!(metadata["namespace"] == "gpu-system", "{metadata}");
         ensure!(metadata["labels"][label] == value, "{metadata}");

@@ -22,7 +22,8 @@ use gpushare_e2e::preemption;
 use gpushare_e2e::realk8s::{Kit, KitCluster, Mode, barrage, load};
 use gpushare_e2e::scenarios::{
     Harness, START_TIMEOUT, allocation, check_no_overcommit, check_pinned, create_gpu_pod,
-    delete_pod, phase, scheduling_message, wait_bound, wait_running, wait_unschedulable,
+    create_pod, delete_pod, get_pod, phase, scheduling_message, wait_bound, wait_running,
+    wait_unschedulable,
 };
 use k8s_openapi::api::core::v1::Pod;
 use kube::api::{Api, ListParams, Patch, PatchParams, PostParams};
@@ -385,8 +386,7 @@ fn readme_story(c: &KitCluster) -> Outcome<'_> {
             usage.values().map(|(used, _)| used).sum::<u64>() == 28,
             "seven pods of 4 GiB should hold 28 GiB: {usage:?}"
         );
-        let pods: Api<Pod> = Api::namespaced(c.client(), "default");
-        let freed = allocation(&pods.get("notebook-1").await?)?.gpu_uuid;
+        let freed = allocation(&get_pod(c, "notebook-1").await?)?.gpu_uuid;
         delete_pod(c, "notebook-1").await?;
         let eighth = wait_running(c, "notebook-8").await?;
         check_pinned(c, &eighth).await?;
@@ -403,12 +403,11 @@ fn readme_story(c: &KitCluster) -> Outcome<'_> {
 /// empty GPU and nobody shares it.
 fn two_gpu_and_exclusive_pods(c: &KitCluster) -> Outcome<'_> {
     Box::pin(async move {
-        let pods: Api<Pod> = Api::namespaced(c.client(), "default");
         let two = fixtures::pod("two-gpus")
             .gpu_mem(8)
             .annotation("gpushare.example.com/gpus", "2")
             .build();
-        pods.create(&PostParams::default(), &c.prepare(two)).await?;
+        create_pod(c, two).await?;
         let two = wait_running(c, "two-gpus").await?;
         check_pinned(c, &two).await?;
         let alloc = allocation(&two)?;
@@ -429,8 +428,7 @@ fn two_gpu_and_exclusive_pods(c: &KitCluster) -> Outcome<'_> {
             .gpu_mem(15)
             .annotation("gpushare.example.com/exclusive", "true")
             .build();
-        pods.create(&PostParams::default(), &c.prepare(whole))
-            .await?;
+        create_pod(c, whole).await?;
         let whole = wait_running(c, "whole").await?;
         check_pinned(c, &whole).await?;
         let taken = allocation(&whole)?;
@@ -475,7 +473,7 @@ fn compute_shares_land_only_where_memory_and_compute_fit(c: &KitCluster) -> Outc
         let names = ["compute-1", "compute-2", "compute-3"];
         for name in names {
             let pod = fixtures::pod(name).gpu_mem(4).gpu_compute(60).build();
-            pods.create(&PostParams::default(), &c.prepare(pod)).await?;
+            create_pod(c, pod).await?;
         }
         // kube-scheduler takes them in no promised order: any two run, one per GPU.
         let (running, waiting) = two_of_three_run(&pods, names, Duration::from_secs(60)).await?;
@@ -511,8 +509,7 @@ fn compute_shares_land_only_where_memory_and_compute_fit(c: &KitCluster) -> Outc
         );
         // Compute alone is routed to gpushare's scheduler and refused, saying why.
         let alone = fixtures::pod("compute-only").gpu_compute(30).build();
-        pods.create(&PostParams::default(), &c.prepare(alone))
-            .await?;
+        create_pod(c, alone).await?;
         let reason = wait_unschedulable(c, "compute-only").await?;
         ensure!(
             reason.contains(&format!("{compute} without {DEFAULT_RESOURCE}")),
@@ -605,30 +602,13 @@ fn pod_security_restricted_default_and_a_baseline_release_namespace(c: &KitClust
             };
             c.kubectl(&["label", "namespace", namespace, &label, "--overwrite"])
         };
-        let chart = c.chart_dir();
-        let chart = chart.to_string_lossy();
         label("default", Some("restricted"))?;
-        let upgraded = c.helm(&[
-            "upgrade",
-            "gpushare",
-            &chart,
-            "-n",
-            "kube-system",
-            "--reuse-values",
-            "--wait",
-        ]);
+        let upgraded = upgrade(c, &["--wait"]);
         label("default", None)?;
         upgraded.context("helm upgrade with default enforcing restricted (the routing check)")?;
 
         label("kube-system", Some("baseline"))?;
-        let rendered = c.helm(&[
-            "template",
-            "gpushare",
-            &chart,
-            "-n",
-            "kube-system",
-            "--dry-run=server",
-        ]);
+        let rendered = c.release("template", &["--dry-run=server"]);
         label("kube-system", None)?;
         let error = match rendered {
             Ok(_) => bail!("the chart rendered for a release namespace enforcing baseline"),
@@ -649,25 +629,12 @@ fn pod_security_restricted_default_and_a_baseline_release_namespace(c: &KitClust
 /// 8 GiB pods then ask for that node's four 16 GiB GPUs: six fit, none on GPU 0 (8 more there
 /// would over-commit it), two wait, and the classic pod runs on untouched.
 fn pods_placed_by_the_classic_gpushare_keep_their_gpus(c: &KitCluster) -> Outcome<'_> {
-    Box::pin(async move {
-        let nodes = FakeNodes::create(c, "classic")?;
-        let result = classic_pods_keep_their_gpus(c).await;
-        let pods: Api<Pod> = Api::namespaced(c.client(), "default");
-        for i in 0..8 {
-            let _ = pods
-                .delete(&format!("after-switch-{i}"), &Default::default())
-                .await;
-        }
-        let _ = pods.delete("placed-by-classic", &Default::default()).await;
-        nodes.delete(c)?;
-        result
-    })
+    on_fake_nodes(c, "classic", classic_pods_keep_their_gpus(c))
 }
 
 async fn classic_pods_keep_their_gpus(c: &KitCluster) -> anyhow::Result<()> {
     use gpushare_contract::allocation::classic;
-    let pods: Api<Pod> = Api::namespaced(c.client(), "default");
-    let mut old = fixtures::pod("placed-by-classic")
+    let old = fixtures::pod("placed-by-classic")
         .gpu_mem(12)
         .on_node("classic-0")
         .annotation(classic::GPU_INDEX, "0")
@@ -675,8 +642,7 @@ async fn classic_pods_keep_their_gpus(c: &KitCluster) -> anyhow::Result<()> {
         .annotation(classic::DEVICE_MEM, "16")
         .annotation(classic::ASSIGNED, "true")
         .build();
-    old.metadata.namespace = Some("default".into());
-    pods.create(&PostParams::default(), &old).await?;
+    create_pod(c, old).await?;
     let mut bound = Vec::new();
     for i in 0..8 {
         let pod = limited_to(
@@ -686,7 +652,7 @@ async fn classic_pods_keep_their_gpus(c: &KitCluster) -> anyhow::Result<()> {
             &["classic-0"],
             None,
         )?;
-        pods.create(&PostParams::default(), &pod).await?;
+        create_pod(c, pod).await?;
     }
     // Six fit beside the classic pod (GPUs 1 to 3, two each); wait for them, then look at all.
     let settled = wait_for(
@@ -695,7 +661,7 @@ async fn classic_pods_keep_their_gpus(c: &KitCluster) -> anyhow::Result<()> {
         || async {
             let mut placed = Vec::new();
             for i in 0..8 {
-                let pod = pods.get(&format!("after-switch-{i}")).await.ok()?;
+                let pod = get_pod(c, &format!("after-switch-{i}")).await.ok()?;
                 if pod.spec.as_ref()?.node_name.is_some() {
                     placed.push((i, allocation(&pod).ok()?.gpu_index));
                 }
@@ -712,7 +678,7 @@ async fn classic_pods_keep_their_gpus(c: &KitCluster) -> anyhow::Result<()> {
     ensure!(bound.len() == 6, "more than six bound: {bound:?}");
     for i in (0..8).filter(|i| !bound.iter().any(|(b, _)| b == i)) {
         let why = wait_unschedulable(c, &format!("after-switch-{i}")).await?;
-        let pod = pods.get(&format!("after-switch-{i}")).await?;
+        let pod = get_pod(c, &format!("after-switch-{i}")).await?;
         ensure!(
             pod.spec
                 .as_ref()
@@ -721,7 +687,7 @@ async fn classic_pods_keep_their_gpus(c: &KitCluster) -> anyhow::Result<()> {
             "after-switch-{i} was bound after all: {why}"
         );
     }
-    let old = pods.get("placed-by-classic").await?;
+    let old = get_pod(c, "placed-by-classic").await?;
     ensure!(
         old.metadata.deletion_timestamp.is_none()
             && old.spec.as_ref().and_then(|s| s.node_name.as_deref()) == Some("classic-0"),
@@ -730,8 +696,6 @@ async fn classic_pods_keep_their_gpus(c: &KitCluster) -> anyhow::Result<()> {
     Ok(())
 }
 
-/// The simulated backend's usage file (`devicePlugin.extraEnv`): what the driver says each
-/// pod uses, as NVML's process lists would.
 /// The chart's metrics as a cluster's Prometheus sees them: a real Prometheus discovers the
 /// extender and device plugin through the ServiceMonitors the chart renders for this install
 /// (translated as the Prometheus Operator does, [`gpushare_e2e::realk8s::prometheus`]) and
@@ -746,10 +710,6 @@ fn a_real_prometheus_answers_the_dashboard_and_the_alerts(c: &KitCluster) -> Out
     Box::pin(async move {
         let result = prometheus_answers(c).await;
         std::fs::write(USAGE_FILE, "")?;
-        let pods: Api<Pod> = Api::namespaced(c.client(), "default");
-        for name in ["seen-a", "seen-b"] {
-            let _ = pods.delete(name, &Default::default()).await;
-        }
         result
     })
 }
@@ -805,21 +765,19 @@ async fn chart_prometheus(
     use serde::Deserialize as _;
     let chart = c.chart_dir();
     let values_file = c.release_values("prometheus-values.yaml")?;
-    let rendered = c.helm(&[
+    let rendered = c.release(
         "template",
-        "gpushare",
-        &chart.to_string_lossy(),
-        "-n",
-        "kube-system",
-        "-f",
-        &values_file.to_string_lossy(),
-        "--set",
-        "metrics.serviceMonitor.enabled=true",
-        "--api-versions",
-        "monitoring.coreos.com/v1",
-        "--show-only",
-        "templates/servicemonitor.yaml",
-    ])?;
+        &[
+            "-f",
+            &values_file.to_string_lossy(),
+            "--set",
+            "metrics.serviceMonitor.enabled=true",
+            "--api-versions",
+            "monitoring.coreos.com/v1",
+            "--show-only",
+            "templates/servicemonitor.yaml",
+        ],
+    )?;
     let sd_dir = tempfile::tempdir()?;
     let mut monitors = Vec::new();
     let mut jobs = Vec::new();
@@ -1098,6 +1056,8 @@ fn dashboard_expr(expr: &str) -> String {
     rest
 }
 
+/// The simulated backend's usage file (`devicePlugin.extraEnv`): what the driver says each
+/// pod uses, as NVML's process lists would.
 const USAGE_FILE: &str = "/tmp/gpushare-realk8s-usage.json";
 
 /// The node watch on the real kubelet: a pod whose processes use more than its share by the
@@ -1110,15 +1070,6 @@ fn a_pod_over_its_share_by_the_drivers_count_is_evicted(c: &KitCluster) -> Outco
         std::fs::write(USAGE_FILE, "")?;
         let result = over_share_eviction(c).await;
         std::fs::write(USAGE_FILE, "")?;
-        for name in ["runaway", "neighbour"] {
-            if Api::<Pod>::namespaced(c.client(), "default")
-                .get_opt(name)
-                .await?
-                .is_some()
-            {
-                delete_pod(c, name).await?;
-            }
-        }
         result
     })
 }
@@ -1191,9 +1142,7 @@ async fn over_share_eviction(c: &KitCluster) -> anyhow::Result<()> {
         metrics.lines().any(|l| l == neighbour_line),
         "{neighbour_line} missing from\n{metrics}"
     );
-    let neighbour = Api::<Pod>::namespaced(c.client(), "default")
-        .get("neighbour")
-        .await?;
+    let neighbour = get_pod(c, "neighbour").await?;
     ensure!(
         phase(&neighbour) == "Running",
         "the neighbour keeps running"
@@ -1203,9 +1152,7 @@ async fn over_share_eviction(c: &KitCluster) -> anyhow::Result<()> {
 
 /// `/metrics` of the device plugin pod on the kit's node.
 async fn device_plugin_metrics(c: &KitCluster) -> anyhow::Result<String> {
-    let ip = c.kubectl(&[
-        "-n",
-        "kube-system",
+    let ip = c.system(&[
         "get",
         "pods",
         "-l",
@@ -1247,18 +1194,13 @@ fn forged_allocations_are_refused(c: &KitCluster) -> Outcome<'_> {
             .annotation(&keys.pod_gib, "0")
             .annotation(&keys.assigned, "true")
             .build();
-        refused(
-            pods.create(&PostParams::default(), &c.prepare(forged))
-                .await,
-            "",
-        )?;
+        refused(pods.create(&PostParams::default(), &forged).await, "")?;
         let bypass = fixtures::pod("bypass")
             .gpu_mem(16)
             .on_node("node-k")
             .build();
         refused(
-            pods.create(&PostParams::default(), &c.prepare(bypass))
-                .await,
+            pods.create(&PostParams::default(), &bypass).await,
             "remove spec.nodeName",
         )?;
         let gpu = allocation(&victim)?.gpu_index;
@@ -1295,7 +1237,6 @@ fn forgeries_without_the_policy_are_refused_at_allocate(c: &KitCluster) -> Outco
     Box::pin(async move {
         let keys = Keys::default();
         let victim = running_pinned(c, "victim", 6).await?;
-        let pods: Api<Pod> = Api::namespaced(c.client(), "default");
 
         // 5 GiB, so kubelet's Allocate for it can only match it, not the copy (6 GiB).
         let forged_allocation = gpushare_contract::PodAllocation {
@@ -1320,16 +1261,14 @@ fn forgeries_without_the_policy_are_refused_at_allocate(c: &KitCluster) -> Outco
         for (k, v) in forged_allocation.to_annotations(&keys) {
             forged = forged.annotation(&k, &v);
         }
-        pods.create(&PostParams::default(), &c.prepare(forged.build()))
-            .await?;
+        create_pod(c, forged.build()).await?;
         let mut copy = fixtures::pod("copy").gpu_mem(6).on_node("node-k");
         for (k, v) in victim.metadata.annotations.iter().flatten() {
             if k.starts_with("gpushare.example.com/v1.") {
                 copy = copy.annotation(k, v);
             }
         }
-        pods.create(&PostParams::default(), &c.prepare(copy.build()))
-            .await?;
+        create_pod(c, copy.build()).await?;
         for (name, why) in [
             ("forged", "not signed by the gpushare extender"),
             ("copy", "does not match its allocation"),
@@ -1338,7 +1277,7 @@ fn forgeries_without_the_policy_are_refused_at_allocate(c: &KitCluster) -> Outco
                 &format!("{name} to fail at admission"),
                 Duration::from_secs(60),
                 || async {
-                    let pod = pods.get(name).await.ok()?;
+                    let pod = get_pod(c, name).await.ok()?;
                     (phase(&pod) == "Failed").then_some(pod)
                 },
             )
@@ -1357,7 +1296,7 @@ fn forgeries_without_the_policy_are_refused_at_allocate(c: &KitCluster) -> Outco
                 "{name}'s container was started"
             );
         }
-        let victim = pods.get("victim").await?;
+        let victim = get_pod(c, "victim").await?;
         ensure!(phase(&victim) == "Running", "the victim stopped");
         check_pinned(c, &victim).await?;
         Ok(())
@@ -1376,10 +1315,9 @@ fn kubelet_restart_keeps_gpu_pods(c: &KitCluster) -> Outcome<'_> {
             before.push(wait_running(c, name).await?);
         }
         c.script("kubelet.sh", &["restart"])?;
-        let pods: Api<Pod> = Api::namespaced(c.client(), "default");
         for pod in &before {
             let name = pod.metadata.name.as_deref().unwrap_or_default();
-            let now = pods.get(name).await?;
+            let now = get_pod(c, name).await?;
             ensure!(
                 now.metadata.uid == pod.metadata.uid && phase(&now) == "Running",
                 "{name} did not survive the kubelet restart: {}",
@@ -1443,9 +1381,7 @@ fn a_gpu_container_is_held_to_its_share(c: &KitCluster) -> Outcome<'_> {
             container[key] = probe[key].clone();
         }
         pod["spec"]["restartPolicy"] = serde_json::json!("Never");
-        let pods: Api<Pod> = Api::namespaced(c.client(), "default");
-        pods.create(&PostParams::default(), &serde_json::from_value(pod)?)
-            .await?;
+        create_pod(c, serde_json::from_value(pod)?).await?;
         let running = wait_running(c, name).await?;
         let report = wait_for(
             "the probe to report and hold",
@@ -1533,16 +1469,8 @@ async fn upgrade_keeps_the_running_containers_library(
     bytes.push(0);
     std::fs::write(&next, &bytes)?;
     let flag = format!("--isolation-library={}", next.display());
-    c.helm(&[
-        "upgrade",
-        "gpushare",
-        &c.chart_dir().to_string_lossy(),
-        "-n",
-        "kube-system",
-        "--reuse-values",
-        "--set",
-        &format!("isolation.libraryPath={}", next.display()),
-    ])?;
+    let library = format!("isolation.libraryPath={}", next.display());
+    upgrade(c, &["--set", &library])?;
     plugin_ready_with(c, |container| {
         container.args.iter().flatten().any(|arg| *arg == flag)
     })
@@ -1556,9 +1484,7 @@ async fn upgrade_keeps_the_running_containers_library(
         installed == installed_before + 1,
         "{installed} libraries installed after the upgrade, {installed_before} before"
     );
-    let pod = Api::<Pod>::namespaced(c.client(), "default")
-        .get(name)
-        .await?;
+    let pod = get_pod(c, name).await?;
     let status = pod.status.unwrap_or_default();
     let restarts: i32 = status
         .container_statuses
@@ -1616,7 +1542,6 @@ fn a_dra_container_is_held_to_its_share(c: &KitCluster) -> Outcome<'_> {
             "  {name}: {}",
             report.lines().collect::<Vec<_>>().join(" | ")
         );
-        delete_pod(c, name).await?;
         Ok(())
     })
 }
@@ -1625,18 +1550,7 @@ fn a_dra_container_is_held_to_its_share(c: &KitCluster) -> Outcome<'_> {
 /// container gets `NVIDIA_GPU_MEMORY_LIMIT` (MiB) for its share.
 fn toolkit_enforcement_after_helm_upgrade(c: &KitCluster) -> Outcome<'_> {
     Box::pin(async move {
-        let chart = c.chart_dir();
-        let chart = chart.to_string_lossy();
-        c.helm(&[
-            "upgrade",
-            "gpushare",
-            &chart,
-            "-n",
-            "kube-system",
-            "--reuse-values",
-            "--set",
-            "devicePlugin.enforcement.mode=toolkit",
-        ])?;
+        upgrade(c, &["--set", "devicePlugin.enforcement.mode=toolkit"])?;
         plugin_ready_with(c, |container| {
             container
                 .args
@@ -1645,9 +1559,7 @@ fn toolkit_enforcement_after_helm_upgrade(c: &KitCluster) -> Outcome<'_> {
                 .any(|arg| arg == "--enforcement=toolkit")
         })
         .await?;
-        create_gpu_pod(c, "limited", 3).await?;
-        let pod = wait_running(c, "limited").await?;
-        check_pinned(c, &pod).await?;
+        running_pinned(c, "limited", 3).await?;
         let env = c.container_env("limited", "main").await?;
         ensure!(
             env.get("NVIDIA_GPU_MEMORY_LIMIT").map(String::as_str) == Some("3072"),
@@ -1655,6 +1567,11 @@ fn toolkit_enforcement_after_helm_upgrade(c: &KitCluster) -> Outcome<'_> {
         );
         Ok(())
     })
+}
+
+/// `helm upgrade` of the release, its values kept (`--reuse-values`) and `extra` added.
+fn upgrade(c: &KitCluster, extra: &[&str]) -> anyhow::Result<String> {
+    c.release("upgrade", &[&["--reuse-values"], extra].concat())
 }
 
 /// Waits until a device plugin pod whose container `wanted` accepts is Ready and not being
@@ -1717,69 +1634,29 @@ fn doctor_names_the_router(c: &KitCluster) -> Outcome<'_> {
     })
 }
 
-const CLAIM_TEMPLATE: &str = r#"{
-  "apiVersion": "resource.k8s.io/v1", "kind": "ResourceClaimTemplate",
-  "metadata": {"name": "gpu-4g", "namespace": "default"},
-  "spec": {"spec": {"devices": {"requests": [{"name": "gpu", "exactly": {
-    "deviceClassName": "gpu-mem.gpushare.example.com",
-    "capacity": {"requests": {"memory": "4Gi"}}}}]}}}
-}"#;
-
-fn dra_pod(name: &str) -> anyhow::Result<Pod> {
-    Ok(serde_json::from_value(serde_json::json!({
-        "apiVersion": "v1", "kind": "Pod",
-        "metadata": {"name": name, "namespace": "default"},
-        "spec": {
-            "resourceClaims": [{"name": "gpu", "resourceClaimTemplateName": "gpu-4g"}],
-            "containers": [{"name": "main", "image": "busybox:1.36",
-                            "resources": {"claims": [{"name": "gpu"}]}}]
-        }
-    }))?)
-}
-
 /// DRA mode on the real kubelet: pods from a ResourceClaimTemplate run with their claim's
 /// CDI device, three share the 15 GiB GPU's neighbour or it, a plugin restart keeps them,
 /// and a deleted pod's share goes to the next one.
 fn dra_claims_run_and_free(c: &KitCluster) -> Outcome<'_> {
     Box::pin(async move {
-        create_claim_template(c, serde_json::from_str(CLAIM_TEMPLATE)?).await?;
+        create_claim_template(c, gpus_template("gpu-4g", 1, "4Gi")).await?;
         let pods: Api<Pod> = Api::namespaced(c.client(), "default");
         for i in 1..=3 {
-            pods.create(&PostParams::default(), &dra_pod(&format!("dra-{i}"))?)
-                .await?;
+            create_pod(c, templated_pod(&format!("dra-{i}"), "gpu-4g")?).await?;
         }
         for i in 1..=3 {
-            let name = format!("dra-{i}");
-            let pod = wait_running(c, &name).await?;
-            let uid = pod.metadata.uid.clone().unwrap_or_default();
-            let created = c
-                .created(&uid, "main")?
-                .with_context(|| format!("no CreateContainer recorded for {name}"))?;
-            let cdi = created.cdi.unwrap_or_default();
-            ensure!(
-                cdi.len() == 1 && cdi[0].starts_with("gpushare.example.com/"),
-                "{name} should get one CDI device of ours: {cdi:?}"
-            );
+            one_device_of_ours(c, &format!("dra-{i}")).await?;
         }
         // The plugin restarts (its pod deleted; the DaemonSet makes a new one): running
         // pods stay, and new claims are prepared by the new plugin.
-        c.kubectl(&[
-            "-n",
-            "kube-system",
+        c.system(&[
             "delete",
             "pod",
             "-l",
             "app.kubernetes.io/component=dra-plugin",
             "--wait=true",
         ])?;
-        c.kubectl(&[
-            "-n",
-            "kube-system",
-            "rollout",
-            "status",
-            "ds/gpushare-dra-plugin",
-            "--timeout=120s",
-        ])?;
+        rollout(c, "ds/gpushare-dra-plugin")?;
         for i in 1..=3 {
             let pod = pods.get(&format!("dra-{i}")).await?;
             ensure!(
@@ -1788,8 +1665,7 @@ fn dra_claims_run_and_free(c: &KitCluster) -> Outcome<'_> {
             );
         }
         delete_pod(c, "dra-1").await?;
-        pods.create(&PostParams::default(), &dra_pod("dra-4")?)
-            .await?;
+        create_pod(c, templated_pod("dra-4", "gpu-4g")?).await?;
         wait_running(c, "dra-4").await?;
         let claims = wait_for(
             "dra-1's claim to be deleted",
@@ -1885,6 +1761,21 @@ impl FakeNodes {
         );
         Ok(())
     }
+}
+
+/// Runs `body` on fresh fake nodes `<prefix>-0..` ([`FakeNodes::create`]), then deletes them,
+/// whatever `body` returned.
+fn on_fake_nodes<'a>(
+    c: &'a KitCluster,
+    prefix: &'a str,
+    body: impl Future<Output = anyhow::Result<()>> + 'a,
+) -> Outcome<'a> {
+    Box::pin(async move {
+        let nodes = FakeNodes::create(c, prefix)?;
+        let result = body.await;
+        nodes.delete(c)?;
+        result
+    })
 }
 
 /// A burst of `count` GPU pods of 4 GiB, `<prefix>-<i>`, created as a user does (no
@@ -2018,12 +1909,7 @@ impl Burst {
 /// is refused, every pod is bound with an allocation, no GPU is over-committed, and each time
 /// a follower took the Lease over before it expired. Prints how long binding stopped.
 fn leader_killed_in_a_burst(c: &KitCluster) -> Outcome<'_> {
-    Box::pin(async move {
-        let nodes = FakeNodes::create(c, "fake")?;
-        let result = burst_with_kills(c).await;
-        nodes.delete(c)?;
-        result
-    })
+    on_fake_nodes(c, "fake", burst_with_kills(c))
 }
 
 /// The chart's `extender.leaderElection.leaseDurationMs`, in seconds.
@@ -2100,12 +1986,6 @@ async fn burst_with_kills(c: &KitCluster) -> anyhow::Result<()> {
     Ok(())
 }
 
-/// `helm upgrade` of the running release in the middle of a burst: new extender and device
-/// plugin images and changed values, among them client certificates turned on for a release
-/// that had none (the upgrade grace lets the old scheduler through while it rolls), so both roll (the extender's Deployment one pod at a
-/// time, the plugin's DaemonSet on the real node). No create is refused, every pod is bound
-/// with an allocation, none failed, nothing is over-committed, and the GPU pods already
-/// running on the real node keep running, never restarted.
 /// The chart's default `extender.filterKeepBest: 1` on the real kube-scheduler: of two empty
 /// fake nodes and one that already holds a GPU pod, a plain pod limited to two of them packs
 /// onto the fuller one (the extender passed that node alone); a pod that prefers the emptier
@@ -2113,12 +1993,7 @@ async fn burst_with_kills(c: &KitCluster) -> anyhow::Result<()> {
 /// kube-scheduler's NodeAffinity score (weight 2 × 100) outweighs our prioritize score
 /// (10 × 10). Without the step-aside the extender would pass the fuller node alone.
 fn keep_best_packs_and_steps_aside_for_soft_preferences(c: &KitCluster) -> Outcome<'_> {
-    Box::pin(async move {
-        let nodes = FakeNodes::create(c, "keep")?;
-        let result = keep_best_on_fake_nodes(c).await;
-        nodes.delete(c)?;
-        result
-    })
+    on_fake_nodes(c, "keep", keep_best_on_fake_nodes(c))
 }
 
 /// `pod`, allowed only on `nodes` (required node affinity) and, with `prefers`, preferring
@@ -2174,9 +2049,6 @@ async fn keep_best_on_fake_nodes(c: &KitCluster) -> anyhow::Result<()> {
         "the pod preferring keep-1 should be scored by kube-scheduler and land there: {prefers}"
     );
     check_no_overcommit(&c.client()).await?;
-    for name in ["keep-first", "keep-plain", "keep-prefers"] {
-        pods.delete(name, &Default::default()).await?;
-    }
     Ok(())
 }
 
@@ -2192,38 +2064,11 @@ async fn keep_best_on_fake_nodes(c: &KitCluster) -> anyhow::Result<()> {
 /// are what the extender's pod watch sees waiting: no node here has 8 GPUs, so they stay
 /// pending.
 fn keep_best_follows_the_multi_gpu_demand(c: &KitCluster) -> Outcome<'_> {
-    Box::pin(async move {
-        let nodes = FakeNodes::create(c, "mix")?;
-        let result = ranking_follows_the_demand(c).await;
-        delete_test_pods(c, "demand-mix").await;
-        nodes.delete(c)?;
-        result
-    })
-}
-
-/// `pod` labelled `gpushare-test=<value>`, so that its scenario can delete it with the others.
-fn test_labelled(mut pod: Pod, value: &str) -> Pod {
-    pod.metadata
-        .labels
-        .get_or_insert_default()
-        .insert("gpushare-test".into(), value.into());
-    pod
-}
-
-/// Deletes the pods labelled `gpushare-test=<value>` ([`test_labelled`]), best effort.
-async fn delete_test_pods(c: &KitCluster, value: &str) {
-    let pods: Api<Pod> = Api::namespaced(c.client(), "default");
-    let _ = pods
-        .delete_collection(
-            &Default::default(),
-            &ListParams::default().labels(&format!("gpushare-test={value}")),
-        )
-        .await;
+    on_fake_nodes(c, "mix", ranking_follows_the_demand(c))
 }
 
 async fn ranking_follows_the_demand(c: &KitCluster) -> anyhow::Result<()> {
     let pods: Api<Pod> = Api::namespaced(c.client(), "default");
-    let labelled = |pod: Pod| test_labelled(pod, "demand-mix");
     // With the small pod: the resident's node CPU 62.1/64, memory 500.25/512 GiB; the empty
     // node CPU 0.1/64, memory 0.25/512. LeastAllocated + BalancedAllocation: 2 + 99 against
     // 99 + 99; our score × 10: 100 against 10 (the resident's GPU is the fuller, and any
@@ -2235,7 +2080,7 @@ async fn ranking_follows_the_demand(c: &KitCluster) -> anyhow::Result<()> {
             .cpu("100m")
             .memory("256Mi")
             .build();
-        Ok(labelled(limited_to(pod, &pair, None)?))
+        limited_to(pod, &pair, None)
     };
     for (resident, node) in [("mix-resident-0", "mix-0"), ("mix-resident-2", "mix-2")] {
         let pod = fixtures::pod(resident)
@@ -2243,7 +2088,7 @@ async fn ranking_follows_the_demand(c: &KitCluster) -> anyhow::Result<()> {
             .cpu("62")
             .memory("500Gi")
             .build();
-        let bound = create_and_wait_bound(&pods, labelled(limited_to(pod, &[node], None)?)).await?;
+        let bound = create_and_wait_bound(&pods, limited_to(pod, &[node], None)?).await?;
         ensure!(bound == node, "{resident} went on {bound}, not {node}");
     }
     let before =
@@ -2261,7 +2106,7 @@ async fn ranking_follows_the_demand(c: &KitCluster) -> anyhow::Result<()> {
             .gpu_mem(128)
             .annotation(&keys.request_gpus, "8")
             .build();
-        pods.create(&PostParams::default(), &labelled(job)).await?;
+        create_pod(c, job).await?;
     }
     wait_unschedulable(c, "mix-job-23").await?;
     let after = create_and_wait_bound(&pods, small("mix-small-after", ["mix-2", "mix-3"])?).await?;
@@ -2283,13 +2128,7 @@ async fn ranking_follows_the_demand(c: &KitCluster) -> anyhow::Result<()> {
 /// GPU pods tolerate the taint, so it does not override their own preferred node affinity.
 /// Once the GPU pods are gone the busy node is tainted again.
 fn cpu_only_pods_prefer_nodes_whose_gpus_are_in_use(c: &KitCluster) -> Outcome<'_> {
-    Box::pin(async move {
-        let nodes = FakeNodes::create(c, "idle")?;
-        let result = cpu_only_pods_on_fake_nodes(c).await;
-        delete_test_pods(c, "idle-gpu").await;
-        nodes.delete(c)?;
-        result
-    })
+    on_fake_nodes(c, "idle", cpu_only_pods_on_fake_nodes(c))
 }
 
 /// Waits up to 30 s for `node` to carry the idle-GPU taint (`wanted`) or not.
@@ -2319,7 +2158,6 @@ async fn tolerates_idle_gpu_taint(pods: &Api<Pod>, name: &str) -> anyhow::Result
 
 async fn cpu_only_pods_on_fake_nodes(c: &KitCluster) -> anyhow::Result<()> {
     let pods: Api<Pod> = Api::namespaced(c.client(), "default");
-    let labelled = |pod: Pod| test_labelled(pod, "idle-gpu");
     for node in ["idle-0", "idle-1"] {
         wait_idle_gpu_taint(c, node, true).await?;
     }
@@ -2330,13 +2168,13 @@ async fn cpu_only_pods_on_fake_nodes(c: &KitCluster) -> anyhow::Result<()> {
             .cpu("8")
             .memory("16Gi")
             .build();
-        let bound = create_and_wait_bound(&pods, labelled(limited_to(pod, &["idle-0"], None)?));
+        let bound = create_and_wait_bound(&pods, limited_to(pod, &["idle-0"], None)?);
         ensure!(bound.await? == "idle-0");
     }
     wait_idle_gpu_taint(c, "idle-0", false).await?;
     let cpu_only = |name: &str, nodes: &[&str]| -> anyhow::Result<Pod> {
         let pod = fixtures::pod(name).cpu("1").memory("1Gi").build();
-        Ok(labelled(limited_to(pod, nodes, None)?))
+        limited_to(pod, nodes, None)
     };
     let busy = create_and_wait_bound(&pods, cpu_only("idle-cpu", &["idle-0", "idle-1"])?).await?;
     ensure!(
@@ -2355,12 +2193,12 @@ async fn cpu_only_pods_on_fake_nodes(c: &KitCluster) -> anyhow::Result<()> {
         let pod = fixtures::pod(&format!("idle-part-{gpu}"))
             .gpu_mem(12)
             .build();
-        let bound = create_and_wait_bound(&pods, labelled(limited_to(pod, &["idle-2"], None)?));
+        let bound = create_and_wait_bound(&pods, limited_to(pod, &["idle-2"], None)?);
         ensure!(bound.await? == "idle-2");
     }
     wait_idle_gpu_taint(c, "idle-2", false).await?;
     let prefers = fixtures::pod("idle-prefers").gpu_mem(4).build();
-    let prefers = labelled(limited_to(prefers, &["idle-2", "idle-3"], Some("idle-3"))?);
+    let prefers = limited_to(prefers, &["idle-2", "idle-3"], Some("idle-3"))?;
     let placed = create_and_wait_bound(&pods, prefers).await?;
     let tolerates = tolerates_idle_gpu_taint(&pods, "idle-prefers").await?;
     ensure!(
@@ -2395,7 +2233,6 @@ fn a_pod_behind_its_twin_binds_once_kubelet_admits_the_twin(c: &KitCluster) -> O
     Box::pin(async move {
         let nodes = FakeNodes::create_admitting(c, "twin", ["Fake"; 4], Duration::from_secs(3))?;
         let result = twin_waits_for_admission(c).await;
-        delete_test_pods(c, "twin").await;
         nodes.delete(c)?;
         result
     })
@@ -2405,12 +2242,11 @@ async fn twin_waits_for_admission(c: &KitCluster) -> anyhow::Result<()> {
     let pods: Api<Pod> = Api::namespaced(c.client(), "default");
     let whole = |name: &str| -> anyhow::Result<Pod> {
         let pod = fixtures::pod(name).gpu_mem(16).build();
-        Ok(test_labelled(limited_to(pod, &["twin-0"], None)?, "twin"))
+        limited_to(pod, &["twin-0"], None)
     };
     let first = create_and_wait_bound(&pods, whole("twin-first")?).await?;
     ensure!(first == "twin-0");
-    pods.create(&PostParams::default(), &whole("twin-second")?)
-        .await?;
+    create_pod(c, whole("twin-second")?).await?;
     // Refused first (twin-first is not admitted for 3 s), then bound: no five-minute wait.
     let refused_with = std::sync::Mutex::new(None::<String>);
     let second = wait_for("twin-second to be bound", START_TIMEOUT, || {
@@ -2451,7 +2287,6 @@ fn the_gpu_model_annotation_picks_the_gpu(c: &KitCluster) -> Outcome<'_> {
         let nodes =
             FakeNodes::create_with_models(c, "models", ["Fake-A", "Fake-B", "Fake-A", "Fake-B"])?;
         let result = annotated_pods_get_their_models(c).await;
-        delete_test_pods(c, "gpu-model").await;
         nodes.delete(c)?;
         result
     })
@@ -2465,11 +2300,7 @@ async fn annotated_pods_get_their_models(c: &KitCluster) -> anyhow::Result<()> {
             .gpu_mem(4)
             .annotation(&keys.request_models, models)
             .build();
-        limited_to(
-            test_labelled(pod, "gpu-model"),
-            &["models-0", "models-1"],
-            None,
-        )
+        limited_to(pod, &["models-0", "models-1"], None)
     };
     // Three pods each way: more than one GPU of the model a node has, so the measure
     // chooses among them as the GPUs fill.
@@ -2477,7 +2308,7 @@ async fn annotated_pods_get_their_models(c: &KitCluster) -> anyhow::Result<()> {
     for (prefix, models, _) in cases {
         for i in 0..3 {
             let pod = annotated(&format!("model-{prefix}-{i}"), models)?;
-            pods.create(&PostParams::default(), &pod).await?;
+            create_pod(c, pod).await?;
         }
     }
     for (prefix, models, gpus) in cases {
@@ -2491,8 +2322,7 @@ async fn annotated_pods_get_their_models(c: &KitCluster) -> anyhow::Result<()> {
             );
         }
     }
-    pods.create(&PostParams::default(), &annotated("model-c", "Fake-C")?)
-        .await?;
+    create_pod(c, annotated("model-c", "Fake-C")?).await?;
     let reason = wait_unschedulable(c, "model-c").await?;
     ensure!(
         reason.contains("needs a GPU of model fake-c"),
@@ -2502,6 +2332,13 @@ async fn annotated_pods_get_their_models(c: &KitCluster) -> anyhow::Result<()> {
     Ok(())
 }
 
+/// `helm upgrade` of the running release in the middle of a burst: new extender and device
+/// plugin images and changed values, among them client certificates turned on for a release
+/// that had none (the upgrade grace lets the old scheduler through while it rolls), so both
+/// roll (the extender's Deployment one pod at a time, the plugin's DaemonSet on the real node).
+/// No create is refused, every pod is bound with an allocation, none failed, nothing is
+/// over-committed, and the GPU pods already running on the real node keep running, never
+/// restarted.
 fn helm_upgrade_in_a_burst(c: &KitCluster) -> Outcome<'_> {
     Box::pin(async move {
         let mut residents = Vec::new();
@@ -2522,49 +2359,29 @@ async fn upgrade_in_a_burst(c: &KitCluster, residents: &[Pod]) -> anyhow::Result
     // On the fake nodes only: a GPU pod kubelet admits on the real node while its device
     // plugin restarts fails ("no healthy devices present"), as with any device plugin
     // (docs/operating.md, "Known limits"); the residents there must not be touched.
-    let chart = c.chart_dir();
     // The release as a chart without client certificates left it (no client Secret, a
     // scheduler that presents nothing), so the upgrade below crosses the switch.
-    c.helm(&[
-        "upgrade",
-        "gpushare",
-        &chart.to_string_lossy(),
-        "-n",
-        "kube-system",
-        "--reuse-values",
-        "--set",
-        "extender.tls.clientAuth.enabled=false",
-    ])?;
+    upgrade(c, &["--set", "extender.tls.clientAuth.enabled=false"])?;
     for deployment in ["deploy/gpushare-extender", "deploy/gpushare-scheduler"] {
-        c.kubectl(&[
-            "-n",
-            "kube-system",
-            "rollout",
-            "status",
-            deployment,
-            "--timeout=120s",
-        ])?;
+        rollout(c, deployment)?;
     }
     let burst = Burst::start(c, "upgrade", 300, true);
     tokio::time::sleep(Duration::from_secs(2)).await;
     let upgraded = Instant::now();
-    c.helm(&[
-        "upgrade",
-        "gpushare",
-        &chart.to_string_lossy(),
-        "-n",
-        "kube-system",
-        "--reuse-values",
-        "--set",
-        "extender.image.tag=next",
-        "--set",
-        "devicePlugin.image.tag=next",
-        "--set",
-        "extender.bindWritesInFlight=48",
-        "--set",
-        "extender.tls.clientAuth.enabled=true",
-    ])?;
-    extender_rolled_out(c)?;
+    upgrade(
+        c,
+        &[
+            "--set",
+            "extender.image.tag=next",
+            "--set",
+            "devicePlugin.image.tag=next",
+            "--set",
+            "extender.bindWritesInFlight=48",
+            "--set",
+            "extender.tls.clientAuth.enabled=true",
+        ],
+    )?;
+    rollout(c, "deploy/gpushare-extender")?;
     plugin_ready_with(c, |container| {
         container
             .image
@@ -2576,9 +2393,7 @@ async fn upgrade_in_a_burst(c: &KitCluster, residents: &[Pod]) -> anyhow::Result
         "  helm upgrade rolled the extender and the device plugin in {:.1} s",
         upgraded.elapsed().as_secs_f64()
     );
-    let images = c.kubectl(&[
-        "-n",
-        "kube-system",
+    let images = c.system(&[
         "get",
         "pods",
         "-o",
@@ -2588,9 +2403,7 @@ async fn upgrade_in_a_burst(c: &KitCluster, residents: &[Pod]) -> anyhow::Result
         images.matches(":next").count() >= 3,
         "the upgrade did not roll the new images out: {images}"
     );
-    let args = c.kubectl(&[
-        "-n",
-        "kube-system",
+    let args = c.system(&[
         "get",
         "deploy/gpushare-extender",
         "-o",
@@ -2818,8 +2631,7 @@ fn the_readme_pod_runs_pinned(c: &KitCluster) -> Outcome<'_> {
     Box::pin(async move {
         let pod = readme_pod()?;
         let name = pod.metadata.name.clone().unwrap_or_default();
-        let pods: Api<Pod> = Api::namespaced(c.client(), "default");
-        pods.create(&PostParams::default(), &pod).await?;
+        create_pod(c, pod).await?;
         let running = wait_running(c, &name).await?;
         check_pinned(c, &running).await?;
         ensure!(allocation(&running)?.pod_gib == 4);
@@ -2876,6 +2688,16 @@ async fn cdi_of(c: &KitCluster, name: &str, container: &str) -> anyhow::Result<V
     Ok(created.cdi.unwrap_or_default())
 }
 
+/// Waits for pod `name` to run and checks that its `main` container got one CDI device of ours.
+async fn one_device_of_ours(c: &KitCluster, name: &str) -> anyhow::Result<()> {
+    let cdi = cdi_of(c, name, "main").await?;
+    ensure!(
+        cdi.len() == 1 && cdi[0].starts_with("gpushare.example.com/"),
+        "{name} should get one CDI device of ours: {cdi:?}"
+    );
+    Ok(())
+}
+
 /// The CDI container edits our plugin wrote for the one CDI device of the `main` container
 /// of the running pod `name`, read from the plugin's `--cdi-dir`.
 async fn cdi_edits(c: &KitCluster, name: &str) -> anyhow::Result<serde_json::Value> {
@@ -2886,7 +2708,7 @@ async fn cdi_edits(c: &KitCluster, name: &str) -> anyhow::Result<serde_json::Val
     let (kind, device) = device
         .split_once('=')
         .context("a CDI name is kind=device")?;
-    let args = c.kubectl(&["-n", "kube-system", "get", "ds", "-o", "jsonpath={..args}"])?;
+    let args = c.system(&["get", "ds", "-o", "jsonpath={..args}"])?;
     let cdi_dir = args
         .split(['"', ',', ' ', '[', ']'])
         .find_map(|arg| arg.strip_prefix("--cdi-dir="))
@@ -2911,6 +2733,22 @@ async fn cdi_edits(c: &KitCluster, name: &str) -> anyhow::Result<serde_json::Val
     bail!("no CDI spec in {cdi_dir} defines {kind}={device}")
 }
 
+/// The create was refused by the chart's DRA-mode policy for what it cannot turn into a claim
+/// (`gpushare-gpu-mem-unconverted`), saying `hint`.
+fn unconverted(result: Result<Pod, kube::Error>, hint: &str) -> anyhow::Result<()> {
+    match result {
+        Err(kube::Error::Api(status)) => {
+            ensure!(
+                status.message.contains("gpushare-gpu-mem-unconverted")
+                    && status.message.contains(hint),
+                "expected a refusal saying {hint:?}: {status:?}"
+            );
+            Ok(())
+        }
+        other => bail!("expected a refusal saying {hint:?}, got {other:?}"),
+    }
+}
+
 /// DRA mode, compute beside memory: `gpu-mem: 1` and `gpu-compute: 60` become a claim from
 /// the chart's template asking for both capacities, and kube-scheduler's own allocator,
 /// counting the slice's `compute` capacity, puts two such pods on the node's two GPUs and
@@ -2923,7 +2761,7 @@ fn dra_compute_shares_are_allocated_by_kube_scheduler(c: &KitCluster) -> Outcome
         let names = ["dra-compute-1", "dra-compute-2", "dra-compute-3"];
         for name in names {
             let pod = fixtures::pod(name).gpu_mem(1).gpu_compute(60).build();
-            let created = pods.create(&PostParams::default(), &pod).await?;
+            let created = create_pod(c, pod).await?;
             let limits = created
                 .spec
                 .and_then(|spec| spec.containers[0].resources.clone()?.limits)
@@ -2973,25 +2811,11 @@ fn dra_compute_shares_are_allocated_by_kube_scheduler(c: &KitCluster) -> Outcome
         );
         // Memory-only claims consume no compute: one still fits beside them.
         let plain = fixtures::pod("dra-memory-only").gpu_mem(1).build();
-        pods.create(&PostParams::default(), &plain).await?;
+        create_pod(c, plain).await?;
         wait_running(c, "dra-memory-only").await?;
-        let refused = pods
-            .create(
-                &PostParams::default(),
-                &fixtures::pod("dra-compute-33")
-                    .gpu_mem(1)
-                    .gpu_compute(33)
-                    .build(),
-            )
-            .await;
-        match refused {
-            Err(kube::Error::Api(status)) => ensure!(
-                status.message.contains("gpushare-gpu-mem-unconverted")
-                    && status.message.contains("as one of 10, 20, 25"),
-                "a percent without a template should be refused naming those with one: {status:?}"
-            ),
-            other => bail!("a 33 % compute pod should be refused in DRA mode: {other:?}"),
-        }
+        // A percent without a template is refused, naming those with one.
+        let odd = fixtures::pod("dra-compute-33").gpu_mem(1).gpu_compute(33);
+        unconverted(create_pod(c, odd.build()).await, "as one of 10, 20, 25")?;
         delete_pod(c, &running[0]).await?;
         wait_running(c, waiting).await?;
         Ok(())
@@ -3004,10 +2828,9 @@ fn dra_compute_shares_are_allocated_by_kube_scheduler(c: &KitCluster) -> Outcome
 /// the policy cannot express is refused at creation, saying what to write instead.
 fn the_readme_pod_runs_unchanged_in_dra_mode(c: &KitCluster) -> Outcome<'_> {
     Box::pin(async move {
-        let pods: Api<Pod> = Api::namespaced(c.client(), "default");
         let pod = readme_pod()?;
         let name = pod.metadata.name.clone().unwrap_or_default();
-        let created = pods.create(&PostParams::default(), &pod).await?;
+        let created = create_pod(c, pod).await?;
         let spec = created.spec.unwrap_or_default();
         let limits = spec.containers[0]
             .resources
@@ -3024,11 +2847,7 @@ fn the_readme_pod_runs_unchanged_in_dra_mode(c: &KitCluster) -> Outcome<'_> {
             "the pod should go to the chart's scheduler: {:?}",
             spec.scheduler_name
         );
-        let cdi = cdi_of(c, &name, "main").await?;
-        ensure!(
-            cdi.len() == 1 && cdi[0].starts_with("gpushare.example.com/"),
-            "{name} should get one CDI device of ours: {cdi:?}"
-        );
+        one_device_of_ours(c, &name).await?;
         let claims = claims_of(c, &name)?;
         ensure!(
             claims == [("4Gi".to_owned(), true)],
@@ -3046,7 +2865,7 @@ fn the_readme_pod_runs_unchanged_in_dra_mode(c: &KitCluster) -> Outcome<'_> {
                 {"name": "plain", "image": "busybox:1.36"}
             ]}
         }))?;
-        pods.create(&PostParams::default(), &two).await?;
+        create_pod(c, two).await?;
         for container in ["a", "b"] {
             let cdi = cdi_of(c, "two-containers", container).await?;
             ensure!(cdi.len() == 1, "container {container}: {cdi:?}");
@@ -3059,40 +2878,17 @@ fn the_readme_pod_runs_unchanged_in_dra_mode(c: &KitCluster) -> Outcome<'_> {
             "two-containers should hold a 2Gi and a 3Gi claim: {claims:?}"
         );
 
-        let refusal = |result: Result<Pod, kube::Error>, hint: &str| -> anyhow::Result<()> {
-            match result {
-                Err(kube::Error::Api(status)) => {
-                    ensure!(
-                        status.message.contains("gpushare-gpu-mem-unconverted")
-                            && status.message.contains(hint),
-                        "expected a refusal saying {hint:?}: {status:?}"
-                    );
-                    Ok(())
-                }
-                other => bail!("expected a refusal saying {hint:?}, got {other:?}"),
-            }
-        };
-        let mut too_big = readme_pod()?;
-        too_big.metadata.name = Some("too-big".to_owned());
-        too_big.spec.get_or_insert_default().containers[0]
-            .resources
-            .get_or_insert_default()
-            .limits
-            .get_or_insert_default()
-            .insert(
-                "example.com/gpu-mem".to_owned(),
-                k8s_openapi::apimachinery::pkg::api::resource::Quantity("500".to_owned()),
-            );
-        refusal(
-            pods.create(&PostParams::default(), &too_big).await,
+        let too_big = fixtures::pod("too-big").gpu_mem(500).build();
+        unconverted(
+            create_pod(c, too_big).await,
             "whole number of GiB from 1 to 80",
         )?;
         let mut two_gpus = readme_pod()?;
         two_gpus.metadata.name = Some("two-gpus".to_owned());
         two_gpus.metadata.annotations =
             Some([("gpushare.example.com/gpus".to_owned(), "2".to_owned())].into());
-        refusal(
-            pods.create(&PostParams::default(), &two_gpus).await,
+        unconverted(
+            create_pod(c, two_gpus).await,
             "ResourceClaimTemplate of DeviceClass gpu-mem.gpushare.example.com",
         )?;
         Ok(())
@@ -3124,11 +2920,9 @@ fn dra_kubelet_restart_keeps_claimed_pods(c: &KitCluster) -> Outcome<'_> {
             );
         }
         create_gpu_pod(c, "after", 5).await?;
-        let cdi = cdi_of(c, "after", "main").await?;
-        ensure!(
-            cdi.len() == 1 && cdi[0].starts_with("gpushare.example.com/"),
-            "the pod created after the kubelet restart got {cdi:?}"
-        );
+        one_device_of_ours(c, "after")
+            .await
+            .context("the pod created after the kubelet restart")?;
         Ok(())
     })
 }
@@ -3137,9 +2931,7 @@ fn dra_kubelet_restart_keeps_claimed_pods(c: &KitCluster) -> Outcome<'_> {
 /// `what`. Returns the pod as it is now.
 async fn survived(c: &KitCluster, before: &Pod, what: &str) -> anyhow::Result<Pod> {
     let name = before.metadata.name.as_deref().unwrap_or_default();
-    let now = Api::<Pod>::namespaced(c.client(), "default")
-        .get(name)
-        .await?;
+    let now = get_pod(c, name).await?;
     ensure!(
         now.metadata.uid == before.metadata.uid && phase(&now) == "Running",
         "{name} did not survive {what}: {}",
@@ -3300,15 +3092,9 @@ fn claim_specs() -> anyhow::Result<Vec<String>> {
 /// (NodeUnprepareResources: the plugin removes the claim's CDI spec).
 fn dra_two_gpu_and_whole_gpu_claims(c: &KitCluster) -> Outcome<'_> {
     Box::pin(async move {
-        let pods: Api<Pod> = Api::namespaced(c.client(), "default");
         let specs_before = claim_specs()?;
         create_claim_template(c, gpus_template("two-gpus-4g", 2, "4Gi")).await?;
-        let two = pods
-            .create(
-                &PostParams::default(),
-                &templated_pod("two", "two-gpus-4g")?,
-            )
-            .await?;
+        let two = create_pod(c, templated_pod("two", "two-gpus-4g")?).await?;
         let scheduler = two.spec.and_then(|spec| spec.scheduler_name);
         ensure!(
             scheduler.as_deref() == Some(ROUTED),
@@ -3346,11 +3132,7 @@ fn dra_two_gpu_and_whole_gpu_claims(c: &KitCluster) -> Outcome<'_> {
         .await?;
 
         create_claim_template(c, gpus_template("whole-16g", 1, "16Gi")).await?;
-        pods.create(
-            &PostParams::default(),
-            &templated_pod("whole", "whole-16g")?,
-        )
-        .await?;
+        create_pod(c, templated_pod("whole", "whole-16g")?).await?;
         ensure!(cdi_of(c, "whole", "main").await?.len() == 1);
         let whole = claimed_devices(c, "whole")?;
         ensure!(
@@ -3432,9 +3214,7 @@ async fn unhealthy_gpu(c: &KitCluster) -> anyhow::Result<()> {
             "{name} should avoid the unhealthy {device}: {placed:?}"
         );
     }
-    let resident = Api::<Pod>::namespaced(c.client(), "default")
-        .get("resident")
-        .await?;
+    let resident = get_pod(c, "resident").await?;
     ensure!(
         phase(&resident) == "Running",
         "the pod on the unhealthy GPU stopped"
@@ -3553,13 +3333,10 @@ fn without_the_preempt_verb_the_two_gpu_pod_waits(c: &KitCluster) -> Outcome<'_>
     })
 }
 
-/// The extender replicas in kube-system: (pod name, `ip:port` of the scheduler port, restarts).
 /// One key of a Secret in kube-system, decoded.
 fn secret_text(c: &KitCluster, secret: &str, key: &str) -> anyhow::Result<String> {
     let escaped = key.replace('.', r"\.");
-    let data = c.kubectl(&[
-        "-n",
-        "kube-system",
+    let data = c.system(&[
         "get",
         "secret",
         secret,
@@ -3649,11 +3426,11 @@ fn only_kube_scheduler_may_call_the_extender(c: &KitCluster) -> Outcome<'_> {
         }
         create_gpu_pod(c, "after-strangers", 1).await?;
         wait_running(c, "after-strangers").await?;
-        delete_pod(c, "after-strangers").await?;
         Ok(())
     })
 }
 
+/// The extender replicas in kube-system: (pod name, `ip:port` of the scheduler port, restarts).
 async fn extender_replicas(c: &KitCluster) -> anyhow::Result<Vec<(String, String, i32)>> {
     let pods: Api<Pod> = Api::namespaced(c.client(), "kube-system");
     let list = pods
@@ -3826,26 +3603,20 @@ async fn dra_ranked_onto_the_fuller_node(c: &KitCluster) -> anyhow::Result<()> {
 fn dra_pods_schedule_with_the_extender_stopped(c: &KitCluster) -> Outcome<'_> {
     Box::pin(async move {
         let scale = |replicas: &str| {
-            c.kubectl(&[
-                "-n",
-                "kube-system",
+            c.system(&[
                 "scale",
                 "deploy/gpushare-extender",
                 &format!("--replicas={replicas}"),
             ])
         };
-        let replicas = c.kubectl(&[
-            "-n",
-            "kube-system",
+        let replicas = c.system(&[
             "get",
             "deploy/gpushare-extender",
             "-o",
             "jsonpath={.spec.replicas}",
         ])?;
         scale("0")?;
-        c.kubectl(&[
-            "-n",
-            "kube-system",
+        c.system(&[
             "wait",
             "--for=delete",
             "pod",
@@ -3853,10 +3624,9 @@ fn dra_pods_schedule_with_the_extender_stopped(c: &KitCluster) -> Outcome<'_> {
             "app.kubernetes.io/component=extender",
             "--timeout=90s",
         ])?;
-        let pods: Api<Pod> = Api::namespaced(c.client(), "default");
         let pod = readme_pod()?;
         let name = pod.metadata.name.clone().unwrap_or_default();
-        pods.create(&PostParams::default(), &pod).await?;
+        create_pod(c, pod).await?;
         let outcome = async {
             wait_running(c, &name).await?;
             let claims = claims_of(c, &name)?;
@@ -3868,25 +3638,19 @@ fn dra_pods_schedule_with_the_extender_stopped(c: &KitCluster) -> Outcome<'_> {
         }
         .await;
         scale(replicas.trim())?;
-        extender_rolled_out(c)?;
+        rollout(c, "deploy/gpushare-extender")?;
         outcome?;
         delete_pod(c, &name).await?;
         let mut again = readme_pod()?;
         again.metadata.name = Some("after-the-extender-came-back".to_owned());
-        pods.create(&PostParams::default(), &again).await?;
+        create_pod(c, again).await?;
         wait_running(c, "after-the-extender-came-back").await?;
         Ok(())
     })
 }
 
-/// Waits (two minutes at most) for the extender's Deployment to finish rolling out.
-fn extender_rolled_out(c: &KitCluster) -> anyhow::Result<String> {
-    c.kubectl(&[
-        "-n",
-        "kube-system",
-        "rollout",
-        "status",
-        "deploy/gpushare-extender",
-        "--timeout=120s",
-    ])
+/// Waits (two minutes at most) for `what` in kube-system (`deploy/...`, `ds/...`) to finish
+/// rolling out.
+fn rollout(c: &KitCluster, what: &str) -> anyhow::Result<String> {
+    c.system(&["rollout", "status", what, "--timeout=120s"])
 }

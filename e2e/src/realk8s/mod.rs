@@ -491,9 +491,7 @@ impl KitCluster {
 
     /// The extender Lease's `holderIdentity` (`<pod>_<suffix>`).
     pub fn extender_lease_holder(&self) -> anyhow::Result<String> {
-        self.kubectl(&[
-            "-n",
-            "kube-system",
+        self.system(&[
             "get",
             "lease",
             "gpushare-extender",
@@ -505,6 +503,11 @@ impl KitCluster {
     /// Runs `kubectl` against the cluster; returns stdout.
     pub fn kubectl(&self, args: &[&str]) -> anyhow::Result<String> {
         self.kubectl_stdin(args, "")
+    }
+
+    /// Runs `kubectl -n kube-system` (the release's namespace) with `args`; returns stdout.
+    pub fn system(&self, args: &[&str]) -> anyhow::Result<String> {
+        self.kubectl(&[&["-n", "kube-system"], args].concat())
     }
 
     /// Runs `kubectl` against the cluster with `stdin` as its input; returns stdout.
@@ -561,19 +564,18 @@ impl KitCluster {
     /// Installs the release into kube-system again with `values` and waits until its
     /// Deployments and DaemonSets are ready.
     pub fn install_again(&self, values: &Path) -> anyhow::Result<()> {
-        self.helm(&[
-            "install",
-            "gpushare",
-            &self.chart_dir().to_string_lossy(),
-            "-n",
-            "kube-system",
-            "-f",
-            &values.to_string_lossy(),
-            "--wait",
-            "--timeout",
-            "5m",
-        ])?;
+        let values = values.to_string_lossy();
+        self.release("install", &["-f", &values, "--wait", "--timeout", "5m"])?;
         Ok(())
+    }
+
+    /// Runs `helm <verb> gpushare <chart> -n kube-system` with `extra` added: the release in
+    /// kube-system and the chart of the checkout the kit runs ([`KitCluster::chart_dir`]);
+    /// returns stdout.
+    pub fn release(&self, verb: &str, extra: &[&str]) -> anyhow::Result<String> {
+        let chart = self.chart_dir();
+        let chart = chart.to_string_lossy();
+        self.helm(&[&[verb, "gpushare", &*chart, "-n", "kube-system"], extra].concat())
     }
 
     /// Runs `helm` against the cluster; returns stdout.
