@@ -45,8 +45,23 @@ fn api_error(err: kube::Error) -> (u16, String) {
     }
 }
 
-fn binding(pod: &str, node: &str, uid: Option<&str>, annotations: &[(&str, &str)]) -> Binding {
-    Binding {
+/// A fresh server, a client of it, and its pods in `default`.
+async fn start() -> (ApiServer, kube::Client, Api<Pod>) {
+    let server = ApiServer::start().await.unwrap();
+    let client = server.client();
+    let pods = Api::default_namespaced(client.clone());
+    (server, client, pods)
+}
+
+/// POSTs a Binding of `pod` to `node`, with the `uid` precondition and `annotations`.
+async fn bind(
+    pods: &Api<Pod>,
+    pod: &str,
+    node: &str,
+    uid: Option<&str>,
+    annotations: &[(&str, &str)],
+) -> Result<serde_json::Value, kube::Error> {
+    let binding = Binding {
         metadata: ObjectMeta {
             name: Some(pod.to_owned()),
             uid: uid.map(str::to_owned),
@@ -63,20 +78,14 @@ fn binding(pod: &str, node: &str, uid: Option<&str>, annotations: &[(&str, &str)
             name: Some(node.to_owned()),
             ..Default::default()
         },
-    }
-}
-
-async fn bind(pods: &Api<Pod>, b: &Binding) -> Result<serde_json::Value, kube::Error> {
-    let name = b.metadata.name.clone().unwrap_or_default();
-    pods.create_subresource("binding", &name, &PostParams::default(), b)
+    };
+    pods.create_subresource("binding", pod, &PostParams::default(), &binding)
         .await
 }
 
 #[tokio::test]
 async fn crud_is_strict_about_versions_names_and_existence() {
-    let server = ApiServer::start().await.unwrap();
-    let client = server.client();
-    let pods: Api<Pod> = Api::default_namespaced(client.clone());
+    let (server, client, pods) = start().await;
 
     let created = pod("a").gpu_mem(4).create(&client).await.unwrap();
     let meta = &created.metadata;
@@ -176,14 +185,12 @@ async fn crud_is_strict_about_versions_names_and_existence() {
 
 #[tokio::test]
 async fn binding_is_one_shot_and_copies_annotations() {
-    let server = ApiServer::start().await.unwrap();
-    let client = server.client();
-    let pods: Api<Pod> = Api::default_namespaced(client.clone());
+    let (server, client, pods) = start().await;
     let created = pod("a").gpu_mem(4).create(&client).await.unwrap();
     let uid = created.metadata.uid.clone().unwrap();
 
     // Wrong uid precondition: 409 and nothing changes.
-    let err = bind(&pods, &binding("a", "n1", Some("not-the-uid"), &[]))
+    let err = bind(&pods, "a", "n1", Some("not-the-uid"), &[])
         .await
         .unwrap_err();
     assert_eq!(api_error(err), (409, "Conflict".to_owned()));
@@ -197,12 +204,9 @@ async fn binding_is_one_shot_and_copies_annotations() {
             .is_none()
     );
 
-    let status = bind(
-        &pods,
-        &binding("a", "n1", Some(&uid), &[("example.com/gpu", "0")]),
-    )
-    .await
-    .unwrap();
+    let status = bind(&pods, "a", "n1", Some(&uid), &[("example.com/gpu", "0")])
+        .await
+        .unwrap();
     assert_eq!(status["status"], "Success");
     let bound = pods.get("a").await.unwrap();
     assert_eq!(bound.spec.unwrap().node_name.as_deref(), Some("n1"));
@@ -215,14 +219,10 @@ async fn binding_is_one_shot_and_copies_annotations() {
     );
 
     // A second bind is refused.
-    let err = bind(&pods, &binding("a", "n2", None, &[]))
-        .await
-        .unwrap_err();
+    let err = bind(&pods, "a", "n2", None, &[]).await.unwrap_err();
     assert_eq!(api_error(err), (409, "Conflict".to_owned()));
     // A missing pod: 404.
-    let err = bind(&pods, &binding("ghost", "n1", None, &[]))
-        .await
-        .unwrap_err();
+    let err = bind(&pods, "ghost", "n1", None, &[]).await.unwrap_err();
     assert_eq!(api_error(err), (404, "NotFound".to_owned()));
 
     let stats = server.stats();
@@ -236,9 +236,7 @@ async fn binding_is_one_shot_and_copies_annotations() {
 /// entries are never taken, and a binding records none.
 #[tokio::test]
 async fn writes_record_their_field_managers() {
-    let server = ApiServer::start().await.unwrap();
-    let client = server.client();
-    let pods: Api<Pod> = Api::default_namespaced(client.clone());
+    let (server, client, pods) = start().await;
     let created = pod("a").gpu_mem(4).create(&client).await.unwrap();
     let entries = created.metadata.managed_fields.clone().unwrap();
     let [entry] = entries.as_slice() else {
@@ -309,9 +307,7 @@ async fn writes_record_their_field_managers() {
     );
 
     let uid = created.metadata.uid.clone().unwrap();
-    bind(&pods, &binding("a", "n1", Some(&uid), &[]))
-        .await
-        .unwrap();
+    bind(&pods, "a", "n1", Some(&uid), &[]).await.unwrap();
     let bound = pods.get("a").await.unwrap();
     assert_eq!(bound.metadata.managed_fields.unwrap().len(), 3);
     server.shutdown().await;
@@ -319,9 +315,7 @@ async fn writes_record_their_field_managers() {
 
 #[tokio::test]
 async fn patches_merge_strategic_json_and_refuse_stale_versions() {
-    let server = ApiServer::start().await.unwrap();
-    let client = server.client();
-    let pods: Api<Pod> = Api::default_namespaced(client.clone());
+    let (server, client, pods) = start().await;
     let created = pod("a")
         .annotation("keep", "me")
         .create(&client)
@@ -395,9 +389,7 @@ async fn patches_merge_strategic_json_and_refuse_stale_versions() {
 
 #[tokio::test]
 async fn faults_and_stats() {
-    let server = ApiServer::start().await.unwrap();
-    let client = server.client();
-    let pods: Api<Pod> = Api::default_namespaced(client.clone());
+    let (server, client, pods) = start().await;
     let faults = server.faults();
     let stats = server.stats();
 
@@ -475,9 +467,7 @@ async fn faults_and_stats() {
 
 #[tokio::test]
 async fn raw_watch_replays_filters_and_expires() {
-    let server = ApiServer::start().await.unwrap();
-    let client = server.client();
-    let pods: Api<Pod> = Api::default_namespaced(client.clone());
+    let (server, client, pods) = start().await;
     let start = pods
         .list(&ListParams::default())
         .await
@@ -487,7 +477,7 @@ async fn raw_watch_replays_filters_and_expires() {
         .unwrap();
     pod("a").create(&client).await.unwrap();
     pod("b").create(&client).await.unwrap();
-    bind(&pods, &binding("b", "n1", None, &[])).await.unwrap();
+    bind(&pods, "b", "n1", None, &[]).await.unwrap();
 
     // From `start`: history replays; the field selector turns the bind of b into ADDED.
     let wp = WatchParams {
@@ -534,9 +524,7 @@ async fn raw_watch_replays_filters_and_expires() {
 /// 410, relists, and its store converges on the server's state.
 #[tokio::test(flavor = "multi_thread")]
 async fn reflector_recovers_from_compaction() {
-    let server = ApiServer::start().await.unwrap();
-    let client = server.client();
-    let pods: Api<Pod> = Api::default_namespaced(client.clone());
+    let (server, client, pods) = start().await;
     pod("a").create(&client).await.unwrap();
     pod("c").create(&client).await.unwrap();
 
@@ -627,9 +615,7 @@ fn impatient_client(server: &ApiServer, timeout: Duration) -> kube::Client {
 /// happens during it does not race its end.
 #[tokio::test(flavor = "multi_thread")]
 async fn a_write_during_a_stall_hangs_then_lands_even_if_its_client_gave_up() {
-    let server = ApiServer::start().await.unwrap();
-    let client = server.client();
-    let pods: Api<Pod> = Api::default_namespaced(client.clone());
+    let (server, client, pods) = start().await;
     node("n1").create(&client).await.unwrap();
     pod("bound-later").create(&client).await.unwrap();
     let faults = server.faults();
@@ -653,7 +639,7 @@ async fn a_write_during_a_stall_hangs_then_lands_even_if_its_client_gave_up() {
     create.abort();
     let binding_sent = tokio::spawn({
         let pods = pods.clone();
-        async move { bind(&pods, &binding("bound-later", "n1", None, &[])).await }
+        async move { bind(&pods, "bound-later", "n1", None, &[]).await }
     });
     eventually("the binding to reach the server", || async {
         stats.count(Verb::Create, "pods/binding") > 0
@@ -701,9 +687,7 @@ async fn a_write_during_a_stall_hangs_then_lands_even_if_its_client_gave_up() {
 /// whose clients still wait get a 500, those whose clients gave up are simply gone.
 #[tokio::test(flavor = "multi_thread")]
 async fn writes_held_by_a_failing_stall_are_never_applied() {
-    let server = ApiServer::start().await.unwrap();
-    let client = server.client();
-    let pods: Api<Pod> = Api::default_namespaced(client.clone());
+    let (server, client, pods) = start().await;
     node("n1").create(&client).await.unwrap();
     pod("unbound").create(&client).await.unwrap();
     let faults = server.faults();
@@ -725,7 +709,7 @@ async fn writes_held_by_a_failing_stall_are_never_applied() {
     abandoned.abort();
     let waiting = tokio::spawn({
         let pods = pods.clone();
-        async move { bind(&pods, &binding("unbound", "n1", None, &[])).await }
+        async move { bind(&pods, "unbound", "n1", None, &[]).await }
     });
     eventually("the binding to reach the server", || async {
         stats.count(Verb::Create, "pods/binding") > 0
@@ -744,9 +728,7 @@ async fn writes_held_by_a_failing_stall_are_never_applied() {
     assert_eq!(api_error(pods.get("abandoned").await.unwrap_err()).0, 404);
     let unbound = pods.get("unbound").await.unwrap();
     assert_eq!(unbound.spec.unwrap().node_name, None);
-    bind(&pods, &binding("unbound", "n1", None, &[]))
-        .await
-        .unwrap();
+    bind(&pods, "unbound", "n1", None, &[]).await.unwrap();
     server.shutdown().await;
 }
 
@@ -832,7 +814,7 @@ async fn admission_policies_see_who_calls_and_the_patched_result() {
         .await
         .unwrap();
     // Subresources are not matched by `pods`: binding and status go through for anyone.
-    bind(&admin, &binding("b", "n1", None, &[])).await.unwrap();
+    bind(&admin, "b", "n1", None, &[]).await.unwrap();
     let status = json!({"status": {"phase": "Running"}});
     admin
         .patch_status("b", &PatchParams::default(), &Patch::Merge(&status))

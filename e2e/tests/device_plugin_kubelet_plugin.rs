@@ -7,7 +7,10 @@ mod common;
 use std::collections::{BTreeMap, HashMap};
 use std::time::Duration;
 
-use common::{Cluster, NODE, RESOURCE, WAIT, allocation, eventually, uuid};
+use common::{
+    Cluster, NODE, RESOURCE, WAIT, allocation, annotated, eventually, gpu_of, marks, marks_on,
+    placed, uuid,
+};
 use gpushare_contract::{Keys, env, inventory};
 use gpushare_e2e::apiserver::Verb;
 use gpushare_e2e::kubelet::AdmissionOrder;
@@ -15,10 +18,6 @@ use gpushare_testkit::fixtures::pod;
 use rand::rngs::StdRng;
 use rand::seq::SliceRandom;
 use rand::{Rng, SeedableRng};
-
-fn gpu_of(id: &str) -> &str {
-    id.rsplit_once('-').map_or(id, |(uuid, _)| uuid)
-}
 
 #[tokio::test]
 async fn registers_lists_one_device_per_gib_and_follows_health() -> anyhow::Result<()> {
@@ -141,16 +140,10 @@ async fn allocate_pins_containers_to_the_annotated_gpu_without_listing_pods() ->
     let kubelet = cluster.kubelet();
     let lists_before = cluster.server.stats().count(Verb::List, "pods");
 
-    let mut a = pod("a").gpu_mem(4).on_node(NODE);
-    for (k, v) in allocation(2, &[("main", 4, false)], 1) {
-        a = a.annotation(&k, &v);
-    }
-    a.create(&cluster.client).await?;
-    let mut b = pod("b").init_container("init", 6).gpu_mem(4).on_node(NODE);
-    for (k, v) in allocation(1, &[("init", 6, true), ("main", 4, false)], 2) {
-        b = b.annotation(&k, &v);
-    }
-    b.create(&cluster.client).await?;
+    placed("a", 2, 4, 1).create(&cluster.client).await?;
+    let b = pod("b").init_container("init", 6).gpu_mem(4).on_node(NODE);
+    let b_allocation = allocation(1, &[("init", 6, true), ("main", 4, false)], 2);
+    annotated(b, b_allocation).create(&cluster.client).await?;
 
     kubelet
         .wait_until(WAIT, "both pods admitted", |k| {
@@ -206,15 +199,9 @@ async fn allocate_pins_containers_to_the_annotated_gpu_without_listing_pods() ->
     );
 
     // With `--allocation-marks`, the plugin records its progress on the pods.
-    let keys = Keys::default();
     for (name, allocated) in [("a", "main"), ("b", "init,main")] {
         eventually(WAIT, "the assigned mark", || async {
-            let pod = cluster.pod(name).await?;
-            let annotations = pod.metadata.annotations.unwrap_or_default();
-            Ok(annotations.get(&keys.assigned).is_some_and(|v| v == "true")
-                && annotations
-                    .get(&keys.allocated)
-                    .is_some_and(|v| v == allocated))
+            Ok(marks(&cluster, name).await? == (allocated.to_owned(), "true".to_owned()))
         })
         .await?;
     }
@@ -224,6 +211,19 @@ async fn allocate_pins_containers_to_the_annotated_gpu_without_listing_pods() ->
         "Allocate must be answered from the watch cache"
     );
     cluster.stop().await
+}
+
+/// A pod's GiB from its `(name, gib, init)` containers: the larger of its app containers'
+/// sum and its largest init container.
+fn pod_gib(containers: &[(String, u64, bool)]) -> u64 {
+    let app: u64 = containers.iter().filter(|c| !c.2).map(|c| c.1).sum();
+    let init = containers
+        .iter()
+        .filter(|c| c.2)
+        .map(|c| c.1)
+        .max()
+        .unwrap_or(0);
+    app.max(init)
 }
 
 /// Places pods the way the extender does: every pending container of one size sits on the
@@ -249,16 +249,6 @@ fn place(pods: &[Vec<(String, u64, bool)>], gpus: &[u64]) -> Vec<u32> {
             parent.insert(a, b);
         }
     }
-    let pod_gib = |containers: &Vec<(String, u64, bool)>| {
-        let app: u64 = containers.iter().filter(|c| !c.2).map(|c| c.1).sum();
-        let init = containers
-            .iter()
-            .filter(|c| c.2)
-            .map(|c| c.1)
-            .max()
-            .unwrap_or(0);
-        app.max(init)
-    };
     let mut demand: BTreeMap<u64, u64> = BTreeMap::new();
     for containers in pods {
         let root = find(&mut parent, containers[0].1);
@@ -279,11 +269,6 @@ fn place(pods: &[Vec<(String, u64, bool)>], gpus: &[u64]) -> Vec<u32> {
     pods.iter()
         .map(|containers| gpu_of_root[&find(&mut parent, containers[0].1)])
         .collect()
-}
-
-/// The plugin's flags that turn the allocation marks on (they are off by default).
-fn marks_on() -> Vec<String> {
-    vec!["--allocation-marks".to_owned(), "true".to_owned()]
 }
 
 #[tokio::test]
@@ -340,10 +325,9 @@ async fn hundred_pods_in_shuffled_order(marks: bool) -> anyhow::Result<()> {
             };
         }
         let second = u32::try_from(rng.random_range(0..3600)).unwrap_or(0);
-        for (k, v) in allocation(placement[i], &spec, second) {
-            builder = builder.annotation(&k, &v);
-        }
-        builder.create(&cluster.client).await?;
+        annotated(builder, allocation(placement[i], &spec, second))
+            .create(&cluster.client)
+            .await?;
     }
 
     kubelet
@@ -386,20 +370,7 @@ async fn hundred_pods_in_shuffled_order(marks: bool) -> anyhow::Result<()> {
                 .get(env::GPU_INDEX)
                 .and_then(|g| g.parse::<usize>().ok());
         }
-        let pod_gib = containers
-            .iter()
-            .filter(|c| !c.2)
-            .map(|c| c.1)
-            .sum::<u64>()
-            .max(
-                containers
-                    .iter()
-                    .filter(|c| c.2)
-                    .map(|c| c.1)
-                    .max()
-                    .unwrap_or(0),
-            );
-        used[pod_gpu.unwrap_or(usize::MAX).min(gpus.len() - 1)] += pod_gib;
+        used[pod_gpu.unwrap_or(usize::MAX).min(gpus.len() - 1)] += pod_gib(containers);
     }
     for (gpu, (&used, &size)) in used.iter().zip(&gpus).enumerate() {
         assert!(used <= size, "GPU {gpu} holds {used} GiB of {size}");
@@ -468,11 +439,7 @@ async fn unhealthy_or_unknown_gpus_fail_admission_with_a_reason() -> anyhow::Res
     .await?;
 
     // A pod placed on a GPU this node does not have.
-    let mut ghost = pod("ghost").gpu_mem(2).on_node(NODE);
-    for (k, v) in allocation(5, &[("main", 2, false)], 1) {
-        ghost = ghost.annotation(&k, &v);
-    }
-    ghost.create(&cluster.client).await?;
+    placed("ghost", 5, 2, 1).create(&cluster.client).await?;
     kubelet
         .wait_until(WAIT, "ghost rejected", |k| k.admission_errors().len() == 2)
         .await?;

@@ -6,23 +6,32 @@
 mod common;
 
 use common::{
-    Cluster, NODE, RESOURCE, WAIT, allocate, allocation_on, client, eventually, ids, uuid,
+    Cluster, NODE, RESOURCE, WAIT, allocate, allocation_on, annotated, assigned, client,
+    eventually, gpu_of, ids, marks_on, preferred, uuid,
 };
 use gpushare_contract::{Keys, env};
 use gpushare_e2e::apiserver::Verb;
 use gpushare_e2e::kubelet::AdmissionOrder;
-use gpushare_proto::v1beta1::{ContainerPreferredAllocationRequest, PreferredAllocationRequest};
-use gpushare_testkit::fixtures::pod;
+use gpushare_testkit::fixtures::{PodBuilder, pod};
 use k8s_openapi::api::events::v1::Event;
 use kube::api::{Api, ListParams};
 use tonic::Code;
 
-fn gpu_of(id: &str) -> &str {
-    id.rsplit_once('-').map_or(id, |(uuid, _)| uuid)
+/// Pod `name` asking for `gib` in all, placed on `gpus` (the first one first), bound
+/// `second` seconds into the test's timeline.
+fn spread(name: &str, gib: u64, gpus: &[u32], second: u32) -> PodBuilder {
+    let mut builder = pod(name).gpu_mem(gib).on_node(NODE);
+    if gpus.len() > 1 {
+        let request_gpus = Keys::default().request_gpus;
+        builder = builder.annotation(&request_gpus, &gpus.len().to_string());
+    }
+    annotated(
+        builder,
+        allocation_on(gpus, &[("main", gib, false)], second),
+    )
 }
 
-/// Creates pod `name` asking for `gib` in all, placed on `gpus` (the first one first), bound
-/// `second` seconds into the test's timeline.
+/// Creates the [`spread`] pod.
 async fn create(
     cluster: &Cluster,
     name: &str,
@@ -30,23 +39,20 @@ async fn create(
     gpus: &[u32],
     second: u32,
 ) -> anyhow::Result<()> {
-    let keys = Keys::default();
-    let mut builder = pod(name).gpu_mem(gib).on_node(NODE);
-    if gpus.len() > 1 {
-        builder = builder.annotation(&keys.request_gpus, &gpus.len().to_string());
-    }
-    for (k, v) in allocation_on(gpus, &[("main", gib, false)], second) {
-        builder = builder.annotation(&k, &v);
-    }
-    builder.create(&cluster.client).await?;
+    spread(name, gib, gpus, second)
+        .create(&cluster.client)
+        .await?;
     Ok(())
 }
 
 #[tokio::test]
 async fn a_two_by_eight_pod_gets_both_gpus_and_eight_devices_of_each() -> anyhow::Result<()> {
-    let marks_on = ["--allocation-marks".to_owned(), "true".to_owned()];
-    let cluster =
-        Cluster::start_with(&[16, 16, 24], Some(AdmissionOrder::CreationTime), &marks_on).await?;
+    let cluster = Cluster::start_with(
+        &[16, 16, 24],
+        Some(AdmissionOrder::CreationTime),
+        &marks_on(),
+    )
+    .await?;
     let kubelet = cluster.kubelet();
     // 16 GiB spread over GPUs 2 and 0, and a shared 4 GiB pod beside it on GPU 0.
     create(&cluster, "wide", 16, &[2, 0], 1).await?;
@@ -102,13 +108,8 @@ async fn a_two_by_eight_pod_gets_both_gpus_and_eight_devices_of_each() -> anyhow
             .all(|id| gpu_of(id) == uuid(0))
     );
 
-    let keys = Keys::default();
-    eventually(WAIT, "the wide pod marked assigned", || async {
-        let annotations = cluster.pod("wide").await?.metadata.annotations;
-        Ok(annotations
-            .unwrap_or_default()
-            .get(&keys.assigned)
-            .is_some_and(|v| v == "true"))
+    eventually(WAIT, "the wide pod marked assigned", || {
+        assigned(&cluster, "wide")
     })
     .await?;
     cluster.stop().await
@@ -122,26 +123,20 @@ async fn allocate_names_every_gpu_as_a_cdi_device_when_asked() -> anyhow::Result
     create(&cluster, "wide", 8, &[1, 0], 1).await?;
     create(&cluster, "one", 2, &[1], 2).await?;
 
-    let response = plugin.allocate(allocate(ids(0, 0..8))).await?.into_inner();
-    let names: Vec<&str> = response.container_responses[0]
-        .cdi_devices
-        .iter()
-        .map(|device| device.name.as_str())
-        .collect();
-    assert_eq!(
-        names,
-        [
-            format!("nvidia.com/gpu={}", uuid(1)),
-            format!("nvidia.com/gpu={}", uuid(0))
-        ]
-    );
-    let response = plugin.allocate(allocate(ids(0, 8..10))).await?.into_inner();
-    let names: Vec<&str> = response.container_responses[0]
-        .cdi_devices
-        .iter()
-        .map(|device| device.name.as_str())
-        .collect();
-    assert_eq!(names, [format!("nvidia.com/gpu={}", uuid(1))]);
+    let cdi = |gpus: &[u32]| -> Vec<String> {
+        gpus.iter()
+            .map(|&gpu| format!("nvidia.com/gpu={}", uuid(gpu)))
+            .collect()
+    };
+    for (devices, gpus) in [(ids(0, 0..8), cdi(&[1, 0])), (ids(0, 8..10), cdi(&[1]))] {
+        let response = plugin.allocate(allocate(devices)).await?.into_inner();
+        let names: Vec<&str> = response.container_responses[0]
+            .cdi_devices
+            .iter()
+            .map(|device| device.name.as_str())
+            .collect();
+        assert_eq!(names, gpus);
+    }
     cluster.stop().await?;
 
     // Off by default: the environment alone.
@@ -191,20 +186,10 @@ async fn preferred_allocation_over_grpc_and_health_events_cover_every_gpu() -> a
 
     // kubelet offers GPU 2's devices first; the answer takes 4 of GPU 1 and 4 of GPU 0.
     let available: Vec<String> = [2, 0, 1].into_iter().flat_map(|g| ids(g, 0..6)).collect();
-    let preferred = plugin
-        .get_preferred_allocation(PreferredAllocationRequest {
-            container_requests: vec![ContainerPreferredAllocationRequest {
-                available_device_i_ds: available,
-                must_include_device_i_ds: vec![],
-                allocation_size: 8,
-            }],
-        })
-        .await?
-        .into_inner();
-    let chosen = &preferred.container_responses[0].device_i_ds;
+    let chosen = preferred(&mut plugin, available, 8).await?;
     let mut expected = ids(1, 0..4);
     expected.extend(ids(0, 0..4));
-    assert_eq!(chosen, &expected);
+    assert_eq!(chosen, expected);
 
     // The pod's second GPU turns unhealthy: the pod is told; the pod on GPU 2 is not.
     cluster.set_unhealthy("0")?;
@@ -250,11 +235,7 @@ async fn multi_gpu_whole_gpu_and_shared_pods_under_shuffled_admission() -> anyho
     // Seed 11 runs with the marks off (the default): matching then rests on kubelet's
     // `startTime` and the plugin's own memory alone.
     for (seed, marks) in [(3, true), (11, false), (29, true)] {
-        let flags = if marks {
-            vec!["--allocation-marks".to_owned(), "true".to_owned()]
-        } else {
-            Vec::new()
-        };
+        let flags = if marks { marks_on() } else { Vec::new() };
         let cluster = Cluster::start_with(
             &[16, 16, 16, 16],
             Some(AdmissionOrder::Shuffled(seed)),
@@ -266,19 +247,11 @@ async fn multi_gpu_whole_gpu_and_shared_pods_under_shuffled_admission() -> anyho
         order.sort_by_key(|&i| (i as u64 + 1).wrapping_mul(seed).rotate_left(13));
         for (second, &i) in order.iter().enumerate() {
             let (name, gib, gpus, exclusive) = PODS[i];
-            let mut builder = pod(name).gpu_mem(gib).on_node(NODE);
-            if gpus.len() > 1 {
-                builder = builder.annotation(&keys.request_gpus, &gpus.len().to_string());
-            }
+            let mut builder = spread(name, gib, gpus, u32::try_from(second).unwrap_or(0));
             if exclusive {
-                builder = builder.annotation(&keys.request_exclusive, "true");
-            }
-            let second = u32::try_from(second).unwrap_or(0);
-            for (k, v) in allocation_on(gpus, &[("main", gib, false)], second) {
-                builder = builder.annotation(&k, &v);
-            }
-            if exclusive {
-                builder = builder.annotation(&keys.exclusive, "true");
+                builder = builder
+                    .annotation(&keys.request_exclusive, "true")
+                    .annotation(&keys.exclusive, "true");
             }
             builder.create(&cluster.client).await?;
         }
@@ -339,12 +312,7 @@ async fn multi_gpu_whole_gpu_and_shared_pods_under_shuffled_admission() -> anyho
         // Every pod ends up marked assigned, whichever twin the Allocate calls matched.
         eventually(WAIT, "every pod marked assigned", || async {
             for (name, ..) in PODS {
-                let annotations = cluster.pod(name).await?.metadata.annotations;
-                let assigned = annotations
-                    .unwrap_or_default()
-                    .get(&keys.assigned)
-                    .is_some_and(|v| v == "true");
-                if !assigned {
+                if !assigned(&cluster, name).await? {
                     return Ok(false);
                 }
             }

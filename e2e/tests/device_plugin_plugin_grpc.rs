@@ -7,12 +7,13 @@ mod common;
 use std::time::Duration;
 
 use anyhow::Context as _;
-use common::{Cluster, NODE, WAIT, allocate, allocation, client, ids, uuid};
+use common::{
+    Cluster, NODE, WAIT, allocate, allocation, annotated, client, ids, placed, preferred, uuid,
+    wait_for_unhealthy_devices,
+};
 use gpushare_contract::env;
 use gpushare_e2e::apiserver::Verb;
-use gpushare_proto::v1beta1::{
-    ContainerPreferredAllocationRequest, Empty, PreferredAllocationRequest,
-};
+use gpushare_proto::v1beta1::Empty;
 use gpushare_testkit::fixtures::pod;
 use tonic::Code;
 
@@ -56,20 +57,8 @@ async fn bad_requests_get_clear_errors() -> anyhow::Result<()> {
 
     // Preferred allocation never fails: with no pod to go by, kubelet's own pick.
     let available: Vec<String> = ids(0, 0..3).into_iter().chain(ids(1, 0..3)).collect();
-    let preferred = plugin
-        .get_preferred_allocation(PreferredAllocationRequest {
-            container_requests: vec![ContainerPreferredAllocationRequest {
-                available_device_i_ds: available.clone(),
-                must_include_device_i_ds: vec![],
-                allocation_size: 2,
-            }],
-        })
-        .await?
-        .into_inner();
-    assert_eq!(
-        preferred.container_responses[0].device_i_ds,
-        available[..2].to_vec()
-    );
+    let chosen = preferred(&mut plugin, available.clone(), 2).await?;
+    assert_eq!(chosen, available[..2].to_vec());
     cluster.stop().await
 }
 
@@ -78,39 +67,21 @@ async fn allocate_answers_from_the_watch_cache_and_refuses_broken_gpus() -> anyh
     let cluster = Cluster::start(&[16, 16], None).await?;
     let mut plugin = client(&cluster).await?;
     for (name, gpu, second) in [("a", 1, 1), ("b", 1, 2), ("c", 0, 3)] {
-        let mut builder = pod(name).gpu_mem(3).on_node(NODE);
-        for (k, v) in allocation(gpu, &[("main", 3, false)], second) {
-            builder = builder.annotation(&k, &v);
-        }
-        builder.create(&cluster.client).await?;
+        placed(name, gpu, 3, second).create(&cluster.client).await?;
     }
     // The uuid in the annotation must be ours.
-    let mut wrong = pod("wrong").gpu_mem(5).on_node(NODE);
-    for (k, v) in allocation(0, &[("main", 5, false)], 4) {
-        let v = if v == uuid(0) {
-            "GPU-elsewhere".to_owned()
-        } else {
-            v
-        };
-        wrong = wrong.annotation(&k, &v);
+    let mut forged = allocation(0, &[("main", 5, false)], 4);
+    for (_, v) in forged.iter_mut().filter(|(_, v)| *v == uuid(0)) {
+        *v = "GPU-elsewhere".to_owned();
     }
-    wrong.create(&cluster.client).await?;
+    annotated(pod("wrong").gpu_mem(5).on_node(NODE), forged)
+        .create(&cluster.client)
+        .await?;
 
     // Preferred allocation steers kubelet to the oldest waiting pod's GPU (a → GPU 1).
     let available: Vec<String> = ids(0, 0..16).into_iter().chain(ids(1, 0..16)).collect();
-    let preferred = plugin
-        .get_preferred_allocation(PreferredAllocationRequest {
-            container_requests: vec![ContainerPreferredAllocationRequest {
-                available_device_i_ds: available,
-                must_include_device_i_ds: vec![],
-                allocation_size: 3,
-            }],
-        })
-        .await?
-        .into_inner();
     // The pods may not have reached the plugin's cache yet; then the answer is the first 3.
-    let first = &preferred.container_responses[0].device_i_ds;
-    assert_eq!(first.len(), 3);
+    assert_eq!(preferred(&mut plugin, available, 3).await?.len(), 3);
 
     let lists_before = cluster.server.stats().count(Verb::List, "pods");
     // Three 3 GiB Allocates: a and b (GPU 1, oldest first), then c (GPU 0).
@@ -143,26 +114,9 @@ async fn allocate_answers_from_the_watch_cache_and_refuses_broken_gpus() -> anyh
     );
 
     // A pod on a GPU that turned unhealthy is refused as unavailable.
-    let mut late = pod("late").gpu_mem(2).on_node(NODE);
-    for (k, v) in allocation(1, &[("main", 2, false)], 5) {
-        late = late.annotation(&k, &v);
-    }
-    late.create(&cluster.client).await?;
+    placed("late", 1, 2, 5).create(&cluster.client).await?;
     cluster.set_unhealthy("1")?;
-    let mut devices = plugin.list_and_watch(Empty {}).await?.into_inner();
-    tokio::time::timeout(WAIT, async {
-        while let Some(list) = devices.message().await? {
-            if list
-                .devices
-                .iter()
-                .any(|d| d.health == gpushare_proto::UNHEALTHY)
-            {
-                return anyhow::Ok(());
-            }
-        }
-        anyhow::bail!("ListAndWatch ended")
-    })
-    .await??;
+    let mut devices = wait_for_unhealthy_devices(&mut plugin).await?;
     let err = plugin.allocate(allocate(ids(0, 0..2))).await.unwrap_err();
     assert_eq!(err.code(), Code::Unavailable);
     assert!(

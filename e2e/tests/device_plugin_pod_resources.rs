@@ -12,7 +12,7 @@ use std::net::SocketAddr;
 use std::path::{Path, PathBuf};
 use std::sync::{Arc, Mutex};
 
-use common::{Cluster, NODE, WAIT, allocation, eventually, uuid};
+use common::{Cluster, NODE, WAIT, eventually, ids, marks, placed};
 use gpushare_contract::Keys;
 use gpushare_e2e::cluster::{http_get, service_port};
 use gpushare_proto::podresources::v1::pod_resources_lister_server::{
@@ -109,13 +109,8 @@ impl FakePodResources {
     }
 }
 
-fn ids(gpu: u32, slots: std::ops::Range<u64>) -> Vec<String> {
-    slots.map(|slot| format!("{}-{slot}", uuid(gpu))).collect()
-}
-
 /// Flags for a plugin reading kubelet at `socket` often, serving metrics on `metrics`.
-/// The plugin's flags here: these tests watch the allocation marks follow kubelet, so the
-/// marks are on.
+/// These tests watch the allocation marks follow kubelet, so the marks are on.
 fn flags(socket: &Path, metrics: SocketAddr) -> Vec<String> {
     [
         "--allocation-marks",
@@ -139,10 +134,7 @@ async fn create(
     second: u32,
     allocated: bool,
 ) -> anyhow::Result<()> {
-    let mut builder = pod(name).gpu_mem(gib).on_node(NODE);
-    for (k, v) in allocation(gpu, &[("main", gib, false)], second) {
-        builder = builder.annotation(&k, &v);
-    }
+    let mut builder = placed(name, gpu, gib, second);
     if allocated {
         let keys = Keys::default();
         builder = builder
@@ -151,15 +143,6 @@ async fn create(
     }
     builder.create(&cluster.client).await?;
     Ok(())
-}
-
-/// `(allocated, assigned)` marks of pod `name`.
-async fn marks(cluster: &Cluster, name: &str) -> anyhow::Result<(String, String)> {
-    let keys = Keys::default();
-    let pod = cluster.pod(name).await?;
-    let annotations = pod.metadata.annotations.unwrap_or_default();
-    let get = |key: &str| annotations.get(key).cloned().unwrap_or_default();
-    Ok((get(&keys.allocated), get(&keys.assigned)))
 }
 
 /// Warning Event reasons by pod name.

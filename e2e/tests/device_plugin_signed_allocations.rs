@@ -10,13 +10,11 @@ mod common;
 use std::collections::BTreeMap;
 use std::path::PathBuf;
 
-use common::{Cluster, NODE, WAIT, allocation, eventually, uuid};
-use gpushare_contract::{Keyring, Keys, PodAllocation, env};
-use gpushare_proto::v1beta1::device_plugin_client::DevicePluginClient;
-use gpushare_proto::v1beta1::{
-    AllocateRequest, ContainerAllocateRequest, ContainerPreferredAllocationRequest,
-    PreferredAllocationRequest,
+use common::{
+    Cluster, NODE, WAIT, allocate, allocation, assigned, client, eventually, ids, marks, marks_on,
+    placed, preferred, uuid,
 };
+use gpushare_contract::{Keyring, Keys, PodAllocation, env};
 use gpushare_testkit::fixtures::pod;
 use k8s_openapi::api::core::v1::{Binding, ObjectReference, Pod};
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::ObjectMeta;
@@ -77,16 +75,6 @@ async fn bind_signed(cluster: &Cluster, name: &str, gpu: u32, gib: u64) -> anyho
     Ok(())
 }
 
-/// Creates pod `name` on the node with hand-written allocation annotations (no signature).
-async fn create_forged(cluster: &Cluster, name: &str, gpu: u32, gib: u64) -> anyhow::Result<()> {
-    let mut builder = pod(name).gpu_mem(gib).on_node(NODE);
-    for (k, v) in allocation(gpu, &[("main", gib, false)], 0) {
-        builder = builder.annotation(&k, &v);
-    }
-    builder.create(&cluster.client).await?;
-    Ok(())
-}
-
 /// Creates pod `name` (asking for `gib`) on the node with the decision and signature copied
 /// from pod `from`, progress marks reset: what a user who can read that pod could write.
 async fn create_copy(cluster: &Cluster, name: &str, from: &str, gib: u64) -> anyhow::Result<()> {
@@ -108,50 +96,24 @@ async fn create_copy(cluster: &Cluster, name: &str, from: &str, gib: u64) -> any
     Ok(())
 }
 
-fn ids(gpu: u32, slots: std::ops::Range<u64>) -> Vec<String> {
-    slots.map(|slot| format!("{}-{slot}", uuid(gpu))).collect()
-}
-
-fn allocate(devices: Vec<String>) -> AllocateRequest {
-    AllocateRequest {
-        container_requests: vec![ContainerAllocateRequest {
-            devices_ids: devices,
-        }],
-    }
-}
-
 #[tokio::test]
 async fn forged_and_copied_allocations_are_refused_while_signed_ones_are_served()
 -> anyhow::Result<()> {
     let (_keys, mut flags) = keyring_file()?;
     // The marks show which pod the plugin served: on for this test.
-    flags.extend(["--allocation-marks".to_owned(), "true".to_owned()]);
+    flags.extend(marks_on());
     let cluster = Cluster::start_with(&[16, 16], None, &flags).await?;
     bind_signed(&cluster, "honest", 1, 3).await?;
-    create_forged(&cluster, "forged", 1, 2).await?;
+    // Hand-written allocation annotations (no signature).
+    placed("forged", 1, 2, 0).create(&cluster.client).await?;
     create_copy(&cluster, "copy", "honest", 3).await?;
 
-    let socket = cluster.plugin_socket();
-    eventually(WAIT, "the plugin socket", || async { Ok(socket.exists()) }).await?;
-    let mut plugin =
-        DevicePluginClient::new(gpushare_device_plugin::server::connect(&socket).await?);
+    let mut plugin = client(&cluster).await?;
 
     // Preferred allocation is not steered by the forged pod (GPU 1): kubelet's own pick.
     let available: Vec<String> = ids(0, 0..4).into_iter().chain(ids(1, 0..4)).collect();
-    let preferred = plugin
-        .get_preferred_allocation(PreferredAllocationRequest {
-            container_requests: vec![ContainerPreferredAllocationRequest {
-                available_device_i_ds: available.clone(),
-                must_include_device_i_ds: vec![],
-                allocation_size: 2,
-            }],
-        })
-        .await?
-        .into_inner();
-    assert_eq!(
-        preferred.container_responses[0].device_i_ds,
-        available[..2].to_vec()
-    );
+    let chosen = preferred(&mut plugin, available.clone(), 2).await?;
+    assert_eq!(chosen, available[..2].to_vec());
 
     // The forged pod: refused, named, told what to do.
     let err = plugin.allocate(allocate(ids(0, 0..2))).await.unwrap_err();
@@ -181,19 +143,12 @@ async fn forged_and_copied_allocations_are_refused_while_signed_ones_are_served(
         err.message()
     );
     // The honest pod is marked allocated; neither refused pod is.
-    let keys = Keys::default();
-    eventually(WAIT, "the honest pod's marks", || async {
-        let annotations = cluster.pod("honest").await?.metadata.annotations;
-        Ok(annotations.is_some_and(|a| a.get(&keys.assigned).map(String::as_str) == Some("true")))
+    eventually(WAIT, "the honest pod's marks", || {
+        assigned(&cluster, "honest")
     })
     .await?;
     for refused in ["forged", "copy"] {
-        let annotations = cluster.pod(refused).await?.metadata.annotations;
-        assert_eq!(
-            annotations.unwrap_or_default()[&keys.assigned],
-            "false",
-            "{refused}"
-        );
+        assert_eq!(marks(&cluster, refused).await?.1, "false", "{refused}");
     }
     cluster.stop().await
 }

@@ -1,44 +1,40 @@
 //! Enforcement modes end to end: the real device plugin, started with `--enforcement`, gives
 //! each container what its enforcer reads, through the kubelet driver's real Allocate calls.
 
+use std::collections::BTreeMap;
+use std::time::Duration;
+
 use anyhow::ensure;
 use gpushare_contract::env;
-use gpushare_e2e::cluster::{ClusterSpec, TestCluster};
+use gpushare_e2e::cluster::{ClusterSpec, http_get, top_details, wait_for, with_cluster};
 use gpushare_e2e::scenarios::{check_pinned, create_gpu_pod, wait_running};
 
-/// Starts a one-node cluster whose device plugin runs with `args`, runs a 4 GiB and a
-/// 12 GiB pod on it, and returns each one's environment and mounts.
+/// A one-node cluster (`n1`, one 16 GiB GPU) whose device plugin runs with `args`.
+fn spec(args: &[&str]) -> ClusterSpec {
+    ClusterSpec::labelled(&[("n1", &[16])]).with_device_plugin_args(args)
+}
+
+/// Runs a 4 GiB and a 12 GiB pod on a [`spec`] cluster, and returns each one's environment
+/// and mounts.
 async fn run_pods(
     args: &[&str],
-) -> anyhow::Result<
-    Vec<(
-        std::collections::BTreeMap<String, String>,
-        Vec<(String, String, bool)>,
-    )>,
-> {
-    let cluster =
-        TestCluster::start(ClusterSpec::labelled(&[("n1", &[16])]).with_device_plugin_args(args))
-            .await?;
-    let result = async {
-        let mut seen = Vec::new();
+) -> anyhow::Result<Vec<(BTreeMap<String, String>, Vec<(String, String, bool)>)>> {
+    let mut seen = Vec::new();
+    with_cluster(spec(args), async |cluster| {
         for (name, gib) in [("small", 4), ("large", 12)] {
-            create_gpu_pod(&cluster, name, gib).await?;
-            let pod = wait_running(&cluster, name).await?;
-            check_pinned(&cluster, &pod).await?;
+            create_gpu_pod(cluster, name, gib).await?;
+            let pod = wait_running(cluster, name).await?;
+            check_pinned(cluster, &pod).await?;
             let kubelet = &cluster.nodes["n1"].kubelet;
             let vars = kubelet
                 .container_env("default", name, "main")
                 .ok_or_else(|| anyhow::anyhow!("{name} got no environment"))?;
             seen.push((vars, kubelet.container_mounts("default", name, "main")));
         }
-        anyhow::Ok(seen)
-    }
-    .await;
-    if result.is_err() {
-        eprintln!("{}", cluster.log_tail(40));
-    }
-    cluster.shutdown().await;
-    result
+        Ok(())
+    })
+    .await?;
+    Ok(seen)
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -184,12 +180,9 @@ async fn preload_holds_a_container_and_its_use_reaches_metrics() -> anyhow::Resu
         "--usage-annotation-min-change-mib=1".to_owned(),
     ];
     let args: Vec<&str> = args.iter().map(String::as_str).collect();
-    let cluster =
-        TestCluster::start(ClusterSpec::labelled(&[("n1", &[16])]).with_device_plugin_args(&args))
-            .await?;
-    let result = async {
-        create_gpu_pod(&cluster, "notebook", 4).await?;
-        wait_running(&cluster, "notebook").await?;
+    with_cluster(spec(&args), async |cluster| {
+        create_gpu_pod(cluster, "notebook", 4).await?;
+        wait_running(cluster, "notebook").await?;
         let kubelet = &cluster.nodes["n1"].kubelet;
         let vars = kubelet
             .container_env("default", "notebook", "main")
@@ -251,25 +244,21 @@ async fn preload_holds_a_container_and_its_use_reaches_metrics() -> anyhow::Resu
             format!("gpushare_device_plugin_isolated_used_bytes{labels} 3682598912"),
             format!("gpushare_device_plugin_isolated_refused_allocations{labels} 1"),
         ];
-        gpushare_e2e::cluster::wait_for(
+        wait_for(
             "the interposer's count on /metrics",
-            std::time::Duration::from_secs(30),
+            Duration::from_secs(30),
             || async {
-                let (_, body) = gpushare_e2e::cluster::http_get(addr, "/metrics")
-                    .await
-                    .ok()?;
+                let (_, body) = http_get(addr, "/metrics").await.ok()?;
                 want.iter().all(|line| body.contains(line)).then_some(())
             },
         )
         .await?;
         // `kubectl gpushare top -d` shows it as the pod's use, from the node annotation.
-        let row = gpushare_e2e::cluster::wait_for(
+        let row = wait_for(
             "top -d to show the notebook's use",
-            std::time::Duration::from_secs(30),
+            Duration::from_secs(30),
             || async {
-                let text = gpushare_e2e::cluster::top_details(&cluster.client)
-                    .await
-                    .ok()?;
+                let text = top_details(&cluster.client).await.ok()?;
                 text.lines()
                     .find(|line| line.split_whitespace().nth(1) == Some("notebook"))
                     .filter(|line| line.trim_end().ends_with("3.4"))
@@ -278,12 +267,7 @@ async fn preload_holds_a_container_and_its_use_reaches_metrics() -> anyhow::Resu
         )
         .await?;
         println!("top -d: {row}");
-        anyhow::Ok(())
-    }
-    .await;
-    if result.is_err() {
-        eprintln!("{}", cluster.log_tail(40));
-    }
-    cluster.shutdown().await;
-    result
+        Ok(())
+    })
+    .await
 }

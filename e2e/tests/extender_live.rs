@@ -5,10 +5,10 @@ use std::collections::{BTreeMap, BTreeSet};
 use std::net::SocketAddr;
 use std::time::Duration;
 
-use anyhow::Context;
 use gpushare_contract::{Keys, PodAllocation};
 use gpushare_e2e::apiserver::{ApiServer, Verb};
 use gpushare_e2e::cluster::wait_for;
+use gpushare_e2e::scenarios::{allocation, check_no_overcommit, wait_bound};
 use gpushare_extender::{Config, serve};
 use gpushare_testkit::fixtures::{node, pod};
 use http_body_util::{BodyExt, Full};
@@ -16,7 +16,7 @@ use hyper::body::Bytes;
 use hyper_util::client::legacy::Client;
 use hyper_util::client::legacy::connect::HttpConnector;
 use hyper_util::rt::TokioExecutor;
-use k8s_openapi::api::core::v1::{Node, Pod};
+use k8s_openapi::api::core::v1::Pod;
 use kube::Api;
 use kube::api::{DeleteParams, ListParams};
 use serde_json::{Value, json};
@@ -57,17 +57,11 @@ impl Extender {
         let task = tokio::spawn(serve(config, client, listener, std::future::pending()));
         let http = Client::builder(TokioExecutor::new()).build_http();
         let extender = Self { addr, task, http };
-        let deadline = tokio::time::Instant::now() + DEADLINE;
-        loop {
-            if extender.get("/readyz").await.map(|(s, _)| s) == Ok(200) {
-                return Ok(extender);
-            }
-            anyhow::ensure!(
-                tokio::time::Instant::now() < deadline,
-                "extender never became ready"
-            );
-            tokio::time::sleep(Duration::from_millis(20)).await;
-        }
+        wait_for("the extender to be ready", DEADLINE, || async {
+            (extender.get("/readyz").await.map(|(s, _)| s) == Ok(200)).then_some(())
+        })
+        .await?;
+        Ok(extender)
     }
 
     async fn request(
@@ -104,7 +98,7 @@ impl Extender {
     }
 
     /// Binds; the extender's `Error` ("" = bound), or the transport error.
-    async fn bind(&self, pod: &Pod, node: &str) -> Result<String, String> {
+    async fn bind(&self, pod: &Pod, node: &str) -> anyhow::Result<String> {
         let body = json!({
             "PodName": pod.metadata.name,
             "PodNamespace": pod.metadata.namespace,
@@ -113,7 +107,8 @@ impl Extender {
         });
         let (status, answer) = self
             .request("POST", &format!("{PREFIX}/bind"), body.to_string())
-            .await?;
+            .await
+            .map_err(anyhow::Error::msg)?;
         assert_eq!(status, 200, "{answer}");
         Ok(answer["Error"].as_str().unwrap_or_default().to_owned())
     }
@@ -169,33 +164,12 @@ async fn booked(client: &kube::Client) -> anyhow::Result<BTreeMap<(String, u32),
     Ok(booked)
 }
 
-async fn assert_no_over_commit(client: &kube::Client) -> anyhow::Result<()> {
-    let keys = Keys::default();
-    let mut totals = BTreeMap::new();
-    for node in Api::<Node>::all(client.clone())
-        .list(&ListParams::default())
-        .await?
-    {
-        let name = node.metadata.name.clone().unwrap_or_default();
-        if let Some(text) = node
-            .metadata
-            .annotations
-            .as_ref()
-            .and_then(|a| a.get(&keys.node_gpus))
-        {
-            for gpu in gpushare_contract::inventory::decode(text)? {
-                totals.insert((name.clone(), gpu.index), gpu.mem_gib);
-            }
-        }
-    }
-    for (key, used) in booked(client).await? {
-        let total = totals.get(&key).copied().context("pod on an unknown GPU")?;
-        anyhow::ensure!(
-            used <= total,
-            "GPU {key:?} over-committed: {used} > {total}"
-        );
-    }
-    Ok(())
+/// An API server with one gpushare node `n1` of `gpus`, and a client for it.
+async fn server_with_node(gpus: &[u64]) -> anyhow::Result<(ApiServer, kube::Client)> {
+    let server = ApiServer::start().await?;
+    let client = server.client();
+    node("n1").gpushare().gpus(gpus).create(&client).await?;
+    Ok((server, client))
 }
 
 async fn create_pods(client: &kube::Client, sizes: &[u64]) -> anyhow::Result<Vec<Pod>> {
@@ -208,13 +182,7 @@ async fn create_pods(client: &kube::Client, sizes: &[u64]) -> anyhow::Result<Vec
 
 #[tokio::test]
 async fn bind_writes_once_and_the_watch_confirms() -> anyhow::Result<()> {
-    let server = ApiServer::start().await?;
-    let client = server.client();
-    node("n1")
-        .gpushare()
-        .gpus(&[12, 16])
-        .create(&client)
-        .await?;
+    let (server, client) = server_with_node(&[12, 16]).await?;
     let mut pods = create_pods(&client, &[4]).await?;
     // Design-doc style: GPU 1 has 8 free, GPU 0 has 12. Binpack would choose GPU 1; the
     // default fragmentation policy, which has seen an 8 GiB pod, chooses GPU 0 so that both
@@ -240,19 +208,17 @@ async fn bind_writes_once_and_the_watch_confirms() -> anyhow::Result<()> {
     assert_eq!(answer["NodeNames"], json!(["n1"]));
 
     server.stats().reset();
-    assert_eq!(
-        extender.bind(&p, "n1").await.map_err(anyhow::Error::msg)?,
-        ""
-    );
+    assert_eq!(extender.bind(&p, "n1").await?, "");
     assert_eq!(server.stats().count(Verb::Create, "pods/binding"), 1);
     assert_eq!(server.stats().writes(), 1);
     let stored = Api::<Pod>::namespaced(client.clone(), "default")
         .get("p0")
         .await?;
-    assert_eq!(stored.spec.unwrap().node_name.as_deref(), Some("n1"));
-    let allocation =
-        PodAllocation::from_annotations(&Keys::default(), &stored.metadata.annotations.unwrap())?
-            .unwrap();
+    assert_eq!(
+        stored.spec.as_ref().unwrap().node_name.as_deref(),
+        Some("n1")
+    );
+    let allocation = allocation(&stored)?;
     assert_eq!(
         (
             allocation.gpu_index,
@@ -266,10 +232,7 @@ async fn bind_writes_once_and_the_watch_confirms() -> anyhow::Result<()> {
     // Scheduled event and `inspect` tell that story); a refusal does, off the bind path.
     let mut ghost = pod("ghost").gpu_mem(4).build();
     ghost.metadata.uid = Some("uid-ghost".into());
-    let refusal = extender
-        .bind(&ghost, "n1")
-        .await
-        .map_err(anyhow::Error::msg)?;
+    let refusal = extender.bind(&ghost, "n1").await?;
     assert!(refusal.contains("not found"), "{refusal}");
     let events: Api<k8s_openapi::api::events::v1::Event> =
         Api::namespaced(client.clone(), "default");
@@ -299,10 +262,7 @@ async fn bind_writes_once_and_the_watch_confirms() -> anyhow::Result<()> {
         "one Event, for the refusal"
     );
     // A retry of the same bind succeeds without a second write.
-    assert_eq!(
-        extender.bind(&p, "n1").await.map_err(anyhow::Error::msg)?,
-        ""
-    );
+    assert_eq!(extender.bind(&p, "n1").await?, "");
     assert_eq!(server.stats().writes(), 1);
 
     // A refusal that settles on retry (here: no GPU has room, as when another bind won the
@@ -316,10 +276,7 @@ async fn bind_writes_once_and_the_watch_confirms() -> anyhow::Result<()> {
     // A refusal a person should see does write one; it is published after the first.
     let mut stale = pod("ghost2").gpu_mem(4).build();
     stale.metadata.uid = Some("uid-ghost2".into());
-    let refusal = extender
-        .bind(&stale, "n1")
-        .await
-        .map_err(anyhow::Error::msg)?;
+    let refusal = extender.bind(&stale, "n1").await?;
     assert!(refusal.contains("not found"), "{refusal}");
     wait_for("the Event of ghost2", DEADLINE, || {
         let events = events.clone();
@@ -341,9 +298,7 @@ async fn bind_writes_once_and_the_watch_confirms() -> anyhow::Result<()> {
 }
 
 async fn burst(sizes: &[u64], gpus: &[u64]) -> anyhow::Result<(usize, ApiServer)> {
-    let server = ApiServer::start().await?;
-    let client = server.client();
-    node("n1").gpushare().gpus(gpus).create(&client).await?;
+    let (server, client) = server_with_node(gpus).await?;
     let pods = create_pods(&client, sizes).await?;
     let extender = std::sync::Arc::new(Extender::start(client.clone()).await?);
     server.stats().reset();
@@ -354,7 +309,7 @@ async fn burst(sizes: &[u64], gpus: &[u64]) -> anyhow::Result<(usize, ApiServer)
     }
     let mut bound = 0;
     for task in tasks {
-        match task.await?.map_err(anyhow::Error::msg)?.as_str() {
+        match task.await??.as_str() {
             "" => bound += 1,
             reason => anyhow::ensure!(
                 reason.contains("n1") && reason.contains("GiB"),
@@ -367,7 +322,10 @@ async fn burst(sizes: &[u64], gpus: &[u64]) -> anyhow::Result<(usize, ApiServer)
         bound as u64
     );
     assert_eq!(server.stats().writes(), bound as u64);
-    assert_no_over_commit(&client).await?;
+    check_no_overcommit(&client).await?;
+    // Every bound pod's allocation annotations parse (`check_no_overcommit` skips those
+    // that do not).
+    booked(&client).await?;
     Ok((bound, server))
 }
 
@@ -389,13 +347,7 @@ async fn sixty_four_concurrent_binds_without_room() -> anyhow::Result<()> {
 
 #[tokio::test]
 async fn restart_mid_burst_does_not_over_commit() -> anyhow::Result<()> {
-    let server = ApiServer::start().await?;
-    let client = server.client();
-    node("n1")
-        .gpushare()
-        .gpus(&[16, 16])
-        .create(&client)
-        .await?;
+    let (server, client) = server_with_node(&[16, 16]).await?;
     let sizes: Vec<u64> = (0..40).map(|i| i % 5 + 1).collect();
     let pods = create_pods(&client, &sizes).await?;
     server.faults().set_latency(Duration::from_millis(5));
@@ -424,10 +376,7 @@ async fn restart_mid_burst_does_not_over_commit() -> anyhow::Result<()> {
     // The new instance holds binds briefly after it synced, so Bindings the killed one sent
     // can land first; kube-scheduler retries, and so do these binds.
     let second = Extender::start_with_grace(client.clone(), 300).await?;
-    let held = second
-        .bind(&pods[39], "n1")
-        .await
-        .map_err(anyhow::Error::msg)?;
+    let held = second.bind(&pods[39], "n1").await?;
     assert!(
         held.contains("just started"),
         "binds are held after start: {held}"
@@ -453,7 +402,7 @@ async fn restart_mid_burst_does_not_over_commit() -> anyhow::Result<()> {
         let _ = task.await??;
     }
     server.faults().clear();
-    assert_no_over_commit(&client).await?;
+    check_no_overcommit(&client).await?;
     let bound = booked(&client).await?.values().sum::<u64>();
     assert!(bound > 0);
     Ok(())
@@ -461,9 +410,7 @@ async fn restart_mid_burst_does_not_over_commit() -> anyhow::Result<()> {
 
 #[tokio::test]
 async fn recreated_pod_is_not_confused_with_the_old_one() -> anyhow::Result<()> {
-    let server = ApiServer::start().await?;
-    let client = server.client();
-    node("n1").gpushare().gpus(&[16]).create(&client).await?;
+    let (_server, client) = server_with_node(&[16]).await?;
     let old = pod("same").gpu_mem(4).create(&client).await?;
     let extender = Extender::start(client.clone()).await?;
     let pods: Api<Pod> = Api::namespaced(client.clone(), "default");
@@ -472,17 +419,11 @@ async fn recreated_pod_is_not_confused_with_the_old_one() -> anyhow::Result<()> 
     assert_ne!(old.metadata.uid, new.metadata.uid);
     // Until the watch shows the new pod, the old UID may still be cached: the API server
     // refuses the stale Binding (UID precondition) and the reservation is released.
-    let answer = extender
-        .bind(&old, "n1")
-        .await
-        .map_err(anyhow::Error::msg)?;
+    let answer = extender.bind(&old, "n1").await?;
     assert!(!answer.is_empty());
     let deadline = tokio::time::Instant::now() + DEADLINE;
     loop {
-        let answer = extender
-            .bind(&new, "n1")
-            .await
-            .map_err(anyhow::Error::msg)?;
+        let answer = extender.bind(&new, "n1").await?;
         if answer.is_empty() {
             break;
         }
@@ -492,10 +433,7 @@ async fn recreated_pod_is_not_confused_with_the_old_one() -> anyhow::Result<()> 
         );
         tokio::time::sleep(Duration::from_millis(20)).await;
     }
-    let answer = extender
-        .bind(&old, "n1")
-        .await
-        .map_err(anyhow::Error::msg)?;
+    let answer = extender.bind(&old, "n1").await?;
     assert!(
         answer.contains("was recreated") || answer.contains("not found"),
         "{answer}"
@@ -511,9 +449,7 @@ async fn recreated_pod_is_not_confused_with_the_old_one() -> anyhow::Result<()> 
 async fn one_gpu_two_pods(
     first: &str,
 ) -> anyhow::Result<(ApiServer, kube::Client, Pod, Pod, Extender)> {
-    let server = ApiServer::start().await?;
-    let client = server.client();
-    node("n1").gpushare().gpus(&[8]).create(&client).await?;
+    let (server, client) = server_with_node(&[8]).await?;
     let first = pod(first).gpu_mem(8).create(&client).await?;
     let next = pod("next").gpu_mem(8).create(&client).await?;
     let extender = Extender::start(client.clone()).await?;
@@ -526,13 +462,7 @@ async fn one_gpu_two_pods(
 #[tokio::test]
 async fn a_finished_pod_leaves_the_watch_and_frees_its_gpu() -> anyhow::Result<()> {
     let (server, client, done, next, extender) = one_gpu_two_pods("done").await?;
-    assert_eq!(
-        extender
-            .bind(&done, "n1")
-            .await
-            .map_err(anyhow::Error::msg)?,
-        ""
-    );
+    assert_eq!(extender.bind(&done, "n1").await?, "");
     extender.settled().await?;
     assert_eq!(
         extender.filter(&next, &["n1"]).await["NodeNames"],
@@ -562,13 +492,7 @@ async fn a_finished_pod_leaves_the_watch_and_frees_its_gpu() -> anyhow::Result<(
 
     // A fresh extender lists the node with its GPU free.
     let extender = Extender::start(client.clone()).await?;
-    assert_eq!(
-        extender
-            .bind(&next, "n1")
-            .await
-            .map_err(anyhow::Error::msg)?,
-        ""
-    );
+    assert_eq!(extender.bind(&next, "n1").await?, "");
     Ok(())
 }
 
@@ -582,33 +506,22 @@ async fn pod_deleted_between_filter_and_bind_releases_the_reservation() -> anyho
     Api::<Pod>::namespaced(client.clone(), "default")
         .delete("gone", &DeleteParams::default())
         .await?;
-    let answer = extender
-        .bind(&gone, "n1")
-        .await
-        .map_err(anyhow::Error::msg)?;
+    let answer = extender.bind(&gone, "n1").await?;
     assert!(answer.contains("gone"), "{answer}");
     // The whole GPU is free again for the next pod.
-    assert_eq!(
-        extender
-            .bind(&next, "n1")
-            .await
-            .map_err(anyhow::Error::msg)?,
-        ""
-    );
+    assert_eq!(extender.bind(&next, "n1").await?, "");
     Ok(())
 }
 
 #[tokio::test]
 async fn api_server_500_on_binding_keeps_the_memory_until_the_pod_shows_it_landed()
 -> anyhow::Result<()> {
-    let server = ApiServer::start().await?;
-    let client = server.client();
-    node("n1").gpushare().gpus(&[8]).create(&client).await?;
+    let (server, client) = server_with_node(&[8]).await?;
     let p = pod("p").gpu_mem(8).create(&client).await?;
     let extender = Extender::start(client.clone()).await?;
     // A 500 may come after the write was committed: not a reason to hand the memory out.
     server.faults().set_error_rate(Verb::Create, 1.0, 500);
-    let answer = extender.bind(&p, "n1").await.map_err(anyhow::Error::msg)?;
+    let answer = extender.bind(&p, "n1").await?;
     assert!(
         answer.contains("500")
             && answer.contains("default/p")
@@ -624,18 +537,8 @@ async fn api_server_500_on_binding_keeps_the_memory_until_the_pod_shows_it_lande
     // the pod bound; kube-scheduler's retry to the same node answers success.
     server.faults().clear();
     let pods: Api<Pod> = Api::namespaced(client.clone(), "default");
-    wait_for("the pod to be bound", DEADLINE, || {
-        let pods = pods.clone();
-        async move {
-            let pod = pods.get("p").await.ok()?;
-            pod.spec?.node_name.filter(|n| n == "n1").map(|_| ())
-        }
-    })
-    .await?;
-    assert_eq!(
-        extender.bind(&p, "n1").await.map_err(anyhow::Error::msg)?,
-        ""
-    );
+    assert_eq!(wait_bound(&pods, "p").await?, "n1");
+    assert_eq!(extender.bind(&p, "n1").await?, "");
     let names: BTreeSet<String> = booked(&client)
         .await?
         .keys()

@@ -19,13 +19,13 @@ use std::time::Duration;
 
 use anyhow::{Context, ensure};
 use gpushare_e2e::cluster::{ClusterSpec, EXTENDER_USER, Extender, TestCluster, wait_for};
-use gpushare_e2e::fixtures::pod;
 use gpushare_e2e::front::Front;
-use gpushare_e2e::scenarios::{allocation, check_no_overcommit, check_pinned, phase};
+use gpushare_e2e::scenarios::{
+    allocation, check_no_overcommit, check_pinned, create_gpu_pod, phase,
+};
 use k8s_openapi::api::coordination::v1::Lease;
 use k8s_openapi::api::core::v1::Pod;
 use kube::Api;
-use kube::api::PostParams;
 use kube::runtime::{WatchStreamExt, reflector, watcher};
 
 /// One HA cluster at a time: each runs 2 extenders and 8 device plugins.
@@ -342,23 +342,16 @@ impl Drop for PodWatch {
     }
 }
 
-async fn create(client: &kube::Client, name: &str, gib: u64) -> anyhow::Result<()> {
-    let api: Api<Pod> = Api::namespaced(client.clone(), "default");
-    api.create(&PostParams::default(), &pod(name).gpu_mem(gib).build())
-        .await?;
-    Ok(())
-}
-
 /// Creates `count` pods at once (16 requests in flight), sizes cycling through `sizes`.
-async fn burst(client: &kube::Client, count: usize, sizes: &[u64]) -> anyhow::Result<()> {
+async fn burst(cluster: &TestCluster, count: usize, sizes: &[u64]) -> anyhow::Result<()> {
     use futures::{StreamExt, TryStreamExt};
     futures::stream::iter(0..count)
         .map(|i| {
             let gib = sizes[i % sizes.len()];
-            async move { create(client, &format!("burst-{i}-{gib}g"), gib).await }
+            async move { create_gpu_pod(cluster, &format!("burst-{i}-{gib}g"), gib).await }
         })
         .buffer_unordered(16)
-        .try_collect::<Vec<()>>()
+        .try_collect::<Vec<_>>()
         .await?;
     Ok(())
 }
@@ -451,7 +444,7 @@ async fn the_leader_killed_mid_burst_every_pod_binds_once() -> anyhow::Result<()
         let watch = PodWatch::start(&ha.cluster.client).await?;
         let leader = ha.wait_leader(None).await?;
         // 80 pods, 180 GiB of 256: every one fits.
-        burst(&ha.cluster.client, 80, &[1, 2, 2, 4]).await?;
+        burst(&ha.cluster, 80, &[1, 2, 2, 4]).await?;
         watch.wait_bound(20).await?;
         ha.kill(leader).await;
         let (wall, killed) = (jiff::Timestamp::now(), tokio::time::Instant::now());
@@ -487,7 +480,7 @@ async fn a_leader_cut_off_from_the_api_server_stops_binding_and_is_replaced() ->
     with_ha(async |ha| {
         let watch = PodWatch::start(&ha.cluster.client).await?;
         let leader = ha.wait_leader(None).await?;
-        burst(&ha.cluster.client, 80, &[1, 2, 2, 4]).await?;
+        burst(&ha.cluster, 80, &[1, 2, 2, 4]).await?;
         watch.wait_bound(20).await?;
         let faults = ha.cluster.api.faults();
         faults.cut(&ha.replicas[leader].token);

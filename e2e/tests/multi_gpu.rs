@@ -8,18 +8,15 @@ use std::collections::BTreeSet;
 
 use anyhow::ensure;
 use gpushare_contract::{Keys, env};
-use gpushare_e2e::cluster::{ClusterSpec, TestCluster, wait_for, with_cluster};
+use gpushare_e2e::cluster::{ClusterSpec, TestCluster, top_details, with_cluster};
 use gpushare_e2e::fixtures::pod;
 use gpushare_e2e::kubelet::AdmissionOrder;
 use gpushare_e2e::scenarios::{
-    Harness, START_TIMEOUT, allocation, check_no_overcommit, check_pinned, wait_running,
+    Harness, allocation, check_no_overcommit, check_pinned, create_pod, wait_bound, wait_running,
     wait_unschedulable,
 };
 use k8s_openapi::api::core::v1::Pod;
 use kube::Api;
-use kube::api::{ListParams, PostParams};
-use kubectl_gpushare::render::render_top_details;
-use kubectl_gpushare::usage::{Settings, cluster_usage};
 
 /// Creates pod `name` asking for `total` GiB in `main`, laid out by `annotations`.
 async fn create(
@@ -32,24 +29,7 @@ async fn create(
     for (key, value) in annotations {
         builder = builder.annotation(key, value);
     }
-    Ok(
-        Api::<Pod>::namespaced(cluster.client(), cluster.namespace())
-            .create(&PostParams::default(), &builder.build())
-            .await?,
-    )
-}
-
-/// Waits until the scheduler has bound pod `name` (it may not run yet).
-async fn wait_bound(cluster: &TestCluster, name: &str) -> anyhow::Result<()> {
-    let pods: Api<Pod> = Api::namespaced(cluster.client(), cluster.namespace());
-    wait_for(&format!("pod {name} to be bound"), START_TIMEOUT, || {
-        let pods = pods.clone();
-        async move {
-            let pod = pods.get(name).await.ok()?;
-            pod.spec?.node_name.map(|_| ())
-        }
-    })
-    .await
+    Ok(create_pod(cluster, builder.build()).await?)
 }
 
 fn two_nodes(seed: u64) -> ClusterSpec {
@@ -64,6 +44,7 @@ async fn multi_gpu_whole_gpu_and_shared_pods_share_two_nodes_under_shuffled_admi
 -> anyhow::Result<()> {
     with_cluster(two_nodes(7), async |cluster| {
         let keys = Keys::default();
+        let pods: Api<Pod> = Api::namespaced(cluster.client(), cluster.namespace());
         let whole = [
             (keys.request_gpus.as_str(), "2"),
             (keys.request_exclusive.as_str(), "true"),
@@ -72,9 +53,9 @@ async fn multi_gpu_whole_gpu_and_shared_pods_share_two_nodes_under_shuffled_admi
         // pair comes), each bound before the next; the shared pods then arrive together,
         // and kubelet admits the pair and them in a shuffled order.
         create(cluster, "whole", 32, &whole).await?;
-        wait_bound(cluster, "whole").await?;
+        wait_bound(&pods, "whole").await?;
         create(cluster, "pair", 16, &[(keys.request_gpus.as_str(), "2")]).await?;
-        wait_bound(cluster, "pair").await?;
+        wait_bound(&pods, "pair").await?;
         let shared = ["s1", "s2", "s3", "s4"];
         for name in shared {
             create(cluster, name, 4, &[]).await?;
@@ -124,15 +105,7 @@ async fn multi_gpu_whole_gpu_and_shared_pods_share_two_nodes_under_shuffled_admi
         let reason = wait_unschedulable(&*cluster, "s5").await?;
         ensure!(reason.contains("0/2 nodes are available"), "s5: {reason}");
         // `kubectl gpushare top -d` lists the pair on each of its GPUs.
-        let nodes = Api::all(cluster.client())
-            .list(&ListParams::default())
-            .await?
-            .items;
-        let pods = Api::all(cluster.client())
-            .list(&ListParams::default())
-            .await?
-            .items;
-        let top = render_top_details(&cluster_usage(&nodes, &pods, &Settings::default()));
+        let top = top_details(&cluster.client()).await?;
         let pair_rows = top
             .lines()
             .filter(|line| line.split_whitespace().nth(1) == Some("pair"))

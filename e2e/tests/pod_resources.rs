@@ -12,7 +12,6 @@
 //!   itself: sidecars and app containers listed, ordinary init containers not, init devices
 //!   reused, rejected pods not listed, `Get` and `GetAllocatableResources`.
 
-use std::net::SocketAddr;
 use std::time::Duration;
 
 use anyhow::{Context, ensure};
@@ -31,22 +30,6 @@ use kube::api::PostParams;
 
 const NODE: &str = "gpu-node-1";
 const WAIT: Duration = Duration::from_secs(60);
-
-/// The address the node's device plugin serves `/metrics` on, from its log.
-fn plugin_metrics(cluster: &TestCluster) -> anyhow::Result<SocketAddr> {
-    let log = cluster.log_dir().join(format!("device-plugin-{NODE}.log"));
-    let text =
-        std::fs::read_to_string(&log).with_context(|| format!("reading {}", log.display()))?;
-    let line = text
-        .lines()
-        .find(|line| line.contains("serving /healthz, /readyz and /metrics"))
-        .context("the device plugin did not log its metrics address")?;
-    let addr = line
-        .split_whitespace()
-        .find_map(|word| word.strip_prefix("addr="))
-        .context("no addr= in the metrics log line")?;
-    Ok(addr.parse()?)
-}
 
 /// `(allocated, assigned)` marks of pod `name`.
 async fn marks(cluster: &TestCluster, name: &str) -> anyhow::Result<(String, String)> {
@@ -112,7 +95,7 @@ async fn an_intruder_holding_a_waiting_pods_allocation_is_reported_and_the_pod_s
             note.contains(&gpu) && note.contains("delete the pod"),
             "{note}"
         );
-        let metrics = plugin_metrics(cluster)?;
+        let metrics = cluster.device_plugin_metrics(NODE)?;
         let line = "gpushare_device_plugin_kubelet_mismatches_total{kind=\"no_allocation\"} 1";
         wait_for("the mismatch metric", WAIT, || async {
             let (_, body) = http_get(metrics, "/metrics").await.ok()?;

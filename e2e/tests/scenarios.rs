@@ -6,11 +6,10 @@
 use std::time::Duration;
 
 use anyhow::{Context, ensure};
-use gpushare_contract::{Keys, inventory};
 use gpushare_e2e::apiserver::Verb;
 use gpushare_e2e::cluster::{
     ClusterSpec, SCHEDULER_BACKOFF_MAX, SCHEDULER_UNSCHEDULABLE_RETRY, TestCluster, binaries,
-    file_tail, wait_for, with_cluster,
+    file_tail, published_gpus, wait_for, with_cluster,
 };
 use gpushare_e2e::fixtures;
 use gpushare_e2e::scenarios::{
@@ -114,15 +113,6 @@ async fn create_all(
         names.push(name);
     }
     Ok(names)
-}
-
-/// The GiB a pod named by [`create_all`] or [`create_burst`] asks for (`prefix-i-<gib>g`).
-fn size_of(name: &str) -> u64 {
-    name.rsplit('-')
-        .next()
-        .and_then(|last| last.strip_suffix('g'))
-        .and_then(|gib| gib.parse().ok())
-        .unwrap_or_else(|| panic!("pod name {name} does not end in -<GiB>g"))
 }
 
 /// Waits until every pod in `names` runs.
@@ -402,20 +392,14 @@ async fn an_unhealthy_gpu_gets_no_new_pods_until_it_recovers() -> anyhow::Result
         async |cluster| {
             cluster.set_unhealthy("n1", &[0])?;
             let nodes: Api<Node> = Api::all(cluster.client.clone());
-            let keys = Keys::default();
-            let gpu0_healthy = |nodes: Api<Node>, keys: Keys| async move {
-                let node = nodes.get("n1").await.ok()?;
-                let gpus =
-                    inventory::decode(node.metadata.annotations.as_ref()?.get(&keys.node_gpus)?)
-                        .ok()?;
-                gpus.iter().find(|g| g.index == 0).map(|g| g.healthy)
-            };
             wait_for(
                 "GPU 0 to be published unhealthy",
                 Duration::from_secs(30),
-                || {
-                    let (nodes, keys) = (nodes.clone(), keys.clone());
-                    async move { (gpu0_healthy(nodes, keys).await == Some(false)).then_some(()) }
+                || async {
+                    let gpus = published_gpus(&nodes.get("n1").await.ok()?)?.ok()?;
+                    gpus.iter()
+                        .any(|g| g.index == 0 && !g.healthy)
+                        .then_some(())
                 },
             )
             .await?;
@@ -491,17 +475,19 @@ const DRAIN_TARGET: Duration = Duration::from_secs(30);
 /// machine (about 10 binds/s after three extender kills) is not taken for pods lost.
 const STUCK_AFTER: Duration = Duration::from_secs(180);
 
-/// Starts the [`big_nodes`] cluster (once the big-cluster slot is free) and reports how long it
-/// took and how much memory it holds.
-async fn big_cluster(
+/// Runs `body` on the [`big_nodes`] cluster (once the big-cluster slot is free), reporting how
+/// long it took to start and how much memory it holds; on failure prints the extender's log
+/// (it tells the story; a device plugin log per node would drown it).
+async fn with_big_cluster(
     test: &str,
     http_timeout: Duration,
-) -> anyhow::Result<(TestCluster, tokio::sync::SemaphorePermit<'static>)> {
-    let permit = BIG_CLUSTER.acquire().await?;
+    body: impl AsyncFnOnce(&mut TestCluster) -> anyhow::Result<()>,
+) -> anyhow::Result<()> {
+    let _slot = BIG_CLUSTER.acquire().await?;
     // Built (or found) first, so that the figure below is the cluster's start-up alone.
     tokio::task::spawn_blocking(binaries).await??;
     let started = std::time::Instant::now();
-    let cluster = TestCluster::start(
+    let mut cluster = TestCluster::start(
         ClusterSpec::uniform(big_nodes(), &BIG_GPUS).with_http_timeout(http_timeout),
     )
     .await?;
@@ -511,7 +497,13 @@ async fn big_cluster(
         started.elapsed(),
         cluster.memory_use()
     );
-    Ok((cluster, permit))
+    let result = body(&mut cluster).await;
+    if result.is_err() {
+        let log = cluster.log_dir().join("extender.log");
+        eprintln!("==> {} <==\n{}", log.display(), file_tail(&log, 40));
+    }
+    cluster.shutdown().await;
+    result
 }
 
 /// Creates `count` pods at once (16 requests in flight), sizes cycling through `sizes`.
@@ -520,17 +512,17 @@ async fn create_burst(
     prefix: &str,
     count: usize,
     sizes: &[u64],
-) -> anyhow::Result<Vec<String>> {
+) -> anyhow::Result<()> {
     use futures::{StreamExt, TryStreamExt};
-    let names: Vec<String> = (0..count)
-        .map(|i| format!("{prefix}-{i}-{}g", sizes[i % sizes.len()]))
-        .collect();
-    futures::stream::iter(&names)
-        .map(|name| create_gpu_pod(cluster, name, size_of(name)))
+    futures::stream::iter(0..count)
+        .map(|i| {
+            let gib = sizes[i % sizes.len()];
+            async move { create_gpu_pod(cluster, &format!("{prefix}-{i}-{gib}g"), gib).await }
+        })
         .buffer_unordered(16)
         .try_collect::<Vec<_>>()
         .await?;
-    Ok(names)
+    Ok(())
 }
 
 /// How many of the pods are bound (`spec.nodeName` set) and running.
@@ -807,9 +799,7 @@ async fn api_stall_mid_burst(
     stall: Duration,
     held: HeldWrites,
 ) -> anyhow::Result<()> {
-    let (cluster, _slot) = big_cluster(test, http_timeout).await?;
-    let result = async {
-        let cluster = &cluster;
+    with_big_cluster(test, http_timeout, async |cluster| {
         let watch = PodWatch::start(cluster).await?;
         let at_fault = burst_until_some_bound(test, cluster, &watch).await?;
         let faults = cluster.api.faults();
@@ -822,19 +812,8 @@ async fn api_stall_mid_burst(
         );
         tokio::time::sleep_until(recovered).await;
         drain_and_check(test, cluster, &watch, at_fault, recovered).await
-    }
-    .await;
-    if result.is_err() {
-        eprintln!("{}", cluster_log_tail(&cluster));
-    }
-    cluster.shutdown().await;
-    result
-}
-
-/// The extender's log tells the story; a device plugin log per node would drown it.
-fn cluster_log_tail(cluster: &TestCluster) -> String {
-    let log = cluster.log_dir().join("extender.log");
-    format!("==> {} <==\n{}", log.display(), file_tail(&log, 40))
+    })
+    .await
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -877,23 +856,17 @@ async fn api_stall_losing_the_held_writes_mid_burst_every_pod_that_fits_binds() 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn extender_killed_three_times_mid_burst_every_pod_that_fits_binds() -> anyhow::Result<()> {
     let test = "extender_killed_three_times_mid_burst_every_pod_that_fits_binds";
-    let (mut cluster, _slot) = big_cluster(test, Duration::from_secs(5)).await?;
-    let result = async {
-        let watch = PodWatch::start(&cluster).await?;
-        let at_fault = burst_until_some_bound(test, &cluster, &watch).await?;
+    with_big_cluster(test, Duration::from_secs(5), async |cluster| {
+        let watch = PodWatch::start(cluster).await?;
+        let at_fault = burst_until_some_bound(test, cluster, &watch).await?;
         eprintln!("[{test}] SIGKILL the extender 3 times, 1 s apart, at {at_fault}");
         cluster
             .kill_extender_repeatedly(3, Duration::from_secs(1))
             .await?;
         let recovered = tokio::time::Instant::now();
-        drain_and_check(test, &cluster, &watch, at_fault, recovered).await
-    }
-    .await;
-    if result.is_err() {
-        eprintln!("{}", cluster_log_tail(&cluster));
-    }
-    cluster.shutdown().await;
-    result
+        drain_and_check(test, cluster, &watch, at_fault, recovered).await
+    })
+    .await
 }
 
 // Forged allocations (hand-written, copied, changed, with `nodeName`, and without the policy

@@ -10,6 +10,7 @@ use k8s_openapi::api::core::v1::Pod;
 use kube::api::{Api, ListParams};
 
 const CONDITION: &str = "gpushare.example.com/GpuHealthy";
+const WAIT: Duration = Duration::from_secs(30);
 
 /// `status` of the pod's GPU health condition, if it has one.
 async fn gpu_condition(pods: &Api<Pod>, name: &str) -> Option<String> {
@@ -19,6 +20,16 @@ async fn gpu_condition(pods: &Api<Pod>, name: &str) -> Option<String> {
         .into_iter()
         .find(|c| c.type_ == CONDITION)
         .map(|c| c.status)
+}
+
+/// Waits until the pod's GPU health condition reads `status`.
+async fn wait_condition(pods: &Api<Pod>, name: &str, status: &str) -> anyhow::Result<()> {
+    wait_for(
+        &format!("{name}'s condition to be {status}"),
+        WAIT,
+        || async { (gpu_condition(pods, name).await.as_deref() == Some(status)).then_some(()) },
+    )
+    .await
 }
 
 /// Two 8 GiB pods, one on each of n1's two GPUs; returns the name of the one on GPU 0.
@@ -41,29 +52,18 @@ async fn pods_on_a_gpu_that_turns_unhealthy_are_told_and_see_it_recover() -> any
         let other = if victim == "a" { "b" } else { "a" };
         let pods: Api<Pod> = Api::namespaced(cluster.client.clone(), "default");
         cluster.set_unhealthy("n1", &[0])?;
-        wait_for(
-            "the victim's condition",
-            Duration::from_secs(30),
-            || async {
-                (gpu_condition(&pods, &victim).await.as_deref() == Some("False")).then_some(())
-            },
-        )
-        .await?;
+        wait_condition(&pods, &victim, "False").await?;
         let events: Api<k8s_openapi::api::events::v1::Event> =
             Api::namespaced(cluster.client.clone(), "default");
-        let told = wait_for(
-            "the GpuUnhealthy Event",
-            Duration::from_secs(30),
-            || async {
-                let listed = events.list(&ListParams::default()).await.ok()?;
-                let about: Vec<String> = listed
-                    .into_iter()
-                    .filter(|e| e.reason.as_deref() == Some("GpuUnhealthy"))
-                    .filter_map(|e| e.regarding?.name)
-                    .collect();
-                (!about.is_empty()).then_some(about)
-            },
-        )
+        let told = wait_for("the GpuUnhealthy Event", WAIT, || async {
+            let listed = events.list(&ListParams::default()).await.ok()?;
+            let about: Vec<String> = listed
+                .into_iter()
+                .filter(|e| e.reason.as_deref() == Some("GpuUnhealthy"))
+                .filter_map(|e| e.regarding?.name)
+                .collect();
+            (!about.is_empty()).then_some(about)
+        })
         .await?;
         ensure!(told == [victim.clone()], "Events about {told:?}");
         // Without --evict-on-unhealthy the pod keeps running; the other GPU's pod is untouched.
@@ -71,14 +71,7 @@ async fn pods_on_a_gpu_that_turns_unhealthy_are_told_and_see_it_recover() -> any
         ensure!(gpu_condition(&pods, other).await.is_none());
 
         cluster.set_unhealthy("n1", &[])?;
-        wait_for(
-            "the condition to recover",
-            Duration::from_secs(30),
-            || async {
-                (gpu_condition(&pods, &victim).await.as_deref() == Some("True")).then_some(())
-            },
-        )
-        .await?;
+        wait_condition(&pods, &victim, "True").await?;
         Ok(())
     })
     .await
@@ -93,11 +86,9 @@ async fn opted_in_pods_of_an_unhealthy_gpu_are_evicted() -> anyhow::Result<()> {
         let other = if victim == "a" { "b" } else { "a" };
         let pods: Api<Pod> = Api::namespaced(cluster.client.clone(), "default");
         cluster.set_unhealthy("n1", &[0])?;
-        wait_for(
-            "the victim to be evicted",
-            Duration::from_secs(30),
-            || async { pods.get_opt(&victim).await.ok()?.is_none().then_some(()) },
-        )
+        wait_for("the victim to be evicted", WAIT, || async {
+            pods.get_opt(&victim).await.ok()?.is_none().then_some(())
+        })
         .await?;
         let stats = cluster.api.stats();
         ensure!(

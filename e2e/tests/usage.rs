@@ -11,7 +11,9 @@ use std::time::Duration;
 use anyhow::{Context, ensure};
 use gpushare_contract::Keys;
 use gpushare_contract::usage::NodeMemoryUse;
-use gpushare_e2e::cluster::{ClusterSpec, TestCluster, http_get, wait_for, with_cluster};
+use gpushare_e2e::cluster::{
+    ClusterSpec, TestCluster, http_get, top_details, wait_for, with_cluster,
+};
 use gpushare_e2e::scenarios::{allocation, create_gpu_pod, wait_running};
 use k8s_openapi::api::core::v1::Node;
 use kube::Api;
@@ -51,11 +53,6 @@ async fn wait_metrics(cluster: &TestCluster, want: &[String]) -> anyhow::Result<
             .then_some(body)
     })
     .await
-}
-
-/// `kubectl gpushare top -d` over what the API server has now.
-async fn top_details(cluster: &TestCluster) -> anyhow::Result<String> {
-    gpushare_e2e::cluster::top_details(&cluster.client).await
 }
 
 /// The row of pod `name` in `top -d`'s pod table, split into cells.
@@ -101,7 +98,7 @@ async fn a_pod_over_its_share_shows_in_metrics_the_node_annotation_and_top() -> 
 
         // Nothing written yet: measured, nothing in use.
         wait_annotation(cluster, &[("default/a", 0), ("default/b", 0)]).await?;
-        let text = top_details(cluster).await?;
+        let text = top_details(&cluster.client).await?;
         ensure!(pod_row(&text, "a")?.last() == Some(&"0.0"), "{text}");
         ensure!(!text.contains("over its share"), "{text}");
 
@@ -134,7 +131,7 @@ async fn a_pod_over_its_share_shows_in_metrics_the_node_annotation_and_top() -> 
         let usage = wait_annotation(cluster, &[("default/a", 3072), ("default/b", 3072)]).await?;
         ensure!(usage.gpus.get(&gpu) == Some(&6144), "{usage:?}");
 
-        let text = top_details(cluster).await?;
+        let text = top_details(&cluster.client).await?;
         ensure!(text.contains("USED(GiB)"), "{text}");
         ensure!(pod_row(&text, "a")?.last() == Some(&"3.0"), "{text}");
         ensure!(pod_row(&text, "b")?.last() == Some(&"3.0!"), "{text}");
@@ -152,7 +149,7 @@ async fn a_pod_over_its_share_shows_in_metrics_the_node_annotation_and_top() -> 
         )
         .await?;
         wait_annotation(cluster, &[("default/a", 3072), ("default/b", 1024)]).await?;
-        let text = top_details(cluster).await?;
+        let text = top_details(&cluster.client).await?;
         ensure!(pod_row(&text, "b")?.last() == Some(&"1.0"), "{text}");
         ensure!(!text.contains("over its share"), "{text}");
         Ok(())

@@ -57,9 +57,7 @@ async fn the_webhook_routes_gpu_pods_to_the_gpushare_scheduler() -> anyhow::Resu
 
         // A pod that asks for no GPU is left to the default scheduler.
         let pods: Api<Pod> = Api::namespaced(cluster.client.clone(), "default");
-        let plain = pods
-            .create(&PostParams::default(), &fixtures::pod("plain").build())
-            .await?;
+        let plain = fixtures::pod("plain").create(&cluster.client).await?;
         ensure!(scheduler_of(&plain) == Some("default-scheduler"));
 
         // A GPU pod that opts out of the webhook is refused by the policy, with what to do.
@@ -307,27 +305,22 @@ async fn burst_on_bare_nodes_binds_at_first_attempt(
         }
         let pods: Api<Pod> = Api::namespaced(cluster.client.clone(), "default");
         futures::future::try_join_all((0..PODS).map(|i| {
-            let pods = pods.clone();
-            async move {
-                let pod = fixtures::pod(&format!("burst-{i}")).gpu_mem(4).build();
-                pods.create(&PostParams::default(), &pod).await
-            }
+            fixtures::pod(&format!("burst-{i}"))
+                .gpu_mem(4)
+                .create(&cluster.client)
         }))
         .await?;
         wait_for(
             "every burst pod to be bound",
             std::time::Duration::from_secs(60),
-            || {
-                let pods = pods.clone();
-                async move {
-                    let list = pods.list(&Default::default()).await.ok()?;
-                    let bound = list
-                        .items
-                        .iter()
-                        .filter(|p| p.spec.as_ref().is_some_and(|s| s.node_name.is_some()))
-                        .count();
-                    (bound == PODS + residents.len()).then_some(())
-                }
+            || async {
+                let list = pods.list(&Default::default()).await.ok()?;
+                let bound = list
+                    .items
+                    .iter()
+                    .filter(|p| p.spec.as_ref().is_some_and(|s| s.node_name.is_some()))
+                    .count();
+                (bound == PODS + residents.len()).then_some(())
             },
         )
         .await?;

@@ -13,12 +13,17 @@ use gpushare_device_plugin::Config;
 use gpushare_e2e::apiserver::ApiServer;
 use gpushare_e2e::kubelet::{AdmissionOrder, KubeletDriver};
 use gpushare_proto::v1beta1::device_plugin_client::DevicePluginClient;
-use gpushare_proto::v1beta1::{AllocateRequest, ContainerAllocateRequest, Empty};
+use gpushare_proto::v1beta1::{
+    AllocateRequest, ContainerAllocateRequest, ContainerPreferredAllocationRequest, Empty,
+    ListAndWatchResponse, PreferredAllocationRequest,
+};
+use gpushare_testkit::fixtures::{PodBuilder, pod};
 use k8s_openapi::api::core::v1::{Node, Pod};
 use kube::{Api, Client};
 use tempfile::TempDir;
 use tokio::task::JoinHandle;
 use tokio_util::sync::CancellationToken;
+use tonic::Streaming;
 use tonic::transport::Channel;
 
 pub const NODE: &str = "n1";
@@ -28,6 +33,16 @@ pub const WAIT: Duration = Duration::from_secs(20);
 /// The simulated UUID of GPU `index` on [`NODE`].
 pub fn uuid(index: u32) -> String {
     format!("GPU-sim-{NODE}-{index}")
+}
+
+/// The GPU UUID of device ID `id` (`<uuid>-<slot>`).
+pub fn gpu_of(id: &str) -> &str {
+    id.rsplit_once('-').map_or(id, |(uuid, _)| uuid)
+}
+
+/// The plugin's flags that turn the allocation marks on (they are off by default).
+pub fn marks_on() -> Vec<String> {
+    vec!["--allocation-marks".to_owned(), "true".to_owned()]
 }
 
 pub struct Plugin {
@@ -251,6 +266,36 @@ pub fn allocation_on(
     .collect()
 }
 
+/// `builder` with every annotation of `annotations`.
+pub fn annotated(builder: PodBuilder, annotations: Vec<(String, String)>) -> PodBuilder {
+    annotations
+        .into_iter()
+        .fold(builder, |builder, (k, v)| builder.annotation(&k, &v))
+}
+
+/// Pod `name` on [`NODE`], its one container `main` asking for `gib`, with the
+/// [`allocation`] on GPU `gpu` bound `second` seconds into the test's timeline.
+pub fn placed(name: &str, gpu: u32, gib: u64, second: u32) -> PodBuilder {
+    annotated(
+        pod(name).gpu_mem(gib).on_node(NODE),
+        allocation(gpu, &[("main", gib, false)], second),
+    )
+}
+
+/// `(allocated, assigned)` marks of pod `name` ("" where unset).
+pub async fn marks(cluster: &Cluster, name: &str) -> anyhow::Result<(String, String)> {
+    let keys = Keys::default();
+    let annotations = cluster.pod(name).await?.metadata.annotations;
+    let annotations = annotations.unwrap_or_default();
+    let get = |key: &str| annotations.get(key).cloned().unwrap_or_default();
+    Ok((get(&keys.allocated), get(&keys.assigned)))
+}
+
+/// Whether pod `name` is marked assigned.
+pub async fn assigned(cluster: &Cluster, name: &str) -> anyhow::Result<bool> {
+    Ok(marks(cluster, name).await?.1 == "true")
+}
+
 /// Polls `cond` every 50 ms until it holds or `timeout` passes.
 pub async fn eventually<F, Fut>(timeout: Duration, what: &str, mut cond: F) -> anyhow::Result<()>
 where
@@ -284,6 +329,23 @@ pub fn allocate(devices: Vec<String>) -> AllocateRequest {
     }
 }
 
+/// The plugin's GetPreferredAllocation answer for one container of `size` devices.
+pub async fn preferred(
+    plugin: &mut DevicePluginClient<Channel>,
+    available: Vec<String>,
+    size: i32,
+) -> anyhow::Result<Vec<String>> {
+    let request = PreferredAllocationRequest {
+        container_requests: vec![ContainerPreferredAllocationRequest {
+            available_device_i_ds: available,
+            must_include_device_i_ds: vec![],
+            allocation_size: size,
+        }],
+    };
+    let mut response = plugin.get_preferred_allocation(request).await?.into_inner();
+    Ok(response.container_responses.swap_remove(0).device_i_ds)
+}
+
 /// A client of the plugin's socket, once it exists.
 pub async fn client(cluster: &Cluster) -> anyhow::Result<DevicePluginClient<Channel>> {
     let socket = cluster.plugin_socket();
@@ -292,10 +354,10 @@ pub async fn client(cluster: &Cluster) -> anyhow::Result<DevicePluginClient<Chan
     Ok(DevicePluginClient::new(channel))
 }
 
-/// Waits until ListAndWatch reports an unhealthy device.
+/// Waits until ListAndWatch reports an unhealthy device; returns the stream, still open.
 pub async fn wait_for_unhealthy_devices(
     plugin: &mut DevicePluginClient<Channel>,
-) -> anyhow::Result<()> {
+) -> anyhow::Result<Streaming<ListAndWatchResponse>> {
     let mut devices = plugin.list_and_watch(Empty {}).await?.into_inner();
     tokio::time::timeout(WAIT, async {
         while let Some(list) = devices.message().await? {
@@ -309,5 +371,6 @@ pub async fn wait_for_unhealthy_devices(
         }
         anyhow::bail!("ListAndWatch ended")
     })
-    .await?
+    .await??;
+    Ok(devices)
 }
