@@ -82,8 +82,9 @@ fn cluster_filled(nodes: usize, fill: Fill) -> (Cluster, Vec<String>) {
     (Cluster::rebuild(node_list, pods), names)
 }
 
-fn filter_and_prioritize(c: &mut Criterion) {
-    let request = Request {
+/// A pod of 4 GiB on one GPU, 4 cores and 16 GiB.
+fn four_gib_request() -> Request {
+    Request {
         models: Default::default(),
         gpus: 1,
         exclusive: false,
@@ -91,7 +92,11 @@ fn filter_and_prioritize(c: &mut Criterion) {
         containers: vec![4],
         host: Host::new(4_000, 16_384),
         compute: 0,
-    };
+    }
+}
+
+fn filter_and_prioritize(c: &mut Criterion) {
+    let request = four_gib_request();
     let mut group = c.benchmark_group("filter");
     for nodes in [100, 1_000, 5_000] {
         let (cluster, names) = busy_cluster(nodes);
@@ -182,15 +187,7 @@ fn filter_and_prioritize(c: &mut Criterion) {
 
 fn bind_decision(c: &mut Criterion) {
     let (mut cluster, names) = busy_cluster(5_000);
-    let request = Request {
-        models: Default::default(),
-        gpus: 1,
-        exclusive: false,
-        pod_gib: 4,
-        containers: vec![4],
-        host: Host::new(4_000, 16_384),
-        compute: 0,
-    };
+    let request = four_gib_request();
     let node = names[2_500].clone();
     let uid = PodId::from("bench-pod");
     c.bench_function("bind decision (reserve + release) at 5000 nodes", |b| {
@@ -296,13 +293,11 @@ fn preemption(c: &mut Criterion) {
     let mut group = c.benchmark_group("preempt");
     for (what, gpus) in [("20 GiB on one GPU", 1), ("20 GiB on each of 2 GPUs", 2)] {
         let request = Request {
-            models: Default::default(),
             gpus,
-            exclusive: false,
             pod_gib: 20 * u64::from(gpus),
             containers: vec![20 * u64::from(gpus)],
             host: Host::default(),
-            compute: 0,
+            ..four_gib_request()
         };
         group.bench_function(BenchmarkId::new("one node, 80 pods", what), |b| {
             let (node, evictable) = &candidates[0];

@@ -49,11 +49,8 @@ pub fn bound_pod(i: usize, nodes: usize, gpus: u32, keys: &Keys, bind_time: &str
 /// Where a pod of one `main` container was placed.
 #[derive(Debug, Clone, Copy)]
 pub struct Placed<'a> {
-    /// Node name.
     pub node: &'a str,
-    /// GPU index.
     pub gpu: u32,
-    /// GPU UUID.
     pub uuid: &'a str,
     /// GiB asked for and held.
     pub gib: u64,

@@ -41,8 +41,8 @@ use gpushare_e2e::scheduler::framework::{
     num_feasible_nodes_to_find, num_feasible_nodes_to_find_at,
 };
 use gpushare_perf::realistic::{
-    Cause, Measure, NodesToScore, Profile, RequestForm, Run, SimNode, Strategy, Task, TaskKind,
-    TaskMix, TraceMix, arrivals_until, generate_nodes, generate_tasks, placement_ceiling,
+    Cause, Measure, NodesToScore, Profile, RequestForm, Run, SimNode, Snapshot, Strategy, Task,
+    TaskKind, TaskMix, TraceMix, arrivals_until, generate_nodes, generate_tasks, placement_ceiling,
     replay_measured, trace_nodes, trace_tasks, whole_gpus_of_any_model,
 };
 
@@ -169,22 +169,10 @@ impl Mix {
 fn strategies() -> Vec<Strategy> {
     let chart = Profile::Default { weight: 1 };
     vec![
-        Strategy::Gpushare {
-            policy: Some(Policy::Binpack),
-            profile: chart,
-        },
-        Strategy::Gpushare {
-            policy: Some(Policy::Binpack),
-            profile: Profile::ExtenderOnly,
-        },
-        Strategy::Gpushare {
-            policy: Some(Policy::Spread),
-            profile: chart,
-        },
-        Strategy::Gpushare {
-            policy: None,
-            profile: chart,
-        },
+        Strategy::extender(Some(Policy::Binpack), chart),
+        Strategy::extender(Some(Policy::Binpack), Profile::ExtenderOnly),
+        Strategy::extender(Some(Policy::Spread), chart),
+        Strategy::extender(None, chart),
         Strategy::BestFit { multi_gpu: false },
         Strategy::Fgd {
             multi_gpu: false,
@@ -194,25 +182,16 @@ fn strategies() -> Vec<Strategy> {
             multi_gpu: false,
             cpu_pods_by_default: true,
         },
-        Strategy::Fragmentation {
-            profile: Profile::ExtenderOnly,
-        },
-        Strategy::Fragmentation { profile: chart },
-        Strategy::Fragmentation {
-            profile: Profile::Default { weight: 2 },
-        },
-        Strategy::Fragmentation {
-            profile: Profile::FilterKeepBest,
-        },
+        Strategy::fragmentation(Profile::ExtenderOnly),
+        Strategy::fragmentation(chart),
+        Strategy::fragmentation(Profile::Default { weight: 2 }),
+        Strategy::fragmentation(Profile::FilterKeepBest),
         Strategy::BestFit { multi_gpu: true },
         Strategy::Fgd {
             multi_gpu: true,
             cpu_pods_by_default: false,
         },
-        Strategy::Gpushare {
-            policy: Some(Policy::Binpack),
-            profile: Profile::NativeMostAllocated,
-        },
+        Strategy::extender(Some(Policy::Binpack), Profile::NativeMostAllocated),
         Strategy::DraFirstFit,
     ]
     .into_iter()
@@ -220,14 +199,12 @@ fn strategies() -> Vec<Strategy> {
         // What else the profile could weigh, the filter keeping the best node: without
         // LeastAllocated (not a chart value), and with `scheduler.extender.weight: 3`.
         [(0, 0, 1, 1), (1, 0, 1, 3)].map(|(least, most, balanced, extender)| {
-            Strategy::Fragmentation {
-                profile: Profile::Weighted {
-                    least,
-                    most,
-                    balanced,
-                    extender,
-                },
-            }
+            Strategy::fragmentation(Profile::Weighted {
+                least,
+                most,
+                balanced,
+                extender,
+            })
         }),
     )
     .collect()
@@ -511,47 +488,35 @@ fn print_at_full(results: &[Replayed]) {
 
 /// One strategy's row of [`print_at_full`].
 fn print_at_full_row(i: usize, strategy: Strategy, runs: &[Run]) {
-    let n = runs.len() as f64;
-    let allocation: Vec<f64> = runs.iter().map(|r| r.at_full.allocation).collect();
-    let (low, high) = allocation
-        .iter()
-        .fold((f64::MAX, f64::MIN), |(l, h), a| (l.min(*a), h.max(*a)));
+    let mean = |of: &dyn Fn(&Snapshot) -> f64| {
+        runs.iter().map(|r| of(&r.at_full)).sum::<f64>() / runs.len() as f64
+    };
+    // A count of tasks as a share of the arrived.
+    let share = |tasks: usize, s: &Snapshot| tasks as f64 / s.arrived.max(1) as f64;
+    let (low, high) = runs.iter().fold((f64::MAX, f64::MIN), |(l, h), r| {
+        (l.min(r.at_full.allocation), h.max(r.at_full.allocation))
+    });
     print!(
         "| {} | {} | **{:.1}%** | {:.1}–{:.1}% |",
         i + 1,
         strategy.name(),
-        allocation.iter().sum::<f64>() / n * 100.0,
+        mean(&|s| s.allocation) * 100.0,
         low * 100.0,
         high * 100.0
     );
     for c in 0..Cause::ALL.len() {
-        let failed: f64 = runs
-            .iter()
-            .map(|r| r.at_full.failed[c] as f64 / r.at_full.arrived.max(1) as f64)
-            .sum();
-        print!(" {:.1}% |", failed / n * 100.0);
+        print!(" {:.1}% |", mean(&|s| share(s.failed[c], s)) * 100.0);
     }
-    let outside: f64 = runs
-        .iter()
-        .map(|r| r.at_full.failed_outside_walk as f64 / r.at_full.arrived.max(1) as f64)
-        .sum();
-    let outside_tasks: f64 = runs
-        .iter()
-        .map(|r| r.at_full.failed_outside_walk as f64)
-        .sum();
     print!(
         " {:.2}% ({:.1} tasks) |",
-        outside / n * 100.0,
-        outside_tasks / n
+        mean(&|s| share(s.failed_outside_walk, s)) * 100.0,
+        mean(&|s| s.failed_outside_walk as f64)
     );
-    let stranded: f64 = runs.iter().map(|r| r.at_full.stranded).sum::<f64>() / n;
-    let idle: f64 = runs.iter().map(|r| r.at_full.stranded_gpus).sum::<f64>() / n;
-    let surplus: f64 = runs.iter().map(|r| r.at_full.whole_surplus).sum::<f64>() / n;
     println!(
         " {:.1}% | {:.1}% | {:.1}% |",
-        stranded * 100.0,
-        idle * 100.0,
-        surplus * 100.0
+        mean(&|s| s.stranded) * 100.0,
+        mean(&|s| s.stranded_gpus) * 100.0,
+        mean(&|s| s.whole_surplus) * 100.0
     );
 }
 

@@ -98,42 +98,26 @@ fn main() -> anyhow::Result<()> {
         "extender view: {} nodes × {} GPUs, {} bound pods",
         args.nodes, args.gpus, args.pods
     );
-    println!(
-        "  {:<44} {:>12}",
-        "view with nodes only",
-        mib(with_nodes - before)
-    );
-    println!(
-        "  {:<44} {:>12}",
-        "relist buffer (pod facts), at its fullest",
-        mib(buffered)
-    );
-    println!(
-        "  {:<44} {:>12}",
-        "view with nodes and pods",
-        mib(with_pods - before)
-    );
-    println!(
-        "  {:<44} {:>10} B",
-        "per pod in the view",
-        (with_pods - with_nodes) / pods
-    );
-    println!(
-        "  {:<44} {:>10} B",
-        "per pod after every pod's next watch event",
-        after_updates.saturating_sub(with_nodes) / pods
-    );
-    println!(
-        "  {:<44} {:>10} B",
-        "per pod in the relist buffer",
-        buffered / pods
-    );
-    println!(
-        "  {:<44} {:>12}",
-        "heap peak (whole run)",
-        mib(stats.max_bytes)
-    );
-    println!("  {:<44} {:>12}", "live allocations now", stats.curr_blocks);
+    // `{:>10} B` fills the same 12 columns as `{:>12}`.
+    let bytes = |b: usize| format!("{b:>10} B");
+    for (label, value) in [
+        ("view with nodes only", mib(with_nodes - before)),
+        ("relist buffer (pod facts), at its fullest", mib(buffered)),
+        ("view with nodes and pods", mib(with_pods - before)),
+        (
+            "per pod in the view",
+            bytes((with_pods - with_nodes) / pods),
+        ),
+        (
+            "per pod after every pod's next watch event",
+            bytes(after_updates.saturating_sub(with_nodes) / pods),
+        ),
+        ("per pod in the relist buffer", bytes(buffered / pods)),
+        ("heap peak (whole run)", mib(stats.max_bytes)),
+        ("live allocations now", stats.curr_blocks.to_string()),
+    ] {
+        println!("  {label:<44} {value:>12}");
+    }
     drop(view);
     Ok(())
 }

@@ -55,9 +55,7 @@ const QUOTED: usize = 3;
 pub struct Config {
     /// Nodes labelled `gpushare=true`.
     pub nodes: usize,
-    /// GPUs per node.
     pub gpus: u32,
-    /// GiB per GPU.
     pub gpu_gib: u64,
     /// Pods already bound (with allocation annotations) before the extender starts.
     pub bound_pods: usize,
@@ -391,27 +389,23 @@ fn report_cost(tally: &Tally, drive: &Drive, before: &Counters, after: &Counters
         .zip(before.cpu)
         .map(|(after, before)| after - before);
     let (calls, sent, received) = drive.http.traffic();
-    figure(
-        "API writes per bind (events excluded)",
-        ratio(writes, tally.bound),
-    );
-    // The cost to kube-scheduler and the control plane, per scheduled pod.
-    figure(
-        "API writes per scheduled pod, Events included",
-        ratio(all_writes, tally.bound),
-    );
-    figure(
-        "extender calls per scheduled pod",
-        ratio(calls, tally.bound),
-    );
-    figure(
-        "request bytes per scheduled pod (scheduler → extender)",
-        ratio(sent, tally.bound),
-    );
-    figure(
-        "answer bytes per scheduled pod (extender → scheduler)",
-        ratio(received, tally.bound),
-    );
+    // The first is per bind; the rest are the cost to kube-scheduler and the control plane,
+    // per scheduled pod.
+    for (label, total) in [
+        ("API writes per bind (events excluded)", writes),
+        ("API writes per scheduled pod, Events included", all_writes),
+        ("extender calls per scheduled pod", calls),
+        (
+            "request bytes per scheduled pod (scheduler → extender)",
+            sent,
+        ),
+        (
+            "answer bytes per scheduled pod (extender → scheduler)",
+            received,
+        ),
+    ] {
+        figure(label, ratio(total, tally.bound));
+    }
     figure(
         "per verb: calls per scheduled pod, bytes per call",
         drive.http.describe_by_verb(tally.bound),

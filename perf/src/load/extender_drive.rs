@@ -8,10 +8,12 @@
 
 use std::collections::{HashMap, VecDeque};
 use std::sync::atomic::{AtomicUsize, Ordering};
-use std::sync::{Arc, Mutex};
+use std::sync::{Arc, Mutex, MutexGuard, PoisonError};
+use std::time::Duration;
 
 use anyhow::Context;
 use gpushare_e2e::scheduler::wire::{self, ExtenderArgs, ExtenderBindingArgs};
+use hyper::body::Bytes;
 use k8s_openapi::api::core::v1::Pod;
 
 use crate::extender::NAMESPACE;
@@ -86,30 +88,21 @@ impl Drive {
         }
     }
 
-    fn requested(&self) -> std::sync::MutexGuard<'_, HashMap<String, u64>> {
+    fn requested(&self) -> MutexGuard<'_, HashMap<String, u64>> {
         self.requested
             .lock()
-            .unwrap_or_else(std::sync::PoisonError::into_inner)
+            .unwrap_or_else(PoisonError::into_inner)
     }
 
     /// `NodeResourcesFit` `MostAllocated` on the GPU-memory resource alone, where every node
     /// has the same capacity: the passing node with the most GiB requested; ties to the first.
     fn most_allocated<'a>(&self, passed: &'a [String]) -> &'a str {
         let requested = self.requested();
-        let mut best: Option<(&str, u64)> = None;
-        for host in passed {
-            let gib = requested.get(host).copied().unwrap_or(0);
-            if best.is_none_or(|(_, top)| gib > top) {
-                best = Some((host, gib));
-            }
-        }
-        best.map_or("", |(host, _)| host)
+        first_highest(passed, |host| requested.get(host).copied().unwrap_or(0))
     }
 
-    fn queue(&self) -> std::sync::MutexGuard<'_, VecDeque<(usize, u32)>> {
-        self.queue
-            .lock()
-            .unwrap_or_else(std::sync::PoisonError::into_inner)
+    fn queue(&self) -> MutexGuard<'_, VecDeque<(usize, u32)>> {
+        self.queue.lock().unwrap_or_else(PoisonError::into_inner)
     }
 
     /// The node names of scheduling cycle `cycle`.
@@ -168,12 +161,7 @@ impl Drive {
     /// the pod was bound.
     async fn schedule(&self, cycle: usize, pod: &Pod, tally: &mut Tally) -> anyhow::Result<bool> {
         let name = pod.metadata.name.clone().unwrap_or_default();
-        let args = ExtenderArgs {
-            pod: pod.clone(),
-            nodes: None,
-            node_names: Some(self.candidates(cycle)),
-        };
-        let (took, answer) = self.http.post("filter", serde_json::to_vec(&args)?).await?;
+        let (took, answer) = self.ask("filter", pod, self.candidates(cycle)).await?;
         tally.filter.push(took);
         let filtered = wire::decode_filter_result(&answer)?;
         if !filtered.error.is_empty() {
@@ -191,15 +179,7 @@ impl Drive {
         let node = if passed.len() > 1 && !self.prioritize {
             self.most_allocated(&passed).to_owned()
         } else if passed.len() > 1 {
-            let args = ExtenderArgs {
-                pod: pod.clone(),
-                nodes: None,
-                node_names: Some(passed.clone()),
-            };
-            let (took, answer) = self
-                .http
-                .post("prioritize", serde_json::to_vec(&args)?)
-                .await?;
+            let (took, answer) = self.ask("prioritize", pod, passed.clone()).await?;
             tally.prioritize.push(took);
             let scores = wire::decode_host_priorities(&answer)?;
             best_node(&passed, &scores).to_owned()
@@ -237,19 +217,36 @@ impl Drive {
             Ok(false)
         }
     }
+
+    /// `verb` (filter or prioritize) for `pod` on `node_names`.
+    async fn ask(
+        &self,
+        verb: &str,
+        pod: &Pod,
+        node_names: Vec<String>,
+    ) -> anyhow::Result<(Duration, Bytes)> {
+        let args = ExtenderArgs {
+            pod: pod.clone(),
+            nodes: None,
+            node_names: Some(node_names),
+        };
+        self.http.post(verb, serde_json::to_vec(&args)?).await
+    }
 }
 
 /// The highest-scored of `passed`; ties go to the node sent first. Unscored nodes score 0.
 fn best_node<'a>(passed: &'a [String], scores: &[wire::HostPriority]) -> &'a str {
     let by_host: HashMap<&str, i64> = scores.iter().map(|h| (h.host.as_str(), h.score)).collect();
-    let mut best: Option<(&str, i64)> = None;
-    for host in passed {
-        let score = by_host.get(host.as_str()).copied().unwrap_or(0);
-        if best.is_none_or(|(_, top)| score > top) {
-            best = Some((host, score));
-        }
-    }
-    best.map_or("", |(host, _)| host)
+    first_highest(passed, |host| by_host.get(host).copied().unwrap_or(0))
+}
+
+/// The first of `passed` with the highest `key` ("" when none passed).
+fn first_highest<K: Ord>(passed: &[String], key: impl Fn(&str) -> K) -> &str {
+    passed
+        .iter()
+        .rev()
+        .max_by_key(|host| key(host))
+        .map_or("", String::as_str)
 }
 
 #[cfg(test)]

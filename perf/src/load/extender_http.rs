@@ -7,8 +7,7 @@
 //! how and measures it.
 
 use std::collections::BTreeMap;
-use std::sync::atomic::{AtomicU64, Ordering};
-use std::sync::{Arc, Mutex};
+use std::sync::{Arc, Mutex, MutexGuard, PoisonError};
 use std::time::{Duration, Instant};
 
 use anyhow::{Context, anyhow, bail};
@@ -31,12 +30,8 @@ const CALL_TIMEOUT: Duration = Duration::from_secs(30);
 pub struct Http {
     client: Client<HttpsConnector<HttpConnector>, Full<Bytes>>,
     prefix: String,
-    /// Calls made, request body bytes sent, answer body bytes received: what kube-scheduler
-    /// encodes and decodes for the extender in its scheduling cycle.
-    calls: AtomicU64,
-    sent: AtomicU64,
-    received: AtomicU64,
-    /// The same three, by verb.
+    /// Calls made, request body bytes sent, answer body bytes received, by verb: what
+    /// kube-scheduler encodes and decodes for the extender in its scheduling cycle.
     by_verb: Mutex<BTreeMap<String, [u64; 3]>>,
 }
 
@@ -74,9 +69,6 @@ impl Http {
         Ok(Self {
             client,
             prefix,
-            calls: AtomicU64::new(0),
-            sent: AtomicU64::new(0),
-            received: AtomicU64::new(0),
             by_verb: Mutex::new(BTreeMap::new()),
         })
     }
@@ -84,11 +76,8 @@ impl Http {
     /// `filter 1.00 calls 7.9 KB in 6.1 KB out, …`: per verb, calls per scheduled pod and
     /// the mean request and answer body per call.
     pub fn describe_by_verb(&self, bound: u64) -> String {
-        let by_verb = self
-            .by_verb
-            .lock()
-            .unwrap_or_else(std::sync::PoisonError::into_inner);
-        let parts: Vec<String> = by_verb
+        let parts: Vec<String> = self
+            .by_verb()
             .iter()
             .filter(|(_, [calls, _, _])| *calls > 0)
             .map(|(verb, [calls, sent, received])| {
@@ -103,28 +92,26 @@ impl Http {
         parts.join(", ")
     }
 
-    fn count(&self, verb: &str, slot: usize, n: u64) {
-        let mut by_verb = self
-            .by_verb
-            .lock()
-            .unwrap_or_else(std::sync::PoisonError::into_inner);
-        by_verb.entry(verb.to_owned()).or_default()[slot] += n;
+    fn by_verb(&self) -> MutexGuard<'_, BTreeMap<String, [u64; 3]>> {
+        self.by_verb.lock().unwrap_or_else(PoisonError::into_inner)
     }
 
-    /// (calls, bytes sent, bytes received) so far.
+    fn count(&self, verb: &str, slot: usize, n: u64) {
+        self.by_verb().entry(verb.to_owned()).or_default()[slot] += n;
+    }
+
+    /// (calls, bytes sent, bytes received) so far, all verbs.
     pub fn traffic(&self) -> (u64, u64, u64) {
-        (
-            self.calls.load(Ordering::Relaxed),
-            self.sent.load(Ordering::Relaxed),
-            self.received.load(Ordering::Relaxed),
-        )
+        self.by_verb()
+            .values()
+            .fold((0, 0, 0), |(c, s, r), [calls, sent, received]| {
+                (c + calls, s + sent, r + received)
+            })
     }
 
     /// `POST {prefix}/{verb}` with a JSON body; the round-trip time and the answer body.
     pub async fn post(&self, verb: &str, body: Vec<u8>) -> anyhow::Result<(Duration, Bytes)> {
         let url = format!("{}/{verb}", self.prefix);
-        self.calls.fetch_add(1, Ordering::Relaxed);
-        self.sent.fetch_add(body.len() as u64, Ordering::Relaxed);
         self.count(verb, 0, 1);
         self.count(verb, 1, body.len() as u64);
         let request = http::Request::post(&url)
@@ -142,8 +129,6 @@ impl Http {
             .map_err(|_| anyhow!("POST {url}: no answer within {CALL_TIMEOUT:?}"))?
             .with_context(|| format!("POST {url}"))?;
         let took = started.elapsed();
-        self.received
-            .fetch_add(answer.len() as u64, Ordering::Relaxed);
         self.count(verb, 2, answer.len() as u64);
         if status != http::StatusCode::OK {
             bail!(

@@ -8,7 +8,6 @@
 use std::fmt::Display;
 use std::time::Duration;
 
-/// Width of the label column.
 const LABEL_WIDTH: usize = 44;
 
 /// Every latency of one kind of call.

@@ -57,9 +57,7 @@ const G3: usize = 8;
 pub struct TraceNodeType {
     /// Index into [`MODELS`].
     pub model: usize,
-    /// GPUs per node.
     pub gpus: u32,
-    /// Cores.
     pub cores: u64,
     /// Memory, GiB.
     pub memory_gib: u64,
@@ -260,16 +258,6 @@ impl TraceMix {
         TraceMix::Multigpu50,
     ];
 
-    /// The workload's name in the trace.
-    pub fn name(self) -> &'static str {
-        match self {
-            TraceMix::Default => "default",
-            TraceMix::Gpushare100 => "gpushare100",
-            TraceMix::Gpuspec33 => "gpuspec33",
-            TraceMix::Multigpu50 => "multigpu50",
-        }
-    }
-
     /// Share of tasks of each shape of [`SHAPES`], in tenths of a percent.
     fn shares(self) -> [u32; 6] {
         match self {
@@ -294,12 +282,8 @@ pub fn trace_tasks(nodes: &[SimNode], mix: TraceMix, demand: f64, seed: u64) -> 
     let mut rng = StdRng::seed_from_u64(seed ^ 0x7472_6163_6574);
     let capacity: u64 = nodes.iter().map(|n| u64::from(n.gpus) * n.gpu_gib).sum();
     let types = node_types(nodes);
-    let largest = types
-        .iter()
-        .map(|(n, _)| n.host)
-        .fold(Host::default(), |a, b| {
-            Host::new(a.milli_cpu.max(b.milli_cpu), a.memory_mib.max(b.memory_mib))
-        });
+    // CPU-only tasks fit the largest node.
+    let largest = largest_fitting(&types, 0, None);
     let shapes: Vec<(usize, u32)> = (0..SHAPES.len()).zip(mix.shares()).collect();
     // Tasks that are pinned, as a share of GPU tasks (CPU-only tasks name no GPU model).
     let gpu_share: u32 = mix.shares()[1..].iter().sum();

@@ -29,9 +29,7 @@ use super::sim::{Measure, arrivals_until};
 pub struct GpuClass {
     /// Index into [`MODELS`].
     pub model: usize,
-    /// GPUs per node.
     pub gpus: u32,
-    /// GiB per GPU.
     pub gpu_gib: u64,
 }
 

@@ -34,7 +34,6 @@ use rand::{Rng, SeedableRng};
 /// A GPU model and its memory.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct GpuModel {
-    /// Product name.
     pub name: &'static str,
     /// Whole GiB the device plugin advertises.
     pub gib: u64,
@@ -43,50 +42,26 @@ pub struct GpuModel {
 /// The GPU models of the generated clusters: seven for the generator below, and the trace's
 /// anonymised G2 and G3 for the calibrated one (`calibrated.rs`), which shares the rest.
 pub const MODELS: [GpuModel; 9] = [
-    GpuModel {
-        name: "T4",
-        gib: 15,
-    },
-    GpuModel {
-        name: "P100",
-        gib: 16,
-    },
-    GpuModel {
-        name: "V100-16",
-        gib: 16,
-    },
-    GpuModel {
-        name: "V100-32",
-        gib: 32,
-    },
-    GpuModel {
-        name: "A10",
-        gib: 24,
-    },
-    GpuModel {
-        name: "A100-40",
-        gib: 40,
-    },
-    GpuModel {
-        name: "A100-80",
-        gib: 80,
-    },
-    GpuModel {
-        name: "G2",
-        gib: 32,
-    },
-    GpuModel {
-        name: "G3",
-        gib: 32,
-    },
+    model("T4", 15),
+    model("P100", 16),
+    model("V100-16", 16),
+    model("V100-32", 32),
+    model("A10", 24),
+    model("A100-40", 40),
+    model("A100-80", 80),
+    model("G2", 32),
+    model("G3", 32),
 ];
+
+const fn model(name: &'static str, gib: u64) -> GpuModel {
+    GpuModel { name, gib }
+}
 
 /// A kind of node: its GPUs, CPU and memory, and how common it is.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct NodeType {
     /// Index into [`MODELS`].
     pub model: usize,
-    /// GPUs per node.
     pub gpus: u32,
     /// Allocatable cores.
     pub cores: u64,
@@ -99,63 +74,30 @@ pub struct NodeType {
 /// The node types: 8-GPU training servers, 4-GPU and 2-GPU inference servers. CPU per GPU
 /// ranges from 8 cores (P100 servers) to 32 (T4 servers).
 pub const NODE_TYPES: [NodeType; 7] = [
-    NodeType {
-        model: 2,
-        gpus: 8,
-        cores: 96,
-        memory_gib: 384,
-        weight: 26,
-    },
-    NodeType {
-        model: 3,
-        gpus: 8,
-        cores: 96,
-        memory_gib: 512,
-        weight: 10,
-    },
-    NodeType {
-        model: 1,
-        gpus: 8,
-        cores: 64,
-        memory_gib: 256,
-        weight: 8,
-    },
-    NodeType {
-        model: 6,
-        gpus: 8,
-        cores: 128,
-        memory_gib: 1024,
-        weight: 5,
-    },
-    NodeType {
-        model: 5,
-        gpus: 8,
-        cores: 128,
-        memory_gib: 768,
-        weight: 6,
-    },
-    NodeType {
-        model: 4,
-        gpus: 4,
-        cores: 64,
-        memory_gib: 256,
-        weight: 13,
-    },
-    NodeType {
-        model: 0,
-        gpus: 2,
-        cores: 64,
-        memory_gib: 256,
-        weight: 32,
-    },
+    node_type(2, 8, 96, 384, 26),
+    node_type(3, 8, 96, 512, 10),
+    node_type(1, 8, 64, 256, 8),
+    node_type(6, 8, 128, 1024, 5),
+    node_type(5, 8, 128, 768, 6),
+    node_type(4, 4, 64, 256, 13),
+    node_type(0, 2, 64, 256, 32),
 ];
+
+const fn node_type(model: usize, gpus: u32, cores: u64, memory_gib: u64, weight: u32) -> NodeType {
+    NodeType {
+        model,
+        gpus,
+        cores,
+        memory_gib,
+        weight,
+    }
+}
 
 /// One generated node.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct SimNode {
     /// Index into [`MODELS`].
     pub model: usize,
-    /// Number of GPUs.
     pub gpus: u32,
     /// GiB of each GPU.
     pub gpu_gib: u64,
@@ -245,22 +187,11 @@ impl Models {
     pub fn contains(self, model: usize) -> bool {
         model < MODELS.len() && self.0 & (1 << model) != 0
     }
-
-    /// How many models.
-    pub fn len(self) -> u32 {
-        self.0.count_ones()
-    }
-
-    /// Whether none is named.
-    pub fn is_empty(self) -> bool {
-        self.0 == 0
-    }
 }
 
 /// One task of the stream.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct Task {
-    /// What kind.
     pub kind: TaskKind,
     /// GPUs it needs (0 for CPU-only).
     pub gpus: u32,
@@ -615,7 +546,7 @@ mod tests {
         let named = gpu_tasks.iter().filter(|t| t.model.is_some()).count() as f64;
         let two = gpu_tasks
             .iter()
-            .filter(|t| t.model.is_some_and(|m| m.len() == 2))
+            .filter(|t| t.model.is_some_and(|m| m.0.count_ones() == 2))
             .count() as f64;
         assert!((0.28..0.38).contains(&(named / gpu_tasks.len() as f64)));
         assert!((0.35..0.65).contains(&(two / named)), "{two} of {named}");

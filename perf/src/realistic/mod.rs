@@ -56,6 +56,6 @@ pub use generator::{
     generate_nodes, generate_tasks,
 };
 pub use sim::{
-    Cause, Measure, NodesToScore, Profile, RequestForm, Run, Scored, Snapshot, Strategy,
-    arrivals_until, gpushare_request, most_allocated, replay, replay_measured,
+    Cause, Measure, NodesToScore, Profile, RequestForm, Run, Snapshot, Strategy, arrivals_until,
+    gpushare_request, replay_measured,
 };

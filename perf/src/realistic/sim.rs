@@ -31,7 +31,6 @@ use super::kube_scheduler::{KubeScheduler, Missed, default_scheduler};
 use super::nodes::Nodes;
 
 pub use super::gpushare::gpushare_request;
-pub use super::scores::{Scored, default_score, most_allocated};
 pub use super::strategy::{Cause, NodesToScore, Profile, RequestForm, Strategy};
 
 /// What demand and allocation are counted in.
@@ -105,19 +104,8 @@ pub struct Run {
 
 /// Replays `tasks` on `nodes` with `strategy`, gpushare pods asking for whole- and
 /// multi-GPU tasks in `form`, kube-scheduler looking at `to_score` (BestFit and FGD look at
-/// every node whatever it says); `seed` drives kube-scheduler's tie-break.
-pub fn replay(
-    nodes: &[SimNode],
-    tasks: &[Task],
-    strategy: Strategy,
-    form: RequestForm,
-    to_score: NodesToScore,
-    seed: u64,
-) -> Run {
-    replay_to_end(nodes, tasks, strategy, form, to_score, seed).0
-}
-
-/// [`replay`], demand and allocation counted in `measure`.
+/// every node whatever it says), demand and allocation counted in `measure`; `seed` drives
+/// kube-scheduler's tie-break.
 pub fn replay_measured(
     nodes: &[SimNode],
     tasks: &[Task],
@@ -144,19 +132,8 @@ pub fn arrivals_until(nodes: &[SimNode], tasks: &[Task], measure: Measure, deman
         .count()
 }
 
-/// [`replay`], with the cluster as the replay and (for gpushare) the allocator left it.
-fn replay_to_end<'a>(
-    nodes: &'a [SimNode],
-    tasks: &[Task],
-    strategy: Strategy,
-    form: RequestForm,
-    to_score: NodesToScore,
-    seed: u64,
-) -> (Run, Nodes<'a>, Option<Cluster>) {
-    replay_counting(nodes, tasks, strategy, (form, Measure::Gib), to_score, seed)
-}
-
-/// [`replay_to_end`] in `measure`.
+/// [`replay_measured`], with the cluster as the replay and (for gpushare) the allocator left
+/// it.
 fn replay_counting<'a>(
     nodes: &'a [SimNode],
     tasks: &[Task],
@@ -422,24 +399,61 @@ mod tests {
     use gpushare_allocator::{GpuUsage, ModelFilter};
     use gpushare_e2e::scheduler::framework::num_feasible_nodes_to_find;
 
+    /// [`replay_counting`] in GiB.
+    fn replay_to_end<'a>(
+        nodes: &'a [SimNode],
+        tasks: &[Task],
+        strategy: Strategy,
+        form: RequestForm,
+        to_score: NodesToScore,
+        seed: u64,
+    ) -> (Run, Nodes<'a>, Option<Cluster>) {
+        replay_counting(nodes, tasks, strategy, (form, Measure::Gib), to_score, seed)
+    }
+
+    /// [`replay_to_end`]'s run alone.
+    fn replay(
+        nodes: &[SimNode],
+        tasks: &[Task],
+        strategy: Strategy,
+        form: RequestForm,
+        to_score: NodesToScore,
+        seed: u64,
+    ) -> Run {
+        replay_to_end(nodes, tasks, strategy, form, to_score, seed).0
+    }
+
+    /// Free GiB per GPU of node `name` as the allocator books it.
+    fn allocator_free(cluster: Option<&Cluster>, name: &str) -> Vec<u64> {
+        let node = cluster.and_then(|c| c.node(name));
+        node.map_or(Vec::new(), |n| {
+            n.gpus().iter().map(GpuUsage::free_gib).collect()
+        })
+    }
+
+    /// 64 cores and 256 GiB; 128 cores and 1 TiB.
+    const HOST: Host = Host::new(64_000, 262_144);
+    const BIG_HOST: Host = Host::new(128_000, 1_048_576);
+
+    fn sim_node(model: usize, gpus: u32, gpu_gib: u64, host: Host) -> SimNode {
+        SimNode {
+            model,
+            gpus,
+            gpu_gib,
+            host,
+        }
+    }
+
+    /// The chart's former default profile: default scores, the extender's weight 1.
+    const CHART: Profile = Profile::Default { weight: 1 };
+
     /// binpack, classic, fragmentation (extender scores only) and native MostAllocated.
     fn binpack_classic_fragmentation_native() -> [Strategy; 4] {
         [
-            Strategy::Gpushare {
-                policy: Some(Policy::Binpack),
-                profile: Profile::Default { weight: 1 },
-            },
-            Strategy::Gpushare {
-                policy: None,
-                profile: Profile::Default { weight: 1 },
-            },
-            Strategy::Fragmentation {
-                profile: Profile::ExtenderOnly,
-            },
-            Strategy::Gpushare {
-                policy: Some(Policy::Binpack),
-                profile: Profile::NativeMostAllocated,
-            },
+            Strategy::extender(Some(Policy::Binpack), CHART),
+            Strategy::extender(None, CHART),
+            Strategy::fragmentation(Profile::ExtenderOnly),
+            Strategy::extender(Some(Policy::Binpack), Profile::NativeMostAllocated),
         ]
     }
 
@@ -448,23 +462,13 @@ mod tests {
     /// one (which it does with the classic extender, which taints nothing).
     #[test]
     fn cpu_only_pods_go_where_the_gpus_are_in_use_when_the_extender_taints_idle_ones() {
-        let node = SimNode {
-            model: 1,
-            gpus: 1,
-            gpu_gib: 16,
-            host: Host::new(64_000, 262_144),
-        };
+        let node = sim_node(1, 1, 16, HOST);
         let (nodes, tasks) = (
             [node, node],
             [task(TaskKind::Whole, 1, 16), task(TaskKind::CpuOnly, 0, 0)],
         );
-        let tainting = Strategy::Fragmentation {
-            profile: Profile::FilterKeepBest,
-        };
-        let classic = Strategy::Gpushare {
-            policy: None,
-            profile: Profile::Default { weight: 1 },
-        };
+        let tainting = Strategy::fragmentation(Profile::FilterKeepBest);
+        let classic = Strategy::extender(None, CHART);
         assert!(tainting.taints_idle_gpus() && !classic.taints_idle_gpus());
         for (strategy, together) in [(tainting, true), (classic, false)] {
             let (run, state, _) = replay_to_end(
@@ -494,12 +498,7 @@ mod tests {
     /// keeps the one of the model.
     #[test]
     fn a_pin_in_the_request_is_honoured_by_the_extender_not_the_walk() {
-        let node = |model: usize| SimNode {
-            model,
-            gpus: 2,
-            gpu_gib: MODELS[model].gib,
-            host: Host::new(64_000, 262_144),
-        };
+        let node = |model: usize| sim_node(model, 2, MODELS[model].gib, HOST);
         let pinned = Task {
             model: Some(Models::one(6)),
             ..task(TaskKind::Fractional, 1, 8)
@@ -510,9 +509,7 @@ mod tests {
             request(RequestForm::ModelsInRequest).models,
             ModelFilter::parse(["A100-80"])
         );
-        let row_11 = Strategy::Fragmentation {
-            profile: Profile::FilterKeepBest,
-        };
+        let row_11 = Strategy::fragmentation(Profile::FilterKeepBest);
         let mut many: Vec<SimNode> = vec![node(0); 150];
         many.push(node(6));
         let walk = NodesToScore::Percentage(1);
@@ -547,12 +544,7 @@ mod tests {
     #[test]
     fn exclusive_whole_and_multi_gpu_tasks_take_whole_empty_gpus() {
         // One node of 4 x 16 GiB.
-        let nodes = [SimNode {
-            model: 1,
-            gpus: 4,
-            gpu_gib: 16,
-            host: Host::new(64_000, 262_144),
-        }];
+        let nodes = [sim_node(1, 4, 16, HOST)];
         let tasks = [
             task(TaskKind::Fractional, 1, 4),
             task(TaskKind::Multi, 2, 16),
@@ -568,21 +560,10 @@ mod tests {
         assert!(exclusive(&tasks[1]).exclusive && exclusive(&tasks[2]).exclusive);
         assert!(!exclusive(&tasks[3]).exclusive);
         for strategy in [
-            Strategy::Gpushare {
-                policy: Some(Policy::Binpack),
-                profile: Profile::Default { weight: 1 },
-            },
-            Strategy::Gpushare {
-                policy: Some(Policy::Spread),
-                profile: Profile::ExtenderOnly,
-            },
-            Strategy::Fragmentation {
-                profile: Profile::ExtenderOnly,
-            },
-            Strategy::Gpushare {
-                policy: Some(Policy::Binpack),
-                profile: Profile::NativeMostAllocated,
-            },
+            Strategy::extender(Some(Policy::Binpack), CHART),
+            Strategy::extender(Some(Policy::Spread), Profile::ExtenderOnly),
+            Strategy::fragmentation(Profile::ExtenderOnly),
+            Strategy::extender(Some(Policy::Binpack), Profile::NativeMostAllocated),
         ] {
             let (run, state, _) = replay_to_end(
                 &nodes,
@@ -605,22 +586,14 @@ mod tests {
     #[test]
     fn an_exclusive_whole_gpu_task_books_a_larger_gpu_in_full() {
         // One node of 2 x 80 GiB; a whole-GPU task of a 15 GiB model names no model.
-        let nodes = [SimNode {
-            model: 6,
-            gpus: 2,
-            gpu_gib: 80,
-            host: Host::new(128_000, 1_048_576),
-        }];
+        let nodes = [sim_node(6, 2, 80, BIG_HOST)];
         let tasks = [
             task(TaskKind::Whole, 1, 15),
             task(TaskKind::Fractional, 1, 40),
             task(TaskKind::Fractional, 1, 40),
             task(TaskKind::Fractional, 1, 10),
         ];
-        let binpack = Strategy::Gpushare {
-            policy: Some(Policy::Binpack),
-            profile: Profile::Default { weight: 1 },
-        };
+        let binpack = Strategy::extender(Some(Policy::Binpack), CHART);
         let (run, state, cluster) = replay_to_end(
             &nodes,
             &tasks,
@@ -633,11 +606,10 @@ mod tests {
         assert_eq!(run.end.allocation, 95.0 / 160.0);
         assert_eq!(run.end.whole_surplus, 65.0 / 160.0);
         assert_eq!(state.requested_gib[0], 95);
-        let booked = cluster.as_ref().and_then(|c| c.node("node-00000"));
-        let free: Vec<u64> = booked.map_or(Vec::new(), |n| {
-            n.gpus().iter().map(GpuUsage::free_gib).collect()
-        });
-        assert_eq!(free, state.free[0]);
+        assert_eq!(
+            allocator_free(cluster.as_ref(), "node-00000"),
+            state.free[0]
+        );
         // BestFit books only what the task asks for: the 10 GiB slice fits beside it.
         let (run, _, _) = replay_to_end(
             &nodes,
@@ -654,12 +626,7 @@ mod tests {
     #[test]
     fn counted_in_gpus_a_whole_gpu_counts_one_and_a_shared_one_its_booked_share() {
         // 2 × 16 GiB and 2 × 32 GiB: 4 GPUs, 96 GiB.
-        let node = |model: usize, gpu_gib: u64| SimNode {
-            model,
-            gpus: 2,
-            gpu_gib,
-            host: Host::new(64_000, 262_144),
-        };
+        let node = |model: usize, gpu_gib: u64| sim_node(model, 2, gpu_gib, HOST);
         let nodes = [node(1, 16), node(3, 32)];
         // Three whole GPUs of any model (`exclusive`, 16 GiB), then a quarter of a GPU
         // drawn for a 32 GiB model (8 GiB): 3.25 GPUs of 4 arrive, 56 GiB of 96.
@@ -672,10 +639,7 @@ mod tests {
                 ..task(TaskKind::Fractional, 1, 8)
             },
         ];
-        let binpack = Strategy::Gpushare {
-            policy: Some(Policy::Binpack),
-            profile: Profile::ExtenderOnly,
-        };
+        let binpack = Strategy::extender(Some(Policy::Binpack), Profile::ExtenderOnly);
         let form = (RequestForm::Exclusive, Measure::Gpus);
         let run = replay_measured(&nodes, &tasks, binpack, form, NodesToScore::All, 0);
         assert_eq!(run.end.failed, [0; 6]);
@@ -704,12 +668,7 @@ mod tests {
     fn a_plain_whole_gpu_task_leaves_a_larger_gpu_to_fractional_tasks() {
         // One 80 GiB GPU; a whole-GPU task of a 15 GiB model names no model, then 65 GiB of
         // fractional tasks.
-        let nodes = [SimNode {
-            model: 6,
-            gpus: 1,
-            gpu_gib: 80,
-            host: Host::new(128_000, 1_048_576),
-        }];
+        let nodes = [sim_node(6, 1, 80, BIG_HOST)];
         let tasks = [
             task(TaskKind::Whole, 1, 15),
             task(TaskKind::Fractional, 1, 40),
@@ -733,10 +692,7 @@ mod tests {
             assert_eq!(run.end.allocation, 1.0, "{strategy:?}");
             assert_eq!(run.end.whole_surplus, 0.0, "{strategy:?}");
             assert_eq!(state.free[0], [0], "{strategy:?}");
-            let booked = cluster.as_ref().and_then(|c| c.node("node-00000"));
-            let free: Vec<u64> = booked.map_or(Vec::new(), |n| {
-                n.gpus().iter().map(GpuUsage::free_gib).collect()
-            });
+            let free = allocator_free(cluster.as_ref(), "node-00000");
             assert_eq!(free, [0], "{strategy:?}");
             // Asked for with `exclusive`, the whole-GPU task keeps the GPU to itself.
             let (run, _, _) = replay_to_end(
@@ -758,25 +714,11 @@ mod tests {
         let tasks = generate_tasks(&nodes, &TaskMix::default(), 1.3, 5);
         assert!(tasks.iter().any(|t| t.kind == TaskKind::Multi));
         for strategy in [
-            Strategy::Gpushare {
-                policy: Some(Policy::Binpack),
-                profile: Profile::Default { weight: 1 },
-            },
-            Strategy::Gpushare {
-                policy: None,
-                profile: Profile::Default { weight: 1 },
-            },
-            Strategy::Gpushare {
-                policy: Some(Policy::Spread),
-                profile: Profile::Default { weight: 1 },
-            },
-            Strategy::Fragmentation {
-                profile: Profile::ExtenderOnly,
-            },
-            Strategy::Gpushare {
-                policy: Some(Policy::Binpack),
-                profile: Profile::NativeMostAllocated,
-            },
+            Strategy::extender(Some(Policy::Binpack), CHART),
+            Strategy::extender(None, CHART),
+            Strategy::extender(Some(Policy::Spread), CHART),
+            Strategy::fragmentation(Profile::ExtenderOnly),
+            Strategy::extender(Some(Policy::Binpack), Profile::NativeMostAllocated),
         ] {
             for form in [RequestForm::Plain, RequestForm::Exclusive] {
                 let (run, state, cluster) =
@@ -789,9 +731,7 @@ mod tests {
                     assert_eq!(run.end.whole_surplus, 0.0, "{strategy:?}");
                 }
                 for (n, name) in state.names.iter().enumerate() {
-                    let free: Vec<u64> = cluster.node(name).map_or(Vec::new(), |node| {
-                        node.gpus().iter().map(GpuUsage::free_gib).collect()
-                    });
+                    let free = allocator_free(Some(&cluster), name);
                     assert_eq!(free, state.free[n], "{strategy:?} {form:?}, {name}");
                 }
                 let booked: u64 = (0..state.specs.len())
@@ -820,7 +760,6 @@ mod tests {
                 (nodes, tasks, seed)
             })
             .collect();
-        let chart = Profile::Default { weight: 1 };
         for form in [RequestForm::Plain, RequestForm::Exclusive] {
             let at_full = |strategy| -> f64 {
                 traces
@@ -832,11 +771,8 @@ mod tests {
                     })
                     .sum()
             };
-            let binpack = at_full(Strategy::Gpushare {
-                policy: Some(Policy::Binpack),
-                profile: chart,
-            });
-            let ours = at_full(Strategy::Fragmentation { profile: chart });
+            let binpack = at_full(Strategy::extender(Some(Policy::Binpack), CHART));
+            let ours = at_full(Strategy::fragmentation(CHART));
             assert!(ours > binpack, "{form:?}: {ours} vs binpack {binpack}");
         }
     }
@@ -846,10 +782,7 @@ mod tests {
         let nodes = generate_nodes(20, 4);
         let tasks = generate_tasks(&nodes, &TaskMix::default(), 1.3, 4);
         for strategy in [
-            Strategy::Gpushare {
-                policy: Some(Policy::Spread),
-                profile: Profile::Default { weight: 1 },
-            },
+            Strategy::extender(Some(Policy::Spread), CHART),
             Strategy::BestFit { multi_gpu: true },
             Strategy::Fgd {
                 multi_gpu: false,
@@ -889,12 +822,7 @@ mod tests {
     fn a_pod_fails_when_the_extender_refuses_every_node_of_the_walk() {
         // 200 nodes of 2 x 16 GiB: kube-scheduler looks for 100. Nodes 0-99 carry model 1,
         // nodes 100-199 model 2.
-        let node = |model| SimNode {
-            model,
-            gpus: 2,
-            gpu_gib: 16,
-            host: Host::new(64_000, 262_144),
-        };
+        let node = |model| sim_node(model, 2, 16, HOST);
         let nodes: Vec<SimNode> = (0..200)
             .map(|n| node(if n < 100 { 1 } else { 2 }))
             .collect();

@@ -161,6 +161,14 @@ pub enum Strategy {
 }
 
 impl Strategy {
+    pub fn extender(policy: Option<Policy>, profile: Profile) -> Self {
+        Strategy::Gpushare { policy, profile }
+    }
+
+    pub fn fragmentation(profile: Profile) -> Self {
+        Strategy::Fragmentation { profile }
+    }
+
     /// Name in the report.
     pub fn name(self) -> String {
         match self {
