@@ -187,6 +187,14 @@ impl Actor {
                 .pods_on_gpu(&gpu.uuid)
                 .into_iter()
                 .find_map(|(key, uid)| (key == finding.pod).then_some(uid));
+            // An eviction names the pod by UID too, so that a pod created again under the same
+            // name is not taken for the one measured: without one (the cache has not caught up,
+            // or the pod is on its way out), it waits for the next measurement.
+            if evict && uid.is_none() {
+                tracing::warn!(pod = %finding.pod, gpu = finding.gpu, "a pod over its GPU memory share is not among the GPU's pods yet; evicting it at the next measurement");
+                tracker.eviction_failed(&finding.pod, finding.gpu);
+                continue;
+            }
             let (namespace, name) = finding
                 .pod
                 .split_once('/')
@@ -238,15 +246,15 @@ impl Actor {
                 self.metrics.over_share_episodes.inc();
                 continue;
             }
-            // The pod on the GPU now is the one measured; without it there is nobody to evict.
             let Some(uid) = uid else {
                 continue;
             };
             let api: Api<Pod> = Api::namespaced(self.client.clone(), namespace);
             match api.evict(name, &crate::pods::eviction_of(&uid)).await {
                 Ok(_) => self.metrics.over_share_evictions.inc(),
-                // Gone, or a new pod under the same name (the UID precondition refused it).
-                Err(kube::Error::Api(status)) if status.code == 404 || status.code == 409 => 0,
+                Err(kube::Error::Api(status)) if status.code == 404 => 0,
+                // A conflict is a pod created again under the name (the UID precondition) or
+                // the Eviction API's own retries running out: the next measurement decides.
                 Err(error) => {
                     tracing::warn!(pod = %finding.pod, %error, "cannot evict a pod over its GPU memory share; trying again at the next measurement");
                     tracker.eviction_failed(&finding.pod, finding.gpu);

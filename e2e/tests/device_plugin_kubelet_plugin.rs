@@ -1,5 +1,7 @@
 //! The device plugin against the test kubelet and the in-process API server, over real unix
-//! sockets: registration, device lists, health, Allocate, re-registration.
+//! sockets: registration, device lists, health, Allocate. Re-registration after a kubelet
+//! restart runs in `scenarios.rs` (`device_plugin_and_kubelet_restarts_keep_serving`) and on
+//! the real cluster (`kubelet_restart_keeps_gpu_pods`).
 
 #[path = "device_plugin/common.rs"]
 mod common;

@@ -1,5 +1,5 @@
-//! What a scenario does to a running [`TestCluster`]: the extender crashed and restarted
-//! (once, in place, or repeatedly), a device plugin restarted or rolled as a DaemonSet
+//! What a scenario does to a running [`TestCluster`]: the extender killed and restarted in
+//! place (once or repeatedly), a device plugin restarted or rolled as a DaemonSet
 //! rolls it, a kubelet restarted, GPUs marked unhealthy.
 //!
 //! Separate from starting and stopping the cluster: each fault is a story of its own,

@@ -8,8 +8,8 @@
 //! against request bodies captured from kube-scheduler v1.36.
 //!
 //! ```text
-//!  watch Pods ─┐                      ┌─► built-in filters (cordon, taints, readiness,
-//!  watch Nodes ┴► state (cache+queue) │     selector/affinity, resource fit) + default scores
+//!  watch Pods ─┐                      ┌─► built-in filters (readiness, selector/affinity,
+//!  watch Nodes ┴► state (cache+queue) │     resource fit) + default scores
 //!                       │ pop         │
 //!                       ▼             ├─► extender filter  (interested pods only)
 //!                 scheduling cycle ───┼─► extender prioritize (≥ 2 feasible nodes)
