@@ -18,6 +18,10 @@
 //! - [`scenarios`]: the user stories, written once, run here and on a real cluster;
 //!   [`preemption`]: the preemption stories, run on the real cluster only.
 //! - [`tools`]: installs kubectl and helm from the project's own script, for tests that need them.
+//!
+//! Binaries: `demo` (the local demo cluster), `load` (the load harness: the real extender and
+//! device plugin driven at scale on this control plane) and `realload` (drains on the real
+//! cluster).
 
 pub mod apiserver;
 mod chunked;

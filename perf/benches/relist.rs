@@ -18,7 +18,7 @@ use gpushare_contract::{DEFAULT_DOMAIN, DEFAULT_RESOURCE, Keys};
 use gpushare_extender::kube_io::watched_pod::WatchedPod;
 use gpushare_extender::scheduling::view::PodFacts;
 use gpushare_extender::{Settings, View};
-use gpushare_perf::workload::{gpushare_nodes, listed_bound_pod};
+use gpushare_testkit::workload::{gpushare_nodes, listed_bound_pod};
 use kube::core::ObjectList;
 
 const NODES: usize = 5_000;

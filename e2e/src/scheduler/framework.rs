@@ -22,22 +22,24 @@
 //! chart's RBAC check, has a single node), and the real tier checks it on kube-scheduler
 //! (`cpu_only_pods_prefer_nodes_whose_gpus_are_in_use` in `tests/real.rs`).
 //!
-//! The filters are here; what pods request and nodes hold is in `requests.rs`, the scores
-//! and the pick of a host in `scoring.rs`, re-exported here so that every path stays
+//! The filters are here; what pods request and nodes hold, the scores, the pick of a host and
+//! the walk's length are `gpushare-scheduler-model`'s (shared with the packing simulator), what
+//! extender answers add is in `scoring.rs`; all are re-exported here so that every path stays
 //! `framework::...`.
 
 use std::collections::BTreeMap;
 
 use k8s_openapi::api::core::v1::{Node, NodeSelectorRequirement, NodeSelectorTerm, Pod};
 
-pub use super::requests::{
+pub use super::scoring::{ExtenderPriorities, add_extender_priorities, extender_score};
+pub use gpushare_scheduler_model::requests::{
     CPU, DEFAULT_MEMORY_REQUEST, DEFAULT_MILLI_CPU_REQUEST, EPHEMERAL_STORAGE, MEMORY, Milli,
     NodeUsage, PODS, PodUsage, Resources, allocatable, parse_quantity, pod_requests, pod_uses_any,
 };
-pub use super::scoring::{
-    ExtenderPriorities, FitScoring, FitStrategy, MAX_NODE_SCORE, NodeScore,
-    add_extender_priorities, default_score, extender_score, select_scored_host,
+pub use gpushare_scheduler_model::scoring::{
+    FitScoring, FitStrategy, MAX_NODE_SCORE, NodeScore, default_score, select_scored_host,
 };
+pub use gpushare_scheduler_model::{num_feasible_nodes_to_find, num_feasible_nodes_to_find_at};
 
 /// Upstream's reason strings (what users read in `FailedScheduling`).
 pub mod reasons {
@@ -188,27 +190,6 @@ pub fn filter_node(
     }
     // NodeResourcesFit
     insufficient(requests, allocatable, usage)
-}
-
-/// How many feasible nodes the scheduler looks for before it stops filtering
-/// (`numFeasibleNodesToFind` with the default adaptive percentage).
-pub fn num_feasible_nodes_to_find(all_nodes: usize) -> usize {
-    num_feasible_nodes_to_find_at(all_nodes, 0)
-}
-
-/// `numFeasibleNodesToFind` under a `percentageOfNodesToScore` of `percentage` (0: the
-/// adaptive default, 50 % less 1 % per 125 nodes, at least 5 %). Never fewer than 100 nodes
-/// (all of them in a smaller cluster), whatever the percentage.
-pub fn num_feasible_nodes_to_find_at(all_nodes: usize, percentage: u32) -> usize {
-    const MIN_FEASIBLE_NODES_TO_FIND: usize = 100;
-    if all_nodes < MIN_FEASIBLE_NODES_TO_FIND || percentage >= 100 {
-        return all_nodes;
-    }
-    let percentage = match percentage {
-        0 => 50usize.saturating_sub(all_nodes / 125).max(5),
-        p => p as usize,
-    };
-    (all_nodes * percentage / 100).max(MIN_FEASIBLE_NODES_TO_FIND)
 }
 
 /// The message of kube-scheduler's `FitError`: "0/3 nodes are available: 1 Insufficient cpu,

@@ -21,7 +21,8 @@
 //!
 //! - [`wire`]: the extender JSON (PascalCase keys, Go's case-insensitive decoding).
 //! - `framework`: the default profile's filters and the FitError message, with the paths of
-//!   `requests` (what pods request and nodes hold) and `scoring` (scores, host pick).
+//!   `gpushare-scheduler-model` (what pods request and nodes hold, scores, host pick) and
+//!   `scoring` (what extender answers add).
 //! - `configuration`: a `KubeSchedulerConfiguration` file (as the chart renders it) read into a
 //!   [`SchedulerConfig`].
 //! - `state`: the cache (bound + assumed pods per node) and the scheduling queue.
@@ -34,7 +35,6 @@ mod configuration;
 mod driver;
 mod extender;
 pub mod framework;
-mod requests;
 mod scoring;
 mod shared;
 mod state;

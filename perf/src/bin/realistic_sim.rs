@@ -37,14 +37,12 @@
 use clap::Parser;
 use gpushare_allocator::Policy;
 use gpushare_allocator::fragmentation::Host;
-use gpushare_e2e::scheduler::framework::{
-    num_feasible_nodes_to_find, num_feasible_nodes_to_find_at,
-};
 use gpushare_perf::realistic::{
     Cause, Measure, NodesToScore, Profile, RequestForm, Run, SimNode, Snapshot, Strategy, Task,
     TaskKind, TaskMix, TraceMix, arrivals_until, generate_nodes, generate_tasks, placement_ceiling,
     replay_measured, trace_nodes, trace_tasks, whole_gpus_of_any_model,
 };
+use gpushare_scheduler_model::{num_feasible_nodes_to_find, num_feasible_nodes_to_find_at};
 
 /// Compares gpushare's policies with BestFit and FGD on generated realistic clusters.
 #[derive(Debug, Parser)]

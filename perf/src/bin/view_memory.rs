@@ -20,7 +20,7 @@ use clap::Parser;
 use gpushare_contract::{DEFAULT_DOMAIN, DEFAULT_RESOURCE, Keys};
 use gpushare_extender::scheduling::view::PodFacts;
 use gpushare_extender::{Settings, View};
-use gpushare_perf::workload::{gpushare_nodes, listed_bound_pod};
+use gpushare_testkit::workload::{gpushare_nodes, listed_bound_pod};
 
 #[global_allocator]
 static HEAP: dhat::Alloc = dhat::Alloc;

@@ -7,9 +7,7 @@
 //! CPU-only pods go through the cluster's default scheduler, another process with a walk of
 //! its own.
 
-use gpushare_e2e::scheduler::framework::{
-    num_feasible_nodes_to_find, num_feasible_nodes_to_find_at,
-};
+use gpushare_scheduler_model::{num_feasible_nodes_to_find, num_feasible_nodes_to_find_at};
 use rand::rngs::StdRng;
 use rand::{Rng, SeedableRng};
 

@@ -6,12 +6,13 @@
 
 use gpushare_allocator::fragmentation::Host;
 use gpushare_allocator::kube_scores;
-use gpushare_e2e::scheduler::framework::{FitStrategy, Milli};
+use gpushare_scheduler_model::requests::Milli;
+use gpushare_scheduler_model::scoring::FitStrategy;
 
 use super::nodes::Nodes;
 
 /// kube-scheduler's `NodeResourcesFit` (LeastAllocated) + `NodeResourcesBalancedAllocation`
-/// on CPU and memory, integer for integer as `gpushare_e2e::scheduler::framework::default_score`
+/// on CPU and memory, integer for integer as `gpushare_scheduler_model::scoring::default_score`
 /// computes them (a test checks they agree): the extender's [`kube_scores`], every task here
 /// asking for CPU and memory.
 pub fn default_score(allocatable: Host, used: Host, pod: Host) -> i64 {
@@ -97,7 +98,8 @@ pub(super) fn native_most_allocated_score(
 mod tests {
     use super::*;
     use crate::realistic::generator::SimNode;
-    use gpushare_e2e::scheduler::framework::{self, CPU, MEMORY, NodeUsage, PodUsage, Resources};
+    use gpushare_scheduler_model::requests::{CPU, MEMORY, NodeUsage, PodUsage, Resources};
+    use gpushare_scheduler_model::scoring as framework;
 
     #[test]
     fn default_score_matches_the_scheduler_drivers() {
@@ -187,7 +189,7 @@ mod tests {
     fn most_allocated_matches_the_scheduler_drivers() {
         use gpushare_contract::DEFAULT_RESOURCE;
         let fit = framework::FitScoring {
-            strategy: framework::FitStrategy::MostAllocated,
+            strategy: FitStrategy::MostAllocated,
             resources: vec![(DEFAULT_RESOURCE.to_owned(), 1)],
         };
         let gib = |n: u64| Resources::from([(DEFAULT_RESOURCE.to_owned(), i128::from(n) * 1000)]);

@@ -397,7 +397,7 @@ mod tests {
         MODELS, Models, TaskKind, TaskMix, generate_nodes, generate_tasks, test_task as task,
     };
     use gpushare_allocator::{GpuUsage, ModelFilter};
-    use gpushare_e2e::scheduler::framework::num_feasible_nodes_to_find;
+    use gpushare_scheduler_model::num_feasible_nodes_to_find;
 
     /// [`replay_counting`] in GiB.
     fn replay_to_end<'a>(

@@ -102,7 +102,7 @@ pub enum NodesToScore {
     /// [`num_feasible_nodes_to_find`] nodes pass (all of them below 100 nodes; 41 %, 492 nodes,
     /// at 1,200). Only those reach the extender's filter and the scores.
     ///
-    /// [`num_feasible_nodes_to_find`]: gpushare_e2e::scheduler::framework::num_feasible_nodes_to_find
+    /// [`num_feasible_nodes_to_find`]: gpushare_scheduler_model::num_feasible_nodes_to_find
     #[default]
     Adaptive,
     /// Every feasible node is filtered by the extender and scored (`percentageOfNodesToScore:

@@ -1,9 +1,9 @@
 //! Load harness: gpushare's REAL binaries, driven at cluster scale on the in-process control
-//! plane of `gpushare-e2e`, and a report of what they cost.
+//! plane of this crate, and a report of what they cost.
 //!
 //! ```sh
-//! cargo run --release -p gpushare-perf --bin load
-//! cargo run --release -p gpushare-perf --bin load -- --nodes 1000 --bound-pods 10000 --skip-allocate
+//! cargo run --release -p gpushare-e2e --bin load
+//! cargo run --release -p gpushare-e2e --bin load -- --nodes 1000 --bound-pods 10000 --skip-allocate
 //! ```
 //!
 //! Two phases, each on its own API server:
@@ -17,17 +17,11 @@
 //! run measures release binaries. Their logs go to `--log-dir` (default: a temp dir removed at
 //! exit, kept and named when a phase fails); `GPUSHARE_E2E_LOG` sets their `RUST_LOG`.
 
-#[path = "../load/allocate.rs"]
 mod allocate;
-#[path = "../load/extender.rs"]
 mod extender;
-#[path = "../load/extender_drive.rs"]
 mod extender_drive;
-#[path = "../load/extender_http.rs"]
 mod extender_http;
-#[path = "../load/extender_metrics.rs"]
 mod extender_metrics;
-#[path = "../load/report.rs"]
 mod report;
 
 use std::path::PathBuf;

@@ -252,7 +252,7 @@ fn first_highest<K: Ord>(passed: &[String], key: impl Fn(&str) -> K) -> &str {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use gpushare_perf::workload::node_name;
+    use gpushare_testkit::workload::node_name;
 
     #[test]
     fn best_node_prefers_score_then_order() {

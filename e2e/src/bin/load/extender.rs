@@ -31,8 +31,8 @@ use gpushare_contract::Keys;
 use gpushare_e2e::apiserver::{ApiServer, Verb};
 use gpushare_e2e::cluster::{Binaries, Extender, ExtenderTls, free_port, wait_for};
 use gpushare_e2e::scheduler::wire::ExtenderBindingArgs;
-use gpushare_perf::workload::{MAX_BOUND_GIB, bound_pod, node_name};
 use gpushare_testkit::fixtures::{node, pod};
+use gpushare_testkit::workload::{MAX_BOUND_GIB, bound_pod, node_name};
 use k8s_openapi::api::core::v1::Pod;
 
 use crate::extender_drive::{Drive, Tally};

@@ -1,8 +1,8 @@
 //! The cluster the load harness and the memory instrument build: node names and the
 //! already-bound pods, with the annotations the extender and the device plugin leave behind.
 
+use crate::fixtures::{PodBuilder, node, pod};
 use gpushare_contract::{ContainerRequest, Keys, PodAllocation};
-use gpushare_testkit::fixtures::{PodBuilder, node, pod};
 use k8s_openapi::api::core::v1::{Node, Pod};
 
 /// Largest GiB of an already-bound pod (sizes are 1..=this).

@@ -2,8 +2,8 @@
 //! exact milli-units, a pod's effective requests (init containers, sidecars, overhead, and
 //! the scoring defaults for containers that request nothing), and the usage a node carries.
 //!
-//! Both the filters ([`super::framework`]) and the scores ([`super::scoring`]) read these, so
-//! they live on their own; the public items are re-exported from [`super::framework`].
+//! The in-process scheduler's filters (`gpushare-e2e`) and the scores ([`crate::scoring`]) both
+//! read these.
 
 use std::collections::BTreeMap;
 
