@@ -10,6 +10,8 @@
 
 pub mod requests;
 pub mod scoring;
+#[cfg(test)]
+mod tests;
 
 /// How many feasible nodes the scheduler looks for before it stops filtering
 /// (`numFeasibleNodesToFind` with the default adaptive percentage).
