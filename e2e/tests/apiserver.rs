@@ -2,6 +2,7 @@
 //! an ordinary kube client, so every other test built on it can be trusted.
 
 use std::collections::BTreeMap;
+use std::fmt::Debug;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::time::Duration;
@@ -9,19 +10,20 @@ use std::time::Duration;
 use futures::{StreamExt, TryStreamExt};
 use gpushare_e2e::apiserver::{ApiServer, Verb};
 use gpushare_e2e::fixtures::{node, pod};
-use k8s_openapi::api::core::v1::{Binding, Event, Node, ObjectReference, Pod};
-use k8s_openapi::apimachinery::pkg::apis::meta::v1::ObjectMeta;
+use gpushare_e2e::scenarios::phase;
+use k8s_openapi::api::core::v1::{Binding, Event, Node, Pod};
+use kube::ResourceExt;
 use kube::api::{
     Api, DeleteParams, ListParams, Patch, PatchParams, PostParams, WatchEvent, WatchParams,
 };
 use kube::runtime::{WatchStreamExt, reflector, watcher};
-use serde_json::json;
+use serde_json::{Value, json};
+use tokio::task::JoinHandle;
 
 /// How long a test waits for what should come: only a hung test reaches it.
 const DEADLINE: Duration = Duration::from_secs(60);
 
-/// A write stall that lasts past any test: the test ends it, or the server's
-/// shutdown does.
+/// A write stall that outlasts any test: the test ends it, or the server's shutdown does.
 const FOREVER: Duration = Duration::from_secs(3600);
 
 /// Waits until `check` holds, failing the test after [`DEADLINE`].
@@ -38,10 +40,12 @@ where
     waited.unwrap_or_else(|error| panic!("{error}"));
 }
 
-fn api_error(err: kube::Error) -> (u16, String) {
-    match err {
-        kube::Error::Api(status) => (status.code, status.reason.clone()),
-        other => panic!("expected an API error, got {other:?}"),
+/// Asserts that `result` is the API error `expected` ("CODE Reason").
+#[track_caller]
+fn refused<T: Debug>(result: kube::Result<T>, expected: &str) {
+    match result {
+        Err(kube::Error::Api(s)) => assert_eq!(format!("{} {}", s.code, s.reason), expected),
+        other => panic!("expected the API error {expected}, got {other:?}"),
     }
 }
 
@@ -60,126 +64,105 @@ async fn bind(
     node: &str,
     uid: Option<&str>,
     annotations: &[(&str, &str)],
-) -> Result<serde_json::Value, kube::Error> {
-    let binding = Binding {
-        metadata: ObjectMeta {
-            name: Some(pod.to_owned()),
-            uid: uid.map(str::to_owned),
-            annotations: Some(
-                annotations
-                    .iter()
-                    .map(|(k, v)| ((*k).to_owned(), (*v).to_owned()))
-                    .collect(),
-            ),
-            ..Default::default()
-        },
-        target: ObjectReference {
-            kind: Some("Node".to_owned()),
-            name: Some(node.to_owned()),
-            ..Default::default()
-        },
-    };
-    pods.create_subresource("binding", pod, &PostParams::default(), &binding)
+) -> kube::Result<Value> {
+    let annotations = BTreeMap::from_iter(annotations.iter().copied());
+    let binding = json!({
+        "metadata": {"name": pod, "uid": uid, "annotations": annotations},
+        "target": {"kind": "Node", "name": node},
+    });
+    let binding: Binding = serde_json::from_value(binding).unwrap();
+    let pp = PostParams::default();
+    pods.create_subresource("binding", pod, &pp, &binding).await
+}
+
+async fn merge(pods: &Api<Pod>, name: &str, patch: Value) -> kube::Result<Pod> {
+    let pp = PatchParams::default();
+    pods.patch(name, &pp, &Patch::Merge(patch)).await
+}
+
+async fn patch_status(pods: &Api<Pod>, name: &str, patch: Patch<Value>) -> kube::Result<Pod> {
+    pods.patch_status(name, &PatchParams::default(), &patch)
         .await
+}
+
+fn node_name(pod: &Pod) -> Option<&str> {
+    pod.spec.as_ref()?.node_name.as_deref()
+}
+
+fn has_condition(pod: &Pod, type_: &str, status: &str) -> bool {
+    let conditions = pod.status.as_ref().and_then(|s| s.conditions.as_ref());
+    conditions.is_some_and(|c| c.iter().any(|c| c.type_ == type_ && c.status == status))
+}
+
+/// A watch event in short: "ADDED b", "MODIFIED b (deleting)", "ERROR 410 Expired".
+fn seen(event: Option<WatchEvent<Pod>>) -> String {
+    let name = |p: &Pod| p.metadata.name.clone().unwrap_or_default();
+    match event {
+        Some(WatchEvent::Added(p)) => format!("ADDED {}", name(&p)),
+        Some(WatchEvent::Modified(p)) if p.metadata.deletion_timestamp.is_some() => {
+            format!("MODIFIED {} (deleting)", name(&p))
+        }
+        Some(WatchEvent::Deleted(p)) => format!("DELETED {}", name(&p)),
+        Some(WatchEvent::Error(status)) => format!("ERROR {} {}", status.code, status.reason),
+        other => format!("{other:?}"),
+    }
 }
 
 #[tokio::test]
 async fn crud_is_strict_about_versions_names_and_existence() {
     let (server, client, pods) = start().await;
+    let pp = PostParams::default();
 
     let created = pod("a").gpu_mem(4).create(&client).await.unwrap();
-    let meta = &created.metadata;
-    assert!(meta.uid.is_some() && meta.creation_timestamp.is_some());
-    assert_eq!(created.status.unwrap().phase.as_deref(), Some("Pending"));
-
-    // Create twice: 409 AlreadyExists.
-    let again = pod("a").create(&client).await.unwrap_err();
-    let err = again.downcast::<kube::Error>().unwrap();
-    assert_eq!(api_error(err), (409, "AlreadyExists".to_owned()));
-
-    // Missing: 404 NotFound, parsed by kube.
-    assert_eq!(
-        api_error(pods.get("nope").await.unwrap_err()),
-        (404, "NotFound".to_owned())
+    assert!(created.metadata.uid.is_some() && created.metadata.creation_timestamp.is_some());
+    assert_eq!(phase(&created), "Pending");
+    refused(
+        pods.create(&pp, &pod("a").build()).await,
+        "409 AlreadyExists",
     );
+    refused(pods.get("nope").await, "404 NotFound");
 
     // Update with the current version works and bumps it; the old version is then stale.
     let mut first = pods.get("a").await.unwrap();
     let mut second = first.clone();
     first.metadata.labels = Some(BTreeMap::from([("x".to_owned(), "1".to_owned())]));
-    let updated = pods
-        .replace("a", &PostParams::default(), &first)
-        .await
-        .unwrap();
-    assert_ne!(
-        updated.metadata.resource_version,
-        second.metadata.resource_version
-    );
-    assert_eq!(updated.metadata.uid, second.metadata.uid);
+    let updated = pods.replace("a", &pp, &first).await.unwrap();
+    let (old, new) = (&second.metadata, &updated.metadata);
+    assert_ne!(new.resource_version, old.resource_version);
+    assert_eq!(new.uid, old.uid);
     second.metadata.labels = Some(BTreeMap::from([("x".to_owned(), "2".to_owned())]));
-    let stale = pods
-        .replace("a", &PostParams::default(), &second)
-        .await
-        .unwrap_err();
-    assert_eq!(api_error(stale), (409, "Conflict".to_owned()));
+    refused(pods.replace("a", &pp, &second).await, "409 Conflict");
 
     // The main resource ignores status; /status changes only status.
     let mut running = pods.get("a").await.unwrap();
     running.status.as_mut().unwrap().phase = Some("Running".to_owned());
-    let ignored = pods
-        .replace("a", &PostParams::default(), &running)
-        .await
-        .unwrap();
-    assert_eq!(ignored.status.unwrap().phase.as_deref(), Some("Pending"));
+    let ignored = pods.replace("a", &pp, &running).await.unwrap();
+    assert_eq!(phase(&ignored), "Pending");
     let status_patch = json!({"status": {"phase": "Running"}, "metadata": {"labels": {"y": "1"}}});
-    let via_status = pods
-        .patch_status("a", &PatchParams::default(), &Patch::Merge(&status_patch))
-        .await
-        .unwrap();
-    assert_eq!(via_status.status.unwrap().phase.as_deref(), Some("Running"));
+    let via_status = patch_status(&pods, "a", Patch::Merge(status_patch)).await;
+    let via_status = via_status.unwrap();
+    assert_eq!(phase(&via_status), "Running");
     assert!(!via_status.metadata.labels.unwrap().contains_key("y"));
 
     // Pod spec is immutable apart from a few fields: binding by patching nodeName fails.
-    let rebind = json!({"spec": {"nodeName": "n1"}});
-    let err = pods
-        .patch("a", &PatchParams::default(), &Patch::Merge(&rebind))
-        .await
-        .unwrap_err();
-    assert_eq!(api_error(err), (422, "Invalid".to_owned()));
+    let rebind = merge(&pods, "a", json!({"spec": {"nodeName": "n1"}})).await;
+    refused(rebind, "422 Invalid");
 
     // Validation: bad name, no containers.
     let mut bad = pod("Bad_Name").build();
-    let err = pods.create(&PostParams::default(), &bad).await.unwrap_err();
-    assert_eq!(api_error(err), (422, "Invalid".to_owned()));
+    refused(pods.create(&pp, &bad).await, "422 Invalid");
     bad.metadata.name = Some("ok".to_owned());
     bad.spec.as_mut().unwrap().containers.clear();
-    let err = pods.create(&PostParams::default(), &bad).await.unwrap_err();
-    assert_eq!(api_error(err), (422, "Invalid".to_owned()));
+    refused(pods.create(&pp, &bad).await, "422 Invalid");
 
     // Nodes are cluster-scoped and keep their status on create.
-    let n = node("n1")
-        .gpushare()
-        .gpus(&[16])
-        .create(&client)
-        .await
-        .unwrap();
-    assert!(
-        n.status
-            .unwrap()
-            .capacity
-            .unwrap()
-            .contains_key("example.com/gpu-mem")
-    );
-    let nodes: Api<Node> = Api::all(client.clone());
-    assert_eq!(
-        nodes
-            .list(&ListParams::default())
-            .await
-            .unwrap()
-            .items
-            .len(),
-        1
-    );
+    let n1 = node("n1").gpushare().gpus(&[16]).create(&client).await;
+    let capacity = n1.unwrap().status.unwrap().capacity.unwrap();
+    assert!(capacity.contains_key("example.com/gpu-mem"));
+    let nodes = Api::<Node>::all(client.clone())
+        .list(&ListParams::default())
+        .await;
+    assert_eq!(nodes.unwrap().items.len(), 1);
     server.shutdown().await;
 }
 
@@ -190,40 +173,24 @@ async fn binding_is_one_shot_and_copies_annotations() {
     let uid = created.metadata.uid.clone().unwrap();
 
     // Wrong uid precondition: 409 and nothing changes.
-    let err = bind(&pods, "a", "n1", Some("not-the-uid"), &[])
-        .await
-        .unwrap_err();
-    assert_eq!(api_error(err), (409, "Conflict".to_owned()));
-    assert!(
-        pods.get("a")
-            .await
-            .unwrap()
-            .spec
-            .unwrap()
-            .node_name
-            .is_none()
+    refused(
+        bind(&pods, "a", "n1", Some("not-the-uid"), &[]).await,
+        "409 Conflict",
     );
+    assert_eq!(node_name(&pods.get("a").await.unwrap()), None);
 
-    let status = bind(&pods, "a", "n1", Some(&uid), &[("example.com/gpu", "0")])
-        .await
-        .unwrap();
-    assert_eq!(status["status"], "Success");
+    let status = bind(&pods, "a", "n1", Some(&uid), &[("example.com/gpu", "0")]).await;
+    assert_eq!(status.unwrap()["status"], "Success");
     let bound = pods.get("a").await.unwrap();
-    assert_eq!(bound.spec.unwrap().node_name.as_deref(), Some("n1"));
-    assert_eq!(bound.metadata.annotations.unwrap()["example.com/gpu"], "0");
-    let conditions = bound.status.unwrap().conditions.unwrap();
-    assert!(
-        conditions
-            .iter()
-            .any(|c| c.type_ == "PodScheduled" && c.status == "True")
+    assert_eq!(node_name(&bound), Some("n1"));
+    assert_eq!(
+        bound.metadata.annotations.as_ref().unwrap()["example.com/gpu"],
+        "0"
     );
+    assert!(has_condition(&bound, "PodScheduled", "True"));
 
-    // A second bind is refused.
-    let err = bind(&pods, "a", "n2", None, &[]).await.unwrap_err();
-    assert_eq!(api_error(err), (409, "Conflict".to_owned()));
-    // A missing pod: 404.
-    let err = bind(&pods, "ghost", "n1", None, &[]).await.unwrap_err();
-    assert_eq!(api_error(err), (404, "NotFound".to_owned()));
+    refused(bind(&pods, "a", "n2", None, &[]).await, "409 Conflict");
+    refused(bind(&pods, "ghost", "n1", None, &[]).await, "404 NotFound");
 
     let stats = server.stats();
     assert_eq!(stats.count(Verb::Create, "pods/binding"), 4);
@@ -245,26 +212,17 @@ async fn writes_record_their_field_managers() {
     assert_eq!(entry.operation.as_deref(), Some("Update"));
     assert_eq!(entry.fields_type.as_deref(), Some("FieldsV1"));
     let owned = &entry.fields_v1.as_ref().unwrap().0;
-    assert!(
-        owned
-            .pointer("/f:spec/f:containers")
-            .and_then(|c| c.as_object())
-            .is_some_and(|c| c.keys().any(|k| k.starts_with("k:{\"name\":"))),
-        "{owned}"
-    );
+    let containers = owned.pointer("/f:spec/f:containers").unwrap().as_object();
+    let by_name = containers.is_some_and(|c| c.keys().any(|k| k.starts_with("k:{\"name\":")));
+    assert!(by_name, "{owned}");
     assert!(owned.get("f:status").is_none(), "{owned}");
 
-    let patched = pods
-        .patch(
-            "a",
-            &PatchParams {
-                field_manager: Some("annotator".to_owned()),
-                ..PatchParams::default()
-            },
-            &Patch::Merge(json!({"metadata": {"annotations": {"x": "1"}}})),
-        )
-        .await
-        .unwrap();
+    let annotator = PatchParams {
+        field_manager: Some("annotator".to_owned()),
+        ..PatchParams::default()
+    };
+    let annotate = Patch::Merge(json!({"metadata": {"annotations": {"x": "1"}}}));
+    let patched = pods.patch("a", &annotator, &annotate).await.unwrap();
     let entries = patched.metadata.managed_fields.clone().unwrap();
     assert_eq!(entries.len(), 2);
     assert_eq!(entries[1].manager.as_deref(), Some("annotator"));
@@ -276,22 +234,13 @@ async fn writes_record_their_field_managers() {
     // A body carrying other entries does not replace the server's.
     let mut forged = patched.clone();
     forged.metadata.managed_fields = Some(Vec::new());
-    forged
-        .metadata
-        .labels
-        .get_or_insert_default()
-        .insert("l".to_owned(), "v".to_owned());
-    let replaced = pods
-        .replace(
-            "a",
-            &PostParams {
-                field_manager: Some("labeller".to_owned()),
-                ..PostParams::default()
-            },
-            &forged,
-        )
-        .await
-        .unwrap();
+    let labels = forged.metadata.labels.get_or_insert_default();
+    labels.insert("l".to_owned(), "v".to_owned());
+    let labeller = PostParams {
+        field_manager: Some("labeller".to_owned()),
+        ..PostParams::default()
+    };
+    let replaced = pods.replace("a", &labeller, &forged).await.unwrap();
     let entries = replaced.metadata.managed_fields.unwrap();
     assert_eq!(entries.len(), 3);
     assert_eq!(
@@ -299,12 +248,8 @@ async fn writes_record_their_field_managers() {
         json!({"f:metadata": {"f:labels": {".": {}, "f:l": {}}}})
     );
     // The creating client's entry keeps the create's fields.
-    assert!(
-        entries[0]
-            .fields_v1
-            .as_ref()
-            .is_some_and(|f| f.0.pointer("/f:spec/f:containers").is_some())
-    );
+    let first = entries[0].fields_v1.as_ref();
+    assert!(first.is_some_and(|f| f.0.pointer("/f:spec/f:containers").is_some()));
 
     let uid = created.metadata.uid.clone().unwrap();
     bind(&pods, "a", "n1", Some(&uid), &[]).await.unwrap();
@@ -316,100 +261,69 @@ async fn writes_record_their_field_managers() {
 #[tokio::test]
 async fn patches_merge_strategic_json_and_refuse_stale_versions() {
     let (server, client, pods) = start().await;
-    let created = pod("a")
-        .annotation("keep", "me")
-        .create(&client)
-        .await
-        .unwrap();
+    let created = pod("a").annotation("keep", "me").create(&client).await;
+    let created = created.unwrap();
     let pp = PatchParams::default();
 
-    let merge = json!({"metadata": {"annotations": {"m": "1"}}});
-    let out = pods.patch("a", &pp, &Patch::Merge(&merge)).await.unwrap();
-    let annotations = out.metadata.annotations.unwrap();
-    assert_eq!(
-        (annotations["keep"].as_str(), annotations["m"].as_str()),
-        ("me", "1")
-    );
+    let out = merge(&pods, "a", json!({"metadata": {"annotations": {"m": "1"}}})).await;
+    let annotations = out.unwrap().metadata.annotations.unwrap();
+    assert_eq!([&annotations["keep"], &annotations["m"]], ["me", "1"]);
 
     let strategic = json!({"metadata": {"annotations": {"s": "2", "keep": null}}});
-    let out = pods
-        .patch("a", &pp, &Patch::Strategic(&strategic))
-        .await
-        .unwrap();
-    let annotations = out.metadata.annotations.unwrap();
+    let out = pods.patch("a", &pp, &Patch::Strategic(&strategic)).await;
+    let annotations = out.unwrap().metadata.annotations.unwrap();
     assert!(!annotations.contains_key("keep") && annotations["s"] == "2");
 
     // Strategic merge of conditions by type on /status.
     let conditions = json!({"status": {"conditions": [
         {"type": "Ready", "status": "False"}, {"type": "Initialized", "status": "True"}]}});
-    pods.patch_status("a", &pp, &Patch::Strategic(&conditions))
+    patch_status(&pods, "a", Patch::Strategic(conditions))
         .await
         .unwrap();
     let ready = json!({"status": {"conditions": [{"type": "Ready", "status": "True"}]}});
-    let out = pods
-        .patch_status("a", &pp, &Patch::Strategic(&ready))
+    let out = patch_status(&pods, "a", Patch::Strategic(ready))
         .await
         .unwrap();
-    let conditions = out.status.unwrap().conditions.unwrap();
-    assert_eq!(conditions.len(), 2);
-    assert!(
-        conditions
-            .iter()
-            .any(|c| c.type_ == "Ready" && c.status == "True")
-    );
+    let conditions = out.status.as_ref().and_then(|s| s.conditions.as_ref());
+    assert_eq!(conditions.map(Vec::len), Some(2));
+    assert!(has_condition(&out, "Ready", "True"));
 
-    let json_patch: json_patch::Patch = serde_json::from_value(json!([
-        {"op": "add", "path": "/metadata/annotations/j", "value": "3"}
-    ]))
-    .unwrap();
-    let out = pods
-        .patch("a", &pp, &Patch::<()>::Json(json_patch))
-        .await
-        .unwrap();
-    assert_eq!(out.metadata.annotations.unwrap()["j"], "3");
+    let add = json!([{"op": "add", "path": "/metadata/annotations/j", "value": "3"}]);
+    let json_patch: json_patch::Patch = serde_json::from_value(add).unwrap();
+    let out = pods.patch("a", &pp, &Patch::<()>::Json(json_patch)).await;
+    assert_eq!(out.unwrap().metadata.annotations.unwrap()["j"], "3");
 
-    // A patch that carries a stale resourceVersion: 409.
     let stale = json!({"metadata": {
         "resourceVersion": created.metadata.resource_version.unwrap(),
         "annotations": {"late": "x"}}});
-    let err = pods
-        .patch("a", &pp, &Patch::Merge(&stale))
-        .await
-        .unwrap_err();
-    assert_eq!(api_error(err), (409, "Conflict".to_owned()));
-    // Server-side apply is not offered: 415.
+    refused(merge(&pods, "a", stale).await, "409 Conflict");
+    // Server-side apply is not offered.
     let apply = json!({"apiVersion": "v1", "kind": "Pod", "metadata": {"name": "a"}});
-    let err = pods
-        .patch("a", &PatchParams::apply("test"), &Patch::Apply(&apply))
-        .await
-        .unwrap_err();
-    assert_eq!(api_error(err), (415, "UnsupportedMediaType".to_owned()));
+    let by_apply = PatchParams::apply("test");
+    let applied = pods.patch("a", &by_apply, &Patch::Apply(&apply)).await;
+    refused(applied, "415 UnsupportedMediaType");
     server.shutdown().await;
 }
 
 #[tokio::test]
 async fn faults_and_stats() {
     let (server, client, pods) = start().await;
-    let faults = server.faults();
-    let stats = server.stats();
+    let (faults, stats) = (server.faults(), server.stats());
 
     faults.set_error_rate(Verb::Get, 1.0, 500);
-    let err = pods.get("a").await.unwrap_err();
-    assert_eq!(api_error(err), (500, "InternalError".to_owned()));
+    refused(pods.get("a").await, "500 InternalError");
     faults.clear();
 
     // 429 carries Retry-After, which kube's default client honours by retrying: the create
-    // succeeds once the fault is lifted. (With rate 1.0 and no clear, kube retries 15 times
-    // with exponential backoff — minutes — so tests wanting a hard failure use 500.)
+    // succeeds once the fault is lifted. (With no clear, kube retries for minutes, so tests
+    // wanting a hard failure use 500.)
     faults.set_error_rate(Verb::Create, 1.0, 429);
     let retrying = tokio::spawn({
         let client = client.clone();
         async move { pod("a").create(&client).await }
     });
-    eventually("a retried create", || async {
-        stats.count(Verb::Create, "pods") >= 2
-    })
-    .await;
+    let retried = || async { stats.count(Verb::Create, "pods") >= 2 };
+    eventually("a retried create", retried).await;
     faults.clear();
     retrying.await.unwrap().unwrap();
     pods.delete("a", &DeleteParams::default()).await.unwrap();
@@ -423,99 +337,54 @@ async fn faults_and_stats() {
 
     stats.reset();
     let created = pod("b").create(&client).await.unwrap();
-    pods.patch(
-        "b",
-        &PatchParams::default(),
-        &Patch::Merge(&json!({"metadata": {"labels": {"a": "b"}}})),
-    )
-    .await
-    .unwrap();
-    pods.replace("b", &PostParams::default(), &pods.get("b").await.unwrap())
-        .await
-        .unwrap();
+    let label = json!({"metadata": {"labels": {"a": "b"}}});
+    merge(&pods, "b", label).await.unwrap();
+    let current = pods.get("b").await.unwrap();
+    let pp = PostParams::default();
+    pods.replace("b", &pp, &current).await.unwrap();
     pods.delete("b", &DeleteParams::default()).await.unwrap();
     let events: Api<Event> = Api::default_namespaced(client.clone());
-    events
-        .create(
-            &PostParams::default(),
-            &Event {
-                metadata: ObjectMeta {
-                    name: Some("b.1".into()),
-                    ..Default::default()
-                },
-                involved_object: ObjectReference {
-                    name: created.metadata.name.clone(),
-                    ..Default::default()
-                },
-                reason: Some("Test".into()),
-                ..Default::default()
-            },
-        )
-        .await
-        .unwrap();
+    let about_b = json!({"name": created.metadata.name});
+    let event = json!({"metadata": {"name": "b.1"}, "involvedObject": about_b, "reason": "Test"});
+    let event: Event = serde_json::from_value(event).unwrap();
+    events.create(&pp, &event).await.unwrap();
     assert_eq!(stats.count(Verb::Create, "pods"), 1);
     assert_eq!(stats.count(Verb::Get, "pods"), 1);
     assert_eq!(stats.count(Verb::Create, "events"), 1);
     assert_eq!(stats.writes(), 4);
-    let found = events
-        .list(&ListParams::default().fields("involvedObject.name=b"))
-        .await
-        .unwrap();
-    assert_eq!(found.items.len(), 1);
+    let about_b = ListParams::default().fields("involvedObject.name=b");
+    assert_eq!(events.list(&about_b).await.unwrap().items.len(), 1);
     server.shutdown().await;
 }
 
 #[tokio::test]
 async fn raw_watch_replays_filters_and_expires() {
     let (server, client, pods) = start().await;
-    let start = pods
-        .list(&ListParams::default())
-        .await
-        .unwrap()
-        .metadata
-        .resource_version
-        .unwrap();
+    let list = pods.list(&ListParams::default()).await.unwrap();
+    let start = list.metadata.resource_version.unwrap();
     pod("a").create(&client).await.unwrap();
     pod("b").create(&client).await.unwrap();
     bind(&pods, "b", "n1", None, &[]).await.unwrap();
-
-    // From `start`: history replays; the field selector turns the bind of b into ADDED.
-    let wp = WatchParams {
+    let no_bookmarks = WatchParams {
         bookmarks: false,
         ..WatchParams::default()
-    }
-    .fields("spec.nodeName=n1")
-    .timeout(5);
-    let mut stream = pods.watch(&wp, &start).await.unwrap().boxed();
-    match stream.try_next().await.unwrap() {
-        Some(WatchEvent::Added(p)) => assert_eq!(p.metadata.name.as_deref(), Some("b")),
-        other => panic!("expected ADDED b, got {other:?}"),
-    }
+    };
+
+    // From `start`: history replays; the field selector turns the bind of b into ADDED.
+    let on_n1 = no_bookmarks.clone().fields("spec.nodeName=n1").timeout(5);
+    let mut stream = pods.watch(&on_n1, &start).await.unwrap().boxed();
+    assert_eq!(seen(stream.try_next().await.unwrap()), "ADDED b");
     // Deleting b (bound, so graceful) stays visible as MODIFIED and then DELETED.
     pods.delete("b", &DeleteParams::default()).await.unwrap();
-    match stream.try_next().await.unwrap() {
-        Some(WatchEvent::Modified(p)) => assert!(p.metadata.deletion_timestamp.is_some()),
-        other => panic!("expected MODIFIED b, got {other:?}"),
-    }
-    match stream.try_next().await.unwrap() {
-        Some(WatchEvent::Deleted(p)) => assert_eq!(p.metadata.name.as_deref(), Some("b")),
-        other => panic!("expected DELETED b, got {other:?}"),
-    }
+    let deleting = seen(stream.try_next().await.unwrap());
+    assert_eq!(deleting, "MODIFIED b (deleting)");
+    assert_eq!(seen(stream.try_next().await.unwrap()), "DELETED b");
     drop(stream);
 
     // After compaction, the old version is 410 Expired, delivered as an ERROR event.
     server.faults().compact();
-    let wp = WatchParams {
-        bookmarks: false,
-        ..WatchParams::default()
-    };
-    let mut stream = pods.watch(&wp, &start).await.unwrap().boxed();
-    match stream.try_next().await.unwrap() {
-        Some(WatchEvent::Error(status)) => {
-            assert_eq!((status.code, status.reason.as_str()), (410, "Expired"));
-        }
-        other => panic!("expected a 410 ERROR event, got {other:?}"),
-    }
+    let mut stream = pods.watch(&no_bookmarks, &start).await.unwrap().boxed();
+    assert_eq!(seen(stream.try_next().await.unwrap()), "ERROR 410 Expired");
     assert!(stream.try_next().await.unwrap().is_none());
     server.shutdown().await;
 }
@@ -545,54 +414,34 @@ async fn reflector_recovers_from_compaction() {
     let task = tokio::spawn(stream.for_each(|_| async {}));
 
     let names = || {
-        let mut names: Vec<String> = reader
-            .state()
-            .iter()
-            .map(|p| p.metadata.name.clone().unwrap())
-            .collect();
+        let mut names: Vec<String> = reader.state().iter().map(|p| p.name_any()).collect();
         names.sort();
         names
     };
     eventually("the initial list", || async { names() == ["a", "c"] }).await;
 
     // Keep the watcher from re-watching while history moves on and is compacted.
-    let faults = server.faults();
+    let (faults, stats) = (server.faults(), server.stats());
     faults.set_error_rate(Verb::Watch, 1.0, 500);
     faults.drop_watches();
     pod("b").create(&client).await.unwrap();
     pods.delete("a", &DeleteParams::default()).await.unwrap();
-    pods.patch(
-        "c",
-        &PatchParams::default(),
-        &Patch::Merge(&json!({"metadata": {"labels": {"v": "2"}}})),
-    )
-    .await
-    .unwrap();
+    let label = json!({"metadata": {"labels": {"v": "2"}}});
+    merge(&pods, "c", label).await.unwrap();
     faults.compact();
-    let stats = server.stats();
     let watches = stats.count(Verb::Watch, "pods");
-    eventually("a failed re-watch", || async {
-        stats.count(Verb::Watch, "pods") > watches
-    })
-    .await;
+    let rewatched = || async { stats.count(Verb::Watch, "pods") > watches };
+    eventually("a failed re-watch", rewatched).await;
     faults.clear();
 
+    let c = reflector::ObjectRef::new("c").within("default");
     eventually("the store to converge", || async {
-        names() == ["b", "c"]
-            && reader
-                .get(&reflector::ObjectRef::new("c").within("default"))
-                .is_some_and(|c| {
-                    c.metadata
-                        .labels
-                        .as_ref()
-                        .is_some_and(|l| l.get("v").is_some_and(|v| v == "2"))
-                })
+        let labelled = |c: Arc<Pod>| c.labels().get("v").is_some_and(|v| v == "2");
+        names() == ["b", "c"] && reader.get(&c).is_some_and(labelled)
     })
     .await;
-    assert!(
-        expired.load(Ordering::SeqCst) >= 1,
-        "the watcher saw 410 Expired"
-    );
+    let expired = expired.load(Ordering::SeqCst);
+    assert!(expired >= 1, "the watcher saw 410 Expired");
     assert!(stats.count(Verb::List, "pods") >= 2, "the watcher relisted");
 
     // And it keeps following live changes.
@@ -602,13 +451,32 @@ async fn reflector_recovers_from_compaction() {
     server.shutdown().await;
 }
 
-/// A kube client for `server` that gives up on any request after `timeout` (and, as any
-/// HTTP client that gives up, closes the connection).
-fn impatient_client(server: &ApiServer, timeout: Duration) -> kube::Client {
-    let mut config = kube::Config::new(server.url().parse().unwrap());
-    config.read_timeout = Some(timeout);
-    config.write_timeout = Some(timeout);
-    kube::Client::try_from(config).unwrap()
+/// Sends a create of pod `create` and a Binding of pod `bind` to n1 while writes are stalled:
+/// the create's caller gives up (as a client that timed out does) once the server holds it;
+/// the binding's caller is returned once the server holds it too.
+async fn hold_writes(
+    server: &ApiServer,
+    pods: &Api<Pod>,
+    create: &'static str,
+    bind_of: &'static str,
+) -> JoinHandle<kube::Result<Value>> {
+    let stats = server.stats();
+    let creates = stats.count(Verb::Create, "pods");
+    let created = tokio::spawn({
+        let (pods, pod) = (pods.clone(), pod(create).build());
+        async move { pods.create(&PostParams::default(), &pod).await }
+    });
+    let held = || async { stats.count(Verb::Create, "pods") > creates };
+    eventually(&format!("the create of {create} to reach the server"), held).await;
+    assert!(!created.is_finished(), "the create should hang");
+    created.abort();
+    let binding = tokio::spawn({
+        let pods = pods.clone();
+        async move { bind(&pods, bind_of, "n1", None, &[]).await }
+    });
+    let held = || async { stats.count(Verb::Create, "pods/binding") > 0 };
+    eventually("the binding to reach the server", held).await;
+    binding
 }
 
 /// The stall lasts until the test ends it (by time: a zero-length stall from now), so what
@@ -620,47 +488,26 @@ async fn a_write_during_a_stall_hangs_then_lands_even_if_its_client_gave_up() {
     pod("bound-later").create(&client).await.unwrap();
     let faults = server.faults();
 
-    let stats = server.stats();
-
     faults.stall_writes(FOREVER);
     assert!(faults.writes_stalled());
-    // A create, and a Binding, whose callers give up (drop the request, as a client that
-    // timed out does) once the server has them.
-    let creates = stats.count(Verb::Create, "pods");
-    let create = tokio::spawn({
-        let client = client.clone();
-        async move { pod("created-later").create(&client).await }
-    });
-    eventually("the create to reach the server", || async {
-        stats.count(Verb::Create, "pods") > creates
-    })
-    .await;
-    assert!(!create.is_finished(), "the create should hang");
-    create.abort();
-    let binding_sent = tokio::spawn({
-        let pods = pods.clone();
-        async move { bind(&pods, "bound-later", "n1", None, &[]).await }
-    });
-    eventually("the binding to reach the server", || async {
-        stats.count(Verb::Create, "pods/binding") > 0
-    })
-    .await;
-    assert!(!binding_sent.is_finished(), "the binding should hang too");
-    binding_sent.abort();
+    let binding = hold_writes(&server, &pods, "created-later", "bound-later").await;
+    assert!(!binding.is_finished(), "the binding should hang too");
+    binding.abort();
 
     // A consistent read (GET) needs etcd: it hangs too (here, past its client's timeout).
     // A list from the watch cache (`resourceVersion=0`) answers while the stall still holds.
-    let impatient = impatient_client(&server, Duration::from_millis(200));
-    let quorum_read = Api::<Pod>::default_namespaced(impatient)
-        .get("bound-later")
-        .await;
+    let mut config = kube::Config::new(server.url().parse().unwrap());
+    config.read_timeout = Some(Duration::from_millis(200));
+    config.write_timeout = config.read_timeout;
+    let impatient = Api::<Pod>::default_namespaced(kube::Client::try_from(config).unwrap());
+    let quorum_read = impatient.get("bound-later").await;
     assert!(quorum_read.is_err(), "a GET should hang during the stall");
     let cached = tokio::time::timeout(DEADLINE, pods.list(&ListParams::default().match_any()))
         .await
         .expect("a list from the watch cache should answer during the stall")
         .unwrap();
     assert_eq!(cached.items.len(), 1, "nothing is applied during the stall");
-    assert_eq!(cached.items[0].spec.as_ref().unwrap().node_name, None);
+    assert_eq!(node_name(&cached.items[0]), None);
     assert!(faults.writes_stalled());
 
     // Once the stall ends, both writes are applied though nobody waits for them any more.
@@ -668,14 +515,7 @@ async fn a_write_during_a_stall_hangs_then_lands_even_if_its_client_gave_up() {
     assert!(!faults.writes_stalled());
     eventually("the abandoned create and binding to land", || async {
         let created = pods.get_opt("created-later").await.unwrap().is_some();
-        let bound = pods
-            .get("bound-later")
-            .await
-            .unwrap()
-            .spec
-            .unwrap()
-            .node_name;
-        created && bound.as_deref() == Some("n1")
+        created && node_name(&pods.get("bound-later").await.unwrap()) == Some("n1")
     })
     .await;
     // Writes after the stall go through at once.
@@ -692,56 +532,26 @@ async fn writes_held_by_a_failing_stall_are_never_applied() {
     pod("unbound").create(&client).await.unwrap();
     let faults = server.faults();
 
-    let stats = server.stats();
-
-    // The stall lasts until the test ends it, so what happens during it does not race its end.
     faults.stall_writes_then_fail(FOREVER);
-    let creates = stats.count(Verb::Create, "pods");
-    let abandoned = tokio::spawn({
-        let client = client.clone();
-        async move { pod("abandoned").create(&client).await }
-    });
-    eventually("the create of abandoned to reach the server", || async {
-        stats.count(Verb::Create, "pods") > creates
-    })
-    .await;
-    assert!(!abandoned.is_finished(), "the create should hang");
-    abandoned.abort();
-    let waiting = tokio::spawn({
-        let pods = pods.clone();
-        async move { bind(&pods, "unbound", "n1", None, &[]).await }
-    });
-    eventually("the binding to reach the server", || async {
-        stats.count(Verb::Create, "pods/binding") > 0
-    })
-    .await;
+    let waiting = hold_writes(&server, &pods, "abandoned", "unbound").await;
     // The stall ends now (by time, as it would have): what it held fails.
     faults.stall_writes_then_fail(Duration::ZERO);
-    let waited = waiting.await.unwrap();
-    assert_eq!(
-        api_error(waited.unwrap_err()),
-        (500, "InternalError".to_owned()),
-        "a client still waiting learns that its write failed"
-    );
+    // A client still waiting learns that its write failed.
+    refused(waiting.await.unwrap(), "500 InternalError");
     assert!(!faults.writes_stalled());
     // Nothing held was applied, and writes go through again.
-    assert_eq!(api_error(pods.get("abandoned").await.unwrap_err()).0, 404);
-    let unbound = pods.get("unbound").await.unwrap();
-    assert_eq!(unbound.spec.unwrap().node_name, None);
+    refused(pods.get("abandoned").await, "404 NotFound");
+    assert_eq!(node_name(&pods.get("unbound").await.unwrap()), None);
     bind(&pods, "unbound", "n1", None, &[]).await.unwrap();
     server.shutdown().await;
 }
 
 /// A client that authenticates with the kubeconfig `yaml`.
-async fn client_from(yaml: &str) -> kube::Client {
+async fn client_from(yaml: &str) -> Api<Pod> {
     let kubeconfig = kube::config::Kubeconfig::from_yaml(yaml).unwrap();
-    let config = kube::Config::from_custom_kubeconfig(
-        kubeconfig,
-        &kube::config::KubeConfigOptions::default(),
-    )
-    .await
-    .unwrap();
-    kube::Client::try_from(config).unwrap()
+    let options = kube::config::KubeConfigOptions::default();
+    let config = kube::Config::from_custom_kubeconfig(kubeconfig, &options).await;
+    Api::namespaced(kube::Client::try_from(config.unwrap()).unwrap(), "default")
 }
 
 /// A policy that lets only `keeper` put the label `locked` on a pod.
@@ -768,23 +578,19 @@ spec: {policyName: lock, validationActions: [Deny]}
 
 #[tokio::test]
 async fn admission_policies_see_who_calls_and_the_patched_result() {
-    let server = ApiServer::start().await.unwrap();
-    server.set_admission_policies(
-        gpushare_e2e::apiserver::admission::AdmissionPolicies::from_yaml(LOCK_POLICY).unwrap(),
-    );
-    let admin: Api<Pod> = Api::namespaced(server.client(), "default");
+    let (server, _, admin) = start().await;
+    let policies = gpushare_e2e::apiserver::admission::AdmissionPolicies::from_yaml(LOCK_POLICY);
+    server.set_admission_policies(policies.unwrap());
     let keeper_yaml = server.kubeconfig_yaml_as("keeper");
-    let keeper: Api<Pod> = Api::namespaced(client_from(&keeper_yaml).await, "default");
+    let keeper = client_from(&keeper_yaml).await;
+    let pp = PostParams::default();
     let mut locked = pod("a").build();
     locked.metadata.labels = Some(BTreeMap::from([("locked".to_owned(), "1".to_owned())]));
 
     // The admin (no credentials) is refused, with the real server's status and wording.
-    let err = admin
-        .create(&PostParams::default(), &locked)
-        .await
-        .unwrap_err();
-    let kube::Error::Api(status) = err else {
-        panic!("expected an API error, got {err:?}")
+    let refusal = admin.create(&pp, &locked).await.unwrap_err();
+    let kube::Error::Api(status) = &refusal else {
+        panic!("expected an API error, got {refusal:?}")
     };
     assert_eq!((status.code, status.reason.as_str()), (403, "Forbidden"));
     assert_eq!(
@@ -792,40 +598,24 @@ async fn admission_policies_see_who_calls_and_the_patched_result() {
         "pods \"a\" is forbidden: ValidatingAdmissionPolicy 'lock' with binding 'lock-binding' denied request: only the keeper locks pods"
     );
     // The user its token names is let through.
-    keeper
-        .create(&PostParams::default(), &locked)
-        .await
-        .unwrap();
+    keeper.create(&pp, &locked).await.unwrap();
 
     // A patch is judged on its result: adding the label is refused, other changes are not
     // (even while the stored pod carries it: the rule is about who may set it).
-    admin
-        .create(&PostParams::default(), &pod("b").build())
-        .await
-        .unwrap();
+    admin.create(&pp, &pod("b").build()).await.unwrap();
     let lock = json!({"metadata": {"labels": {"locked": "1"}}});
-    let err = admin
-        .patch("b", &PatchParams::default(), &Patch::Merge(&lock))
-        .await
-        .unwrap_err();
-    assert_eq!(api_error(err), (403, "Forbidden".to_owned()));
-    keeper
-        .patch("b", &PatchParams::default(), &Patch::Merge(&lock))
-        .await
-        .unwrap();
+    refused(merge(&admin, "b", lock.clone()).await, "403 Forbidden");
+    merge(&keeper, "b", lock).await.unwrap();
     // Subresources are not matched by `pods`: binding and status go through for anyone.
     bind(&admin, "b", "n1", None, &[]).await.unwrap();
     let status = json!({"status": {"phase": "Running"}});
-    admin
-        .patch_status("b", &PatchParams::default(), &Patch::Merge(&status))
+    patch_status(&admin, "b", Patch::Merge(status))
         .await
         .unwrap();
 
     // A token this server never issued is not a user.
     let bogus = keeper_yaml.replace("token: kubesim-", "token: forged-");
     assert_ne!(bogus, keeper_yaml);
-    let stranger: Api<Pod> = Api::namespaced(client_from(&bogus).await, "default");
-    let err = stranger.get("a").await.unwrap_err();
-    assert_eq!(api_error(err), (401, "Unauthorized".to_owned()));
+    refused(client_from(&bogus).await.get("a").await, "401 Unauthorized");
     server.shutdown().await;
 }

@@ -13,12 +13,17 @@
 //! `GPUSHARE_E2E_HA_REFUSE=1` runs the replicas without `--advertise-url`: followers then
 //! refuse binds instead of passing them on (kube-scheduler retries), for comparing the two.
 
+use std::collections::{BTreeMap, BTreeSet};
 use std::net::SocketAddr;
 use std::path::PathBuf;
+use std::sync::Arc;
 use std::time::Duration;
 
 use anyhow::{Context, ensure};
-use gpushare_e2e::cluster::{ClusterSpec, EXTENDER_USER, Extender, TestCluster, wait_for};
+use futures::{StreamExt, TryStreamExt};
+use gpushare_e2e::cluster::{
+    ClusterSpec, EXTENDER_USER, Extender, TestCluster, free_port, http_get, wait_for,
+};
 use gpushare_e2e::front::Front;
 use gpushare_e2e::scenarios::{
     allocation, check_no_overcommit, check_pinned, create_gpu_pod, phase,
@@ -27,6 +32,7 @@ use k8s_openapi::api::coordination::v1::Lease;
 use k8s_openapi::api::core::v1::Pod;
 use kube::Api;
 use kube::runtime::{WatchStreamExt, reflector, watcher};
+use serde_json::Value;
 
 /// One HA cluster at a time: each runs 2 extenders and 8 device plugins.
 static SLOT: tokio::sync::Semaphore = tokio::sync::Semaphore::const_new(1);
@@ -55,49 +61,46 @@ struct Replica {
 /// The cluster, the replicas and their front.
 struct Ha {
     cluster: TestCluster,
-    /// Kept alive with the cluster (the endpoints task holds it too).
-    _front: std::sync::Arc<Front>,
+    _front: Arc<Front>,
     replicas: Vec<Replica>,
     endpoints: tokio::task::JoinHandle<()>,
 }
 
 impl Ha {
     async fn start() -> anyhow::Result<Self> {
-        let mut cluster = TestCluster::start(
-            ClusterSpec::uniform(NODES, &GPUS).with_http_timeout(Duration::from_secs(5)),
-        )
-        .await?;
+        let spec = ClusterSpec::uniform(NODES, &GPUS).with_http_timeout(Duration::from_secs(5));
+        let mut cluster = TestCluster::start(spec).await?;
         // The cluster's single extender makes way for the replicas and their front, on the
         // port the scheduler driver calls.
         cluster.kill_extender().await;
         let service = SocketAddr::from(([127, 0, 0, 1], cluster.extender_port()));
-        let front = std::sync::Arc::new(Front::start(service, Vec::new()).await?);
+        let front = Arc::new(Front::start(service, Vec::new()).await?);
+        let mut taken = BTreeSet::from([cluster.extender_port()]);
+        let mut port = || -> anyhow::Result<u16> {
+            loop {
+                let port = free_port()?;
+                if taken.insert(port) {
+                    return Ok(port);
+                }
+            }
+        };
         let mut replicas = Vec::new();
-        let mut ports = std::collections::BTreeSet::from([cluster.extender_port()]);
         for i in 0..REPLICAS {
             let (yaml, token) = cluster.api.kubeconfig_yaml_and_token_as(EXTENDER_USER);
             let kubeconfig = cluster.log_dir().join(format!("replica-{i}.kubeconfig"));
             std::fs::write(&kubeconfig, yaml)?;
-            let mut port = || -> anyhow::Result<u16> {
-                loop {
-                    let port = gpushare_e2e::cluster::free_port()?;
-                    if ports.insert(port) {
-                        return Ok(port);
-                    }
-                }
-            };
+            let name = format!("gpushare-extender-{i}");
+            let (ports, extender) = ((port()?, port()?), None);
             replicas.push(Replica {
-                name: format!("gpushare-extender-{i}"),
-                ports: (port()?, port()?),
+                name,
+                ports,
                 kubeconfig,
                 token,
-                extender: None,
+                extender,
             });
         }
-        let endpoints = tokio::spawn(endpoints(
-            front.clone(),
-            replicas.iter().map(|r| r.ports).collect(),
-        ));
+        let ports = replicas.iter().map(|r| r.ports).collect();
+        let endpoints = tokio::spawn(endpoints(front.clone(), ports));
         let mut ha = Self {
             cluster,
             _front: front,
@@ -115,36 +118,31 @@ impl Ha {
 
     /// Starts replica `i` as the chart does (without waiting for it).
     fn spawn(&mut self, i: usize) -> anyhow::Result<()> {
-        let replica = &self.replicas[i];
-        let ca = self.cluster.extender_ca_file();
+        let (r, cluster) = (&self.replicas[i], &self.cluster);
+        let ca = cluster.extender_ca_file();
         let mut args = vec![
             "--leader-elect=true".to_owned(),
-            format!("--pod-name={}", replica.name),
+            format!("--pod-name={}", r.name),
             format!("--leader-forward-ca={}", ca.display()),
         ];
         if std::env::var_os("GPUSHARE_E2E_HA_REFUSE").is_none() {
-            args.push(format!(
-                "--advertise-url=https://127.0.0.1:{}",
-                replica.ports.0
-            ));
+            args.push(format!("--advertise-url=https://127.0.0.1:{}", r.ports.0));
         }
-        let extender = self.cluster.spawn_extender_replica(
-            &replica.name,
-            &replica.kubeconfig,
-            replica.ports,
-            &args,
-        )?;
+        let extender = cluster.spawn_extender_replica(&r.name, &r.kubeconfig, r.ports, &args)?;
         self.replicas[i].extender = Some(extender);
         Ok(())
     }
 
     async fn wait_ready(&mut self, i: usize) -> anyhow::Result<()> {
+        let extender = self.replicas[i].extender.as_mut();
+        extender.context("replica not started")?.wait_ready().await
+    }
+
+    fn running(&self, i: usize) -> anyhow::Result<&Extender> {
         self.replicas[i]
             .extender
-            .as_mut()
-            .context("replica not started")?
-            .wait_ready()
-            .await
+            .as_ref()
+            .context("replica not running")
     }
 
     /// SIGKILL, as an OOM kill or a node failure would.
@@ -155,44 +153,32 @@ impl Ha {
     }
 
     /// The replica holding the Lease, by the pod name in its `holderIdentity`.
-    async fn leader(&self) -> anyhow::Result<Option<usize>> {
+    async fn leader(&self) -> Option<usize> {
         let leases: Api<Lease> = Api::namespaced(self.cluster.client.clone(), LEASE_NAMESPACE);
-        let holder = leases
-            .get_opt(LEASE)
-            .await?
-            .and_then(|lease| lease.spec?.holder_identity)
-            .unwrap_or_default();
+        let holder = leases.get_opt(LEASE).await.ok()??.spec?.holder_identity?;
         let pod = holder
             .rsplit_once('_')
             .map_or(holder.as_str(), |(pod, _)| pod);
-        Ok(self.replicas.iter().position(|r| r.name == pod))
+        self.replicas.iter().position(|r| r.name == pod)
     }
 
     /// Waits for a leader other than `not`.
     async fn wait_leader(&self, not: Option<usize>) -> anyhow::Result<usize> {
         wait_for("a leader", FAILOVER_LIMIT, || async {
-            self.leader()
-                .await
-                .ok()
-                .flatten()
-                .filter(|&i| Some(i) != not)
+            self.leader().await.filter(|&i| Some(i) != not)
         })
         .await
     }
 
     async fn metrics(&self, i: usize) -> anyhow::Result<String> {
-        let extender = self.replicas[i]
-            .extender
-            .as_ref()
-            .context("replica not running")?;
-        let (status, body) = extender.get_health("/metrics").await?;
+        let (status, body) = self.running(i)?.get_health("/metrics").await?;
         ensure!(status == 200, "/metrics answered {status}");
         Ok(body)
     }
 
     /// Bind outcomes the running replicas counted (since their last start), by reason.
     async fn bind_counts(&self) -> String {
-        let mut counts = std::collections::BTreeMap::<String, u64>::new();
+        let mut counts = BTreeMap::<String, u64>::new();
         for i in 0..REPLICAS {
             let Ok(text) = self.metrics(i).await else {
                 continue;
@@ -201,42 +187,30 @@ impl Ha {
                 if let Some(rest) = line.strip_prefix("gpushare_extender_binds_total{reason=\"")
                     && let Some((reason, value)) = rest.split_once("\"} ")
                 {
-                    *counts.entry(reason.to_owned()).or_default() +=
-                        value.trim().parse::<u64>().unwrap_or(0);
+                    let value = value.trim().parse::<u64>().unwrap_or(0);
+                    *counts.entry(reason.to_owned()).or_default() += value;
                 }
             }
         }
-        counts
-            .iter()
-            .map(|(reason, n)| format!("{reason}={n}"))
-            .collect::<Vec<_>>()
-            .join(" ")
+        let counts: Vec<String> = counts.iter().map(|(r, n)| format!("{r}={n}")).collect();
+        counts.join(" ")
     }
 
     /// Pods a running replica still shows as reserved by a bind.
     async fn reserved(&self) -> anyhow::Result<Vec<String>> {
-        fn walk(value: &serde_json::Value, out: &mut Vec<String>) {
+        fn walk(value: &Value, out: &mut Vec<String>) {
+            if value["reserved"] == true {
+                out.push(value["name"].as_str().unwrap_or("?").to_owned());
+            }
             match value {
-                serde_json::Value::Object(map) => {
-                    if map.get("reserved") == Some(&serde_json::Value::Bool(true)) {
-                        out.push(
-                            map.get("name")
-                                .and_then(|v| v.as_str())
-                                .unwrap_or("?")
-                                .to_owned(),
-                        );
-                    }
-                    map.values().for_each(|v| walk(v, out));
-                }
-                serde_json::Value::Array(items) => items.iter().for_each(|v| walk(v, out)),
+                Value::Object(map) => map.values().for_each(|v| walk(v, out)),
+                Value::Array(items) => items.iter().for_each(|v| walk(v, out)),
                 _ => {}
             }
         }
         let mut out = Vec::new();
-        for replica in &self.replicas {
-            if let Some(extender) = &replica.extender {
-                walk(&extender.inspect().await?, &mut out);
-            }
+        for extender in self.replicas.iter().filter_map(|r| r.extender.as_ref()) {
+            walk(&extender.inspect().await?, &mut out);
         }
         Ok(out)
     }
@@ -252,30 +226,24 @@ impl Ha {
 
 /// The Service's endpoints: every 500 ms, the replicas whose `/readyz` answers 200 (all of
 /// them when none does, so that an outage shows as failed calls, not as no calls).
-async fn endpoints(front: std::sync::Arc<Front>, ports: Vec<(u16, u16)>) {
+async fn endpoints(front: Arc<Front>, ports: Vec<(u16, u16)>) {
+    let local = |port| SocketAddr::from(([127, 0, 0, 1], port));
     loop {
         let mut ready = Vec::new();
         for &(port, monitor) in &ports {
-            let monitor = SocketAddr::from(([127, 0, 0, 1], monitor));
-            if matches!(
-                gpushare_e2e::cluster::http_get(monitor, "/readyz").await,
-                Ok((200, _))
-            ) {
-                ready.push(SocketAddr::from(([127, 0, 0, 1], port)));
+            if matches!(http_get(local(monitor), "/readyz").await, Ok((200, _))) {
+                ready.push(local(port));
             }
         }
         if ready.is_empty() {
-            ready = ports
-                .iter()
-                .map(|&(port, _)| SocketAddr::from(([127, 0, 0, 1], port)))
-                .collect();
+            ready = ports.iter().map(|&(port, _)| local(port)).collect();
         }
         front.set_backends(ready);
         tokio::time::sleep(Duration::from_millis(500)).await;
     }
 }
 
-/// The pods of namespace `default` as a watch shows them.
+/// The pods of namespace `default` as a watch shows them; aborted on drop.
 struct PodWatch {
     pods: reflector::Store<Pod>,
     task: tokio::task::JoinHandle<()>,
@@ -283,7 +251,6 @@ struct PodWatch {
 
 impl PodWatch {
     async fn start(client: &kube::Client) -> anyhow::Result<Self> {
-        use futures::StreamExt;
         let api: Api<Pod> = Api::namespaced(client.clone(), "default");
         let (pods, writer) = reflector::store();
         let stream = reflector::reflector(writer, watcher(api, watcher::Config::default()))
@@ -299,19 +266,8 @@ impl PodWatch {
     }
 
     fn bound(&self) -> usize {
-        self.pods()
-            .iter()
-            .filter(|p| p.spec.as_ref().is_some_and(|s| s.node_name.is_some()))
-            .count()
-    }
-
-    async fn wait_bound(&self, count: usize) -> anyhow::Result<()> {
-        wait_for(
-            &format!("{count} pods bound"),
-            Duration::from_secs(60),
-            || async { (self.bound() >= count).then_some(()) },
-        )
-        .await
+        let pods = self.pods();
+        pods.iter().filter(|p| node_of(p).is_some()).count()
     }
 
     /// Time from `since` until a pod shows up bound with a decision made after `wall` (so by
@@ -321,16 +277,19 @@ impl PodWatch {
         wall: jiff::Timestamp,
         since: tokio::time::Instant,
     ) -> anyhow::Result<Duration> {
+        let decided_after = |p: &Pod| {
+            let time = allocation(p)
+                .ok()?
+                .bind_time
+                .parse::<jiff::Timestamp>()
+                .ok()?;
+            Some(node_of(p).is_some() && time > wall)
+        };
         wait_for("a bind after the fault", FAILOVER_LIMIT, || async {
-            let decided_after = self.pods().iter().any(|p| {
-                p.spec.as_ref().is_some_and(|s| s.node_name.is_some())
-                    && allocation(p).is_ok_and(|a| {
-                        a.bind_time
-                            .parse::<jiff::Timestamp>()
-                            .is_ok_and(|t| t > wall)
-                    })
-            });
-            decided_after.then(|| since.elapsed())
+            let pods = self.pods();
+            pods.iter()
+                .any(|p| decided_after(p) == Some(true))
+                .then(|| since.elapsed())
         })
         .await
     }
@@ -342,18 +301,29 @@ impl Drop for PodWatch {
     }
 }
 
-/// Creates `count` pods at once (16 requests in flight), sizes cycling through `sizes`.
-async fn burst(cluster: &TestCluster, count: usize, sizes: &[u64]) -> anyhow::Result<()> {
-    use futures::{StreamExt, TryStreamExt};
-    futures::stream::iter(0..count)
-        .map(|i| {
-            let gib = sizes[i % sizes.len()];
-            async move { create_gpu_pod(cluster, &format!("burst-{i}-{gib}g"), gib).await }
-        })
-        .buffer_unordered(16)
-        .try_collect::<Vec<_>>()
-        .await?;
-    Ok(())
+fn node_of(pod: &Pod) -> Option<&str> {
+    pod.spec.as_ref()?.node_name.as_deref()
+}
+
+/// Watches the pods, waits for a leader, creates 80 pods at once (16 requests in flight;
+/// 180 GiB of 256, so every one fits) and waits until 20 are bound: the moment of the fault.
+async fn mid_burst(ha: &Ha) -> anyhow::Result<(PodWatch, usize)> {
+    let watch = PodWatch::start(&ha.cluster.client).await?;
+    let leader = ha.wait_leader(None).await?;
+    let sizes = [1, 2, 2, 4];
+    let create = |i: usize| {
+        let gib = sizes[i % sizes.len()];
+        async move { create_gpu_pod(&ha.cluster, &format!("burst-{i}-{gib}g"), gib).await }
+    };
+    let created = futures::stream::iter(0..80)
+        .map(create)
+        .buffer_unordered(16);
+    created.try_collect::<Vec<_>>().await?;
+    wait_for("20 pods bound", Duration::from_secs(60), || async {
+        (watch.bound() >= 20).then_some(())
+    })
+    .await?;
+    Ok((watch, leader))
 }
 
 /// Every pod bound, running and pinned; no GPU over-committed; no reservation left.
@@ -367,17 +337,10 @@ async fn drain_and_check(test: &str, ha: &Ha, watch: &PodWatch) -> anyhow::Resul
     })
     .await;
     let pods = watch.pods();
-    let waiting: Vec<String> = pods
-        .iter()
-        .filter(|p| phase(p) != "Running")
-        .take(5)
+    let waiting: Vec<String> = (pods.iter().filter(|p| phase(p) != "Running").take(5))
         .map(|p| {
-            format!(
-                "{} ({}, node {:?})",
-                p.metadata.name.as_deref().unwrap_or("?"),
-                phase(p),
-                p.spec.as_ref().and_then(|s| s.node_name.as_deref())
-            )
+            let name = p.metadata.name.as_deref().unwrap_or("?");
+            format!("{name} ({}, node {:?})", phase(p), node_of(p))
         })
         .collect();
     let total = done.with_context(|| format!("not every pod runs; first waiting: {waiting:?}"))?;
@@ -390,11 +353,8 @@ async fn drain_and_check(test: &str, ha: &Ha, watch: &PodWatch) -> anyhow::Resul
     for pod in &pods {
         check_pinned(&ha.cluster, pod).await?;
     }
-    let reserved = match wait_for("reservations to end", Duration::from_secs(10), || async {
-        ha.reserved().await.ok().filter(Vec::is_empty)
-    })
-    .await
-    {
+    let none_left = || async { ha.reserved().await.ok().filter(Vec::is_empty) };
+    let reserved = match wait_for("reservations to end", Duration::from_secs(10), none_left).await {
         Ok(none) => none,
         Err(_) => ha.reserved().await?,
     };
@@ -420,8 +380,8 @@ async fn with_ha(body: impl AsyncFnOnce(&mut Ha) -> anyhow::Result<()>) -> anyho
 /// What `kubectl gpushare doctor` prints about this cluster.
 async fn doctor_says(ha: &Ha) -> anyhow::Result<String> {
     use kubectl_gpushare::doctor::{self, Install, Snapshot};
-    let cluster =
-        kubectl_gpushare::cluster::Cluster::connect(Some(ha.cluster.kubeconfig())).await?;
+    let kubeconfig = Some(ha.cluster.kubeconfig());
+    let cluster = kubectl_gpushare::cluster::Cluster::connect(kubeconfig).await?;
     let install = Install {
         namespace: LEASE_NAMESPACE.to_owned(),
         extender_service: LEASE.to_owned(),
@@ -432,39 +392,28 @@ async fn doctor_says(ha: &Ha) -> anyhow::Result<String> {
         ..Snapshot::default()
     };
     let settings = kubectl_gpushare::usage::Settings::default();
-    Ok(doctor::render(&doctor::diagnose(
-        &snapshot, &settings, &install,
-    )))
+    let diagnosis = doctor::diagnose(&snapshot, &settings, &install);
+    Ok(doctor::render(&diagnosis))
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn the_leader_killed_mid_burst_every_pod_binds_once() -> anyhow::Result<()> {
     let test = "the_leader_killed_mid_burst_every_pod_binds_once";
     with_ha(async |ha| {
-        let watch = PodWatch::start(&ha.cluster.client).await?;
-        let leader = ha.wait_leader(None).await?;
-        // 80 pods, 180 GiB of 256: every one fits.
-        burst(&ha.cluster, 80, &[1, 2, 2, 4]).await?;
-        watch.wait_bound(20).await?;
+        let (watch, leader) = mid_burst(ha).await?;
         ha.kill(leader).await;
         let (wall, killed) = (jiff::Timestamp::now(), tokio::time::Instant::now());
         let first = watch.first_bind_after(wall, killed).await?;
         let new = ha.wait_leader(Some(leader)).await?;
+        let (old, new) = (&ha.replicas[leader].name, &ha.replicas[new].name);
         eprintln!(
-            "[{test}] SIGKILL of leader {} with {} of 80 bound: first bind by {} {first:.2?} later",
-            ha.replicas[leader].name,
+            "[{test}] SIGKILL of leader {old} with {} of 80 bound: first bind by {new} {first:.2?} later",
             watch.bound(),
-            ha.replicas[new].name
         );
         // `kubectl gpushare doctor` reads the Lease and names the replica that leads.
         let doctor = doctor_says(ha).await?;
-        ensure!(
-            doctor.contains(&format!(
-                "[OK]   extender replica {} leads",
-                ha.replicas[new].name
-            )),
-            "{doctor}"
-        );
+        let leads = format!("[OK]   extender replica {new} leads");
+        ensure!(doctor.contains(&leads), "{doctor}");
         // kubelet restarts the container: it comes back as the follower.
         ha.spawn(leader)?;
         ha.wait_ready(leader).await?;
@@ -478,35 +427,25 @@ async fn a_leader_cut_off_from_the_api_server_stops_binding_and_is_replaced() ->
 {
     let test = "a_leader_cut_off_from_the_api_server_stops_binding_and_is_replaced";
     with_ha(async |ha| {
-        let watch = PodWatch::start(&ha.cluster.client).await?;
-        let leader = ha.wait_leader(None).await?;
-        burst(&ha.cluster, 80, &[1, 2, 2, 4]).await?;
-        watch.wait_bound(20).await?;
-        let faults = ha.cluster.api.faults();
-        faults.cut(&ha.replicas[leader].token);
+        let (watch, leader) = mid_burst(ha).await?;
+        let (faults, token) = (ha.cluster.api.faults(), &ha.replicas[leader].token);
+        faults.cut(token);
         let (wall, cut) = (jiff::Timestamp::now(), tokio::time::Instant::now());
         let result = async {
             let new = ha.wait_leader(Some(leader)).await?;
             let first = watch.first_bind_after(wall, cut).await?;
+            let (old, new) = (&ha.replicas[leader].name, &ha.replicas[new].name);
             eprintln!(
-                "[{test}] leader {} cut off with {} of 80 bound: {} took over, first bind {first:.2?} after the cut",
-                ha.replicas[leader].name,
+                "[{test}] leader {old} cut off with {} of 80 bound: {new} took over, first bind {first:.2?} after the cut",
                 watch.bound(),
-                ha.replicas[new].name
             );
             // The cut-off replica knows it no longer leads, and leaves the Service.
             wait_for("the cut-off replica to stop leading", FAILOVER_LIMIT, || async {
                 let metrics = ha.metrics(leader).await.ok()?;
-                metrics
-                    .lines()
-                    .any(|l| l == "gpushare_extender_leader 0")
-                    .then_some(())
+                metrics.lines().any(|l| l == "gpushare_extender_leader 0").then_some(())
             })
             .await?;
-            let extender = ha.replicas[leader]
-                .extender
-                .as_ref()
-                .context("the cut-off replica died")?;
+            let extender = ha.running(leader).context("the cut-off replica died")?;
             wait_for("the cut-off replica to be unready", FAILOVER_LIMIT, || async {
                 matches!(extender.get_health("/readyz").await, Ok((503, _))).then_some(())
             })
@@ -514,7 +453,7 @@ async fn a_leader_cut_off_from_the_api_server_stops_binding_and_is_replaced() ->
             anyhow::Ok(())
         }
         .await;
-        faults.heal(&ha.replicas[leader].token);
+        faults.heal(token);
         result?;
         drain_and_check(test, ha, &watch).await
     })

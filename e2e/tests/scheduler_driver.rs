@@ -6,8 +6,6 @@
 //! wire (the captured v1.36 bodies), binds overlapping the next cycles, the HTTP timeout. The
 //! driver's retry and error paths are not: the real tier runs upstream's kube-scheduler.
 
-// A test that cannot unwrap has failed; the panic message is the report.
-
 use std::collections::BTreeSet;
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
@@ -19,11 +17,12 @@ use axum::http::{HeaderMap, StatusCode};
 use axum::routing::post;
 use futures::future::BoxFuture;
 use gpushare_e2e::apiserver::ApiServer;
+use gpushare_e2e::cluster::wait_for;
 use gpushare_e2e::fixtures::{node, pod};
+use gpushare_e2e::scenarios::wait_bound;
 use gpushare_e2e::scheduler::wire::{self, ExtenderArgs};
 use gpushare_e2e::scheduler::{ExtenderConfig, SchedulerConfig, SchedulerDriver};
-use k8s_openapi::api::core::v1::{Binding, Event, ObjectReference, Pod};
-use k8s_openapi::apimachinery::pkg::apis::meta::v1::ObjectMeta;
+use k8s_openapi::api::core::v1::{Binding, Event, Pod};
 use kube::Api;
 use kube::api::{ListParams, PostParams};
 use serde_json::{Value, json};
@@ -31,74 +30,46 @@ use serde_json::{Value, json};
 /// How long a test waits for what should come: only a hung test reaches it.
 const DEADLINE: Duration = Duration::from_secs(60);
 
-/// Waits until `check` holds, failing the test after [`DEADLINE`].
-async fn eventually<F, Fut>(what: &str, mut check: F)
-where
-    F: FnMut() -> Fut,
-    Fut: std::future::Future<Output = bool>,
-{
-    let holds = || {
-        let check = check();
-        async move { check.await.then_some(()) }
-    };
-    let waited = gpushare_e2e::cluster::wait_for(what, DEADLINE, holds).await;
-    waited.unwrap_or_else(|error| panic!("{error}"));
-}
-
 // ---- The fake extender ----
 
-#[derive(Clone, Debug)]
-struct Received {
-    verb: String,
-    content_type: Option<String>,
-    body: Value,
-}
-
 type Reply = (StatusCode, Value);
+/// How the fake extender answers a call: (verb, body) to the reply.
 type Handler = Arc<dyn Fn(String, Value) -> BoxFuture<'static, Reply> + Send + Sync>;
+/// Each call received: verb, content type, body.
+type Log = Arc<Mutex<Vec<(String, Option<String>, Value)>>>;
 
-#[derive(Clone)]
-struct FakeState {
-    received: Arc<Mutex<Vec<Received>>>,
-    handler: Handler,
-}
-
+/// Aborted on drop.
 struct FakeExtender {
     url_prefix: String,
-    received: Arc<Mutex<Vec<Received>>>,
+    received: Log,
     task: tokio::task::JoinHandle<()>,
 }
 
 impl FakeExtender {
     async fn start(handler: Handler) -> anyhow::Result<FakeExtender> {
         let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await?;
-        let addr = listener.local_addr()?;
-        let received = Arc::new(Mutex::new(Vec::new()));
-        let state = FakeState {
-            received: received.clone(),
-            handler,
-        };
+        let url_prefix = format!("http://{}/gpushare-scheduler", listener.local_addr()?);
+        let received = Log::default();
         let app = Router::new()
             .route("/gpushare-scheduler/{verb}", post(serve))
-            .with_state(state);
+            .with_state((received.clone(), handler));
         let task = tokio::spawn(async move {
             let _ = axum::serve(listener, app).await;
         });
         Ok(FakeExtender {
-            url_prefix: format!("http://{addr}/gpushare-scheduler"),
+            url_prefix,
             received,
             task,
         })
     }
 
-    fn received(&self, verb: &str) -> Vec<Received> {
-        self.received
-            .lock()
-            .unwrap()
-            .iter()
-            .filter(|r| r.verb == verb)
-            .cloned()
-            .collect()
+    /// The one call of `verb` received: its content type and body.
+    #[track_caller]
+    fn only(&self, verb: &str) -> (Option<String>, Value) {
+        let log = self.received.lock().unwrap();
+        let calls: Vec<_> = log.iter().filter(|(v, ..)| v == verb).collect();
+        assert_eq!(calls.len(), 1, "{verb} calls: {calls:?}");
+        (calls[0].1.clone(), calls[0].2.clone())
     }
 }
 
@@ -109,74 +80,43 @@ impl Drop for FakeExtender {
 }
 
 async fn serve(
-    State(state): State<FakeState>,
+    State((received, handler)): State<(Log, Handler)>,
     Path(verb): Path<String>,
     headers: HeaderMap,
     body: Bytes,
 ) -> (StatusCode, axum::Json<Value>) {
     let body: Value = serde_json::from_slice(&body).unwrap_or(Value::Null);
-    state.received.lock().unwrap().push(Received {
-        verb: verb.clone(),
-        content_type: headers
-            .get("content-type")
-            .and_then(|v| v.to_str().ok())
-            .map(str::to_owned),
-        body: body.clone(),
-    });
-    let (status, reply) = (state.handler)(verb, body).await;
+    let content_type = headers.get("content-type").and_then(|v| v.to_str().ok());
+    let content_type = content_type.map(str::to_owned);
+    let call = (verb.clone(), content_type, body.clone());
+    received.lock().unwrap().push(call);
+    let (status, reply) = handler(verb, body).await;
     (status, axum::Json(reply))
 }
 
-/// Names of the nodes a filter/prioritize body offers, whichever form it uses.
-fn offered(body: &Value) -> Vec<String> {
-    let args = wire::decode_extender_args(body.to_string().as_bytes()).expect("ExtenderArgs");
-    match (args.node_names, args.nodes) {
-        (Some(names), _) => names,
-        (None, Some(list)) => list
-            .items
-            .into_iter()
-            .filter_map(|n| n.metadata.name)
-            .collect(),
-        (None, None) => Vec::new(),
-    }
-}
-
 /// A filter answer keeping every offered node, in the form the request used.
-fn pass_all(body: &Value) -> Value {
-    if body["NodeNames"].is_null() {
-        json!({"Nodes": body["Nodes"], "FailedNodes": {}, "Error": ""})
-    } else {
-        json!({"NodeNames": body["NodeNames"], "FailedNodes": {}, "Error": ""})
-    }
+fn pass_all(body: &Value) -> Reply {
+    let nodes = (&body["Nodes"], &body["NodeNames"]);
+    let answer = json!({"Nodes": nodes.0, "NodeNames": nodes.1, "FailedNodes": {}, "Error": ""});
+    (StatusCode::OK, answer)
 }
 
 /// What gpushare's extender does at bind: POST pods/{name}/binding.
 async fn bind_via_api(client: &kube::Client, body: &Value) -> Reply {
-    let args = match wire::decode_binding_args(body.to_string().as_bytes()) {
-        Ok(args) => args,
-        Err(e) => return (StatusCode::OK, json!({"Error": e.to_string()})),
+    let answer = async {
+        let args = wire::decode_binding_args(body.to_string().as_bytes())?;
+        let binding: Binding = serde_json::from_value(json!({
+            "metadata": {"name": args.pod_name, "namespace": args.pod_namespace, "uid": args.pod_uid},
+            "target": {"kind": "Node", "name": args.node},
+        }))?;
+        let api: Api<Pod> = Api::namespaced(client.clone(), &args.pod_namespace);
+        let pp = PostParams::default();
+        api.create_subresource::<_, Value>("binding", &args.pod_name, &pp, &binding)
+            .await?;
+        anyhow::Ok(())
     };
-    let binding = Binding {
-        metadata: ObjectMeta {
-            name: Some(args.pod_name.clone()),
-            namespace: Some(args.pod_namespace.clone()),
-            uid: Some(args.pod_uid.clone()),
-            ..ObjectMeta::default()
-        },
-        target: ObjectReference {
-            kind: Some("Node".to_owned()),
-            name: Some(args.node.clone()),
-            ..ObjectReference::default()
-        },
-    };
-    let api: Api<Pod> = Api::namespaced(client.clone(), &args.pod_namespace);
-    match api
-        .create_subresource::<_, Value>("binding", &args.pod_name, &PostParams::default(), &binding)
-        .await
-    {
-        Ok(_) => (StatusCode::OK, json!({"Error": ""})),
-        Err(e) => (StatusCode::OK, json!({"Error": e.to_string()})),
-    }
+    let error = answer.await.err().map_or(String::new(), |e| e.to_string());
+    (StatusCode::OK, json!({ "Error": error }))
 }
 
 /// An extender that keeps every node, scores nothing, and binds through the API.
@@ -185,7 +125,7 @@ fn permissive(client: kube::Client) -> Handler {
         let client = client.clone();
         Box::pin(async move {
             match verb.as_str() {
-                "filter" => (StatusCode::OK, pass_all(&body)),
+                "filter" => pass_all(&body),
                 "prioritize" => (StatusCode::OK, json!([])),
                 "bind" => bind_via_api(&client, &body).await,
                 _ => (StatusCode::NOT_FOUND, Value::Null),
@@ -194,48 +134,33 @@ fn permissive(client: kube::Client) -> Handler {
     })
 }
 
-fn config(extender: ExtenderConfig) -> SchedulerConfig {
-    SchedulerConfig {
-        extenders: vec![extender],
+/// An API server with gpushare `nodes`, a fake extender answering with what `handler` makes
+/// of a client, and the driver calling it as `extender` configures it.
+async fn start(
+    nodes: &[(&str, &[u64])],
+    handler: impl FnOnce(kube::Client) -> Handler,
+    extender: impl FnOnce(&str) -> ExtenderConfig,
+) -> anyhow::Result<(ApiServer, kube::Client, FakeExtender, SchedulerDriver)> {
+    let server = ApiServer::start().await?;
+    let client = server.client();
+    for (name, gpus) in nodes {
+        node(name).gpushare().gpus(gpus).create(&client).await?;
+    }
+    let fake = FakeExtender::start(handler(client.clone())).await?;
+    let config = SchedulerConfig {
+        extenders: vec![extender(&fake.url_prefix)],
         backoff_initial: Duration::from_millis(50),
         backoff_max: Duration::from_millis(500),
         seed: Some(1),
         ..SchedulerConfig::default()
-    }
+    };
+    let driver = SchedulerDriver::start(client.clone(), config).await?;
+    Ok((server, client, fake, driver))
 }
 
-async fn node_of(client: &kube::Client, name: &str) -> Option<String> {
-    let api: Api<Pod> = Api::namespaced(client.clone(), "default");
-    api.get(name)
-        .await
-        .ok()
-        .and_then(|p| p.spec)
-        .and_then(|s| s.node_name)
-}
-
-async fn wait_bound(client: &kube::Client, name: &str) -> String {
-    eventually(&format!("pod {name} to be bound"), || async {
-        node_of(client, name).await.is_some()
-    })
-    .await;
-    node_of(client, name).await.unwrap_or_default()
-}
-
-async fn events_for(client: &kube::Client, pod: &str) -> Vec<Event> {
-    let api: Api<Event> = Api::namespaced(client.clone(), "default");
-    api.list(&ListParams::default())
-        .await
-        .map(|l| l.items)
-        .unwrap_or_default()
-        .into_iter()
-        .filter(|e| e.involved_object.name.as_deref() == Some(pod))
-        .collect()
-}
-
-fn keys(value: &Value) -> BTreeSet<String> {
-    value
-        .as_object()
-        .map(|m| m.keys().cloned().collect())
+fn keys(value: &Value) -> BTreeSet<&str> {
+    let map = value.as_object();
+    map.map(|m| m.keys().map(String::as_str).collect())
         .unwrap_or_default()
 }
 
@@ -261,10 +186,8 @@ fn wire_encoding_reproduces_the_captured_bodies() {
     assert_eq!(encoded["Pod"], captured["Pod"]);
     assert_eq!(encoded["Nodes"], Value::Null);
     assert_eq!(encoded["NodeNames"], json!(["node-a", "node-b"]));
-    assert_eq!(
-        serde_json::to_string(&names).unwrap().find("\"Pod\""),
-        Some(1)
-    );
+    let text = serde_json::to_string(&names).unwrap();
+    assert_eq!(text.find("\"Pod\""), Some(1));
 
     let bind = wire::ExtenderBindingArgs {
         pod_name: "gpu-pod-3".into(),
@@ -276,14 +199,12 @@ fn wire_encoding_reproduces_the_captured_bodies() {
         serde_json::to_value(&bind).unwrap(),
         json!({"PodName":"gpu-pod-3","PodNamespace":"default","PodUID":"647c79bc-629b-49c7-a3dd-034bd088a0ab","Node":"node-a"})
     );
-    assert_eq!(
-        serde_json::to_value(wire::HostPriority {
-            host: "node-a".into(),
-            score: 10
-        })
-        .unwrap(),
-        json!({"Host":"node-a","Score":10})
-    );
+    let priority = wire::HostPriority {
+        host: "node-a".into(),
+        score: 10,
+    };
+    let priority = serde_json::to_value(priority).unwrap();
+    assert_eq!(priority, json!({"Host":"node-a","Score":10}));
 }
 
 #[test]
@@ -293,123 +214,82 @@ fn answers_decode_case_insensitively_like_go() {
     )
     .unwrap();
     assert_eq!(result.node_names, Some(vec!["node-a".to_owned()]));
-    assert_eq!(
-        result.failed_nodes.get("node-b").map(String::as_str),
-        Some("reason")
-    );
+    assert_eq!(result.failed_nodes["node-b"], "reason");
 
     let with_nodes = wire::decode_filter_result(
         br#"{"FailedNodes":{},"Nodes":{"metadata":{},"items":[{"metadata":{"name":"node-a"}}]}}"#,
     )
     .unwrap();
-    let names: Vec<_> = with_nodes
-        .nodes
-        .unwrap()
-        .items
-        .into_iter()
-        .filter_map(|n| n.metadata.name)
-        .collect();
+    let nodes = with_nodes.nodes.unwrap().items;
+    let names: Vec<_> = nodes.into_iter().filter_map(|n| n.metadata.name).collect();
     assert_eq!(names, ["node-a"]);
 
-    let priorities =
-        wire::decode_host_priorities(br#"[{"host":"a","score":3},{"HOST":"b","Score":10}]"#)
-            .unwrap();
-    assert_eq!(
-        priorities[1],
-        wire::HostPriority {
-            host: "b".into(),
-            score: 10
-        }
-    );
+    let priorities = br#"[{"host":"a","score":3},{"HOST":"b","Score":10}]"#;
+    let priorities = wire::decode_host_priorities(priorities).unwrap();
+    let b = wire::HostPriority {
+        host: "b".into(),
+        score: 10,
+    };
+    assert_eq!(priorities[1], b);
     assert!(wire::decode_host_priorities(b"null").unwrap().is_empty());
     assert!(wire::decode_host_priorities(br#"[{"Host":"a","Score":"high"}]"#).is_err());
 
-    assert_eq!(wire::decode_binding_result(b"{}").unwrap().error, "");
-    assert_eq!(
-        wire::decode_binding_result(br#"{"error":"no"}"#)
-            .unwrap()
-            .error,
-        "no"
-    );
-    assert!(wire::decode_binding_result(b"not json").is_err());
+    let bound = |body: &[u8]| wire::decode_binding_result(body).map(|r| r.error);
+    assert_eq!(bound(b"{}").unwrap(), "");
+    assert_eq!(bound(br#"{"error":"no"}"#).unwrap(), "no");
+    assert!(bound(b"not json").is_err());
 }
 
 // ---- The driver against the in-process cluster ----
 
 #[tokio::test]
 async fn filter_prioritize_and_bind_bodies_have_the_captured_shape() -> anyhow::Result<()> {
-    let server = ApiServer::start().await?;
-    let client = server.client();
-    node("n1")
-        .gpushare()
-        .gpus(&[16, 16])
-        .create(&client)
-        .await?;
-    node("n2").gpushare().gpus(&[8]).create(&client).await?;
-    let fake = FakeExtender::start(permissive(client.clone())).await?;
-    let driver = SchedulerDriver::start(
-        client.clone(),
-        config(ExtenderConfig::gpushare(&fake.url_prefix)),
-    )
-    .await?;
-
+    let nodes: [(&str, &[u64]); 2] = [("n1", &[16, 16]), ("n2", &[8])];
+    let (_server, client, fake, driver) =
+        start(&nodes, permissive, ExtenderConfig::gpushare).await?;
     pod("a").gpu_mem(4).create(&client).await?;
-    let chosen = wait_bound(&client, "a").await;
+    let chosen = wait_bound(&Api::default_namespaced(client.clone()), "a").await?;
 
-    let filter = fake.received("filter");
-    assert_eq!(filter.len(), 1);
-    let body = &filter[0].body;
-    assert_eq!(filter[0].content_type.as_deref(), Some("application/json"));
-    assert_eq!(
-        keys(body),
-        BTreeSet::from(["Pod".into(), "Nodes".into(), "NodeNames".into()])
-    );
+    let (content_type, body) = fake.only("filter");
+    assert_eq!(content_type.as_deref(), Some("application/json"));
+    assert_eq!(keys(&body), BTreeSet::from(["Pod", "Nodes", "NodeNames"]));
     assert_eq!(
         body["Nodes"],
         Value::Null,
         "nodeCacheCapable sends names only"
     );
-    let mut names = offered(body);
-    names.sort();
-    assert_eq!(names, ["n1", "n2"]);
+    let args = wire::decode_extender_args(body.to_string().as_bytes())?;
+    let names: BTreeSet<String> = args.node_names.into_iter().flatten().collect();
+    assert_eq!(names, BTreeSet::from(["n1".into(), "n2".into()]));
     assert_eq!(body["Pod"]["metadata"]["name"], "a");
     assert!(body["Pod"].get("kind").is_none() && body["Pod"].get("apiVersion").is_none());
-
-    let prioritize = fake.received("prioritize");
+    // Two feasible nodes: prioritize is called.
+    assert_eq!(keys(&fake.only("prioritize").1), keys(&body));
+    let (_, bind) = fake.only("bind");
+    let bind_keys = BTreeSet::from(["PodName", "PodNamespace", "PodUID", "Node"]);
+    assert_eq!(keys(&bind), bind_keys);
     assert_eq!(
-        prioritize.len(),
-        1,
-        "two feasible nodes: prioritize is called"
+        [&bind["Node"], &bind["PodNamespace"]],
+        [chosen.as_str(), "default"]
     );
-    assert_eq!(keys(&prioritize[0].body), keys(body));
 
-    let bind = fake.received("bind");
-    assert_eq!(bind.len(), 1);
-    assert_eq!(
-        keys(&bind[0].body),
-        BTreeSet::from([
-            "PodName".into(),
-            "PodNamespace".into(),
-            "PodUID".into(),
-            "Node".into()
-        ])
-    );
-    assert_eq!(bind[0].body["Node"], chosen.as_str());
-    assert_eq!(bind[0].body["PodNamespace"], "default");
-
-    eventually("the Scheduled event", || async {
-        events_for(&client, "a").await.iter().any(|e| {
-            e.reason.as_deref() == Some("Scheduled")
-                && e.message.as_deref()
-                    == Some(&format!("Successfully assigned default/a to {chosen}"))
-        })
+    let events: Api<Event> = Api::default_namespaced(client.clone());
+    let scheduled = format!("Successfully assigned default/a to {chosen}");
+    wait_for("the Scheduled event", DEADLINE, || async {
+        let events = events.list(&ListParams::default()).await.ok()?;
+        events
+            .iter()
+            .any(|e| {
+                e.involved_object.name.as_deref() == Some("a")
+                    && e.reason.as_deref() == Some("Scheduled")
+                    && e.message.as_deref() == Some(&scheduled)
+            })
+            .then_some(())
     })
-    .await;
+    .await?;
     let stats = driver.stats();
-    assert_eq!(
-        (stats.filter_calls, stats.prioritize_calls, stats.bind_calls),
-        (1, 1, 1)
-    );
+    let calls = (stats.filter_calls, stats.prioritize_calls, stats.bind_calls);
+    assert_eq!(calls, (1, 1, 1));
     assert_eq!(stats.binds_ok, 1);
     driver.shutdown().await;
     Ok(())
@@ -418,86 +298,66 @@ async fn filter_prioritize_and_bind_bodies_have_the_captured_shape() -> anyhow::
 #[tokio::test]
 async fn binds_run_concurrently_with_the_next_cycles() -> anyhow::Result<()> {
     const N: usize = 4;
-    let server = ApiServer::start().await?;
-    let client = server.client();
-    node("n1")
-        .gpushare()
-        .gpus(&[16, 16])
-        .create(&client)
-        .await?;
-    let barrier = Arc::new(tokio::sync::Barrier::new(N));
-    let handler: Handler = {
-        let client = client.clone();
+    // Answers a bind only once N binds are in flight together.
+    let handler = |client: kube::Client| -> Handler {
+        let barrier = Arc::new(tokio::sync::Barrier::new(N));
         Arc::new(move |verb, body| {
-            let client = client.clone();
-            let barrier = barrier.clone();
+            let (client, barrier) = (client.clone(), barrier.clone());
             Box::pin(async move {
                 match verb.as_str() {
-                    "filter" => (StatusCode::OK, pass_all(&body)),
-                    "bind" => {
-                        // Answers only once N binds are in flight together.
-                        if tokio::time::timeout(DEADLINE, barrier.wait())
-                            .await
-                            .is_err()
-                        {
-                            return (
-                                StatusCode::OK,
-                                json!({"Error": "binds were not concurrent"}),
-                            );
-                        }
-                        bind_via_api(&client, &body).await
-                    }
+                    "filter" => pass_all(&body),
+                    "bind" => match tokio::time::timeout(DEADLINE, barrier.wait()).await {
+                        Ok(_) => bind_via_api(&client, &body).await,
+                        Err(_) => (
+                            StatusCode::OK,
+                            json!({"Error": "binds were not concurrent"}),
+                        ),
+                    },
                     _ => (StatusCode::OK, json!([])),
                 }
             })
         })
     };
-    let fake = FakeExtender::start(handler).await?;
-    let driver = SchedulerDriver::start(
-        client.clone(),
-        config(ExtenderConfig::gpushare(&fake.url_prefix)),
-    )
-    .await?;
-
+    let nodes: [(&str, &[u64]); 1] = [("n1", &[16, 16])];
+    let (_server, client, _fake, driver) = start(&nodes, handler, ExtenderConfig::gpushare).await?;
     for i in 0..N {
         pod(&format!("p{i}")).gpu_mem(4).create(&client).await?;
     }
+    let pods = Api::default_namespaced(client.clone());
     for i in 0..N {
-        wait_bound(&client, &format!("p{i}")).await;
+        wait_bound(&pods, &format!("p{i}")).await?;
     }
     let stats = driver.stats();
     assert_eq!(stats.bind_errors, 0);
-    assert!(
-        stats.peak_binds_in_flight >= N,
-        "peak {}",
-        stats.peak_binds_in_flight
-    );
+    let peak = stats.peak_binds_in_flight;
+    assert!(peak >= N, "peak {peak}");
     driver.shutdown().await;
     Ok(())
 }
 
 #[tokio::test]
 async fn http_timeout_bounds_each_call() -> anyhow::Result<()> {
-    let server = ApiServer::start().await?;
-    let client = server.client();
-    node("n1").gpushare().gpus(&[16]).create(&client).await?;
-    let handler: Handler = Arc::new(|_, _| Box::pin(futures::future::pending()));
-    let fake = FakeExtender::start(handler).await?;
-    let extender = ExtenderConfig {
+    let hangs = |_| -> Handler { Arc::new(|_, _| Box::pin(futures::future::pending())) };
+    let extender = |url_prefix: &str| ExtenderConfig {
         http_timeout: Duration::from_millis(100),
-        ..ExtenderConfig::gpushare(&fake.url_prefix)
+        ..ExtenderConfig::gpushare(url_prefix)
     };
-    let driver = SchedulerDriver::start(client.clone(), config(extender)).await?;
+    let nodes: [(&str, &[u64]); 1] = [("n1", &[16])];
+    let (_server, client, fake, driver) = start(&nodes, hangs, extender).await?;
     pod("a").gpu_mem(4).create(&client).await?;
     let expected = format!(
         "Post \"{}/filter\": context deadline exceeded (Client.Timeout exceeded while awaiting headers)",
         fake.url_prefix
     );
-    eventually("the timeout to fail the cycle", || async {
-        driver.pending_reason("default", "a").as_deref() == Some(expected.as_str())
+    wait_for("the timeout to fail the cycle", DEADLINE, || async {
+        let reason = driver.pending_reason("default", "a");
+        (reason.as_deref() == Some(expected.as_str())).then_some(())
     })
-    .await;
-    assert_eq!(node_of(&client, "a").await, None);
+    .await?;
+    let a = Api::<Pod>::default_namespaced(client.clone())
+        .get("a")
+        .await?;
+    assert_eq!(a.spec.and_then(|s| s.node_name), None);
     driver.shutdown().await;
     Ok(())
 }
