@@ -198,66 +198,6 @@ async fn binding_is_one_shot_and_copies_annotations() {
     server.shutdown().await;
 }
 
-/// Every write records its field manager in `metadata.managedFields`, as the real server's
-/// does, so that what clients read and watch is as large as on a real cluster; the body's own
-/// entries are never taken, and a binding records none.
-#[tokio::test]
-async fn writes_record_their_field_managers() {
-    let (server, client, pods) = start().await;
-    let created = pod("a").gpu_mem(4).create(&client).await.unwrap();
-    let entries = created.metadata.managed_fields.clone().unwrap();
-    let [entry] = entries.as_slice() else {
-        panic!("one entry after a create: {entries:?}");
-    };
-    assert_eq!(entry.operation.as_deref(), Some("Update"));
-    assert_eq!(entry.fields_type.as_deref(), Some("FieldsV1"));
-    let owned = &entry.fields_v1.as_ref().unwrap().0;
-    let containers = owned.pointer("/f:spec/f:containers").unwrap().as_object();
-    let by_name = containers.is_some_and(|c| c.keys().any(|k| k.starts_with("k:{\"name\":")));
-    assert!(by_name, "{owned}");
-    assert!(owned.get("f:status").is_none(), "{owned}");
-
-    let annotator = PatchParams {
-        field_manager: Some("annotator".to_owned()),
-        ..PatchParams::default()
-    };
-    let annotate = Patch::Merge(json!({"metadata": {"annotations": {"x": "1"}}}));
-    let patched = pods.patch("a", &annotator, &annotate).await.unwrap();
-    let entries = patched.metadata.managed_fields.clone().unwrap();
-    assert_eq!(entries.len(), 2);
-    assert_eq!(entries[1].manager.as_deref(), Some("annotator"));
-    assert_eq!(
-        entries[1].fields_v1.as_ref().unwrap().0,
-        json!({"f:metadata": {"f:annotations": {".": {}, "f:x": {}}}})
-    );
-
-    // A body carrying other entries does not replace the server's.
-    let mut forged = patched.clone();
-    forged.metadata.managed_fields = Some(Vec::new());
-    let labels = forged.metadata.labels.get_or_insert_default();
-    labels.insert("l".to_owned(), "v".to_owned());
-    let labeller = PostParams {
-        field_manager: Some("labeller".to_owned()),
-        ..PostParams::default()
-    };
-    let replaced = pods.replace("a", &labeller, &forged).await.unwrap();
-    let entries = replaced.metadata.managed_fields.unwrap();
-    assert_eq!(entries.len(), 3);
-    assert_eq!(
-        entries[2].fields_v1.as_ref().unwrap().0,
-        json!({"f:metadata": {"f:labels": {".": {}, "f:l": {}}}})
-    );
-    // The creating client's entry keeps the create's fields.
-    let first = entries[0].fields_v1.as_ref();
-    assert!(first.is_some_and(|f| f.0.pointer("/f:spec/f:containers").is_some()));
-
-    let uid = created.metadata.uid.clone().unwrap();
-    bind(&pods, "a", "n1", Some(&uid), &[]).await.unwrap();
-    let bound = pods.get("a").await.unwrap();
-    assert_eq!(bound.metadata.managed_fields.unwrap().len(), 3);
-    server.shutdown().await;
-}
-
 #[tokio::test]
 async fn patches_merge_strategic_json_and_refuse_stale_versions() {
     let (server, client, pods) = start().await;

@@ -6,20 +6,30 @@
 #[path = "device_plugin/common.rs"]
 mod common;
 
-use std::collections::{BTreeMap, HashMap};
+use std::collections::BTreeMap;
 use std::time::Duration;
 
+use anyhow::Context as _;
 use common::{
-    Cluster, NODE, RESOURCE, WAIT, allocation, annotated, eventually, gpu_of, marks, marks_on,
-    placed, uuid,
+    Cluster, Container, NODE, RESOURCE, WAIT, allocation, annotated, eventually, marked, marks,
+    marks_on, on_gpu, placed, pod_gib, uuid, wait_all_assigned,
 };
-use gpushare_contract::{Keys, env, inventory};
+use gpushare_contract::{GpuInfo, Keys, env};
 use gpushare_e2e::apiserver::Verb;
+use gpushare_e2e::cluster::published_gpus;
 use gpushare_e2e::kubelet::AdmissionOrder;
 use gpushare_testkit::fixtures::pod;
+use k8s_openapi::api::core::v1::Node;
 use rand::rngs::StdRng;
 use rand::seq::SliceRandom;
 use rand::{Rng, SeedableRng};
+
+/// The node and the GPU inventory the plugin published on it for the extender.
+async fn inventory(cluster: &Cluster) -> anyhow::Result<(Node, Vec<GpuInfo>)> {
+    let node = cluster.node().await?;
+    let gpus = published_gpus(&node).context("no inventory on the node")??;
+    Ok((node, gpus))
+}
 
 #[tokio::test]
 async fn registers_lists_one_device_per_gib_and_follows_health() -> anyhow::Result<()> {
@@ -36,132 +46,72 @@ async fn registers_lists_one_device_per_gib_and_follows_health() -> anyhow::Resu
         .await?;
     let units = kubelet.devices(&compute);
     assert_eq!(units.len(), 300, "100 compute units per GPU");
-    assert_eq!(
-        units
-            .iter()
-            .filter(|(id, _)| id.starts_with(&format!("{}-c", uuid(2))))
-            .count(),
-        100
-    );
+    let gpu2_units = format!("{}-c", uuid(2));
+    let gpu2_units = units.iter().filter(|(id, _)| id.starts_with(&gpu2_units));
+    assert_eq!(gpu2_units.count(), 100);
 
     let devices = kubelet.devices(RESOURCE);
-    assert_eq!(devices.len(), 56);
     assert!(devices.iter().all(|(_, healthy)| *healthy));
-    let per_gpu = |devices: &[(String, bool)], gpu: u32| {
-        devices
-            .iter()
-            .filter(|(id, _)| gpu_of(id) == uuid(gpu))
-            .count()
-    };
-    assert_eq!(per_gpu(&devices, 0), 16);
-    assert_eq!(per_gpu(&devices, 2), 24);
-    assert!(
-        devices
-            .iter()
-            .any(|(id, _)| *id == format!("{}-23", uuid(2)))
-    );
+    let memory: Vec<String> = devices.into_iter().map(|(id, _)| id).collect();
+    assert_eq!(memory.len(), 56);
+    assert_eq!((on_gpu(&memory, 0), on_gpu(&memory, 2)), (16, 24));
+    assert!(memory.contains(&format!("{}-23", uuid(2))));
 
-    // The node carries the inventory for the extender.
-    let keys = Keys::default();
-    let published = |node: &k8s_openapi::api::core::v1::Node| -> anyhow::Result<Vec<gpushare_contract::GpuInfo>> {
-        let annotations = node.metadata.annotations.clone().unwrap_or_default();
-        let text = annotations.get(&keys.node_gpus).cloned().unwrap_or_default();
-        Ok(inventory::decode(&text)?)
-    };
     eventually(WAIT, "the inventory annotation", || async {
-        Ok(published(&cluster.node().await?).is_ok_and(|gpus| gpus.len() == 3))
+        Ok(inventory(&cluster)
+            .await
+            .is_ok_and(|(_, gpus)| gpus.len() == 3))
     })
     .await?;
-    let node = cluster.node().await?;
-    let gpus = published(&node)?;
-    assert_eq!(
-        gpus.iter().map(|g| g.mem_gib).collect::<Vec<_>>(),
-        [16, 16, 24]
-    );
+    let (node, gpus) = inventory(&cluster).await?;
+    let sizes: Vec<u64> = gpus.iter().map(|g| g.mem_gib).collect();
+    assert_eq!(sizes, [16, 16, 24]);
     assert_eq!(gpus[1].uuid, uuid(1));
-    assert_eq!(
-        node.metadata.labels.unwrap_or_default()[&keys.node_gpu_count],
-        "3"
-    );
+    let labels = node.metadata.labels.unwrap_or_default();
+    assert_eq!(labels[&Keys::default().node_gpu_count], "3");
 
     // GPU 1 breaks: its devices (memory and compute) turn unhealthy for kubelet and on the
-    // node.
-    cluster.set_unhealthy("1")?;
-    kubelet
-        .wait_until(WAIT, "GPU 1's devices unhealthy", |k| {
-            let devices = k.devices(RESOURCE);
-            let units = k.devices(&compute);
-            devices.len() == 56
-                && devices
-                    .iter()
-                    .all(|(id, healthy)| *healthy == (gpu_of(id) != uuid(1)))
-                && units
-                    .iter()
-                    .all(|(id, healthy)| *healthy != id.starts_with(&format!("{}-c", uuid(1))))
+    // node; then it recovers.
+    for broken in [Some(1), None] {
+        cluster.set_unhealthy(&broken.map(|g: u32| g.to_string()).unwrap_or_default())?;
+        let sick = |id: &str| broken.is_some_and(|g| id.starts_with(&format!("{}-", uuid(g))));
+        kubelet
+            .wait_until(WAIT, &format!("only GPU {broken:?} unhealthy"), |k| {
+                let (memory, units) = (k.devices(RESOURCE), k.devices(&compute));
+                memory.len() == 56 && memory.iter().chain(&units).all(|(id, up)| *up != sick(id))
+            })
+            .await?;
+        eventually(WAIT, "the node's inventory to follow", || async {
+            let gpus = inventory(&cluster).await?.1;
+            Ok(gpus.iter().all(|g| g.healthy != (Some(g.index) == broken)))
         })
         .await?;
-    eventually(WAIT, "GPU 1 unhealthy on the node", || async {
-        Ok(published(&cluster.node().await?)?
-            .iter()
-            .any(|g| g.index == 1 && !g.healthy))
-    })
-    .await?;
-
-    // And recovers.
-    cluster.set_unhealthy("")?;
-    kubelet
-        .wait_until(WAIT, "every device healthy again", |k| {
-            k.devices(RESOURCE).iter().all(|(_, healthy)| *healthy)
-        })
-        .await?;
-    eventually(WAIT, "GPU 1 healthy on the node", || async {
-        Ok(published(&cluster.node().await?)?.iter().all(|g| g.healthy))
-    })
-    .await?;
+    }
 
     // Stopping, the plugin marks its GPUs unavailable: until a plugin serves kubelet again,
     // kubelet would refuse the GPU pods the extender sent here.
-    if let Some(plugin) = cluster.plugin.take() {
-        plugin.stop().await?;
-    }
-    let left = published(&cluster.node().await?)?;
-    assert_eq!(left.len(), 3);
-    assert!(left.iter().all(|g| !g.healthy), "{left:?}");
+    cluster.stop_plugin().await?;
+    let left = inventory(&cluster).await?.1;
+    assert!(
+        left.len() == 3 && left.iter().all(|g| !g.healthy),
+        "{left:?}"
+    );
     cluster.stop().await
 }
 
 #[tokio::test]
 async fn allocate_pins_containers_to_the_annotated_gpu_without_listing_pods() -> anyhow::Result<()>
 {
-    let cluster = Cluster::start_with(
-        &[16, 16, 24],
-        Some(AdmissionOrder::CreationTime),
-        &marks_on(),
-    )
-    .await?;
-    let kubelet = cluster.kubelet();
+    let order = Some(AdmissionOrder::CreationTime);
+    let cluster = Cluster::start_with(&[16, 16, 24], order, &marks_on()).await?;
     let lists_before = cluster.server.stats().count(Verb::List, "pods");
 
     placed("a", 2, 4, 1).create(&cluster.client).await?;
     let b = pod("b").init_container("init", 6).gpu_mem(4).on_node(NODE);
     let b_allocation = allocation(1, &[("init", 6, true), ("main", 4, false)], 2);
     annotated(b, b_allocation).create(&cluster.client).await?;
+    cluster.wait_admitted(WAIT, &["a", "b"]).await?;
 
-    kubelet
-        .wait_until(WAIT, "both pods admitted", |k| {
-            k.container_env("default", "b", "main").is_some()
-                && k.container_env("default", "a", "main").is_some()
-        })
-        .await?;
-    assert!(
-        kubelet.admission_errors().is_empty(),
-        "{:?}",
-        kubelet.admission_errors()
-    );
-
-    let a_env = kubelet
-        .container_env("default", "a", "main")
-        .unwrap_or_default();
     let expected = BTreeMap::from([
         (env::NVIDIA_VISIBLE_DEVICES.to_owned(), uuid(2)),
         (env::GPU_INDEX.to_owned(), "2".to_owned()),
@@ -170,40 +120,41 @@ async fn allocate_pins_containers_to_the_annotated_gpu_without_listing_pods() ->
         (env::POD_GIB.to_owned(), "4".to_owned()),
         (env::GPU_TOTAL_GIB.to_owned(), "24".to_owned()),
     ]);
-    assert_eq!(a_env, expected);
+    assert_eq!(cluster.env("a", "main"), expected);
     // The preferred allocation kept kubelet's device IDs on the chosen GPU.
-    let a_devices = &kubelet.pod_devices("default", "a")[RESOURCE];
-    assert_eq!(a_devices.len(), 4);
-    assert!(
-        a_devices.iter().all(|id| gpu_of(id) == uuid(2)),
+    let a_devices = cluster.devices("a");
+    assert_eq!(
+        (a_devices.len(), on_gpu(&a_devices, 2)),
+        (4, 4),
         "{a_devices:?}"
     );
 
-    for container in ["init", "main"] {
-        let env = kubelet
-            .container_env("default", "b", container)
-            .unwrap_or_default();
-        assert_eq!(env[env::NVIDIA_VISIBLE_DEVICES], uuid(1), "{container}");
-        assert_eq!(env[env::POD_GIB], "6");
+    for (container, gib) in [("init", "6"), ("main", "4")] {
+        let env = cluster.env("b", container);
+        let got = [
+            env::NVIDIA_VISIBLE_DEVICES,
+            env::POD_GIB,
+            env::CONTAINER_GIB,
+        ]
+        .map(|name| env.get(name).cloned().unwrap_or_default());
+        assert_eq!(
+            got,
+            [uuid(1), "6".to_owned(), gib.to_owned()],
+            "{container}"
+        );
     }
-    assert_eq!(
-        kubelet
-            .container_env("default", "b", "init")
-            .unwrap_or_default()[env::CONTAINER_GIB],
-        "6"
-    );
     // The app container reused the init container's devices: 6 in all, on GPU 1.
-    let b_devices = &kubelet.pod_devices("default", "b")[RESOURCE];
-    assert_eq!(b_devices.len(), 6);
-    assert!(
-        b_devices.iter().all(|id| gpu_of(id) == uuid(1)),
+    let b_devices = cluster.devices("b");
+    assert_eq!(
+        (b_devices.len(), on_gpu(&b_devices, 1)),
+        (6, 6),
         "{b_devices:?}"
     );
 
     // With `--allocation-marks`, the plugin records its progress on the pods.
     for (name, allocated) in [("a", "main"), ("b", "init,main")] {
         eventually(WAIT, "the assigned mark", || async {
-            Ok(marks(&cluster, name).await? == (allocated.to_owned(), "true".to_owned()))
+            Ok(marks(&cluster, name).await? == marked(allocated))
         })
         .await?;
     }
@@ -215,62 +166,38 @@ async fn allocate_pins_containers_to_the_annotated_gpu_without_listing_pods() ->
     cluster.stop().await
 }
 
-/// A pod's GiB from its `(name, gib, init)` containers: the larger of its app containers'
-/// sum and its largest init container.
-fn pod_gib(containers: &[(String, u64, bool)]) -> u64 {
-    let app: u64 = containers.iter().filter(|c| !c.2).map(|c| c.1).sum();
-    let init = containers
-        .iter()
-        .filter(|c| c.2)
-        .map(|c| c.1)
-        .max()
-        .unwrap_or(0);
-    app.max(init)
-}
-
 /// Places pods the way the extender does: every pending container of one size sits on the
 /// same GPU (sizes linked through multi-container pods share a GPU), and no GPU holds more
 /// than its memory.
-fn place(pods: &[Vec<(String, u64, bool)>], gpus: &[u64]) -> Vec<u32> {
-    // Union-find over sizes.
-    let mut parent: HashMap<u64, u64> = HashMap::new();
-    fn find(parent: &mut HashMap<u64, u64>, x: u64) -> u64 {
-        let p = *parent.entry(x).or_insert(x);
-        if p == x {
-            x
-        } else {
-            let root = find(parent, p);
-            parent.insert(x, root);
-            root
-        }
-    }
+fn place(pods: &[Vec<Container>], gpus: &[u64]) -> Vec<u32> {
+    // Each size's group, named by its smallest size; a pod's containers merge their groups.
+    let mut group: BTreeMap<u64, u64> = BTreeMap::new();
     for containers in pods {
-        let first = containers[0].1;
-        for c in containers {
-            let (a, b) = (find(&mut parent, first), find(&mut parent, c.1));
-            parent.insert(a, b);
+        let merged: Vec<u64> = containers
+            .iter()
+            .map(|c| *group.entry(c.1).or_insert(c.1))
+            .collect();
+        let root = merged.iter().copied().min().unwrap_or(0);
+        for g in group.values_mut().filter(|g| merged.contains(g)) {
+            *g = root;
         }
     }
+    let group_of = |containers: &[Container]| group[&containers[0].1];
     let mut demand: BTreeMap<u64, u64> = BTreeMap::new();
     for containers in pods {
-        let root = find(&mut parent, containers[0].1);
-        *demand.entry(root).or_default() += pod_gib(containers);
+        *demand.entry(group_of(containers)).or_default() += pod_gib(containers);
     }
-    let mut components: Vec<(u64, u64)> = demand.into_iter().collect();
-    components.sort_by_key(|&(_, gib)| std::cmp::Reverse(gib));
+    let mut demand: Vec<(u64, u64)> = demand.into_iter().collect();
+    demand.sort_by_key(|&(_, gib)| std::cmp::Reverse(gib));
     let mut free = gpus.to_vec();
-    let mut gpu_of_root = HashMap::new();
-    for (root, gib) in components {
-        let gpu = free
-            .iter()
-            .position(|&f| f >= gib)
-            .unwrap_or_else(|| panic!("test data does not fit: component needs {gib} GiB"));
+    let mut gpu_of_group = BTreeMap::new();
+    for (root, gib) in demand {
+        let gpu = free.iter().position(|&f| f >= gib);
+        let gpu = gpu.unwrap_or_else(|| panic!("test data does not fit: a group needs {gib} GiB"));
         free[gpu] -= gib;
-        gpu_of_root.insert(root, u32::try_from(gpu).unwrap_or(0));
+        gpu_of_group.insert(root, u32::try_from(gpu).unwrap_or(0));
     }
-    pods.iter()
-        .map(|containers| gpu_of_root[&find(&mut parent, containers[0].1)])
-        .collect()
+    pods.iter().map(|c| gpu_of_group[&group_of(c)]).collect()
 }
 
 #[tokio::test]
@@ -292,122 +219,72 @@ async fn hundred_pods_in_shuffled_order(marks: bool) -> anyhow::Result<()> {
     let gpus = [80, 80, 80, 80, 80, 80, 48, 40];
     let flags = if marks { marks_on() } else { Vec::new() };
     let cluster = Cluster::start_with(&gpus, Some(AdmissionOrder::Shuffled(7)), &flags).await?;
-    let kubelet = cluster.kubelet();
 
-    let mut rng = StdRng::seed_from_u64(42);
-    let mut pods: Vec<Vec<(String, u64, bool)>> = Vec::new();
-    for (gib, count) in [(1, 16), (2, 14), (3, 14), (4, 14), (5, 10), (6, 10), (8, 8)] {
-        for _ in 0..count {
-            pods.push(vec![("main".to_owned(), gib, false)]);
-        }
-    }
-    for _ in 0..14 {
-        // An init container of 2 GiB, then 1 GiB: links sizes 1 and 2 onto one GPU.
-        pods.push(vec![
-            ("init".to_owned(), 2, true),
-            ("main".to_owned(), 1, false),
-        ]);
-    }
+    let sizes = [(1, 16), (2, 14), (3, 14), (4, 14), (5, 10), (6, 10), (8, 8)];
+    let mut pods: Vec<Vec<Container>> = sizes
+        .into_iter()
+        .flat_map(|(gib, count)| std::iter::repeat_n(vec![("main", gib, false)], count))
+        .collect();
+    // An init container of 2 GiB, then 1 GiB: links sizes 1 and 2 onto one GPU.
+    pods.extend(std::iter::repeat_n(
+        vec![("init", 2, true), ("main", 1, false)],
+        14,
+    ));
     assert_eq!(pods.len(), 100);
+    let names: Vec<String> = (0..pods.len()).map(|i| format!("p{i:03}")).collect();
     let placement = place(&pods, &gpus);
+    let mut rng = StdRng::seed_from_u64(42);
     let mut order: Vec<usize> = (0..pods.len()).collect();
     order.shuffle(&mut rng);
-    for &i in &order {
-        let containers = &pods[i];
-        let spec: Vec<(&str, u64, bool)> = containers
+    for i in order {
+        let builder = pods[i]
             .iter()
-            .map(|(n, g, init)| (n.as_str(), *g, *init))
-            .collect();
-        let mut builder = pod(&format!("p{i:03}")).on_node(NODE);
-        for (name, gib, init) in &spec {
-            builder = if *init {
-                builder.init_container(name, *gib)
-            } else {
-                builder.gpu_mem(*gib)
-            };
-        }
+            .fold(pod(&names[i]).on_node(NODE), |b, &(name, gib, init)| {
+                if init {
+                    b.init_container(name, gib)
+                } else {
+                    b.gpu_mem(gib)
+                }
+            });
         let second = u32::try_from(rng.random_range(0..3600)).unwrap_or(0);
-        annotated(builder, allocation(placement[i], &spec, second))
+        annotated(builder, allocation(placement[i], &pods[i], second))
             .create(&cluster.client)
             .await?;
     }
-
-    kubelet
-        .wait_until(Duration::from_secs(60), "every pod admitted", |k| {
-            k.admission_errors().len()
-                + (0..pods.len())
-                    .filter(|i| {
-                        k.container_env("default", &format!("p{i:03}"), "main")
-                            .is_some()
-                    })
-                    .count()
-                == pods.len()
-        })
+    cluster
+        .wait_admitted(Duration::from_secs(60), &names)
         .await?;
-    assert!(
-        kubelet.admission_errors().is_empty(),
-        "{:?}",
-        kubelet.admission_errors()
-    );
 
     let mut used = vec![0u64; gpus.len()];
-    for (i, containers) in pods.iter().enumerate() {
-        let name = format!("p{i:03}");
-        let mut pod_gpu = None;
-        for (container, gib, _) in containers {
-            let env = kubelet
-                .container_env("default", &name, container)
-                .unwrap_or_default();
+    for ((name, containers), gpu) in names.iter().zip(&pods).zip(&placement) {
+        for &(container, gib, _) in containers {
+            let env = cluster.env(name, container);
+            let got = [env::NVIDIA_VISIBLE_DEVICES, env::CONTAINER_GIB].map(|k| env.get(k));
             assert_eq!(
-                env.get(env::NVIDIA_VISIBLE_DEVICES),
-                Some(&uuid(placement[i])),
+                got,
+                [Some(&uuid(*gpu)), Some(&gib.to_string())],
                 "{name}/{container}"
             );
-            assert_eq!(
-                env.get(env::CONTAINER_GIB),
-                Some(&gib.to_string()),
-                "{name}/{container}"
-            );
-            pod_gpu = env
-                .get(env::GPU_INDEX)
-                .and_then(|g| g.parse::<usize>().ok());
         }
-        used[pod_gpu.unwrap_or(usize::MAX).min(gpus.len() - 1)] += pod_gib(containers);
+        let told = cluster
+            .env(name, "main")
+            .get(env::GPU_INDEX)
+            .and_then(|g| g.parse().ok());
+        used[told.unwrap_or(usize::MAX).min(gpus.len() - 1)] += pod_gib(containers);
     }
     for (gpu, (&used, &size)) in used.iter().zip(&gpus).enumerate() {
         assert!(used <= size, "GPU {gpu} holds {used} GiB of {size}");
     }
 
-    if !marks {
+    if marks {
+        wait_all_assigned(&cluster, Duration::from_secs(60), &names).await?;
+    } else {
         assert_eq!(
             cluster.server.stats().count(Verb::Patch, "pods"),
             0,
             "without --allocation-marks the plugin writes no pod"
         );
-        return cluster.stop().await;
     }
-    // Every pod ends up marked assigned, whichever twin the Allocate calls matched.
-    let keys = Keys::default();
-    eventually(
-        Duration::from_secs(60),
-        "every pod marked assigned",
-        || async {
-            let list = kube::Api::<k8s_openapi::api::core::v1::Pod>::namespaced(
-                cluster.client.clone(),
-                "default",
-            )
-            .list(&Default::default())
-            .await?;
-            Ok(list.items.iter().all(|p| {
-                p.metadata
-                    .annotations
-                    .as_ref()
-                    .and_then(|a| a.get(&keys.assigned))
-                    .is_some_and(|v| v == "true")
-            }))
-        },
-    )
-    .await?;
     cluster.stop().await
 }
 
@@ -417,22 +294,15 @@ async fn unhealthy_or_unknown_gpus_fail_admission_with_a_reason() -> anyhow::Res
     let kubelet = cluster.kubelet();
 
     // A pod without the extender's annotations: nothing waits for it.
-    pod("stray")
-        .gpu_mem(4)
-        .on_node(NODE)
-        .create(&cluster.client)
-        .await?;
+    let stray = pod("stray").gpu_mem(4).on_node(NODE);
+    stray.create(&cluster.client).await?;
     kubelet
         .wait_until(WAIT, "stray rejected", |k| !k.admission_errors().is_empty())
         .await?;
     let (pod_key, message) = kubelet.admission_errors()[0].clone();
     assert_eq!(pod_key, "default/stray");
-    assert!(
-        message.contains(
-            "no pod bound to node n1 is waiting for a 4 GiB example.com/gpu-mem allocation"
-        ),
-        "{message}"
-    );
+    let want = "no pod bound to node n1 is waiting for a 4 GiB example.com/gpu-mem allocation";
+    assert!(message.contains(want), "{message}");
     eventually(WAIT, "stray Failed", || async {
         let status = cluster.pod("stray").await?.status.unwrap_or_default();
         Ok(status.phase.as_deref() == Some("Failed")

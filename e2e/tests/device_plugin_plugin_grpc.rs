@@ -8,8 +8,8 @@ use std::time::Duration;
 
 use anyhow::Context as _;
 use common::{
-    Cluster, NODE, WAIT, allocate, allocation, annotated, client, ids, placed, preferred, uuid,
-    wait_for_unhealthy_devices,
+    Cluster, NODE, WAIT, allocate, allocation, annotated, client, ids, placed, preferred, refused,
+    uuid, wait_for_unhealthy_devices,
 };
 use gpushare_contract::env;
 use gpushare_e2e::apiserver::Verb;
@@ -22,41 +22,30 @@ async fn bad_requests_get_clear_errors() -> anyhow::Result<()> {
     let cluster = Cluster::start(&[16, 16], None).await?;
     let mut plugin = client(&cluster).await?;
 
-    let options = plugin
-        .get_device_plugin_options(Empty {})
-        .await?
-        .into_inner();
+    let options = plugin.get_device_plugin_options(Empty {}).await?;
+    let options = options.into_inner();
     assert!(options.get_preferred_allocation_available && !options.pre_start_required);
 
-    let err = plugin.allocate(allocate(vec![])).await.unwrap_err();
-    assert_eq!(err.code(), Code::InvalidArgument);
-    assert!(
-        err.message().contains("asks for no devices"),
-        "{}",
-        err.message()
+    let empty = plugin.allocate(allocate(vec![])).await;
+    refused(empty, Code::InvalidArgument, &["asks for no devices"]);
+    let mut unknown = vec!["GPU-nope-0".to_owned()];
+    unknown.extend(ids(&[0], 0..1));
+    let err = refused(
+        plugin.allocate(allocate(unknown)).await,
+        Code::InvalidArgument,
+        &["GPU-nope-0"],
     );
-
-    let err = plugin
-        .allocate(allocate(vec!["GPU-nope-0".into(), ids(0, 0..1)[0].clone()]))
-        .await
-        .unwrap_err();
-    assert_eq!(err.code(), Code::InvalidArgument);
-    assert!(
-        err.message().contains("GPU-nope-0") && !err.message().contains(&uuid(0)),
-        "{}",
-        err.message()
-    );
-
-    let err = plugin.allocate(allocate(ids(0, 0..4))).await.unwrap_err();
-    assert_eq!(err.code(), Code::FailedPrecondition);
-    assert!(
-        err.message().contains("no pod bound to node n1 is waiting for a 4 GiB example.com/gpu-mem allocation; was it scheduled by the gpushare extender?"),
-        "{}",
-        err.message()
+    assert!(!err.message().contains(&uuid(0)), "{}", err.message());
+    refused(
+        plugin.allocate(allocate(ids(&[0], 0..4))).await,
+        Code::FailedPrecondition,
+        &[
+            "no pod bound to node n1 is waiting for a 4 GiB example.com/gpu-mem allocation; was it scheduled by the gpushare extender?",
+        ],
     );
 
     // Preferred allocation never fails: with no pod to go by, kubelet's own pick.
-    let available: Vec<String> = ids(0, 0..3).into_iter().chain(ids(1, 0..3)).collect();
+    let available = ids(&[0, 1], 0..3);
     let chosen = preferred(&mut plugin, available.clone(), 2).await?;
     assert_eq!(chosen, available[..2].to_vec());
     cluster.stop().await
@@ -64,7 +53,7 @@ async fn bad_requests_get_clear_errors() -> anyhow::Result<()> {
 
 #[tokio::test]
 async fn allocate_answers_from_the_watch_cache_and_refuses_broken_gpus() -> anyhow::Result<()> {
-    let cluster = Cluster::start(&[16, 16], None).await?;
+    let mut cluster = Cluster::start(&[16, 16], None).await?;
     let mut plugin = client(&cluster).await?;
     for (name, gpu, second) in [("a", 1, 1), ("b", 1, 2), ("c", 0, 3)] {
         placed(name, gpu, 3, second).create(&cluster.client).await?;
@@ -79,34 +68,34 @@ async fn allocate_answers_from_the_watch_cache_and_refuses_broken_gpus() -> anyh
         .await?;
 
     // Preferred allocation steers kubelet to the oldest waiting pod's GPU (a → GPU 1).
-    let available: Vec<String> = ids(0, 0..16).into_iter().chain(ids(1, 0..16)).collect();
     // The pods may not have reached the plugin's cache yet; then the answer is the first 3.
-    assert_eq!(preferred(&mut plugin, available, 3).await?.len(), 3);
+    assert_eq!(
+        preferred(&mut plugin, ids(&[0, 1], 0..16), 3).await?.len(),
+        3
+    );
 
     let lists_before = cluster.server.stats().count(Verb::List, "pods");
     // Three 3 GiB Allocates: a and b (GPU 1, oldest first), then c (GPU 0).
     let mut got = Vec::new();
     for slot in 0..3u64 {
-        let response = plugin
-            .allocate(allocate(ids(0, slot * 3..slot * 3 + 3)))
-            .await?
-            .into_inner();
+        let request = allocate(ids(&[0], slot * 3..slot * 3 + 3));
+        let response = plugin.allocate(request).await?.into_inner();
         let env = &response.container_responses[0].envs;
         got.push(env[env::NVIDIA_VISIBLE_DEVICES].clone());
-        assert_eq!(env[env::CONTAINER_GIB], "3");
-        assert_eq!(env[env::GPU_TOTAL_GIB], "16");
+        assert_eq!(
+            (&*env[env::CONTAINER_GIB], &*env[env::GPU_TOTAL_GIB]),
+            ("3", "16")
+        );
     }
     assert_eq!(got, [uuid(1), uuid(1), uuid(0)]);
     // No fourth 3 GiB container waits.
-    let err = plugin.allocate(allocate(ids(0, 9..12))).await.unwrap_err();
-    assert_eq!(err.code(), Code::FailedPrecondition);
-
-    let err = plugin.allocate(allocate(ids(0, 0..5))).await.unwrap_err();
-    assert_eq!(err.code(), Code::FailedPrecondition);
-    assert!(
-        err.message().contains("GPU-elsewhere") && err.message().contains("default/wrong"),
-        "{}",
-        err.message()
+    let fourth = plugin.allocate(allocate(ids(&[0], 9..12))).await;
+    refused(fourth, Code::FailedPrecondition, &[]);
+    let wrong = plugin.allocate(allocate(ids(&[0], 0..5))).await;
+    refused(
+        wrong,
+        Code::FailedPrecondition,
+        &["GPU-elsewhere", "default/wrong"],
     );
     assert_eq!(
         cluster.server.stats().count(Verb::List, "pods"),
@@ -117,30 +106,18 @@ async fn allocate_answers_from_the_watch_cache_and_refuses_broken_gpus() -> anyh
     placed("late", 1, 2, 5).create(&cluster.client).await?;
     cluster.set_unhealthy("1")?;
     let mut devices = wait_for_unhealthy_devices(&mut plugin).await?;
-    let err = plugin.allocate(allocate(ids(0, 0..2))).await.unwrap_err();
-    assert_eq!(err.code(), Code::Unavailable);
-    assert!(
-        err.message().contains("unhealthy") && err.message().contains("default/late"),
-        "{}",
-        err.message()
-    );
+    let late = plugin.allocate(allocate(ids(&[0], 0..2))).await;
+    refused(late, Code::Unavailable, &["unhealthy", "default/late"]);
 
     // Shutdown ends ListAndWatch streams and removes the socket.
-    let socket = cluster.plugin_socket();
-    let Cluster {
-        plugin: p, server, ..
-    } = cluster;
-    if let Some(p) = p {
-        p.stop().await?;
-    }
+    cluster.stop_plugin().await?;
     let ended = tokio::time::timeout(Duration::from_secs(5), devices.message()).await?;
     assert!(
         matches!(ended, Ok(None) | Err(_)),
         "the stream must end at shutdown"
     );
-    assert!(!socket.exists());
-    server.shutdown().await;
-    Ok(())
+    assert!(!cluster.plugin_socket().exists());
+    cluster.stop().await
 }
 
 /// ListAndWatch sends the device list a second time shortly after it opens: kubelet marks a

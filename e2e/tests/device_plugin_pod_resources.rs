@@ -1,8 +1,9 @@
 //! The plugin checks its bookkeeping against kubelet's PodResources API, over a real unix
-//! socket: a container holding devices of a GPU its pod was not given, and a pod holding
-//! GPU memory without an allocation of its own, become Warning Events on the pod and
-//! `gpushare_device_plugin_kubelet_mismatches_total`; the allocation marks follow what
-//! kubelet reports. Without the socket the plugin works as before and picks it up later.
+//! socket: a container holding devices of a GPU its pod was not given becomes a Warning
+//! Event on the pod and `gpushare_device_plugin_kubelet_mismatches_total`; the allocation
+//! marks follow what kubelet reports. Without the socket the plugin works as before and
+//! picks it up later. A pod holding GPU memory without an allocation of its own runs against
+//! the kubelet driver in `pod_resources.rs`.
 
 #[path = "device_plugin/common.rs"]
 mod common;
@@ -12,7 +13,7 @@ use std::net::SocketAddr;
 use std::path::{Path, PathBuf};
 use std::sync::{Arc, Mutex};
 
-use common::{Cluster, NODE, WAIT, eventually, ids, marks, placed};
+use common::{Cluster, WAIT, eventually, ids, marked, marks, placed};
 use gpushare_contract::Keys;
 use gpushare_e2e::cluster::{http_get, service_port};
 use gpushare_proto::podresources::v1::pod_resources_lister_server::{
@@ -23,16 +24,13 @@ use gpushare_proto::podresources::v1::{
     ContainerResources, GetPodResourcesRequest, GetPodResourcesResponse, ListPodResourcesRequest,
     ListPodResourcesResponse, PodResources,
 };
-use gpushare_testkit::fixtures::pod;
 use k8s_openapi::api::events::v1::Event;
 use kube::Api;
+use tempfile::TempDir;
 use tokio::net::UnixListener;
 use tokio_stream::wrappers::UnixListenerStream;
 use tokio_util::sync::CancellationToken;
 use tonic::{Request, Response, Status};
-
-/// A pod's containers and the devices each holds.
-type Held<'a> = &'a [(&'a str, Vec<String>)];
 
 /// A kubelet PodResources endpoint answering `List` with whatever the test sets.
 #[derive(Clone, Default)]
@@ -46,8 +44,7 @@ impl PodResourcesLister for FakePodResources {
         &self,
         _: Request<ListPodResourcesRequest>,
     ) -> Result<Response<ListPodResourcesResponse>, Status> {
-        let answer = self.answer.lock().unwrap().clone();
-        Ok(Response::new(answer))
+        Ok(Response::new(self.answer.lock().unwrap().clone()))
     }
 
     async fn get_allocatable_resources(
@@ -80,72 +77,60 @@ impl FakePodResources {
         Ok(())
     }
 
-    /// kubelet's answer: these pods (all in `default`), each container holding these
-    /// devices, reported as kubelet does: one entry per device.
-    fn set(&self, pods: &[(&str, Held<'_>)]) {
+    /// kubelet's answer: these pods (all in `default`), each with one container `main`
+    /// holding these devices, reported as kubelet does: one entry per device.
+    fn set(&self, pods: &[(&str, Vec<String>)]) {
         let pod_resources = pods
             .iter()
-            .map(|(name, containers)| PodResources {
+            .map(|(name, ids)| PodResources {
                 name: (*name).to_owned(),
                 namespace: "default".to_owned(),
-                containers: containers
-                    .iter()
-                    .map(|(container, ids)| ContainerResources {
-                        name: (*container).to_owned(),
-                        devices: ids
-                            .iter()
-                            .map(|id| ContainerDevices {
-                                resource_name: common::RESOURCE.to_owned(),
-                                device_ids: vec![id.clone()],
-                                topology: None,
-                            })
-                            .collect(),
-                        ..ContainerResources::default()
-                    })
-                    .collect(),
+                containers: vec![ContainerResources {
+                    name: "main".to_owned(),
+                    devices: ids
+                        .iter()
+                        .map(|id| ContainerDevices {
+                            resource_name: common::RESOURCE.to_owned(),
+                            device_ids: vec![id.clone()],
+                            topology: None,
+                        })
+                        .collect(),
+                    ..ContainerResources::default()
+                }],
             })
             .collect();
         *self.answer.lock().unwrap() = ListPodResourcesResponse { pod_resources };
     }
 }
 
+/// A temp dir for kubelet's socket, the socket's path, and the plugin's metrics address.
+fn endpoints() -> anyhow::Result<(TempDir, PathBuf, SocketAddr)> {
+    let dir = tempfile::tempdir()?;
+    let socket = dir.path().join("pod-resources/kubelet.sock");
+    let metrics = format!("127.0.0.1:{}", service_port()?).parse()?;
+    Ok((dir, socket, metrics))
+}
+
 /// Flags for a plugin reading kubelet at `socket` often, serving metrics on `metrics`.
 /// These tests watch the allocation marks follow kubelet, so the marks are on.
 fn flags(socket: &Path, metrics: SocketAddr) -> Vec<String> {
+    let socket = socket.display().to_string();
+    let metrics = metrics.to_string();
     [
         "--allocation-marks",
         "true",
         "--pod-resources-socket",
-        &socket.display().to_string(),
+        &socket,
         "--pod-resources-period-ms",
         "100",
         "--metrics-listen",
-        &metrics.to_string(),
+        &metrics,
     ]
     .map(str::to_owned)
     .to_vec()
 }
 
-async fn create(
-    cluster: &Cluster,
-    name: &str,
-    gpu: u32,
-    gib: u64,
-    second: u32,
-    allocated: bool,
-) -> anyhow::Result<()> {
-    let mut builder = placed(name, gpu, gib, second);
-    if allocated {
-        let keys = Keys::default();
-        builder = builder
-            .annotation(&keys.allocated, "main")
-            .annotation(&keys.assigned, "true");
-    }
-    builder.create(&cluster.client).await?;
-    Ok(())
-}
-
-/// Warning Event reasons by pod name.
+/// Event reasons by pod name.
 async fn event_reasons(cluster: &Cluster) -> anyhow::Result<BTreeMap<String, Vec<String>>> {
     let events: Api<Event> = Api::namespaced(cluster.client.clone(), "default");
     let mut out: BTreeMap<String, Vec<String>> = BTreeMap::new();
@@ -167,69 +152,57 @@ async fn metric(addr: SocketAddr, line: &str) -> anyhow::Result<bool> {
 #[tokio::test]
 async fn mismatches_kubelet_reports_become_events_and_metrics_and_marks_follow_it()
 -> anyhow::Result<()> {
-    let socket_dir = tempfile::tempdir()?;
-    let socket: PathBuf = socket_dir.path().join("pod-resources/kubelet.sock");
-    let metrics: SocketAddr = format!("127.0.0.1:{}", service_port()?).parse()?;
+    let (_dir, socket, metrics) = endpoints()?;
     let kubelet = FakePodResources::default();
     let stop = CancellationToken::new();
     kubelet.serve(&socket, stop.clone())?;
     let cluster = Cluster::start_with(&[8, 8], None, &flags(&socket, metrics)).await?;
 
-    // right: GPU 0, and kubelet gave it devices of GPU 0.
-    create(&cluster, "right", 0, 2, 1, true).await?;
-    // wrong: GPU 0, but kubelet gave it devices of GPU 1.
-    create(&cluster, "wrong", 0, 2, 2, true).await?;
-    // twin-a carries the mark of an Allocate kubelet made for its twin twin-b.
-    create(&cluster, "twin-a", 0, 4, 3, true).await?;
-    create(&cluster, "twin-b", 0, 4, 4, false).await?;
-    // intruder: bound here without any gpushare allocation, yet holding 1 GiB of GPU 1.
-    pod("intruder")
-        .gpu_mem(1)
-        .on_node(NODE)
-        .create(&cluster.client)
-        .await?;
+    // All on GPU 0. kubelet gave right devices of GPU 0, wrong devices of GPU 1; twin-a
+    // carries the mark of an Allocate kubelet made for its twin twin-b.
+    let keys = Keys::default();
+    let pods = [
+        ("right", 2, true),
+        ("wrong", 2, true),
+        ("twin-a", 4, true),
+        ("twin-b", 4, false),
+    ];
+    for (second, (name, gib, allocated)) in (1..).zip(pods) {
+        let mut builder = placed(name, 0, gib, second);
+        if allocated {
+            builder = builder
+                .annotation(&keys.allocated, "main")
+                .annotation(&keys.assigned, "true");
+        }
+        builder.create(&cluster.client).await?;
+    }
     kubelet.set(&[
-        ("right", &[("main", ids(0, 0..2))]),
-        ("wrong", &[("main", ids(1, 0..2))]),
-        ("twin-a", &[("main", vec![])]),
-        ("twin-b", &[("main", ids(0, 2..6))]),
-        ("intruder", &[("main", ids(1, 2..3))]),
+        ("right", ids(&[0], 0..2)),
+        ("wrong", ids(&[1], 0..2)),
+        ("twin-a", vec![]),
+        ("twin-b", ids(&[0], 2..6)),
     ]);
 
-    let expected = BTreeMap::from([
-        (
-            "intruder".to_owned(),
-            vec!["GpuMemWithoutAllocation".to_owned()],
-        ),
-        ("wrong".to_owned(), vec!["GpuMemOnWrongGpu".to_owned()]),
-    ]);
-    eventually(WAIT, "an Event on each mismatching pod", || async {
+    let expected = BTreeMap::from([("wrong".to_owned(), vec!["GpuMemOnWrongGpu".to_owned()])]);
+    eventually(WAIT, "an Event on the mismatching pod", || async {
         Ok(event_reasons(&cluster).await? == expected)
     })
     .await?;
     eventually(WAIT, "the marks to follow kubelet", || async {
-        Ok(
-            marks(&cluster, "twin-b").await? == ("main".into(), "true".into())
-                && marks(&cluster, "twin-a").await? == (String::new(), "false".into()),
-        )
+        Ok(marks(&cluster, "twin-b").await? == marked("main")
+            && marks(&cluster, "twin-a").await? == (String::new(), "false".into()))
     })
     .await?;
     for line in [
         "gpushare_device_plugin_kubelet_mismatches_total{kind=\"wrong_gpu\"} 1",
-        "gpushare_device_plugin_kubelet_mismatches_total{kind=\"no_allocation\"} 1",
         "gpushare_device_plugin_pod_resources_up 1",
     ] {
         eventually(WAIT, line, || metric(metrics, line)).await?;
     }
-    // Honest pods kept their marks; each finding was reported once.
-    assert_eq!(
-        marks(&cluster, "right").await?,
-        ("main".into(), "true".into())
-    );
-    assert_eq!(
-        marks(&cluster, "wrong").await?,
-        ("main".into(), "true".into())
-    );
+    // Honest pods kept their marks; the finding was reported once.
+    for name in ["right", "wrong"] {
+        assert_eq!(marks(&cluster, name).await?, marked("main"), "{name}");
+    }
     assert_eq!(event_reasons(&cluster).await?, expected);
     stop.cancel();
     cluster.stop().await
@@ -237,15 +210,9 @@ async fn mismatches_kubelet_reports_become_events_and_metrics_and_marks_follow_i
 
 #[tokio::test]
 async fn without_the_socket_the_plugin_works_and_uses_it_once_it_appears() -> anyhow::Result<()> {
-    let socket_dir = tempfile::tempdir()?;
-    let socket: PathBuf = socket_dir.path().join("pod-resources/kubelet.sock");
-    let metrics: SocketAddr = format!("127.0.0.1:{}", service_port()?).parse()?;
-    let cluster = Cluster::start_with(
-        &[8],
-        Some(gpushare_e2e::kubelet::AdmissionOrder::CreationTime),
-        &flags(&socket, metrics),
-    )
-    .await?;
+    let (_dir, socket, metrics) = endpoints()?;
+    let order = Some(gpushare_e2e::kubelet::AdmissionOrder::CreationTime);
+    let cluster = Cluster::start_with(&[8], order, &flags(&socket, metrics)).await?;
     let (down, up) = (
         "gpushare_device_plugin_pod_resources_up 0",
         "gpushare_device_plugin_pod_resources_up 1",
@@ -255,22 +222,17 @@ async fn without_the_socket_the_plugin_works_and_uses_it_once_it_appears() -> an
     })
     .await?;
     // Pods run as before.
-    create(&cluster, "a", 0, 4, 1, false).await?;
+    placed("a", 0, 4, 1).create(&cluster.client).await?;
     eventually(WAIT, "pod a to run with its marks", || async {
-        let running = cluster
-            .pod("a")
-            .await?
-            .status
-            .and_then(|s| s.phase)
-            .as_deref()
-            == Some("Running");
-        Ok(running && marks(&cluster, "a").await? == ("main".into(), "true".into()))
+        let status = cluster.pod("a").await?.status;
+        let running = status.and_then(|s| s.phase).as_deref() == Some("Running");
+        Ok(running && marks(&cluster, "a").await? == marked("main"))
     })
     .await?;
 
     // The socket appears (kubelet upgraded, mount fixed): used from then on.
     let kubelet = FakePodResources::default();
-    kubelet.set(&[("a", &[("main", ids(0, 0..4))])]);
+    kubelet.set(&[("a", ids(&[0], 0..4))]);
     let stop = CancellationToken::new();
     kubelet.serve(&socket, stop.clone())?;
     eventually(WAIT, "the plugin to read the socket", || {

@@ -8,11 +8,10 @@
 mod common;
 
 use std::collections::BTreeMap;
-use std::path::PathBuf;
 
 use common::{
-    Cluster, NODE, WAIT, allocate, allocation, assigned, client, eventually, ids, marks, marks_on,
-    placed, preferred, uuid,
+    Cluster, NODE, Plugin, WAIT, allocate, allocation, assigned, client, eventually, ids, marks,
+    marks_on, placed, preferred, refused, uuid,
 };
 use gpushare_contract::{Keyring, Keys, PodAllocation, env};
 use gpushare_testkit::fixtures::pod;
@@ -28,13 +27,10 @@ const KEYRING: &str = "k1:AQEBAQEBAQEBAQEBAQEBAQEBAQEBAQEBAQEBAQEBAQE=\n";
 /// The keyring file in a temp dir, and the plugin flag that points at it.
 fn keyring_file() -> anyhow::Result<(TempDir, Vec<String>)> {
     let dir = tempfile::tempdir()?;
-    let path: PathBuf = dir.path().join("keys");
+    let path = dir.path().join("keys");
     std::fs::write(&path, KEYRING)?;
-    let flags = vec![
-        "--allocation-keys-file".to_owned(),
-        path.display().to_string(),
-    ];
-    Ok((dir, flags))
+    let flags = ["--allocation-keys-file", &path.display().to_string()].map(str::to_owned);
+    Ok((dir, flags.to_vec()))
 }
 
 /// Creates pod `name` unbound and binds it as the extender does: one Binding whose
@@ -111,37 +107,36 @@ async fn forged_and_copied_allocations_are_refused_while_signed_ones_are_served(
     let mut plugin = client(&cluster).await?;
 
     // Preferred allocation is not steered by the forged pod (GPU 1): kubelet's own pick.
-    let available: Vec<String> = ids(0, 0..4).into_iter().chain(ids(1, 0..4)).collect();
+    let available = ids(&[0, 1], 0..4);
     let chosen = preferred(&mut plugin, available.clone(), 2).await?;
     assert_eq!(chosen, available[..2].to_vec());
 
     // The forged pod: refused, named, told what to do.
-    let err = plugin.allocate(allocate(ids(0, 0..2))).await.unwrap_err();
-    assert_eq!(err.code(), Code::PermissionDenied, "{}", err.message());
-    for want in [
-        "pod default/forged",
-        "this pod's gpushare allocation is not signed by the gpushare extender",
-        "it carries no signature",
-        "delete it and let the scheduler place it",
-    ] {
-        assert!(err.message().contains(want), "{want}: {}", err.message());
-    }
+    let forged = plugin.allocate(allocate(ids(&[0], 0..2))).await;
+    refused(
+        forged,
+        Code::PermissionDenied,
+        &[
+            "pod default/forged",
+            "this pod's gpushare allocation is not signed by the gpushare extender",
+            "it carries no signature",
+            "delete it and let the scheduler place it",
+        ],
+    );
 
     // The honest pod on the same node: served with the GPU the extender chose.
-    let response = plugin.allocate(allocate(ids(0, 0..3))).await?.into_inner();
+    let response = plugin
+        .allocate(allocate(ids(&[0], 0..3)))
+        .await?
+        .into_inner();
     let envs = &response.container_responses[0].envs;
     assert_eq!(envs[env::NVIDIA_VISIBLE_DEVICES], uuid(1));
     assert_eq!(envs[env::CONTAINER_GIB], "3");
 
     // The copy of its signed annotations on another pod (another UID): refused.
-    let err = plugin.allocate(allocate(ids(0, 0..3))).await.unwrap_err();
-    assert_eq!(err.code(), Code::PermissionDenied, "{}", err.message());
-    assert!(
-        err.message().contains("pod default/copy")
-            && err.message().contains("does not match its allocation"),
-        "{}",
-        err.message()
-    );
+    let copy = plugin.allocate(allocate(ids(&[0], 0..3))).await;
+    let why = ["pod default/copy", "does not match its allocation"];
+    refused(copy, Code::PermissionDenied, &why);
     // The honest pod is marked allocated; neither refused pod is.
     eventually(WAIT, "the honest pod's marks", || {
         assigned(&cluster, "honest")
@@ -155,36 +150,19 @@ async fn forged_and_copied_allocations_are_refused_while_signed_ones_are_served(
 
 #[tokio::test]
 async fn a_malformed_keyring_stops_the_plugin_with_a_clear_error() -> anyhow::Result<()> {
-    use clap::Parser as _;
     let server = gpushare_e2e::apiserver::ApiServer::start().await?;
     let dir = tempfile::tempdir()?;
     let keys = dir.path().join("keys");
     std::fs::write(&keys, "# rotation in progress\nk1:c2hvcnQ=\n")?;
-    let config = gpushare_device_plugin::Config::try_parse_from([
-        "gpushare-device-plugin",
-        "--node-name",
-        NODE,
-        "--device-plugin-dir",
-        &dir.path().display().to_string(),
-        "--gpu-backend",
-        "simulated",
-        "--simulate-gpus",
-        "16",
-        "--metrics-listen",
-        "127.0.0.1:0",
-        "--allocation-keys-file",
-        &keys.display().to_string(),
-    ])?;
-    let error = tokio::time::timeout(
-        WAIT,
-        gpushare_device_plugin::run_with_client(config, server.client(), std::future::pending()),
-    )
-    .await?
-    .unwrap_err()
-    .to_string();
+    let keys = keys.display().to_string();
+    let flags = ["--allocation-keys-file".to_owned(), keys.clone()];
+    let health = dir.path().join("unhealthy");
+    let plugin = Plugin::start(server.client(), dir.path(), &health, &[16], &flags)?;
+    let error = tokio::time::timeout(WAIT, plugin.task).await??.unwrap_err();
+    let error = error.to_string();
     assert!(
         error.contains("--allocation-keys-file")
-            && error.contains(&keys.display().to_string())
+            && error.contains(&keys)
             && error.contains("line 2: the key of \"k1\" is 5 bytes"),
         "{error}"
     );

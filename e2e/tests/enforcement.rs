@@ -2,12 +2,16 @@
 //! each container what its enforcer reads, through the kubelet driver's real Allocate calls.
 
 use std::collections::BTreeMap;
+use std::path::Path;
 use std::time::Duration;
 
 use anyhow::ensure;
 use gpushare_contract::env;
 use gpushare_e2e::cluster::{ClusterSpec, http_get, top_details, wait_for, with_cluster};
+use gpushare_e2e::kubelet::GrantedMount;
 use gpushare_e2e::scenarios::{check_pinned, create_gpu_pod, wait_running};
+
+const WAIT: Duration = Duration::from_secs(30);
 
 /// A one-node cluster (`n1`, one 16 GiB GPU) whose device plugin runs with `args`.
 fn spec(args: &[&str]) -> ClusterSpec {
@@ -18,7 +22,7 @@ fn spec(args: &[&str]) -> ClusterSpec {
 /// and mounts.
 async fn run_pods(
     args: &[&str],
-) -> anyhow::Result<Vec<(BTreeMap<String, String>, Vec<(String, String, bool)>)>> {
+) -> anyhow::Result<Vec<(BTreeMap<String, String>, Vec<GrantedMount>)>> {
     let mut seen = Vec::new();
     with_cluster(spec(args), async |cluster| {
         for (name, gib) in [("small", 4), ("large", 12)] {
@@ -37,59 +41,61 @@ async fn run_pods(
     Ok(seen)
 }
 
+/// The variables the toolkit's and MPS's enforcers read.
+const ENFORCER_VARS: [&str; 4] = [
+    env::NVIDIA_GPU_MEMORY_LIMIT,
+    env::NVIDIA_GPU_MEMORY_REQUEST,
+    env::CUDA_MPS_PINNED_DEVICE_MEM_LIMIT,
+    env::CUDA_MPS_PIPE_DIRECTORY,
+];
+
+/// [`ENFORCER_VARS`] as the 4 and the 12 GiB pod see them.
+type PerPod = [[Option<&'static str>; 4]; 2];
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn each_enforcement_mode_gives_containers_what_its_enforcer_reads() -> anyhow::Result<()> {
-    // none (the default): the share is told, nothing else.
-    for (vars, mounts) in run_pods(&[]).await? {
-        ensure!(vars.contains_key(env::CONTAINER_GIB), "{vars:?}");
-        for enforcer in [
-            env::NVIDIA_GPU_MEMORY_LIMIT,
-            env::NVIDIA_GPU_MEMORY_REQUEST,
-            env::CUDA_MPS_PINNED_DEVICE_MEM_LIMIT,
-        ] {
-            ensure!(!vars.contains_key(enforcer), "{enforcer} set in mode none");
-        }
-        ensure!(mounts.is_empty(), "{mounts:?}");
-    }
-
-    // toolkit: the CDI hook's limit and request, in MiB, per container.
-    let seen = run_pods(&["--enforcement", "toolkit"]).await?;
-    for ((vars, mounts), mib) in seen.iter().zip(["4096", "12288"]) {
-        ensure!(
-            vars.get(env::NVIDIA_GPU_MEMORY_LIMIT).map(String::as_str) == Some(mib)
-                && vars.get(env::NVIDIA_GPU_MEMORY_REQUEST).map(String::as_str) == Some(mib),
-            "{vars:?}"
-        );
-        ensure!(mounts.is_empty(), "{mounts:?}");
-    }
-
-    // mps: the pinned-memory limit on the container's only GPU, and the daemon's pipes.
-    let seen = run_pods(&[
+    let mps = [
         "--enforcement",
         "mps",
         "--mps-pipe-directory",
         "/run/nvidia-mps",
-    ])
-    .await?;
-    for ((vars, mounts), limit) in seen.iter().zip(["0=4G", "0=12G"]) {
-        ensure!(
-            vars.get(env::CUDA_MPS_PINNED_DEVICE_MEM_LIMIT)
-                .map(String::as_str)
-                == Some(limit)
-                && vars.get(env::CUDA_MPS_PIPE_DIRECTORY).map(String::as_str)
-                    == Some("/run/nvidia-mps"),
-            "{vars:?}"
-        );
-        ensure!(
-            mounts
-                == &[(
-                    "/run/nvidia-mps".to_owned(),
-                    "/run/nvidia-mps".to_owned(),
-                    false
-                )],
-            "{mounts:?}"
-        );
+    ];
+    let pipe = "/run/nvidia-mps".to_owned();
+    let mps_mounts = vec![(pipe.clone(), pipe, false)];
+    // Per mode: its flags, what the pods see, their mounts.
+    let modes: [(&[&str], PerPod, Vec<GrantedMount>); 3] = [
+        // none (the default): the share is told, nothing else.
+        (&[], [[None; 4]; 2], vec![]),
+        // toolkit: the CDI hook's limit and request, in MiB, per container.
+        (
+            &["--enforcement", "toolkit"],
+            [
+                [Some("4096"), Some("4096"), None, None],
+                [Some("12288"), Some("12288"), None, None],
+            ],
+            vec![],
+        ),
+        // mps: the pinned-memory limit on the container's only GPU, and the daemon's pipes.
+        (
+            &mps,
+            [
+                [None, None, Some("0=4G"), Some("/run/nvidia-mps")],
+                [None, None, Some("0=12G"), Some("/run/nvidia-mps")],
+            ],
+            mps_mounts,
+        ),
+    ];
+    for (args, per_pod, want_mounts) in modes {
+        for ((vars, mounts), want) in run_pods(args).await?.iter().zip(per_pod) {
+            let set = ENFORCER_VARS.map(|name| vars.get(name).map(String::as_str));
+            ensure!(
+                set == want && vars.contains_key(env::CONTAINER_GIB),
+                "{args:?}: {vars:?}"
+            );
+            ensure!(*mounts == want_mounts, "{args:?}: {mounts:?}");
+        }
     }
+
     // preload: the interposer, installed from the plugin's image into the host directory
     // under a versioned name, mounted read-only and preloaded; each container gets an
     // accounting directory of its own, mounted writable where the interposer looks for it,
@@ -109,40 +115,29 @@ async fn each_enforcement_mode_gives_containers_what_its_enforcer_reads() -> any
     .await?;
     let mut accounting = Vec::new();
     for (vars, mounts) in &seen {
+        let var = |name: &str| vars.get(name).map(String::as_str);
         ensure!(
-            vars.get(env::LD_PRELOAD).map(String::as_str)
-                == Some(env::ISOLATION_LIBRARY_IN_CONTAINER)
-                && vars.get(env::ISOLATION_DIR).map(String::as_str)
-                    == Some(env::ISOLATION_DIR_IN_CONTAINER)
+            var(env::LD_PRELOAD) == Some(env::ISOLATION_LIBRARY_IN_CONTAINER)
+                && var(env::ISOLATION_DIR) == Some(env::ISOLATION_DIR_IN_CONTAINER)
                 && vars.contains_key(env::CONTAINER_GIB),
             "{vars:?}"
         );
-        let [
-            (lib_in, lib_host, lib_ro),
-            (dir_in, dir_host, dir_ro),
-            (limits_in, limits_host, limits_ro),
-        ] = &mounts[..]
-        else {
+        let places: Vec<(&str, bool)> = mounts.iter().map(|m| (m.0.as_str(), m.2)).collect();
+        let want = [
+            (env::ISOLATION_LIBRARY_IN_CONTAINER, true),
+            (env::ISOLATION_DIR_IN_CONTAINER, false),
+            (env::ISOLATION_LIMITS_IN_CONTAINER, true),
+        ];
+        ensure!(places == want, "{mounts:?}");
+        let [(_, lib_host, _), (_, dir_host, _), (_, limits_host, _)] = &mounts[..] else {
             anyhow::bail!("three mounts expected: {mounts:?}");
         };
-        ensure!(
-            lib_in == env::ISOLATION_LIBRARY_IN_CONTAINER && *lib_ro,
-            "{mounts:?}"
-        );
         ensure!(
             lib_host.starts_with(&host.join("lib").display().to_string())
                 && std::fs::read(lib_host)? == b"the interposer's bytes",
             "{lib_host}"
         );
-        ensure!(
-            dir_in == env::ISOLATION_DIR_IN_CONTAINER && !*dir_ro,
-            "{mounts:?}"
-        );
-        ensure!(std::path::Path::new(dir_host).is_dir(), "{dir_host}");
-        ensure!(
-            limits_in == env::ISOLATION_LIMITS_IN_CONTAINER && *limits_ro,
-            "{mounts:?}"
-        );
+        ensure!(Path::new(dir_host).is_dir(), "{dir_host}");
         // Outside the writable directory, and naming a budget the plugin made in it.
         let limits = std::fs::read_to_string(limits_host)?;
         let budget = limits
@@ -152,7 +147,7 @@ async fn each_enforcement_mode_gives_containers_what_its_enforcer_reads() -> any
             .ok_or_else(|| anyhow::anyhow!("no budget in the limits file: {limits}"))?;
         ensure!(
             !limits_host.starts_with(dir_host.as_str())
-                && std::path::Path::new(&format!("{dir_host}{budget}")).is_file(),
+                && Path::new(&format!("{dir_host}{budget}")).is_file(),
             "{limits_host}: {limits}"
         );
         accounting.push(dir_host.clone());
@@ -184,9 +179,8 @@ async fn preload_holds_a_container_and_its_use_reaches_metrics() -> anyhow::Resu
         create_gpu_pod(cluster, "notebook", 4).await?;
         wait_running(cluster, "notebook").await?;
         let kubelet = &cluster.nodes["n1"].kubelet;
-        let vars = kubelet
-            .container_env("default", "notebook", "main")
-            .ok_or_else(|| anyhow::anyhow!("no environment"))?;
+        let vars = kubelet.container_env("default", "notebook", "main");
+        let vars = vars.ok_or_else(|| anyhow::anyhow!("no environment"))?;
         let mounts = kubelet.container_mounts("default", "notebook", "main");
         let host_of = |inside: &str| {
             mounts
@@ -207,17 +201,15 @@ async fn preload_holds_a_container_and_its_use_reaches_metrics() -> anyhow::Resu
             );
         let limits_file = dir.path().join("limits-as-seen");
         std::fs::write(&limits_file, limits)?;
+        let shares = vars
+            .iter()
+            .filter(|(name, _)| name.starts_with("GPUSHARE_"));
+        let library = host_of(env::ISOLATION_LIBRARY_IN_CONTAINER)?;
         let output = std::process::Command::new(&bins.isolation_probe)
             .args(["info", "alloc:mem:3000", "alloc:mem:2000"])
             .env_clear()
-            .envs(
-                vars.iter()
-                    .filter(|(name, _)| name.starts_with("GPUSHARE_")),
-            )
-            .env(
-                env::LD_PRELOAD,
-                host_of(env::ISOLATION_LIBRARY_IN_CONTAINER)?,
-            )
+            .envs(shares)
+            .env(env::LD_PRELOAD, library)
             .env(env::ISOLATION_DIR, &accounting_dir)
             .env("GPUSHARE_ISOLATION_LIMITS_FILE", &limits_file)
             .env(
@@ -244,30 +236,21 @@ async fn preload_holds_a_container_and_its_use_reaches_metrics() -> anyhow::Resu
             format!("gpushare_device_plugin_isolated_used_bytes{labels} 3682598912"),
             format!("gpushare_device_plugin_isolated_refused_allocations{labels} 1"),
         ];
-        wait_for(
-            "the interposer's count on /metrics",
-            Duration::from_secs(30),
-            || async {
-                let (_, body) = http_get(addr, "/metrics").await.ok()?;
-                want.iter().all(|line| body.contains(line)).then_some(())
-            },
-        )
+        wait_for("the interposer's count on /metrics", WAIT, || async {
+            let (_, body) = http_get(addr, "/metrics").await.ok()?;
+            want.iter().all(|line| body.contains(line)).then_some(())
+        })
         .await?;
         // `kubectl gpushare top -d` shows it as the pod's use, from the node annotation.
-        let row = wait_for(
-            "top -d to show the notebook's use",
-            Duration::from_secs(30),
-            || async {
-                let text = top_details(&cluster.client).await.ok()?;
-                text.lines()
-                    .find(|line| line.split_whitespace().nth(1) == Some("notebook"))
-                    .filter(|line| line.trim_end().ends_with("3.4"))
-                    .map(str::to_owned)
-            },
-        )
-        .await?;
-        println!("top -d: {row}");
-        Ok(())
+        wait_for("top -d to show the notebook's use", WAIT, || async {
+            let text = top_details(&cluster.client).await.ok()?;
+            let row = text
+                .lines()
+                .find(|l| l.split_whitespace().nth(1) == Some("notebook"));
+            row.is_some_and(|line| line.trim_end().ends_with("3.4"))
+                .then_some(())
+        })
+        .await
     })
     .await
 }

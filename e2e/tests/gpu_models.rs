@@ -10,31 +10,18 @@ use gpushare_contract::Keys;
 use gpushare_e2e::cluster::{ClusterSpec, wait_for, with_cluster};
 use gpushare_e2e::fixtures;
 use gpushare_e2e::scenarios::{check_no_overcommit, check_pinned, phase, wait_running};
-use k8s_openapi::api::core::v1::{
-    Affinity, Node, NodeAffinity, NodeSelector, NodeSelectorRequirement, NodeSelectorTerm, Pod,
-};
+use k8s_openapi::api::core::v1::{Node, Pod};
 use kube::api::{Api, PostParams};
+use serde_json::json;
 
 /// A 4 GiB pod that requires the node label `key` to exist.
-fn requiring(name: &str, key: &str) -> Pod {
+fn requiring(name: &str, key: &str) -> anyhow::Result<Pod> {
     let mut pod = fixtures::pod(name).gpu_mem(4).build();
-    pod.spec.get_or_insert_default().affinity = Some(Affinity {
-        node_affinity: Some(NodeAffinity {
-            required_during_scheduling_ignored_during_execution: Some(NodeSelector {
-                node_selector_terms: vec![NodeSelectorTerm {
-                    match_expressions: Some(vec![NodeSelectorRequirement {
-                        key: key.to_owned(),
-                        operator: "Exists".to_owned(),
-                        values: None,
-                    }]),
-                    ..NodeSelectorTerm::default()
-                }],
-            }),
-            ..NodeAffinity::default()
-        }),
-        ..Affinity::default()
-    });
-    pod
+    let affinity = json!({"nodeAffinity": {"requiredDuringSchedulingIgnoredDuringExecution": {
+        "nodeSelectorTerms": [{"matchExpressions": [{"key": key, "operator": "Exists"}]}]
+    }}});
+    pod.spec.get_or_insert_default().affinity = Some(serde_json::from_value(affinity)?);
+    Ok(pod)
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -58,22 +45,19 @@ async fn a_pod_requiring_a_gpu_model_runs_only_where_the_model_is() -> anyhow::R
         ensure!(!labels.contains_key(&a10), "{labels:?}");
 
         let pods: Api<Pod> = Api::namespaced(cluster.client.clone(), "default");
-        pods.create(&PostParams::default(), &requiring("wants-a10", &a10))
-            .await?;
-        pods.create(&PostParams::default(), &requiring("wants-t4", &t4))
-            .await?;
+        for (name, label) in [("wants-a10", &a10), ("wants-t4", &t4)] {
+            pods.create(&PostParams::default(), &requiring(name, label)?)
+                .await?;
+        }
         let running = wait_running(cluster, "wants-t4").await?;
         check_pinned(cluster, &running).await?;
         // The A10 pod waits, with the scheduler's own reason; it never got a GPU.
         let waiting = pods.get("wants-a10").await?;
         ensure!(phase(&waiting) == "Pending", "{:?}", phase(&waiting));
+        let node = waiting.spec.and_then(|s| s.node_name);
         ensure!(
-            waiting
-                .spec
-                .as_ref()
-                .and_then(|s| s.node_name.as_ref())
-                .is_none(),
-            "the A10 pod was bound to a node without A10s"
+            node.is_none(),
+            "the A10 pod was bound to {node:?}, without A10s"
         );
         check_no_overcommit(&cluster.client)
             .await

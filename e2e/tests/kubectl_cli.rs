@@ -5,6 +5,7 @@
 #[path = "../../kubectl-gpushare/tests/common/mod.rs"]
 mod common;
 
+use std::path::{Path, PathBuf};
 use std::process::Output;
 
 use gpushare_e2e::apiserver::ApiServer;
@@ -12,19 +13,20 @@ use k8s_openapi::api::core::v1::{Node, Pod};
 use kube::Api;
 use kube::api::PostParams;
 
-async fn cluster() -> anyhow::Result<(ApiServer, tempfile::TempDir, std::path::PathBuf)> {
+async fn cluster() -> anyhow::Result<(ApiServer, tempfile::TempDir, PathBuf)> {
     let server = ApiServer::start().await?;
     let client = server.client();
     let (nodes, pods) = common::cluster();
+    let create = PostParams::default();
     for node in &nodes {
         Api::<Node>::all(client.clone())
-            .create(&PostParams::default(), node)
+            .create(&create, node)
             .await?;
     }
     for pod in &pods {
         let ns = pod.metadata.namespace.as_deref().unwrap_or("default");
         Api::<Pod>::namespaced(client.clone(), ns)
-            .create(&PostParams::default(), pod)
+            .create(&create, pod)
             .await?;
     }
     let dir = tempfile::tempdir()?;
@@ -33,46 +35,38 @@ async fn cluster() -> anyhow::Result<(ApiServer, tempfile::TempDir, std::path::P
     Ok((server, dir, kubeconfig))
 }
 
-async fn run(args: &[&str]) -> Output {
+/// Runs `kubectl-gpushare` with `args` and `--kubeconfig kubeconfig`.
+async fn run(kubeconfig: &Path, args: &[&str]) -> Output {
     let binary = gpushare_e2e::cluster::binaries().unwrap().kubectl_gpushare;
     let mut command = tokio::process::Command::new(binary);
-    command.args(args).env_remove("KUBECONFIG");
-    command.output().await.unwrap()
+    command.args(args).arg("--kubeconfig").arg(kubeconfig);
+    command.env_remove("KUBECONFIG").output().await.unwrap()
 }
 
-fn stdout(output: &Output) -> String {
-    String::from_utf8_lossy(&output.stdout).into_owned()
+fn text(bytes: &[u8]) -> String {
+    String::from_utf8_lossy(bytes).into_owned()
 }
 
 #[tokio::test]
 async fn top_and_top_details_match_the_golden_files() -> anyhow::Result<()> {
     let (_server, _dir, kubeconfig) = cluster().await?;
-    let kc = kubeconfig.to_str().unwrap();
+    for (args, golden) in [
+        (&["top"][..], "top.txt"),
+        (&["top", "-d"], "top-details.txt"),
+    ] {
+        let out = run(&kubeconfig, args).await;
+        assert!(out.status.success(), "{args:?}: {}", text(&out.stderr));
+        common::assert_golden(golden, &text(&out.stdout));
+    }
 
-    let out = run(&["top", "--kubeconfig", kc]).await;
-    assert!(
-        out.status.success(),
-        "{}",
-        String::from_utf8_lossy(&out.stderr)
-    );
-    common::assert_golden("top.txt", &stdout(&out));
-
-    let out = run(&["top", "-d", "--kubeconfig", kc]).await;
-    assert!(
-        out.status.success(),
-        "{}",
-        String::from_utf8_lossy(&out.stderr)
-    );
-    common::assert_golden("top-details.txt", &stdout(&out));
-
-    let out = run(&["top", "n2", "--kubeconfig", kc]).await;
+    let out = run(&kubeconfig, &["top", "n2"]).await;
+    let stdout = text(&out.stdout);
     assert!(out.status.success());
-    let text = stdout(&out);
-    assert!(text.contains("n2") && !text.contains("n1 "), "{text}");
+    assert!(stdout.contains("n2") && !stdout.contains("n1 "), "{stdout}");
 
-    let out = run(&["top", "cpu1", "--kubeconfig", kc]).await;
+    let out = run(&kubeconfig, &["top", "cpu1"]).await;
     assert_eq!(out.status.code(), Some(2));
-    assert!(String::from_utf8_lossy(&out.stderr).contains("node cpu1 is not a GPU node"));
+    assert!(text(&out.stderr).contains("node cpu1 is not a GPU node"));
     Ok(())
 }
 
@@ -80,36 +74,19 @@ async fn top_and_top_details_match_the_golden_files() -> anyhow::Result<()> {
 async fn doctor_finds_the_bypassed_pod_and_the_unlabelled_node() -> anyhow::Result<()> {
     let (_server, _dir, kubeconfig) = cluster().await?;
     // Nothing listens on port 9: the extender probe fails, as it should be reported.
-    let out = run(&[
-        "doctor",
-        "--kubeconfig",
-        kubeconfig.to_str().unwrap(),
-        "--extender-url",
-        "http://127.0.0.1:9",
-    ])
-    .await;
-    let text = stdout(&out);
-    assert_eq!(out.status.code(), Some(1), "{text}");
-    assert!(
-        text.contains("[FAIL] pod default/c on node n1 asks for 2 GiB of example.com/gpu-mem but carries no gpushare allocation"),
-        "{text}"
-    );
-    assert!(
-        text.contains("[WARN] node n3 advertises 24 GiB of example.com/gpu-mem but lacks the label gpushare=true"),
-        "{text}"
-    );
-    assert!(
-        text.contains("fix: kubectl label node n3 gpushare=true"),
-        "{text}"
-    );
-    assert!(
-        text.contains("[FAIL] node n4 is labelled gpushare=true but advertises no"),
-        "{text}"
-    );
-    assert!(
-        text.contains("[FAIL] extender kube-system/gpushare-extender does not answer /healthz"),
-        "{text}"
-    );
+    let args = ["doctor", "--extender-url", "http://127.0.0.1:9"];
+    let out = run(&kubeconfig, &args).await;
+    let stdout = text(&out.stdout);
+    assert_eq!(out.status.code(), Some(1), "{stdout}");
+    for finding in [
+        "[FAIL] pod default/c on node n1 asks for 2 GiB of example.com/gpu-mem but carries no gpushare allocation",
+        "[WARN] node n3 advertises 24 GiB of example.com/gpu-mem but lacks the label gpushare=true",
+        "fix: kubectl label node n3 gpushare=true",
+        "[FAIL] node n4 is labelled gpushare=true but advertises no",
+        "[FAIL] extender kube-system/gpushare-extender does not answer /healthz",
+    ] {
+        assert!(stdout.contains(finding), "{finding}: {stdout}");
+    }
     Ok(())
 }
 
@@ -122,15 +99,16 @@ async fn unreachable_cluster_says_where_it_tried() -> anyhow::Result<()> {
     server.write_kubeconfig(&kubeconfig)?;
     let url = server.url();
     server.shutdown().await;
-    let out = run(&["top", "--kubeconfig", kubeconfig.to_str().unwrap()]).await;
-    let stderr = String::from_utf8_lossy(&out.stderr);
+    let out = run(&kubeconfig, &["top"]).await;
+    let stderr = text(&out.stderr);
     assert_eq!(out.status.code(), Some(2), "{stderr}");
-    assert!(stderr.contains("cannot reach the cluster at"), "{stderr}");
-    assert!(
-        stderr.contains(url.trim_start_matches("http://")),
-        "{stderr}"
-    );
-    assert!(stderr.contains("check KUBECONFIG"), "{stderr}");
+    for part in [
+        "cannot reach the cluster at",
+        url.trim_start_matches("http://"),
+        "check KUBECONFIG",
+    ] {
+        assert!(stderr.contains(part), "{part}: {stderr}");
+    }
     Ok(())
 }
 
@@ -140,22 +118,19 @@ async fn unreachable_cluster_says_where_it_tried() -> anyhow::Result<()> {
 #[test]
 fn the_krew_manifest_describes_the_archive_it_was_made_with() -> anyhow::Result<()> {
     use anyhow::{Context as _, ensure};
+    use std::process::Command;
     let root = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("..");
     let binary = gpushare_e2e::cluster::binaries()?.kubectl_gpushare;
     let out = tempfile::tempdir()?;
-    let made = std::process::Command::new("bash")
+    let made = Command::new("bash")
         .arg(root.join("scripts/krew-manifest.sh"))
-        .arg("https://downloads.example/v1/")
-        .arg("--bin")
+        .args(["https://downloads.example/v1/", "--bin"])
         .arg(&binary)
         .arg("--out")
         .arg(out.path())
         .output()?;
-    ensure!(
-        made.status.success(),
-        "krew-manifest.sh failed: {}",
-        String::from_utf8_lossy(&made.stderr)
-    );
+    let stderr = text(&made.stderr);
+    ensure!(made.status.success(), "krew-manifest.sh failed: {stderr}");
     let manifest: serde_yaml::Value =
         serde_yaml::from_str(&std::fs::read_to_string(out.path().join("gpushare.yaml"))?)?;
     let chart = std::fs::read_to_string(root.join("charts/gpushare/Chart.yaml"))?;
@@ -173,23 +148,16 @@ fn the_krew_manifest_describes_the_archive_it_was_made_with() -> anyhow::Result<
         .strip_prefix("https://downloads.example/v1/")
         .context("uri under the base URL")?;
     let archive = out.path().join(archive_name);
-    let sum = std::process::Command::new("sha256sum")
-        .arg(&archive)
-        .output()?;
-    let sum = String::from_utf8_lossy(&sum.stdout);
+    let sum = text(&Command::new("sha256sum").arg(&archive).output()?.stdout);
     ensure!(
         platform["sha256"].as_str() == sum.split_whitespace().next(),
         "manifest sha256 {:?}, archive {sum}",
         platform["sha256"]
     );
     let unpacked = tempfile::tempdir()?;
-    let status = std::process::Command::new("tar")
-        .arg("-xzf")
-        .arg(&archive)
-        .arg("-C")
-        .arg(unpacked.path())
-        .status()?;
-    ensure!(status.success());
+    let mut tar = Command::new("tar");
+    tar.arg("-xzf").arg(&archive).arg("-C").arg(unpacked.path());
+    ensure!(tar.status()?.success());
     let mut listed: Vec<String> = std::fs::read_dir(unpacked.path())?
         .map(|e| Ok(e?.file_name().to_string_lossy().into_owned()))
         .collect::<anyhow::Result<_>>()?;

@@ -25,10 +25,8 @@ async fn create(
     total: u64,
     annotations: &[(&str, &str)],
 ) -> anyhow::Result<Pod> {
-    let mut builder = pod(name).namespace(cluster.namespace()).gpu_mem(total);
-    for (key, value) in annotations {
-        builder = builder.annotation(key, value);
-    }
+    let builder = pod(name).namespace(cluster.namespace()).gpu_mem(total);
+    let builder = (annotations.iter()).fold(builder, |b, (key, value)| b.annotation(key, value));
     Ok(create_pod(cluster, builder.build()).await?)
 }
 
@@ -65,19 +63,14 @@ async fn multi_gpu_whole_gpu_and_shared_pods_share_two_nodes_under_shuffled_admi
             running.push(wait_running(&*cluster, name).await?);
         }
         // The whole-GPU pod holds one node alone; the pair and the shared pods fill the other.
-        let whole_pod = &running[0];
-        let whole_alloc = allocation(whole_pod)?;
-        ensure!(
-            whole_alloc.exclusive && whole_alloc.gpu_count() == 2,
-            "{whole_alloc:?}"
-        );
-        let whole_node = whole_pod.spec.as_ref().and_then(|s| s.node_name.clone());
+        let whole = allocation(&running[0])?;
+        ensure!(whole.exclusive && whole.gpu_count() == 2, "{whole:?}");
+        let node_of = |pod: &Pod| pod.spec.as_ref().and_then(|s| s.node_name.clone());
         for pod in &running[1..] {
-            let node = pod.spec.as_ref().and_then(|s| s.node_name.clone());
+            let (name, node) = (&pod.metadata.name, node_of(pod));
             ensure!(
-                node != whole_node,
-                "pod {:?} shares node {node:?} with the whole-GPU pod",
-                pod.metadata.name
+                node != node_of(&running[0]),
+                "pod {name:?} shares node {node:?} with the whole-GPU pod"
             );
         }
         let pair = allocation(&running[1])?;
@@ -88,17 +81,12 @@ async fn multi_gpu_whole_gpu_and_shared_pods_share_two_nodes_under_shuffled_admi
             check_pinned(&*cluster, pod).await?;
         }
         let env = cluster.container_env("pair", "main").await?;
-        ensure!(
-            env.get(env::GPU_COUNT).map(String::as_str) == Some("2")
-                && env.get(env::CONTAINER_GIB_PER_GPU).map(String::as_str) == Some("8"),
-            "pair env: {env:?}"
-        );
+        let per_gpu = [env::GPU_COUNT, env::CONTAINER_GIB_PER_GPU];
+        let per_gpu = per_gpu.map(|k| env.get(k).map(String::as_str));
+        ensure!(per_gpu == [Some("2"), Some("8")], "pair env: {env:?}");
         let usage = check_no_overcommit(&cluster.client()).await?;
-        let full: Vec<_> = usage
-            .values()
-            .filter(|(used, total)| used == total)
-            .collect();
-        ensure!(full.len() == 4, "all four GPUs are full: {usage:?}");
+        let full = usage.values().filter(|(used, total)| used == total).count();
+        ensure!(full == 4, "not all four GPUs are full: {usage:?}");
         // One more shared pod cannot fit anywhere (kube-scheduler's own fit already says so:
         // every GiB of both nodes is taken, the whole GPUs counted as kubelet counts them).
         create(cluster, "s5", 4, &[]).await?;
@@ -106,11 +94,10 @@ async fn multi_gpu_whole_gpu_and_shared_pods_share_two_nodes_under_shuffled_admi
         ensure!(reason.contains("0/2 nodes are available"), "s5: {reason}");
         // `kubectl gpushare top -d` lists the pair on each of its GPUs.
         let top = top_details(&cluster.client()).await?;
-        let pair_rows = top
+        let rows = top
             .lines()
-            .filter(|line| line.split_whitespace().nth(1) == Some("pair"))
-            .count();
-        ensure!(pair_rows == 2, "the pair shows on both its GPUs:\n{top}");
+            .filter(|l| l.split_whitespace().nth(1) == Some("pair"));
+        ensure!(rows.count() == 2, "the pair shows on both its GPUs:\n{top}");
         Ok(())
     })
     .await
@@ -125,11 +112,8 @@ async fn multi_gpu_requests_that_cannot_fit_say_why() -> anyhow::Result<()> {
         // Three GPUs: no node has that many.
         create(cluster, "three", 12, &[(gpus, "3")]).await?;
         let reason = wait_unschedulable(&*cluster, "three").await?;
-        ensure!(
-            reason
-                .contains("needs 3 GPUs with 4 GiB free each; node has 2 healthy GPUs that large"),
-            "three: {reason}"
-        );
+        let why = "needs 3 GPUs with 4 GiB free each; node has 2 healthy GPUs that large";
+        ensure!(reason.contains(why), "three: {reason}");
         // A total that does not split evenly over the GPUs.
         create(cluster, "uneven", 9, &[(gpus, "2")]).await?;
         let reason = wait_unschedulable(&*cluster, "uneven").await?;
@@ -143,10 +127,8 @@ async fn multi_gpu_requests_that_cannot_fit_say_why() -> anyhow::Result<()> {
         // 31 free; the extender books both GPUs in full).
         create(cluster, "whole", 16, &[(gpus, "2"), (exclusive, "true")]).await?;
         let reason = wait_unschedulable(&*cluster, "whole").await?;
-        ensure!(
-            reason.contains("needs 2 whole free GPUs of at least 8 GiB; node has 1"),
-            "whole: {reason}"
-        );
+        let why = "needs 2 whole free GPUs of at least 8 GiB; node has 1";
+        ensure!(reason.contains(why), "whole: {reason}");
         let pods: Api<Pod> = Api::namespaced(cluster.client(), cluster.namespace());
         pods.delete("small", &Default::default()).await?;
         let whole = wait_running(&*cluster, "whole").await?;

@@ -1,16 +1,6 @@
 //! After the fact: the real device plugin reads what the kubelet driver really handed out
-//! (kubelet's PodResources API, over the driver's socket) and acts on it.
-//!
-//! - `an_intruder_holding_a_waiting_pods_allocation_is_reported_and_the_pod_still_runs`: on
-//!   a cluster whose admin left out the allocation policy, a pod created straight onto the
-//!   node (no scheduler, no allocation) is admitted while an honest pod of the same size
-//!   waits; our Allocate matches the honest pod's allocation and marks it. The plugin sees in
-//!   kubelet's listing that the intruder holds the devices: a Warning Event on the intruder,
-//!   the metric, and the honest pod's stray mark given back, so when kubelet admits it, it
-//!   gets its GPU (from guesses alone it would be refused: its allocation looked used).
-//! - `the_kubelet_driver_reports_devices_as_kubelet_does`: the driver's PodResources API
-//!   itself: sidecars and app containers listed, ordinary init containers not, init devices
-//!   reused, rejected pods not listed, `Get` and `GetAllocatableResources`.
+//! (kubelet's PodResources API, over the driver's socket) and acts on it; and that API itself
+//! reports devices as kubelet does.
 
 use std::time::Duration;
 
@@ -40,6 +30,10 @@ async fn marks(cluster: &TestCluster, name: &str) -> anyhow::Result<(String, Str
     Ok((get(&keys.allocated), get(&keys.assigned)))
 }
 
+/// On a cluster whose admin left out the allocation policy, a pod created straight onto the
+/// node takes the allocation an honest pod waits for. The plugin sees in kubelet's listing
+/// that the intruder holds the devices: a Warning Event, the metric, and the honest pod's
+/// stray mark given back, so that kubelet's later Allocate for it is not refused.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn an_intruder_holding_a_waiting_pods_allocation_is_reported_and_the_pod_still_runs()
 -> anyhow::Result<()> {
@@ -49,44 +43,47 @@ async fn an_intruder_holding_a_waiting_pods_allocation_is_reported_and_the_pod_s
         .with_device_plugin_args(&["--allocation-marks", "true"]);
     with_cluster(spec, async |cluster| {
         let kubelet = &cluster.nodes[NODE].kubelet;
+        let visible = |name: &str| {
+            let env = kubelet.container_env("default", name, "main");
+            env.and_then(|mut env| env.remove(env::NVIDIA_VISIBLE_DEVICES))
+        };
+        let wait_marks = async |want: (&str, &str)| {
+            wait_for(
+                &format!("pod honest's marks to be {want:?}"),
+                WAIT,
+                || async {
+                    let marks = marks(cluster, "honest").await.ok()?;
+                    (marks.0 == want.0 && marks.1 == want.1).then_some(())
+                },
+            )
+            .await
+        };
         // kubelet learns of the honest pod late; it is scheduled and waits for admission.
         kubelet.hold("default", "honest");
         create_gpu_pod(cluster, "honest", 4).await?;
-        let honest = wait_for("pod honest to be bound", WAIT, || async {
+        let gpu = wait_for("pod honest to be bound", WAIT, || async {
             let pod = cluster.pod("default", "honest").await.ok()?;
-            allocation(&pod).ok().map(|a| (pod, a))
+            allocation(&pod).ok().map(|a| a.gpu_uuid)
         })
         .await?;
-        let gpu = honest.1.gpu_uuid.clone();
 
         // The intruder skips the scheduler: bound here, no allocation of its own.
-        pod("intruder")
-            .gpu_mem(4)
-            .on_node(NODE)
-            .create(&cluster.client)
-            .await?;
+        let intruder = pod("intruder").gpu_mem(4).on_node(NODE);
+        intruder.create(&cluster.client).await?;
         wait_running(cluster, "intruder").await?;
-        let env = kubelet
-            .container_env("default", "intruder", "main")
-            .context("the intruder got no environment")?;
         ensure!(
-            env.get(env::NVIDIA_VISIBLE_DEVICES) == Some(&gpu),
-            "Allocate answered the intruder with the honest pod's GPU {gpu}: {env:?}"
+            visible("intruder") == Some(gpu.clone()),
+            "Allocate did not answer the intruder with the honest pod's GPU {gpu}"
         );
 
         // Reported: a Warning Event on the intruder, and the metric.
         let events: Api<Event> = Api::namespaced(cluster.client.clone(), "default");
         let event = wait_for("an Event on the intruder", WAIT, || async {
-            events
-                .list(&Default::default())
-                .await
-                .ok()?
-                .items
-                .into_iter()
-                .find(|e| {
-                    e.regarding.as_ref().and_then(|r| r.name.as_deref()) == Some("intruder")
-                        && e.reason.as_deref() == Some("GpuMemWithoutAllocation")
-                })
+            let list = events.list(&Default::default()).await.ok()?;
+            list.items.into_iter().find(|e| {
+                e.regarding.as_ref().and_then(|r| r.name.as_deref()) == Some("intruder")
+                    && e.reason.as_deref() == Some("GpuMemWithoutAllocation")
+            })
         })
         .await?;
         ensure!(event.type_.as_deref() == Some("Warning"), "{event:?}");
@@ -104,31 +101,15 @@ async fn an_intruder_holding_a_waiting_pods_allocation_is_reported_and_the_pod_s
         .await?;
 
         // Corrected from the facts: the honest pod waits again for its own Allocate.
-        wait_for(
-            "the honest pod's stray mark to be given back",
-            WAIT,
-            || async {
-                (marks(cluster, "honest").await.ok()? == (String::new(), "false".to_owned()))
-                    .then_some(())
-            },
-        )
-        .await?;
+        wait_marks(("", "false")).await?;
         kubelet.release("default", "honest");
-        let honest = wait_running(cluster, "honest").await?;
-        let env = kubelet
-            .container_env("default", "honest", "main")
-            .context("the honest pod got no environment")?;
+        wait_running(cluster, "honest").await?;
         ensure!(
-            env.get(env::NVIDIA_VISIBLE_DEVICES) == Some(&gpu),
-            "{env:?}"
+            visible("honest") == Some(gpu.clone()),
+            "honest not on {gpu}"
         );
-        wait_for("the honest pod's marks", WAIT, || async {
-            (marks(cluster, "honest").await.ok()? == ("main".to_owned(), "true".to_owned()))
-                .then_some(())
-        })
-        .await?;
-        ensure!(honest.metadata.name.as_deref() == Some("honest"));
-        // Only the intruder was reported; the booked memory is within the GPU (the
+        wait_marks(("main", "true")).await?;
+        // Only the intruder was reported, once; the booked memory is within the GPU (the
         // intruder's 4 GiB are not booked: that is what the Event says).
         let reported: Vec<String> = events
             .list(&Default::default())
@@ -173,12 +154,8 @@ async fn the_kubelet_driver_reports_devices_as_kubelet_does() -> anyhow::Result<
             .init_container("sidecar", 1)
             .container("main", 3)
             .build();
-        if let Some(sidecar) = spec
-            .spec
-            .as_mut()
-            .and_then(|s| s.init_containers.as_mut())
-            .and_then(|c| c.iter_mut().find(|c| c.name == "sidecar"))
-        {
+        let init = spec.spec.as_mut().and_then(|s| s.init_containers.as_mut());
+        for sidecar in init.into_iter().flatten().filter(|c| c.name == "sidecar") {
             sidecar.restart_policy = Some("Always".to_owned());
         }
         Api::<Pod>::namespaced(cluster.client.clone(), "default")
@@ -200,11 +177,8 @@ async fn the_kubelet_driver_reports_devices_as_kubelet_does() -> anyhow::Result<
         ensure!(names == ["sidecar", "main"], "{containers:?}");
         let held = kubelet.container_devices("default", "mixed");
         let devices = |name: &str| -> Vec<String> {
-            let mut ids = held
-                .get(name)
-                .and_then(|r| r.get(DEFAULT_RESOURCE))
-                .cloned()
-                .unwrap_or_default();
+            let ids = held.get(name).and_then(|r| r.get(DEFAULT_RESOURCE));
+            let mut ids = ids.cloned().unwrap_or_default();
             ids.sort();
             ids
         };
@@ -213,36 +187,19 @@ async fn the_kubelet_driver_reports_devices_as_kubelet_does() -> anyhow::Result<
         ensure!(containers[1].1 == devices("main") && containers[1].1.len() == 3);
         // The ordinary init container's devices are reused by the containers after it, as
         // kubelet does; the sidecar keeps its own while main runs.
-        ensure!(
-            devices("init")
-                .iter()
-                .all(|id| devices("sidecar").contains(id) || devices("main").contains(id)),
-            "{held:?}"
-        );
-        ensure!(
-            devices("sidecar")
-                .iter()
-                .all(|id| !devices("main").contains(id)),
-            "{held:?}"
-        );
+        let (sidecar, main) = (devices("sidecar"), devices("main"));
+        let reused = |id: &String| sidecar.contains(id) || main.contains(id);
+        ensure!(devices("init").iter().all(reused), "{held:?}");
+        ensure!(sidecar.iter().all(|id| !main.contains(id)), "{held:?}");
 
-        let got = client
-            .get(GetPodResourcesRequest {
-                pod_name: "mixed".to_owned(),
-                pod_namespace: "default".to_owned(),
-            })
-            .await?
-            .into_inner()
-            .pod_resources
-            .context("Get answered no pod")?;
-        ensure!(listed(&got) == containers);
-        let missing = client
-            .get(GetPodResourcesRequest {
-                pod_name: "nope".to_owned(),
-                pod_namespace: "default".to_owned(),
-            })
-            .await
-            .expect_err("Get of a pod that does not exist");
+        let get = |name: &str| GetPodResourcesRequest {
+            pod_name: name.to_owned(),
+            pod_namespace: "default".to_owned(),
+        };
+        let got = client.get(get("mixed")).await?.into_inner().pod_resources;
+        ensure!(listed(&got.context("Get answered no pod")?) == containers);
+        let missing = client.get(get("nope")).await;
+        let missing = missing.expect_err("Get of a pod that does not exist");
         ensure!(
             missing.message() == "pod nope in namespace default not found",
             "{missing:?}"
@@ -260,11 +217,8 @@ async fn the_kubelet_driver_reports_devices_as_kubelet_does() -> anyhow::Result<
 
         // A pod rejected at admission (no allocation: Allocate refuses it) is not active:
         // not listed.
-        pod("rejected")
-            .gpu_mem(4)
-            .on_node(NODE)
-            .create(&cluster.client)
-            .await?;
+        let rejected = pod("rejected").gpu_mem(4).on_node(NODE);
+        rejected.create(&cluster.client).await?;
         cluster
             .wait_phase("default", "rejected", "Failed", WAIT)
             .await?;

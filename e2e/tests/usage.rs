@@ -1,9 +1,8 @@
 //! Real usage, end to end on simulated GPUs: the device plugin is told what each pod uses
 //! (`--simulate-usage-file`), traces it to the GPUs kubelet's PodResources API says the pod
-//! holds, and exports allocated vs used per pod and GPU on `/metrics`, publishes the node's
-//! `<domain>/v1.usage` annotation, and `kubectl gpushare top -d` (its library, on what the
-//! API server returns) shows USED beside ALLOCATED and flags the pod over its share. The
-//! Event and the eviction of a pod over its share run on the real cluster
+//! holds, and exports allocated vs used on `/metrics` and in the node's `<domain>/v1.usage`
+//! annotation; `kubectl gpushare top -d` shows USED beside ALLOCATED and flags the pod over
+//! its share. The Event and the eviction of such a pod run on the real cluster
 //! (`a_pod_over_its_share_by_the_drivers_count_is_evicted` in `e2e/tests/real.rs`).
 
 use std::time::Duration;
@@ -29,28 +28,24 @@ async fn wait_annotation(
 ) -> anyhow::Result<NodeMemoryUse> {
     let nodes: Api<Node> = Api::all(cluster.client.clone());
     let key = Keys::default().node_usage;
-    wait_for(
-        &format!("the node's usage annotation to read {want:?}"),
-        WAIT,
-        || async {
-            let node = nodes.get(NODE).await.ok()?;
-            let text = node.metadata.annotations?.remove(&key)?;
-            let usage = NodeMemoryUse::decode(&text).ok()?;
-            let pods: Vec<(&str, u64)> = usage.pods.iter().map(|(k, v)| (k.as_str(), *v)).collect();
-            (pods == want).then_some(usage)
-        },
-    )
+    let what = format!("the node's usage annotation to read {want:?}");
+    wait_for(&what, WAIT, || async {
+        let node = nodes.get(NODE).await.ok()?;
+        let text = node.metadata.annotations?.remove(&key)?;
+        let usage = NodeMemoryUse::decode(&text).ok()?;
+        let pods: Vec<(&str, u64)> = usage.pods.iter().map(|(k, v)| (k.as_str(), *v)).collect();
+        (pods == want).then_some(usage)
+    })
     .await
 }
 
-/// `/metrics` of the node's device plugin, once it has every line of `want`.
-async fn wait_metrics(cluster: &TestCluster, want: &[String]) -> anyhow::Result<String> {
+/// Waits until `/metrics` of the node's device plugin has every line of `want`.
+async fn wait_metrics(cluster: &TestCluster, want: &[String]) -> anyhow::Result<()> {
     let addr = cluster.device_plugin_metrics(NODE)?;
     wait_for("the usage metrics", WAIT, || async {
         let (_, body) = http_get(addr, "/metrics").await.ok()?;
-        want.iter()
-            .all(|line| body.lines().any(|l| l == line))
-            .then_some(body)
+        let has = |line: &String| body.lines().any(|l| l == line);
+        want.iter().all(has).then_some(())
     })
     .await
 }
@@ -63,38 +58,25 @@ fn pod_row<'a>(text: &'a str, name: &str) -> anyhow::Result<Vec<&'a str>> {
         .with_context(|| format!("no row for pod {name} in\n{text}"))
 }
 
-/// One node with a 16 GiB GPU whose device plugin reads what pods use from `usage_file`
-/// every 200 ms, with `extra` flags.
-fn usage_spec(usage_file: &std::path::Path, extra: &[&str]) -> ClusterSpec {
-    let usage_arg = format!("--simulate-usage-file={}", usage_file.display());
-    let mut args = vec![usage_arg.as_str(), "--usage-period-ms=200"];
-    args.extend_from_slice(extra);
-    ClusterSpec::labelled(&[(NODE, &[16])]).with_device_plugin_args(&args)
-}
-
-/// Pods a (4 GiB) and b (2 GiB), running on the same GPU; returns its index.
-async fn a_and_b_on_one_gpu(cluster: &TestCluster) -> anyhow::Result<u32> {
-    create_gpu_pod(cluster, "a", 4).await?;
-    create_gpu_pod(cluster, "b", 2).await?;
-    let gpu = allocation(&wait_running(cluster, "a").await?)?.gpu_index;
-    ensure!(allocation(&wait_running(cluster, "b").await?)?.gpu_index == gpu);
-    Ok(gpu)
-}
-
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_pod_over_its_share_shows_in_metrics_the_node_annotation_and_top() -> anyhow::Result<()> {
     let dir = tempfile::tempdir()?;
     let usage_file = dir.path().join("usage.json");
-    // The annotation may be rewritten at once, for any change of 1 MiB.
-    let spec = usage_spec(
-        &usage_file,
-        &[
-            "--usage-annotation-min-interval-ms=0",
-            "--usage-annotation-min-change-mib=1",
-        ],
-    );
+    // What pods use is read every 200 ms; the annotation may be rewritten at once, for any
+    // change of 1 MiB.
+    let usage_arg = format!("--simulate-usage-file={}", usage_file.display());
+    let spec = ClusterSpec::labelled(&[(NODE, &[16])]).with_device_plugin_args(&[
+        usage_arg.as_str(),
+        "--usage-period-ms=200",
+        "--usage-annotation-min-interval-ms=0",
+        "--usage-annotation-min-change-mib=1",
+    ]);
     with_cluster(spec, async |cluster| {
-        let gpu = a_and_b_on_one_gpu(cluster).await?;
+        // a (4 GiB) and b (2 GiB) on the same GPU.
+        create_gpu_pod(cluster, "a", 4).await?;
+        create_gpu_pod(cluster, "b", 2).await?;
+        let gpu = allocation(&wait_running(cluster, "a").await?)?.gpu_index;
+        ensure!(allocation(&wait_running(cluster, "b").await?)?.gpu_index == gpu);
 
         // Nothing written yet: measured, nothing in use.
         wait_annotation(cluster, &[("default/a", 0), ("default/b", 0)]).await?;
@@ -143,11 +125,8 @@ async fn a_pod_over_its_share_shows_in_metrics_the_node_annotation_and_top() -> 
 
         // b frees memory: no longer flagged anywhere.
         std::fs::write(&usage_file, r#"{"default/a": "3Gi", "default/b": "1Gi"}"#)?;
-        wait_metrics(
-            cluster,
-            &["gpushare_device_plugin_pods_over_share 0".to_owned()],
-        )
-        .await?;
+        let not_over = ["gpushare_device_plugin_pods_over_share 0".to_owned()];
+        wait_metrics(cluster, &not_over).await?;
         wait_annotation(cluster, &[("default/a", 3072), ("default/b", 1024)]).await?;
         let text = top_details(&cluster.client).await?;
         ensure!(pod_row(&text, "b")?.last() == Some(&"1.0"), "{text}");

@@ -26,7 +26,7 @@ use super::request::{Params, Reply, Target, parse_body};
 use super::resources::Kind;
 use super::status::{ApiError, ApiResult};
 use super::writes::{create, patch_object, update};
-use super::{App, Release, Verb, discovery, managed, reads, watch};
+use super::{App, Release, Verb, discovery, reads, watch};
 
 pub(crate) fn router(app: App) -> Router {
     Router::new().fallback(handle).with_state(app)
@@ -157,16 +157,9 @@ async fn handle(
             Err(err) => Err(err),
         },
         Verb::Create | Verb::Update | Verb::Patch | Verb::Delete => {
-            let manager = managed::manager(
-                params.get("fieldManager").map(String::as_str),
-                headers
-                    .get(header::USER_AGENT)
-                    .and_then(|h| h.to_str().ok()),
-            );
             let write = Write {
                 verb,
                 user,
-                manager,
                 target,
                 params,
                 content_type,
@@ -248,8 +241,6 @@ struct Write {
     verb: Verb,
     /// Who asked (admission sees it as `request.userInfo`).
     user: Caller,
-    /// The field manager its changes are recorded under (`managedFields`).
-    manager: String,
     target: Target,
     params: Params,
     content_type: String,
@@ -324,7 +315,6 @@ impl Write {
         let Write {
             verb,
             user,
-            manager,
             target,
             params,
             content_type,
@@ -337,9 +327,9 @@ impl Write {
             Verb::Create if target.subresource.as_deref() == Some("eviction") => {
                 evict(app, target, params, body)
             }
-            Verb::Create => create(app, (user, manager), target, params, content_type, body),
-            Verb::Update => update(app, (user, manager), target, params, content_type, body),
-            Verb::Patch => patch_object(app, (user, manager), target, params, content_type, body),
+            Verb::Create => create(app, user, target, params, content_type, body),
+            Verb::Update => update(app, user, target, params, content_type, body),
+            Verb::Patch => patch_object(app, user, target, params, content_type, body),
             Verb::Delete => delete(app, target, params, body),
             Verb::Get | Verb::List | Verb::Watch => Err(ApiError::method_not_allowed()),
         }

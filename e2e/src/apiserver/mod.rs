@@ -39,9 +39,9 @@
 //! records each kind of request by who made it ([`Call`]: user, API group, resource, RBAC
 //! verb), so a test can hold the chart's RBAC against the calls our binaries really make.
 //!
-//! Field managers: every create, update and patch records its manager in
-//! `metadata.managedFields` (`managed`), so objects read and watched here are as large as on
-//! a real server and clients pay the same to decode them; bindings record none, as upstream.
+//! Field managers are not modelled: `metadata.managedFields` is stored as a client sends it
+//! and never recorded by the server (the load harness sends the entries a real server would
+//! list, so that the extender's relist pays what it pays on a real cluster).
 //!
 //! Graceful pod deletion: deleting a pod that is bound to a node with a grace period > 0
 //! (from the request, else the pod's `terminationGracePeriodSeconds`, defaulted to 30) first
@@ -56,7 +56,6 @@ mod deletes;
 mod discovery;
 mod faults;
 mod handlers;
-mod managed;
 mod objects;
 mod patch;
 mod reads;

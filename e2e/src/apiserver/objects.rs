@@ -378,11 +378,7 @@ pub(crate) fn prepare_create(
     }
     meta.insert("uid".into(), json!(new_uid()));
     meta.insert("creationTimestamp".into(), json!(now()));
-    for server_owned in [
-        "deletionTimestamp",
-        "deletionGracePeriodSeconds",
-        "managedFields",
-    ] {
+    for server_owned in ["deletionTimestamp", "deletionGracePeriodSeconds"] {
         meta.remove(server_owned);
     }
     if kind == Kind::Pod {

@@ -1,6 +1,6 @@
 //! The writes that store an object: create, update (PUT) and patch, with what every one of
 //! them goes through on the way in: defaulting and validation, fields of disabled features
-//! dropped, the admission policies in force, managedFields, the resourceVersion check.
+//! dropped, the admission policies in force, the resourceVersion check.
 //!
 //! Each runs under the store's write lock from reading the current object to storing the
 //! new one (see `handlers.rs` for why a write runs in a task of its own).
@@ -14,7 +14,7 @@ use super::patch::{self, PatchKind};
 use super::request::{Params, Reply, Target, current_or_404, dry_run, parse_body, part};
 use super::resources::Kind;
 use super::status::{ApiError, ApiResult};
-use super::{App, Caller, managed};
+use super::{App, Caller};
 
 /// Runs the admission policies in force on a create or update of `target`, on `object` as it
 /// would be stored (defaulted; an update's patched or replaced result).
@@ -64,16 +64,15 @@ fn admit(
 
 pub(super) fn create(
     app: &App,
-    (user, manager): (&Caller, &str),
+    user: &Caller,
     target: &Target,
     params: &Params,
     content_type: &str,
     body: &[u8],
 ) -> Reply {
     let object = parse_body(content_type, body)?;
-    let mut object = objects::prepare_create(target.kind, object, target.namespace.as_deref())?;
+    let object = objects::prepare_create(target.kind, object, target.namespace.as_deref())?;
     admit(app, user, target, Operation::Create, &object, None)?;
-    managed::track_create(&mut object, manager, target.kind.has_status());
     let name = meta_str(&object, "name").unwrap_or("").to_owned();
     let key = (target.namespace.clone().unwrap_or_default(), name.clone());
     app.store.write(|store| {
@@ -90,15 +89,13 @@ pub(super) fn create(
 /// Shared by update and patch: store `new` over the current object, unless nothing changed.
 fn store_update(
     store: &mut super::store::Inner,
-    (app, user, manager): (&App, &Caller, &str),
+    (app, user): (&App, &Caller),
     target: &Target,
     current: &Value,
     new: Value,
     params: &Params,
 ) -> Reply {
-    let mut prepared = objects::prepare_update(target.kind, current, new, part(target))?;
-    // The body's managedFields are not taken: the server records who changed what.
-    managed::keep_entries(current, &mut prepared);
+    let prepared = objects::prepare_update(target.kind, current, new, part(target))?;
     admit(
         app,
         user,
@@ -110,12 +107,6 @@ fn store_update(
     if &prepared == current || dry_run(params) {
         return Ok((StatusCode::OK, prepared));
     }
-    managed::track_update(
-        current,
-        &mut prepared,
-        manager,
-        target.subresource.as_deref(),
-    );
     let finished = prepared.pointer("/metadata/deletionTimestamp").is_some()
         && prepared
             .pointer("/metadata/finalizers")
@@ -136,7 +127,7 @@ fn store_update(
 
 pub(super) fn update(
     app: &App,
-    (user, manager): (&Caller, &str),
+    user: &Caller,
     target: &Target,
     params: &Params,
     content_type: &str,
@@ -156,13 +147,13 @@ pub(super) fn update(
         if !body_rv.is_empty() && Some(body_rv) != meta_str(&current, "resourceVersion") {
             return Err(ApiError::stale(target.kind.plural(), target.name()));
         }
-        store_update(store, (app, user, manager), target, &current, new, params)
+        store_update(store, (app, user), target, &current, new, params)
     })
 }
 
 pub(super) fn patch_object(
     app: &App,
-    (user, manager): (&Caller, &str),
+    user: &Caller,
     target: &Target,
     params: &Params,
     content_type: &str,
@@ -183,13 +174,6 @@ pub(super) fn patch_object(
                 "a patch may not change metadata.name",
             ));
         }
-        store_update(
-            store,
-            (app, user, manager),
-            target,
-            &current,
-            patched,
-            params,
-        )
+        store_update(store, (app, user), target, &current, patched, params)
     })
 }

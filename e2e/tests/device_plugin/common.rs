@@ -3,6 +3,8 @@
 
 #![allow(dead_code)]
 
+use std::collections::BTreeMap;
+use std::fmt::Debug;
 use std::path::{Path, PathBuf};
 use std::time::Duration;
 
@@ -23,12 +25,15 @@ use kube::{Api, Client};
 use tempfile::TempDir;
 use tokio::task::JoinHandle;
 use tokio_util::sync::CancellationToken;
-use tonic::Streaming;
 use tonic::transport::Channel;
+use tonic::{Code, Status, Streaming};
 
 pub const NODE: &str = "n1";
 pub const RESOURCE: &str = DEFAULT_RESOURCE;
 pub const WAIT: Duration = Duration::from_secs(20);
+
+/// A container of a test pod: `(name, gib, init)`.
+pub type Container = (&'static str, u64, bool);
 
 /// The simulated UUID of GPU `index` on [`NODE`].
 pub fn uuid(index: u32) -> String {
@@ -38,6 +43,11 @@ pub fn uuid(index: u32) -> String {
 /// The GPU UUID of device ID `id` (`<uuid>-<slot>`).
 pub fn gpu_of(id: &str) -> &str {
     id.rsplit_once('-').map_or(id, |(uuid, _)| uuid)
+}
+
+/// How many of `devices` are on GPU `gpu`.
+pub fn on_gpu(devices: &[String], gpu: u32) -> usize {
+    devices.iter().filter(|id| gpu_of(id) == uuid(gpu)).count()
 }
 
 /// The plugin's flags that turn the allocation marks on (they are off by default).
@@ -171,6 +181,40 @@ impl Cluster {
         self.kubelet.as_ref().expect("this cluster runs a kubelet")
     }
 
+    /// The environment kubelet gave container `container` of pod `pod` (empty if none).
+    pub fn env(&self, pod: &str, container: &str) -> BTreeMap<String, String> {
+        let env = self.kubelet().container_env("default", pod, container);
+        env.unwrap_or_default()
+    }
+
+    /// The device IDs of our resource kubelet gave pod `pod`.
+    pub fn devices(&self, pod: &str) -> Vec<String> {
+        let mut devices = self.kubelet().pod_devices("default", pod);
+        devices.remove(RESOURCE).unwrap_or_default()
+    }
+
+    /// Waits until kubelet admitted (container `main`) or refused each of `pods`; fails
+    /// unless every one was admitted.
+    pub async fn wait_admitted(
+        &self,
+        timeout: Duration,
+        pods: &[impl AsRef<str>],
+    ) -> anyhow::Result<()> {
+        let kubelet = self.kubelet();
+        kubelet
+            .wait_until(timeout, "every pod admitted or refused", |k| {
+                let admitted = pods
+                    .iter()
+                    .filter(|p| k.container_env("default", p.as_ref(), "main").is_some())
+                    .count();
+                k.admission_errors().len() + admitted == pods.len()
+            })
+            .await?;
+        let errors = kubelet.admission_errors();
+        anyhow::ensure!(errors.is_empty(), "{errors:?}");
+        Ok(())
+    }
+
     pub fn health_file(&self) -> PathBuf {
         self.health_dir.path().join("unhealthy")
     }
@@ -195,9 +239,14 @@ impl Cluster {
             .await?)
     }
 
+    pub async fn stop_plugin(&mut self) -> anyhow::Result<()> {
+        let plugin = self.plugin.take().context("the plugin was stopped")?;
+        plugin.stop().await
+    }
+
     pub async fn stop(mut self) -> anyhow::Result<()> {
-        if let Some(plugin) = self.plugin.take() {
-            plugin.stop().await?;
+        if self.plugin.is_some() {
+            self.stop_plugin().await?;
         }
         if let Some(kubelet) = self.kubelet.take() {
             kubelet.shutdown().await;
@@ -207,41 +256,24 @@ impl Cluster {
     }
 }
 
-/// The allocation annotations the extender would write: GPU `gpu`, these containers
-/// (`(name, gib, init)`), bound `second` seconds into the test's timeline.
-pub fn allocation(
-    gpu: u32,
-    containers: &[(&str, u64, bool)],
-    second: u32,
-) -> Vec<(String, String)> {
+/// A pod's GiB: the larger of its app containers' sum and its largest init container.
+pub fn pod_gib(containers: &[Container]) -> u64 {
+    let app: u64 = containers.iter().filter(|c| !c.2).map(|c| c.1).sum();
+    let init = containers.iter().filter(|c| c.2).map(|c| c.1).max();
+    app.max(init.unwrap_or(0))
+}
+
+/// The allocation annotations the extender would write: GPU `gpu`, these containers,
+/// bound `second` seconds into the test's timeline.
+pub fn allocation(gpu: u32, containers: &[Container], second: u32) -> Vec<(String, String)> {
     allocation_on(&[gpu], containers, second)
 }
 
 /// [`allocation`] for a pod spread evenly over `gpus` (the first one first): each
 /// container's GiB is its total, the pod holds `1 / gpus.len()` of its total on each GPU.
-pub fn allocation_on(
-    gpus: &[u32],
-    containers: &[(&str, u64, bool)],
-    second: u32,
-) -> Vec<(String, String)> {
+pub fn allocation_on(gpus: &[u32], containers: &[Container], second: u32) -> Vec<(String, String)> {
     let (&gpu, more) = gpus.split_first().expect("at least one GPU");
     let count = u64::try_from(gpus.len()).unwrap_or(1);
-    let containers: Vec<ContainerRequest> = containers
-        .iter()
-        .map(|&(name, gib, init)| ContainerRequest {
-            name: name.to_owned(),
-            gib,
-            init,
-            compute: 0,
-        })
-        .collect();
-    let app: u64 = containers.iter().filter(|c| !c.init).map(|c| c.gib).sum();
-    let init = containers
-        .iter()
-        .filter(|c| c.init)
-        .map(|c| c.gib)
-        .max()
-        .unwrap_or(0);
     PodAllocation {
         more_gpus: more
             .iter()
@@ -253,8 +285,16 @@ pub fn allocation_on(
         exclusive: false,
         gpu_index: gpu,
         gpu_uuid: uuid(gpu),
-        pod_gib: app.max(init) / count,
-        containers,
+        pod_gib: pod_gib(containers) / count,
+        containers: containers
+            .iter()
+            .map(|&(name, gib, init)| ContainerRequest {
+                name: name.to_owned(),
+                gib,
+                init,
+                compute: 0,
+            })
+            .collect(),
         bind_time: format!("2026-11-22T10:{:02}:{:02}Z", second / 60, second % 60),
         assigned: false,
         allocated: vec![],
@@ -291,9 +331,31 @@ pub async fn marks(cluster: &Cluster, name: &str) -> anyhow::Result<(String, Str
     Ok((get(&keys.allocated), get(&keys.assigned)))
 }
 
+/// The marks of a pod the plugin allocated `allocated` (its containers, comma-separated).
+pub fn marked(allocated: &str) -> (String, String) {
+    (allocated.to_owned(), "true".to_owned())
+}
+
 /// Whether pod `name` is marked assigned.
 pub async fn assigned(cluster: &Cluster, name: &str) -> anyhow::Result<bool> {
     Ok(marks(cluster, name).await?.1 == "true")
+}
+
+/// Waits until every one of `pods` is marked assigned.
+pub async fn wait_all_assigned(
+    cluster: &Cluster,
+    timeout: Duration,
+    pods: &[impl AsRef<str>],
+) -> anyhow::Result<()> {
+    eventually(timeout, "every pod marked assigned", || async {
+        for name in pods {
+            if !assigned(cluster, name.as_ref()).await? {
+                return Ok(false);
+            }
+        }
+        Ok(true)
+    })
+    .await
 }
 
 /// Polls `cond` every 50 ms until it holds or `timeout` passes.
@@ -315,9 +377,14 @@ where
     }
 }
 
-/// Device IDs `slots` of GPU `gpu`, as the plugin advertises them.
-pub fn ids(gpu: u32, slots: std::ops::Range<u64>) -> Vec<String> {
-    slots.map(|slot| format!("{}-{slot}", uuid(gpu))).collect()
+/// Device IDs `slots` of each of `gpus` in turn, as the plugin advertises them.
+pub fn ids(gpus: &[u32], slots: std::ops::Range<u64>) -> Vec<String> {
+    let of_gpu = |&gpu: &u32| {
+        slots
+            .clone()
+            .map(move |slot| format!("{}-{slot}", uuid(gpu)))
+    };
+    gpus.iter().flat_map(of_gpu).collect()
 }
 
 /// An Allocate request for one container holding `devices`.
@@ -327,6 +394,17 @@ pub fn allocate(devices: Vec<String>) -> AllocateRequest {
             devices_ids: devices,
         }],
     }
+}
+
+/// The error of a refused call, checked to carry `code` and every one of `parts`.
+#[track_caller]
+pub fn refused<T: Debug>(result: Result<T, Status>, code: Code, parts: &[&str]) -> Status {
+    let err = result.expect_err("the plugin refused");
+    assert_eq!(err.code(), code, "{}", err.message());
+    for part in parts {
+        assert!(err.message().contains(part), "{part}: {}", err.message());
+    }
+    err
 }
 
 /// The plugin's GetPreferredAllocation answer for one container of `size` devices.

@@ -178,15 +178,66 @@ async fn create_nodes_and_bound_pods(cfg: &Config, client: &kube::Client) -> any
     let keys = Keys::default();
     let bind_time = jiff::Timestamp::now().to_string();
     let started = Instant::now();
-    futures::stream::iter(
-        (0..cfg.bound_pods)
-            .map(|i| bound_pod(i, cfg.nodes, cfg.gpus, &keys, &bind_time).create(client)),
-    )
+    futures::stream::iter((0..cfg.bound_pods).map(|i| {
+        let pod = bound_pod(i, cfg.nodes, cfg.gpus, &keys, &bind_time).build();
+        let pods: kube::Api<Pod> = kube::Api::namespaced(client.clone(), "default");
+        async move {
+            pods.create(&Default::default(), &with_managed_fields(pod))
+                .await
+        }
+    }))
     .buffer_unordered(cfg.setup_concurrency)
     .try_for_each(|_| async { Ok(()) })
     .await?;
     figure("set-up: bound pods created", secs(started.elapsed()));
     Ok(())
+}
+
+/// `pod` with the `managedFields` a real API server would list for it: the creator's entry
+/// owning its spec, the extender's its annotations, kubelet's its status. The in-process server
+/// stores them as sent and records none itself; they are here because a real cluster's pods
+/// carry them, and the extender's relist and watches pay to decode them.
+fn with_managed_fields(mut pod: Pod) -> Pod {
+    use k8s_openapi::apimachinery::pkg::apis::meta::v1::{FieldsV1, ManagedFieldsEntry};
+    let entry = |manager: &str, fields: serde_json::Value| ManagedFieldsEntry {
+        manager: Some(manager.to_owned()),
+        operation: Some("Update".to_owned()),
+        api_version: Some("v1".to_owned()),
+        time: pod.metadata.creation_timestamp.clone(),
+        fields_type: Some("FieldsV1".to_owned()),
+        fields_v1: Some(FieldsV1(fields)),
+        subresource: None,
+    };
+    let spec = serde_json::to_value(&pod.spec).unwrap_or_default();
+    let annotations = serde_json::to_value(&pod.metadata.annotations).unwrap_or_default();
+    let entries = vec![
+        entry(
+            "kube-controller-manager",
+            serde_json::json!({"f:spec": owned_fields(spec)}),
+        ),
+        entry(
+            "gpushare-extender",
+            serde_json::json!({"f:metadata": {"f:annotations": owned_fields(annotations)}}),
+        ),
+        entry(
+            "kubelet",
+            serde_json::json!({"f:status": {"f:conditions": {}, "f:phase": {}, "f:podIP": {}}}),
+        ),
+    ];
+    pod.metadata.managed_fields = Some(entries);
+    pod
+}
+
+/// `value`'s fields as a `FieldsV1` set: an object lists its fields, anything else is owned whole.
+fn owned_fields(value: serde_json::Value) -> serde_json::Value {
+    match value {
+        serde_json::Value::Object(map) => serde_json::Value::Object(
+            map.into_iter()
+                .map(|(k, v)| (format!("f:{k}"), owned_fields(v)))
+                .collect(),
+        ),
+        _ => serde_json::json!({}),
+    }
 }
 
 /// The extender's serving certificate, as the chart's is (none with `--plain-http`).
