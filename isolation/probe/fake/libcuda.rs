@@ -1,9 +1,10 @@
 //! A fake `libcuda.so.1` for gpushare-isolation's tests: simulated GPUs, no hardware.
 //!
-//! Compiled by this crate's `build.rs` with `rustc --crate-type cdylib` (soname
-//! `libcuda.so.1`, and again as `libcuda.so.550`: a driver of another soname); std only, so that it needs no crate. Pointers and handles are numbers,
-//! never memory. It implements just what the probe and the interposer call, with the
-//! driver's signatures and error codes, and takes device memory the way a real GPU does.
+//! Built by this crate's `build.rs` with `rustc --crate-type cdylib` as `libcuda.so.1` and
+//! again as `libcuda.so.550` (a driver of another soname); std only, so that it needs no
+//! crate. Pointers and handles are numbers, never memory. It implements just what the probe
+//! and the interposer call, with the driver's signatures and error codes, and takes device
+//! memory the way a real GPU does.
 //!
 //! # Environment
 //!
@@ -13,12 +14,12 @@
 //! | `FAKE_GPU_MEM_MIB` | 16384 | memory of each |
 //! | `FAKE_GPU_STATE` | unset | a file holding what each physical GPU holds, shared by every process naming it (format in `state.rs`); unset: each process sees a device of its own |
 //! | `FAKE_CONTEXT_MIB` | 0 | device memory a context takes (primary or created), its default limits included |
-//! | `FAKE_MANAGED_ON_HOST` | unset | `1`: `cuMemAllocManaged` takes no device memory (host-resident until touched); unset: it takes device memory, as before |
+//! | `FAKE_MANAGED_ON_HOST` | unset | `1`: `cuMemAllocManaged` takes no device memory (host-resident until touched); unset: it takes device memory |
 //! | `CUDA_VISIBLE_DEVICES` | all | CUDA ordinals → physical GPUs: indices or `GPU-` UUIDs (prefixes), parsing stops at the first invalid or repeated entry |
 //!
-//! Physical GPU `i` has the UUID whose 16 bytes are 15 zeros then `i` (as `cuDeviceGetUuid`
-//! returns it), written `GPU-00000000-0000-0000-0000-0000000000ii` (`ii` two hex digits, as
-//! NVML's `nvmlDeviceGetUUID` returns it).
+//! Physical GPU `i` has the UUID whose 16 bytes are 15 zeros then `i` (`cuDeviceGetUuid`),
+//! written `GPU-00000000-0000-0000-0000-0000000000ii` (`ii` two hex digits, as NVML's
+//! `nvmlDeviceGetUUID` returns it).
 //!
 //! # What takes device memory
 //!
@@ -48,26 +49,27 @@
 //!
 //! A kernel launch (`cuLaunchKernel`, `cuLaunchKernelEx`, `cuLaunchCooperativeKernel`, each
 //! also `_ptsz`) holds its physical GPU for **as many microseconds as its grid has blocks**
-//! (gridDimX × gridDimY × gridDimZ; the function handle is not looked at, any non-null one
-//! does); a graph launch (`cuGraphLaunch`(`_ptsz`)) holds it for the sum of the kernels
-//! captured into the graph (a launch on a capturing stream adds to the graph and runs
-//! nothing). Work runs one piece at a time per GPU, in submission order across every process
-//! sharing `FAKE_GPU_STATE` (time-slicing at kernel granularity): it starts at max(now, the
-//! time the GPU is free). Launches return at once; `cuStreamSynchronize` waits for the
-//! stream's work (the default stream: all of the process's), `cuCtxSynchronize` for all of
-//! it, `cuEventSynchronize` for the event. An event (`cuEventRecord`) completes when the GPU
-//! reaches it (max(now, the GPU's free time)); `cuEventQuery` says `CUDA_ERROR_NOT_READY`
-//! (600) before then, and `cuEventElapsedTime` gives the milliseconds between two that have
-//! completed. Each run is logged in `FAKE_GPU_STATE.kernels` (format in `state.rs`), which
-//! the tests and the fake NVML's utilization read.
+//! (gridDimX × gridDimY × gridDimZ; any non-null function handle does); a graph launch
+//! (`cuGraphLaunch`(`_ptsz`)) holds it for the sum of the kernels captured into the graph (a
+//! launch on a capturing stream adds to the graph and runs nothing). Work runs one piece at a
+//! time per GPU, in submission order across every process sharing `FAKE_GPU_STATE`
+//! (time-slicing at kernel granularity): it starts at max(now, the time the GPU is free).
+//! Launches return at once; `cuStreamSynchronize` waits for the stream's work (the default
+//! stream: all of the process's), `cuCtxSynchronize` for all of it, `cuEventSynchronize` for
+//! the event. An event (`cuEventRecord`) completes when the GPU reaches it in its stream:
+//! right after the stream's earlier work; on an idle stream, with the stream's next work if
+//! that comes soon (`Event::Pending`), else when the GPU was next free. `cuEventQuery` says
+//! `CUDA_ERROR_NOT_READY` (600) before then, and `cuEventElapsedTime` gives the milliseconds
+//! between two that have completed. Each run is logged in `FAKE_GPU_STATE.kernels` (format in
+//! `state.rs`), which the tests and the fake NVML's utilization read.
 //!
 //! One export is not the driver's: `fakeHeldBytes(phys)`, what this copy of the fake holds for
 //! this process on physical GPU `phys` (0 before its `cuInit`), which tells a test which of two
 //! copies loaded in one process served the calls.
 //!
 //! Exported functions never call each other (an LD_PRELOADed interposer would catch the
-//! call); they call private `*_impl` functions. Functions that would compile to the same code
-//! record their own name, so that rustc does not merge them into one address.
+//! call); they call private functions. Functions that would compile to the same code record
+//! their own name, so that rustc does not merge them into one address.
 #![allow(non_snake_case, clippy::missing_safety_doc)]
 
 use std::cell::Cell;
@@ -78,6 +80,8 @@ use std::sync::Mutex;
 
 include!("state.rs");
 
+/// A pointer or handle as the driver's API passes it.
+type Ptr = *mut c_void;
 type CuResult = c_int;
 const SUCCESS: CuResult = 0;
 const INVALID_VALUE: CuResult = 1;
@@ -87,6 +91,7 @@ const INVALID_DEVICE: CuResult = 101;
 const INVALID_CONTEXT: CuResult = 201;
 const INVALID_HANDLE: CuResult = 400;
 const NOT_FOUND: CuResult = 500;
+const NOT_READY: CuResult = 600;
 const NOT_SUPPORTED: CuResult = 801;
 const STREAM_CAPTURE_UNSUPPORTED: CuResult = 900;
 
@@ -95,6 +100,8 @@ const MIB: u64 = 1 << 20;
 const SMS: u64 = 16;
 const THREADS_PER_SM: u64 = 64;
 const DEFAULT_LIMITS: [u64; 3] = [1024, MIB, 8 * MIB]; // stack, printf FIFO, malloc heap
+/// How soon after an event the stream's next work must come to start with it.
+const BATCH_NS: u64 = 1_000_000;
 
 /// Where an allocation's bytes are held.
 #[derive(Clone, Copy, PartialEq)]
@@ -186,6 +193,7 @@ impl Event {
     }
 }
 
+#[derive(Default)]
 struct Driver {
     mem: u64,
     gpus: usize,
@@ -238,21 +246,10 @@ thread_local! {
     static CURRENT: Cell<u64> = const { Cell::new(0) };
 }
 
-fn env_u64(name: &str, default: u64) -> u64 {
-    std::env::var(name)
-        .ok()
-        .and_then(|v| v.parse().ok())
-        .unwrap_or(default)
-}
-
 fn uuid_bytes(phys: usize) -> [u8; 16] {
     let mut b = [0u8; 16];
     b[15] = phys as u8;
     b
-}
-
-fn uuid_string(phys: usize) -> String {
-    format!("GPU-00000000-0000-0000-0000-0000000000{:02x}", phys as u8)
 }
 
 /// `CUDA_VISIBLE_DEVICES` as the driver reads it.
@@ -261,17 +258,10 @@ fn visible_devices(gpus: usize) -> Vec<usize> {
         return (0..gpus).collect();
     };
     let mut visible = Vec::new();
-    for entry in list.split(',') {
-        let entry = entry.trim();
+    for entry in list.split(',').map(str::trim) {
         let phys = if entry.starts_with("GPU-") {
-            let matching: Vec<usize> = (0..gpus)
-                .filter(|&i| uuid_string(i).starts_with(entry))
-                .collect();
-            if matching.len() == 1 {
-                Some(matching[0])
-            } else {
-                None
-            }
+            let mut matching = (0..gpus).filter(|&i| uuid_string(i).starts_with(entry));
+            matching.next().filter(|_| matching.next().is_none())
         } else {
             entry.parse::<usize>().ok().filter(|&i| i < gpus)
         };
@@ -285,6 +275,18 @@ fn visible_devices(gpus: usize) -> Vec<usize> {
 
 fn own_start(pid: u32) -> u64 {
     state::start_time(pid).unwrap_or(0)
+}
+
+/// Takes the next 2 MiB-aligned range of `bytes` from `next`: its address.
+fn bump(next: &mut u64, bytes: u64) -> u64 {
+    let at = *next;
+    *next += bytes.div_ceil(1 << 21).max(1) << 21;
+    at
+}
+
+/// Primary context handles: one per CUDA ordinal.
+fn primary_of(dev: usize) -> u64 {
+    0x1000 + dev as u64 * 0x10
 }
 
 impl Driver {
@@ -356,24 +358,18 @@ impl Driver {
     }
 
     fn phys(&self, dev: c_int) -> Result<usize, CuResult> {
-        if dev < 0 {
-            return Err(INVALID_DEVICE);
-        }
-        self.visible
-            .get(dev as usize)
-            .copied()
-            .ok_or(INVALID_DEVICE)
+        let dev = usize::try_from(dev).map_err(|_| INVALID_DEVICE)?;
+        self.visible.get(dev).copied().ok_or(INVALID_DEVICE)
+    }
+
+    /// `dev` as an index, once it names a visible device.
+    fn ordinal(&self, dev: c_int) -> Result<usize, CuResult> {
+        self.phys(dev).map(|_| dev as usize)
     }
 
     fn handle(&mut self) -> u64 {
         self.next_handle += 0x10;
         self.next_handle
-    }
-
-    fn address(&mut self, bytes: u64) -> u64 {
-        let ptr = self.next;
-        self.next += bytes.div_ceil(1 << 21).max(1) << 21;
-        ptr
     }
 
     fn context_mut(&mut self, ctx: u64) -> Result<&mut Ctx, CuResult> {
@@ -392,15 +388,13 @@ impl Driver {
     fn create_context(&mut self, handle: u64, dev: usize) -> Result<(), CuResult> {
         let phys = self.phys(dev as c_int)?;
         self.charge(phys, self.context_cost)?;
-        self.ctxs.insert(
-            handle,
-            Ctx {
-                dev,
-                phys,
-                charged: self.context_cost,
-                limits: DEFAULT_LIMITS,
-            },
-        );
+        let ctx = Ctx {
+            dev,
+            phys,
+            charged: self.context_cost,
+            limits: DEFAULT_LIMITS,
+        };
+        self.ctxs.insert(handle, ctx);
         Ok(())
     }
 
@@ -467,20 +461,28 @@ impl Driver {
     fn pool_mut(&mut self, handle: u64) -> Result<&mut Pool, CuResult> {
         if !self.pools.contains_key(&handle) {
             let dev = (0..self.visible.len()).find(|&d| Self::default_pool(d) == handle);
-            let Some(dev) = dev else {
-                return Err(INVALID_VALUE);
-            };
+            let dev = dev.ok_or(INVALID_VALUE)?;
             let phys = self.visible[dev];
-            self.pools.insert(
-                handle,
-                Pool {
-                    dev,
-                    phys,
-                    ..Pool::default()
-                },
-            );
+            let pool = Pool {
+                dev,
+                phys,
+                ..Pool::default()
+            };
+            self.pools.insert(handle, pool);
         }
         self.pools.get_mut(&handle).ok_or(INVALID_VALUE)
+    }
+
+    /// Books an allocation at `ptr` made in `ctx`.
+    fn book(&mut self, ptr: u64, phys: usize, bytes: u64, by: &'static str, ctx: u64, h: Holder) {
+        let alloc = Alloc {
+            phys,
+            bytes,
+            by,
+            ctx,
+            holder: h,
+        };
+        self.allocs.insert(ptr, alloc);
     }
 
     /// An allocation of `bytes` from `pool` in the current context.
@@ -497,17 +499,8 @@ impl Driver {
         p.used += bytes;
         p.reserved_high = p.reserved_high.max(p.reserved);
         p.used_high = p.used_high.max(p.used);
-        let ptr = self.address(bytes);
-        self.allocs.insert(
-            ptr,
-            Alloc {
-                phys,
-                bytes,
-                by,
-                ctx,
-                holder: Holder::Pool(pool),
-            },
-        );
+        let ptr = bump(&mut self.next, bytes);
+        self.book(ptr, phys, bytes, by, ctx, Holder::Pool(pool));
         Ok(ptr)
     }
 
@@ -518,16 +511,14 @@ impl Driver {
         if let Some(Some(graph)) = self.streams.get(&stream).copied() {
             return self.add_node(graph, dev, bytes);
         }
-        let pool = self.current_pool[dev];
-        self.pool_alloc(pool, bytes, by)
+        self.pool_alloc(self.current_pool[dev], bytes, by)
     }
 
     fn add_node(&mut self, graph: u64, dev: usize, bytes: u64) -> Result<u64, CuResult> {
         if bytes == 0 {
             return Err(INVALID_VALUE);
         }
-        let dptr = self.next_graph_ptr;
-        self.next_graph_ptr += bytes.div_ceil(1 << 21).max(1) << 21;
+        let dptr = bump(&mut self.next_graph_ptr, bytes);
         let nodes = self.graphs.get_mut(&graph).ok_or(INVALID_VALUE)?;
         nodes.push(Node {
             dev,
@@ -538,17 +529,19 @@ impl Driver {
         Ok(dptr)
     }
 
+    /// Marks `graph`'s node of `dptr` freed by the graph (`missing` when it has none).
+    fn free_node(&mut self, graph: u64, dptr: u64, missing: CuResult) -> Result<(), CuResult> {
+        let nodes = self.graphs.get_mut(&graph).ok_or(INVALID_VALUE)?;
+        let node = nodes.iter_mut().find(|n| n.dptr == dptr).ok_or(missing)?;
+        node.freed_in_graph = true;
+        Ok(())
+    }
+
     /// A free on `stream`: marks the node freed when it is capturing, else frees.
     fn async_free(&mut self, stream: u64, ptr: u64, by: &'static str) -> Result<(), CuResult> {
         self.last_call = by;
         if let Some(Some(graph)) = self.streams.get(&stream).copied() {
-            let nodes = self.graphs.get_mut(&graph).ok_or(INVALID_VALUE)?;
-            let node = nodes
-                .iter_mut()
-                .find(|n| n.dptr == ptr)
-                .ok_or(STREAM_CAPTURE_UNSUPPORTED)?;
-            node.freed_in_graph = true;
-            return Ok(());
+            return self.free_node(graph, ptr, STREAM_CAPTURE_UNSUPPORTED);
         }
         self.release_alloc(ptr).map(|_| ()).ok_or(INVALID_VALUE)
     }
@@ -557,10 +550,11 @@ impl Driver {
     /// allocations.
     fn graph_reserve(&mut self, exec: u64, run: bool) -> Result<(), CuResult> {
         let nodes = self.execs.get(&exec).ok_or(INVALID_VALUE)?.clone();
+        let alive = |n: &Node| !n.freed_in_graph;
         if run
             && nodes
                 .iter()
-                .any(|n| !n.freed_in_graph && self.allocs.contains_key(&n.dptr))
+                .any(|n| alive(n) && self.allocs.contains_key(&n.dptr))
         {
             return Err(INVALID_VALUE);
         }
@@ -583,404 +577,33 @@ impl Driver {
         }
         if run {
             let ctx = CURRENT.with(|c| c.get());
-            for n in nodes.iter().filter(|n| !n.freed_in_graph) {
+            for n in nodes.iter().filter(|n| alive(n)) {
                 self.graph_pools[n.dev].used += n.bytes;
-                self.allocs.insert(
+                let phys = self.visible[n.dev];
+                self.book(
                     n.dptr,
-                    Alloc {
-                        phys: self.visible[n.dev],
-                        bytes: n.bytes,
-                        by: "cuGraphLaunch",
-                        ctx,
-                        holder: Holder::Graph(n.dev),
-                    },
+                    phys,
+                    n.bytes,
+                    "cuGraphLaunch",
+                    ctx,
+                    Holder::Graph(n.dev),
                 );
             }
         }
         Ok(())
     }
-}
 
-fn with_driver<T>(f: impl FnOnce(&mut Driver) -> Result<T, CuResult>) -> Result<T, CuResult> {
-    let mut guard = DRIVER.lock().unwrap_or_else(|e| e.into_inner());
-    match guard.as_mut() {
-        Some(driver) => f(driver),
-        None => Err(NOT_INITIALIZED),
-    }
-}
-
-fn code(r: Result<(), CuResult>) -> CuResult {
-    r.err().unwrap_or(SUCCESS)
-}
-
-/// Not a driver entry point: what this copy of the fake holds for this process on physical
-/// GPU `phys` (0 if this copy was never initialized, or `phys` is not a GPU).
-#[no_mangle]
-pub extern "C" fn fakeHeldBytes(phys: c_uint) -> u64 {
-    with_driver(|d| Ok(d.used.get(phys as usize).copied().unwrap_or(0))).unwrap_or(0)
-}
-
-unsafe fn out<T>(p: *mut T, value: T) -> Result<(), CuResult> {
-    if p.is_null() {
-        return Err(INVALID_VALUE);
-    }
-    unsafe { p.write(value) };
-    Ok(())
-}
-
-/// A plain allocation of `bytes` in the current context (`device_bytes` of them on the
-/// device); a 32-bit address when `v1`.
-fn alloc_impl(bytes: u64, device_bytes: u64, by: &'static str, v1: bool) -> Result<u64, CuResult> {
-    with_driver(|d| {
-        let (ctx, _, phys) = d.current()?;
-        if bytes == 0 {
-            return Err(INVALID_VALUE);
-        }
-        d.charge(phys, device_bytes)?;
-        let ptr = if v1 {
-            d.next_v1 += 0x10_0000;
-            u64::from(d.next_v1)
-        } else {
-            d.address(bytes)
-        };
-        d.allocs.insert(
-            ptr,
-            Alloc {
-                phys,
-                bytes: device_bytes,
-                by,
-                ctx,
-                holder: Holder::Plain,
-            },
-        );
-        Ok(ptr)
-    })
-}
-
-/// Frees `ptr` if one of `allocators` allocated it (each entry point passes its own list, so
-/// that no two are the same code).
-fn free_impl(ptr: u64, allocators: &[&str], freer: &'static str) -> CuResult {
-    code(with_driver(|d| match d.allocs.get(&ptr) {
-        Some(a) if allocators.contains(&a.by) => {
-            d.last_call = freer;
-            d.release_alloc(ptr);
-            Ok(())
-        }
-        _ => Err(INVALID_VALUE),
-    }))
-}
-
-unsafe fn alloc_current(dptr: *mut u64, bytes: u64, by: &'static str) -> CuResult {
-    if dptr.is_null() {
-        return INVALID_VALUE;
-    }
-    code(alloc_impl(bytes, bytes, by, false).and_then(|p| unsafe { out(dptr, p) }))
-}
-
-#[no_mangle]
-pub extern "C" fn cuInit(_flags: c_uint) -> CuResult {
-    let mut guard = DRIVER.lock().unwrap_or_else(|e| e.into_inner());
-    if guard.is_none() {
-        let gpus = env_u64("FAKE_GPU_COUNT", 1) as usize;
-        let visible = visible_devices(gpus);
-        let pid = std::process::id();
-        let state = std::env::var_os("FAKE_GPU_STATE").map(PathBuf::from);
-        let driver = Driver {
-            mem: env_u64("FAKE_GPU_MEM_MIB", 16384) << 20,
-            gpus,
-            primary_refs: vec![0; visible.len()],
-            current_pool: (0..visible.len()).map(Driver::default_pool).collect(),
-            graph_pools: vec![GraphPool::default(); visible.len()],
-            visible,
-            state,
-            pid,
-            start: own_start(pid),
-            used: vec![0; gpus],
-            context_cost: env_u64("FAKE_CONTEXT_MIB", 0) << 20,
-            managed_on_host: std::env::var("FAKE_MANAGED_ON_HOST").as_deref() == Ok("1"),
-            allocs: HashMap::new(),
-            next: 0x7f00_0000_0000,
-            next_v1: 0x1000_0000,
-            next_va: 0x6000_0000_0000,
-            next_graph_ptr: 0x5000_0000_0000,
-            next_handle: 0x10_0000,
-            ctxs: HashMap::new(),
-            pools: HashMap::new(),
-            vmm: HashMap::new(),
-            maps: BTreeMap::new(),
-            reservations: HashMap::new(),
-            graphs: HashMap::new(),
-            execs: HashMap::new(),
-            streams: HashMap::new(),
-            last_call: "",
-            tails: HashMap::new(),
-            events: HashMap::new(),
-            submits: HashMap::new(),
-            graph_kernels: HashMap::new(),
-            exec_kernels: HashMap::new(),
-        };
-        // A new program image (exec keeps the pid) holds nothing yet.
-        if let Some(path) = &driver.state {
-            let _ = state::update(path, |entries| driver.publish(entries));
-        }
-        *guard = Some(driver);
-    }
-    SUCCESS
-}
-
-#[no_mangle]
-pub unsafe extern "C" fn cuDeviceGetCount(count: *mut c_int) -> CuResult {
-    code(with_driver(|d| Ok(d.visible.len() as c_int)).and_then(|n| unsafe { out(count, n) }))
-}
-
-#[no_mangle]
-pub unsafe extern "C" fn cuDeviceGet(device: *mut c_int, ordinal: c_int) -> CuResult {
-    code(with_driver(|d| d.phys(ordinal).map(|_| ordinal)).and_then(|o| unsafe { out(device, o) }))
-}
-
-fn valid_device(dev: c_int) -> Result<usize, CuResult> {
-    with_driver(|d| d.phys(dev))
-}
-
-#[no_mangle]
-pub unsafe extern "C" fn cuDeviceGetUuid(uuid: *mut [u8; 16], dev: c_int) -> CuResult {
-    code(valid_device(dev).and_then(|p| unsafe { out(uuid, uuid_bytes(p)) }))
-}
-
-#[no_mangle]
-pub unsafe extern "C" fn cuDeviceGetUuid_v2(uuid: *mut [u8; 16], dev: c_int) -> CuResult {
-    code(
-        with_driver(|d| {
-            d.last_call = "cuDeviceGetUuid_v2";
-            d.phys(dev)
-        })
-        .and_then(|p| unsafe { out(uuid, uuid_bytes(p)) }),
-    )
-}
-
-#[no_mangle]
-pub unsafe extern "C" fn cuDeviceGetAttribute(
-    value: *mut c_int,
-    attr: c_int,
-    dev: c_int,
-) -> CuResult {
-    code(valid_device(dev).and_then(|_| match attr {
-        16 => unsafe { out(value, SMS as c_int) },
-        39 => unsafe { out(value, THREADS_PER_SM as c_int) },
-        _ => Err(INVALID_VALUE),
-    }))
-}
-
-/// Primary context handles: one per CUDA ordinal.
-fn primary_of(dev: usize) -> u64 {
-    0x1000 + dev as u64 * 0x10
-}
-
-#[no_mangle]
-pub unsafe extern "C" fn cuCtxCreate_v2(
-    pctx: *mut *mut c_void,
-    _flags: c_uint,
-    dev: c_int,
-) -> CuResult {
-    if pctx.is_null() {
-        return INVALID_VALUE;
-    }
-    code(
-        with_driver(|d| {
-            d.phys(dev)?;
-            let h = d.handle();
-            d.create_context(h, dev as usize)?;
-            CURRENT.with(|c| c.set(h));
-            Ok(h)
-        })
-        .and_then(|h| unsafe { out(pctx, h as *mut c_void) }),
-    )
-}
-
-#[no_mangle]
-pub extern "C" fn cuCtxDestroy_v2(ctx: *mut c_void) -> CuResult {
-    code(with_driver(|d| {
-        if d.ctxs
-            .get(&(ctx as u64))
-            .is_some_and(|_| (ctx as u64) < 0x10_0000)
-        {
-            return Err(INVALID_CONTEXT); // a primary context
-        }
-        d.destroy_context(ctx as u64)
-    }))
-}
-
-#[no_mangle]
-pub unsafe extern "C" fn cuDevicePrimaryCtxRetain(pctx: *mut *mut c_void, dev: c_int) -> CuResult {
-    if pctx.is_null() {
-        return INVALID_VALUE;
-    }
-    code(
-        with_driver(|d| {
-            d.phys(dev)?;
-            let dev = dev as usize;
-            let h = primary_of(dev);
-            if d.primary_refs[dev] == 0 {
-                d.create_context(h, dev)?;
+    /// Gives a VMM allocation's memory back once it is released and mapped nowhere.
+    fn vmm_settle(&mut self, h: u64) {
+        if let Some(v) = self.vmm.get(&h) {
+            if v.refs == 0 && v.maps == 0 {
+                let (phys, bytes) = (v.phys, v.bytes);
+                self.vmm.remove(&h);
+                self.uncharge(phys, bytes);
             }
-            d.primary_refs[dev] += 1;
-            Ok(h)
-        })
-        .and_then(|h| unsafe { out(pctx, h as *mut c_void) }),
-    )
-}
-
-#[no_mangle]
-pub extern "C" fn cuDevicePrimaryCtxRelease_v2(dev: c_int) -> CuResult {
-    code(with_driver(|d| {
-        d.phys(dev)?;
-        let dev = dev as usize;
-        if d.primary_refs[dev] == 0 {
-            return Err(INVALID_CONTEXT);
         }
-        d.primary_refs[dev] -= 1;
-        if d.primary_refs[dev] == 0 {
-            d.destroy_context(primary_of(dev))?;
-        }
-        Ok(())
-    }))
-}
-
-#[no_mangle]
-pub extern "C" fn cuDevicePrimaryCtxReset_v2(dev: c_int) -> CuResult {
-    code(with_driver(|d| {
-        d.phys(dev)?;
-        let dev = dev as usize;
-        d.last_call = "cuDevicePrimaryCtxReset_v2";
-        if d.primary_refs[dev] > 0 {
-            d.primary_refs[dev] = 0;
-            d.destroy_context(primary_of(dev))?;
-        }
-        Ok(())
-    }))
-}
-
-#[no_mangle]
-pub extern "C" fn cuCtxSetCurrent(ctx: *mut c_void) -> CuResult {
-    if ctx.is_null() {
-        CURRENT.with(|c| c.set(0));
-        return SUCCESS;
     }
-    code(with_driver(|d| {
-        d.context_mut(ctx as u64)?;
-        CURRENT.with(|c| c.set(ctx as u64));
-        Ok(())
-    }))
-}
 
-#[no_mangle]
-pub unsafe extern "C" fn cuCtxGetCurrent(pctx: *mut *mut c_void) -> CuResult {
-    code(unsafe { out(pctx, CURRENT.with(|c| c.get()) as *mut c_void) })
-}
-
-#[no_mangle]
-pub unsafe extern "C" fn cuCtxGetDevice(device: *mut c_int) -> CuResult {
-    code(with_driver(|d| d.current()).and_then(|(_, dev, _)| unsafe { out(device, dev as c_int) }))
-}
-
-fn limit_cost(limit: usize, value: u64) -> u64 {
-    if limit == 0 {
-        value * SMS * THREADS_PER_SM
-    } else {
-        value
-    }
-}
-
-#[no_mangle]
-pub extern "C" fn cuCtxSetLimit(limit: c_int, value: usize) -> CuResult {
-    if !(0..=2).contains(&limit) {
-        return INVALID_VALUE;
-    }
-    let limit = limit as usize;
-    code(with_driver(|d| {
-        let (ctx, _, phys) = d.current()?;
-        let c = d.context_mut(ctx)?;
-        let (old, new) = (
-            limit_cost(limit, c.limits[limit]),
-            limit_cost(limit, value as u64),
-        );
-        if new > old {
-            d.charge(phys, new - old)?;
-        } else {
-            d.uncharge(phys, old - new);
-        }
-        let c = d.context_mut(ctx)?;
-        c.limits[limit] = value as u64;
-        c.charged = (c.charged + new).saturating_sub(old);
-        Ok(())
-    }))
-}
-
-#[no_mangle]
-pub unsafe extern "C" fn cuCtxGetLimit(value: *mut usize, limit: c_int) -> CuResult {
-    if !(0..=2).contains(&limit) {
-        return INVALID_VALUE;
-    }
-    code(
-        with_driver(|d| {
-            let (ctx, _, _) = d.current()?;
-            Ok(d.context_mut(ctx)?.limits[limit as usize])
-        })
-        .and_then(|v| unsafe { out(value, v as usize) }),
-    )
-}
-
-/// Waits (without the driver's lock) until what `until` picks is done, then trims the pools.
-fn synchronize(by: &'static str, until: impl FnOnce(&Driver) -> Result<u64, CuResult>) -> CuResult {
-    match with_driver(|d| until(d)) {
-        Ok(at) => timeline::sleep_until(at),
-        Err(e) => return e,
-    }
-    code(with_driver(|d| {
-        d.last_call = by;
-        d.trim_pools(|_, _| true, |p| p.threshold);
-        Ok(())
-    }))
-}
-
-#[no_mangle]
-pub extern "C" fn cuCtxSynchronize() -> CuResult {
-    synchronize("cuCtxSynchronize", |d| Ok(d.all_done()))
-}
-
-#[no_mangle]
-pub extern "C" fn cuStreamSynchronize(stream: *mut c_void) -> CuResult {
-    synchronize("cuStreamSynchronize", |d| d.stream_done(stream as u64))
-}
-
-#[no_mangle]
-pub extern "C" fn cuStreamSynchronize_ptsz(stream: *mut c_void) -> CuResult {
-    synchronize("cuStreamSynchronize_ptsz", |d| d.stream_done(stream as u64))
-}
-
-#[no_mangle]
-pub extern "C" fn cuEventSynchronize(event: *mut c_void) -> CuResult {
-    synchronize("cuEventSynchronize", |d| {
-        d.events
-            .get(&(event as u64))
-            .map(|e| e.time().unwrap_or(0))
-            .ok_or(INVALID_HANDLE)
-    })
-}
-
-// Kernels and events: a launch holds its GPU for as many microseconds as its grid has blocks
-// (gridDimX x gridDimY x gridDimZ; the function handle, block and parameters are not looked
-// at), in submission order across every process that shares the state file (`state.rs`'s
-// timeline). An event completes when the GPU reaches it in its stream: right after the
-// stream's earlier work; on an idle stream, with the stream's next work if that comes soon
-// (`Event::Pending`), else when the GPU was next free.
-
-/// `CUDA_ERROR_NOT_READY`.
-const NOT_READY: CuResult = 600;
-/// How soon after an event the stream's next work must come to start with it.
-const BATCH_NS: u64 = 1_000_000;
-
-impl Driver {
     /// When work was last submitted on `stream` (the default stream: on any).
     fn last_submit(&self, stream: u64) -> Option<u64> {
         if stream == 0 {
@@ -1007,7 +630,7 @@ impl Driver {
     }
 
     /// `ns` of work on `stream` in the current context, submitted at `submitted`: captured
-    /// into the stream's graph, or run.
+    /// into the stream's graph, or run on the GPU's timeline (`state.rs`).
     fn submit(
         &mut self,
         stream: u64,
@@ -1031,14 +654,8 @@ impl Driver {
             return Ok(());
         }
         self.own_process();
-        let (start, end) = timeline::run(
-            self.state.as_deref(),
-            self.gpus,
-            phys,
-            ns,
-            self.pid,
-            submitted,
-        );
+        let state = self.state.as_deref();
+        let (start, end) = timeline::run(state, phys, ns, self.pid, submitted);
         self.tails.insert(stream, end);
         self.submits.insert(stream, submitted);
         for event in self.events.values_mut() {
@@ -1056,6 +673,7 @@ impl Driver {
         Ok(())
     }
 
+    /// A kernel launch: as many µs of work as `grid` has blocks.
     fn launch(&mut self, grid: [c_uint; 3], stream: u64, by: &'static str) -> Result<(), CuResult> {
         let submitted = timeline::now_ns();
         let blocks = grid.iter().map(|&g| g as u64).product::<u64>();
@@ -1073,74 +691,346 @@ impl Driver {
     }
 }
 
+fn with_driver<T>(f: impl FnOnce(&mut Driver) -> Result<T, CuResult>) -> Result<T, CuResult> {
+    let mut guard = DRIVER.lock().unwrap_or_else(|e| e.into_inner());
+    match guard.as_mut() {
+        Some(driver) => f(driver),
+        None => Err(NOT_INITIALIZED),
+    }
+}
+
+fn code(r: Result<(), CuResult>) -> CuResult {
+    r.err().unwrap_or(SUCCESS)
+}
+
+unsafe fn out<T>(p: *mut T, value: T) -> Result<(), CuResult> {
+    if p.is_null() {
+        return Err(INVALID_VALUE);
+    }
+    unsafe { p.write(value) };
+    Ok(())
+}
+
+/// Runs `f` on the driver: its error code, or SUCCESS.
+fn call(f: impl FnOnce(&mut Driver) -> Result<(), CuResult>) -> CuResult {
+    code(with_driver(f))
+}
+
+/// Runs `f` on the driver and writes its answer to `p` (after the driver's lock is let go).
+unsafe fn answer<T>(p: *mut T, f: impl FnOnce(&mut Driver) -> Result<T, CuResult>) -> CuResult {
+    code(with_driver(f).and_then(|v| unsafe { out(p, v) }))
+}
+
+/// `Ok` when a handle was there to take out, else `missing`.
+fn gone<T>(taken: Option<T>, missing: CuResult) -> Result<(), CuResult> {
+    taken.map(|_| ()).ok_or(missing)
+}
+
+/// Defines entry points in pairs, the call and its `_ptsz` twin (per-thread default stream,
+/// which the fake treats as the legacy one), each seeing its own name as `$by`: the name it
+/// records keeps rustc from merging the two into one address.
+macro_rules! with_ptsz {
+    (@one $f:ident $by:ident ($($arg:ident: $ty:ty),*) $body:block) => {
+        #[no_mangle]
+        pub unsafe extern "C" fn $f($($arg: $ty),*) -> CuResult {
+            let $by: &'static str = stringify!($f);
+            $body
+        }
+    };
+    ($($name:ident $ptsz:ident |$by:ident| ($($arg:ident: $ty:ty),* $(,)?) $body:block)*) => {$(
+        with_ptsz!(@one $name $by ($($arg: $ty),*) $body);
+        with_ptsz!(@one $ptsz $by ($($arg: $ty),*) $body);
+    )*};
+}
+
+/// Not a driver entry point: what this copy of the fake holds for this process on physical
+/// GPU `phys` (0 if this copy was never initialized, or `phys` is not a GPU).
 #[no_mangle]
-pub extern "C" fn cuLaunchKernel(
-    _f: *mut c_void,
-    grid_x: c_uint,
-    grid_y: c_uint,
-    grid_z: c_uint,
-    _block_x: c_uint,
-    _block_y: c_uint,
-    _block_z: c_uint,
-    _shared: c_uint,
-    stream: *mut c_void,
-    _params: *mut *mut c_void,
-    _extra: *mut *mut c_void,
-) -> CuResult {
-    code(with_driver(|d| d.launch([grid_x, grid_y, grid_z], stream as u64, "cuLaunchKernel")))
+pub extern "C" fn fakeHeldBytes(phys: c_uint) -> u64 {
+    with_driver(|d| Ok(d.used.get(phys as usize).copied().unwrap_or(0))).unwrap_or(0)
+}
+
+/// A plain allocation of `bytes` in the current context (`device_bytes` of them on the
+/// device); a 32-bit address when `v1`.
+fn alloc_impl(bytes: u64, device_bytes: u64, by: &'static str, v1: bool) -> Result<u64, CuResult> {
+    with_driver(|d| {
+        let (ctx, _, phys) = d.current()?;
+        if bytes == 0 {
+            return Err(INVALID_VALUE);
+        }
+        d.charge(phys, device_bytes)?;
+        let ptr = if v1 {
+            d.next_v1 += 0x10_0000;
+            u64::from(d.next_v1)
+        } else {
+            bump(&mut d.next, bytes)
+        };
+        d.book(ptr, phys, device_bytes, by, ctx, Holder::Plain);
+        Ok(ptr)
+    })
+}
+
+/// Frees `ptr` if one of `allocators` allocated it (each entry point passes its own list, so
+/// that no two are the same code).
+fn free_impl(ptr: u64, allocators: &[&str], freer: &'static str) -> CuResult {
+    call(|d| match d.allocs.get(&ptr) {
+        Some(a) if allocators.contains(&a.by) => {
+            d.last_call = freer;
+            d.release_alloc(ptr);
+            Ok(())
+        }
+        _ => Err(INVALID_VALUE),
+    })
+}
+
+/// A plain allocation of `bytes` written to `dptr` (checked first).
+unsafe fn alloc_current(dptr: *mut u64, bytes: u64, by: &'static str) -> CuResult {
+    if dptr.is_null() {
+        return INVALID_VALUE;
+    }
+    code(alloc_impl(bytes, bytes, by, false).and_then(|p| unsafe { out(dptr, p) }))
 }
 
 #[no_mangle]
-pub extern "C" fn cuLaunchKernel_ptsz(
-    _f: *mut c_void,
-    grid_x: c_uint,
-    grid_y: c_uint,
-    grid_z: c_uint,
-    _block_x: c_uint,
-    _block_y: c_uint,
-    _block_z: c_uint,
-    _shared: c_uint,
-    stream: *mut c_void,
-    _params: *mut *mut c_void,
-    _extra: *mut *mut c_void,
-) -> CuResult {
-    code(with_driver(|d| d.launch([grid_x, grid_y, grid_z], stream as u64, "cuLaunchKernel_ptsz")))
+pub extern "C" fn cuInit(_flags: c_uint) -> CuResult {
+    let mut guard = DRIVER.lock().unwrap_or_else(|e| e.into_inner());
+    if guard.is_none() {
+        let gpus = env_u64("FAKE_GPU_COUNT", 1) as usize;
+        let visible = visible_devices(gpus);
+        let pid = std::process::id();
+        let driver = Driver {
+            mem: env_u64("FAKE_GPU_MEM_MIB", 16384) << 20,
+            gpus,
+            primary_refs: vec![0; visible.len()],
+            current_pool: (0..visible.len()).map(Driver::default_pool).collect(),
+            graph_pools: vec![GraphPool::default(); visible.len()],
+            visible,
+            state: std::env::var_os("FAKE_GPU_STATE").map(PathBuf::from),
+            pid,
+            start: own_start(pid),
+            used: vec![0; gpus],
+            context_cost: env_u64("FAKE_CONTEXT_MIB", 0) << 20,
+            managed_on_host: std::env::var("FAKE_MANAGED_ON_HOST").as_deref() == Ok("1"),
+            next: 0x7f00_0000_0000,
+            next_v1: 0x1000_0000,
+            next_va: 0x6000_0000_0000,
+            next_graph_ptr: 0x5000_0000_0000,
+            next_handle: 0x10_0000,
+            ..Driver::default()
+        };
+        // A new program image (exec keeps the pid) holds nothing yet.
+        if let Some(path) = &driver.state {
+            let _ = state::update(path, |entries| driver.publish(entries));
+        }
+        *guard = Some(driver);
+    }
+    SUCCESS
 }
 
 #[no_mangle]
-pub extern "C" fn cuLaunchCooperativeKernel(
-    _f: *mut c_void,
-    grid_x: c_uint,
-    grid_y: c_uint,
-    grid_z: c_uint,
-    _block_x: c_uint,
-    _block_y: c_uint,
-    _block_z: c_uint,
-    _shared: c_uint,
-    stream: *mut c_void,
-    _params: *mut *mut c_void,
-) -> CuResult {
-    code(with_driver(|d| {
-        d.launch([grid_x, grid_y, grid_z], stream as u64, "cuLaunchCooperativeKernel")
-    }))
+pub unsafe extern "C" fn cuDeviceGetCount(count: *mut c_int) -> CuResult {
+    unsafe { answer(count, |d| Ok(d.visible.len() as c_int)) }
 }
 
 #[no_mangle]
-pub extern "C" fn cuLaunchCooperativeKernel_ptsz(
-    _f: *mut c_void,
-    grid_x: c_uint,
-    grid_y: c_uint,
-    grid_z: c_uint,
-    _block_x: c_uint,
-    _block_y: c_uint,
-    _block_z: c_uint,
-    _shared: c_uint,
-    stream: *mut c_void,
-    _params: *mut *mut c_void,
+pub unsafe extern "C" fn cuDeviceGet(device: *mut c_int, ordinal: c_int) -> CuResult {
+    unsafe { answer(device, |d| d.phys(ordinal).map(|_| ordinal)) }
+}
+
+#[no_mangle]
+pub unsafe extern "C" fn cuDeviceGetUuid(uuid: *mut [u8; 16], dev: c_int) -> CuResult {
+    unsafe { answer(uuid, |d| d.phys(dev).map(uuid_bytes)) }
+}
+
+#[no_mangle]
+pub unsafe extern "C" fn cuDeviceGetUuid_v2(uuid: *mut [u8; 16], dev: c_int) -> CuResult {
+    unsafe {
+        answer(uuid, |d| {
+            d.last_call = "cuDeviceGetUuid_v2";
+            d.phys(dev).map(uuid_bytes)
+        })
+    }
+}
+
+#[no_mangle]
+pub unsafe extern "C" fn cuDeviceGetAttribute(
+    value: *mut c_int,
+    attr: c_int,
+    dev: c_int,
 ) -> CuResult {
-    code(with_driver(|d| {
-        d.launch([grid_x, grid_y, grid_z], stream as u64, "cuLaunchCooperativeKernel_ptsz")
-    }))
+    unsafe {
+        answer(value, |d| match (d.phys(dev)?, attr) {
+            (_, 16) => Ok(SMS as c_int),
+            (_, 39) => Ok(THREADS_PER_SM as c_int),
+            _ => Err(INVALID_VALUE),
+        })
+    }
+}
+
+#[no_mangle]
+pub unsafe extern "C" fn cuCtxCreate_v2(pctx: *mut Ptr, _flags: c_uint, dev: c_int) -> CuResult {
+    if pctx.is_null() {
+        return INVALID_VALUE;
+    }
+    unsafe {
+        answer(pctx, |d| {
+            d.phys(dev)?;
+            let h = d.handle();
+            d.create_context(h, dev as usize)?;
+            CURRENT.with(|c| c.set(h));
+            Ok(h as Ptr)
+        })
+    }
+}
+
+#[no_mangle]
+pub extern "C" fn cuCtxDestroy_v2(ctx: Ptr) -> CuResult {
+    call(|d| {
+        let ctx = ctx as u64;
+        if d.ctxs.contains_key(&ctx) && ctx < 0x10_0000 {
+            return Err(INVALID_CONTEXT); // a primary context
+        }
+        d.destroy_context(ctx)
+    })
+}
+
+#[no_mangle]
+pub unsafe extern "C" fn cuDevicePrimaryCtxRetain(pctx: *mut Ptr, dev: c_int) -> CuResult {
+    if pctx.is_null() {
+        return INVALID_VALUE;
+    }
+    unsafe {
+        answer(pctx, |d| {
+            let dev = d.ordinal(dev)?;
+            let h = primary_of(dev);
+            if d.primary_refs[dev] == 0 {
+                d.create_context(h, dev)?;
+            }
+            d.primary_refs[dev] += 1;
+            Ok(h as Ptr)
+        })
+    }
+}
+
+#[no_mangle]
+pub extern "C" fn cuDevicePrimaryCtxRelease_v2(dev: c_int) -> CuResult {
+    call(|d| {
+        let dev = d.ordinal(dev)?;
+        if d.primary_refs[dev] == 0 {
+            return Err(INVALID_CONTEXT);
+        }
+        d.primary_refs[dev] -= 1;
+        if d.primary_refs[dev] == 0 {
+            d.destroy_context(primary_of(dev))?;
+        }
+        Ok(())
+    })
+}
+
+#[no_mangle]
+pub extern "C" fn cuDevicePrimaryCtxReset_v2(dev: c_int) -> CuResult {
+    call(|d| {
+        let dev = d.ordinal(dev)?;
+        d.last_call = "cuDevicePrimaryCtxReset_v2";
+        if d.primary_refs[dev] > 0 {
+            d.primary_refs[dev] = 0;
+            d.destroy_context(primary_of(dev))?;
+        }
+        Ok(())
+    })
+}
+
+#[no_mangle]
+pub extern "C" fn cuCtxSetCurrent(ctx: Ptr) -> CuResult {
+    if ctx.is_null() {
+        CURRENT.with(|c| c.set(0));
+        return SUCCESS;
+    }
+    call(|d| {
+        d.context_mut(ctx as u64)?;
+        CURRENT.with(|c| c.set(ctx as u64));
+        Ok(())
+    })
+}
+
+#[no_mangle]
+pub unsafe extern "C" fn cuCtxGetCurrent(pctx: *mut Ptr) -> CuResult {
+    code(unsafe { out(pctx, CURRENT.with(|c| c.get()) as Ptr) })
+}
+
+#[no_mangle]
+pub unsafe extern "C" fn cuCtxGetDevice(device: *mut c_int) -> CuResult {
+    unsafe { answer(device, |d| d.current().map(|(_, dev, _)| dev as c_int)) }
+}
+
+/// The device bytes a limit of `value` takes: the stack's is per thread.
+fn limit_cost(limit: usize, value: u64) -> u64 {
+    if limit == 0 {
+        value * SMS * THREADS_PER_SM
+    } else {
+        value
+    }
+}
+
+#[no_mangle]
+pub extern "C" fn cuCtxSetLimit(limit: c_int, value: usize) -> CuResult {
+    if !(0..=2).contains(&limit) {
+        return INVALID_VALUE;
+    }
+    let (limit, value) = (limit as usize, value as u64);
+    call(|d| {
+        let (ctx, _, phys) = d.current()?;
+        let old = limit_cost(limit, d.context_mut(ctx)?.limits[limit]);
+        let new = limit_cost(limit, value);
+        if new > old {
+            d.charge(phys, new - old)?;
+        } else {
+            d.uncharge(phys, old - new);
+        }
+        let c = d.context_mut(ctx)?;
+        c.limits[limit] = value;
+        c.charged = (c.charged + new).saturating_sub(old);
+        Ok(())
+    })
+}
+
+#[no_mangle]
+pub unsafe extern "C" fn cuCtxGetLimit(value: *mut usize, limit: c_int) -> CuResult {
+    if !(0..=2).contains(&limit) {
+        return INVALID_VALUE;
+    }
+    unsafe {
+        answer(value, |d| {
+            let (ctx, _, _) = d.current()?;
+            Ok(d.context_mut(ctx)?.limits[limit as usize] as usize)
+        })
+    }
+}
+
+/// Waits (without the driver's lock) until what `until` picks is done, then trims the pools.
+fn synchronize(by: &'static str, until: impl FnOnce(&Driver) -> Result<u64, CuResult>) -> CuResult {
+    match with_driver(|d| until(d)) {
+        Ok(at) => timeline::sleep_until(at),
+        Err(e) => return e,
+    }
+    call(|d| {
+        d.last_call = by;
+        d.trim_pools(|_, _| true, |p| p.threshold);
+        Ok(())
+    })
+}
+
+#[no_mangle]
+pub extern "C" fn cuCtxSynchronize() -> CuResult {
+    synchronize("cuCtxSynchronize", |d| Ok(d.all_done()))
+}
+
+#[no_mangle]
+pub extern "C" fn cuEventSynchronize(event: Ptr) -> CuResult {
+    synchronize("cuEventSynchronize", |d| {
+        let e = d.events.get(&(event as u64)).ok_or(INVALID_HANDLE)?;
+        Ok(e.time().unwrap_or(0))
+    })
 }
 
 /// `CUlaunchConfig`'s head: grid, block, shared memory, stream (attributes not read).
@@ -1149,118 +1039,108 @@ pub struct LaunchConfig {
     grid: [c_uint; 3],
     block: [c_uint; 3],
     shared: c_uint,
-    stream: *mut c_void,
+    stream: Ptr,
 }
 
-unsafe fn launch_ex(config: *const LaunchConfig, by: &'static str) -> CuResult {
-    if config.is_null() {
-        return INVALID_VALUE;
+with_ptsz! {
+    cuStreamSynchronize cuStreamSynchronize_ptsz |by| (stream: Ptr) {
+        synchronize(by, |d| d.stream_done(stream as u64))
     }
-    let (grid, stream) = unsafe { ((*config).grid, (*config).stream as u64) };
-    code(with_driver(|d| d.launch(grid, stream, by)))
+    cuLaunchKernel cuLaunchKernel_ptsz |by| (
+        _f: Ptr, grid_x: c_uint, grid_y: c_uint, grid_z: c_uint, _block_x: c_uint,
+        _block_y: c_uint, _block_z: c_uint, _shared: c_uint, stream: Ptr,
+        _params: *mut Ptr, _extra: *mut Ptr,
+    ) {
+        call(|d| d.launch([grid_x, grid_y, grid_z], stream as u64, by))
+    }
+    cuLaunchCooperativeKernel cuLaunchCooperativeKernel_ptsz |by| (
+        _f: Ptr, grid_x: c_uint, grid_y: c_uint, grid_z: c_uint, _block_x: c_uint,
+        _block_y: c_uint, _block_z: c_uint, _shared: c_uint, stream: Ptr,
+        _params: *mut Ptr,
+    ) {
+        call(|d| d.launch([grid_x, grid_y, grid_z], stream as u64, by))
+    }
+    cuLaunchKernelEx cuLaunchKernelEx_ptsz |by| (
+        config: *const LaunchConfig, _f: Ptr, _params: *mut Ptr,
+        _extra: *mut Ptr,
+    ) {
+        if config.is_null() {
+            return INVALID_VALUE;
+        }
+        let (grid, stream) = unsafe { ((*config).grid, (*config).stream as u64) };
+        call(|d| d.launch(grid, stream, by))
+    }
+    cuEventRecord cuEventRecord_ptsz |by| (event: Ptr, stream: Ptr) {
+        let (event, stream) = (event as u64, stream as u64);
+        call(|d| {
+            d.last_call = by;
+            let (_, _, phys) = d.current()?;
+            if !d.events.contains_key(&event) || (stream != 0 && !d.streams.contains_key(&stream)) {
+                return Err(INVALID_HANDLE);
+            }
+            let tail = d.stream_done(stream)?;
+            let now = timeline::now_ns();
+            // Right after the stream's last work was submitted (an event after a launch: the
+            // fake's own launch may have taken longer than the kernel), or while it runs: it
+            // completes with that work.
+            let after_work =
+                d.last_submit(stream).is_some_and(|at| now.saturating_sub(at) <= BATCH_NS);
+            let recorded = if tail > now || (after_work && tail > 0) {
+                Event::At(tail)
+            } else {
+                let free = timeline::free_at(d.state.as_deref(), phys);
+                Event::Pending { stream, recorded: now, fallback: free.max(now) }
+            };
+            d.events.insert(event, recorded);
+            Ok(())
+        })
+    }
+    cuStreamIsCapturing cuStreamIsCapturing_ptsz |by| (stream: Ptr, status: *mut c_int) {
+        unsafe {
+            answer(status, |d| {
+                d.last_call = by;
+                match d.streams.get(&(stream as u64)) {
+                    Some(Some(_)) => Ok(1),
+                    Some(None) => Ok(0),
+                    None if stream.is_null() => Ok(0),
+                    None => Err(INVALID_HANDLE),
+                }
+            })
+        }
+    }
 }
 
 #[no_mangle]
-pub unsafe extern "C" fn cuLaunchKernelEx(
-    config: *const LaunchConfig,
-    _f: *mut c_void,
-    _params: *mut *mut c_void,
-    _extra: *mut *mut c_void,
-) -> CuResult {
-    unsafe { launch_ex(config, "cuLaunchKernelEx") }
-}
-
-#[no_mangle]
-pub unsafe extern "C" fn cuLaunchKernelEx_ptsz(
-    config: *const LaunchConfig,
-    _f: *mut c_void,
-    _params: *mut *mut c_void,
-    _extra: *mut *mut c_void,
-) -> CuResult {
-    unsafe { launch_ex(config, "cuLaunchKernelEx_ptsz") }
-}
-
-#[no_mangle]
-pub unsafe extern "C" fn cuEventCreate(event: *mut *mut c_void, _flags: c_uint) -> CuResult {
-    code(
-        with_driver(|d| {
+pub unsafe extern "C" fn cuEventCreate(event: *mut Ptr, _flags: c_uint) -> CuResult {
+    unsafe {
+        answer(event, |d| {
             d.current()?;
             let h = d.handle();
             d.events.insert(h, Event::Unrecorded);
-            Ok(h)
+            Ok(h as Ptr)
         })
-        .and_then(|h| unsafe { out(event, h as *mut c_void) }),
-    )
+    }
 }
 
 #[no_mangle]
-pub extern "C" fn cuEventDestroy_v2(event: *mut c_void) -> CuResult {
-    code(with_driver(|d| {
-        d.events
-            .remove(&(event as u64))
-            .map(|_| ())
-            .ok_or(INVALID_HANDLE)
-    }))
-}
-
-fn event_record(event: u64, stream: u64, by: &'static str) -> CuResult {
-    code(with_driver(|d| {
-        d.last_call = by;
-        let (_, _, phys) = d.current()?;
-        if !d.events.contains_key(&event) || (stream != 0 && !d.streams.contains_key(&stream)) {
-            return Err(INVALID_HANDLE);
-        }
-        let tail = d.stream_done(stream)?;
-        let now = timeline::now_ns();
-        // Right after the stream's last work was submitted (an event after a launch: the
-        // fake's own launch may have taken longer than the kernel), or while it runs: it
-        // completes with that work.
-        let after_work = d
-            .last_submit(stream)
-            .is_some_and(|at| now.saturating_sub(at) <= BATCH_NS);
-        let recorded = if tail > now || (after_work && tail > 0) {
-            Event::At(tail)
-        } else {
-            let free = timeline::free_at(d.state.as_deref(), d.gpus, phys);
-            Event::Pending {
-                stream,
-                recorded: now,
-                fallback: free.max(now),
-            }
-        };
-        d.events.insert(event, recorded);
-        Ok(())
-    }))
+pub extern "C" fn cuEventDestroy_v2(event: Ptr) -> CuResult {
+    call(|d| gone(d.events.remove(&(event as u64)), INVALID_HANDLE))
 }
 
 #[no_mangle]
-pub extern "C" fn cuEventRecord(event: *mut c_void, stream: *mut c_void) -> CuResult {
-    event_record(event as u64, stream as u64, "cuEventRecord")
-}
-
-#[no_mangle]
-pub extern "C" fn cuEventRecord_ptsz(event: *mut c_void, stream: *mut c_void) -> CuResult {
-    event_record(event as u64, stream as u64, "cuEventRecord_ptsz")
-}
-
-#[no_mangle]
-pub extern "C" fn cuEventQuery(event: *mut c_void) -> CuResult {
-    code(with_driver(|d| match d.events.get(&(event as u64)).map(|e| e.time()) {
+pub extern "C" fn cuEventQuery(event: Ptr) -> CuResult {
+    call(|d| match d.events.get(&(event as u64)).map(|e| e.time()) {
         None => Err(INVALID_HANDLE),
         Some(Some(at)) if at > timeline::now_ns() => Err(NOT_READY),
         Some(_) => Ok(()),
-    }))
+    })
 }
 
 #[no_mangle]
-pub unsafe extern "C" fn cuEventElapsedTime(
-    ms: *mut f32,
-    start: *mut c_void,
-    end: *mut c_void,
-) -> CuResult {
-    code(
-        with_driver(|d| {
-            let at = |e: *mut c_void| {
+pub unsafe extern "C" fn cuEventElapsedTime(ms: *mut f32, start: Ptr, end: Ptr) -> CuResult {
+    unsafe {
+        answer(ms, |d| {
+            let at = |e: Ptr| {
                 d.events
                     .get(&(e as u64))
                     .and_then(|e| e.time())
@@ -1272,64 +1152,29 @@ pub unsafe extern "C" fn cuEventElapsedTime(
             }
             Ok(end.saturating_sub(start) as f32 / 1e6)
         })
-        .and_then(|v| unsafe { out(ms, v) }),
-    )
-}
-
-fn is_capturing(stream: u64, by: &'static str) -> Result<c_int, CuResult> {
-    with_driver(|d| {
-        d.last_call = by;
-        match d.streams.get(&stream) {
-            Some(Some(_)) => Ok(1),
-            Some(None) => Ok(0),
-            None if stream == 0 => Ok(0),
-            None => Err(INVALID_HANDLE),
-        }
-    })
+    }
 }
 
 #[no_mangle]
-pub unsafe extern "C" fn cuStreamIsCapturing(stream: *mut c_void, status: *mut c_int) -> CuResult {
-    code(is_capturing(stream as u64, "cuStreamIsCapturing").and_then(|s| unsafe { out(status, s) }))
-}
-
-#[no_mangle]
-pub unsafe extern "C" fn cuStreamIsCapturing_ptsz(
-    stream: *mut c_void,
-    status: *mut c_int,
-) -> CuResult {
-    code(
-        is_capturing(stream as u64, "cuStreamIsCapturing_ptsz")
-            .and_then(|s| unsafe { out(status, s) }),
-    )
-}
-
-#[no_mangle]
-pub unsafe extern "C" fn cuStreamCreate(stream: *mut *mut c_void, _flags: c_uint) -> CuResult {
-    code(
-        with_driver(|d| {
+pub unsafe extern "C" fn cuStreamCreate(stream: *mut Ptr, _flags: c_uint) -> CuResult {
+    unsafe {
+        answer(stream, |d| {
             d.current()?;
             let h = d.handle();
             d.streams.insert(h, None);
-            Ok(h)
+            Ok(h as Ptr)
         })
-        .and_then(|h| unsafe { out(stream, h as *mut c_void) }),
-    )
+    }
 }
 
 #[no_mangle]
-pub extern "C" fn cuStreamDestroy_v2(stream: *mut c_void) -> CuResult {
-    code(with_driver(|d| {
-        d.streams
-            .remove(&(stream as u64))
-            .map(|_| ())
-            .ok_or(INVALID_HANDLE)
-    }))
+pub extern "C" fn cuStreamDestroy_v2(stream: Ptr) -> CuResult {
+    call(|d| gone(d.streams.remove(&(stream as u64)), INVALID_HANDLE))
 }
 
 #[no_mangle]
-pub extern "C" fn cuStreamBeginCapture_v2(stream: *mut c_void, _mode: c_int) -> CuResult {
-    code(with_driver(|d| {
+pub extern "C" fn cuStreamBeginCapture_v2(stream: Ptr, _mode: c_int) -> CuResult {
+    call(|d| {
         let graph = d.handle();
         match d.streams.get_mut(&(stream as u64)) {
             Some(s @ None) => *s = Some(graph),
@@ -1338,52 +1183,39 @@ pub extern "C" fn cuStreamBeginCapture_v2(stream: *mut c_void, _mode: c_int) -> 
         }
         d.graphs.insert(graph, Vec::new());
         Ok(())
-    }))
+    })
 }
 
 #[no_mangle]
-pub unsafe extern "C" fn cuStreamEndCapture(
-    stream: *mut c_void,
-    graph: *mut *mut c_void,
-) -> CuResult {
-    code(
-        with_driver(|d| match d.streams.get_mut(&(stream as u64)) {
-            Some(s @ Some(_)) => Ok(s.take().unwrap_or(0)),
+pub unsafe extern "C" fn cuStreamEndCapture(stream: Ptr, graph: *mut Ptr) -> CuResult {
+    unsafe {
+        answer(graph, |d| match d.streams.get_mut(&(stream as u64)) {
+            Some(s @ Some(_)) => Ok(s.take().unwrap_or(0) as Ptr),
             _ => Err(INVALID_VALUE),
         })
-        .and_then(|g| unsafe { out(graph, g as *mut c_void) }),
-    )
+    }
 }
 
 #[no_mangle]
-pub unsafe extern "C" fn cuDeviceGetDefaultMemPool(pool: *mut *mut c_void, dev: c_int) -> CuResult {
-    code(
-        valid_device(dev)
-            .and_then(|_| unsafe { out(pool, Driver::default_pool(dev as usize) as *mut c_void) }),
-    )
+pub unsafe extern "C" fn cuDeviceGetDefaultMemPool(pool: *mut Ptr, dev: c_int) -> CuResult {
+    unsafe { answer(pool, |d| Ok(Driver::default_pool(d.ordinal(dev)?) as Ptr)) }
 }
 
 #[no_mangle]
-pub unsafe extern "C" fn cuDeviceGetMemPool(pool: *mut *mut c_void, dev: c_int) -> CuResult {
-    code(
-        with_driver(|d| {
-            d.phys(dev)?;
-            Ok(d.current_pool[dev as usize])
-        })
-        .and_then(|p| unsafe { out(pool, p as *mut c_void) }),
-    )
+pub unsafe extern "C" fn cuDeviceGetMemPool(pool: *mut Ptr, dev: c_int) -> CuResult {
+    unsafe { answer(pool, |d| Ok(d.current_pool[d.ordinal(dev)?] as Ptr)) }
 }
 
 #[no_mangle]
-pub extern "C" fn cuDeviceSetMemPool(dev: c_int, pool: *mut c_void) -> CuResult {
-    code(with_driver(|d| {
-        d.phys(dev)?;
-        if d.pool_mut(pool as u64)?.dev != dev as usize {
+pub extern "C" fn cuDeviceSetMemPool(dev: c_int, pool: Ptr) -> CuResult {
+    call(|d| {
+        let dev = d.ordinal(dev)?;
+        if d.pool_mut(pool as u64)?.dev != dev {
             return Err(INVALID_VALUE);
         }
-        d.current_pool[dev as usize] = pool as u64;
+        d.current_pool[dev] = pool as u64;
         Ok(())
-    }))
+    })
 }
 
 /// The head of `CUmemAllocationProp` and of `CUmemPoolProps`: type, requested handle
@@ -1401,7 +1233,7 @@ const LOCATION_DEVICE: c_int = 1;
 
 #[no_mangle]
 pub unsafe extern "C" fn cuMemPoolCreate(
-    pool: *mut *mut c_void,
+    pool: *mut Ptr,
     props: *const AllocationPropHead,
 ) -> CuResult {
     if props.is_null() || pool.is_null() {
@@ -1411,27 +1243,24 @@ pub unsafe extern "C" fn cuMemPoolCreate(
     if kind != LOCATION_DEVICE {
         return NOT_SUPPORTED;
     }
-    code(
-        with_driver(|d| {
+    unsafe {
+        answer(pool, |d| {
             let phys = d.phys(dev)?;
             let h = d.handle();
-            d.pools.insert(
-                h,
-                Pool {
-                    dev: dev as usize,
-                    phys,
-                    ..Pool::default()
-                },
-            );
-            Ok(h)
+            let pool = Pool {
+                dev: dev as usize,
+                phys,
+                ..Pool::default()
+            };
+            d.pools.insert(h, pool);
+            Ok(h as Ptr)
         })
-        .and_then(|h| unsafe { out(pool, h as *mut c_void) }),
-    )
+    }
 }
 
 #[no_mangle]
-pub extern "C" fn cuMemPoolDestroy(pool: *mut c_void) -> CuResult {
-    code(with_driver(|d| {
+pub extern "C" fn cuMemPoolDestroy(pool: Ptr) -> CuResult {
+    call(|d| {
         let h = pool as u64;
         let p = d.pool_mut(h)?;
         if Driver::default_pool(p.dev) == h {
@@ -1446,20 +1275,16 @@ pub extern "C" fn cuMemPoolDestroy(pool: *mut c_void) -> CuResult {
             d.current_pool[dev] = Driver::default_pool(dev);
         }
         Ok(())
-    }))
+    })
 }
 
 #[no_mangle]
-pub unsafe extern "C" fn cuMemPoolSetAttribute(
-    pool: *mut c_void,
-    attr: c_int,
-    value: *mut c_void,
-) -> CuResult {
+pub unsafe extern "C" fn cuMemPoolSetAttribute(pool: Ptr, attr: c_int, value: Ptr) -> CuResult {
     if value.is_null() {
         return INVALID_VALUE;
     }
     let v = unsafe { *(value as *const u64) };
-    code(with_driver(|d| {
+    call(|d| {
         let p = d.pool_mut(pool as u64)?;
         match attr {
             4 => p.threshold = v,
@@ -1469,17 +1294,13 @@ pub unsafe extern "C" fn cuMemPoolSetAttribute(
             _ => return Err(INVALID_VALUE),
         }
         Ok(())
-    }))
+    })
 }
 
 #[no_mangle]
-pub unsafe extern "C" fn cuMemPoolGetAttribute(
-    pool: *mut c_void,
-    attr: c_int,
-    value: *mut c_void,
-) -> CuResult {
-    code(
-        with_driver(|d| {
+pub unsafe extern "C" fn cuMemPoolGetAttribute(pool: Ptr, attr: c_int, value: Ptr) -> CuResult {
+    unsafe {
+        answer(value as *mut u64, |d| {
             let p = d.pool_mut(pool as u64)?;
             match attr {
                 4 => Ok(p.threshold),
@@ -1490,18 +1311,17 @@ pub unsafe extern "C" fn cuMemPoolGetAttribute(
                 _ => Err(INVALID_VALUE),
             }
         })
-        .and_then(|v| unsafe { out(value as *mut u64, v) }),
-    )
+    }
 }
 
 #[no_mangle]
-pub extern "C" fn cuMemPoolTrimTo(pool: *mut c_void, min_bytes_to_keep: usize) -> CuResult {
-    code(with_driver(|d| {
+pub extern "C" fn cuMemPoolTrimTo(pool: Ptr, min_bytes_to_keep: usize) -> CuResult {
+    call(|d| {
         let h = pool as u64;
         d.pool_mut(h)?;
         d.trim_pools(|p, _| p == h, |_| min_bytes_to_keep as u64);
         Ok(())
-    }))
+    })
 }
 
 #[no_mangle]
@@ -1539,73 +1359,28 @@ pub unsafe extern "C" fn cuMemAllocManaged(
     }
     let on_host = with_driver(|d| Ok(d.managed_on_host)).unwrap_or(false);
     let device_bytes = if on_host { 0 } else { bytes as u64 };
-    code(
-        alloc_impl(bytes as u64, device_bytes, "cuMemAllocManaged", false)
-            .and_then(|p| unsafe { out(dptr, p) }),
-    )
+    let r = alloc_impl(bytes as u64, device_bytes, "cuMemAllocManaged", false);
+    code(r.and_then(|p| unsafe { out(dptr, p) }))
 }
 
-unsafe fn async_current(
-    dptr: *mut u64,
-    bytes: usize,
-    stream: *mut c_void,
-    by: &'static str,
-) -> CuResult {
-    if dptr.is_null() {
-        return INVALID_VALUE;
+with_ptsz! {
+    cuMemAllocAsync cuMemAllocAsync_ptsz |by| (dptr: *mut u64, bytes: usize, stream: Ptr) {
+        if dptr.is_null() {
+            return INVALID_VALUE;
+        }
+        unsafe { answer(dptr, |d| d.async_alloc(stream as u64, bytes as u64, by)) }
     }
-    code(
-        with_driver(|d| d.async_alloc(stream as u64, bytes as u64, by))
-            .and_then(|p| unsafe { out(dptr, p) }),
-    )
-}
-
-#[no_mangle]
-pub unsafe extern "C" fn cuMemAllocAsync(
-    dptr: *mut u64,
-    bytes: usize,
-    stream: *mut c_void,
-) -> CuResult {
-    unsafe { async_current(dptr, bytes, stream, "cuMemAllocAsync") }
-}
-
-#[no_mangle]
-pub unsafe extern "C" fn cuMemAllocAsync_ptsz(
-    dptr: *mut u64,
-    bytes: usize,
-    stream: *mut c_void,
-) -> CuResult {
-    unsafe { async_current(dptr, bytes, stream, "cuMemAllocAsync_ptsz") }
-}
-
-unsafe fn from_pool(dptr: *mut u64, bytes: usize, pool: *mut c_void, by: &'static str) -> CuResult {
-    if dptr.is_null() {
-        return INVALID_VALUE;
+    cuMemAllocFromPoolAsync cuMemAllocFromPoolAsync_ptsz |by| (
+        dptr: *mut u64, bytes: usize, pool: Ptr, _stream: Ptr,
+    ) {
+        if dptr.is_null() {
+            return INVALID_VALUE;
+        }
+        unsafe { answer(dptr, |d| d.pool_alloc(pool as u64, bytes as u64, by)) }
     }
-    code(
-        with_driver(|d| d.pool_alloc(pool as u64, bytes as u64, by))
-            .and_then(|p| unsafe { out(dptr, p) }),
-    )
-}
-
-#[no_mangle]
-pub unsafe extern "C" fn cuMemAllocFromPoolAsync(
-    dptr: *mut u64,
-    bytes: usize,
-    pool: *mut c_void,
-    _stream: *mut c_void,
-) -> CuResult {
-    unsafe { from_pool(dptr, bytes, pool, "cuMemAllocFromPoolAsync") }
-}
-
-#[no_mangle]
-pub unsafe extern "C" fn cuMemAllocFromPoolAsync_ptsz(
-    dptr: *mut u64,
-    bytes: usize,
-    pool: *mut c_void,
-    _stream: *mut c_void,
-) -> CuResult {
-    unsafe { from_pool(dptr, bytes, pool, "cuMemAllocFromPoolAsync_ptsz") }
+    cuMemFreeAsync cuMemFreeAsync_ptsz |by| (ptr: u64, stream: Ptr) {
+        call(|d| d.async_free(stream as u64, ptr, by))
+    }
 }
 
 #[no_mangle]
@@ -1618,43 +1393,27 @@ pub unsafe extern "C" fn cuMemCreate(
     if prop.is_null() || handle.is_null() || size == 0 {
         return INVALID_VALUE;
     }
-    let dev = unsafe { (*prop).location_id };
-    code(
-        with_driver(|d| {
+    let (dev, bytes) = (unsafe { (*prop).location_id }, size as u64);
+    unsafe {
+        answer(handle, |d| {
             let phys = d.phys(dev)?;
-            d.charge(phys, size as u64)?;
+            d.charge(phys, bytes)?;
             let h = d.handle();
-            d.vmm.insert(
-                h,
-                Vmm {
-                    phys,
-                    bytes: size as u64,
-                    refs: 1,
-                    maps: 0,
-                },
-            );
+            let vmm = Vmm {
+                phys,
+                bytes,
+                refs: 1,
+                maps: 0,
+            };
+            d.vmm.insert(h, vmm);
             Ok(h)
         })
-        .and_then(|h| unsafe { out(handle, h) }),
-    )
-}
-
-impl Driver {
-    /// Gives a VMM allocation's memory back once it is released and mapped nowhere.
-    fn vmm_settle(&mut self, h: u64) {
-        if let Some(v) = self.vmm.get(&h) {
-            if v.refs == 0 && v.maps == 0 {
-                let (phys, bytes) = (v.phys, v.bytes);
-                self.vmm.remove(&h);
-                self.uncharge(phys, bytes);
-            }
-        }
     }
 }
 
 #[no_mangle]
 pub extern "C" fn cuMemRelease(handle: u64) -> CuResult {
-    code(with_driver(|d| {
+    call(|d| {
         let v = d.vmm.get_mut(&handle).ok_or(INVALID_VALUE)?;
         if v.refs == 0 {
             return Err(INVALID_VALUE);
@@ -1662,7 +1421,7 @@ pub extern "C" fn cuMemRelease(handle: u64) -> CuResult {
         v.refs -= 1;
         d.vmm_settle(handle);
         Ok(())
-    }))
+    })
 }
 
 #[no_mangle]
@@ -1676,22 +1435,18 @@ pub unsafe extern "C" fn cuMemAddressReserve(
     if size == 0 {
         return INVALID_VALUE;
     }
-    code(
-        with_driver(|d| {
-            let va = d.next_va;
-            d.next_va += (size as u64).div_ceil(1 << 21).max(1) << 21;
+    unsafe {
+        answer(ptr, |d| {
+            let va = bump(&mut d.next_va, size as u64);
             d.reservations.insert(va, size as u64);
             Ok(va)
         })
-        .and_then(|va| unsafe { out(ptr, va) }),
-    )
+    }
 }
 
 #[no_mangle]
 pub extern "C" fn cuMemAddressFree(ptr: u64, _size: usize) -> CuResult {
-    code(with_driver(|d| {
-        d.reservations.remove(&ptr).map(|_| ()).ok_or(INVALID_VALUE)
-    }))
+    call(|d| gone(d.reservations.remove(&ptr), INVALID_VALUE))
 }
 
 #[no_mangle]
@@ -1702,7 +1457,8 @@ pub extern "C" fn cuMemMap(
     handle: u64,
     _flags: u64,
 ) -> CuResult {
-    code(with_driver(|d| {
+    let end = ptr + size as u64;
+    call(|d| {
         let v = d.vmm.get_mut(&handle).ok_or(INVALID_HANDLE)?;
         if v.refs == 0 || (size as u64) > v.bytes {
             return Err(INVALID_VALUE);
@@ -1710,19 +1466,19 @@ pub extern "C" fn cuMemMap(
         let inside = d
             .reservations
             .iter()
-            .any(|(&va, &len)| va <= ptr && ptr + size as u64 <= va + len);
-        if !inside || d.maps.range(ptr..ptr + size as u64).next().is_some() {
+            .any(|(&va, &len)| va <= ptr && end <= va + len);
+        if !inside || d.maps.range(ptr..end).next().is_some() {
             return Err(INVALID_VALUE);
         }
         v.maps += 1;
         d.maps.insert(ptr, (size as u64, handle));
         Ok(())
-    }))
+    })
 }
 
 #[no_mangle]
 pub extern "C" fn cuMemUnmap(ptr: u64, size: usize) -> CuResult {
-    code(with_driver(|d| {
+    call(|d| {
         let inside: Vec<u64> = d
             .maps
             .range(ptr..ptr + size as u64)
@@ -1740,7 +1496,7 @@ pub extern "C" fn cuMemUnmap(ptr: u64, size: usize) -> CuResult {
             }
         }
         Ok(())
-    }))
+    })
 }
 
 #[no_mangle]
@@ -1750,20 +1506,17 @@ pub extern "C" fn cuMemSetAccess(
     _desc: *const c_void,
     _count: usize,
 ) -> CuResult {
-    code(with_driver(|d| {
+    call(|d| {
         d.last_call = "cuMemSetAccess";
         Ok(())
-    }))
+    })
 }
 
 #[no_mangle]
-pub unsafe extern "C" fn cuMemRetainAllocationHandle(
-    handle: *mut u64,
-    addr: *mut c_void,
-) -> CuResult {
+pub unsafe extern "C" fn cuMemRetainAllocationHandle(handle: *mut u64, addr: Ptr) -> CuResult {
     let addr = addr as u64;
-    code(
-        with_driver(|d| {
+    unsafe {
+        answer(handle, |d| {
             let (_, &(_, h)) = d
                 .maps
                 .range(..=addr)
@@ -1773,8 +1526,7 @@ pub unsafe extern "C" fn cuMemRetainAllocationHandle(
             d.vmm.get_mut(&h).ok_or(INVALID_VALUE)?.refs += 1;
             Ok(h)
         })
-        .and_then(|h| unsafe { out(handle, h) }),
-    )
+    }
 }
 
 #[repr(C)]
@@ -1795,71 +1547,68 @@ pub struct Array3dDescriptor {
     flags: c_uint,
 }
 
-fn element_bytes(format: c_uint) -> u64 {
-    match format {
+/// The bytes of a `width` × `height` × `depth` array (a height or depth of 0: 1).
+fn array_bytes(width: usize, height: usize, depth: usize, format: c_uint, channels: c_uint) -> u64 {
+    let element: u64 = match format {
         0x01 | 0x08 => 1,
         0x02 | 0x09 | 0x10 => 2,
         _ => 4,
-    }
+    };
+    width as u64 * height.max(1) as u64 * depth.max(1) as u64 * element * channels as u64
 }
 
-unsafe fn array_out(array: *mut *mut c_void, bytes: u64, by: &'static str) -> CuResult {
+unsafe fn array_out(array: *mut Ptr, bytes: u64, by: &'static str) -> CuResult {
     if array.is_null() {
         return INVALID_VALUE;
     }
-    code(alloc_impl(bytes, bytes, by, false).and_then(|p| unsafe { out(array, p as *mut c_void) }))
+    code(alloc_impl(bytes, bytes, by, false).and_then(|p| unsafe { out(array, p as Ptr) }))
 }
 
 #[no_mangle]
 pub unsafe extern "C" fn cuArrayCreate_v2(
-    array: *mut *mut c_void,
+    array: *mut Ptr,
     desc: *const ArrayDescriptor,
 ) -> CuResult {
-    if desc.is_null() {
+    let Some(d) = (unsafe { desc.as_ref() }) else {
         return INVALID_VALUE;
-    }
-    let d = unsafe { &*desc };
-    let bytes =
-        d.width as u64 * d.height.max(1) as u64 * element_bytes(d.format) * d.channels as u64;
+    };
+    let bytes = array_bytes(d.width, d.height, 1, d.format, d.channels);
     unsafe { array_out(array, bytes, "cuArrayCreate_v2") }
 }
 
 #[no_mangle]
 pub unsafe extern "C" fn cuArray3DCreate_v2(
-    array: *mut *mut c_void,
+    array: *mut Ptr,
     desc: *const Array3dDescriptor,
 ) -> CuResult {
-    if desc.is_null() {
+    let Some(d) = (unsafe { desc.as_ref() }) else {
         return INVALID_VALUE;
-    }
-    let d = unsafe { &*desc };
-    let bytes = d.width as u64
-        * d.height.max(1) as u64
-        * d.depth.max(1) as u64
-        * element_bytes(d.format)
-        * d.channels as u64;
+    };
+    let bytes = array_bytes(d.width, d.height, d.depth, d.format, d.channels);
     unsafe { array_out(array, bytes, "cuArray3DCreate_v2") }
 }
 
 #[no_mangle]
 pub unsafe extern "C" fn cuMipmappedArrayCreate(
-    array: *mut *mut c_void,
+    array: *mut Ptr,
     desc: *const Array3dDescriptor,
     levels: c_uint,
 ) -> CuResult {
-    if desc.is_null() {
+    let Some(d) = (unsafe { desc.as_ref() }) else {
         return INVALID_VALUE;
-    }
-    let d = unsafe { &*desc };
-    let mut bytes = 0;
-    for level in 0..levels.max(1) {
-        let dim = |x: usize| (x >> level).max(1) as u64;
-        bytes += dim(d.width)
-            * dim(d.height)
-            * dim(d.depth)
-            * element_bytes(d.format)
-            * d.channels as u64;
-    }
+    };
+    let dim = |x: usize, level: c_uint| (x >> level).max(1);
+    let bytes = (0..levels.max(1))
+        .map(|l| {
+            array_bytes(
+                dim(d.width, l),
+                dim(d.height, l),
+                dim(d.depth, l),
+                d.format,
+                d.channels,
+            )
+        })
+        .sum();
     unsafe { array_out(array, bytes, "cuMipmappedArrayCreate") }
 }
 
@@ -1881,21 +1630,7 @@ pub extern "C" fn cuMemFree_v2(ptr: u64) -> CuResult {
 }
 
 #[no_mangle]
-pub extern "C" fn cuMemFreeAsync(ptr: u64, stream: *mut c_void) -> CuResult {
-    code(with_driver(|d| {
-        d.async_free(stream as u64, ptr, "cuMemFreeAsync")
-    }))
-}
-
-#[no_mangle]
-pub extern "C" fn cuMemFreeAsync_ptsz(ptr: u64, stream: *mut c_void) -> CuResult {
-    code(with_driver(|d| {
-        d.async_free(stream as u64, ptr, "cuMemFreeAsync_ptsz")
-    }))
-}
-
-#[no_mangle]
-pub extern "C" fn cuArrayDestroy(array: *mut c_void) -> CuResult {
+pub extern "C" fn cuArrayDestroy(array: Ptr) -> CuResult {
     free_impl(
         array as u64,
         &["cuArrayCreate_v2", "cuArray3DCreate_v2"],
@@ -1904,7 +1639,7 @@ pub extern "C" fn cuArrayDestroy(array: *mut c_void) -> CuResult {
 }
 
 #[no_mangle]
-pub extern "C" fn cuMipmappedArrayDestroy(array: *mut c_void) -> CuResult {
+pub extern "C" fn cuMipmappedArrayDestroy(array: Ptr) -> CuResult {
     free_impl(
         array as u64,
         &["cuMipmappedArrayCreate"],
@@ -1935,9 +1670,7 @@ pub unsafe extern "C" fn cuMemGetInfo_v2(free: *mut usize, total: *mut usize) ->
 
 #[no_mangle]
 pub unsafe extern "C" fn cuDeviceTotalMem_v2(bytes: *mut usize, dev: c_int) -> CuResult {
-    code(
-        with_driver(|d| d.phys(dev).map(|_| d.mem)).and_then(|t| unsafe { out(bytes, t as usize) }),
-    )
+    unsafe { answer(bytes, |d| d.phys(dev).map(|_| d.mem as usize)) }
 }
 
 // The 32-bit v1 entry points of pre-3.2 programs. Sizes past 4 GiB read as u32::MAX.
@@ -1951,10 +1684,8 @@ pub unsafe extern "C" fn cuMemAlloc(dptr: *mut u32, bytes: c_uint) -> CuResult {
     if dptr.is_null() {
         return INVALID_VALUE;
     }
-    code(
-        alloc_impl(bytes as u64, bytes as u64, "cuMemAlloc", true)
-            .and_then(|p| unsafe { out(dptr, p as u32) }),
-    )
+    let r = alloc_impl(bytes as u64, bytes as u64, "cuMemAlloc", true);
+    code(r.and_then(|p| unsafe { out(dptr, p as u32) }))
 }
 
 #[no_mangle]
@@ -1973,10 +1704,8 @@ pub unsafe extern "C" fn cuMemAllocPitch(
     if bytes > u32::MAX as u64 {
         return INVALID_VALUE;
     }
-    code(
-        alloc_impl(bytes, bytes, "cuMemAllocPitch", true)
-            .and_then(|ptr| unsafe { out(dptr, ptr as u32).and_then(|()| out(pitch, p as u32)) }),
-    )
+    let r = alloc_impl(bytes, bytes, "cuMemAllocPitch", true);
+    code(r.and_then(|ptr| unsafe { out(dptr, ptr as u32).and_then(|()| out(pitch, p as u32)) }))
 }
 
 #[no_mangle]
@@ -1986,22 +1715,20 @@ pub extern "C" fn cuMemFree(ptr: c_uint) -> CuResult {
 
 #[no_mangle]
 pub unsafe extern "C" fn cuMemGetInfo(free: *mut u32, total: *mut u32) -> CuResult {
+    let r = mem_info();
     code(
-        mem_info().and_then(|(f, t)| unsafe {
-            out(free, clamp32(f)).and_then(|()| out(total, clamp32(t)))
-        }),
+        r.and_then(|(f, t)| unsafe { out(free, clamp32(f)).and_then(|()| out(total, clamp32(t))) }),
     )
 }
 
 #[no_mangle]
 pub unsafe extern "C" fn cuDeviceTotalMem(bytes: *mut u32, dev: c_int) -> CuResult {
-    code(
-        with_driver(|d| {
+    unsafe {
+        answer(bytes, |d| {
             d.last_call = "cuDeviceTotalMem";
-            d.phys(dev).map(|_| d.mem)
+            d.phys(dev).map(|_| clamp32(d.mem))
         })
-        .and_then(|t| unsafe { out(bytes, clamp32(t)) }),
-    )
+    }
 }
 
 // Graphs and their memory.
@@ -2010,7 +1737,7 @@ pub unsafe extern "C" fn cuDeviceTotalMem(bytes: *mut u32, dev: c_int) -> CuResu
 #[repr(C)]
 pub struct PoolProps {
     head: AllocationPropHead,
-    win32_security_attributes: *mut c_void,
+    win32_security_attributes: Ptr,
     max_size: usize,
     usage: u16,
     reserved: [u8; 54],
@@ -2027,156 +1754,120 @@ pub struct MemAllocNodeParams {
 }
 
 #[no_mangle]
-pub unsafe extern "C" fn cuGraphCreate(graph: *mut *mut c_void, _flags: c_uint) -> CuResult {
-    code(
-        with_driver(|d| {
+pub unsafe extern "C" fn cuGraphCreate(graph: *mut Ptr, _flags: c_uint) -> CuResult {
+    unsafe {
+        answer(graph, |d| {
             let h = d.handle();
             d.graphs.insert(h, Vec::new());
-            Ok(h)
+            Ok(h as Ptr)
         })
-        .and_then(|h| unsafe { out(graph, h as *mut c_void) }),
-    )
+    }
 }
 
 #[no_mangle]
-pub extern "C" fn cuGraphDestroy(graph: *mut c_void) -> CuResult {
-    code(with_driver(|d| {
-        d.graphs
-            .remove(&(graph as u64))
-            .map(|_| ())
-            .ok_or(INVALID_VALUE)
-    }))
+pub extern "C" fn cuGraphDestroy(graph: Ptr) -> CuResult {
+    call(|d| gone(d.graphs.remove(&(graph as u64)), INVALID_VALUE))
 }
 
 #[no_mangle]
 pub unsafe extern "C" fn cuGraphAddMemAllocNode(
-    node: *mut *mut c_void,
-    graph: *mut c_void,
-    _deps: *const *mut c_void,
+    node: *mut Ptr,
+    graph: Ptr,
+    _deps: *const Ptr,
     _count: usize,
     params: *mut MemAllocNodeParams,
 ) -> CuResult {
     if params.is_null() || node.is_null() {
         return INVALID_VALUE;
     }
-    let (kind, dev, bytes) = unsafe {
-        let p = &*params;
-        (
-            p.pool_props.head.location_type,
-            p.pool_props.head.location_id,
-            p.bytesize as u64,
-        )
-    };
-    if kind != LOCATION_DEVICE {
+    let (head, bytes) = unsafe { (&(*params).pool_props.head, (*params).bytesize as u64) };
+    if head.location_type != LOCATION_DEVICE {
         return INVALID_VALUE;
     }
-    code(
-        with_driver(|d| {
-            d.phys(dev)?;
-            d.add_node(graph as u64, dev as usize, bytes)
-        })
-        .and_then(|dptr| unsafe {
-            (*params).dptr = dptr;
-            out(node, dptr as *mut c_void)
-        }),
-    )
+    let dev = head.location_id;
+    let r = with_driver(|d| d.add_node(graph as u64, d.ordinal(dev)?, bytes));
+    code(r.and_then(|dptr| unsafe {
+        (*params).dptr = dptr;
+        out(node, dptr as Ptr)
+    }))
 }
 
 #[no_mangle]
 pub unsafe extern "C" fn cuGraphAddMemFreeNode(
-    node: *mut *mut c_void,
-    graph: *mut c_void,
-    _deps: *const *mut c_void,
+    node: *mut Ptr,
+    graph: Ptr,
+    _deps: *const Ptr,
     _count: usize,
     dptr: u64,
 ) -> CuResult {
-    code(
-        with_driver(|d| {
-            let nodes = d.graphs.get_mut(&(graph as u64)).ok_or(INVALID_VALUE)?;
-            let n = nodes
-                .iter_mut()
-                .find(|n| n.dptr == dptr)
-                .ok_or(INVALID_VALUE)?;
-            n.freed_in_graph = true;
-            Ok(dptr + 1)
+    unsafe {
+        answer(node, |d| {
+            d.free_node(graph as u64, dptr, INVALID_VALUE)?;
+            Ok((dptr + 1) as Ptr)
         })
-        .and_then(|h| unsafe { out(node, h as *mut c_void) }),
-    )
+    }
 }
 
-fn instantiate(graph: u64, by: &'static str) -> Result<u64, CuResult> {
-    with_driver(|d| {
-        d.last_call = by;
-        let nodes = d.graphs.get(&graph).ok_or(INVALID_VALUE)?.clone();
-        let h = d.handle();
-        d.execs.insert(h, nodes);
-        let kernels = d.graph_kernels.get(&graph).copied().unwrap_or(0);
-        d.exec_kernels.insert(h, kernels);
-        Ok(h)
-    })
+/// Instantiates `graph`, its executable written to `exec`.
+unsafe fn instantiate(exec: *mut Ptr, graph: Ptr, by: &'static str) -> CuResult {
+    unsafe {
+        answer(exec, |d| {
+            d.last_call = by;
+            let nodes = d.graphs.get(&(graph as u64)).ok_or(INVALID_VALUE)?.clone();
+            let h = d.handle();
+            d.execs.insert(h, nodes);
+            let kernels = d.graph_kernels.get(&(graph as u64)).copied().unwrap_or(0);
+            d.exec_kernels.insert(h, kernels);
+            Ok(h as Ptr)
+        })
+    }
 }
 
 #[no_mangle]
 pub unsafe extern "C" fn cuGraphInstantiateWithFlags(
-    exec: *mut *mut c_void,
-    graph: *mut c_void,
+    exec: *mut Ptr,
+    graph: Ptr,
     _flags: u64,
 ) -> CuResult {
-    code(
-        instantiate(graph as u64, "cuGraphInstantiateWithFlags")
-            .and_then(|h| unsafe { out(exec, h as *mut c_void) }),
-    )
+    unsafe { instantiate(exec, graph, "cuGraphInstantiateWithFlags") }
 }
 
 #[no_mangle]
 pub unsafe extern "C" fn cuGraphInstantiate_v2(
-    exec: *mut *mut c_void,
-    graph: *mut c_void,
-    _error_node: *mut *mut c_void,
+    exec: *mut Ptr,
+    graph: Ptr,
+    _error_node: *mut Ptr,
     _log: *mut c_char,
     _log_size: usize,
 ) -> CuResult {
-    code(
-        instantiate(graph as u64, "cuGraphInstantiate_v2")
-            .and_then(|h| unsafe { out(exec, h as *mut c_void) }),
-    )
+    unsafe { instantiate(exec, graph, "cuGraphInstantiate_v2") }
 }
 
 #[no_mangle]
-pub extern "C" fn cuGraphUpload(exec: *mut c_void, _stream: *mut c_void) -> CuResult {
-    code(with_driver(|d| d.graph_reserve(exec as u64, false)))
+pub extern "C" fn cuGraphUpload(exec: Ptr, _stream: Ptr) -> CuResult {
+    call(|d| d.graph_reserve(exec as u64, false))
+}
+
+with_ptsz! {
+    cuGraphLaunch cuGraphLaunch_ptsz |by| (exec: Ptr, stream: Ptr) {
+        call(|d| d.graph_launch(exec as u64, stream as u64, by))
+    }
 }
 
 #[no_mangle]
-pub extern "C" fn cuGraphLaunch(exec: *mut c_void, stream: *mut c_void) -> CuResult {
-    code(with_driver(|d| d.graph_launch(exec as u64, stream as u64, "cuGraphLaunch")))
-}
-
-#[no_mangle]
-pub extern "C" fn cuGraphLaunch_ptsz(exec: *mut c_void, stream: *mut c_void) -> CuResult {
-    code(with_driver(|d| d.graph_launch(exec as u64, stream as u64, "cuGraphLaunch_ptsz")))
-}
-
-#[no_mangle]
-pub extern "C" fn cuGraphExecDestroy(exec: *mut c_void) -> CuResult {
-    code(with_driver(|d| {
-        d.execs
-            .remove(&(exec as u64))
-            .map(|_| ())
-            .ok_or(INVALID_VALUE)
-    }))
+pub extern "C" fn cuGraphExecDestroy(exec: Ptr) -> CuResult {
+    call(|d| gone(d.execs.remove(&(exec as u64)), INVALID_VALUE))
 }
 
 #[no_mangle]
 pub unsafe extern "C" fn cuDeviceGetGraphMemAttribute(
     dev: c_int,
     attr: c_int,
-    value: *mut c_void,
+    value: Ptr,
 ) -> CuResult {
-    code(
-        with_driver(|d| {
-            d.phys(dev)?;
-            let gp = d.graph_pools[dev as usize];
+    unsafe {
+        answer(value as *mut u64, |d| {
+            let gp = d.graph_pools[d.ordinal(dev)?];
             match attr {
                 0 => Ok(gp.used),
                 1 => Ok(gp.used_high),
@@ -2185,152 +1876,99 @@ pub unsafe extern "C" fn cuDeviceGetGraphMemAttribute(
                 _ => Err(INVALID_VALUE),
             }
         })
-        .and_then(|v| unsafe { out(value as *mut u64, v) }),
-    )
+    }
 }
 
 #[no_mangle]
 pub extern "C" fn cuDeviceGraphMemTrim(dev: c_int) -> CuResult {
-    code(with_driver(|d| {
+    call(|d| {
         let phys = d.phys(dev)?;
         let gp = &mut d.graph_pools[dev as usize];
         let release = gp.reserved - gp.used;
         gp.reserved = gp.used;
         d.uncharge(phys, release);
         Ok(())
-    }))
+    })
 }
 
 /// `cuGetProcAddress`'s resolution: a base name, the caller's CUDA version and flags
 /// (bit 1: per-thread default stream) pick the variant, as the real driver does; below
 /// 3020 the memory functions are the 32-bit v1 ones.
-fn proc_address(symbol: *const c_char, version: c_int, flags: u64) -> *mut c_void {
+fn proc_address(symbol: *const c_char, version: c_int, flags: u64) -> Ptr {
     if symbol.is_null() {
         return std::ptr::null_mut();
     }
     // SAFETY: a NUL-terminated name from the caller.
     let name = unsafe { CStr::from_ptr(symbol) }.to_bytes();
-    let ptsz = flags & 2 != 0;
-    let v1 = version < 3020;
-    let f: *mut c_void = match name {
-        b"cuInit" => cuInit as *mut c_void,
-        b"cuDeviceGetCount" => cuDeviceGetCount as *mut c_void,
-        b"cuDeviceGet" => cuDeviceGet as *mut c_void,
-        b"cuDeviceGetUuid" if version >= 11040 => cuDeviceGetUuid_v2 as *mut c_void,
-        b"cuDeviceGetUuid" => cuDeviceGetUuid as *mut c_void,
-        b"cuDeviceGetAttribute" => cuDeviceGetAttribute as *mut c_void,
-        b"cuCtxCreate" => cuCtxCreate_v2 as *mut c_void,
-        b"cuCtxDestroy" => cuCtxDestroy_v2 as *mut c_void,
-        b"cuCtxGetCurrent" => cuCtxGetCurrent as *mut c_void,
-        b"cuCtxSynchronize" => cuCtxSynchronize as *mut c_void,
-        b"cuCtxSetLimit" => cuCtxSetLimit as *mut c_void,
-        b"cuCtxGetLimit" => cuCtxGetLimit as *mut c_void,
-        b"cuDevicePrimaryCtxRetain" => cuDevicePrimaryCtxRetain as *mut c_void,
-        b"cuDevicePrimaryCtxRelease" => cuDevicePrimaryCtxRelease_v2 as *mut c_void,
-        b"cuDevicePrimaryCtxReset" => cuDevicePrimaryCtxReset_v2 as *mut c_void,
-        b"cuCtxSetCurrent" => cuCtxSetCurrent as *mut c_void,
-        b"cuCtxGetDevice" => cuCtxGetDevice as *mut c_void,
-        b"cuStreamCreate" => cuStreamCreate as *mut c_void,
-        b"cuStreamDestroy" => cuStreamDestroy_v2 as *mut c_void,
-        b"cuStreamSynchronize" if ptsz => cuStreamSynchronize_ptsz as *mut c_void,
-        b"cuStreamSynchronize" => cuStreamSynchronize as *mut c_void,
-        b"cuEventSynchronize" => cuEventSynchronize as *mut c_void,
-        b"cuEventCreate" => cuEventCreate as *mut c_void,
-        b"cuEventDestroy" => cuEventDestroy_v2 as *mut c_void,
-        b"cuEventRecord" if ptsz => cuEventRecord_ptsz as *mut c_void,
-        b"cuEventRecord" => cuEventRecord as *mut c_void,
-        b"cuEventQuery" => cuEventQuery as *mut c_void,
-        b"cuEventElapsedTime" => cuEventElapsedTime as *mut c_void,
-        b"cuStreamIsCapturing" if ptsz => cuStreamIsCapturing_ptsz as *mut c_void,
-        b"cuStreamIsCapturing" => cuStreamIsCapturing as *mut c_void,
-        b"cuLaunchKernel" if ptsz => cuLaunchKernel_ptsz as *mut c_void,
-        b"cuLaunchKernel" => cuLaunchKernel as *mut c_void,
-        b"cuLaunchKernelEx" if ptsz => cuLaunchKernelEx_ptsz as *mut c_void,
-        b"cuLaunchKernelEx" => cuLaunchKernelEx as *mut c_void,
-        b"cuLaunchCooperativeKernel" if ptsz => cuLaunchCooperativeKernel_ptsz as *mut c_void,
-        b"cuLaunchCooperativeKernel" => cuLaunchCooperativeKernel as *mut c_void,
-        b"cuStreamBeginCapture" => cuStreamBeginCapture_v2 as *mut c_void,
-        b"cuStreamEndCapture" => cuStreamEndCapture as *mut c_void,
-        b"cuDeviceGetDefaultMemPool" => cuDeviceGetDefaultMemPool as *mut c_void,
-        b"cuDeviceGetMemPool" => cuDeviceGetMemPool as *mut c_void,
-        b"cuDeviceSetMemPool" => cuDeviceSetMemPool as *mut c_void,
-        b"cuMemPoolCreate" => cuMemPoolCreate as *mut c_void,
-        b"cuMemPoolDestroy" => cuMemPoolDestroy as *mut c_void,
-        b"cuMemPoolSetAttribute" => cuMemPoolSetAttribute as *mut c_void,
-        b"cuMemPoolGetAttribute" => cuMemPoolGetAttribute as *mut c_void,
-        b"cuMemPoolTrimTo" => cuMemPoolTrimTo as *mut c_void,
-        b"cuMemAlloc" if v1 => cuMemAlloc as *mut c_void,
-        b"cuMemAlloc" => cuMemAlloc_v2 as *mut c_void,
-        b"cuMemAllocPitch" if v1 => cuMemAllocPitch as *mut c_void,
-        b"cuMemAllocPitch" => cuMemAllocPitch_v2 as *mut c_void,
-        b"cuMemAllocManaged" => cuMemAllocManaged as *mut c_void,
-        b"cuMemAllocAsync" if ptsz => cuMemAllocAsync_ptsz as *mut c_void,
-        b"cuMemAllocAsync" => cuMemAllocAsync as *mut c_void,
-        b"cuMemAllocFromPoolAsync" if ptsz => cuMemAllocFromPoolAsync_ptsz as *mut c_void,
-        b"cuMemAllocFromPoolAsync" => cuMemAllocFromPoolAsync as *mut c_void,
-        b"cuMemCreate" => cuMemCreate as *mut c_void,
-        b"cuMemRelease" => cuMemRelease as *mut c_void,
-        b"cuMemAddressReserve" => cuMemAddressReserve as *mut c_void,
-        b"cuMemAddressFree" => cuMemAddressFree as *mut c_void,
-        b"cuMemMap" => cuMemMap as *mut c_void,
-        b"cuMemUnmap" => cuMemUnmap as *mut c_void,
-        b"cuMemSetAccess" => cuMemSetAccess as *mut c_void,
-        b"cuMemRetainAllocationHandle" => cuMemRetainAllocationHandle as *mut c_void,
-        b"cuArrayCreate" => cuArrayCreate_v2 as *mut c_void,
-        b"cuArray3DCreate" => cuArray3DCreate_v2 as *mut c_void,
-        b"cuMipmappedArrayCreate" => cuMipmappedArrayCreate as *mut c_void,
-        b"cuMemFree" if v1 => cuMemFree as *mut c_void,
-        b"cuMemFree" => cuMemFree_v2 as *mut c_void,
-        b"cuMemFreeAsync" if ptsz => cuMemFreeAsync_ptsz as *mut c_void,
-        b"cuMemFreeAsync" => cuMemFreeAsync as *mut c_void,
-        b"cuArrayDestroy" => cuArrayDestroy as *mut c_void,
-        b"cuMipmappedArrayDestroy" => cuMipmappedArrayDestroy as *mut c_void,
-        b"cuMemGetInfo" if v1 => cuMemGetInfo as *mut c_void,
-        b"cuMemGetInfo" => cuMemGetInfo_v2 as *mut c_void,
-        b"cuDeviceTotalMem" if v1 => cuDeviceTotalMem as *mut c_void,
-        b"cuDeviceTotalMem" => cuDeviceTotalMem_v2 as *mut c_void,
-        b"cuGraphCreate" => cuGraphCreate as *mut c_void,
-        b"cuGraphDestroy" => cuGraphDestroy as *mut c_void,
-        b"cuGraphAddMemAllocNode" => cuGraphAddMemAllocNode as *mut c_void,
-        b"cuGraphAddMemFreeNode" => cuGraphAddMemFreeNode as *mut c_void,
-        b"cuGraphInstantiateWithFlags" => cuGraphInstantiateWithFlags as *mut c_void,
-        b"cuGraphInstantiate" => cuGraphInstantiate_v2 as *mut c_void,
-        b"cuGraphUpload" => cuGraphUpload as *mut c_void,
-        b"cuGraphLaunch" if ptsz => cuGraphLaunch_ptsz as *mut c_void,
-        b"cuGraphLaunch" => cuGraphLaunch as *mut c_void,
-        b"cuGraphExecDestroy" => cuGraphExecDestroy as *mut c_void,
-        b"cuDeviceGetGraphMemAttribute" => cuDeviceGetGraphMemAttribute as *mut c_void,
-        b"cuDeviceGraphMemTrim" => cuDeviceGraphMemTrim as *mut c_void,
-        b"cuGetProcAddress" if version >= 12000 => cuGetProcAddress_v2 as *mut c_void,
-        b"cuGetProcAddress" => cuGetProcAddress as *mut c_void,
-        _ => std::ptr::null_mut(),
-    };
-    f
+    let (ptsz, v1) = (flags & 2 != 0, version < 3020);
+    // Entries: `base` (its own symbol), `base => symbol`, `base [when] variant` (the variant
+    // when `when` holds, else `base` or the `=> symbol` that follows).
+    macro_rules! resolve {
+        (@f $base:ident) => { $base };
+        (@f $base:ident $f:ident) => { $f };
+        ($($base:ident $([$when:expr] $variant:ident)? $(=> $f:ident)?,)*) => {$(
+            if name == stringify!($base).as_bytes() {
+                $(if $when {
+                    return $variant as Ptr;
+                })?
+                return resolve!(@f $base $($f)?) as Ptr;
+            }
+        )*};
+    }
+    resolve! {
+        cuInit, cuDeviceGetCount, cuDeviceGet, cuDeviceGetAttribute,
+        cuDeviceGetUuid [version >= 11040] cuDeviceGetUuid_v2,
+        cuCtxCreate => cuCtxCreate_v2,
+        cuCtxDestroy => cuCtxDestroy_v2,
+        cuCtxGetCurrent, cuCtxSetCurrent, cuCtxGetDevice, cuCtxSynchronize,
+        cuCtxSetLimit, cuCtxGetLimit, cuDevicePrimaryCtxRetain,
+        cuDevicePrimaryCtxRelease => cuDevicePrimaryCtxRelease_v2,
+        cuDevicePrimaryCtxReset => cuDevicePrimaryCtxReset_v2,
+        cuStreamCreate,
+        cuStreamDestroy => cuStreamDestroy_v2,
+        cuStreamSynchronize [ptsz] cuStreamSynchronize_ptsz,
+        cuEventCreate, cuEventQuery, cuEventElapsedTime, cuEventSynchronize,
+        cuEventDestroy => cuEventDestroy_v2,
+        cuEventRecord [ptsz] cuEventRecord_ptsz,
+        cuStreamIsCapturing [ptsz] cuStreamIsCapturing_ptsz,
+        cuLaunchKernel [ptsz] cuLaunchKernel_ptsz,
+        cuLaunchKernelEx [ptsz] cuLaunchKernelEx_ptsz,
+        cuLaunchCooperativeKernel [ptsz] cuLaunchCooperativeKernel_ptsz,
+        cuStreamBeginCapture => cuStreamBeginCapture_v2,
+        cuStreamEndCapture, cuDeviceGetDefaultMemPool, cuDeviceGetMemPool, cuDeviceSetMemPool,
+        cuMemPoolCreate, cuMemPoolDestroy, cuMemPoolSetAttribute, cuMemPoolGetAttribute,
+        cuMemPoolTrimTo,
+        cuMemAlloc [v1] cuMemAlloc => cuMemAlloc_v2,
+        cuMemAllocPitch [v1] cuMemAllocPitch => cuMemAllocPitch_v2,
+        cuMemAllocManaged,
+        cuMemAllocAsync [ptsz] cuMemAllocAsync_ptsz,
+        cuMemAllocFromPoolAsync [ptsz] cuMemAllocFromPoolAsync_ptsz,
+        cuMemCreate, cuMemRelease, cuMemAddressReserve, cuMemAddressFree, cuMemMap, cuMemUnmap,
+        cuMemSetAccess, cuMemRetainAllocationHandle,
+        cuArrayCreate => cuArrayCreate_v2,
+        cuArray3DCreate => cuArray3DCreate_v2,
+        cuMipmappedArrayCreate,
+        cuMemFree [v1] cuMemFree => cuMemFree_v2,
+        cuMemFreeAsync [ptsz] cuMemFreeAsync_ptsz,
+        cuArrayDestroy, cuMipmappedArrayDestroy,
+        cuMemGetInfo [v1] cuMemGetInfo => cuMemGetInfo_v2,
+        cuDeviceTotalMem [v1] cuDeviceTotalMem => cuDeviceTotalMem_v2,
+        cuGraphCreate, cuGraphDestroy, cuGraphAddMemAllocNode, cuGraphAddMemFreeNode,
+        cuGraphInstantiateWithFlags,
+        cuGraphInstantiate => cuGraphInstantiate_v2,
+        cuGraphUpload,
+        cuGraphLaunch [ptsz] cuGraphLaunch_ptsz,
+        cuGraphExecDestroy, cuDeviceGetGraphMemAttribute, cuDeviceGraphMemTrim,
+        cuGetProcAddress [version >= 12000] cuGetProcAddress_v2,
+    }
+    std::ptr::null_mut()
 }
 
-#[no_mangle]
-pub unsafe extern "C" fn cuGetProcAddress(
+/// Both `cuGetProcAddress`es: the function found (NULL: none) written to `pfn`, and to
+/// `status` (when not NULL) `CU_GET_PROC_ADDRESS_SUCCESS` (0) or `..._SYMBOL_NOT_FOUND` (1).
+unsafe fn get_proc(
     symbol: *const c_char,
-    pfn: *mut *mut c_void,
-    version: c_int,
-    flags: u64,
-) -> CuResult {
-    if pfn.is_null() {
-        return INVALID_VALUE;
-    }
-    let f = proc_address(symbol, version, flags);
-    unsafe { pfn.write(f) };
-    if f.is_null() {
-        NOT_FOUND
-    } else {
-        SUCCESS
-    }
-}
-
-#[no_mangle]
-pub unsafe extern "C" fn cuGetProcAddress_v2(
-    symbol: *const c_char,
-    pfn: *mut *mut c_void,
+    pfn: *mut Ptr,
     version: c_int,
     flags: u64,
     status: *mut c_int,
@@ -2341,12 +1979,32 @@ pub unsafe extern "C" fn cuGetProcAddress_v2(
     let f = proc_address(symbol, version, flags);
     unsafe { pfn.write(f) };
     if !status.is_null() {
-        // CU_GET_PROC_ADDRESS_SUCCESS = 0, CU_GET_PROC_ADDRESS_SYMBOL_NOT_FOUND = 1
-        unsafe { status.write(if f.is_null() { 1 } else { 0 }) };
+        unsafe { status.write(c_int::from(f.is_null())) };
     }
     if f.is_null() {
         NOT_FOUND
     } else {
         SUCCESS
     }
+}
+
+#[no_mangle]
+pub unsafe extern "C" fn cuGetProcAddress(
+    symbol: *const c_char,
+    pfn: *mut Ptr,
+    version: c_int,
+    flags: u64,
+) -> CuResult {
+    unsafe { get_proc(symbol, pfn, version, flags, std::ptr::null_mut()) }
+}
+
+#[no_mangle]
+pub unsafe extern "C" fn cuGetProcAddress_v2(
+    symbol: *const c_char,
+    pfn: *mut Ptr,
+    version: c_int,
+    flags: u64,
+    status: *mut c_int,
+) -> CuResult {
+    unsafe { get_proc(symbol, pfn, version, flags, status) }
 }

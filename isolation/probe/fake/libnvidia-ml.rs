@@ -20,6 +20,8 @@ use std::sync::atomic::{AtomicBool, Ordering};
 
 include!("state.rs");
 
+/// A device handle.
+type Ptr = *mut c_void;
 type NvmlReturn = c_int;
 const SUCCESS: NvmlReturn = 0;
 const UNINITIALIZED: NvmlReturn = 1;
@@ -29,30 +31,51 @@ const INSUFFICIENT_SIZE: NvmlReturn = 7;
 
 static INITIALIZED: AtomicBool = AtomicBool::new(false);
 
-fn env_u64(name: &str, default: u64) -> u64 {
-    std::env::var(name)
-        .ok()
-        .and_then(|v| v.parse().ok())
-        .unwrap_or(default)
-}
-
 fn count() -> u32 {
     env_u64("FAKE_GPU_COUNT", 1) as u32
 }
 
-fn handle_of(index: u32) -> *mut c_void {
-    (0x5000 + index as usize * 0x40) as *mut c_void
+fn handle_of(index: u32) -> Ptr {
+    (0x5000 + index as usize * 0x40) as Ptr
 }
 
-fn index_of(handle: *mut c_void) -> Result<u32, NvmlReturn> {
-    if !INITIALIZED.load(Ordering::Acquire) {
-        return Err(UNINITIALIZED);
+fn initialized() -> Result<(), NvmlReturn> {
+    if INITIALIZED.load(Ordering::Acquire) {
+        Ok(())
+    } else {
+        Err(UNINITIALIZED)
     }
-    let raw = handle as usize;
-    if raw < 0x5000 || (raw - 0x5000) % 0x40 != 0 || ((raw - 0x5000) / 0x40) as u32 >= count() {
+}
+
+fn index_of(handle: Ptr) -> Result<u32, NvmlReturn> {
+    initialized()?;
+    let offset = (handle as usize)
+        .checked_sub(0x5000)
+        .ok_or(INVALID_ARGUMENT)?;
+    let index = (offset / 0x40) as u32;
+    if !offset.is_multiple_of(0x40) || index >= count() {
         return Err(INVALID_ARGUMENT);
     }
-    Ok(((raw - 0x5000) / 0x40) as u32)
+    Ok(index)
+}
+
+/// `f`'s error, or SUCCESS.
+fn code(f: impl FnOnce() -> Result<(), NvmlReturn>) -> NvmlReturn {
+    f().err().unwrap_or(SUCCESS)
+}
+
+/// `p`, unless it is NULL.
+fn place<T>(p: *mut T) -> Result<*mut T, NvmlReturn> {
+    if p.is_null() {
+        Err(INVALID_ARGUMENT)
+    } else {
+        Ok(p)
+    }
+}
+
+unsafe fn out<T>(p: *mut T, value: T) -> Result<(), NvmlReturn> {
+    unsafe { place(p)?.write(value) };
+    Ok(())
 }
 
 #[no_mangle]
@@ -69,45 +92,29 @@ pub extern "C" fn nvmlShutdown() -> NvmlReturn {
 
 #[no_mangle]
 pub unsafe extern "C" fn nvmlDeviceGetCount_v2(n: *mut c_uint) -> NvmlReturn {
-    if !INITIALIZED.load(Ordering::Acquire) {
-        return UNINITIALIZED;
-    }
-    if n.is_null() {
-        return INVALID_ARGUMENT;
-    }
-    unsafe { n.write(count()) };
-    SUCCESS
+    code(|| {
+        initialized()?;
+        unsafe { out(n, count()) }
+    })
 }
 
 #[no_mangle]
 pub unsafe extern "C" fn nvmlDeviceGetHandleByIndex_v2(
     index: c_uint,
-    device: *mut *mut c_void,
+    device: *mut Ptr,
 ) -> NvmlReturn {
-    if !INITIALIZED.load(Ordering::Acquire) {
-        return UNINITIALIZED;
-    }
-    if device.is_null() || index >= count() {
-        return INVALID_ARGUMENT;
-    }
-    unsafe { device.write(handle_of(index)) };
-    SUCCESS
+    code(|| {
+        initialized()?;
+        if index >= count() {
+            return Err(INVALID_ARGUMENT);
+        }
+        unsafe { out(device, handle_of(index)) }
+    })
 }
 
 #[no_mangle]
-pub unsafe extern "C" fn nvmlDeviceGetIndex(device: *mut c_void, index: *mut c_uint) -> NvmlReturn {
-    match index_of(device) {
-        Ok(i) if !index.is_null() => {
-            unsafe { index.write(i) };
-            SUCCESS
-        }
-        Ok(_) => INVALID_ARGUMENT,
-        Err(e) => e,
-    }
-}
-
-fn uuid_string(index: u32) -> String {
-    format!("GPU-00000000-0000-0000-0000-0000000000{:02x}", index as u8)
+pub unsafe extern "C" fn nvmlDeviceGetIndex(device: Ptr, index: *mut c_uint) -> NvmlReturn {
+    code(|| unsafe { out(index, index_of(device)?) })
 }
 
 /// (total, used) of physical GPU `index`.
@@ -125,47 +132,39 @@ fn usage(index: u32) -> (u64, u64) {
 
 #[no_mangle]
 pub unsafe extern "C" fn nvmlDeviceGetUUID(
-    device: *mut c_void,
+    device: Ptr,
     uuid: *mut c_char,
     length: c_uint,
 ) -> NvmlReturn {
-    let i = match index_of(device) {
-        Ok(i) => i,
-        Err(e) => return e,
-    };
-    if uuid.is_null() {
-        return INVALID_ARGUMENT;
-    }
-    let s = uuid_string(i);
-    if s.len() + 1 > length as usize {
-        return INSUFFICIENT_SIZE;
-    }
-    unsafe {
-        std::ptr::copy_nonoverlapping(s.as_ptr(), uuid as *mut u8, s.len());
-        uuid.add(s.len()).write(0);
-    }
-    SUCCESS
+    code(|| {
+        let s = uuid_string(index_of(device)? as usize);
+        let uuid = place(uuid)?;
+        if s.len() + 1 > length as usize {
+            return Err(INSUFFICIENT_SIZE);
+        }
+        unsafe {
+            std::ptr::copy_nonoverlapping(s.as_ptr(), uuid as *mut u8, s.len());
+            uuid.add(s.len()).write(0);
+        }
+        Ok(())
+    })
 }
 
 #[no_mangle]
 pub unsafe extern "C" fn nvmlDeviceGetHandleByUUID(
     uuid: *const c_char,
-    device: *mut *mut c_void,
+    device: *mut Ptr,
 ) -> NvmlReturn {
-    if !INITIALIZED.load(Ordering::Acquire) {
-        return UNINITIALIZED;
-    }
-    if uuid.is_null() || device.is_null() {
-        return INVALID_ARGUMENT;
-    }
-    let wanted = unsafe { CStr::from_ptr(uuid) }.to_string_lossy();
-    match (0..count()).find(|&i| uuid_string(i) == wanted) {
-        Some(i) => {
-            unsafe { device.write(handle_of(i)) };
-            SUCCESS
+    code(|| {
+        initialized()?;
+        if uuid.is_null() || device.is_null() {
+            return Err(INVALID_ARGUMENT);
         }
-        None => NOT_FOUND,
-    }
+        let wanted = unsafe { CStr::from_ptr(uuid) }.to_string_lossy();
+        let i = (0..count()).find(|&i| uuid_string(i as usize) == wanted);
+        unsafe { device.write(handle_of(i.ok_or(NOT_FOUND)?)) };
+        Ok(())
+    })
 }
 
 #[repr(C)]
@@ -185,52 +184,38 @@ pub struct MemoryV2 {
 }
 
 #[no_mangle]
-pub unsafe extern "C" fn nvmlDeviceGetMemoryInfo(
-    device: *mut c_void,
-    memory: *mut Memory,
-) -> NvmlReturn {
-    let i = match index_of(device) {
-        Ok(i) => i,
-        Err(e) => return e,
-    };
-    if memory.is_null() {
-        return INVALID_ARGUMENT;
-    }
-    let (total, used) = usage(i);
-    unsafe {
-        memory.write(Memory {
-            total,
-            free: total - used,
-            used,
-        })
-    };
-    SUCCESS
+pub unsafe extern "C" fn nvmlDeviceGetMemoryInfo(device: Ptr, memory: *mut Memory) -> NvmlReturn {
+    code(|| {
+        let i = index_of(device)?;
+        let memory = place(memory)?;
+        let (total, used) = usage(i);
+        let free = total - used;
+        unsafe { memory.write(Memory { total, free, used }) };
+        Ok(())
+    })
 }
 
 #[no_mangle]
 pub unsafe extern "C" fn nvmlDeviceGetMemoryInfo_v2(
-    device: *mut c_void,
+    device: Ptr,
     memory: *mut MemoryV2,
 ) -> NvmlReturn {
-    let i = match index_of(device) {
-        Ok(i) => i,
-        Err(e) => return e,
-    };
-    if memory.is_null() {
-        return INVALID_ARGUMENT;
-    }
-    let (total, used) = usage(i);
-    let version = unsafe { (*memory).version };
-    unsafe {
-        memory.write(MemoryV2 {
-            version,
-            total,
-            reserved: 0,
-            free: total - used,
-            used,
-        })
-    };
-    SUCCESS
+    code(|| {
+        let i = index_of(device)?;
+        let memory = place(memory)?;
+        let (total, used) = usage(i);
+        let (version, free, reserved) = (unsafe { (*memory).version }, total - used, 0);
+        unsafe {
+            memory.write(MemoryV2 {
+                version,
+                total,
+                reserved,
+                free,
+                used,
+            })
+        };
+        Ok(())
+    })
 }
 
 /// The runs on physical GPU `index`, and the window [from, now) of the last second (or since
@@ -238,7 +223,9 @@ pub unsafe extern "C" fn nvmlDeviceGetMemoryInfo_v2(
 fn recent_runs(index: u32, since_us: u64) -> (Vec<timeline::Run>, u64, u64) {
     let state = std::env::var_os("FAKE_GPU_STATE").map(std::path::PathBuf::from);
     let now = timeline::now_ns();
-    let from = now.saturating_sub(1_000_000_000).max(since_us.saturating_mul(1000));
+    let from = now
+        .saturating_sub(1_000_000_000)
+        .max(since_us.saturating_mul(1000));
     let runs = timeline::runs(state.as_deref())
         .into_iter()
         .filter(|r| r.phys == index as usize && r.end > from && r.start < now)
@@ -246,7 +233,9 @@ fn recent_runs(index: u32, since_us: u64) -> (Vec<timeline::Run>, u64, u64) {
     (runs, from, now)
 }
 
-fn percent(busy: u64, from: u64, to: u64) -> c_uint {
+/// The percent of [from, to) that `runs` kept the GPU busy.
+fn percent(runs: impl Iterator<Item = timeline::Run>, from: u64, to: u64) -> c_uint {
+    let busy = timeline::busy_within(runs, from, to);
     (busy * 100 / to.saturating_sub(from).max(1)).min(100) as c_uint
 }
 
@@ -258,21 +247,17 @@ pub struct Utilization {
 
 #[no_mangle]
 pub unsafe extern "C" fn nvmlDeviceGetUtilizationRates(
-    device: *mut c_void,
+    device: Ptr,
     utilization: *mut Utilization,
 ) -> NvmlReturn {
-    let i = match index_of(device) {
-        Ok(i) => i,
-        Err(e) => return e,
-    };
-    if utilization.is_null() {
-        return INVALID_ARGUMENT;
-    }
-    let (runs, from, now) = recent_runs(i, 0);
-    let busy = timeline::busy_within(runs.into_iter(), from, now);
-    let gpu = percent(busy, from, now);
-    unsafe { utilization.write(Utilization { gpu, memory: 0 }) };
-    SUCCESS
+    code(|| {
+        let i = index_of(device)?;
+        let utilization = place(utilization)?;
+        let (runs, from, now) = recent_runs(i, 0);
+        let gpu = percent(runs.into_iter(), from, now);
+        unsafe { utilization.write(Utilization { gpu, memory: 0 }) };
+        Ok(())
+    })
 }
 
 /// `nvmlProcessUtilizationSample_t`.
@@ -288,42 +273,38 @@ pub struct ProcessSample {
 
 #[no_mangle]
 pub unsafe extern "C" fn nvmlDeviceGetProcessUtilization(
-    device: *mut c_void,
+    device: Ptr,
     samples: *mut ProcessSample,
     count: *mut c_uint,
     last_seen_us: u64,
 ) -> NvmlReturn {
-    let i = match index_of(device) {
-        Ok(i) => i,
-        Err(e) => return e,
-    };
-    if count.is_null() {
-        return INVALID_ARGUMENT;
-    }
-    let (runs, from, now) = recent_runs(i, last_seen_us);
-    let mut pids: Vec<u32> = runs.iter().map(|r| r.pid).collect();
-    pids.sort_unstable();
-    pids.dedup();
-    let room = unsafe { count.read() } as usize;
-    unsafe { count.write(pids.len() as c_uint) };
-    if samples.is_null() {
-        return SUCCESS;
-    }
-    if room < pids.len() {
-        return INSUFFICIENT_SIZE;
-    }
-    for (n, pid) in pids.iter().enumerate() {
-        let busy = timeline::busy_within(runs.iter().copied().filter(|r| r.pid == *pid), from, now);
-        unsafe {
-            samples.add(n).write(ProcessSample {
-                pid: *pid,
+    code(|| {
+        let i = index_of(device)?;
+        let count = place(count)?;
+        let (runs, from, now) = recent_runs(i, last_seen_us);
+        let mut pids: Vec<u32> = runs.iter().map(|r| r.pid).collect();
+        pids.sort_unstable();
+        pids.dedup();
+        let room = unsafe { count.read() } as usize;
+        unsafe { count.write(pids.len() as c_uint) };
+        if samples.is_null() {
+            return Ok(());
+        }
+        if room < pids.len() {
+            return Err(INSUFFICIENT_SIZE);
+        }
+        for (n, &pid) in pids.iter().enumerate() {
+            let sm_util = percent(runs.iter().copied().filter(|r| r.pid == pid), from, now);
+            let sample = ProcessSample {
+                pid,
                 time_stamp: now / 1000,
-                sm_util: percent(busy, from, now),
+                sm_util,
                 mem_util: 0,
                 enc_util: 0,
                 dec_util: 0,
-            })
-        };
-    }
-    SUCCESS
+            };
+            unsafe { samples.add(n).write(sample) };
+        }
+        Ok(())
+    })
 }

@@ -50,8 +50,9 @@ mod state {
     }
 
     fn render(entries: &[Entry]) -> String {
-        let mut text =
-            String::from("# gpushare fake GPU state v1: PID START_TIME BYTES_ON_GPU0 BYTES_ON_GPU1 ...\n");
+        let mut text = String::from(
+            "# gpushare fake GPU state v1: PID START_TIME BYTES_ON_GPU0 BYTES_ON_GPU1 ...\n",
+        );
         for e in entries.iter().filter(|e| e.used.iter().any(|&b| b > 0)) {
             text.push_str(&format!("{} {}", e.pid, e.start));
             for b in &e.used {
@@ -129,8 +130,14 @@ mod timeline {
 
     extern "C" {
         fn clock_gettime(clock: i32, ts: *mut Timespec) -> i32;
-        fn mmap(addr: *mut c_void, len: usize, prot: i32, flags: i32, fd: i32, off: i64)
-            -> *mut c_void;
+        fn mmap(
+            addr: *mut c_void,
+            len: usize,
+            prot: i32,
+            flags: i32,
+            fd: i32,
+            off: i64,
+        ) -> *mut c_void;
     }
 
     /// Physical GPUs the time file has room for.
@@ -193,7 +200,8 @@ mod timeline {
                     time.set_len(len).ok()?;
                 }
                 // SAFETY: a shared read-write mapping of the file's first GPUS u64s.
-                let map = unsafe { mmap(std::ptr::null_mut(), GPUS * 8, 3, 1, time.as_raw_fd(), 0) };
+                let map =
+                    unsafe { mmap(std::ptr::null_mut(), GPUS * 8, 3, 1, time.as_raw_fd(), 0) };
                 if map as isize == -1 {
                     return None;
                 }
@@ -222,14 +230,7 @@ mod timeline {
 
     /// `ns` of work on physical GPU `phys` for process `pid`, submitted at `submitted` (the
     /// call's entry): its (start, end).
-    pub fn run(
-        state: Option<&Path>,
-        _gpus: usize,
-        phys: usize,
-        ns: u64,
-        pid: u32,
-        submitted: u64,
-    ) -> (u64, u64) {
+    pub fn run(state: Option<&Path>, phys: usize, ns: u64, pid: u32, submitted: u64) -> (u64, u64) {
         let Some(free) = free_of(state, phys) else {
             return (submitted, submitted + ns);
         };
@@ -260,7 +261,7 @@ mod timeline {
     }
 
     /// When physical GPU `phys` is next free (now or later).
-    pub fn free_at(state: Option<&Path>, _gpus: usize, phys: usize) -> u64 {
+    pub fn free_at(state: Option<&Path>, phys: usize) -> u64 {
         free_of(state, phys).map_or(0, |f| f.load(Ordering::Acquire))
     }
 
@@ -273,7 +274,10 @@ mod timeline {
         let text = std::fs::read_to_string(with_suffix(state, ".kernels")).unwrap_or_default();
         text.lines()
             .filter_map(|l| {
-                let w: Vec<u64> = l.split_whitespace().filter_map(|w| w.parse().ok()).collect();
+                let w: Vec<u64> = l
+                    .split_whitespace()
+                    .filter_map(|w| w.parse().ok())
+                    .collect();
                 (w.len() == 4).then(|| Run {
                     pid: w[0] as u32,
                     phys: w[1] as usize,
@@ -289,4 +293,19 @@ mod timeline {
         runs.map(|r| r.end.min(to).saturating_sub(r.start.max(from)))
             .sum()
     }
+}
+
+// Also shared by both libraries: their settings and the UUIDs' text.
+
+/// A number from the environment (`FAKE_*`), or `default`.
+fn env_u64(name: &str, default: u64) -> u64 {
+    std::env::var(name)
+        .ok()
+        .and_then(|v| v.parse().ok())
+        .unwrap_or(default)
+}
+
+/// Physical GPU `phys`'s UUID as NVML writes it.
+fn uuid_string(phys: usize) -> String {
+    format!("GPU-00000000-0000-0000-0000-0000000000{:02x}", phys as u8)
 }

@@ -121,40 +121,15 @@
 #[macro_use]
 mod probe;
 
-use std::ffi::{c_int, c_uint};
-
-use probe::{Cuda, Nvml, NvmlMemory, NvmlMemoryV2, NvmlUtilization, Ptr};
-
 /// The driver's symbols, linked by name.
 mod linked {
     use crate::probe::*;
     use std::ffi::{c_int, c_uint, c_void};
 
     link_cuda!();
-}
-
-#[link(name = "nvidia-ml")]
-unsafe extern "C" {
-    fn nvmlInit_v2() -> c_int;
-    fn nvmlDeviceGetHandleByIndex_v2(index: c_uint, device: *mut Ptr) -> c_int;
-    fn nvmlDeviceGetMemoryInfo(device: Ptr, memory: *mut NvmlMemory) -> c_int;
-    fn nvmlDeviceGetMemoryInfo_v2(device: Ptr, memory: *mut NvmlMemoryV2) -> c_int;
-    fn nvmlDeviceGetUtilizationRates(device: Ptr, utilization: *mut NvmlUtilization) -> c_int;
-}
-
-fn linked() -> (Cuda, Nvml) {
-    (
-        Cuda::linked(),
-        Nvml {
-            init: nvmlInit_v2,
-            utilization: nvmlDeviceGetUtilizationRates,
-            handle_by_index: nvmlDeviceGetHandleByIndex_v2,
-            memory_info: nvmlDeviceGetMemoryInfo,
-            memory_info_v2: nvmlDeviceGetMemoryInfo_v2,
-        },
-    )
+    link_nvml!();
 }
 
 fn main() {
-    probe::main(Some(linked));
+    probe::main(Some(|| (probe::Cuda::linked(), probe::Nvml::linked())));
 }

@@ -3,22 +3,23 @@
 
 use std::ffi::{CStr, c_char, c_int, c_uint, c_void};
 use std::io::Write;
+use std::ptr::{null, null_mut};
 
-type Fn0 = unsafe extern "C" fn() -> c_int;
-
-macro_rules! cuda_api {
-    ($($field:ident: $sym:ident = $base:literal, $flags:expr => fn($($arg:ty),*);)*) => {
-        /// Declares the driver's symbols linked by name and `Cuda::linked` (only the linked
-        /// probe expands it: the other never needs `libcuda.so.1` to start).
+/// Declares `$api`, entry points the probe uses however they were found, and `$link!()`,
+/// which declares them linked by name from `lib$lib.so` and adds `$api::linked` (only the
+/// linked probe expands it: the other never needs the driver to start).
+macro_rules! api {
+    ($api:ident, $link:ident, $lib:literal, $missing:literal;
+     $($field:ident: $sym:ident = $base:literal, $flags:expr => fn($($arg:ty),*);)*) => {
         #[allow(unused_macros)]
-        macro_rules! link_cuda {
+        macro_rules! $link {
             () => {
-                #[link(name = "cuda")]
+                #[link(name = $lib)]
                 unsafe extern "C" {
                     $(fn $sym($(_: $arg),*) -> c_int;)*
                 }
 
-                impl crate::probe::Cuda {
+                impl crate::probe::$api {
                     pub fn linked() -> Self {
                         Self { $($field: $sym,)* }
                     }
@@ -26,29 +27,26 @@ macro_rules! cuda_api {
             };
         }
 
-        /// The CUDA entry points the probe uses, however they were found.
-        pub struct Cuda {
+        pub struct $api {
             $(pub $field: unsafe extern "C" fn($($arg),*) -> c_int,)*
         }
 
-        impl Cuda {
-
-            /// `lookup(symbol, base name, cuGetProcAddress flags)`.
-            fn lookup(lookup: impl Fn(&CStr, &CStr, u64) -> *mut c_void) -> Result<Self, String> {
+        impl $api {
+            /// `lookup(symbol, base name, cuGetProcAddress flags)`, NULL when not found.
+            fn lookup(lookup: impl Fn(&CStr, &CStr, u64) -> Ptr) -> Result<Self, String> {
                 Ok(Self {
                     $($field: {
-                        let p = lookup(
-                            // SAFETY: a literal with one NUL at its end.
-                            unsafe { CStr::from_bytes_with_nul_unchecked(concat!(stringify!($sym), "\0").as_bytes()) },
-                            // SAFETY: as above.
-                            unsafe { CStr::from_bytes_with_nul_unchecked(concat!($base, "\0").as_bytes()) },
-                            $flags,
-                        );
+                        // SAFETY: literals with one NUL, at their end.
+                        let (sym, base) = unsafe { (
+                            CStr::from_bytes_with_nul_unchecked(concat!(stringify!($sym), "\0").as_bytes()),
+                            CStr::from_bytes_with_nul_unchecked(concat!($base, "\0").as_bytes()),
+                        ) };
+                        let p = lookup(sym, base, $flags);
                         if p.is_null() {
-                            return Err(format!("{} not found", stringify!($sym)));
+                            return Err(format!($missing, stringify!($sym)));
                         }
-                        // SAFETY: the driver's entry point of that name, with this signature.
-                        unsafe { std::mem::transmute::<*mut c_void, unsafe extern "C" fn($($arg),*) -> c_int>(p) }
+                        // SAFETY: the entry point of that name, with this signature.
+                        unsafe { std::mem::transmute::<Ptr, unsafe extern "C" fn($($arg),*) -> c_int>(p) }
                     },)*
                 })
             }
@@ -62,7 +60,7 @@ const PTSZ: u64 = 2;
 /// cudaVersion 3000 (and without this bit).
 const V1: u64 = 1 << 63;
 
-cuda_api! {
+api! { Cuda, link_cuda, "cuda", "{} not found";
     init: cuInit = "cuInit", 0 => fn(c_uint);
     device_get: cuDeviceGet = "cuDeviceGet", 0 => fn(*mut c_int, c_int);
     primary_ctx_retain: cuDevicePrimaryCtxRetain = "cuDevicePrimaryCtxRetain", 0 => fn(*mut Ptr, c_int);
@@ -128,6 +126,14 @@ cuda_api! {
     v1_total_mem: cuDeviceTotalMem = "cuDeviceTotalMem", V1 => fn(*mut u32, c_int);
 }
 
+api! { Nvml, link_nvml, "nvidia-ml", "\"{}\" not found";
+    init: nvmlInit_v2 = "nvmlInit_v2", 0 => fn();
+    utilization: nvmlDeviceGetUtilizationRates = "nvmlDeviceGetUtilizationRates", 0 => fn(Ptr, *mut NvmlUtilization);
+    handle_by_index: nvmlDeviceGetHandleByIndex_v2 = "nvmlDeviceGetHandleByIndex_v2", 0 => fn(c_uint, *mut Ptr);
+    memory_info: nvmlDeviceGetMemoryInfo = "nvmlDeviceGetMemoryInfo", 0 => fn(Ptr, *mut NvmlMemory);
+    memory_info_v2: nvmlDeviceGetMemoryInfo_v2 = "nvmlDeviceGetMemoryInfo_v2", 0 => fn(Ptr, *mut NvmlMemoryV2);
+}
+
 /// `CUlaunchConfig` (CUDA 12): grid, block, shared memory, stream, attributes.
 #[repr(C)]
 pub struct LaunchConfig {
@@ -145,15 +151,6 @@ pub struct LaunchConfig {
 pub struct NvmlUtilization {
     gpu: c_uint,
     memory: c_uint,
-}
-
-/// The NVML entry points the probe uses.
-pub struct Nvml {
-    pub init: Fn0,
-    pub utilization: unsafe extern "C" fn(Ptr, *mut NvmlUtilization) -> c_int,
-    pub handle_by_index: unsafe extern "C" fn(c_uint, *mut Ptr) -> c_int,
-    pub memory_info: unsafe extern "C" fn(Ptr, *mut NvmlMemory) -> c_int,
-    pub memory_info_v2: unsafe extern "C" fn(Ptr, *mut NvmlMemoryV2) -> c_int,
 }
 
 #[repr(C)]
@@ -177,7 +174,7 @@ pub struct NvmlMemoryV2 {
 /// `nvmlMemory_v2`: sizeof(nvmlMemory_v2_t) | 2 << 24.
 const NVML_MEMORY_V2: c_uint = std::mem::size_of::<NvmlMemoryV2>() as c_uint | 2 << 24;
 
-/// `CUmemAllocationProp` (CUDA 12): pinned device memory at `location_id`.
+/// `CUmemAllocationProp` (CUDA 12).
 #[repr(C)]
 pub struct AllocationProp {
     kind: c_int,
@@ -189,6 +186,23 @@ pub struct AllocationProp {
     gpu_direct_rdma_capable: u8,
     usage: u16,
     reserved: [u8; 4],
+}
+
+impl AllocationProp {
+    /// Pinned device memory on CUDA device `dev`.
+    fn device(dev: c_int) -> Self {
+        Self {
+            kind: 1,          // CU_MEM_ALLOCATION_TYPE_PINNED
+            handle_types: 0,  // none
+            location_type: 1, // CU_MEM_LOCATION_TYPE_DEVICE
+            location_id: dev,
+            win32_metadata: null_mut(),
+            compression_type: 0,
+            gpu_direct_rdma_capable: 0,
+            usage: 0,
+            reserved: [0; 4],
+        }
+    }
 }
 
 /// `CUmemPoolProps` (CUDA 12, 88 bytes): its head is `CUmemAllocationProp`'s.
@@ -212,7 +226,7 @@ impl PoolProps {
             handle_types: 0,
             location_type: 1,
             location_id: dev,
-            win32_security_attributes: std::ptr::null_mut(),
+            win32_security_attributes: null_mut(),
             max_size: 0,
             usage: 0,
             reserved: [0; 54],
@@ -272,16 +286,29 @@ enum Kept {
     V1(u32),
 }
 
+/// The first failure of calls made in turn (0: none); every call is made.
+fn first_error(results: impl IntoIterator<Item = c_int>) -> c_int {
+    results
+        .into_iter()
+        .fold(0, |first, r| if first != 0 { first } else { r })
+}
+
+/// `next()` when `r` is success, else `r`.
+fn then(r: c_int, next: impl FnOnce() -> c_int) -> c_int {
+    if r != 0 { r } else { next() }
+}
+
+/// `next()` when `r` is success, else -1 (not reached).
+fn reached(r: c_int, next: impl FnOnce() -> c_int) -> c_int {
+    if r != 0 { -1 } else { next() }
+}
+
 fn real_dlsym(handle: Ptr, name: &CStr) -> Ptr {
     // SAFETY: dlsym with a handle from dlopen and a NUL-terminated name.
     unsafe { libc::dlsym(handle, name.as_ptr()) }
 }
 
-fn dlopen(name: &CStr) -> Result<Ptr, String> {
-    dlopen_with(name, libc::RTLD_NOW | libc::RTLD_GLOBAL)
-}
-
-fn dlopen_with(name: &CStr, flags: c_int) -> Result<Ptr, String> {
+fn dlopen(name: &CStr, flags: c_int) -> Result<Ptr, String> {
     // SAFETY: dlopen with a NUL-terminated name.
     let handle = unsafe { libc::dlopen(name.as_ptr(), flags) };
     if handle.is_null() {
@@ -292,37 +319,14 @@ fn dlopen_with(name: &CStr, flags: c_int) -> Result<Ptr, String> {
 }
 
 fn nvml_by_dlsym() -> Result<Nvml, String> {
-    let handle = dlopen(c"libnvidia-ml.so.1")?;
-    let find = |name: &CStr| {
-        let p = real_dlsym(handle, name);
-        if p.is_null() {
-            Err(format!("{name:?} not found"))
-        } else {
-            Ok(p)
-        }
-    };
-    // SAFETY (each transmute): NVML's entry points of those names, with these signatures.
-    unsafe {
-        Ok(Nvml {
-            init: std::mem::transmute::<Ptr, Fn0>(find(c"nvmlInit_v2")?),
-            utilization: std::mem::transmute::<
-                Ptr,
-                unsafe extern "C" fn(Ptr, *mut NvmlUtilization) -> c_int,
-            >(find(c"nvmlDeviceGetUtilizationRates")?),
-            handle_by_index: std::mem::transmute::<
-                Ptr,
-                unsafe extern "C" fn(c_uint, *mut Ptr) -> c_int,
-            >(find(c"nvmlDeviceGetHandleByIndex_v2")?),
-            memory_info: std::mem::transmute::<
-                Ptr,
-                unsafe extern "C" fn(Ptr, *mut NvmlMemory) -> c_int,
-            >(find(c"nvmlDeviceGetMemoryInfo")?),
-            memory_info_v2: std::mem::transmute::<
-                Ptr,
-                unsafe extern "C" fn(Ptr, *mut NvmlMemoryV2) -> c_int,
-            >(find(c"nvmlDeviceGetMemoryInfo_v2")?),
-        })
-    }
+    let handle = dlopen(c"libnvidia-ml.so.1", libc::RTLD_NOW | libc::RTLD_GLOBAL)?;
+    Nvml::lookup(|name, _, _| real_dlsym(handle, name))
+}
+
+/// CUDA's entry points by dlsym from `handle`, NVML's by dlsym.
+fn by_dlsym(handle: Ptr) -> Result<(Cuda, Nvml, Ptr), String> {
+    let cuda = Cuda::lookup(|name, _, _| real_dlsym(handle, name))?;
+    Ok((cuda, nvml_by_dlsym()?, handle))
 }
 
 type GetProcV1 = unsafe extern "C" fn(*const c_char, *mut Ptr, c_int, u64) -> c_int;
@@ -336,13 +340,9 @@ pub type Linked = fn() -> (Cuda, Nvml);
 fn connect(via: &str, linked: Option<Linked>) -> Result<(Cuda, Nvml, Ptr), String> {
     if let Some(path) = via.strip_prefix("path:") {
         let path = std::ffi::CString::new(path).map_err(|_| "a NUL in the path")?;
-        let handle = dlopen_with(&path, libc::RTLD_NOW | libc::RTLD_LOCAL)?;
-        return Ok((
-            Cuda::lookup(|name, _, _| real_dlsym(handle, name))?,
-            nvml_by_dlsym()?,
-            handle,
-        ));
+        return by_dlsym(dlopen(&path, libc::RTLD_NOW | libc::RTLD_LOCAL)?);
     }
+    let libcuda = || dlopen(c"libcuda.so.1", libc::RTLD_NOW | libc::RTLD_GLOBAL);
     match via {
         "link" => linked
             .map(|linked| {
@@ -352,23 +352,16 @@ fn connect(via: &str, linked: Option<Linked>) -> Result<(Cuda, Nvml, Ptr), Strin
             .ok_or_else(|| {
                 "this probe does not link the driver: --via dlsym, getproc or path:FILE".into()
             }),
-        "dlsym" => {
-            let handle = dlopen(c"libcuda.so.1")?;
-            Ok((
-                Cuda::lookup(|name, _, _| real_dlsym(handle, name))?,
-                nvml_by_dlsym()?,
-                handle,
-            ))
-        }
+        "dlsym" => by_dlsym(libcuda()?),
         "getproc" => {
-            let handle = dlopen(c"libcuda.so.1")?;
+            let handle = libcuda()?;
             let v1 = real_dlsym(handle, c"cuGetProcAddress");
             if v1.is_null() {
                 return Err("cuGetProcAddress not found".into());
             }
             // SAFETY: cuGetProcAddress has the v1 signature.
             let v1 = unsafe { std::mem::transmute::<Ptr, GetProcV1>(v1) };
-            let mut v2: Ptr = std::ptr::null_mut();
+            let mut v2: Ptr = null_mut();
             // SAFETY: a NUL-terminated name and a place for the pointer.
             let r = unsafe { v1(c"cuGetProcAddress".as_ptr(), &mut v2, 12000, 0) };
             if r != 0 || v2.is_null() {
@@ -379,12 +372,12 @@ fn connect(via: &str, linked: Option<Linked>) -> Result<(Cuda, Nvml, Ptr), Strin
             // SAFETY: for cudaVersion 12000 the driver answers cuGetProcAddress_v2.
             let v2 = unsafe { std::mem::transmute::<Ptr, GetProcV2>(v2) };
             let cuda = Cuda::lookup(|_, base, flags| {
-                let mut p: Ptr = std::ptr::null_mut();
+                let mut p: Ptr = null_mut();
                 let mut status: c_int = 0;
-                // SAFETY: a NUL-terminated name and places for the answers.
                 let version = if flags & V1 != 0 { 3000 } else { 12000 };
+                // SAFETY: a NUL-terminated name and places for the answers.
                 let r = unsafe { v2(base.as_ptr(), &mut p, version, flags & !V1, &mut status) };
-                if r == 0 { p } else { std::ptr::null_mut() }
+                if r == 0 { p } else { null_mut() }
             })?;
             Ok((cuda, nvml_by_dlsym()?, handle))
         }
@@ -419,22 +412,26 @@ impl Probe {
         dev
     }
 
+    /// NVML's handle of its device `index` (NVML initialized first): (result, handle).
+    fn nvml_handle(&mut self, index: c_uint) -> (c_int, Ptr) {
+        if !self.nvml_ready {
+            // SAFETY: no arguments.
+            self.nvml_ready = unsafe { (self.nvml.init)() } == 0;
+        }
+        let mut handle = null_mut();
+        // SAFETY: a place for the handle.
+        let r = unsafe { (self.nvml.handle_by_index)(index, &mut handle) };
+        (r, handle)
+    }
+
     fn device(&mut self, dev: c_int) -> String {
-        let mut ctx: Ptr = std::ptr::null_mut();
-        let mut device = 0;
+        let c = &self.cuda;
+        let (mut ctx, mut device) = (null_mut(), 0);
         // SAFETY: places for the answers; the context from the driver.
         let r = unsafe {
-            let r = (self.cuda.device_get)(&mut device, dev);
-            if r != 0 {
-                r
-            } else {
-                let r = (self.cuda.primary_ctx_retain)(&mut ctx, device);
-                if r != 0 {
-                    r
-                } else {
-                    (self.cuda.ctx_set_current)(ctx)
-                }
-            }
+            let r = (c.device_get)(&mut device, dev);
+            let r = then(r, || (c.primary_ctx_retain)(&mut ctx, device));
+            then(r, || (c.ctx_set_current)(ctx))
         };
         format!("device dev={dev} result={r}")
     }
@@ -446,43 +443,30 @@ impl Probe {
         let r = unsafe { (self.cuda.mem_get_info)(&mut free, &mut total) };
         // SAFETY: as above.
         let rt = unsafe { (self.cuda.device_total_mem)(&mut dtotal, dev) };
-        let mut lines = vec![
-            format!("cuda dev={dev} total={total} free={free} result={r}"),
-            format!("cuda-total dev={dev} total={dtotal} result={rt}"),
-        ];
-        if !self.nvml_ready {
-            // SAFETY: no arguments.
-            let r = unsafe { (self.nvml.init)() };
-            self.nvml_ready = r == 0;
-        }
-        let mut handle: Ptr = std::ptr::null_mut();
-        // SAFETY: a place for the handle.
-        let rh = unsafe { (self.nvml.handle_by_index)(dev.max(0) as c_uint, &mut handle) };
+        let (rh, handle) = self.nvml_handle(dev.max(0) as c_uint);
         let mut m = NvmlMemory::default();
         let mut m2 = NvmlMemoryV2 {
             version: NVML_MEMORY_V2,
             ..Default::default()
         };
-        let (r1, r2) = if rh != 0 {
-            (rh, rh)
-        } else {
-            // SAFETY: a handle from NVML and places for the answers.
-            unsafe {
-                (
-                    (self.nvml.memory_info)(handle, &mut m),
-                    (self.nvml.memory_info_v2)(handle, &mut m2),
-                )
-            }
-        };
-        lines.push(format!(
-            "nvml dev={dev} total={} free={} used={} result={r1}",
-            m.total, m.free, m.used
-        ));
-        lines.push(format!(
-            "nvml2 dev={dev} total={} free={} used={} result={r2}",
-            m2.total, m2.free, m2.used
-        ));
-        lines
+        // SAFETY: a handle from NVML and places for the answers.
+        let r1 = then(rh, || unsafe { (self.nvml.memory_info)(handle, &mut m) });
+        // SAFETY: as above.
+        let r2 = then(rh, || unsafe {
+            (self.nvml.memory_info_v2)(handle, &mut m2)
+        });
+        vec![
+            format!("cuda dev={dev} total={total} free={free} result={r}"),
+            format!("cuda-total dev={dev} total={dtotal} result={rt}"),
+            format!(
+                "nvml dev={dev} total={} free={} used={} result={r1}",
+                m.total, m.free, m.used
+            ),
+            format!(
+                "nvml2 dev={dev} total={} free={} used={} result={r2}",
+                m2.total, m2.free, m2.used
+            ),
+        ]
     }
 
     fn alloc(
@@ -493,99 +477,65 @@ impl Probe {
     ) -> Result<String, String> {
         let bytes = mib << 20;
         let c = &self.cuda;
-        let mut ptr = 0u64;
-        let mut handle: Ptr = std::ptr::null_mut();
-        let stream: Ptr = std::ptr::null_mut();
+        let (mut ptr, mut handle, stream) = (0u64, null_mut(), null_mut());
+        let array = ArrayDescriptor {
+            width: 1 << 16,
+            height: bytes >> 16,
+            format: FORMAT_U8,
+            channels: 1,
+        };
+        let cube = Array3dDescriptor {
+            width: 1 << 10,
+            height: 1 << 10,
+            depth: mib,
+            format: FORMAT_U8,
+            channels: 1,
+            flags: 0,
+        };
         // SAFETY (the whole block): driver calls with places for their answers and descriptors
         // that live across the call.
-        let (r, kept) = unsafe {
+        let r = unsafe {
             match path {
-                "mem" => ((c.mem_alloc)(&mut ptr, bytes), Kept::Mem(ptr)),
-                "pitch" => {
-                    let mut pitch = 0usize;
-                    (
-                        (c.mem_alloc_pitch)(&mut ptr, &mut pitch, 1 << 16, bytes >> 16, 4),
-                        Kept::Mem(ptr),
-                    )
-                }
-                "managed" => ((c.mem_alloc_managed)(&mut ptr, bytes, 1), Kept::Mem(ptr)),
-                "async" => (
-                    (c.mem_alloc_async)(&mut ptr, bytes, stream),
-                    Kept::Async(ptr),
-                ),
-                "async-ptsz" => (
-                    (c.mem_alloc_async_ptsz)(&mut ptr, bytes, stream),
-                    Kept::AsyncPtsz(ptr),
-                ),
+                "mem" => (c.mem_alloc)(&mut ptr, bytes),
+                "pitch" => (c.mem_alloc_pitch)(&mut ptr, &mut 0usize, 1 << 16, bytes >> 16, 4),
+                "managed" => (c.mem_alloc_managed)(&mut ptr, bytes, 1),
+                "async" => (c.mem_alloc_async)(&mut ptr, bytes, stream),
+                "async-ptsz" => (c.mem_alloc_async_ptsz)(&mut ptr, bytes, stream),
                 "pool" | "pool-ptsz" => {
-                    let mut pool: Ptr = std::ptr::null_mut();
+                    let mut pool = null_mut();
                     let r = (c.default_mem_pool)(&mut pool, self.current_device());
-                    if r != 0 {
-                        (r, Kept::Mem(0))
-                    } else if path == "pool" {
-                        (
-                            (c.mem_alloc_pool)(&mut ptr, bytes, pool, stream),
-                            Kept::Async(ptr),
-                        )
+                    let from = if path == "pool" {
+                        c.mem_alloc_pool
                     } else {
-                        (
-                            (c.mem_alloc_pool_ptsz)(&mut ptr, bytes, pool, stream),
-                            Kept::AsyncPtsz(ptr),
-                        )
-                    }
+                        c.mem_alloc_pool_ptsz
+                    };
+                    then(r, || from(&mut ptr, bytes, pool, stream))
                 }
                 "vmm" => {
-                    let prop = AllocationProp {
-                        kind: 1,          // CU_MEM_ALLOCATION_TYPE_PINNED
-                        handle_types: 0,  // none
-                        location_type: 1, // CU_MEM_LOCATION_TYPE_DEVICE
-                        location_id: vmm_device.unwrap_or_else(|| self.current_device()),
-                        win32_metadata: std::ptr::null_mut(),
-                        compression_type: 0,
-                        gpu_direct_rdma_capable: 0,
-                        usage: 0,
-                        reserved: [0; 4],
-                    };
-                    ((c.mem_create)(&mut ptr, bytes, &prop, 0), Kept::Vmm(ptr))
+                    let dev = vmm_device.unwrap_or_else(|| self.current_device());
+                    (c.mem_create)(&mut ptr, bytes, &AllocationProp::device(dev), 0)
                 }
-                "array" => {
-                    let desc = ArrayDescriptor {
-                        width: 1 << 16,
-                        height: bytes >> 16,
-                        format: FORMAT_U8,
-                        channels: 1,
-                    };
-                    let r = (c.array_create)(&mut handle, &desc);
-                    (r, Kept::Array(handle))
-                }
-                "array3d" | "mipmap" => {
-                    let desc = Array3dDescriptor {
-                        width: 1 << 10,
-                        height: 1 << 10,
-                        depth: mib,
-                        format: FORMAT_U8,
-                        channels: 1,
-                        flags: 0,
-                    };
-                    if path == "array3d" {
-                        let r = (c.array3d_create)(&mut handle, &desc);
-                        (r, Kept::Array(handle))
-                    } else {
-                        let r = (c.mipmap_create)(&mut handle, &desc, 1);
-                        (r, Kept::Mipmap(handle))
-                    }
-                }
+                "array" => (c.array_create)(&mut handle, &array),
+                "array3d" => (c.array3d_create)(&mut handle, &cube),
+                "mipmap" => (c.mipmap_create)(&mut handle, &cube, 1),
                 other => return Err(format!("unknown allocation path {other}")),
             }
         };
         if r == 0 {
-            self.kept.push(kept);
+            self.kept.push(match path {
+                "async" | "pool" => Kept::Async(ptr),
+                "async-ptsz" | "pool-ptsz" => Kept::AsyncPtsz(ptr),
+                "vmm" => Kept::Vmm(ptr),
+                "array" | "array3d" => Kept::Array(handle),
+                "mipmap" => Kept::Mipmap(handle),
+                _ => Kept::Mem(ptr),
+            });
         }
         Ok(format!("alloc path={path} mib={mib} result={r}"))
     }
 
     fn current_pool(&self) -> (c_int, Ptr) {
-        let mut pool: Ptr = std::ptr::null_mut();
+        let mut pool = null_mut();
         // SAFETY: a place for the answer.
         let r = unsafe { (self.cuda.device_get_mem_pool)(&mut pool, self.current_device()) };
         (r, pool)
@@ -593,7 +543,7 @@ impl Probe {
 
     fn ctx_create(&mut self) -> String {
         let c = &self.cuda;
-        let (mut prev, mut ctx): (Ptr, Ptr) = (std::ptr::null_mut(), std::ptr::null_mut());
+        let (mut prev, mut ctx) = (null_mut(), null_mut());
         // SAFETY: places for the answers.
         let r = unsafe {
             (c.ctx_get_current)(&mut prev);
@@ -631,13 +581,12 @@ impl Probe {
 
     fn pool_alloc(&mut self, mib: usize, from_created: bool) -> String {
         let mut ptr = 0u64;
-        let stream: Ptr = std::ptr::null_mut();
-        // SAFETY: a place for the pointer; a pool from the driver.
+        // SAFETY: a place for the pointer; a pool from the driver; the legacy stream.
         let r = unsafe {
             if from_created {
-                (self.cuda.mem_alloc_pool)(&mut ptr, mib << 20, self.pool, stream)
+                (self.cuda.mem_alloc_pool)(&mut ptr, mib << 20, self.pool, null_mut())
             } else {
-                (self.cuda.mem_alloc_async)(&mut ptr, mib << 20, stream)
+                (self.cuda.mem_alloc_async)(&mut ptr, mib << 20, null_mut())
             }
         };
         if r == 0 {
@@ -652,34 +601,28 @@ impl Probe {
     }
 
     fn pool_free(&mut self) -> String {
-        let count = self.pool_kept.len();
-        let mut first = 0;
-        for p in self.pool_kept.drain(..) {
-            // SAFETY: a pool pointer, freed once.
-            let r = unsafe { (self.cuda.mem_free_async)(p, std::ptr::null_mut()) };
-            if first == 0 {
-                first = r;
-            }
-        }
-        format!("pool-free count={count} result={first}")
+        let (count, c) = (self.pool_kept.len(), &self.cuda);
+        // SAFETY: pool pointers, each freed once.
+        let frees = self
+            .pool_kept
+            .drain(..)
+            .map(|p| unsafe { (c.mem_free_async)(p, null_mut()) });
+        format!("pool-free count={count} result={}", first_error(frees))
     }
 
     fn pool_threshold(&mut self, mib: usize) -> String {
-        let (mut r, pool) = self.current_pool();
+        let (r, pool) = self.current_pool();
         let mut value = (mib as u64) << 20;
-        if r == 0 {
-            // SAFETY: CU_MEMPOOL_ATTR_RELEASE_THRESHOLD takes a cuuint64_t.
-            r = unsafe { (self.cuda.pool_set_attribute)(pool, 4, (&mut value as *mut u64).cast()) };
-        }
-        format!("pool-threshold mib={mib} result={r}")
+        // SAFETY: CU_MEMPOOL_ATTR_RELEASE_THRESHOLD takes a cuuint64_t.
+        let set =
+            || unsafe { (self.cuda.pool_set_attribute)(pool, 4, (&mut value as *mut u64).cast()) };
+        format!("pool-threshold mib={mib} result={}", then(r, set))
     }
 
     fn trim(&mut self, mib: usize) -> String {
-        let (mut r, pool) = self.current_pool();
-        if r == 0 {
-            // SAFETY: a pool from the driver.
-            r = unsafe { (self.cuda.pool_trim_to)(pool, mib << 20) };
-        }
+        let (r, pool) = self.current_pool();
+        // SAFETY: a pool from the driver.
+        let r = then(r, || unsafe { (self.cuda.pool_trim_to)(pool, mib << 20) });
         format!("trim mib={mib} result={r}")
     }
 
@@ -696,17 +639,7 @@ impl Probe {
         let dev = dev.unwrap_or_else(|| self.current_device());
         let bytes = mib << 20;
         let c = &self.cuda;
-        let prop = AllocationProp {
-            kind: 1,
-            handle_types: 0,
-            location_type: 1,
-            location_id: dev,
-            win32_metadata: std::ptr::null_mut(),
-            compression_type: 0,
-            gpu_direct_rdma_capable: 0,
-            usage: 0,
-            reserved: [0; 4],
-        };
+        let prop = AllocationProp::device(dev);
         let access = AccessDesc {
             location_type: 1,
             location_id: dev,
@@ -721,16 +654,8 @@ impl Probe {
                 (create, -1, -1, -1, -1)
             } else {
                 let reserve = (c.address_reserve)(&mut va, bytes, 0, 0, 0);
-                let map = if reserve == 0 {
-                    (c.mem_map)(va, bytes, 0, handle, 0)
-                } else {
-                    -1
-                };
-                let set = if map == 0 {
-                    (c.mem_set_access)(va, bytes, &access, 1)
-                } else {
-                    -1
-                };
+                let map = reached(reserve, || (c.mem_map)(va, bytes, 0, handle, 0));
+                let set = reached(map, || (c.mem_set_access)(va, bytes, &access, 1));
                 let release = (c.mem_release)(handle);
                 if map != 0 && reserve == 0 {
                     (c.address_free)(va, bytes);
@@ -738,10 +663,7 @@ impl Probe {
                 (create, reserve, map, set, release)
             }
         };
-        let result = [create, reserve, map, access, release]
-            .into_iter()
-            .find(|&r| r != 0)
-            .unwrap_or(0);
+        let result = first_error([create, reserve, map, access, release]);
         if map == 0 {
             self.mapped.push((va, bytes));
         }
@@ -751,53 +673,41 @@ impl Probe {
     }
 
     fn vmm_unmap(&mut self) -> String {
-        let count = self.mapped.len();
-        let mut first = 0;
-        for (va, bytes) in self.mapped.drain(..) {
-            // SAFETY: a range this probe mapped, unmapped and freed once.
-            let r = unsafe {
-                let r = (self.cuda.mem_unmap)(va, bytes);
-                let f = (self.cuda.address_free)(va, bytes);
-                if r != 0 { r } else { f }
-            };
-            if first == 0 {
-                first = r;
-            }
-        }
-        format!("vmm-unmap count={count} result={first}")
+        let (count, c) = (self.mapped.len(), &self.cuda);
+        // SAFETY: ranges this probe mapped, each unmapped and freed once.
+        let unmaps = self.mapped.drain(..).map(|(va, bytes)| unsafe {
+            let r = (c.mem_unmap)(va, bytes);
+            let f = (c.address_free)(va, bytes);
+            if r != 0 { r } else { f }
+        });
+        format!("vmm-unmap count={count} result={}", first_error(unmaps))
     }
 
     /// A graph with one allocation node of `mib` MiB on the current device and the node
     /// freeing it, instantiated and launched.
     fn graph_alloc(&mut self, mib: usize) -> String {
         let c = &self.cuda;
-        let dev = self.current_device();
         let mut params = MemAllocNodeParams {
-            pool_props: PoolProps::device(dev),
-            access_descs: std::ptr::null(),
+            pool_props: PoolProps::device(self.current_device()),
+            access_descs: null(),
             access_desc_count: 0,
             bytesize: mib << 20,
             dptr: 0,
         };
-        let (mut graph, mut node, mut free_node, mut exec): (Ptr, Ptr, Ptr, Ptr) = (
-            std::ptr::null_mut(),
-            std::ptr::null_mut(),
-            std::ptr::null_mut(),
-            std::ptr::null_mut(),
-        );
+        let [mut graph, mut node, mut free_node, mut exec]: [Ptr; 4] = [null_mut(); 4];
         // SAFETY: driver calls with places for their answers; parameters that live across
         // them; handles from the driver.
         let steps = unsafe {
             let create = (c.graph_create)(&mut graph, 0);
-            let add = (c.graph_add_alloc)(&mut node, graph, std::ptr::null(), 0, &mut params);
+            let add = (c.graph_add_alloc)(&mut node, graph, null(), 0, &mut params);
             let free = (c.graph_add_free)(&mut free_node, graph, &node, 1, params.dptr);
             let instantiate = (c.graph_instantiate)(&mut exec, graph, 0);
-            let launch = (c.graph_launch)(exec, std::ptr::null_mut());
+            let launch = (c.graph_launch)(exec, null_mut());
             (c.graph_exec_destroy)(exec);
             (c.graph_destroy)(graph);
             [create, add, free, instantiate, launch]
         };
-        let result = steps.into_iter().find(|&r| r != 0).unwrap_or(0);
+        let result = first_error(steps);
         let [create, add, free, instantiate, launch] = steps;
         format!(
             "graph-alloc mib={mib} result={result} create={create} node={add} free-node={free} instantiate={instantiate} launch={launch}"
@@ -808,11 +718,7 @@ impl Probe {
     /// instantiates and launches the graph.
     fn graph_capture(&mut self, mib: usize) -> String {
         let c = &self.cuda;
-        let (mut stream, mut graph, mut exec): (Ptr, Ptr, Ptr) = (
-            std::ptr::null_mut(),
-            std::ptr::null_mut(),
-            std::ptr::null_mut(),
-        );
+        let [mut stream, mut graph, mut exec]: [Ptr; 3] = [null_mut(); 3];
         let mut ptr = 0u64;
         // SAFETY: as in graph_alloc.
         let steps = unsafe {
@@ -828,7 +734,7 @@ impl Probe {
             (c.stream_destroy)(stream);
             [create, begin, alloc, free, end, instantiate, launch]
         };
-        let result = steps.into_iter().find(|&r| r != 0).unwrap_or(0);
+        let result = first_error(steps);
         let [create, begin, alloc, free, end, instantiate, launch] = steps;
         format!(
             "graph-capture mib={mib} result={result} stream={create} begin={begin} alloc={alloc} free={free} end={end} instantiate={instantiate} launch={launch}"
@@ -839,35 +745,24 @@ impl Probe {
     /// grid has blocks) through `path`, each waited for, for `ms` milliseconds.
     fn kernels(&mut self, path: &str, ms: u64, us: c_uint) -> Result<String, String> {
         let c = &self.cuda;
-        let null: Ptr = std::ptr::null_mut();
         // Any non-null function: the fake does not look at it.
         let f = 0x1 as Ptr;
-        let mut params: [Ptr; 1] = [null];
-        let (mut stream, mut graph, mut exec): (Ptr, Ptr, Ptr) = (null, null, null);
+        let mut params: [Ptr; 1] = [null_mut()];
+        let p = params.as_mut_ptr();
+        let [mut stream, mut graph, mut exec]: [Ptr; 3] = [null_mut(); 3];
         if path.starts_with("graph") {
             // SAFETY: places for the answers; a kernel captured on the new stream.
             let setup = unsafe {
                 [
                     (c.stream_create)(&mut stream, 0),
                     (c.stream_begin_capture)(stream, 0),
-                    (c.launch_kernel)(
-                        f,
-                        us,
-                        1,
-                        1,
-                        32,
-                        1,
-                        1,
-                        0,
-                        stream,
-                        params.as_mut_ptr(),
-                        std::ptr::null_mut(),
-                    ),
+                    (c.launch_kernel)(f, us, 1, 1, 32, 1, 1, 0, stream, p, null_mut()),
                     (c.stream_end_capture)(stream, &mut graph),
                     (c.graph_instantiate)(&mut exec, graph, 0),
                 ]
             };
-            if let Some(r) = setup.into_iter().find(|&r| r != 0) {
+            let r = first_error(setup);
+            if r != 0 {
                 return Ok(format!("kernels path={path} us={us} count=0 result={r}"));
             }
         }
@@ -875,20 +770,18 @@ impl Probe {
             grid: [us, 1, 1],
             block: [32, 1, 1],
             shared_mem_bytes: 0,
-            stream: null,
-            attrs: null,
+            stream: null_mut(),
+            attrs: null_mut(),
             num_attrs: 0,
         };
         let started = std::time::Instant::now();
-        let mut count = 0u64;
-        let mut result = 0;
+        let (mut count, mut result) = (0u64, 0);
+        let (null, none) = (null_mut(), null_mut());
         while started.elapsed() < std::time::Duration::from_millis(ms) {
-            let p = params.as_mut_ptr();
-            let none = std::ptr::null_mut();
             // SAFETY: the fake's launches with a grid, a stream (the default one) and
-            // parameters that live across the call.
+            // parameters that live across the call; then the default stream.
             let r = unsafe {
-                match path {
+                let r = match path {
                     "launch" => (c.launch_kernel)(f, us, 1, 1, 32, 1, 1, 0, null, p, none),
                     "launch-ptsz" => {
                         (c.launch_kernel_ptsz)(f, us, 1, 1, 32, 1, 1, 0, null, p, none)
@@ -902,13 +795,8 @@ impl Probe {
                             "unknown kernels path {other}: launch launch-ptsz ex coop graph"
                         ));
                     }
-                }
-            };
-            // SAFETY: the default stream.
-            let r = if r == 0 {
-                unsafe { (c.stream_synchronize)(null) }
-            } else {
-                r
+                };
+                then(r, || (c.stream_synchronize)(null))
             };
             if r != 0 {
                 result = r;
@@ -932,21 +820,10 @@ impl Probe {
     /// NVML's utilization of the current device (`nvmlDeviceGetUtilizationRates`).
     fn gpu_util(&mut self) -> String {
         let dev = self.current_device();
-        if !self.nvml_ready {
-            // SAFETY: no arguments.
-            self.nvml_ready = unsafe { (self.nvml.init)() } == 0;
-        }
-        let mut handle: Ptr = std::ptr::null_mut();
+        let (r, handle) = self.nvml_handle(dev.max(0) as c_uint);
         let mut u = NvmlUtilization::default();
-        // SAFETY: a place for the handle; the handle from NVML and a place for the answer.
-        let r = unsafe {
-            let r = (self.nvml.handle_by_index)(dev.max(0) as c_uint, &mut handle);
-            if r != 0 {
-                r
-            } else {
-                (self.nvml.utilization)(handle, &mut u)
-            }
-        };
+        // SAFETY: the handle from NVML and a place for the answer.
+        let r = then(r, || unsafe { (self.nvml.utilization)(handle, &mut u) });
         format!("gpu-util dev={dev} gpu={} result={r}", u.gpu)
     }
 
@@ -995,28 +872,23 @@ impl Probe {
     }
 
     fn v1_free(&mut self) -> String {
-        let mut count = 0;
-        let mut first = 0;
-        let c = &self.cuda;
+        let (mut count, mut frees, c) = (0, Vec::new(), &self.cuda);
         self.kept.retain(|k| match *k {
             Kept::V1(p) => {
                 count += 1;
                 // SAFETY: a v1 pointer, freed once.
-                let r = unsafe { (c.v1_free)(p) };
-                if first == 0 {
-                    first = r;
-                }
+                frees.push(unsafe { (c.v1_free)(p) });
                 false
             }
             _ => true,
         });
-        format!("v1-free count={count} result={first}")
+        format!("v1-free count={count} result={}", first_error(frees))
     }
 
     fn info_null_free(&mut self) -> String {
         let mut total = 0usize;
         // SAFETY: NULL for free, a place for total.
-        let r = unsafe { (self.cuda.mem_get_info)(std::ptr::null_mut(), &mut total) };
+        let r = unsafe { (self.cuda.mem_get_info)(null_mut(), &mut total) };
         format!("info-null-free total={total} result={r}")
     }
 
@@ -1026,14 +898,8 @@ impl Probe {
         // SAFETY: a place for 16 bytes.
         let r = unsafe { (self.cuda.device_get_uuid)(&mut raw, dev) };
         let hex: String = raw.iter().map(|b| format!("{b:02x}")).collect();
-        format!(
-            "uuid dev={dev} uuid=GPU-{}-{}-{}-{}-{} result={r}",
-            &hex[0..8],
-            &hex[8..12],
-            &hex[12..16],
-            &hex[16..20],
-            &hex[20..32]
-        )
+        let groups = [0..8, 8..12, 12..16, 16..20, 20..32].map(|at| &hex[at]);
+        format!("uuid dev={dev} uuid=GPU-{} result={r}", groups.join("-"))
     }
 
     /// What the fake driver the probe looked up (not the one the interposer may forward to)
@@ -1051,21 +917,10 @@ impl Probe {
     }
 
     fn nvml_info(&mut self, index: c_uint) -> String {
-        if !self.nvml_ready {
-            // SAFETY: no arguments.
-            self.nvml_ready = unsafe { (self.nvml.init)() } == 0;
-        }
-        let mut handle: Ptr = std::ptr::null_mut();
+        let (r, handle) = self.nvml_handle(index);
         let mut m = NvmlMemory::default();
-        // SAFETY: a place for the handle; the handle from NVML and a place for the answer.
-        let r = unsafe {
-            let r = (self.nvml.handle_by_index)(index, &mut handle);
-            if r != 0 {
-                r
-            } else {
-                (self.nvml.memory_info)(handle, &mut m)
-            }
-        };
+        // SAFETY: the handle from NVML and a place for the answer.
+        let r = then(r, || unsafe { (self.nvml.memory_info)(handle, &mut m) });
         format!(
             "nvml-info index={index} total={} free={} used={} result={r}",
             m.total, m.free, m.used
@@ -1073,65 +928,48 @@ impl Probe {
     }
 
     fn threads(&mut self, n: usize, mib: usize) -> String {
-        let dev = self.current_device();
-        let cuda = &self.cuda;
-        let kept: Vec<Vec<u64>> = std::thread::scope(|s| {
-            let workers: Vec<_> = (0..n)
-                .map(|_| {
-                    s.spawn(move || {
-                        let mut ctx: Ptr = std::ptr::null_mut();
-                        let mut mine = Vec::new();
-                        // SAFETY: places for the answers; the context from the driver.
-                        unsafe {
-                            if (cuda.primary_ctx_retain)(&mut ctx, dev) != 0
-                                || (cuda.ctx_set_current)(ctx) != 0
-                            {
-                                return mine;
-                            }
-                            for _ in 0..1_000_000 {
-                                let mut ptr = 0u64;
-                                if (cuda.mem_alloc)(&mut ptr, mib << 20) != 0 {
-                                    break;
-                                }
-                                mine.push(ptr);
-                            }
-                        }
-                        mine
-                    })
-                })
-                .collect();
+        let (dev, cuda) = (self.current_device(), &self.cuda);
+        let worker = move || {
+            let (mut ctx, mut mine) = (null_mut(), Vec::new());
+            // SAFETY: places for the answers; the context from the driver.
+            unsafe {
+                if (cuda.primary_ctx_retain)(&mut ctx, dev) == 0 && (cuda.ctx_set_current)(ctx) == 0
+                {
+                    let mut ptr = 0u64;
+                    while mine.len() < 1_000_000 && (cuda.mem_alloc)(&mut ptr, mib << 20) == 0 {
+                        mine.push(ptr);
+                    }
+                }
+            }
+            mine
+        };
+        let kept: Vec<u64> = std::thread::scope(|s| {
+            let workers: Vec<_> = (0..n).map(|_| s.spawn(worker)).collect();
             workers
                 .into_iter()
-                .map(|w| w.join().unwrap_or_default())
+                .flat_map(|w| w.join().unwrap_or_default())
                 .collect()
         });
-        let allocated: usize = kept.iter().map(Vec::len).sum();
-        self.kept.extend(kept.into_iter().flatten().map(Kept::Mem));
+        let allocated = kept.len();
+        self.kept.extend(kept.into_iter().map(Kept::Mem));
         format!("threads n={n} mib={mib} allocated={allocated}")
     }
 
     fn free(&mut self) -> String {
-        let c = &self.cuda;
-        let count = self.kept.len();
-        let mut first = 0;
-        for kept in self.kept.drain(..) {
-            // SAFETY: each was allocated by the matching call and is freed once.
-            let r = unsafe {
-                match kept {
-                    Kept::Mem(p) => (c.mem_free)(p),
-                    Kept::Async(p) => (c.mem_free_async)(p, std::ptr::null_mut()),
-                    Kept::AsyncPtsz(p) => (c.mem_free_async_ptsz)(p, std::ptr::null_mut()),
-                    Kept::Vmm(h) => (c.mem_release)(h),
-                    Kept::Array(a) => (c.array_destroy)(a),
-                    Kept::Mipmap(a) => (c.mipmap_destroy)(a),
-                    Kept::V1(p) => (c.v1_free)(p),
-                }
-            };
-            if first == 0 {
-                first = r;
+        let (count, c) = (self.kept.len(), &self.cuda);
+        // SAFETY: each was allocated by the matching call and is freed once.
+        let frees = self.kept.drain(..).map(|kept| unsafe {
+            match kept {
+                Kept::Mem(p) => (c.mem_free)(p),
+                Kept::Async(p) => (c.mem_free_async)(p, null_mut()),
+                Kept::AsyncPtsz(p) => (c.mem_free_async_ptsz)(p, null_mut()),
+                Kept::Vmm(h) => (c.mem_release)(h),
+                Kept::Array(a) => (c.array_destroy)(a),
+                Kept::Mipmap(a) => (c.mipmap_destroy)(a),
+                Kept::V1(p) => (c.v1_free)(p),
             }
-        }
-        format!("free count={count} result={first}")
+        });
+        format!("free count={count} result={}", first_error(frees))
     }
 }
 
@@ -1181,6 +1019,18 @@ fn rtld_next_line() -> String {
     )
 }
 
+/// fork(2): 0 in the child, the child's pid in the parent. The caller's child only allocates
+/// and prints, or sleeps, and never returns from its step.
+fn fork() -> Result<libc::pid_t, String> {
+    // SAFETY: see above; the child leaves with _exit or is killed.
+    let pid = unsafe { libc::fork() };
+    if pid < 0 {
+        Err("fork failed".into())
+    } else {
+        Ok(pid)
+    }
+}
+
 fn run(args: Vec<String>, linked: Option<Linked>) -> Result<(), String> {
     let Some((via, steps)) = parse_args(args)? else {
         return Ok(());
@@ -1199,7 +1049,7 @@ fn run(args: Vec<String>, linked: Option<Linked>) -> Result<(), String> {
         kept: Vec::new(),
         pool_kept: Vec::new(),
         created: Vec::new(),
-        pool: std::ptr::null_mut(),
+        pool: null_mut(),
         mapped: Vec::new(),
     };
     // A first step `no-context` skips making device 0 current (to see what a process that
@@ -1226,18 +1076,23 @@ fn run(args: Vec<String>, linked: Option<Linked>) -> Result<(), String> {
                 .and_then(|p| p.parse().ok())
                 .ok_or_else(|| format!("step {step}: field {i} must be a number"))
         };
+        // An optional device number in field `i`.
+        let device = |i: usize| {
+            (parts.len() > i)
+                .then(|| number(i).map(|d| d as c_int))
+                .transpose()
+        };
+        let word = |i: usize, usage: &str| {
+            parts
+                .get(i)
+                .copied()
+                .ok_or_else(|| format!("step {step}: {usage}"))
+        };
         match parts[0] {
             "device" => say(probe.device(number(1)? as c_int)),
             "info" => probe.info().into_iter().for_each(&mut say),
             "alloc" => {
-                let path = parts
-                    .get(1)
-                    .ok_or_else(|| format!("step {step}: alloc:PATH:MIB"))?;
-                let dev = if parts.len() > 3 {
-                    Some(number(3)? as c_int)
-                } else {
-                    None
-                };
+                let (path, dev) = (word(1, "alloc:PATH:MIB")?, device(3)?);
                 say(probe.alloc(path, number(2)?, dev)?)
             }
             "free" => say(probe.free()),
@@ -1256,21 +1111,14 @@ fn run(args: Vec<String>, linked: Option<Linked>) -> Result<(), String> {
                 say(format!("sync result={r}"))
             }
             "vmm-map" => {
-                let dev = if parts.len() > 2 {
-                    Some(number(2)? as c_int)
-                } else {
-                    None
-                };
+                let dev = device(2)?;
                 say(probe.vmm_map(number(1)?, dev))
             }
             "vmm-unmap" => say(probe.vmm_unmap()),
             "graph-alloc" => say(probe.graph_alloc(number(1)?)),
             "graph-capture" => say(probe.graph_capture(number(1)?)),
             "graph-trim" => say(probe.graph_trim()),
-            "limit" => {
-                let name = parts.get(1).copied().unwrap_or_default();
-                say(probe.limit(name, number(2)?)?)
-            }
+            "limit" => say(probe.limit(parts.get(1).copied().unwrap_or_default(), number(2)?)?),
             "v1-alloc" => say(probe.v1_alloc(number(1)?)),
             "v1-info" => probe.v1_info().into_iter().for_each(&mut say),
             "v1-free" => say(probe.v1_free()),
@@ -1278,9 +1126,7 @@ fn run(args: Vec<String>, linked: Option<Linked>) -> Result<(), String> {
             "uuid" => say(probe.uuid()),
             "nvml-info" => say(probe.nvml_info(number(1)? as c_uint)),
             "kernels" => {
-                let path = parts
-                    .get(1)
-                    .ok_or_else(|| format!("step {step}: kernels:PATH:MS:US"))?;
+                let path = word(1, "kernels:PATH:MS:US")?;
                 say(probe.kernels(path, number(2)? as u64, number(3)? as c_uint)?)
             }
             "gpu-util" => say(probe.gpu_util()),
@@ -1299,11 +1145,7 @@ fn run(args: Vec<String>, linked: Option<Linked>) -> Result<(), String> {
             "rtld-next" => say(rtld_next_line()),
             "fork-alloc" => {
                 let mib = number(1)?;
-                // SAFETY: the child allocates, prints and leaves with _exit.
-                let pid = unsafe { libc::fork() };
-                if pid < 0 {
-                    return Err("fork failed".into());
-                }
+                let pid = fork()?;
                 if pid == 0 {
                     let line = probe.alloc("mem", mib, None)?;
                     say(line);
@@ -1316,11 +1158,7 @@ fn run(args: Vec<String>, linked: Option<Linked>) -> Result<(), String> {
                 say(format!("fork child={pid} status={status}"));
             }
             "fork-sleep" => {
-                // SAFETY: the child only sleeps until it is killed.
-                let pid = unsafe { libc::fork() };
-                if pid < 0 {
-                    return Err("fork failed".into());
-                }
+                let pid = fork()?;
                 if pid == 0 {
                     loop {
                         // SAFETY: waits for a signal; no state of the parent is touched.
