@@ -7,10 +7,11 @@
 //! the tier is skipped with a loud message, except under `CI=true`, where that is a failure.
 //! It ends with the plain `N passed, N failed` line.
 
-use std::collections::BTreeSet;
+use std::collections::{BTreeMap, BTreeSet};
 use std::future::Future;
+use std::path::{Path, PathBuf};
 use std::pin::Pin;
-use std::process::ExitCode;
+use std::process::{Command, ExitCode};
 use std::time::{Duration, Instant};
 
 use anyhow::{Context, bail, ensure};
@@ -19,17 +20,26 @@ use gpushare_contract::{DEFAULT_RESOURCE, Keys, env};
 use gpushare_e2e::cluster::wait_for;
 use gpushare_e2e::fixtures;
 use gpushare_e2e::preemption;
+use gpushare_e2e::realk8s::prometheus::{self, Prometheus};
 use gpushare_e2e::realk8s::{Kit, KitCluster, Mode, barrage, load};
 use gpushare_e2e::scenarios::{
     Harness, START_TIMEOUT, allocation, check_no_overcommit, check_pinned, create_gpu_pod,
     create_pod, delete_pod, get_pod, phase, scheduling_message, wait_bound, wait_running,
     wait_unschedulable,
 };
-use k8s_openapi::api::core::v1::Pod;
+use k8s_openapi::api::core::v1::{Node, Pod};
+use k8s_openapi::apimachinery::pkg::api::resource::Quantity;
 use kube::api::{Api, ListParams, Patch, PatchParams, PostParams};
 
 type Outcome<'a> = Pin<Box<dyn Future<Output = anyhow::Result<()>> + 'a>>;
 type Scenario = for<'a> fn(&'a KitCluster) -> Outcome<'a>;
+
+/// The `(name, scenario)` entries of [`Group::scenarios`]: each async fn, named as written.
+macro_rules! scenarios {
+    ($($scenario:ident),* $(,)?) => {
+        &[$((stringify!($scenario), |c| Box::pin($scenario(c)))),*]
+    };
+}
 
 /// One install of the chart and the scenarios that run on it, in order.
 struct Group {
@@ -42,81 +52,33 @@ const GROUPS: &[Group] = &[
     Group {
         mode: Mode::Extender,
         helm_args: &[],
-        scenarios: &[
-            ("readme_story", readme_story),
-            ("the_readme_pod_runs_pinned", the_readme_pod_runs_pinned),
-            (
-                "a_gpu_container_is_held_to_its_share",
-                a_gpu_container_is_held_to_its_share,
-            ),
-            ("two_gpu_and_exclusive_pods", two_gpu_and_exclusive_pods),
-            (
-                "compute_shares_land_only_where_memory_and_compute_fit",
-                compute_shares_land_only_where_memory_and_compute_fit,
-            ),
-            (
-                "forged_allocations_are_refused",
-                forged_allocations_are_refused,
-            ),
-            ("doctor_names_the_router", doctor_names_the_router),
-            (
-                "kubelet_restart_keeps_gpu_pods",
-                kubelet_restart_keeps_gpu_pods,
-            ),
+        scenarios: scenarios![
+            readme_story,
+            the_readme_pod_runs_pinned,
+            a_gpu_container_is_held_to_its_share,
+            two_gpu_and_exclusive_pods,
+            compute_shares_land_only_where_memory_and_compute_fit,
+            forged_allocations_are_refused,
+            doctor_names_the_router,
+            kubelet_restart_keeps_gpu_pods,
             // After the kubelet restart: the device plugin rolled then must still take the
             // next pod (it once got "no healthy devices"; docs/testing.md).
-            (
-                "toolkit_enforcement_after_helm_upgrade",
-                toolkit_enforcement_after_helm_upgrade,
-            ),
-            (
-                "preemption_frees_one_gpu_for_an_8_gib_pod",
-                preemption_frees_one_gpu_for_an_8_gib_pod,
-            ),
-            (
-                "preemption_gives_a_two_gpu_pod_two_gpus",
-                preemption_gives_a_two_gpu_pod_two_gpus,
-            ),
-            (
-                "preemption_evicts_nobody_for_a_pod_no_gpu_can_hold",
-                preemption_evicts_nobody_for_a_pod_no_gpu_can_hold,
-            ),
-            (
-                "only_kube_scheduler_may_call_the_extender",
-                only_kube_scheduler_may_call_the_extender,
-            ),
-            (
-                "the_scheduler_port_withstands_a_barrage",
-                the_scheduler_port_withstands_a_barrage,
-            ),
+            toolkit_enforcement_after_helm_upgrade,
+            preemption_frees_one_gpu_for_an_8_gib_pod,
+            preemption_gives_a_two_gpu_pod_two_gpus,
+            preemption_evicts_nobody_for_a_pod_no_gpu_can_hold,
+            only_kube_scheduler_may_call_the_extender,
+            the_scheduler_port_withstands_a_barrage,
             // Last: they add Node objects with no kubelet behind them.
-            ("leader_killed_in_a_burst", leader_killed_in_a_burst),
-            ("helm_upgrade_in_a_burst", helm_upgrade_in_a_burst),
-            (
-                "keep_best_packs_and_steps_aside_for_soft_preferences",
-                keep_best_packs_and_steps_aside_for_soft_preferences,
-            ),
-            (
-                "cpu_only_pods_prefer_nodes_whose_gpus_are_in_use",
-                cpu_only_pods_prefer_nodes_whose_gpus_are_in_use,
-            ),
-            (
-                "keep_best_follows_the_multi_gpu_demand",
-                keep_best_follows_the_multi_gpu_demand,
-            ),
-            (
-                "a_pod_behind_its_twin_binds_once_kubelet_admits_the_twin",
-                a_pod_behind_its_twin_binds_once_kubelet_admits_the_twin,
-            ),
-            (
-                "the_gpu_model_annotation_picks_the_gpu",
-                the_gpu_model_annotation_picks_the_gpu,
-            ),
+            leader_killed_in_a_burst,
+            helm_upgrade_in_a_burst,
+            keep_best_packs_and_steps_aside_for_soft_preferences,
+            cpu_only_pods_prefer_nodes_whose_gpus_are_in_use,
+            keep_best_follows_the_multi_gpu_demand,
+            a_pod_behind_its_twin_binds_once_kubelet_admits_the_twin,
+            the_gpu_model_annotation_picks_the_gpu,
             // Last of all: it uninstalls the release and installs it again.
-            (
-                "gpu_pods_right_after_helm_install",
-                gpu_pods_right_after_helm_install,
-            ),
+            gpu_pods_right_after_helm_install,
         ],
     },
     Group {
@@ -141,37 +103,16 @@ const GROUPS: &[Group] = &[
             "--set-json",
             r#"devicePlugin.extraEnv=[{"name":"GPUSHARE_SIMULATE_USAGE_FILE","value":"/tmp/gpushare-realk8s-usage.json"}]"#,
         ],
-        scenarios: &[
+        scenarios: scenarios![
             // First: it checks the cluster's GPU memory totals, with only its own pods.
-            (
-                "a_real_prometheus_answers_the_dashboard_and_the_alerts",
-                a_real_prometheus_answers_the_dashboard_and_the_alerts,
-            ),
-            (
-                "pod_security_restricted_default_and_a_baseline_release_namespace",
-                pod_security_restricted_default_and_a_baseline_release_namespace,
-            ),
-            (
-                "a_pod_over_its_share_by_the_drivers_count_is_evicted",
-                a_pod_over_its_share_by_the_drivers_count_is_evicted,
-            ),
-            (
-                "forgeries_without_the_policy_are_refused_at_allocate",
-                forgeries_without_the_policy_are_refused_at_allocate,
-            ),
-            (
-                "without_the_preempt_verb_two_pods_die_for_nothing",
-                without_the_preempt_verb_two_pods_die_for_nothing,
-            ),
-            (
-                "without_the_preempt_verb_the_two_gpu_pod_waits",
-                without_the_preempt_verb_the_two_gpu_pod_waits,
-            ),
+            a_real_prometheus_answers_the_dashboard_and_the_alerts,
+            pod_security_restricted_default_and_a_baseline_release_namespace,
+            a_pod_over_its_share_by_the_drivers_count_is_evicted,
+            forgeries_without_the_policy_are_refused_at_allocate,
+            without_the_preempt_verb_two_pods_die_for_nothing,
+            without_the_preempt_verb_the_two_gpu_pod_waits,
             // Last: it adds Node objects with no kubelet behind them.
-            (
-                "pods_placed_by_the_classic_gpushare_keep_their_gpus",
-                pods_placed_by_the_classic_gpushare_keep_their_gpus,
-            ),
+            pods_placed_by_the_classic_gpushare_keep_their_gpus,
         ],
     },
     Group {
@@ -181,46 +122,19 @@ const GROUPS: &[Group] = &[
             "--set-json",
             r#"dra.extraEnv=[{"name":"GPUSHARE_SIMULATE_HEALTH_FILE","value":"/tmp/gpushare-realk8s-unhealthy-gpus"}]"#,
         ],
-        scenarios: &[
+        scenarios: scenarios![
             // First: it checks node-k's GPU memory with nothing else booked.
-            (
-                "dra_a_real_prometheus_answers_the_dashboard_and_the_alerts",
-                dra_a_real_prometheus_answers_the_dashboard_and_the_alerts,
-            ),
-            (
-                "the_readme_pod_runs_unchanged_in_dra_mode",
-                the_readme_pod_runs_unchanged_in_dra_mode,
-            ),
-            (
-                "a_dra_container_is_held_to_its_share",
-                a_dra_container_is_held_to_its_share,
-            ),
-            (
-                "dra_compute_shares_are_allocated_by_kube_scheduler",
-                dra_compute_shares_are_allocated_by_kube_scheduler,
-            ),
-            ("dra_claims_run_and_free", dra_claims_run_and_free),
-            (
-                "dra_two_gpu_and_whole_gpu_claims",
-                dra_two_gpu_and_whole_gpu_claims,
-            ),
-            (
-                "dra_kubelet_restart_keeps_claimed_pods",
-                dra_kubelet_restart_keeps_claimed_pods,
-            ),
-            (
-                "dra_unhealthy_gpu_is_tainted_and_avoided",
-                dra_unhealthy_gpu_is_tainted_and_avoided,
-            ),
+            dra_a_real_prometheus_answers_the_dashboard_and_the_alerts,
+            the_readme_pod_runs_unchanged_in_dra_mode,
+            a_dra_container_is_held_to_its_share,
+            dra_compute_shares_are_allocated_by_kube_scheduler,
+            dra_claims_run_and_free,
+            dra_two_gpu_and_whole_gpu_claims,
+            dra_kubelet_restart_keeps_claimed_pods,
+            dra_unhealthy_gpu_is_tainted_and_avoided,
             // Last: they add Node objects with no kubelet behind them, and stop the extender.
-            (
-                "dra_pods_go_to_the_fuller_node_and_gpu",
-                dra_pods_go_to_the_fuller_node_and_gpu,
-            ),
-            (
-                "dra_pods_schedule_with_the_extender_stopped",
-                dra_pods_schedule_with_the_extender_stopped,
-            ),
+            dra_pods_go_to_the_fuller_node_and_gpu,
+            dra_pods_schedule_with_the_extender_stopped,
         ],
     },
 ];
@@ -334,199 +248,172 @@ fn main() -> ExitCode {
 /// The README's story as a user types it: plain pods (no `schedulerName`) of 4 GiB on the
 /// node's two GPUs (15 and 16 GiB): the first three share one GPU, the others go where they
 /// fit, the one that fits nowhere waits with its reason, and a deleted pod frees its share.
-fn readme_story(c: &KitCluster) -> Outcome<'_> {
-    Box::pin(async move {
-        // On 1.36 the chart's `auto` routing is the API server's own policy, not the webhook.
-        let routing = c.kubectl(&[
-            "get",
-            "mutatingadmissionpolicies,mutatingwebhookconfigurations",
-            "-o",
-            "name",
-        ])?;
+async fn readme_story(c: &KitCluster) -> anyhow::Result<()> {
+    // On 1.36 the chart's `auto` routing is the API server's own policy, not the webhook.
+    let routing = c.kubectl(&words(
+        "get mutatingadmissionpolicies,mutatingwebhookconfigurations -o name",
+    ))?;
+    ensure!(
+        routing.trim()
+            == "mutatingadmissionpolicy.admissionregistration.k8s.io/gpushare-route-pods",
+        "expected the routing policy and no webhook: {routing}"
+    );
+    create_gpu_pods(c, &numbered("notebook", 1..=3), 4).await?;
+    let mut first_gpu = BTreeSet::new();
+    for i in 1..=3 {
+        let pod = wait_running(c, &format!("notebook-{i}")).await?;
         ensure!(
-            routing.trim()
-                == "mutatingadmissionpolicy.admissionregistration.k8s.io/gpushare-route-pods",
-            "expected the routing policy and no webhook: {routing}"
+            scheduler_of(&pod) == Some(ROUTED),
+            "the webhook did not route notebook-{i} to gpushare's scheduler"
         );
-        for i in 1..=3 {
-            create_gpu_pod(c, &format!("notebook-{i}"), 4).await?;
-        }
-        let mut first_gpu = BTreeSet::new();
-        for i in 1..=3 {
-            let pod = wait_running(c, &format!("notebook-{i}")).await?;
-            ensure!(
-                pod.spec.as_ref().and_then(|s| s.scheduler_name.as_deref())
-                    == Some("gpushare-scheduler"),
-                "the webhook did not route notebook-{i} to gpushare's scheduler"
-            );
-            check_pinned(c, &pod).await?;
-            first_gpu.insert(allocation(&pod)?.gpu_uuid);
-        }
-        ensure!(
-            first_gpu.len() == 1,
-            "the first three pods should share one GPU: {first_gpu:?}"
-        );
-        // 15 + 16 GiB hold seven pods of 4 GiB; the eighth fits nowhere.
-        for i in 4..=7 {
-            create_gpu_pod(c, &format!("notebook-{i}"), 4).await?;
-        }
-        for i in 4..=7 {
-            let pod = wait_running(c, &format!("notebook-{i}")).await?;
-            check_pinned(c, &pod).await?;
-        }
-        create_gpu_pod(c, "notebook-8", 4).await?;
-        let reason = wait_unschedulable(c, "notebook-8").await?;
-        // kube-scheduler's own fit already sees the node's 31 GiB less the 28 held.
-        ensure!(
-            reason.contains("Insufficient example.com/gpu-mem"),
-            "the pending pod's reason should name the resource: {reason}"
-        );
-        let usage = check_no_overcommit(&c.client()).await?;
-        ensure!(
-            usage.values().map(|(used, _)| used).sum::<u64>() == 28,
-            "seven pods of 4 GiB should hold 28 GiB: {usage:?}"
-        );
-        let freed = allocation(&get_pod(c, "notebook-1").await?)?.gpu_uuid;
-        delete_pod(c, "notebook-1").await?;
-        let eighth = wait_running(c, "notebook-8").await?;
-        check_pinned(c, &eighth).await?;
-        ensure!(
-            allocation(&eighth)?.gpu_uuid == freed,
-            "notebook-8 should take the share notebook-1 left on {freed}"
-        );
-        check_no_overcommit(&c.client()).await?;
-        Ok(())
-    })
+        check_pinned(c, &pod).await?;
+        first_gpu.insert(allocation(&pod)?.gpu_uuid);
+    }
+    ensure!(
+        first_gpu.len() == 1,
+        "the first three pods should share one GPU: {first_gpu:?}"
+    );
+    // 15 + 16 GiB hold seven pods of 4 GiB; the eighth fits nowhere.
+    create_gpu_pods(c, &numbered("notebook", 4..=7), 4).await?;
+    for i in 4..=7 {
+        pinned(c, &format!("notebook-{i}")).await?;
+    }
+    create_gpu_pod(c, "notebook-8", 4).await?;
+    let reason = wait_unschedulable(c, "notebook-8").await?;
+    // kube-scheduler's own fit already sees the node's 31 GiB less the 28 held.
+    ensure!(
+        reason.contains("Insufficient example.com/gpu-mem"),
+        "the pending pod's reason should name the resource: {reason}"
+    );
+    let usage = check_no_overcommit(&c.client()).await?;
+    ensure!(
+        usage.values().map(|(used, _)| used).sum::<u64>() == 28,
+        "seven pods of 4 GiB should hold 28 GiB: {usage:?}"
+    );
+    let freed = allocation(&get_pod(c, "notebook-1").await?)?.gpu_uuid;
+    delete_pod(c, "notebook-1").await?;
+    let eighth = pinned(c, "notebook-8").await?;
+    ensure!(
+        allocation(&eighth)?.gpu_uuid == freed,
+        "notebook-8 should take the share notebook-1 left on {freed}"
+    );
+    no_overcommit(c).await
 }
 
 /// A pod spread over both GPUs (`gpus: "2"`) sees both; an exclusive pod takes a whole,
 /// empty GPU and nobody shares it.
-fn two_gpu_and_exclusive_pods(c: &KitCluster) -> Outcome<'_> {
-    Box::pin(async move {
-        let two = fixtures::pod("two-gpus")
-            .gpu_mem(8)
-            .annotation("gpushare.example.com/gpus", "2")
-            .build();
-        create_pod(c, two).await?;
-        let two = wait_running(c, "two-gpus").await?;
-        check_pinned(c, &two).await?;
-        let alloc = allocation(&two)?;
-        ensure!(
-            alloc.gpus().count() == 2 && alloc.pod_gib == 4,
-            "two-gpus should hold 4 GiB on each of 2 GPUs: {alloc:?}"
-        );
-        let env = c.container_env("two-gpus", "main").await?;
-        ensure!(
-            env.get(env::NVIDIA_VISIBLE_DEVICES)
-                .map(|v| v.split(',').count())
-                == Some(2),
-            "two-gpus should see two GPUs: {env:?}"
-        );
-        delete_pod(c, "two-gpus").await?;
+async fn two_gpu_and_exclusive_pods(c: &KitCluster) -> anyhow::Result<()> {
+    let two = fixtures::pod("two-gpus")
+        .gpu_mem(8)
+        .annotation("gpushare.example.com/gpus", "2")
+        .build();
+    let two = run_pinned(c, two).await?;
+    let alloc = allocation(&two)?;
+    ensure!(
+        alloc.gpus().count() == 2 && alloc.pod_gib == 4,
+        "two-gpus should hold 4 GiB on each of 2 GPUs: {alloc:?}"
+    );
+    let env = c.container_env("two-gpus", "main").await?;
+    let visible = env
+        .get(env::NVIDIA_VISIBLE_DEVICES)
+        .map(|v| v.split(',').count());
+    ensure!(visible == Some(2), "two-gpus should see two GPUs: {env:?}");
+    delete_pod(c, "two-gpus").await?;
 
-        let whole = fixtures::pod("whole")
-            .gpu_mem(15)
-            .annotation("gpushare.example.com/exclusive", "true")
-            .build();
-        create_pod(c, whole).await?;
-        let whole = wait_running(c, "whole").await?;
-        check_pinned(c, &whole).await?;
-        let taken = allocation(&whole)?;
-        ensure!(
-            taken.exclusive,
-            "the whole-GPU pod is not exclusive: {taken:?}"
-        );
-        // A small pod must go to the other GPU, even though the exclusive pod's GPU may be
-        // larger than it asked for.
-        let small = running_pinned(c, "small", 1).await?;
-        ensure!(
-            allocation(&small)?.gpu_uuid != taken.gpu_uuid,
-            "a shared pod landed on the exclusive pod's GPU {}",
-            taken.gpu_uuid
-        );
-        check_no_overcommit(&c.client()).await?;
-        Ok(())
-    })
+    let whole = fixtures::pod("whole")
+        .gpu_mem(15)
+        .annotation("gpushare.example.com/exclusive", "true")
+        .build();
+    let whole = run_pinned(c, whole).await?;
+    let taken = allocation(&whole)?;
+    ensure!(
+        taken.exclusive,
+        "the whole-GPU pod is not exclusive: {taken:?}"
+    );
+    // A small pod must go to the other GPU, even though the exclusive pod's GPU may be
+    // larger than it asked for.
+    let small = running_pinned(c, "small", 1).await?;
+    ensure!(
+        allocation(&small)?.gpu_uuid != taken.gpu_uuid,
+        "a shared pod landed on the exclusive pod's GPU {}",
+        taken.gpu_uuid
+    );
+    no_overcommit(c).await
 }
 
-/// Pods asking for `gpu-mem: 4` and `gpu-compute: 60` on the node's two GPUs: memory would
-/// put three on one GPU, compute puts one on each (any two of them), and the third waits, though the node's
-/// 200 compute units (kube-scheduler's count) have room for it; a pod without compute still
-/// takes the memory left; a pod asking for compute alone waits with the reason; a deleted
-/// pod's compute goes to the waiting one.
-fn compute_shares_land_only_where_memory_and_compute_fit(c: &KitCluster) -> Outcome<'_> {
-    Box::pin(async move {
-        let compute = gpushare_contract::request::compute_resource_of(DEFAULT_RESOURCE);
-        let nodes: Api<k8s_openapi::api::core::v1::Node> = Api::all(c.client());
-        let what = format!("the device plugin to advertise 100 {compute} per GPU");
-        wait_for(&what, Duration::from_secs(60), || async {
-            let listed = nodes.list(&ListParams::default()).await.ok()?;
-            let advertised: Vec<String> = listed
-                .items
-                .into_iter()
-                .filter_map(|node| Some(node.status?.allocatable?.get(&compute)?.0.clone()))
-                .collect();
-            (advertised == ["200"]).then_some(())
-        })
-        .await?;
-        let pods: Api<Pod> = Api::namespaced(c.client(), "default");
-        let names = ["compute-1", "compute-2", "compute-3"];
-        for name in names {
-            let pod = fixtures::pod(name).gpu_mem(4).gpu_compute(60).build();
-            create_pod(c, pod).await?;
-        }
-        // kube-scheduler takes them in no promised order: any two run, one per GPU.
-        let (running, waiting) = two_of_three_run(&pods, names, Duration::from_secs(60)).await?;
-        let mut gpus = BTreeSet::new();
-        for name in &running {
-            let pod = wait_running(c, name).await?;
-            check_pinned(c, &pod).await?;
-            let taken = allocation(&pod)?;
-            ensure!(
-                taken.compute == 60,
-                "{name} should hold 60 % of its GPU: {taken:?}"
-            );
-            let env = c.container_env(name, "main").await?;
-            ensure!(
-                env.get(env::COMPUTE_PERCENT).map(String::as_str) == Some("60"),
-                "{name} should be told its compute share: {env:?}"
-            );
-            gpus.insert(taken.gpu_uuid);
-        }
-        ensure!(
-            gpus.len() == 2,
-            "two 60 % pods must not share a GPU: {gpus:?}"
-        );
-        let reason = wait_unschedulable(c, waiting).await?;
-        ensure!(
-            reason.contains("compute"),
-            "{waiting} should wait for compute, and say so: {reason}"
-        );
-        let plain = running_pinned(c, "memory-only", 4).await?;
-        ensure!(
-            allocation(&plain)?.compute == 0,
-            "a pod without compute holds none"
-        );
-        // Compute alone is routed to gpushare's scheduler and refused, saying why.
-        let alone = fixtures::pod("compute-only").gpu_compute(30).build();
-        create_pod(c, alone).await?;
-        let reason = wait_unschedulable(c, "compute-only").await?;
-        ensure!(
-            reason.contains(&format!("{compute} without {DEFAULT_RESOURCE}")),
-            "a pod asking for compute alone should be refused with the reason: {reason}"
-        );
-        let gone = &running[0];
-        let freed = allocation(&pods.get(gone).await?)?.gpu_uuid;
-        delete_pod(c, gone).await?;
-        let third = wait_running(c, waiting).await?;
-        check_pinned(c, &third).await?;
-        ensure!(
-            allocation(&third)?.gpu_uuid == freed,
-            "{waiting} should take the compute {gone} left on {freed}"
-        );
-        check_no_overcommit(&c.client()).await?;
-        Ok(())
+/// Pods of `gpu-mem: 4` and `gpu-compute: 60` on the node's two GPUs: one per GPU (any two of
+/// three), the third waits though the node's 200 compute units have room for it; a pod
+/// without compute still fits; compute alone waits with the reason; a deleted pod's compute
+/// goes to the waiting one.
+async fn compute_shares_land_only_where_memory_and_compute_fit(
+    c: &KitCluster,
+) -> anyhow::Result<()> {
+    let compute = gpushare_contract::request::compute_resource_of(DEFAULT_RESOURCE);
+    let nodes: Api<Node> = Api::all(c.client());
+    let what = format!("the device plugin to advertise 100 {compute} per GPU");
+    wait_for(&what, secs(60), || async {
+        let listed = nodes.list(&ListParams::default()).await.ok()?;
+        let advertised: Vec<String> = listed
+            .items
+            .into_iter()
+            .filter_map(|node| Some(node.status?.allocatable?.get(&compute)?.0.clone()))
+            .collect();
+        (advertised == ["200"]).then_some(())
     })
+    .await?;
+    let pods: Api<Pod> = Api::namespaced(c.client(), "default");
+    let names = ["compute-1", "compute-2", "compute-3"];
+    for name in names {
+        let pod = fixtures::pod(name).gpu_mem(4).gpu_compute(60).build();
+        create_pod(c, pod).await?;
+    }
+    // kube-scheduler takes them in no promised order: any two run, one per GPU.
+    let (running, waiting) = two_of_three_run(&pods, names, secs(60)).await?;
+    let mut gpus = BTreeSet::new();
+    for name in &running {
+        let taken = allocation(&pinned(c, name).await?)?;
+        ensure!(
+            taken.compute == 60,
+            "{name} should hold 60 % of its GPU: {taken:?}"
+        );
+        let env = c.container_env(name, "main").await?;
+        ensure!(
+            env.get(env::COMPUTE_PERCENT).map(String::as_str) == Some("60"),
+            "{name} should be told its compute share: {env:?}"
+        );
+        gpus.insert(taken.gpu_uuid);
+    }
+    ensure!(
+        gpus.len() == 2,
+        "two 60 % pods must not share a GPU: {gpus:?}"
+    );
+    let reason = wait_unschedulable(c, waiting).await?;
+    ensure!(
+        reason.contains("compute"),
+        "{waiting} should wait for compute, and say so: {reason}"
+    );
+    let plain = running_pinned(c, "memory-only", 4).await?;
+    ensure!(
+        allocation(&plain)?.compute == 0,
+        "a pod without compute holds none"
+    );
+    // Compute alone is routed to gpushare's scheduler and refused, saying why.
+    let alone = fixtures::pod("compute-only").gpu_compute(30).build();
+    create_pod(c, alone).await?;
+    let reason = wait_unschedulable(c, "compute-only").await?;
+    ensure!(
+        reason.contains(&format!("{compute} without {DEFAULT_RESOURCE}")),
+        "a pod asking for compute alone should be refused with the reason: {reason}"
+    );
+    let gone = &running[0];
+    let freed = allocation(&pods.get(gone).await?)?.gpu_uuid;
+    delete_pod(c, gone).await?;
+    let third = pinned(c, waiting).await?;
+    ensure!(
+        allocation(&third)?.gpu_uuid == freed,
+        "{waiting} should take the compute {gone} left on {freed}"
+    );
+    no_overcommit(c).await
 }
 
 /// Waits until two of the three 60 % compute pods `names` run (kube-scheduler promises no
@@ -583,9 +470,84 @@ fn refused<T: std::fmt::Debug>(result: Result<T, kube::Error>, hint: &str) -> an
 /// names.
 async fn running_pinned(c: &KitCluster, name: &str, gib: u64) -> anyhow::Result<Pod> {
     create_gpu_pod(c, name, gib).await?;
+    pinned(c, name).await
+}
+
+/// `pod` created, once it runs on the GPU its allocation names.
+async fn run_pinned(c: &KitCluster, pod: Pod) -> anyhow::Result<Pod> {
+    let name = pod.metadata.name.clone().unwrap_or_default();
+    create_pod(c, pod).await?;
+    pinned(c, &name).await
+}
+
+/// Pod `name` once it runs, checked to run on the GPU its allocation names.
+async fn pinned(c: &KitCluster, name: &str) -> anyhow::Result<Pod> {
     let pod = wait_running(c, name).await?;
     check_pinned(c, &pod).await?;
     Ok(pod)
+}
+
+/// Creates a GPU pod of `gib` for each of `names`, in order.
+async fn create_gpu_pods(
+    c: &KitCluster,
+    names: &[impl AsRef<str>],
+    gib: u64,
+) -> anyhow::Result<()> {
+    for name in names {
+        create_gpu_pod(c, name.as_ref(), gib).await?;
+    }
+    Ok(())
+}
+
+/// [`create_gpu_pods`], then each of them once it runs.
+async fn gpu_pods_running(
+    c: &KitCluster,
+    names: &[impl AsRef<str>],
+    gib: u64,
+) -> anyhow::Result<Vec<Pod>> {
+    create_gpu_pods(c, names, gib).await?;
+    let mut running = Vec::new();
+    for name in names {
+        running.push(wait_running(c, name.as_ref()).await?);
+    }
+    Ok(running)
+}
+
+/// No GPU of the cluster is over-committed.
+async fn no_overcommit(c: &KitCluster) -> anyhow::Result<()> {
+    check_no_overcommit(&c.client()).await.map(drop)
+}
+
+/// The resource limits of `pod`'s first container.
+fn first_limits(pod: &Pod) -> BTreeMap<String, Quantity> {
+    let spec = pod.spec.as_ref();
+    let resources = spec.and_then(|s| s.containers[0].resources.as_ref());
+    resources.and_then(|r| r.limits.clone()).unwrap_or_default()
+}
+
+/// The node `pod` is bound to.
+fn node_of(pod: &Pod) -> Option<&str> {
+    pod.spec.as_ref()?.node_name.as_deref()
+}
+
+/// The `schedulerName` of `pod`.
+fn scheduler_of(pod: &Pod) -> Option<&str> {
+    pod.spec.as_ref()?.scheduler_name.as_deref()
+}
+
+/// `n` seconds.
+const fn secs(n: u64) -> Duration {
+    Duration::from_secs(n)
+}
+
+/// `<prefix>-<i>` for each `i` of `range`.
+fn numbered(prefix: &str, range: impl IntoIterator<Item = usize>) -> Vec<String> {
+    range.into_iter().map(|i| format!("{prefix}-{i}")).collect()
+}
+
+/// `line` split at its spaces: the arguments of a command line with no quoting.
+fn words(line: &str) -> Vec<&str> {
+    line.split_whitespace().collect()
 }
 
 /// Pod Security as a production cluster sets it: with `default` enforcing `restricted`, a
@@ -593,34 +555,34 @@ async fn running_pinned(c: &KitCluster, name: &str, gib: u64) -> anyhow::Result<
 /// release namespace enforcing `baseline`, the chart refuses to render against the cluster,
 /// saying the node plugin needs `privileged`, instead of installing a DaemonSet whose pods
 /// are refused.
-fn pod_security_restricted_default_and_a_baseline_release_namespace(c: &KitCluster) -> Outcome<'_> {
-    Box::pin(async move {
-        let label = |namespace: &str, value: Option<&str>| {
-            let label = match value {
-                Some(level) => format!("pod-security.kubernetes.io/enforce={level}"),
-                None => "pod-security.kubernetes.io/enforce-".to_owned(),
-            };
-            c.kubectl(&["label", "namespace", namespace, &label, "--overwrite"])
+async fn pod_security_restricted_default_and_a_baseline_release_namespace(
+    c: &KitCluster,
+) -> anyhow::Result<()> {
+    let label = |namespace: &str, value: Option<&str>| {
+        let label = match value {
+            Some(level) => format!("pod-security.kubernetes.io/enforce={level}"),
+            None => "pod-security.kubernetes.io/enforce-".to_owned(),
         };
-        label("default", Some("restricted"))?;
-        let upgraded = upgrade(c, &["--wait"]);
-        label("default", None)?;
-        upgraded.context("helm upgrade with default enforcing restricted (the routing check)")?;
+        c.kubectl(&["label", "namespace", namespace, &label, "--overwrite"])
+    };
+    label("default", Some("restricted"))?;
+    let upgraded = upgrade(c, &["--wait"]);
+    label("default", None)?;
+    upgraded.context("helm upgrade with default enforcing restricted (the routing check)")?;
 
-        label("kube-system", Some("baseline"))?;
-        let rendered = c.release("template", &["--dry-run=server"]);
-        label("kube-system", None)?;
-        let error = match rendered {
-            Ok(_) => bail!("the chart rendered for a release namespace enforcing baseline"),
-            Err(error) => format!("{error:#}"),
-        };
-        ensure!(
-            error.contains("enforces Pod Security \"baseline\"")
-                && error.contains("pod-security.kubernetes.io/enforce=privileged"),
-            "{error}"
-        );
-        Ok(())
-    })
+    label("kube-system", Some("baseline"))?;
+    let rendered = c.release("template", &["--dry-run=server"]);
+    label("kube-system", None)?;
+    let error = match rendered {
+        Ok(_) => bail!("the chart rendered for a release namespace enforcing baseline"),
+        Err(error) => format!("{error:#}"),
+    };
+    ensure!(
+        error.contains("enforces Pod Security \"baseline\"")
+            && error.contains("pod-security.kubernetes.io/enforce=privileged"),
+        "{error}"
+    );
+    Ok(())
 }
 
 /// A way in from Alibaba's gpushare: a node whose GPU 0 already runs a 12 GiB pod placed by
@@ -628,8 +590,9 @@ fn pod_security_restricted_default_and_a_baseline_release_namespace(c: &KitClust
 /// before the switch; created here with `nodeName`, which this group's values allow). Eight
 /// 8 GiB pods then ask for that node's four 16 GiB GPUs: six fit, none on GPU 0 (8 more there
 /// would over-commit it), two wait, and the classic pod runs on untouched.
-fn pods_placed_by_the_classic_gpushare_keep_their_gpus(c: &KitCluster) -> Outcome<'_> {
-    on_fake_nodes(c, "classic", classic_pods_keep_their_gpus(c))
+async fn pods_placed_by_the_classic_gpushare_keep_their_gpus(c: &KitCluster) -> anyhow::Result<()> {
+    let nodes = FakeNodes::create(c, "classic");
+    on_fake_nodes(c, nodes, classic_pods_keep_their_gpus(c)).await
 }
 
 async fn classic_pods_keep_their_gpus(c: &KitCluster) -> anyhow::Result<()> {
@@ -645,24 +608,18 @@ async fn classic_pods_keep_their_gpus(c: &KitCluster) -> anyhow::Result<()> {
     create_pod(c, old).await?;
     let mut bound = Vec::new();
     for i in 0..8 {
-        let pod = limited_to(
-            fixtures::pod(&format!("after-switch-{i}"))
-                .gpu_mem(8)
-                .build(),
-            &["classic-0"],
-            None,
-        )?;
-        create_pod(c, pod).await?;
+        let pod = gib_pod(&format!("after-switch-{i}"), 8);
+        create_pod(c, limited_to(pod, &["classic-0"], None)?).await?;
     }
     // Six fit beside the classic pod (GPUs 1 to 3, two each); wait for them, then look at all.
     let settled = wait_for(
         "six of the eight to be bound with an allocation",
-        Duration::from_secs(90),
+        secs(90),
         || async {
             let mut placed = Vec::new();
             for i in 0..8 {
                 let pod = get_pod(c, &format!("after-switch-{i}")).await.ok()?;
-                if pod.spec.as_ref()?.node_name.is_some() {
+                if node_of(&pod).is_some() {
                     placed.push((i, allocation(&pod).ok()?.gpu_index));
                 }
             }
@@ -680,72 +637,72 @@ async fn classic_pods_keep_their_gpus(c: &KitCluster) -> anyhow::Result<()> {
         let why = wait_unschedulable(c, &format!("after-switch-{i}")).await?;
         let pod = get_pod(c, &format!("after-switch-{i}")).await?;
         ensure!(
-            pod.spec
-                .as_ref()
-                .and_then(|s| s.node_name.as_ref())
-                .is_none(),
+            node_of(&pod).is_none(),
             "after-switch-{i} was bound after all: {why}"
         );
     }
     let old = get_pod(c, "placed-by-classic").await?;
     ensure!(
-        old.metadata.deletion_timestamp.is_none()
-            && old.spec.as_ref().and_then(|s| s.node_name.as_deref()) == Some("classic-0"),
+        old.metadata.deletion_timestamp.is_none() && node_of(&old) == Some("classic-0"),
         "the classic pod keeps its place"
     );
     Ok(())
 }
 
-/// The chart's metrics as a cluster's Prometheus sees them: a real Prometheus discovers the
-/// extender and device plugin through the ServiceMonitors the chart renders for this install
-/// (translated as the Prometheus Operator does, [`gpushare_e2e::realk8s::prometheus`]) and
-/// evaluates the chart's alert rules. Two GPU pods (4 and 8 GiB) run, the driver's figures say
-/// they use 3 and 5 GiB. Then: every target is up; one extender leads; per GPU, the allocated
-/// bytes are the shares booked there and the capacities the node's 15 + 16 GiB (every
-/// extender replica exports them: `max` across replicas); each pod's
-/// used bytes are the driver's figures, under the plugin's `node`; both GPUs are healthy;
-/// every alert rule evaluates without error and none fires on this healthy cluster; and every
-/// expression of the dashboard evaluates.
-fn a_real_prometheus_answers_the_dashboard_and_the_alerts(c: &KitCluster) -> Outcome<'_> {
-    Box::pin(async move {
-        let result = prometheus_answers(c).await;
-        std::fs::write(USAGE_FILE, "")?;
-        result
-    })
+/// The chart's metrics as a cluster's Prometheus sees them (the chart's ServiceMonitors
+/// translated as the Prometheus Operator does, [`gpushare_e2e::realk8s::prometheus`]), with
+/// 4 and 8 GiB pods the driver says use 3 and 5 GiB: every target up, one leader, each GPU's
+/// bookings and the node's 15 + 16 GiB (`max` across replicas), each pod's driver figures
+/// under the plugin's `node`, both GPUs healthy; no alert rule fails or fires, and every
+/// dashboard expression evaluates.
+async fn a_real_prometheus_answers_the_dashboard_and_the_alerts(
+    c: &KitCluster,
+) -> anyhow::Result<()> {
+    let result = prometheus_answers(c).await;
+    std::fs::write(USAGE_FILE, "")?;
+    result
 }
 
 /// DRA mode's metrics on a real Prometheus: the ServiceMonitor the chart renders there (the
 /// extender that ranks; the DRA plugin serves no metrics) is scraped, one extender leads,
 /// node-k's GPUs show their 15 + 16 GiB from the driver's ResourceSlices, the DRA alert rules
 /// evaluate without error and stay quiet, and every dashboard expression evaluates.
-fn dra_a_real_prometheus_answers_the_dashboard_and_the_alerts(c: &KitCluster) -> Outcome<'_> {
-    Box::pin(async move {
-        const GIB: f64 = (1u64 << 30) as f64;
-        let (prometheus, alerts, _discovery) = chart_prometheus(c, "alerts-dra.yaml").await?;
-        let capacity = r#"sum(max by (gpu) (gpushare_gpu_capacity_bytes{node="node-k"}))"#;
-        let mut last = String::new();
-        wait_for(
-            "Prometheus to scrape the extender",
-            Duration::from_secs(90),
-            || {
-                let seen = (|| -> anyhow::Result<bool> {
-                    let targets = prometheus.targets()?;
-                    let leaders = prometheus.query("sum(gpushare_extender_leader)")?;
-                    let gpus = prometheus.query(capacity)?;
-                    last = format!("targets {targets:?}, leaders {leaders:?}, capacity {gpus:?}");
-                    Ok(!targets.is_empty()
-                        && targets.iter().all(|(_, health, _)| health == "up")
-                        && leaders.first().map(|s| s.value) == Some(1.0)
-                        && gpus.first().map(|s| s.value) == Some(31.0 * GIB))
-                })();
-                std::future::ready(matches!(seen, Ok(true)).then_some(()))
-            },
-        )
-        .await
-        .with_context(|| format!("last seen: {last}\n{}", prometheus.log()))?;
-        println!("  Prometheus (DRA): extender up and leading, node-k's GPUs 31 GiB");
-        quiet_rules_and_dashboard(&prometheus, &alerts).await
+async fn dra_a_real_prometheus_answers_the_dashboard_and_the_alerts(
+    c: &KitCluster,
+) -> anyhow::Result<()> {
+    let (prometheus, alerts, _discovery) = chart_prometheus(c, "alerts-dra.yaml").await?;
+    let capacity = r#"sum(max by (gpu) (gpushare_gpu_capacity_bytes{node="node-k"}))"#;
+    prometheus_shows(&prometheus, "Prometheus to scrape the extender", |last| {
+        let targets = prometheus.targets()?;
+        let leaders = prometheus.query("sum(gpushare_extender_leader)")?;
+        let gpus = prometheus.query(capacity)?;
+        *last = format!("targets {targets:?}, leaders {leaders:?}, capacity {gpus:?}");
+        Ok(!targets.is_empty()
+            && targets.iter().all(|(_, health, _)| health == "up")
+            && leaders.first().map(|s| s.value) == Some(1.0)
+            && gpus.first().map(|s| s.value) == Some(31.0 * GIB))
     })
+    .await?;
+    println!("  Prometheus (DRA): extender up and leading, node-k's GPUs 31 GiB");
+    quiet_rules_and_dashboard(&prometheus, &alerts).await
+}
+
+/// Bytes in a GiB, as Prometheus reports them.
+const GIB: f64 = (1u64 << 30) as f64;
+
+/// Waits up to 90 s for `seen` to answer true; it writes what it saw into its argument,
+/// which a timeout reports with Prometheus' log.
+async fn prometheus_shows(
+    prometheus: &Prometheus,
+    what: &str,
+    mut seen: impl FnMut(&mut String) -> anyhow::Result<bool>,
+) -> anyhow::Result<()> {
+    let mut last = String::new();
+    wait_for(what, secs(90), || {
+        std::future::ready(matches!(seen(&mut last), Ok(true)).then_some(()))
+    })
+    .await
+    .with_context(|| format!("last seen: {last}\n{}", prometheus.log()))
 }
 
 /// A real Prometheus scraping what the chart's ServiceMonitors select in this install, with
@@ -756,28 +713,17 @@ fn dra_a_real_prometheus_answers_the_dashboard_and_the_alerts(c: &KitCluster) ->
 async fn chart_prometheus(
     c: &KitCluster,
     alerts: &str,
-) -> anyhow::Result<(
-    gpushare_e2e::realk8s::prometheus::Prometheus,
-    std::path::PathBuf,
-    LiveDiscovery,
-)> {
-    use gpushare_e2e::realk8s::prometheus::{Prometheus, scrape_config};
+) -> anyhow::Result<(Prometheus, PathBuf, LiveDiscovery)> {
     use serde::Deserialize as _;
     let chart = c.chart_dir();
     let values_file = c.release_values("prometheus-values.yaml")?;
-    let rendered = c.release(
-        "template",
-        &[
-            "-f",
-            &values_file.to_string_lossy(),
-            "--set",
-            "metrics.serviceMonitor.enabled=true",
-            "--api-versions",
-            "monitoring.coreos.com/v1",
-            "--show-only",
-            "templates/servicemonitor.yaml",
-        ],
-    )?;
+    let values_file = values_file.to_string_lossy();
+    let mut args = vec!["-f", &values_file];
+    args.extend(words(
+        "--set metrics.serviceMonitor.enabled=true --api-versions monitoring.coreos.com/v1 \
+         --show-only templates/servicemonitor.yaml",
+    ));
+    let rendered = c.release("template", &args)?;
     let sd_dir = tempfile::tempdir()?;
     let mut monitors = Vec::new();
     let mut jobs = Vec::new();
@@ -787,7 +733,7 @@ async fn chart_prometheus(
             continue;
         }
         let targets = sd_dir.path().join(format!("targets-{}.json", jobs.len()));
-        jobs.push(scrape_config(&monitor, 0, &targets)?);
+        jobs.push(prometheus::scrape_config(&monitor, 0, &targets)?);
         monitors.push((monitor, targets));
     }
     ensure!(!jobs.is_empty(), "no ServiceMonitor rendered: {rendered}");
@@ -804,7 +750,7 @@ async fn chart_prometheus(
         _dir: sd_dir,
         refresher: tokio::spawn(async move {
             loop {
-                tokio::time::sleep(Duration::from_secs(1)).await;
+                tokio::time::sleep(secs(1)).await;
                 if let Err(error) = write_discovery(&client, &monitors).await {
                     eprintln!("  Prometheus discovery: {error:#}");
                 }
@@ -838,10 +784,10 @@ impl Drop for LiveDiscovery {
 /// Prometheus never reads half a file; an unchanged file is left alone.
 async fn write_discovery(
     client: &kube::Client,
-    monitors: &[(serde_json::Value, std::path::PathBuf)],
+    monitors: &[(serde_json::Value, PathBuf)],
 ) -> anyhow::Result<()> {
     for (monitor, targets) in monitors {
-        let groups = gpushare_e2e::realk8s::prometheus::discover(client, monitor, 0).await?;
+        let groups = prometheus::discover(client, monitor, 0).await?;
         let text = serde_json::to_string(&groups)?;
         if std::fs::read_to_string(targets).ok().as_deref() == Some(text.as_str()) {
             continue;
@@ -854,19 +800,16 @@ async fn write_discovery(
 }
 
 async fn prometheus_answers(c: &KitCluster) -> anyhow::Result<()> {
-    const GIB: f64 = (1u64 << 30) as f64;
     let (prometheus, alerts, _discovery) = chart_prometheus(c, "alerts.yaml").await?;
     let a = running_pinned(c, "seen-a", 4).await?;
     let b = running_pinned(c, "seen-b", 8).await?;
-    std::fs::write(
-        USAGE_FILE,
-        r#"{"default/seen-a": "3Gi", "default/seen-b": "5Gi"}"#,
-    )?;
-    let mut booked = std::collections::BTreeMap::<u32, f64>::new();
+    let usage = r#"{"default/seen-a": "3Gi", "default/seen-b": "5Gi"}"#;
+    std::fs::write(USAGE_FILE, usage)?;
+    let mut booked = BTreeMap::<u32, f64>::new();
     for (pod, gib) in [(&a, 4.0), (&b, 8.0)] {
         *booked.entry(allocation(pod)?.gpu_index).or_default() += gib * GIB;
     }
-    let by = |expr: &str, label: &str| -> anyhow::Result<std::collections::BTreeMap<String, f64>> {
+    let by = |expr: &str, label: &str| -> anyhow::Result<BTreeMap<String, f64>> {
         Ok(prometheus
             .query(expr)?
             .into_iter()
@@ -877,41 +820,32 @@ async fn prometheus_answers(c: &KitCluster) -> anyhow::Result<()> {
             .collect())
     };
     let used = r#"sum by (pod) (gpushare_device_plugin_pod_used_bytes{namespace="default",node="node-k"})"#;
-    let mut last = String::new();
-    wait_for(
-        "Prometheus to show both pods' use and their bookings",
-        Duration::from_secs(90),
-        || {
-            let seen = (|| -> anyhow::Result<bool> {
-                let used = by(used, "pod")?;
-                let allocated = by(
-                    r#"max by (gpu) (gpushare_gpu_allocated_bytes{node="node-k"})"#,
-                    "gpu",
-                )?;
-                let targets = prometheus.targets()?;
-                // The extender's replicas and the device plugin, each scraped.
-                let all_up =
-                    targets.len() >= 2 && targets.iter().all(|(_, health, _)| health == "up");
-                last = format!("used {used:?}, allocated {allocated:?}, targets {targets:?}");
-                let want_allocated: std::collections::BTreeMap<String, f64> = booked
-                    .iter()
-                    .map(|(gpu, bytes)| (gpu.to_string(), *bytes))
-                    .collect();
-                Ok(all_up
-                    && used.get("seen-a") == Some(&(3.0 * GIB))
-                    && used.get("seen-b") == Some(&(5.0 * GIB))
-                    && allocated
-                        .iter()
-                        .filter(|(_, v)| **v > 0.0)
-                        .map(|(k, v)| (k.clone(), *v))
-                        .collect::<std::collections::BTreeMap<_, _>>()
-                        == want_allocated)
-            })();
-            std::future::ready(matches!(seen, Ok(true)).then_some(()))
-        },
-    )
-    .await
-    .with_context(|| format!("last seen: {last}\n{}", prometheus.log()))?;
+    let what = "Prometheus to show both pods' use and their bookings";
+    prometheus_shows(&prometheus, what, |last| {
+        let used = by(used, "pod")?;
+        let allocated = by(
+            r#"max by (gpu) (gpushare_gpu_allocated_bytes{node="node-k"})"#,
+            "gpu",
+        )?;
+        let targets = prometheus.targets()?;
+        // The extender's replicas and the device plugin, each scraped.
+        let all_up = targets.len() >= 2 && targets.iter().all(|(_, health, _)| health == "up");
+        *last = format!("used {used:?}, allocated {allocated:?}, targets {targets:?}");
+        let want_allocated: BTreeMap<String, f64> = booked
+            .iter()
+            .map(|(gpu, bytes)| (gpu.to_string(), *bytes))
+            .collect();
+        Ok(all_up
+            && used.get("seen-a") == Some(&(3.0 * GIB))
+            && used.get("seen-b") == Some(&(5.0 * GIB))
+            && allocated
+                .iter()
+                .filter(|(_, v)| **v > 0.0)
+                .map(|(k, v)| (k.clone(), *v))
+                .collect::<BTreeMap<_, _>>()
+                == want_allocated)
+    })
+    .await?;
     let one = |expr: &str| -> anyhow::Result<f64> {
         let samples = prometheus.query(expr)?;
         ensure!(samples.len() == 1, "{expr}: {samples:?}");
@@ -937,12 +871,9 @@ async fn prometheus_answers(c: &KitCluster) -> anyhow::Result<()> {
 
 /// Every rule of `alerts` evaluates without error and no alert expression returns a series
 /// (this cluster is healthy); every expression of the chart's dashboard evaluates.
-async fn quiet_rules_and_dashboard(
-    prometheus: &gpushare_e2e::realk8s::prometheus::Prometheus,
-    alerts: &std::path::Path,
-) -> anyhow::Result<()> {
+async fn quiet_rules_and_dashboard(prometheus: &Prometheus, alerts: &Path) -> anyhow::Result<()> {
     // A few evaluations of every rule, then none may have failed and none may fire here.
-    tokio::time::sleep(Duration::from_secs(3)).await;
+    tokio::time::sleep(secs(3)).await;
     let rules = prometheus.rules()?;
     ensure!(
         !rules.is_empty(),
@@ -1002,8 +933,8 @@ async fn quiet_rules_and_dashboard(
 
 /// Every `targets[].expr` under `panels` (rows nest their panels).
 fn collect_exprs(panels: &serde_json::Value, exprs: &mut Vec<String>) {
-    for panel in panels.as_array().into_iter().flatten() {
-        for target in panel["targets"].as_array().into_iter().flatten() {
+    for panel in items(panels) {
+        for target in items(&panel["targets"]) {
             if let Some(expr) = target["expr"].as_str() {
                 exprs.push(expr.to_owned());
             }
@@ -1065,13 +996,13 @@ const USAGE_FILE: &str = "/tmp/gpushare-realk8s-usage.json";
 /// Event and shows in `gpushare_container_over_share_bytes`; `isolation.overShare: evict`
 /// evicts it after the grace period (a `GpuMemoryOverShareEvicted` Event), and its GPU's other
 /// pod keeps running.
-fn a_pod_over_its_share_by_the_drivers_count_is_evicted(c: &KitCluster) -> Outcome<'_> {
-    Box::pin(async move {
-        std::fs::write(USAGE_FILE, "")?;
-        let result = over_share_eviction(c).await;
-        std::fs::write(USAGE_FILE, "")?;
-        result
-    })
+async fn a_pod_over_its_share_by_the_drivers_count_is_evicted(
+    c: &KitCluster,
+) -> anyhow::Result<()> {
+    std::fs::write(USAGE_FILE, "")?;
+    let result = over_share_eviction(c).await;
+    std::fs::write(USAGE_FILE, "")?;
+    result
 }
 
 async fn over_share_eviction(c: &KitCluster) -> anyhow::Result<()> {
@@ -1082,20 +1013,16 @@ async fn over_share_eviction(c: &KitCluster) -> anyhow::Result<()> {
         allocation(&neighbour)?.gpu_index == gpu,
         "bin-packing puts both 4 GiB pods on one GPU"
     );
-    std::fs::write(
-        USAGE_FILE,
-        r#"{"default/runaway": "7Gi", "default/neighbour": "3Gi"}"#,
-    )?;
+    let usage = r#"{"default/runaway": "7Gi", "default/neighbour": "3Gi"}"#;
+    std::fs::write(USAGE_FILE, usage)?;
     let client = c.client();
     let told = |reason: &'static str| {
         let client = client.clone();
         async move { gpushare_e2e::scenarios::events_with_reason(&client, "default", reason).await }
     };
-    let reported = wait_for(
-        "the GpuMemoryOverShare Event",
-        Duration::from_secs(60),
-        || told("GpuMemoryOverShare"),
-    )
+    let reported = wait_for("the GpuMemoryOverShare Event", secs(60), || {
+        told("GpuMemoryOverShare")
+    })
     .await?;
     ensure!(
         reported.len() == 1 && reported[0].0 == "runaway",
@@ -1105,20 +1032,12 @@ async fn over_share_eviction(c: &KitCluster) -> anyhow::Result<()> {
         reported[0].1.contains("uses 7168 MiB") && reported[0].1.contains("share of 4096 MiB"),
         "{reported:?}"
     );
-    wait_for(
-        "the runaway to be evicted",
-        Duration::from_secs(60),
-        || async {
-            Api::<Pod>::namespaced(c.client(), "default")
-                .get_opt("runaway")
-                .await
-                .ok()?
-                .is_none()
-                .then_some(())
-        },
-    )
+    let pods: Api<Pod> = Api::namespaced(c.client(), "default");
+    wait_for("the runaway to be evicted", secs(60), || async {
+        pods.get_opt("runaway").await.ok()?.is_none().then_some(())
+    })
     .await?;
-    let evicted = wait_for("the eviction's Event", Duration::from_secs(60), || {
+    let evicted = wait_for("the eviction's Event", secs(60), || {
         told("GpuMemoryOverShareEvicted")
     })
     .await?;
@@ -1127,10 +1046,8 @@ async fn over_share_eviction(c: &KitCluster) -> anyhow::Result<()> {
         "one eviction Event, about the runaway: {evicted:?}"
     );
     let metrics = device_plugin_metrics(c).await?;
-    let evictions = metrics
-        .lines()
-        .find(|l| l.starts_with("gpushare_device_plugin_over_share_evictions_total"))
-        .unwrap_or_default();
+    let evictions = "gpushare_device_plugin_over_share_evictions_total";
+    let evictions = metric(&metrics, evictions).next().unwrap_or_default();
     ensure!(
         evictions.ends_with(" 1"),
         "one eviction counted: {evictions:?}"
@@ -1152,186 +1069,174 @@ async fn over_share_eviction(c: &KitCluster) -> anyhow::Result<()> {
 
 /// `/metrics` of the device plugin pod on the kit's node.
 async fn device_plugin_metrics(c: &KitCluster) -> anyhow::Result<String> {
-    let ip = c.system(&[
-        "get",
-        "pods",
-        "-l",
-        "app.kubernetes.io/component=device-plugin",
-        "-o",
-        "jsonpath={.items[0].status.podIP}",
-    ])?;
-    let (_, body) =
-        gpushare_e2e::cluster::http_get(format!("{}:9400", ip.trim()).parse()?, "/metrics").await?;
+    let ip = c.system(&words(
+        "get pods -l app.kubernetes.io/component=device-plugin \
+         -o jsonpath={.items[0].status.podIP}",
+    ))?;
+    metrics_at(&format!("{}:9400", ip.trim())).await
+}
+
+/// `/metrics` of the extender replica whose scheduler port is `address`.
+async fn extender_metrics(address: &str) -> anyhow::Result<String> {
+    let ip = address.split(':').next().unwrap_or_default();
+    metrics_at(&format!("{ip}:9090")).await
+}
+
+/// `/metrics` served at `address` (`ip:port`).
+async fn metrics_at(address: &str) -> anyhow::Result<String> {
+    let (_, body) = gpushare_e2e::cluster::http_get(address.parse()?, "/metrics").await?;
     Ok(body)
+}
+
+/// The lines of `metrics` of the metric `name`.
+fn metric<'a>(metrics: &'a str, name: &str) -> impl Iterator<Item = &'a str> {
+    metrics.lines().filter(move |l| l.starts_with(name))
 }
 
 /// The forgeries found on a real cluster, refused by the API server itself: a hand-written
 /// allocation with `nodeName`, `nodeName` alone, and a patch of a running pod's allocation.
-fn forged_allocations_are_refused(c: &KitCluster) -> Outcome<'_> {
-    Box::pin(async move {
-        let keys = Keys::default();
-        let victim = running_pinned(c, "victim", 6).await?;
-        // The attacker may create and patch pods in its namespace, as a notebook user can.
-        c.kubectl(&[
-            "create",
-            "rolebinding",
-            "notebook-edit",
-            "-n",
-            "default",
-            "--clusterrole=edit",
-            "--serviceaccount=default:notebook",
-            "--dry-run=client",
-            "-o",
-            "yaml",
-        ])
-        .and_then(|yaml| c.kubectl_stdin(&["apply", "-f", "-"], &yaml))?;
-        let pods: Api<Pod> = Api::namespaced(c.client_as(ATTACKER).await?, "default");
+async fn forged_allocations_are_refused(c: &KitCluster) -> anyhow::Result<()> {
+    let keys = Keys::default();
+    let victim = running_pinned(c, "victim", 6).await?;
+    // The attacker may create and patch pods in its namespace, as a notebook user can.
+    c.kubectl(&words(
+        "create rolebinding notebook-edit -n default --clusterrole=edit \
+         --serviceaccount=default:notebook --dry-run=client -o yaml",
+    ))
+    .and_then(|yaml| c.kubectl_stdin(&["apply", "-f", "-"], &yaml))?;
+    let pods: Api<Pod> = Api::namespaced(c.client_as(ATTACKER).await?, "default");
 
-        let forged = fixtures::pod("forged")
-            .gpu_mem(6)
-            .on_node("node-k")
-            .annotation(&keys.gpu_index, "0")
-            .annotation(&keys.pod_gib, "0")
-            .annotation(&keys.assigned, "true")
-            .build();
-        refused(pods.create(&PostParams::default(), &forged).await, "")?;
-        let bypass = fixtures::pod("bypass")
-            .gpu_mem(16)
-            .on_node("node-k")
-            .build();
+    let forged = fixtures::pod("forged")
+        .gpu_mem(6)
+        .on_node("node-k")
+        .annotation(&keys.gpu_index, "0")
+        .annotation(&keys.pod_gib, "0")
+        .annotation(&keys.assigned, "true")
+        .build();
+    refused(pods.create(&PostParams::default(), &forged).await, "")?;
+    let bypass = fixtures::pod("bypass")
+        .gpu_mem(16)
+        .on_node("node-k")
+        .build();
+    refused(
+        pods.create(&PostParams::default(), &bypass).await,
+        "remove spec.nodeName",
+    )?;
+    let gpu = allocation(&victim)?.gpu_index;
+    for patch in [
+        serde_json::json!({"metadata": {"annotations": {keys.gpu_index.clone(): (1 - gpu).to_string()}}}),
+        serde_json::json!({"metadata": {"annotations": {keys.pod_gib.clone(): "1"}}}),
+        serde_json::json!({"metadata": {"annotations": {keys.assigned.clone(): null}}}),
+    ] {
         refused(
-            pods.create(&PostParams::default(), &bypass).await,
-            "remove spec.nodeName",
+            pods.patch("victim", &PatchParams::default(), &Patch::Merge(&patch))
+                .await,
+            "cannot be set, changed or removed by hand",
         )?;
-        let gpu = allocation(&victim)?.gpu_index;
-        for patch in [
-            serde_json::json!({"metadata": {"annotations": {keys.gpu_index.clone(): (1 - gpu).to_string()}}}),
-            serde_json::json!({"metadata": {"annotations": {keys.pod_gib.clone(): "1"}}}),
-            serde_json::json!({"metadata": {"annotations": {keys.assigned.clone(): null}}}),
-        ] {
-            refused(
-                pods.patch("victim", &PatchParams::default(), &Patch::Merge(&patch))
-                    .await,
-                "cannot be set, changed or removed by hand",
-            )?;
-        }
-        let admin: Api<Pod> = Api::namespaced(c.client(), "default");
-        for name in ["forged", "bypass"] {
-            ensure!(admin.get_opt(name).await?.is_none(), "{name} exists");
-        }
-        let victim = admin.get("victim").await?;
-        ensure!(phase(&victim) == "Running", "the victim stopped");
-        check_pinned(c, &victim).await?;
-        check_no_overcommit(&c.client()).await?;
-        Ok(())
-    })
+    }
+    let admin: Api<Pod> = Api::namespaced(c.client(), "default");
+    for name in ["forged", "bypass"] {
+        ensure!(admin.get_opt(name).await?.is_none(), "{name} exists");
+    }
+    let victim = admin.get("victim").await?;
+    ensure!(phase(&victim) == "Running", "the victim stopped");
+    check_pinned(c, &victim).await?;
+    no_overcommit(c).await
 }
 
-/// With the chart's allocation policy off (`allocationPolicy.enabled=false`) the API server
-/// lets anyone write allocation annotations and `nodeName`; the device plugin is the last
-/// line: kubelet's Allocate for a pod with a hand-written allocation, or with another pod's
-/// signed one copied onto it, is refused (the signature names the pod's UID and node), so
-/// the pod fails at admission with the plugin's reason and gets no GPU, while the pod whose
-/// allocation was copied keeps running on its GPU.
-fn forgeries_without_the_policy_are_refused_at_allocate(c: &KitCluster) -> Outcome<'_> {
-    Box::pin(async move {
-        let keys = Keys::default();
-        let victim = running_pinned(c, "victim", 6).await?;
+/// With `allocationPolicy.enabled=false` anyone may write allocations and `nodeName`; the
+/// device plugin is the last line: Allocate refuses a hand-written allocation and another
+/// pod's signed one copied (the signature names the pod's UID and node), so both pods fail at
+/// admission with the plugin's reason and no GPU, and the copied pod keeps running on its GPU.
+async fn forgeries_without_the_policy_are_refused_at_allocate(
+    c: &KitCluster,
+) -> anyhow::Result<()> {
+    let keys = Keys::default();
+    let victim = running_pinned(c, "victim", 6).await?;
 
-        // 5 GiB, so kubelet's Allocate for it can only match it, not the copy (6 GiB).
-        let forged_allocation = gpushare_contract::PodAllocation {
-            gpu_index: 0,
-            gpu_uuid: String::new(),
-            more_gpus: Vec::new(),
-            pod_gib: 5,
-            exclusive: false,
-            containers: vec![gpushare_contract::ContainerRequest {
-                name: "main".into(),
-                gib: 5,
-                init: false,
-                compute: 0,
-            }],
-            bind_time: "2026-11-26T09:00:00Z".into(),
-            assigned: false,
-            allocated: Vec::new(),
-            signature: None,
+    // 5 GiB, so kubelet's Allocate for it can only match it, not the copy (6 GiB).
+    let forged_allocation = gpushare_contract::PodAllocation {
+        gpu_index: 0,
+        gpu_uuid: String::new(),
+        more_gpus: Vec::new(),
+        pod_gib: 5,
+        exclusive: false,
+        containers: vec![gpushare_contract::ContainerRequest {
+            name: "main".into(),
+            gib: 5,
+            init: false,
             compute: 0,
-        };
-        let mut forged = fixtures::pod("forged").gpu_mem(5).on_node("node-k");
-        for (k, v) in forged_allocation.to_annotations(&keys) {
-            forged = forged.annotation(&k, &v);
+        }],
+        bind_time: "2026-11-26T09:00:00Z".into(),
+        assigned: false,
+        allocated: Vec::new(),
+        signature: None,
+        compute: 0,
+    };
+    let mut forged = fixtures::pod("forged").gpu_mem(5).on_node("node-k");
+    for (k, v) in forged_allocation.to_annotations(&keys) {
+        forged = forged.annotation(&k, &v);
+    }
+    create_pod(c, forged.build()).await?;
+    let mut copy = fixtures::pod("copy").gpu_mem(6).on_node("node-k");
+    for (k, v) in victim.metadata.annotations.iter().flatten() {
+        if k.starts_with("gpushare.example.com/v1.") {
+            copy = copy.annotation(k, v);
         }
-        create_pod(c, forged.build()).await?;
-        let mut copy = fixtures::pod("copy").gpu_mem(6).on_node("node-k");
-        for (k, v) in victim.metadata.annotations.iter().flatten() {
-            if k.starts_with("gpushare.example.com/v1.") {
-                copy = copy.annotation(k, v);
-            }
-        }
-        create_pod(c, copy.build()).await?;
-        for (name, why) in [
-            ("forged", "not signed by the gpushare extender"),
-            ("copy", "does not match its allocation"),
-        ] {
-            let failed = wait_for(
-                &format!("{name} to fail at admission"),
-                Duration::from_secs(60),
-                || async {
-                    let pod = get_pod(c, name).await.ok()?;
-                    (phase(&pod) == "Failed").then_some(pod)
-                },
-            )
-            .await?;
-            let status = failed.status.unwrap_or_default();
-            let message = status.message.unwrap_or_default();
-            ensure!(
-                status.reason.as_deref() == Some("UnexpectedAdmissionError")
-                    && message.contains(why),
-                "{name}: {:?}: {message}",
-                status.reason
-            );
-            ensure!(
-                c.created(failed.metadata.uid.as_deref().unwrap_or_default(), "main")?
-                    .is_none(),
-                "{name}'s container was started"
-            );
-        }
-        let victim = get_pod(c, "victim").await?;
-        ensure!(phase(&victim) == "Running", "the victim stopped");
-        check_pinned(c, &victim).await?;
-        Ok(())
-    })
+    }
+    create_pod(c, copy.build()).await?;
+    for (name, why) in [
+        ("forged", "not signed by the gpushare extender"),
+        ("copy", "does not match its allocation"),
+    ] {
+        let failed = wait_for(
+            &format!("{name} to fail at admission"),
+            secs(60),
+            || async {
+                let pod = get_pod(c, name).await.ok()?;
+                (phase(&pod) == "Failed").then_some(pod)
+            },
+        )
+        .await?;
+        let status = failed.status.unwrap_or_default();
+        let message = status.message.unwrap_or_default();
+        ensure!(
+            status.reason.as_deref() == Some("UnexpectedAdmissionError") && message.contains(why),
+            "{name}: {:?}: {message}",
+            status.reason
+        );
+        ensure!(
+            c.created(failed.metadata.uid.as_deref().unwrap_or_default(), "main")?
+                .is_none(),
+            "{name}'s container was started"
+        );
+    }
+    let victim = get_pod(c, "victim").await?;
+    ensure!(phase(&victim) == "Running", "the victim stopped");
+    check_pinned(c, &victim).await?;
+    Ok(())
 }
 
 /// kubelet restarts while GPU pods run: they keep running on their GPUs, the device plugin
 /// registers again, and a new pod is placed and pinned as before.
-fn kubelet_restart_keeps_gpu_pods(c: &KitCluster) -> Outcome<'_> {
-    Box::pin(async move {
-        for name in ["before-1", "before-2"] {
-            create_gpu_pod(c, name, 5).await?;
-        }
-        let mut before = Vec::new();
-        for name in ["before-1", "before-2"] {
-            before.push(wait_running(c, name).await?);
-        }
-        c.script("kubelet.sh", &["restart"])?;
-        for pod in &before {
-            let name = pod.metadata.name.as_deref().unwrap_or_default();
-            let now = get_pod(c, name).await?;
-            ensure!(
-                now.metadata.uid == pod.metadata.uid && phase(&now) == "Running",
-                "{name} did not survive the kubelet restart: {}",
-                phase(&now)
-            );
-            ensure!(
-                allocation(&now)? == allocation(pod)?,
-                "{name}'s allocation changed"
-            );
-        }
-        running_pinned(c, "after", 5).await?;
-        check_no_overcommit(&c.client()).await?;
-        Ok(())
-    })
+async fn kubelet_restart_keeps_gpu_pods(c: &KitCluster) -> anyhow::Result<()> {
+    let before = gpu_pods_running(c, &["before-1", "before-2"], 5).await?;
+    c.script("kubelet.sh", &["restart"])?;
+    for pod in &before {
+        let name = pod.metadata.name.as_deref().unwrap_or_default();
+        let now = get_pod(c, name).await?;
+        ensure!(
+            now.metadata.uid == pod.metadata.uid && phase(&now) == "Running",
+            "{name} did not survive the kubelet restart: {}",
+            phase(&now)
+        );
+        ensure!(
+            allocation(&now)? == allocation(pod)?,
+            "{name}'s allocation changed"
+        );
+    }
+    running_pinned(c, "after", 5).await?;
+    no_overcommit(c).await
 }
 
 /// The probe's steps in both modes' isolation scenarios: what it sees, 3,000 MiB granted,
@@ -1365,78 +1270,65 @@ fn check_probe_report(name: &str, report: &str) -> anyhow::Result<()> {
     Ok(())
 }
 
-/// Isolation on the real kubelet, extender mode: a 4 GiB pod whose image the kit's runtime
-/// runs as the probe (a CUDA program, here against the fake driver's 16 GiB GPU). kubelet
-/// starts it with the interposer the device plugin installed under the kit's isolation
-/// directory, mounted read-only and preloaded, and its accounting directory: it sees 4 GiB
-/// through CUDA and NVML, gets 3,000 MiB, is refused 2,000 MiB more, gets 500 MiB through
-/// VMM (its context is charged 512 MiB).
-fn a_gpu_container_is_held_to_its_share(c: &KitCluster) -> Outcome<'_> {
-    Box::pin(async move {
-        let name = "held";
-        let mut pod = serde_json::to_value(fixtures::pod(name).gpu_mem(4).build())?;
-        let probe = gpushare_e2e::realk8s::probe_container(PROBE_STEPS);
-        let container = &mut pod["spec"]["containers"][0];
-        for key in ["image", "args", "env"] {
-            container[key] = probe[key].clone();
-        }
-        pod["spec"]["restartPolicy"] = serde_json::json!("Never");
-        create_pod(c, serde_json::from_value(pod)?).await?;
-        let running = wait_running(c, name).await?;
-        let report = wait_for(
-            "the probe to report and hold",
-            Duration::from_secs(60),
-            || async {
-                let logs = c.kubectl(&["logs", name, "-c", "main"]).ok()?;
-                logs.contains("holding").then_some(logs)
-            },
-        )
-        .await?;
-        check_probe_report(name, &report)?;
-        let report: Vec<&str> = report
-            .lines()
-            .filter(|line| !line.starts_with("ERROR: ld.so"))
-            .collect();
-        let uid = running.metadata.uid.clone().unwrap_or_default();
-        let created = c
-            .created(&uid, "main")?
-            .context("the runtime recorded no container")?;
-        let mounts = created.mounts.unwrap_or_default();
-        let library = c.kit().root().join("isolation").join("lib");
-        ensure!(
-            mounts
-                .iter()
-                .any(|m| m.starts_with(&*library.to_string_lossy())
-                    && m.ends_with(&format!(":{}", env::ISOLATION_LIBRARY_IN_CONTAINER))),
-            "the installed interposer is not mounted: {mounts:?}"
-        );
-        // Its limits come from the file the plugin wrote before it started, mounted read-only
-        // outside its writable accounting directory: its environment cannot raise them.
-        ensure!(
-            mounts.iter().any(|m| m.starts_with(
-                &*c.kit()
-                    .root()
-                    .join("isolation")
-                    .join("limits")
-                    .to_string_lossy()
-            ) && m
-                .ends_with(&format!(":{}", env::ISOLATION_LIMITS_IN_CONTAINER))),
-            "the limits file is not mounted: {mounts:?}"
-        );
-        ensure!(
-            created.env.get(env::LD_PRELOAD).map(String::as_str)
-                == Some(env::ISOLATION_LIBRARY_IN_CONTAINER),
-            "{:?}",
-            created.env
-        );
-        upgrade_keeps_the_running_containers_library(c, name, &mounts).await?;
-        // The kit's runtime starts its shell with the container's environment before the
-        // mounts are in place, so the dynamic loader complains there (filtered above).
-        println!("  {name}: {}", report.join(" | "));
-        delete_pod(c, name).await?;
-        gpushare_e2e::realk8s::remove_isolation_placeholders();
-        Ok(())
+/// Isolation on the real kubelet, extender mode: a 4 GiB pod the kit's runtime runs as the
+/// probe (against the fake driver's 16 GiB GPU) gets the plugin's interposer and limits file
+/// mounted read-only and preloaded: it sees 4 GiB through CUDA and NVML, gets 3,000 MiB, is
+/// refused 2,000 MiB more, gets 500 MiB through VMM (its context is charged 512 MiB).
+async fn a_gpu_container_is_held_to_its_share(c: &KitCluster) -> anyhow::Result<()> {
+    let name = "held";
+    let mut pod = serde_json::to_value(gib_pod(name, 4))?;
+    let probe = gpushare_e2e::realk8s::probe_container(PROBE_STEPS);
+    let container = &mut pod["spec"]["containers"][0];
+    for key in ["image", "args", "env"] {
+        container[key] = probe[key].clone();
+    }
+    pod["spec"]["restartPolicy"] = serde_json::json!("Never");
+    create_pod(c, serde_json::from_value(pod)?).await?;
+    let running = wait_running(c, name).await?;
+    let report = wait_for("the probe to report and hold", secs(60), || async {
+        let logs = c.kubectl(&["logs", name, "-c", "main"]).ok()?;
+        logs.contains("holding").then_some(logs)
     })
+    .await?;
+    check_probe_report(name, &report)?;
+    let report: Vec<&str> = report
+        .lines()
+        .filter(|line| !line.starts_with("ERROR: ld.so"))
+        .collect();
+    let uid = running.metadata.uid.clone().unwrap_or_default();
+    let created = c
+        .created(&uid, "main")?
+        .context("the runtime recorded no container")?;
+    let mounts = created.mounts.unwrap_or_default();
+    let isolation = c.kit().root().join("isolation");
+    let mounted = |host: &str, inside: &str| {
+        let host = isolation.join(host);
+        (mounts.iter())
+            .any(|m| m.starts_with(&*host.to_string_lossy()) && m.ends_with(&format!(":{inside}")))
+    };
+    ensure!(
+        mounted("lib", env::ISOLATION_LIBRARY_IN_CONTAINER),
+        "the installed interposer is not mounted: {mounts:?}"
+    );
+    // Its limits come from the file the plugin wrote before it started, mounted read-only
+    // outside its writable accounting directory: its environment cannot raise them.
+    ensure!(
+        mounted("limits", env::ISOLATION_LIMITS_IN_CONTAINER),
+        "the limits file is not mounted: {mounts:?}"
+    );
+    ensure!(
+        created.env.get(env::LD_PRELOAD).map(String::as_str)
+            == Some(env::ISOLATION_LIBRARY_IN_CONTAINER),
+        "{:?}",
+        created.env
+    );
+    upgrade_keeps_the_running_containers_library(c, name, &mounts).await?;
+    // The kit's runtime starts its shell with the container's environment before the
+    // mounts are in place, so the dynamic loader complains there (filtered above).
+    println!("  {name}: {}", report.join(" | "));
+    delete_pod(c, name).await?;
+    gpushare_e2e::realk8s::remove_isolation_placeholders();
+    Ok(())
 }
 
 /// A device plugin upgrade that brings another interposer while the probe of pod `name` runs
@@ -1471,10 +1363,7 @@ async fn upgrade_keeps_the_running_containers_library(
     let flag = format!("--isolation-library={}", next.display());
     let library = format!("isolation.libraryPath={}", next.display());
     upgrade(c, &["--set", &library])?;
-    plugin_ready_with(c, |container| {
-        container.args.iter().flatten().any(|arg| *arg == flag)
-    })
-    .await?;
+    plugin_ready_with_arg(c, &flag).await?;
     ensure!(
         std::fs::read(mounted)? == before,
         "the upgrade changed the running container's interposer"
@@ -1486,10 +1375,7 @@ async fn upgrade_keeps_the_running_containers_library(
     );
     let pod = get_pod(c, name).await?;
     let status = pod.status.unwrap_or_default();
-    let restarts: i32 = status
-        .container_statuses
-        .iter()
-        .flatten()
+    let restarts: i32 = (status.container_statuses.iter().flatten())
         .map(|s| s.restart_count)
         .sum();
     ensure!(
@@ -1500,78 +1386,55 @@ async fn upgrade_keeps_the_running_containers_library(
     Ok(())
 }
 
-/// Isolation on the real kubelet, DRA mode: a 4 GiB pod's claim is prepared by the DRA
-/// plugin, whose CDI spec mounts the interposer it installed and the claim's accounting
-/// directory and preloads it. The kit's runtime applies no CDI spec, so the probe is run as a
-/// CDI runtime would run the container (the spec's mounts and environment, in a private
-/// mount namespace): it sees 4 GiB through CUDA and NVML and is refused past it.
-fn a_dra_container_is_held_to_its_share(c: &KitCluster) -> Outcome<'_> {
-    Box::pin(async move {
-        let name = "held-dra";
-        create_gpu_pod(c, name, 4).await?;
-        let edits = cdi_edits(c, name).await?;
-        let mut argv = vec![
-            gpushare_e2e::cluster::binaries()?
-                .isolation_probe
-                .display()
-                .to_string(),
-        ];
-        argv.extend(
-            PROBE_STEPS
-                .iter()
-                .take_while(|step| **step != "hold")
-                .map(|step| (*step).to_owned()),
-        );
-        let probe = gpushare_e2e::realk8s::probe_container(&[]);
-        let extra_env: Vec<(String, String)> = probe["env"]
-            .as_array()
-            .into_iter()
-            .flatten()
-            .filter_map(|v| {
-                Some((
-                    v["name"].as_str()?.to_owned(),
-                    v["value"].as_str()?.to_owned(),
-                ))
-            })
-            .collect();
-        let report = gpushare_e2e::realk8s::run_with_cdi_edits(&edits, &argv, &extra_env);
-        gpushare_e2e::realk8s::remove_isolation_placeholders();
-        let report = report?;
-        check_probe_report(name, &report)?;
-        println!(
-            "  {name}: {}",
-            report.lines().collect::<Vec<_>>().join(" | ")
-        );
-        Ok(())
-    })
+/// Isolation on the real kubelet, DRA mode: the claim's CDI spec mounts and preloads the
+/// plugin's interposer. The kit's runtime applies no CDI spec, so the probe runs as a CDI
+/// runtime would run the container (the spec's mounts and environment, in a private mount
+/// namespace): it sees 4 GiB through CUDA and NVML and is refused past it.
+async fn a_dra_container_is_held_to_its_share(c: &KitCluster) -> anyhow::Result<()> {
+    let name = "held-dra";
+    create_gpu_pod(c, name, 4).await?;
+    let edits = cdi_edits(c, name).await?;
+    let binaries = gpushare_e2e::cluster::binaries()?;
+    let mut argv = vec![binaries.isolation_probe.display().to_string()];
+    for step in PROBE_STEPS.iter().take_while(|step| **step != "hold") {
+        argv.push((*step).to_owned());
+    }
+    let probe = gpushare_e2e::realk8s::probe_container(&[]);
+    let text = |v: &serde_json::Value, key: &str| Some(v[key].as_str()?.to_owned());
+    let extra_env: Vec<(String, String)> = items(&probe["env"])
+        .filter_map(|v| Some((text(v, "name")?, text(v, "value")?)))
+        .collect();
+    let report = gpushare_e2e::realk8s::run_with_cdi_edits(&edits, &argv, &extra_env);
+    gpushare_e2e::realk8s::remove_isolation_placeholders();
+    let report = report?;
+    check_probe_report(name, &report)?;
+    let lines: Vec<&str> = report.lines().collect();
+    println!("  {name}: {}", lines.join(" | "));
+    Ok(())
 }
 
 /// `helm upgrade` turns on toolkit enforcement: the device plugin rolls, and a new
 /// container gets `NVIDIA_GPU_MEMORY_LIMIT` (MiB) for its share.
-fn toolkit_enforcement_after_helm_upgrade(c: &KitCluster) -> Outcome<'_> {
-    Box::pin(async move {
-        upgrade(c, &["--set", "devicePlugin.enforcement.mode=toolkit"])?;
-        plugin_ready_with(c, |container| {
-            container
-                .args
-                .iter()
-                .flatten()
-                .any(|arg| arg == "--enforcement=toolkit")
-        })
-        .await?;
-        running_pinned(c, "limited", 3).await?;
-        let env = c.container_env("limited", "main").await?;
-        ensure!(
-            env.get("NVIDIA_GPU_MEMORY_LIMIT").map(String::as_str) == Some("3072"),
-            "the container should get NVIDIA_GPU_MEMORY_LIMIT=3072: {env:?}"
-        );
-        Ok(())
-    })
+async fn toolkit_enforcement_after_helm_upgrade(c: &KitCluster) -> anyhow::Result<()> {
+    upgrade(c, &["--set", "devicePlugin.enforcement.mode=toolkit"])?;
+    plugin_ready_with_arg(c, "--enforcement=toolkit").await?;
+    running_pinned(c, "limited", 3).await?;
+    let env = c.container_env("limited", "main").await?;
+    ensure!(
+        env.get("NVIDIA_GPU_MEMORY_LIMIT").map(String::as_str) == Some("3072"),
+        "the container should get NVIDIA_GPU_MEMORY_LIMIT=3072: {env:?}"
+    );
+    Ok(())
 }
 
 /// `helm upgrade` of the release, its values kept (`--reuse-values`) and `extra` added.
 fn upgrade(c: &KitCluster, extra: &[&str]) -> anyhow::Result<String> {
     c.release("upgrade", &[&["--reuse-values"], extra].concat())
+}
+
+/// [`plugin_ready_with`] a container run with `arg`.
+async fn plugin_ready_with_arg(c: &KitCluster, arg: &str) -> anyhow::Result<()> {
+    plugin_ready_with(c, |ct| ct.args.iter().flatten().any(|a| a == arg)).await
 }
 
 /// Waits until a device plugin pod whose container `wanted` accepts is Ready and not being
@@ -1584,104 +1447,76 @@ async fn plugin_ready_with(
 ) -> anyhow::Result<()> {
     let pods: Api<Pod> = Api::namespaced(c.client(), "kube-system");
     let selector = ListParams::default().labels("app.kubernetes.io/component=device-plugin");
-    wait_for(
-        "the new device plugin to be Ready",
-        Duration::from_secs(120),
-        || async {
-            let list = pods.list(&selector).await.ok()?;
-            list.items
-                .iter()
-                .any(|pod| {
-                    pod.metadata.deletion_timestamp.is_none()
-                        && pod
-                            .spec
-                            .as_ref()
-                            .is_some_and(|spec| spec.containers.iter().any(&wanted))
-                        && pod
-                            .status
-                            .as_ref()
-                            .and_then(|status| status.conditions.as_ref())
-                            .is_some_and(|conditions| {
-                                conditions
-                                    .iter()
-                                    .any(|c| c.type_ == "Ready" && c.status == "True")
-                            })
-                })
-                .then_some(())
-        },
-    )
-    .await?;
-    Ok(())
+    wait_for("the new device plugin to be Ready", secs(120), || async {
+        let list = pods.list(&selector).await.ok()?;
+        let ready = |pod: &Pod| {
+            let conditions = pod.status.as_ref().and_then(|s| s.conditions.as_ref());
+            (conditions.into_iter().flatten()).any(|c| c.type_ == "Ready" && c.status == "True")
+        };
+        let runs_wanted = |pod: &Pod| (pod.spec.iter()).any(|s| s.containers.iter().any(&wanted));
+        (list.items.iter())
+            .any(|pod| pod.metadata.deletion_timestamp.is_none() && runs_wanted(pod) && ready(pod))
+            .then_some(())
+    })
+    .await
 }
 
 /// `kubectl gpushare doctor` (and `top`) name what routes GPU pods: on 1.36 with the chart's
 /// defaults, its MutatingAdmissionPolicy and no webhook.
-fn doctor_names_the_router(c: &KitCluster) -> Outcome<'_> {
-    Box::pin(async move {
-        let kubeconfig = c.kit().admin_kubeconfig();
-        let cluster = kubectl_gpushare::cluster::Cluster::connect(Some(&kubeconfig)).await?;
-        let routing = cluster.routing().await.map_err(anyhow::Error::msg)?;
-        ensure!(
-            routing.policies == ["gpushare-route-pods"] && routing.webhooks.is_empty(),
-            "the chart should route with its MutatingAdmissionPolicy alone: {routing:?}"
-        );
-        let line = routing.describe().unwrap_or_default();
-        ensure!(
-            line.contains("MutatingAdmissionPolicy gpushare-route-pods"),
-            "{line}"
-        );
-        Ok(())
-    })
+async fn doctor_names_the_router(c: &KitCluster) -> anyhow::Result<()> {
+    let kubeconfig = c.kit().admin_kubeconfig();
+    let cluster = kubectl_gpushare::cluster::Cluster::connect(Some(&kubeconfig)).await?;
+    let routing = cluster.routing().await.map_err(anyhow::Error::msg)?;
+    ensure!(
+        routing.policies == ["gpushare-route-pods"] && routing.webhooks.is_empty(),
+        "the chart should route with its MutatingAdmissionPolicy alone: {routing:?}"
+    );
+    let line = routing.describe().unwrap_or_default();
+    ensure!(
+        line.contains("MutatingAdmissionPolicy gpushare-route-pods"),
+        "{line}"
+    );
+    Ok(())
 }
 
 /// DRA mode on the real kubelet: pods from a ResourceClaimTemplate run with their claim's
 /// CDI device, three share the 15 GiB GPU's neighbour or it, a plugin restart keeps them,
 /// and a deleted pod's share goes to the next one.
-fn dra_claims_run_and_free(c: &KitCluster) -> Outcome<'_> {
-    Box::pin(async move {
-        create_claim_template(c, gpus_template("gpu-4g", 1, "4Gi")).await?;
-        let pods: Api<Pod> = Api::namespaced(c.client(), "default");
-        for i in 1..=3 {
-            create_pod(c, templated_pod(&format!("dra-{i}"), "gpu-4g")?).await?;
-        }
-        for i in 1..=3 {
-            one_device_of_ours(c, &format!("dra-{i}")).await?;
-        }
-        // The plugin restarts (its pod deleted; the DaemonSet makes a new one): running
-        // pods stay, and new claims are prepared by the new plugin.
-        c.system(&[
-            "delete",
-            "pod",
-            "-l",
-            "app.kubernetes.io/component=dra-plugin",
-            "--wait=true",
-        ])?;
-        rollout(c, "ds/gpushare-dra-plugin")?;
-        for i in 1..=3 {
-            let pod = pods.get(&format!("dra-{i}")).await?;
-            ensure!(
-                phase(&pod) == "Running",
-                "dra-{i} stopped after a plugin restart"
-            );
-        }
-        delete_pod(c, "dra-1").await?;
-        create_pod(c, templated_pod("dra-4", "gpu-4g")?).await?;
-        wait_running(c, "dra-4").await?;
-        let claims = wait_for(
-            "dra-1's claim to be deleted",
-            Duration::from_secs(60),
-            || async {
-                let list = c
-                    .kubectl(&["get", "resourceclaims", "-n", "default", "-o", "name"])
-                    .ok()?;
-                (!list.contains("dra-1-")).then_some(list)
-            },
-        )
-        .await?;
-        ensure!(claims.lines().count() == 3, "claims left: {claims}");
-        let _ = pods.list(&ListParams::default()).await?;
-        Ok(())
+async fn dra_claims_run_and_free(c: &KitCluster) -> anyhow::Result<()> {
+    create_claim_template(c, gpus_template("gpu-4g", 1, "4Gi")).await?;
+    let pods: Api<Pod> = Api::namespaced(c.client(), "default");
+    let names = numbered("dra", 1..=3);
+    for name in &names {
+        create_pod(c, templated_pod(name, "gpu-4g")?).await?;
+    }
+    for name in &names {
+        one_device_of_ours(c, name).await?;
+    }
+    // The plugin restarts (the DaemonSet replaces its deleted pod): running pods stay.
+    c.system(&words(
+        "delete pod -l app.kubernetes.io/component=dra-plugin --wait=true",
+    ))?;
+    rollout(c, "ds/gpushare-dra-plugin")?;
+    for i in 1..=3 {
+        let pod = pods.get(&format!("dra-{i}")).await?;
+        ensure!(
+            phase(&pod) == "Running",
+            "dra-{i} stopped after a plugin restart"
+        );
+    }
+    delete_pod(c, "dra-1").await?;
+    create_pod(c, templated_pod("dra-4", "gpu-4g")?).await?;
+    wait_running(c, "dra-4").await?;
+    let claims = wait_for("dra-1's claim to be deleted", secs(60), || async {
+        let list = c
+            .kubectl(&words("get resourceclaims -n default -o name"))
+            .ok()?;
+        (!list.contains("dra-1-")).then_some(list)
     })
+    .await?;
+    ensure!(claims.lines().count() == 3, "claims left: {claims}");
+    let _ = pods.list(&ListParams::default()).await?;
+    Ok(())
 }
 
 /// Fake GPU nodes (Node objects only; pods bound there never run) for load scenarios.
@@ -1692,21 +1527,16 @@ const BURST_PODS: usize = 1000;
 /// stand-in for their kubelets: nothing runs behind a fake node, so the stand-in writes each
 /// pod bound there its status (a `startTime`), as the node's kubelet does on admitting it.
 struct FakeNodes {
-    kubelets: gpushare_e2e::realk8s::load::NodeStandIn,
+    kubelets: load::NodeStandIn,
 }
 
 impl FakeNodes {
     fn create(c: &KitCluster, prefix: &str) -> anyhow::Result<Self> {
-        Self::create_with_models(c, prefix, ["Fake"; 4])
+        Self::create_admitting(c, prefix, ["Fake"; 4], Duration::from_millis(200))
     }
 
-    /// [`FakeNodes::create`], GPU `i` of each node of model `models[i]`.
-    fn create_with_models(c: &KitCluster, prefix: &str, models: [&str; 4]) -> anyhow::Result<Self> {
-        Self::create_admitting(c, prefix, models, Duration::from_millis(200))
-    }
-
-    /// [`FakeNodes::create_with_models`], the stand-in admitting each pod `admitted_after` it
-    /// was bound, as a busy kubelet does.
+    /// [`FakeNodes::create`], GPU `i` of each node of model `models[i]`, the stand-in
+    /// admitting each pod `admitted_after` it was bound (a busy kubelet is slower).
     fn create_admitting(
         c: &KitCluster,
         prefix: &str,
@@ -1724,22 +1554,17 @@ impl FakeNodes {
         let status = c
             .kit()
             .script("realk8s.sh")
-            .args([
-                "nodes",
-                &FAKE_NODES.to_string(),
-                "4",
-                "16",
-                "example.com/gpu-mem",
-                "gpushare=true",
-            ])
+            .args(words(&format!(
+                "nodes {FAKE_NODES} 4 16 example.com/gpu-mem gpushare=true"
+            )))
             .env("NODE_ANNOTATIONS_JSON", annotations.to_string())
             .env("NODE_PREFIX", prefix)
             .status()?;
         ensure!(status.success(), "creating fake nodes failed");
-        let kubelets = gpushare_e2e::realk8s::load::NodeStandIn::start(
+        let kubelets = load::NodeStandIn::start(
             c.client(),
             "default",
-            gpushare_e2e::realk8s::load::StandInConfig {
+            load::StandInConfig {
                 node_prefix: format!("{prefix}-"),
                 delay: admitted_after,
                 marks_as: None,
@@ -1763,19 +1588,16 @@ impl FakeNodes {
     }
 }
 
-/// Runs `body` on fresh fake nodes `<prefix>-0..` ([`FakeNodes::create`]), then deletes them,
-/// whatever `body` returned.
-fn on_fake_nodes<'a>(
-    c: &'a KitCluster,
-    prefix: &'a str,
-    body: impl Future<Output = anyhow::Result<()>> + 'a,
-) -> Outcome<'a> {
-    Box::pin(async move {
-        let nodes = FakeNodes::create(c, prefix)?;
-        let result = body.await;
-        nodes.delete(c)?;
-        result
-    })
+/// Runs `body` on the fake nodes just created, then deletes them, whatever `body` returned.
+async fn on_fake_nodes(
+    c: &KitCluster,
+    nodes: anyhow::Result<FakeNodes>,
+    body: impl Future<Output = anyhow::Result<()>>,
+) -> anyhow::Result<()> {
+    let nodes = nodes?;
+    let result = body.await;
+    nodes.delete(c)?;
+    result
 }
 
 /// A burst of `count` GPU pods of 4 GiB, `<prefix>-<i>`, created as a user does (no
@@ -1798,7 +1620,7 @@ impl Burst {
                 tokio::spawn(async move {
                     let mut errors = Vec::new();
                     for i in (worker..count).step_by(4) {
-                        let mut pod = fixtures::pod(&format!("{prefix}-{i}")).gpu_mem(4).build();
+                        let mut pod = gib_pod(&format!("{prefix}-{i}"), 4);
                         if let (true, Some(spec)) = (fake_only, pod.spec.as_mut()) {
                             spec.node_selector =
                                 Some([("fake".to_owned(), "true".to_owned())].into());
@@ -1824,20 +1646,13 @@ impl Burst {
     /// Pods of the burst bound so far.
     async fn bound(&self) -> Option<usize> {
         let list = self.pods.list(&ListParams::default()).await.ok()?;
-        Some(
-            list.items
-                .iter()
-                .filter(|p| self.is_ours(p))
-                .filter(|p| p.spec.as_ref().and_then(|s| s.node_name.as_ref()).is_some())
-                .count(),
-        )
+        let bound = (list.items.iter()).filter(|p| self.is_ours(p) && node_of(p).is_some());
+        Some(bound.count())
     }
 
     fn is_ours(&self, pod: &Pod) -> bool {
-        pod.metadata
-            .name
-            .as_deref()
-            .and_then(|n| n.strip_prefix(self.prefix))
+        let name = pod.metadata.name.as_deref().unwrap_or_default();
+        name.strip_prefix(self.prefix)
             .is_some_and(|rest| rest.starts_with('-'))
     }
 
@@ -1849,11 +1664,9 @@ impl Burst {
             refusals.extend(creator.await?);
         }
         let created = self.count - refusals.len();
-        let all_bound = wait_for(
-            "every burst pod to be bound",
-            Duration::from_secs(120),
-            || async { (self.bound().await? == created).then_some(()) },
-        )
+        let all_bound = wait_for("every burst pod to be bound", secs(120), || async {
+            (self.bound().await? == created).then_some(())
+        })
         .await;
         println!(
             "  burst of {} done in {:.1} s; {} creates refused",
@@ -1869,20 +1682,13 @@ impl Burst {
         );
         let listed = self.pods.list(&ListParams::default()).await?;
         if let Err(error) = all_bound {
-            let unbound: Vec<String> = listed
-                .items
-                .iter()
-                .filter(|p| p.spec.as_ref().and_then(|s| s.node_name.as_ref()).is_none())
+            let unbound: Vec<String> = (listed.items.iter())
+                .filter(|p| node_of(p).is_none())
                 .map(|p| {
-                    format!(
-                        "{} ({}): {}",
-                        p.metadata.name.as_deref().unwrap_or_default(),
-                        p.spec
-                            .as_ref()
-                            .and_then(|s| s.scheduler_name.as_deref())
-                            .unwrap_or_default(),
-                        gpushare_e2e::scenarios::scheduling_message(p).unwrap_or_default()
-                    )
+                    let name = p.metadata.name.as_deref().unwrap_or_default();
+                    let scheduler = scheduler_of(p).unwrap_or_default();
+                    let why = scheduling_message(p).unwrap_or_default();
+                    format!("{name} ({scheduler}): {why}")
                 })
                 .collect();
             bail!(
@@ -1900,16 +1706,16 @@ impl Burst {
                 pod.status.as_ref().and_then(|s| s.message.as_deref())
             );
         }
-        check_no_overcommit(&c.client()).await?;
-        Ok(())
+        no_overcommit(c).await
     }
 }
 
 /// The extender leader SIGKILLed three times while a burst of GPU pods is created: no create
 /// is refused, every pod is bound with an allocation, no GPU is over-committed, and each time
 /// a follower took the Lease over before it expired. Prints how long binding stopped.
-fn leader_killed_in_a_burst(c: &KitCluster) -> Outcome<'_> {
-    on_fake_nodes(c, "fake", burst_with_kills(c))
+async fn leader_killed_in_a_burst(c: &KitCluster) -> anyhow::Result<()> {
+    let nodes = FakeNodes::create(c, "fake");
+    on_fake_nodes(c, nodes, burst_with_kills(c)).await
 }
 
 /// The chart's `extender.leaderElection.leaseDurationMs`, in seconds.
@@ -1920,36 +1726,26 @@ async fn burst_with_kills(c: &KitCluster) -> anyhow::Result<()> {
     let mut gaps = Vec::new();
     let mut takeovers = Vec::new();
     for kill_at in [2.0, 5.5, 9.0] {
-        tokio::time::sleep(
-            Duration::from_secs_f64(kill_at).saturating_sub(burst.started.elapsed()),
-        )
-        .await;
+        let wait = Duration::from_secs_f64(kill_at).saturating_sub(burst.started.elapsed());
+        tokio::time::sleep(wait).await;
         let holder = c.extender_lease_holder()?;
-        let pod = holder
-            .rsplit_once('_')
-            .map_or(holder.as_str(), |(pod, _)| pod);
+        let (pod, _) = holder.rsplit_once('_').unwrap_or((&holder, ""));
         let pid = c.script("chart-cluster.sh", &["pid", pod, "extender"])?;
         let pid = pid.trim();
         ensure!(!pid.is_empty(), "no host pid for the leader {pod}");
         let killed = Instant::now();
-        std::process::Command::new("kill")
-            .args(["-9", pid])
-            .status()?;
+        Command::new("kill").args(["-9", pid]).status()?;
         // Binding resumed when another replica holds the Lease and a pod was bound after it
         // took over: a bind the killed leader wrote just before dying does not count.
         let resumed = async {
-            wait_for(
-                "another replica to take the Lease",
-                Duration::from_secs(30),
-                || async {
-                    let now = c.extender_lease_holder().ok()?;
-                    (!now.is_empty() && now != holder).then_some(())
-                },
-            )
+            wait_for("another replica to take the Lease", secs(30), || async {
+                let now = c.extender_lease_holder().ok()?;
+                (!now.is_empty() && now != holder).then_some(())
+            })
             .await?;
             takeovers.push(killed.elapsed().as_secs_f64());
             let at_takeover = burst.bound().await.unwrap_or(0);
-            wait_for("binding to resume", Duration::from_secs(30), || async {
+            wait_for("binding to resume", secs(30), || async {
                 (burst.bound().await? > at_takeover).then_some(())
             })
             .await
@@ -1986,85 +1782,88 @@ async fn burst_with_kills(c: &KitCluster) -> anyhow::Result<()> {
     Ok(())
 }
 
-/// The chart's default `extender.filterKeepBest: 1` on the real kube-scheduler: of two empty
-/// fake nodes and one that already holds a GPU pod, a plain pod limited to two of them packs
-/// onto the fuller one (the extender passed that node alone); a pod that prefers the emptier
-/// one (preferred node affinity) lands there, because the extender steps aside and
-/// kube-scheduler's NodeAffinity score (weight 2 × 100) outweighs our prioritize score
-/// (10 × 10). Without the step-aside the extender would pass the fuller node alone.
-fn keep_best_packs_and_steps_aside_for_soft_preferences(c: &KitCluster) -> Outcome<'_> {
-    on_fake_nodes(c, "keep", keep_best_on_fake_nodes(c))
+/// The default `extender.filterKeepBest: 1` on the real kube-scheduler: a plain pod allowed on
+/// an empty fake node and on one holding a GPU pod packs onto the fuller one; a pod preferring
+/// the emptier one lands there, because the extender steps aside and NodeAffinity's score
+/// (2 × 100) outweighs ours (10 × 10): without the step-aside it would pass the fuller alone.
+async fn keep_best_packs_and_steps_aside_for_soft_preferences(
+    c: &KitCluster,
+) -> anyhow::Result<()> {
+    let nodes = FakeNodes::create(c, "keep");
+    on_fake_nodes(c, nodes, keep_best_on_fake_nodes(c)).await
 }
 
 /// `pod`, allowed only on `nodes` (required node affinity) and, with `prefers`, preferring
 /// that one (preferred node affinity, weight 100).
 fn limited_to(mut pod: Pod, nodes: &[&str], prefers: Option<&str>) -> anyhow::Result<Pod> {
-    // One term per node (terms are ORed): a field selector takes one value.
-    let terms: Vec<serde_json::Value> = nodes
-        .iter()
-        .map(|node| {
-            serde_json::json!({"matchFields": [
+    let named = |node: &str| {
+        serde_json::json!({"matchFields": [
             {"key": "metadata.name", "operator": "In", "values": [node]}]})
-        })
-        .collect();
+    };
+    // One term per node (terms are ORed): a field selector takes one value.
+    let terms: Vec<serde_json::Value> = nodes.iter().map(|node| named(node)).collect();
     let mut affinity = serde_json::json!({"nodeAffinity": {
         "requiredDuringSchedulingIgnoredDuringExecution": {"nodeSelectorTerms": terms}}});
     if let Some(node) = prefers {
-        affinity["nodeAffinity"]["preferredDuringSchedulingIgnoredDuringExecution"] = serde_json::json!([
-            {"weight": 100, "preference": {"matchFields": [
-                {"key": "metadata.name", "operator": "In", "values": [node]}]}}]);
+        affinity["nodeAffinity"]["preferredDuringSchedulingIgnoredDuringExecution"] =
+            serde_json::json!([{"weight": 100, "preference": named(node)}]);
     }
     pod.spec.as_mut().context("pod spec")?.affinity = Some(serde_json::from_value(affinity)?);
     Ok(pod)
 }
 
-/// Creates `pod` and waits up to a minute for the node it is bound to.
-async fn create_and_wait_bound(pods: &Api<Pod>, pod: Pod) -> anyhow::Result<String> {
+/// Creates `pod` [`limited_to`] `nodes` and waits up to a minute for the node it is bound to.
+async fn bound_among(
+    pods: &Api<Pod>,
+    pod: Pod,
+    nodes: &[&str],
+    prefers: Option<&str>,
+) -> anyhow::Result<String> {
+    let pod = limited_to(pod, nodes, prefers)?;
     let name = pod.metadata.name.clone().context("pod name")?;
     pods.create(&PostParams::default(), &pod).await?;
     wait_bound(pods, &name).await
 }
 
+/// Creates `pod` allowed only on `node` and checks that it is bound there.
+async fn bound_to(pods: &Api<Pod>, pod: Pod, node: &str) -> anyhow::Result<()> {
+    let name = pod.metadata.name.clone().unwrap_or_default();
+    let bound = bound_among(pods, pod, &[node], None).await?;
+    ensure!(bound == node, "{name} went on {bound}, not {node}");
+    Ok(())
+}
+
+/// A pod of `gib` GiB of GPU memory in its `main` container.
+fn gib_pod(name: &str, gib: u64) -> Pod {
+    fixtures::pod(name).gpu_mem(gib).build()
+}
+
 async fn keep_best_on_fake_nodes(c: &KitCluster) -> anyhow::Result<()> {
     let pods: Api<Pod> = Api::namespaced(c.client(), "default");
-    let gib4 = |name: &str| fixtures::pod(name).gpu_mem(4).build();
-    let first = create_and_wait_bound(&pods, limited_to(gib4("keep-first"), &["keep-0"], None)?);
-    ensure!(first.await? == "keep-0");
-    let plain = create_and_wait_bound(
-        &pods,
-        limited_to(gib4("keep-plain"), &["keep-0", "keep-1"], None)?,
-    )
-    .await?;
+    bound_to(&pods, gib_pod("keep-first", 4), "keep-0").await?;
+    let both = ["keep-0", "keep-1"];
+    let plain = bound_among(&pods, gib_pod("keep-plain", 4), &both, None).await?;
     ensure!(
         plain == "keep-0",
         "the plain pod should pack onto keep-0, the node the extender ranks best: {plain}"
     );
-    let prefers = create_and_wait_bound(
-        &pods,
-        limited_to(gib4("keep-prefers"), &["keep-0", "keep-1"], Some("keep-1"))?,
-    )
-    .await?;
+    let prefers = bound_among(&pods, gib_pod("keep-prefers", 4), &both, Some("keep-1")).await?;
     ensure!(
         prefers == "keep-1",
         "the pod preferring keep-1 should be scored by kube-scheduler and land there: {prefers}"
     );
-    check_no_overcommit(&c.client()).await?;
-    Ok(())
+    no_overcommit(c).await
 }
 
-/// The ranking of the filter that keeps the best follows the demand mix
-/// (`gpushare_allocator::demand_mix`) on the real cluster. Two pairs of empty fake nodes
-/// (64 cores, 512 GiB, 4 × 16 GiB), the first of each holding a GPU pod that takes nearly all
-/// of its CPU and memory; a small GPU pod may go on either node of a pair. Our score prefers
-/// the node whose GPU is already in use; kube-scheduler's LeastAllocated prefers the empty
-/// node by more. With the resource scores in the ranking the pod goes on the empty node;
-/// while pending 8-GPU jobs bring most of the recent GPU demand, the ranking is our score
-/// alone and the pod goes on the node it packs (that BalancedAllocation is left out too,
-/// which could not outweigh our score here, the extender's handlers tests check). The jobs
-/// are what the extender's pod watch sees waiting: no node here has 8 GPUs, so they stay
-/// pending.
-fn keep_best_follows_the_multi_gpu_demand(c: &KitCluster) -> Outcome<'_> {
-    on_fake_nodes(c, "mix", ranking_follows_the_demand(c))
+/// The keep-best filter's ranking follows the demand mix (`gpushare_allocator::demand_mix`):
+/// of two fake nodes, one with a GPU pod taking nearly all its CPU and memory, our score
+/// prefers that one (its GPU is in use), LeastAllocated the empty one by more. With little
+/// multi-GPU demand a small GPU pod goes on the empty node; while pending 8-GPU jobs (no node
+/// has 8 GPUs) bring most of the demand, the ranking is our score alone (BalancedAllocation
+/// left out too, as the extender's handler tests check) and it goes on the busy node.
+async fn keep_best_follows_the_multi_gpu_demand(c: &KitCluster) -> anyhow::Result<()> {
+    let nodes = FakeNodes::create(c, "mix");
+    on_fake_nodes(c, nodes, ranking_follows_the_demand(c)).await
 }
 
 async fn ranking_follows_the_demand(c: &KitCluster) -> anyhow::Result<()> {
@@ -2074,13 +1873,12 @@ async fn ranking_follows_the_demand(c: &KitCluster) -> anyhow::Result<()> {
     // 99 + 99; our score × 10: 100 against 10 (the resident's GPU is the fuller, and any
     // shape learned loses at most the one pod the small pod takes there). With the resource
     // scores the empty node wins, 208 to 201; by our score alone the resident's does.
-    let small = |name: &str, pair: [&str; 2]| -> anyhow::Result<Pod> {
-        let pod = fixtures::pod(name)
+    let small = |name: &str| {
+        fixtures::pod(name)
             .gpu_mem(4)
             .cpu("100m")
             .memory("256Mi")
-            .build();
-        limited_to(pod, &pair, None)
+            .build()
     };
     for (resident, node) in [("mix-resident-0", "mix-0"), ("mix-resident-2", "mix-2")] {
         let pod = fixtures::pod(resident)
@@ -2088,11 +1886,9 @@ async fn ranking_follows_the_demand(c: &KitCluster) -> anyhow::Result<()> {
             .cpu("62")
             .memory("500Gi")
             .build();
-        let bound = create_and_wait_bound(&pods, limited_to(pod, &[node], None)?).await?;
-        ensure!(bound == node, "{resident} went on {bound}, not {node}");
+        bound_to(&pods, pod, node).await?;
     }
-    let before =
-        create_and_wait_bound(&pods, small("mix-small-before", ["mix-0", "mix-1"])?).await?;
+    let before = bound_among(&pods, small("mix-small-before"), &["mix-0", "mix-1"], None).await?;
     ensure!(
         before == "mix-1",
         "with little multi-GPU demand the ranking counts LeastAllocated: the GPU pod should \
@@ -2109,36 +1905,34 @@ async fn ranking_follows_the_demand(c: &KitCluster) -> anyhow::Result<()> {
         create_pod(c, job).await?;
     }
     wait_unschedulable(c, "mix-job-23").await?;
-    let after = create_and_wait_bound(&pods, small("mix-small-after", ["mix-2", "mix-3"])?).await?;
+    let after = bound_among(&pods, small("mix-small-after"), &["mix-2", "mix-3"], None).await?;
     ensure!(
         after == "mix-2",
         "with 8-GPU jobs bringing most of the recent demand the ranking is our score alone: \
          the GPU pod should go on mix-2, whose GPU is in use, not {after}"
     );
-    check_no_overcommit(&c.client()).await?;
-    Ok(())
+    no_overcommit(c).await
 }
 
-/// The idle-GPU taint (`extender.idleGpuTaint`, on by default) on the real cluster: the
-/// extender taints the fake nodes, whose GPUs are all idle; once GPU pods fill one node's
-/// GPUs it takes the taint off there. A CPU-only pod (the cluster's default scheduler places
-/// it) allowed on that node and on an idle one goes on the busy node, where LeastAllocated
-/// and BalancedAllocation prefer the idle one (about 147 against 199): kube-scheduler's
-/// TaintToleration (weight 3) decides. Allowed on the idle node alone, it still goes there.
-/// GPU pods tolerate the taint, so it does not override their own preferred node affinity.
-/// Once the GPU pods are gone the busy node is tainted again.
-fn cpu_only_pods_prefer_nodes_whose_gpus_are_in_use(c: &KitCluster) -> Outcome<'_> {
-    on_fake_nodes(c, "idle", cpu_only_pods_on_fake_nodes(c))
+/// The idle-GPU taint (`extender.idleGpuTaint`, on by default): fake nodes with idle GPUs are
+/// tainted, one whose GPUs are all in use is not. A CPU-only pod allowed on both goes on the
+/// busy one though LeastAllocated and BalancedAllocation prefer the idle one (about 147 to
+/// 199): TaintToleration (weight 3) decides; allowed on the idle one alone, it goes there.
+/// GPU pods tolerate the taint, so it does not override their preferred node affinity. Once
+/// the GPU pods are gone the busy node is tainted again.
+async fn cpu_only_pods_prefer_nodes_whose_gpus_are_in_use(c: &KitCluster) -> anyhow::Result<()> {
+    let nodes = FakeNodes::create(c, "idle");
+    on_fake_nodes(c, nodes, cpu_only_pods_on_fake_nodes(c)).await
 }
 
 /// Waits up to 30 s for `node` to carry the idle-GPU taint (`wanted`) or not.
 async fn wait_idle_gpu_taint(c: &KitCluster, node: &str, wanted: bool) -> anyhow::Result<()> {
-    let nodes: Api<k8s_openapi::api::core::v1::Node> = Api::all(c.client());
+    let nodes: Api<Node> = Api::all(c.client());
     let what = format!(
         "{node} to {} the idle-GPU taint",
         if wanted { "carry" } else { "lose" }
     );
-    wait_for(&what, Duration::from_secs(30), || async {
+    wait_for(&what, secs(30), || async {
         let node = nodes.get(node).await.ok()?;
         let carries = (node.spec?.taints.into_iter().flatten())
             .any(|t| t.key == "gpushare.example.com/idle-gpu" && t.effect == "PreferNoSchedule");
@@ -2150,9 +1944,7 @@ async fn wait_idle_gpu_taint(c: &KitCluster, node: &str, wanted: bool) -> anyhow
 /// Whether pod `name` tolerates the idle-GPU taint (as admitted).
 async fn tolerates_idle_gpu_taint(pods: &Api<Pod>, name: &str) -> anyhow::Result<bool> {
     let tolerations = pods.get(name).await?.spec.and_then(|spec| spec.tolerations);
-    Ok(tolerations
-        .into_iter()
-        .flatten()
+    Ok((tolerations.into_iter().flatten())
         .any(|t| t.key.as_deref() == Some("gpushare.example.com/idle-gpu")))
 }
 
@@ -2168,38 +1960,28 @@ async fn cpu_only_pods_on_fake_nodes(c: &KitCluster) -> anyhow::Result<()> {
             .cpu("8")
             .memory("16Gi")
             .build();
-        let bound = create_and_wait_bound(&pods, limited_to(pod, &["idle-0"], None)?);
-        ensure!(bound.await? == "idle-0");
+        bound_to(&pods, pod, "idle-0").await?;
     }
     wait_idle_gpu_taint(c, "idle-0", false).await?;
-    let cpu_only = |name: &str, nodes: &[&str]| -> anyhow::Result<Pod> {
-        let pod = fixtures::pod(name).cpu("1").memory("1Gi").build();
-        limited_to(pod, nodes, None)
-    };
-    let busy = create_and_wait_bound(&pods, cpu_only("idle-cpu", &["idle-0", "idle-1"])?).await?;
+    let cpu_only = |name: &str| fixtures::pod(name).cpu("1").memory("1Gi").build();
+    let busy = bound_among(&pods, cpu_only("idle-cpu"), &["idle-0", "idle-1"], None).await?;
     ensure!(
         busy == "idle-0",
         "the CPU-only pod should prefer idle-0, whose GPUs are in use, to idle-1 with its \
          idle GPUs (and idle-GPU taint), not go on {busy}"
     );
-    let only = create_and_wait_bound(&pods, cpu_only("idle-cpu-only", &["idle-1"])?).await?;
+    let only = bound_among(&pods, cpu_only("idle-cpu-only"), &["idle-1"], None).await?;
     ensure!(only == "idle-1", "the taint is a preference: {only}");
-    // GPU pods tolerate it (the routing policy adds the toleration), so it does not outweigh
-    // their own preferences where kube-scheduler scores them: idle-2's four GPUs each hold
-    // 12 GiB (no idle GPU, no taint), and a 4 GiB pod that may go on idle-2 or idle-3 and
-    // prefers idle-3 goes there (without the toleration TaintToleration's 300 points for
-    // idle-2 beat the preference's 200).
+    // GPU pods tolerate the taint (the routing policy adds it): with idle-2's GPUs at 12 GiB
+    // each (no taint), a pod allowed on idle-2 or idle-3 and preferring idle-3 goes there
+    // (without the toleration, TaintToleration's 300 points for idle-2 beat its 200).
     for gpu in 0..4 {
-        let pod = fixtures::pod(&format!("idle-part-{gpu}"))
-            .gpu_mem(12)
-            .build();
-        let bound = create_and_wait_bound(&pods, limited_to(pod, &["idle-2"], None)?);
-        ensure!(bound.await? == "idle-2");
+        let pod = gib_pod(&format!("idle-part-{gpu}"), 12);
+        bound_to(&pods, pod, "idle-2").await?;
     }
     wait_idle_gpu_taint(c, "idle-2", false).await?;
-    let prefers = fixtures::pod("idle-prefers").gpu_mem(4).build();
-    let prefers = limited_to(prefers, &["idle-2", "idle-3"], Some("idle-3"))?;
-    let placed = create_and_wait_bound(&pods, prefers).await?;
+    let prefers = gib_pod("idle-prefers", 4);
+    let placed = bound_among(&pods, prefers, &["idle-2", "idle-3"], Some("idle-3")).await?;
     let tolerates = tolerates_idle_gpu_taint(&pods, "idle-prefers").await?;
     ensure!(
         placed == "idle-3",
@@ -2209,7 +1991,7 @@ async fn cpu_only_pods_on_fake_nodes(c: &KitCluster) -> anyhow::Result<()> {
         tolerates,
         "the routed GPU pod should tolerate the idle-GPU taint"
     );
-    check_no_overcommit(&c.client()).await?;
+    no_overcommit(c).await?;
     // At once: no kubelet behind a fake node confirms a graceful deletion.
     let now = kube::api::DeleteParams::default().grace_period(0);
     for gpu in 0..4 {
@@ -2218,35 +2000,25 @@ async fn cpu_only_pods_on_fake_nodes(c: &KitCluster) -> anyhow::Result<()> {
     wait_idle_gpu_taint(c, "idle-0", true).await
 }
 
-/// The twin rule on the real kube-scheduler: a 16 GiB pod created while another 16 GiB pod,
-/// bound to the same node, still waits for kubelet to admit it can only join that pod's GPU,
-/// which has no room, so filter passes no node. The stand-in admits pods 3 s after their bind.
-/// kube-scheduler must try the pod again once the first one is admitted. A pod no node passed
-/// for, NodeAffinity having rejected the other nodes, waits for a cluster event NodeAffinity
-/// names, or five minutes; whether the admission (a status update of an assigned pod) brings
-/// it back depends on timing: `cpu_only_pods_prefer_nodes_whose_gpus_are_in_use` waited out
-/// its minute so in 2 of 6 runs on a workstation and once in CI. The extender answers such a
-/// filter with an error instead, which kube-scheduler retries after its backoff whatever
-/// happens: the scenario checks the refusal was that error, then that the pod binds. (The
+/// The twin rule on the real kube-scheduler: a 16 GiB pod created while another, bound to the
+/// same node, waits for kubelet's admission (the stand-in admits 3 s after the bind) can only
+/// join that pod's full GPU, so filter passes no node. A pod no node passed waits for an event
+/// NodeAffinity names, or five minutes (it did in 2 of 6 runs on a workstation, once in CI);
+/// the extender answers with an error instead, which kube-scheduler retries after its
+/// backoff: the scenario checks the refusal was that error, then that the pod binds. (The
 /// in-process scenario of the same name fails without the error; this one, on timing, may not.)
-fn a_pod_behind_its_twin_binds_once_kubelet_admits_the_twin(c: &KitCluster) -> Outcome<'_> {
-    Box::pin(async move {
-        let nodes = FakeNodes::create_admitting(c, "twin", ["Fake"; 4], Duration::from_secs(3))?;
-        let result = twin_waits_for_admission(c).await;
-        nodes.delete(c)?;
-        result
-    })
+async fn a_pod_behind_its_twin_binds_once_kubelet_admits_the_twin(
+    c: &KitCluster,
+) -> anyhow::Result<()> {
+    let nodes = FakeNodes::create_admitting(c, "twin", ["Fake"; 4], secs(3));
+    on_fake_nodes(c, nodes, twin_waits_for_admission(c)).await
 }
 
 async fn twin_waits_for_admission(c: &KitCluster) -> anyhow::Result<()> {
     let pods: Api<Pod> = Api::namespaced(c.client(), "default");
-    let whole = |name: &str| -> anyhow::Result<Pod> {
-        let pod = fixtures::pod(name).gpu_mem(16).build();
-        limited_to(pod, &["twin-0"], None)
-    };
-    let first = create_and_wait_bound(&pods, whole("twin-first")?).await?;
-    ensure!(first == "twin-0");
-    create_pod(c, whole("twin-second")?).await?;
+    bound_to(&pods, gib_pod("twin-first", 16), "twin-0").await?;
+    let pod = limited_to(gib_pod("twin-second", 16), &["twin-0"], None)?;
+    create_pod(c, pod).await?;
     // Refused first (twin-first is not admitted for 3 s), then bound: no five-minute wait.
     let refused_with = std::sync::Mutex::new(None::<String>);
     let second = wait_for("twin-second to be bound", START_TIMEOUT, || {
@@ -2273,23 +2045,17 @@ async fn twin_waits_for_admission(c: &KitCluster) -> anyhow::Result<()> {
         refused_with.contains("until kubelet admits a pod bound before it"),
         "twin-second should have waited for twin-first's admission: {refused_with}"
     );
-    check_no_overcommit(&c.client()).await?;
-    Ok(())
+    no_overcommit(c).await
 }
 
-/// The `gpushare.example.com/gpu-model` annotation on the real cluster (docs/contract.md,
-/// "Choosing GPU models"): fake nodes whose GPUs alternate two models, which node affinity
-/// cannot tell apart. Pods naming one model, or refusing it, get GPUs of the models they allow
-/// (picked by the fragmentation measure among those); a pod naming a model no node has waits
-/// with the extender's reason; nothing is over-committed.
-fn the_gpu_model_annotation_picks_the_gpu(c: &KitCluster) -> Outcome<'_> {
-    Box::pin(async move {
-        let nodes =
-            FakeNodes::create_with_models(c, "models", ["Fake-A", "Fake-B", "Fake-A", "Fake-B"])?;
-        let result = annotated_pods_get_their_models(c).await;
-        nodes.delete(c)?;
-        result
-    })
+/// The `gpushare.example.com/gpu-model` annotation (docs/contract.md, "Choosing GPU models")
+/// on fake nodes whose GPUs alternate two models node affinity cannot tell apart: pods naming
+/// a model, or refusing one, get GPUs they allow; a pod naming a model no node has waits with
+/// the extender's reason; nothing is over-committed.
+async fn the_gpu_model_annotation_picks_the_gpu(c: &KitCluster) -> anyhow::Result<()> {
+    let models = ["Fake-A", "Fake-B", "Fake-A", "Fake-B"];
+    let nodes = FakeNodes::create_admitting(c, "models", models, Duration::from_millis(200));
+    on_fake_nodes(c, nodes, annotated_pods_get_their_models(c)).await
 }
 
 async fn annotated_pods_get_their_models(c: &KitCluster) -> anyhow::Result<()> {
@@ -2328,87 +2094,52 @@ async fn annotated_pods_get_their_models(c: &KitCluster) -> anyhow::Result<()> {
         reason.contains("needs a GPU of model fake-c"),
         "model-c should wait for a Fake-C GPU: {reason}"
     );
-    check_no_overcommit(&c.client()).await?;
-    Ok(())
+    no_overcommit(c).await
 }
 
-/// `helm upgrade` of the running release in the middle of a burst: new extender and device
-/// plugin images and changed values, among them client certificates turned on for a release
-/// that had none (the upgrade grace lets the old scheduler through while it rolls), so both
-/// roll (the extender's Deployment one pod at a time, the plugin's DaemonSet on the real node).
-/// No create is refused, every pod is bound with an allocation, none failed, nothing is
-/// over-committed, and the GPU pods already running on the real node keep running, never
-/// restarted.
-fn helm_upgrade_in_a_burst(c: &KitCluster) -> Outcome<'_> {
-    Box::pin(async move {
-        let mut residents = Vec::new();
-        for name in ["resident-1", "resident-2"] {
-            create_gpu_pod(c, name, 4).await?;
-        }
-        for name in ["resident-1", "resident-2"] {
-            residents.push(wait_running(c, name).await?);
-        }
-        let nodes = FakeNodes::create(c, "upgrade")?;
-        let result = upgrade_in_a_burst(c, &residents).await;
-        nodes.delete(c)?;
-        result
-    })
+/// `helm upgrade` in the middle of a burst: new images and values, client certificates turned
+/// on (the grace lets the old scheduler through while it rolls), so the extender and device
+/// plugin roll. No create is refused, every pod is bound with an allocation, none failed,
+/// nothing is over-committed, and the GPU pods on the real node run on, never restarted.
+async fn helm_upgrade_in_a_burst(c: &KitCluster) -> anyhow::Result<()> {
+    let residents = gpu_pods_running(c, &["resident-1", "resident-2"], 4).await?;
+    let nodes = FakeNodes::create(c, "upgrade");
+    on_fake_nodes(c, nodes, upgrade_in_a_burst(c, &residents)).await
 }
 
 async fn upgrade_in_a_burst(c: &KitCluster, residents: &[Pod]) -> anyhow::Result<()> {
-    // On the fake nodes only: a GPU pod kubelet admits on the real node while its device
-    // plugin restarts fails ("no healthy devices present"), as with any device plugin
-    // (docs/operating.md, "Known limits"); the residents there must not be touched.
-    // The release as a chart without client certificates left it (no client Secret, a
-    // scheduler that presents nothing), so the upgrade below crosses the switch.
+    // On the fake nodes only: a GPU pod admitted on the real node while its plugin restarts
+    // fails (docs/operating.md, "Known limits"). Client certificates off first (no client
+    // Secret, a scheduler presenting nothing), so that the upgrade crosses the switch.
     upgrade(c, &["--set", "extender.tls.clientAuth.enabled=false"])?;
     for deployment in ["deploy/gpushare-extender", "deploy/gpushare-scheduler"] {
         rollout(c, deployment)?;
     }
     let burst = Burst::start(c, "upgrade", 300, true);
-    tokio::time::sleep(Duration::from_secs(2)).await;
+    tokio::time::sleep(secs(2)).await;
     let upgraded = Instant::now();
-    upgrade(
-        c,
-        &[
-            "--set",
-            "extender.image.tag=next",
-            "--set",
-            "devicePlugin.image.tag=next",
-            "--set",
-            "extender.bindWritesInFlight=48",
-            "--set",
-            "extender.tls.clientAuth.enabled=true",
-        ],
-    )?;
+    let next_release = words(
+        "--set extender.image.tag=next --set devicePlugin.image.tag=next \
+         --set extender.bindWritesInFlight=48 --set extender.tls.clientAuth.enabled=true",
+    );
+    upgrade(c, &next_release)?;
     rollout(c, "deploy/gpushare-extender")?;
-    plugin_ready_with(c, |container| {
-        container
-            .image
-            .as_deref()
-            .is_some_and(|image| image.ends_with(":next"))
-    })
-    .await?;
+    let next = |image: &str| image.ends_with(":next");
+    plugin_ready_with(c, |ct| ct.image.as_deref().is_some_and(next)).await?;
     println!(
         "  helm upgrade rolled the extender and the device plugin in {:.1} s",
         upgraded.elapsed().as_secs_f64()
     );
-    let images = c.system(&[
-        "get",
-        "pods",
-        "-o",
-        "jsonpath={.items[*].spec.containers[*].image}",
-    ])?;
+    let images = c.system(&words(
+        "get pods -o jsonpath={.items[*].spec.containers[*].image}",
+    ))?;
     ensure!(
         images.matches(":next").count() >= 3,
         "the upgrade did not roll the new images out: {images}"
     );
-    let args = c.system(&[
-        "get",
-        "deploy/gpushare-extender",
-        "-o",
-        "jsonpath={.spec.template.spec.containers[0].args}",
-    ])?;
+    let args = c.system(&words(
+        "get deploy/gpushare-extender -o jsonpath={.spec.template.spec.containers[0].args}",
+    ))?;
     ensure!(
         args.contains("--client-ca") && args.contains("--accept-uncertified-until"),
         "the upgrade did not turn client certificates on with the grace: {args}"
@@ -2416,13 +2147,9 @@ async fn upgrade_in_a_burst(c: &KitCluster, residents: &[Pod]) -> anyhow::Result
     burst.finish(c).await?;
     let mut in_grace = Vec::new();
     for (name, address, _) in extender_replicas(c).await? {
-        let ip = address.split(':').next().unwrap_or_default();
-        let (_, metrics) =
-            gpushare_e2e::cluster::http_get(format!("{ip}:9090").parse()?, "/metrics").await?;
-        let grace = metrics
-            .lines()
-            .find(|l| l.starts_with("gpushare_extender_uncertified_calls_in_grace_total"))
-            .map(str::to_owned);
+        let metrics = extender_metrics(&address).await?;
+        let grace = "gpushare_extender_uncertified_calls_in_grace_total";
+        let grace = metric(&metrics, grace).next().map(str::to_owned);
         in_grace.push((name, grace));
     }
     println!("  calls without a certificate let through in the grace: {in_grace:?}");
@@ -2433,172 +2160,102 @@ async fn upgrade_in_a_burst(c: &KitCluster, residents: &[Pod]) -> anyhow::Result
     Ok(())
 }
 
-/// An uninstall that leaves nothing, then an install as production clusters take it, then
-/// `helm install` followed at once by GPU pods, as a CI job or an operator's script does:
-/// - `helm uninstall` leaves no label, annotation or taint of gpushare's domain on the node
-///   (the post-delete hook) and no file under the kit's `isolation.hostDir` (each plugin,
-///   stopping, finds its DaemonSet gone and removes what it installed);
-/// - the release is installed again with the same values into `gpushare-system`, a namespace
-///   labelled Pod Security `privileged`, while `default` (where the routing check asks)
-///   enforces `restricted`: the install's routing check passes there;
-/// - six pods are created the moment `helm install` returns: every one is admitted, routed to
-///   gpushare's scheduler and runs on the GPU its allocation names (before the install hook,
-///   all six kept `default-scheduler`: the API server had not loaded the routing policy yet);
-/// - `helm test` passes: the extender answers and leads, node-k offers GPU memory, GPU pods
-///   are routed; and the uninstall that follows leaves no test pod behind.
-fn gpu_pods_right_after_helm_install(c: &KitCluster) -> Outcome<'_> {
-    Box::pin(async move {
-        let values_file = c.release_values("reinstall-values.yaml")?;
-        c.helm(&["uninstall", "gpushare", "-n", "kube-system", "--wait"])?;
-        // The post-delete hook has removed every label, annotation and taint of gpushare's
-        // domain from the node (helm waits for it); the admin's opt-in label stays.
-        let node: k8s_openapi::api::core::v1::Node =
-            serde_json::from_str(&c.kubectl(&["get", "node", "node-k", "-o", "json"])?)?;
-        let ours = |key: &String| key.starts_with("gpushare.example.com/");
-        let left: Vec<String> = node
-            .metadata
-            .labels
-            .iter()
-            .chain(node.metadata.annotations.iter())
-            .flatten()
-            .map(|(key, _)| key.clone())
-            .chain(
-                node.spec
-                    .iter()
-                    .flat_map(|s| s.taints.iter().flatten())
-                    .map(|t| t.key.clone()),
-            )
-            .filter(ours)
-            .collect();
-        ensure!(left.is_empty(), "helm uninstall left on node-k: {left:?}");
-        ensure!(
-            node.metadata
-                .labels
-                .as_ref()
-                .and_then(|l| l.get("gpushare"))
-                .map(String::as_str)
-                == Some("true"),
-            "the opt-in label is the admin's"
-        );
-        // The old device plugin's resource is gone from the node before the new one comes.
-        wait_for(
-            "node-k to advertise no GPU memory after the uninstall",
-            Duration::from_secs(120),
-            || async {
-                let allocatable = c
-                    .kubectl(&[
-                        "get",
-                        "node",
-                        "node-k",
-                        "-o",
-                        r"jsonpath={.status.allocatable.example\.com/gpu-mem}",
-                    ])
-                    .ok()?;
-                matches!(allocatable.trim(), "" | "0").then_some(())
-            },
-        )
-        .await?;
-        let host_dir = c.kit().root().join("isolation");
-        let mut left = Vec::new();
-        wait_for(
-            "no file under isolation.hostDir after the uninstall",
-            Duration::from_secs(60),
-            || {
-                left = files_under(&host_dir);
-                std::future::ready(left.is_empty().then_some(()))
-            },
-        )
-        .await
-        .with_context(|| format!("left under {}: {left:?}", host_dir.display()))?;
-
-        // Installed again into a namespace of its own, labelled privileged, while default
-        // (where the routing check's dry-run pods go) enforces restricted.
-        const NAMESPACE: &str = "gpushare-system";
-        c.kubectl(&["create", "namespace", NAMESPACE])?;
-        c.kubectl(&[
-            "label",
-            "namespace",
-            NAMESPACE,
-            "pod-security.kubernetes.io/enforce=privileged",
-        ])?;
-        c.proxy_services(&["gpushare-system/gpushare-extender"])
-            .await?;
-        c.kubectl(&[
-            "label",
-            "namespace",
-            "default",
-            "pod-security.kubernetes.io/enforce=restricted",
-            "--overwrite",
-        ])?;
-        let chart = c.chart_dir();
-        let installed = Instant::now();
-        let install = c.helm(&[
-            "install",
-            "gpushare",
-            &chart.to_string_lossy(),
-            "-n",
-            NAMESPACE,
-            "-f",
-            &values_file.to_string_lossy(),
-        ]);
-        c.kubectl(&[
-            "label",
-            "namespace",
-            "default",
-            "pod-security.kubernetes.io/enforce-",
-        ])?;
-        install
-            .context("helm install into a privileged namespace, default enforcing restricted")?;
-        println!(
-            "  helm install returned in {:.1} s (its hook waits until GPU pods are routed)",
-            installed.elapsed().as_secs_f64()
-        );
-        let names: Vec<String> = (1..=6).map(|i| format!("right-after-{i}")).collect();
-        for name in &names {
-            let created = create_gpu_pod(c, name, 2)
-                .await
-                .with_context(|| format!("{name}, created right after helm install"))?;
-            let scheduler = created.spec.and_then(|s| s.scheduler_name);
-            ensure!(
-                scheduler.as_deref() == Some("gpushare-scheduler"),
-                "{name} was admitted with schedulerName {scheduler:?}: not routed to gpushare"
-            );
-        }
-        for name in &names {
-            let pod = wait_running(c, name).await?;
-            check_pinned(c, &pod).await?;
-        }
-        check_no_overcommit(&c.client()).await?;
-        let tested = c
-            .helm(&[
-                "test",
-                "gpushare",
-                "-n",
-                NAMESPACE,
-                "--logs",
-                "--timeout",
-                "3m",
-            ])
-            .context("helm test")?;
-        for line in tested
-            .lines()
-            .filter(|l| l.starts_with("ok") || l.starts_with("FAIL"))
-        {
-            println!("  helm test: {line}");
-        }
-        // The test pod is a hook helm keeps (for --logs): the uninstall's hook deletes it.
-        c.helm(&["uninstall", "gpushare", "-n", NAMESPACE, "--wait"])?;
-        let left = c.kubectl(&["get", "pods", "-n", NAMESPACE, "-o", "name"])?;
-        ensure!(
-            !left.contains("check-install"),
-            "helm uninstall left the test pod: {left}"
-        );
-        Ok(())
+/// Uninstall, install as production clusters take it, then GPU pods the moment `helm install`
+/// returns (as a CI job does):
+/// - the uninstall leaves no label, annotation or taint of gpushare's domain on the node (the
+///   post-delete hook) and no file under the kit's `isolation.hostDir`;
+/// - installed into `gpushare-system` (Pod Security `privileged`) while `default` enforces
+///   `restricted`, the install's routing check passes;
+/// - six pods created at once are all routed and pinned (before the install hook, all six
+///   kept `default-scheduler`); `helm test` passes, and the uninstall leaves no test pod.
+async fn gpu_pods_right_after_helm_install(c: &KitCluster) -> anyhow::Result<()> {
+    let values_file = c.release_values("reinstall-values.yaml")?;
+    c.helm(&["uninstall", "gpushare", "-n", "kube-system", "--wait"])?;
+    // helm waits for the post-delete hook; the admin's opt-in label stays.
+    let node: Node = serde_json::from_str(&c.kubectl(&words("get node node-k -o json"))?)?;
+    let labels = node.metadata.labels.iter().flatten();
+    let annotations = node.metadata.annotations.iter().flatten();
+    let taints = (node.spec.iter()).flat_map(|s| s.taints.iter().flatten().map(|t| &t.key));
+    let left: Vec<String> = (labels.chain(annotations).map(|(key, _)| key).chain(taints))
+        .filter(|key| key.starts_with("gpushare.example.com/"))
+        .cloned()
+        .collect();
+    ensure!(left.is_empty(), "helm uninstall left on node-k: {left:?}");
+    let labels = node.metadata.labels.as_ref();
+    let opt_in = labels.and_then(|l| l.get("gpushare")).map(String::as_str);
+    ensure!(opt_in == Some("true"), "the opt-in label is the admin's");
+    // The old device plugin's resource is gone from the node before the new one comes.
+    let what = "node-k to advertise no GPU memory after the uninstall";
+    let gpu_mem = words(r"get node node-k -o jsonpath={.status.allocatable.example\.com/gpu-mem}");
+    wait_for(what, secs(120), || async {
+        let allocatable = c.kubectl(&gpu_mem).ok()?;
+        matches!(allocatable.trim(), "" | "0").then_some(())
     })
+    .await?;
+    let host_dir = c.kit().root().join("isolation");
+    let mut left = Vec::new();
+    let what = "no file under isolation.hostDir after the uninstall";
+    wait_for(what, secs(60), || {
+        left = files_under(&host_dir);
+        std::future::ready(left.is_empty().then_some(()))
+    })
+    .await
+    .with_context(|| format!("left under {}: {left:?}", host_dir.display()))?;
+
+    const NAMESPACE: &str = "gpushare-system";
+    let label = |args: &str| c.kubectl(&words(&format!("label namespace {args}")));
+    c.kubectl(&["create", "namespace", NAMESPACE])?;
+    label(&format!(
+        "{NAMESPACE} pod-security.kubernetes.io/enforce=privileged"
+    ))?;
+    c.proxy_services(&["gpushare-system/gpushare-extender"])
+        .await?;
+    label("default pod-security.kubernetes.io/enforce=restricted --overwrite")?;
+    let chart = c.chart_dir();
+    let installed = Instant::now();
+    let (chart, values) = (chart.to_string_lossy(), values_file.to_string_lossy());
+    let install = c.helm(&[
+        "install", "gpushare", &chart, "-n", NAMESPACE, "-f", &values,
+    ]);
+    label("default pod-security.kubernetes.io/enforce-")?;
+    install.context("helm install into a privileged namespace, default enforcing restricted")?;
+    println!(
+        "  helm install returned in {:.1} s (its hook waits until GPU pods are routed)",
+        installed.elapsed().as_secs_f64()
+    );
+    let names = numbered("right-after", 1..=6);
+    for name in &names {
+        let created = create_gpu_pod(c, name, 2)
+            .await
+            .with_context(|| format!("{name}, created right after helm install"))?;
+        let scheduler = scheduler_of(&created);
+        ensure!(
+            scheduler == Some(ROUTED),
+            "{name} was admitted with schedulerName {scheduler:?}: not routed to gpushare"
+        );
+    }
+    for name in &names {
+        pinned(c, name).await?;
+    }
+    no_overcommit(c).await?;
+    let test = format!("test gpushare -n {NAMESPACE} --logs --timeout 3m");
+    let tested = c.helm(&words(&test)).context("helm test")?;
+    let result = |l: &&str| l.starts_with("ok") || l.starts_with("FAIL");
+    for line in tested.lines().filter(result) {
+        println!("  helm test: {line}");
+    }
+    // The test pod is a hook helm keeps (for --logs): the uninstall's hook deletes it.
+    c.helm(&["uninstall", "gpushare", "-n", NAMESPACE, "--wait"])?;
+    let left = c.kubectl(&["get", "pods", "-n", NAMESPACE, "-o", "name"])?;
+    ensure!(
+        !left.contains("check-install"),
+        "helm uninstall left the test pod: {left}"
+    );
+    Ok(())
 }
 
 /// Every file (not directory) under `dir`, recursively; none when it does not exist.
-fn files_under(dir: &std::path::Path) -> Vec<std::path::PathBuf> {
+fn files_under(dir: &Path) -> Vec<PathBuf> {
     let mut files = Vec::new();
     let mut pending = vec![dir.to_path_buf()];
     while let Some(dir) = pending.pop() {
@@ -2615,7 +2272,7 @@ fn files_under(dir: &std::path::Path) -> Vec<std::path::PathBuf> {
 /// The pod of the README's "On a real cluster", exactly as written there: the same YAML must
 /// run in extender mode and in DRA mode.
 fn readme_pod() -> anyhow::Result<Pod> {
-    let path = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../README.md");
+    let path = Path::new(env!("CARGO_MANIFEST_DIR")).join("../README.md");
     let readme = std::fs::read_to_string(&path)?;
     let (_, after) = readme
         .split_once("kubectl apply -f - <<'YAML'\n")
@@ -2627,34 +2284,18 @@ fn readme_pod() -> anyhow::Result<Pod> {
 }
 
 /// Extender mode: the README's pod runs on the GPU its allocation names.
-fn the_readme_pod_runs_pinned(c: &KitCluster) -> Outcome<'_> {
-    Box::pin(async move {
-        let pod = readme_pod()?;
-        let name = pod.metadata.name.clone().unwrap_or_default();
-        create_pod(c, pod).await?;
-        let running = wait_running(c, &name).await?;
-        check_pinned(c, &running).await?;
-        ensure!(allocation(&running)?.pod_gib == 4);
-        Ok(())
-    })
+async fn the_readme_pod_runs_pinned(c: &KitCluster) -> anyhow::Result<()> {
+    let running = run_pinned(c, readme_pod()?).await?;
+    ensure!(allocation(&running)?.pod_gib == 4);
+    Ok(())
 }
 
 /// The claims kube-controller-manager made for `pod` from its templates (owned by it), as
 /// the API server has them.
 fn pod_claims(c: &KitCluster, pod: &str) -> anyhow::Result<Vec<serde_json::Value>> {
-    let list: serde_json::Value = serde_json::from_str(&c.kubectl(&[
-        "get",
-        "resourceclaims",
-        "-n",
-        "default",
-        "-o",
-        "json",
-    ])?)?;
-    Ok(list["items"]
-        .as_array()
-        .map(Vec::as_slice)
-        .unwrap_or_default()
-        .iter()
+    let list = c.kubectl(&words("get resourceclaims -n default -o json"))?;
+    let list: serde_json::Value = serde_json::from_str(&list)?;
+    Ok(items(&list["items"])
         .filter(|claim| {
             claim["metadata"]["annotations"]["resource.kubernetes.io/pod-claim-name"].is_string()
                 && claim["metadata"]["ownerReferences"][0]["name"] == pod
@@ -2665,17 +2306,27 @@ fn pod_claims(c: &KitCluster, pod: &str) -> anyhow::Result<Vec<serde_json::Value
 
 /// The claims kube-controller-manager made for `pod`, as `(request memory, allocated)`.
 fn claims_of(c: &KitCluster, pod: &str) -> anyhow::Result<Vec<(String, bool)>> {
-    Ok(pod_claims(c, pod)?
-        .iter()
-        .map(|claim| {
-            let memory = claim["spec"]["devices"]["requests"][0]["exactly"]["capacity"]["requests"]
-                ["memory"]
-                .as_str()
-                .unwrap_or_default()
-                .to_owned();
-            (memory, claim["status"]["allocation"].is_object())
-        })
-        .collect())
+    let claims = pod_claims(c, pod)?;
+    let claim = |claim: &serde_json::Value| {
+        let memory = text(&requested(claim)["memory"]);
+        (memory, claim["status"]["allocation"].is_object())
+    };
+    Ok(claims.iter().map(claim).collect())
+}
+
+/// What `claim` requests of its device: `capacity.requests` of its first request.
+fn requested(claim: &serde_json::Value) -> &serde_json::Value {
+    &claim["spec"]["devices"]["requests"][0]["exactly"]["capacity"]["requests"]
+}
+
+/// The elements of the JSON array `v`; none if it is not one.
+fn items(v: &serde_json::Value) -> impl Iterator<Item = &serde_json::Value> {
+    v.as_array().into_iter().flatten()
+}
+
+/// The JSON string `v`; empty if it is not one.
+fn text(v: &serde_json::Value) -> String {
+    v.as_str().unwrap_or_default().to_owned()
 }
 
 /// The CDI devices kubelet passed to `container` of the running pod `name`.
@@ -2721,12 +2372,7 @@ async fn cdi_edits(c: &KitCluster, name: &str) -> anyhow::Result<serde_json::Val
         if spec["kind"] != kind {
             continue;
         }
-        if let Some(edits) = spec["devices"]
-            .as_array()
-            .into_iter()
-            .flatten()
-            .find(|d| d["name"] == device)
-        {
+        if let Some(edits) = items(&spec["devices"]).find(|d| d["name"] == device) {
             return Ok(edits["containerEdits"].clone());
         }
     }
@@ -2754,177 +2400,157 @@ fn unconverted(result: Result<Pod, kube::Error>, hint: &str) -> anyhow::Result<(
 /// counting the slice's `compute` capacity, puts two such pods on the node's two GPUs and
 /// keeps the third waiting until one leaves; the claim's container is told its share, and a
 /// percent the chart has no template for is refused at creation, naming those it has.
-fn dra_compute_shares_are_allocated_by_kube_scheduler(c: &KitCluster) -> Outcome<'_> {
-    Box::pin(async move {
-        let compute = gpushare_contract::request::compute_resource_of(DEFAULT_RESOURCE);
-        let pods: Api<Pod> = Api::namespaced(c.client(), "default");
-        let names = ["dra-compute-1", "dra-compute-2", "dra-compute-3"];
-        for name in names {
-            let pod = fixtures::pod(name).gpu_mem(1).gpu_compute(60).build();
-            let created = create_pod(c, pod).await?;
-            let limits = created
-                .spec
-                .and_then(|spec| spec.containers[0].resources.clone()?.limits)
-                .unwrap_or_default();
-            ensure!(
-                !limits.contains_key(&compute) && !limits.contains_key(DEFAULT_RESOURCE),
-                "{name} kept an extended resource in DRA mode: {limits:?}"
-            );
-        }
-        let (running, waiting) = two_of_three_run(&pods, names, Duration::from_secs(90)).await?;
-        let mut devices = BTreeSet::new();
-        for name in &running {
-            let claims = pod_claims(c, name)?;
-            let [claim] = &claims[..] else {
-                bail!("{name} should hold one claim: {claims:?}");
-            };
-            let asked = &claim["spec"]["devices"]["requests"][0]["exactly"]["capacity"]["requests"];
-            ensure!(
-                asked["memory"] == "1Gi" && asked["compute"] == "60",
-                "{name}'s claim should ask for 1Gi and 60 compute: {asked}"
-            );
-            let result = &claim["status"]["allocation"]["devices"]["results"][0];
-            ensure!(
-                result["consumedCapacity"]["compute"] == "60",
-                "{name}'s allocation should consume 60 compute: {result}"
-            );
-            devices.insert(result["device"].as_str().unwrap_or_default().to_owned());
-            let edits = cdi_edits(c, name).await?;
-            let said = format!("{}=60", env::COMPUTE_PERCENT);
-            ensure!(
-                edits["env"]
-                    .as_array()
-                    .into_iter()
-                    .flatten()
-                    .any(|v| v.as_str() == Some(said.as_str())),
-                "{name} should be told its compute share: {edits}"
-            );
-        }
+async fn dra_compute_shares_are_allocated_by_kube_scheduler(c: &KitCluster) -> anyhow::Result<()> {
+    let compute = gpushare_contract::request::compute_resource_of(DEFAULT_RESOURCE);
+    let pods: Api<Pod> = Api::namespaced(c.client(), "default");
+    let names = ["dra-compute-1", "dra-compute-2", "dra-compute-3"];
+    for name in names {
+        let pod = fixtures::pod(name).gpu_mem(1).gpu_compute(60).build();
+        let created = create_pod(c, pod).await?;
+        let limits = first_limits(&created);
         ensure!(
-            devices.len() == 2,
-            "two 60 % claims must not share a GPU: {devices:?}"
+            !limits.contains_key(&compute) && !limits.contains_key(DEFAULT_RESOURCE),
+            "{name} kept an extended resource in DRA mode: {limits:?}"
         );
-        let reason = wait_unschedulable(c, waiting).await?;
+    }
+    let (running, waiting) = two_of_three_run(&pods, names, secs(90)).await?;
+    let mut devices = BTreeSet::new();
+    for name in &running {
+        let claims = pod_claims(c, name)?;
+        let [claim] = &claims[..] else {
+            bail!("{name} should hold one claim: {claims:?}");
+        };
+        let asked = requested(claim);
         ensure!(
-            phase(&pods.get(waiting).await?) == "Pending",
-            "{waiting} should wait: {reason}"
+            asked["memory"] == "1Gi" && asked["compute"] == "60",
+            "{name}'s claim should ask for 1Gi and 60 compute: {asked}"
         );
-        // Memory-only claims consume no compute: one still fits beside them.
-        let plain = fixtures::pod("dra-memory-only").gpu_mem(1).build();
-        create_pod(c, plain).await?;
-        wait_running(c, "dra-memory-only").await?;
-        // A percent without a template is refused, naming those with one.
-        let odd = fixtures::pod("dra-compute-33").gpu_mem(1).gpu_compute(33);
-        unconverted(create_pod(c, odd.build()).await, "as one of 10, 20, 25")?;
-        delete_pod(c, &running[0]).await?;
-        wait_running(c, waiting).await?;
-        Ok(())
-    })
+        let result = &claim["status"]["allocation"]["devices"]["results"][0];
+        ensure!(
+            result["consumedCapacity"]["compute"] == "60",
+            "{name}'s allocation should consume 60 compute: {result}"
+        );
+        devices.insert(text(&result["device"]));
+        let edits = cdi_edits(c, name).await?;
+        let said = format!("{}=60", env::COMPUTE_PERCENT);
+        ensure!(
+            items(&edits["env"]).any(|v| v.as_str() == Some(said.as_str())),
+            "{name} should be told its compute share: {edits}"
+        );
+    }
+    ensure!(
+        devices.len() == 2,
+        "two 60 % claims must not share a GPU: {devices:?}"
+    );
+    let reason = wait_unschedulable(c, waiting).await?;
+    ensure!(
+        phase(&pods.get(waiting).await?) == "Pending",
+        "{waiting} should wait: {reason}"
+    );
+    // Memory-only claims consume no compute: one still fits beside them.
+    let plain = gib_pod("dra-memory-only", 1);
+    create_pod(c, plain).await?;
+    wait_running(c, "dra-memory-only").await?;
+    // A percent without a template is refused, naming those with one.
+    let odd = fixtures::pod("dra-compute-33").gpu_mem(1).gpu_compute(33);
+    unconverted(create_pod(c, odd.build()).await, "as one of 10, 20, 25")?;
+    delete_pod(c, &running[0]).await?;
+    wait_running(c, waiting).await?;
+    Ok(())
 }
 
 /// DRA mode: the README's pod, unchanged, runs with a claim of 4 GiB from the chart's
 /// template (the MutatingAdmissionPolicy turned its `example.com/gpu-mem: 4` into it), and
 /// kubelet hands its container our CDI device; two containers asking get a claim each; what
 /// the policy cannot express is refused at creation, saying what to write instead.
-fn the_readme_pod_runs_unchanged_in_dra_mode(c: &KitCluster) -> Outcome<'_> {
-    Box::pin(async move {
-        let pod = readme_pod()?;
-        let name = pod.metadata.name.clone().unwrap_or_default();
-        let created = create_pod(c, pod).await?;
-        let spec = created.spec.unwrap_or_default();
-        let limits = spec.containers[0]
-            .resources
-            .as_ref()
-            .and_then(|r| r.limits.clone())
-            .unwrap_or_default();
-        ensure!(
-            !limits.contains_key("example.com/gpu-mem"),
-            "the pod kept its extended resource in DRA mode: {limits:?}"
-        );
-        // The policy also sends it to the chart's scheduler, whose profile allocates it.
-        ensure!(
-            spec.scheduler_name.as_deref() == Some("gpushare-scheduler"),
-            "the pod should go to the chart's scheduler: {:?}",
-            spec.scheduler_name
-        );
-        one_device_of_ours(c, &name).await?;
-        let claims = claims_of(c, &name)?;
-        ensure!(
-            claims == [("4Gi".to_owned(), true)],
-            "{name} should hold one allocated 4Gi claim: {claims:?}"
-        );
+async fn the_readme_pod_runs_unchanged_in_dra_mode(c: &KitCluster) -> anyhow::Result<()> {
+    let pod = readme_pod()?;
+    let name = pod.metadata.name.clone().unwrap_or_default();
+    let created = create_pod(c, pod).await?;
+    let limits = first_limits(&created);
+    ensure!(
+        !limits.contains_key("example.com/gpu-mem"),
+        "the pod kept its extended resource in DRA mode: {limits:?}"
+    );
+    // The policy also sends it to the chart's scheduler, whose profile allocates it.
+    let scheduler = scheduler_of(&created);
+    ensure!(
+        scheduler == Some(ROUTED),
+        "the pod should go to the chart's scheduler: {scheduler:?}"
+    );
+    one_device_of_ours(c, &name).await?;
+    let claims = claims_of(c, &name)?;
+    ensure!(
+        claims == [("4Gi".to_owned(), true)],
+        "{name} should hold one allocated 4Gi claim: {claims:?}"
+    );
 
-        let two: Pod = serde_json::from_value(serde_json::json!({
-            "apiVersion": "v1", "kind": "Pod",
-            "metadata": {"name": "two-containers"},
-            "spec": {"containers": [
-                {"name": "a", "image": "busybox:1.36",
-                 "resources": {"limits": {"example.com/gpu-mem": "2"}}},
-                {"name": "b", "image": "busybox:1.36",
-                 "resources": {"limits": {"example.com/gpu-mem": "3", "cpu": "100m"}}},
-                {"name": "plain", "image": "busybox:1.36"}
-            ]}
-        }))?;
-        create_pod(c, two).await?;
-        for container in ["a", "b"] {
-            let cdi = cdi_of(c, "two-containers", container).await?;
-            ensure!(cdi.len() == 1, "container {container}: {cdi:?}");
-        }
-        ensure!(cdi_of(c, "two-containers", "plain").await?.is_empty());
-        let mut claims = claims_of(c, "two-containers")?;
-        claims.sort();
-        ensure!(
-            claims == [("2Gi".to_owned(), true), ("3Gi".to_owned(), true)],
-            "two-containers should hold a 2Gi and a 3Gi claim: {claims:?}"
-        );
+    let two: Pod = serde_json::from_value(serde_json::json!({
+        "apiVersion": "v1", "kind": "Pod",
+        "metadata": {"name": "two-containers"},
+        "spec": {"containers": [
+            {"name": "a", "image": "busybox:1.36",
+             "resources": {"limits": {"example.com/gpu-mem": "2"}}},
+            {"name": "b", "image": "busybox:1.36",
+             "resources": {"limits": {"example.com/gpu-mem": "3", "cpu": "100m"}}},
+            {"name": "plain", "image": "busybox:1.36"}
+        ]}
+    }))?;
+    create_pod(c, two).await?;
+    for container in ["a", "b"] {
+        let cdi = cdi_of(c, "two-containers", container).await?;
+        ensure!(cdi.len() == 1, "container {container}: {cdi:?}");
+    }
+    ensure!(cdi_of(c, "two-containers", "plain").await?.is_empty());
+    let mut claims = claims_of(c, "two-containers")?;
+    claims.sort();
+    ensure!(
+        claims == [("2Gi".to_owned(), true), ("3Gi".to_owned(), true)],
+        "two-containers should hold a 2Gi and a 3Gi claim: {claims:?}"
+    );
 
-        let too_big = fixtures::pod("too-big").gpu_mem(500).build();
-        unconverted(
-            create_pod(c, too_big).await,
-            "whole number of GiB from 1 to 80",
-        )?;
-        let mut two_gpus = readme_pod()?;
-        two_gpus.metadata.name = Some("two-gpus".to_owned());
-        two_gpus.metadata.annotations =
-            Some([("gpushare.example.com/gpus".to_owned(), "2".to_owned())].into());
-        unconverted(
-            create_pod(c, two_gpus).await,
-            "ResourceClaimTemplate of DeviceClass gpu-mem.gpushare.example.com",
-        )?;
-        Ok(())
-    })
+    let too_big = gib_pod("too-big", 500);
+    unconverted(
+        create_pod(c, too_big).await,
+        "whole number of GiB from 1 to 80",
+    )?;
+    let mut two_gpus = readme_pod()?;
+    two_gpus.metadata.name = Some("two-gpus".to_owned());
+    two_gpus.metadata.annotations =
+        Some([("gpushare.example.com/gpus".to_owned(), "2".to_owned())].into());
+    unconverted(
+        create_pod(c, two_gpus).await,
+        "ResourceClaimTemplate of DeviceClass gpu-mem.gpushare.example.com",
+    )?;
+    Ok(())
 }
 
 /// DRA mode, kubelet restarted under running GPU pods: they keep running with their claims
 /// allocated and their containers not started again, and a pod created afterwards is
 /// prepared by the plugin, which registered with the new kubelet.
-fn dra_kubelet_restart_keeps_claimed_pods(c: &KitCluster) -> Outcome<'_> {
-    Box::pin(async move {
-        let names = ["before-1", "before-2"];
-        for name in names {
-            create_gpu_pod(c, name, 5).await?;
-        }
-        let mut before = Vec::new();
-        for name in names {
-            ensure!(cdi_of(c, name, "main").await?.len() == 1);
-            before.push(wait_running(c, name).await?);
-        }
-        c.script("kubelet.sh", &["restart"])?;
-        for pod in &before {
-            survived(c, pod, "the kubelet restart").await?;
-            let name = pod.metadata.name.as_deref().unwrap_or_default();
-            let claims = claims_of(c, name)?;
-            ensure!(
-                claims == [("5Gi".to_owned(), true)],
-                "{name}'s claim after the kubelet restart: {claims:?}"
-            );
-        }
-        create_gpu_pod(c, "after", 5).await?;
-        one_device_of_ours(c, "after")
-            .await
-            .context("the pod created after the kubelet restart")?;
-        Ok(())
-    })
+async fn dra_kubelet_restart_keeps_claimed_pods(c: &KitCluster) -> anyhow::Result<()> {
+    let names = ["before-1", "before-2"];
+    create_gpu_pods(c, &names, 5).await?;
+    let mut before = Vec::new();
+    for name in names {
+        ensure!(cdi_of(c, name, "main").await?.len() == 1);
+        before.push(wait_running(c, name).await?);
+    }
+    c.script("kubelet.sh", &["restart"])?;
+    for pod in &before {
+        survived(c, pod, "the kubelet restart").await?;
+        let name = pod.metadata.name.as_deref().unwrap_or_default();
+        let claims = claims_of(c, name)?;
+        ensure!(
+            claims == [("5Gi".to_owned(), true)],
+            "{name}'s claim after the kubelet restart: {claims:?}"
+        );
+    }
+    create_gpu_pod(c, "after", 5).await?;
+    one_device_of_ours(c, "after")
+        .await
+        .context("the pod created after the kubelet restart")?;
+    Ok(())
 }
 
 /// `before` is still the same pod, Running, its container started once only: it survived
@@ -2960,7 +2586,7 @@ async fn create_claim_template(c: &KitCluster, template: serde_json::Value) -> a
     // moment after its template may miss it (and go to the default profile, first fit).
     wait_for(
         &format!("the API server to route pods naming template {name}"),
-        Duration::from_secs(30),
+        secs(30),
         || async { (admitted_scheduler(c, &name).await.ok()? == ROUTED).then_some(()) },
     )
     .await
@@ -2979,7 +2605,7 @@ fn claim_templates(c: &KitCluster) -> Api<kube::api::DynamicObject> {
     )
 }
 
-/// The chart's DRA-mode scheduler profile, which routed pods name.
+/// The chart's scheduler (in DRA mode, its profile), which routed pods name.
 const ROUTED: &str = "gpushare-scheduler";
 
 /// The `schedulerName` a pod naming claim template `template` gets from admission: a
@@ -2990,13 +2616,9 @@ async fn admitted_scheduler(c: &KitCluster, template: &str) -> anyhow::Result<St
         dry_run: true,
         ..PostParams::default()
     };
-    let pod = pods
-        .create(&dry_run, &templated_pod("routing-probe", template)?)
-        .await?;
-    Ok(pod
-        .spec
-        .and_then(|spec| spec.scheduler_name)
-        .unwrap_or_default())
+    let probe = templated_pod("routing-probe", template)?;
+    let pod = pods.create(&dry_run, &probe).await?;
+    Ok(scheduler_of(&pod).unwrap_or_default().to_owned())
 }
 
 /// A template of one request of `count` devices of gpushare's class, `memory` of each.
@@ -3053,18 +2675,9 @@ async fn the_routing_reads_the_class(c: &KitCluster) -> anyhow::Result<()> {
 fn claimed_devices(c: &KitCluster, pod: &str) -> anyhow::Result<Vec<(String, String)>> {
     let mut devices = Vec::new();
     for claim in pod_claims(c, pod)? {
-        for result in claim["status"]["allocation"]["devices"]["results"]
-            .as_array()
-            .map(Vec::as_slice)
-            .unwrap_or_default()
-        {
-            devices.push((
-                result["device"].as_str().unwrap_or_default().to_owned(),
-                result["consumedCapacity"]["memory"]
-                    .as_str()
-                    .unwrap_or_default()
-                    .to_owned(),
-            ));
+        for result in items(&claim["status"]["allocation"]["devices"]["results"]) {
+            let memory = text(&result["consumedCapacity"]["memory"]);
+            devices.push((text(&result["device"]), memory));
         }
     }
     devices.sort();
@@ -3090,64 +2703,59 @@ fn claim_specs() -> anyhow::Result<Vec<String>> {
 /// two distinct GPUs and a CDI device for each; a claim of a whole 16 GiB GPU takes the
 /// 16 GiB one, so the next share goes to the other; and a pod's going unprepares its claim
 /// (NodeUnprepareResources: the plugin removes the claim's CDI spec).
-fn dra_two_gpu_and_whole_gpu_claims(c: &KitCluster) -> Outcome<'_> {
-    Box::pin(async move {
-        let specs_before = claim_specs()?;
-        create_claim_template(c, gpus_template("two-gpus-4g", 2, "4Gi")).await?;
-        let two = create_pod(c, templated_pod("two", "two-gpus-4g")?).await?;
-        let scheduler = two.spec.and_then(|spec| spec.scheduler_name);
-        ensure!(
-            scheduler.as_deref() == Some(ROUTED),
-            "a pod naming a template of gpushare's class should go to {ROUTED}: {scheduler:?}"
-        );
-        the_routing_reads_the_class(c).await?;
-        let cdi = cdi_of(c, "two", "main").await?;
-        ensure!(
-            cdi.len() == 2,
-            "two should get a CDI device per GPU: {cdi:?}"
-        );
-        let devices = claimed_devices(c, "two")?;
-        ensure!(
-            devices
-                == [
-                    ("gpu-0".to_owned(), "4Gi".to_owned()),
-                    ("gpu-1".to_owned(), "4Gi".to_owned())
-                ],
-            "two should hold 4Gi of each GPU: {devices:?}"
-        );
-        let written: Vec<String> = claim_specs()?
-            .into_iter()
-            .filter(|name| !specs_before.contains(name))
-            .collect();
-        ensure!(
-            written.len() == 1,
-            "one CDI spec should be written for two's claim: {written:?}"
-        );
-        delete_pod(c, "two").await?;
-        wait_for(
-            "two's CDI spec to be removed (NodeUnprepareResources)",
-            Duration::from_secs(60),
-            || async { (!claim_specs().ok()?.contains(&written[0])).then_some(()) },
-        )
-        .await?;
-
-        create_claim_template(c, gpus_template("whole-16g", 1, "16Gi")).await?;
-        create_pod(c, templated_pod("whole", "whole-16g")?).await?;
-        ensure!(cdi_of(c, "whole", "main").await?.len() == 1);
-        let whole = claimed_devices(c, "whole")?;
-        ensure!(
-            whole == [("gpu-1".to_owned(), "16Gi".to_owned())],
-            "whole should take the 16 GiB GPU: {whole:?}"
-        );
-        create_gpu_pod(c, "small", 1).await?;
-        ensure!(cdi_of(c, "small", "main").await?.len() == 1);
-        let small = claimed_devices(c, "small")?;
-        ensure!(
-            small == [("gpu-0".to_owned(), "1Gi".to_owned())],
-            "nothing is left of the whole GPU, so small goes to the other: {small:?}"
-        );
-        Ok(())
+async fn dra_two_gpu_and_whole_gpu_claims(c: &KitCluster) -> anyhow::Result<()> {
+    let specs_before = claim_specs()?;
+    create_claim_template(c, gpus_template("two-gpus-4g", 2, "4Gi")).await?;
+    let two = create_pod(c, templated_pod("two", "two-gpus-4g")?).await?;
+    let scheduler = two.spec.and_then(|spec| spec.scheduler_name);
+    ensure!(
+        scheduler.as_deref() == Some(ROUTED),
+        "a pod naming a template of gpushare's class should go to {ROUTED}: {scheduler:?}"
+    );
+    the_routing_reads_the_class(c).await?;
+    let cdi = cdi_of(c, "two", "main").await?;
+    ensure!(
+        cdi.len() == 2,
+        "two should get a CDI device per GPU: {cdi:?}"
+    );
+    let devices = claimed_devices(c, "two")?;
+    ensure!(
+        devices
+            == [
+                ("gpu-0".to_owned(), "4Gi".to_owned()),
+                ("gpu-1".to_owned(), "4Gi".to_owned())
+            ],
+        "two should hold 4Gi of each GPU: {devices:?}"
+    );
+    let mut written = claim_specs()?;
+    written.retain(|name| !specs_before.contains(name));
+    ensure!(
+        written.len() == 1,
+        "one CDI spec should be written for two's claim: {written:?}"
+    );
+    delete_pod(c, "two").await?;
+    let what = "two's CDI spec to be removed (NodeUnprepareResources)";
+    wait_for(what, secs(60), || async {
+        (!claim_specs().ok()?.contains(&written[0])).then_some(())
     })
+    .await?;
+
+    create_claim_template(c, gpus_template("whole-16g", 1, "16Gi")).await?;
+    create_pod(c, templated_pod("whole", "whole-16g")?).await?;
+    ensure!(cdi_of(c, "whole", "main").await?.len() == 1);
+    let whole = claimed_devices(c, "whole")?;
+    ensure!(
+        whole == [("gpu-1".to_owned(), "16Gi".to_owned())],
+        "whole should take the 16 GiB GPU: {whole:?}"
+    );
+    create_gpu_pod(c, "small", 1).await?;
+    ensure!(cdi_of(c, "small", "main").await?.len() == 1);
+    let small = claimed_devices(c, "small")?;
+    ensure!(
+        small == [("gpu-0".to_owned(), "1Gi".to_owned())],
+        "nothing is left of the whole GPU, so small goes to the other: {small:?}"
+    );
+    Ok(())
 }
 
 /// The DRA group's simulated health file (`dra.extraEnv`): the indices of unhealthy GPUs.
@@ -3155,20 +2763,13 @@ const UNHEALTHY_GPUS: &str = "/tmp/gpushare-realk8s-unhealthy-gpus";
 
 /// The taint keys on device `device` of node-k's slice.
 fn device_taints(c: &KitCluster, device: &str) -> anyhow::Result<Vec<String>> {
-    let slice: serde_json::Value = serde_json::from_str(&c.kubectl(&[
-        "get",
-        "resourceslice",
-        "node-k-gpushare.example.com",
-        "-o",
-        "json",
-    ])?)?;
-    Ok(slice["spec"]["devices"]
-        .as_array()
-        .map(Vec::as_slice)
-        .unwrap_or_default()
-        .iter()
+    let slice = c.kubectl(&words(
+        "get resourceslice node-k-gpushare.example.com -o json",
+    ))?;
+    let slice: serde_json::Value = serde_json::from_str(&slice)?;
+    Ok(items(&slice["spec"]["devices"])
         .filter(|d| d["name"] == device)
-        .flat_map(|d| d["taints"].as_array().cloned().unwrap_or_default())
+        .flat_map(|d| items(&d["taints"]))
         .filter_map(|t| t["key"].as_str().map(str::to_owned))
         .collect())
 }
@@ -3176,12 +2777,10 @@ fn device_taints(c: &KitCluster, device: &str) -> anyhow::Result<Vec<String>> {
 /// DRA mode, a GPU turns unhealthy under a running pod (the simulated backend's health
 /// file): the plugin taints its device in the slice, the pod keeps running, new claims all
 /// go to the other GPU, and the taint goes when the GPU recovers.
-fn dra_unhealthy_gpu_is_tainted_and_avoided(c: &KitCluster) -> Outcome<'_> {
-    Box::pin(async move {
-        let result = unhealthy_gpu(c).await;
-        std::fs::write(UNHEALTHY_GPUS, "")?;
-        result
-    })
+async fn dra_unhealthy_gpu_is_tainted_and_avoided(c: &KitCluster) -> anyhow::Result<()> {
+    let result = unhealthy_gpu(c).await;
+    std::fs::write(UNHEALTHY_GPUS, "")?;
+    result
 }
 
 async fn unhealthy_gpu(c: &KitCluster) -> anyhow::Result<()> {
@@ -3193,17 +2792,14 @@ async fn unhealthy_gpu(c: &KitCluster) -> anyhow::Result<()> {
     let index = device.trim_start_matches("gpu-").to_owned();
     let other = if index == "0" { "gpu-1" } else { "gpu-0" };
     std::fs::write(UNHEALTHY_GPUS, &index)?;
-    wait_for(
-        &format!("{device} to be tainted in the slice"),
-        Duration::from_secs(30),
-        || async {
-            let taints = device_taints(c, &device).ok()?;
-            taints
-                .iter()
-                .any(|key| key == "gpushare.example.com/unhealthy")
-                .then_some(())
-        },
-    )
+    let what = format!("{device} to be tainted in the slice");
+    wait_for(&what, secs(30), || async {
+        let taints = device_taints(c, &device).ok()?;
+        let tainted = taints
+            .iter()
+            .any(|key| key == "gpushare.example.com/unhealthy");
+        tainted.then_some(())
+    })
     .await?;
     for name in ["after-1", "after-2"] {
         create_gpu_pod(c, name, 4).await?;
@@ -3222,7 +2818,7 @@ async fn unhealthy_gpu(c: &KitCluster) -> anyhow::Result<()> {
     std::fs::write(UNHEALTHY_GPUS, "")?;
     wait_for(
         &format!("{device}'s taint to go once it recovers"),
-        Duration::from_secs(30),
+        secs(30),
         || async { device_taints(c, &device).ok()?.is_empty().then_some(()) },
     )
     .await
@@ -3232,7 +2828,7 @@ async fn unhealthy_gpu(c: &KitCluster) -> anyhow::Result<()> {
 const KIT_NODE: &str = "node-k";
 
 /// How long a preemptor may take to be bound (the issue's bar: running within 60 s).
-const PREEMPTOR_WAIT: Duration = Duration::from_secs(60);
+const PREEMPTOR_WAIT: Duration = secs(60);
 
 /// Waits for the preemptor `name` to run, checks its containers see its GPUs, and prints
 /// what its preemption took.
@@ -3256,98 +2852,85 @@ async fn preemptor_runs_pinned(
 /// The issue's scenario with the chart's default install: seven 4 GiB pods (3 + 4), the least
 /// important of each GPU at priority 10, the others 100; an 8 GiB pod at 100000 evicts
 /// exactly two pods, both of the GPU it gets (the low one there and one more), and runs.
-fn preemption_frees_one_gpu_for_an_8_gib_pod(c: &KitCluster) -> Outcome<'_> {
-    Box::pin(async move {
-        let (fill, outcome) =
-            preemption::eight_gib_among_seven(c, KIT_NODE, PREEMPTOR_WAIT).await?;
-        preemption::check_eight_gib_among_seven(&fill, &outcome)?;
-        preemptor_runs_pinned(c, "seven-important", &outcome).await
-    })
+async fn preemption_frees_one_gpu_for_an_8_gib_pod(c: &KitCluster) -> anyhow::Result<()> {
+    let (fill, outcome) = preemption::eight_gib_among_seven(c, KIT_NODE, PREEMPTOR_WAIT).await?;
+    preemption::check_eight_gib_among_seven(&fill, &outcome)?;
+    preemptor_runs_pinned(c, "seven-important", &outcome).await
 }
 
 /// A 2-GPU × 8 GiB pod of high priority on the node full of 4 GiB pods (mid on one GPU, low on
 /// the other): it gets both GPUs, and two pods of each go (the fewest that free 8 GiB on both;
 /// by the node's total, the four low pods of one GPU would have gone).
-fn preemption_gives_a_two_gpu_pod_two_gpus(c: &KitCluster) -> Outcome<'_> {
-    Box::pin(async move {
-        let (fill, outcome) = preemption::two_gpus_of_eight(c, KIT_NODE, PREEMPTOR_WAIT).await?;
-        preemption::check_two_gpus_of_eight(&fill, &outcome)?;
-        preemptor_runs_pinned(c, "twogpu-important", &outcome).await
-    })
+async fn preemption_gives_a_two_gpu_pod_two_gpus(c: &KitCluster) -> anyhow::Result<()> {
+    let (fill, outcome) = preemption::two_gpus_of_eight(c, KIT_NODE, PREEMPTOR_WAIT).await?;
+    preemption::check_two_gpus_of_eight(&fill, &outcome)?;
+    preemptor_runs_pinned(c, "twogpu-important", &outcome).await
 }
 
 /// A 20 GiB pod of high priority on the node full of low pods: no GPU has 20 GiB, so nobody
 /// is evicted (by the node's total, 31 GiB, five pods would be).
-fn preemption_evicts_nobody_for_a_pod_no_gpu_can_hold(c: &KitCluster) -> Outcome<'_> {
-    Box::pin(async move {
-        let (_, outcome) =
-            preemption::too_large_for_any_gpu(c, KIT_NODE, Duration::from_secs(15)).await?;
-        preemption::check_too_large_for_any_gpu(&outcome)
-    })
+async fn preemption_evicts_nobody_for_a_pod_no_gpu_can_hold(c: &KitCluster) -> anyhow::Result<()> {
+    let (_, outcome) = preemption::too_large_for_any_gpu(c, KIT_NODE, secs(15)).await?;
+    preemption::check_too_large_for_any_gpu(&outcome)
 }
 
 /// The issue's scenario with `scheduler.extender.preempt=false`: kube-scheduler alone evicts
 /// the two least important pods, one of each GPU, and the 8 GiB pod still waits. What the
 /// verb changes, on the real scheduler.
-fn without_the_preempt_verb_two_pods_die_for_nothing(c: &KitCluster) -> Outcome<'_> {
-    Box::pin(async move {
-        let (fill, outcome) =
-            preemption::eight_gib_among_seven(c, KIT_NODE, Duration::from_secs(20)).await?;
-        ensure!(
-            preemption::check_eight_gib_among_seven(&fill, &outcome).is_err(),
-            "kube-scheduler alone freed one GPU: {outcome:?}"
-        );
-        let gpus: BTreeSet<u32> = outcome.evicted.iter().map(|(_, gpu, _)| *gpu).collect();
-        ensure!(
-            outcome.evicted.len() == 2 && gpus.len() == 2 && outcome.gpus.is_none(),
-            "expected one pod of each GPU evicted and the 8 GiB pod waiting: {outcome:?}"
-        );
-        println!(
-            "  without the verb: evicted {:?}, the 8 GiB pod still waits after 20 s",
-            outcome.evicted
-        );
-        Ok(())
-    })
+async fn without_the_preempt_verb_two_pods_die_for_nothing(c: &KitCluster) -> anyhow::Result<()> {
+    let (fill, outcome) = preemption::eight_gib_among_seven(c, KIT_NODE, secs(20)).await?;
+    ensure!(
+        preemption::check_eight_gib_among_seven(&fill, &outcome).is_err(),
+        "kube-scheduler alone freed one GPU: {outcome:?}"
+    );
+    let gpus: BTreeSet<u32> = outcome.evicted.iter().map(|(_, gpu, _)| *gpu).collect();
+    ensure!(
+        outcome.evicted.len() == 2 && gpus.len() == 2 && outcome.gpus.is_none(),
+        "expected one pod of each GPU evicted and the 8 GiB pod waiting: {outcome:?}"
+    );
+    println!(
+        "  without the verb: evicted {:?}, the 8 GiB pod still waits after 20 s",
+        outcome.evicted
+    );
+    Ok(())
 }
 
 /// The 2-GPU story with `scheduler.extender.preempt=false`: kube-scheduler alone evicts the
 /// four low pods, all of one GPU (16 GiB free there, 3 on the other), and the pod waits.
-fn without_the_preempt_verb_the_two_gpu_pod_waits(c: &KitCluster) -> Outcome<'_> {
-    Box::pin(async move {
-        let (fill, outcome) =
-            preemption::two_gpus_of_eight(c, KIT_NODE, Duration::from_secs(20)).await?;
-        ensure!(
-            preemption::check_two_gpus_of_eight(&fill, &outcome).is_err(),
-            "kube-scheduler alone made room on two GPUs: {outcome:?}"
-        );
-        let gpus: BTreeSet<u32> = outcome.evicted.iter().map(|(_, gpu, _)| *gpu).collect();
-        ensure!(
-            outcome.evicted.len() == 4 && gpus.len() == 1 && outcome.gpus.is_none(),
-            "expected the four low pods of one GPU evicted and the pod waiting: {outcome:?}"
-        );
-        println!(
-            "  without the verb: evicted {:?}, the 2-GPU pod still waits after 20 s",
-            outcome.evicted
-        );
-        Ok(())
-    })
+async fn without_the_preempt_verb_the_two_gpu_pod_waits(c: &KitCluster) -> anyhow::Result<()> {
+    let (fill, outcome) = preemption::two_gpus_of_eight(c, KIT_NODE, secs(20)).await?;
+    ensure!(
+        preemption::check_two_gpus_of_eight(&fill, &outcome).is_err(),
+        "kube-scheduler alone made room on two GPUs: {outcome:?}"
+    );
+    let gpus: BTreeSet<u32> = outcome.evicted.iter().map(|(_, gpu, _)| *gpu).collect();
+    ensure!(
+        outcome.evicted.len() == 4 && gpus.len() == 1 && outcome.gpus.is_none(),
+        "expected the four low pods of one GPU evicted and the pod waiting: {outcome:?}"
+    );
+    println!(
+        "  without the verb: evicted {:?}, the 2-GPU pod still waits after 20 s",
+        outcome.evicted
+    );
+    Ok(())
 }
 
 /// One key of a Secret in kube-system, decoded.
 fn secret_text(c: &KitCluster, secret: &str, key: &str) -> anyhow::Result<String> {
     let escaped = key.replace('.', r"\.");
-    let data = c.system(&[
-        "get",
-        "secret",
-        secret,
-        "-o",
-        &format!("jsonpath={{.data.{escaped}}}"),
-    ])?;
+    let jsonpath = format!("jsonpath={{.data.{escaped}}}");
+    let data = c.system(&["get", "secret", secret, "-o", &jsonpath])?;
     let bytes = base64::engine::general_purpose::STANDARD
         .decode(data.trim())
         .with_context(|| format!("{secret} {key}"))?;
     Ok(String::from_utf8(bytes)?)
 }
+
+/// The extender's Service, as the chart's kube-scheduler names it (TLS server name).
+const SERVICE: &str = "gpushare-extender.kube-system.svc";
+
+/// The path prefix of the chart's scheduler profile at the extender.
+const PREFIX: &str = "/gpushare-scheduler";
 
 /// A caller verifying the extender with the chart's CA and presenting `identity`.
 fn caller_with(
@@ -3375,59 +2958,49 @@ fn scheduler_caller(c: &KitCluster) -> anyhow::Result<barrage::Caller> {
 /// inspect without a client certificate with a 403 and a JSON error, and with a certificate
 /// of another CA not at all; with the scheduler's certificate it answers. Both refusals are
 /// counted on the monitoring port, and the chart's scheduler still runs a GPU pod.
-fn only_kube_scheduler_may_call_the_extender(c: &KitCluster) -> Outcome<'_> {
-    Box::pin(async move {
-        let replicas = extender_replicas(c).await?;
-        ensure!(!replicas.is_empty(), "no extender replicas");
-        let scheduler = scheduler_caller(c)?;
-        let anonymous = caller_with(c, None)?;
-        let stranger_ca = gpushare_e2e::cluster::ClientCa::generate("not the chart's CA")?;
-        let stranger = caller_with(c, Some(stranger_ca.issue("gpushare-scheduler")?))?;
-        let mut pending = serde_json::to_value(fixtures::pod("stranger").gpu_mem(1).build())?;
-        pending["metadata"]["uid"] = serde_json::json!("stranger-uid");
-        let service = "gpushare-extender.kube-system.svc";
-        let prefix = "/gpushare-scheduler";
-        for (name, address, _) in &replicas {
-            for (verb, answer) in
-                barrage::callers(address, service, &anonymous, prefix, &pending).await?
-            {
-                ensure!(
-                    answer == Ok((403, true)),
-                    "{name}: {verb} without a client certificate: {answer:?}"
-                );
-            }
-            for (verb, answer) in
-                barrage::callers(address, service, &stranger, prefix, &pending).await?
-            {
-                ensure!(
-                    answer.is_err(),
-                    "{name}: {verb} with a certificate of another CA was answered: {answer:?}"
-                );
-            }
-            let answers = barrage::callers(address, service, &scheduler, prefix, &pending).await?;
-            let (verb, inspect) = &answers[4];
+async fn only_kube_scheduler_may_call_the_extender(c: &KitCluster) -> anyhow::Result<()> {
+    let replicas = extender_replicas(c).await?;
+    ensure!(!replicas.is_empty(), "no extender replicas");
+    let scheduler = scheduler_caller(c)?;
+    let anonymous = caller_with(c, None)?;
+    let stranger_ca = gpushare_e2e::cluster::ClientCa::generate("not the chart's CA")?;
+    let stranger = caller_with(c, Some(stranger_ca.issue("gpushare-scheduler")?))?;
+    let mut pending = serde_json::to_value(gib_pod("stranger", 1))?;
+    pending["metadata"]["uid"] = serde_json::json!("stranger-uid");
+    for (name, address, _) in &replicas {
+        let answers = barrage::callers(address, SERVICE, &anonymous, PREFIX, &pending).await?;
+        for (verb, answer) in answers {
             ensure!(
-                *inspect == Ok((200, true)),
-                "{name}: {verb} with the scheduler's certificate: {inspect:?}"
+                answer == Ok((403, true)),
+                "{name}: {verb} without a client certificate: {answer:?}"
             );
-            let ip = address.split(':').next().unwrap_or_default();
-            let monitor: std::net::SocketAddr = format!("{ip}:9090").parse()?;
-            let (_, metrics) = gpushare_e2e::cluster::http_get(monitor, "/metrics").await?;
-            let refusals: Vec<&str> = metrics
-                .lines()
-                .filter(|l| l.starts_with("gpushare_extender_caller_refusals_total"))
-                .collect();
-            ensure!(
-                refusals.iter().any(|l| l.contains("no_client_certificate"))
-                    && refusals.iter().any(|l| l.contains("untrusted_certificate")),
-                "{name}: refusals not counted: {refusals:?}"
-            );
-            println!("  {name}: {refusals:?}");
         }
-        create_gpu_pod(c, "after-strangers", 1).await?;
-        wait_running(c, "after-strangers").await?;
-        Ok(())
-    })
+        let answers = barrage::callers(address, SERVICE, &stranger, PREFIX, &pending).await?;
+        for (verb, answer) in answers {
+            ensure!(
+                answer.is_err(),
+                "{name}: {verb} with a certificate of another CA was answered: {answer:?}"
+            );
+        }
+        let answers = barrage::callers(address, SERVICE, &scheduler, PREFIX, &pending).await?;
+        let (verb, inspect) = &answers[4];
+        ensure!(
+            *inspect == Ok((200, true)),
+            "{name}: {verb} with the scheduler's certificate: {inspect:?}"
+        );
+        let metrics = extender_metrics(address).await?;
+        let refusals: Vec<&str> =
+            metric(&metrics, "gpushare_extender_caller_refusals_total").collect();
+        ensure!(
+            refusals.iter().any(|l| l.contains("no_client_certificate"))
+                && refusals.iter().any(|l| l.contains("untrusted_certificate")),
+            "{name}: refusals not counted: {refusals:?}"
+        );
+        println!("  {name}: {refusals:?}");
+    }
+    create_gpu_pod(c, "after-strangers", 1).await?;
+    wait_running(c, "after-strangers").await?;
+    Ok(())
 }
 
 /// The extender replicas in kube-system: (pod name, `ip:port` of the scheduler port, restarts).
@@ -3472,105 +3045,80 @@ async fn extender_replicas(c: &KitCluster) -> anyhow::Result<Vec<(String, String
 /// left in the middle of a TLS handshake meanwhile: every request gets a clear answer (200
 /// with the protocol's JSON, or 400/413 with a JSON error), no replica restarts, and 20 GPU
 /// pods created right after all run.
-fn the_scheduler_port_withstands_a_barrage(c: &KitCluster) -> Outcome<'_> {
-    Box::pin(async move {
-        let before = extender_replicas(c).await?;
-        ensure!(!before.is_empty(), "no extender replicas");
-        let scheduler = scheduler_caller(c)?;
-        let mut pending = serde_json::to_value(fixtures::pod("barrage").gpu_mem(1).build())?;
-        pending["metadata"]["uid"] = serde_json::json!("barrage-uid");
-        let started = Instant::now();
-        let mut answered = 0;
-        for (name, address, _) in &before {
-            let stalled = barrage::stall_handshakes(address).await?;
-            let report = barrage::send(
-                address,
-                "gpushare-extender.kube-system.svc",
-                &scheduler,
-                "/gpushare-scheduler",
-                &pending,
-            )
-            .await?;
-            drop(stalled);
-            let unclear = report.unclear();
-            ensure!(unclear.is_empty(), "{name}: {unclear:#?}");
-            answered += report.answers.len();
-        }
-        let after = extender_replicas(c).await?;
-        ensure!(
-            before
-                .iter()
-                .map(|(n, _, r)| (n, r))
-                .eq(after.iter().map(|(n, _, r)| (n, r))),
-            "a replica restarted or was replaced: before {before:?}, after {after:?}"
-        );
-        // Memory stays bounded: the 8 MiB bodies are read and dropped, nothing accumulates.
-        let peaks: Vec<(String, f64)> = load::chart_processes(c)
-            .into_iter()
-            .filter(|(pod, _)| pod.starts_with("gpushare-extender-"))
-            .filter_map(|(pod, pid)| Some((pod, load::rss_mib(pid)?.0)))
-            .collect();
-        ensure!(
-            peaks.iter().all(|(_, peak)| *peak < 256.0),
-            "an extender's peak RSS passed 256 MiB: {peaks:?}"
-        );
-        for i in 0..20 {
-            create_gpu_pod(c, &format!("after-barrage-{i}"), 1).await?;
-        }
-        for i in 0..20 {
-            wait_running(c, &format!("after-barrage-{i}")).await?;
-        }
-        println!(
-            "  barrage: {answered} bad requests over {} replicas, {} stalled handshakes at each, in {:.1} s: every answer clear, no restart, peak RSS {peaks:?} MiB, 20 GPU pods ran after",
-            before.len(),
-            barrage::STALLED_HANDSHAKES,
-            started.elapsed().as_secs_f64()
-        );
-        Ok(())
-    })
+async fn the_scheduler_port_withstands_a_barrage(c: &KitCluster) -> anyhow::Result<()> {
+    let before = extender_replicas(c).await?;
+    ensure!(!before.is_empty(), "no extender replicas");
+    let scheduler = scheduler_caller(c)?;
+    let mut pending = serde_json::to_value(gib_pod("barrage", 1))?;
+    pending["metadata"]["uid"] = serde_json::json!("barrage-uid");
+    let started = Instant::now();
+    let mut answered = 0;
+    for (name, address, _) in &before {
+        let stalled = barrage::stall_handshakes(address).await?;
+        let report = barrage::send(address, SERVICE, &scheduler, PREFIX, &pending).await?;
+        drop(stalled);
+        let unclear = report.unclear();
+        ensure!(unclear.is_empty(), "{name}: {unclear:#?}");
+        answered += report.answers.len();
+    }
+    let after = extender_replicas(c).await?;
+    ensure!(
+        before
+            .iter()
+            .map(|(n, _, r)| (n, r))
+            .eq(after.iter().map(|(n, _, r)| (n, r))),
+        "a replica restarted or was replaced: before {before:?}, after {after:?}"
+    );
+    // Memory stays bounded: the 8 MiB bodies are read and dropped, nothing accumulates.
+    let peaks: Vec<(String, f64)> = load::chart_processes(c)
+        .into_iter()
+        .filter(|(pod, _)| pod.starts_with("gpushare-extender-"))
+        .filter_map(|(pod, pid)| Some((pod, load::rss_mib(pid)?.0)))
+        .collect();
+    ensure!(
+        peaks.iter().all(|(_, peak)| *peak < 256.0),
+        "an extender's peak RSS passed 256 MiB: {peaks:?}"
+    );
+    gpu_pods_running(c, &numbered("after-barrage", 0..20), 1).await?;
+    println!(
+        "  barrage: {answered} bad requests over {} replicas, {} stalled handshakes at each, in {:.1} s: every answer clear, no restart, peak RSS {peaks:?} MiB, 20 GPU pods ran after",
+        before.len(),
+        barrage::STALLED_HANDSHAKES,
+        started.elapsed().as_secs_f64()
+    );
+    Ok(())
 }
 
 /// The driver our DRA plugin publishes as (the chart's `dra.driverName`, by default its
 /// `domain`).
 const DRA_DRIVER: &str = "gpushare.example.com";
 
-/// DRA mode with the extender's ranking (`dra.scheduler.ranking`, the default) on the real
-/// kube-scheduler: of two empty fake nodes (4 × 16 GiB each, our driver's slice on each),
-/// once a first 4 GiB pod holds a share on `rank-0`, five more that may go on either go
-/// there too, and onto its first GPU until it is full: the extender's filter passes the node
-/// whose GPUs the claims fill best, and kube-scheduler's first-fit allocator takes the first
-/// device with room. Without the ranking (the profile's MostAllocated alone, and these pods
-/// request no CPU) both nodes tie for every pod: all five on `rank-0` would be 1 chance in 32.
-/// The five are created once both nodes carry the idle-GPU taint (each has idle GPUs): the
-/// chart's policy gives DRA pods its toleration, without which the filter steps aside for
-/// them and the nodes tie again.
-fn dra_pods_go_to_the_fuller_node_and_gpu(c: &KitCluster) -> Outcome<'_> {
-    Box::pin(async move {
-        let client = c.client();
-        load::create_fake_gpu_nodes(&client, "rank", 2, &[16; 4], &[]).await?;
-        load::publish_fake_slices(&client, "rank", 2, &[16; 4], DRA_DRIVER).await?;
-        let result = dra_ranked_onto_the_fuller_node(c).await;
-        load::delete_fake_slices(&client).await?;
-        load::delete_fake_nodes(&client).await?;
-        result
-    })
+/// DRA mode with the extender's ranking (`dra.scheduler.ranking`, the default): of two empty
+/// fake nodes (4 × 16 GiB, our driver's slices), once a 4 GiB pod holds a share on `rank-0`,
+/// five more allowed on either go there too, filling its first GPU first (the extender passes
+/// the node the claims fill best; kube-scheduler's allocator takes the first device with
+/// room). Without the ranking both nodes tie: all five on `rank-0` would be 1 chance in 32.
+/// The chart gives DRA pods the idle-GPU taint's toleration, without which the filter steps aside.
+async fn dra_pods_go_to_the_fuller_node_and_gpu(c: &KitCluster) -> anyhow::Result<()> {
+    let client = c.client();
+    load::create_fake_gpu_nodes(&client, "rank", 2, &[16; 4], &[]).await?;
+    load::publish_fake_slices(&client, "rank", 2, &[16; 4], DRA_DRIVER).await?;
+    let result = dra_ranked_onto_the_fuller_node(c).await;
+    load::delete_fake_slices(&client).await?;
+    load::delete_fake_nodes(&client).await?;
+    result
 }
 
 async fn dra_ranked_onto_the_fuller_node(c: &KitCluster) -> anyhow::Result<()> {
     let pods: Api<Pod> = Api::namespaced(c.client(), "default");
-    let gib4 = |name: &str| fixtures::pod(name).gpu_mem(4).build();
-    let first = create_and_wait_bound(&pods, limited_to(gib4("ranked-0"), &["rank-0"], None)?);
-    ensure!(first.await? == "rank-0");
-    // Both nodes have idle GPUs: with the idle-GPU taint on both, a pod that does not
-    // tolerate it makes the filter step aside, and the two nodes tie in kube-scheduler's
-    // scores.
+    bound_to(&pods, gib_pod("ranked-0", 4), "rank-0").await?;
+    // With the taint on both, a pod not tolerating it would make the filter step aside.
     for node in ["rank-0", "rank-1"] {
         wait_idle_gpu_taint(c, node, true).await?;
     }
     for i in 1..=5 {
         let name = format!("ranked-{i}");
-        let pod = limited_to(gib4(&name), &["rank-0", "rank-1"], None)?;
-        let node = create_and_wait_bound(&pods, pod).await?;
+        let node = bound_among(&pods, gib_pod(&name, 4), &["rank-0", "rank-1"], None).await?;
         ensure!(
             node == "rank-0",
             "{name} went to {node}: the extender should have passed rank-0 alone, whose GPU the claims fill"
@@ -3581,15 +3129,14 @@ async fn dra_ranked_onto_the_fuller_node(c: &KitCluster) -> anyhow::Result<()> {
         tolerates,
         "the chart's gpu-mem policy should give DRA pods a toleration of the idle-GPU taint"
     );
-    let mut per_gpu = std::collections::BTreeMap::<String, usize>::new();
+    let mut per_gpu = BTreeMap::<String, usize>::new();
     for i in 0..=5 {
         for (device, consumed) in claimed_devices(c, &format!("ranked-{i}"))? {
             ensure!(consumed == "4Gi", "ranked-{i}: {device} {consumed}");
             *per_gpu.entry(device).or_default() += 1;
         }
     }
-    let expected =
-        std::collections::BTreeMap::from([("gpu-0".to_owned(), 4), ("gpu-1".to_owned(), 2)]);
+    let expected = BTreeMap::from([("gpu-0".to_owned(), 4), ("gpu-1".to_owned(), 2)]);
     ensure!(
         per_gpu == expected,
         "first fit should fill rank-0's first GPU before its second: {per_gpu:?}"
@@ -3600,53 +3147,41 @@ async fn dra_ranked_onto_the_fuller_node(c: &KitCluster) -> anyhow::Result<()> {
 /// DRA mode without the extender: with its Deployment scaled to nothing, the README's pod
 /// still runs with its 4 GiB claim (the profile's extender is `ignorable`: kube-scheduler
 /// skips it and its own allocator decides), and once the extender is back so does the next.
-fn dra_pods_schedule_with_the_extender_stopped(c: &KitCluster) -> Outcome<'_> {
-    Box::pin(async move {
-        let scale = |replicas: &str| {
-            c.system(&[
-                "scale",
-                "deploy/gpushare-extender",
-                &format!("--replicas={replicas}"),
-            ])
-        };
-        let replicas = c.system(&[
-            "get",
-            "deploy/gpushare-extender",
-            "-o",
-            "jsonpath={.spec.replicas}",
-        ])?;
-        scale("0")?;
-        c.system(&[
-            "wait",
-            "--for=delete",
-            "pod",
-            "-l",
-            "app.kubernetes.io/component=extender",
-            "--timeout=90s",
-        ])?;
-        let pod = readme_pod()?;
-        let name = pod.metadata.name.clone().unwrap_or_default();
-        create_pod(c, pod).await?;
-        let outcome = async {
-            wait_running(c, &name).await?;
-            let claims = claims_of(c, &name)?;
-            ensure!(
-                claims == [("4Gi".to_owned(), true)],
-                "{name} should run with one allocated 4Gi claim while the extender is down: {claims:?}"
-            );
-            anyhow::Ok(())
-        }
-        .await;
-        scale(replicas.trim())?;
-        rollout(c, "deploy/gpushare-extender")?;
-        outcome?;
-        delete_pod(c, &name).await?;
-        let mut again = readme_pod()?;
-        again.metadata.name = Some("after-the-extender-came-back".to_owned());
-        create_pod(c, again).await?;
-        wait_running(c, "after-the-extender-came-back").await?;
-        Ok(())
-    })
+async fn dra_pods_schedule_with_the_extender_stopped(c: &KitCluster) -> anyhow::Result<()> {
+    let scale = |replicas: &str| {
+        c.system(&words(&format!(
+            "scale deploy/gpushare-extender --replicas={replicas}"
+        )))
+    };
+    let replicas = c.system(&words(
+        "get deploy/gpushare-extender -o jsonpath={.spec.replicas}",
+    ))?;
+    scale("0")?;
+    c.system(&words(
+        "wait --for=delete pod -l app.kubernetes.io/component=extender --timeout=90s",
+    ))?;
+    let pod = readme_pod()?;
+    let name = pod.metadata.name.clone().unwrap_or_default();
+    create_pod(c, pod).await?;
+    let outcome = async {
+        wait_running(c, &name).await?;
+        let claims = claims_of(c, &name)?;
+        ensure!(
+            claims == [("4Gi".to_owned(), true)],
+            "{name} should run with one allocated 4Gi claim while the extender is down: {claims:?}"
+        );
+        anyhow::Ok(())
+    }
+    .await;
+    scale(replicas.trim())?;
+    rollout(c, "deploy/gpushare-extender")?;
+    outcome?;
+    delete_pod(c, &name).await?;
+    let mut again = readme_pod()?;
+    again.metadata.name = Some("after-the-extender-came-back".to_owned());
+    create_pod(c, again).await?;
+    wait_running(c, "after-the-extender-came-back").await?;
+    Ok(())
 }
 
 /// Waits (two minutes at most) for `what` in kube-system (`deploy/...`, `ds/...`) to finish
