@@ -17,64 +17,55 @@ use gpushare_contract::{ContainerRequest, Keys, PodAllocation};
 
 const GPUS_PER_NODE: u32 = 8;
 const GPU_GIB: u64 = 32;
-const PODS_PER_GPU: u64 = 10;
-
-/// `nodes` nodes × 8 GPUs × 32 GiB, each GPU holding 10 pods of 2 GiB (12 GiB free).
-fn busy_cluster(nodes: usize) -> (Cluster, Vec<String>) {
-    cluster_filled(nodes, Fill::Uniform)
-}
 
 /// How full [`cluster_filled`] makes each GPU.
 #[derive(Debug, Clone, Copy)]
 enum Fill {
-    /// 10 pods of 2 GiB on every GPU: one free amount per node.
+    /// 10 pods of 2 GiB on every GPU (12 GiB free): one free amount per node.
     Uniform,
     /// `gpu + node % 4` pods of 2 GiB on GPU `gpu`: 8 distinct free amounts per node, each
     /// evaluated on its own by the fragmentation measure (as in `extender_http`'s `Varied`).
     Varied,
 }
 
-impl Fill {
-    fn pods(self, node: usize, gpu: u32) -> u64 {
-        match self {
-            Fill::Uniform => PODS_PER_GPU,
-            Fill::Varied => u64::from(gpu) + node as u64 % 4,
-        }
-    }
+/// One node's 8 GPUs of 32 GiB, `uuid` naming each by index.
+fn node_gpus(uuid: impl Fn(u32) -> String, model: &str) -> Vec<Gpu> {
+    (0..GPUS_PER_NODE)
+        .map(|index| Gpu {
+            index,
+            uuid: uuid(index),
+            model: model.to_owned(),
+            numa: None,
+            total_gib: GPU_GIB,
+            healthy: true,
+        })
+        .collect()
 }
 
 /// `nodes` nodes × 8 GPUs × 32 GiB, each GPU holding `fill`'s pods of 2 GiB.
 fn cluster_filled(nodes: usize, fill: Fill) -> (Cluster, Vec<String>) {
     let names: Vec<String> = (0..nodes).map(|n| format!("node-{n:05}")).collect();
     let node_list = names.iter().map(|name| {
-        let gpus = (0..GPUS_PER_NODE)
-            .map(|index| Gpu {
-                index,
-                uuid: format!("GPU-{name}-{index}"),
-                model: "bench".into(),
-                numa: None,
-                total_gib: GPU_GIB,
-                healthy: true,
-            })
-            .collect();
+        let gpus = node_gpus(|index| format!("GPU-{name}-{index}"), "bench");
         (name.clone(), gpus, true)
     });
     let pods = names.iter().enumerate().flat_map(|(n, name)| {
         (0..GPUS_PER_NODE).flat_map(move |gpu| {
-            (0..fill.pods(n, gpu)).map(move |p| {
+            let pods = match fill {
+                Fill::Uniform => 10,
+                Fill::Varied => u64::from(gpu) + n as u64 % 4,
+            };
+            (0..pods).map(move |p| {
+                let placement = PodPlacement {
+                    gpu,
+                    pod_gib: 2,
+                    assigned: true,
+                    ..PodPlacement::default()
+                };
                 (
                     PodId::from(format!("{name}-{gpu}-{p}")),
                     name.clone(),
-                    PodPlacement {
-                        more_gpus: Vec::new(),
-                        exclusive: false,
-                        gpu,
-                        uuid: "".into(),
-                        pod_gib: 2,
-                        pending: vec![],
-                        assigned: true,
-                        compute: 0,
-                    },
+                    placement,
                 )
             })
         })
@@ -95,36 +86,28 @@ fn four_gib_request() -> Request {
     }
 }
 
+/// A group `name` of one bench per cluster size, each timing `f` over every node's name.
+fn per_size<R>(c: &mut Criterion, name: &str, f: impl Fn(&Cluster, &[String]) -> R) {
+    let mut group = c.benchmark_group(name);
+    for nodes in [100, 1_000, 5_000] {
+        let (cluster, names) = cluster_filled(nodes, Fill::Uniform);
+        group.bench_with_input(BenchmarkId::from_parameter(nodes), &names, |b, names| {
+            b.iter(|| f(&cluster, names))
+        });
+    }
+    group.finish();
+}
+
 fn filter_and_prioritize(c: &mut Criterion) {
     let request = four_gib_request();
-    let mut group = c.benchmark_group("filter");
-    for nodes in [100, 1_000, 5_000] {
-        let (cluster, names) = busy_cluster(nodes);
-        group.bench_with_input(BenchmarkId::from_parameter(nodes), &names, |b, names| {
-            b.iter(|| {
-                names
-                    .iter()
-                    .filter(|name| cluster.fit(name, black_box(&request)).is_ok())
-                    .count()
-            })
-        });
-    }
-    group.finish();
-    let mut group = c.benchmark_group("prioritize");
-    for nodes in [100, 1_000, 5_000] {
-        let (cluster, names) = busy_cluster(nodes);
-        group.bench_with_input(BenchmarkId::from_parameter(nodes), &names, |b, names| {
-            b.iter(|| {
-                names
-                    .iter()
-                    .map(|name| {
-                        u32::from(cluster.score(name, black_box(&request), Policy::Binpack))
-                    })
-                    .sum::<u32>()
-            })
-        });
-    }
-    group.finish();
+    per_size(c, "filter", |cluster, names| {
+        let fits = |name: &&String| cluster.fit(name, black_box(&request)).is_ok();
+        names.iter().filter(fits).count()
+    });
+    per_size(c, "prioritize", |cluster, names| {
+        let score = |name: &String| cluster.score(name, black_box(&request), Policy::Binpack);
+        names.iter().map(|name| u32::from(score(name))).sum::<u32>()
+    });
     // What the extender's prioritize runs: scores relative to all candidates, in one call.
     let mut group = c.benchmark_group("prioritize (relative scores)");
     let rows = [
@@ -186,7 +169,7 @@ fn filter_and_prioritize(c: &mut Criterion) {
 }
 
 fn bind_decision(c: &mut Criterion) {
-    let (mut cluster, names) = busy_cluster(5_000);
+    let (mut cluster, names) = cluster_filled(5_000, Fill::Uniform);
     let request = four_gib_request();
     let node = names[2_500].clone();
     let uid = PodId::from("bench-pod");
@@ -232,17 +215,11 @@ fn rebuild_from_annotations(c: &mut Criterion) {
         .collect();
     let nodes: Vec<(String, Vec<Gpu>, bool)> = (0..5_000)
         .map(|n| {
-            let gpus = (0..GPUS_PER_NODE)
-                .map(|index| Gpu {
-                    index,
-                    uuid: String::new(),
-                    model: String::new(),
-                    numa: None,
-                    total_gib: GPU_GIB,
-                    healthy: true,
-                })
-                .collect();
-            (format!("node-{n:05}"), gpus, true)
+            (
+                format!("node-{n:05}"),
+                node_gpus(|_| String::new(), ""),
+                true,
+            )
         })
         .collect();
     c.bench_function("rebuild view from 50000 pods' annotations", |b| {
@@ -274,7 +251,7 @@ fn rebuild_from_annotations(c: &mut Criterion) {
 /// GPU (or two), among 80 evictable pods (8 GPUs × 10 pods of 2 GiB, 12 GiB free each); a
 /// preempt call decides up to 100 candidate nodes (kube-scheduler's `minCandidateNodesAbsolute`).
 fn preemption(c: &mut Criterion) {
-    let (cluster, names) = busy_cluster(100);
+    let (cluster, names) = cluster_filled(100, Fill::Uniform);
     let evictable_on = |node: &str| -> Vec<Evictable> {
         let node = cluster.node(node).expect("bench node");
         node.pods()

@@ -25,6 +25,7 @@ use criterion::{BenchmarkId, Criterion, criterion_group};
 use futures::future::BoxFuture;
 use gpushare_allocator::fragmentation::{Host, MAX_SHAPES, Shape};
 use gpushare_allocator::{PodId, PodPlacement, Policy};
+use gpushare_contract::{DEFAULT_DOMAIN, DEFAULT_RESOURCE};
 use gpushare_extender::{
     BindError, BindTiming, Binder, BindingTarget, EventSink, PodOnServer, Scheduling, Settings,
     router,
@@ -64,17 +65,11 @@ enum Fill {
     Varied,
 }
 
-fn state(nodes: usize, policy: Policy) -> (Scheduling, Vec<String>) {
-    state_filled(nodes, policy, Fill::Uniform)
-}
-
-fn state_filled(nodes: usize, policy: Policy, fill: Fill) -> (Scheduling, Vec<String>) {
+/// The extender's state under `policy`, its view synced with `nodes` nodes filled as `fill`
+/// says, every pod and node with its CPU and memory, and a full workload of learned shapes.
+fn state(nodes: usize, policy: Policy, fill: Fill) -> (Scheduling, Vec<String>) {
     let (events, _rx) = EventSink::channel();
-    let settings = Settings::new(
-        gpushare_contract::DEFAULT_RESOURCE,
-        gpushare_contract::DEFAULT_DOMAIN,
-        "gpushare=true",
-    );
+    let settings = Settings::new(DEFAULT_RESOURCE, DEFAULT_DOMAIN, "gpushare=true");
     let state = Scheduling::new(
         settings,
         gpushare_extender::Ranking::by(policy),
@@ -92,6 +87,7 @@ fn state_filled(nodes: usize, policy: Policy, fill: Fill) -> (Scheduling, Vec<St
         let mut view = state.view_mut();
         view.replace_nodes(&objects);
         view.replace_pods(&[]);
+        let cluster = &mut view.cluster;
         for (n, name) in names.iter().enumerate() {
             for gpu in 0..8 {
                 let pods = match fill {
@@ -100,26 +96,20 @@ fn state_filled(nodes: usize, policy: Policy, fill: Fill) -> (Scheduling, Vec<St
                 };
                 for p in 0..pods {
                     let placement = PodPlacement {
-                        more_gpus: Vec::new(),
-                        exclusive: false,
                         gpu,
-                        uuid: "".into(),
                         pod_gib: 2,
-                        pending: vec![],
                         assigned: true,
-                        compute: 0,
+                        ..PodPlacement::default()
                     };
                     let uid = PodId::from(format!("{name}-{gpu}-{p}"));
-                    view.cluster.upsert_pod(uid.clone(), name, placement);
-                    view.cluster
-                        .set_pod_host(uid, name, Host::new(1_000, 4_096));
+                    cluster.upsert_pod(uid.clone(), name, placement);
+                    cluster.set_pod_host(uid, name, Host::new(1_000, 4_096));
                 }
             }
-            view.cluster
-                .set_node_host(name, Some(Host::new(128_000, 1 << 20)));
+            cluster.set_node_host(name, Some(Host::new(128_000, 1 << 20)));
         }
         for gib in 1..=MAX_SHAPES as u64 {
-            view.cluster.observe(Shape {
+            cluster.observe(Shape {
                 gpu_gib: gib,
                 host: Host::new(gib * 1_000, gib * 4_096),
             });
@@ -150,6 +140,10 @@ fn call(runtime: &tokio::runtime::Runtime, app: &axum::Router, verb: &str, body:
     })
 }
 
+fn app(state: Scheduling) -> axum::Router {
+    router(state, PREFIX, gpushare_extender::DEFAULT_BODY_LIMIT)
+}
+
 fn runtime() -> tokio::runtime::Runtime {
     tokio::runtime::Builder::new_current_thread()
         .build()
@@ -165,8 +159,8 @@ fn handlers(c: &mut Criterion) {
     ] {
         let mut group = c.benchmark_group(format!("http {verb} {policy} (NodeNames)"));
         for nodes in [100, 1_000, 5_000] {
-            let (state, names) = state(nodes, policy);
-            let app = router(state, PREFIX, gpushare_extender::DEFAULT_BODY_LIMIT);
+            let (state, names) = state(nodes, policy, Fill::Uniform);
+            let app = app(state);
             let body = body(&names);
             group.bench_with_input(BenchmarkId::from_parameter(nodes), &body, |b, body| {
                 b.iter(|| black_box(call(&runtime, &app, verb, body)))
@@ -181,7 +175,7 @@ fn handlers(c: &mut Criterion) {
 fn idle_gpu_taint_scan(c: &mut Criterion) {
     let mut group = c.benchmark_group("idle-GPU taint drift (8 GPUs per node)");
     for nodes in [1_000, 5_000] {
-        let (state, _) = state(nodes, Policy::Fragmentation);
+        let (state, _) = state(nodes, Policy::Fragmentation, Fill::Uniform);
         group.bench_function(BenchmarkId::from_parameter(nodes), |b| {
             b.iter(|| black_box(state.view().idle_gpu_taint_drift(true).len()))
         });
@@ -198,12 +192,10 @@ fn tail_latency() {
         5
     };
     let runtime = runtime();
-    let (binpack, names) = state(5_000, Policy::Binpack);
-    let (fragmentation, _) = state(5_000, Policy::Fragmentation);
-    let (varied, _) = state_filled(5_000, Policy::Fragmentation, Fill::Varied);
-    let binpack = router(binpack, PREFIX, gpushare_extender::DEFAULT_BODY_LIMIT);
-    let fragmentation = router(fragmentation, PREFIX, gpushare_extender::DEFAULT_BODY_LIMIT);
-    let varied = router(varied, PREFIX, gpushare_extender::DEFAULT_BODY_LIMIT);
+    let (binpack, names) = state(5_000, Policy::Binpack, Fill::Uniform);
+    let binpack = app(binpack);
+    let fragmentation = app(state(5_000, Policy::Fragmentation, Fill::Uniform).0);
+    let varied = app(state(5_000, Policy::Fragmentation, Fill::Varied).0);
     // What kube-scheduler sends at 5,000 nodes: it stops filtering once it has found
     // `numFeasibleNodesToFind` nodes (adaptive `percentageOfNodesToScore`: 10 % here, 500
     // names), starting where the previous cycle stopped; each call names the next window.
@@ -220,19 +212,15 @@ fn tail_latency() {
     println!("single-call latency at 5,000 nodes, {calls} calls each (exact percentiles)");
     for cache in ["warm", "cold"] {
         for &(verb, policy, app) in &rows {
-            let times: Vec<Duration> = (0..calls)
-                .map(|i| {
-                    if cache == "cold" {
-                        for byte in scribble.iter_mut().step_by(64) {
-                            *byte = byte.wrapping_add(i as u8);
-                        }
-                        black_box(&scribble);
+            let times = (0..calls).map(|i| {
+                if cache == "cold" {
+                    for byte in scribble.iter_mut().step_by(64) {
+                        *byte = byte.wrapping_add(i as u8);
                     }
-                    let started = Instant::now();
-                    black_box(call(&runtime, app, verb, &body));
-                    started.elapsed()
-                })
-                .collect();
+                    black_box(&scribble);
+                }
+                timed(|| call(&runtime, app, verb, &body))
+            });
             print_percentiles(
                 &format!("http {verb:<10} {policy:<21} {cache} cache"),
                 times,
@@ -244,14 +232,8 @@ fn tail_latency() {
         "as kube-scheduler calls at 5,000 nodes: {subset} names per call (percentageOfNodesToScore), rotating, warm cache"
     );
     for &(verb, policy, app) in &rows {
-        let times: Vec<Duration> = (0..calls)
-            .map(|i| {
-                let window = &windows[i % windows.len()];
-                let started = Instant::now();
-                black_box(call(&runtime, app, verb, window));
-                started.elapsed()
-            })
-            .collect();
+        let times =
+            (0..calls).map(|i| timed(|| call(&runtime, app, verb, &windows[i % windows.len()])));
         print_percentiles(
             &format!("http {verb:<10} {policy:<21} {subset} names"),
             times,
@@ -259,7 +241,15 @@ fn tail_latency() {
     }
 }
 
-fn print_percentiles(label: &str, mut times: Vec<Duration>) {
+/// How long `f` took.
+fn timed(f: impl FnOnce() -> usize) -> Duration {
+    let started = Instant::now();
+    black_box(f());
+    started.elapsed()
+}
+
+fn print_percentiles(label: &str, times: impl Iterator<Item = Duration>) {
+    let mut times: Vec<Duration> = times.collect();
     times.sort_unstable();
     let at = |q: f64| times[((times.len() - 1) as f64 * q).round() as usize];
     println!(

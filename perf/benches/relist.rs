@@ -50,13 +50,6 @@ fn pages(pods: usize) -> Vec<String> {
         .collect()
 }
 
-/// A view holding the nodes, as after the node watch's list.
-fn view_with_nodes(settings: &Settings) -> View {
-    let mut view = View::new(settings.clone());
-    view.replace_nodes(&gpushare_nodes(NODES, GPUS, GPU_GIB));
-    view
-}
-
 /// The relist: every page decoded, each pod read into facts, the buffer swapped in.
 fn relist(pages: &[String], settings: &Settings, view: &mut View) -> usize {
     let mut buffer = Vec::new();
@@ -82,7 +75,9 @@ fn start_up(c: &mut Criterion) {
     let settings = Settings::new(DEFAULT_RESOURCE, DEFAULT_DOMAIN, "gpushare=true");
     let pages = pages(pods);
     let bytes: usize = pages.iter().map(String::len).sum();
-    let mut view = view_with_nodes(&settings);
+    // A view holding the nodes, as after the node watch's list.
+    let mut view = View::new(settings.clone());
+    view.replace_nodes(&gpushare_nodes(NODES, GPUS, GPU_GIB));
     assert_eq!(relist(&pages, &settings, &mut view), 0, "no warnings");
     assert_eq!(view.cluster.pod_count(), pods, "every pod booked");
     let mut group = c.benchmark_group(format!(

@@ -3,27 +3,13 @@
 //! measures: tasks arrive until GPU demand reaches 130 % of capacity, nothing leaves, and the
 //! allocation ratio is read when arrived demand reaches 100 %.
 //!
-//! gpushare pods ask for whole- and multi-GPU tasks in the plain form (`gpus: N` and the total
-//! GiB: slices that leave the rest of each GPU to others); `--exclusive-whole` makes them ask
-//! with `exclusive` (empty GPUs booked in full).
-//! `--models-in-request` makes tasks pinned to GPU models name them in the request (gpushare's
-//! model annotation) instead of node affinity on the model label.
-//! `--host-scale K` multiplies every node's CPU and memory by K after the tasks are drawn: a
-//! what-if that shows how much of what is not allocated CPU and memory cost.
-//! `--trace-protocol` replays a `trace-*` mix as the public trace counts it: whole-GPU tasks
-//! ask for whole GPUs of any model (`exclusive`, the smallest GPU's GiB:
-//! `whole_gpus_of_any_model`), and demand and allocation are counted in GPUs
-//! (`Measure::Gpus`). Only the strategies whose pods ask in that form run (not BestFit, FGD or
-//! DRA mode, which would share those GPUs). `--count-gpus` counts in GPUs alone, the tasks as
-//! drawn.
-//! The preamble prints two ceilings at 100 %: without multi-GPU tasks, and from the GPUs
-//! alone (`placement_ceiling`: tasks that fit only some GPUs asking more than those hold).
-//!
-//! kube-scheduler, for gpushare's strategies, filters and scores the nodes as it does by
-//! default: a walk round the nodes, resumed pod after pod, that stops at
-//! `numFeasibleNodesToFind` feasible nodes (41 %, 492 nodes, at 1,200); the extender filters
-//! and scores those alone. `--score-all-nodes` scores every node instead. BestFit and FGD,
-//! idealized baselines, always look at every node.
+//! kube-scheduler, for gpushare's strategies, walks the nodes round robin as it does by
+//! default and stops at `numFeasibleNodesToFind` feasible nodes (41 %, 492 nodes, at 1,200);
+//! the extender filters and scores those alone. BestFit and FGD, idealized baselines, always
+//! look at every node. The flags (`--help`) change how gpushare pods ask, how many nodes the
+//! walk finds, the trace's own protocol and measure, and what-ifs on CPU and memory. The
+//! preamble prints two ceilings at 100 %: without multi-GPU tasks, and from the GPUs alone
+//! (`placement_ceiling`: tasks that fit only some GPUs asking more than those hold).
 //!
 //! ```sh
 //! cargo run --release -p gpushare-perf --bin realistic-sim
@@ -131,7 +117,6 @@ enum Mix {
 }
 
 impl Mix {
-    /// Whether it is one of the trace-calibrated workloads.
     fn is_trace(self) -> bool {
         matches!(
             self,
@@ -164,48 +149,43 @@ impl Mix {
     }
 }
 
+/// The strategies in report order: a row's number is its place here, from 1.
 fn strategies() -> Vec<Strategy> {
     let chart = Profile::Default { weight: 1 };
+    let binpack = |profile| Strategy::extender(Some(Policy::Binpack), profile);
+    let fgd = |multi_gpu, cpu_pods_by_default| Strategy::Fgd {
+        multi_gpu,
+        cpu_pods_by_default,
+    };
+    // What else the profile could weigh, the filter keeping the best node: without
+    // LeastAllocated (not a chart value), and with `scheduler.extender.weight: 3`.
+    let weighted = |least, extender| {
+        Strategy::fragmentation(Profile::Weighted {
+            least,
+            most: 0,
+            balanced: 1,
+            extender,
+        })
+    };
     vec![
-        Strategy::extender(Some(Policy::Binpack), chart),
-        Strategy::extender(Some(Policy::Binpack), Profile::ExtenderOnly),
+        binpack(chart),
+        binpack(Profile::ExtenderOnly),
         Strategy::extender(Some(Policy::Spread), chart),
         Strategy::extender(None, chart),
         Strategy::BestFit { multi_gpu: false },
-        Strategy::Fgd {
-            multi_gpu: false,
-            cpu_pods_by_default: false,
-        },
-        Strategy::Fgd {
-            multi_gpu: false,
-            cpu_pods_by_default: true,
-        },
+        fgd(false, false),
+        fgd(false, true),
         Strategy::fragmentation(Profile::ExtenderOnly),
         Strategy::fragmentation(chart),
         Strategy::fragmentation(Profile::Default { weight: 2 }),
         Strategy::fragmentation(Profile::FilterKeepBest),
         Strategy::BestFit { multi_gpu: true },
-        Strategy::Fgd {
-            multi_gpu: true,
-            cpu_pods_by_default: false,
-        },
-        Strategy::extender(Some(Policy::Binpack), Profile::NativeMostAllocated),
+        fgd(true, false),
+        binpack(Profile::NativeMostAllocated),
         Strategy::DraFirstFit,
+        weighted(0, 1),
+        weighted(1, 3),
     ]
-    .into_iter()
-    .chain(
-        // What else the profile could weigh, the filter keeping the best node: without
-        // LeastAllocated (not a chart value), and with `scheduler.extender.weight: 3`.
-        [(0, 0, 1, 1), (1, 0, 1, 3)].map(|(least, most, balanced, extender)| {
-            Strategy::fragmentation(Profile::Weighted {
-                least,
-                most,
-                balanced,
-                extender,
-            })
-        }),
-    )
-    .collect()
 }
 
 /// One generated cluster and its task stream.
@@ -216,46 +196,37 @@ type Replayed = (usize, Strategy, Vec<Run>);
 
 fn main() {
     let args = Args::parse();
-    if args.measure() == Measure::Gpus && !args.mix.is_trace() {
+    let measure = args.measure();
+    if measure == Measure::Gpus && !args.mix.is_trace() {
         eprintln!("--trace-protocol and --count-gpus replay the trace-* mixes only");
         std::process::exit(2);
     }
     let form = args.request_form();
     let to_score = args.nodes_to_score();
-    let strategies: Vec<(usize, Strategy)> = strategies()
+    let traces: Vec<Trace> = (0..args.seeds).map(|seed| args.trace(seed)).collect();
+    print_setup(&args, form, to_score, &traces);
+    println!();
+    // Each strategy replayed on every trace (its seed drives kube-scheduler's tie-break), the
+    // time each took on stderr.
+    let results: Vec<Replayed> = strategies()
         .into_iter()
         .enumerate()
         .filter(|(i, _)| args.only.is_empty() || args.only.contains(&(i + 1)))
         .filter(|(_, s)| !args.trace_protocol || s.is_gpushare())
-        .collect();
-    let traces: Vec<Trace> = (0..args.seeds)
-        .map(|seed| {
-            // The tasks are drawn for the nodes as generated, then the nodes grow.
-            let (mut nodes, tasks) = match args.measure() {
-                Measure::Gib => args.mix.generate(args.nodes, args.demand, seed),
-                Measure::Gpus => {
-                    // Drawn well past the demand in GiB, then cut where it reaches it in
-                    // GPUs (the stream is the same draw whatever its length).
-                    let (nodes, mut tasks) = args.mix.generate(args.nodes, args.demand * 2.0, seed);
-                    if args.trace_protocol {
-                        whole_gpus_of_any_model(&nodes, &mut tasks);
-                    }
-                    tasks.truncate(arrivals_until(&nodes, &tasks, Measure::Gpus, args.demand));
-                    (nodes, tasks)
-                }
-            };
-            for node in &mut nodes {
-                node.host = Host::new(
-                    node.host.milli_cpu * args.host_scale,
-                    node.host.memory_mib * args.host_scale,
-                );
-            }
-            (nodes, tasks)
+        .map(|(i, strategy)| {
+            let start = std::time::Instant::now();
+            let runs: Vec<Run> = traces
+                .iter()
+                .zip(0..)
+                .map(|((nodes, tasks), seed)| {
+                    replay_measured(nodes, tasks, strategy, (form, measure), to_score, seed)
+                })
+                .collect();
+            let took = start.elapsed().as_secs_f64();
+            eprintln!("{}: {took:.1} s", strategy.name());
+            (i, strategy, runs)
         })
         .collect();
-    print_setup(&args, form, to_score, &traces);
-    println!();
-    let results = replay_all(&strategies, &traces, (form, args.measure()), to_score);
     print_at_full(&results);
     println!();
     print_curves(&results);
@@ -292,10 +263,38 @@ impl Args {
             NodesToScore::Adaptive
         }
     }
+
+    /// Seed `seed`'s cluster and tasks: the tasks drawn for the nodes as generated, then the
+    /// nodes' CPU and memory scaled.
+    fn trace(&self, seed: u64) -> Trace {
+        let (mut nodes, tasks) = match self.measure() {
+            Measure::Gib => self.mix.generate(self.nodes, self.demand, seed),
+            Measure::Gpus => {
+                // Drawn well past the demand in GiB, then cut where it reaches it in GPUs
+                // (the stream is the same draw whatever its length).
+                let (nodes, mut tasks) = self.mix.generate(self.nodes, self.demand * 2.0, seed);
+                if self.trace_protocol {
+                    whole_gpus_of_any_model(&nodes, &mut tasks);
+                }
+                tasks.truncate(arrivals_until(&nodes, &tasks, Measure::Gpus, self.demand));
+                (nodes, tasks)
+            }
+        };
+        for node in &mut nodes {
+            let (cpu, memory) = (node.host.milli_cpu, node.host.memory_mib);
+            node.host = Host::new(cpu * self.host_scale, memory * self.host_scale);
+        }
+        (nodes, tasks)
+    }
+}
+
+/// The mean of `of` over `items`.
+fn mean<T>(items: &[T], of: impl Fn(&T) -> f64) -> f64 {
+    items.iter().map(of).sum::<f64>() / items.len() as f64
 }
 
 /// The report's preamble: the cluster and task stream of seed 0, how kube-scheduler looks at
-/// the nodes, the task mix, and the ceiling without multi-GPU tasks.
+/// the nodes, the task mix, and the ceilings.
 fn print_setup(args: &Args, form: RequestForm, to_score: NodesToScore, traces: &[Trace]) {
     let (nodes, tasks) = &traces[0];
     let gpus: u32 = nodes.iter().map(|n| n.gpus).sum();
@@ -332,11 +331,9 @@ fn print_setup(args: &Args, form: RequestForm, to_score: NodesToScore, traces: &
             num_feasible_nodes_to_find_at(args.nodes, p),
             args.nodes
         ),
-        NodesToScore::All => {
-            println!(
-                "  kube-scheduler (gpushare rows): every node filtered and scored (--score-all-nodes)"
-            )
-        }
+        NodesToScore::All => println!(
+            "  kube-scheduler (gpushare rows): every node filtered and scored (--score-all-nodes)"
+        ),
     }
     if args.trace_protocol {
         println!(
@@ -348,27 +345,40 @@ fn print_setup(args: &Args, form: RequestForm, to_score: NodesToScore, traces: &
         }
         println!("  BestFit and FGD: idealized, every node looked at");
     }
-    // Each task's demand in the measure the replay counts.
-    let demand = |t: &Task| args.measure().demand(t);
+    let measure = args.measure();
+    let all: u64 = tasks.iter().map(|t| measure.demand(t)).sum();
     for kind in TaskKind::ALL {
         let of: Vec<_> = tasks.iter().filter(|t| t.kind == kind).collect();
-        let gib: u64 = of.iter().map(|t| demand(t)).sum();
-        let all: u64 = tasks.iter().map(demand).sum();
+        let demand: u64 = of.iter().map(|t| measure.demand(t)).sum();
         println!(
             "  {:<15} {:>5.1}% of tasks, {:>5.1}% of GPU demand",
             kind.name(),
             of.len() as f64 * 100.0 / tasks.len() as f64,
-            gib as f64 * 100.0 / all.max(1) as f64
+            demand as f64 * 100.0 / all.max(1) as f64
         );
     }
-    // This one counts GiB.
-    if args.measure() == Measure::Gib {
+    if measure == Measure::Gib {
+        // What a strategy that refuses multi-GPU tasks and places every other one reaches.
+        let without_multi_gpu = mean(traces, |(nodes, tasks)| {
+            let capacity = Measure::Gib.capacity(nodes);
+            let (mut arrived, mut single) = (0, 0);
+            for task in tasks {
+                arrived += task.demand_gib();
+                if task.gpus <= 1 {
+                    single += task.demand_gib();
+                }
+                if arrived >= capacity {
+                    break;
+                }
+            }
+            single as f64 / capacity as f64
+        });
         println!(
             "  ceiling at 100% demand without multi-GPU tasks: {:.1}% (every other task placed)",
-            ceiling_without_multi_gpu(traces) * 100.0
+            without_multi_gpu * 100.0
         );
     }
-    print_placement_ceiling(traces, args.measure());
+    print_placement_ceiling(traces, measure);
 }
 
 /// The ceiling the GPUs alone set at 100 % (`placement_ceiling`), each seed's: where the
@@ -389,11 +399,9 @@ fn print_placement_ceiling(traces: &[Trace], measure: Measure) {
         );
         return;
     };
-    let mean = ceilings
-        .iter()
-        .map(|c| c.as_ref().map_or(1.0, |c| c.allocation_at_most))
-        .sum::<f64>()
-        / ceilings.len() as f64;
+    let mean = mean(&ceilings, |c| {
+        c.as_ref().map_or(1.0, |c| c.allocation_at_most)
+    });
     let classes: Vec<String> = lowest
         .classes
         .iter()
@@ -413,57 +421,6 @@ fn print_placement_ceiling(traces: &[Trace], measure: Measure) {
     );
 }
 
-/// What a strategy that refuses multi-GPU tasks and places every other task could reach at
-/// 100 %, averaged over the traces.
-fn ceiling_without_multi_gpu(traces: &[Trace]) -> f64 {
-    traces
-        .iter()
-        .map(|(nodes, tasks)| {
-            let capacity: u64 = nodes.iter().map(|n| u64::from(n.gpus) * n.gpu_gib).sum();
-            let (mut arrived, mut single) = (0, 0);
-            for task in tasks {
-                arrived += task.demand_gib();
-                if task.gpus <= 1 {
-                    single += task.demand_gib();
-                }
-                if arrived >= capacity {
-                    break;
-                }
-            }
-            single as f64 / capacity as f64
-        })
-        .sum::<f64>()
-        / traces.len() as f64
-}
-
-/// Each strategy replayed on every trace (its seed drives kube-scheduler's tie-break), the
-/// time each took on stderr.
-fn replay_all(
-    strategies: &[(usize, Strategy)],
-    traces: &[Trace],
-    form: (RequestForm, Measure),
-    to_score: NodesToScore,
-) -> Vec<Replayed> {
-    let mut results: Vec<Replayed> = Vec::new();
-    for &(i, strategy) in strategies {
-        let start = std::time::Instant::now();
-        let runs: Vec<Run> = traces
-            .iter()
-            .zip(0..)
-            .map(|((nodes, tasks), seed)| {
-                replay_measured(nodes, tasks, strategy, form, to_score, seed)
-            })
-            .collect();
-        eprintln!(
-            "{}: {:.1} s",
-            strategy.name(),
-            start.elapsed().as_secs_f64()
-        );
-        results.push((i, strategy, runs));
-    }
-    results
-}
-
 /// The table at 100 % arrived demand: allocation, failures by cause, stranded memory and the
 /// surplus of exclusive whole-GPU tasks, means over seeds.
 fn print_at_full(results: &[Replayed]) {
@@ -480,63 +437,52 @@ fn print_at_full(results: &[Replayed]) {
         "---|".repeat(Cause::ALL.len())
     );
     for (i, strategy, runs) in results {
-        print_at_full_row(*i, *strategy, runs);
+        let at_full = |of: &dyn Fn(&Snapshot) -> f64| mean(runs, |r| of(&r.at_full));
+        // A count of tasks as a share of the arrived.
+        let share = |tasks: usize, s: &Snapshot| tasks as f64 / s.arrived.max(1) as f64;
+        let (low, high) = runs.iter().fold((f64::MAX, f64::MIN), |(l, h), r| {
+            (l.min(r.at_full.allocation), h.max(r.at_full.allocation))
+        });
+        print!(
+            "| {} | {} | **{:.1}%** | {:.1}–{:.1}% |",
+            i + 1,
+            strategy.name(),
+            at_full(&|s| s.allocation) * 100.0,
+            low * 100.0,
+            high * 100.0
+        );
+        for c in 0..Cause::ALL.len() {
+            print!(" {:.1}% |", at_full(&|s| share(s.failed[c], s)) * 100.0);
+        }
+        print!(
+            " {:.2}% ({:.1} tasks) |",
+            at_full(&|s| share(s.failed_outside_walk, s)) * 100.0,
+            at_full(&|s| s.failed_outside_walk as f64)
+        );
+        println!(
+            " {:.1}% | {:.1}% | {:.1}% |",
+            at_full(&|s| s.stranded) * 100.0,
+            at_full(&|s| s.stranded_gpus) * 100.0,
+            at_full(&|s| s.whole_surplus) * 100.0
+        );
     }
-}
-
-/// One strategy's row of [`print_at_full`].
-fn print_at_full_row(i: usize, strategy: Strategy, runs: &[Run]) {
-    let mean = |of: &dyn Fn(&Snapshot) -> f64| {
-        runs.iter().map(|r| of(&r.at_full)).sum::<f64>() / runs.len() as f64
-    };
-    // A count of tasks as a share of the arrived.
-    let share = |tasks: usize, s: &Snapshot| tasks as f64 / s.arrived.max(1) as f64;
-    let (low, high) = runs.iter().fold((f64::MAX, f64::MIN), |(l, h), r| {
-        (l.min(r.at_full.allocation), h.max(r.at_full.allocation))
-    });
-    print!(
-        "| {} | {} | **{:.1}%** | {:.1}–{:.1}% |",
-        i + 1,
-        strategy.name(),
-        mean(&|s| s.allocation) * 100.0,
-        low * 100.0,
-        high * 100.0
-    );
-    for c in 0..Cause::ALL.len() {
-        print!(" {:.1}% |", mean(&|s| share(s.failed[c], s)) * 100.0);
-    }
-    print!(
-        " {:.2}% ({:.1} tasks) |",
-        mean(&|s| share(s.failed_outside_walk, s)) * 100.0,
-        mean(&|s| s.failed_outside_walk as f64)
-    );
-    println!(
-        " {:.1}% | {:.1}% | {:.1}% |",
-        mean(&|s| s.stranded) * 100.0,
-        mean(&|s| s.stranded_gpus) * 100.0,
-        mean(&|s| s.whole_surplus) * 100.0
-    );
 }
 
 /// The allocation ratio of each strategy as arrived demand climbs, means over seeds.
 fn print_curves(results: &[Replayed]) {
     println!("Allocation ratio against arrived GPU demand:");
     print!("| # | strategy |");
-    let tenths: Vec<usize> = vec![5, 7, 8, 9, 10, 11, 12, 13];
-    for t in &tenths {
+    let tenths = [5, 7, 8, 9, 10, 11, 12, 13];
+    for t in tenths {
         print!(" {}% |", t * 10);
     }
     println!();
     println!("|---|---|{}", "---|".repeat(tenths.len()));
     for (i, strategy, runs) in results {
         print!("| {} | {} |", i + 1, strategy.name());
-        for &t in &tenths {
-            let mean = runs
-                .iter()
-                .map(|r| r.curve.get(t - 1).map_or(0.0, |p| p.1))
-                .sum::<f64>()
-                / runs.len() as f64;
-            print!(" {:.1}% |", mean * 100.0);
+        for t in tenths {
+            let at = mean(runs, |r| r.curve.get(t - 1).map_or(0.0, |p| p.1));
+            print!(" {:.1}% |", at * 100.0);
         }
         println!();
     }

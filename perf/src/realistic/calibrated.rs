@@ -41,7 +41,7 @@ use rand::rngs::StdRng;
 use rand::seq::SliceRandom;
 use rand::{Rng, SeedableRng};
 
-use super::generator::{MODELS, Models, SimNode, Task, TaskKind, pick};
+use super::generator::{MODELS, Models, SimNode, Task, TaskKind, holds, pick};
 
 /// Indices into [`MODELS`] of the trace's GPU models.
 const T4: usize = 0;
@@ -291,46 +291,36 @@ pub fn trace_tasks(nodes: &[SimNode], mix: TraceMix, demand: f64, seed: u64) -> 
     let (mut tasks, mut arrived) = (Vec::new(), 0u64);
     while arrived < target && capacity > 0 {
         let shape = SHAPES[pick(&mut rng, &shapes)];
-        let task = if shape.gpus == 0 {
-            let host = draw_host(&mut rng, &shape, largest);
-            Task {
-                kind: shape.kind,
-                gpus: 0,
-                gpu_gib: 0,
-                host,
-                model: None,
-                milli: 0,
-            }
+        let (host, gpu_gib, model, milli) = if shape.gpus == 0 {
+            (draw_host(&mut rng, &shape, largest), 0, None, 0)
         } else {
             let pinned = rng.random_range(0..gpu_share.max(1)) < mix.pinned();
-            let pin = if pinned {
-                draw_pin(&mut rng, &types, shape.gpus)
-            } else {
-                None
-            };
+            let pin = pinned
+                .then(|| draw_pin(&mut rng, &types, shape.gpus))
+                .flatten();
             // CPU and memory first, as the trace's quantiles say, then a node type that
             // holds them whole (the task ran on some node of the trace's cluster).
             let cap = largest_fitting(&types, shape.gpus, pin);
             let host = draw_host(&mut rng, &shape, cap);
-            let Some((spec, _)) = draw_target(&mut rng, &types, shape.gpus, pin, host) else {
+            let Some(spec) = draw_target(&mut rng, &types, shape.gpus, pin, host) else {
                 continue;
             };
             let gib = spec.gpu_gib;
-            let (gpu_gib, milli) = if shape.kind == TaskKind::Fractional {
+            if shape.kind == TaskKind::Fractional {
                 let share = SHARE_MILLI.at(rng.random::<f64>()) / 1000.0;
                 let gpu_gib = ((gib as f64 * share).round() as u64).clamp(1, gib - 1);
-                (gpu_gib, (share * 1000.0).round() as u64)
+                (host, gpu_gib, pin, (share * 1000.0).round() as u64)
             } else {
-                (gib, u64::from(shape.gpus) * 1000)
-            };
-            Task {
-                kind: shape.kind,
-                gpus: shape.gpus,
-                gpu_gib,
-                host,
-                model: pin,
-                milli,
+                (host, gib, pin, u64::from(shape.gpus) * 1000)
             }
+        };
+        let task = Task {
+            kind: shape.kind,
+            gpus: shape.gpus,
+            gpu_gib,
+            host,
+            model,
+            milli,
         };
         arrived += task.demand_gib();
         tasks.push(task);
@@ -351,7 +341,7 @@ pub fn whole_gpus_of_any_model(nodes: &[SimNode], tasks: &mut [Task]) {
     {
         let smallest = nodes
             .iter()
-            .filter(|n| n.gpus >= task.gpus && task.model.is_none_or(|m| m.contains(n.model)))
+            .filter(|n| holds(n, task.gpus, 0, task.model))
             .map(|n| n.gpu_gib)
             .min();
         if let Some(gib) = smallest {
@@ -372,17 +362,12 @@ fn node_types(nodes: &[SimNode]) -> Vec<(SimNode, u32)> {
     types
 }
 
-/// Whether a node of type `t` has `gpus` GPUs of `pin`'s models (any, without a pin).
-fn takes_shape(t: &SimNode, gpus: u32, pin: Option<Models>) -> bool {
-    t.gpus >= gpus && pin.is_none_or(|m| m.contains(t.model))
-}
-
 /// The most cores and the most memory any node type with `gpus` GPUs (of `pin`'s models)
 /// has: no task of that shape can ask for more.
 fn largest_fitting(types: &[(SimNode, u32)], gpus: u32, pin: Option<Models>) -> Host {
     types
         .iter()
-        .filter(|(t, _)| takes_shape(t, gpus, pin))
+        .filter(|(t, _)| holds(t, gpus, 0, pin))
         .fold(Host::default(), |a, (t, _)| {
             Host::new(
                 a.milli_cpu.max(t.host.milli_cpu),
@@ -399,15 +384,11 @@ fn draw_target(
     gpus: u32,
     pin: Option<Models>,
     host: Host,
-) -> Option<(SimNode, u32)> {
-    let fitting: Vec<((SimNode, u32), u32)> = types
+) -> Option<SimNode> {
+    let fitting: Vec<(SimNode, u32)> = types
         .iter()
-        .filter(|(t, _)| {
-            takes_shape(t, gpus, pin)
-                && t.host.milli_cpu >= host.milli_cpu
-                && t.host.memory_mib >= host.memory_mib
-        })
-        .map(|&(t, n)| ((t, n), n))
+        .filter(|(t, _)| holds(t, gpus, 0, pin) && t.host.fits(host))
+        .copied()
         .collect();
     (!fitting.is_empty()).then(|| pick(rng, &fitting))
 }
@@ -510,13 +491,10 @@ mod tests {
                 );
             }
             for task in &tasks {
-                let fits = nodes.iter().any(|n| {
-                    task.model.is_none_or(|m| m.contains(n.model))
-                        && n.gpus >= task.gpus
-                        && n.gpu_gib >= task.gpu_gib
-                        && n.host.fits(task.host)
-                });
-                assert!(fits, "{mix:?}: {task:?}");
+                let fits = |n: &SimNode| {
+                    holds(n, task.gpus, task.gpu_gib, task.model) && n.host.fits(task.host)
+                };
+                assert!(nodes.iter().any(fits), "{mix:?}: {task:?}");
             }
             let pinned = tasks.iter().filter(|t| t.model.is_some()).count() as f64;
             let pinned = pinned * 1000.0 / tasks.len() as f64;
@@ -536,7 +514,7 @@ mod tests {
         let smallest = |gpus: u32, models: Option<Models>| {
             nodes
                 .iter()
-                .filter(|n| n.gpus >= gpus && models.is_none_or(|m| m.contains(n.model)))
+                .filter(|n| holds(n, gpus, 0, models))
                 .map(|n| n.gpu_gib)
                 .min()
         };

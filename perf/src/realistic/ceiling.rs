@@ -33,6 +33,17 @@ pub struct GpuClass {
     pub gpu_gib: u64,
 }
 
+impl GpuClass {
+    fn of(node: &SimNode) -> Self {
+        let (model, gpus, gpu_gib) = (node.model, node.gpus, node.gpu_gib);
+        GpuClass {
+            model,
+            gpus,
+            gpu_gib,
+        }
+    }
+}
+
 impl std::fmt::Display for GpuClass {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         let name = MODELS.get(self.model).map_or("?", |m| m.name);
@@ -64,11 +75,7 @@ pub fn placement_ceiling(nodes: &[SimNode], tasks: &[Task], measure: Measure) ->
     let mut classes: Vec<GpuClass> = nodes
         .iter()
         .filter(|n| n.gpus > 0)
-        .map(|n| GpuClass {
-            model: n.model,
-            gpus: n.gpus,
-            gpu_gib: n.gpu_gib,
-        })
+        .map(GpuClass::of)
         .collect();
     classes.sort_unstable();
     classes.dedup();
@@ -79,9 +86,7 @@ pub fn placement_ceiling(nodes: &[SimNode], tasks: &[Task], measure: Measure) ->
     let held: Vec<f64> = classes
         .iter()
         .map(|c| {
-            let of = nodes
-                .iter()
-                .filter(|n| (n.model, n.gpus, n.gpu_gib) == (c.model, c.gpus, c.gpu_gib));
+            let of = nodes.iter().filter(|n| GpuClass::of(n) == *c);
             let per_node = match measure {
                 Measure::Gib => (u64::from(c.gpus) * c.gpu_gib) as f64,
                 Measure::Gpus => f64::from(c.gpus),
@@ -108,24 +113,11 @@ pub fn placement_ceiling(nodes: &[SimNode], tasks: &[Task], measure: Measure) ->
         let (least, most) = match measure {
             Measure::Gib => (task.demand_gib() as f64, task.demand_gib() as f64),
             Measure::Gpus => {
-                let share = |size: u64| (task.gpu_gib as f64 / size as f64).min(1.0);
-                let gpus = f64::from(task.gpus);
-                let (smallest, largest) =
-                    sizes.fold((u64::MAX, 0), |(s, l), x| (s.min(x), l.max(x)));
+                let share =
+                    |size: u64| f64::from(task.gpus) * (task.gpu_gib as f64 / size as f64).min(1.0);
                 // A task that fits nowhere books nothing, and asks at least a GPU's share.
-                let largest = if largest == 0 {
-                    task.gpu_gib.max(1)
-                } else {
-                    largest
-                };
-                (
-                    gpus * share(largest),
-                    if smallest == u64::MAX {
-                        0.0
-                    } else {
-                        gpus * share(smallest)
-                    },
-                )
+                let largest = sizes.clone().max().unwrap_or(task.gpu_gib.max(1));
+                (share(largest), sizes.min().map_or(0.0, share))
             }
         };
         match groups.iter_mut().find(|(m, _, _)| *m == mask) {
@@ -136,12 +128,10 @@ pub fn placement_ceiling(nodes: &[SimNode], tasks: &[Task], measure: Measure) ->
             None => groups.push((mask, least, most)),
         }
     }
+    let members = |set: u32| (0..classes.len()).filter(move |i| set & (1 << i) != 0);
     let mut tightest: Option<(u32, f64)> = None;
     for set in 0u32..(1 << classes.len()) {
-        let held_by_set: f64 = (0..classes.len())
-            .filter(|i| set & (1 << i) != 0)
-            .map(|i| held[i])
-            .sum();
+        let held_by_set: f64 = members(set).map(|i| held[i]).sum();
         let others: f64 = groups
             .iter()
             .filter(|(mask, _, _)| mask & !set != 0)
@@ -156,17 +146,9 @@ pub fn placement_ceiling(nodes: &[SimNode], tasks: &[Task], measure: Measure) ->
     if bound >= total - 1e-9 {
         return None;
     }
-    let in_set = |i: usize| set & (1 << i) != 0;
     Some(Ceiling {
-        classes: (0..classes.len())
-            .filter(|&i| in_set(i))
-            .map(|i| classes[i])
-            .collect(),
-        held: (0..classes.len())
-            .filter(|&i| in_set(i))
-            .map(|i| held[i])
-            .sum::<f64>()
-            / total,
+        classes: members(set).map(|i| classes[i]).collect(),
+        held: members(set).map(|i| held[i]).sum::<f64>() / total,
         asked: groups
             .iter()
             .filter(|(mask, _, _)| mask & !set == 0)
@@ -209,14 +191,7 @@ mod tests {
         let nodes = [node(1, 2, 16), node(3, 2, 32)];
         let tasks = [whole(1, 32), whole(2, 32), whole(1, 16)];
         let ceiling = placement_ceiling(&nodes, &tasks, Measure::Gib).unwrap();
-        assert_eq!(
-            ceiling.classes,
-            [GpuClass {
-                model: 3,
-                gpus: 2,
-                gpu_gib: 32
-            }]
-        );
+        assert_eq!(ceiling.classes, [GpuClass::of(&node(3, 2, 32))]);
         assert_eq!((ceiling.asked, ceiling.held), (1.0, 64.0 / 96.0));
         assert!((ceiling.allocation_at_most - 64.0 / 96.0).abs() < 1e-12);
         // The 16 GiB task arrived after 100 %: it does not count. Nor does a task that fits.
@@ -239,28 +214,14 @@ mod tests {
         let mut tasks = vec![pinned(1); 6];
         tasks.extend(vec![whole(1, 15); 6]);
         let ceiling = placement_ceiling(&nodes, &tasks, Measure::Gpus).unwrap();
-        assert_eq!(
-            ceiling.classes,
-            [GpuClass {
-                model: 0,
-                gpus: 2,
-                gpu_gib: 15
-            }]
-        );
+        assert_eq!(ceiling.classes, [GpuClass::of(&node(0, 2, 15))]);
         assert_eq!((ceiling.held, ceiling.asked), (4.0 / 12.0, 6.0 / 12.0));
         assert!((ceiling.allocation_at_most - 10.0 / 12.0).abs() < 1e-12);
         // A 4-GPU job fits no node of two T4s: only the 8-GPU node holds it. Of three such
         // jobs (12 GPUs), at most 8 GPUs are allocated; the one-GPU task arrives after 100 %.
         let tasks = [whole(4, 32), whole(4, 32), whole(4, 32), whole(1, 15)];
         let ceiling = placement_ceiling(&nodes, &tasks, Measure::Gpus).unwrap();
-        assert_eq!(
-            ceiling.classes,
-            [GpuClass {
-                model: 7,
-                gpus: 8,
-                gpu_gib: 32
-            }]
-        );
+        assert_eq!(ceiling.classes, [GpuClass::of(&node(7, 8, 32))]);
         assert_eq!((ceiling.held, ceiling.asked), (8.0 / 12.0, 1.0));
         assert!(
             (ceiling.allocation_at_most - 8.0 / 12.0).abs() < 1e-12,

@@ -7,7 +7,6 @@
 use super::generator::Task;
 use super::kube_scheduler::{KubeScheduler, Missed, select_host};
 use super::nodes::Nodes;
-use super::scores::default_score;
 
 /// The devices kube-scheduler's DRA allocator gives `task`'s claim on a node whose GPUs have
 /// `free` GiB: the first `gpus` of them, in the slice's order, with the share free.
@@ -38,15 +37,11 @@ pub(super) fn dra_first_fit(
             && first_fit_devices(&state.free[n], task).is_some()
     };
     let walk = kube.walk(state.specs.len(), feasible);
-    let chosen = select_host(
-        walk.feasible.iter().map(|&n| {
-            (
-                n,
-                default_score(state.specs[n].host, state.used[n], task.host),
-            )
-        }),
-        &mut kube.rng,
-    );
+    let scores = walk
+        .feasible
+        .iter()
+        .map(|&n| (n, state.default_score(n, task.host)));
+    let chosen = select_host(scores, &mut kube.rng);
     match chosen {
         Some(n) => first_fit_devices(&state.free[n], task)
             .map(|gpus| (n, gpus))

@@ -173,11 +173,6 @@ impl Models {
         Self(1 << model)
     }
 
-    /// These models (the same twice is one).
-    pub fn two(a: usize, b: usize) -> Self {
-        Self((1 << a) | (1 << b))
-    }
-
     /// Each of these models.
     pub fn of(models: &[usize]) -> Self {
         Self(models.iter().fold(0, |bits, m| bits | (1 << m)))
@@ -379,7 +374,7 @@ pub fn generate_tasks(nodes: &[SimNode], mix: &TaskMix, demand: f64, seed: u64) 
             } else {
                 pick(&mut rng, &larger)
             };
-            Some(Models::two(model, second))
+            Some(Models::of(&[model, second]))
         } else {
             Some(Models::one(model))
         };
@@ -407,7 +402,7 @@ pub fn generate_tasks(nodes: &[SimNode], mix: &TaskMix, demand: f64, seed: u64) 
 }
 
 /// Whether `node` has `gpus` GPUs of at least `gpu_gib` of `models`.
-fn holds(node: &SimNode, gpus: u32, gpu_gib: u64, models: Option<Models>) -> bool {
+pub(super) fn holds(node: &SimNode, gpus: u32, gpu_gib: u64, models: Option<Models>) -> bool {
     node.gpus >= gpus && node.gpu_gib >= gpu_gib && models.is_none_or(|m| m.contains(node.model))
 }
 
@@ -424,23 +419,14 @@ fn sized_for_its_nodes(
         let of = |v: u64| v * u64::from(gpus) / u64::from(node.gpus);
         Host::new(of(node.host.milli_cpu), of(node.host.memory_mib))
     };
-    let holders = nodes
-        .iter()
-        .filter(|node| holds(node, gpus, gpu_gib, models));
-    let cap = holders
-        .clone()
-        .find(|node| node.model == target)
-        .map(share)
-        .or_else(|| {
-            holders.map(share).reduce(|a, b| {
-                Host::new(a.milli_cpu.min(b.milli_cpu), a.memory_mib.min(b.memory_mib))
-            })
-        })
-        .unwrap_or_default();
-    Host::new(
-        host.milli_cpu.min(cap.milli_cpu),
-        host.memory_mib.min(cap.memory_mib),
-    )
+    let min =
+        |a: Host, b: Host| Host::new(a.milli_cpu.min(b.milli_cpu), a.memory_mib.min(b.memory_mib));
+    let holders = nodes.iter().filter(|n| holds(n, gpus, gpu_gib, models));
+    let cap = match holders.clone().find(|node| node.model == target) {
+        Some(node) => share(node),
+        None => holders.map(share).reduce(min).unwrap_or_default(),
+    };
+    min(host, cap)
 }
 
 /// A value drawn from `(value, weight)` pairs.
@@ -459,6 +445,13 @@ pub(super) fn pick<T: Copy>(rng: &mut StdRng, weighted: &[(T, u32)]) -> T {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// The multi-GPU tasks' share of the GPU demand.
+    fn multi_gpu_share(tasks: &[Task]) -> f64 {
+        let all: u64 = tasks.iter().map(Task::demand_gib).sum();
+        let multi = tasks.iter().filter(|t| t.kind == TaskKind::Multi);
+        multi.map(Task::demand_gib).sum::<u64>() as f64 / all as f64
+    }
 
     #[test]
     fn the_cluster_has_the_promised_shape() {
@@ -491,12 +484,7 @@ mod tests {
         assert!((0.39..0.51).contains(&share(TaskKind::Whole)));
         assert!((0.005..0.04).contains(&share(TaskKind::Multi)));
         // Multi-GPU tasks are a few percent of tasks but a larger share of GPU demand.
-        let multi: u64 = tasks
-            .iter()
-            .filter(|t| t.kind == TaskKind::Multi)
-            .map(Task::demand_gib)
-            .sum();
-        let multi_share = multi as f64 / demand as f64;
+        let multi_share = multi_gpu_share(&tasks);
         assert!((0.04..0.15).contains(&multi_share), "{multi_share}");
         // CPU grows with the GPU share: whole-GPU tasks ask for more than fractional ones.
         let mean_cpu = |kind| {
@@ -528,17 +516,7 @@ mod tests {
     #[test]
     fn the_named_mixes_push_what_they_say() {
         let nodes = generate_nodes(300, 3);
-        let multi_share = |mix: &TaskMix| {
-            let tasks = generate_tasks(&nodes, mix, 1.3, 3);
-            let all: u64 = tasks.iter().map(Task::demand_gib).sum();
-            let multi: u64 = tasks
-                .iter()
-                .filter(|t| t.kind == TaskKind::Multi)
-                .map(Task::demand_gib)
-                .sum();
-            multi as f64 / all as f64
-        };
-        let heavy = multi_share(&TaskMix::multi_gpu_heavy());
+        let heavy = multi_gpu_share(&generate_tasks(&nodes, &TaskMix::multi_gpu_heavy(), 1.3, 3));
         assert!((0.40..0.60).contains(&heavy), "{heavy}");
 
         let pinned = generate_tasks(&nodes, &TaskMix::model_pinned(), 1.3, 3);
@@ -562,13 +540,9 @@ mod tests {
     #[test]
     fn every_task_fits_an_empty_node_of_its_cluster() {
         let nodes = generate_nodes(1_200, 0);
-        let fits_empty = |task: &Task| {
-            nodes.iter().any(|node| {
-                task.model.is_none_or(|m| m.contains(node.model))
-                    && node.gpus >= task.gpus
-                    && node.gpu_gib >= task.gpu_gib
-                    && node.host.fits(task.host)
-            })
+        let fits_empty = |t: &Task| {
+            let fits = |n: &SimNode| holds(n, t.gpus, t.gpu_gib, t.model) && n.host.fits(t.host);
+            nodes.iter().any(fits)
         };
         for mix in [
             TaskMix::default(),

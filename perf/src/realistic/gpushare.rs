@@ -7,11 +7,12 @@
 
 use gpushare_allocator::fragmentation::Host;
 use gpushare_allocator::{Cluster, Gpu, ModelFilter, PodId, Policy, Request, kube_scores};
+use gpushare_scheduler_model::scoring::FitStrategy;
 
 use super::generator::{MODELS, SimNode, Task};
 use super::kube_scheduler::{KubeScheduler, Missed, select_host};
 use super::nodes::Nodes;
-use super::scores::{default_score, native_most_allocated_score};
+use super::scores::native_most_allocated_score;
 use super::strategy::{Profile, RequestForm};
 
 pub(super) fn gpushare_cluster(nodes: &[SimNode]) -> Cluster {
@@ -98,10 +99,8 @@ pub(super) fn gpushare(
     // The idle-GPU taint does not count: the chart's routing gives GPU pods a toleration.
     let totals = candidates.iter().enumerate().map(|(c, &n)| {
         let theirs = extender.as_ref().map_or(0, |s| i64::from(s[c]) * 10);
-        (
-            n,
-            total(profile, state, (n, counts_defaults), task, &request, theirs),
-        )
+        let total = total(profile, state, (n, counts_defaults), task, &request, theirs);
+        (n, total)
     });
     let n = if matches!(profile, Profile::FilterKeepBest | Profile::Weighted { .. }) {
         // The first of the highest totals: the one node the filter passes.
@@ -168,12 +167,8 @@ fn total(
     theirs: i64,
 ) -> i64 {
     match profile {
-        Profile::Default { weight } => {
-            default_score(state.specs[n].host, state.used[n], task.host) + theirs * weight
-        }
-        Profile::FilterKeepBest if counts_defaults => {
-            default_score(state.specs[n].host, state.used[n], task.host) + theirs
-        }
+        Profile::Default { weight } => state.default_score(n, task.host) + theirs * weight,
+        Profile::FilterKeepBest if counts_defaults => state.default_score(n, task.host) + theirs,
         Profile::FilterKeepBest => theirs,
         Profile::Weighted {
             least,
@@ -198,14 +193,9 @@ fn total(
 /// `NodeResourcesFit` MostAllocated on CPU and memory, equally weighted, for a node with
 /// `requested` of its `allocatable` once the pod is on it.
 fn host_most_allocated(allocatable: Host, requested: Host) -> i64 {
-    let most_score = |r: u64, c: u64| -> i64 {
-        if c == 0 {
-            return 0;
-        }
-        (r.min(c) as i128 * 100 / c as i128) as i64
-    };
-    (most_score(requested.milli_cpu, allocatable.milli_cpu)
-        + most_score(requested.memory_mib, allocatable.memory_mib))
+    let most = |r: u64, c: u64| FitStrategy::MostAllocated.resource_score(r.into(), c.into());
+    (most(requested.milli_cpu, allocatable.milli_cpu)
+        + most(requested.memory_mib, allocatable.memory_mib))
         / 2
 }
 

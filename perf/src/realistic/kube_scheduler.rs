@@ -13,7 +13,7 @@ use rand::{Rng, SeedableRng};
 
 use super::generator::Task;
 use super::nodes::Nodes;
-use super::scores::{default_score, taint_toleration};
+use super::scores::taint_toleration;
 use super::strategy::NodesToScore;
 
 /// kube-scheduler as the replay keeps it from pod to pod: where its next walk over the nodes
@@ -64,11 +64,7 @@ impl KubeScheduler {
             NodesToScore::All => all,
             NodesToScore::Percentage(p) => num_feasible_nodes_to_find_at(all, p),
         };
-        let start = if all == 0 {
-            0
-        } else {
-            self.next_start_node_index % all
-        };
+        let start = self.next_start_node_index.checked_rem(all).unwrap_or(0);
         let mut found = Vec::new();
         let mut processed = 0;
         while processed < all && found.len() < want {
@@ -78,11 +74,7 @@ impl KubeScheduler {
                 found.push(n);
             }
         }
-        let stopped_at = if all == 0 {
-            0
-        } else {
-            (start + processed) % all
-        };
+        let stopped_at = (start + processed).checked_rem(all).unwrap_or(0);
         self.next_start_node_index = stopped_at;
         Walk {
             feasible: found,
@@ -141,16 +133,8 @@ pub(super) fn default_scheduler(
     let walk = kube.walk(state.specs.len(), |n| state.host_free(n).fits(task.host));
     let tainted = |n: usize| idle_gpu_taint && state.has_idle_gpu(n);
     let any_tainted = walk.feasible.iter().any(|&n| tainted(n));
-    select_host(
-        walk.feasible.iter().map(|&n| {
-            (
-                n,
-                default_score(state.specs[n].host, state.used[n], task.host)
-                    + taint_toleration(tainted(n), any_tainted),
-            )
-        }),
-        &mut kube.rng,
-    )
+    let score = |n| state.default_score(n, task.host) + taint_toleration(tainted(n), any_tainted);
+    select_host(walk.feasible.iter().map(|&n| (n, score(n))), &mut kube.rng)
 }
 
 #[cfg(test)]

@@ -35,27 +35,22 @@
 //! - `best_fit`, `fgd`: the idealized baselines.
 
 mod best_fit;
-pub mod calibrated;
+mod calibrated;
 mod ceiling;
 mod dra;
 mod fgd;
-pub mod generator;
+mod generator;
 mod gpushare;
 mod kube_scheduler;
 mod nodes;
 mod scores;
-pub mod sim;
+mod sim;
 mod strategy;
 
-pub use calibrated::{
-    TRACE_NODE_TYPES, TraceMix, trace_nodes, trace_tasks, whole_gpus_of_any_model,
-};
-pub use ceiling::{Ceiling, GpuClass, placement_ceiling};
-pub use generator::{
-    GpuModel, MODELS, Models, NODE_TYPES, NodeType, SimNode, Task, TaskKind, TaskMix,
-    generate_nodes, generate_tasks,
-};
+pub use calibrated::{TraceMix, trace_nodes, trace_tasks, whole_gpus_of_any_model};
+pub use ceiling::placement_ceiling;
+pub use generator::{SimNode, Task, TaskKind, TaskMix, generate_nodes, generate_tasks};
 pub use sim::{
     Cause, Measure, NodesToScore, Profile, RequestForm, Run, Snapshot, Strategy, arrivals_until,
-    gpushare_request, replay_measured,
+    replay_measured,
 };

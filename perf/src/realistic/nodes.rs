@@ -8,6 +8,7 @@
 use gpushare_allocator::fragmentation::Host;
 
 use super::generator::{SimNode, Task};
+use super::scores::default_score;
 use super::strategy::{Cause, RequestForm, Strategy};
 
 /// The cluster as the replay tracks it, whatever places the tasks.
@@ -39,6 +40,11 @@ impl<'a> Nodes<'a> {
 
     pub(super) fn host_free(&self, n: usize) -> Host {
         self.specs[n].host.saturating_sub(self.used[n])
+    }
+
+    /// kube-scheduler's default CPU and memory scores of node `n` for a pod asking `pod`.
+    pub(super) fn default_score(&self, n: usize, pod: Host) -> i64 {
+        default_score(self.specs[n].host, self.used[n], pod)
     }
 
     /// Whether node `n` has a GPU nothing is booked on: the extender's idle-GPU taint

@@ -34,43 +34,15 @@ pub fn taint_toleration(tainted: bool, any_tainted: bool) -> i64 {
     }
 }
 
-/// `NodeResourcesBalancedAllocation` on CPU and memory.
-pub(super) fn balanced_allocation(allocatable: Host, used: Host, pod: Host) -> i64 {
-    kube_scores::balanced_allocation(allocatable, used.saturating_add(pod))
-}
-
-/// One extended resource as `NodeResourcesFit` scores it.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub struct Scored {
-    /// The node's allocatable amount.
-    pub allocatable: u64,
-    /// What the node's pods request already.
-    pub requested: u64,
-    /// What the pod requests.
-    pub pod: u64,
-    /// The resource's weight in `scoringStrategy.resources`.
-    pub weight: i64,
-}
-
-/// `NodeResourcesFit` with `scoringStrategy` MostAllocated over extended `resources`, as
-/// upstream's `resourceAllocationScorer` computes it: a resource the pod does not request or
-/// the node does not have is left out; each other scores
-/// `min(requested + pod, allocatable) × 100 / allocatable` (integer); the node's score is the
-/// weighted mean, integer, 0 when no resource is left.
-pub fn most_allocated(resources: &[Scored]) -> i64 {
-    let (mut weighted, mut weights) = (0i64, 0i64);
-    for r in resources {
-        if r.pod == 0 || r.allocatable == 0 {
-            continue;
-        }
-        let score = FitStrategy::MostAllocated.resource_score(
-            Milli::from(r.requested) + Milli::from(r.pod),
-            Milli::from(r.allocatable),
-        );
-        weighted += score * r.weight;
-        weights += r.weight;
+/// `NodeResourcesFit` with `scoringStrategy` MostAllocated on one extended resource of weight
+/// 1, as upstream's `resourceAllocationScorer` computes it: `min(requested + pod, allocatable)
+/// × 100 / allocatable` (integer); 0 when the pod does not request it or the node lacks it.
+pub fn most_allocated(allocatable: u64, requested: u64, pod: u64) -> i64 {
+    if pod == 0 || allocatable == 0 {
+        return 0;
     }
-    if weights == 0 { 0 } else { weighted / weights }
+    let requested = Milli::from(requested) + Milli::from(pod);
+    FitStrategy::MostAllocated.resource_score(requested, Milli::from(allocatable))
 }
 
 /// [`Profile::NativeMostAllocated`]: MostAllocated on GPU memory (weight 1) +
@@ -85,13 +57,9 @@ pub(super) fn native_most_allocated_score(
     pod: Host,
 ) -> i64 {
     let spec = &state.specs[n];
-    let gpu_mem = Scored {
-        allocatable: u64::from(spec.gpus) * spec.gpu_gib,
-        requested: state.requested_gib[n],
-        pod: pod_gib,
-        weight: 1,
-    };
-    most_allocated(&[gpu_mem]) + balanced_allocation(spec.host, state.used[n], pod)
+    let gpu_gib = u64::from(spec.gpus) * spec.gpu_gib;
+    let gpu_mem = most_allocated(gpu_gib, state.requested_gib[n], pod_gib);
+    gpu_mem + kube_scores::balanced_allocation(spec.host, state.used[n].saturating_add(pod))
 }
 
 #[cfg(test)]
@@ -144,45 +112,14 @@ mod tests {
 
     #[test]
     fn most_allocated_scores_as_upstream() {
-        let gpu_mem = |allocatable, requested, pod| Scored {
-            allocatable,
-            requested,
-            pod,
-            weight: 1,
-        };
         // (0 + 4) * 100 / 32 and (12 + 4) * 100 / 32, integer division.
-        assert_eq!(most_allocated(&[gpu_mem(32, 0, 4)]), 12);
-        assert_eq!(most_allocated(&[gpu_mem(32, 12, 4)]), 50);
+        assert_eq!(most_allocated(32, 0, 4), 12);
+        assert_eq!(most_allocated(32, 12, 4), 50);
         // 100 * 100 / 30 = 333 is capped: a request beyond capacity scores as full.
-        assert_eq!(most_allocated(&[gpu_mem(30, 20, 20)]), 100);
-        // Not requested by the pod, or absent on the node: left out; nothing left scores 0.
-        assert_eq!(most_allocated(&[gpu_mem(32, 12, 0)]), 0);
-        assert_eq!(most_allocated(&[gpu_mem(0, 0, 4)]), 0);
-        assert_eq!(most_allocated(&[]), 0);
-        // Weighted mean: (50 * 3 + 10 * 1) / 4 = 40; a skipped resource takes its weight out.
-        let other = Scored {
-            allocatable: 10,
-            requested: 0,
-            pod: 1,
-            weight: 1,
-        };
-        let weighted = Scored {
-            weight: 3,
-            ..gpu_mem(32, 12, 4)
-        };
-        assert_eq!(most_allocated(&[weighted, other]), 40);
-        assert_eq!(most_allocated(&[Scored { pod: 0, ..weighted }, other]), 10);
-        // (7 * 100 / 9 = 77) * 2 + (1 * 100 / 3 = 33) * 1, over 3 = 62.
-        assert_eq!(
-            most_allocated(&[
-                Scored {
-                    weight: 2,
-                    ..gpu_mem(9, 5, 2)
-                },
-                gpu_mem(3, 0, 1)
-            ]),
-            62
-        );
+        assert_eq!(most_allocated(30, 20, 20), 100);
+        // Not requested by the pod, or absent on the node: left out, and nothing left scores 0.
+        assert_eq!(most_allocated(32, 12, 0), 0);
+        assert_eq!(most_allocated(0, 0, 4), 0);
     }
 
     #[test]
@@ -204,12 +141,7 @@ mod tests {
                 ..PodUsage::default()
             };
             assert_eq!(
-                most_allocated(&[Scored {
-                    allocatable,
-                    requested,
-                    pod,
-                    weight: 1
-                }]),
+                most_allocated(allocatable, requested, pod),
                 fit.score(&gib(allocatable), &usage, &pod_usage),
                 "{allocatable} {requested} {pod}"
             );

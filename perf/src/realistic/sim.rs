@@ -30,14 +30,12 @@ use super::gpushare::{gpushare, gpushare_cluster};
 use super::kube_scheduler::{KubeScheduler, Missed, default_scheduler};
 use super::nodes::Nodes;
 
-pub use super::gpushare::gpushare_request;
 pub use super::strategy::{Cause, NodesToScore, Profile, RequestForm, Strategy};
 
 /// What demand and allocation are counted in.
-#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Measure {
     /// GPU GiB, over the cluster's: gpushare's unit.
-    #[default]
     Gib,
     /// GPUs, as the public trace counts them: demand is the tasks' milli-GPU
     /// ([`Task::milli`]), allocation each GPU's booked share of its memory (a GPU booked whole
@@ -147,15 +145,14 @@ fn replay_counting<'a>(
     let meter = Meter::new(nodes, tasks, measure);
     let mut run = Run::default();
     let mut snapshot = Snapshot::default();
-    let mut gib = Gib::default();
+    let mut counts = Counts::default();
     let mut next_tenth = 1;
     for (i, task) in tasks.iter().enumerate() {
         snapshot.arrived += 1;
-        gib.arrived += task.demand_gib();
-        gib.arrived_milli += task.milli;
+        counts.arrived += measure.demand(task);
         match placer.place(&state, i, task) {
             Ok((n, gpus)) => {
-                gib.surplus += state.place(n, task, &gpus, strategy.books_whole(task, form));
+                counts.surplus += state.place(n, task, &gpus, strategy.books_whole(task, form));
                 // The extender's view books every bound pod's CPU and memory.
                 if let Some(cluster) = placer.cluster.as_mut() {
                     cluster.set_pod_host(
@@ -164,7 +161,7 @@ fn replay_counting<'a>(
                         task.host,
                     );
                 }
-                gib.allocated += task.demand_gib();
+                counts.allocated += task.demand_gib();
             }
             Err(missed) => {
                 let cause = state.cause(task, strategy, form);
@@ -172,8 +169,8 @@ fn replay_counting<'a>(
                 snapshot.failed_outside_walk += usize::from(missed == Missed::OutsideWalk);
             }
         }
-        while next_tenth <= 13 && meter.demand_reached(&gib, next_tenth) {
-            let now = meter.take(&state, &snapshot, &gib);
+        while next_tenth <= 13 && meter.demand_reached(&counts, next_tenth) {
+            let now = meter.take(&state, &snapshot, &counts);
             run.curve.push((next_tenth as f64 / 10.0, now.allocation));
             if next_tenth == 10 {
                 run.at_full = now;
@@ -181,7 +178,7 @@ fn replay_counting<'a>(
             next_tenth += 1;
         }
     }
-    run.end = meter.take(&state, &snapshot, &gib);
+    run.end = meter.take(&state, &snapshot, &counts);
     (run, state, placer.cluster)
 }
 
@@ -247,45 +244,29 @@ impl Placer {
         if task.gpus > 1 && !self.strategy.places_multi_gpu() {
             return Err(Missed::Everywhere);
         }
-        match self.strategy {
-            Strategy::Gpushare { policy, profile } => gpushare(
-                state,
-                self.cluster.as_mut(),
-                task,
-                policy,
-                profile,
-                self.form,
-                (i, &mut self.kube),
-            ),
-            Strategy::Fragmentation { profile } => gpushare(
-                state,
-                self.cluster.as_mut(),
-                task,
-                Some(Policy::Fragmentation),
-                profile,
-                self.form,
-                (i, &mut self.kube),
-            ),
-            Strategy::BestFit { .. } => best_fit(state, task).ok_or(Missed::Everywhere),
-            Strategy::DraFirstFit => dra_first_fit(state, task, &mut self.kube),
+        let (policy, profile) = match self.strategy {
+            Strategy::Gpushare { policy, profile } => (policy, profile),
+            Strategy::Fragmentation { profile } => (Some(Policy::Fragmentation), profile),
+            Strategy::BestFit { .. } => return best_fit(state, task).ok_or(Missed::Everywhere),
+            Strategy::DraFirstFit => return dra_first_fit(state, task, &mut self.kube),
             Strategy::Fgd { .. } => {
-                fgd::place(state, self.fgd_shapes.as_deref().unwrap_or(&[]), task)
-                    .ok_or(Missed::Everywhere)
+                let shapes = self.fgd_shapes.as_deref().unwrap_or(&[]);
+                return fgd::place(state, shapes, task).ok_or(Missed::Everywhere);
             }
-        }
+        };
+        let (form, cluster, kube) = (self.form, self.cluster.as_mut(), (i, &mut self.kube));
+        gpushare(state, cluster, task, policy, profile, form, kube)
     }
 }
 
-/// Demand counted as the replay goes: GPU GiB, and milli-GPU for [`Measure::Gpus`].
+/// Demand and GiB counted as the replay goes.
 #[derive(Debug, Clone, Copy, Default)]
-struct Gib {
-    /// Arrived so far (placed or not).
+struct Counts {
+    /// Demand arrived so far (placed or not), in the replay's [`Measure`].
     arrived: u64,
-    /// Milli-GPU arrived so far ([`Task::milli`]).
-    arrived_milli: u64,
-    /// Asked for by the tasks placed.
+    /// GiB asked for by the tasks placed.
     allocated: u64,
-    /// Booked beyond their request by tasks that take their GPUs whole.
+    /// GiB booked beyond their request by tasks that take their GPUs whole.
     surplus: u64,
 }
 
@@ -298,6 +279,8 @@ struct Meter {
     total_gpus: u64,
     typical: Host,
     measure: Measure,
+    /// The cluster's demand in `measure`.
+    demand_capacity: u64,
 }
 
 impl Meter {
@@ -307,30 +290,28 @@ impl Meter {
             total_gpus: nodes.iter().map(|n| u64::from(n.gpus)).sum(),
             typical: typical_gpu_task(tasks),
             measure,
+            demand_capacity: measure.capacity(nodes),
         }
     }
 
     /// Whether arrived demand has reached `tenths` / 10 of the cluster's.
-    fn demand_reached(&self, gib: &Gib, tenths: u64) -> bool {
-        match self.measure {
-            Measure::Gib => gib.arrived * 10 >= self.capacity * tenths,
-            Measure::Gpus => gib.arrived_milli * 10 >= self.total_gpus * 1000 * tenths,
-        }
+    fn demand_reached(&self, counts: &Counts, tenths: u64) -> bool {
+        counts.arrived * 10 >= self.demand_capacity * tenths
     }
 
     /// `snapshot` (its counts of tasks) with the shares of the cluster as they are now.
-    fn take(&self, state: &Nodes<'_>, snapshot: &Snapshot, gib: &Gib) -> Snapshot {
+    fn take(&self, state: &Nodes<'_>, snapshot: &Snapshot, counts: &Counts) -> Snapshot {
         let capacity = self.capacity;
         let (stranded, stranded_gpus) = stranded(state, self.typical);
         let (demand, allocation) = match self.measure {
             Measure::Gib => (
-                gib.arrived as f64 / capacity as f64,
-                gib.allocated as f64 / capacity as f64,
+                counts.arrived as f64 / capacity as f64,
+                counts.allocated as f64 / capacity as f64,
             ),
             Measure::Gpus => {
                 let gpus = self.total_gpus.max(1) as f64;
                 (
-                    gib.arrived_milli as f64 / 1000.0 / gpus,
+                    counts.arrived as f64 / 1000.0 / gpus,
                     booked_gpus(state) / gpus,
                 )
             }
@@ -340,7 +321,7 @@ impl Meter {
             allocation,
             stranded: stranded as f64 / capacity as f64,
             stranded_gpus: stranded_gpus as f64 / self.total_gpus as f64,
-            whole_surplus: gib.surplus as f64 / capacity as f64,
+            whole_surplus: counts.surplus as f64 / capacity as f64,
             ..snapshot.clone()
         }
     }
@@ -396,11 +377,14 @@ mod tests {
     use crate::realistic::generator::{
         MODELS, Models, TaskKind, TaskMix, generate_nodes, generate_tasks, test_task as task,
     };
+    use crate::realistic::gpushare::gpushare_request;
+    use NodesToScore::{Adaptive, All};
+    use RequestForm::{Exclusive, ModelsInRequest, Plain};
     use gpushare_allocator::{GpuUsage, ModelFilter};
     use gpushare_scheduler_model::num_feasible_nodes_to_find;
 
     /// [`replay_counting`] in GiB.
-    fn replay_to_end<'a>(
+    fn replay<'a>(
         nodes: &'a [SimNode],
         tasks: &[Task],
         strategy: Strategy,
@@ -409,18 +393,6 @@ mod tests {
         seed: u64,
     ) -> (Run, Nodes<'a>, Option<Cluster>) {
         replay_counting(nodes, tasks, strategy, (form, Measure::Gib), to_score, seed)
-    }
-
-    /// [`replay_to_end`]'s run alone.
-    fn replay(
-        nodes: &[SimNode],
-        tasks: &[Task],
-        strategy: Strategy,
-        form: RequestForm,
-        to_score: NodesToScore,
-        seed: u64,
-    ) -> Run {
-        replay_to_end(nodes, tasks, strategy, form, to_score, seed).0
     }
 
     /// Free GiB per GPU of node `name` as the allocator books it.
@@ -471,14 +443,7 @@ mod tests {
         let classic = Strategy::extender(None, CHART);
         assert!(tainting.taints_idle_gpus() && !classic.taints_idle_gpus());
         for (strategy, together) in [(tainting, true), (classic, false)] {
-            let (run, state, _) = replay_to_end(
-                &nodes,
-                &tasks,
-                strategy,
-                RequestForm::Plain,
-                NodesToScore::Adaptive,
-                0,
-            );
+            let (run, state, _) = replay(&nodes, &tasks, strategy, Plain, Adaptive, 0);
             assert_eq!(run.end.failed, [0; 6], "{strategy:?}");
             let gpu_node = (0..2).find(|&n| state.free[n] == [0]).unwrap();
             // Both tasks ask for one core.
@@ -504,37 +469,23 @@ mod tests {
             ..task(TaskKind::Fractional, 1, 8)
         };
         let request = |form| gpushare_request(&pinned, form);
-        assert!(request(RequestForm::Plain).models.is_any());
+        assert!(request(Plain).models.is_any());
         assert_eq!(
-            request(RequestForm::ModelsInRequest).models,
+            request(ModelsInRequest).models,
             ModelFilter::parse(["A100-80"])
         );
         let row_11 = Strategy::fragmentation(Profile::FilterKeepBest);
         let mut many: Vec<SimNode> = vec![node(0); 150];
         many.push(node(6));
         let walk = NodesToScore::Percentage(1);
-        let by_affinity = replay(&many, &[pinned], row_11, RequestForm::Plain, walk, 0);
+        let by_affinity = replay(&many, &[pinned], row_11, Plain, walk, 0).0;
         assert_eq!(by_affinity.end.failed, [0; 6]);
-        let in_request = replay(
-            &many,
-            &[pinned],
-            row_11,
-            RequestForm::ModelsInRequest,
-            walk,
-            0,
-        );
+        let in_request = replay(&many, &[pinned], row_11, ModelsInRequest, walk, 0).0;
         assert_eq!(in_request.end.failed.iter().sum::<usize>(), 1);
         assert_eq!(in_request.end.failed_outside_walk, 1);
         let two = [node(0), node(6)];
-        for form in [RequestForm::Plain, RequestForm::ModelsInRequest] {
-            let (run, state, _) = replay_to_end(
-                &two,
-                &[pinned, pinned],
-                row_11,
-                form,
-                NodesToScore::Adaptive,
-                0,
-            );
+        for form in [Plain, ModelsInRequest] {
+            let (run, state, _) = replay(&two, &[pinned, pinned], row_11, form, Adaptive, 0);
             assert_eq!(run.end.failed, [0; 6], "{form:?}");
             assert_eq!(state.free[0], [15, 15], "{form:?}");
             assert_eq!(state.free[1].iter().sum::<u64>(), 160 - 16, "{form:?}");
@@ -552,7 +503,7 @@ mod tests {
             task(TaskKind::Fractional, 1, 8),
             task(TaskKind::Whole, 1, 16),
         ];
-        let exclusive = |t| gpushare_request(t, RequestForm::Exclusive);
+        let exclusive = |t| gpushare_request(t, Exclusive);
         assert_eq!(
             (exclusive(&tasks[1]).gpus, exclusive(&tasks[1]).pod_gib),
             (2, 32)
@@ -565,14 +516,7 @@ mod tests {
             Strategy::fragmentation(Profile::ExtenderOnly),
             Strategy::extender(Some(Policy::Binpack), Profile::NativeMostAllocated),
         ] {
-            let (run, state, _) = replay_to_end(
-                &nodes,
-                &tasks,
-                strategy,
-                RequestForm::Exclusive,
-                NodesToScore::Adaptive,
-                1,
-            );
+            let (run, state, _) = replay(&nodes, &tasks, strategy, Exclusive, Adaptive, 1);
             // 4 + 8 share a GPU, the 2-GPU task and the first whole one take the other three;
             // the second whole-GPU task finds no empty GPU.
             assert_eq!(run.end.failed, [1, 0, 0, 0, 0, 0], "{strategy:?}");
@@ -594,14 +538,7 @@ mod tests {
             task(TaskKind::Fractional, 1, 10),
         ];
         let binpack = Strategy::extender(Some(Policy::Binpack), CHART);
-        let (run, state, cluster) = replay_to_end(
-            &nodes,
-            &tasks,
-            binpack,
-            RequestForm::Exclusive,
-            NodesToScore::Adaptive,
-            1,
-        );
+        let (run, state, cluster) = replay(&nodes, &tasks, binpack, Exclusive, Adaptive, 1);
         assert_eq!(run.end.failed, [1, 0, 0, 0, 0, 0]);
         assert_eq!(run.end.allocation, 95.0 / 160.0);
         assert_eq!(run.end.whole_surplus, 65.0 / 160.0);
@@ -611,14 +548,8 @@ mod tests {
             state.free[0]
         );
         // BestFit books only what the task asks for: the 10 GiB slice fits beside it.
-        let (run, _, _) = replay_to_end(
-            &nodes,
-            &tasks,
-            Strategy::BestFit { multi_gpu: true },
-            RequestForm::Exclusive,
-            NodesToScore::Adaptive,
-            1,
-        );
+        let best_fit = Strategy::BestFit { multi_gpu: true };
+        let run = replay(&nodes, &tasks, best_fit, Exclusive, Adaptive, 1).0;
         assert_eq!(run.end.failed, [0; 6]);
         assert_eq!(run.end.whole_surplus, 0.0);
     }
@@ -640,22 +571,15 @@ mod tests {
             },
         ];
         let binpack = Strategy::extender(Some(Policy::Binpack), Profile::ExtenderOnly);
-        let form = (RequestForm::Exclusive, Measure::Gpus);
-        let run = replay_measured(&nodes, &tasks, binpack, form, NodesToScore::All, 0);
+        let form = (Exclusive, Measure::Gpus);
+        let run = replay_measured(&nodes, &tasks, binpack, form, All, 0);
         assert_eq!(run.end.failed, [0; 6]);
         assert_eq!(run.end.demand, 3.25 / 4.0);
         // Three GPUs booked whole, whatever their size, and 8 of the last one's 32 GiB.
         assert_eq!(run.end.allocation, 3.25 / 4.0);
         // Counted in GiB, the same replay books 16 + 16 + 32 + 8 of 96 GiB, and reads the
         // GiB the tasks asked for.
-        let gib = replay(
-            &nodes,
-            &tasks,
-            binpack,
-            RequestForm::Exclusive,
-            NodesToScore::All,
-            0,
-        );
+        let gib = replay(&nodes, &tasks, binpack, Exclusive, All, 0).0;
         assert_eq!(gib.end.allocation, 56.0 / 96.0);
         assert_eq!(gib.end.whole_surplus, 16.0 / 96.0);
         // Demand reaches 50 % of the GPUs with the second task, 75 % with the third.
@@ -674,20 +598,13 @@ mod tests {
             task(TaskKind::Fractional, 1, 40),
             task(TaskKind::Fractional, 1, 25),
         ];
-        let request = gpushare_request(&tasks[0], RequestForm::Plain);
+        let request = gpushare_request(&tasks[0], Plain);
         assert_eq!(
             (request.gpus, request.pod_gib, request.exclusive),
             (1, 15, false)
         );
         for strategy in binpack_classic_fragmentation_native() {
-            let (run, state, cluster) = replay_to_end(
-                &nodes,
-                &tasks,
-                strategy,
-                RequestForm::Plain,
-                NodesToScore::Adaptive,
-                1,
-            );
+            let (run, state, cluster) = replay(&nodes, &tasks, strategy, Plain, Adaptive, 1);
             assert_eq!(run.end.failed, [0; 6], "{strategy:?}");
             assert_eq!(run.end.allocation, 1.0, "{strategy:?}");
             assert_eq!(run.end.whole_surplus, 0.0, "{strategy:?}");
@@ -695,14 +612,7 @@ mod tests {
             let free = allocator_free(cluster.as_ref(), "node-00000");
             assert_eq!(free, [0], "{strategy:?}");
             // Asked for with `exclusive`, the whole-GPU task keeps the GPU to itself.
-            let (run, _, _) = replay_to_end(
-                &nodes,
-                &tasks,
-                strategy,
-                RequestForm::Exclusive,
-                NodesToScore::Adaptive,
-                1,
-            );
+            let (run, _, _) = replay(&nodes, &tasks, strategy, Exclusive, Adaptive, 1);
             assert_eq!(run.end.failed, [2, 0, 0, 0, 0, 0], "{strategy:?}");
             assert_eq!(run.end.whole_surplus, 65.0 / 80.0, "{strategy:?}");
         }
@@ -713,21 +623,18 @@ mod tests {
         let nodes = generate_nodes(40, 5);
         let tasks = generate_tasks(&nodes, &TaskMix::default(), 1.3, 5);
         assert!(tasks.iter().any(|t| t.kind == TaskKind::Multi));
-        for strategy in [
-            Strategy::extender(Some(Policy::Binpack), CHART),
-            Strategy::extender(None, CHART),
-            Strategy::extender(Some(Policy::Spread), CHART),
-            Strategy::fragmentation(Profile::ExtenderOnly),
-            Strategy::extender(Some(Policy::Binpack), Profile::NativeMostAllocated),
-        ] {
-            for form in [RequestForm::Plain, RequestForm::Exclusive] {
-                let (run, state, cluster) =
-                    replay_to_end(&nodes, &tasks, strategy, form, NodesToScore::Adaptive, 5);
+        let spread = Strategy::extender(Some(Policy::Spread), CHART);
+        for strategy in binpack_classic_fragmentation_native()
+            .into_iter()
+            .chain([spread])
+        {
+            for form in [Plain, Exclusive] {
+                let (run, state, cluster) = replay(&nodes, &tasks, strategy, form, Adaptive, 5);
                 let Some(cluster) = cluster else {
                     panic!("{strategy:?} replays through the allocator");
                 };
                 assert_eq!(run.end.failed[4], 0, "{strategy:?} places multi-GPU tasks");
-                if form == RequestForm::Plain {
+                if form == Plain {
                     assert_eq!(run.end.whole_surplus, 0.0, "{strategy:?}");
                 }
                 for (n, name) in state.names.iter().enumerate() {
@@ -740,8 +647,8 @@ mod tests {
                         u64::from(spec.gpus) * spec.gpu_gib - state.free[n].iter().sum::<u64>()
                     })
                     .sum();
-                let capacity: u64 = nodes.iter().map(|n| u64::from(n.gpus) * n.gpu_gib).sum();
-                let counted = (run.end.allocation + run.end.whole_surplus) * capacity as f64;
+                let capacity = Measure::Gib.capacity(&nodes) as f64;
+                let counted = (run.end.allocation + run.end.whole_surplus) * capacity;
                 assert!(
                     (counted - booked as f64).abs() < 1e-6,
                     "{strategy:?} {form:?}"
@@ -760,12 +667,13 @@ mod tests {
                 (nodes, tasks, seed)
             })
             .collect();
-        for form in [RequestForm::Plain, RequestForm::Exclusive] {
+        for form in [Plain, Exclusive] {
             let at_full = |strategy| -> f64 {
                 traces
                     .iter()
                     .map(|(nodes, tasks, seed)| {
-                        replay(nodes, tasks, strategy, form, NodesToScore::Adaptive, *seed)
+                        replay(nodes, tasks, strategy, form, Adaptive, *seed)
+                            .0
                             .at_full
                             .allocation
                     })
@@ -789,14 +697,7 @@ mod tests {
                 cpu_pods_by_default: false,
             },
         ] {
-            let run = replay(
-                &nodes,
-                &tasks,
-                strategy,
-                RequestForm::default(),
-                NodesToScore::Adaptive,
-                4,
-            );
+            let run = replay(&nodes, &tasks, strategy, Plain, Adaptive, 4).0;
             assert_eq!(run.end.arrived, tasks.len());
             assert!(
                 run.end.allocation <= 1.0 && run.end.allocation > 0.3,
@@ -842,14 +743,7 @@ mod tests {
         tasks.push(task(TaskKind::Fractional, 1, 12));
         tasks.push(task(TaskKind::Fractional, 1, 12));
         for strategy in binpack_classic_fragmentation_native() {
-            let (run, state, _) = replay_to_end(
-                &nodes,
-                &tasks,
-                strategy,
-                RequestForm::Plain,
-                NodesToScore::Adaptive,
-                1,
-            );
+            let (run, state, _) = replay(&nodes, &tasks, strategy, Plain, Adaptive, 1);
             assert_eq!(run.end.failed, [0, 0, 0, 0, 0, 1], "{strategy:?}");
             assert_eq!(run.end.failed_outside_walk, 1, "{strategy:?}");
             assert_eq!(run.end.allocation, 2_012.0 / 6_400.0, "{strategy:?}");
@@ -858,14 +752,7 @@ mod tests {
                 "{strategy:?}: model-1 nodes full"
             );
             // Scoring every node, the first 12 GiB pod finds an empty node too.
-            let (run, _, _) = replay_to_end(
-                &nodes,
-                &tasks,
-                strategy,
-                RequestForm::Plain,
-                NodesToScore::All,
-                1,
-            );
+            let (run, _, _) = replay(&nodes, &tasks, strategy, Plain, All, 1);
             assert_eq!(run.end.failed, [0; 6], "{strategy:?}");
             assert_eq!(run.end.failed_outside_walk, 0, "{strategy:?}");
             assert_eq!(run.end.allocation, 2_024.0 / 6_400.0, "{strategy:?}");

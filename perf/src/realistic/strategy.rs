@@ -20,16 +20,14 @@ pub enum Profile {
     },
     /// Both resource scores disabled: the extender's score alone orders the nodes.
     ExtenderOnly,
-    /// No extender prioritize: `NodeResourcesFit` with `scoringStrategy` MostAllocated on the
-    /// GPU-memory resource alone (weight 1) + `NodeResourcesBalancedAllocation` on CPU and
-    /// memory (weight 1), both plugins weight 1 (`scores::native_most_allocated_score`). The
-    /// extender still filters and binds.
+    /// No extender prioritize: `NodeResourcesFit` MostAllocated on the GPU-memory resource +
+    /// `NodeResourcesBalancedAllocation` on CPU and memory, all weight 1
+    /// (`scores::native_most_allocated_score`). The extender still filters and binds.
     NativeMostAllocated,
     /// The extender's `--filter-keep-best=1`: its filter passes only the node kube-scheduler
-    /// would rank best with the default profile and weight 1 (its default CPU and memory
-    /// scores + ours × 10, or ours alone while multi-GPU pods bring a quarter or more of the
-    /// recent GPU demand; the first of them in the walk's order), and kube-scheduler binds
-    /// that one without scoring.
+    /// would rank best with the default profile and weight 1 (ours alone while multi-GPU pods
+    /// bring a quarter or more of the recent GPU demand; ties to the first in the walk), and
+    /// kube-scheduler binds that one without scoring.
     FilterKeepBest,
     /// A profile that weighs kube-scheduler's CPU and memory scores against ours:
     /// `NodeResourcesFit` LeastAllocated (`least`) or MostAllocated (`most`) on CPU and
@@ -48,8 +46,7 @@ pub enum Profile {
 }
 
 impl Profile {
-    /// Whether the extender scores the candidates (in prioritize, or in filter to keep the
-    /// best).
+    /// Whether the extender scores the candidates (in prioritize, or in filter).
     pub(super) fn extender_scores(self) -> bool {
         !matches!(self, Profile::NativeMostAllocated)
     }
@@ -79,11 +76,10 @@ impl Profile {
 
 /// How a gpushare pod asks for a whole- or multi-GPU task (fractional tasks always ask for
 /// a shared slice of one GPU). BestFit and FGD place tasks themselves and ignore it.
-#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum RequestForm {
     /// `gpus: N`, not exclusive, the total GiB: a slice of the task's GiB on each of N
     /// distinct GPUs of one node; the rest of each GPU stays free for other pods.
-    #[default]
     Plain,
     /// `gpus: N` with `exclusive`: N empty GPUs of at least the task's GiB, booked in full (a
     /// larger GPU's surplus is lost to other pods).
@@ -95,7 +91,7 @@ pub enum RequestForm {
 }
 
 /// Which nodes kube-scheduler filters and scores for a pod (`percentageOfNodesToScore`).
-#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum NodesToScore {
     /// kube-scheduler's default, the adaptive percentage: its filters walk the nodes round
     /// robin from where the previous pod's walk stopped, and stop once
@@ -103,10 +99,8 @@ pub enum NodesToScore {
     /// at 1,200). Only those reach the extender's filter and the scores.
     ///
     /// [`num_feasible_nodes_to_find`]: gpushare_scheduler_model::num_feasible_nodes_to_find
-    #[default]
     Adaptive,
-    /// Every feasible node is filtered by the extender and scored (`percentageOfNodesToScore:
-    /// 100`).
+    /// The extender filters and scores every feasible node (`percentageOfNodesToScore: 100`).
     All,
     /// An explicit `percentageOfNodesToScore` (1-99), as the chart's dedicated scheduler may
     /// set: the walk stops at that share of the nodes, never below 100 of them.
@@ -116,22 +110,18 @@ pub enum NodesToScore {
 /// A way of placing tasks.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Strategy {
-    /// gpushare: the extender's prioritize and bind under `policy` (`None`: no prioritize,
-    /// binpack at bind: the classic extender), nodes ordered by `profile`. Fractional tasks
-    /// are shared slices of one GPU; whole- and multi-GPU tasks ask as a pod does, in the
-    /// replay's [`RequestForm`] (see [`gpushare_request`]).
+    /// gpushare: the extender's prioritize and bind under `policy`, nodes ordered by
+    /// `profile`; pods ask in the replay's [`RequestForm`] (see [`gpushare_request`]).
     ///
-    /// [`gpushare_request`]: super::gpushare_request
+    /// [`gpushare_request`]: super::gpushare::gpushare_request
     Gpushare {
         /// The extender's policy; `None` is "classic" (filter and bind only).
         policy: Option<Policy>,
         /// How kube-scheduler scores.
         profile: Profile,
     },
-    /// gpushare's fragmentation policy, nodes ordered by `profile` (multi-GPU tasks, and
-    /// whole-GPU tasks asked for with `exclusive`, take their GPUs as binpack does and are
-    /// scored by the measure unless the recent demand is multi-GPU heavy, as the allocator
-    /// does).
+    /// gpushare's fragmentation policy, nodes ordered by `profile` (multi-GPU and exclusive
+    /// pods take their GPUs as binpack does, as the allocator does).
     Fragmentation {
         /// How kube-scheduler scores.
         profile: Profile,
@@ -142,21 +132,17 @@ pub enum Strategy {
         /// Places multi-GPU tasks (else refuses them).
         multi_gpu: bool,
     },
-    /// FGD: the node and GPUs whose placement adds the least expected fragmentation, measured
-    /// against the true shape distribution of the whole task stream. Places CPU-only tasks
-    /// unless `cpu_pods_by_default` hands them to the default scheduler, as a gpushare
-    /// cluster does.
+    /// FGD: the node and GPUs whose placement adds the least expected fragmentation against
+    /// the whole task stream's true shapes.
     Fgd {
         /// Places multi-GPU tasks (else refuses them).
         multi_gpu: bool,
         /// CPU-only tasks go through the default scheduler.
         cpu_pods_by_default: bool,
     },
-    /// gpushare's DRA mode: kube-scheduler allocates each task's claim itself (a request of
-    /// `gpus` devices with `gpu_gib` of `memory` each). Its walk, with the DynamicResources
-    /// filter among its filters, its default scores (nothing scores devices in 1.36), and on
-    /// the node it picks the allocator's first fit: the first GPUs in the slice's order with
-    /// the share free, distinct.
+    /// gpushare's DRA mode: kube-scheduler allocates each task's claim (`gpus` devices with
+    /// `gpu_gib` of `memory` each) itself: its walk with the DynamicResources filter, its
+    /// default scores (nothing scores devices in 1.36), the allocator's first fit on the node.
     DraFirstFit,
 }
 
@@ -171,6 +157,7 @@ impl Strategy {
 
     /// Name in the report.
     pub fn name(self) -> String {
+        let multi = |places: bool| if places { "places multi-GPU, " } else { "" };
         match self {
             Strategy::Gpushare { policy, profile } => {
                 let policy = policy.map_or("classic".to_owned(), |p| format!("gpushare {p}"));
@@ -180,23 +167,18 @@ impl Strategy {
                 format!("gpushare fragmentation ({})", profile.label())
             }
             Strategy::BestFit { multi_gpu } => {
-                format!(
-                    "BestFit ({}idealized: every node)",
-                    if multi_gpu { "places multi-GPU, " } else { "" }
-                )
+                format!("BestFit ({}idealized: every node)", multi(multi_gpu))
             }
             Strategy::Fgd {
                 multi_gpu,
                 cpu_pods_by_default,
-            } => format!(
-                "FGD ({}{}idealized: every node)",
-                if multi_gpu { "places multi-GPU, " } else { "" },
-                if cpu_pods_by_default {
-                    "CPU-only pods by default scheduler, "
-                } else {
-                    ""
-                }
-            ),
+            } => {
+                let cpu = match cpu_pods_by_default {
+                    true => "CPU-only pods by default scheduler, ",
+                    false => "",
+                };
+                format!("FGD ({}{cpu}idealized: every node)", multi(multi_gpu))
+            }
             Strategy::DraFirstFit => {
                 "DRA mode (kube-scheduler's allocator: default scores, first-fit devices)"
                     .to_owned()
@@ -221,10 +203,8 @@ impl Strategy {
 
     pub(super) fn places_multi_gpu(self) -> bool {
         match self {
-            Strategy::Gpushare { .. } | Strategy::Fragmentation { .. } | Strategy::DraFirstFit => {
-                true
-            }
             Strategy::BestFit { multi_gpu } | Strategy::Fgd { multi_gpu, .. } => multi_gpu,
+            _ => true,
         }
     }
 
@@ -249,14 +229,12 @@ impl Strategy {
 
     pub(super) fn cpu_pods_by_default_scheduler(self) -> bool {
         match self {
-            Strategy::Gpushare { .. } | Strategy::Fragmentation { .. } | Strategy::DraFirstFit => {
-                true
-            }
             Strategy::BestFit { .. } => false,
             Strategy::Fgd {
                 cpu_pods_by_default,
                 ..
             } => cpu_pods_by_default,
+            _ => true,
         }
     }
 }
