@@ -1,13 +1,11 @@
 //! Preemption stories, run on the real cluster (`e2e/tests/real.rs`), whose kube-scheduler is
-//! upstream's own (the scheduler driver does not preempt): a more
-//! important GPU pod arrives on a full node, and the pods evicted for it must be exactly those
-//! whose going makes room on one GPU.
+//! upstream's own: a more important GPU pod arrives on a full node, and the pods evicted for it
+//! must be exactly those whose going makes room on one GPU.
 //!
-//! Every story runs on one node with GPUs of 15 and 16 GiB (the real kit's `node-k`), with
-//! pods pinned to it by node affinity, and priorities from PriorityClasses the story creates
-//! (`gpushare-e2e-low` 10, `-mid` 100, `-high` 100000), as a user would set them. The fill is
-//! placed one pod at a time, each pod's class checked against the GPU it landed on, so the
-//! layout each story needs does not rest on a guess of the placement policy's choice.
+//! Every story runs on one node with GPUs of 15 and 16 GiB (the kit's `node-k`), its pods
+//! pinned there, with priorities from the [`CLASSES`] it creates. The fill is placed one pod at
+//! a time, each pod's class checked against the GPU it landed on, so the layout a story needs
+//! does not rest on a guess of the placement policy's choice.
 
 use std::collections::{BTreeMap, BTreeSet};
 use std::time::{Duration, Instant};
@@ -15,11 +13,13 @@ use std::time::{Duration, Instant};
 use anyhow::{Context, ensure};
 use k8s_openapi::api::core::v1::Pod;
 use k8s_openapi::api::scheduling::v1::PriorityClass;
-use kube::api::{Api, DeleteParams, PostParams};
+use kube::api::{Api, PostParams};
 
 use crate::cluster::{published_gpus, wait_for};
 use crate::fixtures::pod;
-use crate::scenarios::{Harness, START_TIMEOUT, allocation, check_no_overcommit, wait_bound};
+use crate::scenarios::{
+    Harness, START_TIMEOUT, allocation, check_no_overcommit, delete_now, phase, wait_bound,
+};
 
 /// The label every pod of a story carries, with the story's name.
 const STORY_LABEL: &str = "gpushare-e2e-preemption";
@@ -32,11 +32,9 @@ pub const CLASSES: [(&str, i32); 3] = [
 ];
 
 /// Creates the stories' PriorityClasses (those that exist are left as they are). Only the
-/// high class preempts: the low and mid ones are `preemptionPolicy: Never`, so a fill pod
-/// that finds no room for a moment (a same-size twin bound but not yet admitted, a hold
-/// for a pod still binding) waits instead of preempting a low fill pod of the story, whose
-/// going the count of the fill does not see. What the stories check, whom the high pod
-/// evicts, does not depend on the victims' own policy.
+/// high class preempts: a fill pod that finds no room for a moment (a twin not yet admitted, a
+/// hold for a pod still binding) waits instead of preempting a fill pod the count does not
+/// see go. Whom the high pod evicts does not depend on the victims' own policy.
 pub async fn create_priority_classes(h: &impl Harness) -> anyhow::Result<()> {
     let classes: Api<PriorityClass> = Api::all(h.client());
     for (name, value) in CLASSES {
@@ -123,7 +121,7 @@ async fn fill(h: &impl Harness, story: &str, node: &str, want: Want) -> anyhow::
         let mut class = want(guess, &placed);
         let mut gpu = place(h, story, &name, node, class).await?;
         if want(gpu, &placed) != class {
-            delete_now(&pods, &name).await?;
+            delete_now(&pods, &name, &format!("{name} to be gone")).await?;
             class = want(gpu, &placed);
             let again = place(h, story, &name, node, class).await?;
             ensure!(
@@ -139,10 +137,8 @@ async fn fill(h: &impl Harness, story: &str, node: &str, want: Want) -> anyhow::
             let mut gone = Vec::new();
             for (placed_name, _, _) in &placed {
                 if pods.get_opt(placed_name).await?.is_none() {
-                    gone.push(format!(
-                        "{placed_name}: {}",
-                        scheduler_log_naming(h, placed_name).await
-                    ));
+                    let said = scheduler_log_naming(h, placed_name).await;
+                    gone.push(format!("{placed_name}: {said}"));
                 }
             }
             anyhow::bail!(
@@ -157,19 +153,18 @@ async fn fill(h: &impl Harness, story: &str, node: &str, want: Want) -> anyhow::
     for (name, _, _) in &placed {
         wait_for(&format!("{name} to run"), START_TIMEOUT, || async {
             let pod = pods.get(name).await.ok()?;
-            (crate::scenarios::phase(&pod) == "Running").then_some(())
+            (phase(&pod) == "Running").then_some(())
         })
         .await?;
     }
     Ok(placed)
 }
 
-/// Waits until no pod on `node` holds GPU memory (every one that asks for it is gone or
-/// finished). A story counts the GPUs' room from its own pods only: a pod an earlier story or
-/// scenario left terminating there would take room the count does not see, and a fill pod of
-/// a higher class would then preempt one of this story's instead of going where the count
-/// says it must.
+/// Waits until no unfinished pod on `node` asks for GPU memory. Why: a story counts the GPUs'
+/// room from its own pods only; a pod left terminating there would take room the count does
+/// not see, and a fill pod of a higher class would then preempt one of this story's.
 async fn wait_no_gpu_pods_on(h: &impl Harness, node: &str) -> anyhow::Result<()> {
+    use gpushare_contract::{DEFAULT_RESOURCE, pod_request_with, request::pod_is_finished};
     let all: Api<Pod> = Api::all(h.client());
     let keys = gpushare_contract::Keys::default();
     wait_for(
@@ -179,15 +174,8 @@ async fn wait_no_gpu_pods_on(h: &impl Harness, node: &str) -> anyhow::Result<()>
             let pods = all.list(&Default::default()).await.ok()?;
             let holding = pods.items.iter().any(|pod| {
                 pod.spec.as_ref().and_then(|s| s.node_name.as_deref()) == Some(node)
-                    && !gpushare_contract::request::pod_is_finished(pod)
-                    && matches!(
-                        gpushare_contract::pod_request_with(
-                            pod,
-                            gpushare_contract::DEFAULT_RESOURCE,
-                            &keys
-                        ),
-                        Ok(Some(_))
-                    )
+                    && !pod_is_finished(pod)
+                    && matches!(pod_request_with(pod, DEFAULT_RESOURCE, &keys), Ok(Some(_)))
             });
             (!holding).then_some(())
         },
@@ -195,11 +183,9 @@ async fn wait_no_gpu_pods_on(h: &impl Harness, node: &str) -> anyhow::Result<()>
     .await
 }
 
-/// Creates fill pod `name` (4 GiB, `class`) and returns the GPU it is bound to.
-///
-/// The fill is the story's set-up, not what it checks: a fill pod that vanishes before its
-/// bind (the real tier saw it once; who deleted it was not recorded then) is reported,
-/// with whatever Events name it, and created once more.
+/// Creates fill pod `name` (4 GiB, `class`) and returns the GPU it is bound to. The fill is
+/// set-up, not what a story checks: one that vanishes before its bind (the real tier saw it
+/// once) is reported, with the scheduler's log of it, and created once more.
 async fn place(
     h: &impl Harness,
     story: &str,
@@ -211,12 +197,8 @@ async fn place(
     let mut tries = 0;
     let bound = loop {
         tries += 1;
-        let created = pods
-            .create(
-                &PostParams::default(),
-                &story_pod(h, story, name, node, 4, 1, class)?,
-            )
-            .await?;
+        let pod = story_pod(h, story, name, node, 4, 1, class)?;
+        let created = pods.create(&PostParams::default(), &pod).await?;
         match wait_bound(&pods, name).await {
             Ok(bound) => break bound,
             Err(error) if tries == 1 && matches!(pods.get_opt(name).await, Ok(None)) => {
@@ -262,19 +244,6 @@ async fn scheduler_log_naming(h: &impl Harness, name: &str) -> String {
     }
 }
 
-/// Deletes pod `name` at once and waits until it is gone.
-async fn delete_now(pods: &Api<Pod>, name: &str) -> anyhow::Result<()> {
-    let params = DeleteParams {
-        grace_period_seconds: Some(0),
-        ..DeleteParams::default()
-    };
-    pods.delete(name, &params).await?;
-    wait_for(&format!("{name} to be gone"), START_TIMEOUT, || async {
-        pods.get_opt(name).await.ok()?.is_none().then_some(())
-    })
-    .await
-}
-
 /// Each GPU's size on `node`, from its published inventory.
 async fn gpu_sizes(h: &impl Harness, node: &str) -> anyhow::Result<BTreeMap<u32, u64>> {
     let node = Api::<k8s_openapi::api::core::v1::Node>::all(h.client())
@@ -311,11 +280,8 @@ async fn preempt(
     let pods: Api<Pod> = Api::namespaced(h.client(), h.namespace());
     let name = format!("{story}-important");
     let started = Instant::now();
-    pods.create(
-        &PostParams::default(),
-        &story_pod(h, story, &name, node, gib, gpus, CLASSES[2].0)?,
-    )
-    .await?;
+    let preemptor = story_pod(h, story, &name, node, gib, gpus, CLASSES[2].0)?;
+    pods.create(&PostParams::default(), &preemptor).await?;
     let bound = wait_for(&format!("{name} to be bound"), wait, || async {
         pods.get(&name).await.ok()?.spec?.node_name
     })
@@ -332,11 +298,8 @@ async fn preempt(
     };
     let mut evicted = Vec::new();
     for (pod_name, gpu, class) in fill {
-        let going = match pods.get_opt(pod_name).await? {
-            None => true,
-            Some(pod) => pod.metadata.deletion_timestamp.is_some(),
-        };
-        if going {
+        let pod = pods.get_opt(pod_name).await?;
+        if pod.is_none_or(|pod| pod.metadata.deletion_timestamp.is_some()) {
             evicted.push((pod_name.clone(), *gpu, *class));
         }
     }
@@ -376,28 +339,16 @@ pub async fn eight_gib_among_seven(
 /// Checks story 1 with the extender's preempt verb: exactly two pods evicted, both from the
 /// GPU the preemptor got, the low one there among them.
 pub fn check_eight_gib_among_seven(fill: &Fill, outcome: &Preempted) -> anyhow::Result<()> {
-    let gpu = outcome
-        .gpus
-        .as_ref()
-        .and_then(|gpus| gpus.first().copied())
-        .with_context(|| {
-            format!(
-                "the 8 GiB pod was not bound; evicted: {:?}",
-                outcome.evicted
-            )
-        })?;
+    let evicted = &outcome.evicted;
+    let gpu = (outcome.gpus.as_ref().and_then(|gpus| gpus.first().copied()))
+        .with_context(|| format!("the 8 GiB pod was not bound; evicted: {evicted:?}"))?;
     ensure!(
-        outcome.evicted.len() == 2 && outcome.evicted.iter().all(|(_, g, _)| *g == gpu),
-        "two pods of GPU {gpu} should have been evicted: {:?} (fill {fill:?})",
-        outcome.evicted
+        evicted.len() == 2 && evicted.iter().all(|(_, g, _)| *g == gpu),
+        "two pods of GPU {gpu} should have been evicted: {evicted:?} (fill {fill:?})"
     );
     ensure!(
-        outcome
-            .evicted
-            .iter()
-            .any(|(_, _, class)| *class == CLASSES[0].0),
-        "the low pod of GPU {gpu} should be among them: {:?}",
-        outcome.evicted
+        evicted.iter().any(|(_, _, class)| *class == CLASSES[0].0),
+        "the low pod of GPU {gpu} should be among them: {evicted:?}"
     );
     Ok(())
 }
@@ -425,21 +376,17 @@ pub async fn two_gpus_of_eight(
 /// Checks story 2 with the verb: two GPUs for the pod, two pods evicted from each (the fewest
 /// that free 8 GiB on both).
 pub fn check_two_gpus_of_eight(fill: &Fill, outcome: &Preempted) -> anyhow::Result<()> {
-    let gpus = outcome.gpus.as_ref().with_context(|| {
-        format!(
-            "the 2-GPU pod was not bound; evicted: {:?}",
-            outcome.evicted
-        )
-    })?;
+    let evicted = &outcome.evicted;
+    let gpus = (outcome.gpus.as_ref())
+        .with_context(|| format!("the 2-GPU pod was not bound; evicted: {evicted:?}"))?;
     ensure!(gpus.len() == 2, "two GPUs: {gpus:?}");
     let mut per_gpu: BTreeMap<u32, usize> = BTreeMap::new();
-    for (_, gpu, _) in &outcome.evicted {
+    for (_, gpu, _) in evicted {
         *per_gpu.entry(*gpu).or_default() += 1;
     }
     ensure!(
         per_gpu.values().all(|n| *n == 2) && per_gpu.len() == 2,
-        "two pods of each GPU should have been evicted: {:?} (fill {fill:?})",
-        outcome.evicted
+        "two pods of each GPU should have been evicted: {evicted:?} (fill {fill:?})"
     );
     Ok(())
 }

@@ -1,14 +1,11 @@
 //! The stories users judge gpushare by, written once and run on any cluster.
 //!
 //! A [`Harness`] is a cluster with gpushare installed: the in-process one
-//! ([`crate::cluster::TestCluster`], our real binaries on simulated GPUs) or the real one of
-//! the real tier (`crate::realk8s::KitCluster`). The scenario code only talks to the Kubernetes API — creates
-//! pods, reads their phase, conditions and annotations — plus one question the API cannot
-//! answer: which environment a container got from the device plugin.
-//!
-//! The checks every scenario ends with are the promises of the project:
-//! [`check_no_overcommit`] (no GPU holds more than its memory) and [`check_pinned`] (every
-//! running container sees exactly the GPU its pod's annotations name).
+//! ([`crate::cluster::TestCluster`]) or the real tier's (`crate::realk8s::KitCluster`). The
+//! scenarios only talk to the Kubernetes API, plus one question it cannot answer: which
+//! environment a container got from the device plugin. Every scenario ends with the project's
+//! promises: [`check_no_overcommit`] (no GPU holds more than its memory) and [`check_pinned`]
+//! (every running container sees exactly the GPU its pod's annotations name).
 
 use std::collections::{BTreeMap, HashMap};
 use std::future::Future;
@@ -61,34 +58,32 @@ pub async fn create_gpu_pod(h: &impl Harness, name: &str, gib: u64) -> anyhow::R
     Ok(create_pod(h, pod(name).namespace(h.namespace()).gpu_mem(gib).build()).await?)
 }
 
+/// The pods of the harness's namespace.
+fn pods(h: &impl Harness) -> Api<Pod> {
+    Api::namespaced(h.client(), h.namespace())
+}
+
 /// Creates `pod` in the harness's namespace.
 pub async fn create_pod(h: &impl Harness, pod: Pod) -> kube::Result<Pod> {
-    Api::<Pod>::namespaced(h.client(), h.namespace())
-        .create(&PostParams::default(), &pod)
-        .await
+    pods(h).create(&PostParams::default(), &pod).await
 }
 
 /// The pod `name` of the harness's namespace, as the API server has it now.
 pub async fn get_pod(h: &impl Harness, name: &str) -> kube::Result<Pod> {
-    Api::<Pod>::namespaced(h.client(), h.namespace())
-        .get(name)
-        .await
+    pods(h).get(name).await
 }
 
 /// Deletes a pod at once (grace 0) and waits until it is gone.
 pub async fn delete_pod(h: &impl Harness, name: &str) -> anyhow::Result<()> {
-    let pods: Api<Pod> = Api::namespaced(h.client(), h.namespace());
-    pods.delete(
-        name,
-        &DeleteParams {
-            grace_period_seconds: Some(0),
-            ..DeleteParams::default()
-        },
-    )
-    .await?;
-    wait_for(&format!("pod {name} to be gone"), START_TIMEOUT, || {
-        let pods = pods.clone();
-        async move { pods.get_opt(name).await.ok()?.is_none().then_some(()) }
+    delete_now(&pods(h), name, &format!("pod {name} to be gone")).await
+}
+
+/// Deletes pod `name` at once (grace 0) and waits until it is gone (`what`, on a timeout).
+pub(crate) async fn delete_now(pods: &Api<Pod>, name: &str, what: &str) -> anyhow::Result<()> {
+    pods.delete(name, &DeleteParams::default().grace_period(0))
+        .await?;
+    wait_for(what, START_TIMEOUT, || async {
+        pods.get_opt(name).await.ok()?.is_none().then_some(())
     })
     .await
 }
@@ -97,9 +92,8 @@ pub async fn delete_pod(h: &impl Harness, name: &str) -> anyhow::Result<()> {
 /// On timeout the error carries the pod's last scheduling message, so a failure tells a
 /// refused pod (and why) from one kube-scheduler never tried again.
 pub async fn wait_bound(pods: &Api<Pod>, name: &str) -> anyhow::Result<String> {
-    let bound = wait_for(&format!("{name} to be bound"), START_TIMEOUT, || {
-        let pods = pods.clone();
-        async move { pods.get(name).await.ok()?.spec?.node_name }
+    let bound = wait_for(&format!("{name} to be bound"), START_TIMEOUT, || async {
+        pods.get(name).await.ok()?.spec?.node_name
     })
     .await;
     match bound {
@@ -155,13 +149,10 @@ async fn events_naming(pods: &Api<Pod>, name: &str) -> String {
 
 /// Waits until the pod runs and returns it.
 pub async fn wait_running(h: &impl Harness, name: &str) -> anyhow::Result<Pod> {
-    let pods: Api<Pod> = Api::namespaced(h.client(), h.namespace());
-    let result = wait_for(&format!("pod {name} to run"), START_TIMEOUT, || {
-        let pods = pods.clone();
-        async move {
-            let pod = pods.get(name).await.ok()?;
-            (phase(&pod) == "Running").then_some(pod)
-        }
+    let pods = pods(h);
+    let result = wait_for(&format!("pod {name} to run"), START_TIMEOUT, || async {
+        let pod = pods.get(name).await.ok()?;
+        (phase(&pod) == "Running").then_some(pod)
     })
     .await;
     match result {
@@ -183,10 +174,8 @@ pub async fn wait_running(h: &impl Harness, name: &str) -> anyhow::Result<Pod> {
                         .unwrap_or_default()
                 )
             });
-            Err(error.context(format!(
-                "pod {name}: {}",
-                why.unwrap_or_else(|| "gone".into())
-            )))
+            let why = why.unwrap_or_else(|| "gone".into());
+            Err(error.context(format!("pod {name}: {why}")))
         }
     }
 }
@@ -194,15 +183,11 @@ pub async fn wait_running(h: &impl Harness, name: &str) -> anyhow::Result<Pod> {
 /// Waits until the scheduler has said why the pod cannot be placed, and returns the reason
 /// (the `PodScheduled=False` condition's message, as `kubectl describe` shows it).
 pub async fn wait_unschedulable(h: &impl Harness, name: &str) -> anyhow::Result<String> {
-    let pods: Api<Pod> = Api::namespaced(h.client(), h.namespace());
-    wait_for(
-        &format!("a reason why pod {name} is pending"),
-        START_TIMEOUT,
-        || {
-            let pods = pods.clone();
-            async move { scheduling_message(&pods.get(name).await.ok()?) }
-        },
-    )
+    let pods = pods(h);
+    let what = format!("a reason why pod {name} is pending");
+    wait_for(&what, START_TIMEOUT, || async {
+        scheduling_message(&pods.get(name).await.ok()?)
+    })
     .await
 }
 
@@ -419,7 +404,7 @@ pub async fn placements(
     h: &impl Harness,
     names: &[String],
 ) -> anyhow::Result<HashMap<String, (String, u32)>> {
-    let pods: Api<Pod> = Api::namespaced(h.client(), h.namespace());
+    let pods = pods(h);
     let mut out = HashMap::new();
     for name in names {
         let pod = pods.get(name).await?;

@@ -35,17 +35,13 @@ impl Drop for Replica {
 }
 
 impl Replica {
-    async fn start(client: kube::Client, name: &str) -> anyhow::Result<Self> {
-        Self::start_with(client, name, Config::default()).await
-    }
-
-    /// [`Replica::start`] with the rest of the configuration from `base`.
-    async fn start_with(client: kube::Client, name: &str, base: Config) -> anyhow::Result<Self> {
+    /// Starts replica `name`, the rest of its configuration from `base`, on 127.0.0.1:0.
+    async fn start(client: kube::Client, name: &str, base: Config) -> anyhow::Result<Self> {
         let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await?;
         Self::start_on(listener, client, name, base).await
     }
 
-    /// [`Replica::start_with`] on `listener`.
+    /// [`Replica::start`] on `listener`.
     async fn start_on(
         listener: tokio::net::TcpListener,
         client: kube::Client,
@@ -107,8 +103,8 @@ async fn only_the_leader_binds_and_a_follower_passes_binds_on() -> anyhow::Resul
     for name in ["p0", "p1"] {
         pod(name).gpu_mem(4).create(&client).await?;
     }
-    let a = Replica::start(client.clone(), "extender-a").await?;
-    let b = Replica::start(client.clone(), "extender-b").await?;
+    let a = Replica::start(client.clone(), "extender-a", Config::default()).await?;
+    let b = Replica::start(client.clone(), "extender-b", Config::default()).await?;
     let (leader, follower) = wait_for("a leader", Duration::from_secs(20), || async {
         match (a.leads().await, b.leads().await) {
             (true, false) => Some((&a, &b)),
@@ -181,7 +177,7 @@ async fn the_leader_renews_with_one_write_and_reads_only_after_a_conflict() -> a
     let server = ApiServer::start().await?;
     let client = server.client();
     node("n1").gpushare().gpus(&[16]).create(&client).await?;
-    let only = Replica::start(client.clone(), "extender-a").await?;
+    let only = Replica::start(client.clone(), "extender-a", Config::default()).await?;
     wait_for("it to lead", Duration::from_secs(20), || async {
         only.leads().await.then_some(())
     })
@@ -242,8 +238,8 @@ async fn the_lease_of_a_leader_whose_process_is_gone_is_taken_over_at_once() -> 
     let leases: Api<k8s_openapi::api::coordination::v1::Lease> =
         Api::namespaced(client.clone(), "kube-system");
     let mut replicas = vec![
-        Replica::start_with(client.clone(), "extender-a", long_lease()).await?,
-        Replica::start_with(client.clone(), "extender-b", long_lease()).await?,
+        Replica::start(client.clone(), "extender-a", long_lease()).await?,
+        Replica::start(client.clone(), "extender-b", long_lease()).await?,
     ];
     for restart_in_place in [false, true] {
         let leader = wait_for("a leader", Duration::from_secs(20), || async {
@@ -340,27 +336,24 @@ async fn one_of_two_leads_and_a_graceful_stop_hands_the_lease_over() {
             Gate::Forward { .. }
         )
     };
-    let deadline = Instant::now() + Duration::from_secs(10);
-    let (leader, follower, stop_leader) = loop {
+    let ten_seconds = Duration::from_secs(10);
+    let (leader, follower, stop_leader) = wait_for("a known leader", ten_seconds, || async {
         let (a_leads, b_leads) = (a.is_leader(), b.is_leader());
         assert!(!(a_leads && b_leads), "both replicas lead");
-        if a_leads && knows_the_leader(&b) {
-            break (&a, &b, stop_a);
+        match (
+            a_leads && knows_the_leader(&b),
+            b_leads && knows_the_leader(&a),
+        ) {
+            (true, _) => Some((&a, &b, &stop_a)),
+            (_, true) => Some((&b, &a, &stop_b)),
+            _ => None,
         }
-        if b_leads && knows_the_leader(&a) {
-            break (&b, &a, stop_b);
-        }
-        assert!(
-            Instant::now() < deadline,
-            "no leader with a follower that knows it after 10 s"
-        );
-        tokio::time::sleep(Duration::from_millis(20)).await;
-    };
+    })
+    .await
+    .unwrap();
     stop_leader.cancel();
-    let deadline = Instant::now() + Duration::from_secs(10);
-    while !follower.is_leader() && Instant::now() < deadline {
-        tokio::time::sleep(Duration::from_millis(20)).await;
-    }
+    let follower_leads = || async { follower.is_leader().then_some(()) };
+    let _ = wait_for("the follower to lead", ten_seconds, follower_leads).await;
     assert!(follower.is_leader() && !leader.is_leader());
     assert_eq!(follower.term(Instant::now()), Some(1));
     drop(task_a);

@@ -82,34 +82,28 @@ async fn settle(
     Ok((running, pending))
 }
 
-/// Creates pods one at a time, each once the previous one is bound: a stream of arrivals.
-/// (In a burst, kube-scheduler scores the next pod before the previous bind reached the
-/// extender, as the real one does; a stream shows the packing policy itself.)
-async fn create_stream(
+/// Creates a pod `{prefix}-{i}-{gib}g` per size, one after another.
+async fn create_all(c: &TestCluster, prefix: &str, sizes: &[u64]) -> anyhow::Result<Vec<String>> {
+    create_pods(c, prefix, sizes, false).await
+}
+
+/// Creates the pods one at a time, each once the previous one is bound when `stream`: a
+/// stream of arrivals. (In a burst, kube-scheduler scores the next pod before the previous
+/// bind reached the extender, as the real one does; a stream shows the packing policy itself.)
+async fn create_pods(
     cluster: &TestCluster,
     prefix: &str,
     sizes: &[u64],
+    stream: bool,
 ) -> anyhow::Result<Vec<String>> {
     let pods: Api<Pod> = Api::namespaced(cluster.client.clone(), "default");
     let mut names = Vec::new();
     for (i, gib) in sizes.iter().enumerate() {
         let name = format!("{prefix}-{i}-{gib}g");
         create_gpu_pod(cluster, &name, *gib).await?;
-        wait_bound(&pods, &name).await?;
-        names.push(name);
-    }
-    Ok(names)
-}
-
-async fn create_all(
-    cluster: &TestCluster,
-    prefix: &str,
-    sizes: &[u64],
-) -> anyhow::Result<Vec<String>> {
-    let mut names = Vec::new();
-    for (i, gib) in sizes.iter().enumerate() {
-        let name = format!("{prefix}-{i}-{gib}g");
-        create_gpu_pod(cluster, &name, *gib).await?;
+        if stream {
+            wait_bound(&pods, &name).await?;
+        }
         names.push(name);
     }
     Ok(names)
@@ -159,21 +153,19 @@ async fn wait_all_running(
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn notebook_story_three_share_one_gpu_and_the_fourth_waits_then_runs() -> anyhow::Result<()> {
-    with_cluster(
-        ClusterSpec::labelled(&[("gpu-node-1", &[15])]),
-        async |cluster| {
-            let outcome = notebook(&*cluster, &Quiet).await?;
-            assert_eq!(outcome.sharing.len(), 3);
-            assert!(
-                outcome.pending_reason.contains("example.com/gpu-mem")
-                    || outcome.pending_reason.contains("GiB"),
-                "the reason should name GPU memory: {}",
-                outcome.pending_reason
-            );
-            assert_eq!(outcome.fourth_gpu, outcome.sharing[0].1);
-            Ok(())
-        },
-    )
+    let spec = ClusterSpec::labelled(&[("gpu-node-1", &[15])]);
+    with_cluster(spec, async |cluster| {
+        let outcome = notebook(&*cluster, &Quiet).await?;
+        assert_eq!(outcome.sharing.len(), 3);
+        assert!(
+            outcome.pending_reason.contains("example.com/gpu-mem")
+                || outcome.pending_reason.contains("GiB"),
+            "the reason should name GPU memory: {}",
+            outcome.pending_reason
+        );
+        assert_eq!(outcome.fourth_gpu, outcome.sharing[0].1);
+        Ok(())
+    })
     .await
 }
 
@@ -208,7 +200,7 @@ async fn two_nodes_mixed_stream_packs_nodes_and_keeps_whole_gpus_free() -> anyho
         ClusterSpec::labelled(&[("node-a", &[16, 16, 16, 16]), ("node-b", &[16, 16, 16, 16])]);
     with_cluster(spec, async |cluster| {
         // 40 GiB of small and medium pods: less than one node holds.
-        let small = create_stream(cluster, "small", &[1, 2, 4, 8, 3, 2, 1, 6, 5, 8]).await?;
+        let small = create_pods(cluster, "small", &[1, 2, 4, 8, 3, 2, 1, 6, 5, 8], true).await?;
         let (running, pending) = settle(cluster, &small).await?;
         assert!(pending.is_empty(), "all fit: {pending:?}");
         let where_ = placements(&*cluster, &small).await?;
@@ -280,150 +272,142 @@ async fn a_pod_behind_its_twin_binds_once_kubelet_admits_the_twin() -> anyhow::R
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn mixed_gpu_sizes_put_large_pods_on_the_large_gpu() -> anyhow::Result<()> {
-    with_cluster(
-        ClusterSpec::labelled(&[("mixed", &[16, 24])]),
-        async |cluster| {
-            create_gpu_pod(&*cluster, "big", 20).await?;
-            let pod = wait_running(&*cluster, "big").await?;
-            check_pinned(&*cluster, &pod).await?;
-            assert_eq!(
-                allocation(&pod)?.gpu_index,
-                1,
-                "only the 24 GiB GPU holds 20 GiB"
-            );
-            create_gpu_pod(&*cluster, "small", 4).await?;
-            let small = wait_running(&*cluster, "small").await?;
-            assert_eq!(
-                allocation(&small)?.gpu_index,
-                1,
-                "binpack: the GPU with least free that fits (4 GiB left)"
-            );
-            check_no_overcommit(&cluster.client).await?;
-            Ok(())
-        },
-    )
+    let spec = ClusterSpec::labelled(&[("mixed", &[16, 24])]);
+    with_cluster(spec, async |cluster| {
+        create_gpu_pod(&*cluster, "big", 20).await?;
+        let pod = wait_running(&*cluster, "big").await?;
+        check_pinned(&*cluster, &pod).await?;
+        assert_eq!(
+            allocation(&pod)?.gpu_index,
+            1,
+            "only the 24 GiB GPU holds 20 GiB"
+        );
+        create_gpu_pod(&*cluster, "small", 4).await?;
+        let small = wait_running(&*cluster, "small").await?;
+        assert_eq!(
+            allocation(&small)?.gpu_index,
+            1,
+            "binpack: the GPU with least free that fits (4 GiB left)"
+        );
+        check_no_overcommit(&cluster.client).await?;
+        Ok(())
+    })
     .await
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn device_plugin_and_kubelet_restarts_keep_serving() -> anyhow::Result<()> {
-    with_cluster(
-        ClusterSpec::labelled(&[("n1", &[16, 16])]),
-        async |cluster| {
-            let first = create_all(cluster, "before", &[4, 4, 2]).await?;
-            settle(cluster, &first).await?;
-            cluster.restart_device_plugin("n1").await?;
-            let second = create_all(cluster, "after-plugin", &[4, 2]).await?;
-            let (running, pending) = settle(cluster, &second).await?;
-            assert_eq!(running.len(), 2, "pending: {pending:?}");
-            cluster.restart_kubelet("n1").await?;
-            let third = create_all(cluster, "after-kubelet", &[8, 1]).await?;
-            let (running, pending) = settle(cluster, &third).await?;
-            assert_eq!(running.len(), 2, "pending: {pending:?}");
-            // A rollout: the new plugin starts while the old one shuts down.
-            cluster.roll_device_plugin("n1").await?;
-            let fourth = create_all(cluster, "after-rollout", &[4, 2]).await?;
-            let (running, pending) = settle(cluster, &fourth).await?;
-            assert_eq!(running.len(), 2, "pending: {pending:?}");
-            Ok(())
-        },
-    )
+    let spec = ClusterSpec::labelled(&[("n1", &[16, 16])]);
+    with_cluster(spec, async |cluster| {
+        let first = create_all(cluster, "before", &[4, 4, 2]).await?;
+        settle(cluster, &first).await?;
+        cluster.restart_device_plugin("n1").await?;
+        let second = create_all(cluster, "after-plugin", &[4, 2]).await?;
+        let (running, pending) = settle(cluster, &second).await?;
+        assert_eq!(running.len(), 2, "pending: {pending:?}");
+        cluster.restart_kubelet("n1").await?;
+        let third = create_all(cluster, "after-kubelet", &[8, 1]).await?;
+        let (running, pending) = settle(cluster, &third).await?;
+        assert_eq!(running.len(), 2, "pending: {pending:?}");
+        // A rollout: the new plugin starts while the old one shuts down.
+        cluster.roll_device_plugin("n1").await?;
+        let fourth = create_all(cluster, "after-rollout", &[4, 2]).await?;
+        let (running, pending) = settle(cluster, &fourth).await?;
+        assert_eq!(running.len(), 2, "pending: {pending:?}");
+        Ok(())
+    })
     .await
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn api_server_errors_slowness_and_watch_drops_lose_nothing() -> anyhow::Result<()> {
-    with_cluster(
-        ClusterSpec::labelled(&[("n1", &[16, 16]), ("n2", &[16])]),
-        async |cluster| {
-            let faults = cluster.api.faults();
-            faults.set_latency(Duration::from_millis(15));
-            faults.set_error_rate(Verb::Create, 0.2, 500);
-            faults.set_error_rate(Verb::Patch, 0.2, 503);
-            faults.set_error_rate(Verb::List, 0.1, 429);
-            let dropper = {
-                let faults = faults.clone();
-                tokio::spawn(async move {
-                    for _ in 0..6 {
-                        tokio::time::sleep(Duration::from_millis(700)).await;
-                        faults.drop_watches();
+    let spec = ClusterSpec::labelled(&[("n1", &[16, 16]), ("n2", &[16])]);
+    with_cluster(spec, async |cluster| {
+        let faults = cluster.api.faults();
+        faults.set_latency(Duration::from_millis(15));
+        faults.set_error_rate(Verb::Create, 0.2, 500);
+        faults.set_error_rate(Verb::Patch, 0.2, 503);
+        faults.set_error_rate(Verb::List, 0.1, 429);
+        let dropper = {
+            let faults = faults.clone();
+            tokio::spawn(async move {
+                for _ in 0..6 {
+                    tokio::time::sleep(Duration::from_millis(700)).await;
+                    faults.drop_watches();
+                }
+            })
+        };
+        // Pod creation itself goes through the faulty server: retry like a user would.
+        let sizes = [4, 4, 2, 8, 6, 3, 1, 5, 8, 2];
+        let mut names = Vec::new();
+        for (i, gib) in sizes.iter().enumerate() {
+            let name = format!("faulty-{i}-{gib}g");
+            wait_for(
+                "pod creation through the faults",
+                Duration::from_secs(30),
+                || async {
+                    match create_gpu_pod(&*cluster, &name, *gib).await {
+                        Ok(_) => Some(()),
+                        Err(error) => error.to_string().contains("AlreadyExists").then_some(()),
                     }
-                })
-            };
-            // Pod creation itself goes through the faulty server: retry like a user would.
-            let sizes = [4, 4, 2, 8, 6, 3, 1, 5, 8, 2];
-            let mut names = Vec::new();
-            for (i, gib) in sizes.iter().enumerate() {
-                let name = format!("faulty-{i}-{gib}g");
-                wait_for(
-                    "pod creation through the faults",
-                    Duration::from_secs(30),
-                    || async {
-                        match create_gpu_pod(&*cluster, &name, *gib).await {
-                            Ok(_) => Some(()),
-                            Err(error) => error.to_string().contains("AlreadyExists").then_some(()),
-                        }
-                    },
-                )
-                .await?;
-                names.push(name);
-            }
-            dropper.await?;
-            // 43 GiB of pods of at most 8 GiB on three 16 GiB GPUs: every one of them fits,
-            // so every one of them must run, faults or not.
-            wait_all_running(cluster, &names, Duration::from_secs(60)).await?;
-            faults.clear();
-            let (running, pending) = settle(cluster, &names).await?;
-            assert!(
-                pending.is_empty(),
-                "every pod fits, none may wait: {pending:?}"
-            );
-            assert_eq!(running.len(), names.len());
-            Ok(())
-        },
-    )
+                },
+            )
+            .await?;
+            names.push(name);
+        }
+        dropper.await?;
+        // 43 GiB of pods of at most 8 GiB on three 16 GiB GPUs: every one of them fits,
+        // so every one of them must run, faults or not.
+        wait_all_running(cluster, &names, Duration::from_secs(60)).await?;
+        faults.clear();
+        let (running, pending) = settle(cluster, &names).await?;
+        assert!(
+            pending.is_empty(),
+            "every pod fits, none may wait: {pending:?}"
+        );
+        assert_eq!(running.len(), names.len());
+        Ok(())
+    })
     .await
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn an_unhealthy_gpu_gets_no_new_pods_until_it_recovers() -> anyhow::Result<()> {
-    with_cluster(
-        ClusterSpec::labelled(&[("n1", &[16, 16])]),
-        async |cluster| {
-            cluster.set_unhealthy("n1", &[0])?;
-            let nodes: Api<Node> = Api::all(cluster.client.clone());
-            wait_for(
-                "GPU 0 to be published unhealthy",
-                Duration::from_secs(30),
-                || async {
-                    let gpus = published_gpus(&nodes.get("n1").await.ok()?)?.ok()?;
-                    gpus.iter()
-                        .any(|g| g.index == 0 && !g.healthy)
-                        .then_some(())
-                },
-            )
-            .await?;
-            let names = create_all(cluster, "avoid", &[8, 8, 8]).await?;
-            let (running, pending) = settle(cluster, &names).await?;
-            for pod in &running {
-                assert_eq!(
-                    allocation(pod)?.gpu_index,
-                    1,
-                    "nothing new on the unhealthy GPU"
-                );
-            }
-            assert_eq!(running.len(), 2);
-            assert_eq!(pending.len(), 1, "{pending:?}");
-            cluster.set_unhealthy("n1", &[])?;
-            let waiting = &pending[0].0;
-            let pod = wait_running(&*cluster, waiting)
-                .await
-                .context("the waiting pod should start on recovery")?;
-            assert_eq!(allocation(&pod)?.gpu_index, 0);
-            check_pinned(&*cluster, &pod).await?;
-            Ok(())
-        },
-    )
+    let spec = ClusterSpec::labelled(&[("n1", &[16, 16])]);
+    with_cluster(spec, async |cluster| {
+        cluster.set_unhealthy("n1", &[0])?;
+        let nodes: Api<Node> = Api::all(cluster.client.clone());
+        wait_for(
+            "GPU 0 to be published unhealthy",
+            Duration::from_secs(30),
+            || async {
+                let gpus = published_gpus(&nodes.get("n1").await.ok()?)?.ok()?;
+                gpus.iter()
+                    .any(|g| g.index == 0 && !g.healthy)
+                    .then_some(())
+            },
+        )
+        .await?;
+        let names = create_all(cluster, "avoid", &[8, 8, 8]).await?;
+        let (running, pending) = settle(cluster, &names).await?;
+        for pod in &running {
+            assert_eq!(
+                allocation(pod)?.gpu_index,
+                1,
+                "nothing new on the unhealthy GPU"
+            );
+        }
+        assert_eq!(running.len(), 2);
+        assert_eq!(pending.len(), 1, "{pending:?}");
+        cluster.set_unhealthy("n1", &[])?;
+        let waiting = &pending[0].0;
+        let pod = wait_running(&*cluster, waiting)
+            .await
+            .context("the waiting pod should start on recovery")?;
+        assert_eq!(allocation(&pod)?.gpu_index, 0);
+        check_pinned(&*cluster, &pod).await?;
+        Ok(())
+    })
     .await
 }
 
@@ -816,42 +800,34 @@ async fn api_stall_mid_burst(
     .await
 }
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn api_stall_mid_burst_every_pod_that_fits_binds() -> anyhow::Result<()> {
-    api_stall_mid_burst(
-        "api_stall_mid_burst_every_pod_that_fits_binds",
-        Duration::from_secs(5),
-        Duration::from_secs(8),
-        HeldWrites::Commit,
-    )
-    .await
+/// A test of [`api_stall_mid_burst`]: `httpTimeout` and stall in seconds, and what becomes of
+/// the held writes.
+macro_rules! api_stall_test {
+    ($(#[$doc:meta])* $name:ident, $http_timeout:expr, $stall:expr, $held:ident) => {
+        $(#[$doc])*
+        #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+        async fn $name() -> anyhow::Result<()> {
+            let (http_timeout, stall) = (Duration::from_secs($http_timeout), Duration::from_secs($stall));
+            api_stall_mid_burst(stringify!($name), http_timeout, stall, HeldWrites::$held).await
+        }
+    };
 }
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn api_stall_mid_burst_with_one_second_http_timeout_every_pod_that_fits_binds()
--> anyhow::Result<()> {
-    api_stall_mid_burst(
-        "api_stall_mid_burst_with_one_second_http_timeout_every_pod_that_fits_binds",
-        Duration::from_secs(1),
-        Duration::from_secs(3),
-        HeldWrites::Commit,
-    )
-    .await
-}
-
-/// The same stall, but every write it held is lost: the extender must notice that its
-/// Bindings did not happen (nothing tells it) and give the GPU memory back.
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn api_stall_losing_the_held_writes_mid_burst_every_pod_that_fits_binds() -> anyhow::Result<()>
-{
-    api_stall_mid_burst(
-        "api_stall_losing_the_held_writes_mid_burst_every_pod_that_fits_binds",
-        Duration::from_secs(5),
-        Duration::from_secs(8),
-        HeldWrites::Fail,
-    )
-    .await
-}
+api_stall_test!(api_stall_mid_burst_every_pod_that_fits_binds, 5, 8, Commit);
+api_stall_test!(
+    api_stall_mid_burst_with_one_second_http_timeout_every_pod_that_fits_binds,
+    1,
+    3,
+    Commit
+);
+api_stall_test!(
+    /// The same stall, but every write it held is lost: the extender must notice that its
+    /// Bindings did not happen (nothing tells it) and give the GPU memory back.
+    api_stall_losing_the_held_writes_mid_burst_every_pod_that_fits_binds,
+    5,
+    8,
+    Fail
+);
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn extender_killed_three_times_mid_burst_every_pod_that_fits_binds() -> anyhow::Result<()> {

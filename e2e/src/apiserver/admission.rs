@@ -31,6 +31,8 @@ use std::collections::HashMap;
 use cel::{Context, Program};
 use serde_json::Value;
 
+use super::objects::meta_str;
+
 /// Why a policy document could not be loaded.
 #[derive(Debug, thiserror::Error)]
 pub enum PolicyError {
@@ -40,37 +42,19 @@ pub enum PolicyError {
     /// A CEL expression did not compile.
     #[error("policy {policy:?}: compiling {expression:?}: {message}")]
     Compile {
-        /// The policy's name.
         policy: String,
-        /// The expression.
         expression: String,
-        /// The parser's complaint.
         message: String,
     },
     /// A field this server does not evaluate, which would change the policy's meaning.
     #[error("{object:?}: {field} is not supported by the e2e API server's admission")]
-    Unsupported {
-        /// The policy or binding.
-        object: String,
-        /// The field.
-        field: &'static str,
-    },
+    Unsupported { object: String, field: &'static str },
     /// A required field is missing or of the wrong shape.
     #[error("{object:?}: {field} is missing or malformed")]
-    Malformed {
-        /// The policy or binding.
-        object: String,
-        /// The field.
-        field: &'static str,
-    },
+    Malformed { object: String, field: &'static str },
     /// A binding names a policy that is not in the set.
     #[error("binding {binding:?} names policy {policy:?}, which is not loaded")]
-    UnknownPolicy {
-        /// The binding.
-        binding: String,
-        /// The policy it names.
-        policy: String,
-    },
+    UnknownPolicy { binding: String, policy: String },
 }
 
 /// CREATE or UPDATE (a PATCH is an UPDATE, evaluated on the patched result).
@@ -104,7 +88,6 @@ pub struct AdmissionRequest<'a> {
     pub resource: &'a str,
     /// `""` for the resource itself, else `status`, `binding`, …
     pub subresource: &'a str,
-    /// The kind (`Pod`).
     pub kind: &'a str,
     pub namespace: &'a str,
     pub name: &'a str,
@@ -121,7 +104,6 @@ pub struct Denial {
     pub binding: String,
     /// The validation's `reason` (`Invalid` when it gives none, and for evaluation errors).
     pub reason: String,
-    /// The validation's message.
     pub message: String,
 }
 
@@ -283,11 +265,7 @@ fn named_exprs(policy: &str, list: Option<&Value>) -> Result<Vec<(String, Expr)>
 }
 
 fn parse_policy(doc: &Value) -> Result<Policy, PolicyError> {
-    let name = doc
-        .pointer("/metadata/name")
-        .and_then(Value::as_str)
-        .unwrap_or("")
-        .to_owned();
+    let name = meta_str(doc, "name").unwrap_or("").to_owned();
     let unsupported = |field| PolicyError::Unsupported {
         object: name.clone(),
         field,
@@ -363,23 +341,18 @@ impl AdmissionPolicies {
         let bindings = bindings
             .iter()
             .filter_map(|doc| {
-                let name = doc
-                    .pointer("/metadata/name")
-                    .and_then(Value::as_str)
-                    .unwrap_or("")
-                    .to_owned();
+                let name = meta_str(doc, "name").unwrap_or("").to_owned();
                 let spec = &doc["spec"];
-                if !is_empty(spec.get("paramRef")) {
-                    return Some(Err(PolicyError::Unsupported {
-                        object: name,
-                        field: "spec.paramRef",
-                    }));
-                }
-                if !is_empty(spec.get("matchResources")) {
-                    return Some(Err(PolicyError::Unsupported {
-                        object: name,
-                        field: "spec.matchResources",
-                    }));
+                for (key, field) in [
+                    ("paramRef", "spec.paramRef"),
+                    ("matchResources", "spec.matchResources"),
+                ] {
+                    if !is_empty(spec.get(key)) {
+                        return Some(Err(PolicyError::Unsupported {
+                            object: name,
+                            field,
+                        }));
+                    }
                 }
                 // Warn and Audit never refuse a request.
                 if !strings(&spec["validationActions"])

@@ -6,7 +6,7 @@ use http::StatusCode;
 use serde_json::{Value, json};
 
 use super::App;
-use super::objects::{self, meta_mut, meta_str};
+use super::objects::{self, meta_mut, meta_str, str_at};
 use super::request::{Reply, Target, current_or_404, parse_body};
 use super::resources::Kind;
 use super::status::{self, ApiError};
@@ -29,14 +29,8 @@ pub(super) fn bind(app: &App, target: &Target, body: &[u8]) -> Reply {
             "the namespace of the provided object does not match the namespace sent on the request",
         ));
     }
-    let target_kind = binding
-        .pointer("/target/kind")
-        .and_then(Value::as_str)
-        .unwrap_or("");
-    let node = binding
-        .pointer("/target/name")
-        .and_then(Value::as_str)
-        .unwrap_or("");
+    let target_kind = str_at(&binding, "/target/kind").unwrap_or("");
+    let node = str_at(&binding, "/target/name").unwrap_or("");
     let mut causes = Vec::new();
     if !target_kind.is_empty() && target_kind != "Node" {
         causes.push(format!(
@@ -66,7 +60,7 @@ pub(super) fn bind(app: &App, target: &Target, body: &[u8]) -> Reply {
                 "Operation cannot be fulfilled on pods/binding \"{pod_name}\": pod {pod_name} is being deleted, cannot be assigned to a host"
             )));
         }
-        if let Some(bound) = current.pointer("/spec/nodeName").and_then(Value::as_str).filter(|n| !n.is_empty()) {
+        if let Some(bound) = str_at(&current, "/spec/nodeName").filter(|n| !n.is_empty()) {
             return Err(ApiError::conflict("pods", pod_name, format!(
                 "Operation cannot be fulfilled on pods/binding \"{pod_name}\": pod {pod_name} is already assigned to node \"{bound}\""
             )));

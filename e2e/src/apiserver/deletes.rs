@@ -10,8 +10,8 @@ use http::StatusCode;
 use serde_json::{Value, json};
 
 use super::App;
-use super::objects::{self, DEFAULT_GRACE_SECONDS, meta_mut, meta_str};
-use super::request::{Params, Reply, Target, current_or_404, dry_run, parse_body};
+use super::objects::{self, DEFAULT_GRACE_SECONDS, meta_mut, meta_str, str_at};
+use super::request::{Params, Reply, Target, current_or_404, dry_run, parse_body, parse_param};
 use super::resources::Kind;
 use super::status::{ApiError, ApiResult};
 
@@ -32,26 +32,17 @@ fn delete_options(params: &Params, body: &[u8]) -> ApiResult<DeleteOptions> {
         serde_json::from_slice(body)
             .map_err(|err| ApiError::bad_request(format!("invalid DeleteOptions: {err}")))?
     };
-    let query_grace = match params.get("gracePeriodSeconds") {
-        Some(g) => Some(
-            g.parse::<i64>()
-                .map_err(|_| ApiError::bad_request(format!("invalid gracePeriodSeconds {g:?}")))?,
-        ),
-        None => None,
-    };
+    let query_grace = params
+        .get("gracePeriodSeconds")
+        .map(|g| parse_param::<i64>("gracePeriodSeconds", g))
+        .transpose()?;
     Ok(DeleteOptions {
         grace: body
             .get("gracePeriodSeconds")
             .and_then(Value::as_i64)
             .or(query_grace),
-        uid: body
-            .pointer("/preconditions/uid")
-            .and_then(Value::as_str)
-            .map(str::to_owned),
-        resource_version: body
-            .pointer("/preconditions/resourceVersion")
-            .and_then(Value::as_str)
-            .map(str::to_owned),
+        uid: str_at(&body, "/preconditions/uid").map(str::to_owned),
+        resource_version: str_at(&body, "/preconditions/resourceVersion").map(str::to_owned),
     })
 }
 
@@ -73,16 +64,10 @@ pub(super) fn delete(app: &App, target: &Target, params: &Params, body: &[u8]) -
                 "Precondition failed: ResourceVersion in precondition: {want}, ResourceVersion in object meta: {rv}"
             )));
         }
-        let has_finalizers = current
-            .pointer("/metadata/finalizers")
-            .and_then(Value::as_array)
-            .is_some_and(|f| !f.is_empty());
+        let has_finalizers = objects::has_finalizers(&current);
         let grace = if target.kind == Kind::Pod {
-            let bound = current.pointer("/spec/nodeName").and_then(Value::as_str).is_some_and(|n| !n.is_empty());
-            let terminal = matches!(
-                current.pointer("/status/phase").and_then(Value::as_str),
-                Some("Succeeded" | "Failed")
-            );
+            let bound = str_at(&current, "/spec/nodeName").is_some_and(|n| !n.is_empty());
+            let terminal = matches!(str_at(&current, "/status/phase"), Some("Succeeded" | "Failed"));
             let requested = options.grace.unwrap_or_else(|| {
                 current
                     .pointer("/spec/terminationGracePeriodSeconds")
@@ -143,14 +128,8 @@ pub(super) fn delete(app: &App, target: &Target, params: &Params, body: &[u8]) -
 pub(super) fn evict(app: &App, target: &Target, params: &Params, body: &[u8]) -> Reply {
     let eviction = parse_body("application/json", body)?;
     let pod_name = target.name();
-    let kind = eviction
-        .get("kind")
-        .and_then(Value::as_str)
-        .unwrap_or("Eviction");
-    let version = eviction
-        .get("apiVersion")
-        .and_then(Value::as_str)
-        .unwrap_or("policy/v1");
+    let kind = eviction["kind"].as_str().unwrap_or("Eviction");
+    let version = eviction["apiVersion"].as_str().unwrap_or("policy/v1");
     if kind != "Eviction" || !matches!(version, "policy/v1" | "policy/v1beta1") {
         return Err(ApiError::bad_request(format!(
             "the body of an eviction must be a policy/v1 Eviction, not {version} {kind}"

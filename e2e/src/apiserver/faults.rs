@@ -29,7 +29,6 @@ struct Stall {
 
 /// What becomes of an accepted write once faults let it go.
 pub(crate) enum Release {
-    /// Apply it.
     Apply,
     /// Answer with this error, unapplied.
     Fail(status::ApiError),
@@ -40,7 +39,6 @@ pub(crate) enum Release {
 pub struct Faults {
     inner: Arc<Mutex<FaultState>>,
     drop_watches: Arc<tokio::sync::watch::Sender<u64>>,
-    /// The current write stall, if any.
     stall: Arc<tokio::sync::watch::Sender<Option<Stall>>>,
     /// Bearer tokens cut off from the server (a network partition of one client).
     cut: Arc<tokio::sync::watch::Sender<std::collections::BTreeSet<String>>>,
@@ -116,9 +114,7 @@ impl Faults {
     }
 
     fn state(&self) -> std::sync::MutexGuard<'_, FaultState> {
-        self.inner
-            .lock()
-            .unwrap_or_else(|poison| poison.into_inner())
+        super::locked(&self.inner)
     }
 
     /// Delay added before every request is handled.
@@ -196,34 +192,32 @@ impl Faults {
     /// watch cache) until the current stall ends: with etcd frozen, a quorum read waits like a
     /// write. False when the server shuts down meanwhile.
     pub(crate) async fn hold_consistent_read(&self, cancel: &CancellationToken) -> bool {
-        let mut stall = self.stall.subscribe();
-        loop {
-            let current = *stall.borrow_and_update();
-            let Some(current) = current.filter(|s| s.until > Instant::now()) else {
-                return true;
-            };
-            tokio::select! {
-                () = cancel.cancelled() => return false,
-                () = tokio::time::sleep_until(current.until) => {}
-                _ = stall.changed() => {}
-            }
-        }
+        self.wait_out_stall(cancel).await.is_some()
     }
 
     /// Holds an accepted write through the current stall, and says
     /// what becomes of it. `None` if the server shut down meanwhile (nothing is applied).
     pub(crate) async fn hold_write(&self, cancel: &CancellationToken) -> Option<Release> {
+        if self.wait_out_stall(cancel).await?.is_some_and(|s| s.fail) {
+            return Some(Release::Fail(status::ApiError::new(
+                500,
+                "InternalError",
+                "Internal error occurred: etcdserver: leader changed",
+            )));
+        }
+        Some(Release::Apply)
+    }
+
+    /// Waits until no stall holds what arrives now, and returns the stall that held the
+    /// request as it was when it let go: ended by time, that stall decides; ended by `clear`
+    /// (or none held it), `Some(None)`. `None` if the server shut down meanwhile.
+    async fn wait_out_stall(&self, cancel: &CancellationToken) -> Option<Option<Stall>> {
         let mut stall = self.stall.subscribe();
-        // The stall that held the write, as it was when the write was let go.
         let mut held_by: Option<Stall> = None;
         loop {
             let current = *stall.borrow_and_update();
             let Some(current) = current.filter(|s| s.until > Instant::now()) else {
-                // Ended by time: the stall decides; ended by `clear`: the write goes through.
-                if current.is_none() {
-                    held_by = None;
-                }
-                break;
+                return Some(held_by.filter(|_| current.is_some()));
             };
             held_by = Some(current);
             tokio::select! {
@@ -233,14 +227,6 @@ impl Faults {
                 _ = stall.changed() => {}
             }
         }
-        if held_by.is_some_and(|s| s.fail) {
-            return Some(Release::Fail(status::ApiError::new(
-                500,
-                "InternalError",
-                "Internal error occurred: etcdserver: leader changed",
-            )));
-        }
-        Some(Release::Apply)
     }
 
     /// The status code to fail this request with, if the dice say so.

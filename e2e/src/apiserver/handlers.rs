@@ -195,21 +195,18 @@ async fn resolve(
         (Route::Json(doc), _) => Err(axum::Json(doc).into_response()),
         (Route::Health, _) => Err("ok".into_response()),
         (_, None) => Err(ApiError::new(401, "Unauthorized", "Unauthorized").into_response()),
+        (Route::Resource(target), Some(user)) => Ok((target, user)),
+        (_, Some(_)) if method != Method::GET => {
+            Err(ApiError::method_not_allowed().into_response())
+        }
         (Route::Namespace(name), Some(user)) => {
-            if method != Method::GET {
-                return Err(ApiError::method_not_allowed().into_response());
-            }
             app.stats.record(&user, Verb::Get, "", "namespaces");
             Err(axum::Json(discovery::namespace(&name)).into_response())
         }
         (Route::Namespaces, Some(user)) => {
-            if method != Method::GET {
-                return Err(ApiError::method_not_allowed().into_response());
-            }
             app.stats.record(&user, Verb::List, "", "namespaces");
             Err(axum::Json(reads::namespace_list(app)).into_response())
         }
-        (Route::Resource(target), Some(user)) => Ok((target, user)),
     }
 }
 
@@ -312,15 +309,9 @@ impl Write {
     }
 
     fn apply(&self, app: &App) -> Reply {
-        let Write {
-            verb,
-            user,
-            target,
-            params,
-            content_type,
-            body,
-        } = self;
-        match verb {
+        let (user, target, params, body) = (&self.user, &self.target, &self.params, &self.body);
+        let content_type = &self.content_type;
+        match self.verb {
             Verb::Create if target.subresource.as_deref() == Some("binding") => {
                 bind(app, target, body)
             }

@@ -72,7 +72,7 @@ mod writes;
 use std::collections::HashMap;
 use std::net::SocketAddr;
 use std::path::Path;
-use std::sync::{Arc, Mutex, RwLock};
+use std::sync::{Arc, Mutex, MutexGuard, RwLock};
 use std::time::Duration;
 
 use rand::Rng;
@@ -162,25 +162,17 @@ impl Access {
             });
         };
         let token = header.strip_prefix("Bearer ")?.trim();
-        self.tokens
-            .lock()
-            .unwrap_or_else(|poison| poison.into_inner())
-            .get(token)
-            .cloned()
+        locked(&self.tokens).get(token).cloned()
     }
 
     fn issue(&self, username: &str, node: Option<&str>) -> String {
         let token = format!("kubesim-{:032x}", rand::rng().random::<u128>());
-        self.tokens
-            .lock()
-            .unwrap_or_else(|poison| poison.into_inner())
-            .insert(
-                token.clone(),
-                Caller {
-                    name: username.to_owned(),
-                    node: node.map(str::to_owned),
-                },
-            );
+        let name = username.to_owned();
+        let caller = Caller {
+            name,
+            node: node.map(str::to_owned),
+        };
+        locked(&self.tokens).insert(token.clone(), caller);
         token
     }
 
@@ -205,11 +197,7 @@ pub(crate) struct App {
 impl ApiServer {
     /// Binds 127.0.0.1 on a free port and serves until shutdown or drop.
     pub async fn start() -> anyhow::Result<ApiServer> {
-        Self::start_on(SocketAddr::from(([127, 0, 0, 1], 0))).await
-    }
-
-    /// Binds `addr` and serves until shutdown or drop.
-    async fn start_on(addr: SocketAddr) -> anyhow::Result<ApiServer> {
+        let addr = SocketAddr::from(([127, 0, 0, 1], 0));
         let listener = tokio::net::TcpListener::bind(addr)
             .await
             .map_err(|err| anyhow::anyhow!("binding the API server to {addr}: {err}"))?;
@@ -252,10 +240,6 @@ impl ApiServer {
         format!("http://{}", self.addr)
     }
 
-    pub fn addr(&self) -> SocketAddr {
-        self.addr
-    }
-
     /// A plain `kube::Client` for [`ApiServer::url`], built as any program would build one
     /// from a `kube::Config`. Must be called inside a Tokio runtime (the client spawns its
     /// request buffer there).
@@ -274,22 +258,21 @@ impl ApiServer {
     /// A kubeconfig for this server: plain http, a user without credentials (so
     /// [`ADMIN_USER`]), current-context set.
     pub fn kubeconfig_yaml(&self) -> String {
-        self.kubeconfig_with_user("{}")
+        kubeconfig_yaml(&self.url(), "{}")
     }
 
     /// A kubeconfig like [`ApiServer::kubeconfig_yaml`] whose user is `username` (a bearer
     /// token this server maps to it), e.g.
     /// `system:serviceaccount:kube-system:gpushare-extender`.
     pub fn kubeconfig_yaml_as(&self, username: &str) -> String {
-        let token = self.access.issue(username, None);
-        self.kubeconfig_with_user(&format!("{{token: {token}}}"))
+        self.kubeconfig_yaml_and_token_as(username).0
     }
 
     /// A kubeconfig like [`ApiServer::kubeconfig_yaml_as`], and its bearer token (for
     /// [`Faults::cut`]): one client of `username` among several.
     pub fn kubeconfig_yaml_and_token_as(&self, username: &str) -> (String, String) {
         let token = self.access.issue(username, None);
-        let yaml = self.kubeconfig_with_user(&format!("{{token: {token}}}"));
+        let yaml = kubeconfig_yaml(&self.url(), &format!("{{token: {token}}}"));
         (yaml, token)
     }
 
@@ -322,10 +305,6 @@ impl ApiServer {
             url: self.url(),
             username: username.to_owned(),
         }
-    }
-
-    fn kubeconfig_with_user(&self, user: &str) -> String {
-        kubeconfig_yaml(&self.url(), user)
     }
 
     pub fn write_kubeconfig(&self, path: &Path) -> std::io::Result<()> {
@@ -379,6 +358,12 @@ impl Verb {
             Verb::Delete => "delete",
         }
     }
+}
+
+/// The guard of `mutex`, poisoned or not: every lock here guards plain maps and counters that a
+/// panic elsewhere cannot leave half-written in a way that matters to a test server.
+pub(crate) fn locked<T>(mutex: &Mutex<T>) -> MutexGuard<'_, T> {
+    mutex.lock().unwrap_or_else(|poison| poison.into_inner())
 }
 
 /// A kubeconfig for this server's URL whose user entry is `user` (YAML flow mapping).

@@ -12,9 +12,7 @@ pub(crate) const DEFAULT_GRACE_SECONDS: i64 = 30;
 
 /// RFC 3339 UTC with second precision, as `metav1.Time` is written.
 pub(crate) fn now() -> String {
-    jiff::Timestamp::now()
-        .strftime("%Y-%m-%dT%H:%M:%SZ")
-        .to_string()
+    now_plus(0)
 }
 
 /// RFC 3339 UTC, `seconds` from now.
@@ -53,6 +51,19 @@ pub(crate) fn name_suffix() -> String {
 
 pub(crate) fn meta_str<'a>(object: &'a Value, field: &str) -> Option<&'a str> {
     object.get("metadata")?.get(field)?.as_str()
+}
+
+/// The string at JSON `pointer`, if there is one.
+pub(crate) fn str_at<'a>(object: &'a Value, pointer: &str) -> Option<&'a str> {
+    object.pointer(pointer)?.as_str()
+}
+
+/// Whether the object lists any `metadata.finalizers`.
+pub(crate) fn has_finalizers(object: &Value) -> bool {
+    object
+        .pointer("/metadata/finalizers")
+        .and_then(Value::as_array)
+        .is_some_and(|f| !f.is_empty())
 }
 
 /// `value` as a JSON object, replacing it with `{}` when it is anything else.
@@ -171,12 +182,8 @@ fn check_resources(path: &str, container: &Value, causes: &mut Vec<String>) {
             && !name.starts_with("kubernetes.io/")
             && !name.contains(".kubernetes.io/")
     };
-    let limits = container
-        .pointer("/resources/limits")
-        .and_then(Value::as_object);
-    let requests = container
-        .pointer("/resources/requests")
-        .and_then(Value::as_object);
+    let limits = container["resources"]["limits"].as_object();
+    let requests = container["resources"]["requests"].as_object();
     for (which, map) in [("limits", limits), ("requests", requests)] {
         for (name, value) in map.into_iter().flatten() {
             if extended(name) {
@@ -219,7 +226,7 @@ fn check_pod(pod: &Value, causes: &mut Vec<String>) {
         };
         for (i, container) in list.iter().enumerate() {
             let path = format!("spec.{field}[{i}]");
-            let name = container.get("name").and_then(Value::as_str).unwrap_or("");
+            let name = container["name"].as_str().unwrap_or("");
             if !is_dns_label(name) {
                 causes.push(format!(
                     "{path}.name: Invalid value: {name:?}: must be a lowercase RFC 1123 label"
@@ -228,11 +235,7 @@ fn check_pod(pod: &Value, causes: &mut Vec<String>) {
                 causes.push(format!("{path}.name: Duplicate value: {name:?}"));
             }
             seen.push(name);
-            if container
-                .get("image")
-                .and_then(Value::as_str)
-                .is_none_or(str::is_empty)
-            {
+            if container["image"].as_str().is_none_or(str::is_empty) {
                 causes.push(format!("{path}.image: Required value"));
             }
             check_resources(&path, container, causes);
@@ -240,47 +243,42 @@ fn check_pod(pod: &Value, causes: &mut Vec<String>) {
     }
 }
 
+/// The containers' `resources.limits` and `requests` maps: (JSON pointer, field path).
+fn container_quantity_maps(object: &Value) -> Vec<(String, String)> {
+    let mut maps = Vec::new();
+    for list in ["containers", "initContainers"] {
+        let count = object
+            .pointer(&format!("/spec/{list}"))
+            .and_then(Value::as_array);
+        for i in 0..count.map_or(0, Vec::len) {
+            for which in ["limits", "requests"] {
+                maps.push((
+                    format!("/spec/{list}/{i}/resources/{which}"),
+                    format!("spec.{list}[{i}].resources.{which}"),
+                ));
+            }
+        }
+    }
+    maps
+}
+
 /// Quantities written as JSON numbers (`example.com/gpu-mem: 4` in YAML) are stored as strings,
 /// as the real server's decoding does; typed clients cannot read a numeric quantity.
 fn normalize_quantities(kind: Kind, object: &mut Value) {
-    let mut maps: Vec<&mut Value> = Vec::new();
-    match kind {
-        Kind::Pod => {
-            if let Some(Value::Object(spec)) = object.get_mut("spec") {
-                for (field, value) in spec.iter_mut() {
-                    match (field.as_str(), value) {
-                        ("containers" | "initContainers", Value::Array(containers)) => {
-                            for container in containers {
-                                if let Some(Value::Object(resources)) =
-                                    container.get_mut("resources")
-                                {
-                                    for (name, map) in resources.iter_mut() {
-                                        if name == "limits" || name == "requests" {
-                                            maps.push(map);
-                                        }
-                                    }
-                                }
-                            }
-                        }
-                        ("overhead", map) => maps.push(map),
-                        _ => {}
-                    }
-                }
-            }
-        }
-        Kind::Node => {
-            if let Some(Value::Object(status)) = object.get_mut("status") {
-                for (field, map) in status.iter_mut() {
-                    if field == "capacity" || field == "allocatable" {
-                        maps.push(map);
-                    }
-                }
-            }
-        }
-        _ => {}
-    }
-    for map in maps {
-        if let Value::Object(map) = map {
+    let pointers: Vec<String> = match kind {
+        Kind::Pod => container_quantity_maps(object)
+            .into_iter()
+            .map(|(pointer, _)| pointer)
+            .chain(["/spec/overhead".to_owned()])
+            .collect(),
+        Kind::Node => vec![
+            "/status/capacity".to_owned(),
+            "/status/allocatable".to_owned(),
+        ],
+        _ => Vec::new(),
+    };
+    for pointer in pointers {
+        if let Some(Value::Object(map)) = object.pointer_mut(&pointer) {
             for value in map.values_mut() {
                 if let Value::Number(n) = value {
                     *value = Value::String(n.to_string());
@@ -291,41 +289,22 @@ fn normalize_quantities(kind: Kind, object: &mut Value) {
 }
 
 fn check_quantities(object: &Value, causes: &mut Vec<String>) {
-    let check = |path: String, map: Option<&Value>, causes: &mut Vec<String>| {
-        if let Some(Value::Object(map)) = map {
-            for (name, value) in map {
-                let ok = value.as_str().is_some_and(|q| {
-                    !q.is_empty()
-                        && q.starts_with(|c: char| {
-                            c.is_ascii_digit() || c == '.' || c == '-' || c == '+'
-                        })
-                });
-                if !ok {
-                    causes.push(format!("{path}[{name}]: Invalid value: {value}: quantities must match the regular expression '^([+-]?[0-9.]+)([eEinumkKMGTP]*[-+]?[0-9]*)$'"));
-                }
+    let maps = container_quantity_maps(object).into_iter().chain(
+        ["capacity", "allocatable"]
+            .map(|which| (format!("/status/{which}"), format!("status.{which}"))),
+    );
+    for (pointer, path) in maps {
+        let Some(Value::Object(map)) = object.pointer(&pointer) else {
+            continue;
+        };
+        for (name, value) in map {
+            let ok = value.as_str().is_some_and(|q| {
+                q.starts_with(|c: char| c.is_ascii_digit() || c == '.' || c == '-' || c == '+')
+            });
+            if !ok {
+                causes.push(format!("{path}[{name}]: Invalid value: {value}: quantities must match the regular expression '^([+-]?[0-9.]+)([eEinumkKMGTP]*[-+]?[0-9]*)$'"));
             }
         }
-    };
-    for list in ["containers", "initContainers"] {
-        if let Some(Value::Array(containers)) = object.pointer(&format!("/spec/{list}")) {
-            for (i, container) in containers.iter().enumerate() {
-                for which in ["limits", "requests"] {
-                    let path = format!("spec.{list}[{i}].resources.{which}");
-                    check(
-                        path,
-                        container.pointer(&format!("/resources/{which}")),
-                        causes,
-                    );
-                }
-            }
-        }
-    }
-    for which in ["capacity", "allocatable"] {
-        check(
-            format!("status.{which}"),
-            object.pointer(&format!("/status/{which}")),
-            causes,
-        );
     }
 }
 
@@ -405,14 +384,8 @@ fn check_type(kind: Kind, object: &mut Value) -> ApiResult<()> {
             "the body of the request must be a JSON object",
         ));
     }
-    let body_kind = object
-        .get("kind")
-        .and_then(Value::as_str)
-        .unwrap_or(kind.kind());
-    let body_version = object
-        .get("apiVersion")
-        .and_then(Value::as_str)
-        .unwrap_or(kind.api_version());
+    let body_kind = object["kind"].as_str().unwrap_or(kind.kind());
+    let body_version = object["apiVersion"].as_str().unwrap_or(kind.api_version());
     if body_kind != kind.kind() || body_version != kind.api_version() {
         return Err(ApiError::bad_request(format!(
             "the API version in the data ({body_version}) does not match the expected API version ({}) or kind {body_kind} is not {}",
@@ -492,30 +465,23 @@ pub(crate) fn prepare_update(
             ),
         ));
     }
+    // `to`'s status becomes `from`'s, or goes when `from` has none.
+    let copy_status = |from: &Value, to: &mut Value| match from.get("status") {
+        Some(status) => to["status"] = status.clone(),
+        None => {
+            as_map(to).remove("status");
+        }
+    };
     let mut out = match part {
         Part::Status => {
             let mut out = current.clone();
-            match new.get("status") {
-                Some(status) => out["status"] = status.clone(),
-                None => {
-                    if let Some(map) = out.as_object_mut() {
-                        map.remove("status");
-                    }
-                }
-            }
+            copy_status(&new, &mut out);
             out
         }
         Part::Main => {
             apply_defaults(kind, &mut new);
             if kind.has_status() {
-                match current.get("status") {
-                    Some(status) => new["status"] = status.clone(),
-                    None => {
-                        if let Some(map) = new.as_object_mut() {
-                            map.remove("status");
-                        }
-                    }
-                }
+                copy_status(current, &mut new);
             }
             // Server-owned metadata is the stored object's, whatever the body says.
             let current_meta = current.get("metadata").cloned().unwrap_or_default();
@@ -582,38 +548,18 @@ mod tests {
         assert_eq!(created["metadata"]["namespace"], "default");
         assert_eq!(created["metadata"]["uid"].as_str().unwrap().len(), 36);
 
-        let mut bad = pod();
-        bad["metadata"]["name"] = json!("Not_Valid");
-        assert_eq!(
-            prepare_create(Kind::Pod, bad, Some("default"))
-                .unwrap_err()
-                .code,
-            422
-        );
-        let mut empty = pod();
-        empty["spec"]["containers"] = json!([]);
-        assert_eq!(
-            prepare_create(Kind::Pod, empty, Some("default"))
-                .unwrap_err()
-                .code,
-            422
-        );
-        let mut wrong_ns = pod();
-        wrong_ns["metadata"]["namespace"] = json!("other");
-        assert_eq!(
-            prepare_create(Kind::Pod, wrong_ns, Some("default"))
-                .unwrap_err()
-                .code,
-            400
-        );
-        let mut unequal = pod();
-        unequal["spec"]["containers"][0]["resources"] = json!({"limits": {"example.com/gpu-mem": "4"}, "requests": {"example.com/gpu-mem": "2"}});
-        assert_eq!(
-            prepare_create(Kind::Pod, unequal, Some("default"))
-                .unwrap_err()
-                .code,
-            422
-        );
+        let code = |change: &dyn Fn(&mut Value)| {
+            let mut pod = pod();
+            change(&mut pod);
+            let error = prepare_create(Kind::Pod, pod, Some("default")).unwrap_err();
+            error.code
+        };
+        assert_eq!(code(&|p| p["metadata"]["name"] = json!("Not_Valid")), 422);
+        assert_eq!(code(&|p| p["spec"]["containers"] = json!([])), 422);
+        assert_eq!(code(&|p| p["metadata"]["namespace"] = json!("other")), 400);
+        let unequal = json!({"limits": {"example.com/gpu-mem": "4"}, "requests": {"example.com/gpu-mem": "2"}});
+        let resources = |p: &mut Value| p["spec"]["containers"][0]["resources"] = unequal.clone();
+        assert_eq!(code(&resources), 422);
     }
 
     #[test]
@@ -628,12 +574,8 @@ mod tests {
 
         let mut moved = current.clone();
         moved["spec"]["nodeName"] = json!("n1");
-        assert_eq!(
-            prepare_update(Kind::Pod, &current, moved, Part::Main)
-                .unwrap_err()
-                .code,
-            422
-        );
+        let refused = prepare_update(Kind::Pod, &current, moved, Part::Main).unwrap_err();
+        assert_eq!(refused.code, 422);
 
         let mut status = current.clone();
         status["status"]["phase"] = json!("Running");

@@ -253,22 +253,11 @@ mod tests {
         let patch = json!([{"op": "add", "path": "/metadata/annotations/k", "value": "v"}]);
         let out = apply(PatchKind::Json, &obj, patch.to_string().as_bytes()).unwrap();
         assert_eq!(out["metadata"]["annotations"]["k"], "v");
+        let code = |kind, body: &[u8]| apply(kind, &obj, body).unwrap_err().code;
         let bad = json!([{"op": "test", "path": "/metadata/annotations/k", "value": "v"}]);
-        assert_eq!(
-            apply(PatchKind::Json, &obj, bad.to_string().as_bytes())
-                .unwrap_err()
-                .code,
-            422
-        );
-        assert_eq!(
-            apply(PatchKind::Merge, &obj, b"{nope").unwrap_err().code,
-            400
-        );
-        assert_eq!(
-            PatchKind::from_content_type("application/apply-patch+yaml")
-                .unwrap_err()
-                .code,
-            415
-        );
+        assert_eq!(code(PatchKind::Json, bad.to_string().as_bytes()), 422);
+        assert_eq!(code(PatchKind::Merge, b"{nope"), 400);
+        let apply_patch = PatchKind::from_content_type("application/apply-patch+yaml");
+        assert_eq!(apply_patch.unwrap_err().code, 415);
     }
 }

@@ -4,12 +4,13 @@
 //! Reads never change the store, so they live apart from the writes: what a client sees of
 //! the state, and how pages and watches line up on one resourceVersion, is here in one place.
 
+use std::collections::BTreeSet;
 use std::time::Duration;
 
 use http::StatusCode;
 use serde_json::{Value, json};
 
-use super::request::{Params, Reply, Target};
+use super::request::{Params, Reply, Target, parse_param};
 use super::resources::Kind;
 use super::selector::Selector;
 use super::status::{ApiError, ApiResult};
@@ -71,19 +72,17 @@ fn decode_continue(token: &str) -> ApiResult<(u64, Key)> {
 /// watches from it replays whatever changed meanwhile and converges.
 pub(super) fn list(app: &App, target: &Target, params: &Params) -> Reply {
     let selector = selector(target, params)?;
-    let limit = match params.get("limit").filter(|l| !l.is_empty()) {
-        Some(limit) => Some(
-            limit
-                .parse::<usize>()
-                .map_err(|_| ApiError::bad_request(format!("invalid limit {limit:?}")))?,
-        ),
-        None => None,
-    }
-    .filter(|l| *l > 0);
-    let after = match params.get("continue").filter(|c| !c.is_empty()) {
-        Some(token) => Some(decode_continue(token)?),
-        None => None,
-    };
+    let limit = params
+        .get("limit")
+        .filter(|l| !l.is_empty())
+        .map(|limit| parse_param::<usize>("limit", limit))
+        .transpose()?
+        .filter(|l| *l > 0);
+    let after = params
+        .get("continue")
+        .filter(|c| !c.is_empty())
+        .map(|token| decode_continue(token))
+        .transpose()?;
     app.store.read(|store| {
         let list_rv = match &after {
             Some((rv, _)) => {
@@ -96,24 +95,22 @@ pub(super) fn list(app: &App, target: &Target, params: &Params) -> Reply {
             }
             None => store.resource_version(),
         };
-        let mut items = Vec::new();
-        let mut next = None;
+        let mut items: Vec<Value> = Vec::new();
+        let mut metadata = json!({"resourceVersion": list_rv.to_string()});
+        let mut last = None;
         let matching = store
             .list(target.kind, target.namespace.as_deref())
             .filter(|(key, _)| after.as_ref().is_none_or(|(_, last)| *key > last))
             .filter(|(_, object)| selector.matches(object));
         for (key, object) in matching {
             if limit.is_some_and(|limit| items.len() == limit) {
-                next = Some(encode_continue(list_rv, &items_last_key(&items, key)));
+                let token = encode_continue(list_rv, last.unwrap_or(key));
+                metadata["continue"] = json!(token);
                 break;
             }
-            items.push((key.clone(), object.clone()));
+            items.push(object.clone());
+            last = Some(key);
         }
-        let mut metadata = json!({"resourceVersion": list_rv.to_string()});
-        if let Some(token) = next {
-            metadata["continue"] = json!(token);
-        }
-        let items: Vec<Value> = items.into_iter().map(|(_, object)| object).collect();
         Ok((
             StatusCode::OK,
             json!({
@@ -126,29 +123,16 @@ pub(super) fn list(app: &App, target: &Target, params: &Params) -> Reply {
     })
 }
 
-fn items_last_key(items: &[(Key, Value)], fallback: &Key) -> Key {
-    items
-        .last()
-        .map(|(key, _)| key.clone())
-        .unwrap_or_else(|| fallback.clone())
-}
-
 pub(super) fn namespace_list(app: &App) -> Value {
-    let mut names: Vec<String> = ["default", "kube-system", "kube-public", "kube-node-lease"]
-        .iter()
-        .map(|s| (*s).to_owned())
-        .collect();
-    app.store.read(|store| {
+    let mut names: BTreeSet<String> = ["default", "kube-system", "kube-public", "kube-node-lease"]
+        .map(str::to_owned)
+        .into();
+    let rv = app.store.read(|store| {
         for kind in Kind::ALL.into_iter().filter(|k| k.namespaced()) {
-            for ((ns, _), _) in store.list(kind, None) {
-                if !names.contains(ns) {
-                    names.push(ns.clone());
-                }
-            }
+            names.extend(store.list(kind, None).map(|((ns, _), _)| ns.clone()));
         }
+        store.resource_version()
     });
-    names.sort();
-    let rv = app.store.read(|store| store.resource_version());
     json!({
         "kind": "NamespaceList",
         "apiVersion": "v1",
@@ -161,17 +145,11 @@ pub(super) fn watch_request(target: &Target, params: &Params) -> ApiResult<Watch
     let selector = selector(target, params)?;
     let start = match params.get("resourceVersion").map(String::as_str) {
         None | Some("") | Some("0") => Start::Current,
-        Some(rv) => Start::After(
-            rv.parse()
-                .map_err(|_| ApiError::bad_request(format!("invalid resourceVersion {rv:?}")))?,
-        ),
+        Some(rv) => Start::After(parse_param("resourceVersion", rv)?),
     };
     let flag = |name: &str| params.get(name).is_some_and(|v| v == "true" || v == "1");
     let timeout = match params.get("timeoutSeconds") {
-        Some(secs) => Duration::from_secs(
-            secs.parse()
-                .map_err(|_| ApiError::bad_request(format!("invalid timeoutSeconds {secs:?}")))?,
-        ),
+        Some(secs) => Duration::from_secs(parse_param("timeoutSeconds", secs)?),
         None => DEFAULT_WATCH_TIMEOUT,
     };
     Ok(WatchRequest {

@@ -80,6 +80,12 @@ pub(super) fn parse_body(content_type: &str, body: &[u8]) -> ApiResult<Value> {
     Ok(value)
 }
 
+/// The query parameter `name`'s `value` as a `T`, or a 400 naming both.
+pub(super) fn parse_param<T: std::str::FromStr>(name: &str, value: &str) -> ApiResult<T> {
+    let invalid = || ApiError::bad_request(format!("invalid {name} {value:?}"));
+    value.parse().map_err(|_| invalid())
+}
+
 pub(super) fn dry_run(params: &Params) -> bool {
     params.get("dryRun").is_some_and(|v| v == "All")
 }

@@ -68,13 +68,13 @@ impl Kind {
 
     /// The API group (`""` for the core group), as RBAC rules name it.
     pub fn group(self) -> &'static str {
-        match self {
-            Kind::Pod | Kind::Node | Kind::Event => "",
-            Kind::EventV1 => "events.k8s.io",
-            Kind::Lease => "coordination.k8s.io",
-            Kind::MutatingWebhookConfiguration => "admissionregistration.k8s.io",
-            Kind::ResourceSlice | Kind::ResourceClaim => "resource.k8s.io",
-        }
+        self.group_version().0
+    }
+
+    /// The API group and version: `("", "v1")` for the core group.
+    pub fn group_version(self) -> (&'static str, &'static str) {
+        let api_version = self.api_version();
+        api_version.split_once('/').unwrap_or(("", api_version))
     }
 
     pub fn namespaced(self) -> bool {
@@ -91,19 +91,9 @@ impl Kind {
 
     /// The resource under `group/version` with this plural, if served.
     pub fn lookup(group_version: &str, plural: &str) -> Option<Kind> {
-        match (group_version, plural) {
-            ("v1", "pods") => Some(Kind::Pod),
-            ("v1", "nodes") => Some(Kind::Node),
-            ("v1", "events") => Some(Kind::Event),
-            ("events.k8s.io/v1", "events") => Some(Kind::EventV1),
-            ("coordination.k8s.io/v1", "leases") => Some(Kind::Lease),
-            ("admissionregistration.k8s.io/v1", "mutatingwebhookconfigurations") => {
-                Some(Kind::MutatingWebhookConfiguration)
-            }
-            ("resource.k8s.io/v1", "resourceslices") => Some(Kind::ResourceSlice),
-            ("resource.k8s.io/v1", "resourceclaims") => Some(Kind::ResourceClaim),
-            _ => None,
-        }
+        Kind::ALL
+            .into_iter()
+            .find(|kind| kind.api_version() == group_version && kind.plural() == plural)
     }
 
     /// Fields a field selector may name, as the real server's field-label conversion allows.

@@ -46,15 +46,11 @@ pub(crate) struct Selector {
 
 impl Selector {
     pub fn parse(kind: Kind, label: Option<&str>, field: Option<&str>) -> ApiResult<Self> {
-        let labels = match label {
-            Some(text) => parse_labels(text)?,
-            None => Vec::new(),
-        };
-        let fields = match field {
-            Some(text) => parse_fields(kind, text)?,
-            None => Vec::new(),
-        };
-        Ok(Self { labels, fields })
+        let fields = field.map(|text| parse_fields(kind, text)).transpose()?;
+        Ok(Self {
+            labels: label.map(parse_labels).transpose()?.unwrap_or_default(),
+            fields: fields.unwrap_or_default(),
+        })
     }
 
     /// The node a `spec.nodeName=<node>` requirement pins the selection to, if any.
@@ -95,11 +91,15 @@ fn parse_labels(text: &str) -> ApiResult<Vec<LabelRequirement>> {
     let chars: Vec<char> = text.chars().collect();
     let mut pos = 0;
     let mut out = Vec::new();
-    let skip_ws = |pos: &mut usize| {
-        while *pos < chars.len() && chars[*pos].is_whitespace() {
+    // The characters from `pos` on that `keep` accepts; `pos` moves past them.
+    let take = |pos: &mut usize, keep: &dyn Fn(char) -> bool| -> String {
+        let start = *pos;
+        while *pos < chars.len() && keep(chars[*pos]) {
             *pos += 1;
         }
+        chars[start..*pos].iter().collect()
     };
+    let skip_ws = |pos: &mut usize| drop(take(pos, &char::is_whitespace));
     let is_key_char = |c: char| !(c.is_whitespace() || ",=!()<>".contains(c));
     skip_ws(&mut pos);
     if pos == chars.len() {
@@ -112,69 +112,48 @@ fn parse_labels(text: &str) -> ApiResult<Vec<LabelRequirement>> {
             pos += 1;
             skip_ws(&mut pos);
         }
-        let start = pos;
-        while pos < chars.len() && is_key_char(chars[pos]) {
-            pos += 1;
-        }
-        let key: String = chars[start..pos].iter().collect();
+        let key = take(&mut pos, &is_key_char);
         if key.is_empty() {
             return Err(invalid_label(text, "expected a label key"));
         }
         skip_ws(&mut pos);
+        let rest: String = chars[pos..].iter().collect();
         let op = if negated {
             LabelOp::DoesNotExist
-        } else {
-            let rest: String = chars[pos..].iter().collect();
-            if pos == chars.len() || chars[pos] == ',' {
-                LabelOp::Exists
-            } else if rest.starts_with("==") || rest.starts_with('=') || rest.starts_with("!=") {
-                let not = rest.starts_with("!=");
-                pos += if rest.starts_with('=') && !rest.starts_with("==") {
-                    1
-                } else {
-                    2
-                };
-                skip_ws(&mut pos);
-                let start = pos;
-                while pos < chars.len() && is_key_char(chars[pos]) {
-                    pos += 1;
-                }
-                let value: String = chars[start..pos].iter().collect();
-                if not {
-                    LabelOp::NotEquals(value)
-                } else {
-                    LabelOp::Equals(value)
-                }
-            } else if rest.starts_with("in") || rest.starts_with("notin") {
-                let not = rest.starts_with("notin");
-                pos += if not { 5 } else { 2 };
-                skip_ws(&mut pos);
-                if chars.get(pos) != Some(&'(') {
-                    return Err(invalid_label(text, "expected '(' after in/notin"));
-                }
-                pos += 1;
-                let start = pos;
-                while pos < chars.len() && chars[pos] != ')' {
-                    pos += 1;
-                }
-                if pos == chars.len() {
-                    return Err(invalid_label(text, "missing ')'"));
-                }
-                let values: Vec<String> = chars[start..pos]
-                    .iter()
-                    .collect::<String>()
-                    .split(',')
-                    .map(|v| v.trim().to_owned())
-                    .collect();
-                pos += 1;
-                if not {
-                    LabelOp::NotIn(values)
-                } else {
-                    LabelOp::In(values)
-                }
+        } else if pos == chars.len() || chars[pos] == ',' {
+            LabelOp::Exists
+        } else if let Some(op) = ["==", "!=", "="]
+            .into_iter()
+            .find(|op| rest.starts_with(op))
+        {
+            pos += op.len();
+            skip_ws(&mut pos);
+            let value = take(&mut pos, &is_key_char);
+            if op == "!=" {
+                LabelOp::NotEquals(value)
             } else {
-                return Err(invalid_label(text, "unknown operator"));
+                LabelOp::Equals(value)
             }
+        } else if let Some(op) = ["notin", "in"].into_iter().find(|op| rest.starts_with(op)) {
+            pos += op.len();
+            skip_ws(&mut pos);
+            if chars.get(pos) != Some(&'(') {
+                return Err(invalid_label(text, "expected '(' after in/notin"));
+            }
+            pos += 1;
+            let list = take(&mut pos, &|c| c != ')');
+            if pos == chars.len() {
+                return Err(invalid_label(text, "missing ')'"));
+            }
+            pos += 1;
+            let values = list.split(',').map(|v| v.trim().to_owned()).collect();
+            if op == "notin" {
+                LabelOp::NotIn(values)
+            } else {
+                LabelOp::In(values)
+            }
+        } else {
+            return Err(invalid_label(text, "unknown operator"));
         };
         out.push(LabelRequirement { key, op });
         skip_ws(&mut pos);

@@ -8,7 +8,7 @@
 use std::collections::{BTreeMap, BTreeSet};
 use std::sync::{Arc, Mutex};
 
-use super::Verb;
+use super::{Verb, locked};
 
 /// One kind of request, in the terms an RBAC authorizer decides on: who asked
 /// (the username this server resolved from the credentials), for which API group and
@@ -54,9 +54,17 @@ pub struct Stats {
 
 impl Stats {
     fn calls_mut(&self) -> std::sync::MutexGuard<'_, BTreeMap<Call, u64>> {
-        self.calls
-            .lock()
-            .unwrap_or_else(|poison| poison.into_inner())
+        locked(&self.calls)
+    }
+
+    /// How many calls `counts` counts.
+    fn total(&self, counts: impl Fn(&Call) -> bool) -> u64 {
+        let calls = self.calls_mut();
+        calls
+            .iter()
+            .filter(|(call, _)| counts(call))
+            .map(|(_, n)| n)
+            .sum()
     }
 
     pub(crate) fn record(&self, user: &str, verb: Verb, group: &str, resource: &str) {
@@ -70,9 +78,7 @@ impl Stats {
     }
 
     pub(crate) fn record_field_selector(&self, resource: &str, selector: &str) {
-        self.field_selectors
-            .lock()
-            .unwrap_or_else(|poison| poison.into_inner())
+        locked(&self.field_selectors)
             .entry(resource.to_owned())
             .or_default()
             .insert(selector.to_owned());
@@ -80,9 +86,7 @@ impl Stats {
 
     /// The distinct field selectors lists and watches of `resource` asked for.
     pub fn field_selectors(&self, resource: &str) -> BTreeSet<String> {
-        self.field_selectors
-            .lock()
-            .unwrap_or_else(|poison| poison.into_inner())
+        locked(&self.field_selectors)
             .get(resource)
             .cloned()
             .unwrap_or_default()
@@ -92,29 +96,17 @@ impl Stats {
     /// "pods/binding", "pods/status", "nodes/status"), by anyone, in any API group, failed
     /// ones included.
     pub fn count(&self, verb: Verb, resource: &str) -> u64 {
-        self.calls_mut()
-            .iter()
-            .filter(|(call, _)| call.verb == verb && call.resource == resource)
-            .map(|(_, n)| n)
-            .sum()
+        self.total(|call| call.verb == verb && call.resource == resource)
     }
 
     /// Create + Update + Patch + Delete requests on every resource except events.
     pub fn writes(&self) -> u64 {
-        self.calls_mut()
-            .iter()
-            .filter(|(call, _)| call.verb.is_write() && call.resource != "events")
-            .map(|(_, n)| n)
-            .sum()
+        self.total(|call| call.verb.is_write() && call.resource != "events")
     }
 
     /// Create + Update + Patch + Delete requests on every resource, events included.
     pub fn writes_including_events(&self) -> u64 {
-        self.calls_mut()
-            .iter()
-            .filter(|(call, _)| call.verb.is_write())
-            .map(|(_, n)| n)
-            .sum()
+        self.total(|call| call.verb.is_write())
     }
 
     /// Every kind of request seen so far, with how many times each was made.

@@ -7,11 +7,12 @@
 //! [`Inner::compact`]); a watch asking to start before it gets 410 Expired.
 
 use std::collections::{BTreeMap, HashMap, VecDeque};
-use std::sync::{Arc, Mutex, MutexGuard, OnceLock};
+use std::sync::{Arc, Mutex, OnceLock};
 
 use serde_json::{Value, json};
 use tokio::sync::watch;
 
+use super::locked;
 use super::resources::Kind;
 
 /// How many changes a watch can replay before history is compacted on its own.
@@ -113,28 +114,17 @@ impl Store {
         }
     }
 
-    fn lock(&self) -> MutexGuard<'_, Inner> {
-        // A panic while holding the lock cannot leave the maps half-written in a way that
-        // matters to a test server; keep serving.
-        self.inner
-            .lock()
-            .unwrap_or_else(|poison| poison.into_inner())
-    }
-
     /// Runs `f` under the lock, then wakes the watches concerned if it wrote anything.
     pub fn write<R>(&self, f: impl FnOnce(&mut Inner) -> R) -> R {
         let (result, rv, nodes) = {
-            let mut inner = self.lock();
+            let mut inner = locked(&self.inner);
             let before = inner.rv;
             let result = f(&mut inner);
             let nodes = inner.pod_nodes_since(before);
             (result, inner.rv, nodes)
         };
         if !nodes.is_empty() {
-            let topics = self
-                .pods_on
-                .lock()
-                .unwrap_or_else(|poison| poison.into_inner());
+            let topics = locked(&self.pods_on);
             for node in nodes {
                 if let Some(tx) = topics.get(&node) {
                     tx.send_replace(rv);
@@ -150,7 +140,7 @@ impl Store {
     }
 
     pub fn read<R>(&self, f: impl FnOnce(&Inner) -> R) -> R {
-        f(&self.lock())
+        f(&locked(&self.inner))
     }
 
     /// A receiver that changes whenever the resourceVersion moves.
@@ -161,10 +151,7 @@ impl Store {
     /// A receiver that changes whenever a pod whose `spec.nodeName` is `node` before or after
     /// the write changes ("" for unbound pods).
     pub fn subscribe_pods_on(&self, node: &str) -> watch::Receiver<u64> {
-        let mut topics = self
-            .pods_on
-            .lock()
-            .unwrap_or_else(|poison| poison.into_inner());
+        let mut topics = locked(&self.pods_on);
         topics.retain(|_, tx| tx.receiver_count() > 0);
         topics
             .entry(node.to_owned())
@@ -175,10 +162,7 @@ impl Store {
 
 /// A pod's `spec.nodeName`, "" when unbound.
 fn pod_node(pod: &Value) -> &str {
-    pod.get("spec")
-        .and_then(|spec| spec.get("nodeName"))
-        .and_then(Value::as_str)
-        .unwrap_or("")
+    pod["spec"]["nodeName"].as_str().unwrap_or("")
 }
 
 impl Inner {
@@ -220,24 +204,12 @@ impl Inner {
         }
     }
 
-    /// Stores a new object. The caller has checked that the key is free.
-    pub fn create(&mut self, kind: Kind, key: Key, mut object: Value) -> Value {
-        let rv = self.bump(&mut object);
-        self.objects
-            .entry(kind)
-            .or_default()
-            .insert(key, object.clone());
-        self.record(Change::new(
-            rv,
-            kind,
-            ChangeType::Added,
-            object.clone(),
-            None,
-        ));
-        object
+    /// Stores a new object (ADDED). The caller has checked that the key is free.
+    pub fn create(&mut self, kind: Kind, key: Key, object: Value) -> Value {
+        self.update(kind, key, object)
     }
 
-    /// Replaces an existing object (or creates it when missing; callers check first).
+    /// Replaces an existing object (MODIFIED), or creates it when missing (ADDED).
     pub fn update(&mut self, kind: Kind, key: Key, mut object: Value) -> Value {
         let rv = self.bump(&mut object);
         let old = self
@@ -284,11 +256,8 @@ impl Inner {
 
     /// Changes after `rv`, oldest first, or `Expired` when history no longer reaches back.
     pub fn changes_since(&self, rv: u64) -> Result<Vec<Arc<Change>>, Expired> {
-        if rv < self.oldest {
-            return Err(Expired {
-                requested: rv,
-                oldest: self.oldest,
-            });
+        if let Some(expired) = self.is_expired(rv) {
+            return Err(expired);
         }
         // History is sorted by rv; skip what the watch has already seen.
         let start = self.history.partition_point(|change| change.rv <= rv);
@@ -328,13 +297,8 @@ mod tests {
             created["metadata"]["resourceVersion"],
             (start + 1).to_string()
         );
-        store.write(|s| {
-            s.update(
-                Kind::Pod,
-                key("a"),
-                json!({"metadata": {"name": "a"}, "x": 1}),
-            )
-        });
+        let changed = json!({"metadata": {"name": "a"}, "x": 1});
+        store.write(|s| s.update(Kind::Pod, key("a"), changed));
         let deleted = store.write(|s| s.delete(Kind::Pod, &key("a"))).unwrap();
         assert_eq!(
             deleted["metadata"]["resourceVersion"],
@@ -345,11 +309,7 @@ mod tests {
         assert_eq!(types, vec![ChangeType::Modified, ChangeType::Deleted]);
         store.write(Inner::compact);
         assert!(store.read(|s| s.changes_since(start + 1)).is_err());
-        assert!(
-            store
-                .read(|s| s.changes_since(start + 3))
-                .unwrap()
-                .is_empty()
-        );
+        let none = store.read(|s| s.changes_since(start + 3)).unwrap();
+        assert!(none.is_empty());
     }
 }

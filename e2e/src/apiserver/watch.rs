@@ -62,11 +62,6 @@ impl WatchRequest {
         namespace_ok && self.selector.matches(object)
     }
 
-    /// The watch event line for `object`.
-    fn event(&self, kind: &str, object: &Value) -> Value {
-        json!({"type": kind, "object": object})
-    }
-
     /// The event line this watch sends for `change`, if any.
     fn event_for(&self, change: &Change) -> Option<Bytes> {
         if change.kind != self.kind {
@@ -121,16 +116,9 @@ pub(crate) fn serve(app: App, request: WatchRequest) -> Response {
         .unwrap_or_else(|_| Response::new(Body::empty()))
 }
 
-/// `event` as one line of the stream.
-fn line(event: &Value) -> String {
-    let mut line = event.to_string();
-    line.push('\n');
-    line
-}
-
 /// Sends one event; false when the client has gone.
 async fn send(tx: &Tx, event: &Value) -> bool {
-    send_line(tx, Bytes::from(line(event))).await
+    send_line(tx, Bytes::from(format!("{event}\n"))).await
 }
 
 /// Sends one event line; false when the client has gone.
@@ -142,11 +130,7 @@ async fn run(app: App, request: WatchRequest, tx: Tx) {
     let mut dropped = app.faults.drop_signal();
     dropped.borrow_and_update();
     // A pod watch scoped to one node only needs waking for pods on that node.
-    let mut versions = match request
-        .selector
-        .node_name()
-        .filter(|_| request.kind == Kind::Pod)
-    {
+    let mut versions = match request.pod_node() {
         Some(node) => app.store.subscribe_pods_on(node),
         None => app.store.subscribe(),
     };
@@ -166,7 +150,7 @@ async fn run(app: App, request: WatchRequest, tx: Tx) {
                 (objects, store.resource_version())
             });
             for object in objects {
-                if !send(&tx, &request.event("ADDED", &object)).await {
+                if !send(&tx, &json!({"type": "ADDED", "object": object})).await {
                     return;
                 }
             }

@@ -28,12 +28,12 @@ use std::time::Duration;
 use base64::Engine as _;
 use serde_json::{Value, json};
 
-use super::Caller;
 use super::admission::Operation;
 use super::objects::meta_str;
 use super::resources::Kind;
 use super::status::ApiError;
 use super::store::Store;
+use super::{Caller, locked};
 
 /// A Service port: (namespace, name, port).
 type ServicePort = (String, String, u16);
@@ -45,18 +45,12 @@ pub struct ServiceRoutes(Arc<Mutex<HashMap<ServicePort, SocketAddr>>>);
 impl ServiceRoutes {
     /// Sends calls to `namespace/name:port` to `addr` from now on.
     pub fn set(&self, namespace: &str, name: &str, port: u16, addr: SocketAddr) {
-        self.0
-            .lock()
-            .unwrap_or_else(|poison| poison.into_inner())
-            .insert((namespace.to_owned(), name.to_owned(), port), addr);
+        locked(&self.0).insert((namespace.to_owned(), name.to_owned(), port), addr);
     }
 
     fn get(&self, namespace: &str, name: &str, port: u16) -> Option<SocketAddr> {
-        self.0
-            .lock()
-            .unwrap_or_else(|poison| poison.into_inner())
-            .get(&(namespace.to_owned(), name.to_owned(), port))
-            .copied()
+        let key = (namespace.to_owned(), name.to_owned(), port);
+        locked(&self.0).get(&key).copied()
     }
 }
 
@@ -128,8 +122,7 @@ fn matches(webhook: &Value, review: &Review<'_>, object: &Value) -> bool {
     } else {
         format!("{}/{}", review.kind.plural(), review.subresource)
     };
-    let api_version = review.kind.api_version();
-    let (group, version) = api_version.split_once('/').unwrap_or(("", api_version));
+    let (group, version) = review.kind.group_version();
     let scope = if review.kind.namespaced() {
         "Namespaced"
     } else {
@@ -221,35 +214,28 @@ async fn call(
     }
     let timeout = Duration::from_secs(webhook["timeoutSeconds"].as_u64().unwrap_or(10));
     let config = &webhook["clientConfig"];
-    let (addr, host, path, url) = match &config["service"] {
-        Value::Object(service) => {
-            let name = service.get("name").and_then(Value::as_str).unwrap_or("");
-            let namespace = service
-                .get("namespace")
-                .and_then(Value::as_str)
-                .unwrap_or("");
-            let port = service
-                .get("port")
-                .and_then(Value::as_u64)
-                .and_then(|p| u16::try_from(p).ok())
-                .unwrap_or(443);
-            let path = service.get("path").and_then(Value::as_str).unwrap_or("/");
-            let host = format!("{name}.{namespace}.svc");
-            let url = format!("https://{host}:{port}{path}?timeout={}s", timeout.as_secs());
-            let addr = routes
-                .get(namespace, name, port)
-                .ok_or_else(|| format!("failed to call webhook: Post \"{url}\": service \"{namespace}/{name}\" has no endpoints"))?;
-            (addr, host, path.to_owned(), url)
-        }
-        _ => return Err("only clientConfig.service is supported by the e2e API server".to_owned()),
-    };
+    let service = &config["service"];
+    if !service.is_object() {
+        return Err("only clientConfig.service is supported by the e2e API server".to_owned());
+    }
+    let text = |field: &str, default| service[field].as_str().unwrap_or(default);
+    let (name, namespace, path) = (text("name", ""), text("namespace", ""), text("path", "/"));
+    let port = service["port"]
+        .as_u64()
+        .and_then(|p| u16::try_from(p).ok())
+        .unwrap_or(443);
+    let host = format!("{name}.{namespace}.svc");
+    let url = format!("https://{host}:{port}{path}?timeout={}s", timeout.as_secs());
+    let addr = routes.get(namespace, name, port).ok_or_else(|| {
+        format!("failed to call webhook: Post \"{url}\": service \"{namespace}/{name}\" has no endpoints")
+    })?;
     let ca = config["caBundle"]
         .as_str()
         .and_then(|b64| base64::engine::general_purpose::STANDARD.decode(b64).ok())
         .unwrap_or_default();
     let uid = super::objects::new_uid();
     let body = review_body(&uid, review, object);
-    let exchange = post(addr, &host, &path, &ca, &body);
+    let exchange = post(addr, &host, path, &ca, &body);
     let answer = match tokio::time::timeout(timeout, exchange).await {
         Ok(Ok(answer)) => answer,
         Ok(Err(why)) => return Err(format!("failed to call webhook: Post \"{url}\": {why}")),
@@ -269,8 +255,7 @@ async fn call(
 
 /// The AdmissionReview v1 request body.
 fn review_body(uid: &str, review: &Review<'_>, object: &Value) -> Value {
-    let api_version = review.kind.api_version();
-    let (group, version) = api_version.split_once('/').unwrap_or(("", api_version));
+    let (group, version) = review.kind.group_version();
     let kind = json!({"group": group, "version": version, "kind": review.kind.kind()});
     let resource = json!({"group": group, "version": version, "resource": review.kind.plural()});
     let mut user_info = json!({"username": review.caller.name});

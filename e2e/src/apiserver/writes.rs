@@ -30,8 +30,7 @@ fn admit(
     if policies.is_empty() {
         return Ok(());
     }
-    let api_version = target.kind.api_version();
-    let (group, version) = api_version.split_once('/').unwrap_or(("", api_version));
+    let (group, version) = target.kind.group_version();
     // As upstream names a refused object: its name, else its generateName.
     let name = meta_str(object, "name")
         .filter(|n| !n.is_empty())
@@ -108,15 +107,9 @@ fn store_update(
         return Ok((StatusCode::OK, prepared));
     }
     let finished = prepared.pointer("/metadata/deletionTimestamp").is_some()
-        && prepared
-            .pointer("/metadata/finalizers")
-            .and_then(Value::as_array)
-            .is_none_or(|f| f.is_empty())
+        && !objects::has_finalizers(&prepared)
         && target.kind == Kind::Pod
-        && current
-            .pointer("/metadata/finalizers")
-            .and_then(Value::as_array)
-            .is_some_and(|f| !f.is_empty());
+        && objects::has_finalizers(current);
     let stored = store.update(target.kind, target.key(), prepared);
     if finished {
         // The last finalizer is gone from an object being deleted: it goes now.
@@ -168,8 +161,7 @@ pub(super) fn patch_object(
         {
             return Err(ApiError::stale(target.kind.plural(), target.name()));
         }
-        let patched_name = patched.pointer("/metadata/name").and_then(Value::as_str);
-        if patched_name != Some(target.name()) {
+        if meta_str(&patched, "name") != Some(target.name()) {
             return Err(ApiError::bad_request(
                 "a patch may not change metadata.name",
             ));

@@ -1,48 +1,19 @@
 //! The load harness on the real cluster of `../shared/realk8s`: what gpushare costs
-//! kube-scheduler, side by side with kube-scheduler alone, in one run.
+//! kube-scheduler, side by side with kube-scheduler alone, in one run (how to run it and what
+//! it found: docs/performance.md, "On the real cluster"). Needs root, like the real tier.
 //!
-//! ```sh
-//! cargo run --release -p gpushare-e2e --bin realload -- --rounds 3
-//! cargo run --release -p gpushare-e2e --bin realload -- --set extender.filterKeepBest=1
-//! cargo run --release -p gpushare-e2e --bin realload -- --modes extender,dra
-//! cargo run --release -p gpushare-e2e --bin realload -- --nodes 5000 --gpus 8 --pods 5000 \
-//!     --mix 1:30,2:30,4:25,8:10,2x8:5 --rounds 3 --resident 40000
-//! ```
-//!
-//! First, unless `--alone-in-install-only` or `--chart-only`, it uninstalls the chart again
-//! and has kube-scheduler alone drain each round's backlog on the cluster without it (a user's
-//! alternative is no gpushare at all), then installs the chart again with the same values;
-//! the chart's figures are reported against that drain and against alone's in the install.
-//! `--creation-only` measures only how fast pods are created, with and without the chart
-//! (`--without KIND/NAME` deletes one of its objects first: what that object costs).
-//!
-//! It installs the chart (extender mode, its defaults plus any `--set`), adds Node objects in
-//! bulk (each with 4 × 16 GiB of `example.com/gpu-mem` and as much of a second resource
-//! gpushare does not manage), plays their kubelets (`realk8s::load::NodeStandIn`: each bound
-//! pod's status, in both drains; `--plugin-marks`: the device plugin's marks too),
-//! then, each round, drains a backlog of 4 GiB pods twice: once with the kit's kube-scheduler
-//! alone (pods asking for the other resource) and once with the chart's dedicated
-//! kube-scheduler and the extender (GPU pods). It prints pods/s from the first bind to the
-//! last, API calls per pod, CPU seconds per process, the scheduler's own metrics and where the
-//! bind time went (`realk8s::latency`), checks
-//! that every GPU pod holds an allocation and no GPU is over-committed, and prints the
-//! extender replicas' memory. Needs root, like the real tier (docs/testing.md).
-//!
-//! `--mix` draws each backlog from several shapes (GiB, and GPUs for whole-node spreads), the
-//! same pods in both drains. `--resident N` (extender mode) then has the chart bind N pods and
-//! keep them, restarts each extender replica and times it from its start to Ready with those
-//! pods bound, and drains one more backlog while the leader is SIGKILLed at its half
-//! (`realk8s::scale`).
-//!
-//! `--modes dra-plain` is DRA's own ceiling for the same nodes: DRA mode's install without
-//! its slices, a plain driver's ResourceSlice per fake node (whole devices, no capacity), and
-//! pods each claiming one device from a template, allocated by the kit's kube-scheduler.
-//!
-//! `--modes dra` measures DRA mode the same way: the chart's DRA install, a ResourceSlice per
-//! fake node as the DRA plugin publishes it, and GPU pods (`example.com/gpu-mem: 4`, turned
-//! into claims by the chart's policy) drained by the kit's kube-scheduler allocating the
-//! claims itself, against kube-scheduler alone in the same install; every claim must end
-//! allocated and no device over-committed.
+//! Each mode (`--modes extender,dra,dra-plain`) is one install (its defaults plus any `--set`)
+//! with Node objects in bulk (`--gpus` × `--gpu-gib` each, and as much of a resource gpushare
+//! does not manage) and a stand-in for their kubelets (`realk8s::load::NodeStandIn`). Unless
+//! `--alone-in-install-only` or `--chart-only`, kube-scheduler alone first drains each round's
+//! backlog with the chart uninstalled (a user's alternative is no gpushare at all). Then each
+//! round drains a backlog twice, with the kit's kube-scheduler alone and with the mode's
+//! scheduler, prints pods/s from the first bind to the last, API calls per pod, CPU seconds
+//! per process, the scheduler's own metrics and where the bind time went, and checks every
+//! allocation. `dra-plain` is DRA's own ceiling: a plain driver's whole devices on the same
+//! nodes. `--resident N` (extender mode) then times each extender replica's restart to Ready
+//! with N pods bound, and a drain whose leader is SIGKILLed at its half (`realk8s::scale`).
+//! `--creation-only` measures only how fast pods are created, with and without the chart.
 
 use std::time::Duration;
 
@@ -54,6 +25,10 @@ use gpushare_e2e::realk8s::load::{
     StandInConfig,
 };
 use gpushare_e2e::realk8s::{Kit, KitCluster, Mode};
+use gpushare_e2e::scenarios::{Harness, allocation, check_no_overcommit};
+use k8s_openapi::api::core::v1::Pod;
+use kube::ResourceExt;
+use kube::api::{Api, ListParams};
 
 /// What a run measures: one of the kit's installs, or DRA's own ceiling on DRA mode's install.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -75,10 +50,6 @@ impl Load {
         }
     }
 }
-use gpushare_e2e::scenarios::{Harness, allocation, check_no_overcommit};
-use k8s_openapi::api::core::v1::Pod;
-use kube::ResourceExt;
-use kube::api::{Api, ListParams};
 
 #[derive(Parser, Debug)]
 #[command(about = "gpushare's cost to kube-scheduler on the real cluster of ../shared/realk8s")]
@@ -191,10 +162,8 @@ async fn main() -> anyhow::Result<()> {
     Ok(())
 }
 
-/// One install in `mode`, its rounds, and the pods/s of each round: (alone, the mode's drain).
-/// Unless `--alone-in-install-only`, kube-scheduler alone first drains each round's backlog on
-/// the same cluster with the chart uninstalled (a user's alternative: no gpushare at all),
-/// then the chart is installed again; the figures returned are against that drain.
+/// One install in `mode`, its rounds, and the pods/s of each round: (alone, the mode's drain),
+/// alone's drain without the chart where it ran.
 async fn run_mode(kit: &Kit, args: &Args, mode: Load) -> anyhow::Result<Vec<(f64, f64)>> {
     let cluster = install(kit, args, mode).await?;
     let client = cluster.client();
@@ -212,10 +181,8 @@ async fn run_mode(kit: &Kit, args: &Args, mode: Load) -> anyhow::Result<Vec<(f64
         let timeout = Duration::from_secs(args.timeout_s);
         for round in 1..=args.rounds {
             let drain = drain_alone(&cluster, args, &format!("bare-{round}"), timeout).await?;
-            report(
-                &format!("round {round}: kube-scheduler alone, the chart not installed"),
-                &drain,
-            );
+            let title = format!("round {round}: kube-scheduler alone, the chart not installed");
+            report(&title, &drain);
             alone_without_chart.push(drain.pods_per_s);
         }
         println!("installing the chart again");
@@ -253,14 +220,13 @@ async fn run_mode(kit: &Kit, args: &Args, mode: Load) -> anyhow::Result<Vec<(f64
 /// Brings the kit's cluster up with the chart installed in `mode` with `--set`, less the
 /// objects `--without` names.
 async fn install(kit: &Kit, args: &Args, mode: Load) -> anyhow::Result<KitCluster> {
-    let helm_args: Vec<String> = args
+    let helm_args: Vec<&str> = args
         .set
         .iter()
-        .flat_map(|s| ["--set".to_owned(), s.clone()])
+        .flat_map(|s| ["--set", s.as_str()])
         .collect();
-    let helm_refs: Vec<&str> = helm_args.iter().map(String::as_str).collect();
-    println!("installing the chart ({mode:?} mode) {helm_refs:?}");
-    let cluster = kit.up(mode.install(), &helm_refs).await?;
+    println!("installing the chart ({mode:?} mode) {helm_args:?}");
+    let cluster = kit.up(mode.install(), &helm_args).await?;
     for object in &args.without {
         println!("deleting {object} from the install");
         cluster.kubectl(&["delete", "-n", "kube-system", object])?;
@@ -278,20 +244,12 @@ async fn creation_rates(kit: &Kit, args: &Args) -> anyhow::Result<()> {
         .filter(|(kind, _)| args.creating.contains(kind))
         .collect();
     let mut measured: Vec<(bool, usize, Creation)> = Vec::new();
-    let settings: &[bool] = if args.chart_only {
-        &[true]
-    } else {
-        &[true, false]
-    };
-    for &installed in settings {
+    // With the chart, then (unless `--chart-only`) without it.
+    let settings = [(true, "the chart installed"), (false, "no chart")];
+    for (installed, setting) in settings.into_iter().filter(|(i, _)| *i || !args.chart_only) {
         if !installed {
             cluster.uninstall_chart()?;
         }
-        let setting = if installed {
-            "the chart installed"
-        } else {
-            "no chart"
-        };
         for round in 1..=args.rounds {
             for (index, (kind, what)) in kinds.iter().enumerate() {
                 let prefix = format!("create-{round}");
@@ -306,19 +264,19 @@ async fn creation_rates(kit: &Kit, args: &Args) -> anyhow::Result<()> {
     }
     println!("\nsummary, with the chart / without it (mean over rounds):");
     for (index, (_, what)) in kinds.iter().enumerate() {
-        let mean = |installed: bool, field: fn(&Creation) -> f64| {
-            let all: Vec<f64> = measured
-                .iter()
-                .filter(|(i, k, _)| *i == installed && *k == index)
-                .map(|(_, _, c)| field(c))
-                .collect();
-            all.iter().sum::<f64>() / all.len().max(1) as f64
+        // The mean of `field` with the chart installed, and without it.
+        let mean = |field: fn(&Creation) -> f64| {
+            [true, false].map(|installed| {
+                let all: Vec<f64> = measured
+                    .iter()
+                    .filter(|(i, k, _)| *i == installed && *k == index)
+                    .map(|(_, _, c)| field(c))
+                    .collect();
+                all.iter().sum::<f64>() / all.len().max(1) as f64
+            })
         };
-        let (rate_with, rate_without) = (mean(true, |c| c.per_s), mean(false, |c| c.per_s));
-        let (cpu_with, cpu_without) = (
-            mean(true, |c| c.api_server_cpu_ms),
-            mean(false, |c| c.api_server_cpu_ms),
-        );
+        let [rate_with, rate_without] = mean(|c| c.per_s);
+        let [cpu_with, cpu_without] = mean(|c| c.api_server_cpu_ms);
         if args.chart_only {
             println!(
                 "  pods asking for {what}: {rate_with:.1} pods/s; the API server {cpu_with:.2} CPU-ms a pod"
@@ -468,13 +426,11 @@ async fn resident_checks(cluster: &KitCluster, args: &Args) -> anyhow::Result<()
     // Drained as fast as the chart goes; give it the time it needs at 20 pods/s.
     let slow = Duration::from_secs(args.timeout_s.max(args.resident as u64 / 20));
     let drained = load::drain(cluster, Drainer::Chart, "resident", &resident, slow).await?;
-    report(
-        &format!(
-            "resident: the chart binds {} pods and keeps them",
-            args.resident
-        ),
-        &drained,
+    let title = format!(
+        "resident: the chart binds {} pods and keeps them",
+        args.resident
     );
+    report(&title, &drained);
     check_allocations(cluster, "resident").await?;
     extender_memory(cluster);
     // The follower first: binding goes on meanwhile; then the leader, whose Lease moves.
@@ -508,10 +464,8 @@ async fn resident_checks(cluster: &KitCluster, args: &Args) -> anyhow::Result<()
         |clock| load::kill_leader_after(cluster, clock, leader, args.pods / 2, args.pods),
     )
     .await?;
-    report(
-        "leader killed mid-drain (through the Service proxy)",
-        &drained,
-    );
+    let title = "leader killed mid-drain (through the Service proxy)";
+    report(title, &drained);
     println!(
         "  the leader SIGKILLed at {} of {} pods bound: Lease taken over after {:.2} s, binding resumed after {:.2} s",
         takeover.killed_at_pods, args.pods, takeover.lease_s, takeover.resumed_s
@@ -529,16 +483,10 @@ async fn drain_alone(
     prefix: &str,
     timeout: Duration,
 ) -> anyhow::Result<Drain> {
-    let drain = load::drain(
-        cluster,
-        Drainer::KubeSchedulerAlone {
-            percentage: args.alone_percentage,
-        },
-        prefix,
-        &backlog(args),
-        timeout,
-    )
-    .await?;
+    let alone = Drainer::KubeSchedulerAlone {
+        percentage: args.alone_percentage,
+    };
+    let drain = load::drain(cluster, alone, prefix, &backlog(args), timeout).await?;
     load::delete_backlog(cluster, prefix).await?;
     Ok(drain)
 }
@@ -590,10 +538,8 @@ fn report(title: &str, drain: &Drain) {
         .map(|(name, s)| format!("{name} {s:.1}"))
         .collect();
     println!("  CPU seconds: {}", cpu.join(", "));
-    for line in drain.scheduler_metrics.lines() {
-        println!("  {line}");
-    }
-    for line in &drain.bind_latency {
+    let latency = drain.bind_latency.iter().map(String::as_str);
+    for line in drain.scheduler_metrics.lines().chain(latency) {
         println!("  {line}");
     }
 }
@@ -617,10 +563,8 @@ async fn check_allocations(cluster: &KitCluster, prefix: &str) -> anyhow::Result
 }
 
 fn extender_memory(cluster: &KitCluster) {
-    for (pod, pid) in load::chart_processes(cluster) {
-        if !pod.starts_with("gpushare-extender-") {
-            continue;
-        }
+    let processes = load::chart_processes(cluster).into_iter();
+    for (pod, pid) in processes.filter(|(pod, _)| pod.starts_with("gpushare-extender-")) {
         if let Some((peak, now)) = load::rss_mib(pid) {
             println!("{pod}: RSS peak {peak:.1} MiB, now {now:.1} MiB");
         }

@@ -26,9 +26,7 @@ use anyhow::{Context, bail};
 /// running test or demo.
 #[derive(Debug, Clone)]
 pub struct Binaries {
-    /// `gpushare-extender`
     pub extender: PathBuf,
-    /// `gpushare-device-plugin`
     pub device_plugin: PathBuf,
     /// `gpushare-dra-plugin` (installed by the real tier; run by `tests/chart.rs` for its RBAC)
     pub dra_plugin: PathBuf,

@@ -19,7 +19,6 @@ use crate::scheduler::wire::{ExtenderBindingArgs, decode_binding_result};
 /// The real `gpushare-extender`, serving on a port of 127.0.0.1.
 #[derive(Debug)]
 pub struct Extender {
-    /// The process.
     pub process: Process,
     /// `http://127.0.0.1:PORT`, or `https://` when it serves TLS.
     pub base_url: String,
@@ -147,11 +146,7 @@ pub struct ClientCa {
 impl ClientCa {
     /// A fresh CA named `name`.
     pub fn generate(name: &str) -> anyhow::Result<Self> {
-        let key = rcgen::KeyPair::generate()?;
-        let mut params = rcgen::CertificateParams::new(Vec::new())?;
-        params
-            .distinguished_name
-            .push(rcgen::DnType::CommonName, name);
+        let (key, mut params) = key_and_params(name)?;
         params.is_ca = rcgen::IsCa::Ca(rcgen::BasicConstraints::Unconstrained);
         params.key_usages = vec![
             rcgen::KeyUsagePurpose::KeyCertSign,
@@ -166,11 +161,7 @@ impl ClientCa {
 
     /// A client certificate for `name` and its key, PEM.
     pub fn issue(&self, name: &str) -> anyhow::Result<(String, String)> {
-        let key = rcgen::KeyPair::generate()?;
-        let mut params = rcgen::CertificateParams::new(Vec::new())?;
-        params
-            .distinguished_name
-            .push(rcgen::DnType::CommonName, name);
+        let (key, mut params) = key_and_params(name)?;
         params.extended_key_usages = vec![
             rcgen::ExtendedKeyUsagePurpose::ServerAuth,
             rcgen::ExtendedKeyUsagePurpose::ClientAuth,
@@ -178,6 +169,15 @@ impl ClientCa {
         let cert = params.signed_by(&key, &self.issuer)?;
         Ok((cert.pem(), key.serialize_pem()))
     }
+}
+
+/// A fresh key, and certificate parameters with the common name `name`.
+fn key_and_params(name: &str) -> anyhow::Result<(rcgen::KeyPair, rcgen::CertificateParams)> {
+    let mut params = rcgen::CertificateParams::new(Vec::new())?;
+    params
+        .distinguished_name
+        .push(rcgen::DnType::CommonName, name);
+    Ok((rcgen::KeyPair::generate()?, params))
 }
 
 /// How an extender was started, to start it again the same way.
@@ -203,42 +203,21 @@ impl Launch {
 }
 
 impl Extender {
-    /// Starts the extender on a free port and waits until `/readyz` answers 200.
+    /// Starts the extender, plain HTTP on a free port, and waits until `/readyz` answers 200.
     pub async fn start(
         bin: &Binaries,
         kubeconfig: &Path,
         log: &Path,
         extra: &[String],
     ) -> anyhow::Result<Self> {
-        Self::start_on(bin, kubeconfig, log, extra, free_port()?).await
-    }
-
-    /// Starts the extender on `port` of 127.0.0.1 and waits until `/readyz` answers 200.
-    pub async fn start_on(
-        bin: &Binaries,
-        kubeconfig: &Path,
-        log: &Path,
-        extra: &[String],
-        port: u16,
-    ) -> anyhow::Result<Self> {
-        let mut extender = Self::spawn_on(bin, kubeconfig, log, extra, port)?;
+        let mut extender = Self::spawn_with(bin, kubeconfig, log, extra, free_port()?, None)?;
         extender.wait_ready().await?;
         Ok(extender)
     }
 
-    /// Starts the extender process on `port` of 127.0.0.1 without waiting for it.
-    pub fn spawn_on(
-        bin: &Binaries,
-        kubeconfig: &Path,
-        log: &Path,
-        extra: &[String],
-        port: u16,
-    ) -> anyhow::Result<Self> {
-        Self::spawn_with(bin, kubeconfig, log, extra, port, None)
-    }
-
-    /// As [`Extender::spawn_on`], the way the chart runs it: HTTPS with `tls` on `port`,
-    /// and health and metrics over plain HTTP on `monitor_port`.
+    /// Starts the extender process the way the chart runs it, without waiting for it: HTTPS
+    /// with `tls` on `port` of 127.0.0.1, and health and metrics over plain HTTP on
+    /// `monitor_port`.
     pub fn spawn_secured_on(
         bin: &Binaries,
         kubeconfig: &Path,
@@ -280,13 +259,10 @@ impl Extender {
             ]);
         }
         args.extend_from_slice(extra);
-        let (tls, monitor) = match secured {
-            Some((tls, monitor_port)) => (
-                Some(tls),
-                Some(SocketAddr::from(([127, 0, 0, 1], monitor_port))),
-            ),
-            None => (None, None),
-        };
+        let monitor = secured
+            .as_ref()
+            .map(|(_, port)| SocketAddr::from(([127, 0, 0, 1], *port)));
+        let tls = secured.map(|(tls, _)| tls);
         let scheme = if tls.is_some() { "https" } else { "http" };
         let launch = Launch {
             program: bin.extender.clone(),
@@ -377,11 +353,6 @@ impl Extender {
     /// scheduler-facing port serves TLS, else that port.
     pub fn monitor_addr(&self) -> SocketAddr {
         self.monitor.unwrap_or(self.launch.addr)
-    }
-
-    /// The TLS settings kube-scheduler needs to call this extender, if it serves TLS.
-    pub fn tls(&self) -> Option<&ExtenderTls> {
-        self.tls.as_ref()
     }
 
     /// One request to the scheduler-facing port, over TLS when it serves TLS.

@@ -93,8 +93,6 @@ pub const SCHEDULER_UNSCHEDULABLE_RETRY: Duration = Duration::from_millis(300);
 /// The resource name every scenario uses.
 pub const RESOURCE: &str = gpushare_contract::DEFAULT_RESOURCE;
 
-/// Runs `body` on a fresh cluster started from `spec`, then shuts it down; on failure,
-/// prints the tail of our binaries' logs first.
 /// `kubectl gpushare top -d` over what the API server at `client` has now.
 pub async fn top_details(client: &Client) -> anyhow::Result<String> {
     use kube::api::ListParams;
@@ -115,6 +113,8 @@ pub async fn top_details(client: &Client) -> anyhow::Result<String> {
     ))
 }
 
+/// Runs `body` on a fresh cluster started from `spec`, then shuts it down; on failure,
+/// prints the tail of our binaries' logs first.
 pub async fn with_cluster(
     spec: ClusterSpec,
     body: impl AsyncFnOnce(&mut TestCluster) -> anyhow::Result<()>,
@@ -148,15 +148,12 @@ where
 
 /// The whole system on the in-process control plane.
 pub struct TestCluster {
-    /// The API server.
     pub api: ApiServer,
-    /// A client for it.
     pub client: Client,
     /// The real extender process.
     pub extender: Option<Extender>,
     /// The scheduler driver, calling the extender as kube-scheduler does.
     pub scheduler: Option<SchedulerDriver>,
-    /// Simulated GPU nodes by name.
     pub nodes: BTreeMap<String, SimNode>,
     binaries: Binaries,
     spec: ClusterSpec,
@@ -261,10 +258,8 @@ impl TestCluster {
             .collect();
         logs.sort();
         for log in logs {
-            let text = std::fs::read_to_string(&log).unwrap_or_default();
-            let tail: Vec<&str> = text.lines().rev().take(lines).collect();
             out.push_str(&format!("==> {} <==\n", log.display()));
-            for line in tail.iter().rev() {
+            for line in file_tail(&log, lines).lines() {
                 out.push_str(line);
                 out.push('\n');
             }

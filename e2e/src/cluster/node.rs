@@ -20,7 +20,6 @@ use crate::kubelet::{AdmissionOrder, KubeletDriver};
 
 /// One simulated GPU node: the real device plugin on simulated GPUs, and a kubelet driver.
 pub struct SimNode {
-    /// Node name.
     pub name: String,
     /// GiB of each simulated GPU.
     pub gpus: Vec<u64>,
@@ -31,7 +30,6 @@ pub struct SimNode {
     pub(super) health_file: PathBuf,
 }
 
-/// How many nodes start at once.
 pub(super) const NODE_START_CONCURRENCY: usize = 16;
 
 /// What starting a node needs, owned so that many nodes can start at once.

@@ -89,7 +89,6 @@ impl Process {
         self.child.id()
     }
 
-    /// Whether the process is still running.
     pub fn is_running(&mut self) -> bool {
         matches!(self.child.try_wait(), Ok(None))
     }
@@ -121,7 +120,6 @@ pub struct MemoryUse {
 }
 
 impl MemoryUse {
-    /// Everything together.
     pub fn total_kib(&self) -> u64 {
         self.harness_kib + self.extender_kib + self.device_plugins_kib
     }

@@ -85,7 +85,7 @@ impl TestCluster {
             "https://127.0.0.1:{}/gpushare-scheduler",
             self.extender_port
         );
-        let config = SchedulerConfig {
+        let mut config = SchedulerConfig {
             extenders: vec![ExtenderConfig {
                 http_timeout: self.spec.http_timeout,
                 enable_https: true,
@@ -100,15 +100,14 @@ impl TestCluster {
             unschedulable_retry: self.spec.unschedulable_retry,
             ..SchedulerConfig::default()
         };
-        let config = if self.spec.dedicated {
+        if self.spec.dedicated {
             // The dedicated scheduler runs the configuration the chart renders for this
             // extender's policy; only the address and certificates are the harness's.
-            let rendered = dedicated_scheduler_configuration(
-                &self.spec.extender_args,
-                &self.spec.scheduler_values,
-            )
-            .await?;
-            let mut config = SchedulerConfig::from_kube_scheduler_configuration(&rendered, config)?;
+            let spec = &self.spec;
+            let rendered =
+                dedicated_scheduler_configuration(&spec.extender_args, &spec.scheduler_values)
+                    .await?;
+            config = SchedulerConfig::from_kube_scheduler_configuration(&rendered, config)?;
             ensure!(
                 config.scheduler_name == DEDICATED_SCHEDULER,
                 "{}",
@@ -119,10 +118,7 @@ impl TestCluster {
                 extender.http_timeout = self.spec.http_timeout;
                 extender.tls = Some(self.extender_tls.scheduler_config());
             }
-            config
-        } else {
-            config
-        };
+        }
         self.scheduler = Some(SchedulerDriver::start(self.client.clone(), config).await?);
         Ok(())
     }

@@ -20,19 +20,10 @@ use tokio_util::sync::CancellationToken;
 
 use super::allocation::{allocate_pod, container_resources, is_extended};
 use super::status::{running_status, write_status};
-use super::{AdmissionOrder, Shared, State};
+use super::{AdmissionOrder, Shared, State, by_creation, finished, pod_key};
 
 /// How often pods are swept even without events.
 const SWEEP: Duration = Duration::from_millis(500);
-
-/// `namespace/name` of a pod.
-fn pod_key(pod: &Pod) -> String {
-    format!(
-        "{}/{}",
-        pod.metadata.namespace.as_deref().unwrap_or("default"),
-        pod.metadata.name.as_deref().unwrap_or_default()
-    )
-}
 
 /// The admission loop of one node: watches the pods bound to it, frees what finished pods
 /// held, and admits new ones one at a time.
@@ -92,12 +83,7 @@ impl Admission {
             .collect();
         {
             let mut state = self.shared.lock();
-            let live = |uid: &String| {
-                by_uid.get(uid).is_some_and(|pod| {
-                    let phase = pod.status.as_ref().and_then(|s| s.phase.as_deref());
-                    !matches!(phase, Some("Succeeded" | "Failed"))
-                })
-            };
+            let live = |uid: &String| by_uid.get(uid).is_some_and(|pod| !finished(pod));
             state.admitted.retain(|uid, _| live(uid));
             state.container_devices.retain(|uid, _| live(uid));
         }
@@ -119,14 +105,7 @@ impl Admission {
                 .map(|(_, pod)| *pod)
                 .collect()
         };
-        batch.sort_by(|a, b| {
-            a.metadata
-                .creation_timestamp
-                .as_ref()
-                .map(|t| t.0)
-                .cmp(&b.metadata.creation_timestamp.as_ref().map(|t| t.0))
-                .then_with(|| a.metadata.name.cmp(&b.metadata.name))
-        });
+        batch.sort_by(|a, b| by_creation(a, b));
         if let AdmissionOrder::Shuffled(_) = self.order {
             batch.shuffle(&mut self.rng);
         }
@@ -153,22 +132,18 @@ impl Admission {
     }
 
     async fn admit(&mut self, pod: &Pod) {
-        let ns = pod
-            .metadata
-            .namespace
-            .clone()
-            .unwrap_or_else(|| "default".into());
-        let name = pod.metadata.name.clone().unwrap_or_default();
+        let ns = pod.metadata.namespace.as_deref().unwrap_or("default");
+        let name = pod.metadata.name.as_deref().unwrap_or_default();
         let uid = pod.metadata.uid.clone().unwrap_or_default();
-        let key = format!("{ns}/{name}");
-        match allocate_pod(&self.shared, pod, &ns, &name).await {
+        let key = pod_key(pod);
+        match allocate_pod(&self.shared, pod, ns, name).await {
             Ok(devices) => {
                 self.shared
                     .lock()
                     .admitted
                     .insert(uid, (key.clone(), devices));
                 tracing::debug!(pod = %key, "admitted");
-                write_status(&self.client, &ns, &name, running_status(pod));
+                write_status(&self.client, ns, name, running_status(pod));
             }
             Err(message) => {
                 let message = format!("Pod was rejected: {message}");
@@ -180,16 +155,12 @@ impl Admission {
                     state.container_devices.remove(&uid);
                     state.rejected.insert(uid);
                 }
-                write_status(
-                    &self.client,
-                    &ns,
-                    &name,
-                    serde_json::json!({
-                        "phase": "Failed",
-                        "reason": "UnexpectedAdmissionError",
-                        "message": message,
-                    }),
-                );
+                let status = serde_json::json!({
+                    "phase": "Failed",
+                    "reason": "UnexpectedAdmissionError",
+                    "message": message,
+                });
+                write_status(&self.client, ns, name, status);
             }
         }
         self.shared.changed();

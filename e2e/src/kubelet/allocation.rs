@@ -76,19 +76,13 @@ pub(super) async fn allocate_pod(
                 .or_default()
                 .insert(resource.clone(), ids.clone());
             env.extend(response);
-            let pod_held = held.entry(resource.clone()).or_default();
-            for id in &ids {
-                if !pod_held.contains(id) {
-                    pod_held.push(id.clone());
-                }
-            }
+            add_new(
+                held.entry(resource.clone()).or_default(),
+                ids.iter().cloned(),
+            );
             let reuse = reusable.entry(resource).or_default();
             if init && !sidecar {
-                for id in ids {
-                    if !reuse.contains(&id) {
-                        reuse.push(id);
-                    }
-                }
+                add_new(reuse, ids);
             } else {
                 reuse.retain(|id| !ids.contains(id));
             }
@@ -177,11 +171,10 @@ async fn devices_for(
                 .map(|c| c.device_i_ds)
                 .unwrap_or_default();
             let mut unique: Vec<String> = Vec::new();
-            for id in ids {
-                if available.contains(&id) && !unique.contains(&id) {
-                    unique.push(id);
-                }
-            }
+            add_new(
+                &mut unique,
+                ids.into_iter().filter(|id| available.contains(id)),
+            );
             let complete = unique.len() == count && reused.iter().all(|id| unique.contains(id));
             Ok(if complete { unique } else { fallback() })
         }
@@ -233,6 +226,15 @@ async fn allocate(
             (c.envs.into_iter().collect(), mounts)
         })
         .unwrap_or_default())
+}
+
+/// Appends the `ids` that `list` does not hold yet.
+fn add_new(list: &mut Vec<String>, ids: impl IntoIterator<Item = String>) {
+    for id in ids {
+        if !list.contains(&id) {
+            list.push(id);
+        }
+    }
 }
 
 /// Resource names a container asks for (limits win over requests), with whole quantities.

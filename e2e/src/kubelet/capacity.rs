@@ -44,14 +44,11 @@ pub(super) async fn sync_node_capacity(
             .filter(|(r, v)| written.get(*r) != Some(v))
             .collect();
         if !stale.is_empty() {
-            let capacity: serde_json::Map<_, _> = stale
-                .iter()
-                .map(|(r, (total, _))| ((*r).clone(), total.to_string().into()))
-                .collect();
-            let allocatable: serde_json::Map<_, _> = stale
-                .iter()
-                .map(|(r, (_, healthy))| ((*r).clone(), healthy.to_string().into()))
-                .collect();
+            let (mut capacity, mut allocatable) = (serde_json::Map::new(), serde_json::Map::new());
+            for (resource, (total, healthy)) in &stale {
+                capacity.insert((*resource).clone(), total.to_string().into());
+                allocatable.insert((*resource).clone(), healthy.to_string().into());
+            }
             let patch =
                 serde_json::json!({"status": {"capacity": capacity, "allocatable": allocatable}});
             match nodes

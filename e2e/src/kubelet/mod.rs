@@ -86,7 +86,6 @@ pub enum AdmissionOrder {
 /// A registered plugin, as the device manager keeps it.
 struct Plugin {
     generation: u64,
-    /// The socket the plugin registered.
     endpoint: PathBuf,
     options: Option<DevicePluginOptions>,
     channel: Option<Channel>,
@@ -147,6 +146,47 @@ impl Shared {
 struct ServedSocket {
     stop: CancellationToken,
     task: JoinHandle<Result<(), tonic::transport::Error>>,
+}
+
+impl ServedSocket {
+    /// Serves `router` on a fresh unix socket at `path` (a stale one is removed first).
+    fn serve(path: &Path, router: tonic::transport::server::Router) -> anyhow::Result<Self> {
+        let _ = std::fs::remove_file(path);
+        let listener = tokio::net::UnixListener::bind(path)
+            .with_context(|| format!("binding {}", path.display()))?;
+        let stop = CancellationToken::new();
+        let incoming = tokio_stream::wrappers::UnixListenerStream::new(listener);
+        let shutdown = stop.clone().cancelled_owned();
+        let task = tokio::spawn(router.serve_with_incoming_shutdown(incoming, shutdown));
+        Ok(Self { stop, task })
+    }
+
+    async fn stop(self) {
+        self.stop.cancel();
+        let _ = self.task.await;
+    }
+}
+
+/// `namespace/name` of a pod.
+fn pod_key(pod: &Pod) -> String {
+    format!(
+        "{}/{}",
+        pod.metadata.namespace.as_deref().unwrap_or("default"),
+        pod.metadata.name.as_deref().unwrap_or_default()
+    )
+}
+
+/// Whether the pod ended (Succeeded or Failed): kubelet no longer counts it as active.
+fn finished(pod: &Pod) -> bool {
+    let phase = pod.status.as_ref().and_then(|s| s.phase.as_deref());
+    matches!(phase, Some("Succeeded" | "Failed"))
+}
+
+/// Oldest first, then by name: the order kubelet takes pods in.
+fn by_creation(a: &Pod, b: &Pod) -> std::cmp::Ordering {
+    let created = |pod: &Pod| pod.metadata.creation_timestamp.as_ref().map(|t| t.0);
+    let by_name = || a.metadata.name.cmp(&b.metadata.name);
+    created(a).cmp(&created(b)).then_with(by_name)
 }
 
 /// The test kubelet of one node.
@@ -275,25 +315,18 @@ impl KubeletDriver {
     }
 
     /// Environment each container got from Allocate, keyed by (namespace, pod, container).
-    pub fn container_env(
-        &self,
-        ns: &str,
-        pod: &str,
-        container: &str,
-    ) -> Option<BTreeMap<String, String>> {
-        self.shared
-            .lock()
-            .envs
-            .get(&(ns.to_owned(), pod.to_owned(), container.to_owned()))
-            .cloned()
+    pub fn container_env(&self, ns: &str, pod: &str, c: &str) -> Option<BTreeMap<String, String>> {
+        let key = (ns.to_owned(), pod.to_owned(), c.to_owned());
+        self.shared.lock().envs.get(&key).cloned()
     }
 
     /// Mounts each container got from Allocate: (container path, host path, read-only).
     pub fn container_mounts(&self, ns: &str, pod: &str, container: &str) -> Vec<GrantedMount> {
+        let key = (ns.to_owned(), pod.to_owned(), container.to_owned());
         self.shared
             .lock()
             .mounts
-            .get(&(ns.to_owned(), pod.to_owned(), container.to_owned()))
+            .get(&key)
             .cloned()
             .unwrap_or_default()
     }
@@ -353,23 +386,7 @@ impl KubeletDriver {
     /// PodResources socket is served anew; the devices handed out survive, as kubelet
     /// restores them from its checkpoint.
     pub async fn restart(&mut self) -> anyhow::Result<()> {
-        if let Some(registration) = self.registration.take() {
-            registration.stop.cancel();
-            let _ = registration.task.await;
-        }
-        if let Some(pod_resources) = self.pod_resources.take() {
-            pod_resources.stop.cancel();
-            let _ = pod_resources.task.await;
-        }
-        {
-            let mut state = self.shared.lock();
-            for (_, plugin) in std::mem::take(&mut state.plugins) {
-                plugin.task.abort();
-            }
-            for task in std::mem::take(&mut state.replaced) {
-                task.abort();
-            }
-        }
+        self.stop_serving().await;
         for entry in std::fs::read_dir(&self.shared.dir)?.flatten() {
             if entry.path().extension().is_some_and(|ext| ext == "sock") {
                 let _ = std::fs::remove_file(entry.path());
@@ -382,27 +399,28 @@ impl KubeletDriver {
         Ok(())
     }
 
+    /// Stops serving the sockets and drops every plugin's client.
+    async fn stop_serving(&mut self) {
+        for socket in [self.registration.take(), self.pod_resources.take()]
+            .into_iter()
+            .flatten()
+        {
+            socket.stop().await;
+        }
+        let mut state = self.shared.lock();
+        for (_, plugin) in std::mem::take(&mut state.plugins) {
+            plugin.task.abort();
+        }
+        for task in std::mem::take(&mut state.replaced) {
+            task.abort();
+        }
+    }
+
     /// Stops serving and admitting.
     pub async fn shutdown(mut self) {
         self.stop.cancel();
-        if let Some(registration) = self.registration.take() {
-            registration.stop.cancel();
-            let _ = registration.task.await;
-        }
-        if let Some(pod_resources) = self.pod_resources.take() {
-            pod_resources.stop.cancel();
-            let _ = pod_resources.task.await;
-            let _ = std::fs::remove_file(self.pod_resources_socket());
-        }
-        {
-            let mut state = self.shared.lock();
-            for (_, plugin) in std::mem::take(&mut state.plugins) {
-                plugin.task.abort();
-            }
-            for task in std::mem::take(&mut state.replaced) {
-                task.abort();
-            }
-        }
+        self.stop_serving().await;
+        let _ = std::fs::remove_file(self.pod_resources_socket());
         let _ = (&mut self.admission).await;
         let _ = std::fs::remove_file(self.shared.dir.join(KUBELET_SOCKET));
     }

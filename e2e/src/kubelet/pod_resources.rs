@@ -29,13 +29,10 @@ use gpushare_proto::podresources::v1::{
 };
 use k8s_openapi::api::core::v1::Pod;
 use kube::runtime::reflector::Store;
-use tokio::net::UnixListener;
-use tokio_stream::wrappers::UnixListenerStream;
-use tokio_util::sync::CancellationToken;
 use tonic::transport::Server;
 use tonic::{Request, Response, Status};
 
-use super::{ServedSocket, Shared, State};
+use super::{ServedSocket, Shared, State, by_creation, finished};
 
 /// `<dir>/pod-resources/kubelet.sock`.
 pub(super) fn socket(dir: &Path) -> PathBuf {
@@ -49,22 +46,8 @@ pub(super) async fn serve(shared: Arc<Shared>, pods: Store<Pod>) -> anyhow::Resu
         std::fs::create_dir_all(parent)
             .with_context(|| format!("creating {}", parent.display()))?;
     }
-    let _ = std::fs::remove_file(&path);
-    let listener =
-        UnixListener::bind(&path).with_context(|| format!("binding {}", path.display()))?;
-    let stop = CancellationToken::new();
-    let task = tokio::spawn(
-        Server::builder()
-            .add_service(PodResourcesListerServer::new(PodResourcesService {
-                shared,
-                pods,
-            }))
-            .serve_with_incoming_shutdown(
-                UnixListenerStream::new(listener),
-                stop.clone().cancelled_owned(),
-            ),
-    );
-    Ok(ServedSocket { stop, task })
+    let service = PodResourcesListerServer::new(PodResourcesService { shared, pods });
+    ServedSocket::serve(&path, Server::builder().add_service(service))
 }
 
 struct PodResourcesService {
@@ -80,19 +63,11 @@ impl PodResourcesService {
             .state()
             .into_iter()
             .filter(|pod| {
-                let phase = pod.status.as_ref().and_then(|s| s.phase.as_deref());
                 let uid = pod.metadata.uid.as_deref().unwrap_or_default();
-                !matches!(phase, Some("Succeeded" | "Failed")) && !state.rejected.contains(uid)
+                !finished(pod) && !state.rejected.contains(uid)
             })
             .collect();
-        pods.sort_by(|a, b| {
-            a.metadata
-                .creation_timestamp
-                .as_ref()
-                .map(|t| t.0)
-                .cmp(&b.metadata.creation_timestamp.as_ref().map(|t| t.0))
-                .then_with(|| a.metadata.name.cmp(&b.metadata.name))
-        });
+        pods.sort_by(|a, b| by_creation(a, b));
         pods
     }
 

@@ -7,13 +7,9 @@
 use std::collections::HashMap;
 use std::sync::Arc;
 
-use anyhow::Context as _;
 use gpushare_proto::v1beta1::registration_server::{Registration, RegistrationServer};
 use gpushare_proto::v1beta1::{Empty, RegisterRequest};
 use gpushare_proto::{KUBELET_SOCKET, VERSION};
-use tokio::net::UnixListener;
-use tokio_stream::wrappers::UnixListenerStream;
-use tokio_util::sync::CancellationToken;
 use tonic::transport::Server;
 use tonic::{Request, Response, Status};
 
@@ -78,17 +74,6 @@ impl Registration for RegistrationService {
 
 pub(super) async fn serve_registration(shared: Arc<Shared>) -> anyhow::Result<ServedSocket> {
     let path = shared.dir.join(KUBELET_SOCKET);
-    let _ = std::fs::remove_file(&path);
-    let listener =
-        UnixListener::bind(&path).with_context(|| format!("binding {}", path.display()))?;
-    let stop = CancellationToken::new();
-    let task = tokio::spawn(
-        Server::builder()
-            .add_service(RegistrationServer::new(RegistrationService { shared }))
-            .serve_with_incoming_shutdown(
-                UnixListenerStream::new(listener),
-                stop.clone().cancelled_owned(),
-            ),
-    );
-    Ok(ServedSocket { stop, task })
+    let service = RegistrationServer::new(RegistrationService { shared });
+    ServedSocket::serve(&path, Server::builder().add_service(service))
 }

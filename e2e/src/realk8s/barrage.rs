@@ -3,10 +3,9 @@
 //! over TLS, empty, truncated and non-JSON bodies, 8 MiB bodies, JSON nested 100,000 deep,
 //! absurd quantities, 10,000 node names, unknown pods and nodes, to every verb.
 //!
-//! The calls verify the replica's certificate against the chart's CA (the Secret's `ca.crt`)
-//! for the Service's name, as kube-scheduler does, and dial the pod's address directly, so
-//! each replica gets the whole barrage. They present the scheduler's client certificate, so
-//! the bodies reach the decoders; [`callers`] asks the same verbs without it.
+//! The calls verify the replica against the chart's CA for the Service's name, as
+//! kube-scheduler does, and dial the pod's address, so each replica gets the whole barrage.
+//! They present the scheduler's client certificate, so the bodies reach the decoders.
 
 use std::sync::Arc;
 use std::time::Duration;
@@ -24,7 +23,7 @@ use tokio::net::TcpStream;
 /// How many connections are opened and left in the middle of a handshake.
 pub const STALLED_HANDSHAKES: usize = 200;
 
-/// What the barrage got back: each request's verb, what was sent, and the status answered.
+/// What the barrage got back.
 #[derive(Debug, Default)]
 pub struct BarrageReport {
     /// (verb, what, HTTP status, whether the body was JSON).
@@ -52,6 +51,7 @@ impl BarrageReport {
 /// The bodies of the barrage, by what they are: `pod` is a pending pod's JSON to build on.
 fn bodies(pod: &Value) -> Vec<(String, Vec<u8>)> {
     let filter = json!({"Pod": pod, "NodeNames": ["node-k"], "Nodes": null}).to_string();
+    let deep = format!("{}{}", "[".repeat(100_000), "]".repeat(100_000));
     let mut out: Vec<(String, Vec<u8>)> = vec![
         ("empty".into(), Vec::new()),
         ("not JSON".into(), b"GET / HTTP/1.0 hello".to_vec()),
@@ -60,13 +60,10 @@ fn bodies(pod: &Value) -> Vec<(String, Vec<u8>)> {
             filter.as_bytes()[..filter.len() / 2].to_vec(),
         ),
         ("8 MiB".into(), vec![b'{'; 8 << 20]),
-        (
-            "nested 100,000 deep".into(),
-            format!("{}{}", "[".repeat(100_000), "]".repeat(100_000)).into_bytes(),
-        ),
+        ("nested 100,000 deep".into(), deep.clone().into_bytes()),
         (
             "nested 100,000 deep under an unknown key".into(),
-            format!(r#"{{"x":{}{}}}"#, "[".repeat(100_000), "]".repeat(100_000)).into_bytes(),
+            format!(r#"{{"x":{deep}}}"#).into_bytes(),
         ),
     ];
     for quantity in ["1e100", "-5", "99999999999999999999999Gi", "0.5"] {
@@ -175,6 +172,13 @@ async fn ask(
     }
 }
 
+/// A POST of the JSON `body` to `url`.
+fn post_json(url: String, body: Vec<u8>) -> anyhow::Result<http::Request<Full<Bytes>>> {
+    Ok(http::Request::post(url)
+        .header(http::header::CONTENT_TYPE, "application/json")
+        .body(Full::new(Bytes::from(body)))?)
+}
+
 /// Sends the barrage to the replica at `address` (`ip:port`) as `caller`, verifying it for
 /// `server_name`, under `prefix` (`/gpushare-scheduler`); `pod` is a pending pod's JSON.
 pub async fn send(
@@ -188,9 +192,7 @@ pub async fn send(
     let mut report = BarrageReport::default();
     for verb in ["filter", "prioritize", "bind", "preempt"] {
         for (what, body) in bodies(pod) {
-            let request = http::Request::post(format!("https://{address}{prefix}/{verb}"))
-                .header(http::header::CONTENT_TYPE, "application/json")
-                .body(Full::new(Bytes::from(body)))?;
+            let request = post_json(format!("https://{address}{prefix}/{verb}"), body)?;
             match ask(&client, request).await {
                 Ok((status, json)) => report.answers.push((verb, what, status, json)),
                 Err(why) => report.unanswered.push((format!("{verb} {what}"), why)),
@@ -215,20 +217,18 @@ pub async fn callers(
         "PodUID": "barrage-uid", "Node": "node-k"})
     .to_string();
     let preempt = json!({"Pod": pod, "NodeNameToMetaVictims": {}}).to_string();
-    let calls: [(&'static str, &str, Option<String>); 5] = [
-        ("filter", "filter", Some(filter.clone())),
-        ("prioritize", "prioritize", Some(filter)),
-        ("bind", "bind", Some(bind)),
-        ("preempt", "preempt", Some(preempt)),
-        ("inspect", "inspect", None),
+    let calls = [
+        ("filter", Some(filter.clone())),
+        ("prioritize", Some(filter)),
+        ("bind", Some(bind)),
+        ("preempt", Some(preempt)),
+        ("inspect", None),
     ];
     let mut out = Vec::new();
-    for (verb, path, body) in calls {
-        let url = format!("https://{address}{prefix}/{path}");
+    for (verb, body) in calls {
+        let url = format!("https://{address}{prefix}/{verb}");
         let request = match body {
-            Some(body) => http::Request::post(url)
-                .header(http::header::CONTENT_TYPE, "application/json")
-                .body(Full::new(Bytes::from(body)))?,
+            Some(body) => post_json(url, body.into_bytes())?,
             None => http::Request::get(url).body(Full::new(Bytes::new()))?,
         };
         out.push((verb, ask(&client, request).await));

@@ -1,8 +1,6 @@
 //! What a drain costs, measured from outside the schedulers: the first moment each pod was
 //! seen bound ([`BindClock`]), each process's CPU time and memory from `/proc`, and the API
-//! server's request counters by verb.
-//!
-//! Kept apart from the drain itself so that what is measured, and how, reads in one place.
+//! server's request counters by verb. Apart from the drain, so the measuring reads in one place.
 
 use std::collections::{BTreeMap, HashMap};
 use std::sync::{Arc, Mutex};
@@ -41,12 +39,8 @@ impl BindClock {
                     .boxed();
                 while let Some(event) = events.next().await {
                     let Ok(pod) = event else { continue };
-                    if pod
-                        .spec
-                        .as_ref()
-                        .and_then(|s| s.node_name.as_ref())
-                        .is_none()
-                    {
+                    let bound_to = pod.spec.as_ref().and_then(|s| s.node_name.as_ref());
+                    if bound_to.is_none() {
                         continue;
                     }
                     if let Ok(mut bound) = bound.lock() {
@@ -77,11 +71,8 @@ impl BindClock {
                 break;
             }
             if tokio::time::timeout_at(deadline, notified).await.is_err() {
-                anyhow::bail!(
-                    "{} of {pods} pods bound after {} s",
-                    self.count(),
-                    timeout.as_secs()
-                );
+                let (bound, seconds) = (self.count(), timeout.as_secs());
+                anyhow::bail!("{bound} of {pods} pods bound after {seconds} s");
             }
         }
         let mut moments: Vec<Instant> = self
@@ -103,26 +94,18 @@ impl Drop for BindClock {
 /// Where a process of the drain is: a name for the report and a host pid.
 fn processes(cluster: &KitCluster) -> Vec<(String, u32)> {
     let mut found = Vec::new();
-    let state = cluster
-        .kit()
-        .root()
-        .join("harness")
-        .join("state")
-        .join("pids");
+    let state = cluster.kit().root().join("harness/state/pids");
     for name in [
         "kube-apiserver",
         "etcd",
         "kube-scheduler",
         "kube-controller-manager",
     ] {
-        if let Some(pid) = std::fs::read_to_string(state.join(name))
-            .ok()
-            .and_then(|text| text.trim().parse().ok())
-        {
-            let name = if name == "kube-scheduler" {
-                "kube-scheduler (kit)"
-            } else {
-                name
+        let pid = std::fs::read_to_string(state.join(name)).ok();
+        if let Some(pid) = pid.and_then(|text| text.trim().parse().ok()) {
+            let name = match name {
+                "kube-scheduler" => "kube-scheduler (kit)",
+                other => other,
             };
             found.push((name.to_owned(), pid));
         }
@@ -133,15 +116,9 @@ fn processes(cluster: &KitCluster) -> Vec<(String, u32)> {
 
 /// The host pids of the chart's extender and scheduler containers, by pod name.
 pub fn chart_processes(cluster: &KitCluster) -> Vec<(String, u32)> {
+    let names = "jsonpath={range .items[*]}{.metadata.name}{\"\\n\"}{end}";
     let pods = cluster
-        .kubectl(&[
-            "-n",
-            "kube-system",
-            "get",
-            "pods",
-            "-o",
-            "jsonpath={range .items[*]}{.metadata.name}{\"\\n\"}{end}",
-        ])
+        .system(&["get", "pods", "-o", names])
         .unwrap_or_default();
     pods.lines()
         .filter_map(|pod| {
@@ -198,8 +175,7 @@ pub fn rss_mib(pid: u32) -> Option<(f64, f64)> {
 /// The API server's `apiserver_request_total`, summed by verb and resource (`PATCH nodes`,
 /// `POST pods/binding`; watches and lists by verb alone).
 pub(super) async fn api_requests(client: &Client) -> anyhow::Result<BTreeMap<String, f64>> {
-    let request = http::Request::get("/metrics").body(Vec::new())?;
-    let text = client.request_text(request).await?;
+    let text = apiserver_metrics(client).await?;
     let mut by_call = BTreeMap::new();
     for line in text.lines() {
         let Some(rest) = line.strip_prefix("apiserver_request_total{") else {
@@ -224,6 +200,12 @@ pub(super) async fn api_requests(client: &Client) -> anyhow::Result<BTreeMap<Str
         *by_call.entry(call).or_insert(0.0) += value.parse::<f64>().unwrap_or(0.0);
     }
     Ok(by_call)
+}
+
+/// The API server's own `/metrics`.
+pub(super) async fn apiserver_metrics(client: &Client) -> anyhow::Result<String> {
+    let request = http::Request::get("/metrics").body(Vec::new())?;
+    Ok(client.request_text(request).await?)
 }
 
 /// CPU seconds so far of every process of the drain, by pid.

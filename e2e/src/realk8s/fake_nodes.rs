@@ -1,9 +1,9 @@
 //! Fake nodes for load on the real cluster: Node objects in bulk with no kubelet behind them,
-//! opted in to gpushare with GPUs published as the device plugin publishes them, and, in DRA
-//! mode, a ResourceSlice for each as the DRA plugin would publish it.
-//!
-//! They give the real schedulers a thousand-node cluster to place a backlog on while the kit
-//! runs one real kubelet; [`super::load::NodeStandIn`] plays the kubelets they lack.
+//! GPUs published as the device plugin publishes them and, in DRA mode, a ResourceSlice each.
+//! Why: a thousand-node cluster for the real schedulers while the kit runs one real kubelet;
+//! [`super::load::NodeStandIn`] plays the kubelets they lack.
+
+use std::future::Future;
 
 use anyhow::Context;
 use futures::{StreamExt, TryStreamExt, stream};
@@ -21,10 +21,23 @@ pub const FAKE_LABEL: &str = "fake";
 /// How many API calls the harness keeps in flight when it creates objects in bulk.
 pub(super) const BULK_CALLS: usize = 16;
 
-/// Node objects with no kubelet behind them, `<prefix>-0` .. `<prefix>-<count - 1>`, opted in
-/// (`gpushare=true`), with the GPUs of `gpus` (GiB each) published as the device plugin
-/// publishes them and `extra` extended resources beside `example.com/gpu-mem`. Pods bound there
-/// never run.
+/// Runs `call` for each of `0..count`, [`BULK_CALLS`] at a time; the first error ends it.
+pub(super) async fn in_bulk<F, Fut>(count: usize, call: F) -> anyhow::Result<()>
+where
+    F: FnMut(usize) -> Fut,
+    Fut: Future<Output = anyhow::Result<()>>,
+{
+    stream::iter(0..count)
+        .map(call)
+        .buffer_unordered(BULK_CALLS)
+        .try_collect::<Vec<()>>()
+        .await?;
+    Ok(())
+}
+
+/// Node objects `<prefix>-0` .. `<prefix>-<count - 1>`, opted in, with the GPUs of `gpus` (GiB
+/// each) published as the device plugin publishes them and `extra` extended resources beside.
+/// Pods bound there never run.
 pub async fn create_fake_gpu_nodes(
     client: &Client,
     prefix: &str,
@@ -33,74 +46,72 @@ pub async fn create_fake_gpu_nodes(
     extra: &[(&str, u64)],
 ) -> anyhow::Result<()> {
     let nodes: Api<Node> = Api::all(client.clone());
-    stream::iter(0..count)
-        .map(|i| {
-            let nodes = nodes.clone();
-            async move {
-                let name = format!("{prefix}-{i}");
-                let mut node = fixtures::node(&name)
-                    .gpushare()
-                    .gpus(gpus)
-                    .cpu("64")
-                    .memory("512Gi")
-                    .label(FAKE_LABEL, "true")
-                    .build();
-                let status = node.status.get_or_insert_default();
-                for resources in [&mut status.capacity, &mut status.allocatable] {
-                    let resources = resources.get_or_insert_default();
-                    resources.insert("pods".to_owned(), Quantity("500".to_owned()));
-                    for (resource, amount) in extra {
-                        resources.insert((*resource).to_owned(), Quantity(amount.to_string()));
-                    }
+    in_bulk(count, |i| {
+        let nodes = nodes.clone();
+        async move {
+            let name = format!("{prefix}-{i}");
+            let mut node = fixtures::node(&name)
+                .gpushare()
+                .gpus(gpus)
+                .cpu("64")
+                .memory("512Gi")
+                .label(FAKE_LABEL, "true")
+                .build();
+            let status = node.status.get_or_insert_default();
+            for resources in [&mut status.capacity, &mut status.allocatable] {
+                let resources = resources.get_or_insert_default();
+                resources.insert("pods".to_owned(), Quantity("500".to_owned()));
+                for (resource, amount) in extra {
+                    resources.insert((*resource).to_owned(), Quantity(amount.to_string()));
                 }
-                let created = nodes
-                    .create(&PostParams::default(), &node)
-                    .await
-                    .with_context(|| format!("creating node {name}"))?;
-                // The API server drops a new node's status: write it.
+            }
+            let created = nodes
+                .create(&PostParams::default(), &node)
+                .await
+                .with_context(|| format!("creating node {name}"))?;
+            // The API server drops a new node's status: write it.
+            nodes
+                .patch_status(
+                    &name,
+                    &PatchParams::default(),
+                    &Patch::Merge(json!({ "status": node.status })),
+                )
+                .await
+                .with_context(|| format!("writing the status of node {name}"))?;
+            // Admission taints a new node not-ready until its kubelet says otherwise;
+            // none will.
+            let taints = created.spec.and_then(|s| s.taints).unwrap_or_default();
+            if !taints.is_empty() {
+                let kept: Vec<_> = taints
+                    .into_iter()
+                    .filter(|t| t.key != "node.kubernetes.io/not-ready")
+                    .collect();
                 nodes
-                    .patch_status(
+                    .patch(
                         &name,
                         &PatchParams::default(),
-                        &Patch::Merge(json!({ "status": node.status })),
+                        &Patch::Merge(json!({ "spec": { "taints": kept } })),
                     )
                     .await
-                    .with_context(|| format!("writing the status of node {name}"))?;
-                // Admission taints a new node not-ready until its kubelet says otherwise;
-                // none will.
-                let taints = created.spec.and_then(|s| s.taints).unwrap_or_default();
-                if !taints.is_empty() {
-                    let kept: Vec<_> = taints
-                        .into_iter()
-                        .filter(|t| t.key != "node.kubernetes.io/not-ready")
-                        .collect();
-                    nodes
-                        .patch(
-                            &name,
-                            &PatchParams::default(),
-                            &Patch::Merge(json!({ "spec": { "taints": kept } })),
-                        )
-                        .await
-                        .with_context(|| format!("untainting node {name}"))?;
-                }
-                anyhow::Ok(())
+                    .with_context(|| format!("untainting node {name}"))?;
             }
-        })
-        .buffer_unordered(BULK_CALLS)
-        .try_collect::<Vec<()>>()
-        .await?;
-    Ok(())
+            anyhow::Ok(())
+        }
+    })
+    .await
 }
 
 /// Deletes every fake node (not waiting for them to go).
 pub async fn delete_fake_nodes(client: &Client) -> anyhow::Result<()> {
     Api::<Node>::all(client.clone())
-        .delete_collection(
-            &DeleteParams::default(),
-            &ListParams::default().labels(&format!("{FAKE_LABEL}=true")),
-        )
+        .delete_collection(&DeleteParams::default(), &fake())
         .await?;
     Ok(())
+}
+
+/// Selects what carries [`FAKE_LABEL`].
+fn fake() -> ListParams {
+    ListParams::default().labels(&format!("{FAKE_LABEL}=true"))
 }
 
 /// A ResourceSlice for each fake node `<prefix>-0` .., as the DRA plugin publishes one for its
@@ -143,26 +154,22 @@ async fn create_slices(
 ) -> anyhow::Result<()> {
     let slices: Api<ResourceSlice> = Api::all(client.clone());
     let build = &build;
-    stream::iter(0..count)
-        .map(|i| {
-            let slices = slices.clone();
-            async move {
-                let node = format!("{prefix}-{i}");
-                let mut built = build(&node)?;
-                built
-                    .labels_mut()
-                    .insert(FAKE_LABEL.to_owned(), "true".to_owned());
-                slices
-                    .create(&PostParams::default(), &built)
-                    .await
-                    .with_context(|| format!("creating the ResourceSlice of {node}"))?;
-                anyhow::Ok(())
-            }
-        })
-        .buffer_unordered(BULK_CALLS)
-        .try_collect::<Vec<()>>()
-        .await?;
-    Ok(())
+    in_bulk(count, |i| {
+        let slices = slices.clone();
+        async move {
+            let node = format!("{prefix}-{i}");
+            let mut built = build(&node)?;
+            built
+                .labels_mut()
+                .insert(FAKE_LABEL.to_owned(), "true".to_owned());
+            slices
+                .create(&PostParams::default(), &built)
+                .await
+                .with_context(|| format!("creating the ResourceSlice of {node}"))?;
+            anyhow::Ok(())
+        }
+    })
+    .await
 }
 
 /// The driver of the plain DRA baseline ([`publish_plain_slices`]): whole devices, no
@@ -171,10 +178,9 @@ pub const PLAIN_DRIVER: &str = "plain.gpushare-load.example.com";
 /// The DeviceClass and ResourceClaimTemplate (in `default`) of the plain baseline.
 pub const PLAIN_CLASS: &str = "plain-gpu";
 
-/// The plain DRA baseline on the fake nodes `<prefix>-0` ..: a DeviceClass of
-/// [`PLAIN_DRIVER`], a ResourceClaimTemplate asking for one whole device of it, and a
-/// ResourceSlice per node with `gpus` devices `gpu-<i>` (no attributes, no capacity, one
-/// claim each), labelled as the fake nodes are.
+/// The plain DRA baseline on the fake nodes `<prefix>-0` ..: a DeviceClass of [`PLAIN_DRIVER`],
+/// a ResourceClaimTemplate asking for one whole device of it, and a ResourceSlice per node
+/// with `gpus` devices `gpu-<i>` (no capacity), labelled as the fake nodes are.
 pub async fn publish_plain_slices(
     client: &Client,
     prefix: &str,
@@ -221,7 +227,7 @@ pub async fn publish_plain_slices(
 /// Deletes the slices [`publish_fake_slices`] and [`publish_plain_slices`] made, and the
 /// plain baseline's class and template.
 pub async fn delete_fake_slices(client: &Client) -> anyhow::Result<()> {
-    let fake = ListParams::default().labels(&format!("{FAKE_LABEL}=true"));
+    let fake = fake();
     Api::<ResourceSlice>::all(client.clone())
         .delete_collection(&DeleteParams::default(), &fake)
         .await?;

@@ -1,21 +1,19 @@
-//! Where a drain's bind time goes, from the histograms the processes export themselves: the
-//! API server's own time for each Binding (`apiserver_request_duration_seconds` of
-//! `pods/binding` POSTs: admission and storage) and, in the chart's drains, the leading
-//! extender's bind stages (`gpushare_extender_bind_stage_duration_seconds`: the view's lock
-//! and the decision, the wait for a write slot, the Binding's call as its client sees it).
-//!
-//! Each histogram is read before and after a drain and the difference summarised, so the
-//! figures are the drain's own whatever ran before it. Quantiles are interpolated inside a
-//! bucket, as Prometheus' `histogram_quantile` does.
+//! Where a drain's bind time goes, from the histograms the processes export: the API server's
+//! own time for each Binding (`apiserver_request_duration_seconds` of `pods/binding` POSTs)
+//! and, in the chart's drains, the leading extender's bind stages
+//! (`gpushare_extender_bind_stage_duration_seconds`). Each is read before and after a drain and
+//! the difference summarised, so the figures are the drain's own whatever ran before it.
+//! Quantiles are interpolated inside a bucket, as Prometheus' `histogram_quantile` does.
 
 use std::collections::BTreeMap;
 use std::net::SocketAddr;
 
+use anyhow::Context;
 use kube::Client;
 
 use super::KitCluster;
+use super::drain_cost::apiserver_metrics;
 use crate::cluster::http_get;
-use crate::scenarios::Harness;
 
 /// A histogram's cumulative buckets (upper bound, count), its sum and its count.
 #[derive(Debug, Clone, Default, PartialEq)]
@@ -29,11 +27,8 @@ impl Histogram {
     /// What was observed between `before` and `self` (both of the same series).
     pub fn since(&self, before: &Histogram) -> Histogram {
         let earlier = |le: f64| {
-            before
-                .buckets
-                .iter()
-                .find(|(b, _)| *b == le)
-                .map_or(0.0, |(_, c)| *c)
+            let bucket = before.buckets.iter().find(|(b, _)| *b == le);
+            bucket.map_or(0.0, |(_, c)| *c)
         };
         Histogram {
             buckets: self
@@ -155,8 +150,7 @@ impl BindLatency {
     /// Reads them now; `extender` is the leading extender's monitoring address, when the
     /// drain is the chart's.
     pub async fn read(client: &Client, extender: Option<SocketAddr>) -> anyhow::Result<Self> {
-        let request = http::Request::get("/metrics").body(Vec::new())?;
-        let text = client.request_text(request).await?;
+        let text = apiserver_metrics(client).await?;
         let binding_on_server = histograms(&text, "apiserver_request_duration_seconds", |l| {
             l.contains("subresource=\"binding\"") && l.contains("verb=\"POST\"")
         })
@@ -187,22 +181,12 @@ impl BindLatency {
 
     /// One line per histogram: what was observed between `before` and `self`.
     pub fn lines_since(&self, before: &BindLatency) -> Vec<String> {
-        let mut lines = vec![format!(
-            "Binding POST, the API server's own time: {}",
-            self.binding_on_server
-                .since(&before.binding_on_server)
-                .summary()
-        )];
+        let server = (self.binding_on_server.since(&before.binding_on_server)).summary();
+        let mut lines = vec![format!("Binding POST, the API server's own time: {server}")];
         for (stage, histogram) in &self.extender_stages {
-            let earlier = before
-                .extender_stages
-                .get(stage)
-                .cloned()
-                .unwrap_or_default();
-            lines.push(format!(
-                "extender bind stage {stage}: {}",
-                histogram.since(&earlier).summary()
-            ));
+            let earlier = before.extender_stages.get(stage).cloned();
+            let observed = histogram.since(&earlier.unwrap_or_default()).summary();
+            lines.push(format!("extender bind stage {stage}: {observed}"));
         }
         lines
     }
@@ -210,14 +194,8 @@ impl BindLatency {
 
 /// The leading extender's monitoring address (its pod IP and the chart's `monitorPort`).
 pub async fn leader_monitor_addr(cluster: &KitCluster) -> anyhow::Result<SocketAddr> {
-    use anyhow::Context;
-    use k8s_openapi::api::core::v1::Pod;
     let leader = super::scale::leader_pod(cluster)?;
-    let ip = kube::Api::<Pod>::namespaced(cluster.client(), "kube-system")
-        .get(&leader)
-        .await?
-        .status
-        .and_then(|s| s.pod_ip)
+    let ip = (cluster.system_pod_ip(&leader).await?)
         .with_context(|| format!("{leader} has no pod IP"))?;
     Ok(format!("{ip}:{}", super::scale::EXTENDER_MONITOR_PORT).parse()?)
 }

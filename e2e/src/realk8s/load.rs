@@ -1,26 +1,15 @@
-//! Load on the real cluster: Node objects in bulk, a stand-in for their kubelets (and device
-//! plugins), and a backlog of pods drained by one scheduler, with what the drain cost.
+//! Load on the real cluster: Node objects in bulk, a stand-in for their kubelets, and a
+//! backlog of pods drained by one scheduler, with what the drain cost.
 //!
-//! Why a stand-in: the kit has one real kubelet; the other nodes are Node objects only, so no
-//! kubelet ever admits their pods. Without that, the allocator's twin rule
-//! (`allocator/src/lib.rs`) keeps every later pod of the same size off a GPU that holds one
-//! still waiting for its device, which no production node does for long, and the API server
-//! would be spared the status write every real node makes for every pod, with either
-//! scheduler. The stand-in writes that status (a `startTime`) in both drains and, when asked,
-//! the device plugin's marks as the plugin's ServiceAccount on the pod's node, so the chart's
-//! allocation policy judges them as it judges the plugin's.
+//! Why a stand-in: the kit has one real kubelet; the other nodes are Node objects only. Without
+//! one, the allocator's twin rule (`allocator/src/lib.rs`) keeps every later pod of the same
+//! size off a GPU whose pod still waits for its device, which no production node does for long,
+//! and the API server would be spared the status write every real node makes for every pod.
 //!
-//! A drain ([`drain`]): the scheduler is stopped, the backlog created, the scheduler started,
-//! and every pod's first bound moment taken from a pod watch. Throughput is counted from the
-//! first bind to the last, so neither pod creation nor the scheduler's start is in it. The
-//! API server's request counters, each process's CPU time and the scheduler's own metrics are
-//! read around it.
-
-//!
-//! Here: the drainers and what a drain measured, the chart's scheduler stopped and started,
-//! the backlog made and deleted, DRA mode's audit. The fake nodes are in `fake_nodes.rs`,
-//! their stand-in in `stand_in.rs`, the measuring in `drain_cost.rs`; their public items are
-//! re-exported here.
+//! A drain ([`drain`]): the scheduler stopped, the backlog created, the scheduler started, and
+//! every pod's first bound moment taken from a pod watch. Throughput counts from the first bind
+//! to the last, so neither pod creation nor the scheduler's start is in it. The fake nodes are
+//! in `fake_nodes.rs`, their stand-in in `stand_in.rs`, the measuring in `drain_cost.rs`.
 
 use std::collections::BTreeMap;
 use std::future::Future;
@@ -29,7 +18,6 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use anyhow::{Context, ensure};
-use futures::{StreamExt, TryStreamExt, stream};
 use gpushare_contract::DEFAULT_RESOURCE;
 use k8s_openapi::api::apps::v1::Deployment;
 use k8s_openapi::api::core::v1::{Pod, PodResourceClaim, ResourceClaim as ContainerClaim};
@@ -40,7 +28,7 @@ use kube::{Client, ResourceExt};
 
 use super::KitCluster;
 use super::drain_cost::{api_requests, cpu_by_pid, cpu_since};
-use super::fake_nodes::BULK_CALLS;
+use super::fake_nodes::in_bulk;
 use super::latency::BindLatency;
 use crate::cluster::wait_for;
 use crate::fixtures;
@@ -58,46 +46,45 @@ pub use super::stand_in::{NodeStandIn, StandInConfig};
 /// Which scheduler drains a backlog.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Drainer {
-    /// The kit's own kube-scheduler (`default-scheduler`, no extender, client QPS 5000 so its
-    /// rate limit is out of the way), on pods asking for an extended resource gpushare does
-    /// not manage. `percentage` is its `percentageOfNodesToScore` (0: adaptive).
+    /// The kit's own kube-scheduler (no extender, client QPS 5000), on pods asking for an
+    /// extended resource gpushare does not manage; `percentageOfNodesToScore` (0: adaptive).
     KubeSchedulerAlone { percentage: u32 },
     /// The chart's dedicated kube-scheduler calling the extender, on GPU pods, with the
     /// extender Service's name resolving to the leader.
     Chart,
-    /// As `Chart`, with the Service's name resolving to the kit's proxy, which sends each
-    /// connection to a random Ready replica as kube-proxy does: for a drain that kills one.
-    /// Slower than `Chart` (a userspace hop); its pods/s are not the chart's figure.
+    /// As `Chart`, through the kit's proxy (each connection to a random Ready replica, as
+    /// kube-proxy does): for a drain that kills one. Its pods/s are not the chart's figure.
     ChartViaProxy,
-    /// DRA mode: the kit's own kube-scheduler (as `KubeSchedulerAlone`, adaptive
-    /// `percentageOfNodesToScore`) allocating the claims the chart's policy gave GPU pods
-    /// (`example.com/gpu-mem` turned into a claim from a template). Started once
-    /// kube-controller-manager has made every pod's claim, so claim creation is not in it.
+    /// DRA mode: the kit's own kube-scheduler (adaptive) allocating the claims the chart's
+    /// policy gave GPU pods, started once kube-controller-manager has made every claim.
     Dra,
-    /// The plain DRA baseline: the kit's own kube-scheduler (as `Dra`) allocating one whole
-    /// device of a plain driver to each pod's claim ([`publish_plain_slices`]: no capacity),
-    /// on the same fake nodes. DRA's own ceiling, beside which DRA mode's drains stand.
+    /// DRA's own ceiling: the kit's kube-scheduler (as `Dra`) allocating one whole device of a
+    /// plain driver ([`publish_plain_slices`]: no capacity) to each pod's claim.
     DraPlain,
-    /// DRA mode with the chart's dedicated kube-scheduler (its DRA profile, no extender)
-    /// allocating the claims, started as `Dra` is once every claim exists.
+    /// DRA mode with the chart's dedicated kube-scheduler (its DRA profile) allocating the
+    /// claims, started as `Dra` is.
     DraChart,
 }
 
-/// The extended resource the kube-scheduler-alone pods ask for: not gpushare's, so neither
-/// its routing nor its allocation policy touches them.
+impl Drainer {
+    /// Whether the chart's dedicated kube-scheduler drains (else the kit's own).
+    fn is_the_charts(self) -> bool {
+        matches!(self, Self::Chart | Self::ChartViaProxy | Self::DraChart)
+    }
+}
+
+/// The extended resource the kube-scheduler-alone pods ask for: not gpushare's.
 pub const BASELINE_RESOURCE: &str = "example.com/baseline-mem";
 
 /// What one drain measured.
 #[derive(Debug, Clone)]
 pub struct Drain {
-    /// Pods in the backlog.
     pub pods: usize,
     /// From the first bind to the last.
     pub seconds: f64,
     /// Pods bound per second from the first bind to the last.
     pub pods_per_s: f64,
-    /// Pods created per second (the scheduler stopped: the API server and its admission
-    /// only, `BULK_CALLS` creations in flight).
+    /// Pods created per second (the scheduler stopped, `BULK_CALLS` creations in flight).
     pub created_per_s: f64,
     /// The median of the whole seconds' bind counts (the last, partial second left out).
     pub per_second_p50: usize,
@@ -107,7 +94,7 @@ pub struct Drain {
     pub cpu_seconds: BTreeMap<String, f64>,
     /// The scheduler's own summary (attempt latency quantiles, attempts by result).
     pub scheduler_metrics: String,
-    /// Where the bind time went ([`super::latency::BindLatency`]), a line per histogram.
+    /// Where the bind time went ([`BindLatency`]), a line per histogram.
     pub bind_latency: Vec<String>,
 }
 
@@ -115,22 +102,9 @@ pub struct Drain {
 const CHART_SCHEDULER: &str = "deploy/gpushare-scheduler";
 
 fn scale_chart_scheduler(cluster: &KitCluster, replicas: u32) -> anyhow::Result<()> {
-    cluster.kubectl(&[
-        "-n",
-        "kube-system",
-        "scale",
-        CHART_SCHEDULER,
-        &format!("--replicas={replicas}"),
-    ])?;
+    cluster.system(&["scale", CHART_SCHEDULER, &format!("--replicas={replicas}")])?;
     if replicas > 0 {
-        cluster.kubectl(&[
-            "-n",
-            "kube-system",
-            "rollout",
-            "status",
-            CHART_SCHEDULER,
-            "--timeout=120s",
-        ])?;
+        cluster.system(&["rollout", "status", CHART_SCHEDULER, "--timeout=120s"])?;
     }
     Ok(())
 }
@@ -154,26 +128,20 @@ async fn chart_scheduler_pods(cluster: &KitCluster) -> anyhow::Result<Vec<Pod>> 
 }
 
 /// Makes the extender Service's name resolve to the Lease holder's pod IP in the pods started
-/// from now on, as kube-proxy's per-connection choice would land a scheduler's connection on
-/// one replica (the kit's userspace proxy is a hop that must not be timed).
+/// from now on, as kube-proxy's choice lands a connection on one replica (the kit's userspace
+/// proxy is a hop that must not be timed).
 pub async fn point_service_at_leader(cluster: &KitCluster) -> anyhow::Result<String> {
     let pod = super::scale::leader_pod(cluster)?;
-    let ip = Api::<Pod>::namespaced(cluster.client(), "kube-system")
-        .get(&pod)
-        .await?
-        .status
-        .and_then(|s| s.pod_ip)
+    let ip = (cluster.system_pod_ip(&pod).await?)
         .with_context(|| format!("the leader {pod} has no pod IP"))?;
     point_extender_name(cluster, &ip)?;
     Ok(pod)
 }
 
-/// Makes the extender Service's name resolve to the kit's Service proxy again (each
-/// connection to a random Ready replica, as kube-proxy does), in the pods started from now
-/// on: what a drain that kills a replica needs.
+/// Makes the extender Service's name resolve to the kit's Service proxy again, in the pods
+/// started from now on: what a drain that kills a replica needs.
 pub fn point_service_at_proxy(cluster: &KitCluster) -> anyhow::Result<()> {
-    let saved = proxy_ip_file(cluster);
-    let Ok(ip) = std::fs::read_to_string(&saved) else {
+    let Ok(ip) = std::fs::read_to_string(proxy_ip_path(cluster.kit())) else {
         // Never pointed elsewhere: the name still resolves to the proxy.
         return Ok(());
     };
@@ -181,10 +149,6 @@ pub fn point_service_at_proxy(cluster: &KitCluster) -> anyhow::Result<()> {
 }
 
 /// Where [`point_extender_name`] keeps the proxy's address for [`point_service_at_proxy`].
-fn proxy_ip_file(cluster: &KitCluster) -> PathBuf {
-    proxy_ip_path(cluster.kit())
-}
-
 fn proxy_ip_path(kit: &super::Kit) -> PathBuf {
     kit.root().join("run").join("extender-proxy-ip")
 }
@@ -198,7 +162,7 @@ pub(super) fn forget_proxy_ip(kit: &super::Kit) {
 /// Rewrites the extender Service's line of the pods' extra hosts to `ip`; the first time,
 /// keeps the proxy's address it replaces.
 fn point_extender_name(cluster: &KitCluster, ip: &str) -> anyhow::Result<()> {
-    let hosts: PathBuf = cluster.kit().root().join("run").join("hosts-extra");
+    let hosts = cluster.kit().root().join("run").join("hosts-extra");
     let text = std::fs::read_to_string(&hosts)?;
     let mut pointed = false;
     let mut replaced = None;
@@ -214,7 +178,7 @@ fn point_extender_name(cluster: &KitCluster, ip: &str) -> anyhow::Result<()> {
         })
         .collect();
     ensure!(pointed, "no gpushare-extender line in {}", hosts.display());
-    let saved = proxy_ip_file(cluster);
+    let saved = proxy_ip_path(cluster.kit());
     if let Some(was) = replaced.filter(|_| !saved.exists()) {
         std::fs::write(&saved, was)?;
     }
@@ -222,15 +186,12 @@ fn point_extender_name(cluster: &KitCluster, ip: &str) -> anyhow::Result<()> {
     Ok(())
 }
 
-/// A backlog's pods: how many, the shapes they take, and the CPU each requests
-/// (millicores; 0: none, so kube-scheduler scores each as 100m).
+/// A backlog's pods: how many, the shapes they take ([`Mix::shape_of`]), and the CPU each
+/// requests (millicores; 0: none, so kube-scheduler scores each as 100m).
 #[derive(Debug, Clone)]
 pub struct Backlog {
-    /// Pods.
     pub count: usize,
-    /// The shapes pods take, each by its weight ([`Mix::shape_of`]).
     pub mix: Mix,
-    /// CPU request of each, millicores.
     pub cpu_millis: u64,
 }
 
@@ -243,65 +204,46 @@ async fn create_backlog(
     backlog: &Backlog,
     resource: &str,
 ) -> anyhow::Result<()> {
-    let Backlog {
-        count,
-        mix,
-        cpu_millis,
-    } = backlog;
-    let cpu_millis = *cpu_millis;
+    let cpu_millis = backlog.cpu_millis;
     let pods: Api<Pod> = Api::namespaced(client.clone(), "default");
-    stream::iter(0..*count)
-        .map(|i| {
-            let pods = pods.clone();
-            let shape = mix.shape_of(i);
-            async move {
-                let mut builder =
-                    fixtures::pod(&format!("{prefix}-{i}")).gpu_mem(shape.total_gib());
-                if shape.gpus > 1 && resource == DEFAULT_RESOURCE {
-                    builder = builder.annotation(
-                        &format!("{}/gpus", gpushare_contract::DEFAULT_DOMAIN),
-                        &shape.gpus.to_string(),
-                    );
-                }
-                let mut pod = builder.build();
-                pod.labels_mut()
-                    .insert("load".to_owned(), prefix.to_owned());
-                if cpu_millis > 0 {
-                    for container in &mut pod.spec.get_or_insert_default().containers {
-                        container
-                            .resources
-                            .get_or_insert_default()
-                            .requests
-                            .get_or_insert_default()
-                            .insert("cpu".to_owned(), Quantity(format!("{cpu_millis}m")));
-                    }
-                }
-                if resource == PLAIN_CLASS {
-                    plain_claim(&mut pod);
-                } else if resource != DEFAULT_RESOURCE {
-                    let spec = pod.spec.get_or_insert_default();
-                    spec.scheduler_name = Some("default-scheduler".to_owned());
-                    for container in &mut spec.containers {
-                        let limits = container
-                            .resources
-                            .get_or_insert_default()
-                            .limits
-                            .get_or_insert_default();
-                        if let Some(amount) = limits.remove(DEFAULT_RESOURCE) {
-                            limits.insert(resource.to_owned(), amount);
-                        }
-                    }
-                }
-                pods.create(&PostParams::default(), &pod)
-                    .await
-                    .with_context(|| format!("creating pod {prefix}-{i}"))?;
-                anyhow::Ok(())
+    in_bulk(backlog.count, |i| {
+        let pods = pods.clone();
+        let shape = backlog.mix.shape_of(i);
+        async move {
+            let mut builder = fixtures::pod(&format!("{prefix}-{i}")).gpu_mem(shape.total_gib());
+            if shape.gpus > 1 && resource == DEFAULT_RESOURCE {
+                let key = format!("{}/gpus", gpushare_contract::DEFAULT_DOMAIN);
+                builder = builder.annotation(&key, &shape.gpus.to_string());
             }
-        })
-        .buffer_unordered(BULK_CALLS)
-        .try_collect::<Vec<()>>()
-        .await?;
-    Ok(())
+            let mut pod = builder.build();
+            pod.labels_mut()
+                .insert("load".to_owned(), prefix.to_owned());
+            let spec = pod.spec.get_or_insert_default();
+            for container in &mut spec.containers {
+                if cpu_millis > 0 {
+                    let resources = container.resources.get_or_insert_default();
+                    let requests = resources.requests.get_or_insert_default();
+                    requests.insert("cpu".to_owned(), Quantity(format!("{cpu_millis}m")));
+                }
+            }
+            if resource == PLAIN_CLASS {
+                plain_claim(&mut pod);
+            } else if resource != DEFAULT_RESOURCE {
+                spec.scheduler_name = Some("default-scheduler".to_owned());
+                for container in &mut spec.containers {
+                    let resources = container.resources.get_or_insert_default();
+                    let limits = resources.limits.get_or_insert_default();
+                    if let Some(amount) = limits.remove(DEFAULT_RESOURCE) {
+                        limits.insert(resource.to_owned(), amount);
+                    }
+                }
+            }
+            let created = pods.create(&PostParams::default(), &pod).await;
+            created.with_context(|| format!("creating pod {prefix}-{i}"))?;
+            anyhow::Ok(())
+        }
+    })
+    .await
 }
 
 /// Makes `pod` (a GPU pod) a plain DRA pod: its `example.com/gpu-mem` gone, a claim from the
@@ -372,11 +314,8 @@ where
     ) {
         wait_for_claims(&client, prefix, count).await?;
     }
-    let clock = Arc::new(BindClock::start(
-        client.clone(),
-        "default",
-        &format!("load={prefix}"),
-    ));
+    let selector = format!("load={prefix}");
+    let clock = Arc::new(BindClock::start(client.clone(), "default", &selector));
     // Counted from before the scheduler starts: a process started since counts whole.
     let cpu_before = cpu_by_pid(cluster);
     let calls_before = api_requests(&client).await?;
@@ -420,66 +359,49 @@ where
 /// Stops the scheduler of `drainer` (waiting for the chart's to be gone) and says which
 /// resource its backlog's pods ask for.
 async fn stop_drainer(cluster: &KitCluster, drainer: Drainer) -> anyhow::Result<&'static str> {
-    Ok(match drainer {
-        Drainer::KubeSchedulerAlone { .. } => {
-            cluster.script("realk8s.sh", &["sched-stop"])?;
-            BASELINE_RESOURCE
-        }
-        Drainer::Dra => {
-            cluster.script("realk8s.sh", &["sched-stop"])?;
-            DEFAULT_RESOURCE
-        }
-        Drainer::DraPlain => {
-            cluster.script("realk8s.sh", &["sched-stop"])?;
-            PLAIN_CLASS
-        }
-        Drainer::Chart | Drainer::ChartViaProxy | Drainer::DraChart => {
-            scale_chart_scheduler(cluster, 0)?;
-            wait_for(
-                "the chart's scheduler to stop",
-                Duration::from_secs(60),
-                || async {
-                    chart_scheduler_pods(cluster)
-                        .await
-                        .ok()?
-                        .is_empty()
-                        .then_some(())
-                },
-            )
-            .await?;
-            DEFAULT_RESOURCE
-        }
-    })
+    let resource = match drainer {
+        Drainer::KubeSchedulerAlone { .. } => BASELINE_RESOURCE,
+        Drainer::DraPlain => PLAIN_CLASS,
+        _ => DEFAULT_RESOURCE,
+    };
+    if !drainer.is_the_charts() {
+        cluster.script("realk8s.sh", &["sched-stop"])?;
+        return Ok(resource);
+    }
+    scale_chart_scheduler(cluster, 0)?;
+    wait_for(
+        "the chart's scheduler to stop",
+        Duration::from_secs(60),
+        || async {
+            let pods = chart_scheduler_pods(cluster).await.ok()?;
+            pods.is_empty().then_some(())
+        },
+    )
+    .await?;
+    Ok(resource)
 }
 
 /// Starts the scheduler of `drainer` and returns the URL of its metrics.
 async fn start_drainer(cluster: &KitCluster, drainer: Drainer) -> anyhow::Result<String> {
-    Ok(match drainer {
-        Drainer::KubeSchedulerAlone { .. } | Drainer::Dra | Drainer::DraPlain => {
-            let percentage = match drainer {
-                Drainer::KubeSchedulerAlone { percentage } => percentage,
-                _ => 0,
-            };
-            start_kit_scheduler(cluster, percentage)?;
-            "https://127.0.0.1:10259/metrics".to_owned()
+    match drainer {
+        Drainer::KubeSchedulerAlone { percentage } => start_kit_scheduler(cluster, percentage)?,
+        Drainer::Dra | Drainer::DraPlain => start_kit_scheduler(cluster, 0)?,
+        Drainer::Chart => {
+            point_service_at_leader(cluster).await?;
         }
-        Drainer::Chart | Drainer::ChartViaProxy | Drainer::DraChart => {
-            match drainer {
-                Drainer::Chart => {
-                    point_service_at_leader(cluster).await?;
-                }
-                Drainer::ChartViaProxy => point_service_at_proxy(cluster)?,
-                _ => {}
-            }
-            scale_chart_scheduler(cluster, 1)?;
-            let ip = chart_scheduler_pods(cluster)
-                .await?
-                .into_iter()
-                .find_map(|p| p.status.and_then(|s| s.pod_ip))
-                .context("the chart's scheduler has no pod IP")?;
-            format!("https://{ip}:10259/metrics")
-        }
-    })
+        Drainer::ChartViaProxy => point_service_at_proxy(cluster)?,
+        Drainer::DraChart => {}
+    }
+    if !drainer.is_the_charts() {
+        return Ok("https://127.0.0.1:10259/metrics".to_owned());
+    }
+    scale_chart_scheduler(cluster, 1)?;
+    let ip = chart_scheduler_pods(cluster)
+        .await?
+        .into_iter()
+        .find_map(|p| p.status.and_then(|s| s.pod_ip))
+        .context("the chart's scheduler has no pod IP")?;
+    Ok(format!("https://{ip}:10259/metrics"))
 }
 
 /// Starts the kit's own kube-scheduler with `percentageOfNodesToScore` `percentage` (0:
@@ -510,10 +432,8 @@ fn throughput(moments: &[Instant], count: usize) -> (f64, usize) {
     let mut whole: Vec<usize> = per_second.values().copied().collect();
     whole.pop();
     whole.sort_unstable();
-    (
-        seconds,
-        whole.get(whole.len() / 2).copied().unwrap_or(count),
-    )
+    let median = whole.get(whole.len() / 2).copied().unwrap_or(count);
+    (seconds, median)
 }
 
 /// The scheduler's own summary (`realk8s.sh metrics-summary`) from its metrics at `url`.
@@ -574,8 +494,7 @@ pub async fn creation_rate(
         .copied()
         .unwrap_or(0.0);
     delete_backlog(cluster, prefix).await?;
-    // Both schedulers run again: the cluster's own pods (the chart's hooks among them) need
-    // them.
+    // Both schedulers run again: the cluster's own pods (the chart's hooks too) need them.
     start_kit_scheduler(cluster, 0)?;
     if chart_scheduler {
         scale_chart_scheduler(cluster, 1)?;
@@ -605,16 +524,9 @@ pub async fn delete_backlog(cluster: &KitCluster, prefix: &str) -> anyhow::Resul
         );
         // A collection delete of tens of thousands of pods can outlast the client's timeout,
         // which ends it part way: ask again until none is left.
-        if let Err(error) = pods
-            .delete_collection(
-                &DeleteParams {
-                    grace_period_seconds: Some(0),
-                    ..DeleteParams::default()
-                },
-                &ListParams::default().labels(&selector),
-            )
-            .await
-        {
+        let now = DeleteParams::default().grace_period(0);
+        let backlog = ListParams::default().labels(&selector);
+        if let Err(error) = pods.delete_collection(&now, &backlog).await {
             println!("  deleting the pods of {prefix}: {error}; asking again");
         }
         tokio::time::sleep(Duration::from_secs(1)).await;
@@ -624,26 +536,23 @@ pub async fn delete_backlog(cluster: &KitCluster, prefix: &str) -> anyhow::Resul
 /// Waits until kube-controller-manager has made a claim for each of the `count` pods of the
 /// backlog `prefix` (its claims are named after the pods).
 async fn wait_for_claims(client: &Client, prefix: &str, count: usize) -> anyhow::Result<()> {
-    let claims: Api<ResourceClaim> = Api::namespaced(client.clone(), "default");
-    let made = format!("{prefix}-");
     wait_for(
         &format!("kube-controller-manager to make the {count} claims of {prefix}"),
         Duration::from_secs(600),
-        || {
-            let claims = claims.clone();
-            let made = made.clone();
-            async move {
-                let list = claims.list(&ListParams::default()).await.ok()?;
-                let n = list
-                    .items
-                    .iter()
-                    .filter(|c| c.name_any().starts_with(&made))
-                    .count();
-                (n >= count).then_some(())
-            }
-        },
+        || async { (claims_of(client, prefix).await.ok()?.len() >= count).then_some(()) },
     )
     .await
+}
+
+/// The claims of the backlog `prefix` (kube-controller-manager names them after the pods).
+async fn claims_of(client: &Client, prefix: &str) -> kube::Result<Vec<ResourceClaim>> {
+    let claims = Api::<ResourceClaim>::namespaced(client.clone(), "default")
+        .list(&ListParams::default())
+        .await?;
+    let made = format!("{prefix}-");
+    Ok((claims.items.into_iter())
+        .filter(|c| c.name_any().starts_with(&made))
+        .collect())
 }
 
 /// DRA mode's audit of a drain: every claim of the backlog `prefix` allocated, and no
@@ -656,43 +565,29 @@ pub async fn check_dra_allocations(
     count: usize,
     gpu_gib: u64,
 ) -> anyhow::Result<(usize, usize)> {
-    let claims = Api::<ResourceClaim>::namespaced(client.clone(), "default")
-        .list(&ListParams::default())
-        .await?;
-    let made = format!("{prefix}-");
     let mut allocated = 0;
     let mut used: BTreeMap<(String, String), u64> = BTreeMap::new();
-    for claim in claims
-        .items
-        .iter()
-        .filter(|c| c.name_any().starts_with(&made))
-    {
+    for claim in claims_of(client, prefix).await? {
         let Some(allocation) = claim.status.as_ref().and_then(|s| s.allocation.as_ref()) else {
             continue;
         };
         allocated += 1;
-        for result in allocation
+        let name = claim.name_any();
+        let results = allocation
             .devices
             .as_ref()
-            .and_then(|d| d.results.as_deref())
-            .unwrap_or_default()
-        {
+            .and_then(|d| d.results.as_deref());
+        for result in results.unwrap_or_default() {
             let memory = match &result.consumed_capacity {
                 None => gpu_gib,
                 Some(consumed) => consumed
                     .get("memory")
                     .and_then(|q| q.0.strip_suffix("Gi"))
                     .and_then(|n| n.parse::<u64>().ok())
-                    .with_context(|| {
-                        format!(
-                            "claim {} has no whole-GiB consumed memory",
-                            claim.name_any()
-                        )
-                    })?,
+                    .with_context(|| format!("claim {name} has no whole-GiB consumed memory"))?,
             };
-            *used
-                .entry((result.pool.clone(), result.device.clone()))
-                .or_default() += memory;
+            let device = (result.pool.clone(), result.device.clone());
+            *used.entry(device).or_default() += memory;
         }
     }
     ensure!(

@@ -22,9 +22,7 @@ impl Shape {
 }
 
 /// The shapes of a backlog, written `GIB[:WEIGHT]` or `GPUSxGIB[:WEIGHT]`, comma-separated:
-/// `1:30,2:30,4:25,8:10,2x8:5` is 30 % 1 GiB pods, …, and 5 % pods with 8 GiB on each of two
-/// GPUs. Pods take the shapes in a fixed interleaved order, so every run draws the same
-/// backlog and any stretch of it has the mix's proportions.
+/// `1:30,2:30,4:25,8:10,2x8:5` is 30 % 1 GiB pods, …, and 5 % pods with 8 GiB on each of two.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Mix {
     shapes: Vec<Shape>,
@@ -116,25 +114,14 @@ mod tests {
     #[test]
     fn shapes_are_read_with_their_gpus_and_weights() {
         let mix = Mix::parse("1:30, 2x8:5,4").unwrap();
+        let shape = |gpus, gib_per_gpu, weight| Shape {
+            gpus,
+            gib_per_gpu,
+            weight,
+        };
         assert_eq!(
             mix.shapes(),
-            [
-                Shape {
-                    gpus: 1,
-                    gib_per_gpu: 1,
-                    weight: 30
-                },
-                Shape {
-                    gpus: 2,
-                    gib_per_gpu: 8,
-                    weight: 5
-                },
-                Shape {
-                    gpus: 1,
-                    gib_per_gpu: 4,
-                    weight: 1
-                },
-            ]
+            [shape(1, 1, 30), shape(2, 8, 5), shape(1, 4, 1)]
         );
         assert!(mix.has_multi_gpu());
         assert_eq!(mix.shapes()[1].total_gib(), 16);

@@ -1,20 +1,15 @@
 //! The real-Kubernetes tier: the chart installed by `helm` on the real v1.36 cluster of
-//! `../shared/realk8s` (upstream kube-apiserver, kube-controller-manager, kube-scheduler and
-//! one real kubelet whose runtime runs our chart's containers as processes).
+//! `../shared/realk8s` (upstream control plane, one real kubelet whose runtime runs our
+//! chart's containers as processes).
 //!
-//! Why a second cluster: the in-process one is ours, so it is only as strict as we made it.
-//! The real one is the judge; every disagreement found so far is listed in `docs/testing.md`.
+//! Why a second cluster: the in-process one is only as strict as we made it. The real one is
+//! the judge; every disagreement found so far is listed in `docs/testing.md`.
 //!
-//! [`Kit::locate`] finds the kit and sets it up once into `target/realk8s` (unpacked upstream
-//! binaries, etcd from Debian's package, a CA and kubeconfigs: about ten seconds). Our binaries
-//! are the ones this test build made ([`crate::cluster::binaries`]); the kit's scripts read
-//! them from a staged project folder (`target/realk8s/project`) whose `target/release`,
-//! `.tools` and `charts` point at them, so the real tier needs no second, release build.
-//! [`Kit::up`] runs the kit's `chart-cluster.sh up`: control plane, kubelet, then
-//! `helm install gpushare charts/gpushare -n kube-system` exactly as a user types it.
-//!
-//! The cluster uses fixed ports and `/var/lib/kubelet`, so scenarios run one after another,
-//! never beside another real-tier run.
+//! [`Kit::locate`] sets the kit up once into `target/realk8s` and stages a project folder whose
+//! `target/release`, `.tools` and `charts` point at this test build's binaries
+//! ([`crate::cluster::binaries`]), so the real tier needs no second, release build.
+//! [`Kit::up`] runs the kit's `chart-cluster.sh up`, ending in `helm install` as a user types
+//! it. The cluster uses fixed ports and `/var/lib/kubelet`: one scenario at a time.
 
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
@@ -42,8 +37,7 @@ pub mod prometheus;
 mod scale;
 mod stand_in;
 
-/// The kit's set-up steps, in `build.sh`'s words: prebuilt binaries, etcd, certificates,
-/// scripts. The stamp file records which kit archive the cache was made from.
+/// The kit's set-up steps, in `build.sh`'s words; the stamp records which archive they set up.
 const SETUP_STEPS: [&str; 4] = ["unpack", "etcd", "pki", "harness"];
 const STAMP: &str = ".gpushare-kit-stamp";
 
@@ -66,14 +60,12 @@ impl Mode {
     }
 }
 
-/// The kit, set up in the project's cache folder.
+/// The kit (`source`: `../shared/realk8s`), set up in `root` (`target/realk8s`, the scripts'
+/// `REALK8S`), with the staged `project` folder its scripts read binaries and the chart from.
 #[derive(Debug, Clone)]
 pub struct Kit {
-    /// `../shared/realk8s`: the kit's scripts and archive.
     source: PathBuf,
-    /// `target/realk8s`: `REALK8S` for the kit's scripts.
     root: PathBuf,
-    /// The staged project folder the scripts read binaries, tools and the chart from.
     project: PathBuf,
 }
 
@@ -131,13 +123,9 @@ impl Kit {
             meta.modified().ok()
         );
         let stamp_path = self.root.join(STAMP);
-        let steps: &[&str] =
-            if std::fs::read_to_string(&stamp_path).ok().as_deref() == Some(stamp.as_str()) {
-                // Set up already: refresh only the scripts, so a newer kit's fixes apply.
-                &["harness"]
-            } else {
-                &SETUP_STEPS
-            };
+        // Set up already: refresh only the scripts, so a newer kit's fixes apply.
+        let done = std::fs::read_to_string(&stamp_path).ok().as_deref() == Some(stamp.as_str());
+        let steps: &[&str] = if done { &["harness"] } else { &SETUP_STEPS };
         let output = Command::new("bash")
             .arg(self.source.join("build.sh"))
             .args(steps)
@@ -154,8 +142,7 @@ impl Kit {
         Ok(())
     }
 
-    /// The kit's scripts read `$PROJECT/target/release/gpushare-*`, `$PROJECT/.tools/bin`
-    /// and `$PROJECT/charts`: point them at this build's binaries and the repository.
+    /// Points `$PROJECT/target/release/gpushare-*`, `.tools` and `charts` at this build.
     fn stage_project(&self, repo: &Path) -> anyhow::Result<()> {
         let bins = binaries()?;
         tools::helm()?;
@@ -185,8 +172,7 @@ impl Kit {
         .await?)
     }
 
-    /// A command running the kit's script `name` (`chart-cluster.sh`, `realk8s.sh`,
-    /// `kubelet.sh`) against this kit.
+    /// A command running the kit's script `name` (`chart-cluster.sh`, `realk8s.sh`, …).
     pub fn script(&self, name: &str) -> Command {
         let mut command = Command::new("bash");
         command
@@ -209,32 +195,24 @@ impl Kit {
         let started = std::time::Instant::now();
         // The plugins install the interposer from "their image", here this build's, into a
         // host directory of the kit's own (never a host-wide path), fresh for each cluster.
-        let _ = std::fs::remove_dir_all(self.root.join("isolation"));
+        let host_dir = self.root.join("isolation");
+        let _ = std::fs::remove_dir_all(&host_dir);
         // A new Service proxy writes the hosts afresh: what a load run kept of the last is stale.
         load::forget_proxy_ip(self);
+        let bins = binaries()?;
+        // Pods of the probe's image run for real: a CUDA program against the fake driver.
+        let probe = bins.isolation_probe.display();
+        let fakecri = format!("-exec-image {PROBE_IMAGE}={probe}");
         let isolation = [
-            format!(
-                "isolation.libraryPath={}",
-                binaries()?.isolation_library.display()
-            ),
-            format!(
-                "isolation.hostDir={}",
-                self.root.join("isolation").display()
-            ),
+            format!("isolation.libraryPath={}", bins.isolation_library.display()),
+            format!("isolation.hostDir={}", host_dir.display()),
         ];
         let output = self
             .script("chart-cluster.sh")
             .arg("up")
             .args(isolation.iter().flat_map(|value| ["--set", value.as_str()]))
             .args(helm_args)
-            // Pods of the probe's image run for real: a CUDA program against the fake driver.
-            .env(
-                "FAKECRI_EXTRA",
-                format!(
-                    "-exec-image {PROBE_IMAGE}={}",
-                    binaries()?.isolation_probe.display()
-                ),
-            )
+            .env("FAKECRI_EXTRA", fakecri)
             .env("MODE", mode.as_str())
             .output()
             .context("running chart-cluster.sh up")?;
@@ -297,15 +275,10 @@ pub fn probe_container(args: &[&str]) -> serde_json::Value {
     })
 }
 
-/// Removes what starting an isolated container left on this machine's own filesystem: the
-/// kit's runtime (and [`run_with_cdi_edits`]) shares the host's root and makes each mount's
-/// target before binding over it in the container's namespace, so an empty file stands at
-/// the interposer's container path and an empty directory at the accounting directory's.
-/// Only empty placeholders are removed.
-///
-/// The limits file's placeholder matters most: the interposer reads `/var/run/gpushare/limits`
-/// wherever it exists, so an empty one left here would make every interposed program on this
-/// machine refuse all GPU memory.
+/// Removes the empty mount targets an isolated container left on this machine (the kit's
+/// runtime, and [`run_with_cdi_edits`], share the host's root). Why: the interposer reads
+/// `/var/run/gpushare/limits` wherever it exists, so an empty one left here would make every
+/// interposed program on this machine refuse all GPU memory.
 pub fn remove_isolation_placeholders() {
     use gpushare_contract::env::{
         ISOLATION_DIR_IN_CONTAINER, ISOLATION_LIBRARY_IN_CONTAINER, ISOLATION_LIMITS_IN_CONTAINER,
@@ -316,13 +289,8 @@ pub fn remove_isolation_placeholders() {
             let _ = std::fs::remove_file(file);
         }
     }
-    for dir in [
-        library.parent(),
-        Some(Path::new(ISOLATION_DIR_IN_CONTAINER)),
-    ]
-    .into_iter()
-    .flatten()
-    {
+    let accounting = Path::new(ISOLATION_DIR_IN_CONTAINER);
+    for dir in [library.parent(), Some(accounting)].into_iter().flatten() {
         // remove_dir removes only an empty directory.
         let _ = std::fs::remove_dir(dir);
         if let Some(parent) = dir.parent().filter(|p| p.ends_with("gpushare")) {
@@ -331,11 +299,9 @@ pub fn remove_isolation_placeholders() {
     }
 }
 
-/// Runs `argv` as a CDI-enabled runtime would run a container given CDI `edits` (a device's
-/// `containerEdits`): their bind mounts in a private mount namespace, their environment plus
-/// `extra_env`. The kit's runtime records CDI device names but applies no spec, so DRA
-/// scenarios that need the spec applied run the program this way. Returns what it printed
-/// (stdout, then stderr).
+/// Runs `argv` as a CDI-enabled runtime would given CDI `edits` (a device's `containerEdits`):
+/// their bind mounts in a private mount namespace, their environment plus `extra_env`. Why:
+/// the kit's runtime applies no CDI spec. Returns stdout, then stderr.
 pub fn run_with_cdi_edits(
     edits: &serde_json::Value,
     argv: &[String],
@@ -366,15 +332,8 @@ pub fn run_with_cdi_edits(
         .collect();
     env.extend(extra_env.iter().map(|(k, v)| format!("{k}={v}")));
     let output = Command::new("unshare")
-        .args([
-            "--mount",
-            "--propagation",
-            "private",
-            "/bin/sh",
-            "-c",
-            &script,
-            "sh",
-        ])
+        .args(["--mount", "--propagation", "private", "/bin/sh", "-c"])
+        .args([script.as_str(), "sh"])
         .args(&env)
         .args(argv)
         .env_clear()
@@ -395,16 +354,11 @@ pub fn run_with_cdi_edits(
 /// from our plugins' answers.
 #[derive(Debug, Clone, Deserialize)]
 pub struct CreatedContainer {
-    /// Pod namespace.
     pub namespace: String,
-    /// Pod name.
     pub pod: String,
-    /// Pod UID.
     #[serde(rename = "podUID")]
     pub pod_uid: String,
-    /// Container name.
     pub container: String,
-    /// The container's environment.
     #[serde(default)]
     pub env: BTreeMap<String, String>,
     /// Fully-qualified CDI device names (DRA mode).
@@ -454,10 +408,9 @@ impl KitCluster {
         Ok(String::from_utf8_lossy(&output.stdout).into_owned())
     }
 
-    /// Restarts the kit's Service proxy (its `svcproxy.py`, kube-proxy's stand-in) for
-    /// `services` (`namespace/name`), which the kit starts for `kube-system/gpushare-extender`
-    /// only: a release installed in another namespace needs its own. Pods started from now on
-    /// resolve the names; `chart-cluster.sh down` stops the new proxy (same pid file).
+    /// Restarts the kit's Service proxy (`svcproxy.py`, kube-proxy's stand-in) for `services`
+    /// (`namespace/name`): the kit proxies `kube-system/gpushare-extender` only. Pods started
+    /// from now on resolve the names; `chart-cluster.sh down` stops it (same pid file).
     pub async fn proxy_services(&self, services: &[&str]) -> anyhow::Result<()> {
         let run = self.kit.root().join("run");
         let pid_file = run.join("svcproxy.pid");
@@ -487,6 +440,12 @@ impl KitCluster {
             tokio::time::sleep(std::time::Duration::from_millis(100)).await;
         }
         bail!("the Service proxy wrote no hosts for {services:?}")
+    }
+
+    /// The IP of pod `kube-system/<pod>`, once it has one.
+    async fn system_pod_ip(&self, pod: &str) -> anyhow::Result<Option<String>> {
+        let pods: Api<Pod> = Api::namespaced(self.client.clone(), "kube-system");
+        Ok(pods.get(pod).await?.status.and_then(|s| s.pod_ip))
     }
 
     /// The extender Lease's `holderIdentity` (`<pod>_<suffix>`).
@@ -529,11 +488,7 @@ impl KitCluster {
 
     /// The chart in the checkout the kit runs (`<kit>/project/charts/gpushare`).
     pub fn chart_dir(&self) -> PathBuf {
-        self.kit
-            .root()
-            .join("project")
-            .join("charts")
-            .join("gpushare")
+        self.kit.project.join("charts").join("gpushare")
     }
 
     /// The release's user-supplied values (`helm get values`), written to `name` in the kit's
@@ -618,15 +573,8 @@ impl KitCluster {
     /// scenario starts with free GPUs.
     pub async fn delete_all_pods(&self, namespace: &str) -> anyhow::Result<()> {
         let pods: Api<Pod> = Api::namespaced(self.client.clone(), namespace);
-        let _ = pods
-            .delete_collection(
-                &DeleteParams {
-                    grace_period_seconds: Some(0),
-                    ..DeleteParams::default()
-                },
-                &ListParams::default(),
-            )
-            .await?;
+        let now = DeleteParams::default().grace_period(0);
+        let _ = pods.delete_collection(&now, &ListParams::default()).await?;
         wait_for(
             &format!("every pod in {namespace} to be gone"),
             Duration::from_secs(120),

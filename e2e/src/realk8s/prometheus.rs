@@ -3,17 +3,11 @@
 //! the chart's ServiceMonitors, with the chart's alert rules loaded.
 //!
 //! Why: metric names and labels in docs, alerts and the dashboard are promises; only queries
-//! run against what the components really export, discovered the way a cluster discovers
-//! them, keep them. The operator is not run: [`scrape_config`] translates each rendered
-//! ServiceMonitor into the scrape job the operator generates for it (kept by the Service's
-//! labels and the endpoint's port name, the `namespace`/`service`/`pod`/`job` target labels,
-//! `honorLabels` and the ServiceMonitor's own relabelings), so a ServiceMonitor the operator
-//! would scrape wrong fails here too.
-//!
-//! Debian's Prometheus is built without Kubernetes discovery, so [`discover`] plays it: it
-//! reads the EndpointSlices of the Services in the ServiceMonitor's namespaces and writes, for
-//! file discovery, each ready endpoint with the `__meta_kubernetes_*` labels Prometheus' own
-//! `endpoints` role gives it; the relabelings then run on them unchanged.
+//! against what the components really export, discovered as a cluster discovers them, keep
+//! them. [`scrape_config`] translates each rendered ServiceMonitor into the scrape job the
+//! operator generates for it, so a ServiceMonitor the operator would scrape wrong fails here
+//! too. Debian's Prometheus has no Kubernetes discovery, so [`discover`] plays it, labelling
+//! each ready endpoint as Prometheus' `endpoints` role does for file discovery.
 
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
@@ -31,12 +25,10 @@ pub struct Prometheus {
     _dir: tempfile::TempDir,
 }
 
-/// One sample of an instant query.
+/// One sample of an instant query: its labels (`__name__` where the query keeps it), its value.
 #[derive(Debug, Clone)]
 pub struct Sample {
-    /// Its labels, `__name__` included where the query keeps it.
     pub labels: serde_json::Map<String, Value>,
-    /// Its value.
     pub value: f64,
 }
 
@@ -132,17 +124,10 @@ impl Prometheus {
     pub fn rules(&self) -> anyhow::Result<Vec<(String, String, String)>> {
         let body: Value = serde_json::from_str(&self.get("/api/v1/rules", &[])?)?;
         let mut rules = Vec::new();
-        for group in body["data"]["groups"].as_array().into_iter().flatten() {
-            for rule in group["rules"].as_array().into_iter().flatten() {
-                rules.push((
-                    format!(
-                        "{}/{}",
-                        group["name"].as_str().unwrap_or_default(),
-                        rule["name"].as_str().unwrap_or_default()
-                    ),
-                    rule["health"].as_str().unwrap_or_default().to_owned(),
-                    rule["lastError"].as_str().unwrap_or_default().to_owned(),
-                ));
+        for group in items(&body["data"]["groups"]) {
+            for rule in items(&group["rules"]) {
+                let name = format!("{}/{}", text(&group["name"]), text(&rule["name"]));
+                rules.push(health(name, rule));
             }
         }
         Ok(rules)
@@ -151,17 +136,8 @@ impl Prometheus {
     /// The scrape targets' `(job, health, last error)`.
     pub fn targets(&self) -> anyhow::Result<Vec<(String, String, String)>> {
         let body: Value = serde_json::from_str(&self.get("/api/v1/targets", &[])?)?;
-        Ok(body["data"]["activeTargets"]
-            .as_array()
-            .into_iter()
-            .flatten()
-            .map(|t| {
-                (
-                    t["labels"]["job"].as_str().unwrap_or_default().to_owned(),
-                    t["health"].as_str().unwrap_or_default().to_owned(),
-                    t["lastError"].as_str().unwrap_or_default().to_owned(),
-                )
-            })
+        Ok(items(&body["data"]["activeTargets"])
+            .map(|target| health(text(&target["labels"]["job"]).into(), target))
             .collect())
     }
 }
@@ -185,27 +161,18 @@ pub async fn discover(
     use k8s_openapi::api::discovery::v1::EndpointSlice;
     use kube::api::{Api, ListParams};
     let spec = &monitor["spec"];
-    let namespace = monitor["metadata"]["namespace"]
-        .as_str()
-        .unwrap_or_default();
-    let namespaces: Vec<String> = spec["namespaceSelector"]["matchNames"]
-        .as_array()
-        .map(|names| {
-            names
-                .iter()
-                .filter_map(|n| n.as_str().map(str::to_owned))
-                .collect()
-        })
-        .unwrap_or_else(|| vec![namespace.to_owned()]);
-    let selector: Vec<String> = spec["selector"]["matchLabels"]
-        .as_object()
-        .into_iter()
-        .flatten()
-        .map(|(k, v)| format!("{k}={}", v.as_str().unwrap_or_default()))
+    let namespace = text(&monitor["metadata"]["namespace"]);
+    let namespaces: Vec<String> = match spec["namespaceSelector"]["matchNames"].as_array() {
+        Some(names) => names
+            .iter()
+            .filter_map(|n| n.as_str().map(str::to_owned))
+            .collect(),
+        None => vec![namespace.to_owned()],
+    };
+    let selector: Vec<String> = fields(&spec["selector"]["matchLabels"])
+        .map(|(k, v)| format!("{k}={}", text(v)))
         .collect();
-    let port = spec["endpoints"][index]["port"]
-        .as_str()
-        .unwrap_or_default();
+    let port = text(&spec["endpoints"][index]["port"]);
     let mut groups = Vec::new();
     for namespace in &namespaces {
         let services = Api::<Service>::namespaced(client.clone(), namespace)
@@ -269,8 +236,7 @@ pub async fn discover(
 }
 
 /// The scrape job the Prometheus Operator generates for endpoint `index` of `monitor` (a
-/// rendered ServiceMonitor, as JSON).
-/// `targets` is the file [`discover`]'s groups are written to.
+/// rendered ServiceMonitor, as JSON); `targets` is the file [`discover`]'s groups are in.
 pub fn scrape_config(monitor: &Value, index: usize, targets: &Path) -> anyhow::Result<Value> {
     let namespace = monitor["metadata"]["namespace"]
         .as_str()
@@ -281,14 +247,10 @@ pub fn scrape_config(monitor: &Value, index: usize, targets: &Path) -> anyhow::R
     let spec = &monitor["spec"];
     let endpoint = &spec["endpoints"][index];
     let mut relabel = Vec::new();
-    for (key, value) in spec["selector"]["matchLabels"]
-        .as_object()
-        .into_iter()
-        .flatten()
-    {
+    for (key, value) in fields(&spec["selector"]["matchLabels"]) {
         relabel.push(serde_json::json!({
             "source_labels": [format!("__meta_kubernetes_service_label_{}", sanitize(key))],
-            "regex": value.as_str().unwrap_or_default(),
+            "regex": text(value),
             "action": "keep",
         }));
     }
@@ -308,9 +270,9 @@ pub fn scrape_config(monitor: &Value, index: usize, targets: &Path) -> anyhow::R
         relabel.push(serde_json::json!({"source_labels": [source], "target_label": target}));
     }
     relabel.push(serde_json::json!({"target_label": "endpoint", "replacement": port}));
-    for user in endpoint["relabelings"].as_array().into_iter().flatten() {
+    for user in items(&endpoint["relabelings"]) {
         let mut rule = serde_json::Map::new();
-        for (key, value) in user.as_object().into_iter().flatten() {
+        for (key, value) in fields(user) {
             let key = match key.as_str() {
                 "sourceLabels" => "source_labels",
                 "targetLabel" => "target_label",
@@ -328,6 +290,30 @@ pub fn scrape_config(monitor: &Value, index: usize, targets: &Path) -> anyhow::R
         "file_sd_configs": [{"files": [targets], "refresh_interval": "1s"}],
         "relabel_configs": relabel,
     }))
+}
+
+/// The elements of `value` when it is an array.
+fn items(value: &Value) -> impl Iterator<Item = &Value> {
+    value.as_array().into_iter().flatten()
+}
+
+/// The fields of `value` when it is an object.
+fn fields(value: &Value) -> impl Iterator<Item = (&String, &Value)> {
+    value.as_object().into_iter().flatten()
+}
+
+/// `value` when it is a string, else "".
+fn text(value: &Value) -> &str {
+    value.as_str().unwrap_or_default()
+}
+
+/// `(name, health, last error)` of a rule or target `of`.
+fn health(name: String, of: &Value) -> (String, String, String) {
+    (
+        name,
+        text(&of["health"]).into(),
+        text(&of["lastError"]).into(),
+    )
 }
 
 /// A label name as Prometheus' discovery writes it: every character outside `[a-zA-Z0-9_]`

@@ -1,24 +1,18 @@
 //! The checks `realload --resident N` runs once the chart has bound a cluster's worth of pods:
 //! how long a restarted extender takes from its start to Ready, and how long binding stops
-//! when the leader is killed in the middle of a drain.
-//!
-//! Why measured from outside: Ready is what kube-proxy and the scheduler see (the replica's
-//! `/readyz` answering 200), and the start is the new process's own start time in `/proc`,
-//! so neither kubelet's restart delay nor the probe period is in the figure.
+//! when the leader is killed mid-drain. Measured from outside: Ready is the replica's
+//! `/readyz` answering 200, the start the new process's own in `/proc`, so neither kubelet's
+//! restart delay nor the probe period is in the figure.
 
 use std::net::SocketAddr;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use anyhow::{Context, ensure};
-use k8s_openapi::api::core::v1::Pod;
-use kube::api::Api;
 
 use super::KitCluster;
 use super::drain_cost::{BindClock, container_pid, stat_field};
-use crate::cluster::http_get;
-use crate::cluster::wait_for;
-use crate::scenarios::Harness;
+use crate::cluster::{http_get, wait_for};
 
 /// The chart's `extender.monitorPort` default: `/readyz` over plain HTTP.
 pub(super) const EXTENDER_MONITOR_PORT: u16 = 9090;
@@ -42,12 +36,7 @@ fn extender_pid(cluster: &KitCluster, pod: &str) -> Option<u32> {
 /// answers 200, and returns the seconds from the new process's start to that answer.
 pub async fn restart_to_ready(cluster: &KitCluster, pod: &str) -> anyhow::Result<f64> {
     let old = extender_pid(cluster, pod).with_context(|| format!("no host pid for {pod}"))?;
-    let ip = Api::<Pod>::namespaced(cluster.client(), "kube-system")
-        .get(pod)
-        .await?
-        .status
-        .and_then(|s| s.pod_ip)
-        .with_context(|| format!("{pod} has no pod IP"))?;
+    let ip = (cluster.system_pod_ip(pod).await?).with_context(|| format!("{pod} has no pod IP"))?;
     let readyz: SocketAddr = format!("{ip}:{EXTENDER_MONITOR_PORT}").parse()?;
     kill(old)?;
     let new = wait_for(
@@ -74,7 +63,6 @@ pub async fn restart_to_ready(cluster: &KitCluster, pod: &str) -> anyhow::Result
 /// What a leader kill in the middle of a drain cost.
 #[derive(Debug, Clone, Copy)]
 pub struct Takeover {
-    /// Pods bound when the leader was killed.
     pub killed_at_pods: usize,
     /// Seconds from the kill until another replica held the Lease.
     pub lease_s: f64,
@@ -140,11 +128,8 @@ pub async fn kill_leader_after(
     })
     .await
     .with_context(|| {
-        format!(
-            "{} pods bound when the leader was killed, {at_takeover} at the takeover, {} now",
-            killed_at_pods,
-            clock.count()
-        )
+        let now = clock.count();
+        format!("{killed_at_pods} pods bound when the leader was killed, {at_takeover} at the takeover, {now} now")
     })?;
     Ok(Takeover {
         killed_at_pods,

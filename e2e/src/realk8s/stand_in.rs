@@ -1,10 +1,7 @@
-//! A stand-in for the kubelets (and device plugins) of the fake nodes: it writes each bound
-//! pod's status as kubelet does when it admits the pod and, when asked, the device plugin's
-//! allocation marks as the plugin's ServiceAccount on the pod's node.
-//!
-//! Why: no kubelet ever admits a fake node's pods, so without this the allocator's twin rule
-//! would keep later pods off a GPU still waiting for its device, and the API server would be
-//! spared the status write every real node makes (see [`super::load`]).
+//! A stand-in for the kubelets (and device plugins) of the fake nodes. Why: no kubelet ever
+//! admits a fake node's pods, so without it the allocator's twin rule would keep later pods
+//! off a GPU still waiting for its device, and the API server would be spared the status write
+//! every real node makes (see [`super::load`]).
 
 use std::collections::HashSet;
 use std::sync::atomic::{AtomicUsize, Ordering};
@@ -21,23 +18,25 @@ use serde_json::json;
 use tokio::sync::Semaphore;
 use tokio::task::JoinHandle;
 
-/// How many pods the node stand-in writes at once: a thousand kubelets write their own pods in
-/// parallel, so it must keep up with a drain (with 16 it ran behind, and most writes landed
-/// after the last bind).
+/// How many pods the node stand-in writes at once: it must keep up with a thousand kubelets
+/// (with 16 it ran behind, and most writes landed after the last bind).
 const STAND_IN_CALLS: usize = 512;
 
-/// Plays kubelet (and, with marks, the device plugin) of every fake node: once a pod in the
-/// namespace is bound to a node whose name starts with the prefix, writes its status after
-/// `delay` as kubelet does when it admits the pod (a `startTime`; kubelet then writes more,
-/// this writes only that one), and with `marks` also the allocation marks of a GPU pod, as
-/// the plugin's ServiceAccount on that node (`devicePlugin.allocationMarks=true`). Runs in
-/// both drains: kube-scheduler alone's pods get their status as much as the chart's. Stops
-/// when dropped.
+/// Plays kubelet (and, with marks, the device plugin) of every fake node: once a pod is bound
+/// to one, writes its status's `startTime` after `delay`, as kubelet does on admitting it, and
+/// with `marks_as` the allocation marks of a GPU pod, as the plugin's ServiceAccount on that
+/// node. Runs in both drains alike. Stops when dropped.
 pub struct NodeStandIn {
     task: JoinHandle<()>,
-    written: Arc<AtomicUsize>,
-    marked: Arc<AtomicUsize>,
-    failed: Arc<Mutex<Vec<String>>>,
+    tally: Arc<Tally>,
+}
+
+/// What the stand-in wrote: statuses, marks, and the writes refused with their errors.
+#[derive(Default)]
+struct Tally {
+    written: AtomicUsize,
+    marked: AtomicUsize,
+    failed: Mutex<Vec<String>>,
 }
 
 /// What [`NodeStandIn`] writes for each bound pod.
@@ -55,9 +54,7 @@ pub struct StandInConfig {
 impl NodeStandIn {
     /// Starts watching `namespace`.
     pub fn start(client: Client, namespace: &str, config: StandInConfig) -> Self {
-        let written = Arc::new(AtomicUsize::new(0));
-        let marked = Arc::new(AtomicUsize::new(0));
-        let failed = Arc::new(Mutex::new(Vec::new()));
+        let tally = Arc::new(Tally::default());
         let plugin_user = config.marks_as.as_deref().map(|account| {
             let (sa_namespace, sa_name) =
                 account.split_once('/').unwrap_or(("kube-system", account));
@@ -65,7 +62,7 @@ impl NodeStandIn {
         });
         let pods: Api<Pod> = Api::namespaced(client.clone(), namespace);
         let task = tokio::spawn({
-            let (written, marked, failed) = (written.clone(), marked.clone(), failed.clone());
+            let tally = tally.clone();
             async move {
                 let keys = Keys::default();
                 let writes = Arc::new(Semaphore::new(STAND_IN_CALLS));
@@ -95,12 +92,7 @@ impl NodeStandIn {
                         Some((user, body))
                     });
                     let (client, pods, name) = (client.clone(), pods.clone(), pod.name_any());
-                    let (writes, written, marked, failed) = (
-                        writes.clone(),
-                        written.clone(),
-                        marked.clone(),
-                        failed.clone(),
-                    );
+                    let (writes, tally) = (writes.clone(), tally.clone());
                     let namespace = pod.namespace().unwrap_or_default();
                     let delay = config.delay;
                     tokio::spawn(async move {
@@ -109,7 +101,7 @@ impl NodeStandIn {
                             return;
                         };
                         let fail = |error: String| {
-                            if let Ok(mut failed) = failed.lock() {
+                            if let Ok(mut failed) = tally.failed.lock() {
                                 failed.push(format!("{name}: {error}"));
                             }
                         };
@@ -117,7 +109,7 @@ impl NodeStandIn {
                         if let Some((user, body)) = &mark {
                             match patch_as(&client, user, &node, &namespace, &name, body).await {
                                 Ok(()) => {
-                                    marked.fetch_add(1, Ordering::Relaxed);
+                                    tally.marked.fetch_add(1, Ordering::Relaxed);
                                 }
                                 Err(error) => fail(format!("mark: {error:#}")),
                             }
@@ -130,7 +122,7 @@ impl NodeStandIn {
                             .await
                         {
                             Ok(_) => {
-                                written.fetch_add(1, Ordering::Relaxed);
+                                tally.written.fetch_add(1, Ordering::Relaxed);
                             }
                             Err(error) => fail(format!("status: {error:#}")),
                         }
@@ -138,27 +130,26 @@ impl NodeStandIn {
                 }
             }
         });
-        Self {
-            task,
-            written,
-            marked,
-            failed,
-        }
+        Self { task, tally }
     }
 
     /// Pods whose status was written so far.
     pub fn statuses(&self) -> usize {
-        self.written.load(Ordering::Relaxed)
+        self.tally.written.load(Ordering::Relaxed)
     }
 
     /// Pods marked allocated so far.
     pub fn marked(&self) -> usize {
-        self.marked.load(Ordering::Relaxed)
+        self.tally.marked.load(Ordering::Relaxed)
     }
 
     /// The writes the API server refused, each with its error.
     pub fn refused(&self) -> Vec<String> {
-        self.failed.lock().map(|f| f.clone()).unwrap_or_default()
+        self.tally
+            .failed
+            .lock()
+            .map(|f| f.clone())
+            .unwrap_or_default()
     }
 }
 

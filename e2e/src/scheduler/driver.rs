@@ -95,7 +95,7 @@ pub async fn start(
         return Err(error.context("starting the scheduler driver"));
     }
     tasks.push(tokio::spawn(schedule_loop(shared.clone())));
-    info!(scheduler = %shared.config.scheduler_name, extenders = shared.extenders().len(), "scheduler driver started");
+    info!(scheduler = %shared.config.scheduler_name, extenders = shared.extenders.len(), "scheduler driver started");
     Ok((shared, tasks))
 }
 
@@ -215,7 +215,7 @@ async fn pass_extenders(
     mut feasible: Vec<Candidate>,
     statuses: &mut BTreeMap<String, Vec<String>>,
 ) -> Result<Vec<Candidate>, CycleFailure> {
-    for extender in shared.extenders() {
+    for extender in &shared.extenders {
         if feasible.is_empty() {
             break;
         }
@@ -234,19 +234,16 @@ async fn pass_extenders(
             }
             Err(error) => return Err(CycleFailure::Error(error.to_string())),
         };
-        for (node, reason) in &outcome.failed_and_unresolvable {
+        let unresolvable = &outcome.failed_and_unresolvable;
+        let failed = outcome
+            .failed
+            .iter()
+            .filter(|(node, _)| !unresolvable.contains_key(*node));
+        for (node, reason) in unresolvable.iter().chain(failed) {
             statuses
                 .entry(node.clone())
                 .or_default()
                 .push(reason.clone());
-        }
-        for (node, reason) in &outcome.failed {
-            if !outcome.failed_and_unresolvable.contains_key(node) {
-                statuses
-                    .entry(node.clone())
-                    .or_default()
-                    .push(reason.clone());
-            }
         }
         feasible = outcome
             .passed
@@ -272,7 +269,7 @@ async fn prioritize(
         .map(|c| NodeScore::new(c.name.clone(), c.score))
         .collect();
     let calls = shared
-        .extenders()
+        .extenders
         .iter()
         .filter(|extender| extender.is_interested(pod))
         .map(|extender| {
@@ -432,7 +429,7 @@ async fn bind_job(shared: Arc<Shared>, job: BindJob) {
 async fn bind(shared: &Shared, pod: &Pod, host: &str) -> Result<(), String> {
     let namespace = pod.metadata.namespace.clone().unwrap_or_default();
     let name = pod.metadata.name.clone().unwrap_or_default();
-    for extender in shared.extenders() {
+    for extender in &shared.extenders {
         let Some(verb) = extender.bind_verb() else {
             continue;
         };
@@ -465,7 +462,7 @@ async fn bind(shared: &Shared, pod: &Pod, host: &str) -> Result<(), String> {
             ..ObjectReference::default()
         },
     };
-    let api: Api<Pod> = Api::namespaced(shared.client().clone(), &namespace);
+    let api: Api<Pod> = Api::namespaced(shared.client.clone(), &namespace);
     api.create_subresource::<_, serde_json::Value>(
         "binding",
         &name,
@@ -523,7 +520,7 @@ async fn update_pod_scheduled(shared: &Shared, pod: &Pod, reason: &str, message:
     let patch = serde_json::json!({ "status": { "conditions": updated } });
     let namespace = pod.metadata.namespace.as_deref().unwrap_or("default");
     let name = pod.metadata.name.as_deref().unwrap_or_default();
-    let api: Api<Pod> = Api::namespaced(shared.client().clone(), namespace);
+    let api: Api<Pod> = Api::namespaced(shared.client.clone(), namespace);
     if let Err(error) = api
         .patch_status(name, &PatchParams::default(), &Patch::Merge(&patch))
         .await
@@ -613,7 +610,7 @@ fn emit_event(shared: &Shared, pod: &Pod, type_: &str, reason: &str, action: &st
         count: Some(1),
         ..Event::default()
     };
-    let api: Api<Event> = Api::namespaced(shared.client().clone(), &namespace);
+    let api: Api<Event> = Api::namespaced(shared.client.clone(), &namespace);
     tokio::spawn(async move {
         if let Err(error) = api.create(&PostParams::default(), &event).await {
             warn!(pod = %format!("{namespace}/{pod_name}"), %error, "could not record event");

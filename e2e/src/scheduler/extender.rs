@@ -175,18 +175,15 @@ impl HttpExtender {
     }
 
     pub fn filter_verb(&self) -> Option<&str> {
-        self.config.filter_verb.as_deref().filter(|v| !v.is_empty())
+        verb(&self.config.filter_verb)
     }
 
     pub fn prioritize_verb(&self) -> Option<&str> {
-        self.config
-            .prioritize_verb
-            .as_deref()
-            .filter(|v| !v.is_empty())
+        verb(&self.config.prioritize_verb)
     }
 
     pub fn bind_verb(&self) -> Option<&str> {
-        self.config.bind_verb.as_deref().filter(|v| !v.is_empty())
+        verb(&self.config.bind_verb)
     }
 
     /// The body of a filter or prioritize call. The Pod goes without `managedFields`, as
@@ -195,27 +192,17 @@ impl HttpExtender {
     fn args(&self, pod: &Pod, nodes: &[Arc<Node>]) -> ExtenderArgs {
         let mut pod = pod.clone();
         pod.metadata.managed_fields = None;
-        let names = || {
-            nodes
-                .iter()
-                .map(|n| n.metadata.name.clone().unwrap_or_default())
-                .collect()
-        };
-        if self.config.node_cache_capable {
-            ExtenderArgs {
-                pod,
-                nodes: None,
-                node_names: Some(names()),
-            }
-        } else {
-            ExtenderArgs {
-                pod,
-                nodes: Some(NodeList {
-                    metadata: ListMeta::default(),
-                    items: nodes.iter().map(|n| (**n).clone()).collect(),
-                }),
-                node_names: None,
-            }
+        let cached = self.config.node_cache_capable;
+        let names = nodes
+            .iter()
+            .map(|n| n.metadata.name.clone().unwrap_or_default());
+        ExtenderArgs {
+            pod,
+            nodes: (!cached).then(|| NodeList {
+                metadata: ListMeta::default(),
+                items: nodes.iter().map(|n| (**n).clone()).collect(),
+            }),
+            node_names: cached.then(|| names.collect()),
         }
     }
 
@@ -227,13 +214,10 @@ impl HttpExtender {
         nodes: &[Arc<Node>],
     ) -> Result<FilterOutcome, ExtenderError> {
         let url = self.url(verb);
-        let args = self.args(pod, nodes);
-        let body = self.send(Call::Filter, verb, &args).await?;
-        let result = wire::decode_filter_result(&body).map_err(|source| ExtenderError::Decode {
-            verb: verb.to_owned(),
-            url: url.clone(),
-            source,
-        })?;
+        let body = self
+            .send(Call::Filter, verb, &self.args(pod, nodes))
+            .await?;
+        let result = wire::decode_filter_result(&body).map_err(self.decode_error(verb))?;
         if !result.error.is_empty() {
             return Err(ExtenderError::Reported(result.error));
         }
@@ -274,29 +258,26 @@ impl HttpExtender {
         pod: &Pod,
         nodes: &[Arc<Node>],
     ) -> Result<Vec<HostPriority>, ExtenderError> {
-        let args = self.args(pod, nodes);
-        let body = self.send(Call::Prioritize, verb, &args).await?;
-        wire::decode_host_priorities(&body).map_err(|source| ExtenderError::Decode {
-            verb: verb.to_owned(),
-            url: self.url(verb),
-            source,
-        })
+        let body = self
+            .send(Call::Prioritize, verb, &self.args(pod, nodes))
+            .await?;
+        wire::decode_host_priorities(&body).map_err(self.decode_error(verb))
     }
 
     /// `Bind`: asks the extender to bind the pod.
     pub async fn bind(&self, verb: &str, args: &ExtenderBindingArgs) -> Result<(), ExtenderError> {
         let body = self.send(Call::Bind, verb, args).await?;
-        let result =
-            wire::decode_binding_result(&body).map_err(|source| ExtenderError::Decode {
-                verb: verb.to_owned(),
-                url: self.url(verb),
-                source,
-            })?;
+        let result = wire::decode_binding_result(&body).map_err(self.decode_error(verb))?;
         if result.error.is_empty() {
             Ok(())
         } else {
             Err(ExtenderError::Reported(result.error))
         }
+    }
+
+    fn decode_error(&self, verb: &str) -> impl FnOnce(wire::DecodeError) -> ExtenderError {
+        let (verb, url) = (verb.to_owned(), self.url(verb));
+        move |source| ExtenderError::Decode { verb, url, source }
     }
 
     fn url(&self, verb: &str) -> String {
@@ -322,15 +303,16 @@ impl HttpExtender {
                 source,
             })?;
         let started = Instant::now();
+        let transport = |e: &dyn std::error::Error| ExtenderError::Transport {
+            url: url.clone(),
+            message: error_chain(e),
+        };
         let exchange = async {
-            let response =
-                self.client
-                    .request(request)
-                    .await
-                    .map_err(|e| ExtenderError::Transport {
-                        url: url.clone(),
-                        message: error_chain(&e),
-                    })?;
+            let response = self
+                .client
+                .request(request)
+                .await
+                .map_err(|e| transport(&e))?;
             self.stats.answer(response.version());
             let status = response.status();
             if status != http::StatusCode::OK {
@@ -340,16 +322,8 @@ impl HttpExtender {
                     code: status.as_u16(),
                 });
             }
-            let collected =
-                response
-                    .into_body()
-                    .collect()
-                    .await
-                    .map_err(|e| ExtenderError::Transport {
-                        url: url.clone(),
-                        message: error_chain(&e),
-                    })?;
-            Ok(collected.to_bytes())
+            let collected = response.into_body().collect().await;
+            Ok(collected.map_err(|e| transport(&e))?.to_bytes())
         };
         let result = match tokio::time::timeout(self.config.http_timeout, exchange).await {
             Ok(result) => result,
@@ -358,6 +332,11 @@ impl HttpExtender {
         self.stats.call(call, started.elapsed(), result.is_ok());
         result
     }
+}
+
+/// A configured verb; empty counts as none.
+fn verb(configured: &Option<String>) -> Option<&str> {
+    configured.as_deref().filter(|v| !v.is_empty())
 }
 
 fn error_chain(error: &dyn std::error::Error) -> String {

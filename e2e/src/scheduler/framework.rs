@@ -31,7 +31,7 @@ use std::collections::BTreeMap;
 
 use k8s_openapi::api::core::v1::{Node, NodeSelectorRequirement, NodeSelectorTerm, Pod};
 
-pub use super::scoring::{ExtenderPriorities, add_extender_priorities, extender_score};
+pub use super::scoring::{ExtenderPriorities, add_extender_priorities};
 pub use gpushare_scheduler_model::requests::{
     CPU, DEFAULT_MEMORY_REQUEST, DEFAULT_MILLI_CPU_REQUEST, EPHEMERAL_STORAGE, MEMORY, Milli,
     NodeUsage, PODS, PodUsage, Resources, allocatable, parse_quantity, pod_requests, pod_uses_any,
@@ -228,11 +228,16 @@ mod tests {
         filter_node(p, &pod_requests(p, false), n, &allocatable(n), usage)
     }
 
+    /// [`check`] on a node that carries nothing.
+    fn check_idle(p: &Pod, n: &Node) -> Vec<String> {
+        check(p, n, &NodeUsage::default())
+    }
+
     #[test]
     fn resource_fit_counts_what_the_node_already_carries() {
         let n = node("n1").gpus(&[8, 8]).build();
         let p = pod("a").gpu_mem(4).cpu("2").build();
-        assert!(check(&p, &n, &NodeUsage::default()).is_empty());
+        assert!(check_idle(&p, &n).is_empty());
 
         let mut usage = NodeUsage::default();
         usage.add(&PodUsage::of(&pod("b").gpu_mem(14).cpu("7").build()));
@@ -240,20 +245,14 @@ mod tests {
             check(&p, &n, &usage),
             ["Insufficient cpu", "Insufficient example.com/gpu-mem"]
         );
-        assert_eq!(
-            check(
-                &pod("big").gpu_mem(17).build(),
-                &node("n2").gpus(&[16]).build(),
-                &NodeUsage::default()
-            ),
-            ["Insufficient example.com/gpu-mem"]
+        let (big, n2) = (
+            pod("big").gpu_mem(17).build(),
+            node("n2").gpus(&[16]).build(),
         );
+        assert_eq!(check_idle(&big, &n2), ["Insufficient example.com/gpu-mem"]);
+        let (c, plain) = (pod("c").gpu_mem(1).build(), node("plain").build());
         assert_eq!(
-            check(
-                &pod("c").gpu_mem(1).build(),
-                &node("plain").build(),
-                &NodeUsage::default()
-            ),
+            check_idle(&c, &plain),
             ["Insufficient example.com/gpu-mem"],
             "a node without the extended resource has none of it"
         );
@@ -279,7 +278,7 @@ mod tests {
         if let Some(conditions) = unready.status.as_mut().and_then(|s| s.conditions.as_mut()) {
             conditions[0].status = "False".into();
         }
-        assert_eq!(check(&p, &unready, &NodeUsage::default()), [NOT_READY]);
+        assert_eq!(check_idle(&p, &unready), [NOT_READY]);
 
         let mut selective = pod("b").gpu_mem(1).build();
         if let Some(spec) = selective.spec.as_mut() {
@@ -287,9 +286,9 @@ mod tests {
         }
         let labelled = node("n3").gpushare().gpus(&[8]).build();
         let unlabelled = node("n4").gpus(&[8]).build();
-        assert!(check(&selective, &labelled, &NodeUsage::default()).is_empty());
+        assert!(check_idle(&selective, &labelled).is_empty());
         assert_eq!(
-            check(&selective, &unlabelled, &NodeUsage::default()),
+            check_idle(&selective, &unlabelled),
             [reasons::NODE_AFFINITY]
         );
     }
@@ -314,13 +313,6 @@ mod tests {
             "0/1 nodes are available: 1 Insufficient cpu, 1 Insufficient memory."
         );
         assert_eq!(fit_error_message(2, [].iter()), "0/2 nodes are available:");
-    }
-
-    #[test]
-    fn extender_scores_are_scaled_by_weight_times_ten() {
-        assert_eq!(extender_score(10, 1), 100);
-        assert_eq!(extender_score(3, 5), 150);
-        assert_eq!(extender_score(7, 0), 0);
     }
 
     fn priorities(list: &[(&str, i64)], weight: i64) -> ExtenderPriorities {

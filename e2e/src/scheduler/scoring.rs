@@ -5,19 +5,14 @@
 use gpushare_scheduler_model::scoring::{MAX_NODE_SCORE, NodeScore};
 use rand::Rng;
 
-/// An extender's prioritize score on the scheduler's scale.
-pub fn extender_score(score: i64, weight: i64) -> i64 {
-    score
-        .saturating_mul(weight)
-        .saturating_mul(MAX_NODE_SCORE / crate::scheduler::wire::MAX_EXTENDER_PRIORITY)
-}
+use super::wire::{HostPriority, MAX_EXTENDER_PRIORITY};
 
 /// One interested extender's prioritize answer and its `weight`. An extender configured
 /// without a prioritize verb still answers in upstream (`HTTPExtender.Prioritize`): every
 /// node with score 0, weight 0 ([`ExtenderPriorities::without_verb`]).
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct ExtenderPriorities {
-    pub priorities: Vec<crate::scheduler::wire::HostPriority>,
+    pub priorities: Vec<HostPriority>,
     pub weight: i64,
 }
 
@@ -27,7 +22,7 @@ impl ExtenderPriorities {
         Self {
             priorities: nodes
                 .iter()
-                .map(|n| crate::scheduler::wire::HostPriority {
+                .map(|n| HostPriority {
                     host: n.name.clone(),
                     score: 0,
                 })
@@ -52,7 +47,7 @@ pub fn add_extender_priorities<R: Rng + ?Sized>(
     answers: &[ExtenderPriorities],
     rng: &mut R,
 ) {
-    let scale = MAX_NODE_SCORE / crate::scheduler::wire::MAX_EXTENDER_PRIORITY;
+    let scale = MAX_NODE_SCORE / MAX_EXTENDER_PRIORITY;
     let mut by_host: std::collections::HashMap<&str, i64> = std::collections::HashMap::new();
     for answer in answers {
         for priority in &answer.priorities {

@@ -20,11 +20,10 @@ use super::extender::{ExtenderError, HttpExtender};
 use super::state::{PodKey, QueueConfig, State};
 use super::stats::StatsRecorder;
 
-/// Everything the tasks share.
 pub struct Shared {
     pub config: SchedulerConfig,
-    client: kube::Client,
-    extenders: Vec<HttpExtender>,
+    pub(super) client: kube::Client,
+    pub(super) extenders: Vec<HttpExtender>,
     state: Mutex<State>,
     pub(super) wake: Notify,
     pub stats: StatsRecorder,
@@ -88,16 +87,6 @@ impl Shared {
             status_updates: Mutex::new(StatusUpdates::default()),
             recent_events: Mutex::new(HashMap::new()),
         })
-    }
-
-    /// The configured extenders.
-    pub(super) fn extenders(&self) -> &[HttpExtender] {
-        &self.extenders
-    }
-
-    /// The API client.
-    pub(super) fn client(&self) -> &kube::Client {
-        &self.client
     }
 
     /// The state is only mutated synchronously; a panic while holding it would be a bug already

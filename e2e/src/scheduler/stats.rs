@@ -75,21 +75,15 @@ impl StatsRecorder {
     }
 
     pub fn call(&self, call: Call, latency: Duration, ok: bool) {
-        let mut stats = self.lock();
-        match call {
-            Call::Filter => {
-                stats.filter_calls += 1;
-                stats.filter_latencies.push(latency);
-            }
-            Call::Prioritize => {
-                stats.prioritize_calls += 1;
-                stats.prioritize_latencies.push(latency);
-            }
-            Call::Bind => {
-                stats.bind_calls += 1;
-                stats.bind_latencies.push(latency);
-            }
-        }
+        let mut guard = self.lock();
+        let stats = &mut *guard;
+        let (calls, latencies) = match call {
+            Call::Filter => (&mut stats.filter_calls, &mut stats.filter_latencies),
+            Call::Prioritize => (&mut stats.prioritize_calls, &mut stats.prioritize_latencies),
+            Call::Bind => (&mut stats.bind_calls, &mut stats.bind_latencies),
+        };
+        *calls += 1;
+        latencies.push(latency);
         if !ok {
             stats.extender_errors += 1;
         }

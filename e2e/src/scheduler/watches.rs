@@ -30,7 +30,6 @@ pub(super) trait Watched:
     fn key(&self) -> String;
     /// An add or update; `now` is when it arrived.
     fn apply(self, state: &mut State, now: Instant);
-    /// A deletion.
     fn delete(&self, state: &mut State, now: Instant);
     /// After a (re)list: forget every object the list did not contain.
     fn retain(state: &mut State, listed: &HashSet<String>);
@@ -89,7 +88,7 @@ pub(super) async fn watch<K: Watched>(
 ) {
     let mut synced = Some(synced);
     let mut listing: Option<HashSet<String>> = None;
-    let stream = watcher(api);
+    let stream = watcher::watcher(api, watcher::Config::default()).default_backoff();
     futures::pin_mut!(stream);
     loop {
         let event = tokio::select! {
@@ -126,13 +125,4 @@ pub(super) async fn watch<K: Watched>(
         drop(state);
         shared.wake.notify_one();
     }
-}
-
-fn watcher<K>(
-    api: Api<K>,
-) -> impl futures::Stream<Item = Result<WatchEvent<K>, watcher::Error>> + Send
-where
-    K: Resource + Clone + serde::de::DeserializeOwned + std::fmt::Debug + Send + 'static,
-{
-    watcher::watcher(api, watcher::Config::default()).default_backoff()
 }

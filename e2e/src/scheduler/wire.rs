@@ -15,7 +15,7 @@ use std::collections::BTreeMap;
 
 use k8s_openapi::api::core::v1::{Node, Pod};
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::ListMeta;
-use serde::ser::{Error as _, SerializeStruct};
+use serde::ser::Error as _;
 use serde::{Serialize, Serializer};
 use serde_json::{Map, Value};
 
@@ -26,9 +26,10 @@ pub const MAX_EXTENDER_PRIORITY: i64 = 10;
 pub type FailedNodesMap = BTreeMap<String, String>;
 
 /// A `v1.NodeList` as the scheduler builds it: no `kind`/`apiVersion`, empty list metadata.
-#[derive(Clone, Debug, Default, PartialEq)]
+#[derive(Clone, Debug, Default, PartialEq, Serialize)]
 pub struct NodeList {
     pub metadata: ListMeta,
+    #[serde(serialize_with = "nodes_without_type_meta")]
     pub items: Vec<Node>,
 }
 
@@ -36,15 +37,18 @@ pub struct NodeList {
 ///
 /// Exactly one of `nodes` (extender not `nodeCacheCapable`) and `node_names` (`nodeCacheCapable`)
 /// is `Some`; the other is sent as `null`.
-#[derive(Clone, Debug, PartialEq)]
+#[derive(Clone, Debug, PartialEq, Serialize)]
+#[serde(rename_all = "PascalCase")]
 pub struct ExtenderArgs {
+    #[serde(serialize_with = "without_type_meta")]
     pub pod: Pod,
     pub nodes: Option<NodeList>,
     pub node_names: Option<Vec<String>>,
 }
 
 /// Answer to a filter call.
-#[derive(Clone, Debug, Default, PartialEq)]
+#[derive(Clone, Debug, Default, PartialEq, Serialize)]
+#[serde(rename_all = "PascalCase")]
 pub struct ExtenderFilterResult {
     /// Nodes that passed, when the extender is not `nodeCacheCapable`.
     pub nodes: Option<NodeList>,
@@ -59,23 +63,27 @@ pub struct ExtenderFilterResult {
 }
 
 /// One entry of a prioritize answer; `score` is 0..=[`MAX_EXTENDER_PRIORITY`].
-#[derive(Clone, Debug, Default, PartialEq, Eq)]
+#[derive(Clone, Debug, Default, PartialEq, Eq, Serialize)]
+#[serde(rename_all = "PascalCase")]
 pub struct HostPriority {
     pub host: String,
     pub score: i64,
 }
 
 /// Body of `POST {urlPrefix}/{bindVerb}`.
-#[derive(Clone, Debug, Default, PartialEq, Eq)]
+#[derive(Clone, Debug, Default, PartialEq, Eq, Serialize)]
+#[serde(rename_all = "PascalCase")]
 pub struct ExtenderBindingArgs {
     pub pod_name: String,
     pub pod_namespace: String,
+    #[serde(rename = "PodUID")]
     pub pod_uid: String,
     pub node: String,
 }
 
 /// Answer to a bind call: `{}` or `{"Error":""}` is success.
-#[derive(Clone, Debug, Default, PartialEq, Eq)]
+#[derive(Clone, Debug, Default, PartialEq, Eq, Serialize)]
+#[serde(rename_all = "PascalCase")]
 pub struct ExtenderBindingResult {
     pub error: String,
 }
@@ -103,82 +111,24 @@ pub enum DecodeError {
 }
 
 /// Serializes a Kubernetes object the way an informer-fed Go client does: without `TypeMeta`.
-fn without_type_meta<T: Serialize>(object: &T) -> Result<Value, serde_json::Error> {
-    let mut value = serde_json::to_value(object)?;
+fn without_type_meta<T: Serialize, S: Serializer>(object: &T, s: S) -> Result<S::Ok, S::Error> {
+    let mut value = serde_json::to_value(object).map_err(S::Error::custom)?;
     if let Value::Object(map) = &mut value {
         map.remove("apiVersion");
         map.remove("kind");
     }
-    Ok(value)
+    value.serialize(s)
 }
 
-impl Serialize for NodeList {
-    fn serialize<S: Serializer>(&self, serializer: S) -> Result<S::Ok, S::Error> {
-        let items = self
-            .items
-            .iter()
-            .map(without_type_meta)
-            .collect::<Result<Vec<_>, _>>()
-            .map_err(S::Error::custom)?;
-        let mut s = serializer.serialize_struct("NodeList", 2)?;
-        s.serialize_field("metadata", &self.metadata)?;
-        s.serialize_field("items", &items)?;
-        s.end()
+/// Every node [`without_type_meta`].
+fn nodes_without_type_meta<S: Serializer>(nodes: &[Node], s: S) -> Result<S::Ok, S::Error> {
+    struct Item<'a>(&'a Node);
+    impl Serialize for Item<'_> {
+        fn serialize<S: Serializer>(&self, s: S) -> Result<S::Ok, S::Error> {
+            without_type_meta(self.0, s)
+        }
     }
-}
-
-impl Serialize for ExtenderArgs {
-    fn serialize<S: Serializer>(&self, serializer: S) -> Result<S::Ok, S::Error> {
-        let pod = without_type_meta(&self.pod).map_err(S::Error::custom)?;
-        let mut s = serializer.serialize_struct("ExtenderArgs", 3)?;
-        s.serialize_field("Pod", &pod)?;
-        s.serialize_field("Nodes", &self.nodes)?;
-        s.serialize_field("NodeNames", &self.node_names)?;
-        s.end()
-    }
-}
-
-impl Serialize for ExtenderFilterResult {
-    fn serialize<S: Serializer>(&self, serializer: S) -> Result<S::Ok, S::Error> {
-        let mut s = serializer.serialize_struct("ExtenderFilterResult", 5)?;
-        s.serialize_field("Nodes", &self.nodes)?;
-        s.serialize_field("NodeNames", &self.node_names)?;
-        s.serialize_field("FailedNodes", &self.failed_nodes)?;
-        s.serialize_field(
-            "FailedAndUnresolvableNodes",
-            &self.failed_and_unresolvable_nodes,
-        )?;
-        s.serialize_field("Error", &self.error)?;
-        s.end()
-    }
-}
-
-impl Serialize for HostPriority {
-    fn serialize<S: Serializer>(&self, serializer: S) -> Result<S::Ok, S::Error> {
-        let mut s = serializer.serialize_struct("HostPriority", 2)?;
-        s.serialize_field("Host", &self.host)?;
-        s.serialize_field("Score", &self.score)?;
-        s.end()
-    }
-}
-
-impl Serialize for ExtenderBindingArgs {
-    fn serialize<S: Serializer>(&self, serializer: S) -> Result<S::Ok, S::Error> {
-        let mut s = serializer.serialize_struct("ExtenderBindingArgs", 4)?;
-        s.serialize_field("PodName", &self.pod_name)?;
-        s.serialize_field("PodNamespace", &self.pod_namespace)?;
-        s.serialize_field("PodUID", &self.pod_uid)?;
-        s.serialize_field("Node", &self.node)?;
-        s.end()
-    }
-}
-
-impl Serialize for ExtenderBindingResult {
-    fn serialize<S: Serializer>(&self, serializer: S) -> Result<S::Ok, S::Error> {
-        let mut s = serializer.serialize_struct("ExtenderBindingResult", 1)?;
-        s.serialize_field("Error", &self.error)?;
-        s.end()
-    }
+    s.collect_seq(nodes.iter().map(Item))
 }
 
 // ---- Decoding, case-insensitively like encoding/json ----
@@ -277,23 +227,17 @@ fn node_list(value: Option<&Value>, what: &str) -> Result<Option<NodeList>, Deco
     }))
 }
 
-/// Decodes a filter answer.
 pub fn decode_filter_result(body: &[u8]) -> Result<ExtenderFilterResult, DecodeError> {
     let value = parse(body)?;
     let Some(map) = object(&value, "ExtenderFilterResult")? else {
         return Ok(ExtenderFilterResult::default());
     };
+    let failed = |name: &str| string_map(field(map, name), &format!("ExtenderFilterResult.{name}"));
     Ok(ExtenderFilterResult {
         nodes: node_list(field(map, "Nodes"), "ExtenderFilterResult.Nodes")?,
         node_names: string_list(field(map, "NodeNames"), "ExtenderFilterResult.NodeNames")?,
-        failed_nodes: string_map(
-            field(map, "FailedNodes"),
-            "ExtenderFilterResult.FailedNodes",
-        )?,
-        failed_and_unresolvable_nodes: string_map(
-            field(map, "FailedAndUnresolvableNodes"),
-            "ExtenderFilterResult.FailedAndUnresolvableNodes",
-        )?,
+        failed_nodes: failed("FailedNodes")?,
+        failed_and_unresolvable_nodes: failed("FailedAndUnresolvableNodes")?,
         error: string(field(map, "Error"), "ExtenderFilterResult.Error")?,
     })
 }
@@ -326,7 +270,6 @@ pub fn decode_host_priorities(body: &[u8]) -> Result<Vec<HostPriority>, DecodeEr
         .collect()
 }
 
-/// Decodes a bind answer.
 pub fn decode_binding_result(body: &[u8]) -> Result<ExtenderBindingResult, DecodeError> {
     let value = parse(body)?;
     let Some(map) = object(&value, "ExtenderBindingResult")? else {
@@ -361,13 +304,11 @@ pub fn decode_binding_args(body: &[u8]) -> Result<ExtenderBindingArgs, DecodeErr
     let value = parse(body)?;
     let map = object(&value, "ExtenderBindingArgs")?
         .ok_or_else(|| type_error("ExtenderBindingArgs", &value, "object"))?;
+    let text = |name: &str| string(field(map, name), &format!("ExtenderBindingArgs.{name}"));
     Ok(ExtenderBindingArgs {
-        pod_name: string(field(map, "PodName"), "ExtenderBindingArgs.PodName")?,
-        pod_namespace: string(
-            field(map, "PodNamespace"),
-            "ExtenderBindingArgs.PodNamespace",
-        )?,
-        pod_uid: string(field(map, "PodUID"), "ExtenderBindingArgs.PodUID")?,
-        node: string(field(map, "Node"), "ExtenderBindingArgs.Node")?,
+        pod_name: text("PodName")?,
+        pod_namespace: text("PodNamespace")?,
+        pod_uid: text("PodUID")?,
+        node: text("Node")?,
     })
 }

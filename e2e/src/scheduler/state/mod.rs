@@ -96,9 +96,7 @@ impl State {
         let uid = pod_uid(&pod);
         let phase = pod.status.as_ref().and_then(|s| s.phase.as_deref());
         if matches!(phase, Some("Succeeded" | "Failed")) {
-            self.pending.remove(&key);
-            self.reasons.remove(&key);
-            return self.unaccount(&key);
+            return self.delete_pod(&key);
         }
         let spec = pod.spec.as_ref();
         if let Some(node) = spec
@@ -144,11 +142,11 @@ impl State {
         false
     }
 
-    /// A pod was deleted.
-    pub fn delete_pod(&mut self, key: &str) {
+    /// A pod was deleted (or finished). True when that freed resources on a node.
+    pub fn delete_pod(&mut self, key: &str) -> bool {
         self.pending.remove(key);
         self.reasons.remove(key);
-        self.unaccount(key);
+        self.unaccount(key)
     }
 
     /// After a watch relist: everything not listed is gone.
@@ -212,6 +210,17 @@ mod tests {
             spec.priority = Some(priority);
         }
         p
+    }
+
+    fn fail(s: &mut State, popped: &Popped, kind: FailureKind, message: &str, now: Instant) {
+        s.record_failure(
+            &popped.key,
+            &popped.uid,
+            kind,
+            popped.move_seq,
+            message,
+            now,
+        );
     }
 
     fn pop_all(s: &mut State) -> Vec<String> {
@@ -284,14 +293,7 @@ mod tests {
         let mut now = t0;
         for _ in 0..4 {
             let popped = s.pop_active().expect("pod is active");
-            s.record_failure(
-                &popped.key,
-                &popped.uid,
-                FailureKind::Error,
-                popped.move_seq,
-                "boom",
-                now,
-            );
+            fail(&mut s, &popped, FailureKind::Error, "boom", now);
             let Some(Phase::Backoff(until)) = s.phase("default/a") else {
                 panic!("pod should be backing off");
             };
@@ -312,14 +314,7 @@ mod tests {
         s.apply_pod(stored(pod("a"), "u", 1, 0));
         let t0 = Instant::now();
         let popped = s.pop_active().unwrap();
-        s.record_failure(
-            &popped.key,
-            &popped.uid,
-            FailureKind::Unschedulable,
-            popped.move_seq,
-            "0/1 nodes",
-            t0,
-        );
+        fail(&mut s, &popped, FailureKind::Unschedulable, "0/1 nodes", t0);
         assert_eq!(s.phase("default/a"), Some(Phase::Unschedulable(t0)));
         s.flush(t0 + Duration::from_secs(1));
         assert!(
@@ -332,14 +327,7 @@ mod tests {
         assert!(s.pop_active().is_none());
 
         // Without any change, the retry period brings it back.
-        s.record_failure(
-            &popped.key,
-            &popped.uid,
-            FailureKind::Unschedulable,
-            popped.move_seq,
-            "0/1 nodes",
-            t0,
-        );
+        fail(&mut s, &popped, FailureKind::Unschedulable, "0/1 nodes", t0);
         assert_eq!(s.next_deadline(), Some(t0 + Duration::from_secs(5)));
         s.flush(t0 + Duration::from_secs(5));
         assert_eq!(pop_all(&mut s), ["default/a"]);
@@ -352,11 +340,10 @@ mod tests {
         let now = Instant::now();
         let popped = s.pop_active().unwrap();
         s.move_all_to_active_or_backoff(now); // e.g. a node was updated mid-cycle
-        s.record_failure(
-            &popped.key,
-            &popped.uid,
+        fail(
+            &mut s,
+            &popped,
             FailureKind::Unschedulable,
-            popped.move_seq,
             "0/1 nodes",
             now,
         );

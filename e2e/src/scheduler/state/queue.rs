@@ -205,10 +205,7 @@ impl State {
             .unschedulable
             .peek()
             .map(|Reverse((t, _, _))| *t + self.config.unschedulable_retry);
-        match (backoff, retry) {
-            (Some(a), Some(b)) => Some(a.min(b)),
-            (a, b) => a.or(b),
-        }
+        backoff.into_iter().chain(retry).min()
     }
 
     /// The next pod to schedule, marked as being scheduled.
