@@ -96,7 +96,7 @@ const fn node_type(model: usize, gpus: u32, cores: u64, memory_gib: u64, weight:
 /// One generated node.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct SimNode {
-    /// Index into [`MODELS`].
+    /// Index into `MODELS`.
     pub model: usize,
     pub gpus: u32,
     /// GiB of each GPU.
@@ -105,7 +105,7 @@ pub struct SimNode {
     pub host: Host,
 }
 
-/// `count` nodes drawn from [`NODE_TYPES`] by weight (the same seed, the same nodes).
+/// `count` nodes drawn from `NODE_TYPES` by weight (the same seed, the same nodes).
 pub fn generate_nodes(count: usize, seed: u64) -> Vec<SimNode> {
     let mut rng = StdRng::seed_from_u64(seed ^ 0x6e6f_6465);
     let weights: Vec<(usize, u32)> = NODE_TYPES

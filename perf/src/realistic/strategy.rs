@@ -111,9 +111,7 @@ pub enum NodesToScore {
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Strategy {
     /// gpushare: the extender's prioritize and bind under `policy`, nodes ordered by
-    /// `profile`; pods ask in the replay's [`RequestForm`] (see [`gpushare_request`]).
-    ///
-    /// [`gpushare_request`]: super::gpushare::gpushare_request
+    /// `profile`; pods ask in the replay's [`RequestForm`] (see `gpushare::gpushare_request`).
     Gpushare {
         /// The extender's policy; `None` is "classic" (filter and bind only).
         policy: Option<Policy>,
