@@ -737,12 +737,20 @@ async fn chart_prometheus(
         monitors.push((monitor, targets));
     }
     ensure!(!jobs.is_empty(), "no ServiceMonitor rendered: {rendered}");
-    write_discovery(&c.client(), &monitors).await?;
-    for (monitor, targets) in &monitors {
+    // Just after an install the monitored replicas may not be ready yet: their endpoints are
+    // waited for, as Prometheus itself would keep looking.
+    let deadline = tokio::time::Instant::now() + secs(60);
+    loop {
+        write_discovery(&c.client(), &monitors).await?;
+        let empty = monitors
+            .iter()
+            .find(|(_, targets)| std::fs::read_to_string(targets).ok().as_deref() == Some("[]"));
+        let Some((monitor, _)) = empty else { break };
         ensure!(
-            std::fs::read_to_string(targets)? != "[]",
-            "no endpoint for {monitor}"
+            tokio::time::Instant::now() < deadline,
+            "no ready endpoint after 60 s for {monitor}"
         );
+        tokio::time::sleep(std::time::Duration::from_millis(250)).await;
     }
     let client = c.client();
     // Held from here, so that any failure below stops the task with it.
