@@ -15,30 +15,20 @@ fn main() {
     let rustc = std::env::var("RUSTC").unwrap_or_else(|_| "rustc".into());
     // The probe's target (cargo sets TARGET for build scripts), so that it can link them.
     let target = std::env::var("TARGET").expect("cargo sets TARGET");
-    for (source, soname, link) in [
-        ("fake/libcuda.rs", "libcuda.so.1", Some("libcuda.so")),
-        (
-            "fake/libnvidia-ml.rs",
-            "libnvidia-ml.so.1",
-            Some("libnvidia-ml.so"),
-        ),
-        ("fake/libcuda.rs", "libcuda.so.550", None),
+    for (source, soname) in [
+        ("fake/libcuda.rs", "libcuda.so.1"),
+        ("fake/libnvidia-ml.rs", "libnvidia-ml.so.1"),
+        ("fake/libcuda.rs", "libcuda.so.550"),
     ] {
         println!("cargo:rerun-if-changed={source}");
         println!("cargo:rerun-if-changed=fake/state.rs");
+        println!("cargo:rerun-if-changed=fake/abi.rs");
         let status = Command::new(&rustc)
-            .args([
-                "--edition",
-                "2021",
-                "--crate-type",
-                "cdylib",
-                "-C",
-                "opt-level=2",
-            ])
+            .args(["--edition", "2021", "--crate-type", "cdylib"])
+            .args(["-C", "opt-level=2"])
             .args(["--crate-name", &soname.replace(['.', '-'], "_")])
             .args(["--target", &target])
-            .arg("-C")
-            .arg(format!("link-arg=-Wl,-soname,{soname}"))
+            .args(["-C", &format!("link-arg=-Wl,-soname,{soname}")])
             // Its own references (cuGetProcAddress's answers) bind to its own functions, as
             // in the real driver, not to an interposer's functions of the same name.
             .args(["-C", "link-arg=-Wl,-Bsymbolic"])
@@ -48,7 +38,8 @@ fn main() {
             .status()
             .expect("running rustc for the fake driver");
         assert!(status.success(), "rustc failed on {source}");
-        if let Some(link) = link {
+        // The linker's name (`libcuda.so`) for the soname-`.1` libraries.
+        if let Some(link) = soname.strip_suffix(".1") {
             let link = out.join(link);
             let _ = std::fs::remove_file(&link);
             std::os::unix::fs::symlink(soname, &link).expect("linking the fake driver");

@@ -74,11 +74,12 @@
 
 use std::cell::Cell;
 use std::collections::{BTreeMap, HashMap};
-use std::ffi::{c_char, c_int, c_uint, c_void, CStr};
+use std::ffi::{CStr, c_char, c_int, c_uint, c_void};
 use std::path::PathBuf;
 use std::sync::Mutex;
 
 include!("state.rs");
+include!("abi.rs");
 
 /// A pointer or handle as the driver's API passes it.
 type Ptr = *mut c_void;
@@ -246,10 +247,9 @@ thread_local! {
     static CURRENT: Cell<u64> = const { Cell::new(0) };
 }
 
+/// 15 zero bytes, then `phys`.
 fn uuid_bytes(phys: usize) -> [u8; 16] {
-    let mut b = [0u8; 16];
-    b[15] = phys as u8;
-    b
+    u128::from(phys as u8).to_be_bytes()
 }
 
 /// `CUDA_VISIBLE_DEVICES` as the driver reads it.
@@ -273,10 +273,6 @@ fn visible_devices(gpus: usize) -> Vec<usize> {
     visible
 }
 
-fn own_start(pid: u32) -> u64 {
-    state::start_time(pid).unwrap_or(0)
-}
-
 /// Takes the next 2 MiB-aligned range of `bytes` from `next`: its address.
 fn bump(next: &mut u64, bytes: u64) -> u64 {
     let at = *next;
@@ -295,7 +291,7 @@ impl Driver {
         let pid = std::process::id();
         if pid != self.pid {
             self.pid = pid;
-            self.start = own_start(pid);
+            self.start = state::start_time(pid).unwrap_or(0);
             self.used = vec![0; self.gpus];
         }
     }
@@ -412,11 +408,9 @@ impl Driver {
         }
         self.trim_pools(|_, p| p.dev == c.dev, |_| 0);
         self.uncharge(c.phys, c.charged);
-        CURRENT.with(|cur| {
-            if cur.get() == ctx {
-                cur.set(0)
-            }
-        });
+        if CURRENT.with(Cell::get) == ctx {
+            CURRENT.with(|cur| cur.set(0));
+        }
         Ok(())
     }
 
@@ -441,7 +435,7 @@ impl Driver {
     /// Releases the reservation of every pool `which` picks down to max(used, keep(pool)).
     fn trim_pools(&mut self, which: impl Fn(u64, &Pool) -> bool, keep: impl Fn(&Pool) -> u64) {
         let mut released = Vec::new();
-        for (_, pool) in self.pools.iter_mut().filter(|(&h, p)| which(h, p)) {
+        for (_, pool) in self.pools.iter_mut().filter(|(h, p)| which(**h, p)) {
             let target = pool.used.max(keep(pool));
             if pool.reserved > target {
                 released.push((pool.phys, pool.reserved - target));
@@ -579,15 +573,8 @@ impl Driver {
             let ctx = CURRENT.with(|c| c.get());
             for n in nodes.iter().filter(|n| alive(n)) {
                 self.graph_pools[n.dev].used += n.bytes;
-                let phys = self.visible[n.dev];
-                self.book(
-                    n.dptr,
-                    phys,
-                    n.bytes,
-                    "cuGraphLaunch",
-                    ctx,
-                    Holder::Graph(n.dev),
-                );
+                let (phys, holder) = (self.visible[n.dev], Holder::Graph(n.dev));
+                self.book(n.dptr, phys, n.bytes, "cuGraphLaunch", ctx, holder);
             }
         }
         Ok(())
@@ -721,31 +708,63 @@ unsafe fn answer<T>(p: *mut T, f: impl FnOnce(&mut Driver) -> Result<T, CuResult
     code(with_driver(f).and_then(|v| unsafe { out(p, v) }))
 }
 
+/// [`answer`] for a call that makes something: a NULL `p` is refused before `f` runs.
+unsafe fn make<T>(p: *mut T, f: impl FnOnce(&mut Driver) -> Result<T, CuResult>) -> CuResult {
+    if p.is_null() {
+        return INVALID_VALUE;
+    }
+    unsafe { answer(p, f) }
+}
+
 /// `Ok` when a handle was there to take out, else `missing`.
 fn gone<T>(taken: Option<T>, missing: CuResult) -> Result<(), CuResult> {
     taken.map(|_| ()).ok_or(missing)
 }
 
+/// Defines entry points, exported under their names with the driver's ABI. Each is one of
+/// - `fn name(args) { body }`: the function's own body;
+/// - `fn name(args) |d| { body }`: `body` run on the driver ([`call`]);
+/// - `fn name(args) -> out |d| { body }`: `body` run on the driver, its answer written to the
+///   pointer argument `out` ([`answer`]).
+macro_rules! export {
+    ($($(#[$doc:meta])* fn $f:ident($($arg:ident: $ty:ty),* $(,)?)
+        $(-> $out:ident)? $(|$d:ident|)? $body:block)*) => {$(
+        $(#[$doc])*
+        #[unsafe(no_mangle)]
+        pub unsafe extern "C" fn $f($($arg: $ty),*) -> CuResult {
+            export!(@body $($out)? $(|$d|)? $body)
+        }
+    )*};
+    (@body $out:ident |$d:ident| $body:block) => {
+        // SAFETY: the caller passes NULL or a place for the answer, as the driver's API says.
+        unsafe { answer($out, |$d| $body) }
+    };
+    (@body |$d:ident| $body:block) => { call(|$d| $body) };
+    (@body $body:block) => { $body };
+}
+
 /// Defines entry points in pairs, the call and its `_ptsz` twin (per-thread default stream,
-/// which the fake treats as the legacy one), each seeing its own name as `$by`: the name it
-/// records keeps rustc from merging the two into one address.
+/// which the fake treats as the legacy one), from one body in one of `export!`'s forms; each
+/// sees its own name as `by`: the name it records keeps rustc from merging the two into one
+/// address.
 macro_rules! with_ptsz {
-    (@one $f:ident $by:ident ($($arg:ident: $ty:ty),*) $body:block) => {
-        #[no_mangle]
+    (@one $f:ident $by:ident ($($arg:ident: $ty:ty),*) $($form:tt)*) => {
+        #[unsafe(no_mangle)]
         pub unsafe extern "C" fn $f($($arg: $ty),*) -> CuResult {
             let $by: &'static str = stringify!($f);
-            $body
+            export!(@body $($form)*)
         }
     };
-    ($($name:ident $ptsz:ident |$by:ident| ($($arg:ident: $ty:ty),* $(,)?) $body:block)*) => {$(
-        with_ptsz!(@one $name $by ($($arg: $ty),*) $body);
-        with_ptsz!(@one $ptsz $by ($($arg: $ty),*) $body);
+    ($($name:ident $ptsz:ident |$by:ident| ($($arg:ident: $ty:ty),* $(,)?)
+        $(-> $out:ident)? $(|$d:ident|)? $body:block)*) => {$(
+        with_ptsz!(@one $name $by ($($arg: $ty),*) $($out)? $(|$d|)? $body);
+        with_ptsz!(@one $ptsz $by ($($arg: $ty),*) $($out)? $(|$d|)? $body);
     )*};
 }
 
 /// Not a driver entry point: what this copy of the fake holds for this process on physical
 /// GPU `phys` (0 if this copy was never initialized, or `phys` is not a GPU).
-#[no_mangle]
+#[unsafe(no_mangle)]
 pub extern "C" fn fakeHeldBytes(phys: c_uint) -> u64 {
     with_driver(|d| Ok(d.used.get(phys as usize).copied().unwrap_or(0))).unwrap_or(0)
 }
@@ -783,138 +802,104 @@ fn free_impl(ptr: u64, allocators: &[&str], freer: &'static str) -> CuResult {
     })
 }
 
-/// A plain allocation of `bytes` written to `dptr` (checked first).
-unsafe fn alloc_current(dptr: *mut u64, bytes: u64, by: &'static str) -> CuResult {
-    if dptr.is_null() {
+/// A plain allocation of `bytes` written to `p` (checked first) as `T`, `device_bytes` of
+/// them on the device; a 32-bit address when `v1`.
+unsafe fn alloc_into<T>(
+    p: *mut T,
+    (bytes, device_bytes): (u64, u64),
+    by: &'static str,
+    v1: bool,
+    to: impl FnOnce(u64) -> T,
+) -> CuResult {
+    if p.is_null() {
         return INVALID_VALUE;
     }
-    code(alloc_impl(bytes, bytes, by, false).and_then(|p| unsafe { out(dptr, p) }))
+    code(alloc_impl(bytes, device_bytes, by, v1).and_then(|ptr| unsafe { out(p, to(ptr)) }))
 }
 
-#[no_mangle]
-pub extern "C" fn cuInit(_flags: c_uint) -> CuResult {
-    let mut guard = DRIVER.lock().unwrap_or_else(|e| e.into_inner());
-    if guard.is_none() {
-        let gpus = env_u64("FAKE_GPU_COUNT", 1) as usize;
-        let visible = visible_devices(gpus);
-        let pid = std::process::id();
-        let driver = Driver {
-            mem: env_u64("FAKE_GPU_MEM_MIB", 16384) << 20,
-            gpus,
-            primary_refs: vec![0; visible.len()],
-            current_pool: (0..visible.len()).map(Driver::default_pool).collect(),
-            graph_pools: vec![GraphPool::default(); visible.len()],
-            visible,
-            state: std::env::var_os("FAKE_GPU_STATE").map(PathBuf::from),
-            pid,
-            start: own_start(pid),
-            used: vec![0; gpus],
-            context_cost: env_u64("FAKE_CONTEXT_MIB", 0) << 20,
-            managed_on_host: std::env::var("FAKE_MANAGED_ON_HOST").as_deref() == Ok("1"),
-            next: 0x7f00_0000_0000,
-            next_v1: 0x1000_0000,
-            next_va: 0x6000_0000_0000,
-            next_graph_ptr: 0x5000_0000_0000,
-            next_handle: 0x10_0000,
-            ..Driver::default()
-        };
-        // A new program image (exec keeps the pid) holds nothing yet.
-        if let Some(path) = &driver.state {
-            let _ = state::update(path, |entries| driver.publish(entries));
+export! {
+    fn cuInit(_flags: c_uint) {
+        let mut guard = DRIVER.lock().unwrap_or_else(|e| e.into_inner());
+        if guard.is_none() {
+            let gpus = env_u64("FAKE_GPU_COUNT", 1) as usize;
+            let visible = visible_devices(gpus);
+            let pid = std::process::id();
+            let driver = Driver {
+                mem: env_u64("FAKE_GPU_MEM_MIB", 16384) << 20,
+                gpus,
+                primary_refs: vec![0; visible.len()],
+                current_pool: (0..visible.len()).map(Driver::default_pool).collect(),
+                graph_pools: vec![GraphPool::default(); visible.len()],
+                visible,
+                state: std::env::var_os("FAKE_GPU_STATE").map(PathBuf::from),
+                pid,
+                start: state::start_time(pid).unwrap_or(0),
+                used: vec![0; gpus],
+                context_cost: env_u64("FAKE_CONTEXT_MIB", 0) << 20,
+                managed_on_host: std::env::var("FAKE_MANAGED_ON_HOST").as_deref() == Ok("1"),
+                next: 0x7f00_0000_0000,
+                next_v1: 0x1000_0000,
+                next_va: 0x6000_0000_0000,
+                next_graph_ptr: 0x5000_0000_0000,
+                next_handle: 0x10_0000,
+                ..Driver::default()
+            };
+            // A new program image (exec keeps the pid) holds nothing yet.
+            if let Some(path) = &driver.state {
+                let _ = state::update(path, |entries| driver.publish(entries));
+            }
+            *guard = Some(driver);
         }
-        *guard = Some(driver);
+        SUCCESS
     }
-    SUCCESS
-}
-
-#[no_mangle]
-pub unsafe extern "C" fn cuDeviceGetCount(count: *mut c_int) -> CuResult {
-    unsafe { answer(count, |d| Ok(d.visible.len() as c_int)) }
-}
-
-#[no_mangle]
-pub unsafe extern "C" fn cuDeviceGet(device: *mut c_int, ordinal: c_int) -> CuResult {
-    unsafe { answer(device, |d| d.phys(ordinal).map(|_| ordinal)) }
-}
-
-#[no_mangle]
-pub unsafe extern "C" fn cuDeviceGetUuid(uuid: *mut [u8; 16], dev: c_int) -> CuResult {
-    unsafe { answer(uuid, |d| d.phys(dev).map(uuid_bytes)) }
-}
-
-#[no_mangle]
-pub unsafe extern "C" fn cuDeviceGetUuid_v2(uuid: *mut [u8; 16], dev: c_int) -> CuResult {
-    unsafe {
-        answer(uuid, |d| {
-            d.last_call = "cuDeviceGetUuid_v2";
-            d.phys(dev).map(uuid_bytes)
-        })
+    fn cuDeviceGetCount(count: *mut c_int) -> count |d| { Ok(d.visible.len() as c_int) }
+    fn cuDeviceGet(device: *mut c_int, ordinal: c_int) -> device |d| {
+        d.phys(ordinal).map(|_| ordinal)
     }
-}
-
-#[no_mangle]
-pub unsafe extern "C" fn cuDeviceGetAttribute(
-    value: *mut c_int,
-    attr: c_int,
-    dev: c_int,
-) -> CuResult {
-    unsafe {
-        answer(value, |d| match (d.phys(dev)?, attr) {
+    fn cuDeviceGetUuid(uuid: *mut [u8; 16], dev: c_int) -> uuid |d| { d.phys(dev).map(uuid_bytes) }
+    fn cuDeviceGetUuid_v2(uuid: *mut [u8; 16], dev: c_int) -> uuid |d| {
+        d.last_call = "cuDeviceGetUuid_v2";
+        d.phys(dev).map(uuid_bytes)
+    }
+    fn cuDeviceGetAttribute(value: *mut c_int, attr: c_int, dev: c_int) -> value |d| {
+        match (d.phys(dev)?, attr) {
             (_, 16) => Ok(SMS as c_int),
             (_, 39) => Ok(THREADS_PER_SM as c_int),
             _ => Err(INVALID_VALUE),
-        })
+        }
     }
-}
-
-#[no_mangle]
-pub unsafe extern "C" fn cuCtxCreate_v2(pctx: *mut Ptr, _flags: c_uint, dev: c_int) -> CuResult {
-    if pctx.is_null() {
-        return INVALID_VALUE;
+    fn cuCtxCreate_v2(pctx: *mut Ptr, _flags: c_uint, dev: c_int) {
+        unsafe {
+            make(pctx, |d| {
+                d.phys(dev)?;
+                let h = d.handle();
+                d.create_context(h, dev as usize)?;
+                CURRENT.with(|c| c.set(h));
+                Ok(h as Ptr)
+            })
+        }
     }
-    unsafe {
-        answer(pctx, |d| {
-            d.phys(dev)?;
-            let h = d.handle();
-            d.create_context(h, dev as usize)?;
-            CURRENT.with(|c| c.set(h));
-            Ok(h as Ptr)
-        })
-    }
-}
-
-#[no_mangle]
-pub extern "C" fn cuCtxDestroy_v2(ctx: Ptr) -> CuResult {
-    call(|d| {
+    fn cuCtxDestroy_v2(ctx: Ptr) |d| {
         let ctx = ctx as u64;
         if d.ctxs.contains_key(&ctx) && ctx < 0x10_0000 {
             return Err(INVALID_CONTEXT); // a primary context
         }
         d.destroy_context(ctx)
-    })
-}
-
-#[no_mangle]
-pub unsafe extern "C" fn cuDevicePrimaryCtxRetain(pctx: *mut Ptr, dev: c_int) -> CuResult {
-    if pctx.is_null() {
-        return INVALID_VALUE;
     }
-    unsafe {
-        answer(pctx, |d| {
-            let dev = d.ordinal(dev)?;
-            let h = primary_of(dev);
-            if d.primary_refs[dev] == 0 {
-                d.create_context(h, dev)?;
-            }
-            d.primary_refs[dev] += 1;
-            Ok(h as Ptr)
-        })
+    fn cuDevicePrimaryCtxRetain(pctx: *mut Ptr, dev: c_int) {
+        unsafe {
+            make(pctx, |d| {
+                let dev = d.ordinal(dev)?;
+                let h = primary_of(dev);
+                if d.primary_refs[dev] == 0 {
+                    d.create_context(h, dev)?;
+                }
+                d.primary_refs[dev] += 1;
+                Ok(h as Ptr)
+            })
+        }
     }
-}
-
-#[no_mangle]
-pub extern "C" fn cuDevicePrimaryCtxRelease_v2(dev: c_int) -> CuResult {
-    call(|d| {
+    fn cuDevicePrimaryCtxRelease_v2(dev: c_int) |d| {
         let dev = d.ordinal(dev)?;
         if d.primary_refs[dev] == 0 {
             return Err(INVALID_CONTEXT);
@@ -924,12 +909,8 @@ pub extern "C" fn cuDevicePrimaryCtxRelease_v2(dev: c_int) -> CuResult {
             d.destroy_context(primary_of(dev))?;
         }
         Ok(())
-    })
-}
-
-#[no_mangle]
-pub extern "C" fn cuDevicePrimaryCtxReset_v2(dev: c_int) -> CuResult {
-    call(|d| {
+    }
+    fn cuDevicePrimaryCtxReset_v2(dev: c_int) |d| {
         let dev = d.ordinal(dev)?;
         d.last_call = "cuDevicePrimaryCtxReset_v2";
         if d.primary_refs[dev] > 0 {
@@ -937,74 +918,63 @@ pub extern "C" fn cuDevicePrimaryCtxReset_v2(dev: c_int) -> CuResult {
             d.destroy_context(primary_of(dev))?;
         }
         Ok(())
-    })
-}
-
-#[no_mangle]
-pub extern "C" fn cuCtxSetCurrent(ctx: Ptr) -> CuResult {
-    if ctx.is_null() {
-        CURRENT.with(|c| c.set(0));
-        return SUCCESS;
     }
-    call(|d| {
-        d.context_mut(ctx as u64)?;
-        CURRENT.with(|c| c.set(ctx as u64));
-        Ok(())
-    })
-}
-
-#[no_mangle]
-pub unsafe extern "C" fn cuCtxGetCurrent(pctx: *mut Ptr) -> CuResult {
-    code(unsafe { out(pctx, CURRENT.with(|c| c.get()) as Ptr) })
-}
-
-#[no_mangle]
-pub unsafe extern "C" fn cuCtxGetDevice(device: *mut c_int) -> CuResult {
-    unsafe { answer(device, |d| d.current().map(|(_, dev, _)| dev as c_int)) }
+    fn cuCtxSetCurrent(ctx: Ptr) {
+        if ctx.is_null() {
+            CURRENT.with(|c| c.set(0));
+            return SUCCESS;
+        }
+        call(|d| {
+            d.context_mut(ctx as u64)?;
+            CURRENT.with(|c| c.set(ctx as u64));
+            Ok(())
+        })
+    }
+    fn cuCtxGetCurrent(pctx: *mut Ptr) {
+        code(unsafe { out(pctx, CURRENT.with(|c| c.get()) as Ptr) })
+    }
+    fn cuCtxGetDevice(device: *mut c_int) -> device |d| {
+        d.current().map(|(_, dev, _)| dev as c_int)
+    }
+    fn cuCtxSetLimit(limit: c_int, value: usize) {
+        if !(0..=2).contains(&limit) {
+            return INVALID_VALUE;
+        }
+        let (limit, value) = (limit as usize, value as u64);
+        call(|d| {
+            let (ctx, _, phys) = d.current()?;
+            let old = limit_cost(limit, d.context_mut(ctx)?.limits[limit]);
+            let new = limit_cost(limit, value);
+            if new > old {
+                d.charge(phys, new - old)?;
+            } else {
+                d.uncharge(phys, old - new);
+            }
+            let c = d.context_mut(ctx)?;
+            c.limits[limit] = value;
+            c.charged = (c.charged + new).saturating_sub(old);
+            Ok(())
+        })
+    }
+    fn cuCtxGetLimit(value: *mut usize, limit: c_int) {
+        if !(0..=2).contains(&limit) {
+            return INVALID_VALUE;
+        }
+        unsafe {
+            answer(value, |d| {
+                let (ctx, _, _) = d.current()?;
+                Ok(d.context_mut(ctx)?.limits[limit as usize] as usize)
+            })
+        }
+    }
+    fn cuCtxSynchronize() {
+        synchronize("cuCtxSynchronize", |d| Ok(d.all_done()))
+    }
 }
 
 /// The device bytes a limit of `value` takes: the stack's is per thread.
 fn limit_cost(limit: usize, value: u64) -> u64 {
-    if limit == 0 {
-        value * SMS * THREADS_PER_SM
-    } else {
-        value
-    }
-}
-
-#[no_mangle]
-pub extern "C" fn cuCtxSetLimit(limit: c_int, value: usize) -> CuResult {
-    if !(0..=2).contains(&limit) {
-        return INVALID_VALUE;
-    }
-    let (limit, value) = (limit as usize, value as u64);
-    call(|d| {
-        let (ctx, _, phys) = d.current()?;
-        let old = limit_cost(limit, d.context_mut(ctx)?.limits[limit]);
-        let new = limit_cost(limit, value);
-        if new > old {
-            d.charge(phys, new - old)?;
-        } else {
-            d.uncharge(phys, old - new);
-        }
-        let c = d.context_mut(ctx)?;
-        c.limits[limit] = value;
-        c.charged = (c.charged + new).saturating_sub(old);
-        Ok(())
-    })
-}
-
-#[no_mangle]
-pub unsafe extern "C" fn cuCtxGetLimit(value: *mut usize, limit: c_int) -> CuResult {
-    if !(0..=2).contains(&limit) {
-        return INVALID_VALUE;
-    }
-    unsafe {
-        answer(value, |d| {
-            let (ctx, _, _) = d.current()?;
-            Ok(d.context_mut(ctx)?.limits[limit as usize] as usize)
-        })
-    }
+    value * if limit == 0 { SMS * THREADS_PER_SM } else { 1 }
 }
 
 /// Waits (without the driver's lock) until what `until` picks is done, then trims the pools.
@@ -1018,28 +988,6 @@ fn synchronize(by: &'static str, until: impl FnOnce(&Driver) -> Result<u64, CuRe
         d.trim_pools(|_, _| true, |p| p.threshold);
         Ok(())
     })
-}
-
-#[no_mangle]
-pub extern "C" fn cuCtxSynchronize() -> CuResult {
-    synchronize("cuCtxSynchronize", |d| Ok(d.all_done()))
-}
-
-#[no_mangle]
-pub extern "C" fn cuEventSynchronize(event: Ptr) -> CuResult {
-    synchronize("cuEventSynchronize", |d| {
-        let e = d.events.get(&(event as u64)).ok_or(INVALID_HANDLE)?;
-        Ok(e.time().unwrap_or(0))
-    })
-}
-
-/// `CUlaunchConfig`'s head: grid, block, shared memory, stream (attributes not read).
-#[repr(C)]
-pub struct LaunchConfig {
-    grid: [c_uint; 3],
-    block: [c_uint; 3],
-    shared: c_uint,
-    stream: Ptr,
 }
 
 with_ptsz! {
@@ -1070,111 +1018,80 @@ with_ptsz! {
         let (grid, stream) = unsafe { ((*config).grid, (*config).stream as u64) };
         call(|d| d.launch(grid, stream, by))
     }
-    cuEventRecord cuEventRecord_ptsz |by| (event: Ptr, stream: Ptr) {
+    cuEventRecord cuEventRecord_ptsz |by| (event: Ptr, stream: Ptr) |d| {
         let (event, stream) = (event as u64, stream as u64);
-        call(|d| {
-            d.last_call = by;
-            let (_, _, phys) = d.current()?;
-            if !d.events.contains_key(&event) || (stream != 0 && !d.streams.contains_key(&stream)) {
-                return Err(INVALID_HANDLE);
-            }
-            let tail = d.stream_done(stream)?;
-            let now = timeline::now_ns();
-            // Right after the stream's last work was submitted (an event after a launch: the
-            // fake's own launch may have taken longer than the kernel), or while it runs: it
-            // completes with that work.
-            let after_work =
-                d.last_submit(stream).is_some_and(|at| now.saturating_sub(at) <= BATCH_NS);
-            let recorded = if tail > now || (after_work && tail > 0) {
-                Event::At(tail)
-            } else {
-                let free = timeline::free_at(d.state.as_deref(), phys);
-                Event::Pending { stream, recorded: now, fallback: free.max(now) }
-            };
-            d.events.insert(event, recorded);
-            Ok(())
-        })
+        d.last_call = by;
+        let (_, _, phys) = d.current()?;
+        if !d.events.contains_key(&event) || (stream != 0 && !d.streams.contains_key(&stream)) {
+            return Err(INVALID_HANDLE);
+        }
+        let tail = d.stream_done(stream)?;
+        let now = timeline::now_ns();
+        // Right after the stream's last work was submitted (an event after a launch: the
+        // fake's own launch may have taken longer than the kernel), or while it runs: it
+        // completes with that work.
+        let after_work = d.last_submit(stream).is_some_and(|at| now.saturating_sub(at) <= BATCH_NS);
+        let recorded = if tail > now || (after_work && tail > 0) {
+            Event::At(tail)
+        } else {
+            let free = timeline::free_at(d.state.as_deref(), phys);
+            Event::Pending { stream, recorded: now, fallback: free.max(now) }
+        };
+        d.events.insert(event, recorded);
+        Ok(())
     }
-    cuStreamIsCapturing cuStreamIsCapturing_ptsz |by| (stream: Ptr, status: *mut c_int) {
-        unsafe {
-            answer(status, |d| {
-                d.last_call = by;
-                match d.streams.get(&(stream as u64)) {
-                    Some(Some(_)) => Ok(1),
-                    Some(None) => Ok(0),
-                    None if stream.is_null() => Ok(0),
-                    None => Err(INVALID_HANDLE),
-                }
-            })
+    cuStreamIsCapturing cuStreamIsCapturing_ptsz |by| (stream: Ptr, status: *mut c_int)
+        -> status |d|
+    {
+        d.last_call = by;
+        match d.streams.get(&(stream as u64)) {
+            Some(Some(_)) => Ok(1),
+            Some(None) => Ok(0),
+            None if stream.is_null() => Ok(0),
+            None => Err(INVALID_HANDLE),
         }
     }
 }
 
-#[no_mangle]
-pub unsafe extern "C" fn cuEventCreate(event: *mut Ptr, _flags: c_uint) -> CuResult {
-    unsafe {
-        answer(event, |d| {
-            d.current()?;
-            let h = d.handle();
-            d.events.insert(h, Event::Unrecorded);
-            Ok(h as Ptr)
+export! {
+    fn cuEventSynchronize(event: Ptr) {
+        synchronize("cuEventSynchronize", |d| {
+            let e = d.events.get(&(event as u64)).ok_or(INVALID_HANDLE)?;
+            Ok(e.time().unwrap_or(0))
         })
     }
-}
-
-#[no_mangle]
-pub extern "C" fn cuEventDestroy_v2(event: Ptr) -> CuResult {
-    call(|d| gone(d.events.remove(&(event as u64)), INVALID_HANDLE))
-}
-
-#[no_mangle]
-pub extern "C" fn cuEventQuery(event: Ptr) -> CuResult {
-    call(|d| match d.events.get(&(event as u64)).map(|e| e.time()) {
-        None => Err(INVALID_HANDLE),
-        Some(Some(at)) if at > timeline::now_ns() => Err(NOT_READY),
-        Some(_) => Ok(()),
-    })
-}
-
-#[no_mangle]
-pub unsafe extern "C" fn cuEventElapsedTime(ms: *mut f32, start: Ptr, end: Ptr) -> CuResult {
-    unsafe {
-        answer(ms, |d| {
-            let at = |e: Ptr| {
-                d.events
-                    .get(&(e as u64))
-                    .and_then(|e| e.time())
-                    .ok_or(INVALID_HANDLE)
-            };
-            let (start, end) = (at(start)?, at(end)?);
-            if start.max(end) > timeline::now_ns() {
-                return Err(NOT_READY);
-            }
-            Ok(end.saturating_sub(start) as f32 / 1e6)
-        })
+    fn cuEventCreate(event: *mut Ptr, _flags: c_uint) -> event |d| {
+        d.current()?;
+        let h = d.handle();
+        d.events.insert(h, Event::Unrecorded);
+        Ok(h as Ptr)
     }
-}
-
-#[no_mangle]
-pub unsafe extern "C" fn cuStreamCreate(stream: *mut Ptr, _flags: c_uint) -> CuResult {
-    unsafe {
-        answer(stream, |d| {
-            d.current()?;
-            let h = d.handle();
-            d.streams.insert(h, None);
-            Ok(h as Ptr)
-        })
+    fn cuEventDestroy_v2(event: Ptr) |d| { gone(d.events.remove(&(event as u64)), INVALID_HANDLE) }
+    fn cuEventQuery(event: Ptr) |d| {
+        match d.events.get(&(event as u64)).map(|e| e.time()) {
+            None => Err(INVALID_HANDLE),
+            Some(Some(at)) if at > timeline::now_ns() => Err(NOT_READY),
+            Some(_) => Ok(()),
+        }
     }
-}
-
-#[no_mangle]
-pub extern "C" fn cuStreamDestroy_v2(stream: Ptr) -> CuResult {
-    call(|d| gone(d.streams.remove(&(stream as u64)), INVALID_HANDLE))
-}
-
-#[no_mangle]
-pub extern "C" fn cuStreamBeginCapture_v2(stream: Ptr, _mode: c_int) -> CuResult {
-    call(|d| {
+    fn cuEventElapsedTime(ms: *mut f32, start: Ptr, end: Ptr) -> ms |d| {
+        let at = |e: Ptr| d.events.get(&(e as u64)).and_then(|e| e.time()).ok_or(INVALID_HANDLE);
+        let (start, end) = (at(start)?, at(end)?);
+        if start.max(end) > timeline::now_ns() {
+            return Err(NOT_READY);
+        }
+        Ok(end.saturating_sub(start) as f32 / 1e6)
+    }
+    fn cuStreamCreate(stream: *mut Ptr, _flags: c_uint) -> stream |d| {
+        d.current()?;
+        let h = d.handle();
+        d.streams.insert(h, None);
+        Ok(h as Ptr)
+    }
+    fn cuStreamDestroy_v2(stream: Ptr) |d| {
+        gone(d.streams.remove(&(stream as u64)), INVALID_HANDLE)
+    }
+    fn cuStreamBeginCapture_v2(stream: Ptr, _mode: c_int) |d| {
         let graph = d.handle();
         match d.streams.get_mut(&(stream as u64)) {
             Some(s @ None) => *s = Some(graph),
@@ -1183,84 +1100,53 @@ pub extern "C" fn cuStreamBeginCapture_v2(stream: Ptr, _mode: c_int) -> CuResult
         }
         d.graphs.insert(graph, Vec::new());
         Ok(())
-    })
-}
-
-#[no_mangle]
-pub unsafe extern "C" fn cuStreamEndCapture(stream: Ptr, graph: *mut Ptr) -> CuResult {
-    unsafe {
-        answer(graph, |d| match d.streams.get_mut(&(stream as u64)) {
+    }
+    fn cuStreamEndCapture(stream: Ptr, graph: *mut Ptr) -> graph |d| {
+        match d.streams.get_mut(&(stream as u64)) {
             Some(s @ Some(_)) => Ok(s.take().unwrap_or(0) as Ptr),
             _ => Err(INVALID_VALUE),
-        })
+        }
     }
 }
 
-#[no_mangle]
-pub unsafe extern "C" fn cuDeviceGetDefaultMemPool(pool: *mut Ptr, dev: c_int) -> CuResult {
-    unsafe { answer(pool, |d| Ok(Driver::default_pool(d.ordinal(dev)?) as Ptr)) }
-}
+// Stream-ordered pools.
 
-#[no_mangle]
-pub unsafe extern "C" fn cuDeviceGetMemPool(pool: *mut Ptr, dev: c_int) -> CuResult {
-    unsafe { answer(pool, |d| Ok(d.current_pool[d.ordinal(dev)?] as Ptr)) }
-}
+/// `CU_MEM_LOCATION_TYPE_DEVICE`.
+const LOCATION_DEVICE: c_int = 1;
 
-#[no_mangle]
-pub extern "C" fn cuDeviceSetMemPool(dev: c_int, pool: Ptr) -> CuResult {
-    call(|d| {
+export! {
+    fn cuDeviceGetDefaultMemPool(pool: *mut Ptr, dev: c_int) -> pool |d| {
+        Ok(Driver::default_pool(d.ordinal(dev)?) as Ptr)
+    }
+    fn cuDeviceGetMemPool(pool: *mut Ptr, dev: c_int) -> pool |d| {
+        Ok(d.current_pool[d.ordinal(dev)?] as Ptr)
+    }
+    fn cuDeviceSetMemPool(dev: c_int, pool: Ptr) |d| {
         let dev = d.ordinal(dev)?;
         if d.pool_mut(pool as u64)?.dev != dev {
             return Err(INVALID_VALUE);
         }
         d.current_pool[dev] = pool as u64;
         Ok(())
-    })
-}
-
-/// The head of `CUmemAllocationProp` and of `CUmemPoolProps`: type, requested handle
-/// types, location { type, id }.
-#[repr(C)]
-pub struct AllocationPropHead {
-    kind: c_int,
-    handle_types: c_int,
-    location_type: c_int,
-    location_id: c_int,
-}
-
-/// `CU_MEM_LOCATION_TYPE_DEVICE`.
-const LOCATION_DEVICE: c_int = 1;
-
-#[no_mangle]
-pub unsafe extern "C" fn cuMemPoolCreate(
-    pool: *mut Ptr,
-    props: *const AllocationPropHead,
-) -> CuResult {
-    if props.is_null() || pool.is_null() {
-        return INVALID_VALUE;
     }
-    let (kind, dev) = unsafe { ((*props).location_type, (*props).location_id) };
-    if kind != LOCATION_DEVICE {
-        return NOT_SUPPORTED;
+    fn cuMemPoolCreate(pool: *mut Ptr, props: *const PoolProps) {
+        if props.is_null() || pool.is_null() {
+            return INVALID_VALUE;
+        }
+        let (kind, dev) = unsafe { ((*props).location_type, (*props).location_id) };
+        if kind != LOCATION_DEVICE {
+            return NOT_SUPPORTED;
+        }
+        unsafe {
+            answer(pool, |d| {
+                let phys = d.phys(dev)?;
+                let h = d.handle();
+                d.pools.insert(h, Pool { dev: dev as usize, phys, ..Pool::default() });
+                Ok(h as Ptr)
+            })
+        }
     }
-    unsafe {
-        answer(pool, |d| {
-            let phys = d.phys(dev)?;
-            let h = d.handle();
-            let pool = Pool {
-                dev: dev as usize,
-                phys,
-                ..Pool::default()
-            };
-            d.pools.insert(h, pool);
-            Ok(h as Ptr)
-        })
-    }
-}
-
-#[no_mangle]
-pub extern "C" fn cuMemPoolDestroy(pool: Ptr) -> CuResult {
-    call(|d| {
+    fn cuMemPoolDestroy(pool: Ptr) |d| {
         let h = pool as u64;
         let p = d.pool_mut(h)?;
         if Driver::default_pool(p.dev) == h {
@@ -1275,145 +1161,102 @@ pub extern "C" fn cuMemPoolDestroy(pool: Ptr) -> CuResult {
             d.current_pool[dev] = Driver::default_pool(dev);
         }
         Ok(())
-    })
-}
-
-#[no_mangle]
-pub unsafe extern "C" fn cuMemPoolSetAttribute(pool: Ptr, attr: c_int, value: Ptr) -> CuResult {
-    if value.is_null() {
-        return INVALID_VALUE;
     }
-    let v = unsafe { *(value as *const u64) };
-    call(|d| {
-        let p = d.pool_mut(pool as u64)?;
-        match attr {
-            4 => p.threshold = v,
-            6 if v == 0 => p.reserved_high = p.reserved,
-            8 if v == 0 => p.used_high = p.used,
-            1..=3 => {} // reuse policies
-            _ => return Err(INVALID_VALUE),
+    fn cuMemPoolSetAttribute(pool: Ptr, attr: c_int, value: Ptr) {
+        if value.is_null() {
+            return INVALID_VALUE;
         }
-        Ok(())
-    })
-}
-
-#[no_mangle]
-pub unsafe extern "C" fn cuMemPoolGetAttribute(pool: Ptr, attr: c_int, value: Ptr) -> CuResult {
-    unsafe {
-        answer(value as *mut u64, |d| {
+        let v = unsafe { *(value as *const u64) };
+        call(|d| {
             let p = d.pool_mut(pool as u64)?;
             match attr {
-                4 => Ok(p.threshold),
-                5 => Ok(p.reserved),
-                6 => Ok(p.reserved_high),
-                7 => Ok(p.used),
-                8 => Ok(p.used_high),
-                _ => Err(INVALID_VALUE),
+                4 => p.threshold = v,
+                6 if v == 0 => p.reserved_high = p.reserved,
+                8 if v == 0 => p.used_high = p.used,
+                1..=3 => {} // reuse policies
+                _ => return Err(INVALID_VALUE),
             }
+            Ok(())
         })
     }
-}
-
-#[no_mangle]
-pub extern "C" fn cuMemPoolTrimTo(pool: Ptr, min_bytes_to_keep: usize) -> CuResult {
-    call(|d| {
+    fn cuMemPoolGetAttribute(pool: Ptr, attr: c_int, value: *mut u64) -> value |d| {
+        let p = d.pool_mut(pool as u64)?;
+        match attr {
+            4 => Ok(p.threshold),
+            5 => Ok(p.reserved),
+            6 => Ok(p.reserved_high),
+            7 => Ok(p.used),
+            8 => Ok(p.used_high),
+            _ => Err(INVALID_VALUE),
+        }
+    }
+    fn cuMemPoolTrimTo(pool: Ptr, min_bytes_to_keep: usize) |d| {
         let h = pool as u64;
         d.pool_mut(h)?;
         d.trim_pools(|p, _| p == h, |_| min_bytes_to_keep as u64);
         Ok(())
-    })
-}
-
-#[no_mangle]
-pub unsafe extern "C" fn cuMemAlloc_v2(dptr: *mut u64, bytes: usize) -> CuResult {
-    unsafe { alloc_current(dptr, bytes as u64, "cuMemAlloc_v2") }
-}
-
-#[no_mangle]
-pub unsafe extern "C" fn cuMemAllocPitch_v2(
-    dptr: *mut u64,
-    pitch: *mut usize,
-    width: usize,
-    height: usize,
-    _element: c_uint,
-) -> CuResult {
-    let p = width.div_ceil(512) * 512;
-    if pitch.is_null() {
-        return INVALID_VALUE;
     }
-    let r = unsafe { alloc_current(dptr, (p * height) as u64, "cuMemAllocPitch_v2") };
-    if r == SUCCESS {
-        unsafe { pitch.write(p) };
-    }
-    r
-}
-
-#[no_mangle]
-pub unsafe extern "C" fn cuMemAllocManaged(
-    dptr: *mut u64,
-    bytes: usize,
-    _flags: c_uint,
-) -> CuResult {
-    if dptr.is_null() {
-        return INVALID_VALUE;
-    }
-    let on_host = with_driver(|d| Ok(d.managed_on_host)).unwrap_or(false);
-    let device_bytes = if on_host { 0 } else { bytes as u64 };
-    let r = alloc_impl(bytes as u64, device_bytes, "cuMemAllocManaged", false);
-    code(r.and_then(|p| unsafe { out(dptr, p) }))
 }
 
 with_ptsz! {
     cuMemAllocAsync cuMemAllocAsync_ptsz |by| (dptr: *mut u64, bytes: usize, stream: Ptr) {
-        if dptr.is_null() {
-            return INVALID_VALUE;
-        }
-        unsafe { answer(dptr, |d| d.async_alloc(stream as u64, bytes as u64, by)) }
+        unsafe { make(dptr, |d| d.async_alloc(stream as u64, bytes as u64, by)) }
     }
     cuMemAllocFromPoolAsync cuMemAllocFromPoolAsync_ptsz |by| (
         dptr: *mut u64, bytes: usize, pool: Ptr, _stream: Ptr,
     ) {
-        if dptr.is_null() {
-            return INVALID_VALUE;
-        }
-        unsafe { answer(dptr, |d| d.pool_alloc(pool as u64, bytes as u64, by)) }
+        unsafe { make(dptr, |d| d.pool_alloc(pool as u64, bytes as u64, by)) }
     }
     cuMemFreeAsync cuMemFreeAsync_ptsz |by| (ptr: u64, stream: Ptr) {
         call(|d| d.async_free(stream as u64, ptr, by))
     }
 }
 
-#[no_mangle]
-pub unsafe extern "C" fn cuMemCreate(
-    handle: *mut u64,
-    size: usize,
-    prop: *const AllocationPropHead,
-    _flags: u64,
-) -> CuResult {
-    if prop.is_null() || handle.is_null() || size == 0 {
-        return INVALID_VALUE;
-    }
-    let (dev, bytes) = (unsafe { (*prop).location_id }, size as u64);
-    unsafe {
-        answer(handle, |d| {
-            let phys = d.phys(dev)?;
-            d.charge(phys, bytes)?;
-            let h = d.handle();
-            let vmm = Vmm {
-                phys,
-                bytes,
-                refs: 1,
-                maps: 0,
-            };
-            d.vmm.insert(h, vmm);
-            Ok(h)
-        })
-    }
-}
+// Plain allocations, VMM and arrays.
 
-#[no_mangle]
-pub extern "C" fn cuMemRelease(handle: u64) -> CuResult {
-    call(|d| {
+export! {
+    fn cuMemAlloc_v2(dptr: *mut u64, bytes: usize) {
+        let bytes = bytes as u64;
+        unsafe { alloc_into(dptr, (bytes, bytes), "cuMemAlloc_v2", false, |p| p) }
+    }
+    fn cuMemAllocPitch_v2(
+        dptr: *mut u64, pitch: *mut usize, width: usize, height: usize, _element: c_uint,
+    ) {
+        let p = width.div_ceil(512) * 512;
+        if pitch.is_null() {
+            return INVALID_VALUE;
+        }
+        let bytes = (p * height) as u64;
+        let r = unsafe { alloc_into(dptr, (bytes, bytes), "cuMemAllocPitch_v2", false, |a| a) };
+        if r == SUCCESS {
+            unsafe { pitch.write(p) };
+        }
+        r
+    }
+    fn cuMemAllocManaged(dptr: *mut u64, bytes: usize, _flags: c_uint) {
+        if dptr.is_null() {
+            return INVALID_VALUE;
+        }
+        let on_host = with_driver(|d| Ok(d.managed_on_host)).unwrap_or(false);
+        let sizes = (bytes as u64, if on_host { 0 } else { bytes as u64 });
+        unsafe { alloc_into(dptr, sizes, "cuMemAllocManaged", false, |p| p) }
+    }
+    fn cuMemCreate(handle: *mut u64, size: usize, prop: *const AllocationProp, _flags: u64) {
+        if prop.is_null() || handle.is_null() || size == 0 {
+            return INVALID_VALUE;
+        }
+        let (dev, bytes) = (unsafe { (*prop).location_id }, size as u64);
+        unsafe {
+            answer(handle, |d| {
+                let phys = d.phys(dev)?;
+                d.charge(phys, bytes)?;
+                let h = d.handle();
+                d.vmm.insert(h, Vmm { phys, bytes, refs: 1, maps: 0 });
+                Ok(h)
+            })
+        }
+    }
+    fn cuMemRelease(handle: u64) |d| {
         let v = d.vmm.get_mut(&handle).ok_or(INVALID_VALUE)?;
         if v.refs == 0 {
             return Err(INVALID_VALUE);
@@ -1421,69 +1264,40 @@ pub extern "C" fn cuMemRelease(handle: u64) -> CuResult {
         v.refs -= 1;
         d.vmm_settle(handle);
         Ok(())
-    })
-}
-
-#[no_mangle]
-pub unsafe extern "C" fn cuMemAddressReserve(
-    ptr: *mut u64,
-    size: usize,
-    _alignment: usize,
-    _addr: u64,
-    _flags: u64,
-) -> CuResult {
-    if size == 0 {
-        return INVALID_VALUE;
     }
-    unsafe {
-        answer(ptr, |d| {
-            let va = bump(&mut d.next_va, size as u64);
-            d.reservations.insert(va, size as u64);
-            Ok(va)
+    fn cuMemAddressReserve(ptr: *mut u64, size: usize, _alignment: usize, _addr: u64, _flags: u64) {
+        if size == 0 {
+            return INVALID_VALUE;
+        }
+        unsafe {
+            answer(ptr, |d| {
+                let va = bump(&mut d.next_va, size as u64);
+                d.reservations.insert(va, size as u64);
+                Ok(va)
+            })
+        }
+    }
+    fn cuMemAddressFree(ptr: u64, _size: usize) |d| {
+        gone(d.reservations.remove(&ptr), INVALID_VALUE)
+    }
+    fn cuMemMap(ptr: u64, size: usize, _offset: usize, handle: u64, _flags: u64) {
+        let end = ptr + size as u64;
+        call(|d| {
+            let v = d.vmm.get_mut(&handle).ok_or(INVALID_HANDLE)?;
+            if v.refs == 0 || (size as u64) > v.bytes {
+                return Err(INVALID_VALUE);
+            }
+            let inside = d.reservations.iter().any(|(&va, &len)| va <= ptr && end <= va + len);
+            if !inside || d.maps.range(ptr..end).next().is_some() {
+                return Err(INVALID_VALUE);
+            }
+            v.maps += 1;
+            d.maps.insert(ptr, (size as u64, handle));
+            Ok(())
         })
     }
-}
-
-#[no_mangle]
-pub extern "C" fn cuMemAddressFree(ptr: u64, _size: usize) -> CuResult {
-    call(|d| gone(d.reservations.remove(&ptr), INVALID_VALUE))
-}
-
-#[no_mangle]
-pub extern "C" fn cuMemMap(
-    ptr: u64,
-    size: usize,
-    _offset: usize,
-    handle: u64,
-    _flags: u64,
-) -> CuResult {
-    let end = ptr + size as u64;
-    call(|d| {
-        let v = d.vmm.get_mut(&handle).ok_or(INVALID_HANDLE)?;
-        if v.refs == 0 || (size as u64) > v.bytes {
-            return Err(INVALID_VALUE);
-        }
-        let inside = d
-            .reservations
-            .iter()
-            .any(|(&va, &len)| va <= ptr && end <= va + len);
-        if !inside || d.maps.range(ptr..end).next().is_some() {
-            return Err(INVALID_VALUE);
-        }
-        v.maps += 1;
-        d.maps.insert(ptr, (size as u64, handle));
-        Ok(())
-    })
-}
-
-#[no_mangle]
-pub extern "C" fn cuMemUnmap(ptr: u64, size: usize) -> CuResult {
-    call(|d| {
-        let inside: Vec<u64> = d
-            .maps
-            .range(ptr..ptr + size as u64)
-            .map(|(&va, _)| va)
-            .collect();
+    fn cuMemUnmap(ptr: u64, size: usize) |d| {
+        let inside: Vec<u64> = d.maps.range(ptr..ptr + size as u64).map(|(&va, _)| va).collect();
         if inside.is_empty() {
             return Err(INVALID_VALUE);
         }
@@ -1496,55 +1310,19 @@ pub extern "C" fn cuMemUnmap(ptr: u64, size: usize) -> CuResult {
             }
         }
         Ok(())
-    })
-}
-
-#[no_mangle]
-pub extern "C" fn cuMemSetAccess(
-    _ptr: u64,
-    _size: usize,
-    _desc: *const c_void,
-    _count: usize,
-) -> CuResult {
-    call(|d| {
+    }
+    fn cuMemSetAccess(_ptr: u64, _size: usize, _desc: *const c_void, _count: usize) |d| {
         d.last_call = "cuMemSetAccess";
         Ok(())
-    })
-}
-
-#[no_mangle]
-pub unsafe extern "C" fn cuMemRetainAllocationHandle(handle: *mut u64, addr: Ptr) -> CuResult {
-    let addr = addr as u64;
-    unsafe {
-        answer(handle, |d| {
-            let (_, &(_, h)) = d
-                .maps
-                .range(..=addr)
-                .next_back()
-                .filter(|(&va, &(len, _))| addr < va + len)
-                .ok_or(INVALID_VALUE)?;
-            d.vmm.get_mut(&h).ok_or(INVALID_VALUE)?.refs += 1;
-            Ok(h)
-        })
     }
-}
-
-#[repr(C)]
-pub struct ArrayDescriptor {
-    width: usize,
-    height: usize,
-    format: c_uint,
-    channels: c_uint,
-}
-
-#[repr(C)]
-pub struct Array3dDescriptor {
-    width: usize,
-    height: usize,
-    depth: usize,
-    format: c_uint,
-    channels: c_uint,
-    flags: c_uint,
+    fn cuMemRetainAllocationHandle(handle: *mut u64, addr: Ptr) -> handle |d| {
+        let addr = addr as u64;
+        let mapping = d.maps.range(..=addr).next_back();
+        let inside = mapping.filter(|&(&va, &(len, _))| addr < va + len);
+        let (_, &(_, h)) = inside.ok_or(INVALID_VALUE)?;
+        d.vmm.get_mut(&h).ok_or(INVALID_VALUE)?.refs += 1;
+        Ok(h)
+    }
 }
 
 /// The bytes of a `width` × `height` × `depth` array (a height or depth of 0: 1).
@@ -1557,59 +1335,9 @@ fn array_bytes(width: usize, height: usize, depth: usize, format: c_uint, channe
     width as u64 * height.max(1) as u64 * depth.max(1) as u64 * element * channels as u64
 }
 
+/// An array of `bytes`, its handle written to `array` (checked first).
 unsafe fn array_out(array: *mut Ptr, bytes: u64, by: &'static str) -> CuResult {
-    if array.is_null() {
-        return INVALID_VALUE;
-    }
-    code(alloc_impl(bytes, bytes, by, false).and_then(|p| unsafe { out(array, p as Ptr) }))
-}
-
-#[no_mangle]
-pub unsafe extern "C" fn cuArrayCreate_v2(
-    array: *mut Ptr,
-    desc: *const ArrayDescriptor,
-) -> CuResult {
-    let Some(d) = (unsafe { desc.as_ref() }) else {
-        return INVALID_VALUE;
-    };
-    let bytes = array_bytes(d.width, d.height, 1, d.format, d.channels);
-    unsafe { array_out(array, bytes, "cuArrayCreate_v2") }
-}
-
-#[no_mangle]
-pub unsafe extern "C" fn cuArray3DCreate_v2(
-    array: *mut Ptr,
-    desc: *const Array3dDescriptor,
-) -> CuResult {
-    let Some(d) = (unsafe { desc.as_ref() }) else {
-        return INVALID_VALUE;
-    };
-    let bytes = array_bytes(d.width, d.height, d.depth, d.format, d.channels);
-    unsafe { array_out(array, bytes, "cuArray3DCreate_v2") }
-}
-
-#[no_mangle]
-pub unsafe extern "C" fn cuMipmappedArrayCreate(
-    array: *mut Ptr,
-    desc: *const Array3dDescriptor,
-    levels: c_uint,
-) -> CuResult {
-    let Some(d) = (unsafe { desc.as_ref() }) else {
-        return INVALID_VALUE;
-    };
-    let dim = |x: usize, level: c_uint| (x >> level).max(1);
-    let bytes = (0..levels.max(1))
-        .map(|l| {
-            array_bytes(
-                dim(d.width, l),
-                dim(d.height, l),
-                dim(d.depth, l),
-                d.format,
-                d.channels,
-            )
-        })
-        .sum();
-    unsafe { array_out(array, bytes, "cuMipmappedArrayCreate") }
+    unsafe { alloc_into(array, (bytes, bytes), by, false, |p| p as Ptr) }
 }
 
 /// What `cuMemFree_v2` and `cuMemFreeAsync` free.
@@ -1624,27 +1352,58 @@ const DEVICE_POINTERS: [&str; 8] = [
     "cuGraphLaunch",
 ];
 
-#[no_mangle]
-pub extern "C" fn cuMemFree_v2(ptr: u64) -> CuResult {
-    free_impl(ptr, &DEVICE_POINTERS, "cuMemFree_v2")
-}
-
-#[no_mangle]
-pub extern "C" fn cuArrayDestroy(array: Ptr) -> CuResult {
-    free_impl(
-        array as u64,
-        &["cuArrayCreate_v2", "cuArray3DCreate_v2"],
-        "cuArrayDestroy",
-    )
-}
-
-#[no_mangle]
-pub extern "C" fn cuMipmappedArrayDestroy(array: Ptr) -> CuResult {
-    free_impl(
-        array as u64,
-        &["cuMipmappedArrayCreate"],
-        "cuMipmappedArrayDestroy",
-    )
+export! {
+    fn cuArrayCreate_v2(array: *mut Ptr, desc: *const ArrayDescriptor) {
+        let Some(d) = (unsafe { desc.as_ref() }) else {
+            return INVALID_VALUE;
+        };
+        let bytes = array_bytes(d.width, d.height, 1, d.format, d.channels);
+        unsafe { array_out(array, bytes, "cuArrayCreate_v2") }
+    }
+    fn cuArray3DCreate_v2(array: *mut Ptr, desc: *const Array3dDescriptor) {
+        let Some(d) = (unsafe { desc.as_ref() }) else {
+            return INVALID_VALUE;
+        };
+        let bytes = array_bytes(d.width, d.height, d.depth, d.format, d.channels);
+        unsafe { array_out(array, bytes, "cuArray3DCreate_v2") }
+    }
+    fn cuMipmappedArrayCreate(array: *mut Ptr, desc: *const Array3dDescriptor, levels: c_uint) {
+        let Some(d) = (unsafe { desc.as_ref() }) else {
+            return INVALID_VALUE;
+        };
+        let dim = |x: usize, level: c_uint| (x >> level).max(1);
+        let bytes = (0..levels.max(1))
+            .map(|l| {
+                let (w, h, z) = (dim(d.width, l), dim(d.height, l), dim(d.depth, l));
+                array_bytes(w, h, z, d.format, d.channels)
+            })
+            .sum();
+        unsafe { array_out(array, bytes, "cuMipmappedArrayCreate") }
+    }
+    fn cuMemFree_v2(ptr: u64) {
+        free_impl(ptr, &DEVICE_POINTERS, "cuMemFree_v2")
+    }
+    fn cuArrayDestroy(array: Ptr) {
+        let arrays = ["cuArrayCreate_v2", "cuArray3DCreate_v2"];
+        free_impl(array as u64, &arrays, "cuArrayDestroy")
+    }
+    fn cuMipmappedArrayDestroy(array: Ptr) {
+        free_impl(array as u64, &["cuMipmappedArrayCreate"], "cuMipmappedArrayDestroy")
+    }
+    fn cuMemGetInfo_v2(free: *mut usize, total: *mut usize) {
+        // Either place may be NULL: only the other is written.
+        code(mem_info().map(|(f, t)| unsafe {
+            if !free.is_null() {
+                free.write(f as usize);
+            }
+            if !total.is_null() {
+                total.write(t as usize);
+            }
+        }))
+    }
+    fn cuDeviceTotalMem_v2(bytes: *mut usize, dev: c_int) -> bytes |d| {
+        d.phys(dev).map(|_| d.mem as usize)
+    }
 }
 
 /// (free, total) of the current device: total minus what every process holds on it.
@@ -1655,158 +1414,46 @@ fn mem_info() -> Result<(u64, u64), CuResult> {
     })
 }
 
-#[no_mangle]
-pub unsafe extern "C" fn cuMemGetInfo_v2(free: *mut usize, total: *mut usize) -> CuResult {
-    // Either place may be NULL: only the other is written.
-    code(mem_info().map(|(f, t)| unsafe {
-        if !free.is_null() {
-            free.write(f as usize);
-        }
-        if !total.is_null() {
-            total.write(t as usize);
-        }
-    }))
-}
-
-#[no_mangle]
-pub unsafe extern "C" fn cuDeviceTotalMem_v2(bytes: *mut usize, dev: c_int) -> CuResult {
-    unsafe { answer(bytes, |d| d.phys(dev).map(|_| d.mem as usize)) }
-}
-
 // The 32-bit v1 entry points of pre-3.2 programs. Sizes past 4 GiB read as u32::MAX.
 
 fn clamp32(v: u64) -> u32 {
     v.min(u32::MAX as u64) as u32
 }
 
-#[no_mangle]
-pub unsafe extern "C" fn cuMemAlloc(dptr: *mut u32, bytes: c_uint) -> CuResult {
-    if dptr.is_null() {
-        return INVALID_VALUE;
+export! {
+    fn cuMemAlloc(dptr: *mut u32, bytes: c_uint) {
+        let bytes = bytes as u64;
+        unsafe { alloc_into(dptr, (bytes, bytes), "cuMemAlloc", true, |p| p as u32) }
     }
-    let r = alloc_impl(bytes as u64, bytes as u64, "cuMemAlloc", true);
-    code(r.and_then(|p| unsafe { out(dptr, p as u32) }))
-}
-
-#[no_mangle]
-pub unsafe extern "C" fn cuMemAllocPitch(
-    dptr: *mut u32,
-    pitch: *mut u32,
-    width: c_uint,
-    height: c_uint,
-    _element: c_uint,
-) -> CuResult {
-    if dptr.is_null() || pitch.is_null() {
-        return INVALID_VALUE;
+    fn cuMemAllocPitch(
+        dptr: *mut u32, pitch: *mut u32, width: c_uint, height: c_uint, _element: c_uint,
+    ) {
+        if dptr.is_null() || pitch.is_null() {
+            return INVALID_VALUE;
+        }
+        let p = (width as u64).div_ceil(512) * 512;
+        let bytes = p * height as u64;
+        if bytes > u32::MAX as u64 {
+            return INVALID_VALUE;
+        }
+        let r = alloc_impl(bytes, bytes, "cuMemAllocPitch", true);
+        code(r.and_then(|ptr| unsafe { out(dptr, ptr as u32).and_then(|()| out(pitch, p as u32)) }))
     }
-    let p = (width as u64).div_ceil(512) * 512;
-    let bytes = p * height as u64;
-    if bytes > u32::MAX as u64 {
-        return INVALID_VALUE;
+    fn cuMemFree(ptr: c_uint) {
+        free_impl(ptr as u64, &["cuMemAlloc", "cuMemAllocPitch"], "cuMemFree")
     }
-    let r = alloc_impl(bytes, bytes, "cuMemAllocPitch", true);
-    code(r.and_then(|ptr| unsafe { out(dptr, ptr as u32).and_then(|()| out(pitch, p as u32)) }))
-}
-
-#[no_mangle]
-pub extern "C" fn cuMemFree(ptr: c_uint) -> CuResult {
-    free_impl(ptr as u64, &["cuMemAlloc", "cuMemAllocPitch"], "cuMemFree")
-}
-
-#[no_mangle]
-pub unsafe extern "C" fn cuMemGetInfo(free: *mut u32, total: *mut u32) -> CuResult {
-    let r = mem_info();
-    code(
-        r.and_then(|(f, t)| unsafe { out(free, clamp32(f)).and_then(|()| out(total, clamp32(t))) }),
-    )
-}
-
-#[no_mangle]
-pub unsafe extern "C" fn cuDeviceTotalMem(bytes: *mut u32, dev: c_int) -> CuResult {
-    unsafe {
-        answer(bytes, |d| {
-            d.last_call = "cuDeviceTotalMem";
-            d.phys(dev).map(|_| clamp32(d.mem))
-        })
+    fn cuMemGetInfo(free: *mut u32, total: *mut u32) {
+        code(mem_info().and_then(|(f, t)| unsafe {
+            out(free, clamp32(f)).and_then(|()| out(total, clamp32(t)))
+        }))
+    }
+    fn cuDeviceTotalMem(bytes: *mut u32, dev: c_int) -> bytes |d| {
+        d.last_call = "cuDeviceTotalMem";
+        d.phys(dev).map(|_| clamp32(d.mem))
     }
 }
 
 // Graphs and their memory.
-
-/// `CUmemPoolProps` (CUDA 12, 88 bytes).
-#[repr(C)]
-pub struct PoolProps {
-    head: AllocationPropHead,
-    win32_security_attributes: Ptr,
-    max_size: usize,
-    usage: u16,
-    reserved: [u8; 54],
-}
-
-/// `CUDA_MEM_ALLOC_NODE_PARAMS` (CUDA 12, 120 bytes).
-#[repr(C)]
-pub struct MemAllocNodeParams {
-    pool_props: PoolProps,
-    access_descs: *const c_void,
-    access_desc_count: usize,
-    bytesize: usize,
-    dptr: u64,
-}
-
-#[no_mangle]
-pub unsafe extern "C" fn cuGraphCreate(graph: *mut Ptr, _flags: c_uint) -> CuResult {
-    unsafe {
-        answer(graph, |d| {
-            let h = d.handle();
-            d.graphs.insert(h, Vec::new());
-            Ok(h as Ptr)
-        })
-    }
-}
-
-#[no_mangle]
-pub extern "C" fn cuGraphDestroy(graph: Ptr) -> CuResult {
-    call(|d| gone(d.graphs.remove(&(graph as u64)), INVALID_VALUE))
-}
-
-#[no_mangle]
-pub unsafe extern "C" fn cuGraphAddMemAllocNode(
-    node: *mut Ptr,
-    graph: Ptr,
-    _deps: *const Ptr,
-    _count: usize,
-    params: *mut MemAllocNodeParams,
-) -> CuResult {
-    if params.is_null() || node.is_null() {
-        return INVALID_VALUE;
-    }
-    let (head, bytes) = unsafe { (&(*params).pool_props.head, (*params).bytesize as u64) };
-    if head.location_type != LOCATION_DEVICE {
-        return INVALID_VALUE;
-    }
-    let dev = head.location_id;
-    let r = with_driver(|d| d.add_node(graph as u64, d.ordinal(dev)?, bytes));
-    code(r.and_then(|dptr| unsafe {
-        (*params).dptr = dptr;
-        out(node, dptr as Ptr)
-    }))
-}
-
-#[no_mangle]
-pub unsafe extern "C" fn cuGraphAddMemFreeNode(
-    node: *mut Ptr,
-    graph: Ptr,
-    _deps: *const Ptr,
-    _count: usize,
-    dptr: u64,
-) -> CuResult {
-    unsafe {
-        answer(node, |d| {
-            d.free_node(graph as u64, dptr, INVALID_VALUE)?;
-            Ok((dptr + 1) as Ptr)
-        })
-    }
-}
 
 /// Instantiates `graph`, its executable written to `exec`.
 unsafe fn instantiate(exec: *mut Ptr, graph: Ptr, by: &'static str) -> CuResult {
@@ -1823,72 +1470,71 @@ unsafe fn instantiate(exec: *mut Ptr, graph: Ptr, by: &'static str) -> CuResult 
     }
 }
 
-#[no_mangle]
-pub unsafe extern "C" fn cuGraphInstantiateWithFlags(
-    exec: *mut Ptr,
-    graph: Ptr,
-    _flags: u64,
-) -> CuResult {
-    unsafe { instantiate(exec, graph, "cuGraphInstantiateWithFlags") }
-}
-
-#[no_mangle]
-pub unsafe extern "C" fn cuGraphInstantiate_v2(
-    exec: *mut Ptr,
-    graph: Ptr,
-    _error_node: *mut Ptr,
-    _log: *mut c_char,
-    _log_size: usize,
-) -> CuResult {
-    unsafe { instantiate(exec, graph, "cuGraphInstantiate_v2") }
-}
-
-#[no_mangle]
-pub extern "C" fn cuGraphUpload(exec: Ptr, _stream: Ptr) -> CuResult {
-    call(|d| d.graph_reserve(exec as u64, false))
-}
-
-with_ptsz! {
-    cuGraphLaunch cuGraphLaunch_ptsz |by| (exec: Ptr, stream: Ptr) {
-        call(|d| d.graph_launch(exec as u64, stream as u64, by))
+export! {
+    fn cuGraphCreate(graph: *mut Ptr, _flags: c_uint) -> graph |d| {
+        let h = d.handle();
+        d.graphs.insert(h, Vec::new());
+        Ok(h as Ptr)
     }
-}
-
-#[no_mangle]
-pub extern "C" fn cuGraphExecDestroy(exec: Ptr) -> CuResult {
-    call(|d| gone(d.execs.remove(&(exec as u64)), INVALID_VALUE))
-}
-
-#[no_mangle]
-pub unsafe extern "C" fn cuDeviceGetGraphMemAttribute(
-    dev: c_int,
-    attr: c_int,
-    value: Ptr,
-) -> CuResult {
-    unsafe {
-        answer(value as *mut u64, |d| {
-            let gp = d.graph_pools[d.ordinal(dev)?];
-            match attr {
-                0 => Ok(gp.used),
-                1 => Ok(gp.used_high),
-                2 => Ok(gp.reserved),
-                3 => Ok(gp.reserved_high),
-                _ => Err(INVALID_VALUE),
-            }
-        })
+    fn cuGraphDestroy(graph: Ptr) |d| { gone(d.graphs.remove(&(graph as u64)), INVALID_VALUE) }
+    fn cuGraphAddMemAllocNode(
+        node: *mut Ptr, graph: Ptr, _deps: *const Ptr, _count: usize,
+        params: *mut MemAllocNodeParams,
+    ) {
+        if params.is_null() || node.is_null() {
+            return INVALID_VALUE;
+        }
+        let (props, bytes) = unsafe { (&(*params).pool_props, (*params).bytesize as u64) };
+        if props.location_type != LOCATION_DEVICE {
+            return INVALID_VALUE;
+        }
+        let dev = props.location_id;
+        let r = with_driver(|d| d.add_node(graph as u64, d.ordinal(dev)?, bytes));
+        code(r.and_then(|dptr| unsafe {
+            (*params).dptr = dptr;
+            out(node, dptr as Ptr)
+        }))
     }
-}
-
-#[no_mangle]
-pub extern "C" fn cuDeviceGraphMemTrim(dev: c_int) -> CuResult {
-    call(|d| {
+    fn cuGraphAddMemFreeNode(
+        node: *mut Ptr, graph: Ptr, _deps: *const Ptr, _count: usize, dptr: u64,
+    ) -> node |d| {
+        d.free_node(graph as u64, dptr, INVALID_VALUE)?;
+        Ok((dptr + 1) as Ptr)
+    }
+    fn cuGraphInstantiateWithFlags(exec: *mut Ptr, graph: Ptr, _flags: u64) {
+        unsafe { instantiate(exec, graph, "cuGraphInstantiateWithFlags") }
+    }
+    fn cuGraphInstantiate_v2(
+        exec: *mut Ptr, graph: Ptr, _error_node: *mut Ptr, _log: *mut c_char, _log_size: usize,
+    ) {
+        unsafe { instantiate(exec, graph, "cuGraphInstantiate_v2") }
+    }
+    fn cuGraphUpload(exec: Ptr, _stream: Ptr) |d| { d.graph_reserve(exec as u64, false) }
+    fn cuGraphExecDestroy(exec: Ptr) |d| { gone(d.execs.remove(&(exec as u64)), INVALID_VALUE) }
+    fn cuDeviceGetGraphMemAttribute(dev: c_int, attr: c_int, value: *mut u64) -> value |d| {
+        let gp = d.graph_pools[d.ordinal(dev)?];
+        match attr {
+            0 => Ok(gp.used),
+            1 => Ok(gp.used_high),
+            2 => Ok(gp.reserved),
+            3 => Ok(gp.reserved_high),
+            _ => Err(INVALID_VALUE),
+        }
+    }
+    fn cuDeviceGraphMemTrim(dev: c_int) |d| {
         let phys = d.phys(dev)?;
         let gp = &mut d.graph_pools[dev as usize];
         let release = gp.reserved - gp.used;
         gp.reserved = gp.used;
         d.uncharge(phys, release);
         Ok(())
-    })
+    }
+}
+
+with_ptsz! {
+    cuGraphLaunch cuGraphLaunch_ptsz |by| (exec: Ptr, stream: Ptr) {
+        call(|d| d.graph_launch(exec as u64, stream as u64, by))
+    }
 }
 
 /// `cuGetProcAddress`'s resolution: a base name, the caller's CUDA version and flags
@@ -1981,30 +1627,16 @@ unsafe fn get_proc(
     if !status.is_null() {
         unsafe { status.write(c_int::from(f.is_null())) };
     }
-    if f.is_null() {
-        NOT_FOUND
-    } else {
-        SUCCESS
+    if f.is_null() { NOT_FOUND } else { SUCCESS }
+}
+
+export! {
+    fn cuGetProcAddress(symbol: *const c_char, pfn: *mut Ptr, version: c_int, flags: u64) {
+        unsafe { get_proc(symbol, pfn, version, flags, std::ptr::null_mut()) }
     }
-}
-
-#[no_mangle]
-pub unsafe extern "C" fn cuGetProcAddress(
-    symbol: *const c_char,
-    pfn: *mut Ptr,
-    version: c_int,
-    flags: u64,
-) -> CuResult {
-    unsafe { get_proc(symbol, pfn, version, flags, std::ptr::null_mut()) }
-}
-
-#[no_mangle]
-pub unsafe extern "C" fn cuGetProcAddress_v2(
-    symbol: *const c_char,
-    pfn: *mut Ptr,
-    version: c_int,
-    flags: u64,
-    status: *mut c_int,
-) -> CuResult {
-    unsafe { get_proc(symbol, pfn, version, flags, status) }
+    fn cuGetProcAddress_v2(
+        symbol: *const c_char, pfn: *mut Ptr, version: c_int, flags: u64, status: *mut c_int,
+    ) {
+        unsafe { get_proc(symbol, pfn, version, flags, status) }
+    }
 }

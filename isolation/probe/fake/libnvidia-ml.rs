@@ -15,10 +15,11 @@
 //! last second or since `lastSeenTimeStamp` (µs of CLOCK_MONOTONIC) if that is later.
 #![allow(non_snake_case, clippy::missing_safety_doc)]
 
-use std::ffi::{c_char, c_int, c_uint, c_void, CStr};
+use std::ffi::{CStr, c_char, c_int, c_uint, c_void};
 use std::sync::atomic::{AtomicBool, Ordering};
 
 include!("state.rs");
+include!("abi.rs");
 
 /// A device handle.
 type Ptr = *mut c_void;
@@ -66,11 +67,7 @@ fn code(f: impl FnOnce() -> Result<(), NvmlReturn>) -> NvmlReturn {
 
 /// `p`, unless it is NULL.
 fn place<T>(p: *mut T) -> Result<*mut T, NvmlReturn> {
-    if p.is_null() {
-        Err(INVALID_ARGUMENT)
-    } else {
-        Ok(p)
-    }
+    (!p.is_null()).then_some(p).ok_or(INVALID_ARGUMENT)
 }
 
 unsafe fn out<T>(p: *mut T, value: T) -> Result<(), NvmlReturn> {
@@ -78,43 +75,16 @@ unsafe fn out<T>(p: *mut T, value: T) -> Result<(), NvmlReturn> {
     Ok(())
 }
 
-#[no_mangle]
-pub extern "C" fn nvmlInit_v2() -> NvmlReturn {
-    INITIALIZED.store(true, Ordering::Release);
-    SUCCESS
-}
-
-#[no_mangle]
-pub extern "C" fn nvmlShutdown() -> NvmlReturn {
-    INITIALIZED.store(false, Ordering::Release);
-    SUCCESS
-}
-
-#[no_mangle]
-pub unsafe extern "C" fn nvmlDeviceGetCount_v2(n: *mut c_uint) -> NvmlReturn {
-    code(|| {
-        initialized()?;
-        unsafe { out(n, count()) }
-    })
-}
-
-#[no_mangle]
-pub unsafe extern "C" fn nvmlDeviceGetHandleByIndex_v2(
-    index: c_uint,
-    device: *mut Ptr,
-) -> NvmlReturn {
-    code(|| {
-        initialized()?;
-        if index >= count() {
-            return Err(INVALID_ARGUMENT);
+/// Defines entry points, exported under their names with NVML's ABI: each body gives
+/// `Ok(())` (NVML_SUCCESS) or the error code.
+macro_rules! export {
+    ($($(#[$doc:meta])* fn $f:ident($($arg:ident: $ty:ty),* $(,)?) $body:block)*) => {$(
+        $(#[$doc])*
+        #[unsafe(no_mangle)]
+        pub unsafe extern "C" fn $f($($arg: $ty),*) -> NvmlReturn {
+            code(|| $body)
         }
-        unsafe { out(device, handle_of(index)) }
-    })
-}
-
-#[no_mangle]
-pub unsafe extern "C" fn nvmlDeviceGetIndex(device: Ptr, index: *mut c_uint) -> NvmlReturn {
-    code(|| unsafe { out(index, index_of(device)?) })
+    )*};
 }
 
 /// (total, used) of physical GPU `index`.
@@ -130,13 +100,30 @@ fn usage(index: u32) -> (u64, u64) {
     (total, used.min(total))
 }
 
-#[no_mangle]
-pub unsafe extern "C" fn nvmlDeviceGetUUID(
-    device: Ptr,
-    uuid: *mut c_char,
-    length: c_uint,
-) -> NvmlReturn {
-    code(|| {
+export! {
+    fn nvmlInit_v2() {
+        INITIALIZED.store(true, Ordering::Release);
+        Ok(())
+    }
+    fn nvmlShutdown() {
+        INITIALIZED.store(false, Ordering::Release);
+        Ok(())
+    }
+    fn nvmlDeviceGetCount_v2(n: *mut c_uint) {
+        initialized()?;
+        unsafe { out(n, count()) }
+    }
+    fn nvmlDeviceGetHandleByIndex_v2(index: c_uint, device: *mut Ptr) {
+        initialized()?;
+        if index >= count() {
+            return Err(INVALID_ARGUMENT);
+        }
+        unsafe { out(device, handle_of(index)) }
+    }
+    fn nvmlDeviceGetIndex(device: Ptr, index: *mut c_uint) {
+        unsafe { out(index, index_of(device)?) }
+    }
+    fn nvmlDeviceGetUUID(device: Ptr, uuid: *mut c_char, length: c_uint) {
         let s = uuid_string(index_of(device)? as usize);
         let uuid = place(uuid)?;
         if s.len() + 1 > length as usize {
@@ -147,15 +134,8 @@ pub unsafe extern "C" fn nvmlDeviceGetUUID(
             uuid.add(s.len()).write(0);
         }
         Ok(())
-    })
-}
-
-#[no_mangle]
-pub unsafe extern "C" fn nvmlDeviceGetHandleByUUID(
-    uuid: *const c_char,
-    device: *mut Ptr,
-) -> NvmlReturn {
-    code(|| {
+    }
+    fn nvmlDeviceGetHandleByUUID(uuid: *const c_char, device: *mut Ptr) {
         initialized()?;
         if uuid.is_null() || device.is_null() {
             return Err(INVALID_ARGUMENT);
@@ -164,58 +144,57 @@ pub unsafe extern "C" fn nvmlDeviceGetHandleByUUID(
         let i = (0..count()).find(|&i| uuid_string(i as usize) == wanted);
         unsafe { device.write(handle_of(i.ok_or(NOT_FOUND)?)) };
         Ok(())
-    })
-}
-
-#[repr(C)]
-pub struct Memory {
-    total: u64,
-    free: u64,
-    used: u64,
-}
-
-#[repr(C)]
-pub struct MemoryV2 {
-    version: c_uint,
-    total: u64,
-    reserved: u64,
-    free: u64,
-    used: u64,
-}
-
-#[no_mangle]
-pub unsafe extern "C" fn nvmlDeviceGetMemoryInfo(device: Ptr, memory: *mut Memory) -> NvmlReturn {
-    code(|| {
+    }
+    fn nvmlDeviceGetMemoryInfo(device: Ptr, memory: *mut NvmlMemory) {
         let i = index_of(device)?;
         let memory = place(memory)?;
         let (total, used) = usage(i);
         let free = total - used;
-        unsafe { memory.write(Memory { total, free, used }) };
+        unsafe { memory.write(NvmlMemory { total, free, used }) };
         Ok(())
-    })
-}
-
-#[no_mangle]
-pub unsafe extern "C" fn nvmlDeviceGetMemoryInfo_v2(
-    device: Ptr,
-    memory: *mut MemoryV2,
-) -> NvmlReturn {
-    code(|| {
+    }
+    fn nvmlDeviceGetMemoryInfo_v2(device: Ptr, memory: *mut NvmlMemoryV2) {
         let i = index_of(device)?;
         let memory = place(memory)?;
         let (total, used) = usage(i);
         let (version, free, reserved) = (unsafe { (*memory).version }, total - used, 0);
-        unsafe {
-            memory.write(MemoryV2 {
-                version,
-                total,
-                reserved,
-                free,
-                used,
-            })
-        };
+        unsafe { memory.write(NvmlMemoryV2 { version, total, reserved, free, used }) };
         Ok(())
-    })
+    }
+    fn nvmlDeviceGetUtilizationRates(device: Ptr, utilization: *mut NvmlUtilization) {
+        let i = index_of(device)?;
+        let utilization = place(utilization)?;
+        let (runs, from, now) = recent_runs(i, 0);
+        let gpu = percent(runs.into_iter(), from, now);
+        unsafe { utilization.write(NvmlUtilization { gpu, memory: 0 }) };
+        Ok(())
+    }
+    fn nvmlDeviceGetProcessUtilization(
+        device: Ptr, samples: *mut ProcessSample, count: *mut c_uint, last_seen_us: u64,
+    ) {
+        let i = index_of(device)?;
+        let count = place(count)?;
+        let (runs, from, now) = recent_runs(i, last_seen_us);
+        let mut pids: Vec<u32> = runs.iter().map(|r| r.pid).collect();
+        pids.sort_unstable();
+        pids.dedup();
+        let room = unsafe { count.read() } as usize;
+        unsafe { count.write(pids.len() as c_uint) };
+        if samples.is_null() {
+            return Ok(());
+        }
+        if room < pids.len() {
+            return Err(INSUFFICIENT_SIZE);
+        }
+        for (n, &pid) in pids.iter().enumerate() {
+            let sm_util = percent(runs.iter().copied().filter(|r| r.pid == pid), from, now);
+            let sample = ProcessSample {
+                pid, time_stamp: now / 1000, sm_util, mem_util: 0, enc_util: 0, dec_util: 0,
+            };
+            unsafe { samples.add(n).write(sample) };
+        }
+        Ok(())
+    }
 }
 
 /// The runs on physical GPU `index`, and the window [from, now) of the last second (or since
@@ -239,27 +218,6 @@ fn percent(runs: impl Iterator<Item = timeline::Run>, from: u64, to: u64) -> c_u
     (busy * 100 / to.saturating_sub(from).max(1)).min(100) as c_uint
 }
 
-#[repr(C)]
-pub struct Utilization {
-    gpu: c_uint,
-    memory: c_uint,
-}
-
-#[no_mangle]
-pub unsafe extern "C" fn nvmlDeviceGetUtilizationRates(
-    device: Ptr,
-    utilization: *mut Utilization,
-) -> NvmlReturn {
-    code(|| {
-        let i = index_of(device)?;
-        let utilization = place(utilization)?;
-        let (runs, from, now) = recent_runs(i, 0);
-        let gpu = percent(runs.into_iter(), from, now);
-        unsafe { utilization.write(Utilization { gpu, memory: 0 }) };
-        Ok(())
-    })
-}
-
 /// `nvmlProcessUtilizationSample_t`.
 #[repr(C)]
 pub struct ProcessSample {
@@ -269,42 +227,4 @@ pub struct ProcessSample {
     mem_util: c_uint,
     enc_util: c_uint,
     dec_util: c_uint,
-}
-
-#[no_mangle]
-pub unsafe extern "C" fn nvmlDeviceGetProcessUtilization(
-    device: Ptr,
-    samples: *mut ProcessSample,
-    count: *mut c_uint,
-    last_seen_us: u64,
-) -> NvmlReturn {
-    code(|| {
-        let i = index_of(device)?;
-        let count = place(count)?;
-        let (runs, from, now) = recent_runs(i, last_seen_us);
-        let mut pids: Vec<u32> = runs.iter().map(|r| r.pid).collect();
-        pids.sort_unstable();
-        pids.dedup();
-        let room = unsafe { count.read() } as usize;
-        unsafe { count.write(pids.len() as c_uint) };
-        if samples.is_null() {
-            return Ok(());
-        }
-        if room < pids.len() {
-            return Err(INSUFFICIENT_SIZE);
-        }
-        for (n, &pid) in pids.iter().enumerate() {
-            let sm_util = percent(runs.iter().copied().filter(|r| r.pid == pid), from, now);
-            let sample = ProcessSample {
-                pid,
-                time_stamp: now / 1000,
-                sm_util,
-                mem_util: 0,
-                enc_util: 0,
-                dec_util: 0,
-            };
-            unsafe { samples.add(n).write(sample) };
-        }
-        Ok(())
-    })
 }

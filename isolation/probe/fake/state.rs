@@ -54,11 +54,8 @@ mod state {
             "# gpushare fake GPU state v1: PID START_TIME BYTES_ON_GPU0 BYTES_ON_GPU1 ...\n",
         );
         for e in entries.iter().filter(|e| e.used.iter().any(|&b| b > 0)) {
-            text.push_str(&format!("{} {}", e.pid, e.start));
-            for b in &e.used {
-                text.push_str(&format!(" {b}"));
-            }
-            text.push('\n');
+            let used: String = e.used.iter().map(|b| format!(" {b}")).collect();
+            text.push_str(&format!("{} {}{used}\n", e.pid, e.start));
         }
         text
     }
@@ -128,7 +125,7 @@ mod timeline {
         nsec: i64,
     }
 
-    extern "C" {
+    unsafe extern "C" {
         fn clock_gettime(clock: i32, ts: *mut Timespec) -> i32;
         fn mmap(
             addr: *mut c_void,

@@ -55,6 +55,8 @@ macro_rules! api {
 }
 
 pub type Ptr = *mut c_void;
+
+include!("../fake/abi.rs");
 const PTSZ: u64 = 2;
 /// Not a driver flag: marks the 32-bit v1 entry points, which `--via getproc` asks for with
 /// cudaVersion 3000 (and without this bit).
@@ -134,61 +136,10 @@ api! { Nvml, link_nvml, "nvidia-ml", "\"{}\" not found";
     memory_info_v2: nvmlDeviceGetMemoryInfo_v2 = "nvmlDeviceGetMemoryInfo_v2", 0 => fn(Ptr, *mut NvmlMemoryV2);
 }
 
-/// `CUlaunchConfig` (CUDA 12): grid, block, shared memory, stream, attributes.
-#[repr(C)]
-pub struct LaunchConfig {
-    grid: [c_uint; 3],
-    block: [c_uint; 3],
-    shared_mem_bytes: c_uint,
-    stream: Ptr,
-    attrs: Ptr,
-    num_attrs: c_uint,
-}
-
-/// `nvmlUtilization_t`: gpu, memory (percent).
-#[repr(C)]
-#[derive(Default)]
-pub struct NvmlUtilization {
-    gpu: c_uint,
-    memory: c_uint,
-}
-
-#[repr(C)]
-#[derive(Default)]
-pub struct NvmlMemory {
-    total: u64,
-    free: u64,
-    used: u64,
-}
-
-#[repr(C)]
-#[derive(Default)]
-pub struct NvmlMemoryV2 {
-    version: c_uint,
-    total: u64,
-    reserved: u64,
-    free: u64,
-    used: u64,
-}
-
 /// `nvmlMemory_v2`: sizeof(nvmlMemory_v2_t) | 2 << 24.
 const NVML_MEMORY_V2: c_uint = std::mem::size_of::<NvmlMemoryV2>() as c_uint | 2 << 24;
 
-/// `CUmemAllocationProp` (CUDA 12).
-#[repr(C)]
-pub struct AllocationProp {
-    kind: c_int,
-    handle_types: c_int,
-    location_type: c_int,
-    location_id: c_int,
-    win32_metadata: Ptr,
-    compression_type: u8,
-    gpu_direct_rdma_capable: u8,
-    usage: u16,
-    reserved: [u8; 4],
-}
-
-impl AllocationProp {
+impl<const PAD: usize> DeviceProps<PAD> {
     /// Pinned device memory on CUDA device `dev`.
     fn device(dev: c_int) -> Self {
         Self {
@@ -196,81 +147,10 @@ impl AllocationProp {
             handle_types: 0,  // none
             location_type: 1, // CU_MEM_LOCATION_TYPE_DEVICE
             location_id: dev,
-            win32_metadata: null_mut(),
-            compression_type: 0,
-            gpu_direct_rdma_capable: 0,
-            usage: 0,
-            reserved: [0; 4],
+            win32: null_mut(),
+            zeros: [0; PAD],
         }
     }
-}
-
-/// `CUmemPoolProps` (CUDA 12, 88 bytes): its head is `CUmemAllocationProp`'s.
-#[repr(C)]
-pub struct PoolProps {
-    kind: c_int,
-    handle_types: c_int,
-    location_type: c_int,
-    location_id: c_int,
-    win32_security_attributes: Ptr,
-    max_size: usize,
-    usage: u16,
-    reserved: [u8; 54],
-}
-
-impl PoolProps {
-    /// Pinned device memory on CUDA device `dev`.
-    fn device(dev: c_int) -> Self {
-        Self {
-            kind: 1,
-            handle_types: 0,
-            location_type: 1,
-            location_id: dev,
-            win32_security_attributes: null_mut(),
-            max_size: 0,
-            usage: 0,
-            reserved: [0; 54],
-        }
-    }
-}
-
-/// `CUDA_MEM_ALLOC_NODE_PARAMS` (CUDA 12, 120 bytes; `dptr` is an output).
-#[repr(C)]
-pub struct MemAllocNodeParams {
-    pool_props: PoolProps,
-    access_descs: *const AccessDesc,
-    access_desc_count: usize,
-    bytesize: usize,
-    dptr: u64,
-}
-
-/// `CUmemAccessDesc`: location { type, id }, flags.
-#[repr(C)]
-pub struct AccessDesc {
-    location_type: c_int,
-    location_id: c_int,
-    flags: c_int,
-}
-
-const _: () = assert!(std::mem::size_of::<PoolProps>() == 88);
-const _: () = assert!(std::mem::size_of::<MemAllocNodeParams>() == 120);
-
-#[repr(C)]
-pub struct ArrayDescriptor {
-    width: usize,
-    height: usize,
-    format: c_uint,
-    channels: c_uint,
-}
-
-#[repr(C)]
-pub struct Array3dDescriptor {
-    width: usize,
-    height: usize,
-    depth: usize,
-    format: c_uint,
-    channels: c_uint,
-    flags: c_uint,
 }
 
 const FORMAT_U8: c_uint = 0x01;
@@ -288,9 +168,7 @@ enum Kept {
 
 /// The first failure of calls made in turn (0: none); every call is made.
 fn first_error(results: impl IntoIterator<Item = c_int>) -> c_int {
-    results
-        .into_iter()
-        .fold(0, |first, r| if first != 0 { first } else { r })
+    results.into_iter().fold(0, |first, r| then(first, || r))
 }
 
 /// `next()` when `r` is success, else `r`.
@@ -344,14 +222,11 @@ fn connect(via: &str, linked: Option<Linked>) -> Result<(Cuda, Nvml, Ptr), Strin
     }
     let libcuda = || dlopen(c"libcuda.so.1", libc::RTLD_NOW | libc::RTLD_GLOBAL);
     match via {
-        "link" => linked
-            .map(|linked| {
-                let (cuda, nvml) = linked();
-                (cuda, nvml, libc::RTLD_DEFAULT)
-            })
-            .ok_or_else(|| {
-                "this probe does not link the driver: --via dlsym, getproc or path:FILE".into()
-            }),
+        "link" => {
+            let no = "this probe does not link the driver: --via dlsym, getproc or path:FILE";
+            let (cuda, nvml) = linked.ok_or(no)?();
+            Ok((cuda, nvml, libc::RTLD_DEFAULT))
+        }
         "dlsym" => by_dlsym(libcuda()?),
         "getproc" => {
             let handle = libcuda()?;
@@ -455,26 +330,18 @@ impl Probe {
         let r2 = then(rh, || unsafe {
             (self.nvml.memory_info_v2)(handle, &mut m2)
         });
+        let nvml = |word: &str, (t, f, u): (u64, u64, u64), r: c_int| {
+            format!("{word} dev={dev} total={t} free={f} used={u} result={r}")
+        };
         vec![
             format!("cuda dev={dev} total={total} free={free} result={r}"),
             format!("cuda-total dev={dev} total={dtotal} result={rt}"),
-            format!(
-                "nvml dev={dev} total={} free={} used={} result={r1}",
-                m.total, m.free, m.used
-            ),
-            format!(
-                "nvml2 dev={dev} total={} free={} used={} result={r2}",
-                m2.total, m2.free, m2.used
-            ),
+            nvml("nvml", (m.total, m.free, m.used), r1),
+            nvml("nvml2", (m2.total, m2.free, m2.used), r2),
         ]
     }
 
-    fn alloc(
-        &mut self,
-        path: &str,
-        mib: usize,
-        vmm_device: Option<c_int>,
-    ) -> Result<String, String> {
+    fn alloc(&mut self, path: &str, mib: usize, vmm_dev: Option<c_int>) -> Result<String, String> {
         let bytes = mib << 20;
         let c = &self.cuda;
         let (mut ptr, mut handle, stream) = (0u64, null_mut(), null_mut());
@@ -512,7 +379,7 @@ impl Probe {
                     then(r, || from(&mut ptr, bytes, pool, stream))
                 }
                 "vmm" => {
-                    let dev = vmm_device.unwrap_or_else(|| self.current_device());
+                    let dev = vmm_dev.unwrap_or_else(|| self.current_device());
                     (c.mem_create)(&mut ptr, bytes, &AllocationProp::device(dev), 0)
                 }
                 "array" => (c.array_create)(&mut handle, &array),
@@ -579,8 +446,9 @@ impl Probe {
         format!("reset dev={dev} result={r} {}", again.replace(' ', "-"))
     }
 
-    fn pool_alloc(&mut self, mib: usize, from_created: bool) -> String {
-        let mut ptr = 0u64;
+    /// `pool-alloc` or `pool-alloc-from` (`path`).
+    fn pool_alloc(&mut self, path: &str, mib: usize) -> String {
+        let (mut ptr, from_created) = (0u64, path == "pool-alloc-from");
         // SAFETY: a place for the pointer; a pool from the driver; the legacy stream.
         let r = unsafe {
             if from_created {
@@ -592,11 +460,6 @@ impl Probe {
         if r == 0 {
             self.pool_kept.push(ptr);
         }
-        let path = if from_created {
-            "pool-alloc-from"
-        } else {
-            "pool-alloc"
-        };
         format!("alloc path={path} mib={mib} result={r}")
     }
 
@@ -987,10 +850,8 @@ fn parse_args(args: Vec<String>) -> Result<Option<(String, Vec<String>)>, String
             }
             "-h" | "--help" => {
                 println!(
-                    "usage: gpushare-isolation-probe[-dl] [--via link|dlsym|getproc|path:FILE] [no-context] STEP... (see src/main.rs's header)"
-                );
-                println!(
-                    "steps: device:N info alloc:PATH:MIB[:DEV] free threads:N:MIB fork-alloc:MIB fork-sleep rtld-next exec wait hold \
+                    "usage: gpushare-isolation-probe[-dl] [--via link|dlsym|getproc|path:FILE] [no-context] STEP... (see src/main.rs's header)\n\
+                     steps: device:N info alloc:PATH:MIB[:DEV] free threads:N:MIB fork-alloc:MIB fork-sleep rtld-next exec wait hold \
                      ctx-create ctx-destroy reset pool-alloc:MIB pool-free sync pool-threshold:MIB trim:MIB \
                      pool-create:D pool-alloc-from:MIB vmm-map:MIB[:D] vmm-unmap graph-alloc:MIB graph-capture:MIB \
                      graph-trim limit:heap|printf:MIB limit:stack:KIB v1-alloc:MIB v1-info v1-free info-null-free \
@@ -1013,10 +874,8 @@ fn rtld_next_line() -> String {
             libc::dlsym(libc::RTLD_DEFAULT, c"dlsym".as_ptr()),
         )
     };
-    format!(
-        "rtld-next same={}",
-        u8::from(!next.is_null() && next == default)
-    )
+    let same = u8::from(!next.is_null() && next == default);
+    format!("rtld-next same={same}")
 }
 
 /// fork(2): 0 in the child, the child's pid in the parent. The caller's child only allocates
@@ -1099,8 +958,7 @@ fn run(args: Vec<String>, linked: Option<Linked>) -> Result<(), String> {
             "ctx-create" => say(probe.ctx_create()),
             "ctx-destroy" => say(probe.ctx_destroy()),
             "reset" => say(probe.reset()),
-            "pool-alloc" => say(probe.pool_alloc(number(1)?, false)),
-            "pool-alloc-from" => say(probe.pool_alloc(number(1)?, true)),
+            "pool-alloc" | "pool-alloc-from" => say(probe.pool_alloc(parts[0], number(1)?)),
             "pool-free" => say(probe.pool_free()),
             "pool-create" => say(probe.pool_create(number(1)? as c_int)),
             "pool-threshold" => say(probe.pool_threshold(number(1)?)),
