@@ -31,6 +31,10 @@ use k8s_openapi::api::core::v1::{Node, Pod};
 use k8s_openapi::apimachinery::pkg::api::resource::Quantity;
 use kube::api::{Api, ListParams, Patch, PatchParams, PostParams};
 
+#[path = "real/allocation_policy.rs"]
+mod allocation_policy;
+use allocation_policy::the_allocation_policy_holds_rule_by_rule;
+
 type Outcome<'a> = Pin<Box<dyn Future<Output = anyhow::Result<()>> + 'a>>;
 type Scenario = for<'a> fn(&'a KitCluster) -> Outcome<'a>;
 
@@ -106,6 +110,8 @@ const GROUPS: &[Group] = &[
         scenarios: scenarios![
             // First: it checks the cluster's GPU memory totals, with only its own pods.
             a_real_prometheus_answers_the_dashboard_and_the_alerts,
+            // Without the chart's policy in force: it applies its own variants of it.
+            the_allocation_policy_holds_rule_by_rule,
             pod_security_restricted_default_and_a_baseline_release_namespace,
             a_pod_over_its_share_by_the_drivers_count_is_evicted,
             forgeries_without_the_policy_are_refused_at_allocate,
