@@ -1,11 +1,10 @@
-//! The Helm chart, checked with the real helm: it lints, it renders with default and with
-//! non-default values, every rendered object parses into its Kubernetes type without losing
-//! a field (a lost field is a typo the API server would silently drop), the embedded
-//! KubeSchedulerConfiguration points at the extender, and RBAC grants each ServiceAccount
-//! exactly what its binary calls: the calls our real binaries make against the in-process
-//! cluster, recorded by its API server by caller.
+//! The Helm chart, checked with the real helm: it lints; it renders with default and other
+//! values; every object parses into its Kubernetes type without losing a field (a typo the API
+//! server would silently drop); the scheduler configuration points at the extender; and RBAC
+//! grants each ServiceAccount exactly the calls its real binary makes in the in-process cluster.
 
 use std::collections::{BTreeMap, BTreeSet};
+use std::ffi::OsStr;
 use std::path::{Path, PathBuf};
 use std::process::{Command, Output};
 use std::time::Duration;
@@ -29,13 +28,11 @@ use k8s_openapi::api::admissionregistration::v1::{
 use k8s_openapi::api::apps::v1::{DaemonSet, Deployment};
 use k8s_openapi::api::batch::v1::Job;
 use k8s_openapi::api::core::v1::{
-    ConfigMap, Container, HTTPGetAction, Pod, PodSpec, Probe, Secret, Service, ServiceAccount,
+    ConfigMap, Container, Pod, PodSpec, Secret, Service, ServiceAccount,
 };
 use k8s_openapi::api::networking::v1::NetworkPolicy;
 use k8s_openapi::api::policy::v1::PodDisruptionBudget;
-use k8s_openapi::api::rbac::v1::{
-    ClusterRole, ClusterRoleBinding, PolicyRule, Role, RoleBinding, Subject,
-};
+use k8s_openapi::api::rbac::v1::{ClusterRole, ClusterRoleBinding, PolicyRule, Role, RoleBinding};
 use k8s_openapi::api::resource::v1::{ResourceClaim, ResourceSlice};
 use k8s_openapi::apimachinery::pkg::util::intstr::IntOrString;
 use kube::api::{Api, ListParams, Patch, PatchParams, PostParams};
@@ -59,20 +56,22 @@ fn chart_dir() -> PathBuf {
         .unwrap()
 }
 
+/// Runs `tool` (helm, promtool: installed by scripts/install-tools.sh; one that cannot be
+/// installed fails the test, it is never skipped) with `args`.
+fn run<S: AsRef<OsStr>>(tool: PathBuf, args: &[S]) -> anyhow::Result<Output> {
+    let output = Command::new(&tool).args(args).output();
+    output.with_context(|| format!("running {}", tool.display()))
+}
+
 fn helm(args: &[&str]) -> anyhow::Result<Output> {
-    let helm = gpushare_e2e::tools::helm()?;
-    Command::new(&helm)
-        .args(args)
-        .output()
-        .with_context(|| format!("running {}", helm.display()))
+    run(gpushare_e2e::tools::helm()?, args)
 }
 
 /// `helm template` of the chart as `release` for Kubernetes `kube`, with `extra` arguments.
 fn helm_template(release: &str, kube: &str, extra: &[&str]) -> anyhow::Result<Output> {
     let chart = chart_dir();
-    let chart = chart.to_str().context("chart path")?;
-    let args = ["template", release, chart, "--kube-version", kube];
-    helm(&[&args[..], extra].concat())
+    let args = ["template", release, chart.to_str().context("chart path")?];
+    helm(&[&args[..], &["--kube-version", kube], extra].concat())
 }
 
 /// `helm template` as `release` in `namespace` with `extra` arguments, as it printed it.
@@ -87,13 +86,10 @@ fn render_text(release: &str, namespace: &str, extra: &[&str]) -> anyhow::Result
 /// `helm template` with `extra` arguments; the documents as JSON.
 fn render(release: &str, namespace: &str, extra: &[&str]) -> anyhow::Result<Rendered> {
     let text = render_text(release, namespace, extra)?;
-    let mut docs = Vec::new();
-    for doc in serde_yaml::Deserializer::from_str(&text) {
-        let yaml = serde_yaml::Value::deserialize(doc)?;
-        if !yaml.is_null() {
-            docs.push(serde_json::to_value(&yaml)?);
-        }
-    }
+    let docs = serde_yaml::Deserializer::from_str(&text).map(serde_yaml::Value::deserialize);
+    let docs = docs.filter(|doc| !matches!(doc, Ok(serde_yaml::Value::Null)));
+    let docs = docs.map(|doc| Ok(serde_json::to_value(doc?)?));
+    let docs = docs.collect::<anyhow::Result<_>>()?;
     let namespace = namespace.to_owned();
     Ok(Rendered { namespace, docs })
 }
@@ -125,10 +121,9 @@ impl Rendered {
     }
     /// The object of `kind` named `name`.
     fn object(&self, kind: &str, name: &str) -> anyhow::Result<&Value> {
-        self.docs
-            .iter()
-            .find(|d| d["kind"] == kind && d["metadata"]["name"] == name)
-            .with_context(|| format!("no {kind} named {name} rendered"))
+        let mut docs = self.docs.iter();
+        let found = docs.find(|d| d["kind"] == kind && d["metadata"]["name"] == name);
+        found.with_context(|| format!("no {kind} named {name} rendered"))
     }
     /// The object of `kind` named `name`, parsed into `T` (already checked for lost fields).
     fn get<T: DeserializeOwned>(&self, kind: &str, name: &str) -> anyhow::Result<T> {
@@ -140,12 +135,12 @@ impl Rendered {
         serde_json::from_value(spec.clone()).with_context(|| format!("{kind} {name}: no pod spec"))
     }
     fn kinds(&self) -> BTreeMap<String, usize> {
-        let mut kinds = BTreeMap::new();
-        for doc in &self.docs {
-            let kind = doc["kind"].as_str().unwrap_or("?").to_owned();
-            *kinds.entry(kind).or_insert(0) += 1;
-        }
-        kinds
+        let docs = self.docs.iter();
+        let kinds = docs.map(|doc| doc["kind"].as_str().unwrap_or("?"));
+        kinds.fold(BTreeMap::new(), |mut kinds, kind| {
+            *kinds.entry(kind.to_owned()).or_default() += 1;
+            kinds
+        })
     }
 }
 
@@ -194,56 +189,47 @@ fn lost_keys(original: &Value, back: &Value, path: &str, lost: &mut Vec<String>)
     }
 }
 
+/// `round_trip_kind(kind, doc)`: `round_trip` as the k8s-openapi type named `kind`, if one of
+/// these (Pod: `helm test`'s, templates/tests/check-install.yaml).
+macro_rules! typed_kinds {
+    ($($type:ident)+) => {
+        fn round_trip_kind(kind: &str, doc: &Value) -> Option<anyhow::Result<()>> {
+            match kind {
+                $(stringify!($type) => Some(round_trip::<$type>(doc)),)+
+                _ => None,
+            }
+        }
+    };
+}
+typed_kinds!(Deployment DaemonSet Service ServiceAccount Secret NetworkPolicy ClusterRole
+    ClusterRoleBinding Role RoleBinding PodDisruptionBudget ConfigMap Job Pod
+    MutatingWebhookConfiguration ValidatingAdmissionPolicy ValidatingAdmissionPolicyBinding);
+
 /// Every document parses into its type by kind without losing a field, and carries the
 /// standard labels.
 fn check_all_typed<'a>(docs: impl IntoIterator<Item = &'a Value>) -> anyhow::Result<()> {
     for doc in docs {
         let kind = doc["kind"].as_str().context("document without kind")?;
-        match kind {
-            "Deployment" => round_trip::<Deployment>(doc)?,
-            "DaemonSet" => round_trip::<DaemonSet>(doc)?,
-            "Service" => round_trip::<Service>(doc)?,
-            "ServiceAccount" => round_trip::<ServiceAccount>(doc)?,
-            "Secret" => round_trip::<Secret>(doc)?,
-            "NetworkPolicy" => round_trip::<NetworkPolicy>(doc)?,
-            "ClusterRole" => round_trip::<ClusterRole>(doc)?,
-            "ClusterRoleBinding" => round_trip::<ClusterRoleBinding>(doc)?,
-            "Role" => round_trip::<Role>(doc)?,
-            "RoleBinding" => round_trip::<RoleBinding>(doc)?,
-            "PodDisruptionBudget" => round_trip::<PodDisruptionBudget>(doc)?,
-            "ConfigMap" => round_trip::<ConfigMap>(doc)?,
-            "Job" => round_trip::<Job>(doc)?,
-            // `helm test` (templates/tests/check-install.yaml).
-            "Pod" => round_trip::<Pod>(doc)?,
-            "MutatingWebhookConfiguration" => round_trip::<MutatingWebhookConfiguration>(doc)?,
-            "ValidatingAdmissionPolicy" => round_trip::<ValidatingAdmissionPolicy>(doc)?,
-            "ValidatingAdmissionPolicyBinding" => {
-                round_trip::<ValidatingAdmissionPolicyBinding>(doc)?
-            }
-            "ServiceMonitor" => ensure_each!(
+        let monitoring = doc["apiVersion"] == "monitoring.coreos.com/v1";
+        match (round_trip_kind(kind, doc), kind) {
+            (Some(typed), _) => typed?,
+            (None, "ServiceMonitor") => ensure_each!(
                 doc,
-                doc["apiVersion"] == "monitoring.coreos.com/v1",
+                monitoring,
                 doc["spec"]["selector"]["matchLabels"].is_object(),
                 doc["spec"]["endpoints"][0]["port"].is_string(),
             ),
             // Its rules are checked by promtool (`the_alerts_pass_promtool_and_their_unit_tests`).
-            "PrometheusRule" => ensure_each!(
-                doc,
-                doc["apiVersion"] == "monitoring.coreos.com/v1",
-                doc["spec"]["groups"].is_array(),
-            ),
-            other => bail!("unexpected kind {other} rendered"),
+            (None, "PrometheusRule") => {
+                ensure_each!(doc, monitoring, doc["spec"]["groups"].is_array())
+            }
+            (None, other) => bail!("unexpected kind {other} rendered"),
         }
         let (labels, name) = (&doc["metadata"]["labels"], &doc["metadata"]["name"]);
-        for key in [
-            "app.kubernetes.io/name",
-            "app.kubernetes.io/instance",
-            "app.kubernetes.io/version",
-            "app.kubernetes.io/component",
-            "app.kubernetes.io/managed-by",
-            "helm.sh/chart",
-        ] {
-            ensure!(labels[key].is_string(), "{kind} {name} lacks label {key}");
+        let keys = "name instance version component managed-by".split(' ');
+        let keys = keys.map(|key| format!("app.kubernetes.io/{key}"));
+        for key in keys.chain(["helm.sh/chart".to_owned()]) {
+            ensure!(labels[&key].is_string(), "{kind} {name} lacks label {key}");
         }
     }
     Ok(())
@@ -293,19 +279,19 @@ fn words(line: &str) -> Vec<&str> {
 
 /// Fails naming the first of `want` missing from `args`.
 fn ensure_has(args: &[String], want: &[&str]) -> anyhow::Result<()> {
-    match want.iter().find(|w| !args.iter().any(|a| a == *w)) {
-        Some(missing) => bail!("args {args:?} lack {missing}"),
-        None => Ok(()),
+    if let Some(missing) = want.iter().find(|w| !args.iter().any(|a| a == *w)) {
+        bail!("args {args:?} lack {missing}");
     }
+    Ok(())
 }
 
 /// Fails naming the first of `args` that starts with one of `prefixes`.
 fn ensure_lacks(args: &[String], prefixes: &[&str]) -> anyhow::Result<()> {
     let has = |arg: &&String| prefixes.iter().any(|p| arg.starts_with(p));
-    match args.iter().find(has) {
-        Some(found) => bail!("args {args:?} have {found}"),
-        None => Ok(()),
+    if let Some(found) = args.iter().find(has) {
+        bail!("args {args:?} have {found}");
     }
+    Ok(())
 }
 
 /// The in-process scheduler's reading of a rendered KubeSchedulerConfiguration.
@@ -318,10 +304,35 @@ fn refused(rendered: anyhow::Result<String>, why: &[&str]) -> bool {
     rendered.is_err_and(|e| why.iter().any(|why| format!("{e:#}").contains(why)))
 }
 
+/// Fails naming every path where `actual` differs from `want`, which names only the keys it
+/// checks (`null`: absent); an array must have as many items as `want`'s.
+fn ensure_matches(actual: &Value, want: &Value) -> anyhow::Result<()> {
+    fn differ(actual: &Value, want: &Value, path: &str, out: &mut Vec<String>) {
+        let len = |v: &Value| v.as_array().map(Vec::len);
+        match want {
+            Value::Object(want) => {
+                for (key, want) in want {
+                    differ(&actual[key], want, &format!("{path}.{key}"), out);
+                }
+            }
+            Value::Array(items) if len(actual) == Some(items.len()) => {
+                for (i, want) in items.iter().enumerate() {
+                    differ(&actual[i], want, &format!("{path}[{i}]"), out);
+                }
+            }
+            _ if actual != want => out.push(format!("{path} is {actual}, not {want}")),
+            _ => {}
+        }
+    }
+    let mut differences = Vec::new();
+    differ(actual, want, "", &mut differences);
+    ensure!(differences.is_empty(), "{}", differences.join("; "));
+    Ok(())
+}
+
 // ---------------------------------------------------------------------------------------
-// RBAC, the shape: each component's ClusterRole bound to its own ServiceAccount. What the
-// roles grant is held against the calls our binaries make in
-// `rbac_grants_exactly_what_each_binary_calls`.
+// RBAC, the shape: each component's ClusterRole bound to its own ServiceAccount (what the
+// roles grant: `rbac_grants_exactly_what_each_binary_calls`).
 
 fn check_rbac_bindings(rendered: &Rendered, prefix: &str) -> anyhow::Result<()> {
     let namespace = Some(rendered.namespace.as_str());
@@ -333,12 +344,8 @@ fn check_rbac_bindings(rendered: &Rendered, prefix: &str) -> anyhow::Result<()> 
     let its_lease = std::slice::from_ref(&extender);
     for rule in lease_role.rules.iter().flatten() {
         let leases = rule.resources.as_deref() == Some(&["leases".to_owned()]);
-        ensure!(leases, "{rule:?}");
         let named = rule.verbs == ["create"] || rule.resource_names.as_deref() == Some(its_lease);
-        ensure!(
-            named,
-            "Lease get/update not restricted to its Lease: {rule:?}"
-        );
+        ensure!(leases && named, "not restricted to its Lease: {rule:?}");
     }
     let lease_binding: RoleBinding = rendered.get("RoleBinding", &extender)?;
     ensure!(lease_binding.role_ref.name == extender);
@@ -349,10 +356,7 @@ fn check_rbac_bindings(rendered: &Rendered, prefix: &str) -> anyhow::Result<()> 
     for rule in cluster_role.rules.iter().flatten() {
         let other = rule.api_groups.as_deref() != Some(&admission);
         let named = other || rule.resource_names.as_deref() == Some(&webhook);
-        ensure!(
-            named,
-            "mutatingwebhookconfigurations not restricted by resourceNames"
-        );
+        ensure!(named, "not restricted by resourceNames: {rule:?}");
     }
     // Each ClusterRole is bound to its component's ServiceAccount, in the release namespace.
     for name in [&extender, &format!("{prefix}-device-plugin")] {
@@ -371,8 +375,7 @@ fn check_rbac_bindings(rendered: &Rendered, prefix: &str) -> anyhow::Result<()> 
 }
 
 // ---------------------------------------------------------------------------------------
-// RBAC from facts: what the chart grants each ServiceAccount, against the calls its binary
-// made to the in-process API server (which records who asked for what).
+// RBAC from facts: each ServiceAccount's grants against the calls its binary made.
 
 /// What an RBAC rule grants and what a request needs, as `verb group/resource` (the core
 /// group is `core`).
@@ -406,43 +409,33 @@ fn expand(rules: &[PolicyRule]) -> anyhow::Result<BTreeSet<String>> {
 /// What the rendered chart grants the ServiceAccount `namespace/name`, through every
 /// RoleBinding and ClusterRoleBinding that names it.
 fn granted_to(chart: &Rendered, namespace: &str, name: &str) -> anyhow::Result<BTreeSet<String>> {
-    let account = ("ServiceAccount", name, Some(namespace));
-    let names_it = |subjects: &Option<Vec<Subject>>| {
-        let mut subjects = subjects.iter().flatten();
-        subjects.any(|s| (s.kind.as_str(), s.name.as_str(), s.namespace.as_deref()) == account)
-    };
+    let account = json!({ "kind": "ServiceAccount", "name": name, "namespace": namespace });
+    let keys = ["kind", "name", "namespace"];
+    let names_it = |s: &Value| keys.iter().all(|k| s[k] == account[k]);
     let mut grants = BTreeSet::new();
-    // Calls are recorded without their namespace, so a Role counts only in the
-    // ServiceAccount's own namespace, where the binaries make their namespaced calls (the
-    // extender's Lease, in POD_NAMESPACE).
-    for doc in chart.of_kind("RoleBinding") {
-        let binding: RoleBinding = serde_json::from_value(doc.clone())?;
-        if !names_it(&binding.subjects) {
-            continue;
+    for (kind, role_kind) in [
+        ("RoleBinding", "Role"),
+        ("ClusterRoleBinding", "ClusterRole"),
+    ] {
+        for binding in chart.of_kind(kind) {
+            let mut subjects = binding["subjects"].as_array().into_iter().flatten();
+            if !subjects.any(names_it) {
+                continue;
+            }
+            let (metadata, role_ref) = (&binding["metadata"], &binding["roleRef"]);
+            let what = format!("{kind} {} binds {namespace}/{name}", metadata["name"]);
+            let to_role = role_ref["kind"] == role_kind;
+            ensure!(to_role, "{what} to a {}", role_ref["kind"]);
+            let role = chart.object(role_kind, role_ref["name"].as_str().unwrap_or_default());
+            let role = role.with_context(|| format!("{what} to an unrendered role"))?;
+            // Calls are recorded without their namespace: a Role counts only in the account's
+            // own, where the binaries make their namespaced calls (the Lease, POD_NAMESPACE).
+            let spaces = [metadata, &role["metadata"]].map(|m| &m["namespace"]);
+            let local = role_kind == "ClusterRole" || spaces == [namespace; 2];
+            ensure!(local, "{what} outside its namespace");
+            let rules: Option<Vec<PolicyRule>> = serde_json::from_value(role["rules"].clone())?;
+            grants.extend(expand(rules.as_deref().unwrap_or_default())?);
         }
-        let (metadata, role_ref) = (&binding.metadata, &binding.role_ref);
-        ensure!(
-            metadata.namespace.as_deref() == Some(namespace) && role_ref.kind == "Role",
-            "RoleBinding {:?} grants {namespace}/{name} permissions outside its namespace",
-            metadata.name
-        );
-        let role: Role = chart.get("Role", &role_ref.name)?;
-        ensure!(role.metadata.namespace.as_deref() == Some(namespace));
-        grants.extend(expand(role.rules.as_deref().unwrap_or_default())?);
-    }
-    for doc in chart.of_kind("ClusterRoleBinding") {
-        let binding: ClusterRoleBinding = serde_json::from_value(doc.clone())?;
-        if !names_it(&binding.subjects) {
-            continue;
-        }
-        let (metadata, role_ref) = (&binding.metadata, &binding.role_ref);
-        ensure!(role_ref.kind == "ClusterRole", "{role_ref:?}");
-        let role: anyhow::Result<ClusterRole> = chart.get("ClusterRole", &role_ref.name);
-        let role = role.with_context(|| {
-            let binding = &metadata.name;
-            format!("ClusterRoleBinding {binding:?} binds {namespace}/{name} to an unrendered role")
-        })?;
-        grants.extend(expand(role.rules.as_deref().unwrap_or_default())?);
     }
     Ok(grants)
 }
@@ -477,43 +470,38 @@ fn rbac_problems(
     for (call, n) in calls {
         eprintln!("  {}: {n}", made(call));
     }
-    let mut problems = Vec::new();
-    let not_granted: Vec<&str> = used.difference(&granted).map(String::as_str).collect();
-    if !not_granted.is_empty() {
-        let not_granted = not_granted.join(", ");
-        problems.push(format!("{context}: used but not granted: {not_granted}"));
-    }
     let only_on_uninstall = uninstall_only_grants(what);
-    let unused = granted
-        .difference(&used)
-        .filter(|g| !only_on_uninstall.contains(*g));
-    let unused: Vec<&str> = unused.map(String::as_str).collect();
-    if !unused.is_empty() {
-        let unused = unused.join(", ");
-        problems.push(format!("{context}: granted but unused: {unused}"));
-    }
-    Ok(problems)
+    let unused = granted.difference(&used);
+    let unused = unused.filter(|g| !only_on_uninstall.contains(*g)).collect();
+    let not_granted: Vec<&String> = used.difference(&granted).collect();
+    let found = [
+        ("used but not granted", not_granted),
+        ("granted but unused", unused),
+    ];
+    let found = found.into_iter().filter(|(_, grants)| !grants.is_empty());
+    let problems = found.map(|(problem, grants)| {
+        let grants: Vec<&str> = grants.into_iter().map(String::as_str).collect();
+        format!("{context}: {problem}: {}", grants.join(", "))
+    });
+    Ok(problems.collect())
 }
 
-/// What `what` is granted for a path no in-process cluster walks: a node plugin watches its
-/// own DaemonSet to tell `helm uninstall` from a restart (`gpushare_runtime::uninstall`), and
-/// the harness runs plugins outside any DaemonSet. The real tier's
-/// `gpu_pods_right_after_helm_install` fails without these grants (the plugin keeps its files).
+/// Grants for a path no in-process cluster walks (it runs plugins outside any DaemonSet): a
+/// node plugin watches its DaemonSet to tell `helm uninstall` from a restart; the real tier's
+/// `gpu_pods_right_after_helm_install` fails without them (the plugin keeps its files).
 fn uninstall_only_grants(what: &str) -> BTreeSet<String> {
-    match what {
-        "device-plugin" | "dra-plugin" => BTreeSet::from([
-            grant("apps", "daemonsets", "list"),
-            grant("apps", "daemonsets", "watch"),
-        ]),
-        _ => BTreeSet::new(),
-    }
+    let plugin = matches!(what, "device-plugin" | "dra-plugin");
+    let verbs = if plugin { &["list", "watch"][..] } else { &[] };
+    let grants = verbs.iter().map(|verb| grant("apps", "daemonsets", verb));
+    grants.collect()
 }
+
+/// Calls by username, and by call.
+type CallsByUser = BTreeMap<String, BTreeMap<Call, u64>>;
 
 /// Runs a small cluster through every path that needs a permission and returns the calls
 /// each of our binaries made, by username.
-async fn record_calls(
-    mut spec: ClusterSpec,
-) -> anyhow::Result<BTreeMap<String, BTreeMap<Call, u64>>> {
+async fn record_calls(mut spec: ClusterSpec) -> anyhow::Result<CallsByUser> {
     // As the chart runs it: electing a leader over its Lease (get, create, then update), and
     // keeping the idle-GPU taint as its default values do (get, then patch).
     spec.extender_args.push("--leader-elect=true".to_owned());
@@ -526,12 +514,10 @@ async fn record_calls(
     let stats = cluster.api.stats();
     cluster.shutdown().await;
     result?;
-    let mut by_user: BTreeMap<String, BTreeMap<Call, u64>> = BTreeMap::new();
+    let mut by_user = CallsByUser::new();
     for (call, n) in stats.calls() {
-        by_user
-            .entry(call.user.clone())
-            .or_default()
-            .insert(call, n);
+        let calls = by_user.entry(call.user.clone()).or_default();
+        calls.insert(call, n);
     }
     Ok(by_user)
 }
@@ -570,8 +556,7 @@ async fn exercise(cluster: &TestCluster) -> anyhow::Result<()> {
         pod_uid,
         node: "gpu-node-1".to_owned(),
     };
-    // The node's one GPU is idle: the extender taints it, and takes the taint off once pods
-    // hold memory there.
+    // The node's one idle GPU: tainted, and untainted once pods hold memory there.
     let idle_gpu_taint = |wanted: bool| async move {
         let nodes = kube::Api::<k8s_openapi::api::core::v1::Node>::all(cluster.client.clone());
         let node = nodes.get("gpu-node-1").await.ok()?;
@@ -599,11 +584,8 @@ async fn exercise(cluster: &TestCluster) -> anyhow::Result<()> {
     let bindings_posted = || {
         let calls = api.stats().calls_by(EXTENDER_USER);
         let binding = |c: &Call| c.verb == Verb::Create && c.resource == "pods/binding";
-        calls
-            .iter()
-            .filter(|(c, _)| binding(c))
-            .map(|(_, n)| n)
-            .sum::<u64>()
+        let posted = calls.iter().filter(|(c, _)| binding(c));
+        posted.map(|(_, n)| n).sum::<u64>()
     };
     let before = bindings_posted();
     let faults = api.faults();
@@ -631,8 +613,7 @@ async fn exercise(cluster: &TestCluster) -> anyhow::Result<()> {
     extender_called(Verb::Patch, events, "events").await?;
     // Without the allocation policy, a pod bound straight to the node is admitted while a
     // scheduled pod of its size waits (kubelet sees it late): the device plugin reads in
-    // kubelet's PodResources that the intruder holds that pod's allocation and says so in
-    // an Event on it.
+    // PodResources that the intruder holds that pod's allocation, and says so in an Event.
     api.set_admission_policies(gpushare_e2e::apiserver::admission::AdmissionPolicies::none());
     let kubelet = &cluster.nodes["gpu-node-1"].kubelet;
     kubelet.hold("default", "waiting");
@@ -669,17 +650,11 @@ async fn rbac_grants_exactly_what_each_binary_calls() -> anyhow::Result<()> {
     // Dedicated without the allocation policy: `exercise` places a pod of a scheduler nobody
     // runs by calling bind itself, which the policy refuses in dedicated mode.
     let dedicated = node.clone().dedicated().without_allocation_policy();
+    // Default values: the dedicated scheduler and the webhook; without the webhook.
+    let no_webhook = "scheduler.mode=default-scheduler";
     let renders = [
-        (
-            "default values (dedicated scheduler, webhook)",
-            render_args(&[])?,
-            dedicated,
-        ),
-        (
-            "scheduler.mode=default-scheduler (no webhook)",
-            render_sets(&["scheduler.mode=default-scheduler"])?,
-            node,
-        ),
+        ("default values", render_args(&[])?, dedicated),
+        (no_webhook, render_sets(&[no_webhook])?, node),
     ];
     let identities = [
         ("extender", "Deployment", EXTENDER_USER),
@@ -690,10 +665,7 @@ async fn rbac_grants_exactly_what_each_binary_calls() -> anyhow::Result<()> {
         for (what, kind, user) in identities {
             let chart_user = service_account_user(rendered, kind, &format!("{RELEASE}-{what}"))?;
             let same = chart_user == user;
-            ensure!(
-                same,
-                "the chart runs the {what} as {chart_user}, the harness as {user}"
-            );
+            ensure!(same, "{what} runs as {chart_user}, not {user}");
         }
     }
     let mut problems = Vec::new();
@@ -714,10 +686,9 @@ async fn rbac_grants_exactly_what_each_binary_calls() -> anyhow::Result<()> {
     Ok(())
 }
 
-/// DRA mode: the chart grants the DRA plugin's ServiceAccount exactly the calls the real
-/// plugin makes as it publishes and watches its slice, re-publishes it when a GPU turns
-/// unhealthy, and prepares a claim (the test calls NodePrepareResources as kubelet would);
-/// its DaemonSet watch is not walked here (`uninstall_only_grants`).
+/// DRA mode: the DRA plugin is granted exactly what the real plugin calls as it publishes and
+/// watches its slice, re-publishes it when a GPU turns unhealthy, and prepares a claim (called
+/// as kubelet would); its DaemonSet watch is in `uninstall_only_grants`.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn rbac_grants_the_dra_plugin_exactly_what_it_calls() -> anyhow::Result<()> {
     let rendered = render_dra(&[])?;
@@ -727,17 +698,14 @@ async fn rbac_grants_the_dra_plugin_exactly_what_it_calls() -> anyhow::Result<()
     let path = |name: &str| dir.path().join(name);
     let (kubeconfig, log) = (path("kubeconfig"), path("dra-plugin.log"));
     api.write_kubeconfig_as(&kubeconfig, &user)?;
-    let at = |flag: &str, name: &str| format!("--{flag}={}", path(name).display());
-    let args = [
-        "--node-name=gpu-node-1".to_owned(),
-        "--gpu-backend=simulated".to_owned(),
-        "--simulate-gpus=16,16".to_owned(),
-        "--probe-addr=127.0.0.1:0".to_owned(),
-        at("simulate-health-file", "unhealthy-gpus"),
-        at("plugin-dir", "plugin"),
-        at("registry-dir", "registry"),
-        at("cdi-dir", "cdi"),
-    ];
+    let plain = "--node-name=gpu-node-1 --gpu-backend=simulated --simulate-gpus=16,16 \
+                 --probe-addr=127.0.0.1:0";
+    let mut args: Vec<String> = words(plain).into_iter().map(str::to_owned).collect();
+    let in_dir = "simulate-health-file=unhealthy-gpus plugin-dir=plugin registry-dir=registry \
+                  cdi-dir=cdi";
+    for (flag, name) in words(in_dir).iter().filter_map(|w| w.split_once('=')) {
+        args.push(format!("--{flag}={}", path(name).display()));
+    }
     let binary = &binaries()?.dra_plugin;
     let plugin = Process::spawn("gpushare-dra-plugin", binary, &args, &kubeconfig, &log)?;
     let exercised = exercise_dra_plugin(&api, &user, dir.path()).await;
@@ -759,10 +727,8 @@ async fn exercise_dra_plugin(api: &ApiServer, user: &str, dir: &Path) -> anyhow:
         let slices = slices.clone();
         async move {
             let items = slices.list(&ListParams::default()).await.ok()?.items;
-            let has = items
-                .iter()
-                .flat_map(|s| s.spec.devices.iter().flatten())
-                .any(|d| d.taints.as_ref().is_some_and(|t| !t.is_empty()));
+            let mut devices = items.iter().flat_map(|s| s.spec.devices.iter().flatten());
+            let has = devices.any(|d| d.taints.as_ref().is_some_and(|t| !t.is_empty()));
             (!items.is_empty() && has == taints).then_some(())
         }
     };
@@ -785,10 +751,11 @@ async fn exercise_dra_plugin(api: &ApiServer, user: &str, dir: &Path) -> anyhow:
     let uid = claim.metadata.uid.context("a claim without a UID")?;
     let socket = dir.join("plugin").join(gpushare_dra_plugin::DRA_SOCKET);
     let mut plugin = DraPluginClient::new(gpushare_proto::connect_unix(&socket).await?);
+    let (namespace, name) = ("default".to_owned(), "gpu-4g".to_owned());
     let claims = vec![Claim {
-        namespace: "default".to_owned(),
+        namespace,
         uid: uid.clone(),
-        name: "gpu-4g".to_owned(),
+        name,
     }];
     let request = NodePrepareResourcesRequest { claims };
     let mut answer = plugin.node_prepare_resources(request).await?.into_inner();
@@ -805,30 +772,28 @@ fn rbac_check_names_calls_not_granted_and_grants_not_used() -> anyhow::Result<()
     // With the marks on, the device plugin is granted pod patches.
     let values = "devicePlugin.allocationMarks=true";
     let rendered = render_sets(&[values])?;
-    let call = |verb: Verb, group: &str, resource: &str| {
-        let (user, group) = (DEVICE_PLUGIN_USER.to_owned(), group.to_owned());
-        let resource = resource.to_owned();
-        (
-            Call {
-                user,
-                group,
-                resource,
-                verb,
-            },
-            1,
-        )
-    };
     // All the device plugin's calls but its pod patches, and a delete it is not granted.
-    let calls: BTreeMap<Call, u64> = BTreeMap::from([
-        call(Verb::Get, "", "nodes"),
-        call(Verb::Patch, "", "nodes"),
-        call(Verb::Patch, "", "pods/status"),
-        call(Verb::List, "", "pods"),
-        call(Verb::Watch, "", "pods"),
-        call(Verb::Delete, "", "pods"),
-        call(Verb::Create, "events.k8s.io", "events"),
-    ]);
+    let calls = [
+        (Verb::Get, "", "nodes"),
+        (Verb::Patch, "", "nodes"),
+        (Verb::Patch, "", "pods/status"),
+        (Verb::List, "", "pods"),
+        (Verb::Watch, "", "pods"),
+        (Verb::Delete, "", "pods"),
+        (Verb::Create, "events.k8s.io", "events"),
+    ];
     let user = DEVICE_PLUGIN_USER;
+    let calls = calls.into_iter().map(|(verb, group, resource)| {
+        let (user, group, resource) = (user.to_owned(), group.to_owned(), resource.to_owned());
+        let call = Call {
+            user,
+            group,
+            resource,
+            verb,
+        };
+        (call, 1)
+    });
+    let calls: BTreeMap<Call, u64> = calls.collect();
     let problems = rbac_problems(&rendered, values, "device-plugin", user, &calls)?;
     let context = format!("device-plugin ({user}), chart rendered with {values}");
     let want = [
@@ -840,96 +805,79 @@ fn rbac_check_names_calls_not_granted_and_grants_not_used() -> anyhow::Result<()
 }
 
 // ---------------------------------------------------------------------------------------
-// The dedicated scheduler's configuration, with the real v1 field names.
+// The dedicated scheduler's configuration, with the real v1 field names and types: each
+// struct refuses a field it does not know (most values are compared as JSON, hence unread).
 
-#[derive(Debug, Deserialize)]
-#[serde(deny_unknown_fields, rename_all = "camelCase")]
-struct KubeSchedulerConfiguration {
-    api_version: String,
-    kind: String,
-    client_connection: ClientConnection,
-    parallelism: i32,
-    leader_election: LeaderElection,
-    profiles: Vec<Profile>,
-    extenders: Vec<Extender>,
+macro_rules! v1_config {
+    ($(struct $name:ident { $($field:tt)* })+) => {$(
+        #[derive(Debug, Deserialize)]
+        #[allow(dead_code)]
+        #[serde(deny_unknown_fields, rename_all = "camelCase")]
+        struct $name { $($field)* }
+    )+};
 }
 
-#[derive(Debug, Deserialize)]
-#[serde(deny_unknown_fields, rename_all = "camelCase")]
-struct ClientConnection {
-    qps: f32,
-    burst: i32,
-}
-
-#[derive(Debug, Deserialize)]
-#[serde(deny_unknown_fields, rename_all = "camelCase")]
-struct LeaderElection {
-    leader_elect: bool,
-    resource_lock: String,
-    resource_name: String,
-    resource_namespace: String,
-}
-
-#[derive(Debug, Deserialize)]
-#[serde(deny_unknown_fields, rename_all = "camelCase")]
-struct Profile {
-    scheduler_name: String,
-    percentage_of_nodes_to_score: i32,
-    /// Checked by `keep_best_matches_the_profile_it_ranks_for`.
-    #[allow(dead_code)] // read by serde only: accepted, checked elsewhere
-    plugins: Option<serde_yaml::Value>,
-    plugin_config: Option<serde_yaml::Value>,
-}
-
-#[derive(Debug, Deserialize)]
-#[serde(deny_unknown_fields, rename_all = "camelCase")]
-struct Extender {
-    url_prefix: String,
-    filter_verb: String,
-    preempt_verb: Option<String>,
-    prioritize_verb: Option<String>,
-    weight: Option<i64>,
-    bind_verb: String,
-    #[serde(rename = "enableHTTPS")]
-    enable_https: bool,
-    tls_config: Option<ExtenderTlsConfig>,
-    http_timeout: String,
-    node_cache_capable: bool,
-    managed_resources: Vec<ManagedResource>,
-    ignorable: bool,
-}
-
-#[derive(Debug, Deserialize)]
-#[serde(deny_unknown_fields, rename_all = "camelCase")]
-struct ExtenderTlsConfig {
-    ca_file: String,
-    cert_file: Option<String>,
-    key_file: Option<String>,
-}
-
-#[derive(Debug, Deserialize)]
-#[serde(deny_unknown_fields, rename_all = "camelCase")]
-struct ManagedResource {
-    name: String,
-    ignored_by_scheduler: bool,
+v1_config! {
+    struct KubeSchedulerConfiguration {
+        api_version: String,
+        kind: String,
+        client_connection: ClientConnection,
+        parallelism: i32,
+        leader_election: LeaderElection,
+        profiles: Vec<Profile>,
+        extenders: Vec<Extender>,
+    }
+    struct ClientConnection { qps: f32, burst: i32 }
+    struct LeaderElection {
+        leader_elect: bool,
+        resource_lock: String,
+        resource_name: String,
+        resource_namespace: String,
+    }
+    struct Profile {
+        scheduler_name: String,
+        percentage_of_nodes_to_score: i32,
+        /// Checked by `keep_best_matches_the_profile_it_ranks_for`.
+        plugins: Option<serde_yaml::Value>,
+        plugin_config: Option<serde_yaml::Value>,
+    }
+    struct Extender {
+        url_prefix: String,
+        filter_verb: String,
+        preempt_verb: Option<String>,
+        prioritize_verb: Option<String>,
+        weight: Option<i64>,
+        bind_verb: String,
+        #[serde(rename = "enableHTTPS")]
+        enable_https: bool,
+        tls_config: Option<ExtenderTlsConfig>,
+        http_timeout: String,
+        node_cache_capable: bool,
+        managed_resources: Vec<ManagedResource>,
+        ignorable: bool,
+    }
+    struct ExtenderTlsConfig {
+        ca_file: String,
+        cert_file: Option<String>,
+        key_file: Option<String>,
+    }
+    struct ManagedResource { name: String, ignored_by_scheduler: bool }
 }
 
 /// The dedicated scheduler's `scheduler-config.yaml`, from the ConfigMap of scheduler `name`.
 fn scheduler_config_text(rendered: &Rendered, name: &str) -> anyhow::Result<String> {
     let config_map: ConfigMap = rendered.get("ConfigMap", &format!("{name}-config"))?;
-    let text = config_map
-        .data
-        .and_then(|mut d| d.remove("scheduler-config.yaml"));
+    let mut data = config_map.data.unwrap_or_default();
+    let text = data.remove("scheduler-config.yaml");
     text.context("no scheduler-config.yaml")
 }
 
-/// The JSON patch expression of the `dra.gpuMem` MutatingAdmissionPolicy, its whitespace
+/// The JSON patch expression of MutatingAdmissionPolicy `name`'s mutation `i`, its whitespace
 /// runs made single spaces.
-fn claims_policy_patch(rendered: &Rendered) -> anyhow::Result<String> {
-    let policy = rendered.object("MutatingAdmissionPolicy", "gpushare-gpu-mem-claims")?;
-    let patch = policy["spec"]["mutations"][0]["jsonPatch"]["expression"].as_str();
-    let words: Vec<&str> = patch.unwrap_or_default().split_whitespace().collect();
-    Ok(words.join(" "))
+fn policy_patch(rendered: &Rendered, name: &str, i: usize) -> anyhow::Result<String> {
+    let policy = rendered.object("MutatingAdmissionPolicy", name)?;
+    let patch = policy["spec"]["mutations"][i]["jsonPatch"]["expression"].as_str();
+    Ok(words(patch.unwrap_or_default()).join(" "))
 }
 
 /// The policy that routes pods naming a claim template of our class: it reads templates as
@@ -939,13 +887,12 @@ fn check_template_routing(rendered: &Rendered) -> anyhow::Result<()> {
     let name = "gpushare-claim-templates";
     let policy = &rendered.object("MutatingAdmissionPolicy", name)?["spec"];
     let conditions = policy["matchConditions"].to_string();
-    let patch = policy["mutations"][0]["jsonPatch"]["expression"].to_string();
     ensure_each!(
         policy,
         policy["paramKind"]["kind"] == "ResourceClaimTemplate",
         policy["failurePolicy"] == "Ignore",
         conditions.contains("deviceClassName == 'gpu-mem.gpushare.example.com'"),
-        patch.contains(r#"value: \"gpushare-scheduler\""#),
+        policy_patch(rendered, name, 0)?.contains(r#"value: "gpushare-scheduler""#),
     );
     let param = &rendered.object("MutatingAdmissionPolicyBinding", name)?["spec"]["paramRef"];
     let excluded = &param["selector"]["matchExpressions"][0];
@@ -956,20 +903,13 @@ fn check_template_routing(rendered: &Rendered) -> anyhow::Result<()> {
         param.get("namespace").is_none(),
         excluded["operator"] == "NotIn",
     );
-    let (key, values) = (
-        excluded["key"].as_str().unwrap_or_default(),
-        &excluded["values"],
-    );
+    let key = excluded["key"].as_str().unwrap_or_default();
+    let values = excluded["values"].as_array();
     for template in rendered.of_kind("ResourceClaimTemplate") {
-        let (label, name) = (
-            &template["metadata"]["labels"][key],
-            &template["metadata"]["name"],
-        );
-        let out = values.as_array().is_some_and(|v| v.contains(label));
-        ensure!(
-            out,
-            "the chart's own template {name} is not excluded by {key}: {label}"
-        );
+        let metadata = &template["metadata"];
+        let (label, name) = (&metadata["labels"][key], &metadata["name"]);
+        let out = values.is_some_and(|v| v.contains(label));
+        ensure!(out, "template {name} not excluded by {key}: {label}");
     }
     Ok(())
 }
@@ -987,10 +927,7 @@ fn check_dra_idle_gpu_toleration(rendered: &Rendered, wanted: bool) -> anyhow::R
             patch.contains("path: '/spec/tolerations/-'") && patch.contains(toleration)
         });
         let as_wanted = tolerates == wanted;
-        ensure!(
-            as_wanted,
-            "{name}: toleration {tolerates}, wanted {wanted}: {mutations}"
-        );
+        ensure!(as_wanted, "{name}: toleration {tolerates}: {mutations}");
     }
     Ok(())
 }
@@ -999,53 +936,35 @@ fn check_dra_idle_gpu_toleration(rendered: &Rendered, wanted: bool) -> anyhow::R
 /// walk, a client fast enough for a claim and a Binding per pod; with `ranking`, an ignorable
 /// extender that filters and prioritizes only, else none.
 fn check_dra_scheduler(rendered: &Rendered, ranking: bool) -> anyhow::Result<()> {
-    fn names(list: &serde_yaml::Value) -> Vec<&str> {
-        let list = list.as_sequence().into_iter().flatten();
-        list.filter_map(|item| item["name"].as_str()).collect()
-    }
     let text = scheduler_config_text(rendered, "gpushare-scheduler")?;
-    let config: serde_yaml::Value = serde_yaml::from_str(&text)?;
-    let extender = &config["extenders"][0];
-    if ranking {
-        let url = "https://gpushare-extender.kube-system.svc:39999/gpushare-scheduler";
-        ensure_each!(
-            text,
-            config["extenders"].as_sequence().map(Vec::len) == Some(1),
-            extender["urlPrefix"] == url,
-            extender["filterVerb"] == "filter",
-            extender["prioritizeVerb"] == "prioritize",
-            extender["ignorable"].as_bool() == Some(true),
-            extender.get("bindVerb").is_none(),
-            extender.get("preemptVerb").is_none(),
-            extender.get("managedResources").is_none(),
-        );
-    } else {
-        ensure!(config.get("extenders").is_none(), "{text}");
-    }
-    let profile = &config["profiles"][0];
-    let mut fit = profile["pluginConfig"].as_sequence().into_iter().flatten();
+    let config: Value = serde_yaml::from_str(&text)?;
+    let url = "https://gpushare-extender.kube-system.svc:39999/gpushare-scheduler";
+    let extender = json!({
+        "urlPrefix": url, "filterVerb": "filter", "prioritizeVerb": "prioritize",
+        "ignorable": true, "bindVerb": null, "preemptVerb": null, "managedResources": null
+    });
+    let disabled = json!([{"name": "NodeResourcesBalancedAllocation"}, {"name": "ImageLocality"}]);
+    let want = json!({
+        "extenders": ranking.then_some([extender]), "clientConnection": {"qps": 400},
+        "profiles": [{"schedulerName": "gpushare-scheduler", "percentageOfNodesToScore": 1,
+            "plugins": {"score": {"disabled": disabled}}}]
+    });
+    ensure_matches(&config, &want).with_context(|| text.clone())?;
+    let plugin_config = &config["profiles"][0]["pluginConfig"];
+    let mut fit = plugin_config.as_array().into_iter().flatten();
     let fit = fit.find(|c| c["name"] == "NodeResourcesFit");
     let strategy = &fit.context("no NodeResourcesFit args")?["args"]["scoringStrategy"];
-    let disabled = names(&profile["plugins"]["score"]["disabled"]);
-    ensure_each!(
-        text,
-        config["clientConnection"]["qps"].as_f64() == Some(400.0),
-        profile["schedulerName"] == "gpushare-scheduler",
-        profile["percentageOfNodesToScore"].as_u64() == Some(1),
-        disabled == ["NodeResourcesBalancedAllocation", "ImageLocality"],
-        strategy["type"] == "MostAllocated",
-        names(&strategy["resources"]) == ["cpu", "memory"],
-    );
-    Ok(())
+    let resources = json!([{"name": "cpu"}, {"name": "memory"}]);
+    let want = json!({"type": "MostAllocated", "resources": resources});
+    ensure_matches(strategy, &want).context(text)
 }
 
 /// The extender in DRA mode: it reads our driver's slices and claims of the chart's class,
 /// may list and watch them, and can neither bind nor read pods one by one.
 fn check_dra_extender(rendered: &Rendered) -> anyhow::Result<()> {
     let args = extender_args(rendered)?;
-    let want =
-        words("--dra-driver=gpushare.example.com --dra-device-class=gpu-mem.gpushare.example.com");
-    ensure_has(&args, &want)?;
+    let want = "--dra-driver=gpushare.example.com --dra-device-class=gpu-mem.gpushare.example.com";
+    ensure_has(&args, &words(want))?;
     ensure_lacks(&args, &["--allocation-keys-file"])?;
     let rules = rendered.object("ClusterRole", "gpushare-extender")?["rules"].to_string();
     ensure_each!(
@@ -1057,90 +976,67 @@ fn check_dra_extender(rendered: &Rendered) -> anyhow::Result<()> {
     Ok(())
 }
 
+/// The dedicated scheduler of release `prefix`, reaching the extender for `resource`.
 fn check_scheduler(rendered: &Rendered, prefix: &str, resource: &str) -> anyhow::Result<()> {
     let ns = &rendered.namespace;
-    let name = format!("{prefix}-scheduler");
-    let service = format!("{prefix}-extender");
+    let (name, service) = (format!("{prefix}-scheduler"), format!("{prefix}-extender"));
     let text = scheduler_config_text(rendered, &name)?;
     let config: KubeSchedulerConfiguration = serde_yaml::from_str(&text)?;
     let [extender] = config.extenders.as_slice() else {
         bail!("expected one extender, got {:?}", config.extenders);
     };
-    let (profile, le) = (&config.profiles[0], &config.leader_election);
-    let client = &config.client_connection;
-    let plugin_config = serde_yaml::to_string(&profile.plugin_config)?;
-    let url = format!("https://{service}.{ns}.svc:39999/gpushare-scheduler");
+    let plugin_config = serde_yaml::to_string(&config.profiles[0].plugin_config)?;
+    let mut managed = extender.managed_resources.iter();
     ensure_each!(
         text,
-        config.api_version == "kubescheduler.config.k8s.io/v1",
-        config.kind == "KubeSchedulerConfiguration",
-        profile.scheduler_name == "gpushare-scheduler",
-        profile.percentage_of_nodes_to_score == 1,
-        client.qps == 50.0 && client.burst == 100,
-        config.parallelism == 16,
-        le.leader_elect && le.resource_lock == "leases",
-        le.resource_name == name && le.resource_namespace == *ns,
-        extender.url_prefix == url,
-        extender.filter_verb == "filter",
         // Default values: the extender ranks nodes (in filter, keeping the best, and in
         // prioritize for pods with soft preferences); the profile keeps upstream's resource
         // scoring (what `keep_best_matches_the_profile_it_ranks_for` checks it turns off).
-        extender.prioritize_verb.as_deref() == Some("prioritize"),
         extender.weight.is_some_and(|w| w > 0),
         !plugin_config.contains("NodeResourcesFit"),
-        extender.bind_verb == "bind",
-        // Preemption victims are chosen per GPU by the extender, unless turned off (below).
-        extender.preempt_verb.as_deref() == Some("preempt"),
-        !extender.ignorable,
-        extender.enable_https,
-        extender.http_timeout == "5s",
-        extender.node_cache_capable,
-        extender
-            .managed_resources
-            .iter()
-            .any(|r| r.name == resource && !r.ignored_by_scheduler),
+        managed.any(|r| r.name == resource && !r.ignored_by_scheduler),
     );
+    // Preemption victims are chosen per GPU by the extender, unless turned off (below). HTTPS,
+    // verified against the extender's CA, mounted alone (without tlsConfig it trusts any
+    // certificate); it presents the client certificate the extender asks for, mounted
+    // without the replicas' key.
+    let url = format!("https://{service}.{ns}.svc:39999/gpushare-scheduler");
+    let want = json!({
+        "apiVersion": "kubescheduler.config.k8s.io/v1", "kind": "KubeSchedulerConfiguration",
+        "clientConnection": {"qps": 50, "burst": 100}, "parallelism": 16,
+        "leaderElection": {"leaderElect": true, "resourceLock": "leases",
+            "resourceName": name, "resourceNamespace": ns},
+        "profiles": [{"schedulerName": "gpushare-scheduler", "percentageOfNodesToScore": 1}],
+        "extenders": [{"urlPrefix": url, "filterVerb": "filter", "prioritizeVerb": "prioritize",
+            "bindVerb": "bind", "preemptVerb": "preempt", "ignorable": false,
+            "enableHTTPS": true, "httpTimeout": "5s", "nodeCacheCapable": true,
+            "tlsConfig": {"caFile": "/etc/gpushare/extender-ca/ca.crt",
+                "certFile": "/etc/gpushare/scheduler-client/tls.crt",
+                "keyFile": "/etc/gpushare/scheduler-client/tls.key"}}]
+    });
+    ensure_matches(&serde_yaml::from_str(&text)?, &want).with_context(|| text.clone())?;
     let without = render(prefix, ns, &["--set=scheduler.extender.preempt=false"])?;
     let text = scheduler_config_text(&without, &name)?;
     let config: KubeSchedulerConfiguration = serde_yaml::from_str(&text)?;
     ensure!(config.extenders[0].preempt_verb.is_none(), "{text}");
-    // HTTPS, verified against the CA of the extender's certificate, mounted alone; it
-    // presents the client certificate the extender asks for, mounted from the client Secret
-    // without the replicas' key.
-    let tls = extender.tls_config.as_ref();
-    let tls = tls.context("enableHTTPS without tlsConfig trusts any certificate")?;
-    ensure_each!(
-        format!("{tls:?}"),
-        tls.ca_file == "/etc/gpushare/extender-ca/ca.crt",
-        tls.cert_file.as_deref() == Some("/etc/gpushare/scheduler-client/tls.crt"),
-        tls.key_file.as_deref() == Some("/etc/gpushare/scheduler-client/tls.key"),
-    );
     let spec = rendered.pod_spec("Deployment", &name)?;
-    let (secret, items) = secret_volume(&spec, "client-certificate")?;
-    ensure!(
-        secret == format!("{prefix}-extender-client-tls")
-            && items == ["scheduler.crt -> tls.crt", "scheduler.key -> tls.key"],
-        "the scheduler must get its own certificate only, got {secret}: {items:?}"
-    );
-    let (secret, items) = secret_volume(&spec, "extender-ca")?;
-    ensure!(
-        secret == format!("{prefix}-extender-tls") && items == ["ca.crt -> ca.crt"],
-        "the scheduler must get the CA only, got {secret}: {items:?}"
-    );
+    let client = "scheduler.crt -> tls.crt, scheduler.key -> tls.key";
+    for (volume, secret, want) in [
+        ("client-certificate", "extender-client-tls", client),
+        ("extender-ca", "extender-tls", "ca.crt -> ca.crt"),
+    ] {
+        let (mounted, items) = secret_volume(&spec, volume)?;
+        let only = mounted == format!("{prefix}-{secret}") && items.join(", ") == want;
+        ensure!(only, "the scheduler's {volume}: {mounted}: {items:?}");
+    }
     // The URL's service and port exist.
     let ports = service_ports(rendered, &service)?;
     ensure!(has_port(&ports, "scheduler", 39999), "{ports:?}");
     check_hardened(&name, &spec)?;
     let c = container(&spec, "kube-scheduler")?;
-    let (image, want) = (
-        &c.image,
-        format!("registry.k8s.io/kube-scheduler:v{KUBE_VERSION}"),
-    );
-    let matches = image.as_ref() == Some(&want);
-    ensure!(
-        matches,
-        "scheduler image {image:?} does not match the cluster's"
-    );
+    let image = format!("registry.k8s.io/kube-scheduler:v{KUBE_VERSION}");
+    let cluster_image = c.image.as_ref() == Some(&image);
+    ensure!(cluster_image, "{:?}, not {image}", c.image);
     let command = c.command.clone().unwrap_or_default();
     let config = "--config=/etc/gpushare-scheduler/scheduler-config.yaml";
     ensure!(command.iter().any(|a| a == config), "{command:?}");
@@ -1193,15 +1089,23 @@ fn container_ports(c: &Container) -> Vec<(String, i32)> {
         .collect()
 }
 
-/// The httpGet of the `what` probe `probe`.
-fn http_get<'a>(what: &str, probe: &'a Option<Probe>) -> anyhow::Result<&'a HTTPGetAction> {
-    let get = probe.as_ref().and_then(|p| p.http_get.as_ref());
-    get.with_context(|| format!("no {what} httpGet probe"))
+/// `c`'s readiness and liveness probes are plain HTTP GETs of `paths` on its port `port`.
+fn check_probes(c: &Container, port: &str, [readyz, healthz]: [&str; 2]) -> anyhow::Result<()> {
+    let port = IntOrString::String(port.to_owned());
+    for (what, probe, path) in [
+        ("readiness", &c.readiness_probe, readyz),
+        ("liveness", &c.liveness_probe, healthz),
+    ] {
+        let get = probe.as_ref().and_then(|p| p.http_get.as_ref());
+        let get = get.with_context(|| format!("no {what} httpGet probe"))?;
+        let plain = get.path.as_deref() == Some(path) && get.port == port && get.scheme.is_none();
+        ensure!(plain, "{what}: {get:?}");
+    }
+    Ok(())
 }
 
 fn check_webhook(rendered: &Rendered, prefix: &str) -> anyhow::Result<()> {
-    let extender = format!("{prefix}-extender");
-    let webhook = format!("{prefix}-webhook");
+    let (extender, webhook) = (format!("{prefix}-extender"), format!("{prefix}-webhook"));
     let config: MutatingWebhookConfiguration =
         rendered.get("MutatingWebhookConfiguration", &webhook)?;
     let webhooks = config.webhooks.unwrap_or_default();
@@ -1212,10 +1116,8 @@ fn check_webhook(rendered: &Rendered, prefix: &str) -> anyhow::Result<()> {
     let service = service.context("no service")?;
     let rules = webhook.rules.as_deref().unwrap_or_default();
     let excluded = webhook.namespace_selector.as_ref();
-    let mut excluded = excluded
-        .and_then(|s| s.match_expressions.as_ref())
-        .into_iter()
-        .flatten();
+    let excluded = excluded.and_then(|s| s.match_expressions.as_ref());
+    let mut excluded = excluded.into_iter().flatten();
     let (key, kube_system) = ("kubernetes.io/metadata.name", "kube-system".to_owned());
     ensure_each!(
         format!("{webhook:?}"),
@@ -1249,11 +1151,10 @@ fn check_routing_hook(rendered: &Rendered, prefix: &str) -> anyhow::Result<()> {
     let name = format!("{prefix}-routing-check");
     for kind in ["ServiceAccount", "Role", "RoleBinding", "Job"] {
         let annotations = &rendered.object(kind, &name)?["metadata"]["annotations"];
-        ensure!(
-            annotations["helm.sh/hook"] == "post-install,post-upgrade"
-                && annotations["helm.sh/hook-delete-policy"]
-                    == "before-hook-creation,hook-succeeded",
-            "{kind} {name} is not a post-install/post-upgrade hook deleted on success: {annotations}"
+        ensure_each!(
+            format!("{kind} {name}: {annotations}"),
+            annotations["helm.sh/hook"] == "post-install,post-upgrade",
+            annotations["helm.sh/hook-delete-policy"] == "before-hook-creation,hook-succeeded",
         );
     }
     let job: Job = rendered.get("Job", &name)?;
@@ -1264,10 +1165,7 @@ fn check_routing_hook(rendered: &Rendered, prefix: &str) -> anyhow::Result<()> {
     ensure!(pod.service_account_name.as_deref() == Some(name.as_str()));
     let check = container(&pod, "check-routing")?;
     let command = check.command.clone().unwrap_or_default();
-    ensure!(
-        command == ["gpushare-extender", "check-routing"],
-        "{command:?}"
-    );
+    assert_eq!(command, ["gpushare-extender", "check-routing"]);
     let want = words(
         "--namespace=default --resource=example.com/gpu-mem --scheduler-name=gpushare-scheduler \
          --forged-annotation=gpushare.example.com/v1.routing-check \
@@ -1278,10 +1176,7 @@ fn check_routing_hook(rendered: &Rendered, prefix: &str) -> anyhow::Result<()> {
     ensure!(role.metadata.namespace.as_deref() == Some("default"));
     let grants = expand(role.rules.as_deref().unwrap_or_default())?;
     let creates = grants == BTreeSet::from([grant("", "pods", "create")]);
-    ensure!(
-        creates,
-        "the hook's Role grants more than pod creates: {grants:?}"
-    );
+    ensure!(creates, "the hook's Role grants more: {grants:?}");
     Ok(())
 }
 
@@ -1301,15 +1196,7 @@ fn check_extender(rendered: &Rendered, prefix: &str, expect_args: &[&str]) -> an
     ensure_has(&args(c), expect_args).context("the extender's args")?;
     // Probes, Prometheus and kubectl gpushare use the plain monitoring port (named `http`),
     // whose only routes are health and metrics; the scheduler's port is `scheduler`.
-    let http = IntOrString::String("http".into());
-    for (what, probe, path) in [
-        ("liveness", &c.liveness_probe, "/healthz"),
-        ("readiness", &c.readiness_probe, "/readyz"),
-    ] {
-        let get = http_get(what, probe)?;
-        let plain = get.path.as_deref() == Some(path) && get.port == http && get.scheme.is_none();
-        ensure!(plain, "{what}: {get:?}");
-    }
+    check_probes(c, "http", ["/readyz", "/healthz"])?;
     // The container's ports, and the Service's.
     for ports in [container_ports(c), service_ports(rendered, &name)?] {
         let both = has_port(&ports, "http", 9090) && has_port(&ports, "scheduler", 39999);
@@ -1446,9 +1333,8 @@ fn the_network_policy_admits_only_the_scheduler_to_the_scheduler_port() -> anyho
 fn chart_lints() -> anyhow::Result<()> {
     let chart = chart_dir();
     let output = helm(&["lint", "--strict", chart.to_str().context("path")?])?;
-    let (out, err) = (&output.stdout, &output.stderr);
-    let (out, err) = (String::from_utf8_lossy(out), String::from_utf8_lossy(err));
-    ensure!(output.status.success(), "helm lint failed:\n{out}{err}");
+    let text = String::from_utf8_lossy(&[output.stdout, output.stderr].concat()).into_owned();
+    ensure!(output.status.success(), "helm lint failed:\n{text}");
     Ok(())
 }
 
@@ -1485,12 +1371,10 @@ fn default_values_render_a_dedicated_scheduler_install() -> anyhow::Result<()> {
          --leader-forward-key=/etc/gpushare/client-tls/extender.key",
     );
     check_extender(&rendered, "gpushare", &extender_args)?;
-    // Two replicas, one binder: old and new pods may overlap in an update because only the
-    // Lease holder binds.
+    // Two replicas, one binder (the Lease holder): old and new pods may overlap in an update.
     let deployment: Deployment = rendered.get("Deployment", "gpushare-extender")?;
     let strategy = deployment.spec.and_then(|s| s.strategy?.type_);
-    let rolls = strategy.as_deref() == Some("RollingUpdate");
-    ensure!(rolls, "the extender's replicas roll: {strategy:?}");
+    ensure!(strategy.as_deref() == Some("RollingUpdate"), "{strategy:?}");
     let pdb: PodDisruptionBudget = rendered.get("PodDisruptionBudget", "gpushare-extender")?;
     ensure!(pdb.spec.and_then(|s| s.min_available) == Some(IntOrString::Int(1)));
     let plugin_args = words(
@@ -1531,10 +1415,10 @@ fn non_default_values_render_a_default_scheduler_install() -> anyhow::Result<()>
     assert_eq!(image, Some("ghcr.io/example/gpushare-extender:dev"));
     let want = "--resource=acme.io/vram --node-label=acme.io/gpu-share=yes --domain=gpu.acme.io";
     ensure_has(&args(c), &words(&format!("{want} --policy=spread")))?;
-    let env = c.env.clone().unwrap_or_default();
-    let webhook = env.iter().find(|e| e.name == "GPUSHARE_WEBHOOK_ENABLED");
+    let mut env = c.env.iter().flatten();
+    let webhook = env.find(|e| e.name == "GPUSHARE_WEBHOOK_ENABLED");
     let webhook = webhook.and_then(|e| e.value.as_deref());
-    assert_eq!(webhook, Some("false"), "{env:?}");
+    assert_eq!(webhook, Some("false"), "{:?}", c.env);
     // No webhook port without the webhook.
     let ports = service_ports(&rendered, "prod-gpushare-extender")?;
     assert!(ports.iter().all(|(_, port)| *port != 443), "{ports:?}");
@@ -1583,28 +1467,32 @@ fn dra_mode_installs_the_dra_driver_its_scheduler_and_the_extender_that_ranks() 
     );
     let rendered = render_dra(&[])?;
     assert_eq!(rendered.kinds(), with_ranking);
-    let ds = rendered.of_kind("DaemonSet")[0];
-    assert_eq!(ds["metadata"]["name"], "gpushare-dra-plugin");
+    let plugin = &rendered.of_kind("DaemonSet")[0]["metadata"]["name"];
+    assert_eq!(*plugin, "gpushare-dra-plugin");
     check_dra_scheduler(&rendered, true)?;
     check_dra_extender(&rendered)?;
     check_template_routing(&rendered)?;
     check_dra_idle_gpu_toleration(&rendered, true)?;
     let without_taint = render_dra(&["--set=extender.idleGpuTaint=false"])?;
     check_dra_idle_gpu_toleration(&without_taint, false)?;
-    let rendered = render_dra(&["--set=dra.scheduler.ranking=false"])?;
-    assert_eq!(rendered.kinds(), with_scheduler);
-    check_dra_scheduler(&rendered, false)?;
-    check_dra_idle_gpu_toleration(&rendered, false)?;
-    let expression = claims_policy_patch(&rendered)?;
-    assert!(
-        expression.contains(r#"path: "/spec/schedulerName", value: "gpushare-scheduler""#),
-        "the claims policy sends the pods it turns to the chart's scheduler: {expression}"
-    );
-    // With the operator's own kube-scheduler, only the driver, and pods keep their scheduler.
-    let rendered = render_dra(&["--set=scheduler.mode=default-scheduler"])?;
-    assert_eq!(rendered.kinds(), driver_only);
-    let expression = claims_policy_patch(&rendered)?;
-    assert!(!expression.contains("schedulerName"), "{expression}");
+    // The claims policy sends the pods it turns to the chart's scheduler; with the operator's
+    // own kube-scheduler, only the driver is rendered, and pods keep their scheduler.
+    let to_ours = r#"path: "/spec/schedulerName", value: "gpushare-scheduler""#;
+    let no_ranking = "dra.scheduler.ranking=false";
+    for (set, kinds, sends) in [
+        (no_ranking, &with_scheduler, Some(to_ours)),
+        ("scheduler.mode=default-scheduler", &driver_only, None),
+    ] {
+        let rendered = render_dra(&[&format!("--set={set}")])?;
+        assert_eq!(rendered.kinds(), *kinds, "{set}");
+        if sends.is_some() {
+            check_dra_scheduler(&rendered, false)?;
+            check_dra_idle_gpu_toleration(&rendered, false)?;
+        }
+        let patch = policy_patch(&rendered, "gpushare-gpu-mem-claims", 0)?;
+        let named = patch.contains(sends.unwrap_or("schedulerName"));
+        ensure!(named == sends.is_some(), "{set}: {patch}");
+    }
     // `example.com/gpu-mem: N` in DRA mode: one template per GiB, in each namespace named,
     // asking the chart's DeviceClass for N GiB of one GPU (the real tier runs the README's
     // pod through them), and one per GiB and compute percent, asking for both.
@@ -1620,24 +1508,18 @@ fn dra_mode_installs_the_dra_driver_its_scheduler_and_the_extender_that_ranks() 
         let class = &request["deviceClassName"];
         ensure!(*class == "gpu-mem.gpushare.example.com", "{template}");
         let (metadata, capacity) = (&template["metadata"], &request["capacity"]["requests"]);
-        templates.push(format!(
-            "{}/{}: memory={} compute={}",
-            text(&metadata["namespace"]),
-            text(&metadata["name"]),
-            text(&capacity["memory"]),
-            text(&capacity["compute"]),
-        ));
+        let (namespace, name) = (text(&metadata["namespace"]), text(&metadata["name"]));
+        let (memory, compute) = (text(&capacity["memory"]), text(&capacity["compute"]));
+        let template = format!("{namespace}/{name}: memory={memory} compute={compute}");
+        templates.push(template);
     }
     templates.sort();
     let mut want = Vec::new();
     for ns in ["team-a", "team-b"] {
         for gib in 1..=3 {
-            want.push(format!(
-                "{ns}/gpushare-gpu-mem-{gib}: memory={gib}Gi compute="
-            ));
-            want.push(format!(
-                "{ns}/gpushare-gpu-mem-{gib}-c50: memory={gib}Gi compute=50"
-            ));
+            let name = format!("{ns}/gpushare-gpu-mem-{gib}");
+            want.push(format!("{name}: memory={gib}Gi compute="));
+            want.push(format!("{name}-c50: memory={gib}Gi compute=50"));
         }
     }
     want.sort();
@@ -1677,9 +1559,17 @@ fn log_format_reaches_every_binary() -> anyhow::Result<()> {
     Ok(())
 }
 
-/// `isolation.contextMiB` and `isolation.managedMemory` reach both plugins as flags, in
-/// `preload` mode only and only when set away from the interposer's default; the binaries
-/// accept them and pass them on in each container's environment.
+/// The args of the node plugin of `mode` (extender, dra) as its binary reads them, with the
+/// node name the downward API gives.
+fn plugin_argv(rendered: &Rendered, mode: &str) -> anyhow::Result<Vec<String>> {
+    let name = format!("{}-plugin", if mode == "dra" { "dra" } else { "device" });
+    let spec = rendered.pod_spec("DaemonSet", &format!("gpushare-{name}"))?;
+    let argv = vec![format!("gpushare-{name}"), "--node-name=n1".to_owned()];
+    Ok([argv, args(container(&spec, &name)?)].concat())
+}
+
+/// `isolation.contextMiB` and `.managedMemory` reach both plugins as flags, in `preload` mode
+/// only and only when set off the interposer's default; the binaries pass them on to containers.
 #[test]
 fn the_interposers_settings_reach_both_plugins_in_preload_mode() -> anyhow::Result<()> {
     use clap::Parser as _;
@@ -1687,27 +1577,21 @@ fn the_interposers_settings_reach_both_plugins_in_preload_mode() -> anyhow::Resu
         self, Enforcement, EnforcerSettings, IsolationOptions, ManagedMemory,
     };
     const SETTINGS: [&str; 2] = ["--isolation-context-mib", "--isolation-managed-memory"];
-    /// The plugin's args as its binary reads them, with the node name the downward API gives.
-    fn plugin_args(rendered: &Rendered, mode: &str) -> anyhow::Result<Vec<String>> {
-        let dra = mode == "dra";
-        let name = if dra { "dra-plugin" } else { "device-plugin" };
-        let spec = rendered.pod_spec("DaemonSet", &format!("gpushare-{name}"))?;
-        let mut argv = vec![format!("gpushare-{name}"), "--node-name=n1".to_owned()];
-        argv.extend(args(container(&spec, name)?));
-        Ok(argv)
-    }
-    /// What the plugin's binary makes of `argv`: its enforcement mode and the interposer's
-    /// settings.
-    fn parsed(mode: &str, argv: &[String]) -> anyhow::Result<(Enforcement, IsolationOptions)> {
-        Ok(if mode == "dra" {
-            let config = gpushare_dra_plugin::Config::try_parse_from(argv)
-                .context("the DRA plugin refuses the chart's args")?;
+    type Parsed = (Vec<String>, Enforcement, IsolationOptions);
+    /// The plugin's args, and its binary's reading: enforcement mode and interposer settings.
+    fn parsed(rendered: &Rendered, mode: &str) -> anyhow::Result<Parsed> {
+        let argv = plugin_argv(rendered, mode)?;
+        let refused = || format!("the {mode} node plugin refuses {argv:?}");
+        let (enforcement, isolation) = if mode == "dra" {
+            let config = gpushare_dra_plugin::Config::try_parse_from(&argv);
+            let config = config.with_context(refused)?;
             (config.enforcement, config.isolation.options())
         } else {
-            let config = gpushare_device_plugin::Config::try_parse_from(argv)
-                .context("the device plugin refuses the chart's args")?;
+            let config = gpushare_device_plugin::Config::try_parse_from(&argv);
+            let config = config.with_context(refused)?;
             (config.enforcement, config.isolation.options())
-        })
+        };
+        Ok((argv, enforcement, isolation))
     }
     let values = tempfile::tempdir()?;
     let zero = values.path().join("zero.yaml");
@@ -1717,16 +1601,16 @@ fn the_interposers_settings_reach_both_plugins_in_preload_mode() -> anyhow::Resu
     for mode in ["extender", "dra"] {
         let set_mode = format!("mode={mode}");
         // Not set: no flags; the interposer's defaults, so containers get no variable.
-        let argv = plugin_args(&render_sets(&[&set_mode])?, mode)?;
+        let (argv, enforcement, options) = parsed(&render_sets(&[&set_mode])?, mode)?;
         ensure_lacks(&argv, &SETTINGS).context(mode)?;
         let defaults = (Enforcement::Preload, IsolationOptions::default());
-        ensure!(parsed(mode, &argv)? == defaults, "{mode}: {argv:?}");
+        ensure!((enforcement, options) == defaults, "{mode}: {argv:?}");
         // Set: both flags, read back as set, and carried into the container's environment.
         let [context_mib, managed] = ["isolation.contextMiB=640", "isolation.managedMemory=ignore"];
-        let argv = plugin_args(&render_sets(&[&set_mode, context_mib, managed])?, mode)?;
+        let rendered = render_sets(&[&set_mode, context_mib, managed])?;
+        let (argv, enforcement, options) = parsed(&rendered, mode)?;
         let want = words("--isolation-context-mib=640 --isolation-managed-memory=ignore");
         ensure_has(&argv, &want).context(mode)?;
-        let (enforcement, options) = parsed(mode, &argv)?;
         let set = IsolationOptions {
             context_mib: Some(640),
             managed_memory: ManagedMemory::Ignore,
@@ -1745,14 +1629,14 @@ fn the_interposers_settings_reach_both_plugins_in_preload_mode() -> anyhow::Resu
             let carried = vars.iter().any(|(k, v)| (*k, v.as_str()) == want);
             ensure!(carried, "{mode}: {vars:?} lacks {want:?}");
         }
-        let argv = plugin_args(&render_args(&["--set", &set_mode, "-f", zero])?, mode)?;
+        let (argv, _, options) = parsed(&render_args(&["--set", &set_mode, "-f", zero])?, mode)?;
         ensure_has(&argv, &["--isolation-context-mib=0"]).context(mode)?;
-        ensure!(parsed(mode, &argv)?.1.context_mib == Some(0), "{mode}");
+        ensure!(options.context_mib == Some(0), "{mode}");
         // Another isolation mode: the settings are the interposer's, so no flags.
         for other in ["none", "mps", "toolkit"] {
             let isolation = format!("isolation.mode={other}");
             let rendered = render_sets(&[&set_mode, &isolation, context_mib, managed])?;
-            let argv = plugin_args(&rendered, mode)?;
+            let argv = plugin_argv(&rendered, mode)?;
             ensure_lacks(&argv, &SETTINGS).with_context(|| format!("{mode}/{other}"))?;
         }
     }
@@ -1770,45 +1654,30 @@ fn the_dra_plugin_is_probed_where_it_listens() -> anyhow::Result<()> {
         (&["mode=dra"][..], 9402),
         (&["mode=dra", "dra.probePort=9555"], 9555),
     ] {
-        let spec = render_sets(sets)?.pod_spec("DaemonSet", "gpushare-dra-plugin")?;
+        let rendered = render_sets(sets)?;
+        let spec = rendered.pod_spec("DaemonSet", "gpushare-dra-plugin")?;
         check_hardened("gpushare-dra-plugin", &spec)?;
         let c = container(&spec, "dra-plugin")?;
         // NODE_NAME comes from the downward API; everything else from the chart.
-        let mut argv = vec![
-            "gpushare-dra-plugin".to_owned(),
-            "--node-name=n1".to_owned(),
-        ];
-        argv.extend(args(c));
+        let argv = plugin_argv(&rendered, "dra")?;
         let config = gpushare_dra_plugin::Config::try_parse_from(&argv);
         let config = config.with_context(|| format!("the binary refuses {argv:?}"))?;
         let addr = config.probe_addr;
-        ensure!(addr.port() == port, "{addr:?}");
         // kubelet probes the pod IP, not loopback.
-        ensure!(addr.ip().is_unspecified(), "{addr:?}");
+        let listens = addr.port() == port && addr.ip().is_unspecified();
+        ensure!(listens, "{addr:?}");
         let probes = container_ports(c);
         ensure!(has_port(&probes, "probes", i32::from(port)), "{probes:?}");
-        for (name, probe, path) in [
-            ("readiness", &c.readiness_probe, READYZ),
-            ("liveness", &c.liveness_probe, HEALTHZ),
-        ] {
-            let get = http_get(name, probe)?;
-            let probes = IntOrString::String("probes".to_owned());
-            ensure!(
-                get.path.as_deref() == Some(path) && get.port == probes,
-                "{get:?}"
-            );
-        }
-        // Readiness notices the registration within seconds: the rollout waits for it, not
-        // much longer.
+        check_probes(c, "probes", [READYZ, HEALTHZ])?;
+        // Readiness notices the registration within seconds: the rollout waits no longer.
         let readiness = c.readiness_probe.as_ref().context("readiness")?;
         ensure!(readiness.period_seconds.unwrap_or(10) <= 5, "{readiness:?}");
     }
     Ok(())
 }
 
-/// Each case is `--set value => what the error says`: values.schema.json refuses most of
-/// these before the templates do, naming the value by its path; the templates' messages stay
-/// for `--skip-schema-validation`.
+/// Cases `--set value => what the error says`: the schema refuses most first, naming the path;
+/// the templates' messages stay for `--skip-schema-validation`.
 #[test]
 fn impossible_values_fail_with_a_clear_message() -> anyhow::Result<()> {
     for case in [
@@ -1864,8 +1733,7 @@ fn value_leaves() -> anyhow::Result<Vec<String>> {
                 if !map.is_empty() && !prefix.ends_with("resources") =>
             {
                 for (key, child) in map {
-                    let key = key.as_str().unwrap_or("?");
-                    let path = format!("{prefix}.{key}");
+                    let path = format!("{prefix}.{}", key.as_str().unwrap_or("?"));
                     leaves(path.trim_start_matches('.'), child, out);
                 }
             }
@@ -1873,9 +1741,8 @@ fn value_leaves() -> anyhow::Result<Vec<String>> {
         }
     }
     let values = std::fs::read_to_string(chart_dir().join("values.yaml"))?;
-    let values: serde_yaml::Value = serde_yaml::from_str(&values)?;
     let mut keys = Vec::new();
-    leaves("", &values, &mut keys);
+    leaves("", &serde_yaml::from_str(&values)?, &mut keys);
     Ok(keys)
 }
 
@@ -1898,14 +1765,8 @@ fn every_value_is_in_the_schema_and_the_readme_and_typos_fail_by_name() -> anyho
             undocumented.push(path);
         }
     }
-    ensure!(
-        unchecked.is_empty(),
-        "values without a schema: {unchecked:?}"
-    );
-    ensure!(
-        undocumented.is_empty(),
-        "not in README.md's table: {undocumented:?}"
-    );
+    ensure!(unchecked.is_empty(), "no schema for {unchecked:?}");
+    ensure!(undocumented.is_empty(), "README lacks {undocumented:?}");
     for (set, named) in [
         ("extender.replica=3", "'replica' not allowed"),
         ("extender.replicas=two", "/extender/replicas"),
@@ -1975,8 +1836,7 @@ fn global_image_registry_moves_every_image() -> anyhow::Result<()> {
             for container in lists.into_iter().flatten().flatten() {
                 images.push(container["image"].as_str().unwrap_or_default());
                 let args = container["args"].as_array().into_iter().flatten();
-                let args = args.filter_map(|arg| arg.as_str()?.strip_prefix("--probe-image="));
-                images.extend(args);
+                images.extend(args.filter_map(|arg| arg.as_str()?.strip_prefix("--probe-image=")));
             }
         }
         ensure!(images.len() >= 3, "{mode}: {images:?}");
@@ -2000,10 +1860,7 @@ async fn the_dedicated_profile_scores_a_share_of_the_nodes() -> anyhow::Result<(
         let text = dedicated_scheduler_configuration(&[], &values).await?;
         let percentage = driver(&text)?.percentage_of_nodes_to_score;
         let walked = num_feasible_nodes_to_find_at(1000, percentage);
-        ensure!(
-            walked == walk,
-            "{values:?}: walks {walked}, not {walk}\n{text}"
-        );
+        ensure!(walked == walk, "{values:?}: walks {walked}\n{text}");
     }
     // The schema refuses these first, naming the value; the template's own check stays for
     // `--skip-schema-validation`.
@@ -2013,10 +1870,7 @@ async fn the_dedicated_profile_scores_a_share_of_the_nodes() -> anyhow::Result<(
     ];
     for bad in ["101", "-1", "2.5", "many"] {
         let rendered = dedicated_scheduler_configuration(&[], &share(bad)).await;
-        ensure!(
-            refused(rendered, &why),
-            "percentageOfNodesToScore={bad} must fail to render"
-        );
+        ensure!(refused(rendered, &why), "share {bad} rendered");
     }
     Ok(())
 }
@@ -2029,16 +1883,12 @@ async fn keep_best_matches_the_profile_it_ranks_for() -> anyhow::Result<()> {
     let default = extender_args(&render_sets(&["scheduler.extender.weight=3"])?)?;
     ensure_has(&default, &["--filter-keep-best=1", "--prioritize-weight=3"])?;
     let profile = dedicated_scheduler_configuration(&[], &[]).await?;
-    let config: serde_yaml::Value = serde_yaml::from_str(&profile)?;
-    let profile0 = &config["profiles"][0];
-    let (plugins, spread) = (&profile0["plugins"], &profile0["pluginConfig"][0]);
-    ensure_each!(
-        profile,
-        plugins["score"]["disabled"][0]["name"].as_str() == Some("ImageLocality"),
-        spread["name"].as_str() == Some("PodTopologySpread"),
-        spread["args"]["defaultingType"].as_str() == Some("List"),
-        spread["args"].get("defaultConstraints").is_none(),
-    );
+    let spread = json!({"defaultingType": "List", "defaultConstraints": null});
+    let want = json!({"profiles": [{
+        "plugins": {"score": {"disabled": [{"name": "ImageLocality"}]}},
+        "pluginConfig": [{"name": "PodTopologySpread", "args": spread}]
+    }]});
+    ensure_matches(&serde_yaml::from_str(&profile)?, &want).context(profile)?;
     let off = ["extender.filterKeepBest=0".to_owned()];
     let off = dedicated_scheduler_configuration(&[], &off).await?;
     for plugin in ["ImageLocality", "PodTopologySpread"] {
@@ -2087,10 +1937,7 @@ async fn native_gpu_scoring_replaces_prioritize_for_binpack_only() -> anyhow::Re
     let fragmentation = policy("fragmentation");
     let rendered = dedicated_scheduler_configuration(&fragmentation, &native_values).await;
     let why = ["needs the extender's prioritize"];
-    ensure!(
-        refused(rendered, &why),
-        "nativeGpuScoring with fragmentation rendered"
-    );
+    ensure!(refused(rendered, &why), "fragmentation rendered");
     Ok(())
 }
 
@@ -2112,10 +1959,9 @@ fn client_certificates_guard_the_scheduler_port() -> anyhow::Result<()> {
     let all = words("ca.crt extender.crt extender.key scheduler.crt scheduler.key");
     ensure!(names == all, "{names:?}");
     let upgraded = extender_args(&render_args(&["--is-upgrade"])?)?;
-    let until = upgraded
-        .iter()
-        .find_map(|a| a.strip_prefix("--accept-uncertified-until="))
-        .context("the first upgrade with client certificates renders the grace")?;
+    let grace = "--accept-uncertified-until=";
+    let until = upgraded.iter().find_map(|a| a.strip_prefix(grace));
+    let until = until.context("the first upgrade with client certificates renders the grace")?;
     let until: jiff::Timestamp = until.parse()?;
     let minutes = until.duration_since(jiff::Timestamp::now()).as_secs() / 60;
     ensure!((8..=10).contains(&minutes), "grace ends in {minutes} min");
@@ -2129,14 +1975,9 @@ fn client_certificates_guard_the_scheduler_port() -> anyhow::Result<()> {
     Ok(())
 }
 
-/// Runs the real promtool (installed like helm, by scripts/install-tools.sh: a promtool that
-/// cannot be installed fails the test, it is never skipped) with `args`; its output.
-fn promtool(args: &[&std::ffi::OsStr]) -> anyhow::Result<String> {
-    let promtool = gpushare_e2e::tools::promtool()?;
-    let output = Command::new(&promtool)
-        .args(args)
-        .output()
-        .with_context(|| format!("running {}", promtool.display()))?;
+/// Runs the real promtool with `args`; its output.
+fn promtool(args: &[&OsStr]) -> anyhow::Result<String> {
+    let output = run(gpushare_e2e::tools::promtool()?, args)?;
     let status = output.status;
     let text = [output.stdout, output.stderr].concat();
     let text = String::from_utf8_lossy(&text).into_owned();
@@ -2174,21 +2015,17 @@ fn the_alerts_pass_promtool_and_their_unit_tests() -> anyhow::Result<()> {
         relabelings.any(|r| r["sourceLabels"] == node && r["targetLabel"] == "node"),
     );
     let rule = check_alerts(&rendered, "alerts.yaml", "alerts.test.yaml")?;
-    let metadata = &rule["metadata"];
-    ensure_each!(
-        metadata,
-        metadata["name"] == "prod-gpushare-alerts",
-        metadata["namespace"] == "gpu-system",
-        // monitoring.prometheusRule.labels reach the rule.
-        metadata["labels"]["release"] == "kps",
-    );
+    // monitoring.prometheusRule.labels reach the rule.
+    let release = json!({"release": "kps"});
+    let want =
+        json!({"name": "prod-gpushare-alerts", "namespace": "gpu-system", "labels": release});
+    ensure_matches(&rule["metadata"], &want)?;
     Ok(())
 }
 
-/// The one PrometheusRule of `rendered`, checked: its groups are `files/{rules}` (what the
-/// unit tests read); each alert is named once, with a severity (critical or warning), a
-/// summary and a description; laid out beside `tests/{tests}`, the groups pass `promtool check
-/// rules` and the unit tests, and each alert has a test that fires it and one that must not.
+/// The one PrometheusRule of `rendered`: its groups are `files/{rules}`; each alert is named
+/// once, with a critical or warning severity, a summary and a description; beside
+/// `tests/{tests}` they pass promtool's checks and tests, each alert fired by one, quiet in one.
 fn check_alerts<'r>(rendered: &'r Rendered, rules: &str, tests: &str) -> anyhow::Result<&'r Value> {
     let found = rendered.of_kind("PrometheusRule");
     ensure!(found.len() == 1, "one PrometheusRule, not {}", found.len());
@@ -2205,10 +2042,7 @@ fn check_alerts<'r>(rendered: &'r Rendered, rules: &str, tests: &str) -> anyhow:
             let name = rule["alert"].as_str().context("a rule that is no alert")?;
             let severity = rule["labels"]["severity"].as_str();
             let known = matches!(severity, Some("critical" | "warning"));
-            ensure!(
-                known,
-                "{name}: severity {severity:?} is not critical or warning"
-            );
+            ensure!(known, "{name}: severity {severity:?}");
             for annotation in ["summary", "description"] {
                 let text = rule["annotations"][annotation].as_str();
                 let text = text.is_some_and(|text| !text.trim().is_empty());
@@ -2243,10 +2077,7 @@ fn check_alerts<'r>(rendered: &'r Rendered, rules: &str, tests: &str) -> anyhow:
     let never_fired: Vec<_> = alerts.difference(&fired).collect();
     let never_quiet: Vec<_> = alerts.difference(&quiet).collect();
     ensure!(never_fired.is_empty(), "no test fires {never_fired:?}");
-    ensure!(
-        never_quiet.is_empty(),
-        "no test where they must not fire: {never_quiet:?}"
-    );
+    ensure!(never_quiet.is_empty(), "no quiet test for {never_quiet:?}");
     Ok(prometheus_rule)
 }
 
@@ -2262,10 +2093,9 @@ fn ensure_exported(file: &str, at_least: usize, exported: &BTreeSet<String>) -> 
     Ok(())
 }
 
-/// The metric names the extender and the device plugin export, as PromQL sees them: counters
-/// with `_total`, histograms as `_bucket`, `_sum` and `_count`. A labelled family is encoded
-/// only once it has a series, so each gets one here; a family registered and not given one is
-/// caught by counting the registry's descriptors.
+/// The metric names the binaries export as PromQL sees them (counters with `_total`, histograms
+/// as `_bucket`, `_sum`, `_count`). A labelled family is encoded only with a series, so each
+/// gets one; one forgotten is caught by counting the registry's descriptors.
 fn exported_metrics() -> anyhow::Result<BTreeSet<String>> {
     use gpushare_device_plugin::metrics::{
         ContainerGpuLabels, ContainerUseLabels, GpuLabels, GpuModelLabels, PodGpuLabels,
@@ -2290,24 +2120,15 @@ fn exported_metrics() -> anyhow::Result<BTreeSet<String>> {
         gpushare_device_plugin::metrics::Metrics::patch(family, true);
     }
     plugin.kubelet_mismatch("wrong_gpu");
-    let gpu = GpuLabels {
-        gpu: "0".into(),
-        uuid: "GPU-0".into(),
-    };
-    for family in [
-        &plugin.gpu_allocated_bytes,
-        &plugin.gpu_used_bytes,
-        &plugin.gpu_unattributed_bytes,
-        &plugin.gpu_healthy,
-    ] {
-        family.get_or_create(&gpu).set(0);
-    }
-    let model = GpuModelLabels {
-        gpu: "0".into(),
-        uuid: "GPU-0".into(),
-        model: "Tesla T4".into(),
-    };
-    plugin.gpu_capacity_bytes.get_or_create(&model).set(0);
+    let [gpu, uuid] = ["0", "GPU-0"].map(String::from);
+    let gpu = GpuLabels { gpu, uuid };
+    p.gpu_allocated_bytes.get_or_create(&gpu).set(0);
+    p.gpu_used_bytes.get_or_create(&gpu).set(0);
+    p.gpu_unattributed_bytes.get_or_create(&gpu).set(0);
+    p.gpu_healthy.get_or_create(&gpu).set(0);
+    let [gpu, uuid, model] = ["0", "GPU-0", "Tesla T4"].map(String::from);
+    let model = GpuModelLabels { gpu, uuid, model };
+    p.gpu_capacity_bytes.get_or_create(&model).set(0);
     let pod = PodGpuLabels {
         namespace: "ml".into(),
         pod: "a".into(),
@@ -2322,25 +2143,19 @@ fn exported_metrics() -> anyhow::Result<BTreeSet<String>> {
         container: "main".into(),
         gpu: 0,
     };
-    for family in [
-        &plugin.isolated_share_bytes,
-        &plugin.isolated_used_bytes,
-        &plugin.isolated_refused_allocations,
-    ] {
-        family.get_or_create(&isolated).set(0);
-    }
-    let container = ContainerUseLabels {
+    p.isolated_share_bytes.get_or_create(&isolated).set(0);
+    p.isolated_used_bytes.get_or_create(&isolated).set(0);
+    p.isolated_refused_allocations
+        .get_or_create(&isolated)
+        .set(0);
+    let c = ContainerUseLabels {
         namespace: "ml".into(),
         pod: "a".into(),
         container: "main".into(),
         gpu: "0".into(),
     };
-    for family in [
-        &plugin.container_used_bytes,
-        &plugin.container_over_share_bytes,
-    ] {
-        family.get_or_create(&container).set(0);
-    }
+    p.container_used_bytes.get_or_create(&c).set(0);
+    p.container_over_share_bytes.get_or_create(&c).set(0);
     let mut text = String::new();
     prometheus_client::encoding::text::encode(&mut text, &registry)?;
     let registered = format!("{registry:?}").matches("Descriptor {").count();
@@ -2349,8 +2164,8 @@ fn exported_metrics() -> anyhow::Result<BTreeSet<String>> {
         registered == encoded,
         "{registered} metrics registered, {encoded} encoded: give the new labelled family a series in exported_metrics()"
     );
-    // The extender's per-GPU gauges are computed from its view on each scrape (a collector,
-    // not registered families): described with or without series, so counted apart.
+    // The extender's per-GPU gauges are a collector over its view, not registered families:
+    // described with or without series, so counted apart.
     let mut from_view = prometheus_client::registry::Registry::default();
     let view = gpushare_extender::View::new(gpushare_extender::Settings::new(
         gpushare_contract::DEFAULT_RESOURCE,
@@ -2384,9 +2199,8 @@ fn metric_names_in(text: &str) -> BTreeSet<String> {
     let mut rest = text;
     while let Some(at) = rest.find("gpushare_") {
         let starts_word = !rest[..at].ends_with(is_name);
-        let word_len = rest[at..]
-            .find(|c: char| !is_name(c))
-            .unwrap_or(rest.len() - at);
+        let word_len = rest[at..].find(|c: char| !is_name(c));
+        let word_len = word_len.unwrap_or(rest.len() - at);
         let word = &rest[at..at + word_len];
         let after = &rest[at + word_len..];
         if starts_word && !after.starts_with("::") && !after.starts_with('*') {
@@ -2412,25 +2226,19 @@ fn the_alerts_and_the_operating_guide_name_only_metrics_that_exist() -> anyhow::
     let guide = operating_guide()?;
     let unlisted = exported.iter().filter(|n| !listed_in_guide(&guide, n));
     let unlisted: Vec<_> = unlisted.collect();
-    ensure!(
-        unlisted.is_empty(),
-        "not in docs/operating.md's tables: {unlisted:?}"
-    );
+    ensure!(unlisted.is_empty(), "docs/operating.md lacks {unlisted:?}");
     let histograms = exported.iter().filter_map(|n| n.strip_suffix("_bucket"));
     let histograms: BTreeSet<&str> = histograms.collect();
     let mut not_exported = metric_names_in(&guide);
     not_exported.retain(|n| !exported.contains(n) && !histograms.contains(n.as_str()));
-    ensure!(
-        not_exported.is_empty(),
-        "docs/operating.md names metrics nobody exports: {not_exported:?}"
-    );
+    let none = not_exported.is_empty();
+    ensure!(none, "the guide names unexported {not_exported:?}");
     Ok(())
 }
 
-/// Every component that serves /metrics gets a ServiceMonitor (see `monitored`): the extender
-/// and the device plugin, or in DRA mode the extender (the DRA plugin serves no /metrics), whose
-/// alerts-dra.yaml passes promtool and uses exported metrics only. DRA mode without ranking
-/// has nothing to monitor, and says so rather than rendering nothing.
+/// Every component serving /metrics gets a ServiceMonitor (`monitored`): the extender and the
+/// device plugin, or in DRA mode the extender, whose alerts-dra.yaml passes promtool and uses
+/// exported metrics only; DRA mode without ranking says it has nothing to monitor.
 #[test]
 fn both_modes_monitor_every_component_that_serves_metrics() -> anyhow::Result<()> {
     let monitoring = words(
@@ -2603,9 +2411,7 @@ fn with_legal_values(expr: &str, variables: &BTreeMap<&str, &Value>) -> anyhow::
             rest = after;
             continue;
         };
-        let builtin = GRAFANA_BUILTINS
-            .iter()
-            .find(|(builtin, _)| *builtin == name);
+        let builtin = GRAFANA_BUILTINS.iter().find(|(b, _)| *b == name);
         let value = match (builtin.and_then(|(_, value)| *value), variables.get(name)) {
             (Some(value), _) => value,
             (None, Some(variable)) if variable["type"] == "query" => {
@@ -2668,18 +2474,13 @@ fn the_dashboard_renders_for_grafanas_sidecar() -> anyhow::Result<()> {
         let data = data.context("no gpushare.json in the ConfigMap")?;
         let rendered: Value =
             serde_json::from_str(data).context("the ConfigMap's dashboard is no JSON")?;
-        let same = rendered == source;
-        ensure!(
-            same,
-            "the ConfigMap's dashboard is not files/dashboard.json"
-        );
+        ensure!(rendered == source, "not files/dashboard.json");
     }
     Ok(())
 }
 
-/// Every dashboard panel queries Prometheus through the `datasource` variable; the node,
-/// namespace and model variables are `label_values` queries through it; every variable
-/// referred to is defined, or Grafana's; it has the four rows.
+/// Every panel queries Prometheus through the `datasource` variable, as do the node, namespace
+/// and model `label_values` variables; every variable referred to is defined; four rows.
 #[test]
 fn every_dashboard_panel_has_queries_and_every_reference_resolves() -> anyhow::Result<()> {
     let dashboard = dashboard()?;
@@ -2705,17 +2506,14 @@ fn every_dashboard_panel_has_queries_and_every_reference_resolves() -> anyhow::R
     for panel in dashboard_panels(&dashboard) {
         let title = panel["title"].as_str().unwrap_or_default();
         ensure!(!title.is_empty(), "panel {} has no title", panel["id"]);
-        let id = panel["id"]
-            .as_u64()
-            .with_context(|| format!("{title}: no id"))?;
+        let id = panel["id"].as_u64();
+        let id = id.with_context(|| format!("{title}: no id"))?;
         ensure!(ids.insert(id), "panel id {id} twice");
         let grid = &panel["gridPos"];
         let (x, w) = (grid["x"].as_u64(), grid["w"].as_u64());
         let fits = x.zip(w).is_some_and(|(x, w)| w > 0 && x + w <= 24);
-        ensure!(
-            fits && grid["h"].as_u64() > Some(0),
-            "{title}: gridPos {grid}"
-        );
+        let fits = fits && grid["h"].as_u64() > Some(0);
+        ensure!(fits, "{title}: gridPos {grid}");
         if panel["type"] == "row" {
             rows.push(title);
             continue;
@@ -2738,12 +2536,7 @@ fn every_dashboard_panel_has_queries_and_every_reference_resolves() -> anyhow::R
             );
         }
     }
-    for row in [
-        "Cluster",
-        "Nodes and GPUs",
-        "Namespaces and pods",
-        "Control plane",
-    ] {
+    for row in "Cluster|Nodes and GPUs|Namespaces and pods|Control plane".split('|') {
         let found = rows.iter().any(|title| title.starts_with(row));
         ensure!(found, "no row {row}: {rows:?}");
     }
@@ -2759,19 +2552,16 @@ fn every_dashboard_panel_has_queries_and_every_reference_resolves() -> anyhow::R
                 unresolved.insert(name.to_owned());
             }
         }
-        ensure!(
-            !text.contains("[["),
-            "deprecated [[variable]] syntax: {text}"
-        );
+        let deprecated = text.contains("[[");
+        ensure!(!deprecated, "deprecated [[variable]]: {text}");
     }
     let none = unresolved.is_empty();
     ensure!(none, "references to variables not defined: {unresolved:?}");
     Ok(())
 }
 
-/// Every dashboard expression (targets and variables' selectors), its variables given values
-/// Grafana could give them, passes `promtool check rules` as a recording rule (which refuses a
-/// broken one, as the first check shows).
+/// Every dashboard expression, its variables given values Grafana could give, passes `promtool
+/// check rules` as a recording rule (which refuses a broken one, as the first check shows).
 #[test]
 fn every_dashboard_expression_parses_as_promql() -> anyhow::Result<()> {
     let dir = tempfile::tempdir()?;

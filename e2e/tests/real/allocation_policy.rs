@@ -95,125 +95,89 @@ async fn check(c: &KitCluster) -> anyhow::Result<()> {
     }
     let (default_name, default) = &runs[&("default", true)];
     let (dedicated_name, dedicated) = &runs[&("dedicated", true)];
-    expect_rules(default_name, default, &DEFAULT_RULES)?;
-    expect_rules(dedicated_name, dedicated, &DEDICATED_RULES)?;
-    println!(
-        "  allocation policy: {} writes per variant, 4 variants; {} rules hold",
-        default.len(),
-        DEFAULT_RULES.len() + DEDICATED_RULES.len()
-    );
+    let rules = expect_rules(default_name, default, DEFAULT_RULES)?
+        + expect_rules(dedicated_name, dedicated, DEDICATED_RULES)?;
+    let writes = default.len();
+    println!("  allocation policy: {writes} writes per variant, 4 variants; {rules} rules hold");
     Ok(())
 }
 
-/// What a verdict must be: admitted, or refused with 403 and a message containing this.
-enum Expect {
-    Admitted,
-    Refused(&'static str),
-}
-use Expect::{Admitted, Refused};
-
-const HAND: &str = "remove them from the pod";
-const NODE_NAME: &str = "remove spec.nodeName";
-const BY_HAND: &str = "Delete and recreate the pod";
-
-/// The chart's rules in the harness mode (`default-scheduler`), as `"<write> <pod> by <actor>"`.
-const DEFAULT_RULES: [(&str, Expect); 27] = [
-    // An honest GPU pod is admitted from anyone.
-    ("create gpu by admin", Admitted),
-    ("create gpu by policy-alice", Admitted),
-    ("create gpu by extender", Admitted),
-    // Allocation annotations on create only from gpushare, whatever the pod asks for.
-    ("create routed-indexed by admin", Refused(HAND)),
-    ("create plain-indexed by policy-alice", Refused(HAND)),
-    ("create routed-indexed by extender", Admitted),
-    // Other keys of the domain, and other domains, are anyone's.
-    ("create gpu-own-note by admin", Admitted),
-    ("create gpu-other-domain by admin", Admitted),
-    // A GPU pod (containers or init containers) is never created on a node; a plain one may be.
-    ("create gpu-on-node by admin", Refused(NODE_NAME)),
-    (
-        "create init-gpu-on-node by policy-alice",
-        Refused(NODE_NAME),
-    ),
-    ("create plain-on-node by admin", Admitted),
-    // Allocation annotations are not set, changed or removed by hand ...
-    ("update index routed-indexed by admin", Refused(BY_HAND)),
-    ("update assigned routed-indexed by admin", Refused(BY_HAND)),
-    (
-        "update unannotated routed-indexed by admin",
-        Refused(BY_HAND),
-    ),
-    ("update index plain by policy-alice", Refused(BY_HAND)),
-    // ... while anything else may change.
-    ("update other routed-indexed by admin", Admitted),
-    // gpushare writes them: the extender for any node, the device plugin from its own only.
-    ("update unannotated routed-indexed by extender", Admitted),
-    (
-        "update assigned routed-indexed by extender@policy-n2",
-        Admitted,
-    ),
-    (
-        "update index routed-indexed by device-plugin@policy-n1",
-        Admitted,
-    ),
-    (
-        "update assigned routed-indexed by device-plugin@policy-n1",
-        Admitted,
-    ),
-    (
-        "update assigned routed-indexed by device-plugin@policy-n2",
-        Refused(
-            "the gpushare device plugin on node policy-n2 may change only pods bound to that node",
-        ),
-    ),
-    (
-        "update assigned routed-indexed by device-plugin",
-        Refused("this token names none"),
-    ),
-    (
-        "update assigned unbound by device-plugin@policy-n1",
-        Refused("may change only pods bound"),
-    ),
-    // A status write can change annotations on a real server: the policy sees it.
-    ("status index routed-indexed by admin", Refused(BY_HAND)),
-    ("status phase routed-indexed by admin", Admitted),
-    ("status phase gpu by policy-alice", Admitted),
-    ("status other plain by policy-alice", Admitted),
-];
+/// The chart's rules in the harness mode (`default-scheduler`), one a line:
+/// `<write> <pod> by <actor> | admitted`, or `| <what the 403's message says>`.
+const DEFAULT_RULES: &str = "
+# An honest GPU pod is admitted from anyone.
+create gpu by admin                                      | admitted
+create gpu by policy-alice                               | admitted
+create gpu by extender                                   | admitted
+# Allocation annotations on create only from gpushare, whatever the pod asks for.
+create routed-indexed by admin                           | remove them from the pod
+create plain-indexed by policy-alice                     | remove them from the pod
+create routed-indexed by extender                        | admitted
+# Other keys of the domain, and other domains, are anyone's.
+create gpu-own-note by admin                             | admitted
+create gpu-other-domain by admin                         | admitted
+# A GPU pod (containers or init containers) is never created on a node; a plain one may be.
+create gpu-on-node by admin                              | remove spec.nodeName
+create init-gpu-on-node by policy-alice                  | remove spec.nodeName
+create plain-on-node by admin                            | admitted
+# Allocation annotations are not set, changed or removed by hand ...
+update index routed-indexed by admin                     | Delete and recreate the pod
+update assigned routed-indexed by admin                  | Delete and recreate the pod
+update unannotated routed-indexed by admin               | Delete and recreate the pod
+update index plain by policy-alice                       | Delete and recreate the pod
+# ... while anything else may change.
+update other routed-indexed by admin                     | admitted
+# gpushare writes them: the extender for any node, the device plugin from its own only.
+update unannotated routed-indexed by extender            | admitted
+update assigned routed-indexed by extender@policy-n2     | admitted
+update index routed-indexed by device-plugin@policy-n1   | admitted
+update assigned routed-indexed by device-plugin@policy-n1 | admitted
+update assigned routed-indexed by device-plugin@policy-n2 | the gpushare device plugin on node policy-n2 may change only pods bound to that node
+update assigned routed-indexed by device-plugin          | this token names none
+update assigned unbound by device-plugin@policy-n1       | may change only pods bound
+# A status write can change annotations on a real server: the policy sees it.
+status index routed-indexed by admin                     | Delete and recreate the pod
+status phase routed-indexed by admin                     | admitted
+status phase gpu by policy-alice                         | admitted
+status other plain by policy-alice                       | admitted
+";
 
 /// The chart's default mode (`dedicated`) adds one rule: GPU pods go to gpushare's scheduler.
-const DEDICATED_RULES: [(&str, Expect); 4] = [
-    (
-        "create gpu by admin",
-        Refused("set spec.schedulerName: gpushare-scheduler"),
-    ),
-    (
-        "create init-gpu by policy-alice",
-        Refused("set spec.schedulerName: gpushare-scheduler"),
-    ),
-    ("create routed by admin", Admitted),
-    ("create plain by admin", Admitted),
-];
+const DEDICATED_RULES: &str = "
+create gpu by admin                                      | set spec.schedulerName: gpushare-scheduler
+create init-gpu by policy-alice                          | set spec.schedulerName: gpushare-scheduler
+create routed by admin                                   | admitted
+create plain by admin                                    | admitted
+";
 
-fn expect_rules(policy: &str, verdicts: &Verdicts, rules: &[(&str, Expect)]) -> anyhow::Result<()> {
+/// Holds `verdicts` to `rules` (a table as [`DEFAULT_RULES`]); returns how many there were.
+fn expect_rules(policy: &str, verdicts: &Verdicts, rules: &str) -> anyhow::Result<usize> {
     // The real server's wording, which the docs quote.
     let denied = format!(
         "is forbidden: ValidatingAdmissionPolicy '{policy}' with binding '{policy}' denied request: "
     );
-    for (key, expect) in rules {
+    let rules = rules
+        .lines()
+        .filter(|l| !l.is_empty() && !l.starts_with('#'));
+    let mut count = 0;
+    for rule in rules {
+        let (key, expect) = rule.split_once('|').context("a rule without '|'")?;
+        let (key, expect) = (key.trim(), expect.trim());
         let verdict = verdicts
-            .get(*key)
+            .get(key)
             .with_context(|| format!("no write {key:?}"))?;
-        let holds = match (expect, verdict) {
-            (Admitted, Ok(())) => true,
-            (Refused(why), Err((403, message))) => {
-                message.contains(&denied) && message.contains(why)
-            }
-            _ => false,
+        let holds = match verdict {
+            Ok(()) => expect == "admitted",
+            Err((403, message)) => message.contains(&denied) && message.contains(expect),
+            Err(_) => false,
         };
-        ensure!(holds, "{policy}: {key}: got {verdict:?}");
+        ensure!(
+            holds,
+            "{policy}: {key}: expected {expect:?}, got {verdict:?}"
+        );
+        count += 1;
     }
-    Ok(())
+    Ok(count)
 }
 
 fn actors() -> Vec<Actor> {
@@ -340,10 +304,7 @@ async fn store_old_pods(admin: &Api<Pod>) -> anyhow::Result<Vec<(String, Value)>
             (shape.to_owned(), pod)
         })
         .collect();
-    let (_, mut unbound) = shapes()
-        .into_iter()
-        .find(|(s, _)| *s == "routed-indexed")
-        .context("shape")?;
+    let mut unbound = routed_indexed();
     unbound["spec"]["schedulerName"] = json!("policy-nobody");
     old.push(("unbound".to_owned(), unbound));
     let mut stored = Vec::new();
@@ -356,6 +317,9 @@ async fn store_old_pods(admin: &Api<Pod>) -> anyhow::Result<Vec<(String, Value)>
     }
     Ok(stored)
 }
+
+/// A change made to a stored pod.
+type Change = fn(&mut Value, &Keys);
 
 /// One write: a create of a shape, or a replace (of the pod or its status) of a stored pod.
 struct Write {
@@ -382,7 +346,7 @@ fn writes(stored: &[(String, Value)]) -> anyhow::Result<Vec<Write>> {
             .as_str()
             .context("stored pod name")?
             .to_owned();
-        let changes: [(&str, fn(&mut Value, &Keys)); 5] = [
+        let changes: [(&str, Change); 5] = [
             ("phase", |pod, _| pod["status"]["phase"] = json!("Running")),
             ("index", |pod, keys| {
                 pod["metadata"]["annotations"][&keys.gpu_index] = json!("1")
@@ -450,16 +414,23 @@ async fn dry_run(api: &Api<Pod>, write: &Write) -> anyhow::Result<Verdict> {
     }
 }
 
-/// A create only gpushare may make: refused by a policy named `name` once it is enforced.
+/// A GPU pod routed to gpushare's scheduler, with an allocation annotation.
+fn routed_indexed() -> Value {
+    let mut shapes = shapes().into_iter();
+    shapes
+        .find(|(shape, _)| *shape == "routed-indexed")
+        .unwrap()
+        .1
+}
+
+/// A create only gpushare may make: refused by a policy once it is enforced.
 async fn forged_create(admin: &Api<Pod>) -> anyhow::Result<Verdict> {
-    let (_, mut pod) = shapes()
-        .into_iter()
-        .find(|(s, _)| *s == "routed-indexed")
-        .context("shape")?;
+    let mut pod = routed_indexed();
     pod["metadata"]["name"] = json!("probe-enforced");
+    let pod = serde_json::from_value(pod)?;
     let write = Write {
         key: "forged".into(),
-        pod: serde_json::from_value(pod)?,
+        pod,
         replace: None,
     };
     dry_run(admin, &write).await
@@ -474,17 +445,8 @@ async fn enforce(
     narrowed: bool,
     name: &str,
 ) -> anyhow::Result<()> {
-    let rendered = c.release(
-        "template",
-        &[
-            "--show-only",
-            "templates/allocation-policy.yaml",
-            "--set",
-            "allocationPolicy.enabled=true",
-            "--set",
-            sets,
-        ],
-    )?;
+    let only = "--show-only templates/allocation-policy.yaml --set allocationPolicy.enabled=true";
+    let rendered = c.release("template", &words(&format!("{only} --set {sets}")))?;
     let mut items = Vec::new();
     for document in serde_yaml::Deserializer::from_str(&rendered) {
         let mut doc = serde_json::to_value(serde_yaml::Value::deserialize(document)?)?;
@@ -519,11 +481,8 @@ async fn enforce(
 
 /// Deletes the policy `name` and its binding, and waits until nothing refuses a forged create.
 async fn retire(c: &KitCluster, admin: &Api<Pod>, name: &str) -> anyhow::Result<()> {
-    c.kubectl(&[
-        "delete",
-        "validatingadmissionpolicybinding,validatingadmissionpolicy",
-        name,
-    ])?;
+    let kinds = "validatingadmissionpolicybinding,validatingadmissionpolicy";
+    c.kubectl(&["delete", kinds, name])?;
     wait_for(
         &format!("the API server to drop {name}"),
         Duration::from_secs(60),
