@@ -11,22 +11,13 @@ use std::collections::BTreeMap;
 use std::hint::black_box;
 
 use criterion::{BenchmarkId, Criterion, criterion_group, criterion_main};
-use gpushare_allocator::fragmentation::{Host, MAX_SHAPES, Shape};
+use gpushare_allocator::fragmentation::Host;
 use gpushare_allocator::{Cluster, Evictable, Gpu, PodId, PodPlacement, Policy, Request};
-use gpushare_contract::{ContainerRequest, Keys, PodAllocation};
-
-const GPUS_PER_NODE: u32 = 8;
-const GPU_GIB: u64 = 32;
-
-/// How full [`cluster_filled`] makes each GPU.
-#[derive(Debug, Clone, Copy)]
-enum Fill {
-    /// 10 pods of 2 GiB on every GPU (12 GiB free): one free amount per node.
-    Uniform,
-    /// `gpu + node % 4` pods of 2 GiB on GPU `gpu`: 8 distinct free amounts per node, each
-    /// evaluated on its own by the fragmentation measure (as in `extender_http`'s `Varied`).
-    Varied,
-}
+use gpushare_contract::{Keys, PodAllocation};
+use gpushare_perf::filled::{
+    Fill, GPU_GIB, GPUS_PER_NODE, filled_pods, learn_full_workload, node_names,
+};
+use gpushare_testkit::workload::{Placed, allocated_pod};
 
 /// One node's 8 GPUs of 32 GiB, `uuid` naming each by index.
 fn node_gpus(uuid: impl Fn(u32) -> String, model: &str) -> Vec<Gpu> {
@@ -44,33 +35,13 @@ fn node_gpus(uuid: impl Fn(u32) -> String, model: &str) -> Vec<Gpu> {
 
 /// `nodes` nodes × 8 GPUs × 32 GiB, each GPU holding `fill`'s pods of 2 GiB.
 fn cluster_filled(nodes: usize, fill: Fill) -> (Cluster, Vec<String>) {
-    let names: Vec<String> = (0..nodes).map(|n| format!("node-{n:05}")).collect();
+    let names = node_names(nodes);
     let node_list = names.iter().map(|name| {
         let gpus = node_gpus(|index| format!("GPU-{name}-{index}"), "bench");
         (name.clone(), gpus, true)
     });
-    let pods = names.iter().enumerate().flat_map(|(n, name)| {
-        (0..GPUS_PER_NODE).flat_map(move |gpu| {
-            let pods = match fill {
-                Fill::Uniform => 10,
-                Fill::Varied => u64::from(gpu) + n as u64 % 4,
-            };
-            (0..pods).map(move |p| {
-                let placement = PodPlacement {
-                    gpu,
-                    pod_gib: 2,
-                    assigned: true,
-                    ..PodPlacement::default()
-                };
-                (
-                    PodId::from(format!("{name}-{gpu}-{p}")),
-                    name.clone(),
-                    placement,
-                )
-            })
-        })
-    });
-    (Cluster::rebuild(node_list, pods), names)
+    let cluster = Cluster::rebuild(node_list, filled_pods(&names, fill));
+    (cluster, names)
 }
 
 /// A pod of 4 GiB on one GPU, 4 cores and 16 GiB.
@@ -126,12 +97,7 @@ fn filter_and_prioritize(c: &mut Criterion) {
                 Host::new(80_000, 1 << 19),
             );
         }
-        for gib in 1..=MAX_SHAPES as u64 {
-            cluster.observe(Shape {
-                gpu_gib: gib,
-                host: Host::new(gib * 1_000, gib * 4_096),
-            });
-        }
+        learn_full_workload(&mut cluster);
         let refs: Vec<&str> = names.iter().map(String::as_str).collect();
         for policy in [Policy::Binpack, Policy::Fragmentation] {
             let name = match fill {
@@ -142,27 +108,25 @@ fn filter_and_prioritize(c: &mut Criterion) {
                 b.iter(|| cluster.scores(refs, black_box(&request), policy))
             });
         }
-        // A 2-GPU pod: scored by the measure on the GPUs bind would take, node by node.
-        if matches!(fill, Fill::Uniform) {
+        if fill == Fill::Uniform {
+            // A 2-GPU pod: scored by the measure on the GPUs bind would take, node by node;
+            // a pod naming its GPU model: every node's GPUs checked against it first.
             let two_gpus = Request {
                 gpus: 2,
                 pod_gib: 8,
                 containers: vec![8],
                 ..request.clone()
             };
-            let name = "fragmentation, 2 GPUs";
-            group.bench_with_input(BenchmarkId::new(name, nodes), &refs, |b, refs| {
-                b.iter(|| cluster.scores(refs, black_box(&two_gpus), Policy::Fragmentation))
-            });
-            // A pod naming its GPU model: every node's GPUs checked against it first.
             let named_model = Request {
                 models: gpushare_allocator::ModelFilter::parse(["bench"]),
                 ..request.clone()
             };
-            let name = "fragmentation, named model";
-            group.bench_with_input(BenchmarkId::new(name, nodes), &refs, |b, refs| {
-                b.iter(|| cluster.scores(refs, black_box(&named_model), Policy::Fragmentation))
-            });
+            for (name, request) in [("2 GPUs", two_gpus), ("named model", named_model)] {
+                let name = format!("fragmentation, {name}");
+                group.bench_with_input(BenchmarkId::new(name, nodes), &refs, |b, refs| {
+                    b.iter(|| cluster.scores(refs, black_box(&request), Policy::Fragmentation))
+                });
+            }
         }
     }
     group.finish();
@@ -185,32 +149,21 @@ fn bind_decision(c: &mut Criterion) {
 
 fn rebuild_from_annotations(c: &mut Criterion) {
     let keys = Keys::default();
-    // 5,000 nodes × 10 pods = 50,000 pods' annotation maps, as the pod watch delivers them.
+    // 5,000 nodes × 10 pods = 50,000 pods' annotation maps, as the pod watch delivers them:
+    // 2 GiB each, bound and allocated.
     let pods: Vec<(String, String, BTreeMap<String, String>)> = (0..50_000u32)
         .map(|p| {
-            let allocation = PodAllocation {
-                more_gpus: Vec::new(),
-                exclusive: false,
-                gpu_index: p % GPUS_PER_NODE,
-                gpu_uuid: format!("GPU-{p}"),
-                pod_gib: 2,
-                containers: vec![ContainerRequest {
-                    name: "main".into(),
-                    gib: 2,
-                    init: false,
-                    compute: 0,
-                }],
-                bind_time: "2026-11-22T10:00:00Z".into(),
-                assigned: true,
-                allocated: vec!["main".into()],
-                signature: None,
-                compute: 0,
+            let (node, uuid) = (format!("node-{:05}", p / 10), format!("GPU-{p}"));
+            let gpu = p % GPUS_PER_NODE;
+            let placed = Placed {
+                node: &node,
+                gpu,
+                uuid: &uuid,
+                gib: 2,
             };
-            (
-                format!("uid-{p}"),
-                format!("node-{:05}", p / 10),
-                allocation.to_annotations(&keys),
-            )
+            let pod = allocated_pod("bench", &placed, true, &keys, "2026-11-22T10:00:00Z");
+            let annotations = pod.build().metadata.annotations.unwrap_or_default();
+            (format!("uid-{p}"), node, annotations)
         })
         .collect();
     let nodes: Vec<(String, Vec<Gpu>, bool)> = (0..5_000)
@@ -231,14 +184,12 @@ fn rebuild_from_annotations(c: &mut Criterion) {
                     PodId::from(uid.clone()),
                     node.clone(),
                     PodPlacement {
-                        more_gpus: Vec::new(),
-                        exclusive: false,
                         gpu: allocation.gpu_index,
                         uuid: allocation.gpu_uuid.as_str().into(),
                         pod_gib: allocation.pod_gib,
                         pending,
                         assigned: allocation.assigned,
-                        compute: 0,
+                        ..PodPlacement::default()
                     },
                 ))
             });

@@ -23,12 +23,15 @@ use axum::body::{Body, to_bytes};
 use axum::http::Request;
 use criterion::{BenchmarkId, Criterion, criterion_group};
 use futures::future::BoxFuture;
-use gpushare_allocator::fragmentation::{Host, MAX_SHAPES, Shape};
-use gpushare_allocator::{PodId, PodPlacement, Policy};
+use gpushare_allocator::Policy;
+use gpushare_allocator::fragmentation::Host;
 use gpushare_contract::{DEFAULT_DOMAIN, DEFAULT_RESOURCE};
 use gpushare_extender::{
     BindError, BindTiming, Binder, BindingTarget, EventSink, PodOnServer, Scheduling, Settings,
     router,
+};
+use gpushare_perf::filled::{
+    Fill, GPU_GIB, GPUS_PER_NODE, filled_pods, learn_full_workload, node_names,
 };
 use gpushare_testkit::fixtures::node;
 use prometheus_client::registry::Registry;
@@ -55,16 +58,6 @@ impl Binder for NoBinder {
     }
 }
 
-/// How the bench's GPUs are filled.
-#[derive(Clone, Copy, PartialEq, Eq)]
-enum Fill {
-    /// 10 pods of 2 GiB on every GPU: 12 GiB free on each.
-    Uniform,
-    /// GPU g of node n holds g + (n mod 4) pods of 2 GiB: eight different free amounts per
-    /// node, the fragmentation policy's worst case (each GPU is evaluated on its own).
-    Varied,
-}
-
 /// The extender's state under `policy`, its view synced with `nodes` nodes filled as `fill`
 /// says, every pod and node with its CPU and memory, and a full workload of learned shapes.
 fn state(nodes: usize, policy: Policy, fill: Fill) -> (Scheduling, Vec<String>) {
@@ -78,42 +71,25 @@ fn state(nodes: usize, policy: Policy, fill: Fill) -> (Scheduling, Vec<String>) 
         events,
         Registry::default(),
     );
-    let names: Vec<String> = (0..nodes).map(|n| format!("node-{n:05}")).collect();
+    let names = node_names(nodes);
+    let sizes = [GPU_GIB; GPUS_PER_NODE as usize];
     let objects: Vec<_> = names
         .iter()
-        .map(|name| node(name).gpushare().gpus(&[32; 8]).build())
+        .map(|name| node(name).gpushare().gpus(&sizes).build())
         .collect();
     {
         let mut view = state.view_mut();
         view.replace_nodes(&objects);
         view.replace_pods(&[]);
         let cluster = &mut view.cluster;
-        for (n, name) in names.iter().enumerate() {
-            for gpu in 0..8 {
-                let pods = match fill {
-                    Fill::Uniform => 10,
-                    Fill::Varied => gpu as usize + n % 4,
-                };
-                for p in 0..pods {
-                    let placement = PodPlacement {
-                        gpu,
-                        pod_gib: 2,
-                        assigned: true,
-                        ..PodPlacement::default()
-                    };
-                    let uid = PodId::from(format!("{name}-{gpu}-{p}"));
-                    cluster.upsert_pod(uid.clone(), name, placement);
-                    cluster.set_pod_host(uid, name, Host::new(1_000, 4_096));
-                }
-            }
+        for (uid, name, placement) in filled_pods(&names, fill) {
+            cluster.upsert_pod(uid.clone(), &name, placement);
+            cluster.set_pod_host(uid, &name, Host::new(1_000, 4_096));
+        }
+        for name in &names {
             cluster.set_node_host(name, Some(Host::new(128_000, 1 << 20)));
         }
-        for gib in 1..=MAX_SHAPES as u64 {
-            cluster.observe(Shape {
-                gpu_gib: gib,
-                host: Host::new(gib * 1_000, gib * 4_096),
-            });
-        }
+        learn_full_workload(cluster);
     }
     (state, names)
 }

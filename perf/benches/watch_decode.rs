@@ -18,21 +18,6 @@ use k8s_openapi::api::core::v1::Pod;
 use serde_json::json;
 
 fn running_gpu_pod() -> String {
-    let container = |name: &str| {
-        json!({
-            "name": name, "image": "nvcr.io/nvidia/pytorch:24.08-py3",
-            "command": ["python", "train.py"], "args": ["--epochs", "10"],
-            "env": [{"name": "NCCL_DEBUG", "value": "INFO"}, {"name": "POD_NAME",
-                     "valueFrom": {"fieldRef": {"apiVersion": "v1", "fieldPath": "metadata.name"}}}],
-            "resources": {"limits": {"example.com/gpu-mem": "4", "cpu": "2", "memory": "8Gi"},
-                          "requests": {"example.com/gpu-mem": "4", "cpu": "2", "memory": "8Gi"}},
-            "volumeMounts": [{"name": "data", "mountPath": "/data"},
-                             {"name": "kube-api-access-x7k2p", "readOnly": true,
-                              "mountPath": "/var/run/secrets/kubernetes.io/serviceaccount"}],
-            "terminationMessagePath": "/dev/termination-log", "terminationMessagePolicy": "File",
-            "imagePullPolicy": "IfNotPresent"
-        })
-    };
     let fields = |spec: serde_json::Value| {
         json!({"manager": "kube-controller-manager", "operation": "Update", "apiVersion": "v1",
                "time": "2026-11-23T21:40:00Z", "fieldsType": "FieldsV1", "fieldsV1": spec})
@@ -80,7 +65,19 @@ fn running_gpu_pod() -> String {
                             {"configMap": {"name": "kube-root-ca.crt", "items": [{"key": "ca.crt", "path": "ca.crt"}]}},
                             {"downwardAPI": {"items": [{"path": "namespace", "fieldRef": {"apiVersion": "v1", "fieldPath": "metadata.namespace"}}]}}],
                             "defaultMode": 420}}],
-            "containers": [container("main")],
+            "containers": [{
+                "name": "main", "image": "nvcr.io/nvidia/pytorch:24.08-py3",
+                "command": ["python", "train.py"], "args": ["--epochs", "10"],
+                "env": [{"name": "NCCL_DEBUG", "value": "INFO"}, {"name": "POD_NAME",
+                         "valueFrom": {"fieldRef": {"apiVersion": "v1", "fieldPath": "metadata.name"}}}],
+                "resources": {"limits": {"example.com/gpu-mem": "4", "cpu": "2", "memory": "8Gi"},
+                              "requests": {"example.com/gpu-mem": "4", "cpu": "2", "memory": "8Gi"}},
+                "volumeMounts": [{"name": "data", "mountPath": "/data"},
+                                 {"name": "kube-api-access-x7k2p", "readOnly": true,
+                                  "mountPath": "/var/run/secrets/kubernetes.io/serviceaccount"}],
+                "terminationMessagePath": "/dev/termination-log", "terminationMessagePolicy": "File",
+                "imagePullPolicy": "IfNotPresent"
+            }],
             "restartPolicy": "Always", "terminationGracePeriodSeconds": 30, "dnsPolicy": "ClusterFirst",
             "serviceAccountName": "default", "serviceAccount": "default", "nodeName": "gpu-node-17",
             "securityContext": {}, "schedulerName": "gpushare-scheduler",

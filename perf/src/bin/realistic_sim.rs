@@ -1,23 +1,14 @@
-//! Realistic packing simulator: heterogeneous GPU nodes with their own CPU and memory, a task
-//! stream of CPU-only, fractional, whole- and multi-GPU tasks, measured as FGD (ATC'23)
-//! measures: tasks arrive until GPU demand reaches 130 % of capacity, nothing leaves, and the
-//! allocation ratio is read when arrived demand reaches 100 %.
-//!
-//! kube-scheduler, for gpushare's strategies, walks the nodes round robin as it does by
-//! default and stops at `numFeasibleNodesToFind` feasible nodes (41 %, 492 nodes, at 1,200);
-//! the extender filters and scores those alone. BestFit and FGD, idealized baselines, always
-//! look at every node. The flags (`--help`) change how gpushare pods ask, how many nodes the
+//! Realistic packing simulator: every strategy replays the same generated clusters and task
+//! streams (`gpushare_perf::realistic`, whose doc draws the replay), and the report gives, as
+//! FGD (ATC'23) measures, the allocation ratio at 100 % arrived GPU demand and its climb to
+//! 130 %. The flags (`--help`) change how gpushare pods ask, how many nodes kube-scheduler's
 //! walk finds, the trace's own protocol and measure, and what-ifs on CPU and memory. The
 //! preamble prints two ceilings at 100 %: without multi-GPU tasks, and from the GPUs alone
-//! (`placement_ceiling`: tasks that fit only some GPUs asking more than those hold).
+//! (`placement_ceiling`). docs/performance.md has the commands behind its figures, e.g.:
 //!
 //! ```sh
-//! cargo run --release -p gpushare-perf --bin realistic-sim
-//! cargo run --release -p gpushare-perf --bin realistic-sim -- --nodes 1200 --seeds 10
-//! cargo run --release -p gpushare-perf --bin realistic-sim -- --nodes 1200 --seeds 10 --exclusive-whole
-//! cargo run --release -p gpushare-perf --bin realistic-sim -- --nodes 1200 --seeds 10 --score-all-nodes
-//! cargo run --release -p gpushare-perf --bin realistic-sim -- --nodes 1200 --seeds 10 --mix multi-gpu-heavy
-//! cargo run --release -p gpushare-perf --bin realistic-sim -- --nodes 1200 --seeds 10 --mix model-pinned --models-in-request
+//! cargo run --release -p gpushare-perf --bin realistic-sim -- --nodes 1200 --seeds 10 \
+//!     --percentage-of-nodes-to-score 1 --mix trace-multigpu50 --only 11,13
 //! ```
 
 use clap::Parser;
@@ -48,7 +39,7 @@ struct Args {
     only: Vec<usize>,
     /// gpushare pods ask for whole- and multi-GPU tasks with `exclusive` (empty GPUs, booked
     /// in full) instead of as `gpus: N` shared slices.
-    #[arg(long, env = "SIM_EXCLUSIVE_WHOLE", default_value_t = false)]
+    #[arg(long, env = "SIM_EXCLUSIVE_WHOLE")]
     exclusive_whole: bool,
     /// gpushare pods pinned to GPU models name them in the request (gpushare's model
     /// annotation) instead of node affinity on the model label, which kube-scheduler's walk
@@ -56,14 +47,13 @@ struct Args {
     #[arg(
         long,
         env = "SIM_MODELS_IN_REQUEST",
-        default_value_t = false,
         conflicts_with = "exclusive_whole"
     )]
     models_in_request: bool,
     /// kube-scheduler filters and scores every node for gpushare's strategies
     /// (`percentageOfNodesToScore: 100`) instead of its default walk, which stops at
     /// `numFeasibleNodesToFind` feasible nodes.
-    #[arg(long, env = "SIM_SCORE_ALL_NODES", default_value_t = false)]
+    #[arg(long, env = "SIM_SCORE_ALL_NODES")]
     score_all_nodes: bool,
     /// kube-scheduler's `percentageOfNodesToScore` for gpushare's strategies (1-99; 0, the
     /// default, is its adaptive percentage). Its walk stops at that share of the nodes, never
@@ -92,13 +82,12 @@ struct Args {
     #[arg(
         long,
         env = "SIM_TRACE_PROTOCOL",
-        default_value_t = false,
         conflicts_with_all = ["exclusive_whole", "models_in_request"]
     )]
     trace_protocol: bool,
     /// Count demand and allocation in GPUs, as the public trace does (`trace-*` mixes only),
     /// the tasks as drawn: what `--trace-protocol` does to the measure alone.
-    #[arg(long, env = "SIM_COUNT_GPUS", default_value_t = false)]
+    #[arg(long, env = "SIM_COUNT_GPUS")]
     count_gpus: bool,
 }
 
@@ -117,35 +106,33 @@ enum Mix {
 }
 
 impl Mix {
-    fn is_trace(self) -> bool {
-        matches!(
-            self,
-            Mix::TraceDefault | Mix::TraceGpushare100 | Mix::TraceGpuspec33 | Mix::TraceMultigpu50
-        )
+    /// The public trace's workload, for the `trace-*` mixes.
+    fn trace(self) -> Option<TraceMix> {
+        match self {
+            Mix::TraceDefault => Some(TraceMix::Default),
+            Mix::TraceGpushare100 => Some(TraceMix::Gpushare100),
+            Mix::TraceGpuspec33 => Some(TraceMix::Gpuspec33),
+            Mix::TraceMultigpu50 => Some(TraceMix::Multigpu50),
+            _ => None,
+        }
     }
 
     /// The cluster and the task stream of `seed`, to `demand` × its GPU memory.
     fn generate(self, nodes: usize, demand: f64, seed: u64) -> Trace {
-        let trace = |mix: TraceMix| {
+        if let Some(mix) = self.trace() {
             let nodes = trace_nodes(nodes, seed);
             let tasks = trace_tasks(&nodes, mix, demand, seed);
-            (nodes, tasks)
-        };
-        let ours = |mix: TaskMix| {
-            let nodes = generate_nodes(nodes, seed);
-            let tasks = generate_tasks(&nodes, &mix, demand, seed);
-            (nodes, tasks)
-        };
-        match self {
-            Mix::TraceDefault => trace(TraceMix::Default),
-            Mix::TraceGpushare100 => trace(TraceMix::Gpushare100),
-            Mix::TraceGpuspec33 => trace(TraceMix::Gpuspec33),
-            Mix::TraceMultigpu50 => trace(TraceMix::Multigpu50),
-            Mix::Default => ours(TaskMix::default()),
-            Mix::MultiGpuHeavy => ours(TaskMix::multi_gpu_heavy()),
-            Mix::ModelPinned => ours(TaskMix::model_pinned()),
-            Mix::AllSharing => ours(TaskMix::all_sharing()),
+            return (nodes, tasks);
         }
+        let mix = match self {
+            Mix::MultiGpuHeavy => TaskMix::multi_gpu_heavy(),
+            Mix::ModelPinned => TaskMix::model_pinned(),
+            Mix::AllSharing => TaskMix::all_sharing(),
+            _ => TaskMix::default(),
+        };
+        let nodes = generate_nodes(nodes, seed);
+        let tasks = generate_tasks(&nodes, &mix, demand, seed);
+        (nodes, tasks)
     }
 }
 
@@ -197,7 +184,7 @@ type Replayed = (usize, Strategy, Vec<Run>);
 fn main() {
     let args = Args::parse();
     let measure = args.measure();
-    if measure == Measure::Gpus && !args.mix.is_trace() {
+    if measure == Measure::Gpus && args.mix.trace().is_none() {
         eprintln!("--trace-protocol and --count-gpus replay the trace-* mixes only");
         std::process::exit(2);
     }
@@ -360,18 +347,9 @@ fn print_setup(args: &Args, form: RequestForm, to_score: NodesToScore, traces: &
     if measure == Measure::Gib {
         // What a strategy that refuses multi-GPU tasks and places every other one reaches.
         let without_multi_gpu = mean(traces, |(nodes, tasks)| {
-            let capacity = Measure::Gib.capacity(nodes);
-            let (mut arrived, mut single) = (0, 0);
-            for task in tasks {
-                arrived += task.demand_gib();
-                if task.gpus <= 1 {
-                    single += task.demand_gib();
-                }
-                if arrived >= capacity {
-                    break;
-                }
-            }
-            single as f64 / capacity as f64
+            let arrived = &tasks[..arrivals_until(nodes, tasks, Measure::Gib, 1.0)];
+            let single = arrived.iter().filter(|t| t.gpus <= 1).map(Task::demand_gib);
+            single.sum::<u64>() as f64 / Measure::Gib.capacity(nodes) as f64
         });
         println!(
             "  ceiling at 100% demand without multi-GPU tasks: {:.1}% (every other task placed)",

@@ -1,8 +1,6 @@
 //! BestFit, FGD's baseline: the node left with the least free GPU, CPU and memory, the
-//! snuggest GPUs on it. An idealized baseline: it looks at every node.
-//!
-//! Kept apart from gpushare's path because it places tasks itself, without kube-scheduler or
-//! the allocator; FGD shares its choice of GPUs for multi-GPU tasks ([`snuggest`]).
+//! snuggest GPUs on it. Idealized: it looks at every node, and places tasks itself, without
+//! kube-scheduler or the allocator; FGD shares its choice of GPUs for multi-GPU tasks.
 
 use super::generator::Task;
 use super::nodes::Nodes;
@@ -11,13 +9,7 @@ use super::nodes::Nodes;
 /// node's own, equally weighted); on it, the snuggest GPUs.
 pub(super) fn best_fit(state: &Nodes<'_>, task: &Task) -> Option<(usize, Vec<usize>)> {
     let mut best: Option<(usize, f64)> = None;
-    for n in 0..state.specs.len() {
-        if !state.model_ok(n, task)
-            || !state.gpus_ok(n, task, false)
-            || !state.host_free(n).fits(task.host)
-        {
-            continue;
-        }
+    for n in (0..state.specs.len()).filter(|&n| state.takes(n, task)) {
         let spec = &state.specs[n];
         let free = state.host_free(n).saturating_sub(task.host);
         let gpu_total = (spec.gpu_gib * u64::from(spec.gpus)) as f64;

@@ -22,28 +22,25 @@
 //!   its models, when pinned) holds (a quantile drawn in `[0, F(cap))`, so the shape below the
 //!   cap keeps the trace's proportions); then it is drawn for a node type that holds them
 //!   whole, with its GPUs and models, picked by that type's share of such GPUs. So, as the
-//!   trace's notes say, an 8-GPU job of 120 cores fits only G3. (Drawn the other way round,
-//!   a node type first and a multi-GPU job's CPU and memory capped at its GPUs' share of
-//!   it, no job outgrew the node it was drawn for: multigpu50 read 97.9 % under the trace's
-//!   protocol against 86.35 % in the replay of the real trace; drawn so, 88.3 %.) A CPU-only
-//!   task fits the largest node.
-//! - GPU memory per model, since gpushare counts GiB: T4 15, P100 16, V100M16 16, V100M32 32,
-//!   A10 24; the trace's anonymised G2 and G3 get 32 (nothing is published of them; 32 as
-//!   V100M32, so that a whole-GPU task drawn for one fits the other, as in the trace, where a
-//!   whole GPU is one GPU whatever its model). A sharing task asks its share of
-//!   its target model's GiB (at least 1, at most all but 1); a whole-GPU task all of it.
-//!   So on multigpu50 the 32 GiB tasks ask more than the 32 GiB GPUs hold
-//!   (`super::ceiling`); [`whole_gpus_of_any_model`] replays the trace's own protocol
-//!   instead, and each task carries its demand as the trace counts it ([`Task::milli`]).
+//!   trace's notes say, an 8-GPU job of 120 cores fits only G3 (drawn the other way round,
+//!   no job outgrew its node; docs/performance.md). A CPU-only task fits the largest node.
+//! - GPU memory per model, since gpushare counts GiB, is the models' (`MODELS`); the trace's
+//!   anonymised G2 and G3 get 32 (nothing is published of them; as V100M32, so that a
+//!   whole-GPU task drawn for one fits the other, as in the trace, where a whole GPU is one
+//!   GPU whatever its model). A sharing task asks its share of its target model's GiB (at
+//!   least 1, at most all but 1); a whole-GPU task all of it. So on multigpu50 the 32 GiB
+//!   tasks ask more than the 32 GiB GPUs hold (`super::ceiling`); [`whole_gpus_of_any_model`]
+//!   replays the trace's own protocol instead, each task carrying its demand as the trace
+//!   counts it ([`Task::milli`]).
 
 use gpushare_allocator::fragmentation::Host;
 use rand::rngs::StdRng;
 use rand::seq::SliceRandom;
 use rand::{Rng, SeedableRng};
 
-use super::generator::{MODELS, Models, SimNode, Task, TaskKind, holds, pick};
+use super::generator::{Models, NodeType, SimNode, Task, TaskKind, holds, node_type, pick};
 
-/// Indices into [`MODELS`] of the trace's GPU models.
+/// Indices into [`MODELS`](super::generator::MODELS) of the trace's GPU models.
 const T4: usize = 0;
 const P100: usize = 1;
 const V100M16: usize = 2;
@@ -52,56 +49,33 @@ const A10: usize = 4;
 const G2: usize = 7;
 const G3: usize = 8;
 
-/// One of the trace's node types and how many of its 1,213 nodes are of it.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub struct TraceNodeType {
-    /// Index into [`MODELS`].
-    pub model: usize,
-    pub gpus: u32,
-    pub cores: u64,
-    /// Memory, GiB.
-    pub memory_gib: u64,
-    /// Nodes of this type in the trace.
-    pub count: u32,
-}
-
-const fn node(count: u32, model: usize, gpus: u32, cores: u64, memory_gib: u64) -> TraceNodeType {
-    TraceNodeType {
-        model,
-        gpus,
-        cores,
-        memory_gib,
-        count,
-    }
-}
-
-/// The trace's nodes: 1,213 nodes, 6,212 GPUs.
-pub const TRACE_NODE_TYPES: [TraceNodeType; 15] = [
-    node(549, G2, 8, 96, 384),
-    node(387, T4, 2, 104, 512),
-    node(107, P100, 2, 16, 120),
-    node(39, G3, 8, 128, 768),
-    node(28, V100M16, 4, 32, 128),
-    node(22, P100, 2, 64, 256),
-    node(21, V100M32, 8, 96, 768),
-    node(19, V100M16, 1, 8, 32),
-    node(17, T4, 4, 96, 384),
-    node(9, V100M32, 4, 48, 368),
-    node(7, V100M16, 8, 64, 256),
-    node(3, P100, 1, 8, 60),
-    node(2, P100, 2, 8, 60),
-    node(2, A10, 1, 128, 1024),
-    node(1, V100M16, 8, 82, 336),
+/// The trace's node types, each weighted by its count of them: 1,213 nodes, 6,212 GPUs.
+pub const TRACE_NODE_TYPES: [NodeType; 15] = [
+    node_type(G2, 8, 96, 384, 549),
+    node_type(T4, 2, 104, 512, 387),
+    node_type(P100, 2, 16, 120, 107),
+    node_type(G3, 8, 128, 768, 39),
+    node_type(V100M16, 4, 32, 128, 28),
+    node_type(P100, 2, 64, 256, 22),
+    node_type(V100M32, 8, 96, 768, 21),
+    node_type(V100M16, 1, 8, 32, 19),
+    node_type(T4, 4, 96, 384, 17),
+    node_type(V100M32, 4, 48, 368, 9),
+    node_type(V100M16, 8, 64, 256, 7),
+    node_type(P100, 1, 8, 60, 3),
+    node_type(P100, 2, 8, 60, 2),
+    node_type(A10, 1, 128, 1024, 2),
+    node_type(V100M16, 8, 82, 336, 1),
 ];
 
 /// `count` nodes of the trace's types in the trace's proportions (largest remainder), in an
 /// order `seed` shuffles: kube-scheduler's walk meets them in that order.
 pub fn trace_nodes(count: usize, seed: u64) -> Vec<SimNode> {
-    let total: u64 = TRACE_NODE_TYPES.iter().map(|t| u64::from(t.count)).sum();
+    let total: u64 = TRACE_NODE_TYPES.iter().map(|t| u64::from(t.weight)).sum();
     let exact: Vec<(u64, u64)> = TRACE_NODE_TYPES
         .iter()
         .map(|t| {
-            let scaled = u64::from(t.count) * count as u64;
+            let scaled = u64::from(t.weight) * count as u64;
             (scaled / total, scaled % total)
         })
         .collect();
@@ -115,17 +89,7 @@ pub fn trace_nodes(count: usize, seed: u64) -> Vec<SimNode> {
     let mut nodes: Vec<SimNode> = TRACE_NODE_TYPES
         .iter()
         .zip(per_type)
-        .flat_map(|(t, n)| {
-            std::iter::repeat_n(
-                SimNode {
-                    model: t.model,
-                    gpus: t.gpus,
-                    gpu_gib: MODELS[t.model].gib,
-                    host: Host::new(t.cores * 1000, t.memory_gib * 1024),
-                },
-                n as usize,
-            )
-        })
+        .flat_map(|(t, n)| std::iter::repeat_n(t.node(), n as usize))
         .collect();
     nodes.shuffle(&mut StdRng::seed_from_u64(seed ^ 0x7472_6163_6520));
     nodes
@@ -182,44 +146,25 @@ struct TraceShape {
 
 /// The shapes, in the order of [`TraceMix::shares`]: CPU-only, sharing, 1, 2, 4, 8 GPUs
 /// (default and multigpu50 pooled, as published).
+#[rustfmt::skip]
 const SHAPES: [TraceShape; 6] = [
-    TraceShape {
-        kind: TaskKind::CpuOnly,
-        gpus: 0,
-        cores: Quantiles([8.0, 12.5, 32.0, 32.0]),
-        memory_gib: Quantiles([30.0, 50.0, 56.0, 64.0]),
-    },
-    TraceShape {
-        kind: TaskKind::Fractional,
-        gpus: 1,
-        cores: Quantiles([3.2, 4.0, 11.9, 12.0]),
-        memory_gib: Quantiles([5.0, 15.0, 46.0, 46.0]),
-    },
-    TraceShape {
-        kind: TaskKind::Whole,
-        gpus: 1,
-        cores: Quantiles([3.2, 11.4, 16.0, 24.2]),
-        memory_gib: Quantiles([5.0, 47.0, 63.0, 123.0]),
-    },
-    TraceShape {
-        kind: TaskKind::Multi,
-        gpus: 2,
-        cores: Quantiles([6.0, 16.2, 30.2, 30.2]),
-        memory_gib: Quantiles([42.0, 65.0, 157.0, 157.0]),
-    },
-    TraceShape {
-        kind: TaskKind::Multi,
-        gpus: 4,
-        cores: Quantiles([32.0, 32.2, 60.2, 60.2]),
-        memory_gib: Quantiles([128.0, 129.0, 313.0, 313.0]),
-    },
-    TraceShape {
-        kind: TaskKind::Multi,
-        gpus: 8,
-        cores: Quantiles([64.2, 88.0, 120.0, 120.2]),
-        memory_gib: Quantiles([257.0, 320.0, 625.0, 720.0]),
-    },
+    shape(TaskKind::CpuOnly,    0, [8.0, 12.5, 32.0, 32.0],   [30.0, 50.0, 56.0, 64.0]),
+    shape(TaskKind::Fractional, 1, [3.2, 4.0, 11.9, 12.0],    [5.0, 15.0, 46.0, 46.0]),
+    shape(TaskKind::Whole,      1, [3.2, 11.4, 16.0, 24.2],   [5.0, 47.0, 63.0, 123.0]),
+    shape(TaskKind::Multi,      2, [6.0, 16.2, 30.2, 30.2],   [42.0, 65.0, 157.0, 157.0]),
+    shape(TaskKind::Multi,      4, [32.0, 32.2, 60.2, 60.2],  [128.0, 129.0, 313.0, 313.0]),
+    shape(TaskKind::Multi,      8, [64.2, 88.0, 120.0, 120.2], [257.0, 320.0, 625.0, 720.0]),
 ];
+
+const fn shape(kind: TaskKind, gpus: u32, cores: [f64; 4], memory_gib: [f64; 4]) -> TraceShape {
+    let (cores, memory_gib) = (Quantiles(cores), Quantiles(memory_gib));
+    TraceShape {
+        kind,
+        gpus,
+        cores,
+        memory_gib,
+    }
+}
 
 /// A sharing task's GPU share, milli-GPU: p10, p50, p90 (held at p90 above).
 const SHARE_MILLI: Quantiles = Quantiles([230.0, 470.0, 810.0, 810.0]);
@@ -335,10 +280,7 @@ pub fn trace_tasks(nodes: &[SimNode], mix: TraceMix, demand: f64, seed: u64) -> 
 /// (replayed with [`RequestForm::Exclusive`](super::sim::RequestForm::Exclusive)). Its CPU
 /// and memory, and every other task, stay as drawn.
 pub fn whole_gpus_of_any_model(nodes: &[SimNode], tasks: &mut [Task]) {
-    for task in tasks
-        .iter_mut()
-        .filter(|t| matches!(t.kind, TaskKind::Whole | TaskKind::Multi))
-    {
+    for task in tasks.iter_mut().filter(|t| t.is_whole()) {
         let smallest = nodes
             .iter()
             .filter(|n| holds(n, task.gpus, 0, task.model))
@@ -424,20 +366,14 @@ fn draw_host(rng: &mut StdRng, shape: &TraceShape, cap: Host) -> Host {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::realistic::generator::fits_an_empty_node;
 
     #[test]
     fn the_trace_cluster_keeps_its_node_counts_and_scales_by_largest_remainder() {
         let nodes = trace_nodes(1_213, 0);
         for t in TRACE_NODE_TYPES {
-            let of = nodes
-                .iter()
-                .filter(|n| {
-                    n.model == t.model
-                        && n.gpus == t.gpus
-                        && n.host == Host::new(t.cores * 1000, t.memory_gib * 1024)
-                })
-                .count();
-            assert_eq!(of, t.count as usize, "{t:?}");
+            let of = nodes.iter().filter(|n| **n == t.node()).count();
+            assert_eq!(of, t.weight as usize, "{t:?}");
         }
         assert_eq!(nodes.iter().map(|n| n.gpus).sum::<u32>(), 6_212);
         let scaled = trace_nodes(1_200, 3);
@@ -468,40 +404,25 @@ mod tests {
         let nodes = trace_nodes(1_200, 1);
         for mix in TraceMix::ALL {
             let tasks = trace_tasks(&nodes, mix, 1.3, 1);
-            let share = |gpus: u32, kind: TaskKind| {
+            let share = |s: TraceShape| {
                 let of = tasks
                     .iter()
-                    .filter(|t| t.gpus == gpus && t.kind == kind)
-                    .count();
-                of as f64 * 1000.0 / tasks.len() as f64
+                    .filter(|t| t.gpus == s.gpus && t.kind == s.kind);
+                of.count() as f64 * 1000.0 / tasks.len() as f64
             };
-            let drawn = [
-                share(0, TaskKind::CpuOnly),
-                share(1, TaskKind::Fractional),
-                share(1, TaskKind::Whole),
-                share(2, TaskKind::Multi),
-                share(4, TaskKind::Multi),
-                share(8, TaskKind::Multi),
-            ];
+            let drawn = SHAPES.map(share);
             for (drawn, published) in drawn.iter().zip(mix.shares()) {
-                let slack = 6.0 + f64::from(published) * 0.1;
-                assert!(
-                    (drawn - f64::from(published)).abs() < slack,
-                    "{mix:?}: {drawn:.1}‰ against {published}‰"
-                );
+                let published = f64::from(published);
+                let (off, slack) = ((drawn - published).abs(), 6.0 + published * 0.1);
+                assert!(off < slack, "{mix:?}: {drawn:.1}‰ against {published}‰");
             }
             for task in &tasks {
-                let fits = |n: &SimNode| {
-                    holds(n, task.gpus, task.gpu_gib, task.model) && n.host.fits(task.host)
-                };
-                assert!(nodes.iter().any(fits), "{mix:?}: {task:?}");
+                assert!(fits_an_empty_node(&nodes, task), "{mix:?}: {task:?}");
             }
             let pinned = tasks.iter().filter(|t| t.model.is_some()).count() as f64;
             let pinned = pinned * 1000.0 / tasks.len() as f64;
-            assert!(
-                (pinned - f64::from(mix.pinned())).abs() < 25.0,
-                "{mix:?}: {pinned:.1}‰ pinned"
-            );
+            let off = (pinned - f64::from(mix.pinned())).abs();
+            assert!(off < 25.0, "{mix:?}: {pinned:.1}‰ pinned");
         }
     }
 
@@ -543,11 +464,8 @@ mod tests {
         let pinned_to_g3 = any.iter().find(|t| {
             t.gpus > 0 && t.model == Some(Models::of(&[G3])) && t.kind != TaskKind::Fractional
         });
-        assert_eq!(
-            pinned_to_g3.map(|t| t.gpu_gib),
-            Some(32),
-            "G3 has only 32 GiB GPUs"
-        );
+        let gib = pinned_to_g3.map(|t| t.gpu_gib);
+        assert_eq!(gib, Some(32), "G3 has only 32 GiB GPUs");
     }
 
     #[test]

@@ -163,17 +163,7 @@ pub fn placement_ceiling(nodes: &[SimNode], tasks: &[Task], measure: Measure) ->
 mod tests {
     use super::*;
     use crate::realistic::calibrated::{TraceMix, trace_nodes, trace_tasks};
-    use crate::realistic::generator::{Models, TaskKind, test_task};
-    use gpushare_allocator::fragmentation::Host;
-
-    fn node(model: usize, gpus: u32, gpu_gib: u64) -> SimNode {
-        SimNode {
-            model,
-            gpus,
-            gpu_gib,
-            host: Host::new(64_000, 256 * 1024),
-        }
-    }
+    use crate::realistic::generator::{Models, TaskKind, test_node as node, test_task};
 
     fn whole(gpus: u32, gpu_gib: u64) -> Task {
         let kind = if gpus > 1 {
@@ -223,19 +213,15 @@ mod tests {
         let ceiling = placement_ceiling(&nodes, &tasks, Measure::Gpus).unwrap();
         assert_eq!(ceiling.classes, [GpuClass::of(&node(7, 8, 32))]);
         assert_eq!((ceiling.held, ceiling.asked), (8.0 / 12.0, 1.0));
-        assert!(
-            (ceiling.allocation_at_most - 8.0 / 12.0).abs() < 1e-12,
-            "{ceiling:?}"
-        );
+        let off = (ceiling.allocation_at_most - 8.0 / 12.0).abs();
+        assert!(off < 1e-12, "{ceiling:?}");
         // Counted in GPUs, a 15 GiB slice on a 32 GiB GPU books 15/32 of it: three 4-GPU
         // jobs of 15 GiB slices book at most 5.625 GPUs wherever they go.
         let slices = [whole(4, 15), whole(4, 15), whole(4, 15)];
         let ceiling = placement_ceiling(&nodes, &slices, Measure::Gpus).unwrap();
         assert_eq!(ceiling.classes, []);
-        assert!(
-            (ceiling.allocation_at_most - 5.625 / 12.0).abs() < 1e-12,
-            "{ceiling:?}"
-        );
+        let off = (ceiling.allocation_at_most - 5.625 / 12.0).abs();
+        assert!(off < 1e-12, "{ceiling:?}");
     }
 
     #[test]
@@ -248,18 +234,14 @@ mod tests {
             };
             // In GiB, multigpu50's 32 GiB tasks ask more than the 32 GiB GPUs hold.
             let multigpu50 = ceiling(TraceMix::Multigpu50, Measure::Gib).unwrap();
-            assert!(
-                multigpu50.classes.iter().all(|c| c.gpu_gib >= 24),
-                "{multigpu50:?}"
-            );
+            let large = multigpu50.classes.iter().all(|c| c.gpu_gib >= 24);
+            assert!(large, "{multigpu50:?}");
             assert!(multigpu50.asked > multigpu50.held, "{multigpu50:?}");
             assert!(multigpu50.allocation_at_most < 0.998, "{multigpu50:?}");
             // gpuspec33's tasks pinned to T4 and P100 ask more than those GPUs hold.
             let gpuspec33 = ceiling(TraceMix::Gpuspec33, Measure::Gib).unwrap();
-            assert!(
-                gpuspec33.classes.iter().all(|c| c.model <= 1),
-                "{gpuspec33:?}"
-            );
+            let t4_p100 = gpuspec33.classes.iter().all(|c| c.model <= 1);
+            assert!(t4_p100, "{gpuspec33:?}");
             assert!(gpuspec33.asked > gpuspec33.held, "{gpuspec33:?}");
             assert!(gpuspec33.allocation_at_most < 0.98, "{gpuspec33:?}");
             // The default mix in GiB: no set of classes is over-asked.

@@ -1,8 +1,6 @@
 //! gpushare's DRA mode: kube-scheduler allocates each task's claim itself, with its default
-//! scores and the allocator's first fit on the node it picks.
-//!
-//! Kept apart from gpushare's extender path because nothing of the extender takes part: no
-//! allocator, no extender scores, devices taken in the slice's order.
+//! scores and the allocator's first fit on the node it picks. Nothing of the extender takes
+//! part: no allocator, no extender scores, devices taken in the slice's order.
 
 use super::generator::Task;
 use super::kube_scheduler::{KubeScheduler, Missed, select_host};
@@ -59,23 +57,15 @@ mod tests {
     #[test]
     fn the_dra_allocator_takes_the_first_gpus_with_the_share_free() {
         let free = [2, 8, 16, 8];
-        // First fit, not best fit: the 8 GiB GPU before the 16 and the later 8.
-        assert_eq!(
-            first_fit_devices(&free, &task(TaskKind::Fractional, 1, 4)),
-            Some(vec![1])
-        );
-        // N distinct GPUs, in the slice's order.
-        assert_eq!(
-            first_fit_devices(&free, &task(TaskKind::Multi, 2, 8)),
-            Some(vec![1, 2])
-        );
-        assert_eq!(
-            first_fit_devices(&free, &task(TaskKind::Multi, 3, 16)),
-            None
-        );
-        assert_eq!(
-            first_fit_devices(&free, &task(TaskKind::Whole, 1, 16)),
-            Some(vec![2])
-        );
+        // First fit, not best fit: the 8 GiB GPU before the 16 and the later 8; N distinct
+        // GPUs, in the slice's order.
+        for (task, devices) in [
+            (task(TaskKind::Fractional, 1, 4), Some(vec![1])),
+            (task(TaskKind::Multi, 2, 8), Some(vec![1, 2])),
+            (task(TaskKind::Multi, 3, 16), None),
+            (task(TaskKind::Whole, 1, 16), Some(vec![2])),
+        ] {
+            assert_eq!(first_fit_devices(&free, &task), devices, "{task:?}");
+        }
     }
 }

@@ -1,8 +1,6 @@
-//! FGD as published (ATC'23): expected fragmentation against the task population, every
-//! task kind. An idealized baseline: it looks at every node.
-//!
-//! Kept apart because it is the yardstick gpushare's fragmentation policy is measured
-//! against, and its population model (the typical tasks) is its own.
+//! FGD as published (ATC'23), the yardstick of gpushare's fragmentation policy: expected
+//! fragmentation against its own model of the task population, every task kind. Idealized:
+//! it looks at every node.
 
 use std::collections::BTreeMap;
 
@@ -87,11 +85,8 @@ pub(super) fn place(
 ) -> Option<(usize, Vec<usize>)> {
     let mut best: Option<(usize, Vec<usize>, f64)> = None;
     let mut scratch = Vec::new();
-    for n in 0..state.specs.len() {
+    for n in (0..state.specs.len()).filter(|&n| state.takes(n, task)) {
         let host = state.host_free(n);
-        if !state.model_ok(n, task) || !state.gpus_ok(n, task, false) || !host.fits(task.host) {
-            continue;
-        }
         let free = &state.free[n];
         let before = fragmentation(state, n, free, host, shapes);
         let after_host = host.saturating_sub(task.host);

@@ -20,9 +20,8 @@
 //! that ran. Sizes are drawn independently, so a multi-GPU job is then fitted to the machines
 //! it was meant for: it pins only models whose nodes have its GPUs, and asks no more CPU and
 //! memory than its GPUs' share of a node of the model it targets (or, where no such node has
-//! enough GPUs, of the smallest node that does). Before, 8-GPU jobs drawn at 24 or 32 cores
-//! per GPU asked more CPU than any node has: 1.3 % of the default mix's GPU demand and 5.3 %
-//! of the multi-GPU-heavy mix's could never be placed.
+//! enough GPUs, of the smallest node that does); unfitted, 8-GPU jobs of 24 or 32 cores per
+//! GPU asked more CPU than any node has.
 //!
 //! Units are gpushare's: GPU memory in whole GiB (a "whole GPU" task asks for all of its
 //! model's memory; a fractional one for its share of it), CPU in millicores, memory in MiB.
@@ -67,8 +66,22 @@ pub struct NodeType {
     pub cores: u64,
     /// Allocatable memory, GiB.
     pub memory_gib: u64,
-    /// Relative number of such nodes.
+    /// Relative number of such nodes (the trace's: its count of them).
     pub weight: u32,
+}
+
+impl NodeType {
+    /// A node of this type.
+    pub fn node(self) -> SimNode {
+        let host = Host::new(self.cores * 1000, self.memory_gib * 1024);
+        let (model, gpus) = (self.model, self.gpus);
+        SimNode {
+            model,
+            gpus,
+            gpu_gib: MODELS[model].gib,
+            host,
+        }
+    }
 }
 
 /// The node types: 8-GPU training servers, 4-GPU and 2-GPU inference servers. CPU per GPU
@@ -83,7 +96,13 @@ pub const NODE_TYPES: [NodeType; 7] = [
     node_type(0, 2, 64, 256, 32),
 ];
 
-const fn node_type(model: usize, gpus: u32, cores: u64, memory_gib: u64, weight: u32) -> NodeType {
+pub(super) const fn node_type(
+    model: usize,
+    gpus: u32,
+    cores: u64,
+    memory_gib: u64,
+    weight: u32,
+) -> NodeType {
     NodeType {
         model,
         gpus,
@@ -114,15 +133,7 @@ pub fn generate_nodes(count: usize, seed: u64) -> Vec<SimNode> {
         .map(|(i, t)| (i, t.weight))
         .collect();
     (0..count)
-        .map(|_| {
-            let t = NODE_TYPES[pick(&mut rng, &weights)];
-            SimNode {
-                model: t.model,
-                gpus: t.gpus,
-                gpu_gib: MODELS[t.model].gib,
-                host: Host::new(t.cores * 1000, t.memory_gib * 1024),
-            }
-        })
+        .map(|_| NODE_TYPES[pick(&mut rng, &weights)].node())
         .collect()
 }
 
@@ -230,6 +241,26 @@ pub(super) fn test_task(kind: TaskKind, gpus: u32, gpu_gib: u64) -> Task {
     }
 }
 
+/// Whether some node of `nodes`, empty, would take `task`: a trace records tasks that ran.
+#[cfg(test)]
+pub(super) fn fits_an_empty_node(nodes: &[SimNode], task: &Task) -> bool {
+    let fits =
+        |n: &SimNode| holds(n, task.gpus, task.gpu_gib, task.model) && n.host.fits(task.host);
+    nodes.iter().any(fits)
+}
+
+/// `gpus` × `gpu_gib` GiB of `model`, 64 cores and 256 GiB: the tests' node.
+#[cfg(test)]
+pub(super) fn test_node(model: usize, gpus: u32, gpu_gib: u64) -> SimNode {
+    let host = Host::new(64_000, 262_144);
+    SimNode {
+        model,
+        gpus,
+        gpu_gib,
+        host,
+    }
+}
+
 /// The task mix: shares of each kind and the distributions their sizes are drawn from.
 #[derive(Debug, Clone, PartialEq)]
 pub struct TaskMix {
@@ -256,34 +287,23 @@ impl Default for TaskMix {
     fn default() -> Self {
         Self {
             kinds: [30, 76, 91, 3],
-            fractions: vec![
-                (10, 8),
-                (20, 6),
-                (25, 22),
-                (30, 6),
-                (40, 5),
-                (50, 33),
-                (60, 5),
-                (75, 8),
-                (90, 7),
-            ],
+            fractions: weighted(
+                [10, 20, 25, 30, 40, 50, 60, 75, 90],
+                [8, 6, 22, 6, 5, 33, 5, 8, 7],
+            ),
             multi: vec![(2, 5), (4, 3), (8, 2)],
-            cores_per_gpu: vec![
-                (2, 3),
-                (4, 10),
-                (6, 15),
-                (8, 20),
-                (12, 22),
-                (16, 18),
-                (24, 8),
-                (32, 4),
-            ],
+            cores_per_gpu: weighted([2, 4, 6, 8, 12, 16, 24, 32], [3, 10, 15, 20, 22, 18, 8, 4]),
             cpu_only_cores: vec![(1, 20), (2, 25), (4, 25), (8, 15), (16, 10), (32, 5)],
             memory_per_core: vec![(1, 10), (2, 30), (4, 35), (6, 15), (8, 10)],
             constrained_percent: 25,
             two_models_percent: 0,
         }
     }
+}
+
+/// `values`, each with its weight.
+fn weighted<const N: usize>(values: [u64; N], weights: [u32; N]) -> Vec<(u64, u32)> {
+    values.into_iter().zip(weights).collect()
 }
 
 /// The named mixes the simulator reports on, each the default with one thing pushed to where
@@ -488,12 +508,8 @@ mod tests {
         assert!((0.04..0.15).contains(&multi_share), "{multi_share}");
         // CPU grows with the GPU share: whole-GPU tasks ask for more than fractional ones.
         let mean_cpu = |kind| {
-            let of: Vec<u64> = tasks
-                .iter()
-                .filter(|t| t.kind == kind)
-                .map(|t| t.host.milli_cpu)
-                .collect();
-            of.iter().sum::<u64>() as f64 / of.len() as f64
+            let of = tasks.iter().filter(|t| t.kind == kind);
+            of.clone().map(|t| t.host.milli_cpu).sum::<u64>() as f64 / of.count() as f64
         };
         assert!(mean_cpu(TaskKind::Whole) > 1.5 * mean_cpu(TaskKind::Fractional));
         assert!(mean_cpu(TaskKind::Multi) > 2.0 * mean_cpu(TaskKind::Whole));
@@ -530,20 +546,13 @@ mod tests {
         assert!((0.35..0.65).contains(&(two / named)), "{two} of {named}");
 
         let sharing = generate_tasks(&nodes, &TaskMix::all_sharing(), 1.3, 3);
-        assert!(
-            sharing
-                .iter()
-                .all(|t| matches!(t.kind, TaskKind::CpuOnly | TaskKind::Fractional))
-        );
+        let kinds = |t: &Task| matches!(t.kind, TaskKind::CpuOnly | TaskKind::Fractional);
+        assert!(sharing.iter().all(kinds));
     }
 
     #[test]
     fn every_task_fits_an_empty_node_of_its_cluster() {
         let nodes = generate_nodes(1_200, 0);
-        let fits_empty = |t: &Task| {
-            let fits = |n: &SimNode| holds(n, t.gpus, t.gpu_gib, t.model) && n.host.fits(t.host);
-            nodes.iter().any(fits)
-        };
         for mix in [
             TaskMix::default(),
             TaskMix::multi_gpu_heavy(),
@@ -551,7 +560,10 @@ mod tests {
             TaskMix::all_sharing(),
         ] {
             let tasks = generate_tasks(&nodes, &mix, 1.3, 0);
-            let unplaceable: Vec<&Task> = tasks.iter().filter(|t| !fits_empty(t)).collect();
+            let unplaceable: Vec<&Task> = tasks
+                .iter()
+                .filter(|t| !fits_an_empty_node(&nodes, t))
+                .collect();
             assert!(unplaceable.is_empty(), "{mix:?}: {unplaceable:?}");
         }
         // A job that targets a model whose nodes have its GPUs asks at most its share of one:

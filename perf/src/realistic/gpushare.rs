@@ -1,8 +1,6 @@
 //! A gpushare pod through kube-scheduler and the extender: the request it makes, the
 //! allocator's cluster the extender keeps, and one scheduling cycle (walk, the extender's
-//! filter, the profile's scores, bind).
-//!
-//! Kept apart because this is the path that runs gpushare's real allocation core
+//! filter, the profile's scores, bind). This path runs gpushare's real allocation core
 //! (`gpushare_allocator`): what the report says about gpushare is decided here.
 
 use gpushare_allocator::fragmentation::Host;
@@ -119,8 +117,7 @@ pub(super) fn gpushare(
 /// kube-scheduler's filters (the model's node label, unless the request names the models;
 /// CPU, memory and the GPU-memory resource, the node's total, as `NodeResourcesFit` counts
 /// them) pick the nodes its walk finds; the extender's filter (the allocator's fit, models
-/// included) runs on those alone. The nodes that pass both, or
-/// why there are none.
+/// included) runs on those alone. The nodes that pass both, or why there are none.
 fn filter(
     state: &Nodes<'_>,
     cluster: &Cluster,
@@ -218,7 +215,6 @@ fn bind(
         .chain(placement.more_gpus.iter().map(|(index, _)| *index))
         .map(|index| index as usize)
         .collect();
-    // The device plugin allocates at once in this simulation: no containers wait as twins.
     cluster.upsert_pod(uid, &state.names[n], placement.allocated());
     Ok(gpus)
 }

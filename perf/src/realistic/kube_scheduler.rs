@@ -1,11 +1,7 @@
 //! kube-scheduler as the replay keeps it from pod to pod: its walk over the nodes (resumed
-//! where the previous pod's stopped, until `numFeasibleNodesToFind` pass), its `selectHost`
-//! tie-break, and the default profile that places CPU-only pods.
-//!
-//! Kept apart because every strategy that goes through kube-scheduler (gpushare's, DRA mode)
-//! keeps one of these per replay, and the walk decides which nodes the extender ever sees;
-//! CPU-only pods go through the cluster's default scheduler, another process with a walk of
-//! its own.
+//! where the previous pod's stopped, until `numFeasibleNodesToFind` pass), which decides the
+//! nodes the extender ever sees; its `selectHost` tie-break; and the cluster's default
+//! scheduler, which places CPU-only pods with a walk of its own.
 
 use gpushare_scheduler_model::{num_feasible_nodes_to_find, num_feasible_nodes_to_find_at};
 use rand::rngs::StdRng;
@@ -141,35 +137,31 @@ pub(super) fn default_scheduler(
 mod tests {
     use super::*;
 
+    fn ids(nodes: impl Iterator<Item = usize>) -> Vec<usize> {
+        nodes.collect()
+    }
+
     #[test]
     fn kube_scheduler_walks_round_robin_until_it_finds_enough_nodes() {
         // 300 nodes: 50 - 300 / 125 = 48 % of them, 144 (at least 100).
         assert_eq!(num_feasible_nodes_to_find(300), 144);
         let mut kube = KubeScheduler::new(NodesToScore::Adaptive, 0);
         let walk = kube.walk(300, |_| true);
-        assert_eq!(walk.feasible, (0..144).collect::<Vec<_>>());
-        assert_eq!(
-            walk.unvisited().collect::<Vec<_>>(),
-            (144..300).collect::<Vec<_>>()
-        );
+        assert_eq!(walk.feasible, ids(0..144));
+        assert_eq!(ids(walk.unvisited()), ids(144..300));
         assert_eq!(kube.next_start_node_index, 144);
         // The next walk starts where this one stopped and wraps round the cluster.
         let walk = kube.walk(300, |_| true);
-        assert_eq!(walk.feasible, (144..288).collect::<Vec<_>>());
+        assert_eq!(walk.feasible, ids(144..288));
         let walk = kube.walk(300, |_| true);
-        assert_eq!(walk.feasible, (288..300).chain(0..132).collect::<Vec<_>>());
+        assert_eq!(walk.feasible, ids((288..300).chain(0..132)));
         assert_eq!(kube.next_start_node_index, 132);
         // Every third node infeasible: the walk visits 215 nodes to find 144, and the next
         // one starts 215 further on, infeasible nodes counted.
         let mut kube = KubeScheduler::new(NodesToScore::Adaptive, 0);
         let walk = kube.walk(300, |n| n % 3 != 2);
-        assert_eq!(
-            walk.feasible,
-            (0..300)
-                .filter(|n| n % 3 != 2)
-                .take(144)
-                .collect::<Vec<_>>()
-        );
+        let feasible = (0..300).filter(|n| n % 3 != 2);
+        assert_eq!(walk.feasible, ids(feasible.take(144)));
         assert_eq!(walk.feasible.last(), Some(&214));
         assert_eq!(kube.next_start_node_index, 215);
         assert_eq!(walk.unvisited().count(), 85);
@@ -185,23 +177,17 @@ mod tests {
         assert_eq!(kube.next_start_node_index, 215 + 492);
         // Below 100 nodes, and with every node to score: all of them, from the first.
         let walk = KubeScheduler::new(NodesToScore::Adaptive, 0).walk(99, |_| true);
-        assert_eq!(walk.feasible, (0..99).collect::<Vec<_>>());
+        assert_eq!(walk.feasible, ids(0..99));
         let mut all = KubeScheduler::new(NodesToScore::All, 0);
         for _ in 0..2 {
             let walk = all.walk(1_200, |_| true);
-            assert_eq!(walk.feasible, (0..1_200).collect::<Vec<_>>());
+            assert_eq!(walk.feasible, ids(0..1_200));
             assert_eq!(all.next_start_node_index, 0);
         }
         assert!(all.walk(0, |_| true).feasible.is_empty());
         // The chart's profile (1 %): 100 nodes at 1,200, the next walk from node 100.
         let mut chart = KubeScheduler::new(NodesToScore::Percentage(1), 0);
-        assert_eq!(
-            chart.walk(1_200, |_| true).feasible,
-            (0..100).collect::<Vec<_>>()
-        );
-        assert_eq!(
-            chart.walk(1_200, |_| true).feasible,
-            (100..200).collect::<Vec<_>>()
-        );
+        assert_eq!(chart.walk(1_200, |_| true).feasible, ids(0..100));
+        assert_eq!(chart.walk(1_200, |_| true).feasible, ids(100..200));
     }
 }

@@ -1,9 +1,7 @@
-//! The cluster as the replay tracks it, whatever strategy places the tasks: CPU and memory
-//! requested per node, free GiB per GPU, and GPU memory as kube-scheduler counts it.
-//!
-//! One book for every strategy, so that their allocation ratios, stranded memory and causes
-//! of failure are counted the same way; the allocator's own cluster (gpushare's strategies)
-//! is checked against it in the replay's tests.
+//! The cluster as the replay books it, whatever strategy places the tasks: CPU and memory
+//! requested per node, free GiB per GPU, and GPU memory as kube-scheduler counts it. One book
+//! for every strategy, so that their figures are counted alike; the allocator's own cluster
+//! (gpushare's strategies) is checked against it in the replay's tests.
 
 use gpushare_allocator::fragmentation::Host;
 
@@ -70,6 +68,12 @@ impl<'a> Nodes<'a> {
             }
         };
         task.gpus == 0 || self.free[n].iter().filter(|f| takes(**f)).count() >= task.gpus as usize
+    }
+
+    /// Whether node `n` takes `task` now: its model, enough GPUs with the task's GiB free,
+    /// and its CPU and memory.
+    pub(super) fn takes(&self, n: usize, task: &Task) -> bool {
+        self.model_ok(n, task) && self.gpus_ok(n, task, false) && self.host_free(n).fits(task.host)
     }
 
     /// Books `task` on node `n`'s `gpus`: its GiB on each, or the whole GPUs when `whole`.

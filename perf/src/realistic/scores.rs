@@ -1,8 +1,6 @@
 //! kube-scheduler's score plugins on a simulated node, integer for integer as upstream and
-//! gpushare-e2e's scheduler compute them (the tests check they agree).
-//!
-//! Kept apart because they are the yardstick every strategy's node choice is read against: a
-//! change here changes every row of the report, and should be checked against the drivers.
+//! gpushare-e2e's scheduler compute them (the tests check they agree): every strategy's node
+//! choice is read against them, so a change here changes every row of the report.
 
 use gpushare_allocator::fragmentation::Host;
 use gpushare_allocator::kube_scores;
@@ -65,48 +63,39 @@ pub(super) fn native_most_allocated_score(
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::realistic::generator::SimNode;
+    use crate::realistic::generator::test_node;
     use gpushare_scheduler_model::requests::{CPU, MEMORY, NodeUsage, PodUsage, Resources};
     use gpushare_scheduler_model::scoring as framework;
 
     #[test]
     fn default_score_matches_the_scheduler_drivers() {
         const MIB: i128 = 1024 * 1024 * 1000;
-        let host = |cpu: u64, mib: u64| {
+        let host = |(cpu, mib): (u64, u64)| {
             Resources::from([
                 (CPU.to_owned(), i128::from(cpu)),
                 (MEMORY.to_owned(), i128::from(mib) * MIB),
             ])
         };
+        let h = |(cpu, mib): (u64, u64)| Host::new(cpu, mib);
+        let fit = framework::FitScoring::default();
         for (alloc, used, pod) in [
             ((96_000, 393_216), (10_000, 50_000), (8_000, 32_768)),
             ((64_000, 262_144), (60_000, 10_000), (4_000, 200_000)),
             ((2_000, 1_024), (0, 0), (500, 1_000)),
         ] {
             let usage = NodeUsage {
-                requested: host(used.0, used.1),
+                requested: host(used),
                 non_zero_cpu: i128::from(used.0),
                 non_zero_memory: i128::from(used.1) * MIB,
                 pods: 1,
             };
             let pod_usage = PodUsage {
-                requested: host(pod.0, pod.1),
+                requested: host(pod),
                 non_zero_cpu: i128::from(pod.0),
                 non_zero_memory: i128::from(pod.1) * MIB,
             };
-            assert_eq!(
-                default_score(
-                    Host::new(alloc.0, alloc.1),
-                    Host::new(used.0, used.1),
-                    Host::new(pod.0, pod.1)
-                ),
-                framework::default_score(
-                    &framework::FitScoring::default(),
-                    &host(alloc.0, alloc.1),
-                    &usage,
-                    &pod_usage
-                )
-            );
+            let theirs = framework::default_score(&fit, &host(alloc), &usage, &pod_usage);
+            assert_eq!(default_score(h(alloc), h(used), h(pod)), theirs);
         }
     }
 
@@ -140,22 +129,15 @@ mod tests {
                 requested: gib(pod),
                 ..PodUsage::default()
             };
-            assert_eq!(
-                most_allocated(allocatable, requested, pod),
-                fit.score(&gib(allocatable), &usage, &pod_usage),
-                "{allocatable} {requested} {pod}"
-            );
+            let theirs = fit.score(&gib(allocatable), &usage, &pod_usage);
+            let ours = most_allocated(allocatable, requested, pod);
+            assert_eq!(ours, theirs, "{allocatable} {requested} {pod}");
         }
     }
 
     #[test]
     fn native_profile_adds_gpu_memory_most_allocated_to_balanced_allocation() {
-        let node = |gpus| SimNode {
-            model: 1,
-            gpus,
-            gpu_gib: 16,
-            host: Host::new(64_000, 262_144),
-        };
+        let node = |gpus| test_node(1, gpus, 16);
         let specs = [node(2), node(8)];
         let mut state = Nodes::new(&specs);
         state.requested_gib[0] = 12;

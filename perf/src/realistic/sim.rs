@@ -1,23 +1,13 @@
 //! The replay: each strategy places the same task stream on the same cluster, and we watch
 //! the allocation ratio climb as demand arrives.
 //!
-//! gpushare pods ask for whole- and multi-GPU tasks in one of two forms ([`RequestForm`]):
-//! the plain form (`gpus: N` and the total GiB: N shared slices, the rest of each GPU left to
-//! other pods), or `exclusive` (N empty GPUs, booked in full).
-//!
-//! Strategies that go through kube-scheduler (gpushare's, and CPU-only pods in a gpushare
-//! cluster) see the nodes as kube-scheduler does by default ([`NodesToScore::Adaptive`]): its
-//! filters walk the nodes from where the previous cycle stopped and stop once they have found
-//! `numFeasibleNodesToFind` feasible nodes; the extender filters and scores only those. A pod
-//! none of them takes fails, even when a node the walk did not reach would have taken it.
-//! BestFit and FGD are idealized baselines: they always look at every node.
-//!
-//! CPU-only pods in a gpushare cluster go through the cluster's default scheduler: a process
-//! of its own beside the chart's dedicated one, so with a walk of its own, at kube-scheduler's
-//! adaptive percentage whatever the dedicated profile's is. With gpushare's extender it
-//! prefers nodes without an idle GPU (`extender.idleGpuTaint`, `Strategy::taints_idle_gpus`);
-//! GPU pods tolerate that taint (the chart's routing adds the toleration), as in the chart's
-//! dedicated mode.
+//! Strategies that go through kube-scheduler see only the nodes its walk finds
+//! ([`NodesToScore`]): a pod none of them takes fails, even when a node the walk did not reach
+//! would have taken it. BestFit and FGD, idealized, always look at every node. CPU-only pods
+//! in a gpushare cluster go through the cluster's default scheduler, a process of its own
+//! beside the chart's dedicated one (so a walk of its own, at the adaptive percentage); it
+//! prefers nodes without an idle GPU where gpushare's extender taints them
+//! (`extender.idleGpuTaint`), which GPU pods tolerate (the chart's routing adds it).
 
 use gpushare_allocator::fragmentation::Host;
 use gpushare_allocator::{Cluster, PodId, Policy};
@@ -193,9 +183,8 @@ struct Placer {
     /// stopped.
     kube: KubeScheduler,
     /// The cluster's default scheduler, which places CPU-only pods: its own walk, adaptive.
-    /// (The classic extender and DRA mode run in it, GPU pods too; they are given `kube`,
-    /// which differs from this only in where the walk starts, and in the percentage when
-    /// one is given.)
+    /// (The classic extender and DRA mode, which run in it, get `kube`: only the walk's start
+    /// and percentage differ.)
     default_kube: KubeScheduler,
     /// The allocator's cluster, as the extender keeps it (gpushare's strategies).
     cluster: Option<Cluster>,
@@ -375,7 +364,8 @@ fn stranded(state: &Nodes<'_>, typical: Host) -> (u64, u64) {
 mod tests {
     use super::*;
     use crate::realistic::generator::{
-        MODELS, Models, TaskKind, TaskMix, generate_nodes, generate_tasks, test_task as task,
+        MODELS, Models, TaskKind, TaskMix, generate_nodes, generate_tasks, test_node,
+        test_task as task,
     };
     use crate::realistic::gpushare::gpushare_request;
     use NodesToScore::{Adaptive, All};
@@ -403,18 +393,8 @@ mod tests {
         })
     }
 
-    /// 64 cores and 256 GiB; 128 cores and 1 TiB.
-    const HOST: Host = Host::new(64_000, 262_144);
+    /// 128 cores and 1 TiB.
     const BIG_HOST: Host = Host::new(128_000, 1_048_576);
-
-    fn sim_node(model: usize, gpus: u32, gpu_gib: u64, host: Host) -> SimNode {
-        SimNode {
-            model,
-            gpus,
-            gpu_gib,
-            host,
-        }
-    }
 
     /// The chart's former default profile: default scores, the extender's weight 1.
     const CHART: Profile = Profile::Default { weight: 1 };
@@ -434,11 +414,8 @@ mod tests {
     /// one (which it does with the classic extender, which taints nothing).
     #[test]
     fn cpu_only_pods_go_where_the_gpus_are_in_use_when_the_extender_taints_idle_ones() {
-        let node = sim_node(1, 1, 16, HOST);
-        let (nodes, tasks) = (
-            [node, node],
-            [task(TaskKind::Whole, 1, 16), task(TaskKind::CpuOnly, 0, 0)],
-        );
+        let nodes = [test_node(1, 1, 16); 2];
+        let tasks = [task(TaskKind::Whole, 1, 16), task(TaskKind::CpuOnly, 0, 0)];
         let tainting = Strategy::fragmentation(Profile::FilterKeepBest);
         let classic = Strategy::extender(None, CHART);
         assert!(tainting.taints_idle_gpus() && !classic.taints_idle_gpus());
@@ -447,12 +424,8 @@ mod tests {
             assert_eq!(run.end.failed, [0; 6], "{strategy:?}");
             let gpu_node = (0..2).find(|&n| state.free[n] == [0]).unwrap();
             // Both tasks ask for one core.
-            assert_eq!(
-                state.used[gpu_node].milli_cpu == 2_000,
-                together,
-                "{strategy:?}: {:?}",
-                state.used
-            );
+            let both_on_it = state.used[gpu_node].milli_cpu == 2_000;
+            assert_eq!(both_on_it, together, "{strategy:?}: {:?}", state.used);
         }
     }
 
@@ -463,17 +436,15 @@ mod tests {
     /// keeps the one of the model.
     #[test]
     fn a_pin_in_the_request_is_honoured_by_the_extender_not_the_walk() {
-        let node = |model: usize| sim_node(model, 2, MODELS[model].gib, HOST);
+        let node = |model: usize| test_node(model, 2, MODELS[model].gib);
         let pinned = Task {
             model: Some(Models::one(6)),
             ..task(TaskKind::Fractional, 1, 8)
         };
         let request = |form| gpushare_request(&pinned, form);
         assert!(request(Plain).models.is_any());
-        assert_eq!(
-            request(ModelsInRequest).models,
-            ModelFilter::parse(["A100-80"])
-        );
+        let named = request(ModelsInRequest).models;
+        assert_eq!(named, ModelFilter::parse(["A100-80"]));
         let row_11 = Strategy::fragmentation(Profile::FilterKeepBest);
         let mut many: Vec<SimNode> = vec![node(0); 150];
         many.push(node(6));
@@ -495,7 +466,7 @@ mod tests {
     #[test]
     fn exclusive_whole_and_multi_gpu_tasks_take_whole_empty_gpus() {
         // One node of 4 x 16 GiB.
-        let nodes = [sim_node(1, 4, 16, HOST)];
+        let nodes = [test_node(1, 4, 16)];
         let tasks = [
             task(TaskKind::Fractional, 1, 4),
             task(TaskKind::Multi, 2, 16),
@@ -504,12 +475,9 @@ mod tests {
             task(TaskKind::Whole, 1, 16),
         ];
         let exclusive = |t| gpushare_request(t, Exclusive);
-        assert_eq!(
-            (exclusive(&tasks[1]).gpus, exclusive(&tasks[1]).pod_gib),
-            (2, 32)
-        );
-        assert!(exclusive(&tasks[1]).exclusive && exclusive(&tasks[2]).exclusive);
-        assert!(!exclusive(&tasks[3]).exclusive);
+        let multi = exclusive(&tasks[1]);
+        assert_eq!((multi.gpus, multi.pod_gib, multi.exclusive), (2, 32, true));
+        assert!(exclusive(&tasks[2]).exclusive && !exclusive(&tasks[3]).exclusive);
         for strategy in [
             Strategy::extender(Some(Policy::Binpack), CHART),
             Strategy::extender(Some(Policy::Spread), Profile::ExtenderOnly),
@@ -530,7 +498,10 @@ mod tests {
     #[test]
     fn an_exclusive_whole_gpu_task_books_a_larger_gpu_in_full() {
         // One node of 2 x 80 GiB; a whole-GPU task of a 15 GiB model names no model.
-        let nodes = [sim_node(6, 2, 80, BIG_HOST)];
+        let nodes = [SimNode {
+            host: BIG_HOST,
+            ..test_node(6, 2, 80)
+        }];
         let tasks = [
             task(TaskKind::Whole, 1, 15),
             task(TaskKind::Fractional, 1, 40),
@@ -543,10 +514,8 @@ mod tests {
         assert_eq!(run.end.allocation, 95.0 / 160.0);
         assert_eq!(run.end.whole_surplus, 65.0 / 160.0);
         assert_eq!(state.requested_gib[0], 95);
-        assert_eq!(
-            allocator_free(cluster.as_ref(), "node-00000"),
-            state.free[0]
-        );
+        let free = allocator_free(cluster.as_ref(), "node-00000");
+        assert_eq!(free, state.free[0]);
         // BestFit books only what the task asks for: the 10 GiB slice fits beside it.
         let best_fit = Strategy::BestFit { multi_gpu: true };
         let run = replay(&nodes, &tasks, best_fit, Exclusive, Adaptive, 1).0;
@@ -557,7 +526,7 @@ mod tests {
     #[test]
     fn counted_in_gpus_a_whole_gpu_counts_one_and_a_shared_one_its_booked_share() {
         // 2 × 16 GiB and 2 × 32 GiB: 4 GPUs, 96 GiB.
-        let node = |model: usize, gpu_gib: u64| sim_node(model, 2, gpu_gib, HOST);
+        let node = |model: usize, gpu_gib: u64| test_node(model, 2, gpu_gib);
         let nodes = [node(1, 16), node(3, 32)];
         // Three whole GPUs of any model (`exclusive`, 16 GiB), then a quarter of a GPU
         // drawn for a 32 GiB model (8 GiB): 3.25 GPUs of 4 arrive, 56 GiB of 96.
@@ -592,17 +561,18 @@ mod tests {
     fn a_plain_whole_gpu_task_leaves_a_larger_gpu_to_fractional_tasks() {
         // One 80 GiB GPU; a whole-GPU task of a 15 GiB model names no model, then 65 GiB of
         // fractional tasks.
-        let nodes = [sim_node(6, 1, 80, BIG_HOST)];
+        let nodes = [SimNode {
+            host: BIG_HOST,
+            ..test_node(6, 1, 80)
+        }];
         let tasks = [
             task(TaskKind::Whole, 1, 15),
             task(TaskKind::Fractional, 1, 40),
             task(TaskKind::Fractional, 1, 25),
         ];
         let request = gpushare_request(&tasks[0], Plain);
-        assert_eq!(
-            (request.gpus, request.pod_gib, request.exclusive),
-            (1, 15, false)
-        );
+        let asked = (request.gpus, request.pod_gib, request.exclusive);
+        assert_eq!(asked, (1, 15, false));
         for strategy in binpack_classic_fragmentation_native() {
             let (run, state, cluster) = replay(&nodes, &tasks, strategy, Plain, Adaptive, 1);
             assert_eq!(run.end.failed, [0; 6], "{strategy:?}");
@@ -649,10 +619,8 @@ mod tests {
                     .sum();
                 let capacity = Measure::Gib.capacity(&nodes) as f64;
                 let counted = (run.end.allocation + run.end.whole_surplus) * capacity;
-                assert!(
-                    (counted - booked as f64).abs() < 1e-6,
-                    "{strategy:?} {form:?}"
-                );
+                let off = (counted - booked as f64).abs();
+                assert!(off < 1e-6, "{strategy:?} {form:?}");
             }
         }
     }
@@ -699,16 +667,12 @@ mod tests {
         ] {
             let run = replay(&nodes, &tasks, strategy, Plain, Adaptive, 4).0;
             assert_eq!(run.end.arrived, tasks.len());
-            assert!(
-                run.end.allocation <= 1.0 && run.end.allocation > 0.3,
-                "{run:?}"
-            );
+            let allocation = run.end.allocation;
+            assert!(allocation <= 1.0 && allocation > 0.3, "{run:?}");
             assert!(run.end.demand >= 1.3);
             assert_eq!(run.curve.len(), 13);
-            assert!(
-                run.curve.windows(2).all(|w| w[0].1 <= w[1].1),
-                "allocation only grows"
-            );
+            let grows = run.curve.windows(2).all(|w| w[0].1 <= w[1].1);
+            assert!(grows, "allocation only grows");
             let multi = tasks.iter().filter(|t| t.gpus > 1).count();
             let refused_multi = run.end.failed[4];
             if strategy.places_multi_gpu() {
@@ -723,7 +687,7 @@ mod tests {
     fn a_pod_fails_when_the_extender_refuses_every_node_of_the_walk() {
         // 200 nodes of 2 x 16 GiB: kube-scheduler looks for 100. Nodes 0-99 carry model 1,
         // nodes 100-199 model 2.
-        let node = |model| sim_node(model, 2, 16, HOST);
+        let node = |model| test_node(model, 2, 16);
         let nodes: Vec<SimNode> = (0..200)
             .map(|n| node(if n < 100 { 1 } else { 2 }))
             .collect();
@@ -747,10 +711,8 @@ mod tests {
             assert_eq!(run.end.failed, [0, 0, 0, 0, 0, 1], "{strategy:?}");
             assert_eq!(run.end.failed_outside_walk, 1, "{strategy:?}");
             assert_eq!(run.end.allocation, 2_012.0 / 6_400.0, "{strategy:?}");
-            assert!(
-                (0..100).all(|n| state.free[n] == [6, 6]),
-                "{strategy:?}: model-1 nodes full"
-            );
+            let full = (0..100).all(|n| state.free[n] == [6, 6]);
+            assert!(full, "{strategy:?}: model-1 nodes full");
             // Scoring every node, the first 12 GiB pod finds an empty node too.
             let (run, _, _) = replay(&nodes, &tasks, strategy, Plain, All, 1);
             assert_eq!(run.end.failed, [0; 6], "{strategy:?}");

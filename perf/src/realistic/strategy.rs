@@ -1,9 +1,7 @@
-//! The vocabulary of a replay: what is compared (a [`Strategy`], with kube-scheduler's
-//! [`Profile`] for gpushare's), how gpushare pods ask ([`RequestForm`]), how many nodes
-//! kube-scheduler looks at ([`NodesToScore`]), and why a task found no node ([`Cause`]).
-//!
-//! Kept apart from the replay so that adding a strategy or a profile starts here, with its
-//! name in the report, and the replay only dispatches on it.
+//! The vocabulary of a replay: what is compared ([`Strategy`], [`Profile`]), how gpushare pods
+//! ask ([`RequestForm`]), how many nodes kube-scheduler looks at ([`NodesToScore`]), and why a
+//! task found no node ([`Cause`]). Adding a strategy or a profile starts here, with its name
+//! in the report; the replay only dispatches on it.
 
 use gpushare_allocator::Policy;
 
@@ -14,10 +12,7 @@ use super::generator::Task;
 pub enum Profile {
     /// The default profile: `NodeResourcesFit` LeastAllocated + `NodeResourcesBalancedAllocation`,
     /// plus the extender's score × `weight` × 10. What the chart shipped before.
-    Default {
-        /// The extender's weight.
-        weight: i64,
-    },
+    Default { weight: i64 },
     /// Both resource scores disabled: the extender's score alone orders the nodes.
     ExtenderOnly,
     /// No extender prioritize: `NodeResourcesFit` MostAllocated on the GPU-memory resource +
@@ -29,18 +24,14 @@ pub enum Profile {
     /// bring a quarter or more of the recent GPU demand; ties to the first in the walk), and
     /// kube-scheduler binds that one without scoring.
     FilterKeepBest,
-    /// A profile that weighs kube-scheduler's CPU and memory scores against ours:
-    /// `NodeResourcesFit` LeastAllocated (`least`) or MostAllocated (`most`) on CPU and
-    /// memory, `NodeResourcesBalancedAllocation` (`balanced`), and the extender's score ×
-    /// `extender` × 10; the filter keeps the best node (ties to the first in the walk).
+    /// The filter keeps the best node (ties to the first in the walk) by plugin weights (0:
+    /// off): `NodeResourcesFit` LeastAllocated (`least`) or MostAllocated (`most`) on CPU and
+    /// memory, `NodeResourcesBalancedAllocation` (`balanced`), the extender's score × 10 ×
+    /// `extender`.
     Weighted {
-        /// LeastAllocated's plugin weight (0: off).
         least: i64,
-        /// MostAllocated's plugin weight (0: off).
         most: i64,
-        /// BalancedAllocation's plugin weight (0: off).
         balanced: i64,
-        /// The extender's weight.
         extender: i64,
     },
 }
@@ -112,30 +103,23 @@ pub enum NodesToScore {
 pub enum Strategy {
     /// gpushare: the extender's prioritize and bind under `policy`, nodes ordered by
     /// `profile`; pods ask in the replay's [`RequestForm`] (see `gpushare::gpushare_request`).
+    /// `policy: None` is "classic" (filter and bind only).
     Gpushare {
-        /// The extender's policy; `None` is "classic" (filter and bind only).
         policy: Option<Policy>,
-        /// How kube-scheduler scores.
         profile: Profile,
     },
     /// gpushare's fragmentation policy, nodes ordered by `profile` (multi-GPU and exclusive
     /// pods take their GPUs as binpack does, as the allocator does).
-    Fragmentation {
-        /// How kube-scheduler scores.
-        profile: Profile,
-    },
+    Fragmentation { profile: Profile },
     /// BestFit (FGD's baseline): the node with the least weighted free GPU, CPU and memory
-    /// after placing, the snuggest GPUs on it. Places CPU-only tasks too.
-    BestFit {
-        /// Places multi-GPU tasks (else refuses them).
-        multi_gpu: bool,
-    },
+    /// after placing, the snuggest GPUs on it. Places CPU-only tasks too, and multi-GPU tasks
+    /// with `multi_gpu` (else refuses them).
+    BestFit { multi_gpu: bool },
     /// FGD: the node and GPUs whose placement adds the least expected fragmentation against
-    /// the whole task stream's true shapes.
+    /// the whole task stream's true shapes; `multi_gpu` as BestFit's, and CPU-only tasks
+    /// through the default scheduler with `cpu_pods_by_default`.
     Fgd {
-        /// Places multi-GPU tasks (else refuses them).
         multi_gpu: bool,
-        /// CPU-only tasks go through the default scheduler.
         cpu_pods_by_default: bool,
     },
     /// gpushare's DRA mode: kube-scheduler allocates each task's claim (`gpus` devices with
