@@ -14,7 +14,7 @@ use anyhow::{Context, bail};
 static INSTALL: Mutex<()> = Mutex::new(());
 
 /// The repository root (the workspace this crate lives in).
-fn repo_root() -> PathBuf {
+pub(crate) fn repo_root() -> PathBuf {
     let manifest = Path::new(env!("CARGO_MANIFEST_DIR"));
     manifest.parent().unwrap_or(manifest).to_path_buf()
 }

@@ -65,12 +65,10 @@ async fn table(client: &Client) -> anyhow::Result<String> {
 #[tokio::main]
 async fn main() -> anyhow::Result<()> {
     let started = Instant::now();
-    println!("gpushare demo: GPU memory shared between pods, on an in-process Kubernetes cluster.");
     println!(
-        "Building and starting: API server, gpushare-extender, gpushare-device-plugin on node"
-    );
-    println!(
-        "gpu-node-1 (labelled gpushare=true, one simulated 15 GiB GPU), kubelet, kube-scheduler driver.\n"
+        "gpushare demo: GPU memory shared between pods, on an in-process Kubernetes cluster.\n\
+         Building and starting: API server, gpushare-extender, gpushare-device-plugin on node\n\
+         gpu-node-1 (labelled gpushare=true, one simulated 15 GiB GPU), kubelet, kube-scheduler driver.\n"
     );
     tokio::task::spawn_blocking(binaries)
         .await?

@@ -18,7 +18,7 @@
 use std::time::Duration;
 
 use anyhow::{Context, ensure};
-use clap::Parser;
+use clap::{Parser, ValueEnum};
 use gpushare_contract::DEFAULT_DOMAIN;
 use gpushare_e2e::realk8s::load::{
     self, BASELINE_RESOURCE, Backlog, Creating, Creation, Drain, Drainer, Mix, NodeStandIn,
@@ -31,7 +31,7 @@ use kube::ResourceExt;
 use kube::api::{Api, ListParams};
 
 /// What a run measures: one of the kit's installs, or DRA's own ceiling on DRA mode's install.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
 enum Load {
     /// Extender mode: the chart's drain.
     Extender,
@@ -88,7 +88,7 @@ struct Args {
     creation_only: bool,
     /// With `--creation-only`: which pods to create, `plain` (asking for no GPU), `gpu`, or
     /// both (`plain,gpu`).
-    #[arg(long, value_delimiter = ',', default_value = "plain,gpu", value_parser = parse_creating)]
+    #[arg(long, value_delimiter = ',', default_value = "plain,gpu")]
     creating: Vec<Creating>,
     /// Objects of the install to delete before measuring (`kubectl delete` names, such as
     /// `validatingadmissionpolicybinding/gpushare-allocations`): what one of them costs.
@@ -116,7 +116,7 @@ struct Args {
     /// Installs to measure, one after another, each drained against kube-scheduler alone
     /// in the same install: `extender`, `dra`, `dra-plain` (DRA's own ceiling: a plain
     /// driver's whole devices on the same nodes), or several (`--modes extender,dra,dra-plain`).
-    #[arg(long, value_delimiter = ',', default_value = "extender", value_parser = parse_mode)]
+    #[arg(long, value_delimiter = ',', default_value = "extender")]
     modes: Vec<Load>,
     /// `helm install` values (`--set key=value`), repeatable.
     #[arg(long = "set")]
@@ -501,23 +501,6 @@ fn report_stand_in(stand_in: &NodeStandIn) {
     );
     if let Some(first) = stand_in.refused().first() {
         println!("  the first refused: {first}");
-    }
-}
-
-fn parse_creating(text: &str) -> Result<Creating, String> {
-    match text {
-        "plain" => Ok(Creating::Plain),
-        "gpu" => Ok(Creating::Gpu),
-        other => Err(format!("{other}: want plain or gpu")),
-    }
-}
-
-fn parse_mode(text: &str) -> Result<Load, String> {
-    match text {
-        "extender" => Ok(Load::Extender),
-        "dra" => Ok(Load::Dra),
-        "dra-plain" => Ok(Load::DraPlain),
-        other => Err(format!("{other}: want extender, dra or dra-plain")),
     }
 }
 

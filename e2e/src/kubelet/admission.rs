@@ -10,6 +10,8 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use futures::{FutureExt, StreamExt};
+use gpushare_contract::request::pod_is_finished as finished;
+use gpushare_contract::request::pod_key;
 use k8s_openapi::api::core::v1::Pod;
 use kube::runtime::reflector::{self, Store};
 use kube::runtime::{WatchStreamExt, watcher};
@@ -20,7 +22,7 @@ use tokio_util::sync::CancellationToken;
 
 use super::allocation::{allocate_pod, container_resources, is_extended};
 use super::status::{running_status, write_status};
-use super::{AdmissionOrder, Shared, State, by_creation, finished, pod_key};
+use super::{AdmissionOrder, Shared, State, by_creation};
 
 /// How often pods are swept even without events.
 const SWEEP: Duration = Duration::from_millis(500);

@@ -11,21 +11,11 @@
 //!        ok ─▶ status Running          error ─▶ status Failed / UnexpectedAdmissionError
 //! ```
 //!
-//! Devices are tracked per pod and container and freed when the pod is deleted or finishes,
-//! and devices of init containers are reused by the app containers after them, as kubelet
-//! does. A restart ([`KubeletDriver::restart`]) removes every socket in the directory and
-//! forgets every plugin, like a real kubelet restart: plugins must notice and register again.
-//!
-//! Like kubelet, it serves the PodResources API (`v1`: `List`, `Get`,
-//! `GetAllocatableResources`) on `<dir>/pod-resources/kubelet.sock`
-//! ([`KubeletDriver::pod_resources_socket`]), from the devices it really handed out:
-//!
-//! ```text
-//!   List ─▶ every active pod bound here (not Succeeded/Failed, not rejected at admission),
-//!           admitted or still waiting: sidecar init containers, then app containers
-//!           (ordinary init containers are never listed), each with the devices recorded
-//!           when its Allocate succeeded, one ContainerDevices per device and NUMA node
-//! ```
+//! Devices are tracked per pod and container, freed when the pod is deleted or finishes, and
+//! those of init containers are reused by the app containers after them, as kubelet does. A
+//! [`KubeletDriver::restart`] removes every socket and forgets every plugin, like a real kubelet
+//! restart: plugins must notice and register again. The PodResources API (`v1`) is served on
+//! [`KubeletDriver::pod_resources_socket`] from the devices really handed out.
 //!
 //! Admission order is kubelet's (creation time) or a seeded shuffle, to prove that the device
 //! plugin gives every container the right GPU whatever order kubelet admits pods in.
@@ -165,21 +155,6 @@ impl ServedSocket {
         self.stop.cancel();
         let _ = self.task.await;
     }
-}
-
-/// `namespace/name` of a pod.
-fn pod_key(pod: &Pod) -> String {
-    format!(
-        "{}/{}",
-        pod.metadata.namespace.as_deref().unwrap_or("default"),
-        pod.metadata.name.as_deref().unwrap_or_default()
-    )
-}
-
-/// Whether the pod ended (Succeeded or Failed): kubelet no longer counts it as active.
-fn finished(pod: &Pod) -> bool {
-    let phase = pod.status.as_ref().and_then(|s| s.phase.as_deref());
-    matches!(phase, Some("Succeeded" | "Failed"))
 }
 
 /// Oldest first, then by name: the order kubelet takes pods in.
@@ -429,11 +404,11 @@ impl KubeletDriver {
 impl Drop for KubeletDriver {
     fn drop(&mut self) {
         self.stop.cancel();
-        if let Some(registration) = &self.registration {
-            registration.stop.cancel();
-        }
-        if let Some(pod_resources) = &self.pod_resources {
-            pod_resources.stop.cancel();
+        for socket in [&self.registration, &self.pod_resources]
+            .into_iter()
+            .flatten()
+        {
+            socket.stop.cancel();
         }
     }
 }

@@ -18,6 +18,7 @@ use std::path::{Path, PathBuf};
 use std::sync::Arc;
 
 use anyhow::Context as _;
+use gpushare_contract::request::pod_is_finished as finished;
 use gpushare_proto::KUBELET_SOCKET;
 use gpushare_proto::podresources::v1::pod_resources_lister_server::{
     PodResourcesLister, PodResourcesListerServer,
@@ -32,7 +33,7 @@ use kube::runtime::reflector::Store;
 use tonic::transport::Server;
 use tonic::{Request, Response, Status};
 
-use super::{ServedSocket, Shared, State, by_creation, finished};
+use super::{ServedSocket, Shared, State, by_creation};
 
 /// `<dir>/pod-resources/kubelet.sock`.
 pub(super) fn socket(dir: &Path) -> PathBuf {

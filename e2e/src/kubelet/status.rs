@@ -42,29 +42,26 @@ pub(super) fn running_status(pod: &Pod) -> serde_json::Value {
     let Some(spec) = &pod.spec else {
         return serde_json::json!({ "phase": "Running", "startTime": now });
     };
-    let image = |c: &Container| c.image.clone().unwrap_or_default();
-    let containers: Vec<serde_json::Value> = spec
+    // App containers started and running; init containers completed (no `started`).
+    let status = |c: &Container, state: &serde_json::Value| {
+        let mut status = serde_json::json!({
+            "name": c.name, "image": c.image.clone().unwrap_or_default(), "imageID": "",
+            "ready": true, "restartCount": 0, "state": state,
+        });
+        if state.get("running").is_some() {
+            status["started"] = true.into();
+        }
+        status
+    };
+    let running = serde_json::json!({ "running": { "startedAt": now } });
+    let completed = serde_json::json!({ "terminated": { "exitCode": 0, "reason": "Completed", "startedAt": now, "finishedAt": now } });
+    let containers: Vec<_> = spec
         .containers
         .iter()
-        .map(|c| {
-            serde_json::json!({
-                "name": c.name, "image": image(c), "imageID": "", "ready": true,
-                "restartCount": 0, "started": true,
-                "state": { "running": { "startedAt": now } },
-            })
-        })
+        .map(|c| status(c, &running))
         .collect();
-    let init: Vec<serde_json::Value> = spec
-        .init_containers
-        .iter()
-        .flatten()
-        .map(|c| {
-            serde_json::json!({
-                "name": c.name, "image": image(c), "imageID": "", "ready": true,
-                "restartCount": 0,
-                "state": { "terminated": { "exitCode": 0, "reason": "Completed", "startedAt": now, "finishedAt": now } },
-            })
-        })
+    let init: Vec<_> = (spec.init_containers.iter().flatten())
+        .map(|c| status(c, &completed))
         .collect();
     serde_json::json!({
         "phase": "Running",

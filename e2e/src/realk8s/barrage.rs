@@ -7,7 +7,6 @@
 //! kube-scheduler does, and dial the pod's address, so each replica gets the whole barrage.
 //! They present the scheduler's client certificate, so the bodies reach the decoders.
 
-use std::sync::Arc;
 use std::time::Duration;
 
 use anyhow::Context;
@@ -19,6 +18,8 @@ use hyper_util::rt::TokioExecutor;
 use serde_json::{Value, json};
 use tokio::io::AsyncWriteExt;
 use tokio::net::TcpStream;
+
+use crate::scheduler::tls_client;
 
 /// How many connections are opened and left in the middle of a handshake.
 pub const STALLED_HANDSHAKES: usize = 200;
@@ -122,24 +123,12 @@ pub struct Caller {
 impl Caller {
     /// An HTTP client that verifies the extender for `server_name` and presents the identity.
     fn client(&self, server_name: &str) -> anyhow::Result<Client<HttpsConnector, Full<Bytes>>> {
-        use rustls::pki_types::pem::PemObject as _;
-        use rustls::pki_types::{CertificateDer, PrivateKeyDer, ServerName};
-        let mut roots = rustls::RootCertStore::empty();
-        for cert in CertificateDer::pem_slice_iter(self.ca_pem.as_bytes()) {
-            roots.add(cert?)?;
-        }
-        let provider = Arc::new(rustls::crypto::ring::default_provider());
-        let builder = rustls::ClientConfig::builder_with_provider(provider)
-            .with_safe_default_protocol_versions()?
-            .with_root_certificates(roots);
-        let tls = match &self.identity {
-            None => builder.with_no_client_auth(),
-            Some((cert, key)) => builder.with_client_auth_cert(
-                CertificateDer::pem_slice_iter(cert.as_bytes()).collect::<Result<Vec<_>, _>>()?,
-                PrivateKeyDer::from_pem_slice(key.as_bytes())?,
-            )?,
-        };
-        let name = ServerName::try_from(server_name.to_owned())?;
+        let identity = self
+            .identity
+            .as_ref()
+            .map(|(c, k)| (c.as_str(), k.as_str()));
+        let tls = tls_client(&self.ca_pem, identity).map_err(|e| anyhow::anyhow!(e))?;
+        let name = rustls::pki_types::ServerName::try_from(server_name.to_owned())?;
         let connector = HttpsConnectorBuilder::new()
             .with_tls_config(tls)
             .https_only()

@@ -157,7 +157,7 @@ pub(super) fn stat_field(pid: u32, number: usize) -> Option<f64> {
 }
 
 /// User plus system CPU seconds of `pid` so far (`utime` and `stime`, fields 14 and 15).
-fn cpu_seconds(pid: u32) -> Option<f64> {
+pub fn cpu_seconds(pid: u32) -> Option<f64> {
     Some((stat_field(pid, 14)? + stat_field(pid, 15)?) / 100.0)
 }
 

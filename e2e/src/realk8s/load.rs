@@ -34,7 +34,7 @@ use crate::cluster::wait_for;
 use crate::fixtures;
 use crate::scenarios::Harness;
 
-pub use super::drain_cost::{BindClock, chart_processes, rss_mib};
+pub use super::drain_cost::{BindClock, chart_processes, cpu_seconds, rss_mib};
 pub use super::fake_nodes::{
     FAKE_LABEL, PLAIN_CLASS, PLAIN_DRIVER, create_fake_gpu_nodes, delete_fake_nodes,
     delete_fake_slices, publish_fake_slices, publish_plain_slices,
@@ -447,8 +447,8 @@ fn scheduler_metrics(cluster: &KitCluster, url: &str) -> anyhow::Result<String> 
     Ok(String::from_utf8_lossy(&output.stdout).into_owned())
 }
 
-/// Which pods [`creation_rate`] creates.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+/// Which pods [`creation_rate`] creates (`realload --creating plain,gpu`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
 pub enum Creating {
     /// Pods asking for no GPU ([`BASELINE_RESOURCE`], `default-scheduler` named): what every
     /// other workload of the cluster creates.

@@ -40,6 +40,8 @@ mod stand_in;
 /// The kit's set-up steps, in `build.sh`'s words; the stamp records which archive they set up.
 const SETUP_STEPS: [&str; 4] = ["unpack", "etcd", "pki", "harness"];
 const STAMP: &str = ".gpushare-kit-stamp";
+/// The release's namespace.
+const SYSTEM: &str = "kube-system";
 
 /// Which install `chart-cluster.sh up` makes (the chart's `mode` value).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -69,16 +71,11 @@ pub struct Kit {
     project: PathBuf,
 }
 
-fn repo_root() -> PathBuf {
-    let manifest = Path::new(env!("CARGO_MANIFEST_DIR"));
-    manifest.parent().unwrap_or(manifest).to_path_buf()
-}
-
 impl Kit {
     /// Finds the kit (`GPUSHARE_REALK8S_KIT`, else `../shared/realk8s` beside the repository)
     /// and sets it up; `Ok(None)` when there is no kit on this machine.
     pub fn locate() -> anyhow::Result<Option<Kit>> {
-        let repo = repo_root();
+        let repo = tools::repo_root();
         let source = std::env::var_os("GPUSHARE_REALK8S_KIT")
             .map(PathBuf::from)
             .unwrap_or_else(|| repo.join("..").join("shared").join("realk8s"));
@@ -132,12 +129,7 @@ impl Kit {
             .env("REALK8S", &self.root)
             .output()
             .context("running the kit's build.sh")?;
-        ensure!(
-            output.status.success(),
-            "the kit's build.sh {steps:?} failed ({}): {}",
-            output.status,
-            String::from_utf8_lossy(&output.stderr)
-        );
+        stdout_of("the kit's build.sh", steps, &output)?;
         std::fs::write(&stamp_path, stamp)?;
         Ok(())
     }
@@ -393,19 +385,12 @@ impl KitCluster {
 
     /// Runs the kit's `chart-cluster.sh`/`kubelet.sh`/`realk8s.sh` with `args`; returns stdout.
     pub fn script(&self, name: &str, args: &[&str]) -> anyhow::Result<String> {
-        let output = self
-            .kit
-            .script(name)
-            .args(args)
-            .output()
-            .with_context(|| format!("running {name} {args:?}"))?;
-        ensure!(
-            output.status.success(),
-            "{name} {args:?} failed ({}): {}",
-            output.status,
-            tail(&String::from_utf8_lossy(&output.stderr), 20)
-        );
-        Ok(String::from_utf8_lossy(&output.stdout).into_owned())
+        let output = self.kit.script(name).args(args).output();
+        stdout_of(
+            name,
+            args,
+            &output.with_context(|| format!("running {name} {args:?}"))?,
+        )
     }
 
     /// Restarts the kit's Service proxy (`svcproxy.py`, kube-proxy's stand-in) for `services`
@@ -444,19 +429,14 @@ impl KitCluster {
 
     /// The IP of pod `kube-system/<pod>`, once it has one.
     async fn system_pod_ip(&self, pod: &str) -> anyhow::Result<Option<String>> {
-        let pods: Api<Pod> = Api::namespaced(self.client.clone(), "kube-system");
+        let pods: Api<Pod> = Api::namespaced(self.client.clone(), SYSTEM);
         Ok(pods.get(pod).await?.status.and_then(|s| s.pod_ip))
     }
 
     /// The extender Lease's `holderIdentity` (`<pod>_<suffix>`).
     pub fn extender_lease_holder(&self) -> anyhow::Result<String> {
-        self.system(&[
-            "get",
-            "lease",
-            "gpushare-extender",
-            "-o",
-            "jsonpath={.spec.holderIdentity}",
-        ])
+        let holder = "jsonpath={.spec.holderIdentity}";
+        self.system(&["get", "lease", "gpushare-extender", "-o", holder])
     }
 
     /// Runs `kubectl` against the cluster; returns stdout.
@@ -466,7 +446,7 @@ impl KitCluster {
 
     /// Runs `kubectl -n kube-system` (the release's namespace) with `args`; returns stdout.
     pub fn system(&self, args: &[&str]) -> anyhow::Result<String> {
-        self.kubectl(&[&["-n", "kube-system"], args].concat())
+        self.kubectl(&[&["-n", SYSTEM], args].concat())
     }
 
     /// Runs `kubectl` against the cluster with `stdin` as its input; returns stdout.
@@ -494,15 +474,7 @@ impl KitCluster {
     /// The release's user-supplied values (`helm get values`), written to `name` in the kit's
     /// run folder, for an install of the same release later.
     pub fn release_values(&self, name: &str) -> anyhow::Result<PathBuf> {
-        let values = self.helm(&[
-            "get",
-            "values",
-            "gpushare",
-            "-n",
-            "kube-system",
-            "-o",
-            "yaml",
-        ])?;
+        let values = self.helm(&["get", "values", "gpushare", "-n", SYSTEM, "-o", "yaml"])?;
         let file = self.kit.root().join("run").join(name);
         std::fs::write(&file, values)?;
         Ok(file)
@@ -512,7 +484,7 @@ impl KitCluster {
     /// the values it was installed with, for [`KitCluster::install_again`].
     pub fn uninstall_chart(&self) -> anyhow::Result<PathBuf> {
         let values = self.release_values("uninstalled-values.yaml")?;
-        self.helm(&["uninstall", "gpushare", "-n", "kube-system", "--wait"])?;
+        self.helm(&["uninstall", "gpushare", "-n", SYSTEM, "--wait"])?;
         Ok(values)
     }
 
@@ -530,7 +502,7 @@ impl KitCluster {
     pub fn release(&self, verb: &str, extra: &[&str]) -> anyhow::Result<String> {
         let chart = self.chart_dir();
         let chart = chart.to_string_lossy();
-        self.helm(&[&[verb, "gpushare", &*chart, "-n", "kube-system"], extra].concat())
+        self.helm(&[&[verb, "gpushare", &*chart, "-n", SYSTEM], extra].concat())
     }
 
     /// Runs `helm` against the cluster; returns stdout.
@@ -622,13 +594,13 @@ impl Harness for KitCluster {
     }
 }
 
-/// A finished tool's stdout, or an error with its stderr.
+/// A finished tool's stdout, or an error with the end of its stderr.
 fn stdout_of(tool: &str, args: &[&str], output: &std::process::Output) -> anyhow::Result<String> {
     ensure!(
         output.status.success(),
         "{tool} {args:?} failed ({}): {}",
         output.status,
-        String::from_utf8_lossy(&output.stderr)
+        tail(&String::from_utf8_lossy(&output.stderr), 40)
     );
     Ok(String::from_utf8_lossy(&output.stdout).into_owned())
 }

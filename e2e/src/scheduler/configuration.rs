@@ -5,9 +5,9 @@
 //! Only what the driver models is accepted: one profile, `NodeResourcesFit`'s `scoringStrategy`
 //! (LeastAllocated or MostAllocated), `percentageOfNodesToScore` (global or the profile's),
 //! turning off score plugins it does not run, `PodTopologySpread` without default spreading
-//! (it spreads nothing), and
-//! the extender fields kube-scheduler's HTTP extender client reads. Any other plugin configuration or extender field is an error, so a chart change
-//! the driver cannot follow fails the test that renders it instead of being silently ignored.
+//! (it spreads nothing), and the extender fields kube-scheduler's HTTP extender client reads.
+//! Anything else is an error, so a chart change the driver cannot follow fails the test that
+//! renders it instead of being silently ignored.
 //! Validation follows upstream where it matters here: a prioritize verb needs a positive weight,
 //! resource weights lie in 1..=100, `percentageOfNodesToScore` in 0..=100.
 
@@ -27,18 +27,15 @@ const DEFAULT_EXTENDER_HTTP_TIMEOUT: Duration = Duration::from_secs(30);
 struct Configuration {
     api_version: String,
     kind: String,
-    /// Which replica schedules; one driver runs, so it does not change placements.
-    #[serde(default)]
-    #[allow(dead_code)] // read by serde only: accepted, not modelled
+    // Read by serde only: accepted, not modelled, as none changes a placement here.
+    /// Which replica schedules; one driver runs.
+    #[allow(dead_code)]
     leader_election: Option<serde_yaml::Value>,
-    /// The API client's rate limits: the driver's client is not rate limited, so accepted,
-    /// not modelled.
-    #[serde(default)]
-    #[allow(dead_code)] // read by serde only: accepted, not modelled
+    /// The API client's rate limits: the driver's client has none.
+    #[allow(dead_code)]
     client_connection: Option<serde_yaml::Value>,
-    /// Goroutines for filtering and scoring: changes speed, not placements.
-    #[serde(default)]
-    #[allow(dead_code)] // read by serde only: accepted, not modelled
+    /// Goroutines for filtering and scoring: speed only.
+    #[allow(dead_code)]
     parallelism: Option<i64>,
     /// Every profile's, unless the profile sets its own.
     percentage_of_nodes_to_score: Option<i64>,
@@ -53,7 +50,6 @@ struct Configuration {
 struct Profile {
     scheduler_name: Option<String>,
     percentage_of_nodes_to_score: Option<i64>,
-    #[serde(default)]
     plugins: Option<Plugins>,
     #[serde(default)]
     plugin_config: Vec<PluginConfig>,
@@ -344,6 +340,10 @@ fn go_duration(text: &str) -> anyhow::Result<Duration> {
 mod tests {
     use super::*;
 
+    fn parse(text: &str) -> anyhow::Result<SchedulerConfig> {
+        SchedulerConfig::from_kube_scheduler_configuration(text, SchedulerConfig::default())
+    }
+
     const CHART_LIKE: &str = r#"
 apiVersion: kubescheduler.config.k8s.io/v1
 kind: KubeSchedulerConfiguration
@@ -377,11 +377,7 @@ extenders:
 
     #[test]
     fn reads_the_profile_scoring_and_the_extender() {
-        let config = SchedulerConfig::from_kube_scheduler_configuration(
-            CHART_LIKE,
-            SchedulerConfig::default(),
-        )
-        .unwrap();
+        let config = parse(CHART_LIKE).unwrap();
         assert_eq!(config.scheduler_name, "gpushare-scheduler");
         assert_eq!(config.percentage_of_nodes_to_score, 1);
         assert_eq!(config.fit_scoring.strategy, FitStrategy::MostAllocated);
@@ -402,7 +398,6 @@ extenders:
 
     #[test]
     fn refuses_what_the_driver_does_not_model_or_upstream_rejects() {
-        let base = SchedulerConfig::default;
         let unknown_plugin =
             CHART_LIKE.replace("name: NodeResourcesFit", "name: PodTopologySpread");
         let ratio = CHART_LIKE.replace("MostAllocated", "RequestedToCapacityRatio");
@@ -422,38 +417,33 @@ extenders:
             unknown_field,
             ignored,
         ] {
-            assert!(
-                SchedulerConfig::from_kube_scheduler_configuration(&text, base()).is_err(),
-                "accepted:\n{text}"
-            );
+            assert!(parse(&text).is_err(), "accepted:\n{text}");
         }
     }
 
     #[test]
     fn the_profile_percentage_of_nodes_to_score_wins_over_the_global_one() {
-        let base = SchedulerConfig::default;
         let adaptive = CHART_LIKE.replace("    percentageOfNodesToScore: 1\n", "");
-        let config = SchedulerConfig::from_kube_scheduler_configuration(&adaptive, base()).unwrap();
+        let config = parse(&adaptive).unwrap();
         assert_eq!(config.percentage_of_nodes_to_score, 0);
         let global = adaptive.replace(
             "leaderElection:",
             "percentageOfNodesToScore: 30\nleaderElection:",
         );
-        let config = SchedulerConfig::from_kube_scheduler_configuration(&global, base()).unwrap();
+        let config = parse(&global).unwrap();
         assert_eq!(config.percentage_of_nodes_to_score, 30);
         let both = CHART_LIKE.replace(
             "leaderElection:",
             "percentageOfNodesToScore: 30\nleaderElection:",
         );
-        let config = SchedulerConfig::from_kube_scheduler_configuration(&both, base()).unwrap();
+        let config = parse(&both).unwrap();
         assert_eq!(config.percentage_of_nodes_to_score, 1);
         for bad in ["101", "-1"] {
             let text = CHART_LIKE.replace(
                 "percentageOfNodesToScore: 1",
                 &format!("percentageOfNodesToScore: {bad}"),
             );
-            let err =
-                SchedulerConfig::from_kube_scheduler_configuration(&text, base()).unwrap_err();
+            let err = parse(&text).unwrap_err();
             assert!(format!("{err:#}").contains("[0-100]"), "{err:#}");
         }
     }

@@ -49,12 +49,12 @@ struct BindJob {
     host: String,
 }
 
-/// How a scheduling cycle ended without a node.
-enum CycleFailure {
-    /// No node fits; the kind says whether one of the scheduler's own plugins rejected a
-    /// node or only extenders did.
-    Unschedulable(String, FailureKind),
-    Error(String),
+/// How a scheduling cycle ended without a node: the message, and whether it was an error or
+/// no node fit (rejected by one of the scheduler's own plugins, or by extenders only).
+type CycleFailure = (String, FailureKind);
+
+fn error(message: impl Into<String>) -> CycleFailure {
+    (message.into(), FailureKind::Error)
 }
 
 pub async fn start(
@@ -80,14 +80,10 @@ pub async fn start(
         pods_ready.await.context("pod watch ended before listing")
     })
     .await;
-    let failure = match synced {
-        Ok(Ok(())) => None,
-        Ok(Err(error)) => Some(error),
-        Err(_) => Some(anyhow::anyhow!(
-            "the API server did not list Pods and Nodes within {SYNC_TIMEOUT:?}"
-        )),
-    };
-    if let Some(error) = failure {
+    let synced = synced.unwrap_or_else(|_| {
+        anyhow::bail!("the API server did not list Pods and Nodes within {SYNC_TIMEOUT:?}")
+    });
+    if let Err(error) = synced {
         shared.cancel.cancel();
         for task in tasks {
             task.abort();
@@ -154,8 +150,8 @@ async fn schedule_one(shared: &Arc<Shared>, popped: Popped) -> Option<BindJob> {
         stats.cycle_latencies.push(started.elapsed());
         match &outcome {
             Ok(_) => stats.assumed += 1,
-            Err(CycleFailure::Unschedulable(..)) => stats.unschedulable += 1,
-            Err(CycleFailure::Error(_)) => stats.scheduling_errors += 1,
+            Err((_, FailureKind::Error)) => stats.scheduling_errors += 1,
+            Err(_) => stats.unschedulable += 1,
         }
     }
     match outcome {
@@ -166,12 +162,8 @@ async fn schedule_one(shared: &Arc<Shared>, popped: Popped) -> Option<BindJob> {
                 .assume(&popped, &host)
                 .then_some(BindJob { popped, host })
         }
-        Err(CycleFailure::Unschedulable(message, kind)) => {
+        Err((message, kind)) => {
             fail(shared, &popped, kind, message);
-            None
-        }
-        Err(CycleFailure::Error(message)) => {
-            fail(shared, &popped, FailureKind::Error, message);
             None
         }
     }
@@ -181,7 +173,7 @@ async fn schedule_one(shared: &Arc<Shared>, popped: Popped) -> Option<BindJob> {
 /// real cluster (`e2e/tests/real.rs`), not copied here.
 async fn find_host(shared: &Shared, pod: &Pod) -> Result<String, CycleFailure> {
     let Some(filtered) = shared.state().filter(pod) else {
-        return Err(CycleFailure::Error(framework::reasons::NO_NODES.to_owned()));
+        return Err(error(framework::reasons::NO_NODES));
     };
     let num_all = filtered.num_all_nodes;
     let mut statuses = filtered.statuses;
@@ -191,7 +183,7 @@ async fn find_host(shared: &Shared, pod: &Pod) -> Result<String, CycleFailure> {
         false => FailureKind::Unschedulable,
     };
     let unschedulable = |statuses: &BTreeMap<String, Vec<String>>| {
-        CycleFailure::Unschedulable(fit_error_message(num_all, statuses.values()), kind)
+        (fit_error_message(num_all, statuses.values()), kind)
     };
     let feasible = match filtered.feasible.is_empty() {
         true => Vec::new(),
@@ -232,7 +224,7 @@ async fn pass_extenders(
                 info!(extender = %extender.config.url_prefix, %error, "skipping extender as it returned error and has ignorable flag set");
                 continue;
             }
-            Err(error) => return Err(CycleFailure::Error(error.to_string())),
+            Err(failed) => return Err(error(failed.to_string())),
         };
         let unresolvable = &outcome.failed_and_unresolvable;
         let failed = outcome
@@ -303,7 +295,7 @@ async fn prioritize(
     drop(rng);
     select_scored_host(&scores)
         .map(str::to_owned)
-        .ok_or_else(|| CycleFailure::Error("empty priorityList".to_owned()))
+        .ok_or_else(|| error("empty priorityList"))
 }
 
 /// A failed attempt: requeue, then tell the user (Event + PodScheduled condition) without
@@ -396,14 +388,15 @@ async fn bind_job(shared: Arc<Shared>, job: BindJob) {
         Ok(()) => {
             shared.state().bound(&popped.key, &popped.uid);
             info!(pod = %popped.key, node = %host, "bound pod");
-            let (namespace, name) = popped.key.split_once('/').unwrap_or(("", &popped.key));
+            // The key is `namespace/name`.
+            let message = format!("Successfully assigned {} to {host}", popped.key);
             emit_event(
                 &shared,
                 &popped.pod,
                 "Normal",
                 "Scheduled",
                 "Binding",
-                &format!("Successfully assigned {namespace}/{name} to {host}"),
+                &message,
             );
         }
         Err(message) => {

@@ -1,17 +1,14 @@
 //! One configured HTTP extender, called the way `HTTPExtender` in kube-scheduler calls it.
 //!
-//! `POST {urlPrefix}/{verb}` with a JSON body and `Content-Type: application/json`; any status
-//! other than 200 is an error and the body is discarded;
-//! each call is bounded by the extender's `httpTimeout`. An `https://` prefix is verified
-//! against `tlsConfig`'s CA and `serverName` (upstream's `makeTransport`); upstream trusts any
-//! certificate under `enableHTTPS` without a CA, which this driver refuses rather than copies. Error texts follow upstream's so the
-//! messages a test reads in `FailedScheduling` are those a real cluster would show.
+//! `POST {urlPrefix}/{verb}` with a JSON body; any status but 200 is an error (body discarded);
+//! each call is bounded by `httpTimeout`. An `https://` prefix is verified against `tlsConfig`'s
+//! CA and `serverName` (upstream's `makeTransport`); `enableHTTPS` without a CA, which upstream
+//! answers by trusting any certificate, is refused. Error texts are upstream's, so the
+//! `FailedScheduling` messages a test reads are a real cluster's.
 //!
-//! The protocol is upstream's too: its transport goes through `utilnet.SetTransportDefaults`,
-//! which configures HTTP/2, so over HTTPS it offers `h2` by ALPN and, with an extender that
-//! accepts it (ours does), sends every call as a stream of one long-lived connection; a call
-//! past `httpTimeout` is cancelled with a stream reset, the connection stays. Plain HTTP is
-//! HTTP/1.1 over a keep-alive pool, as Go's transport does without TLS.
+//! Upstream's transport offers `h2` by ALPN over HTTPS and, with an extender that accepts it
+//! (ours does), sends every call as a stream of one connection (a call past `httpTimeout` resets
+//! its stream, the connection stays); plain HTTP is a keep-alive HTTP/1.1 pool. So is this one.
 
 use std::sync::Arc;
 use std::time::{Duration, Instant};
@@ -92,10 +89,38 @@ pub struct FilterOutcome {
     pub failed_and_unresolvable: wire::FailedNodesMap,
 }
 
+/// A TLS client trusting only the PEM certificates `ca_pem` and presenting `identity` (PEM
+/// certificate chain and key) when given; errors name the `tlsConfig` field at fault.
+pub fn tls_client(
+    ca_pem: &str,
+    identity: Option<(&str, &str)>,
+) -> Result<rustls::ClientConfig, String> {
+    use rustls::pki_types::pem::PemObject as _;
+    use rustls::pki_types::{CertificateDer, PrivateKeyDer};
+    let mut roots = rustls::RootCertStore::empty();
+    for cert in CertificateDer::pem_slice_iter(ca_pem.as_bytes()) {
+        let cert = cert.map_err(|e| format!("caData: {e}"))?;
+        roots.add(cert).map_err(|e| format!("caData: {e}"))?;
+    }
+    let provider = Arc::new(rustls::crypto::ring::default_provider());
+    let builder = rustls::ClientConfig::builder_with_provider(provider)
+        .with_safe_default_protocol_versions()
+        .map_err(|e| e.to_string())?
+        .with_root_certificates(roots);
+    let Some((cert, key)) = identity else {
+        return Ok(builder.with_no_client_auth());
+    };
+    let chain = CertificateDer::pem_slice_iter(cert.as_bytes())
+        .collect::<Result<Vec<_>, _>>()
+        .map_err(|e| format!("certData: {e}"))?;
+    let key = PrivateKeyDer::from_pem_slice(key.as_bytes()).map_err(|e| format!("keyData: {e}"))?;
+    builder
+        .with_client_auth_cert(chain, key)
+        .map_err(|e| format!("certData and keyData: {e}"))
+}
+
 /// The connector for `config`: plain HTTP, or HTTPS trusting only `tlsConfig`'s CA.
 fn connector(config: &ExtenderConfig) -> Result<HttpsConnector<HttpConnector>, ExtenderError> {
-    use rustls::pki_types::pem::PemObject as _;
-    use rustls::pki_types::{CertificateDer, ServerName};
     let fail = |message: String| ExtenderError::Tls {
         url: config.url_prefix.clone(),
         message,
@@ -106,31 +131,10 @@ fn connector(config: &ExtenderConfig) -> Result<HttpsConnector<HttpConnector>, E
             "enableHTTPS without tlsConfig caData/caFile: kube-scheduler would skip certificate verification; configure the CA".to_owned(),
         ));
     }
-    let mut roots = rustls::RootCertStore::empty();
-    for cert in CertificateDer::pem_slice_iter(tls.ca_pem.as_bytes()) {
-        let cert = cert.map_err(|e| fail(format!("tlsConfig caData: {e}")))?;
-        roots
-            .add(cert)
-            .map_err(|e| fail(format!("tlsConfig caData: {e}")))?;
-    }
-    let provider = Arc::new(rustls::crypto::ring::default_provider());
-    let builder = rustls::ClientConfig::builder_with_provider(provider)
-        .with_safe_default_protocol_versions()
-        .map_err(|e| fail(e.to_string()))?
-        .with_root_certificates(roots);
     // Upstream's `makeTransport` presents `certFile`/`keyFile` (or their data) when set.
-    let client_config = if tls.cert_pem.trim().is_empty() {
-        builder.with_no_client_auth()
-    } else {
-        let chain = CertificateDer::pem_slice_iter(tls.cert_pem.as_bytes())
-            .collect::<Result<Vec<_>, _>>()
-            .map_err(|e| fail(format!("tlsConfig certData: {e}")))?;
-        let key = rustls::pki_types::PrivateKeyDer::from_pem_slice(tls.key_pem.as_bytes())
-            .map_err(|e| fail(format!("tlsConfig keyData: {e}")))?;
-        builder
-            .with_client_auth_cert(chain, key)
-            .map_err(|e| fail(format!("tlsConfig certData and keyData: {e}")))?
-    };
+    let identity = (!tls.cert_pem.trim().is_empty()).then_some((&*tls.cert_pem, &*tls.key_pem));
+    let client_config =
+        tls_client(&tls.ca_pem, identity).map_err(|e| fail(format!("tlsConfig {e}")))?;
     let mut http = HttpConnector::new();
     http.set_nodelay(true);
     http.enforce_http(false);
@@ -140,7 +144,7 @@ fn connector(config: &ExtenderConfig) -> Result<HttpsConnector<HttpConnector>, E
     let builder = if tls.server_name.is_empty() {
         builder
     } else {
-        let name = ServerName::try_from(tls.server_name.clone())
+        let name = rustls::pki_types::ServerName::try_from(tls.server_name.clone())
             .map_err(|e| fail(format!("tlsConfig serverName {:?}: {e}", tls.server_name)))?;
         builder.with_server_name_resolver(FixedServerNameResolver::new(name))
     };

@@ -1,31 +1,23 @@
 //! The parts of kube-scheduler's default profile that decide where a pod may go, as pure functions.
 //!
 //! A real cluster rejects a node before any extender sees it when the node is unready, does not
-//! match the pod's node selector/affinity, or lacks room for the pod's requests (cpu, memory, and
-//! every extended resource such as `example.com/gpu-mem`). The extender only sees what survives.
-//! Reproducing these filters (in upstream's plugin order, stopping at the first failing plugin per
-//! node, with upstream's reason strings) is what makes our end-to-end tests see the same extender
-//! traffic and the same `FailedScheduling` messages a real cluster would produce. Cordons, taints
-//! and tolerations are left to the real tier: no in-process test cordons or taints a node
-//! (gpushare's idle-GPU taint is `PreferNoSchedule`, which filters nothing), so only the
-//! not-ready taint the node lifecycle controller would add is modelled.
+//! match the pod's node selector/affinity, or lacks room for the pod's requests (cpu, memory,
+//! every extended resource). These filters run in upstream's plugin order, stop at a node's first
+//! failing plugin and use upstream's reason strings, so our tests see the extender traffic and
+//! `FailedScheduling` messages a real cluster produces. Cordons, taints and tolerations are left
+//! to the real tier (no in-process test sets them; gpushare's idle-GPU taint is
+//! `PreferNoSchedule`): only the lifecycle controller's not-ready taint is modelled.
 //!
-//! Scoring approximates the default score plugins that differ between nodes in our clusters:
-//! `NodeResourcesFit` (its `scoringStrategy` as the profile configures it: LeastAllocated on cpu
-//! and memory by default, or MostAllocated on the resources a profile names, as the chart's
-//! dedicated profile scores GPU memory) and `NodeResourcesBalancedAllocation`, both weight 1,
-//! on a 0..=100 scale. Extender scores are added on top exactly as upstream's
-//! `prioritizeNodes` adds them (`weight * (MaxNodeScore / MaxExtenderPriority)`, a host an
-//! answer leaves out counts as 0), and the host is picked as upstream's score heap picks it.
-//! `TaintToleration`'s score (`PreferNoSchedule` taints, such as gpushare's idle-GPU taint) is
-//! left out: it decides nothing in-process (the one cluster that keeps the idle-GPU taint, the
-//! chart's RBAC check, has a single node), and the real tier checks it on kube-scheduler
+//! Scores: `NodeResourcesFit` (the profile's `scoringStrategy`: LeastAllocated on cpu and memory
+//! by default, or MostAllocated on named resources, as the chart's profile scores GPU memory) and
+//! `NodeResourcesBalancedAllocation`, weight 1, on 0..=100; extender scores added as upstream's
+//! `prioritizeNodes` adds them; the host picked as upstream's score heap picks it.
+//! `TaintToleration`'s score decides nothing in-process and is checked on the real tier
 //! (`cpu_only_pods_prefer_nodes_whose_gpus_are_in_use` in `tests/real.rs`).
 //!
-//! The filters are here; what pods request and nodes hold, the scores, the pick of a host and
-//! the walk's length are `gpushare-scheduler-model`'s (shared with the packing simulator), what
-//! extender answers add is in `scoring.rs`; all are re-exported here so that every path stays
-//! `framework::...`.
+//! The filters are here; requests, holdings, scores, the host pick and the walk's length are
+//! `gpushare-scheduler-model`'s (shared with the packing simulator), what extender answers add is
+//! `scoring.rs`'s; all are re-exported so every path stays `framework::...`.
 
 use std::collections::BTreeMap;
 
@@ -154,17 +146,13 @@ pub fn insufficient(
         allocatable.get(name).copied().unwrap_or_default()
             - usage.requested.get(name).copied().unwrap_or_default()
     };
-    for name in [CPU, MEMORY, EPHEMERAL_STORAGE] {
+    // cpu, memory and ephemeral storage first, as upstream reports them, then the others.
+    let standard = [CPU, MEMORY, EPHEMERAL_STORAGE];
+    let others = requests.keys().map(String::as_str);
+    let others = others.filter(|name| !standard.contains(name) && *name != PODS);
+    for name in standard.into_iter().chain(others) {
         let want = requests.get(name).copied().unwrap_or_default();
         if want > 0 && want > free(name) {
-            reasons.push(format!("Insufficient {name}"));
-        }
-    }
-    for (name, want) in requests {
-        if [CPU, MEMORY, EPHEMERAL_STORAGE, PODS].contains(&name.as_str()) || *want == 0 {
-            continue;
-        }
-        if *want > free(name) {
             reasons.push(format!("Insufficient {name}"));
         }
     }

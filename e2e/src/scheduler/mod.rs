@@ -48,6 +48,7 @@ use std::time::Duration;
 use tokio::task::JoinHandle;
 
 pub use extender::ExtenderError;
+pub use extender::tls_client;
 pub use stats::SchedulerStats;
 
 /// One `extenders:` entry of a `KubeSchedulerConfiguration`.

@@ -17,7 +17,7 @@ use tokio_util::sync::CancellationToken;
 
 use super::SchedulerConfig;
 use super::extender::{ExtenderError, HttpExtender};
-use super::state::{PodKey, QueueConfig, State};
+use super::state::{PodKey, State};
 use super::stats::StatsRecorder;
 
 pub struct Shared {
@@ -67,14 +67,7 @@ impl Shared {
             None => StdRng::from_os_rng(),
         };
         Ok(Shared {
-            state: Mutex::new(State::new(QueueConfig {
-                scheduler_name: config.scheduler_name.clone(),
-                backoff_initial: config.backoff_initial,
-                backoff_max: config.backoff_max,
-                unschedulable_retry: config.unschedulable_retry,
-                fit_scoring: config.fit_scoring.clone(),
-                percentage_of_nodes_to_score: config.percentage_of_nodes_to_score,
-            })),
+            state: Mutex::new(State::new(config.clone())),
             binds: Arc::new(Semaphore::new(config.parallel_binds.max(1))),
             config,
             client,

@@ -20,7 +20,6 @@ use std::path::{Path, PathBuf};
 use std::time::{Duration, Instant};
 
 use anyhow::{Context, bail};
-use futures::{StreamExt, TryStreamExt};
 use gpushare_contract::{GpuInfo, Keys, inventory};
 use gpushare_e2e::apiserver::{ApiServer, Verb};
 use gpushare_e2e::cluster::{Binaries, Process, RESOURCE, free_port, wait_for};
@@ -34,7 +33,9 @@ use k8s_openapi::api::core::v1::Node;
 use kube::Api;
 use tonic::transport::Channel;
 
-use crate::report::{Latencies, figure, proc_memory, ratio, secs, section};
+use crate::report::{
+    Latencies, figure, in_flight, proc_memory, quoted, ratio, secs, section, took,
+};
 
 /// The node the plugin serves.
 const NODE: &str = "load-gpu-node";
@@ -42,8 +43,6 @@ const NODE: &str = "load-gpu-node";
 const KUBELET_NODE: &str = "nobody";
 /// Simulated GPUs; pods of s GiB go to GPU s-1, so sizes are 1..=GPUS.
 const GPUS: u64 = 8;
-/// How many error messages the report quotes.
-const QUOTED: usize = 3;
 /// GiB of the sentinel pod, the last created: a size no other pod has.
 const SENTINEL_GIB: u64 = GPUS + 1;
 
@@ -144,7 +143,9 @@ async fn measure(
     create_pods(cfg, &client, &gpus).await?;
 
     let socket = plugin_socket(plugin_dir)?;
-    let mut plugin = DevicePluginClient::new(connect(&socket).await?);
+    let channel = gpushare_proto::connect_unix(&socket).await;
+    let mut plugin =
+        DevicePluginClient::new(channel.context("connecting to the device plugin's socket")?);
     let mut ids = devices.iter().cycle();
     let mut take = |n: u64| -> Vec<String> { ids.by_ref().take(n as usize).cloned().collect() };
 
@@ -188,10 +189,7 @@ async fn measure(
     latencies.summary().print("Allocate");
     figure("API pod LISTs during Allocate phase", lists);
     figure("API pod patches per Allocate", ratio(patches, allocated));
-    figure("Allocate errors", errors.len());
-    for message in errors.iter().take(QUOTED) {
-        figure("  error", message);
-    }
+    quoted("Allocate errors", "error", &errors);
     figure("device plugin peak RSS (VmHWM)", proc_memory(pid, "VmHWM"));
     Ok(())
 }
@@ -202,10 +200,7 @@ async fn registered_devices(kubelet: &KubeletDriver) -> anyhow::Result<Vec<Strin
     kubelet
         .wait_registered(RESOURCE, Duration::from_secs(60))
         .await?;
-    figure(
-        "plugin start → registered and listed",
-        secs(started.elapsed()),
-    );
+    took("plugin start → registered and listed", started);
     let devices: Vec<String> = kubelet
         .devices(RESOURCE)
         .into_iter()
@@ -238,10 +233,7 @@ async fn create_pods(cfg: &Config, client: &kube::Client, gpus: &[GpuInfo]) -> a
         )
         .create(client)
     });
-    futures::stream::iter(creates)
-        .buffer_unordered(cfg.setup_concurrency)
-        .try_for_each(|_| async { Ok(()) })
-        .await?;
+    in_flight(cfg.setup_concurrency, creates).await?;
     pending_pod(
         "alloc-sentinel",
         SENTINEL_GIB,
@@ -252,7 +244,7 @@ async fn create_pods(cfg: &Config, client: &kube::Client, gpus: &[GpuInfo]) -> a
     )
     .create(client)
     .await?;
-    figure("set-up: pods created", secs(started.elapsed()));
+    took("set-up: pods created", started);
     Ok(())
 }
 
@@ -274,10 +266,7 @@ async fn wait_for_sentinel(
         }
         tokio::time::sleep(Duration::from_millis(20)).await;
     }
-    figure(
-        "plugin watch caught up (sentinel allocated)",
-        secs(started.elapsed()),
-    );
+    took("plugin watch caught up (sentinel allocated)", started);
     Ok(())
 }
 
@@ -339,13 +328,6 @@ fn plugin_socket(dir: &Path) -> anyhow::Result<PathBuf> {
                 && path.file_name().is_some_and(|name| name != KUBELET_SOCKET)
         })
         .with_context(|| format!("no device plugin socket in {}", dir.display()))
-}
-
-/// A gRPC channel over the unix socket at `path`, as kubelet dials a plugin.
-async fn connect(path: &Path) -> anyhow::Result<Channel> {
-    gpushare_proto::connect_unix(path)
-        .await
-        .context("connecting to the device plugin's socket")
 }
 
 /// Starts the real plugin on simulated GPUs; its output goes to `log`; killed on drop.

@@ -30,6 +30,8 @@ use futures::{StreamExt, TryStreamExt};
 use gpushare_contract::Keys;
 use gpushare_e2e::apiserver::{ApiServer, Verb};
 use gpushare_e2e::cluster::{Binaries, Extender, ExtenderTls, free_port, wait_for};
+use gpushare_e2e::realk8s::latency::Histogram;
+use gpushare_e2e::realk8s::load::cpu_seconds;
 use gpushare_e2e::scheduler::wire::ExtenderBindingArgs;
 use gpushare_testkit::fixtures::{node, pod};
 use gpushare_testkit::workload::{MAX_BOUND_GIB, bound_pod, node_name};
@@ -41,43 +43,58 @@ use crate::extender_metrics::{
     api_reads, bind_outcomes, describe_handler_time, describe_outcomes, events_by_reason,
     handler_seconds,
 };
-use crate::report::{figure, proc_cpu_seconds, proc_memory, ratio, secs, section};
+use crate::report::{QUOTED, figure, in_flight, proc_memory, quoted, ratio, secs, section, took};
 
 /// Namespace of every pod this phase creates.
 pub const NAMESPACE: &str = "default";
 /// Largest GiB of a pending pod (sizes are 1..=this).
 const MAX_PENDING_GIB: u64 = 4;
-/// How many refusal or error messages the report quotes.
-const QUOTED: usize = 3;
 
-/// What phase 1 builds and drives.
-#[derive(Debug, Clone)]
+/// What phase 1 builds and drives: the harness's flags for it.
+#[derive(Debug, Clone, clap::Args)]
 pub struct Config {
-    /// Nodes labelled `gpushare=true`.
+    /// Nodes labelled gpushare=true (extender phase).
+    #[arg(long, env = "LOAD_NODES", default_value_t = 5000)]
     pub nodes: usize,
+    /// GPUs per node.
+    #[arg(long, env = "LOAD_GPUS", default_value_t = 8)]
     pub gpus: u32,
+    /// GiB per GPU.
+    #[arg(long, env = "LOAD_GPU_GIB", default_value_t = 32)]
     pub gpu_gib: u64,
-    /// Pods already bound (with allocation annotations) before the extender starts.
+    /// Pods already bound (1–2 GiB, with allocation annotations) before the extender starts.
+    #[arg(long, env = "LOAD_BOUND_PODS", default_value_t = 50_000)]
     pub bound_pods: usize,
-    /// Pending pods driven through filter → prioritize → bind.
+    /// Pending pods (1–4 GiB) driven through filter → prioritize → bind.
+    #[arg(long, env = "LOAD_PODS", default_value_t = 2000)]
     pub pods: usize,
-    /// Node names per filter call; 0 = every node.
+    /// Node names per filter call; 0 sends every node (worst case).
+    #[arg(long, env = "LOAD_FILTER_NODES", default_value_t = 0)]
     pub filter_nodes: usize,
     /// Pods in flight at once during the drive.
+    #[arg(long, env = "LOAD_CONCURRENCY", default_value_t = 16)]
     pub concurrency: usize,
     /// API creates in flight at once during set-up.
+    #[arg(long, env = "LOAD_SETUP_CONCURRENCY", default_value_t = 32)]
     pub setup_concurrency: usize,
-    /// Whether the scheduler calls the extender's prioritize. Without it, the drive picks among
-    /// the passing nodes as `NodeResourcesFit` `MostAllocated` on the GPU-memory resource would
-    /// (the node with the most GPU memory requested, ties to the first sent), so the extender
-    /// sees the same kind of packing it would under its own scores.
-    pub prioritize: bool,
-    /// The extender's `--filter-keep-best`.
+    /// Drive without the prioritize verb, as a scheduler profile that scores GPU memory itself
+    /// (`NodeResourcesFit` `MostAllocated`) would: filter → bind only, the node with the most
+    /// GPU memory requested (ties to the first sent) chosen, so the extender sees the same
+    /// kind of packing it would under its own scores.
+    #[arg(long, env = "LOAD_NO_PRIORITIZE", default_value_t = false)]
+    pub no_prioritize: bool,
+    /// The extender's `--filter-keep-best` (0: filter passes every fitting node). With 1, one
+    /// node passes and the drive binds it without prioritize, as kube-scheduler does.
+    #[arg(long, env = "LOAD_FILTER_KEEP_BEST", default_value_t = 0)]
     pub filter_keep_best: usize,
-    /// Call the extender over plain HTTP/1.1 instead of the chart's way: HTTPS, where
-    /// kube-scheduler's transport negotiates HTTP/2 and sends every call on one connection.
+    /// Call the extender over plain HTTP/1.1. By default it serves HTTPS, as the chart runs
+    /// it, and the harness speaks HTTP/2 to it over one connection, as kube-scheduler's
+    /// transport negotiates with it.
+    #[arg(long, env = "LOAD_PLAIN_HTTP", default_value_t = false)]
     pub plain_http: bool,
-    /// The extender's `--worker-threads` (0: one per CPU of this machine).
+    /// The extender's `--worker-threads`. 1 by default: the chart limits the extender to one
+    /// CPU, and its runtime starts one worker per CPU it may use. 0: one per core here.
+    #[arg(long, env = "LOAD_EXTENDER_WORKER_THREADS", default_value_t = 1)]
     pub extender_worker_threads: usize,
 }
 
@@ -136,10 +153,7 @@ pub async fn run(cfg: &Config, bins: &Binaries, log_dir: &Path) -> anyhow::Resul
     let started = Instant::now();
     let tls = extender_tls(cfg, log_dir)?;
     let extender = start_extender(cfg, bins, &kubeconfig, log_dir, tls.as_ref()).await?;
-    figure(
-        "extender start → ready (list + rebuild)",
-        secs(started.elapsed()),
-    );
+    took("extender start → ready (list + rebuild)", started);
     let pid = extender.process.id();
     figure("extender RSS when ready", proc_memory(pid, "VmRSS"));
 
@@ -150,10 +164,7 @@ pub async fn run(cfg: &Config, bins: &Binaries, log_dir: &Path) -> anyhow::Resul
     if let Some(last) = newest(&pending) {
         let started = Instant::now();
         wait_until_binding(&http, addr, last, &node_name(0)).await?;
-        figure(
-            "wait until binds accepted (watch, hold)",
-            secs(started.elapsed()),
-        );
+        took("wait until binds accepted (watch, hold)", started);
     }
 
     drive(cfg, (&api, &client), (http, pending), addr, pid).await?;
@@ -167,29 +178,24 @@ pub async fn run(cfg: &Config, bins: &Binaries, log_dir: &Path) -> anyhow::Resul
 async fn create_nodes_and_bound_pods(cfg: &Config, client: &kube::Client) -> anyhow::Result<()> {
     let gpus = vec![cfg.gpu_gib; cfg.gpus as usize];
     let started = Instant::now();
-    futures::stream::iter(
-        (0..cfg.nodes).map(|i| node(&node_name(i)).gpushare().gpus(&gpus).create(client)),
-    )
-    .buffer_unordered(cfg.setup_concurrency)
-    .try_for_each(|_| async { Ok(()) })
-    .await?;
-    figure("set-up: nodes created", secs(started.elapsed()));
+    let nodes = (0..cfg.nodes).map(|i| node(&node_name(i)).gpushare().gpus(&gpus).create(client));
+    in_flight(cfg.setup_concurrency, nodes).await?;
+    took("set-up: nodes created", started);
 
     let keys = Keys::default();
     let bind_time = jiff::Timestamp::now().to_string();
     let started = Instant::now();
-    futures::stream::iter((0..cfg.bound_pods).map(|i| {
+    let pods: kube::Api<Pod> = kube::Api::namespaced(client.clone(), NAMESPACE);
+    let creates = (0..cfg.bound_pods).map(|i| {
         let pod = bound_pod(i, cfg.nodes, cfg.gpus, &keys, &bind_time).build();
-        let pods: kube::Api<Pod> = kube::Api::namespaced(client.clone(), "default");
+        let pods = pods.clone();
         async move {
             pods.create(&Default::default(), &with_managed_fields(pod))
                 .await
         }
-    }))
-    .buffer_unordered(cfg.setup_concurrency)
-    .try_for_each(|_| async { Ok(()) })
-    .await?;
-    figure("set-up: bound pods created", secs(started.elapsed()));
+    });
+    in_flight(cfg.setup_concurrency, creates).await?;
+    took("set-up: bound pods created", started);
     Ok(())
 }
 
@@ -265,7 +271,7 @@ async fn start_extender(
         format!("--filter-keep-best={}", cfg.filter_keep_best),
         format!("--worker-threads={}", cfg.extender_worker_threads),
     ];
-    if !cfg.prioritize {
+    if cfg.no_prioritize {
         extender_args.push("--policy=binpack".to_owned());
     }
     match tls {
@@ -301,7 +307,7 @@ async fn create_pending_pods(cfg: &Config, client: &kube::Client) -> anyhow::Res
     })
     .try_collect()
     .await?;
-    figure("set-up: pending pods created", secs(started.elapsed()));
+    took("set-up: pending pods created", started);
     Ok(pending)
 }
 
@@ -313,19 +319,19 @@ async fn drive(
     addr: SocketAddr,
     pid: Option<u32>,
 ) -> anyhow::Result<()> {
-    let before = Counters::read(api, client, addr, (pid, Moment::Before)).await?;
+    let before = Counters::read(api, client, addr, pid, true).await?;
     let mut drive = Drive::new(
         http,
         pending,
         (0..cfg.nodes).map(node_name).collect(),
         cfg.filter_nodes,
     );
-    drive.prioritize = cfg.prioritize;
+    drive.prioritize = !cfg.no_prioritize;
     let drive = Arc::new(drive);
     let started = Instant::now();
     let tally = drive.run(cfg.concurrency).await?;
     let elapsed = started.elapsed();
-    let after = Counters::read(api, client, addr, (pid, Moment::After)).await?;
+    let after = Counters::read(api, client, addr, pid, false).await?;
     report_throughput(cfg, &tally, &drive, elapsed);
     figure(
         "extender's own time per call (its histogram)",
@@ -344,8 +350,8 @@ async fn drive(
 struct Counters {
     /// Bind outcomes by reason (the extender's metrics).
     outcomes: BTreeMap<String, u64>,
-    /// Handler seconds and calls by verb (the extender's metrics).
-    handled: BTreeMap<String, (f64, f64)>,
+    /// Handler time by verb (the extender's metrics).
+    handled: BTreeMap<String, Histogram>,
     /// API writes, Events excluded.
     writes: u64,
     /// API writes, Events included.
@@ -361,24 +367,22 @@ struct Counters {
 }
 
 impl Counters {
-    /// Reads every counter, before the drive (`Moment::Before`) or after it. The extender's
-    /// own `/metrics` scrapes cost it CPU: before the drive they come first and after it
-    /// last, so the drive's CPU figure leaves them out.
+    /// Reads every counter, `before` the drive or after it. The extender's own `/metrics`
+    /// scrapes cost it CPU: before the drive they come first and after it last, so the
+    /// drive's CPU figure leaves them out.
     async fn read(
         api: &ApiServer,
         client: &kube::Client,
         addr: SocketAddr,
-        (pid, moment): (Option<u32>, Moment),
+        pid: Option<u32>,
+        before: bool,
     ) -> anyhow::Result<Self> {
         let scrape = || async { (bind_outcomes(addr).await, handler_seconds(addr).await) };
-        let scraped_first = match moment {
-            Moment::Before => Some(scrape().await),
-            Moment::After => None,
-        };
+        let scraped_first = if before { Some(scrape().await) } else { None };
         let stats = api.stats();
         let writes = stats.writes();
         let all_writes = stats.writes_including_events();
-        let cpu = proc_cpu_seconds(pid);
+        let cpu = pid.and_then(cpu_seconds);
         let bindings = stats.count(Verb::Create, "pods/binding");
         let reads = api_reads(api);
         let (outcomes, handled) = match scraped_first {
@@ -397,13 +401,6 @@ impl Counters {
             events,
         })
     }
-}
-
-/// When [`Counters::read`] reads: before the drive or after it.
-#[derive(Debug, Clone, Copy)]
-enum Moment {
-    Before,
-    After,
 }
 
 /// Pods scheduled, cycles, wall time, binds/s and the latency of each verb.
@@ -499,18 +496,13 @@ fn report_outcomes(tally: &Tally, before: &Counters, after: &Counters) {
         figure("  refused", message);
     }
     figure("cycles where no node passed filter", tally.unfit);
-    figure(
+    quoted(
         "filter errors (pod requeued; a node waits for an admission)",
-        tally.filter_errors.len(),
+        "filter error",
+        &tally.filter_errors,
     );
-    for message in tally.filter_errors.iter().take(QUOTED) {
-        figure("  filter error", message);
-    }
     figure("pods left unscheduled", tally.unscheduled);
-    figure("call errors", tally.errors.len());
-    for message in tally.errors.iter().take(QUOTED) {
-        figure("  error", message);
-    }
+    quoted("call errors", "error", &tally.errors);
 }
 
 /// The pod with the highest resourceVersion: once a watch has delivered it, it has delivered
@@ -572,7 +564,7 @@ mod tests {
             filter_nodes: 0,
             concurrency: 2,
             setup_concurrency: 2,
-            prioritize: true,
+            no_prioritize: false,
             filter_keep_best: 0,
             plain_http: false,
             extender_worker_threads: 1,

@@ -7,11 +7,12 @@
 //! how and measures it.
 
 use std::collections::BTreeMap;
-use std::sync::{Arc, Mutex, MutexGuard, PoisonError};
+use std::sync::{Mutex, MutexGuard, PoisonError};
 use std::time::{Duration, Instant};
 
 use anyhow::{Context, anyhow, bail};
 use gpushare_e2e::cluster::{EXTENDER_SERVICE_HOST, ExtenderTls};
+use gpushare_e2e::scheduler::tls_client;
 use http_body_util::{BodyExt, Full};
 use hyper::body::Bytes;
 use hyper_rustls::{FixedServerNameResolver, HttpsConnector, HttpsConnectorBuilder};
@@ -51,14 +52,7 @@ impl Http {
                 .wrap_connector(connector),
             // Plain `http://` URLs never use the TLS settings: trust nothing.
             None => HttpsConnectorBuilder::new()
-                .with_tls_config(
-                    rustls::ClientConfig::builder_with_provider(Arc::new(
-                        rustls::crypto::ring::default_provider(),
-                    ))
-                    .with_safe_default_protocol_versions()?
-                    .with_root_certificates(rustls::RootCertStore::empty())
-                    .with_no_client_auth(),
-                )
+                .with_tls_config(tls_client("", None).map_err(|e| anyhow!(e))?)
                 .https_or_http()
                 .enable_http1()
                 .wrap_connector(connector),

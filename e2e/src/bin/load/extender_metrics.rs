@@ -10,6 +10,7 @@ use std::net::SocketAddr;
 use anyhow::Context;
 use gpushare_e2e::apiserver::{ApiServer, Verb};
 use gpushare_e2e::cluster::http_get;
+use gpushare_e2e::realk8s::latency::{Histogram, histograms};
 
 use crate::extender::NAMESPACE;
 
@@ -75,53 +76,40 @@ pub async fn bind_outcomes(addr: SocketAddr) -> BTreeMap<String, u64> {
         .collect()
 }
 
-/// `gpushare_extender_request_duration_seconds` sum and count by verb, from `/metrics`: the
-/// time the extender spent in each handler, without transport or the caller's queueing.
-pub async fn handler_seconds(addr: SocketAddr) -> BTreeMap<String, (f64, f64)> {
+/// `gpushare_extender_request_duration_seconds` by verb, from `/metrics`: the time the
+/// extender spent in each handler, without transport or the caller's queueing.
+pub async fn handler_seconds(addr: SocketAddr) -> BTreeMap<String, Histogram> {
     match http_get(addr, "/metrics").await {
         Ok((200, text)) => parse_handler_seconds(&text),
         _ => BTreeMap::new(),
     }
 }
 
-/// The sums and counts of the extender's request-duration histogram in an OpenMetrics text.
-pub fn parse_handler_seconds(text: &str) -> BTreeMap<String, (f64, f64)> {
-    let mut verbs: BTreeMap<String, (f64, f64)> = BTreeMap::new();
-    for line in text.lines() {
-        let Some(rest) = line.strip_prefix("gpushare_extender_request_duration_seconds_") else {
-            continue;
-        };
-        let Some((kind, rest)) = rest.split_once("{verb=\"") else {
-            continue;
-        };
-        let Some((verb, value)) = rest.split_once("\"} ") else {
-            continue;
-        };
-        let Some(value) = value.split_whitespace().next().and_then(|v| v.parse().ok()) else {
-            continue;
-        };
-        let entry = verbs.entry(verb.to_owned()).or_default();
-        match kind {
-            "sum" => entry.0 = value,
-            "count" => entry.1 = value,
-            _ => {}
-        }
-    }
-    verbs
+/// The extender's request-duration histograms in an OpenMetrics text, by verb.
+pub fn parse_handler_seconds(text: &str) -> BTreeMap<String, Histogram> {
+    let all = histograms(text, "gpushare_extender_request_duration_seconds", |_| true);
+    let verb = |labels: String| {
+        labels
+            .trim_start_matches("verb=\"")
+            .trim_end_matches('"')
+            .to_owned()
+    };
+    all.into_iter()
+        .map(|(labels, h)| (verb(labels), h))
+        .collect()
 }
 
 /// `filter 0.912 ms, prioritize …`: mean handler time per verb between two scrapes.
 pub fn describe_handler_time(
-    before: &BTreeMap<String, (f64, f64)>,
-    after: &BTreeMap<String, (f64, f64)>,
+    before: &BTreeMap<String, Histogram>,
+    after: &BTreeMap<String, Histogram>,
 ) -> String {
     let parts: Vec<String> = ["filter", "prioritize", "bind"]
         .iter()
         .filter_map(|verb| {
-            let (sum, count) = after.get(*verb)?;
-            let (sum0, count0) = before.get(*verb).copied().unwrap_or_default();
-            let calls = count - count0;
-            (calls > 0.0).then(|| format!("{verb} {:.3} ms", (sum - sum0) / calls * 1e3))
+            let earlier = before.get(*verb).cloned().unwrap_or_default();
+            let mean = after.get(*verb)?.since(&earlier).mean()?;
+            Some(format!("{verb} {:.3} ms", mean * 1e3))
         })
         .collect();
     if parts.is_empty() {
@@ -164,7 +152,7 @@ mod tests {
         let mut encoded = String::new();
         prometheus_client::encoding::text::encode(&mut encoded, &registry).unwrap();
         let after = parse_handler_seconds(&encoded);
-        assert_eq!(after["filter"].1, 2.0, "{encoded}");
+        assert_eq!(after["filter"].count(), 2.0, "{encoded}");
         let text = describe_handler_time(&before, &after);
         let mean: f64 = text
             .strip_prefix("mean filter ")

@@ -37,35 +37,13 @@ use report::{figure, section};
 #[derive(Debug, Parser)]
 #[command(version, about)]
 struct Args {
-    /// Nodes labelled gpushare=true (extender phase).
-    #[arg(long, env = "LOAD_NODES", default_value_t = 5000)]
-    nodes: usize,
-    /// GPUs per node.
-    #[arg(long, env = "LOAD_GPUS", default_value_t = 8)]
-    gpus: u32,
-    /// GiB per GPU.
-    #[arg(long, env = "LOAD_GPU_GIB", default_value_t = 32)]
-    gpu_gib: u64,
-    /// Pods already bound (1–2 GiB, with allocation annotations) before the extender starts.
-    #[arg(long, env = "LOAD_BOUND_PODS", default_value_t = 50_000)]
-    bound_pods: usize,
-    /// Pending pods (1–4 GiB) driven through filter → prioritize → bind.
-    #[arg(long, env = "LOAD_PODS", default_value_t = 2000)]
-    pods: usize,
-    /// Node names per filter call; 0 sends every node (worst case).
-    #[arg(long, env = "LOAD_FILTER_NODES", default_value_t = 0)]
-    filter_nodes: usize,
+    #[command(flatten)]
+    extender: extender::Config,
     /// Node names per filter call as kube-scheduler picks them under this
     /// `percentageOfNodesToScore` (0: its adaptive default, 420 of 1,000 nodes; 1: the chart's
     /// dedicated profile, 100 nodes): replaces `--filter-nodes`.
     #[arg(long, env = "LOAD_PERCENTAGE_OF_NODES_TO_SCORE", conflicts_with = "filter_nodes", value_parser = clap::value_parser!(u32).range(0..=100))]
     percentage_of_nodes_to_score: Option<u32>,
-    /// Pods in flight at once during the drive.
-    #[arg(long, env = "LOAD_CONCURRENCY", default_value_t = 16)]
-    concurrency: usize,
-    /// API creates in flight at once during set-up.
-    #[arg(long, env = "LOAD_SETUP_CONCURRENCY", default_value_t = 32)]
-    setup_concurrency: usize,
     /// Pods allocated by the device plugin, one Allocate each (device plugin phase).
     #[arg(long, env = "LOAD_ALLOCATE_PODS", default_value_t = 1000)]
     allocate_pods: usize,
@@ -73,23 +51,6 @@ struct Args {
     /// Allocate pods would not fit.
     #[arg(long, env = "LOAD_ALLOCATE_GPU_GIB", default_value_t = 1024)]
     allocate_gpu_gib: u64,
-    /// Drive without the prioritize verb, as a scheduler profile that scores GPU memory itself
-    /// (`NodeResourcesFit` `MostAllocated`) would: filter → bind only.
-    #[arg(long, env = "LOAD_NO_PRIORITIZE", default_value_t = false)]
-    no_prioritize: bool,
-    /// The extender's `--filter-keep-best` (0: filter passes every fitting node). With 1, one
-    /// node passes and the drive binds it without prioritize, as kube-scheduler does.
-    #[arg(long, env = "LOAD_FILTER_KEEP_BEST", default_value_t = 0)]
-    filter_keep_best: usize,
-    /// Call the extender over plain HTTP/1.1. By default it serves HTTPS, as the chart runs
-    /// it, and the harness speaks HTTP/2 to it over one connection, as kube-scheduler's
-    /// transport negotiates with it.
-    #[arg(long, env = "LOAD_PLAIN_HTTP", default_value_t = false)]
-    plain_http: bool,
-    /// The extender's `--worker-threads`. 1 by default: the chart limits the extender to one
-    /// CPU, and its runtime starts one worker per CPU it may use. 0: one per core here.
-    #[arg(long, env = "LOAD_EXTENDER_WORKER_THREADS", default_value_t = 1)]
-    extender_worker_threads: usize,
     /// Skip the extender phase.
     #[arg(long, env = "LOAD_SKIP_EXTENDER", default_value_t = false)]
     skip_extender: bool,
@@ -111,27 +72,14 @@ async fn main() -> anyhow::Result<()> {
         .with_writer(std::io::stderr)
         .init();
     let args = Args::parse();
-    let extender_cfg = extender::Config {
-        nodes: args.nodes,
-        gpus: args.gpus,
-        gpu_gib: args.gpu_gib,
-        bound_pods: args.bound_pods,
-        pods: args.pods,
-        filter_nodes: match args.percentage_of_nodes_to_score {
-            Some(percentage) => num_feasible_nodes_to_find_at(args.nodes, percentage),
-            None => args.filter_nodes,
-        },
-        concurrency: args.concurrency,
-        setup_concurrency: args.setup_concurrency,
-        prioritize: !args.no_prioritize,
-        filter_keep_best: args.filter_keep_best,
-        plain_http: args.plain_http,
-        extender_worker_threads: args.extender_worker_threads,
-    };
+    let mut extender_cfg = args.extender.clone();
+    if let Some(percentage) = args.percentage_of_nodes_to_score {
+        extender_cfg.filter_nodes = num_feasible_nodes_to_find_at(extender_cfg.nodes, percentage);
+    }
     let allocate_cfg = allocate::Config {
         pods: args.allocate_pods,
         gpu_gib: args.allocate_gpu_gib,
-        setup_concurrency: args.setup_concurrency.max(1),
+        setup_concurrency: extender_cfg.setup_concurrency.max(1),
     };
     if !args.skip_extender {
         extender_cfg.validate()?;
@@ -178,7 +126,7 @@ async fn main() -> anyhow::Result<()> {
     Ok(())
 }
 
-fn print_configuration(args: &Args, extender_cfg: &extender::Config) {
+fn print_configuration(args: &Args, cfg: &extender::Config) {
     println!("gpushare load harness");
     section("configuration");
     let profile = if cfg!(debug_assertions) {
@@ -198,21 +146,21 @@ fn print_configuration(args: &Args, extender_cfg: &extender::Config) {
             "nodes",
             format!(
                 "{} (gpushare=true, {} GPUs × {} GiB)",
-                args.nodes, args.gpus, args.gpu_gib
+                cfg.nodes, cfg.gpus, cfg.gpu_gib
             ),
         );
         figure(
             "bound pods (1–2 GiB, allocation annotations)",
-            args.bound_pods,
+            cfg.bound_pods,
         );
-        figure("pending pods (1–4 GiB)", args.pods);
-        figure("pods in flight", args.concurrency);
-        figure("filter NodeNames", extender_cfg.filter_description());
-        figure("extender --filter-keep-best", args.filter_keep_best);
-        figure("extender --worker-threads", args.extender_worker_threads);
+        figure("pending pods (1–4 GiB)", cfg.pods);
+        figure("pods in flight", cfg.concurrency);
+        figure("filter NodeNames", cfg.filter_description());
+        figure("extender --filter-keep-best", cfg.filter_keep_best);
+        figure("extender --worker-threads", cfg.extender_worker_threads);
         figure(
             "scheduler → extender transport",
-            if args.plain_http {
+            if cfg.plain_http {
                 "plain HTTP/1.1, a keep-alive pool (--plain-http)"
             } else {
                 "HTTPS as the chart serves it, HTTP/2 on one connection (as kube-scheduler negotiates)"
@@ -220,10 +168,10 @@ fn print_configuration(args: &Args, extender_cfg: &extender::Config) {
         );
         figure(
             "verbs per scheduling cycle",
-            if extender_cfg.prioritize {
-                "filter, prioritize (when 2+ nodes pass), bind"
-            } else {
+            if cfg.no_prioritize {
                 "filter, bind (node: most GPU memory requested, as MostAllocated)"
+            } else {
+                "filter, prioritize (when 2+ nodes pass), bind"
             },
         );
     }
@@ -232,7 +180,7 @@ fn print_configuration(args: &Args, extender_cfg: &extender::Config) {
     } else {
         figure("Allocate pods (1–8 GiB, twin rule)", args.allocate_pods);
     }
-    figure("set-up creates in flight", args.setup_concurrency);
+    figure("set-up creates in flight", cfg.setup_concurrency);
     match &args.log_dir {
         Some(dir) => figure("binaries' logs", dir.display()),
         None => figure("binaries' logs", "temp dir (removed at exit)"),

@@ -6,9 +6,15 @@
 //! so a run can be pasted into an issue or grepped by the smoke test.
 
 use std::fmt::Display;
-use std::time::Duration;
+use std::future::Future;
+use std::time::{Duration, Instant};
+
+use futures::{StreamExt, TryStreamExt};
+use gpushare_e2e::realk8s::load::rss_mib;
 
 const LABEL_WIDTH: usize = 44;
+/// How many refusal or error messages the report quotes.
+pub const QUOTED: usize = 3;
 
 /// Every latency of one kind of call.
 #[derive(Debug, Default, Clone)]
@@ -72,6 +78,30 @@ pub fn figure(label: &str, value: impl Display) {
     println!("  {label:<LABEL_WIDTH$} {value}");
 }
 
+/// The time since `started`, as a figure.
+pub fn took(label: &str, started: Instant) {
+    figure(label, secs(started.elapsed()));
+}
+
+/// `label`: how many `messages`, then the first few quoted as `  <quote>`.
+pub fn quoted(label: &str, quote: &str, messages: &[String]) {
+    figure(label, messages.len());
+    for message in messages.iter().take(QUOTED) {
+        figure(&format!("  {quote}"), message);
+    }
+}
+
+/// Runs `calls`, `concurrency` at a time; the first error ends it.
+pub async fn in_flight<T, E>(
+    concurrency: usize,
+    calls: impl Iterator<Item = impl Future<Output = Result<T, E>>>,
+) -> Result<(), E> {
+    futures::stream::iter(calls)
+        .buffer_unordered(concurrency)
+        .try_for_each(|_| async { Ok(()) })
+        .await
+}
+
 /// `12.345 ms`, or `n/a` when nothing was measured.
 pub fn ms(d: Option<Duration>) -> String {
     match d {
@@ -94,45 +124,13 @@ pub fn ratio(a: u64, b: u64) -> String {
     }
 }
 
-/// A process's memory figure from `/proc/<pid>/status` (`VmHWM` = peak RSS, `VmRSS` = now),
-/// as `123.4 MiB`; `unavailable` where `/proc` is not readable (not Linux, process gone).
+/// A process's memory figure (`VmHWM` = peak RSS, `VmRSS` = now) as `123.4 MiB`;
+/// `unavailable` where `/proc` is not readable (not Linux, process gone).
 pub fn proc_memory(pid: Option<u32>, field: &str) -> String {
-    let kib = pid.and_then(|pid| {
-        let status = std::fs::read_to_string(format!("/proc/{pid}/status")).ok()?;
-        status
-            .lines()
-            .find_map(|line| line.strip_prefix(field)?.strip_prefix(':'))
-            .and_then(|value| value.split_whitespace().next())
-            .and_then(|kib| kib.parse::<u64>().ok())
-    });
-    match kib {
-        Some(kib) => format!("{:.1} MiB", kib as f64 / 1024.0),
+    match pid.and_then(rss_mib) {
+        Some((peak, now)) => format!("{:.1} MiB", if field == "VmHWM" { peak } else { now }),
         None => "unavailable".to_owned(),
     }
-}
-
-/// CPU time (user + system, seconds) process `pid` has used so far, from `/proc/PID/stat`.
-pub fn proc_cpu_seconds(pid: Option<u32>) -> Option<f64> {
-    let stat = std::fs::read_to_string(format!("/proc/{}/stat", pid?)).ok()?;
-    // Fields after the command name (which may hold spaces, so split after its ')'):
-    // state is field 3, utime 14 and stime 15, in clock ticks.
-    let after = stat.rsplit_once(')')?.1;
-    let fields: Vec<&str> = after.split_whitespace().collect();
-    let ticks = |i: usize| fields.get(i)?.parse::<u64>().ok();
-    let (utime, stime) = (ticks(11)?, ticks(12)?);
-    Some((utime + stime) as f64 / clock_ticks_per_second())
-}
-
-/// `getconf CLK_TCK`: the unit of `/proc` CPU times (100 on every common Linux).
-fn clock_ticks_per_second() -> f64 {
-    std::process::Command::new("getconf")
-        .arg("CLK_TCK")
-        .output()
-        .ok()
-        .and_then(|out| String::from_utf8(out.stdout).ok())
-        .and_then(|text| text.trim().parse::<f64>().ok())
-        .filter(|hz| *hz > 0.0)
-        .unwrap_or(100.0)
 }
 
 #[cfg(test)]

@@ -16,11 +16,12 @@ mod queue;
 use std::cmp::Reverse;
 use std::collections::{BTreeMap, BinaryHeap, HashMap, HashSet};
 use std::sync::Arc;
-use std::time::{Duration, Instant};
+use std::time::Instant;
 
 use k8s_openapi::api::core::v1::Pod;
 
-use super::framework::{self, NodeUsage, PodUsage};
+use super::SchedulerConfig;
+use super::framework::{NodeUsage, PodUsage};
 use cache::Accounted;
 use queue::ActiveEntry;
 
@@ -42,21 +43,10 @@ fn pod_uid(pod: &Pod) -> String {
     pod.metadata.uid.clone().unwrap_or_default()
 }
 
-/// Queue timing and the profile's resource scoring, from [`super::SchedulerConfig`].
-#[derive(Clone, Debug)]
-pub struct QueueConfig {
-    pub scheduler_name: String,
-    pub backoff_initial: Duration,
-    pub backoff_max: Duration,
-    pub unschedulable_retry: Duration,
-    pub fit_scoring: framework::FitScoring,
-    /// `percentageOfNodesToScore` (0: adaptive).
-    pub percentage_of_nodes_to_score: u32,
-}
-
 #[derive(Debug)]
 pub struct State {
-    config: QueueConfig,
+    /// Read for the pods that are ours, queue timing, the walk's length and fit scoring.
+    config: SchedulerConfig,
     pub nodes: BTreeMap<String, NodeEntry>,
     usage: HashMap<String, NodeUsage>,
     accounted: HashMap<PodKey, Accounted>,
@@ -72,7 +62,7 @@ pub struct State {
 }
 
 impl State {
-    pub fn new(config: QueueConfig) -> Self {
+    pub fn new(config: SchedulerConfig) -> Self {
         State {
             config,
             nodes: BTreeMap::new(),
@@ -94,8 +84,7 @@ impl State {
     pub fn apply_pod(&mut self, pod: Pod) -> bool {
         let key = pod_key(&pod);
         let uid = pod_uid(&pod);
-        let phase = pod.status.as_ref().and_then(|s| s.phase.as_deref());
-        if matches!(phase, Some("Succeeded" | "Failed")) {
+        if gpushare_contract::request::pod_is_finished(&pod) {
             return self.delete_pod(&key);
         }
         let spec = pod.spec.as_ref();
@@ -185,15 +174,14 @@ mod tests {
     use crate::fixtures::{node, pod};
     use k8s_openapi::apimachinery::pkg::apis::meta::v1::Time;
     use k8s_openapi::jiff::Timestamp;
+    use std::time::Duration;
 
     fn state() -> State {
-        State::new(QueueConfig {
-            scheduler_name: "default-scheduler".to_owned(),
+        State::new(SchedulerConfig {
             backoff_initial: Duration::from_millis(100),
             backoff_max: Duration::from_millis(350),
             unschedulable_retry: Duration::from_secs(5),
-            fit_scoring: framework::FitScoring::default(),
-            percentage_of_nodes_to_score: 0,
+            ..SchedulerConfig::default()
         })
     }
 
