@@ -116,10 +116,8 @@ async fn crud_is_strict_about_versions_names_and_existence() {
     let created = pod("a").gpu_mem(4).create(&client).await.unwrap();
     assert!(created.metadata.uid.is_some() && created.metadata.creation_timestamp.is_some());
     assert_eq!(phase(&created), "Pending");
-    refused(
-        pods.create(&pp, &pod("a").build()).await,
-        "409 AlreadyExists",
-    );
+    let again = pods.create(&pp, &pod("a").build()).await;
+    refused(again, "409 AlreadyExists");
     refused(pods.get("nope").await, "404 NotFound");
 
     // Update with the current version works and bumps it; the old version is then stale.
@@ -159,10 +157,9 @@ async fn crud_is_strict_about_versions_names_and_existence() {
     let n1 = node("n1").gpushare().gpus(&[16]).create(&client).await;
     let capacity = n1.unwrap().status.unwrap().capacity.unwrap();
     assert!(capacity.contains_key("example.com/gpu-mem"));
-    let nodes = Api::<Node>::all(client.clone())
-        .list(&ListParams::default())
-        .await;
-    assert_eq!(nodes.unwrap().items.len(), 1);
+    let nodes = Api::<Node>::all(client.clone());
+    let listed = nodes.list(&ListParams::default()).await.unwrap();
+    assert_eq!(listed.items.len(), 1);
     server.shutdown().await;
 }
 
@@ -173,20 +170,16 @@ async fn binding_is_one_shot_and_copies_annotations() {
     let uid = created.metadata.uid.clone().unwrap();
 
     // Wrong uid precondition: 409 and nothing changes.
-    refused(
-        bind(&pods, "a", "n1", Some("not-the-uid"), &[]).await,
-        "409 Conflict",
-    );
+    let wrong_uid = bind(&pods, "a", "n1", Some("not-the-uid"), &[]).await;
+    refused(wrong_uid, "409 Conflict");
     assert_eq!(node_name(&pods.get("a").await.unwrap()), None);
 
     let status = bind(&pods, "a", "n1", Some(&uid), &[("example.com/gpu", "0")]).await;
     assert_eq!(status.unwrap()["status"], "Success");
     let bound = pods.get("a").await.unwrap();
     assert_eq!(node_name(&bound), Some("n1"));
-    assert_eq!(
-        bound.metadata.annotations.as_ref().unwrap()["example.com/gpu"],
-        "0"
-    );
+    let annotations = bound.metadata.annotations.as_ref().unwrap();
+    assert_eq!(annotations["example.com/gpu"], "0");
     assert!(has_condition(&bound, "PodScheduled", "True"));
 
     refused(bind(&pods, "a", "n2", None, &[]).await, "409 Conflict");
@@ -217,13 +210,11 @@ async fn patches_merge_strategic_json_and_refuse_stale_versions() {
     // Strategic merge of conditions by type on /status.
     let conditions = json!({"status": {"conditions": [
         {"type": "Ready", "status": "False"}, {"type": "Initialized", "status": "True"}]}});
-    patch_status(&pods, "a", Patch::Strategic(conditions))
-        .await
-        .unwrap();
+    let conditions = patch_status(&pods, "a", Patch::Strategic(conditions)).await;
+    conditions.unwrap();
     let ready = json!({"status": {"conditions": [{"type": "Ready", "status": "True"}]}});
-    let out = patch_status(&pods, "a", Patch::Strategic(ready))
-        .await
-        .unwrap();
+    let out = patch_status(&pods, "a", Patch::Strategic(ready)).await;
+    let out = out.unwrap();
     let conditions = out.status.as_ref().and_then(|s| s.conditions.as_ref());
     assert_eq!(conditions.map(Vec::len), Some(2));
     assert!(has_condition(&out, "Ready", "True"));

@@ -17,8 +17,8 @@ use common::{
 use gpushare_contract::{GpuInfo, Keys, env};
 use gpushare_e2e::apiserver::Verb;
 use gpushare_e2e::cluster::published_gpus;
-use gpushare_e2e::kubelet::AdmissionOrder;
-use gpushare_testkit::fixtures::pod;
+use gpushare_e2e::kubelet::{AdmissionOrder, KubeletDriver};
+use gpushare_testkit::fixtures::{PodBuilder, pod};
 use k8s_openapi::api::core::v1::Node;
 use rand::rngs::StdRng;
 use rand::seq::SliceRandom;
@@ -46,9 +46,11 @@ async fn registers_lists_one_device_per_gib_and_follows_health() -> anyhow::Resu
         .await?;
     let units = kubelet.devices(&compute);
     assert_eq!(units.len(), 300, "100 compute units per GPU");
-    let gpu2_units = format!("{}-c", uuid(2));
-    let gpu2_units = units.iter().filter(|(id, _)| id.starts_with(&gpu2_units));
-    assert_eq!(gpu2_units.count(), 100);
+    let gpu2 = format!("{}-c", uuid(2));
+    assert_eq!(
+        units.iter().filter(|(id, _)| id.starts_with(&gpu2)).count(),
+        100
+    );
 
     let devices = kubelet.devices(RESOURCE);
     assert!(devices.iter().all(|(_, healthy)| *healthy));
@@ -57,12 +59,8 @@ async fn registers_lists_one_device_per_gib_and_follows_health() -> anyhow::Resu
     assert_eq!((on_gpu(&memory, 0), on_gpu(&memory, 2)), (16, 24));
     assert!(memory.contains(&format!("{}-23", uuid(2))));
 
-    eventually(WAIT, "the inventory annotation", || async {
-        Ok(inventory(&cluster)
-            .await
-            .is_ok_and(|(_, gpus)| gpus.len() == 3))
-    })
-    .await?;
+    let published = || async { Ok(inventory(&cluster).await.is_ok_and(|(_, g)| g.len() == 3)) };
+    eventually(WAIT, "the inventory annotation", published).await?;
     let (node, gpus) = inventory(&cluster).await?;
     let sizes: Vec<u64> = gpus.iter().map(|g| g.mem_gib).collect();
     assert_eq!(sizes, [16, 16, 24]);
@@ -112,55 +110,47 @@ async fn allocate_pins_containers_to_the_annotated_gpu_without_listing_pods() ->
     annotated(b, b_allocation).create(&cluster.client).await?;
     cluster.wait_admitted(WAIT, &["a", "b"]).await?;
 
-    let expected = BTreeMap::from([
-        (env::NVIDIA_VISIBLE_DEVICES.to_owned(), uuid(2)),
-        (env::GPU_INDEX.to_owned(), "2".to_owned()),
-        (env::GPU_UUID.to_owned(), uuid(2)),
-        (env::CONTAINER_GIB.to_owned(), "4".to_owned()),
-        (env::POD_GIB.to_owned(), "4".to_owned()),
-        (env::GPU_TOTAL_GIB.to_owned(), "24".to_owned()),
-    ]);
-    assert_eq!(cluster.env("a", "main"), expected);
-    // The preferred allocation kept kubelet's device IDs on the chosen GPU.
-    let a_devices = cluster.devices("a");
-    assert_eq!(
-        (a_devices.len(), on_gpu(&a_devices, 2)),
-        (4, 4),
-        "{a_devices:?}"
-    );
-
+    let gpu2 = uuid(2);
+    let expected = [
+        (env::NVIDIA_VISIBLE_DEVICES, &*gpu2),
+        (env::GPU_INDEX, "2"),
+        (env::GPU_UUID, &gpu2),
+        (env::CONTAINER_GIB, "4"),
+        (env::POD_GIB, "4"),
+        (env::GPU_TOTAL_GIB, "24"),
+    ];
+    let expected = expected.map(|(k, v)| (k.to_owned(), v.to_owned()));
+    assert_eq!(cluster.env("a", "main"), BTreeMap::from(expected));
     for (container, gib) in [("init", "6"), ("main", "4")] {
         let env = cluster.env("b", container);
-        let got = [
+        let names = [
             env::NVIDIA_VISIBLE_DEVICES,
             env::POD_GIB,
             env::CONTAINER_GIB,
-        ]
-        .map(|name| env.get(name).cloned().unwrap_or_default());
+        ];
+        let got = names.map(|name| env.get(name).cloned().unwrap_or_default());
         assert_eq!(
             got,
             [uuid(1), "6".to_owned(), gib.to_owned()],
             "{container}"
         );
     }
-    // The app container reused the init container's devices: 6 in all, on GPU 1.
-    let b_devices = cluster.devices("b");
-    assert_eq!(
-        (b_devices.len(), on_gpu(&b_devices, 1)),
-        (6, 6),
-        "{b_devices:?}"
-    );
+    // The preferred allocation kept kubelet's device IDs on the chosen GPU; b's app container
+    // reused its init container's devices: 6 in all, on GPU 1.
+    for (pod, gpu, count) in [("a", 2, 4), ("b", 1, 6)] {
+        let devices = cluster.devices(pod);
+        let held = (devices.len(), on_gpu(&devices, gpu));
+        assert_eq!(held, (count, count), "{pod}: {devices:?}");
+    }
 
     // With `--allocation-marks`, the plugin records its progress on the pods.
     for (name, allocated) in [("a", "main"), ("b", "init,main")] {
-        eventually(WAIT, "the assigned mark", || async {
-            Ok(marks(&cluster, name).await? == marked(allocated))
-        })
-        .await?;
+        let done = || async { Ok(marks(&cluster, name).await? == marked(allocated)) };
+        eventually(WAIT, "the assigned mark", done).await?;
     }
+    let lists = cluster.server.stats().count(Verb::List, "pods");
     assert_eq!(
-        cluster.server.stats().count(Verb::List, "pods"),
-        lists_before,
+        lists, lists_before,
         "Allocate must be answered from the watch cache"
     );
     cluster.stop().await
@@ -226,10 +216,8 @@ async fn hundred_pods_in_shuffled_order(marks: bool) -> anyhow::Result<()> {
         .flat_map(|(gib, count)| std::iter::repeat_n(vec![("main", gib, false)], count))
         .collect();
     // An init container of 2 GiB, then 1 GiB: links sizes 1 and 2 onto one GPU.
-    pods.extend(std::iter::repeat_n(
-        vec![("init", 2, true), ("main", 1, false)],
-        14,
-    ));
+    let linked = vec![("init", 2, true), ("main", 1, false)];
+    pods.extend(std::iter::repeat_n(linked, 14));
     assert_eq!(pods.len(), 100);
     let names: Vec<String> = (0..pods.len()).map(|i| format!("p{i:03}")).collect();
     let placement = place(&pods, &gpus);
@@ -237,15 +225,11 @@ async fn hundred_pods_in_shuffled_order(marks: bool) -> anyhow::Result<()> {
     let mut order: Vec<usize> = (0..pods.len()).collect();
     order.shuffle(&mut rng);
     for i in order {
-        let builder = pods[i]
-            .iter()
-            .fold(pod(&names[i]).on_node(NODE), |b, &(name, gib, init)| {
-                if init {
-                    b.init_container(name, gib)
-                } else {
-                    b.gpu_mem(gib)
-                }
-            });
+        let add = |b: PodBuilder, &(name, gib, init): &Container| match init {
+            true => b.init_container(name, gib),
+            false => b.gpu_mem(gib),
+        };
+        let builder = pods[i].iter().fold(pod(&names[i]).on_node(NODE), add);
         let second = u32::try_from(rng.random_range(0..3600)).unwrap_or(0);
         annotated(builder, allocation(placement[i], &pods[i], second))
             .create(&cluster.client)
@@ -260,16 +244,11 @@ async fn hundred_pods_in_shuffled_order(marks: bool) -> anyhow::Result<()> {
         for &(container, gib, _) in containers {
             let env = cluster.env(name, container);
             let got = [env::NVIDIA_VISIBLE_DEVICES, env::CONTAINER_GIB].map(|k| env.get(k));
-            assert_eq!(
-                got,
-                [Some(&uuid(*gpu)), Some(&gib.to_string())],
-                "{name}/{container}"
-            );
+            let want = [Some(&uuid(*gpu)), Some(&gib.to_string())];
+            assert_eq!(got, want, "{name}/{container}");
         }
-        let told = cluster
-            .env(name, "main")
-            .get(env::GPU_INDEX)
-            .and_then(|g| g.parse().ok());
+        let env = cluster.env(name, "main");
+        let told = env.get(env::GPU_INDEX).and_then(|g| g.parse().ok());
         used[told.unwrap_or(usize::MAX).min(gpus.len() - 1)] += pod_gib(containers);
     }
     for (gpu, (&used, &size)) in used.iter().zip(&gpus).enumerate() {
@@ -279,9 +258,9 @@ async fn hundred_pods_in_shuffled_order(marks: bool) -> anyhow::Result<()> {
     if marks {
         wait_all_assigned(&cluster, Duration::from_secs(60), &names).await?;
     } else {
+        let patches = cluster.server.stats().count(Verb::Patch, "pods");
         assert_eq!(
-            cluster.server.stats().count(Verb::Patch, "pods"),
-            0,
+            patches, 0,
             "without --allocation-marks the plugin writes no pod"
         );
     }
@@ -294,11 +273,13 @@ async fn unhealthy_or_unknown_gpus_fail_admission_with_a_reason() -> anyhow::Res
     let kubelet = cluster.kubelet();
 
     // A pod without the extender's annotations: nothing waits for it.
-    let stray = pod("stray").gpu_mem(4).on_node(NODE);
-    stray.create(&cluster.client).await?;
-    kubelet
-        .wait_until(WAIT, "stray rejected", |k| !k.admission_errors().is_empty())
+    pod("stray")
+        .gpu_mem(4)
+        .on_node(NODE)
+        .create(&cluster.client)
         .await?;
+    let rejected = |k: &KubeletDriver| !k.admission_errors().is_empty();
+    kubelet.wait_until(WAIT, "stray rejected", rejected).await?;
     let (pod_key, message) = kubelet.admission_errors()[0].clone();
     assert_eq!(pod_key, "default/stray");
     let want = "no pod bound to node n1 is waiting for a 4 GiB example.com/gpu-mem allocation";
@@ -312,13 +293,10 @@ async fn unhealthy_or_unknown_gpus_fail_admission_with_a_reason() -> anyhow::Res
 
     // A pod placed on a GPU this node does not have.
     placed("ghost", 5, 2, 1).create(&cluster.client).await?;
-    kubelet
-        .wait_until(WAIT, "ghost rejected", |k| k.admission_errors().len() == 2)
-        .await?;
+    let rejected = |k: &KubeletDriver| k.admission_errors().len() == 2;
+    kubelet.wait_until(WAIT, "ghost rejected", rejected).await?;
     let message = &kubelet.admission_errors()[1].1;
-    assert!(
-        message.contains("was placed on GPU 5") && message.contains("FailedPrecondition"),
-        "{message}"
-    );
+    let said = ["was placed on GPU 5", "FailedPrecondition"];
+    assert!(said.iter().all(|s| message.contains(s)), "{message}");
     cluster.stop().await
 }

@@ -6,8 +6,8 @@
 mod common;
 
 use common::{
-    Cluster, NODE, WAIT, allocate, allocation_on, annotated, assigned, client, eventually, ids,
-    marks_on, on_gpu, preferred, refused, uuid, wait_all_assigned, wait_for_unhealthy_devices,
+    Cluster, NODE, WAIT, allocate_slots, allocation_on, annotated, assigned, client, eventually,
+    ids, marks_on, on_gpu, preferred, refused, uuid, wait_all_assigned, wait_for_unhealthy_devices,
 };
 use gpushare_contract::{Keys, env};
 use gpushare_e2e::apiserver::Verb;
@@ -39,10 +39,10 @@ async fn a_two_by_eight_pod_gets_both_gpus_and_eight_devices_of_each() -> anyhow
     let order = Some(AdmissionOrder::CreationTime);
     let cluster = Cluster::start_with(&[16, 16, 24], order, &marks_on()).await?;
     // 16 GiB spread over GPUs 2 and 0, and a shared 4 GiB pod beside it on GPU 0.
-    spread("wide", 16, &[2, 0], 1)
-        .create(&cluster.client)
-        .await?;
-    spread("shared", 4, &[0], 2).create(&cluster.client).await?;
+    let c = &cluster.client;
+    for (name, gib, gpus, second) in [("wide", 16, &[2, 0][..], 1), ("shared", 4, &[0], 2)] {
+        spread(name, gib, gpus, second).create(c).await?;
+    }
     cluster.wait_admitted(WAIT, &["wide", "shared"]).await?;
 
     let wide = cluster.env("wide", "main");
@@ -73,10 +73,8 @@ async fn a_two_by_eight_pod_gets_both_gpus_and_eight_devices_of_each() -> anyhow
     let devices = cluster.devices("shared");
     assert_eq!(on_gpu(&devices, 0), devices.len(), "{devices:?}");
 
-    eventually(WAIT, "the wide pod marked assigned", || {
-        assigned(&cluster, "wide")
-    })
-    .await?;
+    let wide = || assigned(&cluster, "wide");
+    eventually(WAIT, "the wide pod marked assigned", wide).await?;
     cluster.stop().await
 }
 
@@ -84,31 +82,23 @@ async fn a_two_by_eight_pod_gets_both_gpus_and_eight_devices_of_each() -> anyhow
 async fn allocate_names_every_gpu_as_a_cdi_device_when_asked() -> anyhow::Result<()> {
     // Off by default: the environment alone.
     for cdi in [true, false] {
-        let flags = if cdi {
-            vec!["--cdi-devices".to_owned(), "true".to_owned()]
-        } else {
-            vec![]
-        };
-        let cluster = Cluster::start_with(&[16, 16], None, &flags).await?;
+        let flags = ["--cdi-devices".to_owned(), "true".to_owned()];
+        let flags = &flags[..if cdi { 2 } else { 0 }];
+        let cluster = Cluster::start_with(&[16, 16], None, flags).await?;
         let mut plugin = client(&cluster).await?;
-        spread("wide", 8, &[1, 0], 1)
-            .create(&cluster.client)
-            .await?;
-        spread("one", 2, &[1], 2).create(&cluster.client).await?;
-        for (devices, gpus) in [(ids(&[0], 0..8), &[1, 0][..]), (ids(&[0], 8..10), &[1])] {
-            let response = plugin.allocate(allocate(devices)).await?.into_inner();
-            let container = &response.container_responses[0];
+        let c = &cluster.client;
+        for (name, gib, gpus, second) in [("wide", 8, &[1, 0][..], 1), ("one", 2, &[1], 2)] {
+            spread(name, gib, gpus, second).create(c).await?;
+        }
+        for (slots, gpus) in [(0..8, &[1, 0][..]), (8..10, &[1])] {
+            let container = allocate_slots(&mut plugin, slots).await?;
             let names: Vec<&str> = container.cdi_devices.iter().map(|d| &*d.name).collect();
             let want: Vec<String> = (gpus.iter().filter(|_| cdi))
                 .map(|&gpu| format!("nvidia.com/gpu={}", uuid(gpu)))
                 .collect();
             assert_eq!(names, want, "cdi {cdi}");
-            let envs = &container.envs;
-            assert_eq!(
-                envs[env::NVIDIA_VISIBLE_DEVICES],
-                visible(gpus),
-                "cdi {cdi}"
-            );
+            let visible_devices = &container.envs[env::NVIDIA_VISIBLE_DEVICES];
+            assert_eq!(*visible_devices, visible(gpus), "cdi {cdi}");
         }
         cluster.stop().await?;
     }
@@ -124,15 +114,15 @@ async fn a_pod_whose_second_gpu_is_unhealthy_is_refused_and_named() -> anyhow::R
     spread("wide", 8, &[0, 1], 1)
         .create(&cluster.client)
         .await?;
+    let gpu = uuid(1);
     let why = format!(
-        "pod default/wide was placed on GPU 1 ({}) (one of its GPUs 0,1), which is unhealthy",
-        uuid(1)
+        "pod default/wide was placed on GPU 1 ({gpu}) (one of its GPUs 0,1), which is unhealthy"
     );
-    let first = plugin.allocate(allocate(ids(&[0], 0..8))).await;
+    let first = allocate_slots(&mut plugin, 0..8).await;
     refused(first, Code::Unavailable, &[&why]);
     // All or nothing: the pod was not marked, so it still waits and is refused again (not
     // "no pod is waiting").
-    let again = plugin.allocate(allocate(ids(&[0], 0..8))).await;
+    let again = allocate_slots(&mut plugin, 0..8).await;
     refused(again, Code::Unavailable, &[]);
     cluster.stop().await
 }
@@ -141,10 +131,10 @@ async fn a_pod_whose_second_gpu_is_unhealthy_is_refused_and_named() -> anyhow::R
 async fn preferred_allocation_over_grpc_and_health_events_cover_every_gpu() -> anyhow::Result<()> {
     let cluster = Cluster::start(&[16, 16, 16], None).await?;
     let mut plugin = client(&cluster).await?;
-    spread("wide", 8, &[1, 0], 1)
-        .create(&cluster.client)
-        .await?;
-    spread("other", 2, &[2], 2).create(&cluster.client).await?;
+    let c = &cluster.client;
+    for (name, gib, gpus, second) in [("wide", 8, &[1, 0][..], 1), ("other", 2, &[2], 2)] {
+        spread(name, gib, gpus, second).create(c).await?;
+    }
 
     // kubelet offers GPU 2's devices first; the answer takes 4 of GPU 1 and 4 of GPU 0.
     let chosen = preferred(&mut plugin, ids(&[2, 0, 1], 0..6), 8).await?;
@@ -217,18 +207,16 @@ async fn multi_gpu_whole_gpu_and_shared_pods_under_shuffled_admission() -> anyho
             assert_eq!(u64::try_from(devices.len())?, gib, "{at}");
         }
         let whole = cluster.env("whole", "main");
-        assert_eq!(whole[env::CONTAINER_GIB_PER_GPU], "16");
-        assert_eq!(whole[env::POD_GIB], "32");
+        let gib = (&*whole[env::CONTAINER_GIB_PER_GPU], &*whole[env::POD_GIB]);
+        assert_eq!(gib, ("16", "32"), "seed {seed}");
 
         if marks {
             // Every pod ends up marked assigned, whichever twin the Allocate calls matched.
             wait_all_assigned(&cluster, WAIT, &names).await?;
         } else {
-            assert_eq!(
-                cluster.server.stats().count(Verb::Patch, "pods"),
-                0,
-                "seed {seed}: without --allocation-marks the plugin writes no pod"
-            );
+            let patches = cluster.server.stats().count(Verb::Patch, "pods");
+            let why = "without --allocation-marks the plugin writes no pod";
+            assert_eq!(patches, 0, "seed {seed}: {why}");
         }
         cluster.stop().await?;
     }

@@ -80,25 +80,21 @@ impl FakePodResources {
     /// kubelet's answer: these pods (all in `default`), each with one container `main`
     /// holding these devices, reported as kubelet does: one entry per device.
     fn set(&self, pods: &[(&str, Vec<String>)]) {
-        let pod_resources = pods
-            .iter()
-            .map(|(name, ids)| PodResources {
-                name: (*name).to_owned(),
-                namespace: "default".to_owned(),
-                containers: vec![ContainerResources {
-                    name: "main".to_owned(),
-                    devices: ids
-                        .iter()
-                        .map(|id| ContainerDevices {
-                            resource_name: common::RESOURCE.to_owned(),
-                            device_ids: vec![id.clone()],
-                            topology: None,
-                        })
-                        .collect(),
-                    ..ContainerResources::default()
-                }],
-            })
-            .collect();
+        let device = |id: &String| ContainerDevices {
+            resource_name: common::RESOURCE.to_owned(),
+            device_ids: vec![id.clone()],
+            topology: None,
+        };
+        let pod = |(name, ids): &(&str, Vec<String>)| PodResources {
+            name: (*name).to_owned(),
+            namespace: "default".to_owned(),
+            containers: vec![ContainerResources {
+                name: "main".to_owned(),
+                devices: ids.iter().map(device).collect(),
+                ..ContainerResources::default()
+            }],
+        };
+        let pod_resources = pods.iter().map(pod).collect();
         *self.answer.lock().unwrap() = ListPodResourcesResponse { pod_resources };
     }
 }
@@ -114,20 +110,19 @@ fn endpoints() -> anyhow::Result<(TempDir, PathBuf, SocketAddr)> {
 /// Flags for a plugin reading kubelet at `socket` often, serving metrics on `metrics`.
 /// These tests watch the allocation marks follow kubelet, so the marks are on.
 fn flags(socket: &Path, metrics: SocketAddr) -> Vec<String> {
-    let socket = socket.display().to_string();
-    let metrics = metrics.to_string();
-    [
-        "--allocation-marks",
-        "true",
-        "--pod-resources-socket",
-        &socket,
-        "--pod-resources-period-ms",
-        "100",
-        "--metrics-listen",
-        &metrics,
-    ]
-    .map(str::to_owned)
-    .to_vec()
+    let (socket, metrics) = (socket.display().to_string(), metrics.to_string());
+    let flags = [
+        ("--allocation-marks", "true"),
+        ("--pod-resources-socket", &socket),
+    ];
+    let more = [
+        ("--pod-resources-period-ms", "100"),
+        ("--metrics-listen", &metrics),
+    ];
+    let pairs = flags.into_iter().chain(more);
+    pairs
+        .flat_map(|(flag, value)| [flag.to_owned(), value.to_owned()])
+        .collect()
 }
 
 /// Event reasons by pod name.
@@ -136,9 +131,8 @@ async fn event_reasons(cluster: &Cluster) -> anyhow::Result<BTreeMap<String, Vec
     let mut out: BTreeMap<String, Vec<String>> = BTreeMap::new();
     for event in events.list(&Default::default()).await? {
         let name = event.regarding.and_then(|r| r.name).unwrap_or_default();
-        out.entry(name)
-            .or_default()
-            .push(event.reason.unwrap_or_default());
+        let reasons = out.entry(name).or_default();
+        reasons.push(event.reason.unwrap_or_default());
     }
     Ok(out)
 }
@@ -184,10 +178,8 @@ async fn mismatches_kubelet_reports_become_events_and_metrics_and_marks_follow_i
     ]);
 
     let expected = BTreeMap::from([("wrong".to_owned(), vec!["GpuMemOnWrongGpu".to_owned()])]);
-    eventually(WAIT, "an Event on the mismatching pod", || async {
-        Ok(event_reasons(&cluster).await? == expected)
-    })
-    .await?;
+    let reported = || async { Ok(event_reasons(&cluster).await? == expected) };
+    eventually(WAIT, "an Event on the mismatching pod", reported).await?;
     eventually(WAIT, "the marks to follow kubelet", || async {
         Ok(marks(&cluster, "twin-b").await? == marked("main")
             && marks(&cluster, "twin-a").await? == (String::new(), "false".into()))
@@ -213,14 +205,10 @@ async fn without_the_socket_the_plugin_works_and_uses_it_once_it_appears() -> an
     let (_dir, socket, metrics) = endpoints()?;
     let order = Some(gpushare_e2e::kubelet::AdmissionOrder::CreationTime);
     let cluster = Cluster::start_with(&[8], order, &flags(&socket, metrics)).await?;
-    let (down, up) = (
-        "gpushare_device_plugin_pod_resources_up 0",
-        "gpushare_device_plugin_pod_resources_up 1",
-    );
-    eventually(WAIT, "the plugin to notice there is no socket", || {
-        metric(metrics, down)
-    })
-    .await?;
+    let up = |value: u8| format!("gpushare_device_plugin_pod_resources_up {value}");
+    let down = up(0);
+    let no_socket = || metric(metrics, &down);
+    eventually(WAIT, "the plugin to notice there is no socket", no_socket).await?;
     // Pods run as before.
     placed("a", 0, 4, 1).create(&cluster.client).await?;
     eventually(WAIT, "pod a to run with its marks", || async {
@@ -235,8 +223,9 @@ async fn without_the_socket_the_plugin_works_and_uses_it_once_it_appears() -> an
     kubelet.set(&[("a", ids(&[0], 0..4))]);
     let stop = CancellationToken::new();
     kubelet.serve(&socket, stop.clone())?;
+    let up = up(1);
     eventually(WAIT, "the plugin to read the socket", || {
-        metric(metrics, up)
+        metric(metrics, &up)
     })
     .await?;
     assert!(event_reasons(&cluster).await?.is_empty());

@@ -10,8 +10,8 @@ mod common;
 use std::collections::BTreeMap;
 
 use common::{
-    Cluster, NODE, Plugin, WAIT, allocate, allocation, assigned, client, eventually, ids, marks,
-    marks_on, placed, preferred, refused, uuid,
+    Cluster, NODE, Plugin, WAIT, allocate_slots, allocation, assigned, client, eventually, ids,
+    marks, marks_on, placed, preferred, refused, uuid,
 };
 use gpushare_contract::{Keyring, Keys, PodAllocation, env};
 use gpushare_testkit::fixtures::pod;
@@ -39,11 +39,9 @@ async fn bind_signed(cluster: &Cluster, name: &str, gpu: u32, gib: u64) -> anyho
     let created = pod(name).gpu_mem(gib).create(&cluster.client).await?;
     let uid = created.metadata.uid.clone().unwrap_or_default();
     let keys = Keys::default();
-    let annotations: BTreeMap<String, String> = allocation(gpu, &[("main", gib, false)], 1)
-        .into_iter()
-        .collect();
-    let mut decision = PodAllocation::from_annotations(&keys, &annotations)?
-        .ok_or_else(|| anyhow::anyhow!("no allocation"))?;
+    let annotations = BTreeMap::from_iter(allocation(gpu, &[("main", gib, false)], 1));
+    let decision = PodAllocation::from_annotations(&keys, &annotations)?;
+    let mut decision = decision.ok_or_else(|| anyhow::anyhow!("no allocation"))?;
     decision.signature = Some(Keyring::parse(KEYRING)?.sign(&uid, NODE, &decision));
     let binding = Binding {
         metadata: ObjectMeta {
@@ -60,13 +58,9 @@ async fn bind_signed(cluster: &Cluster, name: &str, gpu: u32, gib: u64) -> anyho
             ..ObjectReference::default()
         },
     };
-    Api::<Pod>::namespaced(cluster.client.clone(), "default")
-        .create_subresource::<_, serde_json::Value>(
-            "binding",
-            name,
-            &PostParams::default(),
-            &binding,
-        )
+    let pods = Api::<Pod>::default_namespaced(cluster.client.clone());
+    let pp = PostParams::default();
+    pods.create_subresource::<_, serde_json::Value>("binding", name, &pp, &binding)
         .await?;
     Ok(())
 }
@@ -112,7 +106,7 @@ async fn forged_and_copied_allocations_are_refused_while_signed_ones_are_served(
     assert_eq!(chosen, available[..2].to_vec());
 
     // The forged pod: refused, named, told what to do.
-    let forged = plugin.allocate(allocate(ids(&[0], 0..2))).await;
+    let forged = allocate_slots(&mut plugin, 0..2).await;
     refused(
         forged,
         Code::PermissionDenied,
@@ -125,23 +119,17 @@ async fn forged_and_copied_allocations_are_refused_while_signed_ones_are_served(
     );
 
     // The honest pod on the same node: served with the GPU the extender chose.
-    let response = plugin
-        .allocate(allocate(ids(&[0], 0..3)))
-        .await?
-        .into_inner();
-    let envs = &response.container_responses[0].envs;
+    let envs = allocate_slots(&mut plugin, 0..3).await?.envs;
     assert_eq!(envs[env::NVIDIA_VISIBLE_DEVICES], uuid(1));
     assert_eq!(envs[env::CONTAINER_GIB], "3");
 
     // The copy of its signed annotations on another pod (another UID): refused.
-    let copy = plugin.allocate(allocate(ids(&[0], 0..3))).await;
+    let copy = allocate_slots(&mut plugin, 0..3).await;
     let why = ["pod default/copy", "does not match its allocation"];
     refused(copy, Code::PermissionDenied, &why);
     // The honest pod is marked allocated; neither refused pod is.
-    eventually(WAIT, "the honest pod's marks", || {
-        assigned(&cluster, "honest")
-    })
-    .await?;
+    let honest = || assigned(&cluster, "honest");
+    eventually(WAIT, "the honest pod's marks", honest).await?;
     for refused in ["forged", "copy"] {
         assert_eq!(marks(&cluster, refused).await?.1, "false", "{refused}");
     }
@@ -158,14 +146,14 @@ async fn a_malformed_keyring_stops_the_plugin_with_a_clear_error() -> anyhow::Re
     let flags = ["--allocation-keys-file".to_owned(), keys.clone()];
     let health = dir.path().join("unhealthy");
     let plugin = Plugin::start(server.client(), dir.path(), &health, &[16], &flags)?;
-    let error = tokio::time::timeout(WAIT, plugin.task).await??.unwrap_err();
-    let error = error.to_string();
-    assert!(
-        error.contains("--allocation-keys-file")
-            && error.contains(&keys)
-            && error.contains("line 2: the key of \"k1\" is 5 bytes"),
-        "{error}"
-    );
+    let error = tokio::time::timeout(WAIT, plugin.task).await??;
+    let error = error.unwrap_err().to_string();
+    let said = [
+        "--allocation-keys-file",
+        &keys,
+        "line 2: the key of \"k1\" is 5 bytes",
+    ];
+    assert!(said.iter().all(|s| error.contains(s)), "{error}");
     server.shutdown().await;
     Ok(())
 }

@@ -30,9 +30,8 @@ async fn run_pods(
             let pod = wait_running(cluster, name).await?;
             check_pinned(cluster, &pod).await?;
             let kubelet = &cluster.nodes["n1"].kubelet;
-            let vars = kubelet
-                .container_env("default", name, "main")
-                .ok_or_else(|| anyhow::anyhow!("{name} got no environment"))?;
+            let vars = kubelet.container_env("default", name, "main");
+            let vars = vars.ok_or_else(|| anyhow::anyhow!("{name} got no environment"))?;
             seen.push((vars, kubelet.container_mounts("default", name, "main")));
         }
         Ok(())
@@ -54,14 +53,9 @@ type PerPod = [[Option<&'static str>; 4]; 2];
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn each_enforcement_mode_gives_containers_what_its_enforcer_reads() -> anyhow::Result<()> {
-    let mps = [
-        "--enforcement",
-        "mps",
-        "--mps-pipe-directory",
-        "/run/nvidia-mps",
-    ];
-    let pipe = "/run/nvidia-mps".to_owned();
-    let mps_mounts = vec![(pipe.clone(), pipe, false)];
+    let pipe = "/run/nvidia-mps";
+    let mps = ["--enforcement", "mps", "--mps-pipe-directory", pipe];
+    let mps_mounts = vec![(pipe.to_owned(), pipe.to_owned(), false)];
     // Per mode: its flags, what the pods see, their mounts.
     let modes: [(&[&str], PerPod, Vec<GrantedMount>); 3] = [
         // none (the default): the share is told, nothing else.
@@ -88,10 +82,8 @@ async fn each_enforcement_mode_gives_containers_what_its_enforcer_reads() -> any
     for (args, per_pod, want_mounts) in modes {
         for ((vars, mounts), want) in run_pods(args).await?.iter().zip(per_pod) {
             let set = ENFORCER_VARS.map(|name| vars.get(name).map(String::as_str));
-            ensure!(
-                set == want && vars.contains_key(env::CONTAINER_GIB),
-                "{args:?}: {vars:?}"
-            );
+            let told = set == want && vars.contains_key(env::CONTAINER_GIB);
+            ensure!(told, "{args:?}: {vars:?}");
             ensure!(*mounts == want_mounts, "{args:?}: {mounts:?}");
         }
     }
@@ -104,15 +96,9 @@ async fn each_enforcement_mode_gives_containers_what_its_enforcer_reads() -> any
     let library = dir.path().join("libgpushare_isolation.so");
     std::fs::write(&library, b"the interposer's bytes")?;
     let host = dir.path().join("host");
-    let seen = run_pods(&[
-        "--enforcement",
-        "preload",
-        "--isolation-library",
-        &library.display().to_string(),
-        "--isolation-host-dir",
-        &host.display().to_string(),
-    ])
-    .await?;
+    let library_flag = format!("--isolation-library={}", library.display());
+    let host_flag = format!("--isolation-host-dir={}", host.display());
+    let seen = run_pods(&["--enforcement", "preload", &library_flag, &host_flag]).await?;
     let mut accounting = Vec::new();
     for (vars, mounts) in &seen {
         let var = |name: &str| vars.get(name).map(String::as_str);
@@ -140,11 +126,10 @@ async fn each_enforcement_mode_gives_containers_what_its_enforcer_reads() -> any
         ensure!(Path::new(dir_host).is_dir(), "{dir_host}");
         // Outside the writable directory, and naming a budget the plugin made in it.
         let limits = std::fs::read_to_string(limits_host)?;
-        let budget = limits
-            .lines()
-            .find_map(|line| line.strip_prefix("budget="))
-            .and_then(|path| path.strip_prefix(env::ISOLATION_DIR_IN_CONTAINER))
-            .ok_or_else(|| anyhow::anyhow!("no budget in the limits file: {limits}"))?;
+        let budget = limits.lines().find_map(|line| line.strip_prefix("budget="));
+        let budget = budget.and_then(|path| path.strip_prefix(env::ISOLATION_DIR_IN_CONTAINER));
+        let budget =
+            budget.ok_or_else(|| anyhow::anyhow!("no budget in the limits file: {limits}"))?;
         ensure!(
             !limits_host.starts_with(dir_host.as_str())
                 && Path::new(&format!("{dir_host}{budget}")).is_file(),
@@ -183,22 +168,18 @@ async fn preload_holds_a_container_and_its_use_reaches_metrics() -> anyhow::Resu
         let vars = vars.ok_or_else(|| anyhow::anyhow!("no environment"))?;
         let mounts = kubelet.container_mounts("default", "notebook", "main");
         let host_of = |inside: &str| {
-            mounts
-                .iter()
-                .find(|(container, _, _)| container == inside)
-                .map(|(_, host, _)| host.clone())
-                .ok_or_else(|| anyhow::anyhow!("{inside} is not mounted: {mounts:?}"))
+            let mount = mounts.iter().find(|(container, _, _)| container == inside);
+            let host = mount.map(|(_, host, _)| host.clone());
+            host.ok_or_else(|| anyhow::anyhow!("{inside} is not mounted: {mounts:?}"))
         };
         // The container's view: its environment, with the mounts' host paths for the paths
         // it sees them at; its limits file, with the budget's host path for the path it sees
         // it at (named by GPUSHARE_ISOLATION_LIMITS_FILE, as there is no
         // /var/run/gpushare/limits here).
         let accounting_dir = host_of(env::ISOLATION_DIR_IN_CONTAINER)?;
-        let limits = std::fs::read_to_string(host_of(env::ISOLATION_LIMITS_IN_CONTAINER)?)?
-            .replace(
-                &format!("budget={}", env::ISOLATION_DIR_IN_CONTAINER),
-                &format!("budget={accounting_dir}"),
-            );
+        let limits = std::fs::read_to_string(host_of(env::ISOLATION_LIMITS_IN_CONTAINER)?)?;
+        let inside = format!("budget={}", env::ISOLATION_DIR_IN_CONTAINER);
+        let limits = limits.replace(&inside, &format!("budget={accounting_dir}"));
         let limits_file = dir.path().join("limits-as-seen");
         std::fs::write(&limits_file, limits)?;
         let shares = vars
@@ -244,9 +225,8 @@ async fn preload_holds_a_container_and_its_use_reaches_metrics() -> anyhow::Resu
         // `kubectl gpushare top -d` shows it as the pod's use, from the node annotation.
         wait_for("top -d to show the notebook's use", WAIT, || async {
             let text = top_details(&cluster.client).await.ok()?;
-            let row = text
-                .lines()
-                .find(|l| l.split_whitespace().nth(1) == Some("notebook"));
+            let notebook = |l: &&str| l.split_whitespace().nth(1) == Some("notebook");
+            let row = text.lines().find(notebook);
             row.is_some_and(|line| line.trim_end().ends_with("3.4"))
                 .then_some(())
         })

@@ -21,6 +21,8 @@ use tokio::time::Instant;
 use tokio_util::sync::CancellationToken;
 
 const PREFIX: &str = "/gpushare-scheduler";
+/// How long a test waits for what should come.
+const WAIT: Duration = Duration::from_secs(20);
 
 /// A running replica; dropping it kills it.
 struct Replica {
@@ -35,19 +37,18 @@ impl Drop for Replica {
 }
 
 impl Replica {
-    /// Starts replica `name`, the rest of its configuration from `base`, on 127.0.0.1:0.
-    async fn start(client: kube::Client, name: &str, base: Config) -> anyhow::Result<Self> {
-        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await?;
-        Self::start_on(listener, client, name, base).await
-    }
-
-    /// [`Replica::start`] on `listener`.
-    async fn start_on(
-        listener: tokio::net::TcpListener,
-        client: kube::Client,
+    /// Starts replica `name`, the rest of its configuration from `base`, on `listener`
+    /// (127.0.0.1:0 if none).
+    async fn start(
+        client: &kube::Client,
         name: &str,
         base: Config,
+        listener: Option<tokio::net::TcpListener>,
     ) -> anyhow::Result<Self> {
+        let listener = match listener {
+            Some(listener) => listener,
+            None => tokio::net::TcpListener::bind("127.0.0.1:0").await?,
+        };
         let addr = listener.local_addr()?;
         let config = Config {
             listen: addr,
@@ -57,15 +58,12 @@ impl Replica {
             advertise_url: Some(format!("http://{addr}")),
             ..base
         };
+        let client = client.clone();
         let task = tokio::spawn(serve(config, client, listener, std::future::pending()));
         let replica = Self { addr, task };
-        wait_for(
-            "the replica to be ready",
-            Duration::from_secs(20),
-            || async {
-                matches!(http_get(replica.addr, "/readyz").await, Ok((200, _))).then_some(())
-            },
-        )
+        wait_for("the replica to be ready", WAIT, || async {
+            matches!(http_get(addr, "/readyz").await, Ok((200, _))).then_some(())
+        })
         .await?;
         Ok(replica)
     }
@@ -103,9 +101,9 @@ async fn only_the_leader_binds_and_a_follower_passes_binds_on() -> anyhow::Resul
     for name in ["p0", "p1"] {
         pod(name).gpu_mem(4).create(&client).await?;
     }
-    let a = Replica::start(client.clone(), "extender-a", Config::default()).await?;
-    let b = Replica::start(client.clone(), "extender-b", Config::default()).await?;
-    let (leader, follower) = wait_for("a leader", Duration::from_secs(20), || async {
+    let a = Replica::start(&client, "extender-a", Config::default(), None).await?;
+    let b = Replica::start(&client, "extender-b", Config::default(), None).await?;
+    let (leader, follower) = wait_for("a leader", WAIT, || async {
         match (a.leads().await, b.leads().await) {
             (true, false) => Some((&a, &b)),
             (false, true) => Some((&b, &a)),
@@ -116,23 +114,15 @@ async fn only_the_leader_binds_and_a_follower_passes_binds_on() -> anyhow::Resul
     let pods: Api<Pod> = Api::namespaced(client.clone(), "default");
     // The leader's catch-up after acquiring: binds are refused (retryably) until it is over.
     let p0 = pods.get("p0").await?;
-    let answer = wait_for(
-        "the follower to pass a bind on",
-        Duration::from_secs(10),
-        || async {
-            let (status, body) = http_post_json(
-                follower.addr,
-                &format!("{PREFIX}/bind"),
-                &bind_body(&p0, "n1"),
-            )
-            .await
-            .ok()?;
-            assert_eq!(status, 200);
-            let value: serde_json::Value = serde_json::from_str(&body).ok()?;
-            let error = value["Error"].as_str().unwrap_or_default().to_owned();
-            (!error.contains("just took over")).then_some(error)
-        },
-    )
+    let (path, body) = (format!("{PREFIX}/bind"), bind_body(&p0, "n1"));
+    let passed_on = "the follower to pass a bind on";
+    let answer = wait_for(passed_on, Duration::from_secs(10), || async {
+        let (status, body) = http_post_json(follower.addr, &path, &body).await.ok()?;
+        assert_eq!(status, 200);
+        let value: serde_json::Value = serde_json::from_str(&body).ok()?;
+        let error = value["Error"].as_str().unwrap_or_default().to_owned();
+        (!error.contains("just took over")).then_some(error)
+    })
     .await?;
     assert_eq!(answer, "", "the leader bound it");
     let bound = pods.get("p0").await?;
@@ -165,11 +155,10 @@ async fn only_the_leader_binds_and_a_follower_passes_binds_on() -> anyhow::Resul
     Ok(())
 }
 
-/// The leader renews by writing its last Lease back (a compare-and-swap on the
-/// resourceVersion of its own last write), not by reading it first: one call per renewal, so
-/// a slow API server does not push the renewal past its deadline. When someone else changed
-/// the Lease meanwhile, the write gets a 409 and the round reads the Lease instead: the leader
-/// keeps leading.
+/// The leader renews by writing its last Lease back (compare-and-swap on its own last
+/// resourceVersion), not reading it first: one call per renewal, so a slow API server does not
+/// push it past its deadline. After someone else's change the write gets a 409 and the round
+/// reads the Lease instead: the leader keeps leading.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn the_leader_renews_with_one_write_and_reads_only_after_a_conflict() -> anyhow::Result<()> {
     use k8s_openapi::api::coordination::v1::Lease;
@@ -177,16 +166,18 @@ async fn the_leader_renews_with_one_write_and_reads_only_after_a_conflict() -> a
     let server = ApiServer::start().await?;
     let client = server.client();
     node("n1").gpushare().gpus(&[16]).create(&client).await?;
-    let only = Replica::start(client.clone(), "extender-a", Config::default()).await?;
-    wait_for("it to lead", Duration::from_secs(20), || async {
+    let only = Replica::start(&client, "extender-a", Config::default(), None).await?;
+    wait_for("it to lead", WAIT, || async {
         only.leads().await.then_some(())
     })
     .await?;
+    // At least `n` calls of `verb` to the Lease since the last reset.
+    let calls = |verb, n| {
+        let stats = server.stats();
+        async move { (stats.count(verb, "leases") >= n).then_some(()) }
+    };
     server.stats().reset();
-    wait_for("three renewals", Duration::from_secs(20), || async {
-        (server.stats().count(Verb::Update, "leases") >= 3).then_some(())
-    })
-    .await?;
+    wait_for("three renewals", WAIT, || calls(Verb::Update, 3)).await?;
     let reads = server.stats().count(Verb::Get, "leases");
     assert_eq!(
         reads, 0,
@@ -196,36 +187,25 @@ async fn the_leader_renews_with_one_write_and_reads_only_after_a_conflict() -> a
     // Someone else writes the Lease: the next optimistic renewal conflicts, the round reads.
     let leases: Api<Lease> = Api::namespaced(client.clone(), "kube-system");
     let mut lease = leases.get("gpushare-extender").await?;
-    lease
-        .metadata
-        .labels
-        .get_or_insert_with(Default::default)
-        .insert("touched".into(), "yes".into());
+    let labels = lease.metadata.labels.get_or_insert_with(Default::default);
+    labels.insert("touched".into(), "yes".into());
     leases
         .replace("gpushare-extender", &Default::default(), &lease)
         .await?;
     server.stats().reset();
-    wait_for(
-        "a read after the conflict",
-        Duration::from_secs(20),
-        || async { (server.stats().count(Verb::Get, "leases") >= 1).then_some(()) },
-    )
-    .await?;
+    wait_for("a read after the conflict", WAIT, || calls(Verb::Get, 1)).await?;
     // The round that read renews from what it read; the renewals after it write again.
-    wait_for(
-        "renewals after the conflict",
-        Duration::from_secs(20),
-        || async { (server.stats().count(Verb::Update, "leases") >= 2).then_some(()) },
-    )
+    wait_for("renewals after the conflict", WAIT, || {
+        calls(Verb::Update, 2)
+    })
     .await?;
     assert!(only.leads().await, "the conflict cost the leadership");
     Ok(())
 }
 
-/// A leader whose process is gone loses the Lease at once, before its 10 s record expires:
-/// when its address refuses connections (nothing listens), and when another process serves
-/// there (kubelet restarted the container in the same pod, same IP and port), which answers
-/// `/identity` with an identity that is not the holder's.
+/// A leader whose process is gone loses the Lease before its 10 s record expires: when its
+/// address refuses connections, and when another process serves there (the container
+/// restarted in the same pod) and answers `/identity` with an identity not the holder's.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn the_lease_of_a_leader_whose_process_is_gone_is_taken_over_at_once() -> anyhow::Result<()> {
     let server = ApiServer::start().await?;
@@ -238,11 +218,11 @@ async fn the_lease_of_a_leader_whose_process_is_gone_is_taken_over_at_once() -> 
     let leases: Api<k8s_openapi::api::coordination::v1::Lease> =
         Api::namespaced(client.clone(), "kube-system");
     let mut replicas = vec![
-        Replica::start(client.clone(), "extender-a", long_lease()).await?,
-        Replica::start(client.clone(), "extender-b", long_lease()).await?,
+        Replica::start(&client, "extender-a", long_lease(), None).await?,
+        Replica::start(&client, "extender-b", long_lease(), None).await?,
     ];
     for restart_in_place in [false, true] {
-        let leader = wait_for("a leader", Duration::from_secs(20), || async {
+        let leader = wait_for("a leader", WAIT, || async {
             let mut leading = Vec::new();
             for (i, replica) in replicas.iter().enumerate() {
                 if replica.leads().await {
@@ -264,28 +244,24 @@ async fn the_lease_of_a_leader_whose_process_is_gone_is_taken_over_at_once() -> 
                 tokio::net::TcpListener::bind(addr).await.ok()
             })
             .await?;
-            replicas.push(
-                Replica::start_on(listener, client.clone(), "extender-a", long_lease()).await?,
-            );
+            let restarted = Replica::start(&client, "extender-a", long_lease(), Some(listener));
+            replicas.push(restarted.await?);
         }
         let after = wait_for("another holder", Duration::from_secs(8), || async {
             let spec = leases.get("gpushare-extender").await.ok()?.spec?;
             (spec.holder_identity != before.holder_identity).then_some(spec)
         })
         .await?;
-        assert_eq!(
-            after.lease_transitions,
-            before.lease_transitions.map(|n| n + 1),
-            "restarted in place: {restart_in_place}"
-        );
+        let case = format!("restarted in place: {restart_in_place}");
+        let transitions = before.lease_transitions.map(|n| n + 1);
+        assert_eq!(after.lease_transitions, transitions, "{case}");
         // Taken while the dead leader's last renewal was still valid.
-        let valid_until = before.renew_time.unwrap().0
-            + jiff::SignedDuration::from_secs(i64::from(before.lease_duration_seconds.unwrap()));
+        let lasts = i64::from(before.lease_duration_seconds.unwrap());
+        let valid_until = before.renew_time.unwrap().0 + jiff::SignedDuration::from_secs(lasts);
         let acquired = after.acquire_time.unwrap().0;
-        assert!(
-            acquired < valid_until,
-            "restarted in place: {restart_in_place}: taken over at {acquired}, after the old lease expired at {valid_until}"
-        );
+        let late =
+            format!("taken over at {acquired}, after the old lease expired at {valid_until}");
+        assert!(acquired < valid_until, "{case}: {late}");
     }
     server.shutdown().await;
     Ok(())
@@ -318,32 +294,31 @@ async fn one_of_two_leads_and_a_graceful_stop_hands_the_lease_over() {
             timing,
         };
         let metrics = Metrics::register(&mut prometheus_client::registry::Registry::default());
-        let task = tokio::spawn(run(
+        let running = run(
             api.client(),
             config,
             leadership.clone(),
             metrics,
             stop.clone(),
-        ));
-        (leadership, stop, task)
+        );
+        (leadership, stop, tokio::spawn(running))
     };
     let (a, stop_a, task_a) = start("a");
     let (b, stop_b, _task_b) = start("b");
     // Until one leads and the other knows where to pass binds, never both lead.
     let knows_the_leader = |follower: &Leadership| {
-        matches!(
-            follower.gate(Instant::now(), Duration::from_secs(1)),
-            Gate::Forward { .. }
-        )
+        let gate = follower.gate(Instant::now(), Duration::from_secs(1));
+        matches!(gate, Gate::Forward { .. })
     };
     let ten_seconds = Duration::from_secs(10);
     let (leader, follower, stop_leader) = wait_for("a known leader", ten_seconds, || async {
         let (a_leads, b_leads) = (a.is_leader(), b.is_leader());
         assert!(!(a_leads && b_leads), "both replicas lead");
-        match (
+        let known = (
             a_leads && knows_the_leader(&b),
             b_leads && knows_the_leader(&a),
-        ) {
+        );
+        match known {
             (true, _) => Some((&a, &b, &stop_a)),
             (_, true) => Some((&b, &a, &stop_b)),
             _ => None,

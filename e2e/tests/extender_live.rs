@@ -176,13 +176,11 @@ async fn bind_writes_once_and_the_watch_confirms() -> anyhow::Result<()> {
     assert_eq!(stats.writes(), 1);
     let stored: Pod = Api::default_namespaced(client.clone()).get("p0").await?;
     assert_eq!(stored.spec.as_ref().unwrap().node_name, Some("n1".into()));
-    let allocation = allocation(&stored)?;
-    let placed = (
-        allocation.gpu_index,
-        allocation.gpu_uuid.as_str(),
-        allocation.pod_gib,
+    let a = allocation(&stored)?;
+    assert_eq!(
+        (a.gpu_index, a.gpu_uuid.as_str(), a.pod_gib),
+        (0, "GPU-n1-0", 4)
     );
-    assert_eq!(placed, (0, "GPU-n1-0", 4));
     extender.settled().await?;
 
     // A successful bind writes no Event (the pod's annotations, kube-scheduler's own
@@ -337,15 +335,15 @@ async fn recreated_pod_is_not_confused_with_the_old_one() -> anyhow::Result<()> 
     // Until the watch shows the new pod, the old UID may still be cached: the API server
     // refuses the stale Binding (UID precondition) and the reservation is released.
     assert!(!extender.bind(&old, "n1").await?.is_empty());
-    wait_for("the new pod to bind", DEADLINE, || async {
+    let bound = || async {
         extender
             .bind(&new, "n1")
             .await
             .ok()?
             .is_empty()
             .then_some(())
-    })
-    .await?;
+    };
+    wait_for("the new pod to bind", DEADLINE, bound).await?;
     let answer = extender.bind(&old, "n1").await?;
     let refused = answer.contains("was recreated") || answer.contains("not found");
     assert!(refused, "{answer}");
@@ -366,9 +364,8 @@ async fn one_gpu_two_pods(
     Ok((server, client, first, next, extender))
 }
 
-/// The pod watch selects unfinished pods only (as kube-scheduler's informer does): a pod that
-/// finishes leaves it as a DELETED event, which frees its GPU for the next pod, and an
-/// extender started afterwards finds the GPU free.
+/// The pod watch selects unfinished pods only (as kube-scheduler's informer does): a finished
+/// pod leaves it as a DELETED event, freeing its GPU, also for an extender started later.
 #[tokio::test]
 async fn a_finished_pod_leaves_the_watch_and_frees_its_gpu() -> anyhow::Result<()> {
     let (server, client, done, next, extender) = one_gpu_two_pods("done").await?;
@@ -380,10 +377,9 @@ async fn a_finished_pod_leaves_the_watch_and_frees_its_gpu() -> anyhow::Result<(
     let pods: Api<Pod> = Api::default_namespaced(client.clone());
     pods.patch_status("done", &PatchParams::default(), &succeeded)
         .await?;
-    wait_for("the finished pod's GPU to be free", DEADLINE, || async {
-        (extender.filter(&next, &["n1"]).await.0 == json!(["n1"])).then_some(())
-    })
-    .await?;
+    let free =
+        || async { (extender.filter(&next, &["n1"]).await.0 == json!(["n1"])).then_some(()) };
+    wait_for("the finished pod's GPU to be free", DEADLINE, free).await?;
     let selected = server.stats().field_selectors("pods");
     let unfinished = gpushare_extender::kube_io::watch::UNFINISHED_PODS;
     assert!(selected.iter().any(|s| s == unfinished), "{selected:?}");
@@ -423,10 +419,8 @@ async fn api_server_500_on_binding_keeps_the_memory_until_the_pod_shows_it_lande
     // The server recovers: the extender re-posts the Binding by itself, and the watch shows
     // the pod bound; kube-scheduler's retry to the same node answers success.
     server.faults().clear();
-    assert_eq!(
-        wait_bound(&Api::default_namespaced(client.clone()), "p").await?,
-        "n1"
-    );
+    let pods = Api::default_namespaced(client.clone());
+    assert_eq!(wait_bound(&pods, "p").await?, "n1");
     assert_eq!(extender.bind(&p, "n1").await?, "");
     let booked = booked(&client).await?;
     let nodes: BTreeSet<&str> = booked.keys().map(|(n, _)| n.as_str()).collect();

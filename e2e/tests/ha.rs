@@ -1,17 +1,13 @@
 //! High availability: two real `gpushare-extender` replicas behind a round-robin front (the
-//! chart's Service: each new connection to the next ready replica), electing a leader over a
-//! Lease with the chart's settings. Only the leader binds; the follower answers filter and
-//! prioritize from its own view and passes binds on to the leader.
+//! chart's Service), electing a leader over the chart's Lease. Only the leader binds; the
+//! follower answers filter and prioritize from its own view and passes binds on.
 //!
-//! Each scenario kills or cuts off the leader while pods are being scheduled, then
-//! checks what a user sees: every pod (they all fit) bound, running and pinned to its GPU, no
-//! GPU over-committed, no reservation left. The time from the fault to the first bind decided
-//! by the new leader is printed, not asserted (target: under 5 s). Repeated kills and rolling
-//! restarts run on the real cluster (`leader_killed_in_a_burst`, `helm_upgrade_in_a_burst` in
-//! `e2e/tests/real.rs`).
-//!
-//! `GPUSHARE_E2E_HA_REFUSE=1` runs the replicas without `--advertise-url`: followers then
-//! refuse binds instead of passing them on (kube-scheduler retries), for comparing the two.
+//! Each scenario kills or cuts off the leader mid-burst, then checks what a user sees: every
+//! pod (they all fit) bound, running and pinned, no GPU over-committed, no reservation left.
+//! The time to the new leader's first bind is printed, not asserted (target: under 5 s).
+//! Repeated kills and rolling restarts run on the real cluster (`leader_killed_in_a_burst`,
+//! `helm_upgrade_in_a_burst` in `e2e/tests/real.rs`). `GPUSHARE_E2E_HA_REFUSE=1` runs the
+//! replicas without `--advertise-url` (followers refuse binds), for comparing the two.
 
 use std::collections::{BTreeMap, BTreeSet};
 use std::net::SocketAddr;
@@ -89,14 +85,13 @@ impl Ha {
             let (yaml, token) = cluster.api.kubeconfig_yaml_and_token_as(EXTENDER_USER);
             let kubeconfig = cluster.log_dir().join(format!("replica-{i}.kubeconfig"));
             std::fs::write(&kubeconfig, yaml)?;
-            let name = format!("gpushare-extender-{i}");
-            let (ports, extender) = ((port()?, port()?), None);
+            let (name, ports) = (format!("gpushare-extender-{i}"), (port()?, port()?));
             replicas.push(Replica {
                 name,
                 ports,
                 kubeconfig,
                 token,
-                extender,
+                extender: None,
             });
         }
         let ports = replicas.iter().map(|r| r.ports).collect();
@@ -107,9 +102,7 @@ impl Ha {
             replicas,
             endpoints,
         };
-        for i in 0..REPLICAS {
-            ha.spawn(i)?;
-        }
+        (0..REPLICAS).try_for_each(|i| ha.spawn(i))?;
         for i in 0..REPLICAS {
             ha.wait_ready(i).await?;
         }
@@ -180,9 +173,7 @@ impl Ha {
     async fn bind_counts(&self) -> String {
         let mut counts = BTreeMap::<String, u64>::new();
         for i in 0..REPLICAS {
-            let Ok(text) = self.metrics(i).await else {
-                continue;
-            };
+            let text = self.metrics(i).await.unwrap_or_default();
             for line in text.lines() {
                 if let Some(rest) = line.strip_prefix("gpushare_extender_binds_total{reason=\"")
                     && let Some((reason, value)) = rest.split_once("\"} ")
@@ -213,14 +204,6 @@ impl Ha {
             walk(&extender.inspect().await?, &mut out);
         }
         Ok(out)
-    }
-
-    async fn shutdown(mut self) {
-        self.endpoints.abort();
-        for i in 0..REPLICAS {
-            self.kill(i).await;
-        }
-        self.cluster.shutdown().await;
     }
 }
 
@@ -266,8 +249,7 @@ impl PodWatch {
     }
 
     fn bound(&self) -> usize {
-        let pods = self.pods();
-        pods.iter().filter(|p| node_of(p).is_some()).count()
+        self.pods().iter().filter(|p| node_of(p).is_some()).count()
     }
 
     /// Time from `since` until a pod shows up bound with a decision made after `wall` (so by
@@ -286,10 +268,7 @@ impl PodWatch {
             Some(node_of(p).is_some() && time > wall)
         };
         wait_for("a bind after the fault", FAILOVER_LIMIT, || async {
-            let pods = self.pods();
-            pods.iter()
-                .any(|p| decided_after(p) == Some(true))
-                .then(|| since.elapsed())
+            (self.pods().iter().any(|p| decided_after(p) == Some(true))).then(|| since.elapsed())
         })
         .await
     }
@@ -310,15 +289,12 @@ fn node_of(pod: &Pod) -> Option<&str> {
 async fn mid_burst(ha: &Ha) -> anyhow::Result<(PodWatch, usize)> {
     let watch = PodWatch::start(&ha.cluster.client).await?;
     let leader = ha.wait_leader(None).await?;
-    let sizes = [1, 2, 2, 4];
     let create = |i: usize| {
-        let gib = sizes[i % sizes.len()];
+        let gib = [1, 2, 2, 4][i % 4];
         async move { create_gpu_pod(&ha.cluster, &format!("burst-{i}-{gib}g"), gib).await }
     };
-    let created = futures::stream::iter(0..80)
-        .map(create)
-        .buffer_unordered(16);
-    created.try_collect::<Vec<_>>().await?;
+    let created = futures::stream::iter(0..80).map(create);
+    created.buffer_unordered(16).try_collect::<Vec<_>>().await?;
     wait_for("20 pods bound", Duration::from_secs(60), || async {
         (watch.bound() >= 20).then_some(())
     })
@@ -373,7 +349,11 @@ async fn with_ha(body: impl AsyncFnOnce(&mut Ha) -> anyhow::Result<()>) -> anyho
     if result.is_err() {
         eprintln!("{}", ha.cluster.log_tail(40));
     }
-    ha.shutdown().await;
+    ha.endpoints.abort();
+    for i in 0..REPLICAS {
+        ha.kill(i).await;
+    }
+    ha.cluster.shutdown().await;
     result
 }
 
@@ -387,8 +367,9 @@ async fn doctor_says(ha: &Ha) -> anyhow::Result<String> {
         extender_service: LEASE.to_owned(),
         scheduler_name: "gpushare-scheduler".to_owned(),
     };
+    let leader = Some(cluster.extender_lease(&install).await);
     let snapshot = Snapshot {
-        leader: Some(cluster.extender_lease(&install).await),
+        leader,
         ..Snapshot::default()
     };
     let settings = kubectl_gpushare::usage::Settings::default();

@@ -131,23 +131,19 @@ fn the_krew_manifest_describes_the_archive_it_was_made_with() -> anyhow::Result<
         .output()?;
     let stderr = text(&made.stderr);
     ensure!(made.status.success(), "krew-manifest.sh failed: {stderr}");
-    let manifest: serde_yaml::Value =
-        serde_yaml::from_str(&std::fs::read_to_string(out.path().join("gpushare.yaml"))?)?;
+    let manifest = std::fs::read_to_string(out.path().join("gpushare.yaml"))?;
+    let manifest: serde_yaml::Value = serde_yaml::from_str(&manifest)?;
     let chart = std::fs::read_to_string(root.join("charts/gpushare/Chart.yaml"))?;
-    let app_version = chart
-        .lines()
-        .find_map(|l| l.strip_prefix("appVersion:"))
-        .context("appVersion")?
-        .trim()
-        .trim_matches('"');
+    let app_version = chart.lines().find_map(|l| l.strip_prefix("appVersion:"));
+    let app_version = app_version.context("appVersion")?.trim().trim_matches('"');
     ensure!(manifest["kind"] == "Plugin" && manifest["metadata"]["name"] == "gpushare");
     ensure!(manifest["spec"]["version"].as_str() == Some(format!("v{app_version}").as_str()));
     let platform = &manifest["spec"]["platforms"][0];
     let uri = platform["uri"].as_str().context("uri")?;
-    let archive_name = uri
-        .strip_prefix("https://downloads.example/v1/")
-        .context("uri under the base URL")?;
-    let archive = out.path().join(archive_name);
+    let archive_name = uri.strip_prefix("https://downloads.example/v1/");
+    let archive = out
+        .path()
+        .join(archive_name.context("uri under the base URL")?);
     let sum = text(&Command::new("sha256sum").arg(&archive).output()?.stdout);
     ensure!(
         platform["sha256"].as_str() == sum.split_whitespace().next(),
@@ -162,10 +158,8 @@ fn the_krew_manifest_describes_the_archive_it_was_made_with() -> anyhow::Result<
         .map(|e| Ok(e?.file_name().to_string_lossy().into_owned()))
         .collect::<anyhow::Result<_>>()?;
     listed.sort();
-    let mut copied: Vec<String> = platform["files"]
-        .as_sequence()
-        .context("files")?
-        .iter()
+    let files = platform["files"].as_sequence().context("files")?;
+    let mut copied: Vec<String> = (files.iter())
         .filter_map(|f| f["from"].as_str().map(str::to_owned))
         .collect();
     copied.sort();

@@ -94,9 +94,8 @@ async fn multi_gpu_whole_gpu_and_shared_pods_share_two_nodes_under_shuffled_admi
         ensure!(reason.contains("0/2 nodes are available"), "s5: {reason}");
         // `kubectl gpushare top -d` lists the pair on each of its GPUs.
         let top = top_details(&cluster.client()).await?;
-        let rows = top
-            .lines()
-            .filter(|l| l.split_whitespace().nth(1) == Some("pair"));
+        let pair = |l: &&str| l.split_whitespace().nth(1) == Some("pair");
+        let rows = top.lines().filter(pair);
         ensure!(rows.count() == 2, "the pair shows on both its GPUs:\n{top}");
         Ok(())
     })

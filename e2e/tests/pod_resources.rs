@@ -11,7 +11,8 @@ use gpushare_e2e::fixtures::pod;
 use gpushare_e2e::scenarios::{allocation, check_no_overcommit, create_gpu_pod, wait_running};
 use gpushare_proto::podresources::v1::pod_resources_lister_client::PodResourcesListerClient;
 use gpushare_proto::podresources::v1::{
-    AllocatableResourcesRequest, GetPodResourcesRequest, ListPodResourcesRequest, PodResources,
+    AllocatableResourcesRequest, ContainerResources, GetPodResourcesRequest,
+    ListPodResourcesRequest, PodResources,
 };
 use k8s_openapi::api::core::v1::Pod;
 use k8s_openapi::api::events::v1::Event;
@@ -48,14 +49,11 @@ async fn an_intruder_holding_a_waiting_pods_allocation_is_reported_and_the_pod_s
             env.and_then(|mut env| env.remove(env::NVIDIA_VISIBLE_DEVICES))
         };
         let wait_marks = async |want: (&str, &str)| {
-            wait_for(
-                &format!("pod honest's marks to be {want:?}"),
-                WAIT,
-                || async {
-                    let marks = marks(cluster, "honest").await.ok()?;
-                    (marks.0 == want.0 && marks.1 == want.1).then_some(())
-                },
-            )
+            let what = format!("pod honest's marks to be {want:?}");
+            wait_for(&what, WAIT, || async {
+                let marks = marks(cluster, "honest").await.ok()?;
+                (marks.0 == want.0 && marks.1 == want.1).then_some(())
+            })
             .await
         };
         // kubelet learns of the honest pod late; it is scheduled and waits for admission.
@@ -71,10 +69,8 @@ async fn an_intruder_holding_a_waiting_pods_allocation_is_reported_and_the_pod_s
         let intruder = pod("intruder").gpu_mem(4).on_node(NODE);
         intruder.create(&cluster.client).await?;
         wait_running(cluster, "intruder").await?;
-        ensure!(
-            visible("intruder") == Some(gpu.clone()),
-            "Allocate did not answer the intruder with the honest pod's GPU {gpu}"
-        );
+        let why = "Allocate did not answer the intruder with the honest pod's GPU";
+        ensure!(visible("intruder") == Some(gpu.clone()), "{why} {gpu}");
 
         // Reported: a Warning Event on the intruder, and the metric.
         let events: Api<Event> = Api::namespaced(cluster.client.clone(), "default");
@@ -111,11 +107,8 @@ async fn an_intruder_holding_a_waiting_pods_allocation_is_reported_and_the_pod_s
         wait_marks(("main", "true")).await?;
         // Only the intruder was reported, once; the booked memory is within the GPU (the
         // intruder's 4 GiB are not booked: that is what the Event says).
-        let reported: Vec<String> = events
-            .list(&Default::default())
-            .await?
-            .items
-            .into_iter()
+        let listed = events.list(&Default::default()).await?.items.into_iter();
+        let reported: Vec<String> = listed
             .filter(|e| e.reason.as_deref().is_some_and(|r| r.starts_with("GpuMem")))
             .filter_map(|e| e.regarding.and_then(|r| r.name))
             .collect();
@@ -128,19 +121,16 @@ async fn an_intruder_holding_a_waiting_pods_allocation_is_reported_and_the_pod_s
 
 /// `(container, devices of our resource)` of a listed pod, in listing order.
 fn listed(pod: &PodResources) -> Vec<(String, Vec<String>)> {
-    pod.containers
-        .iter()
-        .map(|c| {
-            let mut ids: Vec<String> = c
-                .devices
-                .iter()
-                .filter(|d| d.resource_name == DEFAULT_RESOURCE)
-                .flat_map(|d| d.device_ids.clone())
-                .collect();
-            ids.sort();
-            (c.name.clone(), ids)
-        })
-        .collect()
+    let ours = |c: &ContainerResources| {
+        let ours = c
+            .devices
+            .iter()
+            .filter(|d| d.resource_name == DEFAULT_RESOURCE);
+        let mut ids: Vec<String> = ours.flat_map(|d| d.device_ids.clone()).collect();
+        ids.sort();
+        (c.name.clone(), ids)
+    };
+    pod.containers.iter().map(ours).collect()
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -170,8 +160,8 @@ async fn the_kubelet_driver_reports_devices_as_kubelet_does() -> anyhow::Result<
         let mixed = list
             .pod_resources
             .iter()
-            .find(|p| p.name == "mixed" && p.namespace == "default")
-            .context("mixed is not listed")?;
+            .find(|p| p.name == "mixed" && p.namespace == "default");
+        let mixed = mixed.context("mixed is not listed")?;
         let containers = listed(mixed);
         let names: Vec<&str> = containers.iter().map(|(n, _)| n.as_str()).collect();
         ensure!(names == ["sidecar", "main"], "{containers:?}");
@@ -200,16 +190,11 @@ async fn the_kubelet_driver_reports_devices_as_kubelet_does() -> anyhow::Result<
         ensure!(listed(&got.context("Get answered no pod")?) == containers);
         let missing = client.get(get("nope")).await;
         let missing = missing.expect_err("Get of a pod that does not exist");
-        ensure!(
-            missing.message() == "pod nope in namespace default not found",
-            "{missing:?}"
-        );
-        let allocatable = client
-            .get_allocatable_resources(AllocatableResourcesRequest {})
-            .await?
-            .into_inner();
-        let ours = allocatable
-            .devices
+        let said = missing.message() == "pod nope in namespace default not found";
+        ensure!(said, "{missing:?}");
+        let allocatable = client.get_allocatable_resources(AllocatableResourcesRequest {});
+        let devices = allocatable.await?.into_inner().devices;
+        let ours = devices
             .iter()
             .filter(|d| d.resource_name == DEFAULT_RESOURCE)
             .count();
@@ -219,9 +204,8 @@ async fn the_kubelet_driver_reports_devices_as_kubelet_does() -> anyhow::Result<
         // not listed.
         let rejected = pod("rejected").gpu_mem(4).on_node(NODE);
         rejected.create(&cluster.client).await?;
-        cluster
-            .wait_phase("default", "rejected", "Failed", WAIT)
-            .await?;
+        let rejected = cluster.wait_phase("default", "rejected", "Failed", WAIT);
+        rejected.await?;
         let list = client.list(ListPodResourcesRequest {}).await?.into_inner();
         let names: Vec<&str> = list.pod_resources.iter().map(|p| p.name.as_str()).collect();
         ensure!(names == ["mixed"], "{names:?}");

@@ -17,6 +17,7 @@ use gpushare_e2e::scenarios::{
     placements, scheduling_message, wait_bound, wait_running,
 };
 use k8s_openapi::api::core::v1::{Node, Pod};
+use kube::ResourceExt;
 use kube::api::{Api, ListParams, PostParams};
 use kube::runtime::{WatchStreamExt, reflector, watcher};
 
@@ -32,19 +33,14 @@ async fn settle(
     let mut last: Option<(Vec<String>, tokio::time::Instant)> = None;
     let deadline = tokio::time::Instant::now() + Duration::from_secs(90);
     loop {
-        let list = pods.list(&ListParams::default()).await?;
-        let state: Option<Vec<String>> = names
-            .iter()
+        let list = pods.list(&ListParams::default()).await?.items;
+        let state: Option<Vec<String>> = (names.iter())
             .map(|name| {
                 let pod = list
-                    .items
                     .iter()
-                    .find(|p| p.metadata.name.as_deref() == Some(name))?;
-                if phase(pod) == "Running" {
-                    Some(format!("{name}: running"))
-                } else {
-                    scheduling_message(pod).map(|_| format!("{name}: pending"))
-                }
+                    .find(|p| p.metadata.name.as_ref() == Some(name))?;
+                let running = phase(pod) == "Running";
+                (running || scheduling_message(pod).is_some()).then(|| format!("{name}: {running}"))
             })
             .collect();
         match (state, &last) {
@@ -62,8 +58,7 @@ async fn settle(
         );
         tokio::time::sleep(Duration::from_millis(100)).await;
     }
-    let mut running = Vec::new();
-    let mut pending = Vec::new();
+    let (mut running, mut pending) = (Vec::new(), Vec::new());
     for name in names {
         let pod = pods.get(name).await?;
         match phase(&pod) {
@@ -82,14 +77,9 @@ async fn settle(
     Ok((running, pending))
 }
 
-/// Creates a pod `{prefix}-{i}-{gib}g` per size, one after another.
-async fn create_all(c: &TestCluster, prefix: &str, sizes: &[u64]) -> anyhow::Result<Vec<String>> {
-    create_pods(c, prefix, sizes, false).await
-}
-
-/// Creates the pods one at a time, each once the previous one is bound when `stream`: a
-/// stream of arrivals. (In a burst, kube-scheduler scores the next pod before the previous
-/// bind reached the extender, as the real one does; a stream shows the packing policy itself.)
+/// Creates a pod `{prefix}-{i}-{gib}g` per size, one after another; with `stream`, each once
+/// the previous one is bound. (In a burst, the next pod is scored before the previous bind
+/// reached the extender, as with the real kube-scheduler; a stream shows the packing policy.)
 async fn create_pods(
     cluster: &TestCluster,
     prefix: &str,
@@ -116,34 +106,20 @@ async fn wait_all_running(
     timeout: Duration,
 ) -> anyhow::Result<()> {
     let pods: Api<Pod> = Api::namespaced(cluster.client.clone(), "default");
-    let result = wait_for("every pod to run", timeout, || {
-        let pods = pods.clone();
-        async move {
-            let list = pods.list(&ListParams::default()).await.ok()?;
-            names
-                .iter()
-                .all(|name| {
-                    list.items
-                        .iter()
-                        .any(|p| p.metadata.name.as_deref() == Some(name) && phase(p) == "Running")
-                })
-                .then_some(())
-        }
+    let runs = |list: &[Pod], name: &String| {
+        (list.iter()).any(|p| p.metadata.name.as_ref() == Some(name) && phase(p) == "Running")
+    };
+    let result = wait_for("every pod to run", timeout, || async {
+        let list = pods.list(&ListParams::default()).await.ok()?.items;
+        names.iter().all(|name| runs(&list, name)).then_some(())
     })
     .await;
     if result.is_err() {
-        let list = pods.list(&ListParams::default()).await?;
-        let waiting: Vec<String> = list
-            .items
-            .iter()
-            .filter(|p| phase(p) != "Running")
+        let list = pods.list(&ListParams::default()).await?.items;
+        let waiting: Vec<String> = (list.iter().filter(|p| phase(p) != "Running"))
             .map(|p| {
-                format!(
-                    "{} ({}, {})",
-                    p.metadata.name.as_deref().unwrap_or("?"),
-                    phase(p),
-                    scheduling_message(p).unwrap_or_default()
-                )
+                let message = scheduling_message(p).unwrap_or_default();
+                format!("{} ({}, {message})", p.name_any(), phase(p))
             })
             .collect();
         return result.with_context(|| format!("not running: {waiting:?}"));
@@ -173,7 +149,7 @@ async fn notebook_story_three_share_one_gpu_and_the_fourth_waits_then_runs() -> 
 async fn a_node_without_the_label_is_never_used() -> anyhow::Result<()> {
     let spec = ClusterSpec::labelled(&[("shared", &[8])]).with_unlabelled("exclusive", &[16]);
     with_cluster(spec, async |cluster| {
-        let names = create_all(cluster, "job", &[4, 4, 4]).await?;
+        let names = create_pods(cluster, "job", &[4, 4, 4], false).await?;
         let (running, pending) = settle(cluster, &names).await?;
         assert_eq!(running.len(), 2, "two 4 GiB pods fit the 8 GiB GPU");
         for pod in &running {
@@ -204,8 +180,7 @@ async fn two_nodes_mixed_stream_packs_nodes_and_keeps_whole_gpus_free() -> anyho
         let (running, pending) = settle(cluster, &small).await?;
         assert!(pending.is_empty(), "all fit: {pending:?}");
         let where_ = placements(&*cluster, &small).await?;
-        let nodes: std::collections::BTreeSet<_> =
-            where_.values().map(|(node, _)| node.clone()).collect();
+        let nodes: std::collections::BTreeSet<_> = where_.values().map(|(node, _)| node).collect();
         assert_eq!(
             nodes.len(),
             1,
@@ -213,7 +188,7 @@ async fn two_nodes_mixed_stream_packs_nodes_and_keeps_whole_gpus_free() -> anyho
         );
         assert_eq!(running.len(), small.len());
         // Whole GPUs stayed free on the other node: four 16 GiB pods fit.
-        let large = create_all(cluster, "large", &[16, 16, 16, 16]).await?;
+        let large = create_pods(cluster, "large", &[16, 16, 16, 16], false).await?;
         let (running, pending) = settle(cluster, &large).await?;
         assert!(pending.is_empty(), "whole GPUs were kept free: {pending:?}");
         assert_eq!(running.len(), 4);
@@ -223,36 +198,32 @@ async fn two_nodes_mixed_stream_packs_nodes_and_keeps_whole_gpus_free() -> anyho
 }
 
 /// The twin rule against kube-scheduler's queue. `first` (16 GiB) is bound to `twin-a` but
-/// not admitted (its kubelet holds it); `second` (16 GiB) can only join its GPU, which has no
-/// room, so no node passes for it. Once `first` is admitted `second` must bind, although that
-/// admission is no cluster change the scheduler requeues pods for, and although NodeAffinity
-/// rejected `twin-b` (a pod some plugin rejected waits for such a change or, here as in
-/// kube-scheduler, five minutes). It binds because the extender answers an error, which is
-/// retried after backoff. The real tier checks the same on kube-scheduler
-/// (`a_pod_behind_its_twin_binds_once_kubelet_admits_the_twin`).
+/// not admitted (its kubelet holds it); `second` can only join its full GPU, so no node
+/// passes. Once `first` is admitted `second` must bind, though that admission is no change the
+/// scheduler requeues for and NodeAffinity rejected `twin-b` (such a pod waits for a change or
+/// five minutes): the extender answers an error, retried after backoff. The real tier checks
+/// the same on kube-scheduler (`a_pod_behind_its_twin_binds_once_kubelet_admits_the_twin`).
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_pod_behind_its_twin_binds_once_kubelet_admits_the_twin() -> anyhow::Result<()> {
     let spec = ClusterSpec::labelled(&[("twin-a", &[16, 16]), ("twin-b", &[16])])
         .with_unschedulable_retry(Duration::from_secs(300));
     with_cluster(spec, async |cluster| {
         let pods: Api<Pod> = Api::namespaced(cluster.client.clone(), "default");
-        let on_twin_a = |name: &str| -> anyhow::Result<Pod> {
-            let mut pod = fixtures::pod(name).gpu_mem(16).build();
-            let affinity = serde_json::json!({"nodeAffinity": {
+        let affinity: k8s_openapi::api::core::v1::Affinity =
+            serde_json::from_value(serde_json::json!({"nodeAffinity": {
             "requiredDuringSchedulingIgnoredDuringExecution": {"nodeSelectorTerms": [
                 {"matchFields": [{"key": "metadata.name", "operator": "In", "values": ["twin-a"]}]}
-            ]}}});
-            pod.spec.as_mut().context("pod spec")?.affinity =
-                Some(serde_json::from_value(affinity)?);
-            Ok(pod)
+            ]}}}))?;
+        let on_twin_a = async |name: &str| -> anyhow::Result<Pod> {
+            let mut pod = fixtures::pod(name).gpu_mem(16).build();
+            pod.spec.as_mut().context("pod spec")?.affinity = Some(affinity.clone());
+            Ok(pods.create(&PostParams::default(), &pod).await?)
         };
         let kubelet = &cluster.nodes["twin-a"].kubelet;
         kubelet.hold("default", "first");
-        pods.create(&PostParams::default(), &on_twin_a("first")?)
-            .await?;
+        on_twin_a("first").await?;
         ensure!(wait_bound(&pods, "first").await? == "twin-a");
-        pods.create(&PostParams::default(), &on_twin_a("second")?)
-            .await?;
+        on_twin_a("second").await?;
         let refused = wait_for("second to be refused", Duration::from_secs(30), || async {
             scheduling_message(&pods.get("second").await.ok()?)
         })
@@ -284,11 +255,8 @@ async fn mixed_gpu_sizes_put_large_pods_on_the_large_gpu() -> anyhow::Result<()>
         );
         create_gpu_pod(&*cluster, "small", 4).await?;
         let small = wait_running(&*cluster, "small").await?;
-        assert_eq!(
-            allocation(&small)?.gpu_index,
-            1,
-            "binpack: the GPU with least free that fits (4 GiB left)"
-        );
+        let why = "binpack: the GPU with least free that fits (4 GiB left)";
+        assert_eq!(allocation(&small)?.gpu_index, 1, "{why}");
         check_no_overcommit(&cluster.client).await?;
         Ok(())
     })
@@ -299,21 +267,24 @@ async fn mixed_gpu_sizes_put_large_pods_on_the_large_gpu() -> anyhow::Result<()>
 async fn device_plugin_and_kubelet_restarts_keep_serving() -> anyhow::Result<()> {
     let spec = ClusterSpec::labelled(&[("n1", &[16, 16])]);
     with_cluster(spec, async |cluster| {
-        let first = create_all(cluster, "before", &[4, 4, 2]).await?;
+        let first = create_pods(cluster, "before", &[4, 4, 2], false).await?;
         settle(cluster, &first).await?;
-        cluster.restart_device_plugin("n1").await?;
-        let second = create_all(cluster, "after-plugin", &[4, 2]).await?;
-        let (running, pending) = settle(cluster, &second).await?;
-        assert_eq!(running.len(), 2, "pending: {pending:?}");
-        cluster.restart_kubelet("n1").await?;
-        let third = create_all(cluster, "after-kubelet", &[8, 1]).await?;
-        let (running, pending) = settle(cluster, &third).await?;
-        assert_eq!(running.len(), 2, "pending: {pending:?}");
-        // A rollout: the new plugin starts while the old one shuts down.
-        cluster.roll_device_plugin("n1").await?;
-        let fourth = create_all(cluster, "after-rollout", &[4, 2]).await?;
-        let (running, pending) = settle(cluster, &fourth).await?;
-        assert_eq!(running.len(), 2, "pending: {pending:?}");
+        // After each restart (the rollout: the new plugin starts while the old one shuts
+        // down), two more pods run.
+        for (after, sizes) in [("plugin", [4, 2]), ("kubelet", [8, 1]), ("rollout", [4, 2])] {
+            match after {
+                "plugin" => cluster.restart_device_plugin("n1").await?,
+                "kubelet" => cluster.restart_kubelet("n1").await?,
+                _ => cluster.roll_device_plugin("n1").await?,
+            }
+            let names = create_pods(cluster, &format!("after-{after}"), &sizes, false).await?;
+            let (running, pending) = settle(cluster, &names).await?;
+            assert_eq!(
+                running.len(),
+                2,
+                "after the {after} restart, pending: {pending:?}"
+            );
+        }
         Ok(())
     })
     .await
@@ -346,10 +317,10 @@ async fn api_server_errors_slowness_and_watch_drops_lose_nothing() -> anyhow::Re
                 "pod creation through the faults",
                 Duration::from_secs(30),
                 || async {
-                    match create_gpu_pod(&*cluster, &name, *gib).await {
-                        Ok(_) => Some(()),
-                        Err(error) => error.to_string().contains("AlreadyExists").then_some(()),
-                    }
+                    let created = create_gpu_pod(&*cluster, &name, *gib).await;
+                    created
+                        .map_or_else(|e| e.to_string().contains("AlreadyExists"), |_| true)
+                        .then_some(())
                 },
             )
             .await?;
@@ -388,7 +359,7 @@ async fn an_unhealthy_gpu_gets_no_new_pods_until_it_recovers() -> anyhow::Result
             },
         )
         .await?;
-        let names = create_all(cluster, "avoid", &[8, 8, 8]).await?;
+        let names = create_pods(cluster, "avoid", &[8, 8, 8], false).await?;
         let (running, pending) = settle(cluster, &names).await?;
         for pod in &running {
             assert_eq!(
@@ -414,33 +385,24 @@ async fn an_unhealthy_gpu_gets_no_new_pods_until_it_recovers() -> anyhow::Result
 // ---- Faults in the middle of a burst, at scale ----
 //
 // N nodes × 4 × 16 GiB and 5 × N pods of 2, 4, 8 and 4 GiB (about 35 % of the memory; N is
-// [`big_nodes`], 60 in the suite, 200 for the figures of docs/performance.md): every pod fits
-// with room to spare, so after any fault every pod must end up bound and running,
-// no GPU over-committed and no reservation left in the extender. Each run prints its
-// figures (start-up time and memory, pods bound and running when the fault hit and after
-// recovery, time to drain) so they can be compared from run to run, and says whether the
-// drain met the 30 s target. At 200 nodes the target covers recovering and placing the ~900
-// pods still waiting, which takes about 15–20 s on two cores with no fault at all: a slower machine
-// can miss it without anything being stuck, so the test fails only past [`STUCK_AFTER`]
-// (speed is a figure to read, not an assertion; being stuck is a failure).
+// [`big_nodes`]): every pod fits, so after any fault every pod must end up bound and running,
+// no GPU over-committed, no reservation left in the extender. Each run prints its figures
+// (start-up, pods bound and running at the fault and after, time to drain) and whether the
+// drain met the 30 s target; a slow machine can miss it without anything being stuck, so the
+// test fails only past [`STUCK_AFTER`] (speed is a figure to read; being stuck, a failure).
 
-/// The big clusters run one at a time, whatever the test threads do: a device plugin per node
-/// each, one such cluster is enough for two cores.
+/// The big clusters (a device plugin per node) run one at a time: one is enough for two cores.
 static BIG_CLUSTER: tokio::sync::Semaphore = tokio::sync::Semaphore::const_new(1);
 
-/// How many nodes the fault tests run: `GPUSHARE_FAULT_NODES`, 60 unless set. The suite keeps
-/// the default (the promises are the same at any size, and 200 device plugins cost minutes of
-/// a two-core CI machine); docs/performance.md's drain figures are taken at 200.
-/// A value that is not a positive number fails the test: a figure taken at the wrong size
-/// would read as the documented one.
+/// How many nodes the fault tests run: `GPUSHARE_FAULT_NODES`, 60 unless set (the promises are
+/// the same at any size; docs/performance.md's drain figures are taken at 200). Anything but a
+/// positive number fails the test: a figure taken at the wrong size would read as documented.
 fn big_nodes() -> usize {
-    match std::env::var("GPUSHARE_FAULT_NODES") {
-        Err(_) => 60,
-        Ok(nodes) => match nodes.parse() {
-            Ok(nodes) if nodes > 0 => nodes,
-            _ => panic!("GPUSHARE_FAULT_NODES={nodes:?} is not a positive number of nodes"),
-        },
-    }
+    let nodes = std::env::var("GPUSHARE_FAULT_NODES").unwrap_or_else(|_| "60".to_owned());
+    let parsed = nodes.parse().ok().filter(|&n| n > 0);
+    parsed.unwrap_or_else(|| {
+        panic!("GPUSHARE_FAULT_NODES={nodes:?} is not a positive number of nodes")
+    })
 }
 const BIG_GPUS: [u64; 4] = [16, 16, 16, 16];
 /// The burst: five pods a node (1,000 at 200 nodes).
@@ -448,20 +410,14 @@ fn burst_pods() -> usize {
     big_nodes() * 5
 }
 const BURST_SIZES: [u64; 4] = [2, 4, 8, 4];
-/// How many pods are bound when the fault is injected: a tenth of the burst.
-fn bound_before_fault() -> usize {
-    burst_pods() / 10
-}
 /// How long after recovery every pod should be bound and running (printed as met or missed).
 const DRAIN_TARGET: Duration = Duration::from_secs(30);
-/// After this long, pods still not running are stuck: the test fails. Not a speed target
-/// (that is `DRAIN_TARGET`, printed): long enough that a 900-pod drain (200 nodes) on a loaded 2-core
-/// machine (about 10 binds/s after three extender kills) is not taken for pods lost.
+/// After this long, pods still not running are stuck and the test fails: not a speed target,
+/// long enough that a 900-pod drain on a loaded 2-core machine is not taken for pods lost.
 const STUCK_AFTER: Duration = Duration::from_secs(180);
 
-/// Runs `body` on the [`big_nodes`] cluster (once the big-cluster slot is free), reporting how
-/// long it took to start and how much memory it holds; on failure prints the extender's log
-/// (it tells the story; a device plugin log per node would drown it).
+/// Runs `body` on the [`big_nodes`] cluster once the slot is free, reporting its start-up time
+/// and memory; on failure prints the extender's log (a plugin log per node would drown it).
 async fn with_big_cluster(
     test: &str,
     http_timeout: Duration,
@@ -471,10 +427,8 @@ async fn with_big_cluster(
     // Built (or found) first, so that the figure below is the cluster's start-up alone.
     tokio::task::spawn_blocking(binaries).await??;
     let started = std::time::Instant::now();
-    let mut cluster = TestCluster::start(
-        ClusterSpec::uniform(big_nodes(), &BIG_GPUS).with_http_timeout(http_timeout),
-    )
-    .await?;
+    let spec = ClusterSpec::uniform(big_nodes(), &BIG_GPUS).with_http_timeout(http_timeout);
+    let mut cluster = TestCluster::start(spec).await?;
     eprintln!(
         "[{test}] cluster of {} nodes x {BIG_GPUS:?} GiB started in {:.1?}; {}",
         big_nodes(),
@@ -488,25 +442,6 @@ async fn with_big_cluster(
     }
     cluster.shutdown().await;
     result
-}
-
-/// Creates `count` pods at once (16 requests in flight), sizes cycling through `sizes`.
-async fn create_burst(
-    cluster: &TestCluster,
-    prefix: &str,
-    count: usize,
-    sizes: &[u64],
-) -> anyhow::Result<()> {
-    use futures::{StreamExt, TryStreamExt};
-    futures::stream::iter(0..count)
-        .map(|i| {
-            let gib = sizes[i % sizes.len()];
-            async move { create_gpu_pod(cluster, &format!("{prefix}-{i}-{gib}g"), gib).await }
-        })
-        .buffer_unordered(16)
-        .try_collect::<Vec<_>>()
-        .await?;
-    Ok(())
 }
 
 /// How many of the pods are bound (`spec.nodeName` set) and running.
@@ -525,13 +460,15 @@ impl Progress {
 
 impl std::fmt::Display for Progress {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        let Self {
+            bound,
+            running,
+            total,
+        } = self;
         write!(
             f,
-            "{} of {} bound, {} running, {} not bound",
-            self.bound,
-            self.total,
-            self.running,
-            self.total - self.bound
+            "{bound} of {total} bound, {running} running, {} not bound",
+            total - bound
         )
     }
 }
@@ -558,30 +495,19 @@ impl PodWatch {
 
     fn progress(&self) -> (Progress, Vec<Pod>) {
         let pods: Vec<Pod> = self.pods.state().iter().map(|p| (**p).clone()).collect();
-        let bound = pods
+        let bound = (pods
             .iter()
-            .filter(|p| p.spec.as_ref().is_some_and(|s| s.node_name.is_some()))
-            .count();
+            .filter(|p| p.spec.as_ref().is_some_and(|s| s.node_name.is_some())))
+        .count();
         let running = pods.iter().filter(|p| phase(p) == "Running").count();
-        let total = pods.len();
         (
             Progress {
                 bound,
                 running,
-                total,
+                total: pods.len(),
             },
             pods,
         )
-    }
-
-    /// Waits until at least `bound` pods are bound.
-    async fn wait_bound(&self, bound: usize) -> anyhow::Result<Progress> {
-        wait_for(
-            &format!("{bound} pods to be bound"),
-            Duration::from_secs(120),
-            || async { Some(self.progress().0).filter(|now| now.bound >= bound) },
-        )
-        .await
     }
 }
 
@@ -591,16 +517,30 @@ impl Drop for PodWatch {
     }
 }
 
-/// Creates the burst and waits until [`bound_before_fault`] of its pods are bound.
+/// Creates the burst (16 creates in flight) and waits until a tenth of its pods are bound.
 async fn burst_until_some_bound(
     test: &str,
     cluster: &TestCluster,
     watch: &PodWatch,
 ) -> anyhow::Result<Progress> {
+    use futures::{StreamExt, TryStreamExt};
     let started = std::time::Instant::now();
-    create_burst(cluster, "burst", burst_pods(), &BURST_SIZES).await?;
+    let create = |i: usize| {
+        let gib = BURST_SIZES[i % BURST_SIZES.len()];
+        async move { create_gpu_pod(cluster, &format!("burst-{i}-{gib}g"), gib).await }
+    };
+    let creates = futures::stream::iter(0..burst_pods())
+        .map(create)
+        .buffer_unordered(16);
+    creates.try_collect::<Vec<_>>().await?;
     let created = started.elapsed();
-    let progress = watch.wait_bound(bound_before_fault()).await?;
+    let bound = burst_pods() / 10;
+    let progress = wait_for(
+        &format!("{bound} pods to be bound"),
+        Duration::from_secs(120),
+        || async { Some(watch.progress().0).filter(|now| now.bound >= bound) },
+    )
+    .await?;
     eprintln!(
         "[{test}] {} pods created in {created:.1?}; {} bound {:.1?} after the first create",
         burst_pods(),
@@ -613,17 +553,12 @@ async fn burst_until_some_bound(
 /// Pods the extender still shows as reserved by a bind (`"reserved": true` in inspect).
 async fn reserved_pods(cluster: &TestCluster) -> anyhow::Result<Vec<String>> {
     fn walk(value: &serde_json::Value, out: &mut Vec<String>) {
+        if value["reserved"] == true {
+            let field = |key: &str| value[key].as_str().unwrap_or("?").to_owned();
+            out.push(format!("{}/{}", field("namespace"), field("name")));
+        }
         match value {
-            serde_json::Value::Object(map) => {
-                if map.get("reserved") == Some(&serde_json::Value::Bool(true)) {
-                    out.push(format!(
-                        "{}/{}",
-                        map.get("namespace").and_then(|v| v.as_str()).unwrap_or("?"),
-                        map.get("name").and_then(|v| v.as_str()).unwrap_or("?")
-                    ));
-                }
-                map.values().for_each(|v| walk(v, out));
-            }
+            serde_json::Value::Object(map) => map.values().for_each(|v| walk(v, out)),
             serde_json::Value::Array(items) => items.iter().for_each(|v| walk(v, out)),
             _ => {}
         }
@@ -656,13 +591,8 @@ async fn drain_and_check(
         }
         if tokio::time::Instant::now() >= next_sample {
             let cycles = cluster.scheduler.as_ref().map_or(0, |s| s.stats().cycles);
-            timeline.push(format!(
-                "{}s:{}/{},{}",
-                recovered.elapsed().as_secs(),
-                now.bound,
-                now.running,
-                cycles
-            ));
+            let (after, Progress { bound, running, .. }) = (recovered.elapsed().as_secs(), now);
+            timeline.push(format!("{after}s:{bound}/{running},{cycles}"));
             next_sample += Duration::from_secs(1);
         }
         if now.done() || tokio::time::Instant::now() >= deadline {
@@ -670,15 +600,11 @@ async fn drain_and_check(
         }
         tokio::time::sleep(Duration::from_millis(200)).await;
     };
-    let waiting: Vec<String> = pods
-        .iter()
-        .filter(|p| phase(p) != "Running")
+    let waiting: Vec<String> = (pods.iter().filter(|p| phase(p) != "Running"))
         .map(|p| {
             let name = p.metadata.name.as_deref().unwrap_or("?");
             let node = p.spec.as_ref().and_then(|s| s.node_name.as_deref());
-            let reason = cluster
-                .scheduler
-                .as_ref()
+            let reason = (cluster.scheduler.as_ref())
                 .and_then(|s| s.pending_reason("default", name))
                 .or_else(|| scheduling_message(p))
                 .unwrap_or_default();
@@ -686,20 +612,14 @@ async fn drain_and_check(
         })
         .collect();
     let stats = cluster.scheduler.as_ref().map(|s| s.stats());
+    let (elapsed, done) = (recovered.elapsed(), last.done());
+    let all_running = Some(elapsed).filter(|_| done);
+    let [bound, running] = [all_bound_after, all_running]
+        .map(|after| after.map_or("never".to_owned(), |d| format!("{d:.1?}")));
+    let on_time = done && elapsed <= DRAIN_TARGET;
+    let met = if on_time { "met" } else { "MISSED" };
     eprintln!(
-        "[{test}] at the fault: {at_fault}; {:.1?} after recovery: {last}; all bound after {}, all running after {} (target {DRAIN_TARGET:?}: {}); stuck {}",
-        recovered.elapsed(),
-        all_bound_after.map_or("never".to_owned(), |d| format!("{d:.1?}")),
-        if last.done() {
-            format!("{:.1?}", recovered.elapsed())
-        } else {
-            "never".to_owned()
-        },
-        if last.done() && recovered.elapsed() <= DRAIN_TARGET {
-            "met"
-        } else {
-            "MISSED"
-        },
+        "[{test}] at the fault: {at_fault}; {elapsed:.1?} after recovery: {last}; all bound after {bound}, all running after {running} (target {DRAIN_TARGET:?}: {met}); stuck {}",
         waiting.len(),
     );
     if let Some(stats) = stats {
@@ -735,13 +655,9 @@ async fn drain_and_check(
     eprintln!("[{test}] memory now: {}", cluster.memory_use());
     let usage = check_no_overcommit(&cluster.client).await?;
     // The extender's watch may lag the last binds by a moment: give it a few seconds.
-    let settled = wait_for(
-        "the extender's reservations to end",
-        Duration::from_secs(5),
-        || async { reserved_pods(cluster).await.ok().filter(Vec::is_empty) },
-    )
-    .await;
-    let reserved = match settled {
+    let none_left = || async { reserved_pods(cluster).await.ok().filter(Vec::is_empty) };
+    let what = "the extender's reservations to end";
+    let reserved = match wait_for(what, Duration::from_secs(5), none_left).await {
         Ok(none) => none,
         Err(_) => reserved_pods(cluster).await?,
     };
@@ -775,8 +691,8 @@ enum HeldWrites {
     Fail,
 }
 
-/// A burst of [`burst_pods`] pods; once a tenth are bound every API write stalls for `stall`; afterwards
-/// every pod must end up bound and running (the target is 30 s; see [`drain_and_check`]).
+/// A burst of [`burst_pods`] pods; once a tenth are bound every API write stalls for `stall`;
+/// afterwards every pod must end up bound and running (see [`drain_and_check`]).
 async fn api_stall_mid_burst(
     test: &str,
     http_timeout: Duration,
@@ -823,10 +739,7 @@ api_stall_test!(
 api_stall_test!(
     /// The same stall, but every write it held is lost: the extender must notice that its
     /// Bindings did not happen (nothing tells it) and give the GPU memory back.
-    api_stall_losing_the_held_writes_mid_burst_every_pod_that_fits_binds,
-    5,
-    8,
-    Fail
+    api_stall_losing_the_held_writes_mid_burst_every_pod_that_fits_binds, 5, 8, Fail
 );
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

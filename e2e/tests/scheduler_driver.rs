@@ -53,9 +53,7 @@ impl FakeExtender {
         let app = Router::new()
             .route("/gpushare-scheduler/{verb}", post(serve))
             .with_state((received.clone(), handler));
-        let task = tokio::spawn(async move {
-            let _ = axum::serve(listener, app).await;
-        });
+        let task = tokio::spawn(async move { drop(axum::serve(listener, app).await) });
         Ok(FakeExtender {
             url_prefix,
             received,
@@ -87,8 +85,7 @@ async fn serve(
 ) -> (StatusCode, axum::Json<Value>) {
     let body: Value = serde_json::from_slice(&body).unwrap_or(Value::Null);
     let content_type = headers.get("content-type").and_then(|v| v.to_str().ok());
-    let content_type = content_type.map(str::to_owned);
-    let call = (verb.clone(), content_type, body.clone());
+    let call = (verb.clone(), content_type.map(str::to_owned), body.clone());
     received.lock().unwrap().push(call);
     let (status, reply) = handler(verb, body).await;
     (status, axum::Json(reply))
@@ -159,9 +156,11 @@ async fn start(
 }
 
 fn keys(value: &Value) -> BTreeSet<&str> {
-    let map = value.as_object();
-    map.map(|m| m.keys().map(String::as_str).collect())
-        .unwrap_or_default()
+    value
+        .as_object()
+        .into_iter()
+        .flat_map(|m| m.keys().map(String::as_str))
+        .collect()
 }
 
 // ---- Wire format, checked against the kube-scheduler v1.36 capture ----
@@ -177,15 +176,18 @@ fn wire_encoding_reproduces_the_captured_bodies() {
     assert_eq!(serde_json::to_value(&args).unwrap(), captured);
 
     // NodeNames form (nodeCacheCapable: true), as in filter-request-nodenames.json.
+    let node_names = Some(vec!["node-a".into(), "node-b".into()]);
     let names = ExtenderArgs {
         pod: args.pod.clone(),
         nodes: None,
-        node_names: Some(vec!["node-a".into(), "node-b".into()]),
+        node_names,
     };
     let encoded = serde_json::to_value(&names).unwrap();
-    assert_eq!(encoded["Pod"], captured["Pod"]);
-    assert_eq!(encoded["Nodes"], Value::Null);
-    assert_eq!(encoded["NodeNames"], json!(["node-a", "node-b"]));
+    let fields = ["Pod", "Nodes", "NodeNames"].map(|field| &encoded[field]);
+    assert_eq!(
+        fields,
+        [&captured["Pod"], &Value::Null, &json!(["node-a", "node-b"])]
+    );
     let text = serde_json::to_string(&names).unwrap();
     assert_eq!(text.find("\"Pod\""), Some(1));
 
@@ -199,38 +201,33 @@ fn wire_encoding_reproduces_the_captured_bodies() {
         serde_json::to_value(&bind).unwrap(),
         json!({"PodName":"gpu-pod-3","PodNamespace":"default","PodUID":"647c79bc-629b-49c7-a3dd-034bd088a0ab","Node":"node-a"})
     );
-    let priority = wire::HostPriority {
-        host: "node-a".into(),
-        score: 10,
-    };
-    let priority = serde_json::to_value(priority).unwrap();
+    let (host, score) = ("node-a".into(), 10);
+    let priority = serde_json::to_value(wire::HostPriority { host, score }).unwrap();
     assert_eq!(priority, json!({"Host":"node-a","Score":10}));
 }
 
 #[test]
 fn answers_decode_case_insensitively_like_go() {
-    let result = wire::decode_filter_result(
-        br#"{"failednodes":{"node-b":"reason"},"nodeNAMES":["node-a"],"error":"","Unknown":1}"#,
-    )
-    .unwrap();
+    let names =
+        br#"{"failednodes":{"node-b":"reason"},"nodeNAMES":["node-a"],"error":"","Unknown":1}"#;
+    let result = wire::decode_filter_result(names).unwrap();
     assert_eq!(result.node_names, Some(vec!["node-a".to_owned()]));
     assert_eq!(result.failed_nodes["node-b"], "reason");
 
-    let with_nodes = wire::decode_filter_result(
-        br#"{"FailedNodes":{},"Nodes":{"metadata":{},"items":[{"metadata":{"name":"node-a"}}]}}"#,
-    )
-    .unwrap();
-    let nodes = with_nodes.nodes.unwrap().items;
+    let nodes =
+        br#"{"FailedNodes":{},"Nodes":{"metadata":{},"items":[{"metadata":{"name":"node-a"}}]}}"#;
+    let nodes = wire::decode_filter_result(nodes)
+        .unwrap()
+        .nodes
+        .unwrap()
+        .items;
     let names: Vec<_> = nodes.into_iter().filter_map(|n| n.metadata.name).collect();
     assert_eq!(names, ["node-a"]);
 
     let priorities = br#"[{"host":"a","score":3},{"HOST":"b","Score":10}]"#;
     let priorities = wire::decode_host_priorities(priorities).unwrap();
-    let b = wire::HostPriority {
-        host: "b".into(),
-        score: 10,
-    };
-    assert_eq!(priorities[1], b);
+    let (host, score) = ("b".into(), 10);
+    assert_eq!(priorities[1], wire::HostPriority { host, score });
     assert!(wire::decode_host_priorities(b"null").unwrap().is_empty());
     assert!(wire::decode_host_priorities(br#"[{"Host":"a","Score":"high"}]"#).is_err());
 
@@ -275,16 +272,13 @@ async fn filter_prioritize_and_bind_bodies_have_the_captured_shape() -> anyhow::
 
     let events: Api<Event> = Api::default_namespaced(client.clone());
     let scheduled = format!("Successfully assigned default/a to {chosen}");
+    fn fields(e: &Event) -> [Option<&str>; 3] {
+        [&e.involved_object.name, &e.reason, &e.message].map(Option::as_deref)
+    }
+    let want = [Some("a"), Some("Scheduled"), Some(scheduled.as_str())];
     wait_for("the Scheduled event", DEADLINE, || async {
         let events = events.list(&ListParams::default()).await.ok()?;
-        events
-            .iter()
-            .any(|e| {
-                e.involved_object.name.as_deref() == Some("a")
-                    && e.reason.as_deref() == Some("Scheduled")
-                    && e.message.as_deref() == Some(&scheduled)
-            })
-            .then_some(())
+        events.iter().any(|e| fields(e) == want).then_some(())
     })
     .await?;
     let stats = driver.stats();
@@ -345,9 +339,9 @@ async fn http_timeout_bounds_each_call() -> anyhow::Result<()> {
     let nodes: [(&str, &[u64]); 1] = [("n1", &[16])];
     let (_server, client, fake, driver) = start(&nodes, hangs, extender).await?;
     pod("a").gpu_mem(4).create(&client).await?;
+    let url = &fake.url_prefix;
     let expected = format!(
-        "Post \"{}/filter\": context deadline exceeded (Client.Timeout exceeded while awaiting headers)",
-        fake.url_prefix
+        "Post \"{url}/filter\": context deadline exceeded (Client.Timeout exceeded while awaiting headers)"
     );
     wait_for("the timeout to fail the cycle", DEADLINE, || async {
         let reason = driver.pending_reason("default", "a");

@@ -15,12 +15,9 @@ const WAIT: Duration = Duration::from_secs(30);
 
 /// `status` of the pod's GPU health condition, if it has one.
 async fn gpu_condition(pods: &Api<Pod>, name: &str) -> Option<String> {
-    let pod = pods.get_opt(name).await.ok()??;
-    let conditions = pod.status?.conditions?;
-    conditions
-        .into_iter()
-        .find(|c| c.type_ == CONDITION)
-        .map(|c| c.status)
+    let conditions = pods.get_opt(name).await.ok()??.status?.conditions?;
+    let condition = conditions.into_iter().find(|c| c.type_ == CONDITION);
+    condition.map(|c| c.status)
 }
 
 /// Waits until the pod's GPU health condition reads `status`.
@@ -86,10 +83,8 @@ async fn opted_in_pods_of_an_unhealthy_gpu_are_evicted() -> anyhow::Result<()> {
         .await?;
         let evictions = cluster.api.stats().count(Verb::Create, "pods/eviction");
         ensure!(evictions == 1, "{evictions} evictions, not one");
-        ensure!(
-            pods.get_opt(&other).await?.is_some(),
-            "the healthy GPU's pod stays"
-        );
+        let stays = pods.get_opt(&other).await?.is_some();
+        ensure!(stays, "the healthy GPU's pod stays");
         Ok(())
     })
     .await

@@ -96,31 +96,27 @@ async fn a_pod_over_its_share_shows_in_metrics_the_node_annotation_and_top() -> 
                 "gpushare_device_plugin_{metric}{{gpu=\"{gpu}\",uuid=\"GPU-sim-{NODE}-{gpu}\"}} {bytes}"
             )
         };
-        wait_metrics(
-            cluster,
-            &[
-                pod_line("pod_allocated_bytes", "a", 4 * GIB),
-                pod_line("pod_used_bytes", "a", 3 * GIB),
-                pod_line("pod_allocated_bytes", "b", 2 * GIB),
-                pod_line("pod_used_bytes", "b", 3 * GIB),
-                gpu_line("gpu_allocated_bytes", 6 * GIB),
-                gpu_line("gpu_used_bytes", 6 * GIB),
-                gpu_line("gpu_unattributed_bytes", 0),
-                "gpushare_device_plugin_pods_over_share 1".to_owned(),
-            ],
-        )
-        .await?;
+        let lines = [
+            pod_line("pod_allocated_bytes", "a", 4 * GIB),
+            pod_line("pod_used_bytes", "a", 3 * GIB),
+            pod_line("pod_allocated_bytes", "b", 2 * GIB),
+            pod_line("pod_used_bytes", "b", 3 * GIB),
+            gpu_line("gpu_allocated_bytes", 6 * GIB),
+            gpu_line("gpu_used_bytes", 6 * GIB),
+            gpu_line("gpu_unattributed_bytes", 0),
+            "gpushare_device_plugin_pods_over_share 1".to_owned(),
+        ];
+        wait_metrics(cluster, &lines).await?;
         let usage = wait_annotation(cluster, &[("default/a", 3072), ("default/b", 3072)]).await?;
         ensure!(usage.gpus.get(&gpu) == Some(&6144), "{usage:?}");
 
         let text = top_details(&cluster.client).await?;
         ensure!(text.contains("USED(GiB)"), "{text}");
-        ensure!(pod_row(&text, "a")?.last() == Some(&"3.0"), "{text}");
-        ensure!(pod_row(&text, "b")?.last() == Some(&"3.0!"), "{text}");
-        ensure!(
-            text.contains("! over its share: its processes use more GPU memory than it was allocated"),
-            "{text}"
-        );
+        for (pod, used) in [("a", "3.0"), ("b", "3.0!")] {
+            ensure!(pod_row(&text, pod)?.last() == Some(&used), "{pod}: {text}");
+        }
+        let flag = "! over its share: its processes use more GPU memory than it was allocated";
+        ensure!(text.contains(flag), "{text}");
         ensure!(text.contains("6.0 (37%)"), "GPU{gpu}'s USED cell:\n{text}");
 
         // b frees memory: no longer flagged anywhere.

@@ -7,9 +7,8 @@ use std::time::Duration;
 
 use anyhow::{Context, ensure};
 use gpushare_e2e::apiserver::{Call, Verb};
-use gpushare_e2e::cluster::{
-    ClusterSpec, DEDICATED_SCHEDULER, TestCluster, binaries, wait_for, with_cluster,
-};
+use gpushare_e2e::cluster::{ClusterSpec, DEDICATED_SCHEDULER, TestCluster, binaries};
+use gpushare_e2e::cluster::{wait_for, with_cluster};
 use gpushare_e2e::fixtures;
 use gpushare_e2e::scenarios::{check_no_overcommit, check_pinned, create_gpu_pod, wait_running};
 use k8s_openapi::api::admissionregistration::v1::MutatingWebhookConfiguration;
@@ -52,8 +51,8 @@ async fn the_webhook_routes_gpu_pods_to_the_gpushare_scheduler() -> anyhow::Resu
 
         // A GPU pod that opts out of the webhook is refused by the policy, with what to do.
         let mut opted_out = fixtures::pod("opted-out").gpu_mem(4).build();
-        opted_out.metadata.labels =
-            Some([("gpushare.example.com/webhook".to_owned(), "skip".to_owned())].into());
+        let skip = ("gpushare.example.com/webhook".to_owned(), "skip".to_owned());
+        opted_out.metadata.labels = Some([skip].into());
         let pods: Api<Pod> = Api::namespaced(cluster.client.clone(), "default");
         let refusal = pods.create(&PostParams::default(), &opted_out).await;
         let refusal = refusal.expect_err("a GPU pod for another scheduler was admitted");
@@ -61,10 +60,8 @@ async fn the_webhook_routes_gpu_pods_to_the_gpushare_scheduler() -> anyhow::Resu
             anyhow::bail!("expected the API server's refusal, got {refusal}");
         };
         let what_to_do = "set spec.schedulerName: gpushare-scheduler";
-        ensure!(
-            status.code == 403 && status.message.contains(what_to_do),
-            "{status:?}"
-        );
+        let told = status.code == 403 && status.message.contains(what_to_do);
+        ensure!(told, "{status:?}");
         check_no_overcommit(&cluster.client).await?;
         Ok(())
     })
@@ -82,9 +79,8 @@ async fn check_routing(
 ) -> anyhow::Result<std::process::Output> {
     let dir = tempfile::tempdir()?;
     let kubeconfig = dir.path().join("routing-check.kubeconfig");
-    cluster
-        .api
-        .write_kubeconfig_as(&kubeconfig, ROUTING_CHECK_USER)?;
+    let api = &cluster.api;
+    api.write_kubeconfig_as(&kubeconfig, ROUTING_CHECK_USER)?;
     let output = tokio::process::Command::new(binaries()?.extender)
         .args([
             "check-routing",
@@ -100,11 +96,10 @@ async fn check_routing(
     Ok(output)
 }
 
-/// While no extender serves the webhook, which fails open (failurePolicy Ignore), a GPU pod
-/// would be created for the default scheduler, which gives it no GPU: the policy refuses it
-/// instead, saying why, and the chart's post-install hook fails, saying so. Once an extender
-/// serves it again, the hook passes (having stored nothing and made no call but dry-run pod
-/// creates, all its Role grants) and the same pod is routed and runs.
+/// While no extender serves the webhook (which fails open), the policy refuses a GPU pod the
+/// default scheduler would get, saying why, and the chart's post-install hook fails, saying
+/// so. Once an extender serves again, the hook passes (storing nothing, calling nothing but
+/// dry-run pod creates, all its Role grants) and the same pod is routed and runs.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn the_install_hook_passes_only_once_gpu_pods_are_routed() -> anyhow::Result<()> {
     with_cluster(dedicated(), async |cluster| {
@@ -112,9 +107,8 @@ async fn the_install_hook_passes_only_once_gpu_pods_are_routed() -> anyhow::Resu
         cluster.kill_extender().await;
         let pods: Api<Pod> = Api::namespaced(cluster.client.clone(), "default");
         let early = create_gpu_pod(cluster, "early", 4).await;
-        let message = early
-            .expect_err("a GPU pod was admitted for the default scheduler")
-            .to_string();
+        let early = early.expect_err("a GPU pod was admitted for the default scheduler");
+        let message = early.to_string();
         ensure!(message.contains(refusal), "{message}");
         ensure!(pods.get_opt("early").await?.is_none());
 
@@ -124,10 +118,8 @@ async fn the_install_hook_passes_only_once_gpu_pods_are_routed() -> anyhow::Resu
             !down.status.success() && stderr.contains("still not routed"),
             "the hook passed with no extender serving the webhook: {stderr}"
         );
-        ensure!(
-            stderr.contains(refusal),
-            "the hook should name the refusal it saw: {stderr}"
-        );
+        let named = stderr.contains(refusal);
+        ensure!(named, "the hook should name the refusal it saw: {stderr}");
 
         // Back up: the hook passes once the API server routes GPU pods again (the restarted
         // extender is Ready a moment before its webhook's caBundle is published).
@@ -155,12 +147,10 @@ async fn the_install_hook_passes_only_once_gpu_pods_are_routed() -> anyhow::Resu
     .await
 }
 
-/// Four 4 GiB pods through the dedicated scheduler never call prioritize, yet each after the
-/// first lands on the node the first took, pinned, nothing over-committed: with
-/// `extender.filterKeepBest: 1` the filter passes the one node its policy scores best, so the
-/// scheduler binds it without scoring; with `scheduler.nativeGpuScoring` the chart's profile
-/// scores GPU memory itself (`NodeResourcesFit` MostAllocated; the upstream default,
-/// LeastAllocated on cpu and memory, would alternate nodes).
+/// Four 4 GiB pods through the dedicated scheduler never call prioritize, yet each lands on
+/// the node the first took: with `extender.filterKeepBest: 1` filter passes only the node its
+/// policy scores best; with `scheduler.nativeGpuScoring` the chart's profile scores GPU memory
+/// itself (MostAllocated; upstream's LeastAllocated on cpu and memory would alternate nodes).
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn packing_without_prioritize_fills_the_fuller_node() -> anyhow::Result<()> {
     let two_nodes = || ClusterSpec::labelled(&[("n1", &[16, 16]), ("n2", &[16, 16])]).dedicated();
@@ -190,10 +180,8 @@ async fn four_pods_fill_the_fuller_node_without_prioritize(
         let running = wait_running(cluster, name).await?;
         check_pinned(cluster, &running).await?;
         let node = node_of(running);
-        ensure!(
-            node == full_node,
-            "{name} went to {node}, not the fuller {full_node}"
-        );
+        let fuller = node == full_node;
+        ensure!(fuller, "{name} went to {node}, not the fuller {full_node}");
     }
     check_no_overcommit(&cluster.client).await?;
     let scheduler = cluster
@@ -201,11 +189,8 @@ async fn four_pods_fill_the_fuller_node_without_prioritize(
         .as_ref()
         .context("scheduler not running")?;
     let stats = scheduler.stats();
-    ensure!(
-        stats.prioritize_calls == 0,
-        "prioritize called {} times",
-        stats.prioritize_calls
-    );
+    let prioritized = stats.prioritize_calls;
+    ensure!(prioritized == 0, "prioritize called {prioritized} times");
     ensure!(stats.filter_calls >= 4 && stats.binds_ok >= 4, "{stats:?}");
     // Over HTTPS, as kube-scheduler's transport does with an extender offering h2 by ALPN.
     let versions = &stats.answers_by_version;
@@ -213,32 +198,28 @@ async fn four_pods_fill_the_fuller_node_without_prioritize(
     Ok(())
 }
 
-/// kube-scheduler binds in goroutines of its own while its next cycles already run, so the
-/// next pods' filters come before this pod's bind. With `extender.filterKeepBest: 1`, the
-/// extender once passed the same best node to all of them and their binds found it full (the
-/// real cluster drained at 40.8 pods/s, not 205.7): filter now holds the memory of the one
-/// node it passes until the bind comes.
+/// kube-scheduler's next cycles filter before this pod's bind. With `extender.filterKeepBest:
+/// 1` the extender once passed the same best node to all of them and their binds found it full
+/// (40.8 pods/s, not 205.7, on the real cluster): filter now holds that node until the bind.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn keeping_the_best_node_holds_it_until_the_bind_comes() -> anyhow::Result<()> {
     // n1's one GPU is taken whole, so only the bare nodes are left.
     burst_on_bare_nodes_binds_at_first_attempt(&["--filter-keep-best=1"], &[16], &[16]).await
 }
 
-/// The same race with the default (prioritize scores every fitting node): packing scores n1,
-/// whose first GPU already holds 12 GiB, best alone; the next pods' prioritize, before the
-/// first bind, scored n1 best again, and their binds found only n1's second GPU, which the
-/// twin rule refuses while the first pod waits. Prioritize now holds the node it scores best
-/// alone until the bind comes.
+/// The same race with prioritize: packing scores n1 (its first GPU holds 12 GiB) best alone;
+/// the next pods' prioritize, before the first bind, scored n1 best again and their binds
+/// found only its second GPU, which the twin rule refuses while the first pod waits.
+/// Prioritize now holds the node it scores best alone until the bind comes.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn the_best_scored_node_is_held_until_the_bind_comes() -> anyhow::Result<()> {
     burst_on_bare_nodes_binds_at_first_attempt(&[], &[16, 16], &[4, 4, 4]).await
 }
 
-/// A burst of as many 4 GiB pods as six nodes with no kubelet can take (their pods wait for
-/// their device for good, so the twin rule keeps each node's pods on one GPU), scheduled with
-/// each binding cycle 200 ms behind its scheduling cycle, on top of a kubelet node n1 with
-/// `n1_gpus` running `residents`: every pod must bind at its first attempt, and no GPU be
-/// over-committed.
+/// A burst of as many 4 GiB pods as six kubelet-less nodes take (the twin rule keeps each
+/// node's never-admitted pods on one GPU), each binding cycle 200 ms behind its scheduling
+/// cycle, beside node n1 of `n1_gpus` running `residents`: every pod binds at its first
+/// attempt, no GPU over-committed.
 async fn burst_on_bare_nodes_binds_at_first_attempt(
     extender_args: &[&str],
     n1_gpus: &[u64],
@@ -249,8 +230,8 @@ async fn burst_on_bare_nodes_binds_at_first_attempt(
     let mut spec = ClusterSpec::labelled(&[("n1", n1_gpus)])
         .dedicated()
         .with_binding_cycle_delay(Duration::from_millis(200));
-    spec.extender_args
-        .extend(extender_args.iter().map(|a| (*a).to_owned()));
+    let args = extender_args.iter().map(|a| (*a).to_owned());
+    spec.extender_args.extend(args);
     with_cluster(spec, async |cluster| {
         // The residents first, while n1 is the only node they can go to.
         for (i, gib) in residents.iter().enumerate() {
@@ -272,11 +253,8 @@ async fn burst_on_bare_nodes_binds_at_first_attempt(
         let what = "every burst pod to be bound";
         wait_for(what, Duration::from_secs(60), || async {
             let list = pods.list(&Default::default()).await.ok()?;
-            let bound = list
-                .items
-                .iter()
-                .filter(|p| p.spec.as_ref().is_some_and(|s| s.node_name.is_some()));
-            (bound.count() == all).then_some(())
+            let bound = |p: &&Pod| p.spec.as_ref().is_some_and(|s| s.node_name.is_some());
+            (list.items.iter().filter(bound).count() == all).then_some(())
         })
         .await?;
         check_no_overcommit(&cluster.client).await?;
@@ -292,11 +270,9 @@ async fn burst_on_bare_nodes_binds_at_first_attempt(
             (stats.binds_ok >= all as u64).then_some(stats)
         })
         .await?;
-        ensure!(
-            stats.bind_errors == 0,
-            "{} binds failed: the burst's filters passed nodes its binds found full",
-            stats.bind_errors
-        );
+        let failed = stats.bind_errors;
+        let why = "the burst's filters passed nodes its binds found full";
+        ensure!(failed == 0, "{failed} binds failed: {why}");
         Ok(())
     })
     .await

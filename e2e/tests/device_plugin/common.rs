@@ -5,6 +5,7 @@
 
 use std::collections::BTreeMap;
 use std::fmt::Debug;
+use std::ops::Range;
 use std::path::{Path, PathBuf};
 use std::time::Duration;
 
@@ -16,8 +17,8 @@ use gpushare_e2e::apiserver::ApiServer;
 use gpushare_e2e::kubelet::{AdmissionOrder, KubeletDriver};
 use gpushare_proto::v1beta1::device_plugin_client::DevicePluginClient;
 use gpushare_proto::v1beta1::{
-    AllocateRequest, ContainerAllocateRequest, ContainerPreferredAllocationRequest, Empty,
-    ListAndWatchResponse, PreferredAllocationRequest,
+    AllocateRequest, ContainerAllocateRequest, ContainerAllocateResponse,
+    ContainerPreferredAllocationRequest, Empty, ListAndWatchResponse, PreferredAllocationRequest,
 };
 use gpushare_testkit::fixtures::{PodBuilder, pod};
 use k8s_openapi::api::core::v1::{Node, Pod};
@@ -40,13 +41,12 @@ pub fn uuid(index: u32) -> String {
     format!("GPU-sim-{NODE}-{index}")
 }
 
-/// The GPU UUID of device ID `id` (`<uuid>-<slot>`).
-pub fn gpu_of(id: &str) -> &str {
-    id.rsplit_once('-').map_or(id, |(uuid, _)| uuid)
-}
-
-/// How many of `devices` are on GPU `gpu`.
+/// How many of `devices` (`<uuid>-<slot>`) are on GPU `gpu`.
 pub fn on_gpu(devices: &[String], gpu: u32) -> usize {
+    let gpu_of = |id: &String| {
+        id.rsplit_once('-')
+            .map_or(id.clone(), |(uuid, _)| uuid.to_owned())
+    };
     devices.iter().filter(|id| gpu_of(id) == uuid(gpu)).count()
 }
 
@@ -75,8 +75,7 @@ impl Plugin {
             .map(u64::to_string)
             .collect::<Vec<_>>()
             .join(",");
-        let dir = dir.display().to_string();
-        let health = health.display().to_string();
+        let (dir, health) = (dir.display().to_string(), health.display().to_string());
         // Without a kubelet, a PodResources socket nobody serves: the plugin works without.
         let absent = format!("{dir}/pod-resources/absent.sock");
         let defaults = [
@@ -89,22 +88,21 @@ impl Plugin {
             ("--pending-pod-wait-ms", "2000"),
             ("--pod-resources-socket", &absent),
         ];
-        let args = std::iter::once("gpushare-device-plugin".to_owned())
-            .chain(
-                defaults
-                    .into_iter()
-                    .filter(|(flag, _)| !extra.iter().any(|e| e == flag))
-                    .flat_map(|(flag, value)| [flag.to_owned(), value.to_owned()]),
-            )
-            .chain(extra.iter().cloned());
-        let config = Config::try_parse_from(args)?;
+        let kept = defaults
+            .into_iter()
+            .filter(|(flag, _)| !extra.iter().any(|e| e == flag));
+        let kept = kept.flat_map(|(flag, value)| [flag.to_owned(), value.to_owned()]);
+        let args = ["gpushare-device-plugin".to_owned()]
+            .into_iter()
+            .chain(kept);
+        let config = Config::try_parse_from(args.chain(extra.iter().cloned()))?;
         let stop = CancellationToken::new();
-        let task = tokio::spawn(gpushare_device_plugin::run_with_client(
-            config,
-            client,
-            stop.clone().cancelled_owned(),
-        ));
-        Ok(Plugin { stop, task })
+        let run =
+            gpushare_device_plugin::run_with_client(config, client, stop.clone().cancelled_owned());
+        Ok(Plugin {
+            stop,
+            task: tokio::spawn(run),
+        })
     }
 
     pub async fn stop(self) -> anyhow::Result<()> {
@@ -141,36 +139,35 @@ impl Cluster {
             .gpushare()
             .create(&client)
             .await?;
-        let dir = tempfile::tempdir()?;
-        let health_dir = tempfile::tempdir()?;
-        let kubelet = match order {
-            Some(order) => {
-                Some(KubeletDriver::start(dir.path(), NODE, client.clone(), order).await?)
-            }
-            None => None,
-        };
+        let (dir, health_dir) = (tempfile::tempdir()?, tempfile::tempdir()?);
         let mut extra = extra.to_vec();
-        if let Some(kubelet) = &kubelet
-            && !extra.iter().any(|e| e == "--pod-resources-socket")
-        {
-            extra.push("--pod-resources-socket".to_owned());
-            extra.push(kubelet.pod_resources_socket().display().to_string());
+        let mut kubelet = None;
+        if let Some(order) = order {
+            let started = KubeletDriver::start(dir.path(), NODE, client.clone(), order).await?;
+            if !extra.iter().any(|e| e == "--pod-resources-socket") {
+                let socket = started.pod_resources_socket().display().to_string();
+                extra.extend(["--pod-resources-socket".to_owned(), socket]);
+            }
+            kubelet = Some(started);
         }
+        let (client, plugin) = (client.clone(), None);
         let mut cluster = Cluster {
             server,
-            client: client.clone(),
+            client,
             dir,
             health_dir,
             kubelet,
-            plugin: None,
+            plugin,
         };
-        cluster.plugin = Some(Plugin::start(
-            client,
+        let health = cluster.health_file();
+        let started = Plugin::start(
+            cluster.client.clone(),
             cluster.dir.path(),
-            &cluster.health_file(),
+            &health,
             gpus,
             &extra,
-        )?);
+        );
+        cluster.plugin = Some(started?);
         if let Some(kubelet) = &cluster.kubelet {
             kubelet.wait_registered(RESOURCE, WAIT).await?;
         }
@@ -183,14 +180,12 @@ impl Cluster {
 
     /// The environment kubelet gave container `container` of pod `pod` (empty if none).
     pub fn env(&self, pod: &str, container: &str) -> BTreeMap<String, String> {
-        let env = self.kubelet().container_env("default", pod, container);
-        env.unwrap_or_default()
+        (self.kubelet().container_env("default", pod, container)).unwrap_or_default()
     }
 
     /// The device IDs of our resource kubelet gave pod `pod`.
     pub fn devices(&self, pod: &str) -> Vec<String> {
-        let mut devices = self.kubelet().pod_devices("default", pod);
-        devices.remove(RESOURCE).unwrap_or_default()
+        (self.kubelet().pod_devices("default", pod).remove(RESOURCE)).unwrap_or_default()
     }
 
     /// Waits until kubelet admitted (container `main`) or refused each of `pods`; fails
@@ -201,15 +196,14 @@ impl Cluster {
         pods: &[impl AsRef<str>],
     ) -> anyhow::Result<()> {
         let kubelet = self.kubelet();
-        kubelet
-            .wait_until(timeout, "every pod admitted or refused", |k| {
-                let admitted = pods
-                    .iter()
-                    .filter(|p| k.container_env("default", p.as_ref(), "main").is_some())
-                    .count();
-                k.admission_errors().len() + admitted == pods.len()
-            })
-            .await?;
+        let settled = |k: &KubeletDriver| {
+            let admitted = pods
+                .iter()
+                .filter(|p| k.container_env("default", p.as_ref(), "main").is_some());
+            k.admission_errors().len() + admitted.count() == pods.len()
+        };
+        let what = "every pod admitted or refused";
+        kubelet.wait_until(timeout, what, settled).await?;
         let errors = kubelet.admission_errors();
         anyhow::ensure!(errors.is_empty(), "{errors:?}");
         Ok(())
@@ -234,7 +228,7 @@ impl Cluster {
     }
 
     pub async fn pod(&self, name: &str) -> anyhow::Result<Pod> {
-        Ok(Api::<Pod>::namespaced(self.client.clone(), "default")
+        Ok(Api::<Pod>::default_namespaced(self.client.clone())
             .get(name)
             .await?)
     }
@@ -274,27 +268,24 @@ pub fn allocation(gpu: u32, containers: &[Container], second: u32) -> Vec<(Strin
 pub fn allocation_on(gpus: &[u32], containers: &[Container], second: u32) -> Vec<(String, String)> {
     let (&gpu, more) = gpus.split_first().expect("at least one GPU");
     let count = u64::try_from(gpus.len()).unwrap_or(1);
+    let gpu_ref = |&index: &u32| GpuRef {
+        index,
+        uuid: uuid(index),
+    };
+    let (name, compute) = (|name: &str| name.to_owned(), 0);
+    let request = |&(n, gib, init): &Container| ContainerRequest {
+        name: name(n),
+        gib,
+        init,
+        compute,
+    };
     PodAllocation {
-        more_gpus: more
-            .iter()
-            .map(|&index| GpuRef {
-                index,
-                uuid: uuid(index),
-            })
-            .collect(),
+        more_gpus: more.iter().map(gpu_ref).collect(),
         exclusive: false,
         gpu_index: gpu,
         gpu_uuid: uuid(gpu),
         pod_gib: pod_gib(containers) / count,
-        containers: containers
-            .iter()
-            .map(|&(name, gib, init)| ContainerRequest {
-                name: name.to_owned(),
-                gib,
-                init,
-                compute: 0,
-            })
-            .collect(),
+        containers: containers.iter().map(request).collect(),
         bind_time: format!("2026-11-22T10:{:02}:{:02}Z", second / 60, second % 60),
         assigned: false,
         allocated: vec![],
@@ -324,9 +315,8 @@ pub fn placed(name: &str, gpu: u32, gib: u64, second: u32) -> PodBuilder {
 
 /// `(allocated, assigned)` marks of pod `name` ("" where unset).
 pub async fn marks(cluster: &Cluster, name: &str) -> anyhow::Result<(String, String)> {
-    let keys = Keys::default();
-    let annotations = cluster.pod(name).await?.metadata.annotations;
-    let annotations = annotations.unwrap_or_default();
+    let (keys, pod) = (Keys::default(), cluster.pod(name).await?);
+    let annotations = pod.metadata.annotations.unwrap_or_default();
     let get = |key: &str| annotations.get(key).cloned().unwrap_or_default();
     Ok((get(&keys.allocated), get(&keys.assigned)))
 }
@@ -365,20 +355,16 @@ where
     Fut: std::future::Future<Output = anyhow::Result<bool>>,
 {
     let deadline = tokio::time::Instant::now() + timeout;
-    loop {
-        if cond().await? {
-            return Ok(());
-        }
-        anyhow::ensure!(
-            tokio::time::Instant::now() < deadline,
-            "timed out after {timeout:?} waiting for {what}"
-        );
+    while !cond().await? {
+        let waited = tokio::time::Instant::now() < deadline;
+        anyhow::ensure!(waited, "timed out after {timeout:?} waiting for {what}");
         tokio::time::sleep(Duration::from_millis(50)).await;
     }
+    Ok(())
 }
 
 /// Device IDs `slots` of each of `gpus` in turn, as the plugin advertises them.
-pub fn ids(gpus: &[u32], slots: std::ops::Range<u64>) -> Vec<String> {
+pub fn ids(gpus: &[u32], slots: Range<u64>) -> Vec<String> {
     let of_gpu = |&gpu: &u32| {
         slots
             .clone()
@@ -389,11 +375,20 @@ pub fn ids(gpus: &[u32], slots: std::ops::Range<u64>) -> Vec<String> {
 
 /// An Allocate request for one container holding `devices`.
 pub fn allocate(devices: Vec<String>) -> AllocateRequest {
-    AllocateRequest {
-        container_requests: vec![ContainerAllocateRequest {
-            devices_ids: devices,
-        }],
-    }
+    let container_requests = vec![ContainerAllocateRequest {
+        devices_ids: devices,
+    }];
+    AllocateRequest { container_requests }
+}
+
+/// The plugin's answer to kubelet allocating one container GPU 0's devices `slots` (the plugin
+/// goes by the waiting pod, not by which devices kubelet picked).
+pub async fn allocate_slots(
+    plugin: &mut DevicePluginClient<Channel>,
+    slots: Range<u64>,
+) -> Result<ContainerAllocateResponse, Status> {
+    let response = plugin.allocate(allocate(ids(&[0], slots))).await?;
+    Ok(response.into_inner().container_responses.swap_remove(0))
 }
 
 /// The error of a refused call, checked to carry `code` and every one of `parts`.
