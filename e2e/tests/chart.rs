@@ -614,7 +614,6 @@ async fn exercise(cluster: &TestCluster) -> anyhow::Result<()> {
     // Without the allocation policy, a pod bound straight to the node is admitted while a
     // scheduled pod of its size waits (kubelet sees it late): the device plugin reads in
     // PodResources that the intruder holds that pod's allocation, and says so in an Event.
-    api.set_admission_policies(gpushare_e2e::apiserver::admission::AdmissionPolicies::none());
     let kubelet = &cluster.nodes["gpu-node-1"].kubelet;
     kubelet.hold("default", "waiting");
     create_gpu_pod(cluster, "waiting", 2).await?;
@@ -647,9 +646,10 @@ async fn exercise(cluster: &TestCluster) -> anyhow::Result<()> {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn rbac_grants_exactly_what_each_binary_calls() -> anyhow::Result<()> {
     let node = ClusterSpec::labelled(&[("gpu-node-1", &[16][..])]);
-    // Dedicated without the allocation policy: `exercise` places a pod of a scheduler nobody
-    // runs by calling bind itself, which the policy refuses in dedicated mode.
-    let dedicated = node.clone().dedicated().without_allocation_policy();
+    // Dedicated, without the allocation policy (this API server enforces none): `exercise`
+    // places a pod of a scheduler nobody runs by calling bind itself, which the policy
+    // refuses in dedicated mode.
+    let dedicated = node.clone().dedicated();
     // Default values: the dedicated scheduler and the webhook; without the webhook.
     let no_webhook = "scheduler.mode=default-scheduler";
     let renders = [

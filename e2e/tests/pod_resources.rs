@@ -40,7 +40,6 @@ async fn an_intruder_holding_a_waiting_pods_allocation_is_reported_and_the_pod_s
 -> anyhow::Result<()> {
     // The story is the marks'; they are on for it (off by default).
     let spec = ClusterSpec::labelled(&[(NODE, &[16])])
-        .without_allocation_policy()
         .with_device_plugin_args(&["--allocation-marks", "true"]);
     with_cluster(spec, async |cluster| {
         let kubelet = &cluster.nodes[NODE].kubelet;
@@ -136,7 +135,7 @@ fn listed(pod: &PodResources) -> Vec<(String, Vec<String>)> {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn the_kubelet_driver_reports_devices_as_kubelet_does() -> anyhow::Result<()> {
     // Without the policy, so that a pod can be created straight onto the node.
-    let spec = ClusterSpec::labelled(&[(NODE, &[16])]).without_allocation_policy();
+    let spec = ClusterSpec::labelled(&[(NODE, &[16])]);
     with_cluster(spec, async |cluster| {
         // init (ordinary, 2 GiB), sidecar (1 GiB), main (3 GiB).
         let mut spec = pod("mixed")

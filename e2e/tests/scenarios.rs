@@ -760,4 +760,4 @@ async fn extender_killed_three_times_mid_burst_every_pod_that_fits_binds() -> an
 
 // Forged allocations (hand-written, copied, changed, with `nodeName`, and without the policy
 // at Allocate) are refused on the real cluster (`e2e/tests/real.rs`, the forgery scenarios)
-// and, rule by rule, in the policy's CEL unit tests (`e2e/src/cluster/chart/policy_tests.rs`).
+// and, rule by rule, by the real API server (`e2e/tests/real/allocation_policy.rs`).

@@ -1,11 +1,8 @@
-//! Routing and dispatch: the one fallback handler every request goes through, the path
-//! parsed into a [`Target`] (`request.rs`), the verb, the injected faults, and the accepted
-//! write's task.
-//!
-//! One fallback handler parses the path itself (the Kubernetes URL grammar is easier to read
-//! as a match on segments than as a route table), applies injected faults, and dispatches to
-//! the verbs: reads in `reads.rs`; create, update and patch in `writes.rs`; delete and
-//! eviction in `deletes.rs`; the pod `binding` subresource in `binding.rs`.
+//! Routing and dispatch: one fallback handler parses the path into a [`Target`]
+//! (`request.rs`; the Kubernetes URL grammar reads better as a match on segments than as a
+//! route table), applies injected faults, and dispatches to the verbs: reads in `reads.rs`;
+//! create, update and patch in `writes.rs`; delete and eviction in `deletes.rs`; the pod
+//! `binding` subresource in `binding.rs`.
 //! Every write runs under the store's lock from "read the current object" to "store the new
 //! one", so the resourceVersion checks are race-free; and in a task of its own, so that a
 //! write, once accepted, is applied even if its client goes away (during a write stall too).
@@ -18,7 +15,6 @@ use http::{HeaderMap, Method, Uri, header};
 use serde_json::Value;
 
 use super::Caller;
-use super::admission::Operation;
 use super::binding::bind;
 use super::deletes::{delete, evict};
 use super::objects::{self, meta_mut, meta_str};
@@ -294,7 +290,6 @@ impl Write {
             meta.remove("name");
         }
         let review = super::webhooks::Review {
-            operation: Operation::Create,
             caller: &self.user,
             kind: self.target.kind,
             subresource: "",
@@ -309,7 +304,7 @@ impl Write {
     }
 
     fn apply(&self, app: &App) -> Reply {
-        let (user, target, params, body) = (&self.user, &self.target, &self.params, &self.body);
+        let (target, params, body) = (&self.target, &self.params, &self.body);
         let content_type = &self.content_type;
         match self.verb {
             Verb::Create if target.subresource.as_deref() == Some("binding") => {
@@ -318,9 +313,9 @@ impl Write {
             Verb::Create if target.subresource.as_deref() == Some("eviction") => {
                 evict(app, target, params, body)
             }
-            Verb::Create => create(app, user, target, params, content_type, body),
-            Verb::Update => update(app, user, target, params, content_type, body),
-            Verb::Patch => patch_object(app, user, target, params, content_type, body),
+            Verb::Create => create(app, target, params, content_type, body),
+            Verb::Update => update(app, target, params, content_type, body),
+            Verb::Patch => patch_object(app, target, params, content_type, body),
             Verb::Delete => delete(app, target, params, body),
             Verb::Get | Verb::List | Verb::Watch => Err(ApiError::method_not_allowed()),
         }

@@ -33,9 +33,9 @@
 //!
 //! Who calls, and admission: a request without credentials acts as [`ADMIN_USER`]; a
 //! kubeconfig from [`ApiServer::kubeconfig_yaml_as`] carries a bearer token this server maps
-//! to the username given (a token it never issued gets 401). Writes are admitted by the
-//! ValidatingAdmissionPolicies put in force with [`ApiServer::set_admission_policies`]
-//! (loaded from the chart's rendered YAML, evaluated in CEL: [`admission`]). [`Stats`]
+//! to the username given (a token it never issued gets 401). ValidatingAdmissionPolicies are
+//! not evaluated here: the chart's allocation policy is held to the real API server's CEL by
+//! the real tier (`e2e/tests/real/allocation_policy.rs`). [`Stats`]
 //! records each kind of request by who made it ([`Call`]: user, API group, resource, RBAC
 //! verb), so a test can hold the chart's RBAC against the calls our binaries really make.
 //!
@@ -50,7 +50,6 @@
 //! `gracePeriodSeconds=0`, of an unbound pod, or of a pod in a terminal phase removes it at
 //! once. A pod with finalizers is only marked; it goes once an update empties its finalizers.
 
-pub mod admission;
 mod binding;
 mod deletes;
 mod discovery;
@@ -72,22 +71,20 @@ mod writes;
 use std::collections::HashMap;
 use std::net::SocketAddr;
 use std::path::Path;
-use std::sync::{Arc, Mutex, MutexGuard, RwLock};
+use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::Duration;
 
 use rand::Rng;
 use tokio::task::JoinHandle;
 use tokio_util::sync::CancellationToken;
 
-use self::admission::AdmissionPolicies;
 use self::store::Store;
 
 pub use self::faults::Faults;
 pub(crate) use self::faults::Release;
 pub use self::stats::{Call, Stats};
 
-/// The user a request without credentials acts as: the cluster admin. Admission policies
-/// still apply to it, as they do to a real cluster-admin.
+/// The user a request without credentials acts as: the cluster admin.
 pub const ADMIN_USER: &str = "system:admin";
 
 /// The kind of request, as Kubernetes' audit and RBAC name them.
@@ -133,14 +130,13 @@ impl std::ops::Deref for Caller {
     }
 }
 
-/// Who may call, and what admission applies to their writes. Cheap to clone.
+/// Who may call, and where the webhooks they meet are served. Cheap to clone.
 #[derive(Clone)]
 pub(crate) struct Access {
     /// Bearer token → who holds it.
     tokens: Arc<Mutex<HashMap<String, Caller>>>,
     /// Where the Services that webhooks name are served.
     pub(crate) services: webhooks::ServiceRoutes,
-    policies: Arc<RwLock<Arc<AdmissionPolicies>>>,
 }
 
 impl Access {
@@ -148,7 +144,6 @@ impl Access {
         Self {
             tokens: Arc::default(),
             services: webhooks::ServiceRoutes::default(),
-            policies: Arc::new(RwLock::new(Arc::new(AdmissionPolicies::none()))),
         }
     }
 
@@ -167,20 +162,12 @@ impl Access {
 
     fn issue(&self, username: &str, node: Option<&str>) -> String {
         let token = format!("kubesim-{:032x}", rand::rng().random::<u128>());
-        let name = username.to_owned();
         let caller = Caller {
-            name,
+            name: username.to_owned(),
             node: node.map(str::to_owned),
         };
         locked(&self.tokens).insert(token.clone(), caller);
         token
-    }
-
-    pub(crate) fn policies(&self) -> Arc<AdmissionPolicies> {
-        self.policies
-            .read()
-            .unwrap_or_else(|poison| poison.into_inner())
-            .clone()
     }
 }
 
@@ -285,15 +272,6 @@ impl ApiServer {
     /// go to `addr` from now on, as the Service's endpoints would send them.
     pub fn route_service(&self, namespace: &str, name: &str, port: u16, addr: SocketAddr) {
         self.access.services.set(namespace, name, port, addr);
-    }
-
-    /// Puts `policies` in force for every write from now on (replacing any before).
-    pub fn set_admission_policies(&self, policies: AdmissionPolicies) {
-        *self
-            .access
-            .policies
-            .write()
-            .unwrap_or_else(|poison| poison.into_inner()) = Arc::new(policies);
     }
 
     /// Hands out kubeconfigs of `username` as held by its pods on given nodes: a

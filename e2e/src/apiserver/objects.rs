@@ -29,15 +29,14 @@ pub(crate) fn new_uid() -> String {
     let mut bytes: [u8; 16] = rand::rng().random();
     bytes[6] = (bytes[6] & 0x0f) | 0x40;
     bytes[8] = (bytes[8] & 0x3f) | 0x80;
-    let hex: String = bytes.iter().map(|b| format!("{b:02x}")).collect();
-    format!(
-        "{}-{}-{}-{}-{}",
-        &hex[0..8],
-        &hex[8..12],
-        &hex[12..16],
-        &hex[16..20],
-        &hex[20..32]
-    )
+    let mut uid = String::with_capacity(36);
+    for (i, byte) in bytes.iter().enumerate() {
+        if matches!(i, 4 | 6 | 8 | 10) {
+            uid.push('-');
+        }
+        uid.push_str(&format!("{byte:02x}"));
+    }
+    uid
 }
 
 /// Five characters from the alphabet the real server uses for `generateName` suffixes.
@@ -131,45 +130,32 @@ fn check_metadata(kind: Kind, object: &Value, causes: &mut Vec<String>) {
             causes.push(format!("metadata.namespace: Invalid value: {ns:?}: a lowercase RFC 1123 label must consist of lower case alphanumeric characters or '-'"));
         }
     }
-    if let Some(labels) = object.pointer("/metadata/labels") {
-        match labels.as_object() {
-            Some(labels) => {
-                for (key, value) in labels {
-                    if !is_qualified_name(key) {
-                        causes.push(format!("metadata.labels: Invalid value: {key:?}: name part must consist of alphanumeric characters, '-', '_' or '.'"));
-                    }
-                    if !value.as_str().is_some_and(is_label_value) {
-                        causes.push(format!("metadata.labels: Invalid value: {value}: a valid label must be an empty string or consist of alphanumeric characters, '-', '_' or '.', at most 63 characters"));
-                    }
-                }
+    // Labels and annotations: qualified names as keys; label values short and plain,
+    // annotation values any strings up to 256 KiB in all.
+    for field in ["labels", "annotations"] {
+        let Some(map) = object.pointer(&format!("/metadata/{field}")) else {
+            continue;
+        };
+        let Some(map) = map.as_object() else {
+            causes.push(format!(
+                "metadata.{field}: Invalid value: must be a map of strings"
+            ));
+            continue;
+        };
+        let mut total = 0;
+        for (key, value) in map {
+            if !is_qualified_name(key) {
+                causes.push(format!("metadata.{field}: Invalid value: {key:?}: name part must consist of alphanumeric characters, '-', '_' or '.'"));
             }
-            None => causes.push("metadata.labels: Invalid value: must be a map of strings".into()),
+            match value.as_str() {
+                Some(v) if field == "annotations" => total += key.len() + v.len(),
+                Some(v) if is_label_value(v) => {}
+                _ if field == "annotations" => causes.push(format!("metadata.annotations: Invalid value: {value}: must be a string")),
+                _ => causes.push(format!("metadata.labels: Invalid value: {value}: a valid label must be an empty string or consist of alphanumeric characters, '-', '_' or '.', at most 63 characters")),
+            }
         }
-    }
-    if let Some(annotations) = object.pointer("/metadata/annotations") {
-        match annotations.as_object() {
-            Some(annotations) => {
-                let mut total = 0;
-                for (key, value) in annotations {
-                    if !is_qualified_name(key) {
-                        causes.push(format!("metadata.annotations: Invalid value: {key:?}: name part must consist of alphanumeric characters, '-', '_' or '.'"));
-                    }
-                    match value.as_str() {
-                        Some(v) => total += key.len() + v.len(),
-                        None => causes.push(format!(
-                            "metadata.annotations: Invalid value: {value}: must be a string"
-                        )),
-                    }
-                }
-                if total > 256 * 1024 {
-                    causes.push(
-                        "metadata.annotations: Too long: must have at most 262144 bytes".into(),
-                    );
-                }
-            }
-            None => {
-                causes.push("metadata.annotations: Invalid value: must be a map of strings".into())
-            }
+        if total > 256 * 1024 {
+            causes.push("metadata.annotations: Too long: must have at most 262144 bytes".into());
         }
     }
 }

@@ -103,10 +103,7 @@ fn strategic_merge_map(target: &mut Value, patch: Map<String, Value>, path: &str
         *target = Value::Object(patch);
         return;
     }
-    if !target.is_object() {
-        *target = Value::Object(Map::new());
-    }
-    let Value::Object(map) = target else { return };
+    let map = super::objects::as_map(target);
     for (key, value) in patch {
         if key.starts_with("$setElementOrder/") || key == "$retainKeys" || key == "$patch" {
             continue;

@@ -10,7 +10,7 @@ use std::time::Duration;
 use http::StatusCode;
 use serde_json::{Value, json};
 
-use super::request::{Params, Reply, Target, parse_param};
+use super::request::{Params, Reply, Target, current_or_404, parse_param};
 use super::resources::Kind;
 use super::selector::Selector;
 use super::status::{ApiError, ApiResult};
@@ -22,13 +22,8 @@ use super::{App, discovery};
 const DEFAULT_WATCH_TIMEOUT: Duration = Duration::from_secs(1800);
 
 pub(super) fn get(app: &App, target: &Target) -> Reply {
-    app.store.read(|store| {
-        store
-            .get(target.kind, &target.key())
-            .cloned()
-            .map(|object| (StatusCode::OK, object))
-            .ok_or_else(|| ApiError::not_found(target.kind.plural(), target.name()))
-    })
+    app.store
+        .read(|store| Ok((StatusCode::OK, current_or_404(store, target)?.clone())))
 }
 
 fn selector(target: &Target, params: &Params) -> ApiResult<Selector> {

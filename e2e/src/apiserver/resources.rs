@@ -32,38 +32,34 @@ impl Kind {
         Kind::ResourceClaim,
     ];
 
-    pub fn plural(self) -> &'static str {
+    /// Plural, kind and apiVersion, as the URL, the body and discovery name them.
+    fn names(self) -> (&'static str, &'static str, &'static str) {
         match self {
-            Kind::Pod => "pods",
-            Kind::Node => "nodes",
-            Kind::Event | Kind::EventV1 => "events",
-            Kind::Lease => "leases",
-            Kind::MutatingWebhookConfiguration => "mutatingwebhookconfigurations",
-            Kind::ResourceSlice => "resourceslices",
-            Kind::ResourceClaim => "resourceclaims",
+            Kind::Pod => ("pods", "Pod", "v1"),
+            Kind::Node => ("nodes", "Node", "v1"),
+            Kind::Event => ("events", "Event", "v1"),
+            Kind::EventV1 => ("events", "Event", "events.k8s.io/v1"),
+            Kind::Lease => ("leases", "Lease", "coordination.k8s.io/v1"),
+            Kind::MutatingWebhookConfiguration => (
+                "mutatingwebhookconfigurations",
+                "MutatingWebhookConfiguration",
+                "admissionregistration.k8s.io/v1",
+            ),
+            Kind::ResourceSlice => ("resourceslices", "ResourceSlice", "resource.k8s.io/v1"),
+            Kind::ResourceClaim => ("resourceclaims", "ResourceClaim", "resource.k8s.io/v1"),
         }
+    }
+
+    pub fn plural(self) -> &'static str {
+        self.names().0
     }
 
     pub fn kind(self) -> &'static str {
-        match self {
-            Kind::Pod => "Pod",
-            Kind::Node => "Node",
-            Kind::Event | Kind::EventV1 => "Event",
-            Kind::Lease => "Lease",
-            Kind::MutatingWebhookConfiguration => "MutatingWebhookConfiguration",
-            Kind::ResourceSlice => "ResourceSlice",
-            Kind::ResourceClaim => "ResourceClaim",
-        }
+        self.names().1
     }
 
     pub fn api_version(self) -> &'static str {
-        match self {
-            Kind::Pod | Kind::Node | Kind::Event => "v1",
-            Kind::EventV1 => "events.k8s.io/v1",
-            Kind::Lease => "coordination.k8s.io/v1",
-            Kind::MutatingWebhookConfiguration => "admissionregistration.k8s.io/v1",
-            Kind::ResourceSlice | Kind::ResourceClaim => "resource.k8s.io/v1",
-        }
+        self.names().2
     }
 
     /// The API group (`""` for the core group), as RBAC rules name it.

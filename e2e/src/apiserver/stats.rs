@@ -53,13 +53,9 @@ pub struct Stats {
 }
 
 impl Stats {
-    fn calls_mut(&self) -> std::sync::MutexGuard<'_, BTreeMap<Call, u64>> {
-        locked(&self.calls)
-    }
-
     /// How many calls `counts` counts.
     fn total(&self, counts: impl Fn(&Call) -> bool) -> u64 {
-        let calls = self.calls_mut();
+        let calls = locked(&self.calls);
         calls
             .iter()
             .filter(|(call, _)| counts(call))
@@ -74,7 +70,7 @@ impl Stats {
             resource: resource.to_owned(),
             verb,
         };
-        *self.calls_mut().entry(call).or_default() += 1;
+        *locked(&self.calls).entry(call).or_default() += 1;
     }
 
     pub(crate) fn record_field_selector(&self, resource: &str, selector: &str) {
@@ -111,12 +107,12 @@ impl Stats {
 
     /// Every kind of request seen so far, with how many times each was made.
     pub fn calls(&self) -> BTreeMap<Call, u64> {
-        self.calls_mut().clone()
+        locked(&self.calls).clone()
     }
 
     /// The kinds of request `user` made so far, with how many times each was made.
     pub fn calls_by(&self, user: &str) -> BTreeMap<Call, u64> {
-        self.calls_mut()
+        locked(&self.calls)
             .iter()
             .filter(|(call, _)| call.user == user)
             .map(|(call, n)| (call.clone(), *n))
@@ -124,6 +120,6 @@ impl Stats {
     }
 
     pub fn reset(&self) {
-        self.calls_mut().clear();
+        locked(&self.calls).clear();
     }
 }

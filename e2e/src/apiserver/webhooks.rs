@@ -1,7 +1,7 @@
 //! Mutating admission webhooks, called as the real API server calls them.
 //!
 //! ```text
-//!  create / update (defaulted) ──▶ for each MutatingWebhookConfiguration in the store
+//!  create (defaulted) ──▶ for each MutatingWebhookConfiguration in the store
 //!     (by name), each webhook in order, that matches:
 //!        rules (operation, group, version, resource[/subresource], scope)
 //!        namespaceSelector (the namespace's labels: `kubernetes.io/metadata.name`)
@@ -9,7 +9,7 @@
 //!     ──POST AdmissionReview v1 (HTTPS, caBundle, `<svc>.<ns>.svc`, ?timeout=Ns)──▶ webhook
 //!     ◀── allowed + JSONPatch ── applied; allowed: false ─▶ refused with its status
 //!     unreachable / slow / malformed ─▶ failurePolicy Fail (default): 500, Ignore: skipped
-//!  ──▶ validating admission (policies) ──▶ store
+//!  ──▶ store (ValidatingAdmissionPolicies are the real tier's: see `mod.rs`)
 //! ```
 //!
 //! Without kube-proxy here, a webhook's `clientConfig.service` reaches a process through
@@ -28,7 +28,6 @@ use std::time::Duration;
 use base64::Engine as _;
 use serde_json::{Value, json};
 
-use super::admission::Operation;
 use super::objects::meta_str;
 use super::resources::Kind;
 use super::status::ApiError;
@@ -56,7 +55,6 @@ impl ServiceRoutes {
 
 /// The write admission sees.
 pub(crate) struct Review<'a> {
-    pub operation: Operation,
     pub caller: &'a Caller,
     pub kind: Kind,
     pub subresource: &'a str,
@@ -137,7 +135,7 @@ fn matches(webhook: &Value, review: &Review<'_>, object: &Value) -> bool {
         .into_iter()
         .flatten()
         .any(|rule| {
-            listed(&rule["operations"], review.operation.as_str())
+            listed(&rule["operations"], "CREATE")
                 && listed(&rule["apiGroups"], group)
                 && listed(&rule["apiVersions"], version)
                 && (listed(&rule["resources"], &resource)
@@ -226,31 +224,22 @@ async fn call(
         .unwrap_or(443);
     let host = format!("{name}.{namespace}.svc");
     let url = format!("https://{host}:{port}{path}?timeout={}s", timeout.as_secs());
-    let addr = routes.get(namespace, name, port).ok_or_else(|| {
-        format!("failed to call webhook: Post \"{url}\": service \"{namespace}/{name}\" has no endpoints")
-    })?;
+    let failed = |why: &str| format!("failed to call webhook: Post \"{url}\": {why}");
+    let addr = routes
+        .get(namespace, name, port)
+        .ok_or_else(|| failed(&format!("service \"{namespace}/{name}\" has no endpoints")))?;
     let ca = config["caBundle"]
         .as_str()
         .and_then(|b64| base64::engine::general_purpose::STANDARD.decode(b64).ok())
         .unwrap_or_default();
     let uid = super::objects::new_uid();
     let body = review_body(&uid, review, object);
-    let exchange = post(addr, &host, path, &ca, &body);
-    let answer = match tokio::time::timeout(timeout, exchange).await {
-        Ok(Ok(answer)) => answer,
-        Ok(Err(why)) => return Err(format!("failed to call webhook: Post \"{url}\": {why}")),
-        Err(_) => {
-            return Err(format!(
-                "failed to call webhook: Post \"{url}\": context deadline exceeded"
-            ));
-        }
-    };
-    read_answer(
-        &uid,
-        webhook["name"].as_str().unwrap_or(""),
-        object,
-        &answer,
-    )
+    let answer = tokio::time::timeout(timeout, post(addr, &host, path, &ca, &body))
+        .await
+        .unwrap_or_else(|_| Err("context deadline exceeded".to_owned()))
+        .map_err(|why| failed(&why))?;
+    let webhook_name = webhook["name"].as_str().unwrap_or("");
+    read_answer(&uid, webhook_name, object, &answer)
 }
 
 /// The AdmissionReview v1 request body.
@@ -269,7 +258,7 @@ fn review_body(uid: &str, review: &Review<'_>, object: &Value) -> Value {
         "requestKind": kind,
         "requestResource": resource,
         "name": meta_str(object, "name").unwrap_or(""),
-        "operation": review.operation.as_str(),
+        "operation": "CREATE",
         "userInfo": user_info,
         "object": object,
         "oldObject": review.old_object.cloned().unwrap_or(Value::Null),
@@ -362,25 +351,15 @@ async fn post(
     ca: &[u8],
     body: &Value,
 ) -> Result<Value, String> {
-    use rustls::pki_types::pem::PemObject as _;
-    use rustls::pki_types::{CertificateDer, ServerName};
-    use tokio::io::{AsyncReadExt, AsyncWriteExt};
-    let mut roots = rustls::RootCertStore::empty();
-    for cert in CertificateDer::pem_slice_iter(ca) {
-        let cert = cert.map_err(|e| format!("caBundle: {e}"))?;
-        roots.add(cert).map_err(|e| format!("caBundle: {e}"))?;
-    }
-    let provider = Arc::new(rustls::crypto::ring::default_provider());
-    let config = rustls::ClientConfig::builder_with_provider(provider)
-        .with_safe_default_protocol_versions()
-        .map_err(|e| e.to_string())?
-        .with_root_certificates(roots)
-        .with_no_client_auth();
-    let name = ServerName::try_from(host.to_owned()).map_err(|e| e.to_string())?;
+    let ca = String::from_utf8_lossy(ca);
+    let config =
+        crate::cluster::tls_client_config(&ca, None).map_err(|e| format!("caBundle: {e}"))?;
+    let name =
+        rustls::pki_types::ServerName::try_from(host.to_owned()).map_err(|e| e.to_string())?;
     let tcp = tokio::net::TcpStream::connect(addr)
         .await
         .map_err(|e| format!("dial tcp {addr}: {e}"))?;
-    let mut stream = tokio_rustls::TlsConnector::from(Arc::new(config))
+    let stream = tokio_rustls::TlsConnector::from(config)
         .connect(name, tcp)
         .await
         .map_err(|e| format!("tls: {e}"))?;
@@ -389,30 +368,12 @@ async fn post(
         "POST {path} HTTP/1.1\r\nHost: {host}\r\nContent-Type: application/json\r\nAccept: application/json\r\nContent-Length: {}\r\nConnection: close\r\n\r\n{payload}",
         payload.len()
     );
-    stream
-        .write_all(request.as_bytes())
+    let (status, body) = crate::cluster::exchange_on(stream, &request)
         .await
         .map_err(|e| e.to_string())?;
-    let mut raw = Vec::new();
-    match stream.read_to_end(&mut raw).await {
-        Ok(_) => {}
-        Err(e) if e.kind() == std::io::ErrorKind::UnexpectedEof && !raw.is_empty() => {}
-        Err(e) => return Err(e.to_string()),
-    }
-    let text = String::from_utf8_lossy(&raw);
-    let (head, rest) = text.split_once("\r\n\r\n").ok_or("malformed HTTP answer")?;
-    let status = head.split_whitespace().nth(1).unwrap_or("");
-    if status != "200" {
+    if status != 200 {
         return Err(format!("the server responded with status {status}"));
     }
-    let body = if head
-        .to_ascii_lowercase()
-        .contains("transfer-encoding: chunked")
-    {
-        crate::chunked::dechunk(rest)
-    } else {
-        rest.to_owned()
-    };
     serde_json::from_str(&body).map_err(|e| format!("decoding the response: {e}"))
 }
 

@@ -1,6 +1,6 @@
 //! The writes that store an object: create, update (PUT) and patch, with what every one of
 //! them goes through on the way in: defaulting and validation, fields of disabled features
-//! dropped, the admission policies in force, the resourceVersion check.
+//! dropped, the resourceVersion check.
 //!
 //! Each runs under the store's write lock from reading the current object to storing the
 //! new one (see `handlers.rs` for why a write runs in a task of its own).
@@ -8,62 +8,15 @@
 use http::StatusCode;
 use serde_json::Value;
 
-use super::admission::{AdmissionRequest, Operation};
+use super::App;
 use super::objects::{self, meta_str};
 use super::patch::{self, PatchKind};
 use super::request::{Params, Reply, Target, current_or_404, dry_run, parse_body, part};
 use super::resources::Kind;
-use super::status::{ApiError, ApiResult};
-use super::{App, Caller};
-
-/// Runs the admission policies in force on a create or update of `target`, on `object` as it
-/// would be stored (defaulted; an update's patched or replaced result).
-fn admit(
-    app: &App,
-    user: &Caller,
-    target: &Target,
-    operation: Operation,
-    object: &Value,
-    old_object: Option<&Value>,
-) -> ApiResult<()> {
-    let policies = app.access.policies();
-    if policies.is_empty() {
-        return Ok(());
-    }
-    let (group, version) = target.kind.group_version();
-    // As upstream names a refused object: its name, else its generateName.
-    let name = meta_str(object, "name")
-        .filter(|n| !n.is_empty())
-        .or_else(|| meta_str(object, "generateName"))
-        .unwrap_or("");
-    let request = AdmissionRequest {
-        operation,
-        username: &user.name,
-        node_claim: user.node.as_deref(),
-        group,
-        version,
-        resource: target.kind.plural(),
-        subresource: target.subresource.as_deref().unwrap_or(""),
-        kind: target.kind.kind(),
-        namespace: target.namespace.as_deref().unwrap_or(""),
-        name,
-        object,
-        old_object,
-    };
-    policies.admit(&request).map_err(|denial| {
-        tracing::debug!(user = %user.name, resource = %target.resource(), name, policy = %denial.policy, "admission denied");
-        ApiError::new(
-            denial.code(),
-            denial.status_reason(),
-            denial.status_message(target.kind.plural(), name),
-        )
-        .with_details(target.kind.plural(), name)
-    })
-}
+use super::status::ApiError;
 
 pub(super) fn create(
     app: &App,
-    user: &Caller,
     target: &Target,
     params: &Params,
     content_type: &str,
@@ -71,7 +24,6 @@ pub(super) fn create(
 ) -> Reply {
     let object = parse_body(content_type, body)?;
     let object = objects::prepare_create(target.kind, object, target.namespace.as_deref())?;
-    admit(app, user, target, Operation::Create, &object, None)?;
     let name = meta_str(&object, "name").unwrap_or("").to_owned();
     let key = (target.namespace.clone().unwrap_or_default(), name.clone());
     app.store.write(|store| {
@@ -88,21 +40,12 @@ pub(super) fn create(
 /// Shared by update and patch: store `new` over the current object, unless nothing changed.
 fn store_update(
     store: &mut super::store::Inner,
-    (app, user): (&App, &Caller),
     target: &Target,
     current: &Value,
     new: Value,
     params: &Params,
 ) -> Reply {
     let prepared = objects::prepare_update(target.kind, current, new, part(target))?;
-    admit(
-        app,
-        user,
-        target,
-        Operation::Update,
-        &prepared,
-        Some(current),
-    )?;
     if &prepared == current || dry_run(params) {
         return Ok((StatusCode::OK, prepared));
     }
@@ -120,7 +63,6 @@ fn store_update(
 
 pub(super) fn update(
     app: &App,
-    user: &Caller,
     target: &Target,
     params: &Params,
     content_type: &str,
@@ -140,13 +82,12 @@ pub(super) fn update(
         if !body_rv.is_empty() && Some(body_rv) != meta_str(&current, "resourceVersion") {
             return Err(ApiError::stale(target.kind.plural(), target.name()));
         }
-        store_update(store, (app, user), target, &current, new, params)
+        store_update(store, target, &current, new, params)
     })
 }
 
 pub(super) fn patch_object(
     app: &App,
-    user: &Caller,
     target: &Target,
     params: &Params,
     content_type: &str,
@@ -166,6 +107,6 @@ pub(super) fn patch_object(
                 "a patch may not change metadata.name",
             ));
         }
-        store_update(store, (app, user), target, &current, patched, params)
+        store_update(store, target, &current, patched, params)
     })
 }

@@ -38,12 +38,13 @@ pub struct Binaries {
     pub isolation_probe: PathBuf,
 }
 
-/// The packages whose binaries the harness runs, and those binaries.
-const BINARIES: [(&str, &str); 4] = [
-    ("gpushare-extender", "gpushare-extender"),
-    ("gpushare-device-plugin", "gpushare-device-plugin"),
-    ("gpushare-dra-plugin", "gpushare-dra-plugin"),
-    ("kubectl-gpushare", "kubectl-gpushare"),
+/// The binaries the harness runs, each built by the package of the same name.
+const BINARIES: [&str; 5] = [
+    "gpushare-extender",
+    "gpushare-device-plugin",
+    "gpushare-dra-plugin",
+    "kubectl-gpushare",
+    "gpushare-isolation-probe",
 ];
 
 /// Builds (if needed) and finds our binaries. `GPUSHARE_BIN_DIR` points at prebuilt ones.
@@ -118,19 +119,10 @@ fn build_binaries() -> anyhow::Result<Binaries> {
     if !from_a_test {
         // The demo, realload: this crate beside the binaries' packages.
         build.args(["-p", env!("CARGO_PKG_NAME")]);
-        for (package, _) in BINARIES {
-            build.args(["-p", package]);
-        }
-        for (_, binary) in BINARIES {
-            build.args(["--bin", binary]);
+        for binary in BINARIES {
+            build.args(["-p", binary, "--bin", binary]);
         }
         build.args(["-p", "gpushare-isolation", "--lib"]);
-        build.args([
-            "-p",
-            "gpushare-isolation-probe",
-            "--bin",
-            "gpushare-isolation-probe",
-        ]);
     } else {
         // A test: what the README's `cargo test --workspace --all-targets` builds, whose
         // dev-dependencies add features (tokio's test-util among them). Built with the same
@@ -143,8 +135,7 @@ fn build_binaries() -> anyhow::Result<Binaries> {
         .status()
         .context("running cargo build for our binaries")?;
     if !status.success() {
-        let binaries: Vec<&str> = BINARIES.iter().map(|(_, binary)| *binary).collect();
-        bail!("cargo build of {} failed ({status})", binaries.join(", "));
+        bail!("cargo build of {} failed ({status})", BINARIES.join(", "));
     }
     Ok(in_dir(&profile_dir))
 }

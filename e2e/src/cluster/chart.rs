@@ -1,12 +1,11 @@
 //! The chart, rendered by helm as release [`RELEASE`] in [`RELEASE_NAMESPACE`]: the
-//! allocation policy the API server enforces, the webhook configuration of dedicated mode,
+//! webhook configuration of dedicated mode,
 //! and the dedicated scheduler's configuration; and the ServiceAccounts our binaries act as.
 //!
 //! Separate so that the harness runs what the chart ships, rendered in one place, rather
 //! than a copy of it.
 
 use std::path::Path;
-use std::sync::OnceLock;
 
 use anyhow::{Context, bail};
 use kube::Client;
@@ -23,23 +22,6 @@ pub const EXTENDER_USER: &str = "system:serviceaccount:kube-system:gpushare-exte
 
 /// The username every device plugin acts as: the chart's device plugin ServiceAccount.
 pub const DEVICE_PLUGIN_USER: &str = "system:serviceaccount:kube-system:gpushare-device-plugin";
-
-/// The chart's allocation policy (`templates/allocation-policy.yaml`), rendered by helm
-/// once per process as release [`RELEASE`] in [`RELEASE_NAMESPACE`], with the scheduler mode
-/// the harness models by default: `default-scheduler` (the scheduler driver serves
-/// `default-scheduler`; [`ClusterSpec::dedicated`](super::ClusterSpec::dedicated) renders and runs the other mode).
-pub fn allocation_policy_yaml() -> anyhow::Result<String> {
-    static RENDERED: OnceLock<Result<String, String>> = OnceLock::new();
-    RENDERED
-        .get_or_init(|| render_allocation_policy(&[]).map_err(|e| format!("{e:#}")))
-        .clone()
-        .map_err(anyhow::Error::msg)
-}
-
-/// Renders the chart's allocation policy with extra `--set` values (not cached).
-pub fn render_allocation_policy(sets: &[&str]) -> anyhow::Result<String> {
-    render_chart_template("templates/allocation-policy.yaml", sets)
-}
 
 /// Renders one template of the chart (release [`RELEASE`] in [`RELEASE_NAMESPACE`],
 /// `default-scheduler` mode unless `sets` say otherwise).
@@ -119,6 +101,3 @@ pub(super) async fn install_webhook_configuration(client: &Client) -> anyhow::Re
         .await?;
     Ok(())
 }
-
-#[cfg(test)]
-mod policy_tests;

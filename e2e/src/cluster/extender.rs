@@ -111,28 +111,14 @@ impl ExtenderTls {
     }
 }
 
-/// A client configuration trusting `ca_pem`, presenting `identity` if given.
-fn client_config(
+/// A client configuration trusting `ca_pem`, presenting `identity` if given (the API
+/// server's webhook client uses it too).
+pub(crate) fn client_config(
     ca_pem: &str,
     identity: Option<&(String, String)>,
 ) -> anyhow::Result<Arc<rustls::ClientConfig>> {
-    use rustls::pki_types::pem::PemObject as _;
-    use rustls::pki_types::{CertificateDer, PrivateKeyDer};
-    let mut roots = rustls::RootCertStore::empty();
-    for cert in CertificateDer::pem_slice_iter(ca_pem.as_bytes()) {
-        roots.add(cert?)?;
-    }
-    let provider = Arc::new(rustls::crypto::ring::default_provider());
-    let builder = rustls::ClientConfig::builder_with_provider(provider)
-        .with_safe_default_protocol_versions()?
-        .with_root_certificates(roots);
-    let config = match identity {
-        None => builder.with_no_client_auth(),
-        Some((cert, key)) => builder.with_client_auth_cert(
-            CertificateDer::pem_slice_iter(cert.as_bytes()).collect::<Result<Vec<_>, _>>()?,
-            PrivateKeyDer::from_pem_slice(key.as_bytes())?,
-        )?,
-    };
+    let identity = identity.map(|(cert, key)| (cert.as_str(), key.as_str()));
+    let config = crate::scheduler::tls_client(ca_pem, identity).map_err(anyhow::Error::msg)?;
     Ok(Arc::new(config))
 }
 

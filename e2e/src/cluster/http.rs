@@ -44,8 +44,8 @@ pub(super) async fn http_exchange(
     exchange_on(tokio::net::TcpStream::connect(addr).await?, request).await
 }
 
-/// [`http_exchange`] on an open stream (plain or TLS).
-pub(super) async fn exchange_on(
+/// [`http_exchange`] on an open stream (plain or TLS; the API server's webhook calls too).
+pub(crate) async fn exchange_on(
     mut stream: impl tokio::io::AsyncRead + tokio::io::AsyncWrite + Unpin,
     request: &str,
 ) -> anyhow::Result<(u16, String)> {

@@ -15,16 +15,15 @@
 //!
 //! As in production, each binary acts as its own ServiceAccount (a kubeconfig with a token
 //! for [`EXTENDER_USER`] or [`DEVICE_PLUGIN_USER`]; the harness itself, the scheduler driver
-//! and the kubelet drivers act as the admin), and the API server enforces the chart's
-//! ValidatingAdmissionPolicy on pods ([`allocation_policy_yaml`]), unless
-//! [`ClusterSpec::without_allocation_policy`] says otherwise.
+//! and the kubelet drivers act as the admin). The chart's ValidatingAdmissionPolicy is not
+//! enforced here: the real tier holds it to the real API server's CEL.
 //!
 //! The extender serves the scheduler's calls over HTTPS with a certificate for its Service
 //! name, and the scheduler driver verifies it against the CA, as the chart wires them
 //! ([`ExtenderTls`]). With [`ClusterSpec::dedicated`] the cluster runs the chart's
 //! `dedicated` mode: the chart's MutatingWebhookConfiguration is created, the extender
 //! serves the webhook and patches its caBundle, and the API server calls it on every pod
-//! create before the policy runs.
+//! create.
 //!
 //! The harness is split by job, one file each:
 //! - `cargo_build`: builds our binaries once per process ([`binaries`]);
@@ -51,7 +50,6 @@ use kube::Client;
 use kube::api::Api;
 
 use crate::apiserver::ApiServer;
-use crate::apiserver::admission::AdmissionPolicies;
 use crate::scheduler::SchedulerDriver;
 
 mod cargo_build;
@@ -67,8 +65,8 @@ mod spec;
 
 pub use cargo_build::{Binaries, binaries};
 pub use chart::{
-    DEVICE_PLUGIN_USER, EXTENDER_USER, RELEASE, RELEASE_NAMESPACE, allocation_policy_yaml,
-    dedicated_scheduler_configuration, render_allocation_policy, render_chart_template,
+    DEVICE_PLUGIN_USER, EXTENDER_USER, RELEASE, RELEASE_NAMESPACE,
+    dedicated_scheduler_configuration, render_chart_template,
 };
 pub use extender::{ClientCa, EXTENDER_SERVICE_HOST, Extender, ExtenderTls, RESTART_BIND_RETRY};
 pub use faults::overlap_rollout;
@@ -79,6 +77,8 @@ pub use process::{MemoryUse, Process, file_tail};
 pub use spec::{ClusterSpec, DEDICATED_SCHEDULER, DEFAULT_HTTP_TIMEOUT};
 
 use chart::install_webhook_configuration;
+pub(crate) use extender::client_config as tls_client_config;
+pub(crate) use http::exchange_on;
 use node::{NODE_START_CONCURRENCY, NodeHost};
 use process::memory_kib;
 
@@ -177,17 +177,6 @@ impl TestCluster {
         let binaries = tokio::task::spawn_blocking(binaries).await??;
         let dir = tempfile::tempdir()?;
         let api = ApiServer::start().await?;
-        if spec.allocation_policy {
-            let yaml = if spec.dedicated {
-                tokio::task::spawn_blocking(|| {
-                    render_allocation_policy(&["scheduler.mode=dedicated"])
-                })
-                .await??
-            } else {
-                tokio::task::spawn_blocking(allocation_policy_yaml).await??
-            };
-            api.set_admission_policies(AdmissionPolicies::from_yaml(&yaml)?);
-        }
         let client = api.client();
         let webhook_port = if spec.dedicated {
             install_webhook_configuration(&client).await?;
@@ -259,10 +248,8 @@ impl TestCluster {
         logs.sort();
         for log in logs {
             out.push_str(&format!("==> {} <==\n", log.display()));
-            for line in file_tail(&log, lines).lines() {
-                out.push_str(line);
-                out.push('\n');
-            }
+            let tail = file_tail(&log, lines);
+            out.extend(tail.lines().map(|line| format!("{line}\n")));
         }
         out
     }

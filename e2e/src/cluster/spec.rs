@@ -21,14 +21,12 @@ pub struct ClusterSpec {
     pub extender_args: Vec<String>,
     /// The scheduler's `httpTimeout` for the extender (the chart ships 5 s).
     pub http_timeout: Duration,
-    /// Whether the API server enforces the chart's allocation policy (default: yes).
-    pub allocation_policy: bool,
     /// Extra flags for every device plugin.
     pub device_plugin_args: Vec<String>,
     /// The chart's `dedicated` scheduler mode: the scheduler driver schedules only pods of
     /// [`DEDICATED_SCHEDULER`], the chart's MutatingWebhookConfiguration routes GPU pods to
-    /// it (served by the extender, called by the API server), and the allocation policy
-    /// refuses GPU pods of other schedulers. Default: `default-scheduler` mode.
+    /// it (served by the extender, called by the API server). Default: `default-scheduler`
+    /// mode.
     pub dedicated: bool,
     /// Chart values (`key=value`) the dedicated scheduler's configuration is rendered with.
     pub scheduler_values: Vec<String>,
@@ -54,7 +52,6 @@ impl ClusterSpec {
             admission: AdmissionOrder::CreationTime,
             extender_args: Vec::new(),
             http_timeout: DEFAULT_HTTP_TIMEOUT,
-            allocation_policy: true,
             device_plugin_args: Vec::new(),
             dedicated: false,
             scheduler_values: Vec::new(),
@@ -108,12 +105,6 @@ impl ClusterSpec {
     /// five minutes, for a scenario that must not pass on the short default's retries.
     pub fn with_unschedulable_retry(mut self, retry: Duration) -> Self {
         self.unschedulable_retry = retry;
-        self
-    }
-
-    /// Runs without the chart's allocation policy (as a cluster whose admin left it out).
-    pub fn without_allocation_policy(mut self) -> Self {
-        self.allocation_policy = false;
         self
     }
 
