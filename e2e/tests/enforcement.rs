@@ -5,7 +5,7 @@ use std::collections::BTreeMap;
 use std::path::Path;
 use std::time::Duration;
 
-use anyhow::ensure;
+use anyhow::{Context as _, ensure};
 use gpushare_contract::env;
 use gpushare_e2e::cluster::{ClusterSpec, http_get, top_details, wait_for, with_cluster};
 use gpushare_e2e::kubelet::GrantedMount;
@@ -141,12 +141,13 @@ async fn each_enforcement_mode_gives_containers_what_its_enforcer_reads() -> any
     Ok(())
 }
 
-/// `--enforcement preload`, with the interposer this build made: a process run as the
-/// container would run (the library and accounting directory kubelet was told to mount, the
-/// share it was given) is held to its share, and the plugin reads what the interposer counted
-/// into `/metrics` without any view of the container's processes.
+/// `--enforcement preload`, with the interposer this build made: what it counts in a process
+/// run as the container would run (the library and accounting directory kubelet was told to
+/// mount, the share it was given) reaches `/metrics` and `top -d`, the plugin having no view
+/// of the container's processes. What the process itself sees and is refused runs on the real
+/// cluster (`a_gpu_container_is_held_to_its_share` in `tests/real.rs`).
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn preload_holds_a_container_and_its_use_reaches_metrics() -> anyhow::Result<()> {
+async fn what_the_interposer_counts_reaches_metrics_and_top() -> anyhow::Result<()> {
     let bins = gpushare_e2e::cluster::binaries()?;
     let dir = tempfile::tempdir()?;
     let host = dir.path().join("host");
@@ -199,21 +200,12 @@ async fn preload_holds_a_container_and_its_use_reaches_metrics() -> anyhow::Resu
             )
             .output()?;
         let report = String::from_utf8_lossy(&output.stdout);
-        for wanted in [
-            "cuda dev=0 total=4294967296 ",
-            "alloc path=mem mib=3000 result=0",
-            "alloc path=mem mib=2000 result=2",
-        ] {
-            ensure!(
-                report.lines().any(|line| line.starts_with(wanted)),
-                "{wanted:?} not in {report}"
-            );
-        }
         let addr = cluster.device_plugin_metrics("n1")?;
         let labels = r#"{namespace="default",pod="notebook",container="main",gpu="0"}"#;
         let want = [
             format!("gpushare_device_plugin_isolated_share_bytes{labels} 4294967296"),
-            // 3,000 MiB and the probe's context, charged the interposer's default 512 MiB.
+            // 3,000 MiB granted and the probe's context, charged the interposer's default
+            // 512 MiB; the 2,000 MiB more refused.
             format!("gpushare_device_plugin_isolated_used_bytes{labels} 3682598912"),
             format!("gpushare_device_plugin_isolated_refused_allocations{labels} 1"),
         ];
@@ -221,7 +213,8 @@ async fn preload_holds_a_container_and_its_use_reaches_metrics() -> anyhow::Resu
             let (_, body) = http_get(addr, "/metrics").await.ok()?;
             want.iter().all(|line| body.contains(line)).then_some(())
         })
-        .await?;
+        .await
+        .with_context(|| format!("the probe reported:\n{report}"))?;
         // `kubectl gpushare top -d` shows it as the pod's use, from the node annotation.
         wait_for("top -d to show the notebook's use", WAIT, || async {
             let text = top_details(&cluster.client).await.ok()?;

@@ -143,24 +143,16 @@ async fn the_install_hook_passes_only_once_gpu_pods_are_routed() -> anyhow::Resu
 }
 
 /// Four 4 GiB pods through the dedicated scheduler never call prioritize, yet each lands on
-/// the node the first took: with `extender.filterKeepBest: 1` filter passes only the node its
-/// policy scores best; with `scheduler.nativeGpuScoring` the chart's profile scores GPU memory
-/// itself (MostAllocated; upstream's LeastAllocated on cpu and memory would alternate nodes).
+/// the node the first took: with `scheduler.nativeGpuScoring` the chart's profile scores GPU
+/// memory itself (MostAllocated; upstream's LeastAllocated on cpu and memory would alternate
+/// nodes). The same packing by `extender.filterKeepBest: 1` runs on the real cluster
+/// (`keep_best_packs_and_steps_aside_for_soft_preferences` in `e2e/tests/real.rs`).
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn packing_without_prioritize_fills_the_fuller_node() -> anyhow::Result<()> {
-    let two_nodes = || ClusterSpec::labelled(&[("n1", &[16, 16]), ("n2", &[16, 16])]).dedicated();
-    let mut keep_best = two_nodes();
-    keep_best
-        .extender_args
-        .push("--filter-keep-best=1".to_owned());
-    let native =
-        two_nodes().with_scheduler_values(&["policy=binpack", "scheduler.nativeGpuScoring=true"]);
-    for (case, spec) in [("filterKeepBest", keep_best), ("nativeGpuScoring", native)] {
-        with_cluster(spec, four_pods_fill_the_fuller_node_without_prioritize)
-            .await
-            .with_context(|| case)?;
-    }
-    Ok(())
+async fn native_gpu_scoring_fills_the_fuller_node_without_prioritize() -> anyhow::Result<()> {
+    let spec = ClusterSpec::labelled(&[("n1", &[16, 16]), ("n2", &[16, 16])])
+        .dedicated()
+        .with_scheduler_values(&["policy=binpack", "scheduler.nativeGpuScoring=true"]);
+    with_cluster(spec, four_pods_fill_the_fuller_node_without_prioritize).await
 }
 
 async fn four_pods_fill_the_fuller_node_without_prioritize(

@@ -1,6 +1,6 @@
 //! What a scenario does to a running [`TestCluster`]: the extender killed and restarted in
-//! place (once or repeatedly), a device plugin restarted or rolled as a DaemonSet
-//! rolls it, a kubelet restarted, GPUs marked unhealthy.
+//! place (once or repeatedly), a device plugin rolled as a DaemonSet rolls it, GPUs marked
+//! unhealthy. (Restarts of a plain plugin or of kubelet run on the real cluster.)
 //!
 //! Separate from starting and stopping the cluster: each fault is a story of its own,
 //! written against the same handles.
@@ -55,20 +55,6 @@ impl TestCluster {
             .await
     }
 
-    /// Restarts a node's device plugin (SIGTERM, then a fresh process).
-    pub async fn restart_device_plugin(&mut self, node: &str) -> anyhow::Result<()> {
-        let sim = self.nodes.get_mut(node).context("no such node")?;
-        if let Some(plugin) = sim.plugin.take() {
-            plugin.stop().await;
-        }
-        let sim = self.nodes.get(node).context("no such node")?;
-        let before = sim.kubelet.registrations(RESOURCE);
-        let plugin = self.host().spawn_plugin(sim)?;
-        let sim = self.nodes.get_mut(node).context("no such node")?;
-        sim.plugin = Some(plugin);
-        wait_reregistered(&sim.kubelet, before).await
-    }
-
     /// Rolls a node's device plugin as a DaemonSet rollout does ([`overlap_rollout`]).
     /// Fails if the old one's exit took the new one's socket away.
     pub async fn roll_device_plugin(&mut self, node: &str) -> anyhow::Result<()> {
@@ -97,14 +83,6 @@ impl TestCluster {
             socket.display()
         );
         Ok(())
-    }
-
-    /// Restarts a node's kubelet (its socket removed and recreated); the plugin re-registers.
-    pub async fn restart_kubelet(&mut self, node: &str) -> anyhow::Result<()> {
-        let sim = self.nodes.get_mut(node).context("no such node")?;
-        let before = sim.kubelet.registrations(RESOURCE);
-        sim.kubelet.restart().await?;
-        wait_reregistered(&sim.kubelet, before).await
     }
 
     /// Marks GPUs of a node unhealthy in the simulated backend (empty: all healthy again).

@@ -356,24 +356,6 @@ impl KubeletDriver {
         self.shared.changed();
     }
 
-    /// kubelet restart: stop serving, remove the sockets (kubelet.sock and the plugins'),
-    /// forget every plugin, and serve a new kubelet.sock. Plugins must register again. The
-    /// PodResources socket is served anew; the devices handed out survive, as kubelet
-    /// restores them from its checkpoint.
-    pub async fn restart(&mut self) -> anyhow::Result<()> {
-        self.stop_serving().await;
-        for entry in std::fs::read_dir(&self.shared.dir)?.flatten() {
-            if entry.path().extension().is_some_and(|ext| ext == "sock") {
-                let _ = std::fs::remove_file(entry.path());
-            }
-        }
-        self.shared.changed();
-        self.registration = Some(serve_registration(self.shared.clone()).await?);
-        self.pod_resources =
-            Some(pod_resources::serve(self.shared.clone(), self.pods.clone()).await?);
-        Ok(())
-    }
-
     /// Stops serving the sockets and drops every plugin's client.
     async fn stop_serving(&mut self) {
         for socket in [self.registration.take(), self.pod_resources.take()]
