@@ -2164,19 +2164,18 @@ fn exported_metrics() -> anyhow::Result<BTreeSet<String>> {
         registered == encoded,
         "{registered} metrics registered, {encoded} encoded: give the new labelled family a series in exported_metrics()"
     );
-    // The extender's per-GPU gauges are a collector over its view, not registered families:
-    // described with or without series, so counted apart.
-    let mut from_view = prometheus_client::registry::Registry::default();
+    // The extender's per-GPU gauges are written from its view at scrape time, not registered
+    // families: described with or without series, so counted apart.
     let view = gpushare_extender::View::new(gpushare_extender::Settings::new(
         gpushare_contract::DEFAULT_RESOURCE,
         gpushare_contract::DEFAULT_DOMAIN,
         "gpushare=true",
     ));
-    gpushare_extender::scheduling::gauges::GpuGauges::register(
-        &mut from_view,
-        std::sync::Arc::new(std::sync::RwLock::new(view)),
-    );
-    prometheus_client::encoding::text::encode(&mut text, &from_view)?;
+    let empty = prometheus_client::registry::Registry::default();
+    text.extend(gpushare_extender::scheduling::gauges::exposition(
+        &empty,
+        &std::sync::RwLock::new(view),
+    )?);
     let mut names = BTreeSet::new();
     for described in text.lines().filter_map(|line| line.strip_prefix("# TYPE ")) {
         let (name, kind) = described.split_once(' ').context("a TYPE line")?;

@@ -1,6 +1,6 @@
 //! The extender's Prometheus metrics, registered in a registry the caller passes in; the
 //! per-GPU gauges read from the view at scrape time are the domain's
-//! ([`GpuGauges`](crate::scheduling::gauges::GpuGauges)).
+//! ([`exposition`](crate::scheduling::gauges::exposition)).
 
 use prometheus_client::encoding::EncodeLabelSet;
 use prometheus_client::metrics::counter::Counter;

@@ -16,7 +16,7 @@ use std::time::Instant;
 
 use axum::Json;
 use axum::Router;
-use axum::body::Bytes;
+use axum::body::{Body, Bytes};
 use axum::extract::{DefaultBodyLimit, FromRef, State};
 use axum::http::{HeaderMap, StatusCode, header};
 use axum::response::{IntoResponse, Response};
@@ -305,16 +305,18 @@ async fn readyz(State(state): State<Scheduling>) -> Response {
     }
 }
 
-/// `GET /metrics`, OpenMetrics text.
+/// `GET /metrics`, OpenMetrics text, sent a piece at a time (the per-GPU gauges of a large
+/// cluster are megabytes: `scheduling::gauges`).
 async fn metrics(State(state): State<Scheduling>) -> Response {
-    let mut body = String::new();
-    match prometheus_client::encoding::text::encode(&mut body, state.registry()) {
-        Ok(()) => (
+    match state.metrics_exposition() {
+        Ok(pieces) => (
             [(
                 header::CONTENT_TYPE,
                 "application/openmetrics-text; version=1.0.0; charset=utf-8",
             )],
-            body,
+            Body::from_stream(futures::stream::iter(
+                pieces.map(Ok::<_, std::convert::Infallible>),
+            )),
         )
             .into_response(),
         Err(error) => (

@@ -422,9 +422,7 @@ mod tests {
     }
 
     fn scrape(state: &Scheduling) -> String {
-        let mut text = String::new();
-        prometheus_client::encoding::text::encode(&mut text, state.registry()).unwrap();
-        text
+        state.metrics_exposition().unwrap().collect()
     }
 
     fn has(text: &str, line: &str) -> bool {

@@ -3,27 +3,26 @@
 //! `gpushare_gpu_compute_allocated_percent`, labelled `node`, `gpu` (the index), `uuid` and
 //! `model` (empty where the node's inventory does not say).
 //!
-//! Why a collector and not gauges set as the view changes: the figures are the view's own,
-//! computed on each scrape, so a node that left the view takes its series with it and no
-//! bookkeeping beside the view can drift from it. The view's read lock is held only to copy
-//! one row per GPU (a name and a GPU shared with the view, no string copied); the text is
-//! written after it is released, so a scrape of 40,000 GPUs does not hold up the watches.
+//! Why computed per scrape and not gauges set as the view changes: the figures are the view's
+//! own, so a node that left the view takes its series with it and no bookkeeping beside the
+//! view can drift from it. The view's read lock is held only to copy one row per GPU (a name
+//! and a GPU shared with the view, no string copied).
 //!
-//! One series per GPU and metric: 5,000 nodes of 8 GPUs make 40,000 each. Nothing else (no
-//! pod, no health) is a label, so the count follows the hardware and nothing a user does.
+//! One series per GPU and metric: 5,000 nodes of 8 GPUs make 40,000 each, about 18 MB of
+//! text for the three. Written whole into one buffer, a scrape raised the extender's peak RSS
+//! by 40 MiB (docs/performance.md); so the text is written [`ROWS_PER_CHUNK`] GPUs at a time
+//! as the response body is sent, after the registry's own families and before the end marker.
+//! Nothing else (no pod, no health) is a label, so the count follows the hardware and nothing
+//! a user does.
 //!
 //! The same view serves both modes: in DRA mode the GPUs come from our driver's
 //! ResourceSlices and the bookings from allocated claims, and these gauges read them alike.
 
-use std::borrow::Cow;
-use std::fmt;
+use std::fmt::{self, Write as _};
 use std::sync::{Arc, RwLock};
 
 use gpushare_allocator::Gpu;
 use gpushare_runtime::metrics::label_value;
-use prometheus_client::collector::Collector;
-use prometheus_client::encoding::DescriptorEncoder;
-use prometheus_client::metrics::MetricType;
 use prometheus_client::registry::Registry;
 
 use crate::scheduling::view::View;
@@ -31,17 +30,11 @@ use crate::scheduling::view::View;
 /// Bytes in a GiB, the unit the view counts in.
 const GIB: u64 = 1 << 30;
 
-/// The per-GPU gauges, computed from `view` on each scrape.
-pub struct GpuGauges {
-    view: Arc<RwLock<View>>,
-}
+/// GPUs written per piece of the body: about 300 KB of text, whatever the cluster's size.
+pub const ROWS_PER_CHUNK: usize = 2048;
 
-impl fmt::Debug for GpuGauges {
-    // Not the view: the registry's Debug would print every node and pod.
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.debug_struct("GpuGauges").finish_non_exhaustive()
-    }
-}
+/// The OpenMetrics end marker, which must come after every family.
+const EOF: &str = "# EOF\n";
 
 /// One GPU as a scrape reads it.
 struct Row {
@@ -51,35 +44,55 @@ struct Row {
     allocated_compute: u32,
 }
 
-impl GpuGauges {
-    /// Registers the gauges of `view`'s GPUs in `registry` (names start `gpushare_gpu_`).
-    pub fn register(registry: &mut Registry, view: Arc<RwLock<View>>) {
-        registry.register_collector(Box::new(Self { view }));
+/// `/metrics` as OpenMetrics text in pieces: `registry`'s families (encoded now), then the
+/// per-GPU gauges of `view` as it is now, each piece written only when the caller takes it,
+/// then the end marker. Concatenated, the pieces are one exposition.
+pub fn exposition(
+    registry: &Registry,
+    view: &RwLock<View>,
+) -> Result<impl Iterator<Item = String> + Send + 'static, fmt::Error> {
+    let mut families = String::new();
+    prometheus_client::encoding::text::encode(&mut families, registry)?;
+    if families.ends_with(EOF) {
+        families.truncate(families.len() - EOF.len());
     }
+    let rows: Arc<[Row]> = rows(view).into();
+    let per_gpu = GAUGES.iter().flat_map(move |gauge| {
+        let rows = rows.clone();
+        let pieces = rows.len().div_ceil(ROWS_PER_CHUNK).max(1);
+        (0..pieces).map(move |piece| {
+            let start = piece * ROWS_PER_CHUNK;
+            let end = rows.len().min(start + ROWS_PER_CHUNK);
+            gauge.text(&rows[start..end], piece == 0)
+        })
+    });
+    Ok(std::iter::once(families)
+        .chain(per_gpu)
+        .chain(std::iter::once(EOF.to_owned())))
+}
 
-    /// Every GPU of every node in the view, by node name and index.
-    fn rows(&self) -> Vec<Row> {
-        let mut rows = {
-            let view = self.view.read().unwrap_or_else(|e| e.into_inner());
-            let cluster = &view.cluster;
-            let mut rows = Vec::new();
-            for (name, node) in cluster.nodes() {
-                if node.gpus().is_empty() {
-                    continue;
-                }
-                let name = cluster.node_name(name);
-                rows.extend(node.gpus().iter().map(|usage| Row {
-                    node: name.clone(),
-                    gpu: usage.gpu.clone(),
-                    allocated_gib: usage.used_gib,
-                    allocated_compute: usage.used_compute,
-                }));
+/// Every GPU of every node in `view`, by node name and index.
+fn rows(view: &RwLock<View>) -> Vec<Row> {
+    let mut rows = {
+        let view = view.read().unwrap_or_else(|e| e.into_inner());
+        let cluster = &view.cluster;
+        let mut rows = Vec::new();
+        for (name, node) in cluster.nodes() {
+            if node.gpus().is_empty() {
+                continue;
             }
-            rows
-        };
-        rows.sort_unstable_by(|a, b| (&a.node, a.gpu.index).cmp(&(&b.node, b.gpu.index)));
+            let name = cluster.node_name(name);
+            rows.extend(node.gpus().iter().map(|usage| Row {
+                node: name.clone(),
+                gpu: usage.gpu.clone(),
+                allocated_gib: usage.used_gib,
+                allocated_compute: usage.used_compute,
+            }));
+        }
         rows
-    }
+    };
+    rows.sort_unstable_by(|a, b| (&a.node, a.gpu.index).cmp(&(&b.node, b.gpu.index)));
+    rows
 }
 
 /// One of the gauges: its name, its help, and the value it reads of a GPU.
@@ -87,6 +100,35 @@ struct PerGpu {
     name: &'static str,
     help: &'static str,
     value: fn(&Row) -> i64,
+}
+
+impl PerGpu {
+    /// The samples of `rows`, after the family's HELP and TYPE lines when `first`.
+    fn text(&self, rows: &[Row], first: bool) -> String {
+        let mut text = String::with_capacity(rows.len() * 160 + 512);
+        // Writing into a String cannot fail.
+        if first {
+            let _ = write!(
+                text,
+                "# HELP {name} {help}\n# TYPE {name} gauge\n",
+                name = self.name,
+                help = self.help
+            );
+        }
+        for row in rows {
+            let _ = writeln!(
+                text,
+                "{}{{node=\"{}\",gpu=\"{}\",uuid=\"{}\",model=\"{}\"}} {}",
+                self.name,
+                label_value(&row.node),
+                row.gpu.index,
+                label_value(&row.gpu.uuid),
+                label_value(&row.gpu.model),
+                (self.value)(row)
+            );
+        }
+        text
+    }
 }
 
 const GAUGES: [PerGpu; 3] = [
@@ -113,37 +155,15 @@ fn bytes(gib: u64) -> i64 {
     i64::try_from(gib.saturating_mul(GIB)).unwrap_or(i64::MAX)
 }
 
-impl Collector for GpuGauges {
-    fn encode(&self, mut encoder: DescriptorEncoder) -> Result<(), fmt::Error> {
-        let rows = self.rows();
-        let labels: Vec<[(&str, Cow<'_, str>); 4]> = rows
-            .iter()
-            .map(|row| {
-                [
-                    ("node", label_value(&row.node)),
-                    ("gpu", Cow::Owned(row.gpu.index.to_string())),
-                    ("uuid", label_value(&row.gpu.uuid)),
-                    ("model", label_value(&row.gpu.model)),
-                ]
-            })
-            .collect();
-        for gauge in GAUGES {
-            let mut family =
-                encoder.encode_descriptor(gauge.name, gauge.help, None, MetricType::Gauge)?;
-            for (row, labels) in rows.iter().zip(&labels) {
-                family
-                    .encode_family(labels)?
-                    .encode_gauge(&(gauge.value)(row))?;
-            }
-        }
-        Ok(())
-    }
-}
-
 #[cfg(test)]
 mod tests {
+    use std::borrow::Cow;
+
     use gpushare_allocator::{Policy, Request};
     use gpushare_testkit::fixtures::node;
+    use prometheus_client::collector::Collector;
+    use prometheus_client::encoding::DescriptorEncoder;
+    use prometheus_client::metrics::MetricType;
 
     use super::*;
     use crate::scheduling::view::Settings;
@@ -157,11 +177,7 @@ mod tests {
     }
 
     fn scrape(view: &Arc<RwLock<View>>) -> String {
-        let mut registry = Registry::default();
-        GpuGauges::register(&mut registry, view.clone());
-        let mut text = String::new();
-        prometheus_client::encoding::text::encode(&mut text, &registry).unwrap();
-        text
+        exposition(&Registry::default(), view).unwrap().collect()
     }
 
     fn samples(text: &str) -> Vec<&str> {
@@ -222,6 +238,66 @@ mod tests {
         let text = scrape(&view);
         assert!(!text.contains("node-7"), "{text}");
         assert_eq!(samples(&text).len(), 3, "{text}");
+    }
+
+    /// What prometheus_client writes for the same rows, the encoder the gauges used before
+    /// they were written piece by piece.
+    struct Reference(Arc<RwLock<View>>);
+
+    impl fmt::Debug for Reference {
+        fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+            f.write_str("Reference")
+        }
+    }
+
+    impl Collector for Reference {
+        fn encode(&self, mut encoder: DescriptorEncoder) -> Result<(), fmt::Error> {
+            let rows = rows(&self.0);
+            for gauge in GAUGES {
+                let mut family =
+                    encoder.encode_descriptor(gauge.name, gauge.help, None, MetricType::Gauge)?;
+                for row in &rows {
+                    let labels = [
+                        ("node", label_value(&row.node)),
+                        ("gpu", Cow::Owned(row.gpu.index.to_string())),
+                        ("uuid", label_value(&row.gpu.uuid)),
+                        ("model", label_value(&row.gpu.model)),
+                    ];
+                    family
+                        .encode_family(&labels)?
+                        .encode_gauge(&(gauge.value)(row))?;
+                }
+            }
+            Ok(())
+        }
+    }
+
+    #[test]
+    fn the_pieces_make_the_exposition_prometheus_client_writes() {
+        let view = view();
+        // More GPUs than one piece holds, so families span pieces.
+        let nodes: Vec<_> = (0..300)
+            .map(|i| node(&format!("n{i:03}")).gpushare().gpus(&[16; 8]).build())
+            .collect();
+        view.write().unwrap().replace_nodes(&nodes);
+        book(&view, "a", "n007", (12, 30));
+        let mut registry = Registry::default();
+        let counter = prometheus_client::metrics::counter::Counter::<u64>::default();
+        registry.register("gpushare_extender_example", "An example", counter);
+
+        let pieces: Vec<String> = exposition(&registry, &view).unwrap().collect();
+        assert_eq!(
+            pieces.len(),
+            1 + 3 * 2 + 1,
+            "2,400 GPUs: two pieces a gauge"
+        );
+        assert!(pieces.iter().all(|piece| piece.len() < 400_000));
+
+        registry.register_collector(Box::new(Reference(view.clone())));
+        let mut whole = String::new();
+        prometheus_client::encoding::text::encode(&mut whole, &registry).unwrap();
+        assert_eq!(pieces.concat(), whole);
+        assert!(whole.contains("gpushare_gpu_allocated_bytes{node=\"n007\",gpu=\"0\","));
     }
 
     #[test]

@@ -29,7 +29,6 @@ use crate::wire::{
 };
 use bind::BindTiming;
 use bind::slots::{Pacing, WriteSlots};
-use gauges::GpuGauges;
 
 mod args;
 pub mod bind;
@@ -54,9 +53,8 @@ pub struct Scheduling {
 }
 
 struct Inner {
-    /// Shared with the per-GPU gauges, which read it on each scrape
-    /// ([`GpuGauges`]).
-    view: Arc<RwLock<View>>,
+    /// Read by the per-GPU gauges on each scrape ([`gauges::exposition`]).
+    view: RwLock<View>,
     ranking: Ranking,
     binder: Arc<dyn Binder>,
     bind_timing: BindTiming,
@@ -119,8 +117,7 @@ impl Scheduling {
         }
         // Without an election this instance always binds; `serve` switches it to elected.
         metrics.leader.set(1);
-        let view = Arc::new(RwLock::new(View::new(settings)));
-        GpuGauges::register(&mut registry, view.clone());
+        let view = RwLock::new(View::new(settings));
         Self {
             inner: Arc::new(Inner {
                 view,
@@ -156,9 +153,17 @@ impl Scheduling {
         &self.inner.metrics
     }
 
-    /// The registry the metrics are in, for `/metrics`.
+    /// The registry the metrics are in.
     pub fn registry(&self) -> &Registry {
         &self.inner.registry
+    }
+
+    /// `/metrics` in pieces: the registry's families and the per-GPU gauges, written as the
+    /// caller takes them ([`gauges::exposition`]).
+    pub fn metrics_exposition(
+        &self,
+    ) -> Result<impl Iterator<Item = String> + Send + 'static, std::fmt::Error> {
+        gauges::exposition(&self.inner.registry, &self.inner.view)
     }
 
     /// The event queue (the watch warns pods' owners through it too).
