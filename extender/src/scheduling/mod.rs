@@ -64,7 +64,7 @@ struct Inner {
     pacing: Pacing,
     events: EventSink,
     metrics: Metrics,
-    registry: Arc<Registry>,
+    registry: Registry,
     leadership: Leadership,
 }
 
@@ -131,7 +131,7 @@ impl Scheduling {
                 },
                 events,
                 metrics,
-                registry: Arc::new(registry),
+                registry,
                 leadership: Leadership::default(),
             }),
         }
@@ -151,11 +151,6 @@ impl Scheduling {
     /// The metrics.
     pub fn metrics(&self) -> &Metrics {
         &self.inner.metrics
-    }
-
-    /// The registry the metrics are in.
-    pub fn registry(&self) -> &Registry {
-        &self.inner.registry
     }
 
     /// `/metrics` in pieces: the registry's families and the per-GPU gauges, written as the
