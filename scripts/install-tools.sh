@@ -14,7 +14,7 @@
 # prometheus and promtool, from Debian: `apt-get download prometheus` (the package alone, not
 # installed, no root needed), unpacked with `dpkg-deb -x`; usr/bin/prometheus and
 # usr/bin/promtool are copied. The chart's alert rules are checked and unit-tested with promtool
-# (e2e/tests/chart.rs). The Debian version is the candidate apt knows, or
+# (e2e/tests/in_process/chart.rs). The Debian version is the candidate apt knows, or
 # GPUSHARE_PROMETHEUS_DEB_VERSION (e.g. 2.42.0+ds-5+deb12u1) to pin one; the version installed
 # is recorded in .tools/prometheus.version. Anything older than 2.37 is refused.
 # Where apt knows no prometheus package and we are root, `apt-get update` runs first.

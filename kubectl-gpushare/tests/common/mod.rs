@@ -1,5 +1,5 @@
 //! One small cluster shared by the golden tests here and the end-to-end ones
-//! (`e2e/tests/kubectl_cli.rs`, which compiles this file by path), so both must print the
+//! (`e2e/tests/in_process/kubectl_cli.rs`, which compiles this file by path), so both must print the
 //! same thing for the same objects.
 
 // Each test binary uses part of it; a failed unwrap in a helper is a failed test.
@@ -65,7 +65,7 @@ pub fn cluster() -> (Vec<Node>, Vec<Pod>) {
 
 /// `tests/golden/<name>`; with `UPDATE_GOLDEN=1` the file is rewritten from `actual`.
 pub fn assert_golden(name: &str, actual: &str) {
-    // From the workspace root: `e2e/tests/kubectl_cli.rs` compiles this module too.
+    // From the workspace root: `e2e/tests/in_process/kubectl_cli.rs` compiles this module too.
     let path = PathBuf::from(env!("CARGO_MANIFEST_DIR"))
         .join("../kubectl-gpushare/tests/golden")
         .join(name);

@@ -2,8 +2,7 @@
 //! sockets: registration, device lists, health, Allocate. Re-registration after a kubelet
 //! restart runs on the real cluster (`kubelet_restart_keeps_gpu_pods`).
 
-#[path = "device_plugin/common.rs"]
-mod common;
+use crate::device_plugin_common as common;
 
 use std::collections::BTreeMap;
 use std::time::Duration;

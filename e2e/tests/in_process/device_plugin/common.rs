@@ -1,8 +1,6 @@
 //! Shared setup: an in-process API server, the test kubelet in a temp dir, and the plugin
 //! running in-process over real unix sockets.
 
-#![allow(dead_code)]
-
 use std::collections::BTreeMap;
 use std::fmt::Debug;
 use std::ops::Range;

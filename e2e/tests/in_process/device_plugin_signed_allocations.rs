@@ -4,8 +4,7 @@
 //! served. Real gRPC over unix sockets; kubelet's rejection of such pods runs on the real
 //! cluster (`forgeries_without_the_policy_are_refused_at_allocate` in `tests/real.rs`).
 
-#[path = "device_plugin/common.rs"]
-mod common;
+use crate::device_plugin_common as common;
 
 use std::collections::BTreeMap;
 

@@ -2,8 +2,7 @@
 //! choice is steered to each of the pod's GPUs, Allocate names every GPU (environment and,
 //! with `--cdi-devices`, CDI devices), and a broken GPU of the set refuses the pod.
 
-#[path = "device_plugin/common.rs"]
-mod common;
+use crate::device_plugin_common as common;
 
 use common::{
     Cluster, NODE, WAIT, allocate_slots, allocation_on, annotated, assigned, client, eventually,

@@ -5,8 +5,7 @@
 //! picks it up later. A pod holding GPU memory without an allocation of its own runs against
 //! the kubelet driver in `pod_resources.rs`.
 
-#[path = "device_plugin/common.rs"]
-mod common;
+use crate::device_plugin_common as common;
 
 use std::collections::BTreeMap;
 use std::net::SocketAddr;

@@ -2,8 +2,7 @@
 //! kubeconfig file, as a user would run it. It prints the same as the golden files of
 //! `kubectl-gpushare/tests/golden.rs` for the same cluster, which both read from one module.
 
-#[path = "../../kubectl-gpushare/tests/common/mod.rs"]
-mod common;
+use crate::kubectl_common as common;
 
 use std::path::{Path, PathBuf};
 use std::process::Output;

@@ -1,8 +1,7 @@
 //! The plugin's gRPC API called directly over its unix socket (no kubelet): bad input and
 //! refusals come back as clear gRPC errors, and Allocate never lists pods.
 
-#[path = "device_plugin/common.rs"]
-mod common;
+use crate::device_plugin_common as common;
 
 use std::time::Duration;
 
