@@ -3,69 +3,42 @@
 //! binds, a follower passes kube-scheduler's bind on to it, and never a bind that was itself
 //! passed on.
 
-use std::net::SocketAddr;
 use std::time::Duration;
 
 use gpushare_e2e::apiserver::{ApiServer, Verb};
 use gpushare_e2e::cluster::{http_get, http_post_json, wait_for};
+use gpushare_extender::Config;
 use gpushare_extender::leader::{ElectionConfig, Gate, Leadership, LeaseTiming, identity, run};
 use gpushare_extender::metrics::Metrics;
-use gpushare_extender::{Config, serve};
 use gpushare_testkit::fixtures::{node, pod};
 use k8s_openapi::api::core::v1::Pod;
 use kube::Api;
-use serde_json::json;
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
-use tokio::task::JoinHandle;
 use tokio::time::Instant;
 use tokio_util::sync::CancellationToken;
 
-const PREFIX: &str = "/gpushare-scheduler";
+use crate::served::{PREFIX, Served as Replica, bind_body};
+
 /// How long a test waits for what should come.
 const WAIT: Duration = Duration::from_secs(20);
-
-/// A running replica; dropping it kills it.
-struct Replica {
-    addr: SocketAddr,
-    task: JoinHandle<Result<(), gpushare_extender::Error>>,
-}
-
-impl Drop for Replica {
-    fn drop(&mut self) {
-        self.task.abort();
-    }
-}
 
 impl Replica {
     /// Starts replica `name`, the rest of its configuration from `base`, on `listener`
     /// (127.0.0.1:0 if none).
-    async fn start(
+    async fn electing(
         client: &kube::Client,
         name: &str,
         base: Config,
         listener: Option<tokio::net::TcpListener>,
     ) -> anyhow::Result<Self> {
-        let listener = match listener {
-            Some(listener) => listener,
-            None => tokio::net::TcpListener::bind("127.0.0.1:0").await?,
-        };
-        let addr = listener.local_addr()?;
-        let config = Config {
-            listen: addr,
+        Replica::serve(client, listener, |addr| Config {
             bind_grace_ms: 0,
             leader_elect: true,
             pod_name: name.to_owned(),
             advertise_url: Some(format!("http://{addr}")),
             ..base
-        };
-        let client = client.clone();
-        let task = tokio::spawn(serve(config, client, listener, std::future::pending()));
-        let replica = Self { addr, task };
-        wait_for("the replica to be ready", WAIT, || async {
-            matches!(http_get(addr, "/readyz").await, Ok((200, _))).then_some(())
         })
-        .await?;
-        Ok(replica)
+        .await
     }
 
     async fn leads(&self) -> bool {
@@ -83,16 +56,6 @@ impl Replica {
     }
 }
 
-fn bind_body(pod: &Pod, node: &str) -> String {
-    json!({
-        "PodName": pod.metadata.name,
-        "PodNamespace": pod.metadata.namespace,
-        "PodUID": pod.metadata.uid,
-        "Node": node,
-    })
-    .to_string()
-}
-
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn only_the_leader_binds_and_a_follower_passes_binds_on() -> anyhow::Result<()> {
     let server = ApiServer::start().await?;
@@ -101,8 +64,8 @@ async fn only_the_leader_binds_and_a_follower_passes_binds_on() -> anyhow::Resul
     for name in ["p0", "p1"] {
         pod(name).gpu_mem(4).create(&client).await?;
     }
-    let a = Replica::start(&client, "extender-a", Config::default(), None).await?;
-    let b = Replica::start(&client, "extender-b", Config::default(), None).await?;
+    let a = Replica::electing(&client, "extender-a", Config::default(), None).await?;
+    let b = Replica::electing(&client, "extender-b", Config::default(), None).await?;
     let (leader, follower) = wait_for("a leader", WAIT, || async {
         match (a.leads().await, b.leads().await) {
             (true, false) => Some((&a, &b)),
@@ -114,7 +77,7 @@ async fn only_the_leader_binds_and_a_follower_passes_binds_on() -> anyhow::Resul
     let pods: Api<Pod> = Api::namespaced(client.clone(), "default");
     // The leader's catch-up after acquiring: binds are refused (retryably) until it is over.
     let p0 = pods.get("p0").await?;
-    let (path, body) = (format!("{PREFIX}/bind"), bind_body(&p0, "n1"));
+    let (path, body) = (format!("{PREFIX}/bind"), bind_body(&p0, "n1").to_string());
     let passed_on = "the follower to pass a bind on";
     let answer = wait_for(passed_on, Duration::from_secs(10), || async {
         let (status, body) = http_post_json(follower.addr, &path, &body).await.ok()?;
@@ -136,7 +99,7 @@ async fn only_the_leader_binds_and_a_follower_passes_binds_on() -> anyhow::Resul
     // closed so the scheduler's retry may reach another replica.
     server.stats().reset();
     let p1 = pods.get("p1").await?;
-    let body = bind_body(&p1, "n1");
+    let body = bind_body(&p1, "n1").to_string();
     let request = format!(
         "POST {PREFIX}/bind HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\nx-gpushare-forwarded: 1\r\nContent-Length: {}\r\n\r\n{body}",
         body.len()
@@ -166,7 +129,7 @@ async fn the_leader_renews_with_one_write_and_reads_only_after_a_conflict() -> a
     let server = ApiServer::start().await?;
     let client = server.client();
     node("n1").gpushare().gpus(&[16]).create(&client).await?;
-    let only = Replica::start(&client, "extender-a", Config::default(), None).await?;
+    let only = Replica::electing(&client, "extender-a", Config::default(), None).await?;
     wait_for("it to lead", WAIT, || async {
         only.leads().await.then_some(())
     })
@@ -218,8 +181,8 @@ async fn the_lease_of_a_leader_whose_process_is_gone_is_taken_over_at_once() -> 
     let leases: Api<k8s_openapi::api::coordination::v1::Lease> =
         Api::namespaced(client.clone(), "kube-system");
     let mut replicas = vec![
-        Replica::start(&client, "extender-a", long_lease(), None).await?,
-        Replica::start(&client, "extender-b", long_lease(), None).await?,
+        Replica::electing(&client, "extender-a", long_lease(), None).await?,
+        Replica::electing(&client, "extender-b", long_lease(), None).await?,
     ];
     for restart_in_place in [false, true] {
         let leader = wait_for("a leader", WAIT, || async {
@@ -244,7 +207,7 @@ async fn the_lease_of_a_leader_whose_process_is_gone_is_taken_over_at_once() -> 
                 tokio::net::TcpListener::bind(addr).await.ok()
             })
             .await?;
-            let restarted = Replica::start(&client, "extender-a", long_lease(), Some(listener));
+            let restarted = Replica::electing(&client, "extender-a", long_lease(), Some(listener));
             replicas.push(restarted.await?);
         }
         let after = wait_for("another holder", Duration::from_secs(8), || async {

@@ -2,7 +2,6 @@
 //! writes), against gpushare-e2e's in-process API server.
 
 use std::collections::{BTreeMap, BTreeSet};
-use std::net::SocketAddr;
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -20,40 +19,19 @@ use kube::{Api, ResourceExt};
 use serde_json::{Value, json};
 use tokio::task::JoinHandle;
 
-const PREFIX: &str = "/gpushare-scheduler";
+use crate::served::{PREFIX, Served as Extender, bind_body};
 
 /// How long a test waits for what should come: only a hung test reaches it.
 const DEADLINE: Duration = Duration::from_secs(60);
 
-/// A running extender; dropping it kills it.
-struct Extender {
-    addr: SocketAddr,
-    task: JoinHandle<Result<(), gpushare_extender::Error>>,
-}
-
-impl Drop for Extender {
-    fn drop(&mut self) {
-        self.task.abort();
-    }
-}
-
 impl Extender {
     /// Starts an extender that holds binds for `bind_grace_ms` after its first sync.
-    async fn start(client: kube::Client, bind_grace_ms: u64) -> anyhow::Result<Self> {
-        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await?;
-        let addr = listener.local_addr()?;
-        let config = Config {
-            listen: addr,
+    async fn with_grace(client: kube::Client, bind_grace_ms: u64) -> anyhow::Result<Self> {
+        let config = |_| Config {
             bind_grace_ms,
             ..Config::default()
         };
-        let task = tokio::spawn(serve(config, client, listener, std::future::pending()));
-        let extender = Self { addr, task };
-        wait_for("the extender to be ready", DEADLINE, || async {
-            matches!(http_get(addr, "/readyz").await, Ok((200, _))).then_some(())
-        })
-        .await?;
-        Ok(extender)
+        Extender::serve(&client, None, config).await
     }
 
     async fn post(&self, verb: &str, body: Value) -> anyhow::Result<Value> {
@@ -65,11 +43,7 @@ impl Extender {
 
     /// Binds; the extender's `Error` ("" = bound), or the transport error.
     async fn bind(&self, pod: &Pod, node: &str) -> anyhow::Result<String> {
-        let meta = &pod.metadata;
-        let body = json!({
-            "PodName": meta.name, "PodNamespace": meta.namespace, "PodUID": meta.uid, "Node": node,
-        });
-        let answer = self.post("bind", body).await?;
+        let answer = self.post("bind", bind_body(pod, node)).await?;
         Ok(answer["Error"].as_str().unwrap_or_default().to_owned())
     }
 
@@ -161,7 +135,7 @@ async fn bind_writes_once_and_the_watch_confirms() -> anyhow::Result<()> {
         .annotation(&keys.assigned, "true")
         .create(&client)
         .await?;
-    let extender = Extender::start(client.clone(), 0).await?;
+    let extender = Extender::with_grace(client.clone(), 0).await?;
     let (kept, answer) = extender.filter(&p, &["ghost"]).await;
     assert_eq!(kept, json!([]));
     assert_eq!(
@@ -263,7 +237,7 @@ async fn sixty_four_concurrent_binds() -> anyhow::Result<()> {
     for (case, sizes, gpus, expected) in cases {
         let (server, client) = server_with_node(gpus).await?;
         let pods = create_pods(&client, sizes).await?;
-        let extender = Arc::new(Extender::start(client.clone(), 0).await?);
+        let extender = Arc::new(Extender::with_grace(client.clone(), 0).await?);
         server.stats().reset();
         let mut bound = 0;
         for task in spawn_binds(&extender, &pods, false) {
@@ -293,7 +267,7 @@ async fn restart_mid_burst_does_not_over_commit() -> anyhow::Result<()> {
     let sizes: Vec<u64> = (0..40).map(|i| i % 5 + 1).collect();
     let pods = create_pods(&client, &sizes).await?;
     server.faults().set_latency(Duration::from_millis(5));
-    let first = Arc::new(Extender::start(client.clone(), 0).await?);
+    let first = Arc::new(Extender::with_grace(client.clone(), 0).await?);
     let tasks = spawn_binds(&first, &pods[..20], false);
     // Kill it while binds are in flight: once the first Binding landed.
     let stats = server.stats();
@@ -311,7 +285,7 @@ async fn restart_mid_burst_does_not_over_commit() -> anyhow::Result<()> {
     }
     // The new instance holds binds briefly after it synced, so Bindings the killed one sent
     // can land first; kube-scheduler retries, and so do these binds.
-    let second = Arc::new(Extender::start(client.clone(), 300).await?);
+    let second = Arc::new(Extender::with_grace(client.clone(), 300).await?);
     let held = second.bind(&pods[39], "n1").await?;
     assert!(held.contains("just started"), "held after start: {held}");
     for task in spawn_binds(&second, &pods, true) {
@@ -327,7 +301,7 @@ async fn restart_mid_burst_does_not_over_commit() -> anyhow::Result<()> {
 async fn recreated_pod_is_not_confused_with_the_old_one() -> anyhow::Result<()> {
     let (_server, client) = server_with_node(&[16]).await?;
     let old = pod("same").gpu_mem(4).create(&client).await?;
-    let extender = Extender::start(client.clone(), 0).await?;
+    let extender = Extender::with_grace(client.clone(), 0).await?;
     let pods: Api<Pod> = Api::default_namespaced(client.clone());
     pods.delete("same", &DeleteParams::default()).await?;
     let new = pod("same").gpu_mem(4).create(&client).await?;
@@ -360,7 +334,7 @@ async fn one_gpu_two_pods(
     let (server, client) = server_with_node(&[8]).await?;
     let first = pod(first).gpu_mem(8).create(&client).await?;
     let next = pod("next").gpu_mem(8).create(&client).await?;
-    let extender = Extender::start(client.clone(), 0).await?;
+    let extender = Extender::with_grace(client.clone(), 0).await?;
     Ok((server, client, first, next, extender))
 }
 
@@ -386,7 +360,7 @@ async fn a_finished_pod_leaves_the_watch_and_frees_its_gpu() -> anyhow::Result<(
     drop(extender);
 
     // A fresh extender lists the node with its GPU free.
-    let extender = Extender::start(client.clone(), 0).await?;
+    let extender = Extender::with_grace(client.clone(), 0).await?;
     assert_eq!(extender.bind(&next, "n1").await?, "");
     Ok(())
 }
@@ -409,7 +383,7 @@ async fn api_server_500_on_binding_keeps_the_memory_until_the_pod_shows_it_lande
 -> anyhow::Result<()> {
     let (server, client) = server_with_node(&[8]).await?;
     let p = pod("p").gpu_mem(8).create(&client).await?;
-    let extender = Extender::start(client.clone(), 0).await?;
+    let extender = Extender::with_grace(client.clone(), 0).await?;
     // A 500 may come after the write was committed: not a reason to hand the memory out.
     server.faults().set_error_rate(Verb::Create, 1.0, 500);
     let answer = extender.bind(&p, "n1").await?;

@@ -28,8 +28,8 @@ use gpushare_e2e::scenarios::{
 use k8s_openapi::api::coordination::v1::Lease;
 use k8s_openapi::api::core::v1::Pod;
 use kube::Api;
-use kube::runtime::{WatchStreamExt, reflector, watcher};
-use serde_json::Value;
+
+use crate::bursts::{PodWatch, node_of, reservations_left, reserved_in};
 
 /// One HA cluster at a time: each runs 2 extenders and 8 device plugins.
 static SLOT: tokio::sync::Semaphore = tokio::sync::Semaphore::const_new(1);
@@ -190,19 +190,9 @@ impl Ha {
 
     /// Pods a running replica still shows as reserved by a bind.
     async fn reserved(&self) -> anyhow::Result<Vec<String>> {
-        fn walk(value: &Value, out: &mut Vec<String>) {
-            if value["reserved"] == true {
-                out.push(value["name"].as_str().unwrap_or("?").to_owned());
-            }
-            match value {
-                Value::Object(map) => map.values().for_each(|v| walk(v, out)),
-                Value::Array(items) => items.iter().for_each(|v| walk(v, out)),
-                _ => {}
-            }
-        }
         let mut out = Vec::new();
         for extender in self.replicas.iter().filter_map(|r| r.extender.as_ref()) {
-            walk(&extender.inspect().await?, &mut out);
+            reserved_in(&extender.inspect().await?, &mut out);
         }
         Ok(out)
     }
@@ -227,32 +217,7 @@ async fn endpoints(front: Arc<Front>, ports: Vec<(u16, u16)>) {
     }
 }
 
-/// The pods of namespace `default` as a watch shows them; aborted on drop.
-struct PodWatch {
-    pods: reflector::Store<Pod>,
-    task: tokio::task::JoinHandle<()>,
-}
-
 impl PodWatch {
-    async fn start(client: &kube::Client) -> anyhow::Result<Self> {
-        let api: Api<Pod> = Api::namespaced(client.clone(), "default");
-        let (pods, writer) = reflector::store();
-        let stream = reflector::reflector(writer, watcher(api, watcher::Config::default()))
-            .default_backoff()
-            .applied_objects();
-        let task = tokio::spawn(stream.for_each(|_| async {}));
-        pods.wait_until_ready().await?;
-        Ok(Self { pods, task })
-    }
-
-    fn pods(&self) -> Vec<Pod> {
-        self.pods.state().iter().map(|p| (**p).clone()).collect()
-    }
-
-    fn bound(&self) -> usize {
-        self.pods().iter().filter(|p| node_of(p).is_some()).count()
-    }
-
     /// Time from `since` until a pod shows up bound with a decision made after `wall` (so by
     /// a replica alive after the fault, not a Binding the old leader sent before it).
     async fn first_bind_after(
@@ -273,16 +238,6 @@ impl PodWatch {
         })
         .await
     }
-}
-
-impl Drop for PodWatch {
-    fn drop(&mut self) {
-        self.task.abort();
-    }
-}
-
-fn node_of(pod: &Pod) -> Option<&str> {
-    pod.spec.as_ref()?.node_name.as_deref()
 }
 
 /// Watches the pods, waits for a leader, creates 80 pods at once (16 requests in flight;
@@ -330,11 +285,7 @@ async fn drain_and_check(test: &str, ha: &Ha, watch: &PodWatch) -> anyhow::Resul
     for pod in &pods {
         check_pinned(&ha.cluster, pod).await?;
     }
-    let none_left = || async { ha.reserved().await.ok().filter(Vec::is_empty) };
-    let reserved = match wait_for("reservations to end", Duration::from_secs(10), none_left).await {
-        Ok(none) => none,
-        Err(_) => ha.reserved().await?,
-    };
+    let reserved = reservations_left(Duration::from_secs(10), async || ha.reserved().await).await?;
     ensure!(
         reserved.is_empty(),
         "a replica still holds reservations for bound pods: {reserved:?}"

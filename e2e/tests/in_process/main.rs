@@ -19,6 +19,7 @@ mod device_plugin_common;
 mod kubectl_common;
 
 mod apiserver;
+mod bursts;
 mod chart;
 mod device_plugin_kubelet_plugin;
 mod device_plugin_multi_gpu;
@@ -36,6 +37,7 @@ mod multi_gpu;
 mod pod_resources;
 mod scenarios;
 mod scheduler_driver;
+mod served;
 mod unhealthy_gpu;
 mod usage;
 mod webhook;

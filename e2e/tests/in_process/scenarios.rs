@@ -19,7 +19,8 @@ use gpushare_e2e::scenarios::{
 use k8s_openapi::api::core::v1::{Node, Pod};
 use kube::ResourceExt;
 use kube::api::{Api, ListParams, PostParams};
-use kube::runtime::{WatchStreamExt, reflector, watcher};
+
+use crate::bursts::{PodWatch, node_of, reservations_left, reserved_in};
 
 /// Every pod in `names` ends up Running (and pinned right) or Pending with a reason, and
 /// stays so for four times the scheduler driver's longest retry (a pending pod may still be
@@ -443,32 +444,10 @@ impl std::fmt::Display for Progress {
     }
 }
 
-/// The pods as a watch shows them: progress is read from a local cache, so that counting
-/// the burst's pods several times a second costs the API server nothing.
-struct PodWatch {
-    pods: reflector::Store<Pod>,
-    task: tokio::task::JoinHandle<()>,
-}
-
 impl PodWatch {
-    async fn start(cluster: &TestCluster) -> anyhow::Result<Self> {
-        use futures::StreamExt;
-        let api: Api<Pod> = Api::namespaced(cluster.client.clone(), "default");
-        let (pods, writer) = reflector::store();
-        let stream = reflector::reflector(writer, watcher(api, watcher::Config::default()))
-            .default_backoff()
-            .applied_objects();
-        let task = tokio::spawn(stream.for_each(|_| async {}));
-        pods.wait_until_ready().await?;
-        Ok(Self { pods, task })
-    }
-
     fn progress(&self) -> (Progress, Vec<Pod>) {
-        let pods: Vec<Pod> = self.pods.state().iter().map(|p| (**p).clone()).collect();
-        let bound = (pods
-            .iter()
-            .filter(|p| p.spec.as_ref().is_some_and(|s| s.node_name.is_some())))
-        .count();
+        let pods = self.pods();
+        let bound = pods.iter().filter(|p| node_of(p).is_some()).count();
         let running = pods.iter().filter(|p| phase(p) == "Running").count();
         (
             Progress {
@@ -478,12 +457,6 @@ impl PodWatch {
             },
             pods,
         )
-    }
-}
-
-impl Drop for PodWatch {
-    fn drop(&mut self) {
-        self.task.abort();
     }
 }
 
@@ -520,22 +493,10 @@ async fn burst_until_some_bound(
     Ok(progress)
 }
 
-/// Pods the extender still shows as reserved by a bind (`"reserved": true` in inspect).
+/// Pods the extender still shows as reserved by a bind.
 async fn reserved_pods(cluster: &TestCluster) -> anyhow::Result<Vec<String>> {
-    fn walk(value: &serde_json::Value, out: &mut Vec<String>) {
-        if value["reserved"] == true {
-            let field = |key: &str| value[key].as_str().unwrap_or("?").to_owned();
-            out.push(format!("{}/{}", field("namespace"), field("name")));
-        }
-        match value {
-            serde_json::Value::Object(map) => map.values().for_each(|v| walk(v, out)),
-            serde_json::Value::Array(items) => items.iter().for_each(|v| walk(v, out)),
-            _ => {}
-        }
-    }
-    let inspect = cluster.extender()?.inspect().await?;
     let mut out = Vec::new();
-    walk(&inspect, &mut out);
+    reserved_in(&cluster.extender()?.inspect().await?, &mut out);
     Ok(out)
 }
 
@@ -624,13 +585,10 @@ async fn drain_and_check(
     }
     eprintln!("[{test}] memory now: {}", cluster.memory_use());
     let usage = check_no_overcommit(&cluster.client).await?;
-    // The extender's watch may lag the last binds by a moment: give it a few seconds.
-    let none_left = || async { reserved_pods(cluster).await.ok().filter(Vec::is_empty) };
-    let what = "the extender's reservations to end";
-    let reserved = match wait_for(what, Duration::from_secs(5), none_left).await {
-        Ok(none) => none,
-        Err(_) => reserved_pods(cluster).await?,
-    };
+    let reserved = reservations_left(Duration::from_secs(5), async || {
+        reserved_pods(cluster).await
+    });
+    let reserved = reserved.await?;
     eprintln!(
         "[{test}] GPUs in use: {}; reservations left in the extender: {}",
         usage.values().filter(|(used, _)| *used > 0).count(),
@@ -670,7 +628,7 @@ async fn api_stall_mid_burst(
     held: HeldWrites,
 ) -> anyhow::Result<()> {
     with_big_cluster(test, http_timeout, async |cluster| {
-        let watch = PodWatch::start(cluster).await?;
+        let watch = PodWatch::start(&cluster.client).await?;
         let at_fault = burst_until_some_bound(test, cluster, &watch).await?;
         let faults = cluster.api.faults();
         let recovered = match held {
@@ -716,7 +674,7 @@ api_stall_test!(
 async fn extender_killed_three_times_mid_burst_every_pod_that_fits_binds() -> anyhow::Result<()> {
     let test = "extender_killed_three_times_mid_burst_every_pod_that_fits_binds";
     with_big_cluster(test, Duration::from_secs(5), async |cluster| {
-        let watch = PodWatch::start(cluster).await?;
+        let watch = PodWatch::start(&cluster.client).await?;
         let at_fault = burst_until_some_bound(test, cluster, &watch).await?;
         eprintln!("[{test}] SIGKILL the extender 3 times, 1 s apart, at {at_fault}");
         cluster
