@@ -1121,14 +1121,6 @@ export! {
     fn cuDeviceGetMemPool(pool: *mut Ptr, dev: c_int) -> pool |d| {
         Ok(d.current_pool[d.ordinal(dev)?] as Ptr)
     }
-    fn cuDeviceSetMemPool(dev: c_int, pool: Ptr) |d| {
-        let dev = d.ordinal(dev)?;
-        if d.pool_mut(pool as u64)?.dev != dev {
-            return Err(INVALID_VALUE);
-        }
-        d.current_pool[dev] = pool as u64;
-        Ok(())
-    }
     fn cuMemPoolCreate(pool: *mut Ptr, props: *const PoolProps) {
         if props.is_null() || pool.is_null() {
             return INVALID_VALUE;
@@ -1504,11 +1496,6 @@ export! {
     fn cuGraphInstantiateWithFlags(exec: *mut Ptr, graph: Ptr, _flags: u64) {
         unsafe { instantiate(exec, graph, "cuGraphInstantiateWithFlags") }
     }
-    fn cuGraphInstantiate_v2(
-        exec: *mut Ptr, graph: Ptr, _error_node: *mut Ptr, _log: *mut c_char, _log_size: usize,
-    ) {
-        unsafe { instantiate(exec, graph, "cuGraphInstantiate_v2") }
-    }
     fn cuGraphUpload(exec: Ptr, _stream: Ptr) |d| { d.graph_reserve(exec as u64, false) }
     fn cuGraphExecDestroy(exec: Ptr) |d| { gone(d.execs.remove(&(exec as u64)), INVALID_VALUE) }
     fn cuDeviceGetGraphMemAttribute(dev: c_int, attr: c_int, value: *mut u64) -> value |d| {
@@ -1581,7 +1568,7 @@ fn proc_address(symbol: *const c_char, version: c_int, flags: u64) -> Ptr {
         cuLaunchKernelEx [ptsz] cuLaunchKernelEx_ptsz,
         cuLaunchCooperativeKernel [ptsz] cuLaunchCooperativeKernel_ptsz,
         cuStreamBeginCapture => cuStreamBeginCapture_v2,
-        cuStreamEndCapture, cuDeviceGetDefaultMemPool, cuDeviceGetMemPool, cuDeviceSetMemPool,
+        cuStreamEndCapture, cuDeviceGetDefaultMemPool, cuDeviceGetMemPool,
         cuMemPoolCreate, cuMemPoolDestroy, cuMemPoolSetAttribute, cuMemPoolGetAttribute,
         cuMemPoolTrimTo,
         cuMemAlloc [v1] cuMemAlloc => cuMemAlloc_v2,
@@ -1601,7 +1588,6 @@ fn proc_address(symbol: *const c_char, version: c_int, flags: u64) -> Ptr {
         cuDeviceTotalMem [v1] cuDeviceTotalMem => cuDeviceTotalMem_v2,
         cuGraphCreate, cuGraphDestroy, cuGraphAddMemAllocNode, cuGraphAddMemFreeNode,
         cuGraphInstantiateWithFlags,
-        cuGraphInstantiate => cuGraphInstantiate_v2,
         cuGraphUpload,
         cuGraphLaunch [ptsz] cuGraphLaunch_ptsz,
         cuGraphExecDestroy, cuDeviceGetGraphMemAttribute, cuDeviceGraphMemTrim,

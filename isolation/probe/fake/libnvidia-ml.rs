@@ -11,8 +11,7 @@
 //!
 //! Utilization follows the kernels `libcuda.rs` runs (its log, `state.rs`'s timeline):
 //! `nvmlDeviceGetUtilizationRates` says what percent of the last second the GPU ran
-//! kernels, `nvmlDeviceGetProcessUtilization` the same per process (`smUtil`), over the
-//! last second or since `lastSeenTimeStamp` (µs of CLOCK_MONOTONIC) if that is later.
+//! kernels.
 #![allow(non_snake_case, clippy::missing_safety_doc)]
 
 use std::ffi::{CStr, c_char, c_int, c_uint, c_void};
@@ -164,67 +163,15 @@ export! {
     fn nvmlDeviceGetUtilizationRates(device: Ptr, utilization: *mut NvmlUtilization) {
         let i = index_of(device)?;
         let utilization = place(utilization)?;
-        let (runs, from, now) = recent_runs(i, 0);
-        let gpu = percent(runs.into_iter(), from, now);
+        // What percent of the last second the GPU ran kernels.
+        let state = std::env::var_os("FAKE_GPU_STATE").map(std::path::PathBuf::from);
+        let now = timeline::now_ns();
+        let from = now.saturating_sub(1_000_000_000);
+        let runs = timeline::runs(state.as_deref()).into_iter();
+        let runs = runs.filter(|r| r.phys == i as usize && r.end > from && r.start < now);
+        let busy = timeline::busy_within(runs, from, now);
+        let gpu = (busy * 100 / (now - from).max(1)).min(100) as c_uint;
         unsafe { utilization.write(NvmlUtilization { gpu, memory: 0 }) };
         Ok(())
     }
-    fn nvmlDeviceGetProcessUtilization(
-        device: Ptr, samples: *mut ProcessSample, count: *mut c_uint, last_seen_us: u64,
-    ) {
-        let i = index_of(device)?;
-        let count = place(count)?;
-        let (runs, from, now) = recent_runs(i, last_seen_us);
-        let mut pids: Vec<u32> = runs.iter().map(|r| r.pid).collect();
-        pids.sort_unstable();
-        pids.dedup();
-        let room = unsafe { count.read() } as usize;
-        unsafe { count.write(pids.len() as c_uint) };
-        if samples.is_null() {
-            return Ok(());
-        }
-        if room < pids.len() {
-            return Err(INSUFFICIENT_SIZE);
-        }
-        for (n, &pid) in pids.iter().enumerate() {
-            let sm_util = percent(runs.iter().copied().filter(|r| r.pid == pid), from, now);
-            let sample = ProcessSample {
-                pid, time_stamp: now / 1000, sm_util, mem_util: 0, enc_util: 0, dec_util: 0,
-            };
-            unsafe { samples.add(n).write(sample) };
-        }
-        Ok(())
-    }
-}
-
-/// The runs on physical GPU `index`, and the window [from, now) of the last second (or since
-/// `since_us`).
-fn recent_runs(index: u32, since_us: u64) -> (Vec<timeline::Run>, u64, u64) {
-    let state = std::env::var_os("FAKE_GPU_STATE").map(std::path::PathBuf::from);
-    let now = timeline::now_ns();
-    let from = now
-        .saturating_sub(1_000_000_000)
-        .max(since_us.saturating_mul(1000));
-    let runs = timeline::runs(state.as_deref())
-        .into_iter()
-        .filter(|r| r.phys == index as usize && r.end > from && r.start < now)
-        .collect();
-    (runs, from, now)
-}
-
-/// The percent of [from, to) that `runs` kept the GPU busy.
-fn percent(runs: impl Iterator<Item = timeline::Run>, from: u64, to: u64) -> c_uint {
-    let busy = timeline::busy_within(runs, from, to);
-    (busy * 100 / to.saturating_sub(from).max(1)).min(100) as c_uint
-}
-
-/// `nvmlProcessUtilizationSample_t`.
-#[repr(C)]
-pub struct ProcessSample {
-    pid: c_uint,
-    time_stamp: u64,
-    sm_util: c_uint,
-    mem_util: c_uint,
-    enc_util: c_uint,
-    dec_util: c_uint,
 }
