@@ -34,3 +34,12 @@ pub mod realk8s;
 pub mod scenarios;
 pub mod scheduler;
 pub mod tools;
+
+use std::sync::{Mutex, MutexGuard};
+
+/// The guard of `mutex`, poisoned or not: every lock in the harness guards plain maps, counters
+/// and state changed synchronously, which a panic elsewhere (already reported by the panicking
+/// task) cannot leave half-written in a way that matters to a test.
+pub(crate) fn locked<T>(mutex: &Mutex<T>) -> MutexGuard<'_, T> {
+    mutex.lock().unwrap_or_else(|poison| poison.into_inner())
+}

@@ -69,10 +69,7 @@ pub(super) fn bind(app: &App, target: &Target, body: &[u8]) -> Reply {
         pod["spec"]["nodeName"] = json!(node);
         if let Some(Value::Object(annotations)) = annotations {
             let meta = meta_mut(&mut pod);
-            let existing = objects::as_map(meta.entry("annotations").or_insert(Value::Null));
-            for (key, value) in annotations {
-                existing.insert(key, value);
-            }
+            objects::as_map(meta.entry("annotations").or_insert(Value::Null)).extend(annotations);
         }
         set_condition(&mut pod, "PodScheduled", "True");
         objects::validate(Kind::Pod, &pod)?;

@@ -6,12 +6,13 @@
 //! Kept apart from the request handlers so that every fault is one method here, and the
 //! handlers only ask "hold this?" or "fail this?" at the points a real server would.
 
-use std::collections::HashMap;
+use std::collections::{BTreeSet, HashMap};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use rand::rngs::StdRng;
 use rand::{Rng, SeedableRng};
+use tokio::sync::watch;
 use tokio::time::Instant;
 use tokio_util::sync::CancellationToken;
 
@@ -38,10 +39,10 @@ pub(crate) enum Release {
 #[derive(Clone)]
 pub struct Faults {
     inner: Arc<Mutex<FaultState>>,
-    drop_watches: Arc<tokio::sync::watch::Sender<u64>>,
-    stall: Arc<tokio::sync::watch::Sender<Option<Stall>>>,
+    drop_watches: Arc<watch::Sender<u64>>,
+    stall: Arc<watch::Sender<Option<Stall>>>,
     /// Bearer tokens cut off from the server (a network partition of one client).
-    cut: Arc<tokio::sync::watch::Sender<std::collections::BTreeSet<String>>>,
+    cut: Arc<watch::Sender<BTreeSet<String>>>,
     store: Arc<Store>,
 }
 
@@ -53,9 +54,6 @@ struct FaultState {
 
 impl Faults {
     pub(super) fn new(store: Arc<Store>) -> Self {
-        let (drop_watches, _) = tokio::sync::watch::channel(0);
-        let (stall, _) = tokio::sync::watch::channel(None);
-        let (cut, _) = tokio::sync::watch::channel(std::collections::BTreeSet::new());
         Self {
             inner: Arc::new(Mutex::new(FaultState {
                 latency: Duration::ZERO,
@@ -63,9 +61,9 @@ impl Faults {
                 // Seeded: a failing run can be replayed.
                 rng: StdRng::seed_from_u64(0x6770_7573_6861_7265),
             })),
-            drop_watches: Arc::new(drop_watches),
-            stall: Arc::new(stall),
-            cut: Arc::new(cut),
+            drop_watches: Arc::new(watch::Sender::new(0)),
+            stall: Arc::new(watch::Sender::new(None)),
+            cut: Arc::new(watch::Sender::new(BTreeSet::new())),
             store,
         }
     }
@@ -236,7 +234,7 @@ impl Faults {
         (state.rng.random::<f64>() < rate).then_some(status)
     }
 
-    pub(crate) fn drop_signal(&self) -> tokio::sync::watch::Receiver<u64> {
+    pub(crate) fn drop_signal(&self) -> watch::Receiver<u64> {
         self.drop_watches.subscribe()
     }
 }

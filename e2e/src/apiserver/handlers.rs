@@ -18,7 +18,7 @@ use super::Caller;
 use super::binding::bind;
 use super::deletes::{delete, evict};
 use super::objects::{self, meta_mut, meta_str};
-use super::request::{Params, Reply, Target, parse_body};
+use super::request::{Params, Reply, Target, Write, parse_body};
 use super::resources::Kind;
 use super::status::{ApiError, ApiResult};
 use super::writes::{create, patch_object, update};
@@ -48,19 +48,18 @@ fn route(path: &str) -> ApiResult<Route> {
     };
     let target = |plural: &str, namespace: Option<&str>, name: Option<&str>, sub: Option<&str>| {
         let kind = Kind::lookup(&group_version, plural).ok_or_else(not_found)?;
-        if name.is_none() && namespace.is_some() && !kind.namespaced() {
-            return Err(not_found());
-        }
-        if namespace.is_some() != kind.namespaced() && name.is_some() {
-            return Err(not_found());
-        }
-        let sub_ok = matches!(
+        // A cluster-scoped resource under a namespace, or a namespaced object outside one.
+        let misplaced = match namespace {
+            Some(_) => !kind.namespaced(),
+            None => name.is_some() && kind.namespaced(),
+        };
+        let served = matches!(
             (kind, sub),
             (_, None)
                 | (Kind::Pod, Some("status" | "binding" | "eviction"))
                 | (Kind::Node | Kind::ResourceClaim, Some("status"))
         );
-        if !sub_ok {
+        if misplaced || !served {
             return Err(not_found());
         }
         Ok(Route::Resource(Target {
@@ -196,11 +195,11 @@ async fn resolve(
             Err(ApiError::method_not_allowed().into_response())
         }
         (Route::Namespace(name), Some(user)) => {
-            app.stats.record(&user, Verb::Get, "", "namespaces");
+            app.stats.record(&user.name, Verb::Get, "", "namespaces");
             Err(axum::Json(discovery::namespace(&name)).into_response())
         }
         (Route::Namespaces, Some(user)) => {
-            app.stats.record(&user, Verb::List, "", "namespaces");
+            app.stats.record(&user.name, Verb::List, "", "namespaces");
             Err(axum::Json(reads::namespace_list(app)).into_response())
         }
     }
@@ -209,7 +208,7 @@ async fn resolve(
 /// Counts the call (and a list's or watch's field selector) in the server's stats.
 fn record(app: &App, user: &Caller, verb: Verb, target: &Target, params: &Params) {
     app.stats
-        .record(user, verb, target.kind.group(), &target.resource());
+        .record(&user.name, verb, target.kind.group(), &target.resource());
     if matches!(verb, Verb::List | Verb::Watch)
         && let Some(selector) = params.get("fieldSelector").filter(|s| !s.is_empty())
     {
@@ -227,17 +226,6 @@ async fn hold_consistent_read(app: &App, verb: Verb, params: &Params) -> bool {
     !(matches!(verb, Verb::Get | Verb::List)
         && !from_cache
         && !app.faults.hold_consistent_read(&app.cancel).await)
-}
-
-/// An accepted write, owned so that it can run to the end in a task of its own.
-struct Write {
-    verb: Verb,
-    /// Who asked (admission sees it as `request.userInfo`).
-    user: Caller,
-    target: Target,
-    params: Params,
-    content_type: String,
-    body: Bytes,
 }
 
 impl Write {
@@ -264,6 +252,7 @@ impl Write {
             )),
         }
     }
+
     /// Mutating admission: a create passes the webhooks that match it, which may rewrite the
     /// body (see `webhooks.rs`). They see the object defaulted, but without the UID, creation
     /// time and generated name that storing it adds, as on the real server. Other writes are
@@ -305,7 +294,6 @@ impl Write {
 
     fn apply(&self, app: &App) -> Reply {
         let (target, params, body) = (&self.target, &self.params, &self.body);
-        let content_type = &self.content_type;
         match self.verb {
             Verb::Create if target.subresource.as_deref() == Some("binding") => {
                 bind(app, target, body)
@@ -313,9 +301,9 @@ impl Write {
             Verb::Create if target.subresource.as_deref() == Some("eviction") => {
                 evict(app, target, params, body)
             }
-            Verb::Create => create(app, target, params, content_type, body),
-            Verb::Update => update(app, target, params, content_type, body),
-            Verb::Patch => patch_object(app, target, params, content_type, body),
+            Verb::Create => create(app, self),
+            Verb::Update => update(app, self),
+            Verb::Patch => patch_object(app, self),
             Verb::Delete => delete(app, target, params, body),
             Verb::Get | Verb::List | Verb::Watch => Err(ApiError::method_not_allowed()),
         }

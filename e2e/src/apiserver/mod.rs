@@ -71,7 +71,7 @@ mod writes;
 use std::collections::HashMap;
 use std::net::SocketAddr;
 use std::path::Path;
-use std::sync::{Arc, Mutex, MutexGuard};
+use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use rand::Rng;
@@ -79,6 +79,7 @@ use tokio::task::JoinHandle;
 use tokio_util::sync::CancellationToken;
 
 use self::store::Store;
+use crate::locked;
 
 pub use self::faults::Faults;
 pub(crate) use self::faults::Release;
@@ -102,10 +103,8 @@ pub enum Verb {
 /// A running API server. Serves until [`ApiServer::shutdown`] or drop.
 pub struct ApiServer {
     addr: SocketAddr,
-    faults: Faults,
-    stats: Stats,
-    access: Access,
-    cancel: CancellationToken,
+    /// What its handlers share: the faults, stats and tokens this handle hands out too.
+    app: App,
     task: Option<JoinHandle<()>>,
 }
 
@@ -122,16 +121,8 @@ pub(crate) struct Caller {
     pub node: Option<String>,
 }
 
-impl std::ops::Deref for Caller {
-    type Target = str;
-
-    fn deref(&self) -> &str {
-        &self.name
-    }
-}
-
 /// Who may call, and where the webhooks they meet are served. Cheap to clone.
-#[derive(Clone)]
+#[derive(Clone, Default)]
 pub(crate) struct Access {
     /// Bearer token → who holds it.
     tokens: Arc<Mutex<HashMap<String, Caller>>>,
@@ -140,13 +131,6 @@ pub(crate) struct Access {
 }
 
 impl Access {
-    fn new() -> Self {
-        Self {
-            tokens: Arc::default(),
-            services: webhooks::ServiceRoutes::default(),
-        }
-    }
-
     /// The user behind an `Authorization` header: [`ADMIN_USER`] without one, `None` for a
     /// token this server never issued (the caller answers 401).
     pub(crate) fn user(&self, authorization: Option<&str>) -> Option<Caller> {
@@ -190,19 +174,15 @@ impl ApiServer {
             .map_err(|err| anyhow::anyhow!("binding the API server to {addr}: {err}"))?;
         let addr = listener.local_addr()?;
         let store = Arc::new(Store::new());
-        let faults = Faults::new(store.clone());
-        let stats = Stats::default();
-        let access = Access::new();
-        let cancel = CancellationToken::new();
         let app = App {
+            faults: Faults::new(store.clone()),
             store,
-            faults: faults.clone(),
-            stats: stats.clone(),
-            access: access.clone(),
-            cancel: cancel.clone(),
+            stats: Stats::default(),
+            access: Access::default(),
+            cancel: CancellationToken::new(),
         };
-        let router = handlers::router(app);
-        let shutdown = cancel.clone().cancelled_owned();
+        let router = handlers::router(app.clone());
+        let shutdown = app.cancel.clone().cancelled_owned();
         let task = tokio::spawn(async move {
             if let Err(err) = axum::serve(listener, router)
                 .with_graceful_shutdown(shutdown)
@@ -214,10 +194,7 @@ impl ApiServer {
         tracing::debug!(%addr, "API server listening");
         Ok(ApiServer {
             addr,
-            faults,
-            stats,
-            access,
-            cancel,
+            app,
             task: Some(task),
         })
     }
@@ -242,13 +219,7 @@ impl ApiServer {
         }
     }
 
-    /// A kubeconfig for this server: plain http, a user without credentials (so
-    /// [`ADMIN_USER`]), current-context set.
-    pub fn kubeconfig_yaml(&self) -> String {
-        kubeconfig_yaml(&self.url(), "{}")
-    }
-
-    /// A kubeconfig like [`ApiServer::kubeconfig_yaml`] whose user is `username` (a bearer
+    /// A kubeconfig like [`ApiServer::write_kubeconfig`]'s whose user is `username` (a bearer
     /// token this server maps to it), e.g.
     /// `system:serviceaccount:kube-system:gpushare-extender`.
     pub fn kubeconfig_yaml_as(&self, username: &str) -> String {
@@ -258,9 +229,8 @@ impl ApiServer {
     /// A kubeconfig like [`ApiServer::kubeconfig_yaml_as`], and its bearer token (for
     /// [`Faults::cut`]): one client of `username` among several.
     pub fn kubeconfig_yaml_and_token_as(&self, username: &str) -> (String, String) {
-        let token = self.access.issue(username, None);
-        let yaml = kubeconfig_yaml(&self.url(), &format!("{{token: {token}}}"));
-        (yaml, token)
+        let token = self.app.access.issue(username, None);
+        (kubeconfig_yaml(&self.url(), Some(&token)), token)
     }
 
     /// Writes [`ApiServer::kubeconfig_yaml_as`] to `path`.
@@ -271,7 +241,7 @@ impl ApiServer {
     /// Calls to port `port` of Service `namespace/name` (a webhook's `clientConfig.service`)
     /// go to `addr` from now on, as the Service's endpoints would send them.
     pub fn route_service(&self, namespace: &str, name: &str, port: u16, addr: SocketAddr) {
-        self.access.services.set(namespace, name, port, addr);
+        self.app.access.services.set(namespace, name, port, addr);
     }
 
     /// Hands out kubeconfigs of `username` as held by its pods on given nodes: a
@@ -279,27 +249,29 @@ impl ApiServer {
     /// shows it to admission as `request.userInfo.extra[NODE_NAME_CLAIM]`; cheap to clone, outlives no server.
     pub fn pod_identity(&self, username: &str) -> PodIdentity {
         PodIdentity {
-            access: self.access.clone(),
+            access: self.app.access.clone(),
             url: self.url(),
             username: username.to_owned(),
         }
     }
 
+    /// Writes a kubeconfig for this server to `path`: plain http, a user without credentials
+    /// (so [`ADMIN_USER`]), current-context set.
     pub fn write_kubeconfig(&self, path: &Path) -> std::io::Result<()> {
-        std::fs::write(path, self.kubeconfig_yaml())
+        std::fs::write(path, kubeconfig_yaml(&self.url(), None))
     }
 
     pub fn faults(&self) -> Faults {
-        self.faults.clone()
+        self.app.faults.clone()
     }
 
     pub fn stats(&self) -> Stats {
-        self.stats.clone()
+        self.app.stats.clone()
     }
 
     /// Stops serving: open watches end, in-flight requests finish, the port is released.
     pub async fn shutdown(mut self) {
-        self.cancel.cancel();
+        self.app.cancel.cancel();
         if let Some(task) = self.task.take() {
             // Keep-alive connections of clients that linger must not hold shutdown forever.
             let _ = tokio::time::timeout(Duration::from_secs(5), task).await;
@@ -309,7 +281,7 @@ impl ApiServer {
 
 impl Drop for ApiServer {
     fn drop(&mut self) {
-        self.cancel.cancel();
+        self.app.cancel.cancel();
     }
 }
 
@@ -338,14 +310,9 @@ impl Verb {
     }
 }
 
-/// The guard of `mutex`, poisoned or not: every lock here guards plain maps and counters that a
-/// panic elsewhere cannot leave half-written in a way that matters to a test server.
-pub(crate) fn locked<T>(mutex: &Mutex<T>) -> MutexGuard<'_, T> {
-    mutex.lock().unwrap_or_else(|poison| poison.into_inner())
-}
-
-/// A kubeconfig for this server's URL whose user entry is `user` (YAML flow mapping).
-fn kubeconfig_yaml(url: &str, user: &str) -> String {
+/// A kubeconfig for this server's URL whose user holds `token`, or no credentials.
+fn kubeconfig_yaml(url: &str, token: Option<&str>) -> String {
+    let user = token.map_or("{}".to_owned(), |token| format!("{{token: {token}}}"));
     format!(
         "apiVersion: v1
 kind: Config
@@ -381,6 +348,6 @@ impl PodIdentity {
     /// The kubeconfig of this ServiceAccount's pod on `node`, with a token of its own.
     pub fn kubeconfig_on(&self, node: &str) -> String {
         let token = self.access.issue(&self.username, Some(node));
-        kubeconfig_yaml(&self.url, &format!("{{token: {token}}}"))
+        kubeconfig_yaml(&self.url, Some(&token))
     }
 }

@@ -111,10 +111,6 @@ fn is_qualified_name(s: &str) -> bool {
     }
 }
 
-fn is_label_value(s: &str) -> bool {
-    s.is_empty() || is_qualified_part(s)
-}
-
 fn check_metadata(kind: Kind, object: &Value, causes: &mut Vec<String>) {
     let name = meta_str(object, "name").unwrap_or("");
     if name.is_empty() {
@@ -149,7 +145,7 @@ fn check_metadata(kind: Kind, object: &Value, causes: &mut Vec<String>) {
             }
             match value.as_str() {
                 Some(v) if field == "annotations" => total += key.len() + v.len(),
-                Some(v) if is_label_value(v) => {}
+                Some(v) if v.is_empty() || is_qualified_part(v) => {}
                 _ if field == "annotations" => causes.push(format!("metadata.annotations: Invalid value: {value}: must be a string")),
                 _ => causes.push(format!("metadata.labels: Invalid value: {value}: a valid label must be an empty string or consist of alphanumeric characters, '-', '_' or '.', at most 63 characters")),
             }

@@ -1,5 +1,6 @@
 //! What every verb is handed: the resource the path names ([`Target`]), the query
-//! ([`Params`]), the body parsed as JSON or YAML, and what a verb answers ([`Reply`]).
+//! ([`Params`]), an accepted [`Write`], the body parsed as JSON or YAML, and what a verb
+//! answers ([`Reply`]).
 //!
 //! Parsed once by the router in `handlers.rs` and read by each verb (`reads.rs`, `writes.rs`,
 //! `deletes.rs`, `binding.rs`); kept in a module of its own so that the verbs depend on the
@@ -7,6 +8,7 @@
 
 use std::collections::HashMap;
 
+use axum::body::Bytes;
 use http::StatusCode;
 use serde_json::Value;
 
@@ -14,6 +16,7 @@ use super::objects::Part;
 use super::resources::Kind;
 use super::status::{ApiError, ApiResult};
 use super::store::{Inner, Key};
+use super::{Caller, Verb};
 
 /// A request's query parameters.
 pub(super) type Params = HashMap<String, String>;
@@ -45,6 +48,18 @@ impl Target {
     pub(super) fn name(&self) -> &str {
         self.name.as_deref().unwrap_or("")
     }
+}
+
+/// An accepted write (create, update, patch, delete, and the `binding` and `eviction`
+/// subresources), owned so that it can run to the end in a task of its own (`handlers.rs`).
+pub(super) struct Write {
+    pub(super) verb: Verb,
+    /// Who asked (admission sees it as `request.userInfo`).
+    pub(super) user: Caller,
+    pub(super) target: Target,
+    pub(super) params: Params,
+    pub(super) content_type: String,
+    pub(super) body: Bytes,
 }
 
 /// What a verb answers: the status code and the body, or the error.

@@ -112,11 +112,9 @@ impl Stats {
 
     /// The kinds of request `user` made so far, with how many times each was made.
     pub fn calls_by(&self, user: &str) -> BTreeMap<Call, u64> {
-        locked(&self.calls)
-            .iter()
-            .filter(|(call, _)| call.user == user)
-            .map(|(call, n)| (call.clone(), *n))
-            .collect()
+        let mut calls = self.calls();
+        calls.retain(|call, _| call.user == user);
+        calls
     }
 
     pub fn reset(&self) {

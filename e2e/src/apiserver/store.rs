@@ -6,7 +6,7 @@
 //! History older than `oldest` is gone (bounded, or forgotten on purpose by
 //! [`Inner::compact`]); a watch asking to start before it gets 410 Expired.
 
-use std::collections::{BTreeMap, HashMap, VecDeque};
+use std::collections::{BTreeMap, BTreeSet, HashMap, VecDeque};
 use std::sync::{Arc, Mutex, OnceLock};
 
 use serde_json::{Value, json};
@@ -49,15 +49,11 @@ pub(crate) struct Change {
 
 impl Change {
     fn new(rv: u64, kind: Kind, change: ChangeType, object: Value, old: Option<Value>) -> Self {
-        let mut pod_nodes: Vec<String> = Vec::new();
-        if kind == Kind::Pod {
-            for pod in std::iter::once(&object).chain(old.as_ref()) {
-                let node = pod_node(pod);
-                if !pod_nodes.iter().any(|n| n == node) {
-                    pod_nodes.push(node.to_owned());
-                }
-            }
-        }
+        let pods = std::iter::once(&object).chain(old.as_ref());
+        let pods = pods.filter(|_| kind == Kind::Pod);
+        let mut pod_nodes: Vec<String> = pods.map(|pod| pod_node(pod).to_owned()).collect();
+        // After and before: at most two, so the same node twice is side by side.
+        pod_nodes.dedup();
         Change {
             rv,
             kind,
@@ -131,11 +127,8 @@ impl Store {
                 }
             }
         }
-        self.rv_tx.send_if_modified(|current| {
-            let changed = *current != rv;
-            *current = rv;
-            changed
-        });
+        self.rv_tx
+            .send_if_modified(|current| std::mem::replace(current, rv) != rv);
         result
     }
 
@@ -242,16 +235,9 @@ impl Inner {
     }
 
     /// The node names (before and after) of the pods changed after `rv`.
-    fn pod_nodes_since(&self, rv: u64) -> Vec<String> {
-        let mut nodes: Vec<String> = Vec::new();
-        for change in self.history.iter().rev().take_while(|c| c.rv > rv) {
-            for node in &change.pod_nodes {
-                if !nodes.contains(node) {
-                    nodes.push(node.clone());
-                }
-            }
-        }
-        nodes
+    fn pod_nodes_since(&self, rv: u64) -> BTreeSet<String> {
+        let changes = self.history.iter().rev().take_while(|c| c.rv > rv);
+        changes.flat_map(|c| c.pod_nodes.iter().cloned()).collect()
     }
 
     /// Changes after `rv`, oldest first, or `Expired` when history no longer reaches back.

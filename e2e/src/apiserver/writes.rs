@@ -11,18 +11,13 @@ use serde_json::Value;
 use super::App;
 use super::objects::{self, meta_str};
 use super::patch::{self, PatchKind};
-use super::request::{Params, Reply, Target, current_or_404, dry_run, parse_body, part};
+use super::request::{Params, Reply, Target, Write, current_or_404, dry_run, parse_body, part};
 use super::resources::Kind;
 use super::status::ApiError;
 
-pub(super) fn create(
-    app: &App,
-    target: &Target,
-    params: &Params,
-    content_type: &str,
-    body: &[u8],
-) -> Reply {
-    let object = parse_body(content_type, body)?;
+pub(super) fn create(app: &App, write: &Write) -> Reply {
+    let Write { target, params, .. } = write;
+    let object = parse_body(&write.content_type, &write.body)?;
     let object = objects::prepare_create(target.kind, object, target.namespace.as_deref())?;
     let name = meta_str(&object, "name").unwrap_or("").to_owned();
     let key = (target.namespace.clone().unwrap_or_default(), name.clone());
@@ -61,14 +56,9 @@ fn store_update(
     Ok((StatusCode::OK, stored))
 }
 
-pub(super) fn update(
-    app: &App,
-    target: &Target,
-    params: &Params,
-    content_type: &str,
-    body: &[u8],
-) -> Reply {
-    let new = parse_body(content_type, body)?;
+pub(super) fn update(app: &App, write: &Write) -> Reply {
+    let Write { target, params, .. } = write;
+    let new = parse_body(&write.content_type, &write.body)?;
     let body_name = meta_str(&new, "name").unwrap_or("");
     if body_name != target.name() {
         return Err(ApiError::bad_request(format!(
@@ -86,17 +76,12 @@ pub(super) fn update(
     })
 }
 
-pub(super) fn patch_object(
-    app: &App,
-    target: &Target,
-    params: &Params,
-    content_type: &str,
-    body: &[u8],
-) -> Reply {
-    let kind = PatchKind::from_content_type(content_type)?;
+pub(super) fn patch_object(app: &App, write: &Write) -> Reply {
+    let Write { target, params, .. } = write;
+    let kind = PatchKind::from_content_type(&write.content_type)?;
     app.store.write(|store| {
         let current = current_or_404(store, target)?.clone();
-        let patched = patch::apply(kind, &current, body)?;
+        let patched = patch::apply(kind, &current, &write.body)?;
         if patched.pointer("/metadata/resourceVersion")
             != current.pointer("/metadata/resourceVersion")
         {

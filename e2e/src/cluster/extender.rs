@@ -212,14 +212,7 @@ impl Extender {
         port: u16,
         (tls, monitor_port): (&ExtenderTls, u16),
     ) -> anyhow::Result<Self> {
-        Self::spawn_with(
-            bin,
-            kubeconfig,
-            log,
-            extra,
-            port,
-            Some((tls.clone(), monitor_port)),
-        )
+        Self::spawn_with(bin, kubeconfig, log, extra, port, Some((tls, monitor_port)))
     }
 
     fn spawn_with(
@@ -228,27 +221,22 @@ impl Extender {
         log: &Path,
         extra: &[String],
         port: u16,
-        secured: Option<(ExtenderTls, u16)>,
+        secured: Option<(&ExtenderTls, u16)>,
     ) -> anyhow::Result<Self> {
-        let mut args = vec!["--listen".to_owned(), format!("127.0.0.1:{port}")];
-        if let Some((tls, monitor_port)) = &secured {
+        let mut args = vec![format!("--listen=127.0.0.1:{port}")];
+        if let Some((tls, monitor_port)) = secured {
             args.extend([
-                "--tls-cert".to_owned(),
-                tls.cert_file.display().to_string(),
-                "--tls-key".to_owned(),
-                tls.key_file.display().to_string(),
-                "--monitor-listen".to_owned(),
-                format!("127.0.0.1:{monitor_port}"),
+                format!("--tls-cert={}", tls.cert_file.display()),
+                format!("--tls-key={}", tls.key_file.display()),
+                format!("--monitor-listen=127.0.0.1:{monitor_port}"),
                 format!("--client-ca={}", tls.client_ca_file.display()),
                 format!("--leader-forward-cert={}", tls.replica_identity.0.display()),
                 format!("--leader-forward-key={}", tls.replica_identity.1.display()),
             ]);
         }
         args.extend_from_slice(extra);
-        let monitor = secured
-            .as_ref()
-            .map(|(_, port)| SocketAddr::from(([127, 0, 0, 1], *port)));
-        let tls = secured.map(|(tls, _)| tls);
+        let monitor = secured.map(|(_, port)| SocketAddr::from(([127, 0, 0, 1], port)));
+        let tls = secured.map(|(tls, _)| tls.clone());
         let scheme = if tls.is_some() { "https" } else { "http" };
         let launch = Launch {
             program: bin.extender.clone(),

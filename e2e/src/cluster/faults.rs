@@ -5,13 +5,12 @@
 //! Separate from starting and stopping the cluster: each fault is a story of its own,
 //! written against the same handles.
 
-use std::path::Path;
 use std::time::Duration;
 
 use anyhow::{Context, bail, ensure};
 
 use super::node::wait_reregistered;
-use super::{Process, RESOURCE, TestCluster};
+use super::{RESOURCE, TestCluster};
 
 impl TestCluster {
     /// SIGKILLs the extender, as an OOM kill or a node failure would. The scheduler driver
@@ -55,23 +54,40 @@ impl TestCluster {
             .await
     }
 
-    /// Rolls a node's device plugin as a DaemonSet rollout does ([`overlap_rollout`]).
-    /// Fails if the old one's exit took the new one's socket away.
+    /// Rolls a node's device plugin as a DaemonSet rollout does, with the overlap made
+    /// certain: the new pod starts while the old one is still shutting down, on the same
+    /// socket paths. The old process is frozen (SIGSTOP) with its SIGTERM pending, the new one
+    /// started, and the old one resumed only once the new one registered or logged that it
+    /// waits for the old one to let go. Fails if the old one's exit took the new one's socket
+    /// away.
     pub async fn roll_device_plugin(&mut self, node: &str) -> anyhow::Result<()> {
         let log = self.dir.path().join(format!("device-plugin-{node}.log"));
+        let host = self.host();
         let sim = self.nodes.get_mut(node).context("no such node")?;
         let before = sim.kubelet.registrations(RESOURCE);
         let old = sim.plugin.take().context("no device plugin running")?;
-        let sim = self.nodes.get(node).context("no such node")?;
-        let plugin = overlap_rollout(
-            old,
-            &log,
-            || self.host().spawn_plugin(sim),
-            || sim.kubelet.registrations(RESOURCE) > before,
-        )
-        .await?;
-        let sim = self.nodes.get_mut(node).context("no such node")?;
-        sim.plugin = Some(plugin);
+        let waits_logged = || {
+            let text = std::fs::read(&log).unwrap_or_default();
+            String::from_utf8_lossy(&text)
+                .matches(gpushare_proto::socket_file::WAITING_FOR_PREDECESSOR)
+                .count()
+        };
+        old.signal("STOP").await;
+        old.signal("TERM").await;
+        let waits_before = waits_logged();
+        let new = host.spawn_plugin(sim)?;
+        let deadline = tokio::time::Instant::now() + Duration::from_secs(30);
+        while sim.kubelet.registrations(RESOURCE) <= before && waits_logged() == waits_before {
+            ensure!(
+                tokio::time::Instant::now() < deadline,
+                "the new plugin neither registered nor waited for the old one; see {}",
+                log.display()
+            );
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
+        old.signal("CONT").await;
+        old.wait_stopped().await;
+        sim.plugin = Some(new);
         wait_reregistered(&sim.kubelet, before).await?;
         let socket = sim
             .kubelet
@@ -92,42 +108,4 @@ impl TestCluster {
         std::fs::write(&sim.health_file, list.join(","))?;
         Ok(())
     }
-}
-
-/// A DaemonSet rollout of a plugin, with the overlap made certain: the new pod starts while
-/// the old one is still shutting down, on the same socket paths. The old process is frozen
-/// (SIGSTOP) with its SIGTERM pending, the new one started (`start_new`), and the old one
-/// resumed only once the new one registered (`registered`) or logged in `log` that it waits
-/// for the old one to let go; returns the new process once the old one exited.
-pub async fn overlap_rollout(
-    old: Process,
-    log: &Path,
-    start_new: impl FnOnce() -> anyhow::Result<Process>,
-    registered: impl Fn() -> bool,
-) -> anyhow::Result<Process> {
-    let waits_logged = || {
-        std::fs::read(log)
-            .map(|text| {
-                String::from_utf8_lossy(&text)
-                    .matches(gpushare_proto::socket_file::WAITING_FOR_PREDECESSOR)
-                    .count()
-            })
-            .unwrap_or(0)
-    };
-    old.signal("STOP").await;
-    old.signal("TERM").await;
-    let waits_before = waits_logged();
-    let new = start_new()?;
-    let deadline = tokio::time::Instant::now() + Duration::from_secs(30);
-    while !registered() && waits_logged() == waits_before {
-        ensure!(
-            tokio::time::Instant::now() < deadline,
-            "the new plugin neither registered nor waited for the old one; see {}",
-            log.display()
-        );
-        tokio::time::sleep(Duration::from_millis(50)).await;
-    }
-    old.signal("CONT").await;
-    old.wait_stopped().await;
-    Ok(new)
 }

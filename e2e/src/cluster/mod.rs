@@ -69,7 +69,6 @@ pub use chart::{
     dedicated_scheduler_configuration, render_chart_template,
 };
 pub use extender::{ClientCa, EXTENDER_SERVICE_HOST, Extender, ExtenderTls, RESTART_BIND_RETRY};
-pub use faults::overlap_rollout;
 pub use http::{http_get, http_post_json};
 pub use node::{SimNode, node_allocatable, published_gpus};
 pub use ports::{free_port, service_port};

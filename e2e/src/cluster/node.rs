@@ -122,26 +122,22 @@ impl NodeHost {
 
     pub(super) fn spawn_plugin(&self, sim: &SimNode) -> anyhow::Result<Process> {
         let sizes: Vec<String> = sim.gpus.iter().map(u64::to_string).collect();
+        let (keys, socket) = (
+            self.dir.join(ALLOCATION_KEYS),
+            sim.kubelet.pod_resources_socket(),
+        );
         let mut args = vec![
-            "--node-name".to_owned(),
-            sim.name.clone(),
-            "--device-plugin-dir".to_owned(),
-            sim.plugin_dir.display().to_string(),
-            "--gpu-backend".to_owned(),
-            "simulated".to_owned(),
-            "--simulate-gpus".to_owned(),
-            sizes.join(","),
-            "--simulate-health-file".to_owned(),
-            sim.health_file.display().to_string(),
+            format!("--node-name={}", sim.name),
+            format!("--device-plugin-dir={}", sim.plugin_dir.display()),
+            "--gpu-backend=simulated".to_owned(),
+            format!("--simulate-gpus={}", sizes.join(",")),
+            format!("--simulate-health-file={}", sim.health_file.display()),
             // Port 0: the kernel picks a free one at bind time. (A port picked beforehand with
             // `free_port` may be taken by another of 200 processes' connections meanwhile.)
-            "--metrics-listen".to_owned(),
-            "127.0.0.1:0".to_owned(),
-            "--allocation-keys-file".to_owned(),
-            self.dir.join(ALLOCATION_KEYS).display().to_string(),
+            "--metrics-listen=127.0.0.1:0".to_owned(),
+            format!("--allocation-keys-file={}", keys.display()),
             // What the kubelet driver really handed out (kubelet's PodResources API).
-            "--pod-resources-socket".to_owned(),
-            sim.kubelet.pod_resources_socket().display().to_string(),
+            format!("--pod-resources-socket={}", socket.display()),
         ];
         args.extend(self.plugin_args.iter().cloned());
         let log = self.dir.join(format!("device-plugin-{}.log", sim.name));

@@ -18,27 +18,12 @@ use crate::scheduler::{ExtenderConfig, SchedulerConfig, SchedulerDriver};
 
 impl TestCluster {
     pub(super) async fn start_extender(&mut self) -> anyhow::Result<()> {
-        self.spawn_extender()?;
-        self.extender
-            .as_mut()
-            .context("the extender was not started")?
-            .wait_ready()
-            .await
+        self.spawn_extender()?.wait_ready().await
     }
 
     /// Starts the extender process on the cluster's extender port, without waiting for it.
-    pub(super) fn spawn_extender(&mut self) -> anyhow::Result<()> {
-        let log = self.dir.path().join("extender.log");
+    pub(super) fn spawn_extender(&mut self) -> anyhow::Result<&mut Extender> {
         let mut args = self.spec.extender_args.clone();
-        if !args.iter().any(|arg| arg.starts_with("--bind-grace-ms")) {
-            // Production holds binds 2 s after start-up; the scenarios' API server answers in
-            // milliseconds, so a shorter hold keeps them quick without skipping it.
-            args.extend(["--bind-grace-ms".to_owned(), "300".to_owned()]);
-        }
-        args.extend([
-            "--allocation-keys-file".to_owned(),
-            self.dir.path().join(ALLOCATION_KEYS).display().to_string(),
-        ]);
         let native_scoring = self
             .spec
             .scheduler_values
@@ -67,15 +52,10 @@ impl TestCluster {
                 format!("--scheduler-name={DEDICATED_SCHEDULER}"),
             ]);
         }
-        self.extender = Some(Extender::spawn_secured_on(
-            &self.binaries,
-            &self.extender_kubeconfig,
-            &log,
-            &args,
-            self.extender_port,
-            (&self.extender_tls, self.monitor_port),
-        )?);
-        Ok(())
+        let ports = (self.extender_port, self.monitor_port);
+        let extender =
+            self.spawn_extender_replica("extender", &self.extender_kubeconfig, ports, &args)?;
+        Ok(self.extender.insert(extender))
     }
 
     pub(super) async fn start_scheduler(&mut self) -> anyhow::Result<()> {
@@ -133,10 +113,10 @@ impl TestCluster {
         self.extender_tls.cert_file.with_file_name("ca.crt")
     }
 
-    /// Starts one more extender process the way the chart runs each replica: this cluster's
+    /// Starts an extender process the way the chart runs each replica: this cluster's
     /// certificate and signing keys, HTTPS on `port` and health on `monitor_port`, acting
     /// with `kubeconfig`, logging to `<name>.log`, with `extra` flags. Does not wait for it.
-    /// (The replicas of `tests/ha.rs`; [`TestCluster::extender`] is not one of them.)
+    /// (The replicas of `tests/ha.rs`, and [`TestCluster::extender`] with the spec's flags.)
     pub fn spawn_extender_replica(
         &self,
         name: &str,
@@ -144,13 +124,16 @@ impl TestCluster {
         (port, monitor_port): (u16, u16),
         extra: &[String],
     ) -> anyhow::Result<Extender> {
-        let mut args = vec![
-            "--bind-grace-ms".to_owned(),
-            "300".to_owned(),
+        let mut args = extra.to_vec();
+        if !args.iter().any(|arg| arg.starts_with("--bind-grace-ms")) {
+            // Production holds binds 2 s after start-up; the scenarios' API server answers in
+            // milliseconds, so a shorter hold keeps them quick without skipping it.
+            args.extend(["--bind-grace-ms".to_owned(), "300".to_owned()]);
+        }
+        args.extend([
             "--allocation-keys-file".to_owned(),
             self.dir.path().join(ALLOCATION_KEYS).display().to_string(),
-        ];
-        args.extend_from_slice(extra);
+        ]);
         Extender::spawn_secured_on(
             &self.binaries,
             kubeconfig,

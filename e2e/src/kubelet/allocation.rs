@@ -89,9 +89,7 @@ pub(super) async fn allocate_pod(
         }
         if any {
             let key = (ns.to_owned(), name.to_owned(), container.name.clone());
-            let mut state = shared.lock();
-            state.mounts.insert(key.clone(), mounts);
-            state.envs.insert(key, env);
+            shared.lock().granted.insert(key, (env, mounts));
         }
     }
     Ok(held)

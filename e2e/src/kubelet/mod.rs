@@ -12,9 +12,8 @@
 //! ```
 //!
 //! Devices are tracked per pod and container, freed when the pod is deleted or finishes, and
-//! those of init containers are reused by the app containers after them, as kubelet does. A
-//! [`KubeletDriver::restart`] removes every socket and forgets every plugin, like a real kubelet
-//! restart: plugins must notice and register again. The PodResources API (`v1`) is served on
+//! those of init containers are reused by the app containers after them, as kubelet does.
+//! (Restarts of kubelet itself are the real tier's.) The PodResources API (`v1`) is served on
 //! [`KubeletDriver::pod_resources_socket`] from the devices really handed out.
 //!
 //! Admission order is kubelet's (creation time) or a seeded shuffle, to prove that the device
@@ -64,6 +63,9 @@ use registration::serve_registration;
 /// A mount a device plugin's Allocate answered: (container path, host path, read-only).
 pub type GrantedMount = (String, String, bool);
 
+/// What a container got from Allocate: its environment and mounts.
+type Granted = (BTreeMap<String, String>, Vec<GrantedMount>);
+
 /// The order in which pods seen in one sweep are admitted.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum AdmissionOrder {
@@ -96,9 +98,9 @@ struct State {
     replaced: Vec<JoinHandle<()>>,
     registrations: HashMap<String, u64>,
     next_generation: u64,
-    envs: HashMap<(String, String, String), BTreeMap<String, String>>,
-    /// Mounts each container got from Allocate, by (namespace, pod, container).
-    mounts: HashMap<(String, String, String), Vec<GrantedMount>>,
+    /// The environment and mounts each container got from Allocate, by (namespace, pod,
+    /// container).
+    granted: HashMap<(String, String, String), Granted>,
     errors: Vec<(String, String)>,
     /// Admitted pods by UID: `namespace/name` and devices held per resource.
     admitted: HashMap<String, (String, HashMap<String, Vec<String>>)>,
@@ -122,9 +124,7 @@ struct Shared {
 
 impl Shared {
     fn lock(&self) -> MutexGuard<'_, State> {
-        self.state
-            .lock()
-            .unwrap_or_else(std::sync::PoisonError::into_inner)
+        crate::locked(&self.state)
     }
 
     fn changed(&self) {
@@ -291,19 +291,17 @@ impl KubeletDriver {
 
     /// Environment each container got from Allocate, keyed by (namespace, pod, container).
     pub fn container_env(&self, ns: &str, pod: &str, c: &str) -> Option<BTreeMap<String, String>> {
-        let key = (ns.to_owned(), pod.to_owned(), c.to_owned());
-        self.shared.lock().envs.get(&key).cloned()
+        self.granted(ns, pod, c).map(|(env, _)| env)
     }
 
     /// Mounts each container got from Allocate: (container path, host path, read-only).
-    pub fn container_mounts(&self, ns: &str, pod: &str, container: &str) -> Vec<GrantedMount> {
-        let key = (ns.to_owned(), pod.to_owned(), container.to_owned());
-        self.shared
-            .lock()
-            .mounts
-            .get(&key)
-            .cloned()
-            .unwrap_or_default()
+    pub fn container_mounts(&self, ns: &str, pod: &str, c: &str) -> Vec<GrantedMount> {
+        self.granted(ns, pod, c).unwrap_or_default().1
+    }
+
+    fn granted(&self, ns: &str, pod: &str, c: &str) -> Option<Granted> {
+        let key = (ns.to_owned(), pod.to_owned(), c.to_owned());
+        self.shared.lock().granted.get(&key).cloned()
     }
 
     /// Device IDs held by the admitted pod `ns/pod`, per resource.
@@ -356,27 +354,22 @@ impl KubeletDriver {
         self.shared.changed();
     }
 
-    /// Stops serving the sockets and drops every plugin's client.
-    async fn stop_serving(&mut self) {
+    /// Stops serving and admitting, and drops every plugin's client.
+    pub async fn shutdown(mut self) {
+        self.stop.cancel();
         for socket in [self.registration.take(), self.pod_resources.take()]
             .into_iter()
             .flatten()
         {
             socket.stop().await;
         }
-        let mut state = self.shared.lock();
-        for (_, plugin) in std::mem::take(&mut state.plugins) {
-            plugin.task.abort();
+        {
+            let mut state = self.shared.lock();
+            let plugins = std::mem::take(&mut state.plugins).into_values();
+            for task in plugins.map(|p| p.task).chain(state.replaced.drain(..)) {
+                task.abort();
+            }
         }
-        for task in std::mem::take(&mut state.replaced) {
-            task.abort();
-        }
-    }
-
-    /// Stops serving and admitting.
-    pub async fn shutdown(mut self) {
-        self.stop.cancel();
-        self.stop_serving().await;
         let _ = std::fs::remove_file(self.pod_resources_socket());
         let _ = (&mut self.admission).await;
         let _ = std::fs::remove_file(self.shared.dir.join(KUBELET_SOCKET));

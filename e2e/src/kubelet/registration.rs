@@ -1,8 +1,7 @@
 //! The device manager's Registration server on `<dir>/kubelet.sock`: a plugin registers a
 //! resource and an endpoint, and kubelet dials it back ([`super::plugin`]).
 //!
-//! Separate from the rest because it is the one gRPC server plugins call; a kubelet restart
-//! stops it and serves it anew while admission keeps running.
+//! Separate from the rest because it is the one gRPC server plugins call.
 
 use std::collections::HashMap;
 use std::sync::Arc;

@@ -30,10 +30,11 @@ use super::framework::{
     self, ExtenderPriorities, NodeScore, add_extender_priorities, fit_error_message,
     select_scored_host,
 };
-use super::shared::Shared;
+use super::shared::{EventKind, Shared};
 use super::state::{Candidate, FailureKind, PodKey, Popped};
 use super::watches::watch;
 use super::wire::ExtenderBindingArgs;
+use crate::locked;
 
 /// How long `start` waits for the first list of Pods and Nodes.
 const SYNC_TIMEOUT: Duration = Duration::from_secs(30);
@@ -42,6 +43,10 @@ const EVENT_MESSAGE_LIMIT: usize = 1024;
 /// How long an event suppresses its repeats (client-go `tools/events`: an isomorphic event
 /// within 6 minutes only increments the first one's series, written every 30 minutes).
 const EVENT_SERIES_WINDOW: Duration = Duration::from_secs(6 * 60);
+
+/// The Events kube-scheduler records: (type, reason, action).
+const FAILED_SCHEDULING: EventKind = ("Warning", "FailedScheduling", "Scheduling");
+const SCHEDULED: EventKind = ("Normal", "Scheduled", "Binding");
 
 /// A pod assumed on a node, waiting for its bind.
 struct BindJob {
@@ -182,15 +187,12 @@ async fn find_host(shared: &Shared, pod: &Pod) -> Result<String, CycleFailure> {
         true => FailureKind::UnschedulableByExtendersOnly,
         false => FailureKind::Unschedulable,
     };
-    let unschedulable = |statuses: &BTreeMap<String, Vec<String>>| {
-        (fit_error_message(num_all, statuses.values()), kind)
-    };
     let feasible = match filtered.feasible.is_empty() {
         true => Vec::new(),
         false => pass_extenders(shared, pod, filtered.feasible, &mut statuses).await?,
     };
     if feasible.is_empty() {
-        return Err(unschedulable(&statuses));
+        return Err((fit_error_message(num_all, statuses.values()), kind));
     }
     if let [only] = feasible.as_slice() {
         return Ok(only.name.clone());
@@ -211,12 +213,10 @@ async fn pass_extenders(
         if feasible.is_empty() {
             break;
         }
-        let Some(verb) = extender.filter_verb() else {
+        let verb = extender.config.filter_verb.as_deref();
+        let Some(verb) = verb.filter(|_| extender.is_interested(pod)) else {
             continue;
         };
-        if !extender.is_interested(pod) {
-            continue;
-        }
         let nodes: Vec<_> = feasible.iter().map(|c| c.node.clone()).collect();
         let outcome = match extender.filter(verb, pod, &nodes).await {
             Ok(outcome) => outcome,
@@ -267,7 +267,7 @@ async fn prioritize(
         .map(|extender| {
             let (nodes, scores) = (&nodes, &scores);
             async move {
-                let answer = match extender.prioritize_verb() {
+                let answer = match extender.config.prioritize_verb.as_deref() {
                     Some(verb) => extender
                         .prioritize(verb, pod, nodes)
                         .await
@@ -290,9 +290,7 @@ async fn prioritize(
             }
         }
     }
-    let mut rng = shared.rng.lock().unwrap_or_else(|p| p.into_inner());
-    add_extender_priorities(&mut scores, &answers, &mut *rng);
-    drop(rng);
+    add_extender_priorities(&mut scores, &answers, &mut *locked(&shared.rng));
     select_scored_host(&scores)
         .map(str::to_owned)
         .ok_or_else(|| error("empty priorityList"))
@@ -303,25 +301,13 @@ async fn prioritize(
 /// deleted; upstream's "Pod has been assigned to node. Abort adding it back to queue.") is
 /// neither requeued nor reported.
 fn fail(shared: &Arc<Shared>, popped: &Popped, kind: FailureKind, message: String) {
-    let pod = shared.state().record_failure(
-        &popped.key,
-        &popped.uid,
-        kind,
-        popped.move_seq,
-        &message,
-        Instant::now(),
-    );
+    let pod = shared
+        .state()
+        .record_failure(popped, kind, &message, Instant::now());
     shared.wake.notify_one();
     let Some(pod) = pod else { return };
     info!(pod = %popped.key, reason = %message, "unable to schedule pod");
-    emit_event(
-        shared,
-        &pod,
-        "Warning",
-        "FailedScheduling",
-        "Scheduling",
-        &message,
-    );
+    emit_event(shared, &pod, FAILED_SCHEDULING, &message);
     let reason = match kind {
         FailureKind::Unschedulable | FailureKind::UnschedulableByExtendersOnly => "Unschedulable",
         FailureKind::Error => "SchedulerError",
@@ -334,7 +320,7 @@ fn fail(shared: &Arc<Shared>, popped: &Popped, kind: FailureKind, message: Strin
 /// and only the latest of those that piled up while one was in flight.
 fn queue_pod_scheduled(shared: &Arc<Shared>, key: &PodKey, reason: &'static str, message: String) {
     {
-        let mut updates = shared.status_updates();
+        let mut updates = locked(&shared.status_updates);
         updates.queued.insert(key.clone(), (reason, message));
         if !updates.sending.insert(key.clone()) {
             return;
@@ -345,7 +331,7 @@ fn queue_pod_scheduled(shared: &Arc<Shared>, key: &PodKey, reason: &'static str,
     tokio::spawn(async move {
         loop {
             let next = {
-                let mut updates = shared.status_updates();
+                let mut updates = locked(&shared.status_updates);
                 let next = updates.queued.remove(&key);
                 if next.is_none() {
                     updates.sending.remove(&key);
@@ -390,27 +376,18 @@ async fn bind_job(shared: Arc<Shared>, job: BindJob) {
             info!(pod = %popped.key, node = %host, "bound pod");
             // The key is `namespace/name`.
             let message = format!("Successfully assigned {} to {host}", popped.key);
-            emit_event(
-                &shared,
-                &popped.pod,
-                "Normal",
-                "Scheduled",
-                "Binding",
-                &message,
-            );
+            emit_event(&shared, &popped.pod, SCHEDULED, &message);
         }
         Err(message) => {
             warn!(pod = %popped.key, node = %host, error = %message, "bind failed; requeueing");
-            {
-                let now = Instant::now();
-                let mut state = shared.state();
-                // handleBindingCycleError: unreserve, forget the assumed pod and, if it was
-                // still assumed (not already confirmed by the watch), treat its freed
-                // resources as an AssignedPodDelete cluster event.
-                if state.forget(&popped.key, &popped.uid, &host) {
-                    state.move_all_to_active_or_backoff(now);
-                }
+            // handleBindingCycleError: unreserve, forget the assumed pod and, if it was
+            // still assumed (not already confirmed by the watch), treat its freed
+            // resources as an AssignedPodDelete cluster event.
+            let mut state = shared.state();
+            if state.forget(&popped.key, &popped.uid, &host) {
+                state.move_all_to_active_or_backoff(Instant::now());
             }
+            drop(state);
             // Then the FailureHandler: backoff (a bind error is never "unschedulable").
             fail(&shared, &popped, FailureKind::Error, message);
         }
@@ -423,12 +400,10 @@ async fn bind(shared: &Shared, pod: &Pod, host: &str) -> Result<(), String> {
     let namespace = pod.metadata.namespace.clone().unwrap_or_default();
     let name = pod.metadata.name.clone().unwrap_or_default();
     for extender in &shared.extenders {
-        let Some(verb) = extender.bind_verb() else {
+        let verb = extender.config.bind_verb.as_deref();
+        let Some(verb) = verb.filter(|_| extender.is_interested(pod)) else {
             continue;
         };
-        if !extender.is_interested(pod) {
-            continue;
-        }
         let args = ExtenderBindingArgs {
             pod_name: name.clone(),
             pod_namespace: namespace.clone(),
@@ -538,20 +513,16 @@ fn truncate(message: &str, limit: usize) -> String {
 /// (same pod, type, reason, action and message) was posted within [`EVENT_SERIES_WINDOW`]:
 /// kube-scheduler's event broadcaster folds such repeats into the first event's series
 /// instead of writing them, which matters when a pod fails the same way many times.
-fn emit_event(shared: &Shared, pod: &Pod, type_: &str, reason: &str, action: &str, message: &str) {
+fn emit_event(shared: &Shared, pod: &Pod, kind: EventKind, message: &str) {
+    let (type_, reason, action) = kind;
     let key = (
         pod.metadata.uid.clone().unwrap_or_default(),
-        type_.to_owned(),
-        reason.to_owned(),
-        action.to_owned(),
+        kind,
         message.to_owned(),
     );
     {
         let now = Instant::now();
-        let mut recent = shared
-            .recent_events
-            .lock()
-            .unwrap_or_else(|p| p.into_inner());
+        let mut recent = locked(&shared.recent_events);
         if recent
             .get(&key)
             .is_some_and(|sent| now.duration_since(*sent) < EVENT_SERIES_WINDOW)

@@ -159,7 +159,15 @@ pub struct HttpExtender {
 }
 
 impl HttpExtender {
-    pub fn new(config: ExtenderConfig, stats: StatsRecorder) -> Result<Self, ExtenderError> {
+    pub fn new(mut config: ExtenderConfig, stats: StatsRecorder) -> Result<Self, ExtenderError> {
+        // An empty verb is no verb, as upstream reads it.
+        for verb in [
+            &mut config.filter_verb,
+            &mut config.prioritize_verb,
+            &mut config.bind_verb,
+        ] {
+            verb.take_if(|verb| verb.is_empty());
+        }
         let connector = connector(&config)?;
         let client = Client::builder(TokioExecutor::new())
             .pool_idle_timeout(Duration::from_secs(90))
@@ -176,18 +184,6 @@ impl HttpExtender {
     pub fn is_interested(&self, pod: &Pod) -> bool {
         self.config.managed_resources.is_empty()
             || pod_uses_any(pod, &self.config.managed_resources)
-    }
-
-    pub fn filter_verb(&self) -> Option<&str> {
-        verb(&self.config.filter_verb)
-    }
-
-    pub fn prioritize_verb(&self) -> Option<&str> {
-        verb(&self.config.prioritize_verb)
-    }
-
-    pub fn bind_verb(&self) -> Option<&str> {
-        verb(&self.config.bind_verb)
     }
 
     /// The body of a filter or prioritize call. The Pod goes without `managedFields`, as
@@ -234,22 +230,19 @@ impl HttpExtender {
                     node: name.to_owned(),
                 })
         };
-        let passed =
-            if let (true, Some(names)) = (self.config.node_cache_capable, &result.node_names) {
-                names
-                    .iter()
-                    .map(|n| index_of(n))
-                    .collect::<Result<Vec<_>, _>>()?
-            } else if let Some(list) = &result.nodes {
-                list.items
-                    .iter()
-                    .map(|n| index_of(n.metadata.name.as_deref().unwrap_or_default()))
-                    .collect::<Result<Vec<_>, _>>()?
-            } else {
-                Vec::new()
-            };
+        let passed: Vec<&str> = match (&result.node_names, &result.nodes) {
+            (Some(names), _) if self.config.node_cache_capable => {
+                names.iter().map(String::as_str).collect()
+            }
+            (_, Some(list)) => list
+                .items
+                .iter()
+                .map(|n| n.metadata.name.as_deref().unwrap_or_default())
+                .collect(),
+            _ => Vec::new(),
+        };
         Ok(FilterOutcome {
-            passed,
+            passed: passed.into_iter().map(index_of).collect::<Result<_, _>>()?,
             failed: result.failed_nodes,
             failed_and_unresolvable: result.failed_and_unresolvable_nodes,
         })
@@ -336,11 +329,6 @@ impl HttpExtender {
         self.stats.call(call, started.elapsed(), result.is_ok());
         result
     }
-}
-
-/// A configured verb; empty counts as none.
-fn verb(configured: &Option<String>) -> Option<&str> {
-    configured.as_deref().filter(|v| !v.is_empty())
 }
 
 fn error_chain(error: &dyn std::error::Error) -> String {

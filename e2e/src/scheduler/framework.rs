@@ -19,6 +19,7 @@
 //! `gpushare-scheduler-model`'s (shared with the packing simulator), what extender answers add is
 //! `scoring.rs`'s; all are re-exported so every path stays `framework::...`.
 
+use std::cmp::Ordering::{Greater, Less};
 use std::collections::BTreeMap;
 
 use k8s_openapi::api::core::v1::{Node, NodeSelectorRequirement, NodeSelectorTerm, Pod};
@@ -73,14 +74,8 @@ fn requirement_matches(req: &NodeSelectorRequirement, value: Option<&str>) -> bo
             let (Some(actual), [bound]) = (value.and_then(number), values) else {
                 return false;
             };
-            let Some(bound) = number(bound) else {
-                return false;
-            };
-            if req.operator == "Gt" {
-                actual > bound
-            } else {
-                actual < bound
-            }
+            let want = if req.operator == "Gt" { Greater } else { Less };
+            number(bound).is_some_and(|bound| actual.cmp(&bound) == want)
         }
         _ => false,
     }

@@ -19,6 +19,7 @@ use super::SchedulerConfig;
 use super::extender::{ExtenderError, HttpExtender};
 use super::state::{PodKey, State};
 use super::stats::StatsRecorder;
+use crate::locked;
 
 pub struct Shared {
     pub config: SchedulerConfig,
@@ -31,14 +32,17 @@ pub struct Shared {
     pub cancel: CancellationToken,
     pub(super) rng: Mutex<StdRng>,
     pub(super) event_seq: AtomicU64,
-    status_updates: Mutex<StatusUpdates>,
+    pub(super) status_updates: Mutex<StatusUpdates>,
     /// Events sent lately, and when.
     pub(super) recent_events: Mutex<HashMap<EventKey, Instant>>,
 }
 
+/// An Event's type, reason and action.
+pub(super) type EventKind = (&'static str, &'static str, &'static str);
+
 /// What makes two events the same one (client-go's "isomorphic" events): pod UID, type,
 /// reason, action and message.
-pub(super) type EventKey = (String, String, String, String, String);
+pub(super) type EventKey = (String, EventKind, String);
 
 /// `PodScheduled=False` updates waiting to be sent: the latest per pod, and the pods whose
 /// sender task is running.
@@ -85,16 +89,10 @@ impl Shared {
     /// The state is only mutated synchronously; a panic while holding it would be a bug already
     /// reported by the panicking task, so the lock is taken over rather than poisoning the driver.
     pub(super) fn state(&self) -> MutexGuard<'_, State> {
-        self.state.lock().unwrap_or_else(|p| p.into_inner())
+        locked(&self.state)
     }
 
     pub fn pending_reason(&self, key: &str) -> Option<String> {
         self.state().reasons.get(key).cloned()
-    }
-
-    pub(super) fn status_updates(&self) -> MutexGuard<'_, StatusUpdates> {
-        self.status_updates
-            .lock()
-            .unwrap_or_else(|p| p.into_inner())
     }
 }

@@ -56,9 +56,7 @@ impl StatsRecorder {
     /// Stats are plain counters: a panic elsewhere cannot leave them inconsistent, so a poisoned
     /// lock is simply taken over.
     pub fn lock(&self) -> MutexGuard<'_, SchedulerStats> {
-        self.0
-            .lock()
-            .unwrap_or_else(|poisoned| poisoned.into_inner())
+        crate::locked(&self.0)
     }
 
     /// An extender answered over `version`.

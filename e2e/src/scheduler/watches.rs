@@ -72,11 +72,13 @@ impl Watched for Node {
     }
 
     fn delete(&self, state: &mut State, _now: Instant) {
-        state.delete_node(self.metadata.name.as_deref().unwrap_or_default());
+        state
+            .nodes
+            .remove(self.metadata.name.as_deref().unwrap_or_default());
     }
 
     fn retain(state: &mut State, listed: &HashSet<String>) {
-        state.retain_nodes(listed);
+        state.nodes.retain(|name, _| listed.contains(name));
     }
 }
 

@@ -5,7 +5,7 @@
 //!
 //! One half of [`State`]; the scheduling queue is the other, in `queue.rs`.
 
-use std::collections::{BTreeMap, HashSet};
+use std::collections::BTreeMap;
 use std::sync::Arc;
 
 use k8s_openapi::api::core::v1::{Node, Pod};
@@ -51,15 +51,10 @@ impl State {
         self.usage.get(node).cloned().unwrap_or_default()
     }
 
-    pub(super) fn account(
-        &mut self,
-        key: &str,
-        pod: &Pod,
-        node: String,
-        usage: PodUsage,
-        assumed: bool,
-    ) {
-        let uid = pod_uid(pod);
+    /// Counts what `pod` uses on `node` (replacing what it was counted for before), bound
+    /// there or only `assumed`.
+    pub(super) fn account(&mut self, key: &str, pod: &Pod, node: String, assumed: bool) {
+        let (uid, usage) = (pod_uid(pod), PodUsage::of(pod));
         if let Some(old) = self.accounted.get_mut(key)
             && old.node == node
             && old.uid == uid
@@ -98,21 +93,8 @@ impl State {
     pub fn apply_node(&mut self, node: Node) {
         let name = node.metadata.name.clone().unwrap_or_default();
         let allocatable = framework::allocatable(&node);
-        self.nodes.insert(
-            name,
-            NodeEntry {
-                node: Arc::new(node),
-                allocatable,
-            },
-        );
-    }
-
-    pub fn delete_node(&mut self, name: &str) {
-        self.nodes.remove(name);
-    }
-
-    pub fn retain_nodes(&mut self, listed: &HashSet<String>) {
-        self.nodes.retain(|name, _| listed.contains(name));
+        let node = Arc::new(node);
+        self.nodes.insert(name, NodeEntry { node, allocatable });
     }
 
     /// Built-in filters and default scores over the nodes, visiting at most enough nodes to find
@@ -164,14 +146,8 @@ impl State {
 
     /// The bind failed: drop the assumption (unless the watch already confirmed the pod there).
     pub fn forget(&mut self, key: &str, uid: &str, node: &str) -> bool {
-        if self
-            .accounted
-            .get(key)
-            .is_some_and(|a| a.assumed && a.uid == uid && a.node == node)
-        {
-            self.unaccount(key)
-        } else {
-            false
-        }
+        let assumed = self.accounted.get(key);
+        let assumed = assumed.is_some_and(|a| a.assumed && a.uid == uid && a.node == node);
+        assumed && self.unaccount(key)
     }
 }

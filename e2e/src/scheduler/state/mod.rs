@@ -13,17 +13,15 @@
 mod cache;
 mod queue;
 
-use std::cmp::Reverse;
 use std::collections::{BTreeMap, BinaryHeap, HashMap, HashSet};
 use std::sync::Arc;
-use std::time::Instant;
 
 use k8s_openapi::api::core::v1::Pod;
 
 use super::SchedulerConfig;
-use super::framework::{NodeUsage, PodUsage};
+use super::framework::NodeUsage;
 use cache::Accounted;
-use queue::ActiveEntry;
+use queue::{ActiveEntry, WaitingPods};
 
 pub use cache::{Candidate, NodeEntry};
 pub use queue::{FailureKind, PendingPod, Phase, Popped};
@@ -43,7 +41,7 @@ fn pod_uid(pod: &Pod) -> String {
     pod.metadata.uid.clone().unwrap_or_default()
 }
 
-#[derive(Debug)]
+#[derive(Debug, Default)]
 pub struct State {
     /// Read for the pods that are ours, queue timing, the walk's length and fit scoring.
     config: SchedulerConfig,
@@ -52,8 +50,8 @@ pub struct State {
     accounted: HashMap<PodKey, Accounted>,
     pub pending: HashMap<PodKey, PendingPod>,
     active: BinaryHeap<ActiveEntry>,
-    backoff: BinaryHeap<Reverse<(Instant, u64, PodKey)>>,
-    unschedulable: BinaryHeap<Reverse<(Instant, u64, PodKey)>>,
+    backoff: WaitingPods,
+    unschedulable: WaitingPods,
     seq: u64,
     move_seq: u64,
     /// The last failure message per pending pod.
@@ -65,17 +63,7 @@ impl State {
     pub fn new(config: SchedulerConfig) -> Self {
         State {
             config,
-            nodes: BTreeMap::new(),
-            usage: HashMap::new(),
-            accounted: HashMap::new(),
-            pending: HashMap::new(),
-            active: BinaryHeap::new(),
-            backoff: BinaryHeap::new(),
-            unschedulable: BinaryHeap::new(),
-            seq: 0,
-            move_seq: 0,
-            reasons: HashMap::new(),
-            next_start_node_index: 0,
+            ..State::default()
         }
     }
 
@@ -94,8 +82,7 @@ impl State {
         {
             self.pending.remove(&key);
             self.reasons.remove(&key);
-            let usage = PodUsage::of(&pod);
-            self.account(&key, &pod, node, usage, false);
+            self.account(&key, &pod, node, false);
             return false;
         }
         if self.accounted.get(&key).is_some_and(|a| a.uid != uid) {
@@ -125,7 +112,7 @@ impl State {
                     },
                 );
                 self.reasons.remove(&key);
-                self.activate(&key);
+                self.enqueue(&key, Phase::Active);
             }
         }
         false
@@ -162,8 +149,7 @@ impl State {
             return false;
         }
         p.phase = Phase::Binding;
-        let usage = PodUsage::of(&popped.pod);
-        self.account(&popped.key, &popped.pod, node.to_owned(), usage, true);
+        self.account(&popped.key, &popped.pod, node.to_owned(), true);
         true
     }
 }
@@ -171,10 +157,10 @@ impl State {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::fixtures::{node, pod};
+    use crate::fixtures::{PodBuilder, node, pod};
     use k8s_openapi::apimachinery::pkg::apis::meta::v1::Time;
     use k8s_openapi::jiff::Timestamp;
-    use std::time::Duration;
+    use std::time::{Duration, Instant};
 
     fn state() -> State {
         State::new(SchedulerConfig {
@@ -185,30 +171,12 @@ mod tests {
         })
     }
 
-    fn stored(
-        builder: crate::fixtures::PodBuilder,
-        uid: &str,
-        created_s: i64,
-        priority: i32,
-    ) -> Pod {
+    /// The pod as the API server stores it: with a UID and a creation time.
+    fn stored(builder: PodBuilder, uid: &str, created_s: i64) -> Pod {
         let mut p = builder.build();
         p.metadata.uid = Some(uid.to_owned());
         p.metadata.creation_timestamp = Some(Time(Timestamp::from_second(created_s).unwrap()));
-        if let Some(spec) = p.spec.as_mut() {
-            spec.priority = Some(priority);
-        }
         p
-    }
-
-    fn fail(s: &mut State, popped: &Popped, kind: FailureKind, message: &str, now: Instant) {
-        s.record_failure(
-            &popped.key,
-            &popped.uid,
-            kind,
-            popped.move_seq,
-            message,
-            now,
-        );
     }
 
     fn pop_all(s: &mut State) -> Vec<String> {
@@ -237,10 +205,10 @@ mod tests {
     #[test]
     fn queue_orders_by_priority_then_creation_then_arrival() {
         let mut s = state();
-        s.apply_pod(stored(pod("late"), "1", 300, 0));
-        s.apply_pod(stored(pod("early"), "2", 100, 0));
-        s.apply_pod(stored(pod("urgent"), "3", 500, 10));
-        s.apply_pod(stored(pod("early-too"), "4", 100, 0));
+        s.apply_pod(stored(pod("late"), "1", 300));
+        s.apply_pod(stored(pod("early"), "2", 100));
+        s.apply_pod(stored(pod("urgent").priority(10), "3", 500));
+        s.apply_pod(stored(pod("early-too"), "4", 100));
         assert_eq!(
             pop_all(&mut s),
             [
@@ -255,33 +223,29 @@ mod tests {
     #[test]
     fn only_our_pending_pods_are_queued() {
         let mut s = state();
-        s.apply_pod(stored(
-            pod("other").scheduler_name("other-scheduler"),
-            "1",
-            1,
-            0,
-        ));
-        s.apply_pod(stored(pod("bound").on_node("n1"), "2", 1, 0));
-        let mut deleting = stored(pod("deleting"), "3", 1, 0);
+        let other = pod("other").scheduler_name("other-scheduler");
+        s.apply_pod(stored(other, "1", 1));
+        s.apply_pod(stored(pod("bound").on_node("n1"), "2", 1));
+        let mut deleting = stored(pod("deleting"), "3", 1);
         deleting.metadata.deletion_timestamp = Some(Time(Timestamp::from_second(2).unwrap()));
         s.apply_pod(deleting);
         assert!(pop_all(&mut s).is_empty());
         // A pod updated while queued is queued once.
-        s.apply_pod(stored(pod("a"), "4", 1, 0));
-        s.apply_pod(stored(pod("a"), "4", 1, 0));
+        s.apply_pod(stored(pod("a"), "4", 1));
+        s.apply_pod(stored(pod("a"), "4", 1));
         assert_eq!(pop_all(&mut s), ["default/a"]);
     }
 
     #[test]
     fn failures_back_off_exponentially_up_to_the_cap() {
         let mut s = state();
-        s.apply_pod(stored(pod("a"), "u", 1, 0));
+        s.apply_pod(stored(pod("a"), "u", 1));
         let t0 = Instant::now();
         let mut waits = Vec::new();
         let mut now = t0;
         for _ in 0..4 {
             let popped = s.pop_active().expect("pod is active");
-            fail(&mut s, &popped, FailureKind::Error, "boom", now);
+            s.record_failure(&popped, FailureKind::Error, "boom", now);
             let Some(Phase::Backoff(until)) = s.phase("default/a") else {
                 panic!("pod should be backing off");
             };
@@ -299,10 +263,10 @@ mod tests {
     #[test]
     fn unschedulable_pods_wait_for_a_cluster_change_or_the_retry_period() {
         let mut s = state();
-        s.apply_pod(stored(pod("a"), "u", 1, 0));
+        s.apply_pod(stored(pod("a"), "u", 1));
         let t0 = Instant::now();
         let popped = s.pop_active().unwrap();
-        fail(&mut s, &popped, FailureKind::Unschedulable, "0/1 nodes", t0);
+        s.record_failure(&popped, FailureKind::Unschedulable, "0/1 nodes", t0);
         assert_eq!(s.phase("default/a"), Some(Phase::Unschedulable(t0)));
         s.flush(t0 + Duration::from_secs(1));
         assert!(
@@ -315,7 +279,7 @@ mod tests {
         assert!(s.pop_active().is_none());
 
         // Without any change, the retry period brings it back.
-        fail(&mut s, &popped, FailureKind::Unschedulable, "0/1 nodes", t0);
+        s.record_failure(&popped, FailureKind::Unschedulable, "0/1 nodes", t0);
         assert_eq!(s.next_deadline(), Some(t0 + Duration::from_secs(5)));
         s.flush(t0 + Duration::from_secs(5));
         assert_eq!(pop_all(&mut s), ["default/a"]);
@@ -324,17 +288,11 @@ mod tests {
     #[test]
     fn a_cluster_change_during_the_cycle_sends_the_pod_enter_backoff() {
         let mut s = state();
-        s.apply_pod(stored(pod("a"), "u", 1, 0));
+        s.apply_pod(stored(pod("a"), "u", 1));
         let now = Instant::now();
         let popped = s.pop_active().unwrap();
         s.move_all_to_active_or_backoff(now); // e.g. a node was updated mid-cycle
-        fail(
-            &mut s,
-            &popped,
-            FailureKind::Unschedulable,
-            "0/1 nodes",
-            now,
-        );
+        s.record_failure(&popped, FailureKind::Unschedulable, "0/1 nodes", now);
         assert!(matches!(s.phase("default/a"), Some(Phase::Backoff(_))));
     }
 
@@ -342,8 +300,8 @@ mod tests {
     fn assumed_pods_hold_resources_until_forgotten_or_confirmed() {
         let mut s = state();
         s.apply_node(node("n1").gpus(&[8]).build());
-        s.apply_pod(stored(pod("a").gpu_mem(6), "ua", 1, 0));
-        s.apply_pod(stored(pod("b").gpu_mem(6), "ub", 2, 0));
+        s.apply_pod(stored(pod("a").gpu_mem(6), "ua", 1));
+        s.apply_pod(stored(pod("b").gpu_mem(6), "ub", 2));
         let a = s.pop_active().unwrap();
         let filtered = s.filter(&a.pod).unwrap();
         assert_eq!(filtered.feasible.len(), 1);
@@ -369,13 +327,13 @@ mod tests {
         // b is assumed, bound, and confirmed by the watch: forget no longer applies.
         assert!(s.assume(&b, "n1"));
         s.bound(&b.key, &b.uid);
-        s.apply_pod(stored(pod("b").gpu_mem(6).on_node("n1"), "ub", 2, 0));
+        s.apply_pod(stored(pod("b").gpu_mem(6).on_node("n1"), "ub", 2));
         assert!(!s.forget(&b.key, &b.uid, "n1"));
         assert_eq!(s.usage("n1").pods, 1);
         assert!(s.phase(&b.key).is_none(), "b left the queue for good");
 
         // A terminal pod frees its node.
-        let mut done = stored(pod("b").gpu_mem(6).on_node("n1"), "ub", 2, 0);
+        let mut done = stored(pod("b").gpu_mem(6).on_node("n1"), "ub", 2);
         done.status = Some(k8s_openapi::api::core::v1::PodStatus {
             phase: Some("Succeeded".into()),
             ..Default::default()
@@ -387,8 +345,8 @@ mod tests {
     #[test]
     fn relist_drops_what_is_gone() {
         let mut s = state();
-        s.apply_pod(stored(pod("a"), "ua", 1, 0));
-        s.apply_pod(stored(pod("b").on_node("n1"), "ub", 1, 0));
+        s.apply_pod(stored(pod("a"), "ua", 1));
+        s.apply_pod(stored(pod("b").on_node("n1"), "ub", 1));
         s.retain_pods(&HashSet::new());
         assert!(s.pending.is_empty());
         assert_eq!(s.usage("n1").pods, 0);

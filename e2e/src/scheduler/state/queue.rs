@@ -14,6 +14,7 @@
 //! One half of [`State`]; what a node carries is the other, in `cache.rs`.
 
 use std::cmp::{Ordering, Reverse};
+use std::collections::BinaryHeap;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
@@ -21,6 +22,9 @@ use k8s_openapi::api::core::v1::Pod;
 use k8s_openapi::jiff::Timestamp;
 
 use super::{PodKey, State};
+
+/// Pods waiting in the backoff or unschedulable set, soonest first: (instant, seq, key).
+pub(super) type WaitingPods = BinaryHeap<Reverse<(Instant, u64, PodKey)>>;
 
 /// Where a pending pod is in its life with this scheduler.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -104,33 +108,27 @@ impl State {
             .min(self.config.backoff_max)
     }
 
-    fn next_seq(&mut self) -> u64 {
+    /// Queues the pod anew in the set its `phase` names: active, backing off until an
+    /// instant, or unschedulable since one. Older heap entries of the pod go stale.
+    pub(super) fn enqueue(&mut self, key: &str, phase: Phase) {
         self.seq += 1;
-        self.seq
-    }
-
-    pub(super) fn activate(&mut self, key: &str) {
-        let seq = self.next_seq();
+        let seq = self.seq;
         let Some(p) = self.pending.get_mut(key) else {
             return;
         };
-        p.phase = Phase::Active;
+        p.phase = phase;
         p.seq = seq;
-        let spec = p.pod.spec.as_ref();
-        self.active.push(ActiveEntry {
-            priority: spec.and_then(|s| s.priority).unwrap_or(0),
-            created: p.pod.metadata.creation_timestamp.as_ref().map(|t| t.0),
-            seq,
-            key: key.to_owned(),
-        });
-    }
-
-    fn enter_backoff(&mut self, key: &str, until: Instant) {
-        let seq = self.next_seq();
-        if let Some(p) = self.pending.get_mut(key) {
-            p.phase = Phase::Backoff(until);
-            p.seq = seq;
-            self.backoff.push(Reverse((until, seq, key.to_owned())));
+        let waiting = |at: Instant| Reverse((at, seq, key.to_owned()));
+        match phase {
+            Phase::Backoff(until) => self.backoff.push(waiting(until)),
+            Phase::Unschedulable(since) => self.unschedulable.push(waiting(since)),
+            // Active: a pod is never queued as being scheduled, bound or binding.
+            _ => self.active.push(ActiveEntry {
+                priority: p.pod.spec.as_ref().and_then(|s| s.priority).unwrap_or(0),
+                created: p.pod.metadata.creation_timestamp.as_ref().map(|t| t.0),
+                seq,
+                key: key.to_owned(),
+            }),
         }
     }
 
@@ -144,9 +142,9 @@ impl State {
             .map(|t| t + self.backoff_for(p.attempts))
             .unwrap_or(now);
         if until > now {
-            self.enter_backoff(key, until);
+            self.enqueue(key, Phase::Backoff(until));
         } else {
-            self.activate(key);
+            self.enqueue(key, Phase::Active);
         }
     }
 
@@ -167,35 +165,24 @@ impl State {
     /// Moves pods whose backoff expired to active, and pods unschedulable for longer than the
     /// retry period out of the unschedulable set.
     pub fn flush(&mut self, now: Instant) {
-        while let Some(Reverse((until, _, _))) = self.backoff.peek()
-            && *until <= now
-        {
-            let Some(Reverse((_, seq, key))) = self.backoff.pop() else {
-                break;
-            };
-            if self
-                .pending
-                .get(&key)
-                .is_some_and(|p| p.seq == seq && matches!(p.phase, Phase::Backoff(_)))
-            {
-                self.activate(&key);
+        for (seq, key) in pop_due(&mut self.backoff, Duration::ZERO, now) {
+            if self.is_queued(&key, seq, |phase| matches!(phase, Phase::Backoff(_))) {
+                self.enqueue(&key, Phase::Active);
             }
         }
         let retry = self.config.unschedulable_retry;
-        while let Some(Reverse((since, _, _))) = self.unschedulable.peek()
-            && *since + retry <= now
-        {
-            let Some(Reverse((_, seq, key))) = self.unschedulable.pop() else {
-                break;
-            };
-            if self
-                .pending
-                .get(&key)
-                .is_some_and(|p| p.seq == seq && matches!(p.phase, Phase::Unschedulable(_)))
-            {
+        for (seq, key) in pop_due(&mut self.unschedulable, retry, now) {
+            if self.is_queued(&key, seq, |phase| matches!(phase, Phase::Unschedulable(_))) {
                 self.requeue(&key, now);
             }
         }
+    }
+
+    /// Whether the heap entry `seq` of `key` is the pod's current one, in a phase `in_set`.
+    fn is_queued(&self, key: &str, seq: u64, in_set: impl Fn(Phase) -> bool) -> bool {
+        self.pending
+            .get(key)
+            .is_some_and(|p| p.seq == seq && in_set(p.phase))
     }
 
     /// When [`flush`](Self::flush) next has work (may be early when heap entries are stale).
@@ -238,37 +225,28 @@ impl State {
         self.reasons.remove(key);
     }
 
-    /// Records a failed attempt and queues the pod accordingly.
+    /// Records a failed attempt of the cycle that popped the pod, and queues it accordingly.
     pub fn record_failure(
         &mut self,
-        key: &str,
-        uid: &str,
+        popped: &Popped,
         kind: FailureKind,
-        cycle_move_seq: u64,
         message: &str,
         now: Instant,
     ) -> Option<Arc<Pod>> {
-        let move_seq = self.move_seq;
-        let p = self.pending.get_mut(key)?;
-        if p.uid != uid || !matches!(p.phase, Phase::Scheduling | Phase::Binding) {
+        let p = self.pending.get_mut(&popped.key)?;
+        if p.uid != popped.uid || !matches!(p.phase, Phase::Scheduling | Phase::Binding) {
             return None;
         }
         p.attempts += 1;
         p.last_attempt = Some(now);
-        let attempts = p.attempts;
-        let pod = p.pod.clone();
-        self.reasons.insert(key.to_owned(), message.to_owned());
-        if kind == FailureKind::Unschedulable && move_seq == cycle_move_seq {
-            let seq = self.next_seq();
-            if let Some(p) = self.pending.get_mut(key) {
-                p.phase = Phase::Unschedulable(now);
-                p.seq = seq;
-            }
-            self.unschedulable.push(Reverse((now, seq, key.to_owned())));
+        let (attempts, pod) = (p.attempts, p.pod.clone());
+        self.reasons.insert(popped.key.clone(), message.to_owned());
+        let phase = if kind == FailureKind::Unschedulable && self.move_seq == popped.move_seq {
+            Phase::Unschedulable(now)
         } else {
-            let until = now + self.backoff_for(attempts);
-            self.enter_backoff(key, until);
-        }
+            Phase::Backoff(now + self.backoff_for(attempts))
+        };
+        self.enqueue(&popped.key, phase);
         Some(pod)
     }
 
@@ -284,4 +262,18 @@ impl State {
     pub fn phase(&self, key: &str) -> Option<Phase> {
         self.pending.get(key).map(|p| p.phase)
     }
+}
+
+/// The heap's entries due by `now` (their instant plus `wait`), popped: (seq, key) each.
+fn pop_due(heap: &mut WaitingPods, wait: Duration, now: Instant) -> Vec<(u64, PodKey)> {
+    let mut due = Vec::new();
+    while let Some(Reverse((at, _, _))) = heap.peek()
+        && *at + wait <= now
+    {
+        let Some(Reverse((_, seq, key))) = heap.pop() else {
+            break;
+        };
+        due.push((seq, key));
+    }
+    due
 }
