@@ -11,7 +11,7 @@ use std::collections::{BTreeMap, BTreeSet};
 use std::future::Future;
 use std::path::{Path, PathBuf};
 use std::pin::Pin;
-use std::process::{Command, ExitCode};
+use std::process::ExitCode;
 use std::time::{Duration, Instant};
 
 use anyhow::{Context, bail, ensure};
@@ -20,15 +20,16 @@ use gpushare_contract::{DEFAULT_RESOURCE, Keys, env};
 use gpushare_e2e::cluster::wait_for;
 use gpushare_e2e::fixtures;
 use gpushare_e2e::preemption;
-use gpushare_e2e::realk8s::prometheus::{self, Prometheus};
-use gpushare_e2e::realk8s::{Kit, KitCluster, Mode, barrage, load};
+use gpushare_e2e::realk8s::prometheus::Prometheus;
+use gpushare_e2e::realk8s::{Kit, KitCluster, Mode, barrage, items, load, text};
 use gpushare_e2e::scenarios::{
     Harness, START_TIMEOUT, allocation, check_no_overcommit, check_pinned, create_gpu_pod,
-    create_pod, delete_pod, get_pod, phase, scheduling_message, wait_bound, wait_running,
-    wait_unschedulable,
+    create_pod, delete_pod, events_with_reason, get_pod, phase, scheduling_message, wait_bound,
+    wait_running, wait_unschedulable,
 };
+use gpushare_testkit::workload::{Placed, allocated_pod};
 use k8s_openapi::api::core::v1::{Node, Pod};
-use k8s_openapi::apimachinery::pkg::api::resource::Quantity;
+use k8s_openapi::api::resource::v1::ResourceClaimTemplate;
 use kube::api::{Api, ListParams, Patch, PatchParams, PostParams};
 
 #[path = "real/allocation_policy.rs"]
@@ -48,14 +49,15 @@ macro_rules! scenarios {
 /// One install of the chart and the scenarios that run on it, in order.
 struct Group {
     mode: Mode,
-    helm_args: &'static [&'static str],
+    /// Added to `helm install`, as typed (split at whitespace; no quoting).
+    helm_args: &'static str,
     scenarios: &'static [(&'static str, Scenario)],
 }
 
 const GROUPS: &[Group] = &[
     Group {
         mode: Mode::Extender,
-        helm_args: &[],
+        helm_args: "",
         scenarios: scenarios![
             readme_story,
             the_readme_pod_runs_pinned,
@@ -91,22 +93,12 @@ const GROUPS: &[Group] = &[
         // neither scenario touches what the other turns off.
         // And the node watch by the driver's figures (the simulated backend's usage file),
         // evicting past a 2 s grace: no other scenario of the group writes that file.
-        helm_args: &[
-            "--set",
-            "allocationPolicy.enabled=false",
-            "--set",
-            "scheduler.extender.preempt=false",
-            "--set",
-            "devicePlugin.usage.enabled=true",
-            "--set",
-            "devicePlugin.usage.periodSeconds=1",
-            "--set",
-            "isolation.overShare=evict",
-            "--set",
-            "isolation.overShareGraceSeconds=2",
-            "--set-json",
-            r#"devicePlugin.extraEnv=[{"name":"GPUSHARE_SIMULATE_USAGE_FILE","value":"/tmp/gpushare-realk8s-usage.json"}]"#,
-        ],
+        helm_args: r#"
+            --set allocationPolicy.enabled=false --set scheduler.extender.preempt=false
+            --set devicePlugin.usage.enabled=true --set devicePlugin.usage.periodSeconds=1
+            --set isolation.overShare=evict --set isolation.overShareGraceSeconds=2
+            --set-json devicePlugin.extraEnv=[{"name":"GPUSHARE_SIMULATE_USAGE_FILE","value":"/tmp/gpushare-realk8s-usage.json"}]
+        "#,
         scenarios: scenarios![
             // First: it checks the cluster's GPU memory totals, with only its own pods.
             a_real_prometheus_answers_the_dashboard_and_the_alerts,
@@ -124,10 +116,7 @@ const GROUPS: &[Group] = &[
     Group {
         mode: Mode::Dra,
         // The simulated GPUs' health file, so a scenario can make a GPU unhealthy.
-        helm_args: &[
-            "--set-json",
-            r#"dra.extraEnv=[{"name":"GPUSHARE_SIMULATE_HEALTH_FILE","value":"/tmp/gpushare-realk8s-unhealthy-gpus"}]"#,
-        ],
+        helm_args: r#"--set-json dra.extraEnv=[{"name":"GPUSHARE_SIMULATE_HEALTH_FILE","value":"/tmp/gpushare-realk8s-unhealthy-gpus"}]"#,
         scenarios: scenarios![
             // First: it checks node-k's GPU memory with nothing else booked.
             dra_a_real_prometheus_answers_the_dashboard_and_the_alerts,
@@ -151,20 +140,21 @@ fn main() -> ExitCode {
         .filter(|arg| !arg.starts_with('-'))
         .collect();
     if std::env::args().any(|arg| arg == "--list") {
-        for group in GROUPS {
-            for (name, _) in group.scenarios {
-                println!("real::{name}: test");
-            }
+        for (name, _) in GROUPS.iter().flat_map(|group| group.scenarios) {
+            println!("real::{name}: test");
         }
         return ExitCode::SUCCESS;
     }
     let in_ci = std::env::var("CI").is_ok_and(|v| v == "true");
+    let set_up_failed = |why: String| {
+        eprintln!("real tier: FAILED: {why}");
+        println!("0 passed, 1 failed");
+        ExitCode::FAILURE
+    };
     let kit = match Kit::locate() {
         Ok(Some(kit)) => kit,
         Ok(None) if in_ci => {
-            eprintln!("real tier: FAILED: CI=true but the kit ../shared/realk8s is absent");
-            println!("0 passed, 1 failed");
-            return ExitCode::FAILURE;
+            return set_up_failed("CI=true but the kit ../shared/realk8s is absent".into());
         }
         Ok(None) => {
             eprintln!(
@@ -174,37 +164,27 @@ fn main() -> ExitCode {
             println!("0 passed, 0 failed, 1 skipped");
             return ExitCode::SUCCESS;
         }
-        Err(error) => {
-            eprintln!("real tier: FAILED to set up the kit: {error:#}");
-            println!("0 passed, 1 failed");
-            return ExitCode::FAILURE;
-        }
+        Err(error) => return set_up_failed(format!("setting up the kit: {error:#}")),
     };
-    let runtime = match tokio::runtime::Builder::new_multi_thread()
+    let runtime = tokio::runtime::Builder::new_multi_thread()
         .worker_threads(2)
         .enable_all()
-        .build()
-    {
+        .build();
+    let runtime = match runtime {
         Ok(runtime) => runtime,
-        Err(error) => {
-            eprintln!("real tier: no tokio runtime: {error}");
-            return ExitCode::FAILURE;
-        }
+        Err(error) => return set_up_failed(format!("no tokio runtime: {error}")),
     };
     let selected = |name: &str| filters.is_empty() || filters.iter().any(|f| name.contains(f));
     let (mut passed, mut failed) = (0, 0);
     let started = Instant::now();
     for group in GROUPS {
-        let chosen: Vec<_> = group
-            .scenarios
-            .iter()
-            .filter(|(name, _)| selected(name))
-            .collect();
+        let scenarios = group.scenarios.iter();
+        let chosen: Vec<_> = scenarios.filter(|(name, _)| selected(name)).collect();
         if chosen.is_empty() {
             continue;
         }
         let up_started = Instant::now();
-        let cluster = match runtime.block_on(kit.up(group.mode, group.helm_args)) {
+        let cluster = match runtime.block_on(kit.up(group.mode, &words(group.helm_args))) {
             Ok(cluster) => cluster,
             Err(error) => {
                 for (name, _) in &chosen {
@@ -229,26 +209,18 @@ fn main() -> ExitCode {
                 outcome.and(cleanup)
             });
             let seconds = t0.elapsed().as_secs_f64();
-            match result {
-                Ok(()) => {
-                    passed += 1;
-                    println!("test real::{name} ... ok ({seconds:.1} s)");
-                }
-                Err(error) => {
-                    failed += 1;
-                    println!("test real::{name} ... FAILED ({seconds:.1} s)\n{error:#}");
-                }
+            match &result {
+                Ok(()) => println!("test real::{name} ... ok ({seconds:.1} s)"),
+                Err(error) => println!("test real::{name} ... FAILED ({seconds:.1} s)\n{error:#}"),
             }
+            passed += usize::from(result.is_ok());
+            failed += usize::from(result.is_err());
         }
         drop(cluster);
     }
     println!("real tier: {:.1} s in all", started.elapsed().as_secs_f64());
     println!("{passed} passed, {failed} failed");
-    if failed == 0 {
-        ExitCode::SUCCESS
-    } else {
-        ExitCode::FAILURE
-    }
+    ExitCode::from(u8::from(failed > 0))
 }
 
 /// The README's story as a user types it: plain pods (no `schedulerName`) of 4 GiB on the
@@ -256,9 +228,8 @@ fn main() -> ExitCode {
 /// fit, the one that fits nowhere waits with its reason, and a deleted pod frees its share.
 async fn readme_story(c: &KitCluster) -> anyhow::Result<()> {
     // On 1.36 the chart's `auto` routing is the API server's own policy, not the webhook.
-    let routing = c.kubectl(&words(
-        "get mutatingadmissionpolicies,mutatingwebhookconfigurations -o name",
-    ))?;
+    let command = "get mutatingadmissionpolicies,mutatingwebhookconfigurations -o name";
+    let routing = c.kubectl(&words(command))?;
     ensure!(
         routing.trim()
             == "mutatingadmissionpolicy.admissionregistration.k8s.io/gpushare-route-pods",
@@ -367,16 +338,7 @@ async fn compute_shares_land_only_where_memory_and_compute_fit(
         (advertised == ["200"]).then_some(())
     })
     .await?;
-    let pods: Api<Pod> = Api::namespaced(c.client(), "default");
-    let names = ["compute-1", "compute-2", "compute-3"];
-    for name in names {
-        let pod = fixtures::pod(name).gpu_mem(4).gpu_compute(60).build();
-        create_pod(c, pod).await?;
-    }
-    // kube-scheduler takes them in no promised order: any two run, one per GPU.
-    let (running, waiting) = two_of_three_run(&pods, names, secs(60)).await?;
-    let mut gpus = BTreeSet::new();
-    for name in &running {
+    let gpu_of = async |name: &str| -> anyhow::Result<String> {
         let taken = allocation(&pinned(c, name).await?)?;
         ensure!(
             taken.compute == 60,
@@ -387,13 +349,11 @@ async fn compute_shares_land_only_where_memory_and_compute_fit(
             env.get(env::COMPUTE_PERCENT).map(String::as_str) == Some("60"),
             "{name} should be told its compute share: {env:?}"
         );
-        gpus.insert(taken.gpu_uuid);
-    }
-    ensure!(
-        gpus.len() == 2,
-        "two 60 % pods must not share a GPU: {gpus:?}"
-    );
-    let reason = wait_unschedulable(c, waiting).await?;
+        Ok(taken.gpu_uuid)
+    };
+    let names = ["compute-1", "compute-2", "compute-3"];
+    let (running, waiting, reason) =
+        two_of_three_sixty_percent_pods(c, (names, 4), secs(60), |_| Ok(()), gpu_of).await?;
     ensure!(
         reason.contains("compute"),
         "{waiting} should wait for compute, and say so: {reason}"
@@ -412,7 +372,7 @@ async fn compute_shares_land_only_where_memory_and_compute_fit(
         "a pod asking for compute alone should be refused with the reason: {reason}"
     );
     let gone = &running[0];
-    let freed = allocation(&pods.get(gone).await?)?.gpu_uuid;
+    let freed = allocation(&get_pod(c, gone).await?)?.gpu_uuid;
     delete_pod(c, gone).await?;
     let third = pinned(c, waiting).await?;
     ensure!(
@@ -422,17 +382,25 @@ async fn compute_shares_land_only_where_memory_and_compute_fit(
     no_overcommit(c).await
 }
 
-/// Waits until two of the three 60 % compute pods `names` run (kube-scheduler promises no
-/// order among them), and checks that the third does not: returns the two and the third.
-async fn two_of_three_run(
-    pods: &Api<Pod>,
-    names: [&'static str; 3],
+/// Three pods `names` of `gib` GiB and 60 % compute on the node's two GPUs, each checked by
+/// `created` as admission left it: kube-scheduler takes them in no promised order, so any two
+/// run (within `within`), one per GPU (`gpu_of` checks a running one and names its GPU),
+/// and the third does not, though the node's compute has room for it. Returns the two, the
+/// third and the reason it waits.
+async fn two_of_three_sixty_percent_pods(
+    c: &KitCluster,
+    (names, gib): ([&'static str; 3], u64),
     within: Duration,
-) -> anyhow::Result<(Vec<String>, &'static str)> {
+    created: impl Fn(&Pod) -> anyhow::Result<()>,
+    gpu_of: impl AsyncFn(&str) -> anyhow::Result<String>,
+) -> anyhow::Result<(Vec<String>, &'static str, String)> {
+    for name in names {
+        created(&create_pod(c, fixtures::pod(name).gpu_mem(gib).gpu_compute(60).build()).await?)?;
+    }
     let running: Vec<String> = wait_for("two of the three compute pods to run", within, || async {
         let mut running = Vec::new();
         for name in names {
-            if phase(&pods.get(name).await.ok()?) == "Running" {
+            if phase(&get_pod(c, name).await.ok()?) == "Running" {
                 running.push(name.to_owned());
             }
         }
@@ -447,7 +415,16 @@ async fn two_of_three_run(
         .into_iter()
         .find(|name| !running.iter().any(|r| r == name))
         .context("one compute pod waits")?;
-    Ok((running, waiting))
+    let mut gpus = BTreeSet::new();
+    for name in &running {
+        gpus.insert(gpu_of(name).await?);
+    }
+    ensure!(
+        gpus.len() == 2,
+        "two 60 % pods must not share a GPU: {gpus:?}"
+    );
+    let reason = wait_unschedulable(c, waiting).await?;
+    Ok((running, waiting, reason))
 }
 
 /// A user the chart does not trust.
@@ -455,19 +432,28 @@ const ATTACKER: &str = "system:serviceaccount:default:notebook";
 
 /// The write was refused by the chart's allocation policy (403, naming it), saying `hint`.
 fn refused<T: std::fmt::Debug>(result: Result<T, kube::Error>, hint: &str) -> anyhow::Result<()> {
+    refused_by("gpushare-allocations", 403, result, hint)
+}
+
+/// The write was refused with `code` by the chart's ValidatingAdmissionPolicy `policy`
+/// (naming it), saying `hint`.
+fn refused_by<T: std::fmt::Debug>(
+    policy: &str,
+    code: u16,
+    result: Result<T, kube::Error>,
+    hint: &str,
+) -> anyhow::Result<()> {
+    let policy = format!("ValidatingAdmissionPolicy '{policy}'");
     match result {
         Err(kube::Error::Api(status)) => {
+            let message = &status.message;
             ensure!(
-                status.code == 403
-                    && status
-                        .message
-                        .contains("ValidatingAdmissionPolicy 'gpushare-allocations'")
-                    && status.message.contains(hint),
-                "expected a 403 from the allocation policy saying {hint:?}, got {status:?}"
+                status.code == code && message.contains(&policy) && message.contains(hint),
+                "expected a {code} from {policy} saying {hint:?}, got {status:?}"
             );
             Ok(())
         }
-        Err(other) => bail!("expected the allocation policy to refuse, got {other}"),
+        Err(other) => bail!("expected {policy} to refuse, got {other}"),
         Ok(admitted) => bail!("the write was admitted: {admitted:?}"),
     }
 }
@@ -524,11 +510,19 @@ async fn no_overcommit(c: &KitCluster) -> anyhow::Result<()> {
     check_no_overcommit(&c.client()).await.map(drop)
 }
 
-/// The resource limits of `pod`'s first container.
-fn first_limits(pod: &Pod) -> BTreeMap<String, Quantity> {
+/// DRA mode's admission left `pod`'s first container no extended resource of gpushare's
+/// (memory or compute): the chart's policy turned them into a claim.
+fn converted(pod: &Pod) -> anyhow::Result<()> {
     let spec = pod.spec.as_ref();
     let resources = spec.and_then(|s| s.containers[0].resources.as_ref());
-    resources.and_then(|r| r.limits.clone()).unwrap_or_default()
+    let limits = resources.and_then(|r| r.limits.clone()).unwrap_or_default();
+    let compute = gpushare_contract::request::compute_resource_of(DEFAULT_RESOURCE);
+    ensure!(
+        !limits.contains_key(&compute) && !limits.contains_key(DEFAULT_RESOURCE),
+        "{} kept an extended resource in DRA mode: {limits:?}",
+        pod.metadata.name.as_deref().unwrap_or_default()
+    );
+    Ok(())
 }
 
 /// The node `pod` is bound to.
@@ -564,21 +558,14 @@ fn words(line: &str) -> Vec<&str> {
 async fn pod_security_restricted_default_and_a_baseline_release_namespace(
     c: &KitCluster,
 ) -> anyhow::Result<()> {
-    let label = |namespace: &str, value: Option<&str>| {
-        let label = match value {
-            Some(level) => format!("pod-security.kubernetes.io/enforce={level}"),
-            None => "pod-security.kubernetes.io/enforce-".to_owned(),
-        };
-        c.kubectl(&["label", "namespace", namespace, &label, "--overwrite"])
-    };
-    label("default", Some("restricted"))?;
+    enforce_pod_security(c, "default", Some("restricted"))?;
     let upgraded = upgrade(c, &["--wait"]);
-    label("default", None)?;
+    enforce_pod_security(c, "default", None)?;
     upgraded.context("helm upgrade with default enforcing restricted (the routing check)")?;
 
-    label("kube-system", Some("baseline"))?;
+    enforce_pod_security(c, "kube-system", Some("baseline"))?;
     let rendered = c.release("template", &["--dry-run=server"]);
-    label("kube-system", None)?;
+    enforce_pod_security(c, "kube-system", None)?;
     let error = match rendered {
         Ok(_) => bail!("the chart rendered for a release namespace enforcing baseline"),
         Err(error) => format!("{error:#}"),
@@ -591,37 +578,44 @@ async fn pod_security_restricted_default_and_a_baseline_release_namespace(
     Ok(())
 }
 
+/// Labels `namespace` to enforce the Pod Security `level`, or no level.
+fn enforce_pod_security(
+    c: &KitCluster,
+    namespace: &str,
+    level: Option<&str>,
+) -> anyhow::Result<()> {
+    let label = match level {
+        Some(level) => format!("pod-security.kubernetes.io/enforce={level}"),
+        None => "pod-security.kubernetes.io/enforce-".to_owned(),
+    };
+    c.kubectl(&["label", "namespace", namespace, &label, "--overwrite"])?;
+    Ok(())
+}
+
 /// A way in from Alibaba's gpushare: a node whose GPU 0 already runs a 12 GiB pod placed by
 /// the classic extender (its `ALIYUN_COM_GPU_MEM_*` annotations, no gpushare ones, bound
 /// before the switch; created here with `nodeName`, which this group's values allow). Eight
 /// 8 GiB pods then ask for that node's four 16 GiB GPUs: six fit, none on GPU 0 (8 more there
 /// would over-commit it), two wait, and the classic pod runs on untouched.
 async fn pods_placed_by_the_classic_gpushare_keep_their_gpus(c: &KitCluster) -> anyhow::Result<()> {
-    let nodes = FakeNodes::create(c, "classic");
-    on_fake_nodes(c, nodes, classic_pods_keep_their_gpus(c)).await
-}
-
-async fn classic_pods_keep_their_gpus(c: &KitCluster) -> anyhow::Result<()> {
-    use gpushare_contract::allocation::classic;
-    let old = fixtures::pod("placed-by-classic")
-        .gpu_mem(12)
-        .on_node("classic-0")
-        .annotation(classic::GPU_INDEX, "0")
-        .annotation(classic::POD_MEM, "12")
-        .annotation(classic::DEVICE_MEM, "16")
-        .annotation(classic::ASSIGNED, "true")
-        .build();
-    create_pod(c, old).await?;
-    let mut bound = Vec::new();
-    for i in 0..8 {
-        let pod = gib_pod(&format!("after-switch-{i}"), 8);
-        create_pod(c, limited_to(pod, &["classic-0"], None)?).await?;
-    }
-    // Six fit beside the classic pod (GPUs 1 to 3, two each); wait for them, then look at all.
-    let settled = wait_for(
-        "six of the eight to be bound with an allocation",
-        secs(90),
-        || async {
+    on_fake_nodes(c, fake_nodes("classic"), async {
+        use gpushare_contract::allocation::classic;
+        let old = fixtures::pod("placed-by-classic")
+            .gpu_mem(12)
+            .on_node("classic-0")
+            .annotation(classic::GPU_INDEX, "0")
+            .annotation(classic::POD_MEM, "12")
+            .annotation(classic::DEVICE_MEM, "16")
+            .annotation(classic::ASSIGNED, "true")
+            .build();
+        create_pod(c, old).await?;
+        for i in 0..8 {
+            let pod = gib_pod(&format!("after-switch-{i}"), 8);
+            create_pod(c, limited_to(pod, &["classic-0"], None)?).await?;
+        }
+        // Six fit beside the classic pod (GPUs 1 to 3, two each); wait for them, then look at all.
+        let what = "six of the eight to be bound with an allocation";
+        let bound = wait_for(what, secs(90), || async {
             let mut placed = Vec::new();
             for i in 0..8 {
                 let pod = get_pod(c, &format!("after-switch-{i}")).await.ok()?;
@@ -630,29 +624,29 @@ async fn classic_pods_keep_their_gpus(c: &KitCluster) -> anyhow::Result<()> {
                 }
             }
             (placed.len() >= 6).then_some(placed)
-        },
-    )
-    .await?;
-    bound.extend(settled);
-    ensure!(
-        bound.iter().all(|(_, gpu)| *gpu != 0),
-        "a pod went onto GPU 0, which the classic pod fills: {bound:?}"
-    );
-    ensure!(bound.len() == 6, "more than six bound: {bound:?}");
-    for i in (0..8).filter(|i| !bound.iter().any(|(b, _)| b == i)) {
-        let why = wait_unschedulable(c, &format!("after-switch-{i}")).await?;
-        let pod = get_pod(c, &format!("after-switch-{i}")).await?;
+        })
+        .await?;
         ensure!(
-            node_of(&pod).is_none(),
-            "after-switch-{i} was bound after all: {why}"
+            bound.iter().all(|(_, gpu)| *gpu != 0),
+            "a pod went onto GPU 0, which the classic pod fills: {bound:?}"
         );
-    }
-    let old = get_pod(c, "placed-by-classic").await?;
-    ensure!(
-        old.metadata.deletion_timestamp.is_none() && node_of(&old) == Some("classic-0"),
-        "the classic pod keeps its place"
-    );
-    Ok(())
+        ensure!(bound.len() == 6, "more than six bound: {bound:?}");
+        for i in (0..8).filter(|i| !bound.iter().any(|(b, _)| b == i)) {
+            let why = wait_unschedulable(c, &format!("after-switch-{i}")).await?;
+            let pod = get_pod(c, &format!("after-switch-{i}")).await?;
+            ensure!(
+                node_of(&pod).is_none(),
+                "after-switch-{i} was bound after all: {why}"
+            );
+        }
+        let old = get_pod(c, "placed-by-classic").await?;
+        ensure!(
+            old.metadata.deletion_timestamp.is_none() && node_of(&old) == Some("classic-0"),
+            "the classic pod keeps its place"
+        );
+        Ok(())
+    })
+    .await
 }
 
 /// The chart's metrics as a cluster's Prometheus sees them (the chart's ServiceMonitors
@@ -664,9 +658,70 @@ async fn classic_pods_keep_their_gpus(c: &KitCluster) -> anyhow::Result<()> {
 async fn a_real_prometheus_answers_the_dashboard_and_the_alerts(
     c: &KitCluster,
 ) -> anyhow::Result<()> {
-    let result = prometheus_answers(c).await;
-    std::fs::write(USAGE_FILE, "")?;
-    result
+    emptied_around(USAGE_FILE, async {
+        let (prometheus, alerts) = chart_prometheus(c, "alerts.yaml").await?;
+        let a = running_pinned(c, "seen-a", 4).await?;
+        let b = running_pinned(c, "seen-b", 8).await?;
+        let usage = r#"{"default/seen-a": "3Gi", "default/seen-b": "5Gi"}"#;
+        std::fs::write(USAGE_FILE, usage)?;
+        // Bytes booked by GPU index, as the `gpu` label says it.
+        let mut booked = BTreeMap::<String, f64>::new();
+        for (pod, gib) in [(&a, 4.0), (&b, 8.0)] {
+            let gpu = allocation(pod)?.gpu_index.to_string();
+            *booked.entry(gpu).or_default() += gib * GIB;
+        }
+        let by = |expr: &str, label: &str| -> anyhow::Result<BTreeMap<String, f64>> {
+            Ok(prometheus
+                .query(expr)?
+                .into_iter()
+                .map(|s| {
+                    let key = s.labels.get(label).and_then(|v| v.as_str()).unwrap_or("");
+                    (key.to_owned(), s.value)
+                })
+                .collect())
+        };
+        let used = r#"sum by (pod) (gpushare_device_plugin_pod_used_bytes{namespace="default",node="node-k"})"#;
+        let what = "Prometheus to show both pods' use and their bookings";
+        prometheus_shows(&prometheus, what, |last| {
+            let used = by(used, "pod")?;
+            let mut allocated = by(
+                r#"max by (gpu) (gpushare_gpu_allocated_bytes{node="node-k"})"#,
+                "gpu",
+            )?;
+            let targets = prometheus.targets()?;
+            // The extender's replicas and the device plugin, each scraped.
+            let all_up = targets.len() >= 2 && targets.iter().all(|(_, health, _)| health == "up");
+            *last = format!("used {used:?}, allocated {allocated:?}, targets {targets:?}");
+            allocated.retain(|_, bytes| *bytes > 0.0);
+            Ok(all_up
+                && used.get("seen-a") == Some(&(3.0 * GIB))
+                && used.get("seen-b") == Some(&(5.0 * GIB))
+                && allocated == booked)
+        })
+        .await?;
+        let one = |expr: &str| -> anyhow::Result<f64> {
+            let samples = prometheus.query(expr)?;
+            ensure!(samples.len() == 1, "{expr}: {samples:?}");
+            Ok(samples[0].value)
+        };
+        ensure!(one("sum(gpushare_extender_leader)")? == 1.0, "one leader");
+        ensure!(
+            one(r#"sum(max by (gpu) (gpushare_gpu_capacity_bytes{node="node-k"}))"#)? == 31.0 * GIB,
+            "capacity of node-k's 15 and 16 GiB GPUs"
+        );
+        let healthy = by(
+            r#"gpushare_device_plugin_gpu_healthy{node="node-k"}"#,
+            "uuid",
+        )?;
+        ensure!(
+            healthy.len() == 2 && healthy.values().all(|v| *v == 1.0),
+            "both GPUs healthy: {healthy:?}"
+        );
+        println!("  Prometheus: targets up, 1 leader, allocated per GPU {booked:?}, used 3 and 5 GiB");
+
+        quiet_rules_and_dashboard(&prometheus, &alerts).await
+    })
+    .await
 }
 
 /// DRA mode's metrics on a real Prometheus: the ServiceMonitor the chart renders there (the
@@ -676,7 +731,7 @@ async fn a_real_prometheus_answers_the_dashboard_and_the_alerts(
 async fn dra_a_real_prometheus_answers_the_dashboard_and_the_alerts(
     c: &KitCluster,
 ) -> anyhow::Result<()> {
-    let (prometheus, alerts, _discovery) = chart_prometheus(c, "alerts-dra.yaml").await?;
+    let (prometheus, alerts) = chart_prometheus(c, "alerts-dra.yaml").await?;
     let capacity = r#"sum(max by (gpu) (gpushare_gpu_capacity_bytes{node="node-k"}))"#;
     prometheus_shows(&prometheus, "Prometheus to scrape the extender", |last| {
         let targets = prometheus.targets()?;
@@ -712,16 +767,9 @@ async fn prometheus_shows(
 }
 
 /// A real Prometheus scraping what the chart's ServiceMonitors select in this install, with
-/// the chart's alert rules `files/<alerts>` loaded. Discovery follows the EndpointSlices as
-/// Prometheus' own Kubernetes discovery does: a task rewrites the file-discovery files every
-/// second (a replica that turns ready after the start, often the leader, is scraped too) as
-/// long as the returned [`LiveDiscovery`] lives.
-async fn chart_prometheus(
-    c: &KitCluster,
-    alerts: &str,
-) -> anyhow::Result<(Prometheus, PathBuf, LiveDiscovery)> {
+/// the chart's alert rules `files/<alerts>` loaded (and the path of those).
+async fn chart_prometheus(c: &KitCluster, alerts: &str) -> anyhow::Result<(Prometheus, PathBuf)> {
     use serde::Deserialize as _;
-    let chart = c.chart_dir();
     let values_file = c.release_values("prometheus-values.yaml")?;
     let values_file = values_file.to_string_lossy();
     let mut args = vec!["-f", &values_file];
@@ -730,157 +778,25 @@ async fn chart_prometheus(
          --show-only templates/servicemonitor.yaml",
     ));
     let rendered = c.release("template", &args)?;
-    let sd_dir = tempfile::tempdir()?;
     let mut monitors = Vec::new();
-    let mut jobs = Vec::new();
     for doc in serde_yaml::Deserializer::from_str(&rendered) {
         let monitor = serde_json::to_value(serde_yaml::Value::deserialize(doc)?)?;
-        if monitor["kind"] != "ServiceMonitor" {
-            continue;
+        if monitor["kind"] == "ServiceMonitor" {
+            monitors.push(monitor);
         }
-        let targets = sd_dir.path().join(format!("targets-{}.json", jobs.len()));
-        jobs.push(prometheus::scrape_config(&monitor, 0, &targets)?);
-        monitors.push((monitor, targets));
     }
-    ensure!(!jobs.is_empty(), "no ServiceMonitor rendered: {rendered}");
-    // Just after an install the monitored replicas may not be ready yet: their endpoints are
-    // waited for, as Prometheus itself would keep looking.
-    let deadline = tokio::time::Instant::now() + secs(60);
-    loop {
-        write_discovery(&c.client(), &monitors).await?;
-        let empty = monitors
-            .iter()
-            .find(|(_, targets)| std::fs::read_to_string(targets).ok().as_deref() == Some("[]"));
-        let Some((monitor, _)) = empty else { break };
-        ensure!(
-            tokio::time::Instant::now() < deadline,
-            "no ready endpoint after 60 s for {monitor}"
-        );
-        tokio::time::sleep(std::time::Duration::from_millis(250)).await;
-    }
-    let client = c.client();
-    // Held from here, so that any failure below stops the task with it.
-    let discovery = LiveDiscovery {
-        _dir: sd_dir,
-        refresher: tokio::spawn(async move {
-            loop {
-                tokio::time::sleep(secs(1)).await;
-                if let Err(error) = write_discovery(&client, &monitors).await {
-                    eprintln!("  Prometheus discovery: {error:#}");
-                }
-            }
-        }),
-    };
+    ensure!(
+        !monitors.is_empty(),
+        "no ServiceMonitor rendered: {rendered}"
+    );
     let tools = gpushare_e2e::tools::promtool()?
         .parent()
         .context("tools dir")?
         .to_path_buf();
-    let alerts = chart.join("files").join(alerts);
-    let prometheus = Prometheus::start(&tools, jobs, std::slice::from_ref(&alerts)).await?;
-    Ok((prometheus, alerts, discovery))
-}
-
-/// The file-discovery folder of [`chart_prometheus`] and the task keeping it current.
-struct LiveDiscovery {
-    _dir: tempfile::TempDir,
-    refresher: tokio::task::JoinHandle<()>,
-}
-
-/// Aborting takes effect at the task's next await: a write in progress on another worker may
-/// still finish, or fail on the folder being removed (at worst one printed error).
-impl Drop for LiveDiscovery {
-    fn drop(&mut self) {
-        self.refresher.abort();
-    }
-}
-
-/// Each monitor's ready endpoints written to its discovery file, through a rename so that
-/// Prometheus never reads half a file; an unchanged file is left alone.
-async fn write_discovery(
-    client: &kube::Client,
-    monitors: &[(serde_json::Value, PathBuf)],
-) -> anyhow::Result<()> {
-    for (monitor, targets) in monitors {
-        let groups = prometheus::discover(client, monitor, 0).await?;
-        let text = serde_json::to_string(&groups)?;
-        if std::fs::read_to_string(targets).ok().as_deref() == Some(text.as_str()) {
-            continue;
-        }
-        let fresh = targets.with_extension("json.new");
-        std::fs::write(&fresh, &text)?;
-        std::fs::rename(&fresh, targets)?;
-    }
-    Ok(())
-}
-
-async fn prometheus_answers(c: &KitCluster) -> anyhow::Result<()> {
-    let (prometheus, alerts, _discovery) = chart_prometheus(c, "alerts.yaml").await?;
-    let a = running_pinned(c, "seen-a", 4).await?;
-    let b = running_pinned(c, "seen-b", 8).await?;
-    let usage = r#"{"default/seen-a": "3Gi", "default/seen-b": "5Gi"}"#;
-    std::fs::write(USAGE_FILE, usage)?;
-    let mut booked = BTreeMap::<u32, f64>::new();
-    for (pod, gib) in [(&a, 4.0), (&b, 8.0)] {
-        *booked.entry(allocation(pod)?.gpu_index).or_default() += gib * GIB;
-    }
-    let by = |expr: &str, label: &str| -> anyhow::Result<BTreeMap<String, f64>> {
-        Ok(prometheus
-            .query(expr)?
-            .into_iter()
-            .map(|s| {
-                let key = s.labels.get(label).and_then(|v| v.as_str()).unwrap_or("");
-                (key.to_owned(), s.value)
-            })
-            .collect())
-    };
-    let used = r#"sum by (pod) (gpushare_device_plugin_pod_used_bytes{namespace="default",node="node-k"})"#;
-    let what = "Prometheus to show both pods' use and their bookings";
-    prometheus_shows(&prometheus, what, |last| {
-        let used = by(used, "pod")?;
-        let allocated = by(
-            r#"max by (gpu) (gpushare_gpu_allocated_bytes{node="node-k"})"#,
-            "gpu",
-        )?;
-        let targets = prometheus.targets()?;
-        // The extender's replicas and the device plugin, each scraped.
-        let all_up = targets.len() >= 2 && targets.iter().all(|(_, health, _)| health == "up");
-        *last = format!("used {used:?}, allocated {allocated:?}, targets {targets:?}");
-        let want_allocated: BTreeMap<String, f64> = booked
-            .iter()
-            .map(|(gpu, bytes)| (gpu.to_string(), *bytes))
-            .collect();
-        Ok(all_up
-            && used.get("seen-a") == Some(&(3.0 * GIB))
-            && used.get("seen-b") == Some(&(5.0 * GIB))
-            && allocated
-                .iter()
-                .filter(|(_, v)| **v > 0.0)
-                .map(|(k, v)| (k.clone(), *v))
-                .collect::<BTreeMap<_, _>>()
-                == want_allocated)
-    })
-    .await?;
-    let one = |expr: &str| -> anyhow::Result<f64> {
-        let samples = prometheus.query(expr)?;
-        ensure!(samples.len() == 1, "{expr}: {samples:?}");
-        Ok(samples[0].value)
-    };
-    ensure!(one("sum(gpushare_extender_leader)")? == 1.0, "one leader");
-    ensure!(
-        one(r#"sum(max by (gpu) (gpushare_gpu_capacity_bytes{node="node-k"}))"#)? == 31.0 * GIB,
-        "capacity of node-k's 15 and 16 GiB GPUs"
-    );
-    let healthy = by(
-        r#"gpushare_device_plugin_gpu_healthy{node="node-k"}"#,
-        "uuid",
-    )?;
-    ensure!(
-        healthy.len() == 2 && healthy.values().all(|v| *v == 1.0),
-        "both GPUs healthy: {healthy:?}"
-    );
-    println!("  Prometheus: targets up, 1 leader, allocated per GPU {booked:?}, used 3 and 5 GiB");
-
-    quiet_rules_and_dashboard(&prometheus, &alerts).await
+    let alerts = c.chart_dir().join("files").join(alerts);
+    let rules = std::slice::from_ref(&alerts);
+    let prometheus = Prometheus::start(&tools, &c.client(), monitors, rules).await?;
+    Ok((prometheus, alerts))
 }
 
 /// Every rule of `alerts` evaluates without error and no alert expression returns a series
@@ -961,17 +877,18 @@ fn collect_exprs(panels: &serde_json::Value, exprs: &mut Vec<String>) {
 /// cluster: node-k, the default namespace, any model, one-minute ranges.
 fn dashboard_expr(expr: &str) -> String {
     let mut out = expr.to_owned();
-    for (from, to) in [
-        ("$__rate_interval", "1m"),
-        ("${__rate_interval}", "1m"),
-        ("$__interval", "1m"),
-        ("$__range", "5m"),
-        ("${node}", "node-k"),
-        ("$node", "node-k"),
-        ("${namespace}", "default"),
-        ("$namespace", "default"),
-    ] {
-        out = out.replace(from, to);
+    let values = [
+        ("__rate_interval", "1m"),
+        ("__interval", "1m"),
+        ("__range", "5m"),
+    ];
+    for (name, value) in values
+        .into_iter()
+        .chain([("node", KIT_NODE), ("namespace", "default")])
+    {
+        out = out
+            .replace(&format!("${{{name}}}"), value)
+            .replace(&format!("${name}"), value);
     }
     // Any other variable (a model, a GPU): all of them.
     let mut rest = String::new();
@@ -983,18 +900,12 @@ fn dashboard_expr(expr: &str) -> String {
             continue;
         }
         if chars.peek() == Some(&'{') {
-            for c in chars.by_ref() {
-                if c == '}' {
-                    break;
-                }
-            }
+            let _closing = chars.find(|c| *c == '}');
         } else {
             while chars
-                .peek()
-                .is_some_and(|c| c.is_ascii_alphanumeric() || *c == '_')
-            {
-                chars.next();
-            }
+                .next_if(|c| c.is_ascii_alphanumeric() || *c == '_')
+                .is_some()
+            {}
         }
         rest.push_str(".*");
     }
@@ -1005,6 +916,18 @@ fn dashboard_expr(expr: &str) -> String {
 /// pod uses, as NVML's process lists would.
 const USAGE_FILE: &str = "/tmp/gpushare-realk8s-usage.json";
 
+/// Runs `body` with the simulated backend's file `path` emptied before and after, whatever
+/// `body` returned, so that no scenario sees another's driver figures or unhealthy GPUs.
+async fn emptied_around(
+    path: &str,
+    body: impl Future<Output = anyhow::Result<()>>,
+) -> anyhow::Result<()> {
+    std::fs::write(path, "")?;
+    let result = body.await;
+    std::fs::write(path, "")?;
+    result
+}
+
 /// The node watch on the real kubelet: a pod whose processes use more than its share by the
 /// driver's count (as a program without the interposer would) gets a `GpuMemoryOverShare`
 /// Event and shows in `gpushare_container_over_share_bytes`; `isolation.overShare: evict`
@@ -1013,72 +936,61 @@ const USAGE_FILE: &str = "/tmp/gpushare-realk8s-usage.json";
 async fn a_pod_over_its_share_by_the_drivers_count_is_evicted(
     c: &KitCluster,
 ) -> anyhow::Result<()> {
-    std::fs::write(USAGE_FILE, "")?;
-    let result = over_share_eviction(c).await;
-    std::fs::write(USAGE_FILE, "")?;
-    result
-}
-
-async fn over_share_eviction(c: &KitCluster) -> anyhow::Result<()> {
-    let runaway = running_pinned(c, "runaway", 4).await?;
-    let neighbour = running_pinned(c, "neighbour", 4).await?;
-    let gpu = allocation(&runaway)?.gpu_index;
-    ensure!(
-        allocation(&neighbour)?.gpu_index == gpu,
-        "bin-packing puts both 4 GiB pods on one GPU"
-    );
-    let usage = r#"{"default/runaway": "7Gi", "default/neighbour": "3Gi"}"#;
-    std::fs::write(USAGE_FILE, usage)?;
-    let client = c.client();
-    let told = |reason: &'static str| {
-        let client = client.clone();
-        async move { gpushare_e2e::scenarios::events_with_reason(&client, "default", reason).await }
-    };
-    let reported = wait_for("the GpuMemoryOverShare Event", secs(60), || {
-        told("GpuMemoryOverShare")
+    emptied_around(USAGE_FILE, async {
+        let runaway = running_pinned(c, "runaway", 4).await?;
+        let neighbour = running_pinned(c, "neighbour", 4).await?;
+        let gpu = allocation(&runaway)?.gpu_index;
+        ensure!(
+            allocation(&neighbour)?.gpu_index == gpu,
+            "bin-packing puts both 4 GiB pods on one GPU"
+        );
+        let usage = r#"{"default/runaway": "7Gi", "default/neighbour": "3Gi"}"#;
+        std::fs::write(USAGE_FILE, usage)?;
+        let client = c.client();
+        let told = |reason| events_with_reason(&client, "default", reason);
+        let reported = wait_for("the GpuMemoryOverShare Event", secs(60), || {
+            told("GpuMemoryOverShare")
+        })
+        .await?;
+        ensure!(
+            reported.len() == 1 && reported[0].0 == "runaway",
+            "one Event, about the runaway: {reported:?}"
+        );
+        ensure!(
+            reported[0].1.contains("uses 7168 MiB") && reported[0].1.contains("share of 4096 MiB"),
+            "{reported:?}"
+        );
+        let pods: Api<Pod> = Api::namespaced(c.client(), "default");
+        wait_for("the runaway to be evicted", secs(60), || async {
+            pods.get_opt("runaway").await.ok()?.is_none().then_some(())
+        })
+        .await?;
+        let evicted = wait_for("the eviction's Event", secs(60), || {
+            told("GpuMemoryOverShareEvicted")
+        })
+        .await?;
+        ensure!(
+            evicted.len() == 1 && evicted[0].0 == "runaway",
+            "one eviction Event, about the runaway: {evicted:?}"
+        );
+        let metrics = device_plugin_metrics(c).await?;
+        let evictions = "gpushare_device_plugin_over_share_evictions_total";
+        let evictions = metric(&metrics, evictions).next().unwrap_or_default();
+        ensure!(
+            evictions.ends_with(" 1"),
+            "one eviction counted: {evictions:?}"
+        );
+        let neighbour_line = format!(
+            "gpushare_container_over_share_bytes{{namespace=\"default\",pod=\"neighbour\",container=\"main\",gpu=\"{gpu}\"}} 0"
+        );
+        ensure!(
+            metrics.lines().any(|l| l == neighbour_line),
+            "{neighbour_line} missing from\n{metrics}"
+        );
+        still_running(c, "neighbour", "with the runaway's eviction").await?;
+        Ok(())
     })
-    .await?;
-    ensure!(
-        reported.len() == 1 && reported[0].0 == "runaway",
-        "one Event, about the runaway: {reported:?}"
-    );
-    ensure!(
-        reported[0].1.contains("uses 7168 MiB") && reported[0].1.contains("share of 4096 MiB"),
-        "{reported:?}"
-    );
-    let pods: Api<Pod> = Api::namespaced(c.client(), "default");
-    wait_for("the runaway to be evicted", secs(60), || async {
-        pods.get_opt("runaway").await.ok()?.is_none().then_some(())
-    })
-    .await?;
-    let evicted = wait_for("the eviction's Event", secs(60), || {
-        told("GpuMemoryOverShareEvicted")
-    })
-    .await?;
-    ensure!(
-        evicted.len() == 1 && evicted[0].0 == "runaway",
-        "one eviction Event, about the runaway: {evicted:?}"
-    );
-    let metrics = device_plugin_metrics(c).await?;
-    let evictions = "gpushare_device_plugin_over_share_evictions_total";
-    let evictions = metric(&metrics, evictions).next().unwrap_or_default();
-    ensure!(
-        evictions.ends_with(" 1"),
-        "one eviction counted: {evictions:?}"
-    );
-    let neighbour_line = format!(
-        "gpushare_container_over_share_bytes{{namespace=\"default\",pod=\"neighbour\",container=\"main\",gpu=\"{gpu}\"}} 0"
-    );
-    ensure!(
-        metrics.lines().any(|l| l == neighbour_line),
-        "{neighbour_line} missing from\n{metrics}"
-    );
-    let neighbour = get_pod(c, "neighbour").await?;
-    ensure!(
-        phase(&neighbour) == "Running",
-        "the neighbour keeps running"
-    );
-    Ok(())
+    .await
 }
 
 /// `/metrics` of the device plugin pod on the kit's node.
@@ -1118,7 +1030,7 @@ async fn forged_allocations_are_refused(c: &KitCluster) -> anyhow::Result<()> {
          --serviceaccount=default:notebook --dry-run=client -o yaml",
     ))
     .and_then(|yaml| c.kubectl_stdin(&["apply", "-f", "-"], &yaml))?;
-    let pods: Api<Pod> = Api::namespaced(c.client_as(ATTACKER).await?, "default");
+    let pods: Api<Pod> = Api::namespaced(c.client_as(ATTACKER, None).await?, "default");
 
     let forged = fixtures::pod("forged")
         .gpu_mem(6)
@@ -1132,28 +1044,23 @@ async fn forged_allocations_are_refused(c: &KitCluster) -> anyhow::Result<()> {
         .gpu_mem(16)
         .on_node("node-k")
         .build();
-    refused(
-        pods.create(&PostParams::default(), &bypass).await,
-        "remove spec.nodeName",
-    )?;
+    let created = pods.create(&PostParams::default(), &bypass).await;
+    refused(created, "remove spec.nodeName")?;
     let gpu = allocation(&victim)?.gpu_index;
     for patch in [
         serde_json::json!({"metadata": {"annotations": {keys.gpu_index.clone(): (1 - gpu).to_string()}}}),
         serde_json::json!({"metadata": {"annotations": {keys.pod_gib.clone(): "1"}}}),
         serde_json::json!({"metadata": {"annotations": {keys.assigned.clone(): null}}}),
     ] {
-        refused(
-            pods.patch("victim", &PatchParams::default(), &Patch::Merge(&patch))
-                .await,
-            "cannot be set, changed or removed by hand",
-        )?;
+        let patch = Patch::Merge(&patch);
+        let patched = pods.patch("victim", &PatchParams::default(), &patch).await;
+        refused(patched, "cannot be set, changed or removed by hand")?;
     }
     let admin: Api<Pod> = Api::namespaced(c.client(), "default");
     for name in ["forged", "bypass"] {
         ensure!(admin.get_opt(name).await?.is_none(), "{name} exists");
     }
-    let victim = admin.get("victim").await?;
-    ensure!(phase(&victim) == "Running", "the victim stopped");
+    let victim = still_running(c, "victim", "under the forged writes").await?;
     check_pinned(c, &victim).await?;
     no_overcommit(c).await
 }
@@ -1168,49 +1075,32 @@ async fn forgeries_without_the_policy_are_refused_at_allocate(
     let keys = Keys::default();
     let victim = running_pinned(c, "victim", 6).await?;
 
-    // 5 GiB, so kubelet's Allocate for it can only match it, not the copy (6 GiB).
-    let forged_allocation = gpushare_contract::PodAllocation {
-        gpu_index: 0,
-        gpu_uuid: String::new(),
-        more_gpus: Vec::new(),
-        pod_gib: 5,
-        exclusive: false,
-        containers: vec![gpushare_contract::ContainerRequest {
-            name: "main".into(),
-            gib: 5,
-            init: false,
-            compute: 0,
-        }],
-        bind_time: "2026-11-26T09:00:00Z".into(),
-        assigned: false,
-        allocated: Vec::new(),
-        signature: None,
-        compute: 0,
+    // 5 GiB on GPU 0, unsigned, so kubelet's Allocate for it can only match it, not the copy
+    // (6 GiB).
+    let placed = Placed {
+        node: KIT_NODE,
+        gpu: 0,
+        uuid: "",
+        gib: 5,
     };
-    let mut forged = fixtures::pod("forged").gpu_mem(5).on_node("node-k");
-    for (k, v) in forged_allocation.to_annotations(&keys) {
-        forged = forged.annotation(&k, &v);
-    }
+    let forged = allocated_pod("forged", &placed, false, &keys, "2026-11-26T09:00:00Z");
     create_pod(c, forged.build()).await?;
-    let mut copy = fixtures::pod("copy").gpu_mem(6).on_node("node-k");
-    for (k, v) in victim.metadata.annotations.iter().flatten() {
-        if k.starts_with("gpushare.example.com/v1.") {
-            copy = copy.annotation(k, v);
-        }
-    }
+    let copy = (victim.metadata.annotations.iter().flatten())
+        .filter(|(k, _)| k.starts_with("gpushare.example.com/v1."))
+        .fold(
+            fixtures::pod("copy").gpu_mem(6).on_node(KIT_NODE),
+            |pod, (k, v)| pod.annotation(k, v),
+        );
     create_pod(c, copy.build()).await?;
     for (name, why) in [
         ("forged", "not signed by the gpushare extender"),
         ("copy", "does not match its allocation"),
     ] {
-        let failed = wait_for(
-            &format!("{name} to fail at admission"),
-            secs(60),
-            || async {
-                let pod = get_pod(c, name).await.ok()?;
-                (phase(&pod) == "Failed").then_some(pod)
-            },
-        )
+        let what = format!("{name} to fail at admission");
+        let failed = wait_for(&what, secs(60), || async {
+            let pod = get_pod(c, name).await.ok()?;
+            (phase(&pod) == "Failed").then_some(pod)
+        })
         .await?;
         let status = failed.status.unwrap_or_default();
         let message = status.message.unwrap_or_default();
@@ -1219,16 +1109,14 @@ async fn forgeries_without_the_policy_are_refused_at_allocate(
             "{name}: {:?}: {message}",
             status.reason
         );
+        let uid = failed.metadata.uid.as_deref().unwrap_or_default();
         ensure!(
-            c.created(failed.metadata.uid.as_deref().unwrap_or_default(), "main")?
-                .is_none(),
+            c.created(uid, "main")?.is_none(),
             "{name}'s container was started"
         );
     }
-    let victim = get_pod(c, "victim").await?;
-    ensure!(phase(&victim) == "Running", "the victim stopped");
-    check_pinned(c, &victim).await?;
-    Ok(())
+    let victim = still_running(c, "victim", "with its allocation copied").await?;
+    check_pinned(c, &victim).await
 }
 
 /// kubelet restarts while GPU pods run: they keep running on their GPUs, the device plugin
@@ -1237,16 +1125,11 @@ async fn kubelet_restart_keeps_gpu_pods(c: &KitCluster) -> anyhow::Result<()> {
     let before = gpu_pods_running(c, &["before-1", "before-2"], 5).await?;
     c.script("kubelet.sh", &["restart"])?;
     for pod in &before {
-        let name = pod.metadata.name.as_deref().unwrap_or_default();
-        let now = get_pod(c, name).await?;
-        ensure!(
-            now.metadata.uid == pod.metadata.uid && phase(&now) == "Running",
-            "{name} did not survive the kubelet restart: {}",
-            phase(&now)
-        );
+        let now = survived(c, pod, "the kubelet restart").await?;
         ensure!(
             allocation(&now)? == allocation(pod)?,
-            "{name}'s allocation changed"
+            "{}'s allocation changed",
+            now.metadata.name.as_deref().unwrap_or_default()
         );
     }
     running_pinned(c, "after", 5).await?;
@@ -1256,15 +1139,7 @@ async fn kubelet_restart_keeps_gpu_pods(c: &KitCluster) -> anyhow::Result<()> {
 /// The probe's steps in both modes' isolation scenarios: what it sees, 3,000 MiB granted,
 /// 2,000 MiB more refused (a 4 GiB share, of which its context is charged 512 MiB), 500 MiB
 /// through VMM granted, then it holds.
-const PROBE_STEPS: &[&str] = &[
-    "--via",
-    "dlsym",
-    "info",
-    "alloc:mem:3000",
-    "alloc:mem:2000",
-    "alloc:vmm:500",
-    "hold",
-];
+const PROBE_STEPS: &str = "--via dlsym info alloc:mem:3000 alloc:mem:2000 alloc:vmm:500 hold";
 
 /// Checks the probe's report of [`PROBE_STEPS`] (up to `hold`) under a 4 GiB share.
 fn check_probe_report(name: &str, report: &str) -> anyhow::Result<()> {
@@ -1291,7 +1166,7 @@ fn check_probe_report(name: &str, report: &str) -> anyhow::Result<()> {
 async fn a_gpu_container_is_held_to_its_share(c: &KitCluster) -> anyhow::Result<()> {
     let name = "held";
     let mut pod = serde_json::to_value(gib_pod(name, 4))?;
-    let probe = gpushare_e2e::realk8s::probe_container(PROBE_STEPS);
+    let probe = gpushare_e2e::realk8s::probe_container(&words(PROBE_STEPS));
     let container = &mut pod["spec"]["containers"][0];
     for key in ["image", "args", "env"] {
         container[key] = probe[key].clone();
@@ -1310,9 +1185,8 @@ async fn a_gpu_container_is_held_to_its_share(c: &KitCluster) -> anyhow::Result<
         .filter(|line| !line.starts_with("ERROR: ld.so"))
         .collect();
     let uid = running.metadata.uid.clone().unwrap_or_default();
-    let created = c
-        .created(&uid, "main")?
-        .context("the runtime recorded no container")?;
+    let created = c.created(&uid, "main")?;
+    let created = created.context("the runtime recorded no container")?;
     let mounts = created.mounts.unwrap_or_default();
     let isolation = c.kit().root().join("isolation");
     let mounted = |host: &str, inside: &str| {
@@ -1354,18 +1228,15 @@ async fn upgrade_keeps_the_running_containers_library(
     mounts: &[String],
 ) -> anyhow::Result<()> {
     let suffix = format!(":{}", env::ISOLATION_LIBRARY_IN_CONTAINER);
-    let mounted = mounts
-        .iter()
-        .find_map(|m| m.strip_suffix(&suffix))
-        .context("no interposer mount")?;
+    let mounted = mounts.iter().find_map(|m| m.strip_suffix(&suffix));
+    let mounted = mounted.context("no interposer mount")?;
     let before = std::fs::read(mounted)?;
+    let installed_dir = c.kit().root().join("isolation").join("lib");
     let libraries = || -> anyhow::Result<usize> {
-        Ok(
-            std::fs::read_dir(c.kit().root().join("isolation").join("lib"))?
-                .filter_map(|e| e.ok())
-                .filter(|e| e.file_name().to_string_lossy().ends_with(".so"))
-                .count(),
-        )
+        let entries = std::fs::read_dir(&installed_dir)?.filter_map(Result::ok);
+        Ok(entries
+            .filter(|e| e.file_name().to_string_lossy().ends_with(".so"))
+            .count())
     };
     let installed_before = libraries()?;
     // The same library with one byte more at its end (the loader reads what the ELF headers
@@ -1408,17 +1279,15 @@ async fn a_dra_container_is_held_to_its_share(c: &KitCluster) -> anyhow::Result<
     let name = "held-dra";
     create_gpu_pod(c, name, 4).await?;
     let edits = cdi_edits(c, name).await?;
-    let binaries = gpushare_e2e::cluster::binaries()?;
-    let mut argv = vec![binaries.isolation_probe.display().to_string()];
-    for step in PROBE_STEPS.iter().take_while(|step| **step != "hold") {
-        argv.push((*step).to_owned());
-    }
-    let probe = gpushare_e2e::realk8s::probe_container(&[]);
-    let text = |v: &serde_json::Value, key: &str| Some(v[key].as_str()?.to_owned());
-    let extra_env: Vec<(String, String)> = items(&probe["env"])
-        .filter_map(|v| Some((text(v, "name")?, text(v, "value")?)))
+    let probe = gpushare_e2e::cluster::binaries()?.isolation_probe;
+    let steps = PROBE_STEPS
+        .split_whitespace()
+        .take_while(|step| *step != "hold");
+    let argv: Vec<String> = std::iter::once(probe.display().to_string())
+        .chain(steps.map(str::to_owned))
         .collect();
-    let report = gpushare_e2e::realk8s::run_with_cdi_edits(&edits, &argv, &extra_env);
+    let env = gpushare_e2e::realk8s::probe_env();
+    let report = gpushare_e2e::realk8s::run_with_cdi_edits(&edits, &argv, &env);
     gpushare_e2e::realk8s::remove_isolation_placeholders();
     let report = report?;
     check_probe_report(name, &report)?;
@@ -1498,7 +1367,6 @@ async fn doctor_names_the_router(c: &KitCluster) -> anyhow::Result<()> {
 /// and a deleted pod's share goes to the next one.
 async fn dra_claims_run_and_free(c: &KitCluster) -> anyhow::Result<()> {
     create_claim_template(c, gpus_template("gpu-4g", 1, "4Gi")).await?;
-    let pods: Api<Pod> = Api::namespaced(c.client(), "default");
     let names = numbered("dra", 1..=3);
     for name in &names {
         create_pod(c, templated_pod(name, "gpu-4g")?).await?;
@@ -1507,29 +1375,22 @@ async fn dra_claims_run_and_free(c: &KitCluster) -> anyhow::Result<()> {
         one_device_of_ours(c, name).await?;
     }
     // The plugin restarts (the DaemonSet replaces its deleted pod): running pods stay.
-    c.system(&words(
-        "delete pod -l app.kubernetes.io/component=dra-plugin --wait=true",
-    ))?;
+    let command = "delete pod -l app.kubernetes.io/component=dra-plugin --wait=true";
+    c.system(&words(command))?;
     rollout(c, "ds/gpushare-dra-plugin")?;
-    for i in 1..=3 {
-        let pod = pods.get(&format!("dra-{i}")).await?;
-        ensure!(
-            phase(&pod) == "Running",
-            "dra-{i} stopped after a plugin restart"
-        );
+    for name in &names {
+        still_running(c, name, "after a plugin restart").await?;
     }
     delete_pod(c, "dra-1").await?;
     create_pod(c, templated_pod("dra-4", "gpu-4g")?).await?;
     wait_running(c, "dra-4").await?;
+    let list_claims = words("get resourceclaims -n default -o name");
     let claims = wait_for("dra-1's claim to be deleted", secs(60), || async {
-        let list = c
-            .kubectl(&words("get resourceclaims -n default -o name"))
-            .ok()?;
+        let list = c.kubectl(&list_claims).ok()?;
         (!list.contains("dra-1-")).then_some(list)
     })
     .await?;
     ensure!(claims.lines().count() == 3, "claims left: {claims}");
-    let _ = pods.list(&ListParams::default()).await?;
     Ok(())
 }
 
@@ -1537,80 +1398,70 @@ async fn dra_claims_run_and_free(c: &KitCluster) -> anyhow::Result<()> {
 const FAKE_NODES: usize = 70;
 const BURST_PODS: usize = 1000;
 
-/// `FAKE_NODES` Node objects `<prefix>-0..` with 4 × 16 GiB and a published inventory, and a
-/// stand-in for their kubelets: nothing runs behind a fake node, so the stand-in writes each
-/// pod bound there its status (a `startTime`), as the node's kubelet does on admitting it.
+/// `FAKE_NODES` Node objects `<prefix>-0..` with 4 × 16 GiB (GPU `i` of model `models[i]`)
+/// and a published inventory, and a stand-in for their kubelets: nothing runs behind a fake
+/// node, so the stand-in writes each pod bound there its status (a `startTime`), as the node's
+/// kubelet does on admitting it, `admitted_after` the bind (a busy kubelet is slower).
 struct FakeNodes {
-    kubelets: load::NodeStandIn,
+    prefix: &'static str,
+    models: [&'static str; 4],
+    admitted_after: Duration,
 }
 
-impl FakeNodes {
-    fn create(c: &KitCluster, prefix: &str) -> anyhow::Result<Self> {
-        Self::create_admitting(c, prefix, ["Fake"; 4], Duration::from_millis(200))
-    }
-
-    /// [`FakeNodes::create`], GPU `i` of each node of model `models[i]`, the stand-in
-    /// admitting each pod `admitted_after` it was bound (a busy kubelet is slower).
-    fn create_admitting(
-        c: &KitCluster,
-        prefix: &str,
-        models: [&str; 4],
-        admitted_after: Duration,
-    ) -> anyhow::Result<Self> {
-        let inventory: Vec<serde_json::Value> = models
-            .iter()
-            .enumerate()
-            .map(|(i, model)| serde_json::json!({"index": i, "uuid": format!("GPU-fake-{i}"), "model": model, "memGiB": 16, "healthy": true}))
-            .collect();
-        let annotations = serde_json::json!({
-            "gpushare.example.com/v1.gpus": serde_json::to_string(&inventory)?,
-        });
-        let status = c
-            .kit()
-            .script("realk8s.sh")
-            .args(words(&format!(
-                "nodes {FAKE_NODES} 4 16 example.com/gpu-mem gpushare=true"
-            )))
-            .env("NODE_ANNOTATIONS_JSON", annotations.to_string())
-            .env("NODE_PREFIX", prefix)
-            .status()?;
-        ensure!(status.success(), "creating fake nodes failed");
-        let kubelets = load::NodeStandIn::start(
-            c.client(),
-            "default",
-            load::StandInConfig {
-                node_prefix: format!("{prefix}-"),
-                delay: admitted_after,
-                marks_as: None,
-            },
-        );
-        Ok(Self { kubelets })
-    }
-
-    /// Stops the stand-in and deletes every fake node; fails if a status write was refused.
-    fn delete(self, c: &KitCluster) -> anyhow::Result<()> {
-        let refused = self.kubelets.refused();
-        drop(self.kubelets);
-        let _ = c.kubectl(&["delete", "nodes", "-l", "fake=true", "--wait=false"]);
-        ensure!(
-            refused.is_empty(),
-            "{} pod status writes refused, the first: {}",
-            refused.len(),
-            refused[0]
-        );
-        Ok(())
+/// [`FakeNodes`] whose GPUs are all of model `Fake`, admitting each pod 200 ms after its bind.
+fn fake_nodes(prefix: &'static str) -> FakeNodes {
+    let admitted_after = Duration::from_millis(200);
+    FakeNodes {
+        prefix,
+        models: ["Fake"; 4],
+        admitted_after,
     }
 }
 
-/// Runs `body` on the fake nodes just created, then deletes them, whatever `body` returned.
+/// Creates the fake `nodes` and their stand-in, runs `body`, then stops the stand-in and
+/// deletes every fake node, whatever `body` returned; fails too if a status write was refused.
 async fn on_fake_nodes(
     c: &KitCluster,
-    nodes: anyhow::Result<FakeNodes>,
+    nodes: FakeNodes,
     body: impl Future<Output = anyhow::Result<()>>,
 ) -> anyhow::Result<()> {
-    let nodes = nodes?;
+    let inventory: Vec<serde_json::Value> = nodes.models
+        .iter()
+        .enumerate()
+        .map(|(i, model)| serde_json::json!({"index": i, "uuid": format!("GPU-fake-{i}"), "model": model, "memGiB": 16, "healthy": true}))
+        .collect();
+    let annotations = serde_json::json!({
+        "gpushare.example.com/v1.gpus": serde_json::to_string(&inventory)?,
+    });
+    let status = c
+        .kit()
+        .script("realk8s.sh")
+        .args(words(&format!(
+            "nodes {FAKE_NODES} 4 16 example.com/gpu-mem gpushare=true"
+        )))
+        .env("NODE_ANNOTATIONS_JSON", annotations.to_string())
+        .env("NODE_PREFIX", nodes.prefix)
+        .status()?;
+    ensure!(status.success(), "creating fake nodes failed");
+    let kubelets = load::NodeStandIn::start(
+        c.client(),
+        "default",
+        load::StandInConfig {
+            node_prefix: format!("{}-", nodes.prefix),
+            delay: nodes.admitted_after,
+            marks_as: None,
+        },
+    );
     let result = body.await;
-    nodes.delete(c)?;
+    let refused = kubelets.refused();
+    drop(kubelets);
+    let _ = c.kubectl(&["delete", "nodes", "-l", "fake=true", "--wait=false"]);
+    ensure!(
+        refused.is_empty(),
+        "{} pod status writes refused, the first: {}",
+        refused.len(),
+        refused[0]
+    );
     result
 }
 
@@ -1618,9 +1469,12 @@ async fn on_fake_nodes(
 /// schedulerName) by four creators, about 25 pods/s in all.
 struct Burst {
     pods: Api<Pod>,
-    prefix: &'static str,
+    /// Selects the burst's pods: `burst=<prefix>`.
+    selector: String,
     count: usize,
     started: Instant,
+    /// The first moment each pod of the burst was seen bound.
+    bound: load::BindClock,
     creators: Vec<tokio::task::JoinHandle<Vec<String>>>,
 }
 
@@ -1628,6 +1482,8 @@ impl Burst {
     /// With `fake_only`, the pods select the fake nodes (`fake=true`).
     fn start(c: &KitCluster, prefix: &'static str, count: usize, fake_only: bool) -> Self {
         let pods: Api<Pod> = Api::namespaced(c.client(), "default");
+        let selector = format!("burst={prefix}");
+        let bound = load::BindClock::start(c.client(), "default", &selector);
         let creators = (0..4)
             .map(|worker| {
                 let pods = pods.clone();
@@ -1635,6 +1491,8 @@ impl Burst {
                     let mut errors = Vec::new();
                     for i in (worker..count).step_by(4) {
                         let mut pod = gib_pod(&format!("{prefix}-{i}"), 4);
+                        let labels = pod.metadata.labels.get_or_insert_default();
+                        labels.insert("burst".to_owned(), prefix.to_owned());
                         if let (true, Some(spec)) = (fake_only, pod.spec.as_mut()) {
                             spec.node_selector =
                                 Some([("fake".to_owned(), "true".to_owned())].into());
@@ -1650,24 +1508,12 @@ impl Burst {
             .collect();
         Self {
             pods,
-            prefix,
+            selector,
             count,
             started: Instant::now(),
+            bound,
             creators,
         }
-    }
-
-    /// Pods of the burst bound so far.
-    async fn bound(&self) -> Option<usize> {
-        let list = self.pods.list(&ListParams::default()).await.ok()?;
-        let bound = (list.items.iter()).filter(|p| self.is_ours(p) && node_of(p).is_some());
-        Some(bound.count())
-    }
-
-    fn is_ours(&self, pod: &Pod) -> bool {
-        let name = pod.metadata.name.as_deref().unwrap_or_default();
-        name.strip_prefix(self.prefix)
-            .is_some_and(|rest| rest.starts_with('-'))
     }
 
     /// Waits for every create, then for every created pod to be bound with an allocation;
@@ -1678,10 +1524,7 @@ impl Burst {
             refusals.extend(creator.await?);
         }
         let created = self.count - refusals.len();
-        let all_bound = wait_for("every burst pod to be bound", secs(120), || async {
-            (self.bound().await? == created).then_some(())
-        })
-        .await;
+        let all_bound = self.bound.wait_for(created, secs(120)).await;
         println!(
             "  burst of {} done in {:.1} s; {} creates refused",
             self.count,
@@ -1694,7 +1537,9 @@ impl Burst {
             refusals.len(),
             refusals[0]
         );
-        let listed = self.pods.list(&ListParams::default()).await?;
+        let listed = (self.pods)
+            .list(&ListParams::default().labels(&self.selector))
+            .await?;
         if let Err(error) = all_bound {
             let unbound: Vec<String> = (listed.items.iter())
                 .filter(|p| node_of(p).is_none())
@@ -1711,7 +1556,7 @@ impl Burst {
                 &unbound[..unbound.len().min(3)]
             );
         }
-        for pod in listed.items.iter().filter(|p| self.is_ours(p)) {
+        for pod in &listed.items {
             allocation(pod)?;
             ensure!(
                 phase(pod) != "Failed",
@@ -1728,73 +1573,59 @@ impl Burst {
 /// is refused, every pod is bound with an allocation, no GPU is over-committed, and each time
 /// a follower took the Lease over before it expired. Prints how long binding stopped.
 async fn leader_killed_in_a_burst(c: &KitCluster) -> anyhow::Result<()> {
-    let nodes = FakeNodes::create(c, "fake");
-    on_fake_nodes(c, nodes, burst_with_kills(c)).await
+    on_fake_nodes(c, fake_nodes("fake"), async {
+        let burst = Burst::start(c, "burst", BURST_PODS, false);
+        let mut gaps = Vec::new();
+        let mut takeovers = Vec::new();
+        for kill_at in [2.0, 5.5, 9.0] {
+            let wait = Duration::from_secs_f64(kill_at).saturating_sub(burst.started.elapsed());
+            tokio::time::sleep(wait).await;
+            let leader = load::Leader::find(c)?;
+            // Binding resumed when another replica holds the Lease and a pod was bound after it
+            // took over: a bind the killed leader wrote just before dying does not count.
+            let resumed = async {
+                let killed = leader.kill(c).await?;
+                takeovers.push(killed.elapsed().as_secs_f64());
+                let at_takeover = burst.bound.count();
+                wait_for("binding to resume", secs(30), || async {
+                    (burst.bound.count() > at_takeover).then_some(())
+                })
+                .await?;
+                anyhow::Ok(killed.elapsed().as_secs_f64())
+            }
+            .await;
+            gaps.push(resumed);
+        }
+        let seconds = |all: &[f64]| {
+            all.iter()
+                .map(|s| format!("{s:.2} s"))
+                .collect::<Vec<_>>()
+                .join(", ")
+        };
+        let resumed: Vec<f64> = gaps.iter().flatten().copied().collect();
+        println!(
+            "  leader kills: Lease taken over after {}; binding resumed after {}",
+            seconds(&takeovers),
+            seconds(&resumed)
+        );
+        burst.finish(c).await?;
+        for gap in gaps {
+            gap?;
+        }
+        // A follower saw the dead leader's address refuse (or another process answer there) and
+        // took the Lease over, instead of waiting the chart's 3 s Lease out.
+        ensure!(
+            takeovers.iter().all(|s| *s < LEASE_SECONDS),
+            "a Lease was waited out instead of taken over when its holder died: {}",
+            seconds(&takeovers)
+        );
+        Ok(())
+    })
+    .await
 }
 
 /// The chart's `extender.leaderElection.leaseDurationMs`, in seconds.
 const LEASE_SECONDS: f64 = 3.0;
-
-async fn burst_with_kills(c: &KitCluster) -> anyhow::Result<()> {
-    let burst = Burst::start(c, "burst", BURST_PODS, false);
-    let mut gaps = Vec::new();
-    let mut takeovers = Vec::new();
-    for kill_at in [2.0, 5.5, 9.0] {
-        let wait = Duration::from_secs_f64(kill_at).saturating_sub(burst.started.elapsed());
-        tokio::time::sleep(wait).await;
-        let holder = c.extender_lease_holder()?;
-        let (pod, _) = holder.rsplit_once('_').unwrap_or((&holder, ""));
-        let pid = c.script("chart-cluster.sh", &["pid", pod, "extender"])?;
-        let pid = pid.trim();
-        ensure!(!pid.is_empty(), "no host pid for the leader {pod}");
-        let killed = Instant::now();
-        Command::new("kill").args(["-9", pid]).status()?;
-        // Binding resumed when another replica holds the Lease and a pod was bound after it
-        // took over: a bind the killed leader wrote just before dying does not count.
-        let resumed = async {
-            wait_for("another replica to take the Lease", secs(30), || async {
-                let now = c.extender_lease_holder().ok()?;
-                (!now.is_empty() && now != holder).then_some(())
-            })
-            .await?;
-            takeovers.push(killed.elapsed().as_secs_f64());
-            let at_takeover = burst.bound().await.unwrap_or(0);
-            wait_for("binding to resume", secs(30), || async {
-                (burst.bound().await? > at_takeover).then_some(())
-            })
-            .await
-        }
-        .await;
-        gaps.push(resumed.map(|()| killed.elapsed().as_secs_f64()));
-    }
-    let seconds = |all: &[f64]| {
-        all.iter()
-            .map(|s| format!("{s:.2} s"))
-            .collect::<Vec<_>>()
-            .join(", ")
-    };
-    let resumed: Vec<f64> = gaps
-        .iter()
-        .filter_map(|g| g.as_ref().ok().copied())
-        .collect();
-    println!(
-        "  leader kills: Lease taken over after {}; binding resumed after {}",
-        seconds(&takeovers),
-        seconds(&resumed)
-    );
-    burst.finish(c).await?;
-    for gap in gaps {
-        gap?;
-    }
-    // A follower saw the dead leader's address refuse (or another process answer there) and
-    // took the Lease over, instead of waiting the chart's 3 s Lease out.
-    ensure!(
-        takeovers.iter().all(|s| *s < LEASE_SECONDS),
-        "a Lease was waited out instead of taken over when its holder died: {}",
-        seconds(&takeovers)
-    );
-    Ok(())
-}
 
 /// The default `extender.filterKeepBest: 1` on the real kube-scheduler: a plain pod allowed on
 /// an empty fake node and on one holding a GPU pod packs onto the fuller one; a pod preferring
@@ -1803,8 +1634,23 @@ async fn burst_with_kills(c: &KitCluster) -> anyhow::Result<()> {
 async fn keep_best_packs_and_steps_aside_for_soft_preferences(
     c: &KitCluster,
 ) -> anyhow::Result<()> {
-    let nodes = FakeNodes::create(c, "keep");
-    on_fake_nodes(c, nodes, keep_best_on_fake_nodes(c)).await
+    on_fake_nodes(c, fake_nodes("keep"), async {
+        let pods: Api<Pod> = Api::namespaced(c.client(), "default");
+        bound_to(&pods, gib_pod("keep-first", 4), "keep-0").await?;
+        let both = ["keep-0", "keep-1"];
+        let plain = bound_among(&pods, gib_pod("keep-plain", 4), &both, None).await?;
+        ensure!(
+            plain == "keep-0",
+            "the plain pod should pack onto keep-0, the node the extender ranks best: {plain}"
+        );
+        let prefers = bound_among(&pods, gib_pod("keep-prefers", 4), &both, Some("keep-1")).await?;
+        ensure!(
+            prefers == "keep-1",
+            "the pod preferring keep-1 should be scored by kube-scheduler and land there: {prefers}"
+        );
+        no_overcommit(c).await
+    })
+    .await
 }
 
 /// `pod`, allowed only on `nodes` (required node affinity) and, with `prefers`, preferring
@@ -1852,23 +1698,6 @@ fn gib_pod(name: &str, gib: u64) -> Pod {
     fixtures::pod(name).gpu_mem(gib).build()
 }
 
-async fn keep_best_on_fake_nodes(c: &KitCluster) -> anyhow::Result<()> {
-    let pods: Api<Pod> = Api::namespaced(c.client(), "default");
-    bound_to(&pods, gib_pod("keep-first", 4), "keep-0").await?;
-    let both = ["keep-0", "keep-1"];
-    let plain = bound_among(&pods, gib_pod("keep-plain", 4), &both, None).await?;
-    ensure!(
-        plain == "keep-0",
-        "the plain pod should pack onto keep-0, the node the extender ranks best: {plain}"
-    );
-    let prefers = bound_among(&pods, gib_pod("keep-prefers", 4), &both, Some("keep-1")).await?;
-    ensure!(
-        prefers == "keep-1",
-        "the pod preferring keep-1 should be scored by kube-scheduler and land there: {prefers}"
-    );
-    no_overcommit(c).await
-}
-
 /// The keep-best filter's ranking follows the demand mix (`gpushare_allocator::demand_mix`):
 /// of two fake nodes, one with a GPU pod taking nearly all its CPU and memory, our score
 /// prefers that one (its GPU is in use), LeastAllocated the empty one by more. With little
@@ -1876,56 +1705,55 @@ async fn keep_best_on_fake_nodes(c: &KitCluster) -> anyhow::Result<()> {
 /// has 8 GPUs) bring most of the demand, the ranking is our score alone (BalancedAllocation
 /// left out too, as the extender's handler tests check) and it goes on the busy node.
 async fn keep_best_follows_the_multi_gpu_demand(c: &KitCluster) -> anyhow::Result<()> {
-    let nodes = FakeNodes::create(c, "mix");
-    on_fake_nodes(c, nodes, ranking_follows_the_demand(c)).await
-}
-
-async fn ranking_follows_the_demand(c: &KitCluster) -> anyhow::Result<()> {
-    let pods: Api<Pod> = Api::namespaced(c.client(), "default");
-    // With the small pod: the resident's node CPU 62.1/64, memory 500.25/512 GiB; the empty
-    // node CPU 0.1/64, memory 0.25/512. LeastAllocated + BalancedAllocation: 2 + 99 against
-    // 99 + 99; our score × 10: 100 against 10 (the resident's GPU is the fuller, and any
-    // shape learned loses at most the one pod the small pod takes there). With the resource
-    // scores the empty node wins, 208 to 201; by our score alone the resident's does.
-    let small = |name: &str| {
-        fixtures::pod(name)
-            .gpu_mem(4)
-            .cpu("100m")
-            .memory("256Mi")
-            .build()
-    };
-    for (resident, node) in [("mix-resident-0", "mix-0"), ("mix-resident-2", "mix-2")] {
-        let pod = fixtures::pod(resident)
-            .gpu_mem(4)
-            .cpu("62")
-            .memory("500Gi")
-            .build();
-        bound_to(&pods, pod, node).await?;
-    }
-    let before = bound_among(&pods, small("mix-small-before"), &["mix-0", "mix-1"], None).await?;
-    ensure!(
-        before == "mix-1",
-        "with little multi-GPU demand the ranking counts LeastAllocated: the GPU pod should \
-         go on the empty mix-1, not {before}"
-    );
-    // 24 jobs of 8 × 16 GiB: 3,072 GiB of demand, more than any recent single-GPU stream
-    // weighs (a stream of 4 GiB pods levels off below 2,000 GiB as it decays).
-    let keys = Keys::default();
-    for i in 0..24 {
-        let job = fixtures::pod(&format!("mix-job-{i}"))
-            .gpu_mem(128)
-            .annotation(&keys.request_gpus, "8")
-            .build();
-        create_pod(c, job).await?;
-    }
-    wait_unschedulable(c, "mix-job-23").await?;
-    let after = bound_among(&pods, small("mix-small-after"), &["mix-2", "mix-3"], None).await?;
-    ensure!(
-        after == "mix-2",
-        "with 8-GPU jobs bringing most of the recent demand the ranking is our score alone: \
-         the GPU pod should go on mix-2, whose GPU is in use, not {after}"
-    );
-    no_overcommit(c).await
+    on_fake_nodes(c, fake_nodes("mix"), async {
+        let pods: Api<Pod> = Api::namespaced(c.client(), "default");
+        // With the small pod: the resident's node CPU 62.1/64, memory 500.25/512 GiB; the empty
+        // node CPU 0.1/64, memory 0.25/512. LeastAllocated + BalancedAllocation: 2 + 99 against
+        // 99 + 99; our score × 10: 100 against 10 (the resident's GPU is the fuller, and any
+        // shape learned loses at most the one pod the small pod takes there). With the resource
+        // scores the empty node wins, 208 to 201; by our score alone the resident's does.
+        let small = |name: &str| {
+            fixtures::pod(name)
+                .gpu_mem(4)
+                .cpu("100m")
+                .memory("256Mi")
+                .build()
+        };
+        for (resident, node) in [("mix-resident-0", "mix-0"), ("mix-resident-2", "mix-2")] {
+            let pod = fixtures::pod(resident)
+                .gpu_mem(4)
+                .cpu("62")
+                .memory("500Gi")
+                .build();
+            bound_to(&pods, pod, node).await?;
+        }
+        let before =
+            bound_among(&pods, small("mix-small-before"), &["mix-0", "mix-1"], None).await?;
+        ensure!(
+            before == "mix-1",
+            "with little multi-GPU demand the ranking counts LeastAllocated: the GPU pod should \
+             go on the empty mix-1, not {before}"
+        );
+        // 24 jobs of 8 × 16 GiB: 3,072 GiB of demand, more than any recent single-GPU stream
+        // weighs (a stream of 4 GiB pods levels off below 2,000 GiB as it decays).
+        let keys = Keys::default();
+        for i in 0..24 {
+            let job = fixtures::pod(&format!("mix-job-{i}"))
+                .gpu_mem(128)
+                .annotation(&keys.request_gpus, "8")
+                .build();
+            create_pod(c, job).await?;
+        }
+        wait_unschedulable(c, "mix-job-23").await?;
+        let after = bound_among(&pods, small("mix-small-after"), &["mix-2", "mix-3"], None).await?;
+        ensure!(
+            after == "mix-2",
+            "with 8-GPU jobs bringing most of the recent demand the ranking is our score alone: \
+             the GPU pod should go on mix-2, whose GPU is in use, not {after}"
+        );
+        no_overcommit(c).await
+    })
+    .await
 }
 
 /// The idle-GPU taint (`extender.idleGpuTaint`, on by default): fake nodes with idle GPUs are
@@ -1935,17 +1763,65 @@ async fn ranking_follows_the_demand(c: &KitCluster) -> anyhow::Result<()> {
 /// GPU pods tolerate the taint, so it does not override their preferred node affinity. Once
 /// the GPU pods are gone the busy node is tainted again.
 async fn cpu_only_pods_prefer_nodes_whose_gpus_are_in_use(c: &KitCluster) -> anyhow::Result<()> {
-    let nodes = FakeNodes::create(c, "idle");
-    on_fake_nodes(c, nodes, cpu_only_pods_on_fake_nodes(c)).await
+    on_fake_nodes(c, fake_nodes("idle"), async {
+        let pods: Api<Pod> = Api::namespaced(c.client(), "default");
+        for node in ["idle-0", "idle-1"] {
+            wait_idle_gpu_taint(c, node, true).await?;
+        }
+        // idle-0's four GPUs taken whole, with 8 cores and 16 GiB each.
+        for gpu in 0..4 {
+            let pod = fixtures::pod(&format!("idle-gpu-{gpu}"))
+                .gpu_mem(16)
+                .cpu("8")
+                .memory("16Gi")
+                .build();
+            bound_to(&pods, pod, "idle-0").await?;
+        }
+        wait_idle_gpu_taint(c, "idle-0", false).await?;
+        let cpu_only = |name: &str| fixtures::pod(name).cpu("1").memory("1Gi").build();
+        let busy = bound_among(&pods, cpu_only("idle-cpu"), &["idle-0", "idle-1"], None).await?;
+        ensure!(
+            busy == "idle-0",
+            "the CPU-only pod should prefer idle-0, whose GPUs are in use, to idle-1 with its \
+             idle GPUs (and idle-GPU taint), not go on {busy}"
+        );
+        let only = bound_among(&pods, cpu_only("idle-cpu-only"), &["idle-1"], None).await?;
+        ensure!(only == "idle-1", "the taint is a preference: {only}");
+        // GPU pods tolerate the taint (the routing policy adds it): with idle-2's GPUs at 12 GiB
+        // each (no taint), a pod allowed on idle-2 or idle-3 and preferring idle-3 goes there
+        // (without the toleration, TaintToleration's 300 points for idle-2 beat its 200).
+        for gpu in 0..4 {
+            let pod = gib_pod(&format!("idle-part-{gpu}"), 12);
+            bound_to(&pods, pod, "idle-2").await?;
+        }
+        wait_idle_gpu_taint(c, "idle-2", false).await?;
+        let prefers = gib_pod("idle-prefers", 4);
+        let placed = bound_among(&pods, prefers, &["idle-2", "idle-3"], Some("idle-3")).await?;
+        let tolerates = tolerates_idle_gpu_taint(&pods, "idle-prefers").await?;
+        ensure!(
+            placed == "idle-3",
+            "the GPU pod preferring idle-3 should go there, not on {placed}"
+        );
+        ensure!(
+            tolerates,
+            "the routed GPU pod should tolerate the idle-GPU taint"
+        );
+        no_overcommit(c).await?;
+        // At once: no kubelet behind a fake node confirms a graceful deletion.
+        let now = kube::api::DeleteParams::default().grace_period(0);
+        for gpu in 0..4 {
+            pods.delete(&format!("idle-gpu-{gpu}"), &now).await?;
+        }
+        wait_idle_gpu_taint(c, "idle-0", true).await
+    })
+    .await
 }
 
 /// Waits up to 30 s for `node` to carry the idle-GPU taint (`wanted`) or not.
 async fn wait_idle_gpu_taint(c: &KitCluster, node: &str, wanted: bool) -> anyhow::Result<()> {
     let nodes: Api<Node> = Api::all(c.client());
-    let what = format!(
-        "{node} to {} the idle-GPU taint",
-        if wanted { "carry" } else { "lose" }
-    );
+    let change = if wanted { "carry" } else { "lose" };
+    let what = format!("{node} to {change} the idle-GPU taint");
     wait_for(&what, secs(30), || async {
         let node = nodes.get(node).await.ok()?;
         let carries = (node.spec?.taints.into_iter().flatten())
@@ -1962,58 +1838,6 @@ async fn tolerates_idle_gpu_taint(pods: &Api<Pod>, name: &str) -> anyhow::Result
         .any(|t| t.key.as_deref() == Some("gpushare.example.com/idle-gpu")))
 }
 
-async fn cpu_only_pods_on_fake_nodes(c: &KitCluster) -> anyhow::Result<()> {
-    let pods: Api<Pod> = Api::namespaced(c.client(), "default");
-    for node in ["idle-0", "idle-1"] {
-        wait_idle_gpu_taint(c, node, true).await?;
-    }
-    // idle-0's four GPUs taken whole, with 8 cores and 16 GiB each.
-    for gpu in 0..4 {
-        let pod = fixtures::pod(&format!("idle-gpu-{gpu}"))
-            .gpu_mem(16)
-            .cpu("8")
-            .memory("16Gi")
-            .build();
-        bound_to(&pods, pod, "idle-0").await?;
-    }
-    wait_idle_gpu_taint(c, "idle-0", false).await?;
-    let cpu_only = |name: &str| fixtures::pod(name).cpu("1").memory("1Gi").build();
-    let busy = bound_among(&pods, cpu_only("idle-cpu"), &["idle-0", "idle-1"], None).await?;
-    ensure!(
-        busy == "idle-0",
-        "the CPU-only pod should prefer idle-0, whose GPUs are in use, to idle-1 with its \
-         idle GPUs (and idle-GPU taint), not go on {busy}"
-    );
-    let only = bound_among(&pods, cpu_only("idle-cpu-only"), &["idle-1"], None).await?;
-    ensure!(only == "idle-1", "the taint is a preference: {only}");
-    // GPU pods tolerate the taint (the routing policy adds it): with idle-2's GPUs at 12 GiB
-    // each (no taint), a pod allowed on idle-2 or idle-3 and preferring idle-3 goes there
-    // (without the toleration, TaintToleration's 300 points for idle-2 beat its 200).
-    for gpu in 0..4 {
-        let pod = gib_pod(&format!("idle-part-{gpu}"), 12);
-        bound_to(&pods, pod, "idle-2").await?;
-    }
-    wait_idle_gpu_taint(c, "idle-2", false).await?;
-    let prefers = gib_pod("idle-prefers", 4);
-    let placed = bound_among(&pods, prefers, &["idle-2", "idle-3"], Some("idle-3")).await?;
-    let tolerates = tolerates_idle_gpu_taint(&pods, "idle-prefers").await?;
-    ensure!(
-        placed == "idle-3",
-        "the GPU pod preferring idle-3 should go there, not on {placed}"
-    );
-    ensure!(
-        tolerates,
-        "the routed GPU pod should tolerate the idle-GPU taint"
-    );
-    no_overcommit(c).await?;
-    // At once: no kubelet behind a fake node confirms a graceful deletion.
-    let now = kube::api::DeleteParams::default().grace_period(0);
-    for gpu in 0..4 {
-        pods.delete(&format!("idle-gpu-{gpu}"), &now).await?;
-    }
-    wait_idle_gpu_taint(c, "idle-0", true).await
-}
-
 /// The twin rule on the real kube-scheduler: a 16 GiB pod created while another, bound to the
 /// same node, waits for kubelet's admission (the stand-in admits 3 s after the bind) can only
 /// join that pod's full GPU, so filter passes no node. A pod no node passed waits for an event
@@ -2024,42 +1848,38 @@ async fn cpu_only_pods_on_fake_nodes(c: &KitCluster) -> anyhow::Result<()> {
 async fn a_pod_behind_its_twin_binds_once_kubelet_admits_the_twin(
     c: &KitCluster,
 ) -> anyhow::Result<()> {
-    let nodes = FakeNodes::create_admitting(c, "twin", ["Fake"; 4], secs(3));
-    on_fake_nodes(c, nodes, twin_waits_for_admission(c)).await
-}
-
-async fn twin_waits_for_admission(c: &KitCluster) -> anyhow::Result<()> {
-    let pods: Api<Pod> = Api::namespaced(c.client(), "default");
-    bound_to(&pods, gib_pod("twin-first", 16), "twin-0").await?;
-    let pod = limited_to(gib_pod("twin-second", 16), &["twin-0"], None)?;
-    create_pod(c, pod).await?;
-    // Refused first (twin-first is not admitted for 3 s), then bound: no five-minute wait.
-    let refused_with = std::sync::Mutex::new(None::<String>);
-    let second = wait_for("twin-second to be bound", START_TIMEOUT, || {
-        let pods = pods.clone();
-        let refused_with = &refused_with;
-        async move {
+    let nodes = FakeNodes {
+        admitted_after: secs(3),
+        ..fake_nodes("twin")
+    };
+    on_fake_nodes(c, nodes, async {
+        let pods: Api<Pod> = Api::namespaced(c.client(), "default");
+        bound_to(&pods, gib_pod("twin-first", 16), "twin-0").await?;
+        let pod = limited_to(gib_pod("twin-second", 16), &["twin-0"], None)?;
+        create_pod(c, pod).await?;
+        // Refused first (twin-first is not admitted for 3 s), then bound: no five-minute wait.
+        let refused_with = std::cell::RefCell::new(None::<String>);
+        let second = wait_for("twin-second to be bound", START_TIMEOUT, || async {
             let pod = pods.get("twin-second").await.ok()?;
             if let Some(message) = scheduling_message(&pod) {
-                let mut first = refused_with.lock().unwrap_or_else(|p| p.into_inner());
-                first.get_or_insert(message);
+                refused_with.borrow_mut().get_or_insert(message);
             }
             pod.spec?.node_name
-        }
+        })
+        .await;
+        let refused_with = refused_with.into_inner().context(
+            "twin-second was never refused: kube-scheduler tried it after twin-first was admitted, \
+             so the scenario did not exercise the twin rule",
+        )?;
+        let second = second.with_context(|| format!("first refused with: {refused_with}"))?;
+        ensure!(second == "twin-0", "twin-second went on {second}");
+        ensure!(
+            refused_with.contains("until kubelet admits a pod bound before it"),
+            "twin-second should have waited for twin-first's admission: {refused_with}"
+        );
+        no_overcommit(c).await
     })
-    .await;
-    let refused_with = refused_with.into_inner().unwrap_or_else(|p| p.into_inner());
-    let refused_with = refused_with.context(
-        "twin-second was never refused: kube-scheduler tried it after twin-first was admitted, \
-         so the scenario did not exercise the twin rule",
-    )?;
-    let second = second.with_context(|| format!("first refused with: {refused_with}"))?;
-    ensure!(second == "twin-0", "twin-second went on {second}");
-    ensure!(
-        refused_with.contains("until kubelet admits a pod bound before it"),
-        "twin-second should have waited for twin-first's admission: {refused_with}"
-    );
-    no_overcommit(c).await
+    .await
 }
 
 /// The `gpushare.example.com/gpu-model` annotation (docs/contract.md, "Choosing GPU models")
@@ -2068,47 +1888,49 @@ async fn twin_waits_for_admission(c: &KitCluster) -> anyhow::Result<()> {
 /// the extender's reason; nothing is over-committed.
 async fn the_gpu_model_annotation_picks_the_gpu(c: &KitCluster) -> anyhow::Result<()> {
     let models = ["Fake-A", "Fake-B", "Fake-A", "Fake-B"];
-    let nodes = FakeNodes::create_admitting(c, "models", models, Duration::from_millis(200));
-    on_fake_nodes(c, nodes, annotated_pods_get_their_models(c)).await
-}
-
-async fn annotated_pods_get_their_models(c: &KitCluster) -> anyhow::Result<()> {
-    let pods: Api<Pod> = Api::namespaced(c.client(), "default");
-    let keys = Keys::default();
-    let annotated = |name: &str, models: &str| -> anyhow::Result<Pod> {
-        let pod = fixtures::pod(name)
-            .gpu_mem(4)
-            .annotation(&keys.request_models, models)
-            .build();
-        limited_to(pod, &["models-0", "models-1"], None)
+    let nodes = FakeNodes {
+        models,
+        ..fake_nodes("models")
     };
-    // Three pods each way: more than one GPU of the model a node has, so the measure
-    // chooses among them as the GPUs fill.
-    let cases = [("b", "Fake-B", [1, 3]), ("not-b", "!Fake-B", [0, 2])];
-    for (prefix, models, _) in cases {
-        for i in 0..3 {
-            let pod = annotated(&format!("model-{prefix}-{i}"), models)?;
-            create_pod(c, pod).await?;
+    on_fake_nodes(c, nodes, async {
+        let pods: Api<Pod> = Api::namespaced(c.client(), "default");
+        let keys = Keys::default();
+        let annotated = |name: &str, models: &str| -> anyhow::Result<Pod> {
+            let pod = fixtures::pod(name)
+                .gpu_mem(4)
+                .annotation(&keys.request_models, models)
+                .build();
+            limited_to(pod, &["models-0", "models-1"], None)
+        };
+        // Three pods each way: more than one GPU of the model a node has, so the measure
+        // chooses among them as the GPUs fill.
+        let cases = [("b", "Fake-B", [1, 3]), ("not-b", "!Fake-B", [0, 2])];
+        for (prefix, models, _) in cases {
+            for i in 0..3 {
+                let pod = annotated(&format!("model-{prefix}-{i}"), models)?;
+                create_pod(c, pod).await?;
+            }
         }
-    }
-    for (prefix, models, gpus) in cases {
-        for i in 0..3 {
-            let name = format!("model-{prefix}-{i}");
-            wait_bound(&pods, &name).await?;
-            let gpu = allocation(&pods.get(&name).await?)?.gpu_index;
-            ensure!(
-                gpus.contains(&gpu),
-                "{name} ({models}) got GPU {gpu}, not one of {gpus:?}"
-            );
+        for (prefix, models, gpus) in cases {
+            for i in 0..3 {
+                let name = format!("model-{prefix}-{i}");
+                wait_bound(&pods, &name).await?;
+                let gpu = allocation(&pods.get(&name).await?)?.gpu_index;
+                ensure!(
+                    gpus.contains(&gpu),
+                    "{name} ({models}) got GPU {gpu}, not one of {gpus:?}"
+                );
+            }
         }
-    }
-    create_pod(c, annotated("model-c", "Fake-C")?).await?;
-    let reason = wait_unschedulable(c, "model-c").await?;
-    ensure!(
-        reason.contains("needs a GPU of model fake-c"),
-        "model-c should wait for a Fake-C GPU: {reason}"
-    );
-    no_overcommit(c).await
+        create_pod(c, annotated("model-c", "Fake-C")?).await?;
+        let reason = wait_unschedulable(c, "model-c").await?;
+        ensure!(
+            reason.contains("needs a GPU of model fake-c"),
+            "model-c should wait for a Fake-C GPU: {reason}"
+        );
+        no_overcommit(c).await
+    })
+    .await
 }
 
 /// `helm upgrade` in the middle of a burst: new images and values, client certificates turned
@@ -2117,61 +1939,58 @@ async fn annotated_pods_get_their_models(c: &KitCluster) -> anyhow::Result<()> {
 /// nothing is over-committed, and the GPU pods on the real node run on, never restarted.
 async fn helm_upgrade_in_a_burst(c: &KitCluster) -> anyhow::Result<()> {
     let residents = gpu_pods_running(c, &["resident-1", "resident-2"], 4).await?;
-    let nodes = FakeNodes::create(c, "upgrade");
-    on_fake_nodes(c, nodes, upgrade_in_a_burst(c, &residents)).await
-}
-
-async fn upgrade_in_a_burst(c: &KitCluster, residents: &[Pod]) -> anyhow::Result<()> {
-    // On the fake nodes only: a GPU pod admitted on the real node while its plugin restarts
-    // fails (docs/operating.md, "Known limits"). Client certificates off first (no client
-    // Secret, a scheduler presenting nothing), so that the upgrade crosses the switch.
-    upgrade(c, &["--set", "extender.tls.clientAuth.enabled=false"])?;
-    for deployment in ["deploy/gpushare-extender", "deploy/gpushare-scheduler"] {
-        rollout(c, deployment)?;
-    }
-    let burst = Burst::start(c, "upgrade", 300, true);
-    tokio::time::sleep(secs(2)).await;
-    let upgraded = Instant::now();
-    let next_release = words(
-        "--set extender.image.tag=next --set devicePlugin.image.tag=next \
-         --set extender.bindWritesInFlight=48 --set extender.tls.clientAuth.enabled=true",
-    );
-    upgrade(c, &next_release)?;
-    rollout(c, "deploy/gpushare-extender")?;
-    let next = |image: &str| image.ends_with(":next");
-    plugin_ready_with(c, |ct| ct.image.as_deref().is_some_and(next)).await?;
-    println!(
-        "  helm upgrade rolled the extender and the device plugin in {:.1} s",
-        upgraded.elapsed().as_secs_f64()
-    );
-    let images = c.system(&words(
-        "get pods -o jsonpath={.items[*].spec.containers[*].image}",
-    ))?;
-    ensure!(
-        images.matches(":next").count() >= 3,
-        "the upgrade did not roll the new images out: {images}"
-    );
-    let args = c.system(&words(
-        "get deploy/gpushare-extender -o jsonpath={.spec.template.spec.containers[0].args}",
-    ))?;
-    ensure!(
-        args.contains("--client-ca") && args.contains("--accept-uncertified-until"),
-        "the upgrade did not turn client certificates on with the grace: {args}"
-    );
-    burst.finish(c).await?;
-    let mut in_grace = Vec::new();
-    for (name, address, _) in extender_replicas(c).await? {
-        let metrics = extender_metrics(&address).await?;
-        let grace = "gpushare_extender_uncertified_calls_in_grace_total";
-        let grace = metric(&metrics, grace).next().map(str::to_owned);
-        in_grace.push((name, grace));
-    }
-    println!("  calls without a certificate let through in the grace: {in_grace:?}");
-    for before in residents {
-        let now = survived(c, before, "the upgrade").await?;
-        check_pinned(c, &now).await?;
-    }
-    Ok(())
+    on_fake_nodes(c, fake_nodes("upgrade"), async {
+        // On the fake nodes only: a GPU pod admitted on the real node while its plugin restarts
+        // fails (docs/operating.md, "Known limits"). Client certificates off first (no client
+        // Secret, a scheduler presenting nothing), so that the upgrade crosses the switch.
+        upgrade(c, &["--set", "extender.tls.clientAuth.enabled=false"])?;
+        for deployment in ["deploy/gpushare-extender", "deploy/gpushare-scheduler"] {
+            rollout(c, deployment)?;
+        }
+        let burst = Burst::start(c, "upgrade", 300, true);
+        tokio::time::sleep(secs(2)).await;
+        let upgraded = Instant::now();
+        let next_release = words(
+            "--set extender.image.tag=next --set devicePlugin.image.tag=next \
+             --set extender.bindWritesInFlight=48 --set extender.tls.clientAuth.enabled=true",
+        );
+        upgrade(c, &next_release)?;
+        rollout(c, "deploy/gpushare-extender")?;
+        let next = |image: &str| image.ends_with(":next");
+        plugin_ready_with(c, |ct| ct.image.as_deref().is_some_and(next)).await?;
+        println!(
+            "  helm upgrade rolled the extender and the device plugin in {:.1} s",
+            upgraded.elapsed().as_secs_f64()
+        );
+        let command = "get pods -o jsonpath={.items[*].spec.containers[*].image}";
+        let images = c.system(&words(command))?;
+        ensure!(
+            images.matches(":next").count() >= 3,
+            "the upgrade did not roll the new images out: {images}"
+        );
+        let args = c.system(&words(
+            "get deploy/gpushare-extender -o jsonpath={.spec.template.spec.containers[0].args}",
+        ))?;
+        ensure!(
+            args.contains("--client-ca") && args.contains("--accept-uncertified-until"),
+            "the upgrade did not turn client certificates on with the grace: {args}"
+        );
+        burst.finish(c).await?;
+        let mut in_grace = Vec::new();
+        for (name, address, _) in extender_replicas(c).await? {
+            let metrics = extender_metrics(&address).await?;
+            let grace = "gpushare_extender_uncertified_calls_in_grace_total";
+            let grace = metric(&metrics, grace).next().map(str::to_owned);
+            in_grace.push((name, grace));
+        }
+        println!("  calls without a certificate let through in the grace: {in_grace:?}");
+        for before in &residents {
+            let now = survived(c, before, "the upgrade").await?;
+            check_pinned(c, &now).await?;
+        }
+        Ok(())
+    })
+    .await
 }
 
 /// Uninstall, install as production clusters take it, then GPU pods the moment `helm install`
@@ -2183,8 +2002,7 @@ async fn upgrade_in_a_burst(c: &KitCluster, residents: &[Pod]) -> anyhow::Result
 /// - six pods created at once are all routed and pinned (before the install hook, all six
 ///   kept `default-scheduler`); `helm test` passes, and the uninstall leaves no test pod.
 async fn gpu_pods_right_after_helm_install(c: &KitCluster) -> anyhow::Result<()> {
-    let values_file = c.release_values("reinstall-values.yaml")?;
-    c.helm(&["uninstall", "gpushare", "-n", "kube-system", "--wait"])?;
+    let values_file = c.uninstall_chart()?;
     // helm waits for the post-delete hook; the admin's opt-in label stays.
     let node: Node = serde_json::from_str(&c.kubectl(&words("get node node-k -o json"))?)?;
     let labels = node.metadata.labels.iter().flatten();
@@ -2217,21 +2035,18 @@ async fn gpu_pods_right_after_helm_install(c: &KitCluster) -> anyhow::Result<()>
     .with_context(|| format!("left under {}: {left:?}", host_dir.display()))?;
 
     const NAMESPACE: &str = "gpushare-system";
-    let label = |args: &str| c.kubectl(&words(&format!("label namespace {args}")));
     c.kubectl(&["create", "namespace", NAMESPACE])?;
-    label(&format!(
-        "{NAMESPACE} pod-security.kubernetes.io/enforce=privileged"
-    ))?;
+    enforce_pod_security(c, NAMESPACE, Some("privileged"))?;
     c.proxy_services(&["gpushare-system/gpushare-extender"])
         .await?;
-    label("default pod-security.kubernetes.io/enforce=restricted --overwrite")?;
+    enforce_pod_security(c, "default", Some("restricted"))?;
     let chart = c.chart_dir();
     let installed = Instant::now();
     let (chart, values) = (chart.to_string_lossy(), values_file.to_string_lossy());
     let install = c.helm(&[
         "install", "gpushare", &chart, "-n", NAMESPACE, "-f", &values,
     ]);
-    label("default pod-security.kubernetes.io/enforce-")?;
+    enforce_pod_security(c, "default", None)?;
     install.context("helm install into a privileged namespace, default enforcing restricted")?;
     println!(
         "  helm install returned in {:.1} s (its hook waits until GPU pods are routed)",
@@ -2322,7 +2137,7 @@ fn pod_claims(c: &KitCluster, pod: &str) -> anyhow::Result<Vec<serde_json::Value
 fn claims_of(c: &KitCluster, pod: &str) -> anyhow::Result<Vec<(String, bool)>> {
     let claims = pod_claims(c, pod)?;
     let claim = |claim: &serde_json::Value| {
-        let memory = text(&requested(claim)["memory"]);
+        let memory = text(&requested(claim)["memory"]).to_owned();
         (memory, claim["status"]["allocation"].is_object())
     };
     Ok(claims.iter().map(claim).collect())
@@ -2333,23 +2148,13 @@ fn requested(claim: &serde_json::Value) -> &serde_json::Value {
     &claim["spec"]["devices"]["requests"][0]["exactly"]["capacity"]["requests"]
 }
 
-/// The elements of the JSON array `v`; none if it is not one.
-fn items(v: &serde_json::Value) -> impl Iterator<Item = &serde_json::Value> {
-    v.as_array().into_iter().flatten()
-}
-
-/// The JSON string `v`; empty if it is not one.
-fn text(v: &serde_json::Value) -> String {
-    v.as_str().unwrap_or_default().to_owned()
-}
-
 /// The CDI devices kubelet passed to `container` of the running pod `name`.
 async fn cdi_of(c: &KitCluster, name: &str, container: &str) -> anyhow::Result<Vec<String>> {
     let pod = wait_running(c, name).await?;
     let uid = pod.metadata.uid.unwrap_or_default();
-    let created = c
-        .created(&uid, container)?
-        .with_context(|| format!("no CreateContainer recorded for {name}/{container}"))?;
+    let created = c.created(&uid, container)?;
+    let created =
+        created.with_context(|| format!("no CreateContainer recorded for {name}/{container}"))?;
     Ok(created.cdi.unwrap_or_default())
 }
 
@@ -2394,19 +2199,9 @@ async fn cdi_edits(c: &KitCluster, name: &str) -> anyhow::Result<serde_json::Val
 }
 
 /// The create was refused by the chart's DRA-mode policy for what it cannot turn into a claim
-/// (`gpushare-gpu-mem-unconverted`), saying `hint`.
+/// (`gpushare-gpu-mem-unconverted`, its `reason: Invalid` a 422), saying `hint`.
 fn unconverted(result: Result<Pod, kube::Error>, hint: &str) -> anyhow::Result<()> {
-    match result {
-        Err(kube::Error::Api(status)) => {
-            ensure!(
-                status.message.contains("gpushare-gpu-mem-unconverted")
-                    && status.message.contains(hint),
-                "expected a refusal saying {hint:?}: {status:?}"
-            );
-            Ok(())
-        }
-        other => bail!("expected a refusal saying {hint:?}, got {other:?}"),
-    }
+    refused_by("gpushare-gpu-mem-unconverted", 422, result, hint)
 }
 
 /// DRA mode, compute beside memory: `gpu-mem: 1` and `gpu-compute: 60` become a claim from
@@ -2415,21 +2210,7 @@ fn unconverted(result: Result<Pod, kube::Error>, hint: &str) -> anyhow::Result<(
 /// keeps the third waiting until one leaves; the claim's container is told its share, and a
 /// percent the chart has no template for is refused at creation, naming those it has.
 async fn dra_compute_shares_are_allocated_by_kube_scheduler(c: &KitCluster) -> anyhow::Result<()> {
-    let compute = gpushare_contract::request::compute_resource_of(DEFAULT_RESOURCE);
-    let pods: Api<Pod> = Api::namespaced(c.client(), "default");
-    let names = ["dra-compute-1", "dra-compute-2", "dra-compute-3"];
-    for name in names {
-        let pod = fixtures::pod(name).gpu_mem(1).gpu_compute(60).build();
-        let created = create_pod(c, pod).await?;
-        let limits = first_limits(&created);
-        ensure!(
-            !limits.contains_key(&compute) && !limits.contains_key(DEFAULT_RESOURCE),
-            "{name} kept an extended resource in DRA mode: {limits:?}"
-        );
-    }
-    let (running, waiting) = two_of_three_run(&pods, names, secs(90)).await?;
-    let mut devices = BTreeSet::new();
-    for name in &running {
+    let device_of = async |name: &str| -> anyhow::Result<String> {
         let claims = pod_claims(c, name)?;
         let [claim] = &claims[..] else {
             bail!("{name} should hold one claim: {claims:?}");
@@ -2444,21 +2225,19 @@ async fn dra_compute_shares_are_allocated_by_kube_scheduler(c: &KitCluster) -> a
             result["consumedCapacity"]["compute"] == "60",
             "{name}'s allocation should consume 60 compute: {result}"
         );
-        devices.insert(text(&result["device"]));
         let edits = cdi_edits(c, name).await?;
         let said = format!("{}=60", env::COMPUTE_PERCENT);
         ensure!(
             items(&edits["env"]).any(|v| v.as_str() == Some(said.as_str())),
             "{name} should be told its compute share: {edits}"
         );
-    }
+        Ok(text(&result["device"]).to_owned())
+    };
+    let names = ["dra-compute-1", "dra-compute-2", "dra-compute-3"];
+    let (running, waiting, reason) =
+        two_of_three_sixty_percent_pods(c, (names, 1), secs(90), converted, device_of).await?;
     ensure!(
-        devices.len() == 2,
-        "two 60 % claims must not share a GPU: {devices:?}"
-    );
-    let reason = wait_unschedulable(c, waiting).await?;
-    ensure!(
-        phase(&pods.get(waiting).await?) == "Pending",
+        phase(&get_pod(c, waiting).await?) == "Pending",
         "{waiting} should wait: {reason}"
     );
     // Memory-only claims consume no compute: one still fits beside them.
@@ -2481,11 +2260,7 @@ async fn the_readme_pod_runs_unchanged_in_dra_mode(c: &KitCluster) -> anyhow::Re
     let pod = readme_pod()?;
     let name = pod.metadata.name.clone().unwrap_or_default();
     let created = create_pod(c, pod).await?;
-    let limits = first_limits(&created);
-    ensure!(
-        !limits.contains_key("example.com/gpu-mem"),
-        "the pod kept its extended resource in DRA mode: {limits:?}"
-    );
+    converted(&created)?;
     // The policy also sends it to the chart's scheduler, whose profile allocates it.
     let scheduler = scheduler_of(&created);
     ensure!(
@@ -2567,6 +2342,17 @@ async fn dra_kubelet_restart_keeps_claimed_pods(c: &KitCluster) -> anyhow::Resul
     Ok(())
 }
 
+/// Pod `name` as it is now, checked to be still Running (`under` says through what).
+async fn still_running(c: &KitCluster, name: &str, under: &str) -> anyhow::Result<Pod> {
+    let pod = get_pod(c, name).await?;
+    ensure!(
+        phase(&pod) == "Running",
+        "{name} stopped {under}: {}",
+        phase(&pod)
+    );
+    Ok(pod)
+}
+
 /// `before` is still the same pod, Running, its container started once only: it survived
 /// `what`. Returns the pod as it is now.
 async fn survived(c: &KitCluster, before: &Pod, what: &str) -> anyhow::Result<Pod> {
@@ -2578,45 +2364,31 @@ async fn survived(c: &KitCluster, before: &Pod, what: &str) -> anyhow::Result<Po
         phase(&now)
     );
     let uid = now.metadata.uid.as_deref().unwrap_or_default();
-    let starts = c
-        .created_containers()?
-        .iter()
-        .filter(|made| made.pod_uid == uid)
-        .count();
+    let created = c.created_containers()?;
+    let starts = created.iter().filter(|made| made.pod_uid == uid).count();
     ensure!(starts == 1, "{name}'s container was started {starts} times");
     Ok(now)
 }
 
 /// Creates the ResourceClaimTemplate `template` (JSON) in `default`.
 async fn create_claim_template(c: &KitCluster, template: serde_json::Value) -> anyhow::Result<()> {
-    let name = template["metadata"]["name"]
-        .as_str()
-        .context("a template has a name")?
-        .to_owned();
+    let template: ResourceClaimTemplate = serde_json::from_value(template)?;
+    let name = template.metadata.name.clone().unwrap_or_default();
     claim_templates(c)
-        .create(&PostParams::default(), &serde_json::from_value(template)?)
+        .create(&PostParams::default(), &template)
         .await?;
     // The routing policy reads templates from the API server's cache: a pod created the
     // moment after its template may miss it (and go to the default profile, first fit).
-    wait_for(
-        &format!("the API server to route pods naming template {name}"),
-        secs(30),
-        || async { (admitted_scheduler(c, &name).await.ok()? == ROUTED).then_some(()) },
-    )
+    let what = format!("the API server to route pods naming template {name}");
+    wait_for(&what, secs(30), || async {
+        (admitted_scheduler(c, &name).await.ok()? == ROUTED).then_some(())
+    })
     .await
 }
 
 /// ResourceClaimTemplates in `default`.
-fn claim_templates(c: &KitCluster) -> Api<kube::api::DynamicObject> {
-    Api::namespaced_with(
-        c.client(),
-        "default",
-        &kube::api::ApiResource::from_gvk(&kube::api::GroupVersionKind::gvk(
-            "resource.k8s.io",
-            "v1",
-            "ResourceClaimTemplate",
-        )),
-    )
+fn claim_templates(c: &KitCluster) -> Api<ResourceClaimTemplate> {
+    Api::namespaced(c.client(), "default")
 }
 
 /// The chart's scheduler (in DRA mode, its profile), which routed pods name.
@@ -2690,8 +2462,8 @@ fn claimed_devices(c: &KitCluster, pod: &str) -> anyhow::Result<Vec<(String, Str
     let mut devices = Vec::new();
     for claim in pod_claims(c, pod)? {
         for result in items(&claim["status"]["allocation"]["devices"]["results"]) {
-            let memory = text(&result["consumedCapacity"]["memory"]);
-            devices.push((text(&result["device"]), memory));
+            let memory = text(&result["consumedCapacity"]["memory"]).to_owned();
+            devices.push((text(&result["device"]).to_owned(), memory));
         }
     }
     devices.sort();
@@ -2777,9 +2549,8 @@ const UNHEALTHY_GPUS: &str = "/tmp/gpushare-realk8s-unhealthy-gpus";
 
 /// The taint keys on device `device` of node-k's slice.
 fn device_taints(c: &KitCluster, device: &str) -> anyhow::Result<Vec<String>> {
-    let slice = c.kubectl(&words(
-        "get resourceslice node-k-gpushare.example.com -o json",
-    ))?;
+    let command = "get resourceslice node-k-gpushare.example.com -o json";
+    let slice = c.kubectl(&words(command))?;
     let slice: serde_json::Value = serde_json::from_str(&slice)?;
     Ok(items(&slice["spec"]["devices"])
         .filter(|d| d["name"] == device)
@@ -2792,49 +2563,38 @@ fn device_taints(c: &KitCluster, device: &str) -> anyhow::Result<Vec<String>> {
 /// file): the plugin taints its device in the slice, the pod keeps running, new claims all
 /// go to the other GPU, and the taint goes when the GPU recovers.
 async fn dra_unhealthy_gpu_is_tainted_and_avoided(c: &KitCluster) -> anyhow::Result<()> {
-    let result = unhealthy_gpu(c).await;
-    std::fs::write(UNHEALTHY_GPUS, "")?;
-    result
-}
-
-async fn unhealthy_gpu(c: &KitCluster) -> anyhow::Result<()> {
-    std::fs::write(UNHEALTHY_GPUS, "")?;
-    create_gpu_pod(c, "resident", 4).await?;
-    ensure!(cdi_of(c, "resident", "main").await?.len() == 1);
-    let held = claimed_devices(c, "resident")?;
-    let (device, _) = held.first().context("resident holds no device")?.clone();
-    let index = device.trim_start_matches("gpu-").to_owned();
-    let other = if index == "0" { "gpu-1" } else { "gpu-0" };
-    std::fs::write(UNHEALTHY_GPUS, &index)?;
-    let what = format!("{device} to be tainted in the slice");
-    wait_for(&what, secs(30), || async {
-        let taints = device_taints(c, &device).ok()?;
-        let tainted = taints
-            .iter()
-            .any(|key| key == "gpushare.example.com/unhealthy");
-        tainted.then_some(())
+    emptied_around(UNHEALTHY_GPUS, async {
+        create_gpu_pod(c, "resident", 4).await?;
+        ensure!(cdi_of(c, "resident", "main").await?.len() == 1);
+        let held = claimed_devices(c, "resident")?;
+        let (device, _) = held.first().context("resident holds no device")?.clone();
+        let index = device.trim_start_matches("gpu-").to_owned();
+        let other = if index == "0" { "gpu-1" } else { "gpu-0" };
+        std::fs::write(UNHEALTHY_GPUS, &index)?;
+        let what = format!("{device} to be tainted in the slice");
+        wait_for(&what, secs(30), || async {
+            let taints = device_taints(c, &device).ok()?;
+            let unhealthy = "gpushare.example.com/unhealthy";
+            taints.iter().any(|key| key == unhealthy).then_some(())
+        })
+        .await?;
+        for name in ["after-1", "after-2"] {
+            create_gpu_pod(c, name, 4).await?;
+            ensure!(cdi_of(c, name, "main").await?.len() == 1);
+            let placed = claimed_devices(c, name)?;
+            ensure!(
+                placed == [(other.to_owned(), "4Gi".to_owned())],
+                "{name} should avoid the unhealthy {device}: {placed:?}"
+            );
+        }
+        still_running(c, "resident", "on the unhealthy GPU").await?;
+        std::fs::write(UNHEALTHY_GPUS, "")?;
+        let what = format!("{device}'s taint to go once it recovers");
+        wait_for(&what, secs(30), || async {
+            device_taints(c, &device).ok()?.is_empty().then_some(())
+        })
+        .await
     })
-    .await?;
-    for name in ["after-1", "after-2"] {
-        create_gpu_pod(c, name, 4).await?;
-        ensure!(cdi_of(c, name, "main").await?.len() == 1);
-        let placed = claimed_devices(c, name)?;
-        ensure!(
-            placed == [(other.to_owned(), "4Gi".to_owned())],
-            "{name} should avoid the unhealthy {device}: {placed:?}"
-        );
-    }
-    let resident = get_pod(c, "resident").await?;
-    ensure!(
-        phase(&resident) == "Running",
-        "the pod on the unhealthy GPU stopped"
-    );
-    std::fs::write(UNHEALTHY_GPUS, "")?;
-    wait_for(
-        &format!("{device}'s taint to go once it recovers"),
-        secs(30),
-        || async { device_taints(c, &device).ok()?.is_empty().then_some(()) },
-    )
     .await
 }
 
@@ -2893,39 +2653,46 @@ async fn preemption_evicts_nobody_for_a_pod_no_gpu_can_hold(c: &KitCluster) -> a
 /// verb changes, on the real scheduler.
 async fn without_the_preempt_verb_two_pods_die_for_nothing(c: &KitCluster) -> anyhow::Result<()> {
     let (fill, outcome) = preemption::eight_gib_among_seven(c, KIT_NODE, secs(20)).await?;
+    let freed = preemption::check_eight_gib_among_seven(&fill, &outcome);
     ensure!(
-        preemption::check_eight_gib_among_seven(&fill, &outcome).is_err(),
+        freed.is_err(),
         "kube-scheduler alone freed one GPU: {outcome:?}"
     );
-    let gpus: BTreeSet<u32> = outcome.evicted.iter().map(|(_, gpu, _)| *gpu).collect();
-    ensure!(
-        outcome.evicted.len() == 2 && gpus.len() == 2 && outcome.gpus.is_none(),
-        "expected one pod of each GPU evicted and the 8 GiB pod waiting: {outcome:?}"
-    );
-    println!(
-        "  without the verb: evicted {:?}, the 8 GiB pod still waits after 20 s",
-        outcome.evicted
-    );
-    Ok(())
+    evicted_in_vain(&outcome, (2, "one pod of each GPU"), 2, "the 8 GiB pod")
 }
 
 /// The 2-GPU story with `scheduler.extender.preempt=false`: kube-scheduler alone evicts the
 /// four low pods, all of one GPU (16 GiB free there, 3 on the other), and the pod waits.
 async fn without_the_preempt_verb_the_two_gpu_pod_waits(c: &KitCluster) -> anyhow::Result<()> {
     let (fill, outcome) = preemption::two_gpus_of_eight(c, KIT_NODE, secs(20)).await?;
+    let made_room = preemption::check_two_gpus_of_eight(&fill, &outcome);
     ensure!(
-        preemption::check_two_gpus_of_eight(&fill, &outcome).is_err(),
+        made_room.is_err(),
         "kube-scheduler alone made room on two GPUs: {outcome:?}"
     );
-    let gpus: BTreeSet<u32> = outcome.evicted.iter().map(|(_, gpu, _)| *gpu).collect();
+    evicted_in_vain(
+        &outcome,
+        (4, "the four low pods of one GPU"),
+        1,
+        "the 2-GPU pod",
+    )
+}
+
+/// kube-scheduler alone, without the verb, evicted `pods` pods (`which`) of `gpus` GPUs, and
+/// still, 20 s on, `preemptor` waits.
+fn evicted_in_vain(
+    outcome: &preemption::Preempted,
+    (pods, which): (usize, &str),
+    gpus: usize,
+    preemptor: &str,
+) -> anyhow::Result<()> {
+    let evicted: BTreeSet<u32> = outcome.evicted.iter().map(|(_, gpu, _)| *gpu).collect();
     ensure!(
-        outcome.evicted.len() == 4 && gpus.len() == 1 && outcome.gpus.is_none(),
-        "expected the four low pods of one GPU evicted and the pod waiting: {outcome:?}"
+        outcome.evicted.len() == pods && evicted.len() == gpus && outcome.gpus.is_none(),
+        "expected {which} evicted and {preemptor} waiting: {outcome:?}"
     );
-    println!(
-        "  without the verb: evicted {:?}, the 2-GPU pod still waits after 20 s",
-        outcome.evicted
-    );
+    let evicted = &outcome.evicted;
+    println!("  without the verb: evicted {evicted:?}, {preemptor} still waits after 20 s");
     Ok(())
 }
 
@@ -3025,30 +2792,17 @@ async fn extender_replicas(c: &KitCluster) -> anyhow::Result<Vec<(String, String
         .await?;
     let mut replicas = Vec::new();
     for pod in list.items {
-        let name = pod.metadata.name.clone().unwrap_or_default();
-        let status = pod.status.clone().unwrap_or_default();
-        let ip = status
-            .pod_ip
-            .clone()
-            .with_context(|| format!("{name} has no IP"))?;
-        let container = pod
-            .spec
-            .as_ref()
-            .and_then(|s| s.containers.iter().find(|c| c.name == "extender"))
-            .with_context(|| format!("{name} has no extender container"))?;
-        let port = container
-            .ports
-            .iter()
-            .flatten()
+        let name = pod.metadata.name.unwrap_or_default();
+        let status = pod.status.unwrap_or_default();
+        let ip = status.pod_ip.with_context(|| format!("{name} has no IP"))?;
+        let port = (pod.spec.iter().flat_map(|s| &s.containers))
+            .filter(|c| c.name == "extender")
+            .flat_map(|c| c.ports.iter().flatten())
             .find(|p| p.name.as_deref() == Some("scheduler"))
-            .map(|p| p.container_port)
-            .with_context(|| format!("{name} has no scheduler port"))?;
-        let restarts = status
-            .container_statuses
-            .iter()
-            .flatten()
-            .map(|s| s.restart_count)
-            .sum();
+            .with_context(|| format!("{name} has no extender container with a scheduler port"))?
+            .container_port;
+        let statuses = status.container_statuses.iter().flatten();
+        let restarts = statuses.map(|s| s.restart_count).sum();
         replicas.push((name, format!("{ip}:{port}"), restarts));
     }
     replicas.sort();
@@ -3076,11 +2830,9 @@ async fn the_scheduler_port_withstands_a_barrage(c: &KitCluster) -> anyhow::Resu
         answered += report.answers.len();
     }
     let after = extender_replicas(c).await?;
+    let restarts = |(name, _, restarts): &(String, String, i32)| (name.clone(), *restarts);
     ensure!(
-        before
-            .iter()
-            .map(|(n, _, r)| (n, r))
-            .eq(after.iter().map(|(n, _, r)| (n, r))),
+        before.iter().map(restarts).eq(after.iter().map(restarts)),
         "a replica restarted or was replaced: before {before:?}, after {after:?}"
     );
     // Memory stays bounded: the 8 MiB bodies are read and dropped, nothing accumulates.
@@ -3117,45 +2869,44 @@ async fn dra_pods_go_to_the_fuller_node_and_gpu(c: &KitCluster) -> anyhow::Resul
     let client = c.client();
     load::create_fake_gpu_nodes(&client, "rank", 2, &[16; 4], &[]).await?;
     load::publish_fake_slices(&client, "rank", 2, &[16; 4], DRA_DRIVER).await?;
-    let result = dra_ranked_onto_the_fuller_node(c).await;
+    let result = async {
+        let pods: Api<Pod> = Api::namespaced(c.client(), "default");
+        bound_to(&pods, gib_pod("ranked-0", 4), "rank-0").await?;
+        // With the taint on both, a pod not tolerating it would make the filter step aside.
+        for node in ["rank-0", "rank-1"] {
+            wait_idle_gpu_taint(c, node, true).await?;
+        }
+        for i in 1..=5 {
+            let name = format!("ranked-{i}");
+            let node = bound_among(&pods, gib_pod(&name, 4), &["rank-0", "rank-1"], None).await?;
+            ensure!(
+                node == "rank-0",
+                "{name} went to {node}: the extender should have passed rank-0 alone, whose GPU the claims fill"
+            );
+        }
+        let tolerates = tolerates_idle_gpu_taint(&pods, "ranked-1").await?;
+        ensure!(
+            tolerates,
+            "the chart's gpu-mem policy should give DRA pods a toleration of the idle-GPU taint"
+        );
+        let mut per_gpu = BTreeMap::<String, usize>::new();
+        for i in 0..=5 {
+            for (device, consumed) in claimed_devices(c, &format!("ranked-{i}"))? {
+                ensure!(consumed == "4Gi", "ranked-{i}: {device} {consumed}");
+                *per_gpu.entry(device).or_default() += 1;
+            }
+        }
+        let expected = BTreeMap::from([("gpu-0".to_owned(), 4), ("gpu-1".to_owned(), 2)]);
+        ensure!(
+            per_gpu == expected,
+            "first fit should fill rank-0's first GPU before its second: {per_gpu:?}"
+        );
+        Ok(())
+    }
+    .await;
     load::delete_fake_slices(&client).await?;
     load::delete_fake_nodes(&client).await?;
     result
-}
-
-async fn dra_ranked_onto_the_fuller_node(c: &KitCluster) -> anyhow::Result<()> {
-    let pods: Api<Pod> = Api::namespaced(c.client(), "default");
-    bound_to(&pods, gib_pod("ranked-0", 4), "rank-0").await?;
-    // With the taint on both, a pod not tolerating it would make the filter step aside.
-    for node in ["rank-0", "rank-1"] {
-        wait_idle_gpu_taint(c, node, true).await?;
-    }
-    for i in 1..=5 {
-        let name = format!("ranked-{i}");
-        let node = bound_among(&pods, gib_pod(&name, 4), &["rank-0", "rank-1"], None).await?;
-        ensure!(
-            node == "rank-0",
-            "{name} went to {node}: the extender should have passed rank-0 alone, whose GPU the claims fill"
-        );
-    }
-    let tolerates = tolerates_idle_gpu_taint(&pods, "ranked-1").await?;
-    ensure!(
-        tolerates,
-        "the chart's gpu-mem policy should give DRA pods a toleration of the idle-GPU taint"
-    );
-    let mut per_gpu = BTreeMap::<String, usize>::new();
-    for i in 0..=5 {
-        for (device, consumed) in claimed_devices(c, &format!("ranked-{i}"))? {
-            ensure!(consumed == "4Gi", "ranked-{i}: {device} {consumed}");
-            *per_gpu.entry(device).or_default() += 1;
-        }
-    }
-    let expected = BTreeMap::from([("gpu-0".to_owned(), 4), ("gpu-1".to_owned(), 2)]);
-    ensure!(
-        per_gpu == expected,
-        "first fit should fill rank-0's first GPU before its second: {per_gpu:?}"
-    );
-    Ok(())
 }
 
 /// DRA mode without the extender: with its Deployment scaled to nothing, the README's pod
@@ -3167,13 +2918,11 @@ async fn dra_pods_schedule_with_the_extender_stopped(c: &KitCluster) -> anyhow::
             "scale deploy/gpushare-extender --replicas={replicas}"
         )))
     };
-    let replicas = c.system(&words(
-        "get deploy/gpushare-extender -o jsonpath={.spec.replicas}",
-    ))?;
+    let command = "get deploy/gpushare-extender -o jsonpath={.spec.replicas}";
+    let replicas = c.system(&words(command))?;
     scale("0")?;
-    c.system(&words(
-        "wait --for=delete pod -l app.kubernetes.io/component=extender --timeout=90s",
-    ))?;
+    let command = "wait --for=delete pod -l app.kubernetes.io/component=extender --timeout=90s";
+    c.system(&words(command))?;
     let pod = readme_pod()?;
     let name = pod.metadata.name.clone().unwrap_or_default();
     create_pod(c, pod).await?;

@@ -70,14 +70,10 @@ pub async fn create_fake_gpu_nodes(
                 .await
                 .with_context(|| format!("creating node {name}"))?;
             // The API server drops a new node's status: write it.
-            nodes
-                .patch_status(
-                    &name,
-                    &PatchParams::default(),
-                    &Patch::Merge(json!({ "status": node.status })),
-                )
-                .await
-                .with_context(|| format!("writing the status of node {name}"))?;
+            let params = PatchParams::default();
+            let status = Patch::Merge(json!({ "status": node.status }));
+            let written = nodes.patch_status(&name, &params, &status).await;
+            written.with_context(|| format!("writing the status of node {name}"))?;
             // Admission taints a new node not-ready until its kubelet says otherwise;
             // none will.
             let taints = created.spec.and_then(|s| s.taints).unwrap_or_default();
@@ -86,14 +82,9 @@ pub async fn create_fake_gpu_nodes(
                     .into_iter()
                     .filter(|t| t.key != "node.kubernetes.io/not-ready")
                     .collect();
-                nodes
-                    .patch(
-                        &name,
-                        &PatchParams::default(),
-                        &Patch::Merge(json!({ "spec": { "taints": kept } })),
-                    )
-                    .await
-                    .with_context(|| format!("untainting node {name}"))?;
+                let taints = Patch::Merge(json!({ "spec": { "taints": kept } }));
+                let untainted = nodes.patch(&name, &params, &taints).await;
+                untainted.with_context(|| format!("untainting node {name}"))?;
             }
             anyhow::Ok(())
         }

@@ -118,13 +118,9 @@ pub async fn chart_runs_a_scheduler(cluster: &KitCluster) -> anyhow::Result<bool
 
 async fn chart_scheduler_pods(cluster: &KitCluster) -> anyhow::Result<Vec<Pod>> {
     let pods: Api<Pod> = Api::namespaced(cluster.client(), "kube-system");
-    Ok(pods
-        .list(&ListParams::default())
-        .await?
-        .items
-        .into_iter()
-        .filter(|p| p.name_any().starts_with("gpushare-scheduler-"))
-        .collect())
+    let listed = pods.list(&ListParams::default()).await?.items;
+    let scheduler = |p: &Pod| p.name_any().starts_with("gpushare-scheduler-");
+    Ok(listed.into_iter().filter(scheduler).collect())
 }
 
 /// Makes the extender Service's name resolve to the Lease holder's pod IP in the pods started
@@ -281,10 +277,8 @@ pub async fn drain(
     backlog: &Backlog,
     timeout: Duration,
 ) -> anyhow::Result<Drain> {
-    let (drain, ()) = drain_with(cluster, drainer, prefix, backlog, timeout, |_| async {
-        Ok(())
-    })
-    .await?;
+    let nothing = |_: Arc<BindClock>| async { anyhow::Ok(()) };
+    let (drain, ()) = drain_with(cluster, drainer, prefix, backlog, timeout, nothing).await?;
     Ok(drain)
 }
 
@@ -369,14 +363,11 @@ async fn stop_drainer(cluster: &KitCluster, drainer: Drainer) -> anyhow::Result<
         return Ok(resource);
     }
     scale_chart_scheduler(cluster, 0)?;
-    wait_for(
-        "the chart's scheduler to stop",
-        Duration::from_secs(60),
-        || async {
-            let pods = chart_scheduler_pods(cluster).await.ok()?;
-            pods.is_empty().then_some(())
-        },
-    )
+    let what = "the chart's scheduler to stop";
+    wait_for(what, Duration::from_secs(60), || async {
+        let pods = chart_scheduler_pods(cluster).await.ok()?;
+        pods.is_empty().then_some(())
+    })
     .await?;
     Ok(resource)
 }
@@ -536,11 +527,10 @@ pub async fn delete_backlog(cluster: &KitCluster, prefix: &str) -> anyhow::Resul
 /// Waits until kube-controller-manager has made a claim for each of the `count` pods of the
 /// backlog `prefix` (its claims are named after the pods).
 async fn wait_for_claims(client: &Client, prefix: &str, count: usize) -> anyhow::Result<()> {
-    wait_for(
-        &format!("kube-controller-manager to make the {count} claims of {prefix}"),
-        Duration::from_secs(600),
-        || async { (claims_of(client, prefix).await.ok()?.len() >= count).then_some(()) },
-    )
+    let what = format!("kube-controller-manager to make the {count} claims of {prefix}");
+    wait_for(&what, Duration::from_secs(600), || async {
+        (claims_of(client, prefix).await.ok()?.len() >= count).then_some(())
+    })
     .await
 }
 

@@ -252,19 +252,34 @@ impl Drop for DownOnDrop {
 /// `-exec-image`), with the fake driver on `LD_LIBRARY_PATH` ([`probe_container`]).
 pub const PROBE_IMAGE: &str = "gpushare-isolation-probe";
 
-/// A container of image [`PROBE_IMAGE`] running the probe with `args` against the fake
-/// driver (one 16 GiB GPU): `--via dlsym info alloc:mem:3000 … hold` (see
-/// `isolation/probe/src/main.rs`).
+/// The environment the probe runs in: the fake driver (one 16 GiB GPU) on `LD_LIBRARY_PATH`.
+pub fn probe_env() -> [(&'static str, String); 2] {
+    let driver = gpushare_isolation_probe::fake_driver_dir();
+    [
+        ("LD_LIBRARY_PATH", driver.display().to_string()),
+        ("FAKE_GPU_MEM_MIB", "16384".to_owned()),
+    ]
+}
+
+/// A container of image [`PROBE_IMAGE`] running the probe with `args` in [`probe_env`]:
+/// `--via dlsym info alloc:mem:3000 … hold` (see `isolation/probe/src/main.rs`).
 pub fn probe_container(args: &[&str]) -> serde_json::Value {
+    let env = probe_env().map(|(name, value)| serde_json::json!({"name": name, "value": value}));
     serde_json::json!({
         "image": format!("example.com/{PROBE_IMAGE}:test"),
         "args": args,
-        "env": [
-            {"name": "LD_LIBRARY_PATH",
-             "value": gpushare_isolation_probe::fake_driver_dir().display().to_string()},
-            {"name": "FAKE_GPU_MEM_MIB", "value": "16384"},
-        ],
+        "env": env,
     })
+}
+
+/// The elements of the JSON array `value`; none if it is not one.
+pub fn items(value: &serde_json::Value) -> impl Iterator<Item = &serde_json::Value> {
+    value.as_array().into_iter().flatten()
+}
+
+/// The JSON string `value`; empty if it is not one.
+pub fn text(value: &serde_json::Value) -> &str {
+    value.as_str().unwrap_or_default()
 }
 
 /// Removes the empty mount targets an isolated container left on this machine (the kit's
@@ -297,11 +312,11 @@ pub fn remove_isolation_placeholders() {
 pub fn run_with_cdi_edits(
     edits: &serde_json::Value,
     argv: &[String],
-    extra_env: &[(String, String)],
+    extra_env: &[(&str, String)],
 ) -> anyhow::Result<String> {
     let quote = |s: &str| format!("'{}'", s.replace('\'', r"'\''"));
     let mut script = String::from("set -e; mount --make-rprivate /\n");
-    for mount in edits["mounts"].as_array().into_iter().flatten() {
+    for mount in items(&edits["mounts"]) {
         let (Some(src), Some(dst)) = (mount["hostPath"].as_str(), mount["containerPath"].as_str())
         else {
             bail!("a CDI mount without hostPath or containerPath: {mount}");
@@ -310,16 +325,12 @@ pub fn run_with_cdi_edits(
         script.push_str(&format!(
             "if [ -d {src} ]; then mkdir -p {dst}; else mkdir -p \"$(dirname {dst})\"; [ -e {dst} ] || touch {dst}; fi\nmount --bind {src} {dst}\n"
         ));
-        let options = mount["options"].as_array().into_iter().flatten();
-        if options.filter_map(|o| o.as_str()).any(|o| o == "ro") {
+        if items(&mount["options"]).any(|option| option == "ro") {
             script.push_str(&format!("mount -o remount,bind,ro {dst}\n"));
         }
     }
     script.push_str("exec env \"$@\"");
-    let mut env: Vec<String> = edits["env"]
-        .as_array()
-        .into_iter()
-        .flatten()
+    let mut env: Vec<String> = items(&edits["env"])
         .filter_map(|v| v.as_str().map(str::to_owned))
         .collect();
     env.extend(extra_env.iter().map(|(k, v)| format!("{k}={v}")));
@@ -376,21 +387,23 @@ impl KitCluster {
     }
 
     /// A client acting as `username` (the admin impersonating it), for attacks by a user the
-    /// chart does not trust.
-    pub async fn client_as(&self, username: &str) -> anyhow::Result<Client> {
+    /// chart does not trust; with `node`, its token names that node, as the claim a projected
+    /// ServiceAccount token carries (`authentication.kubernetes.io/node-name`).
+    pub async fn client_as(&self, username: &str, node: Option<&str>) -> anyhow::Result<Client> {
         let mut config = self.kit.admin_config().await?;
         config.auth_info.impersonate = Some(username.to_owned());
+        if let Some(node) = node {
+            let claim = "authentication.kubernetes.io/node-name".to_owned();
+            config.auth_info.impersonate_user_extra = Some([(claim, vec![node.to_owned()])].into());
+        }
         Ok(Client::try_from(config)?)
     }
 
     /// Runs the kit's `chart-cluster.sh`/`kubelet.sh`/`realk8s.sh` with `args`; returns stdout.
     pub fn script(&self, name: &str, args: &[&str]) -> anyhow::Result<String> {
         let output = self.kit.script(name).args(args).output();
-        stdout_of(
-            name,
-            args,
-            &output.with_context(|| format!("running {name} {args:?}"))?,
-        )
+        let output = output.with_context(|| format!("running {name} {args:?}"))?;
+        stdout_of(name, args, &output)
     }
 
     /// Restarts the kit's Service proxy (`svcproxy.py`, kube-proxy's stand-in) for `services`
@@ -418,13 +431,13 @@ impl KitCluster {
             .spawn()
             .context("starting the kit's svcproxy.py")?;
         std::fs::write(&pid_file, child.id().to_string())?;
-        for _ in 0..100 {
-            if std::fs::metadata(&hosts).is_ok_and(|m| m.len() > 0) {
-                return Ok(());
-            }
-            tokio::time::sleep(std::time::Duration::from_millis(100)).await;
-        }
-        bail!("the Service proxy wrote no hosts for {services:?}")
+        let what = format!("the Service proxy to write the hosts of {services:?}");
+        wait_for(&what, Duration::from_secs(10), || async {
+            std::fs::metadata(&hosts)
+                .is_ok_and(|m| m.len() > 0)
+                .then_some(())
+        })
+        .await
     }
 
     /// The IP of pod `kube-system/<pod>`, once it has one.
@@ -547,17 +560,11 @@ impl KitCluster {
         let pods: Api<Pod> = Api::namespaced(self.client.clone(), namespace);
         let now = DeleteParams::default().grace_period(0);
         let _ = pods.delete_collection(&now, &ListParams::default()).await?;
-        wait_for(
-            &format!("every pod in {namespace} to be gone"),
-            Duration::from_secs(120),
-            || {
-                let pods = pods.clone();
-                async move {
-                    let list = pods.list(&ListParams::default()).await.ok()?;
-                    list.items.is_empty().then_some(())
-                }
-            },
-        )
+        let what = format!("every pod in {namespace} to be gone");
+        wait_for(&what, Duration::from_secs(120), || async {
+            let list = pods.list(&ListParams::default()).await.ok()?;
+            list.items.is_empty().then_some(())
+        })
         .await
     }
 }
@@ -576,19 +583,14 @@ impl Harness for KitCluster {
         pod: &str,
         container: &str,
     ) -> anyhow::Result<BTreeMap<String, String>> {
-        let uid = Api::<Pod>::namespaced(self.client.clone(), "default")
-            .get(pod)
-            .await?
-            .metadata
-            .uid
-            .unwrap_or_default();
+        let uid = crate::scenarios::get_pod(self, pod).await?.metadata.uid;
+        let uid = uid.unwrap_or_default();
         // kubelet has created the container by the time the pod runs, but the record is
         // written by another process: give it a moment.
-        wait_for(
-            &format!("the runtime's record of container {container} of pod {pod}"),
-            Duration::from_secs(10),
-            || async { self.created(&uid, container).ok().flatten() },
-        )
+        let what = format!("the runtime's record of container {container} of pod {pod}");
+        wait_for(&what, Duration::from_secs(10), || async {
+            self.created(&uid, container).ok().flatten()
+        })
         .await
         .map(|created| created.env)
     }

@@ -15,13 +15,18 @@ use std::time::Duration;
 
 use anyhow::{Context, bail, ensure};
 use serde_json::Value;
+use tokio::task::JoinHandle;
+
+use super::{items, text};
 
 /// Where this Prometheus listens (a fixed port: the real tier runs one scenario at a time).
 pub const LISTEN: &str = "127.0.0.1:19090";
 
-/// A running Prometheus, stopped when dropped.
+/// A running Prometheus and the task keeping its discovery files current, both stopped when
+/// dropped.
 pub struct Prometheus {
     child: Child,
+    discovery: JoinHandle<()>,
     _dir: tempfile::TempDir,
 }
 
@@ -33,14 +38,41 @@ pub struct Sample {
 }
 
 impl Prometheus {
-    /// Starts `prometheus` (in `tools`) with `scrape_configs` (as [`scrape_config`] makes
-    /// them) and the rule files `rules`, scraping and evaluating every second.
+    /// Starts `prometheus` (in `tools`) scraping what `monitors` (rendered ServiceMonitors, as
+    /// JSON) select, as the operator would ([`scrape_config`]), with the rule files `rules`,
+    /// scraping and evaluating every second. Discovery follows the EndpointSlices as
+    /// Prometheus' own Kubernetes discovery does ([`discover`]): a task rewrites the
+    /// file-discovery files every second, so a replica that turns ready after the start, often
+    /// the leader, is scraped too.
     pub async fn start(
         tools: &Path,
-        scrape_configs: Vec<Value>,
+        client: &kube::Client,
+        monitors: Vec<Value>,
         rules: &[PathBuf],
     ) -> anyhow::Result<Self> {
         let dir = tempfile::tempdir()?;
+        let mut scrape_configs = Vec::new();
+        let mut monitored = Vec::new();
+        for monitor in monitors {
+            let targets = dir.path().join(format!("targets-{}.json", monitored.len()));
+            scrape_configs.push(scrape_config(&monitor, 0, &targets)?);
+            monitored.push((monitor, targets));
+        }
+        // Just after an install the monitored replicas may not be ready yet: their endpoints
+        // are waited for, as Prometheus itself would keep looking.
+        let deadline = tokio::time::Instant::now() + Duration::from_secs(60);
+        loop {
+            write_discovery(client, &monitored).await?;
+            let empty = monitored.iter().find(|(_, targets)| {
+                std::fs::read_to_string(targets).ok().as_deref() == Some("[]")
+            });
+            let Some((monitor, _)) = empty else { break };
+            ensure!(
+                tokio::time::Instant::now() < deadline,
+                "no ready endpoint after 60 s for {monitor}"
+            );
+            tokio::time::sleep(Duration::from_millis(250)).await;
+        }
         let config = serde_json::json!({
             "global": {"scrape_interval": "1s", "evaluation_interval": "1s", "scrape_timeout": "1s"},
             "rule_files": rules,
@@ -49,19 +81,31 @@ impl Prometheus {
         let config_file = dir.path().join("prometheus.yml");
         std::fs::write(&config_file, serde_yaml::to_string(&config)?)?;
         let log = std::fs::File::create(dir.path().join("prometheus.log"))?;
+        let data = dir.path().join("data");
         let child = Command::new(tools.join("prometheus"))
             .arg(format!("--config.file={}", config_file.display()))
-            .arg(format!(
-                "--storage.tsdb.path={}",
-                dir.path().join("data").display()
-            ))
+            .arg(format!("--storage.tsdb.path={}", data.display()))
             .arg(format!("--web.listen-address={LISTEN}"))
             .stdin(Stdio::null())
             .stdout(log.try_clone()?)
             .stderr(log)
             .spawn()
             .with_context(|| format!("starting {}", tools.join("prometheus").display()))?;
-        let prometheus = Self { child, _dir: dir };
+        let client = client.clone();
+        let discovery = tokio::spawn(async move {
+            loop {
+                tokio::time::sleep(Duration::from_secs(1)).await;
+                if let Err(error) = write_discovery(&client, &monitored).await {
+                    eprintln!("  Prometheus discovery: {error:#}");
+                }
+            }
+        });
+        // Held from here, so that a failure below stops the process and the task with it.
+        let prometheus = Self {
+            child,
+            discovery,
+            _dir: dir,
+        };
         for _ in 0..100 {
             if prometheus.get("/-/ready", &[]).is_ok() {
                 return Ok(prometheus);
@@ -105,19 +149,12 @@ impl Prometheus {
             Some("scalar") => vec![serde_json::json!({"metric": {}, "value": data["result"]})],
             other => bail!("{expr}: a {other:?}, not a vector"),
         };
-        samples
-            .iter()
-            .map(|s| {
-                let value = s["value"][1]
-                    .as_str()
-                    .context("sample value")?
-                    .parse::<f64>()?;
-                Ok(Sample {
-                    labels: s["metric"].as_object().cloned().unwrap_or_default(),
-                    value,
-                })
-            })
-            .collect()
+        let sample = |s: &Value| {
+            let value = s["value"][1].as_str().context("sample value")?.parse()?;
+            let labels = s["metric"].as_object().cloned().unwrap_or_default();
+            anyhow::Ok(Sample { labels, value })
+        };
+        samples.iter().map(sample).collect()
     }
 
     /// Every loaded rule's health, as `(group/name, health, last error)`.
@@ -142,17 +179,39 @@ impl Prometheus {
     }
 }
 
+/// Aborting takes effect at the discovery task's next await: a write in progress on another
+/// worker may still finish, or fail on the folder being removed (at worst one printed error).
 impl Drop for Prometheus {
     fn drop(&mut self) {
+        self.discovery.abort();
         let _ = self.child.kill();
         let _ = self.child.wait();
     }
 }
 
+/// Each monitor's ready endpoints written to its discovery file, through a rename so that
+/// Prometheus never reads half a file; an unchanged file is left alone.
+async fn write_discovery(
+    client: &kube::Client,
+    monitors: &[(Value, PathBuf)],
+) -> anyhow::Result<()> {
+    for (monitor, targets) in monitors {
+        let groups = discover(client, monitor, 0).await?;
+        let text = serde_json::to_string(&groups)?;
+        if std::fs::read_to_string(targets).ok().as_deref() == Some(text.as_str()) {
+            continue;
+        }
+        let fresh = targets.with_extension("json.new");
+        std::fs::write(&fresh, &text)?;
+        std::fs::rename(&fresh, targets)?;
+    }
+    Ok(())
+}
+
 /// The targets of endpoint `index` of `monitor` (a rendered ServiceMonitor, as JSON), as
 /// file discovery reads them: one group per ready endpoint address and port, labelled as
 /// Prometheus' Kubernetes `endpoints` role labels it.
-pub async fn discover(
+async fn discover(
     client: &kube::Client,
     monitor: &Value,
     index: usize,
@@ -162,12 +221,9 @@ pub async fn discover(
     use kube::api::{Api, ListParams};
     let spec = &monitor["spec"];
     let namespace = text(&monitor["metadata"]["namespace"]);
-    let namespaces: Vec<String> = match spec["namespaceSelector"]["matchNames"].as_array() {
-        Some(names) => names
-            .iter()
-            .filter_map(|n| n.as_str().map(str::to_owned))
-            .collect(),
-        None => vec![namespace.to_owned()],
+    let namespaces: Vec<&str> = match spec["namespaceSelector"]["matchNames"].as_array() {
+        Some(names) => names.iter().filter_map(Value::as_str).collect(),
+        None => vec![namespace],
     };
     let selector: Vec<String> = fields(&spec["selector"]["matchLabels"])
         .map(|(k, v)| format!("{k}={}", text(v)))
@@ -191,13 +247,9 @@ pub async fn discover(
                 .list(&ListParams::default().labels(&format!("kubernetes.io/service-name={name}")))
                 .await?;
             for slice in slices {
-                let Some(number) = slice
-                    .ports
-                    .iter()
-                    .flatten()
-                    .find(|p| p.name.as_deref() == Some(port))
-                    .and_then(|p| p.port)
-                else {
+                let mut ports = slice.ports.iter().flatten();
+                let named = ports.find(|p| p.name.as_deref() == Some(port));
+                let Some(number) = named.and_then(|p| p.port) else {
                     continue;
                 };
                 for endpoint in slice.endpoints.iter().flatten() {
@@ -205,14 +257,12 @@ pub async fn discover(
                         continue;
                     }
                     let mut labels = service_labels.clone();
+                    let pod = endpoint.target_ref.as_ref().and_then(|r| r.name.as_deref());
                     for (key, value) in [
-                        ("__meta_kubernetes_namespace", Some(namespace.as_str())),
+                        ("__meta_kubernetes_namespace", Some(*namespace)),
                         ("__meta_kubernetes_service_name", Some(name.as_str())),
                         ("__meta_kubernetes_endpoint_port_name", Some(port)),
-                        (
-                            "__meta_kubernetes_pod_name",
-                            endpoint.target_ref.as_ref().and_then(|r| r.name.as_deref()),
-                        ),
+                        ("__meta_kubernetes_pod_name", pod),
                         (
                             "__meta_kubernetes_pod_node_name",
                             endpoint.node_name.as_deref(),
@@ -237,7 +287,7 @@ pub async fn discover(
 
 /// The scrape job the Prometheus Operator generates for endpoint `index` of `monitor` (a
 /// rendered ServiceMonitor, as JSON); `targets` is the file [`discover`]'s groups are in.
-pub fn scrape_config(monitor: &Value, index: usize, targets: &Path) -> anyhow::Result<Value> {
+fn scrape_config(monitor: &Value, index: usize, targets: &Path) -> anyhow::Result<Value> {
     let namespace = monitor["metadata"]["namespace"]
         .as_str()
         .context("ServiceMonitor namespace")?;
@@ -292,19 +342,9 @@ pub fn scrape_config(monitor: &Value, index: usize, targets: &Path) -> anyhow::R
     }))
 }
 
-/// The elements of `value` when it is an array.
-fn items(value: &Value) -> impl Iterator<Item = &Value> {
-    value.as_array().into_iter().flatten()
-}
-
 /// The fields of `value` when it is an object.
 fn fields(value: &Value) -> impl Iterator<Item = (&String, &Value)> {
     value.as_object().into_iter().flatten()
-}
-
-/// `value` when it is a string, else "".
-fn text(value: &Value) -> &str {
-    value.as_str().unwrap_or_default()
 }
 
 /// `(name, health, last error)` of a rule or target `of`.

@@ -21,10 +21,8 @@ pub(super) const EXTENDER_MONITOR_PORT: u16 = 9090;
 pub fn leader_pod(cluster: &KitCluster) -> anyhow::Result<String> {
     let holder = cluster.extender_lease_holder()?;
     ensure!(!holder.is_empty(), "no extender holds the Lease");
-    Ok(holder
-        .rsplit_once('_')
-        .map_or(holder.as_str(), |(pod, _)| pod)
-        .to_owned())
+    let (pod, _) = holder.rsplit_once('_').unwrap_or((&holder, ""));
+    Ok(pod.to_owned())
 }
 
 /// The host pid of `pod`'s extender container (its latest start).
@@ -39,11 +37,10 @@ pub async fn restart_to_ready(cluster: &KitCluster, pod: &str) -> anyhow::Result
     let ip = (cluster.system_pod_ip(pod).await?).with_context(|| format!("{pod} has no pod IP"))?;
     let readyz: SocketAddr = format!("{ip}:{EXTENDER_MONITOR_PORT}").parse()?;
     kill(old)?;
-    let new = wait_for(
-        &format!("kubelet to start {pod}'s extender again"),
-        Duration::from_secs(180),
-        || async { extender_pid(cluster, pod).filter(|pid| *pid != old) },
-    )
+    let what = format!("kubelet to start {pod}'s extender again");
+    let new = wait_for(&what, Duration::from_secs(180), || async {
+        extender_pid(cluster, pod).filter(|pid| *pid != old)
+    })
     .await?;
     let deadline = Instant::now() + Duration::from_secs(180);
     loop {
@@ -86,6 +83,20 @@ impl Leader {
         let pid = extender_pid(cluster, &pod).with_context(|| format!("no pid for {pod}"))?;
         Ok(Leader { holder, pid })
     }
+
+    /// SIGKILLs the leader and waits (30 s at most) until another replica holds the Lease;
+    /// returns the moment of the kill.
+    pub async fn kill(&self, cluster: &KitCluster) -> anyhow::Result<Instant> {
+        let killed = Instant::now();
+        kill(self.pid)?;
+        let what = "another replica to take the Lease";
+        wait_for(what, Duration::from_secs(30), || async {
+            let now = cluster.extender_lease_holder().ok()?;
+            (!now.is_empty() && now != self.holder).then_some(())
+        })
+        .await?;
+        Ok(killed)
+    }
 }
 
 /// Once `clock` has seen `after_pods` of the drain's `pods` bound, SIGKILLs `leader`; waits
@@ -98,29 +109,17 @@ pub async fn kill_leader_after(
     after_pods: usize,
     pods: usize,
 ) -> anyhow::Result<Takeover> {
-    let Leader { holder, pid } = leader;
-    wait_for(
-        &format!("{after_pods} binds before the leader kill"),
-        Duration::from_secs(600),
-        || async { (clock.count() >= after_pods).then_some(()) },
-    )
+    let what = format!("{after_pods} binds before the leader kill");
+    wait_for(&what, Duration::from_secs(600), || async {
+        (clock.count() >= after_pods).then_some(())
+    })
     .await?;
     let killed_at_pods = clock.count();
     ensure!(
         killed_at_pods < pods,
         "all {pods} pods were bound before the leader kill: drain a larger backlog"
     );
-    let killed = Instant::now();
-    kill(pid)?;
-    wait_for(
-        "another replica to take the Lease",
-        Duration::from_secs(30),
-        || async {
-            let now = cluster.extender_lease_holder().ok()?;
-            (!now.is_empty() && now != holder).then_some(())
-        },
-    )
-    .await?;
+    let killed = leader.kill(cluster).await?;
     let lease_s = killed.elapsed().as_secs_f64();
     let at_takeover = clock.count();
     wait_for("binding to resume", Duration::from_secs(60), || async {

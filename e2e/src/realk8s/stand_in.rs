@@ -117,10 +117,9 @@ impl NodeStandIn {
                         let status = json!({ "status": {
                             "startTime": jiff::Timestamp::now().to_string(),
                         }});
-                        match pods
-                            .patch_status(&name, &PatchParams::default(), &Patch::Merge(&status))
-                            .await
-                        {
+                        let params = PatchParams::default();
+                        let status = Patch::Merge(&status);
+                        match pods.patch_status(&name, &params, &status).await {
                             Ok(_) => {
                                 tally.written.fetch_add(1, Ordering::Relaxed);
                             }

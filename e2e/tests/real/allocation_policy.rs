@@ -10,7 +10,7 @@
 //! plugin's own-node rule sees what a kubelet-issued token gives it. The pods opt out of the
 //! chart's routing (`<domain>/webhook: skip`), so the policy sees them as written.
 
-use std::collections::{BTreeMap, HashMap};
+use std::collections::BTreeMap;
 use std::time::Duration;
 
 use anyhow::{Context, bail, ensure};
@@ -18,6 +18,7 @@ use futures::{StreamExt, TryStreamExt, stream};
 use gpushare_contract::{DEFAULT_RESOURCE, Keys};
 use gpushare_e2e::cluster::{DEVICE_PLUGIN_USER, EXTENDER_USER, wait_for};
 use gpushare_e2e::realk8s::KitCluster;
+use gpushare_e2e::scenarios::Harness as _;
 use k8s_openapi::api::core::v1::Pod;
 use kube::api::{Api, PostParams};
 use serde::Deserialize as _;
@@ -29,7 +30,6 @@ use super::words;
 const N1: &str = "policy-n1";
 const N2: &str = "policy-n2";
 const ALICE: &str = "policy-alice";
-const NODE_CLAIM: &str = "authentication.kubernetes.io/node-name";
 const DOMAIN: &str = "gpushare.example.com";
 
 /// Who writes: a user (`None`: the kit's admin, not impersonated) and the node its token names.
@@ -52,13 +52,10 @@ pub async fn the_allocation_policy_holds_rule_by_rule(c: &KitCluster) -> anyhow:
 
 async fn check(c: &KitCluster) -> anyhow::Result<()> {
     grant_pod_writes_and_add_nodes(c)?;
-    let actors = actors();
     let mut apis = Vec::new();
-    for actor in &actors {
-        apis.push((
-            label(*actor),
-            Api::<Pod>::namespaced(client_for(c, *actor).await?, "default"),
-        ));
+    for actor in actors() {
+        let api = Api::<Pod>::namespaced(client_for(c, actor).await?, "default");
+        apis.push((label(actor), api));
     }
     let admin = apis[0].1.clone();
     let stored = store_old_pods(&admin).await?;
@@ -67,11 +64,8 @@ async fn check(c: &KitCluster) -> anyhow::Result<()> {
         ("default", "scheduler.mode=default-scheduler"),
         ("dedicated", "scheduler.mode=dedicated"),
     ] {
-        for narrowed in [true, false] {
-            let name = format!(
-                "policy-probe-{mode}-{}",
-                if narrowed { "narrowed" } else { "everything" }
-            );
+        for (narrowed, scope) in [(true, "narrowed"), (false, "everything")] {
+            let name = format!("policy-probe-{mode}-{scope}");
             enforce(c, &admin, sets, narrowed, &name).await?;
             let verdicts = run_writes(&apis, &stored).await;
             retire(c, &admin, &name).await?;
@@ -201,26 +195,26 @@ fn label((user, node): Actor) -> String {
 }
 
 async fn client_for(c: &KitCluster, (user, node): Actor) -> anyhow::Result<kube::Client> {
-    let kubeconfig = kube::config::Kubeconfig::read_from(c.kit().admin_kubeconfig())?;
-    let mut config = kube::Config::from_custom_kubeconfig(kubeconfig, &Default::default()).await?;
-    config.auth_info.impersonate = user.map(str::to_owned);
-    if let Some(node) = node {
-        let claim = HashMap::from([(NODE_CLAIM.to_owned(), vec![node.to_owned()])]);
-        config.auth_info.impersonate_user_extra = Some(claim);
+    match user {
+        None => Ok(c.client()),
+        Some(user) => c.client_as(user, node).await,
     }
-    Ok(kube::Client::try_from(config)?)
 }
 
 /// RBAC lets the impersonated users write pods in `default`, so admission alone decides; and
 /// nodes [`N1`] and [`N2`] exist (cordoned and tainted, no kubelet behind them), so that the
 /// pod garbage collector leaves the pods stored on them alone.
 fn grant_pod_writes_and_add_nodes(c: &KitCluster) -> anyhow::Result<()> {
-    let subjects: Vec<Value> = [ALICE, EXTENDER_USER, DEVICE_PLUGIN_USER]
-        .iter()
-        .map(|user| json!({"kind": "User", "apiGroup": "rbac.authorization.k8s.io", "name": user}))
-        .collect();
+    let subject =
+        |user: &str| json!({"kind": "User", "apiGroup": "rbac.authorization.k8s.io", "name": user});
+    let subjects = [ALICE, EXTENDER_USER, DEVICE_PLUGIN_USER].map(subject);
     let meta = json!({"name": "gpushare-policy-probe", "namespace": "default"});
-    let mut objects = json!({"apiVersion": "v1", "kind": "List", "items": [
+    let taint = json!({"key": "gpushare.example.com/policy-probe", "effect": "NoSchedule"});
+    let node = |name: &str| {
+        json!({"apiVersion": "v1", "kind": "Node", "metadata": {"name": name},
+               "spec": {"unschedulable": true, "taints": [taint]}})
+    };
+    let objects = json!({"apiVersion": "v1", "kind": "List", "items": [
         {"apiVersion": "rbac.authorization.k8s.io/v1", "kind": "Role", "metadata": meta,
          "rules": [{"apiGroups": [""], "resources": ["pods", "pods/status"],
                     "verbs": ["get", "create", "update", "patch"]}]},
@@ -228,16 +222,9 @@ fn grant_pod_writes_and_add_nodes(c: &KitCluster) -> anyhow::Result<()> {
          "roleRef": {"apiGroup": "rbac.authorization.k8s.io", "kind": "Role",
                      "name": "gpushare-policy-probe"},
          "subjects": subjects},
+        node(N1),
+        node(N2),
     ]});
-    for node in [N1, N2] {
-        let taint = json!({"key": "gpushare.example.com/policy-probe", "effect": "NoSchedule"});
-        objects["items"]
-            .as_array_mut()
-            .context("items")?
-            .push(json!({
-            "apiVersion": "v1", "kind": "Node", "metadata": {"name": node},
-            "spec": {"unschedulable": true, "taints": [taint]}}));
-    }
     c.kubectl_stdin(&["apply", "-f", "-"], &objects.to_string())?;
     Ok(())
 }
@@ -256,23 +243,18 @@ fn shapes() -> Vec<(&'static str, Value)> {
     let mut init_gpu = plain.clone();
     init_gpu["spec"]["initContainers"] =
         json!([{"name": "init", "image": "probe", "resources": asks}]);
-    let with = |mut pod: Value, path: &[&str], value: Value| {
-        let (last, parents) = path.split_last().expect("a path");
-        let mut at = &mut pod;
-        for key in parents {
-            at = &mut at[*key];
-        }
-        at[*last] = value;
+    // Indexing a JSON object by a missing key (here, `annotations`) adds it.
+    let with = |pod: &Value, change: &dyn Fn(&mut Value)| {
+        let mut pod = pod.clone();
+        change(&mut pod);
         pod
     };
     let annotated =
-        |pod: &Value, key: &str| with(pod.clone(), &["metadata", "annotations", key], json!("0"));
-    let on_node = |pod: &Value| with(pod.clone(), &["spec", "nodeName"], json!(N1));
-    let routed = with(
-        gpu.clone(),
-        &["spec", "schedulerName"],
-        json!("gpushare-scheduler"),
-    );
+        |pod: &Value, key: &str| with(pod, &|p| p["metadata"]["annotations"][key] = json!("0"));
+    let on_node = |pod: &Value| with(pod, &|p| p["spec"]["nodeName"] = json!(N1));
+    let routed = with(&gpu, &|p| {
+        p["spec"]["schedulerName"] = json!("gpushare-scheduler")
+    });
     vec![
         ("plain-on-node", on_node(&plain)),
         ("gpu-on-node", on_node(&gpu)),
@@ -297,23 +279,19 @@ fn shapes() -> Vec<(&'static str, Value)> {
 /// GPU pod with an allocation annotation that no scheduler will place. Returns each as the
 /// API server keeps it, by shape.
 async fn store_old_pods(admin: &Api<Pod>) -> anyhow::Result<Vec<(String, Value)>> {
-    let mut old: Vec<(String, Value)> = shapes()
-        .into_iter()
-        .map(|(shape, mut pod)| {
-            pod["spec"]["nodeName"] = json!(N1);
-            (shape.to_owned(), pod)
-        })
-        .collect();
+    let mut old = shapes();
+    for (_, pod) in &mut old {
+        pod["spec"]["nodeName"] = json!(N1);
+    }
     let mut unbound = routed_indexed();
     unbound["spec"]["schedulerName"] = json!("policy-nobody");
-    old.push(("unbound".to_owned(), unbound));
+    old.push(("unbound", unbound));
     let mut stored = Vec::new();
     for (shape, mut pod) in old {
         pod["metadata"]["name"] = json!(format!("old-{shape}"));
-        let created = admin
-            .create(&PostParams::default(), &serde_json::from_value(pod)?)
-            .await?;
-        stored.push((shape, serde_json::to_value(created)?));
+        let pod: Pod = serde_json::from_value(pod)?;
+        let created = admin.create(&PostParams::default(), &pod).await?;
+        stored.push((shape.to_owned(), serde_json::to_value(created)?));
     }
     Ok(stored)
 }
@@ -417,10 +395,8 @@ async fn dry_run(api: &Api<Pod>, write: &Write) -> anyhow::Result<Verdict> {
 /// A GPU pod routed to gpushare's scheduler, with an allocation annotation.
 fn routed_indexed() -> Value {
     let mut shapes = shapes().into_iter();
-    shapes
-        .find(|(shape, _)| *shape == "routed-indexed")
-        .unwrap()
-        .1
+    let found = shapes.find(|(shape, _)| *shape == "routed-indexed");
+    found.expect("a routed-indexed shape").1
 }
 
 /// A create only gpushare may make: refused by a policy once it is enforced.
@@ -483,10 +459,9 @@ async fn enforce(
 async fn retire(c: &KitCluster, admin: &Api<Pod>, name: &str) -> anyhow::Result<()> {
     let kinds = "validatingadmissionpolicybinding,validatingadmissionpolicy";
     c.kubectl(&["delete", kinds, name])?;
-    wait_for(
-        &format!("the API server to drop {name}"),
-        Duration::from_secs(60),
-        || async { matches!(forged_create(admin).await, Ok(Ok(()))).then_some(()) },
-    )
+    let what = format!("the API server to drop {name}");
+    wait_for(&what, Duration::from_secs(60), || async {
+        matches!(forged_create(admin).await, Ok(Ok(()))).then_some(())
+    })
     .await
 }
