@@ -454,7 +454,9 @@ fn refused_by<T: std::fmt::Debug>(
             Ok(())
         }
         Err(other) => bail!("expected {policy} to refuse, got {other}"),
-        Ok(admitted) => bail!("the write was admitted: {admitted:?}"),
+        Ok(admitted) => {
+            bail!("expected {policy} to refuse saying {hint:?}, admitted: {admitted:?}")
+        }
     }
 }
 
@@ -1162,7 +1164,8 @@ fn check_probe_report(name: &str, report: &str) -> anyhow::Result<()> {
 /// Isolation on the real kubelet, extender mode: a 4 GiB pod the kit's runtime runs as the
 /// probe (against the fake driver's 16 GiB GPU) gets the plugin's interposer and limits file
 /// mounted read-only and preloaded: it sees 4 GiB through CUDA and NVML, gets 3,000 MiB, is
-/// refused 2,000 MiB more, gets 500 MiB through VMM (its context is charged 512 MiB).
+/// refused 2,000 MiB more, gets 500 MiB through VMM (its context is charged 512 MiB); what
+/// the interposer counted reaches the plugin's `/metrics` and `kubectl gpushare top -d`.
 async fn a_gpu_container_is_held_to_its_share(c: &KitCluster) -> anyhow::Result<()> {
     let name = "held";
     let mut pod = serde_json::to_value(gib_pod(name, 4))?;
@@ -1180,6 +1183,7 @@ async fn a_gpu_container_is_held_to_its_share(c: &KitCluster) -> anyhow::Result<
     })
     .await?;
     check_probe_report(name, &report)?;
+    interposer_counts_reach_metrics_and_top(c, name).await?;
     let report: Vec<&str> = report
         .lines()
         .filter(|line| !line.starts_with("ERROR: ld.so"))
@@ -1216,6 +1220,50 @@ async fn a_gpu_container_is_held_to_its_share(c: &KitCluster) -> anyhow::Result<
     println!("  {name}: {}", report.join(" | "));
     delete_pod(c, name).await?;
     gpushare_e2e::realk8s::remove_isolation_placeholders();
+    Ok(())
+}
+
+/// What the interposer counts in the probe of pod `name` while it holds (3,000 MiB by
+/// cuMemAlloc, 500 MiB by VMM, its context charged 512 MiB; 2,000 MiB refused) reaches the
+/// device plugin's `/metrics` and `kubectl gpushare top -d` (from the node annotation), the
+/// plugin having no view of the container's processes.
+async fn interposer_counts_reach_metrics_and_top(c: &KitCluster, name: &str) -> anyhow::Result<()> {
+    let labels = format!(r#"{{namespace="default",pod="{name}",container="main",gpu="#);
+    let want = [
+        ("gpushare_device_plugin_isolated_share_bytes", 4u64 << 30),
+        (
+            "gpushare_device_plugin_isolated_used_bytes",
+            (3000 + 500 + 512) << 20,
+        ),
+        ("gpushare_device_plugin_isolated_refused_allocations", 1),
+    ];
+    let counted = |metrics: &str, (family, value): &(&str, u64)| {
+        let series = format!("{family}{labels}");
+        metric(metrics, &series).any(|l| l.ends_with(&format!("}} {value}")))
+    };
+    let on_metrics = wait_for("the interposer's count on /metrics", secs(60), || async {
+        let metrics = device_plugin_metrics(c).await.ok()?;
+        want.iter().all(|w| counted(&metrics, w)).then_some(())
+    });
+    if let Err(error) = on_metrics.await {
+        let metrics = device_plugin_metrics(c).await.unwrap_or_default();
+        bail!("{error}: wanted {want:?} for {labels}; /metrics:\n{metrics}");
+    }
+    // 4,012 MiB: the pod's row ends with its use in GiB.
+    let shows_its_use = |text: &str| {
+        let of_pod = |l: &&str| l.split_whitespace().nth(1) == Some(name);
+        text.lines()
+            .find(of_pod)
+            .is_some_and(|row| row.trim_end().ends_with("3.9"))
+    };
+    let client = c.client();
+    let top = || gpushare_e2e::cluster::top_details(&client);
+    let on_top = wait_for("top -d to show the probe's use", secs(60), || async {
+        shows_its_use(&top().await.ok()?).then_some(())
+    });
+    if let Err(error) = on_top.await {
+        bail!("{error}: 3.9 GiB used by {name}; top -d:\n{}", top().await?);
+    }
     Ok(())
 }
 
@@ -1556,6 +1604,11 @@ impl Burst {
                 &unbound[..unbound.len().min(3)]
             );
         }
+        let listed_count = listed.items.len();
+        ensure!(
+            listed_count == created,
+            "{created} pods created, {listed_count} listed"
+        );
         for pod in &listed.items {
             allocation(pod)?;
             ensure!(

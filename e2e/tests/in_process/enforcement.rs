@@ -3,15 +3,12 @@
 
 use std::collections::BTreeMap;
 use std::path::Path;
-use std::time::Duration;
 
-use anyhow::{Context as _, ensure};
+use anyhow::ensure;
 use gpushare_contract::env;
-use gpushare_e2e::cluster::{ClusterSpec, http_get, top_details, wait_for, with_cluster};
+use gpushare_e2e::cluster::{ClusterSpec, with_cluster};
 use gpushare_e2e::kubelet::GrantedMount;
 use gpushare_e2e::scenarios::{check_pinned, create_gpu_pod, wait_running};
-
-const WAIT: Duration = Duration::from_secs(30);
 
 /// A one-node cluster (`n1`, one 16 GiB GPU) whose device plugin runs with `args`.
 fn spec(args: &[&str]) -> ClusterSpec {
@@ -139,91 +136,4 @@ async fn each_enforcement_mode_gives_containers_what_its_enforcer_reads() -> any
     }
     ensure!(accounting[0] != accounting[1], "{accounting:?}");
     Ok(())
-}
-
-/// `--enforcement preload`, with the interposer this build made: what it counts in a process
-/// run as the container would run (the library and accounting directory kubelet was told to
-/// mount, the share it was given) reaches `/metrics` and `top -d`, the plugin having no view
-/// of the container's processes. What the process itself sees and is refused runs on the real
-/// cluster (`a_gpu_container_is_held_to_its_share` in `tests/real.rs`).
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn what_the_interposer_counts_reaches_metrics_and_top() -> anyhow::Result<()> {
-    let bins = gpushare_e2e::cluster::binaries()?;
-    let dir = tempfile::tempdir()?;
-    let host = dir.path().join("host");
-    let args = [
-        "--enforcement".to_owned(),
-        "preload".to_owned(),
-        format!("--isolation-library={}", bins.isolation_library.display()),
-        format!("--isolation-host-dir={}", host.display()),
-        // Every change reaches the node annotation `top -d` reads, at once.
-        "--usage-annotation-min-interval-ms=0".to_owned(),
-        "--usage-annotation-min-change-mib=1".to_owned(),
-    ];
-    let args: Vec<&str> = args.iter().map(String::as_str).collect();
-    with_cluster(spec(&args), async |cluster| {
-        create_gpu_pod(cluster, "notebook", 4).await?;
-        wait_running(cluster, "notebook").await?;
-        let kubelet = &cluster.nodes["n1"].kubelet;
-        let vars = kubelet.container_env("default", "notebook", "main");
-        let vars = vars.ok_or_else(|| anyhow::anyhow!("no environment"))?;
-        let mounts = kubelet.container_mounts("default", "notebook", "main");
-        let host_of = |inside: &str| {
-            let mount = mounts.iter().find(|(container, _, _)| container == inside);
-            let host = mount.map(|(_, host, _)| host.clone());
-            host.ok_or_else(|| anyhow::anyhow!("{inside} is not mounted: {mounts:?}"))
-        };
-        // The container's view: its environment, with the mounts' host paths for the paths
-        // it sees them at; its limits file, with the budget's host path for the path it sees
-        // it at (named by GPUSHARE_ISOLATION_LIMITS_FILE, as there is no
-        // /var/run/gpushare/limits here).
-        let accounting_dir = host_of(env::ISOLATION_DIR_IN_CONTAINER)?;
-        let limits = std::fs::read_to_string(host_of(env::ISOLATION_LIMITS_IN_CONTAINER)?)?;
-        let inside = format!("budget={}", env::ISOLATION_DIR_IN_CONTAINER);
-        let limits = limits.replace(&inside, &format!("budget={accounting_dir}"));
-        let limits_file = dir.path().join("limits-as-seen");
-        std::fs::write(&limits_file, limits)?;
-        let shares = vars
-            .iter()
-            .filter(|(name, _)| name.starts_with("GPUSHARE_"));
-        let library = host_of(env::ISOLATION_LIBRARY_IN_CONTAINER)?;
-        let output = std::process::Command::new(&bins.isolation_probe)
-            .args(["info", "alloc:mem:3000", "alloc:mem:2000"])
-            .env_clear()
-            .envs(shares)
-            .env(env::LD_PRELOAD, library)
-            .env(env::ISOLATION_DIR, &accounting_dir)
-            .env("GPUSHARE_ISOLATION_LIMITS_FILE", &limits_file)
-            .env(
-                "LD_LIBRARY_PATH",
-                gpushare_isolation_probe::fake_driver_dir(),
-            )
-            .output()?;
-        let report = String::from_utf8_lossy(&output.stdout);
-        let addr = cluster.device_plugin_metrics("n1")?;
-        let labels = r#"{namespace="default",pod="notebook",container="main",gpu="0"}"#;
-        let want = [
-            format!("gpushare_device_plugin_isolated_share_bytes{labels} 4294967296"),
-            // 3,000 MiB granted and the probe's context, charged the interposer's default
-            // 512 MiB; the 2,000 MiB more refused.
-            format!("gpushare_device_plugin_isolated_used_bytes{labels} 3682598912"),
-            format!("gpushare_device_plugin_isolated_refused_allocations{labels} 1"),
-        ];
-        wait_for("the interposer's count on /metrics", WAIT, || async {
-            let (_, body) = http_get(addr, "/metrics").await.ok()?;
-            want.iter().all(|line| body.contains(line)).then_some(())
-        })
-        .await
-        .with_context(|| format!("the probe reported:\n{report}"))?;
-        // `kubectl gpushare top -d` shows it as the pod's use, from the node annotation.
-        wait_for("top -d to show the notebook's use", WAIT, || async {
-            let text = top_details(&cluster.client).await.ok()?;
-            let notebook = |l: &&str| l.split_whitespace().nth(1) == Some("notebook");
-            let row = text.lines().find(notebook);
-            row.is_some_and(|line| line.trim_end().ends_with("3.4"))
-                .then_some(())
-        })
-        .await
-    })
-    .await
 }
