@@ -803,29 +803,47 @@ macro_rules! v1_config {
 
 v1_config! {
     struct KubeSchedulerConfiguration {
-        api_version: String, kind: String, client_connection: ClientConnection, parallelism: i32,
-        leader_election: LeaderElection, profiles: Vec<Profile>, extenders: Vec<Extender>,
+        api_version: String,
+        kind: String,
+        client_connection: ClientConnection,
+        parallelism: i32,
+        leader_election: LeaderElection,
+        profiles: Vec<Profile>,
+        extenders: Vec<Extender>,
     }
     struct ClientConnection { qps: f32, burst: i32 }
     struct LeaderElection {
-        leader_elect: bool, resource_lock: String,
-        resource_name: String, resource_namespace: String,
+        leader_elect: bool,
+        resource_lock: String,
+        resource_name: String,
+        resource_namespace: String,
     }
     struct Profile {
-        scheduler_name: String, percentage_of_nodes_to_score: i32,
+        scheduler_name: String,
+        percentage_of_nodes_to_score: i32,
         /// Checked by `keep_best_matches_the_profile_it_ranks_for`.
-        plugins: Option<serde_yaml::Value>, plugin_config: Option<serde_yaml::Value>,
+        plugins: Option<serde_yaml::Value>,
+        plugin_config: Option<serde_yaml::Value>,
     }
     struct Extender {
-        url_prefix: String, filter_verb: String, preempt_verb: Option<String>,
-        prioritize_verb: Option<String>, weight: Option<i64>, bind_verb: String,
+        url_prefix: String,
+        filter_verb: String,
+        preempt_verb: Option<String>,
+        prioritize_verb: Option<String>,
+        weight: Option<i64>,
+        bind_verb: String,
         #[serde(rename = "enableHTTPS")]
         enable_https: bool,
-        tls_config: Option<ExtenderTlsConfig>, http_timeout: String, node_cache_capable: bool,
-        managed_resources: Vec<ManagedResource>, ignorable: bool,
+        tls_config: Option<ExtenderTlsConfig>,
+        http_timeout: String,
+        node_cache_capable: bool,
+        managed_resources: Vec<ManagedResource>,
+        ignorable: bool,
     }
     struct ExtenderTlsConfig {
-        ca_file: String, cert_file: Option<String>, key_file: Option<String>,
+        ca_file: String,
+        cert_file: Option<String>,
+        key_file: Option<String>,
     }
     struct ManagedResource { name: String, ignored_by_scheduler: bool }
 }
