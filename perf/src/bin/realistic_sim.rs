@@ -16,8 +16,8 @@ use gpushare_allocator::Policy;
 use gpushare_allocator::fragmentation::Host;
 use gpushare_perf::realistic::{
     Cause, Measure, NodesToScore, Profile, RequestForm, Run, SimNode, Snapshot, Strategy, Task,
-    TaskKind, TaskMix, TraceMix, arrivals_until, generate_nodes, generate_tasks, placement_ceiling,
-    replay_measured, trace_nodes, trace_tasks, whole_gpus_of_any_model,
+    TaskKind, TaskMix, TraceMix, arrivals_until, as_the_trace_counts, generate_nodes,
+    generate_tasks, placement_ceiling, replay_measured, trace_nodes, trace_tasks,
 };
 use gpushare_scheduler_model::{num_feasible_nodes_to_find, num_feasible_nodes_to_find_at};
 
@@ -75,10 +75,10 @@ struct Args {
         value_parser = clap::value_parser!(u64).range(1..=1000)
     )]
     host_scale: u64,
-    /// The public trace's own protocol (`trace-*` mixes only): whole-GPU tasks ask for whole
-    /// GPUs of any model (`exclusive`, the smallest GPU's GiB) instead of the GiB of the model
-    /// they were drawn for, and demand and allocation are counted in GPUs, not GiB. Runs only
-    /// the strategies whose pods ask with `exclusive`.
+    /// The public trace's own protocol (`trace-*` mixes only): every GPU is one GPU whatever
+    /// its model (100 units), a sharing task asks its share of one, a task of N whole GPUs all
+    /// of N GPUs of any model, instead of the GiB of the model each was drawn for; demand and
+    /// allocation are counted in GPUs, not GiB.
     #[arg(
         long,
         env = "SIM_TRACE_PROTOCOL",
@@ -199,7 +199,6 @@ fn main() {
         .into_iter()
         .enumerate()
         .filter(|(i, _)| args.only.is_empty() || args.only.contains(&(i + 1)))
-        .filter(|(_, s)| !args.trace_protocol || s.is_gpushare())
         .map(|(i, strategy)| {
             let start = std::time::Instant::now();
             let runs: Vec<Run> = traces
@@ -222,7 +221,7 @@ fn main() {
 impl Args {
     /// How gpushare pods ask for whole- and multi-GPU tasks.
     fn request_form(&self) -> RequestForm {
-        if self.exclusive_whole || self.trace_protocol {
+        if self.exclusive_whole {
             RequestForm::Exclusive
         } else if self.models_in_request {
             RequestForm::ModelsInRequest
@@ -260,8 +259,9 @@ impl Args {
                 // Drawn well past the demand in GiB, then cut where it reaches it in GPUs
                 // (the stream is the same draw whatever its length).
                 let (nodes, mut tasks) = self.mix.generate(self.nodes, self.demand * 2.0, seed);
+                let mut nodes = nodes;
                 if self.trace_protocol {
-                    whole_gpus_of_any_model(&nodes, &mut tasks);
+                    as_the_trace_counts(&mut nodes, &mut tasks);
                 }
                 tasks.truncate(arrivals_until(&nodes, &tasks, Measure::Gpus, self.demand));
                 (nodes, tasks)
@@ -324,7 +324,7 @@ fn print_setup(args: &Args, form: RequestForm, to_score: NodesToScore, traces: &
     }
     if args.trace_protocol {
         println!(
-            "  the trace's protocol: whole-GPU tasks ask for whole GPUs of any model (`exclusive`, the smallest GPU's GiB), demand and allocation counted in GPUs (a GPU booked whole counts 1: its surplus is allocation); BestFit, FGD and DRA mode not run"
+            "  the trace's protocol: every GPU one GPU whatever its model (100 units), sharing tasks ask their share of one, whole-GPU tasks all of one GPU of any model; demand and allocation counted in GPUs; BestFit and FGD: idealized, every node looked at"
         );
     } else {
         if args.count_gpus {

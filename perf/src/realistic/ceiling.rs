@@ -162,7 +162,7 @@ pub fn placement_ceiling(nodes: &[SimNode], tasks: &[Task], measure: Measure) ->
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::realistic::calibrated::{TraceMix, trace_nodes, trace_tasks};
+    use crate::realistic::calibrated::{TraceMix, as_the_trace_counts, trace_nodes, trace_tasks};
     use crate::realistic::generator::{Models, TaskKind, test_node as node, test_task};
 
     fn whole(gpus: u32, gpu_gib: u64) -> Task {
@@ -225,27 +225,29 @@ mod tests {
     }
 
     #[test]
-    fn on_the_trace_mixes_the_ceilings_name_the_32_gib_gpus_and_the_pinned_small_ones() {
+    fn on_the_trace_mixes_the_ceilings_name_the_pinned_small_gpus() {
         for seed in 0..3 {
             let nodes = trace_nodes(1_200, seed);
             let ceiling = |mix, measure| {
-                let tasks = trace_tasks(&nodes, mix, 1.3, seed);
+                let (mut nodes, mut tasks) = (nodes.clone(), trace_tasks(&nodes, mix, 1.3, seed));
+                if measure == Measure::Gpus {
+                    as_the_trace_counts(&mut nodes, &mut tasks);
+                }
                 placement_ceiling(&nodes, &tasks, measure)
             };
-            // In GiB, multigpu50's 32 GiB tasks ask more than the 32 GiB GPUs hold.
-            let multigpu50 = ceiling(TraceMix::Multigpu50, Measure::Gib).unwrap();
-            let large = multigpu50.classes.iter().all(|c| c.gpu_gib >= 24);
-            assert!(large, "{multigpu50:?}");
-            assert!(multigpu50.asked > multigpu50.held, "{multigpu50:?}");
-            assert!(multigpu50.allocation_at_most < 0.998, "{multigpu50:?}");
             // gpuspec33's tasks pinned to T4 and P100 ask more than those GPUs hold.
             let gpuspec33 = ceiling(TraceMix::Gpuspec33, Measure::Gib).unwrap();
             let t4_p100 = gpuspec33.classes.iter().all(|c| c.model <= 1);
             assert!(t4_p100, "{gpuspec33:?}");
             assert!(gpuspec33.asked > gpuspec33.held, "{gpuspec33:?}");
             assert!(gpuspec33.allocation_at_most < 0.98, "{gpuspec33:?}");
-            // The default mix in GiB: no set of classes is over-asked.
+            // Counted as the trace counts, every GPU one GPU, the T4 pins alone do.
+            let counted = ceiling(TraceMix::Gpuspec33, Measure::Gpus).unwrap();
+            assert!(counted.classes.iter().all(|c| c.model == 0), "{counted:?}");
+            assert!(counted.allocation_at_most < 0.97, "{counted:?}");
+            // The default and multigpu50 mixes: no set of classes is over-asked.
             assert_eq!(ceiling(TraceMix::Default, Measure::Gib), None);
+            assert_eq!(ceiling(TraceMix::Multigpu50, Measure::Gpus), None);
         }
     }
 }

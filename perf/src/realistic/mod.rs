@@ -47,7 +47,7 @@ mod scores;
 mod sim;
 mod strategy;
 
-pub use calibrated::{TraceMix, trace_nodes, trace_tasks, whole_gpus_of_any_model};
+pub use calibrated::{TRACE_GPU_UNITS, TraceMix, as_the_trace_counts, trace_nodes, trace_tasks};
 pub use ceiling::placement_ceiling;
 pub use generator::{SimNode, Task, TaskKind, TaskMix, generate_nodes, generate_tasks};
 pub use sim::{
