@@ -102,6 +102,9 @@ pub struct Metrics {
     /// The share of recent GPU demand in multi-GPU pods, as the filter that keeps the best
     /// last read it (`gpushare_allocator::demand_mix`).
     pub multi_gpu_demand_share: Gauge<f64, std::sync::atomic::AtomicU64>,
+    /// The share of recent GPU demand in pods pinned to GPU models, as the filter that keeps
+    /// the best last read it (`gpushare_allocator::demand_mix`).
+    pub pinned_demand_share: Gauge<f64, std::sync::atomic::AtomicU64>,
     /// Idle-GPU taint writes by outcome ([`crate::kube_io::idle_gpu_taint`]).
     pub idle_gpu_taint_writes: Family<TaintWriteLabels, Counter>,
     /// Nodes carrying the idle-GPU taint, as the leader's node watch last showed them.
@@ -231,6 +234,7 @@ impl Metrics {
             paced_seconds: Counter::default(),
             keep_best_stepped_aside: Family::default(),
             multi_gpu_demand_share: Gauge::default(),
+            pinned_demand_share: Gauge::default(),
             idle_gpu_taint_writes: Family::default(),
             idle_gpu_tainted_nodes: Gauge::default(),
             filter_awaiting_admission: Counter::default(),
@@ -334,6 +338,11 @@ impl Metrics {
             "multi_gpu_demand_share",
             format!("Share of the recent GPU demand in multi-GPU pods; from {} the filter that keeps the best ranks by our score alone, without kube-scheduler's CPU and memory scores", gpushare_allocator::demand_mix::MULTI_GPU_HEAVY),
             self.multi_gpu_demand_share.clone(),
+        );
+        sub.register(
+            "pinned_demand_share",
+            format!("Share of the recent GPU demand in pods pinned to GPU models (node selector or required node affinity on the gpu-model or gpu-mem node labels, or the models annotation); from {} the filter that keeps the best ranks by our score alone and the idle-GPU taint is lifted", gpushare_allocator::demand_mix::PINNED_HEAVY),
+            self.pinned_demand_share.clone(),
         );
         sub.register(
             "idle_gpu_taint_writes",

@@ -247,11 +247,17 @@ impl Cluster {
     }
 
     /// Records a GPU pod that arrives asking `gib_per_gpu` on each of `gpus` GPUs (whole
-    /// ones when `exclusive`) with `host`: the demand mix always, and the shape the measure
-    /// learns, one-GPU or multi-GPU, unless its GPUs are its alone (the measure knows no
-    /// such shape).
-    pub fn observe_arrival(&mut self, gpus: u32, gib_per_gpu: u64, exclusive: bool, host: Host) {
-        self.observe_demand(gib_per_gpu.saturating_mul(u64::from(gpus)), gpus);
+    /// ones when `exclusive`) with `host`, `pinned` when it may run only on some GPU models:
+    /// the demand mix always, and the shape the measure learns, one-GPU or multi-GPU, unless
+    /// its GPUs are its alone (the measure knows no such shape).
+    pub fn observe_arrival(
+        &mut self,
+        (gpus, gib_per_gpu): (u32, u64),
+        exclusive: bool,
+        host: Host,
+        pinned: bool,
+    ) {
+        self.observe_demand(gib_per_gpu.saturating_mul(u64::from(gpus)), gpus, pinned);
         if exclusive {
             return;
         }
@@ -266,10 +272,11 @@ impl Cluster {
         }
     }
 
-    /// Records the GPU demand of a pod that arrives asking `pod_gib` in all over `gpus` GPUs:
-    /// the ranking ([`Cluster::scheduler_totals`]) follows how much of it is multi-GPU.
-    pub fn observe_demand(&mut self, pod_gib: u64, gpus: u32) {
-        self.demand.observe(pod_gib, gpus > 1);
+    /// Records the GPU demand of a pod that arrives asking `pod_gib` in all over `gpus` GPUs,
+    /// `pinned` to GPU models or not: the ranking ([`Cluster::scheduler_totals`]) follows how
+    /// much of it is multi-GPU or pinned.
+    pub fn observe_demand(&mut self, pod_gib: u64, gpus: u32, pinned: bool) {
+        self.demand.observe(pod_gib, gpus > 1, pinned);
     }
 
     /// The recent GPU demand's mix.
@@ -319,7 +326,7 @@ impl Cluster {
                     let gpus = 1 + placement.more_gpus.len() as u64;
                     let multi = gpus > 1;
                     self.demand
-                        .observe(placement.pod_gib.saturating_mul(gpus), multi);
+                        .observe(placement.pod_gib.saturating_mul(gpus), multi, false);
                 }
             }
         }
@@ -604,15 +611,21 @@ mod tests {
         assert_eq!(totals(&cluster), with_defaults);
         assert!(with_defaults[1] > with_defaults[0], "{with_defaults:?}");
         for _ in 0..50 {
-            cluster.observe_demand(4, 1);
-            cluster.observe_demand(64, 8);
+            cluster.observe_demand(4, 1, false);
+            cluster.observe_demand(64, 8, false);
         }
         assert!(cluster.demand().multi_gpu_share() > 0.9);
         assert_eq!(totals(&cluster), vec![100, 100]);
         for _ in 0..3_000 {
-            cluster.observe_demand(4, 1);
+            cluster.observe_demand(4, 1, false);
         }
         assert_eq!(totals(&cluster), with_defaults);
+        // One-GPU pods, half of them pinned to GPU models: our score alone again.
+        for i in 0..1_000 {
+            cluster.observe_demand(4, 1, i % 2 == 0);
+        }
+        assert!(!cluster.demand().is_multi_gpu_heavy() && cluster.demand().is_pinned_heavy());
+        assert_eq!(totals(&cluster), vec![100, 100]);
     }
 
     #[test]
@@ -734,7 +747,7 @@ mod tests {
                 gpu_gib: 8,
                 host: Host::new(2_000, 4_096),
             });
-            cluster.observe_demand(8, 1);
+            cluster.observe_demand(8, 1, false);
         }
         let two_gpus = Request {
             gpus: 2,
@@ -752,7 +765,7 @@ mod tests {
             "on the fuller node only 2 cores would be left: one 8 GiB pod, 32 GiB stranded"
         );
         for _ in 0..50 {
-            cluster.observe_demand(64, 8);
+            cluster.observe_demand(64, 8, false);
         }
         assert!(cluster.demand().is_multi_gpu_heavy());
         assert_eq!(

@@ -11,7 +11,8 @@
 //!
 //! What is kept is exactly what [`crate::kube_io::watch`] kept before by trimming a full Pod: the
 //! metadata except labels, owner references and managed fields; the node name and the
-//! priority (preemption weighs it); each container's and init container's name, resources
+//! priority (preemption weighs it); the node selector and the node affinity (whether the pod
+//! is pinned to GPU models, which the demand mix counts); each container's and init container's name, resources
 //! and restart policy; the phase, the start time (kubelet admitted the pod: see
 //! [`crate::scheduling::view::PodFacts`]) and the node a preemption nominated the pod for. A test
 //! holds the two equal on varied pods. Annotations are kept whole here and cut to gpushare's
@@ -19,7 +20,9 @@
 
 use std::collections::BTreeMap;
 
-use k8s_openapi::api::core::v1::{Container, Pod, PodSpec, PodStatus, ResourceRequirements};
+use k8s_openapi::api::core::v1::{
+    Affinity, Container, NodeAffinity, Pod, PodSpec, PodStatus, ResourceRequirements,
+};
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::{ObjectMeta, Time};
 use k8s_openapi::{NamespaceResourceScope, Resource};
 use serde::{Deserialize, Deserializer};
@@ -85,9 +88,17 @@ struct LeanMeta {
 struct LeanSpec {
     node_name: Option<String>,
     priority: Option<i32>,
+    node_selector: Option<BTreeMap<String, String>>,
+    affinity: Option<LeanAffinity>,
     #[serde(default)]
     containers: Option<Vec<LeanContainer>>,
     init_containers: Option<Vec<LeanContainer>>,
+}
+
+#[derive(Deserialize)]
+#[serde(rename_all = "camelCase")]
+struct LeanAffinity {
+    node_affinity: Option<NodeAffinity>,
 }
 
 #[derive(Deserialize)]
@@ -153,6 +164,11 @@ impl<'de> Deserialize<'de> for WatchedPod {
         let spec = lean.spec.map(|s| PodSpec {
             node_name: s.node_name,
             priority: s.priority,
+            node_selector: s.node_selector,
+            affinity: s.affinity.map(|a| Affinity {
+                node_affinity: a.node_affinity,
+                ..Affinity::default()
+            }),
             containers: s
                 .containers
                 .unwrap_or_default()
@@ -202,6 +218,11 @@ mod tests {
             *spec = PodSpec {
                 node_name: spec.node_name.take(),
                 priority: spec.priority.take(),
+                node_selector: spec.node_selector.take(),
+                affinity: spec.affinity.take().map(|a| Affinity {
+                    node_affinity: a.node_affinity,
+                    ..Affinity::default()
+                }),
                 containers: spec.containers.iter_mut().map(trim).collect(),
                 init_containers: spec
                     .init_containers
@@ -254,7 +275,15 @@ mod tests {
                 "initContainers": [{"name": "init", "image": "img", "restartPolicy": "Always",
                                     "resources": {"requests": {"memory": "1Gi"}}}],
                 "volumes": [{"name": "v", "emptyDir": {}}],
-                "tolerations": [{"key": "k", "operator": "Exists"}]
+                "tolerations": [{"key": "k", "operator": "Exists"}],
+                "nodeSelector": {"gpushare.example.com/gpu-model.Tesla-T4": "true"},
+                "affinity": {
+                    "nodeAffinity": {"requiredDuringSchedulingIgnoredDuringExecution": {
+                        "nodeSelectorTerms": [{"matchExpressions": [
+                            {"key": "gpushare.example.com/gpu-mem.16", "operator": "Exists"}]}]}},
+                    "podAntiAffinity": {"preferredDuringSchedulingIgnoredDuringExecution": [
+                        {"weight": 1, "podAffinityTerm": {"topologyKey": "zone"}}]}
+                }
             },
             "status": {
                 "phase": "Running", "podIP": "10.0.0.1", "qosClass": "Burstable",

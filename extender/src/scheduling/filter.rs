@@ -165,8 +165,10 @@ impl<'a> Fits<'_, 'a> {
             self.state.metrics().keep_best_stepped_aside(why.label());
         }
         if keep_best.keep > 0 {
-            let share = self.view.cluster.demand().multi_gpu_share();
-            self.state.metrics().multi_gpu_demand_share.set(share);
+            let demand = self.view.cluster.demand();
+            let metrics = self.state.metrics();
+            metrics.multi_gpu_demand_share.set(demand.multi_gpu_share());
+            metrics.pinned_demand_share.set(demand.pinned_share());
         }
         if passing.is_empty() {
             if let Some(error) = awaiting_admission(self.view.settings(), candidates, &rejected) {

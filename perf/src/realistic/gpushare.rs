@@ -80,10 +80,10 @@ pub(super) fn gpushare(
     // The extender's view sees the pod arrive (pending) before the scheduler asks about it;
     // as the extender, it follows the demand mix and learns its shape.
     cluster.observe_arrival(
-        request.gpus,
-        request.gib_per_gpu(),
+        (request.gpus, request.gib_per_gpu()),
         request.exclusive,
         task.host,
+        task.model.is_some(),
     );
     let candidates = filter(state, cluster, task, &request, kube)?;
     let names: Vec<&str> = candidates.iter().map(|&n| &*state.names[n]).collect();

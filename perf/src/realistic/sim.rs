@@ -225,7 +225,12 @@ impl Placer {
         task: &Task,
     ) -> Result<(usize, Vec<usize>), Missed> {
         if task.gpus == 0 && self.strategy.cpu_pods_by_default_scheduler() {
-            let taint = self.strategy.taints_idle_gpus();
+            // The extender lifts its taint while pinned pods bring much of the GPU demand.
+            let lifted = self
+                .cluster
+                .as_ref()
+                .is_some_and(|c| !c.demand().wants_idle_gpu_taint());
+            let taint = self.strategy.taints_idle_gpus() && !lifted;
             return default_scheduler(state, task, &mut self.default_kube, taint)
                 .map(|n| (n, Vec::new()))
                 .ok_or(Missed::Everywhere);

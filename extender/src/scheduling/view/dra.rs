@@ -369,7 +369,7 @@ impl View {
 
     fn observe_claim(&mut self, ask: ClaimAsk) {
         self.cluster
-            .observe_arrival(ask.count, ask.gib, false, Host::default());
+            .observe_arrival((ask.count, ask.gib), false, Host::default(), false);
     }
 
     fn unbook_claim(&mut self, uid: &PodId) {

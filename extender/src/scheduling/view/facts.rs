@@ -250,6 +250,8 @@ pub struct PodFacts {
     /// `status.nominatedNodeName` of a pod not bound yet: the node kube-scheduler evicted
     /// pods on for it.
     pub(super) nominated_node: Option<Box<str>>,
+    /// Whether the pod may run only on some GPU models ([`pinned_to_gpu_models`]).
+    pub(super) pinned: bool,
 }
 
 impl PodFacts {
@@ -288,7 +290,14 @@ impl PodFacts {
             placement.pending.clear();
             placement.assigned = true;
         }
+        let pinned = request
+            .as_ref()
+            .ok()
+            .and_then(|r| r.as_ref())
+            .is_some_and(|r| !r.models.is_empty())
+            || pinned_to_gpu_models(pod, &settings.keys);
         Some(Self {
+            pinned,
             key: key.into(),
             uid: PodId::from(uid),
             finished: gpushare_contract::request::pod_is_finished(pod),
@@ -320,12 +329,124 @@ impl PodFacts {
     }
 }
 
+/// Whether `pod` may run only on nodes with some GPU models or GPU sizes: a `nodeSelector`, or
+/// a term of its required node affinity, on the device plugin's `gpu-model.*` or `gpu-mem.*`
+/// node labels. The demand mix counts such pods (`gpushare_allocator::demand_mix`).
+pub(super) fn pinned_to_gpu_models(pod: &Pod, keys: &Keys) -> bool {
+    let prefixes = [&keys.node_gpu_model_prefix, &keys.node_gpu_mem_prefix];
+    let names_gpus = |key: &str| prefixes.iter().any(|p| key.starts_with(p.as_str()));
+    let Some(spec) = pod.spec.as_ref() else {
+        return false;
+    };
+    let selected = spec
+        .node_selector
+        .as_ref()
+        .is_some_and(|s| s.keys().any(|k| names_gpus(k)));
+    let required = spec
+        .affinity
+        .as_ref()
+        .and_then(|a| a.node_affinity.as_ref())
+        .and_then(|n| {
+            n.required_during_scheduling_ignored_during_execution
+                .as_ref()
+        });
+    let in_affinity = required.is_some_and(|r| {
+        r.node_selector_terms.iter().any(|term| {
+            term.match_expressions
+                .iter()
+                .flatten()
+                .any(|e| names_gpus(&e.key))
+        })
+    });
+    selected || in_affinity
+}
+
 #[cfg(test)]
 mod tests {
     use gpushare_testkit::fixtures::{node, pod};
 
     use super::super::testing::{allocated, reserve, signed, signing_view, used, view, with_uid};
     use super::*;
+
+    /// Pending GPU pods pinned by a `nodeSelector` or a required node affinity on the device
+    /// plugin's GPU labels, or by the models annotation, count as pinned in the demand mix; a
+    /// preferred affinity or another label does not pin.
+    #[test]
+    fn pods_pinned_to_gpu_labels_count_in_the_demand_mix() {
+        use k8s_openapi::api::core::v1::{
+            Affinity, NodeAffinity, NodeSelector, NodeSelectorRequirement, NodeSelectorTerm,
+        };
+        let mut view = view();
+        let keys = view.settings().keys.clone();
+        let model_label = keys.gpu_model_label("Tesla T4");
+        let selecting = |label: &str| {
+            let mut p = pod("sel").gpu_mem(4).build();
+            p.spec.as_mut().unwrap().node_selector =
+                Some([(label.to_owned(), "true".to_owned())].into());
+            p
+        };
+        let requiring = |key: &str| {
+            let mut p = pod("aff").gpu_mem(4).build();
+            let term = NodeSelectorTerm {
+                match_expressions: Some(vec![NodeSelectorRequirement {
+                    key: key.to_owned(),
+                    operator: "Exists".to_owned(),
+                    values: None,
+                }]),
+                ..NodeSelectorTerm::default()
+            };
+            p.spec.as_mut().unwrap().affinity = Some(Affinity {
+                node_affinity: Some(NodeAffinity {
+                    required_during_scheduling_ignored_during_execution: Some(NodeSelector {
+                        node_selector_terms: vec![term],
+                    }),
+                    ..NodeAffinity::default()
+                }),
+                ..Affinity::default()
+            });
+            p
+        };
+        let gib_label = format!("{}16", keys.node_gpu_mem_prefix);
+        let annotated = pod("ann")
+            .gpu_mem(4)
+            .annotation(&keys.request_models, "Tesla-T4")
+            .build();
+        for pinned in [selecting(&model_label), requiring(&gib_label), annotated] {
+            let pinned = with_uid(pinned, "u-pinned");
+            assert!(
+                PodFacts::read(&pinned, view.settings()).unwrap().pinned,
+                "{pinned:?}"
+            );
+        }
+        for free in [
+            selecting("zone"),
+            requiring("kubernetes.io/hostname"),
+            pod("p").gpu_mem(4).build(),
+        ] {
+            let free = with_uid(free, "u-free");
+            assert!(
+                !PodFacts::read(&free, view.settings()).unwrap().pinned,
+                "{free:?}"
+            );
+        }
+        // Every third pending GPU pod pinned: the ranking and the taint follow.
+        for i in 0..300 {
+            let mut p = if i % 3 == 0 {
+                selecting(&model_label)
+            } else {
+                pod("x").gpu_mem(4).build()
+            };
+            p.metadata.name = Some(format!("p{i}"));
+            view.apply_pod(&with_uid(p, &format!("u{i}")));
+        }
+        let demand = view.cluster.demand();
+        assert!(
+            (0.3..0.37).contains(&demand.pinned_share()),
+            "{}",
+            demand.pinned_share()
+        );
+        assert!(!demand.wants_idle_gpu_taint() && !demand.counts_resource_scores());
+    }
 
     #[test]
     fn with_a_keyring_unsigned_allocations_book_the_spec_request_not_their_claim() {

@@ -212,10 +212,12 @@ impl View {
 
     /// The nodes whose idle-GPU taint is not what it should be, each with whether it should
     /// carry it and its taints as the watch last showed them: a present node taking part, with
-    /// a healthy GPU nothing is booked on (reservations count), should while `enabled`; no
-    /// other node should. Nodes not present are left alone. In name order: a pass capped at a
-    /// number of writes takes the first, and the next pass those still left.
+    /// a healthy GPU nothing is booked on (reservations count), should while `enabled` and
+    /// the recent demand is not pinned heavy (`gpushare_allocator::demand_mix`); no other node
+    /// should. Nodes not present are left alone. In name order: a pass capped at a number of
+    /// writes takes the first, and the next pass those still left.
     pub fn idle_gpu_taint_drift(&self, enabled: bool) -> Vec<TaintDrift> {
+        let enabled = enabled && self.cluster.demand().wants_idle_gpu_taint();
         let mut drift: Vec<TaintDrift> = self
             .cluster
             .nodes()

@@ -177,6 +177,16 @@ mod tests {
             drift(&view, false),
             [("n2".to_owned(), false), ("n3".to_owned(), false)]
         );
+        // So while pods pinned to GPU models bring much of the recent demand, then on again.
+        let (off, on) = (drift(&view, false), drift(&view, true));
+        for _ in 0..100 {
+            view.cluster.observe_demand(4, 1, true);
+        }
+        assert_eq!(drift(&view, true), off);
+        for _ in 0..3_000 {
+            view.cluster.observe_demand(4, 1, false);
+        }
+        assert_eq!(drift(&view, true), on);
         // It is a soft taint like the others: the filter that keeps the best steps aside for
         // a pod that does not tolerate it (routed GPU pods do).
         assert_eq!(view.prefer_no_schedule_taints("n2").len(), 1);

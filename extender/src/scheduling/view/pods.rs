@@ -150,6 +150,7 @@ impl View {
             host,
             priority,
             nominated_node,
+            pinned,
         } = facts;
         let (key, uid) = self.shared_ids(key, uid);
         self.forget_if_recreated(&key, &uid);
@@ -161,7 +162,7 @@ impl View {
         }
         self.book_host(&uid, node_name.as_deref(), finished, host);
         if node_name.is_none() {
-            self.observe_if_newly_waiting(&key, &ask, host);
+            self.observe_if_newly_waiting(&key, &ask, host, pinned);
         }
         let was_bad = self.pods.get(&key).is_some_and(|p| p.bad_annotations);
         let bad_annotations = allocation.is_bad();
@@ -270,7 +271,7 @@ impl View {
     /// ranking follows (`gpushare_allocator::demand_mix`), and its shape (one-GPU, or
     /// multi-GPU shared slices) the workload the fragmentation policy measures against
     /// (`gpushare_allocator::Cluster::observe_arrival`).
-    fn observe_if_newly_waiting(&mut self, key: &str, ask: &Ask, host: Host) {
+    fn observe_if_newly_waiting(&mut self, key: &str, ask: &Ask, host: Host, pinned: bool) {
         if let Ask::Pending(request) = ask
             && let Ok(request) = request.as_ref()
             && self
@@ -279,10 +280,10 @@ impl View {
                 .is_none_or(|known| known.node_name.is_none() && known.ask == Ask::Nothing)
         {
             self.cluster.observe_arrival(
-                request.gpus,
-                request.gib_per_gpu(),
+                (request.gpus, request.gib_per_gpu()),
                 request.exclusive,
                 host,
+                pinned,
             );
         }
     }
