@@ -4,7 +4,10 @@
 //! `InitDone`, so the allocator is rebuilt from one consistent list, never from half of one.
 
 use futures::{Stream, StreamExt};
-use k8s_openapi::api::core::v1::{Node, NodeSpec, NodeStatus, Taint};
+use k8s_openapi::api::core::v1::{
+    Affinity, Node, NodeAffinity, NodeSelector, NodeSelectorTerm, NodeSpec, NodeStatus, PodSpec,
+    Taint,
+};
 use k8s_openapi::api::resource::v1::{ResourceClaim, ResourceSlice};
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::ObjectMeta;
 use kube::Api;
@@ -40,13 +43,18 @@ pub async fn watch_nodes(client: kube::Client, state: Scheduling) {
 pub const UNFINISHED_PODS: &str = "status.phase!=Succeeded,status.phase!=Failed";
 
 /// Follows Pods until the stream ends (it ends only if the watcher gives up). Pods are
-/// decoded lean ([`WatchedPod`]), then cut to gpushare's annotations.
+/// decoded lean ([`WatchedPod`]), then cut to gpushare's annotations and node-label terms.
 pub async fn watch_pods(client: kube::Client, state: Scheduling) {
     let api: Api<WatchedPod> = Api::all(client);
     let (_, domain) = watched_names(&state);
     let stream = watcher::watcher(api, watcher::Config::default().fields(UNFINISHED_PODS))
         .default_backoff()
-        .modify(move |pod| keep_domain_annotations(&mut pod.0.metadata, &domain));
+        .modify(move |pod| {
+            keep_domain_annotations(&mut pod.0.metadata, &domain);
+            if let Some(spec) = pod.0.spec.as_mut() {
+                keep_domain_pins(spec, &domain);
+            }
+        });
     let warn = |warnings: Vec<PodWarning>| {
         for warning in warnings {
             state.events().send(PodEvent {
@@ -194,6 +202,44 @@ fn keep_domain_annotations(metadata: &mut ObjectMeta, domain: &str) {
     }
 }
 
+/// Keeps of a watched pod's node selector and required node affinity only what names
+/// gpushare's node labels (`<domain>/…`): whether the pod is pinned to GPU models
+/// ([`crate::scheduling::view`] counts such pods in the demand mix) is all the view reads of
+/// them. Why: most affinity is not ours (every DaemonSet pod's names its node), and the watch
+/// keeps every pod of the cluster.
+fn keep_domain_pins(spec: &mut PodSpec, domain: &str) {
+    if let Some(selector) = spec.node_selector.as_mut() {
+        selector.retain(|key, _| key.starts_with(domain));
+    }
+    if spec.node_selector.as_ref().is_some_and(|s| s.is_empty()) {
+        spec.node_selector = None;
+    }
+    let required = (spec.affinity.take())
+        .and_then(|a| a.node_affinity)
+        .and_then(|n| n.required_during_scheduling_ignored_during_execution);
+    let terms: Vec<NodeSelectorTerm> = (required.into_iter())
+        .flat_map(|r| r.node_selector_terms)
+        .filter_map(|term| {
+            let ours: Vec<_> = (term.match_expressions.into_iter().flatten())
+                .filter(|e| e.key.starts_with(domain))
+                .collect();
+            (!ours.is_empty()).then_some(NodeSelectorTerm {
+                match_expressions: Some(ours),
+                match_fields: None,
+            })
+        })
+        .collect();
+    spec.affinity = (!terms.is_empty()).then(|| Affinity {
+        node_affinity: Some(NodeAffinity {
+            required_during_scheduling_ignored_during_execution: Some(NodeSelector {
+                node_selector_terms: terms,
+            }),
+            ..NodeAffinity::default()
+        }),
+        ..Affinity::default()
+    });
+}
+
 /// What the classic gpushare's pod annotations start with
 /// ([`gpushare_contract::allocation::classic`]).
 const CLASSIC_PREFIX: &str = "ALIYUN_COM_GPU_MEM_";
@@ -253,6 +299,43 @@ where
 mod tests {
     use super::*;
     use std::collections::BTreeMap;
+
+    #[test]
+    fn the_watch_keeps_only_the_node_label_terms_that_name_ours() {
+        let pod = |spec: serde_json::Value| {
+            let WatchedPod(pod) = serde_json::from_value(serde_json::json!({
+                "metadata": {"name": "p", "namespace": "ns", "uid": "u1"}, "spec": spec,
+            }))
+            .unwrap();
+            let mut spec = pod.spec.unwrap();
+            keep_domain_pins(&mut spec, "gpushare.example.com/");
+            serde_json::to_value((spec.node_selector, spec.affinity)).unwrap()
+        };
+        let required = |terms: serde_json::Value| {
+            serde_json::json!({"nodeAffinity": {
+            "requiredDuringSchedulingIgnoredDuringExecution": {"nodeSelectorTerms": terms}}})
+        };
+        // A DaemonSet pod names its node; a pod selects a zone: nothing of ours, nothing kept.
+        let daemon = required(serde_json::json!([{"matchFields": [
+            {"key": "metadata.name", "operator": "In", "values": ["n1"]}]}]));
+        let kept = pod(serde_json::json!({"containers": [], "affinity": daemon,
+            "nodeSelector": {"zone": "a"}}));
+        assert_eq!(kept, serde_json::json!([null, null]));
+        // A pin on a GPU model keeps its own term and selector entry, nothing else.
+        let pinned = required(serde_json::json!([{"matchExpressions": [
+            {"key": "gpushare.example.com/gpu-model.Tesla-T4", "operator": "Exists"},
+            {"key": "zone", "operator": "In", "values": ["a"]}]}]));
+        let kept = pod(serde_json::json!({"containers": [], "affinity": pinned,
+            "nodeSelector": {"zone": "a", "gpushare.example.com/gpu-mem.16": "true"}}));
+        assert_eq!(
+            kept,
+            serde_json::json!([
+                {"gpushare.example.com/gpu-mem.16": "true"},
+                required(serde_json::json!([{"matchExpressions": [
+                    {"key": "gpushare.example.com/gpu-model.Tesla-T4", "operator": "Exists"}]}])),
+            ])
+        );
+    }
 
     #[test]
     fn the_watch_keeps_what_the_view_reads() {
