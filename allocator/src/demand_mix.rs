@@ -23,15 +23,16 @@
 //! The share of recent GPU demand in pods pinned to GPU models (a `nodeSelector` or required
 //! node affinity on the device plugin's `gpu-model.*` or `gpu-mem.*` node labels, or
 //! gpushare's models annotation) changes two things while it is at least [`PINNED_HEAVY`]:
-//! the ranking is our score alone, and the extender lifts its idle-GPU taint. Why: the pinned
-//! pods need idle GPUs of a few models, and both push the other pods there. LeastAllocated
-//! favours the nodes with the most CPU and memory per GPU, such as the trace's T4 nodes (104
-//! cores for 2 GPUs), which the T4-pinned pods need; the taint sends pods asking for no GPU
-//! to the nodes whose GPUs are in use, whose CPU the unpinned GPU pods then miss, so they
-//! take the idle GPUs of the pinned models. On the trace's gpuspec33 mix (29 % of tasks
-//! pinned) the two together lift the chart's default from 82.3 to 84.0 % on the calibrated
-//! generator; the replay of the real trace read 1.5 points for the taint and 1.8 for the
-//! ranking there (docs/performance.md). No other mix pins any pod, so none changes.
+//! the ranking leaves LeastAllocated out (BalancedAllocation stays), and the extender lifts
+//! its idle-GPU taint. Why: the pinned pods need idle GPUs of a few models, and both push the
+//! other pods there. LeastAllocated favours the nodes with the most CPU and memory per GPU,
+//! such as the trace's T4 nodes (104 cores for 2 GPUs), which the T4-pinned pods need; the
+//! taint sends pods asking for no GPU to the nodes whose GPUs are in use, whose CPU the
+//! unpinned GPU pods then miss, so they take the idle GPUs of the pinned models. On the
+//! trace's gpuspec33 mix (29 % of tasks pinned) this lifts the chart's default from 82.3 to
+//! 85.4 % on the calibrated generator (84.0 with our score alone); the replay of the real
+//! trace read 1.5 points for the taint and 1.8 for our score alone there
+//! (docs/performance.md). No other mix pins any pod, so none changes.
 //!
 //! "Lately" decays as the fragmentation workload does (a pod's weight halves after about
 //! 350 later pods), so the ranking follows the mix that is arriving now.
@@ -41,12 +42,23 @@
 /// bring about 8 % of it in multi-GPU jobs, the multi-GPU-heavy mix about half.
 pub const MULTI_GPU_HEAVY: f64 = 0.25;
 
-/// The share of recent GPU demand in pods pinned to GPU models from which the ranking is our
-/// score alone and the idle-GPU taint is lifted. The trace's gpuspec33 mix pins about 30 %.
+/// The share of recent GPU demand in pods pinned to GPU models from which the ranking leaves
+/// LeastAllocated out and the idle-GPU taint is lifted. The trace's gpuspec33 mix pins about 30 %.
 pub const PINNED_HEAVY: f64 = 0.15;
 
 /// How much an observation's weight decays per later observation (as the workload's).
 const DECAY: f64 = 0.998;
+
+/// Which of kube-scheduler's CPU and memory scores the ranking counts beside ours.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum ResourceScores {
+    /// LeastAllocated and BalancedAllocation, as kube-scheduler's default profile.
+    Both,
+    /// BalancedAllocation alone.
+    Balanced,
+    /// Neither: our score alone.
+    Neither,
+}
 
 /// The recent GPU demand, all of it, the part in multi-GPU pods and the part in pods pinned
 /// to GPU models, decaying.
@@ -104,10 +116,17 @@ impl DemandMix {
         self.multi_gpu_share() >= MULTI_GPU_HEAVY
     }
 
-    /// Whether the ranking counts kube-scheduler's CPU and memory scores (LeastAllocated and
-    /// BalancedAllocation): not while the recent demand is multi-GPU or pinned heavy.
-    pub fn counts_resource_scores(&self) -> bool {
-        !self.is_multi_gpu_heavy() && !self.is_pinned_heavy()
+    /// Which of kube-scheduler's CPU and memory scores the ranking counts: neither while the
+    /// recent demand is multi-GPU heavy, BalancedAllocation alone while it is pinned heavy,
+    /// both (with LeastAllocated) otherwise.
+    pub fn resource_scores(&self) -> ResourceScores {
+        if self.is_multi_gpu_heavy() {
+            ResourceScores::Neither
+        } else if self.is_pinned_heavy() {
+            ResourceScores::Balanced
+        } else {
+            ResourceScores::Both
+        }
     }
 
     /// Whether nothing has been observed yet.
@@ -126,13 +145,13 @@ mod tests {
     #[test]
     fn resource_scores_leave_the_ranking_while_multi_gpu_pods_bring_a_quarter_of_the_demand() {
         let mut mix = DemandMix::default();
-        assert!(mix.counts_resource_scores());
+        assert!(mix.resource_scores() == ResourceScores::Both);
         for _ in 0..100 {
             mix.observe(8, false, false);
         }
         mix.observe(0, true, true);
         assert_eq!(mix.multi_gpu_share(), 0.0);
-        assert!(mix.counts_resource_scores());
+        assert!(mix.resource_scores() == ResourceScores::Both);
         // Half the GiB in 8-GPU jobs from now on: the share climbs past a quarter.
         let mut switched_after = None;
         for i in 0..1_000 {
@@ -140,7 +159,7 @@ mod tests {
             if i % 8 == 0 {
                 mix.observe(64, true, false);
             }
-            if switched_after.is_none() && !mix.counts_resource_scores() {
+            if switched_after.is_none() && mix.resource_scores() != ResourceScores::Both {
                 switched_after = Some(i);
             }
         }
@@ -151,7 +170,7 @@ mod tests {
         for _ in 0..2_000 {
             mix.observe(4, false, false);
         }
-        assert!(mix.counts_resource_scores());
+        assert!(mix.resource_scores() == ResourceScores::Both);
         assert!(mix.wants_idle_gpu_taint(), "nothing pinned yet");
     }
 
@@ -161,7 +180,7 @@ mod tests {
         for _ in 0..500 {
             mix.observe(8, false, false);
         }
-        assert!(mix.wants_idle_gpu_taint() && mix.counts_resource_scores());
+        assert!(mix.wants_idle_gpu_taint() && mix.resource_scores() == ResourceScores::Both);
         // One pod in ten pinned: 10 % of the GiB, under the threshold.
         for i in 0..2_000 {
             mix.observe(8, false, i % 10 == 0);
@@ -171,18 +190,19 @@ mod tests {
             "{}",
             mix.pinned_share()
         );
-        assert!(mix.wants_idle_gpu_taint() && mix.counts_resource_scores());
+        assert!(mix.wants_idle_gpu_taint() && mix.resource_scores() == ResourceScores::Both);
         // One in three, as the trace's gpuspec33 mix: both lifted.
         for i in 0..2_000 {
             mix.observe(8, false, i % 3 == 0);
         }
         assert!(mix.is_pinned_heavy());
-        assert!(!mix.wants_idle_gpu_taint() && !mix.counts_resource_scores());
+        assert!(!mix.wants_idle_gpu_taint());
+        assert_eq!(mix.resource_scores(), ResourceScores::Balanced);
         assert!(!mix.is_multi_gpu_heavy(), "the two shares are apart");
         // Nothing pinned any more: both come back once the share decays.
         for _ in 0..2_000 {
             mix.observe(8, false, false);
         }
-        assert!(mix.wants_idle_gpu_taint() && mix.counts_resource_scores());
+        assert!(mix.wants_idle_gpu_taint() && mix.resource_scores() == ResourceScores::Both);
     }
 }

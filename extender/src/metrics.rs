@@ -341,7 +341,7 @@ impl Metrics {
         );
         sub.register(
             "pinned_demand_share",
-            format!("Share of the recent GPU demand in pods pinned to GPU models (node selector or required node affinity on the gpu-model or gpu-mem node labels, or the models annotation); from {} the filter that keeps the best ranks by our score alone and the idle-GPU taint is lifted", gpushare_allocator::demand_mix::PINNED_HEAVY),
+            format!("Share of the recent GPU demand in pods pinned to GPU models (node selector or required node affinity on the gpu-model or gpu-mem node labels, or the models annotation); from {} the filter that keeps the best leaves LeastAllocated out of its ranking and the idle-GPU taint is lifted", gpushare_allocator::demand_mix::PINNED_HEAVY),
             self.pinned_demand_share.clone(),
         );
         sub.register(

@@ -6,7 +6,7 @@ use std::cell::RefCell;
 use std::sync::Arc;
 
 use super::{Cluster, Node};
-use crate::demand_mix::DemandMix;
+use crate::demand_mix::{DemandMix, ResourceScores};
 use crate::fragmentation::{
     self, Before, FreeSummary, Gang, Host, NodeFree, Placing, Shape, Workload,
 };
@@ -29,6 +29,18 @@ impl Node {
             non_zero: self.host_scored,
         };
         kube_scores::default_scores(allocatable, requested, pod)
+    }
+
+    /// kube-scheduler's CPU and memory scores the ranking counts (`which`) for a pod asking
+    /// `pod` here; 0 when the node's allocatable is unknown.
+    pub fn resource_scores(&self, pod: Host, which: ResourceScores) -> i64 {
+        match (which, self.host) {
+            (ResourceScores::Both, _) => self.default_scores(pod),
+            (ResourceScores::Balanced, Some(allocatable)) => {
+                kube_scores::balanced_allocation(allocatable, self.host_used.saturating_add(pod))
+            }
+            _ => 0,
+        }
     }
 
     /// The node's free CPU and memory ([`Host::UNLIMITED`] when its allocatable is unknown).
@@ -397,11 +409,11 @@ impl Cluster {
 
     /// How kube-scheduler would rank `nodes` for `request` with scores: our
     /// [`Cluster::scores`] × `extender_weight` × 10, plus its default CPU and memory scores on
-    /// each node ([`Node::default_scores`]), except that those are left out, and our score
-    /// alone ranks, while the recent demand is multi-GPU heavy ([`crate::demand_mix`]). What
-    /// the filter that keeps only the best node ranks by (see [`kube_scores`]). A node that
-    /// does not fit totals its default scores alone (0 while they are left out); the caller
-    /// passes only nodes that fit.
+    /// each node ([`Node::resource_scores`]), except that those are left out, and our score
+    /// alone ranks, while the recent demand is multi-GPU heavy, and LeastAllocated is left
+    /// out while it is pinned heavy ([`crate::demand_mix`]). What the filter that keeps only
+    /// the best node ranks by (see [`kube_scores`]). A node that does not fit totals its
+    /// resource scores alone; the caller passes only nodes that fit.
     pub fn scheduler_totals(
         &self,
         nodes: &[&str],
@@ -410,7 +422,7 @@ impl Cluster {
         extender_weight: i64,
     ) -> Vec<i64> {
         let ours = self.scores(nodes, request, policy);
-        let counts_defaults = self.demand.counts_resource_scores();
+        let which = self.demand.resource_scores();
         nodes
             .iter()
             .zip(ours)
@@ -418,8 +430,7 @@ impl Cluster {
                 let defaults = self
                     .nodes
                     .get(*name)
-                    .filter(|_| counts_defaults)
-                    .map_or(0, |node| node.default_scores(request.host));
+                    .map_or(0, |node| node.resource_scores(request.host, which));
                 i64::from(score)
                     .saturating_mul(extender_weight)
                     .saturating_mul(kube_scores::EXTENDER_SCORE_SCALE)
@@ -620,12 +631,21 @@ mod tests {
             cluster.observe_demand(4, 1, false);
         }
         assert_eq!(totals(&cluster), with_defaults);
-        // One-GPU pods, half of them pinned to GPU models: our score alone again.
+        // One-GPU pods, half of them pinned to GPU models: BalancedAllocation alone counts.
         for i in 0..1_000 {
             cluster.observe_demand(4, 1, i % 2 == 0);
         }
         assert!(!cluster.demand().is_multi_gpu_heavy() && cluster.demand().is_pinned_heavy());
-        assert_eq!(totals(&cluster), vec![100, 100]);
+        let balanced = ["busy", "idle"].map(|name| {
+            let node = cluster.node(name).unwrap();
+            let used = node.host_used.saturating_add(pod.host);
+            100 + crate::kube_scores::balanced_allocation(node.host.unwrap(), used)
+        });
+        assert_eq!(totals(&cluster), balanced);
+        assert!(
+            balanced != with_defaults && balanced != [100, 100],
+            "{balanced:?}"
+        );
     }
 
     #[test]

@@ -3,6 +3,7 @@
 //! filter, the profile's scores, bind). This path runs gpushare's real allocation core
 //! (`gpushare_allocator`): what the report says about gpushare is decided here.
 
+use gpushare_allocator::demand_mix::ResourceScores;
 use gpushare_allocator::fragmentation::Host;
 use gpushare_allocator::{Cluster, Gpu, ModelFilter, PodId, Policy, Request, kube_scores};
 use gpushare_scheduler_model::scoring::FitStrategy;
@@ -91,13 +92,12 @@ pub(super) fn gpushare(
         .filter(|_| candidates.len() > 1 && profile.extender_scores())
         .map(|policy| cluster.scores(&names, &request, policy));
     // The filter that keeps the best ranks as the extender does: kube-scheduler's CPU and
-    // memory scores count unless the recent demand is multi-GPU heavy
-    // (`gpushare_allocator::demand_mix`).
-    let counts_defaults = cluster.demand().counts_resource_scores();
+    // memory scores count as the recent demand mix says (`gpushare_allocator::demand_mix`).
+    let which = cluster.demand().resource_scores();
     // The idle-GPU taint does not count: the chart's routing gives GPU pods a toleration.
     let totals = candidates.iter().enumerate().map(|(c, &n)| {
         let theirs = extender.as_ref().map_or(0, |s| i64::from(s[c]) * 10);
-        let total = total(profile, state, (n, counts_defaults), task, &request, theirs);
+        let total = total(profile, state, (n, which), task, &request, theirs);
         (n, total)
     });
     let n = if matches!(profile, Profile::FilterKeepBest | Profile::Weighted { .. }) {
@@ -153,20 +153,26 @@ fn filter(
 }
 
 /// Node `n`'s total under `profile`, the extender's score × 10 being `theirs` (0 when it does
-/// not score); `counts_defaults` says whether the extender's own ranking (the filter that
-/// keeps the best) counts kube-scheduler's CPU and memory scores.
+/// not score); `which` says which of kube-scheduler's CPU and memory scores the extender's
+/// own ranking (the filter that keeps the best) counts.
 fn total(
     profile: Profile,
     state: &Nodes<'_>,
-    (n, counts_defaults): (usize, bool),
+    (n, which): (usize, ResourceScores),
     task: &Task,
     request: &Request,
     theirs: i64,
 ) -> i64 {
     match profile {
         Profile::Default { weight } => state.default_score(n, task.host) + theirs * weight,
-        Profile::FilterKeepBest if counts_defaults => state.default_score(n, task.host) + theirs,
-        Profile::FilterKeepBest => theirs,
+        Profile::FilterKeepBest => match which {
+            ResourceScores::Both => state.default_score(n, task.host) + theirs,
+            ResourceScores::Balanced => {
+                let requested = state.used[n].saturating_add(task.host);
+                kube_scores::balanced_allocation(state.specs[n].host, requested) + theirs
+            }
+            ResourceScores::Neither => theirs,
+        },
         Profile::Weighted {
             least,
             most,

@@ -373,6 +373,7 @@ mod tests {
     /// preferred affinity or another label does not pin.
     #[test]
     fn pods_pinned_to_gpu_labels_count_in_the_demand_mix() {
+        use gpushare_allocator::demand_mix::ResourceScores;
         use k8s_openapi::api::core::v1::{
             Affinity, NodeAffinity, NodeSelector, NodeSelectorRequirement, NodeSelectorTerm,
         };
@@ -445,7 +446,8 @@ mod tests {
             "{}",
             demand.pinned_share()
         );
-        assert!(!demand.wants_idle_gpu_taint() && !demand.counts_resource_scores());
+        assert!(!demand.wants_idle_gpu_taint());
+        assert_eq!(demand.resource_scores(), ResourceScores::Balanced);
     }
 
     #[test]
