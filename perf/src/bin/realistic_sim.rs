@@ -172,6 +172,10 @@ fn strategies() -> Vec<Strategy> {
         Strategy::DraFirstFit,
         weighted(0, 1),
         weighted(1, 3),
+        Strategy::Fragmentation {
+            profile: Profile::FilterKeepBest,
+            idle_gpu_taint: false,
+        },
     ]
 }
 

@@ -240,7 +240,7 @@ impl Placer {
         }
         let (policy, profile) = match self.strategy {
             Strategy::Gpushare { policy, profile } => (policy, profile),
-            Strategy::Fragmentation { profile } => (Some(Policy::Fragmentation), profile),
+            Strategy::Fragmentation { profile, .. } => (Some(Policy::Fragmentation), profile),
             Strategy::BestFit { .. } => return best_fit(state, task).ok_or(Missed::Everywhere),
             Strategy::DraFirstFit => return dra_first_fit(state, task, &mut self.kube),
             Strategy::Fgd { .. } => {

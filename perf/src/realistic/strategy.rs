@@ -109,8 +109,12 @@ pub enum Strategy {
         profile: Profile,
     },
     /// gpushare's fragmentation policy, nodes ordered by `profile` (multi-GPU and exclusive
-    /// pods take their GPUs as binpack does, as the allocator does).
-    Fragmentation { profile: Profile },
+    /// pods take their GPUs as binpack does, as the allocator does); the extender keeps the
+    /// idle-GPU taint with `idle_gpu_taint`, as the chart does.
+    Fragmentation {
+        profile: Profile,
+        idle_gpu_taint: bool,
+    },
     /// BestFit (FGD's baseline): the node with the least weighted free GPU, CPU and memory
     /// after placing, the snuggest GPUs on it. Places CPU-only tasks too, and multi-GPU tasks
     /// with `multi_gpu` (else refuses them).
@@ -134,7 +138,10 @@ impl Strategy {
     }
 
     pub fn fragmentation(profile: Profile) -> Self {
-        Strategy::Fragmentation { profile }
+        Strategy::Fragmentation {
+            profile,
+            idle_gpu_taint: true,
+        }
     }
 
     /// Name in the report.
@@ -145,8 +152,16 @@ impl Strategy {
                 let policy = policy.map_or("classic".to_owned(), |p| format!("gpushare {p}"));
                 format!("{policy} ({})", profile.label())
             }
-            Strategy::Fragmentation { profile } => {
-                format!("gpushare fragmentation ({})", profile.label())
+            Strategy::Fragmentation {
+                profile,
+                idle_gpu_taint,
+            } => {
+                let taint = if idle_gpu_taint {
+                    ""
+                } else {
+                    ", no idle-GPU taint"
+                };
+                format!("gpushare fragmentation ({}{taint})", profile.label())
             }
             Strategy::BestFit { multi_gpu } => {
                 format!("BestFit ({}idealized: every node)", multi(multi_gpu))
@@ -205,7 +220,10 @@ impl Strategy {
             Strategy::Gpushare {
                 policy: Some(_),
                 ..
-            } | Strategy::Fragmentation { .. }
+            } | Strategy::Fragmentation {
+                idle_gpu_taint: true,
+                ..
+            }
         )
     }
 
