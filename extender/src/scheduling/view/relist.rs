@@ -17,6 +17,24 @@ use super::{PodWarning, View, pod_key};
 use crate::scheduling::view::reservations::Reservation;
 
 impl View {
+    /// On the first list after a start, the demand mix learns the GPU demand of the pods bound
+    /// before, pinned to GPU models or not, as if it had seen them arrive: a booking does not
+    /// say whether its pod was pinned, so seeded from bookings alone (what
+    /// `gpushare_allocator::Cluster::relearn_workload` falls back on) a restarted leader would
+    /// put the idle-GPU taint back and count LeastAllocated on a cluster of pinned pods.
+    fn seed_demand_mix(&mut self, pods: &[PodFacts]) {
+        if self.pods_synced || !self.cluster.demand().is_empty() {
+            return;
+        }
+        for facts in pods.iter().filter(|f| f.node_name.is_some() && !f.finished) {
+            if let AllocationFacts::Readable(placement) = &facts.allocation {
+                let gpus = 1 + u32::try_from(placement.more_gpus.len()).unwrap_or(u32::MAX - 1);
+                let pod_gib = placement.pod_gib.saturating_mul(u64::from(gpus));
+                self.cluster.observe_demand(pod_gib, gpus, facts.pinned);
+            }
+        }
+    }
+
     /// Replaces every pod with a fresh list (after the watch relisted) and rebuilds the
     /// allocator from it. A reservation is kept only while its pod is listed, alive and still
     /// unbound: a bound pod carries its own allocation, and a deleted one can take no Binding.
@@ -43,6 +61,7 @@ impl View {
             self.cluster.upsert_pod(uid, &node, placement);
         }
         self.rebook_claims();
+        self.seed_demand_mix(&pods);
         let warnings = pods
             .into_iter()
             .filter_map(|facts| self.apply_facts(facts))
@@ -102,6 +121,36 @@ mod tests {
 
     use super::super::testing::{allocated, reserve, used, view, with_uid};
     use crate::scheduling::view::reservations::{Outcome, Phase, Settled};
+
+    /// A restarted extender lists bound pods, a third of them pinned to a GPU model: the
+    /// demand mix is pinned heavy from the first list, not only once new pinned pods arrive.
+    #[test]
+    fn the_first_list_seeds_the_demand_mix_with_the_bound_pods_pins() {
+        let mut view = view();
+        view.replace_nodes(&[node("n1").gpushare().gpus(&[16, 16, 16, 16]).build()]);
+        let label = view.settings().keys.gpu_model_label("Tesla T4");
+        let pods: Vec<_> = (0..12)
+            .map(|i| {
+                let mut p = allocated(&format!("p{i}"), &format!("u{i}"), i % 4, 1);
+                if i % 3 == 0 {
+                    let spec = p.spec.as_mut().unwrap();
+                    spec.node_selector = Some([(label.clone(), "true".to_owned())].into());
+                }
+                p
+            })
+            .collect();
+        view.replace_pods(&pods);
+        let demand = view.cluster.demand();
+        assert!(
+            (demand.pinned_share() - 1.0 / 3.0).abs() < 0.05,
+            "{}",
+            demand.pinned_share()
+        );
+        assert!(!demand.wants_idle_gpu_taint());
+        // A later relist learns nothing again: the mix follows arrivals from here on.
+        view.replace_pods(&pods[1..3]);
+        assert!((view.cluster.demand().pinned_share() - 1.0 / 3.0).abs() < 0.05);
+    }
 
     #[test]
     fn relist_keeps_reservations_of_waiting_pods_only() {
