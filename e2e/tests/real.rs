@@ -83,6 +83,9 @@ const GROUPS: &[Group] = &[
             keep_best_follows_the_multi_gpu_demand,
             a_pod_behind_its_twin_binds_once_kubelet_admits_the_twin,
             the_gpu_model_annotation_picks_the_gpu,
+            // After every scenario that counts on the idle-GPU taint: it leaves the demand
+            // mix pinned heavy until its last step.
+            the_idle_gpu_taint_is_lifted_while_pinned_pods_bring_the_demand,
             // Last of all: it uninstalls the release and installs it again.
             gpu_pods_right_after_helm_install,
         ],
@@ -1882,6 +1885,79 @@ async fn wait_idle_gpu_taint(c: &KitCluster, node: &str, wanted: bool) -> anyhow
         (carries == wanted).then_some(())
     })
     .await
+}
+
+/// The demand-mix switch on pinned pods (`gpushare_allocator::demand_mix`): while pods pinned
+/// to a GPU model by a `nodeSelector` on the device plugin's `gpu-model.*` label bring at
+/// least 15 % of the recent GPU demand, the leader lifts the idle-GPU taint from every node
+/// (`gpushare_extender_pinned_demand_share` says so); once unpinned demand brings the share
+/// under 10 %, the taint comes back. The pinned pods ask for a model no node has, so they
+/// wait: the extender's pod watch counts them as they arrive, bound or not.
+async fn the_idle_gpu_taint_is_lifted_while_pinned_pods_bring_the_demand(
+    c: &KitCluster,
+) -> anyhow::Result<()> {
+    on_fake_nodes(c, fake_nodes("pin"), async {
+        let last = format!("pin-{}", FAKE_NODES - 1);
+        for node in ["pin-0", last.as_str()] {
+            wait_idle_gpu_taint(c, node, true).await?;
+        }
+        let share = || async {
+            let metrics = metrics_at(&leader_metrics_address(c).await?).await?;
+            let line = metric(&metrics, "gpushare_extender_pinned_demand_share ").next();
+            let value = line.and_then(|l| l.split_whitespace().nth(1)?.parse::<f64>().ok());
+            value.context("no gpushare_extender_pinned_demand_share on the leader")
+        };
+        let before = share().await?;
+        ensure!(before < 0.15, "pinned share {before} before any pinned pod");
+        // 8-GPU jobs of 128 GiB each: 12 pinned ones outweigh any demand earlier scenarios
+        // left (the 8-GPU scenario's 3,072 GiB, decayed), 40 % of it or more.
+        let keys = Keys::default();
+        let job = |name: String, label: (&str, &str)| {
+            let mut pod = fixtures::pod(&name)
+                .gpu_mem(128)
+                .annotation(&keys.request_gpus, "8")
+                .build();
+            if let Some(spec) = pod.spec.as_mut() {
+                spec.node_selector = Some([(label.0.to_owned(), label.1.to_owned())].into());
+            }
+            pod
+        };
+        let model_label = format!("{}Fake-Missing", keys.node_gpu_model_prefix);
+        for i in 0..12 {
+            create_pod(c, job(format!("pin-job-{i}"), (&model_label, "true"))).await?;
+        }
+        for node in ["pin-0", last.as_str()] {
+            wait_idle_gpu_taint(c, node, false).await?;
+        }
+        let pinned = share().await?;
+        ensure!(
+            pinned >= 0.15,
+            "the taint is lifted, yet the pinned share reads {pinned}"
+        );
+        // Unpinned jobs (a selector on a label that is not gpushare's) until the pinned
+        // share is under 10 %: 12 × 128 GiB against 160 × 128 GiB.
+        for i in 0..160 {
+            create_pod(c, job(format!("pin-plain-{i}"), ("elsewhere", "true"))).await?;
+        }
+        for node in ["pin-0", last.as_str()] {
+            wait_idle_gpu_taint(c, node, true).await?;
+        }
+        let after = share().await?;
+        ensure!(
+            after < 0.10,
+            "the taint is back, yet the pinned share reads {after}"
+        );
+        println!("  pinned share: {before:.3} before, {pinned:.3} pinned, {after:.3} after");
+        Ok(())
+    })
+    .await
+}
+
+/// The leading extender's monitoring address, `ip:port`.
+async fn leader_metrics_address(c: &KitCluster) -> anyhow::Result<String> {
+    Ok(gpushare_e2e::realk8s::latency::leader_monitor_addr(c)
+        .await?
+        .to_string())
 }
 
 /// Whether pod `name` tolerates the idle-GPU taint (as admitted).

@@ -99,11 +99,11 @@ pub struct Metrics {
     /// filter calls that passed every fitting node although `--filter-keep-best` is on, by
     /// why (see [`crate::scheduling::keep_best::StepAside`]).
     pub keep_best_stepped_aside: Family<StepAsideLabels, Counter>,
-    /// The share of recent GPU demand in multi-GPU pods, as the filter that keeps the best
-    /// last read it (`gpushare_allocator::demand_mix`).
+    /// The share of recent GPU demand in multi-GPU pods, as the view holds it at the scrape
+    /// (`gpushare_allocator::demand_mix`).
     pub multi_gpu_demand_share: Gauge<f64, std::sync::atomic::AtomicU64>,
-    /// The share of recent GPU demand in pods pinned to GPU models, as the filter that keeps
-    /// the best last read it (`gpushare_allocator::demand_mix`).
+    /// The share of recent GPU demand in pods pinned to GPU models, as the view holds it at
+    /// the scrape (`gpushare_allocator::demand_mix`).
     pub pinned_demand_share: Gauge<f64, std::sync::atomic::AtomicU64>,
     /// Idle-GPU taint writes by outcome ([`crate::kube_io::idle_gpu_taint`]).
     pub idle_gpu_taint_writes: Family<TaintWriteLabels, Counter>,

@@ -164,12 +164,6 @@ impl<'a> Fits<'_, 'a> {
         if let Some(why) = stepped_aside {
             self.state.metrics().keep_best_stepped_aside(why.label());
         }
-        if keep_best.keep > 0 {
-            let demand = self.view.cluster.demand();
-            let metrics = self.state.metrics();
-            metrics.multi_gpu_demand_share.set(demand.multi_gpu_share());
-            metrics.pinned_demand_share.set(demand.pinned_share());
-        }
         if passing.is_empty() {
             if let Some(error) = awaiting_admission(self.view.settings(), candidates, &rejected) {
                 self.state.metrics().filter_awaiting_admission.inc();

@@ -154,10 +154,19 @@ impl Scheduling {
     }
 
     /// `/metrics` in pieces: the registry's families and the per-GPU gauges, written as the
-    /// caller takes them ([`gauges::exposition`]).
+    /// caller takes them ([`gauges::exposition`]). The demand mix's shares are read from the
+    /// view now: pods that no filter call sees (pinned to a model no node has, say) still move
+    /// them, and the idle-GPU taint with them.
     pub fn metrics_exposition(
         &self,
     ) -> Result<impl Iterator<Item = String> + Send + 'static, std::fmt::Error> {
+        {
+            let view = self.view();
+            let demand = view.cluster.demand();
+            let metrics = self.metrics();
+            metrics.multi_gpu_demand_share.set(demand.multi_gpu_share());
+            metrics.pinned_demand_share.set(demand.pinned_share());
+        }
         gauges::exposition(&self.inner.registry, &self.inner.view)
     }
 
