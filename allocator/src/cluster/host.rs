@@ -740,9 +740,11 @@ mod tests {
     /// A 2-GPU pod under the fragmentation policy: binpack would put it on the fuller node,
     /// where its CPU leaves the host room for one more typical pod and strands the rest of
     /// the GPUs' memory; the measure puts it on the roomy node instead, while multi-GPU pods
-    /// are rare. Once they bring a large share of the demand it is scored as binpack again.
+    /// are rare. Once they bring a large share of the demand it is scored as binpack again,
+    /// and so is a one-GPU pod taking a whole GPU, which the measure would have sent to the
+    /// roomy node too; a one-GPU pod sharing a GPU is still measured.
     #[test]
-    fn multi_gpu_pods_are_scored_by_the_measure_while_they_are_rare() {
+    fn whole_gpus_are_scored_by_the_measure_while_multi_gpu_pods_are_rare() {
         let mut cluster = Cluster::new();
         for (name, cores) in [("fuller", 10), ("roomy", 64)] {
             cluster.set_node(name, gpus(4), true);
@@ -784,6 +786,17 @@ mod tests {
             vec![1, 10],
             "on the fuller node only 2 cores would be left: one 8 GiB pod, 32 GiB stranded"
         );
+        let whole_gpu = request(16, 8);
+        let sharing = request(8, 8);
+        let whole_binpack = cluster.scores(&nodes, &whole_gpu, Policy::Binpack);
+        assert_eq!(whole_binpack, vec![10, 1]);
+        for one_gpu in [&whole_gpu, &sharing] {
+            assert_eq!(
+                cluster.scores(&nodes, one_gpu, Policy::Fragmentation),
+                vec![1, 10],
+                "8 cores on the fuller node strand its other GPUs too"
+            );
+        }
         for _ in 0..50 {
             cluster.observe_demand(64, 8, false);
         }
@@ -791,6 +804,16 @@ mod tests {
         assert_eq!(
             cluster.scores(&nodes, &two_gpus, Policy::Fragmentation),
             binpack
+        );
+        assert_eq!(
+            cluster.scores(&nodes, &whole_gpu, Policy::Fragmentation),
+            whole_binpack,
+            "while multi-GPU pods are common, a whole GPU is taken where it keeps nodes whole"
+        );
+        assert_eq!(
+            cluster.scores(&nodes, &sharing, Policy::Fragmentation),
+            vec![1, 10],
+            "a pod sharing a GPU is still measured"
         );
     }
 }

@@ -74,19 +74,23 @@ impl Cluster {
     /// Ranking among the candidates keeps the packing preference decisive at any fill level.
     ///
     /// Under the fragmentation policy, a multi-GPU request (shared slices) is scored by the
-    /// measure too (what its slices on the GPUs bind would take cost the node), except while
+    /// measure too (what its slices on the GPUs bind would take cost the node). While
     /// multi-GPU pods bring a large share of the recent demand
-    /// ([`crate::demand_mix::MULTI_GPU_HEAVY`]): they are scored as binpack then, which
-    /// packed as well (the measure also counting the multi-GPU shapes it learned). Exclusive requests (empty GPUs, booked in full) are scored as binpack:
-    /// by the measure they packed worse (docs/performance.md, "Workload mixes"). A request
-    /// that names GPU models is measured on the GPUs of those models; the node's
-    /// fragmentation counts all of its GPUs.
+    /// ([`crate::demand_mix::MULTI_GPU_HEAVY`]) they are scored as binpack, and so is a
+    /// one-GPU request that takes a whole GPU on every candidate: that keeps whole nodes for
+    /// the multi-GPU jobs (see [`crate::demand_mix`] for the figures).
+    /// Exclusive requests (empty GPUs, booked in full) are always scored as binpack: by the
+    /// measure they packed worse (docs/performance.md, "Workload mixes"). A request that
+    /// names GPU models is measured on the GPUs of those models; the node's fragmentation
+    /// counts all of its GPUs.
     pub fn scores(&self, nodes: &[&str], request: &Request, policy: Policy) -> Vec<u8> {
         if policy == Policy::Fragmentation {
+            let heavy = self.demand.is_multi_gpu_heavy();
             if !request.is_multi() {
-                return self.fragmentation_scores(nodes, request);
-            }
-            if !request.exclusive && !self.demand.is_multi_gpu_heavy() {
+                if !heavy || !self.takes_whole_gpus(nodes, request) {
+                    return self.fragmentation_scores(nodes, request);
+                }
+            } else if !request.exclusive && !heavy {
                 return self.fragmentation_scores_multi(nodes, request);
             }
         }
@@ -114,6 +118,17 @@ impl Cluster {
                 Some(g) => 1 + to_score((g - low) / (high - low) * 0.9),
             })
             .collect()
+    }
+
+    /// Whether `request` asks all of a GPU's memory on every GPU of every node of `nodes`.
+    fn takes_whole_gpus(&self, nodes: &[&str], request: &Request) -> bool {
+        nodes.iter().all(|name| {
+            self.nodes.get(*name).is_none_or(|node| {
+                node.gpus
+                    .iter()
+                    .all(|usage| request.pod_gib >= usage.gpu.total_gib)
+            })
+        })
     }
 
     /// The GPU `request` would get on `node` under `policy`, without booking it (the first
