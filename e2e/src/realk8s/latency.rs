@@ -179,6 +179,20 @@ impl BindLatency {
         })
     }
 
+    /// How long a bind kept the scheduler waiting between `before` and `self`, the median in
+    /// seconds: the extender's whole answer in the chart's drains, elsewhere the API server's
+    /// own time for the Bindings (the scheduler waits at least that). `None` when nothing
+    /// was observed.
+    pub fn bind_p50_since(&self, before: &BindLatency) -> Option<f64> {
+        match self.extender_stages.get("answer") {
+            Some(answer) => {
+                let earlier = before.extender_stages.get("answer").cloned();
+                answer.since(&earlier.unwrap_or_default()).quantile(0.5)
+            }
+            None => (self.binding_on_server.since(&before.binding_on_server)).quantile(0.5),
+        }
+    }
+
     /// One line per histogram: what was observed between `before` and `self`.
     pub fn lines_since(&self, before: &BindLatency) -> Vec<String> {
         let server = (self.binding_on_server.since(&before.binding_on_server)).summary();
@@ -249,5 +263,31 @@ apiserver_request_duration_seconds_bucket{resource="pods",subresource="",verb="G
             Histogram::default().since(&Histogram::default()).mean(),
             None
         );
+    }
+
+    /// The chart's bind is the extender's whole answer; alone's, the API server's time.
+    #[test]
+    fn the_bind_p50_is_the_extenders_answer_where_there_is_one() {
+        let binding = |count: f64| Histogram {
+            buckets: vec![(1.0, count), (f64::INFINITY, count)],
+            sum: count / 2.0,
+            count,
+        };
+        let answer = |count: f64| Histogram {
+            buckets: vec![(2.0, 0.0), (4.0, count), (f64::INFINITY, count)],
+            sum: 3.0 * count,
+            count,
+        };
+        let alone = |count: f64| BindLatency {
+            binding_on_server: binding(count),
+            extender_stages: BTreeMap::new(),
+        };
+        let chart = |count: f64| BindLatency {
+            extender_stages: [("answer".to_owned(), answer(count))].into(),
+            ..alone(count)
+        };
+        assert_eq!(alone(10.0).bind_p50_since(&alone(2.0)), Some(0.5));
+        assert_eq!(chart(10.0).bind_p50_since(&chart(2.0)), Some(3.0));
+        assert_eq!(alone(2.0).bind_p50_since(&alone(2.0)), None);
     }
 }
