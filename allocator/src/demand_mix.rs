@@ -18,7 +18,7 @@
 //! multi-GPU pods are rare, as binpack while they are common (the GPU within the node stays
 //! the measure's choice). Why: the replay of the real trace on its multigpu50 mix packs
 //! 93.4 % with binpack on every node against 89.1 % with the measure, and there the two
-//! differ only in how one-GPU pods choose their node (multi-GPU pods were binpacked
+//! differ only in how one-GPU pods are placed (multi-GPU pods were binpacked
 //! already); in that mix most one-GPU pods take a whole GPU. On the calibrated generator
 //! the chart's default moved 92.6 → 92.9 % on multigpu50. Pods sharing a GPU stay with the
 //! measure: binpacking them too cost the earlier generator's multi-GPU-heavy mix (half its

@@ -1909,8 +1909,9 @@ async fn the_idle_gpu_taint_is_lifted_while_pinned_pods_bring_the_demand(
         };
         let before = share().await?;
         ensure!(before < 0.15, "pinned share {before} before any pinned pod");
-        // 8-GPU jobs of 128 GiB each: 12 pinned ones outweigh any demand earlier scenarios
-        // left (the 8-GPU scenario's 3,072 GiB, decayed), 40 % of it or more.
+        // 8-GPU jobs of 128 GiB each: 24 pinned ones bring a third of the demand or more
+        // whatever earlier scenarios left (the 8-GPU scenario's 3,072 GiB and the 4 GiB pods
+        // since, decayed).
         let keys = Keys::default();
         let job = |name: String, label: (&str, &str)| {
             let mut pod = fixtures::pod(&name)
@@ -1923,11 +1924,11 @@ async fn the_idle_gpu_taint_is_lifted_while_pinned_pods_bring_the_demand(
             pod
         };
         let model_label = format!("{}Fake-Missing", keys.node_gpu_model_prefix);
-        for i in 0..12 {
+        for i in 0..24 {
             create_pod(c, job(format!("pin-job-{i}"), (&model_label, "true"))).await?;
         }
-        for node in ["pin-0", last.as_str()] {
-            wait_idle_gpu_taint(c, node, false).await?;
+        for node in (0..FAKE_NODES).map(|i| format!("pin-{i}")) {
+            wait_idle_gpu_taint(c, &node, false).await?;
         }
         let pinned = share().await?;
         ensure!(
@@ -1935,12 +1936,12 @@ async fn the_idle_gpu_taint_is_lifted_while_pinned_pods_bring_the_demand(
             "the taint is lifted, yet the pinned share reads {pinned}"
         );
         // Unpinned jobs (a selector on a label that is not gpushare's) until the pinned
-        // share is under 10 %: 12 × 128 GiB against 160 × 128 GiB.
-        for i in 0..160 {
+        // share is under 10 %: 24 × 128 GiB, decayed, against 320 × 128 GiB.
+        for i in 0..320 {
             create_pod(c, job(format!("pin-plain-{i}"), ("elsewhere", "true"))).await?;
         }
-        for node in ["pin-0", last.as_str()] {
-            wait_idle_gpu_taint(c, node, true).await?;
+        for node in (0..FAKE_NODES).map(|i| format!("pin-{i}")) {
+            wait_idle_gpu_taint(c, &node, true).await?;
         }
         let after = share().await?;
         ensure!(

@@ -77,7 +77,8 @@ impl Cluster {
     /// measure too (what its slices on the GPUs bind would take cost the node). While
     /// multi-GPU pods bring a large share of the recent demand
     /// ([`crate::demand_mix::MULTI_GPU_HEAVY`]) they are scored as binpack, and so is a
-    /// one-GPU request that takes a whole GPU on every candidate: that keeps whole nodes for
+    /// one-GPU request that takes a whole GPU (every healthy GPU of its models) on every
+    /// candidate: that keeps whole nodes for
     /// the multi-GPU jobs (see [`crate::demand_mix`] for the figures).
     /// Exclusive requests (empty GPUs, booked in full) are always scored as binpack: by the
     /// measure they packed worse (docs/performance.md, "Workload mixes"). A request that
@@ -120,12 +121,15 @@ impl Cluster {
             .collect()
     }
 
-    /// Whether `request` asks all of a GPU's memory on every GPU of every node of `nodes`.
+    /// Whether `request` asks all of a GPU's memory on every healthy GPU it allows (its
+    /// models) of every node of `nodes`: where some candidate would give it part of a larger
+    /// GPU, it shares, and the measure places it.
     fn takes_whole_gpus(&self, nodes: &[&str], request: &Request) -> bool {
         nodes.iter().all(|name| {
             self.nodes.get(*name).is_none_or(|node| {
                 node.gpus
                     .iter()
+                    .filter(|usage| usage.gpu.healthy && request.models.allows(&usage.gpu.model))
                     .all(|usage| request.pod_gib >= usage.gpu.total_gib)
             })
         })

@@ -403,16 +403,21 @@ async fn run_round(
     Ok(Some((alone, drained)))
 }
 
-/// How long a bind kept kube-scheduler waiting, the median, `drained` against `alone`: the
-/// extender's whole answer against the API server's own time for alone's Bindings, which
-/// alone's Bind waits for at least (kube-scheduler's own Bind histogram ends at 204.8 ms, so
-/// its quantiles above that read 204.8).
+/// How long a bind kept the scheduler waiting, the median, `drained` against `alone`, each
+/// with what it was read from: in extender mode the extender's whole answer, against the API
+/// server's own time for alone's Bindings, which alone's Bind waits for at least
+/// (kube-scheduler's own Bind histogram ends at 204.8 ms, so its quantiles above that read
+/// 204.8).
 fn print_bind_p50(round: usize, drained: &load::Drain, alone: &load::Drain) {
-    let ms = |p50: Option<f64>| p50.map_or("-".to_owned(), |s| format!("{:.0} ms", s * 1e3));
+    let read = |p50: Option<(f64, &str)>| {
+        p50.map_or("-".to_owned(), |(s, from)| {
+            format!("{:.0} ms ({from})", s * 1e3)
+        })
+    };
     println!(
-        "round {round}: bind p50 {} (the extender's answer) against alone's {} (its Binding on the API server)",
-        ms(drained.bind_p50_s),
-        ms(alone.bind_p50_s)
+        "round {round}: bind p50 {} against alone's {}",
+        read(drained.bind_p50),
+        read(alone.bind_p50)
     );
 }
 

@@ -180,16 +180,21 @@ impl BindLatency {
     }
 
     /// How long a bind kept the scheduler waiting between `before` and `self`, the median in
-    /// seconds: the extender's whole answer in the chart's drains, elsewhere the API server's
-    /// own time for the Bindings (the scheduler waits at least that). `None` when nothing
-    /// was observed.
-    pub fn bind_p50_since(&self, before: &BindLatency) -> Option<f64> {
+    /// seconds, and what it was read from: the extender's whole answer where the extender's
+    /// stages were read (the chart's extender-mode drains), elsewhere the API server's own
+    /// time for the Bindings (the scheduler waits at least that). `None` when nothing was
+    /// observed.
+    pub fn bind_p50_since(&self, before: &BindLatency) -> Option<(f64, &'static str)> {
         match self.extender_stages.get("answer") {
             Some(answer) => {
                 let earlier = before.extender_stages.get("answer").cloned();
-                answer.since(&earlier.unwrap_or_default()).quantile(0.5)
+                let p50 = answer.since(&earlier.unwrap_or_default()).quantile(0.5)?;
+                Some((p50, "the extender's answer"))
             }
-            None => (self.binding_on_server.since(&before.binding_on_server)).quantile(0.5),
+            None => {
+                let on_server = self.binding_on_server.since(&before.binding_on_server);
+                Some((on_server.quantile(0.5)?, "the Binding on the API server"))
+            }
         }
     }
 
@@ -286,8 +291,13 @@ apiserver_request_duration_seconds_bucket{resource="pods",subresource="",verb="G
             extender_stages: [("answer".to_owned(), answer(count))].into(),
             ..alone(count)
         };
-        assert_eq!(alone(10.0).bind_p50_since(&alone(2.0)), Some(0.5));
-        assert_eq!(chart(10.0).bind_p50_since(&chart(2.0)), Some(3.0));
+        let on_server = "the Binding on the API server";
+        assert_eq!(
+            alone(10.0).bind_p50_since(&alone(2.0)),
+            Some((0.5, on_server))
+        );
+        let answer = "the extender's answer";
+        assert_eq!(chart(10.0).bind_p50_since(&chart(2.0)), Some((3.0, answer)));
         assert_eq!(alone(2.0).bind_p50_since(&alone(2.0)), None);
     }
 }

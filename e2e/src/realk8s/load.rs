@@ -96,9 +96,9 @@ pub struct Drain {
     pub scheduler_metrics: String,
     /// Where the bind time went ([`BindLatency`]), a line per histogram.
     pub bind_latency: Vec<String>,
-    /// How long a bind kept the scheduler waiting, the median, in seconds
-    /// ([`BindLatency::bind_p50_since`]).
-    pub bind_p50_s: Option<f64>,
+    /// How long a bind kept the scheduler waiting, the median, in seconds, and what it was
+    /// read from ([`BindLatency::bind_p50_since`]).
+    pub bind_p50: Option<(f64, &'static str)>,
 }
 
 /// The chart's scheduler Deployment.
@@ -327,7 +327,7 @@ where
     let calls_after = api_requests(&client).await?;
     let latency_after = BindLatency::read(&client, extender).await?;
     let bind_latency = latency_after.lines_since(&latency_before);
-    let bind_p50_s = latency_after.bind_p50_since(&latency_before);
+    let bind_p50 = latency_after.bind_p50_since(&latency_before);
     let cpu_seconds = cpu_since(cluster, &cpu_before);
     let (seconds, per_second_p50) = throughput(&moments, count);
     let api_calls_per_pod = calls_after
@@ -349,7 +349,7 @@ where
         cpu_seconds,
         scheduler_metrics,
         bind_latency,
-        bind_p50_s,
+        bind_p50,
     };
     Ok((drain, seen))
 }

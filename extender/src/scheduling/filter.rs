@@ -425,6 +425,27 @@ mod tests {
         text.lines().any(|l| l == line)
     }
 
+    /// The demand mix's shares are read at the scrape: a GPU pod pinned to a model no node
+    /// has waits without any filter call ranking it, and still moves the pinned share (and
+    /// with it the idle-GPU taint).
+    #[test]
+    fn the_demand_gauges_follow_pods_no_filter_call_sees() {
+        let state = split_node();
+        let share = |text: &str| {
+            let value = text
+                .lines()
+                .find_map(|l| l.strip_prefix("gpushare_extender_pinned_demand_share "));
+            value.and_then(|v| v.parse::<f64>().ok())
+        };
+        assert_eq!(share(&scrape(&state)), Some(0.0));
+        let label = state.view().settings().keys.gpu_model_label("Missing");
+        let mut pinned = pod("pinned").gpu_mem(4).build();
+        pinned.metadata.uid = Some("uid-pinned".to_owned());
+        pinned.spec.as_mut().unwrap().node_selector = Some([(label, "true".to_owned())].into());
+        state.view_mut().apply_pod(&pinned);
+        assert_eq!(share(&scrape(&state)), Some(1.0));
+    }
+
     #[test]
     fn a_gpu_pod_no_node_takes_is_counted_by_why_from_zero() {
         let state = split_node();
