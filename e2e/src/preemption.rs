@@ -141,10 +141,12 @@ async fn fill(h: &impl Harness, story: &str, node: &str, want: Want) -> anyhow::
                     gone.push(format!("{placed_name}: {said}"));
                 }
             }
+            let on_node = allocations_on(h, node).await;
             anyhow::bail!(
                 "{name} (4 GiB) landed on GPU {gpu} of {size} GiB, where this story's pods \
                  already held {} GiB: over-committed, or another story's pods were still \
-                 there; placed before it: {placed:?}; of those gone since: {gone:?}",
+                 there; placed before it: {placed:?}; of those gone since: {gone:?}; every \
+                 pod bound to {node} now: {on_node}",
                 *now - 4
             );
         }
@@ -214,6 +216,41 @@ async fn place(
     };
     ensure!(bound == node, "{name} bound elsewhere");
     Ok(allocation(&pods.get(name).await?)?.gpu_index)
+}
+
+/// Every pod bound to `node`, any namespace and phase, with its allocation's GPU and GiB, its
+/// phase, whether it is being deleted and its UID: what the API server shows when a fill pod
+/// lands where the story's count says there is no room.
+async fn allocations_on(h: &impl Harness, node: &str) -> String {
+    let all: Api<Pod> = Api::all(h.client());
+    let pods = match all.list(&Default::default()).await {
+        Ok(list) => list.items,
+        Err(error) => return format!("listing the pods failed: {error}"),
+    };
+    let bound_there = pods
+        .iter()
+        .filter(|pod| pod.spec.as_ref().and_then(|s| s.node_name.as_deref()) == Some(node));
+    let described: Vec<String> = bound_there
+        .map(|pod| {
+            let meta = &pod.metadata;
+            let held = allocation(pod).map_or("no allocation".to_owned(), |a| {
+                format!("GPU {} {} GiB", a.gpu_index, a.pod_gib)
+            });
+            let deleting = if meta.deletion_timestamp.is_some() {
+                ", deleting"
+            } else {
+                ""
+            };
+            format!(
+                "{}/{} ({held}, {}{deleting}, uid {})",
+                meta.namespace.as_deref().unwrap_or_default(),
+                meta.name.as_deref().unwrap_or_default(),
+                phase(pod),
+                meta.uid.as_deref().unwrap_or_default()
+            )
+        })
+        .collect();
+    described.join("; ")
 }
 
 /// The lines of the chart's kube-scheduler logs (`--v=2`: binds, failures, preemption
