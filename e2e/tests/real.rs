@@ -1897,10 +1897,7 @@ async fn the_idle_gpu_taint_is_lifted_while_pinned_pods_bring_the_demand(
     c: &KitCluster,
 ) -> anyhow::Result<()> {
     on_fake_nodes(c, fake_nodes("pin"), async {
-        let last = format!("pin-{}", FAKE_NODES - 1);
-        for node in ["pin-0", last.as_str()] {
-            wait_idle_gpu_taint(c, node, true).await?;
-        }
+        wait_idle_gpu_taint_on_all(c, "pin", true).await?;
         let share = || async {
             let metrics = metrics_at(&leader_metrics_address(c).await?).await?;
             let line = metric(&metrics, "gpushare_extender_pinned_demand_share ").next();
@@ -1923,13 +1920,11 @@ async fn the_idle_gpu_taint_is_lifted_while_pinned_pods_bring_the_demand(
             }
             pod
         };
-        let model_label = format!("{}Fake-Missing", keys.node_gpu_model_prefix);
+        let model_label = keys.gpu_model_label("Fake-Missing");
         for i in 0..24 {
             create_pod(c, job(format!("pin-job-{i}"), (&model_label, "true"))).await?;
         }
-        for node in (0..FAKE_NODES).map(|i| format!("pin-{i}")) {
-            wait_idle_gpu_taint(c, &node, false).await?;
-        }
+        wait_idle_gpu_taint_on_all(c, "pin", false).await?;
         let pinned = share().await?;
         ensure!(
             pinned >= 0.15,
@@ -1940,9 +1935,7 @@ async fn the_idle_gpu_taint_is_lifted_while_pinned_pods_bring_the_demand(
         for i in 0..320 {
             create_pod(c, job(format!("pin-plain-{i}"), ("elsewhere", "true"))).await?;
         }
-        for node in (0..FAKE_NODES).map(|i| format!("pin-{i}")) {
-            wait_idle_gpu_taint(c, &node, true).await?;
-        }
+        wait_idle_gpu_taint_on_all(c, "pin", true).await?;
         let after = share().await?;
         ensure!(
             after < 0.10,
@@ -1959,6 +1952,18 @@ async fn leader_metrics_address(c: &KitCluster) -> anyhow::Result<String> {
     Ok(gpushare_e2e::realk8s::latency::leader_monitor_addr(c)
         .await?
         .to_string())
+}
+
+/// [`wait_idle_gpu_taint`] on every fake node `<prefix>-0..`.
+async fn wait_idle_gpu_taint_on_all(
+    c: &KitCluster,
+    prefix: &str,
+    wanted: bool,
+) -> anyhow::Result<()> {
+    for node in (0..FAKE_NODES).map(|i| format!("{prefix}-{i}")) {
+        wait_idle_gpu_taint(c, &node, wanted).await?;
+    }
+    Ok(())
 }
 
 /// Whether pod `name` tolerates the idle-GPU taint (as admitted).

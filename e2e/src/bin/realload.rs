@@ -191,17 +191,18 @@ async fn run_mode(kit: &Kit, args: &Args, mode: Load) -> anyhow::Result<Vec<(f64
     let mut figures: Vec<(f64, f64)> = Vec::new();
     for round in 1..=args.rounds {
         if let Some((alone_in_install, drained)) = run_round(&cluster, args, mode, round).await? {
-            let alone = alone_without_chart
-                .get(round - 1)
-                .unwrap_or(&alone_in_install);
-            if alone_without_chart.len() >= round {
-                println!(
-                    "round {round}: against kube-scheduler alone without the chart: {:.2} ({:.1} / {:.1} pods/s)",
-                    drained.pods_per_s / alone.pods_per_s,
-                    drained.pods_per_s,
-                    alone.pods_per_s
-                );
-            }
+            let alone = match alone_without_chart.get(round - 1) {
+                Some(bare) => {
+                    println!(
+                        "round {round}: against kube-scheduler alone without the chart: {:.2} ({:.1} / {:.1} pods/s)",
+                        drained.pods_per_s / bare.pods_per_s,
+                        drained.pods_per_s,
+                        bare.pods_per_s
+                    );
+                    bare
+                }
+                None => &alone_in_install,
+            };
             print_bind_p50(round, &drained, alone);
             figures.push((alone.pods_per_s, drained.pods_per_s));
         }
